@@ -1,0 +1,64 @@
+// Bytes: a strong type for memory sizes, so budgets and buffer sizes never mix with counts.
+#pragma once
+
+#include <compare>
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <string_view>
+
+namespace oom {
+
+/// A byte count. Arithmetic with other Bytes and scaling by integers are allowed; mixing with a
+/// bare integer elsewhere is not (use `Bytes{n}` to say what the number is).
+class Bytes {
+ public:
+  constexpr Bytes() = default;
+  constexpr explicit Bytes(std::uint64_t count) : count_(count) {}
+
+  [[nodiscard]] constexpr std::uint64_t count() const { return count_; }
+  [[nodiscard]] constexpr double gib() const { return static_cast<double>(count_) / (1ull << 30); }
+  [[nodiscard]] constexpr double mib() const { return static_cast<double>(count_) / (1ull << 20); }
+
+  constexpr auto operator<=>(const Bytes&) const = default;
+
+  constexpr Bytes& operator+=(Bytes o) { count_ += o.count_; return *this; }
+  /// Subtraction below zero is a logic error in accounting; callers check with `<=` first.
+  constexpr Bytes& operator-=(Bytes o) { count_ -= o.count_; return *this; }
+  friend constexpr Bytes operator+(Bytes a, Bytes b) { return a += b; }
+  friend constexpr Bytes operator-(Bytes a, Bytes b) { return a -= b; }
+  friend constexpr Bytes operator*(Bytes a, std::uint64_t k) { return Bytes{a.count_ * k}; }
+  friend constexpr Bytes operator*(std::uint64_t k, Bytes a) { return Bytes{a.count_ * k}; }
+  friend constexpr Bytes operator/(Bytes a, std::uint64_t k) { return Bytes{a.count_ / k}; }
+  /// How many times `b` fits in `a` (a ratio, not a size).
+  friend constexpr std::uint64_t operator/(Bytes a, Bytes b) { return a.count_ / b.count_; }
+
+  /// Rounds up to a multiple of `alignment` (a power of two is not required).
+  [[nodiscard]] constexpr Bytes align_up(std::uint64_t alignment) const {
+    return Bytes{(count_ + alignment - 1) / alignment * alignment};
+  }
+
+ private:
+  std::uint64_t count_ = 0;
+};
+
+constexpr Bytes max(Bytes a, Bytes b) { return a < b ? b : a; }
+constexpr Bytes min(Bytes a, Bytes b) { return a < b ? a : b; }
+
+/// "0 B", "512 B", "1.50 KiB", "80.00 GiB", "1.00 TiB": binary units, two decimals above bytes.
+std::string to_string(Bytes b);
+std::ostream& operator<<(std::ostream& os, Bytes b);
+
+/// Parses "80GiB", "1.5 TiB", "4096", "512 MiB", "2GB" (decimal units: KB, MB, GB, TB).
+/// Throws oom::Error naming the text when it is not a size.
+Bytes parse_bytes(std::string_view text);
+
+inline namespace literals {
+constexpr Bytes operator""_B(unsigned long long n) { return Bytes{n}; }
+constexpr Bytes operator""_KiB(unsigned long long n) { return Bytes{n << 10}; }
+constexpr Bytes operator""_MiB(unsigned long long n) { return Bytes{n << 20}; }
+constexpr Bytes operator""_GiB(unsigned long long n) { return Bytes{n << 30}; }
+constexpr Bytes operator""_TiB(unsigned long long n) { return Bytes{n << 40}; }
+}  // namespace literals
+
+}  // namespace oom

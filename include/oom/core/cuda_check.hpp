@@ -1,0 +1,29 @@
+// Checked CUDA runtime and cuBLAS calls: a failure throws oom::Error with the call's text, the
+// library's error string, file and line. Needs the CUDA toolkit's headers (link oom::cuda).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include "oom/core/error.hpp"
+
+namespace oom::detail {
+[[noreturn]] void throw_cuda_error(cudaError_t status, const char* expr, const char* file, int line);
+[[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* expr, const char* file, int line);
+}  // namespace oom::detail
+
+#define OOM_CUDA_CHECK(expr)                                                                 \
+  do {                                                                                       \
+    const cudaError_t oom_status_ = (expr);                                                  \
+    if (oom_status_ != cudaSuccess) ::oom::detail::throw_cuda_error(oom_status_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+#define OOM_CUBLAS_CHECK(expr)                                                               \
+  do {                                                                                       \
+    const cublasStatus_t oom_status_ = (expr);                                               \
+    if (oom_status_ != CUBLAS_STATUS_SUCCESS)                                                \
+      ::oom::detail::throw_cublas_error(oom_status_, #expr, __FILE__, __LINE__);             \
+  } while (0)
+
+/// After a kernel launch: reports a bad launch configuration at the launch site.
+#define OOM_CUDA_CHECK_LAUNCH() OOM_CUDA_CHECK(cudaGetLastError())

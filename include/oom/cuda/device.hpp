@@ -1,0 +1,43 @@
+// GPU discovery and the pinned host<->device copy measurement (the first physical limit every
+// other figure is a ratio against). Declarations parse without CUDA headers; link oom::cuda.
+#pragma once
+
+#include <string>
+
+#include "oom/core/bytes.hpp"
+
+namespace oom::cuda {
+
+/// Number of usable GPUs; 0 (never an exception) when there is no driver or no device, so tests
+/// and programs can skip with a message instead of failing.
+int device_count() noexcept;
+
+/// Why device_count() is 0, in words ("no CUDA-capable device is detected", ...); empty when > 0.
+std::string no_device_reason();
+
+struct DeviceInfo {
+  int index = 0;
+  std::string name;
+  int sm_major = 0;
+  int sm_minor = 0;
+  int multiprocessors = 0;
+  Bytes total_memory;
+  Bytes free_memory;
+};
+DeviceInfo device_info(int device);
+
+struct CopyBandwidth {
+  double h2d_bytes_per_s = 0;     ///< pinned host -> device, alone
+  double d2h_bytes_per_s = 0;     ///< device -> pinned host, alone
+  double bidir_bytes_per_s = 0;   ///< both directions at once, bytes of both counted
+  double pageable_h2d_bytes_per_s = 0;
+  Bytes transfer;                 ///< bytes per copy
+  int repeats = 0;
+  bool verified = false;          ///< the bytes that came back equal the bytes sent
+};
+
+/// Copies `size` bytes between a pinned host buffer and `device` `repeats` times per direction on
+/// separate streams, timed with CUDA events after one warm-up, and checks the round trip.
+CopyBandwidth measure_copy_bandwidth(int device, Bytes size, int repeats);
+
+}  // namespace oom::cuda

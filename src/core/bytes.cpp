@@ -1,0 +1,121 @@
+// Formatting and parsing of Bytes, DType and MemorySpace.
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <ostream>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "oom/core/bytes.hpp"
+#include "oom/core/dtype.hpp"
+#include "oom/core/error.hpp"
+#include "oom/core/memory_space.hpp"
+
+namespace oom {
+
+std::string to_string(Bytes b) {
+  static constexpr const char* units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+  const std::uint64_t n = b.count();
+  if (n < 1024) return fmt::format("{} B", n);
+  double v = static_cast<double>(n) / 1024.0;
+  int unit = 0;
+  while (v >= 1024.0 && unit < 4) {
+    v /= 1024.0;
+    ++unit;
+  }
+  return fmt::format("{:.2f} {}", v, units[unit]);
+}
+
+std::ostream& operator<<(std::ostream& os, Bytes b) { return os << to_string(b); }
+
+Bytes parse_bytes(std::string_view text) {
+  auto fail = [&](const char* why) {
+    OOM_THROW(Errc::parse, fmt::format("'{}' is not a byte size ({}); write e.g. 80GiB, 512MiB, 1.5TiB or 4096",
+                                       text, why));
+  };
+  std::string_view s = text;
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  if (s.empty()) fail("empty");
+  std::size_t num_end = 0;
+  while (num_end < s.size() && (std::isdigit(static_cast<unsigned char>(s[num_end])) || s[num_end] == '.'))
+    ++num_end;
+  if (num_end == 0) fail("no number");
+  double value = 0;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + num_end, value);
+  if (ec != std::errc{} || ptr != s.data() + num_end) fail("bad number");
+  std::string unit;
+  for (char c : s.substr(num_end))
+    if (!std::isspace(static_cast<unsigned char>(c))) unit += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  double scale = 0;
+  if (unit.empty() || unit == "b") scale = 1;
+  else if (unit == "kib" || unit == "k") scale = 0x1p10;
+  else if (unit == "mib" || unit == "m") scale = 0x1p20;
+  else if (unit == "gib" || unit == "g") scale = 0x1p30;
+  else if (unit == "tib" || unit == "t") scale = 0x1p40;
+  else if (unit == "kb") scale = 1e3;
+  else if (unit == "mb") scale = 1e6;
+  else if (unit == "gb") scale = 1e9;
+  else if (unit == "tb") scale = 1e12;
+  else fail("unknown unit");
+  const double bytes = value * scale;
+  if (!(bytes < 0x1p64)) fail("too large");
+  if (bytes != std::floor(bytes)) fail("not a whole number of bytes");
+  return Bytes{static_cast<std::uint64_t>(bytes)};
+}
+
+std::string_view name(DType t) {
+  switch (t) {
+    case DType::bf16: return "bf16";
+    case DType::fp16: return "fp16";
+    case DType::fp32: return "fp32";
+    case DType::fp64: return "fp64";
+    case DType::fp8_e4m3: return "fp8_e4m3";
+    case DType::fp8_e5m2: return "fp8_e5m2";
+    case DType::int32: return "int32";
+    case DType::int64: return "int64";
+    case DType::uint8: return "uint8";
+    case DType::uint16: return "uint16";
+    case DType::uint32: return "uint32";
+  }
+  return "?";
+}
+
+DType parse_dtype(std::string_view text) {
+  struct Spelling {
+    std::string_view text;
+    DType type;
+  };
+  static constexpr Spelling spellings[] = {
+      {"bf16", DType::bf16},         {"BF16", DType::bf16},         {"bfloat16", DType::bf16},
+      {"fp16", DType::fp16},         {"F16", DType::fp16},          {"float16", DType::fp16},
+      {"fp32", DType::fp32},         {"F32", DType::fp32},          {"float32", DType::fp32},
+      {"fp64", DType::fp64},         {"F64", DType::fp64},          {"float64", DType::fp64},
+      {"fp8_e4m3", DType::fp8_e4m3}, {"F8_E4M3", DType::fp8_e4m3}, {"fp8_e5m2", DType::fp8_e5m2},
+      {"F8_E5M2", DType::fp8_e5m2},  {"int32", DType::int32},       {"I32", DType::int32},
+      {"int64", DType::int64},       {"I64", DType::int64},         {"uint8", DType::uint8},
+      {"U8", DType::uint8},          {"uint16", DType::uint16},     {"U16", DType::uint16},
+      {"uint32", DType::uint32},     {"U32", DType::uint32},
+  };
+  for (const auto& s : spellings)
+    if (s.text == text) return s.type;
+  OOM_THROW(Errc::parse, fmt::format("unknown dtype '{}' (expected bf16, fp16, fp32, fp64, fp8_e4m3, fp8_e5m2, "
+                                     "int32, int64, uint8, uint16 or uint32)",
+                                     text));
+}
+
+std::ostream& operator<<(std::ostream& os, DType t) { return os << name(t); }
+
+std::string to_string(MemorySpace s) {
+  switch (s.kind) {
+    case MemorySpace::Kind::device: return fmt::format("cuda:{}", s.device_index);
+    case MemorySpace::Kind::pinned_host: return "pinned";
+    case MemorySpace::Kind::pageable_host: return "pageable";
+  }
+  return "?";
+}
+
+std::ostream& operator<<(std::ostream& os, MemorySpace s) { return os << to_string(s); }
+
+}  // namespace oom

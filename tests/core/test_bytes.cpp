@@ -1,0 +1,66 @@
+// Bytes: arithmetic, readable formatting and parsing of the sizes users type on command lines.
+#include <doctest/doctest.h>
+
+#include <sstream>
+
+#include "oom/core/bytes.hpp"
+#include "oom/core/error.hpp"
+#include "oom/core/log.hpp"
+
+using namespace oom;
+using namespace oom::literals;
+
+TEST_CASE("Bytes formats with binary units and two decimals") {
+  CHECK(to_string(0_B) == "0 B");
+  CHECK(to_string(1023_B) == "1023 B");
+  CHECK(to_string(1_KiB) == "1.00 KiB");
+  CHECK(to_string(Bytes{1536}) == "1.50 KiB");
+  CHECK(to_string(80_GiB) == "80.00 GiB");
+  CHECK(to_string(1_TiB) == "1.00 TiB");
+  CHECK(to_string(3_TiB + 512_GiB) == "3.50 TiB");
+  std::ostringstream os;
+  os << 512_MiB;
+  CHECK(os.str() == "512.00 MiB");
+  CHECK(fmt::format("{}", 2_GiB) == "2.00 GiB");
+  CHECK(fmt::format("[{:>10}]", 1_KiB) == "[  1.00 KiB]");
+}
+
+TEST_CASE("Bytes arithmetic and ordering") {
+  CHECK(1_KiB + 1_KiB == 2_KiB);
+  CHECK(3_GiB - 1_GiB == 2_GiB);
+  CHECK(1_MiB * 3 == 3_MiB);
+  CHECK(4 * 1_MiB == 4_MiB);
+  CHECK(1_GiB / 4 == 256_MiB);
+  CHECK(1_GiB / 1_MiB == 1024u);
+  CHECK(1_MiB < 1_GiB);
+  CHECK(max(1_MiB, 1_GiB) == 1_GiB);
+  CHECK(min(1_MiB, 1_GiB) == 1_MiB);
+  CHECK(Bytes{1000}.align_up(256) == Bytes{1024});
+  CHECK(Bytes{1024}.align_up(256) == Bytes{1024});
+  CHECK(Bytes{0}.align_up(256) == Bytes{0});
+  CHECK((1_GiB).gib() == doctest::Approx(1.0));
+}
+
+TEST_CASE("parse_bytes accepts binary and decimal units") {
+  CHECK(parse_bytes("80GiB") == 80_GiB);
+  CHECK(parse_bytes("80 GiB") == 80_GiB);
+  CHECK(parse_bytes("1TiB") == 1_TiB);
+  CHECK(parse_bytes("1.5TiB") == 1_TiB + 512_GiB);
+  CHECK(parse_bytes("4096") == 4_KiB);
+  CHECK(parse_bytes("2GB") == Bytes{2'000'000'000});
+  CHECK(parse_bytes("512m") == 512_MiB);
+  CHECK(parse_bytes(" 24 gib ") == 24_GiB);
+}
+
+TEST_CASE("parse_bytes rejects what is not a size, naming the text") {
+  for (const char* bad : {"", "GiB", "12 parsecs", "1.5", "-3GiB", "1e99TiB", "8..1GiB"}) {
+    CAPTURE(bad);
+    try {
+      (void)parse_bytes(bad);
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::parse);
+      CHECK(std::string(e.what()).find(std::string("'") + bad + "'") != std::string::npos);
+    }
+  }
+}
