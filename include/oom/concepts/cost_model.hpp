@@ -1,0 +1,86 @@
+// cost_model: predicts each operation's time on each resource of the machine (GPU compute, the two
+// PCIe directions, the CPU pool, the network), from constants measured on that machine.
+#pragma once
+
+#include <array>
+#include <concepts>
+#include <cstdint>
+
+#include "oom/core/bytes.hpp"
+#include "oom/core/dtype.hpp"
+
+namespace oom {
+
+enum class Resource : unsigned char { gpu_compute, h2d, d2h, cpu, network };
+inline constexpr int resource_count = 5;
+
+const char* to_string(Resource r) noexcept;
+
+/// Seconds an operation occupies each resource. Resources run concurrently, so an operation
+/// alone takes the maximum; the simulator overlaps operations on different resources.
+struct ResourceTimes {
+  std::array<double, resource_count> seconds{};
+
+  [[nodiscard]] constexpr double& operator[](Resource r) { return seconds[static_cast<std::size_t>(r)]; }
+  [[nodiscard]] constexpr double operator[](Resource r) const { return seconds[static_cast<std::size_t>(r)]; }
+  [[nodiscard]] constexpr double longest() const {
+    double m = 0;
+    for (double s : seconds) m = s > m ? s : m;
+    return m;
+  }
+  friend constexpr bool operator==(const ResourceTimes&, const ResourceTimes&) = default;
+};
+
+enum class OpKind : unsigned char {
+  gemm,                ///< m×n×k (× batch) matrix product
+  attention_forward,   ///< causal attention over `m` query tokens, `n` keys, `k` head dim, `batch` heads
+  attention_backward,
+  memory_bound,        ///< an elementwise / reduction kernel moving `bytes` through HBM
+  copy_h2d,            ///< `bytes` host -> device
+  copy_d2h,            ///< `bytes` device -> host
+  cpu_optimizer,       ///< CPU AdamW over `elements` parameters
+  gpu_optimizer,       ///< GPU AdamW over `elements` parameters
+  all_to_all,          ///< `bytes` per GPU
+  all_reduce,          ///< `bytes` per GPU
+};
+
+struct Operation {
+  OpKind kind = OpKind::gemm;
+  std::uint64_t m = 0, n = 0, k = 0, batch = 1;
+  std::uint64_t elements = 0;
+  Bytes bytes;
+  DType dtype = DType::bf16;
+
+  /// FLOPs of a gemm or attention op, 2 per multiply-add; 0 for others. Attention forward is
+  /// two products (QK^T and PV), 4·m·n·k per head, of which causal masking computes half; its
+  /// backward does 2.5 times the forward's work (the usual 3.5× for forward plus backward).
+  [[nodiscard]] constexpr double flops() const {
+    switch (kind) {
+      case OpKind::gemm: return 2.0 * static_cast<double>(m) * n * k * batch;
+      case OpKind::attention_forward: return 0.5 * 4.0 * static_cast<double>(m) * n * k * batch;
+      case OpKind::attention_backward: return 2.5 * 0.5 * 4.0 * static_cast<double>(m) * n * k * batch;
+      default: return 0;
+    }
+  }
+};
+
+/// Requirements, for `const M& model` and `const Operation& op`:
+///   1. `model.predict(op)` returns ResourceTimes: non-negative, and zero on resources the op
+///      does not use (a copy_h2d uses only h2d);
+///   2. monotone: more work (larger m, n, k, batch, elements or bytes) never predicts less time;
+///   3. deterministic (the planner compares thousands of candidates by it).
+///
+/// **Customization**
+/// @code
+///   struct Roofline {  // two numbers, for a quick estimate
+///     double flops_per_s, pcie_bytes_per_s;
+///     oom::ResourceTimes predict(const oom::Operation& op) const;
+///   };
+/// @endcode
+/// @see tests/concepts/test_policies.cpp
+template <class M>
+concept cost_model = requires(const M& model, const Operation& op) {
+  { model.predict(op) } -> std::same_as<ResourceTimes>;
+};
+
+}  // namespace oom

@@ -1,0 +1,58 @@
+// What a layer is asked to do in one step (the workload) and what that costs it (LayerCost): the
+// description a layer gives the planner, by activation class, so retention can be chosen per class.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "oom/core/bytes.hpp"
+
+namespace oom {
+
+/// One micro-batch: `sequences` sequences of `seq_len` tokens each.
+struct Workload {
+  std::uint64_t sequences = 1;
+  std::uint64_t seq_len = 0;
+
+  [[nodiscard]] constexpr std::uint64_t tokens() const { return sequences * seq_len; }
+  friend constexpr bool operator==(const Workload&, const Workload&) = default;
+};
+
+/// Kinds of saved activations a retention policy decides about, one decision per class per layer.
+enum class ActivationClass : unsigned char {
+  layer_boundary,       ///< the layer's input (hidden states): the recompute boundary
+  norm_output,          ///< normalised inputs feeding projections
+  attention_output,     ///< attention context before the output projection
+  softmax_stats,        ///< per-row log-sum-exp of flash attention (small, O(seq))
+  linear_attention_state,  ///< chunk states of a linear-attention scan
+  router_output,        ///< routing weights and chosen experts per token
+  permuted_tokens,      ///< tokens gathered in expert order
+  expert_intermediate,  ///< expert MLP activations (gate/up outputs)
+  other,
+};
+inline constexpr int activation_class_count = 9;
+
+const char* to_string(ActivationClass c) noexcept;
+
+struct ActivationCost {
+  ActivationClass cls = ActivationClass::other;
+  Bytes bytes;                  ///< saved for the backward pass by one forward over the workload
+  double recompute_flops = 0;   ///< to regenerate it from the layer's boundary
+  friend bool operator==(const ActivationCost&, const ActivationCost&) = default;
+};
+
+struct LayerCost {
+  double forward_flops = 0;
+  double backward_flops = 0;
+  std::vector<ActivationCost> activations;  ///< what backward needs, by class
+  Bytes workset;                            ///< temporaries live while the layer runs unchunked
+  Bytes output;                             ///< the boundary it hands to the next layer
+
+  [[nodiscard]] Bytes activation_bytes() const {
+    Bytes total;
+    for (const auto& a : activations) total += a.bytes;
+    return total;
+  }
+};
+
+}  // namespace oom

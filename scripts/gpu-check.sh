@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# On the GPU machine: build for sm_90, run the `gpu` tests and the benchmarks, print a short
+# table last. Logs go to <build>/gpu-logs; when $OUT is set (the device tool's return folder, at
+# most 8 files) they come back as one archive, $OUT/gpu-logs.tgz, beside $OUT/summary.txt.
+#   bash scripts/gpu-check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${BUILD_DIR:-build-gpu}
+out="$build_dir/gpu-logs"
+rm -rf "$out"
+mkdir -p "$out"
+jobs=${JOBS:-$(nproc)}
+export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared machines
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nvcc --version | tail -1
+} > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOOM_ENABLE_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+cmake --build "$build_dir" -j "$jobs" > "$out/build.log" 2>&1 || { grep -E -A5 'error|FAILED' "$out/build.log" | head -60; exit 1; }
+
+ctest --test-dir "$build_dir" -L gpu --output-on-failure -V > "$out/gpu-tests.log" 2>&1
+gpu_rc=$?
+ctest --test-dir "$build_dir" -LE gpu --output-on-failure > "$out/host-tests.log" 2>&1
+host_rc=$?
+
+bench_rc=0
+for b in "$build_dir"/bench/micro/bench_*; do
+  [[ -x "$b" ]] || continue
+  name=$(basename "$b")
+  "$b" --benchmark_format=console --benchmark_out="$out/$name.json" --benchmark_out_format=json \
+    > "$out/$name.log" 2>&1 || bench_rc=1
+done
+
+python3 - "$out" > "$out/summary.txt" <<'PY'
+import json, os, re, sys
+out = sys.argv[1]
+rows = []
+log = open(os.path.join(out, "gpu-tests.log")).read()
+m = re.search(r"pinned H2D ([\d.]+) GB/s, D2H ([\d.]+) GB/s, both at once ([\d.]+) GB/s, pageable H2D ([\d.]+) GB/s", log)
+if m:
+    h2d, d2h, both, pageable = map(float, m.groups())
+    rows += [("pinned H2D", f"{h2d:.1f} GB/s", "PCIe Gen5 x16 ~64 GB/s raw"),
+             ("pinned D2H", f"{d2h:.1f} GB/s", f"{d2h/h2d:.2f}x H2D"),
+             ("both directions", f"{both:.1f} GB/s", f"{both/(h2d+d2h):.2f}x of H2D+D2H"),
+             ("pageable H2D", f"{pageable:.1f} GB/s", f"{pageable/h2d:.2f}x pinned")]
+for name in sorted(os.listdir(out)):
+    if not name.endswith(".json"):
+        continue
+    try:
+        data = json.load(open(os.path.join(out, name)))
+    except Exception:
+        continue
+    for b in data.get("benchmarks", []):
+        extra = {k: v for k, v in b.items() if k.endswith("GBps") or k in ("bytes_per_second", "items_per_second")}
+        desc = ", ".join(f"{k}={v/1e9:.2f}G" if v > 1e6 else f"{k}={v:.2f}" for k, v in extra.items())
+        rows.append((b["name"], f"{b.get('real_time', 0):.3g} {b.get('time_unit', '')}", desc))
+tests = re.findall(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", log)
+print("\n==== OOM GPU check ====")
+if tests:
+    print(f"gpu tests: {tests[-1][2]} run, {tests[-1][1]} failed")
+w = max([len(r[0]) for r in rows] + [10])
+for r in rows:
+    print(f"{r[0]:<{w}}  {r[1]:>14}  {r[2]}")
+PY
+cat "$out/summary.txt"
+if [[ -n "${OUT:-}" ]]; then
+  cp "$out/summary.txt" "$OUT/summary.txt"
+  tar czf "$OUT/gpu-logs.tgz" -C "$build_dir" gpu-logs
+fi
+echo "exit codes: gpu tests $gpu_rc, host tests $host_rc, benchmarks $bench_rc"
+exit $(( gpu_rc || host_rc || bench_rc ))
