@@ -26,18 +26,9 @@ if(NOT _oom_cuda_mode STREQUAL "OFF")
 endif()
 
 if(OOM_HAS_CUDA)
-  # CMake 3.25 does not know cuda_std_20 for nvcc 13: asking for C++20 there either fails at
-  # generation (a cxx_std_20 feature reaches .cu targets) or silently compiles .cu files as C++17.
-  # Teach it the flag, the way CMake's own compiler modules do for versions it knows.
-  if(NOT "cuda_std_20" IN_LIST CMAKE_CUDA_COMPILE_FEATURES)
-    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
-    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
-    list(APPEND CMAKE_CUDA_COMPILE_FEATURES cuda_std_20)
-    list(APPEND CMAKE_CUDA20_COMPILE_FEATURES cuda_std_20)
-  endif()
+  include(OomCudaStd)
   if(NOT CMAKE_CUDA_STANDARD)
     set(CMAKE_CUDA_STANDARD 20)
   endif()
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
-  set(OOM_CUDA_STD_FLAG "")
 endif()

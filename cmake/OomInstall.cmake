@@ -16,9 +16,12 @@ configure_package_config_file("${PROJECT_SOURCE_DIR}/cmake/oomConfig.cmake.in"
   INSTALL_DESTINATION ${OOM_CMAKE_DIR})
 write_basic_package_version_file("${PROJECT_BINARY_DIR}/oomConfigVersion.cmake"
   COMPATIBILITY SameMinorVersion)
-configure_file("${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake" "${PROJECT_BINARY_DIR}/FindNCCL.cmake" COPYONLY)
+foreach(_module FindNCCL.cmake OomCudaStd.cmake)  # the build-tree package needs them beside it too
+  configure_file("${PROJECT_SOURCE_DIR}/cmake/${_module}" "${PROJECT_BINARY_DIR}/${_module}" COPYONLY)
+endforeach()
 install(FILES
   "${PROJECT_BINARY_DIR}/oomConfig.cmake"
   "${PROJECT_BINARY_DIR}/oomConfigVersion.cmake"
   "${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake"
+  "${PROJECT_SOURCE_DIR}/cmake/OomCudaStd.cmake"
   DESTINATION ${OOM_CMAKE_DIR})

@@ -5,6 +5,7 @@
 #include <oom/oom.hpp>
 #if OOM_CONSUMER_CUDA
 #include <oom/cuda/device.hpp>
+int consumer_kernel_launches();  // consumer_kernel.cu
 #endif
 
 int main() {
@@ -18,6 +19,7 @@ int main() {
   }
 #if OOM_CONSUMER_CUDA
   std::printf("GPUs visible: %d\n", oom::cuda::device_count());
+  if (consumer_kernel_launches() != 1) return 3;
 #endif
   oom::log_info("budget {}", budget);
   std::printf("oom consumer ok\n");
