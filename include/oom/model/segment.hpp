@@ -31,6 +31,12 @@ const char* to_string(SegmentRole r) noexcept;
 struct TensorSpec {
   std::string name;                  ///< Hugging Face parameter name, e.g. "model.layers.0.mlp.gate.weight"
   std::vector<std::uint64_t> shape;  ///< row-major, as in the checkpoint
+  /// Some checkpoints pack all experts of a layer into one tensor (Qwen3.5-MoE:
+  /// `mlp.experts.gate_up_proj` of shape [experts, 2*inter, hidden]). Each expert is still its own
+  /// segment, so its tensor is then slice `stacked_index` (along dim 0) of the checkpoint tensor
+  /// `name`, whose full shape is [stacked_count, shape...]. -1 when the tensor is stored on its own.
+  std::int64_t stacked_index = -1;
+  std::uint64_t stacked_count = 0;
 
   [[nodiscard]] std::uint64_t elements() const {
     std::uint64_t n = 1;

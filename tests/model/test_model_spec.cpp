@@ -1,0 +1,293 @@
+// ModelSpec from the shipped config.json files: parameter counts against hand-derived exact values
+// and published figures, segment names/shapes as transformers checkpoints have them, byte
+// accounting, and config errors that name the file and the field.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
+#include "oom/model/model_spec.hpp"
+
+using namespace oom;
+
+namespace {
+
+std::string config_path(const std::string& name) { return std::string(OOM_SOURCE_DIR) + "/examples/configs/" + name; }
+ModelSpec load(const std::string& name) { return ModelSpec::from_file(config_path(name)); }
+
+const StateSegment& segment(const ModelSpec& m, const std::string& name) {
+  for (const auto& s : m.segments())
+    if (s.name == name) return s;
+  FAIL("no segment " << name);
+  throw;
+}
+
+const TensorSpec& tensor(const ModelSpec& m, const std::string& name) {
+  for (const auto& s : m.segments())
+    for (const auto& t : s.tensors)
+      if (t.name == name) return t;
+  FAIL("no tensor " << name);
+  throw;
+}
+
+using Shape = std::vector<std::uint64_t>;
+
+/// Relative distance of `n` from `published`.
+double off(std::uint64_t n, double published) { return std::abs(static_cast<double>(n) - published) / published; }
+
+}  // namespace
+
+// Exact counts were derived by hand from each architecture (comments show the arithmetic); where a
+// widely quoted exact figure exists (Mixtral 46,702,792,704 / 12,879,925,248; Qwen3-30B-A3B
+// 30,532,122,624; OLMoE 6,919,161,856) it agrees. Published totals are checked within 1%.
+TEST_CASE("Qwen3-30B-A3B: 30.5B total, 3.3B active") {
+  const ModelSpec m = load("qwen3-30b-a3b.json");
+  CHECK(m.family() == ModelFamily::qwen3_moe);
+  // embed+head 2*151936*2048; per layer: attn 18,874,368 + q/k norm 256 + norms 4096 + router 262,144
+  // + 128 experts * 4,718,592; final norm 2048.
+  CHECK(m.total_parameters() == 30'532'122'624ULL);
+  CHECK(m.active_parameters() == 3'353'032'704ULL);
+  CHECK(off(m.total_parameters(), 30.5e9) < 0.01);
+  // Published "3.3B" is 3.353B cut to one decimal (1.6% off): it lies in [3.3B, 3.4B).
+  CHECK(m.active_parameters() >= 3'300'000'000ULL);
+  CHECK(m.active_parameters() < 3'400'000'000ULL);
+  CHECK(m.attention() == FullAttentionShape{32, 4, 128, false, true, false, false});
+  CHECK(m.moe() == MoeShape{128, 8, 768, 0, true});
+  CHECK(m.rope_theta() == 1e6);
+  CHECK(m.rms_norm_eps() == 1e-6);
+  CHECK_FALSE(m.tied_embeddings());
+}
+
+TEST_CASE("OLMoE-1B-7B: 6.9B total, 1.3B active, q/k norm over the full width") {
+  const ModelSpec m = load("olmoe-1b-7b-0924.json");
+  CHECK(m.family() == ModelFamily::olmoe);
+  CHECK(m.total_parameters() == 6'919'161'856ULL);
+  CHECK(m.active_parameters() == 1'282'017'280ULL);
+  CHECK(off(m.total_parameters(), 6.9e9) < 0.01);
+  CHECK(off(m.active_parameters(), 1.3e9) < 0.05 / 1.3);  // published to one decimal
+  CHECK(tensor(m, "model.layers.0.self_attn.q_norm.weight").shape == Shape{2048});
+  CHECK(tensor(m, "model.layers.0.self_attn.k_norm.weight").shape == Shape{2048});
+  CHECK(m.attention().head_dim == 128);
+  CHECK_FALSE(m.moe().norm_topk_prob);
+  CHECK(m.rms_norm_eps() == 1e-5);
+}
+
+TEST_CASE("Mixtral-8x7B: 46.7B total, 12.9B active") {
+  const ModelSpec m = load("mixtral-8x7b-v0.1.json");
+  CHECK(m.total_parameters() == 46'702'792'704ULL);
+  CHECK(m.active_parameters() == 12'879'925'248ULL);
+  CHECK(off(m.total_parameters(), 46.7e9) < 0.01);
+  CHECK(off(m.active_parameters(), 12.9e9) < 0.01);
+  CHECK(tensor(m, "model.layers.31.block_sparse_moe.experts.7.w2.weight").shape == Shape{4096, 14336});
+  CHECK(tensor(m, "model.layers.0.block_sparse_moe.gate.weight").shape == Shape{8, 4096});
+  CHECK_FALSE(m.attention().qk_norm);
+  CHECK(segment(m, "layers.0.attention").tensors.size() == 4);
+}
+
+TEST_CASE("Qwen3-Next-80B-A3B: hybrid 3 DeltaNet : 1 gated attention, shared expert") {
+  const ModelSpec m = load("qwen3-next-80b-a3b.json");
+  CHECK(m.family() == ModelFamily::qwen3_next);
+  CHECK(m.total_parameters() == 79'674'391'296ULL);
+  CHECK(off(m.total_parameters(), 80e9) < 0.01);
+  // "A3B" is a nominal label: under the convention above a token touches 3.87B (3.25B without the
+  // embedding table and LM head).
+  CHECK(m.active_parameters() == 3'874'929'408ULL);
+  int full = 0;
+  for (const auto& L : m.layers()) full += L.attention == AttentionKind::full;
+  CHECK(full == 12);
+  CHECK(m.layer(3).attention == AttentionKind::full);
+  CHECK(m.layer(0).attention == AttentionKind::linear);
+  CHECK(m.linear_attention() == LinearAttentionShape{16, 32, 128, 128, 4});
+  CHECK(m.partial_rotary_factor() == 0.25);
+  CHECK(m.rope_theta() == 1e7);
+  CHECK(m.attention().output_gate);
+  CHECK(tensor(m, "model.layers.3.self_attn.q_proj.weight").shape == Shape{8192, 2048});
+  CHECK(tensor(m, "model.layers.3.self_attn.q_norm.weight").shape == Shape{256});
+  CHECK(tensor(m, "model.layers.0.linear_attn.in_proj_qkvz.weight").shape == Shape{12288, 2048});
+  CHECK(tensor(m, "model.layers.0.linear_attn.in_proj_ba.weight").shape == Shape{64, 2048});
+  CHECK(tensor(m, "model.layers.0.linear_attn.conv1d.weight").shape == Shape{8192, 1, 4});
+  CHECK(tensor(m, "model.layers.0.linear_attn.A_log").shape == Shape{32});
+  CHECK(tensor(m, "model.layers.0.linear_attn.norm.weight").shape == Shape{128});
+  CHECK(tensor(m, "model.layers.0.linear_attn.out_proj.weight").shape == Shape{2048, 4096});
+  CHECK(tensor(m, "model.layers.5.mlp.shared_expert_gate.weight").shape == Shape{1, 2048});
+  CHECK(tensor(m, "model.layers.5.mlp.experts.511.up_proj.weight").shape == Shape{512, 2048});
+  CHECK(m.moe() == MoeShape{512, 10, 512, 512, true});
+}
+
+TEST_CASE("Qwen3.5-MoE reads text_config; experts are slices of packed checkpoint tensors") {
+  const ModelSpec m = load("qwen3.5-35b-a3b.json");
+  CHECK(m.family() == ModelFamily::qwen3_5_moe);
+  CHECK(m.total_parameters() == 34'660'610'688ULL);
+  CHECK(off(m.total_parameters(), 35e9) < 0.01);
+  CHECK(m.active_parameters() == 3'454'988'928ULL);  // "A3B" nominal; 2.95B without the embedding table
+  CHECK(m.num_layers() == 40);
+  CHECK(m.rope_theta() == 1e7);
+  CHECK(m.partial_rotary_factor() == 0.25);
+  CHECK(tensor(m, "model.language_model.embed_tokens.weight").shape == Shape{248320, 2048});
+  CHECK(tensor(m, "model.language_model.layers.0.linear_attn.in_proj_qkv.weight").shape == Shape{8192, 2048});
+  CHECK(tensor(m, "model.language_model.layers.0.linear_attn.in_proj_z.weight").shape == Shape{4096, 2048});
+  CHECK(tensor(m, "model.language_model.layers.0.linear_attn.in_proj_b.weight").shape == Shape{32, 2048});
+  const auto& e7 = segment(m, "layers.2.experts.7");
+  REQUIRE(e7.tensors.size() == 2);
+  CHECK(e7.tensors[0].name == "model.language_model.layers.2.mlp.experts.gate_up_proj");
+  CHECK(e7.tensors[0].shape == Shape{1024, 2048});
+  CHECK(e7.tensors[0].stacked_index == 7);
+  CHECK(e7.tensors[0].stacked_count == 256);
+  CHECK(e7.tensors[1].shape == Shape{2048, 512});
+  CHECK(e7.expert == 7);
+
+  const ModelSpec big = load("qwen3.5-122b-a10b.json");
+  CHECK(big.total_parameters() == 122'111'526'912ULL);
+  CHECK(off(big.total_parameters(), 122e9) < 0.01);
+  CHECK(big.active_parameters() == 9'771'288'576ULL);
+  CHECK(off(big.active_parameters(), 10e9) < 0.05);  // "A10B" nominal, published without decimals
+  CHECK(big.linear_attention().value_heads == 64);
+}
+
+TEST_CASE("the 5.13B configuration has exactly 5,132,851,200 parameters") {
+  const ModelSpec m = load("moe-5b.json");
+  CHECK(m.total_parameters() == 5'132'851'200ULL);
+  // 301,012,992 non-expert + 16 layers * 8 experts * 4,718,592.
+  CHECK(m.active_parameters() == 904'992'768ULL);
+  // 16 layers * (1 attention + 1 norms + 1 router + 64 experts) + embedding + final norm + lm_head.
+  CHECK(m.segments().size() == 16 * 67 + 3);
+  CHECK(m.layer_segments(15).size() == 67);
+  CHECK(m.layer_segments(15).front().name == "layers.15.attention");
+  CHECK(m.layer_segments(15).back().name == "layers.15.experts.63");
+  CHECK(m.segments().front().role == SegmentRole::embedding);
+  CHECK(m.segments().back().role == SegmentRole::lm_head);
+  CHECK_THROWS_AS((void)m.layer_segments(16), Error);
+}
+
+TEST_CASE("tiny-moe: the CPU demo model") {
+  const ModelSpec m = load("tiny-moe.json");
+  CHECK(m.total_parameters() == 3'942'912ULL);
+  CHECK(m.active_parameters() == 1'583'616ULL);
+  CHECK(m.embedding_parameters() == 256 * 256);
+  CHECK(tensor(m, "model.layers.3.mlp.experts.7.gate_proj.weight").shape == Shape{128, 256});
+  CHECK(tensor(m, "model.layers.3.self_attn.k_proj.weight").shape == Shape{64, 256});
+}
+
+TEST_CASE("state bytes are parameters times the dtype sizes of each copy") {
+  const ModelSpec m = load("moe-5b.json");
+  const std::uint64_t n = m.total_parameters();
+  const SegmentBytes b = m.state_bytes();  // bf16 weights, fp32 master, fp32 m and v, fp32 grads
+  CHECK(b.weights == Bytes{2 * n});
+  CHECK(b.master == Bytes{4 * n});
+  CHECK(b.moments == Bytes{8 * n});
+  CHECK(b.grads == Bytes{4 * n});
+  CHECK(b.total() == Bytes{18 * n});
+  StatePrecision lean;
+  lean.moments = DType::bf16;
+  lean.grads = DType::bf16;
+  CHECK(m.state_bytes(lean).total() == Bytes{(2 + 4 + 4 + 2) * n});
+  const auto& expert = segment(m, "layers.0.experts.0");
+  CHECK(expert.parameters() == 3ULL * 2048 * 768);
+  CHECK(segment_bytes(expert, {}).weights == Bytes{2ULL * 3 * 2048 * 768});
+}
+
+namespace {
+Json tiny_json() { return read_json_file(config_path("tiny-moe.json")); }
+
+/// The message of the error reading `config` raises; empty when it reads.
+std::string config_error(const Json& config) {
+  try {
+    (void)ModelSpec::from_json(config, "my/config.json");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::parse);
+    return e.message();
+  }
+  return {};
+}
+
+std::string with(const char* key, Json value) {
+  Json j = tiny_json();
+  j.set(key, std::move(value));
+  return config_error(j);
+}
+}  // namespace
+
+TEST_CASE("tied embeddings drop lm_head; dense layers follow mlp_only_layers and decoder_sparse_step") {
+  Json j = tiny_json();
+  j.set("tie_word_embeddings", true);
+  const ModelSpec tied = ModelSpec::from_json(j);
+  CHECK(tied.total_parameters() == 3'942'912ULL - 256 * 256);
+  CHECK(tied.segments().back().role == SegmentRole::final_norm);
+
+  j = tiny_json();
+  j.set("mlp_only_layers", Json::parse("[1]"));
+  const ModelSpec dense1 = ModelSpec::from_json(j);
+  CHECK_FALSE(dense1.layer(1).moe);
+  CHECK(dense1.layer(0).moe);
+  const auto seg1 = dense1.layer_segments(1);
+  REQUIRE(seg1.size() == 3);
+  CHECK(seg1[2].role == SegmentRole::dense_mlp);
+  CHECK(seg1[2].tensors[0].name == "model.layers.1.mlp.gate_proj.weight");
+  CHECK(seg1[2].tensors[0].shape == Shape{512, 256});
+  // One MoE layer (8 experts * 98,304 + router 2048) became a dense MLP of 3 * 256 * 512.
+  CHECK(dense1.total_parameters() == 3'942'912ULL - 8 * 98'304 - 2048 + 3 * 256 * 512);
+
+  j = tiny_json();
+  j.set("decoder_sparse_step", 2);
+  const ModelSpec step2 = ModelSpec::from_json(j);
+  CHECK_FALSE(step2.layer(0).moe);
+  CHECK(step2.layer(1).moe);
+  CHECK_FALSE(step2.layer(2).moe);
+  CHECK(step2.layer(3).moe);
+}
+
+TEST_CASE("config errors name the file and the field") {
+  CHECK(config_error(tiny_json()).empty());
+  CHECK(with("model_type", "llama").find("my/config.json: model_type: unknown model_type \"llama\"") == 0);
+  CHECK(with("hidden_size", "256") == "my/config.json: hidden_size: expected non-negative integer, got string");
+  CHECK(with("hidden_size", -256) == "my/config.json: hidden_size: expected non-negative integer, got number -256");
+  CHECK(with("moe_intermediate_size", 0) == "my/config.json: moe_intermediate_size: must be positive, got 0");
+  CHECK(with("num_key_value_heads", 3).find("my/config.json: num_key_value_heads: num_attention_heads 8 is not a "
+                                            "multiple of num_key_value_heads 3") == 0);
+  CHECK(with("num_experts_per_tok", 9) == "my/config.json: num_experts_per_tok: 9 exceeds the number of experts 8");
+  CHECK(with("mlp_only_layers", Json::parse("[0, 4]")).find("my/config.json: mlp_only_layers[1]: layer 4 is out of range") == 0);
+  CHECK(with("norm_topk_prob", 1) == "my/config.json: norm_topk_prob: expected bool, got number 1");
+  CHECK(with("rms_norm_eps", "1e-6") == "my/config.json: rms_norm_eps: expected number, got string");
+
+  Json j = tiny_json();
+  Json::Object without;
+  for (const auto& [k, v] : j.as_object())
+    if (k != "num_experts") without.emplace_back(k, v);
+  CHECK(config_error(Json(without)) == "my/config.json: num_experts: missing required field");
+
+  // Without head_dim the hidden size must split evenly over the heads (OLMoE never has head_dim).
+  Json olmoe = read_json_file(config_path("olmoe-1b-7b-0924.json"));
+  olmoe.set("num_attention_heads", 15);
+  olmoe.set("num_key_value_heads", 15);
+  CHECK(config_error(olmoe).find("num_attention_heads: hidden_size 2048 is not divisible by num_attention_heads 15") !=
+        std::string::npos);
+
+  Json next = read_json_file(config_path("qwen3-next-80b-a3b.json"));
+  next.set("linear_num_value_heads", 24);
+  CHECK(config_error(next).find("linear_num_value_heads: 24 is not a multiple of linear_num_key_heads 16") !=
+        std::string::npos);
+  next = read_json_file(config_path("qwen3-next-80b-a3b.json"));
+  next.set("layer_types", Json::parse(R"(["linear_attention", "full_attention"])"));
+  CHECK(config_error(next).find("layer_types: has 2 entries for 48 layers") != std::string::npos);
+
+  Json q35 = read_json_file(config_path("qwen3.5-35b-a3b.json"));
+  Json text = *q35.find("text_config");
+  text.set("num_experts", "256");
+  q35.set("text_config", text);
+  CHECK(config_error(q35) == "my/config.json: text_config.num_experts: expected non-negative integer, got string");
+  q35.set("text_config", nullptr);
+  CHECK(config_error(q35) == "my/config.json: text_config: expected object, got null");
+}
+
+TEST_CASE("from_file names the file on a syntax error") {
+  try {
+    (void)ModelSpec::from_file(config_path("README.md"));
+    FAIL("no throw");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::parse);
+    CHECK(e.message().find("examples/configs/README.md:1:1: expected a value") != std::string::npos);
+  }
+}
