@@ -17,3 +17,6 @@
 #include "oom/concepts/retention_policy.hpp"
 #include "oom/concepts/partitioner.hpp"
 #include "oom/concepts/cost_model.hpp"
+#include "oom/io/json.hpp"
+#include "oom/model/model_spec.hpp"
+#include "oom/plan/dependency_partitioner.hpp"
