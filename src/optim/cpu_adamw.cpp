@@ -15,6 +15,10 @@
 #include "kernels.hpp"
 #include "oom/core/error.hpp"
 
+#if OOM_OPTIM_X86_KERNELS
+#include <xmmintrin.h>
+#endif
+
 namespace oom::optim {
 
 const char* to_string(CpuIsa isa) noexcept {
@@ -98,6 +102,20 @@ void force_cpu_isa(std::optional<CpuIsa> isa) {
 }
 
 namespace {
+
+/// For the duration of one tile: IEEE defaults in MXCSR (round to nearest even, no flush-to-zero,
+/// no denormals-are-zero, exceptions masked). The caller's thread runs tiles too, and a framework
+/// that set FTZ/DAZ on it would otherwise make the result depend on which thread ran which tile.
+class IeeeFloatEnvironment {
+ public:
+#if OOM_OPTIM_X86_KERNELS
+  IeeeFloatEnvironment() : saved_(_mm_getcsr()) { _mm_setcsr(0x1f80u); }
+  ~IeeeFloatEnvironment() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
 
 struct Region {
   const char* name;
@@ -201,6 +219,7 @@ void update(const AdamWSpan<Moment>& span, const AdamWStepScalars& step, ThreadP
   const std::size_t n = range.n;
   const std::size_t tiles = (n + adamw_tile_elements - 1) / adamw_tile_elements;
   pool.run(tiles, [&](std::size_t t) {
+    const IeeeFloatEnvironment ieee;
     const std::size_t begin = t * adamw_tile_elements;
     kernel(k, sub_range(range, begin, std::min(adamw_tile_elements, n - begin)));
   });
@@ -238,6 +257,7 @@ double grad_sum_of_squares(std::span<const float> grads, ThreadPool& pool, std::
   const std::size_t tiles = (n + sum_of_squares_tile_elements - 1) / sum_of_squares_tile_elements;
   std::vector<double> partial(tiles);
   pool.run(tiles, [&](std::size_t t) {
+    const IeeeFloatEnvironment ieee;
     const std::size_t begin = t * sum_of_squares_tile_elements;
     partial[t] = kernel(grads.data() + begin, std::min(sum_of_squares_tile_elements, n - begin));
   });

@@ -19,6 +19,10 @@
 #include "oom/optim/adamw.hpp"
 #include "oom/optim/cpu_adamw.hpp"
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 using namespace oom;
 using namespace oom::optim;
 
@@ -321,6 +325,37 @@ TEST_CASE("bf16 weights are to_bf16(master), including subnormals the hardware c
     }
   }
 }
+
+#if defined(__x86_64__)
+TEST_CASE("a caller with flush-to-zero set gets the same bits as the workers") {
+  // The caller runs tiles too; frameworks often set FTZ/DAZ on their threads. Subnormal masters
+  // and gradients would be flushed under FTZ/DAZ, so a kernel that inherited them would differ.
+  const std::size_t n = 100000;
+  const AdamWConfig c = config_with(0.1f, true);
+  auto subnormalise = [](State<float>& st) {
+    for (std::size_t i = 0; i < st.p.size(); i += 2) st.p[i] *= 1e-39f;
+    for (std::size_t i = 0; i < st.g.size(); i += 3) st.g[i] *= 1e-39f;
+  };
+  for (CpuIsa isa : supported_cpu_isas()) {
+    INFO("isa " << to_string(isa));
+    State<float> base(n, 12), flushed(n, 12);
+    subnormalise(base);
+    subnormalise(flushed);
+    ThreadPool workers(3);
+    adamw_update(base.span(), adamw_step_scalars(c, 1), workers, isa);
+    ThreadPool caller_only(1);
+    const unsigned saved = _mm_getcsr();
+    _mm_setcsr(saved | 0x8040u);  // FTZ | DAZ
+    adamw_update(flushed.span(), adamw_step_scalars(c, 1), caller_only, isa);
+    const double flushed_sum = grad_sum_of_squares(std::span<const float>(flushed.g), caller_only, isa);
+    const unsigned after = _mm_getcsr();
+    _mm_setcsr(saved);
+    CHECK((after & 0x8040u) == 0x8040u);  // the caller's environment is restored
+    require_same_bits(base, flushed, "FTZ/DAZ caller vs worker threads");
+    CHECK(flushed_sum == grad_sum_of_squares(std::span<const float>(base.g), workers, isa));
+  }
+}
+#endif
 
 TEST_CASE("weight decay is decoupled: with zero gradients and moments, p becomes p * (1 - lr*wd) exactly") {
   const std::size_t n = 1000;
