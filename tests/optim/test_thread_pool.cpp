@@ -2,7 +2,9 @@
 // and a task's exception reaches the caller after the other tasks finish.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -38,7 +40,7 @@ TEST_CASE("thread pool uses its workers, not only the caller") {
     const int now = inside.fetch_add(1) + 1;
     int seen = most.load();
     while (now > seen && !most.compare_exchange_weak(seen, now)) {}
-    for (int spin = 0; spin < 2000 && inside.load() < 2; ++spin) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    for (int spin = 0; spin < 4000 && inside.load() < 2; ++spin) std::this_thread::sleep_for(std::chrono::microseconds(250));
     inside.fetch_sub(1);
   });
   CHECK(most.load() >= 2);
