@@ -86,6 +86,9 @@ struct MachineProfile {
   [[nodiscard]] static MachineProfile from_file(const std::filesystem::path& path);
   /// Checks every constant is positive where it must be and has provenance; throws naming the field.
   void validate(std::string_view source = "<profile>") const;
+
+  /// Every field, provenance included: a profile read back from its JSON equals the original.
+  friend bool operator==(const MachineProfile&, const MachineProfile&) = default;
 };
 
 }  // namespace oom

@@ -1,0 +1,316 @@
+// MachineProfile and SizeCurve: interpolation and its envelope, strict JSON reading with errors
+// that name the field, exact round-trips of every built-in profile, and provenance everywhere.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
+#include "oom/plan/machine_profile.hpp"
+
+using namespace oom;
+using namespace oom::literals;
+
+namespace {
+
+/// The message of the error `f` raises; fails the test when it raises none.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.message();
+  }
+  FAIL("no error raised");
+  return {};
+}
+
+/// The error from_json raises for `j` (named "t.json"); fails the test when it parses.
+std::string profile_error(const Json& j) {
+  return error_of([&] { (void)MachineProfile::from_json(j, "t.json"); });
+}
+
+Json h200_json() { return MachineProfile::h200(2).to_json(); }
+
+}  // namespace
+
+TEST_CASE("SizeCurve: exact at samples, log-log between them") {
+  const SizeCurve c({{1000, 1e9}, {4000, 4e9}, {16000, 8e9}});
+  CHECK(c.at(1000) == doctest::Approx(1e9));
+  CHECK(c.at(4000) == doctest::Approx(4e9));
+  CHECK(c.at(16000) == doctest::Approx(8e9));
+  // Log-log: halfway in log(size) between 1000 and 4000 is 2000, and the rate is the geometric mean.
+  CHECK(c.at(2000) == doctest::Approx(2e9));
+  CHECK(c.at(8000) == doctest::Approx(std::sqrt(4e9 * 8e9)));
+  // Linear interpolation would give 5.33e9 at 8000; log-log must not.
+  CHECK(c.at(8000) != doctest::Approx(4e9 + (8e9 - 4e9) * (8000 - 4000) / 12000.0));
+}
+
+TEST_CASE("SizeCurve: below the range the rate falls with the size, above it stays at the last rate") {
+  const SizeCurve c({{100, 5e9}, {1000, 2e10}});
+  CHECK(c.at(50) == doctest::Approx(2.5e9));   // latency-bound: fixed time per call
+  CHECK(c.at(1) == doctest::Approx(5e7));
+  CHECK(c.at(1e6) == doctest::Approx(2e10));  // saturated
+  CHECK(c.at(1e12) == doctest::Approx(2e10));
+  CHECK_THROWS_AS((void)c.at(0), Error);
+  CHECK_THROWS_AS((void)c.at(-3), Error);
+  CHECK_THROWS_AS((void)c.at(std::nan("")), Error);
+  CHECK_THROWS_AS((void)SizeCurve().at(10), Error);
+}
+
+TEST_CASE("SizeCurve: the envelope makes the curve non-decreasing and at() monotone") {
+  // A measured dip at 256 (a poor kernel choice) is lifted to the rate of the smaller problem.
+  const SizeCurve c({{16, 1e12}, {64, 5e12}, {256, 3e12}, {1024, 9e12}, {4096, 8e12}});
+  const auto& s = c.samples();
+  REQUIRE(s.size() == 5);
+  CHECK(s[2].second == 5e12);
+  CHECK(s[4].second == 9e12);
+  for (std::size_t i = 1; i < s.size(); ++i) CHECK(s[i].second >= s[i - 1].second);
+  double prev = 0;
+  for (double x = 1; x < 1e5; x *= 1.07) {
+    const double r = c.at(x);
+    CHECK(r >= prev);
+    prev = r;
+  }
+}
+
+TEST_CASE("SizeCurve: malformed sample lists are rejected with the reason") {
+  CHECK(error_of([] { SizeCurve(std::vector<std::pair<double, double>>{}); }).find("at least one") != std::string::npos);
+  CHECK(error_of([] { SizeCurve({{10, 1}, {5, 2}}); }).find("sorted") != std::string::npos);
+  CHECK(error_of([] { SizeCurve({{10, 1}, {10, 2}}); }).find("sorted") != std::string::npos);
+  CHECK(error_of([] { SizeCurve({{0, 1}}); }).find("size must be > 0") != std::string::npos);
+  CHECK(error_of([] { SizeCurve({{1, -1}}); }).find("rate must be > 0") != std::string::npos);
+  CHECK(error_of([] { SizeCurve({{1, INFINITY}}); }).find("rate must be > 0") != std::string::npos);
+}
+
+TEST_CASE("built-in profiles validate, for every GPU count of a node") {
+  for (const char* name : {"h200", "h100-80gb", "rtx4090"}) {
+    for (int gpus = 1; gpus <= 8; ++gpus) {
+      CAPTURE(name);
+      CAPTURE(gpus);
+      const MachineProfile p = MachineProfile::builtin(name, gpus);
+      CHECK(p.gpus == gpus);
+      CHECK_NOTHROW(p.validate(name));
+      CHECK((gpus == 1) == (p.all_reduce_bytes_per_s == 0));
+      CHECK((gpus == 1) == (p.all_to_all_bytes_per_s == 0));
+      // A multi-GPU node's links together are never slower than one GPU's.
+      CHECK(p.host_link_total_bytes_per_s >= p.bidir_bytes_per_s);
+      CHECK(p.pageable_h2d_bytes_per_s <= p.h2d_bytes_per_s);
+    }
+  }
+}
+
+TEST_CASE("built-in names, aliases and errors") {
+  CHECK(MachineProfile::builtin("h200").name == "h200");
+  CHECK(MachineProfile::builtin("h100-80gb").name == "h100-80gb");
+  CHECK(MachineProfile::builtin("h100").name == "h100-80gb");
+  CHECK(MachineProfile::builtin("rtx4090").name == "rtx4090");
+  CHECK(MachineProfile::builtin("4090", 4).name == "rtx4090");
+  CHECK(MachineProfile::builtin("h100", 4) == MachineProfile::h100_80gb(4));
+  const std::string e = error_of([] { (void)MachineProfile::builtin("a100"); });
+  CHECK(e.find("a100") != std::string::npos);
+  CHECK(e.find("h200") != std::string::npos);
+  CHECK(e.find("rtx4090") != std::string::npos);
+  CHECK_THROWS_AS((void)MachineProfile::h200(0), Error);
+  CHECK_THROWS_AS((void)MachineProfile::h200(9), Error);
+}
+
+TEST_CASE("built-in H200 carries the figures measured on our machine") {
+  const MachineProfile p = MachineProfile::h200(1);
+  CHECK(p.h2d_bytes_per_s == 55.3e9);
+  CHECK(p.d2h_bytes_per_s == 55.3e9);
+  CHECK(p.bidir_bytes_per_s == 101.3e9);
+  CHECK(p.pageable_h2d_bytes_per_s == 6.9e9);
+  CHECK(p.host_copy_bytes_per_s == 87e9);
+  CHECK(p.hbm_bytes_per_s == 4.3e12);
+  CHECK(p.gpu_memory == 139_GiB);
+  CHECK(p.host_memory == 125_GiB);
+  CHECK(MachineProfile::h200(2).host_memory == 251_GiB);
+  CHECK(p.gemm_flops.at(65536) == doctest::Approx(799e12));
+  CHECK(p.gemm_flops.at(16) < 100e12);  // a 16-row GEMM is memory-bound, far below the cap
+  CHECK(p.attention_flops.at(4096) == doctest::Approx(77e12));
+  CHECK(p.attention_flops.at(65536) == doctest::Approx(590e12));
+  CHECK(p.cpu_adamw_params_per_s == doctest::Approx(126e9 / 30 * 0.7));
+  CHECK(p.provenance.at("cpu_adamw_params_per_s").source.find("ESTIMATE") != std::string::npos);
+  CHECK(p.provenance.at("gemm_flops").source.find("ESTIMATE") != std::string::npos);
+  CHECK(p.provenance.at("h2d_bytes_per_s").date == "2026-11-30");
+}
+
+TEST_CASE("the other built-ins keep the hardware's ordering") {
+  const auto h200 = MachineProfile::h200(4), h100 = MachineProfile::h100_80gb(4), g4090 = MachineProfile::rtx4090(4);
+  CHECK(h100.hbm_bytes_per_s < h200.hbm_bytes_per_s);
+  CHECK(g4090.hbm_bytes_per_s < h100.hbm_bytes_per_s);
+  CHECK(h100.gpu_memory < h200.gpu_memory);
+  CHECK(g4090.gpu_memory < h100.gpu_memory);
+  CHECK(g4090.gpu_memory > 20_GiB);
+  CHECK(g4090.h2d_bytes_per_s < h100.h2d_bytes_per_s);  // Gen4 against Gen5
+  CHECK(g4090.gemm_flops.at(65536) < h100.gemm_flops.at(65536));
+  CHECK(g4090.all_reduce_bytes_per_s < 0.1 * h100.all_reduce_bytes_per_s);  // PCIe through the host vs NVLink
+  CHECK(h100.host_memory == 1000_GiB);
+  CHECK(g4090.host_memory == 256_GiB);
+}
+
+TEST_CASE("JSON round-trip of every built-in profile is exact") {
+  for (const char* name : {"h200", "h100-80gb", "rtx4090"}) {
+    for (int gpus : {1, 2, 4, 8}) {
+      CAPTURE(name);
+      CAPTURE(gpus);
+      const MachineProfile p = MachineProfile::builtin(name, gpus);
+      const Json j = p.to_json();
+      CHECK(MachineProfile::from_json(j, "mem") == p);
+      // Through text too: the writer's shortest round-trip doubles must parse back bit-exact.
+      CHECK(MachineProfile::from_json(Json::parse(j.dump(2)), "text") == p);
+    }
+  }
+}
+
+TEST_CASE("JSON layout: byte counts are integers, curves are [size, rate] arrays") {
+  const Json j = MachineProfile::h200(1).to_json();
+  REQUIRE(j.find("gpu_memory") != nullptr);
+  CHECK(j.find("gpu_memory")->is_integer());
+  CHECK(j.find("gpu_memory")->as_uint64() == 139ull << 30);
+  CHECK(j.find("host_memory")->is_integer());
+  const Json& gemm = *j.find("gemm_flops");
+  REQUIRE(gemm.is_array());
+  CHECK(gemm.as_array()[0].as_array().size() == 2);
+  CHECK(gemm.as_array()[0].as_array()[0].as_double() == 16);
+  CHECK(j.find("provenance")->find("hbm_bytes_per_s")->find("source") != nullptr);
+}
+
+TEST_CASE("malformed profiles: each error names the file and the field") {
+  SUBCASE("missing field") {
+    Json j = h200_json();
+    Json::Object o;
+    for (auto& [k, v] : j.as_object())
+      if (k != "h2d_bytes_per_s") o.emplace_back(k, v);
+    const std::string e = profile_error(Json(o));
+    CHECK(e.find("t.json") != std::string::npos);
+    CHECK(e.find("h2d_bytes_per_s") != std::string::npos);
+    CHECK(e.find("missing") != std::string::npos);
+  }
+  SUBCASE("negative rate") {
+    Json j = h200_json();
+    j.set("h2d_bytes_per_s", -1);
+    CHECK(profile_error(j) == "profile t.json: field h2d_bytes_per_s must be > 0, got -1");
+  }
+  SUBCASE("zero collective bandwidth with two GPUs") {
+    Json j = h200_json();
+    j.set("all_reduce_bytes_per_s", 0);
+    const std::string e = profile_error(j);
+    CHECK(e.find("all_reduce_bytes_per_s") != std::string::npos);
+    CHECK(e.find("2 GPUs") != std::string::npos);
+  }
+  SUBCASE("wrong type") {
+    Json j = h200_json();
+    j.set("hbm_bytes_per_s", "fast");
+    const std::string e = profile_error(j);
+    CHECK(e.find("hbm_bytes_per_s") != std::string::npos);
+    CHECK(e.find("expected number") != std::string::npos);
+  }
+  SUBCASE("byte count given as a double") {
+    Json j = h200_json();
+    j.set("gpu_memory", 139.5e9);
+    const std::string e = profile_error(j);
+    CHECK(e.find("gpu_memory") != std::string::npos);
+    CHECK(e.find("integer") != std::string::npos);
+  }
+  SUBCASE("negative byte count") {
+    Json j = h200_json();
+    j.set("host_memory", -5);
+    CHECK(profile_error(j) == "profile t.json: field host_memory must be > 0, got -5");
+  }
+  SUBCASE("missing provenance entry") {
+    Json j = h200_json();
+    Json prov = Json::object();
+    for (auto& [k, v] : j.find("provenance")->as_object())
+      if (k != "attention_flops") prov.set(k, v);
+    j.set("provenance", prov);
+    const std::string e = profile_error(j);
+    CHECK(e.find("attention_flops") != std::string::npos);
+    CHECK(e.find("provenance") != std::string::npos);
+  }
+  SUBCASE("provenance with a bad date") {
+    Json j = h200_json();
+    Json prov = *j.find("provenance");
+    prov.set("hbm_bytes_per_s", Json(Json::Object{{"source", "x"}, {"machine", "y"}, {"date", "30/11/2026"}}));
+    j.set("provenance", prov);
+    const std::string e = profile_error(j);
+    CHECK(e.find("hbm_bytes_per_s") != std::string::npos);
+    CHECK(e.find("ISO date") != std::string::npos);
+  }
+  SUBCASE("provenance for a field that does not exist") {
+    Json j = h200_json();
+    Json prov = *j.find("provenance");
+    prov.set("h2d_gbps", Json(Json::Object{{"source", "x"}, {"machine", "y"}, {"date", "2026"}}));
+    j.set("provenance", prov);
+    CHECK(profile_error(j).find("provenance.h2d_gbps") != std::string::npos);
+  }
+  SUBCASE("unsorted curve") {
+    Json j = h200_json();
+    j.set("gemm_flops", Json::parse("[[64, 1e12], [16, 2e12]]"));
+    const std::string e = profile_error(j);
+    CHECK(e.find("field gemm_flops") != std::string::npos);
+    CHECK(e.find("sorted") != std::string::npos);
+  }
+  SUBCASE("curve element that is not a pair") {
+    Json j = h200_json();
+    j.set("attention_flops", Json::parse("[[4096, 1e12, 3]]"));
+    const std::string e = profile_error(j);
+    CHECK(e.find("attention_flops[0]") != std::string::npos);
+    CHECK(e.find("[size, rate]") != std::string::npos);
+  }
+  SUBCASE("empty curve") {
+    Json j = h200_json();
+    j.set("attention_flops", Json::array());
+    CHECK(profile_error(j).find("attention_flops") != std::string::npos);
+  }
+  SUBCASE("misspelt field") {
+    Json j = h200_json();
+    j.set("h2d_bytes_per_sec", 5e10);
+    CHECK(profile_error(j).find("h2d_bytes_per_sec") != std::string::npos);
+  }
+  SUBCASE("gpus out of range") {
+    Json j = h200_json();
+    j.set("gpus", 0);
+    CHECK(profile_error(j).find("field gpus") != std::string::npos);
+  }
+  SUBCASE("not an object") { CHECK(profile_error(Json::parse("[1]")).find("expected a JSON object") != std::string::npos); }
+}
+
+TEST_CASE("validate() names the field of a profile built in code") {
+  MachineProfile p = MachineProfile::rtx4090(1);
+  p.hbm_bytes_per_s = std::nan("");
+  CHECK(error_of([&] { p.validate("mine"); }).find("profile mine: field hbm_bytes_per_s") != std::string::npos);
+  p = MachineProfile::rtx4090(1);
+  p.provenance.erase("launch_overhead_s");
+  CHECK(error_of([&] { p.validate("mine"); }) ==
+        "profile mine: field launch_overhead_s has no provenance entry (where did the value come from?)");
+  p = MachineProfile::rtx4090(1);
+  p.gemm_flops = SizeCurve();
+  CHECK(error_of([&] { p.validate("mine"); }).find("field gemm_flops") != std::string::npos);
+  p = MachineProfile::rtx4090(1);
+  p.gpu_memory = Bytes{0};
+  CHECK(error_of([&] { p.validate("mine"); }) == "profile mine: field gpu_memory must be > 0, got 0");
+}
+
+TEST_CASE("from_file reads what to_json wrote and names the path in errors") {
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto good = dir / "oom_test_profile_good.json";
+  const auto bad = dir / "oom_test_profile_bad.json";
+  {
+    std::ofstream(good) << MachineProfile::h100_80gb(4).to_json().dump(2);
+    Json j = MachineProfile::h100_80gb(4).to_json();
+    j.set("d2h_bytes_per_s", -1);
+    std::ofstream(bad) << j.dump(2);
+  }
+  CHECK(MachineProfile::from_file(good) == MachineProfile::h100_80gb(4));
+  const std::string e = error_of([&] { (void)MachineProfile::from_file(bad); });
+  CHECK(e.find(bad.string()) != std::string::npos);
+  CHECK(e.find("d2h_bytes_per_s must be > 0, got -1") != std::string::npos);
+  CHECK_THROWS_AS((void)MachineProfile::from_file(dir / "oom_no_such_profile.json"), Error);
+  std::filesystem::remove(good);
+  std::filesystem::remove(bad);
+}
