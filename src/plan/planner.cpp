@@ -28,6 +28,14 @@ const char* to_string(ExecutionPath p) noexcept {
 namespace {
 
 using detail::LayerState;
+
+// Recomputed activations of the MLP part are regenerated chunk by chunk inside its backward (experts
+// are independent per token chunk), so they live in the chunk workset; the others are regenerated
+// for the whole layer and held until its backward ends.
+bool held_when_recomputed(ActivationClass c) {
+  return c != ActivationClass::layer_boundary && c != ActivationClass::router_output &&
+         c != ActivationClass::permuted_tokens && c != ActivationClass::expert_intermediate;
+}
 using detail::StepModel;
 
 constexpr std::uint64_t fp32_bytes = 4;
@@ -294,7 +302,7 @@ class GraphBuilder {
       rc = g_.add({tag("recompute", l), Resource::gpu_compute, t, deps_of({load, prev}), l});
       Bytes dropped;
       for (int c = 0; c < activation_class_count; ++c)
-        if (c != static_cast<int>(ActivationClass::layer_boundary) && row[static_cast<std::size_t>(c)].action == Retention::recompute)
+        if (held_when_recomputed(static_cast<ActivationClass>(c)) && row[static_cast<std::size_t>(c)].action == Retention::recompute)
           dropped += saved_[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
       deferred_.push_back({Claimant::retained_activations, dropped, rc, bwd_end_of(l)});
     }
@@ -490,20 +498,23 @@ std::vector<std::size_t> residency_order(const ModelSpec& spec, const StepModel&
 
 // GPU bytes of retained activations at the forward/backward turn, and in flight while offloading.
 Bytes retained_estimate(const StepModel& model, const RetentionTable& table, int layers) {
-  Bytes kept, largest_offload;
+  Bytes kept, largest_offload, largest_layer;
   for (int l = 0; l < layers; ++l) {
     const auto saved = model.saved_bytes(l);
     Bytes off, dropped;
     for (int c = 0; c < activation_class_count; ++c) {
-      const auto d = table.retain(l, static_cast<ActivationClass>(c));
+      const auto cls = static_cast<ActivationClass>(c);
+      const auto d = table.retain(l, cls);
       if (d.action == Retention::keep) kept += saved[static_cast<std::size_t>(c)];
       if (d.action == Retention::offload) off += saved[static_cast<std::size_t>(c)];
-      if (d.action == Retention::recompute) dropped += saved[static_cast<std::size_t>(c)];
+      if (d.action == Retention::recompute && held_when_recomputed(cls)) dropped += saved[static_cast<std::size_t>(c)];
     }
-    largest_offload = max(largest_offload, off + dropped);
+    largest_offload = max(largest_offload, off);
+    largest_layer = max(largest_layer, off + dropped);
   }
-  // Offloads in flight plus prefetches and recomputations for the layers being differentiated.
-  return kept + 3 * largest_offload;
+  // The layer being differentiated (prefetched and recomputed), the next one's prefetch, and an
+  // offload still draining.
+  return kept + largest_layer + 2 * largest_offload;
 }
 
 }  // namespace
