@@ -79,9 +79,10 @@ std::vector<bool> resident_mask(const ModelSpec& spec, const std::vector<std::st
 // Builds the step graph of `plan` for `spec` (see docs/planner.md, "Step graph").
 class GraphBuilder {
  public:
-  GraphBuilder(const ModelSpec& spec, const MachineProfile& profile, const Plan& plan)
-      : spec_(spec), plan_(plan), model_(spec, profile, request_of(plan), plan.path),
-        mask_(resident_mask(spec, plan.resident_segments)) {
+  /// `mask`, when given, is the plan's resident set by segment index (the search has it at hand;
+  /// plans read from JSON name their segments instead).
+  GraphBuilder(const StepModel& model, const ModelSpec& spec, const Plan& plan, const std::vector<bool>* mask = nullptr)
+      : spec_(spec), plan_(plan), model_(model), mask_(mask ? *mask : resident_mask(spec, plan.resident_segments)) {
     const int n = spec.num_layers();
     if (static_cast<int>(plan.retention.size()) != n || static_cast<int>(plan.chunks.size()) != n)
       OOM_THROW(Errc::invalid_argument, fmt::format("plan has retention for {} and chunks for {} layers; the model has {}",
@@ -131,7 +132,6 @@ class GraphBuilder {
   Bytes weight_bytes(int layer) const { return bytes_of(plan_.precision.weights, st(layer).streamed_params); }
   int resolve(int to) const { return to >= 0 ? to : bwd_last_[static_cast<std::size_t>(-to - 2 + 1)]; }
   static int bwd_end_of(int layer) { return -(layer + 2); }
-  std::string tag(const char* what, int layer) const { return fmt::format("{} L{}", what, layer); }
 
   // The order in which weights enter slots: forward 0..n-1, the head, backward n-1..0.
   void plan_loads(int n) {
@@ -158,7 +158,7 @@ class GraphBuilder {
       if (j >= depth && release_op_[j - depth] >= 0) deps.push_back(release_op_[j - depth]);
       const Bytes w = weight_bytes(layer);
       if (w.count() > 0)
-        load_op_[j] = g_.add({tag(loads_[j].backward ? "h2d.weights.bwd" : "h2d.weights", layer), Resource::h2d,
+        load_op_[j] = g_.add({loads_[j].backward ? "h2d.weights.bwd" : "h2d.weights", Resource::h2d,
                               model_.time_of(Operation::moving(OpKind::copy_h2d, w), Resource::h2d), deps, layer});
       if (loads_[j].backward && layer < spec_.num_layers()) prefetch_activations(layer);
     }
@@ -202,13 +202,13 @@ class GraphBuilder {
   int layer_forward(int l, int prev) {
     const auto& ch = plan_.chunks[static_cast<std::size_t>(l)];
     const int load = begin_compute();
-    const int fa = g_.add({tag("fwd.attention", l), Resource::gpu_compute,
+    const int fa = g_.add({"fwd.attention", Resource::gpu_compute,
                            model_.attention_time(l, attn_[static_cast<std::size_t>(l)], false, false), deps_of({load, prev}), l});
     g_.hold(Claimant::worksets, attn_[static_cast<std::size_t>(l)].peak, fa, fa);
     int before_mlp = fa;
     if (const double a2a = model_.all_to_all_time(l); a2a > 0)
-      before_mlp = g_.add({tag("a2a.fwd", l), Resource::network, a2a, {fa}, l});
-    const int fm = g_.add({tag("fwd.mlp", l), Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, false, false),
+      before_mlp = g_.add({"a2a.fwd", Resource::network, a2a, {fa}, l});
+    const int fm = g_.add({"fwd.mlp", Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, false, false),
                            deps_of({before_mlp}), l});
     g_.hold(Claimant::worksets, mlp_peak(l), fm, fm);
     end_compute(fa, fm);
@@ -223,7 +223,7 @@ class GraphBuilder {
       if (d.action == Retention::offload) offload += b;
     }
     if (offload.count() > 0) {
-      const int d2h = g_.add({tag("d2h.activations", l), Resource::d2h,
+      const int d2h = g_.add({"d2h.activations", Resource::d2h,
                               model_.time_of(Operation::moving(OpKind::copy_d2h, offload), Resource::d2h), {fm}, l});
       d2h_act_[static_cast<std::size_t>(l)] = d2h;
       g_.hold(Claimant::retained_activations, offload, fm, d2h);
@@ -242,7 +242,7 @@ class GraphBuilder {
       if (plan_.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)].action == Retention::offload)
         offload += saved_[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
     if (offload.count() == 0) return;
-    const int h2d = g_.add({tag("h2d.activations", l), Resource::h2d,
+    const int h2d = g_.add({"h2d.activations", Resource::h2d,
                             model_.time_of(Operation::moving(OpKind::copy_h2d, offload), Resource::h2d),
                             deps_of({d2h_act_[static_cast<std::size_t>(l)]}), l});
     prefetch_op_[l] = h2d;
@@ -276,9 +276,9 @@ class GraphBuilder {
     }
     int load = -1;
     if (weights.count() > 0)
-      load = g_.add({tag("h2d.weights.regenerate", l), Resource::h2d,
+      load = g_.add({"h2d.weights.regenerate", Resource::h2d,
                      model_.time_of(Operation::moving(OpKind::copy_h2d, weights), Resource::h2d), {}, l});
-    const int op = g_.add({fmt::format("regenerate L{}..L{}", from + 1, l), Resource::gpu_compute, compute,
+    const int op = g_.add({"regenerate boundaries up to", Resource::gpu_compute, compute,
                            deps_of({load, prev}), l});
     if (load >= 0) g_.hold(Claimant::worksets, weights, load, op);
     for (int j = from + 1; j <= l; ++j) {
@@ -299,7 +299,7 @@ class GraphBuilder {
       prev = regenerate(boundary.recompute_from, l, prev);
     int rc = -1;
     if (const double t = model_.recompute_time(l, row, attn_[static_cast<std::size_t>(l)], ch.moe_tokens); t > 0) {
-      rc = g_.add({tag("recompute", l), Resource::gpu_compute, t, deps_of({load, prev}), l});
+      rc = g_.add({"recompute", Resource::gpu_compute, t, deps_of({load, prev}), l});
       Bytes dropped;
       for (int c = 0; c < activation_class_count; ++c)
         if (held_when_recomputed(static_cast<ActivationClass>(c)) && row[static_cast<std::size_t>(c)].action == Retention::recompute)
@@ -307,13 +307,13 @@ class GraphBuilder {
       deferred_.push_back({Claimant::retained_activations, dropped, rc, bwd_end_of(l)});
     }
     const auto pf = prefetch_op_.find(l);
-    const int bm = g_.add({tag("bwd.mlp", l), Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, true, false),
+    const int bm = g_.add({"bwd.mlp", Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, true, false),
                            deps_of({load, prev, rc, pf == prefetch_op_.end() ? -1 : pf->second}), l});
     g_.hold(Claimant::worksets, mlp_peak(l), bm, bm);
     int before_attn = bm;
     if (const double a2a = model_.all_to_all_time(l); a2a > 0)
-      before_attn = g_.add({tag("a2a.bwd", l), Resource::network, a2a, {bm}, l});
-    const int ba = g_.add({tag("bwd.attention", l), Resource::gpu_compute,
+      before_attn = g_.add({"a2a.bwd", Resource::network, a2a, {bm}, l});
+    const int ba = g_.add({"bwd.attention", Resource::gpu_compute,
                            model_.attention_time(l, attn_[static_cast<std::size_t>(l)], true, false), {before_attn}, l});
     g_.hold(Claimant::worksets, attn_[static_cast<std::size_t>(l)].peak, ba, ba);
     end_compute(bm, ba);
@@ -337,24 +337,24 @@ class GraphBuilder {
       const std::uint64_t owned = ep ? s.streamed_params - std::min(s.streamed_params, replicated) : 0;
       int reduced = done;
       if (gpus > 1 && replicated > 0)
-        reduced = g_.add({tag("reduce_scatter.grads", l), Resource::network,
+        reduced = g_.add({"reduce_scatter.grads", Resource::network,
                           model_.time_of(Operation::moving(OpKind::all_reduce, Bytes{replicated * fp32_bytes / 2}), Resource::network),
                           {done}, l});
       const Bytes sent{(replicated / static_cast<std::uint64_t>(gpus) + owned) * fp32_bytes};
-      const int d2h = g_.add({tag("d2h.grads", l), Resource::d2h,
+      const int d2h = g_.add({"d2h.grads", Resource::d2h,
                               model_.time_of(Operation::moving(OpKind::copy_d2h, sent), Resource::d2h), {reduced}, l});
       g_.hold(Claimant::worksets, Bytes{streamed_grad}, first >= 0 ? first : done, d2h);
       if (last_mb)
-        g_.add({tag("cpu.adamw", l), Resource::cpu,
+        g_.add({"cpu.adamw", Resource::cpu,
                 model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params), Resource::cpu), {d2h}, l});
     }
     if (s.resident_params > 0 && last_mb) {
       int reduced = done;
       if (gpus > 1 && !ep)
-        reduced = g_.add({tag("all_reduce.resident_grads", l), Resource::network,
+        reduced = g_.add({"all_reduce.resident_grads", Resource::network,
                           model_.time_of(Operation::moving(OpKind::all_reduce, Bytes{s.resident_params * fp32_bytes}), Resource::network),
                           {done}, l});
-      ret = g_.add({tag("gpu.adamw", l), Resource::gpu_compute,
+      ret = g_.add({"gpu.adamw", Resource::gpu_compute,
                     model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params), Resource::gpu_compute), {reduced}, l});
     }
     return ret;
@@ -398,7 +398,7 @@ class GraphBuilder {
 
   const ModelSpec& spec_;
   const Plan& plan_;
-  StepModel model_;
+  const StepModel& model_;
   std::vector<bool> mask_;
   std::vector<LayerState> states_;
   std::vector<Partition> attn_;
@@ -431,7 +431,10 @@ Planner::Planner(const ModelSpec& spec, const MachineProfile& profile, std::stri
   profile.validate(profile.name);
 }
 
-StepGraph Planner::step_graph(const Plan& plan) const { return GraphBuilder(*spec_, *profile_, plan).build(); }
+StepGraph Planner::step_graph(const Plan& plan) const {
+  const StepModel model(*spec_, *profile_, request_of(plan), plan.path);
+  return GraphBuilder(model, *spec_, plan).build();
+}
 
 SimResult Planner::simulate(const Plan& plan) const { return oom::simulate(step_graph(plan)); }
 
@@ -539,7 +542,11 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   const auto ladder = residency_ladder(usable);
 
   PlanSet out;
-  std::vector<Plan> feasible;
+  struct Found {
+    Plan plan;
+    std::vector<bool> mask;  // resident segments, named only for the plans returned
+  };
+  std::vector<Found> feasible;
   // The least any candidate needs, for the error when nothing fits.
   Bytes least_gpu{~0ull}, least_host{~0ull};
   std::string least_gpu_claimant;
@@ -559,10 +566,9 @@ PlanSet Planner::plan(const PlanRequest& req) const {
         std::size_t last_taken = ~std::size_t{0};
         for (Bytes level : ladder) {
           while (taken < order.size()) {
-            const auto& seg = spec_->segments()[order[taken]];
-            const int owner = model.expert_owner(seg);
+            const std::size_t seg = order[taken];
             // Per-GPU bytes: an expert owned elsewhere costs this GPU nothing (its owner pays as much).
-            const Bytes b{owner > 0 ? 0 : seg.parameters() * model.state_bytes_per_param(true)};
+            const Bytes b{model.segment_owner(seg) > 0 ? 0 : model.segment_params(seg) * model.state_bytes_per_param(true)};
             if (resident_bytes + b > level) break;
             resident_bytes += b;
             mask[order[taken++]] = true;
@@ -605,8 +611,6 @@ PlanSet Planner::plan(const PlanRequest& req) const {
           p.gpu_budget = req.gpu_budget;
           p.host_budget = req.host_budget;
           p.resident_level = level;
-          for (std::size_t i = 0; i < mask.size(); ++i)
-            if (mask[i]) p.resident_segments.push_back(spec_->segments()[i].name);
           p.retention_name = std::string(table.name());
           const DependencyPartitioner part;
           for (int l = 0; l < n; ++l) {
@@ -622,7 +626,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
           const auto lossp = part.partition(loss, workset);
           p.loss_rows = lossp.chunks.empty() ? model.tokens() : lossp.chunks.front().end - lossp.chunks.front().begin;
 
-          const SimResult sim = oom::simulate(GraphBuilder(*spec_, *profile_, p).build());
+          const SimResult sim = oom::simulate(GraphBuilder(model, *spec_, p, &mask).build());
           ++out.evaluated;
           p.predicted = predict(sim);
           least_host = min(least_host, sim.host_peak);
@@ -635,7 +639,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
           }
           if (sim.host_peak > req.host_budget) continue;
           ++out.feasible;
-          feasible.push_back(std::move(p));
+          feasible.push_back({std::move(p), mask});
         }
       }
     }
@@ -657,10 +661,14 @@ PlanSet Planner::plan(const PlanRequest& req) const {
     OOM_THROW(Errc::out_of_budget, msg);
   }
   std::stable_sort(feasible.begin(), feasible.end(),
-                   [](const Plan& a, const Plan& b) { return a.predicted.step_s < b.predicted.step_s; });
+                   [](const Found& a, const Found& b) { return a.plan.predicted.step_s < b.plan.predicted.step_s; });
   const auto keep = std::min<std::size_t>(feasible.size(), static_cast<std::size_t>(std::max(req.candidates, 1)));
-  feasible.resize(keep);
-  out.plans = std::move(feasible);
+  for (std::size_t k = 0; k < keep; ++k) {
+    Plan& p = feasible[k].plan;
+    for (std::size_t i = 0; i < feasible[k].mask.size(); ++i)
+      if (feasible[k].mask[i]) p.resident_segments.push_back(spec_->segments()[i].name);
+    out.plans.push_back(std::move(p));
+  }
   return out;
 }
 

@@ -22,11 +22,13 @@ const char* to_string(Claimant c) noexcept {
   return "?";
 }
 
+std::string SimOp::name() const { return layer >= 0 ? std::string(what) + " L" + std::to_string(layer) : std::string(what); }
+
 int StepGraph::add(SimOp op) {
   const int id = static_cast<int>(ops_.size());
   for (int d : op.deps)
-    if (d < 0 || d >= id) OOM_THROW(Errc::internal, "op '" + op.name + "' depends on op " + std::to_string(d) + ", which is not issued before it");
-  if (!(op.duration_s >= 0)) OOM_THROW(Errc::internal, "op '" + op.name + "' has a negative or NaN duration");
+    if (d < 0 || d >= id) OOM_THROW(Errc::internal, "op '" + op.name() + "' depends on op " + std::to_string(d) + ", which is not issued before it");
+  if (!(op.duration_s >= 0)) OOM_THROW(Errc::internal, "op '" + op.name() + "' has a negative or NaN duration");
   ops_.push_back(std::move(op));
   return id;
 }
@@ -114,7 +116,7 @@ std::string chrome_trace(const StepGraph& graph, const SimResult& result) {
   for (std::size_t i = 0; i < ops.size(); ++i) {
     if (ops[i].duration_s <= 0) continue;
     Json e = Json::object();
-    e.set("name", ops[i].name);
+    e.set("name", ops[i].name());
     e.set("ph", "X");
     e.set("pid", 1);
     e.set("tid", static_cast<int>(ops[i].resource));

@@ -29,6 +29,12 @@ StepModel::StepModel(const ModelSpec& spec, const MachineProfile& profile, const
     // Pseudo-layers: -1 embedding, num_layers: final norm + LM head.
     seg_layer_[i] = s.layer >= 0 ? s.layer : (s.role == SegmentRole::embedding ? -1 : spec.num_layers());
   }
+  for (const auto& s : segs) {
+    seg_params_.push_back(s.parameters());
+    seg_owner_.push_back(expert_owner(s));
+  }
+  layer_segments_.resize(static_cast<std::size_t>(spec.num_layers() + 2));
+  for (std::size_t i = 0; i < segs.size(); ++i) layer_segments_[static_cast<std::size_t>(seg_layer_[i] + 1)].push_back(i);
 }
 
 std::uint64_t StepModel::tokens() const { return req_.workload.tokens(); }
@@ -49,13 +55,9 @@ std::uint64_t StepModel::state_bytes_per_param(bool on_gpu) const {
 
 LayerState StepModel::layer_state(int layer, const std::vector<bool>& resident) const {
   LayerState st;
-  const auto& segs = spec_.segments();
-  const int gpus = req_.gpus;
-  for (std::size_t i = 0; i < segs.size(); ++i) {
-    if (seg_layer_[i] != layer) continue;
-    const auto& s = segs[i];
-    const std::uint64_t n = s.parameters();
-    const int owner = expert_owner(s);
+  for (std::size_t i : layer_segments_.at(static_cast<std::size_t>(layer + 1))) {
+    const std::uint64_t n = seg_params_[i];
+    const int owner = seg_owner_[i];
     // In the per-GPU view of the expert-parallel path, GPU 0 stands for every GPU: it holds and
     // streams the experts it owns (expert % gpus == 0), which is 1/gpus of them.
     const bool mine = owner < 0 || owner == 0;
@@ -67,7 +69,6 @@ LayerState StepModel::layer_state(int layer, const std::vector<bool>& resident) 
       if (owner >= 0) st.host_expert_params += n;
     }
   }
-  (void)gpus;
   return st;
 }
 

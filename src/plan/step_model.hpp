@@ -32,6 +32,8 @@ class StepModel {
   /// Layer -1 is the embedding, num_layers() the final norm + LM head.
   [[nodiscard]] LayerState layer_state(int layer, const std::vector<bool>& resident) const;
   [[nodiscard]] int segment_layer(std::size_t segment) const { return seg_layer_[segment]; }
+  [[nodiscard]] std::uint64_t segment_params(std::size_t segment) const { return seg_params_[segment]; }
+  [[nodiscard]] int segment_owner(std::size_t segment) const { return seg_owner_[segment]; }
   [[nodiscard]] int expert_owner(const StateSegment& s) const;
   [[nodiscard]] std::uint64_t state_bytes_per_param(bool on_gpu) const;
 
@@ -58,6 +60,9 @@ class StepModel {
   ExecutionPath path_;
   ProfileCostModel cost_;
   std::vector<int> seg_layer_;
+  std::vector<std::uint64_t> seg_params_;
+  std::vector<int> seg_owner_;  ///< expert_owner() of each segment
+  std::vector<std::vector<std::size_t>> layer_segments_;  ///< by layer + 1 (embedding first, head last)
 };
 
 }  // namespace oom::detail

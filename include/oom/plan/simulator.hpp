@@ -27,11 +27,14 @@ const char* to_string(Claimant c) noexcept;
 constexpr bool on_gpu(Claimant c) { return c <= Claimant::worksets; }
 
 struct SimOp {
-  std::string name;     ///< "fwd.attn L3", "h2d.weights L3", ...
+  const char* what = "";  ///< a static string: "fwd.attention", "h2d.weights", ... (with `layer`, its name)
   Resource resource = Resource::gpu_compute;
   double duration_s = 0;
   std::vector<int> deps;  ///< ids of earlier ops that must end first
   int layer = -1;
+
+  /// "fwd.attention L3"; "loss" for ops of no decoder layer.
+  [[nodiscard]] std::string name() const;
 };
 
 /// `bytes` of `claimant` held from the start of op `from` to the end of op `to`;
