@@ -51,6 +51,21 @@ struct Operation {
   Bytes bytes;
   DType dtype = DType::bf16;
 
+  static constexpr Operation gemm(std::uint64_t m, std::uint64_t n, std::uint64_t k, std::uint64_t batch = 1) {
+    return {OpKind::gemm, m, n, k, batch, 0, Bytes{}, DType::bf16};
+  }
+  static constexpr Operation attention(bool backward, std::uint64_t queries, std::uint64_t n, std::uint64_t head_dim,
+                                       std::uint64_t heads) {
+    return {backward ? OpKind::attention_backward : OpKind::attention_forward, queries, n, head_dim, heads, 0, Bytes{},
+            DType::bf16};
+  }
+  /// Ops that move `bytes`: memory_bound, copies, collectives.
+  static constexpr Operation moving(OpKind kind, Bytes bytes) { return {kind, 0, 0, 0, 1, 0, bytes, DType::bf16}; }
+  /// Ops over `elements` parameters: the optimizers.
+  static constexpr Operation over(OpKind kind, std::uint64_t elements) {
+    return {kind, 0, 0, 0, 1, elements, Bytes{}, DType::bf16};
+  }
+
   /// FLOPs of a gemm or attention op, 2 per multiply-add; 0 for others. Attention forward is
   /// two products (QK^T and PV), 4·m·n·k per head, of which causal masking computes half; its
   /// backward does 2.5 times the forward's work (the usual 3.5× for forward plus backward).

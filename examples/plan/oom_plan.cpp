@@ -1,0 +1,146 @@
+// oom-plan: plans a training step of a model on a machine within GPU and host budgets, and explains
+// the plan: memory per claimant, policies, predicted time per resource, why it beat the runner-up.
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+#include "oom/core/log.hpp"
+#include "oom/io/json.hpp"
+#include "oom/model/model_spec.hpp"
+#include "oom/plan/planner.hpp"
+
+namespace {
+
+constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
+  --model PATH        Hugging Face config.json of the model (required)
+  --gpus N            GPUs in the node (default 1)
+  --gpu-mem SIZE      GPU memory budget per GPU, e.g. 80GiB (default: the profile's usable memory)
+  --host-mem SIZE     host memory budget of the node, e.g. 1TiB (default: the profile's)
+  --seq N             tokens per sequence (default 4096)
+  --batch N           sequences per GPU per micro-batch (default 1)
+  --micro-batches N   gradient accumulation steps (default 1)
+  --moments DTYPE     AdamW moment precision: fp32 (default) or bf16
+  --profile PATH      calibrated MachineProfile JSON (from oom-calibrate)
+  --machine NAME      built-in profile when no --profile: h200 (default), h100-80gb, rtx4090
+  --candidates N      plans to show (default 3)
+  --json PATH         write the chosen plan as JSON (the trainer's --plan input)
+  --trace PATH        write the chosen plan's simulated step as Chrome trace JSON
+)";
+
+struct Args {
+  std::string model;
+  int gpus = 1;
+  std::optional<oom::Bytes> gpu_mem, host_mem;
+  std::uint64_t seq = 4096, batch = 1;
+  int micro_batches = 1;
+  oom::DType moments = oom::DType::fp32;
+  std::string profile, machine = "h200";
+  int candidates = 3;
+  std::string json_out, trace_out;
+};
+
+std::uint64_t parse_count(std::string_view flag, const char* text) {
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(text, &end, 10);
+  if (end == text || *end != '\0' || v == 0 || text[0] == '-')
+    OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a positive integer, got '{}'", flag, text));
+  return v;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(usage, stdout);
+      std::exit(0);
+    }
+    if (i + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
+    const char* v = argv[++i];
+    if (flag == "--model") a.model = v;
+    else if (flag == "--gpus") a.gpus = static_cast<int>(parse_count(flag, v));
+    else if (flag == "--gpu-mem") a.gpu_mem = oom::parse_bytes(v);
+    else if (flag == "--host-mem") a.host_mem = oom::parse_bytes(v);
+    else if (flag == "--seq") a.seq = parse_count(flag, v);
+    else if (flag == "--batch") a.batch = parse_count(flag, v);
+    else if (flag == "--micro-batches") a.micro_batches = static_cast<int>(parse_count(flag, v));
+    else if (flag == "--moments") {
+      a.moments = oom::parse_dtype(v);
+      if (a.moments != oom::DType::fp32 && a.moments != oom::DType::bf16)
+        OOM_THROW(oom::Errc::invalid_argument, fmt::format("--moments must be fp32 or bf16, got '{}'", v));
+    } else if (flag == "--profile") a.profile = v;
+    else if (flag == "--machine") a.machine = v;
+    else if (flag == "--candidates") a.candidates = static_cast<int>(parse_count(flag, v));
+    else if (flag == "--json") a.json_out = v;
+    else if (flag == "--trace") a.trace_out = v;
+    else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
+  }
+  if (a.model.empty()) OOM_THROW(oom::Errc::invalid_argument, "--model config.json is required (see --help)");
+  return a;
+}
+
+// Writes atomically: a reader never sees half a file.
+void write_file(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary);
+    f << text;
+    if (!f.flush()) OOM_THROW(oom::Errc::io, fmt::format("cannot write {}", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) OOM_THROW(oom::Errc::io, fmt::format("cannot rename {} to {}", tmp, path));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args a = parse(argc, argv);
+    const auto spec = oom::ModelSpec::from_file(a.model);
+    const auto profile = a.profile.empty() ? oom::MachineProfile::builtin(a.machine, a.gpus) : oom::MachineProfile::from_file(a.profile);
+
+    oom::PlanRequest req;
+    req.gpus = a.gpus;
+    req.gpu_budget = a.gpu_mem.value_or(profile.gpu_memory);
+    req.host_budget = a.host_mem.value_or(profile.host_memory);
+    req.workload = {a.batch, a.seq};
+    req.micro_batches = a.micro_batches;
+    req.precision.moments = a.moments;
+    req.candidates = a.candidates;
+
+    fmt::print("model {}: {} layers, {:.2f}B parameters ({:.2f}B active), {} segments\n", a.model, spec.num_layers(),
+               static_cast<double>(spec.total_parameters()) / 1e9, static_cast<double>(spec.active_parameters()) / 1e9,
+               spec.segments().size());
+    fmt::print("machine {} x{}; budgets: {} per GPU, {} host; workload {} x {} tokens per GPU, {} micro-batch(es)\n\n",
+               profile.name, a.gpus, req.gpu_budget, req.host_budget, a.batch, a.seq, a.micro_batches);
+
+    const oom::Planner planner(spec, profile, a.model);
+    const auto set = planner.plan(req);
+    fmt::print("searched {} candidates ({} within budget) in {:.3f} s\n\n", set.evaluated, set.feasible, set.search_s);
+    for (std::size_t i = 0; i < set.plans.size(); ++i) {
+      fmt::print("=== plan {}{} ===\n{}\n", i + 1, i == 0 ? " (chosen)" : "", planner.describe(set.plans[i]));
+    }
+    if (set.plans.size() > 1) fmt::print("why plan 1: {}", oom::Planner::compare(set.plans[0], set.plans[1]));
+    if (!a.json_out.empty()) {
+      write_file(a.json_out, set.plans.front().to_json().dump(2) + "\n");
+      fmt::print("plan written to {}\n", a.json_out);
+    }
+    if (!a.trace_out.empty()) {
+      const auto graph = planner.step_graph(set.plans.front());
+      write_file(a.trace_out, oom::chrome_trace(graph, oom::simulate(graph)));
+      fmt::print("simulated step trace written to {} (open in https://ui.perfetto.dev)\n", a.trace_out);
+    }
+    return 0;
+  } catch (const oom::Error& e) {
+    std::fprintf(stderr, "oom-plan: %s\n", e.what());
+    return e.code() == oom::Errc::out_of_budget ? 3 : 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "oom-plan: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,76 @@
+// Plan: everything the executor needs to run one training step of a model on a machine, as the
+// planner chose it, with the prediction that justified it. Serialisable to JSON.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "oom/concepts/cost_model.hpp"
+#include "oom/concepts/retention_policy.hpp"
+#include "oom/core/bytes.hpp"
+#include "oom/model/segment.hpp"
+#include "oom/model/workload.hpp"
+#include "oom/plan/simulator.hpp"
+
+namespace oom {
+
+class Json;
+
+enum class ExecutionPath : unsigned char {
+  local,            ///< every GPU runs every expert for its own tokens
+  expert_parallel,  ///< experts partitioned over GPUs; tokens travel by all-to-all
+};
+const char* to_string(ExecutionPath p) noexcept;
+
+/// What the user asks the planner for.
+struct PlanRequest {
+  int gpus = 1;
+  Bytes gpu_budget;       ///< per GPU
+  Bytes host_budget;      ///< per node
+  Workload workload;      ///< per GPU and micro-batch: `sequences` of `seq_len` tokens
+  int micro_batches = 1;  ///< gradient accumulation steps per optimizer step
+  StatePrecision precision;
+  int candidates = 3;     ///< how many of the best plans to return
+};
+
+/// The predicted cost of a plan, from the simulator.
+struct Prediction {
+  double step_s = 0;
+  ResourceTimes busy;  ///< seconds each resource is busy in one step
+  std::array<Bytes, claimant_count> gpu_at_peak{};  ///< GPU bytes by claimant when the GPU total peaks
+  std::array<Bytes, claimant_count> peak{};         ///< each claimant's own peak
+  Bytes gpu_peak;   ///< per GPU
+  Bytes host_peak;  ///< per node
+};
+
+struct LayerChunks {
+  std::vector<std::uint64_t> attention;  ///< query-chunk ends, in execution order (causal)
+  std::uint64_t moe_tokens = 0;          ///< tokens per MoE chunk
+};
+
+struct Plan {
+  std::string model;  ///< the config it was made for (path or name)
+  ExecutionPath path = ExecutionPath::local;
+  int gpus = 1;
+  int prefetch_depth = 2;  ///< weight slots per GPU: layers in flight
+  Workload workload;
+  int micro_batches = 1;
+  StatePrecision precision;
+  Bytes gpu_budget, host_budget;
+
+  std::vector<std::string> resident_segments;  ///< names, in ModelSpec order
+  Bytes resident_level;                        ///< the resident-bytes level it was chosen under
+  std::string retention_name;
+  std::vector<std::array<RetentionDecision, activation_class_count>> retention;  ///< per layer
+  std::vector<LayerChunks> chunks;   ///< per decoder layer
+  std::uint64_t loss_rows = 0;       ///< rows per LM-head/cross-entropy chunk
+
+  Prediction predicted;
+
+  [[nodiscard]] Json to_json() const;
+  [[nodiscard]] static Plan from_json(const Json& j, std::string_view source = "<plan>");
+};
+
+}  // namespace oom

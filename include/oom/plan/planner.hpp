@@ -1,0 +1,53 @@
+// Planner: joint search over execution path, prefetch depth, retention and residency (chunk sizes
+// follow from what the budget leaves), each candidate simulated on the calibrated cost model.
+// Returns the best few plans within the GPU and host budgets, each explainable, or an error naming
+// the least bytes any plan would need.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "oom/model/model_spec.hpp"
+#include "oom/plan/machine_profile.hpp"
+#include "oom/plan/plan.hpp"
+#include "oom/plan/simulator.hpp"
+
+namespace oom {
+
+struct PlanSet {
+  std::vector<Plan> plans;  ///< best first
+  int evaluated = 0;        ///< candidates simulated
+  int feasible = 0;         ///< of which within both budgets
+  double search_s = 0;
+};
+
+class Planner {
+ public:
+  /// `model_name` is recorded in plans (e.g. the config's path).
+  Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name = {});
+
+  /// Throws Errc::invalid_argument for a malformed request and Errc::out_of_budget, naming the
+  /// least GPU and host bytes a plan needs and the claimant that dominates, when nothing fits.
+  [[nodiscard]] PlanSet plan(const PlanRequest& request) const;
+
+  /// The step graph of a plan (the one the prediction was simulated on).
+  [[nodiscard]] StepGraph step_graph(const Plan& plan) const;
+  /// Re-simulates a plan (e.g. one read from JSON) on this planner's profile.
+  [[nodiscard]] SimResult simulate(const Plan& plan) const;
+
+  /// A readable account of one plan: memory per claimant per GPU and on the host, policies,
+  /// predicted time per resource.
+  [[nodiscard]] std::string describe(const Plan& plan) const;
+  /// Why `best` beat `runner_up`, in a few lines.
+  [[nodiscard]] static std::string compare(const Plan& best, const Plan& runner_up);
+
+  [[nodiscard]] const ModelSpec& spec() const { return *spec_; }
+  [[nodiscard]] const MachineProfile& profile() const { return *profile_; }
+
+ private:
+  const ModelSpec* spec_;
+  const MachineProfile* profile_;
+  std::string model_name_;
+};
+
+}  // namespace oom

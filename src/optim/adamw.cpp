@@ -1,0 +1,58 @@
+// AdamW per-step scalars and the global-norm clipping factor, computed in double and rounded to
+// fp32 once, so every kernel (and the GPU one later) starts from the same constants.
+#include "oom/optim/adamw.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "oom/core/error.hpp"
+
+namespace oom::optim {
+
+AdamWStepScalars adamw_step_scalars(const AdamWConfig& c, std::int64_t step, float grad_scale) {
+  auto bad = [](std::string what) { OOM_THROW(Errc::invalid_argument, std::move(what)); };
+  if (step < 1) bad(fmt::format("AdamW step is {}; steps count from 1", step));
+  if (!(c.lr >= 0.0f) || !std::isfinite(c.lr)) bad(fmt::format("AdamW lr is {}; it must be finite and >= 0", c.lr));
+  if (!(c.beta1 >= 0.0f && c.beta1 < 1.0f)) bad(fmt::format("AdamW beta1 is {}; it must be in [0, 1)", c.beta1));
+  if (!(c.beta2 >= 0.0f && c.beta2 < 1.0f)) bad(fmt::format("AdamW beta2 is {}; it must be in [0, 1)", c.beta2));
+  if (!(c.eps > 0.0f) || !std::isfinite(c.eps)) bad(fmt::format("AdamW eps is {}; it must be finite and > 0", c.eps));
+  if (!(c.weight_decay >= 0.0f) || !std::isfinite(c.weight_decay)) {
+    bad(fmt::format("AdamW weight_decay is {}; it must be finite and >= 0", c.weight_decay));
+  }
+  if (!(grad_scale >= 0.0f) || !std::isfinite(grad_scale)) {
+    bad(fmt::format("AdamW grad_scale is {}; it must be finite and >= 0", grad_scale));
+  }
+  const double lr = c.lr;
+  const double b1 = c.beta1;
+  const double b2 = c.beta2;
+  const double t = static_cast<double>(step);
+  const double bc1 = c.bias_correction ? 1.0 - std::pow(b1, t) : 1.0;
+  const double bc2 = c.bias_correction ? 1.0 - std::pow(b2, t) : 1.0;
+  AdamWStepScalars s;
+  s.grad_scale = grad_scale;
+  s.decay = static_cast<float>(1.0 - lr * static_cast<double>(c.weight_decay));
+  s.beta1 = c.beta1;
+  s.one_minus_beta1 = static_cast<float>(1.0 - b1);
+  s.beta2 = c.beta2;
+  s.one_minus_beta2 = static_cast<float>(1.0 - b2);
+  s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  s.eps = c.eps;
+  s.neg_step_size = static_cast<float>(-lr / bc1);
+  // beta2 close to 1 at step 1 can round bc2 to a float subnormal or zero; then sqrt(v)/0 is inf.
+  if (!(s.bias_correction2_sqrt > 0.0f) || !std::isfinite(s.neg_step_size)) {
+    bad(fmt::format("AdamW bias correction underflows at step {} (beta1 {}, beta2 {})", step, c.beta1, c.beta2));
+  }
+  return s;
+}
+
+float clip_grad_scale(double sum_of_squares, double max_norm) {
+  if (!(max_norm > 0.0)) OOM_THROW(Errc::invalid_argument, fmt::format("max_norm is {}; it must be > 0", max_norm));
+  if (!(sum_of_squares >= 0.0)) {
+    OOM_THROW(Errc::invalid_argument, fmt::format("gradient sum of squares is {}; it must be >= 0", sum_of_squares));
+  }
+  const double coef = max_norm / (std::sqrt(sum_of_squares) + 1e-6);
+  return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
+}
+
+}  // namespace oom::optim

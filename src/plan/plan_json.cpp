@@ -1,0 +1,168 @@
+// Plan <-> JSON. The JSON is what `oom-plan --json` writes and the trainer's `--plan` reads.
+#include <string>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
+#include "oom/plan/plan.hpp"
+
+namespace oom {
+
+namespace {
+
+const char* action_name(Retention r) {
+  switch (r) {
+    case Retention::keep: return "keep";
+    case Retention::offload: return "offload";
+    case Retention::recompute: return "recompute";
+  }
+  return "?";
+}
+
+Retention parse_retention(const JsonCursor& c) {
+  const auto& s = c.as_string();
+  for (auto r : {Retention::keep, Retention::offload, Retention::recompute})
+    if (s == action_name(r)) return r;
+  OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not keep, offload or recompute", c.path(), s));
+}
+
+ExecutionPath parse_path(const JsonCursor& c) {
+  const auto& s = c.as_string();
+  for (auto p : {ExecutionPath::local, ExecutionPath::expert_parallel})
+    if (s == to_string(p)) return p;
+  OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not local or expert-parallel", c.path(), s));
+}
+
+Json bytes_by_claimant(const std::array<Bytes, claimant_count>& a) {
+  Json o = Json::object();
+  for (int c = 0; c < claimant_count; ++c) o.set(to_string(static_cast<Claimant>(c)), a[static_cast<std::size_t>(c)].count());
+  return o;
+}
+
+}  // namespace
+
+Json Plan::to_json() const {
+  Json j = Json::object();
+  j.set("format", "oom-plan/1");
+  j.set("model", model);
+  j.set("path", to_string(path));
+  j.set("gpus", gpus);
+  j.set("prefetch_depth", prefetch_depth);
+  j.set("sequences", workload.sequences);
+  j.set("seq_len", workload.seq_len);
+  j.set("micro_batches", micro_batches);
+  Json prec = Json::object();
+  prec.set("weights", std::string(name(precision.weights)));
+  prec.set("master", std::string(name(precision.master)));
+  prec.set("moments", std::string(name(precision.moments)));
+  prec.set("grads", std::string(name(precision.grads)));
+  j.set("precision", std::move(prec));
+  j.set("gpu_budget_bytes", gpu_budget.count());
+  j.set("host_budget_bytes", host_budget.count());
+  j.set("resident_level_bytes", resident_level.count());
+  Json res = Json::array();
+  for (const auto& s : resident_segments) res.push_back(s);
+  j.set("resident_segments", std::move(res));
+  j.set("retention_name", retention_name);
+  Json layers = Json::array();
+  for (std::size_t l = 0; l < retention.size(); ++l) {
+    Json layer = Json::object();
+    Json ret = Json::object();
+    for (int c = 0; c < activation_class_count; ++c) {
+      const auto d = retention[l][static_cast<std::size_t>(c)];
+      std::string v = action_name(d.action);
+      if (d.action == Retention::recompute) v += fmt::format(" from {}", d.recompute_from);
+      ret.set(to_string(static_cast<ActivationClass>(c)), v);
+    }
+    layer.set("retention", std::move(ret));
+    Json ends = Json::array();
+    if (l < chunks.size())
+      for (auto e : chunks[l].attention) ends.push_back(e);
+    layer.set("attention_chunk_ends", std::move(ends));
+    layer.set("moe_chunk_tokens", l < chunks.size() ? chunks[l].moe_tokens : 0);
+    layers.push_back(std::move(layer));
+  }
+  j.set("layers", std::move(layers));
+  j.set("loss_chunk_rows", loss_rows);
+  Json pred = Json::object();
+  pred.set("step_s", predicted.step_s);
+  Json busy = Json::object();
+  for (int r = 0; r < resource_count; ++r) busy.set(to_string(static_cast<Resource>(r)), predicted.busy.seconds[static_cast<std::size_t>(r)]);
+  pred.set("busy_s", std::move(busy));
+  pred.set("gpu_peak_bytes", predicted.gpu_peak.count());
+  pred.set("host_peak_bytes", predicted.host_peak.count());
+  pred.set("gpu_at_peak_bytes", bytes_by_claimant(predicted.gpu_at_peak));
+  pred.set("peak_bytes", bytes_by_claimant(predicted.peak));
+  j.set("predicted", std::move(pred));
+  return j;
+}
+
+Plan Plan::from_json(const Json& json, std::string_view source) {
+  try {
+    const JsonCursor j(json);
+    if (j["format"].as_string() != "oom-plan/1")
+      OOM_THROW(Errc::parse, fmt::format("format: '{}' is not oom-plan/1", j["format"].as_string()));
+    Plan p;
+    p.model = j["model"].as_string();
+    p.path = parse_path(j["path"]);
+    p.gpus = static_cast<int>(j["gpus"].as_int64());
+    p.prefetch_depth = static_cast<int>(j["prefetch_depth"].as_int64());
+    p.workload = {j["sequences"].as_uint64(), j["seq_len"].as_uint64()};
+    p.micro_batches = static_cast<int>(j["micro_batches"].as_int64());
+    p.precision.weights = parse_dtype(j["precision"]["weights"].as_string());
+    p.precision.master = parse_dtype(j["precision"]["master"].as_string());
+    p.precision.moments = parse_dtype(j["precision"]["moments"].as_string());
+    p.precision.grads = parse_dtype(j["precision"]["grads"].as_string());
+    p.gpu_budget = Bytes{j["gpu_budget_bytes"].as_uint64()};
+    p.host_budget = Bytes{j["host_budget_bytes"].as_uint64()};
+    p.resident_level = Bytes{j["resident_level_bytes"].as_uint64()};
+    for (std::size_t i = 0; i < j["resident_segments"].size(); ++i) p.resident_segments.push_back(j["resident_segments"][i].as_string());
+    p.retention_name = j["retention_name"].as_string();
+    if (p.gpus < 1 || p.prefetch_depth < 1 || p.micro_batches < 1 || p.workload.tokens() == 0)
+      OOM_THROW(Errc::parse, "gpus, prefetch_depth, micro_batches, sequences and seq_len must be positive");
+    const auto layers = j["layers"];
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      const auto layer = layers[l];
+      std::array<RetentionDecision, activation_class_count> row{};
+      for (int c = 0; c < activation_class_count; ++c) {
+        const auto field = layer["retention"][to_string(static_cast<ActivationClass>(c))];
+        std::string text = field.as_string();
+        RetentionDecision d;
+        if (const auto at = text.find(" from "); at != std::string::npos) {
+          d.recompute_from = std::stoi(text.substr(at + 6));
+          text = text.substr(0, at);
+        }
+        d.action = parse_retention(JsonCursor(Json(text), field.path()));
+        if (d.action == Retention::recompute && d.recompute_from < 0)
+          OOM_THROW(Errc::parse, fmt::format("{}: recompute needs 'from <layer>'", field.path()));
+        row[static_cast<std::size_t>(c)] = d;
+      }
+      p.retention.push_back(row);
+      LayerChunks lc;
+      std::uint64_t prev = 0;
+      for (std::size_t i = 0; i < layer["attention_chunk_ends"].size(); ++i) {
+        const auto e = layer["attention_chunk_ends"][i].as_uint64();
+        if (e <= prev) OOM_THROW(Errc::parse, fmt::format("{}: chunk ends must increase", layer["attention_chunk_ends"].path()));
+        lc.attention.push_back(prev = e);
+      }
+      if (lc.attention.empty() || lc.attention.back() != p.workload.seq_len)
+        OOM_THROW(Errc::parse, fmt::format("{}: the last chunk must end at seq_len {}", layer["attention_chunk_ends"].path(), p.workload.seq_len));
+      lc.moe_tokens = layer["moe_chunk_tokens"].as_uint64();
+      if (lc.moe_tokens == 0) OOM_THROW(Errc::parse, fmt::format("{}: must be > 0", layer["moe_chunk_tokens"].path()));
+      p.chunks.push_back(std::move(lc));
+    }
+    p.loss_rows = j["loss_chunk_rows"].as_uint64();
+    if (p.loss_rows == 0) OOM_THROW(Errc::parse, "loss_chunk_rows must be > 0");
+    p.predicted.step_s = j["predicted"]["step_s"].as_double();
+    p.predicted.gpu_peak = Bytes{j["predicted"]["gpu_peak_bytes"].as_uint64()};
+    p.predicted.host_peak = Bytes{j["predicted"]["host_peak_bytes"].as_uint64()};
+    return p;
+  } catch (Error& e) {
+    throw e.add_context(fmt::format("reading plan {}", source));
+  } catch (const std::exception& e) {
+    throw Error(Errc::parse, fmt::format("plan {}: {}", source, e.what()));
+  }
+}
+
+}  // namespace oom

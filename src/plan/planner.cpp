@@ -1,0 +1,727 @@
+// The planner: the step graph of a plan, and the search over candidate plans.
+#include "oom/plan/planner.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+#include "oom/core/log.hpp"
+#include "oom/plan/dependency_partitioner.hpp"
+#include "oom/plan/policies.hpp"
+#include "step_model.hpp"
+
+namespace oom {
+
+const char* to_string(ExecutionPath p) noexcept {
+  switch (p) {
+    case ExecutionPath::local: return "local";
+    case ExecutionPath::expert_parallel: return "expert-parallel";
+  }
+  return "?";
+}
+
+namespace {
+
+using detail::LayerState;
+
+// Recomputed activations of the MLP part are regenerated chunk by chunk inside its backward (experts
+// are independent per token chunk), so they live in the chunk workset; the others are regenerated
+// for the whole layer and held until its backward ends.
+bool held_when_recomputed(ActivationClass c) {
+  return c != ActivationClass::layer_boundary && c != ActivationClass::router_output &&
+         c != ActivationClass::permuted_tokens && c != ActivationClass::expert_intermediate;
+}
+using detail::StepModel;
+
+constexpr std::uint64_t fp32_bytes = 4;
+/// Kept free of every plan: CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation.
+constexpr double gpu_margin = 0.04;
+
+PlanRequest request_of(const Plan& p) {
+  PlanRequest r;
+  r.gpus = p.gpus;
+  r.gpu_budget = p.gpu_budget;
+  r.host_budget = p.host_budget;
+  r.workload = p.workload;
+  r.micro_batches = p.micro_batches;
+  r.precision = p.precision;
+  return r;
+}
+
+Partition partition_from_ends(const WorkItem& w, const std::vector<std::uint64_t>& ends) {
+  Partition p;
+  std::uint64_t b = 0;
+  for (auto e : ends) {
+    p.chunks.push_back({b, e, live_bytes(w, b, e)});
+    p.peak = max(p.peak, p.chunks.back().live);
+    b = e;
+  }
+  return p;
+}
+
+std::vector<bool> resident_mask(const ModelSpec& spec, const std::vector<std::string>& names) {
+  std::unordered_map<std::string, std::size_t> index;
+  for (std::size_t i = 0; i < spec.segments().size(); ++i) index.emplace(spec.segments()[i].name, i);
+  std::vector<bool> mask(spec.segments().size(), false);
+  for (const auto& n : names) {
+    const auto it = index.find(n);
+    if (it == index.end()) OOM_THROW(Errc::invalid_argument, "plan names resident segment '" + n + "', which this model does not have");
+    mask[it->second] = true;
+  }
+  return mask;
+}
+
+// Builds the step graph of `plan` for `spec` (see docs/planner.md, "Step graph").
+class GraphBuilder {
+ public:
+  GraphBuilder(const ModelSpec& spec, const MachineProfile& profile, const Plan& plan)
+      : spec_(spec), plan_(plan), model_(spec, profile, request_of(plan), plan.path),
+        mask_(resident_mask(spec, plan.resident_segments)) {
+    const int n = spec.num_layers();
+    if (static_cast<int>(plan.retention.size()) != n || static_cast<int>(plan.chunks.size()) != n)
+      OOM_THROW(Errc::invalid_argument, fmt::format("plan has retention for {} and chunks for {} layers; the model has {}",
+                                                    plan.retention.size(), plan.chunks.size(), n));
+    for (int l = -1; l <= n; ++l) states_.push_back(model_.layer_state(l, mask_));
+    for (int l = 0; l < n; ++l) {
+      attn_.push_back(partition_from_ends(model_.attention_item(l), plan.chunks[static_cast<std::size_t>(l)].attention));
+      saved_.push_back(model_.saved_bytes(l));
+    }
+  }
+
+  StepGraph build() {
+    const int n = spec_.num_layers();
+    fwd_last_.assign(static_cast<std::size_t>(n + 2), -1);
+    bwd_last_.assign(static_cast<std::size_t>(n + 2), -1);
+    d2h_act_.assign(static_cast<std::size_t>(n), -1);
+    regenerated_.assign(static_cast<std::size_t>(n), false);
+    int prev = -1;
+    for (int mb = 0; mb < plan_.micro_batches; ++mb) {
+      const bool last_mb = mb + 1 == plan_.micro_batches;
+      std::fill(regenerated_.begin(), regenerated_.end(), false);
+      plan_loads(n);
+      prev = embedding_forward(prev);
+      for (int l = 0; l < n; ++l) prev = layer_forward(l, prev);
+      prev = head(prev, last_mb);
+      for (int l = n - 1; l >= 0; --l) prev = layer_backward(l, prev, last_mb);
+      prev = embedding_backward(prev, last_mb);
+    }
+    add_constant_holds();
+    for (const auto& h : deferred_) g_.hold(h.claimant, h.bytes, h.from, resolve(h.to));
+    return std::move(g_);
+  }
+
+ private:
+  struct Load {
+    int layer;
+    bool backward;
+  };
+  struct Deferred {
+    Claimant claimant;
+    Bytes bytes;
+    int from;
+    int to;  // >= 0: op id; < 0: -(layer + 2) for "backward end of layer"
+  };
+
+  const LayerState& st(int layer) const { return states_[static_cast<std::size_t>(layer + 1)]; }
+  Bytes weight_bytes(int layer) const { return bytes_of(plan_.precision.weights, st(layer).streamed_params); }
+  int resolve(int to) const { return to >= 0 ? to : bwd_last_[static_cast<std::size_t>(-to - 2 + 1)]; }
+  static int bwd_end_of(int layer) { return -(layer + 2); }
+  std::string tag(const char* what, int layer) const { return fmt::format("{} L{}", what, layer); }
+
+  // The order in which weights enter slots: forward 0..n-1, the head, backward n-1..0.
+  void plan_loads(int n) {
+    loads_.clear();
+    load_op_.clear();
+    release_op_.clear();
+    for (int l = 0; l < n; ++l) loads_.push_back({l, false});
+    loads_.push_back({n, false});
+    for (int l = n - 1; l >= 0; --l) loads_.push_back({l, true});
+    load_op_.assign(loads_.size(), -1);
+    release_op_.assign(loads_.size(), -1);
+    issued_ = 0;
+    next_compute_ = 0;
+  }
+
+  // Issues the H2D of loads up to `upto` (at most depth ahead of the compute that needs them);
+  // a load waits for the slot freed by the load `depth` before it.
+  void issue_loads_through(std::size_t upto) {
+    const auto depth = static_cast<std::size_t>(plan_.prefetch_depth);
+    while (issued_ <= upto && issued_ < loads_.size()) {
+      const std::size_t j = issued_++;
+      const int layer = loads_[j].layer;
+      std::vector<int> deps;
+      if (j >= depth && release_op_[j - depth] >= 0) deps.push_back(release_op_[j - depth]);
+      const Bytes w = weight_bytes(layer);
+      if (w.count() > 0)
+        load_op_[j] = g_.add({tag(loads_[j].backward ? "h2d.weights.bwd" : "h2d.weights", layer), Resource::h2d,
+                              model_.time_of(Operation::moving(OpKind::copy_h2d, w), Resource::h2d), deps, layer});
+      if (loads_[j].backward && layer < spec_.num_layers()) prefetch_activations(layer);
+    }
+  }
+
+  // Returns the load op for the next compute and keeps `depth - 1` more in flight.
+  int begin_compute() {
+    const std::size_t k = next_compute_;
+    issue_loads_through(k + static_cast<std::size_t>(plan_.prefetch_depth) - 1);
+    return load_op_[k];
+  }
+  void end_compute(int first_op, int last_op) {
+    const std::size_t k = next_compute_++;
+    release_op_[k] = last_op;
+    const int layer = loads_[k].layer;
+    if (load_op_[k] >= 0) g_.hold(Claimant::worksets, weight_bytes(layer), load_op_[k], last_op);
+    (void)first_op;
+  }
+
+  static std::vector<int> deps_of(std::initializer_list<int> ids) {
+    std::vector<int> d;
+    for (int i : ids)
+      if (i >= 0) d.push_back(i);
+    return d;
+  }
+
+  int embedding_forward(int prev) {
+    const std::uint64_t h = spec_.hidden_size();
+    const std::uint64_t t = model_.tokens();
+    int rows = -1;
+    if (st(-1).streamed_params > 0)  // rows gathered on the host, sent up
+      rows = g_.add({"h2d.embedding_rows", Resource::h2d,
+                     model_.time_of(Operation::moving(OpKind::copy_h2d, Bytes{t * h * 2}), Resource::h2d), {}, -1});
+    const int op = g_.add({"fwd.embedding", Resource::gpu_compute,
+                           model_.time_of(Operation::moving(OpKind::memory_bound, Bytes{t * h * 4}), Resource::gpu_compute),
+                           deps_of({rows, prev}), -1});
+    fwd_last_[0] = op;
+    return op;
+  }
+
+  int layer_forward(int l, int prev) {
+    const auto& ch = plan_.chunks[static_cast<std::size_t>(l)];
+    const int load = begin_compute();
+    const int fa = g_.add({tag("fwd.attention", l), Resource::gpu_compute,
+                           model_.attention_time(l, attn_[static_cast<std::size_t>(l)], false, false), deps_of({load, prev}), l});
+    g_.hold(Claimant::worksets, attn_[static_cast<std::size_t>(l)].peak, fa, fa);
+    int before_mlp = fa;
+    if (const double a2a = model_.all_to_all_time(l); a2a > 0)
+      before_mlp = g_.add({tag("a2a.fwd", l), Resource::network, a2a, {fa}, l});
+    const int fm = g_.add({tag("fwd.mlp", l), Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, false, false),
+                           deps_of({before_mlp}), l});
+    g_.hold(Claimant::worksets, mlp_peak(l), fm, fm);
+    end_compute(fa, fm);
+    fwd_last_[static_cast<std::size_t>(l + 1)] = fm;
+
+    // Saved activations: keep, or offload now and prefetch before backward; recompute costs nothing here.
+    Bytes offload;
+    for (int c = 0; c < activation_class_count; ++c) {
+      const Bytes b = saved_[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
+      const auto d = plan_.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
+      if (d.action == Retention::keep) deferred_.push_back({Claimant::retained_activations, b, fm, bwd_end_of(l)});
+      if (d.action == Retention::offload) offload += b;
+    }
+    if (offload.count() > 0) {
+      const int d2h = g_.add({tag("d2h.activations", l), Resource::d2h,
+                              model_.time_of(Operation::moving(OpKind::copy_d2h, offload), Resource::d2h), {fm}, l});
+      d2h_act_[static_cast<std::size_t>(l)] = d2h;
+      g_.hold(Claimant::retained_activations, offload, fm, d2h);
+      deferred_.push_back({Claimant::host_offload, offload * static_cast<std::uint64_t>(plan_.gpus), d2h, bwd_end_of(l)});
+    }
+    return fm;
+  }
+
+  Bytes mlp_peak(int l) const {
+    return live_bytes(model_.mlp_item(l), 0, std::min(model_.tokens(), plan_.chunks[static_cast<std::size_t>(l)].moe_tokens));
+  }
+
+  void prefetch_activations(int l) {
+    Bytes offload;
+    for (int c = 0; c < activation_class_count; ++c)
+      if (plan_.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)].action == Retention::offload)
+        offload += saved_[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
+    if (offload.count() == 0) return;
+    const int h2d = g_.add({tag("h2d.activations", l), Resource::h2d,
+                            model_.time_of(Operation::moving(OpKind::copy_h2d, offload), Resource::h2d),
+                            deps_of({d2h_act_[static_cast<std::size_t>(l)]}), l});
+    prefetch_op_[l] = h2d;
+    deferred_.push_back({Claimant::retained_activations, offload, h2d, bwd_end_of(l)});
+  }
+
+  int head(int prev, bool last_mb) {
+    const int n = spec_.num_layers();
+    const int load = begin_compute();
+    const WorkItem item = model_.loss_item();
+    const int op = g_.add({"loss (LM head + cross-entropy)", Resource::gpu_compute,
+                           model_.loss_time(plan_.loss_rows, false) + model_.loss_time(plan_.loss_rows, true),
+                           deps_of({load, prev}), n});
+    g_.hold(Claimant::worksets, live_bytes(item, 0, std::min(item.extent, plan_.loss_rows)), op, op);
+    end_compute(op, op);
+    fwd_last_[static_cast<std::size_t>(n + 1)] = op;
+    bwd_last_[static_cast<std::size_t>(n + 1)] = op;
+    gradients(n, op, last_mb);
+    return op;
+  }
+
+  // Regenerates boundaries [from+1, l] by rerunning layers from..l-1 forward (their weights
+  // streamed again), once per backward; the boundaries are held until their own backward.
+  int regenerate(int from, int l, int prev) {
+    Bytes weights;
+    double compute = 0;
+    for (int j = from; j < l; ++j) {
+      weights += weight_bytes(j);
+      compute += model_.attention_time(j, attn_[static_cast<std::size_t>(j)], false, false) +
+                 model_.mlp_time(j, plan_.chunks[static_cast<std::size_t>(j)].moe_tokens, false, false);
+    }
+    int load = -1;
+    if (weights.count() > 0)
+      load = g_.add({tag("h2d.weights.regenerate", l), Resource::h2d,
+                     model_.time_of(Operation::moving(OpKind::copy_h2d, weights), Resource::h2d), {}, l});
+    const int op = g_.add({fmt::format("regenerate L{}..L{}", from + 1, l), Resource::gpu_compute, compute,
+                           deps_of({load, prev}), l});
+    if (load >= 0) g_.hold(Claimant::worksets, weights, load, op);
+    for (int j = from + 1; j <= l; ++j) {
+      regenerated_[static_cast<std::size_t>(j)] = true;
+      deferred_.push_back({Claimant::retained_activations,
+                           saved_[static_cast<std::size_t>(j)][static_cast<std::size_t>(ActivationClass::layer_boundary)], op,
+                           bwd_end_of(j)});
+    }
+    return op;
+  }
+
+  int layer_backward(int l, int prev, bool last_mb) {
+    const auto& row = plan_.retention[static_cast<std::size_t>(l)];
+    const auto& ch = plan_.chunks[static_cast<std::size_t>(l)];
+    const int load = begin_compute();
+    const auto boundary = row[static_cast<std::size_t>(ActivationClass::layer_boundary)];
+    if (boundary.action == Retention::recompute && !regenerated_[static_cast<std::size_t>(l)])
+      prev = regenerate(boundary.recompute_from, l, prev);
+    int rc = -1;
+    if (const double t = model_.recompute_time(l, row, attn_[static_cast<std::size_t>(l)], ch.moe_tokens); t > 0) {
+      rc = g_.add({tag("recompute", l), Resource::gpu_compute, t, deps_of({load, prev}), l});
+      Bytes dropped;
+      for (int c = 0; c < activation_class_count; ++c)
+        if (held_when_recomputed(static_cast<ActivationClass>(c)) && row[static_cast<std::size_t>(c)].action == Retention::recompute)
+          dropped += saved_[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
+      deferred_.push_back({Claimant::retained_activations, dropped, rc, bwd_end_of(l)});
+    }
+    const auto pf = prefetch_op_.find(l);
+    const int bm = g_.add({tag("bwd.mlp", l), Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, true, false),
+                           deps_of({load, prev, rc, pf == prefetch_op_.end() ? -1 : pf->second}), l});
+    g_.hold(Claimant::worksets, mlp_peak(l), bm, bm);
+    int before_attn = bm;
+    if (const double a2a = model_.all_to_all_time(l); a2a > 0)
+      before_attn = g_.add({tag("a2a.bwd", l), Resource::network, a2a, {bm}, l});
+    const int ba = g_.add({tag("bwd.attention", l), Resource::gpu_compute,
+                           model_.attention_time(l, attn_[static_cast<std::size_t>(l)], true, false), {before_attn}, l});
+    g_.hold(Claimant::worksets, attn_[static_cast<std::size_t>(l)].peak, ba, ba);
+    end_compute(bm, ba);
+    bwd_last_[static_cast<std::size_t>(l + 1)] = ba;
+    return gradients(l, ba, last_mb, bm);
+  }
+
+  // Gradients of (pseudo-)layer l after its backward `done` (which began at `first`): reduced
+  // over GPUs when several hold replicas, sent to the host, applied by the CPU optimizer once the
+  // last micro-batch's have landed; resident segments updated on the GPU.
+  int gradients(int l, int done, bool last_mb, int first = -1) {
+    const LayerState& s = st(l);
+    const int gpus = plan_.gpus;
+    const bool ep = plan_.path == ExecutionPath::expert_parallel;
+    int ret = done;
+    if (s.streamed_params > 0) {
+      const std::uint64_t streamed_grad = s.streamed_params * fp32_bytes;
+      // Replicated parameters are reduce-scattered, then each GPU sends its shard; an expert's
+      // owner sends its gradients whole.
+      const std::uint64_t replicated = ep ? s.host_params - s.host_expert_params : s.host_params;
+      const std::uint64_t owned = ep ? s.streamed_params - std::min(s.streamed_params, replicated) : 0;
+      int reduced = done;
+      if (gpus > 1 && replicated > 0)
+        reduced = g_.add({tag("reduce_scatter.grads", l), Resource::network,
+                          model_.time_of(Operation::moving(OpKind::all_reduce, Bytes{replicated * fp32_bytes / 2}), Resource::network),
+                          {done}, l});
+      const Bytes sent{(replicated / static_cast<std::uint64_t>(gpus) + owned) * fp32_bytes};
+      const int d2h = g_.add({tag("d2h.grads", l), Resource::d2h,
+                              model_.time_of(Operation::moving(OpKind::copy_d2h, sent), Resource::d2h), {reduced}, l});
+      g_.hold(Claimant::worksets, Bytes{streamed_grad}, first >= 0 ? first : done, d2h);
+      if (last_mb)
+        g_.add({tag("cpu.adamw", l), Resource::cpu,
+                model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params), Resource::cpu), {d2h}, l});
+    }
+    if (s.resident_params > 0 && last_mb) {
+      int reduced = done;
+      if (gpus > 1 && !ep)
+        reduced = g_.add({tag("all_reduce.resident_grads", l), Resource::network,
+                          model_.time_of(Operation::moving(OpKind::all_reduce, Bytes{s.resident_params * fp32_bytes}), Resource::network),
+                          {done}, l});
+      ret = g_.add({tag("gpu.adamw", l), Resource::gpu_compute,
+                    model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params), Resource::gpu_compute), {reduced}, l});
+    }
+    return ret;
+  }
+
+  int embedding_backward(int prev, bool last_mb) {
+    const std::uint64_t h = spec_.hidden_size();
+    const std::uint64_t t = model_.tokens();
+    const LayerState& s = st(-1);
+    const int op = g_.add({"bwd.embedding", Resource::gpu_compute,
+                           model_.time_of(Operation::moving(OpKind::memory_bound, Bytes{t * h * 8}), Resource::gpu_compute),
+                           deps_of({prev}), -1});
+    bwd_last_[0] = op;
+    if (s.streamed_params > 0) {
+      // Row gradients go down; the host scatters them into the table's gradient and updates it.
+      const int d2h = g_.add({"d2h.embedding_row_grads", Resource::d2h,
+                              model_.time_of(Operation::moving(OpKind::copy_d2h, Bytes{t * h * fp32_bytes}), Resource::d2h), {op}, -1});
+      if (last_mb)
+        g_.add({"cpu.adamw embedding", Resource::cpu,
+                model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params), Resource::cpu), {d2h}, -1});
+    }
+    if (s.resident_params > 0 && last_mb)
+      return g_.add({"gpu.adamw embedding", Resource::gpu_compute,
+                     model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params), Resource::gpu_compute), {op}, -1});
+    return op;
+  }
+
+  void add_constant_holds() {
+    std::uint64_t resident = 0, host = 0, largest_layer_host = 0;
+    for (const auto& s : states_) {
+      resident += s.resident_params;
+      host += s.host_params;
+      largest_layer_host = std::max(largest_layer_host, s.host_params);
+    }
+    g_.hold(Claimant::resident_state, Bytes{resident * model_.state_bytes_per_param(true)});
+    g_.hold(Claimant::host_state, Bytes{host * model_.state_bytes_per_param(false)});
+    // Pinned staging for gradients as they land: two layers' worth, so one is being applied while
+    // the next arrives (with accumulation, the accumulators are part of host_state instead).
+    g_.hold(Claimant::host_staging, Bytes{2 * largest_layer_host * fp32_bytes});
+  }
+
+  const ModelSpec& spec_;
+  const Plan& plan_;
+  StepModel model_;
+  std::vector<bool> mask_;
+  std::vector<LayerState> states_;
+  std::vector<Partition> attn_;
+  std::vector<std::array<Bytes, activation_class_count>> saved_;
+  StepGraph g_;
+  std::vector<Load> loads_;
+  std::vector<int> load_op_, release_op_;
+  std::size_t issued_ = 0, next_compute_ = 0;
+  std::vector<int> fwd_last_, bwd_last_, d2h_act_;
+  std::map<int, int> prefetch_op_;
+  std::vector<bool> regenerated_;
+  std::vector<Deferred> deferred_;
+};
+
+Prediction predict(const SimResult& r) {
+  Prediction p;
+  p.step_s = r.step_s;
+  p.busy = r.busy;
+  p.gpu_at_peak = r.at_gpu_peak;
+  p.peak = r.peak;
+  p.gpu_peak = r.gpu_peak;
+  p.host_peak = r.host_peak;
+  return p;
+}
+
+}  // namespace
+
+Planner::Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name)
+    : spec_(&spec), profile_(&profile), model_name_(std::move(model_name)) {
+  profile.validate(profile.name);
+}
+
+StepGraph Planner::step_graph(const Plan& plan) const { return GraphBuilder(*spec_, *profile_, plan).build(); }
+
+SimResult Planner::simulate(const Plan& plan) const { return oom::simulate(step_graph(plan)); }
+
+namespace {
+
+struct RetentionChoice {
+  RetentionTemplate far, near;
+  int near_layers;
+};
+
+std::vector<RetentionChoice> retention_candidates(const ModelSpec& spec) {
+  const int n = spec.num_layers();
+  bool hybrid = false;
+  for (const auto& l : spec.layers()) hybrid |= l.attention == AttentionKind::linear;
+  std::vector<RetentionChoice> out;
+  std::vector<RetentionTemplate> pure = {RetentionTemplate::keep_all, RetentionTemplate::checkpoint,
+                                         RetentionTemplate::offload_checkpoint, RetentionTemplate::keep_attention,
+                                         RetentionTemplate::offload_attention};
+  if (hybrid) pure.push_back(RetentionTemplate::hybrid_regenerate);
+  for (auto t : pure) out.push_back({t, t, 0});
+  // The layers nearest the loss are needed first by backward: keep more of theirs on the GPU.
+  const RetentionTemplate nears[] = {RetentionTemplate::keep_all, RetentionTemplate::keep_attention, RetentionTemplate::checkpoint};
+  std::vector<RetentionTemplate> fars = {RetentionTemplate::checkpoint, RetentionTemplate::offload_checkpoint,
+                                         RetentionTemplate::offload_attention};
+  if (hybrid) fars.push_back(RetentionTemplate::hybrid_regenerate);
+  for (auto near : nears)
+    for (auto far : fars) {
+      if (near == far) continue;
+      for (int q = 1; q <= 3; ++q) out.push_back({far, near, n * q / 4});
+    }
+  return out;
+}
+
+// Resident-bytes levels: 0, then 256 MiB growing by 2^(1/4): fixed whatever the budget, so a
+// candidate at one budget is also a candidate at any larger one.
+std::vector<Bytes> residency_ladder(Bytes up_to) {
+  std::vector<Bytes> levels{Bytes{}};
+  for (double b = 256.0 * (1 << 20); b <= static_cast<double>(up_to.count()); b *= 1.189207115002721)
+    levels.push_back(Bytes{static_cast<std::uint64_t>(b)});
+  return levels;
+}
+
+// Segments by time saved per GPU byte if made resident (streaming in for forward and backward,
+// gradients out, CPU update, minus the GPU update), earlier layers first among equals: their CPU
+// updates end the step, which the next forward waits on.
+std::vector<std::size_t> residency_order(const ModelSpec& spec, const StepModel& model) {
+  const auto& segs = spec.segments();
+  const auto& cost = model.cost();
+  const int n = spec.num_layers();
+  std::vector<std::pair<double, std::size_t>> scored;
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    const auto p = static_cast<double>(segs[i].parameters());
+    const double saved = p * 2 * 2 / cost.h2d_rate() + p * 4 / cost.d2h_rate() + p / cost.profile().cpu_adamw_params_per_s -
+                         p * ProfileCostModel::gpu_adamw_bytes_per_param / cost.profile().hbm_bytes_per_s;
+    const int layer = model.segment_layer(i);
+    const double position = 1.0 + static_cast<double>(n - std::clamp(layer, 0, n)) / std::max(n, 1);
+    scored.emplace_back(saved * position / std::max(p * static_cast<double>(model.state_bytes_per_param(true)), 1.0), i);
+  }
+  std::stable_sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::size_t> order;
+  for (const auto& s : scored) order.push_back(s.second);
+  return order;
+}
+
+// GPU bytes of retained activations at the forward/backward turn, and in flight while offloading.
+Bytes retained_estimate(const StepModel& model, const RetentionTable& table, int layers) {
+  Bytes kept, largest_offload, largest_layer;
+  for (int l = 0; l < layers; ++l) {
+    const auto saved = model.saved_bytes(l);
+    Bytes off, dropped;
+    for (int c = 0; c < activation_class_count; ++c) {
+      const auto cls = static_cast<ActivationClass>(c);
+      const auto d = table.retain(l, cls);
+      if (d.action == Retention::keep) kept += saved[static_cast<std::size_t>(c)];
+      if (d.action == Retention::offload) off += saved[static_cast<std::size_t>(c)];
+      if (d.action == Retention::recompute && held_when_recomputed(cls)) dropped += saved[static_cast<std::size_t>(c)];
+    }
+    largest_offload = max(largest_offload, off);
+    largest_layer = max(largest_layer, off + dropped);
+  }
+  // The layer being differentiated (prefetched and recomputed), the next one's prefetch, and an
+  // offload still draining.
+  return kept + largest_layer + 2 * largest_offload;
+}
+
+}  // namespace
+
+PlanSet Planner::plan(const PlanRequest& req) const {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (req.gpus < 1) OOM_THROW(Errc::invalid_argument, "plan request: gpus must be >= 1");
+  if (req.workload.tokens() == 0) OOM_THROW(Errc::invalid_argument, "plan request: the workload has no tokens (seq and batch must be > 0)");
+  if (req.micro_batches < 1) OOM_THROW(Errc::invalid_argument, "plan request: micro_batches must be >= 1");
+  if (req.gpu_budget.count() == 0 || req.host_budget.count() == 0)
+    OOM_THROW(Errc::invalid_argument, "plan request: GPU and host budgets must be > 0");
+  if (req.gpus > profile_->gpus)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan request: {} GPUs asked for, profile '{}' describes {}", req.gpus,
+                                                  profile_->name, profile_->gpus));
+
+  const int n = spec_->num_layers();
+  std::vector<ExecutionPath> paths{ExecutionPath::local};
+  if (req.gpus > 1 && spec_->moe().experts % static_cast<std::uint64_t>(req.gpus) == 0)
+    paths.push_back(ExecutionPath::expert_parallel);
+  const auto retentions = retention_candidates(*spec_);
+  const Bytes usable{static_cast<std::uint64_t>(static_cast<double>(req.gpu_budget.count()) * (1.0 - gpu_margin))};
+  const auto ladder = residency_ladder(usable);
+
+  PlanSet out;
+  std::vector<Plan> feasible;
+  // The least any candidate needs, for the error when nothing fits.
+  Bytes least_gpu{~0ull}, least_host{~0ull};
+  std::string least_gpu_claimant;
+
+  for (auto path : paths) {
+    const StepModel model(*spec_, *profile_, req, path);
+    const auto order = residency_order(*spec_, model);
+    const WorkItem loss = model.loss_item();
+    for (int depth : {2, 3}) {
+      for (const auto& r : retentions) {
+        const RetentionTable table(*spec_, r.far, r.near, r.near_layers);
+        if (!valid_retention(table, n)) continue;
+        const Bytes retained = retained_estimate(model, table, n);
+        std::vector<bool> mask(spec_->segments().size(), false);
+        std::size_t taken = 0;
+        Bytes resident_bytes;
+        std::size_t last_taken = ~std::size_t{0};
+        for (Bytes level : ladder) {
+          while (taken < order.size()) {
+            const auto& seg = spec_->segments()[order[taken]];
+            const int owner = model.expert_owner(seg);
+            // Per-GPU bytes: an expert owned elsewhere costs this GPU nothing (its owner pays as much).
+            const Bytes b{owner > 0 ? 0 : seg.parameters() * model.state_bytes_per_param(true)};
+            if (resident_bytes + b > level) break;
+            resident_bytes += b;
+            mask[order[taken++]] = true;
+          }
+          if (taken == last_taken) continue;  // the same resident set as the level below
+          last_taken = taken;
+          // What the budget leaves for chunk worksets, after resident state, retained activations,
+          // weight slots and gradient buffers.
+          Bytes slots, grads;
+          for (int l = -1; l <= n; ++l) {
+            const auto s = model.layer_state(l, mask);
+            slots = max(slots, bytes_of(req.precision.weights, s.streamed_params));
+            grads = max(grads, Bytes{s.streamed_params * fp32_bytes});
+          }
+          const Bytes fixed = resident_bytes + retained + slots * static_cast<std::uint64_t>(depth) + 2 * grads;
+          Bytes need_chunks = DependencyPartitioner::min_budget(loss);
+          for (int l = 0; l < n; ++l)
+            need_chunks = max(need_chunks, max(DependencyPartitioner::min_budget(model.attention_item(l)),
+                                               DependencyPartitioner::min_budget(model.mlp_item(l))));
+          if (fixed + need_chunks > usable) {
+            const Bytes need{static_cast<std::uint64_t>(static_cast<double>((fixed + need_chunks).count()) / (1.0 - gpu_margin))};
+            if (need < least_gpu) {
+              least_gpu = need;
+              const Bytes parts[] = {resident_bytes, retained, slots * static_cast<std::uint64_t>(depth) + 2 * grads, need_chunks};
+              const char* names[] = {"resident state", "retained activations", "weight slots and gradient buffers",
+                                     "chunk worksets"};
+              least_gpu_claimant = names[std::max_element(std::begin(parts), std::end(parts)) - std::begin(parts)];
+            }
+            break;  // higher levels only need more
+          }
+          const Bytes workset = usable - fixed;
+          Plan p;
+          p.model = model_name_;
+          p.path = path;
+          p.gpus = req.gpus;
+          p.prefetch_depth = depth;
+          p.workload = req.workload;
+          p.micro_batches = req.micro_batches;
+          p.precision = req.precision;
+          p.gpu_budget = req.gpu_budget;
+          p.host_budget = req.host_budget;
+          p.resident_level = level;
+          for (std::size_t i = 0; i < mask.size(); ++i)
+            if (mask[i]) p.resident_segments.push_back(spec_->segments()[i].name);
+          p.retention_name = std::string(table.name());
+          const DependencyPartitioner part;
+          for (int l = 0; l < n; ++l) {
+            std::array<RetentionDecision, activation_class_count> row{};
+            for (int c = 0; c < activation_class_count; ++c) row[static_cast<std::size_t>(c)] = table.retain(l, static_cast<ActivationClass>(c));
+            p.retention.push_back(row);
+            LayerChunks lc;
+            for (const auto& c : part.partition(model.attention_item(l), workset).chunks) lc.attention.push_back(c.end);
+            const auto mlp = part.partition(model.mlp_item(l), workset);
+            lc.moe_tokens = mlp.chunks.empty() ? model.tokens() : mlp.chunks.front().end - mlp.chunks.front().begin;
+            p.chunks.push_back(std::move(lc));
+          }
+          const auto lossp = part.partition(loss, workset);
+          p.loss_rows = lossp.chunks.empty() ? model.tokens() : lossp.chunks.front().end - lossp.chunks.front().begin;
+
+          const SimResult sim = oom::simulate(GraphBuilder(*spec_, *profile_, p).build());
+          ++out.evaluated;
+          p.predicted = predict(sim);
+          least_host = min(least_host, sim.host_peak);
+          if (sim.gpu_peak > req.gpu_budget) {
+            if (sim.gpu_peak < least_gpu) {
+              least_gpu = sim.gpu_peak;
+              least_gpu_claimant = "the simulated peak";
+            }
+            continue;
+          }
+          if (sim.host_peak > req.host_budget) continue;
+          ++out.feasible;
+          feasible.push_back(std::move(p));
+        }
+      }
+    }
+  }
+  out.search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (feasible.empty()) {
+    std::string msg = fmt::format("no plan for {} fits: ", model_name_.empty() ? "this model" : model_name_);
+    if (least_gpu.count() != ~0ull && least_gpu > req.gpu_budget)
+      msg += fmt::format("the least GPU memory any plan needs is {} per GPU (largest claimant: {}), the budget is {}",
+                         least_gpu, least_gpu_claimant, req.gpu_budget);
+    if (least_host.count() != ~0ull && least_host > req.host_budget)
+      msg += fmt::format("{}the least host memory any plan needs is {}, the budget is {}",
+                         msg.back() == ' ' ? "" : "; ", least_host, req.host_budget);
+    if (least_host.count() == ~0ull) {
+      const Bytes host_state{spec_->total_parameters() * detail::StepModel(*spec_, *profile_, req, ExecutionPath::local).state_bytes_per_param(false)};
+      if (host_state > req.host_budget)
+        msg += fmt::format("; streamed state alone needs {} of host memory, the budget is {}", host_state, req.host_budget);
+    }
+    OOM_THROW(Errc::out_of_budget, msg);
+  }
+  std::stable_sort(feasible.begin(), feasible.end(),
+                   [](const Plan& a, const Plan& b) { return a.predicted.step_s < b.predicted.step_s; });
+  const auto keep = std::min<std::size_t>(feasible.size(), static_cast<std::size_t>(std::max(req.candidates, 1)));
+  feasible.resize(keep);
+  out.plans = std::move(feasible);
+  return out;
+}
+
+std::string Planner::describe(const Plan& p) const {
+  std::string s;
+  const auto& pr = p.predicted;
+  auto claim = [&](Claimant c) { return pr.gpu_at_peak[static_cast<std::size_t>(c)]; };
+  s += fmt::format("path {} on {} GPU(s), prefetch depth {}, {} micro-batch(es) of {} x {} tokens per GPU\n",
+                   to_string(p.path), p.gpus, p.prefetch_depth, p.micro_batches, p.workload.sequences, p.workload.seq_len);
+  s += fmt::format("GPU memory per GPU at its peak: {} of {} budget\n", pr.gpu_peak, p.gpu_budget);
+  for (auto c : {Claimant::resident_state, Claimant::retained_activations, Claimant::worksets})
+    s += fmt::format("  {:<22} {:>12}  (own peak {})\n", to_string(c), claim(c), pr.peak[static_cast<std::size_t>(c)]);
+  s += fmt::format("host memory at its peak: {} of {} budget\n", pr.host_peak, p.host_budget);
+  for (auto c : {Claimant::host_state, Claimant::host_staging, Claimant::host_offload})
+    s += fmt::format("  {:<22} {:>12}\n", to_string(c), pr.peak[static_cast<std::size_t>(c)]);
+  std::uint64_t resident_params = 0;
+  std::map<std::string, int> by_role;
+  for (const auto& name : p.resident_segments) {
+    for (const auto& seg : spec_->segments())
+      if (seg.name == name) {
+        resident_params += seg.parameters();
+        by_role[to_string(seg.role)]++;
+        break;
+      }
+  }
+  s += fmt::format("residency: {} of {} segments resident ({:.2f}B parameters)", p.resident_segments.size(),
+                   spec_->segments().size(), static_cast<double>(resident_params) / 1e9);
+  for (const auto& [role, count] : by_role) s += fmt::format(", {} {}", count, role);
+  s += "\n";
+  s += fmt::format("retention: {}\n", p.retention_name);
+  std::size_t max_attn = 0;
+  for (const auto& c : p.chunks) max_attn = std::max(max_attn, c.attention.size());
+  s += fmt::format("chunking: attention up to {} query chunk(s), MoE {} tokens per chunk, loss {} rows per chunk\n", max_attn,
+                   p.chunks.empty() ? 0 : p.chunks.front().moe_tokens, p.loss_rows);
+  s += fmt::format("predicted step {:.3f} s ({:.0f} tokens/s over {} GPU(s)); busy:", pr.step_s,
+                   static_cast<double>(p.workload.tokens() * static_cast<std::uint64_t>(p.micro_batches * p.gpus)) / pr.step_s, p.gpus);
+  for (int r = 0; r < resource_count; ++r)
+    if (pr.busy.seconds[static_cast<std::size_t>(r)] > 0)
+      s += fmt::format(" {} {:.3f} s", to_string(static_cast<Resource>(r)), pr.busy.seconds[static_cast<std::size_t>(r)]);
+  s += "\n";
+  return s;
+}
+
+std::string Planner::compare(const Plan& best, const Plan& other) {
+  std::string s = fmt::format("chosen plan {:.3f} s vs runner-up {:.3f} s ({:+.1f}%)\n", best.predicted.step_s,
+                              other.predicted.step_s, 100.0 * (other.predicted.step_s / best.predicted.step_s - 1.0));
+  if (best.path != other.path) s += fmt::format("  path: {} vs {}\n", to_string(best.path), to_string(other.path));
+  if (best.prefetch_depth != other.prefetch_depth)
+    s += fmt::format("  prefetch depth: {} vs {}\n", best.prefetch_depth, other.prefetch_depth);
+  if (best.retention_name != other.retention_name)
+    s += fmt::format("  retention: {} vs {}\n", best.retention_name, other.retention_name);
+  if (best.resident_segments.size() != other.resident_segments.size())
+    s += fmt::format("  resident segments: {} vs {}\n", best.resident_segments.size(), other.resident_segments.size());
+  for (int r = 0; r < resource_count; ++r) {
+    const double a = best.predicted.busy.seconds[static_cast<std::size_t>(r)];
+    const double b = other.predicted.busy.seconds[static_cast<std::size_t>(r)];
+    if (std::abs(a - b) > 1e-3 * std::max(a, b))
+      s += fmt::format("  {} busy {:.3f} s vs {:.3f} s\n", to_string(static_cast<Resource>(r)), a, b);
+  }
+  s += fmt::format("  GPU peak {} vs {}\n", best.predicted.gpu_peak, other.predicted.gpu_peak);
+  return s;
+}
+
+}  // namespace oom

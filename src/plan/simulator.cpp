@@ -1,0 +1,136 @@
+// Step simulator: list scheduling in issue order per resource, then a sweep over memory holds.
+#include "oom/plan/simulator.hpp"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
+
+namespace oom {
+
+const char* to_string(Claimant c) noexcept {
+  switch (c) {
+    case Claimant::resident_state: return "resident_state";
+    case Claimant::retained_activations: return "retained_activations";
+    case Claimant::worksets: return "worksets";
+    case Claimant::host_state: return "host_state";
+    case Claimant::host_staging: return "host_staging";
+    case Claimant::host_offload: return "host_offload";
+  }
+  return "?";
+}
+
+int StepGraph::add(SimOp op) {
+  const int id = static_cast<int>(ops_.size());
+  for (int d : op.deps)
+    if (d < 0 || d >= id) OOM_THROW(Errc::internal, "op '" + op.name + "' depends on op " + std::to_string(d) + ", which is not issued before it");
+  if (!(op.duration_s >= 0)) OOM_THROW(Errc::internal, "op '" + op.name + "' has a negative or NaN duration");
+  ops_.push_back(std::move(op));
+  return id;
+}
+
+void StepGraph::hold(Claimant c, Bytes bytes, int from, int to) {
+  const int n = static_cast<int>(ops_.size());
+  if (from < -1 || from >= n || to < -1 || to >= n) OOM_THROW(Errc::internal, "memory hold names an op that does not exist");
+  if (bytes.count() == 0) return;
+  holds_.push_back({c, bytes, from, to});
+}
+
+SimResult simulate(const StepGraph& graph) {
+  const auto& ops = graph.ops();
+  SimResult r;
+  r.start_s.resize(ops.size());
+  r.end_s.resize(ops.size());
+  std::array<double, resource_count> free_at{};
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const auto& op = ops[i];
+    auto& res_free = free_at[static_cast<std::size_t>(op.resource)];
+    double start = res_free;
+    for (int d : op.deps) start = std::max(start, r.end_s[static_cast<std::size_t>(d)]);
+    r.start_s[i] = start;
+    r.end_s[i] = start + op.duration_s;
+    res_free = r.end_s[i];
+    r.busy[op.resource] += op.duration_s;
+    r.step_s = std::max(r.step_s, r.end_s[i]);
+  }
+
+  // Memory: +bytes at a hold's start, -bytes at its end; at equal times frees go first (a
+  // stream-ordered allocator reuses memory freed by an op that has ended).
+  struct Event {
+    double t;
+    int sign;
+    Claimant c;
+    Bytes bytes;
+  };
+  std::vector<Event> events;
+  events.reserve(graph.holds().size() * 2);
+  for (const auto& h : graph.holds()) {
+    const double from = h.from < 0 ? 0.0 : r.start_s[static_cast<std::size_t>(h.from)];
+    const double to = h.to < 0 ? r.step_s : r.end_s[static_cast<std::size_t>(h.to)];
+    events.push_back({from, +1, h.claimant, h.bytes});
+    events.push_back({std::max(from, to), -1, h.claimant, h.bytes});
+  }
+  std::sort(events.begin(), events.end(), [](const Event& a, const Event& b) {
+    return a.t != b.t ? a.t < b.t : a.sign < b.sign;
+  });
+  std::array<Bytes, claimant_count> now{};
+  Bytes gpu_now, host_now;
+  for (const auto& e : events) {
+    auto& slot = now[static_cast<std::size_t>(e.c)];
+    Bytes& total = on_gpu(e.c) ? gpu_now : host_now;
+    if (e.sign > 0) {
+      slot += e.bytes;
+      total += e.bytes;
+    } else {
+      slot -= e.bytes;
+      total -= e.bytes;
+    }
+    r.peak[static_cast<std::size_t>(e.c)] = max(r.peak[static_cast<std::size_t>(e.c)], slot);
+    if (gpu_now > r.gpu_peak) {
+      r.gpu_peak = gpu_now;
+      r.at_gpu_peak = now;
+    }
+    r.host_peak = max(r.host_peak, host_now);
+  }
+  return r;
+}
+
+std::string chrome_trace(const StepGraph& graph, const SimResult& result) {
+  Json events = Json::array();
+  for (int res = 0; res < resource_count; ++res) {
+    Json meta = Json::object();
+    meta.set("name", "thread_name");
+    meta.set("ph", "M");
+    meta.set("pid", 1);
+    meta.set("tid", res);
+    Json args = Json::object();
+    args.set("name", to_string(static_cast<Resource>(res)));
+    meta.set("args", std::move(args));
+    events.push_back(std::move(meta));
+  }
+  const auto& ops = graph.ops();
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].duration_s <= 0) continue;
+    Json e = Json::object();
+    e.set("name", ops[i].name);
+    e.set("ph", "X");
+    e.set("pid", 1);
+    e.set("tid", static_cast<int>(ops[i].resource));
+    e.set("ts", result.start_s[i] * 1e6);
+    e.set("dur", ops[i].duration_s * 1e6);
+    if (ops[i].layer >= 0) {
+      Json args = Json::object();
+      args.set("layer", ops[i].layer);
+      e.set("args", std::move(args));
+    }
+    events.push_back(std::move(e));
+  }
+  Json root = Json::object();
+  root.set("traceEvents", std::move(events));
+  root.set("displayTimeUnit", "ms");
+  return root.dump();
+}
+
+}  // namespace oom

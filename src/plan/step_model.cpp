@@ -1,0 +1,271 @@
+// Per-layer work of a step, costed: FLOPs, saved bytes by class, chunked op times (see step_model.hpp).
+#include "step_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "oom/core/error.hpp"
+#include "oom/plan/cost_model.hpp"
+#include "oom/plan/dependency_partitioner.hpp"
+
+namespace oom::detail {
+
+namespace {
+
+constexpr std::uint64_t bf16_bytes = 2;
+constexpr std::uint64_t fp32_bytes = 4;
+
+std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+StepModel::StepModel(const ModelSpec& spec, const MachineProfile& profile, const PlanRequest& req, ExecutionPath path)
+    : spec_(spec), profile_(profile), req_(req), path_(path), cost_(profile, req.gpus) {
+  const auto& segs = spec.segments();
+  seg_layer_.resize(segs.size());
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    const auto& s = segs[i];
+    // Pseudo-layers: -1 embedding, num_layers: final norm + LM head.
+    seg_layer_[i] = s.layer >= 0 ? s.layer : (s.role == SegmentRole::embedding ? -1 : spec.num_layers());
+  }
+}
+
+std::uint64_t StepModel::tokens() const { return req_.workload.tokens(); }
+
+int StepModel::expert_owner(const StateSegment& s) const {
+  return path_ == ExecutionPath::expert_parallel && s.expert >= 0 ? s.expert % req_.gpus : -1;
+}
+
+// Bytes of one parameter's state held where it lives (GPU when resident, host when streamed).
+std::uint64_t StepModel::state_bytes_per_param(bool on_gpu) const {
+  const auto& p = req_.precision;
+  std::uint64_t b = size_of(p.weights) + size_of(p.master) + 2 * size_of(p.moments);
+  // A resident segment keeps an fp32 gradient on the GPU; a streamed one keeps an accumulator on
+  // the host only when gradients accumulate over micro-batches.
+  if (on_gpu || req_.micro_batches > 1) b += size_of(p.grads);
+  return b;
+}
+
+LayerState StepModel::layer_state(int layer, const std::vector<bool>& resident) const {
+  LayerState st;
+  const auto& segs = spec_.segments();
+  const int gpus = req_.gpus;
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    if (seg_layer_[i] != layer) continue;
+    const auto& s = segs[i];
+    const std::uint64_t n = s.parameters();
+    const int owner = expert_owner(s);
+    // In the per-GPU view of the expert-parallel path, GPU 0 stands for every GPU: it holds and
+    // streams the experts it owns (expert % gpus == 0), which is 1/gpus of them.
+    const bool mine = owner < 0 || owner == 0;
+    if (resident[i]) {
+      if (mine) st.resident_params += n;
+    } else {
+      if (mine) st.streamed_params += n;
+      st.host_params += n;
+      if (owner >= 0) st.host_expert_params += n;
+    }
+  }
+  (void)gpus;
+  return st;
+}
+
+WorkItem StepModel::attention_item(int layer) const {
+  const auto& a = spec_.attention();
+  const std::uint64_t b = req_.workload.sequences;
+  WorkItem w;
+  w.granularity = 128;  // the attention kernel's query tile
+  w.extent = req_.workload.seq_len;
+  if (spec_.layer(layer).attention == AttentionKind::full) {
+    w.dependency = ChunkDependency::causal_prefix;
+    const std::uint64_t q = a.heads * a.head_dim;
+    // Per query position (x sequences): normed input, q, o and their gradients in flight.
+    w.per_unit = Bytes{b * (spec_.hidden_size() * bf16_bytes * 2 + q * bf16_bytes * 4 + a.heads * fp32_bytes)};
+    // Per earlier position: its keys and values, and backward's fp32 dK/dV accumulators.
+    w.per_prefix_unit = Bytes{b * 2 * a.kv_heads * a.head_dim * (bf16_bytes + fp32_bytes)};
+  } else {
+    const auto& la = spec_.linear_attention();
+    w.dependency = ChunkDependency::carried_state;
+    w.fixed = Bytes{b * la.value_heads * la.key_head_dim * la.value_head_dim * fp32_bytes * 2};
+    w.per_unit = Bytes{b * (spec_.hidden_size() * bf16_bytes * 2 +
+                            (2 * la.key_heads * la.key_head_dim + 2 * la.value_heads * la.value_head_dim) * bf16_bytes * 2)};
+  }
+  return w;
+}
+
+WorkItem StepModel::mlp_item(int layer) const {
+  const auto& m = spec_.moe();
+  const std::uint64_t h = spec_.hidden_size();
+  WorkItem w;
+  w.dependency = ChunkDependency::independent;
+  w.extent = tokens();
+  w.granularity = 64;
+  if (spec_.layer(layer).moe) {
+    // Per token: router probabilities, k routed copies of the token and their expert
+    // intermediates (gate, up, activation), the shared expert's, and the fp32 combine.
+    w.per_unit = Bytes{m.experts * fp32_bytes + m.top_k * (h + 3 * m.expert_intermediate) * bf16_bytes * 2 +
+                       3 * m.shared_expert_intermediate * bf16_bytes * 2 + h * fp32_bytes};
+  } else {
+    w.per_unit = Bytes{3 * spec_.layer(layer).dense_intermediate * bf16_bytes * 2 + h * fp32_bytes};
+  }
+  return w;
+}
+
+WorkItem StepModel::loss_item() const {
+  WorkItem w;
+  w.dependency = ChunkDependency::independent;
+  w.extent = tokens();
+  w.granularity = 64;
+  // Per row: fp32 logits and their gradient; the full [tokens, vocab] matrix never exists.
+  w.per_unit = Bytes{spec_.vocab_size() * fp32_bytes * 2 + spec_.hidden_size() * fp32_bytes};
+  return w;
+}
+
+std::array<Bytes, activation_class_count> StepModel::saved_bytes(int layer) const {
+  std::array<Bytes, activation_class_count> s{};
+  auto at = [&](ActivationClass c) -> Bytes& { return s[static_cast<std::size_t>(c)]; };
+  const std::uint64_t t = tokens();
+  const std::uint64_t h = spec_.hidden_size();
+  const auto& a = spec_.attention();
+  const auto& m = spec_.moe();
+  at(ActivationClass::layer_boundary) = Bytes{t * h * bf16_bytes};
+  at(ActivationClass::norm_output) = Bytes{2 * t * h * bf16_bytes};
+  if (spec_.layer(layer).attention == AttentionKind::full) {
+    const std::uint64_t q = a.heads * a.head_dim * (a.output_gate ? 2 : 1);
+    at(ActivationClass::attention_output) = Bytes{t * (q + 2 * a.kv_heads * a.head_dim + a.heads * a.head_dim) * bf16_bytes};
+    at(ActivationClass::softmax_stats) = Bytes{t * a.heads * fp32_bytes};
+  } else {
+    const auto& la = spec_.linear_attention();
+    at(ActivationClass::attention_output) =
+        Bytes{t * (2 * la.key_heads * la.key_head_dim + 3 * la.value_heads * la.value_head_dim) * bf16_bytes};
+    at(ActivationClass::linear_attention_state) =
+        Bytes{ceil_div(t, 64) * la.value_heads * la.key_head_dim * la.value_head_dim * fp32_bytes};
+  }
+  if (spec_.layer(layer).moe) {
+    at(ActivationClass::router_output) = Bytes{t * (m.experts + 2 * m.top_k) * fp32_bytes};
+    at(ActivationClass::permuted_tokens) = Bytes{t * m.top_k * h * bf16_bytes};
+    at(ActivationClass::expert_intermediate) =
+        Bytes{t * (m.top_k * 3 * m.expert_intermediate + 3 * m.shared_expert_intermediate) * bf16_bytes};
+  } else {
+    at(ActivationClass::expert_intermediate) = Bytes{t * 3 * spec_.layer(layer).dense_intermediate * bf16_bytes};
+  }
+  return s;
+}
+
+double StepModel::time_of(const Operation& op, Resource r) const { return cost_.predict(op)[r]; }
+
+// Forward (backward = false) or backward time of the attention part of `layer`, chunked.
+double StepModel::attention_time(int layer, const Partition& part, bool backward, bool core_only) const {
+  const auto& a = spec_.attention();
+  const std::uint64_t h = spec_.hidden_size();
+  const std::uint64_t b = req_.workload.sequences;
+  const double gemm_factor = backward ? 2.0 : 1.0;  // dX and dW for each forward product
+  double t = 0;
+  std::uint64_t begin = 0;
+  for (const auto& c : part.chunks) {
+    const std::uint64_t len = c.end - c.begin;
+    begin = c.begin;
+    if (spec_.layer(layer).attention == AttentionKind::full) {
+      const std::uint64_t q = a.heads * a.head_dim * (a.output_gate ? 2 : 1);
+      if (!core_only) {
+        t += gemm_factor * time_of(Operation::gemm(b * len, q + 2 * a.kv_heads * a.head_dim, h), Resource::gpu_compute);
+        t += gemm_factor * time_of(Operation::gemm(b * len, h, a.heads * a.head_dim), Resource::gpu_compute);
+      }
+      // Queries [begin, end) over keys [0, end): 2·len·(begin+end)·hd FLOPs per head is exactly
+      // Operation's causal count with m = len, n = begin + end.
+      t += time_of(Operation::attention(backward, len, begin + c.end, a.head_dim, a.heads * b), Resource::gpu_compute);
+    } else {
+      const auto& la = spec_.linear_attention();
+      const std::uint64_t in = 2 * la.key_heads * la.key_head_dim + 2 * la.value_heads * la.value_head_dim + 2 * la.value_heads;
+      if (!core_only) {
+        t += gemm_factor * time_of(Operation::gemm(b * len, in, h), Resource::gpu_compute);
+        t += gemm_factor * time_of(Operation::gemm(b * len, h, la.value_heads * la.value_head_dim), Resource::gpu_compute);
+      }
+      // Chunked gated delta rule: intra-chunk (64) attention and state update/readout, as GEMMs.
+      const double scan_factor = backward ? 2.5 : 1.0;
+      t += scan_factor * time_of(Operation::gemm(b * len, la.value_heads * (la.key_head_dim + la.value_head_dim),
+                                  64 + 2 * la.key_head_dim),
+                                 Resource::gpu_compute);
+    }
+  }
+  (void)begin;
+  // Norms, rotary, residual: a dozen passes over the hidden states.
+  t += (backward ? 2.0 : 1.0) *
+       time_of(Operation::moving(OpKind::memory_bound, Bytes{tokens() * h * bf16_bytes * 12}), Resource::gpu_compute);
+  return t;
+}
+
+double StepModel::mlp_time(int layer, std::uint64_t chunk_tokens, bool backward, bool up_only) const {
+  const auto& m = spec_.moe();
+  const std::uint64_t h = spec_.hidden_size();
+  const std::uint64_t t_all = tokens();
+  const std::uint64_t chunks = ceil_div(t_all, chunk_tokens);
+  const double f = backward ? 2.0 : 1.0;
+  double t = 0;
+  for (std::uint64_t i = 0; i < chunks; ++i) {
+    const std::uint64_t c = std::min(chunk_tokens, t_all - i * chunk_tokens);
+    if (spec_.layer(layer).moe) {
+      const bool ep = path_ == ExecutionPath::expert_parallel;
+      const std::uint64_t local_experts = ep ? m.experts / static_cast<std::uint64_t>(req_.gpus) : m.experts;
+      const std::uint64_t gpus = ep ? static_cast<std::uint64_t>(req_.gpus) : 1;
+      const std::uint64_t per_expert = std::max<std::uint64_t>(1, ceil_div(gpus * c * m.top_k, m.experts));
+      const std::uint64_t width = (up_only ? 2 : 3) * m.expert_intermediate;
+      t += f * time_of(Operation::gemm(c, m.experts, h), Resource::gpu_compute);
+      t += f * time_of(Operation::gemm(per_expert, width, h, local_experts), Resource::gpu_compute);
+      if (m.shared_expert_intermediate > 0)
+        t += f * time_of(Operation::gemm(c, (up_only ? 2 : 3) * m.shared_expert_intermediate + 1, h), Resource::gpu_compute);
+      // Permute / unpermute: the routed copies through HBM twice.
+      t += f * time_of(Operation::moving(OpKind::memory_bound, Bytes{c * m.top_k * h * bf16_bytes * 4}), Resource::gpu_compute);
+    } else {
+      t += f * time_of(Operation::gemm(c, (up_only ? 2 : 3) * spec_.layer(layer).dense_intermediate, h), Resource::gpu_compute);
+    }
+  }
+  return t;
+}
+
+double StepModel::all_to_all_time(int layer) const {
+  if (path_ != ExecutionPath::expert_parallel || !spec_.layer(layer).moe || req_.gpus < 2) return 0;
+  const auto& m = spec_.moe();
+  const double g = req_.gpus;
+  // Dispatch and combine: each GPU sends (g-1)/g of its routed copies.
+  const auto bytes = static_cast<std::uint64_t>(static_cast<double>(tokens() * m.top_k * spec_.hidden_size() * bf16_bytes) * (g - 1) / g);
+  return 2 * time_of(Operation::moving(OpKind::all_to_all, Bytes{bytes}), Resource::network);
+}
+
+double StepModel::loss_time(std::uint64_t rows, bool backward) const {
+  const std::uint64_t t_all = tokens();
+  const std::uint64_t chunks = ceil_div(t_all, rows);
+  double t = 0;
+  for (std::uint64_t i = 0; i < chunks; ++i) {
+    const std::uint64_t r = std::min(rows, t_all - i * rows);
+    t += (backward ? 2.0 : 1.0) * time_of(Operation::gemm(r, spec_.vocab_size(), spec_.hidden_size()), Resource::gpu_compute);
+    t += time_of(Operation::moving(OpKind::memory_bound, Bytes{r * spec_.vocab_size() * fp32_bytes * 3}), Resource::gpu_compute);
+  }
+  return t;
+}
+
+// Recompute time for the classes `layer`'s retention drops, from its own boundary.
+double StepModel::recompute_time(int layer, const std::array<RetentionDecision, activation_class_count>& row,
+                                 const Partition& attn, std::uint64_t mlp_chunk) const {
+  auto dropped = [&](ActivationClass c) {
+    return row[static_cast<std::size_t>(c)].action == Retention::recompute;
+  };
+  double t = 0;
+  const bool attn_dropped = dropped(ActivationClass::attention_output) || dropped(ActivationClass::softmax_stats) ||
+                            dropped(ActivationClass::linear_attention_state);
+  const bool mlp_dropped = dropped(ActivationClass::router_output) || dropped(ActivationClass::permuted_tokens) ||
+                           dropped(ActivationClass::expert_intermediate) || dropped(ActivationClass::norm_output);
+  if (attn_dropped) t += attention_time(layer, attn, false, false);
+  if (mlp_dropped) {
+    if (!attn_dropped) {
+      // The MLP's input needs the attention output projection again.
+      const auto& a = spec_.attention();
+      t += time_of(Operation::gemm(tokens(), spec_.hidden_size(), a.heads * a.head_dim), Resource::gpu_compute);
+    }
+    t += mlp_time(layer, mlp_chunk, false, true);
+  }
+  return t;
+}
+
+}  // namespace oom::detail
