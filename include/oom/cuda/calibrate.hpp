@@ -1,0 +1,82 @@
+// GPU microbenchmarks behind oom-calibrate: device memory bandwidth, cuBLAS bf16 GEMM throughput,
+// a GEMM-based causal attention proxy, launch overhead, concurrent host links and NCCL collectives.
+// Each returns a plain struct (median over timed repetitions, CUDA events, after warm-up) and, where
+// a result can be checked, whether it was right. Declarations parse without CUDA headers; link
+// oom::cuda. Formatting is the caller's: these are called from host code that owns the output.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "oom/core/bytes.hpp"
+
+namespace oom::cuda {
+
+struct HbmBandwidth {
+  double bytes_per_s = 0;  ///< device-to-device copy, bytes read + written
+  Bytes size;              ///< bytes per copy
+  int repeats = 0;
+  bool verified = false;   ///< the destination holds the source's bytes
+};
+/// cudaMemcpyAsync device-to-device of `size` bytes on `device`.
+HbmBandwidth measure_hbm_bandwidth(int device, Bytes size, int repeats);
+
+struct GemmRate {
+  std::int64_t m = 0, n = 0, k = 0;
+  double flops_per_s = 0;  ///< 2mnk per product
+  double seconds = 0;      ///< median time of one product
+  int repeats = 0;
+  bool verified = false;   ///< sampled outputs match a host fp32 reference within bf16 rounding
+};
+/// C(m x n) = A(m x k) * W(n x k)^T in bf16 with fp32 accumulate (cublasGemmEx, CUBLAS_COMPUTE_32F),
+/// the layout of a linear layer's forward. Inputs are pseudo-random in [-1, 1] (zeros run faster
+/// and would flatter the rate). Products are timed back to back in batches so launch gaps are hidden.
+GemmRate measure_gemm_bf16(int device, std::int64_t m, std::int64_t n, std::int64_t k, int repeats);
+
+struct AttentionProxyRate {
+  std::int64_t seq = 0;
+  int q_heads = 0, kv_heads = 0, head_dim = 0, query_block = 0;
+  double flops_per_s = 0;  ///< 3.5 x causal forward FLOPs (2 * seq^2 * q_heads * head_dim) per second
+  double seconds = 0;      ///< median time of one forward + backward
+  int repeats = 0;
+};
+/// A PROXY for causal attention forward + backward until OOM's fused kernel exists: per query block,
+/// the seven products of a recomputing (flash-attention-2 style) forward and backward done with
+/// cuBLAS strided-batched bf16 GEMMs over the key prefix the block can see (QK^T, PV; recomputed
+/// QK^T, P^T dO, dO V^T, dS K, dS^T Q). GQA heads sharing a KV head are stacked into one product.
+/// Softmax and its backward are not run, and the scores go through device memory, so the rate is
+/// not what a fused kernel reaches; it brackets the GEMM part. Needs about
+/// 2 * 2 B * q_heads * query_block * seq of scratch.
+AttentionProxyRate measure_attention_proxy(int device, std::int64_t seq, int q_heads, int kv_heads, int head_dim,
+                                           int query_block, int repeats);
+
+struct LaunchOverhead {
+  double kernel_s = 0;      ///< per empty kernel launched back to back
+  double small_copy_s = 0;  ///< per 4 KiB pinned host-to-device copy issued back to back
+  int launches = 0;
+};
+LaunchOverhead measure_launch_overhead(int device, int launches, int repeats);
+
+struct HostLinkTotal {
+  double bytes_per_s = 0;  ///< all GPUs copying both directions at once, every byte counted
+  int gpus = 0;
+  Bytes size;
+  int repeats = 0;
+};
+/// Pinned host<->device copies in both directions on `gpus` GPUs (0 .. gpus-1) at once: what the
+/// host's memory system and PCIe root complexes give all links together.
+HostLinkTotal measure_host_link_total(int gpus, Bytes size, int repeats);
+
+struct CollectiveRates {
+  int gpus = 0;
+  Bytes size;                          ///< bytes per GPU per collective
+  double all_reduce_bus_bytes_per_s = 0;  ///< ncclAllReduce (float sum), algbw x 2(n-1)/n
+  double all_to_all_bytes_per_s = 0;      ///< grouped ncclSend/ncclRecv, bytes each GPU sends to others per second
+  int repeats = 0;
+  bool verified = false;               ///< all-reduce sums and all-to-all chunks arrived as expected
+};
+/// NCCL across GPUs 0 .. gpus-1 in this process (ncclCommInitAll), gpus >= 2. Sets NCCL_NVLS_ENABLE=0
+/// in the environment first when it is unset: NVLink multicast is never used.
+CollectiveRates measure_collectives(int gpus, Bytes size, int repeats);
+
+}  // namespace oom::cuda
