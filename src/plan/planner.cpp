@@ -81,13 +81,15 @@ class GraphBuilder {
  public:
   /// `mask`, when given, is the plan's resident set by segment index (the search has it at hand;
   /// plans read from JSON name their segments instead).
-  GraphBuilder(const StepModel& model, const ModelSpec& spec, const Plan& plan, const std::vector<bool>* mask = nullptr)
-      : spec_(spec), plan_(plan), model_(model), mask_(mask ? *mask : resident_mask(spec, plan.resident_segments)) {
+  /// `states`, when given, are the plan's per-layer parameter placements (the search has them at
+  /// hand; plans read from JSON name their resident segments instead).
+  GraphBuilder(const StepModel& model, const ModelSpec& spec, const Plan& plan, const std::vector<LayerState>* states = nullptr)
+      : spec_(spec), plan_(plan), model_(model),
+        states_(states ? *states : model.layer_states(resident_mask(spec, plan.resident_segments))) {
     const int n = spec.num_layers();
     if (static_cast<int>(plan.retention.size()) != n || static_cast<int>(plan.chunks.size()) != n)
       OOM_THROW(Errc::invalid_argument, fmt::format("plan has retention for {} and chunks for {} layers; the model has {}",
                                                     plan.retention.size(), plan.chunks.size(), n));
-    for (int l = -1; l <= n; ++l) states_.push_back(model_.layer_state(l, mask_));
     for (int l = 0; l < n; ++l) {
       attn_.push_back(partition_from_ends(model_.attention_item(l), plan.chunks[static_cast<std::size_t>(l)].attention));
       saved_.push_back(model_.saved_bytes(l));
@@ -399,7 +401,6 @@ class GraphBuilder {
   const ModelSpec& spec_;
   const Plan& plan_;
   const StepModel& model_;
-  std::vector<bool> mask_;
   std::vector<LayerState> states_;
   std::vector<Partition> attn_;
   std::vector<std::array<Bytes, activation_class_count>> saved_;
@@ -561,6 +562,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
         if (!valid_retention(table, n)) continue;
         const Bytes retained = retained_estimate(model, table, n);
         std::vector<bool> mask(spec_->segments().size(), false);
+        std::vector<LayerState> states = model.layer_states(mask);
         std::size_t taken = 0;
         Bytes resident_bytes;
         std::size_t last_taken = ~std::size_t{0};
@@ -571,15 +573,16 @@ PlanSet Planner::plan(const PlanRequest& req) const {
             const Bytes b{model.segment_owner(seg) > 0 ? 0 : model.segment_params(seg) * model.state_bytes_per_param(true)};
             if (resident_bytes + b > level) break;
             resident_bytes += b;
-            mask[order[taken++]] = true;
+            mask[seg] = true;
+            model.make_resident(states, seg);
+            ++taken;
           }
           if (taken == last_taken) continue;  // the same resident set as the level below
           last_taken = taken;
           // What the budget leaves for chunk worksets, after resident state, retained activations,
           // weight slots and gradient buffers.
           Bytes slots, grads;
-          for (int l = -1; l <= n; ++l) {
-            const auto s = model.layer_state(l, mask);
+          for (const auto& s : states) {
             slots = max(slots, bytes_of(req.precision.weights, s.streamed_params));
             grads = max(grads, Bytes{s.streamed_params * fp32_bytes});
           }
@@ -626,7 +629,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
           const auto lossp = part.partition(loss, workset);
           p.loss_rows = lossp.chunks.empty() ? model.tokens() : lossp.chunks.front().end - lossp.chunks.front().begin;
 
-          const SimResult sim = oom::simulate(GraphBuilder(model, *spec_, p, &mask).build());
+          const SimResult sim = oom::simulate(GraphBuilder(model, *spec_, p, &states).build());
           ++out.evaluated;
           p.predicted = predict(sim);
           least_host = min(least_host, sim.host_peak);

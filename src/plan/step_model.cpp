@@ -72,6 +72,25 @@ LayerState StepModel::layer_state(int layer, const std::vector<bool>& resident) 
   return st;
 }
 
+std::vector<LayerState> StepModel::layer_states(const std::vector<bool>& resident) const {
+  std::vector<LayerState> states;
+  for (int l = -1; l <= spec_.num_layers(); ++l) states.push_back(layer_state(l, resident));
+  return states;
+}
+
+void StepModel::make_resident(std::vector<LayerState>& states, std::size_t segment) const {
+  LayerState& st = states[static_cast<std::size_t>(seg_layer_[segment] + 1)];
+  const std::uint64_t n = seg_params_[segment];
+  const int owner = seg_owner_[segment];
+  const bool mine = owner < 0 || owner == 0;
+  if (mine) {
+    st.streamed_params -= n;
+    st.resident_params += n;
+  }
+  st.host_params -= n;
+  if (owner >= 0) st.host_expert_params -= n;
+}
+
 WorkItem StepModel::attention_item(int layer) const {
   const auto& a = spec_.attention();
   const std::uint64_t b = req_.workload.sequences;

@@ -31,6 +31,10 @@ class StepModel {
   [[nodiscard]] std::uint64_t tokens() const;
   /// Layer -1 is the embedding, num_layers() the final norm + LM head.
   [[nodiscard]] LayerState layer_state(int layer, const std::vector<bool>& resident) const;
+  /// Every (pseudo-)layer's state, embedding first: index layer + 1.
+  [[nodiscard]] std::vector<LayerState> layer_states(const std::vector<bool>& resident) const;
+  /// Updates `states` (from layer_states) for `segment` turning resident.
+  void make_resident(std::vector<LayerState>& states, std::size_t segment) const;
   [[nodiscard]] int segment_layer(std::size_t segment) const { return seg_layer_[segment]; }
   [[nodiscard]] std::uint64_t segment_params(std::size_t segment) const { return seg_params_[segment]; }
   [[nodiscard]] int segment_owner(std::size_t segment) const { return seg_owner_[segment]; }

@@ -1,0 +1,178 @@
+// The planner: over random models, machines and budgets every returned plan fits its budgets in
+// the simulator and a larger GPU budget never predicts a slower step; infeasible requests name the
+// bytes they need; the evaluation's scenarios plan; plans survive JSON.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <random>
+#include <string>
+
+#include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
+#include "oom/plan/planner.hpp"
+#include "oom/plan/policies.hpp"
+
+using namespace oom;
+using namespace oom::literals;
+
+namespace {
+
+ModelSpec random_model(std::mt19937_64& rng) {
+  auto pick = [&](std::initializer_list<std::uint64_t> xs) {
+    return *(xs.begin() + static_cast<std::ptrdiff_t>(rng() % xs.size()));
+  };
+  const std::uint64_t kv = pick({1, 2, 4});
+  const std::uint64_t experts = pick({4, 8, 16, 64});
+  Json c = Json::object();
+  c.set("model_type", "qwen3_moe");
+  c.set("vocab_size", pick({256, 32000, 151936}));
+  c.set("hidden_size", pick({256, 1024, 2048}));
+  c.set("intermediate_size", pick({1024, 4096}));
+  c.set("moe_intermediate_size", pick({128, 768, 1536}));
+  c.set("num_hidden_layers", pick({2, 4, 8, 16}));
+  c.set("num_attention_heads", kv * pick({2, 4, 8}));
+  c.set("num_key_value_heads", kv);
+  c.set("head_dim", pick({64, 128}));
+  c.set("num_experts", experts);
+  c.set("num_experts_per_tok", std::min<std::uint64_t>(experts, pick({1, 2, 8})));
+  c.set("norm_topk_prob", true);
+  c.set("decoder_sparse_step", 1);
+  c.set("mlp_only_layers", Json::array());
+  c.set("rms_norm_eps", 1e-6);
+  c.set("rope_theta", 1e6);
+  c.set("tie_word_embeddings", rng() % 2 == 0);
+  return ModelSpec::from_json(c, "<random>");
+}
+
+}  // namespace
+
+TEST_CASE("random models, machines and budgets: plans fit, and more GPU memory is never slower") {
+  std::mt19937_64 rng(20261130);
+  int planned = 0, infeasible = 0;
+  for (int i = 0; i < 40; ++i) {
+    const ModelSpec spec = random_model(rng);
+    const char* machines[] = {"h200", "h100-80gb", "rtx4090"};
+    const int gpus = 1 + static_cast<int>(rng() % 4);
+    const MachineProfile profile = MachineProfile::builtin(machines[rng() % 3], gpus);
+    PlanRequest req;
+    req.gpus = gpus;
+    req.workload = {1 + rng() % 2, std::uint64_t{1024} << (rng() % 6)};
+    req.micro_batches = 1 + static_cast<int>(rng() % 2);
+    req.precision.moments = rng() % 2 ? DType::bf16 : DType::fp32;
+    req.host_budget = Bytes{(8 + rng() % 512) << 30};
+    const Planner planner(spec, profile, "random");
+    // A ladder of GPU budgets from tight to roomy.
+    double previous_best = 0;
+    for (std::uint64_t gib : {2, 6, 16, 40, 80, 140}) {
+      req.gpu_budget = Bytes{gib << 30};
+      CAPTURE(i);
+      CAPTURE(gib);
+      try {
+        const PlanSet set = planner.plan(req);
+        ++planned;
+        REQUIRE(!set.plans.empty());
+        for (const auto& p : set.plans) {
+          // The simulator, run again on the plan as returned, agrees with its prediction and budgets.
+          const SimResult sim = planner.simulate(p);
+          CHECK(sim.gpu_peak <= req.gpu_budget);
+          CHECK(sim.host_peak <= req.host_budget);
+          CHECK(sim.step_s == doctest::Approx(p.predicted.step_s));
+          CHECK(valid_retention(RetentionTable(spec, RetentionTemplate::keep_all, RetentionTemplate::keep_all, 0),
+                                spec.num_layers()));
+        }
+        const double best = set.plans.front().predicted.step_s;
+        if (previous_best > 0) CHECK(best <= previous_best * (1 + 1e-12));
+        previous_best = best;
+      } catch (const Error& e) {
+        ++infeasible;
+        CHECK(e.code() == Errc::out_of_budget);
+        const std::string what = e.what();
+        CHECK((what.find("per GPU") != std::string::npos || what.find("host memory") != std::string::npos));
+        // Once a budget is feasible, a larger one stays feasible.
+        CHECK(previous_best == 0);
+      }
+    }
+  }
+  CHECK(planned > 60);
+  CHECK(infeasible > 5);
+}
+
+TEST_CASE("an infeasible request names the least bytes it needs and the budget") {
+  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/moe-5b.json");
+  const auto profile = MachineProfile::h200(1);
+  const Planner planner(spec, profile, "moe-5b");
+  PlanRequest req;
+  req.workload = {1, 1 << 20};
+  req.gpu_budget = 8_GiB;
+  req.host_budget = 120_GiB;
+  try {
+    (void)planner.plan(req);
+    FAIL("planned 1M tokens in 8 GiB");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::out_of_budget);
+    const std::string what = e.what();
+    CHECK(what.find("the least GPU memory any plan needs is") != std::string::npos);
+    CHECK(what.find("the budget is 8.00 GiB") != std::string::npos);
+  }
+  req.workload = {1, 4096};
+  req.gpu_budget = 80_GiB;
+  req.host_budget = 4_GiB;  // streamed state alone is ~60 GiB
+  CHECK_THROWS_WITH_AS((void)planner.plan(req), doctest::Contains("host memory"), Error);
+}
+
+namespace {
+void scenario(const char* config, const char* machine, int gpus, std::uint64_t seq, Bytes host, DType moments) {
+  const auto spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR "/examples/configs/") + config);
+  const auto profile = MachineProfile::builtin(machine, gpus);
+  const Planner planner(spec, profile, config);
+  PlanRequest req;
+  req.gpus = gpus;
+  req.workload = {1, seq};
+  req.gpu_budget = profile.gpu_memory;
+  req.host_budget = host;
+  req.precision.moments = moments;
+  const PlanSet set = planner.plan(req);
+  REQUIRE(!set.plans.empty());
+  const Plan& p = set.plans.front();
+  CHECK(p.predicted.gpu_peak <= profile.gpu_memory);
+  CHECK(p.predicted.host_peak <= host);
+  std::printf("scenario %s on %dx %s, %llu tokens per step (%llu per GPU): %s, GPU peak %s, host needs %s, "
+              "predicted %.1f s/step (%zu candidates in %.3f s)\n",
+              config, gpus, machine, static_cast<unsigned long long>(seq) * static_cast<unsigned long long>(gpus),
+              static_cast<unsigned long long>(seq), p.retention_name.c_str(), to_string(p.predicted.gpu_peak).c_str(),
+              to_string(p.predicted.host_peak).c_str(), p.predicted.step_s, static_cast<std::size_t>(set.evaluated),
+              set.search_s);
+}
+}  // namespace
+
+TEST_CASE("scenario: Qwen3-30B-A3B, 1M tokens per step on 4x H100 80GB") {
+  scenario("qwen3-30b-a3b.json", "h100-80gb", 4, 262144, 1_TiB, DType::fp32);
+}
+TEST_CASE("scenario: Qwen3-30B-A3B, 512K tokens per step on 4x RTX 4090 24GB") {
+  scenario("qwen3-30b-a3b.json", "rtx4090", 4, 131072, 1_TiB, DType::fp32);
+}
+TEST_CASE("scenario: Qwen3.5-122B-A10B on 4x H100 80GB") {
+  scenario("qwen3.5-122b-a10b.json", "h100-80gb", 4, 32768, 2_TiB, DType::bf16);
+}
+
+TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
+  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
+  const auto profile = MachineProfile::h200(2);
+  const Planner planner(spec, profile, "qwen3-next");
+  PlanRequest req;
+  req.gpus = 2;
+  req.workload = {1, 65536};
+  req.gpu_budget = 139_GiB;
+  req.host_budget = 2_TiB;
+  const auto set = planner.plan(req);
+  const Plan& p = set.plans.front();
+  const Plan back = Plan::from_json(Json::parse(p.to_json().dump(2)), "<round trip>");
+  CHECK(back.resident_segments == p.resident_segments);
+  CHECK(back.retention_name == p.retention_name);
+  CHECK(back.chunks.size() == p.chunks.size());
+  CHECK(planner.simulate(back).step_s == doctest::Approx(p.predicted.step_s));
+  // A damaged plan is refused, naming the field.
+  Json bad = p.to_json();
+  bad.set("prefetch_depth", "two");
+  CHECK_THROWS_WITH_AS((void)Plan::from_json(bad, "bad.json"), doctest::Contains("prefetch_depth"), Error);
+}
