@@ -665,8 +665,19 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   }
   std::stable_sort(feasible.begin(), feasible.end(),
                    [](const Found& a, const Found& b) { return a.plan.predicted.step_s < b.plan.predicted.step_s; });
-  const auto keep = std::min<std::size_t>(feasible.size(), static_cast<std::size_t>(std::max(req.candidates, 1)));
-  for (std::size_t k = 0; k < keep; ++k) {
+  // Return distinct alternatives: a candidate that differs from a better one only in prefetch
+  // depth or chunk sizes says nothing new.
+  const auto wanted = static_cast<std::size_t>(std::max(req.candidates, 1));
+  std::vector<std::size_t> chosen;
+  for (std::size_t k = 0; k < feasible.size() && chosen.size() < wanted; ++k) {
+    const auto& c = feasible[k];
+    const bool repeat = std::any_of(chosen.begin(), chosen.end(), [&](std::size_t j) {
+      const auto& b = feasible[j];
+      return b.plan.path == c.plan.path && b.plan.retention_name == c.plan.retention_name && b.mask == c.mask;
+    });
+    if (!repeat) chosen.push_back(k);
+  }
+  for (std::size_t k : chosen) {
     Plan& p = feasible[k].plan;
     for (std::size_t i = 0; i < feasible[k].mask.size(); ++i)
       if (feasible[k].mask[i]) p.resident_segments.push_back(spec_->segments()[i].name);
