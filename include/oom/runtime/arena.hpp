@@ -1,0 +1,40 @@
+// Arena: a memory budget with accounting by claimant and a measured peak. Exceeding the budget is
+// an error naming the claimant, the bytes asked for, what is in use and the budget: the plan said
+// it would fit, so a miss is a bug the tests must see, never a silent fallback.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <mutex>
+#include <string>
+
+#include "oom/core/bytes.hpp"
+#include "oom/plan/simulator.hpp"
+
+namespace oom {
+
+class Arena {
+ public:
+  Arena(std::string name, Bytes budget) : name_(std::move(name)), budget_(budget) {}
+
+  /// Records `bytes` taken by `claimant`; throws Errc::out_of_budget when the total would exceed
+  /// the budget.
+  void take(Claimant claimant, Bytes bytes);
+  void give(Claimant claimant, Bytes bytes);
+
+  [[nodiscard]] Bytes budget() const { return budget_; }
+  [[nodiscard]] Bytes in_use() const;
+  [[nodiscard]] Bytes peak() const;
+  [[nodiscard]] Bytes in_use(Claimant c) const;
+  [[nodiscard]] Bytes peak(Claimant c) const;
+  [[nodiscard]] const std::string& name() const { return name_; }
+
+ private:
+  std::string name_;
+  Bytes budget_;
+  mutable std::mutex mutex_;
+  Bytes in_use_, peak_;
+  std::array<Bytes, claimant_count> by_claimant_{}, peak_by_claimant_{};
+};
+
+}  // namespace oom

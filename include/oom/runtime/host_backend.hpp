@@ -1,0 +1,74 @@
+// HostBackend: the reference backend. Each stream is a worker thread draining its queue in order,
+// events are generations a stream completes and another waits for, "device" memory is a budgeted
+// host arena. Streams really run concurrently, and copies poison their destination and then copy
+// in pieces, so a missing wait between streams reads NaNs or stale bytes instead of passing by luck.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "oom/concepts/backend.hpp"
+#include "oom/runtime/arena.hpp"
+
+namespace oom {
+
+class HostBackend {
+ public:
+  struct Options {
+    Bytes device_budget;  ///< the "GPU" arena
+    Bytes pinned_budget;  ///< pinned host memory (streamed state, staging, offloaded activations)
+    /// Copies poison their destination first and move 64 KiB at a time, yielding in between,
+    /// so that races surface. Off only to time things.
+    bool expose_races = true;
+  };
+
+  class Worker;
+  using Stream = std::shared_ptr<Worker>;
+  struct EventState {
+    std::mutex mutex;
+    std::condition_variable done;
+    std::uint64_t recorded = 0;
+    std::uint64_t completed = 0;
+  };
+  using Event = std::shared_ptr<EventState>;
+
+  explicit HostBackend(Options options);
+  ~HostBackend();
+  HostBackend(const HostBackend&) = delete;
+  HostBackend& operator=(const HostBackend&) = delete;
+
+  Stream make_stream(std::string name = "stream");
+  Event make_event();
+  void submit(Stream& s, std::function<void()> fn);
+  void record(Event& e, Stream& s);
+  void wait(Stream& s, Event& e);
+  void copy(void* dst, const void* src, Bytes bytes, Stream& s);
+  void* allocate(MemorySpace space, Bytes bytes, Claimant claimant);
+  void free(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant);
+  /// Blocks until s has run everything submitted so far; rethrows the first exception a task
+  /// on any stream threw.
+  void synchronize(Stream& s);
+
+  [[nodiscard]] Arena& device_arena() { return device_; }
+  [[nodiscard]] Arena& pinned_arena() { return pinned_; }
+
+ private:
+  Options options_;
+  Arena device_, pinned_;
+  std::mutex error_mutex_;
+  std::exception_ptr first_error_;
+  std::vector<Stream> streams_;
+  friend class Worker;
+  void fail(std::exception_ptr e);
+};
+
+static_assert(backend<HostBackend>);
+
+}  // namespace oom

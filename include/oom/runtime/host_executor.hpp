@@ -1,0 +1,471 @@
+// HostExecutor: runs training steps of a stack of layers on the HostBackend as a Plan says —
+// weights streamed through `prefetch_depth` slots or resident, saved activations kept, offloaded
+// and prefetched back, or recomputed, the MLP work in the plan's token chunks, streamed segments
+// updated by the CPU AdamW as soon as their gradients land, resident ones by the device AdamW.
+// Every plan computes the same step: the tests compare weights bit for bit across plans.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "oom/concepts/layer.hpp"
+#include "oom/core/error.hpp"
+#include "oom/core/numeric.hpp"
+#include "oom/optim/adamw.hpp"
+#include "oom/optim/cpu_adamw.hpp"
+#include "oom/plan/plan.hpp"
+#include "oom/runtime/host_backend.hpp"
+
+namespace oom {
+
+/// What the executor hands a layer for one call over tokens [begin, end).
+struct HostLayerContext {
+  std::vector<std::span<const bf16>> weights;  ///< per segment of the layer, bound where they live now
+  std::vector<std::span<float>> weight_grads;  ///< per segment, fp32, accumulated over tokens in order
+  std::uint64_t tokens = 0;
+  std::uint64_t begin = 0, end = 0;
+  const float* input = nullptr;        ///< (T, H) the layer boundary
+  float* output = nullptr;             ///< (T, H), or nullptr when recomputing saved activations only
+  const float* grad_output = nullptr;  ///< (T, H)
+  float* grad_input = nullptr;         ///< (T, H)
+  std::array<float*, activation_class_count> saved{};  ///< buffers for the classes the layer saves
+};
+
+/// A layer the HostExecutor runs: describable, forward/backward over a HostLayerContext, and the
+/// number of floats it saves per activation class for `tokens` tokens (0: none of that class).
+template <class L>
+concept host_layer = layer<L, HostLayerContext> && requires(const L& l, ActivationClass c, std::uint64_t t) {
+  { l.saved_floats(c, t) } -> std::convertible_to<std::uint64_t>;
+  { l.hidden() } -> std::convertible_to<std::uint64_t>;
+};
+
+struct HostExecutorOptions {
+  optim::AdamWConfig adamw;
+  /// Test hook: compute does not wait for its weights' load. Exists so the equivalence tests can
+  /// show they catch a broken schedule; never set it otherwise.
+  bool drop_weight_wait = false;
+};
+
+template <host_layer L>
+class HostExecutor {
+ public:
+  /// `initial_master[i]` holds the fp32 master weights of the i-th segment, in layer order.
+  HostExecutor(HostBackend& backend, std::vector<L>& layers, const Plan& plan,
+               const std::vector<std::vector<float>>& initial_master, HostExecutorOptions options = {})
+      : b_(backend), layers_(layers), plan_(plan), options_(options), pool_(1) {
+    if (static_cast<int>(plan.retention.size()) != static_cast<int>(layers.size()) || plan.chunks.size() != layers.size())
+      OOM_THROW(Errc::invalid_argument, fmt::format("plan covers {} layers, the model has {}", plan.retention.size(), layers.size()));
+    if (plan.micro_batches != 1 || plan.gpus != 1)
+      OOM_THROW(Errc::unsupported, "the host executor runs one micro-batch on one device");
+    compute_ = b_.make_stream("compute");
+    h2d_ = b_.make_stream("h2d");
+    d2h_ = b_.make_stream("d2h");
+    cpu_ = b_.make_stream("cpu-optimizer");
+    std::unordered_map<std::string, bool> resident;
+    for (const auto& n : plan.resident_segments) resident[n] = true;
+    std::size_t index = 0;
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      LayerState ls;
+      for (const auto& seg : layers[l].segments()) {
+        if (index >= initial_master.size() || initial_master[index].size() != seg.parameters())
+          OOM_THROW(Errc::invalid_argument, fmt::format("initial weights of segment {} ('{}'): {} values for {} parameters", index,
+                                                        seg.name, index < initial_master.size() ? initial_master[index].size() : 0,
+                                                        seg.parameters()));
+        ls.segments.push_back(make_segment(initial_master[index], resident.count(seg.name) > 0));
+        ++index;
+      }
+      for (int c = 0; c < activation_class_count; ++c) {
+        const auto d = plan.retention[l][static_cast<std::size_t>(c)];
+        if (c == static_cast<int>(ActivationClass::layer_boundary) && d.action == Retention::recompute)
+          OOM_THROW(Errc::unsupported, fmt::format("layer {}: regenerating boundaries through earlier layers is not "
+                                                   "implemented by the host executor", l));
+        if (d.action == Retention::recompute && d.recompute_from != static_cast<int>(l))
+          OOM_THROW(Errc::unsupported, fmt::format("layer {}: recompute from layer {} (only from its own boundary)", l, d.recompute_from));
+      }
+      layers_state_.push_back(std::move(ls));
+    }
+    loaded_ = b_.make_event();
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      layers_state_[l].updated = b_.make_event();
+      layers_state_[l].forward_done = b_.make_event();
+      layers_state_[l].offloaded = b_.make_event();
+      layers_state_[l].grads_landed = b_.make_event();
+    }
+    const int depth = std::max(plan.prefetch_depth, 1);
+    Bytes slot;
+    for (const auto& ls : layers_state_) {
+      std::uint64_t streamed = 0;
+      for (const auto& s : ls.segments)
+        if (!s.resident) streamed += s.n;
+      slot = max(slot, Bytes{streamed * sizeof(bf16)});
+    }
+    for (int i = 0; i < depth; ++i)
+      slots_.push_back(Slot{static_cast<bf16*>(b_.allocate(MemorySpace::device(0), slot, Claimant::worksets)), slot, b_.make_event()});
+  }
+
+  ~HostExecutor() {
+    synchronize_all();
+    for (auto& s : slots_) b_.free(s.ptr, MemorySpace::device(0), s.bytes, Claimant::worksets);
+    for (auto& ls : layers_state_)
+      for (auto& s : ls.segments) free_segment(s);
+  }
+  HostExecutor(const HostExecutor&) = delete;
+  HostExecutor& operator=(const HostExecutor&) = delete;
+
+  /// One training step on `input` (T, H) against `target` (T, H) with loss 0.5·mean‖y − target‖².
+  /// Returns the loss.
+  double step(const std::vector<float>& input, const std::vector<float>& target) {
+    const std::uint64_t t = plan_.workload.tokens();
+    const std::uint64_t h = layers_.front().hidden();
+    if (input.size() != t * h || target.size() != t * h)
+      OOM_THROW(Errc::invalid_argument, fmt::format("step needs (T, H) = ({}, {}) inputs", t, h));
+    ++step_;
+    const auto scalars = optim::adamw_step_scalars(options_.adamw, step_);
+    const std::size_t n = layers_.size();
+    const Bytes act_bytes{t * h * sizeof(float)};
+    std::vector<float*> act(n + 1, nullptr);  // act[l]: input of layer l (device)
+    act[0] = alloc_device(act_bytes, Claimant::retained_activations);
+    {
+      auto* dst = act[0];
+      const float* src = input.data();
+      b_.submit(compute_, [dst, src, t, h] { std::copy(src, src + t * h, dst); });
+    }
+    std::vector<std::array<float*, activation_class_count>> saved(n);
+    std::vector<std::array<float*, activation_class_count>> host_copy(n);
+
+    // ---- forward ----
+    for (std::size_t l = 0; l < n; ++l) {
+      auto& ls = layers_state_[l];
+      Slot* slot = load_weights(l);
+      act[l + 1] = alloc_device(act_bytes, Claimant::retained_activations);
+      saved[l] = {};
+      for (int c = 1; c < activation_class_count; ++c) {  // class 0, the boundary, is act[l]
+        const auto elems = layers_[l].saved_floats(static_cast<ActivationClass>(c), t);
+        if (elems > 0) saved[l][static_cast<std::size_t>(c)] = alloc_device(Bytes{elems * sizeof(float)}, Claimant::retained_activations);
+      }
+      HostLayerContext ctx = bind(l, slot);
+      ctx.tokens = t;
+      ctx.input = act[l];
+      ctx.output = act[l + 1];
+      ctx.saved = saved[l];
+      run_chunks(l, ctx, /*backward=*/false);
+      b_.record(ls.forward_done, compute_);
+      release(slot);
+      // Retention: offload now (and free on the device once copied), drop what is recomputed.
+      host_copy[l] = {};
+      for (int c = 0; c < activation_class_count; ++c) {
+        float* buf = c == 0 ? act[l] : saved[l][static_cast<std::size_t>(c)];
+        if (buf == nullptr) continue;
+        const auto action = plan_.retention[l][static_cast<std::size_t>(c)].action;
+        const Bytes bytes = class_bytes(l, c, t);
+        if (action == Retention::offload) {
+          auto* host = static_cast<float*>(b_.allocate(MemorySpace::pinned_host(), bytes, Claimant::host_offload));
+          host_copy[l][static_cast<std::size_t>(c)] = host;
+          b_.wait(d2h_, ls.forward_done);
+          b_.copy(host, buf, bytes, d2h_);
+          free_device_on(d2h_, buf, bytes, Claimant::retained_activations);
+        } else if (action == Retention::recompute) {
+          free_device_on(compute_, buf, bytes, Claimant::retained_activations);
+        }
+        if (action != Retention::keep) {
+          if (c == 0) act[l] = nullptr;
+          else saved[l][static_cast<std::size_t>(c)] = nullptr;
+        }
+      }
+      b_.record(ls.offloaded, d2h_);
+    }
+
+    // ---- loss ----
+    float* grad = alloc_device(act_bytes, Claimant::worksets);
+    double loss = 0;
+    {
+      float* y = act[n];
+      const float* tgt = target.data();
+      b_.submit(compute_, [y, tgt, grad, t, h, &loss] {
+        double sum = 0;
+        for (std::uint64_t i = 0; i < t * h; ++i) {
+          const float d = y[i] - tgt[i];
+          sum += 0.5 * static_cast<double>(d) * d;
+          grad[i] = d / static_cast<float>(t);
+        }
+        loss = sum / static_cast<double>(t);
+      });
+      free_device_on(compute_, act[n], act_bytes, Claimant::retained_activations);
+    }
+
+    // ---- backward ----
+    for (std::size_t li = n; li-- > 0;) {
+      auto& ls = layers_state_[li];
+      Slot* slot = load_weights(li);
+      // Bring back what was offloaded.
+      for (int c = 0; c < activation_class_count; ++c) {
+        float* host = host_copy[li][static_cast<std::size_t>(c)];
+        if (host == nullptr) continue;
+        const Bytes bytes = class_bytes(li, c, t);
+        float* dev = alloc_device(bytes, Claimant::retained_activations);
+        b_.wait(h2d_, ls.offloaded);
+        b_.copy(dev, host, bytes, h2d_);
+        auto* backend = &b_;
+        b_.submit(h2d_, [backend, host, bytes] { backend->free(host, MemorySpace::pinned_host(), bytes, Claimant::host_offload); });
+        if (c == 0) act[li] = dev;
+        else saved[li][static_cast<std::size_t>(c)] = dev;
+      }
+      auto restored = b_.make_event();
+      b_.record(restored, h2d_);
+      b_.wait(compute_, restored);
+      // Recompute what was dropped, from the boundary.
+      HostLayerContext re = bind(li, slot);
+      re.tokens = t;
+      re.input = act[li];
+      bool any = false;
+      for (int c = 1; c < activation_class_count; ++c) {
+        if (plan_.retention[li][static_cast<std::size_t>(c)].action != Retention::recompute) continue;
+        const auto elems = layers_[li].saved_floats(static_cast<ActivationClass>(c), t);
+        if (elems == 0) continue;
+        saved[li][static_cast<std::size_t>(c)] = alloc_device(Bytes{elems * sizeof(float)}, Claimant::retained_activations);
+        re.saved[static_cast<std::size_t>(c)] = saved[li][static_cast<std::size_t>(c)];
+        any = true;
+      }
+      if (any) run_chunks(li, re, false);
+      // Backward, chunk by chunk; weight gradients accumulate in token order.
+      float* grad_in = alloc_device(act_bytes, Claimant::worksets);
+      HostLayerContext ctx = bind(li, slot);
+      ctx.tokens = t;
+      ctx.input = act[li];
+      ctx.grad_output = grad;
+      ctx.grad_input = grad_in;
+      ctx.saved = saved[li];
+      std::vector<float*> streamed_grads;
+      for (std::size_t s = 0; s < ls.segments.size(); ++s) {
+        auto& seg = ls.segments[s];
+        float* g = seg.resident ? seg.device_grad : alloc_device(Bytes{seg.n * sizeof(float)}, Claimant::worksets);
+        if (!seg.resident) streamed_grads.push_back(g);
+        ctx.weight_grads[s] = {g, seg.n};
+        b_.submit(compute_, [g, n = seg.n] { std::fill(g, g + n, 0.0f); });
+      }
+      run_chunks(li, ctx, true);
+      auto done = b_.make_event();
+      b_.record(done, compute_);
+      release(slot);
+      // Free this layer's activations and the incoming gradient.
+      free_device_on(compute_, act[li], act_bytes, Claimant::retained_activations);
+      for (int c = 1; c < activation_class_count; ++c)
+        if (float* buf = saved[li][static_cast<std::size_t>(c)]) free_device_on(compute_, buf, class_bytes(li, c, t), Claimant::retained_activations);
+      free_device_on(compute_, grad, act_bytes, Claimant::worksets);
+      grad = grad_in;
+      // Gradients: resident segments update on the device; streamed ones go to the host and the
+      // CPU AdamW applies them as soon as they land.
+      for (auto& seg : ls.segments)
+        if (seg.resident) submit_device_adamw(seg, scalars);
+      std::size_t k = 0;
+      b_.wait(d2h_, done);
+      for (auto& seg : ls.segments) {
+        if (seg.resident) continue;
+        b_.copy(seg.staging, streamed_grads[k], Bytes{seg.n * sizeof(float)}, d2h_);
+        free_device_on(d2h_, streamed_grads[k], Bytes{seg.n * sizeof(float)}, Claimant::worksets);
+        ++k;
+      }
+      b_.record(ls.grads_landed, d2h_);
+      b_.wait(cpu_, ls.grads_landed);
+      for (auto& seg : ls.segments)
+        if (!seg.resident) submit_cpu_adamw(seg, scalars);
+      b_.record(ls.updated, cpu_);
+    }
+    free_device_on(compute_, grad, act_bytes, Claimant::worksets);
+    synchronize_all();
+    return loss;
+  }
+
+  /// fp32 master weights of every segment, in layer order (device copies for resident ones).
+  std::vector<std::vector<float>> master() {
+    synchronize_all();
+    std::vector<std::vector<float>> out;
+    for (auto& ls : layers_state_)
+      for (auto& s : ls.segments) {
+        const float* m = s.resident ? s.device_master : s.master;
+        out.emplace_back(m, m + s.n);
+      }
+    return out;
+  }
+
+ private:
+  struct Segment {
+    std::uint64_t n = 0;
+    bool resident = false;
+    // Host (pinned) state of a streamed segment: one block, bf16 working copy first.
+    bf16* weights = nullptr;
+    float* master = nullptr;
+    float* exp_avg = nullptr;
+    float* exp_avg_sq = nullptr;
+    float* staging = nullptr;  // gradients land here
+    // Device state of a resident segment.
+    bf16* device_weights = nullptr;
+    float* device_master = nullptr;
+    float* device_m = nullptr;
+    float* device_v = nullptr;
+    float* device_grad = nullptr;
+  };
+  struct LayerState {
+    std::vector<Segment> segments;
+    HostBackend::Event updated, forward_done, offloaded, grads_landed;
+  };
+  struct Slot {
+    bf16* ptr;
+    Bytes bytes;
+    HostBackend::Event free;
+  };
+
+  float* alloc_device(Bytes bytes, Claimant c) { return static_cast<float*>(b_.allocate(MemorySpace::device(0), bytes, c)); }
+  void free_device_on(HostBackend::Stream& s, void* p, Bytes bytes, Claimant c) {
+    if (p == nullptr) return;
+    auto* backend = &b_;
+    b_.submit(s, [backend, p, bytes, c] { backend->free(p, MemorySpace::device(0), bytes, c); });
+  }
+
+  Bytes class_bytes(std::size_t l, int c, std::uint64_t t) const {
+    if (c == 0) return Bytes{t * layers_[l].hidden() * sizeof(float)};
+    return Bytes{layers_[l].saved_floats(static_cast<ActivationClass>(c), t) * sizeof(float)};
+  }
+
+  Segment make_segment(const std::vector<float>& init, bool resident) {
+    Segment s;
+    s.n = init.size();
+    s.resident = resident;
+    auto fill = [&](float* master, float* m, float* v, bf16* w) {
+      for (std::uint64_t i = 0; i < s.n; ++i) {
+        master[i] = init[i];
+        m[i] = 0;
+        v[i] = 0;
+        w[i] = to_bf16(init[i]);
+      }
+    };
+    if (resident) {
+      const Bytes f{s.n * sizeof(float)};
+      s.device_master = alloc_device(f, Claimant::resident_state);
+      s.device_m = alloc_device(f, Claimant::resident_state);
+      s.device_v = alloc_device(f, Claimant::resident_state);
+      s.device_grad = alloc_device(f, Claimant::resident_state);
+      s.device_weights = static_cast<bf16*>(b_.allocate(MemorySpace::device(0), Bytes{s.n * sizeof(bf16)}, Claimant::resident_state));
+      fill(s.device_master, s.device_m, s.device_v, s.device_weights);
+    } else {
+      const Bytes f{s.n * sizeof(float)};
+      auto pinned = [&](Bytes b, Claimant c) { return b_.allocate(MemorySpace::pinned_host(), b, c); };
+      s.weights = static_cast<bf16*>(pinned(Bytes{s.n * sizeof(bf16)}, Claimant::host_state));
+      s.master = static_cast<float*>(pinned(f, Claimant::host_state));
+      s.exp_avg = static_cast<float*>(pinned(f, Claimant::host_state));
+      s.exp_avg_sq = static_cast<float*>(pinned(f, Claimant::host_state));
+      s.staging = static_cast<float*>(pinned(f, Claimant::host_staging));
+      fill(s.master, s.exp_avg, s.exp_avg_sq, s.weights);
+    }
+    return s;
+  }
+  void free_segment(Segment& s) {
+    const Bytes f{s.n * sizeof(float)};
+    if (s.resident) {
+      for (float* p : {s.device_master, s.device_m, s.device_v, s.device_grad}) b_.free(p, MemorySpace::device(0), f, Claimant::resident_state);
+      b_.free(s.device_weights, MemorySpace::device(0), Bytes{s.n * sizeof(bf16)}, Claimant::resident_state);
+    } else {
+      b_.free(s.weights, MemorySpace::pinned_host(), Bytes{s.n * sizeof(bf16)}, Claimant::host_state);
+      for (float* p : {s.master, s.exp_avg, s.exp_avg_sq}) b_.free(p, MemorySpace::pinned_host(), f, Claimant::host_state);
+      b_.free(s.staging, MemorySpace::pinned_host(), f, Claimant::host_staging);
+    }
+  }
+
+  // Loads layer l's streamed segments into the next slot (after the slot's last user and the
+  // layer's last update); compute waits for the load. Returns the slot, or nullptr if nothing streams.
+  Slot* load_weights(std::size_t l) {
+    auto& ls = layers_state_[l];
+    std::uint64_t offset = 0;
+    Slot* slot = &slots_[next_slot_];
+    next_slot_ = (next_slot_ + 1) % slots_.size();
+    b_.wait(h2d_, slot->free);
+    b_.wait(h2d_, ls.updated);
+    bool any = false;
+    for (auto& seg : ls.segments) {
+      if (seg.resident) continue;
+      b_.copy(slot->ptr + offset, seg.weights, Bytes{seg.n * sizeof(bf16)}, h2d_);
+      offset += seg.n;
+      any = true;
+    }
+    b_.record(loaded_, h2d_);
+    if (!options_.drop_weight_wait) b_.wait(compute_, loaded_);
+    (void)any;
+    return slot;
+  }
+  void release(Slot* slot) {
+    if (slot) b_.record(slot->free, compute_);
+  }
+
+  HostLayerContext bind(std::size_t l, Slot* slot) {
+    HostLayerContext ctx;
+    std::uint64_t offset = 0;
+    for (auto& seg : layers_state_[l].segments) {
+      if (seg.resident) {
+        ctx.weights.emplace_back(seg.device_weights, seg.n);
+      } else {
+        ctx.weights.emplace_back(slot->ptr + offset, seg.n);
+        offset += seg.n;
+      }
+      ctx.weight_grads.emplace_back();
+    }
+    return ctx;
+  }
+
+  // Runs the layer over the plan's token chunks, in increasing token order, on the compute stream.
+  void run_chunks(std::size_t l, const HostLayerContext& ctx, bool backward) {
+    const std::uint64_t t = ctx.tokens;
+    const std::uint64_t chunk = std::max<std::uint64_t>(plan_.chunks[l].moe_tokens, 1);
+    L* layer = &layers_[l];
+    for (std::uint64_t b = 0; b < t; b += chunk) {
+      HostLayerContext c = ctx;
+      c.begin = b;
+      c.end = std::min(t, b + chunk);
+      b_.submit(compute_, [layer, c, backward]() mutable {
+        if (backward) layer->backward(c);
+        else layer->forward(c);
+      });
+    }
+  }
+
+  void submit_device_adamw(Segment& seg, const optim::AdamWStepScalars& sc) {
+    b_.submit(compute_, [&seg, sc] {
+      for (std::uint64_t i = 0; i < seg.n; ++i) {
+        optim::adamw_element(sc, seg.device_master[i], seg.device_m[i], seg.device_v[i], seg.device_grad[i]);
+        seg.device_weights[i] = to_bf16(seg.device_master[i]);
+      }
+    });
+  }
+  void submit_cpu_adamw(Segment& seg, const optim::AdamWStepScalars& sc) {
+    auto* pool = &pool_;
+    b_.submit(cpu_, [&seg, sc, pool] {
+      optim::AdamWSpan<float> span{{seg.master, seg.n}, {seg.exp_avg, seg.n}, {seg.exp_avg_sq, seg.n},
+                                   {seg.staging, seg.n}, {seg.weights, seg.n}};
+      optim::adamw_update(span, sc, *pool);
+    });
+  }
+
+  void synchronize_all() {
+    for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_})
+      if (*s) b_.synchronize(*s);
+  }
+
+  HostBackend& b_;
+  std::vector<L>& layers_;
+  const Plan& plan_;
+  HostExecutorOptions options_;
+  optim::ThreadPool pool_;
+  HostBackend::Stream compute_, h2d_, d2h_, cpu_;
+  HostBackend::Event loaded_;
+  std::vector<LayerState> layers_state_;
+  std::vector<Slot> slots_;
+  std::size_t next_slot_ = 0;
+  std::int64_t step_ = 0;
+};
+
+}  // namespace oom

@@ -1,0 +1,159 @@
+// HostBackend: worker-thread streams, generation events, budgeted arenas.
+#include "oom/runtime/host_backend.hpp"
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+#include "oom/core/log.hpp"
+
+namespace oom {
+
+class HostBackend::Worker {
+ public:
+  Worker(HostBackend& owner, std::string name) : owner_(owner), name_(std::move(name)), thread_([this] { run(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    ready_.notify_one();
+    thread_.join();
+  }
+  void push(std::function<void()> fn) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(fn));
+    }
+    ready_.notify_one();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock lock(mutex_);
+        ready_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      try {
+        task();
+      } catch (...) {
+        owner_.fail(std::current_exception());
+      }
+    }
+  }
+
+  HostBackend& owner_;
+  std::string name_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+HostBackend::HostBackend(Options options)
+    : options_(options), device_("host-backend device arena", options.device_budget),
+      pinned_("host-backend pinned memory", options.pinned_budget) {}
+
+HostBackend::~HostBackend() { streams_.clear(); }
+
+HostBackend::Stream HostBackend::make_stream(std::string name) {
+  auto s = std::make_shared<Worker>(*this, std::move(name));
+  streams_.push_back(s);
+  return s;
+}
+
+HostBackend::Event HostBackend::make_event() { return std::make_shared<EventState>(); }
+
+void HostBackend::submit(Stream& s, std::function<void()> fn) { s->push(std::move(fn)); }
+
+void HostBackend::record(Event& e, Stream& s) {
+  std::uint64_t generation = 0;
+  {
+    std::lock_guard lock(e->mutex);
+    generation = ++e->recorded;
+  }
+  s->push([e, generation] {
+    {
+      std::lock_guard lock(e->mutex);
+      if (generation > e->completed) e->completed = generation;
+    }
+    e->done.notify_all();
+  });
+}
+
+void HostBackend::wait(Stream& s, Event& e) {
+  std::uint64_t generation = 0;
+  {
+    std::lock_guard lock(e->mutex);
+    generation = e->recorded;  // the latest record at the time of the call, as cudaStreamWaitEvent
+  }
+  if (generation == 0) return;
+  s->push([e, generation] {
+    std::unique_lock lock(e->mutex);
+    e->done.wait(lock, [&] { return e->completed >= generation; });
+  });
+}
+
+void HostBackend::copy(void* dst, const void* src, Bytes bytes, Stream& s) {
+  const bool slow = options_.expose_races;
+  s->push([dst, src, n = bytes.count(), slow] {
+    auto* d = static_cast<unsigned char*>(dst);
+    const auto* from = static_cast<const unsigned char*>(src);
+    if (!slow) {
+      std::memcpy(d, from, n);
+      return;
+    }
+    std::memset(d, 0xFF, n);  // NaN in every float format: an early reader sees garbage
+    std::this_thread::sleep_for(std::chrono::microseconds(200));  // ... and has time to
+    constexpr std::size_t piece = 64 << 10;
+    for (std::size_t at = 0; at < n; at += piece) {
+      std::memcpy(d + at, from + at, std::min(piece, n - at));
+      std::this_thread::yield();
+    }
+  });
+}
+
+void* HostBackend::allocate(MemorySpace space, Bytes bytes, Claimant claimant) {
+  Arena* arena = space.is_device() ? &device_ : space.kind == MemorySpace::Kind::pinned_host ? &pinned_ : nullptr;
+  if (arena) arena->take(claimant, bytes);
+  const std::size_t align = space.is_device() ? 256 : 4096;
+  void* p = std::aligned_alloc(align, std::max<std::size_t>(align, bytes.align_up(align).count()));
+  if (p == nullptr) {
+    if (arena) arena->give(claimant, bytes);
+    OOM_THROW(Errc::out_of_budget, fmt::format("host allocation of {} for {} failed", bytes, to_string(claimant)));
+  }
+  return p;
+}
+
+void HostBackend::free(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant) {
+  std::free(ptr);
+  if (space.is_device()) device_.give(claimant, bytes);
+  else if (space.kind == MemorySpace::Kind::pinned_host) pinned_.give(claimant, bytes);
+}
+
+void HostBackend::synchronize(Stream& s) {
+  std::promise<void> done;
+  auto f = done.get_future();
+  s->push([&done] { done.set_value(); });
+  f.wait();
+  std::lock_guard lock(error_mutex_);
+  if (first_error_) std::rethrow_exception(std::exchange(first_error_, nullptr));
+}
+
+void HostBackend::fail(std::exception_ptr e) {
+  std::lock_guard lock(error_mutex_);
+  if (!first_error_) first_error_ = e;
+}
+
+}  // namespace oom
