@@ -16,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
@@ -78,24 +79,24 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& expec
                   const char* what) {
   const CompareReport r = compare(got, expected, rtol, atol, what);
   if (!r.ok()) MESSAGE(r.first);
-  CHECK_MESSAGE(r.ok(), what << ": " << r.mismatches << " of " << r.checked << " mismatch (" << r.non_finite
+  CHECK_MESSAGE(r.ok(), std::string(what) << ": " << r.mismatches << " of " << r.checked << " mismatch (" << r.non_finite
                              << " non-finite), max abs err " << r.max_abs_err << ", max rel err " << r.max_rel_err);
 }
 
 /// Bit equality of two arrays of trivially copyable values; prints the first differences.
 template <class T>
 void expect_bits(const std::vector<T>& got, const std::vector<T>& expected, const char* what) {
-  REQUIRE_MESSAGE(got.size() == expected.size(), what << ": sizes differ");
+  REQUIRE_MESSAGE(got.size() == expected.size(), std::string(what) << ": sizes differ");
   std::size_t bad = 0;
   for (std::size_t i = 0; i < got.size(); ++i) {
     if (std::memcmp(&got[i], &expected[i], sizeof(T)) != 0 && ++bad <= 5) {
       std::uint64_t g = 0, e = 0;
       std::memcpy(&g, &got[i], sizeof(T));
       std::memcpy(&e, &expected[i], sizeof(T));
-      MESSAGE(what << "[" << i << "]: got bits 0x" << std::hex << g << " expected 0x" << e << std::dec);
+      MESSAGE(std::string(what) << "[" << i << "]: got bits 0x" << std::hex << g << " expected 0x" << e << std::dec);
     }
   }
-  CHECK_MESSAGE(bad == 0, what << ": " << bad << " of " << got.size() << " elements differ in their bits");
+  CHECK_MESSAGE(bad == 0, std::string(what) << ": " << bad << " of " << got.size() << " elements differ in their bits");
 }
 
 std::vector<float> widen_bits(const DeviceBuffer<bf16>& d) { return widen(d.download()); }

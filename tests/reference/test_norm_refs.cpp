@@ -9,6 +9,7 @@
 #include <functional>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "oom/reference/embedding.hpp"
@@ -56,11 +57,11 @@ void check_gradient(Vec& input, const Vec& grad, const std::function<double()>& 
     const double fd = (up - down) / (2 * h);
     const bool ok = std::abs(fd - grad[i]) <= 1e-8 + 1e-6 * std::abs(fd);
     if (!ok && ++failures <= 5) {
-      MESSAGE(what << "[" << i << "]: backward " << grad[i] << " vs finite difference " << fd);
+      MESSAGE(std::string(what) << "[" << i << "]: backward " << grad[i] << " vs finite difference " << fd);
     }
   }
   loss();  // leave the forward's outputs as they are at the unperturbed input
-  CHECK_MESSAGE(failures == 0, what << ": " << failures << " gradient entries disagree with finite differences");
+  CHECK_MESSAGE(failures == 0, std::string(what) << ": " << failures << " gradient entries disagree with finite differences");
 }
 
 }  // namespace
