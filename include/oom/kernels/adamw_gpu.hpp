@@ -1,0 +1,50 @@
+// AdamW on the GPU for segments whose optimizer state is resident in HBM. Each element follows
+// oom::optim::adamw_element operation by operation (IEEE __fmul_rn/__fmaf_rn/__fdiv_rn/__fsqrt_rn,
+// no contraction, no fast math), with the same AdamWStepScalars, so the GPU and the CPU optimizer
+// (oom::optim::adamw_update) give bit-identical master weights, moments and bf16 copies.
+// Also the gradients' sum of squares in fp64, in exactly the order of the CPU's
+// oom::optim::grad_sum_of_squares (tiles of sum_of_squares_tile_elements, 16 interleaved lanes,
+// pairwise lane combination, tiles added in order), so it too is bit-identical to the CPU's.
+// Kernels in src/kernels/adamw_gpu.cu.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "oom/core/numeric.hpp"
+#include "oom/optim/adamw.hpp"
+
+namespace oom::kernels {
+
+/// One AdamW step over n elements, in place. weights_out may be null (no bf16 copy wanted).
+/// Arrays must not overlap; any element alignment works (16-byte aligned arrays take the vector
+/// path, which gives the same bits).
+cudaError_t adamw_update(const optim::AdamWStepScalars& step,
+                         float* master,           // (n) fp32, updated in place
+                         float* exp_avg,          // (n) fp32 m
+                         float* exp_avg_sq,       // (n) fp32 v
+                         const float* grads,      // (n) fp32
+                         bf16* weights_out,       // (n) bf16 = to_bf16(updated master), or null
+                         std::int64_t n, cudaStream_t stream);
+/// bf16 moments: widened exactly, updated, used unrounded for this step's weight, stored RNE.
+cudaError_t adamw_update(const optim::AdamWStepScalars& step,
+                         float* master,           // (n) fp32, updated in place
+                         bf16* exp_avg,           // (n) bf16 m
+                         bf16* exp_avg_sq,        // (n) bf16 v
+                         const float* grads,      // (n) fp32
+                         bf16* weights_out,       // (n) bf16, or null
+                         std::int64_t n, cudaStream_t stream);
+
+/// Scratch bytes grad_sum_of_squares needs (one fp64 partial per tile).
+std::size_t grad_sum_of_squares_workspace_bytes(std::int64_t n);
+
+/// *result = sum of grads[i]^2 in fp64, bit-identical to oom::optim::grad_sum_of_squares on the
+/// same n floats. *result is written on the stream (0 for n == 0); read it after synchronising.
+cudaError_t grad_sum_of_squares(const float* grads,  // (n) fp32
+                                std::int64_t n,
+                                double* result,      // (1) fp64, device
+                                void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace oom::kernels

@@ -1,0 +1,51 @@
+// RMSNorm on the GPU (Qwen3 / Llama): y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) per
+// row, bf16 in and out, fp32 statistics and fp32 weight gradient. The same launchers serve the
+// hidden-state norms (rows = T, D = hidden) and Qwen3's per-head q/k norms (a contiguous
+// (T, heads, head_dim) tensor is rows = T * heads of D = head_dim sharing one weight).
+// Kernels in src/kernels/rmsnorm.cu, CPU reference in oom/reference/rmsnorm.hpp.
+//
+// Unlike HF (which rounds x * rstd to bf16 before multiplying by the weight) the product is
+// rounded once, at the output.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "oom/core/numeric.hpp"
+
+namespace oom::kernels {
+
+/// One warp per row. rstd may be null when the backward will not run (inference).
+cudaError_t rmsnorm_forward(const bf16* x,       // (R, D) bf16
+                            const bf16* weight,  // (D) bf16
+                            bf16* y,             // (R, D) bf16
+                            float* rstd,         // (R) fp32, saved for the backward, or null
+                            std::int64_t rows, std::int64_t dim, float eps, cudaStream_t stream);
+
+/// Rows summed into one partial weight gradient: a function of the row count only (not of the
+/// device), so the reduction order, and the bits of grad_weight, depend only on the shape. At most
+/// 256 partials, at least 64 rows each.
+inline constexpr std::int64_t rmsnorm_rows_per_partial(std::int64_t rows) {
+  const std::int64_t spread = (rows + 255) / 256;
+  return spread > 64 ? spread : 64;
+}
+
+/// Scratch bytes rmsnorm_backward needs: the fp32 partial weight gradients, (partials, D).
+std::size_t rmsnorm_backward_workspace_bytes(std::int64_t rows, std::int64_t dim);
+
+/// dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) with xhat = x*rstd; grad_weight += sum over rows
+/// of dy*xhat, reduced in a fixed order (rows within a chunk, then chunks in order). grad_x may
+/// equal grad_y or x (in place): the weight-gradient pass runs first, and each lane of the dx pass
+/// reads an element before it writes it.
+cudaError_t rmsnorm_backward(const bf16* grad_y,   // (R, D) bf16
+                             const bf16* x,        // (R, D) bf16, the forward's input
+                             const bf16* weight,   // (D) bf16
+                             const float* rstd,    // (R) fp32, from the forward
+                             bf16* grad_x,         // (R, D) bf16
+                             float* grad_weight,   // (D) fp32, accumulated into
+                             std::int64_t rows, std::int64_t dim, void* workspace, std::size_t workspace_bytes,
+                             cudaStream_t stream);
+
+}  // namespace oom::kernels

@@ -1,0 +1,194 @@
+// GPU AdamW and gradient sum of squares, bit-identical to the CPU optimizer (contract in
+// include/oom/kernels/adamw_gpu.hpp). Every operation is an explicit IEEE round-to-nearest
+// intrinsic, so neither nvcc's contraction nor any flag can reassociate or fuse differently from
+// oom::optim::adamw_element; this file must never be built with --use_fast_math.
+#include "bf16_device.cuh"
+#include "oom/kernels/adamw_gpu.hpp"
+#include "oom/optim/cpu_adamw.hpp"
+
+namespace oom::kernels {
+namespace {
+
+using detail::bf16_to_float;
+using detail::float_to_bf16;
+using optim::AdamWStepScalars;
+
+constexpr int threads = 256;
+
+/// oom::optim::adamw_element, line for line.
+__device__ __forceinline__ void element(const AdamWStepScalars& s, float& p, float& m, float& v, float grad) {
+  const float g = __fmul_rn(grad, s.grad_scale);
+  const float decayed = __fmul_rn(p, s.decay);
+  m = __fmaf_rn(s.beta1, m, __fmul_rn(s.one_minus_beta1, g));
+  v = __fmaf_rn(s.beta2, v, __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bias_correction2_sqrt), s.eps);
+  p = __fmaf_rn(s.neg_step_size, __fdiv_rn(m, denom), decayed);
+}
+
+// Moments as fp32 (float) or bf16 bits (std::uint16_t).
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(std::uint16_t x) { return bf16_to_float(x); }
+__device__ __forceinline__ void narrow(float x, float& out) { out = x; }
+__device__ __forceinline__ void narrow(float x, std::uint16_t& out) { out = float_to_bf16(x); }
+
+template <class M>
+__device__ __forceinline__ void update_one(const AdamWStepScalars& s, float* p, M* m, M* v, const float* g,
+                                           std::uint16_t* out, std::int64_t i) {
+  float pi = p[i], mi = widen(m[i]), vi = widen(v[i]);
+  element(s, pi, mi, vi, g[i]);
+  p[i] = pi;
+  narrow(mi, m[i]);
+  narrow(vi, v[i]);
+  if (out != nullptr) out[i] = float_to_bf16(pi);
+}
+
+// Four elements per thread: float4 for p, m (fp32), v (fp32), g; 8-byte uint2 for bf16 moments
+// and the bf16 copy. `vec` says every array is aligned for those widths.
+template <class M>
+__global__ void adamw_kernel(AdamWStepScalars s, float* p, M* m, M* v, const float* g, std::uint16_t* out,
+                             std::int64_t n, bool vec) {
+  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x) * 4;
+  if (i >= n) return;
+  if (!vec || i + 4 > n) {
+    const std::int64_t end = i + 4 < n ? i + 4 : n;
+    for (std::int64_t j = i; j < end; ++j) update_one(s, p, m, v, g, out, j);
+    return;
+  }
+  float4 p4 = *reinterpret_cast<const float4*>(p + i);
+  const float4 g4 = *reinterpret_cast<const float4*>(g + i);
+  float pp[4] = {p4.x, p4.y, p4.z, p4.w};
+  const float gg[4] = {g4.x, g4.y, g4.z, g4.w};
+  float mm[4], vv[4];
+  if constexpr (sizeof(M) == 4) {
+    const float4 m4 = *reinterpret_cast<const float4*>(m + i);
+    const float4 v4 = *reinterpret_cast<const float4*>(v + i);
+    mm[0] = m4.x, mm[1] = m4.y, mm[2] = m4.z, mm[3] = m4.w;
+    vv[0] = v4.x, vv[1] = v4.y, vv[2] = v4.z, vv[3] = v4.w;
+  } else {
+    const uint2 m2 = *reinterpret_cast<const uint2*>(m + i);
+    const uint2 v2 = *reinterpret_cast<const uint2*>(v + i);
+    mm[0] = __uint_as_float(m2.x << 16), mm[1] = __uint_as_float(m2.x & 0xffff0000u);
+    mm[2] = __uint_as_float(m2.y << 16), mm[3] = __uint_as_float(m2.y & 0xffff0000u);
+    vv[0] = __uint_as_float(v2.x << 16), vv[1] = __uint_as_float(v2.x & 0xffff0000u);
+    vv[2] = __uint_as_float(v2.y << 16), vv[3] = __uint_as_float(v2.y & 0xffff0000u);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) element(s, pp[k], mm[k], vv[k], gg[k]);
+  *reinterpret_cast<float4*>(p + i) = make_float4(pp[0], pp[1], pp[2], pp[3]);
+  if constexpr (sizeof(M) == 4) {
+    *reinterpret_cast<float4*>(m + i) = make_float4(mm[0], mm[1], mm[2], mm[3]);
+    *reinterpret_cast<float4*>(v + i) = make_float4(vv[0], vv[1], vv[2], vv[3]);
+  } else {
+    auto pack = [](float a, float b) {
+      return static_cast<unsigned>(float_to_bf16(a)) | (static_cast<unsigned>(float_to_bf16(b)) << 16);
+    };
+    *reinterpret_cast<uint2*>(m + i) = make_uint2(pack(mm[0], mm[1]), pack(mm[2], mm[3]));
+    *reinterpret_cast<uint2*>(v + i) = make_uint2(pack(vv[0], vv[1]), pack(vv[2], vv[3]));
+  }
+  if (out != nullptr) {
+    const unsigned lo = static_cast<unsigned>(float_to_bf16(pp[0])) | (static_cast<unsigned>(float_to_bf16(pp[1])) << 16);
+    const unsigned hi = static_cast<unsigned>(float_to_bf16(pp[2])) | (static_cast<unsigned>(float_to_bf16(pp[3])) << 16);
+    *reinterpret_cast<uint2*>(out + i) = make_uint2(lo, hi);
+  }
+}
+
+bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
+
+template <class M>
+cudaError_t launch(const AdamWStepScalars& s, float* p, M* m, M* v, const float* g, std::uint16_t* out,
+                   std::int64_t n, cudaStream_t stream) {
+  if (n < 0) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  if (p == nullptr || m == nullptr || v == nullptr || g == nullptr) return cudaErrorInvalidValue;
+  const unsigned grid = grid_for(n, threads * 4);
+  if (grid == 0) return cudaErrorInvalidValue;
+  const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 4 * sizeof(M)) && aligned(v, 4 * sizeof(M)) &&
+                   (out == nullptr || aligned(out, 8));
+  adamw_kernel<M><<<grid, threads, 0, stream>>>(s, p, m, v, g, out, n, vec);
+  return cudaGetLastError();
+}
+
+// ----- sum of squares, in oom::optim::grad_sum_of_squares's order -----
+
+constexpr std::int64_t tile = static_cast<std::int64_t>(optim::sum_of_squares_tile_elements);
+constexpr int lanes = 16;  // the CPU's 16 interleaved lanes
+static_assert(tile % lanes == 0, "a tile must hold whole rounds of the 16 lanes");
+constexpr int tiles_per_block = threads / lanes;
+
+/// 16 threads per tile; thread `lane` sums elements lane, lane + 16, ... of its tile in order, as
+/// the CPU's lane does. Loads are batched so each thread keeps several in flight while the adds
+/// stay in order.
+__global__ void tile_sums(const float* g, std::int64_t n, double* partial, std::int64_t tiles) {
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * tiles_per_block + threadIdx.x / lanes;
+  const int lane = threadIdx.x % lanes;
+  double acc = 0.0;
+  if (t < tiles) {
+    const std::int64_t begin = t * tile;
+    const std::int64_t len = n - begin < tile ? n - begin : tile;
+    const float* x = g + begin;
+    constexpr int batch = 16;
+    std::int64_t i = lane;
+    for (; i + (batch - 1) * lanes < len; i += batch * lanes) {
+      float buf[batch];
+#pragma unroll
+      for (int k = 0; k < batch; ++k) buf[k] = x[i + k * lanes];
+#pragma unroll
+      for (int k = 0; k < batch; ++k) {
+        const double d = buf[k];
+        acc = __dadd_rn(acc, __dmul_rn(d, d));  // the square is exact; only the add rounds
+      }
+    }
+    for (; i < len; i += lanes) {
+      const double d = x[i];
+      acc = __dadd_rn(acc, __dmul_rn(d, d));
+    }
+  }
+  // Lane l += lane l + half for half = 8, 4, 2, 1: OOM_OPTIM_COMBINE_16_LANES's order. Lanes whose
+  // partner is beyond the 16 read garbage, but lane 0's chain only depends on valid ones.
+#pragma unroll
+  for (int half = lanes / 2; half >= 1; half /= 2) acc = __dadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, half, lanes));
+  if (t < tiles && lane == 0) partial[t] = acc;
+}
+
+/// Tiles in order, one thread: the CPU adds its tile sums in order the same way.
+__global__ void sum_tiles(const double* partial, std::int64_t tiles, double* result) {
+  double total = 0.0;
+  for (std::int64_t t = 0; t < tiles; ++t) total = __dadd_rn(total, partial[t]);
+  *result = total;
+}
+
+std::int64_t tile_count(std::int64_t n) { return (n + tile - 1) / tile; }
+
+}  // namespace
+
+cudaError_t adamw_update(const optim::AdamWStepScalars& step, float* master, float* exp_avg, float* exp_avg_sq,
+                         const float* grads, bf16* weights_out, std::int64_t n, cudaStream_t stream) {
+  return launch<float>(step, master, exp_avg, exp_avg_sq, grads, reinterpret_cast<std::uint16_t*>(weights_out), n,
+                       stream);
+}
+
+cudaError_t adamw_update(const optim::AdamWStepScalars& step, float* master, bf16* exp_avg, bf16* exp_avg_sq,
+                         const float* grads, bf16* weights_out, std::int64_t n, cudaStream_t stream) {
+  return launch<std::uint16_t>(step, master, reinterpret_cast<std::uint16_t*>(exp_avg),
+                               reinterpret_cast<std::uint16_t*>(exp_avg_sq), grads,
+                               reinterpret_cast<std::uint16_t*>(weights_out), n, stream);
+}
+
+std::size_t grad_sum_of_squares_workspace_bytes(std::int64_t n) {
+  return n <= 0 ? 0 : static_cast<std::size_t>(tile_count(n)) * sizeof(double);
+}
+
+cudaError_t grad_sum_of_squares(const float* grads, std::int64_t n, double* result, void* workspace,
+                                std::size_t workspace_bytes, cudaStream_t stream) {
+  if (n < 0 || result == nullptr) return cudaErrorInvalidValue;
+  if (n == 0) return cudaMemsetAsync(result, 0, sizeof(double), stream);
+  if (workspace == nullptr || workspace_bytes < grad_sum_of_squares_workspace_bytes(n)) return cudaErrorInvalidValue;
+  const std::int64_t tiles = tile_count(n);
+  auto* partial = static_cast<double*>(workspace);
+  tile_sums<<<grid_for(tiles, tiles_per_block), threads, 0, stream>>>(grads, n, partial, tiles);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  sum_tiles<<<1, 1, 0, stream>>>(partial, tiles, result);
+  return cudaGetLastError();
+}
+
+}  // namespace oom::kernels

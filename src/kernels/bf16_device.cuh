@@ -1,0 +1,104 @@
+// Device helpers shared by the elementwise and row kernels (embedding, rmsnorm, rope, swiglu,
+// cast, adamw_gpu): bf16 <-> fp32 by bit manipulation, 16-byte vector loads and stores, warp sums.
+// bf16 is handled as its raw 16 bits, so a kernel's rounding is exactly oom::to_bf16 (round to
+// nearest even, NaN kept quiet with its sign and upper payload) on every architecture, not
+// cvt.rn.bf16.f32's canonical NaN.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace oom::kernels::detail {
+
+__device__ __forceinline__ float bf16_to_float(std::uint16_t b) { return __uint_as_float(static_cast<unsigned>(b) << 16); }
+
+/// Same bits as oom::to_bf16 (include/oom/core/numeric.hpp).
+__device__ __forceinline__ std::uint16_t float_to_bf16(float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+/// N consecutive bf16 values widened to fp32. N == 8 is one 16-byte load (p 16-byte aligned).
+template <int N>
+__device__ __forceinline__ void load_bf16(const std::uint16_t* p, float (&f)[N]) {
+  if constexpr (N == 8) {
+    const uint4 r = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = __uint_as_float(w[k] << 16);
+      f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = bf16_to_float(p[k]);
+  }
+}
+
+/// N fp32 values rounded to bf16 and stored. N == 8 is one 16-byte store (p 16-byte aligned).
+template <int N>
+__device__ __forceinline__ void store_bf16(std::uint16_t* p, const float (&f)[N]) {
+  if constexpr (N == 8) {
+    unsigned w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[k] = static_cast<unsigned>(float_to_bf16(f[2 * k])) | (static_cast<unsigned>(float_to_bf16(f[2 * k + 1])) << 16);
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = float_to_bf16(f[k]);
+  }
+}
+
+/// N consecutive fp32 values; N == 8 is two 16-byte loads (p 16-byte aligned).
+template <int N>
+__device__ __forceinline__ void load_f32(const float* p, float (&f)[N]) {
+  if constexpr (N == 8) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = p[k];
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void store_f32(float* p, const float (&f)[N]) {
+  if constexpr (N == 8) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = f[k];
+  }
+}
+
+/// Butterfly sum over a full warp; every lane gets the same result (same order on every lane).
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+}  // namespace oom::kernels::detail
+
+namespace oom::kernels {
+
+/// Host side: whether every pointer is 16-byte aligned (the vector paths need it).
+template <class... P>
+inline bool aligned_16(const P*... p) {
+  return ((reinterpret_cast<std::uintptr_t>(p) % 16 == 0) && ...);
+}
+
+/// Blocks for `items` work items of `per_block` each; 0 when the grid would exceed CUDA's limit.
+inline unsigned grid_for(std::int64_t items, std::int64_t per_block) {
+  const std::int64_t blocks = (items + per_block - 1) / per_block;
+  return blocks > 0x7fffffff ? 0u : static_cast<unsigned>(blocks);
+}
+
+}  // namespace oom::kernels

@@ -1,0 +1,77 @@
+// Cast and scaled-accumulate kernels: elementwise over n, 8 elements per thread (16-byte bf16 or
+// 2 x 16-byte fp32 accesses) when every array is 16-byte aligned, scalar otherwise and for the
+// tail. Contract in include/oom/kernels/cast.hpp.
+#include "bf16_device.cuh"
+#include "oom/kernels/cast.hpp"
+
+namespace oom::kernels {
+namespace {
+
+using detail::load_bf16;
+using detail::load_f32;
+using detail::store_bf16;
+using detail::store_f32;
+
+constexpr int threads = 256;
+
+enum class Op : int { f32_to_bf16, bf16_to_f32, acc_bf16, acc_f32 };
+
+template <int N>
+__device__ void apply(Op op, const void* in, void* out, float scale, std::int64_t i) {
+  float v[N];
+  if (op == Op::f32_to_bf16 || op == Op::acc_f32) {
+    load_f32<N>(static_cast<const float*>(in) + i, v);
+  } else {
+    load_bf16<N>(static_cast<const std::uint16_t*>(in) + i, v);
+  }
+  if (op == Op::f32_to_bf16) {
+    store_bf16<N>(static_cast<std::uint16_t*>(out) + i, v);
+  } else if (op == Op::bf16_to_f32) {
+    store_f32<N>(static_cast<float*>(out) + i, v);
+  } else {
+    float* acc = static_cast<float*>(out) + i;
+    float a[N];
+    load_f32<N>(acc, a);
+#pragma unroll
+    for (int k = 0; k < N; ++k) a[k] = __fmaf_rn(scale, v[k], a[k]);
+    store_f32<N>(acc, a);
+  }
+}
+
+// One kernel for the four operations (a uniform branch on `op`) keeps the instantiations few.
+__global__ void elementwise(Op op, const void* in, void* out, float scale, std::int64_t n, bool vec) {
+  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x) * 8;
+  if (i >= n) return;
+  if (vec && i + 8 <= n) {
+    apply<8>(op, in, out, scale, i);
+  } else {
+    const std::int64_t end = i + 8 < n ? i + 8 : n;
+    for (std::int64_t j = i; j < end; ++j) apply<1>(op, in, out, scale, j);
+  }
+}
+
+cudaError_t launch(Op op, const void* in, void* out, float scale, std::int64_t n, cudaStream_t stream) {
+  if (n < 0) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  const unsigned grid = grid_for(n, threads * 8);
+  if (grid == 0) return cudaErrorInvalidValue;
+  elementwise<<<grid, threads, 0, stream>>>(op, in, out, scale, n, aligned_16(in, out));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t cast_fp32_to_bf16(const float* in, bf16* out, std::int64_t n, cudaStream_t stream) {
+  return launch(Op::f32_to_bf16, in, out, 0.0f, n, stream);
+}
+cudaError_t cast_bf16_to_fp32(const bf16* in, float* out, std::int64_t n, cudaStream_t stream) {
+  return launch(Op::bf16_to_f32, in, out, 0.0f, n, stream);
+}
+cudaError_t accumulate_scaled(float* acc, const bf16* grad, float scale, std::int64_t n, cudaStream_t stream) {
+  return launch(Op::acc_bf16, grad, acc, scale, n, stream);
+}
+cudaError_t accumulate_scaled(float* acc, const float* grad, float scale, std::int64_t n, cudaStream_t stream) {
+  return launch(Op::acc_f32, grad, acc, scale, n, stream);
+}
+
+}  // namespace oom::kernels

@@ -1,0 +1,651 @@
+// GPU tests of the embedding, RMSNorm, RoPE, SwiGLU, cast and AdamW kernels against their CPU
+// references, on fresh random inputs at sizes that are no multiple of any tile (T = 1, 7, 1000,
+// 4099; widths 2050, 130, 80 that take the scalar paths), outputs poisoned (NaN) before each run.
+// The casts, the accumulate, AdamW and the sum of squares must match the host bit for bit; the
+// others within tolerances justified next to each comparison. A last case prints each kernel's
+// achieved bandwidth next to a device-to-device cudaMemcpy measured in the same run.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/device_buffer.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/core/numeric.hpp"
+#include "oom/kernels/adamw_gpu.hpp"
+#include "oom/kernels/cast.hpp"
+#include "oom/kernels/embedding.hpp"
+#include "oom/kernels/rmsnorm.hpp"
+#include "oom/kernels/rope.hpp"
+#include "oom/kernels/swiglu.hpp"
+#include "oom/optim/cpu_adamw.hpp"
+#include "oom/reference/embedding.hpp"
+#include "oom/reference/rmsnorm.hpp"
+#include "oom/reference/rope.hpp"
+#include "oom/reference/swiglu.hpp"
+#include "support/compare.hpp"
+
+namespace k = oom::kernels;
+namespace ref = oom::reference;
+using oom::bf16;
+using oom::test::compare;
+using oom::test::CompareReport;
+using oom::test::DeviceBuffer;
+using oom::test::random_normal;
+
+namespace {
+
+// bf16 rounding is at most half an ulp, 2^-9 relative; 2^-7 leaves room for the few fp32 ulps by
+// which the kernel's and the reference's unrounded values differ (summation order, expf/sincosf
+// vs libm) when they straddle a bf16 rounding boundary.
+constexpr double bf16_rtol = 1.0 / 128;
+
+/// A blocking stream: it waits for the legacy-stream cudaMemset/cudaMemcpy of DeviceBuffer, so a
+/// poison or an upload is always complete before the kernel reads or writes.
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { OOM_CUDA_CHECK(cudaStreamCreate(&s)); }
+  ~Stream() { cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = oom::to_bf16(v[i]);
+  return out;
+}
+std::vector<float> widen(const std::vector<bf16>& v) {
+  std::vector<float> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = oom::to_float(v[i]);
+  return out;
+}
+/// Values exactly representable in bf16 (the kernels' inputs), widened.
+std::vector<float> bf16_normal(std::size_t n, std::uint64_t seed, float stddev = 1.0f) {
+  return widen(to_bf16(random_normal(n, seed, stddev)));
+}
+
+void expect_close(const std::vector<float>& got, const std::vector<float>& expected, double rtol, double atol,
+                  const char* what) {
+  const CompareReport r = compare(got, expected, rtol, atol, what);
+  if (!r.ok()) MESSAGE(r.first);
+  CHECK_MESSAGE(r.ok(), std::string(what) << ": " << r.mismatches << " of " << r.checked << " mismatch (" << r.non_finite
+                             << " non-finite), max abs err " << r.max_abs_err << ", max rel err " << r.max_rel_err);
+}
+
+/// Bit equality of two arrays of trivially copyable values; prints the first differences.
+template <class T>
+void expect_bits(const std::vector<T>& got, const std::vector<T>& expected, const char* what) {
+  REQUIRE_MESSAGE(got.size() == expected.size(), std::string(what) << ": sizes differ");
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &expected[i], sizeof(T)) != 0 && ++bad <= 5) {
+      std::uint64_t g = 0, e = 0;
+      std::memcpy(&g, &got[i], sizeof(T));
+      std::memcpy(&e, &expected[i], sizeof(T));
+      MESSAGE(std::string(what) << "[" << i << "]: got bits 0x" << std::hex << g << " expected 0x" << e << std::dec);
+    }
+  }
+  CHECK_MESSAGE(bad == 0, std::string(what) << ": " << bad << " of " << got.size() << " elements differ in their bits");
+}
+
+std::vector<float> widen_bits(const DeviceBuffer<bf16>& d) { return widen(d.download()); }
+
+std::int32_t read_count(const DeviceBuffer<std::int32_t>& d) { return d.download().at(0); }
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+TEST_CASE("embedding: forward gathers rows exactly; backward scatter-adds like the reference, deterministically") {
+  Stream stream;
+  const std::int64_t V = 1003;
+  for (const std::int64_t H : {128, 2050, 4096}) {
+    const std::vector<float> table_f = bf16_normal(static_cast<std::size_t>(V * H), 100 + H);
+    DeviceBuffer<bf16> table(to_bf16(table_f));
+    for (const std::int64_t T : {1, 7, 1000, 4099}) {
+      CAPTURE(H);
+      CAPTURE(T);
+      // 30% of the tokens share one id (a long run to sum), the rest uniform.
+      std::mt19937_64 rng(7 * T + H);
+      std::vector<std::int32_t> ids_h(T);
+      for (auto& id : ids_h) id = (rng() % 10 < 3) ? 5 : static_cast<std::int32_t>(rng() % V);
+      DeviceBuffer<std::int32_t> ids(ids_h);
+      DeviceBuffer<std::int32_t> invalid(1);
+
+      DeviceBuffer<bf16> out(static_cast<std::size_t>(T * H));
+      invalid.zero();
+      OOM_CUDA_CHECK(k::embedding_forward(ids.get(), table.get(), out.get(), invalid.get(), T, V, H, stream.s));
+      std::vector<float> expected(static_cast<std::size_t>(T * H));
+      CHECK(ref::embedding_forward<float>(ids_h, table_f, expected, V, H) == 0);
+      expect_close(widen_bits(out), expected, 0.0, 0.0, "embedding forward (a copy: exact)");
+      CHECK(read_count(invalid) == 0);
+
+      const std::vector<float> dout_f = bf16_normal(static_cast<std::size_t>(T * H), 200 + T);
+      DeviceBuffer<bf16> dout(to_bf16(dout_f));
+      const std::vector<float> grad0 = random_normal(static_cast<std::size_t>(V * H), 300 + T);
+      DeviceBuffer<float> grad(grad0);
+      DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(T, V));
+      invalid.zero();
+      OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, H, ws.get(),
+                                           ws.size(), stream.s));
+      std::vector<float> grad_ref = grad0;
+      ref::embedding_backward<float>(ids_h, dout_f, grad_ref, V, H);
+      const std::vector<float> grad_gpu = grad.download();
+      // fp32 sums in token order of up to ~1230 O(1) terms vs an fp64 sum: typical error
+      // sqrt(n) * |sum| * 2^-24 ~ 1e-4 for the long run; one token missing or added is O(1).
+      expect_close(grad_gpu, grad_ref, 1e-5, 1e-3, "embedding backward");
+      CHECK(read_count(invalid) == 0);
+
+      // Same inputs, same bits (no atomics on the gradient).
+      grad.upload(grad0);
+      OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, H, ws.get(),
+                                           ws.size(), stream.s));
+      expect_bits(grad.download(), grad_gpu, "embedding backward, second run");
+    }
+  }
+}
+
+TEST_CASE("embedding: out-of-range ids are counted, give zero rows and no gradient") {
+  Stream stream;
+  const std::int64_t V = 50, H = 24, T = 6;
+  const std::vector<std::int32_t> ids_h = {3, -1, 50, 7, std::numeric_limits<std::int32_t>::max(), 3};
+  const std::vector<float> table_f = bf16_normal(V * H, 1);
+  DeviceBuffer<bf16> table(to_bf16(table_f));
+  DeviceBuffer<std::int32_t> ids(ids_h);
+  DeviceBuffer<std::int32_t> invalid(1);
+  invalid.zero();
+  DeviceBuffer<bf16> out(T * H);
+  OOM_CUDA_CHECK(k::embedding_forward(ids.get(), table.get(), out.get(), invalid.get(), T, V, H, stream.s));
+  CHECK(read_count(invalid) == 3);
+  std::vector<float> expected(T * H);
+  ref::embedding_forward<float>(ids_h, table_f, expected, V, H);
+  expect_close(widen_bits(out), expected, 0.0, 0.0, "embedding forward with invalid ids");
+
+  const std::vector<float> dout_f = bf16_normal(T * H, 2);
+  DeviceBuffer<bf16> dout(to_bf16(dout_f));
+  DeviceBuffer<float> grad(std::vector<float>(V * H, 0.0f));
+  DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(T, V));
+  invalid.zero();
+  OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, H, ws.get(), ws.size(),
+                                       stream.s));
+  CHECK(read_count(invalid) == 3);
+  std::vector<float> grad_ref(V * H, 0.0f);
+  ref::embedding_backward<float>(ids_h, dout_f, grad_ref, V, H);
+  expect_close(grad.download(), grad_ref, 1e-6, 1e-6, "embedding backward with invalid ids");
+
+  // A null counter or a short workspace is refused, not ignored.
+  CHECK(k::embedding_forward(ids.get(), table.get(), out.get(), nullptr, T, V, H, stream.s) == cudaErrorInvalidValue);
+  CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, H, ws.get(), 1, stream.s) ==
+        cudaErrorInvalidValue);
+}
+
+// ----------------------------------------------------------------------------------------------
+TEST_CASE("rmsnorm: forward, rstd, input and weight gradients match the reference (hidden and q/k-norm rows)") {
+  Stream stream;
+  struct Shape {
+    std::int64_t rows, dim;
+  };
+  // (1000 * 32, 128): Qwen3's per-head q-norm over T = 1000 tokens x 32 heads; 2050 and 130 take
+  // the scalar path.
+  for (const Shape s : {Shape{1, 128}, Shape{7, 2048}, Shape{1000, 2050}, Shape{4099, 2048}, Shape{1000 * 32, 128},
+                        Shape{7, 130}, Shape{1000, 4096}}) {
+    CAPTURE(s.rows);
+    CAPTURE(s.dim);
+    const std::size_t n = static_cast<std::size_t>(s.rows * s.dim);
+    const float eps = 1e-6f;
+    const std::vector<float> x_f = bf16_normal(n, 11 + s.rows);
+    std::vector<float> w_f = random_normal(s.dim, 12 + s.dim, 0.1f);
+    for (auto& w : w_f) w = oom::to_float(oom::to_bf16(1.0f + w));
+    const std::vector<float> dy_f = bf16_normal(n, 13 + s.rows);
+    DeviceBuffer<bf16> x(to_bf16(x_f)), w(to_bf16(w_f)), dy(to_bf16(dy_f));
+    DeviceBuffer<bf16> y(n), dx(n);
+    DeviceBuffer<float> rstd(s.rows);
+
+    OOM_CUDA_CHECK(k::rmsnorm_forward(x.get(), w.get(), y.get(), rstd.get(), s.rows, s.dim, eps, stream.s));
+    std::vector<float> y_ref(n), rstd_ref(s.rows);
+    ref::rmsnorm_forward<float>(x_f, w_f, y_ref, rstd_ref, s.rows, s.dim, eps);
+    expect_close(widen_bits(y), y_ref, bf16_rtol, 1e-6, "rmsnorm y");
+    // fp32 lane sums of D/32 squares then a 5-level tree: relative error <= (D/32 + 5) 2^-24 < 1e-5.
+    expect_close(rstd.download(), rstd_ref, 2e-5, 0.0, "rmsnorm rstd");
+
+    const std::vector<float> gw0 = random_normal(s.dim, 14);
+    DeviceBuffer<float> gw(gw0);
+    DeviceBuffer<unsigned char> ws(k::rmsnorm_backward_workspace_bytes(s.rows, s.dim));
+    OOM_CUDA_CHECK(k::rmsnorm_backward(dy.get(), x.get(), w.get(), rstd.get(), dx.get(), gw.get(), s.rows, s.dim,
+                                       ws.get(), ws.size(), stream.s));
+    std::vector<float> dx_ref(n), gw_ref = gw0;
+    // The reference backward gets the kernel's rstd, so this checks the backward on its own.
+    ref::rmsnorm_backward<float>(dy_f, x_f, w_f, rstd.download(), dx_ref, gw_ref, s.rows, s.dim);
+    // dx = rstd (dy w - xhat mean) cancels: O(1) terms carry ~1e-6 absolute fp32 differences
+    // (and the rstd difference), hence atol 1e-4 beside one bf16 rounding.
+    expect_close(widen_bits(dx), dx_ref, bf16_rtol, 1e-4, "rmsnorm dx");
+    // dw sums R products of O(1) in fp32 (chunks of >= 64 rows, <= 256 chunks in order): error
+    // well under 1e-4 sqrt(R); one row missing or doubled changes it by O(1).
+    const std::vector<float> gw_gpu = gw.download();
+    expect_close(gw_gpu, gw_ref, 1e-4, 1e-4 * std::sqrt(static_cast<double>(s.rows)), "rmsnorm dweight");
+
+    // Deterministic, and in place (grad_x == grad_y) gives the same bits.
+    const std::vector<bf16> dx_first = dx.download();
+    gw.upload(gw0);
+    DeviceBuffer<bf16> inplace(to_bf16(dy_f));
+    OOM_CUDA_CHECK(k::rmsnorm_backward(inplace.get(), x.get(), w.get(), rstd.get(), inplace.get(), gw.get(), s.rows,
+                                       s.dim, ws.get(), ws.size(), stream.s));
+    expect_bits(gw.download(), gw_gpu, "rmsnorm dweight, second run");
+    std::vector<std::uint16_t> a, b;
+    for (bf16 v : inplace.download()) a.push_back(v.bits);
+    for (bf16 v : dx_first) b.push_back(v.bits);
+    expect_bits(a, b, "rmsnorm dx in place");
+  }
+}
+
+TEST_CASE("rmsnorm: rstd may be null for inference; bad shapes are refused") {
+  Stream stream;
+  const std::int64_t rows = 3, dim = 64;
+  DeviceBuffer<bf16> x(to_bf16(bf16_normal(rows * dim, 1))), w(to_bf16(std::vector<float>(dim, 1.0f))), y(rows * dim);
+  OOM_CUDA_CHECK(k::rmsnorm_forward(x.get(), w.get(), y.get(), nullptr, rows, dim, 1e-6f, stream.s));
+  for (float v : widen_bits(y)) REQUIRE(std::isfinite(v));
+  CHECK(k::rmsnorm_forward(x.get(), w.get(), y.get(), nullptr, rows, 0, 1e-6f, stream.s) == cudaErrorInvalidValue);
+}
+
+// ----------------------------------------------------------------------------------------------
+namespace {
+
+/// Packed sequences: lengths up to 2048, positions restarting at 0, one chunk starting at 30000
+/// (a later chunk of a long sequence).
+std::vector<std::int32_t> packed_positions(std::int64_t tokens, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::int32_t> pos(tokens);
+  std::int32_t p = 30000;
+  std::int32_t left = 1 + static_cast<std::int32_t>(rng() % 2048);
+  for (auto& q : pos) {
+    if (left-- == 0) {
+      p = 0;
+      left = static_cast<std::int32_t>(rng() % 2048);
+    }
+    q = p++;
+  }
+  return pos;
+}
+
+}  // namespace
+
+TEST_CASE("rope: forward and backward match the reference, full and partial rotary, packed positions") {
+  Stream stream;
+  struct Shape {
+    std::int64_t tokens, heads, head_dim, rotary_dim;
+    float theta;
+  };
+  // (80, 40): rotary_dim/2 = 20 is no multiple of 8 -> scalar path.
+  for (const Shape s : {Shape{1, 32, 128, 128, 1e6f}, Shape{7, 4, 128, 128, 1e6f}, Shape{1000, 32, 128, 64, 1e6f},
+                        Shape{4099, 4, 128, 128, 1e6f}, Shape{1000, 3, 80, 40, 1e4f}, Shape{7, 2, 64, 32, 1e4f}}) {
+    CAPTURE(s.tokens);
+    CAPTURE(s.heads);
+    CAPTURE(s.head_dim);
+    CAPTURE(s.rotary_dim);
+    const std::size_t n = static_cast<std::size_t>(s.tokens * s.heads * s.head_dim);
+    const std::vector<std::int32_t> pos_h = packed_positions(s.tokens, 5 + s.tokens);
+    DeviceBuffer<std::int32_t> pos(pos_h);
+    const std::vector<float> x_f = bf16_normal(n, 21 + s.tokens);
+    const std::vector<float> dy_f = bf16_normal(n, 22 + s.tokens);
+    DeviceBuffer<bf16> x(to_bf16(x_f)), dy(to_bf16(dy_f)), y(n), dx(n);
+
+    OOM_CUDA_CHECK(k::rope_forward(x.get(), pos.get(), y.get(), s.tokens, s.heads, s.head_dim, s.rotary_dim, s.theta,
+                                   stream.s));
+    std::vector<float> y_ref(n), dx_ref(n);
+    ref::rope_forward<float>(x_f, pos_h, y_ref, s.heads, s.head_dim, s.rotary_dim, s.theta);
+    // Same fp32 angle bits on both sides; sincosf vs libm and fp32 products differ by a few 1e-7
+    // of |x| ~ 5, so atol 1e-5 covers outputs near zero; otherwise one bf16 rounding.
+    const std::vector<float> y_gpu = widen_bits(y);
+    expect_close(y_gpu, y_ref, bf16_rtol, 1e-5, "rope forward");
+
+    OOM_CUDA_CHECK(k::rope_backward(dy.get(), pos.get(), dx.get(), s.tokens, s.heads, s.head_dim, s.rotary_dim,
+                                    s.theta, stream.s));
+    ref::rope_backward<float>(dy_f, pos_h, dx_ref, s.heads, s.head_dim, s.rotary_dim, s.theta);
+    expect_close(widen_bits(dx), dx_ref, bf16_rtol, 1e-5, "rope backward");
+
+    // In place gives the same bits as out of place.
+    OOM_CUDA_CHECK(k::rope_forward(x.get(), pos.get(), x.get(), s.tokens, s.heads, s.head_dim, s.rotary_dim, s.theta,
+                                   stream.s));
+    expect_close(widen_bits(x), y_gpu, 0.0, 0.0, "rope forward in place");
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+TEST_CASE("swiglu: forward and backward over [gate | up] rows match the reference") {
+  Stream stream;
+  struct Shape {
+    std::int64_t tokens, intermediate;
+  };
+  for (const Shape s : {Shape{1, 768}, Shape{7, 770}, Shape{1000, 768}, Shape{4099, 1536}, Shape{7, 5}}) {
+    CAPTURE(s.tokens);
+    CAPTURE(s.intermediate);
+    const std::size_t n_in = static_cast<std::size_t>(s.tokens * 2 * s.intermediate);
+    const std::size_t n_out = static_cast<std::size_t>(s.tokens * s.intermediate);
+    // stddev 3 reaches the sigmoid's saturated tails.
+    const std::vector<float> gu_f = bf16_normal(n_in, 31 + s.tokens, 3.0f);
+    const std::vector<float> dout_f = bf16_normal(n_out, 32 + s.tokens);
+    DeviceBuffer<bf16> gu(to_bf16(gu_f)), dout(to_bf16(dout_f)), out(n_out), dgu(n_in);
+
+    OOM_CUDA_CHECK(k::swiglu_forward(gu.get(), out.get(), s.tokens, s.intermediate, stream.s));
+    std::vector<float> out_ref(n_out), dgu_ref(n_in);
+    ref::swiglu_forward<float>(gu_f, out_ref, s.tokens, s.intermediate);
+    // Products only (no cancellation): expf vs std::exp (~2 ulp) then one bf16 rounding.
+    expect_close(widen_bits(out), out_ref, bf16_rtol, 1e-6, "swiglu forward");
+
+    OOM_CUDA_CHECK(k::swiglu_backward(dout.get(), gu.get(), dgu.get(), s.tokens, s.intermediate, stream.s));
+    ref::swiglu_backward<float>(dout_f, gu_f, dgu_ref, s.tokens, s.intermediate);
+    // 1 + g(1 - s) cancels near g = -1.28: absolute fp32 error ~1e-7 |dout up|, hence atol 1e-5.
+    expect_close(widen_bits(dgu), dgu_ref, bf16_rtol, 1e-5, "swiglu backward");
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+namespace {
+
+/// fp32 values with every rounding case: random magnitudes over the whole range, signed zeros,
+/// infinities, NaNs with payloads, subnormals, ties to even both ways, values rounding to inf.
+std::vector<float> cast_inputs(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> v(n);
+  const std::uint32_t specials[] = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u,
+                                    0x7f800001u, 0x00000001u, 0x807fffffu, 0x3f808000u, 0x3f818000u, 0x7f7fffffu,
+                                    0x7f7f8000u, 0x3f80ffffu, 0xbf807fffu, 0x00408000u};
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint32_t bits = i < std::size(specials) ? specials[i] : static_cast<std::uint32_t>(rng());
+    v[i] = std::bit_cast<float>(bits);
+  }
+  return v;
+}
+
+std::vector<std::uint32_t> bits_of(const std::vector<float>& v) {
+  std::vector<std::uint32_t> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = std::bit_cast<std::uint32_t>(v[i]);
+  return out;
+}
+std::vector<std::uint16_t> bits_of(const std::vector<bf16>& v) {
+  std::vector<std::uint16_t> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = v[i].bits;
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("casts: fp32 -> bf16 has oom::to_bf16's bits (NaN, inf, ties, subnormals); bf16 -> fp32 is exact") {
+  Stream stream;
+  for (const std::int64_t n : {1, 7, 1000, 4099, (1 << 20) + 3}) {
+    // offset 1: a 4-byte-aligned start takes the scalar path; offset 0 the vector one.
+    for (const std::int64_t offset : {0, 1}) {
+      CAPTURE(n);
+      CAPTURE(offset);
+      const std::vector<float> in_h = cast_inputs(static_cast<std::size_t>(n + offset), 41 + n);
+      DeviceBuffer<float> in(in_h);
+      DeviceBuffer<bf16> out(static_cast<std::size_t>(n + offset));
+      OOM_CUDA_CHECK(k::cast_fp32_to_bf16(in.get() + offset, out.get() + offset, n, stream.s));
+      const std::vector<bf16> got = out.download();
+      std::vector<std::uint16_t> got_bits, want_bits;
+      for (std::int64_t i = 0; i < n; ++i) {
+        got_bits.push_back(got[offset + i].bits);
+        want_bits.push_back(oom::to_bf16(in_h[offset + i]).bits);
+      }
+      expect_bits(got_bits, want_bits, "fp32 -> bf16");
+    }
+  }
+  // Every bf16 bit pattern widens exactly (NaN payloads included).
+  std::vector<bf16> all(65536 + 3);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i].bits = static_cast<std::uint16_t>(i);
+  for (const std::int64_t offset : {0, 3}) {
+    DeviceBuffer<bf16> in(all);
+    DeviceBuffer<float> out(all.size());
+    const std::int64_t n = 65536;
+    OOM_CUDA_CHECK(k::cast_bf16_to_fp32(in.get() + offset, out.get() + offset, n, stream.s));
+    const std::vector<float> got = out.download();
+    std::vector<std::uint32_t> got_bits, want_bits;
+    for (std::int64_t i = 0; i < n; ++i) {
+      got_bits.push_back(std::bit_cast<std::uint32_t>(got[offset + i]));
+      want_bits.push_back(std::bit_cast<std::uint32_t>(oom::to_float(all[offset + i])));
+    }
+    expect_bits(got_bits, want_bits, "bf16 -> fp32");
+  }
+}
+
+TEST_CASE("accumulate_scaled: acc = fma(scale, grad, acc) bit for bit, bf16 and fp32 gradients") {
+  Stream stream;
+  const float scale = 0.37f;
+  for (const std::int64_t n : {1, 7, 1000, 4099, (1 << 20) + 3}) {
+    for (const std::int64_t offset : {0, 1}) {
+      CAPTURE(n);
+      CAPTURE(offset);
+      const std::size_t total = static_cast<std::size_t>(n + offset);
+      const std::vector<float> acc0 = random_normal(total, 51 + n);
+      const std::vector<float> g32 = random_normal(total, 52 + n, 3.0f);
+      const std::vector<bf16> g16 = to_bf16(random_normal(total, 53 + n));
+
+      DeviceBuffer<float> acc(acc0), grad32(g32);
+      DeviceBuffer<bf16> grad16(g16);
+      OOM_CUDA_CHECK(k::accumulate_scaled(acc.get() + offset, grad32.get() + offset, scale, n, stream.s));
+      std::vector<float> want = acc0;
+      for (std::int64_t i = offset; i < n + offset; ++i) want[i] = std::fma(scale, g32[i], want[i]);
+      expect_bits(bits_of(acc.download()), bits_of(want), "accumulate_scaled fp32");
+
+      OOM_CUDA_CHECK(k::accumulate_scaled(acc.get() + offset, grad16.get() + offset, scale, n, stream.s));
+      for (std::int64_t i = offset; i < n + offset; ++i) want[i] = std::fma(scale, oom::to_float(g16[i]), want[i]);
+      expect_bits(bits_of(acc.download()), bits_of(want), "accumulate_scaled bf16");
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+namespace {
+
+template <class Moment>
+void check_adamw_against_cpu(std::int64_t n, std::int64_t offset, bool with_out, oom::optim::ThreadPool& pool,
+                             cudaStream_t stream) {
+  namespace optim = oom::optim;
+  const std::size_t total = static_cast<std::size_t>(n + offset);
+  std::vector<float> master = random_normal(total, 61 + n, 0.02f);
+  std::vector<float> m_f = random_normal(total, 62 + n, 1e-3f);
+  std::vector<float> v_f = random_normal(total, 63 + n, 1e-3f);
+  for (auto& x : v_f) x = x * x;
+  std::vector<Moment> m(total), v(total);
+  for (std::size_t i = 0; i < total; ++i) {
+    if constexpr (std::is_same_v<Moment, float>) {
+      m[i] = m_f[i], v[i] = v_f[i];
+    } else {
+      m[i] = oom::to_bf16(m_f[i]), v[i] = oom::to_bf16(v_f[i]);
+    }
+  }
+  DeviceBuffer<float> d_master(master);
+  DeviceBuffer<Moment> d_m(m), d_v(v);
+  DeviceBuffer<bf16> d_out(total);
+  std::vector<bf16> out(total);
+
+  optim::AdamWConfig config;
+  config.lr = 3e-4f;
+  config.weight_decay = 0.1f;
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    std::vector<float> grads = random_normal(total, 64 + n + step, 1.0f);
+    // Zeros and values whose squares are fp32 subnormals: no flush to zero on either side.
+    for (std::size_t i = 0; i < total; i += 97) grads[i] = 0.0f;
+    for (std::size_t i = 5; i < total; i += 89) grads[i] = 3e-21f;
+    const auto scalars = optim::adamw_step_scalars(config, step, 0.5f);
+    DeviceBuffer<float> d_grads(grads);
+    OOM_CUDA_CHECK(k::adamw_update(scalars, d_master.get() + offset, d_m.get() + offset, d_v.get() + offset,
+                                   d_grads.get() + offset, with_out ? d_out.get() + offset : nullptr, n, stream));
+    optim::AdamWSpan<Moment> span{std::span<float>(master).subspan(offset), std::span<Moment>(m).subspan(offset),
+                                  std::span<Moment>(v).subspan(offset),
+                                  std::span<const float>(grads).subspan(offset),
+                                  with_out ? std::span<bf16>(out).subspan(offset) : std::span<bf16>{}};
+    optim::adamw_update(span, scalars, pool);
+  }
+  expect_bits(bits_of(d_master.download()), bits_of(master), "adamw master");
+  if constexpr (std::is_same_v<Moment, float>) {
+    expect_bits(bits_of(d_m.download()), bits_of(m), "adamw exp_avg");
+    expect_bits(bits_of(d_v.download()), bits_of(v), "adamw exp_avg_sq");
+  } else {
+    expect_bits(bits_of(d_m.download()), bits_of(m), "adamw exp_avg (bf16)");
+    expect_bits(bits_of(d_v.download()), bits_of(v), "adamw exp_avg_sq (bf16)");
+  }
+  if (with_out) {
+    const std::vector<bf16> got = d_out.download();
+    std::vector<std::uint16_t> g, w;
+    for (std::size_t i = static_cast<std::size_t>(offset); i < total; ++i) {
+      g.push_back(got[i].bits);
+      w.push_back(out[i].bits);
+    }
+    expect_bits(g, w, "adamw bf16 weights");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("adamw: GPU update is bit-identical to the CPU optimizer (fp32 and bf16 moments, 3 steps)") {
+  Stream stream;
+  oom::optim::ThreadPool pool(4);
+  for (const std::int64_t n : {1, 7, 1000, 4099, (1 << 20) + 3}) {
+    for (const std::int64_t offset : {0, 1}) {  // 1: unaligned arrays take the scalar path
+      CAPTURE(n);
+      CAPTURE(offset);
+      check_adamw_against_cpu<float>(n, offset, true, pool, stream.s);
+      check_adamw_against_cpu<bf16>(n, offset, true, pool, stream.s);
+    }
+  }
+  check_adamw_against_cpu<float>(4099, 0, false, pool, stream.s);
+}
+
+TEST_CASE("grad_sum_of_squares: bit-identical to oom::optim::grad_sum_of_squares") {
+  Stream stream;
+  oom::optim::ThreadPool pool(4);
+  const std::int64_t tile = static_cast<std::int64_t>(oom::optim::sum_of_squares_tile_elements);
+  for (const std::int64_t n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, tile, tile + 1, 3 * tile + 5,
+                               std::int64_t{(1 << 22) + 9}}) {
+    for (const std::int64_t offset : {0, 1}) {
+      CAPTURE(n);
+      CAPTURE(offset);
+      // Magnitudes spread over 2^-20 .. 2^20 so the summation order shows in the last bits.
+      std::vector<float> g = random_normal(static_cast<std::size_t>(n + offset), 71 + n);
+      std::mt19937_64 rng(72 + n);
+      for (auto& x : g) x = std::ldexp(x, static_cast<int>(rng() % 41) - 20);
+      DeviceBuffer<float> d_g(g.empty() ? std::vector<float>(1) : g);
+      DeviceBuffer<double> result(1);
+      DeviceBuffer<unsigned char> ws(std::max<std::size_t>(1, k::grad_sum_of_squares_workspace_bytes(n)));
+      OOM_CUDA_CHECK(k::grad_sum_of_squares(d_g.get() + offset, n, result.get(), ws.get(), ws.size(), stream.s));
+      const double cpu = oom::optim::grad_sum_of_squares(std::span<const float>(g).subspan(offset, n), pool);
+      const double gpu = result.download().at(0);
+      CHECK_MESSAGE(std::bit_cast<std::uint64_t>(gpu) == std::bit_cast<std::uint64_t>(cpu),
+                    "GPU " << gpu << " vs CPU " << cpu << " (difference " << gpu - cpu << ")");
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-device cudaMemcpy") {
+  Stream stream;
+  const std::size_t copy_bytes = std::size_t{1} << 30;
+  DeviceBuffer<unsigned char> a(copy_bytes), b(copy_bytes);
+  const double copy_ms = oom::test::time_ms(
+      [&](cudaStream_t s) { OOM_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), copy_bytes, cudaMemcpyDeviceToDevice, s)); },
+      stream.s);
+  const double copy_gbs = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;  // read + write
+  std::printf("cudaMemcpy D2D: %.0f GB/s (read + write)\n", copy_gbs);
+  CHECK(copy_gbs > 0);
+
+  auto report = [&](const char* name, double bytes, auto&& launch) {
+    const double ms = oom::test::time_ms(
+        [&](cudaStream_t s) {
+          OOM_CUDA_CHECK(launch(s));
+        },
+        stream.s);
+    const double gbs = bytes / (ms * 1e-3) / 1e9;
+    std::printf("%-44s %8.3f ms %7.0f GB/s  %5.1f%% of memcpy\n", name, ms, gbs, 100.0 * gbs / copy_gbs);
+    CHECK(gbs > 0);
+  };
+
+  {
+    const std::int64_t n = std::int64_t{1} << 27;
+    DeviceBuffer<float> f(n);
+    DeviceBuffer<bf16> h(n);
+    f.zero();
+    h.zero();
+    report("cast fp32 -> bf16 (128M)", 6.0 * n, [&](cudaStream_t s) { return k::cast_fp32_to_bf16(f.get(), h.get(), n, s); });
+    report("accumulate_scaled bf16 (128M)", 10.0 * n,
+           [&](cudaStream_t s) { return k::accumulate_scaled(f.get(), h.get(), 0.5f, n, s); });
+    DeviceBuffer<unsigned char> ws(k::grad_sum_of_squares_workspace_bytes(n));
+    DeviceBuffer<double> result(1);
+    report("grad_sum_of_squares (128M fp32)", 4.0 * n,
+           [&](cudaStream_t s) { return k::grad_sum_of_squares(f.get(), n, result.get(), ws.get(), ws.size(), s); });
+  }
+  {
+    const std::int64_t n = std::int64_t{1} << 26;
+    DeviceBuffer<float> p(n), m(n), v(n), g(n);
+    DeviceBuffer<bf16> out(n);
+    p.zero(), m.zero(), v.zero(), g.zero();
+    const auto scalars = oom::optim::adamw_step_scalars(oom::optim::AdamWConfig{}, 10);
+    report("adamw fp32 moments + bf16 copy (64M)", 30.0 * n, [&](cudaStream_t s) {
+      return k::adamw_update(scalars, p.get(), m.get(), v.get(), g.get(), out.get(), n, s);
+    });
+  }
+  {
+    const std::int64_t rows = 65536, dim = 4096;
+    DeviceBuffer<bf16> x(rows * dim), y(rows * dim), w(dim);
+    DeviceBuffer<float> rstd(rows), gw(dim);
+    x.zero(), w.zero(), gw.zero();
+    report("rmsnorm forward (65536 x 4096)", 4.0 * rows * dim,
+           [&](cudaStream_t s) { return k::rmsnorm_forward(x.get(), w.get(), y.get(), rstd.get(), rows, dim, 1e-6f, s); });
+    DeviceBuffer<unsigned char> ws(k::rmsnorm_backward_workspace_bytes(rows, dim));
+    report("rmsnorm backward, dx in place (65536 x 4096)", 8.0 * rows * dim, [&](cudaStream_t s) {
+      return k::rmsnorm_backward(y.get(), x.get(), w.get(), rstd.get(), y.get(), gw.get(), rows, dim, ws.get(),
+                                 ws.size(), s);
+    });
+    const std::int64_t heads = rows * dim / 128;
+    report("rmsnorm forward, q-norm rows (x 128)", 4.0 * rows * dim, [&](cudaStream_t s) {
+      return k::rmsnorm_forward(x.get(), w.get(), y.get(), nullptr, heads, 128, 1e-6f, s);
+    });
+  }
+  {
+    const std::int64_t tokens = 65536, heads = 32, head_dim = 128;
+    DeviceBuffer<bf16> x(tokens * heads * head_dim), y(tokens * heads * head_dim);
+    DeviceBuffer<std::int32_t> pos(tokens);
+    x.zero(), pos.zero();
+    report("rope forward (65536 x 32 x 128)", 4.0 * tokens * heads * head_dim, [&](cudaStream_t s) {
+      return k::rope_forward(x.get(), pos.get(), y.get(), tokens, heads, head_dim, head_dim, 1e6f, s);
+    });
+  }
+  {
+    const std::int64_t tokens = 65536, inter = 1536;
+    DeviceBuffer<bf16> gu(tokens * 2 * inter), out(tokens * inter), dgu(tokens * 2 * inter);
+    gu.zero(), out.zero();
+    report("swiglu forward (65536 x 1536)", 6.0 * tokens * inter,
+           [&](cudaStream_t s) { return k::swiglu_forward(gu.get(), out.get(), tokens, inter, s); });
+    report("swiglu backward (65536 x 1536)", 10.0 * tokens * inter,
+           [&](cudaStream_t s) { return k::swiglu_backward(out.get(), gu.get(), dgu.get(), tokens, inter, s); });
+  }
+  {
+    const std::int64_t tokens = 65536, vocab = 151936, hidden = 2048;
+    DeviceBuffer<bf16> table(vocab * hidden), out(tokens * hidden);
+    DeviceBuffer<float> grad(vocab * hidden);
+    std::vector<std::int32_t> ids_h(tokens);
+    std::mt19937_64 rng(1);
+    for (auto& id : ids_h) id = static_cast<std::int32_t>(rng() % vocab);
+    DeviceBuffer<std::int32_t> ids(ids_h), invalid(1);
+    table.zero(), grad.zero(), invalid.zero();
+    report("embedding forward (65536 x 2048)", 4.0 * tokens * hidden, [&](cudaStream_t s) {
+      return k::embedding_forward(ids.get(), table.get(), out.get(), invalid.get(), tokens, vocab, hidden, s);
+    });
+    DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(tokens, vocab));
+    // bf16 grads read + fp32 rows read and written (distinct ids ~ tokens).
+    report("embedding backward (65536 x 2048)", 10.0 * tokens * hidden, [&](cudaStream_t s) {
+      return k::embedding_backward(ids.get(), out.get(), grad.get(), invalid.get(), tokens, vocab, hidden, ws.get(),
+                                   ws.size(), s);
+    });
+  }
+}
