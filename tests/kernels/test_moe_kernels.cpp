@@ -223,11 +223,17 @@ TEST_CASE("expert GEMMs (loop and grouped) match the reference, experts without 
       DeviceBuffer<bf16> d_x(x.bits), d_wgu(wgu.bits), d_wd(wd.bits), gate_up(N * 2 * I);
       const auto status = k::expert_gate_up_forward(blas.get(), nullptr, s, counts.data(), d_x.get(), d_wgu.get(), gate_up.get(),
                                                     method, ws.get(), ws.size());
-      if (grouped && status == cudaErrorNotSupported) {
-        MESSAGE("cublasGemmGroupedBatchedEx does not support bf16 here; grouped method skipped");
-        break;
-      }
-      REQUIRE(status == cudaSuccess);
+      // The grouped cuBLAS entry point may lack a bf16 (or bf16 -> fp32) kernel in some versions:
+      // reported and skipped, while the loop must always work.
+      const auto launched = [&](cudaError_t st) {
+        if (grouped && st == cudaErrorNotSupported) {
+          MESSAGE("cublasGemmGroupedBatchedEx reports not supported for these types; grouped method skipped");
+          return false;
+        }
+        REQUIRE(st == cudaSuccess);
+        return true;
+      };
+      if (!launched(status)) break;
       // bf16 output of an fp32 dot of H exact products (|.| ~ 0.1 sqrt(H)): 2 ulps, and 2^-8 of
       // sum |x w| ~ 0.1 * H * 0.8 for cancellation near zero.
       const auto gu_ref = ref::expert_gate_up(rs, counts, x.values, wgu.values);
@@ -235,16 +241,16 @@ TEST_CASE("expert GEMMs (loop and grouped) match the reference, experts without 
 
       const Bf16Data h(ref::swiglu(gu_ref, I));
       DeviceBuffer<bf16> d_h(h.bits), y(N * H);
-      REQUIRE(k::expert_down_forward(blas.get(), nullptr, s, counts.data(), d_h.get(), d_wd.get(), y.get(), method, ws.get(),
-                                     ws.size()) == cudaSuccess);
+      if (!launched(k::expert_down_forward(blas.get(), nullptr, s, counts.data(), d_h.get(), d_wd.get(), y.get(), method, ws.get(),
+                                     ws.size()))) break;
       CHECK_REPORT(compare(to_floats(y.download()), ref::expert_down(rs, counts, h.values, wd.values), bf16_rtol, 0.05, "down"));
 
       const Bf16Data dy(random_normal(static_cast<std::size_t>(N * H), 15000 + T));
       const auto dwd0 = random_normal(static_cast<std::size_t>(E * H * I), 16000 + T);
       DeviceBuffer<bf16> d_dy(dy.bits), dh(N * I);
       DeviceBuffer<float> dwd(dwd0);
-      REQUIRE(k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(), dwd.get(),
-                                      method, ws.get(), ws.size()) == cudaSuccess);
+      if (!launched(k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(), dwd.get(),
+                                      method, ws.get(), ws.size()))) break;
       const auto dg = ref::expert_down_backward(rs, counts, dy.values, h.values, wd.values);
       CHECK_REPORT(compare(to_floats(dh.download()), dg.dh, bf16_rtol, 0.05, "dh"));
       auto dwd_ref = dwd0;
@@ -259,8 +265,8 @@ TEST_CASE("expert GEMMs (loop and grouped) match the reference, experts without 
       const auto dwgu0 = random_normal(static_cast<std::size_t>(E * 2 * I * H), 18000 + T);
       DeviceBuffer<bf16> d_dgu(dgu.bits), dx(N * H);
       DeviceBuffer<float> dwgu(dwgu0);
-      REQUIRE(k::expert_gate_up_backward(blas.get(), nullptr, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
-                                         dwgu.get(), method, ws.get(), ws.size()) == cudaSuccess);
+      if (!launched(k::expert_gate_up_backward(blas.get(), nullptr, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
+                                         dwgu.get(), method, ws.get(), ws.size()))) break;
       const auto gg = ref::expert_gate_up_backward(rs, counts, dgu.values, x.values, wgu.values);
       CHECK_REPORT(compare(to_floats(dx.download()), gg.dx, bf16_rtol, 0.05, "dx_perm"));
       auto dwgu_ref = dwgu0;
