@@ -1,0 +1,105 @@
+// Expert GEMMs of the MoE SwiGLU MLP, grouped over experts (bf16 in, fp32 accumulation, bf16 out;
+// weight gradients accumulated in fp32), on rows already permuted into expert order
+// (oom/kernels/permute.hpp). Weight layout per expert as HF Qwen3-MoE checkpoints, gate and up
+// stacked: w_gate_up (E, 2I, H) = [gate_proj (I, H); up_proj (I, H)], w_down (E, H, I); so
+// gate_up (N, 2I) = [gate | up] and the SwiGLU kernel (not here) makes h = silu(gate) * up.
+// The shared expert (Qwen3-Next) is the same GEMMs with E = 1 and counts = {T}, plus the sigmoid
+// gate below. CPU reference: oom/reference/moe.hpp.
+//
+// cuBLAS needs each expert's row count on the host (its m/k arguments): callers copy
+// permute_plan's expert_counts down once per layer. Two ways to issue the GEMMs, both exact to
+// the same math (cuBLAS may pick different kernels, so results can differ by fp32 rounding):
+//   per_expert_loop: one cublasGemmEx per non-empty expert on `stream`;
+//   grouped_batched: one cublasGemmGroupedBatchedEx (one group per non-empty expert); its
+//     device pointer arrays are built on the host and copied into `workspace` with
+//     cudaMemcpyAsync (so not capturable in a CUDA graph).
+// Errors: cudaError_t, cuBLAS statuses mapped as in router.hpp; launchers set the handle's stream.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "oom/core/numeric.hpp"
+
+struct cublasContext;
+typedef struct cublasContext* cublasHandle_t;  // as cublas_api.h declares it
+
+namespace oom::kernels {
+
+struct ExpertGemmShape {
+  std::int64_t hidden = 0;        ///< H
+  std::int64_t intermediate = 0;  ///< I per expert
+  std::int64_t experts = 0;       ///< E
+};
+
+enum class ExpertGemmMethod : unsigned char { per_expert_loop, grouped_batched };
+
+/// Scratch of every expert GEMM launcher (pointer arrays of the grouped method; unused by the loop).
+std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s);
+
+/// gate_up (N, 2I) = x_perm (N, H) . w_gate_up[e]^T per expert, N = sum(counts_host).
+cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                   const std::int32_t* counts_host,  // (E) HOST memory
+                                   const bf16* x_perm,               // (N, H)
+                                   const bf16* w_gate_up,            // (E, 2I, H)
+                                   bf16* gate_up,                    // (N, 2I) out
+                                   ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes);
+
+/// y (N, H) = h (N, I) . w_down[e]^T per expert.
+cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                const std::int32_t* counts_host,  // (E) HOST memory
+                                const bf16* h,                    // (N, I)
+                                const bf16* w_down,               // (E, H, I)
+                                bf16* y,                          // (N, H) out
+                                ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes);
+
+/// dh (N, I) = dy . w_down[e]; dw_down[e] (H, I) += dy^T . h (fp32; the caller zeroes it once per
+/// step; experts without rows are left untouched).
+cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                 const std::int32_t* counts_host,  // (E) HOST memory
+                                 const bf16* dy,                   // (N, H)
+                                 const bf16* h,                    // (N, I)
+                                 const bf16* w_down,               // (E, H, I)
+                                 bf16* dh,                         // (N, I) out
+                                 float* dw_down,                   // (E, H, I) fp32, accumulated
+                                 ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes);
+
+/// dx_perm (N, H) = d_gate_up . w_gate_up[e]; dw_gate_up[e] (2I, H) += d_gate_up^T . x_perm (fp32).
+cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                    const std::int32_t* counts_host,  // (E) HOST memory
+                                    const bf16* d_gate_up,            // (N, 2I)
+                                    const bf16* x_perm,               // (N, H)
+                                    const bf16* w_gate_up,            // (E, 2I, H)
+                                    bf16* dx_perm,                    // (N, H) out
+                                    float* dw_gate_up,                // (E, 2I, H) fp32, accumulated
+                                    ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes);
+
+/// Shared expert gate (Qwen3-Next): out = routed + sigmoid(x . w_gate) * y; the gate logit is saved.
+/// `routed` may be null (zero) or equal to `out` (in place).
+cudaError_t shared_expert_gate_forward(cudaStream_t stream, std::int64_t tokens, std::int64_t hidden,
+                                       const bf16* x,       // (T, H)
+                                       const bf16* w_gate,  // (H) = shared_expert_gate.weight (1, H)
+                                       const bf16* y,       // (T, H) the shared expert MLP output
+                                       const bf16* routed,  // (T, H) or null
+                                       float* gate_logit,   // (T) out
+                                       bf16* out);          // (T, H) out
+
+/// Scratch of shared_expert_gate_backward: per-token d logit and per-chunk partial sums of dw_gate.
+std::size_t shared_expert_gate_backward_workspace_bytes(std::int64_t tokens, std::int64_t hidden);
+
+/// dy = sigmoid(s) d_out; ds = <d_out, y> sigmoid'(s); dx += ds w_gate (bf16, accumulated onto the
+/// MLP's dx); dw_gate += sum_t ds_t x_t (fp32, deterministic order).
+cudaError_t shared_expert_gate_backward(cudaStream_t stream, std::int64_t tokens, std::int64_t hidden,
+                                        const bf16* x,             // (T, H)
+                                        const bf16* w_gate,        // (H)
+                                        const bf16* y,             // (T, H)
+                                        const float* gate_logit,   // (T)
+                                        const bf16* d_out,         // (T, H)
+                                        bf16* dy,                  // (T, H) out
+                                        bf16* dx,                  // (T, H) accumulated
+                                        float* dw_gate,            // (H) fp32, accumulated
+                                        void* workspace, std::size_t workspace_bytes);
+
+}  // namespace oom::kernels

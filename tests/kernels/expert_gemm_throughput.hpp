@@ -1,0 +1,81 @@
+// Expert GEMM throughput as a ratio to ONE dense cuBLAS GEMM of the same total FLOPs, measured in
+// the same run: the dense GEMM is the same launcher with E = 1 and all N rows on that expert, so
+// only the grouping differs. Used by the gpu test (one shape) and bench_moe_kernels (the sweep).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/device_buffer.hpp"
+#include "kernels/moe_test_util.hpp"
+#include "oom/kernels/expert_gemm.hpp"
+
+namespace oom::test {
+
+struct ExpertGemmRatio {
+  std::string op;
+  double grouped_ms = 0, dense_ms = 0, tflops = 0;  ///< tflops of the grouped run
+  [[nodiscard]] double ratio() const { return dense_ms / grouped_ms; }
+};
+
+/// Times the four expert GEMM launchers for `tokens` tokens routed uniformly at random (k of E).
+inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t tokens, std::int64_t hidden, std::int64_t inter,
+                                                              std::int64_t experts, std::int64_t top_k,
+                                                              kernels::ExpertGemmMethod method, int repeats = 10) {
+  namespace k = oom::kernels;
+  const std::int64_t N = tokens * top_k, H = hidden, I = inter, E = experts;
+  std::vector<std::int32_t> counts(static_cast<std::size_t>(E), 0);
+  for (const auto e : random_routing(tokens, top_k, E, 42)) ++counts[static_cast<std::size_t>(e)];
+  const std::vector<std::int32_t> dense_counts = {static_cast<std::int32_t>(N)};
+  const k::ExpertGemmShape s{.hidden = H, .intermediate = I, .experts = E};
+  const k::ExpertGemmShape d{.hidden = H, .intermediate = I, .experts = 1};
+  DeviceBuffer<bf16> x(N * H), wgu(E * 2 * I * H), gu(N * 2 * I), h(N * I), wd(E * H * I), y(N * H);
+  DeviceBuffer<float> dwgu(E * 2 * I * H), dwd(E * H * I);
+  for (auto* b : {&x, &wgu, &gu, &h, &wd, &y}) OOM_CUDA_CHECK(cudaMemset(b->get(), 0x3C, b->bytes()));  // bf16 ~0.0115
+  dwgu.zero();
+  dwd.zero();
+  DeviceBuffer<std::uint8_t> ws(k::expert_gemm_workspace_bytes(s));
+  Blas blas;
+  cudaStream_t stream;
+  OOM_CUDA_CHECK(cudaStreamCreate(&stream));
+  const auto fwd_gu = [&](const k::ExpertGemmShape& sh, const std::int32_t* c) {
+    return k::expert_gate_up_forward(blas.get(), stream, sh, c, x.get(), wgu.get(), gu.get(), method, ws.get(), ws.size());
+  };
+  const auto fwd_down = [&](const k::ExpertGemmShape& sh, const std::int32_t* c) {
+    return k::expert_down_forward(blas.get(), stream, sh, c, h.get(), wd.get(), y.get(), method, ws.get(), ws.size());
+  };
+  // Backward reads y as dy and gu as d gate_up; it writes h (dh) and x (dx): values are irrelevant here.
+  const auto bwd_down = [&](const k::ExpertGemmShape& sh, const std::int32_t* c) {
+    return k::expert_down_backward(blas.get(), stream, sh, c, y.get(), h.get(), wd.get(), h.get(), dwd.get(), method, ws.get(),
+                                   ws.size());
+  };
+  const auto bwd_gu = [&](const k::ExpertGemmShape& sh, const std::int32_t* c) {
+    return k::expert_gate_up_backward(blas.get(), stream, sh, c, gu.get(), x.get(), wgu.get(), x.get(), dwgu.get(), method,
+                                      ws.get(), ws.size());
+  };
+  const double f_gu = 2.0 * N * 2 * I * H, f_down = 2.0 * N * H * I;
+  struct Op {
+    const char* name;
+    std::function<cudaError_t(const k::ExpertGemmShape&, const std::int32_t*)> run;
+    double flops;
+  };
+  const Op ops[] = {{"fwd gate_up", fwd_gu, f_gu}, {"fwd down", fwd_down, f_down},
+                    {"bwd down (dh+dW)", bwd_down, 2 * f_down}, {"bwd gate_up (dx+dW)", bwd_gu, 2 * f_gu}};
+  std::vector<ExpertGemmRatio> out;
+  for (const auto& op : ops) {
+    ExpertGemmRatio r;
+    r.op = op.name;
+    r.grouped_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(s, counts.data())); }, stream, repeats);
+    r.dense_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(d, dense_counts.data())); }, stream, repeats);
+    r.tflops = op.flops / (r.grouped_ms * 1e-3) / 1e12;
+    out.push_back(r);
+  }
+  OOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
+  return out;
+}
+
+}  // namespace oom::test
