@@ -1,0 +1,407 @@
+// Causal GQA attention backward, FlashAttention-2 (Dao 2023, Algorithm 2), made deterministic:
+//   1. preprocess: D_i = rowsum(dO_i o O_i) and LSE_i * log2(e) into the workspace;
+//   2. dK/dV pass: one thread block per (key block, KV head, batch[, half of D]); each warp owns 16
+//      keys and keeps dK, dV in fp32 registers while the block streams (Q_i, dO_i) for every
+//      query head of the group and every query block at or after the keys (double-buffered
+//      cp.async). Per step (transposed so keys are the M dimension and all operands stay in
+//      registers): S^T = K Q^T, P^T = exp(S^T - LSE), dP^T = V dO^T, dS^T = P^T o (dP^T - D),
+//      dV += P^T dO, dK += dS^T Q. The GQA sum over the group happens in that loop: no atomics.
+//   3. dQ pass: one thread block per (query block, query head, batch), each warp 16 query rows:
+//      S = Q K^T, P = exp(S - LSE), dP = dO V^T, dS = P o (dP - D), dQ += dS K over key blocks
+//      0 .. diagonal.
+// FA2 accumulates dQ with fp32 atomics inside pass 2; recomputing S and dP in pass 3 instead costs
+// two more of the seven matrix products but makes every output bit-reproducible and needs no
+// fp32 dQ buffer.
+//
+// Tiles (4 warps = 128 threads, each warp 16 rows; ptxas -v for sm_90 with nvcc 13.0 in brackets):
+//   dK/dV, D = 128: BC = 64 keys, BR = 64 queries per step; smem K, V 32 KiB + 2 x (Q, dO) 64 KiB
+//                   + stats = 97 KiB [255 registers, 4 bytes spilled] -> 2 blocks per SM.
+//   dK/dV, D = 256: the dK + dV accumulators of all 256 columns would need 256 registers, so the
+//                   grid splits the output columns in two halves (S^T and dP^T are computed in
+//                   both); BR = 32; smem 64 + 2 x 32 KiB + stats = 129 KiB [247, none] -> 1 per SM.
+//   dQ, D = 128: BR = 64, BC = 64; smem Q, dO 32 KiB + 2 x (K, V) 64 KiB = 96 KiB [240, none].
+//   dQ, D = 256: BR = 64, BC = 32; smem Q, dO 64 KiB + 2 x (K, V) 64 KiB = 128 KiB [254, 8 bytes].
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "attention_common.cuh"
+#include "oom/kernels/attention.hpp"
+
+namespace oom::kernels {
+namespace attention_detail {
+namespace {
+
+struct BackwardParams {
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* k;
+  const __nv_bfloat16* v;
+  const __nv_bfloat16* o;
+  const __nv_bfloat16* d_o;
+  const float* lse;  // (B, Hq, S)
+  __nv_bfloat16* dq;
+  __nv_bfloat16* dk;
+  __nv_bfloat16* dv;
+  float* delta;  // workspace (B, Hq, q_len): D_i = rowsum(dO o O)
+  float* lse2;   // workspace (B, Hq, q_len): LSE_i * log2(e)
+  std::int64_t q_batch, q_token, k_batch, k_token, v_batch, v_token, o_batch, o_token, do_batch, do_token;
+  std::int64_t dq_batch, dq_token, dk_batch, dk_token, dv_batch, dv_token;
+  int seq, heads_q, group, q_begin, q_end;
+  float scale;       // softmax scale: dQ = scale dS K, dK = scale dS^T Q
+  float scale_log2;  // softmax scale * log2(e)
+  bool accumulate_dkv;
+  [[nodiscard]] __host__ __device__ int q_len() const { return q_end - q_begin; }
+};
+
+// ---- 1. preprocess: one warp per (b, h, i), each lane D/32 elements ----
+
+template <int D>
+__global__ void __launch_bounds__(256) attention_backward_preprocess_kernel(const BackwardParams p) {
+  constexpr int per_lane = D / 32;  // 4 or 8 bf16: one 8- or 16-byte load
+  using Vec = std::conditional_t<per_lane == 8, uint4, uint2>;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= static_cast<std::int64_t>(p.heads_q) * p.q_len()) return;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int b = static_cast<int>(blockIdx.y);
+  const int h = static_cast<int>(row % p.heads_q);
+  const int i = p.q_begin + static_cast<int>(row / p.heads_q);  // heads of a token are adjacent in memory
+  const std::int64_t col = static_cast<std::int64_t>(h) * D + lane * per_lane;
+  const Vec o_vec = *reinterpret_cast<const Vec*>(p.o + b * p.o_batch + i * p.o_token + col);
+  const Vec do_vec = *reinterpret_cast<const Vec*>(p.d_o + b * p.do_batch + i * p.do_token + col);
+  const auto* o2 = reinterpret_cast<const __nv_bfloat162*>(&o_vec);
+  const auto* do2 = reinterpret_cast<const __nv_bfloat162*>(&do_vec);
+  float sum = 0.0f;
+#pragma unroll
+  for (int e = 0; e < per_lane / 2; ++e) {
+    const float2 a = __bfloat1622float2(o2[e]), c = __bfloat1622float2(do2[e]);
+    sum = fmaf(a.x, c.x, fmaf(a.y, c.y, sum));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) {
+    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
+    p.delta[w] = sum;
+    p.lse2[w] = p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seq + i] * log2e;
+  }
+}
+
+// ---- 2. dK/dV ----
+
+template <int D, int D_SPLIT, int BR>
+struct DkdvTiles {
+  static constexpr int threads = 128, bc = 64;
+  static constexpr int d_out = D / D_SPLIT;
+  static constexpr int smem_bytes = (2 * bc * D + 4 * BR * D) * 2 + 4 * BR * 4;  // K, V, 2 x (Q, dO), 2 x (LSE, D)
+};
+
+template <int D, int D_SPLIT, int BR>
+__global__ void __launch_bounds__(128, 1) attention_backward_dkdv_kernel(const BackwardParams p) {
+  using Tiles = DkdvTiles<D, D_SPLIT, BR>;
+  constexpr int BC = Tiles::bc, THREADS = Tiles::threads, D_OUT = Tiles::d_out, Q_TILES = BR / 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  auto* s_k = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // (BC, D)
+  __nv_bfloat16* s_v = s_k + BC * D;                        // (BC, D)
+  __nv_bfloat16* s_q = s_v + BC * D;                        // 2 x (BR, D)
+  __nv_bfloat16* s_do = s_q + 2 * BR * D;                   // 2 x (BR, D)
+  auto* s_lse2 = reinterpret_cast<float*>(s_do + 2 * BR * D);  // 2 x BR
+  float* s_delta = s_lse2 + 2 * BR;                            // 2 x BR
+
+  // Block 0 of the keys sees the most queries: launch it first.
+  const int nb = static_cast<int>(blockIdx.x) / D_SPLIT;
+  const int col0 = (static_cast<int>(blockIdx.x) % D_SPLIT) * D_OUT;
+  const int hk = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int n0 = nb * BC;
+  const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / BR;  // first query block with a row >= n0
+  const int qb_count = (p.q_len() + BR - 1) / BR;
+  const int per_head = qb_count - qb_first;
+  const int steps = p.group * per_head;
+
+  const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * D;
+  const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * D;
+  load_tile<BC, D, THREADS>(s_k, k_g, p.k_token, n0, p.seq);
+  load_tile<BC, D, THREADS>(s_v, v_g, p.v_token, n0, p.seq);
+
+  // Stage `step` (query head h of the group, query block qb) into buffer `buf`.
+  auto prefetch = [&](int step, int buf) {
+    const int h = hk * p.group + step / per_head;
+    const int q0 = p.q_begin + (qb_first + step % per_head) * BR;
+    load_tile<BR, D, THREADS>(s_q + buf * BR * D, p.q + b * p.q_batch + static_cast<std::int64_t>(h) * D, p.q_token, q0,
+                              p.q_end);
+    load_tile<BR, D, THREADS>(s_do + buf * BR * D, p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * D,
+                              p.do_token, q0, p.q_end);
+    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (q0 - p.q_begin);
+    for (int r = static_cast<int>(threadIdx.x); r < 2 * BR; r += THREADS) {
+      const int rr = r % BR;
+      const bool valid = q0 + rr < p.q_end;
+      const float* src = (r < BR ? p.lse2 : p.delta) + (valid ? w + rr : 0);
+      cp_async_4((r < BR ? s_lse2 : s_delta) + buf * BR + rr, src, valid);
+    }
+  };
+  if (steps > 0) prefetch(0, 0);
+  cp_async_commit();
+
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int key_w = n0 + warp * 16;  // this warp's first key
+
+  float dk_acc[1][D_OUT / 8][4], dv_acc[1][D_OUT / 8][4];
+  zero(dk_acc);
+  zero(dv_acc);
+
+  for (int step = 0; step < steps; ++step) {
+    const int buf = step & 1;
+    if (step + 1 < steps) prefetch(step + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const int q0 = p.q_begin + (qb_first + step % per_head) * BR;
+    if (q0 + BR - 1 >= key_w) {  // else every query of the block precedes this warp's keys
+      const std::uint32_t q_tile = smem_addr(s_q + buf * BR * D), do_tile = smem_addr(s_do + buf * BR * D);
+      const float* lse2 = s_lse2 + buf * BR;
+      const float* delta = s_delta + buf * BR;
+
+      // S^T = K Q^T, P^T = exp2(scale_log2 S^T - LSE2), zero where the query precedes the key
+      // (causal) or lies past q_end (zero-filled rows).
+      float st[1][Q_TILES][4];
+      zero(st);
+      gemm_smem_nt<1, Q_TILES, D>(st, smem_addr(s_k), warp * 16, q_tile, 0);
+      const bool edge = q0 < key_w + 15 || q0 + BR > p.q_end;
+#pragma unroll
+      for (int nt = 0; nt < Q_TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = nt * 8 + 2 * t + (e & 1);  // block-local query
+          const int j = key_w + g + 8 * (e >> 1);
+          const float pe = exp2f(fmaf(st[0][nt][e], p.scale_log2, -lse2[qi]));
+          st[0][nt][e] = (edge && (q0 + qi < j || q0 + qi >= p.q_end)) ? 0.0f : pe;
+        }
+
+      // dV += P^T dO (Algorithm 2, line 13)
+      std::uint32_t frag[1][BR / 16][4];
+      pack_a(frag, st);
+      gemm_regs_nn<1, BR / 16, D_OUT / 8, D>(dv_acc, frag, do_tile, 0, col0);
+
+      // dP^T = V dO^T (line 14), dS^T = P^T o (dP^T - D) (line 15)
+      float dpt[1][Q_TILES][4];
+      zero(dpt);
+      gemm_smem_nt<1, Q_TILES, D>(dpt, smem_addr(s_v), warp * 16, do_tile, 0);
+#pragma unroll
+      for (int nt = 0; nt < Q_TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[0][nt][e] *= dpt[0][nt][e] - delta[nt * 8 + 2 * t + (e & 1)];
+
+      // dK += dS^T Q (line 17; the softmax scale is applied once at the end)
+      pack_a(frag, st);
+      gemm_regs_nn<1, BR / 16, D_OUT / 8, D>(dk_acc, frag, q_tile, 0, col0);
+    }
+    __syncthreads();  // buffer `buf` is refilled by the next step's prefetch
+  }
+
+  store_rows(dk_acc, p.dk + b * p.dk_batch + static_cast<std::int64_t>(hk) * D + col0, p.dk_token, key_w, p.q_end,
+             p.scale, p.accumulate_dkv);
+  store_rows(dv_acc, p.dv + b * p.dv_batch + static_cast<std::int64_t>(hk) * D + col0, p.dv_token, key_w, p.q_end,
+             1.0f, p.accumulate_dkv);
+}
+
+// ---- 3. dQ ----
+
+template <int D, int BC>
+struct DqTiles {
+  static constexpr int threads = 128, br = 64;
+  static constexpr int smem_bytes = (2 * br * D + 4 * BC * D) * 2;  // Q, dO, 2 x (K, V)
+};
+
+template <int D, int BC>
+__global__ void __launch_bounds__(128, 1) attention_backward_dq_kernel(const BackwardParams p) {
+  using Tiles = DqTiles<D, BC>;
+  constexpr int BR = Tiles::br, THREADS = Tiles::threads, N_TILES = BC / 8, D_TILES = D / 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  auto* s_q = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // (BR, D)
+  __nv_bfloat16* s_do = s_q + BR * D;                       // (BR, D)
+  __nv_bfloat16* s_k = s_do + BR * D;                       // 2 x (BC, D)
+  __nv_bfloat16* s_v = s_k + 2 * BC * D;                    // 2 x (BC, D)
+
+  const int qb = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int hk = h / p.group;
+  const int q0 = p.q_begin + qb * BR;
+  const int q_last = min(q0 + BR, p.q_end) - 1;
+  const int n_kv = q_last / BC + 1;
+
+  const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * D;
+  const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * D;
+  load_tile<BR, D, THREADS>(s_q, p.q + b * p.q_batch + static_cast<std::int64_t>(h) * D, p.q_token, q0, p.q_end);
+  load_tile<BR, D, THREADS>(s_do, p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * D, p.do_token, q0, p.q_end);
+  load_tile<BC, D, THREADS>(s_k, k_g, p.k_token, 0, p.seq);
+  load_tile<BC, D, THREADS>(s_v, v_g, p.v_token, 0, p.seq);
+  cp_async_commit();
+
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_w = warp * 16;
+  const int warp_q_first = q0 + row_w;
+
+  // Row statistics of this lane's two rows (g, g+8); rows past q_end get P = 0 through lse2 = +inf.
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = warp_q_first + g + 8 * hf;
+    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
+    lse2[hf] = i < p.q_end ? p.lse2[w] : INFINITY;
+    delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
+  }
+
+  float dq_acc[1][D_TILES][4];
+  zero(dq_acc);
+
+  for (int nb = 0; nb < n_kv; ++nb) {
+    const int buf = nb & 1;
+    if (nb + 1 < n_kv) {
+      load_tile<BC, D, THREADS>(s_k + (buf ^ 1) * BC * D, k_g, p.k_token, (nb + 1) * BC, p.seq);
+      load_tile<BC, D, THREADS>(s_v + (buf ^ 1) * BC * D, v_g, p.v_token, (nb + 1) * BC, p.seq);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const int n0 = nb * BC;
+    if (n0 <= warp_q_first + 15) {
+      const std::uint32_t k_tile = smem_addr(s_k + buf * BC * D), v_tile = smem_addr(s_v + buf * BC * D);
+      // S = Q K^T, P = exp2(scale_log2 S - LSE2) with the causal mask (Algorithm 2, lines 9-10)
+      float s[1][N_TILES][4];
+      zero(s);
+      gemm_smem_nt<1, N_TILES, D>(s, smem_addr(s_q), row_w, k_tile, 0);
+      const bool edge = n0 + BC - 1 > warp_q_first;
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = warp_q_first + g + 8 * (e >> 1);
+          const int j = n0 + nt * 8 + 2 * t + (e & 1);
+          const float pe = exp2f(fmaf(s[0][nt][e], p.scale_log2, -lse2[e >> 1]));
+          s[0][nt][e] = (edge && j > i) ? 0.0f : pe;
+        }
+      // dP = dO V^T, dS = P o (dP - D) (lines 14-15)
+      float dp[1][N_TILES][4];
+      zero(dp);
+      gemm_smem_nt<1, N_TILES, D>(dp, smem_addr(s_do), row_w, v_tile, 0);
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][nt][e] *= dp[0][nt][e] - delta[e >> 1];
+      // dQ += dS K (line 16)
+      std::uint32_t frag[1][BC / 16][4];
+      pack_a(frag, s);
+      gemm_regs_nn<1, BC / 16, D_TILES, D>(dq_acc, frag, k_tile, 0, 0);
+    }
+    __syncthreads();
+  }
+  store_rows(dq_acc, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * D, p.dq_token, warp_q_first, p.q_end,
+             p.scale);
+}
+
+template <class Kernel>
+cudaError_t launch(Kernel* kernel, dim3 grid, int threads, int smem_bytes, const BackwardParams& params,
+                   cudaStream_t stream) {
+  if (smem_bytes > 48 * 1024) {
+    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+        e != cudaSuccess)
+      return e;
+  }
+  kernel<<<grid, threads, smem_bytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <int D, int D_SPLIT, int BR_DKDV, int BC_DQ>
+cudaError_t launch_backward(const BackwardParams& params, int batch, int heads_kv, cudaStream_t stream) {
+  const std::int64_t rows = static_cast<std::int64_t>(params.heads_q) * params.q_len();
+  const dim3 pre_grid(static_cast<unsigned>((rows + 7) / 8), static_cast<unsigned>(batch));
+  if (const cudaError_t e = launch(attention_backward_preprocess_kernel<D>, pre_grid, 256, 0, params, stream);
+      e != cudaSuccess)
+    return e;
+
+  using Dkdv = DkdvTiles<D, D_SPLIT, BR_DKDV>;
+  const int kv_blocks = (params.q_end + Dkdv::bc - 1) / Dkdv::bc;
+  const dim3 dkdv_grid(static_cast<unsigned>(kv_blocks * D_SPLIT), static_cast<unsigned>(heads_kv),
+                       static_cast<unsigned>(batch));
+  if (const cudaError_t e = launch(attention_backward_dkdv_kernel<D, D_SPLIT, BR_DKDV>, dkdv_grid, Dkdv::threads,
+                                   Dkdv::smem_bytes, params, stream);
+      e != cudaSuccess)
+    return e;
+
+  using Dq = DqTiles<D, BC_DQ>;
+  const int q_blocks = (params.q_len() + Dq::br - 1) / Dq::br;
+  const dim3 dq_grid(static_cast<unsigned>(q_blocks), static_cast<unsigned>(params.heads_q),
+                     static_cast<unsigned>(batch));
+  return launch(attention_backward_dq_kernel<D, BC_DQ>, dq_grid, Dq::threads, Dq::smem_bytes, params, stream);
+}
+
+std::size_t round_up_256(std::size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace
+}  // namespace attention_detail
+
+std::size_t attention_backward_workspace_bytes(const AttentionProblem& p) {
+  const std::size_t rows = static_cast<std::size_t>(p.batch) * static_cast<std::size_t>(p.heads_q) *
+                           static_cast<std::size_t>(p.query_end() - p.q_begin);
+  return 2 * attention_detail::round_up_256(rows * sizeof(float));
+}
+
+cudaError_t attention_backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                               TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                               const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                               bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                               cudaStream_t stream) {
+  using namespace attention_detail;
+  if (!attention_can_implement(p)) return cudaErrorInvalidValue;
+  if (p.query_end() == p.q_begin) return cudaSuccess;
+  if (!aligned_rows(q) || !aligned_rows(k) || !aligned_rows(v) || !aligned_rows(o) || !aligned_rows(d_o) ||
+      !aligned_rows(dq) || !aligned_rows(dk) || !aligned_rows(dv) || lse == nullptr || workspace == nullptr ||
+      reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0 || workspace_bytes < attention_backward_workspace_bytes(p))
+    return cudaErrorInvalidValue;
+  BackwardParams params{};
+  params.q = reinterpret_cast<const __nv_bfloat16*>(q.data);
+  params.k = reinterpret_cast<const __nv_bfloat16*>(k.data);
+  params.v = reinterpret_cast<const __nv_bfloat16*>(v.data);
+  params.o = reinterpret_cast<const __nv_bfloat16*>(o.data);
+  params.d_o = reinterpret_cast<const __nv_bfloat16*>(d_o.data);
+  params.lse = lse;
+  params.dq = reinterpret_cast<__nv_bfloat16*>(dq.data);
+  params.dk = reinterpret_cast<__nv_bfloat16*>(dk.data);
+  params.dv = reinterpret_cast<__nv_bfloat16*>(dv.data);
+  const std::size_t half = attention_backward_workspace_bytes(p) / 2;
+  params.delta = static_cast<float*>(workspace);
+  params.lse2 = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + half);
+  params.q_batch = q.batch_stride;
+  params.q_token = q.token_stride;
+  params.k_batch = k.batch_stride;
+  params.k_token = k.token_stride;
+  params.v_batch = v.batch_stride;
+  params.v_token = v.token_stride;
+  params.o_batch = o.batch_stride;
+  params.o_token = o.token_stride;
+  params.do_batch = d_o.batch_stride;
+  params.do_token = d_o.token_stride;
+  params.dq_batch = dq.batch_stride;
+  params.dq_token = dq.token_stride;
+  params.dk_batch = dk.batch_stride;
+  params.dk_token = dk.token_stride;
+  params.dv_batch = dv.batch_stride;
+  params.dv_token = dv.token_stride;
+  params.seq = p.seq;
+  params.heads_q = p.heads_q;
+  params.group = p.heads_q / p.heads_kv;
+  params.q_begin = p.q_begin;
+  params.q_end = p.query_end();
+  params.scale = p.softmax_scale;
+  params.scale_log2 = p.softmax_scale * log2e;
+  params.accumulate_dkv = accumulate_dkv;
+  if (p.head_dim == 128) return launch_backward<128, 1, 64, 64>(params, p.batch, p.heads_kv, stream);
+  return launch_backward<256, 2, 32, 32>(params, p.batch, p.heads_kv, stream);
+}
+
+}  // namespace oom::kernels

@@ -1,0 +1,403 @@
+// GPU flash attention (src/kernels/attention_*.cu) against the CPU reference on fresh random
+// inputs: sequence lengths that are no multiple of any tile (1, 17, 1000, 4099), D = 128 and 256,
+// GQA (16/4) and MHA, Q/K/V and dQ/dK/dV both as separate tensors and as views into one packed
+// projection buffer, outputs poisoned (NaN) before every run; chunked execution; determinism;
+// and one forward+backward at S = 1M tokens checked on sampled rows.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+
+#include "kernels/device_buffer.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/core/numeric.hpp"
+#include "oom/kernels/attention.hpp"
+#include "oom/reference/attention.hpp"
+#include "support/compare.hpp"
+
+namespace {
+
+using oom::bf16;
+using oom::kernels::AttentionProblem;
+using oom::kernels::TokenRows;
+using oom::reference::AttentionDims;
+using oom::test::DeviceBuffer;
+
+// Tolerances (bf16 inputs and outputs, fp32 accumulation):
+// - O: the output is rounded to bf16 (2^-9 relative) and P is rounded to bf16 before P V (2^-9
+//   relative per term, random signs): rtol 2e-2, plus atol 1e-2 * rms(O) for entries near zero.
+// - LSE: fp32 sums of exact bf16 products, no bf16 rounding: 1e-3.
+// - dQ, dK, dV: P and dS are rounded to bf16 before their products and each gradient entry is a
+//   sum with cancellation (rows of dS sum to zero), so an entry's error scales with the gradient's
+//   rms rather than its own size: rtol 3e-2 plus atol 3e-2 * rms, and the whole tensor's relative
+//   L2 error below 1e-2 (a systematic bug moves that to O(1)).
+constexpr double o_rtol = 2e-2, o_atol_rms = 1e-2, lse_tol = 1e-3;
+constexpr double grad_rtol = 3e-2, grad_atol_rms = 3e-2, rel_l2_max = 1e-2;
+
+double rms(const std::vector<float>& x) {
+  double s = 0;
+  for (float v : x) s += static_cast<double>(v) * v;
+  return x.empty() ? 0.0 : std::sqrt(s / static_cast<double>(x.size()));
+}
+
+double relative_l2(const std::vector<float>& got, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    num += (static_cast<double>(got[i]) - ref[i]) * (static_cast<double>(got[i]) - ref[i]);
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+std::vector<float> to_float(const std::vector<bf16>& x) {
+  std::vector<float> f(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) f[i] = oom::to_float(x[i]);
+  return f;
+}
+
+void check_close(const std::vector<float>& got, const std::vector<float>& ref, double rtol, double atol_rms,
+                 const char* what, bool check_l2) {
+  const double atol = atol_rms * rms(ref) + 1e-30;
+  const auto r = oom::test::compare(got, ref, rtol, atol, what);
+  INFO(what << ": max abs err " << r.max_abs_err << ", rms(ref) " << rms(ref) << "\n" << r.first);
+  CHECK(r.ok());
+  if (check_l2) {
+    const double l2 = relative_l2(got, ref);
+    INFO(what << ": relative L2 error " << l2);
+    CHECK(l2 < rel_l2_max);
+  }
+}
+
+/// Fresh bf16 inputs, N(0, 1) rounded (Q, K at unit variance make scale * q.k ~ N(0, 1)).
+std::vector<bf16> random_bf16(std::size_t n, std::uint64_t seed) {
+  const auto f = oom::test::random_normal(n, seed);
+  std::vector<bf16> b(n);
+  for (std::size_t i = 0; i < n; ++i) b[i] = oom::to_bf16(f[i]);
+  return b;
+}
+
+/// Q, K, V (or dQ, dK, dV) on the device: three contiguous tensors, or column views into one
+/// packed (B*S, (Hq + 2 Hkv) * D) buffer as a fused QKV projection produces.
+struct DeviceQkv {
+  DeviceBuffer<bf16> packed, q_buf, k_buf, v_buf;
+  TokenRows<bf16> q, k, v;
+  DeviceQkv(const AttentionDims& d, bool is_packed) {
+    const std::int64_t s = d.seq, hd = d.head_dim;
+    if (is_packed) {
+      const std::int64_t row = (d.heads_q + 2 * d.heads_kv) * hd;
+      packed = DeviceBuffer<bf16>(static_cast<std::size_t>(d.batch * s * row));
+      q = {packed.get(), s * row, row};
+      k = {packed.get() + d.heads_q * hd, s * row, row};
+      v = {packed.get() + (d.heads_q + d.heads_kv) * hd, s * row, row};
+    } else {
+      q_buf = DeviceBuffer<bf16>(static_cast<std::size_t>(d.batch * s * d.heads_q * hd));
+      k_buf = DeviceBuffer<bf16>(static_cast<std::size_t>(d.batch * s * d.heads_kv * hd));
+      v_buf = DeviceBuffer<bf16>(k_buf.size());
+      q = {q_buf.get(), s * d.heads_q * hd, d.heads_q * hd};
+      k = {k_buf.get(), s * d.heads_kv * hd, d.heads_kv * hd};
+      v = {v_buf.get(), s * d.heads_kv * hd, d.heads_kv * hd};
+    }
+  }
+  void poison() {
+    for (auto* b : {&packed, &q_buf, &k_buf, &v_buf}) b->poison();
+  }
+};
+
+TokenRows<const bf16> as_const(TokenRows<bf16> r) { return {r.data, r.batch_stride, r.token_stride}; }
+
+/// Copies a contiguous host (B, S, H, D) tensor into strided device rows, and back.
+void upload(TokenRows<bf16> dst, const std::vector<bf16>& host, const AttentionDims& d, int heads) {
+  const std::size_t width = static_cast<std::size_t>(heads) * d.head_dim * sizeof(bf16);
+  for (int b = 0; b < d.batch; ++b)
+    OOM_CUDA_CHECK(cudaMemcpy2D(dst.data + b * dst.batch_stride, dst.token_stride * sizeof(bf16),
+                                host.data() + static_cast<std::size_t>(b) * d.seq * heads * d.head_dim, width, width,
+                                static_cast<std::size_t>(d.seq), cudaMemcpyHostToDevice));
+}
+std::vector<float> download(TokenRows<bf16> src, const AttentionDims& d, int heads) {
+  std::vector<bf16> host(static_cast<std::size_t>(d.batch) * d.seq * heads * d.head_dim);
+  const std::size_t width = static_cast<std::size_t>(heads) * d.head_dim * sizeof(bf16);
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int b = 0; b < d.batch; ++b)
+    OOM_CUDA_CHECK(cudaMemcpy2D(host.data() + static_cast<std::size_t>(b) * d.seq * heads * d.head_dim, width,
+                                src.data + b * src.batch_stride, src.token_stride * sizeof(bf16), width,
+                                static_cast<std::size_t>(d.seq), cudaMemcpyDeviceToHost));
+  return to_float(host);
+}
+std::vector<float> download(const DeviceBuffer<float>& b) { return b.download(); }
+
+struct Case {
+  int batch, seq, heads_q, heads_kv, head_dim;
+  bool packed;
+};
+
+/// Runs the kernels on one shape, optionally split into query chunks (forward first-to-last,
+/// backward last-to-first, as the planner does), and compares everything with the reference.
+void check_case(const Case& c, std::uint64_t seed, std::vector<int> chunk_starts = {0}) {
+  const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  INFO("B=" << c.batch << " S=" << c.seq << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv << " D=" << c.head_dim
+            << (c.packed ? " packed" : " separate") << " chunks=" << chunk_starts.size());
+  const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * c.head_dim;
+  const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * c.head_dim;
+  const std::size_t nlse = static_cast<std::size_t>(c.batch) * c.heads_q * c.seq;
+  const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
+  const auto d_o = random_bf16(nq, seed + 3);
+
+  // Reference on exactly the bf16 values the GPU sees.
+  const auto qf = to_float(q), kf = to_float(k), vf = to_float(v), dof = to_float(d_o);
+  std::vector<float> o_ref(nq), lse_ref(nlse), dq_ref(nq), dk_ref(nkv), dv_ref(nkv);
+  oom::reference::attention_forward<float>(d, scale, qf, kf, vf, o_ref, lse_ref);
+  oom::reference::attention_backward<float>(d, scale, qf, kf, vf, o_ref, lse_ref, dof, dq_ref, dk_ref, dv_ref);
+
+  DeviceQkv in(d, c.packed), grad(d, c.packed);
+  upload(in.q, q, d, c.heads_q);
+  upload(in.k, k, d, c.heads_kv);
+  upload(in.v, v, d, c.heads_kv);
+  DeviceBuffer<bf16> o_buf(nq), do_buf(d_o);
+  DeviceBuffer<float> lse(nlse);
+  const std::int64_t q_row = static_cast<std::int64_t>(c.heads_q) * c.head_dim;
+  const TokenRows<bf16> o{o_buf.get(), c.seq * q_row, q_row};
+  const TokenRows<const bf16> dor{do_buf.get(), c.seq * q_row, q_row};
+
+  auto problem = [&](std::size_t chunk) {
+    AttentionProblem p{.batch = c.batch, .seq = c.seq, .heads_q = c.heads_q, .heads_kv = c.heads_kv,
+                       .head_dim = c.head_dim, .softmax_scale = scale};
+    p.q_begin = chunk_starts[chunk];
+    p.q_end = chunk + 1 < chunk_starts.size() ? chunk_starts[chunk + 1] : c.seq;
+    REQUIRE(oom::kernels::attention_can_implement(p));
+    return p;
+  };
+
+  for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch)
+    OOM_CUDA_CHECK(oom::kernels::attention_forward(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), o,
+                                                   lse.get(), nullptr));
+  check_close(download(o, d, c.heads_q), o_ref, o_rtol, o_atol_rms, "O", true);
+  {
+    const auto r = oom::test::compare(download(lse), lse_ref, lse_tol, lse_tol, "LSE");
+    INFO(r.first);
+    CHECK(r.ok());
+  }
+
+  std::size_t ws_bytes = 0;
+  for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch)
+    ws_bytes = std::max(ws_bytes, oom::kernels::attention_backward_workspace_bytes(problem(ch)));
+  DeviceBuffer<unsigned char> ws(ws_bytes);
+  auto backward = [&] {
+    grad.poison();
+    for (std::size_t ch = chunk_starts.size(); ch-- > 0;)
+      OOM_CUDA_CHECK(oom::kernels::attention_backward(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v),
+                                                      as_const(o), dor, lse.get(), grad.q, grad.k, grad.v,
+                                                      /*accumulate_dkv=*/ch + 1 < chunk_starts.size(), ws.get(),
+                                                      ws.bytes(), nullptr));
+    return std::tuple{download(grad.q, d, c.heads_q), download(grad.k, d, c.heads_kv), download(grad.v, d, c.heads_kv)};
+  };
+  const auto [dq, dk, dv] = backward();
+  check_close(dq, dq_ref, grad_rtol, grad_atol_rms, "dQ", true);
+  check_close(dk, dk_ref, grad_rtol, grad_atol_rms, "dK", true);
+  check_close(dv, dv_ref, grad_rtol, grad_atol_rms, "dV", true);
+
+  // No atomics anywhere: a second run is bit-identical.
+  const auto [dq2, dk2, dv2] = backward();
+  CHECK(dq2 == dq);
+  CHECK(dk2 == dk);
+  CHECK(dv2 == dv);
+}
+
+}  // namespace
+
+TEST_CASE("attention forward and backward match the reference, D = 128") {
+  std::uint64_t seed = 100;
+  for (const Case c : {Case{2, 1, 16, 4, 128, true}, Case{2, 17, 16, 4, 128, false}, Case{1, 17, 4, 4, 128, true},
+                       Case{1, 1000, 16, 4, 128, true}, Case{2, 1000, 4, 4, 128, false},
+                       Case{1, 4099, 16, 4, 128, true}})
+    check_case(c, seed += 10);
+}
+
+TEST_CASE("attention forward and backward match the reference, D = 256") {
+  std::uint64_t seed = 200;
+  for (const Case c : {Case{2, 1, 16, 4, 256, false}, Case{2, 17, 16, 4, 256, true}, Case{1, 17, 4, 4, 256, false},
+                       Case{1, 1000, 16, 4, 256, true}, Case{2, 1000, 4, 4, 256, true},
+                       Case{1, 4099, 4, 4, 256, false}, Case{1, 4099, 8, 2, 256, true}})
+    check_case(c, seed += 10);
+}
+
+TEST_CASE("attention in query chunks (causal prefix) equals the whole sequence") {
+  // Chunk edges on no tile boundary; the backward runs last chunk first and accumulates dK/dV.
+  check_case(Case{1, 1000, 8, 2, 128, true}, 300, {0, 333, 600});
+  check_case(Case{2, 1000, 8, 2, 256, false}, 310, {0, 517});
+}
+
+TEST_CASE("attention launchers reject what they cannot do") {
+  AttentionProblem p{.batch = 1, .seq = 64, .heads_q = 4, .heads_kv = 2, .head_dim = 128, .softmax_scale = 0.1f};
+  CHECK(oom::kernels::attention_can_implement(p));
+  auto bad = p;
+  bad.head_dim = 64;
+  CHECK_FALSE(oom::kernels::attention_can_implement(bad));
+  bad = p;
+  bad.heads_q = 3;
+  CHECK_FALSE(oom::kernels::attention_can_implement(bad));
+  bad = p;
+  bad.q_end = 65;
+  CHECK_FALSE(oom::kernels::attention_can_implement(bad));
+  bad = p;
+  bad.softmax_scale = NAN;
+  CHECK_FALSE(oom::kernels::attention_can_implement(bad));
+
+  DeviceBuffer<bf16> buf(64 * 4 * 128 * 4);
+  DeviceBuffer<float> lse(4 * 64);
+  const TokenRows<const bf16> ok{buf.get(), 64 * 512, 512};
+  const TokenRows<const bf16> odd_stride{buf.get(), 64 * 512, 500};
+  CHECK(oom::kernels::attention_forward(p, odd_stride, ok, ok, {buf.get(), 64 * 512, 512}, lse.get(), nullptr) ==
+        cudaErrorInvalidValue);
+  CHECK(oom::kernels::attention_forward(bad, ok, ok, ok, {buf.get(), 64 * 512, 512}, lse.get(), nullptr) ==
+        cudaErrorInvalidValue);
+}
+
+namespace {
+
+/// Uniform on [-sqrt(3), sqrt(3)] (unit variance) from a counter hash, on all threads: 10 GB of
+/// inputs in seconds.
+std::vector<bf16> hashed_bf16(std::size_t n, std::uint64_t seed) {
+  std::vector<bf16> out(n);
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (unsigned w = 0; w < threads; ++w)
+    pool.emplace_back([&, w] {
+      for (std::size_t i = n * w / threads; i < n * (w + 1) / threads; ++i) {
+        std::uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull + seed * 0xD1B54A32D192ED03ull;  // splitmix64
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const double u = static_cast<double>(z >> 11) * 0x1.0p-53;  // [0, 1)
+        out[i] = oom::to_bf16(static_cast<float>((2 * u - 1) * 1.7320508075688772));
+      }
+    });
+  for (auto& t : pool) t.join();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("attention forward+backward at S = 1M tokens (B=1, Hq=16, Hkv=4, D=128), sampled rows") {
+  const AttentionDims d{1, 1 << 20, 16, 4, 128};
+  const float scale = 1.0f / std::sqrt(128.0f);
+  const std::size_t nq = static_cast<std::size_t>(d.seq) * d.heads_q * d.head_dim;
+  const std::size_t nkv = static_cast<std::size_t>(d.seq) * d.heads_kv * d.head_dim;
+  const auto q = hashed_bf16(nq, 1), k = hashed_bf16(nkv, 2), v = hashed_bf16(nkv, 3), d_o = hashed_bf16(nq, 4);
+
+  // Packed QKV and dQKV: token stride 3072 elements, so offsets pass 2^31 (64-bit indexing).
+  DeviceQkv in(d, true), grad(d, true);
+  upload(in.q, q, d, d.heads_q);
+  upload(in.k, k, d, d.heads_kv);
+  upload(in.v, v, d, d.heads_kv);
+  DeviceBuffer<bf16> o_buf(nq), do_buf(d_o);
+  DeviceBuffer<float> lse(static_cast<std::size_t>(d.heads_q) * d.seq);
+  const std::int64_t q_row = 16 * 128;
+  const TokenRows<bf16> o{o_buf.get(), d.seq * q_row, q_row};
+  const AttentionProblem p{.batch = 1, .seq = d.seq, .heads_q = 16, .heads_kv = 4, .head_dim = 128,
+                           .softmax_scale = scale};
+  DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p));
+
+  cudaEvent_t e0, e1, e2;
+  OOM_CUDA_CHECK(cudaEventCreate(&e0));
+  OOM_CUDA_CHECK(cudaEventCreate(&e1));
+  OOM_CUDA_CHECK(cudaEventCreate(&e2));
+  OOM_CUDA_CHECK(cudaEventRecord(e0));
+  OOM_CUDA_CHECK(oom::kernels::attention_forward(p, as_const(in.q), as_const(in.k), as_const(in.v), o, lse.get(), nullptr));
+  OOM_CUDA_CHECK(cudaEventRecord(e1));
+  OOM_CUDA_CHECK(oom::kernels::attention_backward(p, as_const(in.q), as_const(in.k), as_const(in.v), as_const(o),
+                                                  {do_buf.get(), d.seq * q_row, q_row}, lse.get(), grad.q, grad.k,
+                                                  grad.v, false, ws.get(), ws.bytes(), nullptr));
+  OOM_CUDA_CHECK(cudaEventRecord(e2));
+  OOM_CUDA_CHECK(cudaEventSynchronize(e2));
+  float fwd_ms = 0, bwd_ms = 0;
+  OOM_CUDA_CHECK(cudaEventElapsedTime(&fwd_ms, e0, e1));
+  OOM_CUDA_CHECK(cudaEventElapsedTime(&bwd_ms, e1, e2));
+  const double fwd_flops = 2.0 * 16 * static_cast<double>(d.seq) * d.seq * 128;  // causal: half of 4 B H S^2 D
+  std::printf("S=1M: forward %.0f ms (%.0f TFLOP/s), backward %.0f ms (%.0f TFLOP/s at 2.5x forward)\n", fwd_ms,
+              fwd_flops / fwd_ms / 1e9, bwd_ms, 2.5 * fwd_flops / bwd_ms / 1e9);
+
+  const auto lse_gpu = download(lse);
+  // Only the sampled rows come back (the full tensors would be 24 GB as floats).
+  const auto fetch_row = [](TokenRows<bf16> src, int i, int h) {
+    std::vector<bf16> row(128);
+    OOM_CUDA_CHECK(cudaMemcpy(row.data(), src.data + i * src.token_stride + h * 128, 128 * sizeof(bf16),
+                              cudaMemcpyDeviceToHost));
+    return to_float(row);
+  };
+
+  // Sampled rows: early, tile-edge, middle and last queries on three heads; the last two keys on
+  // two KV heads (a key's gradient needs every later query: only keys near the end are cheap).
+  struct QuerySample {
+    int h, i;
+    std::vector<float> o, dq;
+    float lse;
+  };
+  struct KeySample {
+    int hk, j;
+    std::vector<float> dk, dv;
+  };
+  std::vector<QuerySample> qs;
+  for (int h : {0, 7, 15})
+    for (int i : {0, 1, 127, 4097, 65535, 500001, d.seq - 1}) qs.push_back({h, i, std::vector<float>(128), std::vector<float>(128), 0});
+  std::vector<KeySample> ks;
+  for (int hk : {0, 3})
+    for (int j : {d.seq - 1, d.seq - 2}) ks.push_back({hk, j, std::vector<float>(128), std::vector<float>(128)});
+  {
+    const std::span<const bf16> sq(q), sk(k), sv(v), sdo(d_o);
+    std::vector<std::thread> pool;
+    for (auto& s : qs)
+      pool.emplace_back([&] {
+        s.lse = oom::reference::attention_forward_row<bf16>(d, scale, sq, sk, sv, 0, s.h, s.i, s.o);
+        oom::reference::attention_backward_dq_row<bf16>(d, scale, sq, sk, sv, sdo, 0, s.h, s.i, s.dq);
+      });
+    for (auto& s : ks)
+      pool.emplace_back([&] { oom::reference::attention_backward_dkv_row<bf16>(d, scale, sq, sk, sv, sdo, 0, s.hk, s.j, s.dk, s.dv); });
+    for (auto& t : pool) t.join();
+  }
+
+  std::vector<float> o_got, o_ref, dq_got, dq_ref, dk_got, dk_ref, dv_got, dv_ref, lse_got, lse_ref;
+  for (const auto& s : qs) {
+    const auto o_row = fetch_row(o, s.i, s.h), dq_row = fetch_row(grad.q, s.i, s.h);
+    o_got.insert(o_got.end(), o_row.begin(), o_row.end());
+    dq_got.insert(dq_got.end(), dq_row.begin(), dq_row.end());
+    o_ref.insert(o_ref.end(), s.o.begin(), s.o.end());
+    dq_ref.insert(dq_ref.end(), s.dq.begin(), s.dq.end());
+    lse_got.push_back(lse_gpu[static_cast<std::size_t>(s.h) * d.seq + s.i]);
+    lse_ref.push_back(s.lse);
+  }
+  for (const auto& s : ks) {
+    const auto dk_row = fetch_row(grad.k, s.j, s.hk), dv_row = fetch_row(grad.v, s.j, s.hk);
+    dk_got.insert(dk_got.end(), dk_row.begin(), dk_row.end());
+    dv_got.insert(dv_got.end(), dv_row.begin(), dv_row.end());
+    dk_ref.insert(dk_ref.end(), s.dk.begin(), s.dk.end());
+    dv_ref.insert(dv_ref.end(), s.dv.begin(), s.dv.end());
+  }
+  // Rows differ in scale by orders of magnitude (row 0 is one V row; row 1M-1 averages 1M of
+  // them), so O and dQ rows are compared row by row, each with its own rms.
+  for (std::size_t r = 0; r < qs.size(); ++r) {
+    INFO("query row " << qs[r].i << " head " << qs[r].h);
+    const auto slice = [r](const std::vector<float>& x) {
+      return std::vector<float>(x.begin() + r * 128, x.begin() + (r + 1) * 128);
+    };
+    check_close(slice(o_got), slice(o_ref), o_rtol, o_atol_rms, "O", true);
+    check_close(slice(dq_got), slice(dq_ref), grad_rtol, grad_atol_rms, "dQ", true);
+  }
+  for (std::size_t r = 0; r < ks.size(); ++r) {
+    INFO("key row " << ks[r].j << " KV head " << ks[r].hk);
+    const auto slice = [r](const std::vector<float>& x) {
+      return std::vector<float>(x.begin() + r * 128, x.begin() + (r + 1) * 128);
+    };
+    check_close(slice(dk_got), slice(dk_ref), grad_rtol, grad_atol_rms, "dK", true);
+    check_close(slice(dv_got), slice(dv_ref), grad_rtol, grad_atol_rms, "dV", true);
+  }
+  const auto r = oom::test::compare(lse_got, lse_ref, lse_tol, lse_tol, "LSE");
+  INFO(r.first);
+  CHECK(r.ok());
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaEventDestroy(e2);
+}
