@@ -35,6 +35,16 @@ for b in "$build_dir"/bench/micro/bench_*; do
     > "$out/$name.log" 2>&1 || bench_rc=1
 done
 
+# Kernel benchmarks print their own tables (ratios to limits measured in the same run); the
+# attention one is paired with PyTorch SDPA on the same shapes.
+for b in "$build_dir"/bench/bench_moe_kernels "$build_dir"/bench/kernels/bench_attention; do
+  [[ -x "$b" ]] || continue
+  timeout 300 "$b" > "$out/$(basename "$b").log" 2>&1 || bench_rc=1
+done
+if [[ -f scripts/bench_attention_sdpa.py ]]; then
+  PYTHONUNBUFFERED=1 timeout 300 python3 scripts/bench_attention_sdpa.py > "$out/sdpa.log" 2>&1 || bench_rc=1
+fi
+
 python3 - "$out" > "$out/summary.txt" <<'PY'
 import json, os, re, sys
 out = sys.argv[1]
@@ -65,6 +75,11 @@ if tests:
 w = max([len(r[0]) for r in rows] + [10])
 for r in rows:
     print(f"{r[0]:<{w}}  {r[1]:>14}  {r[2]}")
+for name in ("bench_moe_kernels.log", "bench_attention.log", "sdpa.log"):
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        print(f"--- {name} (last lines)")
+        print("".join(open(path).readlines()[-14:]).rstrip())
 PY
 cat "$out/summary.txt"
 if [[ -n "${OUT:-}" ]]; then
