@@ -7,7 +7,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstdio>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -60,13 +62,15 @@ std::vector<float> to_float(const std::vector<bf16>& x) {
 
 void check_close(const std::vector<float>& got, const std::vector<float>& ref, double rtol, double atol_rms,
                  const char* what, bool check_l2) {
-  const double atol = atol_rms * rms(ref) + 1e-30;
+  // A floor under the tensor's rms: rows whose exact gradient is 0 (the first query, whose only key
+  // gets all the weight) come out as fp32 rounding noise around 1e-7.
+  const double atol = atol_rms * std::max(rms(ref), 1e-4);
   const auto r = oom::test::compare(got, ref, rtol, atol, what);
-  INFO(what << ": max abs err " << r.max_abs_err << ", rms(ref) " << rms(ref) << "\n" << r.first);
+  INFO(std::string(what) << ": max abs err " << r.max_abs_err << ", rms(ref) " << rms(ref) << "\n" << r.first);
   CHECK(r.ok());
   if (check_l2) {
     const double l2 = relative_l2(got, ref);
-    INFO(what << ": relative L2 error " << l2);
+    INFO(std::string(what) << ": relative L2 error " << l2);
     CHECK(l2 < rel_l2_max);
   }
 }
@@ -139,7 +143,7 @@ void check_case(const Case& c, std::uint64_t seed, std::vector<int> chunk_starts
   const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim};
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   INFO("B=" << c.batch << " S=" << c.seq << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv << " D=" << c.head_dim
-            << (c.packed ? " packed" : " separate") << " chunks=" << chunk_starts.size());
+            << std::string(c.packed ? " packed" : " separate") << " chunks=" << chunk_starts.size());
   const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * c.head_dim;
   const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * c.head_dim;
   const std::size_t nlse = static_cast<std::size_t>(c.batch) * c.heads_q * c.seq;

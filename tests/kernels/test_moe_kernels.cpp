@@ -372,7 +372,7 @@ TEST_CASE("expert GEMM throughput vs one dense GEMM of the same FLOPs (5.13B sha
         CHECK(r.ratio() > 0.0);
       }
     } catch (const oom::Error& e) {
-      MESSAGE(name << " method failed: " << e.what());
+      MESSAGE(std::string(name) << " method failed: " << std::string(e.what()));
       CHECK(method == k::ExpertGemmMethod::grouped_batched);  // the loop must always work
     }
   }
