@@ -214,6 +214,79 @@ void attention_backward_dkv_row(const AttentionDims& dims, double scale, std::sp
   }
 }
 
+template <class In>
+void attention_error_scales(const AttentionDims& dims, double scale, std::span<const In> q, std::span<const In> k,
+                            std::span<const In> v, std::span<const AttentionReal<In>> o, std::span<const In> d_o,
+                            std::span<double> o_mag, std::span<double> dq_mag, std::span<double> dk_mag,
+                            std::span<double> dv_mag) {
+  check_dims(dims, std::min({q.size(), o.size(), d_o.size(), o_mag.size(), dq_mag.size()}),
+             std::min({k.size(), v.size(), dk_mag.size(), dv_mag.size()}));
+  const Index ix{dims};
+  const int n = dims.head_dim, group = dims.heads_q / dims.heads_kv;
+  parallel_for(dims.batch * dims.heads_kv, [&](int task) {
+    const int b = task / dims.heads_kv, hk = task % dims.heads_kv;
+    for (int j = 0; j < dims.seq; ++j)
+      for (int x = 0; x < n; ++x) dk_mag[ix.kv(b, j, hk) + x] = dv_mag[ix.kv(b, j, hk) + x] = 0;
+    for (int h = hk * group; h < (hk + 1) * group; ++h)
+      for (int i = 0; i < dims.seq; ++i) {
+        const RowSoftmax<In> row(dims, scale, q, k, b, h, i);
+        const In* qi = q.data() + ix.q(b, i, h);
+        const In* doi = d_o.data() + ix.q(b, i, h);
+        const auto* oi = o.data() + ix.q(b, i, h);
+        double delta = 0, dabs = 0;
+        for (int x = 0; x < n; ++x) {
+          delta += value(doi[x]) * static_cast<double>(oi[x]);
+          dabs += std::abs(value(doi[x]) * static_cast<double>(oi[x]));
+        }
+        double* om = o_mag.data() + ix.q(b, i, h);
+        double* qm = dq_mag.data() + ix.q(b, i, h);
+        for (int x = 0; x < n; ++x) om[x] = qm[x] = 0;
+        for (int j = 0; j <= i; ++j) {
+          const In* kj = k.data() + ix.kv(b, j, hk);
+          const In* vj = v.data() + ix.kv(b, j, hk);
+          const double p = row.p[static_cast<std::size_t>(j)];
+          const double w = std::abs(p * (dot(doi, vj, n) - delta)) + p * dabs;
+          double* km = dk_mag.data() + ix.kv(b, j, hk);
+          double* vm = dv_mag.data() + ix.kv(b, j, hk);
+          for (int x = 0; x < n; ++x) {
+            om[x] += p * std::abs(value(vj[x]));
+            qm[x] += scale * w * std::abs(value(kj[x]));
+            km[x] += scale * w * std::abs(value(qi[x]));
+            vm[x] += p * std::abs(value(doi[x]));
+          }
+        }
+      }
+  });
+}
+
+template <class In>
+void attention_error_scales_row(const AttentionDims& dims, double scale, std::span<const In> q, std::span<const In> k,
+                                std::span<const In> v, std::span<const In> d_o, int b, int h, int i,
+                                std::span<double> o_mag_row, std::span<double> dq_mag_row) {
+  check_dims(dims, std::min(q.size(), d_o.size()), std::min(k.size(), v.size()));
+  const Index ix{dims};
+  const int n = dims.head_dim, hk = ix.kv_head(h);
+  const RowSoftmax<In> row(dims, scale, q, k, b, h, i);
+  const auto o = forward_row(dims, row, v, b, h);
+  const In* doi = d_o.data() + ix.q(b, i, h);
+  double delta = 0, dabs = 0;
+  for (int x = 0; x < n; ++x) {
+    delta += value(doi[x]) * o[static_cast<std::size_t>(x)];
+    dabs += std::abs(value(doi[x]) * o[static_cast<std::size_t>(x)]);
+  }
+  for (int x = 0; x < n; ++x) o_mag_row[x] = dq_mag_row[x] = 0;
+  for (int j = 0; j <= i; ++j) {
+    const In* kj = k.data() + ix.kv(b, j, hk);
+    const In* vj = v.data() + ix.kv(b, j, hk);
+    const double p = row.p[static_cast<std::size_t>(j)];
+    const double w = std::abs(p * (dot(doi, vj, n) - delta)) + p * dabs;
+    for (int x = 0; x < n; ++x) {
+      o_mag_row[x] += p * std::abs(value(vj[x]));
+      dq_mag_row[x] += scale * w * std::abs(value(kj[x]));
+    }
+  }
+}
+
 #define OOM_INSTANTIATE_ATTENTION_REFERENCE(In)                                                                      \
   template AttentionReal<In> attention_forward_row<In>(const AttentionDims&, double, std::span<const In>,             \
                                                        std::span<const In>, std::span<const In>, int, int, int,       \
@@ -230,7 +303,14 @@ void attention_backward_dkv_row(const AttentionDims& dims, double scale, std::sp
                                               std::span<AttentionReal<In>>);                                          \
   template void attention_backward_dkv_row<In>(const AttentionDims&, double, std::span<const In>,                     \
                                                std::span<const In>, std::span<const In>, std::span<const In>, int,    \
-                                               int, int, std::span<AttentionReal<In>>, std::span<AttentionReal<In>>);
+                                               int, int, std::span<AttentionReal<In>>, std::span<AttentionReal<In>>); \
+  template void attention_error_scales<In>(const AttentionDims&, double, std::span<const In>, std::span<const In>,    \
+                                           std::span<const In>, std::span<const AttentionReal<In>>,                  \
+                                           std::span<const In>, std::span<double>, std::span<double>,                \
+                                           std::span<double>, std::span<double>);                                    \
+  template void attention_error_scales_row<In>(const AttentionDims&, double, std::span<const In>,                    \
+                                               std::span<const In>, std::span<const In>, std::span<const In>, int,   \
+                                               int, int, std::span<double>, std::span<double>);
 
 OOM_INSTANTIATE_ATTENTION_REFERENCE(float)
 OOM_INSTANTIATE_ATTENTION_REFERENCE(double)

@@ -170,3 +170,37 @@ TEST_CASE("attention reference: fp32 storage agrees with fp64, and the row helpe
         }
       }
 }
+
+TEST_CASE("attention error scales bound the magnitudes they stand for, and the row helper agrees") {
+  const AttentionDims d{1, 17, 4, 2, 8};
+  const double scale = 1.0 / std::sqrt(d.head_dim);
+  const auto q = oom::test::random_normal(q_size(d), 31), k = oom::test::random_normal(kv_size(d), 32);
+  const auto v = oom::test::random_normal(kv_size(d), 33), w = oom::test::random_normal(q_size(d), 34);
+  std::vector<float> o(q_size(d)), lse(static_cast<std::size_t>(d.heads_q) * d.seq), dq(q_size(d)), dk(kv_size(d)),
+      dv(kv_size(d));
+  oom::reference::attention_forward<float>(d, scale, q, k, v, o, lse);
+  oom::reference::attention_backward<float>(d, scale, q, k, v, o, lse, w, dq, dk, dv);
+  std::vector<double> om(q_size(d)), qm(q_size(d)), km(kv_size(d)), vm(kv_size(d));
+  oom::reference::attention_error_scales<float>(d, scale, q, k, v, o, w, om, qm, km, vm);
+  // Each scale is a sum of the magnitudes of the terms summing to its value: never below |value|.
+  for (std::size_t x = 0; x < o.size(); ++x) {
+    CHECK(om[x] >= std::abs(o[x]) * (1 - 1e-6));
+    CHECK(qm[x] >= std::abs(dq[x]) * (1 - 1e-6));
+  }
+  for (std::size_t x = 0; x < dk.size(); ++x) {
+    CHECK(km[x] >= std::abs(dk[x]) * (1 - 1e-6));
+    CHECK(vm[x] >= std::abs(dv[x]) * (1 - 1e-6));
+  }
+  // Query 0 has one key: its O is that key's V row exactly, so o_mag = |O|.
+  for (int c = 0; c < d.head_dim; ++c) CHECK(om[static_cast<std::size_t>(c)] == doctest::Approx(std::abs(o[static_cast<std::size_t>(c)])));
+  std::vector<double> orow(static_cast<std::size_t>(d.head_dim)), qrow(orow.size());
+  for (int h = 0; h < d.heads_q; ++h)
+    for (int i : {0, 9, d.seq - 1}) {
+      oom::reference::attention_error_scales_row<float>(d, scale, q, k, v, w, 0, h, i, orow, qrow);
+      const std::size_t at = (static_cast<std::size_t>(i) * d.heads_q + h) * d.head_dim;
+      for (int c = 0; c < d.head_dim; ++c) {
+        CHECK(orow[static_cast<std::size_t>(c)] == doctest::Approx(om[at + c]).epsilon(1e-6));
+        CHECK(qrow[static_cast<std::size_t>(c)] == doctest::Approx(qm[at + c]).epsilon(1e-4));
+      }
+    }
+}

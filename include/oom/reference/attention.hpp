@@ -70,4 +70,29 @@ void attention_backward_dkv_row(const AttentionDims& dims, double scale, std::sp
                                 std::span<AttentionReal<In>> dk_row,   // (D)
                                 std::span<AttentionReal<In>> dv_row);  // (D)
 
+/// Per-element error scales for checking a bf16 kernel: the sums of magnitudes whose rounding an
+/// implementation that feeds P and dS to bf16 tensor cores (FA2) carries. For u = 2^-8 (bf16's unit
+/// roundoff) such a kernel's error is at most about u times these, plus the rounding of its output:
+///   o_mag  = sum_j P_ij |v_j|                          (P rounded before P·V)
+///   dq_mag = scale sum_j (|dS_ij| + P_ij Dabs_i) |k_j| (dS rounded; D_i from bf16 O: Dabs_i = sum |dO_i||O_i|)
+///   dk_mag = scale sum_i (|dS_ij| + P_ij Dabs_i) |q_i| (over the group's heads)
+///   dv_mag = sum_i P_ij |dO_i|                          (over the group's heads)
+/// Elementwise bounds follow the data: a query with two keys has P ~ 1/2 and errors ~ u/2 |v|,
+/// far above u times the tensor's rms, which a tolerance from the rms alone would flag.
+template <class In>
+void attention_error_scales(const AttentionDims& dims, double scale, std::span<const In> q, std::span<const In> k,
+                            std::span<const In> v,
+                            std::span<const AttentionReal<In>> o,  // (B, S, Hq, D)
+                            std::span<const In> d_o,               // (B, S, Hq, D)
+                            std::span<double> o_mag,               // (B, S, Hq, D)
+                            std::span<double> dq_mag,              // (B, S, Hq, D)
+                            std::span<double> dk_mag,              // (B, S, Hkv, D)
+                            std::span<double> dv_mag);             // (B, S, Hkv, D)
+
+/// o_mag and dq_mag of one query row (b, h, i), recomputing its O: O(i * D) work.
+template <class In>
+void attention_error_scales_row(const AttentionDims& dims, double scale, std::span<const In> q, std::span<const In> k,
+                                std::span<const In> v, std::span<const In> d_o, int b, int h, int i,
+                                std::span<double> o_mag_row, std::span<double> dq_mag_row);  // (D) each
+
 }  // namespace oom::reference
