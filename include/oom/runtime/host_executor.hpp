@@ -119,8 +119,19 @@ class HostExecutor {
   HostExecutor& operator=(const HostExecutor&) = delete;
 
   /// One training step on `input` (T, H) against `target` (T, H) with loss 0.5·mean‖y − target‖².
-  /// Returns the loss.
+  /// Returns the loss. If anything throws (a budget overrun, say), the work already queued is
+  /// drained before the exception leaves, so no stream touches the caller's buffers afterwards.
   double step(const std::vector<float>& input, const std::vector<float>& target) {
+    try {
+      return run_step(input, target);
+    } catch (...) {
+      drain();
+      throw;
+    }
+  }
+
+ private:
+  double run_step(const std::vector<float>& input, const std::vector<float>& target) {
     const std::uint64_t t = plan_.workload.tokens();
     const std::uint64_t h = layers_.front().hidden();
     if (input.size() != t * h || target.size() != t * h)
@@ -282,6 +293,7 @@ class HostExecutor {
     return loss;
   }
 
+ public:
   /// fp32 master weights of every segment, in layer order (device copies for resident ones).
   std::vector<std::vector<float>> master() {
     synchronize_all();
@@ -453,6 +465,16 @@ class HostExecutor {
   void synchronize_all() {
     for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_})
       if (*s) b_.synchronize(*s);
+  }
+  // Waits for every stream, keeping the first error for the caller already unwinding.
+  void drain() noexcept {
+    for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) {
+      if (!*s) continue;
+      try {
+        b_.synchronize(*s);
+      } catch (...) {
+      }
+    }
   }
 
   HostBackend& b_;
