@@ -118,7 +118,11 @@ void SafetensorsFile::validate(std::span<const std::byte> bytes) {
   const Json header = Json::parse(text, source_ + " (header)");
   if (!header.is_object()) fail(fmt::format("header is {}, not a JSON object", a(header.type())));
 
-  for (const auto& [name, value] : header.as_object()) {
+  for (const auto& member : header.as_object()) {
+    // Named references rather than a structured binding: lambdas below capture them (C++20 allows
+    // capturing bindings, clang 14 does not).
+    const std::string& name = member.first;
+    const Json& value = member.second;
     if (name == "__metadata__") {
       if (value.is_null()) continue;  // the reference reads it as an Option
       if (!value.is_object()) fail(fmt::format("__metadata__ is {}, not an object of strings", a(value.type())));

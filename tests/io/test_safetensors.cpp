@@ -163,7 +163,7 @@ TEST_CASE("the tiny config's tensors are written and read back under their trans
                          }});
     }
   // Kept in the build tree for scripts/check_safetensors.py (transformers on the GPU machine).
-  const std::filesystem::path p = "tiny-moe.safetensors";
+  const std::filesystem::path p = std::filesystem::path(OOM_TEST_OUTPUT_DIR) / "tiny-moe.safetensors";
   write_safetensors(p, std::move(entries), {{"format", "pt"}});
   const auto f = SafetensorsFile::open(p);
   std::size_t count = 0;
@@ -314,4 +314,13 @@ TEST_CASE("a failed write leaves the previous file in place") {
   const auto f = SafetensorsFile::open(p);
   CHECK(f.find("old") != nullptr);
   CHECK(std::distance(std::filesystem::directory_iterator(dir.path()), std::filesystem::directory_iterator{}) == 1);
+}
+
+TEST_CASE("the fuzzers' seed files are valid safetensors files") {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(OOM_SOURCE_DIR) + "/tests/fuzz/corpus/safetensors")) {
+    CHECK_NOTHROW((void)SafetensorsFile::open(e.path()));
+    ++n;
+  }
+  CHECK(n >= 3);
 }

@@ -240,3 +240,12 @@ TEST_CASE("a file too short for one window is refused") {
   CHECK_NOTHROW(BatchSampler(f, 7));
   CHECK_THROWS_AS(BatchSampler(f, 0), Error);
 }
+
+TEST_CASE("the fuzzers' seed files are valid token files") {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(OOM_SOURCE_DIR) + "/tests/fuzz/corpus/token_file")) {
+    CHECK_NOTHROW((void)TokenFile::open(e.path()));
+    ++n;
+  }
+  CHECK(n >= 3);
+}
