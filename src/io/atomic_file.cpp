@@ -1,0 +1,155 @@
+// AtomicFile (temp + fsync + rename + directory fsync) and MappedFile (read-only mmap), POSIX.
+#include "oom/io/atomic_file.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+
+namespace oom {
+namespace {
+
+constexpr std::size_t buffer_bytes = std::size_t{4} << 20;
+
+[[noreturn]] void fail_errno(std::string_view what, const std::filesystem::path& path, int err) {
+  OOM_THROW(Errc::io, fmt::format("{}: {}: {}", path.string(), what, std::strerror(err)));
+}
+
+/// fsync of the directory holding `path`, so a rename into it is durable. Some file systems
+/// refuse fsync on directories (EINVAL); the rename is then as durable as they can make it.
+void sync_directory(const std::filesystem::path& path) {
+  std::filesystem::path dir = path.parent_path();
+  if (dir.empty()) dir = ".";
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) fail_errno("cannot open directory to sync the rename", dir, errno);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0 && err != EINVAL && err != EROFS) fail_errno("cannot fsync directory", dir, err);
+}
+
+}  // namespace
+
+AtomicFile::AtomicFile(std::filesystem::path path) : path_(std::move(path)) {
+  temp_ = path_;
+  temp_ += ".tmp-" + std::to_string(::getpid());
+  fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail_errno("cannot create", temp_, errno);
+  buffer_.reserve(buffer_bytes);
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(temp_.c_str());
+}
+
+void AtomicFile::write(std::span<const std::byte> bytes) {
+  if (committed_) OOM_THROW(Errc::invalid_argument, path_.string() + ": write after commit");
+  written_ += bytes.size();
+  if (buffer_.size() + bytes.size() > buffer_bytes) flush();
+  if (bytes.size() >= buffer_bytes) {
+    // Large blocks (tensors) go straight to the kernel rather than through a copy.
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        fail_errno("cannot write", temp_, errno);
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    return;
+  }
+  buffer_.insert(buffer_.end(), bytes.begin(), bytes.end());
+}
+
+void AtomicFile::write(std::string_view text) { write(std::as_bytes(std::span(text.data(), text.size()))); }
+
+void AtomicFile::flush() {
+  std::size_t done = 0;
+  while (done < buffer_.size()) {
+    const ssize_t n = ::write(fd_, buffer_.data() + done, buffer_.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail_errno("cannot write", temp_, errno);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  buffer_.clear();
+}
+
+void AtomicFile::commit() {
+  if (committed_) OOM_THROW(Errc::invalid_argument, path_.string() + ": committed twice");
+  flush();
+  if (::fsync(fd_) != 0) fail_errno("cannot fsync", temp_, errno);
+  // close() can report a deferred write error (NFS); it must be checked before the rename.
+  const int rc = ::close(fd_);
+  fd_ = -1;
+  if (rc != 0) fail_errno("cannot close", temp_, errno);
+  if (::rename(temp_.c_str(), path_.c_str()) != 0) fail_errno("cannot rename " + temp_.string() + " to", path_, errno);
+  committed_ = true;
+  sync_directory(path_);
+}
+
+void write_file_atomically(const std::filesystem::path& path, std::string_view content) {
+  AtomicFile f(path);
+  f.write(content);
+  f.commit();
+}
+
+MappedFile::MappedFile(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail_errno("cannot open", path, errno);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail_errno("cannot stat", path, err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    OOM_THROW(Errc::io, path.string() + ": not a regular file");
+  }
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      fail_errno("cannot map", path, err);
+    }
+    data_ = static_cast<const std::byte*>(p);
+  }
+  ::close(fd);  // the mapping keeps the file alive
+}
+
+MappedFile::MappedFile(MappedFile&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
+  if (this != &other) {
+    release();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+MappedFile::~MappedFile() { release(); }
+
+void MappedFile::release() noexcept {
+  if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
+  data_ = nullptr;
+  size_ = 0;
+}
+
+}  // namespace oom

@@ -1,0 +1,258 @@
+// Token file reader/writer and the deterministic window sampler.
+#include "oom/io/token_file.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
+
+namespace oom {
+namespace {
+
+std::uint64_t load_u64(const std::byte* p) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | std::to_integer<std::uint64_t>(p[i]);
+  return v;
+}
+std::uint32_t load_u32(const std::byte* p) { return static_cast<std::uint32_t>(load_u64(p) & 0xffffffffu); }
+void store_le(std::byte* p, std::uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+}
+
+/// "1 283 117": positions in large files are easier to read grouped.
+std::string grouped(std::uint64_t v) {
+  std::string digits = std::to_string(v);
+  std::string out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ' ';
+    out += digits[i];
+  }
+  return out;
+}
+
+static_assert(std::endian::native == std::endian::little, "token files are read in place as little-endian");
+
+}  // namespace
+
+TokenFileHeader parse_token_file_header(std::span<const std::byte> file, std::string_view source) {
+  const auto fail = [&](const std::string& what) { OOM_THROW(Errc::parse, fmt::format("{}: {}", source, what)); };
+  if (file.size() < token_file_header_bytes)
+    fail(fmt::format("file is {} bytes, shorter than the {}-byte token file header", file.size(),
+                     token_file_header_bytes));
+  const std::byte* h = file.data();
+  if (std::memcmp(h, token_file_magic.data(), token_file_magic.size()) != 0)
+    fail(fmt::format("not a token file (the first 8 bytes are not \"{}\")", token_file_magic));
+  const std::uint32_t version = load_u32(h + 8);
+  if (version != token_file_version)
+    fail(fmt::format("token file version {}, this build reads version {}", version, token_file_version));
+  TokenFileHeader header;
+  const std::uint32_t width = load_u32(h + 12);
+  if (width == 2) header.dtype = DType::uint16;
+  else if (width == 4) header.dtype = DType::uint32;
+  else fail(fmt::format("{} bytes per token; expected 2 (u16) or 4 (u32)", width));
+  header.vocab_size = load_u64(h + 16);
+  header.token_count = load_u64(h + 24);
+  header.document_count = load_u64(h + 32);
+  for (std::size_t i = 40; i < token_file_header_bytes; ++i)
+    if (h[i] != std::byte{0}) fail(fmt::format("reserved header byte {} is not zero", i));
+  if (header.vocab_size == 0) fail("vocab size 0");
+  if (header.vocab_size > (std::uint64_t{1} << (8 * width)))
+    fail(fmt::format("vocab size {} does not fit {}-byte tokens", header.vocab_size, width));
+  const std::uint64_t data_bytes = file.size() - token_file_header_bytes;
+  // Compare by division: count * width may overflow for a corrupt count.
+  if (data_bytes % width != 0 || data_bytes / width != header.token_count)
+    fail(fmt::format("header says {} tokens ({} bytes), the file holds {} bytes of tokens", header.token_count,
+                     header.token_count <= UINT64_MAX / width ? fmt::to_string(header.token_count * width) : "2^64+",
+                     data_bytes));
+  return header;
+}
+
+TokenFile TokenFile::open(const std::filesystem::path& path, Check check) {
+  TokenFile f;
+  f.source_ = path.string();
+  f.map_ = MappedFile(path);
+  f.init(f.map_.bytes(), check);
+  return f;
+}
+
+TokenFile TokenFile::parse(std::span<const std::byte> bytes, std::string_view source, Check check) {
+  TokenFile f;
+  f.source_ = std::string(source);
+  if (reinterpret_cast<std::uintptr_t>(bytes.data()) % alignof(std::uint32_t) != 0)
+    OOM_THROW(Errc::invalid_argument, f.source_ + ": token buffer is not 4-byte aligned");
+  f.init(bytes, check);
+  return f;
+}
+
+void TokenFile::init(std::span<const std::byte> bytes, Check check) {
+  header_ = parse_token_file_header(bytes, source_);
+  tokens_ = bytes.data() + token_file_header_bytes;
+  if (check == Check::on_open) check_all();
+}
+
+std::span<const std::uint16_t> TokenFile::u16() const {
+  if (header_.dtype != DType::uint16)
+    OOM_THROW(Errc::invalid_argument, source_ + ": holds u32 tokens, asked for u16");
+  return {reinterpret_cast<const std::uint16_t*>(tokens_), header_.token_count};
+}
+
+std::span<const std::uint32_t> TokenFile::u32() const {
+  if (header_.dtype != DType::uint32)
+    OOM_THROW(Errc::invalid_argument, source_ + ": holds u16 tokens, asked for u32");
+  return {reinterpret_cast<const std::uint32_t*>(tokens_), header_.token_count};
+}
+
+void TokenFile::check_range(std::uint64_t begin, std::uint64_t count) const {
+  const auto scan = [&](auto tokens) {
+    const auto sub = tokens.subspan(begin, count);
+    // The common case (all valid) is one branch-free pass; only a failure looks for the position.
+    const auto max = std::max_element(sub.begin(), sub.end());
+    if (max == sub.end() || *max < header_.vocab_size) return;
+    const auto bad = std::find_if(sub.begin(), sub.end(), [&](auto t) { return t >= header_.vocab_size; });
+    OOM_THROW(Errc::parse, fmt::format("{}: token {} at position {} is >= vocab {}", source_, *bad,
+                                       grouped(begin + static_cast<std::uint64_t>(bad - sub.begin())),
+                                       header_.vocab_size));
+  };
+  if (header_.dtype == DType::uint16) scan(u16());
+  else scan(u32());
+}
+
+void TokenFile::check_all() const { check_range(0, header_.token_count); }
+
+void TokenFile::read(std::uint64_t begin, std::span<std::uint32_t> out) const {
+  if (begin > header_.token_count || out.size() > header_.token_count - begin)
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: tokens [{}, {}) are outside the file's {} tokens", source_,
+                                                  begin, begin + out.size(), header_.token_count));
+  check_range(begin, out.size());
+  if (header_.dtype == DType::uint16) {
+    const auto src = u16().subspan(begin, out.size());
+    std::copy(src.begin(), src.end(), out.begin());
+  } else {
+    const auto src = u32().subspan(begin, out.size());
+    std::copy(src.begin(), src.end(), out.begin());
+  }
+}
+
+void write_token_file(const std::filesystem::path& path, std::span<const std::uint32_t> tokens,
+                      std::uint64_t vocab_size, std::uint64_t document_count) {
+  if (vocab_size == 0 || vocab_size > (std::uint64_t{1} << 32))
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: vocab size {} is not in [1, 2^32]", path.string(), vocab_size));
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] >= vocab_size)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: token {} at position {} is >= vocab {}", path.string(),
+                                                    tokens[i], grouped(i), vocab_size));
+  const std::uint32_t width = vocab_size <= 65536 ? 2 : 4;
+  std::byte header[token_file_header_bytes] = {};
+  std::memcpy(header, token_file_magic.data(), token_file_magic.size());
+  store_le(header + 8, token_file_version, 4);
+  store_le(header + 12, width, 4);
+  store_le(header + 16, vocab_size, 8);
+  store_le(header + 24, tokens.size(), 8);
+  store_le(header + 32, document_count, 8);
+
+  AtomicFile f(path);
+  f.write(header);
+  if (width == 4) {
+    f.write(std::as_bytes(tokens));
+  } else {
+    std::vector<std::uint16_t> chunk;
+    constexpr std::size_t chunk_tokens = std::size_t{1} << 20;
+    for (std::size_t i = 0; i < tokens.size(); i += chunk_tokens) {
+      const auto part = tokens.subspan(i, std::min(chunk_tokens, tokens.size() - i));
+      chunk.assign(part.begin(), part.end());
+      f.write(std::as_bytes(std::span(chunk)));
+    }
+  }
+  f.commit();
+}
+
+// ---- sampler --------------------------------------------------------------------------------------
+
+namespace {
+
+/// splitmix64's finaliser: a fixed, well-mixed 64-bit hash (the sampler's order must never depend
+/// on the standard library's distributions, which differ between implementations).
+std::uint64_t mix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+/// A bijection of [0, n) keyed by `key`: a 4-round Feistel network on the smallest even-width
+/// power-of-two domain >= n, with cycle walking back into [0, n) (at most 4n / n steps expected).
+std::uint64_t permute(std::uint64_t index, std::uint64_t n, std::uint64_t key) {
+  if (n <= 1) return 0;
+  int bits = std::bit_width(n - 1);
+  bits += bits & 1;
+  const int half = bits / 2;
+  const std::uint64_t mask = (std::uint64_t{1} << half) - 1;
+  std::uint64_t x = index;
+  do {
+    std::uint64_t left = x >> half, right = x & mask;
+    for (std::uint64_t round = 0; round < 4; ++round) {
+      const std::uint64_t f = mix(right ^ mix(key + round)) & mask;
+      const std::uint64_t next_right = left ^ f;
+      left = right;
+      right = next_right;
+    }
+    x = (left << half) | right;
+  } while (x >= n);
+  return x;
+}
+
+}  // namespace
+
+Json SamplerState::to_json() const {
+  Json j = Json::object();
+  j.set("seed", seed);
+  j.set("position", position);
+  return j;
+}
+
+SamplerState SamplerState::from_json(const Json& j, std::string_view source) {
+  const JsonCursor c(j, std::string(source));
+  return SamplerState{c["seed"].as_uint64(), c["position"].as_uint64()};
+}
+
+BatchSampler::BatchSampler(const TokenFile& tokens, std::uint64_t sequence_length, SamplerState state)
+    : tokens_(&tokens), sequence_length_(sequence_length), state_(state) {
+  if (sequence_length == 0 || tokens.size() < sequence_length + 1 || sequence_length + 1 == 0)
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("{}: {} tokens cannot make a window of sequence length {} (+1 for the target)",
+                          tokens.source(), tokens.size(), sequence_length));
+  // Windows of L + 1 tokens overlap their successors by one token (the last target is the next
+  // window's first input), so W windows need W * L + 1 tokens.
+  windows_ = (tokens.size() - 1) / sequence_length;
+  slack_ = tokens.size() - 1 - windows_ * sequence_length;
+}
+
+std::uint64_t BatchSampler::window_start(std::uint64_t position) const {
+  const std::uint64_t epoch = position / windows_;
+  const std::uint64_t key = mix(state_.seed ^ mix(epoch));
+  const std::uint64_t shift = slack_ == 0 ? 0 : mix(key ^ 0x5851f42d4c957f2dull) % (slack_ + 1);
+  return shift + permute(position % windows_, windows_, key) * sequence_length_;
+}
+
+void BatchSampler::next(std::span<std::uint32_t> inputs, std::span<std::uint32_t> targets) {
+  const std::uint64_t L = sequence_length_;
+  if (inputs.size() % L != 0 || targets.size() != inputs.size())
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("sampler: inputs ({}) and targets ({}) must be the same whole number of rows of {} tokens",
+                          inputs.size(), targets.size(), L));
+  std::vector<std::uint32_t> window(L + 1);
+  const std::uint64_t rows = inputs.size() / L;
+  for (std::uint64_t r = 0; r < rows; ++r) {
+    tokens_->read(window_start(state_.position), window);
+    std::copy(window.begin(), window.end() - 1, inputs.begin() + static_cast<std::ptrdiff_t>(r * L));
+    std::copy(window.begin() + 1, window.end(), targets.begin() + static_cast<std::ptrdiff_t>(r * L));
+    ++state_.position;
+  }
+}
+
+}  // namespace oom

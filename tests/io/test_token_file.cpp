@@ -1,0 +1,251 @@
+// Token files and the batch sampler: round trips, strict header checks, out-of-vocab tokens found
+// with their position, and a data order that is a pure function of (seed, position).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <set>
+#include <vector>
+
+#include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
+#include "oom/io/token_file.hpp"
+#include "temp_dir.hpp"
+
+using namespace oom;
+using oom::test::TempDir;
+
+namespace {
+
+/// A token file image in 4-byte-aligned memory, as TokenFile::parse requires.
+struct Image {
+  std::vector<std::uint32_t> words;
+  std::size_t size = 0;
+  [[nodiscard]] std::span<const std::byte> bytes() const { return std::as_bytes(std::span(words)).first(size); }
+  [[nodiscard]] std::byte* data() { return reinterpret_cast<std::byte*>(words.data()); }
+};
+
+Image image_of(const std::filesystem::path& p) {
+  const std::string s = test::read_text(p);
+  Image im;
+  im.words.resize((s.size() + 3) / 4);
+  std::memcpy(im.words.data(), s.data(), s.size());
+  im.size = s.size();
+  return im;
+}
+
+std::string parse_error(const Image& im, TokenFile::Check check = TokenFile::Check::on_open) {
+  try {
+    (void)TokenFile::parse(im.bytes(), "t.tok", check);
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::parse);
+    return e.message();
+  }
+  FAIL("parsed without error");
+  return {};
+}
+
+void put_u32(Image& im, std::size_t offset, std::uint32_t v) { std::memcpy(im.data() + offset, &v, 4); }
+void put_u64(Image& im, std::size_t offset, std::uint64_t v) { std::memcpy(im.data() + offset, &v, 8); }
+
+}  // namespace
+
+TEST_CASE("u16 and u32 token files round trip with their header") {
+  TempDir dir("tokens");
+  const std::vector<std::uint32_t> small{0, 1, 255, 7, 42};
+  write_token_file(dir / "a.tok", small, 256, 2);
+  const auto a = TokenFile::open(dir / "a.tok");
+  CHECK(a.header() == TokenFileHeader{DType::uint16, 256, 5, 2});
+  CHECK(std::filesystem::file_size(dir / "a.tok") == 64 + 5 * 2);
+  CHECK(std::vector<std::uint32_t>(a.u16().begin(), a.u16().end()) == small);
+  CHECK_THROWS_AS((void)a.u32(), Error);
+
+  const std::vector<std::uint32_t> big{0, 65536, 151935, 3};
+  write_token_file(dir / "b.tok", big, 151936);
+  const auto b = TokenFile::open(dir / "b.tok");
+  CHECK(b.header() == TokenFileHeader{DType::uint32, 151936, 4, 0});
+  CHECK(std::vector<std::uint32_t>(b.u32().begin(), b.u32().end()) == big);
+  std::vector<std::uint32_t> out(2);
+  b.read(1, out);
+  CHECK(out == std::vector<std::uint32_t>{65536, 151935});
+  CHECK_THROWS_AS(b.read(3, out), Error);  // [3, 5) runs past the 4 tokens
+}
+
+TEST_CASE("the writer refuses a token outside the vocab, naming its position") {
+  TempDir dir("tokens-writer");
+  std::vector<std::uint32_t> t(1'300'000, 5);
+  t[1'283'117] = 51234;
+  try {
+    write_token_file(dir / "train.tok", t, 50304);
+    FAIL("wrote an out-of-vocab token");
+  } catch (const Error& e) {
+    CHECK(e.message() == (dir / "train.tok").string() + ": token 51234 at position 1 283 117 is >= vocab 50304");
+  }
+  CHECK_FALSE(std::filesystem::exists(dir / "train.tok"));
+}
+
+TEST_CASE("out-of-vocab tokens: found on open, or per read when checking lazily") {
+  TempDir dir("tokens-vocab");
+  std::vector<std::uint32_t> t(1'300'000, 5);
+  t[1'283'117] = 51234;
+  write_token_file(dir / "train.tok", t, 65536);
+  Image im = image_of(dir / "train.tok");
+  put_u64(im, 16, 50304);  // shrink the vocab under the token
+  CHECK(parse_error(im) == "t.tok: token 51234 at position 1 283 117 is >= vocab 50304");
+  const auto lazy = TokenFile::parse(im.bytes(), "t.tok", TokenFile::Check::on_read);
+  std::vector<std::uint32_t> window(1000);
+  CHECK_NOTHROW(lazy.read(0, window));
+  try {
+    lazy.read(1'283'000, window);
+    FAIL("read an out-of-vocab token");
+  } catch (const Error& e) {
+    CHECK(e.message() == "t.tok: token 51234 at position 1 283 117 is >= vocab 50304");
+  }
+}
+
+TEST_CASE("malformed headers are parse errors naming the file and the field") {
+  TempDir dir("tokens-header");
+  write_token_file(dir / "a.tok", std::vector<std::uint32_t>{1, 2, 3}, 300);
+  const Image good = image_of(dir / "a.tok");
+  CHECK_NOTHROW((void)TokenFile::parse(good.bytes(), "t.tok"));
+  {
+    Image im = good;
+    im.data()[0] = std::byte{'X'};
+    CHECK(parse_error(im) == "t.tok: not a token file (the first 8 bytes are not \"OOMTOK01\")");
+  }
+  {
+    Image im = good;
+    put_u32(im, 8, 2);
+    CHECK(parse_error(im) == "t.tok: token file version 2, this build reads version 1");
+  }
+  {
+    Image im = good;
+    put_u32(im, 12, 3);
+    CHECK(parse_error(im) == "t.tok: 3 bytes per token; expected 2 (u16) or 4 (u32)");
+  }
+  {
+    Image im = good;
+    put_u64(im, 16, 0);
+    CHECK(parse_error(im) == "t.tok: vocab size 0");
+    put_u64(im, 16, 70000);
+    CHECK(parse_error(im) == "t.tok: vocab size 70000 does not fit 2-byte tokens");
+  }
+  {
+    Image im = good;
+    put_u64(im, 24, 4);
+    CHECK(parse_error(im) == "t.tok: header says 4 tokens (8 bytes), the file holds 6 bytes of tokens");
+    put_u64(im, 24, ~std::uint64_t{0});
+    CHECK(parse_error(im).find("2^64+") != std::string::npos);
+  }
+  {
+    Image im = good;
+    im.data()[50] = std::byte{1};
+    CHECK(parse_error(im) == "t.tok: reserved header byte 50 is not zero");
+  }
+  for (std::size_t n = 0; n < good.size; ++n) {
+    Image cut = good;
+    cut.size = n;
+    CHECK_THROWS_AS((void)TokenFile::parse(cut.bytes(), "cut"), Error);
+  }
+}
+
+TEST_CASE("the sampler's windows: targets are inputs shifted by one, every window once per epoch") {
+  TempDir dir("sampler");
+  std::vector<std::uint32_t> t(1003);
+  std::iota(t.begin(), t.end(), 0u);  // token == its position, so windows are easy to check
+  write_token_file(dir / "s.tok", t, 2000);
+  const auto f = TokenFile::open(dir / "s.tok");
+  const std::uint64_t L = 10;
+  BatchSampler s(f, L, {7, 0});
+  CHECK(s.windows_per_epoch() == 100);  // (1003 - 1) / 10
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    std::set<std::uint64_t> starts;
+    std::set<std::uint64_t> shifts;
+    for (std::uint64_t i = 0; i < 100; ++i) {
+      const std::uint64_t start = s.window_start(epoch * 100 + i);
+      CHECK(start + L + 1 <= t.size());
+      starts.insert(start);
+      shifts.insert(start % L);
+    }
+    CHECK(starts.size() == 100);  // a permutation: no window twice
+    CHECK(shifts.size() == 1);    // one grid per epoch
+  }
+  std::vector<std::uint32_t> in(4 * L), tg(4 * L);
+  s.next(in, tg);
+  CHECK(s.state().position == 4);
+  for (std::uint64_t r = 0; r < 4; ++r) {
+    CHECK(in[r * L] == s.window_start(r));
+    for (std::uint64_t j = 0; j < L; ++j) CHECK(tg[r * L + j] == in[r * L + j] + 1);
+  }
+  std::vector<std::uint32_t> odd(L + 1);
+  CHECK_THROWS_AS(s.next(odd, odd), Error);
+}
+
+TEST_CASE("the permutation is a bijection for awkward window counts") {
+  TempDir dir("sampler-sizes");
+  for (std::uint64_t windows : {1u, 2u, 3u, 5u, 17u, 64u, 65u, 1000u}) {
+    std::vector<std::uint32_t> t(windows * 4 + 1, 1);
+    write_token_file(dir / "s.tok", t, 2);
+    const auto f = TokenFile::open(dir / "s.tok");
+    BatchSampler s(f, 4, {windows * 31, 0});
+    REQUIRE(s.windows_per_epoch() == windows);
+    std::set<std::uint64_t> starts;
+    for (std::uint64_t i = 0; i < windows; ++i) starts.insert(s.window_start(i));
+    CHECK_MESSAGE(starts.size() == windows, windows);
+    CHECK(*starts.rbegin() == (windows - 1) * 4);
+  }
+}
+
+TEST_CASE("a resumed sampler continues with the same data; another seed gives another order") {
+  TempDir dir("sampler-resume");
+  std::vector<std::uint32_t> t(50'001);
+  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<std::uint32_t>(i * 2654435761u % 50257);
+  write_token_file(dir / "s.tok", t, 50257);
+  const auto f = TokenFile::open(dir / "s.tok");
+  const std::uint64_t L = 64, rows = 3;
+  std::vector<std::uint32_t> in(rows * L), tg(rows * L), in2(rows * L), tg2(rows * L);
+
+  BatchSampler straight(f, L, {1234, 0});
+  BatchSampler interrupted(f, L, {1234, 0});
+  for (int step = 0; step < 5; ++step) interrupted.next(in, tg);
+  const Json saved = Json::parse(interrupted.state().to_json().dump());
+  BatchSampler resumed(f, L, SamplerState::from_json(saved, "state.json:sampler"));
+  CHECK(resumed.state() == SamplerState{1234, 15});
+  for (int step = 0; step < 5; ++step) straight.next(in, tg);
+  for (int step = 0; step < 300; ++step) {  // past the end of the first epoch (781 windows)
+    straight.next(in, tg);
+    resumed.next(in2, tg2);
+    REQUIRE(in == in2);
+    REQUIRE(tg == tg2);
+  }
+  BatchSampler other(f, L, {1235, 0});
+  BatchSampler first(f, L, {1234, 0});
+  int same = 0;
+  for (std::uint64_t i = 0; i < 100; ++i) same += other.window_start(i) == first.window_start(i);
+  CHECK(same < 5);
+  try {
+    (void)SamplerState::from_json(Json::parse(R"({"seed": 1})"), "state.json:sampler");
+    FAIL("accepted a state without position");
+  } catch (const Error& e) {
+    CHECK(e.message() == "state.json:sampler.position: missing required field");
+  }
+}
+
+TEST_CASE("a file too short for one window is refused") {
+  TempDir dir("sampler-short");
+  write_token_file(dir / "s.tok", std::vector<std::uint32_t>(8, 0), 2);
+  const auto f = TokenFile::open(dir / "s.tok");
+  CHECK_THROWS_AS(BatchSampler(f, 8), Error);
+  CHECK_NOTHROW(BatchSampler(f, 7));
+  CHECK_THROWS_AS(BatchSampler(f, 0), Error);
+}
+
+TEST_CASE("the fuzzers' seed files are valid token files") {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(OOM_SOURCE_DIR) + "/tests/fuzz/corpus/token_file")) {
+    CHECK_NOTHROW((void)TokenFile::open(e.path()));
+    ++n;
+  }
+  CHECK(n >= 3);
+}
