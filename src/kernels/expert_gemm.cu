@@ -1,5 +1,5 @@
-// Expert GEMMs (per-expert loop or cuBLAS grouped batched) and the shared expert gate; see
-// oom/kernels/expert_gemm.hpp.
+// Expert GEMMs (per-expert loop, cuBLAS grouped batched, multi-stream loop, row-chunked batched)
+// and the shared expert gate; see oom/kernels/expert_gemm.hpp.
 #include "oom/kernels/expert_gemm.hpp"
 
 #include <algorithm>
@@ -9,13 +9,67 @@
 #include "moe_blas.cuh"
 
 namespace oom::kernels {
+
+struct ExpertGemmStreams::State {
+  int device = -1;
+  cudaEvent_t fork = nullptr;
+  std::vector<cudaStream_t> streams;
+  std::vector<cudaEvent_t> joins;
+  std::vector<cublasHandle_t> handles;
+
+  State() = default;
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  ~State() {  // destructors report nothing; pending work on the streams completes first (CUDA semantics)
+    for (auto h : handles) cublasDestroy(h);
+    for (auto e : joins) cudaEventDestroy(e);
+    for (auto st : streams) cudaStreamDestroy(st);
+    if (fork) cudaEventDestroy(fork);
+  }
+};
+
+ExpertGemmStreams::ExpertGemmStreams(ExpertGemmStreamsOptions options) : options_(options) {}
+ExpertGemmStreams::~ExpertGemmStreams() = default;
+
+cudaError_t ExpertGemmStreams::state(State** out) {
+  int device = 0;
+  OOM_KERNEL_TRY(cudaGetDevice(&device));
+  if (state_) {
+    if (state_->device != device) return cudaErrorInvalidDevice;
+    *out = state_.get();
+    return cudaSuccess;
+  }
+  if (options_.streams < 1 || options_.streams > 64) return cudaErrorInvalidValue;
+  auto st = std::make_unique<State>();  // frees what was created if a later step fails
+  st->device = device;
+  OOM_KERNEL_TRY(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
+  for (int i = 0; i < options_.streams; ++i) {
+    // Non-blocking: ordering with the caller's stream comes from the fork/join events only, so a
+    // caller on the legacy default stream does not serialise the side streams.
+    cudaStream_t stream = nullptr;
+    OOM_KERNEL_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    st->streams.push_back(stream);
+    cudaEvent_t join = nullptr;
+    OOM_KERNEL_TRY(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    st->joins.push_back(join);
+    cublasHandle_t h = nullptr;
+    OOM_KERNEL_TRY(detail::to_cuda_error(cublasCreate(&h)));
+    st->handles.push_back(h);
+    // Bound once: cublasSetStream would reset the workspace set per launch.
+    OOM_KERNEL_TRY(detail::to_cuda_error(cublasSetStream(h, stream)));
+  }
+  state_ = std::move(st);
+  *out = state_.get();
+  return cudaSuccess;
+}
+
 namespace {
 
 using detail::align_up;
 using detail::block_sum;
 using detail::to_cuda_error;
 
-/// One row-major GEMM of one expert: C (m, n) = op(A) op(B) (see detail::gemm_rm).
+/// One row-major GEMM of one expert: C (m, n) = op(A) op(B) + beta C (see detail::gemm_rm).
 struct Problem {
   bool trans_a, trans_b;
   std::int64_t m, n, k;
@@ -25,26 +79,45 @@ struct Problem {
   std::int64_t ldb;
   void* c;
   std::int64_t ldc;
+  cudaDataType_t c_type;
+  float beta;
 };
+
+cudaError_t gemm(cublasHandle_t blas, const Problem& p) {
+  return detail::gemm_rm(blas, p.trans_a, p.trans_b, p.m, p.n, p.k, p.a, p.lda, p.b, p.ldb, p.c, p.c_type, p.ldc, p.beta);
+}
 
 std::size_t pointer_array_bytes(std::int64_t experts) { return align_up(3 * static_cast<std::size_t>(experts) * sizeof(void*)); }
 
-/// Runs every problem with the same C type and beta. `slot` picks a separate pointer-array region
-/// for the second call of a launcher, so no copy overwrites arrays a queued GEMM still reads.
-cudaError_t run(cublasHandle_t blas, cudaStream_t stream, const std::vector<Problem>& ps, cudaDataType_t c_type, float beta,
-                ExpertGemmMethod method, void* workspace, std::int64_t experts, int slot) {
+/// row_chunked: full chunks (<= rows / chunk) and one remainder chunk per expert (<= E), 3 pointers each.
+std::size_t chunk_array_bytes(const ExpertGemmShape& s, std::int64_t chunk) {
+  const auto entries = std::max<std::int64_t>(s.rows, 0) / std::max<std::int64_t>(chunk, 1) + s.experts;
+  return align_up(3 * static_cast<std::size_t>(entries) * sizeof(void*));
+}
+
+std::size_t side_workspace_bytes(const ExpertGemmStreamsOptions& o) {
+  return static_cast<std::size_t>(std::max(o.streams, 0)) * align_up(o.blas_workspace_bytes);
+}
+
+/// Per-expert loop on `stream`.
+cudaError_t run_loop(cublasHandle_t blas, cudaStream_t stream, const std::vector<Problem>& ps) {
   if (ps.empty()) return cudaSuccess;
   OOM_KERNEL_TRY(to_cuda_error(cublasSetStream(blas, stream)));
-  if (method == ExpertGemmMethod::per_expert_loop) {
-    for (const auto& p : ps)
-      OOM_KERNEL_TRY(detail::gemm_rm(blas, p.trans_a, p.trans_b, p.m, p.n, p.k, p.a, p.lda, p.b, p.ldb, p.c, c_type, p.ldc, beta));
-    return cudaSuccess;
-  }
-  // Grouped: one group of one problem per expert, in cuBLAS' column-major terms (C^T = op(B)^T op(A)^T).
+  for (const auto& p : ps) OOM_KERNEL_TRY(gemm(blas, p));
+  return cudaSuccess;
+}
+
+/// Grouped: one group of one problem per expert, all with the C type and beta of ps[0], in cuBLAS'
+/// column-major terms (C^T = op(B)^T op(A)^T). `slot` picks a separate pointer-array region for
+/// the second call of a launcher, so no copy overwrites arrays a queued GEMM still reads.
+cudaError_t run_grouped(cublasHandle_t blas, cudaStream_t stream, const std::vector<Problem>& ps, void* workspace,
+                        std::int64_t experts, int slot) {
+  if (ps.empty()) return cudaSuccess;
+  OOM_KERNEL_TRY(to_cuda_error(cublasSetStream(blas, stream)));
   const int g = static_cast<int>(ps.size());
   std::vector<cublasOperation_t> ta(g), tb(g);
   std::vector<int> m(g), n(g), k(g), lda(g), ldb(g), ldc(g), size(g, 1);
-  std::vector<float> alpha(g, 1.0f), betas(g, beta);
+  std::vector<float> alpha(g, 1.0f), betas(g, ps[0].beta);
   std::vector<const void*> ptrs(3 * static_cast<std::size_t>(g));
   for (int i = 0; i < g; ++i) {
     const auto& p = ps[i];
@@ -65,21 +138,158 @@ cudaError_t run(cublasHandle_t blas, cudaStream_t stream, const std::vector<Prob
   OOM_KERNEL_TRY(cudaMemcpyAsync(arrays, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice, stream));
   return to_cuda_error(cublasGemmGroupedBatchedEx(
       blas, ta.data(), tb.data(), m.data(), n.data(), k.data(), alpha.data(), arrays, CUDA_R_16BF, lda.data(), arrays + g,
-      CUDA_R_16BF, ldb.data(), betas.data(), const_cast<void* const*>(arrays + 2 * g), c_type, ldc.data(), g, size.data(),
+      CUDA_R_16BF, ldb.data(), betas.data(), const_cast<void* const*>(arrays + 2 * g), ps[0].c_type, ldc.data(), g, size.data(),
       CUBLAS_COMPUTE_32F));
 }
 
+std::size_t element_bytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
+
+/// Row-producing problems of one op (A not transposed, the same n, k, leading dimensions, C type
+/// and beta = 0; only m, A, B and C differ) as batched GEMMs over `chunk`-row slices: every full
+/// chunk in one cublasGemmBatchedEx, then each expert's last `chunk` rows in a second one (the
+/// remainder; rows it shares with the last full chunk are computed again from the same inputs and
+/// overwritten in stream order, so no two writers race), then experts with fewer rows alone.
+cudaError_t run_row_chunked(cublasHandle_t blas, cudaStream_t stream, const std::vector<Problem>& ps, std::int64_t chunk,
+                            void* arrays, std::size_t array_bytes) {
+  if (ps.empty()) return cudaSuccess;
+  OOM_KERNEL_TRY(to_cuda_error(cublasSetStream(blas, stream)));
+  const Problem& p0 = ps[0];
+  const std::size_t a_row = static_cast<std::size_t>(p0.lda) * sizeof(__nv_bfloat16);
+  const std::size_t c_row = static_cast<std::size_t>(p0.ldc) * element_bytes(p0.c_type);
+  // (weights, rows, outputs) per entry: cuBLAS' A, B and C of C^T = op(B)^T A^T.
+  std::vector<const void*> full_w, full_r, full_c, rem_w, rem_r, rem_c;
+  std::vector<const Problem*> alone;
+  for (const auto& p : ps) {
+    if (p.trans_a || p.beta != 0.0f) return cudaErrorInvalidValue;  // chunks must not share an output
+    if (p.m < chunk) {
+      alone.push_back(&p);
+      continue;
+    }
+    const auto* a = static_cast<const char*>(p.a);
+    auto* c = static_cast<char*>(p.c);
+    for (std::int64_t r = 0; r + chunk <= p.m; r += chunk) {
+      full_w.push_back(p.b);
+      full_r.push_back(a + r * a_row);
+      full_c.push_back(c + r * c_row);
+    }
+    if (p.m % chunk != 0) {
+      rem_w.push_back(p.b);
+      rem_r.push_back(a + (p.m - chunk) * a_row);
+      rem_c.push_back(c + (p.m - chunk) * c_row);
+    }
+  }
+  std::vector<const void*> ptrs;
+  for (const auto* v : {&full_w, &full_r, &full_c, &rem_w, &rem_r, &rem_c}) ptrs.insert(ptrs.end(), v->begin(), v->end());
+  if (ptrs.size() * sizeof(void*) > array_bytes) return cudaErrorInvalidValue;  // more rows than ExpertGemmShape::rows
+  auto* d = static_cast<const void**>(arrays);
+  if (!ptrs.empty())  // pageable source: staged before cudaMemcpyAsync returns, so `ptrs` may die after it
+    OOM_KERNEL_TRY(cudaMemcpyAsync(d, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice, stream));
+  const float alpha = 1.0f, beta = 0.0f;
+  const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count) {
+    if (count == 0) return cudaSuccess;
+    return to_cuda_error(cublasGemmBatchedEx(blas, p0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(p0.n),
+                                             static_cast<int>(chunk), static_cast<int>(p0.k), &alpha, w, CUDA_R_16BF,
+                                             static_cast<int>(p0.ldb), r, CUDA_R_16BF, static_cast<int>(p0.lda), &beta,
+                                             const_cast<void* const*>(c), p0.c_type, static_cast<int>(p0.ldc),
+                                             static_cast<int>(count), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+  const std::size_t nf = full_w.size(), nr = rem_w.size();
+  OOM_KERNEL_TRY(batched(d, d + nf, d + 2 * nf, nf));
+  OOM_KERNEL_TRY(batched(d + 3 * nf, d + 3 * nf + nr, d + 3 * nf + 2 * nr, nr));
+  for (const auto* p : alone) OOM_KERNEL_TRY(gemm(blas, *p));
+  return cudaSuccess;
+}
+
+/// Forks the side streams from `stream`, spreads `ps` over them (each to the least loaded by
+/// FLOPs so far), runs `on_stream()` on `stream` meanwhile, and joins them back into `stream`.
+/// The join is issued even after an error, so `stream` never runs ahead of what was launched.
+template <class F>
+cudaError_t run_spread(ExpertGemmStreams::State& st, const ExpertGemmStreamsOptions& o, cudaStream_t stream,
+                       const std::vector<Problem>& ps, void* blas_workspace, F&& on_stream) {
+  const int n = static_cast<int>(std::min<std::size_t>(st.streams.size(), ps.size()));
+  if (n == 0) return on_stream();
+  OOM_KERNEL_TRY(cudaEventRecord(st.fork, stream));
+  cudaError_t status = cudaSuccess;
+  int forked = 0;
+  for (; forked < n && status == cudaSuccess; ++forked) {
+    status = cudaStreamWaitEvent(st.streams[forked], st.fork, 0);
+    if (status == cudaSuccess) {
+      void* ws = o.blas_workspace_bytes == 0 ? nullptr : static_cast<char*>(blas_workspace) + forked * align_up(o.blas_workspace_bytes);
+      status = to_cuda_error(cublasSetWorkspace(st.handles[forked], ws, o.blas_workspace_bytes));
+    }
+  }
+  if (status == cudaSuccess) {
+    std::vector<double> load(static_cast<std::size_t>(n), 0.0);
+    for (const auto& p : ps) {
+      const auto i = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      load[i] += static_cast<double>(p.m) * static_cast<double>(p.n) * static_cast<double>(p.k);
+      if ((status = gemm(st.handles[i], p)) != cudaSuccess) break;
+    }
+  }
+  if (status == cudaSuccess) status = on_stream();
+  for (int i = 0; i < forked; ++i) {
+    const cudaError_t e = cudaEventRecord(st.joins[i], st.streams[i]);
+    const cudaError_t w = e == cudaSuccess ? cudaStreamWaitEvent(stream, st.joins[i], 0) : e;
+    if (status == cudaSuccess) status = w;
+  }
+  return status;
+}
+
+/// How a launcher issues its GEMMs.
+struct Launch {
+  const ExpertGemmShape& s;
+  cublasHandle_t blas;
+  cudaStream_t stream;
+  ExpertGemmMethod method;
+  void* workspace;
+  ExpertGemmStreams* streams;
+};
+
+/// Runs the row-producing problems (bf16 out, beta 0) and the weight-gradient ones (fp32, beta 1;
+/// may be empty) by the launch's method. The two sets write disjoint buffers, so the concurrent
+/// methods overlap them.
+cudaError_t issue(const Launch& l, const std::vector<Problem>& rows, const std::vector<Problem>& weights) {
+  switch (l.method) {
+    case ExpertGemmMethod::per_expert_loop:
+      OOM_KERNEL_TRY(run_loop(l.blas, l.stream, rows));
+      return run_loop(l.blas, l.stream, weights);
+    case ExpertGemmMethod::grouped_batched:
+      OOM_KERNEL_TRY(run_grouped(l.blas, l.stream, rows, l.workspace, l.s.experts, 0));
+      return run_grouped(l.blas, l.stream, weights, l.workspace, l.s.experts, 1);
+    case ExpertGemmMethod::multi_stream: {
+      ExpertGemmStreams::State* st = nullptr;
+      OOM_KERNEL_TRY(l.streams->state(&st));
+      std::vector<Problem> all(rows);
+      all.insert(all.end(), weights.begin(), weights.end());
+      return run_spread(*st, l.streams->options(), l.stream, all, l.workspace, [] { return cudaSuccess; });
+    }
+    case ExpertGemmMethod::row_chunked: {
+      ExpertGemmStreams::State* st = nullptr;
+      OOM_KERNEL_TRY(l.streams->state(&st));
+      const auto& o = l.streams->options();
+      const std::size_t arrays = chunk_array_bytes(l.s, o.row_chunk);
+      return run_spread(*st, o, l.stream, weights, static_cast<char*>(l.workspace) + arrays,
+                        [&] { return run_row_chunked(l.blas, l.stream, rows, o.row_chunk, l.workspace, arrays); });
+    }
+  }
+  return cudaErrorInvalidValue;
+}
+
 bool valid(const ExpertGemmShape& s, const std::int32_t* counts_host, ExpertGemmMethod method, void* workspace,
-           std::size_t workspace_bytes) {
+           std::size_t workspace_bytes, const ExpertGemmStreams* streams) {
   if (s.hidden < 1 || s.intermediate < 1 || s.experts < 1 || counts_host == nullptr) return false;
   if (2 * s.intermediate > INT_MAX || s.hidden > INT_MAX) return false;
-  if (method == ExpertGemmMethod::grouped_batched && (workspace == nullptr || workspace_bytes < expert_gemm_workspace_bytes(s)))
+  const bool side = method == ExpertGemmMethod::multi_stream || method == ExpertGemmMethod::row_chunked;
+  if (side && (streams == nullptr || streams->options().streams < 1 || streams->options().row_chunk < 1)) return false;
+  if (method != ExpertGemmMethod::per_expert_loop &&
+      (workspace == nullptr || workspace_bytes < expert_gemm_workspace_bytes(s, method, streams)))
     return false;
   std::int64_t rows = 0;
   for (std::int64_t e = 0; e < s.experts; ++e) {
     if (counts_host[e] < 0) return false;
     rows += counts_host[e];
   }
+  if (method == ExpertGemmMethod::row_chunked && rows > s.rows) return false;
   return rows <= INT_MAX;
 }
 
@@ -154,63 +364,75 @@ __global__ void shared_gate_dw_final_kernel(const float* __restrict__ partial, f
 
 }  // namespace
 
-std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s) { return 2 * pointer_array_bytes(s.experts); }
+std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s, ExpertGemmMethod method, const ExpertGemmStreams* streams) {
+  switch (method) {
+    case ExpertGemmMethod::per_expert_loop: return 0;
+    case ExpertGemmMethod::grouped_batched: return 2 * pointer_array_bytes(s.experts);
+    case ExpertGemmMethod::multi_stream: return streams ? side_workspace_bytes(streams->options()) : 0;
+    case ExpertGemmMethod::row_chunked:
+      return streams ? chunk_array_bytes(s, streams->options().row_chunk) + side_workspace_bytes(streams->options()) : 0;
+  }
+  return 0;
+}
 
 cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                    const std::int32_t* counts_host, const bf16* x_perm, const bf16* w_gate_up, bf16* gate_up,
-                                   ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes)) return cudaErrorInvalidValue;
+                                   ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                   ExpertGemmStreams* streams) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams)) return cudaErrorInvalidValue;
   const auto H = s.hidden, I2 = 2 * s.intermediate;
   std::vector<Problem> ps;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
-    ps.push_back({false, true, rows, I2, H, x_perm + r * H, H, w_gate_up + e * I2 * H, H, gate_up + r * I2, I2});
+    ps.push_back({false, true, rows, I2, H, x_perm + r * H, H, w_gate_up + e * I2 * H, H, gate_up + r * I2, I2, CUDA_R_16BF, 0.0f});
   });
-  return run(blas, stream, ps, CUDA_R_16BF, 0.0f, method, workspace, s.experts, 0);
+  return issue({s, blas, stream, method, workspace, streams}, ps, {});
 }
 
 cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                 const std::int32_t* counts_host, const bf16* h, const bf16* w_down, bf16* y,
-                                ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes)) return cudaErrorInvalidValue;
+                                ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                ExpertGemmStreams* streams) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams)) return cudaErrorInvalidValue;
   const auto H = s.hidden, I = s.intermediate;
   std::vector<Problem> ps;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
-    ps.push_back({false, true, rows, H, I, h + r * I, I, w_down + e * H * I, I, y + r * H, H});
+    ps.push_back({false, true, rows, H, I, h + r * I, I, w_down + e * H * I, I, y + r * H, H, CUDA_R_16BF, 0.0f});
   });
-  return run(blas, stream, ps, CUDA_R_16BF, 0.0f, method, workspace, s.experts, 0);
+  return issue({s, blas, stream, method, workspace, streams}, ps, {});
 }
 
 cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                  const std::int32_t* counts_host, const bf16* dy, const bf16* h, const bf16* w_down, bf16* dh,
-                                 float* dw_down, ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes)) return cudaErrorInvalidValue;
+                                 float* dw_down, ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                 ExpertGemmStreams* streams) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams)) return cudaErrorInvalidValue;
   const auto H = s.hidden, I = s.intermediate;
   std::vector<Problem> data, weight;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
     // dh (rows, I) = dy (rows, H) . w_down[e] (H, I)
-    data.push_back({false, false, rows, I, H, dy + r * H, H, w_down + e * H * I, I, dh + r * I, I});
+    data.push_back({false, false, rows, I, H, dy + r * H, H, w_down + e * H * I, I, dh + r * I, I, CUDA_R_16BF, 0.0f});
     // dw_down[e] (H, I) += dy^T (H, rows) . h (rows, I)
-    weight.push_back({true, false, H, I, rows, dy + r * H, H, h + r * I, I, dw_down + e * H * I, I});
+    weight.push_back({true, false, H, I, rows, dy + r * H, H, h + r * I, I, dw_down + e * H * I, I, CUDA_R_32F, 1.0f});
   });
-  OOM_KERNEL_TRY(run(blas, stream, data, CUDA_R_16BF, 0.0f, method, workspace, s.experts, 0));
-  return run(blas, stream, weight, CUDA_R_32F, 1.0f, method, workspace, s.experts, 1);
+  return issue({s, blas, stream, method, workspace, streams}, data, weight);
 }
 
 cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                     const std::int32_t* counts_host, const bf16* d_gate_up, const bf16* x_perm,
                                     const bf16* w_gate_up, bf16* dx_perm, float* dw_gate_up, ExpertGemmMethod method,
-                                    void* workspace, std::size_t workspace_bytes) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes)) return cudaErrorInvalidValue;
+                                    void* workspace, std::size_t workspace_bytes, ExpertGemmStreams* streams) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams)) return cudaErrorInvalidValue;
   const auto H = s.hidden, I2 = 2 * s.intermediate;
   std::vector<Problem> data, weight;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
     // dx (rows, H) = d_gate_up (rows, 2I) . w_gate_up[e] (2I, H)
-    data.push_back({false, false, rows, H, I2, d_gate_up + r * I2, I2, w_gate_up + e * I2 * H, H, dx_perm + r * H, H});
+    data.push_back({false, false, rows, H, I2, d_gate_up + r * I2, I2, w_gate_up + e * I2 * H, H, dx_perm + r * H, H, CUDA_R_16BF,
+                    0.0f});
     // dw_gate_up[e] (2I, H) += d_gate_up^T (2I, rows) . x_perm (rows, H)
-    weight.push_back({true, false, I2, H, rows, d_gate_up + r * I2, I2, x_perm + r * H, H, dw_gate_up + e * I2 * H, H});
+    weight.push_back(
+        {true, false, I2, H, rows, d_gate_up + r * I2, I2, x_perm + r * H, H, dw_gate_up + e * I2 * H, H, CUDA_R_32F, 1.0f});
   });
-  OOM_KERNEL_TRY(run(blas, stream, data, CUDA_R_16BF, 0.0f, method, workspace, s.experts, 0));
-  return run(blas, stream, weight, CUDA_R_32F, 1.0f, method, workspace, s.experts, 1);
+  return issue({s, blas, stream, method, workspace, streams}, data, weight);
 }
 
 cudaError_t shared_expert_gate_forward(cudaStream_t stream, std::int64_t tokens, std::int64_t hidden, const bf16* x,

@@ -1,6 +1,7 @@
 // Expert GEMM throughput as a ratio to ONE dense cuBLAS GEMM of the same total FLOPs, measured in
 // the same run: the dense GEMM is the same launcher with E = 1 and all N rows on that expert, so
-// only the grouping differs. Used by the gpu test (one shape) and bench_moe_kernels (the sweep).
+// only the grouping differs; the dense run always uses the plain loop (one cublasGemmEx per GEMM),
+// whatever the method measured. Used by the gpu test (one shape) and bench_moe_kernels (the sweep).
 #pragma once
 
 #include <cstdint>
@@ -21,45 +22,70 @@ struct ExpertGemmRatio {
   [[nodiscard]] double ratio() const { return dense_ms / grouped_ms; }
 };
 
+/// A method with its tuning, as the test and the benchmark report it.
+struct ExpertGemmVariant {
+  std::string name;
+  kernels::ExpertGemmMethod method = kernels::ExpertGemmMethod::per_expert_loop;
+  kernels::ExpertGemmStreamsOptions options{};
+};
+
+/// Every method once with its default tuning; `sweep` adds other stream counts and chunk sizes.
+inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
+  using M = kernels::ExpertGemmMethod;
+  std::vector<ExpertGemmVariant> v = {{"loop", M::per_expert_loop, {}},
+                                      {"grouped", M::grouped_batched, {}},
+                                      {"streams4", M::multi_stream, {}},
+                                      {"chunk128", M::row_chunked, {}}};
+  if (sweep) {
+    v.push_back({"streams2", M::multi_stream, {.streams = 2}});
+    v.push_back({"streams8", M::multi_stream, {.streams = 8}});
+    v.push_back({"chunk256", M::row_chunked, {.row_chunk = 256}});
+    v.push_back({"chunk512", M::row_chunked, {.row_chunk = 512}});
+    v.push_back({"chunk128s8", M::row_chunked, {.streams = 8}});
+  }
+  return v;
+}
+
 /// Times the four expert GEMM launchers for `tokens` tokens routed uniformly at random (k of E).
 inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t tokens, std::int64_t hidden, std::int64_t inter,
                                                               std::int64_t experts, std::int64_t top_k,
-                                                              kernels::ExpertGemmMethod method, int repeats = 10) {
+                                                              const ExpertGemmVariant& variant, int repeats = 10) {
   namespace k = oom::kernels;
   const std::int64_t N = tokens * top_k, H = hidden, I = inter, E = experts;
   std::vector<std::int32_t> counts(static_cast<std::size_t>(E), 0);
   for (const auto e : random_routing(tokens, top_k, E, 42)) ++counts[static_cast<std::size_t>(e)];
   const std::vector<std::int32_t> dense_counts = {static_cast<std::int32_t>(N)};
-  const k::ExpertGemmShape s{.hidden = H, .intermediate = I, .experts = E};
-  const k::ExpertGemmShape d{.hidden = H, .intermediate = I, .experts = 1};
+  const k::ExpertGemmShape s{.hidden = H, .intermediate = I, .experts = E, .rows = N};
+  const k::ExpertGemmShape d{.hidden = H, .intermediate = I, .experts = 1, .rows = N};
   DeviceBuffer<bf16> x(N * H), wgu(E * 2 * I * H), gu(N * 2 * I), h(N * I), wd(E * H * I), y(N * H);
   DeviceBuffer<float> dwgu(E * 2 * I * H), dwd(E * H * I);
   for (auto* b : {&x, &wgu, &gu, &h, &wd, &y}) OOM_CUDA_CHECK(cudaMemset(b->get(), 0x3C, b->bytes()));  // bf16 ~0.0115
   dwgu.zero();
   dwd.zero();
-  DeviceBuffer<std::uint8_t> ws(k::expert_gemm_workspace_bytes(s));
+  k::ExpertGemmStreams streams(variant.options);
+  DeviceBuffer<std::uint8_t> ws(k::expert_gemm_workspace_bytes(s, variant.method, &streams));
   Blas blas;
   cudaStream_t stream;
   OOM_CUDA_CHECK(cudaStreamCreate(&stream));
-  const auto fwd_gu = [&](const k::ExpertGemmShape& sh, const std::int32_t* c) {
-    return k::expert_gate_up_forward(blas.get(), stream, sh, c, x.get(), wgu.get(), gu.get(), method, ws.get(), ws.size());
+  const auto fwd_gu = [&](const k::ExpertGemmShape& sh, const std::int32_t* c, k::ExpertGemmMethod method) {
+    return k::expert_gate_up_forward(blas.get(), stream, sh, c, x.get(), wgu.get(), gu.get(), method, ws.get(), ws.size(), &streams);
   };
-  const auto fwd_down = [&](const k::ExpertGemmShape& sh, const std::int32_t* c) {
-    return k::expert_down_forward(blas.get(), stream, sh, c, h.get(), wd.get(), y.get(), method, ws.get(), ws.size());
+  const auto fwd_down = [&](const k::ExpertGemmShape& sh, const std::int32_t* c, k::ExpertGemmMethod method) {
+    return k::expert_down_forward(blas.get(), stream, sh, c, h.get(), wd.get(), y.get(), method, ws.get(), ws.size(), &streams);
   };
   // Backward reads y as dy and gu as d gate_up; it writes h (dh) and x (dx): values are irrelevant here.
-  const auto bwd_down = [&](const k::ExpertGemmShape& sh, const std::int32_t* c) {
+  const auto bwd_down = [&](const k::ExpertGemmShape& sh, const std::int32_t* c, k::ExpertGemmMethod method) {
     return k::expert_down_backward(blas.get(), stream, sh, c, y.get(), h.get(), wd.get(), h.get(), dwd.get(), method, ws.get(),
-                                   ws.size());
+                                   ws.size(), &streams);
   };
-  const auto bwd_gu = [&](const k::ExpertGemmShape& sh, const std::int32_t* c) {
+  const auto bwd_gu = [&](const k::ExpertGemmShape& sh, const std::int32_t* c, k::ExpertGemmMethod method) {
     return k::expert_gate_up_backward(blas.get(), stream, sh, c, gu.get(), x.get(), wgu.get(), x.get(), dwgu.get(), method,
-                                      ws.get(), ws.size());
+                                      ws.get(), ws.size(), &streams);
   };
   const double f_gu = 2.0 * N * 2 * I * H, f_down = 2.0 * N * H * I;
   struct Op {
     const char* name;
-    std::function<cudaError_t(const k::ExpertGemmShape&, const std::int32_t*)> run;
+    std::function<cudaError_t(const k::ExpertGemmShape&, const std::int32_t*, k::ExpertGemmMethod)> run;
     double flops;
   };
   const Op ops[] = {{"fwd gate_up", fwd_gu, f_gu}, {"fwd down", fwd_down, f_down},
@@ -68,8 +94,9 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
   for (const auto& op : ops) {
     ExpertGemmRatio r;
     r.op = op.name;
-    r.grouped_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(s, counts.data())); }, stream, repeats);
-    r.dense_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(d, dense_counts.data())); }, stream, repeats);
+    r.grouped_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method)); }, stream, repeats);
+    r.dense_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(d, dense_counts.data(), k::ExpertGemmMethod::per_expert_loop)); },
+                         stream, repeats);
     r.tflops = op.flops / (r.grouped_ms * 1e-3) / 1e12;
     out.push_back(r);
   }

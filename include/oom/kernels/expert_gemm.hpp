@@ -7,12 +7,23 @@
 // gate below. CPU reference: oom/reference/moe.hpp.
 //
 // cuBLAS needs each expert's row count on the host (its m/k arguments): callers copy
-// permute_plan's expert_counts down once per layer. Two ways to issue the GEMMs, both exact to
-// the same math (cuBLAS may pick different kernels, so results can differ by fp32 rounding):
-//   per_expert_loop: one cublasGemmEx per non-empty expert on `stream`;
+// permute_plan's expert_counts down once per layer. Ways to issue the GEMMs, all exact to the same
+// math (cuBLAS may pick different kernels, so results can differ by fp32 rounding):
+//   per_expert_loop: one cublasGemmEx per non-empty expert on `stream` (the reference path);
 //   grouped_batched: one cublasGemmGroupedBatchedEx (one group per non-empty expert); its
 //     device pointer arrays are built on the host and copied into `workspace` with
-//     cudaMemcpyAsync (so not capturable in a CUDA graph).
+//     cudaMemcpyAsync (so not capturable in a CUDA graph). cuBLAS 13.0 reports bf16 unsupported;
+//   multi_stream: the per-expert loop spread over the side streams of an ExpertGemmStreams
+//     (forked from and joined back into `stream` with events), so small GEMMs overlap and fill
+//     the SMs one ~2048-row expert leaves idle; a backward issues its data and weight GEMMs in one
+//     fork;
+//   row_chunked: the row-producing GEMMs (forward, dx, dh) as one cublasGemmBatchedEx over
+//     fixed-size row chunks of every expert (row_chunk rows each, all the same shape), then one
+//     more over each expert's last row_chunk rows for the remainder (those rows are recomputed,
+//     identically, and written again in stream order: <= row_chunk rows of waste per expert);
+//     experts with fewer than row_chunk rows run alone. The weight gradients (one output per
+//     expert, k = its rows) run as in multi_stream, concurrently with the data GEMM. Pointer
+//     arrays are copied into `workspace` as for grouped_batched.
 // Errors: cudaError_t, cuBLAS statuses mapped as in router.hpp; launchers set the handle's stream.
 #pragma once
 
@@ -20,6 +31,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "oom/core/numeric.hpp"
 
@@ -32,12 +44,49 @@ struct ExpertGemmShape {
   std::int64_t hidden = 0;        ///< H
   std::int64_t intermediate = 0;  ///< I per expert
   std::int64_t experts = 0;       ///< E
+  std::int64_t rows = 0;          ///< upper bound of N = sum(counts); sizes row_chunked's pointer arrays
 };
 
-enum class ExpertGemmMethod : unsigned char { per_expert_loop, grouped_batched };
+enum class ExpertGemmMethod : unsigned char { per_expert_loop, grouped_batched, multi_stream, row_chunked };
 
-/// Scratch of every expert GEMM launcher (pointer arrays of the grouped method; unused by the loop).
-std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s);
+/// Tuning of the multi_stream and row_chunked methods.
+struct ExpertGemmStreamsOptions {
+  int streams = 4;  ///< side streams (and cuBLAS handles), 1..64
+  /// cuBLAS workspace of each side handle, carved from the launcher's workspace (cublasSetWorkspace);
+  /// cuBLAS recommends 32 MiB on Hopper, where its split-K kernels for the weight gradients use it.
+  std::size_t blas_workspace_bytes = std::size_t{32} << 20;
+  std::int64_t row_chunk = 128;  ///< rows per batched GEMM of row_chunked
+};
+
+/// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and
+/// row_chunked methods. The caller owns it: one per device and per caller stream that launches
+/// concurrently (a launch forks from its `stream` and joins back before returning to the caller's
+/// order, but the side streams are shared). The CUDA objects are created on first use on the then
+/// current device, so constructing one needs no GPU; using it from another device fails with
+/// cudaErrorInvalidDevice.
+class ExpertGemmStreams {
+ public:
+  explicit ExpertGemmStreams(ExpertGemmStreamsOptions options = {});
+  ~ExpertGemmStreams();
+  ExpertGemmStreams(const ExpertGemmStreams&) = delete;
+  ExpertGemmStreams& operator=(const ExpertGemmStreams&) = delete;
+
+  [[nodiscard]] const ExpertGemmStreamsOptions& options() const { return options_; }
+
+  struct State;  ///< the CUDA objects (expert_gemm.cu)
+  /// Creates the CUDA objects on first use; for the launchers.
+  cudaError_t state(State** out);
+
+ private:
+  ExpertGemmStreamsOptions options_;
+  std::unique_ptr<State> state_;
+};
+
+/// Scratch of the expert GEMM launchers for `method`: pointer arrays (grouped_batched,
+/// row_chunked; the latter sized by s.rows) and the side handles' cuBLAS workspaces (multi_stream,
+/// row_chunked; `streams` required for those). 0 for per_expert_loop.
+std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s, ExpertGemmMethod method,
+                                        const ExpertGemmStreams* streams = nullptr);
 
 /// gate_up (N, 2I) = x_perm (N, H) . w_gate_up[e]^T per expert, N = sum(counts_host).
 cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
@@ -45,7 +94,8 @@ cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, con
                                    const bf16* x_perm,               // (N, H)
                                    const bf16* w_gate_up,            // (E, 2I, H)
                                    bf16* gate_up,                    // (N, 2I) out
-                                   ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes);
+                                   ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                   ExpertGemmStreams* streams = nullptr);  // multi_stream, row_chunked
 
 /// y (N, H) = h (N, I) . w_down[e]^T per expert.
 cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
@@ -53,7 +103,8 @@ cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const 
                                 const bf16* h,                    // (N, I)
                                 const bf16* w_down,               // (E, H, I)
                                 bf16* y,                          // (N, H) out
-                                ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes);
+                                ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                ExpertGemmStreams* streams = nullptr);  // multi_stream, row_chunked
 
 /// dh (N, I) = dy . w_down[e]; dw_down[e] (H, I) += dy^T . h (fp32; the caller zeroes it once per
 /// step; experts without rows are left untouched).
@@ -64,7 +115,8 @@ cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const
                                  const bf16* w_down,               // (E, H, I)
                                  bf16* dh,                         // (N, I) out
                                  float* dw_down,                   // (E, H, I) fp32, accumulated
-                                 ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes);
+                                 ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                 ExpertGemmStreams* streams = nullptr);  // multi_stream, row_chunked
 
 /// dx_perm (N, H) = d_gate_up . w_gate_up[e]; dw_gate_up[e] (2I, H) += d_gate_up^T . x_perm (fp32).
 cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
@@ -74,7 +126,8 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
                                     const bf16* w_gate_up,            // (E, 2I, H)
                                     bf16* dx_perm,                    // (N, H) out
                                     float* dw_gate_up,                // (E, 2I, H) fp32, accumulated
-                                    ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes);
+                                    ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                    ExpertGemmStreams* streams = nullptr);  // multi_stream, row_chunked
 
 /// Shared expert gate (Qwen3-Next): out = routed + sigmoid(x . w_gate) * y; the gate logit is saved.
 /// `routed` may be null (zero) or equal to `out` (in place).
