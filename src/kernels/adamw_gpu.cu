@@ -113,34 +113,54 @@ cudaError_t launch(const AdamWStepScalars& s, float* p, M* m, M* v, const float*
 constexpr std::int64_t tile = static_cast<std::int64_t>(optim::sum_of_squares_tile_elements);
 constexpr int lanes = 16;  // the CPU's 16 interleaved lanes
 static_assert(tile % lanes == 0, "a tile must hold whole rounds of the 16 lanes");
-constexpr int tiles_per_block = threads / lanes;
+static_assert(tile / lanes <= 0x7fffffff, "a lane's element count must fit an int");
+constexpr int tile_threads = 128;
+constexpr int tiles_per_block = tile_threads / lanes;
+/// Elements each thread loads ahead: a lane's chain of adds is serial, so the bandwidth comes from
+/// the loads in flight. While one batch is added the next one is already loading: up to 2 x 64
+/// floats per thread, 64 KB per SM at the 256 threads per SM that 128M floats give (2048 tiles).
+constexpr int batch = 64;
 
 /// 16 threads per tile; thread `lane` sums elements lane, lane + 16, ... of its tile in order, as
-/// the CPU's lane does. Loads are batched so each thread keeps several in flight while the adds
-/// stay in order.
-__global__ void tile_sums(const float* g, std::int64_t n, double* partial, std::int64_t tiles) {
+/// the CPU's lane does. fma(d, d, acc) is the CPU's acc + d * d bit for bit: the square of a float
+/// is exact in fp64 (48 significant bits, no underflow), so only the addition rounds in either.
+__global__ void __launch_bounds__(tile_threads) tile_sums(const float* g, std::int64_t n, double* partial,
+                                                          std::int64_t tiles) {
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * tiles_per_block + threadIdx.x / lanes;
   const int lane = threadIdx.x % lanes;
   double acc = 0.0;
   if (t < tiles) {
     const std::int64_t begin = t * tile;
-    const std::int64_t len = n - begin < tile ? n - begin : tile;
-    const float* x = g + begin;
-    constexpr int batch = 16;
-    std::int64_t i = lane;
-    for (; i + (batch - 1) * lanes < len; i += batch * lanes) {
-      float buf[batch];
+    const int len = static_cast<int>(n - begin < tile ? n - begin : tile);
+    const float* x = g + begin + lane;
+    const int count = len > lane ? (len - lane + lanes - 1) / lanes : 0;  // this lane's elements
+    const int full = count / batch;
+    float cur[batch];
+    if (full > 0) {
 #pragma unroll
-      for (int k = 0; k < batch; ++k) buf[k] = x[i + k * lanes];
+      for (int k = 0; k < batch; ++k) cur[k] = x[k * lanes];
+    }
+    for (int b = 0; b < full; ++b) {
+      float next[batch];
+      const bool more = b + 1 < full;
+      if (more) {
+        const float* p = x + static_cast<std::int64_t>(b + 1) * batch * lanes;
+#pragma unroll
+        for (int k = 0; k < batch; ++k) next[k] = p[k * lanes];
+      }
 #pragma unroll
       for (int k = 0; k < batch; ++k) {
-        const double d = buf[k];
-        acc = __dadd_rn(acc, __dmul_rn(d, d));  // the square is exact; only the add rounds
+        const double d = cur[k];
+        acc = __fma_rn(d, d, acc);
+      }
+      if (more) {
+#pragma unroll
+        for (int k = 0; k < batch; ++k) cur[k] = next[k];
       }
     }
-    for (; i < len; i += lanes) {
-      const double d = x[i];
-      acc = __dadd_rn(acc, __dmul_rn(d, d));
+    for (int i = full * batch; i < count; ++i) {
+      const double d = x[static_cast<std::int64_t>(i) * lanes];
+      acc = __fma_rn(d, d, acc);
     }
   }
   // Lane l += lane l + half for half = 8, 4, 2, 1: OOM_OPTIM_COMBINE_16_LANES's order. Lanes whose
@@ -150,11 +170,26 @@ __global__ void tile_sums(const float* g, std::int64_t n, double* partial, std::
   if (t < tiles && lane == 0) partial[t] = acc;
 }
 
-/// Tiles in order, one thread: the CPU adds its tile sums in order the same way.
-__global__ void sum_tiles(const double* partial, std::int64_t tiles, double* result) {
+/// Tiles in order, as the CPU adds its tile sums: the block stages the partials in shared memory so
+/// thread 0's serial chain of adds does not also wait on each global load.
+constexpr int combine_threads = 256;
+constexpr int combine_chunk = 2048;
+
+__global__ void __launch_bounds__(combine_threads) sum_tiles(const double* partial, std::int64_t tiles,
+                                                             double* result) {
+  __shared__ double staged[combine_chunk];
   double total = 0.0;
-  for (std::int64_t t = 0; t < tiles; ++t) total = __dadd_rn(total, partial[t]);
-  *result = total;
+  for (std::int64_t base = 0; base < tiles; base += combine_chunk) {
+    const int count = static_cast<int>(tiles - base < combine_chunk ? tiles - base : combine_chunk);
+    for (int i = threadIdx.x; i < count; i += combine_threads) staged[i] = partial[base + i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll 8
+      for (int i = 0; i < count; ++i) total = __dadd_rn(total, staged[i]);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *result = total;
 }
 
 std::int64_t tile_count(std::int64_t n) { return (n + tile - 1) / tile; }
@@ -185,9 +220,9 @@ cudaError_t grad_sum_of_squares(const float* grads, std::int64_t n, double* resu
   if (workspace == nullptr || workspace_bytes < grad_sum_of_squares_workspace_bytes(n)) return cudaErrorInvalidValue;
   const std::int64_t tiles = tile_count(n);
   auto* partial = static_cast<double*>(workspace);
-  tile_sums<<<grid_for(tiles, tiles_per_block), threads, 0, stream>>>(grads, n, partial, tiles);
+  tile_sums<<<grid_for(tiles, tiles_per_block), tile_threads, 0, stream>>>(grads, n, partial, tiles);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  sum_tiles<<<1, 1, 0, stream>>>(partial, tiles, result);
+  sum_tiles<<<1, combine_threads, 0, stream>>>(partial, tiles, result);
   return cudaGetLastError();
 }
 

@@ -21,17 +21,29 @@ __device__ __forceinline__ std::uint16_t float_to_bf16(float f) {
   return static_cast<std::uint16_t>(u >> 16);
 }
 
+/// Eight bf16 values held in a 16-byte register quad, widened to fp32 / rounded back.
+__device__ __forceinline__ void unpack_bf16(const uint4& r, float (&f)[8]) {
+  const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = __uint_as_float(w[k] << 16);
+    f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ uint4 pack_bf16(const float (&f)[8]) {
+  unsigned w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    w[k] = static_cast<unsigned>(float_to_bf16(f[2 * k])) | (static_cast<unsigned>(float_to_bf16(f[2 * k + 1])) << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 /// N consecutive bf16 values widened to fp32. N == 8 is one 16-byte load (p 16-byte aligned).
 template <int N>
 __device__ __forceinline__ void load_bf16(const std::uint16_t* p, float (&f)[N]) {
   if constexpr (N == 8) {
-    const uint4 r = *reinterpret_cast<const uint4*>(p);
-    const unsigned w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      f[2 * k] = __uint_as_float(w[k] << 16);
-      f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
+    unpack_bf16(*reinterpret_cast<const uint4*>(p), f);
   } else {
 #pragma unroll
     for (int k = 0; k < N; ++k) f[k] = bf16_to_float(p[k]);
@@ -42,12 +54,7 @@ __device__ __forceinline__ void load_bf16(const std::uint16_t* p, float (&f)[N])
 template <int N>
 __device__ __forceinline__ void store_bf16(std::uint16_t* p, const float (&f)[N]) {
   if constexpr (N == 8) {
-    unsigned w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      w[k] = static_cast<unsigned>(float_to_bf16(f[2 * k])) | (static_cast<unsigned>(float_to_bf16(f[2 * k + 1])) << 16);
-    }
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(p) = pack_bf16(f);
   } else {
 #pragma unroll
     for (int k = 0; k < N; ++k) p[k] = float_to_bf16(f[k]);

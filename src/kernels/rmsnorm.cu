@@ -1,7 +1,12 @@
-// RMSNorm kernels: forward and input-gradient with one warp per row (rows are as short as a
-// 128-wide head, so a block per row would idle most of its threads), and the weight gradient as a
-// separate column reduction into per-chunk partials summed in a fixed order (deterministic, no
-// atomics). Contract in include/oom/kernels/rmsnorm.hpp.
+// RMSNorm kernels. Rows up to 8192 wide (4096 for the backward) with 16-byte aligned bf16 take the
+// register path: a group of lanes (8 for rows up to 128 wide, such as Qwen3's per-head q/k norms,
+// else a warp) loads its row(s) once with 16-byte loads, keeps them in registers through the
+// shuffle reduction and writes the result, so every input crosses HBM once and each thread has
+// 128-256 bytes of loads in flight. The backward is one pass: it writes dx and accumulates the
+// weight gradient of its chunk of rows into per-group shared-memory columns, summed per chunk in a
+// fixed order (deterministic, no atomics). Other widths and alignments take the looped path (one
+// warp per row, two passes over the row, a separate weight-gradient column reduction). Contract in
+// include/oom/kernels/rmsnorm.hpp.
 #include "bf16_device.cuh"
 #include "oom/kernels/rmsnorm.hpp"
 
@@ -9,10 +14,208 @@ namespace oom::kernels {
 namespace {
 
 using detail::load_bf16;
+using detail::pack_bf16;
 using detail::store_bf16;
+using detail::unpack_bf16;
 using detail::warp_sum;
 
 constexpr int warps_per_block = 8;
+
+// ----- register path -----
+
+constexpr int block_threads = 256;
+constexpr std::int64_t max_register_dim_forward = 8192;   // 32 x 16-byte quads per lane: 128 registers
+constexpr std::int64_t max_register_dim_backward = 4096;  // dy and x: 2 x 64 registers per lane
+
+/// Butterfly sum over the G lanes of an aligned group; G == 32 is warp_sum, bit for bit. Every lane
+/// of the warp must call it.
+template <int G>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int offset = G / 2; offset >= 1; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+__device__ __forceinline__ float row_rstd(float ss, std::int64_t dim, float eps) {
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(dim)), eps)));
+}
+
+/// G lanes per row, each holding V 16-byte quads (8 bf16; quad j of lane l is columns
+/// (j G + l) 8 .. + 7, so each quad index is one coalesced G x 16-byte access); R rows per group
+/// loaded together. Lane sums run over a lane's quads in order, as the looped path's do.
+template <int G, int V, int R>
+__global__ void __launch_bounds__(block_threads)
+    forward_rows_in_registers(const std::uint16_t* x, const std::uint16_t* w, std::uint16_t* y, float* rstd,
+                              std::int64_t rows, int dim, float eps) {
+  constexpr int groups = block_threads / G;
+  const int lane = threadIdx.x % G;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * (groups * R) + threadIdx.x / G;
+  uint4 xq[R][V];
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    const std::int64_t row = first + k * groups;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = (j * G + lane) * 8;
+      xq[k][j] = row < rows && c < dim ? *reinterpret_cast<const uint4*>(x + row * dim + c) : make_uint4(0, 0, 0, 0);
+    }
+  }
+  float r[R];
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if ((j * G + lane) * 8 >= dim) continue;
+      float v[8];
+      unpack_bf16(xq[k][j], v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss = __fmaf_rn(v[e], v[e], ss);
+    }
+    r[k] = row_rstd(group_sum<G>(ss), dim, eps);
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int c = (j * G + lane) * 8;
+    if (c >= dim) continue;
+    float wv[8];
+    unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const std::int64_t row = first + k * groups;
+      if (row >= rows) continue;
+      float v[8], out[8];
+      unpack_bf16(xq[k][j], v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = (v[e] * r[k]) * wv[e];
+      *reinterpret_cast<uint4*>(y + row * dim + c) = pack_bf16(out);
+    }
+  }
+  if (lane == 0 && rstd != nullptr) {
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      if (first + k * groups < rows) rstd[first + k * groups] = r[k];
+    }
+  }
+}
+
+/// One pass over a chunk of rmsnorm_rows_per_partial rows (blockIdx.x = chunk): group g handles
+/// rows begin + g, + groups, ... in order, writes dx and adds dy * xhat into its own shared-memory
+/// columns; the chunk's partial is then groups 0, 1, ... added in order. With G = 32 (8 groups)
+/// this is the looped path's order (8 row slices), so both give the same weight-gradient bits.
+/// In place is safe: each lane reads its quads of dy and x before it writes the same quads of dx.
+template <int G, int V>
+__global__ void __launch_bounds__(block_threads)
+    backward_rows_in_registers(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
+                               const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows, int dim,
+                               std::int64_t rows_per_partial) {
+  extern __shared__ float4 acc_shared[];  // (groups, dim) fp32
+  constexpr int groups = block_threads / G;
+  const int lane = threadIdx.x % G;
+  const int group = threadIdx.x / G;
+  float* acc = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(group) * dim;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int c = (j * G + lane) * 8;
+    if (c >= dim) continue;
+    reinterpret_cast<float4*>(acc + c)[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    reinterpret_cast<float4*>(acc + c)[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  const std::int64_t begin = static_cast<std::int64_t>(blockIdx.x) * rows_per_partial;
+  const std::int64_t end = begin + rows_per_partial < rows ? begin + rows_per_partial : rows;
+  // The trip count is uniform over the block, so every lane reaches the shuffles.
+  for (std::int64_t base = begin; base < end; base += groups) {
+    const std::int64_t row = base + group;
+    const bool valid = row < end;
+    uint4 gq[V], xq[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = (j * G + lane) * 8;
+      const bool live = valid && c < dim;
+      gq[j] = live ? *reinterpret_cast<const uint4*>(dy + row * dim + c) : make_uint4(0, 0, 0, 0);
+      xq[j] = live ? *reinterpret_cast<const uint4*>(x + row * dim + c) : make_uint4(0, 0, 0, 0);
+    }
+    const float r = valid ? rstd[row] : 0.0f;
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = (j * G + lane) * 8;
+      if (c >= dim) continue;
+      float g[8], v[8], wv[8];
+      unpack_bf16(gq[j], g);
+      unpack_bf16(xq[j], v);
+      unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dot = __fmaf_rn(g[e] * wv[e], v[e] * r, dot);
+    }
+    const float mean_dot = group_sum<G>(dot) / static_cast<float>(dim);
+    if (!valid) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = (j * G + lane) * 8;
+      if (c >= dim) continue;
+      float g[8], v[8], wv[8], out[8];
+      unpack_bf16(gq[j], g);
+      unpack_bf16(xq[j], v);
+      unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = r * (g[e] * wv[e] - (v[e] * r) * mean_dot);
+      *reinterpret_cast<uint4*>(dx + row * dim + c) = pack_bf16(out);
+      float4* a = reinterpret_cast<float4*>(acc + c);
+      float4 a0 = a[0], a1 = a[1];
+      a0.x = __fmaf_rn(g[0], v[0] * r, a0.x);
+      a0.y = __fmaf_rn(g[1], v[1] * r, a0.y);
+      a0.z = __fmaf_rn(g[2], v[2] * r, a0.z);
+      a0.w = __fmaf_rn(g[3], v[3] * r, a0.w);
+      a1.x = __fmaf_rn(g[4], v[4] * r, a1.x);
+      a1.y = __fmaf_rn(g[5], v[5] * r, a1.y);
+      a1.z = __fmaf_rn(g[6], v[6] * r, a1.z);
+      a1.w = __fmaf_rn(g[7], v[7] * r, a1.w);
+      a[0] = a0;
+      a[1] = a1;
+    }
+  }
+  __syncthreads();
+  const float* all = reinterpret_cast<const float*>(acc_shared);
+  for (int c = threadIdx.x; c < dim; c += block_threads) {
+    float s = all[c];
+    for (int q = 1; q < groups; ++q) s += all[static_cast<std::int64_t>(q) * dim + c];
+    partial[static_cast<std::int64_t>(blockIdx.x) * dim + c] = s;
+  }
+}
+
+/// R = rows per group loaded together: enough that each thread has >= 128 bytes of loads in flight.
+template <int G, int V>
+cudaError_t launch_forward(const std::uint16_t* x, const std::uint16_t* w, std::uint16_t* y, float* rstd,
+                           std::int64_t rows, std::int64_t dim, float eps, cudaStream_t stream) {
+  constexpr int R = V >= 8 ? 1 : 8 / V;
+  const unsigned grid = grid_for(rows, block_threads / G * R);
+  if (grid == 0) return cudaErrorInvalidValue;
+  forward_rows_in_registers<G, V, R>
+      <<<grid, block_threads, 0, stream>>>(x, w, y, rstd, rows, static_cast<int>(dim), eps);
+  return cudaGetLastError();
+}
+
+template <int G, int V>
+cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
+                            const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
+                            std::int64_t dim, std::int64_t partials, std::int64_t rows_per_partial,
+                            cudaStream_t stream) {
+  const auto kernel = backward_rows_in_registers<G, V>;
+  const std::size_t smem = static_cast<std::size_t>(block_threads / G) * static_cast<std::size_t>(dim) * sizeof(float);
+  if (smem > 48 * 1024) {
+    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(smem));
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  kernel<<<static_cast<unsigned>(partials), block_threads, smem, stream>>>(dy, x, w, rstd, dx, partial, rows,
+                                                                          static_cast<int>(dim), rows_per_partial);
+  return cudaGetLastError();
+}
+
+// ----- looped path: any width, any alignment -----
 
 template <int N>
 __device__ void forward_row(const std::uint16_t* x, const std::uint16_t* w, std::uint16_t* y, float* rstd,
@@ -25,7 +228,7 @@ __device__ void forward_row(const std::uint16_t* x, const std::uint16_t* w, std:
     for (int k = 0; k < N; ++k) ss = __fmaf_rn(v[k], v[k], ss);
   }
   ss = warp_sum(ss);
-  const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(dim)), eps)));
+  const float r = row_rstd(ss, dim, eps);
   // Second read of the row: it was just loaded by this warp and is served from L1/L2.
   for (std::int64_t c = lane * N; c < dim; c += 32 * N) {
     float v[N], wv[N], out[N];
@@ -153,12 +356,23 @@ cudaError_t rmsnorm_forward(const bf16* x, const bf16* weight, bf16* y, float* r
                             std::int64_t dim, float eps, cudaStream_t stream) {
   if (rows < 0 || dim < 1 || !(eps >= 0.0f)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
+  const auto* xb = reinterpret_cast<const std::uint16_t*>(x);
+  const auto* wb = reinterpret_cast<const std::uint16_t*>(weight);
+  auto* yb = reinterpret_cast<std::uint16_t*>(y);
+  const bool vec = dim % 8 == 0 && aligned_16(x, weight, y);
+  if (vec && dim <= max_register_dim_forward) {
+    if (dim <= 64) return launch_forward<8, 1>(xb, wb, yb, rstd, rows, dim, eps, stream);
+    if (dim <= 128) return launch_forward<8, 2>(xb, wb, yb, rstd, rows, dim, eps, stream);
+    if (dim <= 256) return launch_forward<32, 1>(xb, wb, yb, rstd, rows, dim, eps, stream);
+    if (dim <= 512) return launch_forward<32, 2>(xb, wb, yb, rstd, rows, dim, eps, stream);
+    if (dim <= 1024) return launch_forward<32, 4>(xb, wb, yb, rstd, rows, dim, eps, stream);
+    if (dim <= 2048) return launch_forward<32, 8>(xb, wb, yb, rstd, rows, dim, eps, stream);
+    if (dim <= 4096) return launch_forward<32, 16>(xb, wb, yb, rstd, rows, dim, eps, stream);
+    return launch_forward<32, 32>(xb, wb, yb, rstd, rows, dim, eps, stream);
+  }
   const unsigned grid = grid_for(rows, warps_per_block);
   if (grid == 0) return cudaErrorInvalidValue;
-  const bool vec = dim % 8 == 0 && aligned_16(x, weight, y);
-  forward_rows<<<grid, warps_per_block * 32, 0, stream>>>(
-      reinterpret_cast<const std::uint16_t*>(x), reinterpret_cast<const std::uint16_t*>(weight),
-      reinterpret_cast<std::uint16_t*>(y), rstd, rows, dim, eps, vec);
+  forward_rows<<<grid, warps_per_block * 32, 0, stream>>>(xb, wb, yb, rstd, rows, dim, eps, vec);
   return cudaGetLastError();
 }
 
@@ -176,10 +390,34 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
   const auto* dy = reinterpret_cast<const std::uint16_t*>(grad_y);
   const auto* xb = reinterpret_cast<const std::uint16_t*>(x);
   const auto* wb = reinterpret_cast<const std::uint16_t*>(weight);
+  auto* dx = reinterpret_cast<std::uint16_t*>(grad_x);
   auto* partial = static_cast<float*>(workspace);
   const std::int64_t partials = partial_count(rows);
   const std::int64_t per = rmsnorm_rows_per_partial(rows);
-  if (partials > 65535) return cudaErrorInvalidValue;  // grid.y limit; cannot happen with <= 256 partials
+  if (partials > 65535) return cudaErrorInvalidValue;  // grid limit; cannot happen with <= 256 partials
+
+  const bool vec = dim % 8 == 0 && aligned_16(grad_y, x, weight, grad_x);
+  if (vec && dim <= max_register_dim_backward) {
+    cudaError_t e = cudaSuccess;
+    if (dim <= 64) {
+      e = launch_backward<8, 1>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
+    } else if (dim <= 128) {
+      e = launch_backward<8, 2>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
+    } else if (dim <= 256) {
+      e = launch_backward<32, 1>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
+    } else if (dim <= 512) {
+      e = launch_backward<32, 2>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
+    } else if (dim <= 1024) {
+      e = launch_backward<32, 4>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
+    } else if (dim <= 2048) {
+      e = launch_backward<32, 8>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
+    } else {
+      e = launch_backward<32, 16>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
+    }
+    if (e != cudaSuccess) return e;
+    sum_partials<<<grid_for(dim, 256), 256, 0, stream>>>(partial, grad_weight, partials, dim);
+    return cudaGetLastError();
+  }
 
   // Weight gradient first, so grad_x may overwrite grad_y or x afterwards.
   const bool vec_w = dim % 8 == 0 && aligned_16(grad_y, x);
@@ -192,9 +430,7 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
 
   const unsigned grid = grid_for(rows, warps_per_block);
   if (grid == 0) return cudaErrorInvalidValue;
-  const bool vec = dim % 8 == 0 && aligned_16(grad_y, x, weight, grad_x);
-  grad_x_rows<<<grid, warps_per_block * 32, 0, stream>>>(dy, xb, wb, rstd, reinterpret_cast<std::uint16_t*>(grad_x),
-                                                          rows, dim, vec);
+  grad_x_rows<<<grid, warps_per_block * 32, 0, stream>>>(dy, xb, wb, rstd, dx, rows, dim, vec);
   return cudaGetLastError();
 }
 

@@ -17,7 +17,9 @@
 
 namespace oom::kernels {
 
-/// One warp per row. rstd may be null when the backward will not run (inference).
+/// A row is read once and kept in registers (8 lanes per row up to 128 wide, a warp up to 8192;
+/// wider or unaligned rows loop over the row twice). rstd may be null when the backward will not
+/// run (inference).
 cudaError_t rmsnorm_forward(const bf16* x,       // (R, D) bf16
                             const bf16* weight,  // (D) bf16
                             bf16* y,             // (R, D) bf16
@@ -37,8 +39,9 @@ std::size_t rmsnorm_backward_workspace_bytes(std::int64_t rows, std::int64_t dim
 
 /// dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) with xhat = x*rstd; grad_weight += sum over rows
 /// of dy*xhat, reduced in a fixed order (rows within a chunk, then chunks in order). grad_x may
-/// equal grad_y or x (in place): the weight-gradient pass runs first, and each lane of the dx pass
-/// reads an element before it writes it.
+/// equal grad_y or x (in place): every element of dy and x is read before the same element of dx
+/// is written, by the same thread (rows up to 4096 wide with 16-byte aligned arrays: one pass that
+/// also accumulates the weight gradient), or the weight-gradient pass runs before the dx pass.
 cudaError_t rmsnorm_backward(const bf16* grad_y,   // (R, D) bf16
                              const bf16* x,        // (R, D) bf16, the forward's input
                              const bf16* weight,   // (D) bf16
