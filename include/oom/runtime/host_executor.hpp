@@ -390,7 +390,8 @@ class HostExecutor {
   }
 
   // Loads layer l's streamed segments into the next slot (after the slot's last user and the
-  // layer's last update); compute waits for the load. Returns the slot, or nullptr if nothing streams.
+  // layer's last update); compute waits for the load. Every layer takes a slot, so slots rotate
+  // in the same order whatever is resident.
   Slot* load_weights(std::size_t l) {
     auto& ls = layers_state_[l];
     std::uint64_t offset = 0;
@@ -398,21 +399,16 @@ class HostExecutor {
     next_slot_ = (next_slot_ + 1) % slots_.size();
     b_.wait(h2d_, slot->free);
     b_.wait(h2d_, ls.updated);
-    bool any = false;
     for (auto& seg : ls.segments) {
       if (seg.resident) continue;
       b_.copy(slot->ptr + offset, seg.weights, Bytes{seg.n * sizeof(bf16)}, h2d_);
       offset += seg.n;
-      any = true;
     }
     b_.record(loaded_, h2d_);
     if (!options_.drop_weight_wait) b_.wait(compute_, loaded_);
-    (void)any;
     return slot;
   }
-  void release(Slot* slot) {
-    if (slot) b_.record(slot->free, compute_);
-  }
+  void release(Slot* slot) { b_.record(slot->free, compute_); }
 
   HostLayerContext bind(std::size_t l, Slot* slot) {
     HostLayerContext ctx;
