@@ -1,5 +1,5 @@
 // oom-calibrate: measures the machine it runs on (PCIe links, device memory, cuBLAS GEMM by size, a
-// causal attention proxy, launch overhead, OOM's CPU AdamW, host memory copy, NCCL collectives) and writes a
+// OOM's flash attention, launch overhead, OOM's CPU AdamW, host memory copy, NCCL collectives) and writes a
 // MachineProfile JSON with the provenance of every constant. Every measurement is printed as it
 // finishes, with its ratio to the built-in h200 profile, and checked where it can be; a failed
 // check writes no profile.
@@ -282,7 +282,7 @@ int run(const Options& opt) {
   const std::vector<std::int64_t> gemm_m = {16, 64, 256, 1024, 4096, 16384, 65536};
   const std::vector<std::int64_t> attn_seq = q ? std::vector<std::int64_t>{4096, 16384}
                                                : std::vector<std::int64_t>{4096, 8192, 16384, 32768, 65536, 131072};
-  constexpr int kQHeads = 16, kKvHeads = 4, kHeadDim = 128, kQueryBlock = 1024;
+  constexpr int kQHeads = 16, kKvHeads = 4, kHeadDim = 128;
 
   fmt::print("oom-calibrate{}: {} on {}\n", q ? " (quick: not for planning)" : "", machine, today);
   fmt::print("ratios are to the built-in h200 profile (measured 2026-11-30 on our 1x H200 machine)\n\n");
@@ -404,32 +404,31 @@ int run(const Options& opt) {
                                      reps, square.flops_per_s / 1e12));
   progress.end(gemm_ok ? "done, results checked" : "done  CHECK FAILED");
 
-  progress.begin(fmt::format("attention PROXY (cuBLAS GEMMs per query block {}, causal GQA {}/{} heads, hd {})",
-                             kQueryBlock, kQHeads, kKvHeads, kHeadDim));
+  progress.begin(fmt::format("OOM flash attention forward + backward, causal GQA {}/{} heads, hd {}", kQHeads, kKvHeads,
+                             kHeadDim));
   fmt::print("\n");
   std::vector<std::pair<double, double>> attn_samples;
   for (std::int64_t s : attn_seq) {
-    // Scores and their gradient for one block, plus Q, K, V and the gradients.
-    const double need = 2.0 * 2 * kQHeads * kQueryBlock * static_cast<double>(s) +
-                        8.0 * 2 * kQHeads * static_cast<double>(s) * kHeadDim;
+    // Q, O, dO, dQ and K, V, dK, dV in bf16, plus the LSE and the backward's workspace.
+    const double need = 2.0 * 4 * static_cast<double>(s) * (kQHeads + kKvHeads) * kHeadDim +
+                        12.0 * kQHeads * static_cast<double>(s);
     if (need > 0.8 * static_cast<double>(p.gpu_memory.count())) {
       progress.note(fmt::format("seq {:>6}: skipped, needs {} of {}", s, to_string(Bytes{static_cast<std::uint64_t>(need)}),
                                 to_string(p.gpu_memory)));
       continue;
     }
-    const auto a = cuda::measure_attention_proxy(0, s, kQHeads, kKvHeads, kHeadDim, kQueryBlock, q ? 2 : 3);
+    const auto a = cuda::measure_flash_attention(0, s, kQHeads, kKvHeads, kHeadDim, q ? 2 : 3);
     attn_samples.emplace_back(static_cast<double>(s), a.flops_per_s);
     progress.note(fmt::format("seq {:>6}: {:>8} in {:.1f} ms ({:.2f}x h200 default, which is PyTorch SDPA)", s,
                               tflops(a.flops_per_s), a.seconds * 1e3,
                               a.flops_per_s / ref.attention_flops.at(static_cast<double>(s))));
   }
-  if (attn_samples.empty()) OOM_THROW(Errc::out_of_budget, "no attention proxy size fits this GPU's memory");
+  if (attn_samples.empty()) OOM_THROW(Errc::out_of_budget, "no attention size fits this GPU's memory");
   p.attention_flops = SizeCurve(attn_samples);
   measured("attention_flops",
-           fmt::format("PROXY until OOM's fused attention kernel exists: measure_attention_proxy, cuBLAS strided-batched "
-                       "bf16 GEMMs per {}-query block (QK^T, PV; recomputed QK^T, P^T dO, dO V^T, dS K, dS^T Q), "
-                       "no softmax, scores through HBM; causal GQA {}/{} heads, head dim {}; FLOPs = 3.5 x causal forward",
-                       kQueryBlock, kQHeads, kKvHeads, kHeadDim));
+           fmt::format("measure_flash_attention: OOM's flash attention kernel, forward + backward, causal GQA {}/{} "
+                       "heads, head dim {}, batch 1; FLOPs = 3.5 x causal forward",
+                       kQHeads, kKvHeads, kHeadDim));
   progress.end("done");
 
   const Bytes host_copy_size = q ? 512_MiB : 2_GiB;

@@ -15,6 +15,7 @@
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/nccl_check.hpp"
 #include "oom/cuda/calibrate.hpp"
+#include "oom/kernels/attention.hpp"
 
 namespace oom::cuda {
 
@@ -220,58 +221,55 @@ GemmRate measure_gemm_bf16(int device, std::int64_t m, std::int64_t n, std::int6
   return r;
 }
 
-AttentionProxyRate measure_attention_proxy(int device, std::int64_t seq, int q_heads, int kv_heads, int head_dim,
-                                           int query_block, int repeats) {
-  if (seq < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads != 0 || head_dim < 1 || query_block < 1 ||
-      repeats < 1)
-    OOM_THROW(Errc::invalid_argument, "measure_attention_proxy: bad shape (q_heads must be a multiple of kv_heads)");
+AttentionRate measure_flash_attention(int device, std::int64_t seq, int q_heads, int kv_heads, int head_dim, int repeats) {
+  if (seq < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads != 0 || head_dim < 1 || repeats < 1)
+    OOM_THROW(Errc::invalid_argument, "measure_flash_attention: bad shape (q_heads must be a multiple of kv_heads)");
   OOM_CUDA_CHECK(cudaSetDevice(device));
-  const std::int64_t g = q_heads / kv_heads;          // query heads per KV head
-  const std::int64_t bq = std::min<std::int64_t>(query_block, seq);
-  const std::int64_t blocks = (seq + bq - 1) / bq;
-  const std::int64_t d = head_dim;
-  // Layouts (row-major, per KV head): Q-like tensors [kv][seq*g][d] with row s*g + h (the g query
-  // heads of a KV head stacked), K-like [kv][seq][d], scores [kv][g*bq][seq].
-  const std::int64_t q_stride = seq * g * d, k_stride = seq * d, s_stride = g * bq * seq;
+  kernels::AttentionProblem problem;
+  problem.batch = 1;
+  problem.seq = static_cast<int>(seq);
+  problem.heads_q = q_heads;
+  problem.heads_kv = kv_heads;
+  problem.head_dim = head_dim;
+  problem.softmax_scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  if (!kernels::attention_can_implement(problem))
+    OOM_THROW(Errc::unsupported, "measure_flash_attention: OOM's attention kernel does not take this shape");
   Stream stream;
-  Cublas blas(stream.s);
-  DeviceBuffer<__nv_bfloat16> q(kv_heads * q_stride), o(kv_heads * q_stride), dout(kv_heads * q_stride),
-      dq(kv_heads * q_stride), kk(kv_heads * k_stride), v(kv_heads * k_stride), dk(kv_heads * k_stride),
-      dv(kv_heads * k_stride), p(kv_heads * s_stride), dp(kv_heads * s_stride);
+  const std::int64_t q_row = static_cast<std::int64_t>(q_heads) * head_dim;
+  const std::int64_t kv_row = static_cast<std::int64_t>(kv_heads) * head_dim;
+  DeviceBuffer<__nv_bfloat16> q(seq * q_row), o(seq * q_row), dout(seq * q_row), dq(seq * q_row), k(seq * kv_row),
+      v(seq * kv_row), dk(seq * kv_row), dv(seq * kv_row);
+  DeviceBuffer<float> lse(static_cast<std::size_t>(q_heads) * seq);
+  const std::size_t ws_bytes = kernels::attention_backward_workspace_bytes(problem);
+  DeviceBuffer<unsigned char> ws(std::max<std::size_t>(ws_bytes, 1));
   launch_fill(q.ptr, q.count, 3, stream.s);
-  launch_fill(kk.ptr, kk.count, 4, stream.s);
+  launch_fill(k.ptr, k.count, 4, stream.s);
   launch_fill(v.ptr, v.count, 5, stream.s);
   launch_fill(dout.ptr, dout.count, 6, stream.s);
-  auto forward_backward = [&] {
-    for (std::int64_t b = 0; b < blocks; ++b) {
-      const std::int64_t rows = std::min(bq, seq - b * bq);
-      const std::int64_t m = g * rows;             // stacked query rows of this block
-      const std::int64_t keys = b * bq + rows;     // causal: the prefix up to the block's end
-      const std::int64_t qoff = b * bq * g * d;
-      const int kv = kv_heads;
-      // forward: S = Q K^T ; O = P V
-      gemm_rm(blas.h, false, true, m, keys, d, q.ptr + qoff, d, q_stride, kk.ptr, d, k_stride, p.ptr, keys, s_stride, kv, 0.0f);
-      gemm_rm(blas.h, false, false, m, d, keys, p.ptr, keys, s_stride, v.ptr, d, k_stride, o.ptr + qoff, d, q_stride, kv, 0.0f);
-      // backward: recompute S ; dV += P^T dO ; dP = dO V^T ; dQ = dS K ; dK += dS^T Q
-      gemm_rm(blas.h, false, true, m, keys, d, q.ptr + qoff, d, q_stride, kk.ptr, d, k_stride, p.ptr, keys, s_stride, kv, 0.0f);
-      gemm_rm(blas.h, true, false, keys, d, m, p.ptr, keys, s_stride, dout.ptr + qoff, d, q_stride, dv.ptr, d, k_stride, kv, 1.0f);
-      gemm_rm(blas.h, false, true, m, keys, d, dout.ptr + qoff, d, q_stride, v.ptr, d, k_stride, dp.ptr, keys, s_stride, kv, 0.0f);
-      gemm_rm(blas.h, false, false, m, d, keys, dp.ptr, keys, s_stride, kk.ptr, d, k_stride, dq.ptr + qoff, d, q_stride, kv, 0.0f);
-      gemm_rm(blas.h, true, false, keys, d, m, dp.ptr, keys, s_stride, q.ptr + qoff, d, q_stride, dk.ptr, d, k_stride, kv, 1.0f);
-    }
+  // __nv_bfloat16 and oom::bf16 hold the same bits; one sequence, so the batch stride is unused.
+  auto rows = [](__nv_bfloat16* p, std::int64_t row) {
+    return kernels::TokenRows<bf16>{reinterpret_cast<bf16*>(p), 0, row};
   };
-  OOM_CUDA_CHECK(cudaMemsetAsync(dk.ptr, 0, dk.count * sizeof(__nv_bfloat16), stream.s));
-  OOM_CUDA_CHECK(cudaMemsetAsync(dv.ptr, 0, dv.count * sizeof(__nv_bfloat16), stream.s));
-  AttentionProxyRate r;
+  auto crows = [](const __nv_bfloat16* p, std::int64_t row) {
+    return kernels::TokenRows<const bf16>{reinterpret_cast<const bf16*>(p), 0, row};
+  };
+  auto forward_backward = [&] {
+    OOM_CUDA_CHECK(kernels::attention_forward(problem, crows(q.ptr, q_row), crows(k.ptr, kv_row), crows(v.ptr, kv_row),
+                                              rows(o.ptr, q_row), lse.ptr, stream.s));
+    OOM_CUDA_CHECK(kernels::attention_backward(problem, crows(q.ptr, q_row), crows(k.ptr, kv_row), crows(v.ptr, kv_row),
+                                               crows(o.ptr, q_row), crows(dout.ptr, q_row), lse.ptr, rows(dq.ptr, q_row),
+                                               rows(dk.ptr, kv_row), rows(dv.ptr, kv_row), false, ws.ptr, ws_bytes,
+                                               stream.s));
+  };
+  AttentionRate r;
   r.seq = seq;
   r.q_heads = q_heads;
   r.kv_heads = kv_heads;
   r.head_dim = head_dim;
-  r.query_block = static_cast<int>(bq);
   r.repeats = repeats;
   r.seconds = time_median(stream.s, forward_backward, repeats);
   const double s = static_cast<double>(seq);
-  const double causal_forward = 2.0 * s * s * q_heads * d;  // QK^T and PV, 2 FLOP each, half the square
+  const double causal_forward = 2.0 * s * s * q_heads * head_dim;  // QK^T and PV, 2 FLOP each, half the square
   r.flops_per_s = 3.5 * causal_forward / r.seconds;
   return r;
 }

@@ -1,5 +1,5 @@
 // GPU microbenchmarks behind oom-calibrate: device memory bandwidth, cuBLAS bf16 GEMM throughput,
-// a GEMM-based causal attention proxy, launch overhead, concurrent host links and NCCL collectives.
+// OOM's flash attention, launch overhead, concurrent host links and NCCL collectives.
 // Each returns a plain struct (median over timed repetitions, CUDA events, after warm-up) and, where
 // a result can be checked, whether it was right. Declarations parse without CUDA headers; link
 // oom::cuda. Formatting is the caller's: these are called from host code that owns the output.
@@ -33,22 +33,17 @@ struct GemmRate {
 /// and would flatter the rate). Products are timed back to back in batches so launch gaps are hidden.
 GemmRate measure_gemm_bf16(int device, std::int64_t m, std::int64_t n, std::int64_t k, int repeats);
 
-struct AttentionProxyRate {
+struct AttentionRate {
   std::int64_t seq = 0;
-  int q_heads = 0, kv_heads = 0, head_dim = 0, query_block = 0;
+  int q_heads = 0, kv_heads = 0, head_dim = 0;
   double flops_per_s = 0;  ///< 3.5 x causal forward FLOPs (2 * seq^2 * q_heads * head_dim) per second
   double seconds = 0;      ///< median time of one forward + backward
   int repeats = 0;
 };
-/// A PROXY for causal attention forward + backward until OOM's fused kernel exists: per query block,
-/// the seven products of a recomputing (flash-attention-2 style) forward and backward done with
-/// cuBLAS strided-batched bf16 GEMMs over the key prefix the block can see (QK^T, PV; recomputed
-/// QK^T, P^T dO, dO V^T, dS K, dS^T Q). GQA heads sharing a KV head are stacked into one product.
-/// Softmax and its backward are not run, and the scores go through device memory, so the rate is
-/// not what a fused kernel reaches; it brackets the GEMM part. Needs about
-/// 2 * 2 B * q_heads * query_block * seq of scratch.
-AttentionProxyRate measure_attention_proxy(int device, std::int64_t seq, int q_heads, int kv_heads, int head_dim,
-                                           int query_block, int repeats);
+/// OOM's flash attention kernel (include/oom/kernels/attention.hpp), causal GQA forward + backward
+/// over one sequence of `seq` tokens (batch 1): the rate the planner should predict our own steps
+/// with. Needs about 2 B * 4 * (q_heads + kv_heads) * head_dim * seq of device memory.
+AttentionRate measure_flash_attention(int device, std::int64_t seq, int q_heads, int kv_heads, int head_dim, int repeats);
 
 struct LaunchOverhead {
   double kernel_s = 0;      ///< per empty kernel launched back to back
