@@ -353,14 +353,15 @@ SizeCurve gemm_roofline(double cap_flops, double mem_bytes_per_s) {
   return SizeCurve(std::move(s));
 }
 
-/// The H200's measured causal GQA attention curve (PyTorch SDPA, forward+backward, 3.5x the causal
-/// forward FLOPs), scaled by `scale`.
+/// The H200's measured causal GQA attention curve, scaled by `scale`:
+/// OOM's own flash attention (mma.sync, deterministic backward) on the H200, forward + backward at
+/// 3.5x the causal forward FLOPs: what the planner must predict OOM's steps with. PyTorch SDPA on the
+/// same shapes, same run: 282 (4K), 567 (16K), 551 (32K), 543 (128K) TFLOP/s.
 SizeCurve h200_attention(double scale) {
-  return SizeCurve({{4096, 77 * kTFLOP * scale},
-                    {16384, 590 * kTFLOP * scale},
-                    {32768, 590 * kTFLOP * scale},
-                    {65536, 590 * kTFLOP * scale},
-                    {131072, 590 * kTFLOP * scale}});
+  return SizeCurve({{4096, 121.7 * kTFLOP * scale},
+                    {16384, 200.9 * kTFLOP * scale},
+                    {32768, 203.2 * kTFLOP * scale},
+                    {131072, 206.5 * kTFLOP * scale}});
 }
 
 void check_gpus(std::string_view profile, int gpus) {
@@ -442,8 +443,9 @@ MachineProfile MachineProfile::h200(int gpus) {
 
   p.attention_flops = h200_attention(1.0);
   p.provenance["attention_flops"] = prov(
-      "PyTorch SDPA causal GQA 16q/4kv heads, head dim 128, forward+backward counted as 3.5x causal forward FLOPs: "
-      "~77 TFLOP/s at 4K, ~590 at 16K-128K (" + mission + ")",
+      "bench/kernels/bench_attention: OOM's flash attention, causal GQA 16q/4kv heads, head dim 128, batch 1, "
+      "forward+backward counted as 3.5x causal forward FLOPs (0.38-0.43x PyTorch SDPA in the same run; "
+      "docs/performance.md)",
       kH200Machine, kH200Date);
 
   p.launch_overhead_s = 3.44e-6;
@@ -536,7 +538,7 @@ MachineProfile MachineProfile::h100_80gb(int gpus) {
            machine, "2023");
   p.attention_flops = h200_attention(scale);
   p.provenance["attention_flops"] =
-      prov("ESTIMATE: our H200's measured SDPA causal GQA curve (" + std::string(kH200Date) +
+      prov("ESTIMATE: OOM's flash attention curve measured on our H200 (" + std::string(kH200Date) +
                ") x 1.0, the ratio of the H100 SXM and H200 dense bf16 datasheet peaks (989.4 TFLOP/s each)",
            machine, "2023");
 
@@ -619,7 +621,7 @@ MachineProfile MachineProfile::rtx4090(int gpus) {
            machine, "2022");
   p.attention_flops = h200_attention(scale);
   p.provenance["attention_flops"] =
-      prov("ESTIMATE: our H200's measured SDPA causal GQA curve (" + std::string(kH200Date) +
+      prov("ESTIMATE: OOM's flash attention curve measured on our H200 (" + std::string(kH200Date) +
                ") x 165.2 / 989.4 (dense bf16 fp32-accumulate peaks: Ada whitepaper, H200 datasheet)",
            machine, "2022");
 
