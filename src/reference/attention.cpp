@@ -214,6 +214,38 @@ void attention_backward_dkv_row(const AttentionDims& dims, double scale, std::sp
   }
 }
 
+namespace {
+
+/// The error scales of query row (b, h, i) from its softmax row and its O (stored or recomputed):
+/// fills the row's o_mag `om` and dq_mag `qm`, and hands each key j its P_ij and
+/// w_ij = |dS_ij| + P_ij Dabs_i through per_key(j, p, w), for the dK/dV sums.
+template <class In, class O, class PerKey>
+void error_scales_of_row(const AttentionDims& dims, double scale, const RowSoftmax<In>& row, std::span<const In> k,
+                         std::span<const In> v, const In* doi, const O* oi, int b, int hk, double* om, double* qm,
+                         PerKey&& per_key) {
+  const Index ix{dims};
+  const int n = dims.head_dim;
+  double delta = 0, dabs = 0;
+  for (int x = 0; x < n; ++x) {
+    delta += value(doi[x]) * static_cast<double>(oi[x]);
+    dabs += std::abs(value(doi[x]) * static_cast<double>(oi[x]));
+  }
+  for (int x = 0; x < n; ++x) om[x] = qm[x] = 0;
+  for (std::size_t j = 0; j < row.p.size(); ++j) {
+    const In* kj = k.data() + ix.kv(b, static_cast<int>(j), hk);
+    const In* vj = v.data() + ix.kv(b, static_cast<int>(j), hk);
+    const double p = row.p[j];
+    const double w = std::abs(p * (dot(doi, vj, n) - delta)) + p * dabs;
+    for (int x = 0; x < n; ++x) {
+      om[x] += p * std::abs(value(vj[x]));
+      qm[x] += scale * w * std::abs(value(kj[x]));
+    }
+    per_key(static_cast<int>(j), p, w);
+  }
+}
+
+}  // namespace
+
 template <class In>
 void attention_error_scales(const AttentionDims& dims, double scale, std::span<const In> q, std::span<const In> k,
                             std::span<const In> v, std::span<const AttentionReal<In>> o, std::span<const In> d_o,
@@ -229,32 +261,18 @@ void attention_error_scales(const AttentionDims& dims, double scale, std::span<c
       for (int x = 0; x < n; ++x) dk_mag[ix.kv(b, j, hk) + x] = dv_mag[ix.kv(b, j, hk) + x] = 0;
     for (int h = hk * group; h < (hk + 1) * group; ++h)
       for (int i = 0; i < dims.seq; ++i) {
-        const RowSoftmax<In> row(dims, scale, q, k, b, h, i);
         const In* qi = q.data() + ix.q(b, i, h);
         const In* doi = d_o.data() + ix.q(b, i, h);
-        const auto* oi = o.data() + ix.q(b, i, h);
-        double delta = 0, dabs = 0;
-        for (int x = 0; x < n; ++x) {
-          delta += value(doi[x]) * static_cast<double>(oi[x]);
-          dabs += std::abs(value(doi[x]) * static_cast<double>(oi[x]));
-        }
-        double* om = o_mag.data() + ix.q(b, i, h);
-        double* qm = dq_mag.data() + ix.q(b, i, h);
-        for (int x = 0; x < n; ++x) om[x] = qm[x] = 0;
-        for (int j = 0; j <= i; ++j) {
-          const In* kj = k.data() + ix.kv(b, j, hk);
-          const In* vj = v.data() + ix.kv(b, j, hk);
-          const double p = row.p[static_cast<std::size_t>(j)];
-          const double w = std::abs(p * (dot(doi, vj, n) - delta)) + p * dabs;
-          double* km = dk_mag.data() + ix.kv(b, j, hk);
-          double* vm = dv_mag.data() + ix.kv(b, j, hk);
-          for (int x = 0; x < n; ++x) {
-            om[x] += p * std::abs(value(vj[x]));
-            qm[x] += scale * w * std::abs(value(kj[x]));
-            km[x] += scale * w * std::abs(value(qi[x]));
-            vm[x] += p * std::abs(value(doi[x]));
-          }
-        }
+        error_scales_of_row(dims, scale, RowSoftmax<In>(dims, scale, q, k, b, h, i), k, v, doi, o.data() + ix.q(b, i, h),
+                            b, hk, o_mag.data() + ix.q(b, i, h), dq_mag.data() + ix.q(b, i, h),
+                            [&](int j, double p, double w) {
+                              double* km = dk_mag.data() + ix.kv(b, j, hk);
+                              double* vm = dv_mag.data() + ix.kv(b, j, hk);
+                              for (int x = 0; x < n; ++x) {
+                                km[x] += scale * w * std::abs(value(qi[x]));
+                                vm[x] += p * std::abs(value(doi[x]));
+                              }
+                            });
       }
   });
 }
@@ -265,26 +283,10 @@ void attention_error_scales_row(const AttentionDims& dims, double scale, std::sp
                                 std::span<double> o_mag_row, std::span<double> dq_mag_row) {
   check_dims(dims, std::min(q.size(), d_o.size()), std::min(k.size(), v.size()));
   const Index ix{dims};
-  const int n = dims.head_dim, hk = ix.kv_head(h);
   const RowSoftmax<In> row(dims, scale, q, k, b, h, i);
   const auto o = forward_row(dims, row, v, b, h);
-  const In* doi = d_o.data() + ix.q(b, i, h);
-  double delta = 0, dabs = 0;
-  for (int x = 0; x < n; ++x) {
-    delta += value(doi[x]) * o[static_cast<std::size_t>(x)];
-    dabs += std::abs(value(doi[x]) * o[static_cast<std::size_t>(x)]);
-  }
-  for (int x = 0; x < n; ++x) o_mag_row[x] = dq_mag_row[x] = 0;
-  for (int j = 0; j <= i; ++j) {
-    const In* kj = k.data() + ix.kv(b, j, hk);
-    const In* vj = v.data() + ix.kv(b, j, hk);
-    const double p = row.p[static_cast<std::size_t>(j)];
-    const double w = std::abs(p * (dot(doi, vj, n) - delta)) + p * dabs;
-    for (int x = 0; x < n; ++x) {
-      o_mag_row[x] += p * std::abs(value(vj[x]));
-      dq_mag_row[x] += scale * w * std::abs(value(kj[x]));
-    }
-  }
+  error_scales_of_row(dims, scale, row, k, v, d_o.data() + ix.q(b, i, h), o.data(), b, ix.kv_head(h), o_mag_row.data(),
+                      dq_mag_row.data(), [](int, double, double) {});
 }
 
 #define OOM_INSTANTIATE_ATTENTION_REFERENCE(In)                                                                      \
