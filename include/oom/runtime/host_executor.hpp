@@ -6,7 +6,9 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -47,9 +49,25 @@ concept host_layer = layer<L, HostLayerContext> && requires(const L& l, Activati
 
 struct HostExecutorOptions {
   optim::AdamWConfig adamw;
+  /// A step whose loss is NaN or infinite ends after the forward: no backward, no update, the
+  /// optimizer's step count unchanged; step() returns the loss and the caller decides.
+  bool skip_nonfinite_loss = true;
+  /// Every gradient is checked as it lands; a NaN or infinity throws Errc::invalid_argument naming
+  /// the segment instead of updating it. (Other segments of that step may have been updated
+  /// already, since updates overlap the backward: the run should stop, not continue.)
+  bool check_gradients = true;
   /// Test hook: compute does not wait for its weights' load. Exists so the equivalence tests can
   /// show they catch a broken schedule; never set it otherwise.
   bool drop_weight_wait = false;
+};
+
+/// The loss at the top of the stack: from the last layer's output y (T, H) writes dL/dy into
+/// grad_y (T, H) and returns L. Runs on the compute stream, after the forward.
+using HostLossFn = std::function<double(const float* y, float* grad_y)>;
+
+/// AdamW state of one segment (fp32 master and both moments), in layer order; what checkpoints hold.
+struct SegmentOptimizerState {
+  std::vector<float> master, exp_avg, exp_avg_sq;
 };
 
 template <host_layer L>
@@ -78,6 +96,7 @@ class HostExecutor {
                                                         seg.name, index < initial_master.size() ? initial_master[index].size() : 0,
                                                         seg.parameters()));
         ls.segments.push_back(make_segment(initial_master[index], resident.count(seg.name) > 0));
+        ls.segments.back().name = seg.name;
         ++index;
       }
       for (int c = 0; c < activation_class_count; ++c) {
@@ -122,22 +141,47 @@ class HostExecutor {
   /// Returns the loss. If anything throws (a budget overrun, say), the work already queued is
   /// drained before the exception leaves, so no stream touches the caller's buffers afterwards.
   double step(const std::vector<float>& input, const std::vector<float>& target) {
+    const std::uint64_t t = plan_.workload.tokens();
+    const std::uint64_t h = layers_.front().hidden();
+    if (target.size() != t * h) OOM_THROW(Errc::invalid_argument, fmt::format("step needs (T, H) = ({}, {}) targets", t, h));
+    const float* tgt = target.data();
+    return step(input, [tgt, t, h](const float* y, float* grad) {
+      double sum = 0;
+      for (std::uint64_t i = 0; i < t * h; ++i) {
+        const float d = y[i] - tgt[i];
+        sum += 0.5 * static_cast<double>(d) * d;
+        grad[i] = d / static_cast<float>(t);
+      }
+      return sum / static_cast<double>(t);
+    });
+  }
+
+  /// One training step of the stack on `input` (T, H) with the loss `loss` at the top. When
+  /// `grad_input` is given it receives dL/d(input) (T, H), for what lies below the stack (an
+  /// embedding). Returns the loss; a non-finite one skips the backward and the update when
+  /// options.skip_nonfinite_loss (see last_step_skipped()).
+  double step(const std::vector<float>& input, const HostLossFn& loss, std::vector<float>* grad_input = nullptr) {
     try {
-      return run_step(input, target);
+      return run_step(input, loss, grad_input);
     } catch (...) {
       drain();
       throw;
     }
   }
 
+  /// Whether the last step() ended after its forward (non-finite loss).
+  [[nodiscard]] bool last_step_skipped() const { return skipped_; }
+  /// Optimizer steps taken (skipped steps do not count).
+  [[nodiscard]] std::int64_t optimizer_steps() const { return step_; }
+
  private:
-  double run_step(const std::vector<float>& input, const std::vector<float>& target) {
+  double run_step(const std::vector<float>& input, const HostLossFn& loss_fn, std::vector<float>* grad_input) {
     const std::uint64_t t = plan_.workload.tokens();
     const std::uint64_t h = layers_.front().hidden();
-    if (input.size() != t * h || target.size() != t * h)
-      OOM_THROW(Errc::invalid_argument, fmt::format("step needs (T, H) = ({}, {}) inputs", t, h));
-    ++step_;
-    const auto scalars = optim::adamw_step_scalars(options_.adamw, step_);
+    if (input.size() != t * h)
+      OOM_THROW(Errc::invalid_argument, fmt::format("step needs (T, H) = ({}, {}) inputs, got {} values", t, h, input.size()));
+    skipped_ = false;
+    const auto scalars = optim::adamw_step_scalars(options_.adamw, step_ + 1);
     const std::size_t n = layers_.size();
     const Bytes act_bytes{t * h * sizeof(float)};
     std::vector<float*> act(n + 1, nullptr);  // act[l]: input of layer l (device)
@@ -197,18 +241,28 @@ class HostExecutor {
     double loss = 0;
     {
       float* y = act[n];
-      const float* tgt = target.data();
-      b_.submit(compute_, [y, tgt, grad, t, h, &loss] {
-        double sum = 0;
-        for (std::uint64_t i = 0; i < t * h; ++i) {
-          const float d = y[i] - tgt[i];
-          sum += 0.5 * static_cast<double>(d) * d;
-          grad[i] = d / static_cast<float>(t);
-        }
-        loss = sum / static_cast<double>(t);
-      });
+      const HostLossFn* fn = &loss_fn;
+      b_.submit(compute_, [y, grad, fn, &loss] { loss = (*fn)(y, grad); });
       free_device_on(compute_, act[n], act_bytes, Claimant::retained_activations);
     }
+    if (options_.skip_nonfinite_loss) {
+      b_.synchronize(compute_);
+      if (!std::isfinite(loss)) {
+        b_.synchronize(d2h_);  // offloads in flight land before their buffers go
+        for (std::size_t l = 0; l < n; ++l) {
+          for (int c = 0; c < activation_class_count; ++c) {
+            const auto i = static_cast<std::size_t>(c);
+            float* dev = c == 0 ? act[l] : saved[l][i];
+            if (dev != nullptr) b_.free(dev, MemorySpace::device(0), class_bytes(l, c, t), Claimant::retained_activations);
+            if (host_copy[l][i] != nullptr) b_.free(host_copy[l][i], MemorySpace::pinned_host(), class_bytes(l, c, t), Claimant::host_offload);
+          }
+        }
+        b_.free(grad, MemorySpace::device(0), act_bytes, Claimant::worksets);
+        skipped_ = true;
+        return loss;
+      }
+    }
+    ++step_;
 
     // ---- backward ----
     for (std::size_t li = n; li-- > 0;) {
@@ -288,12 +342,61 @@ class HostExecutor {
         if (!seg.resident) submit_cpu_adamw(seg, scalars);
       b_.record(ls.updated, cpu_);
     }
+    if (grad_input != nullptr) {
+      grad_input->resize(t * h);
+      float* dst = grad_input->data();
+      b_.submit(compute_, [dst, grad, t, h] { std::copy(grad, grad + t * h, dst); });
+    }
     free_device_on(compute_, grad, act_bytes, Claimant::worksets);
     synchronize_all();
     return loss;
   }
 
  public:
+  /// AdamW state of every segment, in layer order (device copies for resident ones).
+  std::vector<SegmentOptimizerState> optimizer_state() {
+    synchronize_all();
+    std::vector<SegmentOptimizerState> out;
+    for (auto& ls : layers_state_)
+      for (auto& s : ls.segments) {
+        const float* m = s.resident ? s.device_master : s.master;
+        const float* a = s.resident ? s.device_m : s.exp_avg;
+        const float* v = s.resident ? s.device_v : s.exp_avg_sq;
+        out.push_back({{m, m + s.n}, {a, a + s.n}, {v, v + s.n}});
+      }
+    return out;
+  }
+
+  /// Continues from saved state (a checkpoint): every segment's master, moments and bf16 working
+  /// copy, and the optimizer's step count. Sizes must match the layers' segments.
+  void load_optimizer_state(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps) {
+    synchronize_all();
+    std::size_t i = 0;
+    for (auto& ls : layers_state_)  // all checked before anything is overwritten
+      for (auto& s : ls.segments) {
+        if (i >= state.size())
+          OOM_THROW(Errc::invalid_argument, fmt::format("optimizer state holds {} segments, the layers more", state.size()));
+        if (state[i].master.size() != s.n || state[i].exp_avg.size() != s.n || state[i].exp_avg_sq.size() != s.n)
+          OOM_THROW(Errc::invalid_argument, fmt::format("optimizer state of segment '{}': sizes do not match its {} parameters", s.name, s.n));
+        ++i;
+      }
+    if (i != state.size()) OOM_THROW(Errc::invalid_argument, fmt::format("optimizer state holds {} segments, the layers {}", state.size(), i));
+    i = 0;
+    for (auto& ls : layers_state_)
+      for (auto& s : ls.segments) {
+        float* m = s.resident ? s.device_master : s.master;
+        float* a = s.resident ? s.device_m : s.exp_avg;
+        float* v = s.resident ? s.device_v : s.exp_avg_sq;
+        bf16* w = s.resident ? s.device_weights : s.weights;
+        std::copy(state[i].master.begin(), state[i].master.end(), m);
+        std::copy(state[i].exp_avg.begin(), state[i].exp_avg.end(), a);
+        std::copy(state[i].exp_avg_sq.begin(), state[i].exp_avg_sq.end(), v);
+        for (std::uint64_t e = 0; e < s.n; ++e) w[e] = to_bf16(m[e]);
+        ++i;
+      }
+    step_ = optimizer_steps;
+  }
+
   /// fp32 master weights of every segment, in layer order (device copies for resident ones).
   std::vector<std::vector<float>> master() {
     synchronize_all();
@@ -308,6 +411,7 @@ class HostExecutor {
 
  private:
   struct Segment {
+    std::string name;
     std::uint64_t n = 0;
     bool resident = false;
     // Host (pinned) state of a streamed segment: one block, bf16 working copy first.
@@ -441,8 +545,19 @@ class HostExecutor {
     }
   }
 
+  // Errc::invalid_argument naming the segment when a gradient is NaN or infinite.
+  static void check_finite(const Segment& seg, const float* grad, std::int64_t step) {
+    for (std::uint64_t i = 0; i < seg.n; ++i)
+      if (!std::isfinite(grad[i]))
+        OOM_THROW(Errc::invalid_argument, fmt::format("step {}: non-finite gradient ({}) in segment '{}' at element {}", step,
+                                                      grad[i], seg.name, i));
+  }
+
   void submit_device_adamw(Segment& seg, const optim::AdamWStepScalars& sc) {
-    b_.submit(compute_, [&seg, sc] {
+    const bool check = options_.check_gradients;
+    const std::int64_t step = step_;
+    b_.submit(compute_, [&seg, sc, check, step] {
+      if (check) check_finite(seg, seg.device_grad, step);
       for (std::uint64_t i = 0; i < seg.n; ++i) {
         optim::adamw_element(sc, seg.device_master[i], seg.device_m[i], seg.device_v[i], seg.device_grad[i]);
         seg.device_weights[i] = to_bf16(seg.device_master[i]);
@@ -451,7 +566,10 @@ class HostExecutor {
   }
   void submit_cpu_adamw(Segment& seg, const optim::AdamWStepScalars& sc) {
     auto* pool = &pool_;
-    b_.submit(cpu_, [&seg, sc, pool] {
+    const bool check = options_.check_gradients;
+    const std::int64_t step = step_;
+    b_.submit(cpu_, [&seg, sc, pool, check, step] {
+      if (check) check_finite(seg, seg.staging, step);
       optim::AdamWSpan<float> span{{seg.master, seg.n}, {seg.exp_avg, seg.n}, {seg.exp_avg_sq, seg.n},
                                    {seg.staging, seg.n}, {seg.weights, seg.n}};
       optim::adamw_update(span, sc, *pool);
@@ -484,6 +602,7 @@ class HostExecutor {
   std::vector<Slot> slots_;
   std::size_t next_slot_ = 0;
   std::int64_t step_ = 0;
+  bool skipped_ = false;
 };
 
 }  // namespace oom
