@@ -21,6 +21,7 @@
 #include "oom/core/numeric.hpp"
 #include "oom/optim/adamw.hpp"
 #include "oom/optim/cpu_adamw.hpp"
+#include "oom/optim/segment_state.hpp"
 #include "oom/plan/plan.hpp"
 #include "oom/runtime/host_backend.hpp"
 
@@ -64,11 +65,6 @@ struct HostExecutorOptions {
 /// The loss at the top of the stack: from the last layer's output y (T, H) writes dL/dy into
 /// grad_y (T, H) and returns L. Runs on the compute stream, after the forward.
 using HostLossFn = std::function<double(const float* y, float* grad_y)>;
-
-/// AdamW state of one segment (fp32 master and both moments), in layer order; what checkpoints hold.
-struct SegmentOptimizerState {
-  std::vector<float> master, exp_avg, exp_avg_sq;
-};
 
 template <host_layer L>
 class HostExecutor {

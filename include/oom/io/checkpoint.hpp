@@ -1,0 +1,63 @@
+// Training checkpoints: a directory a run can be resumed from and that transformers can load.
+//
+//   <run>/checkpoint-000120/
+//       model.safetensors      fp32 master weights under their Hugging Face names (a packed
+//                              expert tensor is written whole, gathered from its segments)
+//       optimizer.safetensors  AdamW moments: "exp_avg.<name>" and "exp_avg_sq.<name>", fp32
+//       trainer_state.json     whatever the trainer needs to continue (step, data position, ...)
+//       config.json            the model's config.json, verbatim
+//   <run>/latest               "checkpoint-000120\n"
+//
+// Nothing half-written is ever visible: the files go into "checkpoint-000120.partial/", each
+// written atomically; the directory is renamed into place and only then is `latest` replaced
+// (atomically). A crash at any point leaves `latest` naming a complete checkpoint (or none).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "oom/io/json.hpp"
+#include "oom/optim/segment_state.hpp"
+
+namespace oom {
+
+class ModelSpec;
+
+struct CheckpointWrite {
+  std::uint64_t step = 0;        ///< names the directory
+  std::string config_json;       ///< written verbatim as config.json
+  Json trainer_state;            ///< written as trainer_state.json
+  int keep = 2;                  ///< complete checkpoints kept in the run directory (older ones removed)
+};
+
+/// Writes a checkpoint of `state` (one entry per segment of `spec`, in spec.segments() order) into
+/// `run_dir` (created if missing) and points `latest` at it; returns the checkpoint's directory.
+/// Errc::invalid_argument when `state` does not match the spec's segments; Errc::io on write errors
+/// (nothing under the checkpoint's final name then).
+std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const ModelSpec& spec,
+                                      std::span<const SegmentOptimizerState> state, const CheckpointWrite& what);
+
+/// The checkpoint `latest` names in `run_dir`, or nullopt when there is none yet.
+/// Errc::parse when `latest` exists but names no checkpoint directory.
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
+
+struct CheckpointRead {
+  std::vector<SegmentOptimizerState> state;  ///< per segment of the spec, in order
+  Json trainer_state;
+};
+
+/// Reads a checkpoint directory against `spec`: every segment's tensors by name and shape, fp32 or
+/// bf16. `with_optimizer` false reads weights only (moments left empty), e.g. to start a run from
+/// someone's weights. Errors name the file and the tensor (Errc::parse) or the file (Errc::io).
+CheckpointRead load_checkpoint(const std::filesystem::path& dir, const ModelSpec& spec, bool with_optimizer = true);
+
+/// Reads weights only from one safetensors file (transformers' model.safetensors, or ours):
+/// per segment of `spec`, the fp32 values of its tensors back to back.
+std::vector<std::vector<float>> load_weights(const std::filesystem::path& safetensors, const ModelSpec& spec);
+
+}  // namespace oom

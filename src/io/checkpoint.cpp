@@ -1,0 +1,214 @@
+// Checkpoints: segments' fp32 state to safetensors under Hugging Face names, and back.
+#include "oom/io/checkpoint.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <system_error>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+#include "oom/core/numeric.hpp"
+#include "oom/io/atomic_file.hpp"
+#include "oom/io/safetensors.hpp"
+#include "oom/model/model_spec.hpp"
+
+namespace oom {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Where one checkpoint tensor's values come from: slices of segments' vectors, in tensor order
+// (one slice for a plain tensor, stacked_count for a packed expert tensor).
+struct Source {
+  std::string name;
+  std::vector<std::uint64_t> shape;  // the checkpoint tensor's
+  std::vector<std::pair<std::size_t, std::uint64_t>> slices;  // (segment, offset within it)
+  std::uint64_t slice_elements = 0;
+};
+
+std::vector<Source> sources(const ModelSpec& spec) {
+  std::vector<Source> out;
+  std::map<std::string, std::size_t> packed;  // name -> index in out
+  const auto& segs = spec.segments();
+  for (std::size_t s = 0; s < segs.size(); ++s) {
+    std::uint64_t offset = 0;
+    for (const auto& t : segs[s].tensors) {
+      if (t.stacked_index < 0) {
+        out.push_back({t.name, t.shape, {{s, offset}}, t.elements()});
+      } else {
+        auto [it, fresh] = packed.try_emplace(t.name, out.size());
+        if (fresh) {
+          Source src{t.name, t.shape, {}, t.elements()};
+          src.shape.insert(src.shape.begin(), t.stacked_count);
+          src.slices.resize(t.stacked_count, {segs.size(), 0});
+          out.push_back(std::move(src));
+        }
+        out[it->second].slices.at(static_cast<std::size_t>(t.stacked_index)) = {s, offset};
+      }
+      offset += t.elements();
+    }
+  }
+  for (const auto& src : out)
+    for (const auto& [seg, off] : src.slices)
+      if (seg >= segs.size())
+        OOM_THROW(Errc::internal, fmt::format("packed tensor '{}' has a slice no segment provides", src.name));
+  return out;
+}
+
+// A safetensors entry whose bytes are gathered from the segments' `member` vectors.
+SafetensorsEntry entry(std::string name, const Source& src, std::span<const SegmentOptimizerState> state,
+                       std::vector<float> SegmentOptimizerState::*member) {
+  SafetensorsEntry e;
+  e.name = std::move(name);
+  e.dtype = DType::fp32;
+  e.shape = src.shape;
+  const Source* s = &src;
+  e.fill = [s, state, member](std::uint64_t offset, std::span<std::byte> out) {
+    // offset and out.size() are multiples of 4 except possibly the last piece; copy bytes.
+    const std::uint64_t slice_bytes = s->slice_elements * sizeof(float);
+    std::uint64_t done = 0;
+    while (done < out.size()) {
+      const std::uint64_t at = offset + done;
+      const std::uint64_t slice = at / slice_bytes, within = at % slice_bytes;
+      const auto [seg, seg_off] = s->slices[slice];
+      const auto& v = state[seg].*member;
+      const std::uint64_t n = std::min<std::uint64_t>(slice_bytes - within, out.size() - done);
+      std::memcpy(out.data() + done, reinterpret_cast<const std::byte*>(v.data() + seg_off) + within, n);
+      done += n;
+    }
+  };
+  return e;
+}
+
+std::string checkpoint_name(std::uint64_t step) { return fmt::format("checkpoint-{:06}", step); }
+
+void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<float> out) {
+  DType dt{};
+  const auto bytes = file.tensor_bytes(t, &dt);
+  if (dt == DType::fp32) {
+    std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  } else if (dt == DType::bf16) {
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      bf16 h;
+      std::memcpy(&h.bits, bytes.data() + 2 * i, 2);
+      out[i] = to_float(h);
+    }
+  } else {
+    OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; weights must be F32 or BF16", file.source(), t.name,
+                                       safetensors_dtype_name(dt)));
+  }
+}
+
+std::vector<std::vector<float>> read_segments(const SafetensorsFile& file, const ModelSpec& spec, std::string_view prefix) {
+  std::vector<std::vector<float>> out;
+  for (const auto& seg : spec.segments()) {
+    std::vector<float> v(seg.parameters());
+    std::uint64_t offset = 0;
+    for (const auto& t : seg.tensors) {
+      TensorSpec named = t;
+      named.name = std::string(prefix) + t.name;
+      read_values(file, named, std::span<float>(v).subspan(offset, t.elements()));
+      offset += t.elements();
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+}  // namespace
+
+fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::span<const SegmentOptimizerState> state,
+                         const CheckpointWrite& what) {
+  const auto& segs = spec.segments();
+  if (state.size() != segs.size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("checkpoint: {} segment states for a model of {} segments", state.size(), segs.size()));
+  for (std::size_t s = 0; s < segs.size(); ++s) {
+    const auto n = segs[s].parameters();
+    if (state[s].master.size() != n || state[s].exp_avg.size() != n || state[s].exp_avg_sq.size() != n)
+      OOM_THROW(Errc::invalid_argument, fmt::format("checkpoint: segment '{}' holds {}/{}/{} values (master/m/v) for {} parameters",
+                                                    segs[s].name, state[s].master.size(), state[s].exp_avg.size(),
+                                                    state[s].exp_avg_sq.size(), n));
+  }
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  if (ec) OOM_THROW(Errc::io, fmt::format("{}: cannot create the run directory: {}", run_dir.string(), ec.message()));
+  const std::string name = checkpoint_name(what.step);
+  const fs::path final_dir = run_dir / name;
+  const fs::path partial = run_dir / (name + ".partial");
+  fs::remove_all(partial, ec);
+  fs::create_directory(partial, ec);
+  if (ec) OOM_THROW(Errc::io, fmt::format("{}: cannot create: {}", partial.string(), ec.message()));
+
+  const auto srcs = sources(spec);
+  std::vector<SafetensorsEntry> model, optimizer;
+  for (const auto& src : srcs) {
+    model.push_back(entry(src.name, src, state, &SegmentOptimizerState::master));
+    optimizer.push_back(entry("exp_avg." + src.name, src, state, &SegmentOptimizerState::exp_avg));
+    optimizer.push_back(entry("exp_avg_sq." + src.name, src, state, &SegmentOptimizerState::exp_avg_sq));
+  }
+  const SafetensorsFile::Metadata meta{{"format", "pt"}, {"producer", "oom"}, {"step", std::to_string(what.step)}};
+  write_safetensors(partial / "model.safetensors", std::move(model), meta);
+  write_safetensors(partial / "optimizer.safetensors", std::move(optimizer), meta);
+  write_file_atomically(partial / "trainer_state.json", what.trainer_state.dump(2) + "\n");
+  write_file_atomically(partial / "config.json", what.config_json);
+
+  fs::remove_all(final_dir, ec);  // a checkpoint of the same step from an earlier, abandoned attempt
+  fs::rename(partial, final_dir, ec);
+  if (ec) OOM_THROW(Errc::io, fmt::format("cannot rename {} to {}: {}", partial.string(), final_dir.string(), ec.message()));
+  write_file_atomically(run_dir / "latest", name + "\n");  // also makes the rename durable (same directory)
+
+  // Keep the newest `keep` complete checkpoints; `latest` is always among them.
+  std::vector<fs::path> complete;
+  for (const auto& e : fs::directory_iterator(run_dir, ec)) {
+    const auto fn = e.path().filename().string();
+    if (e.is_directory() && fn.starts_with("checkpoint-") && !fn.ends_with(".partial")) complete.push_back(e.path());
+  }
+  std::sort(complete.begin(), complete.end());
+  const std::size_t keep = static_cast<std::size_t>(std::max(what.keep, 1));
+  for (std::size_t i = 0; i + keep < complete.size(); ++i)
+    if (complete[i] != final_dir) fs::remove_all(complete[i], ec);
+  return final_dir;
+}
+
+std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
+  const fs::path latest = run_dir / "latest";
+  std::error_code ec;
+  if (!fs::exists(latest, ec)) return std::nullopt;
+  MappedFile f(latest);
+  std::string name(reinterpret_cast<const char*>(f.bytes().data()), f.bytes().size());
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  if (name.empty() || name.find('/') != std::string::npos || !fs::is_directory(run_dir / name, ec))
+    OOM_THROW(Errc::parse, fmt::format("{}: names '{}', which is not a checkpoint directory", latest.string(), name));
+  return run_dir / name;
+}
+
+CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool with_optimizer) {
+  CheckpointRead r;
+  const auto model = SafetensorsFile::open(dir / "model.safetensors");
+  auto masters = read_segments(model, spec, "");
+  std::vector<std::vector<float>> m, v;
+  if (with_optimizer) {
+    const auto opt = SafetensorsFile::open(dir / "optimizer.safetensors");
+    m = read_segments(opt, spec, "exp_avg.");
+    v = read_segments(opt, spec, "exp_avg_sq.");
+  }
+  for (std::size_t s = 0; s < masters.size(); ++s) {
+    SegmentOptimizerState st;
+    st.master = std::move(masters[s]);
+    if (with_optimizer) {
+      st.exp_avg = std::move(m[s]);
+      st.exp_avg_sq = std::move(v[s]);
+    }
+    r.state.push_back(std::move(st));
+  }
+  r.trainer_state = read_json_file(dir / "trainer_state.json");
+  return r;
+}
+
+std::vector<std::vector<float>> load_weights(const fs::path& safetensors, const ModelSpec& spec) {
+  return read_segments(SafetensorsFile::open(safetensors), spec, "");
+}
+
+}  // namespace oom

@@ -1,0 +1,134 @@
+// Checkpoints: the state comes back bit for bit, packed expert tensors are written whole, nothing
+// partial is ever named by `latest`, old checkpoints are pruned, and bad files are named.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include "oom/core/error.hpp"
+#include "oom/io/checkpoint.hpp"
+#include "oom/io/safetensors.hpp"
+#include "oom/model/model_spec.hpp"
+
+using namespace oom;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path fresh_dir(const char* name) {
+  const fs::path p = fs::temp_directory_path() / fmt::format("oom-ckpt-{}-{}", name, ::getpid());
+  fs::remove_all(p);
+  return p;
+}
+
+std::vector<SegmentOptimizerState> random_state(const ModelSpec& spec, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d;
+  std::vector<SegmentOptimizerState> out;
+  for (const auto& s : spec.segments()) {
+    SegmentOptimizerState st;
+    for (auto* v : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
+      v->resize(s.parameters());
+      for (auto& x : *v) x = d(rng);
+    }
+    out.push_back(std::move(st));
+  }
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+ModelSpec tiny() { return ModelSpec::from_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json"); }
+
+}  // namespace
+
+TEST_CASE("a checkpoint round-trips the optimizer state bit for bit; latest names the newest, older ones are pruned") {
+  const auto spec = tiny();
+  const auto dir = fresh_dir("roundtrip");
+  CHECK_FALSE(latest_checkpoint(dir).has_value());
+  const auto a = random_state(spec, 1), b = random_state(spec, 2);
+  Json ts = Json::object();
+  ts.set("step", 5);
+  (void)save_checkpoint(dir, spec, a, {5, "{}", ts, 1});
+  ts.set("step", 7);
+  const auto where = save_checkpoint(dir, spec, b, {7, "{\"model_type\": \"qwen3_moe\"}", ts, 1});
+  CHECK(where == dir / "checkpoint-000007");
+  CHECK_FALSE(fs::exists(dir / "checkpoint-000005"));  // keep = 1
+  // A crash mid-write leaves a .partial directory, which nothing reads.
+  fs::create_directories(dir / "checkpoint-000009.partial");
+  REQUIRE(latest_checkpoint(dir).has_value());
+  CHECK(*latest_checkpoint(dir) == where);
+  const auto r = load_checkpoint(where, spec);
+  REQUIRE(r.state.size() == b.size());
+  for (std::size_t s = 0; s < b.size(); ++s) {
+    CAPTURE(spec.segments()[s].name);
+    CHECK(same_bits(r.state[s].master, b[s].master));
+    CHECK(same_bits(r.state[s].exp_avg, b[s].exp_avg));
+    CHECK(same_bits(r.state[s].exp_avg_sq, b[s].exp_avg_sq));
+  }
+  CHECK(r.trainer_state.find("step")->as_int64() == 7);
+  // Weights are under their Hugging Face names, as transformers expects.
+  const auto model = SafetensorsFile::open(where / "model.safetensors");
+  CHECK(model.find("model.layers.3.mlp.experts.7.down_proj.weight") != nullptr);
+  CHECK(model.find("lm_head.weight") != nullptr);
+  CHECK(load_weights(where / "model.safetensors", spec)[1] == b[1].master);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("packed expert tensors are gathered from their segments and split again") {
+  // A small Qwen3.5-MoE: experts packed per layer as gate_up_proj [E, 2I, H] and down_proj [E, H, I].
+  Json j = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/qwen3.5-35b-a3b.json");
+  Json text = *j.find("text_config");
+  for (auto [k, v] : {std::pair{"hidden_size", 32}, {"num_hidden_layers", 4}, {"num_experts", 4}, {"moe_intermediate_size", 8},
+                      {"shared_expert_intermediate_size", 8}, {"vocab_size", 64}, {"num_attention_heads", 2},
+                      {"num_key_value_heads", 1}, {"head_dim", 16}, {"linear_num_key_heads", 2}, {"linear_num_value_heads", 2},
+                      {"linear_key_head_dim", 8}, {"linear_value_head_dim", 8}, {"num_experts_per_tok", 2}})
+    text.set(k, v);
+  if (text.find("layer_types") != nullptr)
+    text.set("layer_types", Json::parse(R"(["linear_attention","linear_attention","linear_attention","full_attention"])"));
+  j.set("text_config", text);
+  const auto spec = ModelSpec::from_json(j, "small-qwen3.5");
+  bool any_packed = false;
+  for (const auto& s : spec.segments())
+    for (const auto& t : s.tensors) any_packed |= t.stacked_index >= 0;
+  REQUIRE(any_packed);
+  const auto dir = fresh_dir("packed");
+  const auto st = random_state(spec, 3);
+  const auto where = save_checkpoint(dir, spec, st, {1, "{}", Json::object(), 2});
+  const auto r = load_checkpoint(where, spec);
+  for (std::size_t s = 0; s < st.size(); ++s) CHECK(same_bits(r.state[s].master, st[s].master));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("bad state and bad files are refused with their names, leaving nothing behind") {
+  const auto spec = tiny();
+  const auto dir = fresh_dir("bad");
+  auto st = random_state(spec, 4);
+  st[3].exp_avg.pop_back();
+  CHECK_THROWS_WITH_AS((void)save_checkpoint(dir, spec, st, {1, "{}", Json::object(), 2}),
+                       doctest::Contains(spec.segments()[3].name.c_str()), Error);
+  CHECK_FALSE(latest_checkpoint(dir).has_value());
+  st = random_state(spec, 4);
+  const auto where = save_checkpoint(dir, spec, st, {2, "{}", Json::object(), 2});
+  // Truncate model.safetensors: the reader names the file.
+  const auto model = where / "model.safetensors";
+  fs::resize_file(model, fs::file_size(model) - 100);
+  CHECK_THROWS_WITH_AS((void)load_checkpoint(where, spec), doctest::Contains("model.safetensors"), Error);
+  // A checkpoint of another model: the missing tensor is named.
+  Json other = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json");
+  other.set("num_hidden_layers", 5);
+  const auto bigger = ModelSpec::from_json(other);
+  const auto where2 = save_checkpoint(dir, spec, st, {3, "{}", Json::object(), 2});
+  CHECK_THROWS_WITH_AS((void)load_checkpoint(where2, bigger), doctest::Contains("model.layers.4"), Error);
+  // `latest` naming something that is not there.
+  write_file_atomically(dir / "latest", "checkpoint-999999\n");
+  CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir), doctest::Contains("checkpoint-999999"), Error);
+  fs::remove_all(dir);
+}
