@@ -3,6 +3,8 @@
 # table last. Logs go to <build>/gpu-logs; when $OUT is set (the device tool's return folder, at
 # most 8 files) they come back as one archive, $OUT/gpu-logs.tgz, beside $OUT/summary.txt.
 #   bash scripts/gpu-check.sh
+# PARTS (default "tests bench reference") picks sections: the gpu/host tests, the benchmarks, the
+# reference checks against PyTorch/transformers (decoder layer; 50 training steps of oom-train).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build-gpu}
@@ -22,13 +24,37 @@ cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOOM_ENABLE_CUDA
   -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 cmake --build "$build_dir" -j "$jobs" > "$out/build.log" 2>&1 || { grep -E -A5 'error|FAILED' "$out/build.log" | head -60; exit 1; }
 
+parts=" ${PARTS:-tests bench reference} "
+gpu_rc=0 host_rc=0 bench_rc=0 ref_rc=0
+touch "$out/gpu-tests.log"
+if [[ "$parts" == *" tests "* ]]; then
 ctest --test-dir "$build_dir" -L gpu --output-on-failure -V > "$out/gpu-tests.log" 2>&1
 gpu_rc=$?
 ctest --test-dir "$build_dir" -LE gpu --output-on-failure > "$out/host-tests.log" 2>&1
 host_rc=$?
+fi
 
-bench_rc=0
-for b in "$build_dir"/bench/micro/bench_*; do
+if [[ "$parts" == *" reference "* ]]; then
+  # One decoder layer (attention + MoE) fwd+bwd vs transformers' Qwen3MoeDecoderLayer.
+  if [[ -f scripts/compare_decoder_layer.py ]]; then
+    PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_decoder_layer.py \
+      --tool "$build_dir/examples/layer-check/oom-layer-check" --workdir "$build_dir/layer-check" \
+      > "$out/compare-layer.log" 2>&1 || ref_rc=1
+  fi
+  # 50 steps of the example trainer vs the same 50 steps in PyTorch, from the same weights and data.
+  run="$build_dir/train-run"
+  rm -rf "$run"
+  if timeout 400 "$build_dir/examples/train/oom-train" --out "$run" --steps 50 --seq 128 --save-initial \
+      --dump-batches "$build_dir/train-batches.tok" --keep 3 --checkpoint-every 1000 --log-every 10 \
+      > "$out/train.log" 2>&1; then
+    PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
+      --batches "$build_dir/train-batches.tok" --device cuda > "$out/compare-train.log" 2>&1 || ref_rc=1
+  else
+    ref_rc=1
+  fi
+fi
+
+[[ "$parts" == *" bench "* ]] && for b in "$build_dir"/bench/micro/bench_*; do
   [[ -x "$b" ]] || continue
   name=$(basename "$b")
   "$b" --benchmark_format=console --benchmark_out="$out/$name.json" --benchmark_out_format=json \
@@ -37,11 +63,11 @@ done
 
 # Kernel benchmarks print their own tables (ratios to limits measured in the same run); the
 # attention one is paired with PyTorch SDPA on the same shapes.
-for b in "$build_dir"/bench/bench_moe_kernels "$build_dir"/bench/kernels/bench_attention; do
+[[ "$parts" == *" bench "* ]] && for b in "$build_dir"/bench/bench_moe_kernels "$build_dir"/bench/kernels/bench_attention; do
   [[ -x "$b" ]] || continue
   timeout 300 "$b" > "$out/$(basename "$b").log" 2>&1 || bench_rc=1
 done
-if [[ -f scripts/bench_attention_sdpa.py ]]; then
+if [[ "$parts" == *" bench "* && -f scripts/bench_attention_sdpa.py ]]; then
   PYTHONUNBUFFERED=1 timeout 300 python3 scripts/bench_attention_sdpa.py > "$out/sdpa.log" 2>&1 || bench_rc=1
 fi
 
@@ -75,16 +101,17 @@ if tests:
 w = max([len(r[0]) for r in rows] + [10])
 for r in rows:
     print(f"{r[0]:<{w}}  {r[1]:>14}  {r[2]}")
-for name in ("bench_moe_kernels.log", "bench_attention.log", "sdpa.log"):
+for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14),
+                    ("train.log", 4), ("compare-layer.log", 30), ("compare-train.log", 22)):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"--- {name} (last lines)")
-        print("".join(open(path).readlines()[-14:]).rstrip())
+        print("".join(open(path).readlines()[-lines:]).rstrip())
 PY
 cat "$out/summary.txt"
 if [[ -n "${OUT:-}" ]]; then
   cp "$out/summary.txt" "$OUT/summary.txt"
   tar czf "$OUT/gpu-logs.tgz" -C "$build_dir" gpu-logs
 fi
-echo "exit codes: gpu tests $gpu_rc, host tests $host_rc, benchmarks $bench_rc"
-exit $(( gpu_rc || host_rc || bench_rc ))
+echo "exit codes: gpu tests $gpu_rc, host tests $host_rc, benchmarks $bench_rc, reference checks $ref_rc"
+exit $(( gpu_rc || host_rc || bench_rc || ref_rc ))

@@ -1,0 +1,192 @@
+#include "host_lm.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+#include "oom/reference/lm_head_loss.hpp"
+#include "oom/reference/rmsnorm.hpp"
+
+namespace oom::train {
+namespace {
+
+std::uint64_t splitmix(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+// N(0, 1) from two counter-derived uniforms (Box-Muller, in double; the same bits everywhere).
+float normal(std::uint64_t key, std::uint64_t i) {
+  const double u1 = (static_cast<double>(splitmix(key ^ (2 * i)) >> 11) + 0.5) * 0x1.0p-53;
+  const double u2 = (static_cast<double>(splitmix(key ^ (2 * i + 1)) >> 11) + 0.5) * 0x1.0p-53;
+  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2));
+}
+
+bool is_norm(const std::string& name) { return name.ends_with("norm.weight") || name.ends_with("layernorm.weight"); }
+
+void check_finite(std::span<const float> g, const std::string& segment, std::int64_t step) {
+  for (std::size_t i = 0; i < g.size(); ++i)
+    if (!std::isfinite(g[i]))
+      OOM_THROW(Errc::invalid_argument, fmt::format("step {}: non-finite gradient ({}) in segment '{}' at element {}", step, g[i],
+                                                    segment, i));
+}
+
+}  // namespace
+
+std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint64_t seed, float std) {
+  std::vector<std::vector<float>> out;
+  std::uint64_t key = splitmix(seed);
+  for (const auto& seg : spec.segments()) {
+    std::vector<float> v;
+    v.reserve(seg.parameters());
+    for (const auto& t : seg.tensors) {
+      key = splitmix(key);
+      for (std::uint64_t i = 0; i < t.elements(); ++i) v.push_back(is_norm(t.name) ? 1.0f : std * normal(key, i));
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
+                           const optim::AdamWConfig& adamw, HostBackend::Options backend)
+    : spec_(&spec), plan_(plan), adamw_(adamw), backend_(std::make_unique<HostBackend>(backend)), pool_(0) {
+  const auto& segs = spec.segments();
+  if (weights.size() != segs.size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} weight blocks for a model of {} segments", weights.size(), segs.size()));
+  if (plan.workload.sequences != 1)
+    OOM_THROW(Errc::unsupported, fmt::format("the host trainer runs one sequence per step (the plan has {})", plan.workload.sequences));
+  tokens_ = plan.workload.tokens();
+  tied_ = spec.tied_embeddings();
+  auto make_end = [&](std::size_t s) {
+    End e;
+    e.segment = s;
+    e.master = weights[s];
+    e.m.assign(e.master.size(), 0.0f);
+    e.v.assign(e.master.size(), 0.0f);
+    e.grad.assign(e.master.size(), 0.0f);
+    e.weights.resize(e.master.size());
+    std::transform(e.master.begin(), e.master.end(), e.weights.begin(), [](float f) { return to_bf16(f); });
+    return e;
+  };
+  embedding_ = make_end(0);
+  std::vector<std::vector<float>> layer_weights;
+  std::size_t s = 1;
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    layers_.emplace_back(spec, l);
+    for (std::size_t k = 0; k < spec.layer_segments(l).size(); ++k) layer_weights.push_back(weights[s++]);
+  }
+  final_norm_ = make_end(s++);
+  if (!tied_) lm_head_ = make_end(s++);
+  HostExecutorOptions opt;
+  opt.adamw = adamw;
+  executor_ = std::make_unique<HostExecutor<HostDecoderLayer>>(*backend_, layers_, plan_, layer_weights, opt);
+}
+
+HostCausalLm::~HostCausalLm() = default;
+
+double HostCausalLm::loss_and_grad(const float* y, float* grad_y) {
+  const auto t = static_cast<std::int64_t>(tokens_);
+  const auto h = static_cast<std::int64_t>(spec_->hidden_size());
+  const auto v = static_cast<std::int64_t>(spec_->vocab_size());
+  const auto eps = static_cast<float>(spec_->rms_norm_eps());
+  std::vector<float> norm_w(final_norm_.weights.size()), r(static_cast<std::size_t>(t * h)), rstd(static_cast<std::size_t>(t));
+  std::transform(final_norm_.weights.begin(), final_norm_.weights.end(), norm_w.begin(), [](bf16 b) { return to_float(b); });
+  const std::span<const float> ys(y, static_cast<std::size_t>(t * h));
+  reference::rmsnorm_forward<float>(ys, norm_w, r, rstd, t, h, eps);
+  const End& head = tied_ ? embedding_ : lm_head_;
+  head_w_.resize(head.weights.size());
+  std::transform(head.weights.begin(), head.weights.end(), head_w_.begin(), [](bf16 b) { return to_float(b); });
+  const auto res = reference::lm_head_loss(t, h, v, r, head_w_, targets_, /*backward=*/true, 1.0 / static_cast<double>(t));
+  // dW of the head; the norm's backward gives dL/dy.
+  End& head_grad = tied_ ? embedding_ : lm_head_;
+  std::copy(res.dw.begin(), res.dw.end(), head_grad.grad.begin());
+  std::fill(final_norm_.grad.begin(), final_norm_.grad.end(), 0.0f);
+  reference::rmsnorm_backward<float>(res.dx, ys, norm_w, rstd, std::span<float>(grad_y, static_cast<std::size_t>(t * h)),
+                                     final_norm_.grad, t, h);
+  return res.loss_sum / static_cast<double>(t);
+}
+
+HostCausalLm::StepResult HostCausalLm::step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets) {
+  const auto h = spec_->hidden_size();
+  if (inputs.size() != tokens_ || targets.size() != tokens_)
+    OOM_THROW(Errc::invalid_argument, fmt::format("a step takes {} tokens (the plan's), got {} inputs and {} targets", tokens_,
+                                                  inputs.size(), targets.size()));
+  const auto vocab = spec_->vocab_size();
+  for (std::size_t i = 0; i < tokens_; ++i)
+    if (inputs[i] >= vocab || targets[i] >= vocab)
+      OOM_THROW(Errc::invalid_argument, fmt::format("token id {} at position {} is >= the model's vocab {}",
+                                                    std::max(inputs[i], targets[i]), i, vocab));
+  // Embedding: rows of the bf16 table, read exactly.
+  x_.resize(tokens_ * h);
+  for (std::size_t i = 0; i < tokens_; ++i)
+    for (std::uint64_t c = 0; c < h; ++c) x_[i * h + c] = to_float(embedding_.weights[inputs[i] * h + c]);
+  targets_.assign(targets.begin(), targets.end());
+  if (tied_) std::fill(embedding_.grad.begin(), embedding_.grad.end(), 0.0f);  // the head adds into it first
+  const double loss = executor_->step(x_, [this](const float* y, float* g) { return loss_and_grad(y, g); }, &grad_x_);
+  if (executor_->last_step_skipped()) return {loss, true};
+  // Embedding backward: scatter-add in token order (deterministic).
+  if (!tied_) std::fill(embedding_.grad.begin(), embedding_.grad.end(), 0.0f);
+  for (std::size_t i = 0; i < tokens_; ++i)
+    for (std::uint64_t c = 0; c < h; ++c) embedding_.grad[inputs[i] * h + c] += grad_x_[i * h + c];
+  update_ends();
+  return {loss, false};
+}
+
+void HostCausalLm::update_ends() {
+  const auto step = executor_->optimizer_steps();  // the executor has counted this step already
+  const auto sc = optim::adamw_step_scalars(adamw_, step);
+  for (End* e : {&embedding_, &final_norm_, &lm_head_}) {
+    if (e->master.empty()) continue;
+    check_finite(e->grad, spec_->segments()[e->segment].name, step);
+    optim::AdamWSpan<float> span{e->master, e->m, e->v, e->grad, e->weights};
+    optim::adamw_update(span, sc, pool_);
+  }
+}
+
+std::vector<SegmentOptimizerState> HostCausalLm::state() {
+  auto layers = executor_->optimizer_state();
+  std::vector<SegmentOptimizerState> out;
+  auto end = [](const End& e) { return SegmentOptimizerState{e.master, e.m, e.v}; };
+  out.push_back(end(embedding_));
+  for (auto& s : layers) out.push_back(std::move(s));
+  out.push_back(end(final_norm_));
+  if (!tied_) out.push_back(end(lm_head_));
+  return out;
+}
+
+void HostCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps) {
+  if (state.size() != spec_->segments().size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("state of {} segments for a model of {}", state.size(), spec_->segments().size()));
+  for (const End* e : {&embedding_, &final_norm_, &lm_head_}) {  // everything checked before anything changes
+    if (e->master.empty()) continue;
+    const auto& s = state[e->segment];
+    if (s.master.size() != e->master.size() || s.exp_avg.size() != e->m.size() || s.exp_avg_sq.size() != e->v.size())
+      OOM_THROW(Errc::invalid_argument, fmt::format("state of segment '{}' has the wrong size", spec_->segments()[e->segment].name));
+  }
+  std::vector<SegmentOptimizerState> layers(state.begin() + 1, state.end() - (tied_ ? 1 : 2));
+  executor_->load_optimizer_state(layers, optimizer_steps);  // checks the layers' sizes first
+  auto set = [&](End& e) {
+    const auto& s = state[e.segment];
+    e.master = s.master;
+    e.m = s.exp_avg;
+    e.v = s.exp_avg_sq;
+    std::transform(e.master.begin(), e.master.end(), e.weights.begin(), [](float f) { return to_bf16(f); });
+  };
+  set(embedding_);
+  set(final_norm_);
+  if (!tied_) set(lm_head_);
+}
+
+Bytes HostCausalLm::ends_bytes() const {
+  std::uint64_t n = 0;
+  for (const End* e : {&embedding_, &final_norm_, &lm_head_}) n += e->master.size();
+  return Bytes{n * (4 * sizeof(float) + sizeof(bf16))};
+}
+
+}  // namespace oom::train

@@ -1,0 +1,75 @@
+// HostCausalLm: a Qwen3-MoE causal language model on the host backend — the token embedding, the
+// decoder layers run by the HostExecutor as the Plan says, the final RMSNorm and the LM head with
+// cross-entropy. The decoder layers' state lives in the executor (streamed or resident per the
+// plan); the embedding, final norm and LM head ("the ends") are updated here by the CPU AdamW, at
+// the same step count.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "oom/model/host_decoder_layer.hpp"
+#include "oom/model/model_spec.hpp"
+#include "oom/optim/adamw.hpp"
+#include "oom/optim/segment_state.hpp"
+#include "oom/optim/thread_pool.hpp"
+#include "oom/plan/plan.hpp"
+#include "oom/runtime/host_backend.hpp"
+#include "oom/runtime/host_executor.hpp"
+
+namespace oom::train {
+
+/// Initial weights as transformers initialises Qwen3-MoE: every matrix N(0, std), every norm
+/// weight 1. A counter-based generator, so the same seed gives the same weights everywhere.
+std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint64_t seed, float std = 0.02f);
+
+class HostCausalLm {
+ public:
+  /// `weights[s]` holds the fp32 values of spec.segments()[s] (see initial_weights).
+  HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
+               const optim::AdamWConfig& adamw, HostBackend::Options backend);
+  ~HostCausalLm();
+
+  struct StepResult {
+    double loss = 0;       ///< mean cross-entropy over the step's tokens (nats)
+    bool skipped = false;  ///< the loss was not finite: no backward, no update
+  };
+  /// One optimizer step on `inputs` -> `targets` (T tokens each, one sequence).
+  StepResult step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
+
+  /// Every segment's AdamW state, in spec.segments() order (what a checkpoint holds).
+  [[nodiscard]] std::vector<SegmentOptimizerState> state();
+  /// Continues from a checkpoint's state after `optimizer_steps` updates.
+  void load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps);
+  [[nodiscard]] std::int64_t optimizer_steps() const { return executor_->optimizer_steps(); }
+
+  [[nodiscard]] HostBackend& backend() { return *backend_; }
+  /// Bytes of the ends' state (fp32 master, moments, gradient, bf16 copy), outside the backend's arenas.
+  [[nodiscard]] Bytes ends_bytes() const;
+
+ private:
+  struct End {  // one segment outside the decoder stack
+    std::size_t segment = 0;  // index in spec.segments()
+    std::vector<float> master, m, v, grad;
+    std::vector<bf16> weights;
+  };
+  double loss_and_grad(const float* y, float* grad_y);
+  void update_ends();
+
+  const ModelSpec* spec_;
+  Plan plan_;
+  optim::AdamWConfig adamw_;
+  std::unique_ptr<HostBackend> backend_;
+  std::vector<HostDecoderLayer> layers_;
+  std::unique_ptr<HostExecutor<HostDecoderLayer>> executor_;
+  optim::ThreadPool pool_;
+  End embedding_, final_norm_, lm_head_;
+  bool tied_ = false;
+  std::uint64_t tokens_ = 0;
+  std::vector<std::int32_t> targets_;
+  std::vector<float> x_, grad_x_, head_w_;
+};
+
+}  // namespace oom::train

@@ -1,0 +1,448 @@
+// oom-train: the example trainer. Reads a Hugging Face config.json (or uses the built-in tiny
+// Qwen3-MoE), plans the step (or takes --plan), and trains on a token file (or the built-in
+// corpus), printing progress, writing metrics as JSON lines and checkpoints that resume the same run.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "host_lm.hpp"
+#include "oom/core/error.hpp"
+#include "oom/io/atomic_file.hpp"
+#include "oom/io/checkpoint.hpp"
+#include "oom/io/corpus.hpp"
+#include "oom/io/json.hpp"
+#include "oom/io/safetensors.hpp"
+#include "oom/io/token_file.hpp"
+#include "oom/model/model_spec.hpp"
+#include "oom/plan/planner.hpp"
+
+namespace fs = std::filesystem;
+using namespace oom;
+
+namespace {
+
+// The built-in model: a 4-layer Qwen3-MoE with 8 experts over byte-level tokens (3.9M parameters),
+// small enough to learn the built-in corpus on a laptop CPU in a minute.
+constexpr std::string_view builtin_config = R"({
+  "architectures": ["Qwen3MoeForCausalLM"],
+  "model_type": "qwen3_moe",
+  "vocab_size": 256,
+  "hidden_size": 256,
+  "intermediate_size": 512,
+  "moe_intermediate_size": 128,
+  "num_hidden_layers": 4,
+  "num_attention_heads": 8,
+  "num_key_value_heads": 2,
+  "head_dim": 32,
+  "num_experts": 8,
+  "num_experts_per_tok": 2,
+  "norm_topk_prob": true,
+  "decoder_sparse_step": 1,
+  "mlp_only_layers": [],
+  "hidden_act": "silu",
+  "rms_norm_eps": 1e-06,
+  "rope_theta": 10000.0,
+  "max_position_embeddings": 4096,
+  "attention_bias": false,
+  "tie_word_embeddings": false,
+  "router_aux_loss_coef": 0.001,
+  "torch_dtype": "float32"
+}
+)";
+
+constexpr const char* usage = R"(usage: oom-train [options]
+Model and data
+  --config PATH        Hugging Face config.json (default: the built-in 4-layer, 8-expert Qwen3-MoE)
+  --data PATH          token file (OOMTOK01; see include/oom/io/token_file.hpp)
+                       (default: the built-in corpus, generated into the run directory)
+  --init-from PATH     start from these weights (safetensors, HF names) instead of a random init
+  --seq N              tokens per sequence (default 256)
+  --steps N            optimizer steps to reach (default 200)
+  --seed N             initial weights and data order (default 0)
+Optimizer (AdamW, as torch.optim.AdamW over all parameters)
+  --lr X               learning rate (default 3e-3)
+  --weight-decay X     (default 0.01)
+Plan
+  --plan PATH          use this plan (from oom-plan --json) instead of planning
+  --profile PATH       calibrated machine profile for the planner (default: built-in, see --machine)
+  --machine NAME       built-in profile: h200 (default), h100-80gb, rtx4090
+  --gpu-mem SIZE       device memory budget (default 1GiB on the host backend)
+  --host-mem SIZE      host memory budget (default: the profile's)
+  --backend NAME       host (default; the CPU reference backend); cuda is not wired up yet
+Run
+  --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
+  --resume             continue from the run directory's latest checkpoint
+  --overwrite          start afresh even if the run directory holds checkpoints (they are removed)
+  --checkpoint-every N steps between checkpoints (default 50; one is always written at the end)
+  --keep N             checkpoints kept (default 2)
+  --log-every N        steps between progress lines (default 10)
+  --save-initial       also write checkpoint 0 (the initial weights) before the first step
+  --dump-batches PATH  write every step's window (seq + 1 tokens) to a token file, for reference
+                       runs (scripts/compare_train_pytorch.py)
+  --on-nonfinite WHAT  skip (default) or stop when a step's loss is NaN/Inf
+  --max-skips N        consecutive skipped steps before the run stops anyway (default 5)
+Exit status: 0 done, 2 bad input, 3 no plan fits the budget, 4 stopped on a non-finite loss,
+130 interrupted (a checkpoint is written first).
+)";
+
+struct Args {
+  std::string config, data, init_from, plan, profile, machine = "h200", backend = "host";
+  std::uint64_t seq = 256, steps = 200, seed = 0;
+  float lr = 3e-3f, weight_decay = 0.01f;
+  std::optional<Bytes> gpu_mem, host_mem;
+  fs::path out = "runs/oom-train";
+  bool resume = false, overwrite = false, save_initial = false;
+  std::string dump_batches;
+  std::uint64_t checkpoint_every = 50, log_every = 10, max_skips = 5;
+  int keep = 2;
+  bool stop_on_nonfinite = false;
+};
+
+std::uint64_t parse_count(std::string_view flag, const char* text, bool allow_zero = false) {
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(text, &end, 10);
+  if (end == text || *end != '\0' || text[0] == '-' || (v == 0 && !allow_zero))
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a positive integer, got '{}'", flag, text));
+  return v;
+}
+
+float parse_real(std::string_view flag, const char* text) {
+  char* end = nullptr;
+  const float v = std::strtof(text, &end);
+  if (end == text || *end != '\0' || !std::isfinite(v) || v < 0)
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a non-negative number, got '{}'", flag, text));
+  return v;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(usage, stdout);
+      std::exit(0);
+    }
+    if (flag == "--resume") { a.resume = true; continue; }
+    if (flag == "--overwrite") { a.overwrite = true; continue; }
+    if (flag == "--save-initial") { a.save_initial = true; continue; }
+    if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
+    const char* v = argv[++i];
+    if (flag == "--config") a.config = v;
+    else if (flag == "--data") a.data = v;
+    else if (flag == "--init-from") a.init_from = v;
+    else if (flag == "--seq") a.seq = parse_count(flag, v);
+    else if (flag == "--steps") a.steps = parse_count(flag, v);
+    else if (flag == "--seed") a.seed = parse_count(flag, v, true);
+    else if (flag == "--lr") a.lr = parse_real(flag, v);
+    else if (flag == "--weight-decay") a.weight_decay = parse_real(flag, v);
+    else if (flag == "--plan") a.plan = v;
+    else if (flag == "--profile") a.profile = v;
+    else if (flag == "--machine") a.machine = v;
+    else if (flag == "--gpu-mem") a.gpu_mem = parse_bytes(v);
+    else if (flag == "--host-mem") a.host_mem = parse_bytes(v);
+    else if (flag == "--backend") a.backend = v;
+    else if (flag == "--dump-batches") a.dump_batches = v;
+    else if (flag == "--out") a.out = v;
+    else if (flag == "--checkpoint-every") a.checkpoint_every = parse_count(flag, v);
+    else if (flag == "--keep") a.keep = static_cast<int>(parse_count(flag, v));
+    else if (flag == "--log-every") a.log_every = parse_count(flag, v);
+    else if (flag == "--max-skips") a.max_skips = parse_count(flag, v);
+    else if (flag == "--on-nonfinite") {
+      const std::string_view w = v;
+      if (w != "skip" && w != "stop") OOM_THROW(Errc::invalid_argument, fmt::format("--on-nonfinite is skip or stop, got '{}'", w));
+      a.stop_on_nonfinite = w == "stop";
+    } else OOM_THROW(Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
+  }
+  if (a.backend == "cuda")
+    OOM_THROW(Errc::unsupported, "--backend cuda: the CUDA executor is not wired into the trainer yet; use --backend host");
+  if (a.backend != "host") OOM_THROW(Errc::invalid_argument, fmt::format("--backend is host or cuda, got '{}'", a.backend));
+  if (a.resume && a.overwrite) OOM_THROW(Errc::invalid_argument, "--resume and --overwrite exclude each other");
+  if (a.resume && (a.save_initial || !a.dump_batches.empty()))
+    OOM_THROW(Errc::invalid_argument, "--save-initial and --dump-batches describe a run from its start; not with --resume");
+  return a;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  if (!f) OOM_THROW(Errc::io, fmt::format("{}: cannot open", p.string()));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::atomic<int> g_signal{0};
+extern "C" void on_signal(int sig) { g_signal.store(sig); }
+
+Bytes rss() {
+  std::ifstream f("/proc/self/statm");
+  std::uint64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return Bytes{resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE))};
+}
+
+std::string duration(double s) {
+  const auto t = static_cast<long long>(s + 0.5);
+  return t >= 3600 ? fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60) : fmt::format("{}:{:02}", t / 60, t % 60);
+}
+
+std::string mib(Bytes b) { return fmt::format("{:.1f}", static_cast<double>(b.count()) / (1 << 20)); }
+
+// Keeps the metrics lines of steps <= `step` (a resumed run rewrites what the killed one logged past
+// its last checkpoint), atomically.
+void truncate_metrics(const fs::path& path, std::uint64_t step) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return;
+  std::ifstream in(path);
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    try {
+      const Json j = Json::parse(line, path.string());
+      const Json* s = j.find("step");
+      if (s != nullptr && s->as_uint64() <= step) kept += line + "\n";
+    } catch (const Error&) {
+      break;  // a line cut by a kill: everything after it is newer anyway
+    }
+  }
+  write_file_atomically(path, kept);
+}
+
+int run(const Args& a) {
+  // ---- model, data, plan: every input checked before anything is written ----
+  const std::string config_text = a.config.empty() ? std::string(builtin_config) : read_text(a.config);
+  const std::string config_name = a.config.empty() ? std::string("built-in tiny Qwen3-MoE") : a.config;
+  const ModelSpec spec = ModelSpec::from_json(Json::parse(config_text, config_name), config_name);
+
+  std::error_code ec;
+  const auto latest = latest_checkpoint(a.out);
+  if (latest && !a.resume && !a.overwrite)
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} already holds a run (latest {}); pass --resume to continue it or "
+                                                  "--overwrite to start afresh", a.out.string(), latest->filename().string()));
+  if (a.resume && !latest) OOM_THROW(Errc::invalid_argument, fmt::format("--resume: no checkpoint in {}", a.out.string()));
+
+  fs::path data_path = a.data;
+  if (a.data.empty()) data_path = a.out / "builtin-corpus.tok";
+  else if (!fs::exists(data_path, ec)) OOM_THROW(Errc::io, fmt::format("{}: no such data file", data_path.string()));
+  std::optional<TokenFile> tokens;
+  if (!a.data.empty()) {
+    tokens.emplace(TokenFile::open(data_path));
+    if (tokens->vocab_size() > spec.vocab_size()) {
+      // The file's vocab is larger than the model's: every token must still fit the model.
+      const auto n = tokens->size();
+      std::vector<std::uint32_t> buf(1 << 16);
+      for (std::uint64_t b = 0; b < n; b += buf.size()) {
+        const auto k = std::min<std::uint64_t>(buf.size(), n - b);
+        tokens->read(b, std::span(buf).first(k));
+        for (std::uint64_t i = 0; i < k; ++i)
+          if (buf[i] >= spec.vocab_size())
+            OOM_THROW(Errc::invalid_argument, fmt::format("{}: token {} at position {} is >= the model's vocab {} ({})",
+                                                          data_path.string(), buf[i], b + i, spec.vocab_size(), config_name));
+      }
+    }
+  } else if (spec.vocab_size() < builtin_corpus_vocab) {
+    OOM_THROW(Errc::invalid_argument, fmt::format("the built-in corpus needs a vocab of {} (byte tokens); {} has {}",
+                                                  builtin_corpus_vocab, config_name, spec.vocab_size()));
+  }
+
+  const MachineProfile profile = a.profile.empty() ? MachineProfile::builtin(a.machine, 1) : MachineProfile::from_file(a.profile);
+  Plan plan;
+  const Planner planner(spec, profile, config_name);
+  if (!a.plan.empty()) {
+    plan = Plan::from_json(read_json_file(a.plan), a.plan);
+    if (plan.workload.tokens() != a.seq || plan.workload.sequences != 1)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} x {} tokens, the run asks for 1 x {} (--seq)", a.plan,
+                                                    plan.workload.sequences, plan.workload.seq_len, a.seq));
+  } else {
+    PlanRequest req;
+    req.gpus = 1;
+    req.gpu_budget = a.gpu_mem.value_or(Bytes{std::uint64_t{1} << 30});
+    req.host_budget = a.host_mem.value_or(profile.host_memory);
+    req.workload = {1, a.seq};
+    req.candidates = 2;
+    plan = planner.plan(req).plans.front();
+  }
+
+  std::vector<std::vector<float>> init;
+  if (!a.init_from.empty()) init = load_weights(a.init_from, spec);
+  else init = train::initial_weights(spec, a.seed);
+  std::optional<CheckpointRead> ckpt;
+  if (a.resume) ckpt = load_checkpoint(*latest, spec);
+
+  optim::AdamWConfig adamw;
+  adamw.lr = a.lr;
+  adamw.weight_decay = a.weight_decay;
+  std::uint64_t start_step = 0;
+  SamplerState sampler_state{a.seed, 0};
+  if (ckpt) {
+    const JsonCursor ts(ckpt->trainer_state, "trainer_state.json");
+    auto require_same = [&](const char* field, auto have) {
+      const auto saved = ts[field].as_uint64();
+      if (saved != static_cast<std::uint64_t>(have))
+        OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} holds {} = {}, this run asks for {}", latest->string(), field,
+                                                      saved, have));
+    };
+    require_same("seq", a.seq);
+    if (read_text(*latest / "config.json") != config_text)
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", latest->string(), config_name));
+    if (ts["lr"].as_double() != static_cast<double>(a.lr) || ts["weight_decay"].as_double() != static_cast<double>(a.weight_decay))
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used lr {} and weight decay {}; pass the same", latest->string(),
+                                                    ts["lr"].as_double(), ts["weight_decay"].as_double()));
+    start_step = ts["step"].as_uint64();
+    sampler_state = SamplerState::from_json(ts["sampler"].value(), "trainer_state.json sampler");
+  }
+
+  // ---- from here on the run directory is written ----
+  if (a.overwrite) {
+    for (const auto& e : fs::directory_iterator(a.out, ec))
+      if (e.path().filename().string().starts_with("checkpoint-") || e.path().filename() == "latest" ||
+          e.path().filename() == "metrics.jsonl")
+        fs::remove_all(e.path(), ec);
+  }
+  fs::create_directories(a.out, ec);
+  if (ec) OOM_THROW(Errc::io, fmt::format("{}: cannot create the run directory: {}", a.out.string(), ec.message()));
+  if (a.data.empty()) {
+    if (!fs::exists(data_path, ec)) (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
+    tokens.emplace(TokenFile::open(data_path));
+  }
+  BatchSampler sampler(*tokens, a.seq, sampler_state);
+
+  fmt::print("oom-train: model {}: {} layers, {} experts (top {}), {:.2f}M parameters ({:.2f}M active)\n", config_name,
+             spec.num_layers(), spec.moe().experts, spec.moe().top_k, static_cast<double>(spec.total_parameters()) / 1e6,
+             static_cast<double>(spec.active_parameters()) / 1e6);
+  fmt::print("data {}: {} tokens (vocab {}), {} windows of {} per epoch\n", data_path.string(), tokens->size(), tokens->vocab_size(),
+             sampler.windows_per_epoch(), a.seq);
+  fmt::print("backend: host (the CPU reference backend; its \"device\" is an accounted arena)\n");
+  fmt::print("=== the plan ({}) ===\n{}\n", a.plan.empty() ? "chosen by the planner" : a.plan, planner.describe(plan));
+
+  // The host backend computes in fp32: its activations take twice the plan's bf16 bytes, so its
+  // device arena is twice the plan's budget.
+  HostBackend::Options bo{plan.gpu_budget + plan.gpu_budget, plan.host_budget, /*expose_races=*/false};
+  train::HostCausalLm model(spec, plan, init, adamw, bo);  // a resumed run overwrites these below
+  if (ckpt) {
+    model.load(ckpt->state, JsonCursor(ckpt->trainer_state, "trainer_state.json")["optimizer_steps"].as_int64());
+    fmt::print("resumed from {} at step {}\n", latest->string(), start_step);
+  }
+
+  const fs::path metrics_path = a.out / "metrics.jsonl";
+  if (ckpt) truncate_metrics(metrics_path, start_step);
+  else write_file_atomically(metrics_path, "");
+  std::ofstream metrics(metrics_path, std::ios::app);
+
+  auto checkpoint = [&](std::uint64_t step) {
+    Json ts = Json::object();
+    ts.set("format", "oom-train-1");
+    ts.set("step", step);
+    ts.set("optimizer_steps", static_cast<long long>(model.optimizer_steps()));
+    ts.set("seq", a.seq);
+    ts.set("lr", static_cast<double>(a.lr));
+    ts.set("weight_decay", static_cast<double>(a.weight_decay));
+    ts.set("sampler", sampler.state().to_json());
+    ts.set("data", data_path.string());
+    const auto dir = save_checkpoint(a.out, spec, model.state(), {step, config_text, ts, a.keep});
+    fmt::print("checkpoint {} written\n", dir.string());
+  };
+
+  if (a.save_initial) checkpoint(0);
+  std::vector<std::uint32_t> dumped;  // windows of seq + 1 tokens
+
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  std::vector<std::uint32_t> in(a.seq), tgt(a.seq);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last = t0;
+  std::uint64_t consecutive_skips = 0, done_since_start = 0;
+  if (start_step >= a.steps) fmt::print("the run is already at step {} (--steps {})\n", start_step, a.steps);
+  for (std::uint64_t step = start_step + 1; step <= a.steps; ++step) {
+    sampler.next(in, tgt);
+    if (!a.dump_batches.empty()) {
+      dumped.insert(dumped.end(), in.begin(), in.end());
+      dumped.push_back(tgt.back());
+    }
+    const auto r = model.step(in, tgt);
+    const auto now = std::chrono::steady_clock::now();
+    const double dt = std::chrono::duration<double>(now - last).count();
+    last = now;
+    ++done_since_start;
+    const double elapsed = std::chrono::duration<double>(now - t0).count();
+    const double tok_s = static_cast<double>(a.seq) / dt;
+    auto& dev = model.backend().device_arena();
+    auto& pin = model.backend().pinned_arena();
+    Json m = Json::object();
+    m.set("step", step);
+    m.set("loss", r.loss);
+    m.set("skipped", r.skipped);
+    m.set("tokens", a.seq);
+    m.set("step_s", dt);
+    m.set("tokens_per_s", tok_s);
+    m.set("device_peak_bytes", dev.peak().count());
+    m.set("device_retained_activations_peak", dev.peak(Claimant::retained_activations).count());
+    m.set("device_worksets_peak", dev.peak(Claimant::worksets).count());
+    m.set("device_resident_state", dev.in_use(Claimant::resident_state).count());
+    m.set("host_pinned_bytes", pin.in_use().count());
+    m.set("host_rss_bytes", rss().count());
+    metrics << m.dump() << "\n" << std::flush;
+    if (r.skipped) {
+      fmt::print(stderr, "step {}: loss is {}; step skipped (no update)\n", step, r.loss);
+      if (a.stop_on_nonfinite) {
+        fmt::print(stderr, "oom-train: stopping on a non-finite loss at step {} (--on-nonfinite stop)\n", step);
+        return 4;
+      }
+      if (++consecutive_skips >= a.max_skips) {
+        fmt::print(stderr, "oom-train: {} consecutive non-finite losses; stopping (--max-skips)\n", consecutive_skips);
+        return 4;
+      }
+    } else {
+      consecutive_skips = 0;
+    }
+    if (step == start_step + 1 || step % a.log_every == 0 || step == a.steps) {
+      const double eta = elapsed / static_cast<double>(done_since_start) * static_cast<double>(a.steps - step);
+      fmt::print("step {:>5}/{} | loss {:.4f} | {:.0f} tok/s | device {} MiB peak (activations {}, worksets {}, resident {}) | "
+                 "host pinned {} MiB, RSS {} MiB | ETA {}\n",
+                 step, a.steps, r.loss, tok_s, mib(dev.peak()), mib(dev.peak(Claimant::retained_activations)),
+                 mib(dev.peak(Claimant::worksets)), mib(dev.in_use(Claimant::resident_state)), mib(pin.in_use()), mib(rss()),
+                 duration(eta));
+      std::fflush(stdout);
+    }
+    if (step % a.checkpoint_every == 0 || step == a.steps) checkpoint(step);
+    if (const int sig = g_signal.load()) {
+      if (step % a.checkpoint_every != 0 && step != a.steps) checkpoint(step);
+      fmt::print(stderr, "oom-train: interrupted by signal {} after step {}; resume with --resume\n", sig, step);
+      return 130;
+    }
+  }
+  if (!a.dump_batches.empty()) {
+    write_token_file(a.dump_batches, dumped, spec.vocab_size());
+    fmt::print("{} windows of {} tokens written to {}\n", dumped.size() / (a.seq + 1), a.seq + 1, a.dump_batches);
+  }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print("done: {} steps in {} ({:.0f} tok/s); metrics in {}\n", done_since_start, duration(total),
+             static_cast<double>(done_since_start * a.seq) / total, metrics_path.string());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const Error& e) {
+    std::fprintf(stderr, "oom-train: error: %s\n", e.what());
+    return e.code() == Errc::out_of_budget ? 3 : 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "oom-train: error: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Trains the same model on the same data with PyTorch (transformers' Qwen3MoeForCausalLM and
+torch.optim.AdamW) and compares every step's loss with an oom-train run.
+
+  oom-train --out RUN --steps 50 --save-initial --dump-batches RUN/batches.tok --keep 3 ...
+  python3 scripts/compare_train_pytorch.py --run RUN [--device cuda] [--tolerance 1e-2]
+
+It loads RUN/checkpoint-000000 (the initial weights oom-train saved) and RUN/batches.tok (every
+step's window of seq + 1 tokens), and reads the lr and weight decay from the final checkpoint's
+trainer_state.json. Precision follows oom-train's: fp32 master weights and AdamW state, the forward
+and backward in fp32 over the bf16-rounded weights (each step rounds the master to bf16 and back,
+takes the gradient with respect to those rounded weights and applies it to the master), loss = mean
+cross-entropy of window[1:] given window[:-1]. Exit status 1 when any step's relative loss
+difference exceeds the tolerance; the first mismatching steps are printed.
+"""
+import argparse
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+
+
+def read_tokens(path):
+    with open(path, "rb") as f:
+        header = f.read(64)
+        if header[:8] != b"OOMTOK01":
+            sys.exit(f"{path}: not an OOMTOK01 token file")
+        _version, width = struct.unpack_from("<II", header, 8)
+        _vocab, count = struct.unpack_from("<QQ", header, 16)
+        data = np.frombuffer(f.read(), dtype=np.uint16 if width == 2 else np.uint32)
+    if data.size != count:
+        sys.exit(f"{path}: {data.size} tokens, header says {count}")
+    return data.astype(np.int64)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, help="oom-train run directory")
+    ap.add_argument("--batches", help="token file of the windows (default RUN/batches.tok)")
+    ap.add_argument("--device", default="cuda", help="torch device (default cuda; cpu works too)")
+    ap.add_argument("--tolerance", type=float, default=1e-2, help="relative loss difference allowed per step")
+    ap.add_argument("--steps", type=int, default=0, help="compare only the first N steps (default: all)")
+    args = ap.parse_args()
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    run = args.run
+    init = os.path.join(run, "checkpoint-000000")
+    with open(os.path.join(run, "latest")) as f:
+        final = os.path.join(run, f.read().strip())
+    with open(os.path.join(final, "trainer_state.json")) as f:
+        state = json.load(f)
+    seq = int(state["seq"])
+    metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
+    ours = {m["step"]: m["loss"] for m in metrics}
+    windows = read_tokens(args.batches or os.path.join(run, "batches.tok")).reshape(-1, seq + 1)
+    steps = len(windows) if args.steps == 0 else min(args.steps, len(windows))
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(init)
+    config.torch_dtype = torch.float32
+    try:
+        config._attn_implementation = "eager"
+    except Exception:
+        pass
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    weights = load_file(os.path.join(init, "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # transformers >= 5 packs experts; map per-expert names if the module wants packed ones.
+    if missing:
+        sd = model.state_dict()
+        packed = {}
+        for name in missing:
+            if name.endswith("experts.gate_up_proj"):
+                prefix = name[: -len("gate_up_proj")]
+                e = sd[name].shape[0]
+                packed[name] = torch.stack([torch.cat([weights[f"{prefix}{i}.gate_proj.weight"], weights[f"{prefix}{i}.up_proj.weight"]])
+                                            for i in range(e)])
+            elif name.endswith("experts.down_proj"):
+                prefix = name[: -len("down_proj")]
+                e = sd[name].shape[0]
+                packed[name] = torch.stack([weights[f"{prefix}{i}.down_proj.weight"] for i in range(e)])
+            else:
+                sys.exit(f"the checkpoint lacks {name}")
+        for name, t in packed.items():
+            if t.shape != sd[name].shape:  # some versions store [E, H, 2I]
+                t = t.transpose(1, 2).contiguous()
+            sd[name].copy_(t)
+        model.load_state_dict({**{k: v for k, v in weights.items() if k in sd}, **packed}, strict=False)
+        print(f"(mapped per-expert tensors onto transformers {transformers.__version__}'s packed experts)")
+    model.to(args.device)
+    model.train()
+
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(params.values(), lr=float(state["lr"]), betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=float(state["weight_decay"]))
+    from torch.func import functional_call
+
+    rows = []
+    first_bad = []
+    for step in range(1, steps + 1):
+        w = torch.from_numpy(windows[step - 1]).to(args.device)
+        rounded = {k: v.detach().to(torch.bfloat16).to(torch.float32).requires_grad_(True) for k, v in params.items()}
+        out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:-1].unsqueeze(0), "use_cache": False})
+        logits = out.logits[0].float()
+        loss = torch.nn.functional.cross_entropy(logits, w[1:])
+        loss.backward()
+        for k, p in params.items():
+            p.grad = rounded[k].grad
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        theirs = loss.item()
+        mine = ours.get(step)
+        rel = abs(mine - theirs) / abs(theirs) if mine is not None else float("inf")
+        ok = rel <= args.tolerance
+        rows.append((step, mine, theirs, rel, ok))
+        if not ok and len(first_bad) < 5:
+            first_bad.append(step)
+
+    print(f"{'step':>5} {'oom-train':>12} {'pytorch':>12} {'rel diff':>10}")
+    for step, mine, theirs, rel, ok in rows:
+        if step <= 5 or step % 5 == 0 or not ok:
+            print(f"{step:>5} {mine if mine is not None else float('nan'):>12.6f} {theirs:>12.6f} {rel:>10.2e}{'' if ok else '  MISMATCH'}")
+    # The final checkpoint loads with transformers' own loader, every weight accounted for.
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    print(f"from_pretrained({final}): {sum(p.numel() for p in loaded.parameters())} parameters, "
+          f"{'every tensor matched' if not problems else problems}")
+    worst = max(rows, key=lambda r: r[3])
+    print(f"{steps} steps; worst relative difference {worst[3]:.2e} at step {worst[0]} (tolerance {args.tolerance:g}); "
+          f"torch {torch.__version__}, transformers {transformers.__version__}, device {args.device}")
+    if first_bad:
+        print(f"FAIL: first mismatching steps: {first_bad}")
+        return 1
+    if problems:
+        print("FAIL: transformers could not load the checkpoint cleanly")
+        return 1
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Each bad input gets one clear error line naming the problem, a non-zero exit, and leaves the run
+# directory without any checkpoint. Usage: bad_inputs.sh path/to/oom-train
+set -uo pipefail
+train="$1"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+fails=0
+
+# expect NAME EXIT_CODE PATTERN -- ARGS...
+expect() {
+  local name="$1" code="$2" pattern="$3"
+  shift 4
+  local out="$work/$name"
+  "$train" --out "$out" --steps 2 --seq 32 "$@" > "$work/$name.stdout" 2> "$work/$name.stderr"
+  local rc=$?
+  local lines
+  lines=$(wc -l < "$work/$name.stderr")
+  if [[ $rc -ne $code ]] || ! grep -q -- "$pattern" "$work/$name.stderr" || [[ $lines -ne 1 ]] ||
+     compgen -G "$out/checkpoint-*" > /dev/null || [[ -e "$out/latest" ]]; then
+    echo "FAIL $name: exit $rc (want $code), $lines stderr line(s), want /$pattern/:"
+    cat "$work/$name.stderr"
+    fails=$((fails + 1))
+  else
+    echo "ok   $name: $(cat "$work/$name.stderr")"
+  fi
+}
+
+# A malformed config and an inconsistent one.
+printf '{"model_type": "qwen3_moe", "hidden_size": 64,' > "$work/broken.json"
+expect malformed-config 2 "broken.json" -- --config "$work/broken.json"
+sed 's/"num_key_value_heads": 2/"num_key_value_heads": 3/' "$(dirname "$0")/../../examples/configs/tiny-moe.json" > "$work/gqa.json"
+expect inconsistent-config 2 "num_key_value_heads" -- --config "$work/gqa.json"
+
+# A truncated safetensors file to start from.
+"$train" --out "$work/good" --steps 1 --seq 32 > /dev/null || { echo "FAIL: a good run failed"; exit 1; }
+head -c 5000 "$work/good/checkpoint-000001/model.safetensors" > "$work/cut.safetensors"
+expect truncated-safetensors 2 "cut.safetensors" -- --init-from "$work/cut.safetensors"
+# A corrupt one: a header length larger than the file.
+printf '\xff\xff\xff\x00\x00\x00\x00\x00{}' > "$work/corrupt.safetensors"
+expect corrupt-safetensors 2 "corrupt.safetensors" -- --init-from "$work/corrupt.safetensors"
+
+# A token file whose ids exceed the model's vocab (file vocab 300, token 280 at position 3).
+{
+  printf 'OOMTOK01\x01\x00\x00\x00\x02\x00\x00\x00'        # magic, version 1, 2 bytes per token
+  printf '\x2c\x01\x00\x00\x00\x00\x00\x00'                # vocab 300
+  printf '\x00\x02\x00\x00\x00\x00\x00\x00'                # 512 tokens
+  printf '\x00\x00\x00\x00\x00\x00\x00\x00'                # documents: not recorded
+  head -c 24 /dev/zero                                     # reserved
+  printf 'a\x00b\x00c\x00\x18\x01'                         # 97 98 99 280
+  head -c 1016 /dev/zero
+} > "$work/big-vocab.tok"
+expect token-beyond-vocab 2 "token 280 at position 3" -- --data "$work/big-vocab.tok"
+
+# A budget no plan fits, and a missing data file.
+expect tiny-budget 3 "least GPU memory" -- --gpu-mem 1MiB
+expect missing-data 2 "no such data file" -- --data "$work/nowhere.tok"
+
+[[ $fails -eq 0 ]] && echo "PASS: every bad input refused cleanly" || exit 1
