@@ -1,0 +1,491 @@
+// HostDecoderLayer: the forward against a naive fp64 transcription of transformers'
+// Qwen3MoeDecoderLayer, the backward against central differences, bit-identical results for any
+// chunking and any recompute, bit-identical training through the HostExecutor for random plans,
+// and the unsupported features named.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
+#include "oom/model/host_decoder_layer.hpp"
+#include "oom/runtime/host_executor.hpp"
+#include "support/compare.hpp"
+
+using namespace oom;
+using namespace oom::literals;
+
+namespace {
+
+ModelSpec tiny_spec(bool norm_topk = true, int layers = 1, std::uint64_t hidden = 16, std::uint64_t experts = 4) {
+  return ModelSpec::from_json(Json::parse(fmt::format(
+      R"({{"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": {}, "intermediate_size": 32,
+          "moe_intermediate_size": 8, "num_hidden_layers": {}, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 4, "num_experts": {}, "num_experts_per_tok": 2, "norm_topk_prob": {}, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0}})",
+      hidden, layers, experts, norm_topk ? "true" : "false")));
+}
+
+bool is_norm(const TensorSpec& t) { return t.name.find("norm") != std::string::npos; }
+
+/// Weights on a grid that bf16 holds exactly, with room for the finite-difference step: matrix
+/// entries are multiples of 2^-9 with |w| <= 0.48 (at most 8 significant bits below 0.5), norm
+/// weights multiples of 2^-8 in [0.55, 0.95] (bf16's spacing in [0.5, 1)). w +- 2^-7 stays on
+/// the grid, so the perturbed weights are exactly what the layer reads.
+std::vector<std::vector<bf16>> grid_weights(const HostDecoderLayer& layer, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 0.25);
+  std::uniform_real_distribution<double> uniform(0.55, 0.95);
+  std::vector<std::vector<bf16>> w;
+  for (const auto& seg : layer.segments()) {
+    std::vector<bf16> v;
+    for (const auto& t : seg.tensors)
+      for (std::uint64_t i = 0; i < t.elements(); ++i) {
+        const double x = is_norm(t) ? std::round(uniform(rng) * 256) / 256 : std::round(std::clamp(normal(rng), -0.48, 0.48) * 512) / 512;
+        v.push_back(to_bf16(static_cast<float>(x)));
+        REQUIRE(static_cast<double>(to_float(v.back())) == x);
+      }
+    w.push_back(std::move(v));
+  }
+  return w;
+}
+
+struct Run {
+  std::vector<float> y, dx;
+  std::vector<std::vector<float>> grads;
+  std::array<std::vector<float>, activation_class_count> saved;
+};
+
+HostLayerContext bind(const std::vector<std::vector<bf16>>& w, std::vector<std::vector<float>>& grads, std::uint64_t t) {
+  HostLayerContext ctx;
+  for (const auto& s : w) ctx.weights.emplace_back(s.data(), s.size());
+  for (auto& g : grads) ctx.weight_grads.emplace_back(g.data(), g.size());
+  ctx.tokens = t;
+  return ctx;
+}
+
+template <class F>
+void chunks(std::uint64_t t, std::uint64_t chunk, const HostLayerContext& ctx, F&& call) {
+  for (std::uint64_t b = 0; b < t; b += chunk) {
+    HostLayerContext c = ctx;
+    c.begin = b;
+    c.end = std::min(t, b + chunk);
+    call(c);
+  }
+}
+
+/// Forward (and backward with grad_output `dy` when given) over chunks of `chunk` tokens.
+Run run(HostDecoderLayer& layer, const std::vector<std::vector<bf16>>& w, const std::vector<float>& x,
+        const std::vector<float>* dy, std::uint64_t t, std::uint64_t chunk, std::uint64_t backward_chunk = 0) {
+  Run r;
+  const auto h = layer.hidden();
+  for (const auto& s : w) r.grads.emplace_back(s.size(), 0.0f);
+  HostLayerContext ctx = bind(w, r.grads, t);
+  r.y.assign(t * h, NAN);
+  ctx.input = x.data();
+  ctx.output = r.y.data();
+  for (int c = 1; c < activation_class_count; ++c) {
+    const auto n = layer.saved_floats(static_cast<ActivationClass>(c), t);
+    if (n == 0) continue;
+    r.saved[static_cast<std::size_t>(c)].assign(n, NAN);
+    ctx.saved[static_cast<std::size_t>(c)] = r.saved[static_cast<std::size_t>(c)].data();
+  }
+  chunks(t, chunk, ctx, [&](HostLayerContext& c) { layer.forward(c); });
+  if (dy != nullptr) {
+    r.dx.assign(t * h, NAN);
+    ctx.output = nullptr;
+    ctx.grad_output = dy->data();
+    ctx.grad_input = r.dx.data();
+    chunks(t, backward_chunk ? backward_chunk : chunk, ctx, [&](HostLayerContext& c) { layer.backward(c); });
+  }
+  return r;
+}
+
+std::vector<std::int32_t> expert_ids(const HostDecoderLayer& layer, const Run& r, std::uint64_t t, std::uint64_t experts) {
+  const auto& router = r.saved[static_cast<std::size_t>(ActivationClass::router_output)];
+  const auto k = (layer.saved_floats(ActivationClass::router_output, 1) - experts) / 2;
+  std::vector<std::int32_t> ids;
+  for (std::uint64_t i = 0; i < t * k; ++i) ids.push_back(static_cast<std::int32_t>(router[t * experts + i]));
+  return ids;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// ---- a naive fp64 transcription of transformers' Qwen3MoeDecoderLayer.forward -----------------
+
+std::vector<double> naive_forward(const ModelSpec& spec, const std::vector<std::vector<bf16>>& wb, const std::vector<float>& xf,
+                                  std::uint64_t T) {
+  const auto H = spec.hidden_size();
+  const auto& a = spec.attention();
+  const auto& m = spec.moe();
+  const std::uint64_t nh = a.heads, nkv = a.kv_heads, D = a.head_dim, q = nh * D, kv = nkv * D, E = m.experts, I = m.expert_intermediate;
+  const double eps = spec.rms_norm_eps();
+  auto W = [&](std::size_t s, std::size_t i) { return static_cast<double>(to_float(wb[s][i])); };
+  auto rms = [&](const double* x, std::size_t n, std::size_t s, std::size_t off, double* out) {
+    double ss = 0;
+    for (std::size_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    const double r = 1.0 / std::sqrt(ss / static_cast<double>(n) + eps);
+    for (std::size_t i = 0; i < n; ++i) out[i] = W(s, off + i) * (x[i] * r);
+  };
+  auto linear = [&](const double* x, std::size_t in, std::size_t out_n, std::size_t s, std::size_t off, double* out) {
+    for (std::size_t o = 0; o < out_n; ++o) {
+      double acc = 0;
+      for (std::size_t i = 0; i < in; ++i) acc += W(s, off + o * in + i) * x[i];
+      out[o] = acc;
+    }
+  };
+  std::vector<double> x(xf.begin(), xf.end()), xn(T * H), Q(T * q), K(T * kv), V(T * kv);
+  for (std::size_t t = 0; t < T; ++t) {
+    rms(&x[t * H], H, 1, 0, &xn[t * H]);
+    linear(&xn[t * H], H, q, 0, 0, &Q[t * q]);
+    linear(&xn[t * H], H, kv, 0, q * H, &K[t * kv]);
+    linear(&xn[t * H], H, kv, 0, (q + kv) * H, &V[t * kv]);
+  }
+  const std::size_t o_off = (q + 2 * kv) * H, qn_off = o_off + H * q, kn_off = qn_off + D;
+  auto norm_rope = [&](std::vector<double>& X, std::size_t heads, std::size_t norm_off) {
+    std::vector<double> tmp(D);
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t h = 0; h < heads; ++h) {
+        double* v = &X[(t * heads + h) * D];
+        rms(v, D, 0, norm_off, tmp.data());
+        for (std::size_t j = 0; j < D / 2; ++j) {
+          // HF: inv_freq = 1 / theta^(arange(0, D, 2) / D) in fp32, freqs = position * inv_freq in fp32.
+          const float inv = static_cast<float>(1.0 / std::pow(spec.rope_theta(), static_cast<double>(2 * j) / static_cast<double>(D)));
+          const double ang = static_cast<float>(static_cast<float>(t) * inv);
+          const double c = std::cos(ang), s = std::sin(ang);
+          v[j] = tmp[j] * c - tmp[j + D / 2] * s;
+          v[j + D / 2] = tmp[j + D / 2] * c + tmp[j] * s;
+        }
+      }
+  };
+  norm_rope(Q, nh, qn_off);
+  norm_rope(K, nkv, kn_off);
+  std::vector<double> ctx(T * q, 0.0), hres(T * H);
+  for (std::size_t h = 0; h < nh; ++h) {
+    const std::size_t g = h / (nh / nkv);
+    for (std::size_t i = 0; i < T; ++i) {
+      std::vector<double> s(i + 1);
+      double mx = -INFINITY;
+      for (std::size_t j = 0; j <= i; ++j) {
+        double d = 0;
+        for (std::size_t c = 0; c < D; ++c) d += Q[(i * nh + h) * D + c] * K[(j * nkv + g) * D + c];
+        s[j] = d / std::sqrt(static_cast<double>(D));
+        mx = std::max(mx, s[j]);
+      }
+      double sum = 0;
+      for (auto& v : s) sum += (v = std::exp(v - mx));
+      for (std::size_t j = 0; j <= i; ++j)
+        for (std::size_t c = 0; c < D; ++c) ctx[(i * nh + h) * D + c] += s[j] / sum * V[(j * nkv + g) * D + c];
+    }
+  }
+  std::vector<double> y(T * H), xn2(H), logits(E), gate(I), up(I), down(H);
+  for (std::size_t t = 0; t < T; ++t) {
+    linear(&ctx[t * q], q, H, 0, o_off, &hres[t * H]);
+    for (std::size_t c = 0; c < H; ++c) hres[t * H + c] += x[t * H + c];
+    rms(&hres[t * H], H, 1, H, xn2.data());
+    linear(xn2.data(), H, E, 2, 0, logits.data());
+    const double mx = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    std::vector<double> p(E);
+    for (std::size_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logits[e] - mx));
+    for (auto& v : p) v /= sum;
+    std::vector<std::size_t> order(E);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](auto l, auto r) { return p[l] > p[r]; });
+    double sel = 0;
+    for (std::size_t j = 0; j < m.top_k; ++j) sel += p[order[j]];
+    for (std::size_t c = 0; c < H; ++c) y[t * H + c] = hres[t * H + c];
+    for (std::size_t j = 0; j < m.top_k; ++j) {
+      const std::size_t e = order[j];
+      const double w = m.norm_topk_prob ? p[e] / sel : p[e];
+      linear(xn2.data(), H, I, 3 + e, 0, gate.data());
+      linear(xn2.data(), H, I, 3 + e, I * H, up.data());
+      for (std::size_t i = 0; i < I; ++i) gate[i] = gate[i] / (1 + std::exp(-gate[i])) * up[i];
+      linear(gate.data(), I, H, 3 + e, 2 * I * H, down.data());
+      for (std::size_t c = 0; c < H; ++c) y[t * H + c] += w * down[c];
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("the forward is transformers' Qwen3MoeDecoderLayer") {
+  for (const bool norm_topk : {true, false}) {
+    const ModelSpec spec = tiny_spec(norm_topk);
+    HostDecoderLayer layer(spec, 0);
+    CHECK(std::equal(layer.segments().begin(), layer.segments().end(), spec.layer_segments(0).begin(), spec.layer_segments(0).end()));
+    const std::uint64_t T = 9;
+    const auto w = grid_weights(layer, 11);
+    const auto x = test::random_normal(T * layer.hidden(), 12);
+    const auto got = run(layer, w, x, nullptr, T, T).y;
+    const auto want = naive_forward(spec, w, x, T);
+    const auto report = test::compare(got, want, 2e-5, 2e-5, "y");
+    CAPTURE(norm_topk);
+    INFO(report.first);
+    CHECK(report.ok());
+  }
+}
+
+TEST_CASE("backward against central differences of L = sum(y * g)") {
+  // Finite differences in the weights need perturbed weights that bf16 holds exactly: the weights
+  // are drawn on a grid (see grid_weights) on which w +- 2^-7 is representable, so L(w +- eps) is
+  // the layer's exact fp32 function of the perturbed weight, not of a rounded one. L is summed in
+  // fp64 from the fp32 outputs; its rounding (~1e-6) over 2 eps bounds the difference quotient's
+  // noise near 1e-4, the truncation error is ~eps^2/6 |L'''|. A perturbation that flips a top-k
+  // choice makes L jump; those samples are detected (the chosen experts differ) and skipped.
+  for (const bool norm_topk : {true, false}) {
+    CAPTURE(norm_topk);
+    const ModelSpec spec = tiny_spec(norm_topk);
+    HostDecoderLayer layer(spec, 0);
+    const std::uint64_t T = 7, H = layer.hidden(), E = spec.moe().experts;
+    auto w = grid_weights(layer, 21);
+    auto x = test::random_normal(T * H, 22);
+    const auto g = test::random_normal(T * H, 23);
+    const Run base = run(layer, w, x, &g, T, T);
+    const auto base_ids = expert_ids(layer, base, T, E);
+    auto loss = [&](bool& flipped) {
+      const Run r = run(layer, w, x, nullptr, T, T);
+      flipped = flipped || expert_ids(layer, r, T, E) != base_ids;
+      double l = 0;
+      for (std::size_t i = 0; i < r.y.size(); ++i) l += static_cast<double>(r.y[i]) * g[i];
+      return l;
+    };
+    int checked = 0, skipped = 0;
+    double max_err = 0;
+    auto check = [&](float& value, double analytic, auto perturb, const std::string& what) {
+      const float saved = value;
+      bool flipped = false;
+      const float up = perturb(saved, +1), down = perturb(saved, -1);
+      value = up;
+      const double lp = loss(flipped);
+      value = down;
+      const double lm = loss(flipped);
+      value = saved;
+      if (flipped) {
+        ++skipped;
+        return;
+      }
+      const double fd = (lp - lm) / (static_cast<double>(up) - static_cast<double>(down));
+      ++checked;
+      max_err = std::max(max_err, std::abs(fd - analytic));
+      INFO(what << ": analytic " << analytic << " vs finite difference " << fd);
+      CHECK(std::abs(fd - analytic) <= 1e-3 + 1e-2 * std::abs(analytic));
+    };
+    // The input.
+    for (std::size_t i = 0; i < x.size(); i += 3)
+      check(x[i], base.dx[i], [](float v, int s) { return v + static_cast<float>(s) * 0.01f; }, fmt::format("dx[{}]", i));
+    // Every parameter tensor: all of a small one, a sample of a large one.
+    std::mt19937_64 rng(24);
+    for (std::size_t s = 0; s < w.size(); ++s) {
+      std::uint64_t offset = 0;
+      for (const auto& t : layer.segments()[s].tensors) {
+        const std::uint64_t n = t.elements();
+        std::vector<std::uint64_t> idx;
+        if (n <= 16) {
+          idx.resize(n);
+          std::iota(idx.begin(), idx.end(), 0);
+        } else {
+          for (int i = 0; i < 12; ++i) idx.push_back(rng() % n);
+        }
+        for (auto i : idx) {
+          // The layer reads bf16: write the perturbed value, exact on the grid, into the element.
+          auto& slot = w[s][offset + i];
+          const double analytic = base.grads[s][offset + i];
+          const float eps = 1.0f / 128;
+          auto perturb = [&](float val, int sign) {
+            const float p = val + static_cast<float>(sign) * eps;
+            REQUIRE(to_float(to_bf16(p)) == p);
+            return p;
+          };
+          const float saved = to_float(slot);
+          bool flipped = false;
+          slot = to_bf16(perturb(saved, +1));
+          const double lp = loss(flipped);
+          slot = to_bf16(perturb(saved, -1));
+          const double lm = loss(flipped);
+          slot = to_bf16(saved);
+          if (flipped) {
+            ++skipped;
+            continue;
+          }
+          const double fd = (lp - lm) / (2.0 * eps);
+          ++checked;
+          max_err = std::max(max_err, std::abs(fd - analytic));
+          INFO(t.name << "[" << i << "]: analytic " << analytic << " vs finite difference " << fd);
+          CHECK(std::abs(fd - analytic) <= 1e-3 + 1e-2 * std::abs(analytic));
+        }
+        offset += n;
+      }
+    }
+    MESSAGE("norm_topk_prob " << norm_topk << ": " << checked << " derivatives checked, " << skipped
+                              << " skipped (top-k flipped), max |error| " << max_err);
+    CHECK(skipped * 10 < checked);
+  }
+}
+
+TEST_CASE("any chunking and any recompute give the same bits") {
+  const ModelSpec spec = tiny_spec(true, 1, 16, 8);
+  HostDecoderLayer layer(spec, 0);
+  for (const std::uint64_t T : {7u, 23u}) {
+    CAPTURE(T);
+    const std::uint64_t H = layer.hidden();
+    const auto w = grid_weights(layer, 31 + T);
+    const auto x = test::random_normal(T * H, 32 + T);
+    const auto g = test::random_normal(T * H, 33 + T);
+    const Run whole = run(layer, w, x, &g, T, T);
+    for (const std::uint64_t fc : {T, std::uint64_t{1}, std::uint64_t{3}, std::uint64_t{5}})
+      for (const std::uint64_t bc : {T, std::uint64_t{1}, std::uint64_t{3}, std::uint64_t{5}}) {
+        CAPTURE(fc);
+        CAPTURE(bc);
+        const Run r = run(layer, w, x, &g, T, fc, bc);
+        CHECK(same_bits(r.y, whole.y));
+        CHECK(same_bits(r.dx, whole.dx));
+        for (std::size_t s = 0; s < r.grads.size(); ++s) CHECK(same_bits(r.grads[s], whole.grads[s]));
+        for (int c = 0; c < activation_class_count; ++c) CHECK(same_bits(r.saved[static_cast<std::size_t>(c)], whole.saved[static_cast<std::size_t>(c)]));
+      }
+    // Recompute each class alone (output == nullptr, only that class bound), in other chunks.
+    for (int c = 1; c < activation_class_count; ++c) {
+      const auto n = layer.saved_floats(static_cast<ActivationClass>(c), T);
+      if (n == 0) continue;
+      CAPTURE(c);
+      std::vector<std::vector<float>> grads;
+      for (const auto& s : w) grads.emplace_back(s.size(), 0.0f);
+      HostLayerContext ctx = bind(w, grads, T);
+      ctx.input = x.data();
+      std::vector<float> again(n, NAN);
+      ctx.saved[static_cast<std::size_t>(c)] = again.data();
+      chunks(T, 2, ctx, [&](HostLayerContext& cc) { layer.forward(cc); });
+      CHECK(same_bits(again, whole.saved[static_cast<std::size_t>(c)]));
+    }
+  }
+}
+
+namespace {
+
+Plan resident_plan(const std::vector<HostDecoderLayer>& layers, std::uint64_t tokens) {
+  Plan p;
+  p.workload = {1, tokens};
+  p.prefetch_depth = 2;
+  p.gpu_budget = 1_GiB;
+  p.host_budget = 1_GiB;
+  for (const auto& l : layers)
+    for (const auto& s : l.segments()) p.resident_segments.push_back(s.name);
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    p.retention.push_back({});
+    p.chunks.push_back({{tokens}, tokens});
+  }
+  p.loss_rows = tokens;
+  return p;
+}
+
+Plan random_plan(const std::vector<HostDecoderLayer>& layers, std::uint64_t tokens, std::mt19937_64& rng) {
+  Plan p = resident_plan(layers, tokens);
+  p.prefetch_depth = 1 + static_cast<int>(rng() % 3);
+  p.resident_segments.clear();
+  for (const auto& l : layers)
+    for (const auto& s : l.segments())
+      if (rng() % 2) p.resident_segments.push_back(s.name);
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    auto& row = p.retention[l];
+    row[static_cast<std::size_t>(ActivationClass::layer_boundary)] = rng() % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
+    for (auto c : {ActivationClass::norm_output, ActivationClass::attention_output, ActivationClass::softmax_stats,
+                   ActivationClass::router_output, ActivationClass::expert_intermediate}) {
+      const auto pick = rng() % 3;
+      row[static_cast<std::size_t>(c)] = pick == 0   ? RetentionDecision::keep()
+                                         : pick == 1 ? RetentionDecision::offload()
+                                                     : RetentionDecision::recompute(static_cast<int>(l));
+    }
+    p.chunks[l].moe_tokens = 1 + rng() % tokens;
+  }
+  return p;
+}
+
+struct Trained {
+  std::vector<std::vector<float>> master;
+  std::vector<double> losses;
+};
+
+Trained train(const ModelSpec& spec, const Plan& plan, std::uint64_t tokens, std::uint64_t seed) {
+  std::vector<HostDecoderLayer> layers;
+  for (int l = 0; l < spec.num_layers(); ++l) layers.emplace_back(spec, l);
+  std::vector<std::vector<float>> init;
+  std::uint64_t s = seed;
+  for (const auto& l : layers)
+    for (const auto& seg : l.segments()) {
+      auto v = test::random_normal(seg.parameters(), ++s, 0.3f);
+      if (seg.role == SegmentRole::norm)
+        for (auto& e : v) e += 1.0f;
+      init.push_back(std::move(v));
+    }
+  HostBackend backend({plan.gpu_budget, 1_GiB, true});
+  Trained r;
+  HostExecutorOptions options;
+  options.adamw.lr = 1e-2f;
+  HostExecutor<HostDecoderLayer> exec(backend, layers, plan, init, options);
+  const auto h = spec.hidden_size();
+  for (int step = 0; step < 2; ++step) {
+    const auto x = test::random_normal(tokens * h, seed * 100 + static_cast<std::uint64_t>(step));
+    const auto y = test::random_normal(tokens * h, seed * 100 + 50 + static_cast<std::uint64_t>(step));
+    r.losses.push_back(exec.step(x, y));
+  }
+  r.master = exec.master();
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("a 2-layer stack through the HostExecutor: random plans train the resident plan's weights bit for bit") {
+  const ModelSpec spec = tiny_spec(true, 2);
+  std::vector<HostDecoderLayer> shape;
+  for (int l = 0; l < spec.num_layers(); ++l) shape.emplace_back(spec, l);
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 12; ++i) {
+    const std::uint64_t tokens = 3 + rng() % 18;
+    const Plan reference = resident_plan(shape, tokens);
+    const Plan plan = random_plan(shape, tokens, rng);
+    const auto seed = rng();
+    const Trained expect = train(spec, reference, tokens, seed);
+    const Trained got = train(spec, plan, tokens, seed);
+    CAPTURE(i);
+    CAPTURE(tokens);
+    REQUIRE(got.losses == expect.losses);
+    REQUIRE(got.master.size() == expect.master.size());
+    for (std::size_t s = 0; s < got.master.size(); ++s) REQUIRE(same_bits(got.master[s], expect.master[s]));
+    CHECK(expect.losses.back() != expect.losses.front());
+  }
+}
+
+TEST_CASE("what the host decoder layer does not implement is named") {
+  const std::string dir = std::string(OOM_SOURCE_DIR) + "/examples/configs/";
+  auto error_of = [](const ModelSpec& spec, int layer) -> std::string {
+    try {
+      HostDecoderLayer l(spec, layer);
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::unsupported);
+      return e.message();
+    }
+    return "no error";
+  };
+  const ModelSpec mixtral = ModelSpec::from_file(dir + "mixtral-8x7b-v0.1.json");
+  CHECK(error_of(mixtral, 1).find("layer 1 has attention without q/k norm") != std::string::npos);
+  const ModelSpec next = ModelSpec::from_file(dir + "qwen3-next-80b-a3b.json");
+  CHECK(error_of(next, 0).find("layer 0 has linear attention") != std::string::npos);
+  CHECK(error_of(next, 3).find("layer 3 has an attention output gate") != std::string::npos);
+  const ModelSpec olmoe = ModelSpec::from_file(dir + "olmoe-1b-7b-0924.json");
+  CHECK(error_of(olmoe, 0).find("full-width q/k norm") != std::string::npos);
+  Json dense = read_json_file(dir + "tiny-moe.json");
+  dense.set("mlp_only_layers", Json::parse("[2]"));
+  CHECK(error_of(ModelSpec::from_json(dense), 2).find("layer 2 has a dense MLP") != std::string::npos);
+  CHECK_NOTHROW(HostDecoderLayer(ModelSpec::from_json(dense), 1));
+}
