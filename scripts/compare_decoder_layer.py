@@ -186,6 +186,9 @@ class ExpertLayout:
 def make_hf_config(transformers, cfg, attn):
     from transformers import Qwen3MoeConfig
     kw = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    params = inspect.signature(Qwen3MoeConfig.__init__).parameters
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kw = {k: v for k, v in kw.items() if k in params}
     config = Qwen3MoeConfig(**kw)
     # transformers v5 keeps rope_theta under rope_parameters; make sure it is ours either way.
     rp = getattr(config, "rope_parameters", None)
@@ -311,6 +314,10 @@ def main():
     config = make_hf_config(transformers, cfg, args.attn)
     layer16 = M.Qwen3MoeDecoderLayer(config, 0)
     layout = ExpertLayout(layer16.state_dict(), E, I, H)
+    if layout.fused and getattr(layer16.mlp.experts, "is_concatenated", True) is False:
+        print("compare_decoder_layer: this transformers interleaves gate/up rows in mlp.experts.gate_up_proj; "
+              "the conversion here assumes [gate; up] blocks", file=sys.stderr)
+        return 2
     sd = layout.to_module(torch, canon)
     missing = set(layer16.state_dict()) - set(sd)
     extra = set(sd) - set(layer16.state_dict())
