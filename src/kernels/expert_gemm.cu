@@ -375,15 +375,60 @@ std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s, ExpertGemmMeth
   return 0;
 }
 
+namespace {
+
+/// The host array {base, base + stride, ...} of E pointers, for the contiguous (E, ...) entry points.
+template <class T>
+std::vector<T*> strided(T* base, const ExpertGemmShape& s, std::int64_t stride) {
+  std::vector<T*> out(static_cast<std::size_t>(std::max<std::int64_t>(s.experts, 0)));
+  for (std::size_t e = 0; e < out.size(); ++e) out[e] = base + static_cast<std::int64_t>(e) * stride;
+  return out;
+}
+
+/// Every expert that receives rows has its matrices.
+template <class... P>
+bool pointers_present(const ExpertGemmShape& s, const std::int32_t* counts_host, P... arrays) {
+  for (std::int64_t e = 0; e < s.experts; ++e)
+    if (counts_host[e] > 0 && ((arrays == nullptr || arrays[e] == nullptr) || ...)) return false;
+  return true;
+}
+
+}  // namespace
+
+cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                   const std::int32_t* counts_host, const bf16* x_perm, const bf16* const* w_gate_up,
+                                   bf16* gate_up, ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                   ExpertGemmStreams* streams) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_gate_up))
+    return cudaErrorInvalidValue;
+  const auto H = s.hidden, I2 = 2 * s.intermediate;
+  std::vector<Problem> ps;
+  for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
+    ps.push_back({false, true, rows, I2, H, x_perm + r * H, H, w_gate_up[e], H, gate_up + r * I2, I2, CUDA_R_16BF, 0.0f});
+  });
+  return issue({s, blas, stream, method, workspace, streams}, ps, {});
+}
+
 cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                    const std::int32_t* counts_host, const bf16* x_perm, const bf16* w_gate_up, bf16* gate_up,
                                    ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                    ExpertGemmStreams* streams) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams)) return cudaErrorInvalidValue;
-  const auto H = s.hidden, I2 = 2 * s.intermediate;
+  if (w_gate_up == nullptr) return cudaErrorInvalidValue;
+  const auto w = strided(w_gate_up, s, 2 * s.intermediate * s.hidden);
+  return expert_gate_up_forward(blas, stream, s, counts_host, x_perm, w.data(), gate_up, method, workspace, workspace_bytes,
+                                streams);
+}
+
+cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                const std::int32_t* counts_host, const bf16* h, const bf16* const* w_down, bf16* y,
+                                ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                ExpertGemmStreams* streams) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_down))
+    return cudaErrorInvalidValue;
+  const auto H = s.hidden, I = s.intermediate;
   std::vector<Problem> ps;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
-    ps.push_back({false, true, rows, I2, H, x_perm + r * H, H, w_gate_up + e * I2 * H, H, gate_up + r * I2, I2, CUDA_R_16BF, 0.0f});
+    ps.push_back({false, true, rows, H, I, h + r * I, I, w_down[e], I, y + r * H, H, CUDA_R_16BF, 0.0f});
   });
   return issue({s, blas, stream, method, workspace, streams}, ps, {});
 }
@@ -392,27 +437,54 @@ cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const 
                                 const std::int32_t* counts_host, const bf16* h, const bf16* w_down, bf16* y,
                                 ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                 ExpertGemmStreams* streams) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams)) return cudaErrorInvalidValue;
+  if (w_down == nullptr) return cudaErrorInvalidValue;
+  const auto w = strided(w_down, s, s.hidden * s.intermediate);
+  return expert_down_forward(blas, stream, s, counts_host, h, w.data(), y, method, workspace, workspace_bytes, streams);
+}
+
+cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                 const std::int32_t* counts_host, const bf16* dy, const bf16* h, const bf16* const* w_down,
+                                 bf16* dh, float* const* dw_down, ExpertGemmMethod method, void* workspace,
+                                 std::size_t workspace_bytes, ExpertGemmStreams* streams) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_down, dw_down))
+    return cudaErrorInvalidValue;
   const auto H = s.hidden, I = s.intermediate;
-  std::vector<Problem> ps;
+  std::vector<Problem> data, weight;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
-    ps.push_back({false, true, rows, H, I, h + r * I, I, w_down + e * H * I, I, y + r * H, H, CUDA_R_16BF, 0.0f});
+    // dh (rows, I) = dy (rows, H) . w_down[e] (H, I)
+    data.push_back({false, false, rows, I, H, dy + r * H, H, w_down[e], I, dh + r * I, I, CUDA_R_16BF, 0.0f});
+    // dw_down[e] (H, I) += dy^T (H, rows) . h (rows, I)
+    weight.push_back({true, false, H, I, rows, dy + r * H, H, h + r * I, I, dw_down[e], I, CUDA_R_32F, 1.0f});
   });
-  return issue({s, blas, stream, method, workspace, streams}, ps, {});
+  return issue({s, blas, stream, method, workspace, streams}, data, weight);
 }
 
 cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                  const std::int32_t* counts_host, const bf16* dy, const bf16* h, const bf16* w_down, bf16* dh,
                                  float* dw_down, ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                  ExpertGemmStreams* streams) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams)) return cudaErrorInvalidValue;
-  const auto H = s.hidden, I = s.intermediate;
+  if (w_down == nullptr || dw_down == nullptr) return cudaErrorInvalidValue;
+  const auto w = strided(w_down, s, s.hidden * s.intermediate);
+  const auto dw = strided(dw_down, s, s.hidden * s.intermediate);
+  return expert_down_backward(blas, stream, s, counts_host, dy, h, w.data(), dh, dw.data(), method, workspace, workspace_bytes,
+                              streams);
+}
+
+cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                    const std::int32_t* counts_host, const bf16* d_gate_up, const bf16* x_perm,
+                                    const bf16* const* w_gate_up, bf16* dx_perm, float* const* dw_gate_up,
+                                    ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                    ExpertGemmStreams* streams) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) ||
+      !pointers_present(s, counts_host, w_gate_up, dw_gate_up))
+    return cudaErrorInvalidValue;
+  const auto H = s.hidden, I2 = 2 * s.intermediate;
   std::vector<Problem> data, weight;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
-    // dh (rows, I) = dy (rows, H) . w_down[e] (H, I)
-    data.push_back({false, false, rows, I, H, dy + r * H, H, w_down + e * H * I, I, dh + r * I, I, CUDA_R_16BF, 0.0f});
-    // dw_down[e] (H, I) += dy^T (H, rows) . h (rows, I)
-    weight.push_back({true, false, H, I, rows, dy + r * H, H, h + r * I, I, dw_down + e * H * I, I, CUDA_R_32F, 1.0f});
+    // dx (rows, H) = d_gate_up (rows, 2I) . w_gate_up[e] (2I, H)
+    data.push_back({false, false, rows, H, I2, d_gate_up + r * I2, I2, w_gate_up[e], H, dx_perm + r * H, H, CUDA_R_16BF, 0.0f});
+    // dw_gate_up[e] (2I, H) += d_gate_up^T (2I, rows) . x_perm (rows, H)
+    weight.push_back({true, false, I2, H, rows, d_gate_up + r * I2, I2, x_perm + r * H, H, dw_gate_up[e], H, CUDA_R_32F, 1.0f});
   });
   return issue({s, blas, stream, method, workspace, streams}, data, weight);
 }
@@ -421,18 +493,11 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
                                     const std::int32_t* counts_host, const bf16* d_gate_up, const bf16* x_perm,
                                     const bf16* w_gate_up, bf16* dx_perm, float* dw_gate_up, ExpertGemmMethod method,
                                     void* workspace, std::size_t workspace_bytes, ExpertGemmStreams* streams) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams)) return cudaErrorInvalidValue;
-  const auto H = s.hidden, I2 = 2 * s.intermediate;
-  std::vector<Problem> data, weight;
-  for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
-    // dx (rows, H) = d_gate_up (rows, 2I) . w_gate_up[e] (2I, H)
-    data.push_back({false, false, rows, H, I2, d_gate_up + r * I2, I2, w_gate_up + e * I2 * H, H, dx_perm + r * H, H, CUDA_R_16BF,
-                    0.0f});
-    // dw_gate_up[e] (2I, H) += d_gate_up^T (2I, rows) . x_perm (rows, H)
-    weight.push_back(
-        {true, false, I2, H, rows, d_gate_up + r * I2, I2, x_perm + r * H, H, dw_gate_up + e * I2 * H, H, CUDA_R_32F, 1.0f});
-  });
-  return issue({s, blas, stream, method, workspace, streams}, data, weight);
+  if (w_gate_up == nullptr || dw_gate_up == nullptr) return cudaErrorInvalidValue;
+  const auto w = strided(w_gate_up, s, 2 * s.intermediate * s.hidden);
+  const auto dw = strided(dw_gate_up, s, 2 * s.intermediate * s.hidden);
+  return expert_gate_up_backward(blas, stream, s, counts_host, d_gate_up, x_perm, w.data(), dx_perm, dw.data(), method,
+                                 workspace, workspace_bytes, streams);
 }
 
 cudaError_t shared_expert_gate_forward(cudaStream_t stream, std::int64_t tokens, std::int64_t hidden, const bf16* x,

@@ -129,6 +129,44 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
                                     ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                     ExpertGemmStreams* streams = nullptr);  // multi_stream, row_chunked
 
+/// The same four launchers with each expert's matrices anywhere in device memory (each expert its
+/// own state segment, streamed into whatever slot it got): w_*[e] and dw_*[e] are HOST arrays of E
+/// device pointers, each to one expert's matrix of the shape above, e.g. w_gate_up[e] -> (2I, H) =
+/// [gate_proj; up_proj] of expert e. The launchers above call these with base + e * stride.
+/// A null pointer of an expert that receives rows is cudaErrorInvalidValue.
+cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                   const std::int32_t* counts_host,    // (E) HOST memory
+                                   const bf16* x_perm,                 // (N, H)
+                                   const bf16* const* w_gate_up,       // (E) host array -> (2I, H) each
+                                   bf16* gate_up,                      // (N, 2I) out
+                                   ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                   ExpertGemmStreams* streams = nullptr);
+cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                const std::int32_t* counts_host,  // (E) HOST memory
+                                const bf16* h,                    // (N, I)
+                                const bf16* const* w_down,        // (E) host array -> (H, I) each
+                                bf16* y,                          // (N, H) out
+                                ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                ExpertGemmStreams* streams = nullptr);
+cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                 const std::int32_t* counts_host,  // (E) HOST memory
+                                 const bf16* dy,                   // (N, H)
+                                 const bf16* h,                    // (N, I)
+                                 const bf16* const* w_down,        // (E) host array -> (H, I) each
+                                 bf16* dh,                         // (N, I) out
+                                 float* const* dw_down,            // (E) host array -> (H, I) fp32 each, accumulated
+                                 ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                 ExpertGemmStreams* streams = nullptr);
+cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
+                                    const std::int32_t* counts_host,  // (E) HOST memory
+                                    const bf16* d_gate_up,            // (N, 2I)
+                                    const bf16* x_perm,               // (N, H)
+                                    const bf16* const* w_gate_up,     // (E) host array -> (2I, H) each
+                                    bf16* dx_perm,                    // (N, H) out
+                                    float* const* dw_gate_up,         // (E) host array -> (2I, H) fp32 each, accumulated
+                                    ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
+                                    ExpertGemmStreams* streams = nullptr);
+
 /// Shared expert gate (Qwen3-Next): out = routed + sigmoid(x . w_gate) * y; the gate logit is saved.
 /// `routed` may be null (zero) or equal to `out` (in place).
 cudaError_t shared_expert_gate_forward(cudaStream_t stream, std::int64_t tokens, std::int64_t hidden,

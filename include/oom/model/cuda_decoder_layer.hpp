@@ -1,0 +1,163 @@
+// One Qwen3-MoE decoder layer on the GPU, forward and backward, composed from OOM's kernels
+// (include/oom/kernels/) and cuBLAS. The math is transformers' Qwen3MoeDecoderLayer:
+//
+//   xn1 = rms(x) * input_layernorm
+//   q   = rope(rms_head(xn1 Wq^T) * q_norm)     (T, Hq, D)   per-head RMSNorm, then RoPE
+//   k   = rope(rms_head(xn1 Wk^T) * k_norm)     (T, Hkv, D)
+//   v   = xn1 Wv^T                              (T, Hkv, D)
+//   h   = x + attn(q, k, v) Wo^T                causal GQA, scale 1/sqrt(D)
+//   xn2 = rms(h) * post_attention_layernorm
+//   p   = softmax(xn2 Wr^T) (fp32); top-k experts, weights renormalised when norm_topk_prob
+//   y   = h + sum_j w_j down_e(silu(gate_e xn2) * up_e xn2)
+//
+// No aux loss, no dropout, one sequence of T tokens (positions given per token).
+//
+// Dtypes: activations and weights bf16, every accumulation fp32 (cuBLAS with CUBLAS_COMPUTE_32F,
+// fp32 statistics). Parameter gradients are fp32 and ACCUMULATED (+=) into what the caller passes
+// (zero them once per step): the projections' weight gradients are cuBLAS GEMMs with an fp32 C and
+// beta = 1, the norms', router's and experts' come from their kernels likewise. Activation
+// gradients (dx and everything inside) are bf16.
+//
+// Calls: everything is issued on the caller's stream and cuBLAS handle (whose stream is set to
+// it); no allocation: the caller gives `saved` (kept from forward to backward) and `workspace`
+// (scratch of one call). The expert GEMMs (ExpertGemmMethod::row_chunked) need each expert's row
+// count on the HOST: forward and backward each copy the E counts down once
+// (cudaMemcpyAsync + cudaStreamSynchronize(stream)): the only host syncs inside. The backward
+// copies them again from `saved` so nothing but device memory carries state between the calls.
+//
+// Weights may live anywhere in device memory, e.g. in per-segment blocks laid out as ModelSpec's
+// segments (tensors of one segment back to back, in TensorSpec order): bind_decoder_layer_params()
+// resolves every tensor from the layer's segments and one base pointer per segment. The only
+// layout requirement: each expert's up_proj must directly follow its gate_proj (as in its segment),
+// since the expert GEMM reads [gate_proj; up_proj] as one (2I, H) matrix; the same for gradients.
+//
+// Errors: oom::Error (Errc::invalid_argument for bad shapes/pointers/workspace sizes naming what is
+// wrong, Errc::cuda / Errc::cublas naming the failed call).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "oom/core/numeric.hpp"
+
+struct cublasContext;
+typedef struct cublasContext* cublasHandle_t;  // as cublas_api.h declares it
+
+namespace oom {
+class ModelSpec;
+struct StateSegment;
+namespace kernels {
+class ExpertGemmStreams;
+}
+}  // namespace oom
+
+namespace oom::model {
+
+struct DecoderLayerShape {
+  std::int64_t tokens = 0;        ///< T (one sequence; positions are given per token)
+  std::int64_t hidden = 0;        ///< H
+  std::int64_t heads_q = 0;       ///< Hq
+  std::int64_t heads_kv = 0;      ///< Hkv (divides Hq)
+  std::int64_t head_dim = 0;      ///< D: 128 or 256 (the attention kernel's)
+  std::int64_t experts = 0;       ///< E
+  std::int64_t top_k = 0;         ///< k
+  std::int64_t intermediate = 0;  ///< I, moe_intermediate_size
+  bool norm_topk_prob = true;
+  float rms_norm_eps = 1e-6f;
+  float rope_theta = 1e6f;
+
+  /// Layer `layer` of a Qwen3-MoE config with T = tokens. Errc::invalid_argument when the layer is
+  /// not one this class implements (another family, linear attention, a dense MLP, no q/k norm,
+  /// attention biases, partial RoPE, a head_dim the attention kernel does not take).
+  [[nodiscard]] static DecoderLayerShape from_spec(const ModelSpec& spec, int layer, std::int64_t tokens);
+  /// Throws Errc::invalid_argument naming the first field out of range.
+  void validate() const;
+};
+
+/// Device pointers to the layer's weights (bf16), shapes as the HF tensors.
+struct DecoderLayerParams {
+  const bf16* input_layernorm = nullptr;           ///< (H)
+  const bf16* q_proj = nullptr;                    ///< (Hq*D, H)
+  const bf16* k_proj = nullptr;                    ///< (Hkv*D, H)
+  const bf16* v_proj = nullptr;                    ///< (Hkv*D, H)
+  const bf16* o_proj = nullptr;                    ///< (H, Hq*D)
+  const bf16* q_norm = nullptr;                    ///< (D)
+  const bf16* k_norm = nullptr;                    ///< (D)
+  const bf16* post_attention_layernorm = nullptr;  ///< (H)
+  const bf16* router = nullptr;                    ///< (E, H) mlp.gate.weight
+  std::vector<const bf16*> expert_gate_proj;       ///< E pointers, (I, H) each
+  std::vector<const bf16*> expert_up_proj;         ///< E pointers, (I, H) each; == gate_proj + I*H
+  std::vector<const bf16*> expert_down_proj;       ///< E pointers, (H, I) each
+};
+
+/// Device pointers to the layer's parameter gradients, fp32, same shapes, accumulated into.
+struct DecoderLayerGrads {
+  float* input_layernorm = nullptr;
+  float* q_proj = nullptr;
+  float* k_proj = nullptr;
+  float* v_proj = nullptr;
+  float* o_proj = nullptr;
+  float* q_norm = nullptr;
+  float* k_norm = nullptr;
+  float* post_attention_layernorm = nullptr;
+  float* router = nullptr;
+  std::vector<float*> expert_gate_proj;  ///< E pointers, (I, H) each
+  std::vector<float*> expert_up_proj;    ///< E pointers, (I, H) each; == gate_proj + I*H
+  std::vector<float*> expert_down_proj;  ///< E pointers, (H, I) each
+};
+
+/// Resolves every tensor of layer `layer` from its segments (spec.layer_segments(layer)) and one
+/// device base pointer per segment (in that order), each segment's tensors back to back in
+/// TensorSpec order with `element_bytes` per element (2 for bf16 weights, 4 for fp32 gradients).
+/// Errc::invalid_argument when a tensor is missing or the number of bases differs.
+[[nodiscard]] DecoderLayerParams bind_decoder_layer_params(const ModelSpec& spec, int layer,
+                                                           std::span<const bf16* const> segment_bases);
+[[nodiscard]] DecoderLayerGrads bind_decoder_layer_grads(const ModelSpec& spec, int layer,
+                                                         std::span<float* const> segment_bases);
+
+/// Where the calls run. `expert_streams` (side streams and handles of the row_chunked expert
+/// GEMMs) belongs to the caller: one per device and per concurrently launching stream.
+struct DecoderLayerContext {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  kernels::ExpertGemmStreams* expert_streams = nullptr;
+};
+
+/// Bytes of the buffer kept from forward to backward (the list is in docs/kernels.md).
+[[nodiscard]] std::size_t decoder_layer_saved_bytes(const DecoderLayerShape& s);
+/// Scratch bytes of forward and of backward (the larger of the two); depends on the expert
+/// streams' options (their cuBLAS workspaces are carved from it).
+[[nodiscard]] std::size_t decoder_layer_workspace_bytes(const DecoderLayerShape& s, const kernels::ExpertGemmStreams& streams);
+
+/// y = layer(x). `positions` (T) int32 on the device (0..T-1 for one sequence). x is read again
+/// by the backward, so keep it unchanged until then. y must not alias x. Writes `saved`.
+/// All device buffers 256-byte aligned is the safe choice (16 bytes is required).
+void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                           const std::int32_t* positions,  // (T) int32
+                           const bf16* x,                  // (T, H)
+                           bf16* y,                        // (T, H) out
+                           void* saved, std::size_t saved_bytes, void* workspace, std::size_t workspace_bytes);
+
+/// dx = d layer / dx . dy, and every parameter gradient accumulated into `grads`. `x` and `saved`
+/// as the forward left them (saved is left unchanged). dx must not alias x or dy.
+void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                            const std::int32_t* positions,  // (T) int32
+                            const bf16* x,                  // (T, H), the forward's input
+                            const bf16* dy,                 // (T, H)
+                            const void* saved, std::size_t saved_bytes,
+                            bf16* dx,                       // (T, H) out
+                            const DecoderLayerGrads& grads, void* workspace, std::size_t workspace_bytes);
+
+/// The router's decisions of the last forward, from `saved` (for checks and statistics): expert
+/// ids (T, k) int32 and weights (T, k) fp32, device pointers into `saved`.
+struct DecoderLayerRouting {
+  const std::int32_t* expert_ids = nullptr;
+  const float* weights = nullptr;
+};
+[[nodiscard]] DecoderLayerRouting decoder_layer_routing(const DecoderLayerShape& s, const void* saved);
+
+}  // namespace oom::model

@@ -1,0 +1,583 @@
+// A Qwen3-MoE decoder layer on the GPU; contract in include/oom/model/cuda_decoder_layer.hpp.
+// Host code only (the kernels are OOM's launchers and cuBLAS), so it is a .cpp: fmt builds the
+// error messages here.
+#include "oom/model/cuda_decoder_layer.hpp"
+
+#include <cublas_v2.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "oom/core/error.hpp"
+#include "oom/kernels/attention.hpp"
+#include "oom/kernels/cast.hpp"
+#include "oom/kernels/expert_gemm.hpp"
+#include "oom/kernels/permute.hpp"
+#include "oom/kernels/rmsnorm.hpp"
+#include "oom/kernels/rope.hpp"
+#include "oom/kernels/router.hpp"
+#include "oom/kernels/swiglu.hpp"
+#include "oom/model/model_spec.hpp"
+
+namespace oom::model {
+namespace {
+
+using kernels::ExpertGemmMethod;
+constexpr ExpertGemmMethod expert_method = ExpertGemmMethod::row_chunked;
+
+[[noreturn]] void invalid(const std::string& what) { throw Error(Errc::invalid_argument, "decoder layer: " + what); }
+
+/// A launcher's status: the step that failed, the CUDA error's name and text.
+void check(cudaError_t status, std::string_view step) {
+  if (status != cudaSuccess)
+    throw Error(Errc::cuda, fmt::format("decoder layer: {} failed: {} ({})", step, cudaGetErrorName(status),
+                                        cudaGetErrorString(status)));
+}
+void check(cublasStatus_t status, std::string_view step) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw Error(Errc::cublas, fmt::format("decoder layer: {} failed: {}", step, cublasGetStatusString(status)));
+}
+
+/// Row-major C (m, n) = op(A) op(B) + beta C with A, B bf16, fp32 accumulation, C bf16 or fp32.
+/// A is (m, k) (lda), or stored (k, m) with trans_a; B is (k, n), or stored (n, k) with trans_b.
+/// cuBLAS is column-major: it computes C^T = op(B)^T op(A)^T.
+void gemm(cublasHandle_t blas, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, const void* a,
+          std::int64_t lda, const void* b, std::int64_t ldb, void* c, cudaDataType_t c_type, std::int64_t ldc, float beta,
+          std::string_view step) {
+  if (m == 0 || n == 0) return;
+  const float alpha = 1.0f;
+  check(cublasGemmEx(blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
+                     static_cast<int>(m), static_cast<int>(k), &alpha, b, CUDA_R_16BF, static_cast<int>(ldb), a, CUDA_R_16BF,
+                     static_cast<int>(lda), &beta, c, c_type, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        step);
+}
+
+constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
+
+/// Hands out 256-byte aligned sub-buffers of one block; with a null base it only counts (sizing).
+class Carver {
+ public:
+  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  template <class T>
+  T* take(std::int64_t count) {
+    return static_cast<T*>(take_bytes(static_cast<std::size_t>(count) * sizeof(T)));
+  }
+  void* take_bytes(std::size_t bytes) {
+    offset_ = align_up(offset_);
+    void* p = base_ ? base_ + offset_ : nullptr;
+    offset_ += bytes;
+    return p;
+  }
+  [[nodiscard]] std::size_t size() const { return align_up(offset_); }
+
+ private:
+  char* base_;
+  std::size_t offset_ = 0;
+};
+
+std::int64_t q_width(const DecoderLayerShape& s) { return s.heads_q * s.head_dim; }
+std::int64_t kv_width(const DecoderLayerShape& s) { return s.heads_kv * s.head_dim; }
+std::int64_t slots(const DecoderLayerShape& s) { return s.tokens * s.top_k; }  // N, rows of the expert GEMMs
+
+/// What the forward keeps for the backward, in this order in `saved`.
+struct Saved {
+  float* rstd1;            // (T)
+  bf16* xn1;               // (T, H)          rms1(x) * w
+  bf16* q_raw;             // (T, Hq, D)      xn1 Wq^T (input of q_norm)
+  bf16* k_raw;             // (T, Hkv, D)
+  float* q_rstd;           // (T * Hq)
+  float* k_rstd;           // (T * Hkv)
+  bf16* q;                 // (T, Hq, D)      rope(q_norm(q_raw)), the attention's Q
+  bf16* k;                 // (T, Hkv, D)
+  bf16* v;                 // (T, Hkv, D)
+  bf16* attn;              // (T, Hq, D)      the attention's output O
+  float* lse;              // (Hq, T)
+  bf16* h;                 // (T, H)          x + O Wo^T
+  float* rstd2;            // (T)
+  bf16* xn2;               // (T, H)          rms2(h) * w
+  float* probs;            // (T, E)
+  std::int32_t* expert_ids;  // (T, k)
+  float* weights;          // (T, k)
+  std::int32_t* row_to_slot;  // (N)
+  std::int32_t* slot_to_row;  // (N)
+  std::int32_t* counts;       // (E)
+  std::int32_t* offsets;      // (E + 1)
+  bf16* x_perm;            // (N, H)
+  bf16* gate_up;           // (N, 2I)
+  bf16* act;               // (N, I)          silu(gate) * up
+  bf16* y_perm;            // (N, H)          expert outputs before the weighted combine
+};
+
+Saved carve_saved(const DecoderLayerShape& s, void* base, std::size_t* total = nullptr) {
+  Carver c(base);
+  const auto T = s.tokens, H = s.hidden, N = slots(s), E = s.experts;
+  Saved v{};
+  v.rstd1 = c.take<float>(T);
+  v.xn1 = c.take<bf16>(T * H);
+  v.q_raw = c.take<bf16>(T * q_width(s));
+  v.k_raw = c.take<bf16>(T * kv_width(s));
+  v.q_rstd = c.take<float>(T * s.heads_q);
+  v.k_rstd = c.take<float>(T * s.heads_kv);
+  v.q = c.take<bf16>(T * q_width(s));
+  v.k = c.take<bf16>(T * kv_width(s));
+  v.v = c.take<bf16>(T * kv_width(s));
+  v.attn = c.take<bf16>(T * q_width(s));
+  v.lse = c.take<float>(s.heads_q * T);
+  v.h = c.take<bf16>(T * H);
+  v.rstd2 = c.take<float>(T);
+  v.xn2 = c.take<bf16>(T * H);
+  v.probs = c.take<float>(T * E);
+  v.expert_ids = c.take<std::int32_t>(T * s.top_k);
+  v.weights = c.take<float>(T * s.top_k);
+  v.row_to_slot = c.take<std::int32_t>(N);
+  v.slot_to_row = c.take<std::int32_t>(N);
+  v.counts = c.take<std::int32_t>(E);
+  v.offsets = c.take<std::int32_t>(E + 1);
+  v.x_perm = c.take<bf16>(N * H);
+  v.gate_up = c.take<bf16>(N * 2 * s.intermediate);
+  v.act = c.take<bf16>(N * s.intermediate);
+  v.y_perm = c.take<bf16>(N * H);
+  if (total) *total = c.size();
+  return v;
+}
+
+kernels::RouterShape router_shape(const DecoderLayerShape& s) {
+  return {s.tokens, s.hidden, s.experts, s.top_k, s.norm_topk_prob};
+}
+kernels::PermuteShape permute_shape(const DecoderLayerShape& s) { return {s.tokens, s.top_k, s.experts}; }
+kernels::ExpertGemmShape expert_shape(const DecoderLayerShape& s) {
+  return {s.hidden, s.intermediate, s.experts, slots(s)};
+}
+kernels::AttentionProblem attention_problem(const DecoderLayerShape& s) {
+  kernels::AttentionProblem p;
+  p.batch = 1;
+  p.seq = static_cast<int>(s.tokens);
+  p.heads_q = static_cast<int>(s.heads_q);
+  p.heads_kv = static_cast<int>(s.heads_kv);
+  p.head_dim = static_cast<int>(s.head_dim);
+  p.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));  // HF: head_dim ** -0.5
+  return p;
+}
+
+/// Forward scratch.
+struct ForwardScratch {
+  float* logits;    // (T, E)
+  void* plan_ws;    // permute_plan's
+  std::size_t plan_bytes;
+  bf16* moe_out;    // (T, H)
+  void* gemm_ws;    // the expert GEMMs'
+  std::size_t gemm_bytes;
+};
+
+ForwardScratch carve_forward(const DecoderLayerShape& s, const kernels::ExpertGemmStreams& streams, void* base,
+                             std::size_t* total = nullptr) {
+  Carver c(base);
+  ForwardScratch f{};
+  f.logits = c.take<float>(s.tokens * s.experts);
+  f.plan_bytes = kernels::permute_plan_workspace_bytes(permute_shape(s));
+  f.plan_ws = c.take_bytes(f.plan_bytes);
+  f.moe_out = c.take<bf16>(s.tokens * s.hidden);
+  f.gemm_bytes = kernels::expert_gemm_workspace_bytes(expert_shape(s), expert_method, &streams);
+  f.gemm_ws = c.take_bytes(f.gemm_bytes);
+  if (total) *total = c.size();
+  return f;
+}
+
+/// Backward scratch.
+struct BackwardScratch {
+  bf16* dy_perm;       // (N, H)
+  float* d_weights;    // (T, k)
+  bf16* d_act;         // (N, I)
+  bf16* d_gate_up;     // (N, 2I)
+  bf16* dx_perm;       // (N, H)
+  bf16* dxn2;          // (T, H)   then, in place, the MoE branch's d h
+  float* d_logits;     // (T, E)
+  void* router_ws;
+  std::size_t router_bytes;
+  bf16* dh;            // (T, H)
+  bf16* d_attn;        // (T, Hq, D)
+  bf16* dq;            // (T, Hq, D)
+  bf16* dk;            // (T, Hkv, D)
+  bf16* dv;            // (T, Hkv, D)
+  void* attn_ws;
+  std::size_t attn_bytes;
+  float* dxn1_f32;     // (T, H)   the three projections' dx summed in fp32
+  bf16* dxn1;          // (T, H)   then, in place, the attention branch's d x
+  void* norm_ws;       // the largest of the four rmsnorm backwards'
+  std::size_t norm_bytes;
+  void* gemm_ws;
+  std::size_t gemm_bytes;
+};
+
+BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::ExpertGemmStreams& streams, void* base,
+                               std::size_t* total = nullptr) {
+  Carver c(base);
+  const auto T = s.tokens, H = s.hidden, N = slots(s), I = s.intermediate;
+  BackwardScratch b{};
+  b.dy_perm = c.take<bf16>(N * H);
+  b.d_weights = c.take<float>(T * s.top_k);
+  b.d_act = c.take<bf16>(N * I);
+  b.d_gate_up = c.take<bf16>(N * 2 * I);
+  b.dx_perm = c.take<bf16>(N * H);
+  b.dxn2 = c.take<bf16>(T * H);
+  b.d_logits = c.take<float>(T * s.experts);
+  b.router_bytes = kernels::router_backward_workspace_bytes(router_shape(s));
+  b.router_ws = c.take_bytes(b.router_bytes);
+  b.dh = c.take<bf16>(T * H);
+  b.d_attn = c.take<bf16>(T * q_width(s));
+  b.dq = c.take<bf16>(T * q_width(s));
+  b.dk = c.take<bf16>(T * kv_width(s));
+  b.dv = c.take<bf16>(T * kv_width(s));
+  b.attn_bytes = kernels::attention_backward_workspace_bytes(attention_problem(s));
+  b.attn_ws = c.take_bytes(b.attn_bytes);
+  b.dxn1_f32 = c.take<float>(T * H);
+  b.dxn1 = c.take<bf16>(T * H);
+  b.norm_bytes = std::max({kernels::rmsnorm_backward_workspace_bytes(T, H),
+                           kernels::rmsnorm_backward_workspace_bytes(T * s.heads_q, s.head_dim),
+                           kernels::rmsnorm_backward_workspace_bytes(T * s.heads_kv, s.head_dim)});
+  b.norm_ws = c.take_bytes(b.norm_bytes);
+  b.gemm_bytes = kernels::expert_gemm_workspace_bytes(expert_shape(s), expert_method, &streams);
+  b.gemm_ws = c.take_bytes(b.gemm_bytes);
+  if (total) *total = c.size();
+  return b;
+}
+
+template <class P>
+void check_experts(const DecoderLayerShape& s, const std::vector<P>& gate, const std::vector<P>& up, const std::vector<P>& down,
+                   const char* what) {
+  const auto E = static_cast<std::size_t>(s.experts);
+  if (gate.size() != E || up.size() != E || down.size() != E)
+    invalid(fmt::format("{}: expert pointer arrays have {}/{}/{} entries (gate/up/down) for {} experts", what, gate.size(),
+                        up.size(), down.size(), E));
+  for (std::size_t e = 0; e < E; ++e) {
+    if (!gate[e] || !up[e] || !down[e]) invalid(fmt::format("{}: expert {} has a null pointer", what, e));
+    if (up[e] != gate[e] + s.intermediate * s.hidden)
+      invalid(fmt::format("{}: expert {}'s up_proj does not directly follow its gate_proj (the expert GEMM reads "
+                          "[gate_proj; up_proj] as one (2I, H) matrix; lay them out as in the expert's segment)",
+                          what, e));
+  }
+}
+
+void check_params(const DecoderLayerShape& s, const DecoderLayerParams& p) {
+  const std::pair<const bf16*, const char*> named[] = {
+      {p.input_layernorm, "input_layernorm"}, {p.q_proj, "q_proj"},   {p.k_proj, "k_proj"},
+      {p.v_proj, "v_proj"},                   {p.o_proj, "o_proj"},   {p.q_norm, "q_norm"},
+      {p.k_norm, "k_norm"},                   {p.post_attention_layernorm, "post_attention_layernorm"},
+      {p.router, "router (mlp.gate)"}};
+  for (const auto& [ptr, name] : named)
+    if (!ptr) invalid(fmt::format("params: {} is null", name));
+  check_experts(s, p.expert_gate_proj, p.expert_up_proj, p.expert_down_proj, "params");
+}
+
+void check_grads(const DecoderLayerShape& s, const DecoderLayerGrads& g) {
+  const std::pair<const float*, const char*> named[] = {
+      {g.input_layernorm, "input_layernorm"}, {g.q_proj, "q_proj"},   {g.k_proj, "k_proj"},
+      {g.v_proj, "v_proj"},                   {g.o_proj, "o_proj"},   {g.q_norm, "q_norm"},
+      {g.k_norm, "k_norm"},                   {g.post_attention_layernorm, "post_attention_layernorm"},
+      {g.router, "router (mlp.gate)"}};
+  for (const auto& [ptr, name] : named)
+    if (!ptr) invalid(fmt::format("grads: {} is null", name));
+  check_experts(s, g.expert_gate_proj, g.expert_up_proj, g.expert_down_proj, "grads");
+}
+
+void check_buffers(const void* saved, std::size_t saved_bytes, std::size_t saved_needed, const void* workspace,
+                   std::size_t workspace_bytes, std::size_t workspace_needed) {
+  if (!saved || saved_bytes < saved_needed)
+    invalid(fmt::format("saved buffer {} with {} bytes; needs {} (decoder_layer_saved_bytes)", saved ? "given" : "null",
+                        saved_bytes, saved_needed));
+  if (!workspace || workspace_bytes < workspace_needed)
+    invalid(fmt::format("workspace {} with {} bytes; needs {} (decoder_layer_workspace_bytes)", workspace ? "given" : "null",
+                        workspace_bytes, workspace_needed));
+}
+
+void check_context(const DecoderLayerContext& ctx) {
+  if (!ctx.blas) invalid("context has no cuBLAS handle");
+  if (!ctx.expert_streams) invalid("context has no ExpertGemmStreams (the row_chunked expert GEMMs need one)");
+}
+
+/// The E per-expert row counts on the host (the expert GEMMs' m/k arguments): one D2H + sync.
+std::vector<std::int32_t> download_counts(const DecoderLayerShape& s, const std::int32_t* counts, cudaStream_t stream) {
+  std::vector<std::int32_t> host(static_cast<std::size_t>(s.experts));
+  check(cudaMemcpyAsync(host.data(), counts, host.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream),
+        "copy of the expert counts to the host");
+  check(cudaStreamSynchronize(stream), "stream sync for the expert counts");
+  std::int64_t total = 0;
+  for (std::size_t e = 0; e < host.size(); ++e) {
+    if (host[e] < 0) throw Error(Errc::internal, fmt::format("decoder layer: expert {} has {} rows", e, host[e]));
+    total += host[e];
+  }
+  if (total != slots(s))
+    throw Error(Errc::internal, fmt::format("decoder layer: expert counts sum to {}, expected T*k = {}", total, slots(s)));
+  return host;
+}
+
+}  // namespace
+
+// ---- shape ----------------------------------------------------------------------------------------
+
+void DecoderLayerShape::validate() const {
+  const auto need = [](bool ok, const std::string& what) {
+    if (!ok) invalid("shape: " + what);
+  };
+  need(tokens >= 1 && tokens <= 0x7fffffff, fmt::format("tokens = {} must be in [1, 2^31)", tokens));
+  need(hidden >= 1, fmt::format("hidden = {} must be positive", hidden));
+  need(heads_q >= 1 && heads_kv >= 1 && heads_q % heads_kv == 0,
+       fmt::format("heads_q = {} must be a positive multiple of heads_kv = {}", heads_q, heads_kv));
+  need(head_dim == 128 || head_dim == 256,
+       fmt::format("head_dim = {}: the attention kernel takes 128 or 256 (include/oom/kernels/attention.hpp)", head_dim));
+  need(hidden % 8 == 0, fmt::format("hidden = {} must be a multiple of 8 (16-byte rows)", hidden));
+  need(experts >= 1 && experts <= kernels::router_max_experts,
+       fmt::format("experts = {} must be in [1, {}]", experts, kernels::router_max_experts));
+  need(top_k >= 1 && top_k <= experts && top_k <= kernels::router_max_top_k,
+       fmt::format("top_k = {} must be in [1, min(experts, {})]", top_k, kernels::router_max_top_k));
+  need(intermediate >= 1, fmt::format("intermediate = {} must be positive", intermediate));
+  need(tokens * top_k <= 0x7fffffff, "tokens * top_k must fit in int32");
+  need(rms_norm_eps > 0 && rope_theta > 0, "rms_norm_eps and rope_theta must be positive");
+  need(kernels::attention_can_implement(attention_problem(*this)), "the attention kernel rejects this problem");
+}
+
+DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer, std::int64_t tokens) {
+  const LayerSpec& L = spec.layer(layer);
+  const auto& a = spec.attention();
+  const std::string where = fmt::format("layer {} of a {} model", layer, to_string(spec.family()));
+  if (spec.family() != ModelFamily::qwen3_moe) invalid(where + ": only Qwen3-MoE (model_type qwen3_moe) layers are implemented");
+  if (L.attention != AttentionKind::full) invalid(where + " is not a full-attention layer");
+  if (!L.moe) invalid(where + " is a dense-MLP layer; only MoE layers are implemented");
+  if (!a.qk_norm || a.qk_norm_full_width || a.output_gate || a.bias)
+    invalid(where + ": needs per-head q/k norm, no output gate and no attention bias (Qwen3-MoE's attention)");
+  if (spec.partial_rotary_factor() != 1.0) invalid(where + ": partial RoPE is not implemented");
+  if (spec.moe().shared_expert_intermediate != 0) invalid(where + ": a shared expert is not implemented");
+  DecoderLayerShape s;
+  s.tokens = tokens;
+  s.hidden = static_cast<std::int64_t>(spec.hidden_size());
+  s.heads_q = static_cast<std::int64_t>(a.heads);
+  s.heads_kv = static_cast<std::int64_t>(a.kv_heads);
+  s.head_dim = static_cast<std::int64_t>(a.head_dim);
+  s.experts = static_cast<std::int64_t>(spec.moe().experts);
+  s.top_k = static_cast<std::int64_t>(spec.moe().top_k);
+  s.intermediate = static_cast<std::int64_t>(spec.moe().expert_intermediate);
+  s.norm_topk_prob = spec.moe().norm_topk_prob;
+  s.rms_norm_eps = static_cast<float>(spec.rms_norm_eps());
+  s.rope_theta = static_cast<float>(spec.rope_theta());
+  s.validate();
+  return s;
+}
+
+// ---- binding into segment blocks ------------------------------------------------------------------
+
+namespace {
+
+template <class P, class Out>
+void bind(const ModelSpec& spec, int layer, std::span<P const> bases, Out& out, const char* what) {
+  const auto segs = spec.layer_segments(layer);
+  if (bases.size() != segs.size())
+    invalid(fmt::format("bind {}: {} segment bases for the {} segments of layer {}", what, bases.size(), segs.size(), layer));
+  const auto E = spec.moe().experts;
+  out.expert_gate_proj.assign(E, nullptr);
+  out.expert_up_proj.assign(E, nullptr);
+  out.expert_down_proj.assign(E, nullptr);
+  const auto ends_with = [](const std::string& s, std::string_view suffix) {
+    return s.size() >= suffix.size() && std::string_view(s).substr(s.size() - suffix.size()) == suffix;
+  };
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    const StateSegment& seg = segs[i];
+    if (!bases[i]) invalid(fmt::format("bind {}: segment {} has a null base", what, seg.name));
+    std::uint64_t offset = 0;
+    for (const TensorSpec& t : seg.tensors) {
+      if (t.stacked_index >= 0) invalid(fmt::format("bind {}: stacked expert tensors ({}) are not supported", what, t.name));
+      P p = bases[i] + offset;
+      offset += t.elements();
+      if (seg.role == SegmentRole::expert) {
+        const auto e = static_cast<std::size_t>(seg.expert);
+        if (ends_with(t.name, ".gate_proj.weight")) out.expert_gate_proj[e] = p;
+        else if (ends_with(t.name, ".up_proj.weight")) out.expert_up_proj[e] = p;
+        else if (ends_with(t.name, ".down_proj.weight")) out.expert_down_proj[e] = p;
+        else invalid(fmt::format("bind {}: unexpected expert tensor {}", what, t.name));
+        continue;
+      }
+      if (ends_with(t.name, ".input_layernorm.weight")) out.input_layernorm = p;
+      else if (ends_with(t.name, ".post_attention_layernorm.weight")) out.post_attention_layernorm = p;
+      else if (ends_with(t.name, ".self_attn.q_proj.weight")) out.q_proj = p;
+      else if (ends_with(t.name, ".self_attn.k_proj.weight")) out.k_proj = p;
+      else if (ends_with(t.name, ".self_attn.v_proj.weight")) out.v_proj = p;
+      else if (ends_with(t.name, ".self_attn.o_proj.weight")) out.o_proj = p;
+      else if (ends_with(t.name, ".self_attn.q_norm.weight")) out.q_norm = p;
+      else if (ends_with(t.name, ".self_attn.k_norm.weight")) out.k_norm = p;
+      else if (ends_with(t.name, ".mlp.gate.weight")) out.router = p;
+      else invalid(fmt::format("bind {}: tensor {} is not part of a Qwen3-MoE decoder layer", what, t.name));
+    }
+  }
+}
+
+}  // namespace
+
+DecoderLayerParams bind_decoder_layer_params(const ModelSpec& spec, int layer, std::span<const bf16* const> segment_bases) {
+  DecoderLayerParams p;
+  bind(spec, layer, segment_bases, p, "params");
+  return p;
+}
+
+DecoderLayerGrads bind_decoder_layer_grads(const ModelSpec& spec, int layer, std::span<float* const> segment_bases) {
+  DecoderLayerGrads g;
+  bind(spec, layer, segment_bases, g, "grads");
+  return g;
+}
+
+// ---- sizes ----------------------------------------------------------------------------------------
+
+std::size_t decoder_layer_saved_bytes(const DecoderLayerShape& s) {
+  std::size_t total = 0;
+  (void)carve_saved(s, nullptr, &total);
+  return total;
+}
+
+std::size_t decoder_layer_workspace_bytes(const DecoderLayerShape& s, const kernels::ExpertGemmStreams& streams) {
+  std::size_t f = 0, b = 0;
+  (void)carve_forward(s, streams, nullptr, &f);
+  (void)carve_backward(s, streams, nullptr, &b);
+  return std::max(f, b);
+}
+
+DecoderLayerRouting decoder_layer_routing(const DecoderLayerShape& s, const void* saved) {
+  const Saved v = carve_saved(s, const_cast<void*>(saved));
+  return {v.expert_ids, v.weights};
+}
+
+// ---- forward --------------------------------------------------------------------------------------
+
+void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                           const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
+                           void* workspace, std::size_t workspace_bytes) {
+  s.validate();
+  check_context(ctx);
+  check_params(s, params);
+  if (!positions || !x || !y) invalid("forward: positions, x and y must be device pointers");
+  if (x == y) invalid("forward: y must not alias x (the backward reads x)");
+  check_buffers(saved, saved_bytes, decoder_layer_saved_bytes(s), workspace, workspace_bytes,
+                decoder_layer_workspace_bytes(s, *ctx.expert_streams));
+
+  const cudaStream_t st = ctx.stream;
+  const auto T = s.tokens, H = s.hidden, D = s.head_dim, QW = q_width(s), KW = kv_width(s), I = s.intermediate;
+  const float eps = s.rms_norm_eps;
+  const Saved v = carve_saved(s, saved);
+  const ForwardScratch w = carve_forward(s, *ctx.expert_streams, workspace);
+  check(cublasSetStream(ctx.blas, st), "cublasSetStream");
+
+  // ---- attention block
+  check(kernels::rmsnorm_forward(x, params.input_layernorm, v.xn1, v.rstd1, T, H, eps, st), "input_layernorm forward");
+  gemm(ctx.blas, false, true, T, QW, H, v.xn1, H, params.q_proj, H, v.q_raw, CUDA_R_16BF, QW, 0.0f, "q_proj forward GEMM");
+  gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.k_proj, H, v.k_raw, CUDA_R_16BF, KW, 0.0f, "k_proj forward GEMM");
+  gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.v_proj, H, v.v, CUDA_R_16BF, KW, 0.0f, "v_proj forward GEMM");
+  check(kernels::rmsnorm_forward(v.q_raw, params.q_norm, v.q, v.q_rstd, T * s.heads_q, D, eps, st), "q_norm forward");
+  check(kernels::rmsnorm_forward(v.k_raw, params.k_norm, v.k, v.k_rstd, T * s.heads_kv, D, eps, st), "k_norm forward");
+  check(kernels::rope_forward(v.q, positions, v.q, T, s.heads_q, D, D, s.rope_theta, st), "rope forward (q)");
+  check(kernels::rope_forward(v.k, positions, v.k, T, s.heads_kv, D, D, s.rope_theta, st), "rope forward (k)");
+  const kernels::AttentionProblem ap = attention_problem(s);
+  check(kernels::attention_forward(ap, {v.q, T * QW, QW}, {v.k, T * KW, KW}, {v.v, T * KW, KW}, {v.attn, T * QW, QW}, v.lse, st),
+        "attention forward");
+  // h = x + O Wo^T: x copied into h, then the GEMM adds onto it (beta = 1, one rounding).
+  check(cudaMemcpyAsync(v.h, x, static_cast<std::size_t>(T * H) * sizeof(bf16), cudaMemcpyDeviceToDevice, st),
+        "residual copy x -> h");
+  gemm(ctx.blas, false, true, T, H, QW, v.attn, QW, params.o_proj, QW, v.h, CUDA_R_16BF, H, 1.0f, "o_proj forward GEMM");
+
+  // ---- MoE block
+  check(kernels::rmsnorm_forward(v.h, params.post_attention_layernorm, v.xn2, v.rstd2, T, H, eps, st),
+        "post_attention_layernorm forward");
+  check(kernels::router_forward(ctx.blas, st, router_shape(s), v.xn2, params.router, w.logits, v.probs, v.expert_ids, v.weights),
+        "router forward");
+  check(kernels::permute_plan(st, permute_shape(s), v.expert_ids, v.row_to_slot, v.slot_to_row, v.counts, v.offsets, w.plan_ws,
+                              w.plan_bytes),
+        "permute plan");
+  const std::vector<std::int32_t> counts = download_counts(s, v.counts, st);
+  check(kernels::permute_rows(st, permute_shape(s), H, v.row_to_slot, v.xn2, v.x_perm), "permute rows");
+  const auto es = expert_shape(s);
+  check(kernels::expert_gate_up_forward(ctx.blas, st, es, counts.data(), v.x_perm, params.expert_gate_proj.data(), v.gate_up,
+                                        expert_method, w.gemm_ws, w.gemm_bytes, ctx.expert_streams),
+        "expert gate_up forward GEMMs");
+  check(kernels::swiglu_forward(v.gate_up, v.act, slots(s), I, st), "swiglu forward");
+  check(kernels::expert_down_forward(ctx.blas, st, es, counts.data(), v.act, params.expert_down_proj.data(), v.y_perm,
+                                     expert_method, w.gemm_ws, w.gemm_bytes, ctx.expert_streams),
+        "expert down forward GEMMs");
+  check(kernels::unpermute_combine(st, permute_shape(s), H, v.slot_to_row, v.y_perm, v.weights, w.moe_out), "unpermute combine");
+  check(kernels::add_bf16(v.h, w.moe_out, y, T * H, st), "residual add y = h + moe");
+}
+
+// ---- backward -------------------------------------------------------------------------------------
+
+void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                            const std::int32_t* positions, const bf16* x, const bf16* dy, const void* saved,
+                            std::size_t saved_bytes, bf16* dx, const DecoderLayerGrads& grads, void* workspace,
+                            std::size_t workspace_bytes) {
+  s.validate();
+  check_context(ctx);
+  check_params(s, params);
+  check_grads(s, grads);
+  if (!positions || !x || !dy || !dx) invalid("backward: positions, x, dy and dx must be device pointers");
+  if (dx == x || dx == dy) invalid("backward: dx must not alias x or dy");
+  check_buffers(saved, saved_bytes, decoder_layer_saved_bytes(s), workspace, workspace_bytes,
+                decoder_layer_workspace_bytes(s, *ctx.expert_streams));
+
+  const cudaStream_t st = ctx.stream;
+  const auto T = s.tokens, H = s.hidden, D = s.head_dim, QW = q_width(s), KW = kv_width(s), I = s.intermediate;
+  const Saved v = carve_saved(s, const_cast<void*>(saved));  // read only
+  const BackwardScratch b = carve_backward(s, *ctx.expert_streams, workspace);
+  check(cublasSetStream(ctx.blas, st), "cublasSetStream");
+  const auto ps = permute_shape(s);
+  const auto es = expert_shape(s);
+  const std::vector<std::int32_t> counts = download_counts(s, v.counts, st);
+
+  // ---- MoE block: y = h + combine(experts(permute(xn2)))
+  check(kernels::unpermute_combine_backward(st, ps, H, v.slot_to_row, dy, v.y_perm, v.weights, b.dy_perm, b.d_weights),
+        "unpermute combine backward");
+  check(kernels::expert_down_backward(ctx.blas, st, es, counts.data(), b.dy_perm, v.act, params.expert_down_proj.data(), b.d_act,
+                                      grads.expert_down_proj.data(), expert_method, b.gemm_ws, b.gemm_bytes, ctx.expert_streams),
+        "expert down backward GEMMs");
+  check(kernels::swiglu_backward(b.d_act, v.gate_up, b.d_gate_up, slots(s), I, st), "swiglu backward");
+  check(kernels::expert_gate_up_backward(ctx.blas, st, es, counts.data(), b.d_gate_up, v.x_perm,
+                                         params.expert_gate_proj.data(), b.dx_perm, grads.expert_gate_proj.data(),
+                                         expert_method, b.gemm_ws, b.gemm_bytes, ctx.expert_streams),
+        "expert gate_up backward GEMMs");
+  check(kernels::permute_rows_backward(st, ps, H, v.slot_to_row, b.dx_perm, b.dxn2), "permute rows backward");
+  check(kernels::router_backward(ctx.blas, st, router_shape(s), v.xn2, params.router, v.probs, v.expert_ids, b.d_weights, v.counts,
+                                 0.0f, b.d_logits, b.dxn2, /*accumulate_dx=*/true, grads.router, b.router_ws, b.router_bytes),
+        "router backward");
+  check(kernels::rmsnorm_backward(b.dxn2, v.h, params.post_attention_layernorm, v.rstd2, b.dxn2, grads.post_attention_layernorm,
+                                  T, H, b.norm_ws, b.norm_bytes, st),
+        "post_attention_layernorm backward");
+  check(kernels::add_bf16(dy, b.dxn2, b.dh, T * H, st), "residual add dh = dy + d moe");
+
+  // ---- attention block: h = x + O Wo^T
+  gemm(ctx.blas, false, false, T, QW, H, b.dh, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
+  gemm(ctx.blas, true, false, H, QW, T, b.dh, H, v.attn, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
+  const kernels::AttentionProblem ap = attention_problem(s);
+  check(kernels::attention_backward(ap, {v.q, T * QW, QW}, {v.k, T * KW, KW}, {v.v, T * KW, KW}, {v.attn, T * QW, QW},
+                                    {b.d_attn, T * QW, QW}, v.lse, {b.dq, T * QW, QW}, {b.dk, T * KW, KW}, {b.dv, T * KW, KW},
+                                    /*accumulate_dkv=*/false, b.attn_ws, b.attn_bytes, st),
+        "attention backward");
+  check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, D, s.rope_theta, st), "rope backward (q)");
+  check(kernels::rope_backward(b.dk, positions, b.dk, T, s.heads_kv, D, D, s.rope_theta, st), "rope backward (k)");
+  check(kernels::rmsnorm_backward(b.dq, v.q_raw, params.q_norm, v.q_rstd, b.dq, grads.q_norm, T * s.heads_q, D, b.norm_ws,
+                                  b.norm_bytes, st),
+        "q_norm backward");
+  check(kernels::rmsnorm_backward(b.dk, v.k_raw, params.k_norm, v.k_rstd, b.dk, grads.k_norm, T * s.heads_kv, D, b.norm_ws,
+                                  b.norm_bytes, st),
+        "k_norm backward");
+  // d xn1 = dq Wq + dk Wk + dv Wv, summed in fp32 and rounded once.
+  gemm(ctx.blas, false, false, T, H, QW, b.dq, QW, params.q_proj, H, b.dxn1_f32, CUDA_R_32F, H, 0.0f, "q_proj dx GEMM");
+  gemm(ctx.blas, false, false, T, H, KW, b.dk, KW, params.k_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "k_proj dx GEMM");
+  gemm(ctx.blas, false, false, T, H, KW, b.dv, KW, params.v_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "v_proj dx GEMM");
+  gemm(ctx.blas, true, false, QW, H, T, b.dq, QW, v.xn1, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
+  gemm(ctx.blas, true, false, KW, H, T, b.dk, KW, v.xn1, H, grads.k_proj, CUDA_R_32F, H, 1.0f, "k_proj dW GEMM");
+  gemm(ctx.blas, true, false, KW, H, T, b.dv, KW, v.xn1, H, grads.v_proj, CUDA_R_32F, H, 1.0f, "v_proj dW GEMM");
+  check(kernels::cast_fp32_to_bf16(b.dxn1_f32, b.dxn1, T * H, st), "cast d xn1 to bf16");
+  check(kernels::rmsnorm_backward(b.dxn1, x, params.input_layernorm, v.rstd1, b.dxn1, grads.input_layernorm, T, H, b.norm_ws,
+                                  b.norm_bytes, st),
+        "input_layernorm backward");
+  check(kernels::add_bf16(b.dh, b.dxn1, dx, T * H, st), "residual add dx = dh + d attention");
+}
+
+}  // namespace oom::model
