@@ -190,6 +190,18 @@ def make_hf_config(transformers, cfg, attn):
     if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kw = {k: v for k, v in kw.items() if k in params}
     config = Qwen3MoeConfig(**kw)
+    # Some versions drop fields their __init__ does not name (transformers 5.17 ignored head_dim and
+    # derived hidden/heads): set every field of ours that did not arrive.
+    for k, v in kw.items():
+        if k in ("rope_theta",):
+            continue
+        if getattr(config, k, None) != v:
+            try:
+                setattr(config, k, v)
+            except Exception:
+                pass
+    if getattr(config, "head_dim", None) != cfg["head_dim"]:
+        raise SystemExit(f"cannot set head_dim={cfg['head_dim']} on this transformers' Qwen3MoeConfig")
     # transformers v5 keeps rope_theta under rope_parameters; make sure it is ours either way.
     rp = getattr(config, "rope_parameters", None)
     if isinstance(rp, dict):

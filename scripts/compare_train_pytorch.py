@@ -42,6 +42,9 @@ def main():
     ap.add_argument("--device", default="cuda", help="torch device (default cuda; cpu works too)")
     ap.add_argument("--tolerance", type=float, default=1e-2, help="relative loss difference allowed per step")
     ap.add_argument("--steps", type=int, default=0, help="compare only the first N steps (default: all)")
+    ap.add_argument("--noise-device", default="cpu",
+                    help="also train PyTorch on this device and show how far two PyTorch runs drift apart "
+                         "(the noise floor of the comparison; '' to skip)")
     args = ap.parse_args()
 
     import torch
@@ -95,42 +98,58 @@ def main():
     model.to(args.device)
     model.train()
 
-    params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(params.values(), lr=float(state["lr"]), betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=float(state["weight_decay"]))
-    from torch.func import functional_call
+    import copy
+    reference_model = copy.deepcopy(model).to(args.noise_device) if args.noise_device else None
 
+    def train(model, device):
+        params = dict(model.named_parameters())
+        opt = torch.optim.AdamW(params.values(), lr=float(state["lr"]), betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=float(state["weight_decay"]))
+        from torch.func import functional_call
+        losses = []
+        for step in range(1, steps + 1):
+            w = torch.from_numpy(windows[step - 1]).to(device)
+            rounded = {k: v.detach().to(torch.bfloat16).to(torch.float32).requires_grad_(True) for k, v in params.items()}
+            out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:-1].unsqueeze(0), "use_cache": False})
+            loss = torch.nn.functional.cross_entropy(out.logits[0].float(), w[1:])
+            loss.backward()
+            for k, p in params.items():
+                p.grad = rounded[k].grad
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    theirs_all = train(model, args.device)
+    noise = train(reference_model, args.noise_device) if reference_model is not None else None
     rows = []
     first_bad = []
     for step in range(1, steps + 1):
-        w = torch.from_numpy(windows[step - 1]).to(args.device)
-        rounded = {k: v.detach().to(torch.bfloat16).to(torch.float32).requires_grad_(True) for k, v in params.items()}
-        out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:-1].unsqueeze(0), "use_cache": False})
-        logits = out.logits[0].float()
-        loss = torch.nn.functional.cross_entropy(logits, w[1:])
-        loss.backward()
-        for k, p in params.items():
-            p.grad = rounded[k].grad
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        theirs = loss.item()
+        theirs = theirs_all[step - 1]
         mine = ours.get(step)
         rel = abs(mine - theirs) / abs(theirs) if mine is not None else float("inf")
+        floor = abs(noise[step - 1] - theirs) / abs(theirs) if noise is not None else float("nan")
         ok = rel <= args.tolerance
-        rows.append((step, mine, theirs, rel, ok))
+        rows.append((step, mine, theirs, rel, ok, floor))
         if not ok and len(first_bad) < 5:
             first_bad.append(step)
 
-    print(f"{'step':>5} {'oom-train':>12} {'pytorch':>12} {'rel diff':>10}")
-    for step, mine, theirs, rel, ok in rows:
-        if step <= 5 or step % 5 == 0 or not ok:
-            print(f"{step:>5} {mine if mine is not None else float('nan'):>12.6f} {theirs:>12.6f} {rel:>10.2e}{'' if ok else '  MISMATCH'}")
+    print(f"{'step':>5} {'oom-train':>12} {'pytorch':>12} {'rel diff':>10} {'torch ' + (args.noise_device or '-') + ' vs ' + args.device:>18}")
+    for step, mine, theirs, rel, ok, floor in rows:
+        print(f"{step:>5} {mine if mine is not None else float('nan'):>12.6f} {theirs:>12.6f} {rel:>10.2e} {floor:>18.2e}"
+              f"{'' if ok else '  MISMATCH'}")
     # The final checkpoint loads with transformers' own loader, every weight accounted for.
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     print(f"from_pretrained({final}): {sum(p.numel() for p in loaded.parameters())} parameters, "
           f"{'every tensor matched' if not problems else problems}")
     worst = max(rows, key=lambda r: r[3])
+    if noise is not None:
+        wf = max(rows, key=lambda r: r[5])
+        print(f"noise floor: PyTorch on {args.noise_device} vs PyTorch on {args.device}, same weights, data and precision: "
+              f"worst {wf[5]:.2e} at step {wf[0]}")
     print(f"{steps} steps; worst relative difference {worst[3]:.2e} at step {worst[0]} (tolerance {args.tolerance:g}); "
           f"torch {torch.__version__}, transformers {transformers.__version__}, device {args.device}")
     if first_bad:

@@ -22,9 +22,11 @@ cat "$out/machine.txt"
 
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOOM_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-cmake --build "$build_dir" -j "$jobs" > "$out/build.log" 2>&1 || { grep -E -A5 'error|FAILED' "$out/build.log" | head -60; exit 1; }
-
 parts=" ${PARTS:-tests bench reference} "
+targets=()  # everything, unless only the reference checks run
+[[ "$parts" != *" tests "* && "$parts" != *" bench "* ]] && targets=(--target oom-train oom-layer-check)
+cmake --build "$build_dir" -j "$jobs" "${targets[@]}" > "$out/build.log" 2>&1 || { grep -E -A5 'error|FAILED' "$out/build.log" | head -60; exit 1; }
+
 gpu_rc=0 host_rc=0 bench_rc=0 ref_rc=0
 touch "$out/gpu-tests.log"
 if [[ "$parts" == *" tests "* ]]; then
@@ -40,18 +42,31 @@ if [[ "$parts" == *" reference "* ]]; then
     PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_decoder_layer.py \
       --tool "$build_dir/examples/layer-check/oom-layer-check" --workdir "$build_dir/layer-check" \
       > "$out/compare-layer.log" 2>&1 || ref_rc=1
+    # The same layer under compute-sanitizer: memcheck and racecheck must report no errors.
+    lc="$build_dir/layer-check"
+    if command -v compute-sanitizer > /dev/null && [[ -f "$lc/in.safetensors" ]]; then
+      for tool in memcheck racecheck; do
+        timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+          "$build_dir/examples/layer-check/oom-layer-check" --config "$lc/config.json" --in "$lc/in.safetensors" \
+          --out "$lc/sanitized.safetensors" > "$out/sanitizer-$tool.log" 2>&1 || ref_rc=1
+        echo "compute-sanitizer $tool: exit $? — $(tail -1 "$out/sanitizer-$tool.log")" >> "$out/sanitizer.log"
+      done
+    fi
   fi
-  # 50 steps of the example trainer vs the same 50 steps in PyTorch, from the same weights and data.
-  run="$build_dir/train-run"
-  rm -rf "$run"
-  if timeout 400 "$build_dir/examples/train/oom-train" --out "$run" --steps 50 --seq 128 --save-initial \
-      --dump-batches "$build_dir/train-batches.tok" --keep 3 --checkpoint-every 1000 --log-every 10 \
-      > "$out/train.log" 2>&1; then
-    PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
-      --batches "$build_dir/train-batches.tok" --device cuda > "$out/compare-train.log" 2>&1 || ref_rc=1
-  else
-    ref_rc=1
-  fi
+  # 50 steps of the example trainer vs the same 50 steps in PyTorch, from the same weights and data,
+  # at two learning rates (Adam amplifies rounding differences faster at the larger one).
+  for lr in ${TRAIN_LRS:-3e-3 1e-3}; do
+    run="$build_dir/train-run-$lr"
+    rm -rf "$run"
+    if timeout 400 "$build_dir/examples/train/oom-train" --out "$run" --steps 50 --seq 128 --lr "$lr" --save-initial \
+        --dump-batches "$build_dir/train-batches-$lr.tok" --keep 3 --checkpoint-every 1000 --log-every 10 \
+        > "$out/train-$lr.log" 2>&1; then
+      PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
+        --batches "$build_dir/train-batches-$lr.tok" --device cuda > "$out/compare-train-$lr.log" 2>&1 || ref_rc=1
+    else
+      ref_rc=1
+    fi
+  done
 fi
 
 [[ "$parts" == *" bench "* ]] && for b in "$build_dir"/bench/micro/bench_*; do
@@ -102,7 +117,8 @@ w = max([len(r[0]) for r in rows] + [10])
 for r in rows:
     print(f"{r[0]:<{w}}  {r[1]:>14}  {r[2]}")
 for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14),
-                    ("train.log", 4), ("compare-layer.log", 30), ("compare-train.log", 22)):
+                    ("train-3e-3.log", 3), ("compare-layer.log", 30), ("compare-train-3e-3.log", 8),
+                    ("compare-train-1e-3.log", 8), ("sanitizer.log", 2)):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"--- {name} (last lines)")
