@@ -48,8 +48,10 @@ if [[ "$parts" == *" reference "* ]]; then
       for tool in memcheck racecheck; do
         timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
           "$build_dir/examples/layer-check/oom-layer-check" --config "$lc/config.json" --in "$lc/in.safetensors" \
-          --out "$lc/sanitized.safetensors" > "$out/sanitizer-$tool.log" 2>&1 || ref_rc=1
-        echo "compute-sanitizer $tool: exit $? — $(tail -1 "$out/sanitizer-$tool.log")" >> "$out/sanitizer.log"
+          --out "$lc/sanitized.safetensors" > "$out/sanitizer-$tool.log" 2>&1
+        rc=$?
+        [[ $rc -eq 0 ]] || ref_rc=1
+        echo "compute-sanitizer $tool: exit $rc — $(tail -1 "$out/sanitizer-$tool.log")" >> "$out/sanitizer.log"
       done
     fi
   fi
