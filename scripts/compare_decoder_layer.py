@@ -20,9 +20,13 @@ What it does:
      left out of the output comparison. The number is printed;
   4. writes DIR/in.safetensors, runs oom-layer-check -> DIR/out.safetensors;
   5. runs the torch layer forward and backward (output.backward(grad_output)) in bf16 and in fp32 and
-     prints, per tensor, the relative error ||a - b|| / ||b|| of ours vs torch-bf16 (the check: PASS when
-     <= --tol), ours vs torch-fp32 and torch-bf16 vs torch-fp32 (the bf16 noise floor: when ours vs
-     fp32 is no larger than it, a gap to torch-bf16 is bf16 noise, not a bug).
+     prints, per tensor, the relative error ||a - b|| / ||b|| of ours vs torch-bf16, ours vs torch-fp32
+     and torch-bf16 vs torch-fp32 (the bf16 noise floor). The check (--check-against, default fp32)
+     is ours vs transformers' layer run in fp32 on the same bf16 weights and inputs, i.e. the exact
+     math: PASS when <= --tol. Two bf16 implementations that round differently sit about sqrt(2)
+     times the noise floor apart, which on the H200 (2026-11-30) was itself up to 1.1e-2 for PyTorch's
+     own bf16 q/k-norm gradients, so a 1e-2 check against torch-bf16 fails on noise rather than on
+     bugs; `--check-against bf16` runs it anyway.
 Exit status: 0 all PASS, 1 any FAIL, 2 setup error (no GPU, no tool, transformers missing).
 """
 import argparse
@@ -48,6 +52,8 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="where config.json, in/out.safetensors go (default: a temp dir)")
     p.add_argument("--tol", type=float, default=1e-2)
+    p.add_argument("--check-against", choices=("fp32", "bf16"), default="fp32",
+                   help="which transformers run the tolerance applies to (default fp32: the exact math)")
     p.add_argument("--margin", type=float, default=0.05,
                    help="top-k near-tie threshold, in units of the router logits' std (default 0.05)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="transformers' attention implementation")
@@ -185,14 +191,15 @@ class ExpertLayout:
 
 def make_hf_config(transformers, cfg, attn):
     from transformers import Qwen3MoeConfig
-    kw = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    wanted = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    kw = wanted
     params = inspect.signature(Qwen3MoeConfig.__init__).parameters
     if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kw = {k: v for k, v in kw.items() if k in params}
     config = Qwen3MoeConfig(**kw)
     # Some versions drop fields their __init__ does not name (transformers 5.17 ignored head_dim and
     # derived hidden/heads): set every field of ours that did not arrive.
-    for k, v in kw.items():
+    for k, v in wanted.items():
         if k in ("rope_theta",):
             continue
         if getattr(config, k, None) != v:
@@ -397,10 +404,13 @@ def main():
 
     failed = 0
     w = max(len(r[0]) for r in rows) + 2
-    print(f"\n{'tensor':<{w}} {'ours/bf16':>10} {'ours/fp32':>10} {'bf16/fp32':>10}  result (tol {args.tol:g} on ours/bf16)")
+    print(f"\n{'tensor':<{w}} {'ours/bf16':>10} {'ours/fp32':>10} {'bf16/fp32':>10}  "
+          f"result (tol {args.tol:g} on ours/{args.check_against})")
+    closer = 0
     for name, a, b16, b32, checked in rows:
         e16, e32, n16 = rel(a, b16), rel(a, b32), rel(b16, b32)
-        ok = e16 <= args.tol
+        ok = (e32 if args.check_against == "fp32" else e16) <= args.tol
+        closer += checked and e32 <= n16
         verdict = ("PASS" if ok else "FAIL") if checked else "info"
         if checked and not ok:
             failed += 1
@@ -419,6 +429,8 @@ def main():
     print(f"{'routing (unambiguous tokens)':<{w}} {diff16:>10d} {diff32:>10d} {'':>10}  {'PASS' if ok else 'FAIL'} "
           f"(tokens whose expert set differs from torch-bf16 / torch-fp32)")
 
+    checked_rows = sum(1 for r in rows if r[4])
+    print(f"ours is at least as close to the fp32 run as PyTorch's bf16 run is on {closer} of {checked_rows} tensors")
     print(f"\n{'FAILED: ' + str(failed) + ' check(s)' if failed else 'all checks passed'} "
           f"(T={T}, seed {args.seed}; files in {workdir})")
     return 1 if failed else 0
