@@ -1,0 +1,87 @@
+// CudaCausalLm: a Qwen3-MoE causal LM trained on one GPU as a Plan says — the CUDA counterpart of
+// the HostExecutor (plus the embedding, final norm and LM head the example trainer adds there).
+//
+// State: a segment the plan makes resident lives on the GPU (bf16 weights, fp32 master, moments,
+// gradient) and is updated there by the GPU AdamW; every other decoder-layer segment lives in pinned
+// host memory as one block per segment (bf16 working copy, fp32 master, moments, gradient staging)
+// and is streamed into one of `prefetch_depth` weight slots for each forward and backward, its
+// gradient sent back after the layer's backward and applied by the CPU AdamW (on a host thread,
+// ordered by a CUDA stream through cudaLaunchHostFunc) while the backward goes on. The embedding,
+// final norm and LM head stay resident.
+//
+// Activations, per layer and per the plan: the layer's input (boundary) is kept on the GPU or
+// offloaded to pinned host memory and brought back for the backward; the layer's saved buffer
+// (everything its backward reads) is kept, offloaded, or recomputed from the boundary. The CUDA
+// decoder layer saves one buffer, so the plan's per-class decisions map onto it: recompute when
+// any class is recomputed, else offload when any is offloaded, else keep. Device memory comes
+// from the backend's reserved arena; buffers are laid out once at construction (the step's
+// allocation pattern is fixed), rotating buffers for offloaded and recomputed activations guarded
+// by events, so the measured peak per claimant is the plan's memory, not an allocator's.
+//
+// Streams: compute, h2d (weights in, activations back), d2h (activations out, gradients home),
+// cpu (host functions running the CPU AdamW). Every step ends with all four drained.
+//
+// Every plan computes the same step: residency moves an update between the GPU and the CPU AdamW
+// (bit-identical by construction), retention moves bytes, and the kernels are deterministic; the
+// GPU tests compare weights bit for bit across plans.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "oom/model/model_spec.hpp"
+#include "oom/optim/adamw.hpp"
+#include "oom/optim/segment_state.hpp"
+#include "oom/plan/plan.hpp"
+#include "oom/runtime/cuda_backend.hpp"
+
+namespace oom {
+
+struct CudaCausalLmOptions {
+  int device = 0;
+  Bytes device_budget;  ///< the reserved device arena; default (0): the plan's GPU budget
+  Bytes pinned_budget;  ///< pinned host memory for streamed state and offloads; default (0): the plan's host budget
+  optim::AdamWConfig adamw;
+  /// A step whose loss is NaN or infinite ends after the loss: no backward, no update.
+  bool skip_nonfinite_loss = true;
+  /// Test hook: compute does not wait for a layer's weights to arrive. Only for showing that the
+  /// equivalence tests catch a broken schedule.
+  bool drop_weight_wait = false;
+};
+
+class CudaCausalLm {
+ public:
+  /// `weights[s]`: fp32 values of spec.segments()[s]. Errc::unsupported for layers the CUDA decoder
+  /// layer does not implement, Errc::out_of_budget (naming the claimant) when the buffers the plan
+  /// needs do not fit the device arena.
+  CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
+               CudaCausalLmOptions options);
+  ~CudaCausalLm();
+  CudaCausalLm(const CudaCausalLm&) = delete;
+  CudaCausalLm& operator=(const CudaCausalLm&) = delete;
+
+  struct StepResult {
+    double loss = 0;       ///< mean cross-entropy over the step's tokens (nats)
+    bool skipped = false;  ///< non-finite loss: no backward, no update
+  };
+  /// One optimizer step on one sequence: inputs -> targets, T = plan.workload.tokens() each.
+  StepResult step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
+
+  /// Every segment's AdamW state, in spec.segments() order.
+  [[nodiscard]] std::vector<SegmentOptimizerState> state();
+  /// Continues from saved state after `optimizer_steps` updates (sizes checked before any change).
+  void load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps);
+  [[nodiscard]] std::int64_t optimizer_steps() const;
+
+  [[nodiscard]] CudaBackend& backend();
+  /// Seconds of the last step, measured with CUDA events around the whole step.
+  [[nodiscard]] double last_step_seconds() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace oom

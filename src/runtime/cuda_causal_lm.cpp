@@ -1,0 +1,593 @@
+// CudaCausalLm: see include/oom/runtime/cuda_causal_lm.hpp.
+#include "oom/runtime/cuda_causal_lm.hpp"
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <unordered_set>
+
+#include <fmt/format.h>
+
+#include "oom/core/cuda_check.hpp"
+#include "oom/core/error.hpp"
+#include "oom/core/numeric.hpp"
+#include "oom/kernels/adamw_gpu.hpp"
+#include "oom/kernels/expert_gemm.hpp"
+#include "oom/model/cuda_decoder_layer.hpp"
+#include "oom/model/cuda_lm_ends.hpp"
+#include "oom/optim/cpu_adamw.hpp"
+#include "oom/optim/thread_pool.hpp"
+
+namespace oom {
+namespace {
+
+constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
+
+enum class Keep : unsigned char { keep, offload, recompute };
+
+Keep blob_retention(const std::array<RetentionDecision, activation_class_count>& row) {
+  bool offload = false;
+  for (int c = 1; c < activation_class_count; ++c) {
+    const auto a = row[static_cast<std::size_t>(c)].action;
+    if (a == Retention::recompute) return Keep::recompute;
+    offload |= a == Retention::offload;
+  }
+  return offload ? Keep::offload : Keep::keep;
+}
+
+}  // namespace
+
+struct CudaCausalLm::Impl {
+  struct Segment {
+    std::string name;
+    std::uint64_t n = 0;
+    bool resident = false;
+    std::uint64_t slot_offset = 0;  // elements into its layer's weight/gradient slot (streamed)
+    // resident (device)
+    bf16* dw = nullptr;
+    float *dmaster = nullptr, *dm = nullptr, *dv = nullptr, *dgrad = nullptr;
+    // streamed (pinned host, one block)
+    bf16* hw = nullptr;
+    float *hmaster = nullptr, *hm = nullptr, *hv = nullptr, *hgrad = nullptr;
+  };
+  // The CPU AdamW of one layer's streamed segments, run by a host function on the cpu stream.
+  struct CpuUpdate {
+    Impl* self = nullptr;
+    std::vector<Segment*> segments;
+    optim::AdamWStepScalars scalars;
+  };
+  struct Layer {
+    std::vector<std::size_t> segments;  // indices into segs
+    std::uint64_t streamed = 0;         // elements streamed per pass
+    model::DecoderLayerShape shape;
+    Keep boundary = Keep::keep, blob = Keep::keep;
+    bf16* x_keep = nullptr;    // kept boundary (input of this layer)
+    bf16* x_host = nullptr;    // offloaded boundary
+    std::byte* saved_keep = nullptr;
+    std::byte* saved_host = nullptr;
+    CudaBackend::Event updated, offloaded, forward_done;
+    CpuUpdate update;
+  };
+  struct Slot {
+    bf16* ptr = nullptr;
+    CudaBackend::Event free;
+  };
+
+  const ModelSpec* spec;
+  Plan plan;
+  CudaCausalLmOptions opt;
+  CudaBackend backend;
+  std::uint64_t T = 0, H = 0, V = 0;
+  std::vector<Segment> segs;
+  std::vector<Layer> layers;
+  std::size_t emb = 0, norm = 0, head = 0;  // segment indices of the ends (head == emb when tied)
+  CudaBackend::Stream cs, h2d, d2h, cpu;
+  cublasHandle_t blas = nullptr;
+  std::unique_ptr<kernels::ExpertGemmStreams> expert_streams;
+  optim::ThreadPool pool{0};
+  std::mutex error_mutex;
+  std::exception_ptr cpu_error;
+  std::vector<Slot> slots;
+  std::size_t next_slot = 0;
+  CudaBackend::Event loaded;
+  cudaEvent_t step_begin = nullptr, step_end = nullptr;  // timed
+  // Activation buffers.
+  std::size_t saved_bytes = 0;
+  std::vector<bf16*> x_rot;                  // rotating boundaries (offloaded or passing through)
+  std::vector<CudaBackend::Event> x_rot_free;
+  std::vector<std::byte*> blob_rot;          // rotating saved buffers (offloaded or recomputed)
+  std::vector<CudaBackend::Event> blob_rot_free;
+  bf16 *y_scratch = nullptr, *dy = nullptr, *dx = nullptr;
+  std::vector<float*> grad_slots;
+  std::vector<CudaBackend::Event> grad_slot_free;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  std::int32_t *d_ids = nullptr, *d_targets = nullptr, *d_positions = nullptr, *d_invalid = nullptr, *d_valid = nullptr;
+  float* d_loss = nullptr;
+  std::int32_t* h_tokens = nullptr;  // pinned: ids then targets
+  std::int64_t steps = 0;
+  double last_seconds = 0;
+  std::vector<std::pair<void*, std::pair<MemorySpace, std::pair<Bytes, Claimant>>>> owned;
+
+  Impl(const ModelSpec& s, const Plan& p, CudaCausalLmOptions o)
+      : spec(&s), plan(p), opt(o),
+        backend(CudaBackend::Options{o.device, o.device_budget.count() ? o.device_budget : p.gpu_budget,
+                                     o.pinned_budget.count() ? o.pinned_budget : p.host_budget, Bytes{std::uint64_t{1} << 30}}) {}
+
+  void* take(MemorySpace where, std::size_t bytes, Claimant c) {
+    const Bytes b{align_up(std::max<std::size_t>(bytes, 1))};
+    void* p = backend.allocate(where, b, c);
+    owned.push_back({p, {where, {b, c}}});
+    return p;
+  }
+  template <class T_>
+  T_* dev(std::uint64_t count, Claimant c) { return static_cast<T_*>(take(MemorySpace::device(opt.device), count * sizeof(T_), c)); }
+  template <class T_>
+  T_* pinned(std::uint64_t count, Claimant c) { return static_cast<T_*>(take(MemorySpace::pinned_host(), count * sizeof(T_), c)); }
+
+  cudaStream_t raw(const CudaBackend::Stream& s) const { return CudaBackend::raw(s); }
+
+  model::DecoderLayerContext layer_ctx() const { return {raw(cs), blas, expert_streams.get()}; }
+  model::LmEndsContext ends_ctx() const { return {raw(cs), blas}; }
+
+  static void CUDART_CB cpu_update(void* p);
+  void build(const std::vector<std::vector<float>>& weights);
+  void release() noexcept;
+  Slot& load_weights(std::size_t l);
+  std::vector<const bf16*> weight_bases(std::size_t l, const Slot& slot) const;
+  std::vector<float*> grad_bases(std::size_t l, float* gslot) const;
+  StepResult run_step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
+  void sync_all() {
+    for (auto* s : {&cs, &h2d, &d2h, &cpu}) backend.synchronize(*s);
+    std::lock_guard lock(error_mutex);
+    if (cpu_error) std::rethrow_exception(std::exchange(cpu_error, nullptr));
+  }
+};
+
+void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
+  const auto& all = spec->segments();
+  if (weights.size() != all.size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} weight blocks for a model of {} segments", weights.size(), all.size()));
+  if (plan.workload.sequences != 1 || plan.micro_batches != 1 || plan.gpus != 1)
+    OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs one sequence per step on one GPU (the plan has {} x {} on {} GPU(s))",
+                                             plan.workload.sequences, plan.micro_batches, plan.gpus));
+  if (static_cast<int>(plan.retention.size()) != spec->num_layers())
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan covers {} layers, the model has {}", plan.retention.size(), spec->num_layers()));
+  T = plan.workload.tokens();
+  H = spec->hidden_size();
+  V = spec->vocab_size();
+  OOM_CUDA_CHECK(cudaSetDevice(opt.device));
+  cs = backend.make_stream();
+  h2d = backend.make_stream();
+  d2h = backend.make_stream();
+  cpu = backend.make_stream();
+  OOM_CUBLAS_CHECK(cublasCreate(&blas));
+  OOM_CUBLAS_CHECK(cublasSetStream(blas, raw(cs)));
+  expert_streams = std::make_unique<kernels::ExpertGemmStreams>();
+  loaded = backend.make_event();
+  OOM_CUDA_CHECK(cudaEventCreate(&step_begin));
+  OOM_CUDA_CHECK(cudaEventCreate(&step_end));
+
+  std::unordered_set<std::string> resident(plan.resident_segments.begin(), plan.resident_segments.end());
+  // Segments: the ends are always resident (their kernels read them in place).
+  segs.resize(all.size());
+  for (std::size_t s = 0; s < all.size(); ++s) {
+    auto& g = segs[s];
+    g.name = all[s].name;
+    g.n = all[s].parameters();
+    g.resident = all[s].layer < 0 || resident.count(g.name) > 0;
+    const auto& w = weights[s];
+    if (w.size() != g.n)
+      OOM_THROW(Errc::invalid_argument, fmt::format("segment '{}': {} values for {} parameters", g.name, w.size(), g.n));
+    std::vector<bf16> w16(g.n);
+    std::transform(w.begin(), w.end(), w16.begin(), [](float f) { return to_bf16(f); });
+    if (g.resident) {
+      g.dw = dev<bf16>(g.n, Claimant::resident_state);
+      g.dmaster = dev<float>(g.n, Claimant::resident_state);
+      g.dm = dev<float>(g.n, Claimant::resident_state);
+      g.dv = dev<float>(g.n, Claimant::resident_state);
+      g.dgrad = dev<float>(g.n, Claimant::resident_state);
+      OOM_CUDA_CHECK(cudaMemcpy(g.dw, w16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, w.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemset(g.dm, 0, g.n * sizeof(float)));
+      OOM_CUDA_CHECK(cudaMemset(g.dv, 0, g.n * sizeof(float)));
+    } else {
+      g.hw = pinned<bf16>(g.n, Claimant::host_state);
+      g.hmaster = pinned<float>(g.n, Claimant::host_state);
+      g.hm = pinned<float>(g.n, Claimant::host_state);
+      g.hv = pinned<float>(g.n, Claimant::host_state);
+      g.hgrad = pinned<float>(g.n, Claimant::host_staging);
+      std::copy(w16.begin(), w16.end(), g.hw);
+      std::copy(w.begin(), w.end(), g.hmaster);
+      std::fill(g.hm, g.hm + g.n, 0.0f);
+      std::fill(g.hv, g.hv + g.n, 0.0f);
+    }
+  }
+  emb = 0;
+  norm = all.size() - (spec->tied_embeddings() ? 1 : 2);
+  head = spec->tied_embeddings() ? emb : all.size() - 1;
+
+  // Layers: shapes, retention, streamed extents.
+  const int n = spec->num_layers();
+  std::size_t first = 1;
+  std::uint64_t max_streamed = 0;
+  for (int l = 0; l < n; ++l) {
+    Layer L;
+    L.shape = model::DecoderLayerShape::from_spec(*spec, l, static_cast<std::int64_t>(T));
+    for (std::size_t k = 0; k < spec->layer_segments(l).size(); ++k) {
+      const std::size_t s = first + k;
+      L.segments.push_back(s);
+      if (!segs[s].resident) {
+        segs[s].slot_offset = L.streamed;
+        L.streamed += segs[s].n;
+      }
+    }
+    first += spec->layer_segments(l).size();
+    const auto& row = plan.retention[static_cast<std::size_t>(l)];
+    const auto b = row[static_cast<std::size_t>(ActivationClass::layer_boundary)].action;
+    if (b == Retention::recompute)
+      OOM_THROW(Errc::unsupported, fmt::format("layer {}: regenerating a boundary through earlier layers is not implemented on CUDA", l));
+    L.boundary = b == Retention::offload ? Keep::offload : Keep::keep;
+    L.blob = blob_retention(row);
+    L.updated = backend.make_event();
+    L.offloaded = backend.make_event();
+    L.forward_done = backend.make_event();
+    max_streamed = std::max(max_streamed, L.streamed);
+    layers.push_back(std::move(L));
+  }
+  saved_bytes = model::decoder_layer_saved_bytes(layers.front().shape);
+  for (auto& L : layers) {
+    if (L.boundary == Keep::keep) L.x_keep = dev<bf16>(T * H, Claimant::retained_activations);
+    else L.x_host = pinned<bf16>(T * H, Claimant::host_offload);
+    if (L.blob == Keep::keep) L.saved_keep = dev<std::byte>(saved_bytes, Claimant::retained_activations);
+    else if (L.blob == Keep::offload) L.saved_host = pinned<std::byte>(saved_bytes, Claimant::host_offload);
+    L.update.self = this;
+    for (auto s : L.segments)
+      if (!segs[s].resident) L.update.segments.push_back(&segs[s]);
+  }
+  // Rotating buffers: boundaries that are not kept pass through x_rot (3 deep: written by layer
+  // l-1, read by layer l and the D2H, reused by layer l+2 once both are done); saved buffers that are
+  // offloaded or recomputed use blob_rot (2 deep).
+  const bool any_x_rot = std::any_of(layers.begin(), layers.end(), [](const Layer& L) { return L.boundary != Keep::keep; });
+  const bool any_blob_rot = std::any_of(layers.begin(), layers.end(), [](const Layer& L) { return L.blob != Keep::keep; });
+  for (int i = 0; i < (any_x_rot ? 3 : 0); ++i) {
+    x_rot.push_back(dev<bf16>(T * H, Claimant::retained_activations));
+    x_rot_free.push_back(backend.make_event());
+  }
+  for (int i = 0; i < (any_blob_rot ? 2 : 0); ++i) {
+    blob_rot.push_back(dev<std::byte>(saved_bytes, Claimant::retained_activations));
+    blob_rot_free.push_back(backend.make_event());
+  }
+  y_scratch = dev<bf16>(T * H, Claimant::worksets);  // the last layer's output, and recompute's throwaway output
+  dy = dev<bf16>(T * H, Claimant::worksets);
+  dx = dev<bf16>(T * H, Claimant::worksets);
+  // Weight slots and gradient slots for the streamed segments.
+  if (max_streamed > 0) {
+    for (int i = 0; i < std::max(plan.prefetch_depth, 1); ++i) slots.push_back({dev<bf16>(max_streamed, Claimant::worksets), backend.make_event()});
+    for (int i = 0; i < 2; ++i) {
+      grad_slots.push_back(dev<float>(max_streamed, Claimant::worksets));
+      grad_slot_free.push_back(backend.make_event());
+    }
+  } else {
+    slots.push_back({nullptr, backend.make_event()});
+  }
+  const auto ends = model::LmEndsShape::from_spec(*spec, static_cast<std::int64_t>(T));
+  workspace_bytes = std::max(model::decoder_layer_workspace_bytes(layers.front().shape, *expert_streams), model::lm_ends_workspace_bytes(ends));
+  workspace = take(MemorySpace::device(opt.device), workspace_bytes, Claimant::worksets);
+  d_ids = dev<std::int32_t>(T, Claimant::worksets);
+  d_targets = dev<std::int32_t>(T, Claimant::worksets);
+  d_positions = dev<std::int32_t>(T, Claimant::worksets);
+  d_invalid = dev<std::int32_t>(1, Claimant::worksets);
+  d_valid = dev<std::int32_t>(1, Claimant::worksets);
+  d_loss = dev<float>(1, Claimant::worksets);
+  h_tokens = pinned<std::int32_t>(2 * T, Claimant::host_staging);
+  std::vector<std::int32_t> pos(T);
+  for (std::uint64_t i = 0; i < T; ++i) pos[i] = static_cast<std::int32_t>(i);
+  OOM_CUDA_CHECK(cudaMemcpy(d_positions, pos.data(), T * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+}
+
+void CudaCausalLm::Impl::release() noexcept {
+  for (auto* s : {&cs, &h2d, &d2h, &cpu})
+    if (*s) (void)cudaStreamSynchronize(raw(*s));
+  for (auto it = owned.rbegin(); it != owned.rend(); ++it) {
+    try {
+      backend.free(it->first, it->second.first, it->second.second.first, it->second.second.second);
+    } catch (...) {
+    }
+  }
+  owned.clear();
+  if (blas) (void)cublasDestroy(blas);
+  blas = nullptr;
+  if (step_begin) (void)cudaEventDestroy(step_begin);
+  if (step_end) (void)cudaEventDestroy(step_end);
+  step_begin = step_end = nullptr;
+}
+
+// Brings layer l's streamed weights into the next slot, after the slot's last reader and the
+// layer's last CPU update; compute waits for them.
+CudaCausalLm::Impl::Slot& CudaCausalLm::Impl::load_weights(std::size_t l) {
+  auto& L = layers[l];
+  Slot& slot = slots[next_slot];
+  next_slot = (next_slot + 1) % slots.size();
+  if (L.streamed == 0) return slot;
+  backend.wait(h2d, slot.free);
+  backend.wait(h2d, L.updated);
+  for (auto* g : L.update.segments) backend.copy(slot.ptr + g->slot_offset, g->hw, Bytes{g->n * sizeof(bf16)}, h2d);
+  backend.record(loaded, h2d);
+  if (!opt.drop_weight_wait) backend.wait(cs, loaded);
+  return slot;
+}
+
+std::vector<const bf16*> CudaCausalLm::Impl::weight_bases(std::size_t l, const Slot& slot) const {
+  std::vector<const bf16*> b;
+  for (auto s : layers[l].segments) b.push_back(segs[s].resident ? segs[s].dw : slot.ptr + segs[s].slot_offset);
+  return b;
+}
+
+std::vector<float*> CudaCausalLm::Impl::grad_bases(std::size_t l, float* gslot) const {
+  std::vector<float*> b;
+  for (auto s : layers[l].segments) b.push_back(segs[s].resident ? segs[s].dgrad : gslot + segs[s].slot_offset);
+  return b;
+}
+
+void CUDART_CB CudaCausalLm::Impl::cpu_update(void* p) {
+  auto* u = static_cast<CudaCausalLm::Impl::CpuUpdate*>(p);
+  try {
+    for (auto* g : u->segments) {
+      optim::AdamWSpan<float> span{{g->hmaster, g->n}, {g->hm, g->n}, {g->hv, g->n}, {g->hgrad, g->n}, {g->hw, g->n}};
+      optim::adamw_update(span, u->scalars, u->self->pool);
+    }
+  } catch (...) {
+    std::lock_guard lock(u->self->error_mutex);
+    if (!u->self->cpu_error) u->self->cpu_error = std::current_exception();
+  }
+}
+
+CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets) {
+  if (inputs.size() != T || targets.size() != T)
+    OOM_THROW(Errc::invalid_argument, fmt::format("a step takes {} tokens (the plan's), got {} inputs and {} targets", T, inputs.size(),
+                                                  targets.size()));
+  for (std::size_t i = 0; i < T; ++i)
+    if (inputs[i] >= V || targets[i] >= V)
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("token id {} at position {} is >= the model's vocab {}", std::max(inputs[i], targets[i]), i, V));
+  const cudaStream_t s = raw(cs);
+  OOM_CUDA_CHECK(cudaEventRecord(step_begin, s));
+  for (std::size_t i = 0; i < T; ++i) {
+    h_tokens[i] = static_cast<std::int32_t>(inputs[i]);
+    h_tokens[T + i] = static_cast<std::int32_t>(targets[i]);
+  }
+  OOM_CUDA_CHECK(cudaMemcpyAsync(d_ids, h_tokens, T * sizeof(std::int32_t), cudaMemcpyHostToDevice, s));
+  OOM_CUDA_CHECK(cudaMemcpyAsync(d_targets, h_tokens + T, T * sizeof(std::int32_t), cudaMemcpyHostToDevice, s));
+  OOM_CUDA_CHECK(cudaMemsetAsync(d_invalid, 0, sizeof(std::int32_t), s));
+  for (auto& g : segs)
+    if (g.resident) OOM_CUDA_CHECK(cudaMemsetAsync(g.dgrad, 0, g.n * sizeof(float), s));
+  const auto ends = model::LmEndsShape::from_spec(*spec, static_cast<std::int64_t>(T));
+  const std::size_t n = layers.size();
+
+  // ---- forward ----
+  // Where layer l's input lives during the forward: its kept buffer or a rotating one.
+  std::vector<bf16*> x_at(n + 1, nullptr);
+  std::vector<int> x_rot_index(n + 1, -1);
+  int next_x_rot = 0;
+  auto place_boundary = [&](std::size_t l) {  // l in [0, n): layer l's input
+    if (layers[l].boundary == Keep::keep) {
+      x_at[l] = layers[l].x_keep;
+    } else {
+      const int r = next_x_rot;
+      next_x_rot = (next_x_rot + 1) % static_cast<int>(x_rot.size());
+      backend.wait(cs, x_rot_free[static_cast<std::size_t>(r)]);  // its last D2H and reader are done
+      x_at[l] = x_rot[static_cast<std::size_t>(r)];
+      x_rot_index[l] = r;
+    }
+  };
+  place_boundary(0);
+  model::lm_embed_forward(ends_ctx(), ends, segs[emb].dw, d_ids, x_at[0], d_invalid);
+  int next_blob = 0;
+  for (std::size_t l = 0; l < n; ++l) {
+    auto& L = layers[l];
+    Slot& slot = load_weights(l);
+    const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(l), weight_bases(l, slot));
+    if (l + 1 < n) place_boundary(l + 1);
+    bf16* y = l + 1 < n ? x_at[l + 1] : y_scratch;
+    std::byte* saved = L.saved_keep;
+    int blob = -1;
+    if (L.blob != Keep::keep) {
+      blob = next_blob;
+      next_blob = (next_blob + 1) % 2;
+      backend.wait(cs, blob_rot_free[static_cast<std::size_t>(blob)]);
+      saved = blob_rot[static_cast<std::size_t>(blob)];
+    }
+    model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
+    backend.record(L.forward_done, cs);
+    backend.record(slot.free, cs);
+    // Offload: the boundary (this layer's input) and the saved buffer go home once written.
+    if (L.boundary == Keep::offload || L.blob == Keep::offload) {
+      backend.wait(d2h, L.forward_done);
+      if (L.boundary == Keep::offload) backend.copy(L.x_host, x_at[l], Bytes{T * H * sizeof(bf16)}, d2h);
+      if (L.blob == Keep::offload) backend.copy(L.saved_host, saved, Bytes{saved_bytes}, d2h);
+      backend.record(L.offloaded, d2h);
+    }
+    if (L.boundary == Keep::offload) backend.record(x_rot_free[static_cast<std::size_t>(x_rot_index[l])], d2h);
+    if (blob >= 0) backend.record(blob_rot_free[static_cast<std::size_t>(blob)], L.blob == Keep::offload ? d2h : cs);
+  }
+
+  // ---- loss (and its backward into dy) ----
+  OOM_CUDA_CHECK(cudaMemsetAsync(d_loss, 0, sizeof(float), s));
+  model::lm_head_forward_backward(ends_ctx(), ends, y_scratch, segs[norm].dw, segs[head].dw, d_targets, d_loss, d_valid, dy,
+                                  segs[norm].dgrad, segs[head].dgrad, workspace, workspace_bytes);
+  float loss_sum = 0;
+  if (opt.skip_nonfinite_loss) {
+    OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
+    sync_all();
+    const double loss = static_cast<double>(loss_sum) / static_cast<double>(T);
+    if (!std::isfinite(loss)) return {loss, true};
+  }
+  ++steps;
+  const auto scalars = optim::adamw_step_scalars(opt.adamw, steps);
+
+  // ---- backward ----
+  for (std::size_t li = n; li-- > 0;) {
+    auto& L = layers[li];
+    Slot& slot = load_weights(li);
+    const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(li), weight_bases(li, slot));
+    // The layer's input and saved buffer, back on the device.
+    const bf16* x = L.x_keep;
+    const std::byte* saved = L.saved_keep;
+    const int r = static_cast<int>(li % 2);
+    bf16* x_restore = nullptr;
+    if (L.boundary == Keep::offload) {
+      x_restore = x_rot[static_cast<std::size_t>(r)];
+      backend.wait(h2d, x_rot_free[static_cast<std::size_t>(r)]);
+      backend.wait(h2d, L.offloaded);
+      backend.copy(x_restore, L.x_host, Bytes{T * H * sizeof(bf16)}, h2d);
+      x = x_restore;
+    }
+    std::byte* blob = nullptr;
+    if (L.blob != Keep::keep) {
+      blob = blob_rot[static_cast<std::size_t>(r)];
+      if (L.blob == Keep::offload) {
+        backend.wait(h2d, blob_rot_free[static_cast<std::size_t>(r)]);
+        backend.wait(h2d, L.offloaded);
+        backend.copy(blob, L.saved_host, Bytes{saved_bytes}, h2d);
+      }
+      saved = blob;
+    }
+    auto restored = backend.make_event();
+    backend.record(restored, h2d);
+    backend.wait(cs, restored);
+    if (L.blob == Keep::recompute) {
+      backend.wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
+      model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace, workspace_bytes);
+    }
+    float* gslot = nullptr;
+    if (L.streamed > 0) {
+      gslot = grad_slots[li % 2];
+      backend.wait(cs, grad_slot_free[li % 2]);
+      OOM_CUDA_CHECK(cudaMemsetAsync(gslot, 0, L.streamed * sizeof(float), s));
+    }
+    const auto grads = model::bind_decoder_layer_grads(*spec, static_cast<int>(li), grad_bases(li, gslot));
+    model::decoder_layer_backward(layer_ctx(), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace, workspace_bytes);
+    auto done = backend.make_event();
+    backend.record(done, cs);
+    backend.record(slot.free, cs);
+    if (x_restore != nullptr) backend.record(x_rot_free[static_cast<std::size_t>(r)], cs);
+    if (blob != nullptr) backend.record(blob_rot_free[static_cast<std::size_t>(r)], cs);
+    std::swap(dy, dx);
+    // Resident segments update on the GPU; streamed gradients go home and the CPU AdamW applies them.
+    for (auto sidx : L.segments) {
+      auto& g = segs[sidx];
+      if (g.resident)
+        OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
+    }
+    if (L.streamed > 0) {
+      backend.wait(d2h, done);
+      for (auto* g : L.update.segments) backend.copy(g->hgrad, gslot + g->slot_offset, Bytes{g->n * sizeof(float)}, d2h);
+      auto landed = backend.make_event();
+      backend.record(landed, d2h);
+      backend.record(grad_slot_free[li % 2], d2h);
+      backend.wait(cpu, landed);
+      L.update.scalars = scalars;
+      OOM_CUDA_CHECK(cudaLaunchHostFunc(raw(cpu), &Impl::cpu_update, &L.update));
+      backend.record(L.updated, cpu);
+    }
+  }
+  // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
+  model::lm_embed_backward(ends_ctx(), ends, d_ids, dy, segs[emb].dgrad, d_invalid, workspace, workspace_bytes);
+  for (auto sidx : {emb, norm, head}) {
+    if (sidx == head && head == emb) continue;
+    auto& g = segs[sidx];
+    OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
+  }
+  OOM_CUDA_CHECK(cudaEventRecord(step_end, s));
+  if (!opt.skip_nonfinite_loss) OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
+  sync_all();
+  float ms = 0;
+  OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin, step_end));
+  last_seconds = ms / 1e3;
+  return {static_cast<double>(loss_sum) / static_cast<double>(T), false};
+}
+
+CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
+                           CudaCausalLmOptions options)
+    : impl_(std::make_unique<Impl>(spec, plan, options)) {
+  try {
+    impl_->build(weights);
+  } catch (...) {
+    impl_->release();
+    throw;
+  }
+}
+
+CudaCausalLm::~CudaCausalLm() { impl_->release(); }
+
+CudaCausalLm::StepResult CudaCausalLm::step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets) {
+  try {
+    return impl_->run_step(inputs, targets);
+  } catch (...) {
+    for (auto* s : {&impl_->cs, &impl_->h2d, &impl_->d2h, &impl_->cpu}) (void)cudaStreamSynchronize(CudaBackend::raw(*s));
+    throw;
+  }
+}
+
+std::vector<SegmentOptimizerState> CudaCausalLm::state() {
+  impl_->sync_all();
+  std::vector<SegmentOptimizerState> out;
+  for (auto& g : impl_->segs) {
+    SegmentOptimizerState st;
+    st.master.resize(g.n);
+    st.exp_avg.resize(g.n);
+    st.exp_avg_sq.resize(g.n);
+    if (g.resident) {
+      OOM_CUDA_CHECK(cudaMemcpy(st.master.data(), g.dmaster, g.n * sizeof(float), cudaMemcpyDeviceToHost));
+      OOM_CUDA_CHECK(cudaMemcpy(st.exp_avg.data(), g.dm, g.n * sizeof(float), cudaMemcpyDeviceToHost));
+      OOM_CUDA_CHECK(cudaMemcpy(st.exp_avg_sq.data(), g.dv, g.n * sizeof(float), cudaMemcpyDeviceToHost));
+    } else {
+      std::copy(g.hmaster, g.hmaster + g.n, st.master.begin());
+      std::copy(g.hm, g.hm + g.n, st.exp_avg.begin());
+      std::copy(g.hv, g.hv + g.n, st.exp_avg_sq.begin());
+    }
+    out.push_back(std::move(st));
+  }
+  return out;
+}
+
+void CudaCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps) {
+  auto& segs = impl_->segs;
+  if (state.size() != segs.size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("state of {} segments for a model of {}", state.size(), segs.size()));
+  for (std::size_t i = 0; i < segs.size(); ++i)
+    if (state[i].master.size() != segs[i].n || state[i].exp_avg.size() != segs[i].n || state[i].exp_avg_sq.size() != segs[i].n)
+      OOM_THROW(Errc::invalid_argument, fmt::format("state of segment '{}': sizes do not match its {} parameters", segs[i].name, segs[i].n));
+  impl_->sync_all();
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    auto& g = segs[i];
+    const auto& st = state[i];
+    std::vector<bf16> w16(g.n);
+    std::transform(st.master.begin(), st.master.end(), w16.begin(), [](float f) { return to_bf16(f); });
+    if (g.resident) {
+      OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, st.master.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemcpy(g.dm, st.exp_avg.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemcpy(g.dv, st.exp_avg_sq.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemcpy(g.dw, w16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
+    } else {
+      std::copy(st.master.begin(), st.master.end(), g.hmaster);
+      std::copy(st.exp_avg.begin(), st.exp_avg.end(), g.hm);
+      std::copy(st.exp_avg_sq.begin(), st.exp_avg_sq.end(), g.hv);
+      std::copy(w16.begin(), w16.end(), g.hw);
+    }
+  }
+  impl_->steps = optimizer_steps;
+}
+
+std::int64_t CudaCausalLm::optimizer_steps() const { return impl_->steps; }
+CudaBackend& CudaCausalLm::backend() { return impl_->backend; }
+double CudaCausalLm::last_step_seconds() const { return impl_->last_seconds; }
+
+}  // namespace oom
