@@ -1,0 +1,176 @@
+// The ends of a causal LM step on the GPU; contract in include/oom/model/cuda_lm_ends.hpp. Host
+// code only (OOM's launchers and, inside lm_head_loss, cuBLAS), so it is a .cpp.
+#include "oom/model/cuda_lm_ends.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+#include <string_view>
+
+#include "oom/core/error.hpp"
+#include "oom/kernels/embedding.hpp"
+#include "oom/kernels/lm_head_loss.hpp"
+#include "oom/kernels/rmsnorm.hpp"
+#include "oom/model/model_spec.hpp"
+
+namespace oom::model {
+namespace {
+
+[[noreturn]] void invalid(const std::string& what) { throw Error(Errc::invalid_argument, "lm ends: " + what); }
+
+/// A launcher's status: the step that failed, the CUDA error's name and text.
+void check(cudaError_t status, std::string_view step) {
+  if (status != cudaSuccess)
+    throw Error(Errc::cuda, fmt::format("lm ends: {} failed: {} ({})", step, cudaGetErrorName(status),
+                                        cudaGetErrorString(status)));
+}
+
+void require(const void* p, const char* what) {
+  if (p == nullptr) invalid(fmt::format("{} is null", what));
+}
+
+void require_workspace(const void* workspace, std::size_t bytes, std::size_t needed, const char* call) {
+  if (bytes < needed)
+    invalid(fmt::format("{}: workspace of {} bytes, needs {} (lm_ends_workspace_bytes)", call, bytes, needed));
+  if (needed > 0 && workspace == nullptr) invalid(fmt::format("{}: workspace is null", call));
+}
+
+constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
+
+/// Logits budget of one chunk of the fused LM head.
+constexpr std::size_t lm_head_budget_bytes = std::size_t{256} << 20;
+
+kernels::LmHeadShape head_shape(const LmEndsShape& s) {
+  return {.tokens = s.tokens, .hidden = s.hidden, .vocab = s.vocab, .chunk_rows = lm_head_chunk_rows(s)};
+}
+
+/// lm_head_forward_backward's workspace, in this order (256-byte aligned each):
+///   rstd (T) fp32 | r (T, H) bf16 | scratch: lm_head_loss's, then (after it, on the same stream)
+///   rmsnorm_backward's, sharing the same bytes.
+struct HeadScratch {
+  std::size_t rstd = 0, r = 0, scratch = 0, scratch_bytes = 0, total = 0;
+};
+HeadScratch head_scratch(const LmEndsShape& s) {
+  HeadScratch h;
+  h.rstd = 0;
+  h.r = h.rstd + align_up(static_cast<std::size_t>(s.tokens) * sizeof(float));
+  h.scratch = h.r + align_up(static_cast<std::size_t>(s.tokens * s.hidden) * sizeof(bf16));
+  h.scratch_bytes = std::max(kernels::lm_head_loss_workspace_bytes(head_shape(s)),
+                             kernels::rmsnorm_backward_workspace_bytes(s.tokens, s.hidden));
+  h.total = h.scratch + align_up(h.scratch_bytes);
+  return h;
+}
+
+}  // namespace
+
+LmEndsShape LmEndsShape::from_spec(const ModelSpec& spec, std::int64_t tokens) {
+  LmEndsShape s;
+  s.tokens = tokens;
+  s.hidden = static_cast<std::int64_t>(spec.hidden_size());
+  s.vocab = static_cast<std::int64_t>(spec.vocab_size());
+  s.rms_norm_eps = static_cast<float>(spec.rms_norm_eps());
+  s.validate();
+  return s;
+}
+
+void LmEndsShape::validate() const {
+  if (tokens < 0 || tokens > INT_MAX) invalid(fmt::format("tokens = {} (needs 0 <= T <= 2^31 - 1)", tokens));
+  if (hidden < 1 || hidden > INT_MAX) invalid(fmt::format("hidden = {} (needs 1 <= H <= 2^31 - 1)", hidden));
+  // The embedding kernels take V < 2^31 - 1 (ids are int32).
+  if (vocab < 1 || vocab >= INT_MAX) invalid(fmt::format("vocab = {} (needs 1 <= V < 2^31 - 1)", vocab));
+  if (!(rms_norm_eps >= 0.0f)) invalid(fmt::format("rms_norm_eps = {} (needs >= 0)", rms_norm_eps));
+}
+
+std::int64_t lm_head_chunk_rows(const LmEndsShape& s) {
+  s.validate();
+  const auto bytes = [&](std::int64_t rows) {
+    return kernels::lm_head_loss_workspace_bytes({.tokens = s.tokens, .hidden = s.hidden, .vocab = s.vocab, .chunk_rows = rows});
+  };
+  // ~6 bytes per logit (fp32 logits + bf16 d logits); start from that estimate, then step down
+  // until the exact size fits (it includes a few small per-row and alignment terms).
+  std::int64_t rows = std::max<std::int64_t>(1, static_cast<std::int64_t>(lm_head_budget_bytes / (6 * static_cast<std::size_t>(s.vocab))));
+  if (rows >= 64) rows = rows / 64 * 64;  // whole GEMM tiles
+  while (rows > 1 && bytes(rows) > lm_head_budget_bytes) rows -= rows > 64 ? 64 : 1;
+  return std::max<std::int64_t>(1, std::min(rows, s.tokens));
+}
+
+std::size_t lm_ends_workspace_bytes(const LmEndsShape& s) {
+  s.validate();
+  return std::max(head_scratch(s).total, kernels::embedding_backward_workspace_bytes(s.tokens, s.vocab));
+}
+
+void lm_embed_forward(const LmEndsContext& ctx, const LmEndsShape& s, const bf16* embedding, const std::int32_t* ids, bf16* x,
+                      std::int32_t* invalid_count) {
+  s.validate();
+  require(invalid_count, "lm_embed_forward: invalid_count");
+  if (s.tokens == 0) return;
+  require(embedding, "lm_embed_forward: embedding");
+  require(ids, "lm_embed_forward: ids");
+  require(x, "lm_embed_forward: x");
+  check(kernels::embedding_forward(ids, embedding, x, invalid_count, s.tokens, s.vocab, s.hidden, ctx.stream),
+        "embedding_forward");
+}
+
+void lm_head_forward_backward(const LmEndsContext& ctx, const LmEndsShape& s, const bf16* y, const bf16* final_norm,
+                              const bf16* head, const std::int32_t* targets, float* loss_sum, std::int32_t* valid, bf16* dy,
+                              float* grad_final_norm, float* grad_head, void* workspace, std::size_t workspace_bytes) {
+  s.validate();
+  require(ctx.blas, "lm_head_forward_backward: ctx.blas");
+  require(loss_sum, "lm_head_forward_backward: loss_sum");
+  require(valid, "lm_head_forward_backward: valid");
+  const bool backward = dy != nullptr;
+  if (s.tokens > 0) {
+    require(y, "lm_head_forward_backward: y");
+    require(final_norm, "lm_head_forward_backward: final_norm");
+    require(head, "lm_head_forward_backward: head");
+    require(targets, "lm_head_forward_backward: targets");
+  }
+  if (backward) {
+    require(grad_final_norm, "lm_head_forward_backward: grad_final_norm (needed with dy)");
+    require(grad_head, "lm_head_forward_backward: grad_head (needed with dy)");
+    if (dy == y && s.tokens > 0) invalid("lm_head_forward_backward: dy aliases y (the norm's backward reads y)");
+  }
+  const HeadScratch L = head_scratch(s);
+  require_workspace(workspace, workspace_bytes, L.total, "lm_head_forward_backward");
+
+  auto* base = static_cast<char*>(workspace);
+  auto* rstd = reinterpret_cast<float*>(base + L.rstd);
+  auto* r = reinterpret_cast<bf16*>(base + L.r);
+  void* scratch = base + L.scratch;
+
+  // r = rms(y) * final_norm (rstd kept for the backward).
+  check(kernels::rmsnorm_forward(y, final_norm, r, backward ? rstd : nullptr, s.tokens, s.hidden, s.rms_norm_eps, ctx.stream),
+        "final norm rmsnorm_forward");
+  // loss_sum, valid; with the backward dr = d(loss_sum / T) / dr written into dy (bf16) and
+  // grad_head += dlogits^T r. grad_scale = 1/T: the mean over this call's T tokens.
+  const float grad_scale = s.tokens > 0 ? 1.0f / static_cast<float>(s.tokens) : 0.0f;
+  check(kernels::lm_head_loss(ctx.blas, ctx.stream, head_shape(s), r, head, targets, grad_scale, loss_sum, valid,
+                              backward ? dy : nullptr, backward ? grad_head : nullptr, scratch, L.scratch_bytes),
+        "lm_head_loss");
+  if (!backward) return;
+  // dy = rmsnorm backward of dr, in place (rmsnorm_backward allows grad_x == grad_y: each element
+  // of dr is read before the same element of dx is written); grad_final_norm accumulated. The
+  // scratch bytes are lm_head_loss's too: it is done with them, earlier on the same stream.
+  check(kernels::rmsnorm_backward(dy, y, final_norm, rstd, dy, grad_final_norm, s.tokens, s.hidden, scratch,
+                                  L.scratch_bytes, ctx.stream),
+        "final norm rmsnorm_backward");
+}
+
+void lm_embed_backward(const LmEndsContext& ctx, const LmEndsShape& s, const std::int32_t* ids, const bf16* dx,
+                       float* grad_embedding, std::int32_t* invalid_count, void* workspace, std::size_t workspace_bytes) {
+  s.validate();
+  require(invalid_count, "lm_embed_backward: invalid_count");
+  if (s.tokens == 0) return;
+  require(ids, "lm_embed_backward: ids");
+  require(dx, "lm_embed_backward: dx");
+  require(grad_embedding, "lm_embed_backward: grad_embedding");
+  require_workspace(workspace, workspace_bytes, kernels::embedding_backward_workspace_bytes(s.tokens, s.vocab),
+                    "lm_embed_backward");
+  check(kernels::embedding_backward(ids, dx, grad_embedding, invalid_count, s.tokens, s.vocab, s.hidden, workspace,
+                                    workspace_bytes, ctx.stream),
+        "embedding_backward");
+}
+
+}  // namespace oom::model
