@@ -28,6 +28,11 @@
 #include "oom/io/token_file.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/planner.hpp"
+#if OOM_TRAIN_HAS_CUDA
+#include "oom/cuda/device.hpp"
+#include "oom/model/cuda_decoder_layer.hpp"
+#include "oom/runtime/cuda_causal_lm.hpp"
+#endif
 
 namespace fs = std::filesystem;
 using namespace oom;
@@ -79,9 +84,10 @@ Plan
   --plan PATH          use this plan (from oom-plan --json) instead of planning
   --profile PATH       calibrated machine profile for the planner (default: built-in, see --machine)
   --machine NAME       built-in profile: h200 (default), h100-80gb, rtx4090
-  --gpu-mem SIZE       device memory budget (default 1GiB on the host backend)
+  --gpu-mem SIZE       device memory budget (default: the profile's GPU memory on cuda, 1GiB on host)
   --host-mem SIZE      host memory budget (default: the profile's)
-  --backend NAME       host (default; the CPU reference backend); cuda is not wired up yet
+  --backend NAME       auto (default: cuda when this build has CUDA and a GPU is present, else host),
+                       cuda, or host (the CPU reference backend; small models)
 Run
   --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
   --resume             continue from the run directory's latest checkpoint
@@ -99,7 +105,7 @@ Exit status: 0 done, 2 bad input, 3 no plan fits the budget, 4 stopped on a non-
 )";
 
 struct Args {
-  std::string config, data, init_from, plan, profile, machine = "h200", backend = "host";
+  std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto";
   std::uint64_t seq = 256, steps = 200, seed = 0;
   float lr = 3e-3f, weight_decay = 0.01f;
   std::optional<Bytes> gpu_mem, host_mem;
@@ -166,9 +172,8 @@ Args parse(int argc, char** argv) {
       a.stop_on_nonfinite = w == "stop";
     } else OOM_THROW(Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
   }
-  if (a.backend == "cuda")
-    OOM_THROW(Errc::unsupported, "--backend cuda: the CUDA executor is not wired into the trainer yet; use --backend host");
-  if (a.backend != "host") OOM_THROW(Errc::invalid_argument, fmt::format("--backend is host or cuda, got '{}'", a.backend));
+  if (a.backend != "host" && a.backend != "cuda" && a.backend != "auto")
+    OOM_THROW(Errc::invalid_argument, fmt::format("--backend is auto, cuda or host, got '{}'", a.backend));
   if (a.resume && a.overwrite) OOM_THROW(Errc::invalid_argument, "--resume and --overwrite exclude each other");
   if (a.resume && (a.save_initial || !a.dump_batches.empty()))
     OOM_THROW(Errc::invalid_argument, "--save-initial and --dump-batches describe a run from its start; not with --resume");
@@ -257,6 +262,23 @@ int run(const Args& a) {
                                                   builtin_corpus_vocab, config_name, spec.vocab_size()));
   }
 
+  bool use_cuda = false;
+#if OOM_TRAIN_HAS_CUDA
+  use_cuda = a.backend == "cuda" || (a.backend == "auto" && cuda::device_count() > 0);
+  if (a.backend == "cuda" && cuda::device_count() == 0)
+    OOM_THROW(Errc::unsupported, fmt::format("--backend cuda: no usable GPU ({})", cuda::no_device_reason()));
+  if (use_cuda) {
+    try {  // the CUDA decoder layer takes Qwen3-MoE layers with head_dim 128 or 256
+      for (int l = 0; l < spec.num_layers(); ++l) (void)model::DecoderLayerShape::from_spec(spec, l, static_cast<std::int64_t>(a.seq));
+    } catch (const Error& e) {
+      if (a.backend == "cuda") throw;
+      fmt::print("backend auto: the host backend, since the CUDA decoder layer does not take this model ({})\n", e.message());
+      use_cuda = false;
+    }
+  }
+#else
+  if (a.backend == "cuda") OOM_THROW(Errc::unsupported, "--backend cuda: this build has no CUDA (configure with -DOOM_ENABLE_CUDA=ON)");
+#endif
   const MachineProfile profile = a.profile.empty() ? MachineProfile::builtin(a.machine, 1) : MachineProfile::from_file(a.profile);
   Plan plan;
   const Planner planner(spec, profile, config_name);
@@ -268,7 +290,7 @@ int run(const Args& a) {
   } else {
     PlanRequest req;
     req.gpus = 1;
-    req.gpu_budget = a.gpu_mem.value_or(Bytes{std::uint64_t{1} << 30});
+    req.gpu_budget = a.gpu_mem.value_or(use_cuda ? profile.gpu_memory : Bytes{std::uint64_t{1} << 30});
     req.host_budget = a.host_mem.value_or(profile.host_memory);
     req.workload = {1, a.seq};
     req.candidates = 2;
@@ -324,13 +346,11 @@ int run(const Args& a) {
              static_cast<double>(spec.active_parameters()) / 1e6);
   fmt::print("data {}: {} tokens (vocab {}), {} windows of {} per epoch\n", data_path.string(), tokens->size(), tokens->vocab_size(),
              sampler.windows_per_epoch(), a.seq);
-  fmt::print("backend: host (the CPU reference backend; its \"device\" is an accounted arena)\n");
+  if (use_cuda) fmt::print("backend: cuda (GPU {})\n", 0);
+  else fmt::print("backend: host (the CPU reference backend; its \"device\" is an accounted arena)\n");
   fmt::print("=== the plan ({}) ===\n{}\n", a.plan.empty() ? "chosen by the planner" : a.plan, planner.describe(plan));
 
-  // The host backend computes in fp32: its activations take twice the plan's bf16 bytes, so its
-  // device arena is twice the plan's budget.
-  HostBackend::Options bo{plan.gpu_budget + plan.gpu_budget, plan.host_budget, /*expose_races=*/false};
-  train::HostCausalLm model(spec, plan, init, adamw, bo);  // a resumed run overwrites these below
+  auto train_with = [&](auto& model) -> int {
   if (ckpt) {
     model.load(ckpt->state, JsonCursor(ckpt->trainer_state, "trainer_state.json")["optimizer_steps"].as_int64());
     fmt::print("resumed from {} at step {}\n", latest->string(), start_step);
@@ -431,6 +451,23 @@ int run(const Args& a) {
   fmt::print("done: {} steps in {} ({:.0f} tok/s); metrics in {}\n", done_since_start, duration(total),
              static_cast<double>(done_since_start * a.seq) / total, metrics_path.string());
   return 0;
+  };
+
+  if (use_cuda) {
+#if OOM_TRAIN_HAS_CUDA
+    CudaCausalLmOptions co;
+    co.adamw = adamw;
+    CudaCausalLm model(spec, plan, init, co);  // a resumed run overwrites these below
+    init = {};
+    return train_with(model);
+#endif
+  }
+  // The host backend computes in fp32: its activations take twice the plan's bf16 bytes, so its
+  // device arena is twice the plan's budget.
+  HostBackend::Options bo{plan.gpu_budget + plan.gpu_budget, plan.host_budget, /*expose_races=*/false};
+  train::HostCausalLm model(spec, plan, init, adamw, bo);  // a resumed run overwrites these below
+  init = {};
+  return train_with(model);
 }
 
 }  // namespace
