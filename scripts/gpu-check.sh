@@ -23,8 +23,8 @@ cat "$out/machine.txt"
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOOM_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 parts=" ${PARTS:-tests bench reference} "
-targets=()  # everything, unless only the reference checks run
-[[ "$parts" != *" tests "* && "$parts" != *" bench "* ]] && targets=(--target oom-train oom-layer-check)
+targets=()  # everything, unless only the reference checks and the trainer run
+[[ "$parts" != *" tests "* && "$parts" != *" bench "* ]] && targets=(--target oom-train oom-layer-check test_cuda_causal_lm test_lm_ends)
 cmake --build "$build_dir" -j "$jobs" "${targets[@]}" > "$out/build.log" 2>&1 || { grep -E -A5 'error|FAILED' "$out/build.log" | head -60; exit 1; }
 
 gpu_rc=0 host_rc=0 bench_rc=0 ref_rc=0
@@ -68,6 +68,34 @@ if [[ "$parts" == *" reference "* ]]; then
     else
       ref_rc=1
     fi
+  done
+fi
+
+if [[ "$parts" == *" train "* ]]; then
+  # The trainer on the GPU: the CUDA executor's own tests, 50 steps vs PyTorch, SIGKILL + resume,
+  # and the 5.13B benchmark model at the sequence lengths in $SEQS.
+  for t in test_cuda_causal_lm test_lm_ends; do
+    timeout 300 "$build_dir/tests/$t" > "$out/$t.log" 2>&1 || ref_rc=1
+    echo "$t: $(tail -3 "$out/$t.log" | tr '\n' ' ')" >> "$out/train-summary.log"
+  done
+  run="$build_dir/train-cuda"
+  rm -rf "$run"
+  if timeout 300 "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/tiny-moe-d128.json \
+      --out "$run" --steps 50 --seq 128 --lr 1e-3 --save-initial --dump-batches "$build_dir/train-cuda-batches.tok" \
+      --keep 3 --checkpoint-every 1000 --log-every 10 > "$out/train-cuda.log" 2>&1; then
+    PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
+      --batches "$build_dir/train-cuda-batches.tok" --device cuda > "$out/compare-train-cuda.log" 2>&1 || ref_rc=1
+  else
+    ref_rc=1
+  fi
+  TRAIN_ARGS="--backend cuda --config examples/configs/tiny-moe-d128.json" timeout 300 \
+    bash tests/train/kill_resume.sh "$build_dir/examples/train/oom-train" > "$out/kill-resume-cuda.log" 2>&1 || ref_rc=1
+  echo "kill/resume on cuda: $(tail -1 "$out/kill-resume-cuda.log")" >> "$out/train-summary.log"
+  for seq in ${SEQS:-4096}; do
+    timeout "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/moe-5b.json \
+      --out "$build_dir/train-5b-$seq" --overwrite --seq "$seq" --steps "${STEPS_5B:-3}" --log-every 1 \
+      --checkpoint-every 100000 > "$out/train-5b-$seq.log" 2>&1
+    echo "5.13B seq $seq: exit $? — $(grep '^step' "$out/train-5b-$seq.log" | tail -1)" >> "$out/train-summary.log"
   done
 fi
 
@@ -120,7 +148,8 @@ for r in rows:
     print(f"{r[0]:<{w}}  {r[1]:>14}  {r[2]}")
 for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14),
                     ("train-3e-3.log", 3), ("compare-layer.log", 30), ("compare-train-3e-3.log", 8),
-                    ("compare-train-1e-3.log", 8), ("sanitizer.log", 2)):
+                    ("compare-train-1e-3.log", 8), ("sanitizer.log", 2),
+                    ("train-summary.log", 20), ("compare-train-cuda.log", 8)):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"--- {name} (last lines)")

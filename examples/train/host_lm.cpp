@@ -39,17 +39,25 @@ void check_finite(std::span<const float> g, const std::string& segment, std::int
 }  // namespace
 
 std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint64_t seed, float std) {
-  std::vector<std::vector<float>> out;
+  // Every tensor's key first (a chain, in spec order), then the values in parallel: each element is
+  // a function of (key, index) alone, so the thread count changes nothing.
+  const auto& segs = spec.segments();
+  std::vector<std::vector<std::uint64_t>> keys(segs.size());
   std::uint64_t key = splitmix(seed);
-  for (const auto& seg : spec.segments()) {
+  for (std::size_t s = 0; s < segs.size(); ++s)
+    for (std::size_t t = 0; t < segs[s].tensors.size(); ++t) keys[s].push_back(key = splitmix(key));
+  std::vector<std::vector<float>> out(segs.size());
+  optim::ThreadPool pool(0);
+  pool.run(segs.size(), [&](std::size_t s) {
     std::vector<float> v;
-    v.reserve(seg.parameters());
-    for (const auto& t : seg.tensors) {
-      key = splitmix(key);
-      for (std::uint64_t i = 0; i < t.elements(); ++i) v.push_back(is_norm(t.name) ? 1.0f : std * normal(key, i));
+    v.reserve(segs[s].parameters());
+    for (std::size_t t = 0; t < segs[s].tensors.size(); ++t) {
+      const auto& ts = segs[s].tensors[t];
+      const bool norm = is_norm(ts.name);
+      for (std::uint64_t i = 0; i < ts.elements(); ++i) v.push_back(norm ? 1.0f : std * normal(keys[s][t], i));
     }
-    out.push_back(std::move(v));
-  }
+    out[s] = std::move(v);
+  });
   return out;
 }
 

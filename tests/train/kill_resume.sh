@@ -5,7 +5,9 @@ set -euo pipefail
 train="$1"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-args=(--seq 64 --steps 24 --checkpoint-every 4 --log-every 100 --gpu-mem 14MiB)
+# Extra oom-train arguments from $TRAIN_ARGS (e.g. a GPU run: --backend cuda --config ...).
+# shellcheck disable=SC2206
+args=(--seq 64 --steps 24 --checkpoint-every 4 --log-every 100 ${TRAIN_ARGS:---gpu-mem 14MiB})
 
 "$train" "${args[@]}" --out "$work/straight" > "$work/straight.log"
 # It learns: the loss falls by more than a nat from ln 256 = 5.55 within 24 steps.
