@@ -92,7 +92,8 @@ Run
   --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
   --resume             continue from the run directory's latest checkpoint
   --overwrite          start afresh even if the run directory holds checkpoints (they are removed)
-  --checkpoint-every N steps between checkpoints (default 50; one is always written at the end)
+  --checkpoint-every N steps between checkpoints (default 50; one is always written at the end;
+                       0: none at all, e.g. for throughput runs of large models)
   --keep N             checkpoints kept (default 2)
   --log-every N        steps between progress lines (default 10)
   --save-initial       also write checkpoint 0 (the initial weights) before the first step
@@ -162,7 +163,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--backend") a.backend = v;
     else if (flag == "--dump-batches") a.dump_batches = v;
     else if (flag == "--out") a.out = v;
-    else if (flag == "--checkpoint-every") a.checkpoint_every = parse_count(flag, v);
+    else if (flag == "--checkpoint-every") a.checkpoint_every = parse_count(flag, v, /*allow_zero=*/true);
     else if (flag == "--keep") a.keep = static_cast<int>(parse_count(flag, v));
     else if (flag == "--log-every") a.log_every = parse_count(flag, v);
     else if (flag == "--max-skips") a.max_skips = parse_count(flag, v);
@@ -436,9 +437,10 @@ int run(const Args& a) {
                  duration(eta));
       std::fflush(stdout);
     }
-    if (step % a.checkpoint_every == 0 || step == a.steps) checkpoint(step);
+    const bool checkpoints = a.checkpoint_every > 0;
+    if (checkpoints && (step % a.checkpoint_every == 0 || step == a.steps)) checkpoint(step);
     if (const int sig = g_signal.load()) {
-      if (step % a.checkpoint_every != 0 && step != a.steps) checkpoint(step);
+      if (checkpoints && step % a.checkpoint_every != 0 && step != a.steps) checkpoint(step);
       fmt::print(stderr, "oom-train: interrupted by signal {} after step {}; resume with --resume\n", sig, step);
       return 130;
     }

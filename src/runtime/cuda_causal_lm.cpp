@@ -5,7 +5,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <thread>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -117,8 +119,21 @@ struct CudaCausalLm::Impl {
 
   Impl(const ModelSpec& s, const Plan& p, CudaCausalLmOptions o)
       : spec(&s), plan(p), opt(o),
-        backend(CudaBackend::Options{o.device, o.device_budget.count() ? o.device_budget : p.gpu_budget,
-                                     o.pinned_budget.count() ? o.pinned_budget : p.host_budget, Bytes{std::uint64_t{1} << 30}}) {}
+        backend(CudaBackend::Options{o.device, reservation(o, p), o.pinned_budget.count() ? o.pinned_budget : p.host_budget,
+                                     Bytes{std::uint64_t{1} << 30}}) {}
+
+  // The device arena reserved up front: the plan's budget, but never the last GiB of the GPU, which
+  // the CUDA context, cuBLAS and the expert GEMMs' side handles allocate from on their own. Should
+  // the plan's buffers not fit what is reserved, the arena says so, naming the claimant.
+  static Bytes reservation(const CudaCausalLmOptions& o, const Plan& p) {
+    const Bytes want = o.device_budget.count() ? o.device_budget : p.gpu_budget;
+    OOM_CUDA_CHECK(cudaSetDevice(o.device));
+    std::size_t free_b = 0, total_b = 0;
+    OOM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const std::uint64_t headroom = std::uint64_t{1} << 30;
+    const Bytes avail{free_b > headroom ? free_b - headroom : 0};
+    return want < avail ? want : avail;
+  }
 
   void* take(MemorySpace where, std::size_t bytes, Claimant c) {
     const Bytes b{align_up(std::max<std::size_t>(bytes, 1))};
@@ -318,6 +333,11 @@ CudaCausalLm::Impl::Slot& CudaCausalLm::Impl::load_weights(std::size_t l) {
   if (L.streamed == 0) return slot;
   backend.wait(h2d, slot.free);
   backend.wait(h2d, L.updated);
+  if (opt.drop_weight_wait) {
+    // The test hook also slows the link (2 ms before each load), so a compute that does not wait
+    // for its weights surely reads the slot's previous contents.
+    OOM_CUDA_CHECK(cudaLaunchHostFunc(raw(h2d), [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }, nullptr));
+  }
   for (auto* g : L.update.segments) backend.copy(slot.ptr + g->slot_offset, g->hw, Bytes{g->n * sizeof(bf16)}, h2d);
   backend.record(loaded, h2d);
   if (!opt.drop_weight_wait) backend.wait(cs, loaded);
