@@ -3,7 +3,7 @@
 // plan's weights, moments and losses bit for bit after 3 steps (the kernels are deterministic and
 // the two AdamWs round identically); a schedule that drops the wait for a layer's weights is
 // caught; a streamed plan needs less device memory than the resident one; state export/load
-// resumes bit for bit; the loss falls.
+// resumes bit for bit.
 #include <doctest/doctest.h>
 
 #include <cstring>
@@ -101,7 +101,9 @@ TEST_CASE("every plan gives the resident plan's step, bit for bit, on the GPU") 
   const Run expect = train(spec, reference);
   MESSAGE("resident plan: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]
                                    << ", device peak " << expect.device_peak.count());
-  CHECK(expect.losses.back() < expect.losses.front());
+  // The optimizer moved every segment (the comparisons below are not between untouched copies).
+  const auto start = init(spec);
+  for (std::size_t i = 0; i < start.size(); ++i) CHECK(expect.state[i].master != start[i]);
   CHECK(same(train(spec, reference).state, expect.state));  // deterministic run to run
 
   std::mt19937_64 rng(42);
