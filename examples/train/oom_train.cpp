@@ -29,6 +29,9 @@
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/planner.hpp"
 #if OOM_TRAIN_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "oom/core/log.hpp"
 #include "oom/cuda/device.hpp"
 #include "oom/model/cuda_decoder_layer.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
@@ -226,6 +229,48 @@ void truncate_metrics(const fs::path& path, std::uint64_t step) {
   write_file_atomically(path, kept);
 }
 
+#if OOM_TRAIN_HAS_CUDA
+// The planner's memory model is per activation class; the CUDA executor keeps, offloads or
+// recomputes a layer's saved buffer as a whole, so it may need more than the plan predicts. Take
+// the planner's candidates in order, each as planned and then with checkpoint retention (boundaries
+// kept or offloaded, everything else recomputed), and run the first whose exact executor
+// footprint fits the GPU and the host budget.
+Plan with_checkpoint(Plan p, bool offload_boundaries) {
+  for (std::size_t l = 0; l < p.retention.size(); ++l)
+    for (int c = 0; c < activation_class_count; ++c)
+      p.retention[l][static_cast<std::size_t>(c)] =
+          c == 0 ? (offload_boundaries ? RetentionDecision::offload() : RetentionDecision::keep())
+                 : RetentionDecision::recompute(static_cast<int>(l));
+  p.retention_name += offload_boundaries ? ", as checkpoint with offloaded boundaries for the CUDA executor"
+                                         : ", as checkpoint for the CUDA executor";
+  return p;
+}
+
+Plan fit_cuda_executor(const ModelSpec& spec, const std::vector<Plan>& plans, const PlanRequest& req) {
+  std::size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) free_b = req.gpu_budget.count();
+  const std::uint64_t headroom = std::uint64_t{1} << 30;
+  const Bytes gpu_avail{std::min<std::uint64_t>(req.gpu_budget.count(), free_b > headroom ? free_b - headroom : 0)};
+  Bytes least_gpu{~std::uint64_t{0}};
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    for (int variant = 0; variant < 3; ++variant) {
+      const Plan p = variant == 0 ? plans[i] : with_checkpoint(plans[i], variant == 2);
+      const auto fp = CudaCausalLm::footprint(spec, p);
+      Bytes gpu, host;
+      for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) = (on_gpu(static_cast<Claimant>(c)) ? gpu : host) + fp[static_cast<std::size_t>(c)];
+      least_gpu = least_gpu < gpu ? least_gpu : gpu;
+      const bool fits = gpu <= gpu_avail && host <= req.host_budget;
+      fmt::print("candidate plan {} ({}): the CUDA executor needs {} on the GPU (resident {}, activations {}, worksets {}) "
+                 "and {} pinned: {}\n",
+                 i + 1, p.retention_name, gpu, fp[0], fp[1], fp[2], host, fits ? "fits" : "does not fit");
+      if (fits) return p;
+    }
+  }
+  OOM_THROW(Errc::out_of_budget, fmt::format("no candidate plan fits the CUDA executor: the least GPU memory any needs is {}, "
+                                             "{} is available (budget {}, free memory less 1 GiB)", least_gpu, gpu_avail, req.gpu_budget));
+}
+#endif
+
 int run(const Args& a) {
   // ---- model, data, plan: every input checked before anything is written ----
   const std::string config_text = a.config.empty() ? std::string(builtin_config) : read_text(a.config);
@@ -294,8 +339,12 @@ int run(const Args& a) {
     req.gpu_budget = a.gpu_mem.value_or(use_cuda ? profile.gpu_memory : Bytes{std::uint64_t{1} << 30});
     req.host_budget = a.host_mem.value_or(profile.host_memory);
     req.workload = {1, a.seq};
-    req.candidates = 2;
-    plan = planner.plan(req).plans.front();
+    req.candidates = use_cuda ? 6 : 2;
+    const auto set = planner.plan(req);
+    plan = set.plans.front();
+#if OOM_TRAIN_HAS_CUDA
+    if (use_cuda) plan = fit_cuda_executor(spec, set.plans, req);
+#endif
   }
 
   std::vector<std::vector<float>> init;

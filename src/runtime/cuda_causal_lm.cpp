@@ -11,6 +11,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_set>
 
@@ -18,6 +19,7 @@
 
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/error.hpp"
+#include "oom/core/log.hpp"
 #include "oom/core/numeric.hpp"
 #include "oom/kernels/adamw_gpu.hpp"
 #include "oom/kernels/expert_gemm.hpp"
@@ -84,7 +86,10 @@ struct CudaCausalLm::Impl {
   const ModelSpec* spec;
   Plan plan;
   CudaCausalLmOptions opt;
-  CudaBackend backend;
+  std::optional<CudaBackend> backend;  // absent when only sizing (footprint())
+  bool sizing = false;
+  std::array<Bytes, claimant_count> need{};  // what take() handed out, by claimant
+  Bytes largest_pinned;                      // the largest single pinned request
   std::uint64_t T = 0, H = 0, V = 0;
   std::vector<Segment> segs;
   std::vector<Layer> layers;
@@ -117,10 +122,30 @@ struct CudaCausalLm::Impl {
   double last_seconds = 0;
   std::vector<std::pair<void*, std::pair<MemorySpace, std::pair<Bytes, Claimant>>>> owned;
 
-  Impl(const ModelSpec& s, const Plan& p, CudaCausalLmOptions o)
-      : spec(&s), plan(p), opt(o),
-        backend(CudaBackend::Options{o.device, reservation(o, p), o.pinned_budget.count() ? o.pinned_budget : p.host_budget,
-                                     Bytes{std::uint64_t{1} << 30}}) {}
+  Impl(const ModelSpec& s, const Plan& p, CudaCausalLmOptions o, bool sizing_only)
+      : spec(&s), plan(p), opt(o), sizing(sizing_only) {
+    if (sizing) return;
+    // Size everything first: a plan the arena cannot hold is refused here, by claimant, before
+    // any memory is taken; pinned slabs are made large enough for the largest single buffer.
+    Impl probe(s, p, o, /*sizing_only=*/true);
+    probe.build({});
+    const Bytes reserve = reservation(o, p);
+    Bytes device_need;
+    for (int c = 0; c < claimant_count; ++c)
+      if (on_gpu(static_cast<Claimant>(c))) device_need = device_need + probe.need[static_cast<std::size_t>(c)];
+    if (reserve < device_need)
+      OOM_THROW(Errc::out_of_budget,
+                fmt::format("the plan needs {} of GPU memory with the CUDA executor (resident state {}, retained activations {}, "
+                            "worksets {}), {} can be reserved (the plan's budget {}, at most the GPU's free memory less 1 GiB)",
+                            device_need, probe.need[0], probe.need[1], probe.need[2], reserve,
+                            o.device_budget.count() ? o.device_budget : p.gpu_budget));
+    const Bytes slab{std::max<std::uint64_t>(std::uint64_t{1} << 30, probe.largest_pinned.count())};
+    // Reserve what the buffers take (plus slack for the sub-allocator's alignment), not the whole
+    // budget: what is left of the GPU stays free for cuBLAS and the CUDA context.
+    const Bytes slack{std::uint64_t{16} << 20};
+    const Bytes take_bytes = device_need + slack < reserve ? device_need + slack : reserve;
+    backend.emplace(CudaBackend::Options{o.device, take_bytes, o.pinned_budget.count() ? o.pinned_budget : p.host_budget, slab});
+  }
 
   // The device arena reserved up front: the plan's budget, but never the last GiB of the GPU, which
   // the CUDA context, cuBLAS and the expert GEMMs' side handles allocate from on their own. Should
@@ -137,7 +162,10 @@ struct CudaCausalLm::Impl {
 
   void* take(MemorySpace where, std::size_t bytes, Claimant c) {
     const Bytes b{align_up(std::max<std::size_t>(bytes, 1))};
-    void* p = backend.allocate(where, b, c);
+    need[static_cast<std::size_t>(c)] = need[static_cast<std::size_t>(c)] + b;
+    if (!where.is_device() && largest_pinned < b) largest_pinned = b;
+    if (sizing) return reinterpret_cast<void*>(std::uintptr_t{256});  // never dereferenced
+    void* p = backend->allocate(where, b, c);
     owned.push_back({p, {where, {b, c}}});
     return p;
   }
@@ -153,13 +181,14 @@ struct CudaCausalLm::Impl {
 
   static void CUDART_CB cpu_update(void* p);
   void build(const std::vector<std::vector<float>>& weights);
+  CudaBackend::Event event() { return sizing ? CudaBackend::Event{} : backend->make_event(); }
   void release() noexcept;
   Slot& load_weights(std::size_t l);
   std::vector<const bf16*> weight_bases(std::size_t l, const Slot& slot) const;
   std::vector<float*> grad_bases(std::size_t l, float* gslot) const;
   StepResult run_step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
   void sync_all() {
-    for (auto* s : {&cs, &h2d, &d2h, &cpu}) backend.synchronize(*s);
+    for (auto* s : {&cs, &h2d, &d2h, &cpu}) backend->synchronize(*s);
     std::lock_guard lock(error_mutex);
     if (cpu_error) std::rethrow_exception(std::exchange(cpu_error, nullptr));
   }
@@ -167,7 +196,7 @@ struct CudaCausalLm::Impl {
 
 void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   const auto& all = spec->segments();
-  if (weights.size() != all.size())
+  if (!sizing && weights.size() != all.size())
     OOM_THROW(Errc::invalid_argument, fmt::format("{} weight blocks for a model of {} segments", weights.size(), all.size()));
   if (plan.workload.sequences != 1 || plan.micro_batches != 1 || plan.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs one sequence per step on one GPU (the plan has {} x {} on {} GPU(s))",
@@ -177,17 +206,19 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   T = plan.workload.tokens();
   H = spec->hidden_size();
   V = spec->vocab_size();
-  OOM_CUDA_CHECK(cudaSetDevice(opt.device));
-  cs = backend.make_stream();
-  h2d = backend.make_stream();
-  d2h = backend.make_stream();
-  cpu = backend.make_stream();
-  OOM_CUBLAS_CHECK(cublasCreate(&blas));
-  OOM_CUBLAS_CHECK(cublasSetStream(blas, raw(cs)));
   expert_streams = std::make_unique<kernels::ExpertGemmStreams>();
-  loaded = backend.make_event();
-  OOM_CUDA_CHECK(cudaEventCreate(&step_begin));
-  OOM_CUDA_CHECK(cudaEventCreate(&step_end));
+  if (!sizing) {
+    OOM_CUDA_CHECK(cudaSetDevice(opt.device));
+    cs = backend->make_stream();
+    h2d = backend->make_stream();
+    d2h = backend->make_stream();
+    cpu = backend->make_stream();
+    OOM_CUBLAS_CHECK(cublasCreate(&blas));
+    OOM_CUBLAS_CHECK(cublasSetStream(blas, raw(cs)));
+    loaded = backend->make_event();
+    OOM_CUDA_CHECK(cudaEventCreate(&step_begin));
+    OOM_CUDA_CHECK(cudaEventCreate(&step_end));
+  }
 
   std::unordered_set<std::string> resident(plan.resident_segments.begin(), plan.resident_segments.end());
   // Segments: the ends are always resident (their kernels read them in place).
@@ -197,6 +228,17 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     g.name = all[s].name;
     g.n = all[s].parameters();
     g.resident = all[s].layer < 0 || resident.count(g.name) > 0;
+    if (sizing) {
+      if (g.resident) {
+        g.dw = dev<bf16>(g.n, Claimant::resident_state);
+        for (int k = 0; k < 4; ++k) (void)dev<float>(g.n, Claimant::resident_state);  // master, m, v, grad
+      } else {
+        g.hw = pinned<bf16>(g.n, Claimant::host_state);
+        for (int k = 0; k < 3; ++k) (void)pinned<float>(g.n, Claimant::host_state);  // master, m, v
+        (void)pinned<float>(g.n, Claimant::host_staging);
+      }
+      continue;
+    }
     const auto& w = weights[s];
     if (w.size() != g.n)
       OOM_THROW(Errc::invalid_argument, fmt::format("segment '{}': {} values for {} parameters", g.name, w.size(), g.n));
@@ -250,9 +292,9 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
       OOM_THROW(Errc::unsupported, fmt::format("layer {}: regenerating a boundary through earlier layers is not implemented on CUDA", l));
     L.boundary = b == Retention::offload ? Keep::offload : Keep::keep;
     L.blob = blob_retention(row);
-    L.updated = backend.make_event();
-    L.offloaded = backend.make_event();
-    L.forward_done = backend.make_event();
+    L.updated = event();
+    L.offloaded = event();
+    L.forward_done = event();
     max_streamed = std::max(max_streamed, L.streamed);
     layers.push_back(std::move(L));
   }
@@ -273,24 +315,24 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   const bool any_blob_rot = std::any_of(layers.begin(), layers.end(), [](const Layer& L) { return L.blob != Keep::keep; });
   for (int i = 0; i < (any_x_rot ? 3 : 0); ++i) {
     x_rot.push_back(dev<bf16>(T * H, Claimant::retained_activations));
-    x_rot_free.push_back(backend.make_event());
+    x_rot_free.push_back(event());
   }
   for (int i = 0; i < (any_blob_rot ? 2 : 0); ++i) {
     blob_rot.push_back(dev<std::byte>(saved_bytes, Claimant::retained_activations));
-    blob_rot_free.push_back(backend.make_event());
+    blob_rot_free.push_back(event());
   }
   y_scratch = dev<bf16>(T * H, Claimant::worksets);  // the last layer's output, and recompute's throwaway output
   dy = dev<bf16>(T * H, Claimant::worksets);
   dx = dev<bf16>(T * H, Claimant::worksets);
   // Weight slots and gradient slots for the streamed segments.
   if (max_streamed > 0) {
-    for (int i = 0; i < std::max(plan.prefetch_depth, 1); ++i) slots.push_back({dev<bf16>(max_streamed, Claimant::worksets), backend.make_event()});
+    for (int i = 0; i < std::max(plan.prefetch_depth, 1); ++i) slots.push_back({dev<bf16>(max_streamed, Claimant::worksets), event()});
     for (int i = 0; i < 2; ++i) {
       grad_slots.push_back(dev<float>(max_streamed, Claimant::worksets));
-      grad_slot_free.push_back(backend.make_event());
+      grad_slot_free.push_back(event());
     }
   } else {
-    slots.push_back({nullptr, backend.make_event()});
+    slots.push_back({nullptr, event()});
   }
   const auto ends = model::LmEndsShape::from_spec(*spec, static_cast<std::int64_t>(T));
   workspace_bytes = std::max(model::decoder_layer_workspace_bytes(layers.front().shape, *expert_streams), model::lm_ends_workspace_bytes(ends));
@@ -302,17 +344,19 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   d_valid = dev<std::int32_t>(1, Claimant::worksets);
   d_loss = dev<float>(1, Claimant::worksets);
   h_tokens = pinned<std::int32_t>(2 * T, Claimant::host_staging);
+  if (sizing) return;
   std::vector<std::int32_t> pos(T);
   for (std::uint64_t i = 0; i < T; ++i) pos[i] = static_cast<std::int32_t>(i);
   OOM_CUDA_CHECK(cudaMemcpy(d_positions, pos.data(), T * sizeof(std::int32_t), cudaMemcpyHostToDevice));
 }
 
 void CudaCausalLm::Impl::release() noexcept {
+  if (sizing) return;
   for (auto* s : {&cs, &h2d, &d2h, &cpu})
     if (*s) (void)cudaStreamSynchronize(raw(*s));
   for (auto it = owned.rbegin(); it != owned.rend(); ++it) {
     try {
-      backend.free(it->first, it->second.first, it->second.second.first, it->second.second.second);
+      backend->free(it->first, it->second.first, it->second.second.first, it->second.second.second);
     } catch (...) {
     }
   }
@@ -331,16 +375,16 @@ CudaCausalLm::Impl::Slot& CudaCausalLm::Impl::load_weights(std::size_t l) {
   Slot& slot = slots[next_slot];
   next_slot = (next_slot + 1) % slots.size();
   if (L.streamed == 0) return slot;
-  backend.wait(h2d, slot.free);
-  backend.wait(h2d, L.updated);
+  backend->wait(h2d, slot.free);
+  backend->wait(h2d, L.updated);
   if (opt.drop_weight_wait) {
     // The test hook also slows the link (2 ms before each load), so a compute that does not wait
     // for its weights surely reads the slot's previous contents.
     OOM_CUDA_CHECK(cudaLaunchHostFunc(raw(h2d), [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }, nullptr));
   }
-  for (auto* g : L.update.segments) backend.copy(slot.ptr + g->slot_offset, g->hw, Bytes{g->n * sizeof(bf16)}, h2d);
-  backend.record(loaded, h2d);
-  if (!opt.drop_weight_wait) backend.wait(cs, loaded);
+  for (auto* g : L.update.segments) backend->copy(slot.ptr + g->slot_offset, g->hw, Bytes{g->n * sizeof(bf16)}, h2d);
+  backend->record(loaded, h2d);
+  if (!opt.drop_weight_wait) backend->wait(cs, loaded);
   return slot;
 }
 
@@ -402,7 +446,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     } else {
       const int r = next_x_rot;
       next_x_rot = (next_x_rot + 1) % static_cast<int>(x_rot.size());
-      backend.wait(cs, x_rot_free[static_cast<std::size_t>(r)]);  // its last D2H and reader are done
+      backend->wait(cs, x_rot_free[static_cast<std::size_t>(r)]);  // its last D2H and reader are done
       x_at[l] = x_rot[static_cast<std::size_t>(r)];
       x_rot_index[l] = r;
     }
@@ -421,21 +465,21 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (L.blob != Keep::keep) {
       blob = next_blob;
       next_blob = (next_blob + 1) % 2;
-      backend.wait(cs, blob_rot_free[static_cast<std::size_t>(blob)]);
+      backend->wait(cs, blob_rot_free[static_cast<std::size_t>(blob)]);
       saved = blob_rot[static_cast<std::size_t>(blob)];
     }
     model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
-    backend.record(L.forward_done, cs);
-    backend.record(slot.free, cs);
+    backend->record(L.forward_done, cs);
+    backend->record(slot.free, cs);
     // Offload: the boundary (this layer's input) and the saved buffer go home once written.
     if (L.boundary == Keep::offload || L.blob == Keep::offload) {
-      backend.wait(d2h, L.forward_done);
-      if (L.boundary == Keep::offload) backend.copy(L.x_host, x_at[l], Bytes{T * H * sizeof(bf16)}, d2h);
-      if (L.blob == Keep::offload) backend.copy(L.saved_host, saved, Bytes{saved_bytes}, d2h);
-      backend.record(L.offloaded, d2h);
+      backend->wait(d2h, L.forward_done);
+      if (L.boundary == Keep::offload) backend->copy(L.x_host, x_at[l], Bytes{T * H * sizeof(bf16)}, d2h);
+      if (L.blob == Keep::offload) backend->copy(L.saved_host, saved, Bytes{saved_bytes}, d2h);
+      backend->record(L.offloaded, d2h);
     }
-    if (L.boundary == Keep::offload) backend.record(x_rot_free[static_cast<std::size_t>(x_rot_index[l])], d2h);
-    if (blob >= 0) backend.record(blob_rot_free[static_cast<std::size_t>(blob)], L.blob == Keep::offload ? d2h : cs);
+    if (L.boundary == Keep::offload) backend->record(x_rot_free[static_cast<std::size_t>(x_rot_index[l])], d2h);
+    if (blob >= 0) backend->record(blob_rot_free[static_cast<std::size_t>(blob)], L.blob == Keep::offload ? d2h : cs);
   }
 
   // ---- loss (and its backward into dy) ----
@@ -464,41 +508,41 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     bf16* x_restore = nullptr;
     if (L.boundary == Keep::offload) {
       x_restore = x_rot[static_cast<std::size_t>(r)];
-      backend.wait(h2d, x_rot_free[static_cast<std::size_t>(r)]);
-      backend.wait(h2d, L.offloaded);
-      backend.copy(x_restore, L.x_host, Bytes{T * H * sizeof(bf16)}, h2d);
+      backend->wait(h2d, x_rot_free[static_cast<std::size_t>(r)]);
+      backend->wait(h2d, L.offloaded);
+      backend->copy(x_restore, L.x_host, Bytes{T * H * sizeof(bf16)}, h2d);
       x = x_restore;
     }
     std::byte* blob = nullptr;
     if (L.blob != Keep::keep) {
       blob = blob_rot[static_cast<std::size_t>(r)];
       if (L.blob == Keep::offload) {
-        backend.wait(h2d, blob_rot_free[static_cast<std::size_t>(r)]);
-        backend.wait(h2d, L.offloaded);
-        backend.copy(blob, L.saved_host, Bytes{saved_bytes}, h2d);
+        backend->wait(h2d, blob_rot_free[static_cast<std::size_t>(r)]);
+        backend->wait(h2d, L.offloaded);
+        backend->copy(blob, L.saved_host, Bytes{saved_bytes}, h2d);
       }
       saved = blob;
     }
-    auto restored = backend.make_event();
-    backend.record(restored, h2d);
-    backend.wait(cs, restored);
+    auto restored = backend->make_event();
+    backend->record(restored, h2d);
+    backend->wait(cs, restored);
     if (L.blob == Keep::recompute) {
-      backend.wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
+      backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
       model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace, workspace_bytes);
     }
     float* gslot = nullptr;
     if (L.streamed > 0) {
       gslot = grad_slots[li % 2];
-      backend.wait(cs, grad_slot_free[li % 2]);
+      backend->wait(cs, grad_slot_free[li % 2]);
       OOM_CUDA_CHECK(cudaMemsetAsync(gslot, 0, L.streamed * sizeof(float), s));
     }
     const auto grads = model::bind_decoder_layer_grads(*spec, static_cast<int>(li), grad_bases(li, gslot));
     model::decoder_layer_backward(layer_ctx(), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace, workspace_bytes);
-    auto done = backend.make_event();
-    backend.record(done, cs);
-    backend.record(slot.free, cs);
-    if (x_restore != nullptr) backend.record(x_rot_free[static_cast<std::size_t>(r)], cs);
-    if (blob != nullptr) backend.record(blob_rot_free[static_cast<std::size_t>(r)], cs);
+    auto done = backend->make_event();
+    backend->record(done, cs);
+    backend->record(slot.free, cs);
+    if (x_restore != nullptr) backend->record(x_rot_free[static_cast<std::size_t>(r)], cs);
+    if (blob != nullptr) backend->record(blob_rot_free[static_cast<std::size_t>(r)], cs);
     std::swap(dy, dx);
     // Resident segments update on the GPU; streamed gradients go home and the CPU AdamW applies them.
     for (auto sidx : L.segments) {
@@ -507,15 +551,15 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
         OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
     }
     if (L.streamed > 0) {
-      backend.wait(d2h, done);
-      for (auto* g : L.update.segments) backend.copy(g->hgrad, gslot + g->slot_offset, Bytes{g->n * sizeof(float)}, d2h);
-      auto landed = backend.make_event();
-      backend.record(landed, d2h);
-      backend.record(grad_slot_free[li % 2], d2h);
-      backend.wait(cpu, landed);
+      backend->wait(d2h, done);
+      for (auto* g : L.update.segments) backend->copy(g->hgrad, gslot + g->slot_offset, Bytes{g->n * sizeof(float)}, d2h);
+      auto landed = backend->make_event();
+      backend->record(landed, d2h);
+      backend->record(grad_slot_free[li % 2], d2h);
+      backend->wait(cpu, landed);
       L.update.scalars = scalars;
       OOM_CUDA_CHECK(cudaLaunchHostFunc(raw(cpu), &Impl::cpu_update, &L.update));
-      backend.record(L.updated, cpu);
+      backend->record(L.updated, cpu);
     }
   }
   // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
@@ -536,7 +580,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
 
 CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
                            CudaCausalLmOptions options)
-    : impl_(std::make_unique<Impl>(spec, plan, options)) {
+    : impl_(std::make_unique<Impl>(spec, plan, options, /*sizing_only=*/false)) {
   try {
     impl_->build(weights);
   } catch (...) {
@@ -607,7 +651,13 @@ void CudaCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
 }
 
 std::int64_t CudaCausalLm::optimizer_steps() const { return impl_->steps; }
-CudaBackend& CudaCausalLm::backend() { return impl_->backend; }
+
+std::array<Bytes, claimant_count> CudaCausalLm::footprint(const ModelSpec& spec, const Plan& plan) {
+  Impl sizing(spec, plan, {}, /*sizing_only=*/true);
+  sizing.build({});
+  return sizing.need;
+}
+CudaBackend& CudaCausalLm::backend() { return *impl_->backend; }
 double CudaCausalLm::last_step_seconds() const { return impl_->last_seconds; }
 
 }  // namespace oom

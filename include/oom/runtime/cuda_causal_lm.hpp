@@ -26,6 +26,7 @@
 // GPU tests compare weights bit for bit across plans.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -74,6 +75,11 @@ class CudaCausalLm {
   /// Continues from saved state after `optimizer_steps` updates (sizes checked before any change).
   void load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps);
   [[nodiscard]] std::int64_t optimizer_steps() const;
+
+  /// The bytes by claimant this executor takes for `plan` (device claimants: its arena's exact
+  /// peak, since every buffer is laid out at construction; host claimants: pinned memory), computed
+  /// without a GPU. Errc::unsupported / invalid_argument as the constructor would throw.
+  [[nodiscard]] static std::array<Bytes, claimant_count> footprint(const ModelSpec& spec, const Plan& plan);
 
   [[nodiscard]] CudaBackend& backend();
   /// Seconds of the last step, measured with CUDA events around the whole step.
