@@ -7,7 +7,8 @@ torch.optim.AdamW) and compares every step's loss with an oom-train run.
 
 It loads RUN/checkpoint-000000 (the initial weights oom-train saved) and RUN/batches.tok (every
 step's window of seq + 1 tokens), and reads the lr and weight decay from the final checkpoint's
-trainer_state.json. Precision follows oom-train's: fp32 master weights and AdamW state, the forward
+trainer_state.json (and the clipping norm, applied with torch.nn.utils.clip_grad_norm_ when it is
+set). Precision follows oom-train's: fp32 master weights and AdamW state, the forward
 and backward in fp32 over the bf16-rounded weights (each step rounds the master to bf16 and back,
 takes the gradient with respect to those rounded weights and applies it to the master), loss = mean
 cross-entropy of window[1:] given window[:-1]. Exit status 1 when any step's relative loss
@@ -58,6 +59,7 @@ def main():
     with open(os.path.join(final, "trainer_state.json")) as f:
         state = json.load(f)
     seq = int(state["seq"])
+    max_grad_norm = float(state.get("max_grad_norm", 0.0))
     metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
     ours = {m["step"]: m["loss"] for m in metrics}
     windows = read_tokens(args.batches or os.path.join(run, "batches.tok")).reshape(-1, seq + 1)
@@ -115,6 +117,8 @@ def main():
             loss.backward()
             for k, p in params.items():
                 p.grad = rounded[k].grad
+            if max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())

@@ -62,8 +62,9 @@ std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint
 }
 
 HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
-                           const optim::AdamWConfig& adamw, HostBackend::Options backend)
-    : spec_(&spec), plan_(plan), adamw_(adamw), backend_(std::make_unique<HostBackend>(backend)), pool_(0) {
+                           const optim::AdamWConfig& adamw, HostBackend::Options backend, double max_grad_norm)
+    : spec_(&spec), plan_(plan), adamw_(adamw), backend_(std::make_unique<HostBackend>(backend)), pool_(0),
+      max_grad_norm_(max_grad_norm) {
   const auto& segs = spec.segments();
   if (weights.size() != segs.size())
     OOM_THROW(Errc::invalid_argument, fmt::format("{} weight blocks for a model of {} segments", weights.size(), segs.size()));
@@ -93,6 +94,7 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
   if (!tied_) lm_head_ = make_end(s++);
   HostExecutorOptions opt;
   opt.adamw = adamw;
+  opt.defer_updates = max_grad_norm > 0;
   executor_ = std::make_unique<HostExecutor<HostDecoderLayer>>(*backend_, layers_, plan_, layer_weights, opt);
 }
 
@@ -142,13 +144,24 @@ HostCausalLm::StepResult HostCausalLm::step(std::span<const std::uint32_t> input
   if (!tied_) std::fill(embedding_.grad.begin(), embedding_.grad.end(), 0.0f);
   for (std::size_t i = 0; i < tokens_; ++i)
     for (std::uint64_t c = 0; c < h; ++c) embedding_.grad[inputs[i] * h + c] += grad_x_[i * h + c];
-  update_ends();
-  return {loss, false};
+  if (max_grad_norm_ <= 0) {
+    update_ends(1.0f);
+    return {loss, false};
+  }
+  // Clipping: the global norm over the stack's segments (in order) and then the ends, as
+  // torch.nn.utils.clip_grad_norm_ over all parameters; every update scaled by the same factor.
+  double ss = executor_->gradient_sum_of_squares();
+  for (const End* e : {&embedding_, &final_norm_, &lm_head_})
+    if (!e->grad.empty()) ss += optim::grad_sum_of_squares(e->grad, pool_);
+  const float scale = optim::clip_grad_scale(ss, max_grad_norm_);
+  executor_->apply_updates(scale);
+  update_ends(scale);
+  return {loss, false, std::sqrt(ss)};
 }
 
-void HostCausalLm::update_ends() {
+void HostCausalLm::update_ends(float grad_scale) {
   const auto step = executor_->optimizer_steps();  // the executor has counted this step already
-  const auto sc = optim::adamw_step_scalars(adamw_, step);
+  const auto sc = optim::adamw_step_scalars(adamw_, step, grad_scale);
   for (End* e : {&embedding_, &final_norm_, &lm_head_}) {
     if (e->master.empty()) continue;
     check_finite(e->grad, spec_->segments()[e->segment].name, step);

@@ -28,13 +28,16 @@ std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint
 class HostCausalLm {
  public:
   /// `weights[s]` holds the fp32 values of spec.segments()[s] (see initial_weights).
+  /// `max_grad_norm` > 0 clips the global gradient norm as torch.nn.utils.clip_grad_norm_ (the
+  /// updates then wait for the whole backward).
   HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
-               const optim::AdamWConfig& adamw, HostBackend::Options backend);
+               const optim::AdamWConfig& adamw, HostBackend::Options backend, double max_grad_norm = 0);
   ~HostCausalLm();
 
   struct StepResult {
     double loss = 0;       ///< mean cross-entropy over the step's tokens (nats)
     bool skipped = false;  ///< the loss was not finite: no backward, no update
+    double grad_norm = -1; ///< global gradient norm before clipping (-1: not computed, no clipping)
   };
   /// One optimizer step on `inputs` -> `targets` (T tokens each, one sequence).
   StepResult step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
@@ -56,7 +59,7 @@ class HostCausalLm {
     std::vector<bf16> weights;
   };
   double loss_and_grad(const float* y, float* grad_y);
-  void update_ends();
+  void update_ends(float grad_scale);
 
   const ModelSpec* spec_;
   Plan plan_;
@@ -67,6 +70,7 @@ class HostCausalLm {
   optim::ThreadPool pool_;
   End embedding_, final_norm_, lm_head_;
   bool tied_ = false;
+  double max_grad_norm_ = 0;
   std::uint64_t tokens_ = 0;
   std::vector<std::int32_t> targets_;
   std::vector<float> x_, grad_x_, head_w_;

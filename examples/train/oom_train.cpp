@@ -83,6 +83,8 @@ Model and data
 Optimizer (AdamW, as torch.optim.AdamW over all parameters)
   --lr X               learning rate (default 3e-3)
   --weight-decay X     (default 0.01)
+  --max-grad-norm X    clip the global gradient norm to X as torch.nn.utils.clip_grad_norm_ (default 0:
+                       no clipping; the updates then wait for the whole backward; host backend only)
 Plan
   --plan PATH          use this plan (from oom-plan --json) instead of planning
   --profile PATH       calibrated machine profile for the planner (default: built-in, see --machine)
@@ -111,7 +113,7 @@ Exit status: 0 done, 2 bad input, 3 no plan fits the budget, 4 stopped on a non-
 struct Args {
   std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto";
   std::uint64_t seq = 256, steps = 200, seed = 0;
-  float lr = 3e-3f, weight_decay = 0.01f;
+  float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f;
   std::optional<Bytes> gpu_mem, host_mem;
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
@@ -158,6 +160,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--seed") a.seed = parse_count(flag, v, true);
     else if (flag == "--lr") a.lr = parse_real(flag, v);
     else if (flag == "--weight-decay") a.weight_decay = parse_real(flag, v);
+    else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
     else if (flag == "--plan") a.plan = v;
     else if (flag == "--profile") a.profile = v;
     else if (flag == "--machine") a.machine = v;
@@ -369,9 +372,11 @@ int run(const Args& a) {
     require_same("seq", a.seq);
     if (read_text(*latest / "config.json") != config_text)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", latest->string(), config_name));
-    if (ts["lr"].as_double() != static_cast<double>(a.lr) || ts["weight_decay"].as_double() != static_cast<double>(a.weight_decay))
-      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used lr {} and weight decay {}; pass the same", latest->string(),
-                                                    ts["lr"].as_double(), ts["weight_decay"].as_double()));
+    const double saved_clip = ts["max_grad_norm"].present() ? ts["max_grad_norm"].as_double() : 0.0;
+    if (ts["lr"].as_double() != static_cast<double>(a.lr) || ts["weight_decay"].as_double() != static_cast<double>(a.weight_decay) ||
+        saved_clip != static_cast<double>(a.max_grad_norm))
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used lr {}, weight decay {} and max grad norm {}; pass the same",
+                                                    latest->string(), ts["lr"].as_double(), ts["weight_decay"].as_double(), saved_clip));
     start_step = ts["step"].as_uint64();
     sampler_state = SamplerState::from_json(ts["sampler"].value(), "trainer_state.json sampler");
   }
@@ -419,6 +424,7 @@ int run(const Args& a) {
     ts.set("seq", a.seq);
     ts.set("lr", static_cast<double>(a.lr));
     ts.set("weight_decay", static_cast<double>(a.weight_decay));
+    ts.set("max_grad_norm", static_cast<double>(a.max_grad_norm));
     ts.set("sampler", sampler.state().to_json());
     ts.set("data", data_path.string());
     const auto dir = save_checkpoint(a.out, spec, model.state(), {step, config_text, ts, a.keep});
@@ -454,6 +460,9 @@ int run(const Args& a) {
     m.set("step", step);
     m.set("loss", r.loss);
     m.set("skipped", r.skipped);
+    if constexpr (requires { r.grad_norm; }) {
+      if (r.grad_norm >= 0) m.set("grad_norm", r.grad_norm);
+    }
     m.set("tokens", a.seq);
     m.set("step_s", dt);
     m.set("tokens_per_s", tok_s);
@@ -479,9 +488,13 @@ int run(const Args& a) {
     }
     if (step == start_step + 1 || step % a.log_every == 0 || step == a.steps) {
       const double eta = elapsed / static_cast<double>(done_since_start) * static_cast<double>(a.steps - step);
-      fmt::print("step {:>5}/{} | loss {:.4f} | {:.0f} tok/s | device {} MiB peak (activations {}, worksets {}, resident {}) | "
+      std::string gn;
+      if constexpr (requires { r.grad_norm; }) {
+        if (r.grad_norm >= 0) gn = fmt::format(" | grad norm {:.3f}", r.grad_norm);
+      }
+      fmt::print("step {:>5}/{} | loss {:.4f}{} | {:.0f} tok/s | device {} MiB peak (activations {}, worksets {}, resident {}) | "
                  "host pinned {} MiB, RSS {} MiB | ETA {}\n",
-                 step, a.steps, r.loss, tok_s, mib(dev.peak()), mib(dev.peak(Claimant::retained_activations)),
+                 step, a.steps, r.loss, gn, tok_s, mib(dev.peak()), mib(dev.peak(Claimant::retained_activations)),
                  mib(dev.peak(Claimant::worksets)), mib(dev.in_use(Claimant::resident_state)), mib(pin.in_use()), mib(rss()),
                  duration(eta));
       std::fflush(stdout);
@@ -506,6 +519,8 @@ int run(const Args& a) {
 
   if (use_cuda) {
 #if OOM_TRAIN_HAS_CUDA
+    if (a.max_grad_norm > 0)
+      OOM_THROW(Errc::unsupported, "--max-grad-norm: clipping is not implemented on the CUDA executor yet (use --backend host)");
     CudaCausalLmOptions co;
     co.adamw = adamw;
     CudaCausalLm model(spec, plan, init, co);  // a resumed run overwrites these below
@@ -516,7 +531,7 @@ int run(const Args& a) {
   // The host backend computes in fp32: its activations take twice the plan's bf16 bytes, so its
   // device arena is twice the plan's budget.
   HostBackend::Options bo{plan.gpu_budget + plan.gpu_budget, plan.host_budget, /*expose_races=*/false};
-  train::HostCausalLm model(spec, plan, init, adamw, bo);  // a resumed run overwrites these below
+  train::HostCausalLm model(spec, plan, init, adamw, bo, a.max_grad_norm);  // a resumed run overwrites these below
   init = {};
   return train_with(model);
 }

@@ -57,6 +57,10 @@ struct HostExecutorOptions {
   /// the segment instead of updating it. (Other segments of that step may have been updated
   /// already, since updates overlap the backward: the run should stop, not continue.)
   bool check_gradients = true;
+  /// Leave every gradient in place after the backward instead of updating as they land, so the
+  /// caller can take the global norm (gradient_sum_of_squares()) and then apply_updates() with a
+  /// clipping factor. Costs the overlap of the CPU AdamW with the backward.
+  bool defer_updates = false;
   /// Test hook: compute does not wait for its weights' load. Exists so the equivalence tests can
   /// show they catch a broken schedule; never set it otherwise.
   bool drop_weight_wait = false;
@@ -163,6 +167,31 @@ class HostExecutor {
       drain();
       throw;
     }
+  }
+
+  /// With options.defer_updates, after step(): the sum of squares of every segment's gradient, in
+  /// layer and segment order (so the same bits under any plan).
+  double gradient_sum_of_squares() {
+    synchronize_all();
+    double sum = 0;
+    for (auto& ls : layers_state_)
+      for (auto& seg : ls.segments) sum += optim::grad_sum_of_squares({seg.resident ? seg.device_grad : seg.staging, seg.n}, pool_);
+    return sum;
+  }
+
+  /// With options.defer_updates, after step(): every segment's AdamW update of that step, each
+  /// gradient multiplied by `grad_scale` first (a clipping factor, optim::clip_grad_scale).
+  void apply_updates(float grad_scale) {
+    synchronize_all();
+    const auto scalars = optim::adamw_step_scalars(options_.adamw, step_, grad_scale);
+    for (auto& ls : layers_state_) {
+      for (auto& seg : ls.segments) {
+        if (seg.resident) submit_device_adamw(seg, scalars);
+        else submit_cpu_adamw(seg, scalars);
+      }
+      b_.record(ls.updated, cpu_);
+    }
+    synchronize_all();
   }
 
   /// Whether the last step() ended after its forward (non-finite loss).
@@ -322,8 +351,9 @@ class HostExecutor {
       grad = grad_in;
       // Gradients: resident segments update on the device; streamed ones go to the host and the
       // CPU AdamW applies them as soon as they land.
-      for (auto& seg : ls.segments)
-        if (seg.resident) submit_device_adamw(seg, scalars);
+      if (!options_.defer_updates)
+        for (auto& seg : ls.segments)
+          if (seg.resident) submit_device_adamw(seg, scalars);
       std::size_t k = 0;
       b_.wait(d2h_, done);
       for (auto& seg : ls.segments) {
@@ -333,10 +363,12 @@ class HostExecutor {
         ++k;
       }
       b_.record(ls.grads_landed, d2h_);
-      b_.wait(cpu_, ls.grads_landed);
-      for (auto& seg : ls.segments)
-        if (!seg.resident) submit_cpu_adamw(seg, scalars);
-      b_.record(ls.updated, cpu_);
+      if (!options_.defer_updates) {
+        b_.wait(cpu_, ls.grads_landed);
+        for (auto& seg : ls.segments)
+          if (!seg.resident) submit_cpu_adamw(seg, scalars);
+        b_.record(ls.updated, cpu_);
+      }
     }
     if (grad_input != nullptr) {
       grad_input->resize(t * h);
