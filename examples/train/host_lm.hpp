@@ -49,6 +49,8 @@ class HostCausalLm {
   [[nodiscard]] std::int64_t optimizer_steps() const { return executor_->optimizer_steps(); }
 
   [[nodiscard]] HostBackend& backend() { return *backend_; }
+  /// Records the next step's work per resource (the decoder stack's; see HostExecutor).
+  void record_next_step(Timeline* timeline) { executor_->record_next_step(timeline); }
   /// Bytes of the ends' state (fp32 master, moments, gradient, bf16 copy), outside the backend's arenas.
   [[nodiscard]] Bytes ends_bytes() const;
 

@@ -28,6 +28,7 @@
 #include "oom/io/token_file.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/planner.hpp"
+#include "oom/runtime/timeline.hpp"
 #if OOM_TRAIN_HAS_CUDA
 #include <cuda_runtime_api.h>
 
@@ -101,6 +102,9 @@ Run
                        0: none at all, e.g. for throughput runs of large models)
   --keep N             checkpoints kept (default 2)
   --log-every N        steps between progress lines (default 10)
+  --trace-step N       record step N's work per resource: Chrome trace JSON (--trace, default
+                       <out>/trace-step-N.json) and measured vs predicted busy time per resource
+  --trace PATH         where --trace-step writes
   --save-initial       also write checkpoint 0 (the initial weights) before the first step
   --dump-batches PATH  write every step's window (seq + 1 tokens) to a token file, for reference
                        runs (scripts/compare_train_pytorch.py)
@@ -117,7 +121,8 @@ struct Args {
   std::optional<Bytes> gpu_mem, host_mem;
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
-  std::string dump_batches;
+  std::string dump_batches, trace;
+  std::uint64_t trace_step = 0;
   std::uint64_t checkpoint_every = 50, log_every = 10, max_skips = 5;
   int keep = 2;
   bool stop_on_nonfinite = false;
@@ -168,6 +173,8 @@ Args parse(int argc, char** argv) {
     else if (flag == "--host-mem") a.host_mem = parse_bytes(v);
     else if (flag == "--backend") a.backend = v;
     else if (flag == "--dump-batches") a.dump_batches = v;
+    else if (flag == "--trace-step") a.trace_step = parse_count(flag, v);
+    else if (flag == "--trace") a.trace = v;
     else if (flag == "--out") a.out = v;
     else if (flag == "--checkpoint-every") a.checkpoint_every = parse_count(flag, v, /*allow_zero=*/true);
     else if (flag == "--keep") a.keep = static_cast<int>(parse_count(flag, v));
@@ -443,6 +450,8 @@ int run(const Args& a) {
   if (start_step >= a.steps) fmt::print("the run is already at step {} (--steps {})\n", start_step, a.steps);
   for (std::uint64_t step = start_step + 1; step <= a.steps; ++step) {
     sampler.next(in, tgt);
+    Timeline timeline;
+    if (step == a.trace_step) model.record_next_step(&timeline);
     if (!a.dump_batches.empty()) {
       dumped.insert(dumped.end(), in.begin(), in.end());
       dumped.push_back(tgt.back());
@@ -471,8 +480,23 @@ int run(const Args& a) {
     m.set("device_worksets_peak", dev.peak(Claimant::worksets).count());
     m.set("device_resident_state", dev.in_use(Claimant::resident_state).count());
     m.set("host_pinned_bytes", pin.in_use().count());
+    m.set("host_state_bytes", pin.in_use(Claimant::host_state).count());
+    m.set("host_staging_bytes", pin.in_use(Claimant::host_staging).count());
+    m.set("host_offload_peak_bytes", pin.peak(Claimant::host_offload).count());
     m.set("host_rss_bytes", rss().count());
     metrics << m.dump() << "\n" << std::flush;
+    if (step == a.trace_step) {
+      const fs::path trace_path = a.trace.empty() ? a.out / fmt::format("trace-step-{}.json", step) : fs::path(a.trace);
+      write_file_atomically(trace_path, timeline.chrome_trace(fmt::format("oom-train step {}", step)));
+      const auto busy = timeline.busy();
+      const auto& pred = plan.predicted.busy;
+      fmt::print("step {} recorded in {} ({} spans; open in ui.perfetto.dev); busy s measured / predicted: "
+                 "gpu_compute {:.4f} / {:.4f}, h2d {:.4f} / {:.4f}, d2h {:.4f} / {:.4f}, cpu {:.4f} / {:.4f}; "
+                 "step {:.4f} / {:.4f}\n",
+                 step, trace_path.string(), timeline.spans().size(), busy[Resource::gpu_compute], pred[Resource::gpu_compute],
+                 busy[Resource::h2d], pred[Resource::h2d], busy[Resource::d2h], pred[Resource::d2h], busy[Resource::cpu],
+                 pred[Resource::cpu], dt, plan.predicted.step_s);
+    }
     if (r.skipped) {
       fmt::print(stderr, "step {}: loss is {}; step skipped (no update)\n", step, r.loss);
       if (a.stop_on_nonfinite) {
@@ -493,9 +517,10 @@ int run(const Args& a) {
         if (r.grad_norm >= 0) gn = fmt::format(" | grad norm {:.3f}", r.grad_norm);
       }
       fmt::print("step {:>5}/{} | loss {:.4f}{} | {:.0f} tok/s | device {} MiB peak (activations {}, worksets {}, resident {}) | "
-                 "host pinned {} MiB, RSS {} MiB | ETA {}\n",
+                 "host pinned {} MiB (state {}, staging {}, offload {}), RSS {} MiB | ETA {}\n",
                  step, a.steps, r.loss, gn, tok_s, mib(dev.peak()), mib(dev.peak(Claimant::retained_activations)),
-                 mib(dev.peak(Claimant::worksets)), mib(dev.in_use(Claimant::resident_state)), mib(pin.in_use()), mib(rss()),
+                 mib(dev.peak(Claimant::worksets)), mib(dev.in_use(Claimant::resident_state)), mib(pin.in_use()),
+                 mib(pin.in_use(Claimant::host_state)), mib(pin.in_use(Claimant::host_staging)), mib(pin.peak(Claimant::host_offload)), mib(rss()),
                  duration(eta));
       std::fflush(stdout);
     }

@@ -27,6 +27,7 @@
 #include "oom/model/cuda_lm_ends.hpp"
 #include "oom/optim/cpu_adamw.hpp"
 #include "oom/optim/thread_pool.hpp"
+#include "oom/runtime/timeline.hpp"
 
 namespace oom {
 namespace {
@@ -121,6 +122,39 @@ struct CudaCausalLm::Impl {
   std::int64_t steps = 0;
   double last_seconds = 0;
   std::vector<std::pair<void*, std::pair<MemorySpace, std::pair<Bytes, Claimant>>>> owned;
+  // Recording of one step (record_next_step): timed event pairs, resolved after the step.
+  Timeline* timeline = nullptr;
+  struct Mark {
+    std::string name;
+    Resource resource;
+    cudaEvent_t begin = nullptr, end = nullptr;
+  };
+  std::vector<Mark> marks;
+  int span_begin(CudaBackend::Stream& st, Resource r, std::string name) {
+    if (timeline == nullptr) return -1;
+    Mark m{std::move(name), r};
+    OOM_CUDA_CHECK(cudaEventCreate(&m.begin));
+    OOM_CUDA_CHECK(cudaEventCreate(&m.end));
+    OOM_CUDA_CHECK(cudaEventRecord(m.begin, raw(st)));
+    marks.push_back(std::move(m));
+    return static_cast<int>(marks.size()) - 1;
+  }
+  void span_end(CudaBackend::Stream& st, int mark) {
+    if (mark >= 0) OOM_CUDA_CHECK(cudaEventRecord(marks[static_cast<std::size_t>(mark)].end, raw(st)));
+  }
+  void resolve_marks() {  // after the step's streams are drained
+    for (auto& m : marks) {
+      float b = 0, e = 0;
+      if (timeline != nullptr && cudaEventElapsedTime(&b, step_begin, m.begin) == cudaSuccess &&
+          cudaEventElapsedTime(&e, step_begin, m.end) == cudaSuccess)
+        timeline->add(m.name, m.resource, b / 1e3, e / 1e3);
+      (void)cudaEventDestroy(m.begin);
+      (void)cudaEventDestroy(m.end);
+    }
+    marks.clear();
+    timeline = nullptr;
+  }
+  std::string label(std::size_t l) const { return "layers." + std::to_string(l); }
 
   Impl(const ModelSpec& s, const Plan& p, CudaCausalLmOptions o, bool sizing_only)
       : spec(&s), plan(p), opt(o), sizing(sizing_only) {
@@ -377,12 +411,14 @@ CudaCausalLm::Impl::Slot& CudaCausalLm::Impl::load_weights(std::size_t l) {
   if (L.streamed == 0) return slot;
   backend->wait(h2d, slot.free);
   backend->wait(h2d, L.updated);
+  const int wm = span_begin(h2d, Resource::h2d, "h2d weights " + label(l));
   if (opt.drop_weight_wait) {
     // The test hook also slows the link (2 ms before each load), so a compute that does not wait
     // for its weights surely reads the slot's previous contents.
     OOM_CUDA_CHECK(cudaLaunchHostFunc(raw(h2d), [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }, nullptr));
   }
   for (auto* g : L.update.segments) backend->copy(slot.ptr + g->slot_offset, g->hw, Bytes{g->n * sizeof(bf16)}, h2d);
+  span_end(h2d, wm);
   backend->record(loaded, h2d);
   if (!opt.drop_weight_wait) backend->wait(cs, loaded);
   return slot;
@@ -452,7 +488,9 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     }
   };
   place_boundary(0);
+  int mk = span_begin(cs, Resource::gpu_compute, "embedding");
   model::lm_embed_forward(ends_ctx(), ends, segs[emb].dw, d_ids, x_at[0], d_invalid);
+  span_end(cs, mk);
   int next_blob = 0;
   for (std::size_t l = 0; l < n; ++l) {
     auto& L = layers[l];
@@ -468,14 +506,18 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       backend->wait(cs, blob_rot_free[static_cast<std::size_t>(blob)]);
       saved = blob_rot[static_cast<std::size_t>(blob)];
     }
+    mk = span_begin(cs, Resource::gpu_compute, "fwd " + label(l));
     model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
+    span_end(cs, mk);
     backend->record(L.forward_done, cs);
     backend->record(slot.free, cs);
     // Offload: the boundary (this layer's input) and the saved buffer go home once written.
     if (L.boundary == Keep::offload || L.blob == Keep::offload) {
       backend->wait(d2h, L.forward_done);
+      const int om = span_begin(d2h, Resource::d2h, "d2h activations " + label(l));
       if (L.boundary == Keep::offload) backend->copy(L.x_host, x_at[l], Bytes{T * H * sizeof(bf16)}, d2h);
       if (L.blob == Keep::offload) backend->copy(L.saved_host, saved, Bytes{saved_bytes}, d2h);
+      span_end(d2h, om);
       backend->record(L.offloaded, d2h);
     }
     if (L.boundary == Keep::offload) backend->record(x_rot_free[static_cast<std::size_t>(x_rot_index[l])], d2h);
@@ -484,14 +526,19 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
 
   // ---- loss (and its backward into dy) ----
   OOM_CUDA_CHECK(cudaMemsetAsync(d_loss, 0, sizeof(float), s));
+  mk = span_begin(cs, Resource::gpu_compute, "loss");
   model::lm_head_forward_backward(ends_ctx(), ends, y_scratch, segs[norm].dw, segs[head].dw, d_targets, d_loss, d_valid, dy,
                                   segs[norm].dgrad, segs[head].dgrad, workspace, workspace_bytes);
+  span_end(cs, mk);
   float loss_sum = 0;
   if (opt.skip_nonfinite_loss) {
     OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
     sync_all();
     const double loss = static_cast<double>(loss_sum) / static_cast<double>(T);
-    if (!std::isfinite(loss)) return {loss, true};
+    if (!std::isfinite(loss)) {
+      resolve_marks();
+      return {loss, true};
+    }
   }
   ++steps;
   const auto scalars = optim::adamw_step_scalars(opt.adamw, steps);
@@ -514,6 +561,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       x = x_restore;
     }
     std::byte* blob = nullptr;
+    const int rm = span_begin(h2d, Resource::h2d, "h2d activations " + label(li));
     if (L.blob != Keep::keep) {
       blob = blob_rot[static_cast<std::size_t>(r)];
       if (L.blob == Keep::offload) {
@@ -523,12 +571,15 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       }
       saved = blob;
     }
+    span_end(h2d, rm);
     auto restored = backend->make_event();
     backend->record(restored, h2d);
     backend->wait(cs, restored);
     if (L.blob == Keep::recompute) {
       backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
+      mk = span_begin(cs, Resource::gpu_compute, "recompute " + label(li));
       model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace, workspace_bytes);
+      span_end(cs, mk);
     }
     float* gslot = nullptr;
     if (L.streamed > 0) {
@@ -537,7 +588,9 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       OOM_CUDA_CHECK(cudaMemsetAsync(gslot, 0, L.streamed * sizeof(float), s));
     }
     const auto grads = model::bind_decoder_layer_grads(*spec, static_cast<int>(li), grad_bases(li, gslot));
+    mk = span_begin(cs, Resource::gpu_compute, "bwd " + label(li));
     model::decoder_layer_backward(layer_ctx(), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace, workspace_bytes);
+    span_end(cs, mk);
     auto done = backend->make_event();
     backend->record(done, cs);
     backend->record(slot.free, cs);
@@ -545,36 +598,45 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (blob != nullptr) backend->record(blob_rot_free[static_cast<std::size_t>(r)], cs);
     std::swap(dy, dx);
     // Resident segments update on the GPU; streamed gradients go home and the CPU AdamW applies them.
+    mk = span_begin(cs, Resource::gpu_compute, "adamw resident " + label(li));
     for (auto sidx : L.segments) {
       auto& g = segs[sidx];
       if (g.resident)
         OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
     }
+    span_end(cs, mk);
     if (L.streamed > 0) {
       backend->wait(d2h, done);
+      const int gm = span_begin(d2h, Resource::d2h, "d2h grads " + label(li));
       for (auto* g : L.update.segments) backend->copy(g->hgrad, gslot + g->slot_offset, Bytes{g->n * sizeof(float)}, d2h);
+      span_end(d2h, gm);
       auto landed = backend->make_event();
       backend->record(landed, d2h);
       backend->record(grad_slot_free[li % 2], d2h);
       backend->wait(cpu, landed);
       L.update.scalars = scalars;
+      const int cm = span_begin(cpu, Resource::cpu, "adamw " + label(li));
       OOM_CUDA_CHECK(cudaLaunchHostFunc(raw(cpu), &Impl::cpu_update, &L.update));
+      span_end(cpu, cm);
       backend->record(L.updated, cpu);
     }
   }
   // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
+  mk = span_begin(cs, Resource::gpu_compute, "embedding backward + adamw ends");
   model::lm_embed_backward(ends_ctx(), ends, d_ids, dy, segs[emb].dgrad, d_invalid, workspace, workspace_bytes);
   for (auto sidx : {emb, norm, head}) {
     if (sidx == head && head == emb) continue;
     auto& g = segs[sidx];
     OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
   }
+  span_end(cs, mk);
   OOM_CUDA_CHECK(cudaEventRecord(step_end, s));
   if (!opt.skip_nonfinite_loss) OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
   sync_all();
   float ms = 0;
   OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin, step_end));
   last_seconds = ms / 1e3;
+  resolve_marks();
   return {static_cast<double>(loss_sum) / static_cast<double>(T), false};
 }
 
@@ -596,6 +658,7 @@ CudaCausalLm::StepResult CudaCausalLm::step(std::span<const std::uint32_t> input
     return impl_->run_step(inputs, targets);
   } catch (...) {
     for (auto* s : {&impl_->cs, &impl_->h2d, &impl_->d2h, &impl_->cpu}) (void)cudaStreamSynchronize(CudaBackend::raw(*s));
+    impl_->resolve_marks();  // frees a recording's events (its spans may be partial)
     throw;
   }
 }
@@ -659,5 +722,6 @@ std::array<Bytes, claimant_count> CudaCausalLm::footprint(const ModelSpec& spec,
 }
 CudaBackend& CudaCausalLm::backend() { return *impl_->backend; }
 double CudaCausalLm::last_step_seconds() const { return impl_->last_seconds; }
+void CudaCausalLm::record_next_step(Timeline* timeline) { impl_->timeline = timeline; }
 
 }  // namespace oom

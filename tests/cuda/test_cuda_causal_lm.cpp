@@ -6,6 +6,7 @@
 // resumes bit for bit.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -165,4 +166,35 @@ TEST_CASE("exported state resumes the same run on the GPU") {
   resumed.load(saved, 2);
   for (int s = 2; s < 4; ++s) CHECK(resumed.step(ins[static_cast<std::size_t>(s)], tgts[static_cast<std::size_t>(s)]).loss == straight.losses[static_cast<std::size_t>(s)]);
   CHECK(same(resumed.state(), straight.state));
+}
+
+TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside the step") {
+  const auto spec = small_spec();
+  Plan p = resident_plan(spec);
+  p.resident_segments.clear();
+  p.retention[1][0] = RetentionDecision::offload();
+  p.retention[2][static_cast<std::size_t>(ActivationClass::expert_intermediate)] = RetentionDecision::recompute(2);
+  CudaCausalLmOptions opt;
+  CudaCausalLm lm(spec, p, init(spec), opt);
+  std::vector<std::uint32_t> in(T, 5), tgt(T, 7);
+  (void)lm.step(in, tgt);
+  Timeline tl;
+  lm.record_next_step(&tl);
+  (void)lm.step(in, tgt);
+  const auto spans = tl.spans();
+  auto count = [&](const std::string& prefix, Resource r) {
+    return std::count_if(spans.begin(), spans.end(), [&](const TimelineSpan& s) { return s.resource == r && s.name.starts_with(prefix); });
+  };
+  CHECK(count("fwd layers.", Resource::gpu_compute) == 3);
+  CHECK(count("bwd layers.", Resource::gpu_compute) == 3);
+  CHECK(count("recompute layers.2", Resource::gpu_compute) == 1);
+  CHECK(count("h2d weights", Resource::h2d) == 6);
+  CHECK(count("d2h grads", Resource::d2h) == 3);
+  CHECK(count("adamw layers.", Resource::cpu) == 3);
+  CHECK(count("d2h activations layers.1", Resource::d2h) == 1);
+  for (const auto& s : spans) {
+    CHECK(s.begin_s >= 0);
+    CHECK(s.end_s >= s.begin_s);
+  }
+  CHECK(tl.busy()[Resource::gpu_compute] > 0);
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moe_mlp_layer.hpp"
+#include "oom/io/json.hpp"
 #include "oom/runtime/host_executor.hpp"
 #include "support/compare.hpp"
 
@@ -299,4 +300,44 @@ TEST_CASE("deferred updates with a clipping factor: the same bits under every pl
     CHECK(bitwise_equal(run(random_plan(layers, st.c.tokens, rng), true, 0.05, &got_norms), clipped));
     CHECK(got_norms == norms);
   }
+}
+
+TEST_CASE("a recorded step: spans of every kind of work per resource, serial within a resource, as Chrome trace") {
+  const Stack st({16, 4, 2, 16, 12, 3}, 8);
+  auto layers = st.layers;
+  Plan plan = resident_plan(layers, st.c.tokens);
+  plan.resident_segments.clear();
+  for (auto& row : plan.retention) row[0] = RetentionDecision::offload();
+  HostBackend backend({1_GiB, 1_GiB, true});
+  HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, {});
+  (void)exec.step(st.input(0), st.target(0));  // not recorded
+  Timeline tl;
+  exec.record_next_step(&tl);
+  (void)exec.step(st.input(1), st.target(1));
+  (void)exec.step(st.input(2), st.target(2));  // not recorded either
+  const auto spans = tl.spans();
+  auto count = [&](const std::string& prefix, Resource r) {
+    return std::count_if(spans.begin(), spans.end(), [&](const TimelineSpan& s) { return s.resource == r && s.name.starts_with(prefix); });
+  };
+  CHECK(count("fwd layer", Resource::gpu_compute) == 3);
+  CHECK(count("bwd layer", Resource::gpu_compute) == 3);
+  CHECK(count("loss", Resource::gpu_compute) == 1);
+  CHECK(count("h2d weights", Resource::h2d) == 6);  // forward and backward
+  CHECK(count("h2d layer_boundary", Resource::h2d) == 3);
+  CHECK(count("d2h layer_boundary", Resource::d2h) == 3);
+  CHECK(count("d2h grads", Resource::d2h) == 3);
+  CHECK(count("adamw layer", Resource::cpu) == 3);
+  // One stream per resource: its spans never overlap.
+  for (int r = 0; r < resource_count; ++r) {
+    std::vector<TimelineSpan> lane;
+    for (const auto& s : spans)
+      if (static_cast<int>(s.resource) == r) lane.push_back(s);
+    std::sort(lane.begin(), lane.end(), [](const auto& a, const auto& b) { return a.begin_s < b.begin_s; });
+    for (std::size_t i = 1; i < lane.size(); ++i) CHECK(lane[i].begin_s >= lane[i - 1].end_s);
+  }
+  const auto busy = tl.busy();
+  CHECK(busy[Resource::gpu_compute] > 0);
+  CHECK(busy[Resource::gpu_compute] <= tl.wall_seconds() + 1e-9);
+  const Json trace = Json::parse(tl.chrome_trace(), "trace");
+  CHECK(trace.find("traceEvents")->size() == spans.size() + resource_count + 1);
 }

@@ -37,6 +37,7 @@
 #include "oom/optim/segment_state.hpp"
 #include "oom/plan/plan.hpp"
 #include "oom/runtime/cuda_backend.hpp"
+#include "oom/runtime/timeline.hpp"
 
 namespace oom {
 
@@ -84,6 +85,10 @@ class CudaCausalLm {
   [[nodiscard]] CudaBackend& backend();
   /// Seconds of the last step, measured with CUDA events around the whole step.
   [[nodiscard]] double last_step_seconds() const;
+  /// Records the next step()'s work per resource into `timeline` (CUDA events around every load,
+  /// forward, backward, recompute, offload, gradient copy and update; the CPU AdamW as the window
+  /// its host function holds the cpu stream), from the step's start.
+  void record_next_step(Timeline* timeline);
 
  private:
   struct Impl;

@@ -6,7 +6,9 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cmath>
+#include <memory>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -24,6 +26,7 @@
 #include "oom/optim/segment_state.hpp"
 #include "oom/plan/plan.hpp"
 #include "oom/runtime/host_backend.hpp"
+#include "oom/runtime/timeline.hpp"
 
 namespace oom {
 
@@ -194,6 +197,10 @@ class HostExecutor {
     synchronize_all();
   }
 
+  /// Records the next step()'s work per resource into `timeline` (spans of every load, forward,
+  /// backward, recompute, offload, gradient copy and update, from the step's start).
+  void record_next_step(Timeline* timeline) { timeline_ = timeline; }
+
   /// Whether the last step() ended after its forward (non-finite loss).
   [[nodiscard]] bool last_step_skipped() const { return skipped_; }
   /// Optimizer steps taken (skipped steps do not count).
@@ -206,6 +213,11 @@ class HostExecutor {
     if (input.size() != t * h)
       OOM_THROW(Errc::invalid_argument, fmt::format("step needs (T, H) = ({}, {}) inputs, got {} values", t, h, input.size()));
     skipped_ = false;
+    t0_ = std::chrono::steady_clock::now();
+    struct StopRecording {
+      Timeline*& t;
+      ~StopRecording() { t = nullptr; }
+    } stop_recording{timeline_};
     const auto scalars = optim::adamw_step_scalars(options_.adamw, step_ + 1);
     const std::size_t n = layers_.size();
     const Bytes act_bytes{t * h * sizeof(float)};
@@ -234,7 +246,9 @@ class HostExecutor {
       ctx.input = act[l];
       ctx.output = act[l + 1];
       ctx.saved = saved[l];
+      auto fwd = span_begin(compute_);
       run_chunks(l, ctx, /*backward=*/false);
+      span_end(compute_, Resource::gpu_compute, "fwd " + label(l), fwd);
       b_.record(ls.forward_done, compute_);
       release(slot);
       // Retention: offload now (and free on the device once copied), drop what is recomputed.
@@ -248,7 +262,9 @@ class HostExecutor {
           auto* host = static_cast<float*>(b_.allocate(MemorySpace::pinned_host(), bytes, Claimant::host_offload));
           host_copy[l][static_cast<std::size_t>(c)] = host;
           b_.wait(d2h_, ls.forward_done);
+          auto out = span_begin(d2h_);
           b_.copy(host, buf, bytes, d2h_);
+          span_end(d2h_, Resource::d2h, fmt::format("d2h {} {}", to_string(static_cast<ActivationClass>(c)), label(l)), out);
           free_device_on(d2h_, buf, bytes, Claimant::retained_activations);
         } else if (action == Retention::recompute) {
           free_device_on(compute_, buf, bytes, Claimant::retained_activations);
@@ -267,7 +283,9 @@ class HostExecutor {
     {
       float* y = act[n];
       const HostLossFn* fn = &loss_fn;
+      auto lb = span_begin(compute_);
       b_.submit(compute_, [y, grad, fn, &loss] { loss = (*fn)(y, grad); });
+      span_end(compute_, Resource::gpu_compute, "loss", lb);
       free_device_on(compute_, act[n], act_bytes, Claimant::retained_activations);
     }
     if (options_.skip_nonfinite_loss) {
@@ -300,7 +318,9 @@ class HostExecutor {
         const Bytes bytes = class_bytes(li, c, t);
         float* dev = alloc_device(bytes, Claimant::retained_activations);
         b_.wait(h2d_, ls.offloaded);
+        auto in = span_begin(h2d_);
         b_.copy(dev, host, bytes, h2d_);
+        span_end(h2d_, Resource::h2d, fmt::format("h2d {} {}", to_string(static_cast<ActivationClass>(c)), label(li)), in);
         auto* backend = &b_;
         b_.submit(h2d_, [backend, host, bytes] { backend->free(host, MemorySpace::pinned_host(), bytes, Claimant::host_offload); });
         if (c == 0) act[li] = dev;
@@ -322,7 +342,11 @@ class HostExecutor {
         re.saved[static_cast<std::size_t>(c)] = saved[li][static_cast<std::size_t>(c)];
         any = true;
       }
-      if (any) run_chunks(li, re, false);
+      if (any) {
+        auto rb = span_begin(compute_);
+        run_chunks(li, re, false);
+        span_end(compute_, Resource::gpu_compute, "recompute " + label(li), rb);
+      }
       // Backward, chunk by chunk; weight gradients accumulate in token order.
       float* grad_in = alloc_device(act_bytes, Claimant::worksets);
       HostLayerContext ctx = bind(li, slot);
@@ -339,7 +363,9 @@ class HostExecutor {
         ctx.weight_grads[s] = {g, seg.n};
         b_.submit(compute_, [g, n = seg.n] { std::fill(g, g + n, 0.0f); });
       }
+      auto bb = span_begin(compute_);
       run_chunks(li, ctx, true);
+      span_end(compute_, Resource::gpu_compute, "bwd " + label(li), bb);
       auto done = b_.make_event();
       b_.record(done, compute_);
       release(slot);
@@ -351,22 +377,29 @@ class HostExecutor {
       grad = grad_in;
       // Gradients: resident segments update on the device; streamed ones go to the host and the
       // CPU AdamW applies them as soon as they land.
-      if (!options_.defer_updates)
+      if (!options_.defer_updates) {
+        auto ab = span_begin(compute_);
         for (auto& seg : ls.segments)
           if (seg.resident) submit_device_adamw(seg, scalars);
+        span_end(compute_, Resource::gpu_compute, "adamw resident " + label(li), ab);
+      }
       std::size_t k = 0;
       b_.wait(d2h_, done);
+      auto gb = span_begin(d2h_);
       for (auto& seg : ls.segments) {
         if (seg.resident) continue;
         b_.copy(seg.staging, streamed_grads[k], Bytes{seg.n * sizeof(float)}, d2h_);
         free_device_on(d2h_, streamed_grads[k], Bytes{seg.n * sizeof(float)}, Claimant::worksets);
         ++k;
       }
+      span_end(d2h_, Resource::d2h, "d2h grads " + label(li), gb);
       b_.record(ls.grads_landed, d2h_);
       if (!options_.defer_updates) {
         b_.wait(cpu_, ls.grads_landed);
+        auto cb = span_begin(cpu_);
         for (auto& seg : ls.segments)
           if (!seg.resident) submit_cpu_adamw(seg, scalars);
+        span_end(cpu_, Resource::cpu, "adamw " + label(li), cb);
         b_.record(ls.updated, cpu_);
       }
     }
@@ -531,11 +564,13 @@ class HostExecutor {
     next_slot_ = (next_slot_ + 1) % slots_.size();
     b_.wait(h2d_, slot->free);
     b_.wait(h2d_, ls.updated);
+    auto wb = span_begin(h2d_);
     for (auto& seg : ls.segments) {
       if (seg.resident) continue;
       b_.copy(slot->ptr + offset, seg.weights, Bytes{seg.n * sizeof(bf16)}, h2d_);
       offset += seg.n;
     }
+    span_end(h2d_, Resource::h2d, "h2d weights " + label(l), wb);
     b_.record(loaded_, h2d_);
     if (!options_.drop_weight_wait) b_.wait(compute_, loaded_);
     return slot;
@@ -555,6 +590,27 @@ class HostExecutor {
       ctx.weight_grads.emplace_back();
     }
     return ctx;
+  }
+
+  // Timing marks, run in stream order by the stream's worker; no-ops unless a step is recorded.
+  std::shared_ptr<double> span_begin(HostBackend::Stream& s) {
+    if (timeline_ == nullptr) return nullptr;
+    auto at = std::make_shared<double>(0.0);
+    const auto t0 = t0_;
+    b_.submit(s, [at, t0] { *at = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); });
+    return at;
+  }
+  void span_end(HostBackend::Stream& s, Resource r, std::string name, const std::shared_ptr<double>& begin) {
+    if (timeline_ == nullptr || begin == nullptr) return;
+    auto* tl = timeline_;
+    const auto t0 = t0_;
+    b_.submit(s, [tl, t0, r, name = std::move(name), begin] {
+      tl->add(name, r, *begin, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    });
+  }
+  std::string label(std::size_t l) const {
+    const auto n = layer_traits<L>::name(layers_[l]);
+    return n == "layer" ? fmt::format("layer {}", l) : std::string(n);
   }
 
   // Runs the layer over the plan's token chunks, in increasing token order, on the compute stream.
@@ -631,6 +687,8 @@ class HostExecutor {
   std::size_t next_slot_ = 0;
   std::int64_t step_ = 0;
   bool skipped_ = false;
+  Timeline* timeline_ = nullptr;
+  std::chrono::steady_clock::time_point t0_;
 };
 
 }  // namespace oom
