@@ -94,8 +94,10 @@ if [[ "$parts" == *" train "* ]]; then
   for seq in ${SEQS:-4096}; do
     timeout "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/moe-5b.json \
       --out "$build_dir/train-5b-$seq" --overwrite --seq "$seq" --steps "${STEPS_5B:-3}" --lr "${LR_5B:-3e-4}" --log-every 1 \
+      --trace-step 2 --trace "$out/trace-5b-$seq.json" \
       --checkpoint-every 0 > "$out/train-5b-$seq.log" 2>&1
     echo "5.13B seq $seq: exit $? — $(grep '^step' "$out/train-5b-$seq.log" | tail -1)" >> "$out/train-summary.log"
+    grep "recorded in" "$out/train-5b-$seq.log" >> "$out/train-summary.log"
   done
 fi
 
