@@ -78,15 +78,28 @@ if [[ "$parts" == *" train "* ]]; then
     timeout 300 "$build_dir/tests/$t" > "$out/$t.log" 2>&1 || ref_rc=1
     echo "$t: $(tail -3 "$out/$t.log" | tr '\n' ' ')" >> "$out/train-summary.log"
   done
-  run="$build_dir/train-cuda"
-  rm -rf "$run"
-  if timeout 300 "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/tiny-moe-d128.json \
-      --out "$run" --steps 50 --seq 128 --lr 1e-3 --save-initial --dump-batches "$build_dir/train-cuda-batches.tok" \
-      --keep 3 --checkpoint-every 1000 --log-every 10 > "$out/train-cuda.log" 2>&1; then
-    PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
-      --batches "$build_dir/train-cuda-batches.tok" --device cuda > "$out/compare-train-cuda.log" 2>&1 || ref_rc=1
-  else
-    ref_rc=1
+  for lr in ${TRAIN_CUDA_LRS:-1e-3 3e-4}; do
+    run="$build_dir/train-cuda-$lr"
+    rm -rf "$run"
+    if timeout 300 "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/tiny-moe-d128.json \
+        --out "$run" --steps 50 --seq 128 --lr "$lr" --save-initial --dump-batches "$build_dir/train-cuda-batches-$lr.tok" \
+        --keep 3 --checkpoint-every 1000 --log-every 10 > "$out/train-cuda-$lr.log" 2>&1; then
+      PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
+        --batches "$build_dir/train-cuda-batches-$lr.tok" --device cuda > "$out/compare-train-cuda-$lr.log" 2>&1 || ref_rc=1
+    else
+      ref_rc=1
+    fi
+    echo "50 GPU steps vs PyTorch at lr $lr: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-train-cuda-$lr.log" | tr '\n' ' ')" >> "$out/train-summary.log"
+  done
+  # compute-sanitizer on the executor's smallest complete step (racecheck is slow).
+  if command -v compute-sanitizer > /dev/null; then
+    for tool in memcheck racecheck; do
+      timeout 400 compute-sanitizer --tool "$tool" --error-exitcode 9 "$build_dir/tests/test_cuda_causal_lm" \
+        -tc="one streamed step*" > "$out/sanitizer-executor-$tool.log" 2>&1
+      rc=$?
+      [[ $rc -eq 0 ]] || ref_rc=1
+      echo "compute-sanitizer $tool on CudaCausalLm: exit $rc — $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-executor-$tool.log" | tail -1)" >> "$out/train-summary.log"
+    done
   fi
   TRAIN_ARGS="--backend cuda --config examples/configs/tiny-moe-d128.json" timeout 300 \
     bash tests/train/kill_resume.sh "$build_dir/examples/train/oom-train" > "$out/kill-resume-cuda.log" 2>&1 || ref_rc=1
@@ -151,7 +164,7 @@ for r in rows:
 for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14),
                     ("train-3e-3.log", 3), ("compare-layer.log", 30), ("compare-train-3e-3.log", 8),
                     ("compare-train-1e-3.log", 8), ("sanitizer.log", 2),
-                    ("train-summary.log", 20), ("compare-train-cuda.log", 8)):
+                    ("train-summary.log", 24)):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"--- {name} (last lines)")

@@ -198,3 +198,20 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
   }
   CHECK(tl.busy()[Resource::gpu_compute] > 0);
 }
+
+// The smallest run that still goes through every path of the executor (streamed and resident
+// segments, offloaded boundary and saved buffer, a recompute, CPU and GPU AdamW): what the
+// compute-sanitizer runs in scripts/gpu-check.sh use, since racecheck is slow.
+TEST_CASE("one streamed step with offload and recompute") {
+  const auto spec = small_spec();
+  Plan p = resident_plan(spec);
+  p.resident_segments = {spec.segments()[1].name, spec.segments()[3].name};  // one attention, one router
+  p.prefetch_depth = 1;
+  p.retention[0][0] = RetentionDecision::offload();
+  p.retention[1][static_cast<std::size_t>(ActivationClass::router_output)] = RetentionDecision::offload();
+  p.retention[2][static_cast<std::size_t>(ActivationClass::expert_intermediate)] = RetentionDecision::recompute(2);
+  const Run one = train(spec, p, 1);
+  const Run reference = train(spec, resident_plan(spec), 1);
+  CHECK(one.losses == reference.losses);
+  CHECK(same(one.state, reference.state));
+}
