@@ -64,7 +64,8 @@ void* CudaBackend::allocate(MemorySpace space, Bytes bytes, Claimant claimant) {
                                                device_heap_.largest_free()));
   }
   if (space.kind == MemorySpace::Kind::pinned_host) {
-    if (bytes > options_.pinned_slab)
+    // Slab heaps hand out whole 4 KiB pages: compare what a request really takes.
+    if (bytes.align_up(4096) > options_.pinned_slab)
       OOM_THROW(Errc::invalid_argument, fmt::format("pinned allocation of {} for {} exceeds the slab size {}; split it",
                                                     bytes, to_string(claimant), options_.pinned_slab));
     pinned_.take(claimant, bytes);
@@ -80,6 +81,11 @@ void* CudaBackend::allocate(MemorySpace space, Bytes bytes, Claimant claimant) {
     }
     slab.heap = FirstFitHeap(options_.pinned_slab, 4096);
     const auto at = slab.heap.allocate(bytes);
+    if (!at) {  // cannot happen after the size check above; never hand out an unaccounted range
+      (void)cudaFreeHost(slab.base);
+      pinned_.give(claimant, bytes);
+      OOM_THROW(Errc::internal, fmt::format("a fresh {} pinned slab cannot hold {} for {}", options_.pinned_slab, bytes, to_string(claimant)));
+    }
     slabs_.push_back(std::move(slab));
     return slabs_.back().base + *at;
   }

@@ -173,7 +173,17 @@ struct CudaCausalLm::Impl {
                             "worksets {}), {} can be reserved (the plan's budget {}, at most the GPU's free memory less 1 GiB)",
                             device_need, probe.need[0], probe.need[1], probe.need[2], reserve,
                             o.device_budget.count() ? o.device_budget : p.gpu_budget));
-    const Bytes slab{std::max<std::uint64_t>(std::uint64_t{1} << 30, probe.largest_pinned.count())};
+    Bytes host_need;
+    for (int c = 0; c < claimant_count; ++c)
+      if (!on_gpu(static_cast<Claimant>(c))) host_need = host_need + probe.need[static_cast<std::size_t>(c)];
+    const Bytes pinned_budget = o.pinned_budget.count() ? o.pinned_budget : p.host_budget;
+    if (pinned_budget < host_need)
+      OOM_THROW(Errc::out_of_budget,
+                fmt::format("the plan needs {} of pinned host memory with the CUDA executor (state {}, staging {}, offload {}), "
+                            "the host budget is {}",
+                            host_need, probe.need[3], probe.need[4], probe.need[5], pinned_budget));
+    // Slabs are whole 4 KiB pages and at least 1 GiB; one must hold the largest single buffer.
+    const Bytes slab{std::max<std::uint64_t>(std::uint64_t{1} << 30, probe.largest_pinned.align_up(4096).count())};
     // Reserve what the buffers take (plus slack for the sub-allocator's alignment), not the whole
     // budget: what is left of the GPU stays free for cuBLAS and the CUDA context.
     const Bytes slack{std::uint64_t{16} << 20};
@@ -382,6 +392,9 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   std::vector<std::int32_t> pos(T);
   for (std::uint64_t i = 0; i < T; ++i) pos[i] = static_cast<std::int32_t>(i);
   OOM_CUDA_CHECK(cudaMemcpy(d_positions, pos.data(), T * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  // The uploads above ran on the legacy default stream, which the executor's non-blocking
+  // streams do not wait for.
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void CudaCausalLm::Impl::release() noexcept {
@@ -540,8 +553,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       return {loss, true};
     }
   }
-  ++steps;
-  const auto scalars = optim::adamw_step_scalars(opt.adamw, steps);
+  const auto scalars = optim::adamw_step_scalars(opt.adamw, steps + 1);
 
   // ---- backward ----
   for (std::size_t li = n; li-- > 0;) {
@@ -633,6 +645,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   OOM_CUDA_CHECK(cudaEventRecord(step_end, s));
   if (!opt.skip_nonfinite_loss) OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
   sync_all();
+  ++steps;  // counted once the whole step, updates included, is done
   float ms = 0;
   OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin, step_end));
   last_seconds = ms / 1e3;
@@ -659,6 +672,10 @@ CudaCausalLm::StepResult CudaCausalLm::step(std::span<const std::uint32_t> input
   } catch (...) {
     for (auto* s : {&impl_->cs, &impl_->h2d, &impl_->d2h, &impl_->cpu}) (void)cudaStreamSynchronize(CudaBackend::raw(*s));
     impl_->resolve_marks();  // frees a recording's events (its spans may be partial)
+    {
+      std::lock_guard lock(impl_->error_mutex);
+      impl_->cpu_error = nullptr;  // reported (or superseded) by what is propagating now
+    }
     throw;
   }
 }
@@ -710,6 +727,7 @@ void CudaCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
       std::copy(w16.begin(), w16.end(), g.hw);
     }
   }
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());  // the copies above ran on the legacy default stream
   impl_->steps = optimizer_steps;
 }
 

@@ -133,3 +133,18 @@ TEST_CASE("the CUDA arena accounts by claimant and refuses more than its budget"
   backend.free(b, MemorySpace::device(0), 20_MiB, Claimant::worksets);
   backend.free(c, MemorySpace::device(0), 40_MiB, Claimant::worksets);
 }
+
+TEST_CASE("pinned requests are sized in whole pages against the slab (a slab-sized odd request fits; one page more is refused)") {
+  CudaBackend backend({0, 16_MiB, 64_MiB, 16_MiB});
+  // 768 bytes short of the slab: rounded up to whole pages it is exactly one slab.
+  const Bytes odd = 16_MiB - Bytes{768};
+  void* a = backend.allocate(MemorySpace::pinned_host(), odd, Claimant::host_offload);
+  CHECK(a != nullptr);
+  void* b = backend.allocate(MemorySpace::pinned_host(), 4_KiB, Claimant::host_state);  // lands in a second slab
+  CHECK(b != a);
+  CHECK_THROWS_WITH_AS((void)backend.allocate(MemorySpace::pinned_host(), 16_MiB + 1_B, Claimant::host_offload),
+                       doctest::Contains("exceeds the slab size"), Error);
+  backend.free(b, MemorySpace::pinned_host(), 4_KiB, Claimant::host_state);
+  backend.free(a, MemorySpace::pinned_host(), odd, Claimant::host_offload);
+  CHECK(backend.pinned_arena().in_use() == 0_B);
+}
