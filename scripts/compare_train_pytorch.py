@@ -59,11 +59,13 @@ def main():
     with open(os.path.join(final, "trainer_state.json")) as f:
         state = json.load(f)
     seq = int(state["seq"])
+    micro_batches = int(state.get("micro_batches", 1))
     max_grad_norm = float(state.get("max_grad_norm", 0.0))
     metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
     ours = {m["step"]: m["loss"] for m in metrics}
     windows = read_tokens(args.batches or os.path.join(run, "batches.tok")).reshape(-1, seq + 1)
-    steps = len(windows) if args.steps == 0 else min(args.steps, len(windows))
+    steps = len(windows) // int(state.get("micro_batches", 1))
+    steps = steps if args.steps == 0 else min(args.steps, steps)
 
     torch.manual_seed(0)
     config = transformers.AutoConfig.from_pretrained(init)
@@ -110,18 +112,21 @@ def main():
         from torch.func import functional_call
         losses = []
         for step in range(1, steps + 1):
-            w = torch.from_numpy(windows[step - 1]).to(device)
             rounded = {k: v.detach().to(torch.bfloat16).to(torch.float32).requires_grad_(True) for k, v in params.items()}
-            out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:-1].unsqueeze(0), "use_cache": False})
-            loss = torch.nn.functional.cross_entropy(out.logits[0].float(), w[1:])
-            loss.backward()
+            loss = 0.0
+            for mb in range(micro_batches):  # gradient accumulation: the mean over all the step's tokens
+                w = torch.from_numpy(windows[(step - 1) * micro_batches + mb]).to(device)
+                out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:-1].unsqueeze(0), "use_cache": False})
+                part = torch.nn.functional.cross_entropy(out.logits[0].float(), w[1:]) / micro_batches
+                part.backward()
+                loss = loss + part.detach()
             for k, p in params.items():
                 p.grad = rounded[k].grad
             if max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses.append(float(loss))
         return losses
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -71,6 +71,7 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
   if (plan.workload.sequences != 1)
     OOM_THROW(Errc::unsupported, fmt::format("the host trainer runs one sequence per step (the plan has {})", plan.workload.sequences));
   tokens_ = plan.workload.tokens();
+  micro_batches_ = static_cast<std::size_t>(std::max(plan.micro_batches, 1));
   tied_ = spec.tied_embeddings();
   auto make_end = [&](std::size_t s) {
     End e;
@@ -100,11 +101,12 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
 
 HostCausalLm::~HostCausalLm() = default;
 
-double HostCausalLm::loss_and_grad(const float* y, float* grad_y) {
+double HostCausalLm::loss_and_grad(const float* y, float* grad_y, std::size_t mb) {
   const auto t = static_cast<std::int64_t>(tokens_);
   const auto h = static_cast<std::int64_t>(spec_->hidden_size());
   const auto v = static_cast<std::int64_t>(spec_->vocab_size());
   const auto eps = static_cast<float>(spec_->rms_norm_eps());
+  const auto k = static_cast<double>(micro_batches_);
   std::vector<float> norm_w(final_norm_.weights.size()), r(static_cast<std::size_t>(t * h)), rstd(static_cast<std::size_t>(t));
   std::transform(final_norm_.weights.begin(), final_norm_.weights.end(), norm_w.begin(), [](bf16 b) { return to_float(b); });
   const std::span<const float> ys(y, static_cast<std::size_t>(t * h));
@@ -112,38 +114,51 @@ double HostCausalLm::loss_and_grad(const float* y, float* grad_y) {
   const End& head = tied_ ? embedding_ : lm_head_;
   head_w_.resize(head.weights.size());
   std::transform(head.weights.begin(), head.weights.end(), head_w_.begin(), [](bf16 b) { return to_float(b); });
-  const auto res = reference::lm_head_loss(t, h, v, r, head_w_, targets_, /*backward=*/true, 1.0 / static_cast<double>(t));
-  // dW of the head; the norm's backward gives dL/dy.
+  const std::span<const std::int32_t> tg(targets_.data() + mb * tokens_, tokens_);
+  // The step's loss is the mean over all k·T tokens: each micro-batch carries 1/(k·T).
+  const auto res = reference::lm_head_loss(t, h, v, r, head_w_, tg, /*backward=*/true, 1.0 / (static_cast<double>(t) * k));
+  // dW of the head (summed over micro-batches in order); the norm's backward gives dL/dy.
   End& head_grad = tied_ ? embedding_ : lm_head_;
-  std::copy(res.dw.begin(), res.dw.end(), head_grad.grad.begin());
-  std::fill(final_norm_.grad.begin(), final_norm_.grad.end(), 0.0f);
+  if (mb == 0) {
+    std::copy(res.dw.begin(), res.dw.end(), head_grad.grad.begin());
+    std::fill(final_norm_.grad.begin(), final_norm_.grad.end(), 0.0f);
+  } else {
+    for (std::size_t i = 0; i < res.dw.size(); ++i) head_grad.grad[i] += res.dw[i];
+  }
   reference::rmsnorm_backward<float>(res.dx, ys, norm_w, rstd, std::span<float>(grad_y, static_cast<std::size_t>(t * h)),
                                      final_norm_.grad, t, h);
-  return res.loss_sum / static_cast<double>(t);
+  return res.loss_sum / (static_cast<double>(t) * k);
 }
 
 HostCausalLm::StepResult HostCausalLm::step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets) {
   const auto h = spec_->hidden_size();
-  if (inputs.size() != tokens_ || targets.size() != tokens_)
-    OOM_THROW(Errc::invalid_argument, fmt::format("a step takes {} tokens (the plan's), got {} inputs and {} targets", tokens_,
-                                                  inputs.size(), targets.size()));
+  const std::size_t all = tokens_ * micro_batches_;
+  if (inputs.size() != all || targets.size() != all)
+    OOM_THROW(Errc::invalid_argument, fmt::format("a step takes {} x {} tokens (the plan's micro-batches x tokens), got {} inputs and "
+                                                  "{} targets", micro_batches_, tokens_, inputs.size(), targets.size()));
   const auto vocab = spec_->vocab_size();
-  for (std::size_t i = 0; i < tokens_; ++i)
+  for (std::size_t i = 0; i < all; ++i)
     if (inputs[i] >= vocab || targets[i] >= vocab)
       OOM_THROW(Errc::invalid_argument, fmt::format("token id {} at position {} is >= the model's vocab {}",
                                                     std::max(inputs[i], targets[i]), i, vocab));
-  // Embedding: rows of the bf16 table, read exactly.
-  x_.resize(tokens_ * h);
-  for (std::size_t i = 0; i < tokens_; ++i)
-    for (std::uint64_t c = 0; c < h; ++c) x_[i * h + c] = to_float(embedding_.weights[inputs[i] * h + c]);
+  // Embedding: rows of the bf16 table, read exactly; one (T, H) input per micro-batch.
+  std::vector<std::vector<float>> x(micro_batches_, std::vector<float>(tokens_ * h));
+  std::vector<HostLossFn> losses;
+  for (std::size_t mb = 0; mb < micro_batches_; ++mb) {
+    for (std::size_t i = 0; i < tokens_; ++i)
+      for (std::uint64_t c = 0; c < h; ++c) x[mb][i * h + c] = to_float(embedding_.weights[inputs[mb * tokens_ + i] * h + c]);
+    losses.push_back([this, mb](const float* y, float* g) { return loss_and_grad(y, g, mb); });
+  }
   targets_.assign(targets.begin(), targets.end());
   if (tied_) std::fill(embedding_.grad.begin(), embedding_.grad.end(), 0.0f);  // the head adds into it first
-  const double loss = executor_->step(x_, [this](const float* y, float* g) { return loss_and_grad(y, g); }, &grad_x_);
+  std::vector<std::vector<float>> grad_x;
+  const double loss = executor_->step(x, losses, &grad_x);
   if (executor_->last_step_skipped()) return {loss, true};
-  // Embedding backward: scatter-add in token order (deterministic).
+  // Embedding backward: scatter-add in micro-batch and token order (deterministic).
   if (!tied_) std::fill(embedding_.grad.begin(), embedding_.grad.end(), 0.0f);
-  for (std::size_t i = 0; i < tokens_; ++i)
-    for (std::uint64_t c = 0; c < h; ++c) embedding_.grad[inputs[i] * h + c] += grad_x_[i * h + c];
+  for (std::size_t mb = 0; mb < micro_batches_; ++mb)
+    for (std::size_t i = 0; i < tokens_; ++i)
+      for (std::uint64_t c = 0; c < h; ++c) embedding_.grad[inputs[mb * tokens_ + i] * h + c] += grad_x[mb][i * h + c];
   if (max_grad_norm_ <= 0) {
     update_ends(1.0f);
     return {loss, false};

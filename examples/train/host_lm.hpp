@@ -39,7 +39,8 @@ class HostCausalLm {
     bool skipped = false;  ///< the loss was not finite: no backward, no update
     double grad_norm = -1; ///< global gradient norm before clipping (-1: not computed, no clipping)
   };
-  /// One optimizer step on `inputs` -> `targets` (T tokens each, one sequence).
+  /// One optimizer step on `inputs` -> `targets`: plan.micro_batches sequences of T tokens back
+  /// to back, their gradients accumulated (the loss is the mean over all of their tokens).
   StepResult step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
 
   /// Every segment's AdamW state, in spec.segments() order (what a checkpoint holds).
@@ -60,7 +61,7 @@ class HostCausalLm {
     std::vector<float> master, m, v, grad;
     std::vector<bf16> weights;
   };
-  double loss_and_grad(const float* y, float* grad_y);
+  double loss_and_grad(const float* y, float* grad_y, std::size_t micro_batch);
   void update_ends(float grad_scale);
 
   const ModelSpec* spec_;
@@ -73,9 +74,10 @@ class HostCausalLm {
   End embedding_, final_norm_, lm_head_;
   bool tied_ = false;
   double max_grad_norm_ = 0;
-  std::uint64_t tokens_ = 0;
+  std::uint64_t tokens_ = 0;         // per micro-batch
+  std::size_t micro_batches_ = 1;
   std::vector<std::int32_t> targets_;
-  std::vector<float> x_, grad_x_, head_w_;
+  std::vector<float> head_w_;
 };
 
 }  // namespace oom::train

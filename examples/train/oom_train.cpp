@@ -79,6 +79,7 @@ Model and data
                        (default: the built-in corpus, generated into the run directory)
   --init-from PATH     start from these weights (safetensors, HF names) instead of a random init
   --seq N              tokens per sequence (default 256)
+  --micro-batches K    sequences per optimizer step, their gradients accumulated (default 1; host backend)
   --steps N            optimizer steps to reach (default 200)
   --seed N             initial weights and data order (default 0)
 Optimizer (AdamW, as torch.optim.AdamW over all parameters)
@@ -116,7 +117,7 @@ Exit status: 0 done, 2 bad input, 3 no plan fits the budget, 4 stopped on a non-
 
 struct Args {
   std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto";
-  std::uint64_t seq = 256, steps = 200, seed = 0;
+  std::uint64_t seq = 256, steps = 200, seed = 0, micro_batches = 1;
   float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f;
   std::optional<Bytes> gpu_mem, host_mem;
   fs::path out = "runs/oom-train";
@@ -161,6 +162,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--data") a.data = v;
     else if (flag == "--init-from") a.init_from = v;
     else if (flag == "--seq") a.seq = parse_count(flag, v);
+    else if (flag == "--micro-batches") a.micro_batches = parse_count(flag, v);
     else if (flag == "--steps") a.steps = parse_count(flag, v);
     else if (flag == "--seed") a.seed = parse_count(flag, v, true);
     else if (flag == "--lr") a.lr = parse_real(flag, v);
@@ -335,20 +337,26 @@ int run(const Args& a) {
 #else
   if (a.backend == "cuda") OOM_THROW(Errc::unsupported, "--backend cuda: this build has no CUDA (configure with -DOOM_ENABLE_CUDA=ON)");
 #endif
+  if (use_cuda && a.max_grad_norm > 0)
+    OOM_THROW(Errc::unsupported, "--max-grad-norm: clipping is not implemented on the CUDA executor yet (use --backend host)");
+  if (use_cuda && a.micro_batches > 1)
+    OOM_THROW(Errc::unsupported, "--micro-batches: gradient accumulation is not implemented on the CUDA executor yet (use --backend host)");
   const MachineProfile profile = a.profile.empty() ? MachineProfile::builtin(a.machine, 1) : MachineProfile::from_file(a.profile);
   Plan plan;
   const Planner planner(spec, profile, config_name);
   if (!a.plan.empty()) {
     plan = Plan::from_json(read_json_file(a.plan), a.plan);
-    if (plan.workload.tokens() != a.seq || plan.workload.sequences != 1)
-      OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} x {} tokens, the run asks for 1 x {} (--seq)", a.plan,
-                                                    plan.workload.sequences, plan.workload.seq_len, a.seq));
+    if (plan.workload.tokens() != a.seq || plan.workload.sequences != 1 || plan.micro_batches != static_cast<int>(a.micro_batches))
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("{}: planned for {} micro-batch(es) of {} x {} tokens, the run asks for {} of 1 x {} (--micro-batches, --seq)",
+                            a.plan, plan.micro_batches, plan.workload.sequences, plan.workload.seq_len, a.micro_batches, a.seq));
   } else {
     PlanRequest req;
     req.gpus = 1;
     req.gpu_budget = a.gpu_mem.value_or(use_cuda ? profile.gpu_memory : Bytes{std::uint64_t{1} << 30});
     req.host_budget = a.host_mem.value_or(profile.host_memory);
     req.workload = {1, a.seq};
+    req.micro_batches = static_cast<int>(a.micro_batches);
     req.candidates = use_cuda ? 6 : 2;
     const auto set = planner.plan(req);
     plan = set.plans.front();
@@ -377,6 +385,7 @@ int run(const Args& a) {
                                                       saved, have));
     };
     require_same("seq", a.seq);
+    if (ts["micro_batches"].present()) require_same("micro_batches", a.micro_batches);
     if (read_text(*latest / "config.json") != config_text)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", latest->string(), config_name));
     const double saved_clip = ts["max_grad_norm"].present() ? ts["max_grad_norm"].as_double() : 0.0;
@@ -429,6 +438,7 @@ int run(const Args& a) {
     ts.set("step", step);
     ts.set("optimizer_steps", static_cast<long long>(model.optimizer_steps()));
     ts.set("seq", a.seq);
+    ts.set("micro_batches", a.micro_batches);
     ts.set("lr", static_cast<double>(a.lr));
     ts.set("weight_decay", static_cast<double>(a.weight_decay));
     ts.set("max_grad_norm", static_cast<double>(a.max_grad_norm));
@@ -443,7 +453,8 @@ int run(const Args& a) {
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
-  std::vector<std::uint32_t> in(a.seq), tgt(a.seq);
+  const std::uint64_t step_tokens = a.seq * a.micro_batches;
+  std::vector<std::uint32_t> in(step_tokens), tgt(step_tokens);
   const auto t0 = std::chrono::steady_clock::now();
   auto last = t0;
   std::uint64_t consecutive_skips = 0, done_since_start = 0;
@@ -452,17 +463,18 @@ int run(const Args& a) {
     sampler.next(in, tgt);
     Timeline timeline;
     if (step == a.trace_step) model.record_next_step(&timeline);
-    if (!a.dump_batches.empty()) {
-      dumped.insert(dumped.end(), in.begin(), in.end());
-      dumped.push_back(tgt.back());
-    }
+    if (!a.dump_batches.empty())
+      for (std::uint64_t mb = 0; mb < a.micro_batches; ++mb) {  // each window: its seq inputs and its last target
+        dumped.insert(dumped.end(), in.begin() + static_cast<std::ptrdiff_t>(mb * a.seq), in.begin() + static_cast<std::ptrdiff_t>((mb + 1) * a.seq));
+        dumped.push_back(tgt[(mb + 1) * a.seq - 1]);
+      }
     const auto r = model.step(in, tgt);
     const auto now = std::chrono::steady_clock::now();
     const double dt = std::chrono::duration<double>(now - last).count();
     last = now;
     ++done_since_start;
     const double elapsed = std::chrono::duration<double>(now - t0).count();
-    const double tok_s = static_cast<double>(a.seq) / dt;
+    const double tok_s = static_cast<double>(step_tokens) / dt;
     auto& dev = model.backend().device_arena();
     auto& pin = model.backend().pinned_arena();
     Json m = Json::object();
@@ -472,7 +484,7 @@ int run(const Args& a) {
     if constexpr (requires { r.grad_norm; }) {
       if (r.grad_norm >= 0) m.set("grad_norm", r.grad_norm);
     }
-    m.set("tokens", a.seq);
+    m.set("tokens", step_tokens);
     m.set("step_s", dt);
     m.set("tokens_per_s", tok_s);
     m.set("device_peak_bytes", dev.peak().count());
@@ -538,14 +550,12 @@ int run(const Args& a) {
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   fmt::print("done: {} steps in {} ({:.0f} tok/s); metrics in {}\n", done_since_start, duration(total),
-             static_cast<double>(done_since_start * a.seq) / total, metrics_path.string());
+             static_cast<double>(done_since_start * step_tokens) / total, metrics_path.string());
   return 0;
   };
 
   if (use_cuda) {
 #if OOM_TRAIN_HAS_CUDA
-    if (a.max_grad_norm > 0)
-      OOM_THROW(Errc::unsupported, "--max-grad-norm: clipping is not implemented on the CUDA executor yet (use --backend host)");
     CudaCausalLmOptions co;
     co.adamw = adamw;
     CudaCausalLm model(spec, plan, init, co);  // a resumed run overwrites these below

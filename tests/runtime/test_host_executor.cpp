@@ -341,3 +341,53 @@ TEST_CASE("a recorded step: spans of every kind of work per resource, serial wit
   const Json trace = Json::parse(tl.chrome_trace(), "trace");
   CHECK(trace.find("traceEvents")->size() == spans.size() + resource_count + 1);
 }
+
+TEST_CASE("gradient accumulation over micro-batches: the same bits under every plan; a zero-gradient micro-batch adds nothing") {
+  const Stack st({16, 4, 2, 16, 10, 3}, 31);
+  auto layers = st.layers;
+  HostBackend backend({1_GiB, 1_GiB, true});
+  const std::uint64_t n = st.c.tokens * st.c.hidden;
+  auto mse = [n](const std::vector<float>& target, float scale) {
+    const float* t = target.data();
+    return HostLossFn([t, n, scale](const float* y, float* g) {
+      double sum = 0;
+      for (std::uint64_t i = 0; i < n; ++i) {
+        const float d = y[i] - t[i];
+        sum += 0.5 * static_cast<double>(d) * d;
+        g[i] = d * scale;
+      }
+      return sum * scale;
+    });
+  };
+  const auto t0 = st.target(0), t1 = st.target(1), t2 = st.target(2);
+  auto run = [&](Plan plan, int k, bool zero_rest) {
+    plan.micro_batches = k;
+    HostExecutorOptions opt;
+    opt.adamw.lr = 1e-2f;
+    HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
+    for (int s = 0; s < 2; ++s) {
+      std::vector<std::vector<float>> in;
+      std::vector<HostLossFn> losses;
+      const std::vector<const std::vector<float>*> targets{&t0, &t1, &t2};
+      for (int i = 0; i < k; ++i) {
+        in.push_back(st.input(10 * s + i));
+        losses.push_back(mse(*targets[static_cast<std::size_t>(i)], zero_rest && i > 0 ? 0.0f : 1.0f / static_cast<float>(k)));
+      }
+      if (zero_rest) losses[0] = mse(t0, 1.0f);
+      (void)exec.step(in, losses);
+    }
+    return exec.master();
+  };
+  const Plan reference = resident_plan(layers, st.c.tokens);
+  std::mt19937_64 rng(17);
+  for (int k : {2, 3}) {
+    CAPTURE(k);
+    const auto expect = run(reference, k, false);
+    for (int i = 0; i < 5; ++i) CHECK(bitwise_equal(run(random_plan(layers, st.c.tokens, rng), k, false), expect));
+    CHECK_FALSE(bitwise_equal(expect, run(reference, 1, false)));
+  }
+  // Micro-batch 0 alone vs micro-batch 0 plus micro-batches whose gradients are exactly zero.
+  const auto one = run(reference, 1, true);
+  CHECK(bitwise_equal(run(reference, 3, true), one));
+  CHECK(bitwise_equal(run(random_plan(layers, st.c.tokens, rng), 3, true), one));
+}

@@ -82,8 +82,9 @@ class HostExecutor {
       : b_(backend), layers_(layers), plan_(plan), options_(options), pool_(1) {
     if (static_cast<int>(plan.retention.size()) != static_cast<int>(layers.size()) || plan.chunks.size() != layers.size())
       OOM_THROW(Errc::invalid_argument, fmt::format("plan covers {} layers, the model has {}", plan.retention.size(), layers.size()));
-    if (plan.micro_batches != 1 || plan.gpus != 1)
-      OOM_THROW(Errc::unsupported, "the host executor runs one micro-batch on one device");
+    if (plan.micro_batches < 1 || plan.gpus != 1)
+      OOM_THROW(Errc::unsupported, fmt::format("the host executor runs on one device, at least one micro-batch (the plan: {} GPUs, {} "
+                                               "micro-batches)", plan.gpus, plan.micro_batches));
     compute_ = b_.make_stream("compute");
     h2d_ = b_.make_stream("h2d");
     d2h_ = b_.make_stream("d2h");
@@ -164,8 +165,38 @@ class HostExecutor {
   /// embedding). Returns the loss; a non-finite one skips the backward and the update when
   /// options.skip_nonfinite_loss (see last_step_skipped()).
   double step(const std::vector<float>& input, const HostLossFn& loss, std::vector<float>* grad_input = nullptr) {
+    std::vector<std::vector<float>> gi;
+    const double l = step(std::vector<std::vector<float>>{input}, std::vector<HostLossFn>{loss}, grad_input ? &gi : nullptr);
+    if (grad_input != nullptr && !gi.empty()) *grad_input = std::move(gi.front());
+    return l;
+  }
+
+  /// One optimizer step over plan.micro_batches micro-batches (gradient accumulation): micro-batch
+  /// i runs forward and backward on inputs[i] with losses[i] (which should carry the 1/k of a mean
+  /// over micro-batches); the gradients are summed micro-batch by micro-batch in order (the same
+  /// bits under every plan) and the update runs after the last. Returns the sum of the losses; a
+  /// non-finite one ends the step without any update.
+  double step(const std::vector<std::vector<float>>& inputs, const std::vector<HostLossFn>& losses,
+              std::vector<std::vector<float>>* grad_inputs = nullptr) {
+    const auto k = static_cast<std::size_t>(plan_.micro_batches);
+    if (inputs.size() != k || losses.size() != k)
+      OOM_THROW(Errc::invalid_argument, fmt::format("the plan has {} micro-batches per step; step() got {} inputs and {} losses", k,
+                                                    inputs.size(), losses.size()));
     try {
-      return run_step(input, loss, grad_input);
+      skipped_ = false;
+      t0_ = std::chrono::steady_clock::now();
+      struct StopRecording {
+        Timeline*& t;
+        ~StopRecording() { t = nullptr; }
+      } stop_recording{timeline_};
+      const auto scalars = optim::adamw_step_scalars(options_.adamw, step_ + 1);
+      if (grad_inputs != nullptr) grad_inputs->assign(k, {});
+      double total = 0;
+      for (std::size_t mb = 0; mb < k; ++mb) {
+        total += run_step(inputs[mb], losses[mb], grad_inputs ? &(*grad_inputs)[mb] : nullptr, mb, mb + 1 == k, scalars);
+        if (skipped_) return total;
+      }
+      return total;
     } catch (...) {
       drain();
       throw;
@@ -207,18 +238,15 @@ class HostExecutor {
   [[nodiscard]] std::int64_t optimizer_steps() const { return step_; }
 
  private:
-  double run_step(const std::vector<float>& input, const HostLossFn& loss_fn, std::vector<float>* grad_input) {
+  // One micro-batch's forward, loss and backward. Its weight gradients go into the accumulators
+  // (micro-batch 0 writes them, later ones add theirs); the last one also submits the updates.
+  double run_step(const std::vector<float>& input, const HostLossFn& loss_fn, std::vector<float>* grad_input, std::size_t mb,
+                  bool last, const optim::AdamWStepScalars& scalars) {
     const std::uint64_t t = plan_.workload.tokens();
     const std::uint64_t h = layers_.front().hidden();
     if (input.size() != t * h)
       OOM_THROW(Errc::invalid_argument, fmt::format("step needs (T, H) = ({}, {}) inputs, got {} values", t, h, input.size()));
-    skipped_ = false;
-    t0_ = std::chrono::steady_clock::now();
-    struct StopRecording {
-      Timeline*& t;
-      ~StopRecording() { t = nullptr; }
-    } stop_recording{timeline_};
-    const auto scalars = optim::adamw_step_scalars(options_.adamw, step_ + 1);
+    const bool update = last && !options_.defer_updates;
     const std::size_t n = layers_.size();
     const Bytes act_bytes{t * h * sizeof(float)};
     std::vector<float*> act(n + 1, nullptr);  // act[l]: input of layer l (device)
@@ -305,7 +333,7 @@ class HostExecutor {
         return loss;
       }
     }
-    ++step_;
+    if (last) ++step_;
 
     // ---- backward ----
     for (std::size_t li = n; li-- > 0;) {
@@ -355,11 +383,19 @@ class HostExecutor {
       ctx.grad_output = grad;
       ctx.grad_input = grad_in;
       ctx.saved = saved[li];
-      std::vector<float*> streamed_grads;
+      // Micro-batch 0 accumulates a resident segment's gradient in place; later ones into a
+      // scratch that is then added, exactly as a streamed segment's lands in staging and is added.
+      std::vector<float*> streamed_grads, resident_scratch(ls.segments.size(), nullptr);
       for (std::size_t s = 0; s < ls.segments.size(); ++s) {
         auto& seg = ls.segments[s];
-        float* g = seg.resident ? seg.device_grad : alloc_device(Bytes{seg.n * sizeof(float)}, Claimant::worksets);
-        if (!seg.resident) streamed_grads.push_back(g);
+        float* g = nullptr;
+        if (seg.resident && mb == 0) {
+          g = seg.device_grad;
+        } else {
+          g = alloc_device(Bytes{seg.n * sizeof(float)}, Claimant::worksets);
+          if (seg.resident) resident_scratch[s] = g;
+          else streamed_grads.push_back(g);
+        }
         ctx.weight_grads[s] = {g, seg.n};
         b_.submit(compute_, [g, n = seg.n] { std::fill(g, g + n, 0.0f); });
       }
@@ -375,9 +411,18 @@ class HostExecutor {
         if (float* buf = saved[li][static_cast<std::size_t>(c)]) free_device_on(compute_, buf, class_bytes(li, c, t), Claimant::retained_activations);
       free_device_on(compute_, grad, act_bytes, Claimant::worksets);
       grad = grad_in;
+      for (std::size_t s = 0; s < ls.segments.size(); ++s) {
+        float* scratch = resident_scratch[s];
+        if (scratch == nullptr) continue;
+        float* acc = ls.segments[s].device_grad;
+        b_.submit(compute_, [acc, scratch, n = ls.segments[s].n] {
+          for (std::uint64_t i = 0; i < n; ++i) acc[i] += scratch[i];
+        });
+        free_device_on(compute_, scratch, Bytes{ls.segments[s].n * sizeof(float)}, Claimant::worksets);
+      }
       // Gradients: resident segments update on the device; streamed ones go to the host and the
       // CPU AdamW applies them as soon as they land.
-      if (!options_.defer_updates) {
+      if (update) {
         auto ab = span_begin(compute_);
         for (auto& seg : ls.segments)
           if (seg.resident) submit_device_adamw(seg, scalars);
@@ -386,15 +431,30 @@ class HostExecutor {
       std::size_t k = 0;
       b_.wait(d2h_, done);
       auto gb = span_begin(d2h_);
+      std::vector<std::pair<Segment*, float*>> landed;  // micro-batches after the first: added on the CPU
       for (auto& seg : ls.segments) {
         if (seg.resident) continue;
-        b_.copy(seg.staging, streamed_grads[k], Bytes{seg.n * sizeof(float)}, d2h_);
+        float* into = seg.staging;
+        if (mb > 0) {
+          into = static_cast<float*>(b_.allocate(MemorySpace::pinned_host(), Bytes{seg.n * sizeof(float)}, Claimant::host_staging));
+          landed.emplace_back(&seg, into);
+        }
+        b_.copy(into, streamed_grads[k], Bytes{seg.n * sizeof(float)}, d2h_);
         free_device_on(d2h_, streamed_grads[k], Bytes{seg.n * sizeof(float)}, Claimant::worksets);
         ++k;
       }
       span_end(d2h_, Resource::d2h, "d2h grads " + label(li), gb);
       b_.record(ls.grads_landed, d2h_);
-      if (!options_.defer_updates) {
+      if (!landed.empty()) {
+        b_.wait(cpu_, ls.grads_landed);
+        auto* backend = &b_;
+        for (auto [seg, buf] : landed)
+          b_.submit(cpu_, [seg, buf, backend] {
+            for (std::uint64_t i = 0; i < seg->n; ++i) seg->staging[i] += buf[i];
+            backend->free(buf, MemorySpace::pinned_host(), Bytes{seg->n * sizeof(float)}, Claimant::host_staging);
+          });
+      }
+      if (update) {
         b_.wait(cpu_, ls.grads_landed);
         auto cb = span_begin(cpu_);
         for (auto& seg : ls.segments)
