@@ -60,6 +60,18 @@ def main():
         state = json.load(f)
     seq = int(state["seq"])
     micro_batches = int(state.get("micro_batches", 1))
+    base_lr = float(state["lr"])
+    warmup = int(state.get("warmup", 0))
+    cosine = state.get("schedule", "constant") == "cosine"
+    min_lr = float(state.get("min_lr", 0.0))
+    total = int(state.get("total_steps", 0))
+
+    def learning_rate(t):  # oom-train's schedule, update t counted from 1
+        import math
+        if cosine and t > warmup and total > warmup:
+            p = min(1.0, (t - warmup) / (total - warmup))
+            return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+        return base_lr * (t / warmup if warmup > 0 and t < warmup else 1.0)
     max_grad_norm = float(state.get("max_grad_norm", 0.0))
     metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
     ours = {m["step"]: m["loss"] for m in metrics}
@@ -124,6 +136,8 @@ def main():
                 p.grad = rounded[k].grad
             if max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(step)
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss))

@@ -48,6 +48,11 @@ class HostCausalLm {
   /// Continues from a checkpoint's state after `optimizer_steps` updates.
   void load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps);
   [[nodiscard]] std::int64_t optimizer_steps() const { return executor_->optimizer_steps(); }
+  /// The learning rate of the steps that follow (the stack's and the ends').
+  void set_learning_rate(float lr) {
+    adamw_.lr = lr;
+    executor_->set_learning_rate(lr);
+  }
 
   [[nodiscard]] HostBackend& backend() { return *backend_; }
   /// Records the next step's work per resource (the decoder stack's; see HostExecutor).

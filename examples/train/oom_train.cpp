@@ -4,7 +4,9 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -85,6 +87,10 @@ Model and data
 Optimizer (AdamW, as torch.optim.AdamW over all parameters)
   --lr X               learning rate (default 3e-3)
   --weight-decay X     (default 0.01)
+  --warmup N           linear warmup over the first N updates: update t uses lr * min(1, t / N) (default 0)
+  --schedule NAME      constant (default) or cosine: after the warmup, lr * 0.5 (1 + cos(pi p)) with p
+                       going from 0 to 1 over the remaining updates up to --steps, floored at --min-lr
+  --min-lr X           the cosine schedule's floor (default 0)
   --max-grad-norm X    clip the global gradient norm to X as torch.nn.utils.clip_grad_norm_ (default 0:
                        no clipping; the updates then wait for the whole backward; host backend only)
 Plan
@@ -118,7 +124,9 @@ Exit status: 0 done, 2 bad input, 3 no plan fits the budget, 4 stopped on a non-
 struct Args {
   std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto";
   std::uint64_t seq = 256, steps = 200, seed = 0, micro_batches = 1;
-  float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f;
+  float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f, min_lr = 0.0f;
+  std::uint64_t warmup = 0;
+  bool cosine = false;
   std::optional<Bytes> gpu_mem, host_mem;
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
@@ -168,6 +176,13 @@ Args parse(int argc, char** argv) {
     else if (flag == "--lr") a.lr = parse_real(flag, v);
     else if (flag == "--weight-decay") a.weight_decay = parse_real(flag, v);
     else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
+    else if (flag == "--warmup") a.warmup = parse_count(flag, v, /*allow_zero=*/true);
+    else if (flag == "--min-lr") a.min_lr = parse_real(flag, v);
+    else if (flag == "--schedule") {
+      const std::string_view w = v;
+      if (w != "constant" && w != "cosine") OOM_THROW(Errc::invalid_argument, fmt::format("--schedule is constant or cosine, got '{}'", w));
+      a.cosine = w == "cosine";
+    }
     else if (flag == "--plan") a.plan = v;
     else if (flag == "--profile") a.profile = v;
     else if (flag == "--machine") a.machine = v;
@@ -283,6 +298,19 @@ Plan fit_cuda_executor(const ModelSpec& spec, const std::vector<Plan>& plans, co
 }
 #endif
 
+// The learning rate of update t (1-based): linear warmup, then constant or cosine down to min_lr
+// at --steps. A pure function of t, so a resumed run follows the same schedule.
+float learning_rate(const Args& a, std::uint64_t t) {
+  double f = 1.0;
+  if (a.warmup > 0 && t < a.warmup) f = static_cast<double>(t) / static_cast<double>(a.warmup);
+  if (a.cosine && t > a.warmup && a.steps > a.warmup) {
+    const double p = std::min(1.0, static_cast<double>(t - a.warmup) / static_cast<double>(a.steps - a.warmup));
+    const double cos_f = 0.5 * (1.0 + std::cos(3.141592653589793 * p));
+    return static_cast<float>(a.min_lr + (a.lr - a.min_lr) * cos_f);
+  }
+  return static_cast<float>(a.lr * f);
+}
+
 int run(const Args& a) {
   // ---- model, data, plan: every input checked before anything is written ----
   const std::string config_text = a.config.empty() ? std::string(builtin_config) : read_text(a.config);
@@ -393,6 +421,14 @@ int run(const Args& a) {
         saved_clip != static_cast<double>(a.max_grad_norm))
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used lr {}, weight decay {} and max grad norm {}; pass the same",
                                                     latest->string(), ts["lr"].as_double(), ts["weight_decay"].as_double(), saved_clip));
+    const std::string saved_schedule = ts["schedule"].present() ? ts["schedule"].as_string() : "constant";
+    const std::uint64_t saved_warmup = ts["warmup"].present() ? ts["warmup"].as_uint64() : 0;
+    const std::uint64_t saved_total = ts["total_steps"].present() ? ts["total_steps"].as_uint64() : a.steps;
+    if (saved_schedule != (a.cosine ? "cosine" : "constant") || saved_warmup != a.warmup ||
+        (a.cosine && saved_total != a.steps))
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used the {} schedule with warmup {} over {} steps; pass the same "
+                                                    "--schedule, --warmup and (cosine) --steps", latest->string(), saved_schedule,
+                                                    saved_warmup, saved_total));
     start_step = ts["step"].as_uint64();
     sampler_state = SamplerState::from_json(ts["sampler"].value(), "trainer_state.json sampler");
   }
@@ -442,6 +478,10 @@ int run(const Args& a) {
     ts.set("lr", static_cast<double>(a.lr));
     ts.set("weight_decay", static_cast<double>(a.weight_decay));
     ts.set("max_grad_norm", static_cast<double>(a.max_grad_norm));
+    ts.set("schedule", a.cosine ? "cosine" : "constant");
+    ts.set("warmup", a.warmup);
+    ts.set("min_lr", static_cast<double>(a.min_lr));
+    ts.set("total_steps", a.steps);
     ts.set("sampler", sampler.state().to_json());
     ts.set("data", data_path.string());
     const auto dir = save_checkpoint(a.out, spec, model.state(), {step, config_text, ts, a.keep});
@@ -461,6 +501,8 @@ int run(const Args& a) {
   if (start_step >= a.steps) fmt::print("the run is already at step {} (--steps {})\n", start_step, a.steps);
   for (std::uint64_t step = start_step + 1; step <= a.steps; ++step) {
     sampler.next(in, tgt);
+    const float lr_now = learning_rate(a, static_cast<std::uint64_t>(model.optimizer_steps()) + 1);
+    model.set_learning_rate(lr_now);
     Timeline timeline;
     if (step == a.trace_step) model.record_next_step(&timeline);
     if (!a.dump_batches.empty())
@@ -481,6 +523,7 @@ int run(const Args& a) {
     m.set("step", step);
     m.set("loss", r.loss);
     m.set("skipped", r.skipped);
+    m.set("lr", static_cast<double>(lr_now));
     if constexpr (requires { r.grad_norm; }) {
       if (r.grad_norm >= 0) m.set("grad_norm", r.grad_norm);
     }

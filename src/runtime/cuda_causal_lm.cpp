@@ -21,6 +21,7 @@
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/core/numeric.hpp"
+#include "oom/core/nvtx.hpp"
 #include "oom/kernels/adamw_gpu.hpp"
 #include "oom/kernels/expert_gemm.hpp"
 #include "oom/model/cuda_decoder_layer.hpp"
@@ -450,6 +451,7 @@ std::vector<float*> CudaCausalLm::Impl::grad_bases(std::size_t l, float* gslot) 
 }
 
 void CUDART_CB CudaCausalLm::Impl::cpu_update(void* p) {
+  OOM_NVTX_SCOPE("oom cpu adamw");
   auto* u = static_cast<CudaCausalLm::Impl::CpuUpdate*>(p);
   try {
     for (auto* g : u->segments) {
@@ -484,6 +486,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   const auto ends = model::LmEndsShape::from_spec(*spec, static_cast<std::int64_t>(T));
   const std::size_t n = layers.size();
 
+  OOM_NVTX_SCOPE("oom step");
   // ---- forward ----
   // Where layer l's input lives during the forward: its kept buffer or a rotating one.
   std::vector<bf16*> x_at(n + 1, nullptr);
@@ -506,6 +509,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   span_end(cs, mk);
   int next_blob = 0;
   for (std::size_t l = 0; l < n; ++l) {
+    OOM_NVTX_SCOPE("oom forward layer");
     auto& L = layers[l];
     Slot& slot = load_weights(l);
     const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(l), weight_bases(l, slot));
@@ -557,6 +561,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
 
   // ---- backward ----
   for (std::size_t li = n; li-- > 0;) {
+    OOM_NVTX_SCOPE("oom backward layer");
     auto& L = layers[li];
     Slot& slot = load_weights(li);
     const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(li), weight_bases(li, slot));
@@ -732,6 +737,7 @@ void CudaCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
 }
 
 std::int64_t CudaCausalLm::optimizer_steps() const { return impl_->steps; }
+void CudaCausalLm::set_learning_rate(float lr) { impl_->opt.adamw.lr = lr; }
 
 std::array<Bytes, claimant_count> CudaCausalLm::footprint(const ModelSpec& spec, const Plan& plan) {
   Impl sizing(spec, plan, {}, /*sizing_only=*/true);

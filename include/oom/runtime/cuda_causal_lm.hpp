@@ -76,6 +76,8 @@ class CudaCausalLm {
   /// Continues from saved state after `optimizer_steps` updates (sizes checked before any change).
   void load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps);
   [[nodiscard]] std::int64_t optimizer_steps() const;
+  /// The learning rate of the steps that follow (a schedule sets it before each step).
+  void set_learning_rate(float lr);
 
   /// The bytes by claimant this executor takes for `plan` (device claimants: its arena's exact
   /// peak, since every buffer is laid out at construction; host claimants: pinned memory), computed

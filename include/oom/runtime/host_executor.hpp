@@ -232,6 +232,9 @@ class HostExecutor {
   /// backward, recompute, offload, gradient copy and update, from the step's start).
   void record_next_step(Timeline* timeline) { timeline_ = timeline; }
 
+  /// The learning rate of the steps that follow (a schedule sets it before each step).
+  void set_learning_rate(float lr) { options_.adamw.lr = lr; }
+
   /// Whether the last step() ended after its forward (non-finite loss).
   [[nodiscard]] bool last_step_skipped() const { return skipped_; }
   /// Optimizer steps taken (skipped steps do not count).
