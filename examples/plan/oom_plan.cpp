@@ -14,6 +14,10 @@
 #include "oom/io/json.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/planner.hpp"
+#if OOM_PLAN_HAS_CUDA
+#include "oom/core/log.hpp"
+#include "oom/runtime/cuda_causal_lm.hpp"
+#endif
 
 namespace {
 
@@ -124,6 +128,22 @@ int main(int argc, char** argv) {
     fmt::print("searched {} candidates ({} within budget) in {:.3f} s\n\n", set.evaluated, set.feasible, set.search_s);
     for (std::size_t i = 0; i < set.plans.size(); ++i) {
       fmt::print("=== plan {}{} ===\n{}\n", i + 1, i == 0 ? " (chosen)" : "", planner.describe(set.plans[i]));
+#if OOM_PLAN_HAS_CUDA
+      // What OOM's own CUDA executor would take for this plan (exact, computed without a GPU).
+      try {
+        const auto fp = oom::CudaCausalLm::footprint(spec, set.plans[i]);
+        oom::Bytes gpu, host;
+        for (int c = 0; c < oom::claimant_count; ++c)
+          (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) =
+              (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) + fp[static_cast<std::size_t>(c)];
+        fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
+                   "and {} pinned: {}\n\n",
+                   gpu, fp[0], fp[1], fp[2], host,
+                   gpu <= req.gpu_budget ? "within the budget" : "OVER the budget (oom-train then tries it as checkpoint)");
+      } catch (const oom::Error& e) {
+        fmt::print("CUDA executor: cannot run this model ({})\n\n", e.message());
+      }
+#endif
     }
     if (set.plans.size() > 1) fmt::print("why plan 1: {}", oom::Planner::compare(set.plans[0], set.plans[1]));
     if (!a.json_out.empty()) {
