@@ -521,7 +521,8 @@ int run(const Args& a) {
     auto& pin = model.backend().pinned_arena();
     Json m = Json::object();
     m.set("step", step);
-    m.set("loss", r.loss);
+    if (std::isfinite(r.loss)) m.set("loss", r.loss);
+    else m.set("loss", nullptr), m.set("loss_nonfinite", std::isnan(r.loss) ? "nan" : (r.loss > 0 ? "inf" : "-inf"));
     m.set("skipped", r.skipped);
     m.set("lr", static_cast<double>(lr_now));
     if constexpr (requires { r.grad_norm; }) {

@@ -56,4 +56,33 @@ expect token-beyond-vocab 2 "token 280 at position 3" -- --data "$work/big-vocab
 expect tiny-budget 3 "least GPU memory" -- --gpu-mem 1MiB
 expect missing-data 2 "no such data file" -- --data "$work/nowhere.tok"
 
-[[ $fails -eq 0 ]] && echo "PASS: every bad input refused cleanly" || exit 1
+# Misuse of a run directory: refused, and the run in it left as it was.
+before=$(cat "$work/good/latest")
+"$train" --out "$work/good" --steps 2 --seq 32 > /dev/null 2> "$work/rerun.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "already holds a run" "$work/rerun.stderr" || [[ "$(cat "$work/good/latest")" != "$before" ]]; then
+  echo "FAIL run-dir-in-use: exit $rc"; cat "$work/rerun.stderr"; fails=$((fails + 1))
+else echo "ok   run-dir-in-use: $(cat "$work/rerun.stderr")"; fi
+"$train" --out "$work/good" --steps 2 --seq 64 --resume > /dev/null 2> "$work/reseq.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "seq" "$work/reseq.stderr" || [[ "$(cat "$work/good/latest")" != "$before" ]]; then
+  echo "FAIL resume-other-seq: exit $rc"; cat "$work/reseq.stderr"; fails=$((fails + 1))
+else echo "ok   resume-other-seq: $(cat "$work/reseq.stderr")"; fi
+expect resume-nothing 2 "no checkpoint" -- --resume
+
+# Faults during training: a diverging run (absurd learning rate) skips its non-finite steps
+# without updating, logs them, and stops after --max-skips in a row (exit 4); --on-nonfinite stop
+# stops at the first.
+"$train" --out "$work/diverge" --steps 10 --seq 32 --lr 1e30 --max-skips 3 > /dev/null 2> "$work/diverge.stderr"
+rc=$?
+if [[ $rc -ne 4 ]] || [[ $(grep -c "step skipped" "$work/diverge.stderr") -ne 3 ]] ||
+   ! grep -q "3 consecutive non-finite losses" "$work/diverge.stderr" || ! grep -q '"loss":null' "$work/diverge/metrics.jsonl"; then
+  echo "FAIL diverging-run: exit $rc"; cat "$work/diverge.stderr"; fails=$((fails + 1))
+else echo "ok   diverging-run: exit 4 after $(grep -c 'step skipped' "$work/diverge.stderr") skipped steps"; fi
+"$train" --out "$work/stop" --steps 10 --seq 32 --lr 1e30 --on-nonfinite stop > /dev/null 2> "$work/stop.stderr"
+rc=$?
+if [[ $rc -ne 4 ]] || ! grep -q "stopping on a non-finite loss at step 2" "$work/stop.stderr"; then
+  echo "FAIL stop-on-nonfinite: exit $rc"; cat "$work/stop.stderr"; fails=$((fails + 1))
+else echo "ok   stop-on-nonfinite: $(tail -1 "$work/stop.stderr")"; fi
+
+[[ $fails -eq 0 ]] && echo "PASS: every bad input refused cleanly, faults handled" || exit 1
