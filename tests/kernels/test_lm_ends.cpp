@@ -49,6 +49,9 @@ namespace {
 // the accumulated total, so the random starting values do not hide anything). The loss is a sum
 // of fp32 logsumexps over the rows (|logit| of order 1, fp64 accumulation): 1e-3 relative
 // leaves room only for the bf16 ulps of r.
+// A CPU emulation of the GPU's rounding points (fp32 logits, bf16 d logits, bf16 dr and dy) on
+// these very cases measured relative L2 errors of 2.5-3.1e-3 (dy), 1.4-2.3e-3 (grad_final_norm),
+// 0.9-1.5e-3 (grad_head) and a loss error below 2e-8, so the bounds leave a margin of 2x or more.
 constexpr double dy_rel_l2 = 1e-2;
 constexpr double grad_rel_l2 = 5e-3;
 constexpr double loss_rtol = 1e-3;
