@@ -7,23 +7,17 @@
 #include <fmt/format.h>
 
 #include "oom/core/error.hpp"
+#include "oom/core/hash.hpp"
 #include "oom/reference/lm_head_loss.hpp"
 #include "oom/reference/rmsnorm.hpp"
 
 namespace oom::train {
 namespace {
 
-std::uint64_t splitmix(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
 // N(0, 1) from two counter-derived uniforms (Box-Muller, in double; the same bits everywhere).
 float normal(std::uint64_t key, std::uint64_t i) {
-  const double u1 = (static_cast<double>(splitmix(key ^ (2 * i)) >> 11) + 0.5) * 0x1.0p-53;
-  const double u2 = (static_cast<double>(splitmix(key ^ (2 * i + 1)) >> 11) + 0.5) * 0x1.0p-53;
+  const double u1 = (static_cast<double>(splitmix64(key ^ (2 * i)) >> 11) + 0.5) * 0x1.0p-53;
+  const double u2 = (static_cast<double>(splitmix64(key ^ (2 * i + 1)) >> 11) + 0.5) * 0x1.0p-53;
   return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2));
 }
 
@@ -43,9 +37,9 @@ std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint
   // a function of (key, index) alone, so the thread count changes nothing.
   const auto& segs = spec.segments();
   std::vector<std::vector<std::uint64_t>> keys(segs.size());
-  std::uint64_t key = splitmix(seed);
+  std::uint64_t key = splitmix64(seed);
   for (std::size_t s = 0; s < segs.size(); ++s)
-    for (std::size_t t = 0; t < segs[s].tensors.size(); ++t) keys[s].push_back(key = splitmix(key));
+    for (std::size_t t = 0; t < segs[s].tensors.size(); ++t) keys[s].push_back(key = splitmix64(key));
   std::vector<std::vector<float>> out(segs.size());
   optim::ThreadPool pool(0);
   pool.run(segs.size(), [&](std::size_t s) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "oom/core/error.hpp"
+#include "oom/core/hash.hpp"
 
 namespace oom {
 namespace {
@@ -16,10 +17,9 @@ class Rng {
  public:
   explicit Rng(std::uint64_t seed) : state_(seed) {}
   std::uint64_t next() {
-    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    const std::uint64_t z = splitmix64(state_);
+    state_ += 0x9e3779b97f4a7c15ull;
+    return z;
   }
   /// Uniform enough in [0, n) for n far below 2^64 (the bias is below 2^-50).
   std::uint64_t below(std::uint64_t n) { return next() % n; }

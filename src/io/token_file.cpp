@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "oom/core/error.hpp"
+#include "oom/core/hash.hpp"
 #include "oom/io/json.hpp"
 
 namespace oom {
@@ -175,14 +176,6 @@ void write_token_file(const std::filesystem::path& path, std::span<const std::ui
 
 namespace {
 
-/// splitmix64's finaliser: a fixed, well-mixed 64-bit hash (the sampler's order must never depend
-/// on the standard library's distributions, which differ between implementations).
-std::uint64_t mix(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 /// A bijection of [0, n) keyed by `key`: a 4-round Feistel network on the smallest even-width
 /// power-of-two domain >= n, with cycle walking back into [0, n) (at most 4n / n steps expected).
@@ -196,7 +189,7 @@ std::uint64_t permute(std::uint64_t index, std::uint64_t n, std::uint64_t key) {
   do {
     std::uint64_t left = x >> half, right = x & mask;
     for (std::uint64_t round = 0; round < 4; ++round) {
-      const std::uint64_t f = mix(right ^ mix(key + round)) & mask;
+      const std::uint64_t f = splitmix64(right ^ splitmix64(key + round)) & mask;
       const std::uint64_t next_right = left ^ f;
       left = right;
       right = next_right;
@@ -234,8 +227,8 @@ BatchSampler::BatchSampler(const TokenFile& tokens, std::uint64_t sequence_lengt
 
 std::uint64_t BatchSampler::window_start(std::uint64_t position) const {
   const std::uint64_t epoch = position / windows_;
-  const std::uint64_t key = mix(state_.seed ^ mix(epoch));
-  const std::uint64_t shift = slack_ == 0 ? 0 : mix(key ^ 0x5851f42d4c957f2dull) % (slack_ + 1);
+  const std::uint64_t key = splitmix64(state_.seed ^ splitmix64(epoch));
+  const std::uint64_t shift = slack_ == 0 ? 0 : splitmix64(key ^ 0x5851f42d4c957f2dull) % (slack_ + 1);
   return shift + permute(position % windows_, windows_, key) * sequence_length_;
 }
 
