@@ -273,38 +273,32 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     g.name = all[s].name;
     g.n = all[s].parameters();
     g.resident = all[s].layer < 0 || resident.count(g.name) > 0;
-    if (sizing) {
-      if (g.resident) {
-        g.dw = dev<bf16>(g.n, Claimant::resident_state);
-        for (int k = 0; k < 4; ++k) (void)dev<float>(g.n, Claimant::resident_state);  // master, m, v, grad
-      } else {
-        g.hw = pinned<bf16>(g.n, Claimant::host_state);
-        for (int k = 0; k < 3; ++k) (void)pinned<float>(g.n, Claimant::host_state);  // master, m, v
-        (void)pinned<float>(g.n, Claimant::host_staging);
-      }
-      continue;
-    }
-    const auto& w = weights[s];
-    if (w.size() != g.n)
-      OOM_THROW(Errc::invalid_argument, fmt::format("segment '{}': {} values for {} parameters", g.name, w.size(), g.n));
-    std::vector<bf16> w16(g.n);
-    std::transform(w.begin(), w.end(), w16.begin(), [](float f) { return to_bf16(f); });
+    // One allocation sequence for the real run and for footprint(): sizing stops before the uploads.
     if (g.resident) {
       g.dw = dev<bf16>(g.n, Claimant::resident_state);
       g.dmaster = dev<float>(g.n, Claimant::resident_state);
       g.dm = dev<float>(g.n, Claimant::resident_state);
       g.dv = dev<float>(g.n, Claimant::resident_state);
       g.dgrad = dev<float>(g.n, Claimant::resident_state);
-      OOM_CUDA_CHECK(cudaMemcpy(g.dw, w16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
-      OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, w.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
-      OOM_CUDA_CHECK(cudaMemset(g.dm, 0, g.n * sizeof(float)));
-      OOM_CUDA_CHECK(cudaMemset(g.dv, 0, g.n * sizeof(float)));
     } else {
       g.hw = pinned<bf16>(g.n, Claimant::host_state);
       g.hmaster = pinned<float>(g.n, Claimant::host_state);
       g.hm = pinned<float>(g.n, Claimant::host_state);
       g.hv = pinned<float>(g.n, Claimant::host_state);
       g.hgrad = pinned<float>(g.n, Claimant::host_staging);
+    }
+    if (sizing) continue;
+    const auto& w = weights[s];
+    if (w.size() != g.n)
+      OOM_THROW(Errc::invalid_argument, fmt::format("segment '{}': {} values for {} parameters", g.name, w.size(), g.n));
+    std::vector<bf16> w16(g.n);
+    std::transform(w.begin(), w.end(), w16.begin(), [](float f) { return to_bf16(f); });
+    if (g.resident) {
+      OOM_CUDA_CHECK(cudaMemcpy(g.dw, w16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, w.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemset(g.dm, 0, g.n * sizeof(float)));
+      OOM_CUDA_CHECK(cudaMemset(g.dv, 0, g.n * sizeof(float)));
+    } else {
       std::copy(w16.begin(), w16.end(), g.hw);
       std::copy(w.begin(), w.end(), g.hmaster);
       std::fill(g.hm, g.hm + g.n, 0.0f);
