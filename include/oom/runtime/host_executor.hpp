@@ -165,10 +165,9 @@ class HostExecutor {
   /// embedding). Returns the loss; a non-finite one skips the backward and the update when
   /// options.skip_nonfinite_loss (see last_step_skipped()).
   double step(const std::vector<float>& input, const HostLossFn& loss, std::vector<float>* grad_input = nullptr) {
-    std::vector<std::vector<float>> gi;
-    const double l = step(std::vector<std::vector<float>>{input}, std::vector<HostLossFn>{loss}, grad_input ? &gi : nullptr);
-    if (grad_input != nullptr && !gi.empty()) *grad_input = std::move(gi.front());
-    return l;
+    const std::vector<float>* in = &input;
+    const HostLossFn* fn = &loss;
+    return run_micro_batches({&in, 1}, {&fn, 1}, grad_input ? std::span<std::vector<float>>(grad_input, 1) : std::span<std::vector<float>>{});
   }
 
   /// One optimizer step over plan.micro_batches micro-batches (gradient accumulation): micro-batch
@@ -178,29 +177,12 @@ class HostExecutor {
   /// non-finite one ends the step without any update.
   double step(const std::vector<std::vector<float>>& inputs, const std::vector<HostLossFn>& losses,
               std::vector<std::vector<float>>* grad_inputs = nullptr) {
-    const auto k = static_cast<std::size_t>(plan_.micro_batches);
-    if (inputs.size() != k || losses.size() != k)
-      OOM_THROW(Errc::invalid_argument, fmt::format("the plan has {} micro-batches per step; step() got {} inputs and {} losses", k,
-                                                    inputs.size(), losses.size()));
-    try {
-      skipped_ = false;
-      t0_ = std::chrono::steady_clock::now();
-      struct StopRecording {
-        Timeline*& t;
-        ~StopRecording() { t = nullptr; }
-      } stop_recording{timeline_};
-      const auto scalars = optim::adamw_step_scalars(options_.adamw, step_ + 1);
-      if (grad_inputs != nullptr) grad_inputs->assign(k, {});
-      double total = 0;
-      for (std::size_t mb = 0; mb < k; ++mb) {
-        total += run_step(inputs[mb], losses[mb], grad_inputs ? &(*grad_inputs)[mb] : nullptr, mb, mb + 1 == k, scalars);
-        if (skipped_) return total;
-      }
-      return total;
-    } catch (...) {
-      drain();
-      throw;
-    }
+    std::vector<const std::vector<float>*> in;
+    std::vector<const HostLossFn*> fns;
+    for (const auto& x : inputs) in.push_back(&x);
+    for (const auto& f : losses) fns.push_back(&f);
+    if (grad_inputs != nullptr) grad_inputs->assign(inputs.size(), {});
+    return run_micro_batches(in, fns, grad_inputs ? std::span<std::vector<float>>(*grad_inputs) : std::span<std::vector<float>>{});
   }
 
   /// With options.defer_updates, after step(): the sum of squares of every segment's gradient, in
@@ -241,6 +223,33 @@ class HostExecutor {
   [[nodiscard]] std::int64_t optimizer_steps() const { return step_; }
 
  private:
+  // The micro-batches of one step (inputs and losses by pointer: the callers' buffers, not copies).
+  double run_micro_batches(std::span<const std::vector<float>* const> inputs, std::span<const HostLossFn* const> losses,
+                           std::span<std::vector<float>> grad_inputs) {
+    const auto k = static_cast<std::size_t>(plan_.micro_batches);
+    if (inputs.size() != k || losses.size() != k)
+      OOM_THROW(Errc::invalid_argument, fmt::format("the plan has {} micro-batches per step; step() got {} inputs and {} losses", k,
+                                                    inputs.size(), losses.size()));
+    try {
+      skipped_ = false;
+      t0_ = std::chrono::steady_clock::now();
+      struct StopRecording {
+        Timeline*& t;
+        ~StopRecording() { t = nullptr; }
+      } stop_recording{timeline_};
+      const auto scalars = optim::adamw_step_scalars(options_.adamw, step_ + 1);
+      double total = 0;
+      for (std::size_t mb = 0; mb < k; ++mb) {
+        total += run_step(*inputs[mb], *losses[mb], grad_inputs.empty() ? nullptr : &grad_inputs[mb], mb, mb + 1 == k, scalars);
+        if (skipped_) return total;
+      }
+      return total;
+    } catch (...) {
+      drain();
+      throw;
+    }
+  }
+
   // One micro-batch's forward, loss and backward. Its weight gradients go into the accumulators
   // (micro-batch 0 writes them, later ones add theirs); the last one also submits the updates.
   double run_step(const std::vector<float>& input, const HostLossFn& loss_fn, std::vector<float>* grad_input, std::size_t mb,
