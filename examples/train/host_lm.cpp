@@ -101,13 +101,9 @@ double HostCausalLm::loss_and_grad(const float* y, float* grad_y, std::size_t mb
   const auto v = static_cast<std::int64_t>(spec_->vocab_size());
   const auto eps = static_cast<float>(spec_->rms_norm_eps());
   const auto k = static_cast<double>(micro_batches_);
-  std::vector<float> norm_w(final_norm_.weights.size()), r(static_cast<std::size_t>(t * h)), rstd(static_cast<std::size_t>(t));
-  std::transform(final_norm_.weights.begin(), final_norm_.weights.end(), norm_w.begin(), [](bf16 b) { return to_float(b); });
+  std::vector<float> r(static_cast<std::size_t>(t * h)), rstd(static_cast<std::size_t>(t));
   const std::span<const float> ys(y, static_cast<std::size_t>(t * h));
-  reference::rmsnorm_forward<float>(ys, norm_w, r, rstd, t, h, eps);
-  const End& head = tied_ ? embedding_ : lm_head_;
-  head_w_.resize(head.weights.size());
-  std::transform(head.weights.begin(), head.weights.end(), head_w_.begin(), [](bf16 b) { return to_float(b); });
+  reference::rmsnorm_forward<float>(ys, norm_w_, r, rstd, t, h, eps);
   const std::span<const std::int32_t> tg(targets_.data() + mb * tokens_, tokens_);
   // The step's loss is the mean over all k·T tokens: each micro-batch carries 1/(k·T).
   const auto res = reference::lm_head_loss(t, h, v, r, head_w_, tg, /*backward=*/true, 1.0 / (static_cast<double>(t) * k));
@@ -119,7 +115,7 @@ double HostCausalLm::loss_and_grad(const float* y, float* grad_y, std::size_t mb
   } else {
     for (std::size_t i = 0; i < res.dw.size(); ++i) head_grad.grad[i] += res.dw[i];
   }
-  reference::rmsnorm_backward<float>(res.dx, ys, norm_w, rstd, std::span<float>(grad_y, static_cast<std::size_t>(t * h)),
+  reference::rmsnorm_backward<float>(res.dx, ys, norm_w_, rstd, std::span<float>(grad_y, static_cast<std::size_t>(t * h)),
                                      final_norm_.grad, t, h);
   return res.loss_sum / (static_cast<double>(t) * k);
 }
@@ -144,6 +140,14 @@ HostCausalLm::StepResult HostCausalLm::step(std::span<const std::uint32_t> input
     losses.push_back([this, mb](const float* y, float* g) { return loss_and_grad(y, g, mb); });
   }
   targets_.assign(targets.begin(), targets.end());
+  // The final norm's and the head's bf16 weights read as fp32, once per step (every micro-batch's
+  // loss uses them; they change only in the update).
+  auto widen = [](const std::vector<bf16>& from, std::vector<float>& to) {
+    to.resize(from.size());
+    std::transform(from.begin(), from.end(), to.begin(), [](bf16 b) { return to_float(b); });
+  };
+  widen(final_norm_.weights, norm_w_);
+  widen((tied_ ? embedding_ : lm_head_).weights, head_w_);
   if (tied_) std::fill(embedding_.grad.begin(), embedding_.grad.end(), 0.0f);  // the head adds into it first
   std::vector<std::vector<float>> grad_x;
   const double loss = executor_->step(x, losses, &grad_x);

@@ -82,7 +82,7 @@ class HostCausalLm {
   std::uint64_t tokens_ = 0;         // per micro-batch
   std::size_t micro_batches_ = 1;
   std::vector<std::int32_t> targets_;
-  std::vector<float> head_w_;
+  std::vector<float> head_w_, norm_w_;  // this step's bf16 weights of the head and the final norm, as fp32
 };
 
 }  // namespace oom::train
