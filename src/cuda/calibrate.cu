@@ -253,13 +253,19 @@ AttentionRate measure_flash_attention(int device, std::int64_t seq, int q_heads,
   auto crows = [](const __nv_bfloat16* p, std::int64_t row) {
     return kernels::TokenRows<const bf16>{reinterpret_cast<const bf16*>(p), 0, row};
   };
-  auto forward_backward = [&] {
+  auto forward = [&] {
     OOM_CUDA_CHECK(kernels::attention_forward(problem, crows(q.ptr, q_row), crows(k.ptr, kv_row), crows(v.ptr, kv_row),
                                               rows(o.ptr, q_row), lse.ptr, stream.s));
+  };
+  auto backward = [&] {
     OOM_CUDA_CHECK(kernels::attention_backward(problem, crows(q.ptr, q_row), crows(k.ptr, kv_row), crows(v.ptr, kv_row),
                                                crows(o.ptr, q_row), crows(dout.ptr, q_row), lse.ptr, rows(dq.ptr, q_row),
                                                rows(dk.ptr, kv_row), rows(dv.ptr, kv_row), false, ws.ptr, ws_bytes,
                                                stream.s));
+  };
+  auto forward_backward = [&] {
+    forward();
+    backward();
   };
   AttentionRate r;
   r.seq = seq;
@@ -267,10 +273,15 @@ AttentionRate measure_flash_attention(int device, std::int64_t seq, int q_heads,
   r.kv_heads = kv_heads;
   r.head_dim = head_dim;
   r.repeats = repeats;
+  // The forward first: the backward reads its O and LSE (the same bits every repeat).
+  r.forward_seconds = time_median(stream.s, forward, repeats);
+  r.backward_seconds = time_median(stream.s, backward, repeats);
   r.seconds = time_median(stream.s, forward_backward, repeats);
   const double s = static_cast<double>(seq);
   const double causal_forward = 2.0 * s * s * q_heads * head_dim;  // QK^T and PV, 2 FLOP each, half the square
   r.flops_per_s = 3.5 * causal_forward / r.seconds;
+  r.forward_flops_per_s = causal_forward / r.forward_seconds;
+  r.backward_flops_per_s = 2.5 * causal_forward / r.backward_seconds;
   return r;
 }
 

@@ -102,8 +102,12 @@ struct CurveField {
 };
 constexpr CurveField kCurves[] = {
     {"gemm_flops", &MachineProfile::gemm_flops},
-    {"attention_flops", &MachineProfile::attention_flops},
+    {"attention_forward_flops", &MachineProfile::attention_forward_flops},
+    {"attention_backward_flops", &MachineProfile::attention_backward_flops},
 };
+/// The single forward + backward attention curve of profiles written before the two were split
+/// (read as both; see MachineProfile::attention_forward_flops).
+constexpr const char* kLegacyAttention = "attention_flops";
 
 /// Every field that must carry provenance: all measured or assumed constants (name and gpus are
 /// what the profile describes, not constants about it).
@@ -249,8 +253,12 @@ MachineProfile MachineProfile::from_json(const Json& j, std::string_view source)
     p.*f.member = Bytes{read(f.name, [](const JsonCursor& c) { return c.as_uint64(); })};
   }
   for (const auto& f : kRates) p.*f.member = read(f.name, [](const JsonCursor& c) { return c.as_double(); });
+  // A profile from before the attention curve was split: its one curve serves both passes.
+  const bool legacy_attention = root[kLegacyAttention].present() && !root["attention_forward_flops"].present() &&
+                                !root["attention_backward_flops"].present();
   for (const auto& f : kCurves) {
-    const auto samples = read(f.name, [](const JsonCursor& c) {
+    const std::string_view name = legacy_attention && std::string_view(f.name).starts_with("attention_") ? kLegacyAttention : f.name;
+    const auto samples = read(name, [](const JsonCursor& c) {
       (void)c.as_array();  // an object would otherwise pass as a list of members
       std::vector<std::pair<double, double>> s;
       for (std::size_t i = 0; i < c.size(); ++i) {
@@ -264,7 +272,7 @@ MachineProfile MachineProfile::from_json(const Json& j, std::string_view source)
     try {
       p.*f.member = SizeCurve(samples);
     } catch (const Error& e) {
-      bad(source, f.name, e.message());
+      bad(source, name, e.message());
     }
   }
   const JsonCursor prov = root["provenance"];
@@ -276,7 +284,15 @@ MachineProfile MachineProfile::from_json(const Json& j, std::string_view source)
       for (const auto& [key, v] : entry.as_object())
         if (key != "source" && key != "machine" && key != "date")
           OOM_THROW(Errc::parse, fmt::format("{}.{}: unknown key (expected source, machine, date)", e.path(), key));
-      p.provenance[field] = Provenance{e["source"].as_string(), e["machine"].as_string(), e["date"].as_string()};
+      const Provenance pv{e["source"].as_string(), e["machine"].as_string(), e["date"].as_string()};
+      if (legacy_attention && field == kLegacyAttention) {
+        Provenance both = pv;
+        both.source += " (one forward + backward curve, read as the rate of each pass)";
+        p.provenance["attention_forward_flops"] = both;
+        p.provenance["attention_backward_flops"] = both;
+      } else {
+        p.provenance[field] = pv;
+      }
     }
   } catch (const Error& e) {
     OOM_THROW(Errc::parse, fmt::format("profile {}: field {}", source, e.message()));
@@ -286,7 +302,8 @@ MachineProfile MachineProfile::from_json(const Json& j, std::string_view source)
   // reject unknown names so the message points at the typo.
   for (const auto& [key, v] : j.as_object()) {
     const auto known = constant_fields();
-    if (key != "name" && key != "gpus" && key != "provenance" && std::find(known.begin(), known.end(), key) == known.end())
+    if (key != "name" && key != "gpus" && key != "provenance" && !(legacy_attention && key == kLegacyAttention) &&
+        std::find(known.begin(), known.end(), key) == known.end())
       OOM_THROW(Errc::parse, fmt::format("profile {}: field {} is not a machine profile field", source, key));
   }
   p.validate(source);
@@ -353,15 +370,34 @@ SizeCurve gemm_roofline(double cap_flops, double mem_bytes_per_s) {
   return SizeCurve(std::move(s));
 }
 
-/// The H200's measured causal GQA attention curve, scaled by `scale`:
-/// OOM's own flash attention (mma.sync, deterministic backward) on the H200, forward + backward at
-/// 3.5x the causal forward FLOPs: what the planner must predict OOM's steps with. PyTorch SDPA on the
-/// same shapes, same run: 282 (4K), 567 (16K), 551 (32K), 543 (128K) TFLOP/s.
-SizeCurve h200_attention(double scale) {
-  return SizeCurve({{4096, 121.7 * kTFLOP * scale},
-                    {16384, 200.9 * kTFLOP * scale},
-                    {32768, 203.2 * kTFLOP * scale},
-                    {131072, 206.5 * kTFLOP * scale}});
+/// OOM's own flash attention (mma.sync, deterministic backward) on our H200, causal GQA 16q/4kv
+/// heads, head dim 128, batch 1, each pass timed alone (oom-calibrate's measure_flash_attention),
+/// scaled by `scale`: what the planner must predict OOM's steps with.
+struct AttentionCurves {
+  SizeCurve forward, backward;
+};
+AttentionCurves h200_attention(double scale) {
+  // oom-calibrate on our 1x H200, 2026-11-30 (examples/profiles/h200-2026-11-30b.json); PyTorch SDPA
+  // forward + backward on the same shapes: 282 (4K), 567 (16K), 551 (32K), 543 (128K) TFLOP/s.
+  return {SizeCurve({{4096, 162.1 * kTFLOP * scale},
+                     {8192, 205.2 * kTFLOP * scale},
+                     {16384, 246.4 * kTFLOP * scale},
+                     {32768, 250.3 * kTFLOP * scale},
+                     {65536, 255.9 * kTFLOP * scale},
+                     {131072, 256.8 * kTFLOP * scale}}),
+          SizeCurve({{4096, 92.7 * kTFLOP * scale},
+                     {8192, 134.4 * kTFLOP * scale},
+                     {16384, 185.2 * kTFLOP * scale},
+                     {32768, 190.1 * kTFLOP * scale},
+                     {65536, 192.4 * kTFLOP * scale},
+                     {131072, 193.5 * kTFLOP * scale}})};
+}
+
+void set_attention(MachineProfile& p, const AttentionCurves& c, const Provenance& forward, const Provenance& backward) {
+  p.attention_forward_flops = c.forward;
+  p.attention_backward_flops = c.backward;
+  p.provenance["attention_forward_flops"] = forward;
+  p.provenance["attention_backward_flops"] = backward;
 }
 
 void check_gpus(std::string_view profile, int gpus) {
@@ -441,12 +477,14 @@ MachineProfile MachineProfile::h200(int gpus) {
   p.provenance["gemm_flops"] = prov(kCalibrated + ": cuBLAS bf16 GEMM (fp32 accumulate) by m at n = k = 2048", kH200Machine,
                                     kH200Date);
 
-  p.attention_flops = h200_attention(1.0);
-  p.provenance["attention_flops"] = prov(
-      "bench/kernels/bench_attention: OOM's flash attention, causal GQA 16q/4kv heads, head dim 128, batch 1, "
-      "forward+backward counted as 3.5x causal forward FLOPs (0.38-0.43x PyTorch SDPA in the same run; "
-      "docs/performance.md)",
-      kH200Machine, kH200Date);
+  {
+    const std::string what =
+        "OOM's flash attention, causal GQA 16q/4kv heads, head dim 128, batch 1, the {} timed alone ({}x the causal "
+        "forward FLOPs; oom-calibrate measure_flash_attention; forward + backward 0.38-0.43x PyTorch SDPA, "
+        "docs/performance.md; examples/profiles/h200-2026-11-30b.json)";
+    set_attention(p, h200_attention(1.0), prov(fmt::format(fmt::runtime(what), "forward", 1), kH200Machine, kH200Date),
+                  prov(fmt::format(fmt::runtime(what), "backward", 2.5), kH200Machine, kH200Date));
+  }
 
   p.launch_overhead_s = 3.44e-6;
   p.provenance["launch_overhead_s"] = prov(kCalibrated + ": empty kernel launch, median", kH200Machine, kH200Date);
@@ -536,11 +574,12 @@ MachineProfile MachineProfile::h100_80gb(int gpus) {
       prov("ESTIMATE: our H200's measured cuBLAS bf16 8192^3 799 TFLOP/s x (989.4 / 989.4, H100 SXM / H200 dense bf16 "
            "datasheet peaks) as cap; by m, roofline with 3.0 TB/s (see hbm_bytes_per_s)",
            machine, "2023");
-  p.attention_flops = h200_attention(scale);
-  p.provenance["attention_flops"] =
-      prov("ESTIMATE: OOM's flash attention curve measured on our H200 (" + std::string(kH200Date) +
-               ") x 1.0, the ratio of the H100 SXM and H200 dense bf16 datasheet peaks (989.4 TFLOP/s each)",
-           machine, "2023");
+  {
+    const Provenance est = prov("ESTIMATE: OOM's flash attention curves measured on our H200 (" + std::string(kH200Date) +
+                                    ") x 1.0, the ratio of the H100 SXM and H200 dense bf16 datasheet peaks (989.4 TFLOP/s each)",
+                                machine, "2023");
+    set_attention(p, h200_attention(scale), est, est);
+  }
 
   p.launch_overhead_s = 5e-6;
   p.provenance["launch_overhead_s"] =
@@ -619,11 +658,12 @@ MachineProfile MachineProfile::rtx4090(int gpus) {
       prov("ESTIMATE: our H200's measured cuBLAS bf16 8192^3 799 TFLOP/s x (165.2 / 989.4, RTX 4090 bf16 with fp32 "
            "accumulate per the Ada whitepaper / H200 dense bf16 datasheet) as cap; by m, roofline with 903 GB/s",
            machine, "2022");
-  p.attention_flops = h200_attention(scale);
-  p.provenance["attention_flops"] =
-      prov("ESTIMATE: OOM's flash attention curve measured on our H200 (" + std::string(kH200Date) +
-               ") x 165.2 / 989.4 (dense bf16 fp32-accumulate peaks: Ada whitepaper, H200 datasheet)",
-           machine, "2022");
+  {
+    const Provenance est = prov("ESTIMATE: OOM's flash attention curves measured on our H200 (" + std::string(kH200Date) +
+                                    ") x 165.2 / 989.4 (dense bf16 fp32-accumulate peaks: Ada whitepaper, H200 datasheet)",
+                                machine, "2022");
+    set_attention(p, h200_attention(scale), est, est);
+  }
 
   p.launch_overhead_s = 5e-6;
   p.provenance["launch_overhead_s"] =

@@ -99,7 +99,7 @@ struct CudaCausalLm::Impl {
   CudaBackend::Stream cs, h2d, d2h, cpu;
   cublasHandle_t blas = nullptr;
   std::unique_ptr<kernels::ExpertGemmStreams> expert_streams;
-  optim::ThreadPool pool{0};
+  optim::ThreadPool pool;
   std::mutex error_mutex;
   std::exception_ptr cpu_error;
   std::vector<Slot> slots;
@@ -157,8 +157,12 @@ struct CudaCausalLm::Impl {
   }
   std::string label(std::size_t l) const { return "layers." + std::to_string(l); }
 
+  static std::size_t cpu_threads(const CudaCausalLmOptions& o) {
+    if (o.cpu_threads > 0) return o.cpu_threads;
+    return std::max(2u, std::thread::hardware_concurrency()) - 1;  // 0 when unknown: 1 thread
+  }
   Impl(const ModelSpec& s, const Plan& p, CudaCausalLmOptions o, bool sizing_only)
-      : spec(&s), plan(p), opt(o), sizing(sizing_only) {
+      : spec(&s), plan(p), opt(o), sizing(sizing_only), pool(sizing_only ? 1 : cpu_threads(o)) {
     if (sizing) return;
     // Size everything first: a plan the arena cannot hold is refused here, by claimant, before
     // any memory is taken; pinned slabs are made large enough for the largest single buffer.

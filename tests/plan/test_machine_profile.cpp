@@ -131,9 +131,10 @@ TEST_CASE("built-in H200 carries the figures measured on our machine") {
   CHECK(MachineProfile::h200(2).host_memory == 251_GiB);
   CHECK(p.gemm_flops.at(16) < 100e12);  // a 16-row GEMM is memory-bound, far below the cap
   // OOM's own attention kernel as measured (not the peer's): the planner predicts OOM's steps.
-  CHECK(p.attention_flops.at(4096) == doctest::Approx(121.7e12));
-  CHECK(p.attention_flops.at(131072) == doctest::Approx(206.5e12));
-  CHECK(p.provenance.at("attention_flops").source.find("OOM's flash attention") != std::string::npos);
+  // Each pass at its own rate, the backward's below the forward's at long sequences.
+  CHECK(p.attention_forward_flops.at(131072) > p.attention_backward_flops.at(131072));
+  CHECK(p.provenance.at("attention_forward_flops").source.find("OOM's flash attention") != std::string::npos);
+  CHECK(p.provenance.at("attention_backward_flops").source.find("backward timed alone") != std::string::npos);
   CHECK(p.provenance.at("h2d_bytes_per_s").date == "2026-11-30");
 }
 
@@ -149,6 +150,15 @@ TEST_CASE("built-in H200 agrees with the profile oom-calibrate measured there") 
   CHECK(builtin.h2d_bytes_per_s == doctest::Approx(measured.h2d_bytes_per_s).epsilon(0.01));
   CHECK(builtin.d2h_bytes_per_s == doctest::Approx(measured.d2h_bytes_per_s).epsilon(0.01));
   CHECK(measured.provenance.at("cpu_adamw_params_per_s").source.find("oom-calibrate") != std::string::npos);
+  // That file predates the split attention curves (it is read through the legacy path); the split
+  // ones come from the second calibration of the day.
+  const MachineProfile split = MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h200-2026-11-30b.json");
+  for (double s : {4096.0, 8192.0, 16384.0, 32768.0, 65536.0, 131072.0}) {
+    CAPTURE(s);
+    CHECK(builtin.attention_forward_flops.at(s) == doctest::Approx(split.attention_forward_flops.at(s)).epsilon(0.01));
+    CHECK(builtin.attention_backward_flops.at(s) == doctest::Approx(split.attention_backward_flops.at(s)).epsilon(0.01));
+  }
+  CHECK(split.provenance.at("attention_backward_flops").source.find("backward timed alone") != std::string::npos);
 }
 
 TEST_CASE("the other built-ins keep the hardware's ordering") {
@@ -238,10 +248,10 @@ TEST_CASE("malformed profiles: each error names the file and the field") {
     Json j = h200_json();
     Json prov = Json::object();
     for (auto& [k, v] : j.find("provenance")->as_object())
-      if (k != "attention_flops") prov.set(k, v);
+      if (k != "attention_backward_flops") prov.set(k, v);
     j.set("provenance", prov);
     const std::string e = profile_error(j);
-    CHECK(e.find("attention_flops") != std::string::npos);
+    CHECK(e.find("attention_backward_flops") != std::string::npos);
     CHECK(e.find("provenance") != std::string::npos);
   }
   SUBCASE("provenance with a bad date") {
@@ -269,15 +279,15 @@ TEST_CASE("malformed profiles: each error names the file and the field") {
   }
   SUBCASE("curve element that is not a pair") {
     Json j = h200_json();
-    j.set("attention_flops", Json::parse("[[4096, 1e12, 3]]"));
+    j.set("attention_forward_flops", Json::parse("[[4096, 1e12, 3]]"));
     const std::string e = profile_error(j);
-    CHECK(e.find("attention_flops[0]") != std::string::npos);
+    CHECK(e.find("attention_forward_flops[0]") != std::string::npos);
     CHECK(e.find("[size, rate]") != std::string::npos);
   }
   SUBCASE("empty curve") {
     Json j = h200_json();
-    j.set("attention_flops", Json::array());
-    CHECK(profile_error(j).find("attention_flops") != std::string::npos);
+    j.set("attention_forward_flops", Json::array());
+    CHECK(profile_error(j).find("attention_forward_flops") != std::string::npos);
   }
   SUBCASE("misspelt field") {
     Json j = h200_json();
@@ -325,4 +335,30 @@ TEST_CASE("from_file reads what to_json wrote and names the path in errors") {
   CHECK_THROWS_AS((void)MachineProfile::from_file(dir / "oom_no_such_profile.json"), Error);
   std::filesystem::remove(good);
   std::filesystem::remove(bad);
+}
+
+TEST_CASE("a profile with the older single attention curve reads it as the rate of each pass") {
+  // Profiles written before the forward and backward curves were split carry `attention_flops`
+  // (forward + backward at 3.5x the causal forward FLOPs): the same time for the pair either way.
+  const Json current = MachineProfile::h200(1).to_json();
+  const Json legacy = Json::parse("[[4096, 1.0e14], [131072, 2.0e14]]");
+  Json j = Json::object();
+  for (const auto& [k, v] : current.as_object())
+    if (!k.starts_with("attention_")) j.set(k, v);
+  j.set("attention_flops", legacy);
+  Json prov = Json::object();
+  for (const auto& [k, v] : current.find("provenance")->as_object())
+    if (!k.starts_with("attention_")) prov.set(k, v);
+  prov.set("attention_flops", Json(Json::Object{{"source", "old calibration"}, {"machine", "m"}, {"date", "2026-11-30"}}));
+  j.set("provenance", prov);
+  const MachineProfile p = MachineProfile::from_json(j, "old.json");
+  CHECK(p.attention_forward_flops.at(4096) == doctest::Approx(1.0e14));
+  CHECK(p.attention_backward_flops.at(131072) == doctest::Approx(2.0e14));
+  CHECK(p.provenance.at("attention_backward_flops").source.find("old calibration") != std::string::npos);
+  // Written back, it is in the new form and reads back equal.
+  CHECK(MachineProfile::from_json(p.to_json(), "new.json") == p);
+  // A file with both forms is a mistake, named.
+  Json both = MachineProfile::h200(1).to_json();
+  both.set("attention_flops", legacy);
+  CHECK(error_of([&] { (void)MachineProfile::from_json(both, "both.json"); }).find("attention_flops") != std::string::npos);
 }

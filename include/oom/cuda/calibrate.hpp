@@ -36,13 +36,17 @@ GemmRate measure_gemm_bf16(int device, std::int64_t m, std::int64_t n, std::int6
 struct AttentionRate {
   std::int64_t seq = 0;
   int q_heads = 0, kv_heads = 0, head_dim = 0;
-  double flops_per_s = 0;  ///< 3.5 x causal forward FLOPs (2 * seq^2 * q_heads * head_dim) per second
-  double seconds = 0;      ///< median time of one forward + backward
+  double flops_per_s = 0;           ///< 3.5 x causal forward FLOPs (2 * seq^2 * q_heads * head_dim) per second
+  double seconds = 0;               ///< median time of one forward + backward
+  double forward_flops_per_s = 0;   ///< the forward alone: 1 x causal forward FLOPs per second
+  double forward_seconds = 0;       ///< median time of one forward
+  double backward_flops_per_s = 0;  ///< the backward alone: 2.5 x causal forward FLOPs per second
+  double backward_seconds = 0;      ///< median time of one backward
   int repeats = 0;
 };
 /// OOM's flash attention kernel (include/oom/kernels/attention.hpp), causal GQA forward + backward
-/// over one sequence of `seq` tokens (batch 1): the rate the planner should predict our own steps
-/// with. Needs about 2 B * 4 * (q_heads + kv_heads) * head_dim * seq of device memory.
+/// over one sequence of `seq` tokens (batch 1), each pass timed alone and the pair together: the
+/// rates the planner should predict our own steps with (the two passes run at different rates). Needs about 2 B * 4 * (q_heads + kv_heads) * head_dim * seq of device memory.
 AttentionRate measure_flash_attention(int device, std::int64_t seq, int q_heads, int kv_heads, int head_dim, int repeats);
 
 struct LaunchOverhead {

@@ -33,10 +33,13 @@ class ProfileCostModel {
         t[Resource::gpu_compute] = launch + op.flops() / profile_->gemm_flops.at(static_cast<double>(std::max<std::uint64_t>(op.m, 1)));
         break;
       case OpKind::attention_forward:
-      case OpKind::attention_backward:
+      case OpKind::attention_backward: {
         // Keyed by the queries in the launch: the parallel work a flash kernel spreads over the GPU.
-        t[Resource::gpu_compute] = launch + op.flops() / profile_->attention_flops.at(static_cast<double>(std::max<std::uint64_t>(op.m, 1)));
+        const SizeCurve& rate = op.kind == OpKind::attention_forward ? profile_->attention_forward_flops
+                                                                     : profile_->attention_backward_flops;
+        t[Resource::gpu_compute] = launch + op.flops() / rate.at(static_cast<double>(std::max<std::uint64_t>(op.m, 1)));
         break;
+      }
       case OpKind::memory_bound: t[Resource::gpu_compute] = launch + bytes / profile_->hbm_bytes_per_s; break;
       case OpKind::copy_h2d: t[Resource::h2d] = launch + bytes / h2d_rate(); break;
       case OpKind::copy_d2h: t[Resource::d2h] = launch + bytes / d2h_rate(); break;

@@ -61,7 +61,14 @@ struct MachineProfile {
 
   double hbm_bytes_per_s = 0;     ///< device memory, bytes read + written per second
   SizeCurve gemm_flops;           ///< bf16 GEMM FLOP/s (fp32 accumulate) by m, at n = k = 2048
-  SizeCurve attention_flops;      ///< causal attention forward+backward FLOP/s (3.5x forward FLOPs) by sequence length
+  /// Causal attention by sequence length: the forward's FLOP/s (counted as the causal forward's
+  /// 2·S²·heads·head_dim) and the backward's (2.5x those FLOPs). Two curves, not one for the pair:
+  /// a flash backward runs at a lower rate than its forward (OOM's: 0.75x at 128K), and a plan
+  /// that recomputes the forward pays the forward's rate. A profile file with the older single
+  /// `attention_flops` (forward + backward at 3.5x) is read as that rate for both, which gives
+  /// the same forward + backward time.
+  SizeCurve attention_forward_flops;
+  SizeCurve attention_backward_flops;
   double launch_overhead_s = 0;   ///< fixed cost per kernel or copy
 
   double cpu_adamw_params_per_s = 0;  ///< OOM's CPU AdamW, fp32 master and moments, all cores

@@ -46,6 +46,10 @@ struct CudaCausalLmOptions {
   Bytes device_budget;  ///< the reserved device arena; default (0): the plan's GPU budget
   Bytes pinned_budget;  ///< pinned host memory for streamed state and offloads; default (0): the plan's host budget
   optim::AdamWConfig adamw;
+  /// Threads of the CPU AdamW (the CUDA callback thread that runs it included); 0: one fewer than
+  /// the hardware threads, so the thread issuing the GPU work (which waits on each layer's expert
+  /// counts mid-layer) is never queued behind optimizer threads.
+  unsigned cpu_threads = 0;
   /// A step whose loss is NaN or infinite ends after the loss: no backward, no update.
   bool skip_nonfinite_loss = true;
   /// Test hook: compute does not wait for a layer's weights to arrive. Only for showing that the
