@@ -12,6 +12,7 @@
 
 #include "oom/kernels/expert_gemm.hpp"
 #include "oom/model/cuda_decoder_layer.hpp"
+#include "oom/core/error.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/planner.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
@@ -153,4 +154,22 @@ TEST_CASE("5.13B at 512K fits one H200 with token-chunked MoE") {
   CHECK(gpu_bytes(unchunked) > h200);
   CHECK(unchunked[static_cast<std::size_t>(Claimant::retained_activations)] >
         chunked[static_cast<std::size_t>(Claimant::retained_activations)] + 64_GiB);
+}
+
+TEST_CASE("a decoder layer's MoE chunk: saved and workspace bytes of the MoE half scale with it; a negative one is refused") {
+  const auto spec = config("moe-5b.json");
+  kernels::ExpertGemmStreams streams;
+  auto shape = model::DecoderLayerShape::from_spec(spec, 0, 32768);
+  const auto saved_whole = model::decoder_layer_saved_bytes(shape);
+  const auto ws_whole = model::decoder_layer_workspace_bytes(shape, streams);
+  shape.moe_chunk_tokens = 32768;  // >= T: whole
+  CHECK(model::decoder_layer_saved_bytes(shape) == saved_whole);
+  CHECK(model::decoder_layer_workspace_bytes(shape, streams) == ws_whole);
+  shape.moe_chunk_tokens = 4096;
+  // Whole, saved keeps T*k rows of x_perm and y_perm (H each), gate_up (2I) and SwiGLU out (I), bf16.
+  const std::uint64_t expert_rows = std::uint64_t{32768} * 8 * (2 * 2048 + 3 * 768) * 2;
+  CHECK(model::decoder_layer_saved_bytes(shape) + expert_rows <= saved_whole);
+  CHECK(model::decoder_layer_workspace_bytes(shape, streams) < ws_whole);
+  shape.moe_chunk_tokens = -1;
+  CHECK_THROWS_WITH_AS(shape.validate(), doctest::Contains("moe_chunk_tokens = -1"), Error);
 }
