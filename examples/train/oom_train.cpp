@@ -261,7 +261,10 @@ void truncate_metrics(const fs::path& path, std::uint64_t step) {
 // recomputes a layer's saved buffer as a whole, so it may need more than the plan predicts. Take
 // the planner's candidates in order, each as planned and then with checkpoint retention (boundaries
 // kept or offloaded, everything else recomputed), and run the first whose exact executor
-// footprint fits the GPU and the host budget.
+// footprint fits the GPU and the host budget. Should no variant of a candidate fit, its checkpoint
+// variants are tried again with the MoE half in smaller token chunks (halved while that still
+// shrinks the footprint): the planner's chunk comes from its own, lower, estimate of the layer's
+// scratch, and the executor's workspace for the MoE half scales with the chunk.
 Plan with_checkpoint(Plan p, bool offload_boundaries) {
   for (std::size_t l = 0; l < p.retention.size(); ++l)
     for (int c = 0; c < activation_class_count; ++c)
@@ -273,24 +276,50 @@ Plan with_checkpoint(Plan p, bool offload_boundaries) {
   return p;
 }
 
+/// The largest MoE token chunk of the plan's layers; the sequence length when none chunks.
+std::uint64_t moe_chunk(const Plan& p) {
+  const std::uint64_t T = p.workload.tokens();
+  std::uint64_t c = 0;
+  for (const auto& lc : p.chunks) c = std::max(c, lc.moe_tokens == 0 ? T : std::min(lc.moe_tokens, T));
+  return c == 0 ? T : c;
+}
+
 Plan fit_cuda_executor(const ModelSpec& spec, const std::vector<Plan>& plans, const PlanRequest& req) {
   std::size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) free_b = req.gpu_budget.count();
   const std::uint64_t headroom = std::uint64_t{1} << 30;
   const Bytes gpu_avail{std::min<std::uint64_t>(req.gpu_budget.count(), free_b > headroom ? free_b - headroom : 0)};
   Bytes least_gpu{~std::uint64_t{0}};
+  // Prints the plan's footprint; its GPU bytes, and whether it fits.
+  const auto consider = [&](std::size_t i, const Plan& p) {
+    const auto fp = CudaCausalLm::footprint(spec, p);
+    Bytes gpu, host;
+    for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) = (on_gpu(static_cast<Claimant>(c)) ? gpu : host) + fp[static_cast<std::size_t>(c)];
+    least_gpu = least_gpu < gpu ? least_gpu : gpu;
+    const bool fits = gpu <= gpu_avail && host <= req.host_budget;
+    const std::uint64_t chunk = moe_chunk(p);
+    const std::string moe = chunk < p.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole");
+    fmt::print("candidate plan {} ({}; {}): the CUDA executor needs {} on the GPU (resident {}, activations {}, worksets {}) "
+               "and {} pinned: {}\n",
+               i + 1, p.retention_name, moe, gpu, fp[0], fp[1], fp[2], host, fits ? "fits" : "does not fit");
+    return std::pair{gpu, fits};
+  };
+  constexpr std::uint64_t smallest_moe_chunk = 4096;
   for (std::size_t i = 0; i < plans.size(); ++i) {
     for (int variant = 0; variant < 3; ++variant) {
       const Plan p = variant == 0 ? plans[i] : with_checkpoint(plans[i], variant == 2);
-      const auto fp = CudaCausalLm::footprint(spec, p);
-      Bytes gpu, host;
-      for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) = (on_gpu(static_cast<Claimant>(c)) ? gpu : host) + fp[static_cast<std::size_t>(c)];
-      least_gpu = least_gpu < gpu ? least_gpu : gpu;
-      const bool fits = gpu <= gpu_avail && host <= req.host_budget;
-      fmt::print("candidate plan {} ({}): the CUDA executor needs {} on the GPU (resident {}, activations {}, worksets {}) "
-                 "and {} pinned: {}\n",
-                 i + 1, p.retention_name, gpu, fp[0], fp[1], fp[2], host, fits ? "fits" : "does not fit");
-      if (fits) return p;
+      if (consider(i, p).second) return p;
+    }
+    for (int variant = 1; variant < 3; ++variant) {
+      Plan p = with_checkpoint(plans[i], variant == 2);
+      Bytes last = consider(i, p).first;
+      for (std::uint64_t c = moe_chunk(p) / 2; c >= smallest_moe_chunk; c /= 2) {
+        for (auto& lc : p.chunks) lc.moe_tokens = c;
+        const auto [gpu, fits] = consider(i, p);
+        if (fits) return p;
+        if (!(gpu < last)) break;  // smaller chunks no longer help: the attention half dominates
+        last = gpu;
+      }
     }
   }
   OOM_THROW(Errc::out_of_budget, fmt::format("no candidate plan fits the CUDA executor: the least GPU memory any needs is {}, "

@@ -59,6 +59,8 @@ void gemm(cublasHandle_t blas, bool trans_a, bool trans_b, std::int64_t m, std::
 constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
 /// Hands out 256-byte aligned sub-buffers of one block; with a null base it only counts (sizing).
+/// Two phases of a call that never hold their buffers at once share storage: carve the first,
+/// rewind() to the mark() taken before it, carve the second; size() covers the longer.
 class Carver {
  public:
   explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
@@ -70,18 +72,54 @@ class Carver {
     offset_ = align_up(offset_);
     void* p = base_ ? base_ + offset_ : nullptr;
     offset_ += bytes;
+    end_ = std::max(end_, offset_);
     return p;
   }
-  [[nodiscard]] std::size_t size() const { return align_up(offset_); }
+  [[nodiscard]] std::size_t mark() const { return align_up(offset_); }
+  void rewind(std::size_t at) { offset_ = at; }
+  [[nodiscard]] std::size_t size() const { return align_up(end_); }
 
  private:
   char* base_;
-  std::size_t offset_ = 0;
+  std::size_t offset_ = 0, end_ = 0;
 };
 
 std::int64_t q_width(const DecoderLayerShape& s) { return s.heads_q * s.head_dim; }
 std::int64_t kv_width(const DecoderLayerShape& s) { return s.heads_kv * s.head_dim; }
-std::int64_t slots(const DecoderLayerShape& s) { return s.tokens * s.top_k; }  // N, rows of the expert GEMMs
+/// Tokens per MoE chunk: moe_chunk_tokens, or T when the MoE half runs whole (0 or >= T).
+std::int64_t moe_chunk(const DecoderLayerShape& s) {
+  return s.moe_chunk_tokens > 0 && s.moe_chunk_tokens < s.tokens ? s.moe_chunk_tokens : s.tokens;
+}
+bool chunked(const DecoderLayerShape& s) { return moe_chunk(s) < s.tokens; }
+/// N: rows of one chunk's expert GEMMs (the largest chunk's).
+std::int64_t chunk_slots(const DecoderLayerShape& s) { return moe_chunk(s) * s.top_k; }
+
+/// One MoE chunk's permutation and expert activations (N = n*k rows for a chunk of n tokens). Whole:
+/// kept in `saved` for the backward; chunked: in the workspace, recomputed by the backward per chunk.
+struct ExpertRows {
+  std::int32_t* row_to_slot;  // (N)
+  std::int32_t* slot_to_row;  // (N)
+  std::int32_t* counts;       // (E)
+  std::int32_t* offsets;      // (E + 1)
+  bf16* x_perm;               // (N, H)
+  bf16* gate_up;              // (N, 2I)
+  bf16* act;                  // (N, I)          silu(gate) * up
+  bf16* y_perm;               // (N, H)          expert outputs before the weighted combine
+};
+
+ExpertRows carve_expert_rows(const DecoderLayerShape& s, Carver& c) {
+  const auto N = chunk_slots(s), H = s.hidden, I = s.intermediate;
+  ExpertRows r{};
+  r.row_to_slot = c.take<std::int32_t>(N);
+  r.slot_to_row = c.take<std::int32_t>(N);
+  r.counts = c.take<std::int32_t>(s.experts);
+  r.offsets = c.take<std::int32_t>(s.experts + 1);
+  r.x_perm = c.take<bf16>(N * H);
+  r.gate_up = c.take<bf16>(N * 2 * I);
+  r.act = c.take<bf16>(N * I);
+  r.y_perm = c.take<bf16>(N * H);
+  return r;
+}
 
 /// What the forward keeps for the backward, in this order in `saved`.
 struct Saved {
@@ -102,19 +140,12 @@ struct Saved {
   float* probs;            // (T, E)
   std::int32_t* expert_ids;  // (T, k)
   float* weights;          // (T, k)
-  std::int32_t* row_to_slot;  // (N)
-  std::int32_t* slot_to_row;  // (N)
-  std::int32_t* counts;       // (E)
-  std::int32_t* offsets;      // (E + 1)
-  bf16* x_perm;            // (N, H)
-  bf16* gate_up;           // (N, 2I)
-  bf16* act;               // (N, I)          silu(gate) * up
-  bf16* y_perm;            // (N, H)          expert outputs before the weighted combine
+  ExpertRows rows;         // whole MoE only (chunked: all null)
 };
 
 Saved carve_saved(const DecoderLayerShape& s, void* base, std::size_t* total = nullptr) {
   Carver c(base);
-  const auto T = s.tokens, H = s.hidden, N = slots(s), E = s.experts;
+  const auto T = s.tokens, H = s.hidden, E = s.experts;
   Saved v{};
   v.rstd1 = c.take<float>(T);
   v.xn1 = c.take<bf16>(T * H);
@@ -133,14 +164,7 @@ Saved carve_saved(const DecoderLayerShape& s, void* base, std::size_t* total = n
   v.probs = c.take<float>(T * E);
   v.expert_ids = c.take<std::int32_t>(T * s.top_k);
   v.weights = c.take<float>(T * s.top_k);
-  v.row_to_slot = c.take<std::int32_t>(N);
-  v.slot_to_row = c.take<std::int32_t>(N);
-  v.counts = c.take<std::int32_t>(E);
-  v.offsets = c.take<std::int32_t>(E + 1);
-  v.x_perm = c.take<bf16>(N * H);
-  v.gate_up = c.take<bf16>(N * 2 * s.intermediate);
-  v.act = c.take<bf16>(N * s.intermediate);
-  v.y_perm = c.take<bf16>(N * H);
+  if (!chunked(s)) v.rows = carve_expert_rows(s, c);
   if (total) *total = c.size();
   return v;
 }
@@ -148,9 +172,16 @@ Saved carve_saved(const DecoderLayerShape& s, void* base, std::size_t* total = n
 kernels::RouterShape router_shape(const DecoderLayerShape& s) {
   return {s.tokens, s.hidden, s.experts, s.top_k, s.norm_topk_prob};
 }
-kernels::PermuteShape permute_shape(const DecoderLayerShape& s) { return {s.tokens, s.top_k, s.experts}; }
+/// The permutation of a chunk of n tokens.
+kernels::PermuteShape permute_shape(const DecoderLayerShape& s, std::int64_t n) { return {n, s.top_k, s.experts}; }
 kernels::ExpertGemmShape expert_shape(const DecoderLayerShape& s) {
-  return {s.hidden, s.intermediate, s.experts, slots(s)};
+  return {s.hidden, s.intermediate, s.experts, chunk_slots(s)};
+}
+/// permute_plan's CUB scratch for every chunk size that occurs (a full chunk and the tail).
+std::size_t plan_workspace_bytes(const DecoderLayerShape& s) {
+  const auto C = moe_chunk(s), tail = s.tokens % C;
+  return std::max(kernels::permute_plan_workspace_bytes(permute_shape(s, C)),
+                  kernels::permute_plan_workspace_bytes(permute_shape(s, tail > 0 ? tail : C)));
 }
 kernels::AttentionProblem attention_problem(const DecoderLayerShape& s) {
   kernels::AttentionProblem p;
@@ -168,9 +199,10 @@ struct ForwardScratch {
   float* logits;    // (T, E)
   void* plan_ws;    // permute_plan's
   std::size_t plan_bytes;
-  bf16* moe_out;    // (T, H)
+  bf16* moe_out;    // (C, H)   one chunk's combined expert outputs
   void* gemm_ws;    // the expert GEMMs'
   std::size_t gemm_bytes;
+  ExpertRows rows;  // chunked MoE only (whole: in `saved`)
 };
 
 ForwardScratch carve_forward(const DecoderLayerShape& s, const kernels::ExpertGemmStreams& streams, void* base,
@@ -178,27 +210,38 @@ ForwardScratch carve_forward(const DecoderLayerShape& s, const kernels::ExpertGe
   Carver c(base);
   ForwardScratch f{};
   f.logits = c.take<float>(s.tokens * s.experts);
-  f.plan_bytes = kernels::permute_plan_workspace_bytes(permute_shape(s));
+  f.plan_bytes = plan_workspace_bytes(s);
   f.plan_ws = c.take_bytes(f.plan_bytes);
-  f.moe_out = c.take<bf16>(s.tokens * s.hidden);
+  f.moe_out = c.take<bf16>(moe_chunk(s) * s.hidden);
   f.gemm_bytes = kernels::expert_gemm_workspace_bytes(expert_shape(s), expert_method, &streams);
   f.gemm_ws = c.take_bytes(f.gemm_bytes);
+  if (chunked(s)) f.rows = carve_expert_rows(s, c);
   if (total) *total = c.size();
   return f;
 }
 
-/// Backward scratch.
+/// Backward scratch. The MoE phase (all chunks, then the router backward) and the attention phase
+/// that follows share storage; what crosses from one to the other lives outside both.
 struct BackwardScratch {
-  bf16* dy_perm;       // (N, H)
+  // Both phases.
   float* d_weights;    // (T, k)
-  bf16* d_act;         // (N, I)
-  bf16* d_gate_up;     // (N, 2I)
-  bf16* dx_perm;       // (N, H)
-  bf16* dxn2;          // (T, H)   then, in place, the MoE branch's d h
+  bf16* dxn2;          // (T, H)   then, in place, the MoE branch's d h, then d h = dy + it
   float* d_logits;     // (T, E)
   void* router_ws;
   std::size_t router_bytes;
-  bf16* dh;            // (T, H)
+  void* norm_ws;       // the largest of the four rmsnorm backwards'
+  std::size_t norm_bytes;
+  void* gemm_ws;
+  std::size_t gemm_bytes;
+  void* plan_ws;       // chunked: the recomputed permute plans'
+  std::size_t plan_bytes;
+  // MoE phase (N = chunk_slots rows).
+  ExpertRows rows;     // chunked: one chunk's recomputed forward
+  bf16* dy_perm;       // (N, max(H, 2I))
+  bf16* d_gate_up;     // (N, 2I)  in dy_perm's storage: written after the down backward read dy_perm
+  bf16* d_act;         // (N, I)
+  bf16* dx_perm;       // (N, H)   chunked: in rows.y_perm's storage, whose last reader is the combine backward
+  // Attention phase.
   bf16* d_attn;        // (T, Hq, D)
   bf16* dq;            // (T, Hq, D)
   bf16* dk;            // (T, Hkv, D)
@@ -207,27 +250,35 @@ struct BackwardScratch {
   std::size_t attn_bytes;
   float* dxn1_f32;     // (T, H)   the three projections' dx summed in fp32
   bf16* dxn1;          // (T, H)   then, in place, the attention branch's d x
-  void* norm_ws;       // the largest of the four rmsnorm backwards'
-  std::size_t norm_bytes;
-  void* gemm_ws;
-  std::size_t gemm_bytes;
 };
 
 BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::ExpertGemmStreams& streams, void* base,
                                std::size_t* total = nullptr) {
   Carver c(base);
-  const auto T = s.tokens, H = s.hidden, N = slots(s), I = s.intermediate;
+  const auto T = s.tokens, H = s.hidden, N = chunk_slots(s), I = s.intermediate;
   BackwardScratch b{};
-  b.dy_perm = c.take<bf16>(N * H);
   b.d_weights = c.take<float>(T * s.top_k);
-  b.d_act = c.take<bf16>(N * I);
-  b.d_gate_up = c.take<bf16>(N * 2 * I);
-  b.dx_perm = c.take<bf16>(N * H);
   b.dxn2 = c.take<bf16>(T * H);
   b.d_logits = c.take<float>(T * s.experts);
   b.router_bytes = kernels::router_backward_workspace_bytes(router_shape(s));
   b.router_ws = c.take_bytes(b.router_bytes);
-  b.dh = c.take<bf16>(T * H);
+  b.norm_bytes = std::max({kernels::rmsnorm_backward_workspace_bytes(T, H),
+                           kernels::rmsnorm_backward_workspace_bytes(T * s.heads_q, s.head_dim),
+                           kernels::rmsnorm_backward_workspace_bytes(T * s.heads_kv, s.head_dim)});
+  b.norm_ws = c.take_bytes(b.norm_bytes);
+  b.gemm_bytes = kernels::expert_gemm_workspace_bytes(expert_shape(s), expert_method, &streams);
+  b.gemm_ws = c.take_bytes(b.gemm_bytes);
+  b.plan_bytes = chunked(s) ? plan_workspace_bytes(s) : 0;
+  b.plan_ws = chunked(s) ? c.take_bytes(b.plan_bytes) : nullptr;
+
+  const std::size_t phases = c.mark();
+  if (chunked(s)) b.rows = carve_expert_rows(s, c);
+  b.dy_perm = c.take<bf16>(N * std::max(H, 2 * I));
+  b.d_gate_up = b.dy_perm;
+  b.d_act = c.take<bf16>(N * I);
+  b.dx_perm = chunked(s) ? b.rows.y_perm : c.take<bf16>(N * H);
+
+  c.rewind(phases);
   b.d_attn = c.take<bf16>(T * q_width(s));
   b.dq = c.take<bf16>(T * q_width(s));
   b.dk = c.take<bf16>(T * kv_width(s));
@@ -236,12 +287,6 @@ BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::Expert
   b.attn_ws = c.take_bytes(b.attn_bytes);
   b.dxn1_f32 = c.take<float>(T * H);
   b.dxn1 = c.take<bf16>(T * H);
-  b.norm_bytes = std::max({kernels::rmsnorm_backward_workspace_bytes(T, H),
-                           kernels::rmsnorm_backward_workspace_bytes(T * s.heads_q, s.head_dim),
-                           kernels::rmsnorm_backward_workspace_bytes(T * s.heads_kv, s.head_dim)});
-  b.norm_ws = c.take_bytes(b.norm_bytes);
-  b.gemm_bytes = kernels::expert_gemm_workspace_bytes(expert_shape(s), expert_method, &streams);
-  b.gemm_ws = c.take_bytes(b.gemm_bytes);
   if (total) *total = c.size();
   return b;
 }
@@ -299,8 +344,10 @@ void check_context(const DecoderLayerContext& ctx) {
   if (!ctx.expert_streams) invalid("context has no ExpertGemmStreams (the row_chunked expert GEMMs need one)");
 }
 
-/// The E per-expert row counts on the host (the expert GEMMs' m/k arguments): one D2H + sync.
-std::vector<std::int32_t> download_counts(const DecoderLayerShape& s, const std::int32_t* counts, cudaStream_t stream) {
+/// The E per-expert row counts of one chunk on the host (the expert GEMMs' m/k arguments): one
+/// D2H + sync. `rows` = n*k, what they must sum to.
+std::vector<std::int32_t> download_counts(const DecoderLayerShape& s, const std::int32_t* counts, std::int64_t rows,
+                                          cudaStream_t stream) {
   std::vector<std::int32_t> host(static_cast<std::size_t>(s.experts));
   check(cudaMemcpyAsync(host.data(), counts, host.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream),
         "copy of the expert counts to the host");
@@ -310,9 +357,37 @@ std::vector<std::int32_t> download_counts(const DecoderLayerShape& s, const std:
     if (host[e] < 0) throw Error(Errc::internal, fmt::format("decoder layer: expert {} has {} rows", e, host[e]));
     total += host[e];
   }
-  if (total != slots(s))
-    throw Error(Errc::internal, fmt::format("decoder layer: expert counts sum to {}, expected T*k = {}", total, slots(s)));
+  if (total != rows)
+    throw Error(Errc::internal, fmt::format("decoder layer: expert counts sum to {}, expected tokens*k = {}", total, rows));
   return host;
+}
+
+/// Permutation of tokens [c0, c0 + n) by their (saved) expert ids into r; returns the counts on
+/// the host. Deterministic, so the backward's recomputation gives the forward's permutation.
+std::vector<std::int32_t> plan_chunk(const DecoderLayerShape& s, cudaStream_t st, const std::int32_t* expert_ids,
+                                     std::int64_t c0, std::int64_t n, const ExpertRows& r, void* plan_ws,
+                                     std::size_t plan_bytes) {
+  check(kernels::permute_plan(st, permute_shape(s, n), expert_ids + c0 * s.top_k, r.row_to_slot, r.slot_to_row, r.counts,
+                              r.offsets, plan_ws, plan_bytes),
+        "permute plan");
+  return download_counts(s, r.counts, n * s.top_k, st);
+}
+
+/// The experts of one chunk of n tokens, from its rows of xn2 to r.y_perm: gather, gate/up GEMMs,
+/// SwiGLU, down GEMMs. The forward and the backward's recomputation issue exactly these launches.
+void experts_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                     const std::vector<std::int32_t>& counts, const bf16* xn2_rows, std::int64_t n, const ExpertRows& r,
+                     void* gemm_ws, std::size_t gemm_bytes) {
+  const cudaStream_t st = ctx.stream;
+  const auto es = expert_shape(s);
+  check(kernels::permute_rows(st, permute_shape(s, n), s.hidden, r.row_to_slot, xn2_rows, r.x_perm), "permute rows");
+  check(kernels::expert_gate_up_forward(ctx.blas, st, es, counts.data(), r.x_perm, params.expert_gate_proj.data(), r.gate_up,
+                                        expert_method, gemm_ws, gemm_bytes, ctx.expert_streams),
+        "expert gate_up forward GEMMs");
+  check(kernels::swiglu_forward(r.gate_up, r.act, n * s.top_k, s.intermediate, st), "swiglu forward");
+  check(kernels::expert_down_forward(ctx.blas, st, es, counts.data(), r.act, params.expert_down_proj.data(), r.y_perm,
+                                     expert_method, gemm_ws, gemm_bytes, ctx.expert_streams),
+        "expert down forward GEMMs");
 }
 
 }  // namespace
@@ -336,6 +411,8 @@ void DecoderLayerShape::validate() const {
        fmt::format("top_k = {} must be in [1, min(experts, {})]", top_k, kernels::router_max_top_k));
   need(intermediate >= 1, fmt::format("intermediate = {} must be positive", intermediate));
   need(tokens * top_k <= 0x7fffffff, "tokens * top_k must fit in int32");
+  need(moe_chunk_tokens >= 0,
+       fmt::format("moe_chunk_tokens = {} must be >= 0 (0: the MoE half runs over all tokens at once)", moe_chunk_tokens));
   need(rms_norm_eps > 0 && rope_theta > 0, "rms_norm_eps and rope_theta must be positive");
   need(kernels::attention_can_implement(attention_problem(*this)), "the attention kernel rejects this problem");
 }
@@ -461,7 +538,7 @@ void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerSha
                 decoder_layer_workspace_bytes(s, *ctx.expert_streams));
 
   const cudaStream_t st = ctx.stream;
-  const auto T = s.tokens, H = s.hidden, D = s.head_dim, QW = q_width(s), KW = kv_width(s), I = s.intermediate;
+  const auto T = s.tokens, H = s.hidden, D = s.head_dim, QW = q_width(s), KW = kv_width(s);
   const float eps = s.rms_norm_eps;
   const Saved v = carve_saved(s, saved);
   const ForwardScratch w = carve_forward(s, *ctx.expert_streams, workspace);
@@ -484,26 +561,22 @@ void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerSha
         "residual copy x -> h");
   gemm(ctx.blas, false, true, T, H, QW, v.attn, QW, params.o_proj, QW, v.h, CUDA_R_16BF, H, 1.0f, "o_proj forward GEMM");
 
-  // ---- MoE block
+  // ---- MoE block: the post-attention norm and the router over all T (their state is O(T*(H + E))),
+  // then the experts chunk by chunk, rows [c0, c0 + n) of xn2 to the same rows of y. Whole: one
+  // chunk whose permutation and activations stay in `saved`.
   check(kernels::rmsnorm_forward(v.h, params.post_attention_layernorm, v.xn2, v.rstd2, T, H, eps, st),
         "post_attention_layernorm forward");
   check(kernels::router_forward(ctx.blas, st, router_shape(s), v.xn2, params.router, w.logits, v.probs, v.expert_ids, v.weights),
         "router forward");
-  check(kernels::permute_plan(st, permute_shape(s), v.expert_ids, v.row_to_slot, v.slot_to_row, v.counts, v.offsets, w.plan_ws,
-                              w.plan_bytes),
-        "permute plan");
-  const std::vector<std::int32_t> counts = download_counts(s, v.counts, st);
-  check(kernels::permute_rows(st, permute_shape(s), H, v.row_to_slot, v.xn2, v.x_perm), "permute rows");
-  const auto es = expert_shape(s);
-  check(kernels::expert_gate_up_forward(ctx.blas, st, es, counts.data(), v.x_perm, params.expert_gate_proj.data(), v.gate_up,
-                                        expert_method, w.gemm_ws, w.gemm_bytes, ctx.expert_streams),
-        "expert gate_up forward GEMMs");
-  check(kernels::swiglu_forward(v.gate_up, v.act, slots(s), I, st), "swiglu forward");
-  check(kernels::expert_down_forward(ctx.blas, st, es, counts.data(), v.act, params.expert_down_proj.data(), v.y_perm,
-                                     expert_method, w.gemm_ws, w.gemm_bytes, ctx.expert_streams),
-        "expert down forward GEMMs");
-  check(kernels::unpermute_combine(st, permute_shape(s), H, v.slot_to_row, v.y_perm, v.weights, w.moe_out), "unpermute combine");
-  check(kernels::add_bf16(v.h, w.moe_out, y, T * H, st), "residual add y = h + moe");
+  const ExpertRows& r = chunked(s) ? w.rows : v.rows;
+  for (std::int64_t c0 = 0, C = moe_chunk(s); c0 < T; c0 += C) {
+    const std::int64_t n = std::min(C, T - c0);
+    const auto counts = plan_chunk(s, st, v.expert_ids, c0, n, r, w.plan_ws, w.plan_bytes);
+    experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, w.gemm_ws, w.gemm_bytes);
+    check(kernels::unpermute_combine(st, permute_shape(s, n), H, r.slot_to_row, r.y_perm, v.weights + c0 * s.top_k, w.moe_out),
+          "unpermute combine");
+    check(kernels::add_bf16(v.h + c0 * H, w.moe_out, y + c0 * H, n * H, st), "residual add y = h + moe");
+  }
 }
 
 // ---- backward -------------------------------------------------------------------------------------
@@ -526,33 +599,51 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   const Saved v = carve_saved(s, const_cast<void*>(saved));  // read only
   const BackwardScratch b = carve_backward(s, *ctx.expert_streams, workspace);
   check(cublasSetStream(ctx.blas, st), "cublasSetStream");
-  const auto ps = permute_shape(s);
   const auto es = expert_shape(s);
-  const std::vector<std::int32_t> counts = download_counts(s, v.counts, st);
 
-  // ---- MoE block: y = h + combine(experts(permute(xn2)))
-  check(kernels::unpermute_combine_backward(st, ps, H, v.slot_to_row, dy, v.y_perm, v.weights, b.dy_perm, b.d_weights),
-        "unpermute combine backward");
-  check(kernels::expert_down_backward(ctx.blas, st, es, counts.data(), b.dy_perm, v.act, params.expert_down_proj.data(), b.d_act,
-                                      grads.expert_down_proj.data(), expert_method, b.gemm_ws, b.gemm_bytes, ctx.expert_streams),
-        "expert down backward GEMMs");
-  check(kernels::swiglu_backward(b.d_act, v.gate_up, b.d_gate_up, slots(s), I, st), "swiglu backward");
-  check(kernels::expert_gate_up_backward(ctx.blas, st, es, counts.data(), b.d_gate_up, v.x_perm,
-                                         params.expert_gate_proj.data(), b.dx_perm, grads.expert_gate_proj.data(),
-                                         expert_method, b.gemm_ws, b.gemm_bytes, ctx.expert_streams),
-        "expert gate_up backward GEMMs");
-  check(kernels::permute_rows_backward(st, ps, H, v.slot_to_row, b.dx_perm, b.dxn2), "permute rows backward");
-  check(kernels::router_backward(ctx.blas, st, router_shape(s), v.xn2, params.router, v.probs, v.expert_ids, b.d_weights, v.counts,
+  // ---- MoE block: y = h + combine(experts(permute(xn2))), chunk by chunk in token order (a fixed
+  // order: the expert weight gradients accumulate the chunks' GEMMs the same way every run). A
+  // chunked layer first recomputes the chunk's permutation and expert activations from the saved
+  // xn2 and routing, with the forward's launches (so the forward's bits).
+  const ExpertRows& r = chunked(s) ? b.rows : v.rows;
+  for (std::int64_t c0 = 0, C = moe_chunk(s); c0 < T; c0 += C) {
+    const std::int64_t n = std::min(C, T - c0);
+    const auto ps = permute_shape(s, n);
+    std::vector<std::int32_t> counts;
+    if (chunked(s)) {
+      counts = plan_chunk(s, st, v.expert_ids, c0, n, r, b.plan_ws, b.plan_bytes);
+      experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, b.gemm_ws, b.gemm_bytes);
+    } else {
+      counts = download_counts(s, r.counts, n * s.top_k, st);
+    }
+    check(kernels::unpermute_combine_backward(st, ps, H, r.slot_to_row, dy + c0 * H, r.y_perm, v.weights + c0 * s.top_k,
+                                              b.dy_perm, b.d_weights + c0 * s.top_k),
+          "unpermute combine backward");
+    check(kernels::expert_down_backward(ctx.blas, st, es, counts.data(), b.dy_perm, r.act, params.expert_down_proj.data(),
+                                        b.d_act, grads.expert_down_proj.data(), expert_method, b.gemm_ws, b.gemm_bytes,
+                                        ctx.expert_streams),
+          "expert down backward GEMMs");
+    check(kernels::swiglu_backward(b.d_act, r.gate_up, b.d_gate_up, n * s.top_k, I, st), "swiglu backward");
+    check(kernels::expert_gate_up_backward(ctx.blas, st, es, counts.data(), b.d_gate_up, r.x_perm,
+                                           params.expert_gate_proj.data(), b.dx_perm, grads.expert_gate_proj.data(),
+                                           expert_method, b.gemm_ws, b.gemm_bytes, ctx.expert_streams),
+          "expert gate_up backward GEMMs");
+    check(kernels::permute_rows_backward(st, ps, H, r.slot_to_row, b.dx_perm, b.dxn2 + c0 * H), "permute rows backward");
+  }
+  // The router over all T. Its expert counts only scale the aux-loss gradient, which is 0 here:
+  // a chunked layer passes its last chunk's.
+  check(kernels::router_backward(ctx.blas, st, router_shape(s), v.xn2, params.router, v.probs, v.expert_ids, b.d_weights, r.counts,
                                  0.0f, b.d_logits, b.dxn2, /*accumulate_dx=*/true, grads.router, b.router_ws, b.router_bytes),
         "router backward");
   check(kernels::rmsnorm_backward(b.dxn2, v.h, params.post_attention_layernorm, v.rstd2, b.dxn2, grads.post_attention_layernorm,
                                   T, H, b.norm_ws, b.norm_bytes, st),
         "post_attention_layernorm backward");
-  check(kernels::add_bf16(dy, b.dxn2, b.dh, T * H, st), "residual add dh = dy + d moe");
+  bf16* const dh = b.dxn2;
+  check(kernels::add_bf16(dy, b.dxn2, dh, T * H, st), "residual add dh = dy + d moe");
 
   // ---- attention block: h = x + O Wo^T
-  gemm(ctx.blas, false, false, T, QW, H, b.dh, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
-  gemm(ctx.blas, true, false, H, QW, T, b.dh, H, v.attn, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
+  gemm(ctx.blas, false, false, T, QW, H, dh, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
+  gemm(ctx.blas, true, false, H, QW, T, dh, H, v.attn, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
   const kernels::AttentionProblem ap = attention_problem(s);
   check(kernels::attention_backward(ap, {v.q, T * QW, QW}, {v.k, T * KW, KW}, {v.v, T * KW, KW}, {v.attn, T * QW, QW},
                                     {b.d_attn, T * QW, QW}, v.lse, {b.dq, T * QW, QW}, {b.dk, T * KW, KW}, {b.dv, T * KW, KW},
@@ -577,7 +668,7 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   check(kernels::rmsnorm_backward(b.dxn1, x, params.input_layernorm, v.rstd1, b.dxn1, grads.input_layernorm, T, H, b.norm_ws,
                                   b.norm_bytes, st),
         "input_layernorm backward");
-  check(kernels::add_bf16(b.dh, b.dxn1, dx, T * H, st), "residual add dx = dh + d attention");
+  check(kernels::add_bf16(dh, b.dxn1, dx, T * H, st), "residual add dx = dh + d attention");
 }
 
 }  // namespace oom::model

@@ -320,6 +320,9 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   for (int l = 0; l < n; ++l) {
     Layer L;
     L.shape = model::DecoderLayerShape::from_spec(*spec, l, static_cast<std::int64_t>(T));
+    // The plan's MoE token chunk (0 or >= T: the MoE half runs whole).
+    if (static_cast<std::size_t>(l) < plan.chunks.size())
+      L.shape.moe_chunk_tokens = static_cast<std::int64_t>(std::min<std::uint64_t>(plan.chunks[static_cast<std::size_t>(l)].moe_tokens, T));
     for (std::size_t k = 0; k < spec->layer_segments(l).size(); ++k) {
       const std::size_t s = first + k;
       L.segments.push_back(s);
@@ -341,7 +344,9 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     max_streamed = std::max(max_streamed, L.streamed);
     layers.push_back(std::move(L));
   }
-  saved_bytes = model::decoder_layer_saved_bytes(layers.front().shape);
+  // One size for every layer's saved buffer and the one workspace: the largest (layers may chunk
+  // their MoE half differently).
+  for (const auto& L : layers) saved_bytes = std::max(saved_bytes, model::decoder_layer_saved_bytes(L.shape));
   for (auto& L : layers) {
     if (L.boundary == Keep::keep) L.x_keep = dev<bf16>(T * H, Claimant::retained_activations);
     else L.x_host = pinned<bf16>(T * H, Claimant::host_offload);
@@ -378,7 +383,8 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     slots.push_back({nullptr, event()});
   }
   const auto ends = model::LmEndsShape::from_spec(*spec, static_cast<std::int64_t>(T));
-  workspace_bytes = std::max(model::decoder_layer_workspace_bytes(layers.front().shape, *expert_streams), model::lm_ends_workspace_bytes(ends));
+  workspace_bytes = model::lm_ends_workspace_bytes(ends);
+  for (const auto& L : layers) workspace_bytes = std::max(workspace_bytes, model::decoder_layer_workspace_bytes(L.shape, *expert_streams));
   workspace = take(MemorySpace::device(opt.device), workspace_bytes, Claimant::worksets);
   d_ids = dev<std::int32_t>(T, Claimant::worksets);
   d_targets = dev<std::int32_t>(T, Claimant::worksets);

@@ -1,11 +1,18 @@
 // CudaCausalLm::footprint: the executor's exact memory by claimant, computed without a GPU (so it
 // runs in CI). Checks the arithmetic on a small model and, on the 5.13B benchmark model, the case
 // found on the H200: at 128K the planner's own plan needs more GPU memory with the CUDA executor
-// than the H200 has, while the same plan with checkpoint retention fits.
+// than the H200 has, while the same plan with checkpoint retention fits; at 512K the checkpoint
+// plan fits only because the decoder layer runs its MoE half in the plan's token chunks.
 #include <doctest/doctest.h>
 
 #include <filesystem>
+#include <string>
 
+#include <fmt/format.h>
+
+#include "oom/kernels/expert_gemm.hpp"
+#include "oom/model/cuda_decoder_layer.hpp"
+#include "oom/core/error.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/planner.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
@@ -35,6 +42,20 @@ Plan plan_for(const ModelSpec& spec, std::uint64_t seq) {
   req.host_budget = profile.host_memory;
   req.workload = {1, seq};
   return planner.plan(req).plans.front();
+}
+
+double gib(Bytes b) { return static_cast<double>(b.count()) / static_cast<double>(std::uint64_t{1} << 30); }
+
+/// One line per claimant, GiB.
+std::string breakdown(const std::array<Bytes, claimant_count>& fp) {
+  std::string out;
+  for (int c = 0; c < claimant_count; ++c)
+    out += fmt::format("{}{} {:.2f}", c ? ", " : "", to_string(static_cast<Claimant>(c)), gib(fp[static_cast<std::size_t>(c)]));
+  return out + fmt::format("; GPU total {:.2f} GiB", gib(gpu_bytes(fp)));
+}
+
+void set_moe_chunk(Plan& p, std::uint64_t tokens) {
+  for (auto& c : p.chunks) c.moe_tokens = tokens;
 }
 
 void checkpoint(Plan& p) {
@@ -78,19 +99,82 @@ TEST_CASE("5.13B at 128K: the planner's plan does not fit the CUDA executor on a
   const auto ckpt = CudaCausalLm::footprint(spec, p);
   MESSAGE("checkpoint: " << gpu_bytes(ckpt).count() << " B");
   CHECK(gpu_bytes(ckpt) < h200 - 1_GiB);
-  // What the H200 run measured for this plan (2026-11-30): arena peak 70,733.9 MiB.
+  // What the H200 run measured for this plan (2026-11-30): arena peak 70,733.9 MiB, when this
+  // footprint was 69.06 GiB. 62.81 GiB since the layer's backward lays its MoE and attention
+  // scratch over each other and reuses d y_perm for d gate_up and d xn2 for d h (6.25 GiB less
+  // workspace at 128K; the MoE half still runs whole here: the planner's chunk is all T).
   CHECK(gpu_bytes(ckpt) > 60_GiB);
   CHECK(gpu_bytes(ckpt) < 75_GiB);
 }
 
-TEST_CASE("the layer's workspace grows with the sequence: 512K does not fit one H200 without token chunks") {
+TEST_CASE("5.13B at 512K fits one H200 with token-chunked MoE") {
   const auto spec = config("moe-5b.json");
-  Plan p = plan_for(spec, 524288);
+  const std::uint64_t T = 524288;
+  const auto h200 = MachineProfile::builtin("h200", 1).gpu_memory;
+  Plan p = plan_for(spec, T);
+  // What oom-train tries first: the plan as planned (its retention recomputes every saved buffer
+  // and offloads some boundaries at 512K) fits too.
+  const auto as_planned = CudaCausalLm::footprint(spec, p);
+  MESSAGE("as planned: " << breakdown(as_planned));
+  CHECK(gpu_bytes(as_planned) < h200 - 8_GiB);
   checkpoint(p);
-  const auto fp = CudaCausalLm::footprint(spec, p);
-  // 242 GiB (2026-11-30): the layer's workspace alone is 75 GiB and each rotating saved buffer 4x
-  // the 128K one; token chunks in the CUDA layer are what 512K needs.
-  CHECK(gpu_bytes(fp) > MachineProfile::builtin("h200", 1).gpu_memory);
-  CHECK(fp[static_cast<std::size_t>(Claimant::worksets)] > 64_GiB);
-  CHECK(fp[static_cast<std::size_t>(Claimant::retained_activations)] > 100_GiB);
+  // The planner chunks the MoE half at 512K (262144 tokens on 2026-12-01): its own per-class
+  // model, which reaches the executor through plan.chunks.
+  const std::uint64_t C = p.chunks.front().moe_tokens;
+  MESSAGE("planner's MoE chunk: " << C << " tokens of " << T);
+  REQUIRE(C < T);
+
+  // One layer's share, to read the totals below: a (T, H) bf16 tensor is 2 GiB at 512K.
+  kernels::ExpertGemmStreams streams;  // creates no CUDA objects until used
+  const auto layer = [&](std::uint64_t chunk) {
+    auto shape = model::DecoderLayerShape::from_spec(spec, 0, static_cast<std::int64_t>(T));
+    shape.moe_chunk_tokens = static_cast<std::int64_t>(chunk);
+    return fmt::format("layer saved {:.2f} GiB, workspace {:.2f} GiB", gib(Bytes{model::decoder_layer_saved_bytes(shape)}),
+                       gib(Bytes{model::decoder_layer_workspace_bytes(shape, streams)}));
+  };
+
+  const auto chunked = CudaCausalLm::footprint(spec, p);
+  MESSAGE("chunks of " << C << ": " << layer(C) << "; " << breakdown(chunked));
+  // The margin: cudaMalloc granularity, the CUDA context, cuBLAS's own workspaces (the executor
+  // reserves at most the free memory less 1 GiB).
+  CHECK(gpu_bytes(chunked) < h200 - 8_GiB);
+  CHECK(chunked[static_cast<std::size_t>(Claimant::host_state)] + chunked[static_cast<std::size_t>(Claimant::host_staging)] +
+            chunked[static_cast<std::size_t>(Claimant::host_offload)] <
+        MachineProfile::builtin("h200", 1).host_memory);
+
+  // Smaller chunks shrink only the MoE part of the workspace; below 64K the attention backward's
+  // whole-T gradients (d O, dq, dk, dv, d xn1 in fp32 and bf16: 11 GiB) are what remains of it.
+  Plan small = p;
+  set_moe_chunk(small, 65536);
+  const auto at_64k = CudaCausalLm::footprint(spec, small);
+  MESSAGE("chunks of 65536: " << layer(65536) << "; " << breakdown(at_64k));
+  CHECK(gpu_bytes(at_64k) < gpu_bytes(chunked));
+
+  // The same plan with the MoE half whole keeps the permuted tokens and expert activations of all
+  // T*k slots in every saved buffer and sizes the workspace by them: it does not fit.
+  Plan whole = p;
+  set_moe_chunk(whole, T);
+  const auto unchunked = CudaCausalLm::footprint(spec, whole);
+  MESSAGE("whole MoE: " << layer(T) << "; " << breakdown(unchunked));
+  CHECK(gpu_bytes(unchunked) > h200);
+  CHECK(unchunked[static_cast<std::size_t>(Claimant::retained_activations)] >
+        chunked[static_cast<std::size_t>(Claimant::retained_activations)] + 64_GiB);
+}
+
+TEST_CASE("a decoder layer's MoE chunk: saved and workspace bytes of the MoE half scale with it; a negative one is refused") {
+  const auto spec = config("moe-5b.json");
+  kernels::ExpertGemmStreams streams;
+  auto shape = model::DecoderLayerShape::from_spec(spec, 0, 32768);
+  const auto saved_whole = model::decoder_layer_saved_bytes(shape);
+  const auto ws_whole = model::decoder_layer_workspace_bytes(shape, streams);
+  shape.moe_chunk_tokens = 32768;  // >= T: whole
+  CHECK(model::decoder_layer_saved_bytes(shape) == saved_whole);
+  CHECK(model::decoder_layer_workspace_bytes(shape, streams) == ws_whole);
+  shape.moe_chunk_tokens = 4096;
+  // Whole, saved keeps T*k rows of x_perm and y_perm (H each), gate_up (2I) and SwiGLU out (I), bf16.
+  const std::uint64_t expert_rows = std::uint64_t{32768} * 8 * (2 * 2048 + 3 * 768) * 2;
+  CHECK(model::decoder_layer_saved_bytes(shape) + expert_rows <= saved_whole);
+  CHECK(model::decoder_layer_workspace_bytes(shape, streams) < ws_whole);
+  shape.moe_chunk_tokens = -1;
+  CHECK_THROWS_WITH_AS(shape.validate(), doctest::Contains("moe_chunk_tokens = -1"), Error);
 }

@@ -35,6 +35,7 @@ using oom::test::Blas;
 using oom::test::compare;
 using oom::test::DeviceBuffer;
 using oom::test::random_normal;
+using oom::test::rel_l2;
 using oom::test::to_floats;
 
 namespace {
@@ -68,19 +69,6 @@ struct Stream {
 std::vector<float> round_bf16(std::vector<float> v) {
   for (auto& x : v) x = oom::to_float(oom::to_bf16(x));
   return v;
-}
-
-/// ||got - expected|| / ||expected||, NaN when any element of got is not finite.
-double rel_l2(const std::vector<float>& got, const std::vector<float>& expected) {
-  REQUIRE(got.size() == expected.size());
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) return std::nan("");
-    const double d = static_cast<double>(got[i]) - static_cast<double>(expected[i]);
-    num += d * d;
-    den += static_cast<double>(expected[i]) * static_cast<double>(expected[i]);
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 /// Relative L2 of an accumulated gradient's increment: (got - start) vs expected_increment.

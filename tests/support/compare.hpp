@@ -61,6 +61,20 @@ CompareReport compare(const std::vector<A>& got, const std::vector<B>& expected,
   return compare(std::span<const A>(got), std::span<const B>(expected), rtol, atol, what);
 }
 
+/// ||got - expected|| / ||expected|| (the absolute norm when expected is all zero); NaN when any
+/// element of got is not finite or the sizes differ, so every bound fails.
+inline double rel_l2(std::span<const float> got, std::span<const float> expected) {
+  if (got.size() != expected.size()) return std::nan("");
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::nan("");
+    const double d = static_cast<double>(got[i]) - static_cast<double>(expected[i]);
+    num += d * d;
+    den += static_cast<double>(expected[i]) * static_cast<double>(expected[i]);
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 /// Fills with N(0, stddev) from a fixed seed (fresh inputs per test, reproducible on failure).
 inline std::vector<float> random_normal(std::size_t n, std::uint64_t seed, float stddev = 1.0f) {
   std::mt19937_64 rng(seed);

@@ -21,9 +21,18 @@
 // Calls: everything is issued on the caller's stream and cuBLAS handle (whose stream is set to
 // it); no allocation: the caller gives `saved` (kept from forward to backward) and `workspace`
 // (scratch of one call). The expert GEMMs (ExpertGemmMethod::row_chunked) need each expert's row
-// count on the HOST: forward and backward each copy the E counts down once
+// count on the HOST: forward and backward each copy the E counts down once per MoE chunk
 // (cudaMemcpyAsync + cudaStreamSynchronize(stream)): the only host syncs inside. The backward
-// copies them again from `saved` so nothing but device memory carries state between the calls.
+// copies them again from device memory so nothing but it carries state between the calls.
+//
+// MoE token chunks (DecoderLayerShape::moe_chunk_tokens = C < T): the attention half, the
+// post-attention norm and the router run over all T; the experts (permute, gate/up, SwiGLU, down,
+// combine) run over tokens [0, C), [C, 2C), ... in that order. `saved` then keeps only the routing
+// (expert ids, weights, router probabilities) of the MoE half, not the permuted tokens and expert
+// activations (O(T*k*(H + I))); the backward recomputes them chunk by chunk from the saved xn2 and
+// routing, so saved and workspace bytes of the MoE half scale with C, not T. The results equal the
+// whole layer's up to the expert GEMMs' summation order (cuBLAS picks kernels by shape); for one C
+// they are deterministic run to run.
 //
 // Weights may live anywhere in device memory, e.g. in per-segment blocks laid out as ModelSpec's
 // segments (tensors of one segment back to back, in TensorSpec order): bind_decoder_layer_params()
@@ -69,6 +78,9 @@ struct DecoderLayerShape {
   bool norm_topk_prob = true;
   float rms_norm_eps = 1e-6f;
   float rope_theta = 1e6f;
+  /// Tokens per chunk of the MoE half (the plan's LayerChunks::moe_tokens); 0 or >= tokens: one
+  /// chunk of all T, whose permutation and expert activations are kept in `saved`.
+  std::int64_t moe_chunk_tokens = 0;
 
   /// Layer `layer` of a Qwen3-MoE config with T = tokens. Errc::invalid_argument when the layer is
   /// not one this class implements (another family, linear attention, a dense MLP, no q/k norm,
@@ -127,10 +139,12 @@ struct DecoderLayerContext {
   kernels::ExpertGemmStreams* expert_streams = nullptr;
 };
 
-/// Bytes of the buffer kept from forward to backward (the list is in docs/kernels.md).
+/// Bytes of the buffer kept from forward to backward (the list is in docs/kernels.md): O(T*(H +
+/// heads*D)) for the attention half, plus O(T*k*(H + I)) for the MoE half when it runs whole.
 [[nodiscard]] std::size_t decoder_layer_saved_bytes(const DecoderLayerShape& s);
 /// Scratch bytes of forward and of backward (the larger of the two); depends on the expert
-/// streams' options (their cuBLAS workspaces are carved from it).
+/// streams' options (their cuBLAS workspaces are carved from it). The MoE half's part scales with
+/// the chunk (C*k rows), the attention backward's with T.
 [[nodiscard]] std::size_t decoder_layer_workspace_bytes(const DecoderLayerShape& s, const kernels::ExpertGemmStreams& streams);
 
 /// y = layer(x). `positions` (T) int32 on the device (0..T-1 for one sequence). x is read again

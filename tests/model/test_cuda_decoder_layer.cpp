@@ -1,0 +1,219 @@
+// GPU test of the CUDA decoder layer's MoE token chunks (oom/model/cuda_decoder_layer.hpp): on a
+// small Qwen3-MoE layer (T = 1000, H 256, 4/2 heads of 128, 8 experts top-2, I 128) with random
+// weights and inputs, forward y, dx and every parameter gradient with moe_chunk_tokens in
+// {333, 1} match the whole layer's within the tolerances below; chunks of 1000 and 4096 (>= T)
+// are the whole layer bit for bit; a chunked layer is bit-identical run to run, and routes
+// exactly as the whole one (the router runs over all T either way). y and dx are poisoned (NaN)
+// before each run, `saved` and the workspace too, so a row no chunk wrote fails. (The byte
+// counts and the refusal of a negative chunk need no GPU: tests/cuda/test_footprint.cpp.)
+//
+// Run: build-gpu/tests/test_cuda_decoder_layer (or -tc="*chunk*").
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/device_buffer.hpp"
+#include "kernels/moe_test_util.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/core/numeric.hpp"
+#include "oom/io/json.hpp"
+#include "oom/kernels/expert_gemm.hpp"
+#include "oom/model/cuda_decoder_layer.hpp"
+#include "oom/model/model_spec.hpp"
+#include "support/compare.hpp"
+
+using namespace oom;
+using oom::test::Blas;
+using oom::test::DeviceBuffer;
+using oom::test::rel_l2;
+using oom::test::to_floats;
+
+namespace {
+
+// Tolerances (relative L2 against the whole layer). A chunked layer runs the same launches on the
+// same inputs except the expert GEMMs, which see other row counts per expert (cuBLAS may pick other
+// kernels, so other fp32 summation orders) and whose weight gradients are summed chunk by chunk
+// (fp32, beta = 1) instead of in one GEMM. The fp32 sums then differ by a few 2^-24 relative;
+// that flips the bf16 rounding (a step of at most 2^-7 relative) of only the elements sitting
+// within that distance of a rounding boundary, a small fraction f of them. A relative L2 of
+// 2^-7 * sqrt(f) stays below 1e-3 while f < 0.6%, which bounds y and dx (bf16 outputs, each
+// element a few such roundings deep). The parameter gradients are fp32 sums over all T of products
+// of those bf16 activations and gradients, so the same flips, averaged over T, bound them: 1e-3
+// as well. The routing is computed by identical launches in every case: equal bit for bit.
+constexpr double y_rel_l2 = 1e-3;
+constexpr double dx_rel_l2 = 1e-3;
+constexpr double grad_rel_l2 = 1e-3;
+
+constexpr std::int64_t T = 1000;
+
+ModelSpec layer_spec() {
+  return ModelSpec::from_json(Json::parse(R"({
+    "model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 256, "intermediate_size": 512,
+    "moe_intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": false})"));
+}
+
+std::vector<bf16> bf16s(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_bf16(v[i]);
+  return out;
+}
+
+/// A blocking stream: it waits for DeviceBuffer's legacy-stream memsets and copies.
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { OOM_CUDA_CHECK(cudaStreamCreate(&s)); }
+  ~Stream() { cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
+/// Layer 0 of layer_spec() on the device: weights (bf16) and gradients (fp32) in one block per
+/// segment, bound as the executor binds them; inputs x, dy and positions.
+struct Fixture {
+  ModelSpec spec = layer_spec();
+  model::DecoderLayerShape shape = model::DecoderLayerShape::from_spec(spec, 0, T);
+  std::vector<DeviceBuffer<bf16>> weights;
+  std::vector<DeviceBuffer<float>> grads;
+  model::DecoderLayerParams params;
+  model::DecoderLayerGrads grad_ptrs;
+  DeviceBuffer<bf16> x, dy, y, dx;
+  DeviceBuffer<std::int32_t> positions;
+  Blas blas;
+  Stream stream;
+  kernels::ExpertGemmStreams expert_streams;
+
+  Fixture() {
+    std::mt19937_64 rng(11);
+    std::normal_distribution<float> d(0.0f, 0.05f);
+    std::vector<const bf16*> wb;
+    std::vector<float*> gb;
+    for (const StateSegment& seg : spec.layer_segments(0)) {
+      std::vector<float> w;
+      for (const TensorSpec& t : seg.tensors)
+        for (std::uint64_t i = 0; i < t.elements(); ++i) w.push_back(t.name.ends_with("norm.weight") ? 1.0f + d(rng) : d(rng));
+      weights.emplace_back(bf16s(w));
+      grads.emplace_back(w.size());
+      wb.push_back(weights.back().get());
+      gb.push_back(grads.back().get());
+    }
+    params = model::bind_decoder_layer_params(spec, 0, wb);
+    grad_ptrs = model::bind_decoder_layer_grads(spec, 0, gb);
+    const auto n = static_cast<std::size_t>(T * shape.hidden);
+    x = DeviceBuffer<bf16>(bf16s(test::random_normal(n, 21)));
+    dy = DeviceBuffer<bf16>(bf16s(test::random_normal(n, 22)));
+    y = DeviceBuffer<bf16>(n);
+    dx = DeviceBuffer<bf16>(n);
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
+    for (std::int64_t t = 0; t < T; ++t) pos[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(t);
+    positions = DeviceBuffer<std::int32_t>(pos);
+  }
+};
+
+struct Result {
+  std::vector<float> y, dx;
+  std::vector<std::int32_t> expert_ids;
+  std::vector<float> routing_weights;
+  std::vector<std::vector<float>> grads;  ///< per segment, fp32, TensorSpec order
+};
+
+/// One forward and backward with MoE chunks of `chunk` tokens, from zeroed gradients and poisoned
+/// outputs, `saved` and workspace.
+Result run(Fixture& f, std::int64_t chunk) {
+  model::DecoderLayerShape shape = f.shape;
+  shape.moe_chunk_tokens = chunk;
+  const std::size_t saved_bytes = model::decoder_layer_saved_bytes(shape);
+  const std::size_t ws_bytes = model::decoder_layer_workspace_bytes(shape, f.expert_streams);
+  DeviceBuffer<std::byte> saved(saved_bytes), workspace(ws_bytes);  // poisoned
+  f.y.poison();
+  f.dx.poison();
+  for (auto& g : f.grads) g.zero();
+  const model::DecoderLayerContext ctx{f.stream.s, f.blas.get(), &f.expert_streams};
+  model::decoder_layer_forward(ctx, shape, f.params, f.positions.get(), f.x.get(), f.y.get(), saved.get(), saved_bytes,
+                               workspace.get(), ws_bytes);
+  model::decoder_layer_backward(ctx, shape, f.params, f.positions.get(), f.x.get(), f.dy.get(), saved.get(), saved_bytes,
+                                f.dx.get(), f.grad_ptrs, workspace.get(), ws_bytes);
+  OOM_CUDA_CHECK(cudaStreamSynchronize(f.stream.s));
+  Result r;
+  r.y = to_floats(f.y.download());
+  r.dx = to_floats(f.dx.download());
+  const auto routing = model::decoder_layer_routing(shape, saved.get());
+  const auto tk = static_cast<std::size_t>(T * shape.top_k);
+  r.expert_ids.resize(tk);
+  r.routing_weights.resize(tk);
+  OOM_CUDA_CHECK(cudaMemcpy(r.expert_ids.data(), routing.expert_ids, tk * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+  OOM_CUDA_CHECK(cudaMemcpy(r.routing_weights.data(), routing.weights, tk * sizeof(float), cudaMemcpyDeviceToHost));
+  for (const auto& g : f.grads) r.grads.push_back(g.download());
+  return r;
+}
+
+bool all_finite(const std::vector<float>& v) {
+  return std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
+}
+
+template <class V>
+bool same_bits(const V& a, const V& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+}
+
+bool same_bits(const Result& a, const Result& b) {
+  if (!same_bits(a.y, b.y) || !same_bits(a.dx, b.dx) || a.grads.size() != b.grads.size()) return false;
+  for (std::size_t i = 0; i < a.grads.size(); ++i)
+    if (!same_bits(a.grads[i], b.grads[i])) return false;
+  return same_bits(a.expert_ids, b.expert_ids) && same_bits(a.routing_weights, b.routing_weights);
+}
+
+}  // namespace
+
+TEST_CASE("MoE token chunks: the whole layer's results, deterministic, every row written") {
+  Fixture f;
+  const Result whole = run(f, 0);
+  // The whole run itself wrote every row and moved every gradient segment.
+  CHECK(all_finite(whole.y));
+  CHECK(all_finite(whole.dx));
+  for (const auto& g : whole.grads) {
+    CHECK(all_finite(g));
+    CHECK(std::any_of(g.begin(), g.end(), [](float v) { return v != 0.0f; }));
+  }
+  CHECK(same_bits(run(f, 0), whole));  // deterministic run to run
+
+  const auto segs = f.spec.layer_segments(0);
+  for (const std::int64_t chunk : {std::int64_t{333}, std::int64_t{1}, std::int64_t{1000}, std::int64_t{4096}}) {
+    CAPTURE(chunk);
+    const Result got = run(f, chunk);
+    if (chunk >= T) {  // one chunk of all T: the whole layer
+      CHECK(same_bits(got, whole));
+      continue;
+    }
+    CHECK(same_bits(got, run(f, chunk)));  // deterministic: the chunks run and accumulate in one order
+    CHECK(same_bits(got.expert_ids, whole.expert_ids));
+    CHECK(same_bits(got.routing_weights, whole.routing_weights));
+    const double e_y = rel_l2(got.y, whole.y);
+    const double e_dx = rel_l2(got.dx, whole.dx);
+    MESSAGE("chunk " << chunk << ": y rel. L2 " << e_y << ", dx " << e_dx);
+    CHECK(e_y <= y_rel_l2);
+    CHECK(e_dx <= dx_rel_l2);
+    for (std::size_t i = 0; i < segs.size(); ++i) {
+      std::uint64_t offset = 0;
+      for (const TensorSpec& t : segs[i].tensors) {
+        const std::span<const float> g(got.grads[i].data() + offset, t.elements());
+        const std::span<const float> w(whole.grads[i].data() + offset, t.elements());
+        offset += t.elements();
+        CAPTURE(t.name);
+        CHECK(rel_l2(g, w) <= grad_rel_l2);
+      }
+    }
+  }
+}
