@@ -3,6 +3,8 @@
 #include "oom/kernels/expert_gemm.hpp"
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <climits>
 #include <vector>
 
@@ -10,12 +12,50 @@
 
 namespace oom::kernels {
 
+namespace {
+/// Pinned host memory mapped into the device's address space: the device reads or writes it with
+/// ordinary loads and stores over PCIe, so small transfers need neither a copy engine (where they
+/// would queue behind a large copy on another stream) nor the driver's pageable staging.
+struct MappedHostBuffer {
+  void* host = nullptr;
+  void* device = nullptr;
+  std::size_t bytes = 0;
+  cudaEvent_t done = nullptr;  ///< after the last device access (pointer stages)
+  bool pending = false;
+
+  cudaError_t reserve(std::size_t want) {
+    if (bytes >= want) return cudaSuccess;
+    if (host != nullptr) {
+      if (pending) OOM_KERNEL_TRY(cudaEventSynchronize(done));
+      OOM_KERNEL_TRY(cudaFreeHost(host));
+      host = device = nullptr;
+      bytes = 0;
+    }
+    const std::size_t size = std::max<std::size_t>(want + want / 2, std::size_t{4} << 10);
+    OOM_KERNEL_TRY(cudaHostAlloc(&host, size, cudaHostAllocMapped | cudaHostAllocPortable));
+    OOM_KERNEL_TRY(cudaHostGetDevicePointer(&device, host, 0));
+    bytes = size;
+    return cudaSuccess;
+  }
+  void release() {
+    if (host != nullptr) cudaFreeHost(host);
+    if (done != nullptr) cudaEventDestroy(done);
+  }
+};
+}  // namespace
+
 struct ExpertGemmStreams::State {
   int device = -1;
   cudaEvent_t fork = nullptr;
   std::vector<cudaStream_t> streams;
   std::vector<cudaEvent_t> joins;
   std::vector<cublasHandle_t> handles;
+  /// The per-expert counts on their way to the host.
+  MappedHostBuffer counts;
+  /// The batched GEMMs' pointer arrays on their way to the device, in a ring: a stage is refilled
+  /// only after the copy kernel that read it last has run (its event).
+  std::array<MappedHostBuffer, 4> stages;
+  std::size_t next_stage = 0;
 
   State() = default;
   State(const State&) = delete;
@@ -25,6 +65,11 @@ struct ExpertGemmStreams::State {
     for (auto e : joins) cudaEventDestroy(e);
     for (auto st : streams) cudaStreamDestroy(st);
     if (fork) cudaEventDestroy(fork);
+    for (auto& b : stages) {
+      if (b.pending) cudaEventSynchronize(b.done);
+      b.release();
+    }
+    counts.release();
   }
 };
 
@@ -66,6 +111,36 @@ cudaError_t ExpertGemmStreams::state(State** out) {
 namespace {
 
 using detail::align_up;
+
+__global__ void copy_words_kernel(const std::uint64_t* __restrict__ src, std::uint64_t* __restrict__ dst, std::size_t n) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
+    dst[i] = src[i];
+}
+
+__global__ void copy_counts_kernel(const std::int32_t* __restrict__ src, std::int32_t* __restrict__ dst, std::int64_t n) {
+  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+/// `bytes` (a multiple of 8) from the host's `src` to the device's `dst`, in `stream`'s order:
+/// staged in a pinned mapped buffer of the ring and pulled by a kernel (no copy engine, no
+/// pageable staging). `src` may be reused as soon as this returns.
+cudaError_t stage_to_device(ExpertGemmStreams::State& st, cudaStream_t stream, const void* src, std::size_t bytes, void* dst) {
+  MappedHostBuffer& b = st.stages[st.next_stage];
+  st.next_stage = (st.next_stage + 1) % st.stages.size();
+  if (b.done == nullptr) OOM_KERNEL_TRY(cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming));
+  if (b.pending) OOM_KERNEL_TRY(cudaEventSynchronize(b.done));  // long done: three launches ago
+  b.pending = false;
+  OOM_KERNEL_TRY(b.reserve(bytes));
+  std::memcpy(b.host, src, bytes);
+  const std::size_t words = bytes / 8;
+  const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((words + 255) / 256, 132));
+  copy_words_kernel<<<std::max(blocks, 1u), 256, 0, stream>>>(static_cast<const std::uint64_t*>(b.device),
+                                                               static_cast<std::uint64_t*>(dst), words);
+  OOM_KERNEL_TRY(cudaGetLastError());
+  OOM_KERNEL_TRY(cudaEventRecord(b.done, stream));
+  b.pending = true;
+  return cudaSuccess;
+}
 using detail::block_sum;
 using detail::to_cuda_error;
 
@@ -149,8 +224,8 @@ std::size_t element_bytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
 /// chunk in one cublasGemmBatchedEx, then each expert's last `chunk` rows in a second one (the
 /// remainder; rows it shares with the last full chunk are computed again from the same inputs and
 /// overwritten in stream order, so no two writers race), then experts with fewer rows alone.
-cudaError_t run_row_chunked(cublasHandle_t blas, cudaStream_t stream, const std::vector<Problem>& ps, std::int64_t chunk,
-                            void* arrays, std::size_t array_bytes) {
+cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, cudaStream_t stream,
+                            const std::vector<Problem>& ps, std::int64_t chunk, void* arrays, std::size_t array_bytes) {
   if (ps.empty()) return cudaSuccess;
   OOM_KERNEL_TRY(to_cuda_error(cublasSetStream(blas, stream)));
   const Problem& p0 = ps[0];
@@ -182,8 +257,9 @@ cudaError_t run_row_chunked(cublasHandle_t blas, cudaStream_t stream, const std:
   for (const auto* v : {&full_w, &full_r, &full_c, &rem_w, &rem_r, &rem_c}) ptrs.insert(ptrs.end(), v->begin(), v->end());
   if (ptrs.size() * sizeof(void*) > array_bytes) return cudaErrorInvalidValue;  // more rows than ExpertGemmShape::rows
   auto* d = static_cast<const void**>(arrays);
-  if (!ptrs.empty())  // pageable source: staged before cudaMemcpyAsync returns, so `ptrs` may die after it
-    OOM_KERNEL_TRY(cudaMemcpyAsync(d, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice, stream));
+  // Not a pageable cudaMemcpyAsync: on the H200 that waited behind the CPU AdamW's host function
+  // (cudaLaunchHostFunc on another stream), stalling every layer's backward by up to 60 ms.
+  if (!ptrs.empty()) OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), d));
   const float alpha = 1.0f, beta = 0.0f;
   const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count) {
     if (count == 0) return cudaSuccess;
@@ -269,7 +345,7 @@ cudaError_t issue(const Launch& l, const std::vector<Problem>& rows, const std::
       const auto& o = l.streams->options();
       const std::size_t arrays = chunk_array_bytes(l.s, o.row_chunk);
       return run_spread(*st, o, l.stream, weights, static_cast<char*>(l.workspace) + arrays,
-                        [&] { return run_row_chunked(l.blas, l.stream, rows, o.row_chunk, l.workspace, arrays); });
+                        [&] { return run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, l.workspace, arrays); });
     }
   }
   return cudaErrorInvalidValue;
@@ -534,6 +610,20 @@ cudaError_t shared_expert_gate_backward(cudaStream_t stream, std::int64_t tokens
                                                                                    partial, tokens, hidden);
   shared_gate_dw_final_kernel<<<col_blocks, 256, 0, stream>>>(partial, dw_gate, hidden);
   return cudaGetLastError();
+}
+
+cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* counts, std::int64_t experts,
+                                  ExpertGemmStreams& streams, std::int32_t* out) {
+  if (counts == nullptr || out == nullptr || experts < 1) return cudaErrorInvalidValue;
+  ExpertGemmStreams::State* st = nullptr;
+  OOM_KERNEL_TRY(streams.state(&st));
+  const std::size_t bytes = static_cast<std::size_t>(experts) * sizeof(std::int32_t);
+  OOM_KERNEL_TRY(st->counts.reserve(bytes));  // the previous read-back was synchronized: free to refill
+  copy_counts_kernel<<<1, 256, 0, stream>>>(counts, static_cast<std::int32_t*>(st->counts.device), experts);
+  OOM_KERNEL_TRY(cudaGetLastError());
+  OOM_KERNEL_TRY(cudaStreamSynchronize(stream));
+  std::memcpy(out, st->counts.host, bytes);
+  return cudaSuccess;
 }
 
 }  // namespace oom::kernels

@@ -345,13 +345,11 @@ void check_context(const DecoderLayerContext& ctx) {
 }
 
 /// The E per-expert row counts of one chunk on the host (the expert GEMMs' m/k arguments): one
-/// D2H + sync. `rows` = n*k, what they must sum to.
+/// read-back + sync. `rows` = n*k, what they must sum to.
 std::vector<std::int32_t> download_counts(const DecoderLayerShape& s, const std::int32_t* counts, std::int64_t rows,
-                                          cudaStream_t stream) {
+                                          cudaStream_t stream, kernels::ExpertGemmStreams& streams) {
   std::vector<std::int32_t> host(static_cast<std::size_t>(s.experts));
-  check(cudaMemcpyAsync(host.data(), counts, host.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream),
-        "copy of the expert counts to the host");
-  check(cudaStreamSynchronize(stream), "stream sync for the expert counts");
+  check(kernels::expert_counts_to_host(stream, counts, s.experts, streams, host.data()), "read-back of the expert counts");
   std::int64_t total = 0;
   for (std::size_t e = 0; e < host.size(); ++e) {
     if (host[e] < 0) throw Error(Errc::internal, fmt::format("decoder layer: expert {} has {} rows", e, host[e]));
@@ -364,13 +362,13 @@ std::vector<std::int32_t> download_counts(const DecoderLayerShape& s, const std:
 
 /// Permutation of tokens [c0, c0 + n) by their (saved) expert ids into r; returns the counts on
 /// the host. Deterministic, so the backward's recomputation gives the forward's permutation.
-std::vector<std::int32_t> plan_chunk(const DecoderLayerShape& s, cudaStream_t st, const std::int32_t* expert_ids,
-                                     std::int64_t c0, std::int64_t n, const ExpertRows& r, void* plan_ws,
-                                     std::size_t plan_bytes) {
+std::vector<std::int32_t> plan_chunk(const DecoderLayerShape& s, cudaStream_t st, kernels::ExpertGemmStreams& streams,
+                                     const std::int32_t* expert_ids, std::int64_t c0, std::int64_t n, const ExpertRows& r,
+                                     void* plan_ws, std::size_t plan_bytes) {
   check(kernels::permute_plan(st, permute_shape(s, n), expert_ids + c0 * s.top_k, r.row_to_slot, r.slot_to_row, r.counts,
                               r.offsets, plan_ws, plan_bytes),
         "permute plan");
-  return download_counts(s, r.counts, n * s.top_k, st);
+  return download_counts(s, r.counts, n * s.top_k, st, streams);
 }
 
 /// The experts of one chunk of n tokens, from its rows of xn2 to r.y_perm: gather, gate/up GEMMs,
@@ -571,7 +569,7 @@ void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerSha
   const ExpertRows& r = chunked(s) ? w.rows : v.rows;
   for (std::int64_t c0 = 0, C = moe_chunk(s); c0 < T; c0 += C) {
     const std::int64_t n = std::min(C, T - c0);
-    const auto counts = plan_chunk(s, st, v.expert_ids, c0, n, r, w.plan_ws, w.plan_bytes);
+    const auto counts = plan_chunk(s, st, *ctx.expert_streams, v.expert_ids, c0, n, r, w.plan_ws, w.plan_bytes);
     experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, w.gemm_ws, w.gemm_bytes);
     check(kernels::unpermute_combine(st, permute_shape(s, n), H, r.slot_to_row, r.y_perm, v.weights + c0 * s.top_k, w.moe_out),
           "unpermute combine");
@@ -611,10 +609,10 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
     const auto ps = permute_shape(s, n);
     std::vector<std::int32_t> counts;
     if (chunked(s)) {
-      counts = plan_chunk(s, st, v.expert_ids, c0, n, r, b.plan_ws, b.plan_bytes);
+      counts = plan_chunk(s, st, *ctx.expert_streams, v.expert_ids, c0, n, r, b.plan_ws, b.plan_bytes);
       experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, b.gemm_ws, b.gemm_bytes);
     } else {
-      counts = download_counts(s, r.counts, n * s.top_k, st);
+      counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
     }
     check(kernels::unpermute_combine_backward(st, ps, H, r.slot_to_row, dy + c0 * H, r.y_perm, v.weights + c0 * s.top_k,
                                               b.dy_perm, b.d_weights + c0 * s.top_k),

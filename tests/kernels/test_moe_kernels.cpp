@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <chrono>
+#include <thread>
 
 #include "kernels/device_buffer.hpp"
 #include "kernels/expert_gemm_throughput.hpp"
@@ -384,4 +386,48 @@ TEST_CASE("expert GEMM throughput vs one dense GEMM of the same FLOPs (5.13B sha
       CHECK((variant.method == k::ExpertGemmMethod::grouped_batched || variant.method == k::ExpertGemmMethod::row_chunked));
     }
   }
+}
+
+TEST_CASE("expert counts read back without waiting for a host function on another stream") {
+  // The CUDA executor runs the CPU AdamW as a cudaLaunchHostFunc on its own stream while the
+  // compute stream's layers read their expert counts back; on the H200 a pageable cudaMemcpyAsync
+  // there waited for the host function (20-60 ms per layer). expert_counts_to_host must not.
+  cudaStream_t compute = nullptr, cpu = nullptr;
+  OOM_CUDA_CHECK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+  OOM_CUDA_CHECK(cudaStreamCreateWithFlags(&cpu, cudaStreamNonBlocking));
+  k::ExpertGemmStreams streams;
+  for (const std::int64_t experts : {8, 64, 513}) {  // 513: the mapped buffer grows
+    CAPTURE(experts);
+    std::vector<std::int32_t> want(static_cast<std::size_t>(experts));
+    for (std::int64_t e = 0; e < experts; ++e) want[static_cast<std::size_t>(e)] = static_cast<std::int32_t>((e * 7919) % 1001);
+    DeviceBuffer<std::int32_t> counts(want);
+    std::vector<std::int32_t> got(want.size(), -1);
+    REQUIRE(k::expert_counts_to_host(compute, counts.get(), experts, streams, got.data()) == cudaSuccess);
+    CHECK(got == want);
+  }
+  // Now with a 400 ms host function queued on the other stream.
+  static constexpr int kHostMs = 400;
+  const std::vector<std::int32_t> want = {3, 0, 5, 9};
+  DeviceBuffer<std::int32_t> counts(want);
+  OOM_CUDA_CHECK(cudaLaunchHostFunc(
+      cpu, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(kHostMs)); }, nullptr));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the host function is running
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::int32_t> got(want.size(), -1);
+  REQUIRE(k::expert_counts_to_host(compute, counts.get(), 4, streams, got.data()) == cudaSuccess);
+  const double mapped_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(got == want);
+  // What the pageable copy does meanwhile (reported, not asserted: it is the driver's behaviour).
+  const auto t1 = std::chrono::steady_clock::now();
+  std::vector<std::int32_t> pageable(want.size(), -1);
+  OOM_CUDA_CHECK(cudaMemcpyAsync(pageable.data(), counts.get(), 4 * sizeof(std::int32_t), cudaMemcpyDeviceToHost, compute));
+  OOM_CUDA_CHECK(cudaStreamSynchronize(compute));
+  const double pageable_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  MESSAGE("counts read back in " << mapped_ms << " ms through mapped memory, " << pageable_ms
+                                 << " ms by a pageable cudaMemcpyAsync, while a " << kHostMs
+                                 << " ms host function ran on another stream");
+  CHECK(mapped_ms < kHostMs / 4.0);
+  OOM_CUDA_CHECK(cudaStreamSynchronize(cpu));
+  OOM_CUDA_CHECK(cudaStreamDestroy(compute));
+  OOM_CUDA_CHECK(cudaStreamDestroy(cpu));
 }

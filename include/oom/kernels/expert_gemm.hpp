@@ -88,6 +88,14 @@ class ExpertGemmStreams {
 std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s, ExpertGemmMethod method,
                                         const ExpertGemmStreams* streams = nullptr);
 
+/// The E per-expert row counts (device) into `out` (E int32, host), for the launchers' counts_host:
+/// a kernel on `stream` stores them into pinned mapped memory owned by `streams`, then `stream` is
+/// synchronized. Neither a copy engine (where a small copy queues behind a large one on another
+/// stream) nor a pageable cudaMemcpyAsync (which on the H200 waited for a long cudaLaunchHostFunc
+/// on another stream: the CPU AdamW, 20-60 ms per layer's backward).
+cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* counts, std::int64_t experts,
+                                  ExpertGemmStreams& streams, std::int32_t* out);
+
 /// gate_up (N, 2I) = x_perm (N, H) . w_gate_up[e]^T per expert, N = sum(counts_host).
 cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                    const std::int32_t* counts_host,  // (E) HOST memory
