@@ -136,10 +136,13 @@ int main(int argc, char** argv) {
         for (int c = 0; c < oom::claimant_count; ++c)
           (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) =
               (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) + fp[static_cast<std::size_t>(c)];
+        const auto executed = planner.simulate(oom::CudaCausalLm::as_executed(spec, set.plans[i]));
         fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
-                   "and {} pinned: {}\n\n",
+                   "and {} pinned: {}; as it runs the plan (a layer's saved activations kept, offloaded or recomputed as "
+                   "one), predicted step {:.3f} s\n\n",
                    gpu, fp[0], fp[1], fp[2], host,
-                   gpu <= req.gpu_budget ? "within the budget" : "OVER the budget (oom-train then tries it as checkpoint)");
+                   gpu <= req.gpu_budget ? "within the budget" : "OVER the budget (oom-train then tries it as checkpoint)",
+                   executed.step_s);
       } catch (const oom::Error& e) {
         fmt::print("CUDA executor: cannot run this model ({})\n\n", e.message());
       }

@@ -662,6 +662,25 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   return {static_cast<double>(loss_sum) / static_cast<double>(T), false};
 }
 
+Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan) {
+  (void)footprint(spec, plan);  // the same checks the constructor makes
+  Plan out = plan;
+  const std::uint64_t T = plan.workload.tokens();
+  for (std::size_t l = 0; l < out.retention.size(); ++l) {
+    auto& row = out.retention[l];
+    const Keep blob = blob_retention(row);
+    const auto shared = blob == Keep::recompute ? RetentionDecision::recompute(static_cast<int>(l))
+                        : blob == Keep::offload ? RetentionDecision::offload()
+                                                : RetentionDecision::keep();
+    for (int c = 1; c < activation_class_count; ++c) row[static_cast<std::size_t>(c)] = shared;
+    const std::uint64_t chunk = l < out.chunks.size() ? out.chunks[l].moe_tokens : 0;
+    if (chunk > 0 && chunk < T && blob != Keep::recompute)
+      for (auto c : {ActivationClass::permuted_tokens, ActivationClass::expert_intermediate})
+        row[static_cast<std::size_t>(c)] = RetentionDecision::recompute(static_cast<int>(l));
+  }
+  return out;
+}
+
 CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
                            CudaCausalLmOptions options)
     : impl_(std::make_unique<Impl>(spec, plan, options, /*sizing_only=*/false)) {

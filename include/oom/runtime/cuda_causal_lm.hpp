@@ -88,6 +88,14 @@ class CudaCausalLm {
   /// without a GPU. Errc::unsupported / invalid_argument as the constructor would throw.
   [[nodiscard]] static std::array<Bytes, claimant_count> footprint(const ModelSpec& spec, const Plan& plan);
 
+  /// `plan` as this executor carries it out, for predicting its step: the decoder layer keeps one
+  /// saved buffer per layer, so a layer's classes other than its boundary share one decision (any
+  /// recompute: the whole layer forward is rerun from its own boundary; else any offload: all go
+  /// home); with MoE token chunks the backward regenerates each chunk's permuted tokens and expert
+  /// activations. Boundaries, chunks and residency are as planned; `predicted` is left as it was
+  /// (simulate the result to predict). Errc::unsupported / invalid_argument as the constructor.
+  [[nodiscard]] static Plan as_executed(const ModelSpec& spec, const Plan& plan);
+
   [[nodiscard]] CudaBackend& backend();
   /// Seconds of the last step, measured with CUDA events around the whole step.
   [[nodiscard]] double last_step_seconds() const;
