@@ -346,9 +346,13 @@ class GraphBuilder {
       const int d2h = g_.add({"d2h.grads", Resource::d2h,
                               model_.time_of(Operation::moving(OpKind::copy_d2h, sent), Resource::d2h), {reduced}, l});
       g_.hold(Claimant::worksets, Bytes{streamed_grad}, first >= 0 ? first : done, d2h);
+      // While a layer's update runs, the backward streams about one layer's fp32 gradients down
+      // and its bf16 weights up through the same host memory (the layers are alike).
       if (last_mb)
         g_.add({"cpu.adamw", Resource::cpu,
-                model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params), Resource::cpu), {d2h}, l});
+                model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params, Bytes{sent.count() + s.streamed_params * 2}),
+                               Resource::cpu),
+                {d2h}, l});
     }
     if (s.resident_params > 0 && last_mb) {
       int reduced = done;

@@ -9,6 +9,7 @@
 
 #include "oom/core/error.hpp"
 #include "oom/io/json.hpp"
+#include "oom/plan/cost_model.hpp"
 #include "oom/plan/machine_profile.hpp"
 
 using namespace oom;
@@ -361,4 +362,25 @@ TEST_CASE("a profile with the older single attention curve reads it as the rate 
   Json both = MachineProfile::h200(1).to_json();
   both.set("attention_flops", legacy);
   CHECK(error_of([&] { (void)MachineProfile::from_json(both, "both.json"); }).find("attention_flops") != std::string::npos);
+}
+
+TEST_CASE("cost model: each attention pass at its own rate; the CPU AdamW shares host memory with the copies") {
+  const MachineProfile p = MachineProfile::h200(1);
+  const ProfileCostModel cost(p);
+  // 32K tokens, 16 heads of 128: the forward at its curve, the backward (2.5x the FLOPs) at its.
+  const auto fwd = Operation::attention(false, 32768, 32768, 128, 16);
+  const auto bwd = Operation::attention(true, 32768, 32768, 128, 16);
+  CHECK(cost.predict(fwd)[Resource::gpu_compute] ==
+        doctest::Approx(p.launch_overhead_s + fwd.flops() / p.attention_forward_flops.at(32768)));
+  CHECK(cost.predict(bwd)[Resource::gpu_compute] ==
+        doctest::Approx(p.launch_overhead_s + bwd.flops() / p.attention_backward_flops.at(32768)));
+  // Idle host memory: the calibrated rate. With a layer's gradients (4 B) down and weights (2 B)
+  // up meanwhile: (30 + 6) / 30 of that time, and more copies never make it faster.
+  const std::uint64_t n = 300'000'000;
+  const double idle = cost.predict(Operation::over(OpKind::cpu_optimizer, n))[Resource::cpu];
+  CHECK(idle == doctest::Approx(static_cast<double>(n) / p.cpu_adamw_params_per_s));
+  const double streaming = cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 6}))[Resource::cpu];
+  CHECK(streaming == doctest::Approx(idle * 36.0 / 30.0));
+  CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 12}))[Resource::cpu] > streaming);
+  CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 6}))[Resource::h2d] == 0.0);
 }

@@ -38,7 +38,8 @@ enum class OpKind : unsigned char {
   memory_bound,        ///< an elementwise / reduction kernel moving `bytes` through HBM
   copy_h2d,            ///< `bytes` host -> device
   copy_d2h,            ///< `bytes` device -> host
-  cpu_optimizer,       ///< CPU AdamW over `elements` parameters
+  cpu_optimizer,       ///< CPU AdamW over `elements` parameters, while `bytes` of host<->device copies
+                       ///< stream through host memory (they share its bandwidth)
   gpu_optimizer,       ///< GPU AdamW over `elements` parameters
   all_to_all,          ///< `bytes` per GPU
   all_reduce,          ///< `bytes` per GPU
@@ -61,9 +62,10 @@ struct Operation {
   }
   /// Ops that move `bytes`: memory_bound, copies, collectives.
   static constexpr Operation moving(OpKind kind, Bytes bytes) { return {kind, 0, 0, 0, 1, 0, bytes, DType::bf16}; }
-  /// Ops over `elements` parameters: the optimizers.
-  static constexpr Operation over(OpKind kind, std::uint64_t elements) {
-    return {kind, 0, 0, 0, 1, elements, Bytes{}, DType::bf16};
+  /// Ops over `elements` parameters: the optimizers; `concurrent` bytes of copies through host
+  /// memory meanwhile (cpu_optimizer).
+  static constexpr Operation over(OpKind kind, std::uint64_t elements, Bytes concurrent = Bytes{}) {
+    return {kind, 0, 0, 0, 1, elements, concurrent, DType::bf16};
   }
 
   /// FLOPs of a gemm or attention op, 2 per multiply-add; 0 for others. Attention forward is
