@@ -257,8 +257,8 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
   for (const auto* v : {&full_w, &full_r, &full_c, &rem_w, &rem_r, &rem_c}) ptrs.insert(ptrs.end(), v->begin(), v->end());
   if (ptrs.size() * sizeof(void*) > array_bytes) return cudaErrorInvalidValue;  // more rows than ExpertGemmShape::rows
   auto* d = static_cast<const void**>(arrays);
-  // Not a pageable cudaMemcpyAsync: on the H200 that waited behind the CPU AdamW's host function
-  // (cudaLaunchHostFunc on another stream), stalling every layer's backward by up to 60 ms.
+  // Not a pageable cudaMemcpyAsync: see expert_counts_to_host (expert_gemm.hpp) for the stalls
+  // that path cost the backward on the H200.
   if (!ptrs.empty()) OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), d));
   const float alpha = 1.0f, beta = 0.0f;
   const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count) {
