@@ -101,6 +101,8 @@ Plan
   --host-mem SIZE      host memory budget (default: the profile's)
   --backend NAME       auto (default: cuda when this build has CUDA and a GPU is present, else host),
                        cuda, or host (the CPU reference backend; small models)
+  --grad-staging N     cuda: stage gradients on the host in a ring of N layers' pinned buffers
+                       (default 0: one pinned fp32 buffer per streamed parameter)
 Run
   --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
   --resume             continue from the run directory's latest checkpoint
@@ -128,6 +130,7 @@ struct Args {
   std::uint64_t warmup = 0;
   bool cosine = false;
   std::optional<Bytes> gpu_mem, host_mem;
+  std::uint64_t grad_staging = 0;  // CUDA: pinned gradient staging ring of this many layers (0: per parameter)
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
   std::string dump_batches, trace;
@@ -188,6 +191,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--machine") a.machine = v;
     else if (flag == "--gpu-mem") a.gpu_mem = parse_bytes(v);
     else if (flag == "--host-mem") a.host_mem = parse_bytes(v);
+    else if (flag == "--grad-staging") a.grad_staging = parse_count(flag, v, /*allow_zero=*/true);
     else if (flag == "--backend") a.backend = v;
     else if (flag == "--dump-batches") a.dump_batches = v;
     else if (flag == "--trace-step") a.trace_step = parse_count(flag, v);
@@ -284,7 +288,14 @@ std::uint64_t moe_chunk(const Plan& p) {
   return c == 0 ? T : c;
 }
 
-Plan fit_cuda_executor(const ModelSpec& spec, const std::vector<Plan>& plans, const PlanRequest& req) {
+CudaCausalLmOptions cuda_options(const Args& a) {
+  CudaCausalLmOptions o;
+  o.grad_staging_layers = static_cast<unsigned>(a.grad_staging);
+  return o;
+}
+
+Plan fit_cuda_executor(const ModelSpec& spec, const std::vector<Plan>& plans, const PlanRequest& req,
+                       const CudaCausalLmOptions& options) {
   std::size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) free_b = req.gpu_budget.count();
   const std::uint64_t headroom = std::uint64_t{1} << 30;
@@ -292,7 +303,7 @@ Plan fit_cuda_executor(const ModelSpec& spec, const std::vector<Plan>& plans, co
   Bytes least_gpu{~std::uint64_t{0}};
   // Prints the plan's footprint; its GPU bytes, and whether it fits.
   const auto consider = [&](std::size_t i, const Plan& p) {
-    const auto fp = CudaCausalLm::footprint(spec, p);
+    const auto fp = CudaCausalLm::footprint(spec, p, options);
     Bytes gpu, host;
     for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) = (on_gpu(static_cast<Claimant>(c)) ? gpu : host) + fp[static_cast<std::size_t>(c)];
     least_gpu = least_gpu < gpu ? least_gpu : gpu;
@@ -398,6 +409,8 @@ int run(const Args& a) {
     OOM_THROW(Errc::unsupported, "--max-grad-norm: clipping is not implemented on the CUDA executor yet (use --backend host)");
   if (use_cuda && a.micro_batches > 1)
     OOM_THROW(Errc::unsupported, "--micro-batches: gradient accumulation is not implemented on the CUDA executor yet (use --backend host)");
+  if (!use_cuda && a.grad_staging > 0)
+    OOM_THROW(Errc::invalid_argument, "--grad-staging: the host backend has no pinned gradient staging (it applies to --backend cuda)");
   const MachineProfile profile = a.profile.empty() ? MachineProfile::builtin(a.machine, 1) : MachineProfile::from_file(a.profile);
   Plan plan;
   const Planner planner(spec, profile, config_name);
@@ -418,7 +431,7 @@ int run(const Args& a) {
     const auto set = planner.plan(req);
     plan = set.plans.front();
 #if OOM_TRAIN_HAS_CUDA
-    if (use_cuda) plan = fit_cuda_executor(spec, set.plans, req);
+    if (use_cuda) plan = fit_cuda_executor(spec, set.plans, req, cuda_options(a));
 #endif
   }
 
@@ -643,7 +656,7 @@ int run(const Args& a) {
 
   if (use_cuda) {
 #if OOM_TRAIN_HAS_CUDA
-    CudaCausalLmOptions co;
+    CudaCausalLmOptions co = cuda_options(a);
     co.adamw = adamw;
     CudaCausalLm model(spec, plan, init, co);  // a resumed run overwrites these below
     init = {};

@@ -73,6 +73,7 @@ struct CudaCausalLm::Impl {
     std::uint64_t streamed = 0;         // elements streamed per pass
     model::DecoderLayerShape shape;
     Keep boundary = Keep::keep, blob = Keep::keep;
+    int ring = -1;             // its gradient staging buffer in the ring (grad_staging_layers > 0)
     bf16* x_keep = nullptr;    // kept boundary (input of this layer)
     bf16* x_host = nullptr;    // offloaded boundary
     std::byte* saved_keep = nullptr;
@@ -115,6 +116,8 @@ struct CudaCausalLm::Impl {
   bf16 *y_scratch = nullptr, *dy = nullptr, *dx = nullptr;
   std::vector<float*> grad_slots;
   std::vector<CudaBackend::Event> grad_slot_free;
+  std::vector<float*> grad_ring;                // pinned gradient staging ring (options.grad_staging_layers)
+  std::vector<CudaBackend::Event> grad_ring_free;  // recorded on the cpu stream after each user's update
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   std::int32_t *d_ids = nullptr, *d_targets = nullptr, *d_positions = nullptr, *d_invalid = nullptr, *d_valid = nullptr;
@@ -289,7 +292,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
       g.hmaster = pinned<float>(g.n, Claimant::host_state);
       g.hm = pinned<float>(g.n, Claimant::host_state);
       g.hv = pinned<float>(g.n, Claimant::host_state);
-      g.hgrad = pinned<float>(g.n, Claimant::host_staging);
+      if (opt.grad_staging_layers == 0) g.hgrad = pinned<float>(g.n, Claimant::host_staging);  // else: the ring, below
     }
     if (sizing) continue;
     const auto& w = weights[s];
@@ -343,6 +346,23 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     L.forward_done = event();
     max_streamed = std::max(max_streamed, L.streamed);
     layers.push_back(std::move(L));
+  }
+  // The gradient staging ring: streamed layers take its buffers in backward order, so the
+  // buffer a layer reuses was last filled N streamed layers earlier (or in the previous step).
+  if (opt.grad_staging_layers > 0 && max_streamed > 0) {
+    for (unsigned i = 0; i < opt.grad_staging_layers; ++i) {
+      grad_ring.push_back(pinned<float>(max_streamed, Claimant::host_staging));
+      grad_ring_free.push_back(event());
+    }
+    std::size_t next = 0;
+    for (std::size_t li = layers.size(); li-- > 0;) {
+      auto& L = layers[li];
+      if (L.streamed == 0) continue;
+      L.ring = static_cast<int>(next++ % grad_ring.size());
+      if (sizing) continue;
+      for (auto s : L.segments)
+        if (!segs[s].resident) segs[s].hgrad = grad_ring[static_cast<std::size_t>(L.ring)] + segs[s].slot_offset;
+    }
   }
   // One size for every layer's saved buffer and the one workspace: the largest (layers may chunk
   // their MoE half differently).
@@ -628,6 +648,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     span_end(cs, mk);
     if (L.streamed > 0) {
       backend->wait(d2h, done);
+      if (L.ring >= 0) backend->wait(d2h, grad_ring_free[static_cast<std::size_t>(L.ring)]);
       const int gm = span_begin(d2h, Resource::d2h, "d2h grads " + label(li));
       for (auto* g : L.update.segments) backend->copy(g->hgrad, gslot + g->slot_offset, Bytes{g->n * sizeof(float)}, d2h);
       span_end(d2h, gm);
@@ -640,6 +661,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       OOM_CUDA_CHECK(cudaLaunchHostFunc(raw(cpu), &Impl::cpu_update, &L.update));
       span_end(cpu, cm);
       backend->record(L.updated, cpu);
+      if (L.ring >= 0) backend->record(grad_ring_free[static_cast<std::size_t>(L.ring)], cpu);
     }
   }
   // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
@@ -762,8 +784,9 @@ void CudaCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
 std::int64_t CudaCausalLm::optimizer_steps() const { return impl_->steps; }
 void CudaCausalLm::set_learning_rate(float lr) { impl_->opt.adamw.lr = lr; }
 
-std::array<Bytes, claimant_count> CudaCausalLm::footprint(const ModelSpec& spec, const Plan& plan) {
-  Impl sizing(spec, plan, {}, /*sizing_only=*/true);
+std::array<Bytes, claimant_count> CudaCausalLm::footprint(const ModelSpec& spec, const Plan& plan,
+                                                           const CudaCausalLmOptions& options) {
+  Impl sizing(spec, plan, options, /*sizing_only=*/true);
   sizing.build({});
   return sizing.need;
 }

@@ -55,6 +55,8 @@ expect token-beyond-vocab 2 "token 280 at position 3" -- --data "$work/big-vocab
 # A budget no plan fits, and a missing data file.
 expect tiny-budget 3 "least GPU memory" -- --gpu-mem 1MiB
 expect missing-data 2 "no such data file" -- --data "$work/nowhere.tok"
+# An option of the other backend.
+expect grad-staging-on-host 2 "grad-staging" -- --backend host --grad-staging 3
 
 # Misuse of a run directory: refused, and the run in it left as it was.
 before=$(cat "$work/good/latest")
