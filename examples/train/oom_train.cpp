@@ -103,6 +103,9 @@ Plan
                        cuda, or host (the CPU reference backend; small models)
   --grad-staging N     cuda: stage gradients on the host in a ring of N layers' pinned buffers
                        (default 0: one pinned fp32 buffer per streamed parameter)
+  --keep-attention-state  cuda: where the plan keeps (or offloads) a layer's attention output and
+                       softmax statistics but recomputes the rest, rerun the layer around them
+                       instead of rerunning its attention too
 Run
   --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
   --resume             continue from the run directory's latest checkpoint
@@ -131,6 +134,7 @@ struct Args {
   bool cosine = false;
   std::optional<Bytes> gpu_mem, host_mem;
   std::uint64_t grad_staging = 0;  // CUDA: pinned gradient staging ring of this many layers (0: per parameter)
+  bool keep_attention_state = false;  // CUDA: recompute around kept attention output + LSE
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
   std::string dump_batches, trace;
@@ -167,6 +171,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--resume") { a.resume = true; continue; }
     if (flag == "--overwrite") { a.overwrite = true; continue; }
     if (flag == "--save-initial") { a.save_initial = true; continue; }
+    if (flag == "--keep-attention-state") { a.keep_attention_state = true; continue; }
     if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
     if (flag == "--config") a.config = v;
@@ -291,6 +296,7 @@ std::uint64_t moe_chunk(const Plan& p) {
 CudaCausalLmOptions cuda_options(const Args& a) {
   CudaCausalLmOptions o;
   o.grad_staging_layers = static_cast<unsigned>(a.grad_staging);
+  o.keep_attention_state = a.keep_attention_state;
   return o;
 }
 
@@ -411,6 +417,10 @@ int run(const Args& a) {
     OOM_THROW(Errc::unsupported, "--micro-batches: gradient accumulation is not implemented on the CUDA executor yet (use --backend host)");
   if (!use_cuda && a.grad_staging > 0)
     OOM_THROW(Errc::invalid_argument, "--grad-staging: the host backend has no pinned gradient staging (it applies to --backend cuda)");
+  if (!use_cuda && a.keep_attention_state)
+    OOM_THROW(Errc::invalid_argument,
+              "--keep-attention-state: the host backend already keeps, offloads or recomputes each class as planned "
+              "(it applies to --backend cuda)");
   const MachineProfile profile = a.profile.empty() ? MachineProfile::builtin(a.machine, 1) : MachineProfile::from_file(a.profile);
   Plan plan;
   const Planner planner(spec, profile, config_name);
@@ -503,7 +513,7 @@ int run(const Args& a) {
   Prediction expected = plan.predicted;
 #if OOM_TRAIN_HAS_CUDA
   if (use_cuda) {
-    const SimResult sim = planner.simulate(CudaCausalLm::as_executed(spec, plan));
+    const SimResult sim = planner.simulate(CudaCausalLm::as_executed(spec, plan, cuda_options(a)));
     expected.step_s = sim.step_s;
     expected.busy = sim.busy;
     if (std::abs(sim.step_s - plan.predicted.step_s) > 0.01 * plan.predicted.step_s)

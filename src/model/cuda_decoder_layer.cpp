@@ -524,9 +524,13 @@ DecoderLayerRouting decoder_layer_routing(const DecoderLayerShape& s, const void
 
 // ---- forward --------------------------------------------------------------------------------------
 
-void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
-                           const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
-                           void* workspace, std::size_t workspace_bytes) {
+namespace {
+
+/// The forward; with `reuse_attention` the attention kernel is not run and the O and LSE already
+/// in `saved` feed the rest (decoder_layer_recompute).
+void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                  const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
+                  void* workspace, std::size_t workspace_bytes, bool reuse_attention) {
   s.validate();
   check_context(ctx);
   check_params(s, params);
@@ -552,8 +556,9 @@ void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerSha
   check(kernels::rope_forward(v.q, positions, v.q, T, s.heads_q, D, D, s.rope_theta, st), "rope forward (q)");
   check(kernels::rope_forward(v.k, positions, v.k, T, s.heads_kv, D, D, s.rope_theta, st), "rope forward (k)");
   const kernels::AttentionProblem ap = attention_problem(s);
-  check(kernels::attention_forward(ap, {v.q, T * QW, QW}, {v.k, T * KW, KW}, {v.v, T * KW, KW}, {v.attn, T * QW, QW}, v.lse, st),
-        "attention forward");
+  if (!reuse_attention)
+    check(kernels::attention_forward(ap, {v.q, T * QW, QW}, {v.k, T * KW, KW}, {v.v, T * KW, KW}, {v.attn, T * QW, QW}, v.lse, st),
+          "attention forward");
   // h = x + O Wo^T: x copied into h, then the GEMM adds onto it (beta = 1, one rounding).
   check(cudaMemcpyAsync(v.h, x, static_cast<std::size_t>(T * H) * sizeof(bf16), cudaMemcpyDeviceToDevice, st),
         "residual copy x -> h");
@@ -575,6 +580,27 @@ void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerSha
           "unpermute combine");
     check(kernels::add_bf16(v.h + c0 * H, w.moe_out, y + c0 * H, n * H, st), "residual add y = h + moe");
   }
+}
+
+}  // namespace
+
+void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                           const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
+                           void* workspace, std::size_t workspace_bytes) {
+  forward_impl(ctx, s, params, positions, x, y, saved, saved_bytes, workspace, workspace_bytes, /*reuse_attention=*/false);
+}
+
+void decoder_layer_recompute(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                             const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
+                             void* workspace, std::size_t workspace_bytes) {
+  forward_impl(ctx, s, params, positions, x, y, saved, saved_bytes, workspace, workspace_bytes, /*reuse_attention=*/true);
+}
+
+DecoderLayerAttentionState decoder_layer_attention_state(const DecoderLayerShape& s, void* saved) {
+  const Saved v = carve_saved(s, saved);
+  const auto T = s.tokens;
+  return {v.attn, static_cast<std::size_t>(T * q_width(s)) * sizeof(bf16), v.lse,
+          static_cast<std::size_t>(s.heads_q * T) * sizeof(float)};
 }
 
 // ---- backward -------------------------------------------------------------------------------------

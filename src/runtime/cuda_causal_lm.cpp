@@ -35,15 +35,37 @@ namespace {
 
 constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
-enum class Keep : unsigned char { keep, offload, recompute };
+/// What happens to a layer's saved buffer between its forward and its backward: kept on the GPU,
+/// offloaded whole, recomputed whole, or `refill`: recomputed around the attention's output and
+/// LSE, which alone are kept or offloaded (Layer::attn) — the attention kernel does not run again.
+enum class Keep : unsigned char { keep, offload, recompute, refill };
 
-Keep blob_retention(const std::array<RetentionDecision, activation_class_count>& row) {
-  bool offload = false;
+/// The classes of the attention's own state, as the planner groups them (linear_attention_state
+/// has no tensor in a full-attention layer, but recomputing it means rerunning the attention).
+bool is_attention_state(int c) {
+  return c == static_cast<int>(ActivationClass::attention_output) || c == static_cast<int>(ActivationClass::softmax_stats) ||
+         c == static_cast<int>(ActivationClass::linear_attention_state);
+}
+
+/// The saved buffer's one decision for a row of per-class decisions; `attn` gets where the
+/// attention state goes for Keep::refill (only with `keep_attention_state`).
+Keep blob_retention(const std::array<RetentionDecision, activation_class_count>& row, bool keep_attention_state = false,
+                    Keep* attn = nullptr) {
+  bool offload = false, recompute = false, attn_recomputed = false, attn_offloaded = false;
   for (int c = 1; c < activation_class_count; ++c) {
     const auto a = row[static_cast<std::size_t>(c)].action;
-    if (a == Retention::recompute) return Keep::recompute;
+    recompute |= a == Retention::recompute;
     offload |= a == Retention::offload;
+    if (is_attention_state(c)) {
+      attn_recomputed |= a == Retention::recompute;
+      attn_offloaded |= a == Retention::offload;
+    }
   }
+  if (recompute && keep_attention_state && !attn_recomputed) {
+    if (attn) *attn = attn_offloaded ? Keep::offload : Keep::keep;
+    return Keep::refill;
+  }
+  if (recompute) return Keep::recompute;
   return offload ? Keep::offload : Keep::keep;
 }
 
@@ -74,6 +96,9 @@ struct CudaCausalLm::Impl {
     model::DecoderLayerShape shape;
     Keep boundary = Keep::keep, blob = Keep::keep;
     int ring = -1;             // its gradient staging buffer in the ring (grad_staging_layers > 0)
+    Keep attn = Keep::keep;    // Keep::refill: where its attention output and LSE wait (keep or offload)
+    std::byte* attn_keep = nullptr;  // ... on the GPU: O then LSE (attn_bytes)
+    std::byte* attn_host = nullptr;  // ... offloaded
     bf16* x_keep = nullptr;    // kept boundary (input of this layer)
     bf16* x_host = nullptr;    // offloaded boundary
     std::byte* saved_keep = nullptr;
@@ -236,6 +261,20 @@ struct CudaCausalLm::Impl {
   CudaBackend::Event event() { return sizing ? CudaBackend::Event{} : backend->make_event(); }
   void release() noexcept;
   Slot& load_weights(std::size_t l);
+  /// A refill layer's attention output and LSE between its saved buffer `blob` and `store` (O,
+  /// then the LSE at the next 256-byte boundary), on stream `on`.
+  void copy_attention_state(const Layer& L, std::byte* blob, std::byte* store, bool into_store, CudaBackend::Stream& on) {
+    const auto a = model::decoder_layer_attention_state(L.shape, blob);
+    std::byte* o = store;
+    std::byte* lse = store + align_up(a.output_bytes);
+    if (into_store) {
+      backend->copy(o, a.output, Bytes{a.output_bytes}, on);
+      backend->copy(lse, a.lse, Bytes{a.lse_bytes}, on);
+    } else {
+      backend->copy(a.output, o, Bytes{a.output_bytes}, on);
+      backend->copy(a.lse, lse, Bytes{a.lse_bytes}, on);
+    }
+  }
   std::vector<const bf16*> weight_bases(std::size_t l, const Slot& slot) const;
   std::vector<float*> grad_bases(std::size_t l, float* gslot) const;
   StepResult run_step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
@@ -340,7 +379,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     if (b == Retention::recompute)
       OOM_THROW(Errc::unsupported, fmt::format("layer {}: regenerating a boundary through earlier layers is not implemented on CUDA", l));
     L.boundary = b == Retention::offload ? Keep::offload : Keep::keep;
-    L.blob = blob_retention(row);
+    L.blob = blob_retention(row, opt.keep_attention_state, &L.attn);
     L.updated = event();
     L.offloaded = event();
     L.forward_done = event();
@@ -372,6 +411,12 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     else L.x_host = pinned<bf16>(T * H, Claimant::host_offload);
     if (L.blob == Keep::keep) L.saved_keep = dev<std::byte>(saved_bytes, Claimant::retained_activations);
     else if (L.blob == Keep::offload) L.saved_host = pinned<std::byte>(saved_bytes, Claimant::host_offload);
+    if (L.blob == Keep::refill) {
+      const auto a = model::decoder_layer_attention_state(L.shape, nullptr);
+      const std::size_t bytes = align_up(a.output_bytes) + align_up(a.lse_bytes);
+      if (L.attn == Keep::keep) L.attn_keep = dev<std::byte>(bytes, Claimant::retained_activations);
+      else L.attn_host = pinned<std::byte>(bytes, Claimant::host_offload);
+    }
     L.update.self = this;
     for (auto s : L.segments)
       if (!segs[s].resident) L.update.segments.push_back(&segs[s]);
@@ -550,19 +595,25 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     mk = span_begin(cs, Resource::gpu_compute, "fwd " + label(l));
     model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
     span_end(cs, mk);
+    // A refill layer keeps its attention output and LSE on the GPU (copied out before the blob
+    // is reused) or sends them home with the offloads below.
+    const bool attn_home = L.blob == Keep::refill && L.attn == Keep::offload;
+    if (L.blob == Keep::refill && L.attn == Keep::keep) copy_attention_state(L, saved, L.attn_keep, true, cs);
     backend->record(L.forward_done, cs);
     backend->record(slot.free, cs);
     // Offload: the boundary (this layer's input) and the saved buffer go home once written.
-    if (L.boundary == Keep::offload || L.blob == Keep::offload) {
+    if (L.boundary == Keep::offload || L.blob == Keep::offload || attn_home) {
       backend->wait(d2h, L.forward_done);
       const int om = span_begin(d2h, Resource::d2h, "d2h activations " + label(l));
       if (L.boundary == Keep::offload) backend->copy(L.x_host, x_at[l], Bytes{T * H * sizeof(bf16)}, d2h);
       if (L.blob == Keep::offload) backend->copy(L.saved_host, saved, Bytes{saved_bytes}, d2h);
+      if (attn_home) copy_attention_state(L, saved, L.attn_host, true, d2h);
       span_end(d2h, om);
       backend->record(L.offloaded, d2h);
     }
     if (L.boundary == Keep::offload) backend->record(x_rot_free[static_cast<std::size_t>(x_rot_index[l])], d2h);
-    if (blob >= 0) backend->record(blob_rot_free[static_cast<std::size_t>(blob)], L.blob == Keep::offload ? d2h : cs);
+    if (blob >= 0)
+      backend->record(blob_rot_free[static_cast<std::size_t>(blob)], L.blob == Keep::offload || attn_home ? d2h : cs);
   }
 
   // ---- loss (and its backward into dy) ----
@@ -605,10 +656,11 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     const int rm = span_begin(h2d, Resource::h2d, "h2d activations " + label(li));
     if (L.blob != Keep::keep) {
       blob = blob_rot[static_cast<std::size_t>(r)];
-      if (L.blob == Keep::offload) {
+      if (L.blob == Keep::offload || (L.blob == Keep::refill && L.attn == Keep::offload)) {
         backend->wait(h2d, blob_rot_free[static_cast<std::size_t>(r)]);
         backend->wait(h2d, L.offloaded);
-        backend->copy(blob, L.saved_host, Bytes{saved_bytes}, h2d);
+        if (L.blob == Keep::offload) backend->copy(blob, L.saved_host, Bytes{saved_bytes}, h2d);
+        else copy_attention_state(L, blob, L.attn_host, false, h2d);
       }
       saved = blob;
     }
@@ -620,6 +672,15 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
       mk = span_begin(cs, Resource::gpu_compute, "recompute " + label(li));
       model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace, workspace_bytes);
+      span_end(cs, mk);
+    } else if (L.blob == Keep::refill) {
+      // The kept attention state back into the blob (an offloaded one came in on h2d above), then
+      // everything around it again; the attention kernel does not run.
+      backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
+      if (L.attn == Keep::keep) copy_attention_state(L, blob, L.attn_keep, false, cs);
+      mk = span_begin(cs, Resource::gpu_compute, "recompute (attention kept) " + label(li));
+      model::decoder_layer_recompute(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
+                                     workspace_bytes);
       span_end(cs, mk);
     }
     float* gslot = nullptr;
@@ -684,21 +745,27 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   return {static_cast<double>(loss_sum) / static_cast<double>(T), false};
 }
 
-Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan) {
-  (void)footprint(spec, plan);  // the same checks the constructor makes
+Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan, const CudaCausalLmOptions& options) {
+  (void)footprint(spec, plan, options);  // the same checks the constructor makes
   Plan out = plan;
   const std::uint64_t T = plan.workload.tokens();
   for (std::size_t l = 0; l < out.retention.size(); ++l) {
     auto& row = out.retention[l];
-    const Keep blob = blob_retention(row);
-    const auto shared = blob == Keep::recompute ? RetentionDecision::recompute(static_cast<int>(l))
-                        : blob == Keep::offload ? RetentionDecision::offload()
-                                                : RetentionDecision::keep();
-    for (int c = 1; c < activation_class_count; ++c) row[static_cast<std::size_t>(c)] = shared;
+    Keep attn = Keep::keep;
+    const Keep blob = blob_retention(row, options.keep_attention_state, &attn);
+    const auto recompute = RetentionDecision::recompute(static_cast<int>(l));
+    const auto shared = blob == Keep::recompute || blob == Keep::refill ? recompute
+                        : blob == Keep::offload                         ? RetentionDecision::offload()
+                                                                        : RetentionDecision::keep();
+    for (int c = 1; c < activation_class_count; ++c)
+      row[static_cast<std::size_t>(c)] =
+          blob == Keep::refill && is_attention_state(c)
+              ? (attn == Keep::offload ? RetentionDecision::offload() : RetentionDecision::keep())
+              : shared;
     const std::uint64_t chunk = l < out.chunks.size() ? out.chunks[l].moe_tokens : 0;
     if (chunk > 0 && chunk < T && blob != Keep::recompute)
       for (auto c : {ActivationClass::permuted_tokens, ActivationClass::expert_intermediate})
-        row[static_cast<std::size_t>(c)] = RetentionDecision::recompute(static_cast<int>(l));
+        row[static_cast<std::size_t>(c)] = recompute;
   }
   return out;
 }

@@ -70,8 +70,10 @@ struct Run {
   Bytes staging;  ///< pinned gradient staging (and the token buffer)
 };
 
-Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait = false, unsigned grad_staging_layers = 0) {
+Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait = false, unsigned grad_staging_layers = 0,
+          bool keep_attention_state = false) {
   CudaCausalLmOptions opt;
+  opt.keep_attention_state = keep_attention_state;
   opt.adamw.lr = 3e-3f;
   opt.drop_weight_wait = drop_wait;
   opt.grad_staging_layers = grad_staging_layers;
@@ -283,5 +285,48 @@ TEST_CASE("a gradient staging ring gives the same step, bit for bit, in less pin
     if (n < static_cast<unsigned>(spec.num_layers())) CHECK(ring.staging < whole.staging);
     CHECK(ring.staging == CudaCausalLm::footprint(spec, streamed, CudaCausalLmOptions{.grad_staging_layers = n})
                               [static_cast<std::size_t>(Claimant::host_staging)]);
+  }
+}
+
+TEST_CASE("recomputing around kept or offloaded attention state gives the same step, bit for bit") {
+  // Plans that recompute a layer's MoE classes but keep or offload its attention output and LSE:
+  // with keep_attention_state the backward reruns the layer without the attention kernel, from
+  // the kept state; every kernel being deterministic, the step is the resident plan's.
+  const auto spec = small_spec();
+  const Plan reference = resident_plan(spec);
+  const Run expect = train(spec, reference);
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 4; ++i) {
+    Plan p = reference;
+    p.resident_segments.clear();
+    for (const auto& s : spec.segments())
+      if (rng() % 2) p.resident_segments.push_back(s.name);
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      auto& row = p.retention[static_cast<std::size_t>(l)];
+      row[0] = rng() % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
+      const auto attn = (i + l) % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
+      row[static_cast<std::size_t>(ActivationClass::attention_output)] = attn;
+      row[static_cast<std::size_t>(ActivationClass::softmax_stats)] = attn;
+      for (auto c : {ActivationClass::norm_output, ActivationClass::router_output, ActivationClass::permuted_tokens,
+                     ActivationClass::expert_intermediate})
+        row[static_cast<std::size_t>(c)] = RetentionDecision::recompute(l);
+    }
+    if (i == 3)
+      for (auto& c : p.chunks) c.moe_tokens = 50;  // chunked MoE too (its own reference below)
+    CAPTURE(i);
+    const Run got = train(spec, p, 3, false, 0, /*keep_attention_state=*/true);
+    const Run whole_recompute = train(spec, p, 3, false, 0, /*keep_attention_state=*/false);
+    CHECK(got.losses == whole_recompute.losses);
+    CHECK(same(got.state, whole_recompute.state));
+    if (i < 3) {
+      CHECK(got.losses == expect.losses);
+      CHECK(same(got.state, expect.state));
+    }
+    // It keeps the attention state on the GPU (or pinned) where the whole recompute kept nothing.
+    const auto kept = CudaCausalLm::footprint(spec, p, CudaCausalLmOptions{.keep_attention_state = true});
+    const auto rerun = CudaCausalLm::footprint(spec, p);
+    const auto act = static_cast<std::size_t>(Claimant::retained_activations);
+    const auto off = static_cast<std::size_t>(Claimant::host_offload);
+    CHECK(kept[act] + kept[off] > rerun[act] + rerun[off]);
   }
 }

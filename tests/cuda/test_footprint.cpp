@@ -227,3 +227,21 @@ TEST_CASE("a gradient staging ring: pinned staging of a few layers instead of ev
   for (int c = 0; c < claimant_count; ++c)
     if (c != static_cast<int>(staging)) CHECK(ring[static_cast<std::size_t>(c)] == whole[static_cast<std::size_t>(c)]);
 }
+
+TEST_CASE("512K with the attention state kept: fits one H200 and skips the attention's second forward") {
+  const auto spec = config("moe-5b.json");
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const Planner planner(spec, profile);
+  const Plan p = plan_for(spec, 524288, 85_GiB);  // keep-attention, MoE recomputed (the H200 run's plan)
+  CudaCausalLmOptions keep;
+  keep.keep_attention_state = true;
+  const auto fp = CudaCausalLm::footprint(spec, p, keep);
+  MESSAGE("512K, attention state kept:\n" << breakdown(fp));
+  CHECK(gpu_bytes(fp) < profile.gpu_memory - 8_GiB);
+  const double rerun = planner.simulate(CudaCausalLm::as_executed(spec, p)).step_s;
+  const double kept = planner.simulate(CudaCausalLm::as_executed(spec, p, keep)).step_s;
+  MESSAGE("512K predicted step: " << rerun << " s rerunning each layer whole, " << kept << " s around the kept attention");
+  // 16 layers x ~4.4 s of attention forward not run again.
+  CHECK(kept < rerun - 50.0);
+  CHECK(kept == doctest::Approx(p.predicted.step_s).epsilon(0.02));  // now what the planner planned
+}

@@ -56,6 +56,12 @@ struct CudaCausalLmOptions {
   /// the buffer's previous layer has run (14 bytes a parameter plus N layers: at 32K on the 5.13B
   /// model 17.4 GiB of staging becomes ~3.6 GiB with N = 3).
   unsigned grad_staging_layers = 0;
+  /// A layer whose plan recomputes some classes but keeps (or offloads) the attention output and
+  /// softmax statistics: true, its backward reruns the layer around that kept attention state
+  /// (decoder_layer_recompute: no attention kernel; 2 bytes a token per q-head dim kept per layer);
+  /// false, the whole layer forward is rerun (what as_executed() then predicts). Off until its GPU
+  /// test has run.
+  bool keep_attention_state = false;
   /// A step whose loss is NaN or infinite ends after the loss: no backward, no update.
   bool skip_nonfinite_loss = true;
   /// Test hook: compute does not wait for a layer's weights to arrive. Only for showing that the
@@ -101,7 +107,7 @@ class CudaCausalLm {
   /// home); with MoE token chunks the backward regenerates each chunk's permuted tokens and expert
   /// activations. Boundaries, chunks and residency are as planned; `predicted` is left as it was
   /// (simulate the result to predict). Errc::unsupported / invalid_argument as the constructor.
-  [[nodiscard]] static Plan as_executed(const ModelSpec& spec, const Plan& plan);
+  [[nodiscard]] static Plan as_executed(const ModelSpec& spec, const Plan& plan, const CudaCausalLmOptions& options = {});
 
   [[nodiscard]] CudaBackend& backend();
   /// Seconds of the last step, measured with CUDA events around the whole step.
