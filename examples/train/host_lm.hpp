@@ -57,6 +57,8 @@ class HostCausalLm {
   [[nodiscard]] HostBackend& backend() { return *backend_; }
   /// Records the next step's work per resource (the decoder stack's; see HostExecutor).
   void record_next_step(Timeline* timeline) { executor_->record_next_step(timeline); }
+  /// Progress of the decoder stack's passes (see HostExecutor::on_layer).
+  void on_layer(LayerProgressFn fn) { executor_->on_layer(std::move(fn)); }
   /// Bytes of the ends' state (fp32 master, moments, gradient, bf16 copy), outside the backend's arenas.
   [[nodiscard]] Bytes ends_bytes() const;
 

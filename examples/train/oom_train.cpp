@@ -30,6 +30,7 @@
 #include "oom/io/token_file.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/planner.hpp"
+#include "oom/runtime/progress.hpp"
 #include "oom/runtime/timeline.hpp"
 #if OOM_TRAIN_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -114,6 +115,8 @@ Run
                        0: none at all, e.g. for throughput runs of large models)
   --keep N             checkpoints kept (default 2)
   --log-every N        steps between progress lines (default 10)
+  --step-progress S    a step still running after S seconds reports its layer passes, at most
+                       every S/2 seconds (default 30; 0: every pass)
   --trace-step N       record step N's work per resource: Chrome trace JSON (--trace, default
                        <out>/trace-step-N.json) and measured vs predicted busy time per resource
   --trace PATH         where --trace-step writes
@@ -135,6 +138,7 @@ struct Args {
   std::optional<Bytes> gpu_mem, host_mem;
   std::uint64_t grad_staging = 0;  // CUDA: pinned gradient staging ring of this many layers (0: per parameter)
   bool keep_attention_state = false;  // CUDA: recompute around kept attention output + LSE
+  double step_progress_s = 30;        // a step running this long reports its layer passes
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
   std::string dump_batches, trace;
@@ -205,6 +209,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--checkpoint-every") a.checkpoint_every = parse_count(flag, v, /*allow_zero=*/true);
     else if (flag == "--keep") a.keep = static_cast<int>(parse_count(flag, v));
     else if (flag == "--log-every") a.log_every = parse_count(flag, v);
+    else if (flag == "--step-progress") a.step_progress_s = static_cast<double>(parse_count(flag, v, /*allow_zero=*/true));
     else if (flag == "--max-skips") a.max_skips = parse_count(flag, v);
     else if (flag == "--on-nonfinite") {
       const std::string_view w = v;
@@ -565,6 +570,22 @@ int run(const Args& a) {
   auto last = t0;
   std::uint64_t consecutive_skips = 0, done_since_start = 0;
   if (start_step >= a.steps) fmt::print("the run is already at step {} (--steps {})\n", start_step, a.steps);
+  // A long step says where it is: once it has run --step-progress seconds, a line per layer pass
+  // at most every half of that (0: every pass). Issued passes; the GPU is at most about a layer behind.
+  auto step_start = std::chrono::steady_clock::now(), last_note = step_start;
+  std::uint64_t running_step = 0;
+  const auto progress_after = std::chrono::duration<double>(a.step_progress_s);
+  model.on_layer([&](const LayerProgress& p) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - step_start < progress_after || now - last_note < progress_after / 2) return;
+    last_note = now;
+    const int issued = p.backward ? p.layers + (p.layers - 1 - p.layer) : p.layer;
+    fmt::print("  step {}{}: {} layer {} ({} of {} layer passes issued, {} into the step)\n", running_step,
+               a.micro_batches > 1 ? fmt::format(" micro-batch {}/{}", p.micro_batch + 1, a.micro_batches) : std::string(),
+               p.backward ? "backward" : "forward", p.layer, issued, 2 * p.layers,
+               duration(std::chrono::duration<double>(now - step_start).count()));
+    std::fflush(stdout);
+  });
   for (std::uint64_t step = start_step + 1; step <= a.steps; ++step) {
     sampler.next(in, tgt);
     const float lr_now = learning_rate(a, static_cast<std::uint64_t>(model.optimizer_steps()) + 1);
@@ -576,6 +597,8 @@ int run(const Args& a) {
         dumped.insert(dumped.end(), in.begin() + static_cast<std::ptrdiff_t>(mb * a.seq), in.begin() + static_cast<std::ptrdiff_t>((mb + 1) * a.seq));
         dumped.push_back(tgt[(mb + 1) * a.seq - 1]);
       }
+    running_step = step;
+    step_start = last_note = std::chrono::steady_clock::now();
     const auto r = model.step(in, tgt);
     const auto now = std::chrono::steady_clock::now();
     const double dt = std::chrono::duration<double>(now - last).count();

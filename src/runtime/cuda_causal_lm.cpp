@@ -153,6 +153,7 @@ struct CudaCausalLm::Impl {
   std::vector<std::pair<void*, std::pair<MemorySpace, std::pair<Bytes, Claimant>>>> owned;
   // Recording of one step (record_next_step): timed event pairs, resolved after the step.
   Timeline* timeline = nullptr;
+  LayerProgressFn on_layer;
   struct Mark {
     std::string name;
     Resource resource;
@@ -579,6 +580,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   int next_blob = 0;
   for (std::size_t l = 0; l < n; ++l) {
     OOM_NVTX_SCOPE("oom forward layer");
+    if (on_layer) on_layer({false, static_cast<int>(l), static_cast<int>(n), 0});
     auto& L = layers[l];
     Slot& slot = load_weights(l);
     const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(l), weight_bases(l, slot));
@@ -637,6 +639,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   // ---- backward ----
   for (std::size_t li = n; li-- > 0;) {
     OOM_NVTX_SCOPE("oom backward layer");
+    if (on_layer) on_layer({true, static_cast<int>(li), static_cast<int>(n), 0});
     auto& L = layers[li];
     Slot& slot = load_weights(li);
     const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(li), weight_bases(li, slot));
@@ -860,5 +863,6 @@ std::array<Bytes, claimant_count> CudaCausalLm::footprint(const ModelSpec& spec,
 CudaBackend& CudaCausalLm::backend() { return *impl_->backend; }
 double CudaCausalLm::last_step_seconds() const { return impl_->last_seconds; }
 void CudaCausalLm::record_next_step(Timeline* timeline) { impl_->timeline = timeline; }
+void CudaCausalLm::on_layer(LayerProgressFn fn) { impl_->on_layer = std::move(fn); }
 
 }  // namespace oom

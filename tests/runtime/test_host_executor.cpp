@@ -391,3 +391,27 @@ TEST_CASE("gradient accumulation over micro-batches: the same bits under every p
   CHECK(bitwise_equal(run(reference, 3, true), one));
   CHECK(bitwise_equal(run(random_plan(layers, st.c.tokens, rng), 3, true), one));
 }
+
+TEST_CASE("layer progress: every layer's forward, then every layer's backward in reverse, once a step") {
+  const Stack st({16, 4, 2, 16, 12, 3}, 8);
+  auto layers = st.layers;
+  Plan plan = resident_plan(layers, st.c.tokens);
+  HostBackend backend({1_GiB, 1_GiB, true});
+  HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, {});
+  std::vector<LayerProgress> seen;
+  exec.on_layer([&](const LayerProgress& p) { seen.push_back(p); });
+  (void)exec.step(st.input(0), st.target(0));
+  const int n = static_cast<int>(layers.size());
+  REQUIRE(seen.size() == static_cast<std::size_t>(2 * n));
+  for (int i = 0; i < 2 * n; ++i) {
+    CAPTURE(i);
+    const auto& p = seen[static_cast<std::size_t>(i)];
+    CHECK(p.backward == (i >= n));
+    CHECK(p.layer == (i < n ? i : 2 * n - 1 - i));
+    CHECK(p.layers == n);
+    CHECK(p.micro_batch == 0);
+  }
+  exec.on_layer({});  // removed: no more calls
+  (void)exec.step(st.input(1), st.target(1));
+  CHECK(seen.size() == static_cast<std::size_t>(2 * n));
+}

@@ -37,6 +37,8 @@
 #include "oom/optim/segment_state.hpp"
 #include "oom/plan/plan.hpp"
 #include "oom/runtime/cuda_backend.hpp"
+#include "oom/runtime/progress.hpp"
+#include "oom/runtime/progress.hpp"
 #include "oom/runtime/timeline.hpp"
 
 namespace oom {
@@ -116,6 +118,8 @@ class CudaCausalLm {
   /// forward, backward, recompute, offload, gradient copy and update; the CPU AdamW as the window
   /// its host function holds the cpu stream), from the step's start.
   void record_next_step(Timeline* timeline);
+  /// Called before each layer's forward and backward is issued (runtime/progress.hpp); empty: none.
+  void on_layer(LayerProgressFn fn);
 
  private:
   struct Impl;

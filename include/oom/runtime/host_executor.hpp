@@ -26,6 +26,7 @@
 #include "oom/optim/segment_state.hpp"
 #include "oom/plan/plan.hpp"
 #include "oom/runtime/host_backend.hpp"
+#include "oom/runtime/progress.hpp"
 #include "oom/runtime/timeline.hpp"
 
 namespace oom {
@@ -213,6 +214,8 @@ class HostExecutor {
   /// Records the next step()'s work per resource into `timeline` (spans of every load, forward,
   /// backward, recompute, offload, gradient copy and update, from the step's start).
   void record_next_step(Timeline* timeline) { timeline_ = timeline; }
+  /// Called before each layer's forward and backward is issued (runtime/progress.hpp); empty: none.
+  void on_layer(LayerProgressFn fn) { on_layer_ = std::move(fn); }
 
   /// The learning rate of the steps that follow (a schedule sets it before each step).
   void set_learning_rate(float lr) { options_.adamw.lr = lr; }
@@ -273,6 +276,7 @@ class HostExecutor {
 
     // ---- forward ----
     for (std::size_t l = 0; l < n; ++l) {
+      if (on_layer_) on_layer_({false, static_cast<int>(l), static_cast<int>(n), static_cast<int>(mb)});
       auto& ls = layers_state_[l];
       Slot* slot = load_weights(l);
       act[l + 1] = alloc_device(act_bytes, Claimant::retained_activations);
@@ -349,6 +353,7 @@ class HostExecutor {
 
     // ---- backward ----
     for (std::size_t li = n; li-- > 0;) {
+      if (on_layer_) on_layer_({true, static_cast<int>(li), static_cast<int>(n), static_cast<int>(mb)});
       auto& ls = layers_state_[li];
       Slot* slot = load_weights(li);
       // Bring back what was offloaded.
@@ -760,6 +765,7 @@ class HostExecutor {
   std::int64_t step_ = 0;
   bool skipped_ = false;
   Timeline* timeline_ = nullptr;
+  LayerProgressFn on_layer_;
   std::chrono::steady_clock::time_point t0_;
 };
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# oom-train on a step that runs long enough: it reports its layer passes in order (forward 0..n-1,
+# then backward n-1..0), per micro-batch. --step-progress 0 makes every step "long".
+#   bash tests/train/progress.sh path/to/oom-train
+set -uo pipefail
+train=$1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+if ! "$train" --backend host --out "$work/run" --steps 2 --seq 32 --micro-batches 2 --step-progress 0 --checkpoint-every 0 \
+    --log-every 1 > "$work/out.txt" 2>&1; then
+  echo "FAIL: oom-train exited non-zero"; cat "$work/out.txt"; exit 1
+fi
+# The built-in model has 4 layers: 8 passes per micro-batch, 2 micro-batches, 2 steps.
+got=$(grep -E '^  step [0-9]+ micro-batch' "$work/out.txt" | sed -E 's/^  step ([0-9]+) micro-batch ([0-9])\/2: (forward|backward) layer ([0-9]+).*/\1.\2.\3.\4/' | tr '\n' ' ')
+want=""
+for step in 1 2; do
+  for mb in 1 2; do
+    for l in 0 1 2 3; do want+="$step.$mb.forward.$l "; done
+    for l in 3 2 1 0; do want+="$step.$mb.backward.$l "; done
+  done
+done
+if [[ "$got" != "$want" ]]; then
+  echo "FAIL: progress lines"; echo " got: $got"; echo "want: $want"; cat "$work/out.txt"; exit 1
+fi
+# Without --step-progress 0 (the default, 30 s) these short steps say nothing.
+"$train" --backend host --out "$work/quiet" --steps 1 --seq 32 --checkpoint-every 0 > "$work/quiet.txt" 2>&1
+if grep -qE '^  step [0-9]+: ' "$work/quiet.txt"; then echo "FAIL: short steps reported progress"; exit 1; fi
+echo "PASS: layer passes reported in order, per micro-batch; short steps quiet"
