@@ -121,16 +121,20 @@ __global__ void copy_counts_kernel(const std::int32_t* __restrict__ src, std::in
   for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
-/// `bytes` (a multiple of 8) from the host's `src` to the device's `dst`, in `stream`'s order:
-/// staged in a pinned mapped buffer of the ring and pulled by a kernel (no copy engine, no
-/// pageable staging). `src` may be reused as soon as this returns.
-cudaError_t stage_to_device(ExpertGemmStreams::State& st, cudaStream_t stream, const void* src, std::size_t bytes, void* dst) {
+/// `bytes` (a multiple of 8, at most `capacity`) from the host's `src` to the device's `dst`, in
+/// `stream`'s order: staged in a pinned mapped buffer of the ring and pulled by a kernel (no copy
+/// engine, no pageable staging). `src` may be reused as soon as this returns. A stage is sized for
+/// `capacity` (the launch's largest array) on first use, so it is not freed and pinned again
+/// mid-step when a later chunk routes more rows (cudaFreeHost and cudaHostAlloc wait for the
+/// device, the CPU AdamW's host function included).
+cudaError_t stage_to_device(ExpertGemmStreams::State& st, cudaStream_t stream, const void* src, std::size_t bytes,
+                            std::size_t capacity, void* dst) {
   MappedHostBuffer& b = st.stages[st.next_stage];
   st.next_stage = (st.next_stage + 1) % st.stages.size();
   if (b.done == nullptr) OOM_KERNEL_TRY(cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming));
   if (b.pending) OOM_KERNEL_TRY(cudaEventSynchronize(b.done));  // long done: three launches ago
   b.pending = false;
-  OOM_KERNEL_TRY(b.reserve(bytes));
+  OOM_KERNEL_TRY(b.reserve(std::max(bytes, capacity)));
   std::memcpy(b.host, src, bytes);
   const std::size_t words = bytes / 8;
   const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((words + 255) / 256, 132));
@@ -259,7 +263,7 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
   auto* d = static_cast<const void**>(arrays);
   // Not a pageable cudaMemcpyAsync: see expert_counts_to_host (expert_gemm.hpp) for the stalls
   // that path cost the backward on the H200.
-  if (!ptrs.empty()) OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), d));
+  if (!ptrs.empty()) OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), array_bytes, d));
   const float alpha = 1.0f, beta = 0.0f;
   const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count) {
     if (count == 0) return cudaSuccess;

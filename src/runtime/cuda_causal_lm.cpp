@@ -314,12 +314,20 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
 
   std::unordered_set<std::string> resident(plan.resident_segments.begin(), plan.resident_segments.end());
   // Segments: the ends are always resident (their kernels read them in place).
+  const auto is_resident = [&](const StateSegment& seg) { return seg.layer < 0 || resident.count(seg.name) > 0; };
+  // The gradient staging ring only when it has fewer buffers than there are streamed layers: with
+  // as many, each layer-sized buffer would hold one layer's gradients, at least what one pinned
+  // buffer per streamed parameter takes.
+  std::unordered_set<int> streamed_layers;
+  for (const auto& seg : all)
+    if (!is_resident(seg)) streamed_layers.insert(seg.layer);
+  const bool ring = opt.grad_staging_layers > 0 && opt.grad_staging_layers < streamed_layers.size();
   segs.resize(all.size());
   for (std::size_t s = 0; s < all.size(); ++s) {
     auto& g = segs[s];
     g.name = all[s].name;
     g.n = all[s].parameters();
-    g.resident = all[s].layer < 0 || resident.count(g.name) > 0;
+    g.resident = is_resident(all[s]);
     // One allocation sequence for the real run and for footprint(): sizing stops before the uploads.
     if (g.resident) {
       g.dw = dev<bf16>(g.n, Claimant::resident_state);
@@ -332,7 +340,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
       g.hmaster = pinned<float>(g.n, Claimant::host_state);
       g.hm = pinned<float>(g.n, Claimant::host_state);
       g.hv = pinned<float>(g.n, Claimant::host_state);
-      if (opt.grad_staging_layers == 0) g.hgrad = pinned<float>(g.n, Claimant::host_staging);  // else: the ring, below
+      if (!ring) g.hgrad = pinned<float>(g.n, Claimant::host_staging);  // else: the ring, below
     }
     if (sizing) continue;
     const auto& w = weights[s];
@@ -389,7 +397,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   }
   // The gradient staging ring: streamed layers take its buffers in backward order, so the
   // buffer a layer reuses was last filled N streamed layers earlier (or in the previous step).
-  if (opt.grad_staging_layers > 0 && max_streamed > 0) {
+  if (ring) {
     for (unsigned i = 0; i < opt.grad_staging_layers; ++i) {
       grad_ring.push_back(pinned<float>(max_streamed, Claimant::host_staging));
       grad_ring_free.push_back(event());

@@ -226,6 +226,10 @@ TEST_CASE("a gradient staging ring: pinned staging of a few layers instead of ev
   CHECK(ring[staging] < 4_GiB);
   for (int c = 0; c < claimant_count; ++c)
     if (c != static_cast<int>(staging)) CHECK(ring[static_cast<std::size_t>(c)] == whole[static_cast<std::size_t>(c)]);
+  // A ring of as many buffers as there are layers (or more) would take more than staging per
+  // parameter: it stages as 0 does.
+  for (unsigned n : {16u, 1000u})
+    CHECK(CudaCausalLm::footprint(spec, p, CudaCausalLmOptions{.grad_staging_layers = n})[staging] == whole[staging]);
 }
 
 TEST_CASE("512K with the attention state kept: fits one H200 and skips the attention's second forward") {

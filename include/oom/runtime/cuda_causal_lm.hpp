@@ -56,7 +56,8 @@ struct CudaCausalLmOptions {
   /// pinned host memory a streamed parameter in all); N >= 1, a ring of N layer-sized buffers that
   /// the backward's layers take in turn, a layer's gradients going down only once the CPU update of
   /// the buffer's previous layer has run (14 bytes a parameter plus N layers: at 32K on the 5.13B
-  /// model 17.4 GiB of staging becomes ~3.6 GiB with N = 3).
+  /// model 17.4 GiB of staging becomes ~3.6 GiB with N = 3). N at least the number of streamed
+  /// layers stages as 0 does (a ring that large takes no less pinned memory).
   unsigned grad_staging_layers = 0;
   /// A layer whose plan recomputes some classes but keeps (or offloads) the attention output and
   /// softmax statistics: true, its backward reruns the layer around that kept attention state
