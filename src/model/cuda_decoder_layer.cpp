@@ -526,11 +526,12 @@ DecoderLayerRouting decoder_layer_routing(const DecoderLayerShape& s, const void
 
 namespace {
 
-/// The forward; with `reuse_attention` the attention kernel is not run and the O and LSE already
-/// in `saved` feed the rest (decoder_layer_recompute).
+/// The forward; for a recompute (`recompute`), with `reuse_attention` the attention kernel is not
+/// run and the O and LSE already in `saved` feed the rest, and a chunked MoE half stops after the
+/// router (its expert rows are not in `saved`: the backward regenerates them chunk by chunk).
 void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
                   const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
-                  void* workspace, std::size_t workspace_bytes, bool reuse_attention) {
+                  void* workspace, std::size_t workspace_bytes, bool recompute, bool reuse_attention) {
   s.validate();
   check_context(ctx);
   check_params(s, params);
@@ -571,6 +572,7 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
         "post_attention_layernorm forward");
   check(kernels::router_forward(ctx.blas, st, router_shape(s), v.xn2, params.router, w.logits, v.probs, v.expert_ids, v.weights),
         "router forward");
+  if (recompute && chunked(s)) return;  // y is not needed, and nothing after the router is saved
   const ExpertRows& r = chunked(s) ? w.rows : v.rows;
   for (std::int64_t c0 = 0, C = moe_chunk(s); c0 < T; c0 += C) {
     const std::int64_t n = std::min(C, T - c0);
@@ -587,13 +589,15 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
 void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
                            const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
                            void* workspace, std::size_t workspace_bytes) {
-  forward_impl(ctx, s, params, positions, x, y, saved, saved_bytes, workspace, workspace_bytes, /*reuse_attention=*/false);
+  forward_impl(ctx, s, params, positions, x, y, saved, saved_bytes, workspace, workspace_bytes, /*recompute=*/false,
+               /*reuse_attention=*/false);
 }
 
 void decoder_layer_recompute(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
                              const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
-                             void* workspace, std::size_t workspace_bytes) {
-  forward_impl(ctx, s, params, positions, x, y, saved, saved_bytes, workspace, workspace_bytes, /*reuse_attention=*/true);
+                             void* workspace, std::size_t workspace_bytes, bool attention_state_kept) {
+  forward_impl(ctx, s, params, positions, x, y, saved, saved_bytes, workspace, workspace_bytes, /*recompute=*/true,
+               attention_state_kept);
 }
 
 DecoderLayerAttentionState decoder_layer_attention_state(const DecoderLayerShape& s, void* saved) {

@@ -682,7 +682,8 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (L.blob == Keep::recompute) {
       backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
       mk = span_begin(cs, Resource::gpu_compute, "recompute " + label(li));
-      model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace, workspace_bytes);
+      model::decoder_layer_recompute(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
+                                     workspace_bytes, /*attention_state_kept=*/false);
       span_end(cs, mk);
     } else if (L.blob == Keep::refill) {
       // The kept attention state back into the blob (an offloaded one came in on h2d above), then
@@ -691,7 +692,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       if (L.attn == Keep::keep) copy_attention_state(L, blob, L.attn_keep, false, cs);
       mk = span_begin(cs, Resource::gpu_compute, "recompute (attention kept) " + label(li));
       model::decoder_layer_recompute(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
-                                     workspace_bytes);
+                                     workspace_bytes, /*attention_state_kept=*/true);
       span_end(cs, mk);
     }
     float* gslot = nullptr;

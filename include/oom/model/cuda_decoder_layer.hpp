@@ -156,15 +156,16 @@ void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerSha
                            bf16* y,                        // (T, H) out
                            void* saved, std::size_t saved_bytes, void* workspace, std::size_t workspace_bytes);
 
-/// The forward again from the same x, for a backward that regenerates `saved`, except that the
-/// attention kernel is not run: the attention output O and its LSE must already be in `saved`
-/// (put back where decoder_layer_attention_state() says, from a copy taken after the original
-/// forward). Every kernel is deterministic, so `saved` ends up as the original forward left it,
-/// bit for bit, at the cost of the projections, norms and MoE but not of the attention (at 512K on
-/// the 5.13B model: 4.4 s of a layer's 4.5 s forward is attention). y is written (throwaway).
+/// The forward again from the same x, to regenerate `saved` for the backward: bit for bit what
+/// decoder_layer_forward left there (every kernel is deterministic), doing only what `saved` needs.
+/// With `attention_state_kept` the attention kernel is not run: the attention output O and its LSE
+/// must already be in `saved` (put back where decoder_layer_attention_state() says, from a copy
+/// taken after the original forward) — at 512K on the 5.13B model 4.4 s of a layer's 4.5 s forward
+/// is attention. A chunked MoE half stops after the router (the backward regenerates each chunk's
+/// expert rows), leaving y unwritten; a whole one writes y (throwaway) on the way.
 void decoder_layer_recompute(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
                              const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
-                             void* workspace, std::size_t workspace_bytes);
+                             void* workspace, std::size_t workspace_bytes, bool attention_state_kept);
 
 /// Where the attention's output O (T, Hq, D bf16) and LSE (Hq, T fp32) sit in `saved`: what a
 /// caller keeps (or offloads) to regenerate the rest with decoder_layer_recompute().
