@@ -220,7 +220,8 @@ CpuAdamw measure_cpu_adamw(std::size_t params, int repeats) {
     v[i] = 1e-6f * static_cast<float>(i % 5);
     g[i] = static_cast<float>((i * 40503u) % 1001) * 1e-5f - 5e-3f;
   }
-  ThreadPool pool(0);
+  // The threads the CUDA executor gives it: all but one (CudaCausalLmOptions::cpu_threads).
+  ThreadPool pool(std::max(2u, std::thread::hardware_concurrency()) - 1);
   const AdamWSpan<float> span{master, m, v, g, out};
   const std::size_t probes[] = {0, params / 3, params - 1};
   struct Saved { float p, m, v, g; };
