@@ -11,7 +11,8 @@
 # then PARTS=train SEQS=131072 TRAIN_CUDA_LRS=" " (each builds only what it needs when warm).
 # PARTS="calibrate train" first measures a machine profile ($out/profile.json, oom-calibrate) and
 # the 5.13B runs plan and predict with it. GRAD_STAGING=N runs them with a pinned gradient
-# staging ring of N layers (oom-train --grad-staging); KEEP_ATTENTION=1 adds --keep-attention-state.
+# staging ring of N layers (oom-train --grad-staging); KEEP_ATTENTION=1 adds --keep-attention-state;
+# WIDE=1 also trains a 2-layer model of the 5.13B widths against PyTorch (20 steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build-gpu}
@@ -106,6 +107,23 @@ if [[ "$parts" == *" train "* ]]; then
     fi
     echo "50 GPU steps vs PyTorch at lr $lr: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-train-cuda-$lr.log" | tr '\n' ' ')" >> "$out/train-summary.log"
   done
+  # WIDE=1: the 5.13B model's layer shapes (hidden 2048, 64 experts top-8, vocab 32000) in 2 layers,
+  # 20 steps at the benchmark's lr against PyTorch: does the full-width model train as PyTorch
+  # trains it (the 5.13B runs' loss rises at step 3 at lr 3e-4 without warmup)?
+  if [[ "${WIDE:-0}" == 1 ]]; then
+    python3 -c "import json; c = json.load(open('examples/configs/moe-5b.json')); c['num_hidden_layers'] = 2; json.dump(c, open('$build_dir/moe-5b-2layer.json', 'w'))"
+    run="$build_dir/train-wide"
+    rm -rf "$run"
+    if timeout 300 "$build_dir/examples/train/oom-train" --backend cuda --config "$build_dir/moe-5b-2layer.json" --out "$run" \
+        --steps 20 --seq 512 --lr "${LR_5B:-3e-4}" --save-initial --dump-batches "$build_dir/train-wide-batches.tok" --keep 3 \
+        --checkpoint-every 1000 --log-every 5 > "$out/train-wide.log" 2>&1; then
+      PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
+        --batches "$build_dir/train-wide-batches.tok" --device cuda > "$out/compare-train-wide.log" 2>&1 || ref_rc=1
+    else
+      ref_rc=1
+    fi
+    echo "2-layer 5.13B-wide, 20 GPU steps vs PyTorch: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-train-wide.log" | tr '\n' ' ')" >> "$out/train-summary.log"
+  fi
   # compute-sanitizer on the executor's smallest complete step (racecheck is slow). SANITIZE=0 and
   # KILL_RESUME=0 skip these and the SIGKILL test (for calls that only measure).
   if [[ "${SANITIZE:-1}" == 1 ]] && command -v compute-sanitizer > /dev/null; then
