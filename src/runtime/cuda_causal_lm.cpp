@@ -104,6 +104,7 @@ struct CudaCausalLm::Impl {
     std::byte* saved_keep = nullptr;
     std::byte* saved_host = nullptr;
     CudaBackend::Event updated, offloaded, forward_done;
+    CudaBackend::Event restored, backward_done, grads_landed;  // the backward's, re-recorded every step
     CpuUpdate update;
   };
   struct Slot {
@@ -392,6 +393,9 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     L.updated = event();
     L.offloaded = event();
     L.forward_done = event();
+    L.restored = event();  // created once: no driver calls for events inside a step
+    L.backward_done = event();
+    L.grads_landed = event();
     max_streamed = std::max(max_streamed, L.streamed);
     layers.push_back(std::move(L));
   }
@@ -676,7 +680,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       saved = blob;
     }
     span_end(h2d, rm);
-    auto restored = backend->make_event();
+    auto& restored = L.restored;
     backend->record(restored, h2d);
     backend->wait(cs, restored);
     if (L.blob == Keep::recompute) {
@@ -705,7 +709,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     mk = span_begin(cs, Resource::gpu_compute, "bwd " + label(li));
     model::decoder_layer_backward(layer_ctx(), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace, workspace_bytes);
     span_end(cs, mk);
-    auto done = backend->make_event();
+    auto& done = L.backward_done;
     backend->record(done, cs);
     backend->record(slot.free, cs);
     if (x_restore != nullptr) backend->record(x_rot_free[static_cast<std::size_t>(r)], cs);
@@ -725,7 +729,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       const int gm = span_begin(d2h, Resource::d2h, "d2h grads " + label(li));
       for (auto* g : L.update.segments) backend->copy(g->hgrad, gslot + g->slot_offset, Bytes{g->n * sizeof(float)}, d2h);
       span_end(d2h, gm);
-      auto landed = backend->make_event();
+      auto& landed = L.grads_landed;
       backend->record(landed, d2h);
       backend->record(grad_slot_free[li % 2], d2h);
       backend->wait(cpu, landed);
