@@ -6,6 +6,7 @@
 #include <array>
 #include <cstring>
 #include <climits>
+#include <utility>
 #include <vector>
 
 #include "moe_blas.cuh"
@@ -27,9 +28,10 @@ struct MappedHostBuffer {
     if (bytes >= want) return cudaSuccess;
     if (host != nullptr) {
       if (pending) OOM_KERNEL_TRY(cudaEventSynchronize(done));
-      OOM_KERNEL_TRY(cudaFreeHost(host));
-      host = device = nullptr;
+      void* old = std::exchange(host, nullptr);  // forgotten first: a failed free is not retried by release()
+      device = nullptr;
       bytes = 0;
+      OOM_KERNEL_TRY(cudaFreeHost(old));
     }
     const std::size_t size = std::max<std::size_t>(want + want / 2, std::size_t{4} << 10);
     OOM_KERNEL_TRY(cudaHostAlloc(&host, size, cudaHostAllocMapped | cudaHostAllocPortable));
