@@ -311,6 +311,12 @@ TEST_CASE("recomputing around kept or offloaded attention state gives the same s
                      ActivationClass::expert_intermediate})
         row[static_cast<std::size_t>(c)] = RetentionDecision::recompute(l);
     }
+    // Neighbours of other kinds: with layer 1 keeping its saved buffer, layers 0 and 2 take
+    // rotating buffers 0 and 1 in the forward but both take 0 in the backward (layer % 2), so a
+    // refill lands in a buffer another layer's forward (or whole offload, i = 2) last used.
+    if (i == 1 || i == 2) p.retention[1] = reference.retention[1];
+    if (i == 2)
+      for (int c = 1; c < activation_class_count; ++c) p.retention[0][static_cast<std::size_t>(c)] = RetentionDecision::offload();
     if (i == 3)
       for (auto& c : p.chunks) c.moe_tokens = 50;  // chunked MoE too (its own reference below)
     CAPTURE(i);
