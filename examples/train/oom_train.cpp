@@ -516,9 +516,11 @@ int run(const Args& a) {
   // What the trace is compared with: the plan's prediction, or on CUDA the plan as that executor
   // carries it out (one saved buffer per layer; MoE chunks regenerated in the backward).
   Prediction expected = plan.predicted;
+  Plan predicted_plan = plan;  // what --trace-step's predicted timeline simulates
 #if OOM_TRAIN_HAS_CUDA
   if (use_cuda) {
-    const SimResult sim = planner.simulate(CudaCausalLm::as_executed(spec, plan, cuda_options(a)));
+    predicted_plan = CudaCausalLm::as_executed(spec, plan, cuda_options(a));
+    const SimResult sim = planner.simulate(predicted_plan);
     expected.step_s = sim.step_s;
     expected.busy = sim.busy;
     if (std::abs(sim.step_s - plan.predicted.step_s) > 0.01 * plan.predicted.step_s)
@@ -633,12 +635,18 @@ int run(const Args& a) {
     if (step == a.trace_step) {
       const fs::path trace_path = a.trace.empty() ? a.out / fmt::format("trace-step-{}.json", step) : fs::path(a.trace);
       write_file_atomically(trace_path, timeline.chrome_trace(fmt::format("oom-train step {}", step)));
+      // Beside it, the simulator's timeline of the same plan, to compare op by op.
+      fs::path predicted_path = trace_path;
+      predicted_path.replace_extension(".predicted.json");
+      const auto graph = planner.step_graph(predicted_plan);
+      write_file_atomically(predicted_path, chrome_trace(graph, simulate(graph)));
       const auto busy = timeline.busy();
       const auto& pred = expected.busy;
-      fmt::print("step {} recorded in {} ({} spans; open in ui.perfetto.dev); busy s measured / predicted: "
-                 "gpu_compute {:.4f} / {:.4f}, h2d {:.4f} / {:.4f}, d2h {:.4f} / {:.4f}, cpu {:.4f} / {:.4f}; "
-                 "step {:.4f} / {:.4f}\n",
-                 step, trace_path.string(), timeline.spans().size(), busy[Resource::gpu_compute], pred[Resource::gpu_compute],
+      fmt::print("step {} recorded in {} ({} spans; open in ui.perfetto.dev; the prediction's timeline in {}); busy s "
+                 "measured / predicted: gpu_compute {:.4f} / {:.4f}, h2d {:.4f} / {:.4f}, d2h {:.4f} / {:.4f}, cpu {:.4f} / "
+                 "{:.4f}; step {:.4f} / {:.4f}\n",
+                 step, trace_path.string(), timeline.spans().size(), predicted_path.string(), busy[Resource::gpu_compute],
+                 pred[Resource::gpu_compute],
                  busy[Resource::h2d], pred[Resource::h2d], busy[Resource::d2h], pred[Resource::d2h], busy[Resource::cpu],
                  pred[Resource::cpu], dt, expected.step_s);
     }

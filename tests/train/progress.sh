@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # oom-train on a step that runs long enough: it reports its layer passes in order (forward 0..n-1,
-# then backward n-1..0), per micro-batch. --step-progress 0 makes every step "long".
+# then backward n-1..0), per micro-batch. --step-progress 0 makes every step "long". And a traced
+# step: its measured timeline and, beside it, the prediction's, both Chrome trace JSON.
 #   bash tests/train/progress.sh path/to/oom-train
 set -uo pipefail
 train=$1
@@ -25,4 +26,14 @@ fi
 # Without --step-progress 0 (the default, 30 s) these short steps say nothing.
 "$train" --backend host --out "$work/quiet" --steps 1 --seq 32 --checkpoint-every 0 > "$work/quiet.txt" 2>&1
 if grep -qE '^  step [0-9]+: ' "$work/quiet.txt"; then echo "FAIL: short steps reported progress"; exit 1; fi
-echo "PASS: layer passes reported in order, per micro-batch; short steps quiet"
+# --trace-step: the measured and the predicted timeline of that step, each with the layers' spans.
+"$train" --backend host --out "$work/traced" --steps 2 --seq 32 --checkpoint-every 0 --trace-step 2 --trace "$work/t.json" \
+  > "$work/traced.txt" 2>&1 || { echo "FAIL: traced run"; cat "$work/traced.txt"; exit 1; }
+for f in "$work/t.json" "$work/t.predicted.json"; do
+  if ! python3 -c "import json, sys; d = json.load(open(sys.argv[1])); ev = d['traceEvents'] if isinstance(d, dict) else d; \
+names = [e.get('name', '') for e in ev]; sys.exit(0 if sum('fwd' in n for n in names) >= 4 and sum('bwd' in n for n in names) >= 4 else 1)" "$f"; then
+    echo "FAIL: $f is not a trace with every layer's forward and backward"; exit 1
+  fi
+done
+grep -q "the prediction's timeline in" "$work/traced.txt" || { echo "FAIL: the traced step's line"; cat "$work/traced.txt"; exit 1; }
+echo "PASS: layer passes reported in order, per micro-batch; short steps quiet; traced step measured and predicted"
