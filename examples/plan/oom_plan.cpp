@@ -35,6 +35,10 @@ constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
   --candidates N      plans to show (default 3)
   --json PATH         write the chosen plan as JSON (the trainer's --plan input)
   --trace PATH        write the chosen plan's simulated step as Chrome trace JSON
+  --grad-staging N    (CUDA builds) the CUDA executor's footprint with a pinned gradient staging
+                      ring of N layers, as oom-train --grad-staging
+  --keep-attention-state  (CUDA builds) its footprint and prediction recomputing around kept
+                      attention state, as oom-train --keep-attention-state
 )";
 
 struct Args {
@@ -47,6 +51,8 @@ struct Args {
   std::string profile, machine = "h200";
   int candidates = 3;
   std::string json_out, trace_out;
+  unsigned grad_staging = 0;          // the CUDA executor's options, for its footprint and prediction
+  bool keep_attention_state = false;
 };
 
 std::uint64_t parse_count(std::string_view flag, const char* text) {
@@ -64,6 +70,10 @@ Args parse(int argc, char** argv) {
     if (flag == "--help" || flag == "-h") {
       std::fputs(usage, stdout);
       std::exit(0);
+    }
+    if (flag == "--keep-attention-state") {
+      a.keep_attention_state = true;
+      continue;
     }
     if (i + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
@@ -83,6 +93,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--candidates") a.candidates = static_cast<int>(parse_count(flag, v));
     else if (flag == "--json") a.json_out = v;
     else if (flag == "--trace") a.trace_out = v;
+    else if (flag == "--grad-staging") a.grad_staging = static_cast<unsigned>(parse_count(flag, v));
     else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
   }
   if (a.model.empty()) OOM_THROW(oom::Errc::invalid_argument, "--model config.json is required (see --help)");
@@ -105,6 +116,11 @@ void write_file(const std::string& path, const std::string& text) {
 int main(int argc, char** argv) {
   try {
     const Args a = parse(argc, argv);
+#if !OOM_PLAN_HAS_CUDA
+    if (a.grad_staging > 0 || a.keep_attention_state)
+      OOM_THROW(oom::Errc::unsupported, "--grad-staging / --keep-attention-state describe the CUDA executor, which this build "
+                                        "does not have (configure with -DOOM_ENABLE_CUDA=ON)");
+#endif
     const auto spec = oom::ModelSpec::from_file(a.model);
     const auto profile = a.profile.empty() ? oom::MachineProfile::builtin(a.machine, a.gpus) : oom::MachineProfile::from_file(a.profile);
 
@@ -131,15 +147,17 @@ int main(int argc, char** argv) {
 #if OOM_PLAN_HAS_CUDA
       // What OOM's own CUDA executor would take for this plan (exact, computed without a GPU).
       try {
-        const auto fp = oom::CudaCausalLm::footprint(spec, set.plans[i]);
+        oom::CudaCausalLmOptions executor;
+        executor.grad_staging_layers = a.grad_staging;
+        executor.keep_attention_state = a.keep_attention_state;
+        const auto fp = oom::CudaCausalLm::footprint(spec, set.plans[i], executor);
         oom::Bytes gpu, host;
         for (int c = 0; c < oom::claimant_count; ++c)
           (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) =
               (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) + fp[static_cast<std::size_t>(c)];
-        const auto executed = planner.simulate(oom::CudaCausalLm::as_executed(spec, set.plans[i]));
+        const auto executed = planner.simulate(oom::CudaCausalLm::as_executed(spec, set.plans[i], executor));
         fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
-                   "and {} pinned: {}; as it runs the plan (a layer's saved activations kept, offloaded or recomputed as "
-                   "one), predicted step {:.3f} s\n\n",
+                   "and {} pinned: {}; as it runs the plan, predicted step {:.3f} s\n\n",
                    gpu, fp[0], fp[1], fp[2], host,
                    gpu <= req.gpu_budget ? "within the budget" : "OVER the budget (oom-train then tries it as checkpoint)",
                    executed.step_s);
