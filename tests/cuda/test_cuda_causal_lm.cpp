@@ -14,24 +14,16 @@
 #include <random>
 #include <vector>
 
-#include "oom/io/json.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
+#include "support/small_moe.hpp"
 
 using namespace oom;
 using namespace oom::literals;
 
 namespace {
 
-// A small Qwen3-MoE the CUDA attention takes (head_dim 128).
-ModelSpec small_spec() {
-  return ModelSpec::from_json(Json::parse(R"({
-    "model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 256, "intermediate_size": 512,
-    "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2,
-    "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": false})"));
-}
+ModelSpec small_spec() { return test::small_qwen3_moe(3); }
 
 constexpr std::uint64_t T = 157;  // not a multiple of any tile
 

@@ -61,6 +61,16 @@ class DeviceBuffer {
   std::size_t n_ = 0;
 };
 
+/// A blocking stream: it waits for the legacy-stream cudaMemset/cudaMemcpy of DeviceBuffer, so a
+/// poison or an upload is always complete before a kernel on it reads or writes.
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { OOM_CUDA_CHECK(cudaStreamCreate(&s)); }
+  ~Stream() { cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
 /// Median milliseconds of `repeats` runs of `launch(stream)` after `warmup` runs, by CUDA events.
 template <class F>
 double time_ms(F&& launch, cudaStream_t stream, int repeats = 10, int warmup = 2) {

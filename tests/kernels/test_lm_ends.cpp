@@ -34,6 +34,7 @@ using oom::test::Bf16Data;
 using oom::test::Blas;
 using oom::test::compare;
 using oom::test::DeviceBuffer;
+using oom::test::Stream;
 using oom::test::random_normal;
 using oom::test::rel_l2;
 using oom::test::to_floats;
@@ -57,14 +58,6 @@ constexpr double dy_rel_l2 = 1e-2;
 constexpr double grad_rel_l2 = 5e-3;
 constexpr double loss_rtol = 1e-3;
 
-/// A blocking stream: it waits for DeviceBuffer's legacy-stream memsets and copies.
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { OOM_CUDA_CHECK(cudaStreamCreate(&s)); }
-  ~Stream() { cudaStreamDestroy(s); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-};
 
 std::vector<float> round_bf16(std::vector<float> v) {
   for (auto& x : v) x = oom::to_float(oom::to_bf16(x));

@@ -41,6 +41,7 @@ using oom::bf16;
 using oom::test::compare;
 using oom::test::CompareReport;
 using oom::test::DeviceBuffer;
+using oom::test::Stream;
 using oom::test::random_normal;
 
 namespace {
@@ -50,15 +51,6 @@ namespace {
 // vs libm) when they straddle a bf16 rounding boundary.
 constexpr double bf16_rtol = 1.0 / 128;
 
-/// A blocking stream: it waits for the legacy-stream cudaMemset/cudaMemcpy of DeviceBuffer, so a
-/// poison or an upload is always complete before the kernel reads or writes.
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { OOM_CUDA_CHECK(cudaStreamCreate(&s)); }
-  ~Stream() { cudaStreamDestroy(s); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-};
 
 std::vector<bf16> to_bf16(const std::vector<float>& v) {
   std::vector<bf16> out(v.size());

@@ -26,15 +26,16 @@
 #include "kernels/moe_test_util.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/numeric.hpp"
-#include "oom/io/json.hpp"
 #include "oom/kernels/expert_gemm.hpp"
 #include "oom/model/cuda_decoder_layer.hpp"
 #include "oom/model/model_spec.hpp"
 #include "support/compare.hpp"
+#include "support/small_moe.hpp"
 
 using namespace oom;
 using oom::test::Blas;
 using oom::test::DeviceBuffer;
+using oom::test::Stream;
 using oom::test::rel_l2;
 using oom::test::to_floats;
 
@@ -56,14 +57,7 @@ constexpr double grad_rel_l2 = 1e-3;
 
 constexpr std::int64_t T = 1000;
 
-ModelSpec layer_spec() {
-  return ModelSpec::from_json(Json::parse(R"({
-    "model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 256, "intermediate_size": 512,
-    "moe_intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2,
-    "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": false})"));
-}
+ModelSpec layer_spec() { return test::small_qwen3_moe(1); }
 
 std::vector<bf16> bf16s(const std::vector<float>& v) {
   std::vector<bf16> out(v.size());
@@ -71,14 +65,6 @@ std::vector<bf16> bf16s(const std::vector<float>& v) {
   return out;
 }
 
-/// A blocking stream: it waits for DeviceBuffer's legacy-stream memsets and copies.
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { OOM_CUDA_CHECK(cudaStreamCreate(&s)); }
-  ~Stream() { cudaStreamDestroy(s); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-};
 
 /// Layer 0 of layer_spec() on the device: weights (bf16) and gradients (fp32) in one block per
 /// segment, bound as the executor binds them; inputs x, dy and positions.
