@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "oom/core/error.hpp"
-#include "oom/io/json.hpp"
+#include "oom/io/chrome_trace.hpp"
 
 namespace oom {
 
@@ -100,39 +100,18 @@ SimResult simulate(const StepGraph& graph) {
 }
 
 std::string chrome_trace(const StepGraph& graph, const SimResult& result) {
-  Json events = Json::array();
-  for (int res = 0; res < resource_count; ++res) {
-    Json meta = Json::object();
-    meta.set("name", "thread_name");
-    meta.set("ph", "M");
-    meta.set("pid", 1);
-    meta.set("tid", res);
-    Json args = Json::object();
-    args.set("name", to_string(static_cast<Resource>(res)));
-    meta.set("args", std::move(args));
-    events.push_back(std::move(meta));
-  }
+  ChromeTrace trace(1);
   const auto& ops = graph.ops();
   for (std::size_t i = 0; i < ops.size(); ++i) {
     if (ops[i].duration_s <= 0) continue;
-    Json e = Json::object();
-    e.set("name", ops[i].name());
-    e.set("ph", "X");
-    e.set("pid", 1);
-    e.set("tid", static_cast<int>(ops[i].resource));
-    e.set("ts", result.start_s[i] * 1e6);
-    e.set("dur", ops[i].duration_s * 1e6);
+    Json args;
     if (ops[i].layer >= 0) {
-      Json args = Json::object();
+      args = Json::object();
       args.set("layer", ops[i].layer);
-      e.set("args", std::move(args));
     }
-    events.push_back(std::move(e));
+    trace.span(ops[i].name(), ops[i].resource, result.start_s[i], ops[i].duration_s, std::move(args));
   }
-  Json root = Json::object();
-  root.set("traceEvents", std::move(events));
-  root.set("displayTimeUnit", "ms");
-  return root.dump();
+  return trace.dump();
 }
 
 }  // namespace oom

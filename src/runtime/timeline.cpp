@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "oom/io/json.hpp"
+#include "oom/io/chrome_trace.hpp"
 
 namespace oom {
 
@@ -55,40 +55,10 @@ double Timeline::wall_seconds() const {
 }
 
 std::string Timeline::chrome_trace(const std::string& title) const {
-  Json events = Json::array();
-  for (int r = 0; r < resource_count; ++r) {
-    Json meta = Json::object();
-    meta.set("name", "thread_name");
-    meta.set("ph", "M");
-    meta.set("pid", 0);
-    meta.set("tid", r);
-    Json args = Json::object();
-    args.set("name", to_string(static_cast<Resource>(r)));
-    meta.set("args", args);
-    events.push_back(meta);
-  }
-  Json process = Json::object();
-  process.set("name", "process_name");
-  process.set("ph", "M");
-  process.set("pid", 0);
-  Json pargs = Json::object();
-  pargs.set("name", title);
-  process.set("args", pargs);
-  events.push_back(process);
-  for (const auto& sp : spans()) {
-    Json e = Json::object();
-    e.set("name", sp.name);
-    e.set("ph", "X");
-    e.set("pid", 0);
-    e.set("tid", static_cast<int>(sp.resource));
-    e.set("ts", sp.begin_s * 1e6);
-    e.set("dur", (sp.end_s - sp.begin_s) * 1e6);
-    events.push_back(e);
-  }
-  Json root = Json::object();
-  root.set("traceEvents", events);
-  root.set("displayTimeUnit", "ms");
-  return root.dump() + "\n";
+  ChromeTrace trace(0);
+  trace.process_name(title);
+  for (const auto& sp : spans()) trace.span(sp.name, sp.resource, sp.begin_s, sp.end_s - sp.begin_s);
+  return trace.dump() + "\n";
 }
 
 }  // namespace oom
