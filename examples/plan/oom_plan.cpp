@@ -36,9 +36,10 @@ constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
   --json PATH         write the chosen plan as JSON (the trainer's --plan input)
   --trace PATH        write the chosen plan's simulated step as Chrome trace JSON
   --grad-staging N    (CUDA builds) the CUDA executor's footprint with a pinned gradient staging
-                      ring of N layers, as oom-train --grad-staging
-  --keep-attention-state  (CUDA builds) its footprint and prediction recomputing around kept
-                      attention state, as oom-train --keep-attention-state
+                      ring of N layers (default 3; 0: per parameter), as oom-train --grad-staging
+  --no-keep-attention-state  (CUDA builds) its footprint and prediction rerunning the whole layer
+                      where the plan keeps the attention state (the default recomputes around it),
+                      as oom-train --no-keep-attention-state
 )";
 
 struct Args {
@@ -51,14 +52,14 @@ struct Args {
   std::string profile, machine = "h200";
   int candidates = 3;
   std::string json_out, trace_out;
-  unsigned grad_staging = 0;          // the CUDA executor's options, for its footprint and prediction
-  bool keep_attention_state = false;
+  std::optional<unsigned> grad_staging;  // the CUDA executor's options, for its footprint and prediction
+  std::optional<bool> keep_attention_state;
 };
 
-std::uint64_t parse_count(std::string_view flag, const char* text) {
+std::uint64_t parse_count(std::string_view flag, const char* text, bool allow_zero = false) {
   char* end = nullptr;
   const unsigned long long v = std::strtoull(text, &end, 10);
-  if (end == text || *end != '\0' || v == 0 || text[0] == '-')
+  if (end == text || *end != '\0' || (v == 0 && !allow_zero) || text[0] == '-')
     OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a positive integer, got '{}'", flag, text));
   return v;
 }
@@ -71,8 +72,8 @@ Args parse(int argc, char** argv) {
       std::fputs(usage, stdout);
       std::exit(0);
     }
-    if (flag == "--keep-attention-state") {
-      a.keep_attention_state = true;
+    if (flag == "--keep-attention-state" || flag == "--no-keep-attention-state") {
+      a.keep_attention_state = flag == "--keep-attention-state";
       continue;
     }
     if (i + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
@@ -93,7 +94,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--candidates") a.candidates = static_cast<int>(parse_count(flag, v));
     else if (flag == "--json") a.json_out = v;
     else if (flag == "--trace") a.trace_out = v;
-    else if (flag == "--grad-staging") a.grad_staging = static_cast<unsigned>(parse_count(flag, v));
+    else if (flag == "--grad-staging") a.grad_staging = static_cast<unsigned>(parse_count(flag, v, /*allow_zero=*/true));
     else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
   }
   if (a.model.empty()) OOM_THROW(oom::Errc::invalid_argument, "--model config.json is required (see --help)");
@@ -117,8 +118,8 @@ int main(int argc, char** argv) {
   try {
     const Args a = parse(argc, argv);
 #if !OOM_PLAN_HAS_CUDA
-    if (a.grad_staging > 0 || a.keep_attention_state)
-      OOM_THROW(oom::Errc::unsupported, "--grad-staging / --keep-attention-state describe the CUDA executor, which this build "
+    if (a.grad_staging || a.keep_attention_state)
+      OOM_THROW(oom::Errc::unsupported, "--grad-staging / --[no-]keep-attention-state describe the CUDA executor, which this build "
                                         "does not have (configure with -DOOM_ENABLE_CUDA=ON)");
 #endif
     const auto spec = oom::ModelSpec::from_file(a.model);
@@ -148,8 +149,8 @@ int main(int argc, char** argv) {
       // What OOM's own CUDA executor would take for this plan (exact, computed without a GPU).
       try {
         oom::CudaCausalLmOptions executor;
-        executor.grad_staging_layers = a.grad_staging;
-        executor.keep_attention_state = a.keep_attention_state;
+        if (a.grad_staging) executor.grad_staging_layers = *a.grad_staging;
+        if (a.keep_attention_state) executor.keep_attention_state = *a.keep_attention_state;
         const auto fp = oom::CudaCausalLm::footprint(spec, set.plans[i], executor);
         oom::Bytes gpu, host;
         for (int c = 0; c < oom::claimant_count; ++c)

@@ -194,6 +194,13 @@ std::vector<SegmentOptimizerState> HostCausalLm::state() {
   return out;
 }
 
+StateSnapshot HostCausalLm::state_views() {
+  StateSnapshot snap;
+  snap.owned = state();
+  for (const auto& s : snap.owned) snap.views.emplace_back(s);
+  return snap;
+}
+
 void HostCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps) {
   if (state.size() != spec_->segments().size())
     OOM_THROW(Errc::invalid_argument, fmt::format("state of {} segments for a model of {}", state.size(), spec_->segments().size()));

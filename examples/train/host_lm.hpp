@@ -45,6 +45,8 @@ class HostCausalLm {
 
   /// Every segment's AdamW state, in spec.segments() order (what a checkpoint holds).
   [[nodiscard]] std::vector<SegmentOptimizerState> state();
+  /// The same as a snapshot of views (the host executor's state is copied out: it is small).
+  [[nodiscard]] StateSnapshot state_views();
   /// Continues from a checkpoint's state after `optimizer_steps` updates.
   void load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps);
   [[nodiscard]] std::int64_t optimizer_steps() const { return executor_->optimizer_steps(); }

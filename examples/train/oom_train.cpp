@@ -103,10 +103,11 @@ Plan
   --backend NAME       auto (default: cuda when this build has CUDA and a GPU is present, else host),
                        cuda, or host (the CPU reference backend; small models)
   --grad-staging N     cuda: stage gradients on the host in a ring of N layers' pinned buffers
-                       (default 0: one pinned fp32 buffer per streamed parameter)
-  --keep-attention-state  cuda: where the plan keeps (or offloads) a layer's attention output and
-                       softmax statistics but recomputes the rest, rerun the layer around them
-                       instead of rerunning its attention too
+                       (default 3; 0: one pinned fp32 buffer per streamed parameter)
+  --no-keep-attention-state  cuda: where the plan keeps (or offloads) a layer's attention output
+                       and softmax statistics but recomputes the rest, rerun the whole layer
+                       (attention too) instead of rerunning the layer around them (the default,
+                       --keep-attention-state)
 Run
   --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
   --resume             continue from the run directory's latest checkpoint
@@ -136,8 +137,8 @@ struct Args {
   std::uint64_t warmup = 0;
   bool cosine = false;
   std::optional<Bytes> gpu_mem, host_mem;
-  std::uint64_t grad_staging = 0;  // CUDA: pinned gradient staging ring of this many layers (0: per parameter)
-  bool keep_attention_state = false;  // CUDA: recompute around kept attention output + LSE
+  std::optional<std::uint64_t> grad_staging;  // CUDA: pinned gradient staging ring of this many layers (0: per parameter)
+  std::optional<bool> keep_attention_state;   // CUDA: recompute around kept attention output + LSE
   double step_progress_s = 30;        // a step running this long reports its layer passes
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
@@ -176,6 +177,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--overwrite") { a.overwrite = true; continue; }
     if (flag == "--save-initial") { a.save_initial = true; continue; }
     if (flag == "--keep-attention-state") { a.keep_attention_state = true; continue; }
+    if (flag == "--no-keep-attention-state") { a.keep_attention_state = false; continue; }
     if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
     if (flag == "--config") a.config = v;
@@ -300,8 +302,8 @@ std::uint64_t moe_chunk(const Plan& p) {
 
 CudaCausalLmOptions cuda_options(const Args& a) {
   CudaCausalLmOptions o;
-  o.grad_staging_layers = static_cast<unsigned>(a.grad_staging);
-  o.keep_attention_state = a.keep_attention_state;
+  if (a.grad_staging) o.grad_staging_layers = static_cast<unsigned>(*a.grad_staging);
+  if (a.keep_attention_state) o.keep_attention_state = *a.keep_attention_state;
   return o;
 }
 
@@ -420,11 +422,11 @@ int run(const Args& a) {
     OOM_THROW(Errc::unsupported, "--max-grad-norm: clipping is not implemented on the CUDA executor yet (use --backend host)");
   if (use_cuda && a.micro_batches > 1)
     OOM_THROW(Errc::unsupported, "--micro-batches: gradient accumulation is not implemented on the CUDA executor yet (use --backend host)");
-  if (!use_cuda && a.grad_staging > 0)
+  if (!use_cuda && a.grad_staging)
     OOM_THROW(Errc::invalid_argument, "--grad-staging: the host backend has no pinned gradient staging (it applies to --backend cuda)");
   if (!use_cuda && a.keep_attention_state)
     OOM_THROW(Errc::invalid_argument,
-              "--keep-attention-state: the host backend already keeps, offloads or recomputes each class as planned "
+              "--keep-attention-state / --no-keep-attention-state: the host backend already keeps, offloads or recomputes each class as planned "
               "(it applies to --backend cuda)");
   const MachineProfile profile = a.profile.empty() ? MachineProfile::builtin(a.machine, 1) : MachineProfile::from_file(a.profile);
   Plan plan;
@@ -557,7 +559,8 @@ int run(const Args& a) {
     ts.set("total_steps", a.steps);
     ts.set("sampler", sampler.state().to_json());
     ts.set("data", data_path.string());
-    const auto dir = save_checkpoint(a.out, spec, model.state(), {step, config_text, ts, a.keep});
+    const StateSnapshot snap = model.state_views();  // no copy of the streamed state
+    const auto dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views), {step, config_text, ts, a.keep});
     fmt::print("checkpoint {} written\n", dir.string());
   };
 

@@ -58,8 +58,8 @@ std::vector<Source> sources(const ModelSpec& spec) {
 }
 
 // A safetensors entry whose bytes are gathered from the segments' `member` vectors.
-SafetensorsEntry entry(std::string name, const Source& src, std::span<const SegmentOptimizerState> state,
-                       std::vector<float> SegmentOptimizerState::*member) {
+SafetensorsEntry entry(std::string name, const Source& src, std::span<const SegmentStateView> state,
+                       std::span<const float> SegmentStateView::*member) {
   SafetensorsEntry e;
   e.name = std::move(name);
   e.dtype = DType::fp32;
@@ -121,6 +121,12 @@ std::vector<std::vector<float>> read_segments(const SafetensorsFile& file, const
 
 fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::span<const SegmentOptimizerState> state,
                          const CheckpointWrite& what) {
+  const std::vector<SegmentStateView> views(state.begin(), state.end());
+  return save_checkpoint(run_dir, spec, std::span<const SegmentStateView>(views), what);
+}
+
+fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::span<const SegmentStateView> state,
+                         const CheckpointWrite& what) {
   const auto& segs = spec.segments();
   if (state.size() != segs.size())
     OOM_THROW(Errc::invalid_argument, fmt::format("checkpoint: {} segment states for a model of {} segments", state.size(), segs.size()));
@@ -144,9 +150,9 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   const auto srcs = sources(spec);
   std::vector<SafetensorsEntry> model, optimizer;
   for (const auto& src : srcs) {
-    model.push_back(entry(src.name, src, state, &SegmentOptimizerState::master));
-    optimizer.push_back(entry("exp_avg." + src.name, src, state, &SegmentOptimizerState::exp_avg));
-    optimizer.push_back(entry("exp_avg_sq." + src.name, src, state, &SegmentOptimizerState::exp_avg_sq));
+    model.push_back(entry(src.name, src, state, &SegmentStateView::master));
+    optimizer.push_back(entry("exp_avg." + src.name, src, state, &SegmentStateView::exp_avg));
+    optimizer.push_back(entry("exp_avg_sq." + src.name, src, state, &SegmentStateView::exp_avg_sq));
   }
   const SafetensorsFile::Metadata meta{{"format", "pt"}, {"producer", "oom"}, {"step", std::to_string(what.step)}};
   write_safetensors(partial / "model.safetensors", std::move(model), meta);

@@ -813,25 +813,33 @@ CudaCausalLm::StepResult CudaCausalLm::step(std::span<const std::uint32_t> input
   }
 }
 
-std::vector<SegmentOptimizerState> CudaCausalLm::state() {
+StateSnapshot CudaCausalLm::state_views() {
   impl_->sync_all();
-  std::vector<SegmentOptimizerState> out;
+  StateSnapshot snap;
+  std::size_t resident = 0;
+  for (const auto& g : impl_->segs) resident += g.resident ? 1 : 0;
+  snap.owned.reserve(resident);  // views into it never move
   for (auto& g : impl_->segs) {
-    SegmentOptimizerState st;
-    st.master.resize(g.n);
-    st.exp_avg.resize(g.n);
-    st.exp_avg_sq.resize(g.n);
-    if (g.resident) {
-      OOM_CUDA_CHECK(cudaMemcpy(st.master.data(), g.dmaster, g.n * sizeof(float), cudaMemcpyDeviceToHost));
-      OOM_CUDA_CHECK(cudaMemcpy(st.exp_avg.data(), g.dm, g.n * sizeof(float), cudaMemcpyDeviceToHost));
-      OOM_CUDA_CHECK(cudaMemcpy(st.exp_avg_sq.data(), g.dv, g.n * sizeof(float), cudaMemcpyDeviceToHost));
-    } else {
-      std::copy(g.hmaster, g.hmaster + g.n, st.master.begin());
-      std::copy(g.hm, g.hm + g.n, st.exp_avg.begin());
-      std::copy(g.hv, g.hv + g.n, st.exp_avg_sq.begin());
+    if (!g.resident) {
+      snap.views.emplace_back(std::span<const float>(g.hmaster, g.n), std::span<const float>(g.hm, g.n),
+                              std::span<const float>(g.hv, g.n));
+      continue;
     }
-    out.push_back(std::move(st));
+    SegmentOptimizerState& st = snap.owned.emplace_back();
+    for (auto [dst, src] : {std::pair{&st.master, g.dmaster}, {&st.exp_avg, g.dm}, {&st.exp_avg_sq, g.dv}}) {
+      dst->resize(g.n);
+      OOM_CUDA_CHECK(cudaMemcpy(dst->data(), src, g.n * sizeof(float), cudaMemcpyDeviceToHost));
+    }
+    snap.views.emplace_back(st);
   }
+  return snap;
+}
+
+std::vector<SegmentOptimizerState> CudaCausalLm::state() {
+  const StateSnapshot snap = state_views();
+  std::vector<SegmentOptimizerState> out;
+  for (const auto& v : snap.views)
+    out.push_back({{v.master.begin(), v.master.end()}, {v.exp_avg.begin(), v.exp_avg.end()}, {v.exp_avg_sq.begin(), v.exp_avg_sq.end()}});
   return out;
 }
 

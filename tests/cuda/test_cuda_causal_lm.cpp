@@ -23,6 +23,18 @@ using namespace oom::literals;
 
 namespace {
 
+/// The executor's defaults but for one option.
+[[maybe_unused]] CudaCausalLmOptions staging_ring(unsigned layers) {
+  CudaCausalLmOptions o;
+  o.grad_staging_layers = layers;
+  return o;
+}
+[[maybe_unused]] CudaCausalLmOptions attention_state(bool keep) {
+  CudaCausalLmOptions o;
+  o.keep_attention_state = keep;
+  return o;
+}
+
 ModelSpec small_spec() { return test::small_qwen3_moe(3); }
 
 constexpr std::uint64_t T = 157;  // not a multiple of any tile
@@ -62,8 +74,11 @@ struct Run {
   Bytes staging;  ///< pinned gradient staging (and the token buffer)
 };
 
-Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait = false, unsigned grad_staging_layers = 0,
-          bool keep_attention_state = false) {
+// The executor's defaults unless a test says otherwise (a gradient staging ring, recompute around
+// kept attention state), so the equivalence tests below run the path oom-train takes.
+Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait = false,
+          unsigned grad_staging_layers = CudaCausalLmOptions{}.grad_staging_layers,
+          bool keep_attention_state = CudaCausalLmOptions{}.keep_attention_state) {
   CudaCausalLmOptions opt;
   opt.keep_attention_state = keep_attention_state;
   opt.adamw.lr = 3e-3f;
@@ -267,7 +282,7 @@ TEST_CASE("a gradient staging ring gives the same step, bit for bit, in less pin
   const Run expect = train(spec, reference);
   Plan streamed = reference;
   streamed.resident_segments.clear();
-  const Run whole = train(spec, streamed);
+  const Run whole = train(spec, streamed, 3, false, /*grad_staging_layers=*/0);
   CHECK(whole.losses == expect.losses);
   for (unsigned n : {1u, 2u, 3u, 5u}) {
     CAPTURE(n);
@@ -275,7 +290,7 @@ TEST_CASE("a gradient staging ring gives the same step, bit for bit, in less pin
     CHECK(ring.losses == expect.losses);
     CHECK(same(ring.state, expect.state));
     if (n < static_cast<unsigned>(spec.num_layers())) CHECK(ring.staging < whole.staging);
-    CHECK(ring.staging == CudaCausalLm::footprint(spec, streamed, CudaCausalLmOptions{.grad_staging_layers = n})
+    CHECK(ring.staging == CudaCausalLm::footprint(spec, streamed, staging_ring(n))
                               [static_cast<std::size_t>(Claimant::host_staging)]);
   }
 }
@@ -321,8 +336,8 @@ TEST_CASE("recomputing around kept or offloaded attention state gives the same s
       CHECK(same(got.state, expect.state));
     }
     // It keeps the attention state on the GPU (or pinned) where the whole recompute kept nothing.
-    const auto kept = CudaCausalLm::footprint(spec, p, CudaCausalLmOptions{.keep_attention_state = true});
-    const auto rerun = CudaCausalLm::footprint(spec, p);
+    const auto kept = CudaCausalLm::footprint(spec, p, attention_state(true));
+    const auto rerun = CudaCausalLm::footprint(spec, p, attention_state(false));
     const auto act = static_cast<std::size_t>(Claimant::retained_activations);
     const auto off = static_cast<std::size_t>(Claimant::host_offload);
     CHECK(kept[act] + kept[off] > rerun[act] + rerun[off]);

@@ -58,6 +58,7 @@ expect missing-data 2 "no such data file" -- --data "$work/nowhere.tok"
 # An option of the other backend.
 expect grad-staging-on-host 2 "grad-staging" -- --backend host --grad-staging 3
 expect keep-attention-on-host 2 "keep-attention-state" -- --backend host --keep-attention-state
+expect no-keep-attention-on-host 2 "keep-attention-state" -- --backend host --no-keep-attention-state
 
 # Misuse of a run directory: refused, and the run in it left as it was.
 before=$(cat "$work/good/latest")

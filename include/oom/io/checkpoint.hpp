@@ -41,6 +41,11 @@ struct CheckpointWrite {
 /// (nothing under the checkpoint's final name then).
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const ModelSpec& spec,
                                       std::span<const SegmentOptimizerState> state, const CheckpointWrite& what);
+/// The same from views of the state where it lives (an executor's StateSnapshot): the values are
+/// read straight into the files, so a checkpoint takes no second copy of the model's state in
+/// host memory.
+std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const ModelSpec& spec,
+                                      std::span<const SegmentStateView> state, const CheckpointWrite& what);
 
 /// The checkpoint `latest` names in `run_dir`, or nullopt when there is none yet.
 /// Errc::parse when `latest` exists but names no checkpoint directory.

@@ -1,6 +1,8 @@
-// The AdamW state of one state segment, owned: what an executor exports and a checkpoint holds.
+// The AdamW state of one state segment: owned (what an executor exports and a checkpoint read
+// returns) or viewed where it lives (what a checkpoint write reads, without a copy of the model).
 #pragma once
 
+#include <span>
 #include <vector>
 
 namespace oom {
@@ -9,6 +11,26 @@ namespace oom {
 /// segment's tensors lie back to back in its TensorSpec order.
 struct SegmentOptimizerState {
   std::vector<float> master, exp_avg, exp_avg_sq;
+};
+
+/// The same three arrays of one segment, read-only, wherever they live (e.g. an executor's pinned
+/// host state).
+struct SegmentStateView {
+  std::span<const float> master, exp_avg, exp_avg_sq;
+
+  SegmentStateView() = default;
+  SegmentStateView(std::span<const float> w, std::span<const float> m, std::span<const float> v)
+      : master(w), exp_avg(m), exp_avg_sq(v) {}
+  /// Views an owned state (which must outlive the view).
+  explicit SegmentStateView(const SegmentOptimizerState& s) : master(s.master), exp_avg(s.exp_avg), exp_avg_sq(s.exp_avg_sq) {}
+};
+
+/// Every segment's state as views, in spec.segments() order, plus whatever had to be copied to be
+/// viewed (e.g. segments resident on a GPU). The views stay valid while this object lives and the
+/// model it came from takes no step and loads nothing.
+struct StateSnapshot {
+  std::vector<SegmentStateView> views;
+  std::vector<SegmentOptimizerState> owned;  ///< reserved up front: views into it never move
 };
 
 }  // namespace oom
