@@ -41,6 +41,30 @@ void ChromeTrace::span(const std::string& name, Resource resource, double begin_
   events_.push_back(std::move(e));
 }
 
+void ChromeTrace::host_span(const std::string& name, double begin_s, double duration_s) {
+  constexpr int host_tid = resource_count;  // after the resources' tracks
+  if (!host_named_) {
+    Json meta = Json::object();
+    meta.set("name", "thread_name");
+    meta.set("ph", "M");
+    meta.set("pid", pid_);
+    meta.set("tid", host_tid);
+    Json args = Json::object();
+    args.set("name", "host (issuing thread)");
+    meta.set("args", std::move(args));
+    events_.push_back(std::move(meta));
+    host_named_ = true;
+  }
+  Json e = Json::object();
+  e.set("name", name);
+  e.set("ph", "X");
+  e.set("pid", pid_);
+  e.set("tid", host_tid);
+  e.set("ts", begin_s * 1e6);
+  e.set("dur", duration_s * 1e6);
+  events_.push_back(std::move(e));
+}
+
 std::string ChromeTrace::dump() const {
   Json root = Json::object();
   root.set("traceEvents", events_);

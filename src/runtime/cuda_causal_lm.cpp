@@ -186,6 +186,13 @@ struct CudaCausalLm::Impl {
     timeline = nullptr;
   }
   std::string label(std::size_t l) const { return "layers." + std::to_string(l); }
+  // The issuing thread's own time in a recorded step (from when it recorded step_begin, which the
+  // idle compute stream reaches at once): where it waited, and how long issuing a layer took.
+  std::chrono::steady_clock::time_point host_t0;
+  double host_now() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - host_t0).count(); }
+  void host_span(std::string name, double begin_s) {
+    if (timeline != nullptr) timeline->add_host(std::move(name), begin_s, host_now());
+  }
 
   static std::size_t cpu_threads(const CudaCausalLmOptions& o) {
     if (o.cpu_threads > 0) return o.cpu_threads;
@@ -556,6 +563,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
                 fmt::format("token id {} at position {} is >= the model's vocab {}", std::max(inputs[i], targets[i]), i, V));
   const cudaStream_t s = raw(cs);
   OOM_CUDA_CHECK(cudaEventRecord(step_begin, s));
+  host_t0 = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < T; ++i) {
     h_tokens[i] = static_cast<std::int32_t>(inputs[i]);
     h_tokens[T + i] = static_cast<std::int32_t>(targets[i]);
@@ -593,6 +601,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   for (std::size_t l = 0; l < n; ++l) {
     OOM_NVTX_SCOPE("oom forward layer");
     if (on_layer) on_layer({false, static_cast<int>(l), static_cast<int>(n), 0});
+    const double issued = host_now();
     auto& L = layers[l];
     Slot& slot = load_weights(l);
     const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(l), weight_bases(l, slot));
@@ -628,6 +637,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (L.boundary == Keep::offload) backend->record(x_rot_free[static_cast<std::size_t>(x_rot_index[l])], d2h);
     if (blob >= 0)
       backend->record(blob_rot_free[static_cast<std::size_t>(blob)], L.blob == Keep::offload || attn_home ? d2h : cs);
+    host_span("issue fwd " + label(l), issued);
   }
 
   // ---- loss (and its backward into dy) ----
@@ -636,10 +646,15 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   model::lm_head_forward_backward(ends_ctx(), ends, y_scratch, segs[norm].dw, segs[head].dw, d_targets, d_loss, d_valid, dy,
                                   segs[norm].dgrad, segs[head].dgrad, workspace, workspace_bytes);
   span_end(cs, mk);
+  // The last layer's weights start down before the host waits for the loss: the backward needs
+  // them first, and a skipped step loses nothing by it (the slot is simply refilled later).
+  Slot* first_backward_slot = n > 0 ? &load_weights(n - 1) : nullptr;
   float loss_sum = 0;
   if (opt.skip_nonfinite_loss) {
+    const double waited = host_now();
     OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
     sync_all();
+    host_span("wait for the loss", waited);
     const double loss = static_cast<double>(loss_sum) / static_cast<double>(T);
     if (!std::isfinite(loss)) {
       resolve_marks();
@@ -652,8 +667,9 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   for (std::size_t li = n; li-- > 0;) {
     OOM_NVTX_SCOPE("oom backward layer");
     if (on_layer) on_layer({true, static_cast<int>(li), static_cast<int>(n), 0});
+    const double issued = host_now();
     auto& L = layers[li];
-    Slot& slot = load_weights(li);
+    Slot& slot = li + 1 == n ? *first_backward_slot : load_weights(li);
     const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(li), weight_bases(li, slot));
     // The layer's input and saved buffer, back on the device.
     const bf16* x = L.x_keep;
@@ -740,6 +756,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       backend->record(L.updated, cpu);
       if (L.ring >= 0) backend->record(grad_ring_free[static_cast<std::size_t>(L.ring)], cpu);
     }
+    host_span("issue bwd " + label(li), issued);
   }
   // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
   mk = span_begin(cs, Resource::gpu_compute, "embedding backward + adamw ends");

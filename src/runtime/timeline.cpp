@@ -11,6 +11,16 @@ void Timeline::add(std::string name, Resource resource, double begin_s, double e
   spans_.push_back({std::move(name), resource, begin_s, std::max(begin_s, end_s)});
 }
 
+void Timeline::add_host(std::string name, double begin_s, double end_s) {
+  std::lock_guard lock(mutex_);
+  host_spans_.push_back({std::move(name), Resource::cpu, begin_s, std::max(begin_s, end_s)});
+}
+
+std::vector<TimelineSpan> Timeline::host_spans() const {
+  std::lock_guard lock(mutex_);
+  return host_spans_;
+}
+
 std::vector<TimelineSpan> Timeline::spans() const {
   std::lock_guard lock(mutex_);
   return spans_;
@@ -19,6 +29,7 @@ std::vector<TimelineSpan> Timeline::spans() const {
 void Timeline::clear() {
   std::lock_guard lock(mutex_);
   spans_.clear();
+  host_spans_.clear();
 }
 
 ResourceTimes Timeline::busy() const {
@@ -58,6 +69,7 @@ std::string Timeline::chrome_trace(const std::string& title) const {
   ChromeTrace trace(0);
   trace.process_name(title);
   for (const auto& sp : spans()) trace.span(sp.name, sp.resource, sp.begin_s, sp.end_s - sp.begin_s);
+  for (const auto& sp : host_spans()) trace.host_span(sp.name, sp.begin_s, sp.end_s - sp.begin_s);
   return trace.dump() + "\n";
 }
 

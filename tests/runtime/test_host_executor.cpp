@@ -342,6 +342,33 @@ TEST_CASE("a recorded step: spans of every kind of work per resource, serial wit
   CHECK(trace.find("traceEvents")->size() == spans.size() + resource_count + 1);
 }
 
+TEST_CASE("a timeline's host spans: a track of their own in the trace, not a resource") {
+  Timeline tl;
+  tl.add("fwd layers.0", Resource::gpu_compute, 0.001, 0.004);
+  tl.add_host("issue fwd layers.0", 0.0, 0.010);  // the host blocked longer than the GPU worked
+  CHECK(tl.busy()[Resource::gpu_compute] == doctest::Approx(0.003));
+  CHECK(tl.busy()[Resource::cpu] == 0.0);
+  CHECK(tl.wall_seconds() == doctest::Approx(0.003));
+  REQUIRE(tl.host_spans().size() == 1);
+  const Json trace = Json::parse(tl.chrome_trace(), "trace");
+  const auto& events = *trace.find("traceEvents");
+  int host_tracks = 0, host_events = 0;
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const JsonCursor e = JsonCursor(events, "traceEvents")[i];
+    if (!e["tid"].present() || e["tid"].as_int64() != resource_count) continue;
+    if (e["ph"].as_string() == "M") host_tracks += e["args"]["name"].as_string().starts_with("host") ? 1 : 0;
+    if (e["ph"].as_string() == "X") {
+      ++host_events;
+      CHECK(e["name"].as_string() == "issue fwd layers.0");
+      CHECK(e["dur"].as_double() == doctest::Approx(10000.0));
+    }
+  }
+  CHECK(host_tracks == 1);
+  CHECK(host_events == 1);
+  tl.clear();
+  CHECK(tl.host_spans().empty());
+}
+
 TEST_CASE("gradient accumulation over micro-batches: the same bits under every plan; a zero-gradient micro-batch adds nothing") {
   const Stack st({16, 4, 2, 16, 10, 3}, 31);
   auto layers = st.layers;

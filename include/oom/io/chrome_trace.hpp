@@ -20,11 +20,14 @@ class ChromeTrace {
   /// A complete event on `resource`'s track, from `begin_s` for `duration_s` (seconds); `args`
   /// (an object) is attached unless null.
   void span(const std::string& name, Resource resource, double begin_s, double duration_s, Json args = nullptr);
+  /// A complete event on the host track (the thread that issues the work; named on first use).
+  void host_span(const std::string& name, double begin_s, double duration_s);
   /// {"traceEvents": [...], "displayTimeUnit": "ms"}, compact.
   [[nodiscard]] std::string dump() const;
 
  private:
   int pid_;
+  bool host_named_ = false;
   Json events_ = Json::array();
 };
 

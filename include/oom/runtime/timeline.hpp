@@ -22,7 +22,12 @@ class Timeline {
  public:
   /// Thread-safe: executors add spans from their stream workers.
   void add(std::string name, Resource resource, double begin_s, double end_s);
+  /// Time the issuing host thread spent on something (enqueueing a layer, waiting for a result):
+  /// a track of its own in the trace, not a resource (busy() and wall_seconds() leave it out).
+  /// Its `resource` is meaningless.
+  void add_host(std::string name, double begin_s, double end_s);
   [[nodiscard]] std::vector<TimelineSpan> spans() const;
+  [[nodiscard]] std::vector<TimelineSpan> host_spans() const;
   /// Seconds each resource was busy (the union of its spans).
   [[nodiscard]] ResourceTimes busy() const;
   /// From the first span's begin to the last span's end.
@@ -33,7 +38,7 @@ class Timeline {
 
  private:
   mutable std::mutex mutex_;
-  std::vector<TimelineSpan> spans_;
+  std::vector<TimelineSpan> spans_, host_spans_;
 };
 
 }  // namespace oom
