@@ -109,7 +109,8 @@ struct CudaCausalLm::Impl {
   };
   struct Slot {
     bf16* ptr = nullptr;
-    CudaBackend::Event free;
+    CudaBackend::Event free;   ///< after the last compute that read it
+    CudaBackend::Event ready;  ///< after the copy of the layer it holds now
   };
 
   const ModelSpec* spec;
@@ -131,7 +132,6 @@ struct CudaCausalLm::Impl {
   std::exception_ptr cpu_error;
   std::vector<Slot> slots;
   std::size_t next_slot = 0;
-  CudaBackend::Event loaded;
   cudaEvent_t step_begin = nullptr, step_end = nullptr;  // timed
   // Activation buffers.
   std::size_t saved_bytes = 0;
@@ -269,7 +269,14 @@ struct CudaCausalLm::Impl {
   void build(const std::vector<std::vector<float>>& weights);
   CudaBackend::Event event() { return sizing ? CudaBackend::Event{} : backend->make_event(); }
   void release() noexcept;
+  /// Starts layer l's streamed weights down into the next slot (after its last reader); the
+  /// compute waits for them with use_weights(). With two or more slots the executor issues a
+  /// layer's load before the previous layer's compute, whose issue blocks mid-layer on the expert
+  /// counts: issued after it, the copy started too late to hide (about 10 ms of idle GPU per
+  /// streamed forward layer at 32K on the 5.13B model).
   Slot& load_weights(std::size_t l);
+  void use_weights(std::size_t l, Slot& slot);
+  bool prefetch_ahead() const { return slots.size() > 1; }
   /// A refill layer's attention output and LSE between its saved buffer `blob` and `store` (O,
   /// then the LSE at the next 256-byte boundary), on stream `on`.
   void copy_attention_state(const Layer& L, std::byte* blob, std::byte* store, bool into_store, CudaBackend::Stream& on) {
@@ -315,7 +322,6 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     cpu = backend->make_stream();
     OOM_CUBLAS_CHECK(cublasCreate(&blas));
     OOM_CUBLAS_CHECK(cublasSetStream(blas, raw(cs)));
-    loaded = backend->make_event();
     OOM_CUDA_CHECK(cudaEventCreate(&step_begin));
     OOM_CUDA_CHECK(cudaEventCreate(&step_end));
   }
@@ -459,13 +465,14 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   dx = dev<bf16>(T * H, Claimant::worksets);
   // Weight slots and gradient slots for the streamed segments.
   if (max_streamed > 0) {
-    for (int i = 0; i < std::max(plan.prefetch_depth, 1); ++i) slots.push_back({dev<bf16>(max_streamed, Claimant::worksets), event()});
+    for (int i = 0; i < std::max(plan.prefetch_depth, 1); ++i)
+      slots.push_back({dev<bf16>(max_streamed, Claimant::worksets), event(), event()});
     for (int i = 0; i < 2; ++i) {
       grad_slots.push_back(dev<float>(max_streamed, Claimant::worksets));
       grad_slot_free.push_back(event());
     }
   } else {
-    slots.push_back({nullptr, event()});
+    slots.push_back({nullptr, event(), event()});
   }
   const auto ends = model::LmEndsShape::from_spec(*spec, static_cast<std::int64_t>(T));
   workspace_bytes = model::lm_ends_workspace_bytes(ends);
@@ -522,9 +529,12 @@ CudaCausalLm::Impl::Slot& CudaCausalLm::Impl::load_weights(std::size_t l) {
   }
   for (auto* g : L.update.segments) backend->copy(slot.ptr + g->slot_offset, g->hw, Bytes{g->n * sizeof(bf16)}, h2d);
   span_end(h2d, wm);
-  backend->record(loaded, h2d);
-  if (!opt.drop_weight_wait) backend->wait(cs, loaded);
+  backend->record(slot.ready, h2d);
   return slot;
+}
+
+void CudaCausalLm::Impl::use_weights(std::size_t l, Slot& slot) {
+  if (layers[l].streamed > 0 && !opt.drop_weight_wait) backend->wait(cs, slot.ready);
 }
 
 std::vector<const bf16*> CudaCausalLm::Impl::weight_bases(std::size_t l, const Slot& slot) const {
@@ -598,12 +608,15 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   model::lm_embed_forward(ends_ctx(), ends, segs[emb].dw, d_ids, x_at[0], d_invalid);
   span_end(cs, mk);
   int next_blob = 0;
+  Slot* upcoming = n > 0 ? &load_weights(0) : nullptr;  // the next layer's weights
   for (std::size_t l = 0; l < n; ++l) {
     OOM_NVTX_SCOPE("oom forward layer");
     if (on_layer) on_layer({false, static_cast<int>(l), static_cast<int>(n), 0});
     const double issued = host_now();
     auto& L = layers[l];
-    Slot& slot = load_weights(l);
+    Slot& slot = *upcoming;
+    use_weights(l, slot);
+    if (l + 1 < n && prefetch_ahead()) upcoming = &load_weights(l + 1);
     const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(l), weight_bases(l, slot));
     if (l + 1 < n) place_boundary(l + 1);
     bf16* y = l + 1 < n ? x_at[l + 1] : y_scratch;
@@ -616,7 +629,9 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       saved = blob_rot[static_cast<std::size_t>(blob)];
     }
     mk = span_begin(cs, Resource::gpu_compute, "fwd " + label(l));
+    const double called = host_now();
     model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
+    host_span("decoder_layer_forward " + label(l), called);
     span_end(cs, mk);
     // A refill layer keeps its attention output and LSE on the GPU (copied out before the blob
     // is reused) or sends them home with the offloads below.
@@ -637,6 +652,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (L.boundary == Keep::offload) backend->record(x_rot_free[static_cast<std::size_t>(x_rot_index[l])], d2h);
     if (blob >= 0)
       backend->record(blob_rot_free[static_cast<std::size_t>(blob)], L.blob == Keep::offload || attn_home ? d2h : cs);
+    if (l + 1 < n && !prefetch_ahead()) upcoming = &load_weights(l + 1);  // one slot: after its reader
     host_span("issue fwd " + label(l), issued);
   }
 
@@ -648,7 +664,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   span_end(cs, mk);
   // The last layer's weights start down before the host waits for the loss: the backward needs
   // them first, and a skipped step loses nothing by it (the slot is simply refilled later).
-  Slot* first_backward_slot = n > 0 ? &load_weights(n - 1) : nullptr;
+  upcoming = n > 0 ? &load_weights(n - 1) : nullptr;
   float loss_sum = 0;
   if (opt.skip_nonfinite_loss) {
     const double waited = host_now();
@@ -669,7 +685,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (on_layer) on_layer({true, static_cast<int>(li), static_cast<int>(n), 0});
     const double issued = host_now();
     auto& L = layers[li];
-    Slot& slot = li + 1 == n ? *first_backward_slot : load_weights(li);
+    Slot& slot = *upcoming;
     const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(li), weight_bases(li, slot));
     // The layer's input and saved buffer, back on the device.
     const bf16* x = L.x_keep;
@@ -699,6 +715,10 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     auto& restored = L.restored;
     backend->record(restored, h2d);
     backend->wait(cs, restored);
+    use_weights(li, slot);
+    // The next layer's weights go down behind this layer's activations, before this layer's
+    // compute is issued (its issue blocks on the expert counts).
+    if (li > 0 && prefetch_ahead()) upcoming = &load_weights(li - 1);
     if (L.blob == Keep::recompute) {
       backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
       mk = span_begin(cs, Resource::gpu_compute, "recompute " + label(li));
@@ -723,7 +743,9 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     }
     const auto grads = model::bind_decoder_layer_grads(*spec, static_cast<int>(li), grad_bases(li, gslot));
     mk = span_begin(cs, Resource::gpu_compute, "bwd " + label(li));
+    const double called = host_now();
     model::decoder_layer_backward(layer_ctx(), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace, workspace_bytes);
+    host_span("decoder_layer_backward " + label(li), called);
     span_end(cs, mk);
     auto& done = L.backward_done;
     backend->record(done, cs);
@@ -756,6 +778,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       backend->record(L.updated, cpu);
       if (L.ring >= 0) backend->record(grad_ring_free[static_cast<std::size_t>(L.ring)], cpu);
     }
+    if (li > 0 && !prefetch_ahead()) upcoming = &load_weights(li - 1);  // one slot: after its reader
     host_span("issue bwd " + label(li), issued);
   }
   // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.

@@ -245,7 +245,9 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
   };
   CHECK(count("fwd layers.", Resource::gpu_compute) == 3);
   CHECK(count("bwd layers.", Resource::gpu_compute) == 3);
-  CHECK(count("recompute layers.2", Resource::gpu_compute) == 1);
+  // Layer 2 keeps its attention state (the plan recomputes only the expert intermediates): the
+  // backward reruns it around that state (the default, keep_attention_state).
+  CHECK(count("recompute (attention kept) layers.2", Resource::gpu_compute) == 1);
   CHECK(count("h2d weights", Resource::h2d) == 6);
   CHECK(count("d2h grads", Resource::d2h) == 3);
   CHECK(count("adamw layers.", Resource::cpu) == 3);
@@ -255,6 +257,18 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
     CHECK(s.end_s >= s.begin_s);
   }
   CHECK(tl.busy()[Resource::gpu_compute] > 0);
+  // The issuing thread's track: each layer pass issued once, and the wait for the loss.
+  const auto host = tl.host_spans();
+  auto host_count = [&](const std::string& prefix) {
+    return std::count_if(host.begin(), host.end(), [&](const TimelineSpan& s) { return s.name.starts_with(prefix); });
+  };
+  CHECK(host_count("issue fwd layers.") == 3);
+  CHECK(host_count("issue bwd layers.") == 3);
+  CHECK(host_count("wait for the loss") == 1);
+  for (const auto& s : host) {
+    CHECK(s.begin_s >= 0);
+    CHECK(s.end_s >= s.begin_s);
+  }
 }
 
 // The smallest run that still goes through every path of the executor (streamed and resident
