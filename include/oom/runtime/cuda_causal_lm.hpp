@@ -94,7 +94,7 @@ class CudaCausalLm {
   [[nodiscard]] std::vector<SegmentOptimizerState> state();
   /// The same as views: streamed segments viewed in their pinned host state, only GPU-resident
   /// segments copied down. What a checkpoint writes from: at 512K on the 5.13B model a copy of the
-  /// whole state (61.6 GB) beside the 67.5 GiB pinned took the 125 GiB host out of memory.
+  /// whole state (61.6 GB) beside the 65.9 GiB pinned took the 125 GiB host out of memory.
   [[nodiscard]] StateSnapshot state_views();
   /// Continues from saved state after `optimizer_steps` updates (sizes checked before any change).
   void load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps);
