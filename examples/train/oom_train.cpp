@@ -17,6 +17,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include <fmt/format.h>
 
@@ -455,8 +456,10 @@ int run(const Args& a) {
   std::vector<std::vector<float>> init;
   if (!a.init_from.empty()) init = load_weights(a.init_from, spec);
   else init = train::initial_weights(spec, a.seed);
-  std::optional<CheckpointRead> ckpt;
-  if (a.resume) ckpt = load_checkpoint(*latest, spec);
+  // Opened (every tensor checked) but read only into the model, segment by segment: no copy of the
+  // whole optimizer state in memory beside the model's own.
+  std::optional<CheckpointReader> ckpt;
+  if (a.resume) ckpt.emplace(*latest, spec);
 
   optim::AdamWConfig adamw;
   adamw.lr = a.lr;
@@ -464,7 +467,7 @@ int run(const Args& a) {
   std::uint64_t start_step = 0;
   SamplerState sampler_state{a.seed, 0};
   if (ckpt) {
-    const JsonCursor ts(ckpt->trainer_state, "trainer_state.json");
+    const JsonCursor ts(ckpt->trainer_state(), "trainer_state.json");
     auto require_same = [&](const char* field, auto have) {
       const auto saved = ts[field].as_uint64();
       if (saved != static_cast<std::uint64_t>(have))
@@ -534,7 +537,12 @@ int run(const Args& a) {
 
   auto train_with = [&](auto& model) -> int {
   if (ckpt) {
-    model.load(ckpt->state, JsonCursor(ckpt->trainer_state, "trainer_state.json")["optimizer_steps"].as_int64());
+    const auto optimizer_steps = JsonCursor(ckpt->trainer_state(), "trainer_state.json")["optimizer_steps"].as_int64();
+    if constexpr (std::is_same_v<std::decay_t<decltype(model)>, train::HostCausalLm>) {
+      model.load(load_checkpoint(ckpt->dir(), spec).state, optimizer_steps);  // the host backend's models are small
+    } else {
+      model.load(ckpt->source(), optimizer_steps);
+    }
     fmt::print("resumed from {} at step {}\n", latest->string(), start_step);
   }
 

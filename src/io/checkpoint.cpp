@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <system_error>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -190,26 +191,80 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   return run_dir / name;
 }
 
+struct CheckpointReader::Files {
+  fs::path dir;
+  const ModelSpec* spec;
+  SafetensorsFile model, optimizer;
+  Json trainer_state;
+};
+
+CheckpointReader::CheckpointReader(const fs::path& dir, const ModelSpec& spec)
+    : files_(std::make_unique<Files>(Files{dir, &spec, SafetensorsFile::open(dir / "model.safetensors"),
+                                           SafetensorsFile::open(dir / "optimizer.safetensors"),
+                                           read_json_file(dir / "trainer_state.json")})) {
+  // Every tensor present, of a readable type and the right shape, before anyone reads one.
+  for (const auto& seg : spec.segments())
+    for (const auto& t : seg.tensors)
+      for (const auto& [file, prefix] : {std::pair{&files_->model, ""}, {&files_->optimizer, "exp_avg."}, {&files_->optimizer, "exp_avg_sq."}}) {
+        TensorSpec named = t;
+        named.name = std::string(prefix) + t.name;
+        DType dt{};
+        (void)file->tensor_bytes(named, &dt);
+        if (dt != DType::fp32 && dt != DType::bf16)
+          OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; checkpoints hold F32 or BF16", file->source(), named.name,
+                                             safetensors_dtype_name(dt)));
+      }
+}
+
+CheckpointReader::~CheckpointReader() = default;
+CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
+CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
+
+const Json& CheckpointReader::trainer_state() const { return files_->trainer_state; }
+const fs::path& CheckpointReader::dir() const { return files_->dir; }
+
+void CheckpointReader::read(std::size_t segment, std::span<float> master, std::span<float> exp_avg,
+                            std::span<float> exp_avg_sq) const {
+  const auto& segs = files_->spec->segments();
+  if (segment >= segs.size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("checkpoint read: segment {} of a model of {}", segment, segs.size()));
+  const auto& seg = segs[segment];
+  const std::uint64_t n = seg.parameters();
+  if (master.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n)
+    OOM_THROW(Errc::invalid_argument, fmt::format("checkpoint read: segment '{}' has {} parameters; spans of {}/{}/{}", seg.name, n,
+                                                  master.size(), exp_avg.size(), exp_avg_sq.size()));
+  std::uint64_t offset = 0;
+  for (const auto& t : seg.tensors) {
+    for (const auto& [file, prefix, out] : {std::tuple{&files_->model, "", master}, {&files_->optimizer, "exp_avg.", exp_avg},
+                                            {&files_->optimizer, "exp_avg_sq.", exp_avg_sq}}) {
+      TensorSpec named = t;
+      named.name = std::string(prefix) + t.name;
+      read_values(*file, named, out.subspan(offset, t.elements()));
+    }
+    offset += t.elements();
+  }
+}
+
+SegmentStateSource CheckpointReader::source() const {
+  return [this](std::size_t s, std::span<float> w, std::span<float> m, std::span<float> v) { read(s, w, m, v); };
+}
+
 CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool with_optimizer) {
   CheckpointRead r;
-  const auto model = SafetensorsFile::open(dir / "model.safetensors");
-  auto masters = read_segments(model, spec, "");
-  std::vector<std::vector<float>> m, v;
-  if (with_optimizer) {
-    const auto opt = SafetensorsFile::open(dir / "optimizer.safetensors");
-    m = read_segments(opt, spec, "exp_avg.");
-    v = read_segments(opt, spec, "exp_avg_sq.");
+  if (!with_optimizer) {
+    for (auto& w : read_segments(SafetensorsFile::open(dir / "model.safetensors"), spec, ""))
+      r.state.push_back({std::move(w), {}, {}});
+    r.trainer_state = read_json_file(dir / "trainer_state.json");
+    return r;
   }
-  for (std::size_t s = 0; s < masters.size(); ++s) {
-    SegmentOptimizerState st;
-    st.master = std::move(masters[s]);
-    if (with_optimizer) {
-      st.exp_avg = std::move(m[s]);
-      st.exp_avg_sq = std::move(v[s]);
-    }
+  const CheckpointReader reader(dir, spec);
+  for (std::size_t s = 0; s < spec.segments().size(); ++s) {
+    const auto n = spec.segments()[s].parameters();
+    SegmentOptimizerState st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+    reader.read(s, st.master, st.exp_avg, st.exp_avg_sq);
     r.state.push_back(std::move(st));
   }
-  r.trainer_state = read_json_file(dir / "trainer_state.json");
+  r.trainer_state = reader.trainer_state();
   return r;
 }
 

@@ -890,22 +890,31 @@ void CudaCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
   for (std::size_t i = 0; i < segs.size(); ++i)
     if (state[i].master.size() != segs[i].n || state[i].exp_avg.size() != segs[i].n || state[i].exp_avg_sq.size() != segs[i].n)
       OOM_THROW(Errc::invalid_argument, fmt::format("state of segment '{}': sizes do not match its {} parameters", segs[i].name, segs[i].n));
+  load([&](std::size_t i, std::span<float> w, std::span<float> m, std::span<float> v) {
+    std::copy(state[i].master.begin(), state[i].master.end(), w.begin());
+    std::copy(state[i].exp_avg.begin(), state[i].exp_avg.end(), m.begin());
+    std::copy(state[i].exp_avg_sq.begin(), state[i].exp_avg_sq.end(), v.begin());
+  }, optimizer_steps);
+}
+
+void CudaCausalLm::load(const SegmentStateSource& source, std::int64_t optimizer_steps) {
+  auto& segs = impl_->segs;
   impl_->sync_all();
+  std::vector<float> w, m, v;  // a resident segment's values on their way to the GPU
+  std::vector<bf16> w16;
   for (std::size_t i = 0; i < segs.size(); ++i) {
     auto& g = segs[i];
-    const auto& st = state[i];
-    std::vector<bf16> w16(g.n);
-    std::transform(st.master.begin(), st.master.end(), w16.begin(), [](float f) { return to_bf16(f); });
     if (g.resident) {
-      OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, st.master.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
-      OOM_CUDA_CHECK(cudaMemcpy(g.dm, st.exp_avg.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
-      OOM_CUDA_CHECK(cudaMemcpy(g.dv, st.exp_avg_sq.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      w.resize(g.n), m.resize(g.n), v.resize(g.n), w16.resize(g.n);
+      source(i, w, m, v);
+      std::transform(w.begin(), w.end(), w16.begin(), [](float f) { return to_bf16(f); });
+      OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, w.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemcpy(g.dm, m.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemcpy(g.dv, v.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
       OOM_CUDA_CHECK(cudaMemcpy(g.dw, w16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
-    } else {
-      std::copy(st.master.begin(), st.master.end(), g.hmaster);
-      std::copy(st.exp_avg.begin(), st.exp_avg.end(), g.hm);
-      std::copy(st.exp_avg_sq.begin(), st.exp_avg_sq.end(), g.hv);
-      std::copy(w16.begin(), w16.end(), g.hw);
+    } else {  // straight into the pinned state
+      source(i, {g.hmaster, g.n}, {g.hm, g.n}, {g.hv, g.n});
+      std::transform(g.hmaster, g.hmaster + g.n, g.hw, [](float f) { return to_bf16(f); });
     }
   }
   OOM_CUDA_CHECK(cudaDeviceSynchronize());  // the copies above ran on the legacy default stream

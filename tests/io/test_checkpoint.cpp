@@ -132,3 +132,35 @@ TEST_CASE("bad state and bad files are refused with their names, leaving nothing
   CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir), doctest::Contains("checkpoint-999999"), Error);
   fs::remove_all(dir);
 }
+
+TEST_CASE("a checkpoint read segment by segment: the same bits, from views written without a copy") {
+  const auto spec = tiny();
+  const auto dir = fresh_dir("reader");
+  const auto st = random_state(spec, 5);
+  // Written from views (as the CUDA executor's pinned state is), read back piece by piece.
+  const std::vector<SegmentStateView> views(st.begin(), st.end());
+  const auto where = save_checkpoint(dir, spec, std::span<const SegmentStateView>(views), {4, "{}", Json::object(), 2});
+  const CheckpointReader reader(where, spec);
+  const auto source = reader.source();
+  for (std::size_t s = 0; s < st.size(); ++s) {
+    CAPTURE(spec.segments()[s].name);
+    const auto n = spec.segments()[s].parameters();
+    std::vector<float> w(n, -1.0f), m(n, -1.0f), v(n, -1.0f);
+    source(s, w, m, v);
+    CHECK(same_bits(w, st[s].master));
+    CHECK(same_bits(m, st[s].exp_avg));
+    CHECK(same_bits(v, st[s].exp_avg_sq));
+  }
+  // Spans of the wrong size, or a segment the model does not have: refused, named.
+  std::vector<float> small(3);
+  CHECK_THROWS_WITH_AS(reader.read(0, small, small, small), doctest::Contains(spec.segments()[0].name.c_str()), Error);
+  CHECK_THROWS_WITH_AS(reader.read(spec.segments().size(), small, small, small), doctest::Contains("segment"), Error);
+  // A checkpoint of another model, or one missing its optimizer file: refused when it opens,
+  // before anything is read.
+  Json other = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json");
+  other.set("num_hidden_layers", 5);
+  CHECK_THROWS_WITH_AS(CheckpointReader(where, ModelSpec::from_json(other)), doctest::Contains("model.layers.4"), Error);
+  fs::remove(where / "optimizer.safetensors");
+  CHECK_THROWS_WITH_AS(CheckpointReader(where, spec), doctest::Contains("optimizer.safetensors"), Error);
+  fs::remove_all(dir);
+}

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -50,6 +51,29 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
 /// The checkpoint `latest` names in `run_dir`, or nullopt when there is none yet.
 /// Errc::parse when `latest` exists but names no checkpoint directory.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
+
+/// A checkpoint directory opened for reading segment by segment: the files are mapped, every
+/// tensor of `spec` is checked (present, F32 or BF16, the right shape) when it opens, and values
+/// are converted only when read. Errors name the file and the tensor (Errc::parse) or the file
+/// (Errc::io).
+class CheckpointReader {
+ public:
+  CheckpointReader(const std::filesystem::path& dir, const ModelSpec& spec);
+  ~CheckpointReader();
+  CheckpointReader(CheckpointReader&&) noexcept;
+  CheckpointReader& operator=(CheckpointReader&&) noexcept;
+
+  [[nodiscard]] const Json& trainer_state() const;
+  [[nodiscard]] const std::filesystem::path& dir() const;
+  /// Segment `segment`'s master weights and moments into the spans (each its parameters() long).
+  void read(std::size_t segment, std::span<float> master, std::span<float> exp_avg, std::span<float> exp_avg_sq) const;
+  /// read() as a SegmentStateSource (valid while this reader lives).
+  [[nodiscard]] SegmentStateSource source() const;
+
+ private:
+  struct Files;
+  std::unique_ptr<Files> files_;
+};
 
 struct CheckpointRead {
   std::vector<SegmentOptimizerState> state;  ///< per segment of the spec, in order

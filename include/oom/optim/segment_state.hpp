@@ -2,6 +2,8 @@
 // returns) or viewed where it lives (what a checkpoint write reads, without a copy of the model).
 #pragma once
 
+#include <cstddef>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -32,5 +34,11 @@ struct StateSnapshot {
   std::vector<SegmentStateView> views;
   std::vector<SegmentOptimizerState> owned;  ///< reserved up front: views into it never move
 };
+
+/// Fills one segment's state (by its index in spec.segments()) into the three spans, each the
+/// segment's parameters() long: how a model loads state that is read piece by piece (a checkpoint
+/// on disk) without a copy of all of it in memory first.
+using SegmentStateSource =
+    std::function<void(std::size_t segment, std::span<float> master, std::span<float> exp_avg, std::span<float> exp_avg_sq)>;
 
 }  // namespace oom

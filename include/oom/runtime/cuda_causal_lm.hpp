@@ -98,6 +98,11 @@ class CudaCausalLm {
   [[nodiscard]] StateSnapshot state_views();
   /// Continues from saved state after `optimizer_steps` updates (sizes checked before any change).
   void load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps);
+  /// The same, segment by segment from `source` (e.g. CheckpointReader::source()): streamed
+  /// segments are filled straight into their pinned host state, so resuming needs no copy of the
+  /// whole state in memory (at 512K on the 5.13B model that copy and the pinned state together do
+  /// not fit a 125 GiB host). A source that throws leaves the model part-loaded: discard it.
+  void load(const SegmentStateSource& source, std::int64_t optimizer_steps);
   [[nodiscard]] std::int64_t optimizer_steps() const;
   /// The learning rate of the steps that follow (a schedule sets it before each step).
   void set_learning_rate(float lr);
