@@ -4,18 +4,37 @@
 
 namespace oom {
 
+namespace {
+
+constexpr int host_tid = resource_count;  // the host track, after the resources' tracks
+
+Json thread_name(int pid, int tid, const std::string& name) {
+  Json meta = Json::object();
+  meta.set("name", "thread_name");
+  meta.set("ph", "M");
+  meta.set("pid", pid);
+  meta.set("tid", tid);
+  Json args = Json::object();
+  args.set("name", name);
+  meta.set("args", std::move(args));
+  return meta;
+}
+
+Json complete(const std::string& name, int pid, int tid, double begin_s, double duration_s) {
+  Json e = Json::object();
+  e.set("name", name);
+  e.set("ph", "X");
+  e.set("pid", pid);
+  e.set("tid", tid);
+  e.set("ts", begin_s * 1e6);
+  e.set("dur", duration_s * 1e6);
+  return e;
+}
+
+}  // namespace
+
 ChromeTrace::ChromeTrace(int pid) : pid_(pid) {
-  for (int r = 0; r < resource_count; ++r) {
-    Json meta = Json::object();
-    meta.set("name", "thread_name");
-    meta.set("ph", "M");
-    meta.set("pid", pid_);
-    meta.set("tid", r);
-    Json args = Json::object();
-    args.set("name", to_string(static_cast<Resource>(r)));
-    meta.set("args", std::move(args));
-    events_.push_back(std::move(meta));
-  }
+  for (int r = 0; r < resource_count; ++r) events_.push_back(thread_name(pid_, r, to_string(static_cast<Resource>(r))));
 }
 
 void ChromeTrace::process_name(const std::string& name) {
@@ -30,39 +49,17 @@ void ChromeTrace::process_name(const std::string& name) {
 }
 
 void ChromeTrace::span(const std::string& name, Resource resource, double begin_s, double duration_s, Json args) {
-  Json e = Json::object();
-  e.set("name", name);
-  e.set("ph", "X");
-  e.set("pid", pid_);
-  e.set("tid", static_cast<int>(resource));
-  e.set("ts", begin_s * 1e6);
-  e.set("dur", duration_s * 1e6);
+  Json e = complete(name, pid_, static_cast<int>(resource), begin_s, duration_s);
   if (!args.is_null()) e.set("args", std::move(args));
   events_.push_back(std::move(e));
 }
 
 void ChromeTrace::host_span(const std::string& name, double begin_s, double duration_s) {
-  constexpr int host_tid = resource_count;  // after the resources' tracks
   if (!host_named_) {
-    Json meta = Json::object();
-    meta.set("name", "thread_name");
-    meta.set("ph", "M");
-    meta.set("pid", pid_);
-    meta.set("tid", host_tid);
-    Json args = Json::object();
-    args.set("name", "host (issuing thread)");
-    meta.set("args", std::move(args));
-    events_.push_back(std::move(meta));
+    events_.push_back(thread_name(pid_, host_tid, "host (issuing thread)"));
     host_named_ = true;
   }
-  Json e = Json::object();
-  e.set("name", name);
-  e.set("ph", "X");
-  e.set("pid", pid_);
-  e.set("tid", host_tid);
-  e.set("ts", begin_s * 1e6);
-  e.set("dur", duration_s * 1e6);
-  events_.push_back(std::move(e));
+  events_.push_back(complete(name, pid_, host_tid, begin_s, duration_s));
 }
 
 std::string ChromeTrace::dump() const {

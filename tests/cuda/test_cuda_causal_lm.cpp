@@ -16,6 +16,7 @@
 
 #include "oom/model/model_spec.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
+#include "support/executor_options.hpp"
 #include "support/small_moe.hpp"
 
 using namespace oom;
@@ -23,17 +24,8 @@ using namespace oom::literals;
 
 namespace {
 
-/// The executor's defaults but for one option.
-[[maybe_unused]] CudaCausalLmOptions staging_ring(unsigned layers) {
-  CudaCausalLmOptions o;
-  o.grad_staging_layers = layers;
-  return o;
-}
-[[maybe_unused]] CudaCausalLmOptions attention_state(bool keep) {
-  CudaCausalLmOptions o;
-  o.keep_attention_state = keep;
-  return o;
-}
+using test::attention_state;
+using test::staging_ring;
 
 ModelSpec small_spec() { return test::small_qwen3_moe(3); }
 

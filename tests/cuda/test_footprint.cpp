@@ -16,23 +16,15 @@
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/planner.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
+#include "support/executor_options.hpp"
 
 using namespace oom;
 using namespace oom::literals;
 
 namespace {
 
-/// The executor's defaults but for one option.
-[[maybe_unused]] CudaCausalLmOptions staging_ring(unsigned layers) {
-  CudaCausalLmOptions o;
-  o.grad_staging_layers = layers;
-  return o;
-}
-[[maybe_unused]] CudaCausalLmOptions attention_state(bool keep) {
-  CudaCausalLmOptions o;
-  o.keep_attention_state = keep;
-  return o;
-}
+using test::attention_state;
+using test::staging_ring;
 
 ModelSpec config(const char* name) {
   return ModelSpec::from_file(std::filesystem::path(OOM_SOURCE_DIR) / "examples/configs" / name);
