@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "bucketed_gemm.cuh"
 #include "moe_blas.cuh"
 
 namespace oom::kernels {
@@ -58,6 +59,9 @@ struct ExpertGemmStreams::State {
   /// only after the copy kernel that read it last has run (its event).
   std::array<MappedHostBuffer, 4> stages;
   std::size_t next_stage = 0;
+  /// ExpertGemmStreamsOptions::bucketed_algorithms: one per side stream (index streams.size():
+  /// the caller's stream), each used by one stream at a time.
+  std::vector<std::unique_ptr<detail::BucketedGemm>> bucketed;
 
   State() = default;
   State(const State&) = delete;
@@ -105,6 +109,8 @@ cudaError_t ExpertGemmStreams::state(State** out) {
     // Bound once: cublasSetStream would reset the workspace set per launch.
     OOM_KERNEL_TRY(detail::to_cuda_error(cublasSetStream(h, stream)));
   }
+  if (options_.bucketed_algorithms)
+    for (int i = 0; i <= options_.streams; ++i) st->bucketed.push_back(std::make_unique<detail::BucketedGemm>());
   state_ = std::move(st);
   *out = state_.get();
   return cudaSuccess;
@@ -166,6 +172,15 @@ struct Problem {
 
 cudaError_t gemm(cublasHandle_t blas, const Problem& p) {
   return detail::gemm_rm(blas, p.trans_a, p.trans_b, p.m, p.n, p.k, p.a, p.lda, p.b, p.ldb, p.c, p.c_type, p.ldc, p.beta);
+}
+
+/// `p` on `blas`'s stream (`stream`): through the bucket's algorithm when `bucketed` is set, with
+/// `workspace` (the handle's own, or none), else as gemm().
+cudaError_t gemm(cublasHandle_t blas, cudaStream_t stream, detail::BucketedGemm* bucketed, const Problem& p, void* workspace,
+                 std::size_t workspace_bytes) {
+  if (bucketed == nullptr) return gemm(blas, p);
+  return bucketed->run(blas, stream, p.trans_a, p.trans_b, p.m, p.n, p.k, p.a, p.lda, p.b, p.ldb, p.c, p.c_type, p.ldc, p.beta,
+                       workspace, workspace_bytes);
 }
 
 std::size_t pointer_array_bytes(std::int64_t experts) { return align_up(3 * static_cast<std::size_t>(experts) * sizeof(void*)); }
@@ -278,7 +293,8 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
   const std::size_t nf = full_w.size(), nr = rem_w.size();
   OOM_KERNEL_TRY(batched(d, d + nf, d + 2 * nf, nf));
   OOM_KERNEL_TRY(batched(d + 3 * nf, d + 3 * nf + nr, d + 3 * nf + 2 * nr, nr));
-  for (const auto* p : alone) OOM_KERNEL_TRY(gemm(blas, *p));
+  detail::BucketedGemm* bucketed = st.bucketed.empty() ? nullptr : st.bucketed.back().get();
+  for (const auto* p : alone) OOM_KERNEL_TRY(gemm(blas, stream, bucketed, *p, nullptr, 0));  // the caller's handle: no workspace of ours
   return cudaSuccess;
 }
 
@@ -305,7 +321,9 @@ cudaError_t run_spread(ExpertGemmStreams::State& st, const ExpertGemmStreamsOpti
     for (const auto& p : ps) {
       const auto i = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
       load[i] += static_cast<double>(p.m) * static_cast<double>(p.n) * static_cast<double>(p.k);
-      if ((status = gemm(st.handles[i], p)) != cudaSuccess) break;
+      void* ws = o.blas_workspace_bytes == 0 ? nullptr : static_cast<char*>(blas_workspace) + i * align_up(o.blas_workspace_bytes);
+      detail::BucketedGemm* bucketed = st.bucketed.empty() ? nullptr : st.bucketed[i].get();
+      if ((status = gemm(st.handles[i], st.streams[i], bucketed, p, ws, o.blas_workspace_bytes)) != cudaSuccess) break;
     }
   }
   if (status == cudaSuccess) status = on_stream();

@@ -313,7 +313,9 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   T = plan.workload.tokens();
   H = spec->hidden_size();
   V = spec->vocab_size();
-  expert_streams = std::make_unique<kernels::ExpertGemmStreams>();
+  kernels::ExpertGemmStreamsOptions expert_options;
+  expert_options.bucketed_algorithms = opt.bucketed_expert_gemms;
+  expert_streams = std::make_unique<kernels::ExpertGemmStreams>(expert_options);
   if (!sizing) {
     OOM_CUDA_CHECK(cudaSetDevice(opt.device));
     cs = backend->make_stream();

@@ -32,10 +32,13 @@ struct ExpertGemmVariant {
 /// Every method once with its default tuning; `sweep` adds other stream counts and chunk sizes.
 inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
   using M = kernels::ExpertGemmMethod;
+  kernels::ExpertGemmStreamsOptions bucketed;
+  bucketed.bucketed_algorithms = true;
   std::vector<ExpertGemmVariant> v = {{"loop", M::per_expert_loop, {}},
                                       {"grouped", M::grouped_batched, {}},
                                       {"streams4", M::multi_stream, {}},
-                                      {"chunk128", M::row_chunked, {}}};
+                                      {"chunk128", M::row_chunked, {}},
+                                      {"chunk128bk", M::row_chunked, bucketed}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});

@@ -56,6 +56,12 @@ struct ExpertGemmStreamsOptions {
   /// cuBLAS recommends 32 MiB on Hopper, where its split-K kernels for the weight gradients use it.
   std::size_t blas_workspace_bytes = std::size_t{32} << 20;
   std::int64_t row_chunk = 128;  ///< rows per batched GEMM of row_chunked
+  /// The per-expert GEMMs of varying size (row_chunked's experts with fewer rows than a chunk and
+  /// its weight gradients; multi_stream's all) through cuBLASLt with one algorithm per power-of-two
+  /// size bucket, chosen once, instead of cublasGemmEx, whose algorithm choice runs on the host for
+  /// every shape it has not seen. Off until measured on a GPU: the suspected cause of 4K layers
+  /// whose host issue takes 8-9 ms instead of 1.3 (docs/performance.md, fourth session).
+  bool bucketed_algorithms = false;
 };
 
 /// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and
