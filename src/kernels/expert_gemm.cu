@@ -636,6 +636,12 @@ cudaError_t shared_expert_gate_backward(cudaStream_t stream, std::int64_t tokens
   return cudaGetLastError();
 }
 
+namespace {
+thread_local std::vector<HostWait>* host_wait_sink = nullptr;
+}  // namespace
+
+void record_host_waits(std::vector<HostWait>* sink) noexcept { host_wait_sink = sink; }
+
 cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* counts, std::int64_t experts,
                                   ExpertGemmStreams& streams, std::int32_t* out) {
   if (counts == nullptr || out == nullptr || experts < 1) return cudaErrorInvalidValue;
@@ -645,7 +651,9 @@ cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* count
   OOM_KERNEL_TRY(st->counts.reserve(bytes));  // the previous read-back was synchronized: free to refill
   copy_counts_kernel<<<1, 256, 0, stream>>>(counts, static_cast<std::int32_t*>(st->counts.device), experts);
   OOM_KERNEL_TRY(cudaGetLastError());
+  const auto waited = std::chrono::steady_clock::now();
   OOM_KERNEL_TRY(cudaStreamSynchronize(stream));
+  if (host_wait_sink != nullptr) host_wait_sink->push_back({waited, std::chrono::steady_clock::now()});
   std::memcpy(out, st->counts.host, bytes);
   return cudaSuccess;
 }

@@ -257,6 +257,7 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
   CHECK(host_count("issue fwd layers.") == 3);
   CHECK(host_count("issue bwd layers.") == 3);
   CHECK(host_count("wait for the loss") == 1);
+  CHECK(host_count("wait for expert counts") >= 6);  // each layer's forward and backward read them
   for (const auto& s : host) {
     CHECK(s.begin_s >= 0);
     CHECK(s.end_s >= s.begin_s);

@@ -29,9 +29,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "oom/core/numeric.hpp"
 
@@ -100,6 +102,15 @@ std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s, ExpertGemmMeth
 /// for the pointer arrays) the H200's backward at 32K lost ~21 ms per layer while a layer's 1.3 GB
 /// of gradients went down on another stream (96 ms per layer against 75 without), most likely the
 /// small copy queued behind the large one; with this path 14 of 16 layers ran at 75 ms.
+/// One wait of the calling thread in expert_counts_to_host (steady clock).
+struct HostWait {
+  std::chrono::steady_clock::time_point begin, end;
+};
+/// While set (per thread), expert_counts_to_host appends each of its waits to `*sink`: a traced
+/// step shows where the issuing thread waited for the GPU and where it was slow issuing. nullptr
+/// stops recording. The caller owns the vector and must reset this before it goes away.
+void record_host_waits(std::vector<HostWait>* sink) noexcept;
+
 cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* counts, std::int64_t experts,
                                   ExpertGemmStreams& streams, std::int32_t* out);
 
