@@ -184,7 +184,7 @@ LayerCost HostDecoderLayer::cost(const Workload& w) const {
   const std::uint64_t tokens = w.tokens();
   for (auto a : {ActivationClass::norm_output, ActivationClass::attention_output, ActivationClass::softmax_stats,
                  ActivationClass::router_output, ActivationClass::expert_intermediate}) {
-    const bool attn = a == ActivationClass::attention_output || a == ActivationClass::softmax_stats;
+    const bool attn = is_attention_result(a);
     c.activations.push_back({a, Bytes{saved_floats(a, tokens) * sizeof(float)}, attn ? attention_half : c.forward_flops});
   }
   // Live while the layer runs unchunked: the fp32 weight copies, the attention half's and the

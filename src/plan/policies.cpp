@@ -40,11 +40,6 @@ const char* to_string(RetentionTemplate t) noexcept {
 
 namespace {
 
-bool is_attention_result(ActivationClass c) {
-  return c == ActivationClass::attention_output || c == ActivationClass::softmax_stats ||
-         c == ActivationClass::linear_attention_state;
-}
-
 std::array<RetentionDecision, activation_class_count> decide(const ModelSpec& spec, RetentionTemplate t, int layer) {
   std::array<RetentionDecision, activation_class_count> row{};
   for (int ci = 0; ci < activation_class_count; ++ci) {

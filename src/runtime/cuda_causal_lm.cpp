@@ -40,12 +40,7 @@ constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
 /// LSE, which alone are kept or offloaded (Layer::attn) — the attention kernel does not run again.
 enum class Keep : unsigned char { keep, offload, recompute, refill };
 
-/// The classes of the attention's own state, as the planner groups them (linear_attention_state
-/// has no tensor in a full-attention layer, but recomputing it means rerunning the attention).
-bool is_attention_state(int c) {
-  return c == static_cast<int>(ActivationClass::attention_output) || c == static_cast<int>(ActivationClass::softmax_stats) ||
-         c == static_cast<int>(ActivationClass::linear_attention_state);
-}
+bool is_attention_state(int c) { return is_attention_result(static_cast<ActivationClass>(c)); }
 
 /// The saved buffer's one decision for a row of per-class decisions; `attn` gets where the
 /// attention state goes for Keep::refill (only with `keep_attention_state`).

@@ -32,6 +32,14 @@ enum class ActivationClass : unsigned char {
 };
 inline constexpr int activation_class_count = 9;
 
+/// The classes of the attention's own results, grouped as one by the planner and the executors
+/// (linear_attention_state has no tensor in a full-attention layer, but recomputing it means
+/// rerunning the attention).
+constexpr bool is_attention_result(ActivationClass c) noexcept {
+  return c == ActivationClass::attention_output || c == ActivationClass::softmax_stats ||
+         c == ActivationClass::linear_attention_state;
+}
+
 const char* to_string(ActivationClass c) noexcept;
 
 struct ActivationCost {
