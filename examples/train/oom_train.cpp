@@ -550,11 +550,12 @@ int run(const Args& a) {
     } else {
       model.load(ckpt->source(), optimizer_steps);
     }
+    ckpt.reset();  // unmaps the files: their pages would otherwise count in the run's RSS
     fmt::print("resumed from {} at step {}\n", latest->string(), start_step);
   }
 
   const fs::path metrics_path = a.out / "metrics.jsonl";
-  if (ckpt) truncate_metrics(metrics_path, start_step);
+  if (a.resume) truncate_metrics(metrics_path, start_step);
   else write_file_atomically(metrics_path, "");
   std::ofstream metrics(metrics_path, std::ios::app);
 
