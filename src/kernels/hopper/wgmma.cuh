@@ -1,0 +1,189 @@
+// Hopper warpgroup MMA (wgmma) building blocks: the shared-memory matrix descriptor, the
+// fence/commit/wait instructions, and one MMA shape (m64n64k16, bf16 x bf16 -> fp32, both operands
+// from shared memory, both K-major). Private to the kernels (not installed); docs/hopper.md says
+// what is verified and what comes next.
+//
+// wgmma exists only on sm_90a (the arch-specific target, not plain sm_90). The PTX below is
+// compiled only when nvcc targets sm_90a, which defines __CUDA_ARCH_FEAT_SM90_ALL (checked with
+// `nvcc -arch=sm_90a --dryrun`: nvcc 13.0 passes -D__CUDA_ARCH__=900 -D__CUDA_ARCH_FEAT_SM90_ALL
+// -D__CUDA_ARCH_SPECIFIC__=900; for -arch=sm_90 only -D__CUDA_ARCH__=900). For any other device
+// target the functions compile to __trap(), so a kernel including this header builds everywhere and
+// fails loudly if it ever runs the wgmma path on the wrong architecture.
+//
+// Facts relied on, with their source (PTX ISA, "Asynchronous Warpgroup Level Matrix
+// Multiply-Accumulate Instructions"; section numbers from a version where that chapter is 9.7.15 --
+// others number it differently, e.g. 9.7.16):
+//
+// * Operands (9.7.15.5.2, wgmma.mma_async): D = A*B + D, A is MxK, B is KxN, D is MxN; D = A*B
+//   when the predicate scale-d is false. With imm-trans-a = imm-trans-b = 0, A is "K-major" (row i
+//   of A holds its K values contiguously) and B is K-major too (column n of B holds its K values
+//   contiguously). So with B stored as an N x K row-major array Bt, the instruction computes
+//   D = A * Bt^T. imm-scale-a/b = 1 (no negation).
+//
+// * Shared-memory layout, no swizzle ("interleave"), K-major (9.7.15.5.1.2: swizzle atom "None, K:
+//   8x1" in 128-bit elements; 9.7.15.5.1.2.1.3 canonical layout ((8,m),(T,2k)):((1T,SBO),(1,LBO))
+//   in elements, T = 128 / 16 = 8 for bf16). The unit is the "core matrix": 8 rows x 16 bytes
+//   (8 rows x 8 bf16 along K), its 8 rows stored contiguously, 128 bytes in all. A 64x16 operand
+//   tile of one instruction is 8 (along M or N) x 2 (along K) core matrices, placed by two strides:
+//     LBO, leading dimension byte offset (9.7.15.5.1.2.1.1, K-major, no swizzle: "the offset from
+//         the first column to the second column of the 8x2 tile in the 128-bit element type
+//         normalized matrix"): the byte distance between core matrices adjacent along K;
+//     SBO, stride dimension byte offset (9.7.15.5.1.2.1.2, K-major: "the offset from the first 8
+//         rows to the next 8 rows"): the byte distance between core matrices adjacent along M
+//         (for A) or N (for B).
+//   The same meaning is stated in the older PTX ISA wording ("LBO ... between two adjacent core
+//   matrices in the K dimension; SBO ... in the M or N dimension") and in CUTLASS's
+//   make_gmma_desc (cute/atom/mma_traits_sm90_gmma.hpp: K-major INTERLEAVE is
+//   ((8,m),2):((1,SBO),LBO) in 16-byte units). No source we read disagrees for this layout. (For
+//   the swizzled K-major layouts LBO is unused and set to 1; for MN-major the roles differ: not
+//   used here.) Start addresses and both offsets must be multiples of 16 bytes.
+//
+// * Descriptor (9.7.15.5.1.2.2, "Matrix Descriptor Format"), a 64-bit register value:
+//     bits 0-13  encode(start address)      bits 16-29 encode(LBO)     bits 32-45 encode(SBO)
+//     bits 49-51 base offset (only for swizzled modes; 0 when the swizzle pattern starts on its
+//                1024/512/256-byte boundary)
+//     bits 62-63 swizzle: 0 none, 1 128-byte, 2 64-byte, 3 32-byte
+//   where encode(x) = (x & 0x3FFFF) >> 4. The start address is a shared-state-space address
+//   (__cvta_generic_to_shared).
+//
+// * Accumulator fragment of m64nNk16 with .f32 D (9.7.15.5.1.1.1: N/2 fp32 registers per thread,
+//   layout given as Figure 149, an image; the per-element formula below is CUTLASS's
+//   CLayout_64xN, cute/atom/mma_traits_sm90_gmma.hpp, which is the same figure in CuTe terms).
+//   Thread t of the warpgroup, warp w = t / 32, lane l = t % 32: warp w owns rows 16w..16w+15;
+//   for each 8-column block j (0 <= j < N/8):
+//     d[4j+0], d[4j+1] -> row 16w + l/4,     columns 8j + 2*(l%4) + {0, 1}
+//     d[4j+2], d[4j+3] -> row 16w + 8 + l/4, columns 8j + 2*(l%4) + {0, 1}
+//   i.e. per warp and 8-column block, the mma.sync m16n8 C fragment.
+//
+// * Ordering (the wgmma.fence, wgmma.commit_group and wgmma.wait_group sections): all warps
+//   of the warpgroup execute wgmma.fence before the first wgmma.mma_async and between a register
+//   access and a wgmma that uses the same registers (back-to-back wgmmas of one shape on the same
+//   accumulators need none); "an async proxy fence must be used to establish an ordering between
+//   prior writes to shared memory matrices and subsequent reads of the same matrices in a
+//   wgmma.mma_async instruction" (fence_proxy_async_shared below, by each writing thread, before
+//   the barrier that publishes the tile); results may be read only after wgmma.commit_group and a
+//   wgmma.wait_group that covers the group.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define OOM_WGMMA_SM90A 1
+#else
+#define OOM_WGMMA_SM90A 0
+#endif
+
+namespace oom::kernels::hopper {
+
+/// Swizzle mode field of the descriptor (bits 62-63).
+enum class Swizzle : std::uint32_t { none = 0, b128 = 1, b64 = 2, b32 = 3 };
+
+/// The descriptor's 14-bit encoding of a byte address or offset: (x & 0x3FFFF) >> 4.
+__host__ __device__ constexpr std::uint64_t desc_encode(std::uint32_t bytes) {
+  return static_cast<std::uint64_t>((bytes & 0x3FFFFu) >> 4);
+}
+
+/// The 64-bit matrix descriptor from a shared-state-space byte address (as __cvta_generic_to_shared
+/// gives), the two byte offsets, the base offset (3 bits) and the swizzle mode. Pure bit packing,
+/// so it is checked at compile time (tests/kernels/test_wgmma.cu).
+__host__ __device__ constexpr std::uint64_t encode_smem_desc(std::uint32_t smem_addr, std::uint32_t lbo_bytes,
+                                                             std::uint32_t sbo_bytes, Swizzle swizzle = Swizzle::none,
+                                                             std::uint32_t base_offset = 0) {
+  return desc_encode(smem_addr) | (desc_encode(lbo_bytes) << 16) | (desc_encode(sbo_bytes) << 32) |
+         (static_cast<std::uint64_t>(base_offset & 0x7u) << 49) |
+         (static_cast<std::uint64_t>(static_cast<std::uint32_t>(swizzle) & 0x3u) << 62);
+}
+
+/// Descriptor of a tile at `smem` (a generic pointer into shared memory, 16-byte aligned).
+/// For the no-swizzle K-major layout: lbo_bytes = distance between core matrices adjacent along K,
+/// sbo_bytes = distance between core matrices adjacent along M/N.
+__device__ __forceinline__ std::uint64_t make_smem_desc(const void* smem, std::uint32_t lbo_bytes,
+                                                        std::uint32_t sbo_bytes, Swizzle swizzle = Swizzle::none,
+                                                        std::uint32_t base_offset = 0) {
+  const auto addr = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
+  return encode_smem_desc(addr, lbo_bytes, sbo_bytes, swizzle, base_offset);
+}
+
+/// Orders this thread's prior generic-proxy writes to shared memory before later async-proxy
+/// reads (wgmma operands). Each thread that wrote a tile runs it, then the block barrier.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if OOM_WGMMA_SM90A
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+/// wgmma.fence: all 128 threads of the warpgroup, before the first wgmma and after any other
+/// access to the accumulator registers.
+__device__ __forceinline__ void wgmma_fence() {
+#if OOM_WGMMA_SM90A
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+/// Closes the group of wgmmas issued since the previous commit.
+__device__ __forceinline__ void wgmma_commit_group() {
+#if OOM_WGMMA_SM90A
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+/// Waits until at most N committed groups are still pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait_group() {
+  static_assert(N >= 0, "wgmma.wait_group takes a non-negative immediate");
+#if OOM_WGMMA_SM90A
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#else
+  __trap();
+#endif
+}
+
+/// Keeps the compiler from moving reads or writes of accumulator registers across the asm
+/// statements around an in-flight wgmma (the asm above names no registers, so without this a
+/// register copy could be scheduled before wgmma_wait_group). Costs no instruction.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/// D(64x64, fp32) = A(64x16, bf16) * B^T + (scale_d ? D : 0), A and B (B stored as 64(N) x 16(K))
+/// both K-major in shared memory as described by `desc_a` / `desc_b`. Issued by all 128 threads of
+/// a warpgroup; asynchronous: commit and wait before reading `d`. `d` is the fragment described at
+/// the top of this file (32 floats per thread).
+__device__ __forceinline__ void wgmma_m64n64k16_f32_bf16_ss(float (&d)[32], std::uint64_t desc_a,
+                                                            std::uint64_t desc_b, int scale_d) {
+#if OOM_WGMMA_SM90A
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : "memory");
+#else
+  (void)d;
+  (void)desc_a;
+  (void)desc_b;
+  (void)scale_d;
+  __trap();
+#endif
+}
+
+}  // namespace oom::kernels::hopper
