@@ -100,7 +100,8 @@ Plan
   --profile PATH       calibrated machine profile for the planner (default: built-in, see --machine)
   --machine NAME       built-in profile: h200 (default), h100-80gb, rtx4090
   --gpu-mem SIZE       device memory budget (default: the profile's GPU memory on cuda, 1GiB on host)
-  --host-mem SIZE      host memory budget (default: the profile's)
+  --host-mem SIZE      host memory budget (default: the profile's, less the fp32 initial weights
+                       and a tenth for the process and the OS)
   --backend NAME       auto (default: cuda when this build has CUDA and a GPU is present, else host),
                        cuda, or host (the CPU reference backend; small models)
   --grad-staging N     cuda: stage gradients on the host in a ring of N layers' pinned buffers
@@ -357,6 +358,23 @@ Plan fit_cuda_executor(const ModelSpec& spec, const std::vector<Plan>& plans, co
 }
 #endif
 
+// The host budget when --host-mem is not given: the profile's host memory less what the trainer
+// holds beside the plan's memory (the fp32 initial weights while the model is built: 19.1 GiB for
+// the 5.13B model) and headroom for the process and the OS (a tenth of it, at least 4 GiB). With
+// the whole profile as its budget, the 5.13B model at 512K on the H200 planned 94 GiB of pinned
+// memory beside those 19.1 GiB on a 125 GiB host.
+struct HostBudget {
+  Bytes budget, initial_weights, headroom;
+};
+HostBudget default_host_budget(const MachineProfile& profile, const ModelSpec& spec) {
+  const Bytes init{spec.total_parameters() * sizeof(float)};
+  const Bytes headroom{std::max<std::uint64_t>(profile.host_memory.count() / 10, std::uint64_t{4} << 30)};
+  if (profile.host_memory.count() <= init.count() + headroom.count())
+    OOM_THROW(Errc::out_of_budget, fmt::format("host memory {} (profile {}) holds no more than the initial weights ({}) and {} of headroom; "
+                                               "give --host-mem to plan anyway", profile.host_memory, profile.name, init, headroom));
+  return {Bytes{profile.host_memory.count() - init.count() - headroom.count()}, init, headroom};
+}
+
 // The learning rate of update t (1-based): linear warmup, then constant or cosine down to min_lr
 // at --steps. A pure function of t, so a resumed run follows the same schedule.
 float learning_rate(const Args& a, std::uint64_t t) {
@@ -449,7 +467,14 @@ int run(const Args& a) {
     PlanRequest req;
     req.gpus = 1;
     req.gpu_budget = a.gpu_mem.value_or(use_cuda ? profile.gpu_memory : Bytes{std::uint64_t{1} << 30});
-    req.host_budget = a.host_mem.value_or(profile.host_memory);
+    if (a.host_mem) {
+      req.host_budget = *a.host_mem;
+    } else {
+      const HostBudget hb = default_host_budget(profile, spec);
+      req.host_budget = hb.budget;
+      fmt::print("host budget {} (the profile's {} less {} of initial weights and {} headroom; --host-mem sets it)\n", hb.budget,
+                 profile.host_memory, hb.initial_weights, hb.headroom);
+    }
     req.workload = {1, a.seq};
     req.micro_batches = static_cast<int>(a.micro_batches);
     req.candidates = use_cuda ? 6 : 2;
