@@ -23,6 +23,7 @@
 
 #include "host_lm.hpp"
 #include "oom/core/error.hpp"
+#include "oom/core/log.hpp"
 #include "oom/io/atomic_file.hpp"
 #include "oom/io/checkpoint.hpp"
 #include "oom/io/corpus.hpp"
@@ -36,7 +37,6 @@
 #if OOM_TRAIN_HAS_CUDA
 #include <cuda_runtime_api.h>
 
-#include "oom/core/log.hpp"
 #include "oom/cuda/device.hpp"
 #include "oom/model/cuda_decoder_layer.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
