@@ -1,7 +1,7 @@
 // The wgmma wrappers (src/kernels/hopper/wgmma.cuh) against a CPU reference: one warpgroup loads
 // A (64 x K) and B (N x K), both row-major bf16, into shared memory in the no-swizzle K-major
 // core-matrix layout, runs K/16 wgmma.m64nNk16 (scale-d 0 first, 1 after) and writes C = A B^T
-// (64 x N fp32) from the accumulator fragment. Checks, for N = 64 and 128, K = 16, 64, 256 and two
+// (64 x N fp32) from the accumulator fragment. Checks, for N = 64 and 128, K = 16 to 256 and two
 // placements of the core matrices (so a swap of LBO and SBO cannot pass):
 //   - one-hot A against an exactly representable, position-coded B: every C entry is exactly one
 //     B entry, and a wrong one is printed as the B[n][k] it came from (a transposed or misplaced
@@ -197,9 +197,11 @@ std::vector<float> run_gpu(const std::vector<bf16>& a, const std::vector<bf16>& 
   switch (k * 1000 + n) {
     case 16064: launch(wgmma_abt_kernel<16, 64>); break;
     case 64064: launch(wgmma_abt_kernel<64, 64>); break;
+    case 128064: launch(wgmma_abt_kernel<128, 64>); break;
     case 256064: launch(wgmma_abt_kernel<256, 64>); break;
     case 16128: launch(wgmma_abt_kernel<16, 128>); break;
     case 64128: launch(wgmma_abt_kernel<64, 128>); break;
+    case 128128: launch(wgmma_abt_kernel<128, 128>); break;
     case 256128: launch(wgmma_abt_kernel<256, 128>); break;
     default: FAIL("no kernel instance for K = " << k << ", N = " << n);
   }
@@ -296,7 +298,7 @@ TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): one-hot A picks one position-coded
     int k, shift;
   };
   for (const int n : kShapesN)
-    for (const Case cs : {Case{16, 0}, Case{64, 0}, Case{64, 37}, Case{256, 100}}) {
+    for (const Case cs : {Case{16, 0}, Case{64, 0}, Case{64, 37}, Case{128, 5}, Case{256, 100}}) {
       std::vector<bf16> a(static_cast<std::size_t>(kRows) * cs.k, oom::to_bf16(0.0f));
       std::vector<bf16> b(static_cast<std::size_t>(n) * cs.k);
       for (int i = 0; i < kRows; ++i) a[static_cast<std::size_t>(i) * cs.k + (i + cs.shift) % cs.k] = oom::to_bf16(1.0f);
@@ -316,7 +318,7 @@ TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): one-hot A picks one position-coded
     }
 }
 
-TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): C = A B^T on random inputs, K = 16, 64, 256") {
+TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): C = A B^T on random inputs, K = 16, 64, 128, 256") {
   // Tolerance: every product of two bf16 values is exact in fp32 (8 + 8 significant bits), so the
   // only error is in the fp32 additions. However the tensor core orders and rounds them, each sum
   // along any path to the result passes through at most K additions, each off by at most one ulp
@@ -326,7 +328,7 @@ TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): C = A B^T on random inputs, K = 16
   // moves entries by O(1).
   std::uint64_t seed = 1;
   for (const int n : kShapesN)
-    for (const int k : {16, 64, 256}) {
+    for (const int k : {16, 64, 128, 256}) {
       const auto a = random_bf16(static_cast<std::size_t>(kRows) * k, seed++);
       const auto b = random_bf16(static_cast<std::size_t>(n) * k, seed++);
       for (const Placement p : kPlacements) {
