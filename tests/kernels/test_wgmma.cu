@@ -1,7 +1,7 @@
-// The wgmma wrapper (src/kernels/hopper/wgmma.cuh) against a CPU reference: one warpgroup loads
-// A (64 x K) and B (64 x K, i.e. N x K), both row-major bf16, into shared memory in the no-swizzle
-// K-major core-matrix layout, runs K/16 wgmma.m64n64k16 (scale-d 0 first, 1 after) and writes
-// C = A B^T (64 x 64 fp32) from the accumulator fragment. Checks, for K = 16, 64, 256 and two
+// The wgmma wrappers (src/kernels/hopper/wgmma.cuh) against a CPU reference: one warpgroup loads
+// A (64 x K) and B (N x K), both row-major bf16, into shared memory in the no-swizzle K-major
+// core-matrix layout, runs K/16 wgmma.m64nNk16 (scale-d 0 first, 1 after) and writes C = A B^T
+// (64 x N fp32) from the accumulator fragment. Checks, for N = 64 and 128, K = 16 to 256 and two
 // placements of the core matrices (so a swap of LBO and SBO cannot pass):
 //   - one-hot A against an exactly representable, position-coded B: every C entry is exactly one
 //     B entry, and a wrong one is printed as the B[n][k] it came from (a transposed or misplaced
@@ -54,13 +54,15 @@ namespace {
 using oom::bf16;
 using oom::test::DeviceBuffer;
 
-constexpr int kRows = 64;  // M of A, N of B
+constexpr int kRows = 64;  // M: rows of A and of C
 constexpr int kThreads = 128;
+constexpr int kShapesN[] = {64, 128};  // the N of each wrapper: wgmma_m64n64k16 and wgmma_m64n128k16
 
-/// Where the core matrices (8 rows x 8 bf16 = 128 bytes, rows contiguous) of a 64 x K operand go:
-/// core (i, kk) = rows 8i..8i+7, K columns 8kk..8kk+7, at byte i * sbo + kk * lbo.
-///   k_slabs: the 8 core matrices of one 8-wide K slab side by side: sbo = 128, lbo = 1024;
-///   mn_rows: the K/8 core matrices of one 8-row band side by side:  lbo = 128, sbo = 16 * K.
+/// Where the core matrices (8 rows x 8 bf16 = 128 bytes, rows contiguous) of a R x K operand
+/// (R = 64 for A, N for B) go: core (i, kk) = rows 8i..8i+7, K columns 8kk..8kk+7, at byte
+/// i * sbo + kk * lbo.
+///   k_slabs: the R/8 core matrices of one 8-wide K slab side by side: sbo = 128, lbo = 16 * R;
+///   mn_rows: the K/8 core matrices of one 8-row band side by side:    lbo = 128, sbo = 16 * K.
 /// The two swap which stride is the small one, so only the right meaning of LBO and SBO passes both.
 enum class Placement : int { k_slabs = 0, mn_rows = 1 };
 
@@ -69,36 +71,42 @@ struct Strides {
   std::uint32_t sbo;  ///< bytes between core matrices adjacent along M / N
 };
 
-__host__ __device__ Strides strides_of(Placement p, int k) {
-  if (p == Placement::k_slabs) return {1024u, 128u};
+__host__ __device__ Strides strides_of(Placement p, int k, int rows) {
+  if (p == Placement::k_slabs) return {static_cast<std::uint32_t>(16 * rows), 128u};
   return {128u, static_cast<std::uint32_t>(16 * k)};
 }
 
-const char* name_of(Placement p) { return p == Placement::k_slabs ? "k_slabs (LBO 1024, SBO 128)" : "mn_rows (LBO 128, SBO 16K)"; }
+const char* name_of(Placement p) { return p == Placement::k_slabs ? "k_slabs (LBO 16R, SBO 128)" : "mn_rows (LBO 128, SBO 16K)"; }
 
-/// One block of 128 threads (one warpgroup). a, b: (64, K) row-major bf16; c: (64, 64) fp32.
-/// c0: null (accumulators start as NaN) or (64, 64) fp32 loaded into the accumulators through the
-/// fragment layout. first_scale_d: scale-d of the first K step, a runtime value (the later steps
-/// use 1): 0 computes A B^T, 1 computes c0 + A B^T.
-/// Dynamic shared memory: 2 * 64 * K * 2 bytes. K is a template parameter so that the K loop
+/// One block of 128 threads (one warpgroup). a: (64, K), b: (N, K) row-major bf16; c: (64, N)
+/// fp32. c0: null (accumulators start as NaN) or (64, N) fp32 loaded into the accumulators through
+/// the fragment layout. first_scale_d: scale-d of the first K step, a runtime value (the later
+/// steps use 1): 0 computes A B^T, 1 computes c0 + A B^T.
+/// Dynamic shared memory: (64 + N) * K * 2 bytes. K is a template parameter so that the K loop
 /// unrolls, as it will in real kernels (a runtime trip count makes ptxas serialize the wgmmas).
-template <int K>
+template <int K, int N>
 __global__ void __launch_bounds__(kThreads) wgmma_abt_kernel(const std::uint16_t* a, const std::uint16_t* b,
                                                              const float* c0, float* c, Placement placement,
                                                              int first_scale_d) {
   static_assert(K % 16 == 0 && K >= 16);
+  static_assert(N == 64 || N == 128, "a wrapper exists for N = 64 and N = 128");
   constexpr int k = K;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* sa = smem;
   unsigned char* sb = smem + kRows * k * 2;
-  const Strides st = strides_of(placement, k);
+  const Strides st_a = strides_of(placement, k, kRows);
+  const Strides st_b = strides_of(placement, k, N);
 
   // Global -> shared, 16 bytes (one row of one core matrix) per copy.
   const int slabs = k / 8;
   for (int q = threadIdx.x; q < kRows * slabs; q += blockDim.x) {
     const int r = q / slabs, kk = q % slabs;
-    const std::uint32_t off = (r / 8) * st.sbo + kk * st.lbo + (r % 8) * 16;
+    const std::uint32_t off = (r / 8) * st_a.sbo + kk * st_a.lbo + (r % 8) * 16;
     *reinterpret_cast<uint4*>(sa + off) = *reinterpret_cast<const uint4*>(a + static_cast<std::size_t>(r) * k + kk * 8);
+  }
+  for (int q = threadIdx.x; q < N * slabs; q += blockDim.x) {
+    const int r = q / slabs, kk = q % slabs;
+    const std::uint32_t off = (r / 8) * st_b.sbo + kk * st_b.lbo + (r % 8) * 16;
     *reinterpret_cast<uint4*>(sb + off) = *reinterpret_cast<const uint4*>(b + static_cast<std::size_t>(r) * k + kk * 8);
   }
   hw::fence_proxy_async_shared();  // these generic-proxy writes before the wgmmas' async-proxy reads
@@ -108,15 +116,15 @@ __global__ void __launch_bounds__(kThreads) wgmma_abt_kernel(const std::uint16_t
   // holds (16w + l/4, 8j + 2(l%4) + {0,1}) in d[4j], d[4j+1] and the same 8 rows lower in d[4j+2..3].
   const int w = threadIdx.x / 32, l = threadIdx.x % 32;
   const int row = 16 * w + l / 4;
-  float d[32];
+  float d[N / 2];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < N / 8; ++j) {
     const int col = 8 * j + 2 * (l % 4);
     if (c0 != nullptr) {
-      d[4 * j + 0] = c0[row * kRows + col];
-      d[4 * j + 1] = c0[row * kRows + col + 1];
-      d[4 * j + 2] = c0[(row + 8) * kRows + col];
-      d[4 * j + 3] = c0[(row + 8) * kRows + col + 1];
+      d[4 * j + 0] = c0[row * N + col];
+      d[4 * j + 1] = c0[row * N + col + 1];
+      d[4 * j + 2] = c0[(row + 8) * N + col];
+      d[4 * j + 3] = c0[(row + 8) * N + col + 1];
     } else {
       // NaN: a first wgmma with scale-d 0 must overwrite, never read, the accumulators.
       for (int e = 0; e < 4; ++e) d[4 * j + e] = __int_as_float(0x7fc00000);
@@ -127,21 +135,24 @@ __global__ void __launch_bounds__(kThreads) wgmma_abt_kernel(const std::uint16_t
 #pragma unroll
   for (int s = 0; s < k / 16; ++s) {
     // One K step of 16 = two core matrices along K: the operand tile starts 2 * LBO further on.
-    const std::uint64_t da = hw::make_smem_desc(sa + 2 * s * st.lbo, st.lbo, st.sbo);
-    const std::uint64_t db = hw::make_smem_desc(sb + 2 * s * st.lbo, st.lbo, st.sbo);
-    hw::wgmma_m64n64k16_f32_bf16_ss(d, da, db, s > 0 ? 1 : first_scale_d);
+    const std::uint64_t da = hw::make_smem_desc(sa + 2 * s * st_a.lbo, st_a.lbo, st_a.sbo);
+    const std::uint64_t db = hw::make_smem_desc(sb + 2 * s * st_b.lbo, st_b.lbo, st_b.sbo);
+    if constexpr (N == 64)
+      hw::wgmma_m64n64k16_f32_bf16_ss(d, da, db, s > 0 ? 1 : first_scale_d);
+    else
+      hw::wgmma_m64n128k16_f32_bf16_ss(d, da, db, s > 0 ? 1 : first_scale_d);
   }
   hw::wgmma_commit_group();
   hw::wgmma_wait_group<0>();
   hw::wgmma_fence_operands(d);
 
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < N / 8; ++j) {
     const int col = 8 * j + 2 * (l % 4);
-    c[row * kRows + col] = d[4 * j + 0];
-    c[row * kRows + col + 1] = d[4 * j + 1];
-    c[(row + 8) * kRows + col] = d[4 * j + 2];
-    c[(row + 8) * kRows + col + 1] = d[4 * j + 3];
+    c[row * N + col] = d[4 * j + 0];
+    c[row * N + col + 1] = d[4 * j + 1];
+    c[(row + 8) * N + col] = d[4 * j + 2];
+    c[(row + 8) * N + col + 1] = d[4 * j + 3];
   }
 }
 
@@ -166,15 +177,15 @@ void require_sm90() {
   }
 }
 
-/// C = A B^T on the GPU (c0 empty), or C = c0 + A B^T (c0 64 x 64, scale-d 1 from the first step);
-/// a, b: (64, K) row-major.
-std::vector<float> run_gpu(const std::vector<bf16>& a, const std::vector<bf16>& b, int k, Placement placement,
+/// C = A B^T on the GPU (c0 empty), or C = c0 + A B^T (c0 64 x N, scale-d 1 from the first step);
+/// a: (64, K), b: (N, K) row-major.
+std::vector<float> run_gpu(const std::vector<bf16>& a, const std::vector<bf16>& b, int k, int n, Placement placement,
                            const std::vector<float>& c0 = {}) {
   require_sm90();
   DeviceBuffer<bf16> da(a), db(b);
   DeviceBuffer<float> dc0(c0);
-  DeviceBuffer<float> dc(static_cast<std::size_t>(kRows) * kRows);  // poisoned: NaN
-  const int smem = 2 * kRows * k * static_cast<int>(sizeof(bf16));
+  DeviceBuffer<float> dc(static_cast<std::size_t>(kRows) * n);  // poisoned: NaN
+  const int smem = (kRows + n) * k * static_cast<int>(sizeof(bf16));
   oom::test::Stream stream;
   const auto* pa = reinterpret_cast<const std::uint16_t*>(da.get());
   const auto* pb = reinterpret_cast<const std::uint16_t*>(db.get());
@@ -183,11 +194,16 @@ std::vector<float> run_gpu(const std::vector<bf16>& a, const std::vector<bf16>& 
     kernel<<<1, kThreads, smem, stream.s>>>(pa, pb, c0.empty() ? nullptr : dc0.get(), dc.get(), placement,
                                              c0.empty() ? 0 : 1);
   };
-  switch (k) {
-    case 16: launch(wgmma_abt_kernel<16>); break;
-    case 64: launch(wgmma_abt_kernel<64>); break;
-    case 256: launch(wgmma_abt_kernel<256>); break;
-    default: FAIL("no kernel instance for K = " << k);
+  switch (k * 1000 + n) {
+    case 16064: launch(wgmma_abt_kernel<16, 64>); break;
+    case 64064: launch(wgmma_abt_kernel<64, 64>); break;
+    case 128064: launch(wgmma_abt_kernel<128, 64>); break;
+    case 256064: launch(wgmma_abt_kernel<256, 64>); break;
+    case 16128: launch(wgmma_abt_kernel<16, 128>); break;
+    case 64128: launch(wgmma_abt_kernel<64, 128>); break;
+    case 128128: launch(wgmma_abt_kernel<128, 128>); break;
+    case 256128: launch(wgmma_abt_kernel<256, 128>); break;
+    default: FAIL("no kernel instance for K = " << k << ", N = " << n);
   }
   OOM_CUDA_CHECK_LAUNCH();
   OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
@@ -208,12 +224,12 @@ std::vector<bf16> random_bf16(std::size_t n, std::uint64_t seed) {
   return out;
 }
 
-/// Position code of B[n][k] (n < 64, k < 256), exact in bf16: (k < 128 ? 1 : -1) *
-/// (1 + (k % 128) / 128) * 2^(n - 32). 7 mantissa bits hold k % 128, the exponent holds n, the sign
-/// the top bit of k.
+/// Position code of B[n][k] (n < 128, k < 256), exact in bf16: (k < 128 ? 1 : -1) *
+/// (1 + (k % 128) / 128) * 2^(n - 64). 7 mantissa bits hold k % 128, the exponent holds n, the sign
+/// the top bit of k (2^-64 .. 2^64 are normal numbers in bf16 and fp32).
 float code_of(int n, int k) {
   const float mant = 1.0f + static_cast<float>(k % 128) / 128.0f;
-  return (k < 128 ? 1.0f : -1.0f) * std::ldexp(mant, n - 32);
+  return (k < 128 ? 1.0f : -1.0f) * std::ldexp(mant, n - 64);
 }
 /// Inverse of code_of; false when v is no code (NaN, zero, a sum of several entries, ...).
 bool decode(float v, int& n, int& k) {
@@ -221,9 +237,9 @@ bool decode(float v, int& n, int& k) {
   int e = 0;
   const float f = std::frexp(std::fabs(v), &e);  // |v| = f * 2^e, f in [0.5, 1)
   const float m = (2.0f * f - 1.0f) * 128.0f;    // |v| = (1 + m / 128) * 2^(e - 1)
-  n = e - 1 + 32;
+  n = e - 1 + 64;
   k = static_cast<int>(m) + (v < 0 ? 128 : 0);
-  return n >= 0 && n < 64 && k >= 0 && k < 256 && code_of(n, k) == v;
+  return n >= 0 && n < 128 && k >= 0 && k < 256 && code_of(n, k) == v;
 }
 
 std::string describe(float v) {
@@ -236,16 +252,16 @@ std::string describe(float v) {
   return buf;
 }
 
-/// Compares C = c0 + A B^T (got; c0 empty: 0) with the fp64 sum of the same values. Per entry
+/// Compares C = c0 + A B^T (got, 64 x N; c0 empty: 0) with the fp64 sum of the same values. Per entry
 ///   |got - want| <= tol_rel * (|c0_ij| + sum_k |a_ik b_jk|) + tol_abs.
 /// Prints the first mismatches as (row, col, got, want); `coded` also names the B entry each value
 /// is. Returns the number of mismatches.
-int compare(const std::vector<float>& got, const std::vector<bf16>& a, const std::vector<bf16>& b, int k,
+int compare(const std::vector<float>& got, const std::vector<bf16>& a, const std::vector<bf16>& b, int k, int n,
             double tol_rel, double tol_abs, bool coded, const char* what, const std::vector<float>& c0 = {}) {
   int bad = 0;
   for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < kRows; ++j) {
-      const double init = c0.empty() ? 0.0 : static_cast<double>(c0[static_cast<std::size_t>(i) * kRows + j]);
+    for (int j = 0; j < n; ++j) {
+      const double init = c0.empty() ? 0.0 : static_cast<double>(c0[static_cast<std::size_t>(i) * n + j]);
       double want = init, mag = std::fabs(init);
       for (int t = 0; t < k; ++t) {
         const double p = static_cast<double>(oom::to_float(a[static_cast<std::size_t>(i) * k + t])) *
@@ -253,7 +269,7 @@ int compare(const std::vector<float>& got, const std::vector<bf16>& a, const std
         want += p;
         mag += std::fabs(p);
       }
-      const float g = got[static_cast<std::size_t>(i) * kRows + j];
+      const float g = got[static_cast<std::size_t>(i) * n + j];
       const double err = std::fabs(static_cast<double>(g) - want);
       if (!(err <= tol_rel * mag + tol_abs)) {  // NaN fails
         if (bad < 8) {
@@ -267,7 +283,7 @@ int compare(const std::vector<float>& got, const std::vector<bf16>& a, const std
         ++bad;
       }
     }
-  if (bad > 0) std::printf("  %s: %d of %d entries wrong\n", what, bad, kRows * kRows);
+  if (bad > 0) std::printf("  %s: %d of %d entries wrong\n", what, bad, kRows * n);
   return bad;
 }
 
@@ -275,33 +291,34 @@ constexpr Placement kPlacements[] = {Placement::k_slabs, Placement::mn_rows};
 
 }  // namespace
 
-TEST_CASE("wgmma m64n64k16 bf16: one-hot A picks one position-coded B entry per C entry, exactly") {
+TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): one-hot A picks one position-coded B entry per C entry, exactly") {
   // A[i][t] = 1 where t = (i + shift) % K, else 0, so C[i][j] = B[j][(i + shift) % K] with no
   // rounding at all (one exact product, the rest exact zeros): compared exactly (tol 0).
   struct Case {
     int k, shift;
   };
-  for (const Case cs : {Case{16, 0}, Case{64, 0}, Case{64, 37}, Case{256, 100}}) {
-    std::vector<bf16> a(static_cast<std::size_t>(kRows) * cs.k, oom::to_bf16(0.0f));
-    std::vector<bf16> b(static_cast<std::size_t>(kRows) * cs.k);
-    for (int i = 0; i < kRows; ++i) a[static_cast<std::size_t>(i) * cs.k + (i + cs.shift) % cs.k] = oom::to_bf16(1.0f);
-    for (int n = 0; n < kRows; ++n)
-      for (int t = 0; t < cs.k; ++t) {
-        const float v = code_of(n, t);
-        REQUIRE(oom::to_float(oom::to_bf16(v)) == v);  // the code is exact in bf16
-        b[static_cast<std::size_t>(n) * cs.k + t] = oom::to_bf16(v);
+  for (const int n : kShapesN)
+    for (const Case cs : {Case{16, 0}, Case{64, 0}, Case{64, 37}, Case{128, 5}, Case{256, 100}}) {
+      std::vector<bf16> a(static_cast<std::size_t>(kRows) * cs.k, oom::to_bf16(0.0f));
+      std::vector<bf16> b(static_cast<std::size_t>(n) * cs.k);
+      for (int i = 0; i < kRows; ++i) a[static_cast<std::size_t>(i) * cs.k + (i + cs.shift) % cs.k] = oom::to_bf16(1.0f);
+      for (int j = 0; j < n; ++j)
+        for (int t = 0; t < cs.k; ++t) {
+          const float v = code_of(j, t);
+          REQUIRE(oom::to_float(oom::to_bf16(v)) == v);  // the code is exact in bf16
+          b[static_cast<std::size_t>(j) * cs.k + t] = oom::to_bf16(v);
+        }
+      for (const Placement p : kPlacements) {
+        char what[112];
+        std::snprintf(what, sizeof what, "one-hot N=%d K=%d shift=%d %s", n, cs.k, cs.shift, name_of(p));
+        CAPTURE(what);
+        const auto c = run_gpu(a, b, cs.k, n, p);
+        CHECK(compare(c, a, b, cs.k, n, 0.0, 0.0, true, what) == 0);
       }
-    for (const Placement p : kPlacements) {
-      char what[96];
-      std::snprintf(what, sizeof what, "one-hot K=%d shift=%d %s", cs.k, cs.shift, name_of(p));
-      CAPTURE(what);
-      const auto c = run_gpu(a, b, cs.k, p);
-      CHECK(compare(c, a, b, cs.k, 0.0, 0.0, true, what) == 0);
     }
-  }
 }
 
-TEST_CASE("wgmma m64n64k16 bf16: C = A B^T on random inputs, K = 16, 64, 256") {
+TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): C = A B^T on random inputs, K = 16, 64, 128, 256") {
   // Tolerance: every product of two bf16 values is exact in fp32 (8 + 8 significant bits), so the
   // only error is in the fp32 additions. However the tensor core orders and rounds them, each sum
   // along any path to the result passes through at most K additions, each off by at most one ulp
@@ -310,35 +327,40 @@ TEST_CASE("wgmma m64n64k16 bf16: C = A B^T on random inputs, K = 16, 64, 256") {
   // rounding near zero. For K = 256 that is 3e-5 of sum |a b| (~ K / 4 here), while a layout error
   // moves entries by O(1).
   std::uint64_t seed = 1;
-  for (const int k : {16, 64, 256}) {
-    const auto a = random_bf16(static_cast<std::size_t>(kRows) * k, seed++);
-    const auto b = random_bf16(static_cast<std::size_t>(kRows) * k, seed++);
-    for (const Placement p : kPlacements) {
-      char what[96];
-      std::snprintf(what, sizeof what, "random K=%d %s", k, name_of(p));
-      CAPTURE(what);
-      const auto c = run_gpu(a, b, k, p);
-      CHECK(compare(c, a, b, k, k * 0x1.0p-23, 1e-6, false, what) == 0);
+  for (const int n : kShapesN)
+    for (const int k : {16, 64, 128, 256}) {
+      const auto a = random_bf16(static_cast<std::size_t>(kRows) * k, seed++);
+      const auto b = random_bf16(static_cast<std::size_t>(n) * k, seed++);
+      for (const Placement p : kPlacements) {
+        char what[112];
+        std::snprintf(what, sizeof what, "random N=%d K=%d %s", n, k, name_of(p));
+        CAPTURE(what);
+        const auto c = run_gpu(a, b, k, n, p);
+        CHECK(compare(c, a, b, k, n, k * 0x1.0p-23, 1e-6, false, what) == 0);
+      }
     }
-  }
 }
 
-TEST_CASE("wgmma m64n64k16 bf16: scale-d 1 on the first step accumulates onto C0 given in the fragment layout") {
+TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): scale-d 1 on the first step accumulates onto C0 given in the fragment layout") {
   // C0 goes into the accumulators through the same fragment layout the result comes out of, and
   // the first wgmma's scale-d is a runtime 1: C = C0 + A B^T. Same error bound as above, with |C0|
-  // counted in the magnitude (K + 1 additions). C0[i][j] = i + j/64 (exact): any two entries differ
-  // by at least 1/64, far above that bound (~6e-4 here), so a C0 entry in the wrong place fails.
+  // counted in the magnitude (K + 1 additions). C0[i][j] = i + j/N (exact): any two entries differ
+  // by at least 1/N >= 1/128, far above that bound (~6e-4 here), so a C0 entry in the wrong place
+  // fails.
   const int k = 64;
-  const auto a = random_bf16(static_cast<std::size_t>(kRows) * k, 101);
-  const auto b = random_bf16(static_cast<std::size_t>(kRows) * k, 102);
-  std::vector<float> c0(static_cast<std::size_t>(kRows) * kRows);
-  for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < kRows; ++j) c0[static_cast<std::size_t>(i) * kRows + j] = static_cast<float>(i) + j / 64.0f;
-  for (const Placement p : kPlacements) {
-    char what[96];
-    std::snprintf(what, sizeof what, "C0 + A B^T K=%d %s", k, name_of(p));
-    CAPTURE(what);
-    const auto c = run_gpu(a, b, k, p, c0);
-    CHECK(compare(c, a, b, k, (k + 1) * 0x1.0p-23, 1e-6, false, what, c0) == 0);
+  for (const int n : kShapesN) {
+    const auto a = random_bf16(static_cast<std::size_t>(kRows) * k, 101);
+    const auto b = random_bf16(static_cast<std::size_t>(n) * k, 102);
+    std::vector<float> c0(static_cast<std::size_t>(kRows) * n);
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < n; ++j)
+        c0[static_cast<std::size_t>(i) * n + j] = static_cast<float>(i) + static_cast<float>(j) / static_cast<float>(n);
+    for (const Placement p : kPlacements) {
+      char what[112];
+      std::snprintf(what, sizeof what, "C0 + A B^T N=%d K=%d %s", n, k, name_of(p));
+      CAPTURE(what);
+      const auto c = run_gpu(a, b, k, n, p, c0);
+      CHECK(compare(c, a, b, k, n, (k + 1) * 0x1.0p-23, 1e-6, false, what, c0) == 0);
+    }
   }
 }

@@ -1,6 +1,6 @@
 // Hopper warpgroup MMA (wgmma) building blocks: the shared-memory matrix descriptor, the
-// fence/commit/wait instructions, and one MMA shape (m64n64k16, bf16 x bf16 -> fp32, both operands
-// from shared memory, both K-major). Private to the kernels (not installed); docs/hopper.md says
+// fence/commit/wait instructions, and two MMA shapes (m64n64k16 and m64n128k16, bf16 x bf16 ->
+// fp32, both operands from shared memory, both K-major). Private to the kernels (not installed); docs/hopper.md says
 // what is verified and what comes next.
 //
 // wgmma exists only on sm_90a (the arch-specific target, not plain sm_90). The PTX below is
@@ -175,6 +175,50 @@ __device__ __forceinline__ void wgmma_m64n64k16_f32_bf16_ss(float (&d)[32], std:
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : "memory");
+#else
+  (void)d;
+  (void)desc_a;
+  (void)desc_b;
+  (void)scale_d;
+  __trap();
+#endif
+}
+
+/// D(64x128, fp32) = A(64x16, bf16) * B^T + (scale_d ? D : 0): the N = 128 shape of the same
+/// instruction, for a 128-wide accumulator such as the O tile of attention with head_dim 128 (one
+/// instruction reads the A tile once for all 128 columns, where two m64n64k16 would read it twice).
+/// Same operand conventions as wgmma_m64n64k16_f32_bf16_ss: A and B K-major in shared memory, B
+/// stored as 128(N) x 16(K), i.e. 16 core matrices along N at SBO apart and 2 along K at LBO apart.
+/// `d` is the accumulator fragment at the top of this file with N = 128: 64 floats per thread,
+/// d[4j..4j+3] for the 8-column block j = 0..15. Facts relied on beyond those of the N = 64 shape,
+/// from the PTX ISA wgmma.mma_async section: .m64n128k16 is a valid shape for .bf16 inputs with
+/// .f32 accumulators (the shape list runs m64n8k16 .. m64n256k16 in steps of 8 for .f16/.bf16),
+/// the D operand is N/2 = 64 .f32 registers, and the accumulator layout figure is the one for all
+/// N (CUTLASS's CLayout_64xN is one formula in N).
+__device__ __forceinline__ void wgmma_m64n128k16_f32_bf16_ss(float (&d)[64], std::uint64_t desc_a,
+                                                             std::uint64_t desc_b, int scale_d) {
+#if OOM_WGMMA_SM90A
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d)
       : "memory");
 #else

@@ -1,0 +1,31 @@
+// The Hopper (wgmma) flash-attention forward: a second implementation of
+// oom::kernels::attention_forward (include/oom/kernels/attention.hpp) with the same arguments and
+// the same results, built on the warpgroup MMA of src/kernels/hopper/wgmma.cuh. Private to the
+// kernels and their tests (not installed, not in the oom_cuda library): it is compiled only for
+// sm_90a, into targets that ask for it (tests/CMakeLists.txt), until it has run on a GPU and beats
+// the mma.sync kernel. docs/hopper.md describes its structure and what is verified.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "oom/core/numeric.hpp"
+#include "oom/kernels/attention.hpp"
+
+namespace oom::kernels::hopper {
+
+/// O = softmax(scale * Q K^T + causal mask) V and LSE (natural log) for query rows
+/// [q_begin, q_end), exactly as oom::kernels::attention_forward: same layouts, strides, GQA head
+/// mapping, causal prefix of a query chunk, rows outside [q_begin, q_end) untouched.
+/// Returns cudaErrorInvalidValue for a problem attention_can_implement rejects or a misaligned
+/// pointer/stride (as attention_forward does); cudaErrorNotSupported for head_dim != 128 or when
+/// the current device is not compute capability 9.0 (the only code compiled is sm_90a); otherwise
+/// the launch's status. No allocation, no synchronisation.
+cudaError_t attention_forward_wgmma(const AttentionProblem& p,
+                                    TokenRows<const bf16> q,  // (B, S, Hq, D) bf16
+                                    TokenRows<const bf16> k,  // (B, S, Hkv, D) bf16
+                                    TokenRows<const bf16> v,  // (B, S, Hkv, D) bf16
+                                    TokenRows<bf16> o,        // (B, S, Hq, D) bf16, rows [q_begin, q_end) written
+                                    float* lse,               // (B, Hq, S) fp32, entries [q_begin, q_end) written
+                                    cudaStream_t stream);
+
+}  // namespace oom::kernels::hopper
