@@ -211,6 +211,44 @@ __device__ __forceinline__ void store_rows(const float (&acc)[M_TILES][N_TILES][
 
 // ---- host side, shared by the launchers ----
 
+/// What a forward kernel (attention_forward.cu, hopper/attention_forward_wgmma.cu) reads of its
+/// problem: pointers, strides in elements, sizes, the query range and the scale.
+struct ForwardParams {
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* k;
+  const __nv_bfloat16* v;
+  __nv_bfloat16* o;
+  float* lse;
+  std::int64_t q_batch, q_token, k_batch, k_token, v_batch, v_token, o_batch, o_token;
+  int seq, heads_q, group, q_begin, q_end;
+  float scale_log2;  // softmax_scale * log2(e): exponentials are exp2
+};
+
+inline ForwardParams forward_params(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                    TokenRows<const bf16> v, TokenRows<bf16> o, float* lse) {
+  ForwardParams params{};
+  params.q = reinterpret_cast<const __nv_bfloat16*>(q.data);
+  params.k = reinterpret_cast<const __nv_bfloat16*>(k.data);
+  params.v = reinterpret_cast<const __nv_bfloat16*>(v.data);
+  params.o = reinterpret_cast<__nv_bfloat16*>(o.data);
+  params.lse = lse;
+  params.q_batch = q.batch_stride;
+  params.q_token = q.token_stride;
+  params.k_batch = k.batch_stride;
+  params.k_token = k.token_stride;
+  params.v_batch = v.batch_stride;
+  params.v_token = v.token_stride;
+  params.o_batch = o.batch_stride;
+  params.o_token = o.token_stride;
+  params.seq = p.seq;
+  params.heads_q = p.heads_q;
+  params.group = p.heads_q / p.heads_kv;
+  params.q_begin = p.q_begin;
+  params.q_end = p.query_end();
+  params.scale_log2 = p.softmax_scale * log2e;
+  return params;
+}
+
 inline bool aligned_rows(const void* data, std::int64_t batch_stride, std::int64_t token_stride) {
   return data != nullptr && reinterpret_cast<std::uintptr_t>(data) % 16 == 0 && batch_stride % 8 == 0 &&
          token_stride % 8 == 0;

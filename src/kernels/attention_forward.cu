@@ -23,17 +23,6 @@ namespace oom::kernels {
 namespace attention_detail {
 namespace {
 
-struct ForwardParams {
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
-  __nv_bfloat16* o;
-  float* lse;
-  std::int64_t q_batch, q_token, k_batch, k_token, v_batch, v_token, o_batch, o_token;
-  int seq, heads_q, group, q_begin, q_end;
-  float scale_log2;  // softmax_scale * log2(e): exponentials are exp2
-};
-
 template <int D, int M_TILES, int BC, int WARPS>
 struct ForwardTiles {
   static constexpr int threads = WARPS * 32;
@@ -209,26 +198,7 @@ cudaError_t attention_forward(const AttentionProblem& p, TokenRows<const bf16> q
   if (p.query_end() == p.q_begin) return cudaSuccess;
   if (!aligned_rows(q) || !aligned_rows(k) || !aligned_rows(v) || !aligned_rows(o) || lse == nullptr)
     return cudaErrorInvalidValue;
-  ForwardParams params{};
-  params.q = reinterpret_cast<const __nv_bfloat16*>(q.data);
-  params.k = reinterpret_cast<const __nv_bfloat16*>(k.data);
-  params.v = reinterpret_cast<const __nv_bfloat16*>(v.data);
-  params.o = reinterpret_cast<__nv_bfloat16*>(o.data);
-  params.lse = lse;
-  params.q_batch = q.batch_stride;
-  params.q_token = q.token_stride;
-  params.k_batch = k.batch_stride;
-  params.k_token = k.token_stride;
-  params.v_batch = v.batch_stride;
-  params.v_token = v.token_stride;
-  params.o_batch = o.batch_stride;
-  params.o_token = o.token_stride;
-  params.seq = p.seq;
-  params.heads_q = p.heads_q;
-  params.group = p.heads_q / p.heads_kv;
-  params.q_begin = p.q_begin;
-  params.q_end = p.query_end();
-  params.scale_log2 = p.softmax_scale * log2e;
+  const ForwardParams params = forward_params(p, q, k, v, o, lse);
   if (p.head_dim == 128) return launch_forward<128, 1, 64, 8>(params, p.batch, stream);
   return launch_forward<256, 1, 32, 4>(params, p.batch, stream);
 }

@@ -73,16 +73,7 @@ constexpr int kSmemBytes = kOffP + kBr * kBc * 2;  // 104 KiB
 static_assert(kSmemBytes == 104 * 1024);
 static_assert(kBr == 64 && kThreads == 128, "one warpgroup computes the 64 rows of one wgmma");
 
-struct Params {
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
-  __nv_bfloat16* o;
-  float* lse;
-  std::int64_t q_batch, q_token, k_batch, k_token, v_batch, v_token, o_batch, o_token;
-  int seq, heads_q, group, q_begin, q_end;
-  float scale_log2;  // softmax_scale * log2(e): exponentials are exp2
-};
+using Params = attention_detail::ForwardParams;
 
 /// Rows [row0, row0 + 64) of a strided (token_stride elements) global (rows, 128) bf16 matrix into
 /// a core-matrix tile with LBO 128, SBO 2048, by cp.async; rows >= row_end are zero-filled (and
@@ -308,26 +299,7 @@ cudaError_t attention_forward_wgmma(const AttentionProblem& p, TokenRows<const b
     return e;
   if (major != 9 || minor != 0) return cudaErrorNotSupported;
 
-  Params params{};
-  params.q = reinterpret_cast<const __nv_bfloat16*>(q.data);
-  params.k = reinterpret_cast<const __nv_bfloat16*>(k.data);
-  params.v = reinterpret_cast<const __nv_bfloat16*>(v.data);
-  params.o = reinterpret_cast<__nv_bfloat16*>(o.data);
-  params.lse = lse;
-  params.q_batch = q.batch_stride;
-  params.q_token = q.token_stride;
-  params.k_batch = k.batch_stride;
-  params.k_token = k.token_stride;
-  params.v_batch = v.batch_stride;
-  params.v_token = v.token_stride;
-  params.o_batch = o.batch_stride;
-  params.o_token = o.token_stride;
-  params.seq = p.seq;
-  params.heads_q = p.heads_q;
-  params.group = p.heads_q / p.heads_kv;
-  params.q_begin = p.q_begin;
-  params.q_end = p.query_end();
-  params.scale_log2 = p.softmax_scale * attention_detail::log2e;
+  const Params params = attention_detail::forward_params(p, q, k, v, o, lse);
 
   auto* kernel = attention_forward_wgmma_kernel;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
