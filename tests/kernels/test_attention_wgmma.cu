@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
+#include "kernels/sm90.hpp"
 #include "kernels/hopper/attention_wgmma.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/numeric.hpp"
@@ -37,28 +38,8 @@ using oom::test::DeviceBuffer;
 
 constexpr int kD = 128;
 
-bool device_is_sm90() {
-  int dev = 0;
-  OOM_CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  OOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  return prop.major == 9 && prop.minor == 0;
-}
-
-/// Exits 77 (ctest: skipped) with the reason unless the current device is compute capability 9.0,
-/// the only one the kernel's sm_90a code runs on.
-void require_sm90() {
-  if (device_is_sm90()) return;
-  int dev = 0;
-  OOM_CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  OOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  std::printf("SKIPPED: test_attention_wgmma needs a compute capability 9.0 GPU (H100/H200: wgmma is sm_90a "
-              "only); device %d is %s, compute capability %d.%d\n",
-              dev, prop.name, prop.major, prop.minor);
-  std::fflush(stdout);
-  std::exit(77);
-}
+using oom::test::device_is_sm90;
+void require_sm90() { oom::test::require_sm90("test_attention_wgmma"); }
 
 /// N(0, 1) rounded to bf16 (Q, K at unit variance make scale * q.k ~ N(0, 1)), and as floats.
 std::vector<bf16> random_bf16(std::size_t n, std::uint64_t seed) {

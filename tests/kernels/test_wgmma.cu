@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
+#include "kernels/sm90.hpp"
 #include "kernels/hopper/wgmma.cuh"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/numeric.hpp"
@@ -156,26 +157,7 @@ __global__ void __launch_bounds__(kThreads) wgmma_abt_kernel(const std::uint16_t
   }
 }
 
-/// Exits 77 (ctest: skipped) with the reason unless the current device is compute capability 9.0,
-/// the only one the sm_90a code of this test runs on.
-void require_sm90() {
-  int dev = 0;
-  OOM_CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  OOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  if (prop.major != 9 || prop.minor != 0) {
-    std::printf("SKIPPED: test_wgmma needs a compute capability 9.0 GPU (H100/H200: wgmma is sm_90a only); "
-                "device %d is %s, compute capability %d.%d\n",
-                dev, prop.name, prop.major, prop.minor);
-    std::fflush(stdout);
-    std::exit(77);
-  }
-  static bool printed = false;
-  if (!printed) {
-    std::printf("test_wgmma on device %d: %s, compute capability %d.%d\n", dev, prop.name, prop.major, prop.minor);
-    printed = true;
-  }
-}
+void require_sm90() { oom::test::require_sm90("test_wgmma"); }
 
 /// C = A B^T on the GPU (c0 empty), or C = c0 + A B^T (c0 64 x N, scale-d 1 from the first step);
 /// a: (64, K), b: (N, K) row-major.
