@@ -571,7 +571,7 @@ int run(const Args& a) {
   if (ckpt) {
     const auto optimizer_steps = JsonCursor(ckpt->trainer_state(), "trainer_state.json")["optimizer_steps"].as_int64();
     if constexpr (std::is_same_v<std::decay_t<decltype(model)>, train::HostCausalLm>) {
-      model.load(load_checkpoint(ckpt->dir(), spec).state, optimizer_steps);  // the host backend's models are small
+      model.load(ckpt->read_all(), optimizer_steps);  // the host backend's models are small
     } else {
       model.load(ckpt->source(), optimizer_steps);
     }

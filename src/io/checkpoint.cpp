@@ -192,14 +192,13 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
 }
 
 struct CheckpointReader::Files {
-  fs::path dir;
   const ModelSpec* spec;
   SafetensorsFile model, optimizer;
   Json trainer_state;
 };
 
 CheckpointReader::CheckpointReader(const fs::path& dir, const ModelSpec& spec)
-    : files_(std::make_unique<Files>(Files{dir, &spec, SafetensorsFile::open(dir / "model.safetensors"),
+    : files_(std::make_unique<Files>(Files{&spec, SafetensorsFile::open(dir / "model.safetensors"),
                                            SafetensorsFile::open(dir / "optimizer.safetensors"),
                                            read_json_file(dir / "trainer_state.json")})) {
   // Every tensor present, of a readable type and the right shape, before anyone reads one.
@@ -221,7 +220,6 @@ CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
 CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
 
 const Json& CheckpointReader::trainer_state() const { return files_->trainer_state; }
-const fs::path& CheckpointReader::dir() const { return files_->dir; }
 
 void CheckpointReader::read(std::size_t segment, std::span<float> master, std::span<float> exp_avg,
                             std::span<float> exp_avg_sq) const {
@@ -245,6 +243,17 @@ void CheckpointReader::read(std::size_t segment, std::span<float> master, std::s
   }
 }
 
+std::vector<SegmentOptimizerState> CheckpointReader::read_all() const {
+  std::vector<SegmentOptimizerState> out;
+  for (std::size_t s = 0; s < files_->spec->segments().size(); ++s) {
+    const auto n = files_->spec->segments()[s].parameters();
+    SegmentOptimizerState st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+    read(s, st.master, st.exp_avg, st.exp_avg_sq);
+    out.push_back(std::move(st));
+  }
+  return out;
+}
+
 SegmentStateSource CheckpointReader::source() const {
   return [this](std::size_t s, std::span<float> w, std::span<float> m, std::span<float> v) { read(s, w, m, v); };
 }
@@ -258,12 +267,7 @@ CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool 
     return r;
   }
   const CheckpointReader reader(dir, spec);
-  for (std::size_t s = 0; s < spec.segments().size(); ++s) {
-    const auto n = spec.segments()[s].parameters();
-    SegmentOptimizerState st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
-    reader.read(s, st.master, st.exp_avg, st.exp_avg_sq);
-    r.state.push_back(std::move(st));
-  }
+  r.state = reader.read_all();
   r.trainer_state = reader.trainer_state();
   return r;
 }

@@ -64,11 +64,12 @@ class CheckpointReader {
   CheckpointReader& operator=(CheckpointReader&&) noexcept;
 
   [[nodiscard]] const Json& trainer_state() const;
-  [[nodiscard]] const std::filesystem::path& dir() const;
   /// Segment `segment`'s master weights and moments into the spans (each its parameters() long).
   void read(std::size_t segment, std::span<float> master, std::span<float> exp_avg, std::span<float> exp_avg_sq) const;
   /// read() as a SegmentStateSource (valid while this reader lives).
   [[nodiscard]] SegmentStateSource source() const;
+  /// Every segment's state, read into owned vectors (small models; load_checkpoint).
+  [[nodiscard]] std::vector<SegmentOptimizerState> read_all() const;
 
  private:
   struct Files;
