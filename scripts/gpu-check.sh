@@ -12,7 +12,7 @@
 # PARTS="calibrate train" first measures a machine profile ($out/profile.json, oom-calibrate) and
 # the 5.13B runs plan and predict with it. GRAD_STAGING=N runs them with a pinned gradient
 # staging ring of N layers (oom-train --grad-staging, default 3; 0 per parameter); KEEP_ATTENTION=0
-# adds --no-keep-attention-state; BUCKETED=1 adds --bucketed-expert-gemms;
+# adds --no-keep-attention-state; BUCKETED=0 adds --no-bucketed-expert-gemms;
 # WIDE=1 also trains a 2-layer model of the 5.13B widths against PyTorch (20 steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -148,7 +148,7 @@ if [[ "$parts" == *" train "* ]]; then
   for seq in ${SEQS:-4096}; do
     timeout "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/moe-5b.json \
       --out "$build_dir/train-5b-$seq" --overwrite --seq "$seq" --steps "$steps_5b" --lr "${LR_5B:-3e-4}" --log-every 1 \
-      --trace-step "$steps_5b" --trace "$out/trace-5b-$seq.json" "${profile_args[@]}" ${GRAD_STAGING:+--grad-staging "$GRAD_STAGING"} $([[ "${KEEP_ATTENTION:-1}" == 0 ]] && echo --no-keep-attention-state) ${BUCKETED:+--bucketed-expert-gemms} \
+      --trace-step "$steps_5b" --trace "$out/trace-5b-$seq.json" "${profile_args[@]}" ${GRAD_STAGING:+--grad-staging "$GRAD_STAGING"} $([[ "${KEEP_ATTENTION:-1}" == 0 ]] && echo --no-keep-attention-state) $([[ "${BUCKETED:-1}" == 0 ]] && echo --no-bucketed-expert-gemms) \
       --checkpoint-every 0 > "$out/train-5b-$seq.log" 2>&1
     echo "5.13B seq $seq: exit $? — $(grep '^step' "$out/train-5b-$seq.log" | tail -1)" >> "$out/train-summary.log"
     grep "recorded in" "$out/train-5b-$seq.log" >> "$out/train-summary.log"

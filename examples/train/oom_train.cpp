@@ -110,8 +110,10 @@ Plan
                        and softmax statistics but recomputes the rest, rerun the whole layer
                        (attention too) instead of rerunning the layer around them (the default,
                        --keep-attention-state)
-  --bucketed-expert-gemms  cuda: issue the per-expert GEMMs through cuBLASLt with one algorithm
-                       per power-of-two size bucket (experimental: off until measured)
+  --no-bucketed-expert-gemms  cuda: issue the per-expert GEMMs of varying size through
+                       cublasGemmEx, which picks an algorithm on the host for every row count it
+                       has not seen, instead of through cuBLASLt with one algorithm per
+                       power-of-two size bucket (the default, --bucketed-expert-gemms)
 Run
   --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
   --resume             continue from the run directory's latest checkpoint
@@ -143,7 +145,7 @@ struct Args {
   std::optional<Bytes> gpu_mem, host_mem;
   std::optional<std::uint64_t> grad_staging;  // CUDA: pinned gradient staging ring of this many layers (0: per parameter)
   std::optional<bool> keep_attention_state;   // CUDA: recompute around kept attention output + LSE
-  bool bucketed_expert_gemms = false;         // CUDA: one cuBLASLt algorithm per size bucket
+  std::optional<bool> bucketed_expert_gemms;  // CUDA: one cuBLASLt algorithm per size bucket
   double step_progress_s = 30;        // a step running this long reports its layer passes
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
@@ -184,6 +186,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--keep-attention-state") { a.keep_attention_state = true; continue; }
     if (flag == "--no-keep-attention-state") { a.keep_attention_state = false; continue; }
     if (flag == "--bucketed-expert-gemms") { a.bucketed_expert_gemms = true; continue; }
+    if (flag == "--no-bucketed-expert-gemms") { a.bucketed_expert_gemms = false; continue; }
     if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
     if (flag == "--config") a.config = v;
@@ -310,7 +313,7 @@ CudaCausalLmOptions cuda_options(const Args& a) {
   CudaCausalLmOptions o;
   if (a.grad_staging) o.grad_staging_layers = static_cast<unsigned>(*a.grad_staging);
   if (a.keep_attention_state) o.keep_attention_state = *a.keep_attention_state;
-  o.bucketed_expert_gemms = a.bucketed_expert_gemms;
+  if (a.bucketed_expert_gemms) o.bucketed_expert_gemms = *a.bucketed_expert_gemms;
   return o;
 }
 
@@ -447,7 +450,8 @@ int run(const Args& a) {
   if (use_cuda && a.micro_batches > 1)
     OOM_THROW(Errc::unsupported, "--micro-batches: gradient accumulation is not implemented on the CUDA executor yet (use --backend host)");
   if (!use_cuda && a.bucketed_expert_gemms)
-    OOM_THROW(Errc::invalid_argument, "--bucketed-expert-gemms: the host backend has no cuBLAS (it applies to --backend cuda)");
+    OOM_THROW(Errc::invalid_argument,
+              "--bucketed-expert-gemms / --no-bucketed-expert-gemms: the host backend has no cuBLAS (it applies to --backend cuda)");
   if (!use_cuda && a.grad_staging)
     OOM_THROW(Errc::invalid_argument, "--grad-staging: the host backend has no pinned gradient staging (it applies to --backend cuda)");
   if (!use_cuda && a.keep_attention_state)

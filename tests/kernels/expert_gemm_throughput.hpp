@@ -32,13 +32,13 @@ struct ExpertGemmVariant {
 /// Every method once with its default tuning; `sweep` adds other stream counts and chunk sizes.
 inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
   using M = kernels::ExpertGemmMethod;
-  kernels::ExpertGemmStreamsOptions bucketed;
-  bucketed.bucketed_algorithms = true;
-  std::vector<ExpertGemmVariant> v = {{"loop", M::per_expert_loop, {}},
-                                      {"grouped", M::grouped_batched, {}},
-                                      {"streams4", M::multi_stream, {}},
-                                      {"chunk128", M::row_chunked, {}},
-                                      {"chunk128bk", M::row_chunked, bucketed}};
+  // cublasGemmEx for every GEMM (the default, row_chunked, takes cuBLASLt's bucketed algorithms)
+  const kernels::ExpertGemmStreamsOptions gemm_ex{.bucketed_algorithms = false};
+  std::vector<ExpertGemmVariant> v = {{"loop", M::per_expert_loop, gemm_ex},
+                                      {"grouped", M::grouped_batched, gemm_ex},
+                                      {"streams4", M::multi_stream, gemm_ex},
+                                      {"chunk128ex", M::row_chunked, gemm_ex},
+                                      {"chunk128", M::row_chunked, {}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});

@@ -60,6 +60,7 @@ expect grad-staging-on-host 2 "grad-staging" -- --backend host --grad-staging 3
 expect keep-attention-on-host 2 "keep-attention-state" -- --backend host --keep-attention-state
 expect no-keep-attention-on-host 2 "keep-attention-state" -- --backend host --no-keep-attention-state
 expect bucketed-gemms-on-host 2 "bucketed-expert-gemms" -- --backend host --bucketed-expert-gemms
+expect no-bucketed-gemms-on-host 2 "bucketed-expert-gemms" -- --backend host --no-bucketed-expert-gemms
 
 # Misuse of a run directory: refused, and the run in it left as it was.
 before=$(cat "$work/good/latest")

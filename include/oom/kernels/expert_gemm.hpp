@@ -61,9 +61,11 @@ struct ExpertGemmStreamsOptions {
   /// The per-expert GEMMs of varying size (row_chunked's experts with fewer rows than a chunk and
   /// its weight gradients; multi_stream's all) through cuBLASLt with one algorithm per power-of-two
   /// size bucket, chosen once, instead of cublasGemmEx, whose algorithm choice runs on the host for
-  /// every shape it has not seen. Off until measured on a GPU: the suspected cause of 4K layers
-  /// whose host issue takes 8-9 ms instead of 1.3 (docs/performance.md, fourth session).
-  bool bucketed_algorithms = false;
+  /// every shape it has not seen. On the H200 (2026-11-30, 5.13B widths, skewed routing, 32 of 64
+  /// experts below the chunk): the host issue of a layer's expert backward took 9.2 ms with row
+  /// counts cublasGemmEx had not seen and 1.8 ms once seen; bucketed 2.0 and 1.5 ms, the GPU
+  /// throughput the same (docs/performance.md, fifth session).
+  bool bucketed_algorithms = true;
 };
 
 /// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and

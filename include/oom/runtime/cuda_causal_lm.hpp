@@ -52,9 +52,9 @@ struct CudaCausalLmOptions {
   /// the hardware threads, so the thread issuing the GPU work (which waits on each layer's expert
   /// counts mid-layer) is never queued behind optimizer threads.
   unsigned cpu_threads = 0;
-  /// kernels::ExpertGemmStreamsOptions::bucketed_algorithms for the layers' expert GEMMs (off
-  /// until measured on a GPU; `oom-train --bucketed-expert-gemms`).
-  bool bucketed_expert_gemms = false;
+  /// kernels::ExpertGemmStreamsOptions::bucketed_algorithms for the layers' expert GEMMs (on;
+  /// `oom-train --no-bucketed-expert-gemms` turns it off).
+  bool bucketed_expert_gemms = true;
   /// Pinned fp32 gradient staging on the host: 0, one buffer per streamed parameter (18 bytes of
   /// pinned host memory a streamed parameter in all); N >= 1, a ring of N layer-sized buffers that
   /// the backward's layers take in turn, a layer's gradients going down only once the CPU update of
