@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <climits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -135,6 +137,14 @@ __global__ void copy_counts_kernel(const std::int32_t* __restrict__ src, std::in
 /// `capacity` (the launch's largest array) on first use, so it is not freed and pinned again
 /// mid-step when a later chunk routes more rows (cudaFreeHost and cudaHostAlloc wait for the
 /// device, the CPU AdamW's host function included).
+thread_local std::vector<HostSpan>* host_span_sink = nullptr;  // record_host_spans
+
+/// Appends [begin, now) to the recording thread's sink, if any, named by `what()` (built only then).
+template <class F>
+void record_host_span(std::chrono::steady_clock::time_point begin, F&& what) {
+  if (host_span_sink != nullptr) host_span_sink->push_back({what(), begin, std::chrono::steady_clock::now()});
+}
+
 cudaError_t stage_to_device(ExpertGemmStreams::State& st, cudaStream_t stream, const void* src, std::size_t bytes,
                             std::size_t capacity, void* dst) {
   MappedHostBuffer& b = st.stages[st.next_stage];
@@ -248,6 +258,7 @@ std::size_t element_bytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
 cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, cudaStream_t stream,
                             const std::vector<Problem>& ps, std::int64_t chunk, void* arrays, std::size_t array_bytes) {
   if (ps.empty()) return cudaSuccess;
+  const auto began = std::chrono::steady_clock::now();
   OOM_KERNEL_TRY(to_cuda_error(cublasSetStream(blas, stream)));
   const Problem& p0 = ps[0];
   const std::size_t a_row = static_cast<std::size_t>(p0.lda) * sizeof(__nv_bfloat16);
@@ -294,7 +305,13 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
   OOM_KERNEL_TRY(batched(d, d + nf, d + 2 * nf, nf));
   OOM_KERNEL_TRY(batched(d + 3 * nf, d + 3 * nf + nr, d + 3 * nf + 2 * nr, nr));
   detail::BucketedGemm* bucketed = st.bucketed.empty() ? nullptr : st.bucketed.back().get();
+  const std::uint64_t fallbacks = bucketed != nullptr ? bucketed->fallbacks() : 0;
   for (const auto* p : alone) OOM_KERNEL_TRY(gemm(blas, stream, bucketed, *p, nullptr, 0));  // the caller's handle: no workspace of ours
+  record_host_span(began, [&] {
+    const std::uint64_t ex = bucketed != nullptr ? bucketed->fallbacks() - fallbacks : alone.size();
+    return "row GEMMs: " + std::to_string(nf) + " full chunks + " + std::to_string(nr) + " remainders batched, " +
+           std::to_string(alone.size()) + " experts alone (" + std::to_string(ex) + " through cublasGemmEx)";
+  });
   return cudaSuccess;
 }
 
@@ -337,6 +354,7 @@ cudaError_t run_spread(ExpertGemmStreams::State& st, const ExpertGemmStreamsOpti
 
 /// How a launcher issues its GEMMs.
 struct Launch {
+  const char* op;  ///< for the host span: "gate_up", "down", ...
   const ExpertGemmShape& s;
   cublasHandle_t blas;
   cudaStream_t stream;
@@ -348,7 +366,7 @@ struct Launch {
 /// Runs the row-producing problems (bf16 out, beta 0) and the weight-gradient ones (fp32, beta 1;
 /// may be empty) by the launch's method. The two sets write disjoint buffers, so the concurrent
 /// methods overlap them.
-cudaError_t issue(const Launch& l, const std::vector<Problem>& rows, const std::vector<Problem>& weights) {
+cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, const std::vector<Problem>& weights) {
   switch (l.method) {
     case ExpertGemmMethod::per_expert_loop:
       OOM_KERNEL_TRY(run_loop(l.blas, l.stream, rows));
@@ -373,6 +391,16 @@ cudaError_t issue(const Launch& l, const std::vector<Problem>& rows, const std::
     }
   }
   return cudaErrorInvalidValue;
+}
+
+cudaError_t issue(const Launch& l, const std::vector<Problem>& rows, const std::vector<Problem>& weights) {
+  const auto began = std::chrono::steady_clock::now();
+  const cudaError_t status = issue_by_method(l, rows, weights);
+  record_host_span(began, [&] {
+    return std::string("issue expert ") + l.op + " GEMMs: " + std::to_string(rows.size()) + " row-producing, " +
+           std::to_string(weights.size()) + " weight-gradient";
+  });
+  return status;
 }
 
 bool valid(const ExpertGemmShape& s, const std::int32_t* counts_host, ExpertGemmMethod method, void* workspace,
@@ -506,7 +534,7 @@ cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, con
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
     ps.push_back({false, true, rows, I2, H, x_perm + r * H, H, w_gate_up[e], H, gate_up + r * I2, I2, CUDA_R_16BF, 0.0f});
   });
-  return issue({s, blas, stream, method, workspace, streams}, ps, {});
+  return issue({"gate_up", s, blas, stream, method, workspace, streams}, ps, {});
 }
 
 cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
@@ -530,7 +558,7 @@ cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const 
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
     ps.push_back({false, true, rows, H, I, h + r * I, I, w_down[e], I, y + r * H, H, CUDA_R_16BF, 0.0f});
   });
-  return issue({s, blas, stream, method, workspace, streams}, ps, {});
+  return issue({"down", s, blas, stream, method, workspace, streams}, ps, {});
 }
 
 cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
@@ -556,7 +584,7 @@ cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const
     // dw_down[e] (H, I) += dy^T (H, rows) . h (rows, I)
     weight.push_back({true, false, H, I, rows, dy + r * H, H, h + r * I, I, dw_down[e], I, CUDA_R_32F, 1.0f});
   });
-  return issue({s, blas, stream, method, workspace, streams}, data, weight);
+  return issue({"down backward", s, blas, stream, method, workspace, streams}, data, weight);
 }
 
 cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
@@ -586,7 +614,7 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
     // dw_gate_up[e] (2I, H) += d_gate_up^T (2I, rows) . x_perm (rows, H)
     weight.push_back({true, false, I2, H, rows, d_gate_up + r * I2, I2, x_perm + r * H, H, dw_gate_up[e], H, CUDA_R_32F, 1.0f});
   });
-  return issue({s, blas, stream, method, workspace, streams}, data, weight);
+  return issue({"gate_up backward", s, blas, stream, method, workspace, streams}, data, weight);
 }
 
 cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
@@ -636,11 +664,7 @@ cudaError_t shared_expert_gate_backward(cudaStream_t stream, std::int64_t tokens
   return cudaGetLastError();
 }
 
-namespace {
-thread_local std::vector<HostWait>* host_wait_sink = nullptr;
-}  // namespace
-
-void record_host_waits(std::vector<HostWait>* sink) noexcept { host_wait_sink = sink; }
+void record_host_spans(std::vector<HostSpan>* sink) noexcept { host_span_sink = sink; }
 
 cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* counts, std::int64_t experts,
                                   ExpertGemmStreams& streams, std::int32_t* out) {
@@ -653,7 +677,7 @@ cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* count
   OOM_KERNEL_TRY(cudaGetLastError());
   const auto waited = std::chrono::steady_clock::now();
   OOM_KERNEL_TRY(cudaStreamSynchronize(stream));
-  if (host_wait_sink != nullptr) host_wait_sink->push_back({waited, std::chrono::steady_clock::now()});
+  if (host_span_sink != nullptr) host_span_sink->push_back({"wait for expert counts", waited, std::chrono::steady_clock::now()});
   std::memcpy(out, st->counts.host, bytes);
   return cudaSuccess;
 }

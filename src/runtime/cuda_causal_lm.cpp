@@ -169,7 +169,7 @@ struct CudaCausalLm::Impl {
     if (mark >= 0) OOM_CUDA_CHECK(cudaEventRecord(marks[static_cast<std::size_t>(mark)].end, raw(st)));
   }
   void resolve_marks() {  // after the step's streams are drained
-    flush_counts_waits();
+    flush_kernel_spans();
     for (auto& m : marks) {
       float b = 0, e = 0;
       if (timeline != nullptr && cudaEventElapsedTime(&b, step_begin, m.begin) == cudaSuccess &&
@@ -186,15 +186,15 @@ struct CudaCausalLm::Impl {
   // idle compute stream reaches at once): where it waited, and how long issuing a layer took.
   std::chrono::steady_clock::time_point host_t0;
   double host_now() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - host_t0).count(); }
-  std::vector<kernels::HostWait> counts_waits;  // the layers' waits for their expert counts (traced step)
-  /// The recorded waits as host spans (once the step's spans are resolved or abandoned).
-  void flush_counts_waits() {
-    kernels::record_host_waits(nullptr);
+  std::vector<kernels::HostSpan> kernel_spans;  // the expert launchers' waits and GEMM issues (traced step)
+  /// The recorded kernel spans as host spans (once the step's spans are resolved or abandoned).
+  void flush_kernel_spans() {
+    kernels::record_host_spans(nullptr);
     if (timeline != nullptr)
-      for (const auto& w : counts_waits)
-        timeline->add_host("wait for expert counts", std::chrono::duration<double>(w.begin - host_t0).count(),
+      for (auto& w : kernel_spans)
+        timeline->add_host(std::move(w.what), std::chrono::duration<double>(w.begin - host_t0).count(),
                            std::chrono::duration<double>(w.end - host_t0).count());
-    counts_waits.clear();
+    kernel_spans.clear();
   }
   void host_span(std::string name, double begin_s) {
     if (timeline != nullptr) timeline->add_host(std::move(name), begin_s, host_now());
@@ -582,7 +582,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   const cudaStream_t s = raw(cs);
   OOM_CUDA_CHECK(cudaEventRecord(step_begin, s));
   host_t0 = std::chrono::steady_clock::now();
-  if (timeline != nullptr) kernels::record_host_waits(&counts_waits);
+  if (timeline != nullptr) kernels::record_host_spans(&kernel_spans);
   for (std::size_t i = 0; i < T; ++i) {
     h_tokens[i] = static_cast<std::int32_t>(inputs[i]);
     h_tokens[T + i] = static_cast<std::int32_t>(targets[i]);

@@ -258,6 +258,10 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
   CHECK(host_count("issue bwd layers.") == 3);
   CHECK(host_count("wait for the loss") == 1);
   CHECK(host_count("wait for expert counts") >= 6);  // each layer's forward and backward read them
+  // Each layer's expert GEMMs, with how they were issued (recomputed layers issue the forward's again).
+  for (const char* op : {"gate_up", "down", "down backward", "gate_up backward"})
+    CHECK(host_count(std::string("issue expert ") + op + " GEMMs: ") >= 3);
+  CHECK(host_count("row GEMMs: ") >= 12);
   for (const auto& s : host) {
     CHECK(s.begin_s >= 0);
     CHECK(s.end_s >= s.begin_s);

@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "oom/core/numeric.hpp"
@@ -104,14 +105,18 @@ std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s, ExpertGemmMeth
 /// for the pointer arrays) the H200's backward at 32K lost ~21 ms per layer while a layer's 1.3 GB
 /// of gradients went down on another stream (96 ms per layer against 75 without), most likely the
 /// small copy queued behind the large one; with this path 14 of 16 layers ran at 75 ms.
-/// One wait of the calling thread in expert_counts_to_host (steady clock).
-struct HostWait {
+/// A stretch of the calling thread's time (steady clock) in these launchers: a wait in
+/// expert_counts_to_host ("wait for expert counts") or the host issue of one launcher's GEMMs
+/// ("issue expert <op> GEMMs: ...", with how they were issued: batched chunks, experts issued
+/// alone, weight-gradient GEMMs, algorithm fallbacks).
+struct HostSpan {
+  std::string what;
   std::chrono::steady_clock::time_point begin, end;
 };
-/// While set (per thread), expert_counts_to_host appends each of its waits to `*sink`: a traced
-/// step shows where the issuing thread waited for the GPU and where it was slow issuing. nullptr
-/// stops recording. The caller owns the vector and must reset this before it goes away.
-void record_host_waits(std::vector<HostWait>* sink) noexcept;
+/// While set (per thread), the launchers append their HostSpans to `*sink`: a traced step shows
+/// where the issuing thread waited for the GPU and where it was slow issuing. nullptr stops
+/// recording. The caller owns the vector and must reset this before it goes away.
+void record_host_spans(std::vector<HostSpan>* sink) noexcept;
 
 cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* counts, std::int64_t experts,
                                   ExpertGemmStreams& streams, std::int32_t* out);
