@@ -250,6 +250,8 @@ cudaError_t run_grouped(cublasHandle_t blas, cudaStream_t stream, const std::vec
 
 std::size_t element_bytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
 
+constexpr std::size_t batch_granule = 16;  ///< see run_row_chunked
+
 /// Row-producing problems of one op (A not transposed, the same n, k, leading dimensions, C type
 /// and beta = 0; only m, A, B and C differ) as batched GEMMs over `chunk`-row slices: every full
 /// chunk in one cublasGemmBatchedEx, then each expert's last `chunk` rows in a second one (the
@@ -293,13 +295,22 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
   // that path cost the backward on the H200.
   if (!ptrs.empty()) OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), array_bytes, d));
   const float alpha = 1.0f, beta = 0.0f;
-  const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count) {
+  const auto call = [&](const void** w, const void** r, const void** c, std::size_t count) {
     if (count == 0) return cudaSuccess;
     return to_cuda_error(cublasGemmBatchedEx(blas, p0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(p0.n),
                                              static_cast<int>(chunk), static_cast<int>(p0.k), &alpha, w, CUDA_R_16BF,
                                              static_cast<int>(p0.ldb), r, CUDA_R_16BF, static_cast<int>(p0.lda), &beta,
                                              const_cast<void* const*>(c), p0.c_type, static_cast<int>(p0.ldc),
                                              static_cast<int>(count), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+  // cuBLAS chooses cublasGemmBatchedEx's algorithm on the host for every batch count it has not
+  // seen: 3.5-4 ms a call on the H200 at the 5.13B widths, 15 us once seen (scripts/diag/
+  // batched_issue.cu), and a layer whose count was new each step held the GPU ~5 ms. So a count
+  // goes as a multiple of batch_granule and the rest: few counts, and they recur.
+  const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count) {
+    const std::size_t head = count / batch_granule * batch_granule;
+    OOM_KERNEL_TRY(call(w, r, c, head));
+    return call(w + head, r + head, c + head, count - head);
   };
   const std::size_t nf = full_w.size(), nr = rem_w.size();
   OOM_KERNEL_TRY(batched(d, d + nf, d + 2 * nf, nf));
