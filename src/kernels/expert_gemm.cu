@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <chrono>
 #include <cstring>
 #include <climits>
@@ -304,13 +305,17 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
                                              static_cast<int>(count), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   };
   // cuBLAS chooses cublasGemmBatchedEx's algorithm on the host for every batch count it has not
-  // seen: 3.5-4 ms a call on the H200 at the 5.13B widths, 15 us once seen (scripts/diag/
-  // batched_issue.cu), and a layer whose count was new each step held the GPU ~5 ms. So a count
-  // goes as a multiple of batch_granule and the rest: few counts, and they recur.
+  // seen: 3.5-4 ms a call on the H200 at the 5.13B widths for ~250 chunks, 119 ms for 2047 (the
+  // 32K backward), 15 us once seen (scripts/diag/batched_issue.cu). So a count goes as its
+  // powers of two down to batch_granule, then the rest in one call: few counts, and they recur.
   const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count) {
-    const std::size_t head = count / batch_granule * batch_granule;
-    OOM_KERNEL_TRY(call(w, r, c, head));
-    return call(w + head, r + head, c + head, count - head);
+    std::size_t done = 0;
+    for (std::size_t part = std::bit_floor(count); part >= batch_granule; part /= 2)
+      if (count - done >= part) {
+        OOM_KERNEL_TRY(call(w + done, r + done, c + done, part));
+        done += part;
+      }
+    return call(w + done, r + done, c + done, count - done);
   };
   const std::size_t nf = full_w.size(), nr = rem_w.size();
   OOM_KERNEL_TRY(batched(d, d + nf, d + 2 * nf, nf));
