@@ -7,6 +7,7 @@
 #include <bit>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <climits>
 #include <string>
 #include <utility>
@@ -60,7 +61,7 @@ struct ExpertGemmStreams::State {
   MappedHostBuffer counts;
   /// The batched GEMMs' pointer arrays on their way to the device, in a ring: a stage is refilled
   /// only after the copy kernel that read it last has run (its event).
-  std::array<MappedHostBuffer, 4> stages;
+  std::array<MappedHostBuffer, 8> stages;
   std::size_t next_stage = 0;
   /// ExpertGemmStreamsOptions::bucketed_algorithms: one per side stream (index streams.size():
   /// the caller's stream), each used by one stream at a time.
@@ -251,7 +252,23 @@ cudaError_t run_grouped(cublasHandle_t blas, cudaStream_t stream, const std::vec
 
 std::size_t element_bytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
 
-constexpr std::size_t batch_granule = 16;  ///< see run_row_chunked
+constexpr std::size_t batch_granule = 16;  ///< see in_recurring_counts
+
+/// Calls f(first, n) for consecutive parts of [0, count) whose sizes recur from call to call: the
+/// powers of two of count down to batch_granule, then the rest (< batch_granule) in one part.
+/// cuBLAS chooses cublasGemmBatchedEx's algorithm on the host for every batch count it has not
+/// seen: 3.5-4 ms a call on the H200 at the 5.13B widths for ~250 chunks, 119 ms for 2047 (the 32K
+/// backward), 15 us once seen (scripts/diag/batched_issue.cu).
+template <class F>
+cudaError_t in_recurring_counts(std::size_t count, F&& f) {
+  std::size_t done = 0;
+  for (std::size_t part = std::bit_floor(count); part >= batch_granule; part /= 2)
+    if (count - done >= part) {
+      OOM_KERNEL_TRY(f(done, part));
+      done += part;
+    }
+  return count > done ? f(done, count - done) : cudaSuccess;
+}
 
 /// Row-producing problems of one op (A not transposed, the same n, k, leading dimensions, C type
 /// and beta = 0; only m, A, B and C differ) as batched GEMMs over `chunk`-row slices: every full
@@ -304,18 +321,8 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
                                              const_cast<void* const*>(c), p0.c_type, static_cast<int>(p0.ldc),
                                              static_cast<int>(count), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   };
-  // cuBLAS chooses cublasGemmBatchedEx's algorithm on the host for every batch count it has not
-  // seen: 3.5-4 ms a call on the H200 at the 5.13B widths for ~250 chunks, 119 ms for 2047 (the
-  // 32K backward), 15 us once seen (scripts/diag/batched_issue.cu). So a count goes as its
-  // powers of two down to batch_granule, then the rest in one call: few counts, and they recur.
   const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count) {
-    std::size_t done = 0;
-    for (std::size_t part = std::bit_floor(count); part >= batch_granule; part /= 2)
-      if (count - done >= part) {
-        OOM_KERNEL_TRY(call(w + done, r + done, c + done, part));
-        done += part;
-      }
-    return call(w + done, r + done, c + done, count - done);
+    return in_recurring_counts(count, [&](std::size_t first, std::size_t n) { return call(w + first, r + first, c + first, n); });
   };
   const std::size_t nf = full_w.size(), nr = rem_w.size();
   OOM_KERNEL_TRY(batched(d, d + nf, d + 2 * nf, nf));
@@ -327,6 +334,78 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
     const std::uint64_t ex = bucketed != nullptr ? bucketed->fallbacks() - fallbacks : alone.size();
     return "row GEMMs: " + std::to_string(nf) + " full chunks + " + std::to_string(nr) + " remainders batched, " +
            std::to_string(alone.size()) + " experts alone (" + std::to_string(ex) + " through cublasGemmEx)";
+  });
+  return cudaSuccess;
+}
+
+/// The depth of row_chunked's batched weight gradients (ExpertGemmStreamsOptions::
+/// batched_weight_gradients): the largest power of two or 1.5 times one, at least two chunks,
+/// that at least half of `ks` reach; 0 when there is none or fewer than two problems reach it.
+std::int64_t batched_depth(std::vector<std::int64_t> ks, std::int64_t chunk) {
+  if (ks.size() < 2) return 0;
+  std::sort(ks.begin(), ks.end(), std::greater<>());
+  const std::int64_t half = ks[(ks.size() - 1) / 2];  // at least half of ks are >= this
+  if (half < 2 * chunk) return 0;
+  const auto p = static_cast<std::int64_t>(std::bit_floor(static_cast<std::uint64_t>(half)));
+  return p + p / 2 <= half ? p + p / 2 : p;
+}
+
+/// Weight-gradient problems of one op (A transposed, B not, fp32 C, beta 1; the same m, n and
+/// leading dimensions; k = the expert's rows): the first batched_depth() rows of every problem
+/// that has them in cublasGemmBatchedEx calls on `stream`, in recurring counts; what is left (the
+/// rows past the depth, and the problems that do not reach it) goes to *rest, to be issued after.
+cudaError_t run_weights_batched(ExpertGemmStreams::State& st, cublasHandle_t blas, cudaStream_t stream,
+                                const std::vector<Problem>& ps, std::int64_t chunk, void* arrays, std::size_t array_bytes,
+                                std::vector<Problem>* rest) {
+  *rest = ps;
+  std::vector<std::int64_t> ks;
+  for (const auto& p : ps) {
+    if (!p.trans_a || p.trans_b || p.beta != 1.0f || p.c_type != CUDA_R_32F || p.m != ps[0].m || p.n != ps[0].n ||
+        p.lda != ps[0].lda || p.ldb != ps[0].ldb || p.ldc != ps[0].ldc)
+      return cudaSuccess;  // not of that form: all of them per problem
+    ks.push_back(p.k);
+  }
+  const std::int64_t depth = batched_depth(ks, chunk);
+  if (depth == 0) return cudaSuccess;
+  const auto began = std::chrono::steady_clock::now();
+  rest->clear();
+  std::vector<const void*> cu_a, cu_b, cu_c;  // cuBLAS' A, B and C of C^T = B^T A (column-major)
+  for (const auto& p : ps) {
+    if (p.k < depth) {
+      rest->push_back(p);
+      continue;
+    }
+    cu_a.push_back(p.b);
+    cu_b.push_back(p.a);
+    cu_c.push_back(p.c);
+    if (p.k > depth) {
+      Problem r = p;
+      r.a = static_cast<const __nv_bfloat16*>(p.a) + depth * p.lda;
+      r.b = static_cast<const __nv_bfloat16*>(p.b) + depth * p.ldb;
+      r.k = p.k - depth;
+      rest->push_back(r);
+    }
+  }
+  const std::size_t n = cu_a.size();
+  std::vector<const void*> ptrs(cu_a);
+  ptrs.insert(ptrs.end(), cu_b.begin(), cu_b.end());
+  ptrs.insert(ptrs.end(), cu_c.begin(), cu_c.end());
+  if (ptrs.size() * sizeof(void*) > array_bytes) return cudaErrorInvalidValue;
+  auto* d = static_cast<const void**>(arrays);
+  OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), array_bytes, d));
+  OOM_KERNEL_TRY(to_cuda_error(cublasSetStream(blas, stream)));
+  const Problem& p0 = ps[0];
+  const float alpha = 1.0f, beta = 1.0f;
+  OOM_KERNEL_TRY(in_recurring_counts(n, [&](std::size_t first, std::size_t count) {
+    return to_cuda_error(cublasGemmBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(p0.n), static_cast<int>(p0.m),
+                                             static_cast<int>(depth), &alpha, d + first, CUDA_R_16BF, static_cast<int>(p0.ldb),
+                                             d + n + first, CUDA_R_16BF, static_cast<int>(p0.lda), &beta,
+                                             const_cast<void* const*>(d + 2 * n + first), CUDA_R_32F, static_cast<int>(p0.ldc),
+                                             static_cast<int>(count), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }));
+  record_host_span(began, [&] {
+    return "weight GEMMs: " + std::to_string(n) + " experts' first " + std::to_string(depth) + " rows batched, " +
+           std::to_string(rest->size()) + " GEMMs left";
   });
   return cudaSuccess;
 }
@@ -401,8 +480,14 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
       ExpertGemmStreams::State* st = nullptr;
       OOM_KERNEL_TRY(l.streams->state(&st));
       const auto& o = l.streams->options();
-      const std::size_t arrays = chunk_array_bytes(l.s, o.row_chunk);
-      return run_spread(*st, o, l.stream, weights, static_cast<char*>(l.workspace) + arrays,
+      const std::size_t arrays = chunk_array_bytes(l.s, o.row_chunk), weight_arrays = pointer_array_bytes(l.s.experts);
+      auto* ws = static_cast<char*>(l.workspace);
+      std::vector<Problem> rest;
+      if (o.batched_weight_gradients && !weights.empty())
+        OOM_KERNEL_TRY(run_weights_batched(*st, l.blas, l.stream, weights, o.row_chunk, ws + arrays, weight_arrays, &rest));
+      else
+        rest = weights;
+      return run_spread(*st, o, l.stream, rest, ws + arrays + weight_arrays,
                         [&] { return run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, l.workspace, arrays); });
     }
   }
@@ -514,7 +599,9 @@ std::size_t expert_gemm_workspace_bytes(const ExpertGemmShape& s, ExpertGemmMeth
     case ExpertGemmMethod::grouped_batched: return 2 * pointer_array_bytes(s.experts);
     case ExpertGemmMethod::multi_stream: return streams ? side_workspace_bytes(streams->options()) : 0;
     case ExpertGemmMethod::row_chunked:
-      return streams ? chunk_array_bytes(s, streams->options().row_chunk) + side_workspace_bytes(streams->options()) : 0;
+      return streams ? chunk_array_bytes(s, streams->options().row_chunk) + pointer_array_bytes(s.experts) +
+                           side_workspace_bytes(streams->options())
+                     : 0;
   }
   return 0;
 }

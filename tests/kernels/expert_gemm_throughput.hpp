@@ -32,12 +32,14 @@ struct ExpertGemmVariant {
 /// Every method once with its default tuning; `sweep` adds other stream counts and chunk sizes.
 inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
   using M = kernels::ExpertGemmMethod;
-  // cublasGemmEx for every GEMM (the default, row_chunked, takes cuBLASLt's bucketed algorithms)
+  // cublasGemmEx for every GEMM (the default, row_chunked, takes cuBLASLt's bucketed algorithms);
+  // chunk128sw: every weight gradient its own GEMM on the side streams (the default batches them)
   const kernels::ExpertGemmStreamsOptions gemm_ex{.bucketed_algorithms = false};
   std::vector<ExpertGemmVariant> v = {{"loop", M::per_expert_loop, gemm_ex},
                                       {"grouped", M::grouped_batched, gemm_ex},
                                       {"streams4", M::multi_stream, gemm_ex},
                                       {"chunk128ex", M::row_chunked, gemm_ex},
+                                      {"chunk128sw", M::row_chunked, {.batched_weight_gradients = false}},
                                       {"chunk128", M::row_chunked, {}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});

@@ -67,6 +67,13 @@ struct ExpertGemmStreamsOptions {
   /// counts cublasGemmEx had not seen and 1.8 ms once seen; bucketed 2.0 and 1.5 ms, the GPU
   /// throughput the same (docs/performance.md, fifth session).
   bool bucketed_algorithms = true;
+  /// row_chunked's weight gradients (dW[e] += A_e^T B_e, k = the expert's rows): the first
+  /// `depth` rows of every expert that has them in one batched GEMM on the caller's stream, the
+  /// rest per expert on the side streams. `depth` is a power of two or 1.5 times one (so the
+  /// shapes recur) that at least half of the experts with rows reach. Off: every expert's weight
+  /// gradient is its own GEMM on the side streams (output tiles of one expert's dW do not fill an
+  /// H200 at the 5.13B widths: 2048 x 768 is 96 tiles of 128 x 128 for 132 SMs).
+  bool batched_weight_gradients = true;
 };
 
 /// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and
