@@ -13,7 +13,8 @@
 # the 5.13B runs plan and predict with it. GRAD_STAGING=N runs them with a pinned gradient
 # staging ring of N layers (oom-train --grad-staging, default 3; 0 per parameter); KEEP_ATTENTION=0
 # adds --no-keep-attention-state; BUCKETED=0 adds --no-bucketed-expert-gemms;
-# WIDE=1 also trains a 2-layer model of the 5.13B widths against PyTorch (20 steps).
+# WIDE=1 also trains a 2-layer model of the 5.13B widths against PyTorch (20 steps); CLIP=X
+# trains the tiny model 50 steps with --max-grad-norm X against PyTorch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build-gpu}
@@ -108,6 +109,20 @@ if [[ "$parts" == *" train "* ]]; then
     fi
     echo "50 GPU steps vs PyTorch at lr $lr: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-train-cuda-$lr.log" | tr '\n' ' ')" >> "$out/train-summary.log"
   done
+  # CLIP=X: 50 GPU steps with --max-grad-norm X against PyTorch's clip_grad_norm_ (lr 1e-3).
+  if [[ -n "${CLIP:-}" ]]; then
+    run="$build_dir/train-cuda-clip"
+    rm -rf "$run"
+    if timeout 300 "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/tiny-moe-d128.json \
+        --out "$run" --steps 50 --seq 128 --lr 1e-3 --max-grad-norm "$CLIP" --save-initial \
+        --dump-batches "$build_dir/train-cuda-clip.tok" --keep 3 --checkpoint-every 1000 --log-every 10 > "$out/train-cuda-clip.log" 2>&1; then
+      PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
+        --batches "$build_dir/train-cuda-clip.tok" --device cuda > "$out/compare-train-cuda-clip.log" 2>&1 || ref_rc=1
+    else
+      ref_rc=1
+    fi
+    echo "50 GPU steps clipped to $CLIP vs PyTorch: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-train-cuda-clip.log" | tr '\n' ' ') $(grep -o 'grad norm [0-9.]*' "$out/train-cuda-clip.log" | head -2 | tr '\n' ' ')" >> "$out/train-summary.log"
+  fi
   # WIDE=1: the 5.13B model's layer shapes (hidden 2048, 64 experts top-8, vocab 32000) in 2 layers,
   # 20 steps at the benchmark's lr against PyTorch: does the full-width model train as PyTorch
   # trains it (the 5.13B runs' loss rises at step 3 at lr 3e-4 without warmup)?

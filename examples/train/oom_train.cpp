@@ -94,7 +94,8 @@ Optimizer (AdamW, as torch.optim.AdamW over all parameters)
                        going from 0 to 1 over the remaining updates up to --steps, floored at --min-lr
   --min-lr X           the cosine schedule's floor (default 0)
   --max-grad-norm X    clip the global gradient norm to X as torch.nn.utils.clip_grad_norm_ (default 0:
-                       no clipping; the updates then wait for the whole backward; host backend only)
+                       no clipping; the updates then wait for the whole backward; on cuda the gradients
+                       are staged per parameter, as --grad-staging 0)
 Plan
   --plan PATH          use this plan (from oom-plan --json) instead of planning
   --profile PATH       calibrated machine profile for the planner (default: built-in, see --machine)
@@ -312,6 +313,7 @@ std::uint64_t moe_chunk(const Plan& p) {
 CudaCausalLmOptions cuda_options(const Args& a) {
   CudaCausalLmOptions o;
   if (a.grad_staging) o.grad_staging_layers = static_cast<unsigned>(*a.grad_staging);
+  o.max_grad_norm = a.max_grad_norm;
   if (a.keep_attention_state) o.keep_attention_state = *a.keep_attention_state;
   if (a.bucketed_expert_gemms) o.bucketed_expert_gemms = *a.bucketed_expert_gemms;
   return o;
@@ -445,8 +447,11 @@ int run(const Args& a) {
 #else
   if (a.backend == "cuda") OOM_THROW(Errc::unsupported, "--backend cuda: this build has no CUDA (configure with -DOOM_ENABLE_CUDA=ON)");
 #endif
-  if (use_cuda && a.max_grad_norm > 0)
-    OOM_THROW(Errc::unsupported, "--max-grad-norm: clipping is not implemented on the CUDA executor yet (use --backend host)");
+  if (use_cuda && a.max_grad_norm > 0 && a.grad_staging && *a.grad_staging > 0)
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("--grad-staging {} with --max-grad-norm: clipping defers every update to the end of the backward, so the "
+                          "gradients are staged one pinned buffer per parameter (leave --grad-staging out, or pass 0)",
+                          *a.grad_staging));
   if (use_cuda && a.micro_batches > 1)
     OOM_THROW(Errc::unsupported, "--micro-batches: gradient accumulation is not implemented on the CUDA executor yet (use --backend host)");
   if (!use_cuda && a.bucketed_expert_gemms)

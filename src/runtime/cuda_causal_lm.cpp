@@ -143,6 +143,16 @@ struct CudaCausalLm::Impl {
   std::size_t workspace_bytes = 0;
   std::int32_t *d_ids = nullptr, *d_targets = nullptr, *d_positions = nullptr, *d_invalid = nullptr, *d_valid = nullptr;
   float* d_loss = nullptr;
+  // Clipping by global norm (options.max_grad_norm > 0): each segment's gradient sum of squares,
+  // taken on the GPU as its gradients are made, and the kernel's scratch.
+  double* d_sumsq = nullptr;
+  void* sumsq_workspace = nullptr;
+  std::size_t sumsq_workspace_bytes = 0;
+  bool clipping() const { return opt.max_grad_norm > 0; }
+  void sum_of_squares(std::size_t sidx, const float* grads, cudaStream_t s) {
+    OOM_CUDA_CHECK(kernels::grad_sum_of_squares(grads, static_cast<std::int64_t>(segs[sidx].n), d_sumsq + sidx, sumsq_workspace,
+                                                sumsq_workspace_bytes, s));
+  }
   std::int32_t* h_tokens = nullptr;  // pinned: ids then targets
   std::int64_t steps = 0;
   double last_seconds = 0;
@@ -272,6 +282,45 @@ struct CudaCausalLm::Impl {
   model::LmEndsContext ends_ctx() const { return {raw(cs), blas}; }
 
   static void CUDART_CB cpu_update(void* p);
+  /// Layer L's CPU AdamW with `scalars`, on the cpu stream once its gradients have landed.
+  void cpu_update_after(Layer& L, const optim::AdamWStepScalars& scalars) {
+    backend->wait(cpu, L.grads_landed);
+    L.update.scalars = scalars;
+    const int cm = span_begin(cpu, Resource::cpu, "adamw " + label(static_cast<std::size_t>(&L - layers.data())));
+    OOM_CUDA_CHECK(cudaLaunchHostFunc(raw(cpu), &Impl::cpu_update, &L.update));
+    span_end(cpu, cm);
+    backend->record(L.updated, cpu);
+    if (L.ring >= 0) backend->record(grad_ring_free[static_cast<std::size_t>(L.ring)], cpu);
+  }
+  double last_grad_norm = -1;
+  /// Clipping, after the backward: the global norm from the segments' sums of squares, added in
+  /// segment order (so every plan gets the same factor), then every update of the step scaled by
+  /// the factor: resident segments on the GPU, streamed layers by the CPU AdamW in forward order.
+  /// A NaN or infinite sum throws before anything is updated.
+  void apply_clipped_updates() {
+    const cudaStream_t s = raw(cs);
+    std::vector<double> sums(segs.size());
+    OOM_CUDA_CHECK(cudaMemcpyAsync(sums.data(), d_sumsq, sums.size() * sizeof(double), cudaMemcpyDeviceToHost, s));
+    OOM_CUDA_CHECK(cudaStreamSynchronize(s));
+    double total = 0;
+    for (const double v : sums) total += v;  // every segment once (a tied head is the embedding)
+    if (!std::isfinite(total)) {
+      sync_all();
+      resolve_marks();
+      OOM_THROW(Errc::invalid_argument, fmt::format("step {}: the gradients' sum of squares is {} (a NaN or infinite gradient); "
+                                                    "nothing was updated",
+                                                    steps + 1, total));
+    }
+    last_grad_norm = std::sqrt(total);
+    const auto scalars = optim::adamw_step_scalars(opt.adamw, steps + 1, optim::clip_grad_scale(total, opt.max_grad_norm));
+    const int mk = span_begin(cs, Resource::gpu_compute, "adamw resident (clipped)");
+    for (auto& g : segs)
+      if (g.resident)
+        OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
+    span_end(cs, mk);
+    for (auto& L : layers)
+      if (L.streamed > 0) cpu_update_after(L, scalars);
+  }
   void build(const std::vector<std::vector<float>>& weights);
   CudaBackend::Event event() { return sizing ? CudaBackend::Event{} : backend->make_event(); }
   void release() noexcept;
@@ -343,7 +392,8 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   std::unordered_set<int> streamed_layers;
   for (const auto& seg : all)
     if (!is_resident(seg)) streamed_layers.insert(seg.layer);
-  const bool ring = opt.grad_staging_layers > 0 && opt.grad_staging_layers < streamed_layers.size();
+  // Clipping defers every update to the end of the backward, so no staging buffer could be reused.
+  const bool ring = opt.max_grad_norm <= 0 && opt.grad_staging_layers > 0 && opt.grad_staging_layers < streamed_layers.size();
   segs.resize(all.size());
   for (std::size_t s = 0; s < all.size(); ++s) {
     auto& g = segs[s];
@@ -492,6 +542,13 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   d_invalid = dev<std::int32_t>(1, Claimant::worksets);
   d_valid = dev<std::int32_t>(1, Claimant::worksets);
   d_loss = dev<float>(1, Claimant::worksets);
+  if (clipping()) {
+    std::uint64_t largest = 0;
+    for (const auto& g : segs) largest = std::max<std::uint64_t>(largest, g.n);
+    d_sumsq = dev<double>(segs.size(), Claimant::worksets);
+    sumsq_workspace_bytes = kernels::grad_sum_of_squares_workspace_bytes(static_cast<std::int64_t>(largest));
+    sumsq_workspace = take(MemorySpace::device(opt.device), sumsq_workspace_bytes, Claimant::worksets);
+  }
   h_tokens = pinned<std::int32_t>(2 * T, Claimant::host_staging);
   if (sizing) return;
   std::vector<std::int32_t> pos(T);
@@ -763,11 +820,17 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (blob != nullptr) backend->record(blob_rot_free[static_cast<std::size_t>(r)], cs);
     std::swap(dy, dx);
     // Resident segments update on the GPU; streamed gradients go home and the CPU AdamW applies them.
-    mk = span_begin(cs, Resource::gpu_compute, "adamw resident " + label(li));
-    for (auto sidx : L.segments) {
-      auto& g = segs[sidx];
-      if (g.resident)
-        OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
+    // Clipping: the gradients' sums of squares instead, and every update once the norm is known.
+    if (clipping()) {
+      mk = span_begin(cs, Resource::gpu_compute, "gradient sums of squares " + label(li));
+      for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
+    } else {
+      mk = span_begin(cs, Resource::gpu_compute, "adamw resident " + label(li));
+      for (auto sidx : L.segments) {
+        auto& g = segs[sidx];
+        if (g.resident)
+          OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
+      }
     }
     span_end(cs, mk);
     if (L.streamed > 0) {
@@ -779,26 +842,22 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       auto& landed = L.grads_landed;
       backend->record(landed, d2h);
       backend->record(grad_slot_free[li % 2], d2h);
-      backend->wait(cpu, landed);
-      L.update.scalars = scalars;
-      const int cm = span_begin(cpu, Resource::cpu, "adamw " + label(li));
-      OOM_CUDA_CHECK(cudaLaunchHostFunc(raw(cpu), &Impl::cpu_update, &L.update));
-      span_end(cpu, cm);
-      backend->record(L.updated, cpu);
-      if (L.ring >= 0) backend->record(grad_ring_free[static_cast<std::size_t>(L.ring)], cpu);
+      if (!clipping()) cpu_update_after(L, scalars);
     }
     if (li > 0 && !prefetch_ahead()) upcoming = &load_weights(li - 1);  // one slot: after its reader
     host_span("issue bwd " + label(li), issued);
   }
   // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
-  mk = span_begin(cs, Resource::gpu_compute, "embedding backward + adamw ends");
+  mk = span_begin(cs, Resource::gpu_compute, clipping() ? "embedding backward" : "embedding backward + adamw ends");
   model::lm_embed_backward(ends_ctx(), ends, d_ids, dy, segs[emb].dgrad, d_invalid, workspace, workspace_bytes);
   for (auto sidx : {emb, norm, head}) {
     if (sidx == head && head == emb) continue;
     auto& g = segs[sidx];
-    OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
+    if (clipping()) sum_of_squares(sidx, g.dgrad, s);
+    else OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
   }
   span_end(cs, mk);
+  if (clipping()) apply_clipped_updates();
   OOM_CUDA_CHECK(cudaEventRecord(step_end, s));
   if (!opt.skip_nonfinite_loss) OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
   sync_all();
@@ -807,7 +866,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin, step_end));
   last_seconds = ms / 1e3;
   resolve_marks();
-  return {static_cast<double>(loss_sum) / static_cast<double>(T), false};
+  return {static_cast<double>(loss_sum) / static_cast<double>(T), false, clipping() ? last_grad_norm : -1.0};
 }
 
 Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan, const CudaCausalLmOptions& options) {

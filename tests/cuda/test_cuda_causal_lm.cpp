@@ -61,6 +61,7 @@ Plan resident_plan(const ModelSpec& spec) {
 
 struct Run {
   std::vector<double> losses;
+  std::vector<double> grad_norms;  ///< StepResult::grad_norm (-1 without clipping)
   std::vector<SegmentOptimizerState> state;
   Bytes device_peak;
   Bytes staging;  ///< pinned gradient staging (and the token buffer)
@@ -70,8 +71,9 @@ struct Run {
 // kept attention state), so the equivalence tests below run the path oom-train takes.
 Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait = false,
           unsigned grad_staging_layers = CudaCausalLmOptions{}.grad_staging_layers,
-          bool keep_attention_state = CudaCausalLmOptions{}.keep_attention_state) {
+          bool keep_attention_state = CudaCausalLmOptions{}.keep_attention_state, double max_grad_norm = 0) {
   CudaCausalLmOptions opt;
+  opt.max_grad_norm = max_grad_norm;
   opt.keep_attention_state = keep_attention_state;
   opt.adamw.lr = 3e-3f;
   opt.drop_weight_wait = drop_wait;
@@ -83,7 +85,9 @@ Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait
     std::vector<std::uint32_t> in(T), tgt(T);
     for (auto& v : in) v = static_cast<std::uint32_t>(rng() % 300);
     for (std::uint64_t i = 0; i < T; ++i) tgt[i] = (in[i] * 7 + 3) % 300;  // learnable: a function of the current token
-    r.losses.push_back(lm.step(in, tgt).loss);
+    const auto result = lm.step(in, tgt);
+    r.losses.push_back(result.loss);
+    r.grad_norms.push_back(result.grad_norm);
   }
   r.state = lm.state();
   r.device_peak = lm.backend().device_arena().peak();
@@ -134,6 +138,43 @@ TEST_CASE("every plan gives the resident plan's step, bit for bit, on the GPU") 
     CHECK(got.losses == expect.losses);
     CHECK(same(got.state, expect.state));
     if (i == 0) CHECK(got.device_peak < expect.device_peak);
+  }
+}
+
+TEST_CASE("clipping by global norm: every plan the same clipped step, bit for bit, and the clip acts") {
+  const auto spec = small_spec();
+  const Plan reference = resident_plan(spec);
+  const Run plain = train(spec, reference);
+  CHECK(plain.grad_norms == std::vector<double>(plain.grad_norms.size(), -1.0));  // not computed without clipping
+  constexpr double clip = 0.05;
+  const Run expect = train(spec, reference, 3, false, 0, true, clip);
+  for (const double norm : expect.grad_norms) {
+    CHECK(std::isfinite(norm));
+    CHECK(norm > clip);  // the factor is < 1 at every step: the clip acts
+  }
+  CHECK(expect.losses[0] == plain.losses[0]);  // the same first forward
+  CHECK(!same(expect.state, plain.state));
+  CHECK(same(train(spec, reference, 3, false, 0, true, clip).state, expect.state));  // deterministic
+  // Streamed segments (CPU AdamW, sums of squares taken on the gradient slots), offloads and
+  // recomputes: the same norms, losses and state as the resident plan.
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 3; ++i) {
+    Plan p = reference;
+    p.resident_segments.clear();
+    for (const auto& s : spec.segments())
+      if (i > 0 && rng() % 2) p.resident_segments.push_back(s.name);
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      auto& row = p.retention[static_cast<std::size_t>(l)];
+      row[0] = rng() % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
+      row[static_cast<std::size_t>(ActivationClass::expert_intermediate)] =
+          rng() % 2 ? RetentionDecision::offload() : RetentionDecision::recompute(l);
+    }
+    CAPTURE(i);
+    // A ring is asked for (the default): clipping stages per parameter instead.
+    const Run got = train(spec, p, 3, false, 3, true, clip);
+    CHECK(got.grad_norms == expect.grad_norms);
+    CHECK(got.losses == expect.losses);
+    CHECK(same(got.state, expect.state));
   }
 }
 

@@ -241,6 +241,15 @@ TEST_CASE("a gradient staging ring: pinned staging of a few layers instead of ev
   // parameter: it stages as 0 does.
   for (unsigned n : {16u, 1000u})
     CHECK(CudaCausalLm::footprint(spec, p, staging_ring(n))[staging] == whole[staging]);
+  // Clipping defers every update to the end of the backward: staging per parameter, ring or not,
+  // and a few more device bytes (each segment's sum of squares and the kernel's scratch).
+  auto clipped = staging_ring(3);
+  clipped.max_grad_norm = 1.0;
+  const auto clip = CudaCausalLm::footprint(spec, p, clipped);
+  CHECK(clip[staging] == whole[staging]);
+  const auto worksets = static_cast<std::size_t>(Claimant::worksets);
+  CHECK(clip[worksets] > whole[worksets]);
+  CHECK(clip[worksets] < whole[worksets] + 16_MiB);
 }
 
 TEST_CASE("512K with the attention state kept: fits one H200 and skips the attention's second forward") {

@@ -70,6 +70,13 @@ struct CudaCausalLmOptions {
   bool keep_attention_state = true;
   /// A step whose loss is NaN or infinite ends after the loss: no backward, no update.
   bool skip_nonfinite_loss = true;
+  /// > 0: clip the global gradient norm to this, as torch.nn.utils.clip_grad_norm_ (factor
+  /// min(1, max / (norm + 1e-6)) on every gradient). Each segment's sum of squares is taken on the
+  /// GPU as its gradients are made (no pass over weights or host memory); every update then waits
+  /// for the end of the backward, so the CPU AdamW no longer overlaps it, and gradients are staged
+  /// one pinned buffer per streamed parameter (grad_staging_layers is not used: a ring buffer is
+  /// reused only after its layer's update). A NaN or infinite norm throws before any update.
+  double max_grad_norm = 0;
   /// Test hook: compute does not wait for a layer's weights to arrive. Only for showing that the
   /// equivalence tests catch a broken schedule.
   bool drop_weight_wait = false;
@@ -89,6 +96,7 @@ class CudaCausalLm {
   struct StepResult {
     double loss = 0;       ///< mean cross-entropy over the step's tokens (nats)
     bool skipped = false;  ///< non-finite loss: no backward, no update
+    double grad_norm = -1; ///< with max_grad_norm: the global gradient norm before clipping (else -1)
   };
   /// One optimizer step on one sequence: inputs -> targets, T = plan.workload.tokens() each.
   StepResult step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
