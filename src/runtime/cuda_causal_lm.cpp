@@ -318,8 +318,10 @@ struct CudaCausalLm::Impl {
       if (g.resident)
         OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
     span_end(cs, mk);
+    Layer* last = nullptr;
     for (auto& L : layers)
-      if (L.streamed > 0) cpu_update_after(L, scalars);
+      if (L.streamed > 0) cpu_update_after(*(last = &L), scalars);
+    if (last != nullptr) backend->wait(cs, last->updated);  // the step (step_end) ends with its updates
   }
   void build(const std::vector<std::vector<float>>& weights);
   CudaBackend::Event event() { return sizing ? CudaBackend::Event{} : backend->make_event(); }
