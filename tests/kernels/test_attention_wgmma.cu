@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,7 @@ using oom::bf16;
 using oom::kernels::AttentionProblem;
 using oom::kernels::TokenRows;
 using oom::reference::AttentionDims;
+using oom::kernels::hopper::Wgmma2wgSchedule;
 using oom::test::DeviceBuffer;
 
 constexpr int kD = 128;
@@ -203,7 +205,7 @@ void check_against_mma(const char* who, const Written& wg, const Written& mma, c
 }
 
 /// Which forward a run uses.
-enum class Kernel { mma_sync, wgmma, wgmma_2wg };
+enum class Kernel { mma_sync, wgmma, wgmma_2wg_serial, wgmma_2wg_overlap };
 
 /// The three kernels on one case, each against the reference, and each wgmma kernel against the
 /// mma.sync kernel.
@@ -247,19 +249,36 @@ void check_case(const Case& c, std::uint64_t seed) {
       case Kernel::wgmma:
         OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma(p, qc, kc, vc, o, lse_buf.get(), nullptr));
         break;
-      case Kernel::wgmma_2wg:
-        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr));
+      case Kernel::wgmma_2wg_serial:
+        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
+                                                                         Wgmma2wgSchedule::serial));
+        break;
+      case Kernel::wgmma_2wg_overlap:
+        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
+                                                                         Wgmma2wgSchedule::overlap_softmax));
         break;
     }
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     return Written{o_buf.download(), lse_buf.download()};
   };
-  const Written mma = run(Kernel::mma_sync), wg = run(Kernel::wgmma), wg2 = run(Kernel::wgmma_2wg);
+  const Written mma = run(Kernel::mma_sync), wg = run(Kernel::wgmma), wg2s = run(Kernel::wgmma_2wg_serial),
+                wg2o = run(Kernel::wgmma_2wg_overlap);
   check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
   check_against_reference("wgmma kernel", wg, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
-  check_against_reference("wgmma 2wg kernel", wg2, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
+  check_against_reference("wgmma 2wg kernel, serial schedule", wg2s, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
+  check_against_reference("wgmma 2wg kernel, overlap_softmax schedule", wg2o, o_ref, lse_ref, o_mag, d, c.q_begin,
+                          q_end);
   check_against_mma("wgmma", wg, mma, o_ref, lse_ref, o_mag, c, q_end);
-  check_against_mma("wgmma 2wg", wg2, mma, o_ref, lse_ref, o_mag, c, q_end);
+  check_against_mma("wgmma 2wg serial", wg2s, mma, o_ref, lse_ref, o_mag, c, q_end);
+  check_against_mma("wgmma 2wg overlap_softmax", wg2o, mma, o_ref, lse_ref, o_mag, c, q_end);
+  // The two schedules compute the same operations on the same values in the same order (only
+  // when each wgmma is issued differs), so they must agree bit for bit. A difference within the
+  // tolerances above points at a race in overlap_softmax (an operand register or buffer reused
+  // while a wgmma still reads it), or at the compiler rounding one instantiation differently.
+  CHECK_MESSAGE(std::memcmp(wg2s.o.data(), wg2o.o.data(), wg2s.o.size() * sizeof(bf16)) == 0,
+                "the 2wg kernel's O differs between its serial and overlap_softmax schedules");
+  CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wg2o.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
+                "the 2wg kernel's LSE differs between its serial and overlap_softmax schedules");
 }
 
 }  // namespace
@@ -276,8 +295,17 @@ TEST_CASE("attention_forward_wgmma and _2wg refuse what they cannot do, and do n
     const char* name;
     Forward forward;
   };
+  const Forward serial = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                            TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
+    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::serial);
+  };
+  const Forward overlap = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                             TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
+    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::overlap_softmax);
+  };
   for (const Named kernel : {Named{"attention_forward_wgmma", oom::kernels::hopper::attention_forward_wgmma},
-                             Named{"attention_forward_wgmma_2wg", oom::kernels::hopper::attention_forward_wgmma_2wg}}) {
+                             Named{"attention_forward_wgmma_2wg, serial", serial},
+                             Named{"attention_forward_wgmma_2wg, overlap_softmax", overlap}}) {
     CAPTURE(kernel.name);
     const Forward forward = kernel.forward;
     auto bad = p;
@@ -331,8 +359,8 @@ TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 
   // Printed, not asserted. FLOPs of the causal forward counted as src/cuda/calibrate.cu counts
   // them: 2 S^2 Hq D per batch (Q K^T and P V, 2 FLOP per multiply-add, half of the S x S square).
   // The wgmma outputs are also compared with the mma.sync one (relative L2 and LSE), a check at a
-  // size the CPU reference cannot afford. At S = 65536 only mma.sync and the 2wg kernel run (the
-  // first wgmma kernel is the slowest and would add seconds).
+  // size the CPU reference cannot afford. At S = 65536 only mma.sync and the 2wg kernel (both
+  // schedules) run (the first wgmma kernel is the slowest and would add seconds).
   require_sm90();
   const int hq = 16, hkv = 4;
   for (const int s : {4096, 16384, 65536}) {
@@ -352,9 +380,9 @@ TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 
       return out;
     };
     DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg(run_v1 ? nq : 0),
-        o_wg2(nq);
-    DeviceBuffer<float> lse_mma(static_cast<std::size_t>(hq) * s), lse_wg(run_v1 ? static_cast<std::size_t>(hq) * s : 0),
-        lse_wg2(static_cast<std::size_t>(hq) * s);
+        o_wg2s(nq), o_wg2o(nq);
+    const std::size_t nlse = static_cast<std::size_t>(hq) * s;
+    DeviceBuffer<float> lse_mma(nlse), lse_wg(run_v1 ? nlse : 0), lse_wg2s(nlse), lse_wg2o(nlse);
     const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
     const TokenRows<const bf16> qr{q.get(), s * q_row, q_row}, kr{k.get(), s * kv_row, kv_row},
         vr{v.get(), s * kv_row, kv_row};
@@ -368,25 +396,26 @@ TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 
       OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma(p, qr, kr, vr, {o_wg.get(), s * q_row, q_row},
                                                                    lse_wg.get(), st));
     };
-    const auto wg2 = [&](cudaStream_t st) {
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qr, kr, vr, {o_wg2.get(), s * q_row, q_row},
-                                                                       lse_wg2.get(), st));
+    const auto wg2s = [&](cudaStream_t st) {
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
+          p, qr, kr, vr, {o_wg2s.get(), s * q_row, q_row}, lse_wg2s.get(), st, Wgmma2wgSchedule::serial));
+    };
+    const auto wg2o = [&](cudaStream_t st) {
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
+          p, qr, kr, vr, {o_wg2o.get(), s * q_row, q_row}, lse_wg2o.get(), st, Wgmma2wgSchedule::overlap_softmax));
     };
     const int repeats = s >= 65536 ? 5 : 10;
     const double ms_mma = oom::test::time_ms(mma, stream.s, repeats);
     const double ms_wg = run_v1 ? oom::test::time_ms(wg, stream.s, repeats) : 0.0;
-    const double ms_wg2 = oom::test::time_ms(wg2, stream.s, repeats);
+    const double ms_wg2s = oom::test::time_ms(wg2s, stream.s, repeats);
+    const double ms_wg2o = oom::test::time_ms(wg2o, stream.s, repeats);
     const double flops = 2.0 * static_cast<double>(s) * s * hq * kD;
     const auto tflops = [&](double ms) { return flops / ms / 1e9; };
-    if (run_v1)
-      std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward: mma.sync %.3f ms = %.0f TFLOP/s, wgmma %.3f ms = %.0f "
-                  "TFLOP/s (%.2fx), wgmma 2wg %.3f ms = %.0f TFLOP/s (%.2fx of mma.sync, %.2fx of wgmma)\n",
-                  s, hq, hkv, ms_mma, tflops(ms_mma), ms_wg, tflops(ms_wg), ms_mma / ms_wg, ms_wg2, tflops(ms_wg2),
-                  ms_mma / ms_wg2, ms_wg / ms_wg2);
-    else
-      std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward: mma.sync %.3f ms = %.0f TFLOP/s, wgmma 2wg %.3f ms = "
-                  "%.0f TFLOP/s (%.2fx of mma.sync)\n",
-                  s, hq, hkv, ms_mma, tflops(ms_mma), ms_wg2, tflops(ms_wg2), ms_mma / ms_wg2);
+    std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward, TFLOP/s (x of mma.sync): mma.sync %.3f ms = %.0f", s, hq,
+                hkv, ms_mma, tflops(ms_mma));
+    if (run_v1) std::printf(" | wgmma %.3f ms = %.0f (%.2fx)", ms_wg, tflops(ms_wg), ms_mma / ms_wg);
+    std::printf(" | 2wg serial %.3f ms = %.0f (%.2fx) | 2wg overlap_softmax %.3f ms = %.0f (%.2fx)\n", ms_wg2s,
+                tflops(ms_wg2s), ms_mma / ms_wg2s, ms_wg2o, tflops(ms_wg2o), ms_mma / ms_wg2o);
     std::fflush(stdout);
 
     const auto m = to_float(o_mma.download());
@@ -404,6 +433,7 @@ TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 
       CHECK(lse_diff < 1e-3 * (1 + std::log(static_cast<double>(s))));
     };
     if (run_v1) against_mma("wgmma", o_wg, lse_wg);
-    against_mma("wgmma 2wg", o_wg2, lse_wg2);
+    against_mma("wgmma 2wg serial", o_wg2s, lse_wg2s);
+    against_mma("wgmma 2wg overlap_softmax", o_wg2o, lse_wg2o);
   }
 }

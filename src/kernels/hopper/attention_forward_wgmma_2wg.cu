@@ -104,6 +104,113 @@ __device__ __forceinline__ void load_tile_cores(unsigned char* tile, const __nv_
   }
 }
 
+/// One warpgroup's share of a block: its thread's place in the fragments and its running state.
+/// Accumulator fragments (wgmma.cuh): warp w of the warpgroup, lane l holds rows r0 = 16w + l/4
+/// (hf = 0) and r0 + 8 (hf = 1) of the warpgroup's 64; of 8-column block j, columns
+/// 8j + 2(l%4) + {0, 1} in acc[4j + 2hf], acc[4j + 2hf + 1].
+struct WarpgroupState {
+  float o[kD / 2];                 // O, 64 x 128 per warpgroup
+  float s[kBc / 2];                // S, then exp(S - m), 64 x 128 per warpgroup
+  std::uint32_t pa[kBc / 16][4];   // P as the RS A operand, one k-step of 16 keys per row
+  float m_run[2];                  // running row max, log2 units
+  float l_run[2];                  // running row sum, this lane's columns only
+};
+
+/// Keeps every register a wgmma reads or writes materialised at this point: before a wgmma_fence
+/// (their last writes happen before it) and after a wgmma_wait_group (no use of them, and no reuse
+/// of their registers for other values, moves before the wait: the RS form reads `pa` and both
+/// forms write their accumulators asynchronously).
+__device__ __forceinline__ void fence_all(WarpgroupState& st) {
+  wgmma_fence_operands(st.o);
+  wgmma_fence_operands(st.s);
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks) wgmma_fence_operands(st.pa[ks]);
+}
+
+/// S = Q_wg K^T: A = the warpgroup's 64 Q rows, B = K (128 keys x 128 d), both K-major over d;
+/// 8 wgmma m64n128k16 SS, not committed.
+__device__ __forceinline__ void issue_s(WarpgroupState& st, std::uint32_t a_q, std::uint32_t a_kbuf) {
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks)
+    wgmma_m64n128k16_f32_bf16_ss(st.s, encode_smem_desc(a_q + ks * kQkStep, kQkLbo, kQkSbo),
+                                 encode_smem_desc(a_kbuf + ks * kQkStep, kQkLbo, kQkSbo), ks > 0 ? 1 : 0);
+}
+
+/// O += P V: A = P (registers, 64 x 128 keys), B = V (128 keys x 128 d) MN-major; 8 wgmma
+/// m64n128k16 RS, not committed. `pa` must stay untouched until they complete.
+__device__ __forceinline__ void issue_pv(WarpgroupState& st, std::uint32_t a_vbuf) {
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks)
+    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(st.o, st.pa[ks], encode_smem_desc(a_vbuf + ks * kVStep, kVLbo, kVSbo),
+                                            1);
+}
+
+/// Causal mask of the S tile at keys n0.. (key > query) where it crosses the diagonal of one of the
+/// warpgroup's rows, then the online softmax statistics and P = exp(S - m') in place (fp32):
+/// m' = max(m, rowmax S), l' = e^(m - m') l + rowsum P, in log2 units (scale * log2 e folded into
+/// one FMA). Returns alpha = e^(m - m') per row half in `alpha`; O is not touched (it may still be
+/// an in-flight accumulator).
+__device__ __forceinline__ void softmax_tile(WarpgroupState& st, float (&alpha)[2], int n0, int wg_row0, int r0,
+                                             int c0, float scale_log2) {
+  if (n0 + kBc - 1 > wg_row0) {
+#pragma unroll
+    for (int j = 0; j < kBc / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = wg_row0 + r0 + 8 * (e >> 1);
+        const int key = n0 + 8 * j + c0 + (e & 1);
+        if (key > i) st.s[4 * j + e] = -INFINITY;
+      }
+  }
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kBc / 8; ++j) mx = fmaxf(mx, fmaxf(st.s[4 * j + 2 * hf], st.s[4 * j + 2 * hf + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(st.m_run[hf], mx * scale_log2);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet: avoid inf - inf
+    alpha[hf] = exp2f(st.m_run[hf] - m_use);
+    st.m_run[hf] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kBc / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2f(fmaf(st.s[4 * j + 2 * hf + e], scale_log2, -m_use));
+        st.s[4 * j + 2 * hf + e] = pe;
+        sum += pe;
+      }
+    st.l_run[hf] = st.l_run[hf] * alpha[hf] + sum;
+  }
+}
+
+/// O *= alpha per row, and P (in s) rounded to bf16 into the RS A fragments: k-step ks covers keys
+/// 16ks .. 16ks+15 = column blocks 2ks, 2ks+1 of the fragment; pa[ks][0] = (row r0, block 2ks),
+/// [1] = (row r0+8, block 2ks), [2] = (row r0, block 2ks+1), [3] = (row r0+8, block 2ks+1), the
+/// lower column in the low half (wgmma.cuh). Only once no wgmma reading `pa` or writing `o` is in
+/// flight.
+__device__ __forceinline__ void rescale_and_pack(WarpgroupState& st, const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < kD / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st.o[4 * j + e] *= alpha[e >> 1];
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks) {
+    st.pa[ks][0] = pack_bf16(st.s[8 * ks + 0], st.s[8 * ks + 1]);
+    st.pa[ks][1] = pack_bf16(st.s[8 * ks + 2], st.s[8 * ks + 3]);
+    st.pa[ks][2] = pack_bf16(st.s[8 * ks + 4], st.s[8 * ks + 5]);
+    st.pa[ks][3] = pack_bf16(st.s[8 * ks + 6], st.s[8 * ks + 7]);
+  }
+}
+
+/// The two schedules of a warpgroup's GEMMs (docs/hopper.md):
+///   serial:          per tile j: S_j, wait, softmax, O += P_j V_j, wait;
+///   overlap_softmax: per tile j: S_j and O += P_{j-1} V_{j-1} issued together, wait for S_j only,
+///                    softmax of S_j while the P V wgmmas run, then wait for them, rescale O and
+///                    pack P_j; the last P V after the loop. V_j then loads one tile after K_j.
+template <bool kOverlapSoftmax>
 __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kernel(const Params p) {
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem[];
@@ -125,12 +232,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kerne
 
   load_tile_cores(s_q, q_g, p.q_token, q0, p.q_end);
   load_tile_cores(s_k, k_g, p.k_token, 0, p.seq);
-  load_tile_cores(s_v, v_g, p.v_token, 0, p.seq);
+  if constexpr (!kOverlapSoftmax) load_tile_cores(s_v, v_g, p.v_token, 0, p.seq);
   cp_async_commit();
 
-  // Accumulator fragments (wgmma.cuh): in warpgroup wg, warp w, lane l holds rows
-  // r0 = 16w + l/4 (hf = 0) and r0 + 8 (hf = 1) of the warpgroup's 64; of 8-column block j,
-  // columns 8j + 2(l%4) + {0, 1} in acc[4j + 2hf], acc[4j + 2hf + 1].
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
   const int r0 = 16 * warp + (lane >> 2);
@@ -139,112 +243,89 @@ __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kerne
 
   const std::uint32_t a_q = smem_addr(s_q) + static_cast<std::uint32_t>(wg * kWgRowBytes);
   const std::uint32_t a_k = smem_addr(s_k), a_v = smem_addr(s_v);
+  const auto k_buf = [&](int j) { return a_k + static_cast<std::uint32_t>((j & 1) * kTileBytes); };
+  const auto v_buf = [&](int j) { return a_v + static_cast<std::uint32_t>((j & 1) * kTileBytes); };
 
-  float o[kD / 2];   // O, 64 x 128 per warpgroup
-  float s[kBc / 2];  // S, then exp(S - m), 64 x 128 per warpgroup
+  WarpgroupState st;
 #pragma unroll
-  for (int e = 0; e < kD / 2; ++e) o[e] = 0.0f;
+  for (int e = 0; e < kD / 2; ++e) st.o[e] = 0.0f;
 #pragma unroll
-  for (int e = 0; e < kBc / 2; ++e) s[e] = 0.0f;
-  float m_run[2] = {-INFINITY, -INFINITY};  // running row max, log2 units
-  float l_run[2] = {0.0f, 0.0f};            // running row sum, this lane's columns only
+  for (int e = 0; e < kBc / 2; ++e) st.s[e] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) st.pa[ks][x] = 0u;
+  st.m_run[0] = st.m_run[1] = -INFINITY;
+  st.l_run[0] = st.l_run[1] = 0.0f;
+  float alpha[2];
 
   for (int nb = 0; nb < n_kv; ++nb) {
-    const int buf = nb & 1;
-    // 0. Tile nb has landed for everyone; both warpgroups are done with tile nb - 1.
+    // Every tile loaded so far has landed for everyone, and both warpgroups are done with the
+    // wgmmas of the previous iteration (the last readers of the buffers loaded next).
     cp_async_wait<0>();
     fence_proxy_async_shared();  // this thread's cp.async writes before the wgmmas read them
     __syncthreads();
-    if (nb + 1 < n_kv) {
-      load_tile_cores(s_k + (buf ^ 1) * kTileBytes, k_g, p.k_token, (nb + 1) * kBc, p.seq);
-      load_tile_cores(s_v + (buf ^ 1) * kTileBytes, v_g, p.v_token, (nb + 1) * kBc, p.seq);
+    if constexpr (kOverlapSoftmax) {
+      // K_{nb+1} into the buffer S_{nb-1} read, V_nb into the one P_{nb-2} V_{nb-2} read.
+      if (nb + 1 < n_kv) load_tile_cores(s_k + ((nb + 1) & 1) * kTileBytes, k_g, p.k_token, (nb + 1) * kBc, p.seq);
+      load_tile_cores(s_v + (nb & 1) * kTileBytes, v_g, p.v_token, nb * kBc, p.seq);
+    } else if (nb + 1 < n_kv) {
+      load_tile_cores(s_k + ((nb + 1) & 1) * kTileBytes, k_g, p.k_token, (nb + 1) * kBc, p.seq);
+      load_tile_cores(s_v + ((nb + 1) & 1) * kTileBytes, v_g, p.v_token, (nb + 1) * kBc, p.seq);
     }
     cp_async_commit();
 
-    // 1. S = Q_wg K^T: A = the warpgroup's 64 Q rows, B = K (128 keys x 128 d), both K-major over d.
-    const std::uint32_t a_kbuf = a_k + static_cast<std::uint32_t>(buf * kTileBytes);
-    wgmma_fence_operands(s);
-    wgmma_fence();  // the softmax of the previous tile accessed s
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks)
-      wgmma_m64n128k16_f32_bf16_ss(s, encode_smem_desc(a_q + ks * kQkStep, kQkLbo, kQkSbo),
-                                   encode_smem_desc(a_kbuf + ks * kQkStep, kQkLbo, kQkSbo), ks > 0 ? 1 : 0);
+    fence_all(st);
+    wgmma_fence();  // s, o and pa were written by the previous iteration
+    issue_s(st, a_q, k_buf(nb));
     wgmma_commit_group();
-    wgmma_wait_group<0>();
-    wgmma_fence_operands(s);
-
-    // 2. Causal mask (key > query) where the tile crosses the diagonal of one of the warpgroup's rows.
-    const int n0 = nb * kBc;
-    if (n0 + kBc - 1 > wg_row0) {
-#pragma unroll
-      for (int j = 0; j < kBc / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = wg_row0 + r0 + 8 * (e >> 1);
-          const int key = n0 + 8 * j + c0 + (e & 1);
-          if (key > i) s[4 * j + e] = -INFINITY;
-        }
-    }
-    // Online softmax: m' = max(m, rowmax S), P = exp(S - m'), l' = e^(m - m') l + rowsum P,
-    // O' = e^(m - m') O, in log2 units (scale * log2 e folded into one FMA).
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kBc / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[hf], mx * p.scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet: avoid inf - inf
-      const float alpha = exp2f(m_run[hf] - m_use);
-      m_run[hf] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kBc / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = exp2f(fmaf(s[4 * j + 2 * hf + e], p.scale_log2, -m_use));
-          s[4 * j + 2 * hf + e] = pe;
-          sum += pe;
-        }
-      l_run[hf] = l_run[hf] * alpha + sum;
-#pragma unroll
-      for (int j = 0; j < kD / 8; ++j) {
-        o[4 * j + 2 * hf] *= alpha;
-        o[4 * j + 2 * hf + 1] *= alpha;
+    if constexpr (kOverlapSoftmax) {
+      if (nb > 0) {
+        // ptxas otherwise injects this arrive itself (C7519): the branch hides that nothing
+        // touched o and pa since the fence above. It orders register accesses only; the S
+        // wgmmas keep running.
+        wgmma_fence();
+        issue_pv(st, v_buf(nb - 1));  // O += P_{nb-1} V_{nb-1}, pa and o as left by the previous iteration
+        wgmma_commit_group();
+        wgmma_wait_group<1>();  // S_nb done (groups complete in order); P V may still run
+      } else {
+        wgmma_wait_group<0>();
       }
+      wgmma_fence_operands(st.s);
+      softmax_tile(st, alpha, nb * kBc, wg_row0, r0, c0, p.scale_log2);
+      wgmma_wait_group<0>();
+      fence_all(st);  // o and pa are free from here on
+      rescale_and_pack(st, alpha);
+    } else {
+      wgmma_wait_group<0>();
+      wgmma_fence_operands(st.s);
+      softmax_tile(st, alpha, nb * kBc, wg_row0, r0, c0, p.scale_log2);
+      rescale_and_pack(st, alpha);
+      fence_all(st);
+      wgmma_fence();  // o rescaled, pa written
+      issue_pv(st, v_buf(nb));
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+      fence_all(st);
     }
-    // P as the RS A operand (wgmma.cuh): k-step ks covers keys 16ks .. 16ks+15 = column blocks
-    // 2ks, 2ks+1 of the fragment; a[0] = (row r0, block 2ks), a[1] = (row r0+8, block 2ks),
-    // a[2] = (row r0, block 2ks+1), a[3] = (row r0+8, block 2ks+1), lower column in the low half.
-    std::uint32_t pa[kBc / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < kBc / 16; ++ks) {
-      pa[ks][0] = pack_bf16(s[8 * ks + 0], s[8 * ks + 1]);
-      pa[ks][1] = pack_bf16(s[8 * ks + 2], s[8 * ks + 3]);
-      pa[ks][2] = pack_bf16(s[8 * ks + 4], s[8 * ks + 5]);
-      pa[ks][3] = pack_bf16(s[8 * ks + 6], s[8 * ks + 7]);
-      wgmma_fence_operands(pa[ks]);
-    }
-
-    // 3. O += P V: A = P (registers, 64 x 128 keys), B = V (128 keys x 128 d) MN-major.
-    const std::uint32_t a_vbuf = a_v + static_cast<std::uint32_t>(buf * kTileBytes);
-    wgmma_fence_operands(o);
-    wgmma_fence();  // o was rescaled and pa written above
-#pragma unroll
-    for (int ks = 0; ks < kBc / 16; ++ks)
-      wgmma_m64n128k16_f32_bf16_rs<Major::mn>(o, pa[ks], encode_smem_desc(a_vbuf + ks * kVStep, kVLbo, kVSbo), 1);
+  }
+  if constexpr (kOverlapSoftmax) {
+    // The last O += P V: V_{n_kv-1} was loaded in the last iteration.
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    fence_all(st);
+    wgmma_fence();
+    issue_pv(st, v_buf(n_kv - 1));
     wgmma_commit_group();
     wgmma_wait_group<0>();
-    wgmma_fence_operands(o);
-#pragma unroll
-    for (int ks = 0; ks < kBc / 16; ++ks) wgmma_fence_operands(pa[ks]);  // pa lives until here
+    fence_all(st);
   }
 
   // O = O / l, LSE = (m + log2 l) ln 2 for the valid rows.
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    float l = l_run[hf];
+    float l = st.l_run[hf];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -255,10 +336,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kerne
 #pragma unroll
       for (int j = 0; j < kD / 8; ++j)
         *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(o[4 * j + 2 * hf] * inv, o[4 * j + 2 * hf + 1] * inv);
+            __floats2bfloat162_rn(st.o[4 * j + 2 * hf] * inv, st.o[4 * j + 2 * hf + 1] * inv);
       if ((lane & 3) == 0)
         p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seq + i] =
-            l > 0.0f ? (m_run[hf] + log2f(l)) * attention_detail::ln2 : -INFINITY;
+            l > 0.0f ? (st.m_run[hf] + log2f(l)) * attention_detail::ln2 : -INFINITY;
     }
   }
 #else
@@ -270,8 +351,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kerne
 }  // namespace
 
 cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                                        TokenRows<const bf16> v, TokenRows<bf16> o, float* lse,
-                                        cudaStream_t stream) {
+                                        TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream,
+                                        Wgmma2wgSchedule schedule) {
   using attention_detail::aligned_rows;
   if (!attention_can_implement(p)) return cudaErrorInvalidValue;
   if (p.head_dim != kD) return cudaErrorNotSupported;
@@ -290,7 +371,8 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<con
 
   const Params params = attention_detail::forward_params(p, q, k, v, o, lse);
 
-  auto* kernel = attention_forward_wgmma_2wg_kernel;
+  auto* kernel = schedule == Wgmma2wgSchedule::overlap_softmax ? attention_forward_wgmma_2wg_kernel<true>
+                                                                : attention_forward_wgmma_2wg_kernel<false>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
       e != cudaSuccess)
     return e;
