@@ -25,17 +25,28 @@
 // placement is its "k_slabs" (SBO 128, LBO 16 N) at N = 128 with B MN-major, RS form: both tested
 // there with these very shapes.
 //
-// Per K/V tile j (keys 128j .. 128j+127), every warpgroup on its own 64 rows:
-//   0. all threads: wait for tile j's cp.async, fence the async proxy, barrier; then start the
-//      cp.async of tile j+1 into the other buffers (their last readers, the wgmmas of tile j-1 of
-//      both warpgroups, completed before that barrier);
+// Per K/V tile j (keys 128j .. 128j+127), every warpgroup on its own 64 rows, in one of two
+// schedules (Wgmma2wgSchedule, a template parameter of the kernel):
+//   serial:
+//   0. all threads: wait for their cp.async, fence the async proxy, barrier; then start the
+//      cp.async of K_{j+1}, V_{j+1} into the other buffers (their last readers, the wgmmas of tile
+//      j-1 of both warpgroups, completed before that barrier);
 //   1. S = Q_w K_j^T: 8 wgmma m64n128k16 SS (k-steps of 16 over d), waited for;
 //   2. causal mask only if the tile crosses the diagonal of one of the warpgroup's rows; online
 //      softmax on the fragment (a row's 128 values on the 4 lanes of a quad), O rescaled, P packed
 //      to bf16 A fragments;
-//   3. O += P V_j: 8 wgmma m64n128k16 RS, B = V MN-major (k-steps of 16 over the keys), waited for.
-// The two warpgroups share only the barrier of step 0, so one's softmax overlaps the other's
-// wgmmas as the warp schedulers see fit. All wgmma loops have compile-time trip counts.
+//   3. O += P_j V_j: 8 wgmma m64n128k16 RS, B = V MN-major (k-steps of 16 over the keys), waited for.
+//   overlap_softmax (the default; FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024):
+//   0. as above, but the loads started are K_{j+1} and V_j: V trails K by one tile;
+//   1. S_j = Q_w K_j^T and O += P_{j-1} V_{j-1} issued back to back as two commit groups; wait
+//      for the first only (groups complete in order);
+//   2. mask and softmax of S_j while the P V wgmmas run (they read P_{j-1} from registers and
+//      accumulate into O, neither of which the softmax touches);
+//   3. wait for P V, then rescale O and pack P_j;
+//   and after the last tile, one more barrier and O += P_{n-1} V_{n-1}. The same operations in
+//   the same order on the same values as serial: both give the same bits (the test checks it).
+// The two warpgroups share only the barrier of step 0, so one's softmax may also overlap the
+// other's wgmmas as the warp schedulers see fit. All wgmma loops have compile-time trip counts.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
