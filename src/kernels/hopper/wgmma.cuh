@@ -36,8 +36,8 @@
 //   matrices in the K dimension; SBO ... in the M or N dimension") and in CUTLASS's
 //   make_gmma_desc (cute/atom/mma_traits_sm90_gmma.hpp: K-major INTERLEAVE is
 //   ((8,m),2):((1,SBO),LBO) in 16-byte units). No source we read disagrees for this layout. (For
-//   the swizzled K-major layouts LBO is unused and set to 1; for MN-major the roles differ: not
-//   used here.) Start addresses and both offsets must be multiples of 16 bytes.
+//   the swizzled K-major layouts LBO is unused and set to 1. The no-swizzle MN-major layout of a B
+//   operand is described at `Major` below.) Start addresses and both offsets must be multiples of 16 bytes.
 //
 // * Descriptor (9.7.15.5.1.2.2, "Matrix Descriptor Format"), a 64-bit register value:
 //     bits 0-13  encode(start address)      bits 16-29 encode(LBO)     bits 32-45 encode(SBO)
