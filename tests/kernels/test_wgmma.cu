@@ -189,6 +189,11 @@ __global__ void __launch_bounds__(kThreads) wgmma_abt_kernel(const std::uint16_t
   hw::wgmma_commit_group();
   hw::wgmma_wait_group<0>();
   hw::wgmma_fence_operands(d);
+  if constexpr (REG_A) {
+    // The RS wgmmas read fa asynchronously: keep its registers from being reused before the wait.
+#pragma unroll
+    for (int s = 0; s < k / 16; ++s) hw::wgmma_fence_operands(fa[s]);
+  }
 
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
