@@ -1,10 +1,13 @@
-// The Hopper (wgmma) flash-attention forward (src/kernels/hopper/attention_forward_wgmma.cu)
-// against the CPU reference and against the mma.sync kernel (oom::kernels::attention_forward) on
-// the same inputs: sequence lengths that are no multiple of the 64-row tiles (1, 17, 1000, 4099)
-// and one that is (64), GQA (4/2) and MHA (2/2), batch 1 and 2, Q/K/V separate and packed, and
-// query sub-ranges [q_begin, q_end). O and LSE are poisoned (all bits set) before every run: every
-// entry in the range must be within its bf16 bound, every entry outside it must still be poison.
-// Then a timing report (printed, not asserted) of both kernels at S = 4096 and 16384.
+// The Hopper (wgmma) flash-attention forwards (src/kernels/hopper/attention_forward_wgmma.cu, the
+// first, one warpgroup per 64 query rows; attention_forward_wgmma_2wg.cu, two warpgroups per 128
+// rows, P in registers, V read MN-major) against the CPU reference and against the mma.sync kernel
+// (oom::kernels::attention_forward) on the same inputs: sequence lengths that are no multiple of the
+// 64- or 128-row tiles (1, 17, 1000, 4099) and ones that are (64, 128 for the second), GQA (4/2) and
+// MHA (2/2), batch 1 and 2, Q/K/V separate and packed, and query sub-ranges [q_begin, q_end). O and
+// LSE are poisoned (all bits set) before every run: every entry in the range must be within its
+// bf16 bound, every entry outside it must still be poison.
+// Then a timing report (printed, not asserted) of the kernels at S = 4096, 16384 and (mma.sync and
+// the second wgmma kernel only) 65536.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
@@ -16,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -34,6 +38,7 @@ using oom::bf16;
 using oom::kernels::AttentionProblem;
 using oom::kernels::TokenRows;
 using oom::reference::AttentionDims;
+using oom::kernels::hopper::Wgmma2wgSchedule;
 using oom::test::DeviceBuffer;
 
 constexpr int kD = 128;
@@ -163,9 +168,47 @@ void check_against_reference(const char* who, const Written& got, const std::vec
   CHECK(l2 < 1e-2);
 }
 
-/// Both kernels on one case, each against the reference, and against each other: each is within
-/// its bound of the reference, so they differ by at most twice the bound (checked separately, so a
-/// failure says which of the two moved).
+/// One wgmma kernel's O and LSE against the mma.sync kernel's, over the query range: each is within
+/// its bound of the reference, so they differ by at most twice the bound (checked separately from
+/// the reference checks, so a failure says which kernel moved).
+void check_against_mma(const char* who, const Written& wg, const Written& mma, const std::vector<float>& o_ref,
+                       const std::vector<float>& lse_ref, const std::vector<double>& o_mag, const Case& c, int q_end) {
+  constexpr double u = 1.0 / 256;
+  std::size_t bad = 0;
+  std::size_t bad_lse = 0;
+  double worst = 0, max_lse_diff = 0;
+  std::string first;
+  for (int b = 0; b < c.batch; ++b)
+    for (int i = c.q_begin; i < q_end; ++i)
+      for (int h = 0; h < c.heads_q; ++h) {
+        const std::size_t base = ((static_cast<std::size_t>(b) * c.seq + i) * c.heads_q + h) * kD;
+        for (int x = 0; x < kD; ++x) {
+          const double a = oom::to_float(wg.o[base + x]), m = oom::to_float(mma.o[base + x]);
+          const double bound = 2 * (3 * u * o_mag[base + x] + 2 * u * std::abs(o_ref[base + x]) + 1e-7);
+          const double diff = std::abs(a - m);
+          if (std::isfinite(diff)) worst = std::max(worst, diff / bound);
+          if (!(diff <= bound) && ++bad <= 3)
+            first += "O[b" + std::to_string(b) + " i" + std::to_string(i) + " h" + std::to_string(h) + " d" +
+                     std::to_string(x) + "]: " + who + " " + std::to_string(a) + ", mma.sync " + std::to_string(m) + "\n";
+        }
+        // Each LSE is within 1e-3 (1 + |ref|) of the reference, so within twice that of each other.
+        const std::size_t li = (static_cast<std::size_t>(b) * c.heads_q + h) * c.seq + i;
+        const double lse_diff = std::abs(static_cast<double>(wg.lse[li]) - mma.lse[li]);
+        max_lse_diff = std::max(max_lse_diff, lse_diff);
+        if (!(lse_diff <= 2e-3 * (1 + std::abs(lse_ref[li])))) ++bad_lse;
+      }
+  INFO(who << " vs mma.sync: " << bad << " O elements apart by more than both bounds (worst diff/bound " << worst
+           << "), max |LSE difference| " << max_lse_diff << " (" << bad_lse << " beyond twice the LSE tolerance)\n"
+           << first);
+  CHECK(bad == 0);
+  CHECK(bad_lse == 0);
+}
+
+/// Which forward a run uses.
+enum class Kernel { mma_sync, wgmma, wgmma_2wg_serial, wgmma_2wg_overlap };
+
+/// The three kernels on one case, each against the reference, and each wgmma kernel against the
+/// mma.sync kernel.
 void check_case(const Case& c, std::uint64_t seed) {
   require_sm90();
   const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, kD};
@@ -194,121 +237,136 @@ void check_case(const Case& c, std::uint64_t seed) {
   REQUIRE(oom::kernels::attention_can_implement(p));
   const std::int64_t q_row = std::int64_t{c.heads_q} * kD;
 
-  const auto run = [&](bool wgmma) {
+  const auto run = [&](Kernel which) {
     DeviceBuffer<bf16> o_buf(nq);     // poisoned
     DeviceBuffer<float> lse_buf(nlse);  // poisoned
     const TokenRows<bf16> o{o_buf.get(), c.seq * q_row, q_row};
-    if (wgmma)
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma(p, as_const(in.q), as_const(in.k), as_const(in.v),
-                                                                   o, lse_buf.get(), nullptr));
-    else
-      OOM_CUDA_CHECK(oom::kernels::attention_forward(p, as_const(in.q), as_const(in.k), as_const(in.v), o,
-                                                     lse_buf.get(), nullptr));
+    const auto qc = as_const(in.q), kc = as_const(in.k), vc = as_const(in.v);
+    switch (which) {
+      case Kernel::mma_sync:
+        OOM_CUDA_CHECK(oom::kernels::attention_forward(p, qc, kc, vc, o, lse_buf.get(), nullptr));
+        break;
+      case Kernel::wgmma:
+        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma(p, qc, kc, vc, o, lse_buf.get(), nullptr));
+        break;
+      case Kernel::wgmma_2wg_serial:
+        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
+                                                                         Wgmma2wgSchedule::serial));
+        break;
+      case Kernel::wgmma_2wg_overlap:
+        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
+                                                                         Wgmma2wgSchedule::overlap_softmax));
+        break;
+    }
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     return Written{o_buf.download(), lse_buf.download()};
   };
-  const Written mma = run(false), wg = run(true);
+  const Written mma = run(Kernel::mma_sync), wg = run(Kernel::wgmma), wg2s = run(Kernel::wgmma_2wg_serial),
+                wg2o = run(Kernel::wgmma_2wg_overlap);
   check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
   check_against_reference("wgmma kernel", wg, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
-
-  // wgmma against mma.sync, over the query range.
-  constexpr double u = 1.0 / 256;
-  std::size_t bad = 0;
-  std::size_t bad_lse = 0;
-  double worst = 0, max_lse_diff = 0;
-  std::string first;
-  for (int b = 0; b < c.batch; ++b)
-    for (int i = c.q_begin; i < q_end; ++i)
-      for (int h = 0; h < c.heads_q; ++h) {
-        const std::size_t base = ((static_cast<std::size_t>(b) * c.seq + i) * c.heads_q + h) * kD;
-        for (int x = 0; x < kD; ++x) {
-          const double a = oom::to_float(wg.o[base + x]), m = oom::to_float(mma.o[base + x]);
-          const double bound = 2 * (3 * u * o_mag[base + x] + 2 * u * std::abs(o_ref[base + x]) + 1e-7);
-          const double diff = std::abs(a - m);
-          if (std::isfinite(diff)) worst = std::max(worst, diff / bound);
-          if (!(diff <= bound) && ++bad <= 3)
-            first += "O[b" + std::to_string(b) + " i" + std::to_string(i) + " h" + std::to_string(h) + " d" +
-                     std::to_string(x) + "]: wgmma " + std::to_string(a) + ", mma.sync " + std::to_string(m) + "\n";
-        }
-        // Each LSE is within 1e-3 (1 + |ref|) of the reference, so within twice that of each other.
-        const std::size_t li = (static_cast<std::size_t>(b) * c.heads_q + h) * c.seq + i;
-        const double lse_diff = std::abs(static_cast<double>(wg.lse[li]) - mma.lse[li]);
-        max_lse_diff = std::max(max_lse_diff, lse_diff);
-        if (!(lse_diff <= 2e-3 * (1 + std::abs(lse_ref[li])))) ++bad_lse;
-      }
-  INFO("wgmma vs mma.sync: " << bad << " O elements apart by more than both bounds (worst diff/bound " << worst
-                             << "), max |LSE difference| " << max_lse_diff << " (" << bad_lse
-                             << " beyond twice the LSE tolerance)\n"
-                             << first);
-  CHECK(bad == 0);
-  CHECK(bad_lse == 0);
+  check_against_reference("wgmma 2wg kernel, serial schedule", wg2s, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
+  check_against_reference("wgmma 2wg kernel, overlap_softmax schedule", wg2o, o_ref, lse_ref, o_mag, d, c.q_begin,
+                          q_end);
+  check_against_mma("wgmma", wg, mma, o_ref, lse_ref, o_mag, c, q_end);
+  check_against_mma("wgmma 2wg serial", wg2s, mma, o_ref, lse_ref, o_mag, c, q_end);
+  check_against_mma("wgmma 2wg overlap_softmax", wg2o, mma, o_ref, lse_ref, o_mag, c, q_end);
+  // The two schedules compute the same operations on the same values in the same order (only
+  // when each wgmma is issued differs), so they must agree bit for bit. A difference within the
+  // tolerances above points at a race in overlap_softmax (an operand register or buffer reused
+  // while a wgmma still reads it), or at the compiler rounding one instantiation differently.
+  CHECK_MESSAGE(std::memcmp(wg2s.o.data(), wg2o.o.data(), wg2s.o.size() * sizeof(bf16)) == 0,
+                "the 2wg kernel's O differs between its serial and overlap_softmax schedules");
+  CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wg2o.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
+                "the 2wg kernel's LSE differs between its serial and overlap_softmax schedules");
 }
 
 }  // namespace
 
-TEST_CASE("attention_forward_wgmma refuses what it cannot do, and does nothing for an empty range") {
+TEST_CASE("attention_forward_wgmma and _2wg refuse what they cannot do, and do nothing for an empty range") {
   AttentionProblem p{.batch = 1, .seq = 64, .heads_q = 4, .heads_kv = 2, .head_dim = 128, .softmax_scale = 0.1f};
   DeviceBuffer<bf16> buf(64 * 4 * 128 * 4);
   DeviceBuffer<float> lse(4 * 64);  // poisoned
   const TokenRows<const bf16> ok{buf.get(), 64 * 512, 512};
   const TokenRows<bf16> out{buf.get() + 64 * 512 * 3, 64 * 512, 512};
-  using oom::kernels::hopper::attention_forward_wgmma;
+  using Forward = cudaError_t (*)(const AttentionProblem&, TokenRows<const bf16>, TokenRows<const bf16>,
+                                  TokenRows<const bf16>, TokenRows<bf16>, float*, cudaStream_t);
+  struct Named {
+    const char* name;
+    Forward forward;
+  };
+  const Forward serial = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                            TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
+    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::serial);
+  };
+  const Forward overlap = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                             TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
+    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::overlap_softmax);
+  };
+  for (const Named kernel : {Named{"attention_forward_wgmma", oom::kernels::hopper::attention_forward_wgmma},
+                             Named{"attention_forward_wgmma_2wg, serial", serial},
+                             Named{"attention_forward_wgmma_2wg, overlap_softmax", overlap}}) {
+    CAPTURE(kernel.name);
+    const Forward forward = kernel.forward;
+    auto bad = p;
+    bad.head_dim = 256;  // valid for the mma.sync kernels, not implemented here
+    CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
+    bad.head_dim = 64;  // valid for none
+    CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
+    bad = p;
+    bad.heads_q = 3;
+    CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
+    bad = p;
+    bad.q_end = 65;
+    CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
+    const TokenRows<const bf16> odd_stride{buf.get(), 64 * 512, 500};
+    CHECK(forward(p, odd_stride, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
+    CHECK(forward(p, ok, ok, ok, out, nullptr, nullptr) == cudaErrorInvalidValue);
 
-  auto bad = p;
-  bad.head_dim = 256;  // valid for the mma.sync kernels, not implemented here
-  CHECK(attention_forward_wgmma(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
-  bad.head_dim = 64;  // valid for none
-  CHECK(attention_forward_wgmma(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
-  bad = p;
-  bad.heads_q = 3;
-  CHECK(attention_forward_wgmma(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
-  bad = p;
-  bad.q_end = 65;
-  CHECK(attention_forward_wgmma(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
-  const TokenRows<const bf16> odd_stride{buf.get(), 64 * 512, 500};
-  CHECK(attention_forward_wgmma(p, odd_stride, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
-  CHECK(attention_forward_wgmma(p, ok, ok, ok, out, nullptr, nullptr) == cudaErrorInvalidValue);
+    auto empty = p;
+    empty.q_begin = empty.q_end = 17;
+    CHECK(forward(empty, ok, ok, ok, out, lse.get(), nullptr) == cudaSuccess);
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
+    for (const float x : lse.download()) CHECK(std::bit_cast<std::uint32_t>(x) == 0xFFFFFFFFu);
 
-  auto empty = p;
-  empty.q_begin = empty.q_end = 17;
-  CHECK(attention_forward_wgmma(empty, ok, ok, ok, out, lse.get(), nullptr) == cudaSuccess);
-  OOM_CUDA_CHECK(cudaDeviceSynchronize());
-  for (const float x : lse.download()) CHECK(std::bit_cast<std::uint32_t>(x) == 0xFFFFFFFFu);
-
-  // Off compute capability 9.0 there is no code to run: refused, not launched.
-  if (!device_is_sm90())
-    CHECK(attention_forward_wgmma(p, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
+    // Off compute capability 9.0 there is no code to run: refused, not launched.
+    if (!device_is_sm90()) CHECK(forward(p, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
+  }
 }
 
-TEST_CASE("attention_forward_wgmma matches the reference and the mma.sync kernel, whole sequences") {
+TEST_CASE("attention_forward_wgmma and _2wg match the reference and the mma.sync kernel, whole sequences") {
   std::uint64_t seed = 500;
   for (const Case c : {Case{1, 1, 4, 2}, Case{2, 1, 2, 2, true}, Case{2, 17, 4, 2}, Case{1, 17, 2, 2, true},
-                       Case{1, 64, 4, 2}, Case{2, 64, 2, 2, true}, Case{1, 1000, 4, 2, true}, Case{2, 1000, 2, 2},
-                       Case{1, 4099, 4, 2}, Case{2, 4099, 2, 2, true}})
+                       Case{1, 64, 4, 2}, Case{2, 64, 2, 2, true}, Case{1, 128, 4, 2}, Case{2, 256, 2, 2, true},
+                       Case{1, 1000, 4, 2, true}, Case{2, 1000, 2, 2}, Case{1, 4099, 4, 2}, Case{2, 4099, 2, 2, true}})
     check_case(c, seed += 10);
 }
 
-TEST_CASE("attention_forward_wgmma matches the reference and the mma.sync kernel, query sub-ranges") {
-  // Ranges that start and end off the 64-row tiles (so a query tile straddles two key tiles'
-  // diagonals), a single row, and a range ending before the sequence does (rows past q_end stay
-  // poison although their keys exist).
+TEST_CASE("attention_forward_wgmma and _2wg match the reference and the mma.sync kernel, query sub-ranges") {
+  // Ranges that start and end off the 64- and 128-row tiles (so a query tile straddles two key
+  // tiles' diagonals, and in the 2wg kernel one warpgroup's rows may cross a key tile's diagonal
+  // while the other's do not), a single row, and a range ending before the sequence does (rows
+  // past q_end stay poison although their keys exist).
   std::uint64_t seed = 700;
   for (const Case c : {Case{1, 1000, 4, 2, false, 333, 700}, Case{2, 4099, 4, 2, true, 1000, 2077},
                        Case{1, 64, 2, 2, false, 17, 40}, Case{2, 200, 4, 2, true, 130, 131},
-                       Case{1, 1000, 2, 2, true, 0, 1}, Case{2, 1000, 4, 2, false, 936, 1000}})
+                       Case{1, 1000, 2, 2, true, 0, 1}, Case{2, 1000, 4, 2, false, 936, 1000},
+                       Case{1, 700, 2, 2, false, 64, 600}, Case{1, 300, 4, 2, true, 190, 300}})
     check_case(c, seed += 10);
 }
 
-TEST_CASE("attention_forward_wgmma vs mma.sync: timing at S = 4096 and 16384 (B = 1, Hq/Hkv = 16/4, D = 128)") {
+TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1, Hq/Hkv = 16/4, D = 128)") {
   // Printed, not asserted. FLOPs of the causal forward counted as src/cuda/calibrate.cu counts
   // them: 2 S^2 Hq D per batch (Q K^T and P V, 2 FLOP per multiply-add, half of the S x S square).
-  // The two outputs are also compared (relative L2 and LSE), a check at a size the CPU reference
-  // cannot afford.
+  // The wgmma outputs are also compared with the mma.sync one (relative L2 and LSE), a check at a
+  // size the CPU reference cannot afford. At S = 65536 only mma.sync and the 2wg kernel (both
+  // schedules) run (the first wgmma kernel is the slowest and would add seconds).
   require_sm90();
   const int hq = 16, hkv = 4;
-  for (const int s : {4096, 16384}) {
+  for (const int s : {4096, 16384, 65536}) {
+    const bool run_v1 = s <= 16384;
     const std::size_t nq = static_cast<std::size_t>(s) * hq * kD, nkv = static_cast<std::size_t>(s) * hkv * kD;
-    // Uniform on [-sqrt 3, sqrt 3) (unit variance) by a counter hash: fast for 10^7 elements.
+    // Uniform on [-sqrt 3, sqrt 3) (unit variance) by a counter hash: fast for 10^8 elements.
     const auto hashed = [](std::size_t n, std::uint64_t seed) {
       std::vector<bf16> out(n);
       for (std::size_t i = 0; i < n; ++i) {
@@ -321,8 +379,10 @@ TEST_CASE("attention_forward_wgmma vs mma.sync: timing at S = 4096 and 16384 (B 
       }
       return out;
     };
-    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg(nq);
-    DeviceBuffer<float> lse_mma(static_cast<std::size_t>(hq) * s), lse_wg(static_cast<std::size_t>(hq) * s);
+    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg(run_v1 ? nq : 0),
+        o_wg2s(nq), o_wg2o(nq);
+    const std::size_t nlse = static_cast<std::size_t>(hq) * s;
+    DeviceBuffer<float> lse_mma(nlse), lse_wg(run_v1 ? nlse : 0), lse_wg2s(nlse), lse_wg2o(nlse);
     const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
     const TokenRows<const bf16> qr{q.get(), s * q_row, q_row}, kr{k.get(), s * kv_row, kv_row},
         vr{v.get(), s * kv_row, kv_row};
@@ -336,21 +396,44 @@ TEST_CASE("attention_forward_wgmma vs mma.sync: timing at S = 4096 and 16384 (B 
       OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma(p, qr, kr, vr, {o_wg.get(), s * q_row, q_row},
                                                                    lse_wg.get(), st));
     };
-    const double ms_mma = oom::test::time_ms(mma, stream.s), ms_wg = oom::test::time_ms(wg, stream.s);
+    const auto wg2s = [&](cudaStream_t st) {
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
+          p, qr, kr, vr, {o_wg2s.get(), s * q_row, q_row}, lse_wg2s.get(), st, Wgmma2wgSchedule::serial));
+    };
+    const auto wg2o = [&](cudaStream_t st) {
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
+          p, qr, kr, vr, {o_wg2o.get(), s * q_row, q_row}, lse_wg2o.get(), st, Wgmma2wgSchedule::overlap_softmax));
+    };
+    const int repeats = s >= 65536 ? 5 : 10;
+    const double ms_mma = oom::test::time_ms(mma, stream.s, repeats);
+    const double ms_wg = run_v1 ? oom::test::time_ms(wg, stream.s, repeats) : 0.0;
+    const double ms_wg2s = oom::test::time_ms(wg2s, stream.s, repeats);
+    const double ms_wg2o = oom::test::time_ms(wg2o, stream.s, repeats);
     const double flops = 2.0 * static_cast<double>(s) * s * hq * kD;
-    std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward: mma.sync %.3f ms = %.0f TFLOP/s, wgmma %.3f ms = %.0f "
-                "TFLOP/s (%.2fx)\n",
-                s, hq, hkv, ms_mma, flops / ms_mma / 1e9, ms_wg, flops / ms_wg / 1e9, ms_mma / ms_wg);
+    const auto tflops = [&](double ms) { return flops / ms / 1e9; };
+    std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward, TFLOP/s (x of mma.sync): mma.sync %.3f ms = %.0f", s, hq,
+                hkv, ms_mma, tflops(ms_mma));
+    if (run_v1) std::printf(" | wgmma %.3f ms = %.0f (%.2fx)", ms_wg, tflops(ms_wg), ms_mma / ms_wg);
+    std::printf(" | 2wg serial %.3f ms = %.0f (%.2fx) | 2wg overlap_softmax %.3f ms = %.0f (%.2fx)\n", ms_wg2s,
+                tflops(ms_wg2s), ms_mma / ms_wg2s, ms_wg2o, tflops(ms_wg2o), ms_mma / ms_wg2o);
     std::fflush(stdout);
 
-    const auto a = to_float(o_wg.download()), m = to_float(o_mma.download());
-    const double l2 = oom::test::rel_l2(a, m);
-    const auto la = lse_wg.download(), lm = lse_mma.download();
-    double lse_diff = 0;
-    for (std::size_t i = 0; i < la.size(); ++i)
-      lse_diff = std::max(lse_diff, std::isfinite(la[i]) ? std::abs(static_cast<double>(la[i]) - lm[i]) : INFINITY);
-    INFO("S=" << s << ": relative L2 of wgmma O vs mma.sync O " << l2 << ", max |LSE difference| " << lse_diff);
-    CHECK(l2 < 1e-2);
-    CHECK(lse_diff < 1e-3 * (1 + std::log(static_cast<double>(s))));
+    const auto m = to_float(o_mma.download());
+    const auto lm = lse_mma.download();
+    const auto against_mma = [&](const char* who, DeviceBuffer<bf16>& o, DeviceBuffer<float>& lse) {
+      const auto a = to_float(o.download());
+      const double l2 = oom::test::rel_l2(a, m);
+      const auto la = lse.download();
+      double lse_diff = 0;
+      for (std::size_t i = 0; i < la.size(); ++i)
+        lse_diff = std::max(lse_diff, std::isfinite(la[i]) ? std::abs(static_cast<double>(la[i]) - lm[i]) : INFINITY);
+      INFO("S=" << s << ": relative L2 of " << who << " O vs mma.sync O " << l2 << ", max |LSE difference| "
+                << lse_diff);
+      CHECK(l2 < 1e-2);
+      CHECK(lse_diff < 1e-3 * (1 + std::log(static_cast<double>(s))));
+    };
+    if (run_v1) against_mma("wgmma", o_wg, lse_wg);
+    against_mma("wgmma 2wg serial", o_wg2s, lse_wg2s);
+    against_mma("wgmma 2wg overlap_softmax", o_wg2o, lse_wg2o);
   }
 }

@@ -1,11 +1,16 @@
 // The wgmma wrappers (src/kernels/hopper/wgmma.cuh) against a CPU reference: one warpgroup loads
-// A (64 x K) and B (N x K), both row-major bf16, into shared memory in the no-swizzle K-major
-// core-matrix layout, runs K/16 wgmma.m64nNk16 (scale-d 0 first, 1 after) and writes C = A B^T
-// (64 x N fp32) from the accumulator fragment. Checks, for N = 64 and 128, K = 16 to 256 and two
-// placements of the core matrices (so a swap of LBO and SBO cannot pass):
+// A (64 x K) and B (N x K), both row-major bf16, into shared memory in the no-swizzle core-matrix
+// layout (or A straight into the register fragment of the RS form), runs K/16 wgmma.m64nNk16
+// (scale-d 0 first, 1 after) and writes C = A B^T (64 x N fp32) from the accumulator fragment.
+// Instruction forms: N = 64 with A and B from shared memory, both K-major; N = 128 in four forms,
+// A from shared memory (SS) or registers (RS), B K-major or MN-major (imm-trans-b 1, B stored
+// K x N). Checks, for each form, K = 16 to 256 and two placements of the core matrices (so a swap
+// of LBO and SBO cannot pass):
 //   - one-hot A against an exactly representable, position-coded B: every C entry is exactly one
 //     B entry, and a wrong one is printed as the B[n][k] it came from (a transposed or misplaced
-//     fragment, a wrong K step, LBO/SBO swapped all show up as a readable pattern);
+//     core matrix, a wrong K step, LBO/SBO swapped all show up as a readable pattern);
+//   - the mirror image, one-hot B against a position-coded A: a wrong entry prints the A[m][k] it
+//     came from (the RS register fragment, or A's shared-memory layout);
 //   - random bf16 A and B against fp64 sums of the same bf16 values;
 //   - C = C0 + A B^T with C0 loaded into the accumulators through the fragment layout and a
 //     runtime scale-d of 1 on the first step (the fragment layout read in, not only written out).
@@ -79,18 +84,34 @@ __host__ __device__ Strides strides_of(Placement p, int k, int rows) {
 
 const char* name_of(Placement p) { return p == Placement::k_slabs ? "k_slabs (LBO 16R, SBO 128)" : "mn_rows (LBO 128, SBO 16K)"; }
 
+/// Byte offset of element (mn, kk) of an operand with R rows along M/N (A: M = 64, B: N) and K
+/// along K, in core matrices placed by `st` (core (mn/8, kk/8) at (mn/8) * SBO + (kk/8) * LBO).
+/// Inside a core matrix (128 contiguous bytes, 8 rows of 16 bytes):
+///   K-major:  row = mn % 8, the 8 K values kk % 8 along the row;
+///   MN-major: row = kk % 8, the 8 M/N values mn % 8 along the row.
+__host__ __device__ std::uint32_t element_offset(hw::Major major, Strides st, int mn, int kk) {
+  const std::uint32_t core = (mn / 8) * st.sbo + (kk / 8) * st.lbo;
+  if (major == hw::Major::k) return core + (mn % 8) * 16 + (kk % 8) * 2;
+  return core + (kk % 8) * 16 + (mn % 8) * 2;
+}
+
 /// One block of 128 threads (one warpgroup). a: (64, K), b: (N, K) row-major bf16; c: (64, N)
 /// fp32. c0: null (accumulators start as NaN) or (64, N) fp32 loaded into the accumulators through
 /// the fragment layout. first_scale_d: scale-d of the first K step, a runtime value (the later
 /// steps use 1): 0 computes A B^T, 1 computes c0 + A B^T.
+/// REG_A: A goes from global memory straight into the register fragment of the RS form
+/// (wgmma.cuh, wgmma_m64n128k16_f32_bf16_rs), else into shared memory K-major as B's placement.
+/// B_MAJOR: B goes into shared memory K-major (stored N x K) or MN-major (stored K x N), in core
+/// matrices placed by `placement`; the wgmma's imm-trans-b says which.
 /// Dynamic shared memory: (64 + N) * K * 2 bytes. K is a template parameter so that the K loop
 /// unrolls, as it will in real kernels (a runtime trip count makes ptxas serialize the wgmmas).
-template <int K, int N>
+template <int K, int N, bool REG_A = false, hw::Major B_MAJOR = hw::Major::k>
 __global__ void __launch_bounds__(kThreads) wgmma_abt_kernel(const std::uint16_t* a, const std::uint16_t* b,
                                                              const float* c0, float* c, Placement placement,
                                                              int first_scale_d) {
   static_assert(K % 16 == 0 && K >= 16);
   static_assert(N == 64 || N == 128, "a wrapper exists for N = 64 and N = 128");
+  static_assert(N == 128 || (!REG_A && B_MAJOR == hw::Major::k), "the RS and MN-major B forms exist for N = 128");
   constexpr int k = K;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* sa = smem;
@@ -98,17 +119,15 @@ __global__ void __launch_bounds__(kThreads) wgmma_abt_kernel(const std::uint16_t
   const Strides st_a = strides_of(placement, k, kRows);
   const Strides st_b = strides_of(placement, k, N);
 
-  // Global -> shared, 16 bytes (one row of one core matrix) per copy.
-  const int slabs = k / 8;
-  for (int q = threadIdx.x; q < kRows * slabs; q += blockDim.x) {
-    const int r = q / slabs, kk = q % slabs;
-    const std::uint32_t off = (r / 8) * st_a.sbo + kk * st_a.lbo + (r % 8) * 16;
-    *reinterpret_cast<uint4*>(sa + off) = *reinterpret_cast<const uint4*>(a + static_cast<std::size_t>(r) * k + kk * 8);
-  }
-  for (int q = threadIdx.x; q < N * slabs; q += blockDim.x) {
-    const int r = q / slabs, kk = q % slabs;
-    const std::uint32_t off = (r / 8) * st_b.sbo + kk * st_b.lbo + (r % 8) * 16;
-    *reinterpret_cast<uint4*>(sb + off) = *reinterpret_cast<const uint4*>(b + static_cast<std::size_t>(r) * k + kk * 8);
+  // Global -> shared, one element at a time (a test: clarity over speed).
+  if (!REG_A)
+    for (int q = threadIdx.x; q < kRows * k; q += blockDim.x) {
+      const int r = q / k, kk = q % k;
+      *reinterpret_cast<std::uint16_t*>(sa + element_offset(hw::Major::k, st_a, r, kk)) = a[q];
+    }
+  for (int q = threadIdx.x; q < N * k; q += blockDim.x) {
+    const int r = q / k, kk = q % k;
+    *reinterpret_cast<std::uint16_t*>(sb + element_offset(B_MAJOR, st_b, r, kk)) = b[q];
   }
   hw::fence_proxy_async_shared();  // these generic-proxy writes before the wgmmas' async-proxy reads
   __syncthreads();
@@ -131,21 +150,50 @@ __global__ void __launch_bounds__(kThreads) wgmma_abt_kernel(const std::uint16_t
       for (int e = 0; e < 4; ++e) d[4 * j + e] = __int_as_float(0x7fc00000);
     }
   }
+  // The A fragment of the RS form (wgmma.cuh): k-step s, a[s][0] = A[row][16s + 2(l%4) + {0,1}],
+  // a[s][1] the same 8 rows lower, a[s][2], a[s][3] the same 8 columns further; the lower column
+  // in the low 16 bits.
+  std::uint32_t fa[k / 16][4];
+  if constexpr (REG_A) {
+    const auto pair = [&](int r, int kk) {
+      return static_cast<std::uint32_t>(a[r * k + kk]) | (static_cast<std::uint32_t>(a[r * k + kk + 1]) << 16);
+    };
+#pragma unroll
+    for (int s = 0; s < k / 16; ++s) {
+      const int col = 16 * s + 2 * (l % 4);
+      fa[s][0] = pair(row, col);
+      fa[s][1] = pair(row + 8, col);
+      fa[s][2] = pair(row, col + 8);
+      fa[s][3] = pair(row + 8, col + 8);
+      hw::wgmma_fence_operands(fa[s]);
+    }
+  }
   hw::wgmma_fence_operands(d);
   hw::wgmma_fence();
 #pragma unroll
   for (int s = 0; s < k / 16; ++s) {
-    // One K step of 16 = two core matrices along K: the operand tile starts 2 * LBO further on.
-    const std::uint64_t da = hw::make_smem_desc(sa + 2 * s * st_a.lbo, st_a.lbo, st_a.sbo);
+    // One K step of 16 = two core matrices along K (for either major-ness): the operand tile
+    // starts 2 * LBO further on.
     const std::uint64_t db = hw::make_smem_desc(sb + 2 * s * st_b.lbo, st_b.lbo, st_b.sbo);
-    if constexpr (N == 64)
-      hw::wgmma_m64n64k16_f32_bf16_ss(d, da, db, s > 0 ? 1 : first_scale_d);
-    else
-      hw::wgmma_m64n128k16_f32_bf16_ss(d, da, db, s > 0 ? 1 : first_scale_d);
+    const int scale_d = s > 0 ? 1 : first_scale_d;
+    if constexpr (REG_A) {
+      hw::wgmma_m64n128k16_f32_bf16_rs<B_MAJOR>(d, fa[s], db, scale_d);
+    } else {
+      const std::uint64_t da = hw::make_smem_desc(sa + 2 * s * st_a.lbo, st_a.lbo, st_a.sbo);
+      if constexpr (N == 64)
+        hw::wgmma_m64n64k16_f32_bf16_ss(d, da, db, scale_d);
+      else
+        hw::wgmma_m64n128k16_f32_bf16_ss<B_MAJOR>(d, da, db, scale_d);
+    }
   }
   hw::wgmma_commit_group();
   hw::wgmma_wait_group<0>();
   hw::wgmma_fence_operands(d);
+  if constexpr (REG_A) {
+    // The RS wgmmas read fa asynchronously: keep its registers from being reused before the wait.
+#pragma unroll
+    for (int s = 0; s < k / 16; ++s) hw::wgmma_fence_operands(fa[s]);
+  }
 
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
@@ -159,10 +207,23 @@ __global__ void __launch_bounds__(kThreads) wgmma_abt_kernel(const std::uint16_t
 
 void require_sm90() { oom::test::require_sm90("test_wgmma"); }
 
+/// Which instruction form a run uses: A from shared memory (SS) or registers (RS), B K-major or
+/// MN-major. The first is the only one for N = 64.
+struct Form {
+  bool reg_a = false;
+  hw::Major b_major = hw::Major::k;
+};
+const char* name_of(Form f) {
+  if (f.reg_a) return f.b_major == hw::Major::k ? "RS, B K-major" : "RS, B MN-major";
+  return f.b_major == hw::Major::k ? "SS, B K-major" : "SS, B MN-major";
+}
+constexpr Form kFormsN128[] = {Form{false, hw::Major::k}, Form{true, hw::Major::k}, Form{false, hw::Major::mn},
+                               Form{true, hw::Major::mn}};
+
 /// C = A B^T on the GPU (c0 empty), or C = c0 + A B^T (c0 64 x N, scale-d 1 from the first step);
 /// a: (64, K), b: (N, K) row-major.
 std::vector<float> run_gpu(const std::vector<bf16>& a, const std::vector<bf16>& b, int k, int n, Placement placement,
-                           const std::vector<float>& c0 = {}) {
+                           Form form, const std::vector<float>& c0 = {}) {
   require_sm90();
   DeviceBuffer<bf16> da(a), db(b);
   DeviceBuffer<float> dc0(c0);
@@ -176,17 +237,27 @@ std::vector<float> run_gpu(const std::vector<bf16>& a, const std::vector<bf16>& 
     kernel<<<1, kThreads, smem, stream.s>>>(pa, pb, c0.empty() ? nullptr : dc0.get(), dc.get(), placement,
                                              c0.empty() ? 0 : 1);
   };
-  switch (k * 1000 + n) {
-    case 16064: launch(wgmma_abt_kernel<16, 64>); break;
-    case 64064: launch(wgmma_abt_kernel<64, 64>); break;
-    case 128064: launch(wgmma_abt_kernel<128, 64>); break;
-    case 256064: launch(wgmma_abt_kernel<256, 64>); break;
-    case 16128: launch(wgmma_abt_kernel<16, 128>); break;
-    case 64128: launch(wgmma_abt_kernel<64, 128>); break;
-    case 128128: launch(wgmma_abt_kernel<128, 128>); break;
-    case 256128: launch(wgmma_abt_kernel<256, 128>); break;
-    default: FAIL("no kernel instance for K = " << k << ", N = " << n);
-  }
+  const auto for_k = [&]<int N, bool RA, hw::Major BM>() {
+    switch (k) {
+      case 16: launch(wgmma_abt_kernel<16, N, RA, BM>); break;
+      case 64: launch(wgmma_abt_kernel<64, N, RA, BM>); break;
+      case 128: launch(wgmma_abt_kernel<128, N, RA, BM>); break;
+      case 256: launch(wgmma_abt_kernel<256, N, RA, BM>); break;
+      default: FAIL("no kernel instance for K = " << k);
+    }
+  };
+  if (n == 64 && !form.reg_a && form.b_major == hw::Major::k)
+    for_k.template operator()<64, false, hw::Major::k>();
+  else if (n == 128 && !form.reg_a && form.b_major == hw::Major::k)
+    for_k.template operator()<128, false, hw::Major::k>();
+  else if (n == 128 && form.reg_a && form.b_major == hw::Major::k)
+    for_k.template operator()<128, true, hw::Major::k>();
+  else if (n == 128 && !form.reg_a && form.b_major == hw::Major::mn)
+    for_k.template operator()<128, false, hw::Major::mn>();
+  else if (n == 128 && form.reg_a && form.b_major == hw::Major::mn)
+    for_k.template operator()<128, true, hw::Major::mn>();
+  else
+    FAIL("no kernel instance for N = " << n << ", " << name_of(form));
   OOM_CUDA_CHECK_LAUNCH();
   OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
   return dc.download();
@@ -224,22 +295,23 @@ bool decode(float v, int& n, int& k) {
   return n >= 0 && n < 128 && k >= 0 && k < 256 && code_of(n, k) == v;
 }
 
-std::string describe(float v) {
+/// The operand entry a coded value is ("B[n][k]" for operand 'B', "A[m][k]" for 'A').
+std::string describe(float v, char operand) {
   int n = 0, k = 0;
   char buf[64];
   if (decode(v, n, k))
-    std::snprintf(buf, sizeof buf, "B[%d][%d]", n, k);
+    std::snprintf(buf, sizeof buf, "%c[%d][%d]", operand, n, k);
   else
-    std::snprintf(buf, sizeof buf, "%.9g (no B entry)", static_cast<double>(v));
+    std::snprintf(buf, sizeof buf, "%.9g (no %c entry)", static_cast<double>(v), operand);
   return buf;
 }
 
 /// Compares C = c0 + A B^T (got, 64 x N; c0 empty: 0) with the fp64 sum of the same values. Per entry
 ///   |got - want| <= tol_rel * (|c0_ij| + sum_k |a_ik b_jk|) + tol_abs.
-/// Prints the first mismatches as (row, col, got, want); `coded` also names the B entry each value
-/// is. Returns the number of mismatches.
+/// Prints the first mismatches as (row, col, got, want); `coded` ('A' or 'B'; 0: none) also names
+/// the entry of that position-coded operand each value is. Returns the number of mismatches.
 int compare(const std::vector<float>& got, const std::vector<bf16>& a, const std::vector<bf16>& b, int k, int n,
-            double tol_rel, double tol_abs, bool coded, const char* what, const std::vector<float>& c0 = {}) {
+            double tol_rel, double tol_abs, char coded, const char* what, const std::vector<float>& c0 = {}) {
   int bad = 0;
   for (int i = 0; i < kRows; ++i)
     for (int j = 0; j < n; ++j) {
@@ -255,9 +327,9 @@ int compare(const std::vector<float>& got, const std::vector<bf16>& a, const std
       const double err = std::fabs(static_cast<double>(g) - want);
       if (!(err <= tol_rel * mag + tol_abs)) {  // NaN fails
         if (bad < 8) {
-          if (coded)
-            std::printf("  %s: C[%d][%d] = %s, want %s\n", what, i, j, describe(g).c_str(),
-                        describe(static_cast<float>(want)).c_str());
+          if (coded != 0)
+            std::printf("  %s: C[%d][%d] = %s, want %s\n", what, i, j, describe(g, coded).c_str(),
+                        describe(static_cast<float>(want), coded).c_str());
           else
             std::printf("  %s: C[%d][%d] = %.9g, want %.9g (|err| %.3g > tol %.3g)\n", what, i, j,
                         static_cast<double>(g), want, err, tol_rel * mag + tol_abs);
@@ -271,11 +343,19 @@ int compare(const std::vector<float>& got, const std::vector<bf16>& a, const std
 
 constexpr Placement kPlacements[] = {Placement::k_slabs, Placement::mn_rows};
 
+/// The instruction forms tested at each N: all four at N = 128, SS with B K-major at N = 64.
+std::vector<Form> forms_for(int n) {
+  if (n == 128) return {std::begin(kFormsN128), std::end(kFormsN128)};
+  return {Form{}};
+}
+
 }  // namespace
 
-TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): one-hot A picks one position-coded B entry per C entry, exactly") {
+TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128; SS/RS, B K-/MN-major): one-hot A picks one position-coded B entry per C entry, exactly") {
   // A[i][t] = 1 where t = (i + shift) % K, else 0, so C[i][j] = B[j][(i + shift) % K] with no
-  // rounding at all (one exact product, the rest exact zeros): compared exactly (tol 0).
+  // rounding at all (one exact product, the rest exact zeros): compared exactly (tol 0). A wrong
+  // B layout (LBO/SBO swapped, a core matrix transposed, K-major read as MN-major) shows as the
+  // B[n][k] each wrong entry came from.
   struct Case {
     int k, shift;
   };
@@ -290,17 +370,49 @@ TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): one-hot A picks one position-coded
           REQUIRE(oom::to_float(oom::to_bf16(v)) == v);  // the code is exact in bf16
           b[static_cast<std::size_t>(j) * cs.k + t] = oom::to_bf16(v);
         }
-      for (const Placement p : kPlacements) {
-        char what[112];
-        std::snprintf(what, sizeof what, "one-hot N=%d K=%d shift=%d %s", n, cs.k, cs.shift, name_of(p));
-        CAPTURE(what);
-        const auto c = run_gpu(a, b, cs.k, n, p);
-        CHECK(compare(c, a, b, cs.k, n, 0.0, 0.0, true, what) == 0);
-      }
+      for (const Form f : forms_for(n))
+        for (const Placement p : kPlacements) {
+          char what[160];
+          std::snprintf(what, sizeof what, "one-hot A, coded B, N=%d K=%d shift=%d %s, %s", n, cs.k, cs.shift,
+                        name_of(f), name_of(p));
+          CAPTURE(what);
+          const auto c = run_gpu(a, b, cs.k, n, p, f);
+          CHECK(compare(c, a, b, cs.k, n, 0.0, 0.0, 'B', what) == 0);
+        }
     }
 }
 
-TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): C = A B^T on random inputs, K = 16, 64, 128, 256") {
+TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128; SS/RS, B K-/MN-major): one-hot B picks one position-coded A entry per C entry, exactly") {
+  // The mirror image: B[j][t] = 1 where t = (j + shift) % K, else 0, and A[i][t] coded, so
+  // C[i][j] = A[i][(j + shift) % K]; a wrong A layout (register fragment or shared memory) shows as
+  // the A[m][k] each wrong entry came from.
+  struct Case {
+    int k, shift;
+  };
+  for (const int n : kShapesN)
+    for (const Case cs : {Case{16, 0}, Case{64, 3}, Case{128, 0}, Case{256, 77}}) {
+      std::vector<bf16> a(static_cast<std::size_t>(kRows) * cs.k);
+      std::vector<bf16> b(static_cast<std::size_t>(n) * cs.k, oom::to_bf16(0.0f));
+      for (int i = 0; i < kRows; ++i)
+        for (int t = 0; t < cs.k; ++t) {
+          const float v = code_of(i, t);
+          REQUIRE(oom::to_float(oom::to_bf16(v)) == v);
+          a[static_cast<std::size_t>(i) * cs.k + t] = oom::to_bf16(v);
+        }
+      for (int j = 0; j < n; ++j) b[static_cast<std::size_t>(j) * cs.k + (j + cs.shift) % cs.k] = oom::to_bf16(1.0f);
+      for (const Form f : forms_for(n))
+        for (const Placement p : kPlacements) {
+          char what[160];
+          std::snprintf(what, sizeof what, "coded A, one-hot B, N=%d K=%d shift=%d %s, %s", n, cs.k, cs.shift,
+                        name_of(f), name_of(p));
+          CAPTURE(what);
+          const auto c = run_gpu(a, b, cs.k, n, p, f);
+          CHECK(compare(c, a, b, cs.k, n, 0.0, 0.0, 'A', what) == 0);
+        }
+    }
+}
+
+TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128; SS/RS, B K-/MN-major): C = A B^T on random inputs, K = 16, 64, 128, 256") {
   // Tolerance: every product of two bf16 values is exact in fp32 (8 + 8 significant bits), so the
   // only error is in the fp32 additions. However the tensor core orders and rounds them, each sum
   // along any path to the result passes through at most K additions, each off by at most one ulp
@@ -313,17 +425,18 @@ TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): C = A B^T on random inputs, K = 16
     for (const int k : {16, 64, 128, 256}) {
       const auto a = random_bf16(static_cast<std::size_t>(kRows) * k, seed++);
       const auto b = random_bf16(static_cast<std::size_t>(n) * k, seed++);
-      for (const Placement p : kPlacements) {
-        char what[112];
-        std::snprintf(what, sizeof what, "random N=%d K=%d %s", n, k, name_of(p));
-        CAPTURE(what);
-        const auto c = run_gpu(a, b, k, n, p);
-        CHECK(compare(c, a, b, k, n, k * 0x1.0p-23, 1e-6, false, what) == 0);
-      }
+      for (const Form f : forms_for(n))
+        for (const Placement p : kPlacements) {
+          char what[160];
+          std::snprintf(what, sizeof what, "random N=%d K=%d %s, %s", n, k, name_of(f), name_of(p));
+          CAPTURE(what);
+          const auto c = run_gpu(a, b, k, n, p, f);
+          CHECK(compare(c, a, b, k, n, k * 0x1.0p-23, 1e-6, 0, what) == 0);
+        }
     }
 }
 
-TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): scale-d 1 on the first step accumulates onto C0 given in the fragment layout") {
+TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128; SS/RS, B K-/MN-major): scale-d 1 on the first step accumulates onto C0 given in the fragment layout") {
   // C0 goes into the accumulators through the same fragment layout the result comes out of, and
   // the first wgmma's scale-d is a runtime 1: C = C0 + A B^T. Same error bound as above, with |C0|
   // counted in the magnitude (K + 1 additions). C0[i][j] = i + j/N (exact): any two entries differ
@@ -337,12 +450,13 @@ TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128): scale-d 1 on the first step accumu
     for (int i = 0; i < kRows; ++i)
       for (int j = 0; j < n; ++j)
         c0[static_cast<std::size_t>(i) * n + j] = static_cast<float>(i) + static_cast<float>(j) / static_cast<float>(n);
-    for (const Placement p : kPlacements) {
-      char what[112];
-      std::snprintf(what, sizeof what, "C0 + A B^T N=%d K=%d %s", n, k, name_of(p));
-      CAPTURE(what);
-      const auto c = run_gpu(a, b, k, n, p, c0);
-      CHECK(compare(c, a, b, k, n, (k + 1) * 0x1.0p-23, 1e-6, false, what, c0) == 0);
-    }
+    for (const Form f : forms_for(n))
+      for (const Placement p : kPlacements) {
+        char what[160];
+        std::snprintf(what, sizeof what, "C0 + A B^T N=%d K=%d %s, %s", n, k, name_of(f), name_of(p));
+        CAPTURE(what);
+        const auto c = run_gpu(a, b, k, n, p, f, c0);
+        CHECK(compare(c, a, b, k, n, (k + 1) * 0x1.0p-23, 1e-6, 0, what, c0) == 0);
+      }
   }
 }

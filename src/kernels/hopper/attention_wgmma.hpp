@@ -1,4 +1,4 @@
-// The Hopper (wgmma) flash-attention forward: a second implementation of
+// The Hopper (wgmma) flash-attention forwards: two more implementations of
 // oom::kernels::attention_forward (include/oom/kernels/attention.hpp) with the same arguments and
 // the same results, built on the warpgroup MMA of src/kernels/hopper/wgmma.cuh. Private to the
 // kernels and their tests (not installed, not in the oom_cuda library): it is compiled only for
@@ -27,5 +27,24 @@ cudaError_t attention_forward_wgmma(const AttentionProblem& p,
                                     TokenRows<bf16> o,        // (B, S, Hq, D) bf16, rows [q_begin, q_end) written
                                     float* lse,               // (B, Hq, S) fp32, entries [q_begin, q_end) written
                                     cudaStream_t stream);
+
+/// How attention_forward_wgmma_2wg orders a warpgroup's GEMMs (docs/hopper.md):
+///   serial: per K/V tile, S = Q K^T, wait, softmax, O += P V, wait;
+///   overlap_softmax: the P V of tile j-1 is issued with S of tile j and runs during its softmax.
+enum class Wgmma2wgSchedule { serial, overlap_softmax };
+
+/// The same computation, arguments, results and error returns as attention_forward_wgmma, by the
+/// second wgmma kernel (src/kernels/hopper/attention_forward_wgmma_2wg.cu): two warpgroups per
+/// block sharing each K/V tile (128 query rows x 128 keys), P kept in registers as the A operand
+/// of P V, V read as an MN-major B. head_dim 128 only. `schedule` picks one of two orders of the
+/// same wgmmas (both give the same results up to rounding of the same values: bitwise the same).
+cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
+                                        TokenRows<const bf16> q,  // (B, S, Hq, D) bf16
+                                        TokenRows<const bf16> k,  // (B, S, Hkv, D) bf16
+                                        TokenRows<const bf16> v,  // (B, S, Hkv, D) bf16
+                                        TokenRows<bf16> o,        // (B, S, Hq, D) bf16, rows [q_begin, q_end) written
+                                        float* lse,               // (B, Hq, S) fp32, entries [q_begin, q_end) written
+                                        cudaStream_t stream,
+                                        Wgmma2wgSchedule schedule = Wgmma2wgSchedule::overlap_softmax);
 
 }  // namespace oom::kernels::hopper

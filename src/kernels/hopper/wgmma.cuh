@@ -1,6 +1,7 @@
 // Hopper warpgroup MMA (wgmma) building blocks: the shared-memory matrix descriptor, the
-// fence/commit/wait instructions, and two MMA shapes (m64n64k16 and m64n128k16, bf16 x bf16 ->
-// fp32, both operands from shared memory, both K-major). Private to the kernels (not installed); docs/hopper.md says
+// fence/commit/wait instructions, and the MMA shapes m64n64k16 and m64n128k16 (bf16 x bf16 -> fp32),
+// both operands from shared memory (K-major; for N = 128 also an MN-major B), and m64n128k16 with A
+// from registers. Private to the kernels (not installed); docs/hopper.md says
 // what is verified and what comes next.
 //
 // wgmma exists only on sm_90a (the arch-specific target, not plain sm_90). The PTX below is
@@ -35,8 +36,8 @@
 //   matrices in the K dimension; SBO ... in the M or N dimension") and in CUTLASS's
 //   make_gmma_desc (cute/atom/mma_traits_sm90_gmma.hpp: K-major INTERLEAVE is
 //   ((8,m),2):((1,SBO),LBO) in 16-byte units). No source we read disagrees for this layout. (For
-//   the swizzled K-major layouts LBO is unused and set to 1; for MN-major the roles differ: not
-//   used here.) Start addresses and both offsets must be multiples of 16 bytes.
+//   the swizzled K-major layouts LBO is unused and set to 1. The no-swizzle MN-major layout of a B
+//   operand is described at `Major` below.) Start addresses and both offsets must be multiples of 16 bytes.
 //
 // * Descriptor (9.7.15.5.1.2.2, "Matrix Descriptor Format"), a 64-bit register value:
 //     bits 0-13  encode(start address)      bits 16-29 encode(LBO)     bits 32-45 encode(SBO)
@@ -186,17 +187,57 @@ __device__ __forceinline__ void wgmma_m64n64k16_f32_bf16_ss(float (&d)[32], std:
 #endif
 }
 
-/// D(64x128, fp32) = A(64x16, bf16) * B^T + (scale_d ? D : 0): the N = 128 shape of the same
+// The 64 accumulator operands of an N = 128 wgmma, %0 .. %63.
+#define OOM_WGMMA_D64_OPERANDS(d)                                                                          \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),           \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
+      "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
+      "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),            \
+      "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),            \
+      "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),            \
+      "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),            \
+      "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define OOM_WGMMA_D64_LIST                                                                                  \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+/// How the B operand (K x N) is stored in shared memory: the wgmma's imm-trans-b.
+///   k:  K-major (imm-trans-b 0), stored as N x K: a core matrix is 8 values of N (its 8 rows of
+///       16 bytes) x 8 consecutive K values; see the top of the file.
+///   mn: MN-major (imm-trans-b 1, "transposed"; only for 16-bit types), stored as K x N: a core
+///       matrix is 8 values of K (its 8 rows of 16 bytes, 128 contiguous bytes) x 8 consecutive N
+///       values. No swizzle: LBO = the byte distance between core matrices adjacent along K, SBO
+///       = along N -- the same roles as for K-major. Source: PTX ISA "Canonical Layouts", MN-major
+///       no-swizzle row ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)) (T = 8 bf16: the 8 N values of a
+///       core row contiguous, core matrices along N at SBO; the 8 K rows 16 bytes apart, groups of
+///       8 K at LBO), its worked example "MN-major, no-swizzling and bf16" (exact layout
+///       ((8,1,2),(8,2)):((1,8,64),(8,128)) with LBO = 128 and SBO = 64 elements), and CUTLASS
+///       make_gmma_desc<Major::MN> for INTERLEAVE (cute/atom/mma_traits_sm90_gmma.hpp: SBO is the
+///       stride of the N mode in 16-byte units, LBO that of the second group of 8 along K).
+///       The PTX ISA's prose table for LBO/SBO of MN-major ("offset from the first 8 columns to
+///       the next 8 columns" / "from the first row to the next row", in its 128-bit normalized
+///       matrix) reads ambiguously; the canonical layout and CUTLASS agree, and test_wgmma checks
+///       it with two placements that swap which stride is small. (The swizzled MN-major layouts
+///       swap the roles: LBO along MN, SBO along K. Not used here.)
+enum class Major : int { k = 0, mn = 1 };
+
+/// D(64x128, fp32) = A(64x16, bf16) * B + (scale_d ? D : 0): the N = 128 shape of the same
 /// instruction, for a 128-wide accumulator such as the O tile of attention with head_dim 128 (one
 /// instruction reads the A tile once for all 128 columns, where two m64n64k16 would read it twice).
-/// Same operand conventions as wgmma_m64n64k16_f32_bf16_ss: A and B K-major in shared memory, B
-/// stored as 128(N) x 16(K), i.e. 16 core matrices along N at SBO apart and 2 along K at LBO apart.
+/// A K-major in shared memory as for wgmma_m64n64k16_f32_bf16_ss. B (16 x 128) as `BMajor` says:
+/// K-major (the default) = stored 128(N) x 16(K), 16 core matrices along N at SBO apart and 2 along
+/// K at LBO apart, so D = A * Bt^T for that N x K array Bt; MN-major = stored 16(K) x 128(N), 2
+/// core matrices along K at LBO, 16 along N at SBO (see Major).
 /// `d` is the accumulator fragment at the top of this file with N = 128: 64 floats per thread,
 /// d[4j..4j+3] for the 8-column block j = 0..15. Facts relied on beyond those of the N = 64 shape,
 /// from the PTX ISA wgmma.mma_async section: .m64n128k16 is a valid shape for .bf16 inputs with
 /// .f32 accumulators (the shape list runs m64n8k16 .. m64n256k16 in steps of 8 for .f16/.bf16),
 /// the D operand is N/2 = 64 .f32 registers, and the accumulator layout figure is the one for all
 /// N (CUTLASS's CLayout_64xN is one formula in N).
+template <Major BMajor = Major::k>
 __device__ __forceinline__ void wgmma_m64n128k16_f32_bf16_ss(float (&d)[64], std::uint64_t desc_a,
                                                              std::uint64_t desc_b, int scale_d) {
 #if OOM_WGMMA_SM90A
@@ -204,22 +245,11 @@ __device__ __forceinline__ void wgmma_m64n128k16_f32_bf16_ss(float (&d)[64], std
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " OOM_WGMMA_D64_LIST
+      ", %64, %65, p, 1, 1, 0, %67;\n"
       "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : OOM_WGMMA_D64_OPERANDS(d)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(static_cast<int>(BMajor))
       : "memory");
 #else
   (void)d;
@@ -229,5 +259,54 @@ __device__ __forceinline__ void wgmma_m64n128k16_f32_bf16_ss(float (&d)[64], std
   __trap();
 #endif
 }
+
+/// The register-sourced form ("RS"): D(64x128, fp32) = A(64x16, bf16, registers) * B + (scale_d ?
+/// D : 0), B by descriptor as in wgmma_m64n128k16_f32_bf16_ss (K-major or MN-major).
+/// A is 4 x 32-bit registers per thread, two bf16 each (the lower column in the low half), in the
+/// layout of the PTX ISA's figure "WGMMA .m64nNk16 register fragment layout for matrix A" (an
+/// image; the formula is CUTLASS's ALayout_64x16, cute/atom/mma_traits_sm90_gmma.hpp, whose
+/// shape and strides are those of CLayout_64x16, the accumulator layout of an m64n16 tile):
+/// thread t, warp w = t / 32, lane l, g = l / 4, c = 2 (l % 4):
+///   a[0] = A[16w + g    ][c, c+1]        a[1] = A[16w + g + 8][c, c+1]
+///   a[2] = A[16w + g    ][c+8, c+9]      a[3] = A[16w + g + 8][c+8, c+9]
+/// i.e. per warp the mma.sync m16n8k16 A fragment, and exactly the accumulator fragment of two
+/// adjacent 8-column blocks (d[4j..4j+3], d[4j+4..4j+7] with j even) packed to bf16 pairs: an S
+/// accumulator converts to the A operand of the next product in registers (P V of attention).
+/// The registers of `a` must not change until the wgmma has completed (wait_group), and a
+/// wgmma_fence must separate their last write from the wgmma (PTX ISA, wgmma.fence: "accessing
+/// the registers" covers the A fragment as well as the accumulators).
+template <Major BMajor = Major::k>
+__device__ __forceinline__ void wgmma_m64n128k16_f32_bf16_rs(float (&d)[64], const std::uint32_t (&a)[4],
+                                                             std::uint64_t desc_b, int scale_d) {
+#if OOM_WGMMA_SM90A
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " OOM_WGMMA_D64_LIST
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n"
+      "}\n"
+      : OOM_WGMMA_D64_OPERANDS(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(static_cast<int>(BMajor))
+      : "memory");
+#else
+  (void)d;
+  (void)a;
+  (void)desc_b;
+  (void)scale_d;
+  __trap();
+#endif
+}
+
+/// wgmma_fence_operands for the 32-bit registers of register-sourced A fragments: their values are
+/// computed before this point (an asm statement the wgmma_fence after it cannot be reordered with).
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(std::uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+#undef OOM_WGMMA_D64_LIST
+#undef OOM_WGMMA_D64_OPERANDS
 
 }  // namespace oom::kernels::hopper

@@ -1,0 +1,396 @@
+// Causal GQA flash-attention forward on Hopper wgmma, head_dim 128, two consumer warpgroups per
+// block: the second wgmma forward (hopper::attention_forward_wgmma_2wg), same arguments and results
+// as hopper::attention_forward_wgmma (attention_forward_wgmma.cu, kept as the baseline) and as
+// oom::kernels::attention_forward. docs/hopper.md says what is verified and what to measure.
+//
+// What changes against the first wgmma kernel (which measured 0.8x of the mma.sync kernel):
+//   - one block = two warpgroups (256 threads) = a 128-row query tile; warpgroup w owns rows
+//     64w .. 64w+63 and both share each 128-key K/V tile in shared memory, so K/V traffic per FLOP
+//     halves (and each wgmma is m64n128k16 instead of m64n64k16 for S);
+//   - P never touches shared memory: the S accumulator fragment, exponentiated and rounded to bf16,
+//     is the register A operand of O += P V (wgmma_m64n128k16_f32_bf16_rs; the RS A fragment is the
+//     accumulator fragment of two adjacent 8-column blocks, wgmma.cuh);
+//   - V is read by the wgmma straight from its cp.async tile as an MN-major B (imm-trans-b = 1):
+//     no transpose pass, no staging buffer. K and V tiles have the same layout; only the
+//     descriptor's meaning differs.
+//
+// Shared memory, all in the no-swizzle core-matrix layout (core matrix = 8 rows x 16 bytes, 128
+// contiguous bytes; the 16 core matrices of one 8-row band side by side, 128 bytes apart, bands
+// 2048 bytes apart: element (row r, column c) at byte (r/8) 2048 + (c/8) 128 + (r%8) 16 + (c%8) 2):
+//   Q  128 rows x 128 d     A of S = Q K^T, K-major:  LBO 128 (along d), SBO 2048 (along rows)
+//   K  128 keys x 128 d     B of S = Q K^T, K-major:  LBO 128 (along d), SBO 2048 (along keys)
+//   V  128 keys x 128 d     B of O = P V, MN-major:   LBO 2048 (along keys = K), SBO 128 (along d = N)
+// K and V double-buffered: 32 + 2 x 64 = 160 KiB, one block per SM (the registers allow no more).
+// The K-major Q/K placement is test_wgmma's "mn_rows" (LBO 128, SBO 16 K) at K = 128; the V
+// placement is its "k_slabs" (SBO 128, LBO 16 N) at N = 128 with B MN-major, RS form: both tested
+// there with these very shapes.
+//
+// Per K/V tile j (keys 128j .. 128j+127), every warpgroup on its own 64 rows, in one of two
+// schedules (Wgmma2wgSchedule, a template parameter of the kernel):
+//   serial:
+//   0. all threads: wait for their cp.async, fence the async proxy, barrier; then start the
+//      cp.async of K_{j+1}, V_{j+1} into the other buffers (their last readers, the wgmmas of tile
+//      j-1 of both warpgroups, completed before that barrier);
+//   1. S = Q_w K_j^T: 8 wgmma m64n128k16 SS (k-steps of 16 over d), waited for;
+//   2. causal mask only if the tile crosses the diagonal of one of the warpgroup's rows; online
+//      softmax on the fragment (a row's 128 values on the 4 lanes of a quad), O rescaled, P packed
+//      to bf16 A fragments;
+//   3. O += P_j V_j: 8 wgmma m64n128k16 RS, B = V MN-major (k-steps of 16 over the keys), waited for.
+//   overlap_softmax (the default; FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024):
+//   0. as above, but the loads started are K_{j+1} and V_j: V trails K by one tile;
+//   1. S_j = Q_w K_j^T and O += P_{j-1} V_{j-1} issued back to back as two commit groups; wait
+//      for the first only (groups complete in order);
+//   2. mask and softmax of S_j while the P V wgmmas run (they read P_{j-1} from registers and
+//      accumulate into O, neither of which the softmax touches);
+//   3. wait for P V, then rescale O and pack P_j;
+//   and after the last tile, one more barrier and O += P_{n-1} V_{n-1}. The same operations in
+//   the same order on the same values as serial: both give the same bits (the test checks it).
+// The two warpgroups share only the barrier of step 0, so one's softmax may also overlap the
+// other's wgmmas as the warp schedulers see fit. All wgmma loops have compile-time trip counts.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../attention_common.cuh"
+#include "attention_wgmma.hpp"
+#include "oom/kernels/attention.hpp"
+#include "wgmma.cuh"
+
+namespace oom::kernels::hopper {
+namespace {
+
+using attention_detail::cp_async_16;
+using attention_detail::cp_async_commit;
+using attention_detail::cp_async_wait;
+using attention_detail::pack_bf16;
+using attention_detail::smem_addr;
+
+constexpr int kD = 128;             // head_dim
+constexpr int kWarpgroups = 2;      // consumer warpgroups per block
+constexpr int kBr = 64 * kWarpgroups;  // query rows per block: 64 (one wgmma M) per warpgroup
+constexpr int kBc = 128;            // keys per K/V tile: the N of S = Q K^T, the K of P V
+constexpr int kThreads = 128 * kWarpgroups;
+
+constexpr std::uint32_t kCoreBytes = 128;                 // one core matrix, and the column-block stride
+constexpr std::uint32_t kBandBytes = (kD / 8) * kCoreBytes;  // one 8-row band of a 128-column tile: 2048
+
+// Descriptor strides (bytes), see the top of the file.
+constexpr std::uint32_t kQkLbo = kCoreBytes;  // K-major Q, K: next core matrix along d
+constexpr std::uint32_t kQkSbo = kBandBytes;  // K-major Q, K: next 8 rows
+constexpr std::uint32_t kVLbo = kBandBytes;   // MN-major V: next 8 keys (the K of P V)
+constexpr std::uint32_t kVSbo = kCoreBytes;   // MN-major V: next 8 d (the N of P V)
+constexpr std::uint32_t kQkStep = 2 * kQkLbo;  // one k-step of 16 d = 2 core matrices along d
+constexpr std::uint32_t kVStep = 2 * kVLbo;    // one k-step of 16 keys = 2 bands
+
+constexpr int kTileBytes = kBr * kD * 2;  // 128 x 128 bf16 = 32 KiB: Q, one K, one V
+static_assert(kBc == kBr, "Q, K and V tiles share one shape and one loader");
+constexpr int kOffQ = 0;
+constexpr int kOffK = kOffQ + kTileBytes;      // 2 buffers
+constexpr int kOffV = kOffK + 2 * kTileBytes;  // 2 buffers
+constexpr int kSmemBytes = kOffV + 2 * kTileBytes;
+static_assert(kSmemBytes == 160 * 1024);
+constexpr int kWgRowBytes = 64 / 8 * static_cast<int>(kBandBytes);  // warpgroup w's Q rows start w * 16 KiB in
+
+using Params = attention_detail::ForwardParams;
+
+/// Rows [row0, row0 + 128) of a strided (token_stride elements) global (rows, 128) bf16 matrix
+/// into a core-matrix tile (layout at the top of the file) by cp.async, all 256 threads; rows >=
+/// row_end are zero-filled (nothing read for them). 16-byte chunk n = (r/8) 128 + (c/8) 8 + r%8 of
+/// the tile is element (r, c)'s chunk at byte 16 n, so consecutive threads fill consecutive bytes
+/// and each warp reads 8 rows x 64 contiguous bytes of global memory. (The 64-row, 128-thread
+/// version of this is load_rows_kmajor in attention_forward_wgmma.cu.)
+__device__ __forceinline__ void load_tile_cores(unsigned char* tile, const __nv_bfloat16* base,
+                                                std::int64_t token_stride, int row0, int row_end) {
+  static_assert(kBr * (kD / 8) % kThreads == 0);
+#pragma unroll
+  for (int i = 0; i < kBr * (kD / 8) / kThreads; ++i) {
+    const int n = i * kThreads + static_cast<int>(threadIdx.x);
+    const int r = (n >> 7) * 8 + (n & 7);
+    const int c = ((n >> 3) & 15) * 8;
+    const bool valid = row0 + r < row_end;
+    const __nv_bfloat16* src = valid ? base + static_cast<std::int64_t>(row0 + r) * token_stride + c : base;
+    cp_async_16(tile + 16 * n, src, valid);
+  }
+}
+
+/// One warpgroup's share of a block: its thread's place in the fragments and its running state.
+/// Accumulator fragments (wgmma.cuh): warp w of the warpgroup, lane l holds rows r0 = 16w + l/4
+/// (hf = 0) and r0 + 8 (hf = 1) of the warpgroup's 64; of 8-column block j, columns
+/// 8j + 2(l%4) + {0, 1} in acc[4j + 2hf], acc[4j + 2hf + 1].
+struct WarpgroupState {
+  float o[kD / 2];                 // O, 64 x 128 per warpgroup
+  float s[kBc / 2];                // S, then exp(S - m), 64 x 128 per warpgroup
+  std::uint32_t pa[kBc / 16][4];   // P as the RS A operand, one k-step of 16 keys per row
+  float m_run[2];                  // running row max, log2 units
+  float l_run[2];                  // running row sum, this lane's columns only
+};
+
+/// Keeps every register a wgmma reads or writes materialised at this point: before a wgmma_fence
+/// (their last writes happen before it) and after a wgmma_wait_group (no use of them, and no reuse
+/// of their registers for other values, moves before the wait: the RS form reads `pa` and both
+/// forms write their accumulators asynchronously).
+__device__ __forceinline__ void fence_all(WarpgroupState& st) {
+  wgmma_fence_operands(st.o);
+  wgmma_fence_operands(st.s);
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks) wgmma_fence_operands(st.pa[ks]);
+}
+
+/// S = Q_wg K^T: A = the warpgroup's 64 Q rows, B = K (128 keys x 128 d), both K-major over d;
+/// 8 wgmma m64n128k16 SS, not committed.
+__device__ __forceinline__ void issue_s(WarpgroupState& st, std::uint32_t a_q, std::uint32_t a_kbuf) {
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks)
+    wgmma_m64n128k16_f32_bf16_ss(st.s, encode_smem_desc(a_q + ks * kQkStep, kQkLbo, kQkSbo),
+                                 encode_smem_desc(a_kbuf + ks * kQkStep, kQkLbo, kQkSbo), ks > 0 ? 1 : 0);
+}
+
+/// O += P V: A = P (registers, 64 x 128 keys), B = V (128 keys x 128 d) MN-major; 8 wgmma
+/// m64n128k16 RS, not committed. `pa` must stay untouched until they complete.
+__device__ __forceinline__ void issue_pv(WarpgroupState& st, std::uint32_t a_vbuf) {
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks)
+    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(st.o, st.pa[ks], encode_smem_desc(a_vbuf + ks * kVStep, kVLbo, kVSbo),
+                                            1);
+}
+
+/// Causal mask of the S tile at keys n0.. (key > query) where it crosses the diagonal of one of the
+/// warpgroup's rows, then the online softmax statistics and P = exp(S - m') in place (fp32):
+/// m' = max(m, rowmax S), l' = e^(m - m') l + rowsum P, in log2 units (scale * log2 e folded into
+/// one FMA). Returns alpha = e^(m - m') per row half in `alpha`; O is not touched (it may still be
+/// an in-flight accumulator).
+__device__ __forceinline__ void softmax_tile(WarpgroupState& st, float (&alpha)[2], int n0, int wg_row0, int r0,
+                                             int c0, float scale_log2) {
+  if (n0 + kBc - 1 > wg_row0) {
+#pragma unroll
+    for (int j = 0; j < kBc / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = wg_row0 + r0 + 8 * (e >> 1);
+        const int key = n0 + 8 * j + c0 + (e & 1);
+        if (key > i) st.s[4 * j + e] = -INFINITY;
+      }
+  }
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kBc / 8; ++j) mx = fmaxf(mx, fmaxf(st.s[4 * j + 2 * hf], st.s[4 * j + 2 * hf + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(st.m_run[hf], mx * scale_log2);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet: avoid inf - inf
+    alpha[hf] = exp2f(st.m_run[hf] - m_use);
+    st.m_run[hf] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kBc / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2f(fmaf(st.s[4 * j + 2 * hf + e], scale_log2, -m_use));
+        st.s[4 * j + 2 * hf + e] = pe;
+        sum += pe;
+      }
+    st.l_run[hf] = st.l_run[hf] * alpha[hf] + sum;
+  }
+}
+
+/// O *= alpha per row, and P (in s) rounded to bf16 into the RS A fragments: k-step ks covers keys
+/// 16ks .. 16ks+15 = column blocks 2ks, 2ks+1 of the fragment; pa[ks][0] = (row r0, block 2ks),
+/// [1] = (row r0+8, block 2ks), [2] = (row r0, block 2ks+1), [3] = (row r0+8, block 2ks+1), the
+/// lower column in the low half (wgmma.cuh). Only once no wgmma reading `pa` or writing `o` is in
+/// flight.
+__device__ __forceinline__ void rescale_and_pack(WarpgroupState& st, const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < kD / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st.o[4 * j + e] *= alpha[e >> 1];
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks) {
+    st.pa[ks][0] = pack_bf16(st.s[8 * ks + 0], st.s[8 * ks + 1]);
+    st.pa[ks][1] = pack_bf16(st.s[8 * ks + 2], st.s[8 * ks + 3]);
+    st.pa[ks][2] = pack_bf16(st.s[8 * ks + 4], st.s[8 * ks + 5]);
+    st.pa[ks][3] = pack_bf16(st.s[8 * ks + 6], st.s[8 * ks + 7]);
+  }
+}
+
+/// The two schedules of a warpgroup's GEMMs (docs/hopper.md):
+///   serial:          per tile j: S_j, wait, softmax, O += P_j V_j, wait;
+///   overlap_softmax: per tile j: S_j and O += P_{j-1} V_{j-1} issued together, wait for S_j only,
+///                    softmax of S_j while the P V wgmmas run, then wait for them, rescale O and
+///                    pack P_j; the last P V after the loop. V_j then loads one tile after K_j.
+template <bool kOverlapSoftmax>
+__global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kernel(const Params p) {
+#if OOM_WGMMA_SM90A
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* s_q = smem + kOffQ;
+  unsigned char* s_k = smem + kOffK;
+  unsigned char* s_v = smem + kOffV;
+
+  // Heaviest (last, longest-prefix) query tiles first.
+  const int qb = static_cast<int>(gridDim.x - 1 - blockIdx.x);
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int hk = h / p.group;
+  const int q0 = p.q_begin + qb * kBr;
+  const int q_last = min(q0 + kBr, p.q_end) - 1;  // last valid query row of the block
+  const int n_kv = q_last / kBc + 1;               // key tiles 0 .. the one holding q_last
+
+  const __nv_bfloat16* q_g = p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD;
+  const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
+  const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
+
+  load_tile_cores(s_q, q_g, p.q_token, q0, p.q_end);
+  load_tile_cores(s_k, k_g, p.k_token, 0, p.seq);
+  if constexpr (!kOverlapSoftmax) load_tile_cores(s_v, v_g, p.v_token, 0, p.seq);
+  cp_async_commit();
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int r0 = 16 * warp + (lane >> 2);
+  const int c0 = 2 * (lane & 3);
+  const int wg_row0 = q0 + 64 * wg;  // the warpgroup's first query row
+
+  const std::uint32_t a_q = smem_addr(s_q) + static_cast<std::uint32_t>(wg * kWgRowBytes);
+  const std::uint32_t a_k = smem_addr(s_k), a_v = smem_addr(s_v);
+  const auto k_buf = [&](int j) { return a_k + static_cast<std::uint32_t>((j & 1) * kTileBytes); };
+  const auto v_buf = [&](int j) { return a_v + static_cast<std::uint32_t>((j & 1) * kTileBytes); };
+
+  WarpgroupState st;
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) st.o[e] = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kBc / 2; ++e) st.s[e] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) st.pa[ks][x] = 0u;
+  st.m_run[0] = st.m_run[1] = -INFINITY;
+  st.l_run[0] = st.l_run[1] = 0.0f;
+  float alpha[2];
+
+  for (int nb = 0; nb < n_kv; ++nb) {
+    // Every tile loaded so far has landed for everyone, and both warpgroups are done with the
+    // wgmmas of the previous iteration (the last readers of the buffers loaded next).
+    cp_async_wait<0>();
+    fence_proxy_async_shared();  // this thread's cp.async writes before the wgmmas read them
+    __syncthreads();
+    if constexpr (kOverlapSoftmax) {
+      // K_{nb+1} into the buffer S_{nb-1} read, V_nb into the one P_{nb-2} V_{nb-2} read.
+      if (nb + 1 < n_kv) load_tile_cores(s_k + ((nb + 1) & 1) * kTileBytes, k_g, p.k_token, (nb + 1) * kBc, p.seq);
+      load_tile_cores(s_v + (nb & 1) * kTileBytes, v_g, p.v_token, nb * kBc, p.seq);
+    } else if (nb + 1 < n_kv) {
+      load_tile_cores(s_k + ((nb + 1) & 1) * kTileBytes, k_g, p.k_token, (nb + 1) * kBc, p.seq);
+      load_tile_cores(s_v + ((nb + 1) & 1) * kTileBytes, v_g, p.v_token, (nb + 1) * kBc, p.seq);
+    }
+    cp_async_commit();
+
+    fence_all(st);
+    wgmma_fence();  // s, o and pa were written by the previous iteration
+    issue_s(st, a_q, k_buf(nb));
+    wgmma_commit_group();
+    if constexpr (kOverlapSoftmax) {
+      if (nb > 0) {
+        // ptxas otherwise injects this arrive itself (C7519): the branch hides that nothing
+        // touched o and pa since the fence above. It orders register accesses only; the S
+        // wgmmas keep running.
+        wgmma_fence();
+        issue_pv(st, v_buf(nb - 1));  // O += P_{nb-1} V_{nb-1}, pa and o as left by the previous iteration
+        wgmma_commit_group();
+        wgmma_wait_group<1>();  // S_nb done (groups complete in order); P V may still run
+      } else {
+        wgmma_wait_group<0>();
+      }
+      wgmma_fence_operands(st.s);
+      softmax_tile(st, alpha, nb * kBc, wg_row0, r0, c0, p.scale_log2);
+      wgmma_wait_group<0>();
+      fence_all(st);  // o and pa are free from here on
+      rescale_and_pack(st, alpha);
+    } else {
+      wgmma_wait_group<0>();
+      wgmma_fence_operands(st.s);
+      softmax_tile(st, alpha, nb * kBc, wg_row0, r0, c0, p.scale_log2);
+      rescale_and_pack(st, alpha);
+      fence_all(st);
+      wgmma_fence();  // o rescaled, pa written
+      issue_pv(st, v_buf(nb));
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+      fence_all(st);
+    }
+  }
+  if constexpr (kOverlapSoftmax) {
+    // The last O += P V: V_{n_kv-1} was loaded in the last iteration.
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    fence_all(st);
+    wgmma_fence();
+    issue_pv(st, v_buf(n_kv - 1));
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    fence_all(st);
+  }
+
+  // O = O / l, LSE = (m + log2 l) ln 2 for the valid rows.
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float l = st.l_run[hf];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int i = wg_row0 + r0 + 8 * hf;
+    if (i < p.q_end) {
+      __nv_bfloat16* dst = p.o + b * p.o_batch + static_cast<std::int64_t>(i) * p.o_token +
+                           static_cast<std::int64_t>(h) * kD + c0;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j)
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+            __floats2bfloat162_rn(st.o[4 * j + 2 * hf] * inv, st.o[4 * j + 2 * hf + 1] * inv);
+      if ((lane & 3) == 0)
+        p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seq + i] =
+            l > 0.0f ? (st.m_run[hf] + log2f(l)) * attention_detail::ln2 : -INFINITY;
+    }
+  }
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+}  // namespace
+
+cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                        TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream,
+                                        Wgmma2wgSchedule schedule) {
+  using attention_detail::aligned_rows;
+  if (!attention_can_implement(p)) return cudaErrorInvalidValue;
+  if (p.head_dim != kD) return cudaErrorNotSupported;
+  if (p.query_end() == p.q_begin) return cudaSuccess;
+  if (!aligned_rows(q) || !aligned_rows(k) || !aligned_rows(v) || !aligned_rows(o) || lse == nullptr)
+    return cudaErrorInvalidValue;
+
+  // The only device code is sm_90a, which loads on compute capability 9.0 alone.
+  int dev = 0, major = 0, minor = 0;
+  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev); e != cudaSuccess)
+    return e;
+  if (major != 9 || minor != 0) return cudaErrorNotSupported;
+
+  const Params params = attention_detail::forward_params(p, q, k, v, o, lse);
+
+  auto* kernel = schedule == Wgmma2wgSchedule::overlap_softmax ? attention_forward_wgmma_2wg_kernel<true>
+                                                                : attention_forward_wgmma_2wg_kernel<false>;
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      e != cudaSuccess)
+    return e;
+  const int q_tiles = (params.q_end - params.q_begin + kBr - 1) / kBr;
+  const dim3 grid(static_cast<unsigned>(q_tiles), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace oom::kernels::hopper
