@@ -351,6 +351,20 @@ std::vector<Form> forms_for(int n) {
 
 }  // namespace
 
+/// One exact case (one-hot x position-coded) in every form of N and both placements: a wrong entry
+/// is printed as the `coded` operand's entry it came from ('A' or 'B').
+static void check_exact_in_every_form(const std::vector<bf16>& a, const std::vector<bf16>& b, int k, int n, int shift,
+                               const char* inputs, char coded) {
+  for (const Form f : forms_for(n))
+    for (const Placement p : kPlacements) {
+      char what[160];
+      std::snprintf(what, sizeof what, "%s, N=%d K=%d shift=%d %s, %s", inputs, n, k, shift, name_of(f), name_of(p));
+      CAPTURE(what);
+      const auto c = run_gpu(a, b, k, n, p, f);
+      CHECK(compare(c, a, b, k, n, 0.0, 0.0, coded, what) == 0);
+    }
+}
+
 TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128; SS/RS, B K-/MN-major): one-hot A picks one position-coded B entry per C entry, exactly") {
   // A[i][t] = 1 where t = (i + shift) % K, else 0, so C[i][j] = B[j][(i + shift) % K] with no
   // rounding at all (one exact product, the rest exact zeros): compared exactly (tol 0). A wrong
@@ -370,15 +384,7 @@ TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128; SS/RS, B K-/MN-major): one-hot A pi
           REQUIRE(oom::to_float(oom::to_bf16(v)) == v);  // the code is exact in bf16
           b[static_cast<std::size_t>(j) * cs.k + t] = oom::to_bf16(v);
         }
-      for (const Form f : forms_for(n))
-        for (const Placement p : kPlacements) {
-          char what[160];
-          std::snprintf(what, sizeof what, "one-hot A, coded B, N=%d K=%d shift=%d %s, %s", n, cs.k, cs.shift,
-                        name_of(f), name_of(p));
-          CAPTURE(what);
-          const auto c = run_gpu(a, b, cs.k, n, p, f);
-          CHECK(compare(c, a, b, cs.k, n, 0.0, 0.0, 'B', what) == 0);
-        }
+      check_exact_in_every_form(a, b, cs.k, n, cs.shift, "one-hot A, coded B", 'B');
     }
 }
 
@@ -400,15 +406,7 @@ TEST_CASE("wgmma m64nNk16 bf16 (N = 64, 128; SS/RS, B K-/MN-major): one-hot B pi
           a[static_cast<std::size_t>(i) * cs.k + t] = oom::to_bf16(v);
         }
       for (int j = 0; j < n; ++j) b[static_cast<std::size_t>(j) * cs.k + (j + cs.shift) % cs.k] = oom::to_bf16(1.0f);
-      for (const Form f : forms_for(n))
-        for (const Placement p : kPlacements) {
-          char what[160];
-          std::snprintf(what, sizeof what, "coded A, one-hot B, N=%d K=%d shift=%d %s, %s", n, cs.k, cs.shift,
-                        name_of(f), name_of(p));
-          CAPTURE(what);
-          const auto c = run_gpu(a, b, cs.k, n, p, f);
-          CHECK(compare(c, a, b, cs.k, n, 0.0, 0.0, 'A', what) == 0);
-        }
+      check_exact_in_every_form(a, b, cs.k, n, cs.shift, "coded A, one-hot B", 'A');
     }
 }
 

@@ -55,6 +55,7 @@
 
 #include "../attention_common.cuh"
 #include "attention_wgmma.hpp"
+#include "forward_checks.cuh"
 #include "oom/kernels/attention.hpp"
 #include "wgmma.cuh"
 
@@ -364,21 +365,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kerne
 cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                         TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream,
                                         Wgmma2wgSchedule schedule) {
-  using attention_detail::aligned_rows;
-  if (!attention_can_implement(p)) return cudaErrorInvalidValue;
-  if (p.head_dim != kD) return cudaErrorNotSupported;
-  if (p.query_end() == p.q_begin) return cudaSuccess;
-  if (!aligned_rows(q) || !aligned_rows(k) || !aligned_rows(v) || !aligned_rows(o) || lse == nullptr)
-    return cudaErrorInvalidValue;
-
-  // The only device code is sm_90a, which loads on compute capability 9.0 alone.
-  int dev = 0, major = 0, minor = 0;
-  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev); e != cudaSuccess)
-    return e;
-  if (major != 9 || minor != 0) return cudaErrorNotSupported;
+  bool empty = false;
+  if (const cudaError_t e = forward_checks(p, kD, q, k, v, o, lse, &empty); e != cudaSuccess || empty) return e;
 
   const Params params = attention_detail::forward_params(p, q, k, v, o, lse);
 
