@@ -21,6 +21,39 @@
 //                   both); BR = 32; smem 64 + 2 x 32 KiB + stats = 129 KiB [247, none] -> 1 per SM.
 //   dQ, D = 128: BR = 64, BC = 64; smem Q, dO 32 KiB + 2 x (K, V) 64 KiB = 96 KiB [240, none].
 //   dQ, D = 256: BR = 64, BC = 32; smem Q, dO 64 KiB + 2 x (K, V) 64 KiB = 128 KiB [254, 8 bytes].
+//
+// Variant attention_backward_fused_dq (not the default): no pass 3. The dK/dV kernel with
+// FUSED_DQ also puts each step's dS (bf16, as dK's product rounds it) transposed into shared memory
+// (BR x BC: 8 KiB at D = 128, 4 KiB at D = 256), forms this key block's dS K for the step's query
+// tile (K is in shared memory already; the 4 warps split the BR x D_OUT tile, each warp 16 rows in
+// 32-column slices) and adds it to an fp32 dQ in the workspace, (B, Hq, q_tiles * BR, D) with the
+// scale left out; a last kernel writes dq = bf16(scale * dQ) as pass 3 does.
+//   Order. Key block nb visits query tile i iff nb <= last(i) = min(kv_blocks - 1,
+//   (q_begin + (i + 1) BR - 1) / BC) (the tile has a row >= nb BC). The blocks of tile i add in the
+//   fixed order last(i), last(i) - 1, .., 0, so dQ is bit-reproducible: one counter per (batch,
+//   query head, query tile, column half), zeroed by a memset in the launcher; the block of key
+//   block nb waits (thread 0: ld.acquire polls with __nanosleep backoff, then __syncthreads) until
+//   the counter reads last(i) - nb, adds with L2 loads/stores (.cg; key block last(i) stores, so the
+//   accumulator needs no zeroing), then __threadfence, __syncthreads and thread 0 increments
+//   (red.release). At D = 256 each column half adds its own columns under its own counter.
+//   Deadlock freedom assumes the GPU starts a grid's blocks in increasing linear index (x fastest,
+//   then y, z) and that a started block runs to the end. The fused grid puts the LAST key block at
+//   blockIdx.x = 0 (x = (kv_blocks - 1 - nb) D_SPLIT + half, y = KV head, z = batch), so a block
+//   only waits on blocks of its own (half, KV head, batch) with a larger nb, i.e. a smaller linear
+//   index: the lowest unfinished block never waits, and by induction all finish. Last-first also
+//   keeps the waits short: key block nb + 1 meets a (head, tile) h + 1 steps earlier in its loop
+//   than nb (h = the head's index in the group), so nb rarely waits for it; the first-first order
+//   would chain the waits into a wavefront that grows with nb (a unit-cost replay of the grid on
+//   264 slots: 0.94 of the busy time at 64K against 0.82; pass 2 alone 0.997).
+//   A wait is bounded: past ~17 s (globaltimer) or 2^30 polls, or a counter beyond the expected
+//   value, the block prints what it waited for and traps, so a broken assumption fails the launch
+//   instead of hanging it; the convert kernel writes NaN for a tile whose counter is short.
+//   Verified by construction only: the dispatch-order assumption and the memory ordering (acquire /
+//   release, .cg); the index logic (who waits for what, final counts) was replayed on the host for
+//   sub-ranges, GQA and both D, and the tests check the results bit for bit.
+//   ptxas -v (nvcc 13.0, -O3, sm_90): D = 128: 255 registers, 48 bytes spilled, smem 105 KiB (2
+//   blocks per SM); D = 256: 255 registers, no spills (32-byte stack frame: the trap's printf),
+//   smem 133 KiB. (The pass-2 kernel reads 255 registers and 80 bytes spilled with these flags.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
