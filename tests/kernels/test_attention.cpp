@@ -450,6 +450,9 @@ TEST_CASE("attention forward+backward at S = 1M tokens (B=1, Hq=16, Hkv=4, D=128
 }
 
 // ---- attention_backward_fused_dq (run alone with -tc="fused dQ*") ----
+// Against the CPU reference up to S = 1000 (its cost grows as S^2 and the whole set must stay
+// under a minute); the long hand-over chains (64 to 1024 key blocks) are checked against
+// attention_backward in the timing case: dK/dV bit for bit, dQ finite and close.
 
 namespace {
 
@@ -565,15 +568,14 @@ void check_fused_dq_case(const Case& c, std::uint64_t seed, std::vector<int> chu
 TEST_CASE("fused dQ: matches attention_backward and the reference, D = 128") {
   std::uint64_t seed = 500;
   for (const Case c : {Case{2, 1, 16, 4, 128, true}, Case{2, 17, 16, 4, 128, false}, Case{1, 17, 4, 4, 128, true},
-                       Case{1, 1000, 16, 4, 128, true}, Case{2, 1000, 4, 4, 128, false},
-                       Case{1, 4099, 4, 1, 128, true}})
+                       Case{1, 1000, 16, 4, 128, true}, Case{2, 1000, 4, 4, 128, false}})
     check_fused_dq_case(c, seed += 10);
 }
 
 TEST_CASE("fused dQ: matches attention_backward and the reference, D = 256") {
   std::uint64_t seed = 600;
-  for (const Case c : {Case{2, 1, 16, 4, 256, false}, Case{2, 17, 16, 4, 256, true}, Case{1, 1000, 16, 4, 256, true},
-                       Case{2, 1000, 4, 4, 256, false}, Case{1, 4099, 4, 2, 256, true}})
+  for (const Case c : {Case{2, 1, 16, 4, 256, false}, Case{2, 17, 16, 4, 256, true}, Case{1, 1000, 8, 2, 256, true},
+                       Case{2, 1000, 4, 4, 256, false}})
     check_fused_dq_case(c, seed += 10);
 }
 
