@@ -9,8 +9,10 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
@@ -445,4 +447,229 @@ TEST_CASE("attention forward+backward at S = 1M tokens (B=1, Hq=16, Hkv=4, D=128
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaEventDestroy(e2);
+}
+
+// ---- attention_backward_fused_dq (run alone with -tc="fused dQ*") ----
+// Against the CPU reference up to S = 1000 (its cost grows as S^2 and the whole set must stay
+// under a minute); the long hand-over chains (64 to 1024 key blocks) are checked against
+// attention_backward in the timing case: dK/dV bit for bit, dQ finite and close.
+
+namespace {
+
+/// How many elements differ bit for bit (a NaN matches only the same NaN), naming the first few.
+std::size_t count_bit_differences(const std::vector<float>& got, const std::vector<float>& want, const char* what,
+                                  std::string& first) {
+  REQUIRE(got.size() == want.size());
+  std::size_t n = 0;
+  for (std::size_t x = 0; x < got.size(); ++x)
+    if (std::memcmp(&got[x], &want[x], sizeof(float)) != 0 && ++n <= 5)
+      first += std::string(what) + "[" + std::to_string(x) + "]: " + std::to_string(got[x]) + " vs " +
+               std::to_string(want[x]) + "\n";
+  return n;
+}
+
+void check_bit_identical(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  std::string first;
+  const std::size_t n = count_bit_differences(got, want, what, first);
+  INFO(what << ": " << n << " of " << got.size() << " elements differ in their bits\n" << first);
+  CHECK(n == 0);
+}
+
+using BackwardFn = decltype(&oom::kernels::attention_backward);
+static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::attention_backward_fused_dq)>,
+              "the fused variant takes attention_backward's arguments");
+
+/// attention_backward_fused_dq on one shape, optionally in query chunks (last to first, dK/dV
+/// accumulated), against attention_backward and the CPU reference:
+/// - dK, dV bit-identical to attention_backward's (the same products in the same order);
+/// - dQ within check_case's bound of the reference (4 u·mag + 2 u·|ref|), and within 12 u·mag of
+///   attention_backward's dQ: both are within that bound of the reference and |ref| <= mag, so they
+///   differ by at most 8 u·mag + 4 u·|ref| <= 12 u·mag (check_bounded adds 2 u·|theirs| on top);
+/// - a second run bit-identical to the first; outputs poisoned (NaN) before every run.
+void check_fused_dq_case(const Case& c, std::uint64_t seed, std::vector<int> chunk_starts = {0}) {
+  const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  INFO("B=" << c.batch << " S=" << c.seq << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv << " D=" << c.head_dim
+            << std::string(c.packed ? " packed" : " separate") << " chunks=" << chunk_starts.size());
+  const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * c.head_dim;
+  const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * c.head_dim;
+  const std::size_t nlse = static_cast<std::size_t>(c.batch) * c.heads_q * c.seq;
+  const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
+  const auto d_o = random_bf16(nq, seed + 3);
+
+  const auto qf = to_float(q), kf = to_float(k), vf = to_float(v), dof = to_float(d_o);
+  std::vector<float> o_ref(nq), lse_ref(nlse), dq_ref(nq), dk_ref(nkv), dv_ref(nkv);
+  oom::reference::attention_forward<float>(d, scale, qf, kf, vf, o_ref, lse_ref);
+  oom::reference::attention_backward<float>(d, scale, qf, kf, vf, o_ref, lse_ref, dof, dq_ref, dk_ref, dv_ref);
+  std::vector<double> o_mag(nq), dq_mag(nq), dk_mag(nkv), dv_mag(nkv);
+  oom::reference::attention_error_scales<float>(d, scale, qf, kf, vf, o_ref, dof, o_mag, dq_mag, dk_mag, dv_mag);
+
+  DeviceQkv in(d, c.packed), grad_a(d, c.packed), grad_f(d, c.packed);
+  upload(in.q, q, d, c.heads_q);
+  upload(in.k, k, d, c.heads_kv);
+  upload(in.v, v, d, c.heads_kv);
+  DeviceBuffer<bf16> o_buf(nq), do_buf(d_o);
+  DeviceBuffer<float> lse(nlse);
+  const std::int64_t q_row = static_cast<std::int64_t>(c.heads_q) * c.head_dim;
+  const TokenRows<bf16> o{o_buf.get(), c.seq * q_row, q_row};
+  const TokenRows<const bf16> dor{do_buf.get(), c.seq * q_row, q_row};
+  auto problem = [&](std::size_t chunk) {
+    AttentionProblem p{.batch = c.batch, .seq = c.seq, .heads_q = c.heads_q, .heads_kv = c.heads_kv,
+                       .head_dim = c.head_dim, .softmax_scale = scale};
+    p.q_begin = chunk_starts[chunk];
+    p.q_end = chunk + 1 < chunk_starts.size() ? chunk_starts[chunk + 1] : c.seq;
+    REQUIRE(oom::kernels::attention_can_implement(p));
+    return p;
+  };
+  for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch)
+    OOM_CUDA_CHECK(oom::kernels::attention_forward(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), o,
+                                                   lse.get(), nullptr));
+
+  std::size_t ws_a = 0, ws_f = 0;
+  for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch) {
+    ws_a = std::max(ws_a, oom::kernels::attention_backward_workspace_bytes(problem(ch)));
+    ws_f = std::max(ws_f, oom::kernels::attention_backward_fused_dq_workspace_bytes(problem(ch)));
+  }
+  DeviceBuffer<unsigned char> ws(std::max(ws_a, ws_f));
+  auto backward = [&](BackwardFn fn, DeviceQkv& grad, std::size_t ws_bytes) {
+    grad.poison();
+    ws.poison();  // the fused variant must not depend on the workspace's previous contents
+    for (std::size_t ch = chunk_starts.size(); ch-- > 0;)
+      OOM_CUDA_CHECK(fn(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), as_const(o), dor, lse.get(),
+                        grad.q, grad.k, grad.v, /*accumulate_dkv=*/ch + 1 < chunk_starts.size(), ws.get(), ws_bytes,
+                        nullptr));
+    return std::tuple{download(grad.q, d, c.heads_q), download(grad.k, d, c.heads_kv), download(grad.v, d, c.heads_kv)};
+  };
+  const auto [dq_a, dk_a, dv_a] = backward(&oom::kernels::attention_backward, grad_a, ws_a);
+  const auto [dq_f, dk_f, dv_f] = backward(&oom::kernels::attention_backward_fused_dq, grad_f, ws_f);
+
+  check_bit_identical(dk_f, dk_a, "dK (fused vs attention_backward)");
+  check_bit_identical(dv_f, dv_a, "dV (fused vs attention_backward)");
+  const double chunks = static_cast<double>(chunk_starts.size());
+  check_bounded(dk_f, dk_ref, dk_mag, 4 + chunks, "dK (fused)");
+  check_bounded(dv_f, dv_ref, dv_mag, 4 + chunks, "dV (fused)");
+  check_bounded(dq_f, dq_ref, dq_mag, 4, "dQ (fused vs reference)");
+  check_bounded(dq_f, dq_a, dq_mag, 12, "dQ (fused vs attention_backward)");
+  if (c.seq > 1) {  // at S = 1 the exact dQ is 0 and both are rounding noise: the bounds above apply
+    const double l2 = relative_l2(dq_f, dq_ref), l2_a = relative_l2(dq_f, dq_a);
+    INFO("dQ relative L2 error: " << l2 << " vs reference, " << l2_a << " vs attention_backward");
+    CHECK(l2 < rel_l2_max);
+    CHECK(l2_a < rel_l2_max);
+  }
+
+  const auto [dq_f2, dk_f2, dv_f2] = backward(&oom::kernels::attention_backward_fused_dq, grad_f, ws_f);
+  check_bit_identical(dq_f2, dq_f, "dQ (fused, run 2 vs run 1)");
+  check_bit_identical(dk_f2, dk_f, "dK (fused, run 2 vs run 1)");
+  check_bit_identical(dv_f2, dv_f, "dV (fused, run 2 vs run 1)");
+}
+
+}  // namespace
+
+TEST_CASE("fused dQ: matches attention_backward and the reference, D = 128") {
+  std::uint64_t seed = 500;
+  for (const Case c : {Case{2, 1, 16, 4, 128, true}, Case{2, 17, 16, 4, 128, false}, Case{1, 17, 4, 4, 128, true},
+                       Case{1, 1000, 16, 4, 128, true}, Case{2, 1000, 4, 4, 128, false}})
+    check_fused_dq_case(c, seed += 10);
+}
+
+TEST_CASE("fused dQ: matches attention_backward and the reference, D = 256") {
+  std::uint64_t seed = 600;
+  for (const Case c : {Case{2, 1, 16, 4, 256, false}, Case{2, 17, 16, 4, 256, true}, Case{1, 1000, 8, 2, 256, true},
+                       Case{2, 1000, 4, 4, 256, false}})
+    check_fused_dq_case(c, seed += 10);
+}
+
+TEST_CASE("fused dQ: in query chunks (causal prefix, dK/dV accumulated)") {
+  // Chunk edges on no tile boundary, and chunks shorter than a tile ([63, 65)).
+  check_fused_dq_case(Case{1, 1000, 8, 2, 128, true}, 700, {0, 333, 600});
+  check_fused_dq_case(Case{2, 1000, 8, 2, 256, false}, 710, {0, 517});
+  check_fused_dq_case(Case{1, 300, 8, 2, 128, false}, 720, {0, 63, 65, 200});
+  check_fused_dq_case(Case{1, 300, 8, 4, 256, true}, 730, {0, 63, 65, 200});
+}
+
+TEST_CASE("fused dQ: rejects what attention_backward rejects") {
+  AttentionProblem p{.batch = 1, .seq = 64, .heads_q = 4, .heads_kv = 2, .head_dim = 128, .softmax_scale = 0.1f};
+  DeviceBuffer<bf16> buf(64 * 4 * 128);
+  DeviceBuffer<float> lse(4 * 64);
+  const std::size_t need = oom::kernels::attention_backward_fused_dq_workspace_bytes(p);
+  CHECK(need > oom::kernels::attention_backward_workspace_bytes(p));
+  DeviceBuffer<unsigned char> ws(need);
+  const TokenRows<const bf16> in{buf.get(), 64 * 512, 512};
+  const TokenRows<bf16> out{buf.get(), 64 * 512, 512};
+  auto run = [&](const AttentionProblem& prob, TokenRows<const bf16> q, std::size_t ws_bytes) {
+    return oom::kernels::attention_backward_fused_dq(prob, q, in, in, in, in, lse.get(), out, out, out, false,
+                                                     ws.get(), ws_bytes, nullptr);
+  };
+  CHECK(run(p, {buf.get(), 64 * 512, 500}, need) == cudaErrorInvalidValue);  // stride not a multiple of 8
+  CHECK(run(p, in, need - 1) == cudaErrorInvalidValue);                    // workspace too small
+  auto bad = p;
+  bad.head_dim = 64;
+  CHECK(run(bad, in, need) == cudaErrorInvalidValue);
+  auto empty = p;
+  empty.q_begin = empty.q_end = 32;
+  CHECK(run(empty, in, 0) == cudaSuccess);  // nothing to do, as attention_backward
+}
+
+TEST_CASE("fused dQ: timing against attention_backward (B=1, Hq=16, Hkv=4, D=128)") {
+  // Counted as the existing test and oom-calibrate count: 2.5x the causal forward's 2 S^2 Hq D.
+  for (const int seq : {4096, 16384, 65536}) {
+    const AttentionDims d{1, seq, 16, 4, 128};
+    const float scale = 1.0f / std::sqrt(128.0f);
+    const std::size_t nq = static_cast<std::size_t>(seq) * 16 * 128, nkv = static_cast<std::size_t>(seq) * 4 * 128;
+    const auto q = hashed_bf16(nq, 11), k = hashed_bf16(nkv, 12), v = hashed_bf16(nkv, 13), d_o = hashed_bf16(nq, 14);
+    DeviceQkv in(d, true), grad_a(d, true), grad_f(d, true);
+    upload(in.q, q, d, 16);
+    upload(in.k, k, d, 4);
+    upload(in.v, v, d, 4);
+    DeviceBuffer<bf16> o_buf(nq), do_buf(d_o);
+    DeviceBuffer<float> lse(static_cast<std::size_t>(16) * seq);
+    const std::int64_t q_row = 16 * 128;
+    const TokenRows<bf16> o{o_buf.get(), seq * q_row, q_row};
+    const TokenRows<const bf16> dor{do_buf.get(), seq * q_row, q_row};
+    const AttentionProblem p{.batch = 1, .seq = seq, .heads_q = 16, .heads_kv = 4, .head_dim = 128,
+                             .softmax_scale = scale};
+    OOM_CUDA_CHECK(oom::kernels::attention_forward(p, as_const(in.q), as_const(in.k), as_const(in.v), o, lse.get(), nullptr));
+    DeviceBuffer<unsigned char> ws_a(oom::kernels::attention_backward_workspace_bytes(p));
+    DeviceBuffer<unsigned char> ws_f(oom::kernels::attention_backward_fused_dq_workspace_bytes(p));
+    auto run = [&](BackwardFn fn, DeviceQkv& grad, DeviceBuffer<unsigned char>& ws) {
+      OOM_CUDA_CHECK(fn(p, as_const(in.q), as_const(in.k), as_const(in.v), as_const(o), dor, lse.get(), grad.q, grad.k,
+                        grad.v, false, ws.get(), ws.bytes(), nullptr));
+    };
+    cudaEvent_t e0, e1;
+    OOM_CUDA_CHECK(cudaEventCreate(&e0));
+    OOM_CUDA_CHECK(cudaEventCreate(&e1));
+    auto time_ms = [&](BackwardFn fn, DeviceQkv& grad, DeviceBuffer<unsigned char>& ws) {
+      OOM_CUDA_CHECK(cudaEventRecord(e0));
+      run(fn, grad, ws);
+      OOM_CUDA_CHECK(cudaEventRecord(e1));
+      OOM_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      return static_cast<double>(ms);
+    };
+    run(&oom::kernels::attention_backward, grad_a, ws_a);  // warm-up (and the outputs compared below)
+    run(&oom::kernels::attention_backward_fused_dq, grad_f, ws_f);
+    double best_a = 1e30, best_f = 1e30;
+    const int reps = seq >= 65536 ? 2 : 5;
+    for (int r = 0; r < reps; ++r) {
+      best_a = std::min(best_a, time_ms(&oom::kernels::attention_backward, grad_a, ws_a));
+      best_f = std::min(best_f, time_ms(&oom::kernels::attention_backward_fused_dq, grad_f, ws_f));
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    const double flops = 2.5 * 2.0 * 16 * static_cast<double>(seq) * seq * 128;
+    MESSAGE("S=" << seq << ": attention_backward " << best_a << " ms (" << flops / best_a / 1e9
+                 << " TFLOP/s), attention_backward_fused_dq " << best_f << " ms (" << flops / best_f / 1e9
+                 << " TFLOP/s), speed-up " << best_a / best_f << "x");
+
+    INFO("S=" << seq);
+    check_bit_identical(download(grad_f.k, d, 4), download(grad_a.k, d, 4), "dK (fused vs attention_backward)");
+    check_bit_identical(download(grad_f.v, d, 4), download(grad_a.v, d, 4), "dV (fused vs attention_backward)");
+    const auto dq_f = download(grad_f.q, d, 16), dq_a = download(grad_a.q, d, 16);
+    const auto bad = static_cast<std::size_t>(std::count_if(dq_f.begin(), dq_f.end(), [](float x) { return !std::isfinite(x); }));
+    const double l2 = relative_l2(dq_f, dq_a);
+    INFO("dQ: " << bad << " non-finite elements, relative L2 difference to attention_backward " << l2);
+    CHECK(bad == 0);
+    CHECK(l2 < rel_l2_max);
+  }
 }
