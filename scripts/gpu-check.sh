@@ -10,7 +10,7 @@
 # most 10 minutes, so split: e.g. PARTS=tests, then PARTS="reference train" SEQS="4096 32768",
 # then PARTS=train SEQS=131072 TRAIN_CUDA_LRS=" " (each builds only what it needs when warm).
 # PARTS="calibrate train" first measures a machine profile ($out/profile.json, oom-calibrate) and
-# the 5.13B runs plan and predict with it. GRAD_STAGING=N runs them with a pinned gradient
+# the 5.13B runs plan and predict with it (else with PROFILE=path, if given). GRAD_STAGING=N runs them with a pinned gradient
 # staging ring of N layers (oom-train --grad-staging, default 3; 0 per parameter); KEEP_ATTENTION=0
 # adds --no-keep-attention-state; BUCKETED=0 adds --no-bucketed-expert-gemms;
 # WIDE=1 also trains a 2-layer model of the 5.13B widths against PyTorch (20 steps); CLIP=X
@@ -159,7 +159,8 @@ if [[ "$parts" == *" train "* ]]; then
   # The step traced is the last: the first steps still warm cuBLAS' heuristics for new shapes.
   steps_5b=${STEPS_5B:-4}
   profile_args=()
-  [[ -f "$out/profile.json" ]] && profile_args=(--profile "$out/profile.json")
+  if [[ -f "$out/profile.json" ]]; then profile_args=(--profile "$out/profile.json")
+  elif [[ -n "${PROFILE:-}" ]]; then profile_args=(--profile "$PROFILE"); fi
   for seq in ${SEQS:-4096}; do
     timeout "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/moe-5b.json \
       --out "$build_dir/train-5b-$seq" --overwrite --seq "$seq" --steps "$steps_5b" --lr "${LR_5B:-3e-4}" --log-every 1 \
