@@ -33,13 +33,14 @@ struct ExpertGemmVariant {
 inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
   using M = kernels::ExpertGemmMethod;
   // cublasGemmEx for every GEMM (the default, row_chunked, takes cuBLASLt's bucketed algorithms);
-  // chunk128sw: every weight gradient its own GEMM on the side streams (the default batches them)
+  // chunk128bw: the weight gradients' common rows batched (ExpertGemmStreamsOptions::
+  // batched_weight_gradients, off by default: slower on the H200)
   const kernels::ExpertGemmStreamsOptions gemm_ex{.bucketed_algorithms = false};
   std::vector<ExpertGemmVariant> v = {{"loop", M::per_expert_loop, gemm_ex},
                                       {"grouped", M::grouped_batched, gemm_ex},
                                       {"streams4", M::multi_stream, gemm_ex},
                                       {"chunk128ex", M::row_chunked, gemm_ex},
-                                      {"chunk128sw", M::row_chunked, {.batched_weight_gradients = false}},
+                                      {"chunk128bw", M::row_chunked, {.batched_weight_gradients = true}},
                                       {"chunk128", M::row_chunked, {}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});

@@ -70,10 +70,12 @@ struct ExpertGemmStreamsOptions {
   /// row_chunked's weight gradients (dW[e] += A_e^T B_e, k = the expert's rows): the first
   /// `depth` rows of every expert that has them in one batched GEMM on the caller's stream, the
   /// rest per expert on the side streams. `depth` is a power of two or 1.5 times one (so the
-  /// shapes recur) that at least half of the experts with rows reach. Off: every expert's weight
-  /// gradient is its own GEMM on the side streams (output tiles of one expert's dW do not fill an
-  /// H200 at the 5.13B widths: 2048 x 768 is 96 tiles of 128 x 128 for 132 SMs).
-  bool batched_weight_gradients = true;
+  /// shapes recur) that at least half of the experts with rows reach. Off (the default): every
+  /// expert's weight gradient is its own GEMM on the side streams. Measured on the H200 (5.13B
+  /// widths, T = 16384, 2026-11-30): batching made the backward slower, down-projection 0.66x
+  /// dense vs 0.69x, gate_up 0.72x vs 0.85x (the batched call runs alone on the caller's stream
+  /// before the row GEMMs and the side streams start), so it stays off.
+  bool batched_weight_gradients = false;
 };
 
 /// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and
