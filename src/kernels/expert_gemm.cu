@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "batch_parts.hpp"
 #include "bucketed_gemm.cuh"
 #include "moe_blas.cuh"
 
@@ -252,26 +253,14 @@ cudaError_t run_grouped(cublasHandle_t blas, cudaStream_t stream, const std::vec
 
 std::size_t element_bytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
 
-constexpr std::size_t batch_granule = 16;  ///< see in_recurring_counts
-constexpr std::size_t batch_cap = 256;     ///< see in_recurring_counts
-
-/// Calls f(first, n) for consecutive parts of [0, count) whose sizes recur from call to call and
-/// stay small: parts of batch_cap, then the powers of two below it down to batch_granule, then the
-/// rest (< batch_granule) in one part. cuBLAS chooses cublasGemmBatchedEx's algorithm on the host
-/// for every (shape, batch count) it has not seen: 3.5-4 ms a call on the H200 at the 5.13B widths
-/// for counts up to 256, 100-119 ms for 2047 or 2048 (the 32K backward), 15 us once seen
-/// (scripts/diag/batched_issue.cu). With the cap a shape sees at most 21 counts, each new one
-/// costing a few ms once.
+/// f(first, n) for the parts of a batch count (detail::for_each_batch_part), stopping at an error.
 template <class F>
 cudaError_t in_recurring_counts(std::size_t count, F&& f) {
-  std::size_t done = 0;
-  for (; count - done >= batch_cap; done += batch_cap) OOM_KERNEL_TRY(f(done, batch_cap));
-  for (std::size_t part = batch_cap / 2; part >= batch_granule; part /= 2)
-    if (count - done >= part) {
-      OOM_KERNEL_TRY(f(done, part));
-      done += part;
-    }
-  return count > done ? f(done, count - done) : cudaSuccess;
+  cudaError_t status = cudaSuccess;
+  detail::for_each_batch_part(count, [&](std::size_t first, std::size_t n) {
+    if (status == cudaSuccess) status = f(first, n);
+  });
+  return status;
 }
 
 /// Row-producing problems of one op (A not transposed, the same n, k, leading dimensions, C type
