@@ -63,6 +63,7 @@
 #include <type_traits>
 
 #include "attention_common.cuh"
+#include "attention_fused_dq.hpp"
 #include "oom/kernels/attention.hpp"
 
 namespace oom::kernels {

@@ -19,6 +19,7 @@
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/numeric.hpp"
 #include "oom/kernels/attention.hpp"
+#include "kernels/attention_fused_dq.hpp"
 #include "oom/reference/attention.hpp"
 #include "support/compare.hpp"
 
