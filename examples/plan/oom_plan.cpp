@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "common/cli_numbers.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/io/json.hpp"
@@ -21,6 +22,9 @@
 
 namespace {
 
+using oom::examples::parse_count;
+using oom::examples::parse_real;
+
 constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
   --model PATH        Hugging Face config.json of the model (required)
   --gpus N            GPUs in the node (default 1)
@@ -29,6 +33,8 @@ constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
   --seq N             tokens per sequence (default 4096)
   --batch N           sequences per GPU per micro-batch (default 1)
   --micro-batches N   gradient accumulation steps (default 1)
+  --max-grad-norm X   plan for clipping by global norm (X > 0, as oom-train --max-grad-norm): every
+                      update waits for the whole backward
   --moments DTYPE     AdamW moment precision: fp32 (default) or bf16
   --profile PATH      calibrated MachineProfile JSON (from oom-calibrate)
   --machine NAME      built-in profile when no --profile: h200 (default), h100-80gb, rtx4090
@@ -48,6 +54,7 @@ struct Args {
   std::optional<oom::Bytes> gpu_mem, host_mem;
   std::uint64_t seq = 4096, batch = 1;
   int micro_batches = 1;
+  double max_grad_norm = 0;
   oom::DType moments = oom::DType::fp32;
   std::string profile, machine = "h200";
   int candidates = 3;
@@ -55,14 +62,6 @@ struct Args {
   std::optional<unsigned> grad_staging;  // the CUDA executor's options, for its footprint and prediction
   std::optional<bool> keep_attention_state;
 };
-
-std::uint64_t parse_count(std::string_view flag, const char* text, bool allow_zero = false) {
-  char* end = nullptr;
-  const unsigned long long v = std::strtoull(text, &end, 10);
-  if (end == text || *end != '\0' || (v == 0 && !allow_zero) || text[0] == '-')
-    OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a positive integer, got '{}'", flag, text));
-  return v;
-}
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -85,6 +84,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--seq") a.seq = parse_count(flag, v);
     else if (flag == "--batch") a.batch = parse_count(flag, v);
     else if (flag == "--micro-batches") a.micro_batches = static_cast<int>(parse_count(flag, v));
+    else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
     else if (flag == "--moments") {
       a.moments = oom::parse_dtype(v);
       if (a.moments != oom::DType::fp32 && a.moments != oom::DType::bf16)
@@ -131,14 +131,16 @@ int main(int argc, char** argv) {
     req.host_budget = a.host_mem.value_or(profile.host_memory);
     req.workload = {a.batch, a.seq};
     req.micro_batches = a.micro_batches;
+    req.clip_grad_norm = a.max_grad_norm > 0;
     req.precision.moments = a.moments;
     req.candidates = a.candidates;
 
     fmt::print("model {}: {} layers, {:.2f}B parameters ({:.2f}B active), {} segments\n", a.model, spec.num_layers(),
                static_cast<double>(spec.total_parameters()) / 1e9, static_cast<double>(spec.active_parameters()) / 1e9,
                spec.segments().size());
-    fmt::print("machine {} x{}; budgets: {} per GPU, {} host; workload {} x {} tokens per GPU, {} micro-batch(es)\n\n",
-               profile.name, a.gpus, req.gpu_budget, req.host_budget, a.batch, a.seq, a.micro_batches);
+    fmt::print("machine {} x{}; budgets: {} per GPU, {} host; workload {} x {} tokens per GPU, {} micro-batch(es){}\n\n",
+               profile.name, a.gpus, req.gpu_budget, req.host_budget, a.batch, a.seq, a.micro_batches,
+               req.clip_grad_norm ? ", gradients clipped by global norm" : "");
 
     const oom::Planner planner(spec, profile, a.model);
     const auto set = planner.plan(req);

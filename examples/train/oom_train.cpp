@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "host_lm.hpp"
+#include "common/cli_numbers.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/io/atomic_file.hpp"
@@ -46,6 +47,9 @@ namespace fs = std::filesystem;
 using namespace oom;
 
 namespace {
+
+using oom::examples::parse_count;
+using oom::examples::parse_real;
 
 // The built-in model: a 4-layer Qwen3-MoE with 8 experts over byte-level tokens (3.9M parameters),
 // small enough to learn the built-in corpus on a laptop CPU in a minute.
@@ -156,22 +160,6 @@ struct Args {
   int keep = 2;
   bool stop_on_nonfinite = false;
 };
-
-std::uint64_t parse_count(std::string_view flag, const char* text, bool allow_zero = false) {
-  char* end = nullptr;
-  const unsigned long long v = std::strtoull(text, &end, 10);
-  if (end == text || *end != '\0' || text[0] == '-' || (v == 0 && !allow_zero))
-    OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a positive integer, got '{}'", flag, text));
-  return v;
-}
-
-float parse_real(std::string_view flag, const char* text) {
-  char* end = nullptr;
-  const float v = std::strtof(text, &end);
-  if (end == text || *end != '\0' || !std::isfinite(v) || v < 0)
-    OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a non-negative number, got '{}'", flag, text));
-  return v;
-}
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -472,6 +460,10 @@ int run(const Args& a) {
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("{}: planned for {} micro-batch(es) of {} x {} tokens, the run asks for {} of 1 x {} (--micro-batches, --seq)",
                             a.plan, plan.micro_batches, plan.workload.sequences, plan.workload.seq_len, a.micro_batches, a.seq));
+    if (plan.clip_grad_norm != (a.max_grad_norm > 0))
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("{}: planned {} clipping, the run asks for {} (--max-grad-norm {}; oom-plan --max-grad-norm plans for it)", a.plan,
+                            plan.clip_grad_norm ? "with" : "without", a.max_grad_norm > 0 ? "it" : "none", a.max_grad_norm));
   } else {
     PlanRequest req;
     req.gpus = 1;
@@ -486,6 +478,7 @@ int run(const Args& a) {
     }
     req.workload = {1, a.seq};
     req.micro_batches = static_cast<int>(a.micro_batches);
+    req.clip_grad_norm = a.max_grad_norm > 0;
     req.candidates = use_cuda ? 6 : 2;
     const auto set = planner.plan(req);
     plan = set.plans.front();

@@ -52,6 +52,7 @@ Json Plan::to_json() const {
   j.set("sequences", workload.sequences);
   j.set("seq_len", workload.seq_len);
   j.set("micro_batches", micro_batches);
+  j.set("clip_grad_norm", clip_grad_norm);
   Json prec = Json::object();
   prec.set("weights", std::string(name(precision.weights)));
   prec.set("master", std::string(name(precision.master)));
@@ -110,6 +111,7 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     p.prefetch_depth = static_cast<int>(j["prefetch_depth"].as_int64());
     p.workload = {j["sequences"].as_uint64(), j["seq_len"].as_uint64()};
     p.micro_batches = static_cast<int>(j["micro_batches"].as_int64());
+    if (j["clip_grad_norm"].present()) p.clip_grad_norm = j["clip_grad_norm"].as_bool();  // absent in older plans: off
     p.precision.weights = parse_dtype(j["precision"]["weights"].as_string());
     p.precision.master = parse_dtype(j["precision"]["master"].as_string());
     p.precision.moments = parse_dtype(j["precision"]["moments"].as_string());

@@ -49,6 +49,7 @@ PlanRequest request_of(const Plan& p) {
   r.host_budget = p.host_budget;
   r.workload = p.workload;
   r.micro_batches = p.micro_batches;
+  r.clip_grad_norm = p.clip_grad_norm;
   r.precision = p.precision;
   return r;
 }
@@ -112,6 +113,19 @@ class GraphBuilder {
       prev = head(prev, last_mb);
       for (int l = n - 1; l >= 0; --l) prev = layer_backward(l, prev, last_mb);
       prev = embedding_backward(prev, last_mb);
+    }
+    if (!clipped_updates_.empty()) {
+      // Clipping: the gradients' sums of squares (one read of every gradient; the executors take
+      // them per layer as the gradients are made, summed here as one pass), then every update.
+      std::uint64_t params = 0;
+      for (const auto& s : states_) params += s.resident_params + s.streamed_params;
+      const int norm = g_.add({"gpu.grad_norm", Resource::gpu_compute,
+                               model_.time_of(Operation::moving(OpKind::memory_bound, Bytes{params * fp32_bytes}), Resource::gpu_compute),
+                               {prev}, -1});
+      for (auto op : clipped_updates_) {
+        op.deps.push_back(norm);
+        g_.add(std::move(op));
+      }
     }
     add_constant_holds();
     for (const auto& h : deferred_) g_.hold(h.claimant, h.bytes, h.from, resolve(h.to));
@@ -349,7 +363,7 @@ class GraphBuilder {
       // While a layer's update runs, the backward streams about one layer's fp32 gradients down
       // and its bf16 weights up through the same host memory (the layers are alike).
       if (last_mb)
-        g_.add({"cpu.adamw", Resource::cpu,
+        update({"cpu.adamw", Resource::cpu,
                 model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params, Bytes{sent.count() + s.streamed_params * 2}),
                                Resource::cpu),
                 {d2h}, l});
@@ -360,8 +374,9 @@ class GraphBuilder {
         reduced = g_.add({"all_reduce.resident_grads", Resource::network,
                           model_.time_of(Operation::moving(OpKind::all_reduce, Bytes{s.resident_params * fp32_bytes}), Resource::network),
                           {done}, l});
-      ret = g_.add({"gpu.adamw", Resource::gpu_compute,
+      ret = update({"gpu.adamw", Resource::gpu_compute,
                     model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params), Resource::gpu_compute), {reduced}, l});
+      if (ret < 0) ret = reduced;  // deferred: the backward goes on from the gradients
     }
     return ret;
   }
@@ -379,13 +394,22 @@ class GraphBuilder {
       const int d2h = g_.add({"d2h.embedding_row_grads", Resource::d2h,
                               model_.time_of(Operation::moving(OpKind::copy_d2h, Bytes{t * h * fp32_bytes}), Resource::d2h), {op}, -1});
       if (last_mb)
-        g_.add({"cpu.adamw embedding", Resource::cpu,
+        update({"cpu.adamw embedding", Resource::cpu,
                 model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params), Resource::cpu), {d2h}, -1});
     }
-    if (s.resident_params > 0 && last_mb)
-      return g_.add({"gpu.adamw embedding", Resource::gpu_compute,
-                     model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params), Resource::gpu_compute), {op}, -1});
+    if (s.resident_params > 0 && last_mb) {
+      const int u = update({"gpu.adamw embedding", Resource::gpu_compute,
+                            model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params), Resource::gpu_compute), {op}, -1});
+      if (u >= 0) return u;
+    }
     return op;
+  }
+
+  /// An optimizer update: added now, or with clipping kept for after the norm (returns -1 then).
+  int update(SimOp op) {
+    if (!plan_.clip_grad_norm) return g_.add(std::move(op));
+    clipped_updates_.push_back(std::move(op));
+    return -1;
   }
 
   void add_constant_holds() {
@@ -398,8 +422,9 @@ class GraphBuilder {
     g_.hold(Claimant::resident_state, Bytes{resident * model_.state_bytes_per_param(true)});
     g_.hold(Claimant::host_state, Bytes{host * model_.state_bytes_per_param(false)});
     // Pinned staging for gradients as they land: two layers' worth, so one is being applied while
-    // the next arrives (with accumulation, the accumulators are part of host_state instead).
-    g_.hold(Claimant::host_staging, Bytes{2 * largest_layer_host * fp32_bytes});
+    // the next arrives (with accumulation, the accumulators are part of host_state instead); with
+    // clipping every streamed gradient waits for the norm.
+    g_.hold(Claimant::host_staging, Bytes{(plan_.clip_grad_norm ? host : 2 * largest_layer_host) * fp32_bytes});
   }
 
   const ModelSpec& spec_;
@@ -416,6 +441,7 @@ class GraphBuilder {
   std::map<int, int> prefetch_op_;
   std::vector<bool> regenerated_;
   std::vector<Deferred> deferred_;
+  std::vector<SimOp> clipped_updates_;  ///< with clipping: the updates, added after the norm
 };
 
 Prediction predict(const SimResult& r) {
@@ -614,6 +640,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
           p.prefetch_depth = depth;
           p.workload = req.workload;
           p.micro_batches = req.micro_batches;
+          p.clip_grad_norm = req.clip_grad_norm;
           p.precision = req.precision;
           p.gpu_budget = req.gpu_budget;
           p.host_budget = req.host_budget;

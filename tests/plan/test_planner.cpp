@@ -176,3 +176,47 @@ TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
   bad.set("prefetch_depth", "two");
   CHECK_THROWS_WITH_AS((void)Plan::from_json(bad, "bad.json"), doctest::Contains("prefetch_depth"), Error);
 }
+
+TEST_CASE("clipping by global norm: every update after the backward and the norm, staging for all streamed gradients") {
+  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/moe-5b.json");
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const Planner planner(spec, profile, "moe-5b");
+  PlanRequest req;
+  req.workload = {1, 32768};
+  req.gpu_budget = 139_GiB;
+  req.host_budget = 110_GiB;
+  const Plan plain = planner.plan(req).plans.front();
+  Plan clipped = plain;
+  clipped.clip_grad_norm = true;
+  const StepGraph graph = planner.step_graph(clipped);
+  const SimResult sim = simulate(graph);
+  const auto& ops = graph.ops();
+  double backward_end = 0, first_update = 1e30;
+  int norm = -1;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const std::string what = ops[i].what;
+    if (what.starts_with("bwd.")) backward_end = std::max(backward_end, sim.end_s[i]);
+    if (what.find("adamw") != std::string::npos) first_update = std::min(first_update, sim.start_s[i]);
+    if (what == "gpu.grad_norm") norm = static_cast<int>(i);
+  }
+  REQUIRE(norm >= 0);
+  CHECK(first_update >= sim.end_s[static_cast<std::size_t>(norm)]);
+  CHECK(sim.start_s[static_cast<std::size_t>(norm)] >= backward_end);
+  // The CPU AdamW no longer overlaps the backward: a slower step than the same plan unclipped.
+  const SimResult unclipped = planner.simulate(plain);
+  MESSAGE("5.13B at 32K on an H200: step " << unclipped.step_s << " s, " << sim.step_s << " s clipped");
+  CHECK(sim.step_s > unclipped.step_s);
+  // Every streamed gradient stays staged until the norm is known.
+  CHECK(sim.peak[static_cast<std::size_t>(Claimant::host_staging)] > unclipped.peak[static_cast<std::size_t>(Claimant::host_staging)]);
+  // The flag survives JSON; older plans without it read as unclipped.
+  CHECK(Plan::from_json(Json::parse(clipped.to_json().dump()), "<clipped>").clip_grad_norm);
+  std::string old = plain.to_json().dump(2);
+  const auto key = old.find("\"clip_grad_norm\"");
+  REQUIRE(key != std::string::npos);
+  old.erase(key, old.find('\n', key) - key + 1);  // the whole line: as a plan written before the flag
+  CHECK(old.find("clip_grad_norm") == std::string::npos);
+  CHECK_FALSE(Plan::from_json(Json::parse(old), "<old>").clip_grad_norm);
+  // Planning for it carries it into every plan.
+  req.clip_grad_norm = true;
+  for (const auto& p : planner.plan(req).plans) CHECK(p.clip_grad_norm);
+}

@@ -52,6 +52,15 @@ expect corrupt-safetensors 2 "corrupt.safetensors" -- --init-from "$work/corrupt
 } > "$work/big-vocab.tok"
 expect token-beyond-vocab 2 "token 280 at position 3" -- --data "$work/big-vocab.tok"
 
+# A plan file made without clipping, for a run that clips (oom-plan beside oom-train in the build).
+plan_tool="$(dirname "$train")/../plan/oom-plan"
+if [[ -x "$plan_tool" ]]; then
+  "$plan_tool" --model "$(dirname "$0")/../../examples/configs/tiny-moe.json" --seq 32 --gpu-mem 1GiB --host-mem 4GiB \
+    --json "$work/unclipped-plan.json" > /dev/null || { echo "FAIL: oom-plan failed"; exit 1; }
+  expect plan-without-clipping 2 "planned without clipping" -- --plan "$work/unclipped-plan.json" --max-grad-norm 1
+else
+  echo "skip plan-without-clipping: no $plan_tool"
+fi
 # A budget no plan fits, and a missing data file.
 expect tiny-budget 3 "least GPU memory" -- --gpu-mem 1MiB
 expect missing-data 2 "no such data file" -- --data "$work/nowhere.tok"

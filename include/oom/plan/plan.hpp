@@ -31,6 +31,9 @@ struct PlanRequest {
   Bytes host_budget;      ///< per node
   Workload workload;      ///< per GPU and micro-batch: `sequences` of `seq_len` tokens
   int micro_batches = 1;  ///< gradient accumulation steps per optimizer step
+  /// Gradients clipped by global norm: every update waits for the whole backward (and the norm),
+  /// so the CPU AdamW no longer overlaps it, and every streamed gradient is staged until then.
+  bool clip_grad_norm = false;
   StatePrecision precision;
   int candidates = 3;     ///< how many of the best plans to return
 };
@@ -57,6 +60,7 @@ struct Plan {
   int prefetch_depth = 2;  ///< weight slots per GPU: layers in flight
   Workload workload;
   int micro_batches = 1;
+  bool clip_grad_norm = false;  ///< PlanRequest::clip_grad_norm
   StatePrecision precision;
   Bytes gpu_budget, host_budget;
 

@@ -1,0 +1,33 @@
+// Number arguments of the example programs' command lines, with errors naming the flag.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
+
+namespace oom::examples {
+
+/// A positive integer (or 0 with allow_zero); anything else throws invalid_argument naming `flag`.
+inline std::uint64_t parse_count(std::string_view flag, const char* text, bool allow_zero = false) {
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(text, &end, 10);
+  if (end == text || *end != '\0' || text[0] == '-' || (v == 0 && !allow_zero))
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a positive integer, got '{}'", flag, text));
+  return v;
+}
+
+/// A finite non-negative number; anything else throws invalid_argument naming `flag`.
+inline float parse_real(std::string_view flag, const char* text) {
+  char* end = nullptr;
+  const float v = std::strtof(text, &end);
+  if (end == text || *end != '\0' || !std::isfinite(v) || v < 0)
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a non-negative number, got '{}'", flag, text));
+  return v;
+}
+
+}  // namespace oom::examples
