@@ -134,12 +134,6 @@ __global__ void copy_counts_kernel(const std::int32_t* __restrict__ src, std::in
   for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
-/// `bytes` (a multiple of 8, at most `capacity`) from the host's `src` to the device's `dst`, in
-/// `stream`'s order: staged in a pinned mapped buffer of the ring and pulled by a kernel (no copy
-/// engine, no pageable staging). `src` may be reused as soon as this returns. A stage is sized for
-/// `capacity` (the launch's largest array) on first use, so it is not freed and pinned again
-/// mid-step when a later chunk routes more rows (cudaFreeHost and cudaHostAlloc wait for the
-/// device, the CPU AdamW's host function included).
 thread_local std::vector<HostSpan>* host_span_sink = nullptr;  // record_host_spans
 
 /// Appends [begin, now) to the recording thread's sink, if any, named by `what()` (built only then).
@@ -148,12 +142,18 @@ void record_host_span(std::chrono::steady_clock::time_point begin, F&& what) {
   if (host_span_sink != nullptr) host_span_sink->push_back({what(), begin, std::chrono::steady_clock::now()});
 }
 
+/// `bytes` (a multiple of 8, at most `capacity`) from the host's `src` to the device's `dst`, in
+/// `stream`'s order: staged in a pinned mapped buffer of the ring and pulled by a kernel (no copy
+/// engine, no pageable staging). `src` may be reused as soon as this returns. A stage is sized for
+/// `capacity` (the launch's largest array) on first use, so it is not freed and pinned again
+/// mid-step when a later chunk routes more rows (cudaFreeHost and cudaHostAlloc wait for the
+/// device, the CPU AdamW's host function included).
 cudaError_t stage_to_device(ExpertGemmStreams::State& st, cudaStream_t stream, const void* src, std::size_t bytes,
                             std::size_t capacity, void* dst) {
   MappedHostBuffer& b = st.stages[st.next_stage];
   st.next_stage = (st.next_stage + 1) % st.stages.size();
   if (b.done == nullptr) OOM_KERNEL_TRY(cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming));
-  if (b.pending) OOM_KERNEL_TRY(cudaEventSynchronize(b.done));  // long done: three launches ago
+  if (b.pending) OOM_KERNEL_TRY(cudaEventSynchronize(b.done));  // long done: a ring's length of launches ago
   b.pending = false;
   OOM_KERNEL_TRY(b.reserve(std::max(bytes, capacity)));
   std::memcpy(b.host, src, bytes);
@@ -265,7 +265,8 @@ cudaError_t in_recurring_counts(std::size_t count, F&& f) {
 
 /// Row-producing problems of one op (A not transposed, the same n, k, leading dimensions, C type
 /// and beta = 0; only m, A, B and C differ) as batched GEMMs over `chunk`-row slices: every full
-/// chunk in one cublasGemmBatchedEx, then each expert's last `chunk` rows in a second one (the
+/// chunk by cublasGemmBatchedEx (in parts of recurring counts, for_each_batch_part), then each
+/// expert's last `chunk` rows the same way (the
 /// remainder; rows it shares with the last full chunk are computed again from the same inputs and
 /// overwritten in stream order, so no two writers race), then experts with fewer rows alone.
 cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, cudaStream_t stream,
