@@ -153,6 +153,7 @@ int main(int argc, char** argv) {
         oom::CudaCausalLmOptions executor;
         if (a.grad_staging) executor.grad_staging_layers = *a.grad_staging;
         if (a.keep_attention_state) executor.keep_attention_state = *a.keep_attention_state;
+        executor.max_grad_norm = a.max_grad_norm;  // clipping stages every streamed gradient
         const auto fp = oom::CudaCausalLm::footprint(spec, set.plans[i], executor);
         oom::Bytes gpu, host;
         for (int c = 0; c < oom::claimant_count; ++c)
