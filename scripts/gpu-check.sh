@@ -39,6 +39,26 @@ targets=()  # everything, unless only the reference checks and the trainer run
 cmake --build "$build_dir" -j "$jobs" "${targets[@]}" > "$out/build.log" 2>&1 || { grep -E -A5 'error|FAILED' "$out/build.log" | head -60; exit 1; }
 
 gpu_rc=0 host_rc=0 bench_rc=0 ref_rc=0
+
+# versus_pytorch NAME TIMEOUT LABEL OOM-TRAIN-ARGS...: oom-train with those arguments into
+# $build_dir/NAME (from saved initial weights, its batches dumped), then the same steps in PyTorch
+# on the GPU (scripts/compare_train_pytorch.py); logs $out/NAME.log and $out/compare-NAME.log. A
+# non-empty LABEL adds the comparison's verdict (and any logged grad norms) to train-summary.log.
+versus_pytorch() {
+  local name="$1" limit="$2" label="$3"
+  shift 3
+  local run="$build_dir/$name" batches="$build_dir/$name.tok"
+  rm -rf "$run"
+  if timeout "$limit" "$build_dir/examples/train/oom-train" "$@" --out "$run" --save-initial --dump-batches "$batches" \
+      --keep 3 --checkpoint-every 1000 > "$out/$name.log" 2>&1; then
+    PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" --batches "$batches" --device cuda \
+      > "$out/compare-$name.log" 2>&1 || ref_rc=1
+  else
+    ref_rc=1
+  fi
+  [[ -z "$label" ]] && return
+  echo "$label: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-$name.log" 2> /dev/null | tr '\n' ' ')$(grep -o 'grad norm [0-9.]*' "$out/$name.log" | head -2 | tr '\n' ' ')" >> "$out/train-summary.log"
+}
 touch "$out/gpu-tests.log"
 if [[ "$parts" == *" tests "* ]]; then
 ctest --test-dir "$build_dir" -L gpu --output-on-failure -V > "$out/gpu-tests.log" 2>&1
@@ -69,16 +89,7 @@ if [[ "$parts" == *" reference "* ]]; then
   # 50 steps of the example trainer vs the same 50 steps in PyTorch, from the same weights and data,
   # at two learning rates (Adam amplifies rounding differences faster at the larger one).
   for lr in ${TRAIN_LRS:-3e-3 1e-3}; do
-    run="$build_dir/train-run-$lr"
-    rm -rf "$run"
-    if timeout 400 "$build_dir/examples/train/oom-train" --out "$run" --steps 50 --seq 128 --lr "$lr" --save-initial \
-        --dump-batches "$build_dir/train-batches-$lr.tok" --keep 3 --checkpoint-every 1000 --log-every 10 \
-        > "$out/train-$lr.log" 2>&1; then
-      PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
-        --batches "$build_dir/train-batches-$lr.tok" --device cuda > "$out/compare-train-$lr.log" 2>&1 || ref_rc=1
-    else
-      ref_rc=1
-    fi
+    versus_pytorch "train-$lr" 400 "" --steps 50 --seq 128 --lr "$lr" --log-every 10
   done
 fi
 
@@ -97,48 +108,21 @@ if [[ "$parts" == *" train "* ]]; then
     echo "$t: $(tail -3 "$out/$t.log" | tr '\n' ' ')" >> "$out/train-summary.log"
   done
   for lr in ${TRAIN_CUDA_LRS:-1e-3 3e-4}; do
-    run="$build_dir/train-cuda-$lr"
-    rm -rf "$run"
-    if timeout 300 "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/tiny-moe-d128.json \
-        --out "$run" --steps 50 --seq 128 --lr "$lr" --save-initial --dump-batches "$build_dir/train-cuda-batches-$lr.tok" \
-        --keep 3 --checkpoint-every 1000 --log-every 10 > "$out/train-cuda-$lr.log" 2>&1; then
-      PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
-        --batches "$build_dir/train-cuda-batches-$lr.tok" --device cuda > "$out/compare-train-cuda-$lr.log" 2>&1 || ref_rc=1
-    else
-      ref_rc=1
-    fi
-    echo "50 GPU steps vs PyTorch at lr $lr: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-train-cuda-$lr.log" | tr '\n' ' ')" >> "$out/train-summary.log"
+    versus_pytorch "train-cuda-$lr" 300 "50 GPU steps vs PyTorch at lr $lr" --backend cuda \
+      --config examples/configs/tiny-moe-d128.json --steps 50 --seq 128 --lr "$lr" --log-every 10
   done
   # CLIP=X: 50 GPU steps with --max-grad-norm X against PyTorch's clip_grad_norm_ (lr 1e-3).
   if [[ -n "${CLIP:-}" ]]; then
-    run="$build_dir/train-cuda-clip"
-    rm -rf "$run"
-    if timeout 300 "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/tiny-moe-d128.json \
-        --out "$run" --steps 50 --seq 128 --lr 1e-3 --max-grad-norm "$CLIP" --save-initial \
-        --dump-batches "$build_dir/train-cuda-clip.tok" --keep 3 --checkpoint-every 1000 --log-every 10 > "$out/train-cuda-clip.log" 2>&1; then
-      PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
-        --batches "$build_dir/train-cuda-clip.tok" --device cuda > "$out/compare-train-cuda-clip.log" 2>&1 || ref_rc=1
-    else
-      ref_rc=1
-    fi
-    echo "50 GPU steps clipped to $CLIP vs PyTorch: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-train-cuda-clip.log" | tr '\n' ' ') $(grep -o 'grad norm [0-9.]*' "$out/train-cuda-clip.log" | head -2 | tr '\n' ' ')" >> "$out/train-summary.log"
+    versus_pytorch train-cuda-clip 300 "50 GPU steps clipped to $CLIP vs PyTorch" --backend cuda \
+      --config examples/configs/tiny-moe-d128.json --steps 50 --seq 128 --lr 1e-3 --max-grad-norm "$CLIP" --log-every 10
   fi
   # WIDE=1: the 5.13B model's layer shapes (hidden 2048, 64 experts top-8, vocab 32000) in 2 layers,
   # 20 steps at the benchmark's lr against PyTorch: does the full-width model train as PyTorch
   # trains it (the 5.13B runs' loss rises at step 3 at lr 3e-4 without warmup)?
   if [[ "${WIDE:-0}" == 1 ]]; then
     python3 -c "import json; c = json.load(open('examples/configs/moe-5b.json')); c['num_hidden_layers'] = 2; json.dump(c, open('$build_dir/moe-5b-2layer.json', 'w'))"
-    run="$build_dir/train-wide"
-    rm -rf "$run"
-    if timeout 300 "$build_dir/examples/train/oom-train" --backend cuda --config "$build_dir/moe-5b-2layer.json" --out "$run" \
-        --steps 20 --seq 512 --lr "${LR_5B:-3e-4}" --save-initial --dump-batches "$build_dir/train-wide-batches.tok" --keep 3 \
-        --checkpoint-every 1000 --log-every 5 > "$out/train-wide.log" 2>&1; then
-      PYTHONUNBUFFERED=1 timeout 300 python3 scripts/compare_train_pytorch.py --run "$run" \
-        --batches "$build_dir/train-wide-batches.tok" --device cuda > "$out/compare-train-wide.log" 2>&1 || ref_rc=1
-    else
-      ref_rc=1
-    fi
-    echo "2-layer 5.13B-wide, 20 GPU steps vs PyTorch: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-train-wide.log" | tr '\n' ' ')" >> "$out/train-summary.log"
+    versus_pytorch train-wide 300 "2-layer 5.13B-wide, 20 GPU steps vs PyTorch" --backend cuda \
+      --config "$build_dir/moe-5b-2layer.json" --steps 20 --seq 512 --lr "${LR_5B:-3e-4}" --log-every 5
   fi
   # compute-sanitizer on the executor's smallest complete step (racecheck is slow). SANITIZE=0 and
   # KILL_RESUME=0 skip these and the SIGKILL test (for calls that only measure).
