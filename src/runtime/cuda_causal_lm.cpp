@@ -395,7 +395,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   for (const auto& seg : all)
     if (!is_resident(seg)) streamed_layers.insert(seg.layer);
   // Clipping defers every update to the end of the backward, so no staging buffer could be reused.
-  const bool ring = opt.max_grad_norm <= 0 && opt.grad_staging_layers > 0 && opt.grad_staging_layers < streamed_layers.size();
+  const bool ring = !clipping() && opt.grad_staging_layers > 0 && opt.grad_staging_layers < streamed_layers.size();
   segs.resize(all.size());
   for (std::size_t s = 0; s < all.size(); ++s) {
     auto& g = segs[s];
