@@ -1,5 +1,7 @@
 # Decides whether the CUDA parts are built (OOM_ENABLE_CUDA = AUTO/ON/OFF) and sets them up.
 #   OOM_HAS_CUDA           ON when the CUDA language is enabled
+#   OOM_CUDA_BUILDS_SM90   ON when CMAKE_CUDA_ARCHITECTURES has 90: the Hopper (wgmma) kernels are
+#                          then built too, for the arch-specific target sm_90a
 #   CMAKE_CUDA_ARCHITECTURES defaults to 90 (H100/H200); 80 and 89 build too.
 include(CheckLanguage)
 
@@ -25,7 +27,13 @@ if(NOT _oom_cuda_mode STREQUAL "OFF")
   endif()
 endif()
 
+set(OOM_CUDA_BUILDS_SM90 OFF)
 if(OOM_HAS_CUDA)
+  foreach(_oom_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
+    if(_oom_arch MATCHES "^90a?(-real|-virtual)?$")
+      set(OOM_CUDA_BUILDS_SM90 ON)
+    endif()
+  endforeach()
   include(OomCudaStd)
   if(NOT CMAKE_CUDA_STANDARD)
     set(CMAKE_CUDA_STANDARD 20)

@@ -17,7 +17,11 @@
 #include <cstdint>
 
 #include "attention_common.cuh"
+#include "attention_paths.hpp"
 #include "oom/kernels/attention.hpp"
+#if OOM_HAS_SM90A_KERNELS
+#include "hopper/attention_wgmma.hpp"
+#endif
 
 namespace oom::kernels {
 namespace attention_detail {
@@ -191,8 +195,8 @@ bool attention_can_implement(const AttentionProblem& p) {
          q_end <= p.seq;
 }
 
-cudaError_t attention_forward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                              TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream) {
+cudaError_t attention_forward_mma_sync(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                       TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream) {
   using namespace attention_detail;
   if (!attention_can_implement(p)) return cudaErrorInvalidValue;
   if (p.query_end() == p.q_begin) return cudaSuccess;
@@ -201,6 +205,20 @@ cudaError_t attention_forward(const AttentionProblem& p, TokenRows<const bf16> q
   const ForwardParams params = forward_params(p, q, k, v, o, lse);
   if (p.head_dim == 128) return launch_forward<128, 1, 64, 8>(params, p.batch, stream);
   return launch_forward<256, 1, 32, 4>(params, p.batch, stream);
+}
+
+cudaError_t attention_forward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                              TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream) {
+#if OOM_HAS_SM90A_KERNELS
+  // The wgmma kernel (1.1-1.2x this file's on an H200, docs/hopper.md) refuses with
+  // cudaErrorNotSupported exactly when it has no code for the case (head_dim 256, or a device other
+  // than compute capability 9.0); every other result, an error included, is the answer.
+  if (p.head_dim == 128) {
+    const cudaError_t e = hopper::attention_forward_wgmma_2wg(p, q, k, v, o, lse, stream);
+    if (e != cudaErrorNotSupported) return e;
+  }
+#endif
+  return attention_forward_mma_sync(p, q, k, v, o, lse, stream);
 }
 
 }  // namespace oom::kernels

@@ -1,9 +1,10 @@
 // Causal GQA flash-attention forward on Hopper wgmma, head_dim 128, two consumer warpgroups per
-// block: the second wgmma forward (hopper::attention_forward_wgmma_2wg), same arguments and results
-// as hopper::attention_forward_wgmma (attention_forward_wgmma.cu, kept as the baseline) and as
-// oom::kernels::attention_forward. docs/hopper.md says what is verified and what to measure.
+// block (hopper::attention_forward_wgmma_2wg): what oom::kernels::attention_forward runs on compute
+// capability 9.0 at head_dim 128, same arguments and results as the mma.sync kernel
+// (attention_forward.cu). docs/hopper.md says what is verified and what was measured.
 //
-// What changes against the first wgmma kernel (which measured 0.8x of the mma.sync kernel):
+// What changed against a first wgmma kernel (one warpgroup per 64 rows, 0.8x of mma.sync; removed
+// once this one was in the product):
 //   - one block = two warpgroups (256 threads) = a 128-row query tile; warpgroup w owns rows
 //     64w .. 64w+63 and both share each 128-key K/V tile in shared memory, so K/V traffic per FLOP
 //     halves (and each wgmma is m64n128k16 instead of m64n64k16 for S);
@@ -100,8 +101,7 @@ using Params = attention_detail::ForwardParams;
 /// into a core-matrix tile (layout at the top of the file) by cp.async, all 256 threads; rows >=
 /// row_end are zero-filled (nothing read for them). 16-byte chunk n = (r/8) 128 + (c/8) 8 + r%8 of
 /// the tile is element (r, c)'s chunk at byte 16 n, so consecutive threads fill consecutive bytes
-/// and each warp reads 8 rows x 64 contiguous bytes of global memory. (The 64-row, 128-thread
-/// version of this is load_rows_kmajor in attention_forward_wgmma.cu.)
+/// and each warp reads 8 rows x 64 contiguous bytes of global memory.
 __device__ __forceinline__ void load_tile_cores(unsigned char* tile, const __nv_bfloat16* base,
                                                 std::int64_t token_stride, int row0, int row_end) {
   static_assert(kBr * (kD / 8) % kThreads == 0);

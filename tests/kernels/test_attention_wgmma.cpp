@@ -1,7 +1,8 @@
-// The Hopper (wgmma) flash-attention forwards (src/kernels/hopper/attention_forward_wgmma.cu, the
-// first, one warpgroup per 64 query rows; attention_forward_wgmma_2wg.cu, two warpgroups per 128
-// rows, P in registers, V read MN-major) against the CPU reference and against the mma.sync kernel
-// (oom::kernels::attention_forward) on the same inputs: sequence lengths that are no multiple of the
+// The Hopper (wgmma) flash-attention forward (src/kernels/hopper/attention_forward_wgmma_2wg.cu,
+// two warpgroups per 128 rows, P in registers, V read MN-major; what oom::kernels::attention_forward
+// runs on compute capability 9.0 at head_dim 128) against the CPU reference and against the
+// mma.sync kernel (oom::kernels::attention_forward_mma_sync, what it runs elsewhere) on the same
+// inputs, both schedules: sequence lengths that are no multiple of the
 // 64- or 128-row tiles (1, 17, 1000, 4099) and ones that are (64, 128 for the second), GQA (4/2) and
 // MHA (2/2), batch 1 and 2, Q/K/V separate and packed, and query sub-ranges [q_begin, q_end). O and
 // LSE are poisoned (all bits set) before every run: every entry in the range must be within its
@@ -25,6 +26,7 @@
 
 #include "kernels/device_buffer.hpp"
 #include "kernels/sm90.hpp"
+#include "kernels/attention_paths.hpp"
 #include "kernels/hopper/attention_wgmma.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/numeric.hpp"
@@ -205,10 +207,10 @@ void check_against_mma(const char* who, const Written& wg, const Written& mma, c
 }
 
 /// Which forward a run uses.
-enum class Kernel { mma_sync, wgmma, wgmma_2wg_serial, wgmma_2wg_overlap };
+enum class Kernel { mma_sync, wgmma_2wg_serial, wgmma_2wg_overlap };
 
-/// The three kernels on one case, each against the reference, and each wgmma kernel against the
-/// mma.sync kernel.
+/// The mma.sync kernel and both schedules of the wgmma kernel on one case, each against the
+/// reference, and each wgmma schedule against the mma.sync kernel.
 void check_case(const Case& c, std::uint64_t seed) {
   require_sm90();
   const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, kD};
@@ -244,10 +246,7 @@ void check_case(const Case& c, std::uint64_t seed) {
     const auto qc = as_const(in.q), kc = as_const(in.k), vc = as_const(in.v);
     switch (which) {
       case Kernel::mma_sync:
-        OOM_CUDA_CHECK(oom::kernels::attention_forward(p, qc, kc, vc, o, lse_buf.get(), nullptr));
-        break;
-      case Kernel::wgmma:
-        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma(p, qc, kc, vc, o, lse_buf.get(), nullptr));
+        OOM_CUDA_CHECK(oom::kernels::attention_forward_mma_sync(p, qc, kc, vc, o, lse_buf.get(), nullptr));
         break;
       case Kernel::wgmma_2wg_serial:
         OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
@@ -261,14 +260,11 @@ void check_case(const Case& c, std::uint64_t seed) {
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     return Written{o_buf.download(), lse_buf.download()};
   };
-  const Written mma = run(Kernel::mma_sync), wg = run(Kernel::wgmma), wg2s = run(Kernel::wgmma_2wg_serial),
-                wg2o = run(Kernel::wgmma_2wg_overlap);
+  const Written mma = run(Kernel::mma_sync), wg2s = run(Kernel::wgmma_2wg_serial), wg2o = run(Kernel::wgmma_2wg_overlap);
   check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
-  check_against_reference("wgmma kernel", wg, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
   check_against_reference("wgmma 2wg kernel, serial schedule", wg2s, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
   check_against_reference("wgmma 2wg kernel, overlap_softmax schedule", wg2o, o_ref, lse_ref, o_mag, d, c.q_begin,
                           q_end);
-  check_against_mma("wgmma", wg, mma, o_ref, lse_ref, o_mag, c, q_end);
   check_against_mma("wgmma 2wg serial", wg2s, mma, o_ref, lse_ref, o_mag, c, q_end);
   check_against_mma("wgmma 2wg overlap_softmax", wg2o, mma, o_ref, lse_ref, o_mag, c, q_end);
   // The two schedules compute the same operations on the same values in the same order (only
@@ -283,7 +279,7 @@ void check_case(const Case& c, std::uint64_t seed) {
 
 }  // namespace
 
-TEST_CASE("attention_forward_wgmma and _2wg refuse what they cannot do, and do nothing for an empty range") {
+TEST_CASE("attention_forward_wgmma_2wg refuses what they cannot do, and do nothing for an empty range") {
   AttentionProblem p{.batch = 1, .seq = 64, .heads_q = 4, .heads_kv = 2, .head_dim = 128, .softmax_scale = 0.1f};
   DeviceBuffer<bf16> buf(64 * 4 * 128 * 4);
   DeviceBuffer<float> lse(4 * 64);  // poisoned
@@ -303,8 +299,7 @@ TEST_CASE("attention_forward_wgmma and _2wg refuse what they cannot do, and do n
                              TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
     return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::overlap_softmax);
   };
-  for (const Named kernel : {Named{"attention_forward_wgmma", oom::kernels::hopper::attention_forward_wgmma},
-                             Named{"attention_forward_wgmma_2wg, serial", serial},
+  for (const Named kernel : {Named{"attention_forward_wgmma_2wg, serial", serial},
                              Named{"attention_forward_wgmma_2wg, overlap_softmax", overlap}}) {
     CAPTURE(kernel.name);
     const Forward forward = kernel.forward;
@@ -334,7 +329,7 @@ TEST_CASE("attention_forward_wgmma and _2wg refuse what they cannot do, and do n
   }
 }
 
-TEST_CASE("attention_forward_wgmma and _2wg match the reference and the mma.sync kernel, whole sequences") {
+TEST_CASE("attention_forward_wgmma_2wg matches the reference and the mma.sync kernel, whole sequences") {
   std::uint64_t seed = 500;
   for (const Case c : {Case{1, 1, 4, 2}, Case{2, 1, 2, 2, true}, Case{2, 17, 4, 2}, Case{1, 17, 2, 2, true},
                        Case{1, 64, 4, 2}, Case{2, 64, 2, 2, true}, Case{1, 128, 4, 2}, Case{2, 256, 2, 2, true},
@@ -342,7 +337,7 @@ TEST_CASE("attention_forward_wgmma and _2wg match the reference and the mma.sync
     check_case(c, seed += 10);
 }
 
-TEST_CASE("attention_forward_wgmma and _2wg match the reference and the mma.sync kernel, query sub-ranges") {
+TEST_CASE("attention_forward_wgmma_2wg matches the reference and the mma.sync kernel, query sub-ranges") {
   // Ranges that start and end off the 64- and 128-row tiles (so a query tile straddles two key
   // tiles' diagonals, and in the 2wg kernel one warpgroup's rows may cross a key tile's diagonal
   // while the other's do not), a single row, and a range ending before the sequence does (rows
@@ -355,16 +350,14 @@ TEST_CASE("attention_forward_wgmma and _2wg match the reference and the mma.sync
     check_case(c, seed += 10);
 }
 
-TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1, Hq/Hkv = 16/4, D = 128)") {
+TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1, Hq/Hkv = 16/4, D = 128)") {
   // Printed, not asserted. FLOPs of the causal forward counted as src/cuda/calibrate.cu counts
   // them: 2 S^2 Hq D per batch (Q K^T and P V, 2 FLOP per multiply-add, half of the S x S square).
   // The wgmma outputs are also compared with the mma.sync one (relative L2 and LSE), a check at a
-  // size the CPU reference cannot afford. At S = 65536 only mma.sync and the 2wg kernel (both
-  // schedules) run (the first wgmma kernel is the slowest and would add seconds).
+  // size the CPU reference cannot afford.
   require_sm90();
   const int hq = 16, hkv = 4;
   for (const int s : {4096, 16384, 65536}) {
-    const bool run_v1 = s <= 16384;
     const std::size_t nq = static_cast<std::size_t>(s) * hq * kD, nkv = static_cast<std::size_t>(s) * hkv * kD;
     // Uniform on [-sqrt 3, sqrt 3) (unit variance) by a counter hash: fast for 10^8 elements.
     const auto hashed = [](std::size_t n, std::uint64_t seed) {
@@ -379,10 +372,9 @@ TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 
       }
       return out;
     };
-    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg(run_v1 ? nq : 0),
-        o_wg2s(nq), o_wg2o(nq);
+    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg2s(nq), o_wg2o(nq);
     const std::size_t nlse = static_cast<std::size_t>(hq) * s;
-    DeviceBuffer<float> lse_mma(nlse), lse_wg(run_v1 ? nlse : 0), lse_wg2s(nlse), lse_wg2o(nlse);
+    DeviceBuffer<float> lse_mma(nlse), lse_wg2s(nlse), lse_wg2o(nlse);
     const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
     const TokenRows<const bf16> qr{q.get(), s * q_row, q_row}, kr{k.get(), s * kv_row, kv_row},
         vr{v.get(), s * kv_row, kv_row};
@@ -390,11 +382,8 @@ TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 
                              .softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD))};
     oom::test::Stream stream;
     const auto mma = [&](cudaStream_t st) {
-      OOM_CUDA_CHECK(oom::kernels::attention_forward(p, qr, kr, vr, {o_mma.get(), s * q_row, q_row}, lse_mma.get(), st));
-    };
-    const auto wg = [&](cudaStream_t st) {
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma(p, qr, kr, vr, {o_wg.get(), s * q_row, q_row},
-                                                                   lse_wg.get(), st));
+      OOM_CUDA_CHECK(
+          oom::kernels::attention_forward_mma_sync(p, qr, kr, vr, {o_mma.get(), s * q_row, q_row}, lse_mma.get(), st));
     };
     const auto wg2s = [&](cudaStream_t st) {
       OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
@@ -406,14 +395,12 @@ TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 
     };
     const int repeats = s >= 65536 ? 5 : 10;
     const double ms_mma = oom::test::time_ms(mma, stream.s, repeats);
-    const double ms_wg = run_v1 ? oom::test::time_ms(wg, stream.s, repeats) : 0.0;
     const double ms_wg2s = oom::test::time_ms(wg2s, stream.s, repeats);
     const double ms_wg2o = oom::test::time_ms(wg2o, stream.s, repeats);
     const double flops = 2.0 * static_cast<double>(s) * s * hq * kD;
     const auto tflops = [&](double ms) { return flops / ms / 1e9; };
     std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward, TFLOP/s (x of mma.sync): mma.sync %.3f ms = %.0f", s, hq,
                 hkv, ms_mma, tflops(ms_mma));
-    if (run_v1) std::printf(" | wgmma %.3f ms = %.0f (%.2fx)", ms_wg, tflops(ms_wg), ms_mma / ms_wg);
     std::printf(" | 2wg serial %.3f ms = %.0f (%.2fx) | 2wg overlap_softmax %.3f ms = %.0f (%.2fx)\n", ms_wg2s,
                 tflops(ms_wg2s), ms_mma / ms_wg2s, ms_wg2o, tflops(ms_wg2o), ms_mma / ms_wg2o);
     std::fflush(stdout);
@@ -432,7 +419,6 @@ TEST_CASE("wgmma forwards vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 
       CHECK(l2 < 1e-2);
       CHECK(lse_diff < 1e-3 * (1 + std::log(static_cast<double>(s))));
     };
-    if (run_v1) against_mma("wgmma", o_wg, lse_wg);
     against_mma("wgmma 2wg serial", o_wg2s, lse_wg2s);
     against_mma("wgmma 2wg overlap_softmax", o_wg2o, lse_wg2o);
   }
