@@ -62,70 +62,18 @@
 #include <cstdio>
 #include <type_traits>
 
+#include "attention_backward_common.cuh"
 #include "attention_common.cuh"
 #include "attention_fused_dq.hpp"
+#include "attention_paths.hpp"
 #include "oom/kernels/attention.hpp"
+#if OOM_HAS_SM90A_KERNELS
+#include "hopper/attention_wgmma.hpp"
+#endif
 
 namespace oom::kernels {
 namespace attention_detail {
 namespace {
-
-struct BackwardParams {
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
-  const __nv_bfloat16* o;
-  const __nv_bfloat16* d_o;
-  const float* lse;  // (B, Hq, S)
-  __nv_bfloat16* dq;
-  __nv_bfloat16* dk;
-  __nv_bfloat16* dv;
-  float* delta;  // workspace (B, Hq, q_len): D_i = rowsum(dO o O)
-  float* lse2;   // workspace (B, Hq, q_len): LSE_i * log2(e)
-  std::int64_t q_batch, q_token, k_batch, k_token, v_batch, v_token, o_batch, o_token, do_batch, do_token;
-  std::int64_t dq_batch, dq_token, dk_batch, dk_token, dv_batch, dv_token;
-  int seq, heads_q, group, q_begin, q_end;
-  float scale;       // softmax scale: dQ = scale dS K, dK = scale dS^T Q
-  float scale_log2;  // softmax scale * log2(e)
-  bool accumulate_dkv;
-  // attention_backward_fused_dq only (workspace): dQ / scale in fp32, (B, Hq, q_tiles * BR, D), and
-  // its counters, (B, Hq, q_tiles, D_SPLIT): how many key blocks have added to a (query tile, half).
-  float* dq_acc;
-  unsigned* dq_count;
-  [[nodiscard]] __host__ __device__ int q_len() const { return q_end - q_begin; }
-};
-
-// ---- 1. preprocess: one warp per (b, h, i), each lane D/32 elements ----
-
-template <int D>
-__global__ void __launch_bounds__(256) attention_backward_preprocess_kernel(const BackwardParams p) {
-  constexpr int per_lane = D / 32;  // 4 or 8 bf16: one 8- or 16-byte load
-  using Vec = std::conditional_t<per_lane == 8, uint4, uint2>;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
-  if (row >= static_cast<std::int64_t>(p.heads_q) * p.q_len()) return;
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int b = static_cast<int>(blockIdx.y);
-  const int h = static_cast<int>(row % p.heads_q);
-  const int i = p.q_begin + static_cast<int>(row / p.heads_q);  // heads of a token are adjacent in memory
-  const std::int64_t col = static_cast<std::int64_t>(h) * D + lane * per_lane;
-  const Vec o_vec = *reinterpret_cast<const Vec*>(p.o + b * p.o_batch + i * p.o_token + col);
-  const Vec do_vec = *reinterpret_cast<const Vec*>(p.d_o + b * p.do_batch + i * p.do_token + col);
-  const auto* o2 = reinterpret_cast<const __nv_bfloat162*>(&o_vec);
-  const auto* do2 = reinterpret_cast<const __nv_bfloat162*>(&do_vec);
-  float sum = 0.0f;
-#pragma unroll
-  for (int e = 0; e < per_lane / 2; ++e) {
-    const float2 a = __bfloat1622float2(o2[e]), c = __bfloat1622float2(do2[e]);
-    sum = fmaf(a.x, c.x, fmaf(a.y, c.y, sum));
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (lane == 0) {
-    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
-    p.delta[w] = sum;
-    p.lse2[w] = p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seq + i] * log2e;
-  }
-}
 
 // ---- 2. dK/dV ----
 
@@ -542,8 +490,6 @@ struct FusedDqLayout {
   std::size_t acc_offset = 0, count_offset = 0, count_bytes = 0, total_bytes = 0;
 };
 
-std::size_t round_up_256(std::size_t n) { return (n + 255) / 256 * 256; }
-
 template <int D>
 FusedDqLayout fused_dq_layout(const AttentionProblem& p) {
   using Shape = BackwardShape<D>;
@@ -564,11 +510,7 @@ cudaError_t launch_backward(const BackwardParams& params, int batch, int heads_k
                             cudaStream_t stream) {
   constexpr int D_SPLIT = BackwardShape<D>::d_split, BR_DKDV = BackwardShape<D>::br_dkdv;
   constexpr int BC_DQ = BackwardShape<D>::bc_dq;
-  const std::int64_t rows = static_cast<std::int64_t>(params.heads_q) * params.q_len();
-  const dim3 pre_grid(static_cast<unsigned>((rows + 7) / 8), static_cast<unsigned>(batch));
-  if (const cudaError_t e = launch(attention_backward_preprocess_kernel<D>, pre_grid, 256, 0, stream, params);
-      e != cudaSuccess)
-    return e;
+  if (const cudaError_t e = launch_backward_preprocess<D>(params, batch, stream); e != cudaSuccess) return e;
   if constexpr (FUSED_DQ) {
     if (const cudaError_t e = cudaMemsetAsync(params.dq_count, 0, fused.count_bytes, stream); e != cudaSuccess) return e;
   }
@@ -584,7 +526,7 @@ cudaError_t launch_backward(const BackwardParams& params, int batch, int heads_k
 
   if constexpr (FUSED_DQ) {
     static_assert(Dkdv::bc == 64, "the convert kernel's counter check assumes 64-key blocks");
-    const std::int64_t chunks = rows * (D / 8);
+    const std::int64_t chunks = static_cast<std::int64_t>(params.heads_q) * params.q_len() * (D / 8);
     const dim3 grid(static_cast<unsigned>((chunks + 255) / 256), static_cast<unsigned>(batch));
     return launch(attention_backward_dq_convert_kernel<D, BR_DKDV, D_SPLIT>, grid, 256, 0, stream, params,
                   fused.q_tiles, fused.kv_blocks);
@@ -597,58 +539,6 @@ cudaError_t launch_backward(const BackwardParams& params, int batch, int heads_k
   }
 }
 
-bool backward_args_ok(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                      TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
-                      TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv, const void* workspace,
-                      std::size_t workspace_bytes, std::size_t workspace_needed) {
-  return aligned_rows(q) && aligned_rows(k) && aligned_rows(v) && aligned_rows(o) && aligned_rows(d_o) &&
-         aligned_rows(dq) && aligned_rows(dk) && aligned_rows(dv) && lse != nullptr && workspace != nullptr &&
-         reinterpret_cast<std::uintptr_t>(workspace) % 256 == 0 && workspace_bytes >= workspace_needed;
-}
-
-BackwardParams backward_params(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                               TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
-                               const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
-                               bool accumulate_dkv, void* workspace) {
-  BackwardParams params{};
-  params.q = reinterpret_cast<const __nv_bfloat16*>(q.data);
-  params.k = reinterpret_cast<const __nv_bfloat16*>(k.data);
-  params.v = reinterpret_cast<const __nv_bfloat16*>(v.data);
-  params.o = reinterpret_cast<const __nv_bfloat16*>(o.data);
-  params.d_o = reinterpret_cast<const __nv_bfloat16*>(d_o.data);
-  params.lse = lse;
-  params.dq = reinterpret_cast<__nv_bfloat16*>(dq.data);
-  params.dk = reinterpret_cast<__nv_bfloat16*>(dk.data);
-  params.dv = reinterpret_cast<__nv_bfloat16*>(dv.data);
-  const std::size_t half = attention_backward_workspace_bytes(p) / 2;
-  params.delta = static_cast<float*>(workspace);
-  params.lse2 = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + half);
-  params.q_batch = q.batch_stride;
-  params.q_token = q.token_stride;
-  params.k_batch = k.batch_stride;
-  params.k_token = k.token_stride;
-  params.v_batch = v.batch_stride;
-  params.v_token = v.token_stride;
-  params.o_batch = o.batch_stride;
-  params.o_token = o.token_stride;
-  params.do_batch = d_o.batch_stride;
-  params.do_token = d_o.token_stride;
-  params.dq_batch = dq.batch_stride;
-  params.dq_token = dq.token_stride;
-  params.dk_batch = dk.batch_stride;
-  params.dk_token = dk.token_stride;
-  params.dv_batch = dv.batch_stride;
-  params.dv_token = dv.token_stride;
-  params.seq = p.seq;
-  params.heads_q = p.heads_q;
-  params.group = p.heads_q / p.heads_kv;
-  params.q_begin = p.q_begin;
-  params.q_end = p.query_end();
-  params.scale = p.softmax_scale;
-  params.scale_log2 = p.softmax_scale * log2e;
-  params.accumulate_dkv = accumulate_dkv;
-  return params;
-}
 
 }  // namespace
 }  // namespace attention_detail
@@ -659,11 +549,11 @@ std::size_t attention_backward_workspace_bytes(const AttentionProblem& p) {
   return 2 * attention_detail::round_up_256(rows * sizeof(float));
 }
 
-cudaError_t attention_backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                               TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
-                               const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
-                               bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
-                               cudaStream_t stream) {
+cudaError_t attention_backward_mma_sync(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                        TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                        const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                        bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                        cudaStream_t stream) {
   using namespace attention_detail;
   if (!attention_can_implement(p)) return cudaErrorInvalidValue;
   if (p.query_end() == p.q_begin) return cudaSuccess;
@@ -673,6 +563,23 @@ cudaError_t attention_backward(const AttentionProblem& p, TokenRows<const bf16> 
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   if (p.head_dim == 128) return launch_backward<128, false>(params, p.batch, p.heads_kv, {}, stream);
   return launch_backward<256, false>(params, p.batch, p.heads_kv, {}, stream);
+}
+
+cudaError_t attention_backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                               TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                               const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                               bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                               cudaStream_t stream) {
+#if OOM_HAS_SM90A_KERNELS
+  // As attention_forward: the wgmma kernels unless they have no code for the case.
+  if (p.head_dim == 128) {
+    const cudaError_t e = hopper::attention_backward_wgmma(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace,
+                                                           workspace_bytes, stream);
+    if (e != cudaErrorNotSupported) return e;
+  }
+#endif
+  return attention_backward_mma_sync(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes,
+                                     stream);
 }
 
 std::size_t attention_backward_fused_dq_workspace_bytes(const AttentionProblem& p) {

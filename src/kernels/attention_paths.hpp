@@ -16,4 +16,11 @@ namespace oom::kernels {
 cudaError_t attention_forward_mma_sync(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                        TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream);
 
+/// attention_backward by the mma.sync kernels (src/kernels/attention_backward.cu) on every device.
+cudaError_t attention_backward_mma_sync(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                        TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                        const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                        bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                        cudaStream_t stream);
+
 }  // namespace oom::kernels

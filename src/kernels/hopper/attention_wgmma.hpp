@@ -1,12 +1,15 @@
 // The Hopper (wgmma) flash-attention kernels: implementations of oom::kernels::attention_forward
-// (include/oom/kernels/attention.hpp) with the same arguments and the same results, built on the
-// warpgroup MMA of src/kernels/hopper/wgmma.cuh. Private (not installed): compiled only for
-// sm_90a, into the oom_cuda library when the build targets 90 (src/CMakeLists.txt, object library
-// oom_cuda_sm90a), where oom::kernels::attention_forward dispatches to them on compute capability
-// 9.0. docs/hopper.md describes their structure and what is verified.
+// and oom::kernels::attention_backward (include/oom/kernels/attention.hpp) with the same arguments
+// and the same results, built on the warpgroup MMA of src/kernels/hopper/wgmma.cuh. Private (not
+// installed): compiled only for sm_90a, into the oom_cuda library when the build targets 90
+// (src/CMakeLists.txt, object library oom_cuda_sm90a), where the public entry points dispatch to
+// them on compute capability 9.0 at head_dim 128. docs/hopper.md describes their structure and
+// what is verified.
 #pragma once
 
 #include <cuda_runtime_api.h>
+
+#include <cstddef>
 
 #include "oom/core/numeric.hpp"
 #include "oom/kernels/attention.hpp"
@@ -36,5 +39,27 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
                                         float* lse,               // (B, Hq, S) fp32, entries [q_begin, q_end) written
                                         cudaStream_t stream,
                                         Wgmma2wgSchedule schedule = Wgmma2wgSchedule::overlap_softmax);
+
+/// dQ, dK, dV exactly as oom::kernels::attention_backward computes them (same layouts, strides,
+/// GQA sum, query sub-range and causal prefix, accumulate_dkv, workspace of
+/// attention_backward_workspace_bytes(p) and the same preprocess into it), by the wgmma kernels of
+/// src/kernels/hopper/attention_backward_wgmma.cu; within the same bf16 bounds of the exact
+/// gradients, deterministic (no atomics: bit-identical run to run). Returns cudaErrorInvalidValue
+/// where attention_backward does (problem, pointer, stride, LSE, workspace size or alignment);
+/// cudaErrorNotSupported for head_dim != 128 or a current device that is not compute capability
+/// 9.0; otherwise the launches' status. No allocation, no synchronisation.
+cudaError_t attention_backward_wgmma(const AttentionProblem& p,
+                                     TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
+                                     TokenRows<const bf16> k,    // (B, S, Hkv, D) bf16
+                                     TokenRows<const bf16> v,    // (B, S, Hkv, D) bf16
+                                     TokenRows<const bf16> o,    // (B, S, Hq, D) bf16 (the forward's output)
+                                     TokenRows<const bf16> d_o,  // (B, S, Hq, D) bf16
+                                     const float* lse,           // (B, Hq, S) fp32 (the forward's)
+                                     TokenRows<bf16> dq,         // (B, S, Hq, D) bf16, rows [q_begin, q_end)
+                                     TokenRows<bf16> dk,         // (B, S, Hkv, D) bf16, rows [0, q_end)
+                                     TokenRows<bf16> dv,         // (B, S, Hkv, D) bf16, rows [0, q_end)
+                                     bool accumulate_dkv,
+                                     void* workspace, std::size_t workspace_bytes,
+                                     cudaStream_t stream);
 
 }  // namespace oom::kernels::hopper

@@ -1,4 +1,5 @@
-// What both wgmma attention forwards check before they launch (private, like the kernels).
+// What the wgmma attention kernels check before they launch (private, like the kernels): the
+// forwards' whole check, and the device check the backward uses too.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,6 +8,16 @@
 #include "oom/kernels/attention.hpp"
 
 namespace oom::kernels::hopper {
+
+/// cudaSuccess when the current device is compute capability 9.0 (the only one the sm_90a code
+/// loads on), cudaErrorNotSupported when it is another, or the runtime's error.
+inline cudaError_t current_device_is_cc90() {
+  int dev = 0, major = 0, minor = 0;
+  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev); e != cudaSuccess) return e;
+  return major == 9 && minor == 0 ? cudaSuccess : cudaErrorNotSupported;
+}
 
 /// cudaErrorInvalidValue for a problem attention_can_implement rejects or a misaligned pointer or
 /// stride (as attention_forward); cudaErrorNotSupported for another head_dim than `head_dim` or a
@@ -23,11 +34,7 @@ inline cudaError_t forward_checks(const AttentionProblem& p, int head_dim, Token
     return cudaSuccess;
   }
   if (!aligned_rows(q) || !aligned_rows(k) || !aligned_rows(v) || !aligned_rows(o) || lse == nullptr) return cudaErrorInvalidValue;
-  int dev = 0, major = 0, minor = 0;
-  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev); e != cudaSuccess) return e;
-  return major == 9 && minor == 0 ? cudaSuccess : cudaErrorNotSupported;
+  return current_device_is_cc90();
 }
 
 }  // namespace oom::kernels::hopper

@@ -1,0 +1,494 @@
+// Causal GQA flash-attention backward on Hopper wgmma, head_dim 128: hopper::attention_backward_wgmma,
+// the same arguments, results contract and error returns as oom::kernels::attention_backward
+// (attention_backward.cu, whose header comment describes the algorithm). The same three passes:
+//   1. preprocess: the very kernel of attention_backward (attention_backward_common.cuh), same
+//      workspace: D_i = rowsum(dO_i o O_i), LSE_i log2(e);
+//   2. dK/dV, keys as the M dimension (transposed), the GQA sum over the group inside one block;
+//   3. dQ per query block over key tiles 0 .. diagonal.
+// Deterministic (no atomics; every output element is written by one thread, its sums in a fixed
+// order): bit-identical run to run. The same roundings as attention_backward: P and dS are rounded
+// to bf16 before the products they feed (P^T dO, dS^T Q, dS K), everything else is fp32, outputs
+// bf16 (dK = bf16(scale acc [+ old]), dV = bf16(acc [+ old]), dQ = bf16(scale acc)). Only the fp32
+// summation order inside the tensor-core products differs, so results agree with the mma.sync
+// kernel within the bf16 bounds, not bit for bit.
+//
+// Shared memory: every tile is 128 columns (d) wide, in the no-swizzle core-matrix layout of
+// attention_forward_wgmma_2wg.cu: element (row r, column c) at byte
+//   (r/8) 2048 + (c/8) 128 + (r%8) 16 + (c%8) 2,
+// so a tile of R rows is R x 256 bytes, and one tile serves as either operand form:
+//   K-major (rows = M or N, d = the K of the product): LBO 128 (next 8 d), SBO 2048 (next 8 rows),
+//       one k-step of 16 d = +256 bytes;
+//   MN-major B (rows = the K of the product, d = N):  LBO 2048 (next 8 rows), SBO 128 (next 8 d),
+//       one k-step of 16 rows = +4096 bytes.
+// (Both placements are the ones test_wgmma checks and attention_forward_wgmma_2wg uses for Q/K
+// and for V.)
+//
+// 2. dK/dV kernel. Block = 2 warpgroups (256 threads) = 128 keys of one (KV head, batch);
+//    warpgroup w owns keys 64w .. 64w+63 (the M of all its wgmmas) and keeps dK, dV for them in
+//    fp32 registers (64 + 64 per thread). The block streams (Q, dO, LSE2, D) tiles of BR = 64
+//    queries for every query head of the group and every query tile with a row >= the block's
+//    first key, double-buffered (cp.async of step+1 during step). Per step, per warpgroup, unless
+//    all 64 queries precede its keys:
+//      S^T = K_w Q^T       8 x m64n64k16 SS (A = K rows K-major, B = Q rows K-major)   commit
+//      dP^T = V_w dO^T     8 x m64n64k16 SS                                            commit
+//      wait S^T; P^T = exp2(S^T scale log2e - LSE2_q), 0 where query < key or query >= q_end;
+//        P^T to bf16 RS A fragments
+//      dV += P^T dO        4 x m64n128k16 RS, B = dO MN-major (k = 16 queries)          commit
+//      wait dP^T (dV may still run); dS^T = P^T o (dP^T - D_q) (fp32 P^T), to bf16 fragments
+//      dK += dS^T Q        4 x m64n128k16 RS, B = Q MN-major                            commit, wait all
+//    so the exponentials overlap the dP^T wgmmas and dS^T the dV wgmmas. After the loop dK is
+//    scaled by the softmax scale and rows < q_end are stored (or added to, accumulate_dkv).
+//    Grid (ceil(q_end / 128), Hkv, B), key block 0 (the most query tiles) first.
+//    smem: K, V 2 x 32 KiB + 2 x (Q, dO) 2 x 32 KiB + 2 x (LSE2, D) 1 KiB = 129 KiB: 1 block/SM.
+//
+// 3. dQ kernel. Block = 2 warpgroups = 128 query rows of one (query head, batch), warpgroup w
+//    rows 64w .. 64w+63; Q, dO stay in shared memory, (K, V) tiles of BC = 64 keys are
+//    double-buffered over key tiles 0 .. the one holding the block's last row. Per tile, per
+//    warpgroup, unless all 64 keys follow its rows:
+//      S = Q_w K^T, dP = dO_w V^T   8 + 8 x m64n64k16 SS, two commit groups
+//      wait S; P = exp2(S scale log2e - LSE2_i), 0 where key > query (rows >= q_end: LSE2 = +inf)
+//      wait dP; dS = P o (dP - D_i), to bf16 fragments
+//      dQ += dS K                   4 x m64n128k16 RS, B = K MN-major (k = 16 keys), wait
+//    dQ (64 fp32 per thread) = scale dQ stored as bf16 for rows < q_end.
+//    Grid (ceil(q_len / 128), Hq, B), the last (longest) query block first.
+//    smem: Q, dO 2 x 32 KiB + 2 x (K, V) 2 x 16 KiB = 128 KiB: 1 block/SM.
+//
+// ptxas -v (nvcc 13.0, -O3, -gencode=arch=compute_90a,code=sm_90a):
+//   dK/dV: 246 registers, no spills, 129 KiB dynamic smem -> 1 block (8 warps) per SM
+//   dQ:    196 registers, no spills, 128 KiB dynamic smem -> 1 block (8 warps) per SM
+// No "wgmma.mma_async instructions are serialized" warning: every wgmma loop is unrolled with
+// compile-time trip counts, and between a wgmma_fence and the wait of a group nothing touches the
+// group's accumulator or A-fragment registers (wgmma_fence_operands pins them at both ends).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../attention_backward_common.cuh"
+#include "../attention_common.cuh"
+#include "attention_wgmma.hpp"
+#include "forward_checks.cuh"
+#include "oom/kernels/attention.hpp"
+#include "wgmma.cuh"
+
+namespace oom::kernels::hopper {
+namespace {
+
+using attention_detail::BackwardParams;
+using attention_detail::cp_async_16;
+using attention_detail::cp_async_4;
+using attention_detail::cp_async_commit;
+using attention_detail::cp_async_wait;
+using attention_detail::pack_bf16;
+using attention_detail::smem_addr;
+
+constexpr int kD = 128;
+constexpr int kThreads = 256;  // two warpgroups
+
+// Core-matrix tile geometry (see the top of the file).
+constexpr std::uint32_t kBandBytes = 2048;  // one 8-row band of a 128-column tile
+constexpr std::uint32_t kKmLbo = 128, kKmSbo = kBandBytes, kKmStep = 256;
+constexpr std::uint32_t kMnLbo = kBandBytes, kMnSbo = 128, kMnStep = 2 * kBandBytes;
+constexpr std::uint32_t kWg64Rows = 64 / 8 * kBandBytes;  // 64 rows of a tile: 16 KiB
+
+template <int ROWS>
+constexpr int kTileBytes = ROWS * kD * 2;
+
+/// Rows [row0, row0 + ROWS) of a strided (token_stride elements) global (rows, 128) bf16 matrix
+/// into a core-matrix tile by cp.async, all 256 threads; rows >= row_end are zero-filled (nothing
+/// read for them). 16-byte chunk n = (r/8) 128 + (c/8) 8 + r%8 holds element (r, c..c+7), so
+/// consecutive threads fill consecutive bytes (as load_tile_cores of the 2wg forward).
+template <int ROWS>
+__device__ __forceinline__ void load_rows(unsigned char* tile, const __nv_bfloat16* base, std::int64_t token_stride,
+                                          int row0, int row_end) {
+  static_assert(ROWS % 8 == 0 && ROWS * (kD / 8) % kThreads == 0);
+#pragma unroll
+  for (int i = 0; i < ROWS * (kD / 8) / kThreads; ++i) {
+    const int n = i * kThreads + static_cast<int>(threadIdx.x);
+    const int r = (n >> 7) * 8 + (n & 7);
+    const int c = ((n >> 3) & 15) * 8;
+    const bool valid = row0 + r < row_end;
+    const __nv_bfloat16* src = valid ? base + static_cast<std::int64_t>(row0 + r) * token_stride + c : base;
+    cp_async_16(tile + 16 * n, src, valid);
+  }
+}
+
+__device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t addr) { return encode_smem_desc(addr, kKmLbo, kKmSbo); }
+__device__ __forceinline__ std::uint64_t mnmajor_desc(std::uint32_t addr) { return encode_smem_desc(addr, kMnLbo, kMnSbo); }
+
+/// acc (64 x 64) = A (64 rows at a_rows, K-major) * B^T (64 rows at b_rows, K-major), over the
+/// 128 columns: 8 wgmma m64n64k16 SS, not committed.
+__device__ __forceinline__ void issue_nt_64x64(float (&acc)[32], std::uint32_t a_rows, std::uint32_t b_rows) {
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks)
+    wgmma_m64n64k16_f32_bf16_ss(acc, kmajor_desc(a_rows + ks * kKmStep), kmajor_desc(b_rows + ks * kKmStep),
+                                ks > 0 ? 1 : 0);
+}
+
+/// acc (64 x 128) += A (64 x 64, bf16 RS fragments) * B (64 rows at b_rows x 128, MN-major):
+/// 4 wgmma m64n128k16 RS, not committed. `a` must stay untouched until they complete.
+__device__ __forceinline__ void issue_rs_64x128(float (&acc)[64], const std::uint32_t (&a)[4][4],
+                                                std::uint32_t b_rows) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(acc, a[ks], mnmajor_desc(b_rows + ks * kMnStep), 1);
+}
+
+/// A 64 x 64 accumulator fragment rounded to bf16 as the RS A operand (k-step ks = columns
+/// 16ks .. 16ks+15 = 8-column blocks 2ks, 2ks+1; wgmma.cuh): [0] = (row g, block 2ks),
+/// [1] = (row g+8, block 2ks), [2] = (row g, block 2ks+1), [3] = (row g+8, block 2ks+1).
+__device__ __forceinline__ void pack_fragments(std::uint32_t (&a)[4][4], const float (&x)[32]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    a[ks][0] = pack_bf16(x[8 * ks + 0], x[8 * ks + 1]);
+    a[ks][1] = pack_bf16(x[8 * ks + 2], x[8 * ks + 3]);
+    a[ks][2] = pack_bf16(x[8 * ks + 4], x[8 * ks + 5]);
+    a[ks][3] = pack_bf16(x[8 * ks + 6], x[8 * ks + 7]);
+  }
+}
+__device__ __forceinline__ void fence_fragments(std::uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wgmma_fence_operands(a[ks]);
+}
+
+__device__ __forceinline__ void zero(float (&x)[32]) {
+#pragma unroll
+  for (int e = 0; e < 32; ++e) x[e] = 0.0f;
+}
+
+/// A warpgroup's 64 x 128 fp32 accumulator rows as bf16 into global rows row0 + (fragment row),
+/// times `scale`, rows >= row_end skipped; with `accumulate`, added to the bf16 values there
+/// (bf16(acc scale + old), as store_rows of the mma.sync kernels).
+__device__ __forceinline__ void store_acc_rows(const float (&acc)[64], __nv_bfloat16* base, std::int64_t token_stride,
+                                               int row0, int row_end, float scale, bool accumulate) {
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int row = row0 + 16 * warp + (lane >> 2) + 8 * hf;
+    if (row >= row_end) continue;
+    __nv_bfloat16* dst = base + static_cast<std::int64_t>(row) * token_stride + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      float x0 = acc[4 * j + 2 * hf] * scale, x1 = acc[4 * j + 2 * hf + 1] * scale;
+      auto* d2 = reinterpret_cast<__nv_bfloat162*>(dst + 8 * j);
+      if (accumulate) {
+        const float2 old = __bfloat1622float2(*d2);
+        x0 += old.x;
+        x1 += old.y;
+      }
+      *d2 = __floats2bfloat162_rn(x0, x1);
+    }
+  }
+}
+
+// ---- 2. dK/dV ----
+
+constexpr int kDkdvKeys = 128;  // keys per block, 64 per warpgroup
+constexpr int kDkdvBr = 64;     // queries per step
+constexpr int kDkdvOffK = 0;
+constexpr int kDkdvOffV = kDkdvOffK + kTileBytes<kDkdvKeys>;
+constexpr int kDkdvOffQ = kDkdvOffV + kTileBytes<kDkdvKeys>;     // 2 buffers
+constexpr int kDkdvOffDo = kDkdvOffQ + 2 * kTileBytes<kDkdvBr>;  // 2 buffers
+constexpr int kDkdvOffLse2 = kDkdvOffDo + 2 * kTileBytes<kDkdvBr>;  // 2 x 64 fp32
+constexpr int kDkdvOffDelta = kDkdvOffLse2 + 2 * kDkdvBr * 4;      // 2 x 64 fp32
+constexpr int kDkdvSmem = kDkdvOffDelta + 2 * kDkdvBr * 4;
+static_assert(kDkdvSmem == 129 * 1024);
+
+__global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma_kernel(const BackwardParams p) {
+#if OOM_WGMMA_SM90A
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto* s_lse2 = reinterpret_cast<float*>(smem + kDkdvOffLse2);
+  auto* s_delta = reinterpret_cast<float*>(smem + kDkdvOffDelta);
+
+  const int nb = static_cast<int>(blockIdx.x);  // key block 0 sees the most query tiles: first
+  const int hk = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int n0 = nb * kDkdvKeys;
+  const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
+  const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
+  const int per_head = qb_count - qb_first;  // >= 1: n0 < q_end
+  const int steps = p.group * per_head;
+
+  const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
+  const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
+  load_rows<kDkdvKeys>(smem + kDkdvOffK, k_g, p.k_token, n0, p.seq);
+  load_rows<kDkdvKeys>(smem + kDkdvOffV, v_g, p.v_token, n0, p.seq);
+
+  // Stage `step` (query head h of the group, query tile qb) into buffer `buf`: Q, dO rows
+  // (zero past q_end) and the tile's LSE2, D (zero past q_end; those columns are masked anyway).
+  const auto q0_of = [&](int step) { return p.q_begin + (qb_first + step % per_head) * kDkdvBr; };
+  const auto prefetch = [&](int step, int buf) {
+    const int h = hk * p.group + step / per_head;
+    const int q0 = q0_of(step);
+    load_rows<kDkdvBr>(smem + kDkdvOffQ + buf * kTileBytes<kDkdvBr>,
+                       p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD, p.q_token, q0, p.q_end);
+    load_rows<kDkdvBr>(smem + kDkdvOffDo + buf * kTileBytes<kDkdvBr>,
+                       p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0, p.q_end);
+    const int r = static_cast<int>(threadIdx.x);  // 0..127: LSE2, 128..255: D
+    const int rr = r % kDkdvBr;
+    if (r < 2 * kDkdvBr) {
+      const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (q0 - p.q_begin);
+      const bool valid = q0 + rr < p.q_end;
+      const float* src = (r < kDkdvBr ? p.lse2 : p.delta) + (valid ? w + rr : 0);
+      cp_async_4((r < kDkdvBr ? s_lse2 : s_delta) + buf * kDkdvBr + rr, src, valid);
+    }
+  };
+  prefetch(0, 0);
+  cp_async_commit();
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int c0 = 2 * (lane & 3);                             // fragment column offset in an 8-column block
+  const int key_wg = n0 + 64 * wg;                           // the warpgroup's first key
+  const int key_lane = key_wg + 16 * warp + (lane >> 2);     // this thread's keys: key_lane, key_lane + 8
+
+  const std::uint32_t a_k = smem_addr(smem + kDkdvOffK) + wg * kWg64Rows;
+  const std::uint32_t a_v = smem_addr(smem + kDkdvOffV) + wg * kWg64Rows;
+  const std::uint32_t a_q0 = smem_addr(smem + kDkdvOffQ), a_do0 = smem_addr(smem + kDkdvOffDo);
+
+  float dk[kD / 2], dv[kD / 2];
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
+
+  for (int step = 0; step < steps; ++step) {
+    const int buf = step & 1;
+    // Tile `step` has landed for everyone, and both warpgroups are done with step - 1 (the last
+    // readers of buffer buf ^ 1, refilled next).
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    if (step + 1 < steps) prefetch(step + 1, buf ^ 1);
+    cp_async_commit();
+
+    const int q0 = q0_of(step);
+    if (q0 + kDkdvBr - 1 < key_wg) continue;  // every query precedes the warpgroup's keys: P^T = 0
+
+    const std::uint32_t a_q = a_q0 + buf * kTileBytes<kDkdvBr>, a_do = a_do0 + buf * kTileBytes<kDkdvBr>;
+    const float* lse2 = s_lse2 + buf * kDkdvBr;
+    const float* delta = s_delta + buf * kDkdvBr;
+
+    float s[32], dp[32];
+    std::uint32_t pa[4][4], da[4][4];
+    zero(s);
+    zero(dp);
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    wgmma_fence();
+    issue_nt_64x64(s, a_k, a_q);  // S^T = K_w Q^T
+    wgmma_commit_group();
+    issue_nt_64x64(dp, a_v, a_do);  // dP^T = V_w dO^T
+    wgmma_commit_group();
+
+    wgmma_wait_group<1>();  // S^T done
+    wgmma_fence_operands(s);
+    // P^T = exp2(S^T scale log2e - LSE2_q); masked where query < key (causal) or query >= q_end.
+    const bool edge = q0 < key_wg + 63 || q0 + kDkdvBr > p.q_end;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + c0);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = q0 + 8 * j + c0 + (e & 1);
+        const int key = key_lane + 8 * (e >> 1);
+        const float pe = exp2f(fmaf(s[4 * j + e], p.scale_log2, -((e & 1) ? l2.y : l2.x)));
+        s[4 * j + e] = (edge && (qi < key || qi >= p.q_end)) ? 0.0f : pe;
+      }
+    }
+    pack_fragments(pa, s);
+    fence_fragments(pa);
+    wgmma_fence_operands(dv);
+    wgmma_fence();
+    issue_rs_64x128(dv, pa, a_do);  // dV += P^T dO
+    wgmma_commit_group();
+
+    wgmma_wait_group<1>();  // dP^T done; dV may still run
+    wgmma_fence_operands(dp);
+    // dS^T = P^T o (dP^T - D_q)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + c0);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? dl.y : dl.x);
+    }
+    pack_fragments(da, s);
+    fence_fragments(da);
+    wgmma_fence_operands(dk);
+    wgmma_fence();
+    issue_rs_64x128(dk, da, a_q);  // dK += dS^T Q (scaled at the end)
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dk);
+    wgmma_fence_operands(dv);
+    fence_fragments(pa);
+    fence_fragments(da);
+  }
+
+  store_acc_rows(dk, p.dk + b * p.dk_batch + static_cast<std::int64_t>(hk) * kD, p.dk_token, key_wg, p.q_end, p.scale,
+                 p.accumulate_dkv);
+  store_acc_rows(dv, p.dv + b * p.dv_batch + static_cast<std::int64_t>(hk) * kD, p.dv_token, key_wg, p.q_end, 1.0f,
+                 p.accumulate_dkv);
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+// ---- 3. dQ ----
+
+constexpr int kDqRows = 128;  // query rows per block, 64 per warpgroup
+constexpr int kDqBc = 64;     // keys per tile
+constexpr int kDqOffQ = 0;
+constexpr int kDqOffDo = kDqOffQ + kTileBytes<kDqRows>;
+constexpr int kDqOffK = kDqOffDo + kTileBytes<kDqRows>;  // 2 buffers
+constexpr int kDqOffV = kDqOffK + 2 * kTileBytes<kDqBc>;  // 2 buffers
+constexpr int kDqSmem = kDqOffV + 2 * kTileBytes<kDqBc>;
+static_assert(kDqSmem == 128 * 1024);
+
+__global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_kernel(const BackwardParams p) {
+#if OOM_WGMMA_SM90A
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int qb = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int hk = h / p.group;
+  const int q0 = p.q_begin + qb * kDqRows;
+  const int q_last = min(q0 + kDqRows, p.q_end) - 1;
+  const int n_kv = q_last / kDqBc + 1;  // key tiles 0 .. the one holding q_last
+
+  const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
+  const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
+  load_rows<kDqRows>(smem + kDqOffQ, p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD, p.q_token, q0, p.q_end);
+  load_rows<kDqRows>(smem + kDqOffDo, p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0,
+                     p.q_end);
+  load_rows<kDqBc>(smem + kDqOffK, k_g, p.k_token, 0, p.seq);
+  load_rows<kDqBc>(smem + kDqOffV, v_g, p.v_token, 0, p.seq);
+  cp_async_commit();
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int c0 = 2 * (lane & 3);
+  const int row_wg = q0 + 64 * wg;                          // the warpgroup's first query row
+  const int row_lane = row_wg + 16 * warp + (lane >> 2);    // this thread's rows: row_lane, row_lane + 8
+
+  // Row statistics of this thread's two rows; rows past q_end get P = 0 through LSE2 = +inf.
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = row_lane + 8 * hf;
+    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
+    lse2[hf] = i < p.q_end ? p.lse2[w] : INFINITY;
+    delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
+  }
+
+  const std::uint32_t a_q = smem_addr(smem + kDqOffQ) + wg * kWg64Rows;
+  const std::uint32_t a_do = smem_addr(smem + kDqOffDo) + wg * kWg64Rows;
+  const std::uint32_t a_k0 = smem_addr(smem + kDqOffK), a_v0 = smem_addr(smem + kDqOffV);
+
+  float dq[kD / 2];
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) dq[e] = 0.0f;
+
+  for (int nb = 0; nb < n_kv; ++nb) {
+    const int buf = nb & 1;
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    if (nb + 1 < n_kv) {
+      load_rows<kDqBc>(smem + kDqOffK + (buf ^ 1) * kTileBytes<kDqBc>, k_g, p.k_token, (nb + 1) * kDqBc, p.seq);
+      load_rows<kDqBc>(smem + kDqOffV + (buf ^ 1) * kTileBytes<kDqBc>, v_g, p.v_token, (nb + 1) * kDqBc, p.seq);
+    }
+    cp_async_commit();
+
+    const int n0 = nb * kDqBc;
+    if (n0 > row_wg + 63) continue;  // every key follows the warpgroup's rows: P = 0
+
+    const std::uint32_t a_k = a_k0 + buf * kTileBytes<kDqBc>, a_v = a_v0 + buf * kTileBytes<kDqBc>;
+    float s[32], dp[32];
+    std::uint32_t da[4][4];
+    zero(s);
+    zero(dp);
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    wgmma_fence();
+    issue_nt_64x64(s, a_q, a_k);  // S = Q_w K^T
+    wgmma_commit_group();
+    issue_nt_64x64(dp, a_do, a_v);  // dP = dO_w V^T
+    wgmma_commit_group();
+
+    wgmma_wait_group<1>();  // S done
+    wgmma_fence_operands(s);
+    const bool edge = n0 + kDqBc - 1 > row_wg;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_lane + 8 * (e >> 1);
+        const int key = n0 + 8 * j + c0 + (e & 1);
+        const float pe = exp2f(fmaf(s[4 * j + e], p.scale_log2, -lse2[e >> 1]));
+        s[4 * j + e] = (edge && key > i) ? 0.0f : pe;
+      }
+    wgmma_wait_group<0>();  // dP done
+    wgmma_fence_operands(dp);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[4 * j + e] *= dp[4 * j + e] - delta[e >> 1];
+    pack_fragments(da, s);
+    fence_fragments(da);
+    wgmma_fence_operands(dq);
+    wgmma_fence();
+    issue_rs_64x128(dq, da, a_k);  // dQ += dS K
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dq);
+    fence_fragments(da);
+  }
+
+  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * kD, p.dq_token, row_wg, p.q_end, p.scale,
+                 false);
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+}  // namespace
+
+cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                     TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                     const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                     bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                     cudaStream_t stream) {
+  using namespace attention_detail;
+  if (!attention_can_implement(p)) return cudaErrorInvalidValue;
+  if (p.head_dim != kD) return cudaErrorNotSupported;
+  if (p.query_end() == p.q_begin) return cudaSuccess;
+  if (!backward_args_ok(p, q, k, v, o, d_o, lse, dq, dk, dv, workspace, workspace_bytes,
+                        attention_backward_workspace_bytes(p)))
+    return cudaErrorInvalidValue;
+  if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
+
+  const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
+  if (const cudaError_t e = launch_backward_preprocess<kD>(params, p.batch, stream); e != cudaSuccess) return e;
+
+  if (const cudaError_t e = cudaFuncSetAttribute(attention_backward_dkdv_wgmma_kernel,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kDkdvSmem);
+      e != cudaSuccess)
+    return e;
+  const int kv_blocks = (params.q_end + kDkdvKeys - 1) / kDkdvKeys;
+  const dim3 dkdv_grid(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(p.heads_kv),
+                       static_cast<unsigned>(p.batch));
+  attention_backward_dkdv_wgmma_kernel<<<dkdv_grid, kThreads, kDkdvSmem, stream>>>(params);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+
+  if (const cudaError_t e = cudaFuncSetAttribute(attention_backward_dq_wgmma_kernel,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kDqSmem);
+      e != cudaSuccess)
+    return e;
+  const int q_blocks = (params.q_len() + kDqRows - 1) / kDqRows;
+  const dim3 dq_grid(static_cast<unsigned>(q_blocks), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  attention_backward_dq_wgmma_kernel<<<dq_grid, kThreads, kDqSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace oom::kernels::hopper
