@@ -2,7 +2,8 @@
 // two warpgroups per 128 rows, P in registers, V read MN-major; what oom::kernels::attention_forward
 // runs on compute capability 9.0 at head_dim 128) against the CPU reference and against the
 // mma.sync kernel (oom::kernels::attention_forward_mma_sync, what it runs elsewhere) on the same
-// inputs, both schedules: sequence lengths that are no multiple of the
+// inputs, all four schedules (serial, overlap_softmax, and the warp-specialised producer_overlap
+// and producer_pingpong, each bit-identical to serial): sequence lengths that are no multiple of the
 // 64- or 128-row tiles (1, 17, 1000, 4099) and ones that are (64, 128 for the second), GQA (4/2) and
 // MHA (2/2), batch 1 and 2, Q/K/V separate and packed, and query sub-ranges [q_begin, q_end). O and
 // LSE are poisoned (all bits set) before every run: every entry in the range must be within its
@@ -207,7 +208,7 @@ void check_against_mma(const char* who, const Written& wg, const Written& mma, c
 }
 
 /// Which forward a run uses.
-enum class Kernel { mma_sync, wgmma_2wg_serial, wgmma_2wg_overlap };
+enum class Kernel { mma_sync, wgmma_2wg_serial, wgmma_2wg_overlap, wgmma_ws_overlap, wgmma_ws_pingpong };
 
 /// The mma.sync kernel and both schedules of the wgmma kernel on one case, each against the
 /// reference, and each wgmma schedule against the mma.sync kernel.
@@ -256,17 +257,32 @@ void check_case(const Case& c, std::uint64_t seed) {
         OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
                                                                          Wgmma2wgSchedule::overlap_softmax));
         break;
+      case Kernel::wgmma_ws_overlap:
+        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
+                                                                         Wgmma2wgSchedule::producer_overlap));
+        break;
+      case Kernel::wgmma_ws_pingpong:
+        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
+                                                                         Wgmma2wgSchedule::producer_pingpong));
+        break;
     }
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     return Written{o_buf.download(), lse_buf.download()};
   };
-  const Written mma = run(Kernel::mma_sync), wg2s = run(Kernel::wgmma_2wg_serial), wg2o = run(Kernel::wgmma_2wg_overlap);
+  const Written mma = run(Kernel::mma_sync), wg2s = run(Kernel::wgmma_2wg_serial), wg2o = run(Kernel::wgmma_2wg_overlap),
+                wsov = run(Kernel::wgmma_ws_overlap), wspp = run(Kernel::wgmma_ws_pingpong);
   check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
   check_against_reference("wgmma 2wg kernel, serial schedule", wg2s, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
   check_against_reference("wgmma 2wg kernel, overlap_softmax schedule", wg2o, o_ref, lse_ref, o_mag, d, c.q_begin,
                           q_end);
+  check_against_reference("wgmma 2wg kernel, producer_overlap schedule", wsov, o_ref, lse_ref, o_mag, d, c.q_begin,
+                          q_end);
+  check_against_reference("wgmma 2wg kernel, producer_pingpong schedule", wspp, o_ref, lse_ref, o_mag, d, c.q_begin,
+                          q_end);
   check_against_mma("wgmma 2wg serial", wg2s, mma, o_ref, lse_ref, o_mag, c, q_end);
   check_against_mma("wgmma 2wg overlap_softmax", wg2o, mma, o_ref, lse_ref, o_mag, c, q_end);
+  check_against_mma("wgmma 2wg producer_overlap", wsov, mma, o_ref, lse_ref, o_mag, c, q_end);
+  check_against_mma("wgmma 2wg producer_pingpong", wspp, mma, o_ref, lse_ref, o_mag, c, q_end);
   // The two schedules compute the same operations on the same values in the same order (only
   // when each wgmma is issued differs), so they must agree bit for bit. A difference within the
   // tolerances above points at a race in overlap_softmax (an operand register or buffer reused
@@ -275,6 +291,17 @@ void check_case(const Case& c, std::uint64_t seed) {
                 "the 2wg kernel's O differs between its serial and overlap_softmax schedules");
   CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wg2o.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
                 "the 2wg kernel's LSE differs between its serial and overlap_softmax schedules");
+  // The warp-specialised schedules run the same per-warpgroup code on the same values; only who
+  // loads the tiles, and when each warpgroup issues, differ. A difference here points at a
+  // synchronisation error (a buffer overwritten or read before its mbarrier says so).
+  CHECK_MESSAGE(std::memcmp(wg2s.o.data(), wsov.o.data(), wg2s.o.size() * sizeof(bf16)) == 0,
+                "the 2wg kernel's O differs between its serial and producer_overlap schedules");
+  CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wsov.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
+                "the 2wg kernel's LSE differs between its serial and producer_overlap schedules");
+  CHECK_MESSAGE(std::memcmp(wg2s.o.data(), wspp.o.data(), wg2s.o.size() * sizeof(bf16)) == 0,
+                "the 2wg kernel's O differs between its serial and producer_pingpong schedules");
+  CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wspp.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
+                "the 2wg kernel's LSE differs between its serial and producer_pingpong schedules");
 }
 
 }  // namespace
@@ -299,8 +326,19 @@ TEST_CASE("attention_forward_wgmma_2wg refuses what they cannot do, and do nothi
                              TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
     return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::overlap_softmax);
   };
+  const Forward producer_overlap = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                      TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
+    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::producer_overlap);
+  };
+  const Forward producer_pingpong = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                       TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
+    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st,
+                                                             Wgmma2wgSchedule::producer_pingpong);
+  };
   for (const Named kernel : {Named{"attention_forward_wgmma_2wg, serial", serial},
-                             Named{"attention_forward_wgmma_2wg, overlap_softmax", overlap}}) {
+                             Named{"attention_forward_wgmma_2wg, overlap_softmax", overlap},
+                             Named{"attention_forward_wgmma_2wg, producer_overlap", producer_overlap},
+                             Named{"attention_forward_wgmma_2wg, producer_pingpong", producer_pingpong}}) {
     CAPTURE(kernel.name);
     const Forward forward = kernel.forward;
     auto bad = p;
@@ -372,9 +410,10 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
       }
       return out;
     };
-    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg2s(nq), o_wg2o(nq);
+    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg2s(nq), o_wg2o(nq),
+        o_wsov(nq), o_wspp(nq);
     const std::size_t nlse = static_cast<std::size_t>(hq) * s;
-    DeviceBuffer<float> lse_mma(nlse), lse_wg2s(nlse), lse_wg2o(nlse);
+    DeviceBuffer<float> lse_mma(nlse), lse_wg2s(nlse), lse_wg2o(nlse), lse_wsov(nlse), lse_wspp(nlse);
     const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
     const TokenRows<const bf16> qr{q.get(), s * q_row, q_row}, kr{k.get(), s * kv_row, kv_row},
         vr{v.get(), s * kv_row, kv_row};
@@ -393,16 +432,28 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
       OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
           p, qr, kr, vr, {o_wg2o.get(), s * q_row, q_row}, lse_wg2o.get(), st, Wgmma2wgSchedule::overlap_softmax));
     };
+    const auto wsov = [&](cudaStream_t st) {
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
+          p, qr, kr, vr, {o_wsov.get(), s * q_row, q_row}, lse_wsov.get(), st, Wgmma2wgSchedule::producer_overlap));
+    };
+    const auto wspp = [&](cudaStream_t st) {
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
+          p, qr, kr, vr, {o_wspp.get(), s * q_row, q_row}, lse_wspp.get(), st, Wgmma2wgSchedule::producer_pingpong));
+    };
     const int repeats = s >= 65536 ? 5 : 10;
     const double ms_mma = oom::test::time_ms(mma, stream.s, repeats);
     const double ms_wg2s = oom::test::time_ms(wg2s, stream.s, repeats);
     const double ms_wg2o = oom::test::time_ms(wg2o, stream.s, repeats);
+    const double ms_wsov = oom::test::time_ms(wsov, stream.s, repeats);
+    const double ms_wspp = oom::test::time_ms(wspp, stream.s, repeats);
     const double flops = 2.0 * static_cast<double>(s) * s * hq * kD;
     const auto tflops = [&](double ms) { return flops / ms / 1e9; };
     std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward, TFLOP/s (x of mma.sync): mma.sync %.3f ms = %.0f", s, hq,
                 hkv, ms_mma, tflops(ms_mma));
     std::printf(" | 2wg serial %.3f ms = %.0f (%.2fx) | 2wg overlap_softmax %.3f ms = %.0f (%.2fx)\n", ms_wg2s,
                 tflops(ms_wg2s), ms_mma / ms_wg2s, ms_wg2o, tflops(ms_wg2o), ms_mma / ms_wg2o);
+    std::printf("        | producer_overlap %.3f ms = %.0f (%.2fx) | producer_pingpong %.3f ms = %.0f (%.2fx)\n", ms_wsov,
+                tflops(ms_wsov), ms_mma / ms_wsov, ms_wspp, tflops(ms_wspp), ms_mma / ms_wspp);
     std::fflush(stdout);
 
     const auto m = to_float(o_mma.download());
@@ -421,5 +472,7 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
     };
     against_mma("wgmma 2wg serial", o_wg2s, lse_wg2s);
     against_mma("wgmma 2wg overlap_softmax", o_wg2o, lse_wg2o);
+    against_mma("wgmma 2wg producer_overlap", o_wsov, lse_wsov);
+    against_mma("wgmma 2wg producer_pingpong", o_wspp, lse_wspp);
   }
 }

@@ -48,6 +48,18 @@
 //   the same order on the same values as serial: both give the same bits (the test checks it).
 // The two warpgroups share only the barrier of step 0, so one's softmax may also overlap the
 // other's wgmmas as the warp schedulers see fit. All wgmma loops have compile-time trip counts.
+//
+// Warp-specialised schedules (attention_forward_wgmma_ws_kernel, Wgmma2wgSchedule::producer_overlap
+// and producer_pingpong; docs/hopper.md): 384 threads, warpgroups 0 and 1 compute as in
+// overlap_softmax (the same functions in the same order, so the same bits), warpgroup 2 issues all
+// cp.async (Q, K_0, then per tile K_{j+1}, V_j) into 2 K and 2 V stages, each tile completing its
+// stage's "full" mbarrier through cp.async.mbarrier.arrive.noinc; consumers release K_j once S_j is
+// done and V_j once P_j V_j is ("empty" mbarriers, all 256 consumer threads arrive). No block
+// barrier in the loop. setmaxnreg: producer 24, consumers 240 registers (the exact exchange from the
+// 168 each thread starts with). producer_pingpong: the consumers take turns issuing their wgmmas
+// (named barriers 1, 2), so one's softmax runs under the other's GEMMs.
+// ptxas (nvcc 13.0, -O3, sm_90a): serial 235 registers, overlap_softmax 238; producer_overlap and
+// producer_pingpong 168 at launch (consumers up to 240); 0 spills, no C7519/C7520 warning.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -98,22 +110,28 @@ constexpr int kWgRowBytes = 64 / 8 * static_cast<int>(kBandBytes);  // warpgroup
 using Params = attention_detail::ForwardParams;
 
 /// Rows [row0, row0 + 128) of a strided (token_stride elements) global (rows, 128) bf16 matrix
-/// into a core-matrix tile (layout at the top of the file) by cp.async, all 256 threads; rows >=
-/// row_end are zero-filled (nothing read for them). 16-byte chunk n = (r/8) 128 + (c/8) 8 + r%8 of
-/// the tile is element (r, c)'s chunk at byte 16 n, so consecutive threads fill consecutive bytes
-/// and each warp reads 8 rows x 64 contiguous bytes of global memory.
+/// into a core-matrix tile (layout at the top of the file) by cp.async, kN threads (thread `tid` of
+/// them); rows >= row_end are zero-filled (nothing read for them). 16-byte chunk n = (r/8) 128 +
+/// (c/8) 8 + r%8 of the tile is element (r, c)'s chunk at byte 16 n, so consecutive threads fill
+/// consecutive bytes and each warp reads 8 rows x 64 contiguous bytes of global memory.
+template <int kN>
 __device__ __forceinline__ void load_tile_cores(unsigned char* tile, const __nv_bfloat16* base,
-                                                std::int64_t token_stride, int row0, int row_end) {
-  static_assert(kBr * (kD / 8) % kThreads == 0);
+                                                std::int64_t token_stride, int row0, int row_end, int tid) {
+  static_assert(kBr * (kD / 8) % kN == 0);
 #pragma unroll
-  for (int i = 0; i < kBr * (kD / 8) / kThreads; ++i) {
-    const int n = i * kThreads + static_cast<int>(threadIdx.x);
+  for (int i = 0; i < kBr * (kD / 8) / kN; ++i) {
+    const int n = i * kN + tid;
     const int r = (n >> 7) * 8 + (n & 7);
     const int c = ((n >> 3) & 15) * 8;
     const bool valid = row0 + r < row_end;
     const __nv_bfloat16* src = valid ? base + static_cast<std::int64_t>(row0 + r) * token_stride + c : base;
     cp_async_16(tile + 16 * n, src, valid);
   }
+}
+/// The two-warpgroup kernels' form: all 256 threads.
+__device__ __forceinline__ void load_tile_cores(unsigned char* tile, const __nv_bfloat16* base,
+                                                std::int64_t token_stride, int row0, int row_end) {
+  load_tile_cores<kThreads>(tile, base, token_stride, row0, row_end, static_cast<int>(threadIdx.x));
 }
 
 /// One warpgroup's share of a block: its thread's place in the fragments and its running state.
@@ -214,6 +232,31 @@ __device__ __forceinline__ void rescale_and_pack(WarpgroupState& st, const float
     st.pa[ks][1] = pack_bf16(st.s[8 * ks + 2], st.s[8 * ks + 3]);
     st.pa[ks][2] = pack_bf16(st.s[8 * ks + 4], st.s[8 * ks + 5]);
     st.pa[ks][3] = pack_bf16(st.s[8 * ks + 6], st.s[8 * ks + 7]);
+  }
+}
+
+/// O = O / l (bf16) and LSE = (m + log2 l) ln 2 of the thread's two rows i0 and i0 + 8 (absolute
+/// query rows) where they are valid (< q_end); c0 = 2 (lane % 4), the thread's first column.
+__device__ __forceinline__ void store_output(const WarpgroupState& st, const Params& p, int b, int h, int i0, int c0,
+                                             int lane) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float l = st.l_run[hf];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int i = i0 + 8 * hf;
+    if (i < p.q_end) {
+      __nv_bfloat16* dst = p.o + b * p.o_batch + static_cast<std::int64_t>(i) * p.o_token +
+                           static_cast<std::int64_t>(h) * kD + c0;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j)
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+            __floats2bfloat162_rn(st.o[4 * j + 2 * hf] * inv, st.o[4 * j + 2 * hf + 1] * inv);
+      if ((lane & 3) == 0)
+        p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seq + i] =
+            l > 0.0f ? (st.m_run[hf] + log2f(l)) * attention_detail::ln2 : -INFINITY;
+    }
   }
 }
 
@@ -334,26 +377,257 @@ __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kerne
     fence_all(st);
   }
 
-  // O = O / l, LSE = (m + log2 l) ln 2 for the valid rows.
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float l = st.l_run[hf];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int i = wg_row0 + r0 + 8 * hf;
-    if (i < p.q_end) {
-      __nv_bfloat16* dst = p.o + b * p.o_batch + static_cast<std::int64_t>(i) * p.o_token +
-                           static_cast<std::int64_t>(h) * kD + c0;
-#pragma unroll
-      for (int j = 0; j < kD / 8; ++j)
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(st.o[4 * j + 2 * hf] * inv, st.o[4 * j + 2 * hf + 1] * inv);
-      if ((lane & 3) == 0)
-        p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seq + i] =
-            l > 0.0f ? (st.m_run[hf] + log2f(l)) * attention_detail::ln2 : -INFINITY;
-    }
+  store_output(st, p, b, h, wg_row0 + r0, c0, lane);
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The warp-specialised kernel (Wgmma2wgSchedule::producer_overlap, producer_pingpong): a third,
+// producer warpgroup issues every cp.async; the two consumer warpgroups only wait on mbarriers.
+
+constexpr int kStages = 2;                         // K buffers, and V buffers, in flight
+constexpr int kConsumerThreads = kThreads;         // warpgroups 0 and 1
+constexpr int kProducerThreads = 128;              // warpgroup 2
+constexpr int kWsThreads = kConsumerThreads + kProducerThreads;
+constexpr int kWsOffK = kTileBytes;                       // Q at 0, then kStages K tiles
+constexpr int kWsOffV = kWsOffK + kStages * kTileBytes;   // then kStages V tiles
+constexpr int kWsOffBar = kWsOffV + kStages * kTileBytes; // then the mbarriers (8 bytes each)
+constexpr int kWsBars = 1 + 4 * kStages;                  // full_q, full_k[], full_v[], empty_k[], empty_v[]
+constexpr int kWsSmemBytes = kWsOffBar + 8 * kWsBars;
+static_assert(kWsSmemBytes <= 227 * 1024, "over the sm_90 shared memory per block");
+// setmaxnreg: the producer gives back (168 - 24) x 128 registers, exactly what the consumers take
+// ((240 - 168) x 256); 168 = the 65536 / 384 every thread starts with (multiple of 8 below 170).
+constexpr int kProducerRegs = 24, kConsumerRegs = 240, kStartRegs = 168;
+static_assert((kStartRegs - kProducerRegs) * kProducerThreads == (kConsumerRegs - kStartRegs) * kConsumerThreads);
+static_assert(kStartRegs * kWsThreads <= 65536 && (kStartRegs + 8) * kWsThreads > 65536);
+// Named barriers (bar.sync / bar.arrive ids; 0 is __syncthreads): "warpgroup w may issue".
+constexpr int kBarTurn0 = 1;
+
+__device__ __forceinline__ void mbar_init(std::uint32_t bar, std::uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/// Makes the initialisations visible (to the async proxy, too) before the barrier that follows.
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+/// One arrival (release semantics, CTA scope).
+__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
+  asm volatile(
+      "{\n"
+      ".reg .b64 state;\n"
+      "mbarrier.arrive.shared::cta.b64 state, [%0];\n"
+      "}\n" ::"r"(bar)
+      : "memory");
+}
+/// An arrival once all of this thread's earlier cp.async have landed; .noinc: the arrival is one of
+/// the count given at init (the producer's 128 threads each do one per tile).
+__device__ __forceinline__ void cp_async_mbar_arrive(std::uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+/// Waits (acquire, CTA scope) until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "MBAR_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra MBAR_WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+/// Named barriers with immediate ids (so ptxas knows which ones the kernel uses), 256 threads:
+/// warpgroup w's turn is barrier kBarTurn0 + w.
+__device__ __forceinline__ void turn_sync(int wg) {
+  if (wg == 0)
+    asm volatile("bar.sync %0, 256;\n" ::"n"(kBarTurn0) : "memory");
+  else
+    asm volatile("bar.sync %0, 256;\n" ::"n"(kBarTurn0 + 1) : "memory");
+}
+__device__ __forceinline__ void turn_arrive(int wg) {
+  if (wg == 0)
+    asm volatile("bar.arrive %0, 256;\n" ::"n"(kBarTurn0) : "memory");
+  else
+    asm volatile("bar.arrive %0, 256;\n" ::"n"(kBarTurn0 + 1) : "memory");
+}
+/// The producer's loader, lean in registers (it runs with kProducerRegs): the same placement as
+/// load_tile_cores<128> (chunk n = 128 i + tid: row 8 i + tid % 8, column block tid / 8, byte
+/// 2048 i + 16 tid), with the addresses stepped instead of recomputed.
+__device__ __forceinline__ void load_tile_producer(std::uint32_t tile, const __nv_bfloat16* base,
+                                                   std::int64_t token_stride, int row0, int row_end, int tid) {
+  static_assert(kProducerThreads == 128 && kBr * (kD / 8) == 16 * 128);
+  int r = row0 + (tid & 7);
+  std::int64_t off = static_cast<std::int64_t>(r) * token_stride + (tid >> 3) * 8;
+  const std::int64_t step = 8 * token_stride;
+  std::uint32_t dst = tile + 16u * static_cast<std::uint32_t>(tid);
+#pragma unroll 4
+  for (int i = 0; i < kBr / 8; ++i) {
+    const bool valid = r < row_end;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(valid ? base + off : base),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+    r += 8;
+    off += step;
+    dst += kBandBytes;
   }
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+/// Warp-specialised: warpgroup 2 loads (Q, then K_0, then per tile j: K_{j+1}, V_j, the order the
+/// consumers need them in), each tile completing a "full" mbarrier through cp.async's own arrival;
+/// warpgroups 0 and 1 compute as overlap_softmax does and free each buffer with an arrival on its
+/// "empty" mbarrier (K_j once S_j is done, V_j once P_j V_j is). No block-wide barrier after the
+/// set-up. With kPingpong the two consumer warpgroups also take turns issuing their wgmmas (named
+/// barriers), so one's softmax runs while the other's GEMMs do (FlashAttention-3's ping-pong).
+template <bool kPingpong>
+__global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kernel(const Params p) {
+#if OOM_WGMMA_SM90A
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* s_q = smem;
+  unsigned char* s_k = smem + kWsOffK;
+  unsigned char* s_v = smem + kWsOffV;
+
+  const int qb = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // heaviest query tiles first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int hk = h / p.group;
+  const int q0 = p.q_begin + qb * kBr;
+  const int q_last = min(q0 + kBr, p.q_end) - 1;
+  const int n_kv = q_last / kBc + 1;
+
+  // Barrier j of each kind for tile j, stage j % kStages, phase j / kStages.
+  const std::uint32_t bars = smem_addr(smem + kWsOffBar);
+  const std::uint32_t full_q = bars;
+  const auto full_k = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
+  const auto full_v = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + kStages + s)); };
+  const auto empty_k = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + 2 * kStages + s)); };
+  const auto empty_v = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + 3 * kStages + s)); };
+  if (threadIdx.x == 0) {
+    mbar_init(full_q, kProducerThreads);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_k(s), kProducerThreads);
+      mbar_init(full_v(s), kProducerThreads);
+      mbar_init(empty_k(s), kConsumerThreads);
+      mbar_init(empty_v(s), kConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last block-wide barrier
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  if (wg == kWarpgroups) {
+    // Producer. Loading tile t into stage t % kStages first waits until its previous occupant,
+    // tile t - kStages, is freed: completion number t / kStages - 1 of the empty barrier, i.e.
+    // the phase of parity (t / kStages + 1) & 1.
+    setmaxnreg_dec<kProducerRegs>();
+    const int tid = static_cast<int>(threadIdx.x) - kConsumerThreads;
+    const std::uint32_t a_q0 = smem_addr(s_q), a_k0 = smem_addr(s_k), a_v0 = smem_addr(s_v);
+    const __nv_bfloat16* q_g = p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD;
+    const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
+    const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
+    load_tile_producer(a_q0, q_g, p.q_token, q0, p.q_end, tid);
+    cp_async_mbar_arrive(full_q);
+    load_tile_producer(a_k0, k_g, p.k_token, 0, p.seq, tid);
+    cp_async_mbar_arrive(full_k(0));
+    for (int j = 0; j < n_kv; ++j) {
+      if (const int t = j + 1; t < n_kv) {
+        const int st = t % kStages;
+        if (t >= kStages) mbar_wait(empty_k(st), static_cast<std::uint32_t>((t / kStages + 1) & 1));
+        load_tile_producer(a_k0 + static_cast<std::uint32_t>(st * kTileBytes), k_g, p.k_token, t * kBc, p.seq, tid);
+        cp_async_mbar_arrive(full_k(st));
+      }
+      const int st = j % kStages;
+      if (j >= kStages) mbar_wait(empty_v(st), static_cast<std::uint32_t>((j / kStages + 1) & 1));
+      load_tile_producer(a_v0 + static_cast<std::uint32_t>(st * kTileBytes), v_g, p.v_token, j * kBc, p.seq, tid);
+      cp_async_mbar_arrive(full_v(st));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    return;
+  }
+
+  // Consumers: warpgroup wg owns query rows 64 wg .. 64 wg + 63 of the block.
+  setmaxnreg_inc<kConsumerRegs>();
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int r0 = 16 * warp + (lane >> 2);
+  const int c0 = 2 * (lane & 3);
+  const int wg_row0 = q0 + 64 * wg;
+  const std::uint32_t a_q = smem_addr(s_q) + static_cast<std::uint32_t>(wg * kWgRowBytes);
+  const std::uint32_t a_k = smem_addr(s_k), a_v = smem_addr(s_v);
+
+  WarpgroupState st;
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) st.o[e] = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kBc / 2; ++e) st.s[e] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) st.pa[ks][x] = 0u;
+  st.m_run[0] = st.m_run[1] = -INFINITY;
+  st.l_run[0] = st.l_run[1] = 0.0f;
+  float alpha[2];
+
+  mbar_wait(full_q, 0);
+  // Ping-pong: warpgroup w issues its wgmmas of tile nb after passing barrier kBarTurn0 + w (128
+  // of its threads syncing + 128 of the other's arriving) and then lets the other one go. Warpgroup
+  // 1 opens warpgroup 0's first turn; every turn after that is opened by the other warpgroup's
+  // issue, and warpgroup 1 skips its last arrive, so each barrier sees exactly n_kv syncs and n_kv
+  // arrivals and none is left half-complete at exit.
+  if (kPingpong && wg == 1) turn_arrive(0);
+
+  for (int nb = 0; nb < n_kv; ++nb) {
+    const int sk = nb % kStages, sv = (nb + kStages - 1) % kStages;  // K_nb's stage, V_{nb-1}'s
+    mbar_wait(full_k(sk), static_cast<std::uint32_t>((nb / kStages) & 1));
+    if (nb > 0) mbar_wait(full_v(sv), static_cast<std::uint32_t>(((nb - 1) / kStages) & 1));
+    // The tiles' cp.async writes, observed through the mbarriers, before the wgmmas (async proxy)
+    // read them.
+    fence_proxy_async_shared();
+    if constexpr (kPingpong) turn_sync(wg);
+
+    fence_all(st);
+    wgmma_fence();
+    issue_s(st, a_q, a_k + static_cast<std::uint32_t>(sk * kTileBytes));
+    wgmma_commit_group();
+    if (nb > 0) {
+      wgmma_fence();  // as in the overlap_softmax kernel (C7519)
+      issue_pv(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));  // O += P_{nb-1} V_{nb-1}
+      wgmma_commit_group();
+      if constexpr (kPingpong)
+        if (wg == 0 || nb + 1 < n_kv) turn_arrive(wg ^ 1);
+      wgmma_wait_group<1>();  // S_nb done
+    } else {
+      if constexpr (kPingpong)
+        if (wg == 0 || nb + 1 < n_kv) turn_arrive(wg ^ 1);
+      wgmma_wait_group<0>();
+    }
+    mbar_arrive(empty_k(sk));  // K_nb read
+    wgmma_fence_operands(st.s);
+    softmax_tile(st, alpha, nb * kBc, wg_row0, r0, c0, p.scale_log2);
+    wgmma_wait_group<0>();
+    fence_all(st);  // o and pa are free from here on
+    if (nb > 0) mbar_arrive(empty_v(sv));  // V_{nb-1} read
+    rescale_and_pack(st, alpha);
+  }
+  {
+    // The last O += P V.
+    const int sv = (n_kv - 1) % kStages;
+    mbar_wait(full_v(sv), static_cast<std::uint32_t>(((n_kv - 1) / kStages) & 1));
+    fence_proxy_async_shared();
+    fence_all(st);
+    wgmma_fence();
+    issue_pv(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    fence_all(st);
+  }
+  store_output(st, p, b, h, wg_row0 + r0, c0, lane);
 #else
   (void)p;
   __trap();
@@ -370,13 +644,23 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<con
 
   const Params params = attention_detail::forward_params(p, q, k, v, o, lse);
 
+  const int q_tiles = (params.q_end - params.q_begin + kBr - 1) / kBr;
+  const dim3 grid(static_cast<unsigned>(q_tiles), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  if (schedule == Wgmma2wgSchedule::producer_overlap || schedule == Wgmma2wgSchedule::producer_pingpong) {
+    auto* kernel = schedule == Wgmma2wgSchedule::producer_pingpong ? attention_forward_wgmma_ws_kernel<true>
+                                                                   : attention_forward_wgmma_ws_kernel<false>;
+    if (const cudaError_t e =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWsSmemBytes);
+        e != cudaSuccess)
+      return e;
+    kernel<<<grid, kWsThreads, kWsSmemBytes, stream>>>(params);
+    return cudaGetLastError();
+  }
   auto* kernel = schedule == Wgmma2wgSchedule::overlap_softmax ? attention_forward_wgmma_2wg_kernel<true>
                                                                 : attention_forward_wgmma_2wg_kernel<false>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
       e != cudaSuccess)
     return e;
-  const int q_tiles = (params.q_end - params.q_begin + kBr - 1) / kBr;
-  const dim3 grid(static_cast<unsigned>(q_tiles), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }

@@ -18,15 +18,21 @@ namespace oom::kernels::hopper {
 
 /// How attention_forward_wgmma_2wg orders a warpgroup's GEMMs (docs/hopper.md):
 ///   serial: per K/V tile, S = Q K^T, wait, softmax, O += P V, wait;
-///   overlap_softmax: the P V of tile j-1 is issued with S of tile j and runs during its softmax.
-enum class Wgmma2wgSchedule { serial, overlap_softmax };
+///   overlap_softmax: the P V of tile j-1 is issued with S of tile j and runs during its softmax;
+///   producer_overlap: overlap_softmax's order, but warp-specialised: a third (producer) warpgroup
+///     issues all loads into mbarrier-tracked buffers, the consumers get its registers (setmaxnreg)
+///     and never meet at a block-wide barrier;
+///   producer_pingpong: producer_overlap plus the two consumer warpgroups taking turns issuing
+///     their wgmmas (named barriers), so one's softmax overlaps the other's GEMMs.
+/// All four compute the same operations in the same order per warpgroup: bitwise the same results.
+enum class Wgmma2wgSchedule { serial, overlap_softmax, producer_overlap, producer_pingpong };
 
 /// O = softmax(scale * Q K^T + causal mask) V and LSE (natural log) for query rows
 /// [q_begin, q_end), exactly as oom::kernels::attention_forward: same layouts, strides, GQA head
 /// mapping, causal prefix of a query chunk, rows outside [q_begin, q_end) untouched. By the kernel
 /// of src/kernels/hopper/attention_forward_wgmma_2wg.cu: two warpgroups per block sharing each K/V
 /// tile (128 query rows x 128 keys), P kept in registers as the A operand of P V, V read as an
-/// MN-major B. `schedule` picks one of two orders of the same wgmmas (bitwise the same results).
+/// MN-major B. `schedule` picks one of four orders of the same wgmmas (bitwise the same results).
 /// Returns cudaErrorInvalidValue for a problem attention_can_implement rejects or a misaligned
 /// pointer/stride (as attention_forward does); cudaErrorNotSupported for head_dim != 128 or when
 /// the current device is not compute capability 9.0 (the only code compiled is sm_90a); otherwise
