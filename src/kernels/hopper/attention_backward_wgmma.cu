@@ -452,13 +452,155 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_kerne
 #endif
 }
 
-}  // namespace
+// ---- 3'. dQ, software-pipelined (attention_backward_wgmma_v2) ----
 
-cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                                     TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
-                                     const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
-                                     bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
-                                     cudaStream_t stream) {
+constexpr int kDq2Bufs = 4;  // K/V tiles j-1 (dQ_{j-1} may still read K), j, j+1, j+2 (landing)
+constexpr int kDq2OffK = kDqOffDo + kTileBytes<kDqRows>;     // 4 buffers
+constexpr int kDq2OffV = kDq2OffK + kDq2Bufs * kTileBytes<kDqBc>;  // 4 buffers
+constexpr int kDq2Smem = kDq2OffV + kDq2Bufs * kTileBytes<kDqBc>;
+static_assert(kDq2Smem == 192 * 1024);
+
+/// S = Q_w K^T into s, dP = dO_w V^T into dp: 16 wgmma m64n64k16 SS, not committed.
+__device__ __forceinline__ void issue_s_dp(float (&s)[32], float (&dp)[32], std::uint32_t a_q, std::uint32_t a_do,
+                                           std::uint32_t a_k, std::uint32_t a_v) {
+  zero(s);
+  zero(dp);
+  wgmma_fence_operands(s);
+  wgmma_fence_operands(dp);
+  wgmma_fence();
+  issue_nt_64x64(s, a_q, a_k);
+  issue_nt_64x64(dp, a_do, a_v);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_pipelined_kernel(const BackwardParams p) {
+#if OOM_WGMMA_SM90A
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int qb = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int hk = h / p.group;
+  const int q0 = p.q_begin + qb * kDqRows;
+  const int q_last = min(q0 + kDqRows, p.q_end) - 1;
+  const int n_kv = q_last / kDqBc + 1;  // key tiles 0 .. the one holding q_last
+
+  const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
+  const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
+  // Key tile t into buffer t % 4.
+  const auto load_kv = [&](int t) {
+    const int buf = t & (kDq2Bufs - 1);
+    load_rows<kDqBc>(smem + kDq2OffK + buf * kTileBytes<kDqBc>, k_g, p.k_token, t * kDqBc, p.seq);
+    load_rows<kDqBc>(smem + kDq2OffV + buf * kTileBytes<kDqBc>, v_g, p.v_token, t * kDqBc, p.seq);
+  };
+  load_rows<kDqRows>(smem + kDqOffQ, p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD, p.q_token, q0, p.q_end);
+  load_rows<kDqRows>(smem + kDqOffDo, p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0,
+                     p.q_end);
+  load_kv(0);
+  cp_async_commit();  // group: Q, dO, tile 0
+  if (n_kv > 1) load_kv(1);
+  cp_async_commit();  // group: tile 1 (maybe empty)
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int c0 = 2 * (lane & 3);
+  const int row_wg = q0 + 64 * wg;                        // the warpgroup's first query row
+  const int row_lane = row_wg + 16 * warp + (lane >> 2);  // this thread's rows: row_lane, row_lane + 8
+  // Key tile t has a key <= one of the warpgroup's rows (otherwise P = 0 there: skipped). True
+  // for t = 0 .. some last tile, so a skipped tile is never followed by an active one.
+  const auto active = [&](int t) { return t * kDqBc <= row_wg + 63; };
+
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = row_lane + 8 * hf;
+    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
+    lse2[hf] = i < p.q_end ? p.lse2[w] : INFINITY;
+    delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
+  }
+
+  const std::uint32_t a_q = smem_addr(smem + kDqOffQ) + wg * kWg64Rows;
+  const std::uint32_t a_do = smem_addr(smem + kDqOffDo) + wg * kWg64Rows;
+  const std::uint32_t a_k0 = smem_addr(smem + kDq2OffK), a_v0 = smem_addr(smem + kDq2OffV);
+  const auto a_k = [&](int t) { return a_k0 + (t & (kDq2Bufs - 1)) * kTileBytes<kDqBc>; };
+  const auto a_v = [&](int t) { return a_v0 + (t & (kDq2Bufs - 1)) * kTileBytes<kDqBc>; };
+
+  float dq[kD / 2];
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) dq[e] = 0.0f;
+  // Two register sets for S, dP: tile j in one while tile j+1 accumulates in the other.
+  float s_a[32], dp_a[32], s_b[32], dp_b[32];
+  std::uint32_t da[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
+
+  // Prologue: Q, dO and tile 0 landed; G_0 = (S_0, dP_0) issued.
+  cp_async_wait<1>();
+  fence_proxy_async_shared();
+  __syncthreads();
+  if (active(0)) issue_s_dp(s_a, dp_a, a_q, a_do, a_k(0), a_v(0));
+  wgmma_commit_group();
+
+  // Step j. wgmma groups in flight on entry, oldest first: G_j (S_j, dP_j into s, dp), dQ_{j-1}.
+  // Exactly two groups are committed per step (possibly empty), so the waits below count alike
+  // in every warpgroup and every step.
+  const auto step = [&](int j, float (&s)[32], float (&dp)[32], float (&s_next)[32], float (&dp_next)[32]) {
+    wgmma_wait_group<1>();  // G_j done (and every group before it: dQ_{j-2}); dQ_{j-1} may run
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    // Tile j+1 has landed (this thread's copies; the barrier publishes everyone's), and both
+    // warpgroups are past G_j, so past dQ_{j-2}: buffer (j+2) % 4 = (j-2) % 4 is free.
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    if (j + 2 < n_kv) load_kv(j + 2);
+    cp_async_commit();
+    // G_{j+1}: runs on the tensor cores during the softmax of tile j below.
+    if (j + 1 < n_kv && active(j + 1)) issue_s_dp(s_next, dp_next, a_q, a_do, a_k(j + 1), a_v(j + 1));
+    wgmma_commit_group();
+
+    if (active(j)) {
+      const int n0 = j * kDqBc;
+      const bool edge = n0 + kDqBc - 1 > row_wg;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = row_lane + 8 * (e >> 1);
+          const int key = n0 + 8 * jj + c0 + (e & 1);
+          const float pe = exp2f(fmaf(s[4 * jj + e], p.scale_log2, -lse2[e >> 1]));
+          s[4 * jj + e] = ((edge && key > i) ? 0.0f : pe) * (dp[4 * jj + e] - delta[e >> 1]);  // dS
+        }
+      wgmma_wait_group<1>();  // dQ_{j-1} done: da is free again (G_{j+1} may run)
+      fence_fragments(da);
+      wgmma_fence_operands(dq);
+      pack_fragments(da, s);
+      fence_fragments(da);
+      wgmma_fence();
+      issue_rs_64x128(dq, da, a_k(j));  // dQ_j += dS_j K_j
+    }
+    wgmma_commit_group();
+  };
+  for (int j = 0; j < n_kv; j += 2) {
+    step(j, s_a, dp_a, s_b, dp_b);
+    if (j + 1 < n_kv) step(j + 1, s_b, dp_b, s_a, dp_a);
+  }
+  wgmma_wait_group<0>();
+  wgmma_fence_operands(dq);
+  fence_fragments(da);
+
+  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * kD, p.dq_token, row_wg, p.q_end, p.scale,
+                 false);
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+/// Both entry points: the same preprocess and dK/dV kernel; dQ by the serial or the pipelined kernel.
+cudaError_t run_backward(bool pipelined_dq, const AttentionProblem& p, TokenRows<const bf16> q,
+                         TokenRows<const bf16> k, TokenRows<const bf16> v, TokenRows<const bf16> o,
+                         TokenRows<const bf16> d_o, const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk,
+                         TokenRows<bf16> dv, bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                         cudaStream_t stream) {
   using namespace attention_detail;
   if (!attention_can_implement(p)) return cudaErrorInvalidValue;
   if (p.head_dim != kD) return cudaErrorNotSupported;
@@ -481,14 +623,33 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const 
   attention_backward_dkdv_wgmma_kernel<<<dkdv_grid, kThreads, kDkdvSmem, stream>>>(params);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
 
-  if (const cudaError_t e = cudaFuncSetAttribute(attention_backward_dq_wgmma_kernel,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kDqSmem);
+  const auto dq_kernel = pipelined_dq ? attention_backward_dq_wgmma_pipelined_kernel : attention_backward_dq_wgmma_kernel;
+  const int dq_smem = pipelined_dq ? kDq2Smem : kDqSmem;
+  if (const cudaError_t e = cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dq_smem);
       e != cudaSuccess)
     return e;
   const int q_blocks = (params.q_len() + kDqRows - 1) / kDqRows;
   const dim3 dq_grid(static_cast<unsigned>(q_blocks), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
-  attention_backward_dq_wgmma_kernel<<<dq_grid, kThreads, kDqSmem, stream>>>(params);
+  dq_kernel<<<dq_grid, kThreads, static_cast<std::size_t>(dq_smem), stream>>>(params);
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                     TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                     const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                     bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                     cudaStream_t stream) {
+  return run_backward(false, p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+}
+
+cudaError_t attention_backward_wgmma_v2(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                        TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                        const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                        bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                        cudaStream_t stream) {
+  return run_backward(true, p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 }  // namespace oom::kernels::hopper

@@ -62,4 +62,23 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream);
 
+/// attention_backward_wgmma with the software-pipelined dQ kernel (attention_backward_wgmma.cu,
+/// part 3'): the same arguments, returns, preprocess and dK/dV kernel; the dQ kernel issues the
+/// S/dP wgmmas of key tile j+1 before the softmax and dS of tile j (two register sets, four K/V
+/// buffers, 192 KiB of shared memory), the same products in the same order, so the same bits as
+/// attention_backward_wgmma.
+cudaError_t attention_backward_wgmma_v2(const AttentionProblem& p,
+                                        TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
+                                        TokenRows<const bf16> k,    // (B, S, Hkv, D) bf16
+                                        TokenRows<const bf16> v,    // (B, S, Hkv, D) bf16
+                                        TokenRows<const bf16> o,    // (B, S, Hq, D) bf16 (the forward's output)
+                                        TokenRows<const bf16> d_o,  // (B, S, Hq, D) bf16
+                                        const float* lse,           // (B, Hq, S) fp32 (the forward's)
+                                        TokenRows<bf16> dq,         // (B, S, Hq, D) bf16, rows [q_begin, q_end)
+                                        TokenRows<bf16> dk,         // (B, S, Hkv, D) bf16, rows [0, q_end)
+                                        TokenRows<bf16> dv,         // (B, S, Hkv, D) bf16, rows [0, q_end)
+                                        bool accumulate_dkv,
+                                        void* workspace, std::size_t workspace_bytes,
+                                        cudaStream_t stream);
+
 }  // namespace oom::kernels::hopper
