@@ -64,6 +64,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../attention_backward_common.cuh"
 #include "../attention_common.cuh"
@@ -460,16 +461,13 @@ constexpr int kDq2OffV = kDq2OffK + kDq2Bufs * kTileBytes<kDqBc>;  // 4 buffers
 constexpr int kDq2Smem = kDq2OffV + kDq2Bufs * kTileBytes<kDqBc>;
 static_assert(kDq2Smem == 192 * 1024);
 
-/// S = Q_w K^T into s, dP = dO_w V^T into dp: 16 wgmma m64n64k16 SS, not committed.
-__device__ __forceinline__ void issue_s_dp(float (&s)[32], float (&dp)[32], std::uint32_t a_q, std::uint32_t a_do,
-                                           std::uint32_t a_k, std::uint32_t a_v) {
-  zero(s);
-  zero(dp);
-  wgmma_fence_operands(s);
-  wgmma_fence_operands(dp);
+/// acc = A * B^T over the 128 columns as issue_nt_64x64, with the fences before it. The first
+/// k-step overwrites (scale-d 0), so acc is not zeroed: an instruction defining an accumulator
+/// while other wgmmas are in flight would serialize the wgmmas (ptxas C7515).
+__device__ __forceinline__ void fence_issue_nt_64x64(float (&acc)[32], std::uint32_t a_rows, std::uint32_t b_rows) {
+  wgmma_fence_operands(acc);
   wgmma_fence();
-  issue_nt_64x64(s, a_q, a_k);
-  issue_nt_64x64(dp, a_do, a_v);
+  issue_nt_64x64(acc, a_rows, b_rows);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_pipelined_kernel(const BackwardParams p) {
@@ -485,28 +483,30 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_pipel
 
   const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
   const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
-  // Key tile t into buffer t % 4.
+  // Key tile t into buffer t % 4; a tile t >= n_kv is zero-filled (nothing read): no branch.
   const auto load_kv = [&](int t) {
     const int buf = t & (kDq2Bufs - 1);
-    load_rows<kDqBc>(smem + kDq2OffK + buf * kTileBytes<kDqBc>, k_g, p.k_token, t * kDqBc, p.seq);
-    load_rows<kDqBc>(smem + kDq2OffV + buf * kTileBytes<kDqBc>, v_g, p.v_token, t * kDqBc, p.seq);
+    const int row_end = t < n_kv ? p.seq : 0;
+    load_rows<kDqBc>(smem + kDq2OffK + buf * kTileBytes<kDqBc>, k_g, p.k_token, t * kDqBc, row_end);
+    load_rows<kDqBc>(smem + kDq2OffV + buf * kTileBytes<kDqBc>, v_g, p.v_token, t * kDqBc, row_end);
   };
   load_rows<kDqRows>(smem + kDqOffQ, p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD, p.q_token, q0, p.q_end);
   load_rows<kDqRows>(smem + kDqOffDo, p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0,
                      p.q_end);
   load_kv(0);
   cp_async_commit();  // group: Q, dO, tile 0
-  if (n_kv > 1) load_kv(1);
-  cp_async_commit();  // group: tile 1 (maybe empty)
+  load_kv(1);
+  cp_async_commit();  // group: tile 1
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
   const int c0 = 2 * (lane & 3);
   const int row_wg = q0 + 64 * wg;                        // the warpgroup's first query row
   const int row_lane = row_wg + 16 * warp + (lane >> 2);  // this thread's rows: row_lane, row_lane + 8
-  // Key tile t has a key <= one of the warpgroup's rows (otherwise P = 0 there: skipped). True
-  // for t = 0 .. some last tile, so a skipped tile is never followed by an active one.
-  const auto active = [&](int t) { return t * kDqBc <= row_wg + 63; };
+  // Both warpgroups run every key tile 0 .. n_kv-1, also warpgroup 0 its last one when all its keys
+  // follow its rows (the causal mask zeroes P and dS there: dQ += 0 products, the same value).
+  // Costs at most one tile of 2 n_kv per block, and keeps every wgmma out of divergent code
+  // (ptxas C7520 serializes the wgmmas otherwise).
 
   float lse2[2], delta[2];
 #pragma unroll
@@ -527,63 +527,89 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_pipel
 #pragma unroll
   for (int e = 0; e < kD / 2; ++e) dq[e] = 0.0f;
   // Two register sets for S, dP: tile j in one while tile j+1 accumulates in the other.
-  float s_a[32], dp_a[32], s_b[32], dp_b[32];
+  // S of tile j alternates between s_a and s_b: S_{j+1} accumulates during the softmax of tile j.
+  float s_a[32], s_b[32], dp[32];
   std::uint32_t da[4][4];
+  zero(s_a);
+  zero(s_b);
+  zero(dp);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
 
-  // Prologue: Q, dO and tile 0 landed; G_0 = (S_0, dP_0) issued.
+  // Prologue: Q, dO and tile 0 landed; S_0 issued, and an empty group standing for dQ_{-1}.
   cp_async_wait<1>();
   fence_proxy_async_shared();
   __syncthreads();
-  if (active(0)) issue_s_dp(s_a, dp_a, a_q, a_do, a_k(0), a_v(0));
+  wgmma_fence_operands(s_b);  // every register the loop carries defined before S_0 is in flight
+  wgmma_fence_operands(dp);
+  wgmma_fence_operands(dq);
+  fence_fragments(da);
+  fence_issue_nt_64x64(s_a, a_q, a_k(0));
+  wgmma_commit_group();
   wgmma_commit_group();
 
-  // Step j. wgmma groups in flight on entry, oldest first: G_j (S_j, dP_j into s, dp), dQ_{j-1}.
-  // Exactly two groups are committed per step (possibly empty), so the waits below count alike
-  // in every warpgroup and every step.
-  const auto step = [&](int j, float (&s)[32], float (&dp)[32], float (&s_next)[32], float (&dp_next)[32]) {
-    wgmma_wait_group<1>();  // G_j done (and every group before it: dQ_{j-2}); dQ_{j-1} may run
-    wgmma_fence_operands(s);
-    wgmma_fence_operands(dp);
+  // Step j. wgmma groups in flight on entry, oldest first: S_j (into s), dQ_{j-1}. Three groups
+  // are committed per step (dP_j, S_{j+1} (empty in the last step), dQ_j), so the waits count
+  // alike in every step. `issue_next` (false only in the last step) is a compile-time constant.
+  // No instruction but a wgmma defines an accumulator while another group is in flight that
+  // was issued after it was last written (s is written by the softmax before dQ_j is issued,
+  // and next accumulates S_{j+2} in step j+1, after the groups in flight then were issued).
+  const auto step = [&](int j, float (&s)[32], float (&s_next)[32], auto issue_next) {
     // Tile j+1 has landed (this thread's copies; the barrier publishes everyone's), and both
-    // warpgroups are past G_j, so past dQ_{j-2}: buffer (j+2) % 4 = (j-2) % 4 is free.
+    // warpgroups are past step j-1's wait for dQ_{j-2}: buffer (j+2) % 4 = (j-2) % 4 is free
+    // (dQ_{j-1} may still read K of tile j-1, buffer (j-1) % 4).
     cp_async_wait<0>();
     fence_proxy_async_shared();
     __syncthreads();
-    if (j + 2 < n_kv) load_kv(j + 2);
+    load_kv(j + 2);  // zero-filled past n_kv
     cp_async_commit();
-    // G_{j+1}: runs on the tensor cores during the softmax of tile j below.
-    if (j + 1 < n_kv && active(j + 1)) issue_s_dp(s_next, dp_next, a_q, a_do, a_k(j + 1), a_v(j + 1));
+
+    fence_issue_nt_64x64(dp, a_do, a_v(j));  // dP_j = dO_w V_j^T
+    wgmma_commit_group();
+    wgmma_wait_group<2>();  // S_j done; dQ_{j-1}, dP_j may run
+    wgmma_fence_operands(s);
+    // S_{j+1}: runs on the tensor cores during the softmax of tile j below.
+    if constexpr (decltype(issue_next)::value) fence_issue_nt_64x64(s_next, a_q, a_k(j + 1));
     wgmma_commit_group();
 
-    if (active(j)) {
-      const int n0 = j * kDqBc;
-      const bool edge = n0 + kDqBc - 1 > row_wg;
+    const int n0 = j * kDqBc;
+    const bool edge = n0 + kDqBc - 1 > row_wg;
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
+    for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = row_lane + 8 * (e >> 1);
-          const int key = n0 + 8 * jj + c0 + (e & 1);
-          const float pe = exp2f(fmaf(s[4 * jj + e], p.scale_log2, -lse2[e >> 1]));
-          s[4 * jj + e] = ((edge && key > i) ? 0.0f : pe) * (dp[4 * jj + e] - delta[e >> 1]);  // dS
-        }
-      wgmma_wait_group<1>();  // dQ_{j-1} done: da is free again (G_{j+1} may run)
-      fence_fragments(da);
-      wgmma_fence_operands(dq);
-      pack_fragments(da, s);
-      fence_fragments(da);
-      wgmma_fence();
-      issue_rs_64x128(dq, da, a_k(j));  // dQ_j += dS_j K_j
-    }
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_lane + 8 * (e >> 1);
+        const int key = n0 + 8 * jj + c0 + (e & 1);
+        const float pe = exp2f(fmaf(s[4 * jj + e], p.scale_log2, -lse2[e >> 1]));
+        s[4 * jj + e] = (edge && key > i) ? 0.0f : pe;
+      }
+    wgmma_wait_group<1>();  // dQ_{j-1} and dP_j done (da free again); S_{j+1} may run
+    wgmma_fence_operands(dp);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) s[e] *= dp[e] - delta[(e >> 1) & 1];  // dS
+    fence_fragments(da);
+    wgmma_fence_operands(dq);
+    pack_fragments(da, s);
+    fence_fragments(da);
+    wgmma_fence();
+    issue_rs_64x128(dq, da, a_k(j));  // dQ_j += dS_j K_j
     wgmma_commit_group();
   };
-  for (int j = 0; j < n_kv; j += 2) {
-    step(j, s_a, dp_a, s_b, dp_b);
-    if (j + 1 < n_kv) step(j + 1, s_b, dp_b, s_a, dp_a);
+  // Even tiles' S in s_a, odd ones' in s_b; the last step (no S_{j+1}) peeled off, and every
+  // wgmma retired before the paths join.
+  int j = 0;
+  for (; j + 2 < n_kv; j += 2) {
+    step(j, s_a, s_b, std::true_type{});
+    step(j + 1, s_b, s_a, std::true_type{});
   }
-  wgmma_wait_group<0>();
+  if (j + 2 == n_kv) {
+    step(j, s_a, s_b, std::true_type{});
+    step(j + 1, s_b, s_a, std::false_type{});
+    wgmma_wait_group<0>();
+  } else {
+    step(j, s_a, s_b, std::false_type{});
+    wgmma_wait_group<0>();
+  }
   wgmma_fence_operands(dq);
   fence_fragments(da);
 
