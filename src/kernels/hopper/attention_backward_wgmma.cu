@@ -187,17 +187,30 @@ __device__ __forceinline__ void store_acc_rows(const float (&acc)[64], __nv_bflo
 
 constexpr int kDkdvKeys = 128;  // keys per block, 64 per warpgroup
 constexpr int kDkdvBr = 64;     // queries per step
-constexpr int kDkdvOffK = 0;
-constexpr int kDkdvOffV = kDkdvOffK + kTileBytes<kDkdvKeys>;
-constexpr int kDkdvOffQ = kDkdvOffV + kTileBytes<kDkdvKeys>;     // 2 buffers
-constexpr int kDkdvOffDo = kDkdvOffQ + 2 * kTileBytes<kDkdvBr>;  // 2 buffers
-constexpr int kDkdvOffLse2 = kDkdvOffDo + 2 * kTileBytes<kDkdvBr>;  // 2 x 64 fp32
-constexpr int kDkdvOffDelta = kDkdvOffLse2 + 2 * kDkdvBr * 4;      // 2 x 64 fp32
-constexpr int kDkdvSmem = kDkdvOffDelta + 2 * kDkdvBr * 4;
-static_assert(kDkdvSmem == 129 * 1024);
+/// Shared memory of the dK/dV kernel with `bufs` (Q, dO, LSE2, D) buffers: 2 (serial) or 3
+/// (pipelined: the dK/dV wgmmas of step i-1 may still read their buffer during step i).
+template <int BUFS>
+struct DkdvSmem {
+  static constexpr int off_k = 0;
+  static constexpr int off_v = off_k + kTileBytes<kDkdvKeys>;
+  static constexpr int off_q = off_v + kTileBytes<kDkdvKeys>;             // BUFS buffers
+  static constexpr int off_do = off_q + BUFS * kTileBytes<kDkdvBr>;       // BUFS buffers
+  static constexpr int off_lse2 = off_do + BUFS * kTileBytes<kDkdvBr>;    // BUFS x 64 fp32
+  static constexpr int off_delta = off_lse2 + BUFS * kDkdvBr * 4;         // BUFS x 64 fp32
+  static constexpr int bytes = off_delta + BUFS * kDkdvBr * 4;
+};
+static_assert(DkdvSmem<2>::bytes == 129 * 1024);
+static_assert(DkdvSmem<3>::bytes == 161 * 1024 + 512);
+constexpr int kDkdvSmem = DkdvSmem<2>::bytes;
+constexpr int kDkdvSmemPipelined = DkdvSmem<3>::bytes;
 
+template <bool PIPELINED>
 __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma_kernel(const BackwardParams p) {
 #if OOM_WGMMA_SM90A
+  constexpr int kBufs = PIPELINED ? 3 : 2;
+  using L = DkdvSmem<kBufs>;
+  constexpr int kDkdvOffK = L::off_k, kDkdvOffV = L::off_v, kDkdvOffQ = L::off_q, kDkdvOffDo = L::off_do,
+                kDkdvOffLse2 = L::off_lse2, kDkdvOffDelta = L::off_delta;
   extern __shared__ __align__(128) unsigned char smem[];
   auto* s_lse2 = reinterpret_cast<float*>(smem + kDkdvOffLse2);
   auto* s_delta = reinterpret_cast<float*>(smem + kDkdvOffDelta);
@@ -251,37 +264,78 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma_ker
 #pragma unroll
   for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
 
-  for (int step = 0; step < steps; ++step) {
-    const int buf = step & 1;
-    // Tile `step` has landed for everyone, and both warpgroups are done with step - 1 (the last
-    // readers of buffer buf ^ 1, refilled next).
-    cp_async_wait<0>();
-    fence_proxy_async_shared();
-    __syncthreads();
-    if (step + 1 < steps) prefetch(step + 1, buf ^ 1);
-    cp_async_commit();
-
-    const int q0 = q0_of(step);
-    if (q0 + kDkdvBr - 1 < key_wg) continue;  // every query precedes the warpgroup's keys: P^T = 0
-
-    const std::uint32_t a_q = a_q0 + buf * kTileBytes<kDkdvBr>, a_do = a_do0 + buf * kTileBytes<kDkdvBr>;
-    const float* lse2 = s_lse2 + buf * kDkdvBr;
-    const float* delta = s_delta + buf * kDkdvBr;
-
-    float s[32], dp[32];
-    std::uint32_t pa[4][4], da[4][4];
+  float s[32], dp[32];
+  std::uint32_t pa[4][4], da[4][4];
+  if constexpr (PIPELINED) {
+    // Every register the loop carries across in-flight wgmmas defined here, once: inside the
+    // loop only wgmmas define s, dp (scale-d 0 in the first k-step), or ptxas serializes (C7515).
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[ks][r] = da[ks][r] = 0u;
     zero(s);
     zero(dp);
     wgmma_fence_operands(s);
     wgmma_fence_operands(dp);
-    wgmma_fence();
-    issue_nt_64x64(s, a_k, a_q);  // S^T = K_w Q^T
-    wgmma_commit_group();
-    issue_nt_64x64(dp, a_v, a_do);  // dP^T = V_w dO^T
-    wgmma_commit_group();
+    fence_fragments(pa);
+    fence_fragments(da);
+  }
+  // buf: step % kBufs, tracked incrementally.
+  for (int step = 0, buf = 0; step < steps; ++step, buf = buf + 1 == kBufs ? 0 : buf + 1) {
+    const int next_buf = buf + 1 == kBufs ? 0 : buf + 1;
+    // Serial: tile `step` has landed for everyone, and both warpgroups are done with step - 1
+    // (the last readers of buffer buf ^ 1, refilled next). Pipelined: the dV/dK wgmmas of step - 1
+    // may still run (they read buffer (step - 1) % 3), but every warpgroup waited for those of
+    // step - 2 during step - 1 (below), so buffer (step + 1) % 3 = (step - 2) % 3 is free.
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    if constexpr (!PIPELINED) {
+      if (step + 1 < steps) prefetch(step + 1, next_buf);
+      cp_async_commit();
+    }
 
-    wgmma_wait_group<1>();  // S^T done
-    wgmma_fence_operands(s);
+    const int q0 = q0_of(step);
+    // Otherwise every query precedes the warpgroup's keys: P^T = 0. The serial kernel skips such
+    // a step; the pipelined one runs it (P^T, dS^T masked to 0: dK, dV += 0 products, the same
+    // values), which keeps its wgmmas out of divergent code (ptxas C7520).
+    const bool active = q0 + kDkdvBr - 1 >= key_wg;
+    const std::uint32_t a_q = a_q0 + buf * kTileBytes<kDkdvBr>, a_do = a_do0 + buf * kTileBytes<kDkdvBr>;
+    const float* lse2 = s_lse2 + buf * kDkdvBr;
+    const float* delta = s_delta + buf * kDkdvBr;
+
+    if constexpr (PIPELINED) {
+      // The S^T / dP^T wgmmas first (queued behind dV/dK of step - 1), then the prefetch.
+      (void)active;
+      wgmma_fence_operands(s);
+      wgmma_fence_operands(dp);
+      wgmma_fence();
+      issue_nt_64x64(s, a_k, a_q);  // S^T = K_w Q^T
+      wgmma_commit_group();
+      issue_nt_64x64(dp, a_v, a_do);  // dP^T = V_w dO^T
+      wgmma_commit_group();
+      if (step + 1 < steps) prefetch(step + 1, next_buf);
+      cp_async_commit();
+      // In flight, oldest first: dV, dK of step - 1, S^T, dP^T.
+      wgmma_wait_group<1>();  // S^T done, and dV/dK of the previous step: pa, da free again
+      wgmma_fence_operands(s);
+      fence_fragments(pa);
+      fence_fragments(da);
+    } else {
+      if (!active) continue;
+      zero(s);
+      zero(dp);
+      wgmma_fence_operands(s);
+      wgmma_fence_operands(dp);
+      wgmma_fence();
+      issue_nt_64x64(s, a_k, a_q);  // S^T = K_w Q^T
+      wgmma_commit_group();
+      issue_nt_64x64(dp, a_v, a_do);  // dP^T = V_w dO^T
+      wgmma_commit_group();
+
+      wgmma_wait_group<1>();  // S^T done
+      wgmma_fence_operands(s);
+    }
     // P^T = exp2(S^T scale log2e - LSE2_q); masked where query < key (causal) or query >= q_end.
     const bool edge = q0 < key_wg + 63 || q0 + kDkdvBr > p.q_end;
 #pragma unroll
@@ -305,18 +359,41 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma_ker
     wgmma_wait_group<1>();  // dP^T done; dV may still run
     wgmma_fence_operands(dp);
     // dS^T = P^T o (dP^T - D_q)
+    if constexpr (PIPELINED) {
+      // Straight into the bf16 fragments (as pack_fragments): s, dp are accumulators of the next
+      // step's wgmmas, issued while dV of this step is in flight, so nothing but a wgmma may
+      // define them from here on (ptxas C7515).
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + c0);
+      for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? dl.y : dl.x);
+        for (int r = 0; r < 4; ++r) {
+          const int e0 = 8 * ks + 2 * r;  // elements e0, e0 + 1: columns c0, c0 + 1 of 8-column block e0 / 4
+          const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * (e0 / 4) + c0);
+          da[ks][r] = pack_bf16(s[e0] * (dp[e0] - dl.x), s[e0 + 1] * (dp[e0 + 1] - dl.y));
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + c0);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? dl.y : dl.x);
+      }
+      pack_fragments(da, s);
     }
-    pack_fragments(da, s);
     fence_fragments(da);
     wgmma_fence_operands(dk);
     wgmma_fence();
     issue_rs_64x128(dk, da, a_q);  // dK += dS^T Q (scaled at the end)
     wgmma_commit_group();
+    if constexpr (!PIPELINED) {  // pipelined: waited for during the next step (or below)
+      wgmma_wait_group<0>();
+      wgmma_fence_operands(dk);
+      wgmma_fence_operands(dv);
+      fence_fragments(pa);
+      fence_fragments(da);
+    }
+  }
+  if constexpr (PIPELINED) {
     wgmma_wait_group<0>();
     wgmma_fence_operands(dk);
     wgmma_fence_operands(dv);
@@ -622,7 +699,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_pipel
 }
 
 /// Both entry points: the same preprocess and dK/dV kernel; dQ by the serial or the pipelined kernel.
-cudaError_t run_backward(bool pipelined_dq, const AttentionProblem& p, TokenRows<const bf16> q,
+cudaError_t run_backward(bool pipelined, const AttentionProblem& p, TokenRows<const bf16> q,
                          TokenRows<const bf16> k, TokenRows<const bf16> v, TokenRows<const bf16> o,
                          TokenRows<const bf16> d_o, const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk,
                          TokenRows<bf16> dv, bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
@@ -639,18 +716,21 @@ cudaError_t run_backward(bool pipelined_dq, const AttentionProblem& p, TokenRows
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   if (const cudaError_t e = launch_backward_preprocess<kD>(params, p.batch, stream); e != cudaSuccess) return e;
 
-  if (const cudaError_t e = cudaFuncSetAttribute(attention_backward_dkdv_wgmma_kernel,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kDkdvSmem);
+  const auto dkdv_kernel =
+      pipelined ? attention_backward_dkdv_wgmma_kernel<true> : attention_backward_dkdv_wgmma_kernel<false>;
+  const int dkdv_smem = pipelined ? kDkdvSmemPipelined : kDkdvSmem;
+  if (const cudaError_t e =
+          cudaFuncSetAttribute(dkdv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
       e != cudaSuccess)
     return e;
   const int kv_blocks = (params.q_end + kDkdvKeys - 1) / kDkdvKeys;
   const dim3 dkdv_grid(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(p.heads_kv),
                        static_cast<unsigned>(p.batch));
-  attention_backward_dkdv_wgmma_kernel<<<dkdv_grid, kThreads, kDkdvSmem, stream>>>(params);
+  dkdv_kernel<<<dkdv_grid, kThreads, static_cast<std::size_t>(dkdv_smem), stream>>>(params);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
 
-  const auto dq_kernel = pipelined_dq ? attention_backward_dq_wgmma_pipelined_kernel : attention_backward_dq_wgmma_kernel;
-  const int dq_smem = pipelined_dq ? kDq2Smem : kDqSmem;
+  const auto dq_kernel = pipelined ? attention_backward_dq_wgmma_pipelined_kernel : attention_backward_dq_wgmma_kernel;
+  const int dq_smem = pipelined ? kDq2Smem : kDqSmem;
   if (const cudaError_t e = cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dq_smem);
       e != cudaSuccess)
     return e;

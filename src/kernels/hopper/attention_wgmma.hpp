@@ -62,10 +62,12 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream);
 
-/// attention_backward_wgmma with the software-pipelined dQ kernel (attention_backward_wgmma.cu,
-/// part 3'): the same arguments, returns, preprocess and dK/dV kernel; the dQ kernel issues the
-/// S/dP wgmmas of key tile j+1 before the softmax and dS of tile j (two register sets, four K/V
-/// buffers, 192 KiB of shared memory), the same products in the same order, so the same bits as
+/// attention_backward_wgmma with software-pipelined dK/dV and dQ kernels
+/// (attention_backward_wgmma.cu, "v2"): the same arguments, returns and preprocess. dK/dV: the
+/// dV/dK wgmmas of a step are retired only during the next step, behind its S^T/dP^T wgmmas
+/// (three Q/dO buffers); dQ: dP_j and S_{j+1} are issued before the softmax of key tile j (S in
+/// two register sets, four K/V buffers). The same products in the same order on the same values
+/// (plus products of exact zeros on fully masked tiles), so the same bits as
 /// attention_backward_wgmma.
 cudaError_t attention_backward_wgmma_v2(const AttentionProblem& p,
                                         TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
