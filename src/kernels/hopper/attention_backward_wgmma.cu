@@ -53,12 +53,40 @@
 //    Grid (ceil(q_len / 128), Hq, B), the last (longest) query block first.
 //    smem: Q, dO 2 x 32 KiB + 2 x (K, V) 2 x 16 KiB = 128 KiB: 1 block/SM.
 //
+// v2 (attention_backward_wgmma_v2): the same preprocess, grids, tiles and products, software-
+// pipelined so that a warpgroup's tensor-core queue never drains inside the loop (in v1 each
+// step/tile ends with wgmma_wait_group<0>, and the __syncthreads that follows keeps the two
+// warpgroups in lockstep, so both sit in the barrier, the cp.async issue and the softmax with the
+// tensor cores idle):
+//   2'. dK/dV: three (Q, dO, LSE2, D) buffers (161.5 KiB). Step i: barrier; S^T_i, dP^T_i issued
+//      (queued behind dV_{i-1}, dK_{i-1}, still in flight); then the prefetch of step i+1 into
+//      buffer (i+1) % 3 = (i-2) % 3 (free: every warpgroup retired dV/dK_{i-2} during step i-1);
+//      wait<1> retires dV/dK_{i-1} and S^T_i; P^T, dV_i; wait<1> (dP^T_i); dS^T packed straight
+//      into the bf16 fragments; dK_i issued and left in flight.
+//   3'. dQ: four (K, V) buffers (Q, dO 64 KiB + 4 x 32 KiB = 192 KiB); S alternates between two
+//      register sets (s_a even tiles, s_b odd; the loop is unrolled by two and the last step
+//      peeled). Step j (in flight on entry: S_j, dQ_{j-1}): barrier; prefetch tile j+2 into buffer
+//      (j+2) % 4 (tiles >= n_kv zero-filled, nothing read); dP_j issued; wait<2> (S_j); S_{j+1}
+//      issued; P_j (during dQ_{j-1}, dP_j, S_{j+1}); wait<1> (dQ_{j-1}, dP_j: the dS fragments
+//      are free); dS_j; dQ_j issued and left in flight.
+//   Rules that keep ptxas from serializing the wgmmas (C7515/C7520) or injecting waits (C7517):
+//   inside the loops nothing but a wgmma defines an accumulator that a later wgmma uses while
+//   other groups are in flight (no zeroing: the first k-step has scale-d 0; the registers are
+//   defined once before the first wgmma; dS^T of 2' is never written back into s/dp), and no
+//   wgmma is issued in divergent code: steps whose 64 x 64 tile is wholly masked for one
+//   warpgroup (warpgroup 1's first query tile of each head in 2', warpgroup 0's last key tile in
+//   3') are run, not skipped (P, dS masked to exact zeros: dK, dV, dQ += 0 products). The same
+//   products in the same order on the same values as v1: the same bits (the test checks it).
+//
 // ptxas -v (nvcc 13.0, -O3, -gencode=arch=compute_90a,code=sm_90a):
-//   dK/dV: 246 registers, no spills, 129 KiB dynamic smem -> 1 block (8 warps) per SM
-//   dQ:    196 registers, no spills, 128 KiB dynamic smem -> 1 block (8 warps) per SM
-// No "wgmma.mma_async instructions are serialized" warning: every wgmma loop is unrolled with
-// compile-time trip counts, and between a wgmma_fence and the wait of a group nothing touches the
-// group's accumulator or A-fragment registers (wgmma_fence_operands pins them at both ends).
+//   dK/dV:     246 registers, no spills, 129 KiB dynamic smem -> 1 block (8 warps) per SM
+//   dQ:        196 registers, no spills, 128 KiB dynamic smem -> 1 block (8 warps) per SM
+//   dK/dV v2:  255 registers, no spills, 161.5 KiB dynamic smem -> 1 block (8 warps) per SM
+//   dQ v2:     243 registers, no spills, 192 KiB dynamic smem -> 1 block (8 warps) per SM
+// No "wgmma.mma_async instructions are serialized" warning (nor any other C75xx note): every
+// wgmma loop is unrolled with compile-time trip counts, and between a wgmma_fence and the wait of
+// a group nothing touches the group's accumulator or A-fragment registers (wgmma_fence_operands
+// pins them at both ends).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
