@@ -53,17 +53,46 @@
 //    Grid (ceil(q_len / 128), Hq, B), the last (longest) query block first.
 //    smem: Q, dO 2 x 32 KiB + 2 x (K, V) 2 x 16 KiB = 128 KiB: 1 block/SM.
 //
+// v2 (attention_backward_wgmma_v2): the same preprocess, grids, tiles and products, software-
+// pipelined so that a warpgroup's tensor-core queue never drains inside the loop (in v1 each
+// step/tile ends with wgmma_wait_group<0>, and the __syncthreads that follows keeps the two
+// warpgroups in lockstep, so both sit in the barrier, the cp.async issue and the softmax with the
+// tensor cores idle):
+//   2'. dK/dV: three (Q, dO, LSE2, D) buffers (161.5 KiB). Step i: barrier; S^T_i, dP^T_i issued
+//      (queued behind dV_{i-1}, dK_{i-1}, still in flight); then the prefetch of step i+1 into
+//      buffer (i+1) % 3 = (i-2) % 3 (free: every warpgroup retired dV/dK_{i-2} during step i-1);
+//      wait<1> retires dV/dK_{i-1} and S^T_i; P^T, dV_i; wait<1> (dP^T_i); dS^T packed straight
+//      into the bf16 fragments; dK_i issued and left in flight.
+//   3'. dQ: four (K, V) buffers (Q, dO 64 KiB + 4 x 32 KiB = 192 KiB); S alternates between two
+//      register sets (s_a even tiles, s_b odd; the loop is unrolled by two and the last step
+//      peeled). Step j (in flight on entry: S_j, dQ_{j-1}): barrier; prefetch tile j+2 into buffer
+//      (j+2) % 4 (tiles >= n_kv zero-filled, nothing read); dP_j issued; wait<2> (S_j); S_{j+1}
+//      issued; P_j (during dQ_{j-1}, dP_j, S_{j+1}); wait<1> (dQ_{j-1}, dP_j: the dS fragments
+//      are free); dS_j; dQ_j issued and left in flight.
+//   Rules that keep ptxas from serializing the wgmmas (C7515/C7520) or injecting waits (C7517):
+//   inside the loops nothing but a wgmma defines an accumulator that a later wgmma uses while
+//   other groups are in flight (no zeroing: the first k-step has scale-d 0; the registers are
+//   defined once before the first wgmma; dS^T of 2' is never written back into s/dp), and no
+//   wgmma is issued in divergent code: steps whose 64 x 64 tile is wholly masked for one
+//   warpgroup (warpgroup 1's first query tile of each head in 2', warpgroup 0's last key tile in
+//   3') are run, not skipped (P, dS masked to exact zeros: dK, dV, dQ += 0 products). The same
+//   products in the same order on the same values as v1: the same bits (the test checks it).
+//
 // ptxas -v (nvcc 13.0, -O3, -gencode=arch=compute_90a,code=sm_90a):
-//   dK/dV: 246 registers, no spills, 129 KiB dynamic smem -> 1 block (8 warps) per SM
-//   dQ:    196 registers, no spills, 128 KiB dynamic smem -> 1 block (8 warps) per SM
-// No "wgmma.mma_async instructions are serialized" warning: every wgmma loop is unrolled with
-// compile-time trip counts, and between a wgmma_fence and the wait of a group nothing touches the
-// group's accumulator or A-fragment registers (wgmma_fence_operands pins them at both ends).
+//   dK/dV:     246 registers, no spills, 129 KiB dynamic smem -> 1 block (8 warps) per SM
+//   dQ:        196 registers, no spills, 128 KiB dynamic smem -> 1 block (8 warps) per SM
+//   dK/dV v2:  255 registers, no spills, 161.5 KiB dynamic smem -> 1 block (8 warps) per SM
+//   dQ v2:     243 registers, no spills, 192 KiB dynamic smem -> 1 block (8 warps) per SM
+// No "wgmma.mma_async instructions are serialized" warning (nor any other C75xx note): every
+// wgmma loop is unrolled with compile-time trip counts, and between a wgmma_fence and the wait of
+// a group nothing touches the group's accumulator or A-fragment registers (wgmma_fence_operands
+// pins them at both ends).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../attention_backward_common.cuh"
 #include "../attention_common.cuh"
@@ -186,17 +215,30 @@ __device__ __forceinline__ void store_acc_rows(const float (&acc)[64], __nv_bflo
 
 constexpr int kDkdvKeys = 128;  // keys per block, 64 per warpgroup
 constexpr int kDkdvBr = 64;     // queries per step
-constexpr int kDkdvOffK = 0;
-constexpr int kDkdvOffV = kDkdvOffK + kTileBytes<kDkdvKeys>;
-constexpr int kDkdvOffQ = kDkdvOffV + kTileBytes<kDkdvKeys>;     // 2 buffers
-constexpr int kDkdvOffDo = kDkdvOffQ + 2 * kTileBytes<kDkdvBr>;  // 2 buffers
-constexpr int kDkdvOffLse2 = kDkdvOffDo + 2 * kTileBytes<kDkdvBr>;  // 2 x 64 fp32
-constexpr int kDkdvOffDelta = kDkdvOffLse2 + 2 * kDkdvBr * 4;      // 2 x 64 fp32
-constexpr int kDkdvSmem = kDkdvOffDelta + 2 * kDkdvBr * 4;
-static_assert(kDkdvSmem == 129 * 1024);
+/// Shared memory of the dK/dV kernel with `bufs` (Q, dO, LSE2, D) buffers: 2 (serial) or 3
+/// (pipelined: the dK/dV wgmmas of step i-1 may still read their buffer during step i).
+template <int BUFS>
+struct DkdvSmem {
+  static constexpr int off_k = 0;
+  static constexpr int off_v = off_k + kTileBytes<kDkdvKeys>;
+  static constexpr int off_q = off_v + kTileBytes<kDkdvKeys>;             // BUFS buffers
+  static constexpr int off_do = off_q + BUFS * kTileBytes<kDkdvBr>;       // BUFS buffers
+  static constexpr int off_lse2 = off_do + BUFS * kTileBytes<kDkdvBr>;    // BUFS x 64 fp32
+  static constexpr int off_delta = off_lse2 + BUFS * kDkdvBr * 4;         // BUFS x 64 fp32
+  static constexpr int bytes = off_delta + BUFS * kDkdvBr * 4;
+};
+static_assert(DkdvSmem<2>::bytes == 129 * 1024);
+static_assert(DkdvSmem<3>::bytes == 161 * 1024 + 512);
+constexpr int kDkdvSmem = DkdvSmem<2>::bytes;
+constexpr int kDkdvSmemPipelined = DkdvSmem<3>::bytes;
 
+template <bool PIPELINED>
 __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma_kernel(const BackwardParams p) {
 #if OOM_WGMMA_SM90A
+  constexpr int kBufs = PIPELINED ? 3 : 2;
+  using L = DkdvSmem<kBufs>;
+  constexpr int kDkdvOffK = L::off_k, kDkdvOffV = L::off_v, kDkdvOffQ = L::off_q, kDkdvOffDo = L::off_do,
+                kDkdvOffLse2 = L::off_lse2, kDkdvOffDelta = L::off_delta;
   extern __shared__ __align__(128) unsigned char smem[];
   auto* s_lse2 = reinterpret_cast<float*>(smem + kDkdvOffLse2);
   auto* s_delta = reinterpret_cast<float*>(smem + kDkdvOffDelta);
@@ -250,37 +292,78 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma_ker
 #pragma unroll
   for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
 
-  for (int step = 0; step < steps; ++step) {
-    const int buf = step & 1;
-    // Tile `step` has landed for everyone, and both warpgroups are done with step - 1 (the last
-    // readers of buffer buf ^ 1, refilled next).
-    cp_async_wait<0>();
-    fence_proxy_async_shared();
-    __syncthreads();
-    if (step + 1 < steps) prefetch(step + 1, buf ^ 1);
-    cp_async_commit();
-
-    const int q0 = q0_of(step);
-    if (q0 + kDkdvBr - 1 < key_wg) continue;  // every query precedes the warpgroup's keys: P^T = 0
-
-    const std::uint32_t a_q = a_q0 + buf * kTileBytes<kDkdvBr>, a_do = a_do0 + buf * kTileBytes<kDkdvBr>;
-    const float* lse2 = s_lse2 + buf * kDkdvBr;
-    const float* delta = s_delta + buf * kDkdvBr;
-
-    float s[32], dp[32];
-    std::uint32_t pa[4][4], da[4][4];
+  float s[32], dp[32];
+  std::uint32_t pa[4][4], da[4][4];
+  if constexpr (PIPELINED) {
+    // Every register the loop carries across in-flight wgmmas defined here, once: inside the
+    // loop only wgmmas define s, dp (scale-d 0 in the first k-step), or ptxas serializes (C7515).
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[ks][r] = da[ks][r] = 0u;
     zero(s);
     zero(dp);
     wgmma_fence_operands(s);
     wgmma_fence_operands(dp);
-    wgmma_fence();
-    issue_nt_64x64(s, a_k, a_q);  // S^T = K_w Q^T
-    wgmma_commit_group();
-    issue_nt_64x64(dp, a_v, a_do);  // dP^T = V_w dO^T
-    wgmma_commit_group();
+    fence_fragments(pa);
+    fence_fragments(da);
+  }
+  // buf: step % kBufs, tracked incrementally.
+  for (int step = 0, buf = 0; step < steps; ++step, buf = buf + 1 == kBufs ? 0 : buf + 1) {
+    const int next_buf = buf + 1 == kBufs ? 0 : buf + 1;
+    // Serial: tile `step` has landed for everyone, and both warpgroups are done with step - 1
+    // (the last readers of buffer buf ^ 1, refilled next). Pipelined: the dV/dK wgmmas of step - 1
+    // may still run (they read buffer (step - 1) % 3), but every warpgroup waited for those of
+    // step - 2 during step - 1 (below), so buffer (step + 1) % 3 = (step - 2) % 3 is free.
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    if constexpr (!PIPELINED) {
+      if (step + 1 < steps) prefetch(step + 1, next_buf);
+      cp_async_commit();
+    }
 
-    wgmma_wait_group<1>();  // S^T done
-    wgmma_fence_operands(s);
+    const int q0 = q0_of(step);
+    // Otherwise every query precedes the warpgroup's keys: P^T = 0. The serial kernel skips such
+    // a step; the pipelined one runs it (P^T, dS^T masked to 0: dK, dV += 0 products, the same
+    // values), which keeps its wgmmas out of divergent code (ptxas C7520).
+    const bool active = q0 + kDkdvBr - 1 >= key_wg;
+    const std::uint32_t a_q = a_q0 + buf * kTileBytes<kDkdvBr>, a_do = a_do0 + buf * kTileBytes<kDkdvBr>;
+    const float* lse2 = s_lse2 + buf * kDkdvBr;
+    const float* delta = s_delta + buf * kDkdvBr;
+
+    if constexpr (PIPELINED) {
+      // The S^T / dP^T wgmmas first (queued behind dV/dK of step - 1), then the prefetch.
+      (void)active;
+      wgmma_fence_operands(s);
+      wgmma_fence_operands(dp);
+      wgmma_fence();
+      issue_nt_64x64(s, a_k, a_q);  // S^T = K_w Q^T
+      wgmma_commit_group();
+      issue_nt_64x64(dp, a_v, a_do);  // dP^T = V_w dO^T
+      wgmma_commit_group();
+      if (step + 1 < steps) prefetch(step + 1, next_buf);
+      cp_async_commit();
+      // In flight, oldest first: dV, dK of step - 1, S^T, dP^T.
+      wgmma_wait_group<1>();  // S^T done, and dV/dK of the previous step: pa, da free again
+      wgmma_fence_operands(s);
+      fence_fragments(pa);
+      fence_fragments(da);
+    } else {
+      if (!active) continue;
+      zero(s);
+      zero(dp);
+      wgmma_fence_operands(s);
+      wgmma_fence_operands(dp);
+      wgmma_fence();
+      issue_nt_64x64(s, a_k, a_q);  // S^T = K_w Q^T
+      wgmma_commit_group();
+      issue_nt_64x64(dp, a_v, a_do);  // dP^T = V_w dO^T
+      wgmma_commit_group();
+
+      wgmma_wait_group<1>();  // S^T done
+      wgmma_fence_operands(s);
+    }
     // P^T = exp2(S^T scale log2e - LSE2_q); masked where query < key (causal) or query >= q_end.
     const bool edge = q0 < key_wg + 63 || q0 + kDkdvBr > p.q_end;
 #pragma unroll
@@ -304,18 +387,41 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dkdv_wgmma_ker
     wgmma_wait_group<1>();  // dP^T done; dV may still run
     wgmma_fence_operands(dp);
     // dS^T = P^T o (dP^T - D_q)
+    if constexpr (PIPELINED) {
+      // Straight into the bf16 fragments (as pack_fragments): s, dp are accumulators of the next
+      // step's wgmmas, issued while dV of this step is in flight, so nothing but a wgmma may
+      // define them from here on (ptxas C7515).
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + c0);
+      for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? dl.y : dl.x);
+        for (int r = 0; r < 4; ++r) {
+          const int e0 = 8 * ks + 2 * r;  // elements e0, e0 + 1: columns c0, c0 + 1 of 8-column block e0 / 4
+          const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * (e0 / 4) + c0);
+          da[ks][r] = pack_bf16(s[e0] * (dp[e0] - dl.x), s[e0 + 1] * (dp[e0 + 1] - dl.y));
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + c0);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? dl.y : dl.x);
+      }
+      pack_fragments(da, s);
     }
-    pack_fragments(da, s);
     fence_fragments(da);
     wgmma_fence_operands(dk);
     wgmma_fence();
     issue_rs_64x128(dk, da, a_q);  // dK += dS^T Q (scaled at the end)
     wgmma_commit_group();
+    if constexpr (!PIPELINED) {  // pipelined: waited for during the next step (or below)
+      wgmma_wait_group<0>();
+      wgmma_fence_operands(dk);
+      wgmma_fence_operands(dv);
+      fence_fragments(pa);
+      fence_fragments(da);
+    }
+  }
+  if constexpr (PIPELINED) {
     wgmma_wait_group<0>();
     wgmma_fence_operands(dk);
     wgmma_fence_operands(dv);
@@ -452,13 +558,180 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_kerne
 #endif
 }
 
-}  // namespace
+// ---- 3'. dQ, software-pipelined (attention_backward_wgmma_v2) ----
 
-cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                                     TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
-                                     const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
-                                     bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
-                                     cudaStream_t stream) {
+constexpr int kDq2Bufs = 4;  // K/V tiles j-1 (dQ_{j-1} may still read K), j, j+1, j+2 (landing)
+constexpr int kDq2OffK = kDqOffDo + kTileBytes<kDqRows>;     // 4 buffers
+constexpr int kDq2OffV = kDq2OffK + kDq2Bufs * kTileBytes<kDqBc>;  // 4 buffers
+constexpr int kDq2Smem = kDq2OffV + kDq2Bufs * kTileBytes<kDqBc>;
+static_assert(kDq2Smem == 192 * 1024);
+
+/// acc = A * B^T over the 128 columns as issue_nt_64x64, with the fences before it. The first
+/// k-step overwrites (scale-d 0), so acc is not zeroed: an instruction defining an accumulator
+/// while other wgmmas are in flight would serialize the wgmmas (ptxas C7515).
+__device__ __forceinline__ void fence_issue_nt_64x64(float (&acc)[32], std::uint32_t a_rows, std::uint32_t b_rows) {
+  wgmma_fence_operands(acc);
+  wgmma_fence();
+  issue_nt_64x64(acc, a_rows, b_rows);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_pipelined_kernel(const BackwardParams p) {
+#if OOM_WGMMA_SM90A
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int qb = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int hk = h / p.group;
+  const int q0 = p.q_begin + qb * kDqRows;
+  const int q_last = min(q0 + kDqRows, p.q_end) - 1;
+  const int n_kv = q_last / kDqBc + 1;  // key tiles 0 .. the one holding q_last
+
+  const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
+  const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
+  // Key tile t into buffer t % 4; a tile t >= n_kv is zero-filled (nothing read): no branch.
+  const auto load_kv = [&](int t) {
+    const int buf = t & (kDq2Bufs - 1);
+    const int row_end = t < n_kv ? p.seq : 0;
+    load_rows<kDqBc>(smem + kDq2OffK + buf * kTileBytes<kDqBc>, k_g, p.k_token, t * kDqBc, row_end);
+    load_rows<kDqBc>(smem + kDq2OffV + buf * kTileBytes<kDqBc>, v_g, p.v_token, t * kDqBc, row_end);
+  };
+  load_rows<kDqRows>(smem + kDqOffQ, p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD, p.q_token, q0, p.q_end);
+  load_rows<kDqRows>(smem + kDqOffDo, p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0,
+                     p.q_end);
+  load_kv(0);
+  cp_async_commit();  // group: Q, dO, tile 0
+  load_kv(1);
+  cp_async_commit();  // group: tile 1
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int c0 = 2 * (lane & 3);
+  const int row_wg = q0 + 64 * wg;                        // the warpgroup's first query row
+  const int row_lane = row_wg + 16 * warp + (lane >> 2);  // this thread's rows: row_lane, row_lane + 8
+  // Both warpgroups run every key tile 0 .. n_kv-1, also warpgroup 0 its last one when all its keys
+  // follow its rows (the causal mask zeroes P and dS there: dQ += 0 products, the same value).
+  // Costs at most one tile of 2 n_kv per block, and keeps every wgmma out of divergent code
+  // (ptxas C7520 serializes the wgmmas otherwise).
+
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = row_lane + 8 * hf;
+    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
+    lse2[hf] = i < p.q_end ? p.lse2[w] : INFINITY;
+    delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
+  }
+
+  const std::uint32_t a_q = smem_addr(smem + kDqOffQ) + wg * kWg64Rows;
+  const std::uint32_t a_do = smem_addr(smem + kDqOffDo) + wg * kWg64Rows;
+  const std::uint32_t a_k0 = smem_addr(smem + kDq2OffK), a_v0 = smem_addr(smem + kDq2OffV);
+  const auto a_k = [&](int t) { return a_k0 + (t & (kDq2Bufs - 1)) * kTileBytes<kDqBc>; };
+  const auto a_v = [&](int t) { return a_v0 + (t & (kDq2Bufs - 1)) * kTileBytes<kDqBc>; };
+
+  float dq[kD / 2];
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) dq[e] = 0.0f;
+  // Two register sets for S, dP: tile j in one while tile j+1 accumulates in the other.
+  // S of tile j alternates between s_a and s_b: S_{j+1} accumulates during the softmax of tile j.
+  float s_a[32], s_b[32], dp[32];
+  std::uint32_t da[4][4];
+  zero(s_a);
+  zero(s_b);
+  zero(dp);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
+
+  // Prologue: Q, dO and tile 0 landed; S_0 issued, and an empty group standing for dQ_{-1}.
+  cp_async_wait<1>();
+  fence_proxy_async_shared();
+  __syncthreads();
+  wgmma_fence_operands(s_b);  // every register the loop carries defined before S_0 is in flight
+  wgmma_fence_operands(dp);
+  wgmma_fence_operands(dq);
+  fence_fragments(da);
+  fence_issue_nt_64x64(s_a, a_q, a_k(0));
+  wgmma_commit_group();
+  wgmma_commit_group();
+
+  // Step j. wgmma groups in flight on entry, oldest first: S_j (into s), dQ_{j-1}. Three groups
+  // are committed per step (dP_j, S_{j+1} (empty in the last step), dQ_j), so the waits count
+  // alike in every step. `issue_next` (false only in the last step) is a compile-time constant.
+  // No instruction but a wgmma defines an accumulator while another group is in flight that
+  // was issued after it was last written (s is written by the softmax before dQ_j is issued,
+  // and next accumulates S_{j+2} in step j+1, after the groups in flight then were issued).
+  const auto step = [&](int j, float (&s)[32], float (&s_next)[32], auto issue_next) {
+    // Tile j+1 has landed (this thread's copies; the barrier publishes everyone's), and both
+    // warpgroups are past step j-1's wait for dQ_{j-2}: buffer (j+2) % 4 = (j-2) % 4 is free
+    // (dQ_{j-1} may still read K of tile j-1, buffer (j-1) % 4).
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    load_kv(j + 2);  // zero-filled past n_kv
+    cp_async_commit();
+
+    fence_issue_nt_64x64(dp, a_do, a_v(j));  // dP_j = dO_w V_j^T
+    wgmma_commit_group();
+    wgmma_wait_group<2>();  // S_j done; dQ_{j-1}, dP_j may run
+    wgmma_fence_operands(s);
+    // S_{j+1}: runs on the tensor cores during the softmax of tile j below.
+    if constexpr (decltype(issue_next)::value) fence_issue_nt_64x64(s_next, a_q, a_k(j + 1));
+    wgmma_commit_group();
+
+    const int n0 = j * kDqBc;
+    const bool edge = n0 + kDqBc - 1 > row_wg;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_lane + 8 * (e >> 1);
+        const int key = n0 + 8 * jj + c0 + (e & 1);
+        const float pe = exp2f(fmaf(s[4 * jj + e], p.scale_log2, -lse2[e >> 1]));
+        s[4 * jj + e] = (edge && key > i) ? 0.0f : pe;
+      }
+    wgmma_wait_group<1>();  // dQ_{j-1} and dP_j done (da free again); S_{j+1} may run
+    wgmma_fence_operands(dp);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) s[e] *= dp[e] - delta[(e >> 1) & 1];  // dS
+    fence_fragments(da);
+    wgmma_fence_operands(dq);
+    pack_fragments(da, s);
+    fence_fragments(da);
+    wgmma_fence();
+    issue_rs_64x128(dq, da, a_k(j));  // dQ_j += dS_j K_j
+    wgmma_commit_group();
+  };
+  // Even tiles' S in s_a, odd ones' in s_b; the last step (no S_{j+1}) peeled off, and every
+  // wgmma retired before the paths join.
+  int j = 0;
+  for (; j + 2 < n_kv; j += 2) {
+    step(j, s_a, s_b, std::true_type{});
+    step(j + 1, s_b, s_a, std::true_type{});
+  }
+  if (j + 2 == n_kv) {
+    step(j, s_a, s_b, std::true_type{});
+    step(j + 1, s_b, s_a, std::false_type{});
+    wgmma_wait_group<0>();
+  } else {
+    step(j, s_a, s_b, std::false_type{});
+    wgmma_wait_group<0>();
+  }
+  wgmma_fence_operands(dq);
+  fence_fragments(da);
+
+  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * kD, p.dq_token, row_wg, p.q_end, p.scale,
+                 false);
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+/// Both entry points: the same preprocess and dK/dV kernel; dQ by the serial or the pipelined kernel.
+cudaError_t run_backward(bool pipelined, const AttentionProblem& p, TokenRows<const bf16> q,
+                         TokenRows<const bf16> k, TokenRows<const bf16> v, TokenRows<const bf16> o,
+                         TokenRows<const bf16> d_o, const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk,
+                         TokenRows<bf16> dv, bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                         cudaStream_t stream) {
   using namespace attention_detail;
   if (!attention_can_implement(p)) return cudaErrorInvalidValue;
   if (p.head_dim != kD) return cudaErrorNotSupported;
@@ -471,24 +744,46 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const 
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   if (const cudaError_t e = launch_backward_preprocess<kD>(params, p.batch, stream); e != cudaSuccess) return e;
 
-  if (const cudaError_t e = cudaFuncSetAttribute(attention_backward_dkdv_wgmma_kernel,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kDkdvSmem);
+  const auto dkdv_kernel =
+      pipelined ? attention_backward_dkdv_wgmma_kernel<true> : attention_backward_dkdv_wgmma_kernel<false>;
+  const int dkdv_smem = pipelined ? kDkdvSmemPipelined : kDkdvSmem;
+  if (const cudaError_t e =
+          cudaFuncSetAttribute(dkdv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
       e != cudaSuccess)
     return e;
   const int kv_blocks = (params.q_end + kDkdvKeys - 1) / kDkdvKeys;
   const dim3 dkdv_grid(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(p.heads_kv),
                        static_cast<unsigned>(p.batch));
-  attention_backward_dkdv_wgmma_kernel<<<dkdv_grid, kThreads, kDkdvSmem, stream>>>(params);
+  dkdv_kernel<<<dkdv_grid, kThreads, static_cast<std::size_t>(dkdv_smem), stream>>>(params);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
 
-  if (const cudaError_t e = cudaFuncSetAttribute(attention_backward_dq_wgmma_kernel,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kDqSmem);
+  const auto dq_kernel = pipelined ? attention_backward_dq_wgmma_pipelined_kernel : attention_backward_dq_wgmma_kernel;
+  const int dq_smem = pipelined ? kDq2Smem : kDqSmem;
+  if (const cudaError_t e = cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dq_smem);
       e != cudaSuccess)
     return e;
   const int q_blocks = (params.q_len() + kDqRows - 1) / kDqRows;
   const dim3 dq_grid(static_cast<unsigned>(q_blocks), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
-  attention_backward_dq_wgmma_kernel<<<dq_grid, kThreads, kDqSmem, stream>>>(params);
+  dq_kernel<<<dq_grid, kThreads, static_cast<std::size_t>(dq_smem), stream>>>(params);
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                     TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                     const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                     bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                     cudaStream_t stream) {
+  return run_backward(false, p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+}
+
+cudaError_t attention_backward_wgmma_v2(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                        TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                        const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                        bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                        cudaStream_t stream) {
+  return run_backward(true, p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 }  // namespace oom::kernels::hopper

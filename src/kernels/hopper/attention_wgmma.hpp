@@ -68,4 +68,25 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream);
 
+/// attention_backward_wgmma with software-pipelined dK/dV and dQ kernels
+/// (attention_backward_wgmma.cu, "v2"): the same arguments, returns and preprocess. dK/dV: the
+/// dV/dK wgmmas of a step are retired only during the next step, behind its S^T/dP^T wgmmas
+/// (three Q/dO buffers); dQ: dP_j and S_{j+1} are issued before the softmax of key tile j (S in
+/// two register sets, four K/V buffers). The same products in the same order on the same values
+/// (plus products of exact zeros on fully masked tiles), so the same bits as
+/// attention_backward_wgmma.
+cudaError_t attention_backward_wgmma_v2(const AttentionProblem& p,
+                                        TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
+                                        TokenRows<const bf16> k,    // (B, S, Hkv, D) bf16
+                                        TokenRows<const bf16> v,    // (B, S, Hkv, D) bf16
+                                        TokenRows<const bf16> o,    // (B, S, Hq, D) bf16 (the forward's output)
+                                        TokenRows<const bf16> d_o,  // (B, S, Hq, D) bf16
+                                        const float* lse,           // (B, Hq, S) fp32 (the forward's)
+                                        TokenRows<bf16> dq,         // (B, S, Hq, D) bf16, rows [q_begin, q_end)
+                                        TokenRows<bf16> dk,         // (B, S, Hkv, D) bf16, rows [0, q_end)
+                                        TokenRows<bf16> dv,         // (B, S, Hkv, D) bf16, rows [0, q_end)
+                                        bool accumulate_dkv,
+                                        void* workspace, std::size_t workspace_bytes,
+                                        cudaStream_t stream);
+
 }  // namespace oom::kernels::hopper
