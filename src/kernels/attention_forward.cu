@@ -210,7 +210,7 @@ cudaError_t attention_forward_mma_sync(const AttentionProblem& p, TokenRows<cons
 cudaError_t attention_forward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                               TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream) {
 #if OOM_HAS_SM90A_KERNELS
-  // The wgmma kernel (1.1-1.2x this file's on an H200, docs/hopper.md) refuses with
+  // The wgmma kernel (1.4-1.5x this file's on an H200, docs/hopper.md) refuses with
   // cudaErrorNotSupported exactly when it has no code for the case (head_dim 256, or a device other
   // than compute capability 9.0); every other result, an error included, is the answer.
   if (p.head_dim == 128) {
