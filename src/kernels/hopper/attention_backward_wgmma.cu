@@ -78,11 +78,41 @@
 //   3') are run, not skipped (P, dS masked to exact zeros: dK, dV, dQ += 0 products). The same
 //   products in the same order on the same values as v1: the same bits (the test checks it).
 //
+// v3 (attention_backward_wgmma_v3): the same preprocess, grids, tiles and products, warp-
+// specialised as the forward's producer_overlap schedule (attention_forward_wgmma_2wg.cu; the
+// mbarrier and setmaxnreg helpers in warp_specialized.cuh): 384 threads, warpgroups 0 and 1
+// compute exactly as v1 does per step/tile (the same products, the same order, the same waits),
+// warpgroup 2, the producer, issues every cp.async; setmaxnreg: producer 24 registers, consumers
+// 240 (launch bound 168 = 65536 / 384). No block-wide barrier after the set-up: tile t lands in
+// stage t % 4, whose "full" mbarrier (count 128) completes its phase t / 4 through each producer
+// thread's cp.async.mbarrier.arrive.noinc, and whose "empty" mbarrier (count 256) completes once
+// every consumer thread has retired the wgmmas that read the stage (wait_group 0) and read its
+// LSE2/D; the producer refilling stage t % 4 with tile t >= 4 first waits for completion t / 4 - 1
+// of "empty" (parity (t / 4 + 1) & 1). As v2, a step/tile wholly masked for one warpgroup is run
+// (exact-zero products), not skipped: no wgmma in divergent code, and both warpgroups arrive on
+// every "empty". Same bits as v1 (the test checks it).
+//   2''. dK/dV: K, V (loaded once, "full_kv"), four (Q, dO, LSE2, D) stages: 194 KiB. To fit the
+//      consumers in 240 registers (v1: 246): s, dp zeroed at the top of each step (not once before
+//      the loop, which kept them live across it), dS^T packed straight into the bf16 fragments
+//      (as v2), the stage and its phase derived from the step counter, LSE2/D read with
+//      ld.shared from 32-bit addresses, and the K/V addresses passed through an opaque mov per
+//      step so the compiler rebuilds their 16 descriptors per step instead of holding them.
+//      Checked by a build with the setmaxnreg removed and __maxnreg__(240) on the kernel: 236
+//      registers, no spills (no spills at 232 either; 4 bytes at 240 without the opaque mov).
+//   3''. dQ: Q, dO (loaded once, "full_qdo"), four (K, V) stages: 192 KiB. v1's consumer code
+//      needs 168 registers here (no spills at any cap >= 168).
+//   In the built kernels (nvdisasm): the producer code after setmaxnreg.dec uses R0-R19, the
+//   consumers' up to R226 (dK/dV) and R172 (dQ).
+//
 // ptxas -v (nvcc 13.0, -O3, -gencode=arch=compute_90a,code=sm_90a):
 //   dK/dV:     246 registers, no spills, 129 KiB dynamic smem -> 1 block (8 warps) per SM
 //   dQ:        196 registers, no spills, 128 KiB dynamic smem -> 1 block (8 warps) per SM
 //   dK/dV v2:  255 registers, no spills, 161.5 KiB dynamic smem -> 1 block (8 warps) per SM
 //   dQ v2:     243 registers, no spills, 192 KiB dynamic smem -> 1 block (8 warps) per SM
+//   dK/dV v3:  168 registers at launch (consumers 240, producer 24), no spills, 194 KiB + 72 bytes
+//              dynamic smem -> 1 block (12 warps) per SM
+//   dQ v3:     168 registers at launch (consumers 240, producer 24), no spills, 192 KiB + 72 bytes
+//              dynamic smem -> 1 block (12 warps) per SM
 // No "wgmma.mma_async instructions are serialized" warning (nor any other C75xx note): every
 // wgmma loop is unrolled with compile-time trip counts, and between a wgmma_fence and the wait of
 // a group nothing touches the group's accumulator or A-fragment registers (wgmma_fence_operands
