@@ -11,10 +11,12 @@
 //     [0, q_end) (the chunk's partial sums, which the reference does not produce) within the
 //     bound of the mma.sync kernel's; every dQ row outside the range and every dK/dV row >= q_end
 //     untouched (still poison, or still the pre-filled value).
-// Every case runs both wgmma variants: attention_backward_wgmma (v1) and attention_backward_wgmma_v2
-// (the pipelined dK/dV and dQ kernels), each checked as above, and v2 bit-identical to v1 (same products, same
-// order). Then the refusals (as attention_backward's, plus head_dim != 128: NotSupported) and a
-// timing report (printed, not asserted) at S = 4096, 16384, 65536, v1 and v2 side by side.
+// Every case runs the three wgmma variants: attention_backward_wgmma (v1), attention_backward_wgmma_v2
+// (the pipelined dK/dV and dQ kernels) and attention_backward_wgmma_v3 (the warp-specialised ones:
+// a producer warpgroup and mbarrier stages), each checked as above, and v2 and v3 bit-identical to
+// v1 (same products, same order). Then the refusals (as attention_backward's, plus head_dim != 128:
+// NotSupported) and a timing report (printed, not asserted) at S = 4096, 16384, 65536, v1, v2 and
+// v3 side by side.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
@@ -67,9 +69,12 @@ static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::hopper::attenti
               "the wgmma backward takes attention_backward's arguments");
 static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::hopper::attention_backward_wgmma_v2)>,
               "the wgmma backward v2 takes attention_backward's arguments");
-/// The wgmma variants every case runs: v1 (serial dQ kernel) and v2 (pipelined dQ kernel).
+static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::hopper::attention_backward_wgmma_v3)>,
+              "the wgmma backward v3 takes attention_backward's arguments");
+/// The wgmma variants every case runs: v1 (serial kernels), v2 (pipelined), v3 (warp-specialised).
 const BackwardFn kWgmmaFns[] = {&oom::kernels::hopper::attention_backward_wgmma,
-                                &oom::kernels::hopper::attention_backward_wgmma_v2};
+                                &oom::kernels::hopper::attention_backward_wgmma_v2,
+                                &oom::kernels::hopper::attention_backward_wgmma_v3};
 
 /// Raw bf16 rows of a strided (B, S, H, D) device tensor, contiguous on the host.
 std::vector<bf16> download_bits(TokenRows<bf16> src, const AttentionDims& d, int heads) {
@@ -166,15 +171,20 @@ void check_against_mma(const char* what, const std::vector<bf16>& wg, const std:
 
 const char* name(BackwardFn fn) {
   if (fn == &oom::kernels::attention_backward_mma_sync) return "mma.sync";
-  return fn == &oom::kernels::hopper::attention_backward_wgmma_v2 ? "wgmma_v2" : "wgmma";
+  if (fn == &oom::kernels::hopper::attention_backward_wgmma_v2) return "wgmma_v2";
+  return fn == &oom::kernels::hopper::attention_backward_wgmma_v3 ? "wgmma_v3" : "wgmma";
 }
 
-/// v2 runs the same products as v1 in the same order on the same values (only the issue order of
-/// independent wgmma groups differs, and fully masked tiles add exact zeros): the same bits.
-void check_v2_bits_v1(const Grads& v1, const Grads& v2) {
-  CHECK_MESSAGE(bits_equal(v2.dq, v1.dq), "wgmma_v2 dQ differs from wgmma's");
-  CHECK_MESSAGE(bits_equal(v2.dk, v1.dk), "wgmma_v2 dK differs from wgmma's");
-  CHECK_MESSAGE(bits_equal(v2.dv, v1.dv), "wgmma_v2 dV differs from wgmma's");
+/// v2 and v3 run the same products as v1 in the same order on the same values (only the issue
+/// order of independent wgmma groups, or who loads the tiles, differs, and fully masked tiles add
+/// exact zeros): the same bits. `results` holds one Grads per kWgmmaFns entry.
+void check_bits_v1(const std::vector<Grads>& results) {
+  for (std::size_t i = 1; i < results.size(); ++i) {
+    const std::string who = name(kWgmmaFns[i]);
+    CHECK_MESSAGE(bits_equal(results[i].dq, results[0].dq), who << " dQ differs from wgmma's");
+    CHECK_MESSAGE(bits_equal(results[i].dk, results[0].dk), who << " dK differs from wgmma's");
+    CHECK_MESSAGE(bits_equal(results[i].dv, results[0].dv), who << " dV differs from wgmma's");
+  }
 }
 
 /// Whole sequences, in query chunks run last to first (chunk_starts = {0} is one call).
@@ -191,11 +201,14 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
     }
     return pr.download_grads(grad);
   };
-  const Grads mma = run(&oom::kernels::attention_backward_mma_sync), wg = run(kWgmmaFns[0]), wg2 = run(kWgmmaFns[1]);
+  const Grads mma = run(&oom::kernels::attention_backward_mma_sync);
+  std::vector<Grads> results;
+  for (const BackwardFn wfn : kWgmmaFns) results.push_back(run(wfn));
   // dK/dV of chunked runs are rounded to bf16 after each chunk: one more u mag per chunk.
   const double chunks = static_cast<double>(chunk_starts.size());
-  for (const BackwardFn fn : {&oom::kernels::attention_backward_mma_sync, kWgmmaFns[0], kWgmmaFns[1]}) {
-    const Grads& g = fn == &oom::kernels::attention_backward_mma_sync ? mma : fn == kWgmmaFns[0] ? wg : wg2;
+  for (std::size_t i = 0; i <= results.size(); ++i) {  // mma.sync, then the wgmma variants
+    const BackwardFn fn = i == 0 ? &oom::kernels::attention_backward_mma_sync : kWgmmaFns[i - 1];
+    const Grads& g = i == 0 ? mma : results[i - 1];
     const std::string who = name(fn);
     check_bounded(to_float(g.dq), pr.dq_ref, pr.dq_mag, 4, (who + " dQ vs reference").c_str());
     check_bounded(to_float(g.dk), pr.dk_ref, pr.dk_mag, 4 + chunks, (who + " dK vs reference").c_str());
@@ -208,9 +221,10 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
       CHECK(relative_l2(to_float(g.dv), pr.dv_ref) < 1e-2);
     }
   }
-  for (const BackwardFn fn : kWgmmaFns) {
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const BackwardFn fn = kWgmmaFns[i];
     CAPTURE(name(fn));
-    const Grads& g = fn == kWgmmaFns[0] ? wg : wg2;
+    const Grads& g = results[i];
     check_against_mma("dQ wgmma vs mma.sync", g.dq, mma.dq, pr.dq_mag, 4);
     check_against_mma("dK wgmma vs mma.sync", g.dk, mma.dk, pr.dk_mag, 4 + chunks);
     check_against_mma("dV wgmma vs mma.sync", g.dv, mma.dv, pr.dv_mag, 4 + chunks);
@@ -221,7 +235,7 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
     CHECK_MESSAGE(bits_equal(again.dk, g.dk), "wgmma dK differs between two runs");
     CHECK_MESSAGE(bits_equal(again.dv, g.dv), "wgmma dV differs between two runs");
   }
-  check_v2_bits_v1(wg, wg2);
+  check_bits_v1(results);
 }
 
 /// One query sub-range [q_begin, q_end) alone, accumulate_dkv false (dQ/dK/dV poisoned) or true
@@ -307,7 +321,7 @@ void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_
     CHECK_MESSAGE(bits_equal(again.dk, wg.dk), "wgmma dK differs between two runs");
     CHECK_MESSAGE(bits_equal(again.dv, wg.dv), "wgmma dV differs between two runs");
   }
-  check_v2_bits_v1(results[0], results[1]);
+  check_bits_v1(results);
 }
 
 }  // namespace
@@ -324,7 +338,7 @@ TEST_CASE("attention_backward_wgmma refuses what attention_backward refuses, and
                        void* w, std::size_t w_bytes) {
     return fn(prob, q, in, in, in, in, lse.get(), dq, out, out, false, w, w_bytes, nullptr);
   };
-  for (const BackwardFn fn : {&oom::kernels::attention_backward_mma_sync, kWgmmaFns[0], kWgmmaFns[1]}) {
+  for (const BackwardFn fn : {&oom::kernels::attention_backward_mma_sync, kWgmmaFns[0], kWgmmaFns[1], kWgmmaFns[2]}) {
     CAPTURE(name(fn));
     auto bad = p;
     bad.head_dim = 64;  // valid for none
@@ -395,7 +409,7 @@ TEST_CASE("attention_backward_wgmma on one query sub-range: rows outside it unto
                   accumulate);
 }
 
-TEST_CASE("attention_backward_wgmma (v1, v2) vs mma.sync: timing at S = 4096, 16384, 65536 (B = 1, Hq/Hkv = 16/4)") {
+TEST_CASE("attention_backward_wgmma (v1, v2, v3) vs mma.sync: timing at S = 4096, 16384, 65536 (B = 1, Hq/Hkv = 16/4)") {
   // Printed, not asserted. Backward FLOPs counted as 2.5x the causal forward's 2 S^2 Hq D (as
   // test_attention's 1M case): five S x S products of 2 D FLOP per entry over half the square.
   require_sm90();
@@ -403,7 +417,7 @@ TEST_CASE("attention_backward_wgmma (v1, v2) vs mma.sync: timing at S = 4096, 16
   for (const int s : {4096, 16384, 65536}) {
     const AttentionDims d{1, s, hq, hkv, kD};
     const std::size_t nq = static_cast<std::size_t>(s) * hq * kD, nkv = static_cast<std::size_t>(s) * hkv * kD;
-    DeviceQkv in(d, false), grad_mma(d, false), grad_wg(d, false), grad_wg2(d, false);
+    DeviceQkv in(d, false), grad_mma(d, false), grad_wg(d, false), grad_wg2(d, false), grad_wg3(d, false);
     upload(in.q, hashed_bf16(nq, 1), d, hq);
     upload(in.k, hashed_bf16(nkv, 2), d, hkv);
     upload(in.v, hashed_bf16(nkv, 3), d, hkv);
@@ -430,19 +444,22 @@ TEST_CASE("attention_backward_wgmma (v1, v2) vs mma.sync: timing at S = 4096, 16
         oom::test::time_ms(launcher(&oom::kernels::hopper::attention_backward_wgmma, grad_wg), stream.s, repeats);
     const double ms_wg2 =
         oom::test::time_ms(launcher(&oom::kernels::hopper::attention_backward_wgmma_v2, grad_wg2), stream.s, repeats);
+    const double ms_wg3 =
+        oom::test::time_ms(launcher(&oom::kernels::hopper::attention_backward_wgmma_v3, grad_wg3), stream.s, repeats);
     const double flops = 2.5 * 2.0 * static_cast<double>(s) * s * hq * kD;
     std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal backward: mma.sync %.3f ms = %.0f TFLOP/s | wgmma %.3f ms = %.0f "
-                "TFLOP/s (%.2fx) | wgmma_v2 %.3f ms = %.0f TFLOP/s (%.2fx mma.sync, %.2fx wgmma)\n",
+                "TFLOP/s (%.2fx) | wgmma_v2 %.3f ms = %.0f TFLOP/s (%.2fx mma.sync, %.2fx wgmma) | wgmma_v3 %.3f ms = "
+                "%.0f TFLOP/s (%.2fx mma.sync, %.2fx wgmma)\n",
                 s, hq, hkv, ms_mma, flops / ms_mma / 1e9, ms_wg, flops / ms_wg / 1e9, ms_mma / ms_wg, ms_wg2,
-                flops / ms_wg2 / 1e9, ms_mma / ms_wg2, ms_wg / ms_wg2);
+                flops / ms_wg2 / 1e9, ms_mma / ms_wg2, ms_wg / ms_wg2, ms_wg3, flops / ms_wg3 / 1e9, ms_mma / ms_wg3,
+                ms_wg / ms_wg3);
     std::fflush(stdout);
     {
-      const Grads g1{download_bits(grad_wg.q, d, hq), download_bits(grad_wg.k, d, hkv),
-                     download_bits(grad_wg.v, d, hkv)};
-      const Grads g2{download_bits(grad_wg2.q, d, hq), download_bits(grad_wg2.k, d, hkv),
-                     download_bits(grad_wg2.v, d, hkv)};
+      std::vector<Grads> results;
+      for (DeviceQkv* g : {&grad_wg, &grad_wg2, &grad_wg3})
+        results.push_back(Grads{download_bits(g->q, d, hq), download_bits(g->k, d, hkv), download_bits(g->v, d, hkv)});
       INFO("S=" << s);
-      check_v2_bits_v1(g1, g2);
+      check_bits_v1(results);
     }
     // A size the CPU reference cannot afford: the two kernels against each other.
     for (const auto& [what, a, m] :

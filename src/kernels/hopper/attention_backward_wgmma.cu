@@ -78,11 +78,41 @@
 //   3') are run, not skipped (P, dS masked to exact zeros: dK, dV, dQ += 0 products). The same
 //   products in the same order on the same values as v1: the same bits (the test checks it).
 //
+// v3 (attention_backward_wgmma_v3): the same preprocess, grids, tiles and products, warp-
+// specialised as the forward's producer_overlap schedule (attention_forward_wgmma_2wg.cu; the
+// mbarrier and setmaxnreg helpers in warp_specialized.cuh): 384 threads, warpgroups 0 and 1
+// compute exactly as v1 does per step/tile (the same products, the same order, the same waits),
+// warpgroup 2, the producer, issues every cp.async; setmaxnreg: producer 24 registers, consumers
+// 240 (launch bound 168 = 65536 / 384). No block-wide barrier after the set-up: tile t lands in
+// stage t % 4, whose "full" mbarrier (count 128) completes its phase t / 4 through each producer
+// thread's cp.async.mbarrier.arrive.noinc, and whose "empty" mbarrier (count 256) completes once
+// every consumer thread has retired the wgmmas that read the stage (wait_group 0) and read its
+// LSE2/D; the producer refilling stage t % 4 with tile t >= 4 first waits for completion t / 4 - 1
+// of "empty" (parity (t / 4 + 1) & 1). As v2, a step/tile wholly masked for one warpgroup is run
+// (exact-zero products), not skipped: no wgmma in divergent code, and both warpgroups arrive on
+// every "empty". Same bits as v1 (the test checks it).
+//   2''. dK/dV: K, V (loaded once, "full_kv"), four (Q, dO, LSE2, D) stages: 194 KiB. To fit the
+//      consumers in 240 registers (v1: 246): s, dp zeroed at the top of each step (not once before
+//      the loop, which kept them live across it), dS^T packed straight into the bf16 fragments
+//      (as v2), the stage and its phase derived from the step counter, LSE2/D read with
+//      ld.shared from 32-bit addresses, and the K/V addresses passed through an opaque mov per
+//      step so the compiler rebuilds their 16 descriptors per step instead of holding them.
+//      Checked by a build with the setmaxnreg removed and __maxnreg__(240) on the kernel: 236
+//      registers, no spills (no spills at 232 either; 4 bytes at 240 without the opaque mov).
+//   3''. dQ: Q, dO (loaded once, "full_qdo"), four (K, V) stages: 192 KiB. v1's consumer code
+//      needs 168 registers here (no spills at any cap >= 168).
+//   In the built kernels (nvdisasm): the producer code after setmaxnreg.dec uses R0-R19, the
+//   consumers' up to R226 (dK/dV) and R172 (dQ).
+//
 // ptxas -v (nvcc 13.0, -O3, -gencode=arch=compute_90a,code=sm_90a):
 //   dK/dV:     246 registers, no spills, 129 KiB dynamic smem -> 1 block (8 warps) per SM
 //   dQ:        196 registers, no spills, 128 KiB dynamic smem -> 1 block (8 warps) per SM
 //   dK/dV v2:  255 registers, no spills, 161.5 KiB dynamic smem -> 1 block (8 warps) per SM
 //   dQ v2:     243 registers, no spills, 192 KiB dynamic smem -> 1 block (8 warps) per SM
+//   dK/dV v3:  168 registers at launch (consumers 240, producer 24), no spills, 194 KiB + 72 bytes
+//              dynamic smem -> 1 block (12 warps) per SM
+//   dQ v3:     168 registers at launch (consumers 240, producer 24), no spills, 192 KiB + 72 bytes
+//              dynamic smem -> 1 block (12 warps) per SM
 // No "wgmma.mma_async instructions are serialized" warning (nor any other C75xx note): every
 // wgmma loop is unrolled with compile-time trip counts, and between a wgmma_fence and the wait of
 // a group nothing touches the group's accumulator or A-fragment registers (wgmma_fence_operands
@@ -98,6 +128,7 @@
 #include "../attention_common.cuh"
 #include "attention_wgmma.hpp"
 #include "forward_checks.cuh"
+#include "warp_specialized.cuh"
 #include "oom/kernels/attention.hpp"
 #include "wgmma.cuh"
 
@@ -726,8 +757,417 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_pipel
 #endif
 }
 
-/// Both entry points: the same preprocess and dK/dV kernel; dQ by the serial or the pipelined kernel.
-cudaError_t run_backward(bool pipelined, const AttentionProblem& p, TokenRows<const bf16> q,
+// ---- v3: warp-specialised dK/dV and dQ (attention_backward_wgmma_v3) ----
+// 384 threads: warpgroups 0 and 1 compute exactly as the serial (v1) kernels do, except that a
+// step/tile wholly masked for a warpgroup is run rather than skipped (P, dS exact zeros: += 0
+// products, the same values, and no wgmma in divergent code); warpgroup 2 (the producer, 24
+// registers) issues every cp.async into mbarrier-tracked stages. Stage t % S of tile t is "full"
+// once the producer's 128 threads' cp.async have landed (cp.async.mbarrier.arrive.noinc, count
+// 128) and "empty" once all 256 consumer threads have retired the wgmmas that read it (count 256).
+// No block-wide barrier after the set-up.
+
+/// Rows [row0, row0 + ROWS) of a strided global (rows, 128) bf16 matrix into a core-matrix tile at
+/// shared address `tile`, by the producer's 128 threads (thread `tid`): the placement of
+/// load_rows (chunk n = 128 i + tid: row 8 i + tid % 8, column block tid / 8, byte 2048 i + 16 tid),
+/// the addresses stepped rather than recomputed (the producer runs with 24 registers). Rows >=
+/// row_end are zero-filled (nothing read for them).
+template <int ROWS>
+__device__ __forceinline__ void load_rows_producer(std::uint32_t tile, const __nv_bfloat16* base,
+                                                   std::int64_t token_stride, int row0, int row_end, int tid) {
+  static_assert(ROWS % 8 == 0 && kWsProducerThreads == 128 && kD / 8 * 8 == 128);
+  int r = row0 + (tid & 7);
+  std::int64_t off = static_cast<std::int64_t>(r) * token_stride + (tid >> 3) * 8;
+  const std::int64_t step = 8 * token_stride;
+  std::uint32_t dst = tile + 16u * static_cast<std::uint32_t>(tid);
+#pragma unroll 4
+  for (int i = 0; i < ROWS / 8; ++i) {
+    const bool valid = r < row_end;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(valid ? base + off : base),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+    r += 8;
+    off += step;
+    dst += kBandBytes;
+  }
+}
+
+/// Two consecutive fp32 of shared memory at a shared-space address (8-byte aligned).
+__device__ __forceinline__ float2 ld_shared_f2(std::uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+/// `x`, unknown to the compiler (keeps values derived from it from being hoisted out of a loop).
+__device__ __forceinline__ std::uint32_t opaque(std::uint32_t x) {
+  std::uint32_t y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+constexpr int kDkdvStages = 4;  // (Q, dO, LSE2, D) stages
+struct DkdvWsSmem {
+  static constexpr int off_k = 0;
+  static constexpr int off_v = off_k + kTileBytes<kDkdvKeys>;
+  static constexpr int off_q = off_v + kTileBytes<kDkdvKeys>;                // kDkdvStages tiles
+  static constexpr int off_do = off_q + kDkdvStages * kTileBytes<kDkdvBr>;   // kDkdvStages tiles
+  static constexpr int off_lse2 = off_do + kDkdvStages * kTileBytes<kDkdvBr>;  // kDkdvStages x 64 fp32
+  static constexpr int off_delta = off_lse2 + kDkdvStages * kDkdvBr * 4;      // kDkdvStages x 64 fp32
+  static constexpr int off_bar = off_delta + kDkdvStages * kDkdvBr * 4;       // full_kv, full[], empty[]
+  static constexpr int bytes = off_bar + 8 * (1 + 2 * kDkdvStages);
+};
+static_assert(DkdvWsSmem::off_bar == 194 * 1024 && DkdvWsSmem::bytes <= 227 * 1024);
+constexpr int kDkdvWsSmem = DkdvWsSmem::bytes;
+
+__global__ void __launch_bounds__(kWsThreads, 1) attention_backward_dkdv_wgmma_ws_kernel(const BackwardParams p) {
+#if OOM_WGMMA_SM90A
+  using L = DkdvWsSmem;
+  constexpr int S = kDkdvStages;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int nb = static_cast<int>(blockIdx.x);  // key block 0 sees the most query tiles: first
+  const int hk = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int n0 = nb * kDkdvKeys;
+  const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
+  const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
+  const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
+
+  // Step t (query head hk group + t / per_head, query tile qb_first + t % per_head) in stage t % S,
+  // the (t / S)-th use of that stage: its full barrier completes phase t / S, and the producer
+  // waits for completion t / S - 1 of its empty barrier before refilling it.
+  const std::uint32_t bars = smem_addr(smem + L::off_bar);
+  const std::uint32_t full_kv = bars;
+  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
+  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
+  if (threadIdx.x == 0) {
+    mbar_init(full_kv, kWsProducerThreads);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), kWsProducerThreads);
+      mbar_init(empty(s), kWsConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last block-wide barrier
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  if (wg == 2) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
+    load_rows_producer<kDkdvKeys>(smem_addr(smem + L::off_k), p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD,
+                                  p.k_token, n0, p.seq, tid);
+    load_rows_producer<kDkdvKeys>(smem_addr(smem + L::off_v), p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD,
+                                  p.v_token, n0, p.seq, tid);
+    cp_async_mbar_arrive(full_kv);
+    int h = hk * p.group, qb = qb_first, st = 0;
+    std::uint32_t phase = 0;
+    for (int t = 0; t < steps; ++t) {
+      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
+      const int q0 = p.q_begin + qb * kDkdvBr;
+      load_rows_producer<kDkdvBr>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>),
+                                  p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD, p.q_token, q0, p.q_end, tid);
+      load_rows_producer<kDkdvBr>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>),
+                                  p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0, p.q_end,
+                                  tid);
+      {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
+        const int rr = tid % kDkdvBr;
+        const bool valid = q0 + rr < p.q_end;
+        const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (q0 - p.q_begin) + rr;
+        const float* src = (tid < kDkdvBr ? p.lse2 : p.delta) + (valid ? w : 0);
+        const int dst = (tid < kDkdvBr ? L::off_lse2 : L::off_delta) + 4 * (st * kDkdvBr + rr);
+        cp_async_4(smem + dst, src, valid);
+      }
+      cp_async_mbar_arrive(full(st));
+      if (++qb == qb_count) {
+        qb = qb_first;
+        ++h;
+      }
+      if (++st == S) {
+        st = 0;
+        phase ^= 1u;
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    return;
+  }
+
+  // Consumers: warpgroup wg owns keys n0 + 64 wg .. n0 + 64 wg + 63.
+  setmaxnreg_inc<kConsumerRegs>();
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int c0 = 2 * (lane & 3);                          // fragment column offset in an 8-column block
+  const int key_wg = n0 + 64 * wg;                        // the warpgroup's first key
+  const int key_lane = key_wg + 16 * warp + (lane >> 2);  // this thread's keys: key_lane, key_lane + 8
+  // Every shared address as one 32-bit base plus constants (LSE2, D read with ld.shared from it):
+  // no 64-bit generic pointers live across the loop.
+  const std::uint32_t sbase = smem_addr(smem);
+  const std::uint32_t a_k = sbase + L::off_k + wg * kWg64Rows;
+  const std::uint32_t a_v = a_k + (L::off_v - L::off_k);
+
+  float dk[kD / 2], dv[kD / 2];
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
+  // s, dp are zeroed at the top of each step (as v1; nothing is in flight there), so they are dead
+  // from the dS^T packing to the next step: 240 registers suffice (defining them once before the
+  // loop keeps them live across it, as the wgmmas read their accumulators: 16 bytes of spills).
+  float s[32], dp[32];
+  std::uint32_t pa[4][4], da[4][4];
+
+  mbar_wait(full_kv, 0);
+  // Few registers live across the loop: the stage and phase come from t (S a power of two), the
+  // query tile start q0 steps through [q_first, q_stop) once per head.
+  static_assert((S & (S - 1)) == 0);
+  const int q_first = p.q_begin + qb_first * kDkdvBr, q_stop = p.q_begin + qb_count * kDkdvBr;
+  int q0 = q_first;
+  for (int t = 0; t < steps; ++t) {
+    const int st = t & (S - 1);
+    mbar_wait(full(st), static_cast<std::uint32_t>(t / S) & 1u);
+    fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
+    const std::uint32_t a_q = sbase + L::off_q + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>);
+    const std::uint32_t a_do = a_q + (L::off_do - L::off_q);
+    // LSE2, D of the stage, column c0 of 8-column block 0 (block j: + 32 j bytes)
+    const std::uint32_t a_lse2 = sbase + L::off_lse2 + static_cast<std::uint32_t>(4 * (st * kDkdvBr + c0));
+    const std::uint32_t a_delta = a_lse2 + (L::off_delta - L::off_lse2);
+
+    zero(s);
+    zero(dp);
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    wgmma_fence();
+    // K, V addresses made opaque per step, so the compiler does not hoist their 16 descriptors
+    // out of the loop (16 registers held across it: spills at 240).
+    const std::uint32_t a_kw = opaque(a_k), a_vw = opaque(a_v);
+    issue_nt_64x64(s, a_kw, a_q);  // S^T = K_w Q^T
+    wgmma_commit_group();
+    issue_nt_64x64(dp, a_vw, a_do);  // dP^T = V_w dO^T
+    wgmma_commit_group();
+    wgmma_wait_group<1>();  // S^T done
+    wgmma_fence_operands(s);
+    // P^T = exp2(S^T scale log2e - LSE2_q); 0 where query < key (causal) or query >= q_end (every
+    // element of a step wholly before the warpgroup's keys).
+    const bool edge = q0 < key_wg + 63 || q0 + kDkdvBr > p.q_end;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 l2 = ld_shared_f2(a_lse2 + 32 * j);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = q0 + 8 * j + c0 + (e & 1);
+        const int key = key_lane + 8 * (e >> 1);
+        const float pe = exp2f(fmaf(s[4 * j + e], p.scale_log2, -((e & 1) ? l2.y : l2.x)));
+        s[4 * j + e] = (edge && (qi < key || qi >= p.q_end)) ? 0.0f : pe;
+      }
+    }
+    pack_fragments(pa, s);
+    fence_fragments(pa);
+    wgmma_fence_operands(dv);
+    wgmma_fence();
+    issue_rs_64x128(dv, pa, a_do);  // dV += P^T dO
+    wgmma_commit_group();
+
+    wgmma_wait_group<1>();  // dP^T done; dV may still run
+    wgmma_fence_operands(dp);
+    // dS^T = P^T o (dP^T - D_q), straight into the bf16 fragments (the values of v1's in-place
+    // product, then pack_fragments; fewer live registers).
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int e0 = 8 * ks + 2 * r;  // elements e0, e0 + 1: columns c0, c0 + 1 of 8-column block e0 / 4
+        const float2 dl = ld_shared_f2(a_delta + 32 * (e0 / 4));
+        da[ks][r] = pack_bf16(s[e0] * (dp[e0] - dl.x), s[e0 + 1] * (dp[e0 + 1] - dl.y));
+      }
+    fence_fragments(da);
+    wgmma_fence_operands(dk);
+    wgmma_fence();
+    issue_rs_64x128(dk, da, a_q);  // dK += dS^T Q (scaled at the end)
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dk);
+    wgmma_fence_operands(dv);
+    fence_fragments(pa);
+    fence_fragments(da);
+    mbar_arrive(empty(st));  // every read of the stage (wgmmas retired, LSE2/D loaded) is done
+
+    q0 += kDkdvBr;
+    if (q0 == q_stop) q0 = q_first;
+  }
+
+  store_acc_rows(dk, p.dk + b * p.dk_batch + static_cast<std::int64_t>(hk) * kD, p.dk_token, key_wg, p.q_end, p.scale,
+                 p.accumulate_dkv);
+  store_acc_rows(dv, p.dv + b * p.dv_batch + static_cast<std::int64_t>(hk) * kD, p.dv_token, key_wg, p.q_end, 1.0f,
+                 p.accumulate_dkv);
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+constexpr int kDqStages = 4;  // (K, V) stages
+struct DqWsSmem {
+  static constexpr int off_q = 0;
+  static constexpr int off_do = off_q + kTileBytes<kDqRows>;
+  static constexpr int off_k = off_do + kTileBytes<kDqRows>;              // kDqStages tiles
+  static constexpr int off_v = off_k + kDqStages * kTileBytes<kDqBc>;     // kDqStages tiles
+  static constexpr int off_bar = off_v + kDqStages * kTileBytes<kDqBc>;   // full_qdo, full[], empty[]
+  static constexpr int bytes = off_bar + 8 * (1 + 2 * kDqStages);
+};
+static_assert(DqWsSmem::off_bar == 192 * 1024 && DqWsSmem::bytes <= 227 * 1024);
+constexpr int kDqWsSmem = DqWsSmem::bytes;
+
+__global__ void __launch_bounds__(kWsThreads, 1) attention_backward_dq_wgmma_ws_kernel(const BackwardParams p) {
+#if OOM_WGMMA_SM90A
+  using L = DqWsSmem;
+  constexpr int S = kDqStages;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int qb = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // longest rows first
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int hk = h / p.group;
+  const int q0 = p.q_begin + qb * kDqRows;
+  const int q_last = min(q0 + kDqRows, p.q_end) - 1;
+  const int n_kv = q_last / kDqBc + 1;  // key tiles 0 .. the one holding q_last
+
+  // Key tile t in stage t % S, its (t / S)-th use (as in the dK/dV kernel).
+  const std::uint32_t bars = smem_addr(smem + L::off_bar);
+  const std::uint32_t full_qdo = bars;
+  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
+  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
+  if (threadIdx.x == 0) {
+    mbar_init(full_qdo, kWsProducerThreads);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), kWsProducerThreads);
+      mbar_init(empty(s), kWsConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last block-wide barrier
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  if (wg == 2) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
+    load_rows_producer<kDqRows>(smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD,
+                                p.q_token, q0, p.q_end, tid);
+    load_rows_producer<kDqRows>(smem_addr(smem + L::off_do),
+                                p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0, p.q_end,
+                                tid);
+    cp_async_mbar_arrive(full_qdo);
+    const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
+    const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
+    int st = 0;
+    std::uint32_t phase = 0;
+    for (int t = 0; t < n_kv; ++t) {
+      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
+      load_rows_producer<kDqBc>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>), k_g,
+                                p.k_token, t * kDqBc, p.seq, tid);
+      load_rows_producer<kDqBc>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>), v_g,
+                                p.v_token, t * kDqBc, p.seq, tid);
+      cp_async_mbar_arrive(full(st));
+      if (++st == S) {
+        st = 0;
+        phase ^= 1u;
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    return;
+  }
+
+  // Consumers: warpgroup wg owns query rows q0 + 64 wg .. q0 + 64 wg + 63.
+  setmaxnreg_inc<kConsumerRegs>();
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int c0 = 2 * (lane & 3);
+  const int row_wg = q0 + 64 * wg;                        // the warpgroup's first query row
+  const int row_lane = row_wg + 16 * warp + (lane >> 2);  // this thread's rows: row_lane, row_lane + 8
+
+  // Row statistics of this thread's two rows; rows past q_end get P = 0 through LSE2 = +inf.
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = row_lane + 8 * hf;
+    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
+    lse2[hf] = i < p.q_end ? p.lse2[w] : INFINITY;
+    delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
+  }
+
+  const std::uint32_t a_q = smem_addr(smem + L::off_q) + wg * kWg64Rows;
+  const std::uint32_t a_do = smem_addr(smem + L::off_do) + wg * kWg64Rows;
+  const std::uint32_t a_k0 = smem_addr(smem + L::off_k), a_v0 = smem_addr(smem + L::off_v);
+
+  float dq[kD / 2];
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) dq[e] = 0.0f;
+  float s[32], dp[32];  // defined once; in the loop only wgmmas define them (scale-d 0 first)
+  std::uint32_t da[4][4];
+  zero(s);
+  zero(dp);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
+
+  mbar_wait(full_qdo, 0);
+  int st = 0;
+  std::uint32_t phase = 0;
+  // Every key tile 0 .. n_kv - 1 for both warpgroups, also warpgroup 0's last one when all its keys
+  // follow its rows (P, dS masked to exact zeros: dQ += 0 products), so no wgmma is in divergent
+  // code and both warpgroups arrive on every empty barrier.
+  for (int j = 0; j < n_kv; ++j) {
+    mbar_wait(full(st), phase);
+    fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
+    const std::uint32_t a_k = a_k0 + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>);
+    const std::uint32_t a_v = a_v0 + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>);
+    const int n0 = j * kDqBc;
+
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    wgmma_fence();
+    issue_nt_64x64(s, a_q, a_k);  // S = Q_w K^T
+    wgmma_commit_group();
+    issue_nt_64x64(dp, a_do, a_v);  // dP = dO_w V^T
+    wgmma_commit_group();
+
+    wgmma_wait_group<1>();  // S done
+    wgmma_fence_operands(s);
+    const bool edge = n0 + kDqBc - 1 > row_wg;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_lane + 8 * (e >> 1);
+        const int key = n0 + 8 * jj + c0 + (e & 1);
+        const float pe = exp2f(fmaf(s[4 * jj + e], p.scale_log2, -lse2[e >> 1]));
+        s[4 * jj + e] = (edge && key > i) ? 0.0f : pe;
+      }
+    wgmma_wait_group<0>();  // dP done
+    wgmma_fence_operands(dp);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) s[e] *= dp[e] - delta[(e >> 1) & 1];  // dS
+    pack_fragments(da, s);
+    fence_fragments(da);
+    wgmma_fence_operands(dq);
+    wgmma_fence();
+    issue_rs_64x128(dq, da, a_k);  // dQ += dS K
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dq);
+    fence_fragments(da);
+    mbar_arrive(empty(st));  // K, V of the stage read
+
+    if (++st == S) {
+      st = 0;
+      phase ^= 1u;
+    }
+  }
+
+  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * kD, p.dq_token, row_wg, p.q_end, p.scale,
+                 false);
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+/// The three entry points: the same preprocess; dK/dV and dQ by the serial (v1), pipelined (v2)
+/// or warp-specialised (v3) kernels.
+enum class Variant { serial, pipelined, warp_specialized };
+
+cudaError_t run_backward(Variant variant, const AttentionProblem& p, TokenRows<const bf16> q,
                          TokenRows<const bf16> k, TokenRows<const bf16> v, TokenRows<const bf16> o,
                          TokenRows<const bf16> d_o, const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk,
                          TokenRows<bf16> dv, bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
@@ -744,9 +1184,12 @@ cudaError_t run_backward(bool pipelined, const AttentionProblem& p, TokenRows<co
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   if (const cudaError_t e = launch_backward_preprocess<kD>(params, p.batch, stream); e != cudaSuccess) return e;
 
-  const auto dkdv_kernel =
-      pipelined ? attention_backward_dkdv_wgmma_kernel<true> : attention_backward_dkdv_wgmma_kernel<false>;
-  const int dkdv_smem = pipelined ? kDkdvSmemPipelined : kDkdvSmem;
+  const bool ws = variant == Variant::warp_specialized;
+  const int threads = ws ? kWsThreads : kThreads;
+  const auto dkdv_kernel = ws ? attention_backward_dkdv_wgmma_ws_kernel
+                           : variant == Variant::pipelined ? attention_backward_dkdv_wgmma_kernel<true>
+                                                           : attention_backward_dkdv_wgmma_kernel<false>;
+  const int dkdv_smem = ws ? kDkdvWsSmem : variant == Variant::pipelined ? kDkdvSmemPipelined : kDkdvSmem;
   if (const cudaError_t e =
           cudaFuncSetAttribute(dkdv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
       e != cudaSuccess)
@@ -754,17 +1197,19 @@ cudaError_t run_backward(bool pipelined, const AttentionProblem& p, TokenRows<co
   const int kv_blocks = (params.q_end + kDkdvKeys - 1) / kDkdvKeys;
   const dim3 dkdv_grid(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(p.heads_kv),
                        static_cast<unsigned>(p.batch));
-  dkdv_kernel<<<dkdv_grid, kThreads, static_cast<std::size_t>(dkdv_smem), stream>>>(params);
+  dkdv_kernel<<<dkdv_grid, threads, static_cast<std::size_t>(dkdv_smem), stream>>>(params);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
 
-  const auto dq_kernel = pipelined ? attention_backward_dq_wgmma_pipelined_kernel : attention_backward_dq_wgmma_kernel;
-  const int dq_smem = pipelined ? kDq2Smem : kDqSmem;
+  const auto dq_kernel = ws ? attention_backward_dq_wgmma_ws_kernel
+                         : variant == Variant::pipelined ? attention_backward_dq_wgmma_pipelined_kernel
+                                                         : attention_backward_dq_wgmma_kernel;
+  const int dq_smem = ws ? kDqWsSmem : variant == Variant::pipelined ? kDq2Smem : kDqSmem;
   if (const cudaError_t e = cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dq_smem);
       e != cudaSuccess)
     return e;
   const int q_blocks = (params.q_len() + kDqRows - 1) / kDqRows;
   const dim3 dq_grid(static_cast<unsigned>(q_blocks), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
-  dq_kernel<<<dq_grid, kThreads, static_cast<std::size_t>(dq_smem), stream>>>(params);
+  dq_kernel<<<dq_grid, threads, static_cast<std::size_t>(dq_smem), stream>>>(params);
   return cudaGetLastError();
 }
 
@@ -775,7 +1220,7 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const 
                                      const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
                                      bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream) {
-  return run_backward(false, p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+  return run_backward(Variant::serial, p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 cudaError_t attention_backward_wgmma_v2(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
@@ -783,7 +1228,16 @@ cudaError_t attention_backward_wgmma_v2(const AttentionProblem& p, TokenRows<con
                                         const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
                                         bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                         cudaStream_t stream) {
-  return run_backward(true, p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+  return run_backward(Variant::pipelined, p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+}
+
+cudaError_t attention_backward_wgmma_v3(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                        TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                        const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                        bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                        cudaStream_t stream) {
+  return run_backward(Variant::warp_specialized, p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace,
+                      workspace_bytes, stream);
 }
 
 }  // namespace oom::kernels::hopper

@@ -69,6 +69,7 @@
 #include "../attention_common.cuh"
 #include "attention_wgmma.hpp"
 #include "forward_checks.cuh"
+#include "warp_specialized.cuh"
 #include "oom/kernels/attention.hpp"
 #include "wgmma.cuh"
 
@@ -389,54 +390,19 @@ __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kerne
 // producer warpgroup issues every cp.async; the two consumer warpgroups only wait on mbarriers.
 
 constexpr int kStages = 2;                         // K buffers, and V buffers, in flight
-constexpr int kConsumerThreads = kThreads;         // warpgroups 0 and 1
-constexpr int kProducerThreads = 128;              // warpgroup 2
-constexpr int kWsThreads = kConsumerThreads + kProducerThreads;
+constexpr int kConsumerThreads = kWsConsumerThreads;  // warpgroups 0 and 1 (warp_specialized.cuh)
+static_assert(kConsumerThreads == kThreads);
+constexpr int kProducerThreads = kWsProducerThreads;  // warpgroup 2
 constexpr int kWsOffK = kTileBytes;                       // Q at 0, then kStages K tiles
 constexpr int kWsOffV = kWsOffK + kStages * kTileBytes;   // then kStages V tiles
 constexpr int kWsOffBar = kWsOffV + kStages * kTileBytes; // then the mbarriers (8 bytes each)
 constexpr int kWsBars = 1 + 4 * kStages;                  // full_q, full_k[], full_v[], empty_k[], empty_v[]
 constexpr int kWsSmemBytes = kWsOffBar + 8 * kWsBars;
 static_assert(kWsSmemBytes <= 227 * 1024, "over the sm_90 shared memory per block");
-// setmaxnreg: the producer gives back (168 - 24) x 128 registers, exactly what the consumers take
-// ((240 - 168) x 256); 168 = the 65536 / 384 every thread starts with (multiple of 8 below 170).
-constexpr int kProducerRegs = 24, kConsumerRegs = 240, kStartRegs = 168;
-static_assert((kStartRegs - kProducerRegs) * kProducerThreads == (kConsumerRegs - kStartRegs) * kConsumerThreads);
-static_assert(kStartRegs * kWsThreads <= 65536 && (kStartRegs + 8) * kWsThreads > 65536);
+// setmaxnreg (producer 24, consumers 240), the mbarrier helpers: warp_specialized.cuh.
 // Named barriers (bar.sync / bar.arrive ids; 0 is __syncthreads): "warpgroup w may issue".
 constexpr int kBarTurn0 = 1;
 
-__device__ __forceinline__ void mbar_init(std::uint32_t bar, std::uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-/// Makes the initialisations visible (to the async proxy, too) before the barrier that follows.
-__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-/// One arrival (release semantics, CTA scope).
-__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
-  asm volatile(
-      "{\n"
-      ".reg .b64 state;\n"
-      "mbarrier.arrive.shared::cta.b64 state, [%0];\n"
-      "}\n" ::"r"(bar)
-      : "memory");
-}
-/// An arrival once all of this thread's earlier cp.async have landed; .noinc: the arrival is one of
-/// the count given at init (the producer's 128 threads each do one per tile).
-__device__ __forceinline__ void cp_async_mbar_arrive(std::uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-/// Waits (acquire, CTA scope) until the phase of parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "MBAR_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra MBAR_WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 /// Named barriers with immediate ids (so ptxas knows which ones the kernel uses), 256 threads:
 /// warpgroup w's turn is barrier kBarTurn0 + w.
 __device__ __forceinline__ void turn_sync(int wg) {
@@ -472,15 +438,6 @@ __device__ __forceinline__ void load_tile_producer(std::uint32_t tile, const __n
     dst += kBandBytes;
   }
 }
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
 /// Warp-specialised: warpgroup 2 loads (Q, then K_0, then per tile j: K_{j+1}, V_j, the order the
 /// consumers need them in), each tile completing a "full" mbarrier through cp.async's own arrival;
 /// warpgroups 0 and 1 compute as overlap_softmax does and free each buffer with an arrival on its

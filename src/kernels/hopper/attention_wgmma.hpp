@@ -91,4 +91,25 @@ cudaError_t attention_backward_wgmma_v2(const AttentionProblem& p,
                                         void* workspace, std::size_t workspace_bytes,
                                         cudaStream_t stream);
 
+/// attention_backward_wgmma with warp-specialised dK/dV and dQ kernels
+/// (attention_backward_wgmma.cu, "v3"): the same arguments, returns and preprocess. A third
+/// (producer) warpgroup issues every load into mbarrier-tracked stages (four of (Q, dO, LSE2, D)
+/// for dK/dV, four of (K, V) for dQ) and hands its registers to the two computing warpgroups
+/// (setmaxnreg 24 / 240); no block-wide barrier in the loops. The computing warpgroups run v1's
+/// products in v1's order on the same values (plus products of exact zeros on fully masked
+/// tiles), so the same bits as attention_backward_wgmma.
+cudaError_t attention_backward_wgmma_v3(const AttentionProblem& p,
+                                        TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
+                                        TokenRows<const bf16> k,    // (B, S, Hkv, D) bf16
+                                        TokenRows<const bf16> v,    // (B, S, Hkv, D) bf16
+                                        TokenRows<const bf16> o,    // (B, S, Hq, D) bf16 (the forward's output)
+                                        TokenRows<const bf16> d_o,  // (B, S, Hq, D) bf16
+                                        const float* lse,           // (B, Hq, S) fp32 (the forward's)
+                                        TokenRows<bf16> dq,         // (B, S, Hq, D) bf16, rows [q_begin, q_end)
+                                        TokenRows<bf16> dk,         // (B, S, Hkv, D) bf16, rows [0, q_end)
+                                        TokenRows<bf16> dv,         // (B, S, Hkv, D) bf16, rows [0, q_end)
+                                        bool accumulate_dkv,
+                                        void* workspace, std::size_t workspace_bytes,
+                                        cudaStream_t stream);
+
 }  // namespace oom::kernels::hopper

@@ -1,0 +1,63 @@
+// Building blocks of the warp-specialised (producer warpgroup) Hopper kernels: mbarrier
+// initialisation, arrival, cp.async-tracked arrival and parity wait, and setmaxnreg, with the
+// register split of a 384-thread block (two consumer warpgroups and one producer). Private to the
+// kernels (not installed); used by attention_forward_wgmma_2wg.cu (attention_forward_wgmma_ws_kernel)
+// and attention_backward_wgmma.cu (the v3 kernels). The PTX is emitted only where a kernel using it
+// is compiled for sm_90a (the kernels guard their bodies with OOM_WGMMA_SM90A, wgmma.cuh).
+#pragma once
+
+#include <cstdint>
+
+namespace oom::kernels::hopper {
+
+// setmaxnreg: the producer warpgroup gives back (168 - 24) x 128 registers, exactly what the two
+// consumer warpgroups take ((240 - 168) x 256); 168 = the 65536 / 384 every thread starts with
+// (multiple of 8 below 170).
+constexpr int kWsConsumerThreads = 256;  // warpgroups 0 and 1
+constexpr int kWsProducerThreads = 128;  // warpgroup 2
+constexpr int kWsThreads = kWsConsumerThreads + kWsProducerThreads;
+constexpr int kProducerRegs = 24, kConsumerRegs = 240, kStartRegs = 168;
+static_assert((kStartRegs - kProducerRegs) * kWsProducerThreads == (kConsumerRegs - kStartRegs) * kWsConsumerThreads);
+static_assert(kStartRegs * kWsThreads <= 65536 && (kStartRegs + 8) * kWsThreads > 65536);
+
+__device__ __forceinline__ void mbar_init(std::uint32_t bar, std::uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/// Makes the initialisations visible (to the async proxy, too) before the barrier that follows.
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+/// One arrival (release semantics, CTA scope).
+__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
+  asm volatile(
+      "{\n"
+      ".reg .b64 state;\n"
+      "mbarrier.arrive.shared::cta.b64 state, [%0];\n"
+      "}\n" ::"r"(bar)
+      : "memory");
+}
+/// An arrival once all of this thread's earlier cp.async have landed; .noinc: the arrival is one of
+/// the count given at init (the producer's 128 threads each do one per tile).
+__device__ __forceinline__ void cp_async_mbar_arrive(std::uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+/// Waits (acquire, CTA scope) until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "MBAR_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra MBAR_WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+}  // namespace oom::kernels::hopper
