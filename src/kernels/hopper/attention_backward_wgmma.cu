@@ -766,30 +766,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_backward_dq_wgmma_pipel
 // 128) and "empty" once all 256 consumer threads have retired the wgmmas that read it (count 256).
 // No block-wide barrier after the set-up.
 
-/// Rows [row0, row0 + ROWS) of a strided global (rows, 128) bf16 matrix into a core-matrix tile at
-/// shared address `tile`, by the producer's 128 threads (thread `tid`): the placement of
-/// load_rows (chunk n = 128 i + tid: row 8 i + tid % 8, column block tid / 8, byte 2048 i + 16 tid),
-/// the addresses stepped rather than recomputed (the producer runs with 24 registers). Rows >=
-/// row_end are zero-filled (nothing read for them).
-template <int ROWS>
-__device__ __forceinline__ void load_rows_producer(std::uint32_t tile, const __nv_bfloat16* base,
-                                                   std::int64_t token_stride, int row0, int row_end, int tid) {
-  static_assert(ROWS % 8 == 0 && kWsProducerThreads == 128 && kD / 8 * 8 == 128);
-  int r = row0 + (tid & 7);
-  std::int64_t off = static_cast<std::int64_t>(r) * token_stride + (tid >> 3) * 8;
-  const std::int64_t step = 8 * token_stride;
-  std::uint32_t dst = tile + 16u * static_cast<std::uint32_t>(tid);
-#pragma unroll 4
-  for (int i = 0; i < ROWS / 8; ++i) {
-    const bool valid = r < row_end;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(valid ? base + off : base),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-    r += 8;
-    off += step;
-    dst += kBandBytes;
-  }
-}
 
 /// Two consecutive fp32 of shared memory at a shared-space address (8-byte aligned).
 __device__ __forceinline__ float2 ld_shared_f2(std::uint32_t addr) {

@@ -417,27 +417,6 @@ __device__ __forceinline__ void turn_arrive(int wg) {
   else
     asm volatile("bar.arrive %0, 256;\n" ::"n"(kBarTurn0 + 1) : "memory");
 }
-/// The producer's loader, lean in registers (it runs with kProducerRegs): the same placement as
-/// load_tile_cores<128> (chunk n = 128 i + tid: row 8 i + tid % 8, column block tid / 8, byte
-/// 2048 i + 16 tid), with the addresses stepped instead of recomputed.
-__device__ __forceinline__ void load_tile_producer(std::uint32_t tile, const __nv_bfloat16* base,
-                                                   std::int64_t token_stride, int row0, int row_end, int tid) {
-  static_assert(kProducerThreads == 128 && kBr * (kD / 8) == 16 * 128);
-  int r = row0 + (tid & 7);
-  std::int64_t off = static_cast<std::int64_t>(r) * token_stride + (tid >> 3) * 8;
-  const std::int64_t step = 8 * token_stride;
-  std::uint32_t dst = tile + 16u * static_cast<std::uint32_t>(tid);
-#pragma unroll 4
-  for (int i = 0; i < kBr / 8; ++i) {
-    const bool valid = r < row_end;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(valid ? base + off : base),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-    r += 8;
-    off += step;
-    dst += kBandBytes;
-  }
-}
 /// Warp-specialised: warpgroup 2 loads (Q, then K_0, then per tile j: K_{j+1}, V_j, the order the
 /// consumers need them in), each tile completing a "full" mbarrier through cp.async's own arrival;
 /// warpgroups 0 and 1 compute as overlap_softmax does and free each buffer with an arrival on its
@@ -489,20 +468,20 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
     const __nv_bfloat16* q_g = p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD;
     const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
     const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
-    load_tile_producer(a_q0, q_g, p.q_token, q0, p.q_end, tid);
+    load_rows_producer<kBr>(a_q0, q_g, p.q_token, q0, p.q_end, tid);
     cp_async_mbar_arrive(full_q);
-    load_tile_producer(a_k0, k_g, p.k_token, 0, p.seq, tid);
+    load_rows_producer<kBc>(a_k0, k_g, p.k_token, 0, p.seq, tid);
     cp_async_mbar_arrive(full_k(0));
     for (int j = 0; j < n_kv; ++j) {
       if (const int t = j + 1; t < n_kv) {
         const int st = t % kStages;
         if (t >= kStages) mbar_wait(empty_k(st), static_cast<std::uint32_t>((t / kStages + 1) & 1));
-        load_tile_producer(a_k0 + static_cast<std::uint32_t>(st * kTileBytes), k_g, p.k_token, t * kBc, p.seq, tid);
+        load_rows_producer<kBc>(a_k0 + static_cast<std::uint32_t>(st * kTileBytes), k_g, p.k_token, t * kBc, p.seq, tid);
         cp_async_mbar_arrive(full_k(st));
       }
       const int st = j % kStages;
       if (j >= kStages) mbar_wait(empty_v(st), static_cast<std::uint32_t>((j / kStages + 1) & 1));
-      load_tile_producer(a_v0 + static_cast<std::uint32_t>(st * kTileBytes), v_g, p.v_token, j * kBc, p.seq, tid);
+      load_rows_producer<kBc>(a_v0 + static_cast<std::uint32_t>(st * kTileBytes), v_g, p.v_token, j * kBc, p.seq, tid);
       cp_async_mbar_arrive(full_v(st));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
