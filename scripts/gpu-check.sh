@@ -195,6 +195,23 @@ for name in sorted(os.listdir(out)):
         extra = {k: v for k, v in b.items() if k.endswith("GBps") or k in ("bytes_per_second", "items_per_second")}
         desc = ", ".join(f"{k}={v/1e9:.2f}G" if v > 1e6 else f"{k}={v:.2f}" for k, v in extra.items())
         rows.append((b["name"], f"{b.get('real_time', 0):.3g} {b.get('time_unit', '')}", desc))
+# Attention against PyTorch SDPA, both measured in this run (issue 5: fwd+bwd >= 0.7x): the ratio
+# per sequence length from the two tables (S fwd_ms bwd_ms fwd_TF/s bwd_TF/s fwdbwd_TF/s).
+def attention_table(name):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        return {}
+    table = {}
+    for line in open(path):
+        f = line.split()
+        if len(f) == 6 and f[0].isdigit():
+            table[int(f[0])] = [float(x) for x in f[3:]]
+    return table
+ours, sdpa = attention_table("bench_attention.log"), attention_table("sdpa.log")
+for seq in sorted(set(ours) & set(sdpa)):
+    o, t = ours[seq], sdpa[seq]
+    rows.append((f"attention S={seq}", f"{o[2] / t[2]:.2f}x SDPA",
+                 f"fwd+bwd {o[2]:.0f} vs {t[2]:.0f} TFLOP/s; fwd {o[0] / t[0]:.2f}x, bwd {o[1] / t[1]:.2f}x"))
 tests = re.findall(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", log)
 print("\n==== OOM GPU check ====")
 if tests:
