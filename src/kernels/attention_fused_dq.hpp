@@ -13,14 +13,16 @@ namespace oom::kernels {
 /// and one uint32 counter per (batch, query head, query tile, column half at D = 256), 256-aligned.
 [[nodiscard]] std::size_t attention_backward_fused_dq_workspace_bytes(const AttentionProblem& p);
 
-/// attention_backward without its dQ pass (a private variant, not the default; measured on the
-/// H200, 2026-11-30: 0.59x / 0.49x / 0.52x the speed of attention_backward at S = 4K / 16K / 64K,
+/// The mma.sync attention backward (attention_backward_mma_sync, attention_paths.hpp) without its
+/// dQ pass (a private variant, not the default; measured on the H200, 2026-11-30: 0.59x / 0.49x /
+/// 0.52x the speed of the mma.sync backward at S = 4K / 16K / 64K,
 /// B = 1, Hq/Hkv = 16/4, D = 128: the ordered waits cost more than the two products saved): the dK/dV pass also forms
 /// dS K for each (key block, query tile) it visits and adds it to an fp32 dQ in the workspace, the
 /// key blocks of a query tile in a fixed order (last to first, each thread block waiting on a
 /// per-tile counter for the one before it); a small kernel then writes dq = bf16(scale * dQ).
-/// Deterministic: bit-identical run to run. dK and dV are bit-identical to attention_backward's;
-/// dQ equals attention_backward's up to fp32 summation order and the bf16 rounding of dS (formed
+/// Deterministic: bit-identical run to run. dK and dV are bit-identical to the mma.sync backward's
+/// (not to the wgmma backward attention_backward runs on compute capability 9.0); dQ equals the
+/// mma.sync backward's up to fp32 summation order and the bf16 rounding of dS (formed
 /// from S^T rather than S). Same arguments, layout, chunking rules and error returns as
 /// attention_backward, with workspace_bytes >= attention_backward_fused_dq_workspace_bytes(p).
 /// Relies on the GPU starting a grid's thread blocks in increasing linear index (a block only

@@ -21,6 +21,7 @@
 #include "oom/core/numeric.hpp"
 #include "oom/kernels/attention.hpp"
 #include "kernels/attention_fused_dq.hpp"
+#include "kernels/attention_paths.hpp"
 #include "oom/reference/attention.hpp"
 #include "support/compare.hpp"
 
@@ -340,8 +341,11 @@ TEST_CASE("attention forward+backward at S = 1M tokens (B=1, Hq=16, Hkv=4, D=128
 
 // ---- attention_backward_fused_dq (run alone with -tc="fused dQ*") ----
 // Against the CPU reference up to S = 1000 (its cost grows as S^2 and the whole set must stay
-// under a minute); the long hand-over chains (64 to 1024 key blocks) are checked against
-// attention_backward in the timing case: dK/dV bit for bit, dQ finite and close.
+// under a minute); the long hand-over chains (64 to 1024 key blocks) are checked against the
+// mma.sync backward in the timing case: dK/dV bit for bit, dQ finite and close. The fused variant
+// is built from the mma.sync kernels, so it is compared with attention_backward_mma_sync (what
+// attention_backward runs off compute capability 9.0 or at head_dim 256), not with the wgmma
+// backward attention_backward dispatches to on an H100/H200.
 
 namespace {
 
@@ -364,15 +368,15 @@ void check_bit_identical(const std::vector<float>& got, const std::vector<float>
   CHECK(n == 0);
 }
 
-using BackwardFn = decltype(&oom::kernels::attention_backward);
+using BackwardFn = decltype(&oom::kernels::attention_backward_mma_sync);
 static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::attention_backward_fused_dq)>,
               "the fused variant takes attention_backward's arguments");
 
 /// attention_backward_fused_dq on one shape, optionally in query chunks (last to first, dK/dV
-/// accumulated), against attention_backward and the CPU reference:
-/// - dK, dV bit-identical to attention_backward's (the same products in the same order);
+/// accumulated), against the mma.sync backward and the CPU reference:
+/// - dK, dV bit-identical to attention_backward_mma_sync's (the same products in the same order);
 /// - dQ within check_case's bound of the reference (4 u·mag + 2 u·|ref|), and within 12 u·mag of
-///   attention_backward's dQ: both are within that bound of the reference and |ref| <= mag, so they
+///   attention_backward_mma_sync's dQ: both are within that bound of the reference and |ref| <= mag, so they
 ///   differ by at most 8 u·mag + 4 u·|ref| <= 12 u·mag (check_bounded adds 2 u·|theirs| on top);
 /// - a second run bit-identical to the first; outputs poisoned (NaN) before every run.
 void check_fused_dq_case(const Case& c, std::uint64_t seed, std::vector<int> chunk_starts = {0}) {
@@ -429,19 +433,19 @@ void check_fused_dq_case(const Case& c, std::uint64_t seed, std::vector<int> chu
                         nullptr));
     return std::tuple{download(grad.q, d, c.heads_q), download(grad.k, d, c.heads_kv), download(grad.v, d, c.heads_kv)};
   };
-  const auto [dq_a, dk_a, dv_a] = backward(&oom::kernels::attention_backward, grad_a, ws_a);
+  const auto [dq_a, dk_a, dv_a] = backward(&oom::kernels::attention_backward_mma_sync, grad_a, ws_a);
   const auto [dq_f, dk_f, dv_f] = backward(&oom::kernels::attention_backward_fused_dq, grad_f, ws_f);
 
-  check_bit_identical(dk_f, dk_a, "dK (fused vs attention_backward)");
-  check_bit_identical(dv_f, dv_a, "dV (fused vs attention_backward)");
+  check_bit_identical(dk_f, dk_a, "dK (fused vs mma.sync backward)");
+  check_bit_identical(dv_f, dv_a, "dV (fused vs mma.sync backward)");
   const double chunks = static_cast<double>(chunk_starts.size());
   check_bounded(dk_f, dk_ref, dk_mag, 4 + chunks, "dK (fused)");
   check_bounded(dv_f, dv_ref, dv_mag, 4 + chunks, "dV (fused)");
   check_bounded(dq_f, dq_ref, dq_mag, 4, "dQ (fused vs reference)");
-  check_bounded(dq_f, dq_a, dq_mag, 12, "dQ (fused vs attention_backward)");
+  check_bounded(dq_f, dq_a, dq_mag, 12, "dQ (fused vs mma.sync backward)");
   if (c.seq > 1) {  // at S = 1 the exact dQ is 0 and both are rounding noise: the bounds above apply
     const double l2 = relative_l2(dq_f, dq_ref), l2_a = relative_l2(dq_f, dq_a);
-    INFO("dQ relative L2 error: " << l2 << " vs reference, " << l2_a << " vs attention_backward");
+    INFO("dQ relative L2 error: " << l2 << " vs reference, " << l2_a << " vs the mma.sync backward");
     CHECK(l2 < rel_l2_max);
     CHECK(l2_a < rel_l2_max);
   }
@@ -454,14 +458,14 @@ void check_fused_dq_case(const Case& c, std::uint64_t seed, std::vector<int> chu
 
 }  // namespace
 
-TEST_CASE("fused dQ: matches attention_backward and the reference, D = 128") {
+TEST_CASE("fused dQ: matches the mma.sync backward and the reference, D = 128") {
   std::uint64_t seed = 500;
   for (const Case c : {Case{2, 1, 16, 4, 128, true}, Case{2, 17, 16, 4, 128, false}, Case{1, 17, 4, 4, 128, true},
                        Case{1, 1000, 16, 4, 128, true}, Case{2, 1000, 4, 4, 128, false}})
     check_fused_dq_case(c, seed += 10);
 }
 
-TEST_CASE("fused dQ: matches attention_backward and the reference, D = 256") {
+TEST_CASE("fused dQ: matches the mma.sync backward and the reference, D = 256") {
   std::uint64_t seed = 600;
   for (const Case c : {Case{2, 1, 16, 4, 256, false}, Case{2, 17, 16, 4, 256, true}, Case{1, 1000, 8, 2, 256, true},
                        Case{2, 1000, 4, 4, 256, false}})
@@ -499,7 +503,7 @@ TEST_CASE("fused dQ: rejects what attention_backward rejects") {
   CHECK(run(empty, in, 0) == cudaSuccess);  // nothing to do, as attention_backward
 }
 
-TEST_CASE("fused dQ: timing against attention_backward (B=1, Hq=16, Hkv=4, D=128)") {
+TEST_CASE("fused dQ: timing against the mma.sync backward (B=1, Hq=16, Hkv=4, D=128)") {
   // Counted as the existing test and oom-calibrate count: 2.5x the causal forward's 2 S^2 Hq D.
   for (const int seq : {4096, 16384, 65536}) {
     const AttentionDims d{1, seq, 16, 4, 128};
@@ -536,28 +540,28 @@ TEST_CASE("fused dQ: timing against attention_backward (B=1, Hq=16, Hkv=4, D=128
       OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
       return static_cast<double>(ms);
     };
-    run(&oom::kernels::attention_backward, grad_a, ws_a);  // warm-up (and the outputs compared below)
+    run(&oom::kernels::attention_backward_mma_sync, grad_a, ws_a);  // warm-up (and the outputs compared below)
     run(&oom::kernels::attention_backward_fused_dq, grad_f, ws_f);
     double best_a = 1e30, best_f = 1e30;
     const int reps = seq >= 65536 ? 2 : 5;
     for (int r = 0; r < reps; ++r) {
-      best_a = std::min(best_a, time_ms(&oom::kernels::attention_backward, grad_a, ws_a));
+      best_a = std::min(best_a, time_ms(&oom::kernels::attention_backward_mma_sync, grad_a, ws_a));
       best_f = std::min(best_f, time_ms(&oom::kernels::attention_backward_fused_dq, grad_f, ws_f));
     }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     const double flops = 2.5 * 2.0 * 16 * static_cast<double>(seq) * seq * 128;
-    MESSAGE("S=" << seq << ": attention_backward " << best_a << " ms (" << flops / best_a / 1e9
+    MESSAGE("S=" << seq << ": attention_backward_mma_sync " << best_a << " ms (" << flops / best_a / 1e9
                  << " TFLOP/s), attention_backward_fused_dq " << best_f << " ms (" << flops / best_f / 1e9
                  << " TFLOP/s), speed-up " << best_a / best_f << "x");
 
     INFO("S=" << seq);
-    check_bit_identical(download(grad_f.k, d, 4), download(grad_a.k, d, 4), "dK (fused vs attention_backward)");
-    check_bit_identical(download(grad_f.v, d, 4), download(grad_a.v, d, 4), "dV (fused vs attention_backward)");
+    check_bit_identical(download(grad_f.k, d, 4), download(grad_a.k, d, 4), "dK (fused vs mma.sync backward)");
+    check_bit_identical(download(grad_f.v, d, 4), download(grad_a.v, d, 4), "dV (fused vs mma.sync backward)");
     const auto dq_f = download(grad_f.q, d, 16), dq_a = download(grad_a.q, d, 16);
     const auto bad = static_cast<std::size_t>(std::count_if(dq_f.begin(), dq_f.end(), [](float x) { return !std::isfinite(x); }));
     const double l2 = relative_l2(dq_f, dq_a);
-    INFO("dQ: " << bad << " non-finite elements, relative L2 difference to attention_backward " << l2);
+    INFO("dQ: " << bad << " non-finite elements, relative L2 difference to the mma.sync backward " << l2);
     CHECK(bad == 0);
     CHECK(l2 < rel_l2_max);
   }
