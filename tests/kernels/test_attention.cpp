@@ -79,80 +79,114 @@ struct Case {
   bool packed;
 };
 
+/// One shape's random bf16 inputs on the device, the CPU reference's O, LSE and gradients on exactly
+/// those bf16 values with their error scales, and the GPU forward over the query chunks (first to
+/// last, as the planner runs them): where both backward checks below start.
+struct Prepared {
+  AttentionDims d;
+  float scale;
+  std::vector<int> chunk_starts;
+  std::vector<float> o_ref, lse_ref, dq_ref, dk_ref, dv_ref;
+  std::vector<double> o_mag, dq_mag, dk_mag, dv_mag;
+  DeviceQkv in;
+  DeviceBuffer<bf16> o_buf, do_buf;
+  DeviceBuffer<float> lse;
+  TokenRows<bf16> o;
+  TokenRows<const bf16> dor;
+
+  Prepared(const Case& c, std::uint64_t seed, std::vector<int> starts)
+      : d{c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim},
+        scale(1.0f / std::sqrt(static_cast<float>(c.head_dim))),
+        chunk_starts(std::move(starts)),
+        in(d, c.packed) {
+    const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * c.head_dim;
+    const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * c.head_dim;
+    const std::size_t nlse = static_cast<std::size_t>(c.batch) * c.heads_q * c.seq;
+    const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
+    const auto d_o = random_bf16(nq, seed + 3);
+
+    const auto qf = to_float(q), kf = to_float(k), vf = to_float(v), dof = to_float(d_o);
+    o_ref.resize(nq), lse_ref.resize(nlse), dq_ref.resize(nq), dk_ref.resize(nkv), dv_ref.resize(nkv);
+    oom::reference::attention_forward<float>(d, scale, qf, kf, vf, o_ref, lse_ref);
+    oom::reference::attention_backward<float>(d, scale, qf, kf, vf, o_ref, lse_ref, dof, dq_ref, dk_ref, dv_ref);
+    o_mag.resize(nq), dq_mag.resize(nq), dk_mag.resize(nkv), dv_mag.resize(nkv);
+    oom::reference::attention_error_scales<float>(d, scale, qf, kf, vf, o_ref, dof, o_mag, dq_mag, dk_mag, dv_mag);
+
+    upload(in.q, q, d, c.heads_q);
+    upload(in.k, k, d, c.heads_kv);
+    upload(in.v, v, d, c.heads_kv);
+    o_buf = DeviceBuffer<bf16>(nq);
+    do_buf = DeviceBuffer<bf16>(d_o);
+    lse = DeviceBuffer<float>(nlse);
+    const std::int64_t q_row = static_cast<std::int64_t>(c.heads_q) * c.head_dim;
+    o = {o_buf.get(), c.seq * q_row, q_row};
+    dor = {do_buf.get(), c.seq * q_row, q_row};
+    for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch)
+      OOM_CUDA_CHECK(oom::kernels::attention_forward(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), o,
+                                                     lse.get(), nullptr));
+  }
+
+  [[nodiscard]] AttentionProblem problem(std::size_t chunk) const {
+    AttentionProblem p{.batch = d.batch, .seq = d.seq, .heads_q = d.heads_q, .heads_kv = d.heads_kv,
+                       .head_dim = d.head_dim, .softmax_scale = scale};
+    p.q_begin = chunk_starts[chunk];
+    p.q_end = chunk + 1 < chunk_starts.size() ? chunk_starts[chunk + 1] : d.seq;
+    REQUIRE(oom::kernels::attention_can_implement(p));
+    return p;
+  }
+
+  /// The workspace `bytes(problem)` asks for, at most over the chunks.
+  template <class Bytes>
+  [[nodiscard]] std::size_t workspace_bytes(Bytes&& bytes) const {
+    std::size_t n = 0;
+    for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch) n = std::max(n, bytes(problem(ch)));
+    return n;
+  }
+
+  /// `backward` (attention_backward's signature) over the chunks, last to first, dK/dV accumulated
+  /// after the first; `grad` poisoned before. Returns dQ, dK, dV on the host.
+  template <class Backward>
+  auto backward(Backward&& fn, DeviceQkv& grad, void* ws, std::size_t ws_bytes) const {
+    grad.poison();
+    for (std::size_t ch = chunk_starts.size(); ch-- > 0;)
+      OOM_CUDA_CHECK(fn(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), as_const(o), dor, lse.get(), grad.q,
+                        grad.k, grad.v, /*accumulate_dkv=*/ch + 1 < chunk_starts.size(), ws, ws_bytes, nullptr));
+    return std::tuple{download(grad.q, d, d.heads_q), download(grad.k, d, d.heads_kv), download(grad.v, d, d.heads_kv)};
+  }
+};
+
+std::string describe(const Case& c, const std::vector<int>& chunk_starts) {
+  return "B=" + std::to_string(c.batch) + " S=" + std::to_string(c.seq) + " Hq=" + std::to_string(c.heads_q) +
+         " Hkv=" + std::to_string(c.heads_kv) + " D=" + std::to_string(c.head_dim) +
+         (c.packed ? " packed" : " separate") + " chunks=" + std::to_string(chunk_starts.size());
+}
+
 /// Runs the kernels on one shape, optionally split into query chunks (forward first-to-last,
 /// backward last-to-first, as the planner does), and compares everything with the reference.
 void check_case(const Case& c, std::uint64_t seed, std::vector<int> chunk_starts = {0}) {
-  const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim};
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  INFO("B=" << c.batch << " S=" << c.seq << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv << " D=" << c.head_dim
-            << std::string(c.packed ? " packed" : " separate") << " chunks=" << chunk_starts.size());
-  const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * c.head_dim;
-  const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * c.head_dim;
-  const std::size_t nlse = static_cast<std::size_t>(c.batch) * c.heads_q * c.seq;
-  const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
-  const auto d_o = random_bf16(nq, seed + 3);
-
-  // Reference on exactly the bf16 values the GPU sees.
-  const auto qf = to_float(q), kf = to_float(k), vf = to_float(v), dof = to_float(d_o);
-  std::vector<float> o_ref(nq), lse_ref(nlse), dq_ref(nq), dk_ref(nkv), dv_ref(nkv);
-  oom::reference::attention_forward<float>(d, scale, qf, kf, vf, o_ref, lse_ref);
-  oom::reference::attention_backward<float>(d, scale, qf, kf, vf, o_ref, lse_ref, dof, dq_ref, dk_ref, dv_ref);
-  std::vector<double> o_mag(nq), dq_mag(nq), dk_mag(nkv), dv_mag(nkv);
-  oom::reference::attention_error_scales<float>(d, scale, qf, kf, vf, o_ref, dof, o_mag, dq_mag, dk_mag, dv_mag);
-
-  DeviceQkv in(d, c.packed), grad(d, c.packed);
-  upload(in.q, q, d, c.heads_q);
-  upload(in.k, k, d, c.heads_kv);
-  upload(in.v, v, d, c.heads_kv);
-  DeviceBuffer<bf16> o_buf(nq), do_buf(d_o);
-  DeviceBuffer<float> lse(nlse);
-  const std::int64_t q_row = static_cast<std::int64_t>(c.heads_q) * c.head_dim;
-  const TokenRows<bf16> o{o_buf.get(), c.seq * q_row, q_row};
-  const TokenRows<const bf16> dor{do_buf.get(), c.seq * q_row, q_row};
-
-  auto problem = [&](std::size_t chunk) {
-    AttentionProblem p{.batch = c.batch, .seq = c.seq, .heads_q = c.heads_q, .heads_kv = c.heads_kv,
-                       .head_dim = c.head_dim, .softmax_scale = scale};
-    p.q_begin = chunk_starts[chunk];
-    p.q_end = chunk + 1 < chunk_starts.size() ? chunk_starts[chunk + 1] : c.seq;
-    REQUIRE(oom::kernels::attention_can_implement(p));
-    return p;
-  };
-
-  for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch)
-    OOM_CUDA_CHECK(oom::kernels::attention_forward(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), o,
-                                                   lse.get(), nullptr));
-  const auto o_got = download(o, d, c.heads_q);
-  check_bounded(o_got, o_ref, o_mag, 3, "O");
-  CHECK(relative_l2(o_got, o_ref) < rel_l2_max);
+  INFO(describe(c, chunk_starts));
+  const Prepared t(c, seed, std::move(chunk_starts));
+  const auto o_got = download(t.o, t.d, c.heads_q);
+  check_bounded(o_got, t.o_ref, t.o_mag, 3, "O");
+  CHECK(relative_l2(o_got, t.o_ref) < rel_l2_max);
   {
-    const auto r = oom::test::compare(download(lse), lse_ref, lse_tol, lse_tol, "LSE");
+    const auto r = oom::test::compare(download(t.lse), t.lse_ref, lse_tol, lse_tol, "LSE");
     INFO(r.first);
     CHECK(r.ok());
   }
 
-  std::size_t ws_bytes = 0;
-  for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch)
-    ws_bytes = std::max(ws_bytes, oom::kernels::attention_backward_workspace_bytes(problem(ch)));
-  DeviceBuffer<unsigned char> ws(ws_bytes);
-  auto backward = [&] {
-    grad.poison();
-    for (std::size_t ch = chunk_starts.size(); ch-- > 0;)
-      OOM_CUDA_CHECK(oom::kernels::attention_backward(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v),
-                                                      as_const(o), dor, lse.get(), grad.q, grad.k, grad.v,
-                                                      /*accumulate_dkv=*/ch + 1 < chunk_starts.size(), ws.get(),
-                                                      ws.bytes(), nullptr));
-    return std::tuple{download(grad.q, d, c.heads_q), download(grad.k, d, c.heads_kv), download(grad.v, d, c.heads_kv)};
-  };
+  DeviceQkv grad(t.d, c.packed);
+  DeviceBuffer<unsigned char> ws(t.workspace_bytes(oom::kernels::attention_backward_workspace_bytes));
+  const auto backward = [&] { return t.backward(oom::kernels::attention_backward, grad, ws.get(), ws.bytes()); };
   const auto [dq, dk, dv] = backward();
   // dK/dV of chunked runs are rounded to bf16 after each chunk: one more u·mag per chunk.
-  const double chunks = static_cast<double>(chunk_starts.size());
-  check_bounded(dq, dq_ref, dq_mag, 4, "dQ");
-  check_bounded(dk, dk_ref, dk_mag, 4 + chunks, "dK");
-  check_bounded(dv, dv_ref, dv_mag, 4 + chunks, "dV");
-  CHECK(relative_l2(dq, dq_ref) < rel_l2_max);
-  CHECK(relative_l2(dk, dk_ref) < rel_l2_max);
-  CHECK(relative_l2(dv, dv_ref) < rel_l2_max);
+  const double chunks = static_cast<double>(t.chunk_starts.size());
+  check_bounded(dq, t.dq_ref, t.dq_mag, 4, "dQ");
+  check_bounded(dk, t.dk_ref, t.dk_mag, 4 + chunks, "dK");
+  check_bounded(dv, t.dv_ref, t.dv_mag, 4 + chunks, "dV");
+  CHECK(relative_l2(dq, t.dq_ref) < rel_l2_max);
+  CHECK(relative_l2(dk, t.dk_ref) < rel_l2_max);
+  CHECK(relative_l2(dv, t.dv_ref) < rel_l2_max);
 
   // No atomics anywhere: a second run is bit-identical.
   const auto [dq2, dk2, dv2] = backward();
@@ -380,71 +414,27 @@ static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::attention_backw
 ///   differ by at most 8 u·mag + 4 u·|ref| <= 12 u·mag (check_bounded adds 2 u·|theirs| on top);
 /// - a second run bit-identical to the first; outputs poisoned (NaN) before every run.
 void check_fused_dq_case(const Case& c, std::uint64_t seed, std::vector<int> chunk_starts = {0}) {
-  const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim};
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  INFO("B=" << c.batch << " S=" << c.seq << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv << " D=" << c.head_dim
-            << std::string(c.packed ? " packed" : " separate") << " chunks=" << chunk_starts.size());
-  const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * c.head_dim;
-  const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * c.head_dim;
-  const std::size_t nlse = static_cast<std::size_t>(c.batch) * c.heads_q * c.seq;
-  const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
-  const auto d_o = random_bf16(nq, seed + 3);
-
-  const auto qf = to_float(q), kf = to_float(k), vf = to_float(v), dof = to_float(d_o);
-  std::vector<float> o_ref(nq), lse_ref(nlse), dq_ref(nq), dk_ref(nkv), dv_ref(nkv);
-  oom::reference::attention_forward<float>(d, scale, qf, kf, vf, o_ref, lse_ref);
-  oom::reference::attention_backward<float>(d, scale, qf, kf, vf, o_ref, lse_ref, dof, dq_ref, dk_ref, dv_ref);
-  std::vector<double> o_mag(nq), dq_mag(nq), dk_mag(nkv), dv_mag(nkv);
-  oom::reference::attention_error_scales<float>(d, scale, qf, kf, vf, o_ref, dof, o_mag, dq_mag, dk_mag, dv_mag);
-
-  DeviceQkv in(d, c.packed), grad_a(d, c.packed), grad_f(d, c.packed);
-  upload(in.q, q, d, c.heads_q);
-  upload(in.k, k, d, c.heads_kv);
-  upload(in.v, v, d, c.heads_kv);
-  DeviceBuffer<bf16> o_buf(nq), do_buf(d_o);
-  DeviceBuffer<float> lse(nlse);
-  const std::int64_t q_row = static_cast<std::int64_t>(c.heads_q) * c.head_dim;
-  const TokenRows<bf16> o{o_buf.get(), c.seq * q_row, q_row};
-  const TokenRows<const bf16> dor{do_buf.get(), c.seq * q_row, q_row};
-  auto problem = [&](std::size_t chunk) {
-    AttentionProblem p{.batch = c.batch, .seq = c.seq, .heads_q = c.heads_q, .heads_kv = c.heads_kv,
-                       .head_dim = c.head_dim, .softmax_scale = scale};
-    p.q_begin = chunk_starts[chunk];
-    p.q_end = chunk + 1 < chunk_starts.size() ? chunk_starts[chunk + 1] : c.seq;
-    REQUIRE(oom::kernels::attention_can_implement(p));
-    return p;
-  };
-  for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch)
-    OOM_CUDA_CHECK(oom::kernels::attention_forward(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), o,
-                                                   lse.get(), nullptr));
-
-  std::size_t ws_a = 0, ws_f = 0;
-  for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch) {
-    ws_a = std::max(ws_a, oom::kernels::attention_backward_workspace_bytes(problem(ch)));
-    ws_f = std::max(ws_f, oom::kernels::attention_backward_fused_dq_workspace_bytes(problem(ch)));
-  }
+  INFO(describe(c, chunk_starts));
+  const Prepared t(c, seed, std::move(chunk_starts));
+  const std::size_t ws_a = t.workspace_bytes(oom::kernels::attention_backward_workspace_bytes);
+  const std::size_t ws_f = t.workspace_bytes(oom::kernels::attention_backward_fused_dq_workspace_bytes);
   DeviceBuffer<unsigned char> ws(std::max(ws_a, ws_f));
+  DeviceQkv grad_a(t.d, c.packed), grad_f(t.d, c.packed);
   auto backward = [&](BackwardFn fn, DeviceQkv& grad, std::size_t ws_bytes) {
-    grad.poison();
     ws.poison();  // the fused variant must not depend on the workspace's previous contents
-    for (std::size_t ch = chunk_starts.size(); ch-- > 0;)
-      OOM_CUDA_CHECK(fn(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), as_const(o), dor, lse.get(),
-                        grad.q, grad.k, grad.v, /*accumulate_dkv=*/ch + 1 < chunk_starts.size(), ws.get(), ws_bytes,
-                        nullptr));
-    return std::tuple{download(grad.q, d, c.heads_q), download(grad.k, d, c.heads_kv), download(grad.v, d, c.heads_kv)};
+    return t.backward(fn, grad, ws.get(), ws_bytes);
   };
   const auto [dq_a, dk_a, dv_a] = backward(&oom::kernels::attention_backward_mma_sync, grad_a, ws_a);
   const auto [dq_f, dk_f, dv_f] = backward(&oom::kernels::attention_backward_fused_dq, grad_f, ws_f);
-
   check_bit_identical(dk_f, dk_a, "dK (fused vs mma.sync backward)");
   check_bit_identical(dv_f, dv_a, "dV (fused vs mma.sync backward)");
-  const double chunks = static_cast<double>(chunk_starts.size());
-  check_bounded(dk_f, dk_ref, dk_mag, 4 + chunks, "dK (fused)");
-  check_bounded(dv_f, dv_ref, dv_mag, 4 + chunks, "dV (fused)");
-  check_bounded(dq_f, dq_ref, dq_mag, 4, "dQ (fused vs reference)");
-  check_bounded(dq_f, dq_a, dq_mag, 12, "dQ (fused vs mma.sync backward)");
+  const double chunks = static_cast<double>(t.chunk_starts.size());
+  check_bounded(dk_f, t.dk_ref, t.dk_mag, 4 + chunks, "dK (fused)");
+  check_bounded(dv_f, t.dv_ref, t.dv_mag, 4 + chunks, "dV (fused)");
+  check_bounded(dq_f, t.dq_ref, t.dq_mag, 4, "dQ (fused vs reference)");
+  check_bounded(dq_f, dq_a, t.dq_mag, 12, "dQ (fused vs mma.sync backward)");
   if (c.seq > 1) {  // at S = 1 the exact dQ is 0 and both are rounding noise: the bounds above apply
-    const double l2 = relative_l2(dq_f, dq_ref), l2_a = relative_l2(dq_f, dq_a);
+    const double l2 = relative_l2(dq_f, t.dq_ref), l2_a = relative_l2(dq_f, dq_a);
     INFO("dQ relative L2 error: " << l2 << " vs reference, " << l2_a << " vs the mma.sync backward");
     CHECK(l2 < rel_l2_max);
     CHECK(l2_a < rel_l2_max);
