@@ -147,6 +147,21 @@ struct WarpgroupState {
   float l_run[2];                  // running row sum, this lane's columns only
 };
 
+/// A warpgroup's state before its first K/V tile: O, S and P zero, no row maximum yet (-inf), row
+/// sums zero.
+__device__ __forceinline__ void start(WarpgroupState& st) {
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) st.o[e] = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kBc / 2; ++e) st.s[e] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < kBc / 16; ++ks)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) st.pa[ks][x] = 0u;
+  st.m_run[0] = st.m_run[1] = -INFINITY;
+  st.l_run[0] = st.l_run[1] = 0.0f;
+}
+
 /// Keeps every register a wgmma reads or writes materialised at this point: before a wgmma_fence
 /// (their last writes happen before it) and after a wgmma_wait_group (no use of them, and no reuse
 /// of their registers for other values, moves before the wait: the RS form reads `pa` and both
@@ -303,16 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kerne
   const auto v_buf = [&](int j) { return a_v + static_cast<std::uint32_t>((j & 1) * kTileBytes); };
 
   WarpgroupState st;
-#pragma unroll
-  for (int e = 0; e < kD / 2; ++e) st.o[e] = 0.0f;
-#pragma unroll
-  for (int e = 0; e < kBc / 2; ++e) st.s[e] = 0.0f;
-#pragma unroll
-  for (int ks = 0; ks < kBc / 16; ++ks)
-#pragma unroll
-    for (int x = 0; x < 4; ++x) st.pa[ks][x] = 0u;
-  st.m_run[0] = st.m_run[1] = -INFINITY;
-  st.l_run[0] = st.l_run[1] = 0.0f;
+  start(st);
   float alpha[2];
 
   for (int nb = 0; nb < n_kv; ++nb) {
@@ -498,16 +504,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
   const std::uint32_t a_k = smem_addr(s_k), a_v = smem_addr(s_v);
 
   WarpgroupState st;
-#pragma unroll
-  for (int e = 0; e < kD / 2; ++e) st.o[e] = 0.0f;
-#pragma unroll
-  for (int e = 0; e < kBc / 2; ++e) st.s[e] = 0.0f;
-#pragma unroll
-  for (int ks = 0; ks < kBc / 16; ++ks)
-#pragma unroll
-    for (int x = 0; x < 4; ++x) st.pa[ks][x] = 0u;
-  st.m_run[0] = st.m_run[1] = -INFINITY;
-  st.l_run[0] = st.l_run[1] = 0.0f;
+  start(st);
   float alpha[2];
 
   mbar_wait(full_q, 0);
