@@ -1,6 +1,7 @@
-// Helpers of the GPU attention tests (test_attention.cpp, test_attention_backward_wgmma.cu): bf16
+// Helpers of the GPU attention tests (test_attention.cpp, test_attention_backward_wgmma.cpp): bf16
 // inputs, Q/K/V (or dQ/dK/dV) as separate tensors or packed column views on the device, strided
-// upload/download, and the per-element bf16 error bound of the checks.
+// upload/download, the per-element bf16 error bound of the checks, and one case's inputs with the
+// CPU reference and the chunked GPU forward (Prepared).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,6 +13,8 @@
 #include <cstdint>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
@@ -144,5 +147,80 @@ inline std::vector<bf16> hashed_bf16(std::size_t n, std::uint64_t seed) {
   for (auto& t : pool) t.join();
   return out;
 }
+
+/// One shape's random bf16 inputs on the device, the CPU reference's O, LSE and gradients on exactly
+/// those bf16 values with their error scales, and the GPU forward over the query chunks (first to
+/// last, as the planner runs them, through kernels::attention_forward): where the backward checks
+/// start.
+struct Prepared {
+  AttentionDims d;
+  float scale;
+  std::vector<int> chunk_starts;
+  std::vector<float> o_ref, lse_ref, dq_ref, dk_ref, dv_ref;
+  std::vector<double> o_mag, dq_mag, dk_mag, dv_mag;
+  DeviceQkv in;
+  DeviceBuffer<bf16> o_buf, do_buf;
+  DeviceBuffer<float> lse;
+  TokenRows<bf16> o;
+  TokenRows<const bf16> dor;
+
+  Prepared(const AttentionDims& dims, bool packed, std::uint64_t seed, std::vector<int> starts)
+      : d(dims), scale(1.0f / std::sqrt(static_cast<float>(dims.head_dim))), chunk_starts(std::move(starts)),
+        in(dims, packed) {
+    const std::size_t nq = static_cast<std::size_t>(d.batch) * d.seq * d.heads_q * d.head_dim;
+    const std::size_t nkv = static_cast<std::size_t>(d.batch) * d.seq * d.heads_kv * d.head_dim;
+    const std::size_t nlse = static_cast<std::size_t>(d.batch) * d.heads_q * d.seq;
+    const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
+    const auto d_o = random_bf16(nq, seed + 3);
+
+    const auto qf = to_float(q), kf = to_float(k), vf = to_float(v), dof = to_float(d_o);
+    o_ref.resize(nq), lse_ref.resize(nlse), dq_ref.resize(nq), dk_ref.resize(nkv), dv_ref.resize(nkv);
+    reference::attention_forward<float>(d, scale, qf, kf, vf, o_ref, lse_ref);
+    reference::attention_backward<float>(d, scale, qf, kf, vf, o_ref, lse_ref, dof, dq_ref, dk_ref, dv_ref);
+    o_mag.resize(nq), dq_mag.resize(nq), dk_mag.resize(nkv), dv_mag.resize(nkv);
+    reference::attention_error_scales<float>(d, scale, qf, kf, vf, o_ref, dof, o_mag, dq_mag, dk_mag, dv_mag);
+
+    upload(in.q, q, d, d.heads_q);
+    upload(in.k, k, d, d.heads_kv);
+    upload(in.v, v, d, d.heads_kv);
+    o_buf = DeviceBuffer<bf16>(nq);
+    do_buf = DeviceBuffer<bf16>(d_o);
+    lse = DeviceBuffer<float>(nlse);
+    const std::int64_t q_row = static_cast<std::int64_t>(d.heads_q) * d.head_dim;
+    o = {o_buf.get(), d.seq * q_row, q_row};
+    dor = {do_buf.get(), d.seq * q_row, q_row};
+    for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch)
+      OOM_CUDA_CHECK(
+          kernels::attention_forward(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), o, lse.get(), nullptr));
+  }
+
+  [[nodiscard]] kernels::AttentionProblem problem(std::size_t chunk) const {
+    kernels::AttentionProblem p{.batch = d.batch, .seq = d.seq, .heads_q = d.heads_q, .heads_kv = d.heads_kv,
+                                .head_dim = d.head_dim, .softmax_scale = scale};
+    p.q_begin = chunk_starts[chunk];
+    p.q_end = chunk + 1 < chunk_starts.size() ? chunk_starts[chunk + 1] : d.seq;
+    REQUIRE(kernels::attention_can_implement(p));
+    return p;
+  }
+
+  /// The workspace `bytes(problem)` asks for, at most over the chunks.
+  template <class Bytes>
+  [[nodiscard]] std::size_t workspace_bytes(Bytes&& bytes) const {
+    std::size_t n = 0;
+    for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch) n = std::max(n, bytes(problem(ch)));
+    return n;
+  }
+
+  /// `backward` (attention_backward's signature) over the chunks, last to first, dK/dV accumulated
+  /// after the first; `grad` poisoned before. Returns dQ, dK, dV on the host.
+  template <class Backward>
+  auto backward(Backward&& fn, DeviceQkv& grad, void* ws, std::size_t ws_bytes) const {
+    grad.poison();
+    for (std::size_t ch = chunk_starts.size(); ch-- > 0;)
+      OOM_CUDA_CHECK(fn(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), as_const(o), dor, lse.get(), grad.q,
+                        grad.k, grad.v, /*accumulate_dkv=*/ch + 1 < chunk_starts.size(), ws, ws_bytes, nullptr));
+    return std::tuple{download(grad.q, d, d.heads_q), download(grad.k, d, d.heads_kv), download(grad.v, d, d.heads_kv)};
+  }
+};
 
 }  // namespace oom::test::attention

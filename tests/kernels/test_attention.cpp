@@ -37,6 +37,7 @@ using oom::test::attention::check_bounded;
 using oom::test::attention::DeviceQkv;
 using oom::test::attention::download;
 using oom::test::attention::hashed_bf16;
+using oom::test::attention::Prepared;
 using oom::test::attention::random_bf16;
 using oom::test::attention::relative_l2;
 using oom::test::attention::to_float;
@@ -79,82 +80,6 @@ struct Case {
   bool packed;
 };
 
-/// One shape's random bf16 inputs on the device, the CPU reference's O, LSE and gradients on exactly
-/// those bf16 values with their error scales, and the GPU forward over the query chunks (first to
-/// last, as the planner runs them): where both backward checks below start.
-struct Prepared {
-  AttentionDims d;
-  float scale;
-  std::vector<int> chunk_starts;
-  std::vector<float> o_ref, lse_ref, dq_ref, dk_ref, dv_ref;
-  std::vector<double> o_mag, dq_mag, dk_mag, dv_mag;
-  DeviceQkv in;
-  DeviceBuffer<bf16> o_buf, do_buf;
-  DeviceBuffer<float> lse;
-  TokenRows<bf16> o;
-  TokenRows<const bf16> dor;
-
-  Prepared(const Case& c, std::uint64_t seed, std::vector<int> starts)
-      : d{c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim},
-        scale(1.0f / std::sqrt(static_cast<float>(c.head_dim))),
-        chunk_starts(std::move(starts)),
-        in(d, c.packed) {
-    const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * c.head_dim;
-    const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * c.head_dim;
-    const std::size_t nlse = static_cast<std::size_t>(c.batch) * c.heads_q * c.seq;
-    const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
-    const auto d_o = random_bf16(nq, seed + 3);
-
-    const auto qf = to_float(q), kf = to_float(k), vf = to_float(v), dof = to_float(d_o);
-    o_ref.resize(nq), lse_ref.resize(nlse), dq_ref.resize(nq), dk_ref.resize(nkv), dv_ref.resize(nkv);
-    oom::reference::attention_forward<float>(d, scale, qf, kf, vf, o_ref, lse_ref);
-    oom::reference::attention_backward<float>(d, scale, qf, kf, vf, o_ref, lse_ref, dof, dq_ref, dk_ref, dv_ref);
-    o_mag.resize(nq), dq_mag.resize(nq), dk_mag.resize(nkv), dv_mag.resize(nkv);
-    oom::reference::attention_error_scales<float>(d, scale, qf, kf, vf, o_ref, dof, o_mag, dq_mag, dk_mag, dv_mag);
-
-    upload(in.q, q, d, c.heads_q);
-    upload(in.k, k, d, c.heads_kv);
-    upload(in.v, v, d, c.heads_kv);
-    o_buf = DeviceBuffer<bf16>(nq);
-    do_buf = DeviceBuffer<bf16>(d_o);
-    lse = DeviceBuffer<float>(nlse);
-    const std::int64_t q_row = static_cast<std::int64_t>(c.heads_q) * c.head_dim;
-    o = {o_buf.get(), c.seq * q_row, q_row};
-    dor = {do_buf.get(), c.seq * q_row, q_row};
-    for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch)
-      OOM_CUDA_CHECK(oom::kernels::attention_forward(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), o,
-                                                     lse.get(), nullptr));
-  }
-
-  [[nodiscard]] AttentionProblem problem(std::size_t chunk) const {
-    AttentionProblem p{.batch = d.batch, .seq = d.seq, .heads_q = d.heads_q, .heads_kv = d.heads_kv,
-                       .head_dim = d.head_dim, .softmax_scale = scale};
-    p.q_begin = chunk_starts[chunk];
-    p.q_end = chunk + 1 < chunk_starts.size() ? chunk_starts[chunk + 1] : d.seq;
-    REQUIRE(oom::kernels::attention_can_implement(p));
-    return p;
-  }
-
-  /// The workspace `bytes(problem)` asks for, at most over the chunks.
-  template <class Bytes>
-  [[nodiscard]] std::size_t workspace_bytes(Bytes&& bytes) const {
-    std::size_t n = 0;
-    for (std::size_t ch = 0; ch < chunk_starts.size(); ++ch) n = std::max(n, bytes(problem(ch)));
-    return n;
-  }
-
-  /// `backward` (attention_backward's signature) over the chunks, last to first, dK/dV accumulated
-  /// after the first; `grad` poisoned before. Returns dQ, dK, dV on the host.
-  template <class Backward>
-  auto backward(Backward&& fn, DeviceQkv& grad, void* ws, std::size_t ws_bytes) const {
-    grad.poison();
-    for (std::size_t ch = chunk_starts.size(); ch-- > 0;)
-      OOM_CUDA_CHECK(fn(problem(ch), as_const(in.q), as_const(in.k), as_const(in.v), as_const(o), dor, lse.get(), grad.q,
-                        grad.k, grad.v, /*accumulate_dkv=*/ch + 1 < chunk_starts.size(), ws, ws_bytes, nullptr));
-    return std::tuple{download(grad.q, d, d.heads_q), download(grad.k, d, d.heads_kv), download(grad.v, d, d.heads_kv)};
-  }
-};
-
 std::string describe(const Case& c, const std::vector<int>& chunk_starts) {
   return "B=" + std::to_string(c.batch) + " S=" + std::to_string(c.seq) + " Hq=" + std::to_string(c.heads_q) +
          " Hkv=" + std::to_string(c.heads_kv) + " D=" + std::to_string(c.head_dim) +
@@ -165,7 +90,7 @@ std::string describe(const Case& c, const std::vector<int>& chunk_starts) {
 /// backward last-to-first, as the planner does), and compares everything with the reference.
 void check_case(const Case& c, std::uint64_t seed, std::vector<int> chunk_starts = {0}) {
   INFO(describe(c, chunk_starts));
-  const Prepared t(c, seed, std::move(chunk_starts));
+  const Prepared t({c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim}, c.packed, seed, std::move(chunk_starts));
   const auto o_got = download(t.o, t.d, c.heads_q);
   check_bounded(o_got, t.o_ref, t.o_mag, 3, "O");
   CHECK(relative_l2(o_got, t.o_ref) < rel_l2_max);
@@ -415,7 +340,7 @@ static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::attention_backw
 /// - a second run bit-identical to the first; outputs poisoned (NaN) before every run.
 void check_fused_dq_case(const Case& c, std::uint64_t seed, std::vector<int> chunk_starts = {0}) {
   INFO(describe(c, chunk_starts));
-  const Prepared t(c, seed, std::move(chunk_starts));
+  const Prepared t({c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim}, c.packed, seed, std::move(chunk_starts));
   const std::size_t ws_a = t.workspace_bytes(oom::kernels::attention_backward_workspace_bytes);
   const std::size_t ws_f = t.workspace_bytes(oom::kernels::attention_backward_fused_dq_workspace_bytes);
   DeviceBuffer<unsigned char> ws(std::max(ws_a, ws_f));

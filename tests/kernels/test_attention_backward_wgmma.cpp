@@ -54,6 +54,7 @@ using oom::test::attention::check_bounded;
 using oom::test::attention::DeviceQkv;
 using oom::test::attention::download;
 using oom::test::attention::hashed_bf16;
+using oom::test::attention::Prepared;
 using oom::test::attention::random_bf16;
 using oom::test::attention::relative_l2;
 using oom::test::attention::to_float;
@@ -95,51 +96,13 @@ bool bits_equal(const std::vector<bf16>& a, const std::vector<bf16>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0;
 }
 
-/// One problem's inputs on the device: Q, K, V, dO random; O and LSE of the mma.sync forward over
-/// the whole sequence; the CPU reference gradients and their error scales.
-struct Problem {
-  AttentionDims d;
-  bool packed;
-  float scale;
-  DeviceQkv in;
-  DeviceBuffer<bf16> o_buf, do_buf;
-  DeviceBuffer<float> lse;
-  std::vector<float> dq_ref, dk_ref, dv_ref;
-  std::vector<double> dq_mag, dk_mag, dv_mag;
-
-  Problem(const AttentionDims& dims, bool is_packed, std::uint64_t seed)
-      : d(dims), packed(is_packed), scale(1.0f / std::sqrt(static_cast<float>(kD))), in(dims, is_packed) {
-    const std::size_t nq = static_cast<std::size_t>(d.batch) * d.seq * d.heads_q * kD;
-    const std::size_t nkv = static_cast<std::size_t>(d.batch) * d.seq * d.heads_kv * kD;
-    const std::size_t nlse = static_cast<std::size_t>(d.batch) * d.heads_q * d.seq;
-    const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
-    const auto d_o = random_bf16(nq, seed + 3);
-    const auto qf = to_float(q), kf = to_float(k), vf = to_float(v), dof = to_float(d_o);
-    std::vector<float> o_ref(nq), lse_ref(nlse);
-    dq_ref.resize(nq);
-    dk_ref.resize(nkv);
-    dv_ref.resize(nkv);
-    oom::reference::attention_forward<float>(d, scale, qf, kf, vf, o_ref, lse_ref);
-    oom::reference::attention_backward<float>(d, scale, qf, kf, vf, o_ref, lse_ref, dof, dq_ref, dk_ref, dv_ref);
-    std::vector<double> o_mag(nq);
-    dq_mag.resize(nq);
-    dk_mag.resize(nkv);
-    dv_mag.resize(nkv);
-    oom::reference::attention_error_scales<float>(d, scale, qf, kf, vf, o_ref, dof, o_mag, dq_mag, dk_mag, dv_mag);
-
-    upload(in.q, q, d, d.heads_q);
-    upload(in.k, k, d, d.heads_kv);
-    upload(in.v, v, d, d.heads_kv);
-    o_buf = DeviceBuffer<bf16>(nq);
-    do_buf = DeviceBuffer<bf16>(d_o);
-    lse = DeviceBuffer<float>(nlse);
-    OOM_CUDA_CHECK(oom::kernels::attention_forward(problem(0, d.seq), as_const(in.q), as_const(in.k), as_const(in.v),
-                                                   o(), lse.get(), nullptr));
+/// One problem's inputs on the device: Q, K, V, dO random; O and LSE of the forward over the whole
+/// sequence; the CPU reference gradients and their error scales (Prepared, attention_test_util.hpp),
+/// and backward calls over any query range.
+struct Problem : Prepared {
+  Problem(const AttentionDims& dims, bool packed, std::uint64_t seed) : Prepared(dims, packed, seed, {0}) {
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
   }
-  [[nodiscard]] std::int64_t q_row() const { return std::int64_t{d.heads_q} * kD; }
-  [[nodiscard]] TokenRows<bf16> o() const { return {o_buf.get(), d.seq * q_row(), q_row()}; }
-  [[nodiscard]] TokenRows<const bf16> d_o() const { return {do_buf.get(), d.seq * q_row(), q_row()}; }
   [[nodiscard]] AttentionProblem problem(int q_begin, int q_end) const {
     AttentionProblem p{.batch = d.batch, .seq = d.seq, .heads_q = d.heads_q, .heads_kv = d.heads_kv, .head_dim = kD,
                        .softmax_scale = scale};
@@ -151,7 +114,7 @@ struct Problem {
   /// One backward call into `grad` with a fresh workspace of exactly the size asked for.
   void backward(BackwardFn fn, const AttentionProblem& p, DeviceQkv& grad, bool accumulate_dkv) const {
     DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p));
-    OOM_CUDA_CHECK(fn(p, as_const(in.q), as_const(in.k), as_const(in.v), as_const(o()), d_o(), lse.get(), grad.q,
+    OOM_CUDA_CHECK(fn(p, as_const(in.q), as_const(in.k), as_const(in.v), as_const(o), dor, lse.get(), grad.q,
                       grad.k, grad.v, accumulate_dkv, ws.get(), ws.bytes(), nullptr));
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
   }
