@@ -1,6 +1,6 @@
 // The Hopper (wgmma) attention backward (src/kernels/hopper/attention_backward_wgmma.cu) against
 // the CPU reference and against the mma.sync backward (oom::kernels::attention_backward_mma_sync) on the
-// same inputs (Q, K, V, dO random bf16; O and LSE from the mma.sync forward): sequence lengths that
+// same inputs (Q, K, V, dO random bf16; O and LSE from attention_forward): sequence lengths that
 // are no multiple of the 64/128-row tiles (1, 17, 1000, 4099) and ones that are (64, 128), GQA (4/2)
 // and MHA (2/2), batch 1 and 2, Q/K/V and dQ/dK/dV separate and packed. Two kinds of runs:
 //   - whole sequences, in one call or in query chunks run last to first with dK/dV accumulated
@@ -15,7 +15,8 @@
 // (the pipelined dK/dV and dQ kernels) and attention_backward_wgmma_v3 (the warp-specialised ones:
 // a producer warpgroup and mbarrier stages), each checked as above, and v2 and v3 bit-identical to
 // v1 (same products, same order). Then the refusals (as attention_backward's, plus head_dim != 128:
-// NotSupported) and a timing report (printed, not asserted) at S = 4096, 16384, 65536, v1, v2 and
+// NotSupported), the dispatch (attention_forward / attention_backward give the wgmma kernels' bits
+// at head_dim 128, the mma.sync kernels' at 256), and a timing report (printed, not asserted) at S = 4096, 16384, 65536, v1, v2 and
 // v3 side by side.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
@@ -370,6 +371,43 @@ TEST_CASE("attention_backward_wgmma on one query sub-range: rows outside it unto
                       R{1, 300, 4, 2, true, 190, 300}, R{1, 1000, 4, 2, false, 128, 256}})
       check_range(AttentionDims{r.batch, r.seq, r.hq, r.hkv, kD}, r.packed, seed += 10, r.q_begin, r.q_end,
                   accumulate);
+}
+
+TEST_CASE("on compute capability 9.0 attention_forward/backward run the wgmma kernels at head_dim 128, mma.sync at 256") {
+  // The dispatch in src/kernels/attention_{forward,backward}.cu: the public entry points must give
+  // the bits of the kernel they are meant to run (the wgmma and mma.sync kernels sum in different
+  // orders, so their bits differ: the warning below says so if this test ever loses that power).
+  require_sm90();
+  for (const int hd : {128, 256}) {
+    CAPTURE(hd);
+    const Prepared t({1, 300, 4, 2, hd}, true, 900 + static_cast<std::uint64_t>(hd), {0});  // forward by attention_forward
+    const auto forward_bits = [&](auto&& fn) {
+      DeviceBuffer<bf16> o_buf(t.o_buf.size());
+      DeviceBuffer<float> lse(t.lse.size());
+      const TokenRows<bf16> o{o_buf.get(), t.o.batch_stride, t.o.token_stride};
+      OOM_CUDA_CHECK(fn(t.problem(0), as_const(t.in.q), as_const(t.in.k), as_const(t.in.v), o, lse.get(), nullptr));
+      return std::pair{o_buf.download(), lse.download()};
+    };
+    const auto mma = forward_bits(oom::kernels::attention_forward_mma_sync);
+    const auto want = hd != 128 ? mma : forward_bits([](auto&&... a) {
+      return oom::kernels::hopper::attention_forward_wgmma_2wg(a...);  // its default schedule
+    });
+    const auto o_public = t.o_buf.download();
+    const auto lse_public = t.lse.download();
+    CHECK(bits_equal(o_public, want.first));
+    CHECK(std::memcmp(lse_public.data(), want.second.data(), lse_public.size() * sizeof(float)) == 0);
+    if (hd == 128) WARN_FALSE(bits_equal(want.first, mma.first));
+
+    DeviceQkv g_public(t.d, true), g_want(t.d, true);
+    DeviceBuffer<unsigned char> ws(t.workspace_bytes(oom::kernels::attention_backward_workspace_bytes));
+    const auto [dq, dk, dv] = t.backward(oom::kernels::attention_backward, g_public, ws.get(), ws.bytes());
+    const BackwardFn meant =
+        hd == 128 ? &oom::kernels::hopper::attention_backward_wgmma_v2 : &oom::kernels::attention_backward_mma_sync;
+    const auto [dq_w, dk_w, dv_w] = t.backward(meant, g_want, ws.get(), ws.bytes());
+    CHECK(dq == dq_w);
+    CHECK(dk == dk_w);
+    CHECK(dv == dv_w);
+  }
 }
 
 TEST_CASE("attention_backward_wgmma (v1, v2, v3) vs mma.sync: timing at S = 4096, 16384, 65536 (B = 1, Hq/Hkv = 16/4)") {
