@@ -571,11 +571,10 @@ cudaError_t attention_backward(const AttentionProblem& p, TokenRows<const bf16> 
                                bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                cudaStream_t stream) {
 #if OOM_HAS_SM90A_KERNELS
-  // As attention_forward: the wgmma kernels unless they have no code for the case (v2: the same
-  // bits as v1, 1.02-1.04x faster on the H200, docs/hopper.md).
+  // As attention_forward: the wgmma kernels unless they have no code for the case.
   if (p.head_dim == 128) {
-    const cudaError_t e = hopper::attention_backward_wgmma_v2(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv,
-                                                              workspace, workspace_bytes, stream);
+    const cudaError_t e = hopper::attention_backward_wgmma(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv,
+                                                           workspace, workspace_bytes, stream);
     if (e != cudaErrorNotSupported) return e;
   }
 #endif

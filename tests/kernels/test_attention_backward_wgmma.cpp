@@ -11,13 +11,10 @@
 //     [0, q_end) (the chunk's partial sums, which the reference does not produce) within the
 //     bound of the mma.sync kernel's; every dQ row outside the range and every dK/dV row >= q_end
 //     untouched (still poison, or still the pre-filled value).
-// Every case runs the three wgmma variants: attention_backward_wgmma (v1), attention_backward_wgmma_v2
-// (the pipelined dK/dV and dQ kernels) and attention_backward_wgmma_v3 (the warp-specialised ones:
-// a producer warpgroup and mbarrier stages), each checked as above, and v2 and v3 bit-identical to
-// v1 (same products, same order). Then the refusals (as attention_backward's, plus head_dim != 128:
-// NotSupported), the dispatch (attention_forward / attention_backward give the wgmma kernels' bits
-// at head_dim 128, the mma.sync kernels' at 256), and a timing report (printed, not asserted) at S = 4096, 16384, 65536, v1, v2 and
-// v3 side by side.
+// Then the refusals (as attention_backward's, plus head_dim != 128: NotSupported), the dispatch
+// (attention_forward / attention_backward give the wgmma kernels' bits at head_dim 128, the
+// mma.sync kernels' at 256), and a timing report (printed, not asserted) at S = 4096, 16384, 65536
+// against the mma.sync backward.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
@@ -27,7 +24,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <iterator>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -69,14 +65,8 @@ void require_sm90() { oom::test::require_sm90("test_attention_backward_wgmma"); 
 using BackwardFn = decltype(&oom::kernels::attention_backward_mma_sync);
 static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::hopper::attention_backward_wgmma)>,
               "the wgmma backward takes attention_backward's arguments");
-static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::hopper::attention_backward_wgmma_v2)>,
-              "the wgmma backward v2 takes attention_backward's arguments");
-static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::hopper::attention_backward_wgmma_v3)>,
-              "the wgmma backward v3 takes attention_backward's arguments");
-/// The wgmma variants every case runs: v1 (serial kernels), v2 (pipelined), v3 (warp-specialised).
-const BackwardFn kWgmmaFns[] = {&oom::kernels::hopper::attention_backward_wgmma,
-                                &oom::kernels::hopper::attention_backward_wgmma_v2,
-                                &oom::kernels::hopper::attention_backward_wgmma_v3};
+constexpr BackwardFn kMma = &oom::kernels::attention_backward_mma_sync;
+constexpr BackwardFn kWgmma = &oom::kernels::hopper::attention_backward_wgmma;
 
 /// Raw bf16 rows of a strided (B, S, H, D) device tensor, contiguous on the host.
 std::vector<bf16> download_bits(TokenRows<bf16> src, const AttentionDims& d, int heads) {
@@ -133,23 +123,7 @@ void check_against_mma(const char* what, const std::vector<bf16>& wg, const std:
   check_bounded(to_float(wg), to_float(mma), mag, 2 * slack + 4, what);
 }
 
-const char* name(BackwardFn fn) {
-  if (fn == &oom::kernels::attention_backward_mma_sync) return "mma.sync";
-  if (fn == &oom::kernels::hopper::attention_backward_wgmma_v2) return "wgmma_v2";
-  return fn == &oom::kernels::hopper::attention_backward_wgmma_v3 ? "wgmma_v3" : "wgmma";
-}
-
-/// v2 and v3 run the same products as v1 in the same order on the same values (only the issue
-/// order of independent wgmma groups, or who loads the tiles, differs, and fully masked tiles add
-/// exact zeros): the same bits. `results` holds one Grads per kWgmmaFns entry.
-void check_bits_v1(const std::vector<Grads>& results) {
-  for (std::size_t i = 1; i < results.size(); ++i) {
-    const std::string who = name(kWgmmaFns[i]);
-    CHECK_MESSAGE(bits_equal(results[i].dq, results[0].dq), who << " dQ differs from wgmma's");
-    CHECK_MESSAGE(bits_equal(results[i].dk, results[0].dk), who << " dK differs from wgmma's");
-    CHECK_MESSAGE(bits_equal(results[i].dv, results[0].dv), who << " dV differs from wgmma's");
-  }
-}
+const char* name(BackwardFn fn) { return fn == kMma ? "mma.sync" : "wgmma"; }
 
 /// Whole sequences, in query chunks run last to first (chunk_starts = {0} is one call).
 void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const std::vector<int>& chunk_starts = {0}) {
@@ -165,14 +139,11 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
     }
     return pr.download_grads(grad);
   };
-  const Grads mma = run(&oom::kernels::attention_backward_mma_sync);
-  std::vector<Grads> results;
-  for (const BackwardFn wfn : kWgmmaFns) results.push_back(run(wfn));
+  const Grads mma = run(kMma), wg = run(kWgmma);
   // dK/dV of chunked runs are rounded to bf16 after each chunk: one more u mag per chunk.
   const double chunks = static_cast<double>(chunk_starts.size());
-  for (std::size_t i = 0; i <= results.size(); ++i) {  // mma.sync, then the wgmma variants
-    const BackwardFn fn = i == 0 ? &oom::kernels::attention_backward_mma_sync : kWgmmaFns[i - 1];
-    const Grads& g = i == 0 ? mma : results[i - 1];
+  for (const BackwardFn fn : {kMma, kWgmma}) {
+    const Grads& g = fn == kMma ? mma : wg;
     const std::string who = name(fn);
     check_bounded(to_float(g.dq), pr.dq_ref, pr.dq_mag, 4, (who + " dQ vs reference").c_str());
     check_bounded(to_float(g.dk), pr.dk_ref, pr.dk_mag, 4 + chunks, (who + " dK vs reference").c_str());
@@ -185,21 +156,15 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
       CHECK(relative_l2(to_float(g.dv), pr.dv_ref) < 1e-2);
     }
   }
-  for (std::size_t i = 0; i < results.size(); ++i) {
-    const BackwardFn fn = kWgmmaFns[i];
-    CAPTURE(name(fn));
-    const Grads& g = results[i];
-    check_against_mma("dQ wgmma vs mma.sync", g.dq, mma.dq, pr.dq_mag, 4);
-    check_against_mma("dK wgmma vs mma.sync", g.dk, mma.dk, pr.dk_mag, 4 + chunks);
-    check_against_mma("dV wgmma vs mma.sync", g.dv, mma.dv, pr.dv_mag, 4 + chunks);
+  check_against_mma("dQ wgmma vs mma.sync", wg.dq, mma.dq, pr.dq_mag, 4);
+  check_against_mma("dK wgmma vs mma.sync", wg.dk, mma.dk, pr.dk_mag, 4 + chunks);
+  check_against_mma("dV wgmma vs mma.sync", wg.dv, mma.dv, pr.dv_mag, 4 + chunks);
 
-    // No atomics: a second run is bit-identical.
-    const Grads again = run(fn);
-    CHECK_MESSAGE(bits_equal(again.dq, g.dq), "wgmma dQ differs between two runs");
-    CHECK_MESSAGE(bits_equal(again.dk, g.dk), "wgmma dK differs between two runs");
-    CHECK_MESSAGE(bits_equal(again.dv, g.dv), "wgmma dV differs between two runs");
-  }
-  check_bits_v1(results);
+  // No atomics: a second run is bit-identical.
+  const Grads again = run(kWgmma);
+  CHECK_MESSAGE(bits_equal(again.dq, wg.dq), "wgmma dQ differs between two runs");
+  CHECK_MESSAGE(bits_equal(again.dk, wg.dk), "wgmma dK differs between two runs");
+  CHECK_MESSAGE(bits_equal(again.dv, wg.dv), "wgmma dV differs between two runs");
 }
 
 /// One query sub-range [q_begin, q_end) alone, accumulate_dkv false (dQ/dK/dV poisoned) or true
@@ -221,12 +186,9 @@ void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_
     pr.backward(fn, pr.problem(q_begin, q_end), grad, accumulate);
     return pr.download_grads(grad);
   };
-  const Grads mma = run(&oom::kernels::attention_backward_mma_sync);
-  std::vector<Grads> results;
-  results.reserve(std::size(kWgmmaFns));
-  for (const BackwardFn wfn : kWgmmaFns) {
-    CAPTURE(name(wfn));
-    const Grads& wg = results.emplace_back(run(wfn));
+  const Grads mma = run(kMma);
+  {
+    const Grads wg = run(kWgmma);
 
     // Rows outside what the call may write: untouched.
     std::size_t dq_touched = 0, dkv_touched = 0;
@@ -280,12 +242,11 @@ void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_
     check_bounded(dk_wg, dk_mma, dk_mag, 2 * 5 + 4, "dK wgmma vs mma.sync (rows < q_end)");
     check_bounded(dv_wg, dv_mma, dv_mag, 2 * 5 + 4, "dV wgmma vs mma.sync (rows < q_end)");
 
-    const Grads again = run(wfn);
+    const Grads again = run(kWgmma);
     CHECK_MESSAGE(bits_equal(again.dq, wg.dq), "wgmma dQ differs between two runs");
     CHECK_MESSAGE(bits_equal(again.dk, wg.dk), "wgmma dK differs between two runs");
     CHECK_MESSAGE(bits_equal(again.dv, wg.dv), "wgmma dV differs between two runs");
   }
-  check_bits_v1(results);
 }
 
 }  // namespace
@@ -302,7 +263,7 @@ TEST_CASE("attention_backward_wgmma refuses what attention_backward refuses, and
                        void* w, std::size_t w_bytes) {
     return fn(prob, q, in, in, in, in, lse.get(), dq, out, out, false, w, w_bytes, nullptr);
   };
-  for (const BackwardFn fn : {&oom::kernels::attention_backward_mma_sync, kWgmmaFns[0], kWgmmaFns[1], kWgmmaFns[2]}) {
+  for (const BackwardFn fn : {kMma, kWgmma}) {
     CAPTURE(name(fn));
     auto bad = p;
     bad.head_dim = 64;  // valid for none
@@ -328,12 +289,9 @@ TEST_CASE("attention_backward_wgmma refuses what attention_backward refuses, and
   }
   auto d256 = p;
   d256.head_dim = 256;  // valid for the mma.sync kernels, not implemented here
-  for (const BackwardFn fn : kWgmmaFns) {
-    CAPTURE(name(fn));
-    CHECK(run(fn, d256, in, out, ws.get(), ws.bytes()) == cudaErrorNotSupported);
-    // Off compute capability 9.0 there is no code to run: refused, not launched.
-    if (!oom::test::device_is_sm90()) CHECK(run(fn, p, in, out, ws.get(), ws.bytes()) == cudaErrorNotSupported);
-  }
+  CHECK(run(kWgmma, d256, in, out, ws.get(), ws.bytes()) == cudaErrorNotSupported);
+  // Off compute capability 9.0 there is no code to run: refused, not launched.
+  if (!oom::test::device_is_sm90()) CHECK(run(kWgmma, p, in, out, ws.get(), ws.bytes()) == cudaErrorNotSupported);
 }
 
 TEST_CASE("attention_backward_wgmma matches the reference and the mma.sync backward, whole sequences") {
@@ -401,8 +359,7 @@ TEST_CASE("on compute capability 9.0 attention_forward/backward run the wgmma ke
     DeviceQkv g_public(t.d, true), g_want(t.d, true);
     DeviceBuffer<unsigned char> ws(t.workspace_bytes(oom::kernels::attention_backward_workspace_bytes));
     const auto [dq, dk, dv] = t.backward(oom::kernels::attention_backward, g_public, ws.get(), ws.bytes());
-    const BackwardFn meant =
-        hd == 128 ? &oom::kernels::hopper::attention_backward_wgmma_v2 : &oom::kernels::attention_backward_mma_sync;
+    const BackwardFn meant = hd == 128 ? kWgmma : kMma;
     const auto [dq_w, dk_w, dv_w] = t.backward(meant, g_want, ws.get(), ws.bytes());
     CHECK(dq == dq_w);
     CHECK(dk == dk_w);
@@ -410,7 +367,7 @@ TEST_CASE("on compute capability 9.0 attention_forward/backward run the wgmma ke
   }
 }
 
-TEST_CASE("attention_backward_wgmma (v1, v2, v3) vs mma.sync: timing at S = 4096, 16384, 65536 (B = 1, Hq/Hkv = 16/4)") {
+TEST_CASE("attention_backward_wgmma vs mma.sync: timing at S = 4096, 16384, 65536 (B = 1, Hq/Hkv = 16/4)") {
   // Printed, not asserted. Backward FLOPs counted as 2.5x the causal forward's 2 S^2 Hq D (as
   // test_attention's 1M case): five S x S products of 2 D FLOP per entry over half the square.
   require_sm90();
@@ -418,7 +375,7 @@ TEST_CASE("attention_backward_wgmma (v1, v2, v3) vs mma.sync: timing at S = 4096
   for (const int s : {4096, 16384, 65536}) {
     const AttentionDims d{1, s, hq, hkv, kD};
     const std::size_t nq = static_cast<std::size_t>(s) * hq * kD, nkv = static_cast<std::size_t>(s) * hkv * kD;
-    DeviceQkv in(d, false), grad_mma(d, false), grad_wg(d, false), grad_wg2(d, false), grad_wg3(d, false);
+    DeviceQkv in(d, false), grad_mma(d, false), grad_wg(d, false);
     upload(in.q, hashed_bf16(nq, 1), d, hq);
     upload(in.k, hashed_bf16(nkv, 2), d, hkv);
     upload(in.v, hashed_bf16(nkv, 3), d, hkv);
@@ -440,28 +397,13 @@ TEST_CASE("attention_backward_wgmma (v1, v2, v3) vs mma.sync: timing at S = 4096
       };
     };
     const int repeats = s >= 65536 ? 3 : 10;
-    const double ms_mma = oom::test::time_ms(launcher(&oom::kernels::attention_backward_mma_sync, grad_mma), stream.s, repeats);
-    const double ms_wg =
-        oom::test::time_ms(launcher(&oom::kernels::hopper::attention_backward_wgmma, grad_wg), stream.s, repeats);
-    const double ms_wg2 =
-        oom::test::time_ms(launcher(&oom::kernels::hopper::attention_backward_wgmma_v2, grad_wg2), stream.s, repeats);
-    const double ms_wg3 =
-        oom::test::time_ms(launcher(&oom::kernels::hopper::attention_backward_wgmma_v3, grad_wg3), stream.s, repeats);
+    const double ms_mma = oom::test::time_ms(launcher(kMma, grad_mma), stream.s, repeats);
+    const double ms_wg = oom::test::time_ms(launcher(kWgmma, grad_wg), stream.s, repeats);
     const double flops = 2.5 * 2.0 * static_cast<double>(s) * s * hq * kD;
     std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal backward: mma.sync %.3f ms = %.0f TFLOP/s | wgmma %.3f ms = %.0f "
-                "TFLOP/s (%.2fx) | wgmma_v2 %.3f ms = %.0f TFLOP/s (%.2fx mma.sync, %.2fx wgmma) | wgmma_v3 %.3f ms = "
-                "%.0f TFLOP/s (%.2fx mma.sync, %.2fx wgmma)\n",
-                s, hq, hkv, ms_mma, flops / ms_mma / 1e9, ms_wg, flops / ms_wg / 1e9, ms_mma / ms_wg, ms_wg2,
-                flops / ms_wg2 / 1e9, ms_mma / ms_wg2, ms_wg / ms_wg2, ms_wg3, flops / ms_wg3 / 1e9, ms_mma / ms_wg3,
-                ms_wg / ms_wg3);
+                "TFLOP/s (%.2fx)\n",
+                s, hq, hkv, ms_mma, flops / ms_mma / 1e9, ms_wg, flops / ms_wg / 1e9, ms_mma / ms_wg);
     std::fflush(stdout);
-    {
-      std::vector<Grads> results;
-      for (DeviceQkv* g : {&grad_wg, &grad_wg2, &grad_wg3})
-        results.push_back(Grads{download_bits(g->q, d, hq), download_bits(g->k, d, hkv), download_bits(g->v, d, hkv)});
-      INFO("S=" << s);
-      check_bits_v1(results);
-    }
     // A size the CPU reference cannot afford: the two kernels against each other.
     for (const auto& [what, a, m] :
          {std::tuple{"dQ", download(grad_wg.q, d, hq), download(grad_mma.q, d, hq)},

@@ -51,9 +51,10 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
 /// dQ, dK, dV exactly as oom::kernels::attention_backward computes them (same layouts, strides,
 /// GQA sum, query sub-range and causal prefix, accumulate_dkv, workspace of
 /// attention_backward_workspace_bytes(p) and the same preprocess into it), by the wgmma kernels of
-/// src/kernels/hopper/attention_backward_wgmma.cu; within the same bf16 bounds of the exact
-/// gradients, deterministic (no atomics: bit-identical run to run). Returns cudaErrorInvalidValue
-/// where attention_backward does (problem, pointer, stride, LSE, workspace size or alignment);
+/// src/kernels/hopper/attention_backward_wgmma.cu (passes 2 and 3 in one warp-specialised grid: a
+/// producer warpgroup loads into mbarrier-tracked stages, two warpgroups compute); within the same
+/// bf16 bounds of the exact gradients, deterministic (no atomics: bit-identical run to run).
+/// Returns cudaErrorInvalidValue where attention_backward does (problem, pointer, stride, LSE, workspace size or alignment);
 /// cudaErrorNotSupported for head_dim != 128 or a current device that is not compute capability
 /// 9.0; otherwise the launches' status. No allocation, no synchronisation.
 cudaError_t attention_backward_wgmma(const AttentionProblem& p,
@@ -69,47 +70,5 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      bool accumulate_dkv,
                                      void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream);
-
-/// attention_backward_wgmma with software-pipelined dK/dV and dQ kernels
-/// (attention_backward_wgmma.cu, "v2"): the same arguments, returns and preprocess. dK/dV: the
-/// dV/dK wgmmas of a step are retired only during the next step, behind its S^T/dP^T wgmmas
-/// (three Q/dO buffers); dQ: dP_j and S_{j+1} are issued before the softmax of key tile j (S in
-/// two register sets, four K/V buffers). The same products in the same order on the same values
-/// (plus products of exact zeros on fully masked tiles), so the same bits as
-/// attention_backward_wgmma.
-cudaError_t attention_backward_wgmma_v2(const AttentionProblem& p,
-                                        TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
-                                        TokenRows<const bf16> k,    // (B, S, Hkv, D) bf16
-                                        TokenRows<const bf16> v,    // (B, S, Hkv, D) bf16
-                                        TokenRows<const bf16> o,    // (B, S, Hq, D) bf16 (the forward's output)
-                                        TokenRows<const bf16> d_o,  // (B, S, Hq, D) bf16
-                                        const float* lse,           // (B, Hq, S) fp32 (the forward's)
-                                        TokenRows<bf16> dq,         // (B, S, Hq, D) bf16, rows [q_begin, q_end)
-                                        TokenRows<bf16> dk,         // (B, S, Hkv, D) bf16, rows [0, q_end)
-                                        TokenRows<bf16> dv,         // (B, S, Hkv, D) bf16, rows [0, q_end)
-                                        bool accumulate_dkv,
-                                        void* workspace, std::size_t workspace_bytes,
-                                        cudaStream_t stream);
-
-/// attention_backward_wgmma with warp-specialised dK/dV and dQ kernels
-/// (attention_backward_wgmma.cu, "v3"): the same arguments, returns and preprocess. A third
-/// (producer) warpgroup issues every load into mbarrier-tracked stages (four of (Q, dO, LSE2, D)
-/// for dK/dV, four of (K, V) for dQ) and hands its registers to the two computing warpgroups
-/// (setmaxnreg 24 / 240); no block-wide barrier in the loops. The computing warpgroups run v1's
-/// products in v1's order on the same values (plus products of exact zeros on fully masked
-/// tiles), so the same bits as attention_backward_wgmma.
-cudaError_t attention_backward_wgmma_v3(const AttentionProblem& p,
-                                        TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
-                                        TokenRows<const bf16> k,    // (B, S, Hkv, D) bf16
-                                        TokenRows<const bf16> v,    // (B, S, Hkv, D) bf16
-                                        TokenRows<const bf16> o,    // (B, S, Hq, D) bf16 (the forward's output)
-                                        TokenRows<const bf16> d_o,  // (B, S, Hq, D) bf16
-                                        const float* lse,           // (B, Hq, S) fp32 (the forward's)
-                                        TokenRows<bf16> dq,         // (B, S, Hq, D) bf16, rows [q_begin, q_end)
-                                        TokenRows<bf16> dk,         // (B, S, Hkv, D) bf16, rows [0, q_end)
-                                        TokenRows<bf16> dv,         // (B, S, Hkv, D) bf16, rows [0, q_end)
-                                        bool accumulate_dkv,
-                                        void* workspace, std::size_t workspace_bytes,
-                                        cudaStream_t stream);
 
 }  // namespace oom::kernels::hopper
