@@ -11,10 +11,6 @@
 //     [0, q_end) (the chunk's partial sums, which the reference does not produce) within the
 //     bound of the mma.sync kernel's; every dQ row outside the range and every dK/dV row >= q_end
 //     untouched (still poison, or still the pre-filled value).
-// These cases are small enough that attention_backward_wgmma runs passes 2 and 3 as one grid (at
-// most two dK/dV blocks per SM); its two-launch path (longer sequences) is checked against the
-// mma.sync kernel in the timing case below (S = 16K, 64K: relative L2) and, through the dispatch,
-// against sampled reference rows at S = 1M in test_attention.
 // Then the refusals (as attention_backward's, plus head_dim != 128: NotSupported), the dispatch
 // (attention_forward / attention_backward give the wgmma kernels' bits at head_dim 128, the
 // mma.sync kernels' at 256), and a timing report (printed, not asserted) at S = 4096, 16384, 65536

@@ -218,8 +218,10 @@ struct DkdvWsSmem {
 static_assert(DkdvWsSmem::off_bar == 194 * 1024 && DkdvWsSmem::bytes <= 227 * 1024);
 
 /// dK, dV of keys [128 nb, 128 nb + 128) of KV head hk, batch b (pass 2): one block of the fused
-/// kernel below, `smem` its DkdvWsSmem.
-__device__ __forceinline__ void dkdv_block(const BackwardParams& p, unsigned char* smem, int nb, int hk, int b) {
+/// kernel below, `smem` its DkdvWsSmem. `p` by value, as a kernel parameter: taken by reference
+/// (its address escapes), the causal/q_end masking of P^T compiled to a branch per element instead
+/// of selects, and the kernel ran 0.87-0.92x at S = 16K-64K on the H200.
+__device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
   using L = DkdvWsSmem;
   constexpr int S = kDkdvStages;
   const int n0 = nb * kDkdvKeys;
@@ -404,7 +406,7 @@ static_assert(DqWsSmem::off_bar == 192 * 1024 && DqWsSmem::bytes <= 227 * 1024);
 
 /// dQ of query rows [q_begin + 128 qb, + 128) of query head h, batch b (pass 3): one block of the
 /// fused kernel below, `smem` its DqWsSmem.
-__device__ __forceinline__ void dq_block(const BackwardParams& p, unsigned char* smem, int qb, int h, int b) {
+__device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
   using L = DqWsSmem;
   constexpr int S = kDqStages;
   const int hk = h / p.group;
@@ -548,38 +550,24 @@ __device__ __forceinline__ void dq_block(const BackwardParams& p, unsigned char*
 
 constexpr int kBackwardSmem = DkdvWsSmem::bytes > DqWsSmem::bytes ? DkdvWsSmem::bytes : DqWsSmem::bytes;
 
-/// Which of passes 2 and 3 a launch of attention_backward_wgmma_kernel runs.
-enum class Passes { dkdv, dq, both };
-
-/// Pass 2 (dK/dV blocks), pass 3 (dQ blocks), or both in one grid: blocks [0, dkdv_blocks) are
-/// dK/dV blocks, then dQ blocks. The two passes are independent (both read only the inputs and the
-/// preprocess's LSE2/D), so in one grid the dQ blocks fill the SMs that the causal tail of the
-/// dK/dV blocks leaves idle. Within each pass the blocks of one head come together (the key /
+/// Passes 2 and 3 in one grid: blocks [0, dkdv_blocks) are dK/dV blocks, then dQ blocks. The two
+/// passes are independent (both read only the inputs and the preprocess's LSE2/D), so the dQ blocks
+/// fill the SMs that the causal tail of the dK/dV blocks leaves idle instead of waiting for a
+/// second launch (at S = 4K, Hkv = 4 the dK/dV pass alone is 128 blocks for 132 SMs, key block 0
+/// doing twice the mean work). Within each pass the blocks of one head come together (the key /
 /// query block index varies fastest, key block 0 and the last query block, the longest, first):
 /// the blocks running at one time share the head's Q/dO (dK/dV) or K/V (dQ) tiles in L2.
-template <Passes PASSES>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel(const BackwardParams p, int kv_blocks,
                                                                                 int dkdv_blocks, int q_blocks) {
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem[];
-  const auto dkdv = [&](int i) {
+  const int i = static_cast<int>(blockIdx.x);
+  if (i < dkdv_blocks) {
     const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;
     dkdv_block(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
-  };
-  const auto dq = [&](int j) {
-    const int rest = j / q_blocks;
-    dq_block(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
-  };
-  const int i = static_cast<int>(blockIdx.x);
-  if constexpr (PASSES == Passes::dkdv) {
-    dkdv(i);
-  } else if constexpr (PASSES == Passes::dq) {
-    dq(i);
   } else {
-    if (i < dkdv_blocks)
-      dkdv(i);
-    else
-      dq(i - dkdv_blocks);
+    const int j = i - dkdv_blocks, rest = j / q_blocks;
+    dq_block(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
   }
 #else
   (void)p;
@@ -613,28 +601,13 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const 
   const std::int64_t q_blocks = (params.q_len() + kDqRows - 1) / kDqRows;
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;
   if (dkdv_blocks + dq_blocks > std::numeric_limits<int>::max()) return cudaErrorInvalidValue;  // beyond any that fits
-  int device = 0, sms = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess)
-    return e;
-  const auto launch = [&](auto kernel, std::int64_t blocks, std::int64_t first_dq_block) {
-    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmem);
-        e != cudaSuccess)
-      return e;
-    kernel<<<static_cast<unsigned>(blocks), kWsThreads, kBackwardSmem, stream>>>(
-        params, static_cast<int>(kv_blocks), static_cast<int>(first_dq_block), static_cast<int>(q_blocks));
-    return cudaGetLastError();
-  };
-  // One grid while the dK/dV blocks are at most two per SM: there their causal tail is a large part
-  // of the pass (at S = 4K, Hkv = 4: 0.68 ms instead of 0.79 on the H200). With more, two launches:
-  // the one-grid kernel's dK/dV and dQ blocks each ran 6-13% slower at S = 16K-64K (seventh
-  // session, docs/hopper.md), more than the tail it removes.
-  if (dkdv_blocks <= 2 * static_cast<std::int64_t>(sms))
-    return launch(attention_backward_wgmma_kernel<Passes::both>, dkdv_blocks + dq_blocks, dkdv_blocks);
-  if (const cudaError_t e = launch(attention_backward_wgmma_kernel<Passes::dkdv>, dkdv_blocks, dkdv_blocks);
+  if (const cudaError_t e = cudaFuncSetAttribute(attention_backward_wgmma_kernel,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmem);
       e != cudaSuccess)
     return e;
-  return launch(attention_backward_wgmma_kernel<Passes::dq>, dq_blocks, 0);
+  attention_backward_wgmma_kernel<<<static_cast<unsigned>(dkdv_blocks + dq_blocks), kWsThreads, kBackwardSmem, stream>>>(
+      params, static_cast<int>(kv_blocks), static_cast<int>(dkdv_blocks), static_cast<int>(q_blocks));
+  return cudaGetLastError();
 }
 
 }  // namespace oom::kernels::hopper
