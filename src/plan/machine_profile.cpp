@@ -377,20 +377,22 @@ struct AttentionCurves {
   SizeCurve forward, backward;
 };
 AttentionCurves h200_attention(double scale) {
-  // oom-calibrate on our 1x H200, 2026-11-30 (examples/profiles/h200-2026-11-30b.json); PyTorch SDPA
-  // forward + backward on the same shapes: 282 (4K), 567 (16K), 551 (32K), 543 (128K) TFLOP/s.
-  return {SizeCurve({{4096, 162.1 * kTFLOP * scale},
-                     {8192, 205.2 * kTFLOP * scale},
-                     {16384, 246.4 * kTFLOP * scale},
-                     {32768, 250.3 * kTFLOP * scale},
-                     {65536, 255.9 * kTFLOP * scale},
-                     {131072, 256.8 * kTFLOP * scale}}),
-          SizeCurve({{4096, 92.7 * kTFLOP * scale},
-                     {8192, 134.4 * kTFLOP * scale},
-                     {16384, 185.2 * kTFLOP * scale},
-                     {32768, 190.1 * kTFLOP * scale},
-                     {65536, 192.4 * kTFLOP * scale},
-                     {131072, 193.5 * kTFLOP * scale}})};
+  // oom-calibrate on our 1x H200, 2026-11-30, seventh session (examples/profiles/h200-2026-11-30e.json):
+  // the wgmma kernels (forward with a producer warpgroup; backward warp-specialised, passes 2 and 3
+  // in one grid). PyTorch SDPA forward + backward on the same shapes, that day: 330 (4K), 564 (16K),
+  // 568 (32K), 548 (128K) TFLOP/s.
+  return {SizeCurve({{4096, 255.6 * kTFLOP * scale},
+                     {8192, 314.9 * kTFLOP * scale},
+                     {16384, 349.6 * kTFLOP * scale},
+                     {32768, 364.4 * kTFLOP * scale},
+                     {65536, 370.3 * kTFLOP * scale},
+                     {131072, 372.8 * kTFLOP * scale}}),
+          SizeCurve({{4096, 302.6 * kTFLOP * scale},
+                     {8192, 355.8 * kTFLOP * scale},
+                     {16384, 386.0 * kTFLOP * scale},
+                     {32768, 386.0 * kTFLOP * scale},
+                     {65536, 386.0 * kTFLOP * scale},
+                     {131072, 386.0 * kTFLOP * scale}})};
 }
 
 void set_attention(MachineProfile& p, const AttentionCurves& c, const Provenance& forward, const Provenance& backward) {
@@ -480,8 +482,8 @@ MachineProfile MachineProfile::h200(int gpus) {
   {
     const std::string what =
         "OOM's flash attention, causal GQA 16q/4kv heads, head dim 128, batch 1, the {} timed alone ({}x the causal "
-        "forward FLOPs; oom-calibrate measure_flash_attention; forward + backward 0.38-0.43x PyTorch SDPA, "
-        "docs/performance.md; examples/profiles/h200-2026-11-30b.json)";
+        "forward FLOPs; oom-calibrate measure_flash_attention; the Hopper wgmma kernels, forward + backward "
+        "0.66-0.90x PyTorch SDPA, docs/performance.md; examples/profiles/h200-2026-11-30e.json)";
     set_attention(p, h200_attention(1.0), prov(fmt::format(fmt::runtime(what), "forward", 1), kH200Machine, kH200Date),
                   prov(fmt::format(fmt::runtime(what), "backward", 2.5), kH200Machine, kH200Date));
   }

@@ -16,6 +16,8 @@ pinned() { sed -E 's/.* and ([0-9.]+) GiB pinned.*/\1/' <<< "$1"; }
 step() { sed -E 's/.*predicted step ([0-9.]+) s.*/\1/' <<< "$1"; }
 echo "per-parameter staging, whole-layer rerun: $(pinned "$base") GiB pinned, $(step "$base") s; ring of 3: $(pinned "$ring") GiB; kept attention: $(step "$kept") s"
 awk -v a="$(pinned "$ring")" -v b="$(pinned "$base")" 'BEGIN { exit !(a + 10 < b) }' || { echo "FAIL: the ring did not cut pinned memory"; exit 1; }
-awk -v a="$(step "$kept")" -v b="$(step "$base")" 'BEGIN { exit !(a + 50 < b) }' || { echo "FAIL: kept attention did not shorten the step"; exit 1; }
+# 16 layers' attention forward not run again: ~48 s with the wgmma kernels' curves (built-in h200
+# profile since the seventh session; ~70 s with the mma.sync kernels' before).
+awk -v a="$(step "$kept")" -v b="$(step "$base")" 'BEGIN { exit !(a + 30 < b) }' || { echo "FAIL: kept attention did not shorten the step by 30 s"; exit 1; }
 "$plan" --model "$config" --grad-staging -1 > /dev/null 2>&1 && { echo "FAIL: --grad-staging -1 accepted"; exit 1; }
 echo "PASS"
