@@ -2,8 +2,8 @@
 // two warpgroups per 128 rows, P in registers, V read MN-major; what oom::kernels::attention_forward
 // runs on compute capability 9.0 at head_dim 128) against the CPU reference and against the
 // mma.sync kernel (oom::kernels::attention_forward_mma_sync, what it runs elsewhere) on the same
-// inputs, all four schedules (serial, overlap_softmax, and the warp-specialised producer_overlap
-// and producer_pingpong, each bit-identical to serial): sequence lengths that are no multiple of the
+// inputs, all five schedules (serial, overlap_softmax, and the warp-specialised producer_overlap,
+// producer_pingpong and producer_tma, each bit-identical to serial): sequence lengths that are no multiple of the
 // 64- or 128-row tiles (1, 17, 1000, 4099) and ones that are (64, 128 for the second), GQA (4/2) and
 // MHA (2/2), batch 1 and 2, Q/K/V separate and packed, and query sub-ranges [q_begin, q_end). O and
 // LSE are poisoned (all bits set) before every run: every entry in the range must be within its
@@ -208,7 +208,7 @@ void check_against_mma(const char* who, const Written& wg, const Written& mma, c
 }
 
 /// Which forward a run uses.
-enum class Kernel { mma_sync, wgmma_2wg_serial, wgmma_2wg_overlap, wgmma_ws_overlap, wgmma_ws_pingpong };
+enum class Kernel { mma_sync, wgmma_2wg_serial, wgmma_2wg_overlap, wgmma_ws_overlap, wgmma_ws_pingpong, wgmma_ws_tma };
 
 /// The mma.sync kernel and both schedules of the wgmma kernel on one case, each against the
 /// reference, and each wgmma schedule against the mma.sync kernel.
@@ -265,12 +265,17 @@ void check_case(const Case& c, std::uint64_t seed) {
         OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
                                                                          Wgmma2wgSchedule::producer_pingpong));
         break;
+      case Kernel::wgmma_ws_tma:
+        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
+                                                                         Wgmma2wgSchedule::producer_tma));
+        break;
     }
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     return Written{o_buf.download(), lse_buf.download()};
   };
   const Written mma = run(Kernel::mma_sync), wg2s = run(Kernel::wgmma_2wg_serial), wg2o = run(Kernel::wgmma_2wg_overlap),
-                wsov = run(Kernel::wgmma_ws_overlap), wspp = run(Kernel::wgmma_ws_pingpong);
+                wsov = run(Kernel::wgmma_ws_overlap), wspp = run(Kernel::wgmma_ws_pingpong),
+                wstma = run(Kernel::wgmma_ws_tma);
   check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
   check_against_reference("wgmma 2wg kernel, serial schedule", wg2s, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
   check_against_reference("wgmma 2wg kernel, overlap_softmax schedule", wg2o, o_ref, lse_ref, o_mag, d, c.q_begin,
@@ -279,10 +284,13 @@ void check_case(const Case& c, std::uint64_t seed) {
                           q_end);
   check_against_reference("wgmma 2wg kernel, producer_pingpong schedule", wspp, o_ref, lse_ref, o_mag, d, c.q_begin,
                           q_end);
+  check_against_reference("wgmma 2wg kernel, producer_tma schedule", wstma, o_ref, lse_ref, o_mag, d, c.q_begin,
+                          q_end);
   check_against_mma("wgmma 2wg serial", wg2s, mma, o_ref, lse_ref, o_mag, c, q_end);
   check_against_mma("wgmma 2wg overlap_softmax", wg2o, mma, o_ref, lse_ref, o_mag, c, q_end);
   check_against_mma("wgmma 2wg producer_overlap", wsov, mma, o_ref, lse_ref, o_mag, c, q_end);
   check_against_mma("wgmma 2wg producer_pingpong", wspp, mma, o_ref, lse_ref, o_mag, c, q_end);
+  check_against_mma("wgmma 2wg producer_tma", wstma, mma, o_ref, lse_ref, o_mag, c, q_end);
   // The two schedules compute the same operations on the same values in the same order (only
   // when each wgmma is issued differs), so they must agree bit for bit. A difference within the
   // tolerances above points at a race in overlap_softmax (an operand register or buffer reused
@@ -302,6 +310,14 @@ void check_case(const Case& c, std::uint64_t seed) {
                 "the 2wg kernel's O differs between its serial and producer_pingpong schedules");
   CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wspp.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
                 "the 2wg kernel's LSE differs between its serial and producer_pingpong schedules");
+  // producer_tma: the same wgmmas on the same values, read from TMA-loaded tiles in another
+  // layout through other descriptors. A difference points at the descriptors (LBO/SBO of the
+  // chunk-major K or V, kKc* / kVc* in attention_forward_wgmma_2wg.cu), the tensor map (tma.cuh),
+  // or the expect-tx protocol.
+  CHECK_MESSAGE(std::memcmp(wg2s.o.data(), wstma.o.data(), wg2s.o.size() * sizeof(bf16)) == 0,
+                "the 2wg kernel's O differs between its serial and producer_tma schedules");
+  CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wstma.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
+                "the 2wg kernel's LSE differs between its serial and producer_tma schedules");
 }
 
 }  // namespace
@@ -335,10 +351,15 @@ TEST_CASE("attention_forward_wgmma_2wg refuses what they cannot do, and do nothi
     return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st,
                                                              Wgmma2wgSchedule::producer_pingpong);
   };
+  const Forward producer_tma = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                  TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
+    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::producer_tma);
+  };
   for (const Named kernel : {Named{"attention_forward_wgmma_2wg, serial", serial},
                              Named{"attention_forward_wgmma_2wg, overlap_softmax", overlap},
                              Named{"attention_forward_wgmma_2wg, producer_overlap", producer_overlap},
-                             Named{"attention_forward_wgmma_2wg, producer_pingpong", producer_pingpong}}) {
+                             Named{"attention_forward_wgmma_2wg, producer_pingpong", producer_pingpong},
+                             Named{"attention_forward_wgmma_2wg, producer_tma", producer_tma}}) {
     CAPTURE(kernel.name);
     const Forward forward = kernel.forward;
     auto bad = p;
@@ -388,6 +409,38 @@ TEST_CASE("attention_forward_wgmma_2wg matches the reference and the mma.sync ke
     check_case(c, seed += 10);
 }
 
+TEST_CASE("producer_tma on K/V strides a tensor map cannot hold, or holds only by substitution: producer_overlap's bits") {
+  // K and V shared by both sequences of a batch (batch_stride 0: TMA strides must be positive, so
+  // producer_tma runs producer_overlap's kernel), and one sequence whose K/V batch_stride is 0
+  // (never used for an address: the tensor map gets a valid stand-in and TMA runs). Either way the
+  // result must be producer_overlap's, bit for bit, and nothing outside the rows written.
+  require_sm90();
+  const int s = 300, hq = 4, hkv = 2;
+  const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
+  for (const int batch : {2, 1}) {
+    CAPTURE(batch);
+    DeviceBuffer<bf16> q(random_bf16(static_cast<std::size_t>(batch * s * q_row), 900 + batch)),
+        k(random_bf16(static_cast<std::size_t>(s * kv_row), 901)), v(random_bf16(static_cast<std::size_t>(s * kv_row), 902));
+    const TokenRows<const bf16> qr{q.get(), s * q_row, q_row}, kr{k.get(), 0, kv_row}, vr{v.get(), 0, kv_row};
+    const AttentionProblem p{.batch = batch, .seq = s, .heads_q = hq, .heads_kv = hkv, .head_dim = kD,
+                             .softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD)), .q_begin = 5, .q_end = 290};
+    const std::size_t nq = static_cast<std::size_t>(batch * s * q_row), nlse = static_cast<std::size_t>(batch * hq * s);
+    DeviceBuffer<bf16> o_ov(nq), o_tma(nq);        // poisoned
+    DeviceBuffer<float> lse_ov(nlse), lse_tma(nlse);  // poisoned
+    OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qr, kr, vr, {o_ov.get(), s * q_row, q_row},
+                                                                     lse_ov.get(), nullptr,
+                                                                     Wgmma2wgSchedule::producer_overlap));
+    OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qr, kr, vr, {o_tma.get(), s * q_row, q_row},
+                                                                     lse_tma.get(), nullptr,
+                                                                     Wgmma2wgSchedule::producer_tma));
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto a = o_ov.download(), b = o_tma.download();
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0);
+    const auto la = lse_ov.download(), lb = lse_tma.download();
+    CHECK(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1, Hq/Hkv = 16/4, D = 128)") {
   // Printed, not asserted. FLOPs of the causal forward counted as src/cuda/calibrate.cu counts
   // them: 2 S^2 Hq D per batch (Q K^T and P V, 2 FLOP per multiply-add, half of the S x S square).
@@ -411,9 +464,9 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
       return out;
     };
     DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg2s(nq), o_wg2o(nq),
-        o_wsov(nq), o_wspp(nq);
+        o_wsov(nq), o_wspp(nq), o_wstma(nq);
     const std::size_t nlse = static_cast<std::size_t>(hq) * s;
-    DeviceBuffer<float> lse_mma(nlse), lse_wg2s(nlse), lse_wg2o(nlse), lse_wsov(nlse), lse_wspp(nlse);
+    DeviceBuffer<float> lse_mma(nlse), lse_wg2s(nlse), lse_wg2o(nlse), lse_wsov(nlse), lse_wspp(nlse), lse_wstma(nlse);
     const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
     const TokenRows<const bf16> qr{q.get(), s * q_row, q_row}, kr{k.get(), s * kv_row, kv_row},
         vr{v.get(), s * kv_row, kv_row};
@@ -440,12 +493,17 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
       OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
           p, qr, kr, vr, {o_wspp.get(), s * q_row, q_row}, lse_wspp.get(), st, Wgmma2wgSchedule::producer_pingpong));
     };
+    const auto wstma = [&](cudaStream_t st) {
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
+          p, qr, kr, vr, {o_wstma.get(), s * q_row, q_row}, lse_wstma.get(), st, Wgmma2wgSchedule::producer_tma));
+    };
     const int repeats = s >= 65536 ? 5 : 10;
     const double ms_mma = oom::test::time_ms(mma, stream.s, repeats);
     const double ms_wg2s = oom::test::time_ms(wg2s, stream.s, repeats);
     const double ms_wg2o = oom::test::time_ms(wg2o, stream.s, repeats);
     const double ms_wsov = oom::test::time_ms(wsov, stream.s, repeats);
     const double ms_wspp = oom::test::time_ms(wspp, stream.s, repeats);
+    const double ms_wstma = oom::test::time_ms(wstma, stream.s, repeats);
     const double flops = 2.0 * static_cast<double>(s) * s * hq * kD;
     const auto tflops = [&](double ms) { return flops / ms / 1e9; };
     std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward, TFLOP/s (x of mma.sync): mma.sync %.3f ms = %.0f", s, hq,
@@ -454,6 +512,7 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
                 tflops(ms_wg2s), ms_mma / ms_wg2s, ms_wg2o, tflops(ms_wg2o), ms_mma / ms_wg2o);
     std::printf("        | producer_overlap %.3f ms = %.0f (%.2fx) | producer_pingpong %.3f ms = %.0f (%.2fx)\n", ms_wsov,
                 tflops(ms_wsov), ms_mma / ms_wsov, ms_wspp, tflops(ms_wspp), ms_mma / ms_wspp);
+    std::printf("        | producer_tma %.3f ms = %.0f (%.2fx)\n", ms_wstma, tflops(ms_wstma), ms_mma / ms_wstma);
     std::fflush(stdout);
 
     const auto m = to_float(o_mma.download());
@@ -474,5 +533,12 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
     against_mma("wgmma 2wg overlap_softmax", o_wg2o, lse_wg2o);
     against_mma("wgmma 2wg producer_overlap", o_wsov, lse_wsov);
     against_mma("wgmma 2wg producer_pingpong", o_wspp, lse_wspp);
+    against_mma("wgmma 2wg producer_tma", o_wstma, lse_wstma);
+    // The TMA loader must not change a bit (same wgmmas, same values) at these sizes either.
+    {
+      const auto a = o_wsov.download(), b = o_wstma.download();
+      CHECK_MESSAGE(std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0,
+                    "producer_tma's O differs from producer_overlap's at S=" << s);
+    }
   }
 }

@@ -58,8 +58,12 @@
 // barrier in the loop. setmaxnreg: producer 24, consumers 240 registers (the exact exchange from the
 // 168 each thread starts with). producer_pingpong: the consumers take turns issuing their wgmmas
 // (named barriers 1, 2), so one's softmax runs under the other's GEMMs.
-// ptxas (nvcc 13.0, -O3, sm_90a): serial 235 registers, overlap_softmax 238; producer_overlap and
-// producer_pingpong 168 at launch (consumers up to 240); 0 spills, no C7519/C7520 warning.
+// producer_tma (not yet run on a GPU): producer_overlap with K and V loaded by one TMA instruction
+// per tile from one producer thread into a chunk-major layout (kKc*, kVc* below; tma.cuh), the
+// consumers unchanged but for those tiles' descriptor strides.
+// ptxas (nvcc 13.0, -O3, sm_90a): serial 235 registers, overlap_softmax 238; producer_overlap,
+// producer_pingpong and producer_tma 168 at launch (consumers up to 240); 0 spills, no C7519/C7520
+// warning.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -69,6 +73,7 @@
 #include "../attention_common.cuh"
 #include "attention_wgmma.hpp"
 #include "forward_checks.cuh"
+#include "tma.cuh"
 #include "warp_specialized.cuh"
 #include "oom/kernels/attention.hpp"
 #include "wgmma.cuh"
@@ -98,6 +103,35 @@ constexpr std::uint32_t kVLbo = kBandBytes;   // MN-major V: next 8 keys (the K 
 constexpr std::uint32_t kVSbo = kCoreBytes;   // MN-major V: next 8 d (the N of P V)
 constexpr std::uint32_t kQkStep = 2 * kQkLbo;  // one k-step of 16 d = 2 core matrices along d
 constexpr std::uint32_t kVStep = 2 * kVLbo;    // one k-step of 16 keys = 2 bands
+
+// The chunk-major K and V tiles of Wgmma2wgSchedule::producer_tma (one TMA box {8, 128, 16, 1, 1}
+// each, tma.cuh): element (key r, column c) at byte (c/8) kChunkBytes + r 16 + (c%8) 2, with
+// kChunkBytes = 128 keys x 16 bytes = 2048 (one 16-byte column chunk of all 128 keys). The 8 keys
+// r = 8i .. 8i+7 of chunk c/8 are 128 contiguous bytes, key rows 16 bytes apart: a core matrix at
+// (c/8) 2048 + i 128. The same bytes as the band layout's offsets with the roles of the two
+// numbers exchanged: along the columns (d) core matrices are now 2048 apart (were 128), along the
+// keys 128 apart (were 2048). With the meanings of wgmma.cuh (no swizzle, K-major and MN-major
+// alike: LBO = the byte distance between core matrices adjacent along the MMA's K dimension, SBO =
+// along its M/N dimension), which give kQkLbo = 128 / kQkSbo = 2048 and kVLbo = 2048 / kVSbo = 128
+// for the band layout above:
+//   K, B of S = Q K^T, K-major: the MMA's K is d (columns), its N the keys (rows). Core matrix = 8
+//     keys (its rows, 16 bytes apart) x 8 consecutive d (one 16-byte row), as K-major requires.
+//     LBO = next 8 d = next chunk = 2048; SBO = next 8 keys = 128; one k-step of 16 d = 2 chunks
+//     = 2 LBO = 4096 bytes. (test_wgmma's "k_slabs" placement, K-major B at N = 128: LBO 16 N =
+//     2048, SBO 128.)
+//   V, B of O += P V, MN-major: the MMA's K is the keys (rows), its N is d (columns). Core matrix
+//     = 8 keys (its rows, 16 bytes apart) x 8 consecutive d (one row), as MN-major requires (8 K
+//     rows of 8 contiguous N values). LBO = next 8 keys = 128; SBO = next 8 d = next chunk = 2048;
+//     one k-step of 16 keys = 2 LBO = 256 bytes. (test_wgmma's "mn_rows" placement, MN-major B at
+//     K = 128: LBO 128, SBO 16 K = 2048.)
+// Both are the band layout's strides swapped, and each k-step is still 2 x LBO.
+constexpr std::uint32_t kChunkBytes = kBc * 16;  // 2048
+constexpr std::uint32_t kKcLbo = kChunkBytes;    // chunk-major K (K-major): next 8 d
+constexpr std::uint32_t kKcSbo = kCoreBytes;     // chunk-major K (K-major): next 8 keys
+constexpr std::uint32_t kVcLbo = kCoreBytes;     // chunk-major V (MN-major): next 8 keys (the K of P V)
+constexpr std::uint32_t kVcSbo = kChunkBytes;    // chunk-major V (MN-major): next 8 d (the N of P V)
+constexpr std::uint32_t kKcStep = 2 * kKcLbo;    // one k-step of 16 d: 4096
+constexpr std::uint32_t kVcStep = 2 * kVcLbo;    // one k-step of 16 keys: 256
 
 constexpr int kTileBytes = kBr * kD * 2;  // 128 x 128 bf16 = 32 KiB: Q, one K, one V
 static_assert(kBc == kBr, "Q, K and V tiles share one shape and one loader");
@@ -174,21 +208,31 @@ __device__ __forceinline__ void fence_all(WarpgroupState& st) {
 }
 
 /// S = Q_wg K^T: A = the warpgroup's 64 Q rows, B = K (128 keys x 128 d), both K-major over d;
-/// 8 wgmma m64n128k16 SS, not committed.
+/// 8 wgmma m64n128k16 SS, not committed. kChunkMajorKv: K is in the chunk-major layout of
+/// producer_tma (kKc*), else in the band layout (kQk*); Q always in the band layout. The same
+/// products in the same order either way.
+template <bool kChunkMajorKv = false>
 __device__ __forceinline__ void issue_s(WarpgroupState& st, std::uint32_t a_q, std::uint32_t a_kbuf) {
+  constexpr std::uint32_t kStep = kChunkMajorKv ? kKcStep : kQkStep;
+  constexpr std::uint32_t kLbo = kChunkMajorKv ? kKcLbo : kQkLbo;
+  constexpr std::uint32_t kSbo = kChunkMajorKv ? kKcSbo : kQkSbo;
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks)
     wgmma_m64n128k16_f32_bf16_ss(st.s, encode_smem_desc(a_q + ks * kQkStep, kQkLbo, kQkSbo),
-                                 encode_smem_desc(a_kbuf + ks * kQkStep, kQkLbo, kQkSbo), ks > 0 ? 1 : 0);
+                                 encode_smem_desc(a_kbuf + ks * kStep, kLbo, kSbo), ks > 0 ? 1 : 0);
 }
 
 /// O += P V: A = P (registers, 64 x 128 keys), B = V (128 keys x 128 d) MN-major; 8 wgmma
-/// m64n128k16 RS, not committed. `pa` must stay untouched until they complete.
+/// m64n128k16 RS, not committed. `pa` must stay untouched until they complete. kChunkMajorKv: V
+/// in the chunk-major layout (kVc*), else the band layout (kV*).
+template <bool kChunkMajorKv = false>
 __device__ __forceinline__ void issue_pv(WarpgroupState& st, std::uint32_t a_vbuf) {
+  constexpr std::uint32_t kStep = kChunkMajorKv ? kVcStep : kVStep;
+  constexpr std::uint32_t kLbo = kChunkMajorKv ? kVcLbo : kVLbo;
+  constexpr std::uint32_t kSbo = kChunkMajorKv ? kVcSbo : kVSbo;
 #pragma unroll
   for (int ks = 0; ks < kBc / 16; ++ks)
-    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(st.o, st.pa[ks], encode_smem_desc(a_vbuf + ks * kVStep, kVLbo, kVSbo),
-                                            1);
+    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(st.o, st.pa[ks], encode_smem_desc(a_vbuf + ks * kStep, kLbo, kSbo), 1);
 }
 
 /// Causal mask of the S tile at keys n0.. (key > query) where it crosses the diagonal of one of the
@@ -429,8 +473,18 @@ __device__ __forceinline__ void turn_arrive(int wg) {
 /// "empty" mbarrier (K_j once S_j is done, V_j once P_j V_j is). No block-wide barrier after the
 /// set-up. With kPingpong the two consumer warpgroups also take turns issuing their wgmmas (named
 /// barriers), so one's softmax runs while the other's GEMMs do (FlashAttention-3's ping-pong).
-template <bool kPingpong>
-__global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kernel(const Params p) {
+/// With kTma (Wgmma2wgSchedule::producer_tma) one producer thread loads each K and V tile with one
+/// TMA instruction (tma.cuh; tmap_k, tmap_v: the chunk-major views of K and V, boxes of kBc keys)
+/// into the chunk-major layout (kKc*, kVc* above), completing the tile's "full" mbarrier by its
+/// byte count (init count 1: the thread's arrive.expect_tx); rows >= seq come in as zeros from
+/// TMA's out-of-bound fill, as the cp.async path zero-fills them. Q is still loaded by the 128
+/// producer threads' cp.async, in the band layout. The consumers issue the same wgmmas on the same
+/// values with the other descriptors: the same bits as producer_overlap. Without kTma the two maps
+/// are not read.
+template <bool kPingpong, bool kTma = false>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    attention_forward_wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap tmap_k,
+                                      const __grid_constant__ CUtensorMap tmap_v) {
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* s_q = smem;
@@ -451,11 +505,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
   const auto full_v = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + kStages + s)); };
   const auto empty_k = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + 2 * kStages + s)); };
   const auto empty_v = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + 3 * kStages + s)); };
+  // A K or V tile's "full" phase: 128 cp.async arrivals, or (kTma) one arrive.expect_tx plus the
+  // tile's bytes.
+  constexpr std::uint32_t kFullKvCount = kTma ? 1u : static_cast<std::uint32_t>(kProducerThreads);
   if (threadIdx.x == 0) {
     mbar_init(full_q, kProducerThreads);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full_k(s), kProducerThreads);
-      mbar_init(full_v(s), kProducerThreads);
+      mbar_init(full_k(s), kFullKvCount);
+      mbar_init(full_v(s), kFullKvCount);
       mbar_init(empty_k(s), kConsumerThreads);
       mbar_init(empty_v(s), kConsumerThreads);
     }
@@ -476,6 +533,31 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
     const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
     load_rows_producer<kBr>(a_q0, q_g, p.q_token, q0, p.q_end, tid);
     cp_async_mbar_arrive(full_q);
+    if constexpr (kTma) {
+      // One thread issues every K/V load, in the same order and with the same empty-barrier waits
+      // as the cp.async path below; the other 127 are done once their Q cp.async have landed.
+      // K and V always end at row seq (the only row_end the K/V loads use), which is the extent
+      // of the maps' token dimension: TMA zero-fills the rows past it.
+      if (tid == 0) {
+        tma_prefetch_map(&tmap_k);
+        tma_prefetch_map(&tmap_v);
+        tma_load_rows_chunk_major<kBc>(a_k0, &tmap_k, full_k(0), 0, hk, b);
+        for (int j = 0; j < n_kv; ++j) {
+          if (const int t = j + 1; t < n_kv) {
+            const int st = t % kStages;
+            if (t >= kStages) mbar_wait(empty_k(st), static_cast<std::uint32_t>((t / kStages + 1) & 1));
+            tma_load_rows_chunk_major<kBc>(a_k0 + static_cast<std::uint32_t>(st * kTileBytes), &tmap_k, full_k(st),
+                                           t * kBc, hk, b);
+          }
+          const int st = j % kStages;
+          if (j >= kStages) mbar_wait(empty_v(st), static_cast<std::uint32_t>((j / kStages + 1) & 1));
+          tma_load_rows_chunk_major<kBc>(a_v0 + static_cast<std::uint32_t>(st * kTileBytes), &tmap_v, full_v(st),
+                                         j * kBc, hk, b);
+        }
+      }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's Q chunks landed
+      return;
+    }
     load_rows_producer<kBc>(a_k0, k_g, p.k_token, 0, p.seq, tid);
     cp_async_mbar_arrive(full_k(0));
     for (int j = 0; j < n_kv; ++j) {
@@ -508,6 +590,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
   float alpha[2];
 
   mbar_wait(full_q, 0);
+  // kTma: Q is the only tile written by cp.async (here as everywhere treated as a generic-proxy
+  // write, as the cp.async path's per-tile fence below does); the TMA-written K/V tiles need no
+  // proxy fence (async proxy writes, completion observed through the mbarrier, read by the async
+  // proxy: the pattern of CUTLASS's TMA pipelines, which fence nothing there).
+  if constexpr (kTma) fence_proxy_async_shared();
   // Ping-pong: warpgroup w issues its wgmmas of tile nb after passing barrier kBarTurn0 + w (128
   // of its threads syncing + 128 of the other's arriving) and then lets the other one go. Warpgroup
   // 1 opens warpgroup 0's first turn; every turn after that is opened by the other warpgroup's
@@ -520,17 +607,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
     mbar_wait(full_k(sk), static_cast<std::uint32_t>((nb / kStages) & 1));
     if (nb > 0) mbar_wait(full_v(sv), static_cast<std::uint32_t>(((nb - 1) / kStages) & 1));
     // The tiles' cp.async writes, observed through the mbarriers, before the wgmmas (async proxy)
-    // read them.
-    fence_proxy_async_shared();
+    // read them (kTma: nothing to fence, see above).
+    if constexpr (!kTma) fence_proxy_async_shared();
     if constexpr (kPingpong) turn_sync(wg);
 
     fence_all(st);
     wgmma_fence();
-    issue_s(st, a_q, a_k + static_cast<std::uint32_t>(sk * kTileBytes));
+    issue_s<kTma>(st, a_q, a_k + static_cast<std::uint32_t>(sk * kTileBytes));
     wgmma_commit_group();
     if (nb > 0) {
       wgmma_fence();  // as in the overlap_softmax kernel (C7519)
-      issue_pv(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));  // O += P_{nb-1} V_{nb-1}
+      issue_pv<kTma>(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));  // O += P_{nb-1} V_{nb-1}
       wgmma_commit_group();
       if constexpr (kPingpong)
         if (wg == 0 || nb + 1 < n_kv) turn_arrive(wg ^ 1);
@@ -552,10 +639,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
     // The last O += P V.
     const int sv = (n_kv - 1) % kStages;
     mbar_wait(full_v(sv), static_cast<std::uint32_t>(((n_kv - 1) / kStages) & 1));
-    fence_proxy_async_shared();
+    if constexpr (!kTma) fence_proxy_async_shared();
     fence_all(st);
     wgmma_fence();
-    issue_pv(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));
+    issue_pv<kTma>(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));
     wgmma_commit_group();
     wgmma_wait_group<0>();
     fence_all(st);
@@ -563,6 +650,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
   store_output(st, p, b, h, wg_row0 + r0, c0, lane);
 #else
   (void)p;
+  (void)tmap_k;
+  (void)tmap_v;
   __trap();
 #endif
 }
@@ -579,6 +668,30 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<con
 
   const int q_tiles = (params.q_end - params.q_begin + kBr - 1) / kBr;
   const dim3 grid(static_cast<unsigned>(q_tiles), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  if (schedule == Wgmma2wgSchedule::producer_tma) {
+    // The chunk-major TMA views of K and V (tma.cuh). forward_checks has established what TMA
+    // needs of them in every case that matters: aligned_rows = data 16-byte aligned and both
+    // strides multiples of 8 elements (16 bytes); head offsets (256 bytes) and the 16-byte chunks
+    // are multiples of 16 by construction. What it does not exclude is a stride TMA cannot
+    // express: zero or negative (where its dimension has more than one entry) or 2^40 bytes and
+    // over. Such tensors run producer_overlap's kernel instead: the same bits by construction, so
+    // producer_tma accepts exactly what producer_overlap accepts and computes the same.
+    ChunkMajorView kview{}, vview{};
+    if (chunk_major_view(&kview, k.data, p.batch, p.seq, p.heads_kv, k.batch_stride, k.token_stride, kBc) &&
+        chunk_major_view(&vview, v.data, p.batch, p.seq, p.heads_kv, v.batch_stride, v.token_stride, kBc)) {
+      CUtensorMap tmap_k{}, tmap_v{};
+      if (const cudaError_t e = encode_chunk_major(&tmap_k, kview, k.data); e != cudaSuccess) return e;
+      if (const cudaError_t e = encode_chunk_major(&tmap_v, vview, v.data); e != cudaSuccess) return e;
+      auto* kernel = attention_forward_wgmma_ws_kernel<false, true>;
+      if (const cudaError_t e =
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWsSmemBytes);
+          e != cudaSuccess)
+        return e;
+      kernel<<<grid, kWsThreads, kWsSmemBytes, stream>>>(params, tmap_k, tmap_v);
+      return cudaGetLastError();
+    }
+    schedule = Wgmma2wgSchedule::producer_overlap;
+  }
   if (schedule == Wgmma2wgSchedule::producer_overlap || schedule == Wgmma2wgSchedule::producer_pingpong) {
     auto* kernel = schedule == Wgmma2wgSchedule::producer_pingpong ? attention_forward_wgmma_ws_kernel<true>
                                                                    : attention_forward_wgmma_ws_kernel<false>;
@@ -586,7 +699,8 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<con
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWsSmemBytes);
         e != cudaSuccess)
       return e;
-    kernel<<<grid, kWsThreads, kWsSmemBytes, stream>>>(params);
+    const CUtensorMap unused{};  // the cp.async kernels read no tensor map
+    kernel<<<grid, kWsThreads, kWsSmemBytes, stream>>>(params, unused, unused);
     return cudaGetLastError();
   }
   auto* kernel = schedule == Wgmma2wgSchedule::overlap_softmax ? attention_forward_wgmma_2wg_kernel<true>

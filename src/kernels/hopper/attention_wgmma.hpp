@@ -23,22 +23,29 @@ namespace oom::kernels::hopper {
 ///     issues all loads into mbarrier-tracked buffers, the consumers get its registers (setmaxnreg)
 ///     and never meet at a block-wide barrier;
 ///   producer_pingpong: producer_overlap plus the two consumer warpgroups taking turns issuing
-///     their wgmmas (named barriers), so one's softmax overlaps the other's GEMMs.
-/// All four compute the same operations in the same order per warpgroup: bitwise the same results.
+///     their wgmmas (named barriers), so one's softmax overlaps the other's GEMMs;
+///   producer_tma: producer_overlap with each K and V tile loaded by one TMA instruction
+///     (cp.async.bulk.tensor, one producer thread) into a chunk-major no-swizzle layout instead of
+///     128 threads' 16-byte cp.async; the consumers read it through other descriptor strides.
+///     Tensors whose strides TMA cannot express (zero, negative, >= 2^40 bytes) run
+///     producer_overlap's kernel. Not yet run on a GPU (docs/hopper.md).
+/// All five compute the same operations in the same order per warpgroup: bitwise the same results.
 /// The default is producer_overlap: on the H200 (sixth session) 1.24-1.29x overlap_softmax and as
 /// fast as producer_pingpong (docs/hopper.md).
-enum class Wgmma2wgSchedule { serial, overlap_softmax, producer_overlap, producer_pingpong };
+enum class Wgmma2wgSchedule { serial, overlap_softmax, producer_overlap, producer_pingpong, producer_tma };
 
 /// O = softmax(scale * Q K^T + causal mask) V and LSE (natural log) for query rows
 /// [q_begin, q_end), exactly as oom::kernels::attention_forward: same layouts, strides, GQA head
 /// mapping, causal prefix of a query chunk, rows outside [q_begin, q_end) untouched. By the kernel
 /// of src/kernels/hopper/attention_forward_wgmma_2wg.cu: two warpgroups per block sharing each K/V
 /// tile (128 query rows x 128 keys), P kept in registers as the A operand of P V, V read as an
-/// MN-major B. `schedule` picks one of four orders of the same wgmmas (bitwise the same results).
+/// MN-major B. `schedule` picks one of five orders/loaders of the same wgmmas (bitwise the same results).
 /// Returns cudaErrorInvalidValue for a problem attention_can_implement rejects or a misaligned
 /// pointer/stride (as attention_forward does); cudaErrorNotSupported for head_dim != 128 or when
-/// the current device is not compute capability 9.0 (the only code compiled is sm_90a); otherwise
-/// the launch's status. No allocation, no synchronisation.
+/// the current device is not compute capability 9.0 (the only code compiled is sm_90a); for
+/// producer_tma also cudaErrorInvalidValue when the driver refuses the tensor maps, or
+/// cudaErrorNotSupported when it has no cuTensorMapEncodeTiled; otherwise the launch's status.
+/// No allocation, no synchronisation.
 cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
                                         TokenRows<const bf16> q,  // (B, S, Hq, D) bf16
                                         TokenRows<const bf16> k,  // (B, S, Hkv, D) bf16
