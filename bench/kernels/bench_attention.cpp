@@ -4,7 +4,10 @@
 // square), backward = 2.5x forward, forward+backward = 3.5x forward. The physical reference for
 // these numbers is PyTorch SDPA on the same shapes: scripts/bench_attention_sdpa.py prints the same
 // table (same metric) so the ratio comes from one run.
-//   bench_attention [--head-dim 128|256] [--repeats N]
+//   bench_attention [--head-dim 128|256] [--repeats N] [--seq S]   (--seq: that one length instead of
+//   the four, e.g. to profile one size: scripts/profile-attention.sh)
+#include <cuda_runtime.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -16,10 +19,20 @@
 #include "oom/kernels/attention.hpp"
 
 int main(int argc, char** argv) {
-  int head_dim = 128, repeats = 10;
+  int head_dim = 128, repeats = 10, only_seq = 0;
   for (int a = 1; a + 1 < argc; a += 2) {
     if (std::strcmp(argv[a], "--head-dim") == 0) head_dim = std::atoi(argv[a + 1]);
     if (std::strcmp(argv[a], "--repeats") == 0) repeats = std::atoi(argv[a + 1]);
+    if (std::strcmp(argv[a], "--seq") == 0) only_seq = std::atoi(argv[a + 1]);
+  }
+  if (only_seq < 0 || repeats < 1 || (head_dim != 128 && head_dim != 256)) {
+    std::fprintf(stderr, "bench_attention: --head-dim must be 128 or 256, --repeats >= 1, --seq >= 1\n");
+    return 2;
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("bench_attention: no GPU: nothing to measure\n");
+    return 0;
   }
   using oom::bf16;
   using oom::kernels::TokenRows;
@@ -27,7 +40,8 @@ int main(int argc, char** argv) {
   std::printf("oom flash attention, causal, B=%d Hq=%d Hkv=%d D=%d, packed QKV input\n", batch, heads_q, heads_kv,
               head_dim);
   std::printf("%8s %10s %10s %10s %10s %12s\n", "S", "fwd_ms", "bwd_ms", "fwd_TF/s", "bwd_TF/s", "fwdbwd_TF/s");
-  for (const int seq : {4096, 16384, 32768, 131072}) {
+  const std::vector<int> seqs = only_seq > 0 ? std::vector<int>{only_seq} : std::vector<int>{4096, 16384, 32768, 131072};
+  for (const int seq : seqs) {
     const std::int64_t row = static_cast<std::int64_t>(heads_q + 2 * heads_kv) * head_dim;
     const std::int64_t q_row = static_cast<std::int64_t>(heads_q) * head_dim;
     const std::size_t tokens = static_cast<std::size_t>(batch) * seq;
