@@ -2,14 +2,15 @@
 // two warpgroups per 128 rows, P in registers, V read MN-major; what oom::kernels::attention_forward
 // runs on compute capability 9.0 at head_dim 128) against the CPU reference and against the
 // mma.sync kernel (oom::kernels::attention_forward_mma_sync, what it runs elsewhere) on the same
-// inputs, all five schedules (serial, overlap_softmax, and the warp-specialised producer_overlap,
-// producer_pingpong and producer_tma, each bit-identical to serial): sequence lengths that are no multiple of the
-// 64- or 128-row tiles (1, 17, 1000, 4099) and ones that are (64, 128 for the second), GQA (4/2) and
-// MHA (2/2), batch 1 and 2, Q/K/V separate and packed, and query sub-ranges [q_begin, q_end). O and
-// LSE are poisoned (all bits set) before every run: every entry in the range must be within its
-// bf16 bound, every entry outside it must still be poison.
-// Then a timing report (printed, not asserted) of the kernels at S = 4096, 16384 and (mma.sync and
-// the second wgmma kernel only) 65536.
+// inputs, every schedule of kSchedules below (serial, overlap_softmax, and the warp-specialised
+// producer_overlap, producer_pingpong, producer_tma and producer_3stage, each bit-identical to
+// serial): sequence lengths that are no multiple of the 64- or 128-row tiles (1, 17, 1000, 4099)
+// and ones that are (64, 128 for the second), GQA (4/2) and MHA (2/2), batch 1 and 2, Q/K/V
+// separate and packed, and query sub-ranges [q_begin, q_end). O and LSE are poisoned (all bits
+// set) before every run: every entry in the range must be within its bf16 bound, every entry
+// outside it must still be poison.
+// Then a timing report (printed, not asserted) of mma.sync and every schedule at S = 4096, 16384
+// and 65536.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
@@ -22,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -45,6 +47,29 @@ using oom::kernels::hopper::Wgmma2wgSchedule;
 using oom::test::DeviceBuffer;
 
 constexpr int kD = 128;
+
+/// Every schedule of attention_forward_wgmma_2wg (Wgmma2wgSchedule), by the name the messages use.
+/// Each one gets every check of this file: the refusals, the reference and the mma.sync kernel on
+/// every case, the same bits as serial (the first entry, the bits reference), and a timing line.
+/// same_bits_at_scale: its O is also compared bit for bit with producer_overlap's at the timing
+/// sizes (the schedules that load K/V differently from producer_overlap but must give its bits).
+struct Schedule {
+  const char* name;
+  Wgmma2wgSchedule value;
+  bool same_bits_at_scale = false;
+};
+constexpr Schedule kSchedules[] = {
+    {"serial", Wgmma2wgSchedule::serial},
+    {"overlap_softmax", Wgmma2wgSchedule::overlap_softmax},
+    {"producer_overlap", Wgmma2wgSchedule::producer_overlap},
+    {"producer_pingpong", Wgmma2wgSchedule::producer_pingpong},
+    {"producer_tma", Wgmma2wgSchedule::producer_tma, true},
+    {"producer_3stage", Wgmma2wgSchedule::producer_3stage, true},
+};
+constexpr std::size_t kSchedulesN = std::size(kSchedules);
+static_assert(kSchedules[0].value == Wgmma2wgSchedule::serial, "the bits reference comes first");
+constexpr std::size_t kProducerOverlap = 2;  // the bits reference of same_bits_at_scale
+static_assert(kSchedules[kProducerOverlap].value == Wgmma2wgSchedule::producer_overlap);
 
 using oom::test::device_is_sm90;
 void require_sm90() { oom::test::require_sm90("test_attention_wgmma"); }
@@ -207,11 +232,9 @@ void check_against_mma(const char* who, const Written& wg, const Written& mma, c
   CHECK(bad_lse == 0);
 }
 
-/// Which forward a run uses.
-enum class Kernel { mma_sync, wgmma_2wg_serial, wgmma_2wg_overlap, wgmma_ws_overlap, wgmma_ws_pingpong, wgmma_ws_tma };
-
-/// The mma.sync kernel and both schedules of the wgmma kernel on one case, each against the
-/// reference, and each wgmma schedule against the mma.sync kernel.
+/// The mma.sync kernel and every schedule of the wgmma kernel (kSchedules) on one case, each
+/// against the reference, each wgmma schedule against the mma.sync kernel and against serial's
+/// bits.
 void check_case(const Case& c, std::uint64_t seed) {
   require_sm90();
   const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, kD};
@@ -240,84 +263,49 @@ void check_case(const Case& c, std::uint64_t seed) {
   REQUIRE(oom::kernels::attention_can_implement(p));
   const std::int64_t q_row = std::int64_t{c.heads_q} * kD;
 
-  const auto run = [&](Kernel which) {
+  // One run of the mma.sync kernel (no schedule) or of the wgmma kernel with `schedule`, into
+  // poisoned O and LSE.
+  const auto run = [&](const Schedule* schedule) {
     DeviceBuffer<bf16> o_buf(nq);     // poisoned
     DeviceBuffer<float> lse_buf(nlse);  // poisoned
     const TokenRows<bf16> o{o_buf.get(), c.seq * q_row, q_row};
     const auto qc = as_const(in.q), kc = as_const(in.k), vc = as_const(in.v);
-    switch (which) {
-      case Kernel::mma_sync:
-        OOM_CUDA_CHECK(oom::kernels::attention_forward_mma_sync(p, qc, kc, vc, o, lse_buf.get(), nullptr));
-        break;
-      case Kernel::wgmma_2wg_serial:
-        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
-                                                                         Wgmma2wgSchedule::serial));
-        break;
-      case Kernel::wgmma_2wg_overlap:
-        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
-                                                                         Wgmma2wgSchedule::overlap_softmax));
-        break;
-      case Kernel::wgmma_ws_overlap:
-        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
-                                                                         Wgmma2wgSchedule::producer_overlap));
-        break;
-      case Kernel::wgmma_ws_pingpong:
-        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
-                                                                         Wgmma2wgSchedule::producer_pingpong));
-        break;
-      case Kernel::wgmma_ws_tma:
-        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
-                                                                         Wgmma2wgSchedule::producer_tma));
-        break;
-    }
+    if (schedule == nullptr)
+      OOM_CUDA_CHECK(oom::kernels::attention_forward_mma_sync(p, qc, kc, vc, o, lse_buf.get(), nullptr));
+    else
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
+                                                                       schedule->value));
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     return Written{o_buf.download(), lse_buf.download()};
   };
-  const Written mma = run(Kernel::mma_sync), wg2s = run(Kernel::wgmma_2wg_serial), wg2o = run(Kernel::wgmma_2wg_overlap),
-                wsov = run(Kernel::wgmma_ws_overlap), wspp = run(Kernel::wgmma_ws_pingpong),
-                wstma = run(Kernel::wgmma_ws_tma);
+  const Written mma = run(nullptr);
+  std::vector<Written> wg;
+  for (const Schedule& sc : kSchedules) wg.push_back(run(&sc));
   check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
-  check_against_reference("wgmma 2wg kernel, serial schedule", wg2s, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
-  check_against_reference("wgmma 2wg kernel, overlap_softmax schedule", wg2o, o_ref, lse_ref, o_mag, d, c.q_begin,
-                          q_end);
-  check_against_reference("wgmma 2wg kernel, producer_overlap schedule", wsov, o_ref, lse_ref, o_mag, d, c.q_begin,
-                          q_end);
-  check_against_reference("wgmma 2wg kernel, producer_pingpong schedule", wspp, o_ref, lse_ref, o_mag, d, c.q_begin,
-                          q_end);
-  check_against_reference("wgmma 2wg kernel, producer_tma schedule", wstma, o_ref, lse_ref, o_mag, d, c.q_begin,
-                          q_end);
-  check_against_mma("wgmma 2wg serial", wg2s, mma, o_ref, lse_ref, o_mag, c, q_end);
-  check_against_mma("wgmma 2wg overlap_softmax", wg2o, mma, o_ref, lse_ref, o_mag, c, q_end);
-  check_against_mma("wgmma 2wg producer_overlap", wsov, mma, o_ref, lse_ref, o_mag, c, q_end);
-  check_against_mma("wgmma 2wg producer_pingpong", wspp, mma, o_ref, lse_ref, o_mag, c, q_end);
-  check_against_mma("wgmma 2wg producer_tma", wstma, mma, o_ref, lse_ref, o_mag, c, q_end);
-  // The two schedules compute the same operations on the same values in the same order (only
-  // when each wgmma is issued differs), so they must agree bit for bit. A difference within the
-  // tolerances above points at a race in overlap_softmax (an operand register or buffer reused
-  // while a wgmma still reads it), or at the compiler rounding one instantiation differently.
-  CHECK_MESSAGE(std::memcmp(wg2s.o.data(), wg2o.o.data(), wg2s.o.size() * sizeof(bf16)) == 0,
-                "the 2wg kernel's O differs between its serial and overlap_softmax schedules");
-  CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wg2o.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
-                "the 2wg kernel's LSE differs between its serial and overlap_softmax schedules");
-  // The warp-specialised schedules run the same per-warpgroup code on the same values; only who
-  // loads the tiles, and when each warpgroup issues, differ. A difference here points at a
-  // synchronisation error (a buffer overwritten or read before its mbarrier says so).
-  CHECK_MESSAGE(std::memcmp(wg2s.o.data(), wsov.o.data(), wg2s.o.size() * sizeof(bf16)) == 0,
-                "the 2wg kernel's O differs between its serial and producer_overlap schedules");
-  CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wsov.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
-                "the 2wg kernel's LSE differs between its serial and producer_overlap schedules");
-  CHECK_MESSAGE(std::memcmp(wg2s.o.data(), wspp.o.data(), wg2s.o.size() * sizeof(bf16)) == 0,
-                "the 2wg kernel's O differs between its serial and producer_pingpong schedules");
-  CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wspp.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
-                "the 2wg kernel's LSE differs between its serial and producer_pingpong schedules");
-  // producer_tma: the same wgmmas on the same values, read from TMA-loaded tiles in another
-  // layout through other descriptors. A difference points at the descriptors (LBO/SBO of the
-  // chunk-major K or V, kKc* / kVc* in attention_forward_wgmma_2wg.cu), the tensor map (tma.cuh),
-  // or the expect-tx protocol.
-  CHECK_MESSAGE(std::memcmp(wg2s.o.data(), wstma.o.data(), wg2s.o.size() * sizeof(bf16)) == 0,
-                "the 2wg kernel's O differs between its serial and producer_tma schedules");
-  CHECK_MESSAGE(std::memcmp(wg2s.lse.data(), wstma.lse.data(), wg2s.lse.size() * sizeof(float)) == 0,
-                "the 2wg kernel's LSE differs between its serial and producer_tma schedules");
+  for (std::size_t i = 0; i < kSchedulesN; ++i)
+    check_against_reference(("wgmma 2wg kernel, " + std::string(kSchedules[i].name) + " schedule").c_str(), wg[i],
+                            o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
+  for (std::size_t i = 0; i < kSchedulesN; ++i)
+    check_against_mma(("wgmma 2wg " + std::string(kSchedules[i].name)).c_str(), wg[i], mma, o_ref, lse_ref, o_mag, c,
+                      q_end);
+  // Every schedule computes the same operations on the same values in the same order per
+  // warpgroup (only when each wgmma is issued, who loads the tiles, and how, differ), so each must
+  // agree with serial bit for bit. A difference within the tolerances above points at
+  //   - overlap_softmax: a race (an operand register or buffer reused while a wgmma still reads
+  //     it), or the compiler rounding one instantiation differently;
+  //   - the warp-specialised schedules (producer_*): a synchronisation error (a buffer overwritten
+  //     or read before its mbarrier says so; for producer_3stage, the phase arithmetic of a stage
+  //     count that is not a power of two);
+  //   - producer_tma also: the descriptors (LBO/SBO of the chunk-major K or V, kKc* / kVc* in
+  //     attention_forward_wgmma_2wg.cu), the tensor map (tma.cuh), or the expect-tx protocol.
+  const Written& serial = wg[0];
+  for (std::size_t i = 1; i < kSchedulesN; ++i) {
+    const std::string name = kSchedules[i].name;
+    CHECK_MESSAGE(std::memcmp(serial.o.data(), wg[i].o.data(), serial.o.size() * sizeof(bf16)) == 0,
+                  "the 2wg kernel's O differs between its serial and " << name << " schedules");
+    CHECK_MESSAGE(std::memcmp(serial.lse.data(), wg[i].lse.data(), serial.lse.size() * sizeof(float)) == 0,
+                  "the 2wg kernel's LSE differs between its serial and " << name << " schedules");
+  }
 }
 
 }  // namespace
@@ -328,40 +316,13 @@ TEST_CASE("attention_forward_wgmma_2wg refuses what they cannot do, and do nothi
   DeviceBuffer<float> lse(4 * 64);  // poisoned
   const TokenRows<const bf16> ok{buf.get(), 64 * 512, 512};
   const TokenRows<bf16> out{buf.get() + 64 * 512 * 3, 64 * 512, 512};
-  using Forward = cudaError_t (*)(const AttentionProblem&, TokenRows<const bf16>, TokenRows<const bf16>,
-                                  TokenRows<const bf16>, TokenRows<bf16>, float*, cudaStream_t);
-  struct Named {
-    const char* name;
-    Forward forward;
-  };
-  const Forward serial = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                            TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
-    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::serial);
-  };
-  const Forward overlap = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
+  for (const Schedule& sc : kSchedules) {
+    const std::string name = "attention_forward_wgmma_2wg, " + std::string(sc.name);
+    CAPTURE(name);
+    const auto forward = [&](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
                              TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
-    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::overlap_softmax);
-  };
-  const Forward producer_overlap = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                                      TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
-    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::producer_overlap);
-  };
-  const Forward producer_pingpong = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                                       TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
-    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st,
-                                                             Wgmma2wgSchedule::producer_pingpong);
-  };
-  const Forward producer_tma = [](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                                  TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
-    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, Wgmma2wgSchedule::producer_tma);
-  };
-  for (const Named kernel : {Named{"attention_forward_wgmma_2wg, serial", serial},
-                             Named{"attention_forward_wgmma_2wg, overlap_softmax", overlap},
-                             Named{"attention_forward_wgmma_2wg, producer_overlap", producer_overlap},
-                             Named{"attention_forward_wgmma_2wg, producer_pingpong", producer_pingpong},
-                             Named{"attention_forward_wgmma_2wg, producer_tma", producer_tma}}) {
-    CAPTURE(kernel.name);
-    const Forward forward = kernel.forward;
+      return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, sc.value);
+    };
     auto bad = p;
     bad.head_dim = 256;  // valid for the mma.sync kernels, not implemented here
     CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
@@ -463,10 +424,15 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
       }
       return out;
     };
-    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg2s(nq), o_wg2o(nq),
-        o_wsov(nq), o_wspp(nq), o_wstma(nq);
+    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq);
     const std::size_t nlse = static_cast<std::size_t>(hq) * s;
-    DeviceBuffer<float> lse_mma(nlse), lse_wg2s(nlse), lse_wg2o(nlse), lse_wsov(nlse), lse_wspp(nlse), lse_wstma(nlse);
+    DeviceBuffer<float> lse_mma(nlse);
+    std::vector<DeviceBuffer<bf16>> o_wg;  // per schedule of kSchedules
+    std::vector<DeviceBuffer<float>> lse_wg;
+    for (std::size_t i = 0; i < kSchedulesN; ++i) {
+      o_wg.emplace_back(nq);
+      lse_wg.emplace_back(nlse);
+    }
     const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
     const TokenRows<const bf16> qr{q.get(), s * q_row, q_row}, kr{k.get(), s * kv_row, kv_row},
         vr{v.get(), s * kv_row, kv_row};
@@ -477,42 +443,23 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
       OOM_CUDA_CHECK(
           oom::kernels::attention_forward_mma_sync(p, qr, kr, vr, {o_mma.get(), s * q_row, q_row}, lse_mma.get(), st));
     };
-    const auto wg2s = [&](cudaStream_t st) {
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
-          p, qr, kr, vr, {o_wg2s.get(), s * q_row, q_row}, lse_wg2s.get(), st, Wgmma2wgSchedule::serial));
-    };
-    const auto wg2o = [&](cudaStream_t st) {
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
-          p, qr, kr, vr, {o_wg2o.get(), s * q_row, q_row}, lse_wg2o.get(), st, Wgmma2wgSchedule::overlap_softmax));
-    };
-    const auto wsov = [&](cudaStream_t st) {
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
-          p, qr, kr, vr, {o_wsov.get(), s * q_row, q_row}, lse_wsov.get(), st, Wgmma2wgSchedule::producer_overlap));
-    };
-    const auto wspp = [&](cudaStream_t st) {
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
-          p, qr, kr, vr, {o_wspp.get(), s * q_row, q_row}, lse_wspp.get(), st, Wgmma2wgSchedule::producer_pingpong));
-    };
-    const auto wstma = [&](cudaStream_t st) {
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
-          p, qr, kr, vr, {o_wstma.get(), s * q_row, q_row}, lse_wstma.get(), st, Wgmma2wgSchedule::producer_tma));
-    };
     const int repeats = s >= 65536 ? 5 : 10;
     const double ms_mma = oom::test::time_ms(mma, stream.s, repeats);
-    const double ms_wg2s = oom::test::time_ms(wg2s, stream.s, repeats);
-    const double ms_wg2o = oom::test::time_ms(wg2o, stream.s, repeats);
-    const double ms_wsov = oom::test::time_ms(wsov, stream.s, repeats);
-    const double ms_wspp = oom::test::time_ms(wspp, stream.s, repeats);
-    const double ms_wstma = oom::test::time_ms(wstma, stream.s, repeats);
+    std::vector<double> ms_wg;
+    for (std::size_t i = 0; i < kSchedulesN; ++i) {
+      const auto wg = [&](cudaStream_t st) {
+        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
+            p, qr, kr, vr, {o_wg[i].get(), s * q_row, q_row}, lse_wg[i].get(), st, kSchedules[i].value));
+      };
+      ms_wg.push_back(oom::test::time_ms(wg, stream.s, repeats));
+    }
     const double flops = 2.0 * static_cast<double>(s) * s * hq * kD;
     const auto tflops = [&](double ms) { return flops / ms / 1e9; };
-    std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward, TFLOP/s (x of mma.sync): mma.sync %.3f ms = %.0f", s, hq,
-                hkv, ms_mma, tflops(ms_mma));
-    std::printf(" | 2wg serial %.3f ms = %.0f (%.2fx) | 2wg overlap_softmax %.3f ms = %.0f (%.2fx)\n", ms_wg2s,
-                tflops(ms_wg2s), ms_mma / ms_wg2s, ms_wg2o, tflops(ms_wg2o), ms_mma / ms_wg2o);
-    std::printf("        | producer_overlap %.3f ms = %.0f (%.2fx) | producer_pingpong %.3f ms = %.0f (%.2fx)\n", ms_wsov,
-                tflops(ms_wsov), ms_mma / ms_wsov, ms_wspp, tflops(ms_wspp), ms_mma / ms_wspp);
-    std::printf("        | producer_tma %.3f ms = %.0f (%.2fx)\n", ms_wstma, tflops(ms_wstma), ms_mma / ms_wstma);
+    std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward:\n", s, hq, hkv);
+    std::printf("    %-27s %9.3f ms %5.0f TFLOP/s\n", "mma.sync", ms_mma, tflops(ms_mma));
+    for (std::size_t i = 0; i < kSchedulesN; ++i)
+      std::printf("    wgmma 2wg %-17s %9.3f ms %5.0f TFLOP/s %5.2fx mma.sync\n", kSchedules[i].name, ms_wg[i],
+                  tflops(ms_wg[i]), ms_mma / ms_wg[i]);
     std::fflush(stdout);
 
     const auto m = to_float(o_mma.download());
@@ -529,16 +476,16 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
       CHECK(l2 < 1e-2);
       CHECK(lse_diff < 1e-3 * (1 + std::log(static_cast<double>(s))));
     };
-    against_mma("wgmma 2wg serial", o_wg2s, lse_wg2s);
-    against_mma("wgmma 2wg overlap_softmax", o_wg2o, lse_wg2o);
-    against_mma("wgmma 2wg producer_overlap", o_wsov, lse_wsov);
-    against_mma("wgmma 2wg producer_pingpong", o_wspp, lse_wspp);
-    against_mma("wgmma 2wg producer_tma", o_wstma, lse_wstma);
-    // The TMA loader must not change a bit (same wgmmas, same values) at these sizes either.
-    {
-      const auto a = o_wsov.download(), b = o_wstma.download();
-      CHECK_MESSAGE(std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0,
-                    "producer_tma's O differs from producer_overlap's at S=" << s);
+    for (std::size_t i = 0; i < kSchedulesN; ++i)
+      against_mma(("wgmma 2wg " + std::string(kSchedules[i].name)).c_str(), o_wg[i], lse_wg[i]);
+    // The schedules that load K/V otherwise than producer_overlap (TMA; more stages) must not
+    // change a bit (same wgmmas, same values) at these sizes either.
+    const auto o_ov = o_wg[kProducerOverlap].download();
+    for (std::size_t i = 0; i < kSchedulesN; ++i) {
+      if (!kSchedules[i].same_bits_at_scale) continue;
+      const auto b = o_wg[i].download();
+      CHECK_MESSAGE(std::memcmp(o_ov.data(), b.data(), o_ov.size() * sizeof(bf16)) == 0,
+                    kSchedules[i].name << "'s O differs from producer_overlap's at S=" << s);
     }
   }
 }

@@ -61,9 +61,12 @@
 // producer_tma (not yet run on a GPU): producer_overlap with K and V loaded by one TMA instruction
 // per tile from one producer thread into a chunk-major layout (kKc*, kVc* below; tma.cuh), the
 // consumers unchanged but for those tiles' descriptor strides.
+// producer_3stage (not yet run on a GPU): producer_overlap's code with 3 K and 3 V stages instead
+// of 2 (the stage count is the kernel's template parameter, WsLayout below: 224 KiB + barriers of
+// the 227 KiB a block may have), so the producer may run up to two tiles ahead of the consumers.
 // ptxas (nvcc 13.0, -O3, sm_90a): serial 235 registers, overlap_softmax 238; producer_overlap,
-// producer_pingpong and producer_tma 168 at launch (consumers up to 240); 0 spills, no C7519/C7520
-// warning.
+// producer_pingpong, producer_tma and producer_3stage 168 at launch (consumers up to 240); 0
+// spills, no C7519/C7520 warning.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -436,19 +439,31 @@ __global__ void __launch_bounds__(kThreads, 1) attention_forward_wgmma_2wg_kerne
 }
 
 // ---------------------------------------------------------------------------------------------
-// The warp-specialised kernel (Wgmma2wgSchedule::producer_overlap, producer_pingpong): a third,
-// producer warpgroup issues every cp.async; the two consumer warpgroups only wait on mbarriers.
+// The warp-specialised kernel (Wgmma2wgSchedule::producer_overlap, producer_pingpong,
+// producer_tma, producer_3stage): a third, producer warpgroup issues every load (cp.async, or
+// producer_tma's TMA); the two consumer warpgroups only wait on mbarriers.
 
-constexpr int kStages = 2;                         // K buffers, and V buffers, in flight
 constexpr int kConsumerThreads = kWsConsumerThreads;  // warpgroups 0 and 1 (warp_specialized.cuh)
 static_assert(kConsumerThreads == kThreads);
 constexpr int kProducerThreads = kWsProducerThreads;  // warpgroup 2
-constexpr int kWsOffK = kTileBytes;                       // Q at 0, then kStages K tiles
-constexpr int kWsOffV = kWsOffK + kStages * kTileBytes;   // then kStages V tiles
-constexpr int kWsOffBar = kWsOffV + kStages * kTileBytes; // then the mbarriers (8 bytes each)
-constexpr int kWsBars = 1 + 4 * kStages;                  // full_q, full_k[], full_v[], empty_k[], empty_v[]
-constexpr int kWsSmemBytes = kWsOffBar + 8 * kWsBars;
-static_assert(kWsSmemBytes <= 227 * 1024, "over the sm_90 shared memory per block");
+constexpr int kMaxSmemPerBlock = 232448;  // sm_90's opt-in dynamic shared memory per block (227 KiB)
+
+/// The warp-specialised kernel's shared memory with kStages K buffers and kStages V buffers (each
+/// in flight at once): Q at 0, then the K tiles, then the V tiles, then the mbarriers (8 bytes
+/// each: full_q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages]).
+/// 2 stages: 160 KiB + 72 bytes; 3 stages: 224 KiB + 104 bytes (229480 of 232448).
+template <int kStages>
+struct WsLayout {
+  static_assert(kStages >= 2);
+  static constexpr int kOffK = kTileBytes;
+  static constexpr int kOffV = kOffK + kStages * kTileBytes;
+  static constexpr int kOffBar = kOffV + kStages * kTileBytes;
+  static constexpr int kBars = 1 + 4 * kStages;
+  static constexpr int kSmemBytes = kOffBar + 8 * kBars;
+  static_assert(kSmemBytes <= kMaxSmemPerBlock, "over the sm_90 shared memory per block");
+};
+static_assert(WsLayout<2>::kSmemBytes == 160 * 1024 + 72);
+static_assert(WsLayout<3>::kSmemBytes == 224 * 1024 + 104);
 // setmaxnreg (producer 24, consumers 240), the mbarrier helpers: warp_specialized.cuh.
 // Named barriers (bar.sync / bar.arrive ids; 0 is __syncthreads): "warpgroup w may issue".
 constexpr int kBarTurn0 = 1;
@@ -481,15 +496,18 @@ __device__ __forceinline__ void turn_arrive(int wg) {
 /// producer threads' cp.async, in the band layout. The consumers issue the same wgmmas on the same
 /// values with the other descriptors: the same bits as producer_overlap. Without kTma the two maps
 /// are not read.
-template <bool kPingpong, bool kTma = false>
+/// kStages (WsLayout): K tiles, and V tiles, in flight; 2 for producer_overlap, producer_pingpong
+/// and producer_tma, 3 for producer_3stage.
+template <bool kPingpong, bool kTma, int kStages>
 __global__ void __launch_bounds__(kWsThreads, 1)
     attention_forward_wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap tmap_k,
                                       const __grid_constant__ CUtensorMap tmap_v) {
 #if OOM_WGMMA_SM90A
+  using Layout = WsLayout<kStages>;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* s_q = smem;
-  unsigned char* s_k = smem + kWsOffK;
-  unsigned char* s_v = smem + kWsOffV;
+  unsigned char* s_k = smem + Layout::kOffK;
+  unsigned char* s_v = smem + Layout::kOffV;
 
   const int qb = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // heaviest query tiles first
   const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
@@ -499,7 +517,36 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int n_kv = q_last / kBc + 1;
 
   // Barrier j of each kind for tile j, stage j % kStages, phase j / kStages.
-  const std::uint32_t bars = smem_addr(smem + kWsOffBar);
+  //
+  // The phases, for any kStages >= 2 (power of two or not, e.g. 3): tile t occupies stage
+  // t % kStages, whose earlier occupants are the tiles t - kStages, t - 2 kStages, ..., so t is its
+  // (t / kStages)-th occupant (counting from 0): its load completes that stage's "full" barrier
+  // for the (t / kStages)-th time (phase t / kStages, waited for with parity (t / kStages) & 1),
+  // and its release completes the stage's "empty" barrier for the (t / kStages)-th time. Loading
+  // t (t >= kStages) waits for the release of occupant t / kStages - 1 of its stage (tile
+  // t - kStages), i.e. parity (t / kStages - 1) & 1, written (t / kStages + 1) & 1. Nothing here
+  // needs kStages to be a power of two: only the division and remainder, not a mask.
+  // A parity wait cannot tell completion c from completion c - 2 or c + 2, so it is right only if,
+  // when it starts, the barrier has completed c or c + 1 times (0-based: phases 0 .. c-1 or
+  // 0 .. c done). Both bounds hold for every wait here:
+  //   - "full" of tile t's stage, awaited by the consumers for completion c = t / kStages: it
+  //     cannot complete again (c + 1) before they release t, since the next occupant
+  //     t + kStages is loaded only after every consumer thread arrived on "empty" for t; and it
+  //     has completed at least c times, as the consumers' previous wait on it (tile t - kStages)
+  //     saw completion c - 1 (for t < kStages: c = 0, nothing to have completed);
+  //   - "empty" of tile t's stage, awaited by the producer for completion c = t / kStages - 1 (the
+  //     release of t - kStages): completion c + 1 is the release of t itself, which needs t loaded,
+  //     which the producer does only after this wait; and the producer's previous wait on it
+  //     (loading t - kStages) saw completion c - 1 (for t < 2 kStages: c = 0).
+  // sv = (nb + kStages - 1) % kStages is (nb - 1) mod kStages without a negative operand (used only
+  // for nb >= 1; the V of tile nb - 1, phase (nb - 1) / kStages).
+  // Deadlock-free: the producer issues K_0, then per j: K_{j+1}, V_j. Loading K_{j+1} waits for
+  // the release of K_{j+1-kStages} (consumer iteration j+1-kStages, which needs only K_{j+1-kStages}
+  // and V_{j-kStages}, both issued before); loading V_j waits for the release of V_{j-kStages}
+  // (consumer iteration j-kStages+1, which needs K_{j-kStages+1} and V_{j-kStages}, both issued
+  // before). So every wait of either side is on something the other side reaches without waiting
+  // for it in turn; more stages only loosen these waits (the producer runs further ahead).
+  const std::uint32_t bars = smem_addr(smem + Layout::kOffBar);
   const std::uint32_t full_q = bars;
   const auto full_k = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
   const auto full_v = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + kStages + s)); };
@@ -656,6 +703,20 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #endif
 }
 
+/// Launches attention_forward_wgmma_ws_kernel<kPingpong, kTma, kStages> with its own shared
+/// memory size (WsLayout<kStages>), raising the function's dynamic shared memory limit to it first.
+template <bool kPingpong, bool kTma, int kStages>
+cudaError_t launch_ws(dim3 grid, const Params& params, const CUtensorMap& tmap_k, const CUtensorMap& tmap_v,
+                      cudaStream_t stream) {
+  constexpr int kBytes = WsLayout<kStages>::kSmemBytes;
+  auto* kernel = attention_forward_wgmma_ws_kernel<kPingpong, kTma, kStages>;
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+      e != cudaSuccess)
+    return e;
+  kernel<<<grid, kWsThreads, kBytes, stream>>>(params, tmap_k, tmap_v);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
@@ -682,27 +743,14 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<con
       CUtensorMap tmap_k{}, tmap_v{};
       if (const cudaError_t e = encode_chunk_major(&tmap_k, kview, k.data); e != cudaSuccess) return e;
       if (const cudaError_t e = encode_chunk_major(&tmap_v, vview, v.data); e != cudaSuccess) return e;
-      auto* kernel = attention_forward_wgmma_ws_kernel<false, true>;
-      if (const cudaError_t e =
-              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWsSmemBytes);
-          e != cudaSuccess)
-        return e;
-      kernel<<<grid, kWsThreads, kWsSmemBytes, stream>>>(params, tmap_k, tmap_v);
-      return cudaGetLastError();
+      return launch_ws<false, true, 2>(grid, params, tmap_k, tmap_v, stream);
     }
     schedule = Wgmma2wgSchedule::producer_overlap;
   }
-  if (schedule == Wgmma2wgSchedule::producer_overlap || schedule == Wgmma2wgSchedule::producer_pingpong) {
-    auto* kernel = schedule == Wgmma2wgSchedule::producer_pingpong ? attention_forward_wgmma_ws_kernel<true>
-                                                                   : attention_forward_wgmma_ws_kernel<false>;
-    if (const cudaError_t e =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWsSmemBytes);
-        e != cudaSuccess)
-      return e;
-    const CUtensorMap unused{};  // the cp.async kernels read no tensor map
-    kernel<<<grid, kWsThreads, kWsSmemBytes, stream>>>(params, unused, unused);
-    return cudaGetLastError();
-  }
+  const CUtensorMap unused{};  // the cp.async kernels read no tensor map
+  if (schedule == Wgmma2wgSchedule::producer_overlap) return launch_ws<false, false, 2>(grid, params, unused, unused, stream);
+  if (schedule == Wgmma2wgSchedule::producer_pingpong) return launch_ws<true, false, 2>(grid, params, unused, unused, stream);
+  if (schedule == Wgmma2wgSchedule::producer_3stage) return launch_ws<false, false, 3>(grid, params, unused, unused, stream);
   auto* kernel = schedule == Wgmma2wgSchedule::overlap_softmax ? attention_forward_wgmma_2wg_kernel<true>
                                                                 : attention_forward_wgmma_2wg_kernel<false>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);

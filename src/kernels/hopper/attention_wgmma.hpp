@@ -28,18 +28,29 @@ namespace oom::kernels::hopper {
 ///     (cp.async.bulk.tensor, one producer thread) into a chunk-major no-swizzle layout instead of
 ///     128 threads' 16-byte cp.async; the consumers read it through other descriptor strides.
 ///     Tensors whose strides TMA cannot express (zero, negative, >= 2^40 bytes) run
-///     producer_overlap's kernel. Not yet run on a GPU (docs/hopper.md).
-/// All five compute the same operations in the same order per warpgroup: bitwise the same results.
+///     producer_overlap's kernel. Not yet run on a GPU (docs/hopper.md);
+///   producer_3stage: producer_overlap's code (cp.async, no ping-pong) with 3 K and 3 V stages
+///     instead of 2 (224 KiB of shared memory + barriers instead of 160 KiB), so the producer can
+///     load up to two tiles ahead of the consumers: a test of whether the consumers' waits for
+///     K/V limit the forward. Not yet measured on a GPU.
+/// All six compute the same operations in the same order per warpgroup: bitwise the same results.
 /// The default is producer_overlap: on the H200 (sixth session) 1.24-1.29x overlap_softmax and as
 /// fast as producer_pingpong (docs/hopper.md).
-enum class Wgmma2wgSchedule { serial, overlap_softmax, producer_overlap, producer_pingpong, producer_tma };
+enum class Wgmma2wgSchedule {
+  serial,
+  overlap_softmax,
+  producer_overlap,
+  producer_pingpong,
+  producer_tma,
+  producer_3stage,
+};
 
 /// O = softmax(scale * Q K^T + causal mask) V and LSE (natural log) for query rows
 /// [q_begin, q_end), exactly as oom::kernels::attention_forward: same layouts, strides, GQA head
 /// mapping, causal prefix of a query chunk, rows outside [q_begin, q_end) untouched. By the kernel
 /// of src/kernels/hopper/attention_forward_wgmma_2wg.cu: two warpgroups per block sharing each K/V
 /// tile (128 query rows x 128 keys), P kept in registers as the A operand of P V, V read as an
-/// MN-major B. `schedule` picks one of five orders/loaders of the same wgmmas (bitwise the same results).
+/// MN-major B. `schedule` picks one of six orders/loaders of the same wgmmas (bitwise the same results).
 /// Returns cudaErrorInvalidValue for a problem attention_can_implement rejects or a misaligned
 /// pointer/stride (as attention_forward does); cudaErrorNotSupported for head_dim != 128 or when
 /// the current device is not compute capability 9.0 (the only code compiled is sm_90a); for
