@@ -379,8 +379,8 @@ struct AttentionCurves {
 AttentionCurves h200_attention(double scale) {
   // oom-calibrate on our 1x H200, 2026-11-30, seventh session (examples/profiles/h200-2026-11-30e.json):
   // the wgmma kernels (forward with a producer warpgroup; backward warp-specialised, passes 2 and 3
-  // in one grid). PyTorch SDPA forward + backward on the same shapes, that day: 330 (4K), 564 (16K),
-  // 568 (32K), 548 (128K) TFLOP/s.
+  // in one grid). PyTorch SDPA forward + backward on the same shapes, that day (varying 263-330 at
+  // 4K between calls): 263 (4K), 576 (16K), 564 (32K), 549 (128K) TFLOP/s.
   return {SizeCurve({{4096, 255.6 * kTFLOP * scale},
                      {8192, 314.9 * kTFLOP * scale},
                      {16384, 349.6 * kTFLOP * scale},
@@ -483,7 +483,7 @@ MachineProfile MachineProfile::h200(int gpus) {
     const std::string what =
         "OOM's flash attention, causal GQA 16q/4kv heads, head dim 128, batch 1, the {} timed alone ({}x the causal "
         "forward FLOPs; oom-calibrate measure_flash_attention; the Hopper wgmma kernels, forward + backward "
-        "0.66-0.90x PyTorch SDPA, docs/performance.md; examples/profiles/h200-2026-11-30e.json)";
+        "0.63-1.12x PyTorch SDPA, docs/performance.md; examples/profiles/h200-2026-11-30e.json)";
     set_attention(p, h200_attention(1.0), prov(fmt::format(fmt::runtime(what), "forward", 1), kH200Machine, kH200Date),
                   prov(fmt::format(fmt::runtime(what), "backward", 2.5), kH200Machine, kH200Date));
   }

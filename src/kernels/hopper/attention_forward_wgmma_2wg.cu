@@ -58,9 +58,10 @@
 // barrier in the loop. setmaxnreg: producer 24, consumers 240 registers (the exact exchange from the
 // 168 each thread starts with). producer_pingpong: the consumers take turns issuing their wgmmas
 // (named barriers 1, 2), so one's softmax runs under the other's GEMMs.
-// producer_tma (not yet run on a GPU): producer_overlap with K and V loaded by one TMA instruction
-// per tile from one producer thread into a chunk-major layout (kKc*, kVc* below; tma.cuh), the
-// consumers unchanged but for those tiles' descriptor strides.
+// producer_tma (H200, seventh session: bit-identical, 0.96-0.98x producer_overlap): producer_overlap
+// with K and V loaded by one TMA instruction per tile from one producer thread into a chunk-major
+// layout (kKc*, kVc* below; tma.cuh), the consumers unchanged but for those tiles' descriptor
+// strides.
 // producer_3stage (not yet run on a GPU): producer_overlap's code with 3 K and 3 V stages instead
 // of 2 (the stage count is the kernel's template parameter, WsLayout below: 224 KiB + barriers of
 // the 227 KiB a block may have), so the producer may run up to two tiles ahead of the consumers.
