@@ -3,8 +3,8 @@
 // runs on compute capability 9.0 at head_dim 128) against the CPU reference and against the
 // mma.sync kernel (oom::kernels::attention_forward_mma_sync, what it runs elsewhere) on the same
 // inputs, every schedule of kSchedules below (serial, overlap_softmax, and the warp-specialised
-// producer_overlap, producer_pingpong, producer_tma and producer_3stage, each bit-identical to
-// serial): sequence lengths that are no multiple of the 64- or 128-row tiles (1, 17, 1000, 4099)
+// producer_overlap, producer_pingpong, producer_tma, producer_3stage, producer_sw128 and
+// producer_sw128_tma, each bit-identical to serial): sequence lengths that are no multiple of the 64- or 128-row tiles (1, 17, 1000, 4099)
 // and ones that are (64, 128 for the second), GQA (4/2) and MHA (2/2), batch 1 and 2, Q/K/V
 // separate and packed, and query sub-ranges [q_begin, q_end). O and LSE are poisoned (all bits
 // set) before every run: every entry in the range must be within its bf16 bound, every entry
@@ -25,6 +25,7 @@
 #include <cstring>
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
@@ -65,6 +66,8 @@ constexpr Schedule kSchedules[] = {
     {"producer_pingpong", Wgmma2wgSchedule::producer_pingpong},
     {"producer_tma", Wgmma2wgSchedule::producer_tma, true},
     {"producer_3stage", Wgmma2wgSchedule::producer_3stage, true},
+    {"producer_sw128", Wgmma2wgSchedule::producer_sw128, true},
+    {"producer_sw128_tma", Wgmma2wgSchedule::producer_sw128_tma, true},
 };
 constexpr std::size_t kSchedulesN = std::size(kSchedules);
 static_assert(kSchedules[0].value == Wgmma2wgSchedule::serial, "the bits reference comes first");
@@ -297,7 +300,11 @@ void check_case(const Case& c, std::uint64_t seed) {
   //     or read before its mbarrier says so; for producer_3stage, the phase arithmetic of a stage
   //     count that is not a power of two);
   //   - producer_tma also: the descriptors (LBO/SBO of the chunk-major K or V, kKc* / kVc* in
-  //     attention_forward_wgmma_2wg.cu), the tensor map (tma.cuh), or the expect-tx protocol.
+  //     attention_forward_wgmma_2wg.cu), the tensor map (tma.cuh), or the expect-tx protocol;
+  //   - producer_sw128(_tma) also: the swizzled descriptors (kSw*; garbage with right magnitudes
+  //     in O but a right LSE points at V's LBO/SBO, a wrong LSE at Q's or K's), the cp.async
+  //     swizzle (load_rows_sw128_producer, test_wgmma checks the layout alone), the 1 KiB
+  //     alignment, or swizzle128_view.
   const Written& serial = wg[0];
   for (std::size_t i = 1; i < kSchedulesN; ++i) {
     const std::string name = kSchedules[i].name;
@@ -370,11 +377,12 @@ TEST_CASE("attention_forward_wgmma_2wg matches the reference and the mma.sync ke
     check_case(c, seed += 10);
 }
 
-TEST_CASE("producer_tma on K/V strides a tensor map cannot hold, or holds only by substitution: producer_overlap's bits") {
+TEST_CASE("the TMA schedules on K/V strides a tensor map cannot hold, or holds only by substitution: producer_overlap's bits") {
   // K and V shared by both sequences of a batch (batch_stride 0: TMA strides must be positive, so
-  // producer_tma runs producer_overlap's kernel), and one sequence whose K/V batch_stride is 0
-  // (never used for an address: the tensor map gets a valid stand-in and TMA runs). Either way the
-  // result must be producer_overlap's, bit for bit, and nothing outside the rows written.
+  // producer_tma runs producer_overlap's kernel and producer_sw128_tma producer_sw128's), and one
+  // sequence whose K/V batch_stride is 0 (never used for an address: the tensor map gets a valid
+  // stand-in and TMA runs). Either way the result must be producer_overlap's, bit for bit, and
+  // nothing outside the rows written.
   require_sm90();
   const int s = 300, hq = 4, hkv = 2;
   const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
@@ -386,19 +394,21 @@ TEST_CASE("producer_tma on K/V strides a tensor map cannot hold, or holds only b
     const AttentionProblem p{.batch = batch, .seq = s, .heads_q = hq, .heads_kv = hkv, .head_dim = kD,
                              .softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD)), .q_begin = 5, .q_end = 290};
     const std::size_t nq = static_cast<std::size_t>(batch * s * q_row), nlse = static_cast<std::size_t>(batch * hq * s);
-    DeviceBuffer<bf16> o_ov(nq), o_tma(nq);        // poisoned
-    DeviceBuffer<float> lse_ov(nlse), lse_tma(nlse);  // poisoned
-    OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qr, kr, vr, {o_ov.get(), s * q_row, q_row},
-                                                                     lse_ov.get(), nullptr,
-                                                                     Wgmma2wgSchedule::producer_overlap));
-    OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qr, kr, vr, {o_tma.get(), s * q_row, q_row},
-                                                                     lse_tma.get(), nullptr,
-                                                                     Wgmma2wgSchedule::producer_tma));
-    OOM_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto a = o_ov.download(), b = o_tma.download();
-    CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0);
-    const auto la = lse_ov.download(), lb = lse_tma.download();
-    CHECK(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) == 0);
+    const auto run = [&](Wgmma2wgSchedule schedule) {
+      DeviceBuffer<bf16> o(nq);        // poisoned
+      DeviceBuffer<float> lse(nlse);  // poisoned
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qr, kr, vr, {o.get(), s * q_row, q_row},
+                                                                       lse.get(), nullptr, schedule));
+      OOM_CUDA_CHECK(cudaDeviceSynchronize());
+      return std::pair{o.download(), lse.download()};
+    };
+    const auto [o_ref, lse_ref] = run(Wgmma2wgSchedule::producer_overlap);
+    for (const Wgmma2wgSchedule schedule : {Wgmma2wgSchedule::producer_tma, Wgmma2wgSchedule::producer_sw128_tma}) {
+      CAPTURE(static_cast<int>(schedule));
+      const auto [o, lse] = run(schedule);
+      CHECK(std::memcmp(o_ref.data(), o.data(), o.size() * sizeof(bf16)) == 0);
+      CHECK(std::memcmp(lse_ref.data(), lse.data(), lse.size() * sizeof(float)) == 0);
+    }
   }
 }
 

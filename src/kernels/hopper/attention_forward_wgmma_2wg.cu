@@ -137,6 +137,30 @@ constexpr std::uint32_t kVcSbo = kChunkBytes;    // chunk-major V (MN-major): ne
 constexpr std::uint32_t kKcStep = 2 * kKcLbo;    // one k-step of 16 d: 4096
 constexpr std::uint32_t kVcStep = 2 * kVcLbo;    // one k-step of 16 keys: 256
 
+// The 128-byte-swizzled tiles of producer_sw128 and producer_sw128_tma (Q, K and V alike; loaded by
+// load_rows_sw128_producer or by TMA through swizzle128_view, tma.cuh; every tile 1024-byte
+// aligned): a 128-row tile is two 64-column halves of 128 rows x 128 bytes, half h at byte
+// h kSwHalf, row r at r 128 within it, its 16-byte chunk c (columns 8c .. 8c+7 of the half) at
+// position c ^ (r % 8): element (r, c) at (c/64) kSwHalf + r 128 + (((c%64)/8) ^ (r%8)) 16 + (c%8) 2.
+// Why: in the band layout a row's 16-byte chunks are 128 bytes apart, so every 32-byte global
+// sector a warp reads lands in two shared-memory lines; ncu on producer_overlap at S = 16K (eighth
+// session) counted 2x the ideal L2 sectors and 8x the ideal shared-store wavefronts for every
+// cp.async, with L2 throughput at 90%. Here a row's 128 contiguous global bytes fill one 128-byte
+// shared line. The descriptors (wgmma.cuh; swizzled layouts: 8-row atoms of 1024 bytes):
+//   Q, K (K-major over d): k-step ks (d = 16ks .. 16ks+15) starts at half ks/4, byte 32 (ks%4) of
+//     each row: start + (ks/4) kSwHalf + 32 (ks%4); SBO 1024 = next 8 rows; LBO unused (16).
+//     Warpgroup w's Q rows start 64 w 128 = 8192 w bytes into each half.
+//   V (MN-major: K = keys, N = d): k-step ks (keys 16ks ..) = 2 atoms of 8 keys: start + 2048 ks;
+//     SBO 1024 = next 8 keys (along K); LBO kSwHalf = next 64 d (along N): the swizzled MN-major
+//     layouts give LBO the MN stride and SBO the K stride, the opposite of no-swizzle.
+constexpr std::uint32_t kSwHalf = kBc * 128;  // 16384: one 64-column half of a 128-row tile
+static_assert(kBr * 128 == kSwHalf, "Q and K/V tiles have the same swizzled halves");
+constexpr std::uint32_t kSwAtom = 1024;       // 8 rows x 128 bytes
+constexpr std::uint32_t kSwWgRowBytes = 64 * 128;  // warpgroup w's Q rows start w * 8 KiB into each half
+
+/// Where a kernel's K and V tiles live (Q is in the band layout unless sw128).
+enum class KvLayout { band, chunk_major, sw128 };
+
 constexpr int kTileBytes = kBr * kD * 2;  // 128 x 128 bf16 = 32 KiB: Q, one K, one V
 static_assert(kBc == kBr, "Q, K and V tiles share one shape and one loader");
 constexpr int kOffQ = 0;
@@ -212,31 +236,46 @@ __device__ __forceinline__ void fence_all(WarpgroupState& st) {
 }
 
 /// S = Q_wg K^T: A = the warpgroup's 64 Q rows, B = K (128 keys x 128 d), both K-major over d;
-/// 8 wgmma m64n128k16 SS, not committed. kChunkMajorKv: K is in the chunk-major layout of
-/// producer_tma (kKc*), else in the band layout (kQk*); Q always in the band layout. The same
-/// products in the same order either way.
-template <bool kChunkMajorKv = false>
+/// 8 wgmma m64n128k16 SS, not committed. kLayout: K in the band layout (kQk*), the chunk-major
+/// layout of producer_tma (kKc*; Q still band), or Q and K both 128-byte swizzled (kSw*). The same
+/// products in the same order in every case.
+template <KvLayout kLayout = KvLayout::band>
 __device__ __forceinline__ void issue_s(WarpgroupState& st, std::uint32_t a_q, std::uint32_t a_kbuf) {
-  constexpr std::uint32_t kStep = kChunkMajorKv ? kKcStep : kQkStep;
-  constexpr std::uint32_t kLbo = kChunkMajorKv ? kKcLbo : kQkLbo;
-  constexpr std::uint32_t kSbo = kChunkMajorKv ? kKcSbo : kQkSbo;
 #pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks)
-    wgmma_m64n128k16_f32_bf16_ss(st.s, encode_smem_desc(a_q + ks * kQkStep, kQkLbo, kQkSbo),
-                                 encode_smem_desc(a_kbuf + ks * kStep, kLbo, kSbo), ks > 0 ? 1 : 0);
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    if constexpr (kLayout == KvLayout::sw128) {
+      const std::uint32_t at = (ks / 4) * kSwHalf + (ks % 4) * 32;
+      wgmma_m64n128k16_f32_bf16_ss(st.s, encode_smem_desc(a_q + at, 16, kSwAtom, Swizzle::b128),
+                                   encode_smem_desc(a_kbuf + at, 16, kSwAtom, Swizzle::b128), ks > 0 ? 1 : 0);
+    } else {
+      constexpr bool kChunk = kLayout == KvLayout::chunk_major;
+      constexpr std::uint32_t kStep = kChunk ? kKcStep : kQkStep;
+      constexpr std::uint32_t kLbo = kChunk ? kKcLbo : kQkLbo;
+      constexpr std::uint32_t kSbo = kChunk ? kKcSbo : kQkSbo;
+      wgmma_m64n128k16_f32_bf16_ss(st.s, encode_smem_desc(a_q + ks * kQkStep, kQkLbo, kQkSbo),
+                                   encode_smem_desc(a_kbuf + ks * kStep, kLbo, kSbo), ks > 0 ? 1 : 0);
+    }
+  }
 }
 
 /// O += P V: A = P (registers, 64 x 128 keys), B = V (128 keys x 128 d) MN-major; 8 wgmma
-/// m64n128k16 RS, not committed. `pa` must stay untouched until they complete. kChunkMajorKv: V
-/// in the chunk-major layout (kVc*), else the band layout (kV*).
-template <bool kChunkMajorKv = false>
+/// m64n128k16 RS, not committed. `pa` must stay untouched until they complete. kLayout: V in the
+/// band (kV*), chunk-major (kVc*) or swizzled (kSw*) layout.
+template <KvLayout kLayout = KvLayout::band>
 __device__ __forceinline__ void issue_pv(WarpgroupState& st, std::uint32_t a_vbuf) {
-  constexpr std::uint32_t kStep = kChunkMajorKv ? kVcStep : kVStep;
-  constexpr std::uint32_t kLbo = kChunkMajorKv ? kVcLbo : kVLbo;
-  constexpr std::uint32_t kSbo = kChunkMajorKv ? kVcSbo : kVSbo;
 #pragma unroll
-  for (int ks = 0; ks < kBc / 16; ++ks)
-    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(st.o, st.pa[ks], encode_smem_desc(a_vbuf + ks * kStep, kLbo, kSbo), 1);
+  for (int ks = 0; ks < kBc / 16; ++ks) {
+    if constexpr (kLayout == KvLayout::sw128) {
+      wgmma_m64n128k16_f32_bf16_rs<Major::mn>(
+          st.o, st.pa[ks], encode_smem_desc(a_vbuf + ks * 2 * kSwAtom, kSwHalf, kSwAtom, Swizzle::b128), 1);
+    } else {
+      constexpr bool kChunk = kLayout == KvLayout::chunk_major;
+      constexpr std::uint32_t kStep = kChunk ? kVcStep : kVStep;
+      constexpr std::uint32_t kLbo = kChunk ? kVcLbo : kVLbo;
+      constexpr std::uint32_t kSbo = kChunk ? kVcSbo : kVSbo;
+      wgmma_m64n128k16_f32_bf16_rs<Major::mn>(st.o, st.pa[ks], encode_smem_desc(a_vbuf + ks * kStep, kLbo, kSbo), 1);
+    }
+  }
 }
 
 /// Causal mask of the S tile at keys n0.. (key > query) where it crosses the diagonal of one of the
@@ -498,14 +537,21 @@ __device__ __forceinline__ void turn_arrive(int wg) {
 /// values with the other descriptors: the same bits as producer_overlap. Without kTma the two maps
 /// are not read.
 /// kStages (WsLayout): K tiles, and V tiles, in flight; 2 for producer_overlap, producer_pingpong
-/// and producer_tma, 3 for producer_3stage.
-template <bool kPingpong, bool kTma, int kStages>
+/// and producer_tma, 3 for producer_3stage, producer_sw128 and producer_sw128_tma.
+/// kSw128 (producer_sw128, and with kTma producer_sw128_tma): Q, K and V in the 128-byte-swizzled
+/// layout (kSw* above), loaded by load_rows_sw128_producer or, for K and V with kTma, by TMA through
+/// swizzle128_view maps; the shared memory used starts at the first 1024-byte boundary of the
+/// dynamic allocation (launch_ws adds the 1 KiB this may take).
+template <bool kPingpong, bool kTma, int kStages, bool kSw128 = false>
 __global__ void __launch_bounds__(kWsThreads, 1)
     attention_forward_wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap tmap_k,
                                       const __grid_constant__ CUtensorMap tmap_v) {
 #if OOM_WGMMA_SM90A
   using Layout = WsLayout<kStages>;
-  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr KvLayout kLayout = kSw128 ? KvLayout::sw128 : kTma ? KvLayout::chunk_major : KvLayout::band;
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
+  // The swizzle pattern is taken from address bits 7-9: the tiles must start on 1024-byte boundaries.
+  unsigned char* smem = kSw128 ? smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
   unsigned char* s_q = smem;
   unsigned char* s_k = smem + Layout::kOffK;
   unsigned char* s_v = smem + Layout::kOffV;
@@ -579,7 +625,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const __nv_bfloat16* q_g = p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD;
     const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
     const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
-    load_rows_producer<kBr>(a_q0, q_g, p.q_token, q0, p.q_end, tid);
+    if constexpr (kSw128)
+      load_rows_sw128_producer<kBr>(a_q0, q_g, p.q_token, q0, p.q_end, tid);
+    else
+      load_rows_producer<kBr>(a_q0, q_g, p.q_token, q0, p.q_end, tid);
     cp_async_mbar_arrive(full_q);
     if constexpr (kTma) {
       // One thread issues every K/V load, in the same order and with the same empty-barrier waits
@@ -589,35 +638,41 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       if (tid == 0) {
         tma_prefetch_map(&tmap_k);
         tma_prefetch_map(&tmap_v);
-        tma_load_rows_chunk_major<kBc>(a_k0, &tmap_k, full_k(0), 0, hk, b);
+        tma_load_rows<kBc>(a_k0, &tmap_k, full_k(0), 0, hk, b);
         for (int j = 0; j < n_kv; ++j) {
           if (const int t = j + 1; t < n_kv) {
             const int st = t % kStages;
             if (t >= kStages) mbar_wait(empty_k(st), static_cast<std::uint32_t>((t / kStages + 1) & 1));
-            tma_load_rows_chunk_major<kBc>(a_k0 + static_cast<std::uint32_t>(st * kTileBytes), &tmap_k, full_k(st),
+            tma_load_rows<kBc>(a_k0 + static_cast<std::uint32_t>(st * kTileBytes), &tmap_k, full_k(st),
                                            t * kBc, hk, b);
           }
           const int st = j % kStages;
           if (j >= kStages) mbar_wait(empty_v(st), static_cast<std::uint32_t>((j / kStages + 1) & 1));
-          tma_load_rows_chunk_major<kBc>(a_v0 + static_cast<std::uint32_t>(st * kTileBytes), &tmap_v, full_v(st),
+          tma_load_rows<kBc>(a_v0 + static_cast<std::uint32_t>(st * kTileBytes), &tmap_v, full_v(st),
                                          j * kBc, hk, b);
         }
       }
       asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's Q chunks landed
       return;
     }
-    load_rows_producer<kBc>(a_k0, k_g, p.k_token, 0, p.seq, tid);
+    const auto load_kv = [&](std::uint32_t tile, const __nv_bfloat16* g, std::int64_t token, int row0) {
+      if constexpr (kSw128)
+        load_rows_sw128_producer<kBc>(tile, g, token, row0, p.seq, tid);
+      else
+        load_rows_producer<kBc>(tile, g, token, row0, p.seq, tid);
+    };
+    load_kv(a_k0, k_g, p.k_token, 0);
     cp_async_mbar_arrive(full_k(0));
     for (int j = 0; j < n_kv; ++j) {
       if (const int t = j + 1; t < n_kv) {
         const int st = t % kStages;
         if (t >= kStages) mbar_wait(empty_k(st), static_cast<std::uint32_t>((t / kStages + 1) & 1));
-        load_rows_producer<kBc>(a_k0 + static_cast<std::uint32_t>(st * kTileBytes), k_g, p.k_token, t * kBc, p.seq, tid);
+        load_kv(a_k0 + static_cast<std::uint32_t>(st * kTileBytes), k_g, p.k_token, t * kBc);
         cp_async_mbar_arrive(full_k(st));
       }
       const int st = j % kStages;
       if (j >= kStages) mbar_wait(empty_v(st), static_cast<std::uint32_t>((j / kStages + 1) & 1));
-      load_rows_producer<kBc>(a_v0 + static_cast<std::uint32_t>(st * kTileBytes), v_g, p.v_token, j * kBc, p.seq, tid);
+      load_kv(a_v0 + static_cast<std::uint32_t>(st * kTileBytes), v_g, p.v_token, j * kBc);
       cp_async_mbar_arrive(full_v(st));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
@@ -630,7 +685,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int r0 = 16 * warp + (lane >> 2);
   const int c0 = 2 * (lane & 3);
   const int wg_row0 = q0 + 64 * wg;
-  const std::uint32_t a_q = smem_addr(s_q) + static_cast<std::uint32_t>(wg * kWgRowBytes);
+  const std::uint32_t a_q = smem_addr(s_q) + static_cast<std::uint32_t>(wg * (kSw128 ? kSwWgRowBytes : kWgRowBytes));
   const std::uint32_t a_k = smem_addr(s_k), a_v = smem_addr(s_v);
 
   WarpgroupState st;
@@ -661,11 +716,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
     fence_all(st);
     wgmma_fence();
-    issue_s<kTma>(st, a_q, a_k + static_cast<std::uint32_t>(sk * kTileBytes));
+    issue_s<kLayout>(st, a_q, a_k + static_cast<std::uint32_t>(sk * kTileBytes));
     wgmma_commit_group();
     if (nb > 0) {
       wgmma_fence();  // as in the overlap_softmax kernel (C7519)
-      issue_pv<kTma>(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));  // O += P_{nb-1} V_{nb-1}
+      issue_pv<kLayout>(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));  // O += P_{nb-1} V_{nb-1}
       wgmma_commit_group();
       if constexpr (kPingpong)
         if (wg == 0 || nb + 1 < n_kv) turn_arrive(wg ^ 1);
@@ -690,7 +745,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if constexpr (!kTma) fence_proxy_async_shared();
     fence_all(st);
     wgmma_fence();
-    issue_pv<kTma>(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));
+    issue_pv<kLayout>(st, a_v + static_cast<std::uint32_t>(sv * kTileBytes));
     wgmma_commit_group();
     wgmma_wait_group<0>();
     fence_all(st);
@@ -706,11 +761,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
 /// Launches attention_forward_wgmma_ws_kernel<kPingpong, kTma, kStages> with its own shared
 /// memory size (WsLayout<kStages>), raising the function's dynamic shared memory limit to it first.
-template <bool kPingpong, bool kTma, int kStages>
+template <bool kPingpong, bool kTma, int kStages, bool kSw128 = false>
 cudaError_t launch_ws(dim3 grid, const Params& params, const CUtensorMap& tmap_k, const CUtensorMap& tmap_v,
                       cudaStream_t stream) {
-  constexpr int kBytes = WsLayout<kStages>::kSmemBytes;
-  auto* kernel = attention_forward_wgmma_ws_kernel<kPingpong, kTma, kStages>;
+  constexpr int kBytes = WsLayout<kStages>::kSmemBytes + (kSw128 ? 1024 : 0);  // room to align to 1 KiB
+  static_assert(kBytes <= kMaxSmemPerBlock, "over the sm_90 shared memory per block");
+  auto* kernel = attention_forward_wgmma_ws_kernel<kPingpong, kTma, kStages, kSw128>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
       e != cudaSuccess)
     return e;
@@ -730,28 +786,34 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<con
 
   const int q_tiles = (params.q_end - params.q_begin + kBr - 1) / kBr;
   const dim3 grid(static_cast<unsigned>(q_tiles), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
-  if (schedule == Wgmma2wgSchedule::producer_tma) {
-    // The chunk-major TMA views of K and V (tma.cuh). forward_checks has established what TMA
-    // needs of them in every case that matters: aligned_rows = data 16-byte aligned and both
-    // strides multiples of 8 elements (16 bytes); head offsets (256 bytes) and the 16-byte chunks
-    // are multiples of 16 by construction. What it does not exclude is a stride TMA cannot
-    // express: zero or negative (where its dimension has more than one entry) or 2^40 bytes and
-    // over. Such tensors run producer_overlap's kernel instead: the same bits by construction, so
-    // producer_tma accepts exactly what producer_overlap accepts and computes the same.
+  if (schedule == Wgmma2wgSchedule::producer_tma || schedule == Wgmma2wgSchedule::producer_sw128_tma) {
+    // The TMA views of K and V (tma.cuh): chunk-major for producer_tma, 128-byte swizzled for
+    // producer_sw128_tma. forward_checks has established what TMA needs of them in every case
+    // that matters: aligned_rows = data 16-byte aligned and both strides multiples of 8 elements
+    // (16 bytes); head offsets (256 bytes) and the 16-byte chunks are multiples of 16 by
+    // construction. What it does not exclude is a stride TMA cannot express: zero or negative
+    // (where its dimension has more than one entry) or 2^40 bytes and over. Such tensors run the
+    // same schedule's cp.async kernel instead (producer_overlap, producer_sw128): the same bits by
+    // construction, so the TMA schedules accept exactly what the cp.async ones accept.
+    const bool sw = schedule == Wgmma2wgSchedule::producer_sw128_tma;
+    const auto view = sw ? swizzle128_view : chunk_major_view;
     ChunkMajorView kview{}, vview{};
-    if (chunk_major_view(&kview, k.data, p.batch, p.seq, p.heads_kv, k.batch_stride, k.token_stride, kBc) &&
-        chunk_major_view(&vview, v.data, p.batch, p.seq, p.heads_kv, v.batch_stride, v.token_stride, kBc)) {
+    if (view(&kview, k.data, p.batch, p.seq, p.heads_kv, k.batch_stride, k.token_stride, kBc) &&
+        view(&vview, v.data, p.batch, p.seq, p.heads_kv, v.batch_stride, v.token_stride, kBc)) {
       CUtensorMap tmap_k{}, tmap_v{};
-      if (const cudaError_t e = encode_chunk_major(&tmap_k, kview, k.data); e != cudaSuccess) return e;
-      if (const cudaError_t e = encode_chunk_major(&tmap_v, vview, v.data); e != cudaSuccess) return e;
-      return launch_ws<false, true, 2>(grid, params, tmap_k, tmap_v, stream);
+      if (const cudaError_t e = encode_view(&tmap_k, kview, k.data); e != cudaSuccess) return e;
+      if (const cudaError_t e = encode_view(&tmap_v, vview, v.data); e != cudaSuccess) return e;
+      return sw ? launch_ws<false, true, 3, true>(grid, params, tmap_k, tmap_v, stream)
+                : launch_ws<false, true, 2>(grid, params, tmap_k, tmap_v, stream);
     }
-    schedule = Wgmma2wgSchedule::producer_overlap;
+    schedule = sw ? Wgmma2wgSchedule::producer_sw128 : Wgmma2wgSchedule::producer_overlap;
   }
   const CUtensorMap unused{};  // the cp.async kernels read no tensor map
   if (schedule == Wgmma2wgSchedule::producer_overlap) return launch_ws<false, false, 2>(grid, params, unused, unused, stream);
   if (schedule == Wgmma2wgSchedule::producer_pingpong) return launch_ws<true, false, 2>(grid, params, unused, unused, stream);
   if (schedule == Wgmma2wgSchedule::producer_3stage) return launch_ws<false, false, 3>(grid, params, unused, unused, stream);
+  if (schedule == Wgmma2wgSchedule::producer_sw128)
+    return launch_ws<false, false, 3, true>(grid, params, unused, unused, stream);
   auto* kernel = schedule == Wgmma2wgSchedule::overlap_softmax ? attention_forward_wgmma_2wg_kernel<true>
                                                                 : attention_forward_wgmma_2wg_kernel<false>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);

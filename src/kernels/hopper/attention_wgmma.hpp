@@ -33,10 +33,18 @@ namespace oom::kernels::hopper {
 ///   producer_3stage: producer_overlap's code (cp.async, no ping-pong) with 3 K and 3 V stages
 ///     instead of 2 (224 KiB of shared memory + barriers instead of 160 KiB), so the producer can
 ///     load up to two tiles ahead of the consumers: a test of whether the consumers' waits for
-///     K/V limit the forward. Not yet measured on a GPU.
-/// All six compute the same operations in the same order per warpgroup: bitwise the same results.
-/// The default is producer_overlap: on the H200 (sixth session) 1.24-1.29x overlap_softmax and as
-/// fast as producer_pingpong (docs/hopper.md).
+///     K/V limit the forward. On the H200 (eighth session) the same bits, 1.02-1.05x
+///     producer_overlap;
+///   producer_sw128: producer_3stage with Q, K and V in the 128-byte-swizzled layout (a row's 128
+///     contiguous global bytes fill one 128-byte shared-memory line; the band layout splits each
+///     32-byte sector over two lines: 2x the L2 sectors, 8x the shared-store wavefronts, ncu);
+///   producer_sw128_tma: producer_sw128 with K and V loaded by TMA (128-byte swizzle, one
+///     instruction per tile); tensors TMA cannot express run producer_sw128's kernel. Both
+///     bit-identical to serial on the H200 (eighth session).
+/// All eight compute the same operations in the same order per warpgroup: bitwise the same results.
+/// The default is producer_sw128_tma: on the H200 (eighth session, test_attention_wgmma's timing)
+/// 1.55-1.64x producer_overlap at S = 4K, 16K, 64K (423 / 577 / 578 against 261 / 351 / 372
+/// TFLOP/s), producer_sw128 1.44-1.65x (docs/hopper.md).
 enum class Wgmma2wgSchedule {
   serial,
   overlap_softmax,
@@ -44,6 +52,8 @@ enum class Wgmma2wgSchedule {
   producer_pingpong,
   producer_tma,
   producer_3stage,
+  producer_sw128,
+  producer_sw128_tma,
 };
 
 /// O = softmax(scale * Q K^T + causal mask) V and LSE (natural log) for query rows
@@ -51,11 +61,11 @@ enum class Wgmma2wgSchedule {
 /// mapping, causal prefix of a query chunk, rows outside [q_begin, q_end) untouched. By the kernel
 /// of src/kernels/hopper/attention_forward_wgmma_2wg.cu: two warpgroups per block sharing each K/V
 /// tile (128 query rows x 128 keys), P kept in registers as the A operand of P V, V read as an
-/// MN-major B. `schedule` picks one of six orders/loaders of the same wgmmas (bitwise the same results).
+/// MN-major B. `schedule` picks one of eight orders/loaders of the same wgmmas (bitwise the same results).
 /// Returns cudaErrorInvalidValue for a problem attention_can_implement rejects or a misaligned
 /// pointer/stride (as attention_forward does); cudaErrorNotSupported for head_dim != 128 or when
 /// the current device is not compute capability 9.0 (the only code compiled is sm_90a); for
-/// producer_tma also cudaErrorInvalidValue when the driver refuses the tensor maps, or
+/// producer_tma and producer_sw128_tma also cudaErrorInvalidValue when the driver refuses the tensor maps, or
 /// cudaErrorNotSupported when it has no cuTensorMapEncodeTiled; otherwise the launch's status.
 /// No allocation, no synchronisation.
 cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
@@ -65,7 +75,7 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
                                         TokenRows<bf16> o,        // (B, S, Hq, D) bf16, rows [q_begin, q_end) written
                                         float* lse,               // (B, Hq, S) fp32, entries [q_begin, q_end) written
                                         cudaStream_t stream,
-                                        Wgmma2wgSchedule schedule = Wgmma2wgSchedule::producer_overlap);
+                                        Wgmma2wgSchedule schedule = Wgmma2wgSchedule::producer_sw128_tma);
 
 /// dQ, dK, dV exactly as oom::kernels::attention_backward computes them (same layouts, strides,
 /// GQA sum, query sub-range and causal prefix, accumulate_dkv, workspace of

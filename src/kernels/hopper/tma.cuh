@@ -50,6 +50,7 @@ struct ChunkMajorView {
   cuuint64_t dims[kRank];
   cuuint64_t strides[kRank - 1];  // bytes, dims 1 .. 4
   cuuint32_t box[kRank];
+  CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
 };
 
 /// Fills `view` for the tensor at `base` (elements, strides in elements as TokenRows has them).
@@ -84,6 +85,25 @@ inline bool chunk_major_view(ChunkMajorView* view, const void* base, int batch, 
   return true;
 }
 
+/// The 128-byte-swizzled view of the same tensor (the layout wgmma reads with Swizzle::b128): d0 =
+/// 64 elements (one 128-byte half of a head row), d1 = token, d2 = the two halves (128 bytes
+/// apart), d3 = head, d4 = batch; box {64, R, 2, 1, 1} lands as [half][row][128 bytes] with each
+/// 128-byte row's 16-byte chunks permuted by the hardware swizzle (chunk c of a row at position
+/// c ^ (row % 8), given a 1024-byte-aligned destination): element (r, c) of the tile at byte
+/// (c/64) (R 128) + r 128 + (((c%64)/8) ^ (r%8)) 16 + (c%8) 2. Same preconditions and stand-in
+/// strides as chunk_major_view; false where it returns false.
+inline bool swizzle128_view(ChunkMajorView* view, const void* base, int batch, int seq, int heads,
+                            std::int64_t batch_stride, std::int64_t token_stride, int box_rows) {
+  if (!chunk_major_view(view, base, batch, seq, heads, batch_stride, token_stride, box_rows)) return false;
+  view->dims[0] = 64;
+  view->dims[2] = ChunkMajorView::kHeadDim / 64;
+  view->strides[1] = 128;
+  view->box[0] = 64;
+  view->box[2] = ChunkMajorView::kHeadDim / 64;
+  view->swizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+  return true;
+}
+
 /// cuTensorMapEncodeTiled from the driver, through the runtime (the library links cudart only):
 /// looked up once per process; null if the driver has none (then every encode fails).
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -103,16 +123,16 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-/// Encodes `view` of the bf16 tensor at `base` into `map` (no swizzle, no interleave, zero fill out
-/// of bounds, 256-byte L2 promotion). cudaErrorNotSupported when the driver offers no encoder,
+/// Encodes `view` of the bf16 tensor at `base` into `map` (the view's swizzle, no interleave, zero
+/// fill out of bounds, 256-byte L2 promotion). cudaErrorNotSupported when the driver offers no encoder,
 /// cudaErrorInvalidValue when it refuses the view, else cudaSuccess.
-inline cudaError_t encode_chunk_major(CUtensorMap* map, const ChunkMajorView& view, const void* base) {
+inline cudaError_t encode_view(CUtensorMap* map, const ChunkMajorView& view, const void* base) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint32_t element_strides[ChunkMajorView::kRank] = {1, 1, 1, 1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, ChunkMajorView::kRank, const_cast<void*>(base),
                             view.dims, view.strides, view.box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            view.swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -182,13 +202,15 @@ __device__ __forceinline__ void tma_load_5d(std::uint32_t dst, const CUtensorMap
 #endif
 }
 
-/// Rows [row0, row0 + R) of head `head`, batch `batch` of a chunk-major-viewed tensor (box {8, R,
-/// 16, 1, 1}) into the tile at `dst`: element (r, c) at byte (c/8) (R 16) + r 16 + (c%8) 2; rows
-/// at or past the tensor's seq are zeros. Arms `bar` for the tile's R x 256 bytes first (the one
-/// arrival of the phase) and issues the copy.
+/// Rows [row0, row0 + R) of head `head`, batch `batch` of a tensor viewed by chunk_major_view or
+/// swizzle128_view (boxes of R rows: the box covers all 128 columns either way, so the coordinates
+/// are the same) into the tile at `dst`, laid out as that view says; rows at or past the tensor's
+/// seq are zeros. Arms `bar` for the tile's R x 256 bytes first (the one arrival of the phase) and
+/// issues the copy. A swizzled view needs `dst` 1024-byte aligned (the swizzle pattern repeats
+/// every 8 rows of 128 bytes and is taken from the address bits).
 template <int R>
-__device__ __forceinline__ void tma_load_rows_chunk_major(std::uint32_t dst, const CUtensorMap* map, std::uint32_t bar,
-                                                          int row0, int head, int batch) {
+__device__ __forceinline__ void tma_load_rows(std::uint32_t dst, const CUtensorMap* map, std::uint32_t bar, int row0,
+                                              int head, int batch) {
   static_assert(R >= 1 && R <= 256);
   mbar_arrive_expect_tx(bar, static_cast<std::uint32_t>(R * 2 * ChunkMajorView::kHeadDim));
   tma_load_5d(dst, map, bar, 0, row0, 0, head, batch);
