@@ -15,6 +15,8 @@
 // (attention_forward / attention_backward give the wgmma kernels' bits at head_dim 128, the
 // mma.sync kernels' at 256), and a timing report (printed, not asserted) at S = 4096, 16384, 65536
 // against the mma.sync backward.
+// Every wgmma run is also compared bit for bit with attention_backward_wgmma_band (the same kernel
+// with its shared-memory tiles in the no-swizzle band layout instead of the 128-byte swizzle).
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
@@ -67,6 +69,9 @@ static_assert(std::is_same_v<BackwardFn, decltype(&oom::kernels::hopper::attenti
               "the wgmma backward takes attention_backward's arguments");
 constexpr BackwardFn kMma = &oom::kernels::attention_backward_mma_sync;
 constexpr BackwardFn kWgmma = &oom::kernels::hopper::attention_backward_wgmma;
+/// The same kernel with its tiles in the no-swizzle band layout: the same products in the same
+/// order, so it must give kWgmma's bits (a difference points at the swizzled descriptors or loads).
+constexpr BackwardFn kWgmmaBand = &oom::kernels::hopper::attention_backward_wgmma_band;
 
 /// Raw bf16 rows of a strided (B, S, H, D) device tensor, contiguous on the host.
 std::vector<bf16> download_bits(TokenRows<bf16> src, const AttentionDims& d, int heads) {
@@ -165,6 +170,10 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
   CHECK_MESSAGE(bits_equal(again.dq, wg.dq), "wgmma dQ differs between two runs");
   CHECK_MESSAGE(bits_equal(again.dk, wg.dk), "wgmma dK differs between two runs");
   CHECK_MESSAGE(bits_equal(again.dv, wg.dv), "wgmma dV differs between two runs");
+  const Grads band = run(kWgmmaBand);
+  CHECK_MESSAGE(bits_equal(band.dq, wg.dq), "wgmma dQ differs between the swizzled and band layouts");
+  CHECK_MESSAGE(bits_equal(band.dk, wg.dk), "wgmma dK differs between the swizzled and band layouts");
+  CHECK_MESSAGE(bits_equal(band.dv, wg.dv), "wgmma dV differs between the swizzled and band layouts");
 }
 
 /// One query sub-range [q_begin, q_end) alone, accumulate_dkv false (dQ/dK/dV poisoned) or true
@@ -246,6 +255,10 @@ void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_
     CHECK_MESSAGE(bits_equal(again.dq, wg.dq), "wgmma dQ differs between two runs");
     CHECK_MESSAGE(bits_equal(again.dk, wg.dk), "wgmma dK differs between two runs");
     CHECK_MESSAGE(bits_equal(again.dv, wg.dv), "wgmma dV differs between two runs");
+    const Grads band = run(kWgmmaBand);
+    CHECK_MESSAGE(bits_equal(band.dq, wg.dq), "wgmma dQ differs between the swizzled and band layouts");
+    CHECK_MESSAGE(bits_equal(band.dk, wg.dk), "wgmma dK differs between the swizzled and band layouts");
+    CHECK_MESSAGE(bits_equal(band.dv, wg.dv), "wgmma dV differs between the swizzled and band layouts");
   }
 }
 
@@ -375,7 +388,7 @@ TEST_CASE("attention_backward_wgmma vs mma.sync: timing at S = 4096, 16384, 6553
   for (const int s : {4096, 16384, 65536}) {
     const AttentionDims d{1, s, hq, hkv, kD};
     const std::size_t nq = static_cast<std::size_t>(s) * hq * kD, nkv = static_cast<std::size_t>(s) * hkv * kD;
-    DeviceQkv in(d, false), grad_mma(d, false), grad_wg(d, false);
+    DeviceQkv in(d, false), grad_mma(d, false), grad_wg(d, false), grad_band(d, false);
     upload(in.q, hashed_bf16(nq, 1), d, hq);
     upload(in.k, hashed_bf16(nkv, 2), d, hkv);
     upload(in.v, hashed_bf16(nkv, 3), d, hkv);
@@ -399,11 +412,19 @@ TEST_CASE("attention_backward_wgmma vs mma.sync: timing at S = 4096, 16384, 6553
     const int repeats = s >= 65536 ? 3 : 10;
     const double ms_mma = oom::test::time_ms(launcher(kMma, grad_mma), stream.s, repeats);
     const double ms_wg = oom::test::time_ms(launcher(kWgmma, grad_wg), stream.s, repeats);
+    const double ms_band = oom::test::time_ms(launcher(kWgmmaBand, grad_band), stream.s, repeats);
     const double flops = 2.5 * 2.0 * static_cast<double>(s) * s * hq * kD;
     std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal backward: mma.sync %.3f ms = %.0f TFLOP/s | wgmma %.3f ms = %.0f "
-                "TFLOP/s (%.2fx)\n",
-                s, hq, hkv, ms_mma, flops / ms_mma / 1e9, ms_wg, flops / ms_wg / 1e9, ms_mma / ms_wg);
+                "TFLOP/s (%.2fx) | wgmma band layout %.3f ms = %.0f TFLOP/s (swizzled %.2fx band)\n",
+                s, hq, hkv, ms_mma, flops / ms_mma / 1e9, ms_wg, flops / ms_wg / 1e9, ms_mma / ms_wg, ms_band,
+                flops / ms_band / 1e9, ms_band / ms_wg);
     std::fflush(stdout);
+    CHECK_MESSAGE(bits_equal(download_bits(grad_wg.q, d, hq), download_bits(grad_band.q, d, hq)),
+                  "dQ differs between the swizzled and band layouts at S=" << s);
+    CHECK_MESSAGE(bits_equal(download_bits(grad_wg.k, d, hkv), download_bits(grad_band.k, d, hkv)),
+                  "dK differs between the swizzled and band layouts at S=" << s);
+    CHECK_MESSAGE(bits_equal(download_bits(grad_wg.v, d, hkv), download_bits(grad_band.v, d, hkv)),
+                  "dV differs between the swizzled and band layouts at S=" << s);
     // A size the CPU reference cannot afford: the two kernels against each other.
     for (const auto& [what, a, m] :
          {std::tuple{"dQ", download(grad_wg.q, d, hq), download(grad_mma.q, d, hq)},

@@ -118,22 +118,64 @@ constexpr int kTileBytes = ROWS * kD * 2;
 __device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t addr) { return encode_smem_desc(addr, kKmLbo, kKmSbo); }
 __device__ __forceinline__ std::uint64_t mnmajor_desc(std::uint32_t addr) { return encode_smem_desc(addr, kMnLbo, kMnSbo); }
 
-/// acc (64 x 64) = A (64 rows at a_rows, K-major) * B^T (64 rows at b_rows, K-major), over the
-/// 128 columns: 8 wgmma m64n64k16 SS, not committed.
+// The 128-byte-swizzled tiles (kSw128 below; the forward's producer_sw128 layout,
+// attention_forward_wgmma_2wg.cu, there verified on the H200): a tile of R rows x 128 d is two
+// 64-column halves of R x 128 bytes, half h at h R 128, row r at r 128 within it, its 16-byte chunk
+// c at position c ^ (r % 8); every tile 1024-byte aligned. Descriptors: K-major (rows = M/N, d =
+// the product's K), k-step ks at (ks/4) R 128 + 32 (ks%4), SBO 1024 (next 8 rows), LBO unused;
+// MN-major B (rows = the product's K, d = N), k-step ks (16 rows) at 2048 ks, LBO R 128 (next 64 d),
+// SBO 1024 (next 8 rows). The band layout splits every 32-byte global sector of a cp.async over
+// two shared-memory lines (ncu on the forward: 2x the ideal L2 sectors, 8x the ideal shared-store
+// wavefronts); the swizzled one keeps a row's 128 bytes in one line.
+constexpr std::uint32_t kSwAtom = 1024;
+/// Where the rows of warpgroup w start in a 128-row tile: 64 rows of 256 bytes (band) or of 128
+/// bytes per half (swizzled).
+template <bool kSw128>
+constexpr std::uint32_t kWgRowsOffset = kSw128 ? 64 * 128 : kWg64Rows;
+
+template <bool kSw128, int R>
+__device__ __forceinline__ std::uint64_t kmajor_step_desc(std::uint32_t rows, int ks) {
+  if constexpr (kSw128)
+    return encode_smem_desc(rows + static_cast<std::uint32_t>((ks / 4) * R * 128 + (ks % 4) * 32), 16, kSwAtom,
+                            Swizzle::b128);
+  else
+    return kmajor_desc(rows + ks * kKmStep);
+}
+
+/// acc (64 x 64) = A (64 rows at a_rows of an RA-row tile, K-major) * B^T (64 rows at b_rows of an
+/// RB-row tile, K-major), over the 128 columns: 8 wgmma m64n64k16 SS, not committed.
+template <bool kSw128, int RA, int RB>
 __device__ __forceinline__ void issue_nt_64x64(float (&acc)[32], std::uint32_t a_rows, std::uint32_t b_rows) {
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks)
-    wgmma_m64n64k16_f32_bf16_ss(acc, kmajor_desc(a_rows + ks * kKmStep), kmajor_desc(b_rows + ks * kKmStep),
+    wgmma_m64n64k16_f32_bf16_ss(acc, kmajor_step_desc<kSw128, RA>(a_rows, ks), kmajor_step_desc<kSw128, RB>(b_rows, ks),
                                 ks > 0 ? 1 : 0);
 }
 
-/// acc (64 x 128) += A (64 x 64, bf16 RS fragments) * B (64 rows at b_rows x 128, MN-major):
-/// 4 wgmma m64n128k16 RS, not committed. `a` must stay untouched until they complete.
+/// acc (64 x 128) += A (64 x 64, bf16 RS fragments) * B (the 64-row tile at b_rows x 128,
+/// MN-major): 4 wgmma m64n128k16 RS, not committed. `a` must stay untouched until they complete.
+template <bool kSw128>
 __device__ __forceinline__ void issue_rs_64x128(float (&acc)[64], const std::uint32_t (&a)[4][4],
                                                 std::uint32_t b_rows) {
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks)
-    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(acc, a[ks], mnmajor_desc(b_rows + ks * kMnStep), 1);
+  for (int ks = 0; ks < 4; ++ks) {
+    if constexpr (kSw128)
+      wgmma_m64n128k16_f32_bf16_rs<Major::mn>(
+          acc, a[ks], encode_smem_desc(b_rows + ks * 2 * kSwAtom, 64 * 128, kSwAtom, Swizzle::b128), 1);
+    else
+      wgmma_m64n128k16_f32_bf16_rs<Major::mn>(acc, a[ks], mnmajor_desc(b_rows + ks * kMnStep), 1);
+  }
+}
+
+/// Rows [row0, row0 + ROWS) of a strided global (rows, 128) bf16 matrix into a tile in the band
+/// or the swizzled layout (warp_specialized.cuh), by the producer's 128 threads.
+template <bool kSw128, int ROWS>
+__device__ __forceinline__ void load_rows(std::uint32_t tile, const __nv_bfloat16* base, std::int64_t token_stride,
+                                          int row0, int row_end, int tid) {
+  if constexpr (kSw128)
+    load_rows_sw128_producer<ROWS>(tile, base, token_stride, row0, row_end, tid);
+  else
+    load_rows_producer<ROWS>(tile, base, token_stride, row0, row_end, tid);
 }
 
 /// A 64 x 64 accumulator fragment rounded to bf16 as the RS A operand (k-step ks = columns
@@ -221,6 +263,7 @@ static_assert(DkdvWsSmem::off_bar == 194 * 1024 && DkdvWsSmem::bytes <= 227 * 10
 /// kernel below, `smem` its DkdvWsSmem. `p` by value, as a kernel parameter: taken by reference
 /// (its address escapes), the causal/q_end masking of P^T compiled to a branch per element instead
 /// of selects, and the kernel ran 0.87-0.92x at S = 16K-64K on the H200.
+template <bool kSw128>
 __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
   using L = DkdvWsSmem;
   constexpr int S = kDkdvStages;
@@ -250,9 +293,9 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_producer<kDkdvKeys>(smem_addr(smem + L::off_k), p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD,
+    load_rows<kSw128, kDkdvKeys>(smem_addr(smem + L::off_k), p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD,
                                   p.k_token, n0, p.seq, tid);
-    load_rows_producer<kDkdvKeys>(smem_addr(smem + L::off_v), p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD,
+    load_rows<kSw128, kDkdvKeys>(smem_addr(smem + L::off_v), p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD,
                                   p.v_token, n0, p.seq, tid);
     cp_async_mbar_arrive(full_kv);
     int h = hk * p.group, qb = qb_first, st = 0;
@@ -260,9 +303,9 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     for (int t = 0; t < steps; ++t) {
       if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
       const int q0 = p.q_begin + qb * kDkdvBr;
-      load_rows_producer<kDkdvBr>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>),
+      load_rows<kSw128, kDkdvBr>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>),
                                   p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD, p.q_token, q0, p.q_end, tid);
-      load_rows_producer<kDkdvBr>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>),
+      load_rows<kSw128, kDkdvBr>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>),
                                   p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0, p.q_end,
                                   tid);
       {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
@@ -296,7 +339,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   // Every shared address as one 32-bit base plus constants (LSE2, D read with ld.shared from it):
   // no 64-bit generic pointers live across the loop.
   const std::uint32_t sbase = smem_addr(smem);
-  const std::uint32_t a_k = sbase + L::off_k + wg * kWg64Rows;
+  const std::uint32_t a_k = sbase + L::off_k + wg * kWgRowsOffset<kSw128>;
   const std::uint32_t a_v = a_k + (L::off_v - L::off_k);
 
   float dk[kD / 2], dv[kD / 2];
@@ -332,9 +375,9 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     // K, V addresses made opaque per step, so the compiler does not hoist their 16 descriptors
     // out of the loop (16 registers held across it: spills at 240).
     const std::uint32_t a_kw = opaque(a_k), a_vw = opaque(a_v);
-    issue_nt_64x64(s, a_kw, a_q);  // S^T = K_w Q^T
+    issue_nt_64x64<kSw128, kDkdvKeys, kDkdvBr>(s, a_kw, a_q);  // S^T = K_w Q^T
     wgmma_commit_group();
-    issue_nt_64x64(dp, a_vw, a_do);  // dP^T = V_w dO^T
+    issue_nt_64x64<kSw128, kDkdvKeys, kDkdvBr>(dp, a_vw, a_do);  // dP^T = V_w dO^T
     wgmma_commit_group();
     wgmma_wait_group<1>();  // S^T done
     wgmma_fence_operands(s);
@@ -356,7 +399,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     fence_fragments(pa);
     wgmma_fence_operands(dv);
     wgmma_fence();
-    issue_rs_64x128(dv, pa, a_do);  // dV += P^T dO
+    issue_rs_64x128<kSw128>(dv, pa, a_do);  // dV += P^T dO
     wgmma_commit_group();
 
     wgmma_wait_group<1>();  // dP^T done; dV may still run
@@ -374,7 +417,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     fence_fragments(da);
     wgmma_fence_operands(dk);
     wgmma_fence();
-    issue_rs_64x128(dk, da, a_q);  // dK += dS^T Q (scaled at the end)
+    issue_rs_64x128<kSw128>(dk, da, a_q);  // dK += dS^T Q (scaled at the end)
     wgmma_commit_group();
     wgmma_wait_group<0>();
     wgmma_fence_operands(dk);
@@ -406,6 +449,7 @@ static_assert(DqWsSmem::off_bar == 192 * 1024 && DqWsSmem::bytes <= 227 * 1024);
 
 /// dQ of query rows [q_begin + 128 qb, + 128) of query head h, batch b (pass 3): one block of the
 /// fused kernel below, `smem` its DqWsSmem.
+template <bool kSw128>
 __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
   using L = DqWsSmem;
   constexpr int S = kDqStages;
@@ -433,9 +477,9 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_producer<kDqRows>(smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD,
+    load_rows<kSw128, kDqRows>(smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD,
                                 p.q_token, q0, p.q_end, tid);
-    load_rows_producer<kDqRows>(smem_addr(smem + L::off_do),
+    load_rows<kSw128, kDqRows>(smem_addr(smem + L::off_do),
                                 p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0, p.q_end,
                                 tid);
     cp_async_mbar_arrive(full_qdo);
@@ -445,9 +489,9 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     std::uint32_t phase = 0;
     for (int t = 0; t < n_kv; ++t) {
       if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      load_rows_producer<kDqBc>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>), k_g,
+      load_rows<kSw128, kDqBc>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>), k_g,
                                 p.k_token, t * kDqBc, p.seq, tid);
-      load_rows_producer<kDqBc>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>), v_g,
+      load_rows<kSw128, kDqBc>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>), v_g,
                                 p.v_token, t * kDqBc, p.seq, tid);
       cp_async_mbar_arrive(full(st));
       if (++st == S) {
@@ -476,8 +520,8 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
   }
 
-  const std::uint32_t a_q = smem_addr(smem + L::off_q) + wg * kWg64Rows;
-  const std::uint32_t a_do = smem_addr(smem + L::off_do) + wg * kWg64Rows;
+  const std::uint32_t a_q = smem_addr(smem + L::off_q) + wg * kWgRowsOffset<kSw128>;
+  const std::uint32_t a_do = smem_addr(smem + L::off_do) + wg * kWgRowsOffset<kSw128>;
   const std::uint32_t a_k0 = smem_addr(smem + L::off_k), a_v0 = smem_addr(smem + L::off_v);
 
   float dq[kD / 2];
@@ -506,9 +550,9 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     wgmma_fence_operands(s);
     wgmma_fence_operands(dp);
     wgmma_fence();
-    issue_nt_64x64(s, a_q, a_k);  // S = Q_w K^T
+    issue_nt_64x64<kSw128, kDqRows, kDqBc>(s, a_q, a_k);  // S = Q_w K^T
     wgmma_commit_group();
-    issue_nt_64x64(dp, a_do, a_v);  // dP = dO_w V^T
+    issue_nt_64x64<kSw128, kDqRows, kDqBc>(dp, a_do, a_v);  // dP = dO_w V^T
     wgmma_commit_group();
 
     wgmma_wait_group<1>();  // S done
@@ -531,7 +575,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     fence_fragments(da);
     wgmma_fence_operands(dq);
     wgmma_fence();
-    issue_rs_64x128(dq, da, a_k);  // dQ += dS K
+    issue_rs_64x128<kSw128>(dq, da, a_k);  // dQ += dS K
     wgmma_commit_group();
     wgmma_wait_group<0>();
     wgmma_fence_operands(dq);
@@ -548,7 +592,11 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
                  false);
 }
 
-constexpr int kBackwardSmem = DkdvWsSmem::bytes > DqWsSmem::bytes ? DkdvWsSmem::bytes : DqWsSmem::bytes;
+/// The shared memory of either block kind, plus (kSw128) the 1 KiB that aligning it may take.
+template <bool kSw128>
+constexpr int kBackwardSmem =
+    (DkdvWsSmem::bytes > DqWsSmem::bytes ? DkdvWsSmem::bytes : DqWsSmem::bytes) + (kSw128 ? 1024 : 0);
+static_assert(kBackwardSmem<true> <= 227 * 1024);
 
 /// Passes 2 and 3 in one grid: blocks [0, dkdv_blocks) are dK/dV blocks, then dQ blocks. The two
 /// passes are independent (both read only the inputs and the preprocess's LSE2/D), so the dQ blocks
@@ -557,17 +605,22 @@ constexpr int kBackwardSmem = DkdvWsSmem::bytes > DqWsSmem::bytes ? DkdvWsSmem::
 /// doing twice the mean work). Within each pass the blocks of one head come together (the key /
 /// query block index varies fastest, key block 0 and the last query block, the longest, first):
 /// the blocks running at one time share the head's Q/dO (dK/dV) or K/V (dQ) tiles in L2.
+/// kSw128: every tile in the 128-byte-swizzled layout (the product's), else the band layout (kept
+/// for attention_backward_wgmma_band: the same products in the same order, so the same bits).
+template <bool kSw128>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel(const BackwardParams p, int kv_blocks,
                                                                                 int dkdv_blocks, int q_blocks) {
 #if OOM_WGMMA_SM90A
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
+  // The swizzle pattern is taken from address bits 7-9: tiles start on 1024-byte boundaries.
+  unsigned char* smem = kSw128 ? smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
   const int i = static_cast<int>(blockIdx.x);
   if (i < dkdv_blocks) {
     const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;
-    dkdv_block(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
+    dkdv_block<kSw128>(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
   } else {
     const int j = i - dkdv_blocks, rest = j / q_blocks;
-    dq_block(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
+    dq_block<kSw128>(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
   }
 #else
   (void)p;
@@ -578,13 +631,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
 #endif
 }
 
-}  // namespace
-
-cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                                     TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
-                                     const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
-                                     bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
-                                     cudaStream_t stream) {
+/// attention_backward_wgmma with the tiles in the swizzled (kSw128) or band layout.
+template <bool kSw128>
+cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                     TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
+                     TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv, bool accumulate_dkv, void* workspace,
+                     std::size_t workspace_bytes, cudaStream_t stream) {
   using namespace attention_detail;
   if (!attention_can_implement(p)) return cudaErrorInvalidValue;
   if (p.head_dim != kD) return cudaErrorNotSupported;
@@ -601,13 +653,32 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const 
   const std::int64_t q_blocks = (params.q_len() + kDqRows - 1) / kDqRows;
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;
   if (dkdv_blocks + dq_blocks > std::numeric_limits<int>::max()) return cudaErrorInvalidValue;  // beyond any that fits
-  if (const cudaError_t e = cudaFuncSetAttribute(attention_backward_wgmma_kernel,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmem);
+  auto* kernel = attention_backward_wgmma_kernel<kSw128>;
+  if (const cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmem<kSw128>);
       e != cudaSuccess)
     return e;
-  attention_backward_wgmma_kernel<<<static_cast<unsigned>(dkdv_blocks + dq_blocks), kWsThreads, kBackwardSmem, stream>>>(
+  kernel<<<static_cast<unsigned>(dkdv_blocks + dq_blocks), kWsThreads, kBackwardSmem<kSw128>, stream>>>(
       params, static_cast<int>(kv_blocks), static_cast<int>(dkdv_blocks), static_cast<int>(q_blocks));
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                     TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                     const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                     bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                     cudaStream_t stream) {
+  return backward<true>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+}
+
+cudaError_t attention_backward_wgmma_band(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                          TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                          const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                          bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                          cudaStream_t stream) {
+  return backward<false>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 }  // namespace oom::kernels::hopper

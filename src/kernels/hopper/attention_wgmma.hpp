@@ -81,8 +81,9 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
 /// GQA sum, query sub-range and causal prefix, accumulate_dkv, workspace of
 /// attention_backward_workspace_bytes(p) and the same preprocess into it), by the wgmma kernels of
 /// src/kernels/hopper/attention_backward_wgmma.cu (passes 2 and 3 in one warp-specialised grid: a
-/// producer warpgroup loads into mbarrier-tracked stages, two warpgroups compute); within the same
-/// bf16 bounds of the exact gradients, deterministic (no atomics: bit-identical run to run).
+/// producer warpgroup loads into mbarrier-tracked stages, two warpgroups compute; tiles in the
+/// 128-byte-swizzled layout); within the same bf16 bounds of the exact gradients, deterministic
+/// (no atomics: bit-identical run to run).
 /// Returns cudaErrorInvalidValue where attention_backward does (problem, pointer, stride, LSE, workspace size or alignment);
 /// cudaErrorNotSupported for head_dim != 128 or a current device that is not compute capability
 /// 9.0; otherwise the launches' status. No allocation, no synchronisation.
@@ -99,5 +100,14 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      bool accumulate_dkv,
                                      void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream);
+
+/// attention_backward_wgmma with every shared-memory tile in the no-swizzle band layout (the
+/// layout before the eighth session): the same products in the same order, so the same bits.
+/// Kept for test_attention_backward_wgmma, which checks that and times the two layouts.
+cudaError_t attention_backward_wgmma_band(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                          TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                          const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                          bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                          cudaStream_t stream);
 
 }  // namespace oom::kernels::hopper

@@ -106,20 +106,21 @@ __device__ __forceinline__ void load_rows_sw128_producer(std::uint32_t tile, con
   constexpr std::uint32_t kHalf = ROWS * 128;  // one 64-column half
   const int chunk = tid & 7, row = tid >> 3;    // row 0 .. 15 of each 16-row step
   int r = row0 + row;
-  std::int64_t off = static_cast<std::int64_t>(r) * token_stride + chunk * 8;
+  // Stepped through the rows, past row_end too: a copy with src-size 0 reads nothing (PTX ISA,
+  // cp.async: the bytes past src-size are zero-filled), so its address is never dereferenced, and
+  // not keeping `base` for a substitute address is what lets the backward's producer fit in its 24
+  // registers without spilling.
+  const __nv_bfloat16* src = base + static_cast<std::int64_t>(r) * token_stride + chunk * 8;
   const std::int64_t step = 16 * token_stride;
   std::uint32_t dst = tile + static_cast<std::uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
 #pragma unroll 4
   for (int i = 0; i < ROWS / 16; ++i) {  // both halves of rows r per step: one live address set
-    const bool valid = r < row_end;
-    const __nv_bfloat16* src = valid ? base + off : base;
-    const std::uint32_t bytes = valid ? 16 : 0;
+    const std::uint32_t bytes = r < row_end ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + kHalf), "l"(valid ? src + 64 : base),
-                 "r"(bytes)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + kHalf), "l"(src + 64), "r"(bytes)
                  : "memory");
     r += 16;
-    off += step;
+    src += step;
     dst += 16 * 128;
   }
 }
