@@ -14,8 +14,10 @@
 // summation order inside the tensor-core products differs, so results agree with the mma.sync
 // kernel within the bf16 bounds, not bit for bit.
 //
-// Shared memory: every tile is 128 columns (d) wide, in the no-swizzle core-matrix layout of
-// attention_forward_wgmma_2wg.cu: element (row r, column c) at byte
+// Shared memory: every tile is 128 columns (d) wide, in the 128-byte-swizzled layout (kSw* below,
+// the forward's producer_sw128 layout; 1.12-1.28x the band layout on the H200, the same bits).
+// The band layout, still compiled for attention_backward_wgmma_band, is the no-swizzle
+// core-matrix layout of attention_forward_wgmma_2wg.cu: element (row r, column c) at byte
 //   (r/8) 2048 + (c/8) 128 + (r%8) 16 + (c%8) 2,
 // so a tile of R rows is R x 256 bytes, and one tile serves as either operand form:
 //   K-major (rows = M or N, d = the K of the product): LBO 128 (next 8 d), SBO 2048 (next 8 rows),

@@ -15,7 +15,8 @@
 //     no transpose pass, no staging buffer. K and V tiles have the same layout; only the
 //     descriptor's meaning differs.
 //
-// Shared memory, all in the no-swizzle core-matrix layout (core matrix = 8 rows x 16 bytes, 128
+// Shared memory of the first schedules (serial .. producer_3stage; producer_sw128* below differ), in
+// the no-swizzle core-matrix layout (core matrix = 8 rows x 16 bytes, 128
 // contiguous bytes; the 16 core matrices of one 8-row band side by side, 128 bytes apart, bands
 // 2048 bytes apart: element (row r, column c) at byte (r/8) 2048 + (c/8) 128 + (r%8) 16 + (c%8) 2):
 //   Q  128 rows x 128 d     A of S = Q K^T, K-major:  LBO 128 (along d), SBO 2048 (along rows)
@@ -62,12 +63,18 @@
 // with K and V loaded by one TMA instruction per tile from one producer thread into a chunk-major
 // layout (kKc*, kVc* below; tma.cuh), the consumers unchanged but for those tiles' descriptor
 // strides.
-// producer_3stage (not yet run on a GPU): producer_overlap's code with 3 K and 3 V stages instead
-// of 2 (the stage count is the kernel's template parameter, WsLayout below: 224 KiB + barriers of
-// the 227 KiB a block may have), so the producer may run up to two tiles ahead of the consumers.
-// ptxas (nvcc 13.0, -O3, sm_90a): serial 235 registers, overlap_softmax 238; producer_overlap,
-// producer_pingpong, producer_tma and producer_3stage 168 at launch (consumers up to 240); 0
-// spills, no C7519/C7520 warning.
+// producer_3stage (H200, eighth session: bit-identical, 1.02-1.05x producer_overlap):
+// producer_overlap's code with 3 K and 3 V stages instead of 2 (the stage count is the kernel's
+// template parameter, WsLayout below: 224 KiB + barriers of the 227 KiB a block may have), so the
+// producer may run up to two tiles ahead of the consumers.
+// producer_sw128 and producer_sw128_tma (eighth session; the latter the default): producer_3stage
+// with Q, K and V in the 128-byte-swizzled layout (kSw* below), loaded by cp.async or (K, V) by
+// TMA. The band layout splits every 32-byte global sector of a cp.async over two shared-memory
+// lines (ncu: 2x the ideal L2 sectors, 8x the ideal shared-store wavefronts); this is what held
+// the forward at ~2.7x its tensor time. On the H200 both are bit-identical to serial and run at
+// 1.41-1.71x producer_overlap across two calls (docs/hopper.md).
+// ptxas (nvcc 13.0, -O3, sm_90a): serial 235 registers, overlap_softmax 238; every
+// warp-specialised schedule 168 at launch (consumers up to 240); 0 spills, no C7519/C7520 warning.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
