@@ -15,6 +15,7 @@
 
 #include "batch_parts.hpp"
 #include "bucketed_gemm.cuh"
+#include "hopper/grouped_wgrad.hpp"
 #include "moe_blas.cuh"
 
 namespace oom::kernels {
@@ -455,6 +456,22 @@ struct Launch {
 /// Runs the row-producing problems (bf16 out, beta 0) and the weight-gradient ones (fp32, beta 1;
 /// may be empty) by the launch's method. The two sets write disjoint buffers, so the concurrent
 /// methods overlap them.
+#if OOM_HAS_SM90A_KERNELS
+/// The weight-gradient problems (dW_e += A_e^T B_e, fp32, beta 1, one shape) as the grouped wgmma
+/// kernel's; false when they are not all of that form and shape.
+bool as_wgrad(const std::vector<Problem>& weights, hopper::WgradShape* shape, std::vector<hopper::WgradProblem>* out) {
+  const Problem& f = weights.front();
+  *shape = {.m = f.m, .n = f.n, .lda = f.lda, .ldb = f.ldb, .ldc = f.ldc};
+  for (const Problem& p : weights) {
+    if (!p.trans_a || p.trans_b || p.c_type != CUDA_R_32F || p.beta != 1.0f || p.m != f.m || p.n != f.n || p.lda != f.lda ||
+        p.ldb != f.ldb || p.ldc != f.ldc)
+      return false;
+    out->push_back({.a = static_cast<const bf16*>(p.a), .b = static_cast<const bf16*>(p.b), .c = static_cast<float*>(p.c), .rows = p.k});
+  }
+  return true;
+}
+#endif
+
 cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, const std::vector<Problem>& weights) {
   switch (l.method) {
     case ExpertGemmMethod::per_expert_loop:
@@ -475,6 +492,16 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
       OOM_KERNEL_TRY(l.streams->state(&st));
       const auto& o = l.streams->options();
       const std::size_t arrays = chunk_array_bytes(l.s, o.row_chunk), weight_arrays = pointer_array_bytes(l.s.experts);
+#if OOM_HAS_SM90A_KERNELS
+      if (o.wgmma_weight_gradients && !weights.empty()) {
+        hopper::WgradShape shape;
+        std::vector<hopper::WgradProblem> problems;
+        if (as_wgrad(weights, &shape, &problems) && hopper::grouped_wgrad_supported(shape, problems)) {
+          OOM_KERNEL_TRY(run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, l.workspace, arrays));
+          return hopper::grouped_wgrad_wgmma(shape, problems, l.stream);
+        }
+      }
+#endif
       auto* ws = static_cast<char*>(l.workspace);
       std::vector<Problem> rest;
       if (o.batched_weight_gradients && !weights.empty())

@@ -41,7 +41,10 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       {"streams4", M::multi_stream, gemm_ex},
                                       {"chunk128ex", M::row_chunked, gemm_ex},
                                       {"chunk128bw", M::row_chunked, {.batched_weight_gradients = true}},
-                                      {"chunk128", M::row_chunked, {}}};
+                                      {"chunk128", M::row_chunked, {}},
+                                      // the weight gradients as one grouped wgmma launch (compute
+                                      // capability 9.0 and fitting widths; else as chunk128)
+                                      {"chunk128wg", M::row_chunked, {.wgmma_weight_gradients = true}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});

@@ -22,8 +22,9 @@
 //     more over each expert's last row_chunk rows for the remainder (those rows are recomputed,
 //     identically, and written again in stream order: <= row_chunk rows of waste per expert);
 //     experts with fewer than row_chunk rows run alone. The weight gradients (one output per
-//     expert, k = its rows) run as in multi_stream, concurrently with the data GEMM. Pointer
-//     arrays are copied into `workspace` as for grouped_batched.
+//     expert, k = its rows) run as in multi_stream, concurrently with the data GEMM, or
+//     (ExpertGemmStreamsOptions::wgmma_weight_gradients) as one grouped wgmma launch after it.
+//     Pointer arrays are copied into `workspace` as for grouped_batched.
 // Errors: cudaError_t, cuBLAS statuses mapped as in router.hpp; launchers set the handle's stream.
 #pragma once
 
@@ -76,6 +77,15 @@ struct ExpertGemmStreamsOptions {
   /// dense vs 0.69x, gate_up 0.72x vs 0.85x (the batched call runs alone on the caller's stream
   /// before the row GEMMs and the side streams start), so it stays off.
   bool batched_weight_gradients = false;
+  /// row_chunked's weight gradients as one launch of OOM's own grouped wgmma kernel
+  /// (src/kernels/hopper/grouped_wgrad_wgmma.cu: every expert's dW += A^T B, k = its rows, fp32,
+  /// a fixed summation order) on the caller's stream after the row GEMMs, where it applies: a
+  /// compute capability 9.0 device in a build with sm_90 code, dW widths multiples of 128 x 256
+  /// (the 5.13B widths are), aligned operands; elsewhere the per-expert GEMMs as before. Why: the
+  /// per-expert GEMMs are below one wave of SMs each and reached 0.60x of a dense GEMM on the
+  /// H200, against 0.82x for one strided batched call over equal counts
+  /// (scripts/diag/expert_dw_split.cu). Off by default until measured on a GPU.
+  bool wgmma_weight_gradients = false;
 };
 
 /// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and

@@ -237,7 +237,9 @@ enum class Major : int { k = 0, mn = 1 };
 /// .f32 accumulators (the shape list runs m64n8k16 .. m64n256k16 in steps of 8 for .f16/.bf16),
 /// the D operand is N/2 = 64 .f32 registers, and the accumulator layout figure is the one for all
 /// N (CUTLASS's CLayout_64xN is one formula in N).
-template <Major BMajor = Major::k>
+/// AMajor: A K-major (the default; stored as 64(M) x 16(K)) or MN-major (imm-trans-a 1, stored as
+/// 16(K) x 64(M), as B's MN-major form with M for N; bf16 allows either for A in shared memory).
+template <Major BMajor = Major::k, Major AMajor = Major::k>
 __device__ __forceinline__ void wgmma_m64n128k16_f32_bf16_ss(float (&d)[64], std::uint64_t desc_a,
                                                              std::uint64_t desc_b, int scale_d) {
 #if OOM_WGMMA_SM90A
@@ -246,10 +248,10 @@ __device__ __forceinline__ void wgmma_m64n128k16_f32_bf16_ss(float (&d)[64], std
       ".reg .pred p;\n"
       "setp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " OOM_WGMMA_D64_LIST
-      ", %64, %65, p, 1, 1, 0, %67;\n"
+      ", %64, %65, p, 1, 1, %68, %67;\n"
       "}\n"
       : OOM_WGMMA_D64_OPERANDS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(static_cast<int>(BMajor))
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(static_cast<int>(BMajor)), "n"(static_cast<int>(AMajor))
       : "memory");
 #else
   (void)d;

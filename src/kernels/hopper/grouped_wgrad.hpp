@@ -1,0 +1,50 @@
+// The experts' weight gradients in one launch on Hopper: for every expert e, C_e (M x N, fp32)
+// += A_e^T B_e, with A_e (rows_e x M) and B_e (rows_e x N) the expert's rows of the permuted
+// activations (bf16, row-major). cuBLAS has no batched call with a per-problem K, so the product
+// ran these as one GEMM per expert; each is below one wave of SMs at the 5.13B widths (2048 x 768
+// outputs) and the 64 of them ran at 0.60x a dense GEMM of the same FLOPs on 4 streams, against
+// 0.82x for one strided batched call over equal counts (scripts/diag/expert_dw_split.cu, H200).
+// Kernel: src/kernels/hopper/grouped_wgrad_wgmma.cu (sm_90a only). Private to the kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+
+#include "oom/core/numeric.hpp"
+
+namespace oom::kernels::hopper {
+
+/// The shape every problem of one launch shares (elements; row-major strides).
+struct WgradShape {
+  std::int64_t m = 0, n = 0;  ///< C is m x n
+  std::int64_t lda = 0;       ///< A's row stride (>= m)
+  std::int64_t ldb = 0;       ///< B's row stride (>= n)
+  std::int64_t ldc = 0;       ///< C's row stride (>= n)
+};
+
+/// One expert's problem: C += A^T B over its `rows` rows (0: nothing to do, C untouched).
+struct WgradProblem {
+  const bf16* a = nullptr;  ///< rows x m, stride lda
+  const bf16* b = nullptr;  ///< rows x n, stride ldb
+  float* c = nullptr;       ///< m x n, stride ldc
+  std::int64_t rows = 0;
+};
+
+/// Whether grouped_wgrad_wgmma computes these: m a multiple of 128 and n of 256 (its tile), lda and
+/// ldb multiples of 8 elements and A/B 16-byte aligned (its 16-byte copies), ldc even and C
+/// 8-byte aligned (its float2 read-modify-write), strides at least the widths, rows in [0, 2^31),
+/// and the current device of compute capability 9.0 (the only code built is sm_90a). Callers fall
+/// back to another path when it is false.
+bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems);
+
+/// C_e += A_e^T B_e for every problem, in fp32 with a fixed summation order (each element of C is
+/// written by one thread: the sum over the rows in order, then added to the old value), so the
+/// result is the same bits run to run. One persistent launch per 128 non-empty problems on
+/// `stream`. cudaErrorInvalidValue when grouped_wgrad_supported would say false for the shape or
+/// the problems, cudaErrorNotSupported off compute capability 9.0; else the launches' status.
+/// No allocation, no synchronisation.
+cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream);
+
+}  // namespace oom::kernels::hopper

@@ -1,0 +1,249 @@
+// The experts' weight gradients C_e += A_e^T B_e in one persistent launch (grouped_wgrad.hpp says
+// why). Built from the pieces the wgmma attention kernels verified on the H200:
+//   - 384 threads per block: two consumer warpgroups compute, a producer warpgroup loads
+//     (warp_specialized.cuh: setmaxnreg 240 / 24, mbarrier-tracked stages);
+//   - every tile in the 128-byte-swizzled layout, loaded by load_rows_sw128_producer (rows past the
+//     expert's last are zero-filled, so a K tail needs no masking: zero rows add zero products);
+//   - both operands MN-major: A_e^T is M x K with M contiguous (A_e is rows x M row-major), B_e is
+//     K x N with N contiguous. wgmma reads either form from shared memory for bf16 (imm-trans-a,
+//     imm-trans-b); the MN-major swizzled descriptor is the one test_wgmma's sw128 placement and the
+//     attention kernels' V (forward) and dO/Q/K (backward) operands use: k-step of 16 K rows at
+//     2048 bytes, SBO 1024 (next 8 K rows), LBO = the distance between 64-wide M/N halves.
+// Tiles: 128 (M) x 256 (N) of C per block tile, K in steps of 64 rows; warpgroup w owns M rows
+// 64w .. 64w+63 (one 64-wide half of the A tile: one swizzle atom along M, so A's LBO is unused)
+// and all 256 columns as two m64n128k16 accumulators (2 x 64 fp32 registers per thread).
+// Shared memory per stage: A 64 rows x 128 M (16 KiB: halves at 0 and 8 KiB) and B 64 rows x 256 N
+// (32 KiB: four 64-wide N halves 8 KiB apart, loaded as two 128-column tiles), four stages
+// (192 KiB) + 8 mbarriers + 1 KiB to align the tiles to 1024 bytes.
+// Schedule: block b takes block tiles b, b + grid, ... of the list (problem, M tile, N tile), N
+// tile fastest; the producer streams each tile's K steps through the stages without pausing between
+// tiles, so the next tile's first stages load while the consumers add the finished one into C.
+// Consumers keep one stage's wgmmas in flight (wait_group 1) and release a stage once the wgmmas
+// reading it have completed.
+// Determinism: each C element belongs to one thread of one block tile; its value is the wgmma sum
+// over the problem's rows in K order, added to the old C once: the same bits every run.
+#include "grouped_wgrad.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "../attention_common.cuh"
+#include "forward_checks.cuh"
+#include "warp_specialized.cuh"
+#include "wgmma.cuh"
+
+namespace oom::kernels::hopper {
+namespace {
+
+using attention_detail::smem_addr;
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+constexpr int kMaxGroups = 128;  // problems per launch: the parameters stay under 4 KiB
+constexpr std::uint32_t kHalfBytes = kBK * 128;             // 64 rows x 64 columns of bf16: 8 KiB
+constexpr std::uint32_t kATileBytes = kBK * kBM * 2;        // 16 KiB
+constexpr std::uint32_t kBTileBytes = kBK * kBN * 2;        // 32 KiB
+constexpr std::uint32_t kStageBytes = kATileBytes + kBTileBytes;
+constexpr std::uint32_t kOffBar = kStages * kStageBytes;    // 192 KiB
+constexpr int kSmemBytes = static_cast<int>(kOffBar) + 8 * 2 * kStages + 1024;
+static_assert(kSmemBytes <= 227 * 1024);
+constexpr std::uint32_t kSwAtom = 1024;  // 8 rows of 128 bytes
+
+struct Params {
+  int groups = 0, m_tiles = 0, n_tiles = 0, tiles = 0;
+  std::int64_t lda = 0, ldb = 0, ldc = 0;
+  const __nv_bfloat16* a[kMaxGroups];
+  const __nv_bfloat16* b[kMaxGroups];
+  float* c[kMaxGroups];
+  int rows[kMaxGroups];
+};
+static_assert(sizeof(Params) <= 4096);
+
+/// An MN-major swizzled operand of 16 K rows starting at `addr` (LBO: the next 64-wide M/N half).
+__device__ __forceinline__ std::uint64_t mn_desc(std::uint32_t addr) {
+  return encode_smem_desc(addr, kHalfBytes, kSwAtom, Swizzle::b128);
+}
+
+__global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __grid_constant__ Params p) {
+#if OOM_WGMMA_SM90A
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
+  // The swizzle pattern is taken from address bits 7-9: the tiles start on 1024-byte boundaries.
+  const std::uint32_t raw = smem_addr(smem_raw);
+  const std::uint32_t base = raw + ((1024u - (raw & 1023u)) & 1023u);
+  const std::uint32_t bars = base + kOffBar;
+  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * s); };
+  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (kStages + s)); };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), kWsProducerThreads);
+      mbar_init(empty(s), kWsConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last block-wide barrier
+
+  // K step j of the block (counted over all its tiles) uses stage j % kStages, its (j / kStages)-th
+  // use: "full" completes phase j / kStages when the producer's 128 threads' copies have landed,
+  // "empty" when the 256 consumer threads have retired the wgmmas that read it. Both sides walk
+  // the same tiles and K steps, so they agree on j.
+  const int tiles_per_group = p.m_tiles * p.n_tiles;
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  if (wg == 2) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
+    int stage = 0;
+    std::uint32_t phase = 0;
+    bool reuse = false;  // a stage is refilled only after the consumers released its previous use
+    for (int t = static_cast<int>(blockIdx.x); t < p.tiles; t += static_cast<int>(gridDim.x)) {
+      const int g = t / tiles_per_group, r = t % tiles_per_group;
+      const int rows = p.rows[g];
+      const __nv_bfloat16* a = p.a[g] + (r / p.n_tiles) * kBM;
+      const __nv_bfloat16* b = p.b[g] + (r % p.n_tiles) * kBN;
+      for (int k0 = 0; k0 < rows; k0 += kBK) {
+        if (reuse) mbar_wait(empty(stage), phase ^ 1u);
+        const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
+        load_rows_sw128_producer<kBK>(st, a, p.lda, k0, rows, tid);                    // A^T: 128 M
+        load_rows_sw128_producer<kBK>(st + kATileBytes, b, p.ldb, k0, rows, tid);      // B: N 0..127
+        load_rows_sw128_producer<kBK>(st + kATileBytes + 2 * kHalfBytes, b + 128, p.ldb, k0, rows, tid);  // 128..255
+        cp_async_mbar_arrive(full(stage));
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1u;
+          reuse = true;
+        }
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  float acc0[64], acc1[64];  // C columns 0..127 and 128..255 of the block tile, rows 64 wg ..
+  int stage = 0;
+  std::uint32_t phase = 0;
+  for (int t = static_cast<int>(blockIdx.x); t < p.tiles; t += static_cast<int>(gridDim.x)) {
+    const int g = t / tiles_per_group, r = t % tiles_per_group;
+    const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
+    const int ksteps = (p.rows[g] + kBK - 1) / kBK;
+#pragma unroll
+    for (int e = 0; e < 64; ++e) acc0[e] = acc1[e] = 0.0f;
+    int held = -1;  // the stage whose wgmmas may still run
+    for (int ks = 0; ks < ksteps; ++ks) {
+      mbar_wait(full(stage), phase);
+      fence_proxy_async_shared();  // the producer's cp.async writes, seen through the barrier, before the wgmmas
+      const std::uint32_t a_st = base + static_cast<std::uint32_t>(stage) * kStageBytes + static_cast<std::uint32_t>(wg) * kHalfBytes;
+      const std::uint32_t b_st = base + static_cast<std::uint32_t>(stage) * kStageBytes + kATileBytes;
+      wgmma_fence_operands(acc0);
+      wgmma_fence_operands(acc1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const std::uint64_t da = mn_desc(a_st + kk * 2 * kSwAtom);
+        wgmma_m64n128k16_f32_bf16_ss<Major::mn, Major::mn>(acc0, da, mn_desc(b_st + kk * 2 * kSwAtom), 1);
+        wgmma_m64n128k16_f32_bf16_ss<Major::mn, Major::mn>(acc1, da, mn_desc(b_st + 2 * kHalfBytes + kk * 2 * kSwAtom), 1);
+      }
+      wgmma_commit_group();
+      wgmma_wait_group<1>();  // the previous step's wgmmas are done: its stage is free
+      wgmma_fence_operands(acc0);
+      wgmma_fence_operands(acc1);
+      if (held >= 0) mbar_arrive(empty(held));
+      held = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(acc0);
+    wgmma_fence_operands(acc1);
+    if (held >= 0) mbar_arrive(empty(held));
+
+    // C += the tile: thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64,
+    // columns 8 j + 2 (lane % 4) (+ 1) of each 128-column half (wgmma.cuh's accumulator fragment).
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float* row = p.c[g] + static_cast<std::int64_t>(m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * hf) * p.ldc + n0 +
+                   2 * (lane & 3);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        auto* c0 = reinterpret_cast<float2*>(row + 8 * j);
+        auto* c1 = reinterpret_cast<float2*>(row + 128 + 8 * j);
+        float2 v0 = *c0, v1 = *c1;
+        v0.x += acc0[4 * j + 2 * hf];
+        v0.y += acc0[4 * j + 2 * hf + 1];
+        v1.x += acc1[4 * j + 2 * hf];
+        v1.y += acc1[4 * j + 2 * hf + 1];
+        *c0 = v0;
+        *c1 = v1;
+      }
+    }
+  }
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+bool shape_ok(const WgradShape& s) {
+  return s.m > 0 && s.n > 0 && s.m % kBM == 0 && s.n % kBN == 0 && s.lda >= s.m && s.ldb >= s.n && s.ldc >= s.n &&
+         s.lda % 8 == 0 && s.ldb % 8 == 0 && s.ldc % 2 == 0 && (s.m / kBM) * (s.n / kBN) <= INT_MAX / kMaxGroups;
+}
+
+bool problem_ok(const WgradProblem& q) {
+  if (q.rows < 0 || q.rows > INT_MAX) return false;
+  if (q.rows == 0) return true;
+  return q.a != nullptr && q.b != nullptr && q.c != nullptr && reinterpret_cast<std::uintptr_t>(q.a) % 16 == 0 &&
+         reinterpret_cast<std::uintptr_t>(q.b) % 16 == 0 && reinterpret_cast<std::uintptr_t>(q.c) % 8 == 0;
+}
+
+}  // namespace
+
+bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems) {
+  if (!shape_ok(s)) return false;
+  for (const WgradProblem& q : problems)
+    if (!problem_ok(q)) return false;
+  return current_device_is_cc90() == cudaSuccess;
+}
+
+cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream) {
+  if (!shape_ok(s)) return cudaErrorInvalidValue;
+  for (const WgradProblem& q : problems)
+    if (!problem_ok(q)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
+  int device = 0, sms = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaFuncSetAttribute(grouped_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      e != cudaSuccess)
+    return e;
+  Params params;
+  params.m_tiles = static_cast<int>(s.m / kBM);
+  params.n_tiles = static_cast<int>(s.n / kBN);
+  params.lda = s.lda;
+  params.ldb = s.ldb;
+  params.ldc = s.ldc;
+  const auto launch = [&]() -> cudaError_t {
+    if (params.groups == 0) return cudaSuccess;
+    params.tiles = params.groups * params.m_tiles * params.n_tiles;
+    const int grid = params.tiles < sms ? params.tiles : sms;
+    grouped_wgrad_kernel<<<static_cast<unsigned>(grid), kWsThreads, kSmemBytes, stream>>>(params);
+    params.groups = 0;
+    return cudaGetLastError();
+  };
+  for (const WgradProblem& q : problems) {
+    if (q.rows == 0) continue;
+    const int g = params.groups++;
+    params.a[g] = reinterpret_cast<const __nv_bfloat16*>(q.a);
+    params.b[g] = reinterpret_cast<const __nv_bfloat16*>(q.b);
+    params.c[g] = q.c;
+    params.rows[g] = static_cast<int>(q.rows);
+    if (params.groups == kMaxGroups)
+      if (const cudaError_t e = launch(); e != cudaSuccess) return e;
+  }
+  return launch();
+}
+
+}  // namespace oom::kernels::hopper

@@ -1,0 +1,237 @@
+// The experts' weight gradients in one wgmma launch (src/kernels/hopper/grouped_wgrad_wgmma.cu,
+// hopper::grouped_wgrad_wgmma: C_e += A_e^T B_e per expert, K = its rows) against an fp64 CPU
+// reference on random bf16 operands and random fp32 starting values of C:
+//   - row counts that are no multiple of the 64-row K step (1, 7, 63, 65, 1000) and zero, one and
+//     several block tiles per problem, padded strides (lda, ldb, ldc above the widths), and more
+//     problems than one launch takes (130: two launches);
+//   - every element within the fp32 bound of its sum; C of an empty problem, and C's padding
+//     columns, untouched bit for bit; a second run from the same C gives the same bits;
+//   - what it refuses (widths off its tile, strides off 8 elements, misaligned pointers);
+//   - through the expert GEMM launchers (row_chunked with wgmma_weight_gradients) at widths it
+//     takes: dW of the down and gate_up backward against the reference MoE, the row outputs (dh,
+//     dx) bit-identical to row_chunked without it.
+// Then a timing report (printed, not asserted) at the 5.13B shapes, T = 16384, against one dense
+// GEMM of the same FLOPs and row_chunked's per-expert weight gradients.
+// Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "kernels/device_buffer.hpp"
+#include "kernels/expert_gemm_throughput.hpp"
+#include "kernels/hopper/grouped_wgrad.hpp"
+#include "kernels/moe_test_util.hpp"
+#include "kernels/sm90.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/kernels/expert_gemm.hpp"
+#include "oom/reference/moe.hpp"
+#include "oom/reference/permute.hpp"
+#include "support/compare.hpp"
+
+namespace hw = oom::kernels::hopper;
+namespace k = oom::kernels;
+namespace ref = oom::reference;
+using oom::bf16;
+using oom::test::Bf16Data;
+using oom::test::DeviceBuffer;
+using oom::test::random_normal;
+
+namespace {
+
+void require_sm90() { oom::test::require_sm90("test_grouped_wgrad"); }
+
+/// Runs the kernel on problems of `rows` rows each (one A and one B buffer holding all rows, the
+/// problems' rows consecutive), C_e starting at random values, and checks the result against fp64.
+void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t ldb, std::int64_t ldc,
+                const std::vector<std::int64_t>& rows, std::uint64_t seed) {
+  require_sm90();
+  INFO("m=" << m << " n=" << n << " lda=" << lda << " ldb=" << ldb << " ldc=" << ldc << " problems=" << rows.size());
+  std::int64_t total = 0;
+  for (const auto r : rows) total += r;
+  const Bf16Data a(random_normal(static_cast<std::size_t>(std::max<std::int64_t>(total, 1) * lda), seed));
+  const Bf16Data b(random_normal(static_cast<std::size_t>(std::max<std::int64_t>(total, 1) * ldb), seed + 1));
+  const std::int64_t c_size = m * ldc;
+  const auto c0 = random_normal(static_cast<std::size_t>(c_size) * rows.size(), seed + 2, 4.0f);
+  DeviceBuffer<bf16> d_a(a.bits), d_b(b.bits);
+  DeviceBuffer<float> d_c(c0);
+  std::vector<hw::WgradProblem> problems;
+  std::int64_t off = 0;
+  for (std::size_t e = 0; e < rows.size(); ++e) {
+    problems.push_back({.a = d_a.get() + off * lda, .b = d_b.get() + off * ldb, .c = d_c.get() + e * c_size, .rows = rows[e]});
+    off += rows[e];
+  }
+  const hw::WgradShape shape{.m = m, .n = n, .lda = lda, .ldb = ldb, .ldc = ldc};
+  REQUIRE(hw::grouped_wgrad_supported(shape, problems));
+  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr) == cudaSuccess);
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto c = d_c.download();
+
+  // fp32 accumulation of `rows` exact bf16 x bf16 products (in any order): |error| <= rows u
+  // sum |a b| with u = 2^-24, plus the rounding of the final addition to C (u |result|); a factor
+  // 2 for the tensor cores' internal accumulation order.
+  std::size_t bad = 0, untouched_bad = 0;
+  double worst = 0;
+  off = 0;
+  for (std::size_t e = 0; e < rows.size(); ++e) {
+    const std::int64_t r = rows[e];
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < ldc; ++j) {
+        const std::size_t at = e * c_size + i * ldc + j;
+        if (j >= n || r == 0) {  // padding, or an empty problem: the bits as they were
+          untouched_bad += std::memcmp(&c[at], &c0[at], sizeof(float)) != 0;
+          continue;
+        }
+        double sum = 0, mag = 0;
+        for (std::int64_t kk = 0; kk < r; ++kk) {
+          const double p = static_cast<double>(a.values[(off + kk) * lda + i]) * b.values[(off + kk) * ldb + j];
+          sum += p;
+          mag += std::abs(p);
+        }
+        const double want = c0[at] + sum;
+        const double bound = 2.0 * (static_cast<double>(r) * 0x1p-24 * mag + 0x1p-24 * std::abs(want)) + 1e-30;
+        const double err = std::abs(c[at] - want);
+        worst = std::max(worst, err / bound);
+        if (!(err <= bound) && bad++ < 5)
+          MESSAGE("problem " << e << " (" << r << " rows) C[" << i << "][" << j << "] = " << c[at] << ", want " << want
+                             << " (bound " << bound << ")");
+      }
+    off += rows[e];
+  }
+  INFO("worst error / bound " << worst);
+  CHECK(bad == 0);
+  CHECK_MESSAGE(untouched_bad == 0, untouched_bad << " C elements changed that no problem owns");
+
+  // A fixed summation order: the same bits from the same start.
+  d_c.upload(c0);
+  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr) == cudaSuccess);
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto again = d_c.download();
+  CHECK(std::memcmp(again.data(), c.data(), c.size() * sizeof(float)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("grouped weight gradients match the fp64 reference: K tails, empty problems, several tiles, padded strides") {
+  check_case(128, 256, 128, 256, 256, {1, 0, 64, 65, 7, 200}, 100);
+  check_case(256, 512, 264, 528, 514, {63, 0, 130, 1000, 2}, 200);
+  check_case(384, 256, 384, 256, 256, {0, 129}, 300);
+}
+
+TEST_CASE("grouped weight gradients over more problems than one launch takes") {
+  std::vector<std::int64_t> rows;
+  for (int e = 0; e < 130; ++e) rows.push_back(e % 9 == 0 ? 0 : 1 + (e * 37) % 90);
+  check_case(128, 256, 128, 256, 256, rows, 400);
+}
+
+TEST_CASE("grouped_wgrad refuses what its tiles, copies and stores cannot do") {
+  require_sm90();
+  DeviceBuffer<bf16> buf(1 << 20);
+  DeviceBuffer<float> c(1 << 20);
+  const hw::WgradProblem ok{.a = buf.get(), .b = buf.get(), .c = c.get(), .rows = 10};
+  const hw::WgradShape good{.m = 128, .n = 256, .lda = 128, .ldb = 256, .ldc = 256};
+  const auto refused = [&](const hw::WgradShape& s, const hw::WgradProblem& q) {
+    const std::vector<hw::WgradProblem> ps{q};
+    return !hw::grouped_wgrad_supported(s, ps) && hw::grouped_wgrad_wgmma(s, ps, nullptr) == cudaErrorInvalidValue;
+  };
+  CHECK(hw::grouped_wgrad_supported(good, std::vector<hw::WgradProblem>{ok}));
+  auto s = good;
+  s.m = 136;  // not a multiple of 128
+  s.lda = 136;
+  CHECK(refused(s, ok));
+  s = good;
+  s.n = 128;  // not a multiple of 256
+  s.ldb = s.ldc = 128;
+  CHECK(refused(s, ok));
+  s = good;
+  s.lda = 132;  // not a multiple of 8 elements
+  CHECK(refused(s, ok));
+  s = good;
+  s.ldc = 255;  // below n
+  CHECK(refused(s, ok));
+  auto q = ok;
+  q.a = buf.get() + 1;  // 2-byte aligned
+  CHECK(refused(good, q));
+  q = ok;
+  q.c = c.get() + 1;  // 4-byte aligned
+  CHECK(refused(good, q));
+  q = ok;
+  q.rows = -1;
+  CHECK(refused(good, q));
+  // An empty problem needs no pointers.
+  CHECK(hw::grouped_wgrad_supported(good, std::vector<hw::WgradProblem>{{.rows = 0}}));
+}
+
+TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row outputs as without it") {
+  require_sm90();
+  // Widths the kernel takes: down dW is H x I = 256 x 256, gate_up dW 2I x H = 512 x 256.
+  const std::int64_t H = 256, I = 256, E = 8, K = 2, T = 300, dead = 1;
+  const k::ExpertGemmShape s{.hidden = H, .intermediate = I, .experts = E, .rows = T * K};
+  const ref::ExpertShape rs{.hidden = H, .intermediate = I, .experts = E};
+  const auto plan = ref::permute_plan(oom::test::random_routing(T, K, E - dead, 500), T, K, E);
+  const auto& counts = plan.expert_counts;
+  const std::int64_t N = T * K;
+  oom::test::Blas blas;
+  const Bf16Data x(random_normal(static_cast<std::size_t>(N * H), 501)), h(random_normal(static_cast<std::size_t>(N * I), 502));
+  const Bf16Data wd(random_normal(static_cast<std::size_t>(E * H * I), 503, 0.1f));
+  const Bf16Data wgu(random_normal(static_cast<std::size_t>(E * 2 * I * H), 504, 0.1f));
+  const Bf16Data dy(random_normal(static_cast<std::size_t>(N * H), 505)), dgu(random_normal(static_cast<std::size_t>(N * 2 * I), 506));
+  const auto dwd0 = random_normal(static_cast<std::size_t>(E * H * I), 507);
+  const auto dwgu0 = random_normal(static_cast<std::size_t>(E * 2 * I * H), 508);
+  struct Out {
+    std::vector<bf16> dh, dx;
+    std::vector<float> dwd, dwgu;
+  };
+  const auto run = [&](bool wgmma) {
+    k::ExpertGemmStreams streams({.wgmma_weight_gradients = wgmma});
+    DeviceBuffer<std::uint8_t> ws(k::expert_gemm_workspace_bytes(s, k::ExpertGemmMethod::row_chunked, &streams));
+    DeviceBuffer<bf16> d_x(x.bits), d_h(h.bits), d_wd(wd.bits), d_wgu(wgu.bits), d_dy(dy.bits), d_dgu(dgu.bits), dh(N * I), dx(N * H);
+    DeviceBuffer<float> dwd(dwd0), dwgu(dwgu0);
+    REQUIRE(k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(), dwd.get(),
+                                    k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams) == cudaSuccess);
+    REQUIRE(k::expert_gate_up_backward(blas.get(), nullptr, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
+                                       dwgu.get(), k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams) == cudaSuccess);
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
+    return Out{dh.download(), dx.download(), dwd.download(), dwgu.download()};
+  };
+  const Out with = run(true), without = run(false);
+  CHECK(std::memcmp(with.dh.data(), without.dh.data(), with.dh.size() * sizeof(bf16)) == 0);
+  CHECK(std::memcmp(with.dx.data(), without.dx.data(), with.dx.size() * sizeof(bf16)) == 0);
+  const auto down = ref::expert_down_backward(rs, counts, dy.values, h.values, wd.values);
+  const auto gate_up = ref::expert_gate_up_backward(rs, counts, dgu.values, x.values, wgu.values);
+  auto dwd_ref = dwd0, dwgu_ref = dwgu0;
+  for (std::size_t i = 0; i < dwd_ref.size(); ++i) dwd_ref[i] += down.dw_down[i];
+  for (std::size_t i = 0; i < dwgu_ref.size(); ++i) dwgu_ref[i] += gate_up.dw_gate_up[i];
+  // fp32 sums over an expert's rows (<= ~150) of exact products: 1e-5 of the largest (as
+  // test_moe_kernels' check of every method).
+  const auto close = [](const std::vector<float>& got, const std::vector<float>& want) {
+    double scale = 0;
+    for (const float v : want) scale = std::max(scale, static_cast<double>(std::abs(v)));
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) bad += !(std::abs(got[i] - want[i]) <= 1e-5 * std::abs(want[i]) + 1e-5 * scale);
+    return bad;
+  };
+  CHECK(close(with.dwd, dwd_ref) == 0);
+  CHECK(close(with.dwgu, dwgu_ref) == 0);
+  // The expert without rows keeps its gradients' bits.
+  for (std::int64_t e = E - dead; e < E; ++e) {
+    CHECK(std::memcmp(with.dwd.data() + e * H * I, dwd0.data() + e * H * I, H * I * sizeof(float)) == 0);
+    CHECK(std::memcmp(with.dwgu.data() + e * 2 * I * H, dwgu0.data() + e * 2 * I * H, 2 * I * H * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("grouped weight gradients: timing at the 5.13B shapes (T = 16384) against one dense GEMM") {
+  // Printed, not asserted (issue 5's target for the grouped expert GEMMs: >= 0.8x dense).
+  require_sm90();
+  for (const auto& variant : {oom::test::ExpertGemmVariant{"chunk128", k::ExpertGemmMethod::row_chunked, {}},
+                              oom::test::ExpertGemmVariant{"chunk128wg", k::ExpertGemmMethod::row_chunked,
+                                                           {.wgmma_weight_gradients = true}}})
+    for (const auto& r : oom::test::measure_expert_gemm_ratio(16384, 2048, 768, 64, 8, variant))
+      if (r.op.rfind("bwd", 0) == 0)
+        std::printf("expert GEMM %-10s %-20s grouped %.3f ms, dense %.3f ms, %.0f TFLOP/s, ratio %.2f\n", variant.name.c_str(),
+                    r.op.c_str(), r.grouped_ms, r.dense_ms, r.tflops, r.ratio());
+}
