@@ -9,6 +9,7 @@
 # SIGKILL/resume on the GPU, the 5.13B model at $SEQS with a traced step). One device call is at
 # most 10 minutes, so split: e.g. PARTS=tests, then PARTS="reference train" SEQS="4096 32768",
 # then PARTS=train SEQS=131072 TRAIN_CUDA_LRS=" " (each builds only what it needs when warm).
+# PARTS=kernels builds and runs only the gpu tests and the kernel benchmarks (issue 5's checks).
 # PARTS="calibrate train" first measures a machine profile ($out/profile.json, oom-calibrate) and
 # the 5.13B runs plan and predict with it (else with PROFILE=path, if given). GRAD_STAGING=N runs them with a pinned gradient
 # staging ring of N layers (oom-train --grad-staging, default 3; 0 per parameter); KEEP_ATTENTION=0
@@ -33,9 +34,15 @@ cat "$out/machine.txt"
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOOM_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 parts=" ${PARTS:-tests bench reference} "
-targets=()  # everything, unless only the reference checks and the trainer run
+targets=()  # everything, unless only the reference checks and the trainer run, or only the kernels
 [[ "$parts" != *" tests "* && "$parts" != *" bench "* ]] &&
   targets=(--target oom-train oom-layer-check oom-calibrate test_cuda_causal_lm test_lm_ends ${EXTRA_TARGETS:-})
+# PARTS=kernels: the gpu-labelled tests and the two kernel benchmarks (with SDPA) only, built as
+# just those targets: a whole build on a fresh device machine took more than 8 of a call's 10
+# minutes (eighth session), these ~4.
+kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_kernels test_moe_kernels test_attention
+  test_lm_ends test_cuda_decoder_layer test_wgmma test_attention_wgmma test_attention_backward_wgmma test_grouped_wgrad)
+[[ "$parts" == *" kernels "* ]] && targets=(--target "${kernel_tests[@]}" bench_attention bench_moe_kernels ${EXTRA_TARGETS:-})
 cmake --build "$build_dir" -j "$jobs" "${targets[@]}" > "$out/build.log" 2>&1 || { grep -E -A5 'error|FAILED' "$out/build.log" | head -60; exit 1; }
 
 gpu_rc=0 host_rc=0 bench_rc=0 ref_rc=0
@@ -60,9 +67,12 @@ versus_pytorch() {
   echo "$label: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-$name.log" 2> /dev/null | tr '\n' ' ')$(grep -o 'grad norm [0-9.]*' "$out/$name.log" | head -2 | tr '\n' ' ')" >> "$out/train-summary.log"
 }
 touch "$out/gpu-tests.log"
-if [[ "$parts" == *" tests "* ]]; then
-ctest --test-dir "$build_dir" -L gpu --output-on-failure -V > "$out/gpu-tests.log" 2>&1
+if [[ "$parts" == *" tests "* || "$parts" == *" kernels "* ]]; then
+# GPU_CTEST_ARGS: more ctest arguments, e.g. -E '^test_attention$' to leave out the longest (~4 min).
+ctest --test-dir "$build_dir" -L gpu --output-on-failure -V ${GPU_CTEST_ARGS:-} > "$out/gpu-tests.log" 2>&1
 gpu_rc=$?
+fi
+if [[ "$parts" == *" tests "* ]]; then
 ctest --test-dir "$build_dir" -LE gpu --output-on-failure > "$out/host-tests.log" 2>&1
 host_rc=$?
 fi
@@ -164,11 +174,12 @@ done
 
 # Kernel benchmarks print their own tables (ratios to limits measured in the same run); the
 # attention one is paired with PyTorch SDPA on the same shapes.
-[[ "$parts" == *" bench "* ]] && for b in "$build_dir"/bench/bench_moe_kernels "$build_dir"/bench/kernels/bench_attention; do
+[[ "$parts" == *" bench "* || "$parts" == *" kernels "* ]] &&
+  for b in "$build_dir"/bench/bench_moe_kernels "$build_dir"/bench/kernels/bench_attention; do
   [[ -x "$b" ]] || continue
   timeout 300 "$b" > "$out/$(basename "$b").log" 2>&1 || bench_rc=1
 done
-if [[ "$parts" == *" bench "* && -f scripts/bench_attention_sdpa.py ]]; then
+if [[ ( "$parts" == *" bench "* || "$parts" == *" kernels "* ) && -f scripts/bench_attention_sdpa.py ]]; then
   PYTHONUNBUFFERED=1 timeout 300 python3 scripts/bench_attention_sdpa.py > "$out/sdpa.log" 2>&1 || bench_rc=1
 fi
 
