@@ -1,9 +1,10 @@
 // Tensor Memory Accelerator (TMA) loads for the Hopper kernels: the host-side encoding of a tensor
-// map that views a (B, S, H, 128) bf16 tensor of rows "chunk-major", and the PTX wrappers a producer
-// thread needs to load one tile of it with one instruction (mbarrier expect-tx and
-// cp.async.bulk.tensor). Private to the kernels (not installed); used by attention_forward_wgmma_2wg.cu
-// (Wgmma2wgSchedule::producer_tma) and written so the backward kernels can stream their Q/dO and
-// K/V tiles the same way.
+// map that views a (B, S, H, 128) bf16 tensor of rows "chunk-major" (no swizzle) or 128-byte
+// swizzled (swizzle128_view, below), and the PTX wrappers a producer thread needs to load one tile
+// of it with one instruction (mbarrier expect-tx and cp.async.bulk.tensor). Private to the kernels
+// (not installed); used by attention_forward_wgmma_2wg.cu (Wgmma2wgSchedule::producer_tma: the
+// chunk-major view; producer_sw128_tma: the swizzled one) and written so the backward kernels can
+// stream their Q/dO and K/V tiles the same way.
 //
 // The chunk-major view. A (rows, 128) bf16 tile of one head is seen as a 5-D tensor, dimensions
 // innermost first:
