@@ -1,7 +1,11 @@
-// How the row-chunked expert GEMMs split a batch count (host code, no CUDA).
+// How the row-chunked expert GEMMs split a batch count and how deep their per-expert row GEMMs go
+// (host code, no CUDA).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <vector>
 
 namespace oom::kernels::detail {
 
@@ -27,6 +31,37 @@ void for_each_batch_part(std::size_t count, F&& f) {
       done += part;
     }
   if (count > done) f(done, count - done);
+}
+
+/// The depth of row_chunked's deep row GEMMs (ExpertGemmStreamsOptions::deep_rows) for experts of
+/// `rows` rows: the one that minimises a cost of rows computed, where a deep row costs 1 and a
+/// chunked one chunked_row_cost (a 128-row batched GEMM ran the 5.13B dh at 0.71x of a dense
+/// GEMM, a strided batched one over 2048-row experts at 1.00x: H200, 2026-12-01), a remainder
+/// rounded up to whole chunks (its last chunk is computed whole) and an expert below one chunk
+/// counted as its rows. Candidates are at least 4 chunks and of the form q 2^p, q in 4..7, so few
+/// shapes recur step after step (cuBLAS chooses an algorithm on the host per shape it has not
+/// seen, see for_each_batch_part). 0 when no depth beats chunking every row; ties go to the
+/// smaller depth.
+inline std::int64_t deep_row_depth(const std::vector<std::int64_t>& rows, std::int64_t chunk,
+                                   double chunked_row_cost = 1.4) {
+  if (chunk < 1) return 0;
+  const auto chunked = [&](std::int64_t m) {
+    const std::int64_t computed = m < chunk ? m : (m + chunk - 1) / chunk * chunk;
+    return chunked_row_cost * static_cast<double>(std::max<std::int64_t>(computed, 0));
+  };
+  double best_cost = 0;
+  for (const auto m : rows) best_cost += chunked(m);
+  std::int64_t best = 0;
+  const std::int64_t top = rows.empty() ? 0 : *std::max_element(rows.begin(), rows.end());
+  for (std::int64_t unit = 1; 4 * unit <= top; unit *= 2)
+    for (std::int64_t q = 4; q < 8; ++q) {
+      const std::int64_t d = q * unit;
+      if (d < 4 * chunk || d > top) continue;
+      double cost = 0;
+      for (const auto m : rows) cost += m >= d ? static_cast<double>(d) + chunked(m - d) : chunked(m);
+      if (cost < best_cost) best_cost = cost, best = d;
+    }
+  return best;
 }
 
 }  // namespace oom::kernels::detail

@@ -55,6 +55,7 @@ struct MappedHostBuffer {
 
 struct ExpertGemmStreams::State {
   int device = -1;
+  int sms = 0;  ///< the device's multiprocessors
   cudaEvent_t fork = nullptr;
   std::vector<cudaStream_t> streams;
   std::vector<cudaEvent_t> joins;
@@ -99,6 +100,7 @@ cudaError_t ExpertGemmStreams::state(State** out) {
   if (options_.streams < 1 || options_.streams > 64) return cudaErrorInvalidValue;
   auto st = std::make_unique<State>();  // frees what was created if a later step fails
   st->device = device;
+  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&st->sms, cudaDevAttrMultiProcessorCount, device));
   OOM_KERNEL_TRY(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
   for (int i = 0; i < options_.streams; ++i) {
     // Non-blocking: ordering with the caller's stream comes from the fork/join events only, so a
@@ -199,9 +201,10 @@ cudaError_t gemm(cublasHandle_t blas, cudaStream_t stream, detail::BucketedGemm*
 
 std::size_t pointer_array_bytes(std::int64_t experts) { return align_up(3 * static_cast<std::size_t>(experts) * sizeof(void*)); }
 
-/// row_chunked: full chunks (<= rows / chunk) and one remainder chunk per expert (<= E), 3 pointers each.
+/// row_chunked: full chunks (<= rows / chunk), one remainder chunk per expert and one deep entry
+/// per expert (<= 2 E), 3 pointers each.
 std::size_t chunk_array_bytes(const ExpertGemmShape& s, std::int64_t chunk) {
-  const auto entries = std::max<std::int64_t>(s.rows, 0) / std::max<std::int64_t>(chunk, 1) + s.experts;
+  const auto entries = std::max<std::int64_t>(s.rows, 0) / std::max<std::int64_t>(chunk, 1) + 2 * s.experts;
   return align_up(3 * static_cast<std::size_t>(entries) * sizeof(void*));
 }
 
@@ -265,21 +268,30 @@ cudaError_t in_recurring_counts(std::size_t count, F&& f) {
 }
 
 /// Row-producing problems of one op (A not transposed, the same n, k, leading dimensions, C type
-/// and beta = 0; only m, A, B and C differ) as batched GEMMs over `chunk`-row slices: every full
-/// chunk by cublasGemmBatchedEx (in parts of recurring counts, for_each_batch_part), then each
-/// expert's last `chunk` rows the same way (the
-/// remainder; rows it shares with the last full chunk are computed again from the same inputs and
-/// overwritten in stream order, so no two writers race), then experts with fewer rows alone.
+/// and beta = 0; only m, A, B and C differ) as batched GEMMs: with `deep`, the first
+/// deep_row_depth() rows of every expert that has them in one cublasGemmBatchedEx of that many
+/// rows per entry; the rest over `chunk`-row slices: every full chunk by cublasGemmBatchedEx (in
+/// parts of recurring counts, for_each_batch_part), then each expert's last `chunk` rows the same
+/// way (the remainder; rows it shares with the chunks or the deep rows before it are computed again
+/// from the same inputs and overwritten in stream order, so no two writers race), then experts
+/// with fewer rows alone.
 cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, cudaStream_t stream,
-                            const std::vector<Problem>& ps, std::int64_t chunk, void* arrays, std::size_t array_bytes) {
+                            const std::vector<Problem>& ps, std::int64_t chunk, bool deep, void* arrays,
+                            std::size_t array_bytes) {
   if (ps.empty()) return cudaSuccess;
   const auto began = std::chrono::steady_clock::now();
   OOM_KERNEL_TRY(to_cuda_error(cublasSetStream(blas, stream)));
   const Problem& p0 = ps[0];
   const std::size_t a_row = static_cast<std::size_t>(p0.lda) * sizeof(__nv_bfloat16);
   const std::size_t c_row = static_cast<std::size_t>(p0.ldc) * element_bytes(p0.c_type);
+  std::int64_t depth = 0;
+  if (deep) {
+    std::vector<std::int64_t> ms;
+    for (const auto& p : ps) ms.push_back(p.m);
+    depth = detail::deep_row_depth(ms, chunk);
+  }
   // (weights, rows, outputs) per entry: cuBLAS' A, B and C of C^T = op(B)^T A^T.
-  std::vector<const void*> full_w, full_r, full_c, rem_w, rem_r, rem_c;
+  std::vector<const void*> deep_w, deep_r, deep_c, full_w, full_r, full_c, rem_w, rem_r, rem_c;
   std::vector<const Problem*> alone;
   for (const auto& p : ps) {
     if (p.trans_a || p.beta != 0.0f) return cudaErrorInvalidValue;  // chunks must not share an output
@@ -289,45 +301,56 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
     }
     const auto* a = static_cast<const char*>(p.a);
     auto* c = static_cast<char*>(p.c);
-    for (std::int64_t r = 0; r + chunk <= p.m; r += chunk) {
+    std::int64_t first = 0;  // the first row left to the chunks
+    if (depth > 0 && p.m >= depth) {
+      deep_w.push_back(p.b);
+      deep_r.push_back(a);
+      deep_c.push_back(c);
+      first = depth;
+    }
+    for (std::int64_t r = first; r + chunk <= p.m; r += chunk) {
       full_w.push_back(p.b);
       full_r.push_back(a + r * a_row);
       full_c.push_back(c + r * c_row);
     }
-    if (p.m % chunk != 0) {
+    if ((p.m - first) % chunk != 0) {
       rem_w.push_back(p.b);
       rem_r.push_back(a + (p.m - chunk) * a_row);
       rem_c.push_back(c + (p.m - chunk) * c_row);
     }
   }
   std::vector<const void*> ptrs;
-  for (const auto* v : {&full_w, &full_r, &full_c, &rem_w, &rem_r, &rem_c}) ptrs.insert(ptrs.end(), v->begin(), v->end());
+  for (const auto* v : {&full_w, &full_r, &full_c, &rem_w, &rem_r, &rem_c, &deep_w, &deep_r, &deep_c})
+    ptrs.insert(ptrs.end(), v->begin(), v->end());
   if (ptrs.size() * sizeof(void*) > array_bytes) return cudaErrorInvalidValue;  // more rows than ExpertGemmShape::rows
   auto* d = static_cast<const void**>(arrays);
   // Not a pageable cudaMemcpyAsync: see expert_counts_to_host (expert_gemm.hpp) for the stalls
   // that path cost the backward on the H200.
   if (!ptrs.empty()) OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), array_bytes, d));
   const float alpha = 1.0f, beta = 0.0f;
-  const auto call = [&](const void** w, const void** r, const void** c, std::size_t count) {
+  const auto call = [&](const void** w, const void** r, const void** c, std::size_t count, std::int64_t m) {
     if (count == 0) return cudaSuccess;
     return to_cuda_error(cublasGemmBatchedEx(blas, p0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(p0.n),
-                                             static_cast<int>(chunk), static_cast<int>(p0.k), &alpha, w, CUDA_R_16BF,
+                                             static_cast<int>(m), static_cast<int>(p0.k), &alpha, w, CUDA_R_16BF,
                                              static_cast<int>(p0.ldb), r, CUDA_R_16BF, static_cast<int>(p0.lda), &beta,
                                              const_cast<void* const*>(c), p0.c_type, static_cast<int>(p0.ldc),
                                              static_cast<int>(count), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   };
-  const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count) {
-    return in_recurring_counts(count, [&](std::size_t first, std::size_t n) { return call(w + first, r + first, c + first, n); });
+  const auto batched = [&](const void** w, const void** r, const void** c, std::size_t count, std::int64_t m) {
+    return in_recurring_counts(count, [&](std::size_t first, std::size_t n) { return call(w + first, r + first, c + first, n, m); });
   };
-  const std::size_t nf = full_w.size(), nr = rem_w.size();
-  OOM_KERNEL_TRY(batched(d, d + nf, d + 2 * nf, nf));
-  OOM_KERNEL_TRY(batched(d + 3 * nf, d + 3 * nf + nr, d + 3 * nf + 2 * nr, nr));
+  const std::size_t nf = full_w.size(), nr = rem_w.size(), nd = deep_w.size();
+  const void** dd = d + 3 * (nf + nr);
+  OOM_KERNEL_TRY(batched(dd, dd + nd, dd + 2 * nd, nd, depth));  // first: the remainders may overwrite its last rows
+  OOM_KERNEL_TRY(batched(d, d + nf, d + 2 * nf, nf, chunk));
+  OOM_KERNEL_TRY(batched(d + 3 * nf, d + 3 * nf + nr, d + 3 * nf + 2 * nr, nr, chunk));
   detail::BucketedGemm* bucketed = st.bucketed.empty() ? nullptr : st.bucketed.back().get();
   const std::uint64_t fallbacks = bucketed != nullptr ? bucketed->fallbacks() : 0;
   for (const auto* p : alone) OOM_KERNEL_TRY(gemm(blas, stream, bucketed, *p, nullptr, 0));  // the caller's handle: no workspace of ours
   record_host_span(began, [&] {
     const std::uint64_t ex = bucketed != nullptr ? bucketed->fallbacks() - fallbacks : alone.size();
-    return "row GEMMs: " + std::to_string(nf) + " full chunks + " + std::to_string(nr) + " remainders batched, " +
+    return "row GEMMs: " + (nd > 0 ? std::to_string(nd) + " experts' first " + std::to_string(depth) + " rows + " : std::string()) +
+           std::to_string(nf) + " full chunks + " + std::to_string(nr) + " remainders batched, " +
            std::to_string(alone.size()) + " experts alone (" + std::to_string(ex) + " through cublasGemmEx)";
   });
   return cudaSuccess;
@@ -496,8 +519,13 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
       if (o.wgmma_weight_gradients && !weights.empty()) {
         hopper::WgradShape shape;
         std::vector<hopper::WgradProblem> problems;
-        if (as_wgrad(weights, &shape, &problems) && hopper::grouped_wgrad_supported(shape, problems)) {
-          OOM_KERNEL_TRY(run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, l.workspace, arrays));
+        // Only where one expert's dW is at most half a wave of the kernel's tiles: wider ones (the
+        // 5.13B gate_up, 96 tiles on 132 SMs) ran faster as per-expert cuBLAS GEMMs on the side
+        // streams beside the row GEMMs (0.85x of dense against 0.81x), narrower ones (the down
+        // projection, 48 tiles) slower (0.73x against 0.77x; H200, T = 16384, 2026-12-01).
+        const auto half_wave = [&] { return 2 * (shape.m / hopper::kWgradTileM) * (shape.n / hopper::kWgradTileN) <= st->sms; };
+        if (as_wgrad(weights, &shape, &problems) && half_wave() && hopper::grouped_wgrad_supported(shape, problems)) {
+          OOM_KERNEL_TRY(run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays));
           return hopper::grouped_wgrad_wgmma(shape, problems, l.stream);
         }
       }
@@ -509,7 +537,7 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
       else
         rest = weights;
       return run_spread(*st, o, l.stream, rest, ws + arrays + weight_arrays,
-                        [&] { return run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, l.workspace, arrays); });
+                        [&] { return run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays); });
     }
   }
   return cudaErrorInvalidValue;

@@ -42,9 +42,11 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       {"chunk128ex", M::row_chunked, gemm_ex},
                                       {"chunk128bw", M::row_chunked, {.batched_weight_gradients = true}},
                                       {"chunk128", M::row_chunked, {}},
-                                      // the weight gradients as one grouped wgmma launch (compute
-                                      // capability 9.0 and fitting widths; else as chunk128)
-                                      {"chunk128wg", M::row_chunked, {.wgmma_weight_gradients = true}}};
+                                      // every row in chunks (no deep row GEMMs)
+                                      {"chunk128nd", M::row_chunked, {.deep_rows = false}},
+                                      // every weight gradient a cuBLAS GEMM (never the grouped
+                                      // wgmma launch chunk128 takes where it applies)
+                                      {"chunk128nw", M::row_chunked, {.wgmma_weight_gradients = false}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});

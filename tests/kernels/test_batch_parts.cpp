@@ -1,8 +1,10 @@
 // The split of the expert GEMMs' batch counts (src/kernels/batch_parts.hpp): every count covered
-// exactly, in order, by parts from a small fixed set of sizes.
+// exactly, in order, by parts from a small fixed set of sizes; and the depth of the deep row GEMMs.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <set>
 #include <vector>
 
@@ -34,4 +36,39 @@ TEST_CASE("a batch count splits into consecutive parts of recurring sizes") {
   CHECK(sizes.size() == 20);
   for (std::size_t n : {256u, 128u, 64u, 32u, 16u}) CHECK(sizes.count(n) == 1);
   for (std::size_t n = 1; n < 16; ++n) CHECK(sizes.count(n) == 1);
+}
+
+TEST_CASE("deep row depth: recurring values, at least 4 chunks, only when it saves rows") {
+  using oom::kernels::detail::deep_row_depth;
+  // No rows, or experts too small for 4 chunks: no depth.
+  CHECK(deep_row_depth({}, 128) == 0);
+  CHECK(deep_row_depth({0, 0, 0}, 128) == 0);
+  CHECK(deep_row_depth({511, 300, 100}, 128) == 0);
+  CHECK(deep_row_depth({2048, 2048}, 0) == 0);
+  // Equal experts of a recurring size: that size, all of their rows deep.
+  CHECK(deep_row_depth(std::vector<std::int64_t>(64, 2048), 128) == 2048);
+  CHECK(deep_row_depth(std::vector<std::int64_t>(8, 1536), 128) == 1536);
+  // The 5.13B routing at T = 16384 (64 experts, ~2048 +- 45 rows): a depth every expert reaches,
+  // so no expert is left wholly to the chunks.
+  std::vector<std::int64_t> rows;
+  for (int e = 0; e < 64; ++e) rows.push_back(2048 + (e * 37 % 91) - 45);
+  const auto d = deep_row_depth(rows, 128);
+  CHECK(d >= 1536);
+  CHECK(d <= *std::min_element(rows.begin(), rows.end()));
+  // Every value it returns is q 2^p with q in 4..7 and at least 4 chunks.
+  std::set<std::int64_t> seen;
+  for (std::int64_t m = 0; m <= 9000; m += 7) {
+    const auto v = deep_row_depth({m, m / 2 + 1, 3 * m / 4}, 128);
+    if (v == 0) continue;
+    CHECK(v >= 512);
+    CHECK(v <= m);
+    std::int64_t q = v;
+    while (q >= 8 && q % 2 == 0) q /= 2;
+    CHECK(q >= 4);
+    CHECK(q < 8);
+    seen.insert(v);
+  }
+  CHECK(seen.size() < 30);  // few shapes over 1286 routings
+  // One big expert among small ones still goes deep: its rows dominate.
+  CHECK(deep_row_depth({4096, 10, 20, 0}, 128) == 4096);
 }

@@ -17,13 +17,15 @@
 //     (forked from and joined back into `stream` with events), so small GEMMs overlap and fill
 //     the SMs one ~2048-row expert leaves idle; a backward issues its data and weight GEMMs in one
 //     fork;
-//   row_chunked: the row-producing GEMMs (forward, dx, dh) as one cublasGemmBatchedEx over
-//     fixed-size row chunks of every expert (row_chunk rows each, all the same shape), then one
+//   row_chunked: the row-producing GEMMs (forward, dx, dh) as one cublasGemmBatchedEx over the
+//     first `depth` rows of every expert that has them (ExpertGemmStreamsOptions::deep_rows), one
+//     over fixed-size row chunks of the rest (row_chunk rows each, all the same shape), then one
 //     more over each expert's last row_chunk rows for the remainder (those rows are recomputed,
 //     identically, and written again in stream order: <= row_chunk rows of waste per expert);
 //     experts with fewer than row_chunk rows run alone. The weight gradients (one output per
-//     expert, k = its rows) run as in multi_stream, concurrently with the data GEMM, or
-//     (ExpertGemmStreamsOptions::wgmma_weight_gradients) as one grouped wgmma launch after it.
+//     expert, k = its rows) run as in multi_stream, concurrently with the data GEMM, or, where
+//     each is small (ExpertGemmStreamsOptions::wgmma_weight_gradients), as one grouped wgmma
+//     launch after it.
 //     Pointer arrays are copied into `workspace` as for grouped_batched.
 // Errors: cudaError_t, cuBLAS statuses mapped as in router.hpp; launchers set the handle's stream.
 #pragma once
@@ -60,6 +62,13 @@ struct ExpertGemmStreamsOptions {
   /// cuBLAS recommends 32 MiB on Hopper, where its split-K kernels for the weight gradients use it.
   std::size_t blas_workspace_bytes = std::size_t{32} << 20;
   std::int64_t row_chunk = 128;  ///< rows per batched GEMM of row_chunked
+  /// row_chunked's row GEMMs: the first `depth` rows of every expert that has them in one batched
+  /// GEMM of `depth` rows per expert, the rest in chunks. `depth` minimises a cost of rows
+  /// computed (chunked rows 1.4x a deep row; remainders rounded up to whole chunks) over values
+  /// q 2^p, q in 4..7, of at least 4 chunks; none when chunking every row is cheaper. Why: the
+  /// 128-row chunks ran the 5.13B dh at 0.71x of a dense GEMM, one strided batched GEMM over
+  /// 2048-row experts at 1.00x (H200, 2026-12-01).
+  bool deep_rows = true;
   /// The per-expert GEMMs of varying size (row_chunked's experts with fewer rows than a chunk and
   /// its weight gradients; multi_stream's all) through cuBLASLt with one algorithm per power-of-two
   /// size bucket, chosen once, instead of cublasGemmEx, whose algorithm choice runs on the host for
@@ -79,13 +88,14 @@ struct ExpertGemmStreamsOptions {
   bool batched_weight_gradients = false;
   /// row_chunked's weight gradients as one launch of OOM's own grouped wgmma kernel
   /// (src/kernels/hopper/grouped_wgrad_wgmma.cu: every expert's dW += A^T B, k = its rows, fp32,
-  /// a fixed summation order) on the caller's stream after the row GEMMs, where it applies: a
-  /// compute capability 9.0 device in a build with sm_90 code, dW widths multiples of 128 x 256
-  /// (the 5.13B widths are), aligned operands; elsewhere the per-expert GEMMs as before. Why: the
-  /// per-expert GEMMs are below one wave of SMs each and reached 0.60x of a dense GEMM on the
-  /// H200, against 0.82x for one strided batched call over equal counts
-  /// (scripts/diag/expert_dw_split.cu). Off by default until measured on a GPU.
-  bool wgmma_weight_gradients = false;
+  /// a fixed summation order, subnormals flushed) on the caller's stream after the row GEMMs,
+  /// where it applies: a compute capability 9.0 device in a build with sm_90 code, dW widths
+  /// multiples of 128 x 256 with one expert's dW at most half a wave of those tiles (the 5.13B
+  /// down projection: 48 tiles on 132 SMs; not its gate_up, 96), aligned operands; elsewhere the
+  /// per-expert GEMMs on the side streams. Why: per-expert GEMMs that small leave most SMs idle;
+  /// on the H200 (5.13B widths, T = 16384, 2026-12-01) the down-projection backward ran at 0.77x
+  /// of a dense GEMM with it against 0.73x without, the gate_up backward at 0.81x against 0.85x.
+  bool wgmma_weight_gradients = true;
 };
 
 /// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and
