@@ -67,7 +67,7 @@
 // producer_overlap's code with 3 K and 3 V stages instead of 2 (the stage count is the kernel's
 // template parameter, WsLayout below: 224 KiB + barriers of the 227 KiB a block may have), so the
 // producer may run up to two tiles ahead of the consumers.
-// producer_sw128 and producer_sw128_tma (eighth session; the latter the default): producer_3stage
+// producer_sw128 and producer_sw128_tma (eighth session; the former the default since 2026-12-01): producer_3stage
 // with Q, K and V in the 128-byte-swizzled layout (kSw* below), loaded by cp.async or (K, V) by
 // TMA. The band layout splits every 32-byte global sector of a cp.async over two shared-memory
 // lines (ncu: 2x the ideal L2 sectors, 8x the ideal shared-store wavefronts); this is what held

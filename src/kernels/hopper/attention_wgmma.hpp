@@ -42,9 +42,11 @@ namespace oom::kernels::hopper {
 ///     instruction per tile); tensors TMA cannot express run producer_sw128's kernel. Both
 ///     bit-identical to serial on the H200 (eighth session).
 /// All eight compute the same operations in the same order per warpgroup: bitwise the same results.
-/// The default is producer_sw128_tma: on the H200 (eighth session, test_attention_wgmma's timing)
-/// 1.55-1.64x producer_overlap at S = 4K, 16K, 64K (423 / 577 / 578 against 261 / 351 / 372
-/// TFLOP/s), producer_sw128 1.44-1.65x (docs/hopper.md).
+/// The default is producer_sw128: on the H200 (test_attention_wgmma's timing at S = 4K, 16K, 64K)
+/// it ran at 405 / 605 / 558 TFLOP/s against producer_sw128_tma's 369 / 531 / 535 (eighth
+/// session, last call) and 410 / 611 / 544 against 372 / 493 / 536 (2026-12-01), both after its
+/// loader stepped one pointer; before that change TMA led (423 / 577 / 578 against 392 / 580 /
+/// 534), docs/hopper.md.
 enum class Wgmma2wgSchedule {
   serial,
   overlap_softmax,
@@ -75,7 +77,7 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
                                         TokenRows<bf16> o,        // (B, S, Hq, D) bf16, rows [q_begin, q_end) written
                                         float* lse,               // (B, Hq, S) fp32, entries [q_begin, q_end) written
                                         cudaStream_t stream,
-                                        Wgmma2wgSchedule schedule = Wgmma2wgSchedule::producer_sw128_tma);
+                                        Wgmma2wgSchedule schedule = Wgmma2wgSchedule::producer_sw128);
 
 /// dQ, dK, dV exactly as oom::kernels::attention_backward computes them (same layouts, strides,
 /// GQA sum, query sub-range and causal prefix, accumulate_dkv, workspace of
