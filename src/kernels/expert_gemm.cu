@@ -56,6 +56,7 @@ struct MappedHostBuffer {
 struct ExpertGemmStreams::State {
   int device = -1;
   int sms = 0;  ///< the device's multiprocessors
+  int* tile_counter = nullptr;  ///< ExpertGemmStreamsOptions::overlap_weight_gradients: the grouped dW's tiles
   cudaEvent_t fork = nullptr;
   std::vector<cudaStream_t> streams;
   std::vector<cudaEvent_t> joins;
@@ -74,6 +75,7 @@ struct ExpertGemmStreams::State {
   State(const State&) = delete;
   State& operator=(const State&) = delete;
   ~State() {  // destructors report nothing; pending work on the streams completes first (CUDA semantics)
+    if (tile_counter != nullptr) cudaFree(tile_counter);
     for (auto h : handles) cublasDestroy(h);
     for (auto e : joins) cudaEventDestroy(e);
     for (auto st : streams) cudaStreamDestroy(st);
@@ -119,6 +121,7 @@ cudaError_t ExpertGemmStreams::state(State** out) {
   }
   if (options_.bucketed_algorithms)
     for (int i = 0; i <= options_.streams; ++i) st->bucketed.push_back(std::make_unique<detail::BucketedGemm>());
+  if (options_.overlap_weight_gradients) OOM_KERNEL_TRY(cudaMalloc(&st->tile_counter, sizeof(int)));
   state_ = std::move(st);
   *out = state_.get();
   return cudaSuccess;
@@ -525,8 +528,21 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
         // projection, 48 tiles) slower (0.73x against 0.77x; H200, T = 16384, 2026-12-01).
         const auto half_wave = [&] { return 2 * (shape.m / hopper::kWgradTileM) * (shape.n / hopper::kWgradTileN) <= st->sms; };
         if (as_wgrad(weights, &shape, &problems) && half_wave() && hopper::grouped_wgrad_supported(shape, problems)) {
-          OOM_KERNEL_TRY(run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays));
-          return hopper::grouped_wgrad_wgmma(shape, problems, l.stream);
+          if (!o.overlap_weight_gradients) {
+            OOM_KERNEL_TRY(run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays));
+            return hopper::grouped_wgrad_wgmma(shape, problems, l.stream);
+          }
+          // The row GEMMs on the caller's stream, the weight gradients beside them on the first
+          // side stream, tiles handed out dynamically; joined back before returning.
+          const cudaStream_t side = st->streams[0];
+          OOM_KERNEL_TRY(cudaEventRecord(st->fork, l.stream));
+          OOM_KERNEL_TRY(cudaStreamWaitEvent(side, st->fork, 0));
+          cudaError_t status = run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays);
+          const cudaError_t dw = hopper::grouped_wgrad_wgmma(shape, problems, side, st->tile_counter);
+          if (status == cudaSuccess) status = dw;
+          const cudaError_t e = cudaEventRecord(st->joins[0], side);  // joined even after an error
+          const cudaError_t w = e == cudaSuccess ? cudaStreamWaitEvent(l.stream, st->joins[0], 0) : e;
+          return status != cudaSuccess ? status : w;
         }
       }
 #endif

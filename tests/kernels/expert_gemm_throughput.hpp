@@ -46,7 +46,9 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       {"chunk128nd", M::row_chunked, {.deep_rows = false}},
                                       // every weight gradient a cuBLAS GEMM (never the grouped
                                       // wgmma launch chunk128 takes where it applies)
-                                      {"chunk128nw", M::row_chunked, {.wgmma_weight_gradients = false}}};
+                                      {"chunk128nw", M::row_chunked, {.wgmma_weight_gradients = false}},
+                                      // the grouped wgmma dW beside the row GEMMs, on a side stream
+                                      {"chunk128ov", M::row_chunked, {.overlap_weight_gradients = true}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});

@@ -9,7 +9,9 @@
 //   - what it refuses (widths off its tile, strides off 8 elements, misaligned pointers);
 //   - through the expert GEMM launchers (row_chunked with wgmma_weight_gradients) at widths it
 //     takes: dW of the down and gate_up backward against the reference MoE, the row outputs (dh,
-//     dx) bit-identical to row_chunked without it.
+//     dx) bit-identical to row_chunked without it, and everything bit-identical with the launch
+//     beside the row GEMMs on a side stream (overlap_weight_gradients, tiles from a counter);
+//   - tiles handed out by an atomic counter (a counter not zero beforehand; two launches).
 // Then a timing report (printed, not asserted) at the 5.13B shapes, T = 16384, against one dense
 // GEMM of the same FLOPs and row_chunked's per-expert weight gradients.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
@@ -48,9 +50,9 @@ void require_sm90() { oom::test::require_sm90("test_grouped_wgrad"); }
 /// Runs the kernel on problems of `rows` rows each (one A and one B buffer holding all rows, the
 /// problems' rows consecutive), C_e starting at random values, and checks the result against fp64.
 void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t ldb, std::int64_t ldc,
-                const std::vector<std::int64_t>& rows, std::uint64_t seed) {
+                const std::vector<std::int64_t>& rows, std::uint64_t seed, bool dynamic = false) {
   require_sm90();
-  INFO("m=" << m << " n=" << n << " lda=" << lda << " ldb=" << ldb << " ldc=" << ldc << " problems=" << rows.size());
+  INFO((dynamic ? "dynamic tiles, " : "") << "m=" << m << " n=" << n << " lda=" << lda << " ldb=" << ldb << " ldc=" << ldc << " problems=" << rows.size());
   std::int64_t total = 0;
   for (const auto r : rows) total += r;
   const Bf16Data a(random_normal(static_cast<std::size_t>(std::max<std::int64_t>(total, 1) * lda), seed));
@@ -67,7 +69,10 @@ void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t l
   }
   const hw::WgradShape shape{.m = m, .n = n, .lda = lda, .ldb = ldb, .ldc = ldc};
   REQUIRE(hw::grouped_wgrad_supported(shape, problems));
-  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr) == cudaSuccess);
+  DeviceBuffer<int> counter(1);
+  OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));  // the launch must zero it
+  int* const tiles = dynamic ? counter.get() : nullptr;
+  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles) == cudaSuccess);
   OOM_CUDA_CHECK(cudaDeviceSynchronize());
   const auto c = d_c.download();
 
@@ -108,7 +113,7 @@ void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t l
 
   // A fixed summation order: the same bits from the same start.
   d_c.upload(c0);
-  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr) == cudaSuccess);
+  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles) == cudaSuccess);
   OOM_CUDA_CHECK(cudaDeviceSynchronize());
   const auto again = d_c.download();
   CHECK(std::memcmp(again.data(), c.data(), c.size() * sizeof(float)) == 0);
@@ -120,12 +125,15 @@ TEST_CASE("grouped weight gradients match the fp64 reference: K tails, empty pro
   check_case(128, 256, 128, 256, 256, {1, 0, 64, 65, 7, 200}, 100);
   check_case(256, 512, 264, 528, 514, {63, 0, 130, 1000, 2}, 200);
   check_case(384, 256, 384, 256, 256, {0, 129}, 300);
+  // Tiles from an atomic counter instead of every grid-th one.
+  check_case(256, 512, 264, 528, 514, {63, 0, 130, 1000, 2}, 200, true);
 }
 
 TEST_CASE("grouped weight gradients over more problems than one launch takes") {
   std::vector<std::int64_t> rows;
   for (int e = 0; e < 130; ++e) rows.push_back(e % 9 == 0 ? 0 : 1 + (e * 37) % 90);
   check_case(128, 256, 128, 256, 256, rows, 400);
+  check_case(128, 256, 128, 256, 256, rows, 401, true);  // the counter zeroed again for the second launch
 }
 
 TEST_CASE("grouped_wgrad refuses what its tiles, copies and stores cannot do") {
@@ -186,8 +194,8 @@ TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row
     std::vector<bf16> dh, dx;
     std::vector<float> dwd, dwgu;
   };
-  const auto run = [&](bool wgmma) {
-    k::ExpertGemmStreams streams({.wgmma_weight_gradients = wgmma});
+  const auto run = [&](bool wgmma, bool overlap = false) {
+    k::ExpertGemmStreams streams({.wgmma_weight_gradients = wgmma, .overlap_weight_gradients = overlap});
     DeviceBuffer<std::uint8_t> ws(k::expert_gemm_workspace_bytes(s, k::ExpertGemmMethod::row_chunked, &streams));
     DeviceBuffer<bf16> d_x(x.bits), d_h(h.bits), d_wd(wd.bits), d_wgu(wgu.bits), d_dy(dy.bits), d_dgu(dgu.bits), dh(N * I), dx(N * H);
     DeviceBuffer<float> dwd(dwd0), dwgu(dwgu0);
@@ -198,9 +206,14 @@ TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     return Out{dh.download(), dx.download(), dwd.download(), dwgu.download()};
   };
-  const Out with = run(true), without = run(false);
+  const Out with = run(true), without = run(false), overlapped = run(true, true);
   CHECK(std::memcmp(with.dh.data(), without.dh.data(), with.dh.size() * sizeof(bf16)) == 0);
   CHECK(std::memcmp(with.dx.data(), without.dx.data(), with.dx.size() * sizeof(bf16)) == 0);
+  // Beside the row GEMMs on a side stream, with dynamic tiles: every output the same bits.
+  CHECK(std::memcmp(overlapped.dh.data(), with.dh.data(), with.dh.size() * sizeof(bf16)) == 0);
+  CHECK(std::memcmp(overlapped.dx.data(), with.dx.data(), with.dx.size() * sizeof(bf16)) == 0);
+  CHECK(std::memcmp(overlapped.dwd.data(), with.dwd.data(), with.dwd.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(overlapped.dwgu.data(), with.dwgu.data(), with.dwgu.size() * sizeof(float)) == 0);
   const auto down = ref::expert_down_backward(rs, counts, dy.values, h.values, wd.values);
   const auto gate_up = ref::expert_gate_up_backward(rs, counts, dgu.values, x.values, wgu.values);
   auto dwd_ref = dwd0, dwgu_ref = dwgu0;
@@ -229,7 +242,8 @@ TEST_CASE("grouped weight gradients: timing at the 5.13B shapes (T = 16384) agai
   require_sm90();
   for (const auto& variant : {oom::test::ExpertGemmVariant{"chunk128nw", k::ExpertGemmMethod::row_chunked, {.wgmma_weight_gradients = false}},
                               oom::test::ExpertGemmVariant{"chunk128nd", k::ExpertGemmMethod::row_chunked, {.deep_rows = false}},
-                              oom::test::ExpertGemmVariant{"chunk128", k::ExpertGemmMethod::row_chunked, {}}})
+                              oom::test::ExpertGemmVariant{"chunk128", k::ExpertGemmMethod::row_chunked, {}},
+                              oom::test::ExpertGemmVariant{"chunk128ov", k::ExpertGemmMethod::row_chunked, {.overlap_weight_gradients = true}}})
     for (const auto& r : oom::test::measure_expert_gemm_ratio(16384, 2048, 768, 64, 8, variant))
       if (r.op.rfind("bwd", 0) == 0)
         std::printf("expert GEMM %-10s %-20s grouped %.3f ms, dense %.3f ms, %.0f TFLOP/s, ratio %.2f\n", variant.name.c_str(),

@@ -96,6 +96,11 @@ struct ExpertGemmStreamsOptions {
   /// on the H200 (5.13B widths, T = 16384, 2026-12-01) the down-projection backward ran at 0.77x
   /// of a dense GEMM with it against 0.73x without, the gate_up backward at 0.81x against 0.85x.
   bool wgmma_weight_gradients = true;
+  /// With wgmma_weight_gradients: run that launch on the first side stream beside the row GEMMs
+  /// (forked from and joined back into the caller's stream), its tiles handed out by an atomic
+  /// counter (4 bytes of device memory, allocated with the streams), so its blocks fill the SMs
+  /// the row GEMMs' tails leave idle. Off by default until measured on a GPU.
+  bool overlap_weight_gradients = false;
 };
 
 /// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and

@@ -47,7 +47,12 @@ bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> 
 /// which flushes subnormal values below 2^-126 to zero), so the result is the same bits run to run.
 /// One persistent launch per 128 non-empty problems on `stream`. cudaErrorInvalidValue when
 /// grouped_wgrad_supported would say false for the shape or the problems, cudaErrorNotSupported off compute capability 9.0; else the launches' status.
+/// `tile_counter` (4 bytes of device memory, or nullptr): blocks take their tiles from it one at a
+/// time (it is zeroed on `stream` before each launch, so one counter serves one launch at a time)
+/// instead of every grid-th tile, so blocks that start late, on SMs another stream's kernels held,
+/// do not finish late; the results are the same bits either way.
 /// No allocation, no synchronisation.
-cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream);
+cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream,
+                                int* tile_counter = nullptr);
 
 }  // namespace oom::kernels::hopper

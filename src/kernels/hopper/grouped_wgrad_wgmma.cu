@@ -51,13 +51,15 @@ constexpr std::uint32_t kATileBytes = kBK * kBM * 2;        // 16 KiB
 constexpr std::uint32_t kBTileBytes = kBK * kBN * 2;        // 32 KiB
 constexpr std::uint32_t kStageBytes = kATileBytes + kBTileBytes;
 constexpr std::uint32_t kOffBar = kStages * kStageBytes;    // 192 KiB
-constexpr int kSmemBytes = static_cast<int>(kOffBar) + 8 * 2 * kStages + 1024;
+constexpr std::uint32_t kOffTiles = kOffBar + 8 * 2 * kStages;  // int per stage + 2 broadcast ints
+constexpr int kSmemBytes = static_cast<int>(kOffTiles) + 4 * (kStages + 2) + 1024;
 static_assert(kSmemBytes <= 227 * 1024);
 constexpr std::uint32_t kSwAtom = 1024;  // 8 rows of 128 bytes
 
 struct Params {
   int groups = 0, m_tiles = 0, n_tiles = 0, tiles = 0;
   std::int64_t lda = 0, ldb = 0, ldc = 0;
+  int* counter = nullptr;  ///< dynamic tiles: the next tile to hand out (0 at launch); nullptr: static
   const __nv_bfloat16* a[kMaxGroups];
   const __nv_bfloat16* b[kMaxGroups];
   float* c[kMaxGroups];
@@ -84,13 +86,18 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
   // The swizzle pattern is taken from address bits 7-9: the tiles start on 1024-byte boundaries.
   const std::uint32_t raw = smem_addr(smem_raw);
-  const std::uint32_t base = raw + ((1024u - (raw & 1023u)) & 1023u);
+  const std::uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+  const std::uint32_t base = raw + pad;
   const std::uint32_t bars = base + kOffBar;
+  // The tile each stage's K step belongs to (written by producer thread 0 before it arrives on the
+  // stage's "full" barrier; -1: no more tiles), and the producers' broadcast of a fetched tile.
+  volatile int* const stage_tile = reinterpret_cast<volatile int*>(smem_raw + pad + kOffTiles);
+  volatile int* const fetched = stage_tile + kStages;
   const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * s); };
   const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (kStages + s)); };
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), kWsProducerThreads);
+      mbar_init(full(s), kWsProducerThreads + 1);  // each producer thread's copies + thread 0's tile word
       mbar_init(empty(s), kWsConsumerThreads);
     }
     mbar_fence_init();
@@ -98,9 +105,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
   __syncthreads();  // the last block-wide barrier
 
   // K step j of the block (counted over all its tiles) uses stage j % kStages, its (j / kStages)-th
-  // use: "full" completes phase j / kStages when the producer's 128 threads' copies have landed,
-  // "empty" when the 256 consumer threads have retired the wgmmas that read it. Both sides walk
-  // the same tiles and K steps, so they agree on j.
+  // use: "full" completes phase j / kStages when the producer's 128 threads' copies have landed and
+  // thread 0 has published the stage's tile, "empty" when the 256 consumer threads have retired the
+  // wgmmas that read it. The producer picks the tiles (block b takes b, b + grid, ...; or, with a
+  // counter, whatever the next atomicAdd hands out) and the consumers learn each tile from its
+  // first stage, so both walk the same K steps.
   const int tiles_per_group = p.m_tiles * p.n_tiles;
   const int wg = static_cast<int>(threadIdx.x) / 128;
   if (wg == 2) {
@@ -109,17 +118,38 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
     int stage = 0;
     std::uint32_t phase = 0;
     bool reuse = false;  // a stage is refilled only after the consumers released its previous use
-    for (int t = static_cast<int>(blockIdx.x); t < p.tiles; t += static_cast<int>(gridDim.x)) {
+    for (int i = 0;; ++i) {
+      int t = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
+      if (p.counter != nullptr) {
+        // Thread 0 fetches, the producer warpgroup's named barrier publishes; two words
+        // alternate, so thread 0 never overwrites one that another thread has yet to read.
+        if (tid == 0) fetched[i & 1] = atomicAdd(p.counter, 1);
+        asm volatile("bar.sync 1, %0;\n" ::"n"(kWsProducerThreads) : "memory");
+        t = fetched[i & 1];
+      }
+      if (reuse) mbar_wait(empty(stage), phase ^ 1u);
+      if (t >= p.tiles) {  // no more tiles: the stage says so, and nothing is copied into it
+        if (tid == 0) {
+          stage_tile[stage] = -1;
+          mbar_arrive(full(stage));
+        }
+        mbar_arrive(full(stage));
+        break;
+      }
       const int g = t / tiles_per_group, r = t % tiles_per_group;
       const int rows = p.rows[g];
       const __nv_bfloat16* a = p.a[g] + (r / p.n_tiles) * kBM;
       const __nv_bfloat16* b = p.b[g] + (r % p.n_tiles) * kBN;
       for (int k0 = 0; k0 < rows; k0 += kBK) {
-        if (reuse) mbar_wait(empty(stage), phase ^ 1u);
+        if (k0 > 0 && reuse) mbar_wait(empty(stage), phase ^ 1u);  // (the first step's wait is above)
         const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
         load_rows_sw128_producer<kBK>(st, a, p.lda, k0, rows, tid);                    // A^T: 128 M
         load_rows_sw128_producer<kBK>(st + kATileBytes, b, p.ldb, k0, rows, tid);      // B: N 0..127
         load_rows_sw128_producer<kBK>(st + kATileBytes + 2 * kHalfBytes, b + 128, p.ldb, k0, rows, tid);  // 128..255
+        if (tid == 0) {
+          stage_tile[stage] = t;
+          mbar_arrive(full(stage));  // release: the word is seen by whoever waits on the phase
+        }
         cp_async_mbar_arrive(full(stage));
         if (++stage == kStages) {
           stage = 0;
@@ -137,7 +167,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
   float acc[128];  // C columns 0..255 of the block tile, rows 64 wg ..: the m64n256 fragment
   int stage = 0;
   std::uint32_t phase = 0;
-  for (int t = static_cast<int>(blockIdx.x); t < p.tiles; t += static_cast<int>(gridDim.x)) {
+  for (;;) {
+    mbar_wait(full(stage), phase);  // the tile's first K step (or the end)
+    const int t = stage_tile[stage];
+    if (t < 0) break;
     const int g = t / tiles_per_group, r = t % tiles_per_group;
     const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
     const int ksteps = (p.rows[g] + kBK - 1) / kBK;
@@ -145,7 +178,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
     for (int e = 0; e < 128; ++e) acc[e] = 0.0f;
     int held = -1;  // the stage whose wgmmas may still run
     for (int ks = 0; ks < ksteps; ++ks) {
-      mbar_wait(full(stage), phase);
+      if (ks > 0) mbar_wait(full(stage), phase);
       fence_proxy_async_shared();  // the producer's cp.async writes, seen through the barrier, before the wgmmas
       const std::uint32_t a_st = base + static_cast<std::uint32_t>(stage) * kStageBytes + static_cast<std::uint32_t>(wg) * kHalfBytes;
       const std::uint32_t b_st = base + static_cast<std::uint32_t>(stage) * kStageBytes + kATileBytes;
@@ -207,7 +240,8 @@ bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> 
   return current_device_is_cc90() == cudaSuccess;
 }
 
-cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream) {
+cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream,
+                                int* tile_counter) {
   if (!shape_ok(s)) return cudaErrorInvalidValue;
   for (const WgradProblem& q : problems)
     if (!problem_ok(q)) return cudaErrorInvalidValue;
@@ -223,10 +257,13 @@ cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProble
   params.lda = s.lda;
   params.ldb = s.ldb;
   params.ldc = s.ldc;
+  params.counter = tile_counter;
   const auto launch = [&]() -> cudaError_t {
     if (params.groups == 0) return cudaSuccess;
     params.tiles = params.groups * params.m_tiles * params.n_tiles;
     const int grid = params.tiles < sms ? params.tiles : sms;
+    if (tile_counter != nullptr)
+      if (const cudaError_t e = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
     grouped_wgrad_kernel<<<static_cast<unsigned>(grid), kWsThreads, kSmemBytes, stream>>>(params);
     params.groups = 0;
     return cudaGetLastError();
