@@ -47,8 +47,9 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       // every weight gradient a cuBLAS GEMM (never the grouped
                                       // wgmma launch chunk128 takes where it applies)
                                       {"chunk128nw", M::row_chunked, {.wgmma_weight_gradients = false}},
-                                      // the grouped wgmma dW beside the row GEMMs, on a side stream
-                                      {"chunk128ov", M::row_chunked, {.overlap_weight_gradients = true}}};
+                                      // the grouped wgmma dW after the row GEMMs, on the caller's
+                                      // stream (chunk128 runs it beside them on a side stream)
+                                      {"chunk128sr", M::row_chunked, {.overlap_weight_gradients = false}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});

@@ -17,7 +17,9 @@
 // (32 KiB: four 64-wide N halves 8 KiB apart, loaded as two 128-column tiles), four stages
 // (192 KiB) + 8 mbarriers + 1 KiB to align the tiles to 1024 bytes.
 // Schedule: block b takes block tiles b, b + grid, ... of the list (problem, M tile, N tile), N
-// tile fastest; the producer streams each tile's K steps through the stages without pausing between
+// tile fastest, or, given a counter, the next tile an atomicAdd hands out (for a launch beside
+// other kernels: blocks that start late do not finish late); the producer picks and publishes
+// each tile through a word per stage; the producer streams each tile's K steps through the stages without pausing between
 // tiles, so the next tile's first stages load while the consumers add the finished one into C
 // (fire-and-forget reductions in L2, red.v2.f32: the consumers do not wait for C's old values).
 // 32-row K steps in 8 stages measured no better (0.76x / 0.75x against 0.76x / 0.76x).
