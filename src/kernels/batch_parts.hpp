@@ -36,18 +36,21 @@ void for_each_batch_part(std::size_t count, F&& f) {
 /// The depth of row_chunked's deep row GEMMs (ExpertGemmStreamsOptions::deep_rows) for experts of
 /// `rows` rows: the one that minimises a cost of rows computed, where a deep row costs 1 and a
 /// chunked one chunked_row_cost (a 128-row batched GEMM ran the 5.13B dh at 0.71x of a dense
-/// GEMM, a strided batched one over 2048-row experts at 1.00x: H200, 2026-12-01), a remainder
-/// rounded up to whole chunks (its last chunk is computed whole) and an expert below one chunk
-/// counted as its rows. Candidates are at least 4 chunks and of the form q 2^p, q in 4..7, so few
+/// GEMM, a strided batched one over 2048-row experts at 1.00x: H200, 2026-12-01), the rows after
+/// the deep ones rounded up to whole chunks (a remainder is computed as a whole chunk) and an
+/// expert below one chunk, which runs alone, counted as its rows. Candidates are at least 4 chunks and of the form q 2^p, q in 4..7, so few
 /// shapes recur step after step (cuBLAS chooses an algorithm on the host per shape it has not
 /// seen, see for_each_batch_part). 0 when no depth beats chunking every row; ties go to the
 /// smaller depth.
 inline std::int64_t deep_row_depth(const std::vector<std::int64_t>& rows, std::int64_t chunk,
                                    double chunked_row_cost = 1.4) {
   if (chunk < 1) return 0;
-  const auto chunked = [&](std::int64_t m) {
+  const auto chunked = [&](std::int64_t m) {  // an expert's rows, none of them deep
     const std::int64_t computed = m < chunk ? m : (m + chunk - 1) / chunk * chunk;
     return chunked_row_cost * static_cast<double>(std::max<std::int64_t>(computed, 0));
+  };
+  const auto tail = [&](std::int64_t m) {  // the rows after the deep ones: whole chunks, however few
+    return chunked_row_cost * static_cast<double>((std::max<std::int64_t>(m, 0) + chunk - 1) / chunk * chunk);
   };
   double best_cost = 0;
   for (const auto m : rows) best_cost += chunked(m);
@@ -58,7 +61,7 @@ inline std::int64_t deep_row_depth(const std::vector<std::int64_t>& rows, std::i
       const std::int64_t d = q * unit;
       if (d < 4 * chunk || d > top) continue;
       double cost = 0;
-      for (const auto m : rows) cost += m >= d ? static_cast<double>(d) + chunked(m - d) : chunked(m);
+      for (const auto m : rows) cost += m >= d ? static_cast<double>(d) + tail(m - d) : chunked(m);
       if (cost < best_cost) best_cost = cost, best = d;
     }
   return best;

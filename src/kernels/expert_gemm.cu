@@ -538,8 +538,8 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
           OOM_KERNEL_TRY(cudaEventRecord(st->fork, l.stream));
           OOM_KERNEL_TRY(cudaStreamWaitEvent(side, st->fork, 0));
           cudaError_t status = run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays);
-          const cudaError_t dw = hopper::grouped_wgrad_wgmma(shape, problems, side, st->tile_counter);
-          if (status == cudaSuccess) status = dw;
+          // dW is changed only when the call can succeed (as after the row GEMMs, below).
+          if (status == cudaSuccess) status = hopper::grouped_wgrad_wgmma(shape, problems, side, st->tile_counter);
           const cudaError_t e = cudaEventRecord(st->joins[0], side);  // joined even after an error
           const cudaError_t w = e == cudaSuccess ? cudaStreamWaitEvent(l.stream, st->joins[0], 0) : e;
           return status != cudaSuccess ? status : w;

@@ -69,6 +69,8 @@ TEST_CASE("deep row depth: recurring values, at least 4 chunks, only when it sav
     seen.insert(v);
   }
   CHECK(seen.size() < 30);  // few shapes over 1286 routings
+  // test_moe_kernels' deep-rows case relies on this depth: tails of 8, 18 and 5 rows after it.
+  CHECK(deep_row_depth({520, 530, 517, 700, 0, 130, 5}, 128) == 512);
   // One big expert among small ones still goes deep: its rows dominate.
   CHECK(deep_row_depth({4096, 10, 20, 0}, 128) == 4096);
 }

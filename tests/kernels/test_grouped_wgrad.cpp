@@ -2,8 +2,9 @@
 // hopper::grouped_wgrad_wgmma: C_e += A_e^T B_e per expert, K = its rows) against an fp64 CPU
 // reference on random bf16 operands and random fp32 starting values of C:
 //   - row counts that are no multiple of the 64-row K step (1, 7, 63, 65, 1000) and zero, one and
-//     several block tiles per problem, padded strides (lda, ldb, ldc above the widths), and more
-//     problems than one launch takes (130: two launches);
+//     several block tiles per problem, padded strides (lda, ldb, ldc above the widths), more
+//     problems than one launch takes (133 non-empty: two launches), and more tiles than blocks
+//     (400: each block walks its stages and phases across three or more tiles);
 //   - every element within the fp32 bound of its sum; C of an empty problem, and C's padding
 //     columns, untouched bit for bit; a second run from the same C gives the same bits;
 //   - what it refuses (widths off its tile, strides off 8 elements, misaligned pointers);
@@ -17,6 +18,7 @@
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -130,10 +132,21 @@ TEST_CASE("grouped weight gradients match the fp64 reference: K tails, empty pro
 }
 
 TEST_CASE("grouped weight gradients over more problems than one launch takes") {
+  // 150 problems, 133 with rows: one launch takes 128 non-empty ones, so two launches.
   std::vector<std::int64_t> rows;
-  for (int e = 0; e < 130; ++e) rows.push_back(e % 9 == 0 ? 0 : 1 + (e * 37) % 90);
+  for (int e = 0; e < 150; ++e) rows.push_back(e % 9 == 0 ? 0 : 1 + (e * 37) % 90);
+  REQUIRE(std::count_if(rows.begin(), rows.end(), [](std::int64_t r) { return r > 0; }) > 128);
   check_case(128, 256, 128, 256, 256, rows, 400);
   check_case(128, 256, 128, 256, 256, rows, 401, true);  // the counter zeroed again for the second launch
+}
+
+TEST_CASE("grouped weight gradients with several tiles per block: stages and phases carried across tiles") {
+  // 100 problems of 2 x 2 block tiles: 400 tiles, so every block of a grid of <= 132 takes three
+  // or more, their K steps (1..90 rows: one or two stages) walking the stages and phases on.
+  std::vector<std::int64_t> rows;
+  for (int e = 0; e < 100; ++e) rows.push_back(1 + (e * 53) % 90);
+  check_case(256, 512, 256, 512, 512, rows, 600);
+  check_case(256, 512, 256, 512, 512, rows, 601, true);
 }
 
 TEST_CASE("grouped_wgrad refuses what its tiles, copies and stores cannot do") {
@@ -199,12 +212,23 @@ TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row
     DeviceBuffer<std::uint8_t> ws(k::expert_gemm_workspace_bytes(s, k::ExpertGemmMethod::row_chunked, &streams));
     DeviceBuffer<bf16> d_x(x.bits), d_h(h.bits), d_wd(wd.bits), d_wgu(wgu.bits), d_dy(dy.bits), d_dgu(dgu.bits), dh(N * I), dx(N * H);
     DeviceBuffer<float> dwd(dwd0), dwgu(dwgu0);
-    REQUIRE(k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(), dwd.get(),
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());  // the uploads done
+    cudaStream_t cs;  // the caller's stream: only its order is waited for below, so a launcher
+    OOM_CUDA_CHECK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));  // that forgot a join would be caught (mostly)
+    REQUIRE(k::expert_down_backward(blas.get(), cs, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(), dwd.get(),
                                     k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams) == cudaSuccess);
-    REQUIRE(k::expert_gate_up_backward(blas.get(), nullptr, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
+    REQUIRE(k::expert_gate_up_backward(blas.get(), cs, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
                                        dwgu.get(), k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams) == cudaSuccess);
-    OOM_CUDA_CHECK(cudaDeviceSynchronize());
-    return Out{dh.download(), dx.download(), dwd.download(), dwgu.download()};
+    Out out{std::vector<bf16>(static_cast<std::size_t>(N * I)), std::vector<bf16>(static_cast<std::size_t>(N * H)),
+            std::vector<float>(dwd0.size()), std::vector<float>(dwgu0.size())};
+    OOM_CUDA_CHECK(cudaMemcpyAsync(out.dh.data(), dh.get(), dh.bytes(), cudaMemcpyDeviceToHost, cs));
+    OOM_CUDA_CHECK(cudaMemcpyAsync(out.dx.data(), dx.get(), dx.bytes(), cudaMemcpyDeviceToHost, cs));
+    OOM_CUDA_CHECK(cudaMemcpyAsync(out.dwd.data(), dwd.get(), dwd.bytes(), cudaMemcpyDeviceToHost, cs));
+    OOM_CUDA_CHECK(cudaMemcpyAsync(out.dwgu.data(), dwgu.get(), dwgu.bytes(), cudaMemcpyDeviceToHost, cs));
+    OOM_CUDA_CHECK(cudaStreamSynchronize(cs));
+    OOM_CUDA_CHECK(cudaStreamDestroy(cs));
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());  // nothing left running before the buffers go
+    return out;
   };
   const Out with = run(true), without = run(false), overlapped = run(true, true);
   CHECK(std::memcmp(with.dh.data(), without.dh.data(), with.dh.size() * sizeof(bf16)) == 0);

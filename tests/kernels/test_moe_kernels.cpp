@@ -296,6 +296,56 @@ TEST_CASE("expert GEMMs (every method) match the reference, experts without toke
   }
 }
 
+TEST_CASE("row_chunked deep rows: tails shorter than a chunk rewrite deep rows, chunks after deep ones, lone experts") {
+  // Fixed counts so every case of the deep row GEMMs occurs (chunk 128; detail::deep_row_depth
+  // picks 512 here): experts of 520, 530 and 517 rows (tails of 8, 18 and 5 rows: their
+  // remainder chunks rewrite the last deep rows), 700 (a full chunk after the deep rows, then a
+  // remainder overlapping it), 130 (no deep rows: a chunk and a remainder), 5 (alone) and 0.
+  Blas blas;
+  const std::vector<std::int32_t> counts = {520, 530, 517, 700, 0, 130, 5};
+  const std::int64_t H = 136, I = 72, E = static_cast<std::int64_t>(counts.size());
+  const std::int64_t N = std::accumulate(counts.begin(), counts.end(), std::int64_t{0});
+  const k::ExpertGemmShape s{.hidden = H, .intermediate = I, .experts = E, .rows = N};
+  const ref::ExpertShape rs{.hidden = H, .intermediate = I, .experts = E};
+  const Bf16Data x(random_normal(static_cast<std::size_t>(N * H), 21000));
+  const Bf16Data wgu(random_normal(static_cast<std::size_t>(E * 2 * I * H), 21001, 0.1f));
+  const Bf16Data wd(random_normal(static_cast<std::size_t>(E * H * I), 21002, 0.1f));
+  const Bf16Data h(random_normal(static_cast<std::size_t>(N * I), 21003));
+  const Bf16Data dy(random_normal(static_cast<std::size_t>(N * H), 21004));
+  const auto gu_ref = ref::expert_gate_up(rs, counts, x.values, wgu.values);
+  const auto y_ref = ref::expert_down(rs, counts, h.values, wd.values);
+  const auto dh_ref = ref::expert_down_backward(rs, counts, dy.values, h.values, wd.values).dh;
+  for (const bool deep : {true, false}) {
+    CAPTURE(deep);
+    k::ExpertGemmStreams streams({.deep_rows = deep});
+    DeviceBuffer<std::uint8_t> ws(k::expert_gemm_workspace_bytes(s, k::ExpertGemmMethod::row_chunked, &streams));
+    DeviceBuffer<bf16> d_x(x.bits), d_wgu(wgu.bits), d_wd(wd.bits), d_h(h.bits), d_dy(dy.bits), gate_up(N * 2 * I), y(N * H),
+        dh(N * I);
+    DeviceBuffer<float> dwd(static_cast<std::size_t>(E * H * I));
+    dwd.zero();
+    const auto launched = [&](cudaError_t st) {
+      if (st == cudaErrorNotSupported) {
+        MESSAGE("cuBLAS reports row_chunked not supported for these types; skipped");
+        return false;
+      }
+      REQUIRE(st == cudaSuccess);
+      return true;
+    };
+    if (!launched(k::expert_gate_up_forward(blas.get(), nullptr, s, counts.data(), d_x.get(), d_wgu.get(), gate_up.get(),
+                                            k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams)))
+      return;
+    REQUIRE(launched(k::expert_down_forward(blas.get(), nullptr, s, counts.data(), d_h.get(), d_wd.get(), y.get(),
+                                            k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams)));
+    REQUIRE(launched(k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(),
+                                             dwd.get(), k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams)));
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
+    // Every row written (the outputs start poisoned: NaN fails), within bf16 of the reference.
+    CHECK_REPORT(compare(to_floats(gate_up.download()), gu_ref, bf16_rtol, 0.05, "gate_up"));
+    CHECK_REPORT(compare(to_floats(y.download()), y_ref, bf16_rtol, 0.05, "down"));
+    CHECK_REPORT(compare(to_floats(dh.download()), dh_ref, bf16_rtol, 0.05, "dh"));
+  }
+}
+
 TEST_CASE("shared expert gate forward and backward match the reference") {
   const std::int64_t H = 136;
   for (const auto T : token_counts) {

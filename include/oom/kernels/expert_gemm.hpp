@@ -20,8 +20,10 @@
 //   row_chunked: the row-producing GEMMs (forward, dx, dh) as one cublasGemmBatchedEx over the
 //     first `depth` rows of every expert that has them (ExpertGemmStreamsOptions::deep_rows), one
 //     over fixed-size row chunks of the rest (row_chunk rows each, all the same shape), then one
-//     more over each expert's last row_chunk rows for the remainder (those rows are recomputed,
-//     identically, and written again in stream order: <= row_chunk rows of waste per expert);
+//     more over each expert's last row_chunk rows for the remainder (those rows are recomputed
+//     from the same inputs and written again in stream order, so the result is deterministic;
+//     the deep, chunk and remainder GEMMs may run different cuBLAS kernels, so rows can differ
+//     in rounding from another depth's: <= row_chunk rows of waste per expert);
 //     experts with fewer than row_chunk rows run alone. The weight gradients (one output per
 //     expert, k = its rows) run as in multi_stream, concurrently with the data GEMM, or, where
 //     each is small (ExpertGemmStreamsOptions::wgmma_weight_gradients), as one grouped wgmma
@@ -88,8 +90,8 @@ struct ExpertGemmStreamsOptions {
   bool batched_weight_gradients = false;
   /// row_chunked's weight gradients as one launch of OOM's own grouped wgmma kernel
   /// (src/kernels/hopper/grouped_wgrad_wgmma.cu: every expert's dW += A^T B, k = its rows, fp32,
-  /// a fixed summation order, subnormals flushed) on the caller's stream after the row GEMMs,
-  /// where it applies: a compute capability 9.0 device in a build with sm_90 code, dW widths
+  /// a fixed summation order, subnormals flushed) beside or after the row GEMMs
+  /// (overlap_weight_gradients), where it applies: a compute capability 9.0 device in a build with sm_90 code, dW widths
   /// multiples of 128 x 256 with one expert's dW at most half a wave of those tiles (the 5.13B
   /// down projection: 48 tiles on 132 SMs; not its gate_up, 96), aligned operands; elsewhere the
   /// per-expert GEMMs on the side streams. Why: per-expert GEMMs that small leave most SMs idle;
