@@ -431,6 +431,13 @@ cudaError_t run_weights_batched(ExpertGemmStreams::State& st, cublasHandle_t bla
   return cudaSuccess;
 }
 
+/// Makes `stream` wait for what is queued on side stream i so far (its join event). Callers issue
+/// it even after an error, so `stream` never runs ahead of what was launched.
+cudaError_t join_side(ExpertGemmStreams::State& st, int i, cudaStream_t stream) {
+  const cudaError_t e = cudaEventRecord(st.joins[i], st.streams[i]);
+  return e == cudaSuccess ? cudaStreamWaitEvent(stream, st.joins[i], 0) : e;
+}
+
 /// Forks the side streams from `stream`, spreads `ps` over them (each to the least loaded by
 /// FLOPs so far), runs `on_stream()` on `stream` meanwhile, and joins them back into `stream`.
 /// The join is issued even after an error, so `stream` never runs ahead of what was launched.
@@ -461,8 +468,7 @@ cudaError_t run_spread(ExpertGemmStreams::State& st, const ExpertGemmStreamsOpti
   }
   if (status == cudaSuccess) status = on_stream();
   for (int i = 0; i < forked; ++i) {
-    const cudaError_t e = cudaEventRecord(st.joins[i], st.streams[i]);
-    const cudaError_t w = e == cudaSuccess ? cudaStreamWaitEvent(stream, st.joins[i], 0) : e;
+    const cudaError_t w = join_side(st, i, stream);
     if (status == cudaSuccess) status = w;
   }
   return status;
@@ -540,8 +546,7 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
           cudaError_t status = run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays);
           // dW is changed only when the call can succeed (as after the row GEMMs, below).
           if (status == cudaSuccess) status = hopper::grouped_wgrad_wgmma(shape, problems, side, st->tile_counter);
-          const cudaError_t e = cudaEventRecord(st->joins[0], side);  // joined even after an error
-          const cudaError_t w = e == cudaSuccess ? cudaStreamWaitEvent(l.stream, st->joins[0], 0) : e;
+          const cudaError_t w = join_side(*st, 0, l.stream);  // joined even after an error
           return status != cudaSuccess ? status : w;
         }
       }
