@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <string>
 #include <chrono>
 #include <thread>
 
@@ -331,13 +332,30 @@ TEST_CASE("row_chunked deep rows: tails shorter than a chunk rewrite deep rows, 
       REQUIRE(st == cudaSuccess);
       return true;
     };
-    if (!launched(k::expert_gate_up_forward(blas.get(), nullptr, s, counts.data(), d_x.get(), d_wgu.get(), gate_up.get(),
-                                            k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams)))
+    // The launchers' host spans say how the row GEMMs were issued: with deep rows, the 4 experts
+    // of >= 512 rows in one GEMM of 512 rows each, in every one of the three launches.
+    std::vector<k::HostSpan> spans;
+    k::record_host_spans(&spans);
+    const bool first = launched(k::expert_gate_up_forward(blas.get(), nullptr, s, counts.data(), d_x.get(), d_wgu.get(),
+                                                          gate_up.get(), k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(),
+                                                          &streams));
+    if (!first) {
+      k::record_host_spans(nullptr);
       return;
+    }
     REQUIRE(launched(k::expert_down_forward(blas.get(), nullptr, s, counts.data(), d_h.get(), d_wd.get(), y.get(),
                                             k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams)));
     REQUIRE(launched(k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(),
                                              dwd.get(), k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams)));
+    k::record_host_spans(nullptr);
+    int deep_issues = 0, row_issues = 0;
+    for (const auto& span : spans)
+      if (span.what.rfind("row GEMMs: ", 0) == 0) {
+        ++row_issues;
+        deep_issues += span.what.find("4 experts' first 512 rows + ") != std::string::npos;
+      }
+    CHECK(row_issues == 3);
+    CHECK(deep_issues == (deep ? 3 : 0));
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     // Every row written (the outputs start poisoned: NaN fails), within bf16 of the reference.
     CHECK_REPORT(compare(to_floats(gate_up.download()), gu_ref, bf16_rtol, 0.05, "gate_up"));
