@@ -41,7 +41,8 @@ targets=()  # everything, unless only the reference checks and the trainer run, 
 # just those targets: a whole build on a fresh device machine took more than 8 of a call's 10
 # minutes (eighth session), these ~4.
 kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_kernels test_moe_kernels test_attention
-  test_lm_ends test_cuda_decoder_layer test_wgmma test_attention_wgmma test_attention_backward_wgmma test_grouped_wgrad)
+  test_lm_ends test_cuda_decoder_layer test_wgmma test_attention_wgmma test_attention_backward_wgmma test_grouped_wgrad
+  test_grouped_rows)
 [[ "$parts" == *" kernels "* ]] && targets=(--target "${kernel_tests[@]}" bench_attention bench_moe_kernels ${EXTRA_TARGETS:-})
 cmake --build "$build_dir" -j "$jobs" "${targets[@]}" > "$out/build.log" 2>&1 || { grep -E -A5 'error|FAILED' "$out/build.log" | head -60; exit 1; }
 

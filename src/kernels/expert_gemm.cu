@@ -15,6 +15,7 @@
 
 #include "batch_parts.hpp"
 #include "bucketed_gemm.cuh"
+#include "hopper/grouped_rows.hpp"
 #include "hopper/grouped_wgrad.hpp"
 #include "moe_blas.cuh"
 
@@ -56,7 +57,9 @@ struct MappedHostBuffer {
 struct ExpertGemmStreams::State {
   int device = -1;
   int sms = 0;  ///< the device's multiprocessors
-  int* tile_counter = nullptr;  ///< ExpertGemmStreamsOptions::overlap_weight_gradients: the grouped dW's tiles
+  /// The grouped wgmma kernels' tile counters: [0] the dW launch beside the row GEMMs
+  /// (overlap_weight_gradients), [1] the grouped row GEMMs (wgmma_rows).
+  int* tile_counter = nullptr;
   cudaEvent_t fork = nullptr;
   std::vector<cudaStream_t> streams;
   std::vector<cudaEvent_t> joins;
@@ -121,7 +124,7 @@ cudaError_t ExpertGemmStreams::state(State** out) {
   }
   if (options_.bucketed_algorithms)
     for (int i = 0; i <= options_.streams; ++i) st->bucketed.push_back(std::make_unique<detail::BucketedGemm>());
-  if (options_.overlap_weight_gradients) OOM_KERNEL_TRY(cudaMalloc(&st->tile_counter, sizeof(int)));
+  OOM_KERNEL_TRY(cudaMalloc(&st->tile_counter, 2 * sizeof(int)));
   state_ = std::move(st);
   *out = state_.get();
   return cudaSuccess;
@@ -504,6 +507,49 @@ bool as_wgrad(const std::vector<Problem>& weights, hopper::WgradShape* shape, st
 }
 #endif
 
+#if OOM_HAS_SM90A_KERNELS
+/// The row-producing problems as the grouped row kernel's (A and C one buffer each, every expert's
+/// rows a whole number of rows past the first problem's; bf16 out, beta 0, one shape); false
+/// when they are not all of that form.
+bool as_rows(const std::vector<Problem>& ps, hopper::RowsShape* shape, const bf16** a, bf16** c,
+             std::vector<hopper::RowsProblem>* out) {
+  const Problem& f = ps.front();
+  *shape = {.n = f.n, .k = f.k, .lda = f.lda, .ldb = f.ldb, .ldc = f.ldc, .b_k_by_n = !f.trans_b};
+  *a = static_cast<const bf16*>(f.a);
+  *c = static_cast<bf16*>(f.c);
+  for (const Problem& p : ps) {
+    if (p.trans_a || p.trans_b != f.trans_b || p.c_type != CUDA_R_16BF || p.beta != 0.0f || p.n != f.n || p.k != f.k ||
+        p.lda != f.lda || p.ldb != f.ldb || p.ldc != f.ldc)
+      return false;
+    const std::ptrdiff_t da = static_cast<const bf16*>(p.a) - *a, dc = static_cast<bf16*>(p.c) - *c;
+    if (da < 0 || da % f.lda != 0 || dc != da / f.lda * f.ldc) return false;
+    out->push_back({.b = static_cast<const bf16*>(p.b), .first_row = da / f.lda, .rows = p.m});
+  }
+  return true;
+}
+#endif
+
+/// row_chunked's row-producing GEMMs on `stream`: one grouped wgmma launch where it applies
+/// (ExpertGemmStreamsOptions::wgmma_rows), else the batched cuBLAS chunks of run_row_chunked.
+cudaError_t run_rows(ExpertGemmStreams::State& st, const ExpertGemmStreamsOptions& o, cublasHandle_t blas, cudaStream_t stream,
+                     const std::vector<Problem>& ps, void* arrays, std::size_t array_bytes) {
+#if OOM_HAS_SM90A_KERNELS
+  if (o.wgmma_rows && !ps.empty()) {
+    const auto began = std::chrono::steady_clock::now();
+    hopper::RowsShape shape;
+    const bf16* a = nullptr;
+    bf16* c = nullptr;
+    std::vector<hopper::RowsProblem> problems;
+    if (as_rows(ps, &shape, &a, &c, &problems) && hopper::grouped_rows_supported(shape, a, c, problems)) {
+      const cudaError_t status = hopper::grouped_rows_wgmma(shape, a, c, problems, stream, st.tile_counter + 1);
+      record_host_span(began, [&] { return "row GEMMs: one grouped wgmma launch over " + std::to_string(problems.size()) + " experts"; });
+      return status;
+    }
+  }
+#endif
+  return run_row_chunked(st, blas, stream, ps, o.row_chunk, o.deep_rows, arrays, array_bytes);
+}
+
 cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, const std::vector<Problem>& weights) {
   switch (l.method) {
     case ExpertGemmMethod::per_expert_loop:
@@ -535,7 +581,7 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
         const auto half_wave = [&] { return 2 * (shape.m / hopper::kWgradTileM) * (shape.n / hopper::kWgradTileN) <= st->sms; };
         if (as_wgrad(weights, &shape, &problems) && half_wave() && hopper::grouped_wgrad_supported(shape, problems)) {
           if (!o.overlap_weight_gradients) {
-            OOM_KERNEL_TRY(run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays));
+            OOM_KERNEL_TRY(run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays));
             return hopper::grouped_wgrad_wgmma(shape, problems, l.stream);
           }
           // The row GEMMs on the caller's stream, the weight gradients beside them on the first
@@ -543,7 +589,7 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
           const cudaStream_t side = st->streams[0];
           OOM_KERNEL_TRY(cudaEventRecord(st->fork, l.stream));
           OOM_KERNEL_TRY(cudaStreamWaitEvent(side, st->fork, 0));
-          cudaError_t status = run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays);
+          cudaError_t status = run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays);
           // dW is changed only when the call can succeed (as after the row GEMMs, below).
           if (status == cudaSuccess) status = hopper::grouped_wgrad_wgmma(shape, problems, side, st->tile_counter);
           const cudaError_t w = join_side(*st, 0, l.stream);  // joined even after an error
@@ -558,7 +604,7 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
       else
         rest = weights;
       return run_spread(*st, o, l.stream, rest, ws + arrays + weight_arrays,
-                        [&] { return run_row_chunked(*st, l.blas, l.stream, rows, o.row_chunk, o.deep_rows, l.workspace, arrays); });
+                        [&] { return run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays); });
     }
   }
   return cudaErrorInvalidValue;

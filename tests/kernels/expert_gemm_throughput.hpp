@@ -42,8 +42,11 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       {"chunk128ex", M::row_chunked, gemm_ex},
                                       {"chunk128bw", M::row_chunked, {.batched_weight_gradients = true}},
                                       {"chunk128", M::row_chunked, {}},
-                                      // every row in chunks (no deep row GEMMs)
-                                      {"chunk128nd", M::row_chunked, {.deep_rows = false}},
+                                      // the row GEMMs as cuBLAS batched chunks (never the
+                                      // grouped wgmma launch chunk128 takes where it applies)
+                                      {"chunk128nr", M::row_chunked, {.wgmma_rows = false}},
+                                      // those chunks without the deep row GEMMs
+                                      {"chunk128nd", M::row_chunked, {.deep_rows = false, .wgmma_rows = false}},
                                       // every weight gradient a cuBLAS GEMM (never the grouped
                                       // wgmma launch chunk128 takes where it applies)
                                       {"chunk128nw", M::row_chunked, {.wgmma_weight_gradients = false}},

@@ -28,7 +28,9 @@
 //     expert, k = its rows) run as in multi_stream, concurrently with the data GEMM, or, where
 //     each is small (ExpertGemmStreamsOptions::wgmma_weight_gradients), as one grouped wgmma
 //     launch beside it on a side stream (overlap_weight_gradients) or after it.
-//     Pointer arrays are copied into `workspace` as for grouped_batched.
+//     Pointer arrays are copied into `workspace` as for grouped_batched. On Hopper the row GEMMs
+//     are instead one grouped wgmma launch (ExpertGemmStreamsOptions::wgmma_rows) where the
+//     widths allow.
 // Errors: cudaError_t, cuBLAS statuses mapped as in router.hpp; launchers set the handle's stream.
 #pragma once
 
@@ -71,6 +73,16 @@ struct ExpertGemmStreamsOptions {
   /// 128-row chunks ran the 5.13B dh at 0.71x of a dense GEMM, one strided batched GEMM over
   /// 2048-row experts at 1.00x (H200, 2026-12-01).
   bool deep_rows = true;
+  /// row_chunked's row GEMMs (forward, dx, dh) as one launch of OOM's own grouped wgmma kernel
+  /// (src/kernels/hopper/grouped_rows_wgmma.cu: 128 x 256 tiles of every expert in one list, one
+  /// persistent grid, each element one fp32 sum in a fixed order: the same bits run to run and for
+  /// any routing that keeps a row's expert), where it applies: a compute capability 9.0 device in
+  /// a build with sm_90 code, output widths multiples of 256 and reduction widths of 64, strides
+  /// multiples of 8 elements, 16-byte aligned operands; elsewhere the batched cuBLAS chunks above
+  /// (row_chunk, deep_rows). Why: those are three or more launches, each with its ramp and tail,
+  /// and at T <= 8192 tokens (5.13B widths) they ran at 0.39-0.74x of one dense GEMM of the same
+  /// FLOPs (H200, 2026-12-01).
+  bool wgmma_rows = true;
   /// The per-expert GEMMs of varying size (row_chunked's experts with fewer rows than a chunk and
   /// its weight gradients; multi_stream's all) through cuBLASLt with one algorithm per power-of-two
   /// size bucket, chosen once, instead of cublasGemmEx, whose algorithm choice runs on the host for

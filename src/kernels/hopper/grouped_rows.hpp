@@ -1,0 +1,59 @@
+// The experts' row GEMMs in one launch on Hopper: for every expert e, C rows [f_e, f_e + rows_e)
+// (bf16) = A rows [f_e, f_e + rows_e) (bf16) . B_e, fp32 accumulation, with A and C the permuted
+// activations (row-major, experts' rows consecutive) and B_e the expert's weight (K x N; stored
+// N x K, "K-major", as the forward's w^T, or K x N, "N-major", as the backward's w). cuBLAS takes
+// one m per call, so the product issued these as batched GEMMs over row chunks of equal size (and
+// a deep batch, a remainder batch, experts alone): three or more launches, each with its ramp and
+// tail; at T <= 8192 tokens (5.13B widths: 512-1024 rows per expert, a forward GEMM of ~0.2 ms)
+// those ran at 0.39-0.74x of one dense GEMM of the same FLOPs (H200, 2026-12-01). Here every
+// expert's 128 x 256 output tiles are one list that one persistent grid walks.
+// Kernel: src/kernels/hopper/grouped_rows_wgmma.cu (sm_90a only). Private to the kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+
+#include "oom/core/numeric.hpp"
+
+namespace oom::kernels::hopper {
+
+/// What every problem of one launch shares (elements; row-major strides).
+struct RowsShape {
+  std::int64_t n = 0;  ///< C's width (the output features)
+  std::int64_t k = 0;  ///< A's width (the reduction)
+  std::int64_t lda = 0, ldb = 0, ldc = 0;
+  bool b_k_by_n = false;  ///< B_e stored K x N (row stride ldb >= n); false: N x K (ldb >= k)
+};
+
+/// One expert: its rows of A and C start at row `first_row` (0: nothing to do).
+struct RowsProblem {
+  const bf16* b = nullptr;
+  std::int64_t first_row = 0;
+  std::int64_t rows = 0;
+};
+
+/// The block tile: one block computes 128 rows x 256 columns of one expert's C at a time.
+inline constexpr int kRowsTileM = 128, kRowsTileN = 256;
+
+/// Whether grouped_rows_wgmma computes these: n a multiple of 256 and k of 64 (its tiles), strides
+/// multiples of 8 elements and at least the widths, A, C and every B 16-byte aligned, rows and
+/// first rows in [0, 2^31), and the current device of compute capability 9.0 (the only code built
+/// is sm_90a). Callers fall back to another path when it is false.
+bool grouped_rows_supported(const RowsShape& s, const bf16* a, const bf16* c, std::span<const RowsProblem> problems);
+
+/// C rows of every problem = A rows . B_e, each element one thread's fp32 sum over k in a fixed
+/// order (independent of the other rows and of the schedule: the same bits run to run, for any
+/// split of the rows into problems that keeps a row's expert), rounded to bf16 once. Rows of C
+/// that no problem covers are not written. One persistent launch per 128 non-empty problems on
+/// `stream`; no allocation, no synchronisation. cudaErrorInvalidValue when grouped_rows_supported
+/// would say false for the shape or the problems, cudaErrorNotSupported off compute capability
+/// 9.0; else the launches' status. `tile_counter` (4 bytes of device memory, or nullptr): blocks
+/// take their tiles from it one at a time (zeroed on `stream` before each launch, so one counter
+/// serves one launch at a time) instead of every grid-th tile, so blocks that start late, on SMs
+/// another stream's kernels held, do not finish late; the same bits either way.
+cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
+                               cudaStream_t stream, int* tile_counter = nullptr);
+
+}  // namespace oom::kernels::hopper
