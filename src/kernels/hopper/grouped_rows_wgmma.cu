@@ -26,11 +26,13 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
 #include "../attention_common.cuh"
 #include "forward_checks.cuh"
+#include "tma.cuh"
 #include "warp_specialized.cuh"
 #include "wgmma.cuh"
 
@@ -40,7 +42,7 @@ namespace {
 using attention_detail::smem_addr;
 
 constexpr int kBM = kRowsTileM, kBN = kRowsTileN, kBK = 64, kStages = 4;
-constexpr int kMaxGroups = 128;                                // problems per launch: the parameters stay under 4 KiB
+constexpr int kMaxGroups = 128;                                // problems per launch (each a tensor map in the parameters)
 constexpr std::uint32_t kATileBytes = kBM * kBK * 2;           // 16 KiB
 constexpr std::uint32_t kBTileBytes = kBN * kBK * 2;           // 32 KiB
 constexpr std::uint32_t kHalfBytes = kBK * 128;                // N-major B: one 64-wide N half of 64 K rows, 8 KiB
@@ -52,6 +54,12 @@ static_assert(kSmemBytes <= 227 * 1024);
 constexpr std::uint32_t kSwAtom = 1024;  // 8 rows of 128 bytes
 
 struct Params {
+  /// RowsLoad::tma: A (rows x k) and every problem's B as 128-byte-swizzled views (tma.cuh,
+  /// encode_matrix_sw128): A and a K-major B in boxes of 64 columns x 128 / 256 rows, an N-major B
+  /// in boxes of 64 N x 64 K. Kernel parameters past 4 KiB (up to 32764 bytes: CUDA 12.1 and
+  /// later on Volta and later), the maps 64-byte aligned as TMA requires.
+  CUtensorMap a_map;
+  CUtensorMap b_map[kMaxGroups];
   int groups = 0, n_tiles = 0, k_steps = 0, tiles = 0;
   std::int64_t lda = 0, ldb = 0, ldc = 0;
   int* counter = nullptr;  ///< dynamic tiles: the next tile to hand out (0 at launch); nullptr: static
@@ -62,7 +70,7 @@ struct Params {
   int rows[kMaxGroups];
   int tile_end[kMaxGroups];  ///< tiles of problems 0..g
 };
-static_assert(sizeof(Params) <= 4096);
+static_assert(sizeof(Params) <= 32764);
 
 /// A K-major swizzled operand (rows of 128 bytes, 8-row atoms 1024 bytes apart); LBO unused.
 __device__ __forceinline__ std::uint64_t k_desc(std::uint32_t addr) { return encode_smem_desc(addr, 16, kSwAtom, Swizzle::b128); }
@@ -71,7 +79,7 @@ __device__ __forceinline__ std::uint64_t n_desc(std::uint32_t addr) {
   return encode_smem_desc(addr, kHalfBytes, kSwAtom, Swizzle::b128);
 }
 
-template <bool BKbyN>
+template <bool BKbyN, bool Tma>
 __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __grid_constant__ Params p) {
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -88,7 +96,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
   const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (kStages + s)); };
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), kWsProducerThreads + 1);  // each producer thread's copies + thread 0's words
+      // cp.async: each producer thread's copies + thread 0's words; TMA: thread 0's arrive.expect_tx
+      mbar_init(full(s), Tma ? 1 : kWsProducerThreads + 1);
       mbar_init(empty(s), kWsConsumerThreads);
     }
     mbar_fence_init();
@@ -101,6 +110,47 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
+    if constexpr (Tma) {
+      if (tid != 0) return;  // one thread issues every copy
+      tma_prefetch_map(&p.a_map);
+      int stage = 0, g = 0;
+      std::uint32_t phase = 0;
+      bool reuse = false;
+      for (int i = 0;; ++i) {
+        const int t = p.counter != nullptr ? atomicAdd(p.counter, 1) : static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
+        if (reuse) mbar_wait(empty(stage), phase ^ 1u);
+        if (t >= p.tiles) {
+          stage_tile[stage] = -1;
+          mbar_arrive(full(stage));
+          break;
+        }
+        while (t >= p.tile_end[g]) ++g;
+        const int r = t - (g > 0 ? p.tile_end[g - 1] : 0);
+        const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
+        const int a_row = p.first_row[g] + m0;
+        const CUtensorMap* b_map = &p.b_map[g];
+        for (int ks = 0; ks < p.k_steps; ++ks) {
+          if (ks > 0 && reuse) mbar_wait(empty(stage), phase ^ 1u);  // (the first step's wait is above)
+          const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
+          stage_tile[stage] = t;
+          stage_group[stage] = g;
+          mbar_arrive_expect_tx(full(stage), kStageBytes);  // release: the words are seen with the phase
+          tma_load_2d(st, &p.a_map, full(stage), ks * kBK, a_row);  // rows past A's end: zeros
+          if constexpr (BKbyN) {
+#pragma unroll
+            for (int h = 0; h < 4; ++h) tma_load_2d(st + kATileBytes + h * kHalfBytes, b_map, full(stage), n0 + 64 * h, ks * kBK);
+          } else {
+            tma_load_2d(st + kATileBytes, b_map, full(stage), ks * kBK, n0);
+          }
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1u;
+            reuse = true;
+          }
+        }
+      }
+      return;
+    }
     int stage = 0, g = 0;
     std::uint32_t phase = 0;
     bool reuse = false;
@@ -171,7 +221,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
     int held = -1;
     for (int ks = 0; ks < p.k_steps; ++ks) {
       if (ks > 0) mbar_wait(full(stage), phase);
-      fence_proxy_async_shared();
+      if constexpr (!Tma) fence_proxy_async_shared();  // cp.async writes are the generic proxy's; TMA's are async
       const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
       const std::uint32_t a_st = st + static_cast<std::uint32_t>(wg) * (64 * 128);
       const std::uint32_t b_st = st + kATileBytes;
@@ -244,7 +294,7 @@ bool grouped_rows_supported(const RowsShape& s, const bf16* a, const bf16* c, st
 }
 
 cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
-                               cudaStream_t stream, int* tile_counter) {
+                               cudaStream_t stream, int* tile_counter, RowsLoad load) {
   if (!shape_ok(s, a, c)) return cudaErrorInvalidValue;
   for (const RowsProblem& q : problems)
     if (!problem_ok(s, q)) return cudaErrorInvalidValue;
@@ -252,9 +302,12 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
   int device = 0, sms = 0;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
-  const auto kernel = s.b_k_by_n ? grouped_rows_kernel<true> : grouped_rows_kernel<false>;
+  const bool tma = load == RowsLoad::tma;
+  const auto kernel = s.b_k_by_n ? (tma ? grouped_rows_kernel<true, true> : grouped_rows_kernel<true, false>)
+                                 : (tma ? grouped_rows_kernel<false, true> : grouped_rows_kernel<false, false>);
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes); e != cudaSuccess)
     return e;
+  static_assert(alignof(Params) >= 64);  // the tensor maps' alignment, kept by the parameter copy
   Params params;
   params.n_tiles = static_cast<int>(s.n / kBN);
   params.k_steps = static_cast<int>(s.k / kBK);
@@ -264,16 +317,18 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
   params.a = reinterpret_cast<const __nv_bfloat16*>(a);
   params.c = reinterpret_cast<__nv_bfloat16*>(c);
   params.counter = tile_counter;
-  std::int64_t tiles = 0;
+  std::int64_t tiles = 0, row_end = 0;  // row_end: A's rows this launch reads (the A view's extent)
   const auto launch = [&]() -> cudaError_t {
     if (params.groups == 0) return cudaSuccess;
     params.tiles = static_cast<int>(tiles);
+    if (tma)
+      if (const cudaError_t e = encode_matrix_sw128(&params.a_map, a, row_end, s.k, s.lda, kBM); e != cudaSuccess) return e;
     const int grid = params.tiles < sms ? params.tiles : sms;
     if (tile_counter != nullptr)
       if (const cudaError_t e = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(grid), kWsThreads, kSmemBytes, stream>>>(params);
     params.groups = 0;
-    tiles = 0;
+    tiles = row_end = 0;
     return cudaGetLastError();
   };
   for (const RowsProblem& q : problems) {
@@ -287,6 +342,12 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
     params.rows[g] = static_cast<int>(q.rows);
     tiles += q_tiles;
     params.tile_end[g] = static_cast<int>(tiles);
+    row_end = std::max(row_end, q.first_row + q.rows);
+    if (tma) {  // B_e: N x K in boxes of 256 rows (N) x 64 (K), or K x N in boxes of 64 x 64
+      const cudaError_t e = s.b_k_by_n ? encode_matrix_sw128(&params.b_map[g], q.b, s.k, s.n, s.ldb, kBK)
+                                       : encode_matrix_sw128(&params.b_map[g], q.b, s.n, s.k, s.ldb, kBN);
+      if (e != cudaSuccess) return e;
+    }
     if (params.groups == kMaxGroups)
       if (const cudaError_t e = launch(); e != cudaSuccess) return e;
   }

@@ -138,6 +138,32 @@ inline cudaError_t encode_view(CUtensorMap* map, const ChunkMajorView& view, con
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+/// A row-major bf16 matrix (rows x cols, row stride `row_stride` elements) in the 128-byte-swizzled
+/// layout, boxes of 64 columns (128 bytes: the widest a 128-byte swizzle takes) x `box_rows` rows:
+/// a box lands as box_rows rows of 128 bytes, each row's 16-byte chunk c at position c ^ (row % 8)
+/// (given a 1024-byte-aligned destination), i.e. a K-major wgmma operand with K = the columns or an
+/// MN-major one with MN = the columns. cudaErrorInvalidValue where TMA cannot express it (base not
+/// 16-byte aligned, stride not a multiple of 8 elements or not below 2^39, an extent of 0 or over
+/// 2^32, cols < 64, box_rows outside 1 .. 256), or the driver refuses it; cudaErrorNotSupported
+/// without an encoder.
+inline cudaError_t encode_matrix_sw128(CUtensorMap* map, const void* base, std::int64_t rows, std::int64_t cols,
+                                       std::int64_t row_stride, int box_rows) {
+  constexpr std::int64_t kExtent = std::int64_t{1} << 32, kStride = std::int64_t{1} << 39;
+  if (base == nullptr || reinterpret_cast<std::uintptr_t>(base) % 16 != 0) return cudaErrorInvalidValue;
+  if (rows < 1 || rows > kExtent || cols < 64 || cols > kExtent || box_rows < 1 || box_rows > 256) return cudaErrorInvalidValue;
+  if (row_stride < cols || row_stride % 8 != 0 || row_stride >= kStride) return cudaErrorInvalidValue;
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(2 * row_stride)};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Device side (sm_90 PTX; the kernels using it guard their bodies for sm_90a, wgmma.cuh).
 
@@ -199,6 +225,25 @@ __device__ __forceinline__ void tma_load_5d(std::uint32_t dst, const CUtensorMap
   (void)c2;
   (void)c3;
   (void)c4;
+  __trap();
+#endif
+}
+
+/// The box of a 2-D `map` at (c0 = column, c1 = row, in elements) into shared memory at `dst`, as
+/// tma_load_5d (the caller arms `bar` with the bytes first).
+__device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap* map, std::uint32_t bar, int c0, int c1) {
+#if OOM_TMA_SM90
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#else
+  (void)dst;
+  (void)map;
+  (void)bar;
+  (void)c0;
+  (void)c1;
   __trap();
 #endif
 }
