@@ -7,9 +7,8 @@
 //     launches) and more tiles than blocks (each block walking its stages and phases across tiles);
 //   - every element within bf16 rounding of its fp32 sum; rows no problem owns and C's padding
 //     columns untouched bit for bit (the output starts as NaN);
-//   - the same bits from a rerun, from tiles handed out by a counter, from the cp.async loader
-//     instead of TMA, and for one problem run alone (a row's result depends on nothing but its row
-//     and its expert);
+//   - the same bits from a rerun, from tiles handed out by a counter, and for one problem run
+//     alone (a row's result depends on nothing but its row and its expert);
 //   - what it refuses;
 //   - through the expert GEMM launchers (row_chunked, wgmma_rows on, the default): the four
 //     row-producing GEMMs against the reference MoE, issued as one grouped launch each (their host
@@ -99,11 +98,10 @@ struct Setup {
   }
 };
 
-std::vector<bf16> run(const Setup& su, std::span<const hw::RowsProblem> ps, const Case& c, int* counter = nullptr,
-                      hw::RowsLoad load = hw::RowsLoad::tma) {
+std::vector<bf16> run(const Setup& su, std::span<const hw::RowsProblem> ps, const Case& c, int* counter = nullptr) {
   DeviceBuffer<bf16> d_c(static_cast<std::size_t>(su.total_rows * c.ldc));
   OOM_CUDA_CHECK(cudaMemset(d_c.get(), 0xFF, d_c.bytes()));
-  REQUIRE(hw::grouped_rows_wgmma(su.shape, su.d_a.get(), d_c.get(), ps, nullptr, counter, load) == cudaSuccess);
+  REQUIRE(hw::grouped_rows_wgmma(su.shape, su.d_a.get(), d_c.get(), ps, nullptr, counter) == cudaSuccess);
   OOM_CUDA_CHECK(cudaDeviceSynchronize());
   return d_c.download();
 }
@@ -154,15 +152,12 @@ void check_case(const Case& c) {
   CHECK_MESSAGE(untouched_bad == 0, untouched_bad << " C elements changed that no problem owns");
 
   // The same bits: again, with tiles from a counter (not zero beforehand: the launch zeroes it),
-  // with the cp.async loader (both ways), and for the last non-empty problem alone.
+  // and for the last non-empty problem alone.
   const auto same = [&](const std::vector<bf16>& x) { return std::memcmp(x.data(), out.data(), x.size() * sizeof(bf16)) == 0; };
   CHECK(same(run(su, ps, c)));
   DeviceBuffer<int> counter(1);
   OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));
   CHECK(same(run(su, ps, c, counter.get())));
-  CHECK(same(run(su, ps, c, nullptr, hw::RowsLoad::cp_async)));
-  OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));
-  CHECK(same(run(su, ps, c, counter.get(), hw::RowsLoad::cp_async)));
   for (std::size_t e = ps.size(); e-- > 0;)
     if (ps[e].rows > 0) {
       const auto alone = run(su, std::span<const hw::RowsProblem>(&ps[e], 1), c);
@@ -202,8 +197,7 @@ TEST_CASE("grouped_rows refuses what its tiles, copies and stores cannot do") {
   const hw::RowsProblem ok{.b = buf.get(), .first_row = 0, .rows = 10};
   const auto refused = [&](const hw::RowsShape& s, const hw::RowsProblem& q, const bf16* a, bf16* c) {
     const std::vector<hw::RowsProblem> ps{q};
-    return !hw::grouped_rows_supported(s, a, c, ps) && hw::grouped_rows_wgmma(s, a, c, ps, nullptr) == cudaErrorInvalidValue &&
-           hw::grouped_rows_wgmma(s, a, c, ps, nullptr, nullptr, hw::RowsLoad::cp_async) == cudaErrorInvalidValue;
+    return !hw::grouped_rows_supported(s, a, c, ps) && hw::grouped_rows_wgmma(s, a, c, ps, nullptr) == cudaErrorInvalidValue;
   };
   bf16* const c = buf.get() + (1 << 19);
   CHECK(hw::grouped_rows_supported(good, buf.get(), c, std::vector<hw::RowsProblem>{ok}));
@@ -341,7 +335,7 @@ TEST_CASE("grouped row GEMMs: timing at the 5.13B shapes against one dense GEMM"
                     static_cast<long long>(T), variant.name.c_str(), r.op.c_str(), r.grouped_ms, r.dense_ms, r.tflops, r.ratio());
 }
 
-TEST_CASE("grouped row GEMMs alone: TMA and cp.async loaders against one dense cuBLAS GEMM of the same FLOPs") {
+TEST_CASE("grouped row GEMMs alone: the kernel against one dense cuBLAS GEMM of the same FLOPs") {
   // Printed, not asserted: the kernel by itself at the 5.13B row GEMM shapes, 64 experts of
   // T x 8 / 64 rows each, against C (all rows x n) = A . B in one cublasGemmEx.
   require_sm90();
@@ -375,13 +369,10 @@ TEST_CASE("grouped row GEMMs alone: TMA and cp.async loaders against one dense c
                                           CUDA_R_16BF, static_cast<int>(op.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
           },
           stream);
-      for (const auto load : {hw::RowsLoad::tma, hw::RowsLoad::cp_async}) {
-        const double ms = oom::test::time_ms(
-            [&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_rows_wgmma(shape, a.get(), c.get(), problems, st, nullptr, load)); }, stream);
-        std::printf("grouped rows T=%-6lld %-30s %-8s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
-                    static_cast<long long>(T), op.name, load == hw::RowsLoad::tma ? "tma" : "cp.async", ms, flops / ms / 1e9, dense,
-                    flops / dense / 1e9, dense / ms);
-      }
+      const double ms =
+          oom::test::time_ms([&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_rows_wgmma(shape, a.get(), c.get(), problems, st)); }, stream);
+      std::printf("grouped rows T=%-6lld %-30s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
+                  static_cast<long long>(T), op.name, ms, flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms);
     }
   OOM_CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -34,11 +34,6 @@ struct RowsProblem {
   std::int64_t rows = 0;
 };
 
-/// How the kernel's producer fills the shared-memory stages: TMA (one thread issues one
-/// cp.async.bulk.tensor per operand tile, tensor maps encoded on the host per launch and problem)
-/// or cp.async (its 128 threads copy 16 bytes each at a time).
-enum class RowsLoad : unsigned char { tma, cp_async };
-
 /// The block tile: one block computes 128 rows x 256 columns of one expert's C at a time.
 inline constexpr int kRowsTileM = 128, kRowsTileN = 256;
 
@@ -59,6 +54,6 @@ bool grouped_rows_supported(const RowsShape& s, const bf16* a, const bf16* c, st
 /// serves one launch at a time) instead of every grid-th tile, so blocks that start late, on SMs
 /// another stream's kernels held, do not finish late; the same bits either way.
 cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
-                               cudaStream_t stream, int* tile_counter = nullptr, RowsLoad load = RowsLoad::tma);
+                               cudaStream_t stream, int* tile_counter = nullptr);
 
 }  // namespace oom::kernels::hopper

@@ -125,29 +125,4 @@ __device__ __forceinline__ void load_rows_sw128_producer(std::uint32_t tile, con
   }
 }
 
-/// Rows [0, ROWS) of a strided global bf16 matrix, 64 columns from `base` (128 bytes per row), into
-/// one 128-byte-swizzled region at shared address `tile` (1024-byte aligned): row r at r 128, its
-/// 16-byte chunk c at position c ^ (r % 8), the layout of one half of load_rows_sw128_producer's
-/// tiles, i.e. a K-major wgmma operand of ROWS rows and one 64-element K step (SBO 1024). Thread
-/// `tid` copies chunk tid % 8 of rows 16 i + tid / 8 (a warp: 4 rows x 128 contiguous bytes).
-/// Rows >= row_end are zero-filled (nothing read for them).
-template <int ROWS>
-__device__ __forceinline__ void load_half_sw128_producer(std::uint32_t tile, const __nv_bfloat16* base,
-                                                         std::int64_t row_stride, int row_end, int tid) {
-  static_assert(ROWS % 16 == 0 && kWsProducerThreads == 128);
-  const int chunk = tid & 7, row = tid >> 3;
-  int r = row;
-  const __nv_bfloat16* src = base + static_cast<std::int64_t>(r) * row_stride + chunk * 8;
-  const std::int64_t step = 16 * row_stride;
-  std::uint32_t dst = tile + static_cast<std::uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
-#pragma unroll 4
-  for (int i = 0; i < ROWS / 16; ++i) {
-    const std::uint32_t bytes = r < row_end ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-    r += 16;
-    src += step;
-    dst += 16 * 128;
-  }
-}
-
 }  // namespace oom::kernels::hopper
