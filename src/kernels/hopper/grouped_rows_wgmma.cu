@@ -186,24 +186,29 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
     const int g = stage_group[stage];
     const int r = t - (g > 0 ? p.tile_end[g - 1] : 0);
     const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
+    // A warpgroup whose 64 rows are all past the problem's last (a tail tile of <= 64 rows) issues
+    // no products: the other one has the tensor cores to itself, so such a tile costs about half.
+    const bool live = m0 + 64 * wg < p.rows[g];
     int held = -1;
     for (int ks = 0; ks < p.k_steps; ++ks) {
       if (ks > 0) mbar_wait(full(stage), phase);  // TMA writes are the async proxy's: no proxy fence
-      const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
-      const std::uint32_t a_st = st + static_cast<std::uint32_t>(wg) * (64 * 128);
-      const std::uint32_t b_st = st + kATileBytes;
-      wgmma_fence_operands(acc);
-      wgmma_fence();
+      if (live) {
+        const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
+        const std::uint32_t a_st = st + static_cast<std::uint32_t>(wg) * (64 * 128);
+        const std::uint32_t b_st = st + kATileBytes;
+        wgmma_fence_operands(acc);
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        const int scale = ks > 0 || kk > 0 ? 1 : 0;  // the tile's first product overwrites
-        if constexpr (BKbyN)
-          wgmma_m64n256k16_f32_bf16_ss<Major::mn, Major::k>(acc, k_desc(a_st + kk * 32), n_desc(b_st + kk * 2 * kSwAtom), scale);
-        else
-          wgmma_m64n256k16_f32_bf16_ss<Major::k, Major::k>(acc, k_desc(a_st + kk * 32), k_desc(b_st + kk * 32), scale);
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const int scale = ks > 0 || kk > 0 ? 1 : 0;  // the tile's first product overwrites
+          if constexpr (BKbyN)
+            wgmma_m64n256k16_f32_bf16_ss<Major::mn, Major::k>(acc, k_desc(a_st + kk * 32), n_desc(b_st + kk * 2 * kSwAtom), scale);
+          else
+            wgmma_m64n256k16_f32_bf16_ss<Major::k, Major::k>(acc, k_desc(a_st + kk * 32), k_desc(b_st + kk * 32), scale);
+        }
+        wgmma_commit_group();
       }
-      wgmma_commit_group();
-      wgmma_wait_group<1>();
+      wgmma_wait_group<1>();  // (nothing to wait for where not live)
       wgmma_fence_operands(acc);
       if (held >= 0) mbar_arrive(empty(held));
       held = stage;
@@ -226,7 +231,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
     if (ctid < kBM) bulk_wait_read();  // the previous tile's copies (issued by threads 0..127) have read the staging
     consumers_sync();
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
+    for (int hf = 0; hf < 2 && live; ++hf) {  // (rows not live are not copied)
       const std::uint32_t row = static_cast<std::uint32_t>(64 * wg + 16 * warp + (lane >> 2) + 8 * hf);
       const std::uint32_t at = c_st + row * kCRowBytes + 4u * static_cast<std::uint32_t>(lane & 3);
 #pragma unroll
