@@ -7,7 +7,7 @@
 //     (400: each block walks its stages and phases across three or more tiles);
 //   - every element within the fp32 bound of its sum; C of an empty problem, and C's padding
 //     columns, untouched bit for bit; a second run from the same C gives the same bits;
-//   - what it refuses (widths off its tile, strides off 8 elements (C's off 4), misaligned pointers);
+//   - what it refuses (widths off its tile, strides off 8 elements, misaligned pointers);
 //   - through the expert GEMM launchers (row_chunked with wgmma_weight_gradients) at widths it
 //     takes: dW of the down and gate_up backward against the reference MoE, the row outputs (dh,
 //     dx) bit-identical to row_chunked without it, and everything bit-identical with the launch
@@ -125,10 +125,10 @@ void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t l
 
 TEST_CASE("grouped weight gradients match the fp64 reference: K tails, empty problems, several tiles, padded strides") {
   check_case(128, 256, 128, 256, 256, {1, 0, 64, 65, 7, 200}, 100);
-  check_case(256, 512, 264, 528, 516, {63, 0, 130, 1000, 2}, 200);
+  check_case(256, 512, 264, 528, 514, {63, 0, 130, 1000, 2}, 200);
   check_case(384, 256, 384, 256, 256, {0, 129}, 300);
   // Tiles from an atomic counter instead of every grid-th one.
-  check_case(256, 512, 264, 528, 516, {63, 0, 130, 1000, 2}, 200, true);
+  check_case(256, 512, 264, 528, 514, {63, 0, 130, 1000, 2}, 200, true);
 }
 
 TEST_CASE("grouped weight gradients over more problems than one launch takes") {
@@ -174,17 +174,11 @@ TEST_CASE("grouped_wgrad refuses what its tiles, copies and stores cannot do") {
   s = good;
   s.ldc = 255;  // below n
   CHECK(refused(s, ok));
-  s = good;
-  s.ldc = 258;  // rows not 16-byte aligned (the bulk reductions of C rows)
-  CHECK(refused(s, ok));
   auto q = ok;
   q.a = buf.get() + 1;  // 2-byte aligned
   CHECK(refused(good, q));
   q = ok;
   q.c = c.get() + 1;  // 4-byte aligned
-  CHECK(refused(good, q));
-  q = ok;
-  q.c = c.get() + 2;  // 8-byte aligned
   CHECK(refused(good, q));
   q = ok;
   q.rows = -1;
@@ -285,7 +279,7 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
   // (T = 16384 x top-8), against C (m x n, fp32) += A^T B with K = all 131072 rows in one
   // cublasGemmEx: the same FLOPs, but C read and written once instead of 64 times.
   require_sm90();
-  constexpr std::int64_t E = 64;
+  constexpr std::int64_t E = 64, R = 2048, N = E * R;
   struct Op {
     const char* name;
     std::int64_t m, n;
@@ -294,9 +288,7 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
   cudaStream_t stream;
   OOM_CUDA_CHECK(cudaStreamCreate(&stream));
   OOM_CUBLAS_CHECK(cublasSetStream(blas.get(), stream));
-  for (const std::int64_t R : {512, 2048})  // rows per expert: T = 4096 and 16384 x top-8
   for (const Op op : {Op{"down dW (2048 x 768)", 2048, 768}, Op{"gate_up dW (1536 x 2048)", 1536, 2048}}) {
-    const std::int64_t N = E * R;
     DeviceBuffer<bf16> a(N * op.m), b(N * op.n);
     DeviceBuffer<float> c(E * op.m * op.n);
     OOM_CUDA_CHECK(cudaMemset(a.get(), 0x3C, a.bytes()));
@@ -318,8 +310,7 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
         stream);
     const double ms =
         oom::test::time_ms([&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_wgrad_wgmma(shape, problems, st)); }, stream);
-    std::printf("grouped wgrad %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
-                static_cast<long long>(R), op.name, ms,
+    std::printf("grouped wgrad %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n", op.name, ms,
                 flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms);
   }
   OOM_CUDA_CHECK(cudaStreamDestroy(stream));

@@ -36,16 +36,15 @@ struct WgradProblem {
 inline constexpr int kWgradTileM = 128, kWgradTileN = 256;
 
 /// Whether grouped_wgrad_wgmma computes these: m a multiple of 128 and n of 256 (its tile), lda and
-/// ldb multiples of 8 elements and A/B 16-byte aligned (its 16-byte copies), ldc a multiple of 4
-/// and C 16-byte aligned (its bulk reductions of C rows), strides at least the widths, rows in [0, 2^31),
+/// ldb multiples of 8 elements and A/B 16-byte aligned (its 16-byte copies), ldc even and C
+/// 8-byte aligned (its two-float reductions), strides at least the widths, rows in [0, 2^31),
 /// and the current device of compute capability 9.0 (the only code built is sm_90a). Callers fall
 /// back to another path when it is false.
 bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems);
 
 /// C_e += A_e^T B_e for every problem, in fp32 with a fixed summation order (each element's sum
-/// over the rows, in order, is one thread's; L2 then adds it to the old value, once, by a bulk f32
-/// reduction, which may flush subnormal values below 2^-126 to zero as red.f32 does), so the result
-/// is the same bits run to run.
+/// over the rows, in order, is one thread's; L2 then adds it to the old value, once: red.v2.f32,
+/// which flushes subnormal values below 2^-126 to zero), so the result is the same bits run to run.
 /// One persistent launch per 128 non-empty problems on `stream`. cudaErrorInvalidValue when
 /// grouped_wgrad_supported would say false for the shape or the problems, cudaErrorNotSupported off compute capability 9.0; else the launches' status.
 /// `tile_counter` (4 bytes of device memory, or nullptr): blocks take their tiles from it one at a
