@@ -279,7 +279,7 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
   // (T = 16384 x top-8), against C (m x n, fp32) += A^T B with K = all 131072 rows in one
   // cublasGemmEx: the same FLOPs, but C read and written once instead of 64 times.
   require_sm90();
-  constexpr std::int64_t E = 64, R = 2048, N = E * R;
+  constexpr std::int64_t E = 64;
   struct Op {
     const char* name;
     std::int64_t m, n;
@@ -288,7 +288,9 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
   cudaStream_t stream;
   OOM_CUDA_CHECK(cudaStreamCreate(&stream));
   OOM_CUBLAS_CHECK(cublasSetStream(blas.get(), stream));
+  for (const std::int64_t R : {512, 2048})  // rows per expert: T = 4096 and 16384 x top-8
   for (const Op op : {Op{"down dW (2048 x 768)", 2048, 768}, Op{"gate_up dW (1536 x 2048)", 1536, 2048}}) {
+    const std::int64_t N = E * R;
     DeviceBuffer<bf16> a(N * op.m), b(N * op.n);
     DeviceBuffer<float> c(E * op.m * op.n);
     OOM_CUDA_CHECK(cudaMemset(a.get(), 0x3C, a.bytes()));
@@ -310,7 +312,8 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
         stream);
     const double ms =
         oom::test::time_ms([&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_wgrad_wgmma(shape, problems, st)); }, stream);
-    std::printf("grouped wgrad %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n", op.name, ms,
+    std::printf("grouped wgrad %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
+                static_cast<long long>(R), op.name, ms,
                 flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms);
   }
   OOM_CUDA_CHECK(cudaStreamDestroy(stream));
