@@ -322,6 +322,17 @@ TEST_CASE("row_chunked with wgmma rows: the four row GEMMs as the reference MoE,
   CHECK(bits(grouped.dwgu, after.dwgu));
   // And the weight gradients do not depend on how the row GEMMs ran.
   CHECK(bits(grouped.dwd, chunks.dwd));
+  // Reported, not asserted: how many row outputs cuBLAS' chunks round differently (both sum over
+  // k in tensor-core order; cuBLAS may pick split-K or another order for some shape).
+  const auto differing = [](const std::vector<bf16>& u, const std::vector<bf16>& v) {
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < u.size(); ++i) n += std::memcmp(&u[i], &v[i], sizeof(bf16)) != 0;
+    return n;
+  };
+  MESSAGE("elements differing from the cuBLAS chunks: gate_up " << differing(grouped.gu, chunks.gu) << " of " << grouped.gu.size()
+                                                               << ", down " << differing(grouped.y, chunks.y) << ", dh "
+                                                               << differing(grouped.dh, chunks.dh) << ", dx "
+                                                               << differing(grouped.dx, chunks.dx));
 }
 
 TEST_CASE("grouped row GEMMs: timing at the 5.13B shapes against one dense GEMM") {
