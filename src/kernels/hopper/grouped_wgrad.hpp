@@ -35,21 +35,12 @@ struct WgradProblem {
 /// The block tile of C: one block computes 128 x 256 of one problem at a time.
 inline constexpr int kWgradTileM = 128, kWgradTileN = 256;
 
-/// The kernel's variants (tenth session, being measured): cp_async, the producer's 128 threads
-/// copying 16 bytes at a time, 4 stages, each thread's accumulators added to C by red.v2.f32;
-/// tma4, one producer thread loading by TMA (two views per problem, 64 problems per launch), 4
-/// stages, the same epilogue; tma3_staged, TMA, 3 stages, the tile staged in shared memory and
-/// each C row added by one bulk f32 reduction (C rows 16-byte aligned: ldc a multiple of 4).
-/// Every variant gives the same bits.
-enum class WgradKernel : unsigned char { cp_async, tma4, tma3_staged };
-
 /// Whether grouped_wgrad_wgmma computes these: m a multiple of 128 and n of 256 (its tile), lda and
 /// ldb multiples of 8 elements and A/B 16-byte aligned (its 16-byte copies), ldc even and C
 /// 8-byte aligned (its two-float reductions), strides at least the widths, rows in [0, 2^31),
 /// and the current device of compute capability 9.0 (the only code built is sm_90a). Callers fall
 /// back to another path when it is false.
-bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems,
-                             WgradKernel kernel = WgradKernel::cp_async);
+bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems);
 
 /// C_e += A_e^T B_e for every problem, in fp32 with a fixed summation order (each element's sum
 /// over the rows, in order, is one thread's; L2 then adds it to the old value, once: red.v2.f32,
@@ -62,6 +53,6 @@ bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> 
 /// do not finish late; the results are the same bits either way.
 /// No allocation, no synchronisation.
 cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream,
-                                int* tile_counter = nullptr, WgradKernel kernel = WgradKernel::cp_async);
+                                int* tile_counter = nullptr);
 
 }  // namespace oom::kernels::hopper

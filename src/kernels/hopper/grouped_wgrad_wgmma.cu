@@ -38,7 +38,6 @@
 
 #include "../attention_common.cuh"
 #include "forward_checks.cuh"
-#include "tma.cuh"
 #include "warp_specialized.cuh"
 #include "wgmma.cuh"
 
@@ -222,259 +221,36 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
 #endif
 }
 
-// ---- The TMA-fed variants (WgradKernel::tma4, tma3_staged) ----
-// The same tiles, K steps and consumers; one producer thread loads each stage by TMA from two
-// 128-byte-swizzled views per problem (tma.cuh, encode_matrix_sw128): A_e (rows_e x m) and B_e
-// (rows_e x n) in boxes of 64 columns x 64 rows, so a K tail past the expert's last row comes in as
-// zeros (the view ends there) and the consumers need no proxy fence (TMA writes are the async
-// proxy's). tma3_staged also replaces the red.v2 epilogue by the row kernel's staging idea: the
-// tile through shared memory in two passes of 128 columns, each row one bulk f32 reduction by the
-// TMA unit (three stages to make room; the cp.async-fed kernel lost with three, 0.69x against
-// 0.77x of dense).
-constexpr int kTmaGroups = 64;  // problems per launch: two tensor maps each in the parameters
-
-template <int Stages, bool Staged>
-struct TmaLayout {
-  static constexpr std::uint32_t kCRowBytes = kBN / 2 * 4 + 16;  // a staged row: 128 fp32 + 16 bytes (banks)
-  static constexpr std::uint32_t kOffC = Stages * kStageBytes;
-  static constexpr std::uint32_t kOffBar = kOffC + (Staged ? kBM * kCRowBytes : 0u);
-  static constexpr std::uint32_t kOffWords = kOffBar + 16u * Stages;
-  static constexpr int kSmem = static_cast<int>(kOffWords) + 4 * Stages + 1024;
-  static_assert(kSmem <= 227 * 1024);
-};
-
-struct TmaParams {
-  CUtensorMap a_map[kTmaGroups];
-  CUtensorMap b_map[kTmaGroups];
-  int groups = 0, m_tiles = 0, n_tiles = 0, tiles = 0;
-  std::int64_t ldc = 0;
-  int* counter = nullptr;
-  float* c[kTmaGroups];
-  int rows[kTmaGroups];
-};
-static_assert(sizeof(TmaParams) <= 32764);
-
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, %0;\n" ::"n"(kWsConsumerThreads) : "memory"); }
-/// global[dst ..) += shared[src ..) element-wise in fp32, by the TMA unit (added at L2), in this
-/// thread's current bulk group; both 16-byte aligned, bytes a multiple of 16.
-__device__ __forceinline__ void bulk_reduce_add(float* dst, std::uint32_t src, std::uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-
-template <int Stages, bool Staged>
-__global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_tma_kernel(const __grid_constant__ TmaParams p) {
-#if OOM_WGMMA_SM90A
-  using L = TmaLayout<Stages, Staged>;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  const std::uint32_t raw = smem_addr(smem_raw);
-  const std::uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
-  const std::uint32_t base = raw + pad;
-  const std::uint32_t bars = base + L::kOffBar;
-  volatile int* const stage_tile = reinterpret_cast<volatile int*>(smem_raw + pad + L::kOffWords);
-  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * s); };
-  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (Stages + s)); };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < Stages; ++s) {
-      mbar_init(full(s), 1);  // the producer thread's arrive.expect_tx; the bytes complete it
-      mbar_init(empty(s), kWsConsumerThreads);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();
-
-  const int tiles_per_group = p.m_tiles * p.n_tiles;
-  const int wg = static_cast<int>(threadIdx.x) / 128;
-  if (wg == 2) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != kWsConsumerThreads) return;  // one thread issues every copy
-    int stage = 0;
-    std::uint32_t phase = 0;
-    bool reuse = false;
-    for (int i = 0;; ++i) {
-      const int t = p.counter != nullptr ? atomicAdd(p.counter, 1) : static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
-      if (reuse) mbar_wait(empty(stage), phase ^ 1u);
-      if (t >= p.tiles) {
-        stage_tile[stage] = -1;
-        mbar_arrive(full(stage));
-        break;
-      }
-      const int g = t / tiles_per_group, r = t % tiles_per_group;
-      const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
-      const int rows = p.rows[g];
-      for (int k0 = 0; k0 < rows; k0 += kBK) {
-        if (k0 > 0 && reuse) mbar_wait(empty(stage), phase ^ 1u);
-        const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
-        stage_tile[stage] = t;
-        mbar_arrive_expect_tx(full(stage), kStageBytes);  // release: the word is seen with the phase
-#pragma unroll
-        for (int h = 0; h < 2; ++h) tma_load_2d(st + h * kHalfBytes, &p.a_map[g], full(stage), m0 + 64 * h, k0);
-#pragma unroll
-        for (int h = 0; h < 4; ++h) tma_load_2d(st + kATileBytes + h * kHalfBytes, &p.b_map[g], full(stage), n0 + 64 * h, k0);
-        if (++stage == Stages) {
-          stage = 0;
-          phase ^= 1u;
-          reuse = true;
-        }
-      }
-    }
-    return;
-  }
-
-  setmaxnreg_inc<kConsumerRegs>();
-  const int ctid = static_cast<int>(threadIdx.x);
-  const int warp = (ctid / 32) % 4, lane = ctid & 31;
-  float acc[128];
-  int stage = 0;
-  std::uint32_t phase = 0;
-  for (;;) {
-    mbar_wait(full(stage), phase);
-    const int t = stage_tile[stage];
-    if (t < 0) break;
-    const int g = t / tiles_per_group, r = t % tiles_per_group;
-    const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
-    const int ksteps = (p.rows[g] + kBK - 1) / kBK;
-    int held = -1;
-    for (int ks = 0; ks < ksteps; ++ks) {
-      if (ks > 0) mbar_wait(full(stage), phase);
-      const std::uint32_t a_st = base + static_cast<std::uint32_t>(stage) * kStageBytes + static_cast<std::uint32_t>(wg) * kHalfBytes;
-      const std::uint32_t b_st = base + static_cast<std::uint32_t>(stage) * kStageBytes + kATileBytes;
-      wgmma_fence_operands(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_m64n256k16_f32_bf16_ss<Major::mn, Major::mn>(acc, mn_desc(a_st + kk * 2 * kSwAtom), mn_desc(b_st + kk * 2 * kSwAtom),
-                                                           ks > 0 || kk > 0 ? 1 : 0);
-      wgmma_commit_group();
-      wgmma_wait_group<1>();
-      wgmma_fence_operands(acc);
-      if (held >= 0) mbar_arrive(empty(held));
-      held = stage;
-      if (++stage == Stages) {
-        stage = 0;
-        phase ^= 1u;
-      }
-    }
-    wgmma_wait_group<0>();
-    wgmma_fence_operands(acc);
-    if (held >= 0) mbar_arrive(empty(held));
-
-    if constexpr (!Staged) {
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        float* row = p.c[g] + static_cast<std::int64_t>(m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * hf) * p.ldc + n0 + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) red_add_v2(row + 8 * j, acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
-      }
-    } else {
-      // Rows staged 528 bytes apart: a warp's 8-byte stores (8 rows x 4 lanes) take the two
-      // wavefronts 256 bytes need. Threads 0..127 each reduce one row of the pass into C.
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        if (ctid < kBM) bulk_wait_read();
-        consumers_sync();
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const std::uint32_t row = static_cast<std::uint32_t>(64 * wg + 16 * warp + (lane >> 2) + 8 * hf);
-          const std::uint32_t at = base + L::kOffC + row * L::kCRowBytes + 8u * static_cast<std::uint32_t>(lane & 3);
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const int e = 4 * (16 * pass + j) + 2 * hf;
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + 32u * j), "f"(acc[e]), "f"(acc[e + 1]) : "memory");
-          }
-        }
-        fence_proxy_async_shared();
-        consumers_sync();
-        if (ctid < kBM) {
-          bulk_reduce_add(p.c[g] + static_cast<std::int64_t>(m0 + ctid) * p.ldc + n0 + kBN / 2 * pass, base + L::kOffC + ctid * L::kCRowBytes,
-                          kBN / 2 * 4);
-          bulk_commit();
-        }
-      }
-    }
-  }
-  if constexpr (Staged)
-    if (static_cast<int>(threadIdx.x) < kBM) bulk_wait_all();
-#else
-  (void)p;
-  __trap();
-#endif
-}
-
 bool shape_ok(const WgradShape& s) {
   return s.m > 0 && s.n > 0 && s.m % kBM == 0 && s.n % kBN == 0 && s.lda >= s.m && s.ldb >= s.n && s.ldc >= s.n &&
          s.lda % 8 == 0 && s.ldb % 8 == 0 && s.ldc % 2 == 0 && (s.m / kBM) * (s.n / kBN) <= INT_MAX / kMaxGroups;
 }
 
-bool problem_ok(const WgradProblem& q, WgradKernel kernel) {
+bool problem_ok(const WgradProblem& q) {
   if (q.rows < 0 || q.rows > INT_MAX) return false;
   if (q.rows == 0) return true;
-  const std::uintptr_t c_align = kernel == WgradKernel::tma3_staged ? 16 : 8;  // bulk reductions of C rows: 16
   return q.a != nullptr && q.b != nullptr && q.c != nullptr && reinterpret_cast<std::uintptr_t>(q.a) % 16 == 0 &&
-         reinterpret_cast<std::uintptr_t>(q.b) % 16 == 0 && reinterpret_cast<std::uintptr_t>(q.c) % c_align == 0;
-}
-
-bool valid(const WgradShape& s, std::span<const WgradProblem> problems, WgradKernel kernel) {
-  if (!shape_ok(s) || (kernel == WgradKernel::tma3_staged && s.ldc % 4 != 0)) return false;
-  for (const WgradProblem& q : problems)
-    if (!problem_ok(q, kernel)) return false;
-  return true;
-}
-
-/// The TMA-fed variants: one launch per kTmaGroups non-empty problems.
-template <int Stages, bool Staged>
-cudaError_t launch_tma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream, int* tile_counter, int sms) {
-  using L = TmaLayout<Stages, Staged>;
-  const auto kernel = grouped_wgrad_tma_kernel<Stages, Staged>;
-  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem); e != cudaSuccess)
-    return e;
-  TmaParams params;
-  params.m_tiles = static_cast<int>(s.m / kBM);
-  params.n_tiles = static_cast<int>(s.n / kBN);
-  params.ldc = s.ldc;
-  params.counter = tile_counter;
-  const auto launch = [&]() -> cudaError_t {
-    if (params.groups == 0) return cudaSuccess;
-    params.tiles = params.groups * params.m_tiles * params.n_tiles;
-    const int grid = params.tiles < sms ? params.tiles : sms;
-    if (tile_counter != nullptr)
-      if (const cudaError_t e = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
-    kernel<<<static_cast<unsigned>(grid), kWsThreads, L::kSmem, stream>>>(params);
-    params.groups = 0;
-    return cudaGetLastError();
-  };
-  for (const WgradProblem& q : problems) {
-    if (q.rows == 0) continue;
-    const int g = params.groups++;
-    // Views that end at the expert's last row: the K tail's rows come in as zeros.
-    if (const cudaError_t e = encode_matrix_sw128(&params.a_map[g], q.a, q.rows, s.m, s.lda, kBK); e != cudaSuccess) return e;
-    if (const cudaError_t e = encode_matrix_sw128(&params.b_map[g], q.b, q.rows, s.n, s.ldb, kBK); e != cudaSuccess) return e;
-    params.c[g] = q.c;
-    params.rows[g] = static_cast<int>(q.rows);
-    if (params.groups == kTmaGroups)
-      if (const cudaError_t e = launch(); e != cudaSuccess) return e;
-  }
-  return launch();
+         reinterpret_cast<std::uintptr_t>(q.b) % 16 == 0 && reinterpret_cast<std::uintptr_t>(q.c) % 8 == 0;
 }
 
 }  // namespace
 
-bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems, WgradKernel kernel) {
-  return valid(s, problems, kernel) && current_device_is_cc90() == cudaSuccess;
+bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems) {
+  if (!shape_ok(s)) return false;
+  for (const WgradProblem& q : problems)
+    if (!problem_ok(q)) return false;
+  return current_device_is_cc90() == cudaSuccess;
 }
 
 cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream,
-                                int* tile_counter, WgradKernel kernel) {
-  if (!valid(s, problems, kernel)) return cudaErrorInvalidValue;
+                                int* tile_counter) {
+  if (!shape_ok(s)) return cudaErrorInvalidValue;
+  for (const WgradProblem& q : problems)
+    if (!problem_ok(q)) return cudaErrorInvalidValue;
   if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
   int device = 0, sms = 0;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
-  if (kernel == WgradKernel::tma4) return launch_tma<4, false>(s, problems, stream, tile_counter, sms);
-  if (kernel == WgradKernel::tma3_staged) return launch_tma<3, true>(s, problems, stream, tile_counter, sms);
   if (const cudaError_t e = cudaFuncSetAttribute(grouped_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes); e != cudaSuccess)
     return e;
   Params params;
