@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
+#include "kernels/expert_gemm_case.hpp"
 #include "kernels/expert_gemm_throughput.hpp"
 #include "kernels/hopper/grouped_rows.hpp"
 #include "kernels/moe_test_util.hpp"
@@ -231,17 +232,13 @@ TEST_CASE("grouped_rows refuses what its tiles, copies and stores cannot do") {
 TEST_CASE("row_chunked with wgmma rows: the four row GEMMs as the reference MoE, one grouped launch each") {
   require_sm90();
   // Widths the kernel takes: H = 256, I = 256 (gate_up 512 wide); one expert without rows.
-  const std::int64_t H = 256, I = 256, E = 8, K = 2, T = 300, dead = 1;
-  const k::ExpertGemmShape s{.hidden = H, .intermediate = I, .experts = E, .rows = T * K};
-  const ref::ExpertShape rs{.hidden = H, .intermediate = I, .experts = E};
-  const auto plan = ref::permute_plan(oom::test::random_routing(T, K, E - dead, 700), T, K, E);
-  const auto& counts = plan.expert_counts;
-  const std::int64_t N = T * K;
+  const oom::test::ExpertGemmCase c(700);
+  const auto H = c.H, I = c.I, E = c.E, N = c.N;
+  const auto &s = c.s;
+  const auto &rs = c.rs;
+  const auto &counts = c.counts;
+  const auto &x = c.x, &h = c.h, &wd = c.wd, &wgu = c.wgu, &dy = c.dy, &dgu = c.dgu;
   oom::test::Blas blas;
-  const Bf16Data x(random_normal(static_cast<std::size_t>(N * H), 701)), h(random_normal(static_cast<std::size_t>(N * I), 702));
-  const Bf16Data wd(random_normal(static_cast<std::size_t>(E * H * I), 703, 0.1f));
-  const Bf16Data wgu(random_normal(static_cast<std::size_t>(E * 2 * I * H), 704, 0.1f));
-  const Bf16Data dy(random_normal(static_cast<std::size_t>(N * H), 705)), dgu(random_normal(static_cast<std::size_t>(N * 2 * I), 706));
   struct Out {
     std::vector<bf16> gu, y, dh, dx;
     std::vector<float> dwd, dwgu;

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
+#include "kernels/expert_gemm_case.hpp"
 #include "kernels/expert_gemm_throughput.hpp"
 #include "kernels/hopper/grouped_wgrad.hpp"
 #include "kernels/moe_test_util.hpp"
@@ -190,17 +191,13 @@ TEST_CASE("grouped_wgrad refuses what its tiles, copies and stores cannot do") {
 TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row outputs as without it") {
   require_sm90();
   // Widths the kernel takes: down dW is H x I = 256 x 256, gate_up dW 2I x H = 512 x 256.
-  const std::int64_t H = 256, I = 256, E = 8, K = 2, T = 300, dead = 1;
-  const k::ExpertGemmShape s{.hidden = H, .intermediate = I, .experts = E, .rows = T * K};
-  const ref::ExpertShape rs{.hidden = H, .intermediate = I, .experts = E};
-  const auto plan = ref::permute_plan(oom::test::random_routing(T, K, E - dead, 500), T, K, E);
-  const auto& counts = plan.expert_counts;
-  const std::int64_t N = T * K;
+  const oom::test::ExpertGemmCase c(500);
+  const auto H = c.H, I = c.I, E = c.E, N = c.N, dead = c.dead;
+  const auto &s = c.s;
+  const auto &rs = c.rs;
+  const auto &counts = c.counts;
+  const auto &x = c.x, &h = c.h, &wd = c.wd, &wgu = c.wgu, &dy = c.dy, &dgu = c.dgu;
   oom::test::Blas blas;
-  const Bf16Data x(random_normal(static_cast<std::size_t>(N * H), 501)), h(random_normal(static_cast<std::size_t>(N * I), 502));
-  const Bf16Data wd(random_normal(static_cast<std::size_t>(E * H * I), 503, 0.1f));
-  const Bf16Data wgu(random_normal(static_cast<std::size_t>(E * 2 * I * H), 504, 0.1f));
-  const Bf16Data dy(random_normal(static_cast<std::size_t>(N * H), 505)), dgu(random_normal(static_cast<std::size_t>(N * 2 * I), 506));
   const auto dwd0 = random_normal(static_cast<std::size_t>(E * H * I), 507);
   const auto dwgu0 = random_normal(static_cast<std::size_t>(E * 2 * I * H), 508);
   struct Out {

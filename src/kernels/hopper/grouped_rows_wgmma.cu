@@ -107,24 +107,16 @@ template <bool BKbyN>
 __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __grid_constant__ Params p) {
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const std::uint32_t raw = smem_addr(smem_raw);
-  const std::uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
-  const std::uint32_t base = raw + pad;
-  const std::uint32_t bars = base + kOffBar;
+  const std::uint32_t pad = pad_to_1024(smem_addr(smem_raw));
+  const std::uint32_t base = smem_addr(smem_raw) + pad;
   // Per stage, written by the producer thread before its arrival on the stage's "full" barrier:
   // the tile its K step belongs to (-1: no more tiles) and that tile's problem.
   volatile int* const stage_tile = reinterpret_cast<volatile int*>(smem_raw + pad + kOffWords);
   volatile int* const stage_group = stage_tile + kStages;
-  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * s); };
-  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (kStages + s)); };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), 1);  // the producer thread's arrive.expect_tx; the bytes complete it
-      mbar_init(empty(s), kWsConsumerThreads);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();
+  const StageBarriers bar{base + kOffBar, kStages};
+  bar.init(1);  // "full": the producer thread's arrive.expect_tx; the bytes complete it
+  const auto full = [&](int s) { return bar.full(s); };
+  const auto empty = [&](int s) { return bar.empty(s); };
 
   // K step j of the block (counted over all its tiles) uses stage j % kStages, as in the grouped
   // weight-gradient kernel; every tile has k_steps of them.

@@ -86,25 +86,16 @@ __device__ __forceinline__ void red_add_v2(float* c, float x, float y) {
 __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __grid_constant__ Params p) {
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
-  // The swizzle pattern is taken from address bits 7-9: the tiles start on 1024-byte boundaries.
-  const std::uint32_t raw = smem_addr(smem_raw);
-  const std::uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
-  const std::uint32_t base = raw + pad;
-  const std::uint32_t bars = base + kOffBar;
+  const std::uint32_t pad = pad_to_1024(smem_addr(smem_raw));  // the swizzled tiles start on 1024-byte boundaries
+  const std::uint32_t base = smem_addr(smem_raw) + pad;
   // The tile each stage's K step belongs to (written by producer thread 0 before it arrives on the
   // stage's "full" barrier; -1: no more tiles), and the producers' broadcast of a fetched tile.
   volatile int* const stage_tile = reinterpret_cast<volatile int*>(smem_raw + pad + kOffTiles);
   volatile int* const fetched = stage_tile + kStages;
-  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * s); };
-  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (kStages + s)); };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), kWsProducerThreads + 1);  // each producer thread's copies + thread 0's tile word
-      mbar_init(empty(s), kWsConsumerThreads);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();  // the last block-wide barrier
+  const StageBarriers bar{base + kOffBar, kStages};
+  bar.init(kWsProducerThreads + 1);  // "full": each producer thread's copies + thread 0's tile word
+  const auto full = [&](int s) { return bar.full(s); };
+  const auto empty = [&](int s) { return bar.empty(s); };
 
   // K step j of the block (counted over all its tiles) uses stage j % kStages, its (j / kStages)-th
   // use: "full" completes phase j / kStages when the producer's 128 threads' copies have landed and

@@ -63,6 +63,35 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+/// The offset from the dynamic shared memory's start (`raw`, a shared address) to its first
+/// 1024-byte boundary, where the 128-byte-swizzled tiles start (the swizzle pattern is taken from
+/// address bits 7-9); callers reserve 1 KiB for it.
+__device__ __forceinline__ std::uint32_t pad_to_1024(std::uint32_t raw) { return (1024u - (raw & 1023u)) & 1023u; }
+
+/// A block's pipeline barriers at shared address `at`: `stages` "full" mbarriers, then `stages`
+/// "empty" ones (8 bytes each).
+struct StageBarriers {
+  std::uint32_t at;
+  int stages;
+  [[nodiscard]] __device__ __forceinline__ std::uint32_t full(int s) const { return at + 8u * static_cast<std::uint32_t>(s); }
+  [[nodiscard]] __device__ __forceinline__ std::uint32_t empty(int s) const {
+    return at + 8u * static_cast<std::uint32_t>(stages + s);
+  }
+  /// Thread 0 initialises them, "full" to `full_count` arrivals and "empty" to the consumers'
+  /// kWsConsumerThreads, and makes that visible; then the whole block synchronises (the last
+  /// block-wide barrier of the warp-specialised kernels).
+  __device__ __forceinline__ void init(std::uint32_t full_count) const {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < stages; ++s) {
+        mbar_init(full(s), full_count);
+        mbar_init(empty(s), kWsConsumerThreads);
+      }
+      mbar_fence_init();
+    }
+    __syncthreads();
+  }
+};
+
 /// Rows [row0, row0 + ROWS) of a strided global (rows, 128) bf16 matrix into a core-matrix tile at
 /// shared address `tile` (the no-swizzle layout of both attention kernels: element (r, c) at byte
 /// (r/8) 2048 + (c/8) 128 + (r%8) 16 + (c%8) 2), by cp.async from the producer's 128 threads
