@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "../attention_common.cuh"
+#include "consumer_ring.cuh"
 #include "forward_checks.cuh"
 #include "tma.cuh"
 #include "warp_specialized.cuh"
@@ -169,23 +170,21 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
   const int warp = (ctid / 32) % 4, lane = ctid & 31;
   const std::uint32_t c_st = base + kOffC;
   float acc[128];  // C rows 64 wg .. 64 wg + 63 of the tile, columns 0..255: the m64n256 fragment
-  int stage = 0;
-  std::uint32_t phase = 0;
+  ConsumerRing ring{bar};
   for (;;) {
-    mbar_wait(full(stage), phase);
-    const int t = stage_tile[stage];
+    ring.wait_full();
+    const int t = stage_tile[ring.stage];
     if (t < 0) break;
-    const int g = stage_group[stage];
+    const int g = stage_group[ring.stage];
     const int r = t - (g > 0 ? p.tile_end[g - 1] : 0);
     const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
     // A warpgroup whose 64 rows are all past the problem's last (a tail tile of <= 64 rows) issues
     // no products: the other one has the tensor cores to itself, so such a tile costs about half.
     const bool live = m0 + 64 * wg < p.rows[g];
-    int held = -1;
     for (int ks = 0; ks < p.k_steps; ++ks) {
-      if (ks > 0) mbar_wait(full(stage), phase);  // TMA writes are the async proxy's: no proxy fence
+      if (ks > 0) ring.wait_full();  // TMA writes are the async proxy's: no proxy fence
       if (live) {
-        const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
+        const std::uint32_t st = base + static_cast<std::uint32_t>(ring.stage) * kStageBytes;
         const std::uint32_t a_st = st + static_cast<std::uint32_t>(wg) * (64 * 128);
         const std::uint32_t b_st = st + kATileBytes;
         wgmma_fence_operands(acc);
@@ -200,18 +199,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
         }
         wgmma_commit_group();
       }
-      wgmma_wait_group<1>();  // (nothing to wait for where not live)
-      wgmma_fence_operands(acc);
-      if (held >= 0) mbar_arrive(empty(held));
-      held = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1u;
-      }
+      ring.step(acc);  // (nothing to wait for where not live)
     }
-    wgmma_wait_group<0>();
-    wgmma_fence_operands(acc);
-    if (held >= 0) mbar_arrive(empty(held));
+    ring.drain(acc);
 
     // Epilogue: the tile through shared memory, each row then one 512-byte bulk copy to C by the
     // TMA unit, so the consumers go on to the next tile's products while it writes (direct 4-byte

@@ -37,6 +37,7 @@
 #include <cstdint>
 
 #include "../attention_common.cuh"
+#include "consumer_ring.cuh"
 #include "forward_checks.cuh"
 #include "warp_specialized.cuh"
 #include "wgmma.cuh"
@@ -158,41 +159,31 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
   setmaxnreg_inc<kConsumerRegs>();
   const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
   float acc[128];  // C columns 0..255 of the block tile, rows 64 wg ..: the m64n256 fragment
-  int stage = 0;
-  std::uint32_t phase = 0;
+  ConsumerRing ring{bar};
   for (;;) {
-    mbar_wait(full(stage), phase);  // the tile's first K step (or the end)
-    const int t = stage_tile[stage];
+    ring.wait_full();  // the tile's first K step (or the end)
+    const int t = stage_tile[ring.stage];
     if (t < 0) break;
     const int g = t / tiles_per_group, r = t % tiles_per_group;
     const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
     const int ksteps = (p.rows[g] + kBK - 1) / kBK;
 #pragma unroll
     for (int e = 0; e < 128; ++e) acc[e] = 0.0f;
-    int held = -1;  // the stage whose wgmmas may still run
     for (int ks = 0; ks < ksteps; ++ks) {
-      if (ks > 0) mbar_wait(full(stage), phase);
+      if (ks > 0) ring.wait_full();
       fence_proxy_async_shared();  // the producer's cp.async writes, seen through the barrier, before the wgmmas
-      const std::uint32_t a_st = base + static_cast<std::uint32_t>(stage) * kStageBytes + static_cast<std::uint32_t>(wg) * kHalfBytes;
-      const std::uint32_t b_st = base + static_cast<std::uint32_t>(stage) * kStageBytes + kATileBytes;
+      const std::uint32_t st = base + static_cast<std::uint32_t>(ring.stage) * kStageBytes;
+      const std::uint32_t a_st = st + static_cast<std::uint32_t>(wg) * kHalfBytes;
+      const std::uint32_t b_st = st + kATileBytes;
       wgmma_fence_operands(acc);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk)  // one m64n256k16 over the four 64-wide N halves
         wgmma_m64n256k16_f32_bf16_ss<Major::mn, Major::mn>(acc, mn_desc(a_st + kk * 2 * kSwAtom), mn_desc(b_st + kk * 2 * kSwAtom), 1);
       wgmma_commit_group();
-      wgmma_wait_group<1>();  // the previous step's wgmmas are done: its stage is free
-      wgmma_fence_operands(acc);
-      if (held >= 0) mbar_arrive(empty(held));
-      held = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1u;
-      }
+      ring.step(acc);  // the previous step's wgmmas are done: its stage is free
     }
-    wgmma_wait_group<0>();
-    wgmma_fence_operands(acc);
-    if (held >= 0) mbar_arrive(empty(held));
+    ring.drain(acc);
 
     // C += the tile: thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64,
     // columns 8 j + 2 (lane % 4) (+ 1), j = 0..31 (wgmma.cuh's accumulator fragment), added by L2
