@@ -14,7 +14,7 @@
 //   - one m64n256k16 per k16 step and warpgroup: 128 fp32 accumulators per thread.
 // Against cp.async by the producer's 128 threads (the first version), TMA ran the 5.13B gate_up
 // forward at 704 against 593 TFLOP/s and no case slower (H200, T = 16384, 2026-12-01).
-// Shared memory: OOM_ROWS_STAGES stages of A 16 KiB + B 32 KiB, the C staging of the epilogue
+// Shared memory: three stages of A 16 KiB + B 32 KiB, the C staging of the epilogue
 // (128 rows of 528 bytes), barriers, 1 KiB to align the tiles to 1024 bytes.
 // Schedule: block b takes tiles b, b + grid, ... of the list (problem, M tile, N tile), N tile
 // fastest (the blocks working at one time share A's rows and the expert's weights in L2), or,
@@ -40,18 +40,13 @@
 #include "warp_specialized.cuh"
 #include "wgmma.cuh"
 
-// Pipeline stages (48 KiB each) beside the 66 KiB C staging; a build-time knob for measuring.
-#ifndef OOM_ROWS_STAGES
-#define OOM_ROWS_STAGES 3
-#endif
-
 namespace oom::kernels::hopper {
 namespace {
 
 using attention_detail::smem_addr;
 
 constexpr int kBM = kRowsTileM, kBN = kRowsTileN, kBK = 64;
-constexpr int kStages = OOM_ROWS_STAGES;
+constexpr int kStages = 3;  // of 48 KiB each: a fourth does not fit beside the 66 KiB C staging
 constexpr int kMaxGroups = 128;                                // problems per launch (each a tensor map in the parameters)
 constexpr std::uint32_t kATileBytes = kBM * kBK * 2;           // 16 KiB
 constexpr std::uint32_t kBTileBytes = kBN * kBK * 2;           // 32 KiB
@@ -116,8 +111,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
   volatile int* const stage_group = stage_tile + kStages;
   const StageBarriers bar{base + kOffBar, kStages};
   bar.init(1);  // "full": the producer thread's arrive.expect_tx; the bytes complete it
-  const auto full = [&](int s) { return bar.full(s); };
-  const auto empty = [&](int s) { return bar.empty(s); };
 
   // K step j of the block (counted over all its tiles) uses stage j % kStages, as in the grouped
   // weight-gradient kernel; every tile has k_steps of them.
@@ -131,10 +124,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
     bool reuse = false;  // a stage is refilled only after the consumers released its previous use
     for (int i = 0;; ++i) {
       const int t = p.counter != nullptr ? atomicAdd(p.counter, 1) : static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
-      if (reuse) mbar_wait(empty(stage), phase ^ 1u);
+      if (reuse) mbar_wait(bar.empty(stage), phase ^ 1u);
       if (t >= p.tiles) {  // no more tiles: the stage says so, and nothing is copied into it
         stage_tile[stage] = -1;
-        mbar_arrive(full(stage));
+        mbar_arrive(bar.full(stage));
         break;
       }
       while (t >= p.tile_end[g]) ++g;  // a block's tiles only grow (the counter's too)
@@ -143,17 +136,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
       const int a_row = p.first_row[g] + m0;
       const CUtensorMap* b_map = &p.b_map[g];
       for (int ks = 0; ks < p.k_steps; ++ks) {
-        if (ks > 0 && reuse) mbar_wait(empty(stage), phase ^ 1u);  // (the first step's wait is above)
+        if (ks > 0 && reuse) mbar_wait(bar.empty(stage), phase ^ 1u);  // (the first step's wait is above)
         const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
         stage_tile[stage] = t;
         stage_group[stage] = g;
-        mbar_arrive_expect_tx(full(stage), kStageBytes);  // release: the words are seen with the phase
-        tma_load_2d(st, &p.a_map, full(stage), ks * kBK, a_row);  // rows past A's view: zeros
+        mbar_arrive_expect_tx(bar.full(stage), kStageBytes);  // release: the words are seen with the phase
+        tma_load_2d(st, &p.a_map, bar.full(stage), ks * kBK, a_row);  // rows past A's view: zeros
         if constexpr (BKbyN) {
 #pragma unroll
-          for (int h = 0; h < 4; ++h) tma_load_2d(st + kATileBytes + h * kHalfBytes, b_map, full(stage), n0 + 64 * h, ks * kBK);
+          for (int h = 0; h < 4; ++h) tma_load_2d(st + kATileBytes + h * kHalfBytes, b_map, bar.full(stage), n0 + 64 * h, ks * kBK);
         } else {
-          tma_load_2d(st + kATileBytes, b_map, full(stage), ks * kBK, n0);
+          tma_load_2d(st + kATileBytes, b_map, bar.full(stage), ks * kBK, n0);
         }
         if (++stage == kStages) {
           stage = 0;

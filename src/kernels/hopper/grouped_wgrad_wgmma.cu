@@ -95,8 +95,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
   volatile int* const fetched = stage_tile + kStages;
   const StageBarriers bar{base + kOffBar, kStages};
   bar.init(kWsProducerThreads + 1);  // "full": each producer thread's copies + thread 0's tile word
-  const auto full = [&](int s) { return bar.full(s); };
-  const auto empty = [&](int s) { return bar.empty(s); };
 
   // K step j of the block (counted over all its tiles) uses stage j % kStages, its (j / kStages)-th
   // use: "full" completes phase j / kStages when the producer's 128 threads' copies have landed and
@@ -121,13 +119,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
         asm volatile("bar.sync 1, %0;\n" ::"n"(kWsProducerThreads) : "memory");
         t = fetched[i & 1];
       }
-      if (reuse) mbar_wait(empty(stage), phase ^ 1u);
+      if (reuse) mbar_wait(bar.empty(stage), phase ^ 1u);
       if (t >= p.tiles) {  // no more tiles: the stage says so, and nothing is copied into it
         if (tid == 0) {
           stage_tile[stage] = -1;
-          mbar_arrive(full(stage));
+          mbar_arrive(bar.full(stage));
         }
-        mbar_arrive(full(stage));
+        mbar_arrive(bar.full(stage));
         break;
       }
       const int g = t / tiles_per_group, r = t % tiles_per_group;
@@ -135,16 +133,16 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
       const __nv_bfloat16* a = p.a[g] + (r / p.n_tiles) * kBM;
       const __nv_bfloat16* b = p.b[g] + (r % p.n_tiles) * kBN;
       for (int k0 = 0; k0 < rows; k0 += kBK) {
-        if (k0 > 0 && reuse) mbar_wait(empty(stage), phase ^ 1u);  // (the first step's wait is above)
+        if (k0 > 0 && reuse) mbar_wait(bar.empty(stage), phase ^ 1u);  // (the first step's wait is above)
         const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
         load_rows_sw128_producer<kBK>(st, a, p.lda, k0, rows, tid);                    // A^T: 128 M
         load_rows_sw128_producer<kBK>(st + kATileBytes, b, p.ldb, k0, rows, tid);      // B: N 0..127
         load_rows_sw128_producer<kBK>(st + kATileBytes + 2 * kHalfBytes, b + 128, p.ldb, k0, rows, tid);  // 128..255
         if (tid == 0) {
           stage_tile[stage] = t;
-          mbar_arrive(full(stage));  // release: the word is seen by whoever waits on the phase
+          mbar_arrive(bar.full(stage));  // release: the word is seen by whoever waits on the phase
         }
-        cp_async_mbar_arrive(full(stage));
+        cp_async_mbar_arrive(bar.full(stage));
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1u;
