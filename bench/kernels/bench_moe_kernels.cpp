@@ -3,6 +3,8 @@
 // and a sweep of their stream counts and chunk sizes, each as a ratio to ONE dense cuBLAS GEMM of
 // the same total FLOPs measured in the same run. Target: ratio >= 0.8.
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "kernels/expert_gemm_throughput.hpp"
 #include "oom/core/error.hpp"
@@ -13,16 +15,27 @@ int main() {
     std::printf("no GPU: nothing to measure\n");
     return 0;
   }
-  std::printf("%-10s %6s %-20s %10s %10s %8s %6s\n", "method", "T", "op", "grouped_ms", "dense_ms", "TFLOP/s", "ratio");
-  for (const std::int64_t T : {4096, 8192, 16384, 32768})
+  // OOM_BENCH_TOKENS / OOM_BENCH_VARIANTS: comma-separated subsets (default: every T, every variant).
+  const auto listed = [](const char* env, const std::string& item) {
+    const char* v = std::getenv(env);
+    if (v == nullptr || *v == '\0') return true;
+    const std::string list = std::string(",") + v + ",";
+    return list.find("," + item + ",") != std::string::npos;
+  };
+  std::printf("%-10s %6s %-20s %10s %10s %8s %6s %8s %10s\n", "method", "T", "op", "grouped_ms", "dense_ms", "TFLOP/s", "ratio",
+              "host_us", "piped_ms");
+  for (const std::int64_t T : {4096, 8192, 16384, 32768}) {
+    if (!listed("OOM_BENCH_TOKENS", std::to_string(T))) continue;
     for (const auto& variant : oom::test::expert_gemm_variants(true)) {
+      if (!listed("OOM_BENCH_VARIANTS", variant.name)) continue;
       try {
         for (const auto& r : oom::test::measure_expert_gemm_ratio(T, 2048, 768, 64, 8, variant))
-          std::printf("%-10s %6lld %-20s %10.3f %10.3f %8.0f %6.2f\n", variant.name.c_str(), static_cast<long long>(T), r.op.c_str(),
-                      r.grouped_ms, r.dense_ms, r.tflops, r.ratio());
+          std::printf("%-10s %6lld %-20s %10.3f %10.3f %8.0f %6.2f %8.0f %10.3f\n", variant.name.c_str(), static_cast<long long>(T),
+                      r.op.c_str(), r.grouped_ms, r.dense_ms, r.tflops, r.ratio(), r.host_us, r.pipelined_ms);
       } catch (const oom::Error& e) {
         std::printf("%-10s %6lld failed: %s\n", variant.name.c_str(), static_cast<long long>(T), e.what());
       }
     }
+  }
   return 0;
 }

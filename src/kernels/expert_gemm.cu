@@ -374,7 +374,7 @@ std::int64_t batched_depth(std::vector<std::int64_t> ks, std::int64_t chunk) {
   return p + p / 2 <= half ? p + p / 2 : p;
 }
 
-/// Weight-gradient problems of one op (A transposed, B not, fp32 C, beta 1; the same m, n and
+/// Weight-gradient problems of one op (A transposed, B not, fp32 C, one beta; the same m, n and
 /// leading dimensions; k = the expert's rows): the first batched_depth() rows of every problem
 /// that has them in cublasGemmBatchedEx calls on `stream`, in recurring counts; what is left (the
 /// rows past the depth, and the problems that do not reach it) goes to *rest, to be issued after.
@@ -384,7 +384,7 @@ cudaError_t run_weights_batched(ExpertGemmStreams::State& st, cublasHandle_t bla
   *rest = ps;
   std::vector<std::int64_t> ks;
   for (const auto& p : ps) {
-    if (!p.trans_a || p.trans_b || p.beta != 1.0f || p.c_type != CUDA_R_32F || p.m != ps[0].m || p.n != ps[0].n ||
+    if (!p.trans_a || p.trans_b || p.beta != ps[0].beta || p.c_type != CUDA_R_32F || p.m != ps[0].m || p.n != ps[0].n ||
         p.lda != ps[0].lda || p.ldb != ps[0].ldb || p.ldc != ps[0].ldc)
       return cudaSuccess;  // not of that form: all of them per problem
     ks.push_back(p.k);
@@ -407,6 +407,7 @@ cudaError_t run_weights_batched(ExpertGemmStreams::State& st, cublasHandle_t bla
       r.a = static_cast<const __nv_bfloat16*>(p.a) + depth * p.lda;
       r.b = static_cast<const __nv_bfloat16*>(p.b) + depth * p.ldb;
       r.k = p.k - depth;
+      r.beta = 1.0f;  // onto the batched call's result
       rest->push_back(r);
     }
   }
@@ -419,7 +420,7 @@ cudaError_t run_weights_batched(ExpertGemmStreams::State& st, cublasHandle_t bla
   OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), array_bytes, d));
   OOM_KERNEL_TRY(to_cuda_error(cublasSetStream(blas, stream)));
   const Problem& p0 = ps[0];
-  const float alpha = 1.0f, beta = 1.0f;
+  const float alpha = 1.0f, beta = p0.beta;  // (the rest, after the depth, always adds: see rest below)
   OOM_KERNEL_TRY(in_recurring_counts(n, [&](std::size_t first, std::size_t count) {
     return to_cuda_error(cublasGemmBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(p0.n), static_cast<int>(p0.m),
                                              static_cast<int>(depth), &alpha, d + first, CUDA_R_16BF, static_cast<int>(p0.ldb),
@@ -492,13 +493,13 @@ struct Launch {
 /// may be empty) by the launch's method. The two sets write disjoint buffers, so the concurrent
 /// methods overlap them.
 #if OOM_HAS_SM90A_KERNELS
-/// The weight-gradient problems (dW_e += A_e^T B_e, fp32, beta 1, one shape) as the grouped wgmma
+/// The weight-gradient problems (dW_e (+)= A_e^T B_e, fp32, beta 1 or 0 for all, one shape) as the grouped wgmma
 /// kernel's; false when they are not all of that form and shape.
 bool as_wgrad(const std::vector<Problem>& weights, hopper::WgradShape* shape, std::vector<hopper::WgradProblem>* out) {
   const Problem& f = weights.front();
-  *shape = {.m = f.m, .n = f.n, .lda = f.lda, .ldb = f.ldb, .ldc = f.ldc};
+  *shape = {.m = f.m, .n = f.n, .lda = f.lda, .ldb = f.ldb, .ldc = f.ldc, .accumulate = f.beta != 0.0f};
   for (const Problem& p : weights) {
-    if (!p.trans_a || p.trans_b || p.c_type != CUDA_R_32F || p.beta != 1.0f || p.m != f.m || p.n != f.n || p.lda != f.lda ||
+    if (!p.trans_a || p.trans_b || p.c_type != CUDA_R_32F || (p.beta != 1.0f && p.beta != 0.0f) || p.beta != f.beta || p.m != f.m || p.n != f.n || p.lda != f.lda ||
         p.ldb != f.ldb || p.ldc != f.ldc)
       return false;
     out->push_back({.a = static_cast<const bf16*>(p.a), .b = static_cast<const bf16*>(p.b), .c = static_cast<float*>(p.c), .rows = p.k});
@@ -578,7 +579,9 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
         // 5.13B gate_up, 96 tiles on 132 SMs) ran faster as per-expert cuBLAS GEMMs on the side
         // streams beside the row GEMMs (0.85x of dense against 0.81x), narrower ones (the down
         // projection, 48 tiles) slower (0.73x against 0.77x; H200, T = 16384, 2026-12-01).
-        const auto half_wave = [&] { return 2 * (shape.m / hopper::kWgradTileM) * (shape.n / hopper::kWgradTileN) <= st->sms; };
+        const auto half_wave = [&] {
+          return o.wgmma_wide_weight_gradients || 2 * (shape.m / hopper::kWgradTileM) * (shape.n / hopper::kWgradTileN) <= st->sms;
+        };
         if (as_wgrad(weights, &shape, &problems) && half_wave() && hopper::grouped_wgrad_supported(shape, problems)) {
           if (!o.overlap_weight_gradients) {
             OOM_KERNEL_TRY(run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays));
@@ -740,6 +743,26 @@ bool pointers_present(const ExpertGemmShape& s, const std::int32_t* counts_host,
   return true;
 }
 
+/// The gradients the launch writes are present: those of the experts with rows, and overwriting
+/// every expert's (an expert without rows gets zeros).
+bool grads_present(const ExpertGemmShape& s, const std::int32_t* counts_host, float* const* dw, GradWrite write) {
+  if (write == GradWrite::accumulate) return pointers_present(s, counts_host, dw);
+  if (write != GradWrite::overwrite || dw == nullptr) return false;
+  for (std::int64_t e = 0; e < s.experts; ++e)
+    if (dw[e] == nullptr) return false;
+  return true;
+}
+
+/// Overwriting: the dW (`elements` floats each) of the experts without rows set to zero on `stream`,
+/// before the launch's GEMMs (which write the others).
+cudaError_t zero_idle_grads(const ExpertGemmShape& s, const std::int32_t* counts_host, float* const* dw, std::int64_t elements,
+                            GradWrite write, cudaStream_t stream) {
+  if (write != GradWrite::overwrite) return cudaSuccess;
+  for (std::int64_t e = 0; e < s.experts; ++e)
+    if (counts_host[e] == 0) OOM_KERNEL_TRY(cudaMemsetAsync(dw[e], 0, static_cast<std::size_t>(elements) * sizeof(float), stream));
+  return cudaSuccess;
+}
+
 }  // namespace
 
 cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
@@ -792,59 +815,65 @@ cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const 
 cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                  const std::int32_t* counts_host, const bf16* dy, const bf16* h, const bf16* const* w_down,
                                  bf16* dh, float* const* dw_down, ExpertGemmMethod method, void* workspace,
-                                 std::size_t workspace_bytes, ExpertGemmStreams* streams) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_down, dw_down))
+                                 std::size_t workspace_bytes, ExpertGemmStreams* streams, GradWrite dw_write) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_down) ||
+      !grads_present(s, counts_host, dw_down, dw_write))
     return cudaErrorInvalidValue;
   const auto H = s.hidden, I = s.intermediate;
+  const float beta = dw_write == GradWrite::accumulate ? 1.0f : 0.0f;
   std::vector<Problem> data, weight;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
     // dh (rows, I) = dy (rows, H) . w_down[e] (H, I)
     data.push_back({false, false, rows, I, H, dy + r * H, H, w_down[e], I, dh + r * I, I, CUDA_R_16BF, 0.0f});
-    // dw_down[e] (H, I) += dy^T (H, rows) . h (rows, I)
-    weight.push_back({true, false, H, I, rows, dy + r * H, H, h + r * I, I, dw_down[e], I, CUDA_R_32F, 1.0f});
+    // dw_down[e] (H, I) (+)= dy^T (H, rows) . h (rows, I)
+    weight.push_back({true, false, H, I, rows, dy + r * H, H, h + r * I, I, dw_down[e], I, CUDA_R_32F, beta});
   });
+  OOM_KERNEL_TRY(zero_idle_grads(s, counts_host, dw_down, H * I, dw_write, stream));
   return issue({"down backward", s, blas, stream, method, workspace, streams}, data, weight);
 }
 
 cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                  const std::int32_t* counts_host, const bf16* dy, const bf16* h, const bf16* w_down, bf16* dh,
                                  float* dw_down, ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
-                                 ExpertGemmStreams* streams) {
+                                 ExpertGemmStreams* streams, GradWrite dw_write) {
   if (w_down == nullptr || dw_down == nullptr) return cudaErrorInvalidValue;
   const auto w = strided(w_down, s, s.hidden * s.intermediate);
   const auto dw = strided(dw_down, s, s.hidden * s.intermediate);
   return expert_down_backward(blas, stream, s, counts_host, dy, h, w.data(), dh, dw.data(), method, workspace, workspace_bytes,
-                              streams);
+                              streams, dw_write);
 }
 
 cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                     const std::int32_t* counts_host, const bf16* d_gate_up, const bf16* x_perm,
                                     const bf16* const* w_gate_up, bf16* dx_perm, float* const* dw_gate_up,
                                     ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
-                                    ExpertGemmStreams* streams) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) ||
-      !pointers_present(s, counts_host, w_gate_up, dw_gate_up))
+                                    ExpertGemmStreams* streams, GradWrite dw_write) {
+  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_gate_up) ||
+      !grads_present(s, counts_host, dw_gate_up, dw_write))
     return cudaErrorInvalidValue;
   const auto H = s.hidden, I2 = 2 * s.intermediate;
+  const float beta = dw_write == GradWrite::accumulate ? 1.0f : 0.0f;
   std::vector<Problem> data, weight;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
     // dx (rows, H) = d_gate_up (rows, 2I) . w_gate_up[e] (2I, H)
     data.push_back({false, false, rows, H, I2, d_gate_up + r * I2, I2, w_gate_up[e], H, dx_perm + r * H, H, CUDA_R_16BF, 0.0f});
-    // dw_gate_up[e] (2I, H) += d_gate_up^T (2I, rows) . x_perm (rows, H)
-    weight.push_back({true, false, I2, H, rows, d_gate_up + r * I2, I2, x_perm + r * H, H, dw_gate_up[e], H, CUDA_R_32F, 1.0f});
+    // dw_gate_up[e] (2I, H) (+)= d_gate_up^T (2I, rows) . x_perm (rows, H)
+    weight.push_back({true, false, I2, H, rows, d_gate_up + r * I2, I2, x_perm + r * H, H, dw_gate_up[e], H, CUDA_R_32F, beta});
   });
+  OOM_KERNEL_TRY(zero_idle_grads(s, counts_host, dw_gate_up, I2 * H, dw_write, stream));
   return issue({"gate_up backward", s, blas, stream, method, workspace, streams}, data, weight);
 }
 
 cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                     const std::int32_t* counts_host, const bf16* d_gate_up, const bf16* x_perm,
                                     const bf16* w_gate_up, bf16* dx_perm, float* dw_gate_up, ExpertGemmMethod method,
-                                    void* workspace, std::size_t workspace_bytes, ExpertGemmStreams* streams) {
+                                    void* workspace, std::size_t workspace_bytes, ExpertGemmStreams* streams,
+                                    GradWrite dw_write) {
   if (w_gate_up == nullptr || dw_gate_up == nullptr) return cudaErrorInvalidValue;
   const auto w = strided(w_gate_up, s, 2 * s.intermediate * s.hidden);
   const auto dw = strided(dw_gate_up, s, 2 * s.intermediate * s.hidden);
   return expert_gate_up_backward(blas, stream, s, counts_host, d_gate_up, x_perm, w.data(), dx_perm, dw.data(), method,
-                                 workspace, workspace_bytes, streams);
+                                 workspace, workspace_bytes, streams, dw_write);
 }
 
 cudaError_t shared_expert_gate_forward(cudaStream_t stream, std::int64_t tokens, std::int64_t hidden, const bf16* x,

@@ -4,6 +4,7 @@
 // whatever the method measured. Used by the gpu test (one shape) and bench_moe_kernels (the sweep).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -19,6 +20,10 @@ namespace oom::test {
 struct ExpertGemmRatio {
   std::string op;
   double grouped_ms = 0, dense_ms = 0, tflops = 0;  ///< tflops of the grouped run
+  /// Diagnostics of the grouped run: the host's time to issue one call (mean over the timed calls:
+  /// grouped_ms includes it where the GPU waited for it), and the GPU time per call of 10 calls
+  /// issued back to back (the host's issue hidden behind the previous call's work where shorter).
+  double host_us = 0, pipelined_ms = 0;
   [[nodiscard]] double ratio() const { return dense_ms / grouped_ms; }
 };
 
@@ -52,7 +57,9 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       {"chunk128nw", M::row_chunked, {.wgmma_weight_gradients = false}},
                                       // the grouped wgmma dW after the row GEMMs, on the caller's
                                       // stream (chunk128 runs it beside them on a side stream)
-                                      {"chunk128sr", M::row_chunked, {.overlap_weight_gradients = false}}};
+                                      {"chunk128sr", M::row_chunked, {.overlap_weight_gradients = false}},
+                                      // the grouped wgmma dW for the wide gate_up dW as well
+                                      {"chunk128ww", M::row_chunked, {.wgmma_wide_weight_gradients = true}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});
@@ -91,13 +98,17 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
     return k::expert_down_forward(blas.get(), stream, sh, c, h.get(), wd.get(), y.get(), method, ws.get(), ws.size(), &streams);
   };
   // Backward reads y as dy and gu as d gate_up; it writes h (dh) and x (dx): values are irrelevant here.
-  const auto bwd_down = [&](const k::ExpertGemmShape& sh, const std::int32_t* c, k::ExpertGemmMethod method) {
-    return k::expert_down_backward(blas.get(), stream, sh, c, y.get(), h.get(), wd.get(), h.get(), dwd.get(), method, ws.get(),
-                                   ws.size(), &streams);
+  const auto bwd_down = [&](k::GradWrite write) {
+    return [&, write](const k::ExpertGemmShape& sh, const std::int32_t* c, k::ExpertGemmMethod method) {
+      return k::expert_down_backward(blas.get(), stream, sh, c, y.get(), h.get(), wd.get(), h.get(), dwd.get(), method, ws.get(),
+                                     ws.size(), &streams, write);
+    };
   };
-  const auto bwd_gu = [&](const k::ExpertGemmShape& sh, const std::int32_t* c, k::ExpertGemmMethod method) {
-    return k::expert_gate_up_backward(blas.get(), stream, sh, c, gu.get(), x.get(), wgu.get(), x.get(), dwgu.get(), method,
-                                      ws.get(), ws.size(), &streams);
+  const auto bwd_gu = [&](k::GradWrite write) {
+    return [&, write](const k::ExpertGemmShape& sh, const std::int32_t* c, k::ExpertGemmMethod method) {
+      return k::expert_gate_up_backward(blas.get(), stream, sh, c, gu.get(), x.get(), wgu.get(), x.get(), dwgu.get(), method,
+                                        ws.get(), ws.size(), &streams, write);
+    };
   };
   const double f_gu = 2.0 * N * 2 * I * H, f_down = 2.0 * N * H * I;
   struct Op {
@@ -105,13 +116,34 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
     std::function<cudaError_t(const k::ExpertGemmShape&, const std::int32_t*, k::ExpertGemmMethod)> run;
     double flops;
   };
-  const Op ops[] = {{"fwd gate_up", fwd_gu, f_gu}, {"fwd down", fwd_down, f_down},
-                    {"bwd down (dh+dW)", bwd_down, 2 * f_down}, {"bwd gate_up (dx+dW)", bwd_gu, 2 * f_gu}};
+  // The backward twice: dW += (a step's later chunks) and dW = (its first: GradWrite::overwrite),
+  // the dense GEMM the same way.
+  using GW = k::GradWrite;
+  const Op ops[] = {{"fwd gate_up", fwd_gu, f_gu},
+                    {"fwd down", fwd_down, f_down},
+                    {"bwd down (dh+dW)", bwd_down(GW::accumulate), 2 * f_down},
+                    {"bwd gate_up (dx+dW)", bwd_gu(GW::accumulate), 2 * f_gu},
+                    {"bwd down (dh+dW=)", bwd_down(GW::overwrite), 2 * f_down},
+                    {"bwd gate_up (dx+dW=)", bwd_gu(GW::overwrite), 2 * f_gu}};
   std::vector<ExpertGemmRatio> out;
   for (const auto& op : ops) {
     ExpertGemmRatio r;
     r.op = op.name;
-    r.grouped_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method)); }, stream, repeats);
+    double host_s = 0;
+    r.grouped_ms = time_ms(
+        [&](cudaStream_t) {
+          const auto t0 = std::chrono::steady_clock::now();
+          OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method));
+          host_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        },
+        stream, repeats);
+    r.host_us = host_s / (repeats + 2) * 1e6;  // (time_ms' two warm-up calls included)
+    r.pipelined_ms = time_ms(
+                         [&](cudaStream_t) {
+                           for (int i = 0; i < 10; ++i) OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method));
+                         },
+                         stream, 3, 1) /
+                     10;
     r.dense_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(d, dense_counts.data(), k::ExpertGemmMethod::per_expert_loop)); },
                          stream, repeats);
     r.tflops = op.flops / (r.grouped_ms * 1e-3) / 1e12;

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -53,24 +54,30 @@ void require_sm90() { oom::test::require_sm90("test_grouped_wgrad"); }
 /// Runs the kernel on problems of `rows` rows each (one A and one B buffer holding all rows, the
 /// problems' rows consecutive), C_e starting at random values, and checks the result against fp64.
 void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t ldb, std::int64_t ldc,
-                const std::vector<std::int64_t>& rows, std::uint64_t seed, bool dynamic = false) {
+                const std::vector<std::int64_t>& rows, std::uint64_t seed, bool dynamic = false, bool accumulate = true) {
   require_sm90();
-  INFO((dynamic ? "dynamic tiles, " : "") << "m=" << m << " n=" << n << " lda=" << lda << " ldb=" << ldb << " ldc=" << ldc << " problems=" << rows.size());
+  INFO((accumulate ? "" : "overwriting, ") << (dynamic ? "dynamic tiles, " : "") << "m=" << m << " n=" << n << " lda=" << lda << " ldb=" << ldb << " ldc=" << ldc << " problems=" << rows.size());
   std::int64_t total = 0;
   for (const auto r : rows) total += r;
   const Bf16Data a(random_normal(static_cast<std::size_t>(std::max<std::int64_t>(total, 1) * lda), seed));
   const Bf16Data b(random_normal(static_cast<std::size_t>(std::max<std::int64_t>(total, 1) * ldb), seed + 1));
   const std::int64_t c_size = m * ldc;
   const auto c0 = random_normal(static_cast<std::size_t>(c_size) * rows.size(), seed + 2, 4.0f);
+  // Overwriting, C starts as NaN (a read of it would show) but for the padding columns, which
+  // must keep their bits.
+  auto start = c0;
+  if (!accumulate)
+    for (std::size_t at = 0; at < start.size(); ++at)
+      if (static_cast<std::int64_t>(at) % ldc < n) start[at] = std::numeric_limits<float>::quiet_NaN();
   DeviceBuffer<bf16> d_a(a.bits), d_b(b.bits);
-  DeviceBuffer<float> d_c(c0);
+  DeviceBuffer<float> d_c(start);
   std::vector<hw::WgradProblem> problems;
   std::int64_t off = 0;
   for (std::size_t e = 0; e < rows.size(); ++e) {
     problems.push_back({.a = d_a.get() + off * lda, .b = d_b.get() + off * ldb, .c = d_c.get() + e * c_size, .rows = rows[e]});
     off += rows[e];
   }
-  const hw::WgradShape shape{.m = m, .n = n, .lda = lda, .ldb = ldb, .ldc = ldc};
+  const hw::WgradShape shape{.m = m, .n = n, .lda = lda, .ldb = ldb, .ldc = ldc, .accumulate = accumulate};
   REQUIRE(hw::grouped_wgrad_supported(shape, problems));
   DeviceBuffer<int> counter(1);
   OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));  // the launch must zero it
@@ -90,7 +97,7 @@ void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t l
     for (std::int64_t i = 0; i < m; ++i)
       for (std::int64_t j = 0; j < ldc; ++j) {
         const std::size_t at = e * c_size + i * ldc + j;
-        if (j >= n || r == 0) {  // padding, or an empty problem: the bits as they were
+        if (j >= n || (r == 0 && accumulate)) {  // padding, or an empty problem added to: the bits as they were
           untouched_bad += std::memcmp(&c[at], &c0[at], sizeof(float)) != 0;
           continue;
         }
@@ -100,7 +107,7 @@ void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t l
           sum += p;
           mag += std::abs(p);
         }
-        const double want = c0[at] + sum;
+        const double want = (accumulate ? c0[at] : 0.0) + sum;  // an empty problem overwritten: 0
         const double bound = 2.0 * (static_cast<double>(r) * 0x1p-24 * mag + 0x1p-24 * std::abs(want)) + 1e-30;
         const double err = std::abs(c[at] - want);
         worst = std::max(worst, err / bound);
@@ -115,7 +122,7 @@ void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t l
   CHECK_MESSAGE(untouched_bad == 0, untouched_bad << " C elements changed that no problem owns");
 
   // A fixed summation order: the same bits from the same start.
-  d_c.upload(c0);
+  d_c.upload(start);
   REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles) == cudaSuccess);
   OOM_CUDA_CHECK(cudaDeviceSynchronize());
   const auto again = d_c.download();
@@ -130,6 +137,14 @@ TEST_CASE("grouped weight gradients match the fp64 reference: K tails, empty pro
   check_case(384, 256, 384, 256, 256, {0, 129}, 300);
   // Tiles from an atomic counter instead of every grid-th one.
   check_case(256, 512, 264, 528, 514, {63, 0, 130, 1000, 2}, 200, true);
+}
+
+TEST_CASE("grouped weight gradients overwriting: C = A^T B, old C never read, empty problems zeroed, padding kept") {
+  check_case(128, 256, 128, 256, 256, {1, 0, 64, 65, 7, 200}, 110, false, false);
+  check_case(256, 512, 264, 528, 514, {63, 0, 130, 1000, 2}, 210, true, false);
+  std::vector<std::int64_t> rows;  // two launches, as below
+  for (int e = 0; e < 150; ++e) rows.push_back(e % 9 == 0 ? 0 : 1 + (e * 37) % 90);
+  check_case(128, 256, 128, 256, 256, rows, 410, true, false);
 }
 
 TEST_CASE("grouped weight gradients over more problems than one launch takes") {
@@ -285,6 +300,7 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
   cudaStream_t stream;
   OOM_CUDA_CHECK(cudaStreamCreate(&stream));
   OOM_CUBLAS_CHECK(cublasSetStream(blas.get(), stream));
+  for (const bool accumulate : {true, false})  // C += (and the dense beta 1), C = (beta 0)
   for (const std::int64_t R : {512, 2048})  // rows per expert: T = 4096 and 16384 x top-8
   for (const Op op : {Op{"down dW (2048 x 768)", 2048, 768}, Op{"gate_up dW (1536 x 2048)", 1536, 2048}}) {
     const std::int64_t N = E * R;
@@ -293,12 +309,12 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
     OOM_CUDA_CHECK(cudaMemset(a.get(), 0x3C, a.bytes()));
     OOM_CUDA_CHECK(cudaMemset(b.get(), 0x3C, b.bytes()));
     c.zero();
-    const hw::WgradShape shape{.m = op.m, .n = op.n, .lda = op.m, .ldb = op.n, .ldc = op.n};
+    const hw::WgradShape shape{.m = op.m, .n = op.n, .lda = op.m, .ldb = op.n, .ldc = op.n, .accumulate = accumulate};
     std::vector<hw::WgradProblem> problems;
     for (std::int64_t e = 0; e < E; ++e)
       problems.push_back({.a = a.get() + e * R * op.m, .b = b.get() + e * R * op.n, .c = c.get() + e * op.m * op.n, .rows = R});
     const double flops = 2.0 * static_cast<double>(N) * static_cast<double>(op.m) * static_cast<double>(op.n);
-    const float alpha = 1.0f, beta = 1.0f;
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     const double dense = oom::test::time_ms(
         [&](cudaStream_t) {  // column-major: C^T (n x m) += B^T (n x K) A (K x m)
           OOM_CUBLAS_CHECK(cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(op.n), static_cast<int>(op.m),
@@ -309,8 +325,8 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
         stream);
     const double ms =
         oom::test::time_ms([&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_wgrad_wgmma(shape, problems, st)); }, stream);
-    std::printf("grouped wgrad %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
-                static_cast<long long>(R), op.name, ms,
+    std::printf("grouped wgrad %s %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
+                accumulate ? "C +=" : "C = ", static_cast<long long>(R), op.name, ms,
                 flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms);
   }
   OOM_CUDA_CHECK(cudaStreamDestroy(stream));

@@ -207,7 +207,7 @@ TEST_CASE("permutation plan, gather, combine and their backwards match the refer
   }
 }
 
-TEST_CASE("expert GEMMs (every method) match the reference, experts without tokens untouched") {
+TEST_CASE("expert GEMMs (every method) match the reference, experts without tokens untouched (or zeroed, overwriting)") {
   Blas blas;
   const std::int64_t H = 136, I = 72, E = 16, K = 4, dead = 3;
   const k::ExpertGemmShape s{.hidden = H, .intermediate = I, .experts = E, .rows = token_counts[3] * K};
@@ -278,6 +278,17 @@ TEST_CASE("expert GEMMs (every method) match the reference, experts without toke
       CHECK_REPORT(compare(g_dwd, dwd_ref, 1e-5, 1e-5 * max_abs(dwd_ref), "dw_down"));
       for (std::int64_t e = E - dead; e < E; ++e)
         for (std::int64_t i = 0; i < H * I; ++i) REQUIRE(g_dwd[e * H * I + i] == dwd0[e * H * I + i]);
+      // Overwriting (a step's first chunk): the old contents (NaN poison here) never read, dead
+      // experts' gradients zero.
+      const std::vector<float> poison_dwd(dwd0.size(), std::numeric_limits<float>::quiet_NaN());
+      dwd.upload(poison_dwd);
+      if (!launched(k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(),
+                                            dwd.get(), method, ws.get(), ws.size(), &streams, k::GradWrite::overwrite)))
+        break;
+      const auto o_dwd = dwd.download();
+      CHECK_REPORT(compare(o_dwd, dg.dw_down, 1e-5, 1e-5 * max_abs(dg.dw_down), "dw_down overwritten"));
+      for (std::int64_t e = E - dead; e < E; ++e)
+        for (std::int64_t i = 0; i < H * I; ++i) REQUIRE(o_dwd[e * H * I + i] == 0.0f);
 
       const Bf16Data dgu(random_normal(static_cast<std::size_t>(N * 2 * I), 17000 + T));
       const auto dwgu0 = random_normal(static_cast<std::size_t>(E * 2 * I * H), 18000 + T);
@@ -293,6 +304,15 @@ TEST_CASE("expert GEMMs (every method) match the reference, experts without toke
       CHECK_REPORT(compare(g_dwgu, dwgu_ref, 1e-5, 1e-5 * max_abs(dwgu_ref), "dw_gate_up"));
       for (std::int64_t e = E - dead; e < E; ++e)
         for (std::int64_t i = 0; i < 2 * I * H; ++i) REQUIRE(g_dwgu[e * 2 * I * H + i] == dwgu0[e * 2 * I * H + i]);
+      const std::vector<float> poison_dwgu(dwgu0.size(), std::numeric_limits<float>::quiet_NaN());
+      dwgu.upload(poison_dwgu);
+      if (!launched(k::expert_gate_up_backward(blas.get(), nullptr, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
+                                               dwgu.get(), method, ws.get(), ws.size(), &streams, k::GradWrite::overwrite)))
+        break;
+      const auto o_dwgu = dwgu.download();
+      CHECK_REPORT(compare(o_dwgu, gg.dw_gate_up, 1e-5, 1e-5 * max_abs(gg.dw_gate_up), "dw_gate_up overwritten"));
+      for (std::int64_t e = E - dead; e < E; ++e)
+        for (std::int64_t i = 0; i < 2 * I * H; ++i) REQUIRE(o_dwgu[e * 2 * I * H + i] == 0.0f);
     }
   }
 }

@@ -111,6 +111,9 @@ struct ExpertGemmStreamsOptions {
   /// on the H200 (5.13B widths, T = 16384, 2026-12-01) the down-projection backward ran at 0.77x
   /// of a dense GEMM with it against 0.73x without, the gate_up backward at 0.81x against 0.85x.
   bool wgmma_weight_gradients = true;
+  /// With wgmma_weight_gradients: take that launch for wider dW too (one expert's dW more than half
+  /// a wave of tiles, e.g. the 5.13B gate_up). Off by default (see above); a knob for measuring.
+  bool wgmma_wide_weight_gradients = false;
   /// With wgmma_weight_gradients: run that launch on the first side stream beside the row GEMMs
   /// (forked from and joined back into the caller's stream; the same bits), its tiles handed out
   /// by an atomic counter (4 bytes of device memory, allocated with the streams), so its blocks
@@ -191,28 +194,42 @@ cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const 
                                 ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                 ExpertGemmStreams* streams = nullptr);  // multi_stream, row_chunked
 
-/// dh (N, I) = dy . w_down[e]; dw_down[e] (H, I) += dy^T . h (fp32; the caller zeroes it once per
-/// step; experts without rows are left untouched).
+/// How the backward launchers write the experts' weight gradients (fp32).
+enum class GradWrite : unsigned char {
+  /// dW[e] += the gradient; an expert without rows keeps its dW. For a step's later chunks (the
+  /// caller zeroes dW once per step, or passes `overwrite` for the first).
+  accumulate,
+  /// dW[e] = the gradient, its old contents never read (an expert without rows gets zeros): half
+  /// the memory traffic of `accumulate` and no zeroing beforehand. The gradient's bits equal
+  /// `accumulate` onto zeros except for signed zeros and, on the grouped wgmma path (whose
+  /// reductions flush them), subnormals.
+  overwrite,
+};
+
+/// dh (N, I) = dy . w_down[e]; dw_down[e] (H, I) += dy^T . h (fp32; or = with GradWrite::overwrite).
 cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                  const std::int32_t* counts_host,  // (E) HOST memory
                                  const bf16* dy,                   // (N, H)
                                  const bf16* h,                    // (N, I)
                                  const bf16* w_down,               // (E, H, I)
                                  bf16* dh,                         // (N, I) out
-                                 float* dw_down,                   // (E, H, I) fp32, accumulated
+                                 float* dw_down,                   // (E, H, I) fp32, accumulated (or overwritten)
                                  ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
-                                 ExpertGemmStreams* streams = nullptr);  // multi_stream, row_chunked
+                                 ExpertGemmStreams* streams = nullptr,   // multi_stream, row_chunked
+                                 GradWrite dw_write = GradWrite::accumulate);
 
-/// dx_perm (N, H) = d_gate_up . w_gate_up[e]; dw_gate_up[e] (2I, H) += d_gate_up^T . x_perm (fp32).
+/// dx_perm (N, H) = d_gate_up . w_gate_up[e]; dw_gate_up[e] (2I, H) += d_gate_up^T . x_perm (fp32;
+/// or = with GradWrite::overwrite).
 cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                     const std::int32_t* counts_host,  // (E) HOST memory
                                     const bf16* d_gate_up,            // (N, 2I)
                                     const bf16* x_perm,               // (N, H)
                                     const bf16* w_gate_up,            // (E, 2I, H)
                                     bf16* dx_perm,                    // (N, H) out
-                                    float* dw_gate_up,                // (E, 2I, H) fp32, accumulated
+                                    float* dw_gate_up,                // (E, 2I, H) fp32, accumulated (or overwritten)
                                     ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
-                                    ExpertGemmStreams* streams = nullptr);  // multi_stream, row_chunked
+                                    ExpertGemmStreams* streams = nullptr,  // multi_stream, row_chunked
+                                    GradWrite dw_write = GradWrite::accumulate);
 
 /// The same four launchers with each expert's matrices anywhere in device memory (each expert its
 /// own state segment, streamed into whatever slot it got): w_*[e] and dw_*[e] are HOST arrays of E
@@ -241,7 +258,7 @@ cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const
                                  bf16* dh,                         // (N, I) out
                                  float* const* dw_down,            // (E) host array -> (H, I) fp32 each, accumulated
                                  ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
-                                 ExpertGemmStreams* streams = nullptr);
+                                 ExpertGemmStreams* streams = nullptr, GradWrite dw_write = GradWrite::accumulate);
 cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, const ExpertGemmShape& s,
                                     const std::int32_t* counts_host,  // (E) HOST memory
                                     const bf16* d_gate_up,            // (N, 2I)
@@ -250,7 +267,7 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
                                     bf16* dx_perm,                    // (N, H) out
                                     float* const* dw_gate_up,         // (E) host array -> (2I, H) fp32 each, accumulated
                                     ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
-                                    ExpertGemmStreams* streams = nullptr);
+                                    ExpertGemmStreams* streams = nullptr, GradWrite dw_write = GradWrite::accumulate);
 
 /// Shared expert gate (Qwen3-Next): out = routed + sigmoid(x . w_gate) * y; the gate logit is saved.
 /// `routed` may be null (zero) or equal to `out` (in place).

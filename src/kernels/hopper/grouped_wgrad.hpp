@@ -22,9 +22,14 @@ struct WgradShape {
   std::int64_t lda = 0;       ///< A's row stride (>= m)
   std::int64_t ldb = 0;       ///< B's row stride (>= n)
   std::int64_t ldc = 0;       ///< C's row stride (>= n)
+  /// true: C_e += A_e^T B_e (the old C read, by L2's reductions); false: C_e = A_e^T B_e, C's old
+  /// contents never read (plain stores: half the memory traffic of the sum), an empty problem's C
+  /// set to zero.
+  bool accumulate = true;
 };
 
-/// One expert's problem: C += A^T B over its `rows` rows (0: nothing to do, C untouched).
+/// One expert's problem: C (+)= A^T B over its `rows` rows (0: C untouched when accumulating,
+/// zeroed when not).
 struct WgradProblem {
   const bf16* a = nullptr;  ///< rows x m, stride lda
   const bf16* b = nullptr;  ///< rows x n, stride ldb
@@ -42,9 +47,11 @@ inline constexpr int kWgradTileM = 128, kWgradTileN = 256;
 /// back to another path when it is false.
 bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems);
 
-/// C_e += A_e^T B_e for every problem, in fp32 with a fixed summation order (each element's sum
-/// over the rows, in order, is one thread's; L2 then adds it to the old value, once: red.v2.f32,
-/// which flushes subnormal values below 2^-126 to zero), so the result is the same bits run to run.
+/// C_e += A_e^T B_e (or C_e = A_e^T B_e: WgradShape::accumulate) for every problem, in fp32 with a
+/// fixed summation order (each element's sum over the rows, in order, is one thread's; L2 then adds
+/// it to the old value, once: red.v2.f32, which flushes subnormal values below 2^-126 to zero; or
+/// it is stored as it is), so the result is the same bits run to run. Overwriting, the empty
+/// problems' C are zeroed on `stream` first (cudaMemset2DAsync).
 /// One persistent launch per 128 non-empty problems on `stream`. cudaErrorInvalidValue when
 /// grouped_wgrad_supported would say false for the shape or the problems, cudaErrorNotSupported off compute capability 9.0; else the launches' status.
 /// `tile_counter` (4 bytes of device memory, or nullptr): blocks take their tiles from it one at a

@@ -84,6 +84,12 @@ __device__ __forceinline__ void red_add_v2(float* c, float x, float y) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(c), "f"(x), "f"(y) : "memory");
 }
 
+/// C[0..1] = (x, y): overwriting, C's old values are never read.
+__device__ __forceinline__ void store_v2(float* c, float x, float y) {
+  asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(c), "f"(x), "f"(y) : "memory");
+}
+
+template <bool Accumulate>
 __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __grid_constant__ Params p) {
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
@@ -192,7 +198,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
       float* row = p.c[g] + static_cast<std::int64_t>(m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * hf) * p.ldc + n0 +
                    2 * (lane & 3);
 #pragma unroll
-      for (int j = 0; j < 32; ++j) red_add_v2(row + 8 * j, acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+      for (int j = 0; j < 32; ++j) {
+        if constexpr (Accumulate)
+          red_add_v2(row + 8 * j, acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+        else
+          store_v2(row + 8 * j, acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+      }
     }
   }
 #else
@@ -206,9 +217,9 @@ bool shape_ok(const WgradShape& s) {
          s.lda % 8 == 0 && s.ldb % 8 == 0 && s.ldc % 2 == 0 && (s.m / kBM) * (s.n / kBN) <= INT_MAX / kMaxGroups;
 }
 
-bool problem_ok(const WgradProblem& q) {
+bool problem_ok(const WgradShape& s, const WgradProblem& q) {
   if (q.rows < 0 || q.rows > INT_MAX) return false;
-  if (q.rows == 0) return true;
+  if (q.rows == 0) return s.accumulate || q.c != nullptr;  // overwriting, an empty problem's C is zeroed
   return q.a != nullptr && q.b != nullptr && q.c != nullptr && reinterpret_cast<std::uintptr_t>(q.a) % 16 == 0 &&
          reinterpret_cast<std::uintptr_t>(q.b) % 16 == 0 && reinterpret_cast<std::uintptr_t>(q.c) % 8 == 0;
 }
@@ -218,7 +229,7 @@ bool problem_ok(const WgradProblem& q) {
 bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems) {
   if (!shape_ok(s)) return false;
   for (const WgradProblem& q : problems)
-    if (!problem_ok(q)) return false;
+    if (!problem_ok(s, q)) return false;
   return current_device_is_cc90() == cudaSuccess;
 }
 
@@ -226,12 +237,13 @@ cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProble
                                 int* tile_counter) {
   if (!shape_ok(s)) return cudaErrorInvalidValue;
   for (const WgradProblem& q : problems)
-    if (!problem_ok(q)) return cudaErrorInvalidValue;
+    if (!problem_ok(s, q)) return cudaErrorInvalidValue;
   if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
   int device = 0, sms = 0;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaFuncSetAttribute(grouped_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes); e != cudaSuccess)
+  const auto kernel = s.accumulate ? grouped_wgrad_kernel<true> : grouped_wgrad_kernel<false>;
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes); e != cudaSuccess)
     return e;
   Params params;
   params.m_tiles = static_cast<int>(s.m / kBM);
@@ -246,12 +258,17 @@ cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProble
     const int grid = params.tiles < sms ? params.tiles : sms;
     if (tile_counter != nullptr)
       if (const cudaError_t e = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
-    grouped_wgrad_kernel<<<static_cast<unsigned>(grid), kWsThreads, kSmemBytes, stream>>>(params);
+    kernel<<<static_cast<unsigned>(grid), kWsThreads, kSmemBytes, stream>>>(params);
     params.groups = 0;
     return cudaGetLastError();
   };
   for (const WgradProblem& q : problems) {
-    if (q.rows == 0) continue;
+    if (q.rows == 0) {
+      if (!s.accumulate)  // C = the sum of no products
+        if (const cudaError_t e = cudaMemset2DAsync(q.c, s.ldc * sizeof(float), 0, s.n * sizeof(float), s.m, stream); e != cudaSuccess)
+          return e;
+      continue;
+    }
     const int g = params.groups++;
     params.a[g] = reinterpret_cast<const __nv_bfloat16*>(q.a);
     params.b[g] = reinterpret_cast<const __nv_bfloat16*>(q.b);
