@@ -56,7 +56,6 @@ struct MappedHostBuffer {
 
 struct ExpertGemmStreams::State {
   int device = -1;
-  int sms = 0;  ///< the device's multiprocessors
   /// The grouped wgmma kernels' tile counters: [0] the dW launch beside the row GEMMs
   /// (overlap_weight_gradients), [1] the grouped row GEMMs (wgmma_rows).
   int* tile_counter = nullptr;
@@ -105,7 +104,6 @@ cudaError_t ExpertGemmStreams::state(State** out) {
   if (options_.streams < 1 || options_.streams > 64) return cudaErrorInvalidValue;
   auto st = std::make_unique<State>();  // frees what was created if a later step fails
   st->device = device;
-  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&st->sms, cudaDevAttrMultiProcessorCount, device));
   OOM_KERNEL_TRY(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
   for (int i = 0; i < options_.streams; ++i) {
     // Non-blocking: ordering with the caller's stream comes from the fork/join events only, so a
@@ -575,14 +573,7 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
       if (o.wgmma_weight_gradients && !weights.empty()) {
         hopper::WgradShape shape;
         std::vector<hopper::WgradProblem> problems;
-        // Only where one expert's dW is at most half a wave of the kernel's tiles: wider ones (the
-        // 5.13B gate_up, 96 tiles on 132 SMs) ran faster as per-expert cuBLAS GEMMs on the side
-        // streams beside the row GEMMs (0.85x of dense against 0.81x), narrower ones (the down
-        // projection, 48 tiles) slower (0.73x against 0.77x; H200, T = 16384, 2026-12-01).
-        const auto half_wave = [&] {
-          return o.wgmma_wide_weight_gradients || 2 * (shape.m / hopper::kWgradTileM) * (shape.n / hopper::kWgradTileN) <= st->sms;
-        };
-        if (as_wgrad(weights, &shape, &problems) && half_wave() && hopper::grouped_wgrad_supported(shape, problems)) {
+        if (as_wgrad(weights, &shape, &problems) && hopper::grouped_wgrad_supported(shape, problems)) {
           if (!o.overlap_weight_gradients) {
             OOM_KERNEL_TRY(run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays));
             return hopper::grouped_wgrad_wgmma(shape, problems, l.stream);

@@ -647,14 +647,18 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
     check(kernels::unpermute_combine_backward(st, ps, H, r.slot_to_row, dy + c0 * H, r.y_perm, v.weights + c0 * s.top_k,
                                               b.dy_perm, b.d_weights + c0 * s.top_k),
           "unpermute combine backward");
+    // The first chunk sets the experts' gradients where the caller asked (every expert's: zeros
+    // where the chunk routes no token to it), the later ones add.
+    const auto dw_write =
+        grads.overwrite_experts && c0 == 0 ? kernels::GradWrite::overwrite : kernels::GradWrite::accumulate;
     check(kernels::expert_down_backward(ctx.blas, st, es, counts.data(), b.dy_perm, r.act, params.expert_down_proj.data(),
                                         b.d_act, grads.expert_down_proj.data(), expert_method, b.gemm_ws, b.gemm_bytes,
-                                        ctx.expert_streams),
+                                        ctx.expert_streams, dw_write),
           "expert down backward GEMMs");
     check(kernels::swiglu_backward(b.d_act, r.gate_up, b.d_gate_up, n * s.top_k, I, st), "swiglu backward");
     check(kernels::expert_gate_up_backward(ctx.blas, st, es, counts.data(), b.d_gate_up, r.x_perm,
                                            params.expert_gate_proj.data(), b.dx_perm, grads.expert_gate_proj.data(),
-                                           expert_method, b.gemm_ws, b.gemm_bytes, ctx.expert_streams),
+                                           expert_method, b.gemm_ws, b.gemm_bytes, ctx.expert_streams, dw_write),
           "expert gate_up backward GEMMs");
     check(kernels::permute_rows_backward(st, ps, H, r.slot_to_row, b.dx_perm, b.dxn2 + c0 * H), "permute rows backward");
   }

@@ -71,6 +71,9 @@ struct CudaCausalLm::Impl {
     std::string name;
     std::uint64_t n = 0;
     bool resident = false;
+    // A routed expert's: its gradient is written by the layer's backward (DecoderLayerGrads::
+    // overwrite_experts), never zeroed beforehand.
+    bool expert = false;
     std::uint64_t slot_offset = 0;  // elements into its layer's weight/gradient slot (streamed)
     // resident (device)
     bf16* dw = nullptr;
@@ -350,6 +353,9 @@ struct CudaCausalLm::Impl {
   }
   std::vector<const bf16*> weight_bases(std::size_t l, const Slot& slot) const;
   std::vector<float*> grad_bases(std::size_t l, float* gslot) const;
+  /// Zeroes layer L's streamed gradients in `gslot` but the routed experts' (which its backward
+  /// overwrites), contiguous runs in one memset each.
+  void zero_streamed_grads(const Layer& L, float* gslot, cudaStream_t s) const;
   StepResult run_step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
   void sync_all() {
     for (auto* s : {&cs, &h2d, &d2h, &cpu}) backend->synchronize(*s);
@@ -402,6 +408,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     g.name = all[s].name;
     g.n = all[s].parameters();
     g.resident = is_resident(all[s]);
+    g.expert = all[s].role == SegmentRole::expert;
     // One allocation sequence for the real run and for footprint(): sizing stops before the uploads.
     if (g.resident) {
       g.dw = dev<bf16>(g.n, Claimant::resident_state);
@@ -610,6 +617,23 @@ std::vector<const bf16*> CudaCausalLm::Impl::weight_bases(std::size_t l, const S
   return b;
 }
 
+void CudaCausalLm::Impl::zero_streamed_grads(const Layer& L, float* gslot, cudaStream_t s) const {
+  std::uint64_t begin = 0, end = 0;  // the run [begin, end) of elements gathered so far
+  const auto flush = [&] {
+    if (end > begin) OOM_CUDA_CHECK(cudaMemsetAsync(gslot + begin, 0, (end - begin) * sizeof(float), s));
+  };
+  for (auto sidx : L.segments) {
+    const auto& g = segs[sidx];
+    if (g.resident || g.expert) continue;
+    if (g.slot_offset != end) {
+      flush();
+      begin = g.slot_offset;
+    }
+    end = g.slot_offset + g.n;
+  }
+  flush();
+}
+
 std::vector<float*> CudaCausalLm::Impl::grad_bases(std::size_t l, float* gslot) const {
   std::vector<float*> b;
   for (auto s : layers[l].segments) b.push_back(segs[s].resident ? segs[s].dgrad : gslot + segs[s].slot_offset);
@@ -649,8 +673,8 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   OOM_CUDA_CHECK(cudaMemcpyAsync(d_ids, h_tokens, T * sizeof(std::int32_t), cudaMemcpyHostToDevice, s));
   OOM_CUDA_CHECK(cudaMemcpyAsync(d_targets, h_tokens + T, T * sizeof(std::int32_t), cudaMemcpyHostToDevice, s));
   OOM_CUDA_CHECK(cudaMemsetAsync(d_invalid, 0, sizeof(std::int32_t), s));
-  for (auto& g : segs)
-    if (g.resident) OOM_CUDA_CHECK(cudaMemsetAsync(g.dgrad, 0, g.n * sizeof(float), s));
+  for (auto& g : segs)  // (the routed experts' are written by their layer's backward)
+    if (g.resident && !g.expert) OOM_CUDA_CHECK(cudaMemsetAsync(g.dgrad, 0, g.n * sizeof(float), s));
   const auto ends = model::LmEndsShape::from_spec(*spec, static_cast<std::int64_t>(T));
   const std::size_t n = layers.size();
 
@@ -807,9 +831,10 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (L.streamed > 0) {
       gslot = grad_slots[li % 2];
       backend->wait(cs, grad_slot_free[li % 2]);
-      OOM_CUDA_CHECK(cudaMemsetAsync(gslot, 0, L.streamed * sizeof(float), s));
+      zero_streamed_grads(L, gslot, s);
     }
-    const auto grads = model::bind_decoder_layer_grads(*spec, static_cast<int>(li), grad_bases(li, gslot));
+    auto grads = model::bind_decoder_layer_grads(*spec, static_cast<int>(li), grad_bases(li, gslot));
+    grads.overwrite_experts = true;  // one backward per step: the experts' gradients need no zeroing
     mk = span_begin(cs, Resource::gpu_compute, "bwd " + label(li));
     const double called = host_now();
     model::decoder_layer_backward(layer_ctx(), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace, workspace_bytes);

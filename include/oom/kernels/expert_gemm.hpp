@@ -102,18 +102,17 @@ struct ExpertGemmStreamsOptions {
   /// before the row GEMMs and the side streams start), so it stays off.
   bool batched_weight_gradients = false;
   /// row_chunked's weight gradients as one launch of OOM's own grouped wgmma kernel
-  /// (src/kernels/hopper/grouped_wgrad_wgmma.cu: every expert's dW += A^T B, k = its rows, fp32,
-  /// a fixed summation order, subnormals flushed) beside or after the row GEMMs
-  /// (overlap_weight_gradients), where it applies: a compute capability 9.0 device in a build with sm_90 code, dW widths
-  /// multiples of 128 x 256 with one expert's dW at most half a wave of those tiles (the 5.13B
-  /// down projection: 48 tiles on 132 SMs; not its gate_up, 96), aligned operands; elsewhere the
-  /// per-expert GEMMs on the side streams. Why: per-expert GEMMs that small leave most SMs idle;
-  /// on the H200 (5.13B widths, T = 16384, 2026-12-01) the down-projection backward ran at 0.77x
-  /// of a dense GEMM with it against 0.73x without, the gate_up backward at 0.81x against 0.85x.
+  /// (src/kernels/hopper/grouped_wgrad_wgmma.cu: every expert's dW (+)= A^T B, k = its rows, fp32,
+  /// a fixed summation order, subnormals flushed when adding) beside or after the row GEMMs
+  /// (overlap_weight_gradients), where it applies: a compute capability 9.0 device in a build with
+  /// sm_90 code, dW widths multiples of 128 x 256, aligned operands; elsewhere the per-expert GEMMs
+  /// on the side streams. Why: per-expert GEMMs that small leave most SMs idle, and issuing 64 of
+  /// them costs the host 0.5-1.1 ms (the grouped launch: 25-50 us). On the H200 (5.13B widths,
+  /// 2026-12-01, ratio to one dense GEMM of the same FLOPs, with / without): gate_up backward
+  /// 0.87 / 0.85-0.86 at T = 16384 adding, 0.93 / 0.89 overwriting (GradWrite), 0.86 / 0.79-0.80 at
+  /// T = 8192 overwriting, 0.67-0.69 / 0.59-0.62 at 4096; down-projection backward 0.77 / 0.73 at
+  /// T = 16384 (the ninth session; the gate_up's dW ran wgmma only since the eleventh).
   bool wgmma_weight_gradients = true;
-  /// With wgmma_weight_gradients: take that launch for wider dW too (one expert's dW more than half
-  /// a wave of tiles, e.g. the 5.13B gate_up). Off by default (see above); a knob for measuring.
-  bool wgmma_wide_weight_gradients = false;
   /// With wgmma_weight_gradients: run that launch on the first side stream beside the row GEMMs
   /// (forked from and joined back into the caller's stream; the same bits), its tiles handed out
   /// by an atomic counter (4 bytes of device memory, allocated with the streams), so its blocks

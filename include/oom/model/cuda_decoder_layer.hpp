@@ -106,7 +106,8 @@ struct DecoderLayerParams {
   std::vector<const bf16*> expert_down_proj;       ///< E pointers, (H, I) each
 };
 
-/// Device pointers to the layer's parameter gradients, fp32, same shapes, accumulated into.
+/// Device pointers to the layer's parameter gradients, fp32, same shapes, accumulated into (the
+/// routed experts': overwritten instead with `overwrite_experts`).
 struct DecoderLayerGrads {
   float* input_layernorm = nullptr;
   float* q_proj = nullptr;
@@ -120,6 +121,12 @@ struct DecoderLayerGrads {
   std::vector<float*> expert_gate_proj;  ///< E pointers, (I, H) each
   std::vector<float*> expert_up_proj;    ///< E pointers, (I, H) each; == gate_proj + I*H
   std::vector<float*> expert_down_proj;  ///< E pointers, (H, I) each
+  /// The routed experts' gradients are set, not added to: their old contents are never read (the
+  /// caller need not zero them) and an expert no token reaches gets zeros. The MoE block's first
+  /// token chunk writes them (kernels::GradWrite::overwrite), later chunks add. Half the memory
+  /// traffic of the experts' weight gradients, and no zeroing beforehand, for a caller that
+  /// runs one backward per step; the other gradients are accumulated either way.
+  bool overwrite_experts = false;
 };
 
 /// Resolves every tensor of layer `layer` from its segments (spec.layer_segments(layer)) and one
@@ -177,7 +184,8 @@ struct DecoderLayerAttentionState {
 };
 [[nodiscard]] DecoderLayerAttentionState decoder_layer_attention_state(const DecoderLayerShape& s, void* saved);
 
-/// dx = d layer / dx . dy, and every parameter gradient accumulated into `grads`. `x` and `saved`
+/// dx = d layer / dx . dy, and every parameter gradient accumulated into `grads` (the experts'
+/// overwritten with DecoderLayerGrads::overwrite_experts). `x` and `saved`
 /// as the forward left them (saved is left unchanged). dx must not alias x or dy.
 void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
                             const std::int32_t* positions,  // (T) int32
