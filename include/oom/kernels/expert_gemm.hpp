@@ -25,9 +25,9 @@
 //     the deep, chunk and remainder GEMMs may run different cuBLAS kernels, so rows can differ
 //     in rounding from another depth's: <= row_chunk rows of waste per expert);
 //     experts with fewer than row_chunk rows run alone. The weight gradients (one output per
-//     expert, k = its rows) run as in multi_stream, concurrently with the data GEMM, or, where
-//     each is small (ExpertGemmStreamsOptions::wgmma_weight_gradients), as one grouped wgmma
-//     launch beside it on a side stream (overlap_weight_gradients) or after it.
+//     expert, k = its rows) run as in multi_stream, concurrently with the data GEMM, or, on
+//     Hopper where the widths allow (ExpertGemmStreamsOptions::wgmma_weight_gradients), as one
+//     grouped wgmma launch beside it on a side stream (overlap_weight_gradients) or after it.
 //     Pointer arrays are copied into `workspace` as for grouped_batched. On Hopper the row GEMMs
 //     are instead one grouped wgmma launch (ExpertGemmStreamsOptions::wgmma_rows) where the
 //     widths allow.
