@@ -574,12 +574,9 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
         hopper::WgradShape shape;
         std::vector<hopper::WgradProblem> problems;
         if (as_wgrad(weights, &shape, &problems) && hopper::grouped_wgrad_supported(shape, problems)) {
-          const bool multicast = o.multicast_weight_gradients &&
-                                 hopper::grouped_wgrad_supported(shape, problems, hopper::WgradKernel::tma_multicast);
-          const auto kernel = multicast ? hopper::WgradKernel::tma_multicast : hopper::WgradKernel::cp_async;
           if (!o.overlap_weight_gradients) {
             OOM_KERNEL_TRY(run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays));
-            return hopper::grouped_wgrad_wgmma(shape, problems, l.stream, nullptr, kernel);
+            return hopper::grouped_wgrad_wgmma(shape, problems, l.stream);
           }
           // The row GEMMs on the caller's stream, the weight gradients beside them on the first
           // side stream, tiles handed out dynamically; joined back before returning.
@@ -588,8 +585,7 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
           OOM_KERNEL_TRY(cudaStreamWaitEvent(side, st->fork, 0));
           cudaError_t status = run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays);
           // dW is changed only when the call can succeed (as after the row GEMMs, below).
-          if (status == cudaSuccess)
-            status = hopper::grouped_wgrad_wgmma(shape, problems, side, multicast ? nullptr : st->tile_counter, kernel);
+          if (status == cudaSuccess) status = hopper::grouped_wgrad_wgmma(shape, problems, side, st->tile_counter);
           const cudaError_t w = join_side(*st, 0, l.stream);  // joined even after an error
           return status != cudaSuccess ? status : w;
         }

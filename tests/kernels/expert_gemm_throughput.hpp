@@ -57,9 +57,7 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       {"chunk128nw", M::row_chunked, {.wgmma_weight_gradients = false}},
                                       // the grouped wgmma dW after the row GEMMs, on the caller's
                                       // stream (chunk128 runs it beside them on a side stream)
-                                      {"chunk128sr", M::row_chunked, {.overlap_weight_gradients = false}},
-                                      // the dW kernel in 2-CTA clusters multicasting B
-                                      {"chunk128mc", M::row_chunked, {.multicast_weight_gradients = true}}};
+                                      {"chunk128sr", M::row_chunked, {.overlap_weight_gradients = false}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});

@@ -54,11 +54,9 @@ void require_sm90() { oom::test::require_sm90("test_grouped_wgrad"); }
 /// Runs the kernel on problems of `rows` rows each (one A and one B buffer holding all rows, the
 /// problems' rows consecutive), C_e starting at random values, and checks the result against fp64.
 void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t ldb, std::int64_t ldc,
-                const std::vector<std::int64_t>& rows, std::uint64_t seed, bool dynamic = false, bool accumulate = true,
-                hw::WgradKernel kernel = hw::WgradKernel::cp_async) {
+                const std::vector<std::int64_t>& rows, std::uint64_t seed, bool dynamic = false, bool accumulate = true) {
   require_sm90();
-  INFO((kernel == hw::WgradKernel::tma_multicast ? "2-CTA clusters, " : "") << (accumulate ? "" : "overwriting, ")
-                                                                            << (dynamic ? "dynamic tiles, " : "") << "m=" << m << " n=" << n << " lda=" << lda << " ldb=" << ldb << " ldc=" << ldc << " problems=" << rows.size());
+  INFO((accumulate ? "" : "overwriting, ") << (dynamic ? "dynamic tiles, " : "") << "m=" << m << " n=" << n << " lda=" << lda << " ldb=" << ldb << " ldc=" << ldc << " problems=" << rows.size());
   std::int64_t total = 0;
   for (const auto r : rows) total += r;
   const Bf16Data a(random_normal(static_cast<std::size_t>(std::max<std::int64_t>(total, 1) * lda), seed));
@@ -80,11 +78,11 @@ void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t l
     off += rows[e];
   }
   const hw::WgradShape shape{.m = m, .n = n, .lda = lda, .ldb = ldb, .ldc = ldc, .accumulate = accumulate};
-  REQUIRE(hw::grouped_wgrad_supported(shape, problems, kernel));
+  REQUIRE(hw::grouped_wgrad_supported(shape, problems));
   DeviceBuffer<int> counter(1);
   OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));  // the launch must zero it
   int* const tiles = dynamic ? counter.get() : nullptr;
-  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles, kernel) == cudaSuccess);
+  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles) == cudaSuccess);
   OOM_CUDA_CHECK(cudaDeviceSynchronize());
   const auto c = d_c.download();
 
@@ -125,17 +123,10 @@ void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t l
 
   // A fixed summation order: the same bits from the same start.
   d_c.upload(start);
-  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles, kernel) == cudaSuccess);
+  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles) == cudaSuccess);
   OOM_CUDA_CHECK(cudaDeviceSynchronize());
   const auto again = d_c.download();
   CHECK(std::memcmp(again.data(), c.data(), c.size() * sizeof(float)) == 0);
-  if (kernel != hw::WgradKernel::cp_async) {  // and the bits of the cp.async-fed kernel
-    d_c.upload(start);
-    REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, nullptr, hw::WgradKernel::cp_async) == cudaSuccess);
-    OOM_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto reference = d_c.download();
-    CHECK(std::memcmp(reference.data(), c.data(), c.size() * sizeof(float)) == 0);
-  }
 }
 
 }  // namespace
@@ -163,20 +154,6 @@ TEST_CASE("grouped weight gradients over more problems than one launch takes") {
   REQUIRE(std::count_if(rows.begin(), rows.end(), [](std::int64_t r) { return r > 0; }) > 128);
   check_case(128, 256, 128, 256, 256, rows, 400);
   check_case(128, 256, 128, 256, 256, rows, 401, true);  // the counter zeroed again for the second launch
-}
-
-TEST_CASE("grouped weight gradients in 2-CTA clusters (B multicast): the fp64 reference, every case above") {
-  const auto mc = hw::WgradKernel::tma_multicast;
-  check_case(256, 512, 264, 528, 514, {63, 0, 130, 1000, 2}, 200, false, true, mc);
-  check_case(256, 512, 264, 528, 516, {63, 0, 130, 1000, 2}, 210, false, false, mc);
-  check_case(512, 256, 512, 256, 256, {1, 64, 65, 7, 200}, 220, false, true, mc);
-  std::vector<std::int64_t> rows;  // 133 non-empty problems: three launches of at most 64
-  for (int e = 0; e < 150; ++e) rows.push_back(e % 9 == 0 ? 0 : 1 + (e * 37) % 90);
-  check_case(256, 256, 256, 256, 256, rows, 420, false, true, mc);
-  check_case(256, 256, 256, 256, 256, rows, 421, false, false, mc);
-  rows.clear();  // 100 problems of 1 x 2 pairs: every cluster walks several, the stages and phases on
-  for (int e = 0; e < 100; ++e) rows.push_back(1 + (e * 53) % 90);
-  check_case(256, 512, 256, 512, 512, rows, 620, false, true, mc);
 }
 
 TEST_CASE("grouped weight gradients with several tiles per block: stages and phases carried across tiles") {
@@ -224,15 +201,6 @@ TEST_CASE("grouped_wgrad refuses what its tiles, copies and stores cannot do") {
   CHECK(refused(good, q));
   // An empty problem needs no pointers.
   CHECK(hw::grouped_wgrad_supported(good, std::vector<hw::WgradProblem>{{.rows = 0}}));
-  // 2-CTA clusters: M tiles in pairs, static tiles only.
-  const std::vector<hw::WgradProblem> one{ok};
-  CHECK(!hw::grouped_wgrad_supported(good, one, hw::WgradKernel::tma_multicast));  // one M tile
-  CHECK(hw::grouped_wgrad_wgmma(good, one, nullptr, nullptr, hw::WgradKernel::tma_multicast) == cudaErrorInvalidValue);
-  auto pairs = good;
-  pairs.m = pairs.lda = 256;
-  CHECK(hw::grouped_wgrad_supported(pairs, one, hw::WgradKernel::tma_multicast));
-  DeviceBuffer<int> counter(1);
-  CHECK(hw::grouped_wgrad_wgmma(pairs, one, nullptr, counter.get(), hw::WgradKernel::tma_multicast) == cudaErrorInvalidValue);
 }
 
 TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row outputs as without it") {
@@ -251,9 +219,8 @@ TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row
     std::vector<bf16> dh, dx;
     std::vector<float> dwd, dwgu;
   };
-  const auto run = [&](bool wgmma, bool overlap = false, bool multicast = false) {
-    k::ExpertGemmStreams streams(
-        {.wgmma_weight_gradients = wgmma, .multicast_weight_gradients = multicast, .overlap_weight_gradients = overlap});
+  const auto run = [&](bool wgmma, bool overlap = false) {
+    k::ExpertGemmStreams streams({.wgmma_weight_gradients = wgmma, .overlap_weight_gradients = overlap});
     DeviceBuffer<std::uint8_t> ws(k::expert_gemm_workspace_bytes(s, k::ExpertGemmMethod::row_chunked, &streams));
     DeviceBuffer<bf16> d_x(x.bits), d_h(h.bits), d_wd(wd.bits), d_wgu(wgu.bits), d_dy(dy.bits), d_dgu(dgu.bits), dh(N * I), dx(N * H);
     DeviceBuffer<float> dwd(dwd0), dwgu(dwgu0);
@@ -275,7 +242,7 @@ TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row
     OOM_CUDA_CHECK(cudaDeviceSynchronize());  // nothing left running before the buffers go
     return out;
   };
-  const Out with = run(true), without = run(false), overlapped = run(true, true), clustered = run(true, true, true);
+  const Out with = run(true), without = run(false), overlapped = run(true, true);
   CHECK(std::memcmp(with.dh.data(), without.dh.data(), with.dh.size() * sizeof(bf16)) == 0);
   CHECK(std::memcmp(with.dx.data(), without.dx.data(), with.dx.size() * sizeof(bf16)) == 0);
   // Beside the row GEMMs on a side stream, with dynamic tiles: every output the same bits.
@@ -283,10 +250,6 @@ TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row
   CHECK(std::memcmp(overlapped.dx.data(), with.dx.data(), with.dx.size() * sizeof(bf16)) == 0);
   CHECK(std::memcmp(overlapped.dwd.data(), with.dwd.data(), with.dwd.size() * sizeof(float)) == 0);
   CHECK(std::memcmp(overlapped.dwgu.data(), with.dwgu.data(), with.dwgu.size() * sizeof(float)) == 0);
-  // The dW kernel in 2-CTA clusters (static tiles) beside them: the same bits again.
-  CHECK(std::memcmp(clustered.dh.data(), with.dh.data(), with.dh.size() * sizeof(bf16)) == 0);
-  CHECK(std::memcmp(clustered.dwd.data(), with.dwd.data(), with.dwd.size() * sizeof(float)) == 0);
-  CHECK(std::memcmp(clustered.dwgu.data(), with.dwgu.data(), with.dwgu.size() * sizeof(float)) == 0);
   const auto down = ref::expert_down_backward(rs, counts, dy.values, h.values, wd.values);
   const auto gate_up = ref::expert_gate_up_backward(rs, counts, dgu.values, x.values, wgu.values);
   auto dwd_ref = dwd0, dwgu_ref = dwgu0;
@@ -333,12 +296,6 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
     const char* name;
     std::int64_t m, n;
   };
-  int clusters = 0;
-  OOM_CUDA_CHECK(hw::grouped_wgrad_multicast_clusters(true, &clusters));
-  int device = 0, sms = 0;
-  OOM_CUDA_CHECK(cudaGetDevice(&device));
-  OOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  std::printf("grouped wgrad multicast: %d 2-CTA clusters at once on %d SMs\n", clusters, sms);
   oom::test::Blas blas;
   cudaStream_t stream;
   OOM_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -366,13 +323,11 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         },
         stream);
-    for (const auto kernel : {hw::WgradKernel::cp_async, hw::WgradKernel::tma_multicast}) {
-      const double ms = oom::test::time_ms(
-          [&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_wgrad_wgmma(shape, problems, st, nullptr, kernel)); }, stream);
-      std::printf("grouped wgrad %-9s %s %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
-                  kernel == hw::WgradKernel::cp_async ? "cp.async" : "multicast", accumulate ? "C +=" : "C = ",
-                  static_cast<long long>(R), op.name, ms, flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms);
-    }
+    const double ms =
+        oom::test::time_ms([&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_wgrad_wgmma(shape, problems, st)); }, stream);
+    std::printf("grouped wgrad %s %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
+                accumulate ? "C +=" : "C = ", static_cast<long long>(R), op.name, ms,
+                flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms);
   }
   OOM_CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -113,11 +113,6 @@ struct ExpertGemmStreamsOptions {
   /// T = 8192 overwriting, 0.67-0.69 / 0.59-0.62 at 4096; down-projection backward 0.77 / 0.73 at
   /// T = 16384 (the ninth session; the gate_up's dW ran wgmma only since the eleventh).
   bool wgmma_weight_gradients = true;
-  /// With wgmma_weight_gradients: that kernel's 2-CTA-cluster form (TMA loads, each pair of M tiles
-  /// sharing its B tile by multicast; src/kernels/hopper/grouped_wgrad.hpp, WgradKernel) where the
-  /// dW height is a multiple of 256, with static tiles (no counter, even beside the row GEMMs).
-  /// The same bits. Off: being measured.
-  bool multicast_weight_gradients = false;
   /// With wgmma_weight_gradients: run that launch on the first side stream beside the row GEMMs
   /// (forked from and joined back into the caller's stream; the same bits), its tiles handed out
   /// by an atomic counter (4 bytes of device memory, allocated with the streams), so its blocks

@@ -40,23 +40,12 @@ struct WgradProblem {
 /// The block tile of C: one block computes 128 x 256 of one problem at a time.
 inline constexpr int kWgradTileM = 128, kWgradTileN = 256;
 
-/// How the tiles' operands reach shared memory.
-enum class WgradKernel : unsigned char {
-  /// cp.async by a producer warpgroup, one CTA per tile (the default).
-  cp_async,
-  /// TMA, 2-CTA clusters taking two M tiles of one (problem, N tile) and multicasting its B tile
-  /// to both (a third less L2 traffic). m must be a multiple of 256; static tiles only (no
-  /// tile_counter). The same bits as cp_async.
-  tma_multicast,
-};
-
 /// Whether grouped_wgrad_wgmma computes these: m a multiple of 128 and n of 256 (its tile), lda and
 /// ldb multiples of 8 elements and A/B 16-byte aligned (its 16-byte copies), ldc even and C
 /// 8-byte aligned (its two-float reductions), strides at least the widths, rows in [0, 2^31),
 /// and the current device of compute capability 9.0 (the only code built is sm_90a). Callers fall
 /// back to another path when it is false.
-bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems,
-                             WgradKernel kernel = WgradKernel::cp_async);
+bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> problems);
 
 /// C_e += A_e^T B_e (or C_e = A_e^T B_e: WgradShape::accumulate) for every problem, in fp32 with a
 /// fixed summation order (each element's sum over the rows, in order, is one thread's; L2 then adds
@@ -70,11 +59,7 @@ bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> 
 /// instead of every grid-th tile, so blocks that start late, on SMs another stream's kernels held,
 /// do not finish late; the results are the same bits either way.
 /// No allocation, no synchronisation.
-/// How many 2-CTA clusters of the tma_multicast kernel the current device runs at once (its grid
-/// is twice that, or less): for diagnostics.
-cudaError_t grouped_wgrad_multicast_clusters(bool accumulate, int* clusters);
-
 cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream,
-                                int* tile_counter = nullptr, WgradKernel kernel = WgradKernel::cp_async);
+                                int* tile_counter = nullptr);
 
 }  // namespace oom::kernels::hopper
