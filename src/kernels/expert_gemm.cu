@@ -495,9 +495,10 @@ struct Launch {
 /// kernel's; false when they are not all of that form and shape.
 bool as_wgrad(const std::vector<Problem>& weights, hopper::WgradShape* shape, std::vector<hopper::WgradProblem>* out) {
   const Problem& f = weights.front();
+  if (f.beta != 1.0f && f.beta != 0.0f) return false;
   *shape = {.m = f.m, .n = f.n, .lda = f.lda, .ldb = f.ldb, .ldc = f.ldc, .accumulate = f.beta != 0.0f};
   for (const Problem& p : weights) {
-    if (!p.trans_a || p.trans_b || p.c_type != CUDA_R_32F || (p.beta != 1.0f && p.beta != 0.0f) || p.beta != f.beta || p.m != f.m || p.n != f.n || p.lda != f.lda ||
+    if (!p.trans_a || p.trans_b || p.c_type != CUDA_R_32F || p.beta != f.beta || p.m != f.m || p.n != f.n || p.lda != f.lda ||
         p.ldb != f.ldb || p.ldc != f.ldc)
       return false;
     out->push_back({.a = static_cast<const bf16*>(p.a), .b = static_cast<const bf16*>(p.b), .c = static_cast<float*>(p.c), .rows = p.k});
@@ -744,6 +745,9 @@ bool grads_present(const ExpertGemmShape& s, const std::int32_t* counts_host, fl
   return true;
 }
 
+/// The weight-gradient GEMMs' beta for `write`.
+constexpr float dw_beta(GradWrite write) { return write == GradWrite::accumulate ? 1.0f : 0.0f; }
+
 /// Overwriting: the dW (`elements` floats each) of the experts without rows set to zero on `stream`,
 /// before the launch's GEMMs (which write the others).
 cudaError_t zero_idle_grads(const ExpertGemmShape& s, const std::int32_t* counts_host, float* const* dw, std::int64_t elements,
@@ -811,7 +815,7 @@ cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const
       !grads_present(s, counts_host, dw_down, dw_write))
     return cudaErrorInvalidValue;
   const auto H = s.hidden, I = s.intermediate;
-  const float beta = dw_write == GradWrite::accumulate ? 1.0f : 0.0f;
+  const float beta = dw_beta(dw_write);
   std::vector<Problem> data, weight;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
     // dh (rows, I) = dy (rows, H) . w_down[e] (H, I)
@@ -843,7 +847,7 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
       !grads_present(s, counts_host, dw_gate_up, dw_write))
     return cudaErrorInvalidValue;
   const auto H = s.hidden, I2 = 2 * s.intermediate;
-  const float beta = dw_write == GradWrite::accumulate ? 1.0f : 0.0f;
+  const float beta = dw_beta(dw_write);
   std::vector<Problem> data, weight;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
     // dx (rows, H) = d_gate_up (rows, 2I) . w_gate_up[e] (2I, H)

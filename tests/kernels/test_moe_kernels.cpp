@@ -279,16 +279,22 @@ TEST_CASE("expert GEMMs (every method) match the reference, experts without toke
       for (std::int64_t e = E - dead; e < E; ++e)
         for (std::int64_t i = 0; i < H * I; ++i) REQUIRE(g_dwd[e * H * I + i] == dwd0[e * H * I + i]);
       // Overwriting (a step's first chunk): the old contents (NaN poison here) never read, dead
-      // experts' gradients zero.
-      const std::vector<float> poison_dwd(dwd0.size(), std::numeric_limits<float>::quiet_NaN());
-      dwd.upload(poison_dwd);
-      if (!launched(k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(),
-                                            dwd.get(), method, ws.get(), ws.size(), &streams, k::GradWrite::overwrite)))
+      // experts' gradients zero. `run` launches the backward overwriting into `dw`.
+      const auto overwritten = [&](DeviceBuffer<float>& dw, const std::vector<float>& want, std::int64_t per_expert,
+                                   const char* name, auto&& run) {
+        dw.upload(std::vector<float>(dw.size(), std::numeric_limits<float>::quiet_NaN()));
+        if (!launched(run())) return false;
+        const auto got = dw.download();
+        CHECK_REPORT(compare(got, want, 1e-5, 1e-5 * max_abs(want), name));
+        for (std::int64_t e = E - dead; e < E; ++e)
+          for (std::int64_t i = 0; i < per_expert; ++i) REQUIRE(got[e * per_expert + i] == 0.0f);
+        return true;
+      };
+      if (!overwritten(dwd, dg.dw_down, H * I, "dw_down overwritten", [&] {
+            return k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(),
+                                           dwd.get(), method, ws.get(), ws.size(), &streams, k::GradWrite::overwrite);
+          }))
         break;
-      const auto o_dwd = dwd.download();
-      CHECK_REPORT(compare(o_dwd, dg.dw_down, 1e-5, 1e-5 * max_abs(dg.dw_down), "dw_down overwritten"));
-      for (std::int64_t e = E - dead; e < E; ++e)
-        for (std::int64_t i = 0; i < H * I; ++i) REQUIRE(o_dwd[e * H * I + i] == 0.0f);
 
       const Bf16Data dgu(random_normal(static_cast<std::size_t>(N * 2 * I), 17000 + T));
       const auto dwgu0 = random_normal(static_cast<std::size_t>(E * 2 * I * H), 18000 + T);
@@ -304,15 +310,11 @@ TEST_CASE("expert GEMMs (every method) match the reference, experts without toke
       CHECK_REPORT(compare(g_dwgu, dwgu_ref, 1e-5, 1e-5 * max_abs(dwgu_ref), "dw_gate_up"));
       for (std::int64_t e = E - dead; e < E; ++e)
         for (std::int64_t i = 0; i < 2 * I * H; ++i) REQUIRE(g_dwgu[e * 2 * I * H + i] == dwgu0[e * 2 * I * H + i]);
-      const std::vector<float> poison_dwgu(dwgu0.size(), std::numeric_limits<float>::quiet_NaN());
-      dwgu.upload(poison_dwgu);
-      if (!launched(k::expert_gate_up_backward(blas.get(), nullptr, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
-                                               dwgu.get(), method, ws.get(), ws.size(), &streams, k::GradWrite::overwrite)))
+      if (!overwritten(dwgu, gg.dw_gate_up, 2 * I * H, "dw_gate_up overwritten", [&] {
+            return k::expert_gate_up_backward(blas.get(), nullptr, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
+                                              dwgu.get(), method, ws.get(), ws.size(), &streams, k::GradWrite::overwrite);
+          }))
         break;
-      const auto o_dwgu = dwgu.download();
-      CHECK_REPORT(compare(o_dwgu, gg.dw_gate_up, 1e-5, 1e-5 * max_abs(gg.dw_gate_up), "dw_gate_up overwritten"));
-      for (std::int64_t e = E - dead; e < E; ++e)
-        for (std::int64_t i = 0; i < 2 * I * H; ++i) REQUIRE(o_dwgu[e * 2 * I * H + i] == 0.0f);
     }
   }
 }

@@ -1,5 +1,5 @@
-// What the wgmma attention kernels check before they launch (private, like the kernels): the
-// forwards' whole check, and the device check the backward uses too.
+// What the wgmma kernels check before they launch (private, like the kernels): the attention
+// forwards' whole check, the device check the others use too, and the grouped GEMMs' prologue.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,6 +17,17 @@ inline cudaError_t current_device_is_cc90() {
   if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev); e != cudaSuccess) return e;
   return major == 9 && minor == 0 ? cudaSuccess : cudaErrorNotSupported;
+}
+
+/// What a persistent launch (one block per SM at most) needs first: the current device checked
+/// as above, its SM count into *sms, and `kernel` allowed `smem_bytes` of dynamic shared memory.
+template <class Kernel>
+inline cudaError_t prepare_persistent_launch(Kernel kernel, int smem_bytes, int* sms) {
+  if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
 }
 
 /// cudaErrorInvalidValue for a problem attention_can_implement rejects or a misaligned pointer or

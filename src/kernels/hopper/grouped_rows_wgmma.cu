@@ -295,13 +295,9 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
   if (!shape_ok(s, a, c)) return cudaErrorInvalidValue;
   for (const RowsProblem& q : problems)
     if (!problem_ok(s, q)) return cudaErrorInvalidValue;
-  if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
-  int device = 0, sms = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
   const auto kernel = s.b_k_by_n ? grouped_rows_kernel<true> : grouped_rows_kernel<false>;
-  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes); e != cudaSuccess)
-    return e;
+  int sms = 0;
+  if (const cudaError_t e = prepare_persistent_launch(kernel, kSmemBytes, &sms); e != cudaSuccess) return e;
   static_assert(alignof(Params) >= 64);  // the tensor maps' alignment, kept by the parameter copy
   Params params;
   params.n_tiles = static_cast<int>(s.n / kBN);

@@ -238,13 +238,9 @@ cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProble
   if (!shape_ok(s)) return cudaErrorInvalidValue;
   for (const WgradProblem& q : problems)
     if (!problem_ok(s, q)) return cudaErrorInvalidValue;
-  if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
-  int device = 0, sms = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
   const auto kernel = s.accumulate ? grouped_wgrad_kernel<true> : grouped_wgrad_kernel<false>;
-  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes); e != cudaSuccess)
-    return e;
+  int sms = 0;
+  if (const cudaError_t e = prepare_persistent_launch(kernel, kSmemBytes, &sms); e != cudaSuccess) return e;
   Params params;
   params.m_tiles = static_cast<int>(s.m / kBM);
   params.n_tiles = static_cast<int>(s.n / kBN);
