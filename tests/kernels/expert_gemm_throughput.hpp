@@ -128,14 +128,16 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
     ExpertGemmRatio r;
     r.op = op.name;
     double host_s = 0;
+    int calls = 0;  // (time_ms' warm-up calls included)
     r.grouped_ms = time_ms(
         [&](cudaStream_t) {
           const auto t0 = std::chrono::steady_clock::now();
           OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method));
           host_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          ++calls;
         },
         stream, repeats);
-    r.host_us = host_s / (repeats + 2) * 1e6;  // (time_ms' two warm-up calls included)
+    r.host_us = host_s / calls * 1e6;
     r.pipelined_ms = time_ms(
                          [&](cudaStream_t) {
                            for (int i = 0; i < 10; ++i) OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method));
