@@ -14,7 +14,9 @@
 //     beside the row GEMMs on a side stream (overlap_weight_gradients, tiles from a counter);
 //   - tiles handed out by an atomic counter (a counter not zero beforehand; two launches).
 // Then a timing report (printed, not asserted) at the 5.13B shapes, T = 16384, against one dense
-// GEMM of the same FLOPs and row_chunked's per-expert weight gradients.
+// GEMM of the same FLOPs and row_chunked's per-expert weight gradients; and the kernel alone at 512
+// and 2048 rows per expert against one dense dW and against cuBLAS's strided batched GEMM on the
+// same (equal-row) problems, which writes the same 64 C.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
@@ -323,11 +325,21 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         },
         stream);
+    // cuBLAS on the same problems (equal rows: one strided batched call): the same 64 C written.
+    const double batched = oom::test::time_ms(
+        [&](cudaStream_t) {
+          OOM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+              blas.get(), CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(op.n), static_cast<int>(op.m), static_cast<int>(R), &alpha,
+              b.get(), CUDA_R_16BF, static_cast<int>(op.n), R * op.n, a.get(), CUDA_R_16BF, static_cast<int>(op.m), R * op.m, &beta,
+              c.get(), CUDA_R_32F, static_cast<int>(op.n), op.m * op.n, static_cast<int>(E), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        },
+        stream);
     const double ms =
         oom::test::time_ms([&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_wgrad_wgmma(shape, problems, st)); }, stream);
-    std::printf("grouped wgrad %s %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
+    std::printf("grouped wgrad %s %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f; "
+                "cuBLAS strided batched (the same 64 C) %.3f ms, ratio %.2f\n",
                 accumulate ? "C +=" : "C = ", static_cast<long long>(R), op.name, ms,
-                flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms);
+                flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms, batched, dense / batched);
   }
   OOM_CUDA_CHECK(cudaStreamDestroy(stream));
 }

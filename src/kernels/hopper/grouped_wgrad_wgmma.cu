@@ -15,14 +15,17 @@
 // read the A tile twice from shared memory: 0.77x against 0.76x of dense, H200, 2026-12-01).
 // Shared memory per stage: A 64 rows x 128 M (16 KiB: halves at 0 and 8 KiB) and B 64 rows x 256 N
 // (32 KiB: four 64-wide N halves 8 KiB apart, loaded as two 128-column tiles), four stages
-// (192 KiB) + 8 mbarriers + 1 KiB to align the tiles to 1024 bytes.
+// (192 KiB) + 8 mbarriers + the epilogue's staging (2.5 KiB per consumer warp) + 1 KiB to align
+// the tiles to 1024 bytes.
 // Schedule: block b takes block tiles b, b + grid, ... of the list (problem, M tile, N tile), N
 // tile fastest, or, given a counter, the next tile an atomicAdd hands out (for a launch beside
 // other kernels: blocks that start late do not finish late); the producer picks and publishes
-// each tile through a word per stage; the producer streams each tile's K steps through the stages without pausing between
-// tiles, so the next tile's first stages load while the consumers add the finished one into C
-// (fire-and-forget reductions in L2, red.v2.f32: the consumers do not wait for C's old values).
-// 32-row K steps in 8 stages measured no better (0.76x / 0.75x against 0.76x / 0.76x).
+// each tile through a word per stage; the producer streams each tile's K steps through the stages
+// without pausing between tiles, so the next tile's first stages load while the consumers write
+// the finished one to C (through their staging, 16-byte stores or fire-and-forget L2 reductions,
+// st.v4 / red.v4.f32: the consumers never wait for C's old values).
+// 32-row K steps in 8 stages measured no better (0.76x / 0.75x against 0.76x / 0.76x); three
+// stages run the products as fast as four (H200, 2026-12-01).
 // Consumers keep one stage's wgmmas in flight (wait_group 1) and release a stage once the wgmmas
 // reading it have completed.
 // Determinism: each C element belongs to one thread of one block tile; its value is the wgmma sum
@@ -55,13 +58,20 @@ constexpr std::uint32_t kBTileBytes = kBK * kBN * 2;        // 32 KiB
 constexpr std::uint32_t kStageBytes = kATileBytes + kBTileBytes;
 constexpr std::uint32_t kOffBar = kStages * kStageBytes;    // 192 KiB
 constexpr std::uint32_t kOffTiles = kOffBar + 8 * 2 * kStages;  // int per stage + 2 broadcast ints
-constexpr int kSmemBytes = static_cast<int>(kOffTiles) + 4 * (kStages + 2) + 1024;
+// The epilogue's staging: per consumer warp, 16 rows x 32 columns of fp32 at a time, rows 40
+// floats apart, so a warp's 8-byte fragment stores (8 rows x 4 lanes) take the minimum two passes
+// (rows 0-3 cover the 32 banks once, rows 4-7 again).
+constexpr int kEpiCols = 32, kEpiStride = 40;
+constexpr std::uint32_t kEpiWarpBytes = 16 * kEpiStride * 4;  // 2.5 KiB
+constexpr std::uint32_t kOffEpi = (kOffTiles + 4 * (kStages + 2) + 15) / 16 * 16;
+constexpr int kSmemBytes = static_cast<int>(kOffEpi + (kWsConsumerThreads / 32) * kEpiWarpBytes) + 1024;
 static_assert(kSmemBytes <= 227 * 1024);
 constexpr std::uint32_t kSwAtom = 1024;  // 8 rows of 128 bytes
 
 struct Params {
   int groups = 0, m_tiles = 0, n_tiles = 0, tiles = 0;
   std::int64_t lda = 0, ldb = 0, ldc = 0;
+  bool c_vec4 = false;     ///< every C 16-byte aligned and ldc a multiple of 4: 16-byte stores
   int* counter = nullptr;  ///< dynamic tiles: the next tile to hand out (0 at launch); nullptr: static
   const __nv_bfloat16* a[kMaxGroups];
   const __nv_bfloat16* b[kMaxGroups];
@@ -87,6 +97,23 @@ __device__ __forceinline__ void red_add_v2(float* c, float x, float y) {
 /// C[0..1] = (x, y): overwriting, C's old values are never read.
 __device__ __forceinline__ void store_v2(float* c, float x, float y) {
   asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(c), "f"(x), "f"(y) : "memory");
+}
+
+/// C[0..3] (+)= v: one 16-byte reduction or store where C allows (vec4), else two of 8 bytes.
+template <bool Accumulate>
+__device__ __forceinline__ void put_4(float* c, float4 v, bool vec4) {
+  if (vec4) {
+    if constexpr (Accumulate)
+      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(c), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+    else
+      asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(c), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+  } else if constexpr (Accumulate) {
+    red_add_v2(c, v.x, v.y);
+    red_add_v2(c + 2, v.z, v.w);
+  } else {
+    store_v2(c, v.x, v.y);
+    store_v2(c + 2, v.z, v.w);
+  }
 }
 
 template <bool Accumulate>
@@ -189,21 +216,39 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
     }
     ring.drain(acc);
 
-    // C += the tile: thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64,
-    // columns 8 j + 2 (lane % 4) (+ 1), j = 0..31 (wgmma.cuh's accumulator fragment), added by L2
-    // (red_add_v2): nothing waited for. A load, add and store here instead left the tensor cores
-    // idle for the round trips: 0.68x dense against 0.76x (H200, 2026-12-01).
+    // C (+)= the tile. Thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) of the
+    // warpgroup's 64, columns 8 j + 2 (lane % 4) (+ 1), j = 0..31 (wgmma.cuh's accumulator
+    // fragment). Each warp passes its 16 rows through its staging 32 columns at a time and writes
+    // whole 128-byte row pieces (a warp store covers four rows' 128 bytes), 16-byte stores or L2
+    // reductions that nothing waits for. Straight from the fragment (eight rows' 32 bytes per warp
+    // store, 8-byte stores) the kernel ran at 0.59-0.61x of a dense dW at 512 rows per expert
+    // overwriting and 0.72-0.75x at 2048 adding; staged 0.64-0.65x and 0.78-0.80x (H200,
+    // 2026-12-01; docs/hopper.md has what else was tried).
+    const std::uint32_t epi = base + kOffEpi + static_cast<std::uint32_t>(wg * 4 + warp) * kEpiWarpBytes;
+    float* const c_rows = p.c[g] + static_cast<std::int64_t>(m0 + 64 * wg + 16 * warp) * p.ldc + n0;
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float* row = p.c[g] + static_cast<std::int64_t>(m0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * hf) * p.ldc + n0 +
-                   2 * (lane & 3);
+    for (int q = 0; q < kBN / kEpiCols; ++q) {
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        if constexpr (Accumulate)
-          red_add_v2(row + 8 * j, acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
-        else
-          store_v2(row + 8 * j, acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
-      }
+      for (int jj = 0; jj < kEpiCols / 8; ++jj)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int j = q * (kEpiCols / 8) + jj;
+          const std::uint32_t at = epi + static_cast<std::uint32_t>(((lane >> 2) + 8 * hf) * kEpiStride + 8 * jj + 2 * (lane & 3)) * 4;
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(acc[4 * j + 2 * hf]), "f"(acc[4 * j + 2 * hf + 1]) : "memory");
+        }
+      __syncwarp();
+      float4 v[4];  // rows 4 i + lane / 8, columns 4 (lane % 8) ..: all four loads, then the writes
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(v[i].x), "=f"(v[i].y), "=f"(v[i].z), "=f"(v[i].w)
+                     : "r"(epi + static_cast<std::uint32_t>((4 * i + (lane >> 3)) * kEpiStride + 4 * (lane & 7)) * 4)
+                     : "memory");
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        put_4<Accumulate>(c_rows + static_cast<std::int64_t>(4 * i + (lane >> 3)) * p.ldc + q * kEpiCols + 4 * (lane & 7), v[i],
+                          p.c_vec4);
+      __syncwarp();  // every lane's reads done before the next columns overwrite the staging
     }
   }
 #else
@@ -248,6 +293,7 @@ cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProble
   params.ldb = s.ldb;
   params.ldc = s.ldc;
   params.counter = tile_counter;
+  params.c_vec4 = s.ldc % 4 == 0;
   const auto launch = [&]() -> cudaError_t {
     if (params.groups == 0) return cudaSuccess;
     params.tiles = params.groups * params.m_tiles * params.n_tiles;
@@ -269,6 +315,7 @@ cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProble
     params.a[g] = reinterpret_cast<const __nv_bfloat16*>(q.a);
     params.b[g] = reinterpret_cast<const __nv_bfloat16*>(q.b);
     params.c[g] = q.c;
+    params.c_vec4 = params.c_vec4 && reinterpret_cast<std::uintptr_t>(q.c) % 16 == 0;
     params.rows[g] = static_cast<int>(q.rows);
     if (params.groups == kMaxGroups)
       if (const cudaError_t e = launch(); e != cudaSuccess) return e;
