@@ -24,7 +24,12 @@ struct ExpertGemmRatio {
   /// grouped_ms includes it where the GPU waited for it), and the GPU time per call of 10 calls
   /// issued back to back (the host's issue hidden behind the previous call's work where shorter).
   double host_us = 0, pipelined_ms = 0;
+  /// The vendor on the same per-expert problems at its best case (with_batched only; else 0):
+  /// cuBLAS strided batched GEMMs over equal rows per expert (N / E each), the same FLOPs and the
+  /// same per-expert outputs as the grouped run, no routing skew.
+  double batched_ms = 0;
   [[nodiscard]] double ratio() const { return dense_ms / grouped_ms; }
+  [[nodiscard]] double batched_ratio() const { return batched_ms > 0 ? dense_ms / batched_ms : 0; }
 };
 
 /// A method with its tuning, as the test and the benchmark report it.
@@ -71,7 +76,8 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
 /// Times the four expert GEMM launchers for `tokens` tokens routed uniformly at random (k of E).
 inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t tokens, std::int64_t hidden, std::int64_t inter,
                                                               std::int64_t experts, std::int64_t top_k,
-                                                              const ExpertGemmVariant& variant, int repeats = 10) {
+                                                              const ExpertGemmVariant& variant, int repeats = 10,
+                                                              bool with_batched = false) {
   namespace k = oom::kernels;
   const std::int64_t N = tokens * top_k, H = hidden, I = inter, E = experts;
   std::vector<std::int32_t> counts(static_cast<std::size_t>(E), 0);
@@ -123,8 +129,40 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
                     {"bwd gate_up (dx+dW)", bwd_gu(GW::accumulate), 2 * f_gu},
                     {"bwd down (dh+dW=)", bwd_down(GW::overwrite), 2 * f_down},
                     {"bwd gate_up (dx+dW=)", bwd_gu(GW::overwrite), 2 * f_gu}};
+  // The batched comparison: row-major C = op(A) op(B) per expert e as one column-major strided
+  // batched call C^T = op(B)^T op(A)^T (R = N / E rows each).
+  const int R = static_cast<int>(N / E);
+  const auto batched = [&](bool ta, bool tb, int m, int n, int kk, const bf16* a, int lda, std::int64_t sa, const bf16* b, int ldb,
+                           std::int64_t sb, void* c, cudaDataType ct, int ldc, std::int64_t sc, float beta) {
+    const float alpha = 1.0f;
+    OOM_CUBLAS_CHECK(cublasSetStream(blas.get(), stream));  // (the launchers move the handle to their streams)
+    OOM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(blas.get(), tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, kk,
+                                                &alpha, b, CUDA_R_16BF, ldb, sb, a, CUDA_R_16BF, lda, sa, &beta, c, ct, ldc, sc,
+                                                static_cast<int>(E), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+  const int hh = static_cast<int>(H), i2 = static_cast<int>(2 * I), i1 = static_cast<int>(I);
+  const std::function<void()> batched_ops[] = {
+      [&] { batched(false, true, R, i2, hh, x.get(), hh, R * H, wgu.get(), hh, 2 * I * H, gu.get(), CUDA_R_16BF, i2, R * 2 * I, 0.f); },
+      [&] { batched(false, true, R, hh, i1, h.get(), i1, R * I, wd.get(), i1, H * I, y.get(), CUDA_R_16BF, hh, R * H, 0.f); },
+      [&] {  // dh = dy Wd, dWd (+)= dy^T h
+        batched(false, false, R, i1, hh, y.get(), hh, R * H, wd.get(), i1, H * I, h.get(), CUDA_R_16BF, i1, R * I, 0.f);
+        batched(true, false, hh, i1, R, y.get(), hh, R * H, h.get(), i1, R * I, dwd.get(), CUDA_R_32F, i1, H * I, 1.f);
+      },
+      [&] {  // dx = dgu Wgu, dWgu (+)= dgu^T x
+        batched(false, false, R, hh, i2, gu.get(), i2, R * 2 * I, wgu.get(), hh, 2 * I * H, x.get(), CUDA_R_16BF, hh, R * H, 0.f);
+        batched(true, false, i2, hh, R, gu.get(), i2, R * 2 * I, x.get(), hh, R * H, dwgu.get(), CUDA_R_32F, hh, 2 * I * H, 1.f);
+      },
+      [&] {
+        batched(false, false, R, i1, hh, y.get(), hh, R * H, wd.get(), i1, H * I, h.get(), CUDA_R_16BF, i1, R * I, 0.f);
+        batched(true, false, hh, i1, R, y.get(), hh, R * H, h.get(), i1, R * I, dwd.get(), CUDA_R_32F, i1, H * I, 0.f);
+      },
+      [&] {
+        batched(false, false, R, hh, i2, gu.get(), i2, R * 2 * I, wgu.get(), hh, 2 * I * H, x.get(), CUDA_R_16BF, hh, R * H, 0.f);
+        batched(true, false, i2, hh, R, gu.get(), i2, R * 2 * I, x.get(), hh, R * H, dwgu.get(), CUDA_R_32F, hh, 2 * I * H, 0.f);
+      }};
   std::vector<ExpertGemmRatio> out;
-  for (const auto& op : ops) {
+  for (std::size_t o = 0; o < std::size(ops); ++o) {
+    const Op& op = ops[o];
     ExpertGemmRatio r;
     r.op = op.name;
     double host_s = 0;
@@ -147,6 +185,7 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
     r.dense_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(d, dense_counts.data(), k::ExpertGemmMethod::per_expert_loop)); },
                          stream, repeats);
     r.tflops = op.flops / (r.grouped_ms * 1e-3) / 1e12;
+    if (with_batched && N % E == 0) r.batched_ms = time_ms([&](cudaStream_t) { batched_ops[o](); }, stream, repeats);
     out.push_back(r);
   }
   OOM_CUDA_CHECK(cudaStreamSynchronize(stream));
