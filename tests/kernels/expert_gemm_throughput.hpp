@@ -55,8 +55,6 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       // the row GEMMs as cuBLAS batched chunks (never the
                                       // grouped wgmma launch chunk128 takes where it applies)
                                       {"chunk128nr", M::row_chunked, {.wgmma_rows = false}},
-                                      // the grouped row launch in 2-CTA clusters sharing B
-                                      {"chunk128mc", M::row_chunked, {.multicast_rows = true}},
                                       // those chunks without the deep row GEMMs
                                       {"chunk128nd", M::row_chunked, {.deep_rows = false, .wgmma_rows = false}},
                                       // every weight gradient a cuBLAS GEMM (never the grouped

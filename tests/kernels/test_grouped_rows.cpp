@@ -99,11 +99,10 @@ struct Setup {
   }
 };
 
-std::vector<bf16> run(const Setup& su, std::span<const hw::RowsProblem> ps, const Case& c, int* counter = nullptr,
-                      bool multicast = false) {
+std::vector<bf16> run(const Setup& su, std::span<const hw::RowsProblem> ps, const Case& c, int* counter = nullptr) {
   DeviceBuffer<bf16> d_c(static_cast<std::size_t>(su.total_rows * c.ldc));
   OOM_CUDA_CHECK(cudaMemset(d_c.get(), 0xFF, d_c.bytes()));
-  REQUIRE(hw::grouped_rows_wgmma(su.shape, su.d_a.get(), d_c.get(), ps, nullptr, counter, multicast) == cudaSuccess);
+  REQUIRE(hw::grouped_rows_wgmma(su.shape, su.d_a.get(), d_c.get(), ps, nullptr, counter) == cudaSuccess);
   OOM_CUDA_CHECK(cudaDeviceSynchronize());
   return d_c.download();
 }
@@ -154,11 +153,9 @@ void check_case(const Case& c) {
   CHECK_MESSAGE(untouched_bad == 0, untouched_bad << " C elements changed that no problem owns");
 
   // The same bits: again, with tiles from a counter (not zero beforehand: the launch zeroes it),
-  // in 2-CTA clusters sharing B (every element, the untouched ones included), and for the last
-  // non-empty problem alone.
+  // and for the last non-empty problem alone.
   const auto same = [&](const std::vector<bf16>& x) { return std::memcmp(x.data(), out.data(), x.size() * sizeof(bf16)) == 0; };
   CHECK(same(run(su, ps, c)));
-  CHECK_MESSAGE(same(run(su, ps, c, nullptr, true)), "multicast clusters");
   DeviceBuffer<int> counter(1);
   OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));
   CHECK(same(run(su, ps, c, counter.get())));
@@ -382,11 +379,8 @@ TEST_CASE("grouped row GEMMs alone: the kernel against one dense cuBLAS GEMM of 
           stream);
       const double ms =
           oom::test::time_ms([&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_rows_wgmma(shape, a.get(), c.get(), problems, st)); }, stream);
-      const double mc = oom::test::time_ms(
-          [&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_rows_wgmma(shape, a.get(), c.get(), problems, st, nullptr, true)); }, stream);
-      std::printf("grouped rows T=%-6lld %-30s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f; in clusters sharing B "
-                  "%.3f ms, ratio %.2f\n",
-                  static_cast<long long>(T), op.name, ms, flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms, mc, dense / mc);
+      std::printf("grouped rows T=%-6lld %-30s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f\n",
+                  static_cast<long long>(T), op.name, ms, flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms);
     }
   OOM_CUDA_CHECK(cudaStreamDestroy(stream));
 }

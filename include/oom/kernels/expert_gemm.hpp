@@ -84,10 +84,6 @@ struct ExpertGemmStreamsOptions {
   /// FLOPs, forward gate_up / down: 0.72 / 0.77 with it against 0.61 / 0.56 at T = 4096, 0.91 /
   /// 0.94 against 0.86 / 0.85 at 16384; the backward (with dW) 0.85 / 0.87 against 0.80 / 0.85.
   bool wgmma_rows = true;
-  /// That launch in 2-CTA clusters whose two M tiles of one (expert, N tile) share B, each CTA
-  /// loading half and the TMA unit multicasting it to both (static tiles: no counter); the same
-  /// bits.
-  bool multicast_rows = false;
   /// The per-expert GEMMs of varying size (row_chunked's experts with fewer rows than a chunk and
   /// its weight gradients; multi_stream's all) through cuBLASLt with one algorithm per power-of-two
   /// size bucket, chosen once, instead of cublasGemmEx, whose algorithm choice runs on the host for

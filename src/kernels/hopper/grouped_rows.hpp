@@ -52,10 +52,8 @@ bool grouped_rows_supported(const RowsShape& s, const bf16* a, const bf16* c, st
 /// 9.0; else the launches' status. `tile_counter` (4 bytes of device memory, or nullptr): blocks
 /// take their tiles from it one at a time (zeroed on `stream` before each launch, so one counter
 /// serves one launch at a time) instead of every grid-th tile, so blocks that start late, on SMs
-/// another stream's kernels held, do not finish late; the same bits either way. `multicast`: in
-/// 2-CTA clusters whose two M tiles of one (expert, N tile) share B (each CTA loads half, TMA
-/// multicast to both); static tiles only (cudaErrorInvalidValue with a counter); the same bits.
+/// another stream's kernels held, do not finish late; the same bits either way.
 cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
-                               cudaStream_t stream, int* tile_counter = nullptr, bool multicast = false);
+                               cudaStream_t stream, int* tile_counter = nullptr);
 
 }  // namespace oom::kernels::hopper

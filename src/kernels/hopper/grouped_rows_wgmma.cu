@@ -232,197 +232,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
 #endif
 }
 
-// ---- 2-CTA clusters sharing B (grouped_rows_wgmma's `multicast`) ----
-// The two CTAs of a cluster take the M tiles 2 mp and 2 mp + 1 of one (problem, N tile) pair of
-// tiles; each loads its own A tile and half of B, multicast into both CTAs' shared memory at the
-// same offsets (each CTA's "full" barrier counts all 48 KiB), so B crosses from L2 once per pair.
-// Why: at T = 4096 the consumers waited for data 34% of the time (ncu), and cuBLAS's strided
-// batched GEMM on the same problems (256 x 128 tiles in 1 x 2 clusters multicasting its weights)
-// ran the forward at 0.98x of dense against this kernel's 0.85x (H200, 2026-12-01).
-//   - A stage is refilled only once both CTAs' consumers have released it (the peer's multicast
-//     writes into it): each consumer warp arrives on its own "empty" barrier and on the peer's
-//     (mapa + a remote arrive with the default, relaxed-enough semantics: a release orders only
-//     shared-memory reads that wgmma.wait_group has retired), count 2 x 8 warps.
-//   - Both CTAs walk the same pairs (cluster c takes pairs c, c + clusters, ...), so their stages
-//     and phases stay in step; an M tile past the problem's rows computes nothing and stores
-//     nothing but still loads its half of B for the peer.
-//   - A cluster barrier after the barriers' initialisation and one before exit (no multicast or
-//     remote arrival reaches a CTA that has not started or has left).
-
-__device__ __forceinline__ std::uint32_t cluster_ctarank() {
-  std::uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-/// Every thread of both CTAs (not .aligned: the producer warp arrives from diverged threads).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-/// One arrival on the mbarrier at this CTA's shared address `bar` as mapped into CTA `rank`.
-__device__ __forceinline__ void mbar_arrive_remote(std::uint32_t bar, std::uint32_t rank) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(bar),
-      "r"(rank)
-      : "memory");
-}
-/// A 2-D box into shared address `dst` of every CTA in `mask` (the same offset in each), each
-/// signalling its own mbarrier at offset `bar` (complete_tx).
-__device__ __forceinline__ void tma_load_2d_multicast(std::uint32_t dst, const CUtensorMap* map, std::uint32_t bar, int c0, int c1,
-                                                      std::uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
-      : "memory");
-}
-
-template <bool BKbyN>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kWsThreads, 1) grouped_rows_mc_kernel(const __grid_constant__ Params p) {
-#if OOM_WGMMA_SM90A
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  const std::uint32_t pad = pad_to_1024(smem_addr(smem_raw));
-  const std::uint32_t base = smem_addr(smem_raw) + pad;
-  volatile int* const stage_tile = reinterpret_cast<volatile int*>(smem_raw + pad + kOffWords);
-  volatile int* const stage_group = stage_tile + kStages;
-  const StageBarriers bar{base + kOffBar, kStages};
-  bar.init(1, 2 * kWsConsumerThreads / 32);  // "full": the producer's expect_tx; "empty": both CTAs' consumer warps
-  cluster_sync();                            // the peer's barriers exist before anything signals them
-  const std::uint32_t rank = cluster_ctarank(), peer = rank ^ 1u;
-  const int cluster = static_cast<int>(blockIdx.x) / 2, clusters = static_cast<int>(gridDim.x) / 2;
-  const int wg = static_cast<int>(threadIdx.x) / 128;
-  if (wg == 2) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == kWsConsumerThreads) {  // one thread issues every copy
-      tma_prefetch_map(&p.a_map);
-      int stage = 0, g = 0;
-      std::uint32_t phase = 0;
-      bool reuse = false;
-      for (int t = cluster;; t += clusters) {  // t: a pair of M tiles
-        if (reuse) mbar_wait(bar.empty(stage), phase ^ 1u);
-        if (t >= p.tiles) {
-          stage_tile[stage] = -1;
-          mbar_arrive(bar.full(stage));
-          break;
-        }
-        while (t >= p.tile_end[g]) ++g;
-        const int r = t - (g > 0 ? p.tile_end[g - 1] : 0);
-        const int m0 = (2 * (r / p.n_tiles) + static_cast<int>(rank)) * kBM, n0 = (r % p.n_tiles) * kBN;
-        const int a_row = p.first_row[g] + m0;  // (past the problem: the next one's rows or zeros, not stored)
-        const CUtensorMap* b_map = &p.b_map[g];
-        for (int ks = 0; ks < p.k_steps; ++ks) {
-          if (ks > 0 && reuse) mbar_wait(bar.empty(stage), phase ^ 1u);
-          const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
-          stage_tile[stage] = t;
-          stage_group[stage] = g;
-          mbar_arrive_expect_tx(bar.full(stage), kStageBytes);  // A 16 KiB + both B halves 32 KiB
-          tma_load_2d(st, &p.a_map, bar.full(stage), ks * kBK, a_row);
-          if constexpr (BKbyN) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {  // this CTA's 64-column boxes 2 rank, 2 rank + 1, to both
-              const int box = 2 * static_cast<int>(rank) + h;
-              tma_load_2d_multicast(st + kATileBytes + static_cast<std::uint32_t>(box) * kHalfBytes, b_map, bar.full(stage), n0 + 64 * box,
-                                    ks * kBK, 0x3);
-            }
-          } else {  // this CTA's 128 of the 256 B rows (box 64 K x 128 rows), to both
-            tma_load_2d_multicast(st + kATileBytes + rank * (kBTileBytes / 2), b_map, bar.full(stage), ks * kBK,
-                                  n0 + static_cast<int>(rank) * (kBN / 2), 0x3);
-          }
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1u;
-            reuse = true;
-          }
-        }
-      }
-    }
-  } else {
-    setmaxnreg_inc<kConsumerRegs>();
-    const int ctid = static_cast<int>(threadIdx.x);
-    const int warp = (ctid / 32) % 4, lane = ctid & 31;
-    const std::uint32_t c_st = base + kOffC;
-    float acc[128];
-    int stage = 0, held = -1;
-    std::uint32_t phase = 0;
-    const auto release = [&](int s) {  // this warp's wgmmas that read stage s are done
-      __syncwarp();
-      if (lane == 0) {
-        mbar_arrive(bar.empty(s));
-        mbar_arrive_remote(bar.empty(s), peer);
-      }
-    };
-    for (;;) {
-      mbar_wait(bar.full(stage), phase);
-      const int t = stage_tile[stage];
-      if (t < 0) break;
-      const int g = stage_group[stage];
-      const int r = t - (g > 0 ? p.tile_end[g - 1] : 0);
-      const int m0 = (2 * (r / p.n_tiles) + static_cast<int>(rank)) * kBM, n0 = (r % p.n_tiles) * kBN;
-      const bool live = m0 + 64 * wg < p.rows[g];
-      for (int ks = 0; ks < p.k_steps; ++ks) {
-        if (ks > 0) mbar_wait(bar.full(stage), phase);  // TMA writes are the async proxy's: no proxy fence
-        if (live) {
-          const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
-          const std::uint32_t a_st = st + static_cast<std::uint32_t>(wg) * (64 * 128);
-          const std::uint32_t b_st = st + kATileBytes;
-          wgmma_fence_operands(acc);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < kBK / 16; ++kk) {
-            const int scale = ks > 0 || kk > 0 ? 1 : 0;
-            if constexpr (BKbyN)
-              wgmma_m64n256k16_f32_bf16_ss<Major::mn, Major::k>(acc, k_desc(a_st + kk * 32), n_desc(b_st + kk * 2 * kSwAtom), scale);
-            else
-              wgmma_m64n256k16_f32_bf16_ss<Major::k, Major::k>(acc, k_desc(a_st + kk * 32), k_desc(b_st + kk * 32), scale);
-          }
-          wgmma_commit_group();
-        }
-        wgmma_wait_group<1>();
-        wgmma_fence_operands(acc);
-        if (held >= 0) release(held);
-        held = stage;
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1u;
-        }
-      }
-      wgmma_wait_group<0>();
-      wgmma_fence_operands(acc);
-      if (held >= 0) release(held);
-      held = -1;
-      // The epilogue of grouped_rows_kernel.
-      if (ctid < kBM) bulk_wait_read();
-      consumers_sync();
-#pragma unroll
-      for (int hf = 0; hf < 2 && live; ++hf) {
-        const std::uint32_t row = static_cast<std::uint32_t>(64 * wg + 16 * warp + (lane >> 2) + 8 * hf);
-        const std::uint32_t at = c_st + row * kCRowBytes + 4u * static_cast<std::uint32_t>(lane & 3);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 16u * j), "r"(*reinterpret_cast<const std::uint32_t*>(&v)) : "memory");
-        }
-      }
-      fence_proxy_async_shared();
-      consumers_sync();
-      if (ctid < kBM) {
-        if (m0 + ctid < p.rows[g])
-          bulk_store(p.c + static_cast<std::int64_t>(p.first_row[g] + m0 + ctid) * p.ldc + n0, c_st + ctid * kCRowBytes, kBN * 2);
-        bulk_commit();
-      }
-    }
-    if (ctid < kBM) bulk_wait_all();
-  }
-  cluster_sync();  // no remote arrival or multicast reaches a CTA that has exited
-#else
-  (void)p;
-  __trap();
-#endif
-}
-
 bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
 
 /// encode_matrix_sw128 through a per-thread cache. A tensor map is a function of these arguments
@@ -482,26 +291,13 @@ bool grouped_rows_supported(const RowsShape& s, const bf16* a, const bf16* c, st
 }
 
 cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
-                               cudaStream_t stream, int* tile_counter, bool multicast) {
+                               cudaStream_t stream, int* tile_counter) {
   if (!shape_ok(s, a, c)) return cudaErrorInvalidValue;
   for (const RowsProblem& q : problems)
     if (!problem_ok(s, q)) return cudaErrorInvalidValue;
-  if (multicast && tile_counter != nullptr) return cudaErrorInvalidValue;  // static pairs only
-  const auto kernel = multicast ? (s.b_k_by_n ? grouped_rows_mc_kernel<true> : grouped_rows_mc_kernel<false>)
-                                : (s.b_k_by_n ? grouped_rows_kernel<true> : grouped_rows_kernel<false>);
+  const auto kernel = s.b_k_by_n ? grouped_rows_kernel<true> : grouped_rows_kernel<false>;
   int sms = 0;
   if (const cudaError_t e = prepare_persistent_launch(kernel, kSmemBytes, &sms); e != cudaSuccess) return e;
-  int slots = sms;  // blocks resident at once: with clusters, twice the clusters that fit
-  if (multicast) {
-    cudaLaunchConfig_t config{};  // (the cluster shape is the kernel's own, __cluster_dims__)
-    config.gridDim = dim3(2);
-    config.blockDim = dim3(kWsThreads);
-    config.dynamicSmemBytes = kSmemBytes;
-    int clusters = 0;
-    if (const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config); e != cudaSuccess) return e;
-    if (clusters < 1) return cudaErrorNotSupported;
-    slots = 2 * clusters;
-  }
   static_assert(alignof(Params) >= 64);  // the tensor maps' alignment, kept by the parameter copy
   Params params;
   params.n_tiles = static_cast<int>(s.n / kBN);
@@ -514,7 +310,7 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
     if (params.groups == 0) return cudaSuccess;
     params.tiles = static_cast<int>(tiles);
     if (const cudaError_t e = cached_matrix_sw128(&params.a_map, a, row_end, s.k, s.lda, kBM); e != cudaSuccess) return e;
-    const int grid = multicast ? 2 * std::min(params.tiles, slots / 2) : std::min(params.tiles, slots);
+    const int grid = params.tiles < sms ? params.tiles : sms;
     if (tile_counter != nullptr)
       if (const cudaError_t e = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(grid), kWsThreads, kSmemBytes, stream>>>(params);
@@ -524,8 +320,7 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
   };
   for (const RowsProblem& q : problems) {
     if (q.rows == 0) continue;
-    const std::int64_t m_tiles = (q.rows + kBM - 1) / kBM;  // (with clusters: pairs of them)
-    const std::int64_t q_tiles = (multicast ? (m_tiles + 1) / 2 : m_tiles) * params.n_tiles;
+    const std::int64_t q_tiles = (q.rows + kBM - 1) / kBM * params.n_tiles;
     if (params.groups > 0 && tiles + q_tiles > INT_MAX)  // the tile list is indexed by int
       if (const cudaError_t e = launch(); e != cudaSuccess) return e;
     const int g = params.groups++;
@@ -536,7 +331,7 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
     row_end = std::max(row_end, q.first_row + q.rows);
     // B_e: N x K in boxes of 256 rows (N) x 64 (K), or K x N in boxes of 64 x 64.
     const cudaError_t e = s.b_k_by_n ? cached_matrix_sw128(&params.b_map[g], q.b, s.k, s.n, s.ldb, kBK)
-                                     : cached_matrix_sw128(&params.b_map[g], q.b, s.n, s.k, s.ldb, multicast ? kBN / 2 : kBN);
+                                     : cached_matrix_sw128(&params.b_map[g], q.b, s.n, s.k, s.ldb, kBN);
     if (e != cudaSuccess) return e;
     if (params.groups == kMaxGroups)
       if (const cudaError_t e = launch(); e != cudaSuccess) return e;

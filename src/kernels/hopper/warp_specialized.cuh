@@ -77,14 +77,14 @@ struct StageBarriers {
   [[nodiscard]] __device__ __forceinline__ std::uint32_t empty(int s) const {
     return at + 8u * static_cast<std::uint32_t>(stages + s);
   }
-  /// Thread 0 initialises them, "full" to `full_count` arrivals and "empty" to `empty_count` (by
-  /// default the consumers' kWsConsumerThreads), and makes that visible (to the cluster too); then
-  /// the whole block synchronises (the last block-wide barrier of the warp-specialised kernels).
-  __device__ __forceinline__ void init(std::uint32_t full_count, std::uint32_t empty_count = kWsConsumerThreads) const {
+  /// Thread 0 initialises them, "full" to `full_count` arrivals and "empty" to the consumers'
+  /// kWsConsumerThreads, and makes that visible; then the whole block synchronises (the last
+  /// block-wide barrier of the warp-specialised kernels).
+  __device__ __forceinline__ void init(std::uint32_t full_count) const {
     if (threadIdx.x == 0) {
       for (int s = 0; s < stages; ++s) {
         mbar_init(full(s), full_count);
-        mbar_init(empty(s), empty_count);
+        mbar_init(empty(s), kWsConsumerThreads);
       }
       mbar_fence_init();
     }
