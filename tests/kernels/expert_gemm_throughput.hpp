@@ -114,21 +114,6 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
                                         ws.get(), ws.size(), &streams, write);
     };
   };
-  const double f_gu = 2.0 * N * 2 * I * H, f_down = 2.0 * N * H * I;
-  struct Op {
-    const char* name;
-    std::function<cudaError_t(const k::ExpertGemmShape&, const std::int32_t*, k::ExpertGemmMethod)> run;
-    double flops;
-  };
-  // The backward twice: dW += (a step's later chunks) and dW = (its first: GradWrite::overwrite),
-  // the dense GEMM the same way.
-  using GW = k::GradWrite;
-  const Op ops[] = {{"fwd gate_up", fwd_gu, f_gu},
-                    {"fwd down", fwd_down, f_down},
-                    {"bwd down (dh+dW)", bwd_down(GW::accumulate), 2 * f_down},
-                    {"bwd gate_up (dx+dW)", bwd_gu(GW::accumulate), 2 * f_gu},
-                    {"bwd down (dh+dW=)", bwd_down(GW::overwrite), 2 * f_down},
-                    {"bwd gate_up (dx+dW=)", bwd_gu(GW::overwrite), 2 * f_gu}};
   // The batched comparison: row-major C = op(A) op(B) per expert e as one column-major strided
   // batched call C^T = op(B)^T op(A)^T (R = N / E rows each).
   const int R = static_cast<int>(N / E);
@@ -141,28 +126,44 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
                                                 static_cast<int>(E), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   };
   const int hh = static_cast<int>(H), i2 = static_cast<int>(2 * I), i1 = static_cast<int>(I);
-  const std::function<void()> batched_ops[] = {
-      [&] { batched(false, true, R, i2, hh, x.get(), hh, R * H, wgu.get(), hh, 2 * I * H, gu.get(), CUDA_R_16BF, i2, R * 2 * I, 0.f); },
-      [&] { batched(false, true, R, hh, i1, h.get(), i1, R * I, wd.get(), i1, H * I, y.get(), CUDA_R_16BF, hh, R * H, 0.f); },
-      [&] {  // dh = dy Wd, dWd (+)= dy^T h
-        batched(false, false, R, i1, hh, y.get(), hh, R * H, wd.get(), i1, H * I, h.get(), CUDA_R_16BF, i1, R * I, 0.f);
-        batched(true, false, hh, i1, R, y.get(), hh, R * H, h.get(), i1, R * I, dwd.get(), CUDA_R_32F, i1, H * I, 1.f);
-      },
-      [&] {  // dx = dgu Wgu, dWgu (+)= dgu^T x
-        batched(false, false, R, hh, i2, gu.get(), i2, R * 2 * I, wgu.get(), hh, 2 * I * H, x.get(), CUDA_R_16BF, hh, R * H, 0.f);
-        batched(true, false, i2, hh, R, gu.get(), i2, R * 2 * I, x.get(), hh, R * H, dwgu.get(), CUDA_R_32F, hh, 2 * I * H, 1.f);
-      },
-      [&] {
-        batched(false, false, R, i1, hh, y.get(), hh, R * H, wd.get(), i1, H * I, h.get(), CUDA_R_16BF, i1, R * I, 0.f);
-        batched(true, false, hh, i1, R, y.get(), hh, R * H, h.get(), i1, R * I, dwd.get(), CUDA_R_32F, i1, H * I, 0.f);
-      },
-      [&] {
-        batched(false, false, R, hh, i2, gu.get(), i2, R * 2 * I, wgu.get(), hh, 2 * I * H, x.get(), CUDA_R_16BF, hh, R * H, 0.f);
-        batched(true, false, i2, hh, R, gu.get(), i2, R * 2 * I, x.get(), hh, R * H, dwgu.get(), CUDA_R_32F, hh, 2 * I * H, 0.f);
-      }};
+  const auto batched_fwd_gu = [&] {
+    batched(false, true, R, i2, hh, x.get(), hh, R * H, wgu.get(), hh, 2 * I * H, gu.get(), CUDA_R_16BF, i2, R * 2 * I, 0.f);
+  };
+  const auto batched_fwd_down = [&] {
+    batched(false, true, R, hh, i1, h.get(), i1, R * I, wd.get(), i1, H * I, y.get(), CUDA_R_16BF, hh, R * H, 0.f);
+  };
+  const auto batched_bwd_down = [&](k::GradWrite write) {  // dh = dy Wd, dWd (+)= dy^T h
+    return [&, write] {
+      batched(false, false, R, i1, hh, y.get(), hh, R * H, wd.get(), i1, H * I, h.get(), CUDA_R_16BF, i1, R * I, 0.f);
+      batched(true, false, hh, i1, R, y.get(), hh, R * H, h.get(), i1, R * I, dwd.get(), CUDA_R_32F, i1, H * I,
+              write == k::GradWrite::accumulate ? 1.f : 0.f);
+    };
+  };
+  const auto batched_bwd_gu = [&](k::GradWrite write) {  // dx = dgu Wgu, dWgu (+)= dgu^T x
+    return [&, write] {
+      batched(false, false, R, hh, i2, gu.get(), i2, R * 2 * I, wgu.get(), hh, 2 * I * H, x.get(), CUDA_R_16BF, hh, R * H, 0.f);
+      batched(true, false, i2, hh, R, gu.get(), i2, R * 2 * I, x.get(), hh, R * H, dwgu.get(), CUDA_R_32F, hh, 2 * I * H,
+              write == k::GradWrite::accumulate ? 1.f : 0.f);
+    };
+  };
+  const double f_gu = 2.0 * N * 2 * I * H, f_down = 2.0 * N * H * I;
+  struct Op {
+    const char* name;
+    std::function<cudaError_t(const k::ExpertGemmShape&, const std::int32_t*, k::ExpertGemmMethod)> run;
+    double flops;
+    std::function<void()> batched;  ///< the same work as cuBLAS strided batched GEMMs over equal rows
+  };
+  // The backward twice: dW += (a step's later chunks) and dW = (its first: GradWrite::overwrite),
+  // the dense GEMM the same way.
+  using GW = k::GradWrite;
+  const Op ops[] = {{"fwd gate_up", fwd_gu, f_gu, batched_fwd_gu},
+                    {"fwd down", fwd_down, f_down, batched_fwd_down},
+                    {"bwd down (dh+dW)", bwd_down(GW::accumulate), 2 * f_down, batched_bwd_down(GW::accumulate)},
+                    {"bwd gate_up (dx+dW)", bwd_gu(GW::accumulate), 2 * f_gu, batched_bwd_gu(GW::accumulate)},
+                    {"bwd down (dh+dW=)", bwd_down(GW::overwrite), 2 * f_down, batched_bwd_down(GW::overwrite)},
+                    {"bwd gate_up (dx+dW=)", bwd_gu(GW::overwrite), 2 * f_gu, batched_bwd_gu(GW::overwrite)}};
   std::vector<ExpertGemmRatio> out;
-  for (std::size_t o = 0; o < std::size(ops); ++o) {
-    const Op& op = ops[o];
+  for (const Op& op : ops) {
     ExpertGemmRatio r;
     r.op = op.name;
     double host_s = 0;
@@ -185,7 +186,7 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
     r.dense_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(d, dense_counts.data(), k::ExpertGemmMethod::per_expert_loop)); },
                          stream, repeats);
     r.tflops = op.flops / (r.grouped_ms * 1e-3) / 1e12;
-    if (with_batched && N % E == 0) r.batched_ms = time_ms([&](cudaStream_t) { batched_ops[o](); }, stream, repeats);
+    if (with_batched && N % E == 0) r.batched_ms = time_ms([&](cudaStream_t) { op.batched(); }, stream, repeats);
     out.push_back(r);
   }
   OOM_CUDA_CHECK(cudaStreamSynchronize(stream));

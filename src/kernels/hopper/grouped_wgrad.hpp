@@ -50,8 +50,9 @@ bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> 
 /// C_e += A_e^T B_e (or C_e = A_e^T B_e: WgradShape::accumulate) for every problem, in fp32 with a
 /// fixed summation order (each element's sum over the rows, in order, is one thread's; L2 then adds
 /// it to the old value, once: red.v4.f32 (red.v2.f32 where ldc is not a multiple of 4), which
-/// flushes subnormal values below 2^-126 to zero; or it is stored as it is), so the result is the same bits run to run. Overwriting, the empty
-/// problems' C are zeroed on `stream` first (cudaMemset2DAsync).
+/// flushes subnormal values below 2^-126 to zero; or it is stored as it is), so the result is the
+/// same bits run to run. Overwriting, the empty problems' C are zeroed on `stream` first
+/// (cudaMemset2DAsync).
 /// One persistent launch per 128 non-empty problems on `stream`. cudaErrorInvalidValue when
 /// grouped_wgrad_supported would say false for the shape or the problems, cudaErrorNotSupported off compute capability 9.0; else the launches' status.
 /// `tile_counter` (4 bytes of device memory, or nullptr): blocks take their tiles from it one at a

@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
     // whole 128-byte row pieces (a warp store covers four rows' 128 bytes), 16-byte stores or L2
     // reductions that nothing waits for. Straight from the fragment (eight rows' 32 bytes per warp
     // store, 8-byte stores) the kernel ran at 0.59-0.61x of a dense dW at 512 rows per expert
-    // overwriting and 0.72-0.75x at 2048 adding; staged 0.64-0.65x and 0.78-0.80x (H200,
+    // overwriting and 0.72-0.75x at 2048 adding; staged 0.64-0.68x and 0.78-0.83x (H200,
     // 2026-12-01; docs/hopper.md has what else was tried).
     const std::uint32_t epi = base + kOffEpi + static_cast<std::uint32_t>(wg * 4 + warp) * kEpiWarpBytes;
     float* const c_rows = p.c[g] + static_cast<std::int64_t>(m0 + 64 * wg + 16 * warp) * p.ldc + n0;
