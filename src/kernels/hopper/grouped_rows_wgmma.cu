@@ -14,15 +14,15 @@
 //   - one m64n256k16 per k16 step and warpgroup: 128 fp32 accumulators per thread.
 // Against cp.async by the producer's 128 threads (the first version), TMA ran the 5.13B gate_up
 // forward at 704 against 593 TFLOP/s and no case slower (H200, T = 16384, 2026-12-01).
-// Shared memory: three stages of A 16 KiB + B 32 KiB, the C staging of the epilogue
-// (128 rows of 528 bytes), barriers, 1 KiB to align the tiles to 1024 bytes.
+// Shared memory: four stages of A 16 KiB + B 32 KiB, the epilogue's staging (two 2-KiB buffers
+// per consumer warp), barriers, 1 KiB to align the tiles to 1024 bytes.
 // Schedule: block b takes tiles b, b + grid, ... of the list (problem, M tile, N tile), N tile
 // fastest (the blocks working at one time share A's rows and the expert's weights in L2), or,
 // given a counter, the next tile an atomicAdd hands out (beside other kernels: blocks that start
 // late do not finish late). The producer streams each tile's K steps through the stages without
 // pausing between tiles and publishes (tile, problem) per stage, so the next tile's first stages
-// load during the epilogue; the epilogue hands the rows to the TMA unit (bulk copies) and does not
-// wait for them.
+// load during the epilogue; the epilogue hands each warp's rows to the TMA unit (tensor stores
+// through a view of C) and does not wait for them.
 // Determinism: each C element is one thread's wgmma sum over k in order, rounded to bf16 once.
 #include "grouped_rows.hpp"
 
@@ -48,20 +48,21 @@ namespace {
 using attention_detail::smem_addr;
 
 constexpr int kBM = kRowsTileM, kBN = kRowsTileN, kBK = 64;
-constexpr int kStages = 3;  // of 48 KiB each: a fourth does not fit beside the 66 KiB C staging
+constexpr int kStages = 4;  // of 48 KiB each, beside the epilogue's 32 KiB
 constexpr int kMaxGroups = 128;                                // problems per launch (each a tensor map in the parameters)
 constexpr std::uint32_t kATileBytes = kBM * kBK * 2;           // 16 KiB
 constexpr std::uint32_t kBTileBytes = kBN * kBK * 2;           // 32 KiB
 constexpr std::uint32_t kHalfBytes = kBK * 128;                // N-major B: one 64-wide N half of 64 K rows, 8 KiB
 constexpr std::uint32_t kStageBytes = kATileBytes + kBTileBytes;
-constexpr std::uint32_t kCRowBytes = kBN * 2 + 16;             // a staged C row: 512 bytes + 16 (banks: see the epilogue)
+// The epilogue's staging: per consumer warp two buffers of its 16 rows x 64 columns (one 128-byte-
+// swizzled box of the C view, 2 KiB, 1024-byte aligned), written alternately.
+constexpr std::uint32_t kEpiBufBytes = 16 * 128;
 constexpr std::uint32_t kOffC = kStages * kStageBytes;
-constexpr std::uint32_t kOffBar = kOffC + kBM * kCRowBytes;
+constexpr std::uint32_t kOffBar = kOffC + (kWsConsumerThreads / 32) * 2 * kEpiBufBytes;
 constexpr std::uint32_t kOffWords = kOffBar + 8 * 2 * kStages;  // per stage: tile, problem
 constexpr int kSmemBytes = static_cast<int>(kOffWords) + 4 * 2 * kStages + 1024;
 static_assert(kSmemBytes <= 227 * 1024);
 constexpr std::uint32_t kSwAtom = 1024;  // 8 rows of 128 bytes
-constexpr int kEpilogueBarrier = 2;      // named barrier of the two consumer warpgroups (0: __syncthreads)
 
 struct Params {
   /// A (rows x k) and every problem's B as 128-byte-swizzled views (tma.cuh, encode_matrix_sw128):
@@ -69,6 +70,9 @@ struct Params {
   /// 64 K. Kernel parameters past 4 KiB (up to 32764 bytes: CUDA 12.1 and later, Volta and
   /// later); the maps 64-byte aligned as TMA requires.
   CUtensorMap a_map;
+  /// C (the launch's rows x n) in boxes of 64 columns x 16 rows: one consumer warp's quarter of
+  /// its rows, stored by the TMA unit.
+  CUtensorMap c_map;
   CUtensorMap b_map[kMaxGroups];
   int groups = 0, n_tiles = 0, k_steps = 0, tiles = 0;
   std::int64_t ldc = 0;
@@ -87,17 +91,12 @@ __device__ __forceinline__ std::uint64_t n_desc(std::uint32_t addr) {
   return encode_smem_desc(addr, kHalfBytes, kSwAtom, Swizzle::b128);
 }
 
-__device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kEpilogueBarrier), "n"(kWsConsumerThreads) : "memory");
-}
-/// `bytes` (a multiple of 16) from shared `src` to global `dst` by the TMA unit, in this thread's
-/// current bulk group (PTX ISA, cp.async.bulk: both 16-byte aligned).
-__device__ __forceinline__ void bulk_store(void* dst, std::uint32_t src, std::uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-/// Until this thread's bulk groups have read their shared sources (the staging may be rewritten).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+/// Until all but this thread's newest bulk group have read their shared sources (the buffer the
+/// group before the newest read may be rewritten).
+__device__ __forceinline__ void bulk_wait_read_all_but_newest() {
+  asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+}
 /// Until this thread's bulk groups have completed (their global writes done).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
@@ -121,6 +120,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x != kWsConsumerThreads) return;  // one thread issues every copy
     tma_prefetch_map(&p.a_map);
+    tma_prefetch_map(&p.c_map);
     int stage = 0, g = 0;
     std::uint32_t phase = 0;
     bool reuse = false;  // a stage is refilled only after the consumers released its previous use
@@ -198,34 +198,60 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
     }
     ring.drain(acc);
 
-    // Epilogue: the tile through shared memory, each row then one 512-byte bulk copy to C by the
-    // TMA unit, so the consumers go on to the next tile's products while it writes (direct 4-byte
-    // stores from the fragment cost the tensor cores ~8 K steps' time per tile: H200, 2026-12-01).
-    // Thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns
-    // 8 j + 2 (lane % 4) (+ 1), j = 0..31 (wgmma.cuh's accumulator fragment); staged rows are 528
-    // bytes apart, so a warp's 4-byte stores (8 rows x 4 lanes) fall in 32 different banks. Rows
-    // past the problem's last belong to the next expert (or to nobody) and are not copied.
-    if (ctid < kBM) bulk_wait_read();  // the previous tile's copies (issued by threads 0..127) have read the staging
-    consumers_sync();
+    // Epilogue: each warp writes its 16 rows a quarter (64 columns) at a time into one of its two
+    // staging buffers, and its lane 0 hands the quarter to the TMA unit as one tensor store (the C
+    // view's 16 x 64 box), which nobody waits for: before a buffer is rewritten, lane 0 waits only
+    // until the store that read it two quarters ago has read it. No barrier beyond the warp, so
+    // warps go on to the next tile's products as soon as their own stores are issued. (Before: the
+    // whole tile staged, 66 KiB that left room for three stages only, two barriers of both
+    // warpgroups per tile and one 512-byte bulk copy per row.) Thread (warp, lane) holds rows
+    // 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 8 j + 2 (lane % 4) (+ 1), j = 0..31
+    // (wgmma.cuh's accumulator fragment); in the swizzled buffer row r's 16-byte chunk c sits at
+    // c ^ (r % 8), so a warp's 4-byte stores for one j (8 rows x 4 lanes) fall in 32 different
+    // banks. Rows past the problem's last belong to the next expert (or to nobody): a warp with
+    // some of those (one per tail tile at most) stores its own rows straight from the fragment.
+    const int wrow = m0 + 64 * wg + 16 * warp;  // the warp's first row, counted in the problem
+    const int valid = p.rows[g] - wrow;         // how many of its 16 rows are the problem's
+    const std::int64_t c_row = static_cast<std::int64_t>(p.first_row[g]) + wrow;
+    if (valid >= 16) {
+      const std::uint32_t bufs = c_st + static_cast<std::uint32_t>(wg * 4 + warp) * 2 * kEpiBufBytes;
 #pragma unroll
-    for (int hf = 0; hf < 2 && live; ++hf) {  // (rows not live are not copied)
-      const std::uint32_t row = static_cast<std::uint32_t>(64 * wg + 16 * warp + (lane >> 2) + 8 * hf);
-      const std::uint32_t at = c_st + row * kCRowBytes + 4u * static_cast<std::uint32_t>(lane & 3);
+      for (int q = 0; q < kBN / 64; ++q) {
+        const std::uint32_t buf = bufs + static_cast<std::uint32_t>(q & 1) * kEpiBufBytes;
+        if (lane == 0) bulk_wait_read_all_but_newest();
+        __syncwarp();
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 16u * j), "r"(*reinterpret_cast<const std::uint32_t*>(&v)) : "memory");
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = (lane >> 2) + 8 * hf;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int j = 8 * q + jj;
+            const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+            const std::uint32_t at = buf + static_cast<std::uint32_t>(row * 128 + ((jj ^ (row & 7)) << 4) + 4 * (lane & 3));
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(*reinterpret_cast<const std::uint32_t*>(&v)) : "memory");
+          }
+        }
+        fence_proxy_async_shared();  // the stores, made visible to the tensor store (async proxy)
+        __syncwarp();
+        if (lane == 0) {
+          tma_store_2d(&p.c_map, buf, n0 + 64 * q, static_cast<int>(c_row));
+          bulk_commit();
+        }
+      }
+    } else if (valid > 0) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = (lane >> 2) + 8 * hf;
+        if (row < valid) {
+          __nv_bfloat16* const out = p.c + (c_row + row) * p.ldc + n0 + 2 * (lane & 3);
+#pragma unroll
+          for (int j = 0; j < 32; ++j)
+            *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2 * hf], acc[4 * j + 2 * hf + 1]);
+        }
       }
     }
-    fence_proxy_async_shared();  // the stores, made visible to the bulk copies (async proxy)
-    consumers_sync();
-    if (ctid < kBM) {
-      if (m0 + ctid < p.rows[g])
-        bulk_store(p.c + static_cast<std::int64_t>(p.first_row[g] + m0 + ctid) * p.ldc + n0, c_st + ctid * kCRowBytes, kBN * 2);
-      bulk_commit();
-    }
   }
-  if (ctid < kBM) bulk_wait_all();  // C written before the block's shared memory goes
+  if (lane == 0) bulk_wait_all();  // the warp's tensor stores done before the block's shared memory goes
 #else
   (void)p;
   __trap();
@@ -310,6 +336,7 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
     if (params.groups == 0) return cudaSuccess;
     params.tiles = static_cast<int>(tiles);
     if (const cudaError_t e = cached_matrix_sw128(&params.a_map, a, row_end, s.k, s.lda, kBM); e != cudaSuccess) return e;
+    if (const cudaError_t e = cached_matrix_sw128(&params.c_map, c, row_end, s.n, s.ldc, 16); e != cudaSuccess) return e;
     const int grid = params.tiles < sms ? params.tiles : sms;
     if (tile_counter != nullptr)
       if (const cudaError_t e = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;

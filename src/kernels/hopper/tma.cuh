@@ -248,6 +248,27 @@ __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap
 #endif
 }
 
+/// The box of a 2-D `map` at (c0 = column, c1 = row, in elements) from shared memory at `src`
+/// (laid out as the map's load would land it: 128-byte aligned, 1024-byte aligned for a swizzled
+/// map) to global memory, by the TMA unit, in this thread's current bulk group. Elements of the box
+/// outside the map's extent are not written. The writing threads make `src` visible to the async
+/// proxy first (fence.proxy.async.shared::cta, then a barrier before this thread issues it); the
+/// issuing thread tracks it with cp.async.bulk.commit_group / wait_group(.read).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, std::uint32_t src, int c0, int c1) {
+#if OOM_TMA_SM90
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(src)
+               : "memory");
+#else
+  (void)map;
+  (void)src;
+  (void)c0;
+  (void)c1;
+  __trap();
+#endif
+}
+
 /// Rows [row0, row0 + R) of head `head`, batch `batch` of a tensor viewed by chunk_major_view or
 /// swizzle128_view (boxes of R rows: the box covers all 128 columns either way, so the coordinates
 /// are the same) into the tile at `dst`, laid out as that view says; rows at or past the tensor's
