@@ -119,6 +119,10 @@ Plan
                        cublasGemmEx, which picks an algorithm on the host for every row count it
                        has not seen, instead of through cuBLASLt with one algorithm per
                        power-of-two size bucket (the default, --bucketed-expert-gemms)
+  --zero-unrouted-expert-grads  cuda: zero the gradient of every routed expert no token reached
+                       and let the optimizer read those zeros, instead of leaving it unwritten
+                       and updating the expert with a zero gradient unread (the default,
+                       --leave-unrouted-expert-grads; the same bits either way)
 Run
   --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
   --resume             continue from the run directory's latest checkpoint
@@ -151,6 +155,7 @@ struct Args {
   std::optional<std::uint64_t> grad_staging;  // CUDA: pinned gradient staging ring of this many layers (0: per parameter)
   std::optional<bool> keep_attention_state;   // CUDA: recompute around kept attention output + LSE
   std::optional<bool> bucketed_expert_gemms;  // CUDA: one cuBLASLt algorithm per size bucket
+  std::optional<bool> leave_unrouted_expert_grads;  // CUDA: idle experts' gradients not written
   double step_progress_s = 30;        // a step running this long reports its layer passes
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
@@ -176,6 +181,8 @@ Args parse(int argc, char** argv) {
     if (flag == "--no-keep-attention-state") { a.keep_attention_state = false; continue; }
     if (flag == "--bucketed-expert-gemms") { a.bucketed_expert_gemms = true; continue; }
     if (flag == "--no-bucketed-expert-gemms") { a.bucketed_expert_gemms = false; continue; }
+    if (flag == "--leave-unrouted-expert-grads") { a.leave_unrouted_expert_grads = true; continue; }
+    if (flag == "--zero-unrouted-expert-grads") { a.leave_unrouted_expert_grads = false; continue; }
     if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
     if (flag == "--config") a.config = v;
@@ -304,6 +311,7 @@ CudaCausalLmOptions cuda_options(const Args& a) {
   o.max_grad_norm = a.max_grad_norm;
   if (a.keep_attention_state) o.keep_attention_state = *a.keep_attention_state;
   if (a.bucketed_expert_gemms) o.bucketed_expert_gemms = *a.bucketed_expert_gemms;
+  if (a.leave_unrouted_expert_grads) o.leave_unrouted_expert_grads = *a.leave_unrouted_expert_grads;
   return o;
 }
 
@@ -445,6 +453,9 @@ int run(const Args& a) {
   if (!use_cuda && a.bucketed_expert_gemms)
     OOM_THROW(Errc::invalid_argument,
               "--bucketed-expert-gemms / --no-bucketed-expert-gemms: the host backend has no cuBLAS (it applies to --backend cuda)");
+  if (!use_cuda && a.leave_unrouted_expert_grads)
+    OOM_THROW(Errc::invalid_argument, "--leave-unrouted-expert-grads / --zero-unrouted-expert-grads: the host backend keeps "
+                                      "no expert gradient buffers on a GPU (it applies to --backend cuda)");
   if (!use_cuda && a.grad_staging)
     OOM_THROW(Errc::invalid_argument, "--grad-staging: the host backend has no pinned gradient staging (it applies to --backend cuda)");
   if (!use_cuda && a.keep_attention_state)

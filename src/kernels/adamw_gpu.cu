@@ -35,7 +35,7 @@ template <class M>
 __device__ __forceinline__ void update_one(const AdamWStepScalars& s, float* p, M* m, M* v, const float* g,
                                            std::uint16_t* out, std::int64_t i) {
   float pi = p[i], mi = widen(m[i]), vi = widen(v[i]);
-  element(s, pi, mi, vi, g[i]);
+  element(s, pi, mi, vi, g != nullptr ? g[i] : 0.0f);
   p[i] = pi;
   narrow(mi, m[i]);
   narrow(vi, v[i]);
@@ -43,7 +43,8 @@ __device__ __forceinline__ void update_one(const AdamWStepScalars& s, float* p, 
 }
 
 // Four elements per thread: float4 for p, m (fp32), v (fp32), g; 8-byte uint2 for bf16 moments
-// and the bf16 copy. `vec` says every array is aligned for those widths.
+// and the bf16 copy. `vec` says every array is aligned for those widths. g null: every gradient
+// +0.0f, as if read from zeroed memory (the same operations on the same value: the same bits).
 template <class M>
 __global__ void adamw_kernel(AdamWStepScalars s, float* p, M* m, M* v, const float* g, std::uint16_t* out,
                              std::int64_t n, bool vec) {
@@ -55,7 +56,7 @@ __global__ void adamw_kernel(AdamWStepScalars s, float* p, M* m, M* v, const flo
     return;
   }
   float4 p4 = *reinterpret_cast<const float4*>(p + i);
-  const float4 g4 = *reinterpret_cast<const float4*>(g + i);
+  const float4 g4 = g != nullptr ? *reinterpret_cast<const float4*>(g + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float pp[4] = {p4.x, p4.y, p4.z, p4.w};
   const float gg[4] = {g4.x, g4.y, g4.z, g4.w};
   float mm[4], vv[4];
@@ -99,10 +100,10 @@ cudaError_t launch(const AdamWStepScalars& s, float* p, M* m, M* v, const float*
                    std::int64_t n, cudaStream_t stream) {
   if (n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  if (p == nullptr || m == nullptr || v == nullptr || g == nullptr) return cudaErrorInvalidValue;
+  if (p == nullptr || m == nullptr || v == nullptr) return cudaErrorInvalidValue;
   const unsigned grid = grid_for(n, threads * 4);
   if (grid == 0) return cudaErrorInvalidValue;
-  const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 4 * sizeof(M)) && aligned(v, 4 * sizeof(M)) &&
+  const bool vec = aligned(p, 16) && (g == nullptr || aligned(g, 16)) && aligned(m, 4 * sizeof(M)) && aligned(v, 4 * sizeof(M)) &&
                    (out == nullptr || aligned(out, 8));
   adamw_kernel<M><<<grid, threads, 0, stream>>>(s, p, m, v, g, out, n, vec);
   return cudaGetLastError();

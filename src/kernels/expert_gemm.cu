@@ -736,9 +736,9 @@ bool pointers_present(const ExpertGemmShape& s, const std::int32_t* counts_host,
 }
 
 /// The gradients the launch writes are present: those of the experts with rows, and overwriting
-/// every expert's (an expert without rows gets zeros).
+/// every expert's (an expert without rows gets zeros; overwrite_routed leaves it alone).
 bool grads_present(const ExpertGemmShape& s, const std::int32_t* counts_host, float* const* dw, GradWrite write) {
-  if (write == GradWrite::accumulate) return pointers_present(s, counts_host, dw);
+  if (write == GradWrite::accumulate || write == GradWrite::overwrite_routed) return pointers_present(s, counts_host, dw);
   if (write != GradWrite::overwrite || dw == nullptr) return false;
   for (std::int64_t e = 0; e < s.experts; ++e)
     if (dw[e] == nullptr) return false;

@@ -634,6 +634,11 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   // chunked layer first recomputes the chunk's permutation and expert activations from the saved
   // xn2 and routing, with the forward's launches (so the forward's bits).
   const ExpertRows& r = chunked(s) ? b.rows : v.rows;
+  // Which experts a chunk so far reached (with grads.unrouted_experts only): the first chunk
+  // writes those it reaches and leaves the others alone; a later chunk zeroes the gradients of
+  // the experts it is the first to reach, then adds like the rest.
+  const bool leave_unrouted = grads.overwrite_experts && grads.unrouted_experts != nullptr;
+  std::vector<std::uint8_t> reached(leave_unrouted ? static_cast<std::size_t>(s.experts) : 0, 0);
   for (std::int64_t c0 = 0, C = moe_chunk(s); c0 < T; c0 += C) {
     const std::int64_t n = std::min(C, T - c0);
     const auto ps = permute_shape(s, n);
@@ -648,9 +653,21 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
                                               b.dy_perm, b.d_weights + c0 * s.top_k),
           "unpermute combine backward");
     // The first chunk sets the experts' gradients where the caller asked (every expert's: zeros
-    // where the chunk routes no token to it), the later ones add.
-    const auto dw_write =
-        grads.overwrite_experts && c0 == 0 ? kernels::GradWrite::overwrite : kernels::GradWrite::accumulate;
+    // where the chunk routes no token to it, unless left alone), the later ones add.
+    auto dw_write = kernels::GradWrite::accumulate;
+    if (grads.overwrite_experts && c0 == 0) dw_write = leave_unrouted ? kernels::GradWrite::overwrite_routed : kernels::GradWrite::overwrite;
+    if (leave_unrouted) {
+      for (std::int64_t e = 0; e < s.experts; ++e) {
+        const auto i = static_cast<std::size_t>(e);
+        if (counts[i] == 0 || reached[i] != 0) continue;
+        reached[i] = 1;
+        if (c0 == 0) continue;
+        check(cudaMemsetAsync(grads.expert_gate_proj[i], 0, static_cast<std::size_t>(2 * I * H) * sizeof(float), st),
+              "zero a newly reached expert's gate_up gradient");
+        check(cudaMemsetAsync(grads.expert_down_proj[i], 0, static_cast<std::size_t>(H * I) * sizeof(float), st),
+              "zero a newly reached expert's down gradient");
+      }
+    }
     check(kernels::expert_down_backward(ctx.blas, st, es, counts.data(), b.dy_perm, r.act, params.expert_down_proj.data(),
                                         b.d_act, grads.expert_down_proj.data(), expert_method, b.gemm_ws, b.gemm_bytes,
                                         ctx.expert_streams, dw_write),
@@ -661,6 +678,10 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
                                            expert_method, b.gemm_ws, b.gemm_bytes, ctx.expert_streams, dw_write),
           "expert gate_up backward GEMMs");
     check(kernels::permute_rows_backward(st, ps, H, r.slot_to_row, b.dx_perm, b.dxn2 + c0 * H), "permute rows backward");
+  }
+  if (leave_unrouted) {
+    grads.unrouted_experts->resize(reached.size());
+    for (std::size_t e = 0; e < reached.size(); ++e) (*grads.unrouted_experts)[e] = reached[e] == 0 ? 1 : 0;
   }
   // The router over all T. Its expert counts only scale the aux-loss gradient, which is 0 here:
   // a chunked layer passes its last chunk's.

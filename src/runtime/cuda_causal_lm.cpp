@@ -74,6 +74,10 @@ struct CudaCausalLm::Impl {
     // A routed expert's: its gradient is written by the layer's backward (DecoderLayerGrads::
     // overwrite_experts), never zeroed beforehand.
     bool expert = false;
+    int expert_index = -1;  // its expert in the layer (expert segments)
+    // This step's gradient is zero and its buffer unwritten: an expert no token reached, left
+    // alone by its layer's backward (CudaCausalLmOptions::leave_unrouted_expert_grads).
+    bool grad_zero = false;
     std::uint64_t slot_offset = 0;  // elements into its layer's weight/gradient slot (streamed)
     // resident (device)
     bf16* dw = nullptr;
@@ -91,6 +95,7 @@ struct CudaCausalLm::Impl {
   struct Layer {
     std::vector<std::size_t> segments;  // indices into segs
     std::uint64_t streamed = 0;         // elements streamed per pass
+    bool experts_resident = true;       // every routed expert's segment GPU-resident
     model::DecoderLayerShape shape;
     Keep boundary = Keep::keep, blob = Keep::keep;
     int ring = -1;             // its gradient staging buffer in the ring (grad_staging_layers > 0)
@@ -153,8 +158,13 @@ struct CudaCausalLm::Impl {
   std::size_t sumsq_workspace_bytes = 0;
   bool clipping() const { return opt.max_grad_norm > 0; }
   void sum_of_squares(std::size_t sidx, const float* grads, cudaStream_t s) {
-    OOM_CUDA_CHECK(kernels::grad_sum_of_squares(grads, static_cast<std::int64_t>(segs[sidx].n), d_sumsq + sidx, sumsq_workspace,
-                                                sumsq_workspace_bytes, s));
+    const auto n = segs[sidx].grad_zero ? 0 : static_cast<std::int64_t>(segs[sidx].n);  // a zero gradient: 0
+    OOM_CUDA_CHECK(kernels::grad_sum_of_squares(grads, n, d_sumsq + sidx, sumsq_workspace, sumsq_workspace_bytes, s));
+  }
+  /// A resident segment's AdamW step on the GPU (a zero gradient not read: null grads).
+  void adamw_resident(const optim::AdamWStepScalars& scalars, const Segment& g, cudaStream_t s) {
+    OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.grad_zero ? nullptr : g.dgrad, g.dw,
+                                         static_cast<std::int64_t>(g.n), s));
   }
   std::int32_t* h_tokens = nullptr;  // pinned: ids then targets
   std::int64_t steps = 0;
@@ -318,8 +328,7 @@ struct CudaCausalLm::Impl {
     const auto scalars = optim::adamw_step_scalars(opt.adamw, steps + 1, optim::clip_grad_scale(total, opt.max_grad_norm));
     const int mk = span_begin(cs, Resource::gpu_compute, "adamw resident (clipped)");
     for (auto& g : segs)
-      if (g.resident)
-        OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
+      if (g.resident) adamw_resident(scalars, g, s);
     span_end(cs, mk);
     Layer* last = nullptr;
     for (auto& L : layers)
@@ -409,6 +418,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     g.n = all[s].parameters();
     g.resident = is_resident(all[s]);
     g.expert = all[s].role == SegmentRole::expert;
+    g.expert_index = all[s].expert;
     // One allocation sequence for the real run and for footprint(): sizing stops before the uploads.
     if (g.resident) {
       g.dw = dev<bf16>(g.n, Claimant::resident_state);
@@ -458,6 +468,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     for (std::size_t k = 0; k < spec->layer_segments(l).size(); ++k) {
       const std::size_t s = first + k;
       L.segments.push_back(s);
+      if (segs[s].expert && !segs[s].resident) L.experts_resident = false;
       if (!segs[s].resident) {
         segs[s].slot_offset = L.streamed;
         L.streamed += segs[s].n;
@@ -835,10 +846,16 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     }
     auto grads = model::bind_decoder_layer_grads(*spec, static_cast<int>(li), grad_bases(li, gslot));
     grads.overwrite_experts = true;  // one backward per step: the experts' gradients need no zeroing
+    std::vector<std::uint8_t> unrouted;  // (filled as the backward is issued, from the expert counts)
+    if (opt.leave_unrouted_expert_grads && L.experts_resident) grads.unrouted_experts = &unrouted;
     mk = span_begin(cs, Resource::gpu_compute, "bwd " + label(li));
     const double called = host_now();
     model::decoder_layer_backward(layer_ctx(), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace, workspace_bytes);
     host_span("decoder_layer_backward " + label(li), called);
+    for (auto sidx : L.segments) {
+      auto& g = segs[sidx];
+      g.grad_zero = g.expert && !unrouted.empty() && unrouted.at(static_cast<std::size_t>(g.expert_index)) != 0;
+    }
     span_end(cs, mk);
     auto& done = L.backward_done;
     backend->record(done, cs);
@@ -853,11 +870,8 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
     } else {
       mk = span_begin(cs, Resource::gpu_compute, "adamw resident " + label(li));
-      for (auto sidx : L.segments) {
-        auto& g = segs[sidx];
-        if (g.resident)
-          OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
-      }
+      for (auto sidx : L.segments)
+        if (segs[sidx].resident) adamw_resident(scalars, segs[sidx], s);
     }
     span_end(cs, mk);
     if (L.streamed > 0) {
@@ -881,7 +895,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (sidx == head && head == emb) continue;
     auto& g = segs[sidx];
     if (clipping()) sum_of_squares(sidx, g.dgrad, s);
-    else OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.dgrad, g.dw, static_cast<std::int64_t>(g.n), s));
+    else adamw_resident(scalars, g, s);
   }
   span_end(cs, mk);
   if (clipping()) apply_clipped_updates();

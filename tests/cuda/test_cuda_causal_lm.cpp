@@ -44,18 +44,18 @@ std::vector<std::vector<float>> init(const ModelSpec& spec) {
   return w;
 }
 
-Plan resident_plan(const ModelSpec& spec) {
+Plan resident_plan(const ModelSpec& spec, std::uint64_t tokens = T) {
   Plan p;
-  p.workload = {1, T};
+  p.workload = {1, tokens};
   p.prefetch_depth = 2;
   p.gpu_budget = 2_GiB;
   p.host_budget = 4_GiB;
   for (const auto& s : spec.segments()) p.resident_segments.push_back(s.name);
   for (int l = 0; l < spec.num_layers(); ++l) {
     p.retention.push_back({});
-    p.chunks.push_back({{T}, T});
+    p.chunks.push_back({{tokens}, tokens});
   }
-  p.loss_rows = T;
+  p.loss_rows = tokens;
   return p;
 }
 
@@ -71,9 +71,11 @@ struct Run {
 // kept attention state), so the equivalence tests below run the path oom-train takes.
 Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait = false,
           unsigned grad_staging_layers = CudaCausalLmOptions{}.grad_staging_layers,
-          bool keep_attention_state = CudaCausalLmOptions{}.keep_attention_state, double max_grad_norm = 0) {
+          bool keep_attention_state = CudaCausalLmOptions{}.keep_attention_state, double max_grad_norm = 0,
+          bool leave_unrouted = CudaCausalLmOptions{}.leave_unrouted_expert_grads, std::uint64_t tokens = T) {
   CudaCausalLmOptions opt;
   opt.max_grad_norm = max_grad_norm;
+  opt.leave_unrouted_expert_grads = leave_unrouted;
   opt.keep_attention_state = keep_attention_state;
   opt.adamw.lr = 3e-3f;
   opt.drop_weight_wait = drop_wait;
@@ -82,9 +84,9 @@ Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait
   Run r;
   std::mt19937_64 rng(7);
   for (int s = 0; s < steps; ++s) {
-    std::vector<std::uint32_t> in(T), tgt(T);
+    std::vector<std::uint32_t> in(tokens), tgt(tokens);
     for (auto& v : in) v = static_cast<std::uint32_t>(rng() % 300);
-    for (std::uint64_t i = 0; i < T; ++i) tgt[i] = (in[i] * 7 + 3) % 300;  // learnable: a function of the current token
+    for (std::uint64_t i = 0; i < tokens; ++i) tgt[i] = (in[i] * 7 + 3) % 300;  // learnable: a function of the current token
     const auto result = lm.step(in, tgt);
     r.losses.push_back(result.loss);
     r.grad_norms.push_back(result.grad_norm);
@@ -175,6 +177,36 @@ TEST_CASE("clipping by global norm: every plan the same clipped step, bit for bi
     CHECK(got.grad_norms == expect.grad_norms);
     CHECK(got.losses == expect.losses);
     CHECK(same(got.state, expect.state));
+  }
+}
+
+TEST_CASE("experts no token reaches: left unwritten and stepped with zeros, bit for bit the zeroing step") {
+  // 2 tokens routed top-2 reach at most 4 of the 8 experts of each layer: the others' gradients
+  // are left unwritten (CudaCausalLmOptions::leave_unrouted_expert_grads) and their AdamW steps
+  // take zeros unread. Against zeroing them (and reading the zeros): the same losses, weights and
+  // moments after 3 steps, with and without clipping (a zero gradient's sum of squares 0), and with
+  // the experts streamed (their gradients then always zeroed on the host path).
+  const auto spec = small_spec();
+  constexpr std::uint64_t few = 2;
+  const Plan p = resident_plan(spec, few);
+  const unsigned ring = CudaCausalLmOptions{}.grad_staging_layers;
+  const bool keep = CudaCausalLmOptions{}.keep_attention_state;
+  for (const double clip : {0.0, 0.05}) {
+    CAPTURE(clip);
+    const unsigned staging = clip > 0 ? 0 : ring;  // clipping stages per parameter
+    const Run zeroed = train(spec, p, 3, false, staging, keep, clip, false, few);
+    const Run left = train(spec, p, 3, false, staging, keep, clip, true, few);
+    CHECK(left.losses == zeroed.losses);
+    CHECK(left.grad_norms == zeroed.grad_norms);
+    CHECK(same(left.state, zeroed.state));
+    // Every segment moved (weight decay and the moments move an unrouted expert too).
+    const auto start = init(spec);
+    for (std::size_t i = 0; i < start.size(); ++i) CHECK(left.state[i].master != start[i]);
+    Plan streamed = p;
+    streamed.resident_segments.clear();
+    const Run s = train(spec, streamed, 3, false, staging, keep, clip, true, few);
+    CHECK(s.losses == zeroed.losses);
+    CHECK(same(s.state, zeroed.state));
   }
 }
 

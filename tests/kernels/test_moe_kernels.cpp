@@ -279,20 +279,35 @@ TEST_CASE("expert GEMMs (every method) match the reference, experts without toke
       for (std::int64_t e = E - dead; e < E; ++e)
         for (std::int64_t i = 0; i < H * I; ++i) REQUIRE(g_dwd[e * H * I + i] == dwd0[e * H * I + i]);
       // Overwriting (a step's first chunk): the old contents (NaN poison here) never read, dead
-      // experts' gradients zero. `run` launches the backward overwriting into `dw`.
+      // experts' gradients zero, or, overwrite_routed, left as they were (still the poison).
+      // `run(write)` launches the backward writing into `dw` that way.
       const auto overwritten = [&](DeviceBuffer<float>& dw, const std::vector<float>& want, std::int64_t per_expert,
                                    const char* name, auto&& run) {
-        dw.upload(std::vector<float>(dw.size(), std::numeric_limits<float>::quiet_NaN()));
-        if (!launched(run())) return false;
-        const auto got = dw.download();
-        CHECK_REPORT(compare(got, want, 1e-5, 1e-5 * max_abs(want), name));
-        for (std::int64_t e = E - dead; e < E; ++e)
-          for (std::int64_t i = 0; i < per_expert; ++i) REQUIRE(got[e * per_expert + i] == 0.0f);
+        for (const k::GradWrite write : {k::GradWrite::overwrite, k::GradWrite::overwrite_routed}) {
+          CAPTURE(static_cast<int>(write));
+          dw.upload(std::vector<float>(dw.size(), std::numeric_limits<float>::quiet_NaN()));
+          if (!launched(run(write))) return false;
+          const auto got = dw.download();
+          // Compared where the expert has rows (overwrite: everywhere, the others' zeros too).
+          std::vector<float> got_w, want_w;
+          for (std::int64_t e = 0; e < E; ++e) {
+            const auto from = static_cast<std::ptrdiff_t>(e * per_expert), to = from + per_expert;
+            if (counts[static_cast<std::size_t>(e)] > 0 || write == k::GradWrite::overwrite) {
+              got_w.insert(got_w.end(), got.begin() + from, got.begin() + to);
+              want_w.insert(want_w.end(), want.begin() + from, want.begin() + to);
+            }
+            if (counts[static_cast<std::size_t>(e)] == 0)
+              for (std::ptrdiff_t i = from; i < to; ++i)
+                REQUIRE((write == k::GradWrite::overwrite ? got[static_cast<std::size_t>(i)] == 0.0f
+                                                          : std::isnan(got[static_cast<std::size_t>(i)])));
+          }
+          CHECK_REPORT(compare(got_w, want_w, 1e-5, 1e-5 * max_abs(want), name));
+        }
         return true;
       };
-      if (!overwritten(dwd, dg.dw_down, H * I, "dw_down overwritten", [&] {
+      if (!overwritten(dwd, dg.dw_down, H * I, "dw_down overwritten", [&](k::GradWrite write) {
             return k::expert_down_backward(blas.get(), nullptr, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(),
-                                           dwd.get(), method, ws.get(), ws.size(), &streams, k::GradWrite::overwrite);
+                                           dwd.get(), method, ws.get(), ws.size(), &streams, write);
           }))
         break;
 
@@ -310,9 +325,9 @@ TEST_CASE("expert GEMMs (every method) match the reference, experts without toke
       CHECK_REPORT(compare(g_dwgu, dwgu_ref, 1e-5, 1e-5 * max_abs(dwgu_ref), "dw_gate_up"));
       for (std::int64_t e = E - dead; e < E; ++e)
         for (std::int64_t i = 0; i < 2 * I * H; ++i) REQUIRE(g_dwgu[e * 2 * I * H + i] == dwgu0[e * 2 * I * H + i]);
-      if (!overwritten(dwgu, gg.dw_gate_up, 2 * I * H, "dw_gate_up overwritten", [&] {
+      if (!overwritten(dwgu, gg.dw_gate_up, 2 * I * H, "dw_gate_up overwritten", [&](k::GradWrite write) {
             return k::expert_gate_up_backward(blas.get(), nullptr, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
-                                              dwgu.get(), method, ws.get(), ws.size(), &streams, k::GradWrite::overwrite);
+                                              dwgu.get(), method, ws.get(), ws.size(), &streams, write);
           }))
         break;
     }

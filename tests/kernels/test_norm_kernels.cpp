@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -441,7 +442,7 @@ namespace {
 
 template <class Moment>
 void check_adamw_against_cpu(std::int64_t n, std::int64_t offset, bool with_out, oom::optim::ThreadPool& pool,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, bool null_grads = false) {
   namespace optim = oom::optim;
   const std::size_t total = static_cast<std::size_t>(n + offset);
   std::vector<float> master = random_normal(total, 61 + n, 0.02f);
@@ -469,10 +470,12 @@ void check_adamw_against_cpu(std::int64_t n, std::int64_t offset, bool with_out,
     // Zeros and values whose squares are fp32 subnormals: no flush to zero on either side.
     for (std::size_t i = 0; i < total; i += 97) grads[i] = 0.0f;
     for (std::size_t i = 5; i < total; i += 89) grads[i] = 3e-21f;
+    if (null_grads) std::fill(grads.begin(), grads.end(), 0.0f);  // the GPU gets no buffer, the CPU zeros
     const auto scalars = optim::adamw_step_scalars(config, step, 0.5f);
     DeviceBuffer<float> d_grads(grads);
     OOM_CUDA_CHECK(k::adamw_update(scalars, d_master.get() + offset, d_m.get() + offset, d_v.get() + offset,
-                                   d_grads.get() + offset, with_out ? d_out.get() + offset : nullptr, n, stream));
+                                   null_grads ? nullptr : d_grads.get() + offset, with_out ? d_out.get() + offset : nullptr, n,
+                                   stream));
     optim::AdamWSpan<Moment> span{std::span<float>(master).subspan(offset), std::span<Moment>(m).subspan(offset),
                                   std::span<Moment>(v).subspan(offset),
                                   std::span<const float>(grads).subspan(offset),
@@ -512,6 +515,22 @@ TEST_CASE("adamw: GPU update is bit-identical to the CPU optimizer (fp32 and bf1
     }
   }
   check_adamw_against_cpu<float>(4099, 0, false, pool, stream.s);
+}
+
+TEST_CASE("adamw: null gradients update as zeros, bit for bit (an expert no token reached)") {
+  // The executor passes no gradient for an expert its layer's backward left unwritten
+  // (DecoderLayerGrads::unrouted_experts): the step must be the one a zeroed buffer gives, moments
+  // decaying and weight decay applied, on both the vector and the scalar path.
+  Stream stream;
+  oom::optim::ThreadPool pool(4);
+  for (const std::int64_t n : {1, 7, 4099}) {
+    for (const std::int64_t offset : {0, 1}) {
+      CAPTURE(n);
+      CAPTURE(offset);
+      check_adamw_against_cpu<float>(n, offset, true, pool, stream.s, true);
+      check_adamw_against_cpu<bf16>(n, offset, true, pool, stream.s, true);
+    }
+  }
 }
 
 TEST_CASE("grad_sum_of_squares: bit-identical to oom::optim::grad_sum_of_squares") {

@@ -67,10 +67,11 @@ std::vector<bf16> bf16s(const std::vector<float>& v) {
 
 
 /// Layer 0 of layer_spec() on the device: weights (bf16) and gradients (fp32) in one block per
-/// segment, bound as the executor binds them; inputs x, dy and positions.
+/// segment, bound as the executor binds them; inputs x, dy and positions for `tokens` tokens.
 struct Fixture {
+  std::int64_t tokens;
   ModelSpec spec = layer_spec();
-  model::DecoderLayerShape shape = model::DecoderLayerShape::from_spec(spec, 0, T);
+  model::DecoderLayerShape shape = model::DecoderLayerShape::from_spec(spec, 0, tokens);
   std::vector<DeviceBuffer<bf16>> weights;
   std::vector<DeviceBuffer<float>> grads;
   model::DecoderLayerParams params;
@@ -81,7 +82,7 @@ struct Fixture {
   Stream stream;
   kernels::ExpertGemmStreams expert_streams;
 
-  Fixture() {
+  explicit Fixture(std::int64_t tokens_ = T) : tokens(tokens_) {
     std::mt19937_64 rng(11);
     std::normal_distribution<float> d(0.0f, 0.05f);
     std::vector<const bf16*> wb;
@@ -97,13 +98,13 @@ struct Fixture {
     }
     params = model::bind_decoder_layer_params(spec, 0, wb);
     grad_ptrs = model::bind_decoder_layer_grads(spec, 0, gb);
-    const auto n = static_cast<std::size_t>(T * shape.hidden);
+    const auto n = static_cast<std::size_t>(tokens * shape.hidden);
     x = DeviceBuffer<bf16>(bf16s(test::random_normal(n, 21)));
     dy = DeviceBuffer<bf16>(bf16s(test::random_normal(n, 22)));
     y = DeviceBuffer<bf16>(n);
     dx = DeviceBuffer<bf16>(n);
-    std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
-    for (std::int64_t t = 0; t < T; ++t) pos[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(t);
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens));
+    for (std::int64_t t = 0; t < tokens; ++t) pos[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(t);
     positions = DeviceBuffer<std::int32_t>(pos);
   }
 };
@@ -117,8 +118,9 @@ struct Result {
 
 /// One forward and backward with MoE chunks of `chunk` tokens, from zeroed gradients and poisoned
 /// outputs, `saved` and workspace; with `overwrite_experts`, the routed experts' gradients start
-/// poisoned instead (DecoderLayerGrads::overwrite_experts: never read).
-Result run(Fixture& f, std::int64_t chunk, bool overwrite_experts = false) {
+/// poisoned instead (DecoderLayerGrads::overwrite_experts: never read), and `unrouted`, if given,
+/// receives DecoderLayerGrads::unrouted_experts.
+Result run(Fixture& f, std::int64_t chunk, bool overwrite_experts = false, std::vector<std::uint8_t>* unrouted = nullptr) {
   model::DecoderLayerShape shape = f.shape;
   shape.moe_chunk_tokens = chunk;
   const std::size_t saved_bytes = model::decoder_layer_saved_bytes(shape);
@@ -135,6 +137,7 @@ Result run(Fixture& f, std::int64_t chunk, bool overwrite_experts = false) {
   }
   model::DecoderLayerGrads grads = f.grad_ptrs;
   grads.overwrite_experts = overwrite_experts;
+  grads.unrouted_experts = unrouted;
   const model::DecoderLayerContext ctx{f.stream.s, f.blas.get(), &f.expert_streams};
   model::decoder_layer_forward(ctx, shape, f.params, f.positions.get(), f.x.get(), f.y.get(), saved.get(), saved_bytes,
                                workspace.get(), ws_bytes);
@@ -145,7 +148,7 @@ Result run(Fixture& f, std::int64_t chunk, bool overwrite_experts = false) {
   r.y = to_floats(f.y.download());
   r.dx = to_floats(f.dx.download());
   const auto routing = model::decoder_layer_routing(shape, saved.get());
-  const auto tk = static_cast<std::size_t>(T * shape.top_k);
+  const auto tk = static_cast<std::size_t>(f.tokens * shape.top_k);
   r.expert_ids.resize(tk);
   r.routing_weights.resize(tk);
   OOM_CUDA_CHECK(cudaMemcpy(r.expert_ids.data(), routing.expert_ids, tk * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
@@ -284,5 +287,40 @@ TEST_CASE("overwritten expert gradients: the accumulated ones from zero, whole a
         CHECK(same_bits(written.grads[i], added.grads[i]));
     }
     CHECK(same_bits(run(f, chunk, true), written));  // deterministic
+  }
+}
+
+TEST_CASE("unrouted experts: their gradients left unwritten and flagged, the others as overwritten, whole and chunked") {
+  // 3 tokens routed top-2 to 8 experts reach at most 6, so at least two are flagged; in chunks of
+  // 1 or 2 tokens a later chunk reaches experts the first did not (their gradients zeroed, then
+  // added, which must give the bits the plain overwrite gives).
+  Fixture f(3);
+  const auto segs = f.spec.layer_segments(0);
+  const auto E = static_cast<std::size_t>(f.shape.experts);
+  for (const std::int64_t chunk : {std::int64_t{0}, std::int64_t{1}, std::int64_t{2}}) {
+    CAPTURE(chunk);
+    const Result written = run(f, chunk, true);
+    std::vector<std::uint8_t> unrouted;
+    const Result left = run(f, chunk, true, &unrouted);
+    REQUIRE(unrouted.size() == E);
+    std::vector<std::uint8_t> reached(E, 0);
+    for (const std::int32_t e : left.expert_ids) reached.at(static_cast<std::size_t>(e)) = 1;
+    int flagged = 0;
+    for (std::size_t e = 0; e < E; ++e) {
+      CAPTURE(e);
+      CHECK(unrouted[e] == (reached[e] != 0 ? 0 : 1));
+      flagged += unrouted[e];
+    }
+    CHECK(flagged >= 2);
+    CHECK(same_bits(left.y, written.y));
+    CHECK(same_bits(left.dx, written.dx));
+    CHECK(same_bits(left.expert_ids, written.expert_ids));
+    for (std::size_t i = 0; i < segs.size(); ++i) {
+      CAPTURE(segs[i].name);
+      if (segs[i].role == SegmentRole::expert && unrouted.at(static_cast<std::size_t>(segs[i].expert)) != 0)
+        CHECK(std::all_of(left.grads[i].begin(), left.grads[i].end(), [](float g) { return std::isnan(g); }));  // the poison, untouched
+      else
+        CHECK(same_bits(left.grads[i], written.grads[i]));
+    }
   }
 }

@@ -70,6 +70,7 @@ expect keep-attention-on-host 2 "keep-attention-state" -- --backend host --keep-
 expect no-keep-attention-on-host 2 "keep-attention-state" -- --backend host --no-keep-attention-state
 expect bucketed-gemms-on-host 2 "bucketed-expert-gemms" -- --backend host --bucketed-expert-gemms
 expect no-bucketed-gemms-on-host 2 "bucketed-expert-gemms" -- --backend host --no-bucketed-expert-gemms
+expect zero-unrouted-on-host 2 "unrouted-expert-grads" -- --backend host --zero-unrouted-expert-grads
 
 # Misuse of a run directory: refused, and the run in it left as it was.
 before=$(cat "$work/good/latest")

@@ -19,13 +19,15 @@
 namespace oom::kernels {
 
 /// One AdamW step over n elements, in place. weights_out may be null (no bf16 copy wanted).
-/// Arrays must not overlap; any element alignment works (16-byte aligned arrays take the vector
-/// path, which gives the same bits).
+/// grads may be null: every gradient zero (an expert no token reached this step, whose gradient
+/// buffer was never written: DecoderLayerGrads::unrouted_experts), the same bits as a zeroed
+/// buffer, without reading one. Arrays must not overlap; any element alignment works (16-byte
+/// aligned arrays take the vector path, which gives the same bits).
 cudaError_t adamw_update(const optim::AdamWStepScalars& step,
                          float* master,           // (n) fp32, updated in place
                          float* exp_avg,          // (n) fp32 m
                          float* exp_avg_sq,       // (n) fp32 v
-                         const float* grads,      // (n) fp32
+                         const float* grads,      // (n) fp32, or null: zeros
                          bf16* weights_out,       // (n) bf16 = to_bf16(updated master), or null
                          std::int64_t n, cudaStream_t stream);
 /// bf16 moments: widened exactly, updated, used unrounded for this step's weight, stored RNE.
@@ -33,7 +35,7 @@ cudaError_t adamw_update(const optim::AdamWStepScalars& step,
                          float* master,           // (n) fp32, updated in place
                          bf16* exp_avg,           // (n) bf16 m
                          bf16* exp_avg_sq,        // (n) bf16 v
-                         const float* grads,      // (n) fp32
+                         const float* grads,      // (n) fp32, or null: zeros
                          bf16* weights_out,       // (n) bf16, or null
                          std::int64_t n, cudaStream_t stream);
 

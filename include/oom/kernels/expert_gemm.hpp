@@ -203,6 +203,13 @@ enum class GradWrite : unsigned char {
   /// `accumulate` onto zeros except for signed zeros and, on the grouped wgmma path (whose
   /// reductions flush them), subnormals.
   overwrite,
+  /// As `overwrite` for the experts with rows; an expert without rows keeps its dW untouched,
+  /// neither read nor written (its dW pointer may be null). For a caller that knows from the
+  /// counts that such an expert's gradient is zero and applies it without reading a buffer
+  /// (kernels::adamw_update with null grads): `overwrite` zeroes each one with a memset, which
+  /// took 10.3 ms of the 5.13B model's 4K step, 26-54 of 64 experts per layer receiving no rows
+  /// in its early steps (H200, 2026-12-01).
+  overwrite_routed,
 };
 
 /// dh (N, I) = dy . w_down[e]; dw_down[e] (H, I) += dy^T . h (fp32; or = with GradWrite::overwrite).
