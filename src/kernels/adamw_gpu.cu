@@ -46,9 +46,8 @@ __device__ __forceinline__ void update_one(const AdamWStepScalars& s, float* p, 
 // and the bf16 copy. `vec` says every array is aligned for those widths. g null: every gradient
 // +0.0f, as if read from zeroed memory (the same operations on the same value: the same bits).
 template <class M>
-__global__ void adamw_kernel(AdamWStepScalars s, float* p, M* m, M* v, const float* g, std::uint16_t* out,
-                             std::int64_t n, bool vec) {
-  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x) * 4;
+__device__ __forceinline__ void update_four(const AdamWStepScalars& s, float* p, M* m, M* v, const float* g, std::uint16_t* out,
+                                            std::int64_t n, bool vec, std::int64_t i) {
   if (i >= n) return;
   if (!vec || i + 4 > n) {
     const std::int64_t end = i + 4 < n ? i + 4 : n;
@@ -91,6 +90,42 @@ __global__ void adamw_kernel(AdamWStepScalars s, float* p, M* m, M* v, const flo
     const unsigned hi = static_cast<unsigned>(float_to_bf16(pp[2])) | (static_cast<unsigned>(float_to_bf16(pp[3])) << 16);
     *reinterpret_cast<uint2*>(out + i) = make_uint2(lo, hi);
   }
+}
+
+template <class M>
+__global__ void adamw_kernel(AdamWStepScalars s, float* p, M* m, M* v, const float* g, std::uint16_t* out,
+                             std::int64_t n, bool vec) {
+  update_four(s, p, m, v, g, out, n, vec, (static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x) * 4);
+}
+
+// Many segments in one launch (fp32 moments): block b works on the segment whose blocks
+// [first_block[k], first_block[k + 1]) hold b, exactly as its own launch's block b - first_block[k]
+// would (the same elements, the same operations: the same bits).
+constexpr int max_segments = 256;  // per launch: the parameters stay under 16 KiB
+struct ManyParams {
+  AdamWStepScalars s;
+  int count = 0;
+  std::int64_t first_block[max_segments + 1];
+  float* p[max_segments];
+  float* m[max_segments];
+  float* v[max_segments];
+  const float* g[max_segments];
+  std::uint16_t* out[max_segments];
+  std::int64_t n[max_segments];
+  bool vec[max_segments];
+};
+static_assert(sizeof(ManyParams) <= 32764);
+
+__global__ void adamw_many_kernel(const __grid_constant__ ManyParams q) {
+  const std::int64_t b = blockIdx.x;
+  int lo = 0, hi = q.count - 1;  // the last k with first_block[k] <= b
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (q.first_block[mid] <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  const std::int64_t i = ((b - q.first_block[lo]) * threads + threadIdx.x) * 4;
+  update_four<float>(q.s, q.p[lo], q.m[lo], q.v[lo], q.g[lo], q.out[lo], q.n[lo], q.vec[lo], i);
 }
 
 bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
@@ -208,6 +243,43 @@ cudaError_t adamw_update(const optim::AdamWStepScalars& step, float* master, bf1
   return launch<std::uint16_t>(step, master, reinterpret_cast<std::uint16_t*>(exp_avg),
                                reinterpret_cast<std::uint16_t*>(exp_avg_sq), grads,
                                reinterpret_cast<std::uint16_t*>(weights_out), n, stream);
+}
+
+cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<const AdamWSegment> segments, cudaStream_t stream) {
+  for (const AdamWSegment& a : segments)
+    if (a.n < 0 || (a.n > 0 && (a.master == nullptr || a.exp_avg == nullptr || a.exp_avg_sq == nullptr)))
+      return cudaErrorInvalidValue;
+  ManyParams q;
+  q.s = step;
+  std::int64_t blocks = 0;
+  const auto flush = [&]() -> cudaError_t {
+    if (q.count == 0) return cudaSuccess;
+    q.first_block[q.count] = blocks;
+    const unsigned grid = grid_for(blocks, 1);
+    if (grid == 0) return cudaErrorInvalidValue;
+    adamw_many_kernel<<<grid, threads, 0, stream>>>(q);
+    q.count = 0;
+    blocks = 0;
+    return cudaGetLastError();
+  };
+  for (const AdamWSegment& a : segments) {
+    if (a.n == 0) continue;
+    const std::int64_t a_blocks = (a.n + threads * 4 - 1) / (threads * 4);
+    if (q.count == max_segments || blocks > std::int64_t{0x7fffffff} - a_blocks)
+      if (const cudaError_t e = flush(); e != cudaSuccess) return e;
+    const int k = q.count++;
+    q.first_block[k] = blocks;
+    q.p[k] = a.master;
+    q.m[k] = a.exp_avg;
+    q.v[k] = a.exp_avg_sq;
+    q.g[k] = a.grads;
+    q.out[k] = reinterpret_cast<std::uint16_t*>(a.weights_out);
+    q.n[k] = a.n;
+    q.vec[k] = aligned(a.master, 16) && (a.grads == nullptr || aligned(a.grads, 16)) && aligned(a.exp_avg, 16) &&
+               aligned(a.exp_avg_sq, 16) && (a.weights_out == nullptr || aligned(a.weights_out, 8));
+    blocks += a_blocks;
+  }
+  return flush();
 }
 
 std::size_t grad_sum_of_squares_workspace_bytes(std::int64_t n) {

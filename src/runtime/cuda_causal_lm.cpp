@@ -161,10 +161,16 @@ struct CudaCausalLm::Impl {
     const auto n = segs[sidx].grad_zero ? 0 : static_cast<std::int64_t>(segs[sidx].n);  // a zero gradient: 0
     OOM_CUDA_CHECK(kernels::grad_sum_of_squares(grads, n, d_sumsq + sidx, sumsq_workspace, sumsq_workspace_bytes, s));
   }
-  /// A resident segment's AdamW step on the GPU (a zero gradient not read: null grads).
-  void adamw_resident(const optim::AdamWStepScalars& scalars, const Segment& g, cudaStream_t s) {
-    OOM_CUDA_CHECK(kernels::adamw_update(scalars, g.dmaster, g.dm, g.dv, g.grad_zero ? nullptr : g.dgrad, g.dw,
-                                         static_cast<std::int64_t>(g.n), s));
+  /// The AdamW steps of the resident segments among `which` on the GPU, in one launch (a zero
+  /// gradient not read: null grads).
+  template <class Range>
+  void adamw_resident(const optim::AdamWStepScalars& scalars, const Range& which, cudaStream_t s) {
+    std::vector<kernels::AdamWSegment> list;
+    for (const std::size_t sidx : which) {
+      const Segment& g = segs[sidx];
+      if (g.resident) list.push_back({g.dmaster, g.dm, g.dv, g.grad_zero ? nullptr : g.dgrad, g.dw, static_cast<std::int64_t>(g.n)});
+    }
+    OOM_CUDA_CHECK(kernels::adamw_update_many(scalars, list, s));
   }
   std::int32_t* h_tokens = nullptr;  // pinned: ids then targets
   std::int64_t steps = 0;
@@ -327,8 +333,9 @@ struct CudaCausalLm::Impl {
     last_grad_norm = std::sqrt(total);
     const auto scalars = optim::adamw_step_scalars(opt.adamw, steps + 1, optim::clip_grad_scale(total, opt.max_grad_norm));
     const int mk = span_begin(cs, Resource::gpu_compute, "adamw resident (clipped)");
-    for (auto& g : segs)
-      if (g.resident) adamw_resident(scalars, g, s);
+    std::vector<std::size_t> all(segs.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+    adamw_resident(scalars, all, s);
     span_end(cs, mk);
     Layer* last = nullptr;
     for (auto& L : layers)
@@ -870,8 +877,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
     } else {
       mk = span_begin(cs, Resource::gpu_compute, "adamw resident " + label(li));
-      for (auto sidx : L.segments)
-        if (segs[sidx].resident) adamw_resident(scalars, segs[sidx], s);
+      adamw_resident(scalars, L.segments, s);
     }
     span_end(cs, mk);
     if (L.streamed > 0) {
@@ -891,12 +897,12 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
   mk = span_begin(cs, Resource::gpu_compute, clipping() ? "embedding backward" : "embedding backward + adamw ends");
   model::lm_embed_backward(ends_ctx(), ends, d_ids, dy, segs[emb].dgrad, d_invalid, workspace, workspace_bytes);
-  for (auto sidx : {emb, norm, head}) {
-    if (sidx == head && head == emb) continue;
-    auto& g = segs[sidx];
-    if (clipping()) sum_of_squares(sidx, g.dgrad, s);
-    else adamw_resident(scalars, g, s);
-  }
+  std::vector<std::size_t> ends_segs = {emb, norm};
+  if (head != emb) ends_segs.push_back(head);
+  if (clipping())
+    for (const auto sidx : ends_segs) sum_of_squares(sidx, segs[sidx].dgrad, s);
+  else
+    adamw_resident(scalars, ends_segs, s);
   span_end(cs, mk);
   if (clipping()) apply_clipped_updates();
   OOM_CUDA_CHECK(cudaEventRecord(step_end, s));

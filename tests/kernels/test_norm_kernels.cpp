@@ -533,6 +533,60 @@ TEST_CASE("adamw: null gradients update as zeros, bit for bit (an expert no toke
   }
 }
 
+TEST_CASE("adamw_update_many: one launch over many segments, the bits of one launch each") {
+  // Segments of every shape the executor hands it: tiny, not a multiple of the 1024 elements a
+  // block takes, large, empty, misaligned by one element (the scalar path), without a gradient
+  // (zeros) or without a bf16 copy; and 300 of them, more than one launch holds.
+  namespace optim = oom::optim;
+  Stream stream;
+  optim::AdamWConfig config;
+  config.lr = 3e-4f;
+  config.weight_decay = 0.1f;
+  const auto scalars = optim::adamw_step_scalars(config, 2, 0.5f);
+  for (const int count : {9, 300}) {
+    CAPTURE(count);
+    std::vector<std::int64_t> sizes;
+    for (int k = 0; k < count; ++k) {
+      const std::int64_t pick[] = {1, 7, 1000, 1024, 4099, 0, (1 << 20) + 3, 33};
+      sizes.push_back(count > 9 ? 1 + (k * 37) % 3000 : pick[k % 8]);
+    }
+    std::int64_t total = 0;
+    for (const auto n : sizes) total += n + 1;  // + 1: room to misalign every other segment
+    const auto t = static_cast<std::size_t>(total);
+    std::vector<float> master = random_normal(t, 71, 0.02f), m = random_normal(t, 72, 1e-3f), v = random_normal(t, 73, 1e-3f);
+    for (auto& x : v) x = x * x;
+    const std::vector<float> grads = random_normal(t, 74, 1.0f);
+    // Two copies of the state: one stepped segment by segment, one by adamw_update_many.
+    DeviceBuffer<float> p1(master), m1(m), v1(v), p2(master), m2(m), v2(v), g(grads);
+    DeviceBuffer<bf16> o1(t), o2(t);
+    o1.zero();
+    o2.zero();
+    std::vector<k::AdamWSegment> list;
+    std::int64_t at = 0;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const std::int64_t off = at + static_cast<std::int64_t>(i % 2);  // odd segments misaligned
+      const bool no_grad = i % 3 == 1, no_out = i % 5 == 2;
+      OOM_CUDA_CHECK(k::adamw_update(scalars, p1.get() + off, m1.get() + off, v1.get() + off, no_grad ? nullptr : g.get() + off,
+                                     no_out ? nullptr : o1.get() + off, sizes[i], stream.s));
+      list.push_back({p2.get() + off, m2.get() + off, v2.get() + off, no_grad ? nullptr : g.get() + off, no_out ? nullptr : o2.get() + off,
+                      sizes[i]});
+      at += sizes[i] + 1;
+    }
+    OOM_CUDA_CHECK(k::adamw_update_many(scalars, list, stream.s));
+    OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+    expect_bits(bits_of(p2.download()), bits_of(p1.download()), "many: master");
+    expect_bits(bits_of(m2.download()), bits_of(m1.download()), "many: exp_avg");
+    expect_bits(bits_of(v2.download()), bits_of(v1.download()), "many: exp_avg_sq");
+    std::vector<std::uint16_t> w1, w2;
+    for (const bf16 x : o1.download()) w1.push_back(x.bits);
+    for (const bf16 x : o2.download()) w2.push_back(x.bits);
+    expect_bits(w2, w1, "many: bf16 weights");
+    CHECK(bits_of(p2.download()) != bits_of(master));  // it moved
+  }
+  const k::AdamWSegment bad{nullptr, nullptr, nullptr, nullptr, nullptr, 5};
+  CHECK(k::adamw_update_many(scalars, std::span<const k::AdamWSegment>(&bad, 1), stream.s) == cudaErrorInvalidValue);
+}
+
 TEST_CASE("grad_sum_of_squares: bit-identical to oom::optim::grad_sum_of_squares") {
   Stream stream;
   oom::optim::ThreadPool pool(4);

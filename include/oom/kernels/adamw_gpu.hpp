@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "oom/core/numeric.hpp"
 #include "oom/optim/adamw.hpp"
@@ -38,6 +39,22 @@ cudaError_t adamw_update(const optim::AdamWStepScalars& step,
                          const float* grads,      // (n) fp32, or null: zeros
                          bf16* weights_out,       // (n) bf16, or null
                          std::int64_t n, cudaStream_t stream);
+
+/// One segment of adamw_update_many: the arguments of one adamw_update with fp32 moments.
+struct AdamWSegment {
+  float* master = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  const float* grads = nullptr;  ///< or null: zeros
+  bf16* weights_out = nullptr;   ///< or null
+  std::int64_t n = 0;
+};
+
+/// adamw_update (fp32 moments) on every segment, in as few launches as fit (one per 256 segments):
+/// the same bits as one launch each. Why: a layer of the 5.13B model is 67 segments (64 experts),
+/// and its 67 launches, each draining before the next starts, left the GPU idle between them.
+/// cudaErrorInvalidValue for a negative n or a missing state array.
+cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<const AdamWSegment> segments, cudaStream_t stream);
 
 /// Scratch bytes grad_sum_of_squares needs (one fp64 partial per tile).
 std::size_t grad_sum_of_squares_workspace_bytes(std::int64_t n);
