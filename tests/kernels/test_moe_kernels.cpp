@@ -207,6 +207,29 @@ TEST_CASE("permutation plan, gather, combine and their backwards match the refer
   }
 }
 
+TEST_CASE("combine backward with rows too wide to stage in shared memory (hidden > 24576) matches the reference") {
+  // The kernel stages a token's d_out row (bf16) in shared memory up to 48 KiB; wider rows are read
+  // from global memory on every one of the k passes instead.
+  const std::int64_t E = 8, K = 2, H = 24577;
+  for (const std::int64_t T : {1, 3}) {
+    CAPTURE(T);
+    const k::PermuteShape s{.tokens = T, .top_k = K, .experts = E};
+    const auto plan = ref::permute_plan(oom::test::random_routing(T, K, E, 12500 + T), T, K, E);
+    const Bf16Data y(random_normal(static_cast<std::size_t>(T * K * H), 12600 + T));
+    const Bf16Data g(random_normal(static_cast<std::size_t>(T * H), 12700 + T));
+    const auto wts = random_normal(static_cast<std::size_t>(T * K), 12800 + T, 0.3f);
+    DeviceBuffer<std::int32_t> s2r(plan.slot_to_row);
+    DeviceBuffer<bf16> y_perm(y.bits), d_out(g.bits), dy_perm(T * K * H);
+    DeviceBuffer<float> d_wts(wts), d_weights(T * K);
+    REQUIRE(k::unpermute_combine_backward(nullptr, s, H, s2r.get(), d_out.get(), y_perm.get(), d_wts.get(), dy_perm.get(),
+                                          d_weights.get()) == cudaSuccess);
+    const auto cg = ref::unpermute_combine_backward(plan, g.values, y.values, wts, K, H);
+    CHECK_REPORT(compare(to_floats(dy_perm.download()), cg.dy_perm, bf16_rtol, 1e-30, "wide combine dy_perm"));
+    // fp32 dot of 24577 exact products of ~N(0,1): 1e-5 of sqrt(H) * 3 ~ 5e-3.
+    CHECK_REPORT(compare(d_weights.download(), cg.d_weights, 1e-5, 5e-3, "wide combine d_weights"));
+  }
+}
+
 TEST_CASE("expert GEMMs (every method) match the reference, experts without tokens untouched (or zeroed, overwriting)") {
   Blas blas;
   const std::int64_t H = 136, I = 72, E = 16, K = 4, dead = 3;
