@@ -91,7 +91,9 @@ __global__ void combine_kernel(const std::int32_t* __restrict__ slot_to_row, con
 // max_top_k dot products per thread in registers across one pass (168 registers, one block per
 // SM: 0.66 ms at T = 4096, k = 8, H = 2048 on the H200, a quarter of the 5.13B layer's backward);
 // each j's additions are the same ones in the same order, so the results are its bits.
-constexpr int combine_backward_staged_max = 48 * 1024 / 2;  // hidden (bf16 elements) staged in shared memory
+// Staged up to this many elements: the dynamic staging plus the kernel's static arrays (row, w,
+// scratch: 384 bytes) must stay within the 48 KiB a launch gets without opting in.
+constexpr int combine_backward_staged_max = (48 * 1024 - 1024) / 2;
 
 __global__ void combine_backward_kernel(const std::int32_t* __restrict__ slot_to_row, const __nv_bfloat16* __restrict__ d_out,
                                         const __nv_bfloat16* __restrict__ y_perm, const float* __restrict__ weights,
@@ -101,6 +103,7 @@ __global__ void combine_backward_kernel(const std::int32_t* __restrict__ slot_to
   __shared__ std::int32_t row[max_top_k];
   __shared__ float w[max_top_k];
   __shared__ float scratch[32];
+  static_assert(sizeof(row) + sizeof(w) + sizeof(scratch) <= 1024, "the static arrays outgrew combine_backward_staged_max's room");
   const std::int64_t t = blockIdx.x;
   const bool staged = hidden <= combine_backward_staged_max;
   if (threadIdx.x < top_k) {
