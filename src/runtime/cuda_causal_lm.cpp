@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <ranges>
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -333,9 +334,7 @@ struct CudaCausalLm::Impl {
     last_grad_norm = std::sqrt(total);
     const auto scalars = optim::adamw_step_scalars(opt.adamw, steps + 1, optim::clip_grad_scale(total, opt.max_grad_norm));
     const int mk = span_begin(cs, Resource::gpu_compute, "adamw resident (clipped)");
-    std::vector<std::size_t> all(segs.size());
-    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
-    adamw_resident(scalars, all, s);
+    adamw_resident(scalars, std::views::iota(std::size_t{0}, segs.size()), s);
     span_end(cs, mk);
     Layer* last = nullptr;
     for (auto& L : layers)
