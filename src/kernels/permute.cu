@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <initializer_list>
 
 #include "moe_blas.cuh"
 
@@ -14,10 +15,9 @@ namespace oom::kernels {
 namespace {
 
 using detail::align_up;
-using detail::block_sum;
 
 constexpr int row_threads = 256;
-constexpr int max_top_k = 32;  // per-thread dot accumulators in the combine backward
+constexpr int max_top_k = 32;
 
 int key_bits(std::int64_t experts) {
   int bits = 1;
@@ -51,80 +51,170 @@ __global__ void invert_kernel(const std::int32_t* __restrict__ row_to_slot, std:
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < n; r += gridDim.x * blockDim.x) slot_to_row[row_to_slot[r]] = r;
 }
 
-// One block per permuted row: 16-byte copies when rows are 16-byte multiples, elements otherwise.
-__global__ void gather_kernel(const std::int32_t* __restrict__ row_to_slot, const __nv_bfloat16* __restrict__ x,
-                              __nv_bfloat16* __restrict__ x_perm, int top_k, std::int64_t hidden, bool vectorized) {
-  const std::int64_t r = blockIdx.x;
-  const std::int64_t t = row_to_slot[r] / top_k;
-  if (vectorized) {
-    const auto* src = reinterpret_cast<const uint4*>(x + t * hidden);
-    auto* dst = reinterpret_cast<uint4*>(x_perm + r * hidden);
-    for (std::int64_t i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = src[i];
-  } else {
-    for (std::int64_t i = threadIdx.x; i < hidden; i += blockDim.x) x_perm[r * hidden + i] = x[t * hidden + i];
-  }
-}
-
-// One block per token: sum (optionally weighted) of its k permuted rows.
-__global__ void combine_kernel(const std::int32_t* __restrict__ slot_to_row, const __nv_bfloat16* __restrict__ rows,
-                               const float* __restrict__ weights, __nv_bfloat16* __restrict__ out, int top_k,
-                               std::int64_t hidden) {
-  __shared__ std::int32_t row[max_top_k];
-  __shared__ float w[max_top_k];
-  const std::int64_t t = blockIdx.x;
-  if (threadIdx.x < top_k) {
-    row[threadIdx.x] = slot_to_row[t * top_k + threadIdx.x];
-    w[threadIdx.x] = weights ? weights[t * top_k + threadIdx.x] : 1.0f;
-  }
-  __syncthreads();
-  for (std::int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int j = 0; j < top_k; ++j) acc += w[j] * __bfloat162float(rows[row[j] * hidden + i]);
-    out[t * hidden + i] = __float2bfloat16(acc);
-  }
-}
-
-// One block per token: for each of its k rows j (in order), dy_perm row_j = w_j * d_out row, and
-// d_weights[j] = <d_out row, y_perm row_j>: each thread sums its elements i = tid, tid + blockDim,
-// ... in order, then block_sum, one j at a time. The d_out row is staged in shared memory (bf16,
-// when it fits in 48 KiB) since every j reads it. Why one j at a time: the first version kept all
-// max_top_k dot products per thread in registers across one pass (168 registers, one block per
-// SM: 0.66 ms at T = 4096, k = 8, H = 2048 on the H200, a quarter of the 5.13B layer's backward);
-// each j's additions are the same ones in the same order, so the results are its bits.
-// Staged up to this many elements: the dynamic staging plus the kernel's static arrays (row, w,
-// scratch: 384 bytes) must stay within the 48 KiB a launch gets without opting in.
-constexpr int combine_backward_staged_max = (48 * 1024 - 1024) / 2;
-
-__global__ void combine_backward_kernel(const std::int32_t* __restrict__ slot_to_row, const __nv_bfloat16* __restrict__ d_out,
-                                        const __nv_bfloat16* __restrict__ y_perm, const float* __restrict__ weights,
-                                        __nv_bfloat16* __restrict__ dy_perm, float* __restrict__ d_weights, int top_k,
-                                        std::int64_t hidden) {
-  extern __shared__ __nv_bfloat16 g_staged[];  // hidden elements, or none (read from d_out)
-  __shared__ std::int32_t row[max_top_k];
-  __shared__ float w[max_top_k];
-  __shared__ float scratch[32];
-  static_assert(sizeof(row) + sizeof(w) + sizeof(scratch) <= 1024, "the static arrays outgrew combine_backward_staged_max's room");
-  const std::int64_t t = blockIdx.x;
-  const bool staged = hidden <= combine_backward_staged_max;
-  if (threadIdx.x < top_k) {
-    row[threadIdx.x] = slot_to_row[t * top_k + threadIdx.x];
-    w[threadIdx.x] = weights[t * top_k + threadIdx.x];
-  }
-  const __nv_bfloat16* const g_row = staged ? g_staged : d_out + t * hidden;
-  if (staged)
-    for (std::int64_t i = threadIdx.x; i < hidden; i += blockDim.x) g_staged[i] = d_out[t * hidden + i];
-  __syncthreads();
-  for (int j = 0; j < top_k; ++j) {
-    const std::int64_t r = row[j] * hidden;
-    const float wj = w[j];
-    float dot = 0.0f;
-    for (std::int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
-      const float g = __bfloat162float(g_row[i]);
-      dy_perm[r + i] = __float2bfloat16(wj * g);
-      dot += g * __bfloat162float(y_perm[r + i]);
+// V consecutive bf16 elements as loaded: one 16-byte access when V = 8 (the caller checked the
+// alignment), one element when V = 1. Loads of a token's k rows are issued together into these,
+// then converted, so that k loads are in flight per thread instead of one.
+template <int V>
+struct Chunk;
+template <>
+struct Chunk<8> {
+  uint4 raw;
+  __device__ static Chunk load(const __nv_bfloat16* p) { return {*reinterpret_cast<const uint4*>(p)}; }
+  __device__ void store(__nv_bfloat16* p) const { *reinterpret_cast<uint4*>(p) = raw; }
+  __device__ void to_floats(float (&v)[8]) const {
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(pairs[e]);
+      v[2 * e] = f.x;
+      v[2 * e + 1] = f.y;
     }
-    const float total = block_sum(dot, scratch);
-    if (threadIdx.x == 0) d_weights[t * top_k + j] = total;
+  }
+  __device__ static Chunk from_floats(const float (&v)[8]) {
+    Chunk c;
+    auto* pairs = reinterpret_cast<__nv_bfloat162*>(&c.raw);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pairs[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+    return c;
+  }
+};
+template <>
+struct Chunk<1> {
+  __nv_bfloat16 raw;
+  __device__ static Chunk load(const __nv_bfloat16* p) { return {*p}; }
+  __device__ void store(__nv_bfloat16* p) const { *p = raw; }
+  __device__ void to_floats(float (&v)[1]) const { v[0] = __bfloat162float(raw); }
+  __device__ static Chunk from_floats(const float (&v)[1]) { return {__float2bfloat16(v[0])}; }
+};
+
+// Rows whose every access may be 16 bytes: width a multiple of 8 elements, every base aligned.
+bool rows_vectorizable(std::int64_t hidden, std::initializer_list<const void*> bases) {
+  if (hidden % 8 != 0) return false;
+  for (const void* p : bases)
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+// A token's k rows are taken this many at a time (their loads in flight together, their dot
+// products in registers).
+constexpr int row_group = 8;
+
+// The block's token's rows (slot_to_row) and weights (1 without weights) into shared memory.
+__device__ void load_routes(const std::int32_t* __restrict__ slot_to_row, const float* __restrict__ weights,
+                            std::int64_t t, int top_k, std::int32_t* row, float* w) {
+  if (threadIdx.x < top_k) {
+    row[threadIdx.x] = slot_to_row[t * top_k + threadIdx.x];
+    if (w) w[threadIdx.x] = weights ? weights[t * top_k + threadIdx.x] : 1.0f;
+  }
+  __syncthreads();
+}
+
+// One block per token: its x row read once, V elements at a time, and written to its k rows.
+template <int V>
+__global__ void __launch_bounds__(row_threads) gather_kernel(const std::int32_t* __restrict__ slot_to_row,
+                                                             const __nv_bfloat16* __restrict__ x,
+                                                             __nv_bfloat16* __restrict__ x_perm, int top_k,
+                                                             std::int64_t hidden) {
+  __shared__ std::int32_t row[max_top_k];
+  const std::int64_t t = blockIdx.x;
+  load_routes(slot_to_row, nullptr, t, top_k, row, nullptr);
+  for (std::int64_t c = threadIdx.x; c < hidden / V; c += row_threads) {
+    const auto v = Chunk<V>::load(x + t * hidden + c * V);
+    for (int j = 0; j < top_k; ++j) v.store(x_perm + row[j] * hidden + c * V);
+  }
+}
+
+// One block per token: sum (optionally weighted) of its k permuted rows, V elements per access.
+// Each element sums its k products in order j = 0..k-1 in fp32, whatever V: the same bits.
+template <int V>
+__global__ void __launch_bounds__(row_threads) combine_kernel(const std::int32_t* __restrict__ slot_to_row,
+                                                              const __nv_bfloat16* __restrict__ rows,
+                                                              const float* __restrict__ weights,
+                                                              __nv_bfloat16* __restrict__ out, int top_k,
+                                                              std::int64_t hidden) {
+  __shared__ std::int32_t row[max_top_k];
+  __shared__ float w[max_top_k];
+  const std::int64_t t = blockIdx.x;
+  load_routes(slot_to_row, weights, t, top_k, row, w);
+  for (std::int64_t c = threadIdx.x; c < hidden / V; c += row_threads) {
+    float acc[V] = {};
+    for (int j0 = 0; j0 < top_k; j0 += row_group) {
+      const int group = min(row_group, top_k - j0);
+      Chunk<V> y[row_group];
+#pragma unroll
+      for (int jj = 0; jj < row_group; ++jj)
+        if (jj < group) y[jj] = Chunk<V>::load(rows + row[j0 + jj] * hidden + c * V);
+#pragma unroll
+      for (int jj = 0; jj < row_group; ++jj) {
+        if (jj < group) {
+          float f[V];
+          y[jj].to_floats(f);
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[e] += w[j0 + jj] * f[e];
+        }
+      }
+    }
+    Chunk<V>::from_floats(acc).store(out + t * hidden + c * V);
+  }
+}
+
+// One block per token, its k rows taken row_group at a time: dy_perm row_j = w_j * d_out row, and
+// d_weights[j] = <d_out row, y_perm row_j>. Each thread reads its V-element chunks of the d_out
+// row once per group and keeps the group's dot products in registers (fp32, its chunks in order,
+// each chunk's elements in order); then one reduction for the group: xor shuffles within each warp,
+// the warps' sums in warp order. Deterministic run to run; the partition of a row among threads
+// depends on V, so the d_weights bits differ between the 16-byte and the scalar paths.
+// History (T = 4096, k = 8, H = 2048 on the H200): all 32 possible dot products per thread in one
+// pass (168 registers) 0.66 ms; one j at a time from a row staged in shared memory, one block_sum
+// per j, element accesses: ~0.26 ms.
+template <int V>
+__global__ void __launch_bounds__(row_threads, 3) combine_backward_kernel(
+    const std::int32_t* __restrict__ slot_to_row, const __nv_bfloat16* __restrict__ d_out,
+    const __nv_bfloat16* __restrict__ y_perm, const float* __restrict__ weights, __nv_bfloat16* __restrict__ dy_perm,
+    float* __restrict__ d_weights, int top_k, std::int64_t hidden) {
+  __shared__ std::int32_t row[max_top_k];
+  __shared__ float w[max_top_k];
+  __shared__ float partial[row_threads / 32][row_group];
+  const std::int64_t t = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  load_routes(slot_to_row, weights, t, top_k, row, w);
+  for (int j0 = 0; j0 < top_k; j0 += row_group) {
+    const int group = min(row_group, top_k - j0);
+    float dot[row_group] = {};
+    for (std::int64_t c = threadIdx.x; c < hidden / V; c += row_threads) {
+      float g[V];
+      Chunk<V>::load(d_out + t * hidden + c * V).to_floats(g);
+      Chunk<V> y[row_group];
+#pragma unroll
+      for (int jj = 0; jj < row_group; ++jj)
+        if (jj < group) y[jj] = Chunk<V>::load(y_perm + row[j0 + jj] * hidden + c * V);
+#pragma unroll
+      for (int jj = 0; jj < row_group; ++jj) {
+        if (jj < group) {
+          float f[V], dy[V];
+          y[jj].to_floats(f);
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            dy[e] = w[j0 + jj] * g[e];
+            dot[jj] += g[e] * f[e];
+          }
+          Chunk<V>::from_floats(dy).store(dy_perm + row[j0 + jj] * hidden + c * V);
+        }
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < row_group; ++jj)
+      for (int o = 16; o > 0; o >>= 1) dot[jj] += __shfl_xor_sync(0xffffffffu, dot[jj], o);
+    if (lane == 0)
+#pragma unroll
+      for (int jj = 0; jj < row_group; ++jj) partial[warp][jj] = dot[jj];
+    __syncthreads();
+    if (threadIdx.x < group) {
+      float total = 0.0f;
+      for (int k = 0; k < row_threads / 32; ++k) total += partial[k][threadIdx.x];
+      d_weights[t * top_k + j0 + threadIdx.x] = total;
+    }
+    __syncthreads();  // the next group rewrites partial
   }
 }
 
@@ -165,16 +255,14 @@ cudaError_t permute_plan(cudaStream_t stream, const PermuteShape& s, const std::
   return cub::DeviceScan::InclusiveSum(temp, temp_bytes, expert_counts, expert_offsets + 1, E, stream);
 }
 
-cudaError_t permute_rows(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden, const std::int32_t* row_to_slot,
+cudaError_t permute_rows(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden, const std::int32_t* slot_to_row,
                          const bf16* x, bf16* x_perm) {
   if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
-  const std::int64_t n = s.tokens * s.top_k;
-  if (n == 0) return cudaSuccess;
-  const bool vectorized = hidden % 8 == 0 && reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&
-                          reinterpret_cast<std::uintptr_t>(x_perm) % 16 == 0;
-  gather_kernel<<<static_cast<unsigned>(n), row_threads, 0, stream>>>(
-      row_to_slot, reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<__nv_bfloat16*>(x_perm),
-      static_cast<int>(s.top_k), hidden, vectorized);
+  if (s.tokens == 0) return cudaSuccess;
+  const auto launch = rows_vectorizable(hidden, {x, x_perm}) ? gather_kernel<8> : gather_kernel<1>;
+  launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
+      slot_to_row, reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<__nv_bfloat16*>(x_perm),
+      static_cast<int>(s.top_k), hidden);
   return cudaGetLastError();
 }
 
@@ -182,7 +270,8 @@ cudaError_t permute_rows_backward(cudaStream_t stream, const PermuteShape& s, st
                                   const std::int32_t* slot_to_row, const bf16* dx_perm, bf16* dx) {
   if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
   if (s.tokens == 0) return cudaSuccess;
-  combine_kernel<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
+  const auto launch = rows_vectorizable(hidden, {dx_perm, dx}) ? combine_kernel<8> : combine_kernel<1>;
+  launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
       slot_to_row, reinterpret_cast<const __nv_bfloat16*>(dx_perm), nullptr, reinterpret_cast<__nv_bfloat16*>(dx),
       static_cast<int>(s.top_k), hidden);
   return cudaGetLastError();
@@ -192,7 +281,8 @@ cudaError_t unpermute_combine(cudaStream_t stream, const PermuteShape& s, std::i
                               const std::int32_t* slot_to_row, const bf16* y_perm, const float* weights, bf16* out) {
   if (!valid(s) || hidden < 1 || weights == nullptr) return cudaErrorInvalidValue;
   if (s.tokens == 0) return cudaSuccess;
-  combine_kernel<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
+  const auto launch = rows_vectorizable(hidden, {y_perm, out}) ? combine_kernel<8> : combine_kernel<1>;
+  launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
       slot_to_row, reinterpret_cast<const __nv_bfloat16*>(y_perm), weights, reinterpret_cast<__nv_bfloat16*>(out),
       static_cast<int>(s.top_k), hidden);
   return cudaGetLastError();
@@ -203,8 +293,9 @@ cudaError_t unpermute_combine_backward(cudaStream_t stream, const PermuteShape& 
                                        const float* weights, bf16* dy_perm, float* d_weights) {
   if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
   if (s.tokens == 0) return cudaSuccess;
-  const std::size_t staged = hidden <= combine_backward_staged_max ? static_cast<std::size_t>(hidden) * sizeof(bf16) : 0;
-  combine_backward_kernel<<<static_cast<unsigned>(s.tokens), row_threads, staged, stream>>>(
+  const auto launch =
+      rows_vectorizable(hidden, {d_out, y_perm, dy_perm}) ? combine_backward_kernel<8> : combine_backward_kernel<1>;
+  launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
       slot_to_row, reinterpret_cast<const __nv_bfloat16*>(d_out), reinterpret_cast<const __nv_bfloat16*>(y_perm), weights,
       reinterpret_cast<__nv_bfloat16*>(dy_perm), d_weights, static_cast<int>(s.top_k), hidden);
   return cudaGetLastError();

@@ -378,7 +378,7 @@ void experts_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s,
                      void* gemm_ws, std::size_t gemm_bytes) {
   const cudaStream_t st = ctx.stream;
   const auto es = expert_shape(s);
-  check(kernels::permute_rows(st, permute_shape(s, n), s.hidden, r.row_to_slot, xn2_rows, r.x_perm), "permute rows");
+  check(kernels::permute_rows(st, permute_shape(s, n), s.hidden, r.slot_to_row, xn2_rows, r.x_perm), "permute rows");
   check(kernels::expert_gate_up_forward(ctx.blas, st, es, counts.data(), r.x_perm, params.expert_gate_proj.data(), r.gate_up,
                                         expert_method, gemm_ws, gemm_bytes, ctx.expert_streams),
         "expert gate_up forward GEMMs");

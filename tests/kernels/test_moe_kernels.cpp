@@ -177,7 +177,7 @@ TEST_CASE("permutation plan, gather, combine and their backwards match the refer
 
       const Bf16Data x(random_normal(static_cast<std::size_t>(T * H), 7000 + T));
       DeviceBuffer<bf16> dx_in(x.bits), x_perm(T * K * H);
-      REQUIRE(k::permute_rows(nullptr, s, H, r2s.get(), dx_in.get(), x_perm.get()) == cudaSuccess);
+      REQUIRE(k::permute_rows(nullptr, s, H, s2r.get(), dx_in.get(), x_perm.get()) == cudaSuccess);
       // A copy: bit-exact.
       CHECK_REPORT(compare(to_floats(x_perm.download()), ref::permute_rows(plan, x.values, K, H), 0.0, 0.0, "x_perm"));
 
@@ -207,28 +207,61 @@ TEST_CASE("permutation plan, gather, combine and their backwards match the refer
   }
 }
 
-TEST_CASE("combine backward with the widest staged rows (hidden 24064) and wider ones matches the reference") {
-  // The kernel stages a token's d_out row (bf16) in shared memory up to 24064 elements (47 KiB, so
-  // that with its static arrays the launch stays within 48 KiB); wider rows are read from global
-  // memory on every one of the k passes instead.
-  const std::int64_t E = 8, K = 2;
-  for (const auto [H, T] : {std::pair<std::int64_t, std::int64_t>{24064, 1}, {24065, 3}, {24577, 1}, {24577, 3}}) {
-    CAPTURE(H);
-    CAPTURE(T);
+TEST_CASE("gather, combine and their backwards: many routes per token, wide and misaligned rows") {
+  // The combine backward takes a token's routes eight at a time (K = 12: a full group and a part;
+  // K = 32: four groups); rows of a multiple of 8 elements on 16-byte aligned bases take 16-byte
+  // accesses, others (H = 24577, or every base one element off) one element at a time.
+  struct Case {
+    std::int64_t H, T, K;
+    std::size_t offset;  // elements every row buffer's base is moved by
+  };
+  for (const auto c : {Case{2048, 5, 12, 0}, Case{2048, 5, 12, 1}, Case{136, 7, 32, 0}, Case{24577, 3, 2, 0}}) {
+    CAPTURE(c.H);
+    CAPTURE(c.T);
+    CAPTURE(c.K);
+    CAPTURE(c.offset);
+    const auto [H, T, K, off] = c;
+    const std::int64_t E = K + 8;
     const k::PermuteShape s{.tokens = T, .top_k = K, .experts = E};
-    const auto plan = ref::permute_plan(oom::test::random_routing(T, K, E, 12500 + T), T, K, E);
+    const auto plan = ref::permute_plan(oom::test::random_routing(T, K, E, 12500 + T * K), T, K, E);
     const Bf16Data y(random_normal(static_cast<std::size_t>(T * K * H), 12600 + T));
     const Bf16Data g(random_normal(static_cast<std::size_t>(T * H), 12700 + T));
     const auto wts = random_normal(static_cast<std::size_t>(T * K), 12800 + T, 0.3f);
     DeviceBuffer<std::int32_t> s2r(plan.slot_to_row);
-    DeviceBuffer<bf16> y_perm(y.bits), d_out(g.bits), dy_perm(T * K * H);
     DeviceBuffer<float> d_wts(wts), d_weights(T * K);
-    REQUIRE(k::unpermute_combine_backward(nullptr, s, H, s2r.get(), d_out.get(), y_perm.get(), d_wts.get(), dy_perm.get(),
-                                          d_weights.get()) == cudaSuccess);
+    // Row buffers with `off` elements of slack (NaN) in front.
+    auto rows_at = [off](const std::vector<bf16>& bits) {
+      std::vector<bf16> padded(off, bf16{0xffff});
+      padded.insert(padded.end(), bits.begin(), bits.end());
+      return DeviceBuffer<bf16>(padded);
+    };
+    auto y_perm = rows_at(y.bits), d_out = rows_at(g.bits);
+    DeviceBuffer<bf16> dy_perm(off + T * K * H), out(off + T * H), dx(off + T * H);
+    auto tail = [off](const DeviceBuffer<bf16>& b) {  // the outputs past the slack; the slack unwritten
+      auto v = to_floats(b.download());
+      for (std::size_t i = 0; i < off; ++i) CHECK(std::isnan(v[i]));
+      return std::vector<float>(v.begin() + static_cast<std::ptrdiff_t>(off), v.end());
+    };
+
+    REQUIRE(k::permute_rows(nullptr, s, H, s2r.get(), d_out.get() + off, dy_perm.get() + off) == cudaSuccess);
+    // A copy: bit-exact.
+    CHECK_REPORT(compare(tail(dy_perm), ref::permute_rows(plan, g.values, K, H), 0.0, 0.0, "x_perm"));
+    dy_perm.poison();
+
+    REQUIRE(k::unpermute_combine(nullptr, s, H, s2r.get(), y_perm.get() + off, d_wts.get(), out.get() + off) == cudaSuccess);
+    // K <= 32 fp32 products summed, one bf16 rounding; cancellation: 2^-8 of sum |w y| <= ~3e-2.
+    CHECK_REPORT(compare(tail(out), ref::unpermute_combine(plan, y.values, wts, K, H), bf16_rtol, 3e-2, "combine"));
+
+    REQUIRE(k::unpermute_combine_backward(nullptr, s, H, s2r.get(), d_out.get() + off, y_perm.get() + off, d_wts.get(),
+                                          dy_perm.get() + off, d_weights.get()) == cudaSuccess);
     const auto cg = ref::unpermute_combine_backward(plan, g.values, y.values, wts, K, H);
-    CHECK_REPORT(compare(to_floats(dy_perm.download()), cg.dy_perm, bf16_rtol, 1e-30, "wide combine dy_perm"));
-    // fp32 dot of ~24000 exact products of ~N(0,1): 1e-5 of sqrt(H) * 3 ~ 5e-3.
-    CHECK_REPORT(compare(d_weights.download(), cg.d_weights, 1e-5, 5e-3, "wide combine d_weights"));
+    CHECK_REPORT(compare(tail(dy_perm), cg.dy_perm, bf16_rtol, 1e-30, "combine dy_perm"));
+    // fp32 dot of H exact products of ~N(0,1): 1e-5 of sqrt(H) * 3 (~5e-3 at H = 24577).
+    CHECK_REPORT(compare(d_weights.download(), cg.d_weights, 1e-5, 3e-5 * std::sqrt(static_cast<double>(H)), "combine d_weights"));
+
+    REQUIRE(k::permute_rows_backward(nullptr, s, H, s2r.get(), y_perm.get() + off, dx.get() + off) == cudaSuccess);
+    // Sum of K <= 32 bf16 values, one rounding; cancellation: 2^-8 of sum |y| <= ~0.2.
+    CHECK_REPORT(compare(tail(dx), ref::permute_rows_backward(plan, y.values, K, H), bf16_rtol, 0.2, "gather dx"));
   }
 }
 

@@ -3,7 +3,8 @@
 // 4099; widths 2050, 130, 80 that take the scalar paths), outputs poisoned (NaN) before each run.
 // The casts, the accumulate, AdamW and the sum of squares must match the host bit for bit; the
 // others within tolerances justified next to each comparison. A last case prints each kernel's
-// achieved bandwidth next to a device-to-device cudaMemcpy measured in the same run.
+// achieved bandwidth next to a device-to-device cudaMemcpy measured in the same run, the token
+// permutation kernels (tested in test_moe_kernels) included.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -21,11 +22,13 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
+#include "kernels/moe_test_util.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/numeric.hpp"
 #include "oom/kernels/adamw_gpu.hpp"
 #include "oom/kernels/cast.hpp"
 #include "oom/kernels/embedding.hpp"
+#include "oom/kernels/permute.hpp"
 #include "oom/kernels/rmsnorm.hpp"
 #include "oom/kernels/rope.hpp"
 #include "oom/kernels/swiglu.hpp"
@@ -631,7 +634,7 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
         },
         stream.s);
     const double gbs = bytes / (ms * 1e-3) / 1e9;
-    std::printf("%-44s %8.3f ms %7.0f GB/s  %5.1f%% of memcpy\n", name, ms, gbs, 100.0 * gbs / copy_gbs);
+    std::printf("%-60s %8.3f ms %7.0f GB/s  %5.1f%% of memcpy\n", name, ms, gbs, 100.0 * gbs / copy_gbs);
     CHECK(gbs > 0);
   };
 
@@ -711,6 +714,36 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     report("embedding backward (65536 x 2048)", 10.0 * tokens * hidden, [&](cudaStream_t s) {
       return k::embedding_backward(ids.get(), out.get(), grad.get(), invalid.get(), tokens, vocab, hidden, ws.get(),
                                    ws.size(), s);
+    });
+  }
+  // Token permutation at the 5.13B layer's width and top-k (H = 2048, k = 8, 64 experts), real
+  // routing from permute_plan. Bytes are the least each kernel must move: every row read or
+  // written once (the gather's x rows and the combine backward's d_out rows count once, though
+  // read k times: the repeats come from L2 or not at all).
+  for (const std::int64_t tokens : {std::int64_t{4096}, std::int64_t{32768}}) {
+    const std::int64_t hidden = 2048, top_k = 8, experts = 64, routed = tokens * top_k;
+    const k::PermuteShape ps{.tokens = tokens, .top_k = top_k, .experts = experts};
+    DeviceBuffer<std::int32_t> ids(oom::test::random_routing(tokens, top_k, experts, 77 + tokens)), r2s(routed),
+        s2r(routed), counts(experts), offsets(experts + 1);
+    DeviceBuffer<unsigned char> plan_ws(k::permute_plan_workspace_bytes(ps));
+    OOM_CUDA_CHECK(k::permute_plan(stream.s, ps, ids.get(), r2s.get(), s2r.get(), counts.get(), offsets.get(),
+                                   plan_ws.get(), plan_ws.size()));
+    DeviceBuffer<bf16> x(tokens * hidden), rows(routed * hidden), drows(routed * hidden), out(tokens * hidden);
+    DeviceBuffer<float> w(routed), dw(routed);
+    x.zero(), rows.zero(), w.zero();
+    const double row_bytes = 2.0 * hidden, n = static_cast<double>(tokens), nk = static_cast<double>(routed);
+    const std::string at = " (T " + std::to_string(tokens) + ", k 8, H 2048)";
+    report(("gather (permute_rows)" + at).c_str(), row_bytes * (n + nk), [&](cudaStream_t s) {
+      return k::permute_rows(s, ps, hidden, s2r.get(), x.get(), rows.get());
+    });
+    report(("combine (unpermute_combine)" + at).c_str(), row_bytes * (nk + n) + 4.0 * nk, [&](cudaStream_t s) {
+      return k::unpermute_combine(s, ps, hidden, s2r.get(), rows.get(), w.get(), out.get());
+    });
+    report(("combine backward" + at).c_str(), row_bytes * (n + 2 * nk) + 8.0 * nk, [&](cudaStream_t s) {
+      return k::unpermute_combine_backward(s, ps, hidden, s2r.get(), out.get(), rows.get(), w.get(), drows.get(), dw.get());
+    });
+    report(("gather backward (permute_rows_backward)" + at).c_str(), row_bytes * (nk + n), [&](cudaStream_t s) {
+      return k::permute_rows_backward(s, ps, hidden, s2r.get(), drows.get(), out.get());
     });
   }
 }

@@ -3,6 +3,8 @@
 // exactly as the CPU reference (oom/reference/permute.hpp). Per-expert counts (CUB histogram) and
 // offsets (CUB scan); experts may receive zero rows. Gather into expert order, combine the k
 // expert outputs back per token (fp32 accumulation), and both backwards, all without atomics.
+// The four row kernels run one block per token and use 16-byte accesses when H is a multiple of 8
+// and every row buffer is 16-byte aligned, element accesses otherwise.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,9 +35,11 @@ cudaError_t permute_plan(cudaStream_t stream, const PermuteShape& s,
                          std::int32_t* expert_offsets,    // (E+1) out, [E] = T*k
                          void* workspace, std::size_t workspace_bytes);
 
-/// x_perm[r] = x[row_to_slot[r] / k].
+/// x_perm[slot_to_row[t*k+j]] = x[t] for every j < k: each x row is read once and written to its k
+/// rows. Takes slot_to_row (until 2026-12-01 it took row_to_slot, the same type: a caller written
+/// for that gets a wrong permutation, not a compile error).
 cudaError_t permute_rows(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden,
-                         const std::int32_t* row_to_slot,  // (T*k)
+                         const std::int32_t* slot_to_row,  // (T*k)
                          const bf16* x,                    // (T, H)
                          bf16* x_perm);                    // (T*k, H) out
 
