@@ -99,6 +99,9 @@ bool rows_vectorizable(std::int64_t hidden, std::initializer_list<const void*> b
 // products in registers).
 constexpr int row_group = 8;
 
+// The gather's grid: this many blocks per SM at most, striding over the tokens.
+constexpr int gather_blocks_per_sm = 4;
+
 // The block's token's rows (slot_to_row) and weights (1 without weights) into shared memory.
 __device__ void load_routes(const std::int32_t* __restrict__ slot_to_row, const float* __restrict__ weights,
                             std::int64_t t, int top_k, std::int32_t* row, float* w) {
@@ -109,18 +112,23 @@ __device__ void load_routes(const std::int32_t* __restrict__ slot_to_row, const 
   __syncthreads();
 }
 
-// One block per token: its x row read once, V elements at a time, and written to its k rows.
+// Blocks stride over tokens: each token's x row read once, V elements at a time, and written to
+// its k rows.
 template <int V>
 __global__ void __launch_bounds__(row_threads) gather_kernel(const std::int32_t* __restrict__ slot_to_row,
                                                              const __nv_bfloat16* __restrict__ x,
                                                              __nv_bfloat16* __restrict__ x_perm, int top_k,
-                                                             std::int64_t hidden) {
-  __shared__ std::int32_t row[max_top_k];
-  const std::int64_t t = blockIdx.x;
-  load_routes(slot_to_row, nullptr, t, top_k, row, nullptr);
-  for (std::int64_t c = threadIdx.x; c < hidden / V; c += row_threads) {
-    const auto v = Chunk<V>::load(x + t * hidden + c * V);
-    for (int j = 0; j < top_k; ++j) v.store(x_perm + row[j] * hidden + c * V);
+                                                             std::int64_t tokens, std::int64_t hidden) {
+  __shared__ std::int32_t row[2][max_top_k];
+  int buf = 0;
+  for (std::int64_t t = blockIdx.x; t < tokens; t += gridDim.x, buf ^= 1) {
+    // Two buffers: a slow thread may still read the previous token's rows while these are written.
+    if (threadIdx.x < top_k) row[buf][threadIdx.x] = slot_to_row[t * top_k + threadIdx.x];
+    __syncthreads();
+    for (std::int64_t c = threadIdx.x; c < hidden / V; c += row_threads) {
+      const auto v = Chunk<V>::load(x + t * hidden + c * V);
+      for (int j = 0; j < top_k; ++j) v.store(x_perm + row[buf][j] * hidden + c * V);
+    }
   }
 }
 
@@ -260,9 +268,13 @@ cudaError_t permute_rows(cudaStream_t stream, const PermuteShape& s, std::int64_
   if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
   if (s.tokens == 0) return cudaSuccess;
   const auto launch = rows_vectorizable(hidden, {x, x_perm}) ? gather_kernel<8> : gather_kernel<1>;
-  launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
-      slot_to_row, reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<__nv_bfloat16*>(x_perm),
-      static_cast<int>(s.top_k), hidden);
+  int device = 0, sms = 0;
+  OOM_KERNEL_TRY(cudaGetDevice(&device));
+  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(s.tokens, std::int64_t{sms} * gather_blocks_per_sm));
+  launch<<<blocks, row_threads, 0, stream>>>(slot_to_row, reinterpret_cast<const __nv_bfloat16*>(x),
+                                             reinterpret_cast<__nv_bfloat16*>(x_perm), static_cast<int>(s.top_k),
+                                             s.tokens, hidden);
   return cudaGetLastError();
 }
 

@@ -337,12 +337,30 @@ __global__ void grad_w_partials(const std::uint16_t* dy, const std::uint16_t* x,
   }
 }
 
-__global__ void sum_partials(const float* partial, float* grad_w, std::int64_t partials, std::int64_t dim) {
-  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= dim) return;
+/// grad_w += the partials' sum, block (32 columns, `slices` ranges of partials): range y sums its
+/// contiguous partials in order, then the ranges' sums are added 0..slices-1 in order.
+__global__ void __launch_bounds__(32 * slices) sum_partials(const float* partial, float* grad_w, std::int64_t partials,
+                                                            std::int64_t dim) {
+  __shared__ float range_sum[slices][32];
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  const std::int64_t per = (partials + slices - 1) / slices;
+  const std::int64_t begin = threadIdx.y * per, end = begin + per < partials ? begin + per : partials;
   float s = 0.0f;
-  for (std::int64_t p = 0; p < partials; ++p) s += partial[p * dim + c];
-  grad_w[c] += s;
+  if (c < dim)
+    for (std::int64_t p = begin; p < end; ++p) s += partial[p * dim + c];
+  range_sum[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < dim) {
+    float total = range_sum[0][threadIdx.x];
+    for (int y = 1; y < slices; ++y) total += range_sum[y][threadIdx.x];
+    grad_w[c] += total;
+  }
+}
+
+cudaError_t launch_sum_partials(const float* partial, float* grad_w, std::int64_t partials, std::int64_t dim,
+                                cudaStream_t stream) {
+  sum_partials<<<grid_for(dim, 32), dim3(32, slices), 0, stream>>>(partial, grad_w, partials, dim);
+  return cudaGetLastError();
 }
 
 std::int64_t partial_count(std::int64_t rows) {
@@ -394,7 +412,7 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
   auto* partial = static_cast<float*>(workspace);
   const std::int64_t partials = partial_count(rows);
   const std::int64_t per = rmsnorm_rows_per_partial(rows);
-  if (partials > 65535) return cudaErrorInvalidValue;  // grid limit; cannot happen with <= 256 partials
+  if (partials > 65535) return cudaErrorInvalidValue;  // grid limit; cannot happen with <= 1024 partials
 
   const bool vec = dim % 8 == 0 && aligned_16(grad_y, x, weight, grad_x);
   if (vec && dim <= max_register_dim_backward) {
@@ -415,8 +433,7 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
       e = launch_backward<32, 16>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
     }
     if (e != cudaSuccess) return e;
-    sum_partials<<<grid_for(dim, 256), 256, 0, stream>>>(partial, grad_weight, partials, dim);
-    return cudaGetLastError();
+    return launch_sum_partials(partial, grad_weight, partials, dim, stream);
   }
 
   // Weight gradient first, so grad_x may overwrite grad_y or x afterwards.
@@ -425,8 +442,7 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
   grad_w_partials<<<dim3(col_blocks, static_cast<unsigned>(partials)), dim3(32, slices), 0, stream>>>(
       dy, xb, rstd, partial, rows, dim, per, vec_w);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  sum_partials<<<grid_for(dim, 256), 256, 0, stream>>>(partial, grad_weight, partials, dim);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (const cudaError_t e = launch_sum_partials(partial, grad_weight, partials, dim, stream); e != cudaSuccess) return e;
 
   const unsigned grid = grid_for(rows, warps_per_block);
   if (grid == 0) return cudaErrorInvalidValue;

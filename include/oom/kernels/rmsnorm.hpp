@@ -28,10 +28,12 @@ cudaError_t rmsnorm_forward(const bf16* x,       // (R, D) bf16
 
 /// Rows summed into one partial weight gradient: a function of the row count only (not of the
 /// device), so the reduction order, and the bits of grad_weight, depend only on the shape. At most
-/// 256 partials, at least 64 rows each.
+/// 1024 partials, at least 16 rows each (one partial is one block of the backward: 4096 rows make
+/// 256 blocks, two per H200 SM; with at least 64 rows, as until 2026-12-01, they made 64 blocks and
+/// left half the SMs idle).
 inline constexpr std::int64_t rmsnorm_rows_per_partial(std::int64_t rows) {
-  const std::int64_t spread = (rows + 255) / 256;
-  return spread > 64 ? spread : 64;
+  const std::int64_t spread = (rows + 1023) / 1024;
+  return spread > 16 ? spread : 16;
 }
 
 /// Scratch bytes rmsnorm_backward needs: the fp32 partial weight gradients, (partials, D).
