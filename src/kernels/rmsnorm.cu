@@ -337,29 +337,43 @@ __global__ void grad_w_partials(const std::uint16_t* dy, const std::uint16_t* x,
   }
 }
 
-/// grad_w += the partials' sum, block (32 columns, `slices` ranges of partials): range y sums its
-/// contiguous partials in order, then the ranges' sums are added 0..slices-1 in order.
-__global__ void __launch_bounds__(32 * slices) sum_partials(const float* partial, float* grad_w, std::int64_t partials,
+/// grad_w += the partials' sum, block (32 columns, partial_ranges ranges of partials): range y sums
+/// its contiguous partials in order, then the ranges' sums are added 0..partial_ranges-1 in order.
+/// 32 ranges: a 128-wide q-norm weight is 4 blocks, so each thread sums at most 32 of 1024 partials.
+constexpr int partial_ranges = 32;
+
+__global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float* partial, float* grad_w, std::int64_t partials,
                                                             std::int64_t dim) {
-  __shared__ float range_sum[slices][32];
+  __shared__ float range_sum[partial_ranges][32];
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  const std::int64_t per = (partials + slices - 1) / slices;
+  const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;
   const std::int64_t begin = threadIdx.y * per, end = begin + per < partials ? begin + per : partials;
   float s = 0.0f;
-  if (c < dim)
-    for (std::int64_t p = begin; p < end; ++p) s += partial[p * dim + c];
+  if (c < dim) {
+    // Eight loads in flight, then their additions in order: a load per addition would leave each
+    // thread waiting out one memory latency per partial.
+    constexpr int batch = 8;
+    for (std::int64_t p0 = begin; p0 < end; p0 += batch) {
+      float v[batch];
+#pragma unroll
+      for (int i = 0; i < batch; ++i) v[i] = p0 + i < end ? partial[(p0 + i) * dim + c] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < batch; ++i)
+        if (p0 + i < end) s += v[i];
+    }
+  }
   range_sum[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < dim) {
     float total = range_sum[0][threadIdx.x];
-    for (int y = 1; y < slices; ++y) total += range_sum[y][threadIdx.x];
+    for (int y = 1; y < partial_ranges; ++y) total += range_sum[y][threadIdx.x];
     grad_w[c] += total;
   }
 }
 
 cudaError_t launch_sum_partials(const float* partial, float* grad_w, std::int64_t partials, std::int64_t dim,
                                 cudaStream_t stream) {
-  sum_partials<<<grid_for(dim, 32), dim3(32, slices), 0, stream>>>(partial, grad_w, partials, dim);
+  sum_partials<<<grid_for(dim, 32), dim3(32, partial_ranges), 0, stream>>>(partial, grad_w, partials, dim);
   return cudaGetLastError();
 }
 
