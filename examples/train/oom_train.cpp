@@ -123,6 +123,9 @@ Plan
                        and let the optimizer read those zeros, instead of leaving it unwritten
                        and updating the expert with a zero gradient unread (the default,
                        --leave-unrouted-expert-grads; the same bits either way)
+  --no-overlap-updates  cuda: run each layer's resident AdamW on the compute stream after its
+                       backward, instead of on a lower-priority stream beside the next layers'
+                       backward (the default without --max-grad-norm; the same bits either way)
 Run
   --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
   --resume             continue from the run directory's latest checkpoint
@@ -156,6 +159,7 @@ struct Args {
   std::optional<bool> keep_attention_state;   // CUDA: recompute around kept attention output + LSE
   std::optional<bool> bucketed_expert_gemms;  // CUDA: one cuBLASLt algorithm per size bucket
   std::optional<bool> leave_unrouted_expert_grads;  // CUDA: idle experts' gradients not written
+  std::optional<bool> overlap_updates;              // CUDA: resident AdamW beside the backward
   double step_progress_s = 30;        // a step running this long reports its layer passes
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
@@ -183,6 +187,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--no-bucketed-expert-gemms") { a.bucketed_expert_gemms = false; continue; }
     if (flag == "--leave-unrouted-expert-grads") { a.leave_unrouted_expert_grads = true; continue; }
     if (flag == "--zero-unrouted-expert-grads") { a.leave_unrouted_expert_grads = false; continue; }
+    if (flag == "--no-overlap-updates") { a.overlap_updates = false; continue; }
     if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
     if (flag == "--config") a.config = v;
@@ -312,6 +317,7 @@ CudaCausalLmOptions cuda_options(const Args& a) {
   if (a.keep_attention_state) o.keep_attention_state = *a.keep_attention_state;
   if (a.bucketed_expert_gemms) o.bucketed_expert_gemms = *a.bucketed_expert_gemms;
   if (a.leave_unrouted_expert_grads) o.leave_unrouted_expert_grads = *a.leave_unrouted_expert_grads;
+  if (a.overlap_updates) o.overlap_updates = *a.overlap_updates;
   return o;
 }
 
@@ -456,6 +462,8 @@ int run(const Args& a) {
   if (!use_cuda && a.leave_unrouted_expert_grads)
     OOM_THROW(Errc::invalid_argument, "--leave-unrouted-expert-grads / --zero-unrouted-expert-grads: the host backend keeps "
                                       "no expert gradient buffers on a GPU (it applies to --backend cuda)");
+  if (!use_cuda && a.overlap_updates)
+    OOM_THROW(Errc::invalid_argument, "--no-overlap-updates: the host backend runs no GPU optimizer (it applies to --backend cuda)");
   if (!use_cuda && a.grad_staging)
     OOM_THROW(Errc::invalid_argument, "--grad-staging: the host backend has no pinned gradient staging (it applies to --backend cuda)");
   if (!use_cuda && a.keep_attention_state)

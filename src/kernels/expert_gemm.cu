@@ -109,7 +109,7 @@ cudaError_t ExpertGemmStreams::state(State** out) {
     // Non-blocking: ordering with the caller's stream comes from the fork/join events only, so a
     // caller on the legacy default stream does not serialise the side streams.
     cudaStream_t stream = nullptr;
-    OOM_KERNEL_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    OOM_KERNEL_TRY(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, options_.priority));
     st->streams.push_back(stream);
     cudaEvent_t join = nullptr;
     OOM_KERNEL_TRY(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));

@@ -34,9 +34,9 @@ CudaBackend::~CudaBackend() {
   cudaFree(device_base_);
 }
 
-CudaBackend::Stream CudaBackend::make_stream() {
+CudaBackend::Stream CudaBackend::make_stream(int priority) {
   cudaStream_t s = nullptr;
-  OOM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  OOM_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, priority));
   return Stream(s, [](cudaStream_t p) { cudaStreamDestroy(p); });
 }
 

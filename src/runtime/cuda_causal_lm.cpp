@@ -129,6 +129,9 @@ struct CudaCausalLm::Impl {
   std::vector<Layer> layers;
   std::size_t emb = 0, norm = 0, head = 0;  // segment indices of the ends (head == emb when tied)
   CudaBackend::Stream cs, h2d, d2h, cpu;
+  CudaBackend::Stream us;  // resident AdamW beside the backward (options.overlap_updates), lowest priority
+  CudaBackend::Event ends_done, updates_done;
+  bool overlapped_updates() const { return opt.overlap_updates && !clipping(); }
   cublasHandle_t blas = nullptr;
   std::unique_ptr<kernels::ExpertGemmStreams> expert_streams;
   optim::ThreadPool pool;
@@ -373,7 +376,7 @@ struct CudaCausalLm::Impl {
   void zero_streamed_grads(const Layer& L, float* gslot, cudaStream_t s) const;
   StepResult run_step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
   void sync_all() {
-    for (auto* s : {&cs, &h2d, &d2h, &cpu}) backend->synchronize(*s);
+    for (auto* s : {&cs, &us, &h2d, &d2h, &cpu}) backend->synchronize(*s);
     std::lock_guard lock(error_mutex);
     if (cpu_error) std::rethrow_exception(std::exchange(cpu_error, nullptr));
   }
@@ -391,12 +394,23 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   T = plan.workload.tokens();
   H = spec->hidden_size();
   V = spec->vocab_size();
-  kernels::ExpertGemmStreamsOptions expert_options;
-  expert_options.bucketed_algorithms = opt.bucketed_expert_gemms;
-  expert_streams = std::make_unique<kernels::ExpertGemmStreams>(expert_options);
+  // Stream priorities: 0 is the default and the lowest; with the updates overlapped, the compute
+  // stream and the expert GEMMs' side streams take the highest, the update stream 0.
+  int lowest_priority = 0, highest_priority = 0;
   if (!sizing) {
     OOM_CUDA_CHECK(cudaSetDevice(opt.device));
-    cs = backend->make_stream();
+    OOM_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest_priority, &highest_priority));
+  }
+  const int compute_priority = overlapped_updates() ? highest_priority : lowest_priority;
+  kernels::ExpertGemmStreamsOptions expert_options;
+  expert_options.bucketed_algorithms = opt.bucketed_expert_gemms;
+  expert_options.priority = compute_priority;
+  expert_streams = std::make_unique<kernels::ExpertGemmStreams>(expert_options);
+  if (!sizing) {
+    cs = backend->make_stream(compute_priority);
+    us = backend->make_stream(lowest_priority);
+    ends_done = backend->make_event();
+    updates_done = backend->make_event();
     h2d = backend->make_stream();
     d2h = backend->make_stream();
     cpu = backend->make_stream();
@@ -587,7 +601,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
 
 void CudaCausalLm::Impl::release() noexcept {
   if (sizing) return;
-  for (auto* s : {&cs, &h2d, &d2h, &cpu})
+  for (auto* s : {&cs, &us, &h2d, &d2h, &cpu})
     if (*s) (void)cudaStreamSynchronize(raw(*s));
   for (auto it = owned.rbegin(); it != owned.rend(); ++it) {
     try {
@@ -874,11 +888,17 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (clipping()) {
       mk = span_begin(cs, Resource::gpu_compute, "gradient sums of squares " + label(li));
       for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
+      span_end(cs, mk);
+    } else if (overlapped_updates()) {
+      backend->wait(us, done);
+      mk = span_begin(us, Resource::gpu_compute, "adamw resident (beside the backward) " + label(li));
+      adamw_resident(scalars, L.segments, raw(us));
+      span_end(us, mk);
     } else {
       mk = span_begin(cs, Resource::gpu_compute, "adamw resident " + label(li));
       adamw_resident(scalars, L.segments, s);
+      span_end(cs, mk);
     }
-    span_end(cs, mk);
     if (L.streamed > 0) {
       backend->wait(d2h, done);
       if (L.ring >= 0) backend->wait(d2h, grad_ring_free[static_cast<std::size_t>(L.ring)]);
@@ -894,15 +914,27 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     host_span("issue bwd " + label(li), issued);
   }
   // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
-  mk = span_begin(cs, Resource::gpu_compute, clipping() ? "embedding backward" : "embedding backward + adamw ends");
+  const bool ends_beside = overlapped_updates();
+  mk = span_begin(cs, Resource::gpu_compute,
+                  clipping() || ends_beside ? "embedding backward" : "embedding backward + adamw ends");
   model::lm_embed_backward(ends_ctx(), ends, d_ids, dy, segs[emb].dgrad, d_invalid, workspace, workspace_bytes);
   std::vector<std::size_t> ends_segs = {emb, norm};
   if (head != emb) ends_segs.push_back(head);
   if (clipping())
     for (const auto sidx : ends_segs) sum_of_squares(sidx, segs[sidx].dgrad, s);
-  else
+  else if (!ends_beside)
     adamw_resident(scalars, ends_segs, s);
   span_end(cs, mk);
+  if (ends_beside) {
+    // The ends' update behind the layers' on the update stream; the step ends when it has.
+    backend->record(ends_done, cs);
+    backend->wait(us, ends_done);
+    mk = span_begin(us, Resource::gpu_compute, "adamw ends");
+    adamw_resident(scalars, ends_segs, raw(us));
+    span_end(us, mk);
+    backend->record(updates_done, us);
+    backend->wait(cs, updates_done);
+  }
   if (clipping()) apply_clipped_updates();
   OOM_CUDA_CHECK(cudaEventRecord(step_end, s));
   if (!opt.skip_nonfinite_loss) OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss, sizeof(float), cudaMemcpyDeviceToHost, s));
@@ -957,7 +989,7 @@ CudaCausalLm::StepResult CudaCausalLm::step(std::span<const std::uint32_t> input
   try {
     return impl_->run_step(inputs, targets);
   } catch (...) {
-    for (auto* s : {&impl_->cs, &impl_->h2d, &impl_->d2h, &impl_->cpu}) (void)cudaStreamSynchronize(CudaBackend::raw(*s));
+    for (auto* s : {&impl_->cs, &impl_->us, &impl_->h2d, &impl_->d2h, &impl_->cpu}) (void)cudaStreamSynchronize(CudaBackend::raw(*s));
     impl_->resolve_marks();  // frees a recording's events (its spans may be partial)
     {
       std::lock_guard lock(impl_->error_mutex);

@@ -72,8 +72,10 @@ struct Run {
 Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait = false,
           unsigned grad_staging_layers = CudaCausalLmOptions{}.grad_staging_layers,
           bool keep_attention_state = CudaCausalLmOptions{}.keep_attention_state, double max_grad_norm = 0,
-          bool leave_unrouted = CudaCausalLmOptions{}.leave_unrouted_expert_grads, std::uint64_t tokens = T) {
+          bool leave_unrouted = CudaCausalLmOptions{}.leave_unrouted_expert_grads, std::uint64_t tokens = T,
+          bool overlap_updates = CudaCausalLmOptions{}.overlap_updates) {
   CudaCausalLmOptions opt;
+  opt.overlap_updates = overlap_updates;
   opt.max_grad_norm = max_grad_norm;
   opt.leave_unrouted_expert_grads = leave_unrouted;
   opt.keep_attention_state = keep_attention_state;
@@ -207,6 +209,31 @@ TEST_CASE("experts no token reaches: left unwritten and stepped with zeros, bit 
     const Run s = train(spec, streamed, 3, false, staging, keep, clip, true, few);
     CHECK(s.losses == zeroed.losses);
     CHECK(same(s.state, zeroed.state));
+  }
+}
+
+TEST_CASE("the resident updates beside the backward: the step of updates on the compute stream, bit for bit") {
+  // CudaCausalLmOptions::overlap_updates runs each layer's resident AdamW on a lower-priority
+  // stream once that layer's backward has ended, while the next layers' backward runs. Against
+  // every update on the compute stream: the same losses, weights and moments after 3 steps, all
+  // resident and with half the layers streamed (their CPU updates unchanged, the ends resident).
+  const auto spec = small_spec();
+  const Plan p = resident_plan(spec);
+  const unsigned ring = CudaCausalLmOptions{}.grad_staging_layers;
+  const bool keep = CudaCausalLmOptions{}.keep_attention_state;
+  const bool leave = CudaCausalLmOptions{}.leave_unrouted_expert_grads;
+  Plan half = p;
+  half.resident_segments.clear();
+  for (const auto& seg : spec.segments())
+    if (seg.layer != 0) half.resident_segments.push_back(seg.name);  // layer 0 streamed
+  REQUIRE(half.resident_segments.size() < p.resident_segments.size());
+  for (const Plan* plan : {&p, static_cast<const Plan*>(&half)}) {
+    const Run serial = train(spec, *plan, 3, false, ring, keep, 0, leave, T, false);
+    const Run beside = train(spec, *plan, 3, false, ring, keep, 0, leave, T, true);
+    CHECK(beside.losses == serial.losses);
+    CHECK(same(beside.state, serial.state));
+    const auto start = init(spec);
+    for (std::size_t i = 0; i < start.size(); ++i) CHECK(beside.state[i].master != start[i]);
   }
 }
 

@@ -71,6 +71,7 @@ expect no-keep-attention-on-host 2 "keep-attention-state" -- --backend host --no
 expect bucketed-gemms-on-host 2 "bucketed-expert-gemms" -- --backend host --bucketed-expert-gemms
 expect no-bucketed-gemms-on-host 2 "bucketed-expert-gemms" -- --backend host --no-bucketed-expert-gemms
 expect zero-unrouted-on-host 2 "unrouted-expert-grads" -- --backend host --zero-unrouted-expert-grads
+expect no-overlap-on-host 2 "no-overlap-updates" -- --backend host --no-overlap-updates
 
 # Misuse of a run directory: refused, and the run in it left as it was.
 before=$(cat "$work/good/latest")

@@ -62,6 +62,10 @@ enum class ExpertGemmMethod : unsigned char { per_expert_loop, grouped_batched, 
 /// Tuning of the multi_stream and row_chunked methods.
 struct ExpertGemmStreamsOptions {
   int streams = 4;  ///< side streams (and cuBLAS handles), 1..64
+  /// The side streams' priority (cudaStreamCreateWithPriority: 0 the default and lowest, lower
+  /// numbers run first): the caller's stream's, so that work it puts beside the GEMMs at a lower
+  /// priority (CudaCausalLmOptions::overlap_updates) yields to the side streams as to the caller's.
+  int priority = 0;
   /// cuBLAS workspace of each side handle, carved from the launcher's workspace (cublasSetWorkspace);
   /// cuBLAS recommends 32 MiB on Hopper, where its split-K kernels for the weight gradients use it.
   std::size_t blas_workspace_bytes = std::size_t{32} << 20;

@@ -32,7 +32,9 @@ class CudaBackend {
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
 
-  Stream make_stream();
+  /// A non-blocking stream. `priority` as cudaStreamCreateWithPriority takes it: 0 is the default
+  /// and the lowest; lower numbers run first (cudaDeviceGetStreamPriorityRange: -5 on Hopper).
+  Stream make_stream(int priority = 0);
   Event make_event();
   /// Runs `fn` now: it enqueues kernels on the stream (kernels take `raw(s)`).
   void submit(Stream& s, std::function<void()> fn) {

@@ -77,6 +77,13 @@ struct CudaCausalLmOptions {
   /// before. On the H200 at 4K with the 5.13B model (26-54 of 64 experts idle per layer in the
   /// first steps) the zeroing alone took 10.3 ms of a 115 ms step.
   bool leave_unrouted_expert_grads = true;
+  /// Without clipping, a layer's resident AdamW steps run on a stream of their own, each as soon as
+  /// its layer's backward has ended, beside the next layers' backward; the compute stream (and the
+  /// expert GEMMs' side streams) get a higher priority, so the block scheduler serves the backward's
+  /// kernels first and the memory-bound update fills what they leave. The same launches with the
+  /// same inputs: the same bits. False: each layer's update on the compute stream after its
+  /// backward, as before 2026-12-01.
+  bool overlap_updates = true;
   /// > 0: clip the global gradient norm to this, as torch.nn.utils.clip_grad_norm_ (factor
   /// min(1, max / (norm + 1e-6)) on every gradient). Each segment's sum of squares is taken on the
   /// GPU as its gradients are made (no pass over weights or host memory); every update then waits
