@@ -3,8 +3,9 @@
 // exactly as the CPU reference (oom/reference/permute.hpp). Per-expert counts (CUB histogram) and
 // offsets (CUB scan); experts may receive zero rows. Gather into expert order, combine the k
 // expert outputs back per token (fp32 accumulation), and both backwards, all without atomics.
-// The four row kernels run one block per token and use 16-byte accesses when H is a multiple of 8
-// and every row buffer is 16-byte aligned, element accesses otherwise.
+// The four row kernels work a token per block (the gather's blocks stride over the tokens) and
+// use 16-byte accesses when H is a multiple of 8 and every row buffer is 16-byte aligned, element
+// accesses otherwise.
 #pragma once
 
 #include <cuda_runtime_api.h>
