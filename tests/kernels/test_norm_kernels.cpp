@@ -679,13 +679,20 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     report("rmsnorm forward (65536 x 4096)", 4.0 * rows * dim,
            [&](cudaStream_t s) { return k::rmsnorm_forward(x.get(), w.get(), y.get(), rstd.get(), rows, dim, 1e-6f, s); });
     DeviceBuffer<unsigned char> ws(k::rmsnorm_backward_workspace_bytes(rows, dim));
-    report("rmsnorm backward, dx in place (65536 x 4096)", 8.0 * rows * dim, [&](cudaStream_t s) {
+    // dy and x read, dx written: 6 bytes an element (until 2026-12-01 this line counted 8, so it
+    // printed 4/3 of the real fraction).
+    report("rmsnorm backward, dx in place (65536 x 4096)", 6.0 * rows * dim, [&](cudaStream_t s) {
       return k::rmsnorm_backward(y.get(), x.get(), w.get(), rstd.get(), y.get(), gw.get(), rows, dim, ws.get(),
                                  ws.size(), s);
     });
     const std::int64_t heads = rows * dim / 128;
     report("rmsnorm forward, q-norm rows (x 128)", 4.0 * rows * dim, [&](cudaStream_t s) {
       return k::rmsnorm_forward(x.get(), w.get(), y.get(), nullptr, heads, 128, 1e-6f, s);
+    });
+    // The 5.13B layer's width (2048) at 65536 rows, dx beside dy.
+    report("rmsnorm backward (65536 x 2048)", 6.0 * 65536 * 2048, [&](cudaStream_t s) {
+      return k::rmsnorm_backward(y.get(), x.get(), w.get(), rstd.get(), y.get() + 65536 * 2048, gw.get(), 65536, 2048,
+                                 ws.get(), ws.size(), s);
     });
     // The 5.13B layer's backwards at T = 4096: the hidden norm (2048 wide) and the q-norm (16 heads
     // of 128); dy and x read, dx written, the weight gradient's partials not counted.

@@ -1,0 +1,100 @@
+// RMSNorm backward at the 5.13B layer's T = 4096 shapes (issue 5: 57-60% of the D2D copy): how the
+// rows per weight-gradient partial move the one-pass kernel and the partial sum, each timed over 20
+// back-to-back launches, as a ratio to a device-to-device copy of 1 GiB in the same run. Includes
+// the product's kernels (src/kernels/rmsnorm.cu) to call launch_backward with other chunkings.
+//   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I include \
+//     -I src/kernels -I src scripts/diag/rmsnorm_partials.cu -o /tmp/rp && /tmp/rp
+#ifdef RMSNORM_SOURCE  // a variant of the product's file, e.g. -DRMSNORM_SOURCE='"/tmp/variant.cu"'
+#include RMSNORM_SOURCE
+#else
+#include "../../src/kernels/rmsnorm.cu"
+#endif
+
+#include <cstdio>
+#include <cstdlib>
+
+#define CK(...)                                                                       \
+  do {                                                                              \
+    auto e_ = (__VA_ARGS__);                                                                  \
+    if (e_ != 0) {                                                                  \
+      std::printf("error %d at %s:%d\n", static_cast<int>(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+
+template <class F>
+float time_us(F&& f, int reps = 20) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) f();
+  float best = 1e30f;
+  for (int s = 0; s < 5; ++s) {
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < reps; ++i) f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    best = ms * 1e3f / reps < best ? ms * 1e3f / reps : best;
+  }
+  return best;
+}
+
+int main() {
+  const size_t big = size_t{1} << 30;
+  void *ca, *cb;
+  CK(cudaMalloc(&ca, big));
+  CK(cudaMalloc(&cb, big));
+  const float copy_us = time_us([&] { CK(cudaMemcpyAsync(cb, ca, big, cudaMemcpyDeviceToDevice)); }, 3);
+  const double copy_bps = 2.0 * big / (copy_us * 1e-6);
+  std::printf("D2D copy %.0f GB/s\n", copy_bps / 1e9);
+  struct Shape {
+    long long rows, dim;
+  };
+  for (const Shape s : {Shape{4096, 2048}, Shape{4096 * 16, 128}, Shape{65536, 2048}, Shape{65536, 4096}}) {
+    const long long n = s.rows * s.dim;
+    std::uint16_t *dy, *x, *w, *dx;
+    float *rstd, *partial, *gw;
+    CK(cudaMalloc(&dy, n * 2));
+    CK(cudaMalloc(&x, n * 2));
+    CK(cudaMalloc(&dx, n * 2));
+    CK(cudaMalloc(&w, s.dim * 2));
+    CK(cudaMalloc(&rstd, s.rows * 4));
+    CK(cudaMalloc(&gw, s.dim * 4));
+    CK(cudaMalloc(&partial, 4096 * s.dim * 4));
+    CK(cudaMemset(dy, 0x3C, n * 2));
+    CK(cudaMemset(x, 0x3C, n * 2));
+    CK(cudaMemset(w, 0x3C, s.dim * 2));
+    CK(cudaMemset(rstd, 0, s.rows * 4));
+    const double bytes = 6.0 * n;
+    for (long long per : {8LL, 16LL, 32LL, 64LL, 128LL}) {
+      const long long partials = (s.rows + per - 1) / per;
+      if (partials > 4096) continue;
+      auto main_only = [&] {
+        if (s.dim == 2048)
+          CK(oom::kernels::launch_backward<32, 8>(dy, x, w, rstd, dx, partial, s.rows, s.dim, partials, per, nullptr));
+        else if (s.dim == 128)
+          CK(oom::kernels::launch_backward<8, 2>(dy, x, w, rstd, dx, partial, s.rows, s.dim, partials, per, nullptr));
+        else
+          CK(oom::kernels::launch_backward<32, 16>(dy, x, w, rstd, dx, partial, s.rows, s.dim, partials, per, nullptr));
+      };
+      const float t_main = time_us(main_only);
+      const float t_both = time_us([&] {
+        main_only();
+        CK(oom::kernels::launch_sum_partials(partial, gw, partials, s.dim, nullptr));
+      });
+      std::printf("%6lld x %5lld  rows/partial %4lld (%5lld blocks): main %7.2f us (%5.1f%%), main + sum %7.2f us (%5.1f%%)\n",
+                  s.rows, s.dim, per, partials, t_main, 100.0 * bytes / (t_main * 1e-6) / copy_bps, t_both,
+                  100.0 * bytes / (t_both * 1e-6) / copy_bps);
+    }
+    CK(cudaFree(dy));
+    CK(cudaFree(x));
+    CK(cudaFree(dx));
+    CK(cudaFree(w));
+    CK(cudaFree(rstd));
+    CK(cudaFree(gw));
+    CK(cudaFree(partial));
+  }
+  return 0;
+}
