@@ -216,7 +216,7 @@ TEST_CASE("the resident updates beside the backward: the step of updates on the 
   // CudaCausalLmOptions::overlap_updates runs each layer's resident AdamW on a lower-priority
   // stream once that layer's backward has ended, while the next layers' backward runs. Against
   // every update on the compute stream: the same losses, weights and moments after 3 steps, all
-  // resident and with half the layers streamed (their CPU updates unchanged, the ends resident).
+  // resident and with layer 0 streamed (its CPU update unchanged, the ends resident).
   const auto spec = small_spec();
   const Plan p = resident_plan(spec);
   const unsigned ring = CudaCausalLmOptions{}.grad_staging_layers;
