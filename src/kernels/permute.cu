@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <climits>
-#include <initializer_list>
 
+#include "bf16_device.cuh"
 #include "moe_blas.cuh"
 
 namespace oom::kernels {
@@ -88,11 +88,9 @@ struct Chunk<1> {
 };
 
 // Rows whose every access may be 16 bytes: width a multiple of 8 elements, every base aligned.
-bool rows_vectorizable(std::int64_t hidden, std::initializer_list<const void*> bases) {
-  if (hidden % 8 != 0) return false;
-  for (const void* p : bases)
-    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
-  return true;
+template <class... P>
+bool rows_vectorizable(std::int64_t hidden, const P*... bases) {
+  return hidden % 8 == 0 && aligned_16(bases...);
 }
 
 // A token's k rows are taken this many at a time (their loads in flight together, their dot
@@ -211,8 +209,7 @@ __global__ void __launch_bounds__(row_threads, 3) combine_backward_kernel(
       }
     }
 #pragma unroll
-    for (int jj = 0; jj < row_group; ++jj)
-      for (int o = 16; o > 0; o >>= 1) dot[jj] += __shfl_xor_sync(0xffffffffu, dot[jj], o);
+    for (int jj = 0; jj < row_group; ++jj) dot[jj] = detail::warp_sum(dot[jj]);
     if (lane == 0)
 #pragma unroll
       for (int jj = 0; jj < row_group; ++jj) partial[warp][jj] = dot[jj];
@@ -267,7 +264,7 @@ cudaError_t permute_rows(cudaStream_t stream, const PermuteShape& s, std::int64_
                          const bf16* x, bf16* x_perm) {
   if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
   if (s.tokens == 0) return cudaSuccess;
-  const auto launch = rows_vectorizable(hidden, {x, x_perm}) ? gather_kernel<8> : gather_kernel<1>;
+  const auto launch = rows_vectorizable(hidden, x, x_perm) ? gather_kernel<8> : gather_kernel<1>;
   int device = 0, sms = 0;
   OOM_KERNEL_TRY(cudaGetDevice(&device));
   OOM_KERNEL_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -282,7 +279,7 @@ cudaError_t permute_rows_backward(cudaStream_t stream, const PermuteShape& s, st
                                   const std::int32_t* slot_to_row, const bf16* dx_perm, bf16* dx) {
   if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
   if (s.tokens == 0) return cudaSuccess;
-  const auto launch = rows_vectorizable(hidden, {dx_perm, dx}) ? combine_kernel<8> : combine_kernel<1>;
+  const auto launch = rows_vectorizable(hidden, dx_perm, dx) ? combine_kernel<8> : combine_kernel<1>;
   launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
       slot_to_row, reinterpret_cast<const __nv_bfloat16*>(dx_perm), nullptr, reinterpret_cast<__nv_bfloat16*>(dx),
       static_cast<int>(s.top_k), hidden);
@@ -293,7 +290,7 @@ cudaError_t unpermute_combine(cudaStream_t stream, const PermuteShape& s, std::i
                               const std::int32_t* slot_to_row, const bf16* y_perm, const float* weights, bf16* out) {
   if (!valid(s) || hidden < 1 || weights == nullptr) return cudaErrorInvalidValue;
   if (s.tokens == 0) return cudaSuccess;
-  const auto launch = rows_vectorizable(hidden, {y_perm, out}) ? combine_kernel<8> : combine_kernel<1>;
+  const auto launch = rows_vectorizable(hidden, y_perm, out) ? combine_kernel<8> : combine_kernel<1>;
   launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
       slot_to_row, reinterpret_cast<const __nv_bfloat16*>(y_perm), weights, reinterpret_cast<__nv_bfloat16*>(out),
       static_cast<int>(s.top_k), hidden);
@@ -306,7 +303,7 @@ cudaError_t unpermute_combine_backward(cudaStream_t stream, const PermuteShape& 
   if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
   if (s.tokens == 0) return cudaSuccess;
   const auto launch =
-      rows_vectorizable(hidden, {d_out, y_perm, dy_perm}) ? combine_backward_kernel<8> : combine_backward_kernel<1>;
+      rows_vectorizable(hidden, d_out, y_perm, dy_perm) ? combine_backward_kernel<8> : combine_backward_kernel<1>;
   launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
       slot_to_row, reinterpret_cast<const __nv_bfloat16*>(d_out), reinterpret_cast<const __nv_bfloat16*>(y_perm), weights,
       reinterpret_cast<__nv_bfloat16*>(dy_perm), d_weights, static_cast<int>(s.top_k), hidden);
