@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <ranges>
 #include <chrono>
 #include <cmath>
@@ -375,8 +376,10 @@ struct CudaCausalLm::Impl {
   /// overwrites), contiguous runs in one memset each.
   void zero_streamed_grads(const Layer& L, float* gslot, cudaStream_t s) const;
   StepResult run_step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
+  /// Every stream the step issues on (drained by sync_all, release and a failed step).
+  std::array<CudaBackend::Stream*, 5> streams() { return {&cs, &us, &h2d, &d2h, &cpu}; }
   void sync_all() {
-    for (auto* s : {&cs, &us, &h2d, &d2h, &cpu}) backend->synchronize(*s);
+    for (auto* s : streams()) backend->synchronize(*s);
     std::lock_guard lock(error_mutex);
     if (cpu_error) std::rethrow_exception(std::exchange(cpu_error, nullptr));
   }
@@ -601,7 +604,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
 
 void CudaCausalLm::Impl::release() noexcept {
   if (sizing) return;
-  for (auto* s : {&cs, &us, &h2d, &d2h, &cpu})
+  for (auto* s : streams())
     if (*s) (void)cudaStreamSynchronize(raw(*s));
   for (auto it = owned.rbegin(); it != owned.rend(); ++it) {
     try {
@@ -989,7 +992,7 @@ CudaCausalLm::StepResult CudaCausalLm::step(std::span<const std::uint32_t> input
   try {
     return impl_->run_step(inputs, targets);
   } catch (...) {
-    for (auto* s : {&impl_->cs, &impl_->us, &impl_->h2d, &impl_->d2h, &impl_->cpu}) (void)cudaStreamSynchronize(CudaBackend::raw(*s));
+    for (auto* s : impl_->streams()) (void)cudaStreamSynchronize(CudaBackend::raw(*s));
     impl_->resolve_marks();  // frees a recording's events (its spans may be partial)
     {
       std::lock_guard lock(impl_->error_mutex);
