@@ -130,6 +130,14 @@ __global__ void adamw_many_kernel(const __grid_constant__ ManyParams q) {
 
 bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
+/// Whether update_four may take its vector path: every array aligned for its width (grads and the
+/// bf16 copy may be null).
+template <class M>
+bool vector_aligned(const float* p, const M* m, const M* v, const float* g, const void* out) {
+  return aligned(p, 16) && (g == nullptr || aligned(g, 16)) && aligned(m, 4 * sizeof(M)) && aligned(v, 4 * sizeof(M)) &&
+         (out == nullptr || aligned(out, 8));
+}
+
 template <class M>
 cudaError_t launch(const AdamWStepScalars& s, float* p, M* m, M* v, const float* g, std::uint16_t* out,
                    std::int64_t n, cudaStream_t stream) {
@@ -138,8 +146,7 @@ cudaError_t launch(const AdamWStepScalars& s, float* p, M* m, M* v, const float*
   if (p == nullptr || m == nullptr || v == nullptr) return cudaErrorInvalidValue;
   const unsigned grid = grid_for(n, threads * 4);
   if (grid == 0) return cudaErrorInvalidValue;
-  const bool vec = aligned(p, 16) && (g == nullptr || aligned(g, 16)) && aligned(m, 4 * sizeof(M)) && aligned(v, 4 * sizeof(M)) &&
-                   (out == nullptr || aligned(out, 8));
+  const bool vec = vector_aligned(p, m, v, g, out);
   adamw_kernel<M><<<grid, threads, 0, stream>>>(s, p, m, v, g, out, n, vec);
   return cudaGetLastError();
 }
@@ -275,8 +282,7 @@ cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<con
     q.g[k] = a.grads;
     q.out[k] = reinterpret_cast<std::uint16_t*>(a.weights_out);
     q.n[k] = a.n;
-    q.vec[k] = aligned(a.master, 16) && (a.grads == nullptr || aligned(a.grads, 16)) && aligned(a.exp_avg, 16) &&
-               aligned(a.exp_avg_sq, 16) && (a.weights_out == nullptr || aligned(a.weights_out, 8));
+    q.vec[k] = vector_aligned(a.master, a.exp_avg, a.exp_avg_sq, a.grads, a.weights_out);
     blocks += a_blocks;
   }
   return flush();
