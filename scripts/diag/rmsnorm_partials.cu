@@ -88,6 +88,22 @@ int main() {
                   s.rows, s.dim, per, partials, t_main, 100.0 * bytes / (t_main * 1e-6) / copy_bps, t_both,
                   100.0 * bytes / (t_both * 1e-6) / copy_bps);
     }
+    // In place (dx == dy, as the trainer's post-attention norm runs) at the product's chunking.
+    {
+      const long long per = oom::kernels::rmsnorm_rows_per_partial(s.rows);
+      const long long partials = (s.rows + per - 1) / per;
+      const float t = time_us([&] {
+        if (s.dim == 2048)
+          CK(oom::kernels::launch_backward<32, 8>(dy, x, w, rstd, dy, partial, s.rows, s.dim, partials, per, nullptr));
+        else if (s.dim == 128)
+          CK(oom::kernels::launch_backward<8, 2>(dy, x, w, rstd, dy, partial, s.rows, s.dim, partials, per, nullptr));
+        else
+          CK(oom::kernels::launch_backward<32, 16>(dy, x, w, rstd, dy, partial, s.rows, s.dim, partials, per, nullptr));
+        CK(oom::kernels::launch_sum_partials(partial, gw, partials, s.dim, nullptr));
+      });
+      std::printf("%6lld x %5lld  rows/partial %4lld, dx in place: main + sum %7.2f us (%5.1f%%)\n", s.rows, s.dim, per, t,
+                  100.0 * bytes / (t * 1e-6) / copy_bps);
+    }
     CK(cudaFree(dy));
     CK(cudaFree(x));
     CK(cudaFree(dx));

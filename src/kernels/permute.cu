@@ -52,7 +52,8 @@ __global__ void invert_kernel(const std::int32_t* __restrict__ row_to_slot, std:
 }
 
 // V consecutive bf16 elements as loaded: one 16-byte access when V = 8 (the caller checked the
-// alignment), one element when V = 1. Loads of a token's k rows are issued together into these,
+// alignment), one element when V = 1; converted with bf16_device.cuh's helpers, so a NaN keeps its
+// sign and payload as everywhere else in the kernels (oom::to_bf16's bits). Loads of a token's k rows are issued together into these,
 // then converted, so that k loads are in flight per thread instead of one.
 template <int V>
 struct Chunk;
@@ -61,30 +62,18 @@ struct Chunk<8> {
   uint4 raw;
   __device__ static Chunk load(const __nv_bfloat16* p) { return {*reinterpret_cast<const uint4*>(p)}; }
   __device__ void store(__nv_bfloat16* p) const { *reinterpret_cast<uint4*>(p) = raw; }
-  __device__ void to_floats(float (&v)[8]) const {
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(pairs[e]);
-      v[2 * e] = f.x;
-      v[2 * e + 1] = f.y;
-    }
-  }
-  __device__ static Chunk from_floats(const float (&v)[8]) {
-    Chunk c;
-    auto* pairs = reinterpret_cast<__nv_bfloat162*>(&c.raw);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) pairs[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
-    return c;
-  }
+  __device__ void to_floats(float (&v)[8]) const { detail::unpack_bf16(raw, v); }
+  __device__ static Chunk from_floats(const float (&v)[8]) { return {detail::pack_bf16(v)}; }
 };
 template <>
 struct Chunk<1> {
   __nv_bfloat16 raw;
   __device__ static Chunk load(const __nv_bfloat16* p) { return {*p}; }
   __device__ void store(__nv_bfloat16* p) const { *p = raw; }
-  __device__ void to_floats(float (&v)[1]) const { v[0] = __bfloat162float(raw); }
-  __device__ static Chunk from_floats(const float (&v)[1]) { return {__float2bfloat16(v[0])}; }
+  __device__ void to_floats(float (&v)[1]) const { v[0] = detail::bf16_to_float(__bfloat16_as_ushort(raw)); }
+  __device__ static Chunk from_floats(const float (&v)[1]) {
+    return {__ushort_as_bfloat16(detail::float_to_bf16(v[0]))};
+  }
 };
 
 // Rows whose every access may be 16 bytes: width a multiple of 8 elements, every base aligned.
