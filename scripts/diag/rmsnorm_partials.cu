@@ -77,7 +77,7 @@ int main() {
         else if (s.dim == 128)
           CK(oom::kernels::launch_backward<8, 2>(dy, x, w, rstd, dx, partial, s.rows, s.dim, partials, per, nullptr));
         else
-          CK(oom::kernels::launch_backward<32, 16>(dy, x, w, rstd, dx, partial, s.rows, s.dim, partials, per, nullptr));
+          CK(oom::kernels::launch_backward<64, 8>(dy, x, w, rstd, dx, partial, s.rows, s.dim, partials, per, nullptr));
       };
       const float t_main = time_us(main_only);
       const float t_both = time_us([&] {
@@ -98,7 +98,7 @@ int main() {
         else if (s.dim == 128)
           CK(oom::kernels::launch_backward<8, 2>(dy, x, w, rstd, dy, partial, s.rows, s.dim, partials, per, nullptr));
         else
-          CK(oom::kernels::launch_backward<32, 16>(dy, x, w, rstd, dy, partial, s.rows, s.dim, partials, per, nullptr));
+          CK(oom::kernels::launch_backward<64, 8>(dy, x, w, rstd, dy, partial, s.rows, s.dim, partials, per, nullptr));
         CK(oom::kernels::launch_sum_partials(partial, gw, partials, s.dim, nullptr));
       });
       std::printf("%6lld x %5lld  rows/partial %4lld, dx in place: main + sum %7.2f us (%5.1f%%)\n", s.rows, s.dim, per, t,

@@ -1,8 +1,8 @@
 // Device helpers shared by the elementwise and row kernels (embedding, rmsnorm, rope, swiglu,
 // cast, adamw_gpu): bf16 <-> fp32 by bit manipulation, 16-byte vector loads and stores, warp sums.
 // bf16 is handled as its raw 16 bits, so a kernel's rounding is exactly oom::to_bf16 (round to
-// nearest even, NaN kept quiet with its sign and upper payload) on every architecture, not
-// cvt.rn.bf16.f32's canonical NaN.
+// nearest even, NaN kept quiet with its sign and upper payload) on every architecture: the
+// hardware's cvt.rn where it exists, its canonical NaN replaced.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,12 +13,36 @@ namespace oom::kernels::detail {
 
 __device__ __forceinline__ float bf16_to_float(std::uint16_t b) { return __uint_as_float(static_cast<unsigned>(b) << 16); }
 
-/// Same bits as oom::to_bf16 (include/oom/core/numeric.hpp).
+/// oom::to_bf16's bits for a NaN: quiet, with its sign and the top of its payload.
+__device__ __forceinline__ unsigned quiet_nan_bf16(float f) { return (__float_as_uint(f) >> 16) | 0x40u; }
+
+/// Same bits as oom::to_bf16 (include/oom/core/numeric.hpp). From sm_80 the hardware's
+/// round-to-nearest-even cvt (the same bits for every value but NaN, which it makes canonical)
+/// with NaNs patched; before, the rounding by integer arithmetic.
 __device__ __forceinline__ std::uint16_t float_to_bf16(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  std::uint16_t h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return f != f ? static_cast<std::uint16_t>(quiet_nan_bf16(f)) : h;
+#else
   unsigned u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>(quiet_nan_bf16(f));
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<std::uint16_t>(u >> 16);
+#endif
+}
+
+/// Two values as bf16x2, `lo` in the low half: float_to_bf16 of each, one cvt for both from sm_80.
+__device__ __forceinline__ unsigned float2_to_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned w;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));  // the first source is the high half
+  if (lo != lo) w = (w & 0xffff0000u) | quiet_nan_bf16(lo);
+  if (hi != hi) w = (w & 0x0000ffffu) | (quiet_nan_bf16(hi) << 16);
+  return w;
+#else
+  return static_cast<unsigned>(float_to_bf16(lo)) | (static_cast<unsigned>(float_to_bf16(hi)) << 16);
+#endif
 }
 
 /// Eight bf16 values held in a 16-byte register quad, widened to fp32 / rounded back.
@@ -33,9 +57,7 @@ __device__ __forceinline__ void unpack_bf16(const uint4& r, float (&f)[8]) {
 __device__ __forceinline__ uint4 pack_bf16(const float (&f)[8]) {
   unsigned w[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    w[k] = static_cast<unsigned>(float_to_bf16(f[2 * k])) | (static_cast<unsigned>(float_to_bf16(f[2 * k + 1])) << 16);
-  }
+  for (int k = 0; k < 4; ++k) w[k] = float2_to_bf16x2(f[2 * k], f[2 * k + 1]);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 

@@ -115,6 +115,26 @@ __global__ void __launch_bounds__(block_threads)
   }
 }
 
+/// The sum of a row's G lane values, G = 8 or 32 by shuffles; G = 64 (a row over two warps, warps
+/// 2g and 2g + 1): each warp's sum, exchanged through `pair_sums` (groups x 2 parities x 2 halves)
+/// under the pair's named barrier (id 1 + g), then half 0 + half 1. `parity` alternates per row so
+/// a warp never overwrites a value its partner may still be reading. Every lane of the group must
+/// call it.
+template <int G>
+__device__ __forceinline__ float row_sum(float x, float* pair_sums, int group, int parity) {
+  if constexpr (G <= 32) {
+    return group_sum<G>(x);
+  } else {
+    static_assert(G == 64, "a row over one warp or two");
+    const float half = warp_sum(x);
+    float* slot = pair_sums + (group * 2 + parity) * 2;
+    const int warp_in_pair = (threadIdx.x / 32) % 2;
+    if (threadIdx.x % 32 == 0) slot[warp_in_pair] = half;
+    asm volatile("bar.sync %0, 64;" ::"r"(1 + group) : "memory");
+    return slot[0] + slot[1];
+  }
+}
+
 /// One pass over a chunk of rmsnorm_rows_per_partial rows (blockIdx.x = chunk): group g handles
 /// rows begin + g, + groups, ... in order, writes dx and adds dy * xhat into its own shared-memory
 /// columns; the chunk's partial is then groups 0, 1, ... added in order. With G = 32 (8 groups)
@@ -125,8 +145,10 @@ __global__ void __launch_bounds__(block_threads)
     backward_rows_in_registers(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                                const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows, int dim,
                                std::int64_t rows_per_partial) {
-  extern __shared__ float4 acc_shared[];  // (groups, dim) fp32
+  extern __shared__ float4 acc_shared[];  // (groups, dim) fp32, then G = 64's pair sums
   constexpr int groups = block_threads / G;
+  static_assert(G != 64 || groups <= 15, "one named barrier per pair");
+  float* pair_sums = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(groups) * dim;
   const int lane = threadIdx.x % G;
   const int group = threadIdx.x / G;
   float* acc = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(group) * dim;
@@ -140,7 +162,8 @@ __global__ void __launch_bounds__(block_threads)
   const std::int64_t begin = static_cast<std::int64_t>(blockIdx.x) * rows_per_partial;
   const std::int64_t end = begin + rows_per_partial < rows ? begin + rows_per_partial : rows;
   // The trip count is uniform over the block, so every lane reaches the shuffles.
-  for (std::int64_t base = begin; base < end; base += groups) {
+  int parity = 0;
+  for (std::int64_t base = begin; base < end; base += groups, parity ^= 1) {
     const std::int64_t row = base + group;
     const bool valid = row < end;
     uint4 gq[V], xq[V];
@@ -164,7 +187,7 @@ __global__ void __launch_bounds__(block_threads)
 #pragma unroll
       for (int e = 0; e < 8; ++e) dot = __fmaf_rn(g[e] * wv[e], v[e] * r, dot);
     }
-    const float mean_dot = group_sum<G>(dot) / static_cast<float>(dim);
+    const float mean_dot = row_sum<G>(dot, pair_sums, group, parity) / static_cast<float>(dim);
     if (!valid) continue;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -220,7 +243,8 @@ cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, con
                             std::int64_t dim, std::int64_t partials, std::int64_t rows_per_partial,
                             cudaStream_t stream) {
   const auto kernel = backward_rows_in_registers<G, V>;
-  const std::size_t smem = static_cast<std::size_t>(block_threads / G) * static_cast<std::size_t>(dim) * sizeof(float);
+  constexpr std::size_t groups = block_threads / G;
+  const std::size_t smem = groups * static_cast<std::size_t>(dim) * sizeof(float) + (G == 64 ? groups * 4 * sizeof(float) : 0);
   if (smem > 48 * 1024) {
     if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                    static_cast<int>(smem));
@@ -480,7 +504,7 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
     } else if (dim <= 2048) {
       e = launch_backward<32, 8>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
     } else {
-      e = launch_backward<32, 16>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
+      e = launch_backward<64, 8>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
     }
     if (e != cudaSuccess) return e;
     return launch_sum_partials(partial, grad_weight, partials, dim, stream);

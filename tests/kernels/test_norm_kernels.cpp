@@ -192,10 +192,11 @@ TEST_CASE("rmsnorm: forward, rstd, input and weight gradients match the referenc
     std::int64_t rows, dim;
   };
   // (1000 * 32, 128): Qwen3's per-head q-norm over T = 1000 tokens x 32 heads; 2050 and 130 take
-  // the scalar path; 1000 and 40 are register-path widths that leave lanes without columns; 4099
-  // and 20001 rows end in a part chunk and a part step of the staged backward.
+  // the scalar path; 3000, 1000 and 40 are register-path widths that leave lanes without columns
+  // (3000 and 4096: a row over two warps in the backward); 4099, 2001 and 20001 rows end in a part
+  // chunk.
   for (const Shape s : {Shape{1, 128}, Shape{7, 2048}, Shape{1000, 2050}, Shape{4099, 2048}, Shape{1000 * 32, 128},
-                        Shape{7, 130}, Shape{1000, 4096}, Shape{20001, 1000}, Shape{20001, 40}}) {
+                        Shape{7, 130}, Shape{1000, 4096}, Shape{2001, 3000}, Shape{20001, 1000}, Shape{20001, 40}}) {
     CAPTURE(s.rows);
     CAPTURE(s.dim);
     const std::size_t n = static_cast<std::size_t>(s.rows * s.dim);
