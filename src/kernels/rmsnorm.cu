@@ -37,6 +37,31 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #endif
 }
 
+/// kernel<<<grid, block, smem, stream>>>(args...), on sm_90+ as a programmatic dependent of the
+/// stream's previous kernel: its launch and block scheduling overlap that kernel's end; the kernel
+/// calls wait_for_prerequisite_grid before it touches memory.
+template <class... Params, class... Args>
+cudaError_t launch_as_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+                                Args... args) {
+  int device = 0, major = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+      e != cudaSuccess) {
+    return e;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = major >= 9 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
 // ----- register path -----
 
 constexpr int block_threads = 256;
@@ -149,6 +174,7 @@ __global__ void __launch_bounds__(block_threads)
   constexpr int groups = block_threads / G;
   static_assert(G != 64 || groups <= 15, "one named barrier per pair");
   float* pair_sums = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(groups) * dim;
+  wait_for_prerequisite_grid();  // launched as a dependent of the stream's previous kernel
   const int lane = threadIdx.x % G;
   const int group = threadIdx.x / G;
   float* acc = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(group) * dim;
@@ -252,9 +278,8 @@ cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, con
       return e;
     }
   }
-  kernel<<<static_cast<unsigned>(partials), block_threads, smem, stream>>>(dy, x, w, rstd, dx, partial, rows,
-                                                                          static_cast<int>(dim), rows_per_partial);
-  return cudaGetLastError();
+  return launch_as_dependent(kernel, dim3(static_cast<unsigned>(partials)), dim3(block_threads), smem, stream, dy, x, w,
+                             rstd, dx, partial, rows, static_cast<int>(dim), rows_per_partial);
 }
 
 // ----- looped path: any width, any alignment -----
@@ -388,6 +413,7 @@ __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float*
                                                             std::int64_t dim) {
   __shared__ float range_sum[partial_ranges][32];
   wait_for_prerequisite_grid();  // the partials' kernel, when launched as its dependent
+  allow_dependent_launch();      // and the stream's next kernel may be scheduled (it waits for this one)
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;
   const std::int64_t begin = threadIdx.y * per, end = begin + per < partials ? begin + per : partials;
@@ -414,27 +440,12 @@ __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float*
   }
 }
 
-/// On sm_90+ the sum is launched as a programmatic dependent of the partials' kernel, so its
-/// launch and block scheduling overlap that kernel's last blocks instead of following them (about
-/// 2-4 us of a 25-us backward at T = 4096).
+/// A programmatic dependent of the partials' kernel (sm_90+): its launch overlaps that kernel's
+/// last blocks instead of following them (about 1 us of a 25-us backward at T = 4096).
 cudaError_t launch_sum_partials(const float* partial, float* grad_w, std::int64_t partials, std::int64_t dim,
                                 cudaStream_t stream) {
-  int device = 0, major = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-      e != cudaSuccess) {
-    return e;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid_for(dim, 32));
-  config.blockDim = dim3(32, partial_ranges);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = major >= 9 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, sum_partials, partial, grad_w, partials, dim);
+  return launch_as_dependent(sum_partials, dim3(grid_for(dim, 32)), dim3(32, partial_ranges), 0, stream, partial, grad_w,
+                             partials, dim);
 }
 
 std::int64_t partial_count(std::int64_t rows) {
