@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "oom/core/error.hpp"
 #include "oom/kernels/attention.hpp"
@@ -344,31 +346,46 @@ void check_context(const DecoderLayerContext& ctx) {
   if (!ctx.expert_streams) invalid("context has no ExpertGemmStreams (the row_chunked expert GEMMs need one)");
 }
 
+/// One chunk's E per-expert row counts are sane: none negative, summing to `rows` = n*k.
+void check_counts(const DecoderLayerShape& s, std::span<const std::int32_t> counts, std::int64_t rows, Errc code,
+                  std::string_view source) {
+  std::int64_t total = 0;
+  for (std::size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] < 0) throw Error(code, fmt::format("decoder layer: {}: expert {} has {} rows", source, e, counts[e]));
+    total += counts[e];
+  }
+  if (static_cast<std::int64_t>(counts.size()) != s.experts || total != rows)
+    throw Error(code, fmt::format("decoder layer: {}: {} expert counts sum to {}, expected {} summing to tokens*k = {}",
+                                  source, counts.size(), total, s.experts, rows));
+}
+
 /// The E per-expert row counts of one chunk on the host (the expert GEMMs' m/k arguments): one
 /// read-back + sync. `rows` = n*k, what they must sum to.
 std::vector<std::int32_t> download_counts(const DecoderLayerShape& s, const std::int32_t* counts, std::int64_t rows,
                                           cudaStream_t stream, kernels::ExpertGemmStreams& streams) {
   std::vector<std::int32_t> host(static_cast<std::size_t>(s.experts));
   check(kernels::expert_counts_to_host(stream, counts, s.experts, streams, host.data()), "read-back of the expert counts");
-  std::int64_t total = 0;
-  for (std::size_t e = 0; e < host.size(); ++e) {
-    if (host[e] < 0) throw Error(Errc::internal, fmt::format("decoder layer: expert {} has {} rows", e, host[e]));
-    total += host[e];
-  }
-  if (total != rows)
-    throw Error(Errc::internal, fmt::format("decoder layer: expert counts sum to {}, expected tokens*k = {}", total, rows));
+  check_counts(s, host, rows, Errc::internal, "read-back");
   return host;
 }
 
-/// Permutation of tokens [c0, c0 + n) by their (saved) expert ids into r; returns the counts on
-/// the host. Deterministic, so the backward's recomputation gives the forward's permutation.
-std::vector<std::int32_t> plan_chunk(const DecoderLayerShape& s, cudaStream_t st, kernels::ExpertGemmStreams& streams,
-                                     const std::int32_t* expert_ids, std::int64_t c0, std::int64_t n, const ExpertRows& r,
-                                     void* plan_ws, std::size_t plan_bytes) {
+/// Permutation of tokens [c0, c0 + n) by their (saved) expert ids into r. Deterministic, so the
+/// backward's recomputation gives the forward's permutation.
+void plan_rows(const DecoderLayerShape& s, cudaStream_t st, const std::int32_t* expert_ids, std::int64_t c0,
+               std::int64_t n, const ExpertRows& r, void* plan_ws, std::size_t plan_bytes) {
   check(kernels::permute_plan(st, permute_shape(s, n), expert_ids + c0 * s.top_k, r.row_to_slot, r.slot_to_row, r.counts,
                               r.offsets, plan_ws, plan_bytes),
         "permute plan");
-  return download_counts(s, r.counts, n * s.top_k, st, streams);
+}
+
+/// Chunk `index`'s counts from the caller's host copy (DecoderLayerContext::expert_counts), checked.
+std::vector<std::int32_t> kept_counts(const DecoderLayerShape& s, const std::vector<std::int32_t>& kept,
+                                      std::int64_t index, std::int64_t rows) {
+  const auto first = kept.begin() + index * s.experts;
+  std::vector<std::int32_t> counts(first, first + s.experts);
+  check_counts(s, counts, rows, Errc::invalid_argument,
+               fmt::format("DecoderLayerContext::expert_counts, chunk {}", index));
+  return counts;
 }
 
 /// The experts of one chunk of n tokens, from its rows of xn2 to r.y_perm: gather, gate/up GEMMs,
@@ -574,9 +591,12 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
         "router forward");
   if (recompute && chunked(s)) return;  // y is not needed, and nothing after the router is saved
   const ExpertRows& r = chunked(s) ? w.rows : v.rows;
+  if (ctx.expert_counts != nullptr) ctx.expert_counts->clear();
   for (std::int64_t c0 = 0, C = moe_chunk(s); c0 < T; c0 += C) {
     const std::int64_t n = std::min(C, T - c0);
-    const auto counts = plan_chunk(s, st, *ctx.expert_streams, v.expert_ids, c0, n, r, w.plan_ws, w.plan_bytes);
+    plan_rows(s, st, v.expert_ids, c0, n, r, w.plan_ws, w.plan_bytes);
+    const auto counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
+    if (ctx.expert_counts != nullptr) ctx.expert_counts->insert(ctx.expert_counts->end(), counts.begin(), counts.end());
     experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, w.gemm_ws, w.gemm_bytes);
     check(kernels::unpermute_combine(st, permute_shape(s, n), H, r.slot_to_row, r.y_perm, v.weights + c0 * s.top_k, w.moe_out),
           "unpermute combine");
@@ -639,14 +659,21 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   // the experts it is the first to reach, then adds like the rest.
   const bool leave_unrouted = grads.overwrite_experts && grads.unrouted_experts != nullptr;
   std::vector<std::uint8_t> reached(leave_unrouted ? static_cast<std::size_t>(s.experts) : 0, 0);
-  for (std::int64_t c0 = 0, C = moe_chunk(s); c0 < T; c0 += C) {
+  // The forward's counts, when the caller kept them (DecoderLayerContext::expert_counts): no
+  // read-back, so no wait for the GPU, per chunk.
+  const std::int64_t C = moe_chunk(s), chunks = (T + C - 1) / C;
+  const bool counts_kept =
+      ctx.expert_counts != nullptr && ctx.expert_counts->size() == static_cast<std::size_t>(chunks * s.experts);
+  for (std::int64_t c0 = 0, index = 0; c0 < T; c0 += C, ++index) {
     const std::int64_t n = std::min(C, T - c0);
     const auto ps = permute_shape(s, n);
     std::vector<std::int32_t> counts;
+    if (counts_kept) counts = kept_counts(s, *ctx.expert_counts, index, n * s.top_k);
     if (chunked(s)) {
-      counts = plan_chunk(s, st, *ctx.expert_streams, v.expert_ids, c0, n, r, b.plan_ws, b.plan_bytes);
+      plan_rows(s, st, v.expert_ids, c0, n, r, b.plan_ws, b.plan_bytes);
+      if (!counts_kept) counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
       experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, b.gemm_ws, b.gemm_bytes);
-    } else {
+    } else if (!counts_kept) {
       counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
     }
     check(kernels::unpermute_combine_backward(st, ps, H, r.slot_to_row, dy + c0 * H, r.y_perm, v.weights + c0 * s.top_k,

@@ -111,6 +111,7 @@ struct CudaCausalLm::Impl {
     CudaBackend::Event updated, offloaded, forward_done;
     CudaBackend::Event restored, backward_done, grads_landed;  // the backward's, re-recorded every step
     CpuUpdate update;
+    std::vector<std::int32_t> expert_counts;  // the forward's, for the backward (no second read-back)
   };
   struct Slot {
     bf16* ptr = nullptr;
@@ -302,7 +303,8 @@ struct CudaCausalLm::Impl {
 
   cudaStream_t raw(const CudaBackend::Stream& s) const { return CudaBackend::raw(s); }
 
-  model::DecoderLayerContext layer_ctx() const { return {raw(cs), blas, expert_streams.get()}; }
+  /// Layer L's calls keep its expert counts from the forward for the backward.
+  model::DecoderLayerContext layer_ctx(Layer& L) const { return {raw(cs), blas, expert_streams.get(), &L.expert_counts}; }
   model::LmEndsContext ends_ctx() const { return {raw(cs), blas}; }
 
   static void CUDART_CB cpu_update(void* p);
@@ -756,7 +758,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     }
     mk = span_begin(cs, Resource::gpu_compute, "fwd " + label(l));
     const double called = host_now();
-    model::decoder_layer_forward(layer_ctx(), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
+    model::decoder_layer_forward(layer_ctx(L), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
     host_span("decoder_layer_forward " + label(l), called);
     span_end(cs, mk);
     // A refill layer keeps its attention output and LSE on the GPU (copied out before the blob
@@ -843,12 +845,13 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     backend->wait(cs, restored);
     use_weights(li, slot);
     // The next layer's weights go down behind this layer's activations, before this layer's
-    // compute is issued (its issue blocks on the expert counts).
+    // compute is issued (a forward's issue blocks on the expert counts; the backward's takes the
+    // forward's, kept in L.expert_counts).
     if (li > 0 && prefetch_ahead()) upcoming = &load_weights(li - 1);
     if (L.blob == Keep::recompute) {
       backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
       mk = span_begin(cs, Resource::gpu_compute, "recompute " + label(li));
-      model::decoder_layer_recompute(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
+      model::decoder_layer_recompute(layer_ctx(L), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
                                      workspace_bytes, /*attention_state_kept=*/false);
       span_end(cs, mk);
     } else if (L.blob == Keep::refill) {
@@ -857,7 +860,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
       if (L.attn == Keep::keep) copy_attention_state(L, blob, L.attn_keep, false, cs);
       mk = span_begin(cs, Resource::gpu_compute, "recompute (attention kept) " + label(li));
-      model::decoder_layer_recompute(layer_ctx(), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
+      model::decoder_layer_recompute(layer_ctx(L), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
                                      workspace_bytes, /*attention_state_kept=*/true);
       span_end(cs, mk);
     }
@@ -873,7 +876,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     if (opt.leave_unrouted_expert_grads && L.experts_resident) grads.unrouted_experts = &unrouted;
     mk = span_begin(cs, Resource::gpu_compute, "bwd " + label(li));
     const double called = host_now();
-    model::decoder_layer_backward(layer_ctx(), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace, workspace_bytes);
+    model::decoder_layer_backward(layer_ctx(L), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace, workspace_bytes);
     host_span("decoder_layer_backward " + label(li), called);
     for (auto sidx : L.segments) {
       auto& g = segs[sidx];

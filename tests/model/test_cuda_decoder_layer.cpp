@@ -17,6 +17,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <numeric>
 #include <random>
 #include <span>
 #include <string>
@@ -25,6 +27,7 @@
 #include "kernels/device_buffer.hpp"
 #include "kernels/moe_test_util.hpp"
 #include "oom/core/cuda_check.hpp"
+#include "oom/core/error.hpp"
 #include "oom/core/numeric.hpp"
 #include "oom/kernels/expert_gemm.hpp"
 #include "oom/model/cuda_decoder_layer.hpp"
@@ -116,11 +119,29 @@ struct Result {
   std::vector<std::vector<float>> grads;  ///< per segment, fp32, TensorSpec order
 };
 
+/// What run() may also do with the expert counts: keep them from the forward for the backward
+/// (DecoderLayerContext::expert_counts), call `between` after the forward (to spoil them), and
+/// count their read-backs (the "wait for expert counts" host spans) over the forward and backward.
+struct CountsOptions {
+  std::vector<std::int32_t>* kept = nullptr;
+  std::function<void()> between;
+  int* read_backs = nullptr;
+};
+
+/// Records the expert launchers' host spans into `spans` while alive.
+struct RecordHostSpans {
+  explicit RecordHostSpans(std::vector<kernels::HostSpan>* spans) { kernels::record_host_spans(spans); }
+  ~RecordHostSpans() { kernels::record_host_spans(nullptr); }
+  RecordHostSpans(const RecordHostSpans&) = delete;
+  RecordHostSpans& operator=(const RecordHostSpans&) = delete;
+};
+
 /// One forward and backward with MoE chunks of `chunk` tokens, from zeroed gradients and poisoned
 /// outputs, `saved` and workspace; with `overwrite_experts`, the routed experts' gradients start
 /// poisoned instead (DecoderLayerGrads::overwrite_experts: never read), and `unrouted`, if given,
 /// receives DecoderLayerGrads::unrouted_experts.
-Result run(Fixture& f, std::int64_t chunk, bool overwrite_experts = false, std::vector<std::uint8_t>* unrouted = nullptr) {
+Result run(Fixture& f, std::int64_t chunk, bool overwrite_experts = false, std::vector<std::uint8_t>* unrouted = nullptr,
+           const CountsOptions& counts = {}) {
   model::DecoderLayerShape shape = f.shape;
   shape.moe_chunk_tokens = chunk;
   const std::size_t saved_bytes = model::decoder_layer_saved_bytes(shape);
@@ -138,11 +159,19 @@ Result run(Fixture& f, std::int64_t chunk, bool overwrite_experts = false, std::
   model::DecoderLayerGrads grads = f.grad_ptrs;
   grads.overwrite_experts = overwrite_experts;
   grads.unrouted_experts = unrouted;
-  const model::DecoderLayerContext ctx{f.stream.s, f.blas.get(), &f.expert_streams};
-  model::decoder_layer_forward(ctx, shape, f.params, f.positions.get(), f.x.get(), f.y.get(), saved.get(), saved_bytes,
-                               workspace.get(), ws_bytes);
-  model::decoder_layer_backward(ctx, shape, f.params, f.positions.get(), f.x.get(), f.dy.get(), saved.get(), saved_bytes,
-                                f.dx.get(), grads, workspace.get(), ws_bytes);
+  const model::DecoderLayerContext ctx{f.stream.s, f.blas.get(), &f.expert_streams, counts.kept};
+  std::vector<kernels::HostSpan> spans;
+  {
+    const RecordHostSpans recording(&spans);
+    model::decoder_layer_forward(ctx, shape, f.params, f.positions.get(), f.x.get(), f.y.get(), saved.get(), saved_bytes,
+                                 workspace.get(), ws_bytes);
+    if (counts.between) counts.between();
+    model::decoder_layer_backward(ctx, shape, f.params, f.positions.get(), f.x.get(), f.dy.get(), saved.get(),
+                                  saved_bytes, f.dx.get(), grads, workspace.get(), ws_bytes);
+  }
+  if (counts.read_backs != nullptr)
+    *counts.read_backs = static_cast<int>(
+        std::count_if(spans.begin(), spans.end(), [](const kernels::HostSpan& h) { return h.what == "wait for expert counts"; }));
   OOM_CUDA_CHECK(cudaStreamSynchronize(f.stream.s));
   Result r;
   r.y = to_floats(f.y.download());
@@ -212,6 +241,43 @@ TEST_CASE("MoE token chunks: the whole layer's results, deterministic, every row
         CAPTURE(t.name);
         CHECK(rel_l2(g, w) <= grad_rel_l2);
       }
+    }
+  }
+}
+
+TEST_CASE("kept expert counts: the backward reads none back, the same bits, whole and chunked; bad ones refused") {
+  Fixture f;
+  const std::int64_t experts = f.shape.experts, top_k = f.shape.top_k;
+  for (const std::int64_t chunk : {std::int64_t{0}, std::int64_t{333}}) {
+    CAPTURE(chunk);
+    const std::int64_t chunks = chunk == 0 ? 1 : (T + chunk - 1) / chunk;
+    int read_backs = -1;
+    const Result read_back = run(f, chunk, false, nullptr, {.read_backs = &read_backs});
+    CHECK(read_backs == 2 * chunks);  // the forward's and the backward's
+
+    std::vector<std::int32_t> kept;
+    const Result with_kept = run(f, chunk, false, nullptr, {.kept = &kept, .read_backs = &read_backs});
+    CHECK(read_backs == chunks);  // the forward's only
+    CHECK(same_bits(with_kept, read_back));
+    REQUIRE(kept.size() == static_cast<std::size_t>(chunks * experts));
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t n = chunk == 0 ? T : std::min(chunk, T - c * chunk);
+      CHECK(std::accumulate(kept.begin() + c * experts, kept.begin() + (c + 1) * experts, std::int64_t{0}) == n * top_k);
+    }
+
+    // Counts of another size (another chunking's, say) are not used: read back as without them.
+    const Result other_size =
+        run(f, chunk, false, nullptr, {.kept = &kept, .between = [&] { kept.push_back(0); }, .read_backs = &read_backs});
+    CHECK(read_backs == 2 * chunks);
+    CHECK(same_bits(other_size, read_back));
+
+    // Counts that do not sum to the chunk's rows are refused before they size any GEMM.
+    try {
+      run(f, chunk, false, nullptr, {.kept = &kept, .between = [&] { kept[1] += 1; }});
+      FAIL("spoiled expert counts were used");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::invalid_argument);
+      CHECK(e.message().find("DecoderLayerContext::expert_counts, chunk 0") != std::string::npos);
     }
   }
 }

@@ -153,6 +153,15 @@ struct DecoderLayerContext {
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
   kernels::ExpertGemmStreams* expert_streams = nullptr;
+  /// Optional host copy of the layer's expert counts (E per MoE chunk, chunk after chunk). The
+  /// forward (and a recompute that runs the experts) refills it as it reads the counts back; the
+  /// backward of the same `saved` then takes them from here instead of reading them back again:
+  /// one stream synchronization per chunk fewer, so the issuing thread stays ahead of the GPU.
+  /// It must be the vector that the forward of this `saved` filled (counts of another routing
+  /// would size the expert GEMMs wrongly). A vector of another size is ignored (read back as
+  /// without it); counts that are negative or do not sum to the chunk's rows are refused
+  /// (Errc::invalid_argument). nullptr: the backward reads them back.
+  std::vector<std::int32_t>* expert_counts = nullptr;
 };
 
 /// Bytes of the buffer kept from forward to backward (the list is in docs/kernels.md): O(T*(H +
