@@ -45,18 +45,17 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #endif
 }
 
-/// kernel<<<grid, block, smem, stream>>>(args...), on sm_90+ as a programmatic dependent of the
-/// stream's previous kernel: its launch and block scheduling overlap that kernel's end; the kernel
-/// calls wait_for_prerequisite_grid before it touches memory.
+/// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the stream's
+/// previous kernel where the code loaded for it was compiled for sm_90+ (PTX version >= 9.0): its
+/// launch and block scheduling overlap that kernel's end, and the kernel calls
+/// wait_for_prerequisite_grid before it touches memory. Not from the device's compute capability: a
+/// build for sm_80 running JIT-compiled on an H200 has no wait in its code, and the attribute would
+/// let it read before the previous kernel's writes are visible.
 template <class... Params, class... Args>
 cudaError_t launch_as_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
                                 Args... args) {
-  int device = 0, major = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-      e != cudaSuccess) {
-    return e;
-  }
+  cudaFuncAttributes compiled{};
+  if (const cudaError_t e = cudaFuncGetAttributes(&compiled, kernel); e != cudaSuccess) return e;
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
@@ -66,7 +65,7 @@ cudaError_t launch_as_dependent(void (*kernel)(Params...), dim3 grid, dim3 block
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
-  config.numAttrs = major >= 9 ? 1 : 0;
+  config.numAttrs = compiled.ptxVersion >= 90 ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
 }
 

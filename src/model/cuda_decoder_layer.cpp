@@ -378,14 +378,19 @@ void plan_rows(const DecoderLayerShape& s, cudaStream_t st, const std::int32_t* 
         "permute plan");
 }
 
-/// Chunk `index`'s counts from the caller's host copy (DecoderLayerContext::expert_counts), checked.
-std::vector<std::int32_t> kept_counts(const DecoderLayerShape& s, const std::vector<std::int32_t>& kept,
-                                      std::int64_t index, std::int64_t rows) {
-  const auto first = kept.begin() + index * s.experts;
-  std::vector<std::int32_t> counts(first, first + s.experts);
-  check_counts(s, counts, rows, Errc::invalid_argument,
-               fmt::format("DecoderLayerContext::expert_counts, chunk {}", index));
-  return counts;
+/// Whether the caller's host copy of the forward's counts (DecoderLayerContext::expert_counts) is
+/// there to use: one of E per chunk; every chunk's then checked, before anything is launched.
+bool counts_kept(const DecoderLayerContext& ctx, const DecoderLayerShape& s) {
+  const std::int64_t C = moe_chunk(s), chunks = (s.tokens + C - 1) / C;
+  if (ctx.expert_counts == nullptr || ctx.expert_counts->size() != static_cast<std::size_t>(chunks * s.experts))
+    return false;
+  const std::span<const std::int32_t> all(*ctx.expert_counts);
+  for (std::int64_t index = 0; index < chunks; ++index) {
+    const std::int64_t n = std::min(C, s.tokens - index * C);
+    check_counts(s, all.subspan(static_cast<std::size_t>(index * s.experts), static_cast<std::size_t>(s.experts)),
+                 n * s.top_k, Errc::invalid_argument, fmt::format("DecoderLayerContext::expert_counts, chunk {}", index));
+  }
+  return true;
 }
 
 /// The experts of one chunk of n tokens, from its rows of xn2 to r.y_perm: gather, gate/up GEMMs,
@@ -549,6 +554,10 @@ namespace {
 void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
                   const std::int32_t* positions, const bf16* x, bf16* y, void* saved, std::size_t saved_bytes,
                   void* workspace, std::size_t workspace_bytes, bool recompute, bool reuse_attention) {
+  // The kept counts are this forward's from here on, none until it has read them (so a forward
+  // that fails leaves none to be taken for another's); a chunked recompute reads none and leaves
+  // the forward's, which its bit-identical routing reproduces.
+  if (ctx.expert_counts != nullptr && !(recompute && chunked(s))) ctx.expert_counts->clear();
   s.validate();
   check_context(ctx);
   check_params(s, params);
@@ -591,7 +600,6 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
         "router forward");
   if (recompute && chunked(s)) return;  // y is not needed, and nothing after the router is saved
   const ExpertRows& r = chunked(s) ? w.rows : v.rows;
-  if (ctx.expert_counts != nullptr) ctx.expert_counts->clear();
   for (std::int64_t c0 = 0, C = moe_chunk(s); c0 < T; c0 += C) {
     const std::int64_t n = std::min(C, T - c0);
     plan_rows(s, st, v.expert_ids, c0, n, r, w.plan_ws, w.plan_bytes);
@@ -661,19 +669,21 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   std::vector<std::uint8_t> reached(leave_unrouted ? static_cast<std::size_t>(s.experts) : 0, 0);
   // The forward's counts, when the caller kept them (DecoderLayerContext::expert_counts): no
   // read-back, so no wait for the GPU, per chunk.
-  const std::int64_t C = moe_chunk(s), chunks = (T + C - 1) / C;
-  const bool counts_kept =
-      ctx.expert_counts != nullptr && ctx.expert_counts->size() == static_cast<std::size_t>(chunks * s.experts);
+  const std::int64_t C = moe_chunk(s);
+  const bool kept = counts_kept(ctx, s);
   for (std::int64_t c0 = 0, index = 0; c0 < T; c0 += C, ++index) {
     const std::int64_t n = std::min(C, T - c0);
     const auto ps = permute_shape(s, n);
     std::vector<std::int32_t> counts;
-    if (counts_kept) counts = kept_counts(s, *ctx.expert_counts, index, n * s.top_k);
+    if (kept) {
+      const auto first = ctx.expert_counts->begin() + index * s.experts;
+      counts.assign(first, first + s.experts);
+    }
     if (chunked(s)) {
       plan_rows(s, st, v.expert_ids, c0, n, r, b.plan_ws, b.plan_bytes);
-      if (!counts_kept) counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
+      if (!kept) counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
       experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, b.gemm_ws, b.gemm_bytes);
-    } else if (!counts_kept) {
+    } else if (!kept) {
       counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
     }
     check(kernels::unpermute_combine_backward(st, ps, H, r.slot_to_row, dy + c0 * H, r.y_perm, v.weights + c0 * s.top_k,

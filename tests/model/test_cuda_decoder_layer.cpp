@@ -271,14 +271,33 @@ TEST_CASE("kept expert counts: the backward reads none back, the same bits, whol
     CHECK(read_backs == 2 * chunks);
     CHECK(same_bits(other_size, read_back));
 
-    // Counts that do not sum to the chunk's rows are refused before they size any GEMM.
-    try {
-      run(f, chunk, false, nullptr, {.kept = &kept, .between = [&] { kept[1] += 1; }});
-      FAIL("spoiled expert counts were used");
-    } catch (const Error& e) {
-      CHECK(e.code() == Errc::invalid_argument);
-      CHECK(e.message().find("DecoderLayerContext::expert_counts, chunk 0") != std::string::npos);
+    // Counts that do not sum to their chunk's rows are refused, the last chunk's too, before the
+    // backward launches anything: the gradients stay as they were (zeros; run() zeroes them).
+    for (const std::int64_t spoiled : {std::int64_t{0}, chunks - 1}) {
+      CAPTURE(spoiled);
+      try {
+        run(f, chunk, false, nullptr, {.kept = &kept, .between = [&] { kept[spoiled * experts + 1] += 1; }});
+        FAIL("spoiled expert counts were used");
+      } catch (const Error& e) {
+        CHECK(e.code() == Errc::invalid_argument);
+        CHECK(e.message().find("DecoderLayerContext::expert_counts, chunk " + std::to_string(spoiled)) != std::string::npos);
+      }
+      OOM_CUDA_CHECK(cudaStreamSynchronize(f.stream.s));
+      for (const auto& g : f.grads) {
+        const std::vector<float> h = g.download();
+        CHECK(std::all_of(h.begin(), h.end(), [](float v) { return v == 0.0f; }));
+      }
     }
+
+    // A forward that fails leaves no counts behind to be taken for another forward's.
+    kept.assign(static_cast<std::size_t>(chunks * experts), 1);
+    model::DecoderLayerShape bad = f.shape;
+    bad.moe_chunk_tokens = chunk;
+    const model::DecoderLayerContext ctx{f.stream.s, f.blas.get(), &f.expert_streams, &kept};
+    CHECK_THROWS_AS(model::decoder_layer_forward(ctx, bad, f.params, f.positions.get(), f.x.get(), f.y.get(), nullptr, 0,
+                                                 nullptr, 0),
+                    Error);
+    CHECK(kept.empty());
   }
 }
 

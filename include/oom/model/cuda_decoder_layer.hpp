@@ -158,9 +158,12 @@ struct DecoderLayerContext {
   /// backward of the same `saved` then takes them from here instead of reading them back again:
   /// one stream synchronization per chunk fewer, so the issuing thread stays ahead of the GPU.
   /// It must be the vector that the forward of this `saved` filled (counts of another routing
-  /// would size the expert GEMMs wrongly). A vector of another size is ignored (read back as
-  /// without it); counts that are negative or do not sum to the chunk's rows are refused
-  /// (Errc::invalid_argument). nullptr: the backward reads them back.
+  /// would size the expert GEMMs wrongly; a recompute routes bit for bit as the forward did, so a
+  /// chunked one, which reads no counts, leaves them as they are). A forward empties it first, so
+  /// one that fails leaves none. A vector of another size is ignored (read back as without it);
+  /// counts that are negative or do not sum to their chunk's rows are refused
+  /// (Errc::invalid_argument) before the backward launches anything. nullptr: the backward reads
+  /// them back.
   std::vector<std::int32_t>* expert_counts = nullptr;
 };
 
