@@ -68,17 +68,19 @@ int main() {
     CK(cudaMemset(w, 0x3C, s.dim * 2));
     CK(cudaMemset(rstd, 0, s.rows * 4));
     const double bytes = 6.0 * n;
+    // The product's one-pass kernel for this width (as rmsnorm_backward picks it), dx given.
+    const auto one_pass = [&](std::uint16_t* out, long long partials, long long per) {
+      if (s.dim == 2048)
+        CK(oom::kernels::launch_backward<32, 8>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
+      else if (s.dim == 128)
+        CK(oom::kernels::launch_backward<8, 2>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
+      else
+        CK(oom::kernels::launch_backward<64, 8>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
+    };
     for (long long per : {8LL, 16LL, 32LL, 64LL, 128LL}) {
       const long long partials = (s.rows + per - 1) / per;
       if (partials > 4096) continue;
-      auto main_only = [&] {
-        if (s.dim == 2048)
-          CK(oom::kernels::launch_backward<32, 8>(dy, x, w, rstd, dx, partial, s.rows, s.dim, partials, per, nullptr));
-        else if (s.dim == 128)
-          CK(oom::kernels::launch_backward<8, 2>(dy, x, w, rstd, dx, partial, s.rows, s.dim, partials, per, nullptr));
-        else
-          CK(oom::kernels::launch_backward<64, 8>(dy, x, w, rstd, dx, partial, s.rows, s.dim, partials, per, nullptr));
-      };
+      auto main_only = [&] { one_pass(dx, partials, per); };
       const float t_main = time_us(main_only);
       const float t_both = time_us([&] {
         main_only();
@@ -93,12 +95,7 @@ int main() {
       const long long per = oom::kernels::rmsnorm_rows_per_partial(s.rows);
       const long long partials = (s.rows + per - 1) / per;
       const float t = time_us([&] {
-        if (s.dim == 2048)
-          CK(oom::kernels::launch_backward<32, 8>(dy, x, w, rstd, dy, partial, s.rows, s.dim, partials, per, nullptr));
-        else if (s.dim == 128)
-          CK(oom::kernels::launch_backward<8, 2>(dy, x, w, rstd, dy, partial, s.rows, s.dim, partials, per, nullptr));
-        else
-          CK(oom::kernels::launch_backward<64, 8>(dy, x, w, rstd, dy, partial, s.rows, s.dim, partials, per, nullptr));
+        one_pass(dy, partials, per);
         CK(oom::kernels::launch_sum_partials(partial, gw, partials, s.dim, nullptr));
       });
       std::printf("%6lld x %5lld  rows/partial %4lld, dx in place: main + sum %7.2f us (%5.1f%%)\n", s.rows, s.dim, per, t,
