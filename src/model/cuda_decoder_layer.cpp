@@ -674,18 +674,12 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   for (std::int64_t c0 = 0, index = 0; c0 < T; c0 += C, ++index) {
     const std::int64_t n = std::min(C, T - c0);
     const auto ps = permute_shape(s, n);
-    std::vector<std::int32_t> counts;
-    if (kept) {
-      const auto first = ctx.expert_counts->begin() + index * s.experts;
-      counts.assign(first, first + s.experts);
-    }
-    if (chunked(s)) {
-      plan_rows(s, st, v.expert_ids, c0, n, r, b.plan_ws, b.plan_bytes);
-      if (!kept) counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
-      experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, b.gemm_ws, b.gemm_bytes);
-    } else if (!kept) {
-      counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
-    }
+    if (chunked(s)) plan_rows(s, st, v.expert_ids, c0, n, r, b.plan_ws, b.plan_bytes);
+    const std::vector<std::int32_t> counts =
+        kept ? std::vector<std::int32_t>(ctx.expert_counts->begin() + index * s.experts,
+                                         ctx.expert_counts->begin() + (index + 1) * s.experts)
+             : download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
+    if (chunked(s)) experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, b.gemm_ws, b.gemm_bytes);
     check(kernels::unpermute_combine_backward(st, ps, H, r.slot_to_row, dy + c0 * H, r.y_perm, v.weights + c0 * s.top_k,
                                               b.dy_perm, b.d_weights + c0 * s.top_k),
           "unpermute combine backward");
