@@ -52,9 +52,10 @@ __global__ void invert_kernel(const std::int32_t* __restrict__ row_to_slot, std:
 }
 
 // V consecutive bf16 elements as loaded: one 16-byte access when V = 8 (the caller checked the
-// alignment), one element when V = 1; converted with bf16_device.cuh's helpers, so a NaN keeps its
-// sign and payload as everywhere else in the kernels (oom::to_bf16's bits). Loads of a token's k rows are issued together into these,
-// then converted, so that k loads are in flight per thread instead of one.
+// alignment), one element when V = 1. Loads of a token's k rows are issued together into these,
+// then converted, so that k loads are in flight per thread instead of one; converted with
+// bf16_device.cuh's helpers, so a NaN keeps its sign and payload as everywhere else in the kernels
+// (oom::to_bf16's bits).
 template <int V>
 struct Chunk;
 template <>

@@ -28,10 +28,9 @@ cudaError_t rmsnorm_forward(const bf16* x,       // (R, D) bf16
 
 /// Rows summed into one partial weight gradient: a function of the row count only (not of the
 /// device), so the reduction order, and the bits of grad_weight, depend only on the shape and on
-/// the path taken (the register path, for 16-byte aligned rows up to 4096 wide whose width is a
-/// multiple of 8, sums rows in other slices than the looped path from 129 columns up; at 129-2048
-/// the two give the same bits, at 2049-4096 dx differs too: a row's dot product is two warps' sums
-/// added). At most
+/// the path taken. The register path (16-byte aligned rows up to 4096 wide, the width a multiple
+/// of 8) gives the looped path's bits at 129-2048 columns; up to 128 it sums the rows in other
+/// slices, and at 2049-4096 dx differs too (a row's dot product is two warps' sums added). At most
 /// 512 partials, at least 16 rows each (one partial is one block of the backward: 4096 rows make
 /// 256 blocks, two per H200 SM). 512 rather than 1024 (until 2026-12-01): at 65536 rows, 128 rows a
 /// partial ran the 4096-wide backward at 72% of the copy bandwidth against 70% with 64 and the
