@@ -6,7 +6,9 @@
 // and each thread has 128-256 bytes of loads in flight. The backward is one pass: it writes dx and
 // accumulates the weight gradient of its chunk of rows into per-group shared-memory columns,
 // summed per chunk in a fixed order (deterministic, no atomics), then a second launch sums the
-// chunks' partials; on sm_90+ both launch as programmatic dependents of the kernel before them.
+// chunks' partials; on sm_90+ both launch as programmatic dependents of the kernel before them,
+// and what needs no earlier kernel's output runs before their wait (the one-pass kernel zeroes its
+// shared columns, the sum loads grad_w).
 // Other widths and alignments take the looped path (one warp per row, two passes over the row, a
 // separate weight-gradient column reduction). Contract in include/oom/kernels/rmsnorm.hpp.
 //
@@ -14,7 +16,14 @@
 // cp.async stage rings (2-3 rows of each group in flight through ~200 KiB of shared memory, the
 // weight-gradient columns in registers) ran at 41-46% of the copy at 4096 x 2048 against 51-56%
 // (one block an SM: no more bytes in flight than two register-path blocks) and 51% at
-// 65536 x 4096 against 73%.
+// 65536 x 4096 against 73%. Also measured and not kept (2026-12-01, scripts/diag/
+// rmsnorm_fused_sum.cu, 4096 x 2048 in place, 20 back-to-back launches): summing the partials in
+// the one-pass kernel after a grid-wide barrier (cooperative launch, same bits) took as long as the
+// second launch (17.3-17.6 us against 17.4-17.6); 128- and 256-thread partial sums that fit an SM
+// beside two one-pass blocks were no faster or slower (17.5-20 us); a float4 partial write cost
+// the q-norm rows 3 points; the scheduling trigger at the one-pass kernel's start cost the q-norm
+// rows 2 us alone. With the trigger after the rows, the zeroing and the grad_w load before the
+// waits: 16.8-17.0 us (69.6-70.8% of the 1 GiB copy) against 17.4-17.7 (66.8-68.1%).
 #include "bf16_device.cuh"
 #include "oom/kernels/rmsnorm.hpp"
 
@@ -181,10 +190,10 @@ __global__ void __launch_bounds__(block_threads)
   constexpr int groups = block_threads / G;
   static_assert(G != 64 || groups <= 15, "one named barrier per pair");
   float* pair_sums = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(groups) * dim;
-  wait_for_prerequisite_grid();  // launched as a dependent of the stream's previous kernel
   const int lane = threadIdx.x % G;
   const int group = threadIdx.x / G;
   float* acc = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(group) * dim;
+  // Shared memory only, so before the wait: it overlaps the previous kernel's end.
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int c = (j * G + lane) * 8;
@@ -192,6 +201,7 @@ __global__ void __launch_bounds__(block_threads)
     reinterpret_cast<float4*>(acc + c)[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     reinterpret_cast<float4*>(acc + c)[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
+  wait_for_prerequisite_grid();  // launched as a dependent of the stream's previous kernel
   const std::int64_t begin = static_cast<std::int64_t>(blockIdx.x) * rows_per_partial;
   const std::int64_t end = begin + rows_per_partial < rows ? begin + rows_per_partial : rows;
   // The trip count is uniform over the block, so every lane reaches the shuffles.
@@ -247,7 +257,9 @@ __global__ void __launch_bounds__(block_threads)
       a[1] = a1;
     }
   }
-  // The partial sum's blocks may now be scheduled (they wait for this grid before reading).
+  // The partial sum may be scheduled now. It waits for this grid before reading the partials; it
+  // reads grad_w before that wait, which is safe because no block of this grid triggers before its
+  // own wait above (so every kernel before this one is complete when the sum starts).
   allow_dependent_launch();
   __syncthreads();
   const float* all = reinterpret_cast<const float*>(acc_shared);
@@ -419,9 +431,13 @@ constexpr int partial_ranges = 32;
 __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float* partial, float* grad_w, std::int64_t partials,
                                                             std::int64_t dim) {
   __shared__ float range_sum[partial_ranges][32];
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  // grad_w before the wait: the partials' kernel does not write it, and every kernel before that
+  // one is complete by now (it triggers this launch only after its own wait, or was launched in
+  // plain stream order).
+  const float before = threadIdx.y == 0 && c < dim ? grad_w[c] : 0.0f;
   wait_for_prerequisite_grid();  // the partials' kernel, when launched as its dependent
   allow_dependent_launch();      // and the stream's next kernel may be scheduled (it waits for this one)
-  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;
   const std::int64_t begin = threadIdx.y * per, end = begin + per < partials ? begin + per : partials;
   float s = 0.0f;
@@ -443,7 +459,7 @@ __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float*
   if (threadIdx.y == 0 && c < dim) {
     float total = range_sum[0][threadIdx.x];
     for (int y = 1; y < partial_ranges; ++y) total += range_sum[y][threadIdx.x];
-    grad_w[c] += total;
+    grad_w[c] = before + total;
   }
 }
 

@@ -1,0 +1,435 @@
+// RMSNorm backward at T = 4096 (issue 5: 67-68% of the D2D copy, the partial sum ~3 us of it).
+// Variants of where the weight-gradient partials are summed, each checked for the product's bits
+// and timed over 20 back-to-back launches, as a ratio to a 1 GiB D2D copy in the same run:
+// - fused: the one-pass kernel sums them itself after a grid-wide barrier (cooperative launch),
+//   each block 8 columns over all partials in sum_partials' order;
+// - light (256 threads) and small (128 threads, 32 registers) sum kernels, small ones fitting an
+//   SM beside two one-pass blocks so they can wait there before the one-pass grid ends;
+// - the one-pass kernel with its scheduling trigger at its start (early) and its shared-memory
+//   zeroing before its wait (zero1st); shared-memory carveouts.
+// Findings are in src/kernels/rmsnorm.cu's header and docs/performance.md (2026-12-01).
+//   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I include \
+//     -I src/kernels -I src scripts/diag/rmsnorm_fused_sum.cu -o /tmp/rf && /tmp/rf
+#include "../../src/kernels/rmsnorm.cu"
+
+#include <cooperative_groups.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(...)                                                                     \
+  do {                                                                              \
+    auto e_ = (__VA_ARGS__);                                                        \
+    if (e_ != 0) {                                                                  \
+      std::printf("error %d at %s:%d\n", static_cast<int>(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+
+namespace oom::kernels {
+namespace {
+
+/// sum_partials' order (ranges of `per` contiguous partials, each from 0.0f in order, then the 32
+/// range sums in order) for 8 columns a tile: thread (range y = t / 8, column t % 8).
+__device__ void sum_tiles(const float* partial, float* grad_w, std::int64_t partials, std::int64_t dim, int tile0,
+                          int tile_step, float (*range_sum)[8]) {
+  const int y = threadIdx.x / 8, k = threadIdx.x % 8;
+  const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;
+  const std::int64_t begin = y * per, end = begin + per < partials ? begin + per : partials;
+  for (std::int64_t tile = tile0; tile * 8 < dim; tile += tile_step) {
+    const std::int64_t c = tile * 8 + k;
+    float s = 0.0f;
+    if (c < dim) {
+      constexpr int batch = 8;
+      for (std::int64_t p0 = begin; p0 < end; p0 += batch) {
+        float v[batch];
+#pragma unroll
+        for (int i = 0; i < batch; ++i) v[i] = p0 + i < end ? __ldcg(partial + (p0 + i) * dim + c) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < batch; ++i)
+          if (p0 + i < end) s += v[i];
+      }
+    }
+    range_sum[y][k] = s;
+    __syncthreads();
+    if (y == 0 && c < dim) {
+      float total = range_sum[0][k];
+      for (int q = 1; q < partial_ranges; ++q) total += range_sum[q][k];
+      grad_w[c] += total;
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void __launch_bounds__(256) sum_partials_light(const float* partial, float* grad_w, std::int64_t partials,
+                                                          std::int64_t dim) {
+  __shared__ float range_sum[partial_ranges][8];
+  allow_dependent_launch();  // the next kernel waits for this grid itself
+  wait_for_prerequisite_grid();
+  sum_tiles(partial, grad_w, partials, dim, blockIdx.x, gridDim.x, range_sum);
+}
+
+/// sum_partials' order with 128 threads a block (8 columns x 16, each thread two ranges y and
+/// y + 16, each summed from 0.0f in order) and at most 32 registers: two such blocks fit an SM
+/// beside two one-pass blocks, so they can be resident (waiting) before the one-pass grid ends.
+template <bool AllowFirst>
+__global__ void __launch_bounds__(128, 16) sum_partials_small(const float* partial, float* grad_w,
+                                                              std::int64_t partials, std::int64_t dim) {
+  __shared__ float range_sum[partial_ranges][8];
+  if (AllowFirst) allow_dependent_launch();
+  wait_for_prerequisite_grid();
+  if (!AllowFirst) allow_dependent_launch();
+  const int k = threadIdx.x % 8;
+  const int c = blockIdx.x * 8 + k;
+  const int n = static_cast<int>(partials), d = static_cast<int>(dim);
+  const int per = (n + partial_ranges - 1) / partial_ranges;
+  const float* column = partial + c;
+#pragma unroll 1
+  for (int h = 0; h < 2; ++h) {
+    const int y = threadIdx.x / 8 + 16 * h;
+    const int begin = y * per, end = begin + per < n ? begin + per : n;
+    float s = 0.0f;
+    if (c < d) {
+      constexpr int batch = 8;
+      for (int p0 = begin; p0 < end; p0 += batch) {
+        float v[batch];
+#pragma unroll
+        for (int i = 0; i < batch; ++i) v[i] = p0 + i < end ? __ldcg(column + (p0 + i) * d) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < batch; ++i)
+          if (p0 + i < end) s += v[i];
+      }
+    }
+    range_sum[y][k] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < 8 && c < dim) {
+    float total = range_sum[0][k];
+    for (int q = 1; q < partial_ranges; ++q) total += range_sum[q][k];
+    grad_w[c] += total;
+  }
+}
+
+template <int G, int V, bool Fused = true, bool EarlyAllow = false, bool ZeroFirst = false>
+__global__ void __launch_bounds__(block_threads)
+    backward_fused(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w, const float* rstd,
+                   std::uint16_t* dx, float* partial, float* grad_w, std::int64_t rows, int dim,
+                   std::int64_t rows_per_partial, std::int64_t partials) {
+  extern __shared__ float4 acc_shared[];
+  constexpr int groups = block_threads / G;
+  float* pair_sums = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(groups) * dim;
+  if (!ZeroFirst) wait_for_prerequisite_grid();
+  const int lane = threadIdx.x % G;
+  const int group = threadIdx.x / G;
+  float* acc = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(group) * dim;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int c = (j * G + lane) * 8;
+    if (c >= dim) continue;
+    reinterpret_cast<float4*>(acc + c)[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    reinterpret_cast<float4*>(acc + c)[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  if (ZeroFirst) wait_for_prerequisite_grid();
+  if (EarlyAllow) allow_dependent_launch();
+  const std::int64_t begin = static_cast<std::int64_t>(blockIdx.x) * rows_per_partial;
+  const std::int64_t end = begin + rows_per_partial < rows ? begin + rows_per_partial : rows;
+  int parity = 0;
+  for (std::int64_t base = begin; base < end; base += groups, parity ^= 1) {
+    const std::int64_t row = base + group;
+    const bool valid = row < end;
+    uint4 gq[V], xq[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = (j * G + lane) * 8;
+      const bool live = valid && c < dim;
+      gq[j] = live ? *reinterpret_cast<const uint4*>(dy + row * dim + c) : make_uint4(0, 0, 0, 0);
+      xq[j] = live ? *reinterpret_cast<const uint4*>(x + row * dim + c) : make_uint4(0, 0, 0, 0);
+    }
+    const float r = valid ? rstd[row] : 0.0f;
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = (j * G + lane) * 8;
+      if (c >= dim) continue;
+      float g[8], v[8], wv[8];
+      unpack_bf16(gq[j], g);
+      unpack_bf16(xq[j], v);
+      unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dot = __fmaf_rn(g[e] * wv[e], v[e] * r, dot);
+    }
+    const float mean_dot = row_sum<G>(dot, pair_sums, group, parity) / static_cast<float>(dim);
+    if (!valid) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = (j * G + lane) * 8;
+      if (c >= dim) continue;
+      float g[8], v[8], wv[8], out[8];
+      unpack_bf16(gq[j], g);
+      unpack_bf16(xq[j], v);
+      unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = r * (g[e] * wv[e] - (v[e] * r) * mean_dot);
+      *reinterpret_cast<uint4*>(dx + row * dim + c) = pack_bf16(out);
+      float4* a = reinterpret_cast<float4*>(acc + c);
+      float4 a0 = a[0], a1 = a[1];
+      a0.x = __fmaf_rn(g[0], v[0] * r, a0.x);
+      a0.y = __fmaf_rn(g[1], v[1] * r, a0.y);
+      a0.z = __fmaf_rn(g[2], v[2] * r, a0.z);
+      a0.w = __fmaf_rn(g[3], v[3] * r, a0.w);
+      a1.x = __fmaf_rn(g[4], v[4] * r, a1.x);
+      a1.y = __fmaf_rn(g[5], v[5] * r, a1.y);
+      a1.z = __fmaf_rn(g[6], v[6] * r, a1.z);
+      a1.w = __fmaf_rn(g[7], v[7] * r, a1.w);
+      a[0] = a0;
+      a[1] = a1;
+    }
+  }
+  if (!Fused && !EarlyAllow) allow_dependent_launch();
+  __syncthreads();
+  const float* all = reinterpret_cast<const float*>(acc_shared);
+  for (int c = threadIdx.x; c < dim; c += block_threads) {
+    float s = all[c];
+    for (int q = 1; q < groups; ++q) s += all[static_cast<std::int64_t>(q) * dim + c];
+    partial[static_cast<std::int64_t>(blockIdx.x) * dim + c] = s;
+  }
+  if constexpr (!Fused) return;
+  cooperative_groups::this_grid().sync();
+  if (!EarlyAllow) allow_dependent_launch();
+  // reuse the accumulator's shared memory for the range sums (32 x 8 floats)
+  sum_tiles(partial, grad_w, partials, dim, blockIdx.x, gridDim.x, reinterpret_cast<float (*)[8]>(acc_shared));
+}
+
+template <int G, int V>
+cudaError_t launch_fused(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w, const float* rstd,
+                         std::uint16_t* dx, float* partial, float* gw, std::int64_t rows, std::int64_t dim,
+                         std::int64_t partials, std::int64_t per, bool pdl, cudaStream_t stream) {
+  const auto kernel = backward_fused<G, V>;
+  constexpr std::size_t groups = block_threads / G;
+  std::size_t smem = groups * static_cast<std::size_t>(dim) * sizeof(float) + (G == 64 ? groups * 4 * sizeof(float) : 0);
+  smem = smem < 32 * 8 * 4 ? 32 * 8 * 4 : smem;
+  if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(partials));
+  config.blockDim = dim3(block_threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2]{};
+  attrs[0].id = cudaLaunchAttributeCooperative;
+  attrs[0].val.cooperative = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attrs;
+  config.numAttrs = pdl ? 2 : 1;
+  return cudaLaunchKernelEx(&config, kernel, dy, x, w, rstd, dx, partial, gw, rows, static_cast<int>(dim), per, partials);
+}
+
+template <int G, int V, bool EarlyAllow, bool ZeroFirst>
+cudaError_t launch_variant(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w, const float* rstd,
+                           std::uint16_t* dx, float* partial, float* gw, std::int64_t rows, std::int64_t dim,
+                           std::int64_t partials, std::int64_t per, cudaStream_t stream) {
+  const auto kernel = backward_fused<G, V, false, EarlyAllow, ZeroFirst>;
+  constexpr std::size_t groups = block_threads / G;
+  const std::size_t smem = groups * static_cast<std::size_t>(dim) * sizeof(float) + (G == 64 ? groups * 4 * sizeof(float) : 0);
+  if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  return launch_as_dependent(kernel, dim3(static_cast<unsigned>(partials)), dim3(block_threads), smem, stream, dy, x, w,
+                             rstd, dx, partial, gw, rows, static_cast<int>(dim), per, partials);
+}
+
+}  // namespace
+}  // namespace oom::kernels
+
+template <class F>
+float time_us(F&& f, int reps = 20) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) f();
+  CK(cudaDeviceSynchronize());
+  float best = 1e30f;
+  for (int s = 0; s < 7; ++s) {
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < reps; ++i) f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    best = ms * 1e3f / reps < best ? ms * 1e3f / reps : best;
+  }
+  return best;
+}
+
+int main() {
+  using namespace oom::kernels;
+  const size_t big = size_t{1} << 30;
+  void *ca, *cb;
+  CK(cudaMalloc(&ca, big));
+  CK(cudaMalloc(&cb, big));
+  const float copy_us = time_us([&] { CK(cudaMemcpyAsync(cb, ca, big, cudaMemcpyDeviceToDevice)); }, 3);
+  const double copy_bps = 2.0 * big / (copy_us * 1e-6);
+  std::printf("D2D copy %.0f GB/s\n", copy_bps / 1e9);
+  struct Shape {
+    long long rows, dim;
+  };
+  for (const Shape s : {Shape{4096, 2048}, Shape{4096 * 16, 128}, Shape{4096 * 4, 128}, Shape{2000, 2048}}) {
+    const long long n = s.rows * s.dim;
+    std::uint16_t *dy, *x, *w, *dx;
+    float *rstd, *partial, *gw;
+    CK(cudaMalloc(&dy, n * 2));
+    CK(cudaMalloc(&x, n * 2));
+    CK(cudaMalloc(&dx, n * 2));
+    CK(cudaMalloc(&w, s.dim * 2));
+    CK(cudaMalloc(&rstd, s.rows * 4));
+    CK(cudaMalloc(&gw, s.dim * 4));
+    CK(cudaMalloc(&partial, 4096 * s.dim * 4));
+    // random-ish bf16 in [0.5, 2): exponent fixed, mantissa from an LCG
+    std::vector<std::uint16_t> h(n);
+    unsigned st = 12345;
+    for (auto& v : h) {
+      st = st * 1664525u + 1013904223u;
+      v = static_cast<std::uint16_t>(0x3F00 | ((st >> 16) & 0xFF)) ^ ((st >> 31) << 15);
+    }
+    CK(cudaMemcpy(dy, h.data(), n * 2, cudaMemcpyHostToDevice));
+    for (auto& v : h) v ^= 0x0055;
+    CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(w, h.data(), s.dim * 2, cudaMemcpyHostToDevice));
+    std::vector<float> hr(s.rows, 0.7f);
+    CK(cudaMemcpy(rstd, hr.data(), s.rows * 4, cudaMemcpyHostToDevice));
+    const double bytes = 6.0 * n;
+    const long long per = rmsnorm_rows_per_partial(s.rows);
+    const long long partials = (s.rows + per - 1) / per;
+    const bool wide = s.dim == 2048;
+    auto product = [&](std::uint16_t* out) {
+      if (wide)
+        CK(launch_backward<32, 8>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
+      else
+        CK(launch_backward<8, 2>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
+    };
+    auto base = [&](std::uint16_t* out) {
+      product(out);
+      CK(launch_sum_partials(partial, gw, partials, s.dim, nullptr));
+    };
+    auto light = [&](std::uint16_t* out) {
+      product(out);
+      const unsigned tiles = static_cast<unsigned>((s.dim + 7) / 8);
+      CK(launch_as_dependent(sum_partials_light, dim3(tiles < 132 ? tiles : 132), dim3(256), 0, nullptr, partial, gw,
+                             static_cast<std::int64_t>(partials), static_cast<std::int64_t>(s.dim)));
+    };
+    auto fused = [&](std::uint16_t* out, bool pdl) {
+      if (wide)
+        CK(launch_fused<32, 8>(dy, x, w, rstd, out, partial, gw, s.rows, s.dim, partials, per, pdl, nullptr));
+      else
+        CK(launch_fused<8, 2>(dy, x, w, rstd, out, partial, gw, s.rows, s.dim, partials, per, pdl, nullptr));
+    };
+    int max_blocks = 0;
+    if (wide) {
+      CK(cudaFuncSetAttribute(backward_fused<32, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536));
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_blocks, backward_fused<32, 8>, 256, 8 * 2048 * 4));
+    } else {
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_blocks, backward_fused<8, 2>, 256, 32 * 128 * 4));
+    }
+    std::printf("%lld x %lld: %lld partials of %lld rows; fused kernel %d blocks an SM\n", s.rows, s.dim, partials, per,
+                max_blocks);
+    // Same bits: gw and dx from the product and from each variant, beside.
+    std::vector<float> g_ref(s.dim), g_var(s.dim);
+    std::vector<std::uint16_t> d_ref(n), d_var(n);
+    auto run_check = [&](const char* name, auto&& f) {
+      CK(cudaMemset(gw, 0, s.dim * 4));
+      CK(cudaMemset(dx, 0xFF, n * 2));
+      f();
+      CK(cudaDeviceSynchronize());
+      CK(cudaMemcpy(g_var.data(), gw, s.dim * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(d_var.data(), dx, n * 2, cudaMemcpyDeviceToHost));
+      const bool same = g_var == g_ref && d_var == d_ref;
+      std::printf("  %-28s bits %s\n", name, same ? "same" : "DIFFER");
+    };
+    CK(cudaMemset(gw, 0, s.dim * 4));
+    CK(cudaMemset(dx, 0xFF, n * 2));
+    base(dx);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(g_ref.data(), gw, s.dim * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(d_ref.data(), dx, n * 2, cudaMemcpyDeviceToHost));
+    run_check("light sum", [&] { light(dx); });
+    run_check("fused (cooperative)", [&] { fused(dx, false); });
+    run_check("fused (cooperative + PDL)", [&] { fused(dx, true); });
+    auto small = [&](bool allow_first) {
+      const unsigned tiles = static_cast<unsigned>((s.dim + 7) / 8);
+      if (allow_first)
+        CK(launch_as_dependent(sum_partials_small<true>, dim3(tiles), dim3(128), 0, nullptr, partial, gw,
+                               static_cast<std::int64_t>(partials), static_cast<std::int64_t>(s.dim)));
+      else
+        CK(launch_as_dependent(sum_partials_small<false>, dim3(tiles), dim3(128), 0, nullptr, partial, gw,
+                               static_cast<std::int64_t>(partials), static_cast<std::int64_t>(s.dim)));
+    };
+    auto variant = [&](std::uint16_t* out, bool early, bool zero_first) {
+#define VAR(E, Z)                                                                                              \
+  if (early == E && zero_first == Z) {                                                                        \
+    if (wide)                                                                                                 \
+      CK(launch_variant<32, 8, E, Z>(dy, x, w, rstd, out, partial, gw, s.rows, s.dim, partials, per, nullptr)); \
+    else                                                                                                      \
+      CK(launch_variant<8, 2, E, Z>(dy, x, w, rstd, out, partial, gw, s.rows, s.dim, partials, per, nullptr));  \
+  }
+      VAR(false, false) VAR(false, true) VAR(true, false) VAR(true, true)
+#undef VAR
+    };
+    run_check("main + small sum", [&] { product(dx); small(false); });
+    run_check("early/zero-first + small sum", [&] { variant(dx, true, true); small(true); });
+    const float t_main = time_us([&] { product(dx); });
+    const float t_copy = time_us([&] { CK(cudaMemcpyAsync(dx, dy, n * 2, cudaMemcpyDeviceToDevice)); });
+    auto line = [&](const char* name, float t) {
+      std::printf("  %-36s %7.2f us  %5.1f%% of copy\n", name, t, 100.0 * bytes / (t * 1e-6) / copy_bps);
+    };
+    line("copy of dy (size-matched, x 3/2)", t_copy * 1.5f);
+    line("product main + sum, in place (first)", time_us([&] { base(dy); }));
+    for (int carve : {100, 50, 0}) {
+      if (wide) CK(cudaFuncSetAttribute(backward_rows_in_registers<32, 8>, cudaFuncAttributePreferredSharedMemoryCarveout, carve));
+      else CK(cudaFuncSetAttribute(backward_rows_in_registers<8, 2>, cudaFuncAttributePreferredSharedMemoryCarveout, carve));
+      CK(cudaFuncSetAttribute(sum_partials, cudaFuncAttributePreferredSharedMemoryCarveout, carve));
+      char name[96];
+      std::snprintf(name, sizeof name, "product, in place, carveout %d", carve);
+      line(name, time_us([&] { base(dy); }));
+      std::snprintf(name, sizeof name, "product main alone, in place, carveout %d", carve);
+      line(name, time_us([&] { product(dy); }));
+    }
+    CK(cudaFuncSetAttribute(backward_rows_in_registers<32, 8>, cudaFuncAttributePreferredSharedMemoryCarveout, -1));
+    CK(cudaFuncSetAttribute(backward_rows_in_registers<8, 2>, cudaFuncAttributePreferredSharedMemoryCarveout, -1));
+    CK(cudaFuncSetAttribute(sum_partials, cudaFuncAttributePreferredSharedMemoryCarveout, -1));
+    if (s.dim != 2048 || s.rows != 4096) {
+      for (void* q : {static_cast<void*>(dy), static_cast<void*>(x), static_cast<void*>(dx), static_cast<void*>(w),
+                      static_cast<void*>(rstd), static_cast<void*>(gw), static_cast<void*>(partial)})
+        CK(cudaFree(q));
+      continue;
+    }
+    line("product main alone", t_main);
+    line("product main + sum", time_us([&] { base(dx); }));
+    line("product main + sum, in place", time_us([&] { base(dy); }));
+    line("main + light sum", time_us([&] { light(dx); }));
+    line("main + light sum, in place", time_us([&] { light(dy); }));
+    line("main + small sum", time_us([&] { product(dx); small(false); }));
+    line("main + small sum, in place", time_us([&] { product(dy); small(false); }));
+    line("main + small sum (allow first), in pl", time_us([&] { product(dy); small(true); }));
+    for (int e = 0; e < 2; ++e)
+      for (int z = 0; z < 2; ++z) {
+        char name[96];
+        std::snprintf(name, sizeof name, "var early %d zero1st %d + sum, in pl", e, z);
+        line(name, time_us([&] { variant(dy, e, z); CK(launch_sum_partials(partial, gw, partials, s.dim, nullptr)); }));
+        std::snprintf(name, sizeof name, "var early %d zero1st %d + small(af), in pl", e, z);
+        line(name, time_us([&] { variant(dy, e, z); small(true); }));
+        std::snprintf(name, sizeof name, "var early %d zero1st %d alone, in pl", e, z);
+        line(name, time_us([&] { variant(dy, e, z); }));
+      }
+    line("fused cooperative", time_us([&] { fused(dx, false); }));
+    line("fused cooperative, in place", time_us([&] { fused(dy, false); }));
+    line("fused cooperative+PDL", time_us([&] { fused(dx, true); }));
+    line("fused cooperative+PDL, in place", time_us([&] { fused(dy, true); }));
+    CK(cudaFree(dy));
+    CK(cudaFree(x));
+    CK(cudaFree(dx));
+    CK(cudaFree(w));
+    CK(cudaFree(rstd));
+    CK(cudaFree(gw));
+    CK(cudaFree(partial));
+  }
+  return 0;
+}
