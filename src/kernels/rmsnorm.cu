@@ -23,8 +23,8 @@
 // beside two one-pass blocks were no faster or slower (17.5-20 us); a float4 partial write cost
 // the q-norm rows 3 points; the scheduling trigger at the one-pass kernel's start cost the q-norm
 // rows 2 us alone; an L2 bulk prefetch of each group's next row was slower everywhere (65536 x
-// 2048: 68.5% against 85.8%). With the trigger after the rows, the zeroing and the grad_w load before the
-// waits: 16.7-17.0 us (69.6-71.1% of the 1 GiB copy) against 17.4-17.7 (66.8-68.1%).
+// 2048: 68.5% against 85.8%). With the trigger after the rows, the zeroing and the grad_w load
+// before the waits: 16.7-17.0 us (69.6-71.1% of the 1 GiB copy) against 17.4-17.7 (66.8-68.1%).
 #include "bf16_device.cuh"
 #include "oom/kernels/rmsnorm.hpp"
 
