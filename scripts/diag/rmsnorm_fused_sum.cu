@@ -5,27 +5,19 @@
 //   each block 8 columns over all partials in sum_partials' order;
 // - light (256 threads) and small (128 threads, 32 registers) sum kernels, small ones fitting an
 //   SM beside two one-pass blocks so they can wait there before the one-pass grid ends;
-// - the one-pass kernel with its scheduling trigger at its start (early) and its shared-memory
-//   zeroing before its wait (zero1st); shared-memory carveouts.
-// Findings are in src/kernels/rmsnorm.cu's header and docs/performance.md (2026-12-01).
+// - shared-memory carveouts on the product's two kernels.
+// The fused kernel runs the product's one-pass body (backward_chunk). The version in commit
+// d3970c8 also carried copies of that body with the trigger at its start and the zeroing after
+// the wait. Findings: src/kernels/rmsnorm.cu's header, docs/performance.md (2026-12-01).
 //   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I include \
 //     -I src/kernels -I src scripts/diag/rmsnorm_fused_sum.cu -o /tmp/rf && /tmp/rf
 #include "../../src/kernels/rmsnorm.cu"
 
 #include <cooperative_groups.h>
 
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
 
-#define CK(...)                                                                     \
-  do {                                                                              \
-    auto e_ = (__VA_ARGS__);                                                        \
-    if (e_ != 0) {                                                                  \
-      std::printf("error %d at %s:%d\n", static_cast<int>(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
+#include "diag_timing.cuh"
 
 namespace oom::kernels {
 namespace {
@@ -111,93 +103,17 @@ __global__ void __launch_bounds__(128, 16) sum_partials_small(const float* parti
   }
 }
 
-template <int G, int V, bool Fused = true, bool EarlyAllow = false, bool ZeroFirst = false>
+/// The product's one-pass body, then a grid-wide barrier (cooperative launch) and the partial sum
+/// in sum_partials' order by every block, 8 columns at a time.
+template <int G, int V>
 __global__ void __launch_bounds__(block_threads)
     backward_fused(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w, const float* rstd,
                    std::uint16_t* dx, float* partial, float* grad_w, std::int64_t rows, int dim,
                    std::int64_t rows_per_partial, std::int64_t partials) {
   extern __shared__ float4 acc_shared[];
-  constexpr int groups = block_threads / G;
-  float* pair_sums = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(groups) * dim;
-  if (!ZeroFirst) wait_for_prerequisite_grid();
-  const int lane = threadIdx.x % G;
-  const int group = threadIdx.x / G;
-  float* acc = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(group) * dim;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int c = (j * G + lane) * 8;
-    if (c >= dim) continue;
-    reinterpret_cast<float4*>(acc + c)[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    reinterpret_cast<float4*>(acc + c)[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-  if (ZeroFirst) wait_for_prerequisite_grid();
-  if (EarlyAllow) allow_dependent_launch();
-  const std::int64_t begin = static_cast<std::int64_t>(blockIdx.x) * rows_per_partial;
-  const std::int64_t end = begin + rows_per_partial < rows ? begin + rows_per_partial : rows;
-  int parity = 0;
-  for (std::int64_t base = begin; base < end; base += groups, parity ^= 1) {
-    const std::int64_t row = base + group;
-    const bool valid = row < end;
-    uint4 gq[V], xq[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int c = (j * G + lane) * 8;
-      const bool live = valid && c < dim;
-      gq[j] = live ? *reinterpret_cast<const uint4*>(dy + row * dim + c) : make_uint4(0, 0, 0, 0);
-      xq[j] = live ? *reinterpret_cast<const uint4*>(x + row * dim + c) : make_uint4(0, 0, 0, 0);
-    }
-    const float r = valid ? rstd[row] : 0.0f;
-    float dot = 0.0f;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int c = (j * G + lane) * 8;
-      if (c >= dim) continue;
-      float g[8], v[8], wv[8];
-      unpack_bf16(gq[j], g);
-      unpack_bf16(xq[j], v);
-      unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dot = __fmaf_rn(g[e] * wv[e], v[e] * r, dot);
-    }
-    const float mean_dot = row_sum<G>(dot, pair_sums, group, parity) / static_cast<float>(dim);
-    if (!valid) continue;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int c = (j * G + lane) * 8;
-      if (c >= dim) continue;
-      float g[8], v[8], wv[8], out[8];
-      unpack_bf16(gq[j], g);
-      unpack_bf16(xq[j], v);
-      unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] = r * (g[e] * wv[e] - (v[e] * r) * mean_dot);
-      *reinterpret_cast<uint4*>(dx + row * dim + c) = pack_bf16(out);
-      float4* a = reinterpret_cast<float4*>(acc + c);
-      float4 a0 = a[0], a1 = a[1];
-      a0.x = __fmaf_rn(g[0], v[0] * r, a0.x);
-      a0.y = __fmaf_rn(g[1], v[1] * r, a0.y);
-      a0.z = __fmaf_rn(g[2], v[2] * r, a0.z);
-      a0.w = __fmaf_rn(g[3], v[3] * r, a0.w);
-      a1.x = __fmaf_rn(g[4], v[4] * r, a1.x);
-      a1.y = __fmaf_rn(g[5], v[5] * r, a1.y);
-      a1.z = __fmaf_rn(g[6], v[6] * r, a1.z);
-      a1.w = __fmaf_rn(g[7], v[7] * r, a1.w);
-      a[0] = a0;
-      a[1] = a1;
-    }
-  }
-  if (!Fused && !EarlyAllow) allow_dependent_launch();
-  __syncthreads();
-  const float* all = reinterpret_cast<const float*>(acc_shared);
-  for (int c = threadIdx.x; c < dim; c += block_threads) {
-    float s = all[c];
-    for (int q = 1; q < groups; ++q) s += all[static_cast<std::int64_t>(q) * dim + c];
-    partial[static_cast<std::int64_t>(blockIdx.x) * dim + c] = s;
-  }
-  if constexpr (!Fused) return;
+  backward_chunk<G, V>(dy, x, w, rstd, dx, partial, rows, dim, rows_per_partial, acc_shared);
   cooperative_groups::this_grid().sync();
-  if (!EarlyAllow) allow_dependent_launch();
-  // reuse the accumulator's shared memory for the range sums (32 x 8 floats)
+  __syncthreads();  // the accumulator's shared memory is reused for the range sums (32 x 8 floats)
   sum_tiles(partial, grad_w, partials, dim, blockIdx.x, gridDim.x, reinterpret_cast<float (*)[8]>(acc_shared));
 }
 
@@ -225,40 +141,8 @@ cudaError_t launch_fused(const std::uint16_t* dy, const std::uint16_t* x, const 
   return cudaLaunchKernelEx(&config, kernel, dy, x, w, rstd, dx, partial, gw, rows, static_cast<int>(dim), per, partials);
 }
 
-template <int G, int V, bool EarlyAllow, bool ZeroFirst>
-cudaError_t launch_variant(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w, const float* rstd,
-                           std::uint16_t* dx, float* partial, float* gw, std::int64_t rows, std::int64_t dim,
-                           std::int64_t partials, std::int64_t per, cudaStream_t stream) {
-  const auto kernel = backward_fused<G, V, false, EarlyAllow, ZeroFirst>;
-  constexpr std::size_t groups = block_threads / G;
-  const std::size_t smem = groups * static_cast<std::size_t>(dim) * sizeof(float) + (G == 64 ? groups * 4 * sizeof(float) : 0);
-  if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  return launch_as_dependent(kernel, dim3(static_cast<unsigned>(partials)), dim3(block_threads), smem, stream, dy, x, w,
-                             rstd, dx, partial, gw, rows, static_cast<int>(dim), per, partials);
-}
-
 }  // namespace
 }  // namespace oom::kernels
-
-template <class F>
-float time_us(F&& f, int reps = 20) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) f();
-  CK(cudaDeviceSynchronize());
-  float best = 1e30f;
-  for (int s = 0; s < 7; ++s) {
-    CK(cudaEventRecord(a));
-    for (int i = 0; i < reps; ++i) f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    best = ms * 1e3f / reps < best ? ms * 1e3f / reps : best;
-  }
-  return best;
-}
 
 int main() {
   using namespace oom::kernels;
@@ -362,19 +246,7 @@ int main() {
         CK(launch_as_dependent(sum_partials_small<false>, dim3(tiles), dim3(128), 0, nullptr, partial, gw,
                                static_cast<std::int64_t>(partials), static_cast<std::int64_t>(s.dim)));
     };
-    auto variant = [&](std::uint16_t* out, bool early, bool zero_first) {
-#define VAR(E, Z)                                                                                              \
-  if (early == E && zero_first == Z) {                                                                        \
-    if (wide)                                                                                                 \
-      CK(launch_variant<32, 8, E, Z>(dy, x, w, rstd, out, partial, gw, s.rows, s.dim, partials, per, nullptr)); \
-    else                                                                                                      \
-      CK(launch_variant<8, 2, E, Z>(dy, x, w, rstd, out, partial, gw, s.rows, s.dim, partials, per, nullptr));  \
-  }
-      VAR(false, false) VAR(false, true) VAR(true, false) VAR(true, true)
-#undef VAR
-    };
     run_check("main + small sum", [&] { product(dx); small(false); });
-    run_check("early/zero-first + small sum", [&] { variant(dx, true, true); small(true); });
     const float t_main = time_us([&] { product(dx); });
     const float t_copy = time_us([&] { CK(cudaMemcpyAsync(dx, dy, n * 2, cudaMemcpyDeviceToDevice)); });
     auto line = [&](const char* name, float t) {
@@ -409,16 +281,6 @@ int main() {
     line("main + small sum", time_us([&] { product(dx); small(false); }));
     line("main + small sum, in place", time_us([&] { product(dy); small(false); }));
     line("main + small sum (allow first), in pl", time_us([&] { product(dy); small(true); }));
-    for (int e = 0; e < 2; ++e)
-      for (int z = 0; z < 2; ++z) {
-        char name[96];
-        std::snprintf(name, sizeof name, "var early %d zero1st %d + sum, in pl", e, z);
-        line(name, time_us([&] { variant(dy, e, z); CK(launch_sum_partials(partial, gw, partials, s.dim, nullptr)); }));
-        std::snprintf(name, sizeof name, "var early %d zero1st %d + small(af), in pl", e, z);
-        line(name, time_us([&] { variant(dy, e, z); small(true); }));
-        std::snprintf(name, sizeof name, "var early %d zero1st %d alone, in pl", e, z);
-        line(name, time_us([&] { variant(dy, e, z); }));
-      }
     line("fused cooperative", time_us([&] { fused(dx, false); }));
     line("fused cooperative, in place", time_us([&] { fused(dy, false); }));
     line("fused cooperative+PDL", time_us([&] { fused(dx, true); }));

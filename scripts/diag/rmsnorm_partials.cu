@@ -10,36 +10,7 @@
 #include "../../src/kernels/rmsnorm.cu"
 #endif
 
-#include <cstdio>
-#include <cstdlib>
-
-#define CK(...)                                                                       \
-  do {                                                                              \
-    auto e_ = (__VA_ARGS__);                                                                  \
-    if (e_ != 0) {                                                                  \
-      std::printf("error %d at %s:%d\n", static_cast<int>(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
-
-template <class F>
-float time_us(F&& f, int reps = 20) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) f();
-  float best = 1e30f;
-  for (int s = 0; s < 5; ++s) {
-    CK(cudaEventRecord(a));
-    for (int i = 0; i < reps; ++i) f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    best = ms * 1e3f / reps < best ? ms * 1e3f / reps : best;
-  }
-  return best;
-}
+#include "diag_timing.cuh"
 
 int main() {
   const size_t big = size_t{1} << 30;

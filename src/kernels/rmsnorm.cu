@@ -182,12 +182,13 @@ __device__ __forceinline__ float row_sum(float x, float* pair_sums, int group, i
 /// columns; the chunk's partial is then groups 0, 1, ... added in order. With G = 32 (8 groups)
 /// this is the looped path's order (8 row slices), so both give the same weight-gradient bits.
 /// In place is safe: each lane reads its quads of dy and x before it writes the same quads of dx.
+/// The kernel's body, a function so that scripts/diag/rmsnorm_fused_sum.cu can run it with other
+/// tails; acc_shared is the kernel's dynamic shared memory: (groups, dim) fp32, then G = 64's pair
+/// sums.
 template <int G, int V>
-__global__ void __launch_bounds__(block_threads)
-    backward_rows_in_registers(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
-                               const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows, int dim,
-                               std::int64_t rows_per_partial) {
-  extern __shared__ float4 acc_shared[];  // (groups, dim) fp32, then G = 64's pair sums
+__device__ __forceinline__ void backward_chunk(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
+                                               const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
+                                               int dim, std::int64_t rows_per_partial, float4* acc_shared) {
   constexpr int groups = block_threads / G;
   static_assert(G != 64 || groups <= 15, "one named barrier per pair");
   float* pair_sums = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(groups) * dim;
@@ -269,6 +270,15 @@ __global__ void __launch_bounds__(block_threads)
     for (int q = 1; q < groups; ++q) s += all[static_cast<std::int64_t>(q) * dim + c];
     partial[static_cast<std::int64_t>(blockIdx.x) * dim + c] = s;
   }
+}
+
+template <int G, int V>
+__global__ void __launch_bounds__(block_threads)
+    backward_rows_in_registers(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
+                               const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows, int dim,
+                               std::int64_t rows_per_partial) {
+  extern __shared__ float4 acc_shared[];
+  backward_chunk<G, V>(dy, x, w, rstd, dx, partial, rows, dim, rows_per_partial, acc_shared);
 }
 
 /// R = rows per group loaded together: enough that each thread has >= 128 bytes of loads in flight.

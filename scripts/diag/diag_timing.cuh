@@ -1,0 +1,40 @@
+// Shared by the scripts/diag harnesses: CK (exit with the file and line on any non-zero status) and
+// time_us (best of 7 samples of `reps` back-to-back calls, after 3 warm-up calls, in microseconds
+// a call, timed by events on the default stream).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#define CK(...)                                                                     \
+  do {                                                                              \
+    auto e_ = (__VA_ARGS__);                                                        \
+    if (e_ != 0) {                                                                  \
+      std::printf("error %d at %s:%d\n", static_cast<int>(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+
+template <class F>
+float time_us(F&& f, int reps = 20) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) f();
+  CK(cudaDeviceSynchronize());
+  float best = 1e30f;
+  for (int s = 0; s < 7; ++s) {
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < reps; ++i) f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    best = ms * 1e3f / reps < best ? ms * 1e3f / reps : best;
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  return best;
+}
