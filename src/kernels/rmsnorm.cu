@@ -7,8 +7,9 @@
 // accumulates the weight gradient of its chunk of rows into per-group shared-memory columns,
 // summed per chunk in a fixed order (deterministic, no atomics), then a second launch sums the
 // chunks' partials; on sm_90+ both launch as programmatic dependents of the kernel before them,
-// and what needs no earlier kernel's output runs before their wait (the one-pass kernel zeroes its
-// shared columns, the sum loads grad_w).
+// and what reads nothing the kernel just before them writes runs before their wait (the one-pass
+// kernel zeroes its shared columns; the sum loads grad_w, which only kernels that completed before
+// the one-pass kernel's wait returned can have written).
 // Other widths and alignments take the looped path (one warp per row, two passes over the row, a
 // separate weight-gradient column reduction). Contract in include/oom/kernels/rmsnorm.hpp.
 //
@@ -16,13 +17,15 @@
 // cp.async stage rings (2-3 rows of each group in flight through ~200 KiB of shared memory, the
 // weight-gradient columns in registers) ran at 41-46% of the copy at 4096 x 2048 against 51-56%
 // (one block an SM: no more bytes in flight than two register-path blocks) and 51% at
-// 65536 x 4096 against 73%. Also measured and not kept (2026-12-01, scripts/diag/
-// rmsnorm_fused_sum.cu, 4096 x 2048 in place, 20 back-to-back launches): summing the partials in
-// the one-pass kernel after a grid-wide barrier (cooperative launch, same bits) took as long as the
-// second launch (17.3-17.6 us against 17.4-17.6); 128- and 256-thread partial sums that fit an SM
-// beside two one-pass blocks were no faster or slower (17.5-20 us); a float4 partial write cost
-// the q-norm rows 3 points; the scheduling trigger at the one-pass kernel's start cost the q-norm
-// rows 2 us alone; an L2 bulk prefetch of each group's next row was slower everywhere (65536 x
+// 65536 x 4096 against 73%. Also measured and not kept (2026-12-01,
+// scripts/diag/rmsnorm_fused_sum.cu, 4096 x 2048 in place, 20 back-to-back launches): summing the
+// partials in the one-pass kernel after a grid-wide barrier (cooperative launch, same bits) took as
+// long as the second launch (17.3-17.6 us against 17.4-17.6); lighter partial sums (256 threads a
+// block; 128 threads and 32 registers, which fit an SM beside two one-pass blocks) were no faster
+// and up to 2.5 us slower (17.5-20 us); a float4 partial write cost the q-norm rows 3 points; the
+// scheduling trigger right after the one-pass kernel's wait instead of after its rows cost the
+// q-norm rows 2 us alone (it must stay after the wait in any case: the sum's early grad_w load
+// relies on it); an L2 bulk prefetch of each group's next row was slower everywhere (65536 x
 // 2048: 68.5% against 85.8%). With the trigger after the rows, the zeroing and the grad_w load
 // before the waits: 16.7-17.0 us (69.6-71.1% of the 1 GiB copy) against 17.4-17.7 (66.8-68.1%).
 #include "bf16_device.cuh"
@@ -261,7 +264,8 @@ __device__ __forceinline__ void backward_chunk(const std::uint16_t* dy, const st
   }
   // The partial sum may be scheduled now. It waits for this grid before reading the partials; it
   // reads grad_w before that wait, which is safe because no block of this grid triggers before its
-  // own wait above (so every kernel before this one is complete when the sum starts).
+  // own wait above (so every kernel before this one is complete when the sum starts): keep this
+  // trigger after the wait.
   allow_dependent_launch();
   __syncthreads();
   const float* all = reinterpret_cast<const float*>(acc_shared);
@@ -446,7 +450,8 @@ __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float*
   // grad_w before the wait: the partials' kernel does not write it, and every kernel before that
   // one is complete by now (it triggers this launch only after its own wait, or was launched in
   // plain stream order).
-  const float before = threadIdx.y == 0 && c < dim ? grad_w[c] : 0.0f;
+  // Through L2 (__ldcg), which every SM sees coherently: no line of an earlier grid can be stale.
+  const float before = threadIdx.y == 0 && c < dim ? __ldcg(grad_w + c) : 0.0f;
   wait_for_prerequisite_grid();  // the partials' kernel, when launched as its dependent
   allow_dependent_launch();      // and the stream's next kernel may be scheduled (it waits for this one)
   const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;

@@ -19,6 +19,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
@@ -243,6 +244,54 @@ TEST_CASE("rmsnorm: forward, rstd, input and weight gradients match the referenc
     for (bf16 v : inplace.download()) a.push_back(v.bits);
     for (bf16 v : dx_first) b.push_back(v.bits);
     expect_bits(a, b, "rmsnorm dx in place");
+  }
+}
+
+TEST_CASE("rmsnorm backward: calls back to back on one stream add up as calls with a wait between") {
+  // On sm_90+ both kernels of a backward are programmatic dependents and the partial sum loads
+  // grad_w before its wait: that load must see the previous call's sum. Four calls into one
+  // grad_w (and a second weight sharing the workspace, as the decoder layer's q- and k-norms do)
+  // queued with no wait must give the bits of the same calls with a stream wait after each.
+  Stream stream;
+  struct Shape {
+    std::int64_t rows, dim;
+  };
+  // The 5.13B hidden norm (one warp a row), q-norm rows (8 lanes a row), a row over two warps, the
+  // looped path.
+  for (const Shape s : {Shape{4096, 2048}, Shape{1000 * 32, 128}, Shape{1000, 4096}, Shape{1000, 2050}}) {
+    CAPTURE(s.rows);
+    CAPTURE(s.dim);
+    const std::size_t n = static_cast<std::size_t>(s.rows * s.dim);
+    const std::int64_t rows_b = s.rows / 4 + 3;  // the second weight's rows: a different chunking
+    const std::vector<float> x_f = bf16_normal(n, 21 + s.rows), dy_f = bf16_normal(n, 22 + s.rows);
+    std::vector<float> w_f = random_normal(s.dim, 23, 0.1f);
+    for (auto& w : w_f) w = oom::to_float(oom::to_bf16(1.0f + w));
+    DeviceBuffer<bf16> x(to_bf16(x_f)), dy(to_bf16(dy_f)), w(to_bf16(w_f)), dx(n);
+    DeviceBuffer<float> rstd(s.rows);
+    OOM_CUDA_CHECK(k::rmsnorm_forward(x.get(), w.get(), dx.get(), rstd.get(), s.rows, s.dim, 1e-6f, stream.s));
+    DeviceBuffer<unsigned char> ws(k::rmsnorm_backward_workspace_bytes(s.rows, s.dim));
+    const std::vector<float> gw0 = random_normal(s.dim, 24);
+    const auto run = [&](bool wait_each) {
+      DeviceBuffer<float> gw(gw0), gw_b(gw0);
+      for (int call = 0; call < 4; ++call) {
+        OOM_CUDA_CHECK(k::rmsnorm_backward(dy.get(), x.get(), w.get(), rstd.get(), dx.get(), gw.get(), s.rows, s.dim,
+                                           ws.get(), ws.size(), stream.s));
+        if (wait_each) OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+        OOM_CUDA_CHECK(k::rmsnorm_backward(dy.get(), x.get(), w.get(), rstd.get(), dx.get(), gw_b.get(), rows_b,
+                                           s.dim, ws.get(), ws.size(), stream.s));
+        if (wait_each) OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+      }
+      OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+      return std::make_pair(gw.download(), gw_b.download());
+    };
+    const auto waited = run(true);
+    const auto queued = run(false);
+    expect_bits(queued.first, waited.first, "rmsnorm dweight, four calls queued");
+    expect_bits(queued.second, waited.second, "rmsnorm dweight sharing the workspace, four calls queued");
+    // The four calls did add up: the sum moved every column away from its start.
+    std::size_t unchanged = 0;
+    for (std::size_t c = 0; c < gw0.size(); ++c) unchanged += waited.first[c] == gw0[c];
+    CHECK(unchanged == 0);
   }
 }
 

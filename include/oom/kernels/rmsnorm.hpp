@@ -49,6 +49,8 @@ std::size_t rmsnorm_backward_workspace_bytes(std::int64_t rows, std::int64_t dim
 /// equal grad_y or x (in place): every element of dy and x is read before the same element of dx
 /// is written, by the same thread (rows up to 4096 wide with 16-byte aligned arrays: one pass that
 /// also accumulates the weight gradient), or the weight-gradient pass runs before the dx pass.
+/// grad_weight must not overlap grad_x, grad_y, x or the workspace: on sm_90+ its old value is
+/// loaded while the first kernel may still be writing grad_x and the workspace.
 cudaError_t rmsnorm_backward(const bf16* grad_y,   // (R, D) bf16
                              const bf16* x,        // (R, D) bf16, the forward's input
                              const bf16* weight,   // (D) bf16
