@@ -56,6 +56,7 @@ build_rc=$?
 if (( build_rc == 124 )); then
   echo "build stopped after ${build_limit} s (BUILD_LIMIT) at $(grep -o '^\[[0-9]*/[0-9]*\]' "$out/build.log" | tail -1):" \
     "call again while the machine is warm to finish it"
+  [[ -n "${OUT:-}" ]] && tail -40 "$out/build.log" > "$OUT/build-tail.log"
   exit 3
 elif (( build_rc != 0 )); then
   grep -E -A5 'error|FAILED' "$out/build.log" | head -60

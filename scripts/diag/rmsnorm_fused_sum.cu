@@ -6,9 +6,11 @@
 // - light (256 threads) and small (128 threads, 32 registers) sum kernels, small ones fitting an
 //   SM beside two one-pass blocks so they can wait there before the one-pass grid ends;
 // - shared-memory carveouts on the product's two kernels.
-// The fused kernel runs the product's one-pass body (backward_chunk). The version in commit
-// d3970c8 also carried copies of that body with the trigger at its start and the zeroing after
-// the wait. Findings: src/kernels/rmsnorm.cu's header, docs/performance.md (2026-12-01).
+// The fused kernel runs the product's one-pass body (backward_chunk), so it triggers the next
+// launch after its rows, before the grid barrier; the measured version (commit d3970c8) carried a
+// copy of the body that triggered after the barrier, and copies with the trigger right after the
+// wait and the zeroing after the wait. Findings: src/kernels/rmsnorm.cu's header,
+// docs/performance.md (2026-12-01).
 //   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I include \
 //     -I src/kernels -I src scripts/diag/rmsnorm_fused_sum.cu -o /tmp/rf && /tmp/rf
 #include "../../src/kernels/rmsnorm.cu"

@@ -20,7 +20,7 @@
 // 65536 x 4096 against 73%. Also measured and not kept (2026-12-01,
 // scripts/diag/rmsnorm_fused_sum.cu, 4096 x 2048 in place, 20 back-to-back launches): summing the
 // partials in the one-pass kernel after a grid-wide barrier (cooperative launch, same bits) took as
-// long as the second launch (17.3-17.6 us against 17.4-17.6); lighter partial sums (256 threads a
+// long as the second launch (17.3-17.7 us against 17.4-17.7); lighter partial sums (256 threads a
 // block; 128 threads and 32 registers, which fit an SM beside two one-pass blocks) were no faster
 // and up to 2.5 us slower (17.5-20 us); a float4 partial write cost the q-norm rows 3 points; the
 // scheduling trigger right after the one-pass kernel's wait instead of after its rows cost the
