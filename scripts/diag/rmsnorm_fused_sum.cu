@@ -17,6 +17,8 @@
 
 #include <cooperative_groups.h>
 
+#include <algorithm>
+
 #include <vector>
 
 #include "diag_timing.cuh"
@@ -124,9 +126,8 @@ cudaError_t launch_fused(const std::uint16_t* dy, const std::uint16_t* x, const 
                          std::uint16_t* dx, float* partial, float* gw, std::int64_t rows, std::int64_t dim,
                          std::int64_t partials, std::int64_t per, bool pdl, cudaStream_t stream) {
   const auto kernel = backward_fused<G, V>;
-  constexpr std::size_t groups = block_threads / G;
-  std::size_t smem = groups * static_cast<std::size_t>(dim) * sizeof(float) + (G == 64 ? groups * 4 * sizeof(float) : 0);
-  smem = smem < 32 * 8 * 4 ? 32 * 8 * 4 : smem;
+  // sum_tiles reuses it for 32 x 8 range sums
+  const std::size_t smem = std::max(backward_smem_bytes<G>(dim), sizeof(float) * 32 * 8);
   if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(partials));
@@ -187,10 +188,7 @@ int main() {
     const long long partials = (s.rows + per - 1) / per;
     const bool wide = s.dim == 2048;
     auto product = [&](std::uint16_t* out) {
-      if (wide)
-        CK(launch_backward<32, 8>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
-      else
-        CK(launch_backward<8, 2>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
+      CK(launch_backward_for_width(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
     };
     auto base = [&](std::uint16_t* out) {
       product(out);
@@ -210,10 +208,13 @@ int main() {
     };
     int max_blocks = 0;
     if (wide) {
-      CK(cudaFuncSetAttribute(backward_fused<32, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536));
-      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_blocks, backward_fused<32, 8>, 256, 8 * 2048 * 4));
+      const auto smem = backward_smem_bytes<32>(s.dim);
+      CK(cudaFuncSetAttribute(backward_fused<32, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem)));
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_blocks, backward_fused<32, 8>, block_threads, smem));
     } else {
-      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_blocks, backward_fused<8, 2>, 256, 32 * 128 * 4));
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_blocks, backward_fused<8, 2>, block_threads,
+                                                       backward_smem_bytes<8>(s.dim)));
     }
     std::printf("%lld x %lld: %lld partials of %lld rows; fused kernel %d blocks an SM\n", s.rows, s.dim, partials, per,
                 max_blocks);

@@ -41,12 +41,7 @@ int main() {
     const double bytes = 6.0 * n;
     // The product's one-pass kernel for this width (as rmsnorm_backward picks it), dx given.
     const auto one_pass = [&](std::uint16_t* out, long long partials, long long per) {
-      if (s.dim == 2048)
-        CK(oom::kernels::launch_backward<32, 8>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
-      else if (s.dim == 128)
-        CK(oom::kernels::launch_backward<8, 2>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
-      else
-        CK(oom::kernels::launch_backward<64, 8>(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
+      CK(oom::kernels::launch_backward_for_width(dy, x, w, rstd, out, partial, s.rows, s.dim, partials, per, nullptr));
     };
     for (long long per : {8LL, 16LL, 32LL, 64LL, 128LL}) {
       const long long partials = (s.rows + per - 1) / per;

@@ -297,14 +297,20 @@ cudaError_t launch_forward(const std::uint16_t* x, const std::uint16_t* w, std::
   return cudaGetLastError();
 }
 
+/// backward_chunk's dynamic shared memory: (groups, dim) fp32 columns, then G = 64's pair sums.
+template <int G>
+constexpr std::size_t backward_smem_bytes(std::int64_t dim) {
+  constexpr std::size_t groups = block_threads / G;
+  return groups * static_cast<std::size_t>(dim) * sizeof(float) + (G == 64 ? groups * 4 * sizeof(float) : 0);
+}
+
 template <int G, int V>
 cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                             const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
                             std::int64_t dim, std::int64_t partials, std::int64_t rows_per_partial,
                             cudaStream_t stream) {
   const auto kernel = backward_rows_in_registers<G, V>;
-  constexpr std::size_t groups = block_threads / G;
-  const std::size_t smem = groups * static_cast<std::size_t>(dim) * sizeof(float) + (G == 64 ? groups * 4 * sizeof(float) : 0);
+  const std::size_t smem = backward_smem_bytes<G>(dim);
   if (smem > 48 * 1024) {
     if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                    static_cast<int>(smem));
@@ -314,6 +320,24 @@ cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, con
   }
   return launch_as_dependent(kernel, dim3(static_cast<unsigned>(partials)), dim3(block_threads), smem, stream, dy, x, w,
                              rstd, dx, partial, rows, static_cast<int>(dim), rows_per_partial);
+}
+
+/// The register path's one-pass kernel for rows `dim` wide (<= max_register_dim_backward): lanes
+/// per row and quads per lane picked by the width.
+cudaError_t launch_backward_for_width(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
+                                      const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
+                                      std::int64_t dim, std::int64_t partials, std::int64_t rows_per_partial,
+                                      cudaStream_t stream) {
+  const auto with = [&](auto launch) {
+    return launch(dy, x, w, rstd, dx, partial, rows, dim, partials, rows_per_partial, stream);
+  };
+  if (dim <= 64) return with(launch_backward<8, 1>);
+  if (dim <= 128) return with(launch_backward<8, 2>);
+  if (dim <= 256) return with(launch_backward<32, 1>);
+  if (dim <= 512) return with(launch_backward<32, 2>);
+  if (dim <= 1024) return with(launch_backward<32, 4>);
+  if (dim <= 2048) return with(launch_backward<32, 8>);
+  return with(launch_backward<64, 8>);
 }
 
 // ----- looped path: any width, any alignment -----
@@ -449,8 +473,8 @@ __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float*
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
   // grad_w before the wait: the partials' kernel does not write it, and every kernel before that
   // one is complete by now (it triggers this launch only after its own wait, or was launched in
-  // plain stream order).
-  // Through L2 (__ldcg), which every SM sees coherently: no line of an earlier grid can be stale.
+  // plain stream order). Through L2 (__ldcg), which every SM sees coherently: no line of an
+  // earlier grid can be stale.
   const float before = threadIdx.y == 0 && c < dim ? __ldcg(grad_w + c) : 0.0f;
   wait_for_prerequisite_grid();  // the partials' kernel, when launched as its dependent
   allow_dependent_launch();      // and the stream's next kernel may be scheduled (it waits for this one)
@@ -540,22 +564,7 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
 
   const bool vec = dim % 8 == 0 && aligned_16(grad_y, x, weight, grad_x);
   if (vec && dim <= max_register_dim_backward) {
-    cudaError_t e = cudaSuccess;
-    if (dim <= 64) {
-      e = launch_backward<8, 1>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
-    } else if (dim <= 128) {
-      e = launch_backward<8, 2>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
-    } else if (dim <= 256) {
-      e = launch_backward<32, 1>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
-    } else if (dim <= 512) {
-      e = launch_backward<32, 2>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
-    } else if (dim <= 1024) {
-      e = launch_backward<32, 4>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
-    } else if (dim <= 2048) {
-      e = launch_backward<32, 8>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
-    } else {
-      e = launch_backward<64, 8>(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
-    }
+    const cudaError_t e = launch_backward_for_width(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
     if (e != cudaSuccess) return e;
     return launch_sum_partials(partial, grad_weight, partials, dim, stream);
   }
