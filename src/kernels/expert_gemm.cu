@@ -493,11 +493,10 @@ struct Launch {
 #if OOM_HAS_SM90A_KERNELS
 /// The weight-gradient problems (dW_e (+)= A_e^T B_e, fp32, beta 1 or 0 for all, one shape) as the grouped wgmma
 /// kernel's; false when they are not all of that form and shape.
-bool as_wgrad(const std::vector<Problem>& weights, bool stationary, hopper::WgradShape* shape,
-              std::vector<hopper::WgradProblem>* out) {
+bool as_wgrad(const std::vector<Problem>& weights, hopper::WgradShape* shape, std::vector<hopper::WgradProblem>* out) {
   const Problem& f = weights.front();
   if (f.beta != 1.0f && f.beta != 0.0f) return false;
-  *shape = {.m = f.m, .n = f.n, .lda = f.lda, .ldb = f.ldb, .ldc = f.ldc, .accumulate = f.beta != 0.0f, .stationary = stationary};
+  *shape = {.m = f.m, .n = f.n, .lda = f.lda, .ldb = f.ldb, .ldc = f.ldc, .accumulate = f.beta != 0.0f};
   for (const Problem& p : weights) {
     if (!p.trans_a || p.trans_b || p.c_type != CUDA_R_32F || p.beta != f.beta || p.m != f.m || p.n != f.n || p.lda != f.lda ||
         p.ldb != f.ldb || p.ldc != f.ldc)
@@ -575,7 +574,7 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
       if (o.wgmma_weight_gradients && !weights.empty()) {
         hopper::WgradShape shape;
         std::vector<hopper::WgradProblem> problems;
-        if (as_wgrad(weights, o.stationary_weight_gradients, &shape, &problems) && hopper::grouped_wgrad_supported(shape, problems)) {
+        if (as_wgrad(weights, &shape, &problems) && hopper::grouped_wgrad_supported(shape, problems)) {
           if (!o.overlap_weight_gradients) {
             OOM_KERNEL_TRY(run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays));
             return hopper::grouped_wgrad_wgmma(shape, problems, l.stream);

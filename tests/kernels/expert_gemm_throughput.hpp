@@ -62,10 +62,7 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       {"chunk128nw", M::row_chunked, {.wgmma_weight_gradients = false}},
                                       // the grouped wgmma dW after the row GEMMs, on the caller's
                                       // stream (chunk128 runs it beside them on a side stream)
-                                      {"chunk128sr", M::row_chunked, {.overlap_weight_gradients = false}},
-                                      // the grouped wgmma dW's streaming kernel for every expert
-                                      // (chunk128 takes the A-stationary one up to 576 rows)
-                                      {"chunk128ws", M::row_chunked, {.stationary_weight_gradients = false}}};
+                                      {"chunk128sr", M::row_chunked, {.overlap_weight_gradients = false}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});

@@ -53,10 +53,8 @@ namespace {
 
 void require_sm90() { oom::test::require_sm90("test_grouped_wgrad"); }
 
-/// Runs both schedules (A-stationary where the rows allow, and streaming only) on problems of
-/// `rows` rows each (one A and one B buffer holding all rows, the problems' rows consecutive), C_e
-/// starting at random values, and checks each result against fp64, and each run again from the same
-/// start for the same bits.
+/// Runs the kernel on problems of `rows` rows each (one A and one B buffer holding all rows, the
+/// problems' rows consecutive), C_e starting at random values, and checks the result against fp64.
 void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t ldb, std::int64_t ldc,
                 const std::vector<std::int64_t>& rows, std::uint64_t seed, bool dynamic = false, bool accumulate = true) {
   require_sm90();
@@ -73,77 +71,64 @@ void check_case(std::int64_t m, std::int64_t n, std::int64_t lda, std::int64_t l
   if (!accumulate)
     for (std::size_t at = 0; at < start.size(); ++at)
       if (static_cast<std::int64_t>(at) % ldc < n) start[at] = std::numeric_limits<float>::quiet_NaN();
-
-  // The reference: each owned element's value and bound. fp32 accumulation of `rows` exact bf16 x
-  // bf16 products (in any order): |error| <= rows u sum |a b| with u = 2^-24, plus the rounding of
-  // the final addition to C (u |result|); a factor 2 for the tensor cores' internal accumulation
-  // order. Unowned elements (padding; an empty problem added to) must keep their bits.
-  std::vector<double> want(c0.size()), bound(c0.size(), -1.0);
-  std::int64_t off = 0;
-  for (std::size_t e = 0; e < rows.size(); ++e) {
-    const std::int64_t r = rows[e];
-    for (std::int64_t i = 0; i < m; ++i)
-      for (std::int64_t j = 0; j < n; ++j) {
-        const std::size_t at = e * c_size + i * ldc + j;
-        if (r == 0 && accumulate) continue;
-        double sum = 0, mag = 0;
-        for (std::int64_t kk = 0; kk < r; ++kk) {
-          const double pr = static_cast<double>(a.values[(off + kk) * lda + i]) * b.values[(off + kk) * ldb + j];
-          sum += pr;
-          mag += std::abs(pr);
-        }
-        want[at] = (accumulate ? c0[at] : 0.0) + sum;  // an empty problem overwritten: 0
-        bound[at] = 2.0 * (static_cast<double>(r) * 0x1p-24 * mag + 0x1p-24 * std::abs(want[at])) + 1e-30;
-      }
-    off += rows[e];
-  }
-
   DeviceBuffer<bf16> d_a(a.bits), d_b(b.bits);
   DeviceBuffer<float> d_c(start);
   std::vector<hw::WgradProblem> problems;
-  off = 0;
+  std::int64_t off = 0;
   for (std::size_t e = 0; e < rows.size(); ++e) {
     problems.push_back({.a = d_a.get() + off * lda, .b = d_b.get() + off * ldb, .c = d_c.get() + e * c_size, .rows = rows[e]});
     off += rows[e];
   }
+  const hw::WgradShape shape{.m = m, .n = n, .lda = lda, .ldb = ldb, .ldc = ldc, .accumulate = accumulate};
+  REQUIRE(hw::grouped_wgrad_supported(shape, problems));
   DeviceBuffer<int> counter(1);
+  OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));  // the launch must zero it
   int* const tiles = dynamic ? counter.get() : nullptr;
-  for (const bool stationary : {true, false}) {
-    INFO((stationary ? "A-stationary where the rows allow" : "streaming only"));
-    const hw::WgradShape shape{.m = m, .n = n, .lda = lda, .ldb = ldb, .ldc = ldc, .accumulate = accumulate, .stationary = stationary};
-    REQUIRE(hw::grouped_wgrad_supported(shape, problems));
-    d_c.upload(start);
-    OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));  // the launch must zero it
-    REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles) == cudaSuccess);
-    OOM_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto c = d_c.download();
-    std::size_t bad = 0, untouched_bad = 0;
-    double worst = 0;
-    for (std::size_t e = 0; e < rows.size(); ++e)
-      for (std::int64_t i = 0; i < m; ++i)
-        for (std::int64_t j = 0; j < ldc; ++j) {
-          const std::size_t at = e * c_size + i * ldc + j;
-          if (bound[at] < 0) {
-            untouched_bad += std::memcmp(&c[at], &c0[at], sizeof(float)) != 0;
-            continue;
-          }
-          const double err = std::abs(c[at] - want[at]);
-          worst = std::max(worst, err / bound[at]);
-          if (!(err <= bound[at]) && bad++ < 5)
-            MESSAGE("problem " << e << " (" << rows[e] << " rows) C[" << i << "][" << j << "] = " << c[at] << ", want " << want[at]
-                               << " (bound " << bound[at] << ")");
-        }
-    INFO("worst error / bound " << worst);
-    CHECK(bad == 0);
-    CHECK_MESSAGE(untouched_bad == 0, untouched_bad << " C elements changed that no problem owns");
+  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles) == cudaSuccess);
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto c = d_c.download();
 
-    // A fixed summation order: the same bits from the same start.
-    d_c.upload(start);
-    REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles) == cudaSuccess);
-    OOM_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto again = d_c.download();
-    CHECK(std::memcmp(again.data(), c.data(), c.size() * sizeof(float)) == 0);
+  // fp32 accumulation of `rows` exact bf16 x bf16 products (in any order): |error| <= rows u
+  // sum |a b| with u = 2^-24, plus the rounding of the final addition to C (u |result|); a factor
+  // 2 for the tensor cores' internal accumulation order.
+  std::size_t bad = 0, untouched_bad = 0;
+  double worst = 0;
+  off = 0;
+  for (std::size_t e = 0; e < rows.size(); ++e) {
+    const std::int64_t r = rows[e];
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < ldc; ++j) {
+        const std::size_t at = e * c_size + i * ldc + j;
+        if (j >= n || (r == 0 && accumulate)) {  // padding, or an empty problem added to: the bits as they were
+          untouched_bad += std::memcmp(&c[at], &c0[at], sizeof(float)) != 0;
+          continue;
+        }
+        double sum = 0, mag = 0;
+        for (std::int64_t kk = 0; kk < r; ++kk) {
+          const double p = static_cast<double>(a.values[(off + kk) * lda + i]) * b.values[(off + kk) * ldb + j];
+          sum += p;
+          mag += std::abs(p);
+        }
+        const double want = (accumulate ? c0[at] : 0.0) + sum;  // an empty problem overwritten: 0
+        const double bound = 2.0 * (static_cast<double>(r) * 0x1p-24 * mag + 0x1p-24 * std::abs(want)) + 1e-30;
+        const double err = std::abs(c[at] - want);
+        worst = std::max(worst, err / bound);
+        if (!(err <= bound) && bad++ < 5)
+          MESSAGE("problem " << e << " (" << r << " rows) C[" << i << "][" << j << "] = " << c[at] << ", want " << want
+                             << " (bound " << bound << ")");
+      }
+    off += rows[e];
   }
+  INFO("worst error / bound " << worst);
+  CHECK(bad == 0);
+  CHECK_MESSAGE(untouched_bad == 0, untouched_bad << " C elements changed that no problem owns");
+
+  // A fixed summation order: the same bits from the same start.
+  d_c.upload(start);
+  REQUIRE(hw::grouped_wgrad_wgmma(shape, problems, nullptr, tiles) == cudaSuccess);
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto again = d_c.download();
+  CHECK(std::memcmp(again.data(), c.data(), c.size() * sizeof(float)) == 0);
 }
 
 }  // namespace
@@ -180,20 +165,6 @@ TEST_CASE("grouped weight gradients with several tiles per block: stages and pha
   for (int e = 0; e < 100; ++e) rows.push_back(1 + (e * 53) % 90);
   check_case(256, 512, 256, 512, 512, rows, 600);
   check_case(256, 512, 256, 512, 512, rows, 601, true);
-}
-
-TEST_CASE("grouped weight gradients at the A-stationary kernel's row cap and across its units") {
-  // `cap` rows (576) is the most the A-stationary kernel keeps in shared memory; cap + 1 goes to the
-  // streaming kernel in the same call, as does 1000; fewer than four K steps (1..192 rows) run padded.
-  constexpr std::int64_t cap = hw::grouped_wgrad_stationary_max_rows;
-  check_case(256, 256, 256, 256, 256, {cap, cap + 1, 512, 4, 0, 1000, 193}, 700);
-  check_case(256, 256, 256, 256, 260, {cap, cap + 1, 512, 4, 0, 1000, 193}, 710, true, false);
-  // 60 problems of 3 M tiles: 180 units, so blocks take two or more, A's chunks (1..9 of them a
-  // unit) reloaded under their "A empty" barriers' alternating phases.
-  std::vector<std::int64_t> rows;
-  for (int e = 0; e < 60; ++e) rows.push_back(1 + (e * 97) % cap);
-  check_case(384, 256, 384, 256, 256, rows, 720);
-  check_case(384, 256, 384, 256, 256, rows, 721, true, false);
 }
 
 TEST_CASE("grouped_wgrad refuses what its tiles, copies and stores cannot do") {
@@ -332,7 +303,7 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
   OOM_CUDA_CHECK(cudaStreamCreate(&stream));
   OOM_CUBLAS_CHECK(cublasSetStream(blas.get(), stream));
   for (const bool accumulate : {true, false})  // C += (and the dense beta 1), C = (beta 0)
-  for (const std::int64_t R : {512, 576, 2048})  // rows per expert: T = 4096 (and its cap) and 16384 x top-8
+  for (const std::int64_t R : {512, 2048})  // rows per expert: T = 4096 and 16384 x top-8
   for (const Op op : {Op{"down dW (2048 x 768)", 2048, 768}, Op{"gate_up dW (1536 x 2048)", 1536, 2048}}) {
     const std::int64_t N = E * R;
     DeviceBuffer<bf16> a(N * op.m), b(N * op.n);
@@ -365,14 +336,10 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
         stream);
     const double ms =
         oom::test::time_ms([&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_wgrad_wgmma(shape, problems, st)); }, stream);
-    auto streaming_shape = shape;
-    streaming_shape.stationary = false;
-    const double streaming_ms =
-        oom::test::time_ms([&](cudaStream_t st) { OOM_CUDA_CHECK(hw::grouped_wgrad_wgmma(streaming_shape, problems, st)); }, stream);
-    std::printf("grouped wgrad %s %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f "
-                "(streaming only %.2f); cuBLAS strided batched (the same 64 C) %.3f ms, ratio %.2f\n",
-                accumulate ? "C +=" : "C = ", static_cast<long long>(R), op.name, ms, flops / ms / 1e9, dense,
-                flops / dense / 1e9, dense / ms, dense / streaming_ms, batched, dense / batched);
+    std::printf("grouped wgrad %s %4lld rows/expert %-26s %.3f ms (%.0f TFLOP/s), dense %.3f ms (%.0f TFLOP/s), ratio %.2f; "
+                "cuBLAS strided batched (the same 64 C) %.3f ms, ratio %.2f\n",
+                accumulate ? "C +=" : "C = ", static_cast<long long>(R), op.name, ms,
+                flops / ms / 1e9, dense, flops / dense / 1e9, dense / ms, batched, dense / batched);
   }
   OOM_CUDA_CHECK(cudaStreamDestroy(stream));
 }

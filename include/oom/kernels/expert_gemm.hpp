@@ -125,11 +125,6 @@ struct ExpertGemmStreamsOptions {
   /// beside against 1.271-1.287 ms after (five runs each, T = 16384: 0.79-0.81x of a dense GEMM
   /// against 0.76-0.77x), 2.234 against 2.289 ms at T = 32768.
   bool overlap_weight_gradients = true;
-  /// With wgmma_weight_gradients: experts of at most 576 rows take the A-stationary kernel (A's
-  /// 128-row tile kept in shared memory across its N tiles, each tile's epilogue beside the next
-  /// tile's products; grouped_wgrad.hpp), the rest the streaming one. Off: every expert the
-  /// streaming kernel. Both sum each element over the rows in order (the bits may differ).
-  bool stationary_weight_gradients = true;
 };
 
 /// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and

@@ -26,17 +26,7 @@ struct WgradShape {
   /// contents never read (plain stores: half the memory traffic of the sum), an empty problem's C
   /// set to zero.
   bool accumulate = true;
-  /// true: problems of at most grouped_wgrad_stationary_max_rows rows go to the A-stationary
-  /// kernel (128 x 128 tiles, A kept in shared memory across a unit's N tiles, each tile's
-  /// epilogue beside the next tile's products), the rest to the streaming one; false: every
-  /// problem to the streaming kernel (128 x 256 tiles, A and B streamed per tile). Both sum each
-  /// element over the rows in order (the same bound; the bits may differ between the two).
-  bool stationary = true;
 };
-
-/// The largest problem (rows) the A-stationary kernel takes: its A tile, 128 x rows bf16, stays in
-/// shared memory.
-inline constexpr std::int64_t grouped_wgrad_stationary_max_rows = 576;
 
 /// One expert's problem: C (+)= A^T B over its `rows` rows (0: C untouched when accumulating,
 /// zeroed when not).
