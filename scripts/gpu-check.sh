@@ -12,10 +12,12 @@
 # PARTS=kernels builds and runs only the gpu tests and the kernel benchmarks (issue 5's checks).
 # On a fresh machine that build can outlast a device call (580 s, 2026-12-01): the build stops
 # after BUILD_LIMIT seconds (default 480) and says so (exit 3); call again while the machine is
-# warm. BUILD_ONLY=1 only builds. Its run is longer than one call, too (the gpu tests ~5 min,
-# test_attention ~4 of them; each benchmark up to 5 min): TIME_BUDGET (below) cuts it short with
-# its logs returned; to finish it, split it, e.g. GPU_CTEST_ARGS="-E ^test_attention$" with
-# OOM_BENCH_TOKENS=4096,16384, then GPU_CTEST_ARGS="-R ^test_attention$".
+# warm. BUILD_ONLY=1 only builds. Its run is longer than one call, too (the gpu tests several
+# minutes, test_attention ~4 of them; bench_moe_kernels, bench_attention and the SDPA script up to
+# 5 min each): TIME_BUDGET (below) cuts it short with its logs returned. To run all of it, split
+# it over calls: KERNEL_BENCH=0 GPU_CTEST_ARGS="-E ^test_attention$", then KERNEL_BENCH=0
+# GPU_CTEST_ARGS="-R ^test_attention$", then KERNEL_TESTS=0 (the benchmarks alone; if they do not
+# fit either, OOM_BENCH_TOKENS and OOM_BENCH_VARIANTS pick bench_moe_kernels' rows).
 # PARTS="calibrate train" first measures a machine profile ($out/profile.json, oom-calibrate) and
 # the 5.13B runs plan and predict with it (else with PROFILE=path, if given). GRAD_STAGING=N runs them with a pinned gradient
 # staging ring of N layers (oom-train --grad-staging, default 3; 0 per parameter); KEEP_ATTENTION=0
@@ -30,6 +32,39 @@ rm -rf "$out"
 mkdir -p "$out"
 jobs=${JOBS:-$(nproc)}
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared machines
+
+# TIME_BUDGET: seconds for the whole script, build included (default 570 where $OUT is set, i.e.
+# in a device call of the default 600 s: set it to about the call's limit_s - 30 for a shorter
+# call; 0 or unset without $OUT: no budget). Every step's timeout is cut to what is left, less 30
+# s to pack the logs; a step with under 30 s left is skipped and named in skipped.log (exit 124,
+# counted as a failure). The logs go to $OUT before each step and at the end, so a call cut short
+# still returns what it measured (a run of PARTS=kernels killed from outside at 570 s returned
+# nothing, 2026-12-01).
+SECONDS=0
+budget=${TIME_BUDGET:-$([[ -n "${OUT:-}" ]] && echo 570 || echo 0)}
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "TIME_BUDGET must be a whole number of seconds (0: none), not '$budget'"; exit 2; }
+save_logs() {  # written to a temporary name and renamed: a call killed mid-write keeps the last archive
+  [[ -n "${OUT:-}" ]] && tar czf "$OUT/.gpu-logs.tgz.tmp" -C "$build_dir" gpu-logs 2> /dev/null &&
+    mv -f "$OUT/.gpu-logs.tgz.tmp" "$OUT/gpu-logs.tgz"
+  return 0
+}
+# limited SECONDS COMMAND...: COMMAND under `timeout` (0: no limit of its own), cut to the budget
+# left; a command that ignores the TERM is killed 10 s later.
+limited() {
+  local want=$1
+  shift
+  [[ "$want" =~ ^[0-9]+$ ]] || { echo "limited: '$want' is not a whole number of seconds ($*)" >&2; return 2; }
+  save_logs
+  if ((budget > 0)); then
+    local left=$((budget - SECONDS - 30))
+    if ((left < 30)); then
+      echo "skipped, TIME_BUDGET of ${budget} s spent: $*" >> "$out/skipped.log"
+      return 124
+    fi
+    if ((want == 0 || want > left)); then want=$left; fi
+  fi
+  timeout -k 10 "$want" "$@"
+}
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -54,15 +89,18 @@ kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_k
 # device call (at most 600 s) on a fresh machine returns something and the next call, on the warm
 # machine, finishes the build and runs. BUILD_ONLY=1 stops after a completed build.
 build_limit=${BUILD_LIMIT:-480}
-timeout "$build_limit" cmake --build "$build_dir" -j "$jobs" "${targets[@]}" > "$out/build.log" 2>&1
+if ((budget > 0 && build_limit > budget - 60)); then build_limit=$((budget > 120 ? budget - 60 : 60)); fi
+timeout -k 10 "$build_limit" cmake --build "$build_dir" -j "$jobs" "${targets[@]}" > "$out/build.log" 2>&1
 build_rc=$?
-if (( build_rc == 124 )); then
+if (( build_rc == 124 || build_rc == 137 )); then
   echo "build stopped after ${build_limit} s (BUILD_LIMIT) at $(grep -o '^\[[0-9]*/[0-9]*\]' "$out/build.log" | tail -1):" \
     "call again while the machine is warm to finish it"
   [[ -n "${OUT:-}" ]] && tail -40 "$out/build.log" > "$OUT/build-tail.log"
+  save_logs
   exit 3
 elif (( build_rc != 0 )); then
   grep -E -A5 'error|FAILED' "$out/build.log" | head -60
+  save_logs
   exit 1
 fi
 if [[ "${BUILD_ONLY:-0}" == 1 ]]; then
@@ -71,33 +109,6 @@ if [[ "${BUILD_ONLY:-0}" == 1 ]]; then
 fi
 
 gpu_rc=0 host_rc=0 bench_rc=0 ref_rc=0
-
-# TIME_BUDGET (seconds from the script's start; default 570 where $OUT is set, i.e. in a device
-# call, which ends at 600 s, else none): every step's timeout is cut to what is left, less 20 s to
-# pack the logs; a step with under 30 s left is skipped and named in skipped.log. The logs go to
-# $OUT before each step and at the end, so a call cut short still returns what it measured (a run
-# of PARTS=kernels killed from outside at 570 s returned nothing, 2026-12-01).
-budget=${TIME_BUDGET:-$([[ -n "${OUT:-}" ]] && echo 570 || echo 0)}
-save_logs() {
-  [[ -n "${OUT:-}" ]] && tar czf "$OUT/gpu-logs.tgz" -C "$build_dir" gpu-logs 2> /dev/null
-  return 0
-}
-# limited SECONDS COMMAND...: COMMAND under `timeout`, cut to the budget left (exit 124 when
-# skipped or stopped, as timeout's own).
-limited() {
-  local want=$1
-  shift
-  if ((budget > 0)); then
-    local left=$((budget - SECONDS - 20))
-    if ((left < 30)); then
-      echo "skipped, TIME_BUDGET of ${budget} s spent: $*" >> "$out/skipped.log"
-      return 124
-    fi
-    ((want > left)) && want=$left
-  fi
-  save_logs
-  timeout "$want" "$@"
-}
 
 # versus_pytorch NAME TIMEOUT LABEL OOM-TRAIN-ARGS...: oom-train with those arguments into
 # $build_dir/NAME (from saved initial weights, its batches dumped), then the same steps in PyTorch
@@ -119,13 +130,13 @@ versus_pytorch() {
   echo "$label: $(grep -E '^(PASS|FAIL)|worst relative|noise floor' "$out/compare-$name.log" 2> /dev/null | tr '\n' ' ')$(grep -o 'grad norm [0-9.]*' "$out/$name.log" | head -2 | tr '\n' ' ')" >> "$out/train-summary.log"
 }
 touch "$out/gpu-tests.log"
-if [[ "$parts" == *" tests "* || "$parts" == *" kernels "* ]]; then
+if [[ "$parts" == *" tests "* || ( "$parts" == *" kernels "* && "${KERNEL_TESTS:-1}" == 1 ) ]]; then
 # GPU_CTEST_ARGS: more ctest arguments, e.g. -E '^test_attention$' to leave out the longest (~4 min).
-limited 3600 ctest --test-dir "$build_dir" -L gpu --output-on-failure -V ${GPU_CTEST_ARGS:-} > "$out/gpu-tests.log" 2>&1
+limited 0 ctest --test-dir "$build_dir" -L gpu --output-on-failure -V ${GPU_CTEST_ARGS:-} > "$out/gpu-tests.log" 2>&1
 gpu_rc=$?
 fi
 if [[ "$parts" == *" tests "* ]]; then
-limited 3600 ctest --test-dir "$build_dir" -LE gpu --output-on-failure > "$out/host-tests.log" 2>&1
+limited 0 ctest --test-dir "$build_dir" -LE gpu --output-on-failure > "$out/host-tests.log" 2>&1
 host_rc=$?
 fi
 
@@ -220,18 +231,20 @@ fi
 [[ "$parts" == *" bench "* ]] && for b in "$build_dir"/bench/micro/bench_*; do
   [[ -x "$b" ]] || continue
   name=$(basename "$b")
-  limited 600 "$b" --benchmark_format=console --benchmark_out="$out/$name.json" --benchmark_out_format=json \
+  limited 0 "$b" --benchmark_format=console --benchmark_out="$out/$name.json" --benchmark_out_format=json \
     > "$out/$name.log" 2>&1 || bench_rc=1
 done
 
 # Kernel benchmarks print their own tables (ratios to limits measured in the same run); the
 # attention one is paired with PyTorch SDPA on the same shapes.
-[[ "$parts" == *" bench "* || "$parts" == *" kernels "* ]] &&
+kernel_bench=0
+[[ "$parts" == *" bench "* || ( "$parts" == *" kernels "* && "${KERNEL_BENCH:-1}" == 1 ) ]] && kernel_bench=1
+((kernel_bench)) &&
   for b in "$build_dir"/bench/bench_moe_kernels "$build_dir"/bench/kernels/bench_attention; do
   [[ -x "$b" ]] || continue
   limited 300 "$b" > "$out/$(basename "$b").log" 2>&1 || bench_rc=1
 done
-if [[ ( "$parts" == *" bench "* || "$parts" == *" kernels "* ) && -f scripts/bench_attention_sdpa.py ]]; then
+if ((kernel_bench)) && [[ -f scripts/bench_attention_sdpa.py ]]; then
   limited 300 env PYTHONUNBUFFERED=1 python3 scripts/bench_attention_sdpa.py > "$out/sdpa.log" 2>&1 || bench_rc=1
 fi
 
@@ -294,7 +307,7 @@ PY
 cat "$out/summary.txt"
 if [[ -n "${OUT:-}" ]]; then
   cp "$out/summary.txt" "$OUT/summary.txt"
-  tar czf "$OUT/gpu-logs.tgz" -C "$build_dir" gpu-logs
+  save_logs
 fi
 echo "exit codes: gpu tests $gpu_rc, host tests $host_rc, benchmarks $bench_rc, reference checks $ref_rc"
 exit $(( gpu_rc || host_rc || bench_rc || ref_rc ))
