@@ -17,14 +17,7 @@
 #include <functional>
 #include <vector>
 
-#define CK(x)                                                                       \
-  do {                                                                              \
-    auto e_ = (x);                                                                  \
-    if (e_ != 0) {                                                                  \
-      std::printf("error %d at %s:%d\n", static_cast<int>(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
+#include "diag_timing.cuh"  // CK
 
 constexpr long long H = 2048, I = 768, E = 64, R = 2048, N = E * R;
 

@@ -21,7 +21,7 @@
 
 #include <vector>
 
-#include "diag_timing.cuh"
+#include "rmsnorm_diag_buffers.cuh"
 
 namespace oom::kernels {
 namespace {
@@ -149,27 +149,15 @@ cudaError_t launch_fused(const std::uint16_t* dy, const std::uint16_t* x, const 
 
 int main() {
   using namespace oom::kernels;
-  const size_t big = size_t{1} << 30;
-  void *ca, *cb;
-  CK(cudaMalloc(&ca, big));
-  CK(cudaMalloc(&cb, big));
-  const float copy_us = time_us([&] { CK(cudaMemcpyAsync(cb, ca, big, cudaMemcpyDeviceToDevice)); }, 3);
-  const double copy_bps = 2.0 * big / (copy_us * 1e-6);
-  std::printf("D2D copy %.0f GB/s\n", copy_bps / 1e9);
+  const double copy_bps = copy_bandwidth();
   struct Shape {
     long long rows, dim;
   };
   for (const Shape s : {Shape{4096, 2048}, Shape{4096 * 16, 128}, Shape{4096 * 4, 128}, Shape{2000, 2048}}) {
     const long long n = s.rows * s.dim;
-    std::uint16_t *dy, *x, *w, *dx;
-    float *rstd, *partial, *gw;
-    CK(cudaMalloc(&dy, n * 2));
-    CK(cudaMalloc(&x, n * 2));
-    CK(cudaMalloc(&dx, n * 2));
-    CK(cudaMalloc(&w, s.dim * 2));
-    CK(cudaMalloc(&rstd, s.rows * 4));
-    CK(cudaMalloc(&gw, s.dim * 4));
-    CK(cudaMalloc(&partial, 4096 * s.dim * 4));
+    const RmsnormDiagBuffers buffers(s.rows, s.dim);
+    std::uint16_t *const dy = buffers.dy, *const x = buffers.x, *const w = buffers.w, *const dx = buffers.dx;
+    float *const rstd = buffers.rstd, *const partial = buffers.partial, *const gw = buffers.gw;
     // random-ish bf16 in [0.5, 2): exponent fixed, mantissa from an LCG
     std::vector<std::uint16_t> h(n);
     unsigned st = 12345;
@@ -270,12 +258,7 @@ int main() {
     CK(cudaFuncSetAttribute(backward_rows_in_registers<32, 8>, cudaFuncAttributePreferredSharedMemoryCarveout, -1));
     CK(cudaFuncSetAttribute(backward_rows_in_registers<8, 2>, cudaFuncAttributePreferredSharedMemoryCarveout, -1));
     CK(cudaFuncSetAttribute(sum_partials, cudaFuncAttributePreferredSharedMemoryCarveout, -1));
-    if (s.dim != 2048 || s.rows != 4096) {
-      for (void* q : {static_cast<void*>(dy), static_cast<void*>(x), static_cast<void*>(dx), static_cast<void*>(w),
-                      static_cast<void*>(rstd), static_cast<void*>(gw), static_cast<void*>(partial)})
-        CK(cudaFree(q));
-      continue;
-    }
+    if (s.dim != 2048 || s.rows != 4096) continue;
     line("product main alone", t_main);
     line("product main + sum", time_us([&] { base(dx); }));
     line("product main + sum, in place", time_us([&] { base(dy); }));
@@ -288,13 +271,6 @@ int main() {
     line("fused cooperative, in place", time_us([&] { fused(dy, false); }));
     line("fused cooperative+PDL", time_us([&] { fused(dx, true); }));
     line("fused cooperative+PDL, in place", time_us([&] { fused(dy, true); }));
-    CK(cudaFree(dy));
-    CK(cudaFree(x));
-    CK(cudaFree(dx));
-    CK(cudaFree(w));
-    CK(cudaFree(rstd));
-    CK(cudaFree(gw));
-    CK(cudaFree(partial));
   }
   return 0;
 }

@@ -10,30 +10,18 @@
 #include "../../src/kernels/rmsnorm.cu"
 #endif
 
-#include "diag_timing.cuh"
+#include "rmsnorm_diag_buffers.cuh"
 
 int main() {
-  const size_t big = size_t{1} << 30;
-  void *ca, *cb;
-  CK(cudaMalloc(&ca, big));
-  CK(cudaMalloc(&cb, big));
-  const float copy_us = time_us([&] { CK(cudaMemcpyAsync(cb, ca, big, cudaMemcpyDeviceToDevice)); }, 3);
-  const double copy_bps = 2.0 * big / (copy_us * 1e-6);
-  std::printf("D2D copy %.0f GB/s\n", copy_bps / 1e9);
+  const double copy_bps = copy_bandwidth();
   struct Shape {
     long long rows, dim;
   };
   for (const Shape s : {Shape{4096, 2048}, Shape{4096 * 16, 128}, Shape{65536, 2048}, Shape{65536, 4096}}) {
     const long long n = s.rows * s.dim;
-    std::uint16_t *dy, *x, *w, *dx;
-    float *rstd, *partial, *gw;
-    CK(cudaMalloc(&dy, n * 2));
-    CK(cudaMalloc(&x, n * 2));
-    CK(cudaMalloc(&dx, n * 2));
-    CK(cudaMalloc(&w, s.dim * 2));
-    CK(cudaMalloc(&rstd, s.rows * 4));
-    CK(cudaMalloc(&gw, s.dim * 4));
-    CK(cudaMalloc(&partial, 4096 * s.dim * 4));
+    const RmsnormDiagBuffers buffers(s.rows, s.dim);
+    std::uint16_t *const dy = buffers.dy, *const x = buffers.x, *const w = buffers.w, *const dx = buffers.dx;
+    float *const rstd = buffers.rstd, *const partial = buffers.partial, *const gw = buffers.gw;
     CK(cudaMemset(dy, 0x3C, n * 2));
     CK(cudaMemset(x, 0x3C, n * 2));
     CK(cudaMemset(w, 0x3C, s.dim * 2));
@@ -67,13 +55,6 @@ int main() {
       std::printf("%6lld x %5lld  rows/partial %4lld, dx in place: main + sum %7.2f us (%5.1f%%)\n", s.rows, s.dim, per, t,
                   100.0 * bytes / (t * 1e-6) / copy_bps);
     }
-    CK(cudaFree(dy));
-    CK(cudaFree(x));
-    CK(cudaFree(dx));
-    CK(cudaFree(w));
-    CK(cudaFree(rstd));
-    CK(cudaFree(gw));
-    CK(cudaFree(partial));
   }
   return 0;
 }
