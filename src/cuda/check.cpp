@@ -1,15 +1,37 @@
 // Error construction for the checked CUDA/cuBLAS/NCCL calls (host C++, so fmt is available).
 #include <fmt/format.h>
 
+#include <utility>
+
+#include "../kernels/refuse.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/nccl_check.hpp"
+#include "oom/kernels/refusal.hpp"
+
+namespace oom::kernels {
+
+const char* last_refusal() noexcept { return detail::refusal_text().c_str(); }
+void clear_refusal() noexcept { detail::refusal_text().clear(); }
+std::string take_refusal() { return std::exchange(detail::refusal_text(), std::string{}); }
+
+}  // namespace oom::kernels
 
 namespace oom::detail {
 
 void throw_cuda_error(cudaError_t status, const char* expr, const char* file, int line) {
+  // A launcher's refusal is a bad argument, and says which.
+  if (std::string why = status == cudaErrorInvalidValue ? kernels::take_refusal() : std::string{}; !why.empty())
+    throw Error(Errc::invalid_argument, fmt::format("{} returned {}: {}", expr, cudaGetErrorName(status), why), file,
+                line);
   throw Error(Errc::cuda,
               fmt::format("{} returned {} ({})", expr, cudaGetErrorName(status), cudaGetErrorString(status)),
               file, line);
+}
+
+void throw_launch_error(cudaError_t status, std::string_view what) {
+  if (std::string why = status == cudaErrorInvalidValue ? kernels::take_refusal() : std::string{}; !why.empty())
+    throw Error(Errc::invalid_argument, fmt::format("{} refused: {}", what, why));
+  throw Error(Errc::cuda, fmt::format("{} failed: {} ({})", what, cudaGetErrorName(status), cudaGetErrorString(status)));
 }
 
 void throw_cublas_error(cublasStatus_t status, const char* expr, const char* file, int line) {

@@ -5,6 +5,7 @@
 #include "bf16_device.cuh"
 #include "oom/kernels/adamw_gpu.hpp"
 #include "oom/optim/cpu_adamw.hpp"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 namespace {
@@ -141,11 +142,13 @@ bool vector_aligned(const float* p, const M* m, const M* v, const float* g, cons
 template <class M>
 cudaError_t launch(const AdamWStepScalars& s, float* p, M* m, M* v, const float* g, std::uint16_t* out,
                    std::int64_t n, cudaStream_t stream) {
-  if (n < 0) return cudaErrorInvalidValue;
+  if (n < 0) return detail::refuse("adamw_update: n = ", n, " (must be >= 0)");
   if (n == 0) return cudaSuccess;
-  if (p == nullptr || m == nullptr || v == nullptr) return cudaErrorInvalidValue;
+  if (p == nullptr || m == nullptr || v == nullptr)
+    return detail::refuse("adamw_update: ", p == nullptr ? "master" : m == nullptr ? "exp_avg" : "exp_avg_sq",
+                          " is null (n = ", n, ")");
   const unsigned grid = grid_for(n, threads * 4);
-  if (grid == 0) return cudaErrorInvalidValue;
+  if (grid == 0) return detail::refuse("adamw_update: n = ", n, " needs more than 2^31 - 1 blocks");
   const bool vec = vector_aligned(p, m, v, g, out);
   adamw_kernel<M><<<grid, threads, 0, stream>>>(s, p, m, v, g, out, n, vec);
   return cudaGetLastError();
@@ -253,9 +256,14 @@ cudaError_t adamw_update(const optim::AdamWStepScalars& step, float* master, bf1
 }
 
 cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<const AdamWSegment> segments, cudaStream_t stream) {
-  for (const AdamWSegment& a : segments)
-    if (a.n < 0 || (a.n > 0 && (a.master == nullptr || a.exp_avg == nullptr || a.exp_avg_sq == nullptr)))
-      return cudaErrorInvalidValue;
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    const AdamWSegment& a = segments[i];
+    if (a.n < 0) return detail::refuse("adamw_update_many: segment ", i, ": n = ", a.n, " (must be >= 0)");
+    if (a.n > 0 && (a.master == nullptr || a.exp_avg == nullptr || a.exp_avg_sq == nullptr))
+      return detail::refuse("adamw_update_many: segment ", i, ": ",
+                            a.master == nullptr ? "master" : a.exp_avg == nullptr ? "exp_avg" : "exp_avg_sq",
+                            " is null (n = ", a.n, ")");
+  }
   ManyParams q;
   q.s = step;
   std::int64_t blocks = 0;
@@ -263,7 +271,7 @@ cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<con
     if (q.count == 0) return cudaSuccess;
     q.first_block[q.count] = blocks;
     const unsigned grid = grid_for(blocks, 1);
-    if (grid == 0) return cudaErrorInvalidValue;
+    if (grid == 0) return detail::refuse("adamw_update_many: a launch of ", blocks, " blocks");  // flushed before 2^31
     adamw_many_kernel<<<grid, threads, 0, stream>>>(q);
     q.count = 0;
     blocks = 0;
@@ -294,9 +302,12 @@ std::size_t grad_sum_of_squares_workspace_bytes(std::int64_t n) {
 
 cudaError_t grad_sum_of_squares(const float* grads, std::int64_t n, double* result, void* workspace,
                                 std::size_t workspace_bytes, cudaStream_t stream) {
-  if (n < 0 || result == nullptr) return cudaErrorInvalidValue;
+  if (n < 0) return detail::refuse("grad_sum_of_squares: n = ", n, " (must be >= 0)");
+  if (result == nullptr) return detail::refuse("grad_sum_of_squares: result is null");
   if (n == 0) return cudaMemsetAsync(result, 0, sizeof(double), stream);
-  if (workspace == nullptr || workspace_bytes < grad_sum_of_squares_workspace_bytes(n)) return cudaErrorInvalidValue;
+  if (const std::size_t need = grad_sum_of_squares_workspace_bytes(n); workspace == nullptr || workspace_bytes < need)
+    return detail::refuse("grad_sum_of_squares: workspace of ", workspace == nullptr ? 0 : workspace_bytes,
+                          " bytes, needs ", need, " (grad_sum_of_squares_workspace_bytes(", n, "))");
   const std::int64_t tiles = tile_count(n);
   auto* partial = static_cast<double*>(workspace);
   tile_sums<<<grid_for(tiles, tiles_per_block), tile_threads, 0, stream>>>(grads, n, partial, tiles);

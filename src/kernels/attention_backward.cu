@@ -555,11 +555,13 @@ cudaError_t attention_backward_mma_sync(const AttentionProblem& p, TokenRows<con
                                         bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                         cudaStream_t stream) {
   using namespace attention_detail;
-  if (!attention_can_implement(p)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_problem("attention_backward", p); e != cudaSuccess) return e;
   if (p.query_end() == p.q_begin) return cudaSuccess;
-  if (!backward_args_ok(p, q, k, v, o, d_o, lse, dq, dk, dv, workspace, workspace_bytes,
-                        attention_backward_workspace_bytes(p)))
-    return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_backward_args("attention_backward", q, k, v, o, d_o, lse, dq, dk, dv, workspace,
+                                                workspace_bytes, attention_backward_workspace_bytes(p),
+                                                "attention_backward_workspace_bytes");
+      e != cudaSuccess)
+    return e;
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   if (p.head_dim == 128) return launch_backward<128, false>(params, p.batch, p.heads_kv, {}, stream);
   return launch_backward<256, false>(params, p.batch, p.heads_kv, {}, stream);
@@ -593,11 +595,13 @@ cudaError_t attention_backward_fused_dq(const AttentionProblem& p, TokenRows<con
                                         bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                         cudaStream_t stream) {
   using namespace attention_detail;
-  if (!attention_can_implement(p)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_problem("attention_backward_fused_dq", p); e != cudaSuccess) return e;
   if (p.query_end() == p.q_begin) return cudaSuccess;
-  if (!backward_args_ok(p, q, k, v, o, d_o, lse, dq, dk, dv, workspace, workspace_bytes,
-                        attention_backward_fused_dq_workspace_bytes(p)))
-    return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_backward_args("attention_backward_fused_dq", q, k, v, o, d_o, lse, dq, dk, dv, workspace,
+                                                workspace_bytes, attention_backward_fused_dq_workspace_bytes(p),
+                                                "attention_backward_fused_dq_workspace_bytes");
+      e != cudaSuccess)
+    return e;
   BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   const FusedDqLayout layout = p.head_dim == 128 ? fused_dq_layout<128>(p) : fused_dq_layout<256>(p);
   params.dq_acc = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + layout.acc_offset);

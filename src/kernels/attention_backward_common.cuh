@@ -49,13 +49,25 @@ struct BackwardParams {
 
 inline std::size_t round_up_256(std::size_t n) { return (n + 255) / 256 * 256; }
 
-inline bool backward_args_ok(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                             TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
-                             const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
-                             const void* workspace, std::size_t workspace_bytes, std::size_t workspace_needed) {
-  return aligned_rows(q) && aligned_rows(k) && aligned_rows(v) && aligned_rows(o) && aligned_rows(d_o) &&
-         aligned_rows(dq) && aligned_rows(dk) && aligned_rows(dv) && lse != nullptr && workspace != nullptr &&
-         reinterpret_cast<std::uintptr_t>(workspace) % 256 == 0 && workspace_bytes >= workspace_needed;
+/// The backward's tensors as check_rows, lse not null, and a 256-byte aligned workspace of at least
+/// `workspace_needed` bytes (what `workspace_call` returns); else a refusal naming which.
+inline cudaError_t check_backward_args(const char* name, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                       TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                       const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                       const void* workspace, std::size_t workspace_bytes, std::size_t workspace_needed,
+                                       const char* workspace_call) {
+  using ::oom::kernels::detail::refuse;
+  for (const auto& [tensor, rows] :
+       {std::pair{"q", q}, std::pair{"k", k}, std::pair{"v", v}, std::pair{"o", o}, std::pair{"d_o", d_o}})
+    if (const cudaError_t e = check_rows(name, tensor, rows); e != cudaSuccess) return e;
+  for (const auto& [tensor, rows] : {std::pair{"dq", dq}, std::pair{"dk", dk}, std::pair{"dv", dv}})
+    if (const cudaError_t e = check_rows(name, tensor, rows); e != cudaSuccess) return e;
+  if (lse == nullptr) return refuse(name, ": lse is null");
+  if (workspace == nullptr || workspace_bytes < workspace_needed)
+    return refuse(name, ": workspace of ", workspace == nullptr ? 0 : workspace_bytes, " bytes, needs ", workspace_needed,
+                  " (", workspace_call, ")");
+  if (reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0) return refuse(name, ": workspace is not 256-byte aligned");
+  return cudaSuccess;
 }
 
 inline BackwardParams backward_params(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,

@@ -14,9 +14,12 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "oom/kernels/attention.hpp"
+#include "refuse.hpp"
 
 namespace oom::kernels::attention_detail {
 
@@ -256,6 +259,48 @@ inline bool aligned_rows(const void* data, std::int64_t batch_stride, std::int64
 template <class T>
 inline bool aligned_rows(const TokenRows<T>& r) {
   return aligned_rows(r.data, r.batch_stride, r.token_stride);
+}
+
+/// cudaSuccess when attention_can_implement(p), else a refusal (refuse.hpp) naming the first field
+/// it rejects; `name` is the launcher the caller called.
+inline cudaError_t check_problem(const char* name, const AttentionProblem& p) {
+  using ::oom::kernels::detail::refuse;
+  const int q_end = p.query_end();
+  if (p.batch < 1 || p.batch > 65535) return refuse(name, ": batch = ", p.batch, " (must be 1 .. 65535)");
+  if (p.seq < 0) return refuse(name, ": seq = ", p.seq, " (must be >= 0)");
+  if (p.heads_kv < 1) return refuse(name, ": heads_kv = ", p.heads_kv, " (must be >= 1)");
+  if (p.heads_q < 1 || p.heads_q > 65535 || p.heads_q % p.heads_kv != 0)
+    return refuse(name, ": heads_q = ", p.heads_q, " (must be a multiple of heads_kv = ", p.heads_kv, ", at most 65535)");
+  if (p.head_dim != 128 && p.head_dim != 256) return refuse(name, ": head_dim = ", p.head_dim, " (must be 128 or 256)");
+  if (!std::isfinite(p.softmax_scale) || !(p.softmax_scale > 0.0f))
+    return refuse(name, ": softmax_scale = ", p.softmax_scale, " (must be finite and > 0)");
+  if (p.q_begin < 0 || p.q_begin > q_end || q_end > p.seq)
+    return refuse(name, ": query rows [", p.q_begin, ", ", q_end, ") (must lie in [0, seq = ", p.seq, "])");
+  if (!attention_can_implement(p)) return refuse(name, ": problem rejected by attention_can_implement");
+  return cudaSuccess;
+}
+
+/// cudaSuccess when `rows` can be read or written by the kernels (aligned_rows), else a refusal
+/// naming the tensor and what is wrong with it.
+template <class T>
+inline cudaError_t check_rows(const char* name, const char* tensor, const TokenRows<T>& rows) {
+  using ::oom::kernels::detail::refuse;
+  if (rows.data == nullptr) return refuse(name, ": ", tensor, " is null");
+  if (reinterpret_cast<std::uintptr_t>(rows.data) % 16 != 0) return refuse(name, ": ", tensor, " is not 16-byte aligned");
+  if (rows.batch_stride % 8 != 0 || rows.token_stride % 8 != 0)
+    return refuse(name, ": ", tensor, "'s strides (batch ", rows.batch_stride, ", token ", rows.token_stride,
+                  " elements) must be multiples of 8");
+  return cudaSuccess;
+}
+
+/// The forward's tensors: q, k, v, o as check_rows, lse not null.
+inline cudaError_t check_forward_args(const char* name, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                      TokenRows<const bf16> v, TokenRows<bf16> o, const float* lse) {
+  for (const auto& [tensor, rows] : {std::pair{"q", q}, std::pair{"k", k}, std::pair{"v", v}})
+    if (const cudaError_t e = check_rows(name, tensor, rows); e != cudaSuccess) return e;
+  if (const cudaError_t e = check_rows(name, "o", o); e != cudaSuccess) return e;
+  if (lse == nullptr) return ::oom::kernels::detail::refuse(name, ": lse is null");
+  return cudaSuccess;
 }
 
 }  // namespace oom::kernels::attention_detail

@@ -198,10 +198,9 @@ bool attention_can_implement(const AttentionProblem& p) {
 cudaError_t attention_forward_mma_sync(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                        TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream) {
   using namespace attention_detail;
-  if (!attention_can_implement(p)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_problem("attention_forward", p); e != cudaSuccess) return e;
   if (p.query_end() == p.q_begin) return cudaSuccess;
-  if (!aligned_rows(q) || !aligned_rows(k) || !aligned_rows(v) || !aligned_rows(o) || lse == nullptr)
-    return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_forward_args("attention_forward", q, k, v, o, lse); e != cudaSuccess) return e;
   const ForwardParams params = forward_params(p, q, k, v, o, lse);
   if (p.head_dim == 128) return launch_forward<128, 1, 64, 8>(params, p.batch, stream);
   return launch_forward<256, 1, 32, 4>(params, p.batch, stream);

@@ -3,6 +3,7 @@
 // tail. Contract in include/oom/kernels/cast.hpp.
 #include "bf16_device.cuh"
 #include "oom/kernels/cast.hpp"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 namespace {
@@ -50,11 +51,16 @@ __global__ void elementwise(Op op, const void* in, void* out, float scale, std::
   }
 }
 
-cudaError_t launch(Op op, const void* in, void* out, float scale, std::int64_t n, cudaStream_t stream) {
-  if (n < 0) return cudaErrorInvalidValue;
+cudaError_t check_count(const char* name, std::int64_t n) {
+  if (n < 0) return detail::refuse(name, ": n = ", n, " (must be >= 0)");
+  if (grid_for(n, threads * 8) == 0 && n > 0) return detail::refuse(name, ": n = ", n, " needs more than 2^31 - 1 blocks");
+  return cudaSuccess;
+}
+
+cudaError_t launch(const char* name, Op op, const void* in, void* out, float scale, std::int64_t n, cudaStream_t stream) {
+  if (const cudaError_t e = check_count(name, n); e != cudaSuccess) return e;
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_for(n, threads * 8);
-  if (grid == 0) return cudaErrorInvalidValue;
   elementwise<<<grid, threads, 0, stream>>>(op, in, out, scale, n, aligned_16(in, out));
   return cudaGetLastError();
 }
@@ -85,26 +91,27 @@ __global__ void add_bf16_kernel(const std::uint16_t* a, const std::uint16_t* b, 
 }  // namespace
 
 cudaError_t add_bf16(const bf16* a, const bf16* b, bf16* out, std::int64_t n, cudaStream_t stream) {
-  if (n < 0 || (n > 0 && (a == nullptr || b == nullptr || out == nullptr))) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_count("add_bf16", n); e != cudaSuccess) return e;
+  if (n > 0 && (a == nullptr || b == nullptr || out == nullptr))
+    return detail::refuse("add_bf16: ", a == nullptr ? "a" : b == nullptr ? "b" : "out", " is null (n = ", n, ")");
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_for(n, threads * 8);
-  if (grid == 0) return cudaErrorInvalidValue;
   add_bf16_kernel<<<grid, threads, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(a), reinterpret_cast<const std::uint16_t*>(b),
                                                 reinterpret_cast<std::uint16_t*>(out), n, aligned_16(a, b, out));
   return cudaGetLastError();
 }
 
 cudaError_t cast_fp32_to_bf16(const float* in, bf16* out, std::int64_t n, cudaStream_t stream) {
-  return launch(Op::f32_to_bf16, in, out, 0.0f, n, stream);
+  return launch("cast_fp32_to_bf16", Op::f32_to_bf16, in, out, 0.0f, n, stream);
 }
 cudaError_t cast_bf16_to_fp32(const bf16* in, float* out, std::int64_t n, cudaStream_t stream) {
-  return launch(Op::bf16_to_f32, in, out, 0.0f, n, stream);
+  return launch("cast_bf16_to_fp32", Op::bf16_to_f32, in, out, 0.0f, n, stream);
 }
 cudaError_t accumulate_scaled(float* acc, const bf16* grad, float scale, std::int64_t n, cudaStream_t stream) {
-  return launch(Op::acc_bf16, grad, acc, scale, n, stream);
+  return launch("accumulate_scaled", Op::acc_bf16, grad, acc, scale, n, stream);
 }
 cudaError_t accumulate_scaled(float* acc, const float* grad, float scale, std::int64_t n, cudaStream_t stream) {
-  return launch(Op::acc_f32, grad, acc, scale, n, stream);
+  return launch("accumulate_scaled", Op::acc_f32, grad, acc, scale, n, stream);
 }
 
 }  // namespace oom::kernels

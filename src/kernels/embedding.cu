@@ -6,6 +6,7 @@
 
 #include "bf16_device.cuh"
 #include "oom/kernels/embedding.hpp"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 namespace {
@@ -88,6 +89,15 @@ bool shape_ok(std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) {
   return tokens >= 0 && tokens < 0x7fffffff && vocab >= 1 && vocab < 0x7fffffff && hidden >= 1;
 }
 
+cudaError_t check_args(const char* name, std::int64_t tokens, std::int64_t vocab, std::int64_t hidden,
+                       const std::int32_t* invalid_count) {
+  if (tokens < 0 || tokens >= 0x7fffffff) return detail::refuse(name, ": tokens = ", tokens, " (must be 0 .. 2^31 - 2)");
+  if (vocab < 1 || vocab >= 0x7fffffff) return detail::refuse(name, ": vocab = ", vocab, " (must be 1 .. 2^31 - 2)");
+  if (hidden < 1) return detail::refuse(name, ": hidden = ", hidden, " (must be >= 1)");
+  if (invalid_count == nullptr) return detail::refuse(name, ": invalid_count is null");
+  return cudaSuccess;
+}
+
 int key_bits(std::int64_t vocab) {
   // Keys go up to `vocab` itself (the invalid marker).
   return std::max(1, static_cast<int>(std::bit_width(static_cast<std::uint64_t>(vocab))));
@@ -118,7 +128,8 @@ Layout layout(std::int64_t tokens, std::int64_t vocab) {
 
 cudaError_t embedding_forward(const std::int32_t* ids, const bf16* table, bf16* out, std::int32_t* invalid_count,
                               std::int64_t tokens, std::int64_t vocab, std::int64_t hidden, cudaStream_t stream) {
-  if (!shape_ok(tokens, vocab, hidden) || invalid_count == nullptr) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_args("embedding_forward", tokens, vocab, hidden, invalid_count); e != cudaSuccess)
+    return e;
   if (tokens == 0) return cudaSuccess;
   const bool vec = hidden % 8 == 0 && aligned_16(table, out);
   gather_rows<<<static_cast<unsigned>(tokens), threads_per_row, 0, stream>>>(
@@ -136,10 +147,13 @@ cudaError_t embedding_backward(const std::int32_t* ids, const bf16* grad_out, fl
                                std::int32_t* invalid_count, std::int64_t tokens, std::int64_t vocab,
                                std::int64_t hidden, void* workspace, std::size_t workspace_bytes,
                                cudaStream_t stream) {
-  if (!shape_ok(tokens, vocab, hidden) || invalid_count == nullptr) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_args("embedding_backward", tokens, vocab, hidden, invalid_count); e != cudaSuccess)
+    return e;
   if (tokens == 0) return cudaSuccess;
   Layout l = layout(tokens, vocab);
-  if (workspace == nullptr || workspace_bytes < l.total) return cudaErrorInvalidValue;
+  if (workspace == nullptr || workspace_bytes < l.total)
+    return detail::refuse("embedding_backward: workspace of ", workspace == nullptr ? 0 : workspace_bytes,
+                          " bytes, needs ", l.total, " (embedding_backward_workspace_bytes(", tokens, ", ", vocab, "))");
   auto* base = static_cast<char*>(workspace);
   auto* keys_in = reinterpret_cast<std::uint32_t*>(base + l.keys_in);
   auto* keys_out = reinterpret_cast<std::uint32_t*>(base + l.keys_out);

@@ -18,6 +18,7 @@
 #include "hopper/grouped_rows.hpp"
 #include "hopper/grouped_wgrad.hpp"
 #include "moe_blas.cuh"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 
@@ -101,7 +102,8 @@ cudaError_t ExpertGemmStreams::state(State** out) {
     *out = state_.get();
     return cudaSuccess;
   }
-  if (options_.streams < 1 || options_.streams > 64) return cudaErrorInvalidValue;
+  if (options_.streams < 1 || options_.streams > 64)
+    return detail::refuse("ExpertGemmStreams: options.streams = ", options_.streams, " (must be 1 .. 64)");
   auto st = std::make_unique<State>();  // frees what was created if a later step fails
   st->device = device;
   OOM_KERNEL_TRY(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
@@ -298,7 +300,8 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
   std::vector<const void*> deep_w, deep_r, deep_c, full_w, full_r, full_c, rem_w, rem_r, rem_c;
   std::vector<const Problem*> alone;
   for (const auto& p : ps) {
-    if (p.trans_a || p.beta != 0.0f) return cudaErrorInvalidValue;  // chunks must not share an output
+    if (p.trans_a || p.beta != 0.0f)  // chunks must not share an output
+      return detail::refuse("expert GEMMs: internal: a row-chunked GEMM with trans_a or beta != 0");
     if (p.m < chunk) {
       alone.push_back(&p);
       continue;
@@ -326,7 +329,9 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
   std::vector<const void*> ptrs;
   for (const auto* v : {&full_w, &full_r, &full_c, &rem_w, &rem_r, &rem_c, &deep_w, &deep_r, &deep_c})
     ptrs.insert(ptrs.end(), v->begin(), v->end());
-  if (ptrs.size() * sizeof(void*) > array_bytes) return cudaErrorInvalidValue;  // more rows than ExpertGemmShape::rows
+  if (ptrs.size() * sizeof(void*) > array_bytes)  // more rows than ExpertGemmShape::rows
+    return detail::refuse("expert GEMMs: ", ptrs.size(), " row-chunk pointers exceed the workspace's ",
+                          array_bytes / sizeof(void*), " (more rows than ExpertGemmShape::rows?)");
   auto* d = static_cast<const void**>(arrays);
   // Not a pageable cudaMemcpyAsync: see expert_counts_to_host (expert_gemm.hpp) for the stalls
   // that path cost the backward on the H200.
@@ -413,7 +418,9 @@ cudaError_t run_weights_batched(ExpertGemmStreams::State& st, cublasHandle_t bla
   std::vector<const void*> ptrs(cu_a);
   ptrs.insert(ptrs.end(), cu_b.begin(), cu_b.end());
   ptrs.insert(ptrs.end(), cu_c.begin(), cu_c.end());
-  if (ptrs.size() * sizeof(void*) > array_bytes) return cudaErrorInvalidValue;
+  if (ptrs.size() * sizeof(void*) > array_bytes)
+    return detail::refuse("expert GEMMs: ", ptrs.size(), " weight-gradient pointers exceed the workspace's ",
+                          array_bytes / sizeof(void*));
   auto* d = static_cast<const void**>(arrays);
   OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), array_bytes, d));
   OOM_KERNEL_TRY(to_cuda_error(cublasSetStream(blas, stream)));
@@ -602,7 +609,7 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
                         [&] { return run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays); });
     }
   }
-  return cudaErrorInvalidValue;
+  return detail::refuse("expert GEMMs: unknown ExpertGemmMethod ", static_cast<int>(l.method));
 }
 
 cudaError_t issue(const Launch& l, const std::vector<Problem>& rows, const std::vector<Problem>& weights) {
@@ -615,22 +622,34 @@ cudaError_t issue(const Launch& l, const std::vector<Problem>& rows, const std::
   return status;
 }
 
-bool valid(const ExpertGemmShape& s, const std::int32_t* counts_host, ExpertGemmMethod method, void* workspace,
-           std::size_t workspace_bytes, const ExpertGemmStreams* streams) {
-  if (s.hidden < 1 || s.intermediate < 1 || s.experts < 1 || counts_host == nullptr) return false;
-  if (2 * s.intermediate > INT_MAX || s.hidden > INT_MAX) return false;
+/// cudaSuccess when the expert launchers can take these arguments, else a refusal naming the first
+/// that they cannot.
+cudaError_t check_args(const char* name, const ExpertGemmShape& s, const std::int32_t* counts_host, ExpertGemmMethod method,
+                       void* workspace, std::size_t workspace_bytes, const ExpertGemmStreams* streams) {
+  if (s.hidden < 1 || s.hidden > INT_MAX) return detail::refuse(name, ": hidden = ", s.hidden, " (must be 1 .. 2^31 - 1)");
+  if (s.intermediate < 1 || 2 * s.intermediate > INT_MAX)
+    return detail::refuse(name, ": intermediate = ", s.intermediate, " (must be 1 .. 2^30 - 1)");
+  if (s.experts < 1) return detail::refuse(name, ": experts = ", s.experts, " (must be >= 1)");
+  if (counts_host == nullptr) return detail::refuse(name, ": counts_host is null");
   const bool side = method == ExpertGemmMethod::multi_stream || method == ExpertGemmMethod::row_chunked;
-  if (side && (streams == nullptr || streams->options().streams < 1 || streams->options().row_chunk < 1)) return false;
-  if (method != ExpertGemmMethod::per_expert_loop &&
-      (workspace == nullptr || workspace_bytes < expert_gemm_workspace_bytes(s, method, streams)))
-    return false;
+  if (side && streams == nullptr) return detail::refuse(name, ": this method needs an ExpertGemmStreams (streams is null)");
+  if (side && streams->options().streams < 1)
+    return detail::refuse(name, ": streams->options().streams = ", streams->options().streams, " (must be >= 1)");
+  if (side && streams->options().row_chunk < 1)
+    return detail::refuse(name, ": streams->options().row_chunk = ", streams->options().row_chunk, " (must be >= 1)");
+  if (method != ExpertGemmMethod::per_expert_loop)
+    if (const std::size_t need = expert_gemm_workspace_bytes(s, method, streams); workspace == nullptr || workspace_bytes < need)
+      return detail::refuse(name, ": workspace of ", workspace == nullptr ? 0 : workspace_bytes, " bytes, needs ", need,
+                            " (expert_gemm_workspace_bytes)");
   std::int64_t rows = 0;
   for (std::int64_t e = 0; e < s.experts; ++e) {
-    if (counts_host[e] < 0) return false;
+    if (counts_host[e] < 0) return detail::refuse(name, ": counts_host[", e, "] = ", counts_host[e], " (must be >= 0)");
     rows += counts_host[e];
   }
-  if (method == ExpertGemmMethod::row_chunked && rows > s.rows) return false;
-  return rows <= INT_MAX;
+  if (method == ExpertGemmMethod::row_chunked && rows > s.rows)
+    return detail::refuse(name, ": the counts add up to ", rows, " rows, more than ExpertGemmShape::rows = ", s.rows);
+  if (rows > INT_MAX) return detail::refuse(name, ": the counts add up to ", rows, " rows (at most 2^31 - 1)");
+  return cudaSuccess;
 }
 
 /// Calls f(e, first_row, rows) for each expert with rows.
@@ -727,22 +746,31 @@ std::vector<T*> strided(T* base, const ExpertGemmShape& s, std::int64_t stride) 
   return out;
 }
 
-/// Every expert that receives rows has its matrices.
-template <class... P>
-bool pointers_present(const ExpertGemmShape& s, const std::int32_t* counts_host, P... arrays) {
+/// Every expert that receives rows has its matrix in `array` (called `what`), else a refusal naming
+/// the first that has none.
+template <class P>
+cudaError_t check_pointers(const char* name, const char* what, const ExpertGemmShape& s, const std::int32_t* counts_host,
+                           P array) {
   for (std::int64_t e = 0; e < s.experts; ++e)
-    if (counts_host[e] > 0 && ((arrays == nullptr || arrays[e] == nullptr) || ...)) return false;
-  return true;
+    if (counts_host[e] > 0 && (array == nullptr || array[e] == nullptr))
+      return array == nullptr ? detail::refuse(name, ": ", what, " is null")
+                              : detail::refuse(name, ": ", what, "[", e, "] is null and expert ", e, " has ",
+                                               counts_host[e], " rows");
+  return cudaSuccess;
 }
 
 /// The gradients the launch writes are present: those of the experts with rows, and overwriting
 /// every expert's (an expert without rows gets zeros; overwrite_routed leaves it alone).
-bool grads_present(const ExpertGemmShape& s, const std::int32_t* counts_host, float* const* dw, GradWrite write) {
-  if (write == GradWrite::accumulate || write == GradWrite::overwrite_routed) return pointers_present(s, counts_host, dw);
-  if (write != GradWrite::overwrite || dw == nullptr) return false;
+cudaError_t check_grads(const char* name, const char* what, const ExpertGemmShape& s, const std::int32_t* counts_host,
+                        float* const* dw, GradWrite write) {
+  if (write == GradWrite::accumulate || write == GradWrite::overwrite_routed)
+    return check_pointers(name, what, s, counts_host, dw);
+  if (write != GradWrite::overwrite) return detail::refuse(name, ": unknown GradWrite ", static_cast<int>(write));
+  if (dw == nullptr) return detail::refuse(name, ": ", what, " is null");
   for (std::int64_t e = 0; e < s.experts; ++e)
-    if (dw[e] == nullptr) return false;
-  return true;
+    if (dw[e] == nullptr)
+      return detail::refuse(name, ": ", what, "[", e, "] is null, and GradWrite::overwrite writes every expert's");
+  return cudaSuccess;
 }
 
 /// The weight-gradient GEMMs' beta for `write`.
@@ -764,8 +792,11 @@ cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, con
                                    const std::int32_t* counts_host, const bf16* x_perm, const bf16* const* w_gate_up,
                                    bf16* gate_up, ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                    ExpertGemmStreams* streams) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_gate_up))
-    return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_args("expert_gate_up_forward", s, counts_host, method, workspace, workspace_bytes, streams);
+      e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = check_pointers("expert_gate_up_forward", "w_gate_up", s, counts_host, w_gate_up); e != cudaSuccess)
+    return e;
   const auto H = s.hidden, I2 = 2 * s.intermediate;
   std::vector<Problem> ps;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
@@ -778,7 +809,7 @@ cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, con
                                    const std::int32_t* counts_host, const bf16* x_perm, const bf16* w_gate_up, bf16* gate_up,
                                    ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                    ExpertGemmStreams* streams) {
-  if (w_gate_up == nullptr) return cudaErrorInvalidValue;
+  if (w_gate_up == nullptr) return detail::refuse("expert_gate_up_forward: w_gate_up is null");
   const auto w = strided(w_gate_up, s, 2 * s.intermediate * s.hidden);
   return expert_gate_up_forward(blas, stream, s, counts_host, x_perm, w.data(), gate_up, method, workspace, workspace_bytes,
                                 streams);
@@ -788,8 +819,10 @@ cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const 
                                 const std::int32_t* counts_host, const bf16* h, const bf16* const* w_down, bf16* y,
                                 ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                 ExpertGemmStreams* streams) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_down))
-    return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_args("expert_down_forward", s, counts_host, method, workspace, workspace_bytes, streams);
+      e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = check_pointers("expert_down_forward", "w_down", s, counts_host, w_down); e != cudaSuccess) return e;
   const auto H = s.hidden, I = s.intermediate;
   std::vector<Problem> ps;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
@@ -802,7 +835,7 @@ cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const 
                                 const std::int32_t* counts_host, const bf16* h, const bf16* w_down, bf16* y,
                                 ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                 ExpertGemmStreams* streams) {
-  if (w_down == nullptr) return cudaErrorInvalidValue;
+  if (w_down == nullptr) return detail::refuse("expert_down_forward: w_down is null");
   const auto w = strided(w_down, s, s.hidden * s.intermediate);
   return expert_down_forward(blas, stream, s, counts_host, h, w.data(), y, method, workspace, workspace_bytes, streams);
 }
@@ -811,9 +844,12 @@ cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const
                                  const std::int32_t* counts_host, const bf16* dy, const bf16* h, const bf16* const* w_down,
                                  bf16* dh, float* const* dw_down, ExpertGemmMethod method, void* workspace,
                                  std::size_t workspace_bytes, ExpertGemmStreams* streams, GradWrite dw_write) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_down) ||
-      !grads_present(s, counts_host, dw_down, dw_write))
-    return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_args("expert_down_backward", s, counts_host, method, workspace, workspace_bytes, streams);
+      e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = check_pointers("expert_down_backward", "w_down", s, counts_host, w_down); e != cudaSuccess) return e;
+  if (const cudaError_t e = check_grads("expert_down_backward", "dw_down", s, counts_host, dw_down, dw_write); e != cudaSuccess)
+    return e;
   const auto H = s.hidden, I = s.intermediate;
   const float beta = dw_beta(dw_write);
   std::vector<Problem> data, weight;
@@ -831,7 +867,8 @@ cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const
                                  const std::int32_t* counts_host, const bf16* dy, const bf16* h, const bf16* w_down, bf16* dh,
                                  float* dw_down, ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                  ExpertGemmStreams* streams, GradWrite dw_write) {
-  if (w_down == nullptr || dw_down == nullptr) return cudaErrorInvalidValue;
+  if (w_down == nullptr || dw_down == nullptr)
+    return detail::refuse("expert_down_backward: ", w_down == nullptr ? "w_down" : "dw_down", " is null");
   const auto w = strided(w_down, s, s.hidden * s.intermediate);
   const auto dw = strided(dw_down, s, s.hidden * s.intermediate);
   return expert_down_backward(blas, stream, s, counts_host, dy, h, w.data(), dh, dw.data(), method, workspace, workspace_bytes,
@@ -843,9 +880,14 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
                                     const bf16* const* w_gate_up, bf16* dx_perm, float* const* dw_gate_up,
                                     ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                     ExpertGemmStreams* streams, GradWrite dw_write) {
-  if (!valid(s, counts_host, method, workspace, workspace_bytes, streams) || !pointers_present(s, counts_host, w_gate_up) ||
-      !grads_present(s, counts_host, dw_gate_up, dw_write))
-    return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_args("expert_gate_up_backward", s, counts_host, method, workspace, workspace_bytes, streams);
+      e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = check_pointers("expert_gate_up_backward", "w_gate_up", s, counts_host, w_gate_up); e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = check_grads("expert_gate_up_backward", "dw_gate_up", s, counts_host, dw_gate_up, dw_write);
+      e != cudaSuccess)
+    return e;
   const auto H = s.hidden, I2 = 2 * s.intermediate;
   const float beta = dw_beta(dw_write);
   std::vector<Problem> data, weight;
@@ -864,7 +906,8 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
                                     const bf16* w_gate_up, bf16* dx_perm, float* dw_gate_up, ExpertGemmMethod method,
                                     void* workspace, std::size_t workspace_bytes, ExpertGemmStreams* streams,
                                     GradWrite dw_write) {
-  if (w_gate_up == nullptr || dw_gate_up == nullptr) return cudaErrorInvalidValue;
+  if (w_gate_up == nullptr || dw_gate_up == nullptr)
+    return detail::refuse("expert_gate_up_backward: ", w_gate_up == nullptr ? "w_gate_up" : "dw_gate_up", " is null");
   const auto w = strided(w_gate_up, s, 2 * s.intermediate * s.hidden);
   const auto dw = strided(dw_gate_up, s, 2 * s.intermediate * s.hidden);
   return expert_gate_up_backward(blas, stream, s, counts_host, d_gate_up, x_perm, w.data(), dx_perm, dw.data(), method,
@@ -873,7 +916,9 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
 
 cudaError_t shared_expert_gate_forward(cudaStream_t stream, std::int64_t tokens, std::int64_t hidden, const bf16* x,
                                        const bf16* w_gate, const bf16* y, const bf16* routed, float* gate_logit, bf16* out) {
-  if (tokens < 0 || tokens > INT_MAX || hidden < 1) return cudaErrorInvalidValue;
+  if (tokens < 0 || tokens > INT_MAX)
+    return detail::refuse("shared_expert_gate_forward: tokens = ", tokens, " (must be 0 .. 2^31 - 1)");
+  if (hidden < 1) return detail::refuse("shared_expert_gate_forward: hidden = ", hidden, " (must be >= 1)");
   if (tokens == 0) return cudaSuccess;
   shared_gate_forward_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<const __nv_bfloat16*>(w_gate),
@@ -890,8 +935,12 @@ std::size_t shared_expert_gate_backward_workspace_bytes(std::int64_t tokens, std
 cudaError_t shared_expert_gate_backward(cudaStream_t stream, std::int64_t tokens, std::int64_t hidden, const bf16* x,
                                         const bf16* w_gate, const bf16* y, const float* gate_logit, const bf16* d_out,
                                         bf16* dy, bf16* dx, float* dw_gate, void* workspace, std::size_t workspace_bytes) {
-  if (tokens < 0 || tokens > INT_MAX || hidden < 1 || workspace_bytes < shared_expert_gate_backward_workspace_bytes(tokens, hidden))
-    return cudaErrorInvalidValue;
+  if (tokens < 0 || tokens > INT_MAX)
+    return detail::refuse("shared_expert_gate_backward: tokens = ", tokens, " (must be 0 .. 2^31 - 1)");
+  if (hidden < 1) return detail::refuse("shared_expert_gate_backward: hidden = ", hidden, " (must be >= 1)");
+  if (const std::size_t need = shared_expert_gate_backward_workspace_bytes(tokens, hidden); workspace_bytes < need)
+    return detail::refuse("shared_expert_gate_backward: workspace of ", workspace_bytes, " bytes, needs ", need,
+                          " (shared_expert_gate_backward_workspace_bytes(", tokens, ", ", hidden, "))");
   if (tokens == 0) return cudaSuccess;
   auto* ds = static_cast<float*>(workspace);
   auto* partial = reinterpret_cast<float*>(static_cast<char*>(workspace) + align_up(tokens * sizeof(float)));
@@ -911,7 +960,9 @@ void record_host_spans(std::vector<HostSpan>* sink) noexcept { host_span_sink = 
 
 cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* counts, std::int64_t experts,
                                   ExpertGemmStreams& streams, std::int32_t* out) {
-  if (counts == nullptr || out == nullptr || experts < 1) return cudaErrorInvalidValue;
+  if (counts == nullptr || out == nullptr)
+    return detail::refuse("expert_counts_to_host: ", counts == nullptr ? "counts" : "out", " is null");
+  if (experts < 1) return detail::refuse("expert_counts_to_host: experts = ", experts, " (must be >= 1)");
   ExpertGemmStreams::State* st = nullptr;
   OOM_KERNEL_TRY(streams.state(&st));
   const std::size_t bytes = static_cast<std::size_t>(experts) * sizeof(std::int32_t);

@@ -6,6 +6,7 @@
 #include <climits>
 
 #include "moe_blas.cuh"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 namespace {
@@ -109,9 +110,14 @@ std::size_t lm_head_loss_workspace_bytes(const LmHeadShape& s) {
 cudaError_t lm_head_loss(cublasHandle_t blas, cudaStream_t stream, const LmHeadShape& s, const bf16* x, const bf16* w,
                          const std::int32_t* targets, float grad_scale, float* loss_sum, std::int32_t* valid_count, bf16* dx,
                          float* dw, void* workspace, std::size_t workspace_bytes) {
-  if (s.tokens < 0 || s.hidden < 1 || s.vocab < 1 || s.chunk_rows < 1 || s.hidden > INT_MAX || s.vocab > INT_MAX ||
-      s.chunk_rows > INT_MAX || workspace_bytes < lm_head_loss_workspace_bytes(s))
-    return cudaErrorInvalidValue;
+  if (s.tokens < 0) return detail::refuse("lm_head_loss: tokens = ", s.tokens, " (must be >= 0)");
+  if (s.hidden < 1 || s.hidden > INT_MAX) return detail::refuse("lm_head_loss: hidden = ", s.hidden, " (must be 1 .. 2^31 - 1)");
+  if (s.vocab < 1 || s.vocab > INT_MAX) return detail::refuse("lm_head_loss: vocab = ", s.vocab, " (must be 1 .. 2^31 - 1)");
+  if (s.chunk_rows < 1 || s.chunk_rows > INT_MAX)
+    return detail::refuse("lm_head_loss: chunk_rows = ", s.chunk_rows, " (must be 1 .. 2^31 - 1)");
+  if (const std::size_t need = lm_head_loss_workspace_bytes(s); workspace_bytes < need)
+    return detail::refuse("lm_head_loss: workspace of ", workspace_bytes, " bytes, needs ", need,
+                          " (lm_head_loss_workspace_bytes: chunk_rows = ", s.chunk_rows, ", vocab = ", s.vocab, ")");
   if (s.tokens == 0) {
     OOM_KERNEL_TRY(cudaMemsetAsync(loss_sum, 0, sizeof(float), stream));
     return cudaMemsetAsync(valid_count, 0, sizeof(std::int32_t), stream);

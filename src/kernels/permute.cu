@@ -10,6 +10,7 @@
 
 #include "bf16_device.cuh"
 #include "moe_blas.cuh"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 namespace {
@@ -28,6 +29,17 @@ int key_bits(std::int64_t experts) {
 bool valid(const PermuteShape& s) {
   return s.tokens >= 0 && s.top_k >= 1 && s.top_k <= max_top_k && s.experts >= 1 && s.tokens * s.top_k <= INT_MAX &&
          s.experts < INT_MAX;
+}
+
+/// A refusal naming what valid(s) rejects, or hidden < 1 (for the launchers that move rows); else cudaSuccess.
+cudaError_t check_shape(const char* name, const PermuteShape& s, std::int64_t hidden = 1) {
+  if (s.tokens < 0) return detail::refuse(name, ": tokens = ", s.tokens, " (must be >= 0)");
+  if (s.top_k < 1 || s.top_k > max_top_k) return detail::refuse(name, ": top_k = ", s.top_k, " (must be 1 .. ", max_top_k, ")");
+  if (s.experts < 1 || s.experts >= INT_MAX) return detail::refuse(name, ": experts = ", s.experts, " (must be 1 .. 2^31 - 2)");
+  if (s.tokens * s.top_k > INT_MAX)
+    return detail::refuse(name, ": tokens x top_k = ", s.tokens * s.top_k, " (must be <= 2^31 - 1)");
+  if (hidden < 1) return detail::refuse(name, ": hidden = ", hidden, " (must be >= 1)");
+  return cudaSuccess;
 }
 
 /// CUB's temporary storage for the sort, the histogram and the scan (run one after the other).
@@ -224,7 +236,10 @@ std::size_t permute_plan_workspace_bytes(const PermuteShape& s) {
 cudaError_t permute_plan(cudaStream_t stream, const PermuteShape& s, const std::int32_t* expert_ids,
                          std::int32_t* row_to_slot, std::int32_t* slot_to_row, std::int32_t* expert_counts,
                          std::int32_t* expert_offsets, void* workspace, std::size_t workspace_bytes) {
-  if (!valid(s) || workspace_bytes < permute_plan_workspace_bytes(s)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("permute_plan", s); e != cudaSuccess) return e;
+  if (const std::size_t need = permute_plan_workspace_bytes(s); workspace_bytes < need)
+    return detail::refuse("permute_plan: workspace of ", workspace_bytes, " bytes, needs ", need,
+                          " (permute_plan_workspace_bytes)");
   const int n = static_cast<int>(s.tokens * s.top_k), E = static_cast<int>(s.experts);
   auto* base = static_cast<char*>(workspace);
   auto* sorted_keys = reinterpret_cast<std::int32_t*>(base);
@@ -252,7 +267,7 @@ cudaError_t permute_plan(cudaStream_t stream, const PermuteShape& s, const std::
 
 cudaError_t permute_rows(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden, const std::int32_t* slot_to_row,
                          const bf16* x, bf16* x_perm) {
-  if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("permute_rows", s, hidden); e != cudaSuccess) return e;
   if (s.tokens == 0) return cudaSuccess;
   const auto launch = rows_vectorizable(hidden, x, x_perm) ? gather_kernel<8> : gather_kernel<1>;
   int device = 0, sms = 0;
@@ -267,7 +282,7 @@ cudaError_t permute_rows(cudaStream_t stream, const PermuteShape& s, std::int64_
 
 cudaError_t permute_rows_backward(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden,
                                   const std::int32_t* slot_to_row, const bf16* dx_perm, bf16* dx) {
-  if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("permute_rows_backward", s, hidden); e != cudaSuccess) return e;
   if (s.tokens == 0) return cudaSuccess;
   const auto launch = rows_vectorizable(hidden, dx_perm, dx) ? combine_kernel<8> : combine_kernel<1>;
   launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
@@ -278,7 +293,8 @@ cudaError_t permute_rows_backward(cudaStream_t stream, const PermuteShape& s, st
 
 cudaError_t unpermute_combine(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden,
                               const std::int32_t* slot_to_row, const bf16* y_perm, const float* weights, bf16* out) {
-  if (!valid(s) || hidden < 1 || weights == nullptr) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("unpermute_combine", s, hidden); e != cudaSuccess) return e;
+  if (weights == nullptr) return detail::refuse("unpermute_combine: weights is null");
   if (s.tokens == 0) return cudaSuccess;
   const auto launch = rows_vectorizable(hidden, y_perm, out) ? combine_kernel<8> : combine_kernel<1>;
   launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
@@ -290,7 +306,7 @@ cudaError_t unpermute_combine(cudaStream_t stream, const PermuteShape& s, std::i
 cudaError_t unpermute_combine_backward(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden,
                                        const std::int32_t* slot_to_row, const bf16* d_out, const bf16* y_perm,
                                        const float* weights, bf16* dy_perm, float* d_weights) {
-  if (!valid(s) || hidden < 1) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("unpermute_combine_backward", s, hidden); e != cudaSuccess) return e;
   if (s.tokens == 0) return cudaSuccess;
   const auto launch =
       rows_vectorizable(hidden, d_out, y_perm, dy_perm) ? combine_backward_kernel<8> : combine_backward_kernel<1>;

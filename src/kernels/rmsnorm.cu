@@ -30,6 +30,7 @@
 // before the waits: 16.7-17.0 us (69.6-71.1% of the 1 GiB copy) against 17.4-17.7 (66.8-68.1%).
 #include "bf16_device.cuh"
 #include "oom/kernels/rmsnorm.hpp"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 namespace {
@@ -291,7 +292,7 @@ cudaError_t launch_forward(const std::uint16_t* x, const std::uint16_t* w, std::
                            std::int64_t rows, std::int64_t dim, float eps, cudaStream_t stream) {
   constexpr int R = V >= 8 ? 1 : 8 / V;
   const unsigned grid = grid_for(rows, block_threads / G * R);
-  if (grid == 0) return cudaErrorInvalidValue;
+  if (grid == 0) return detail::refuse("rmsnorm_forward: ", rows, " rows need more than 2^31 - 1 blocks");
   forward_rows_in_registers<G, V, R>
       <<<grid, block_threads, 0, stream>>>(x, w, y, rstd, rows, static_cast<int>(dim), eps);
   return cudaGetLastError();
@@ -520,7 +521,9 @@ std::int64_t partial_count(std::int64_t rows) {
 
 cudaError_t rmsnorm_forward(const bf16* x, const bf16* weight, bf16* y, float* rstd, std::int64_t rows,
                             std::int64_t dim, float eps, cudaStream_t stream) {
-  if (rows < 0 || dim < 1 || !(eps >= 0.0f)) return cudaErrorInvalidValue;
+  if (rows < 0) return detail::refuse("rmsnorm_forward: rows = ", rows, " (must be >= 0)");
+  if (dim < 1) return detail::refuse("rmsnorm_forward: dim = ", dim, " (must be >= 1)");
+  if (!(eps >= 0.0f)) return detail::refuse("rmsnorm_forward: eps = ", eps, " (must be >= 0)");
   if (rows == 0) return cudaSuccess;
   const auto* xb = reinterpret_cast<const std::uint16_t*>(x);
   const auto* wb = reinterpret_cast<const std::uint16_t*>(weight);
@@ -537,7 +540,7 @@ cudaError_t rmsnorm_forward(const bf16* x, const bf16* weight, bf16* y, float* r
     return launch_forward<32, 32>(xb, wb, yb, rstd, rows, dim, eps, stream);
   }
   const unsigned grid = grid_for(rows, warps_per_block);
-  if (grid == 0) return cudaErrorInvalidValue;
+  if (grid == 0) return detail::refuse("rmsnorm_forward: ", rows, " rows need more than 2^31 - 1 blocks");
   forward_rows<<<grid, warps_per_block * 32, 0, stream>>>(xb, wb, yb, rstd, rows, dim, eps, vec);
   return cudaGetLastError();
 }
@@ -550,9 +553,12 @@ std::size_t rmsnorm_backward_workspace_bytes(std::int64_t rows, std::int64_t dim
 cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weight, const float* rstd, bf16* grad_x,
                              float* grad_weight, std::int64_t rows, std::int64_t dim, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream) {
-  if (rows < 0 || dim < 1) return cudaErrorInvalidValue;
+  if (rows < 0) return detail::refuse("rmsnorm_backward: rows = ", rows, " (must be >= 0)");
+  if (dim < 1) return detail::refuse("rmsnorm_backward: dim = ", dim, " (must be >= 1)");
   if (rows == 0) return cudaSuccess;
-  if (workspace == nullptr || workspace_bytes < rmsnorm_backward_workspace_bytes(rows, dim)) return cudaErrorInvalidValue;
+  if (const std::size_t need = rmsnorm_backward_workspace_bytes(rows, dim); workspace == nullptr || workspace_bytes < need)
+    return detail::refuse("rmsnorm_backward: workspace of ", workspace == nullptr ? 0 : workspace_bytes,
+                          " bytes, needs ", need, " (rmsnorm_backward_workspace_bytes(", rows, ", ", dim, "))");
   const auto* dy = reinterpret_cast<const std::uint16_t*>(grad_y);
   const auto* xb = reinterpret_cast<const std::uint16_t*>(x);
   const auto* wb = reinterpret_cast<const std::uint16_t*>(weight);
@@ -560,7 +566,8 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
   auto* partial = static_cast<float*>(workspace);
   const std::int64_t partials = partial_count(rows);
   const std::int64_t per = rmsnorm_rows_per_partial(rows);
-  if (partials > 65535) return cudaErrorInvalidValue;  // grid limit; cannot happen with <= 512 partials
+  if (partials > 65535)  // grid limit; cannot happen with <= 512 partials
+    return detail::refuse("rmsnorm_backward: ", partials, " weight-gradient partials exceed the grid's 65535");
 
   const bool vec = dim % 8 == 0 && aligned_16(grad_y, x, weight, grad_x);
   if (vec && dim <= max_register_dim_backward) {
@@ -578,7 +585,7 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
   if (const cudaError_t e = launch_sum_partials(partial, grad_weight, partials, dim, stream); e != cudaSuccess) return e;
 
   const unsigned grid = grid_for(rows, warps_per_block);
-  if (grid == 0) return cudaErrorInvalidValue;
+  if (grid == 0) return detail::refuse("rmsnorm_backward: ", rows, " rows need more than 2^31 - 1 blocks");
   grad_x_rows<<<grid, warps_per_block * 32, 0, stream>>>(dy, xb, wb, rstd, dx, rows, dim, vec);
   return cudaGetLastError();
 }

@@ -3,6 +3,7 @@
 // one kernel: the backward rotates by -angle. Contract in include/oom/kernels/rope.hpp.
 #include "bf16_device.cuh"
 #include "oom/kernels/rope.hpp"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 namespace {
@@ -76,10 +77,14 @@ __global__ void rope_tokens(const std::uint16_t* x, const std::int32_t* position
 
 cudaError_t launch(const bf16* x, const std::int32_t* positions, bf16* y, std::int64_t tokens, std::int64_t heads,
                    std::int64_t head_dim, std::int64_t rotary_dim, float theta, float sin_sign, cudaStream_t stream) {
-  if (tokens < 0 || tokens > 0x7fffffff || heads < 1 || head_dim < 2 || head_dim > rope_max_head_dim ||
-      rotary_dim < 2 || rotary_dim % 2 != 0 || rotary_dim > head_dim || !(theta > 0.0f)) {
-    return cudaErrorInvalidValue;
-  }
+  const char* name = sin_sign > 0.0f ? "rope_forward" : "rope_backward";
+  if (tokens < 0 || tokens > 0x7fffffff) return detail::refuse(name, ": tokens = ", tokens, " (must be 0 .. 2^31 - 1)");
+  if (heads < 1) return detail::refuse(name, ": heads = ", heads, " (must be >= 1)");
+  if (head_dim < 2 || head_dim > rope_max_head_dim)
+    return detail::refuse(name, ": head_dim = ", head_dim, " (must be 2 .. ", rope_max_head_dim, ")");
+  if (rotary_dim < 2 || rotary_dim % 2 != 0 || rotary_dim > head_dim)
+    return detail::refuse(name, ": rotary_dim = ", rotary_dim, " (must be even, 2 .. head_dim = ", head_dim, ")");
+  if (!(theta > 0.0f)) return detail::refuse(name, ": theta = ", theta, " (must be > 0)");
   if (tokens == 0) return cudaSuccess;
   // Vector path: pairs of 8-element chunks, and a pass-through that is whole chunks too.
   const bool vec = (rotary_dim / 2) % 8 == 0 && head_dim % 8 == 0 && aligned_16(x, y);

@@ -5,6 +5,7 @@
 #include <climits>
 
 #include "moe_blas.cuh"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 namespace {
@@ -135,9 +136,21 @@ __global__ void router_backward_kernel(const float* __restrict__ probs, const st
   }
 }
 
-bool valid(const RouterShape& s) {
-  return s.tokens >= 0 && s.hidden >= 1 && s.experts >= 1 && s.experts <= router_max_experts && s.top_k >= 1 &&
-         s.top_k <= s.experts && s.top_k <= router_max_top_k && s.tokens <= INT_MAX && s.hidden <= INT_MAX;
+/// cudaSuccess for a shape the router kernels take, else a refusal naming the field.
+cudaError_t check_shape(const char* name, const RouterShape& s) {
+  if (s.tokens < 0 || s.tokens > INT_MAX) return detail::refuse(name, ": tokens = ", s.tokens, " (must be 0 .. 2^31 - 1)");
+  if (s.hidden < 1 || s.hidden > INT_MAX) return detail::refuse(name, ": hidden = ", s.hidden, " (must be 1 .. 2^31 - 1)");
+  if (s.experts < 1 || s.experts > router_max_experts)
+    return detail::refuse(name, ": experts = ", s.experts, " (must be 1 .. ", router_max_experts, ")");
+  if (s.top_k < 1 || s.top_k > s.experts || s.top_k > router_max_top_k)
+    return detail::refuse(name, ": top_k = ", s.top_k, " (must be 1 .. min(experts = ", s.experts, ", ", router_max_top_k,
+                          "))");
+  return cudaSuccess;
+}
+
+cudaError_t check_workspace(const char* name, std::size_t got, std::size_t need) {
+  if (got >= need) return cudaSuccess;
+  return detail::refuse(name, ": workspace of ", got, " bytes, needs ", need, " (", name, "_workspace_bytes)");
 }
 
 unsigned token_blocks(std::int64_t tokens) { return static_cast<unsigned>((tokens + warps_per_block - 1) / warps_per_block); }
@@ -146,7 +159,7 @@ unsigned token_blocks(std::int64_t tokens) { return static_cast<unsigned>((token
 
 cudaError_t router_forward(cublasHandle_t blas, cudaStream_t stream, const RouterShape& s, const bf16* x,
                            const bf16* w_router, float* logits, float* probs, std::int32_t* expert_ids, float* weights) {
-  if (!valid(s)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("router_forward", s); e != cudaSuccess) return e;
   if (s.tokens == 0) return cudaSuccess;
   OOM_KERNEL_TRY(detail::to_cuda_error(cublasSetStream(blas, stream)));
   // logits (T, E) = x (T, H) . Wr^T, Wr stored (E, H).
@@ -162,7 +175,10 @@ std::size_t router_aux_loss_workspace_bytes(const RouterShape& s) { return detai
 
 cudaError_t router_aux_loss(cudaStream_t stream, const RouterShape& s, const float* probs, const std::int32_t* expert_counts,
                             float* aux_loss, void* workspace, std::size_t workspace_bytes) {
-  if (!valid(s) || workspace_bytes < router_aux_loss_workspace_bytes(s)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("router_aux_loss", s); e != cudaSuccess) return e;
+  if (const cudaError_t e = check_workspace("router_aux_loss", workspace_bytes, router_aux_loss_workspace_bytes(s));
+      e != cudaSuccess)
+    return e;
   if (s.tokens == 0) return cudaMemsetAsync(aux_loss, 0, sizeof(float), stream);
   auto* partial = static_cast<float*>(workspace);
   aux_partial_kernel<<<static_cast<unsigned>(s.experts), 256, 0, stream>>>(probs, expert_counts, partial, s.tokens,
@@ -180,7 +196,10 @@ cudaError_t router_backward(cublasHandle_t blas, cudaStream_t stream, const Rout
                             const float* d_weights, const std::int32_t* expert_counts, float aux_loss_grad,
                             float* d_logits, bf16* dx, bool accumulate_dx, float* dw_router, void* workspace,
                             std::size_t workspace_bytes) {
-  if (!valid(s) || workspace_bytes < router_backward_workspace_bytes(s)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("router_backward", s); e != cudaSuccess) return e;
+  if (const cudaError_t e = check_workspace("router_backward", workspace_bytes, router_backward_workspace_bytes(s));
+      e != cudaSuccess)
+    return e;
   if (s.tokens == 0) return cudaSuccess;
   auto* dl16 = static_cast<__nv_bfloat16*>(workspace);
   const std::size_t smem = warps_per_block * s.experts * sizeof(float);

@@ -2,6 +2,7 @@
 // rows allow it. Contract in include/oom/kernels/swiglu.hpp.
 #include "bf16_device.cuh"
 #include "oom/kernels/swiglu.hpp"
+#include "refuse.hpp"
 
 namespace oom::kernels {
 namespace {
@@ -70,15 +71,25 @@ __global__ void backward(const std::uint16_t* grad_out, const std::uint16_t* gat
   }
 }
 
+cudaError_t check_shape(const char* name, std::int64_t tokens, std::int64_t intermediate) {
+  if (tokens < 0) return detail::refuse(name, ": tokens = ", tokens, " (must be >= 0)");
+  if (intermediate < 1) return detail::refuse(name, ": intermediate = ", intermediate, " (must be >= 1)");
+  return cudaSuccess;
+}
+
+cudaError_t too_many(const char* name, std::int64_t tokens, std::int64_t intermediate) {
+  return detail::refuse(name, ": ", tokens, " tokens x ", intermediate, " need more than 2^31 - 1 blocks");
+}
+
 }  // namespace
 
 cudaError_t swiglu_forward(const bf16* gate_up, bf16* out, std::int64_t tokens, std::int64_t intermediate,
                            cudaStream_t stream) {
-  if (tokens < 0 || intermediate < 1) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("swiglu_forward", tokens, intermediate); e != cudaSuccess) return e;
   if (tokens == 0) return cudaSuccess;
   const bool vec = intermediate % 8 == 0 && aligned_16(gate_up, out);
   const unsigned grid = grid_for(tokens * (intermediate / (vec ? 8 : 1)), threads);
-  if (grid == 0) return cudaErrorInvalidValue;
+  if (grid == 0) return too_many("swiglu_forward", tokens, intermediate);
   forward<<<grid, threads, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(gate_up),
                                         reinterpret_cast<std::uint16_t*>(out), tokens, intermediate, vec);
   return cudaGetLastError();
@@ -86,11 +97,11 @@ cudaError_t swiglu_forward(const bf16* gate_up, bf16* out, std::int64_t tokens, 
 
 cudaError_t swiglu_backward(const bf16* grad_out, const bf16* gate_up, bf16* grad_gate_up, std::int64_t tokens,
                             std::int64_t intermediate, cudaStream_t stream) {
-  if (tokens < 0 || intermediate < 1) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_shape("swiglu_backward", tokens, intermediate); e != cudaSuccess) return e;
   if (tokens == 0) return cudaSuccess;
   const bool vec = intermediate % 8 == 0 && aligned_16(grad_out, gate_up, grad_gate_up);
   const unsigned grid = grid_for(tokens * (intermediate / (vec ? 8 : 1)), threads);
-  if (grid == 0) return cudaErrorInvalidValue;
+  if (grid == 0) return too_many("swiglu_backward", tokens, intermediate);
   backward<<<grid, threads, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(grad_out),
                                          reinterpret_cast<const std::uint16_t*>(gate_up),
                                          reinterpret_cast<std::uint16_t*>(grad_gate_up), tokens, intermediate, vec);

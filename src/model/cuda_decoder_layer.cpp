@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "oom/core/cuda_check.hpp"
 #include "oom/core/error.hpp"
 #include "oom/kernels/attention.hpp"
 #include "oom/kernels/cast.hpp"
@@ -35,9 +36,7 @@ constexpr ExpertGemmMethod expert_method = ExpertGemmMethod::row_chunked;
 
 /// A launcher's status: the step that failed, the CUDA error's name and text.
 void check(cudaError_t status, std::string_view step) {
-  if (status != cudaSuccess)
-    throw Error(Errc::cuda, fmt::format("decoder layer: {} failed: {} ({})", step, cudaGetErrorName(status),
-                                        cudaGetErrorString(status)));
+  if (status != cudaSuccess) ::oom::detail::throw_launch_error(status, fmt::format("decoder layer: {}", step));
 }
 void check(cublasStatus_t status, std::string_view step) {
   if (status != CUBLAS_STATUS_SUCCESS)

@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 
+#include "oom/core/cuda_check.hpp"
 #include "oom/core/error.hpp"
 #include "oom/kernels/embedding.hpp"
 #include "oom/kernels/lm_head_loss.hpp"
@@ -22,9 +23,7 @@ namespace {
 
 /// A launcher's status: the step that failed, the CUDA error's name and text.
 void check(cudaError_t status, std::string_view step) {
-  if (status != cudaSuccess)
-    throw Error(Errc::cuda, fmt::format("lm ends: {} failed: {} ({})", step, cudaGetErrorName(status),
-                                        cudaGetErrorString(status)));
+  if (status != cudaSuccess) ::oom::detail::throw_launch_error(status, fmt::format("lm ends: {}", step));
 }
 
 void require(const void* p, const char* what) {

@@ -640,12 +640,14 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
                      TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv, bool accumulate_dkv, void* workspace,
                      std::size_t workspace_bytes, cudaStream_t stream) {
   using namespace attention_detail;
-  if (!attention_can_implement(p)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_problem("attention_backward", p); e != cudaSuccess) return e;
   if (p.head_dim != kD) return cudaErrorNotSupported;
   if (p.query_end() == p.q_begin) return cudaSuccess;
-  if (!backward_args_ok(p, q, k, v, o, d_o, lse, dq, dk, dv, workspace, workspace_bytes,
-                        attention_backward_workspace_bytes(p)))
-    return cudaErrorInvalidValue;
+  if (const cudaError_t e = check_backward_args("attention_backward", q, k, v, o, d_o, lse, dq, dk, dv, workspace,
+                                                workspace_bytes, attention_backward_workspace_bytes(p),
+                                                "attention_backward_workspace_bytes");
+      e != cudaSuccess)
+    return e;
   if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
 
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
@@ -654,7 +656,8 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
   const std::int64_t kv_blocks = (params.q_end + kDkdvKeys - 1) / kDkdvKeys;
   const std::int64_t q_blocks = (params.q_len() + kDqRows - 1) / kDqRows;
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;
-  if (dkdv_blocks + dq_blocks > std::numeric_limits<int>::max()) return cudaErrorInvalidValue;  // beyond any that fits
+  if (dkdv_blocks + dq_blocks > std::numeric_limits<int>::max())  // beyond any that fits
+    return ::oom::kernels::detail::refuse("attention_backward: ", dkdv_blocks + dq_blocks, " blocks exceed 2^31 - 1");
   auto* kernel = attention_backward_wgmma_kernel<kSw128>;
   if (const cudaError_t e =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmem<kSw128>);

@@ -31,20 +31,20 @@ inline cudaError_t prepare_persistent_launch(Kernel kernel, int smem_bytes, int*
 }
 
 /// cudaErrorInvalidValue for a problem attention_can_implement rejects or a misaligned pointer or
-/// stride (as attention_forward); cudaErrorNotSupported for another head_dim than `head_dim` or a
+/// stride (as attention_forward, with the same refusal reasons); cudaErrorNotSupported for another head_dim than `head_dim` or a
 /// current device other than compute capability 9.0 (the only code built is sm_90a, which loads
 /// there alone); else cudaSuccess, with *empty set when there are no query rows to compute.
 inline cudaError_t forward_checks(const AttentionProblem& p, int head_dim, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                   TokenRows<const bf16> v, TokenRows<bf16> o, const float* lse, bool* empty) {
-  using attention_detail::aligned_rows;
   *empty = false;
-  if (!attention_can_implement(p)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = attention_detail::check_problem("attention_forward", p); e != cudaSuccess) return e;
   if (p.head_dim != head_dim) return cudaErrorNotSupported;
   if (p.query_end() == p.q_begin) {
     *empty = true;
     return cudaSuccess;
   }
-  if (!aligned_rows(q) || !aligned_rows(k) || !aligned_rows(v) || !aligned_rows(o) || lse == nullptr) return cudaErrorInvalidValue;
+  if (const cudaError_t e = attention_detail::check_forward_args("attention_forward", q, k, v, o, lse); e != cudaSuccess)
+    return e;
   return current_device_is_cc90();
 }
 

@@ -318,9 +318,14 @@ bool grouped_rows_supported(const RowsShape& s, const bf16* a, const bf16* c, st
 
 cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
                                cudaStream_t stream, int* tile_counter) {
-  if (!shape_ok(s, a, c)) return cudaErrorInvalidValue;
-  for (const RowsProblem& q : problems)
-    if (!problem_ok(s, q)) return cudaErrorInvalidValue;
+  using ::oom::kernels::detail::refuse;
+  if (!shape_ok(s, a, c))
+    return refuse("grouped_rows_wgmma: a shape grouped_rows_supported rejects (n = ", s.n, ", k = ", s.k, ", lda = ", s.lda,
+                  ", ldb = ", s.ldb, ", ldc = ", s.ldc, "; a and c 16-byte aligned)");
+  for (std::size_t i = 0; i < problems.size(); ++i)
+    if (!problem_ok(s, problems[i]))
+      return refuse("grouped_rows_wgmma: problem ", i, " (rows = ", problems[i].rows, ", first_row = ", problems[i].first_row,
+                    ") is one grouped_rows_supported rejects");
   const auto kernel = s.b_k_by_n ? grouped_rows_kernel<true> : grouped_rows_kernel<false>;
   int sms = 0;
   if (const cudaError_t e = prepare_persistent_launch(kernel, kSmemBytes, &sms); e != cudaSuccess) return e;

@@ -280,9 +280,14 @@ bool grouped_wgrad_supported(const WgradShape& s, std::span<const WgradProblem> 
 
 cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProblem> problems, cudaStream_t stream,
                                 int* tile_counter) {
-  if (!shape_ok(s)) return cudaErrorInvalidValue;
-  for (const WgradProblem& q : problems)
-    if (!problem_ok(s, q)) return cudaErrorInvalidValue;
+  using ::oom::kernels::detail::refuse;
+  if (!shape_ok(s))
+    return refuse("grouped_wgrad_wgmma: a shape grouped_wgrad_supported rejects (m = ", s.m, ", n = ", s.n, ", lda = ", s.lda,
+                  ", ldb = ", s.ldb, ", ldc = ", s.ldc, ")");
+  for (std::size_t i = 0; i < problems.size(); ++i)
+    if (!problem_ok(s, problems[i]))
+      return refuse("grouped_wgrad_wgmma: problem ", i, " (rows = ", problems[i].rows,
+                    ") is one grouped_wgrad_supported rejects (null or misaligned a, b or c)");
   const auto kernel = s.accumulate ? grouped_wgrad_kernel<true> : grouped_wgrad_kernel<false>;
   int sms = 0;
   if (const cudaError_t e = prepare_persistent_launch(kernel, kSmemBytes, &sms); e != cudaSuccess) return e;

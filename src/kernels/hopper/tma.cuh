@@ -38,6 +38,8 @@
 
 #include <cstdint>
 
+#include "../refuse.hpp"
+
 namespace oom::kernels::hopper {
 
 // ------------------------------------------------------------------------------------------------
@@ -149,9 +151,14 @@ inline cudaError_t encode_view(CUtensorMap* map, const ChunkMajorView& view, con
 inline cudaError_t encode_matrix_sw128(CUtensorMap* map, const void* base, std::int64_t rows, std::int64_t cols,
                                        std::int64_t row_stride, int box_rows) {
   constexpr std::int64_t kExtent = std::int64_t{1} << 32, kStride = std::int64_t{1} << 39;
-  if (base == nullptr || reinterpret_cast<std::uintptr_t>(base) % 16 != 0) return cudaErrorInvalidValue;
-  if (rows < 1 || rows > kExtent || cols < 64 || cols > kExtent || box_rows < 1 || box_rows > 256) return cudaErrorInvalidValue;
-  if (row_stride < cols || row_stride % 8 != 0 || row_stride >= kStride) return cudaErrorInvalidValue;
+  using ::oom::kernels::detail::refuse;
+  if (base == nullptr || reinterpret_cast<std::uintptr_t>(base) % 16 != 0)
+    return refuse("encode_matrix_sw128: the base is null or not 16-byte aligned");
+  if (rows < 1 || rows > kExtent || cols < 64 || cols > kExtent || box_rows < 1 || box_rows > 256)
+    return refuse("encode_matrix_sw128: ", rows, " x ", cols, " with boxes of ", box_rows,
+                  " rows (rows 1 .. 2^32, cols 64 .. 2^32, box rows 1 .. 256)");
+  if (row_stride < cols || row_stride % 8 != 0 || row_stride >= kStride)
+    return refuse("encode_matrix_sw128: row stride ", row_stride, " (a multiple of 8, >= cols = ", cols, ", < 2^39)");
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};

@@ -1,0 +1,178 @@
+// Kernel launchers refuse bad arguments with a reason (oom/kernels/refusal.hpp): the launcher, the
+// argument, and for sizes what it got against what it needs. Every refusal happens before the
+// launcher touches the device, so this runs without a GPU (in CI); the pointers below are never
+// dereferenced.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <thread>
+
+#include "oom/core/cuda_check.hpp"
+#include "oom/core/error.hpp"
+#include "oom/kernels/adamw_gpu.hpp"
+#include "oom/kernels/attention.hpp"
+#include "oom/kernels/cast.hpp"
+#include "oom/kernels/embedding.hpp"
+#include "oom/kernels/expert_gemm.hpp"
+#include "oom/kernels/lm_head_loss.hpp"
+#include "oom/kernels/permute.hpp"
+#include "oom/kernels/refusal.hpp"
+#include "oom/kernels/rmsnorm.hpp"
+#include "oom/kernels/rope.hpp"
+#include "oom/kernels/router.hpp"
+#include "oom/kernels/swiglu.hpp"
+#include "oom/optim/adamw.hpp"
+
+namespace k = oom::kernels;
+using oom::bf16;
+
+namespace {
+
+/// A host buffer standing in for device arrays: aligned, never read by a refusing launcher.
+alignas(256) std::array<unsigned char, 4096> scratch{};
+template <class T = bf16>
+T* fake(std::size_t byte_offset = 0) {
+  return reinterpret_cast<T*>(scratch.data() + byte_offset);
+}
+
+/// The status is cudaErrorInvalidValue and the reason contains every one of `parts`.
+void expect_refused(cudaError_t status, std::initializer_list<std::string> parts) {
+  const std::string why = k::take_refusal();
+  CHECK(status == cudaErrorInvalidValue);
+  INFO("reason: \"" << why << "\"");
+  for (const std::string& p : parts) CHECK(why.find(p) != std::string::npos);
+}
+
+}  // namespace
+
+TEST_CASE("refusals name the launcher, the argument and the sizes") {
+  k::clear_refusal();
+  const std::size_t need = k::rmsnorm_backward_workspace_bytes(4096, 2048);
+  REQUIRE(need > 1024);
+  expect_refused(k::rmsnorm_backward(fake(), fake(), fake(), fake<float>(), fake(), fake<float>(), 4096, 2048, fake<void>(),
+                                     1024, nullptr),
+                 {"rmsnorm_backward: workspace of 1024 bytes, needs " + std::to_string(need),
+                  "rmsnorm_backward_workspace_bytes(4096, 2048)"});
+  expect_refused(k::rmsnorm_forward(fake(), fake(), fake(), nullptr, 8, 0, 1e-6f, nullptr), {"rmsnorm_forward: dim = 0"});
+  expect_refused(k::rmsnorm_forward(fake(), fake(), fake(), nullptr, 8, 64, -1.0f, nullptr), {"rmsnorm_forward: eps = -1"});
+  expect_refused(k::swiglu_forward(fake(), fake(), -3, 64, nullptr), {"swiglu_forward: tokens = -3"});
+  expect_refused(k::swiglu_backward(fake(), fake(), fake(), 4, 0, nullptr), {"swiglu_backward: intermediate = 0"});
+  expect_refused(k::rope_forward(fake(), fake<std::int32_t>(), fake(), 4, 2, 128, 3, 1e6f, nullptr),
+                 {"rope_forward: rotary_dim = 3", "head_dim = 128"});
+  expect_refused(k::rope_backward(fake(), fake<std::int32_t>(), fake(), 4, 2, 128, 64, 0.0f, nullptr),
+                 {"rope_backward: theta = 0"});
+  expect_refused(k::cast_fp32_to_bf16(fake<float>(), fake(), -1, nullptr), {"cast_fp32_to_bf16: n = -1"});
+  expect_refused(k::add_bf16(fake(), nullptr, fake(), 16, nullptr), {"add_bf16: b is null"});
+  expect_refused(k::embedding_forward(fake<std::int32_t>(), fake(), fake(), fake<std::int32_t>(), 4, 0, 64, nullptr),
+                 {"embedding_forward: vocab = 0"});
+  expect_refused(k::embedding_forward(fake<std::int32_t>(), fake(), fake(), nullptr, 4, 100, 64, nullptr),
+                 {"embedding_forward: invalid_count is null"});
+  expect_refused(k::permute_rows(nullptr, k::PermuteShape{8, 0, 4}, 64, fake<std::int32_t>(), fake(), fake()),
+                 {"permute_rows: top_k = 0"});
+  expect_refused(k::router_forward(nullptr, nullptr, k::RouterShape{4, 64, 2000, 2}, fake(), fake(), fake<float>(),
+                                   fake<float>(), fake<std::int32_t>(), fake<float>()),
+                 {"router_forward: experts = 2000", std::to_string(k::router_max_experts)});
+  expect_refused(k::lm_head_loss(nullptr, nullptr, k::LmHeadShape{4, 64, 100, 0}, fake(), fake(), fake<std::int32_t>(), 1.0f,
+                                 fake<float>(), fake<std::int32_t>(), nullptr, nullptr, fake<void>(), 0),
+                 {"lm_head_loss: chunk_rows = 0"});
+  const auto step = oom::optim::adamw_step_scalars(oom::optim::AdamWConfig{}, 1);
+  expect_refused(k::adamw_update(step, fake<float>(), static_cast<float*>(nullptr), fake<float>(), fake<float>(), nullptr, 16, nullptr),
+                 {"adamw_update: exp_avg is null"});
+  expect_refused(k::grad_sum_of_squares(fake<float>(), 16, nullptr, fake<void>(), 64, nullptr),
+                 {"grad_sum_of_squares: result is null"});
+  const std::array<std::int32_t, 3> counts{4, -1, 2};
+  expect_refused(k::expert_gate_up_forward(nullptr, nullptr, k::ExpertGemmShape{64, 32, 3, 5}, counts.data(), fake(), fake(),
+                                           fake(), k::ExpertGemmMethod::per_expert_loop, nullptr, 0),
+                 {"expert_gate_up_forward: counts_host[1] = -1"});
+}
+
+TEST_CASE("attention refusals say which field or tensor") {
+  k::AttentionProblem p;
+  p.seq = 64;
+  p.heads_q = 4;
+  p.heads_kv = 2;
+  p.softmax_scale = 0.125f;
+  const k::TokenRows<const bf16> in{fake(), 64 * 4 * 128, 4 * 128};
+  const k::TokenRows<bf16> out{fake(), 64 * 4 * 128, 4 * 128};
+  SUBCASE("a head_dim the kernels have no code for") {
+    p.head_dim = 64;
+    expect_refused(k::attention_forward(p, in, in, in, out, fake<float>(), nullptr), {"attention_forward: head_dim = 64"});
+  }
+  SUBCASE("query heads not a multiple of the key/value heads") {
+    p.heads_q = 3;
+    expect_refused(k::attention_forward(p, in, in, in, out, fake<float>(), nullptr),
+                   {"attention_forward: heads_q = 3", "heads_kv = 2"});
+  }
+  SUBCASE("a misaligned tensor, named") {
+    const k::TokenRows<const bf16> odd{fake(2), 64 * 4 * 128, 4 * 128};
+    expect_refused(k::attention_forward(p, in, odd, in, out, fake<float>(), nullptr),
+                   {"attention_forward: k is not 16-byte aligned"});
+  }
+  SUBCASE("a stride that is no multiple of 8 elements") {
+    const k::TokenRows<const bf16> bad{fake(), 64 * 4 * 128, 4 * 128 + 4};
+    expect_refused(k::attention_forward(p, in, in, bad, out, fake<float>(), nullptr),
+                   {"attention_forward: v's strides", "must be multiples of 8"});
+  }
+  SUBCASE("the backward's workspace, with the bytes it needs") {
+    const std::size_t need = k::attention_backward_workspace_bytes(p);
+    expect_refused(k::attention_backward(p, in, in, in, in, in, fake<float>(), out, out, out, false, fake<void>(), 16, nullptr),
+                   {"attention_backward: workspace of 16 bytes, needs " + std::to_string(need)});
+  }
+}
+
+TEST_CASE("OOM_CUDA_CHECK reports a refusal as a bad argument, with its reason") {
+  k::clear_refusal();
+  try {
+    OOM_CUDA_CHECK(k::swiglu_forward(fake(), fake(), 4, -2, nullptr));
+    FAIL("no exception");
+  } catch (const oom::Error& e) {
+    CHECK(e.code() == oom::Errc::invalid_argument);
+    const std::string m = e.message();
+    CHECK(m.find("swiglu_forward(fake(), fake(), 4, -2, nullptr)") != std::string::npos);  // the call's text
+    CHECK(m.find("cudaErrorInvalidValue") != std::string::npos);
+    CHECK(m.find("swiglu_forward: intermediate = -2") != std::string::npos);
+  }
+  CHECK(std::string(k::last_refusal()).empty());  // reported once
+}
+
+TEST_CASE("a reason is reported only with the call that gave it") {
+  // A refusal nobody checked, then an unrelated invalid-value error: not blamed on the old reason.
+  (void)k::swiglu_forward(fake(), fake(), -1, 8, nullptr);
+  REQUIRE(std::string(k::last_refusal()).find("swiglu_forward") != std::string::npos);
+  const auto unrelated = [] { return cudaErrorInvalidValue; };
+  try {
+    OOM_CUDA_CHECK(unrelated());
+    FAIL("no exception");
+  } catch (const oom::Error& e) {
+    CHECK(e.code() == oom::Errc::cuda);
+    CHECK(e.message().find("swiglu_forward") == std::string::npos);
+  }
+  // A call that succeeds leaves no reason behind (rows = 0 is a no-op, before any device work).
+  k::clear_refusal();
+  CHECK(k::rmsnorm_forward(fake(), fake(), fake(), nullptr, 0, 64, 1e-6f, nullptr) == cudaSuccess);
+  CHECK(std::string(k::last_refusal()).empty());
+}
+
+TEST_CASE("reasons are per thread") {
+  k::clear_refusal();
+  std::thread([] { (void)k::swiglu_forward(fake(), fake(), -1, 8, nullptr); }).join();
+  CHECK(std::string(k::last_refusal()).empty());
+}
+
+TEST_CASE("throw_launch_error: the layers' checks carry the reason too") {
+  (void)k::rope_forward(fake(), fake<std::int32_t>(), fake(), 4, 0, 128, 64, 1e6f, nullptr);
+  try {
+    oom::detail::throw_launch_error(cudaErrorInvalidValue, "decoder layer: q rope");
+  } catch (const oom::Error& e) {
+    CHECK(e.code() == oom::Errc::invalid_argument);
+    CHECK(e.message() == "decoder layer: q rope refused: rope_forward: heads = 0 (must be >= 1)");
+  }
+  try {
+    oom::detail::throw_launch_error(cudaErrorInvalidValue, "decoder layer: q rope");
+  } catch (const oom::Error& e) {  // the reason was taken: now a plain CUDA error
+    CHECK(e.code() == oom::Errc::cuda);
+    CHECK(e.message().find("decoder layer: q rope failed: cudaErrorInvalidValue") == 0);
+  }
+}
