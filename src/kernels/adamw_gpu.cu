@@ -271,7 +271,8 @@ cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<con
     if (q.count == 0) return cudaSuccess;
     q.first_block[q.count] = blocks;
     const unsigned grid = grid_for(blocks, 1);
-    if (grid == 0) return detail::refuse("adamw_update_many: a launch of ", blocks, " blocks");  // flushed before 2^31
+    if (grid == 0)  // one segment alone past the grid's limit (launches are cut before 2^31 - 1 blocks otherwise)
+      return detail::refuse("adamw_update_many: a launch of ", blocks, " blocks (at most 2^31 - 1)");
     adamw_many_kernel<<<grid, threads, 0, stream>>>(q);
     q.count = 0;
     blocks = 0;
@@ -306,8 +307,8 @@ cudaError_t grad_sum_of_squares(const float* grads, std::int64_t n, double* resu
   if (result == nullptr) return detail::refuse("grad_sum_of_squares: result is null");
   if (n == 0) return cudaMemsetAsync(result, 0, sizeof(double), stream);
   if (const std::size_t need = grad_sum_of_squares_workspace_bytes(n); workspace == nullptr || workspace_bytes < need)
-    return detail::refuse("grad_sum_of_squares: workspace of ", workspace == nullptr ? 0 : workspace_bytes,
-                          " bytes, needs ", need, " (grad_sum_of_squares_workspace_bytes(", n, "))");
+    return detail::refuse_workspace("grad_sum_of_squares", workspace, workspace_bytes, need,
+                                    "grad_sum_of_squares_workspace_bytes(", n, ")");
   const std::int64_t tiles = tile_count(n);
   auto* partial = static_cast<double*>(workspace);
   tile_sums<<<grid_for(tiles, tiles_per_block), tile_threads, 0, stream>>>(grads, n, partial, tiles);

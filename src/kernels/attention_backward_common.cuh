@@ -64,8 +64,7 @@ inline cudaError_t check_backward_args(const char* name, TokenRows<const bf16> q
     if (const cudaError_t e = check_rows(name, tensor, rows); e != cudaSuccess) return e;
   if (lse == nullptr) return refuse(name, ": lse is null");
   if (workspace == nullptr || workspace_bytes < workspace_needed)
-    return refuse(name, ": workspace of ", workspace == nullptr ? 0 : workspace_bytes, " bytes, needs ", workspace_needed,
-                  " (", workspace_call, ")");
+    return ::oom::kernels::detail::refuse_workspace(name, workspace, workspace_bytes, workspace_needed, workspace_call);
   if (reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0) return refuse(name, ": workspace is not 256-byte aligned");
   return cudaSuccess;
 }

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "oom/kernels/attention.hpp"
@@ -261,22 +262,28 @@ inline bool aligned_rows(const TokenRows<T>& r) {
   return aligned_rows(r.data, r.batch_stride, r.token_stride);
 }
 
-/// cudaSuccess when attention_can_implement(p), else a refusal (refuse.hpp) naming the first field
-/// it rejects; `name` is the launcher the caller called.
-inline cudaError_t check_problem(const char* name, const AttentionProblem& p) {
-  using ::oom::kernels::detail::refuse;
+/// What the kernels reject in p, the first field first, or "" when they take it: the one statement
+/// of their limits (attention_can_implement is problem_issue(p).empty()).
+inline std::string problem_issue(const AttentionProblem& p) {
+  using ::oom::kernels::detail::concat;
   const int q_end = p.query_end();
-  if (p.batch < 1 || p.batch > 65535) return refuse(name, ": batch = ", p.batch, " (must be 1 .. 65535)");
-  if (p.seq < 0) return refuse(name, ": seq = ", p.seq, " (must be >= 0)");
-  if (p.heads_kv < 1) return refuse(name, ": heads_kv = ", p.heads_kv, " (must be >= 1)");
+  if (p.batch < 1 || p.batch > 65535) return concat("batch = ", p.batch, " (must be 1 .. 65535)");
+  if (p.seq < 0) return concat("seq = ", p.seq, " (must be >= 0)");
+  if (p.heads_kv < 1) return concat("heads_kv = ", p.heads_kv, " (must be >= 1)");
   if (p.heads_q < 1 || p.heads_q > 65535 || p.heads_q % p.heads_kv != 0)
-    return refuse(name, ": heads_q = ", p.heads_q, " (must be a multiple of heads_kv = ", p.heads_kv, ", at most 65535)");
-  if (p.head_dim != 128 && p.head_dim != 256) return refuse(name, ": head_dim = ", p.head_dim, " (must be 128 or 256)");
+    return concat("heads_q = ", p.heads_q, " (must be 1 .. 65535 and a multiple of heads_kv = ", p.heads_kv, ")");
+  if (p.head_dim != 128 && p.head_dim != 256) return concat("head_dim = ", p.head_dim, " (must be 128 or 256)");
   if (!std::isfinite(p.softmax_scale) || !(p.softmax_scale > 0.0f))
-    return refuse(name, ": softmax_scale = ", p.softmax_scale, " (must be finite and > 0)");
+    return concat("softmax_scale = ", p.softmax_scale, " (must be finite and > 0)");
   if (p.q_begin < 0 || p.q_begin > q_end || q_end > p.seq)
-    return refuse(name, ": query rows [", p.q_begin, ", ", q_end, ") (must lie in [0, seq = ", p.seq, "])");
-  if (!attention_can_implement(p)) return refuse(name, ": problem rejected by attention_can_implement");
+    return concat("query rows [", p.q_begin, ", ", q_end, ") (must lie in [0, seq = ", p.seq, "])");
+  return {};
+}
+
+/// cudaSuccess when the kernels take p, else a refusal (refuse.hpp) naming the first field they
+/// reject; `name` is the launcher the caller called.
+inline cudaError_t check_problem(const char* name, const AttentionProblem& p) {
+  if (std::string why = problem_issue(p); !why.empty()) return ::oom::kernels::detail::refuse(name, ": ", why);
   return cudaSuccess;
 }
 

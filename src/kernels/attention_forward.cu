@@ -187,13 +187,7 @@ cudaError_t launch_forward(const ForwardParams& params, int batch, cudaStream_t 
 }  // namespace
 }  // namespace attention_detail
 
-bool attention_can_implement(const AttentionProblem& p) {
-  const int q_end = p.query_end();
-  return p.batch > 0 && p.batch <= 65535 && p.seq >= 0 && p.heads_kv > 0 && p.heads_q > 0 &&
-         p.heads_q <= 65535 && p.heads_q % p.heads_kv == 0 && (p.head_dim == 128 || p.head_dim == 256) &&
-         std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0f && p.q_begin >= 0 && p.q_begin <= q_end &&
-         q_end <= p.seq;
-}
+bool attention_can_implement(const AttentionProblem& p) { return attention_detail::problem_issue(p).empty(); }
 
 cudaError_t attention_forward_mma_sync(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                        TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream) {

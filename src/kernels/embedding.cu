@@ -85,15 +85,20 @@ __global__ void scatter_add_runs(const std::uint32_t* keys, const std::int32_t* 
   }
 }
 
-bool shape_ok(std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) {
-  return tokens >= 0 && tokens < 0x7fffffff && vocab >= 1 && vocab < 0x7fffffff && hidden >= 1;
+/// What the kernels reject in these sizes, or "" when they take them.
+std::string shape_issue(std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) {
+  using detail::concat;
+  if (tokens < 0 || tokens >= 0x7fffffff) return concat("tokens = ", tokens, " (must be 0 .. 2^31 - 2)");
+  if (vocab < 1 || vocab >= 0x7fffffff) return concat("vocab = ", vocab, " (must be 1 .. 2^31 - 2)");
+  if (hidden < 1) return concat("hidden = ", hidden, " (must be >= 1)");
+  return {};
 }
+
+bool shape_ok(std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) { return shape_issue(tokens, vocab, hidden).empty(); }
 
 cudaError_t check_args(const char* name, std::int64_t tokens, std::int64_t vocab, std::int64_t hidden,
                        const std::int32_t* invalid_count) {
-  if (tokens < 0 || tokens >= 0x7fffffff) return detail::refuse(name, ": tokens = ", tokens, " (must be 0 .. 2^31 - 2)");
-  if (vocab < 1 || vocab >= 0x7fffffff) return detail::refuse(name, ": vocab = ", vocab, " (must be 1 .. 2^31 - 2)");
-  if (hidden < 1) return detail::refuse(name, ": hidden = ", hidden, " (must be >= 1)");
+  if (std::string why = shape_issue(tokens, vocab, hidden); !why.empty()) return detail::refuse(name, ": ", why);
   if (invalid_count == nullptr) return detail::refuse(name, ": invalid_count is null");
   return cudaSuccess;
 }
@@ -152,8 +157,8 @@ cudaError_t embedding_backward(const std::int32_t* ids, const bf16* grad_out, fl
   if (tokens == 0) return cudaSuccess;
   Layout l = layout(tokens, vocab);
   if (workspace == nullptr || workspace_bytes < l.total)
-    return detail::refuse("embedding_backward: workspace of ", workspace == nullptr ? 0 : workspace_bytes,
-                          " bytes, needs ", l.total, " (embedding_backward_workspace_bytes(", tokens, ", ", vocab, "))");
+    return detail::refuse_workspace("embedding_backward", workspace, workspace_bytes, l.total,
+                                    "embedding_backward_workspace_bytes(", tokens, ", ", vocab, ")");
   auto* base = static_cast<char*>(workspace);
   auto* keys_in = reinterpret_cast<std::uint32_t*>(base + l.keys_in);
   auto* keys_out = reinterpret_cast<std::uint32_t*>(base + l.keys_out);

@@ -330,7 +330,7 @@ cudaError_t run_row_chunked(ExpertGemmStreams::State& st, cublasHandle_t blas, c
   for (const auto* v : {&full_w, &full_r, &full_c, &rem_w, &rem_r, &rem_c, &deep_w, &deep_r, &deep_c})
     ptrs.insert(ptrs.end(), v->begin(), v->end());
   if (ptrs.size() * sizeof(void*) > array_bytes)  // more rows than ExpertGemmShape::rows
-    return detail::refuse("expert GEMMs: ", ptrs.size(), " row-chunk pointers exceed the workspace's ",
+    return detail::refuse("expert GEMMs (row_chunked): ", ptrs.size(), " row-chunk pointers exceed the workspace's ",
                           array_bytes / sizeof(void*), " (more rows than ExpertGemmShape::rows?)");
   auto* d = static_cast<const void**>(arrays);
   // Not a pageable cudaMemcpyAsync: see expert_counts_to_host (expert_gemm.hpp) for the stalls
@@ -419,7 +419,7 @@ cudaError_t run_weights_batched(ExpertGemmStreams::State& st, cublasHandle_t bla
   ptrs.insert(ptrs.end(), cu_b.begin(), cu_b.end());
   ptrs.insert(ptrs.end(), cu_c.begin(), cu_c.end());
   if (ptrs.size() * sizeof(void*) > array_bytes)
-    return detail::refuse("expert GEMMs: ", ptrs.size(), " weight-gradient pointers exceed the workspace's ",
+    return detail::refuse("expert GEMMs (row_chunked): ", ptrs.size(), " weight-gradient pointers exceed the workspace's ",
                           array_bytes / sizeof(void*));
   auto* d = static_cast<const void**>(arrays);
   OOM_KERNEL_TRY(stage_to_device(st, stream, ptrs.data(), ptrs.size() * sizeof(void*), array_bytes, d));
@@ -633,14 +633,13 @@ cudaError_t check_args(const char* name, const ExpertGemmShape& s, const std::in
   if (counts_host == nullptr) return detail::refuse(name, ": counts_host is null");
   const bool side = method == ExpertGemmMethod::multi_stream || method == ExpertGemmMethod::row_chunked;
   if (side && streams == nullptr) return detail::refuse(name, ": this method needs an ExpertGemmStreams (streams is null)");
-  if (side && streams->options().streams < 1)
-    return detail::refuse(name, ": streams->options().streams = ", streams->options().streams, " (must be >= 1)");
+  if (side && (streams->options().streams < 1 || streams->options().streams > 64))  // state() refuses > 64 too
+    return detail::refuse(name, ": streams->options().streams = ", streams->options().streams, " (must be 1 .. 64)");
   if (side && streams->options().row_chunk < 1)
     return detail::refuse(name, ": streams->options().row_chunk = ", streams->options().row_chunk, " (must be >= 1)");
   if (method != ExpertGemmMethod::per_expert_loop)
     if (const std::size_t need = expert_gemm_workspace_bytes(s, method, streams); workspace == nullptr || workspace_bytes < need)
-      return detail::refuse(name, ": workspace of ", workspace == nullptr ? 0 : workspace_bytes, " bytes, needs ", need,
-                            " (expert_gemm_workspace_bytes)");
+      return detail::refuse_workspace(name, workspace, workspace_bytes, need, "expert_gemm_workspace_bytes");
   std::int64_t rows = 0;
   for (std::int64_t e = 0; e < s.experts; ++e) {
     if (counts_host[e] < 0) return detail::refuse(name, ": counts_host[", e, "] = ", counts_host[e], " (must be >= 0)");

@@ -26,19 +26,23 @@ int key_bits(std::int64_t experts) {
   return bits;
 }
 
-bool valid(const PermuteShape& s) {
-  return s.tokens >= 0 && s.top_k >= 1 && s.top_k <= max_top_k && s.experts >= 1 && s.tokens * s.top_k <= INT_MAX &&
-         s.experts < INT_MAX;
+/// What the kernels reject in s (and in hidden, for the launchers that move rows), or "" when they
+/// take it.
+std::string shape_issue(const PermuteShape& s, std::int64_t hidden = 1) {
+  using detail::concat;
+  if (s.tokens < 0) return concat("tokens = ", s.tokens, " (must be >= 0)");
+  if (s.top_k < 1 || s.top_k > max_top_k) return concat("top_k = ", s.top_k, " (must be 1 .. ", max_top_k, ")");
+  if (s.experts < 1 || s.experts >= INT_MAX) return concat("experts = ", s.experts, " (must be 1 .. 2^31 - 2)");
+  if (s.tokens * s.top_k > INT_MAX) return concat("tokens x top_k = ", s.tokens * s.top_k, " (must be <= 2^31 - 1)");
+  if (hidden < 1) return concat("hidden = ", hidden, " (must be >= 1)");
+  return {};
 }
 
-/// A refusal naming what valid(s) rejects, or hidden < 1 (for the launchers that move rows); else cudaSuccess.
+bool valid(const PermuteShape& s) { return shape_issue(s).empty(); }
+
+/// cudaSuccess, or a refusal naming what shape_issue finds.
 cudaError_t check_shape(const char* name, const PermuteShape& s, std::int64_t hidden = 1) {
-  if (s.tokens < 0) return detail::refuse(name, ": tokens = ", s.tokens, " (must be >= 0)");
-  if (s.top_k < 1 || s.top_k > max_top_k) return detail::refuse(name, ": top_k = ", s.top_k, " (must be 1 .. ", max_top_k, ")");
-  if (s.experts < 1 || s.experts >= INT_MAX) return detail::refuse(name, ": experts = ", s.experts, " (must be 1 .. 2^31 - 2)");
-  if (s.tokens * s.top_k > INT_MAX)
-    return detail::refuse(name, ": tokens x top_k = ", s.tokens * s.top_k, " (must be <= 2^31 - 1)");
-  if (hidden < 1) return detail::refuse(name, ": hidden = ", hidden, " (must be >= 1)");
+  if (std::string why = shape_issue(s, hidden); !why.empty()) return detail::refuse(name, ": ", why);
   return cudaSuccess;
 }
 

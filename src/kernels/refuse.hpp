@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <locale>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -25,16 +26,33 @@ inline cudaError_t set_refusal(std::string reason) noexcept {
   return cudaErrorInvalidValue;
 }
 
-/// The parts (strings and numbers, by value so that literals decay) written one after another.
+/// The parts (strings and numbers, by value so that literals decay) written one after another, in
+/// the classic locale (no digit grouping whatever the program's global locale).
+template <class... Parts>
+std::string concat(Parts... parts) {
+  std::ostringstream text;
+  text.imbue(std::locale::classic());
+  (text << ... << parts);
+  return text.str();
+}
+
+/// Records concat(parts...) as this thread's reason and returns cudaErrorInvalidValue.
 template <class... Parts>
 cudaError_t refuse(Parts... parts) noexcept {
   try {
-    std::ostringstream text;
-    (text << ... << parts);
-    return set_refusal(text.str());
+    return set_refusal(concat(parts...));
   } catch (...) {  // no memory for the text: the status still says what happened
     return set_refusal({});
   }
+}
+
+/// A refusal for a workspace that is null or smaller than the `need` bytes its size function gives
+/// (`source...`, written after it: "rmsnorm_backward_workspace_bytes(", rows, ", ", dim, ")").
+template <class... Source>
+cudaError_t refuse_workspace(const char* name, const void* workspace, std::size_t bytes, std::size_t need,
+                             Source... source) noexcept {
+  if (workspace == nullptr) return refuse(name, ": workspace is null, needs ", need, " bytes (", source..., ")");
+  return refuse(name, ": workspace of ", bytes, " bytes, needs ", need, " (", source..., ")");
 }
 
 }  // namespace oom::kernels::detail

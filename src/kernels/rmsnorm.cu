@@ -557,8 +557,8 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
   if (dim < 1) return detail::refuse("rmsnorm_backward: dim = ", dim, " (must be >= 1)");
   if (rows == 0) return cudaSuccess;
   if (const std::size_t need = rmsnorm_backward_workspace_bytes(rows, dim); workspace == nullptr || workspace_bytes < need)
-    return detail::refuse("rmsnorm_backward: workspace of ", workspace == nullptr ? 0 : workspace_bytes,
-                          " bytes, needs ", need, " (rmsnorm_backward_workspace_bytes(", rows, ", ", dim, "))");
+    return detail::refuse_workspace("rmsnorm_backward", workspace, workspace_bytes, need, "rmsnorm_backward_workspace_bytes(",
+                                    rows, ", ", dim, ")");
   const auto* dy = reinterpret_cast<const std::uint16_t*>(grad_y);
   const auto* xb = reinterpret_cast<const std::uint16_t*>(x);
   const auto* wb = reinterpret_cast<const std::uint16_t*>(weight);

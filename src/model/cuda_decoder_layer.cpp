@@ -34,9 +34,15 @@ constexpr ExpertGemmMethod expert_method = ExpertGemmMethod::row_chunked;
 
 [[noreturn]] void invalid(const std::string& what) { throw Error(Errc::invalid_argument, "decoder layer: " + what); }
 
-/// A launcher's status: the step that failed, the CUDA error's name and text.
+/// A launcher's status: the step that failed and why (a refusal's reason, else the CUDA error). A
+/// success forgets any reason left on this thread, and so does each entry point, so a reason is
+/// never blamed on a later step's unrelated error (oom/kernels/refusal.hpp).
 void check(cudaError_t status, std::string_view step) {
-  if (status != cudaSuccess) ::oom::detail::throw_launch_error(status, fmt::format("decoder layer: {}", step));
+  if (status == cudaSuccess) {
+    kernels::clear_refusal();
+    return;
+  }
+  ::oom::detail::throw_launch_error(status, fmt::format("decoder layer: {}", step));
 }
 void check(cublasStatus_t status, std::string_view step) {
   if (status != CUBLAS_STATUS_SUCCESS)
@@ -341,6 +347,7 @@ void check_buffers(const void* saved, std::size_t saved_bytes, std::size_t saved
 }
 
 void check_context(const DecoderLayerContext& ctx) {
+  kernels::clear_refusal();  // see check()
   if (!ctx.blas) invalid("context has no cuBLAS handle");
   if (!ctx.expert_streams) invalid("context has no ExpertGemmStreams (the row_chunked expert GEMMs need one)");
 }

@@ -21,9 +21,15 @@ namespace {
 
 [[noreturn]] void invalid(const std::string& what) { throw Error(Errc::invalid_argument, "lm ends: " + what); }
 
-/// A launcher's status: the step that failed, the CUDA error's name and text.
+/// A launcher's status: the step that failed and why (a refusal's reason, else the CUDA error). A
+/// success forgets any reason left on this thread, and so does each entry point, so a reason is
+/// never blamed on a later step's unrelated error (oom/kernels/refusal.hpp).
 void check(cudaError_t status, std::string_view step) {
-  if (status != cudaSuccess) ::oom::detail::throw_launch_error(status, fmt::format("lm ends: {}", step));
+  if (status == cudaSuccess) {
+    kernels::clear_refusal();
+    return;
+  }
+  ::oom::detail::throw_launch_error(status, fmt::format("lm ends: {}", step));
 }
 
 void require(const void* p, const char* what) {
@@ -103,6 +109,7 @@ std::size_t lm_ends_workspace_bytes(const LmEndsShape& s) {
 void lm_embed_forward(const LmEndsContext& ctx, const LmEndsShape& s, const bf16* embedding, const std::int32_t* ids, bf16* x,
                       std::int32_t* invalid_count) {
   s.validate();
+  kernels::clear_refusal();  // see check()
   require(invalid_count, "lm_embed_forward: invalid_count");
   if (s.tokens == 0) return;
   require(embedding, "lm_embed_forward: embedding");
@@ -116,6 +123,7 @@ void lm_head_forward_backward(const LmEndsContext& ctx, const LmEndsShape& s, co
                               const bf16* head, const std::int32_t* targets, float* loss_sum, std::int32_t* valid, bf16* dy,
                               float* grad_final_norm, float* grad_head, void* workspace, std::size_t workspace_bytes) {
   s.validate();
+  kernels::clear_refusal();  // see check()
   require(ctx.blas, "lm_head_forward_backward: ctx.blas");
   require(loss_sum, "lm_head_forward_backward: loss_sum");
   require(valid, "lm_head_forward_backward: valid");
@@ -160,6 +168,7 @@ void lm_head_forward_backward(const LmEndsContext& ctx, const LmEndsShape& s, co
 void lm_embed_backward(const LmEndsContext& ctx, const LmEndsShape& s, const std::int32_t* ids, const bf16* dx,
                        float* grad_embedding, std::int32_t* invalid_count, void* workspace, std::size_t workspace_bytes) {
   s.validate();
+  kernels::clear_refusal();  // see check()
   require(invalid_count, "lm_embed_backward: invalid_count");
   if (s.tokens == 0) return;
   require(ids, "lm_embed_backward: ids");

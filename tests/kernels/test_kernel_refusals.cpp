@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <thread>
 
@@ -86,6 +87,16 @@ TEST_CASE("refusals name the launcher, the argument and the sizes") {
   expect_refused(k::expert_gate_up_forward(nullptr, nullptr, k::ExpertGemmShape{64, 32, 3, 5}, counts.data(), fake(), fake(),
                                            fake(), k::ExpertGemmMethod::per_expert_loop, nullptr, 0),
                  {"expert_gate_up_forward: counts_host[1] = -1"});
+  k::ExpertGemmStreamsOptions many;
+  many.streams = 100;
+  k::ExpertGemmStreams streams(many);  // creates nothing until first used
+  const std::array<std::int32_t, 3> fine{4, 0, 1};
+  expect_refused(k::expert_down_forward(nullptr, nullptr, k::ExpertGemmShape{64, 32, 3, 5}, fine.data(), fake(), fake(), fake(),
+                                        k::ExpertGemmMethod::multi_stream, fake<void>(), 4096, &streams),
+                 {"expert_down_forward: streams->options().streams = 100 (must be 1 .. 64)"});
+  expect_refused(k::grad_sum_of_squares(fake<float>(), 1 << 20, fake<double>(), nullptr, 0, nullptr),
+                 {"grad_sum_of_squares: workspace is null, needs " +
+                  std::to_string(k::grad_sum_of_squares_workspace_bytes(1 << 20)) + " bytes"});
 }
 
 TEST_CASE("attention refusals say which field or tensor") {
@@ -157,8 +168,53 @@ TEST_CASE("a reason is reported only with the call that gave it") {
 
 TEST_CASE("reasons are per thread") {
   k::clear_refusal();
-  std::thread([] { (void)k::swiglu_forward(fake(), fake(), -1, 8, nullptr); }).join();
+  std::string seen_there;
+  std::thread([&] {
+    (void)k::swiglu_forward(fake(), fake(), -1, 8, nullptr);
+    seen_there = k::last_refusal();
+  }).join();
+  CHECK(seen_there.find("swiglu_forward: tokens = -1") != std::string::npos);
   CHECK(std::string(k::last_refusal()).empty());
+}
+
+TEST_CASE("attention: the launchers accept exactly what attention_can_implement accepts") {
+  // With an empty query range no dispatch path (the wgmma kernels' or the portable ones') touches
+  // the device, so the launcher's status says whether its checks accept the problem. It must agree
+  // with the public predicate on edge values of every field, forward and backward alike. (Both
+  // read one list of limits, attention_common.cuh's problem_issue; this checks the launchers' use
+  // of it: each path checks, refuses with cudaErrorInvalidValue, and returns early only after.)
+  const std::array<int, 7> ints{-2, -1, 0, 1, 64, 65535, 65536};
+  const std::array<int, 5> dims{0, 64, 128, 256, 512};
+  const std::array<float, 5> scales{0.125f, 0.0f, -1.0f, std::numeric_limits<float>::infinity(),
+                                    std::numeric_limits<float>::quiet_NaN()};
+  const k::TokenRows<const bf16> in{fake(), 0, 0};
+  const k::TokenRows<bf16> out{fake(), 0, 0};
+  int accepted = 0, checked = 0;
+  for (int batch : ints)
+    for (int seq : {-1, 0, 64})
+      for (int heads_q : ints)
+        for (int heads_kv : {-1, 0, 1, 2, 3})
+          for (int head_dim : dims)
+            for (float scale : scales)
+              for (int q : {-1, 0, 32, 64, 65}) {
+                k::AttentionProblem p;
+                p.batch = batch, p.seq = seq, p.heads_q = heads_q, p.heads_kv = heads_kv, p.head_dim = head_dim;
+                p.softmax_scale = scale, p.q_begin = q, p.q_end = q;
+                const bool can = k::attention_can_implement(p);
+                const cudaError_t fwd = k::attention_forward(p, in, in, in, out, fake<float>(), nullptr);
+                const cudaError_t bwd =
+                    k::attention_backward(p, in, in, in, in, in, fake<float>(), out, out, out, false, nullptr, 0, nullptr);
+                if (fwd != (can ? cudaSuccess : cudaErrorInvalidValue) || bwd != fwd) {
+                  FAIL_CHECK("batch " << batch << " seq " << seq << " heads " << heads_q << "/" << heads_kv << " D "
+                                      << head_dim << " scale " << scale << " q " << q << ": can " << can << ", forward "
+                                      << fwd << ", backward " << bwd);
+                }
+                accepted += can;
+                ++checked;
+              }
+  k::clear_refusal();
+  CHECK(accepted > 0);
+  CHECK(accepted < checked);
 }
 
 TEST_CASE("throw_launch_error: the layers' checks carry the reason too") {

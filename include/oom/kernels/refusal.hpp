@@ -5,7 +5,9 @@
 //   OOM_CUDA_CHECK(oom::kernels::rmsnorm_backward(..., workspace, 1024, stream));
 // reports "rmsnorm_backward: workspace of 1024 bytes, needs 2097152
 // (rmsnorm_backward_workspace_bytes(4096, 2048))" instead of a bare cudaErrorInvalidValue.
-// Host-parsable; the storage lives in src/cuda/check.cpp.
+// Internal invariants name the part that found them ("expert GEMMs (row_chunked): ...",
+// "encode_matrix_sw128: ..."), and cuBLAS's CUBLAS_STATUS_INVALID_VALUE says so.
+// Host-parsable; the storage is in src/kernels/refuse.hpp.
 #pragma once
 
 #include <string>
@@ -14,13 +16,14 @@ namespace oom::kernels {
 
 /// The reason for the last refusal on this thread, "" when there was none since it was last
 /// cleared or taken. Only a launcher that returned cudaErrorInvalidValue sets it; one that
-/// succeeds leaves it as it was.
+/// succeeds leaves it as it was. The pointer is valid until the thread's next refusal, clear or
+/// take.
 [[nodiscard]] const char* last_refusal() noexcept;
 
 /// Forgets the reason. OOM_CUDA_CHECK does so before it evaluates its call, so the reason it
-/// reports is that call's. detail::throw_launch_error (the layers' checks, after the call) cannot:
-/// a reason left by a refusal whose status nobody checked would be blamed on a later, unrelated
-/// cudaErrorInvalidValue there. The library checks every status it gets.
+/// reports is that call's; the decoder layer and the LM ends do so on entry and after each
+/// launcher that succeeds. A reason left by a refusal whose status nobody checked would otherwise
+/// be blamed on a later, unrelated cudaErrorInvalidValue (oom::detail::throw_launch_error).
 void clear_refusal() noexcept;
 
 /// The reason, then forgets it.
