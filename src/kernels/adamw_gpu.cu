@@ -306,6 +306,7 @@ cudaError_t grad_sum_of_squares(const float* grads, std::int64_t n, double* resu
   if (n < 0) return detail::refuse("grad_sum_of_squares: n = ", n, " (must be >= 0)");
   if (result == nullptr) return detail::refuse("grad_sum_of_squares: result is null");
   if (n == 0) return cudaMemsetAsync(result, 0, sizeof(double), stream);
+  if (grads == nullptr) return detail::refuse("grad_sum_of_squares: grads is null (n = ", n, ")");
   if (const std::size_t need = grad_sum_of_squares_workspace_bytes(n); workspace == nullptr || workspace_bytes < need)
     return detail::refuse_workspace("grad_sum_of_squares", workspace, workspace_bytes, need,
                                     "grad_sum_of_squares_workspace_bytes(", n, ")");

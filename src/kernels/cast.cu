@@ -60,6 +60,9 @@ cudaError_t check_count(const char* name, std::int64_t n) {
 cudaError_t launch(const char* name, Op op, const void* in, void* out, float scale, std::int64_t n, cudaStream_t stream) {
   if (const cudaError_t e = check_count(name, n); e != cudaSuccess) return e;
   if (n == 0) return cudaSuccess;
+  const bool acc = op == Op::acc_bf16 || op == Op::acc_f32;
+  if (const cudaError_t e = detail::refuse_null(name, {{acc ? "grad" : "in", in}, {acc ? "acc" : "out", out}}); e != cudaSuccess)
+    return e;
   const unsigned grid = grid_for(n, threads * 8);
   elementwise<<<grid, threads, 0, stream>>>(op, in, out, scale, n, aligned_16(in, out));
   return cudaGetLastError();

@@ -136,6 +136,9 @@ cudaError_t embedding_forward(const std::int32_t* ids, const bf16* table, bf16* 
   if (const cudaError_t e = check_args("embedding_forward", tokens, vocab, hidden, invalid_count); e != cudaSuccess)
     return e;
   if (tokens == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("embedding_forward", {{"ids", ids}, {"table", table}, {"out", out}});
+      e != cudaSuccess)
+    return e;
   const bool vec = hidden % 8 == 0 && aligned_16(table, out);
   gather_rows<<<static_cast<unsigned>(tokens), threads_per_row, 0, stream>>>(
       ids, reinterpret_cast<const std::uint16_t*>(table), reinterpret_cast<std::uint16_t*>(out), invalid_count, vocab,
@@ -155,6 +158,10 @@ cudaError_t embedding_backward(const std::int32_t* ids, const bf16* grad_out, fl
   if (const cudaError_t e = check_args("embedding_backward", tokens, vocab, hidden, invalid_count); e != cudaSuccess)
     return e;
   if (tokens == 0) return cudaSuccess;
+  if (const cudaError_t e =
+          detail::refuse_null("embedding_backward", {{"ids", ids}, {"grad_out", grad_out}, {"grad_table", grad_table}});
+      e != cudaSuccess)
+    return e;
   Layout l = layout(tokens, vocab);
   if (workspace == nullptr || workspace_bytes < l.total)
     return detail::refuse_workspace("embedding_backward", workspace, workspace_bytes, l.total,

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <initializer_list>
 #include <locale>
 #include <sstream>
 #include <string>
@@ -44,6 +45,15 @@ cudaError_t refuse(Parts... parts) noexcept {
   } catch (...) {  // no memory for the text: the status still says what happened
     return set_refusal({});
   }
+}
+
+/// A refusal naming the first of `arrays` (name, pointer) that is null, else cudaSuccess: for the
+/// arrays a launch with work reads or writes (a null one would fault on the device and end the
+/// context).
+inline cudaError_t refuse_null(const char* name, std::initializer_list<std::pair<const char*, const void*>> arrays) noexcept {
+  for (const auto& [what, p] : arrays)
+    if (p == nullptr) return refuse(name, ": ", what, " is null");
+  return cudaSuccess;
 }
 
 /// A refusal for a workspace that is null or smaller than the `need` bytes its size function gives

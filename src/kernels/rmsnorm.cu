@@ -525,6 +525,8 @@ cudaError_t rmsnorm_forward(const bf16* x, const bf16* weight, bf16* y, float* r
   if (dim < 1) return detail::refuse("rmsnorm_forward: dim = ", dim, " (must be >= 1)");
   if (!(eps >= 0.0f)) return detail::refuse("rmsnorm_forward: eps = ", eps, " (must be >= 0)");
   if (rows == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("rmsnorm_forward", {{"x", x}, {"weight", weight}, {"y", y}}); e != cudaSuccess)
+    return e;
   const auto* xb = reinterpret_cast<const std::uint16_t*>(x);
   const auto* wb = reinterpret_cast<const std::uint16_t*>(weight);
   auto* yb = reinterpret_cast<std::uint16_t*>(y);
@@ -556,6 +558,14 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
   if (rows < 0) return detail::refuse("rmsnorm_backward: rows = ", rows, " (must be >= 0)");
   if (dim < 1) return detail::refuse("rmsnorm_backward: dim = ", dim, " (must be >= 1)");
   if (rows == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("rmsnorm_backward", {{"grad_y", grad_y},
+                                                                     {"x", x},
+                                                                     {"weight", weight},
+                                                                     {"rstd", rstd},
+                                                                     {"grad_x", grad_x},
+                                                                     {"grad_weight", grad_weight}});
+      e != cudaSuccess)
+    return e;
   if (const std::size_t need = rmsnorm_backward_workspace_bytes(rows, dim); workspace == nullptr || workspace_bytes < need)
     return detail::refuse_workspace("rmsnorm_backward", workspace, workspace_bytes, need, "rmsnorm_backward_workspace_bytes(",
                                     rows, ", ", dim, ")");

@@ -86,6 +86,12 @@ cudaError_t launch(const bf16* x, const std::int32_t* positions, bf16* y, std::i
     return detail::refuse(name, ": rotary_dim = ", rotary_dim, " (must be even, 2 .. head_dim = ", head_dim, ")");
   if (!(theta > 0.0f)) return detail::refuse(name, ": theta = ", theta, " (must be > 0)");
   if (tokens == 0) return cudaSuccess;
+  const bool forward = sin_sign > 0.0f;
+  if (const cudaError_t e = detail::refuse_null(name, {{forward ? "x" : "grad_y", x},
+                                                       {"positions", positions},
+                                                       {forward ? "y" : "grad_x", y}});
+      e != cudaSuccess)
+    return e;
   // Vector path: pairs of 8-element chunks, and a pass-through that is whole chunks too.
   const bool vec = (rotary_dim / 2) % 8 == 0 && head_dim % 8 == 0 && aligned_16(x, y);
   rope_tokens<<<static_cast<unsigned>(tokens), threads, 0, stream>>>(

@@ -87,6 +87,8 @@ cudaError_t swiglu_forward(const bf16* gate_up, bf16* out, std::int64_t tokens, 
                            cudaStream_t stream) {
   if (const cudaError_t e = check_shape("swiglu_forward", tokens, intermediate); e != cudaSuccess) return e;
   if (tokens == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("swiglu_forward", {{"gate_up", gate_up}, {"out", out}}); e != cudaSuccess)
+    return e;
   const bool vec = intermediate % 8 == 0 && aligned_16(gate_up, out);
   const unsigned grid = grid_for(tokens * (intermediate / (vec ? 8 : 1)), threads);
   if (grid == 0) return too_many("swiglu_forward", tokens, intermediate);
@@ -99,6 +101,10 @@ cudaError_t swiglu_backward(const bf16* grad_out, const bf16* gate_up, bf16* gra
                             std::int64_t intermediate, cudaStream_t stream) {
   if (const cudaError_t e = check_shape("swiglu_backward", tokens, intermediate); e != cudaSuccess) return e;
   if (tokens == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("swiglu_backward",
+                                                {{"grad_out", grad_out}, {"gate_up", gate_up}, {"grad_gate_up", grad_gate_up}});
+      e != cudaSuccess)
+    return e;
   const bool vec = intermediate % 8 == 0 && aligned_16(grad_out, gate_up, grad_gate_up);
   const unsigned grid = grid_for(tokens * (intermediate / (vec ? 8 : 1)), threads);
   if (grid == 0) return too_many("swiglu_backward", tokens, intermediate);

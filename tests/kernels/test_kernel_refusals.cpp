@@ -94,6 +94,18 @@ TEST_CASE("refusals name the launcher, the argument and the sizes") {
   expect_refused(k::expert_down_forward(nullptr, nullptr, k::ExpertGemmShape{64, 32, 3, 5}, fine.data(), fake(), fake(), fake(),
                                         k::ExpertGemmMethod::multi_stream, fake<void>(), 4096, &streams),
                  {"expert_down_forward: streams->options().streams = 100 (must be 1 .. 64)"});
+  // A null array the launch would use: refused, instead of a fault that ends the CUDA context.
+  expect_refused(k::rmsnorm_forward(fake(), fake(), nullptr, nullptr, 8, 64, 1e-6f, nullptr), {"rmsnorm_forward: y is null"});
+  expect_refused(k::rmsnorm_backward(fake(), fake(), fake(), nullptr, fake(), fake<float>(), 8, 64, fake<void>(), 4096, nullptr),
+                 {"rmsnorm_backward: rstd is null"});
+  expect_refused(k::rope_backward(fake(), nullptr, fake(), 4, 2, 128, 64, 1e6f, nullptr), {"rope_backward: positions is null"});
+  expect_refused(k::accumulate_scaled(nullptr, fake(), 0.5f, 16, nullptr), {"accumulate_scaled: acc is null"});
+  expect_refused(k::swiglu_backward(fake(), fake(), nullptr, 4, 64, nullptr), {"swiglu_backward: grad_gate_up is null"});
+  expect_refused(k::embedding_backward(fake<std::int32_t>(), fake(), nullptr, fake<std::int32_t>(), 4, 100, 64, fake<void>(),
+                                       4096, nullptr),
+                 {"embedding_backward: grad_table is null"});
+  expect_refused(k::grad_sum_of_squares(nullptr, 16, fake<double>(), fake<void>(), 64, nullptr),
+                 {"grad_sum_of_squares: grads is null"});
   expect_refused(k::grad_sum_of_squares(fake<float>(), 1 << 20, fake<double>(), nullptr, 0, nullptr),
                  {"grad_sum_of_squares: workspace is null, needs " +
                   std::to_string(k::grad_sum_of_squares_workspace_bytes(1 << 20)) + " bytes"});
