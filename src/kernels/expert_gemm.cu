@@ -919,6 +919,10 @@ cudaError_t shared_expert_gate_forward(cudaStream_t stream, std::int64_t tokens,
     return detail::refuse("shared_expert_gate_forward: tokens = ", tokens, " (must be 0 .. 2^31 - 1)");
   if (hidden < 1) return detail::refuse("shared_expert_gate_forward: hidden = ", hidden, " (must be >= 1)");
   if (tokens == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("shared_expert_gate_forward",  // routed may be null
+                                                {{"x", x}, {"w_gate", w_gate}, {"y", y}, {"gate_logit", gate_logit}, {"out", out}});
+      e != cudaSuccess)
+    return e;
   shared_gate_forward_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<const __nv_bfloat16*>(w_gate),
       reinterpret_cast<const __nv_bfloat16*>(y), reinterpret_cast<const __nv_bfloat16*>(routed), gate_logit,
@@ -941,6 +945,17 @@ cudaError_t shared_expert_gate_backward(cudaStream_t stream, std::int64_t tokens
     return detail::refuse("shared_expert_gate_backward: workspace of ", workspace_bytes, " bytes, needs ", need,
                           " (shared_expert_gate_backward_workspace_bytes(", tokens, ", ", hidden, "))");
   if (tokens == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("shared_expert_gate_backward", {{"x", x},
+                                                                                {"w_gate", w_gate},
+                                                                                {"y", y},
+                                                                                {"gate_logit", gate_logit},
+                                                                                {"d_out", d_out},
+                                                                                {"dy", dy},
+                                                                                {"dx", dx},
+                                                                                {"dw_gate", dw_gate},
+                                                                                {"workspace", workspace}});
+      e != cudaSuccess)
+    return e;
   auto* ds = static_cast<float*>(workspace);
   auto* partial = reinterpret_cast<float*>(static_cast<char*>(workspace) + align_up(tokens * sizeof(float)));
   shared_gate_backward_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(

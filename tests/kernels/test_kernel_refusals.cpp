@@ -104,6 +104,17 @@ TEST_CASE("refusals name the launcher, the argument and the sizes") {
   expect_refused(k::embedding_backward(fake<std::int32_t>(), fake(), nullptr, fake<std::int32_t>(), 4, 100, 64, fake<void>(),
                                        4096, nullptr),
                  {"embedding_backward: grad_table is null"});
+  expect_refused(k::router_forward(nullptr, nullptr, k::RouterShape{4, 64, 8, 2}, fake(), fake(), fake<float>(), fake<float>(),
+                                   fake<std::int32_t>(), fake<float>()),
+                 {"router_forward: blas is null"});
+  expect_refused(k::permute_plan(nullptr, k::PermuteShape{0, 2, 4}, nullptr, nullptr, nullptr, fake<std::int32_t>(), nullptr,
+                                 fake<void>(), 4096),
+                 {"permute_plan: expert_offsets is null"});  // written even for no tokens
+  expect_refused(k::unpermute_combine_backward(nullptr, k::PermuteShape{4, 2, 4}, 64, fake<std::int32_t>(), fake(), fake(),
+                                               fake<float>(), fake(), nullptr),
+                 {"unpermute_combine_backward: d_weights is null"});
+  expect_refused(k::shared_expert_gate_forward(nullptr, 4, 64, fake(), nullptr, fake(), nullptr, fake<float>(), fake()),
+                 {"shared_expert_gate_forward: w_gate is null"});
   expect_refused(k::grad_sum_of_squares(nullptr, 16, fake<double>(), fake<void>(), 64, nullptr),
                  {"grad_sum_of_squares: grads is null"});
   expect_refused(k::grad_sum_of_squares(fake<float>(), 1 << 20, fake<double>(), nullptr, 0, nullptr),
