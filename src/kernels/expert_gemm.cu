@@ -745,6 +745,15 @@ std::vector<T*> strided(T* base, const ExpertGemmShape& s, std::int64_t stride) 
   return out;
 }
 
+/// The row arrays (name, pointer) of a launch, refused by name when one is null and some expert
+/// has rows (with none, nothing is read or written).
+cudaError_t check_rows(const char* name, const ExpertGemmShape& s, const std::int32_t* counts_host,
+                       std::initializer_list<std::pair<const char*, const void*>> arrays) {
+  for (std::int64_t e = 0; e < s.experts; ++e)
+    if (counts_host[e] > 0) return detail::refuse_null(name, arrays);
+  return cudaSuccess;
+}
+
 /// Every expert that receives rows has its matrix in `array` (called `what`), else a refusal naming
 /// the first that has none.
 template <class P>
@@ -796,6 +805,9 @@ cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, con
     return e;
   if (const cudaError_t e = check_pointers("expert_gate_up_forward", "w_gate_up", s, counts_host, w_gate_up); e != cudaSuccess)
     return e;
+  if (const cudaError_t e = check_rows("expert_gate_up_forward", s, counts_host, {{"x_perm", x_perm}, {"gate_up", gate_up}});
+      e != cudaSuccess)
+    return e;
   const auto H = s.hidden, I2 = 2 * s.intermediate;
   std::vector<Problem> ps;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
@@ -822,6 +834,7 @@ cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const 
       e != cudaSuccess)
     return e;
   if (const cudaError_t e = check_pointers("expert_down_forward", "w_down", s, counts_host, w_down); e != cudaSuccess) return e;
+  if (const cudaError_t e = check_rows("expert_down_forward", s, counts_host, {{"h", h}, {"y", y}}); e != cudaSuccess) return e;
   const auto H = s.hidden, I = s.intermediate;
   std::vector<Problem> ps;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
@@ -848,6 +861,9 @@ cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const
     return e;
   if (const cudaError_t e = check_pointers("expert_down_backward", "w_down", s, counts_host, w_down); e != cudaSuccess) return e;
   if (const cudaError_t e = check_grads("expert_down_backward", "dw_down", s, counts_host, dw_down, dw_write); e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = check_rows("expert_down_backward", s, counts_host, {{"dy", dy}, {"h", h}, {"dh", dh}});
+      e != cudaSuccess)
     return e;
   const auto H = s.hidden, I = s.intermediate;
   const float beta = dw_beta(dw_write);
@@ -885,6 +901,10 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
   if (const cudaError_t e = check_pointers("expert_gate_up_backward", "w_gate_up", s, counts_host, w_gate_up); e != cudaSuccess)
     return e;
   if (const cudaError_t e = check_grads("expert_gate_up_backward", "dw_gate_up", s, counts_host, dw_gate_up, dw_write);
+      e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = check_rows("expert_gate_up_backward", s, counts_host,
+                                       {{"d_gate_up", d_gate_up}, {"x_perm", x_perm}, {"dx_perm", dx_perm}});
       e != cudaSuccess)
     return e;
   const auto H = s.hidden, I2 = 2 * s.intermediate;

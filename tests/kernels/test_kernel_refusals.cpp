@@ -115,6 +115,9 @@ TEST_CASE("refusals name the launcher, the argument and the sizes") {
                  {"unpermute_combine_backward: d_weights is null"});
   expect_refused(k::shared_expert_gate_forward(nullptr, 4, 64, fake(), nullptr, fake(), nullptr, fake<float>(), fake()),
                  {"shared_expert_gate_forward: w_gate is null"});
+  expect_refused(k::expert_down_backward(nullptr, nullptr, k::ExpertGemmShape{64, 32, 3, 5}, fine.data(), fake(), fake(), fake(),
+                                         nullptr, fake<float>(), k::ExpertGemmMethod::per_expert_loop, nullptr, 0),
+                 {"expert_down_backward: dh is null"});
   expect_refused(k::grad_sum_of_squares(nullptr, 16, fake<double>(), fake<void>(), 64, nullptr),
                  {"grad_sum_of_squares: grads is null"});
   expect_refused(k::grad_sum_of_squares(fake<float>(), 1 << 20, fake<double>(), nullptr, 0, nullptr),
