@@ -9,17 +9,16 @@
 
 #include <cstdint>
 
-#include "refuse.hpp"
-
 namespace oom::kernels::detail {
 
 /// cuBLAS status -> cudaError_t, so every launcher reports one error type. The mapping keeps the
-/// distinctions a caller acts on: bad arguments (a refusal, refuse.hpp, saying cuBLAS found them),
-/// out of memory, unsupported, failed execution.
+/// distinctions a caller acts on: bad arguments, out of memory, unsupported, failed execution. (No
+/// refusal reason for INVALID_VALUE: the launchers check their arguments first, so cuBLAS refusing
+/// one is an internal failure, reported as a CUDA error, not as the caller's bad argument.)
 inline cudaError_t to_cuda_error(cublasStatus_t s) {
   switch (s) {
     case CUBLAS_STATUS_SUCCESS: return cudaSuccess;
-    case CUBLAS_STATUS_INVALID_VALUE: return refuse("cuBLAS returned CUBLAS_STATUS_INVALID_VALUE");
+    case CUBLAS_STATUS_INVALID_VALUE: return cudaErrorInvalidValue;
     case CUBLAS_STATUS_ALLOC_FAILED: return cudaErrorMemoryAllocation;
     case CUBLAS_STATUS_NOT_SUPPORTED:
     case CUBLAS_STATUS_ARCH_MISMATCH: return cudaErrorNotSupported;

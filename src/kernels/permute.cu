@@ -241,9 +241,7 @@ cudaError_t permute_plan(cudaStream_t stream, const PermuteShape& s, const std::
                          std::int32_t* row_to_slot, std::int32_t* slot_to_row, std::int32_t* expert_counts,
                          std::int32_t* expert_offsets, void* workspace, std::size_t workspace_bytes) {
   if (const cudaError_t e = check_shape("permute_plan", s); e != cudaSuccess) return e;
-  if (const std::size_t need = permute_plan_workspace_bytes(s); workspace_bytes < need)
-    return detail::refuse("permute_plan: workspace of ", workspace_bytes, " bytes, needs ", need,
-                          " (permute_plan_workspace_bytes)");
+  // The arrays before the workspace: its size asks CUB, which calls the runtime.
   if (const cudaError_t e =
           detail::refuse_null("permute_plan", {{"expert_counts", expert_counts}, {"expert_offsets", expert_offsets}});
       e != cudaSuccess)
@@ -255,6 +253,9 @@ cudaError_t permute_plan(cudaStream_t stream, const PermuteShape& s, const std::
                                                                    {"workspace", workspace}});
         e != cudaSuccess)
       return e;
+  if (const std::size_t need = permute_plan_workspace_bytes(s); workspace_bytes < need)
+    return detail::refuse("permute_plan: workspace of ", workspace_bytes, " bytes, needs ", need,
+                          " (permute_plan_workspace_bytes)");
   const int n = static_cast<int>(s.tokens * s.top_k), E = static_cast<int>(s.experts);
   auto* base = static_cast<char*>(workspace);
   auto* sorted_keys = reinterpret_cast<std::int32_t*>(base);

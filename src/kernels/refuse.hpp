@@ -61,6 +61,7 @@ inline cudaError_t refuse_null(const char* name, std::initializer_list<std::pair
 template <class... Source>
 cudaError_t refuse_workspace(const char* name, const void* workspace, std::size_t bytes, std::size_t need,
                              Source... source) noexcept {
+  if (workspace == nullptr && need == 0) return refuse(name, ": workspace is null (this call needs one, of any size)");
   if (workspace == nullptr) return refuse(name, ": workspace is null, needs ", need, " bytes (", source..., ")");
   return refuse(name, ": workspace of ", bytes, " bytes, needs ", need, " (", source..., ")");
 }

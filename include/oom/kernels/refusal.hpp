@@ -5,8 +5,10 @@
 //   OOM_CUDA_CHECK(oom::kernels::rmsnorm_backward(..., workspace, 1024, stream));
 // reports "rmsnorm_backward: workspace of 1024 bytes, needs 2097152
 // (rmsnorm_backward_workspace_bytes(4096, 2048))" instead of a bare cudaErrorInvalidValue.
-// Internal invariants name the part that found them ("expert GEMMs (row_chunked): ...",
-// "encode_matrix_sw128: ..."), and cuBLAS's CUBLAS_STATUS_INVALID_VALUE says so.
+// Internal limits met after the checks name the part that found them ("expert GEMMs
+// (row_chunked): ..."). A cudaErrorInvalidValue from cuBLAS or the driver's tensor-map encoder
+// inside a launcher carries no reason: the arguments were checked first, so it is an internal
+// failure and OOM_CUDA_CHECK reports it as a CUDA error.
 // Host-parsable; the storage is in src/kernels/refuse.hpp.
 #pragma once
 

@@ -287,7 +287,8 @@ cudaError_t grouped_wgrad_wgmma(const WgradShape& s, std::span<const WgradProble
   for (std::size_t i = 0; i < problems.size(); ++i)
     if (!problem_ok(s, problems[i]))
       return refuse("grouped_wgrad_wgmma: problem ", i, " (rows = ", problems[i].rows,
-                    ") is one grouped_wgrad_supported rejects (rows past 2^31 - 1, or a, b or c null or misaligned)");
+                    ") is one grouped_wgrad_supported rejects (rows outside 0 .. 2^31 - 1; a, b or c null or misaligned;",
+                    " or, overwriting, no c)");
   const auto kernel = s.accumulate ? grouped_wgrad_kernel<true> : grouped_wgrad_kernel<false>;
   int sms = 0;
   if (const cudaError_t e = prepare_persistent_launch(kernel, kSmemBytes, &sms); e != cudaSuccess) return e;

@@ -137,8 +137,7 @@ inline cudaError_t encode_view(CUtensorMap* map, const ChunkMajorView& view, con
                             view.dims, view.strides, view.box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             view.swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return ::oom::kernels::detail::refuse("encode_view: cuTensorMapEncodeTiled returned CUresult ", r);
-  return cudaSuccess;
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;  // internal: no reason (refusal.hpp)
 }
 
 /// A row-major bf16 matrix (rows x cols, row stride `row_stride` elements) in the 128-byte-swizzled
@@ -169,10 +168,7 @@ inline cudaError_t encode_matrix_sw128(CUtensorMap* map, const void* base, std::
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
                             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return ::oom::kernels::detail::refuse("encode_matrix_sw128: cuTensorMapEncodeTiled returned CUresult ", r, " for ", rows,
-                                          " x ", cols, ", row stride ", row_stride);
-  return cudaSuccess;
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;  // internal: no reason (refusal.hpp)
 }
 
 // ------------------------------------------------------------------------------------------------
