@@ -800,14 +800,9 @@ cudaError_t expert_gate_up_forward(cublasHandle_t blas, cudaStream_t stream, con
                                    const std::int32_t* counts_host, const bf16* x_perm, const bf16* const* w_gate_up,
                                    bf16* gate_up, ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                    ExpertGemmStreams* streams) {
-  if (const cudaError_t e = check_args("expert_gate_up_forward", s, counts_host, method, workspace, workspace_bytes, streams);
-      e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = check_pointers("expert_gate_up_forward", "w_gate_up", s, counts_host, w_gate_up); e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = check_rows("expert_gate_up_forward", s, counts_host, {{"x_perm", x_perm}, {"gate_up", gate_up}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(check_args("expert_gate_up_forward", s, counts_host, method, workspace, workspace_bytes, streams));
+  OOM_KERNEL_TRY(check_pointers("expert_gate_up_forward", "w_gate_up", s, counts_host, w_gate_up));
+  OOM_KERNEL_TRY(check_rows("expert_gate_up_forward", s, counts_host, {{"x_perm", x_perm}, {"gate_up", gate_up}}));
   const auto H = s.hidden, I2 = 2 * s.intermediate;
   std::vector<Problem> ps;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
@@ -830,11 +825,9 @@ cudaError_t expert_down_forward(cublasHandle_t blas, cudaStream_t stream, const 
                                 const std::int32_t* counts_host, const bf16* h, const bf16* const* w_down, bf16* y,
                                 ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                 ExpertGemmStreams* streams) {
-  if (const cudaError_t e = check_args("expert_down_forward", s, counts_host, method, workspace, workspace_bytes, streams);
-      e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = check_pointers("expert_down_forward", "w_down", s, counts_host, w_down); e != cudaSuccess) return e;
-  if (const cudaError_t e = check_rows("expert_down_forward", s, counts_host, {{"h", h}, {"y", y}}); e != cudaSuccess) return e;
+  OOM_KERNEL_TRY(check_args("expert_down_forward", s, counts_host, method, workspace, workspace_bytes, streams));
+  OOM_KERNEL_TRY(check_pointers("expert_down_forward", "w_down", s, counts_host, w_down));
+  OOM_KERNEL_TRY(check_rows("expert_down_forward", s, counts_host, {{"h", h}, {"y", y}}));
   const auto H = s.hidden, I = s.intermediate;
   std::vector<Problem> ps;
   for_each_expert(s, counts_host, [&](std::int64_t e, std::int64_t r, std::int64_t rows) {
@@ -856,15 +849,10 @@ cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const
                                  const std::int32_t* counts_host, const bf16* dy, const bf16* h, const bf16* const* w_down,
                                  bf16* dh, float* const* dw_down, ExpertGemmMethod method, void* workspace,
                                  std::size_t workspace_bytes, ExpertGemmStreams* streams, GradWrite dw_write) {
-  if (const cudaError_t e = check_args("expert_down_backward", s, counts_host, method, workspace, workspace_bytes, streams);
-      e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = check_pointers("expert_down_backward", "w_down", s, counts_host, w_down); e != cudaSuccess) return e;
-  if (const cudaError_t e = check_grads("expert_down_backward", "dw_down", s, counts_host, dw_down, dw_write); e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = check_rows("expert_down_backward", s, counts_host, {{"dy", dy}, {"h", h}, {"dh", dh}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(check_args("expert_down_backward", s, counts_host, method, workspace, workspace_bytes, streams));
+  OOM_KERNEL_TRY(check_pointers("expert_down_backward", "w_down", s, counts_host, w_down));
+  OOM_KERNEL_TRY(check_grads("expert_down_backward", "dw_down", s, counts_host, dw_down, dw_write));
+  OOM_KERNEL_TRY(check_rows("expert_down_backward", s, counts_host, {{"dy", dy}, {"h", h}, {"dh", dh}}));
   const auto H = s.hidden, I = s.intermediate;
   const float beta = dw_beta(dw_write);
   std::vector<Problem> data, weight;
@@ -895,18 +883,11 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
                                     const bf16* const* w_gate_up, bf16* dx_perm, float* const* dw_gate_up,
                                     ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                     ExpertGemmStreams* streams, GradWrite dw_write) {
-  if (const cudaError_t e = check_args("expert_gate_up_backward", s, counts_host, method, workspace, workspace_bytes, streams);
-      e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = check_pointers("expert_gate_up_backward", "w_gate_up", s, counts_host, w_gate_up); e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = check_grads("expert_gate_up_backward", "dw_gate_up", s, counts_host, dw_gate_up, dw_write);
-      e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = check_rows("expert_gate_up_backward", s, counts_host,
-                                       {{"d_gate_up", d_gate_up}, {"x_perm", x_perm}, {"dx_perm", dx_perm}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(check_args("expert_gate_up_backward", s, counts_host, method, workspace, workspace_bytes, streams));
+  OOM_KERNEL_TRY(check_pointers("expert_gate_up_backward", "w_gate_up", s, counts_host, w_gate_up));
+  OOM_KERNEL_TRY(check_grads("expert_gate_up_backward", "dw_gate_up", s, counts_host, dw_gate_up, dw_write));
+  OOM_KERNEL_TRY(check_rows("expert_gate_up_backward", s, counts_host,
+                            {{"d_gate_up", d_gate_up}, {"x_perm", x_perm}, {"dx_perm", dx_perm}}));
   const auto H = s.hidden, I2 = 2 * s.intermediate;
   const float beta = dw_beta(dw_write);
   std::vector<Problem> data, weight;
@@ -939,10 +920,9 @@ cudaError_t shared_expert_gate_forward(cudaStream_t stream, std::int64_t tokens,
     return detail::refuse("shared_expert_gate_forward: tokens = ", tokens, " (must be 0 .. 2^31 - 1)");
   if (hidden < 1) return detail::refuse("shared_expert_gate_forward: hidden = ", hidden, " (must be >= 1)");
   if (tokens == 0) return cudaSuccess;
-  if (const cudaError_t e = detail::refuse_null("shared_expert_gate_forward",  // routed may be null
-                                                {{"x", x}, {"w_gate", w_gate}, {"y", y}, {"gate_logit", gate_logit}, {"out", out}});
-      e != cudaSuccess)
-    return e;
+  // routed may be null
+  OOM_KERNEL_TRY(detail::refuse_null("shared_expert_gate_forward",
+                                     {{"x", x}, {"w_gate", w_gate}, {"y", y}, {"gate_logit", gate_logit}, {"out", out}}));
   shared_gate_forward_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<const __nv_bfloat16*>(w_gate),
       reinterpret_cast<const __nv_bfloat16*>(y), reinterpret_cast<const __nv_bfloat16*>(routed), gate_logit,
@@ -962,20 +942,12 @@ cudaError_t shared_expert_gate_backward(cudaStream_t stream, std::int64_t tokens
     return detail::refuse("shared_expert_gate_backward: tokens = ", tokens, " (must be 0 .. 2^31 - 1)");
   if (hidden < 1) return detail::refuse("shared_expert_gate_backward: hidden = ", hidden, " (must be >= 1)");
   if (const std::size_t need = shared_expert_gate_backward_workspace_bytes(tokens, hidden); workspace_bytes < need)
-    return detail::refuse("shared_expert_gate_backward: workspace of ", workspace_bytes, " bytes, needs ", need,
-                          " (shared_expert_gate_backward_workspace_bytes(", tokens, ", ", hidden, "))");
+    return detail::refuse_workspace("shared_expert_gate_backward", workspace, workspace_bytes, need,
+                                    "shared_expert_gate_backward_workspace_bytes(", tokens, ", ", hidden, ")");
   if (tokens == 0) return cudaSuccess;
-  if (const cudaError_t e = detail::refuse_null("shared_expert_gate_backward", {{"x", x},
-                                                                                {"w_gate", w_gate},
-                                                                                {"y", y},
-                                                                                {"gate_logit", gate_logit},
-                                                                                {"d_out", d_out},
-                                                                                {"dy", dy},
-                                                                                {"dx", dx},
-                                                                                {"dw_gate", dw_gate},
-                                                                                {"workspace", workspace}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(detail::refuse_null("shared_expert_gate_backward",
+                                     {{"x", x}, {"w_gate", w_gate}, {"y", y}, {"gate_logit", gate_logit}, {"d_out", d_out},
+                                      {"dy", dy}, {"dx", dx}, {"dw_gate", dw_gate}, {"workspace", workspace}}));
   auto* ds = static_cast<float*>(workspace);
   auto* partial = reinterpret_cast<float*>(static_cast<char*>(workspace) + align_up(tokens * sizeof(float)));
   shared_gate_backward_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(

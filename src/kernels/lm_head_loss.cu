@@ -116,16 +116,12 @@ cudaError_t lm_head_loss(cublasHandle_t blas, cudaStream_t stream, const LmHeadS
   if (s.chunk_rows < 1 || s.chunk_rows > INT_MAX)
     return detail::refuse("lm_head_loss: chunk_rows = ", s.chunk_rows, " (must be 1 .. 2^31 - 1)");
   if (const std::size_t need = lm_head_loss_workspace_bytes(s); workspace_bytes < need)
-    return detail::refuse("lm_head_loss: workspace of ", workspace_bytes, " bytes, needs ", need,
-                          " (lm_head_loss_workspace_bytes: chunk_rows = ", s.chunk_rows, ", vocab = ", s.vocab, ")");
-  if (const cudaError_t e = detail::refuse_null("lm_head_loss", {{"loss_sum", loss_sum}, {"valid_count", valid_count}});
-      e != cudaSuccess)
-    return e;
+    return detail::refuse_workspace("lm_head_loss", workspace, workspace_bytes, need,
+                                    "lm_head_loss_workspace_bytes: chunk_rows = ", s.chunk_rows, ", vocab = ", s.vocab);
+  OOM_KERNEL_TRY(detail::refuse_null("lm_head_loss", {{"loss_sum", loss_sum}, {"valid_count", valid_count}}));
   if (s.tokens > 0)  // dx and dw may be null (the loss alone; dx without dw)
-    if (const cudaError_t e = detail::refuse_null(
-            "lm_head_loss", {{"blas", blas}, {"x", x}, {"w", w}, {"targets", targets}, {"workspace", workspace}});
-        e != cudaSuccess)
-      return e;
+    OOM_KERNEL_TRY(detail::refuse_null(
+        "lm_head_loss", {{"blas", blas}, {"x", x}, {"w", w}, {"targets", targets}, {"workspace", workspace}}));
   if (s.tokens == 0) {
     OOM_KERNEL_TRY(cudaMemsetAsync(loss_sum, 0, sizeof(float), stream));
     return cudaMemsetAsync(valid_count, 0, sizeof(std::int32_t), stream);

@@ -240,22 +240,17 @@ std::size_t permute_plan_workspace_bytes(const PermuteShape& s) {
 cudaError_t permute_plan(cudaStream_t stream, const PermuteShape& s, const std::int32_t* expert_ids,
                          std::int32_t* row_to_slot, std::int32_t* slot_to_row, std::int32_t* expert_counts,
                          std::int32_t* expert_offsets, void* workspace, std::size_t workspace_bytes) {
-  if (const cudaError_t e = check_shape("permute_plan", s); e != cudaSuccess) return e;
+  OOM_KERNEL_TRY(check_shape("permute_plan", s));
   // The arrays before the workspace: its size asks CUB, which calls the runtime.
-  if (const cudaError_t e =
-          detail::refuse_null("permute_plan", {{"expert_counts", expert_counts}, {"expert_offsets", expert_offsets}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(
+      detail::refuse_null("permute_plan", {{"expert_counts", expert_counts}, {"expert_offsets", expert_offsets}}));
   if (s.tokens > 0)
-    if (const cudaError_t e = detail::refuse_null("permute_plan", {{"expert_ids", expert_ids},
-                                                                   {"row_to_slot", row_to_slot},
-                                                                   {"slot_to_row", slot_to_row},
-                                                                   {"workspace", workspace}});
-        e != cudaSuccess)
-      return e;
+    OOM_KERNEL_TRY(detail::refuse_null("permute_plan", {{"expert_ids", expert_ids},
+                                                        {"row_to_slot", row_to_slot},
+                                                        {"slot_to_row", slot_to_row},
+                                                        {"workspace", workspace}}));
   if (const std::size_t need = permute_plan_workspace_bytes(s); workspace_bytes < need)
-    return detail::refuse("permute_plan: workspace of ", workspace_bytes, " bytes, needs ", need,
-                          " (permute_plan_workspace_bytes)");
+    return detail::refuse_workspace("permute_plan", workspace, workspace_bytes, need, "permute_plan_workspace_bytes");
   const int n = static_cast<int>(s.tokens * s.top_k), E = static_cast<int>(s.experts);
   auto* base = static_cast<char*>(workspace);
   auto* sorted_keys = reinterpret_cast<std::int32_t*>(base);
@@ -283,11 +278,9 @@ cudaError_t permute_plan(cudaStream_t stream, const PermuteShape& s, const std::
 
 cudaError_t permute_rows(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden, const std::int32_t* slot_to_row,
                          const bf16* x, bf16* x_perm) {
-  if (const cudaError_t e = check_shape("permute_rows", s, hidden); e != cudaSuccess) return e;
+  OOM_KERNEL_TRY(check_shape("permute_rows", s, hidden));
   if (s.tokens == 0) return cudaSuccess;
-  if (const cudaError_t e = detail::refuse_null("permute_rows", {{"slot_to_row", slot_to_row}, {"x", x}, {"x_perm", x_perm}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(detail::refuse_null("permute_rows", {{"slot_to_row", slot_to_row}, {"x", x}, {"x_perm", x_perm}}));
   const auto launch = rows_vectorizable(hidden, x, x_perm) ? gather_kernel<8> : gather_kernel<1>;
   int device = 0, sms = 0;
   OOM_KERNEL_TRY(cudaGetDevice(&device));
@@ -301,12 +294,10 @@ cudaError_t permute_rows(cudaStream_t stream, const PermuteShape& s, std::int64_
 
 cudaError_t permute_rows_backward(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden,
                                   const std::int32_t* slot_to_row, const bf16* dx_perm, bf16* dx) {
-  if (const cudaError_t e = check_shape("permute_rows_backward", s, hidden); e != cudaSuccess) return e;
+  OOM_KERNEL_TRY(check_shape("permute_rows_backward", s, hidden));
   if (s.tokens == 0) return cudaSuccess;
-  if (const cudaError_t e =
-          detail::refuse_null("permute_rows_backward", {{"slot_to_row", slot_to_row}, {"dx_perm", dx_perm}, {"dx", dx}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(
+      detail::refuse_null("permute_rows_backward", {{"slot_to_row", slot_to_row}, {"dx_perm", dx_perm}, {"dx", dx}}));
   const auto launch = rows_vectorizable(hidden, dx_perm, dx) ? combine_kernel<8> : combine_kernel<1>;
   launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
       slot_to_row, reinterpret_cast<const __nv_bfloat16*>(dx_perm), nullptr, reinterpret_cast<__nv_bfloat16*>(dx),
@@ -316,13 +307,11 @@ cudaError_t permute_rows_backward(cudaStream_t stream, const PermuteShape& s, st
 
 cudaError_t unpermute_combine(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden,
                               const std::int32_t* slot_to_row, const bf16* y_perm, const float* weights, bf16* out) {
-  if (const cudaError_t e = check_shape("unpermute_combine", s, hidden); e != cudaSuccess) return e;
+  OOM_KERNEL_TRY(check_shape("unpermute_combine", s, hidden));
   if (weights == nullptr) return detail::refuse("unpermute_combine: weights is null");
   if (s.tokens == 0) return cudaSuccess;
-  if (const cudaError_t e =
-          detail::refuse_null("unpermute_combine", {{"slot_to_row", slot_to_row}, {"y_perm", y_perm}, {"out", out}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(
+      detail::refuse_null("unpermute_combine", {{"slot_to_row", slot_to_row}, {"y_perm", y_perm}, {"out", out}}));
   const auto launch = rows_vectorizable(hidden, y_perm, out) ? combine_kernel<8> : combine_kernel<1>;
   launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(
       slot_to_row, reinterpret_cast<const __nv_bfloat16*>(y_perm), weights, reinterpret_cast<__nv_bfloat16*>(out),
@@ -333,16 +322,11 @@ cudaError_t unpermute_combine(cudaStream_t stream, const PermuteShape& s, std::i
 cudaError_t unpermute_combine_backward(cudaStream_t stream, const PermuteShape& s, std::int64_t hidden,
                                        const std::int32_t* slot_to_row, const bf16* d_out, const bf16* y_perm,
                                        const float* weights, bf16* dy_perm, float* d_weights) {
-  if (const cudaError_t e = check_shape("unpermute_combine_backward", s, hidden); e != cudaSuccess) return e;
+  OOM_KERNEL_TRY(check_shape("unpermute_combine_backward", s, hidden));
   if (s.tokens == 0) return cudaSuccess;
-  if (const cudaError_t e = detail::refuse_null("unpermute_combine_backward", {{"slot_to_row", slot_to_row},
-                                                                               {"d_out", d_out},
-                                                                               {"y_perm", y_perm},
-                                                                               {"weights", weights},
-                                                                               {"dy_perm", dy_perm},
-                                                                               {"d_weights", d_weights}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(detail::refuse_null("unpermute_combine_backward",
+                                     {{"slot_to_row", slot_to_row}, {"d_out", d_out}, {"y_perm", y_perm},
+                                      {"weights", weights}, {"dy_perm", dy_perm}, {"d_weights", d_weights}}));
   const auto launch =
       rows_vectorizable(hidden, d_out, y_perm, dy_perm) ? combine_backward_kernel<8> : combine_backward_kernel<1>;
   launch<<<static_cast<unsigned>(s.tokens), row_threads, 0, stream>>>(

@@ -148,28 +148,16 @@ cudaError_t check_shape(const char* name, const RouterShape& s) {
   return cudaSuccess;
 }
 
-cudaError_t check_workspace(const char* name, std::size_t got, std::size_t need) {
-  if (got >= need) return cudaSuccess;
-  return detail::refuse(name, ": workspace of ", got, " bytes, needs ", need, " (", name, "_workspace_bytes)");
-}
-
 unsigned token_blocks(std::int64_t tokens) { return static_cast<unsigned>((tokens + warps_per_block - 1) / warps_per_block); }
 
 }  // namespace
 
 cudaError_t router_forward(cublasHandle_t blas, cudaStream_t stream, const RouterShape& s, const bf16* x,
                            const bf16* w_router, float* logits, float* probs, std::int32_t* expert_ids, float* weights) {
-  if (const cudaError_t e = check_shape("router_forward", s); e != cudaSuccess) return e;
+  OOM_KERNEL_TRY(check_shape("router_forward", s));
   if (s.tokens == 0) return cudaSuccess;
-  if (const cudaError_t e = detail::refuse_null("router_forward", {{"blas", blas},
-                                                                   {"x", x},
-                                                                   {"w_router", w_router},
-                                                                   {"logits", logits},
-                                                                   {"probs", probs},
-                                                                   {"expert_ids", expert_ids},
-                                                                   {"weights", weights}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(detail::refuse_null("router_forward", {{"blas", blas}, {"x", x}, {"w_router", w_router}, {"logits", logits},
+                                                        {"probs", probs}, {"expert_ids", expert_ids}, {"weights", weights}}));
   OOM_KERNEL_TRY(detail::to_cuda_error(cublasSetStream(blas, stream)));
   // logits (T, E) = x (T, H) . Wr^T, Wr stored (E, H).
   OOM_KERNEL_TRY(gemm_rm(blas, false, true, s.tokens, s.experts, s.hidden, x, s.hidden, w_router, s.hidden, logits,
@@ -184,16 +172,14 @@ std::size_t router_aux_loss_workspace_bytes(const RouterShape& s) { return detai
 
 cudaError_t router_aux_loss(cudaStream_t stream, const RouterShape& s, const float* probs, const std::int32_t* expert_counts,
                             float* aux_loss, void* workspace, std::size_t workspace_bytes) {
-  if (const cudaError_t e = check_shape("router_aux_loss", s); e != cudaSuccess) return e;
-  if (const cudaError_t e = check_workspace("router_aux_loss", workspace_bytes, router_aux_loss_workspace_bytes(s));
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(check_shape("router_aux_loss", s));
+  if (const std::size_t need = router_aux_loss_workspace_bytes(s); workspace_bytes < need)
+    return detail::refuse_workspace("router_aux_loss", workspace, workspace_bytes, need,
+                                    "router_aux_loss_workspace_bytes");
   if (aux_loss == nullptr) return detail::refuse("router_aux_loss: aux_loss is null");
   if (s.tokens == 0) return cudaMemsetAsync(aux_loss, 0, sizeof(float), stream);
-  if (const cudaError_t e = detail::refuse_null("router_aux_loss",
-                                                {{"probs", probs}, {"expert_counts", expert_counts}, {"workspace", workspace}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(detail::refuse_null("router_aux_loss",
+                                     {{"probs", probs}, {"expert_counts", expert_counts}, {"workspace", workspace}}));
   auto* partial = static_cast<float*>(workspace);
   aux_partial_kernel<<<static_cast<unsigned>(s.experts), 256, 0, stream>>>(probs, expert_counts, partial, s.tokens,
                                                                            static_cast<int>(s.experts));
@@ -210,24 +196,15 @@ cudaError_t router_backward(cublasHandle_t blas, cudaStream_t stream, const Rout
                             const float* d_weights, const std::int32_t* expert_counts, float aux_loss_grad,
                             float* d_logits, bf16* dx, bool accumulate_dx, float* dw_router, void* workspace,
                             std::size_t workspace_bytes) {
-  if (const cudaError_t e = check_shape("router_backward", s); e != cudaSuccess) return e;
-  if (const cudaError_t e = check_workspace("router_backward", workspace_bytes, router_backward_workspace_bytes(s));
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(check_shape("router_backward", s));
+  if (const std::size_t need = router_backward_workspace_bytes(s); workspace_bytes < need)
+    return detail::refuse_workspace("router_backward", workspace, workspace_bytes, need,
+                                    "router_backward_workspace_bytes");
   if (s.tokens == 0) return cudaSuccess;
-  if (const cudaError_t e = detail::refuse_null("router_backward", {{"blas", blas},
-                                                                    {"x", x},
-                                                                    {"w_router", w_router},
-                                                                    {"probs", probs},
-                                                                    {"expert_ids", expert_ids},
-                                                                    {"d_weights", d_weights},
-                                                                    {"expert_counts", expert_counts},
-                                                                    {"d_logits", d_logits},
-                                                                    {"dx", dx},
-                                                                    {"dw_router", dw_router},
-                                                                    {"workspace", workspace}});
-      e != cudaSuccess)
-    return e;
+  OOM_KERNEL_TRY(detail::refuse_null("router_backward", {{"blas", blas}, {"x", x}, {"w_router", w_router}, {"probs", probs},
+                                                         {"expert_ids", expert_ids}, {"d_weights", d_weights},
+                                                         {"expert_counts", expert_counts}, {"d_logits", d_logits},
+                                                         {"dx", dx}, {"dw_router", dw_router}, {"workspace", workspace}}));
   auto* dl16 = static_cast<__nv_bfloat16*>(workspace);
   const std::size_t smem = warps_per_block * s.experts * sizeof(float);
   router_backward_kernel<<<token_blocks(s.tokens), warps_per_block * 32, smem, stream>>>(
