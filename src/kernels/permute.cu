@@ -234,6 +234,7 @@ __global__ void __launch_bounds__(row_threads, 3) combine_backward_kernel(
 std::size_t permute_plan_workspace_bytes(const PermuteShape& s) {
   if (!valid(s)) return 0;
   const auto n = static_cast<std::size_t>(s.tokens * s.top_k);
+  if (n == 0) return 0;  // no sort, histogram or scan: permute_plan only zeroes the counts and offsets
   return 2 * align_up(n * sizeof(std::int32_t)) + align_up(cub_temp_bytes(s));
 }
 

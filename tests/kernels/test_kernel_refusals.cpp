@@ -110,6 +110,7 @@ TEST_CASE("refusals name the launcher, the argument and the sizes") {
   expect_refused(k::permute_plan(nullptr, k::PermuteShape{0, 2, 4}, nullptr, nullptr, nullptr, fake<std::int32_t>(), nullptr,
                                  fake<void>(), 4096),
                  {"permute_plan: expert_offsets is null"});  // written even for no tokens
+  CHECK(k::permute_plan_workspace_bytes(k::PermuteShape{0, 2, 4}) == 0);  // and no scratch asked for them
   expect_refused(k::unpermute_combine_backward(nullptr, k::PermuteShape{4, 2, 4}, 64, fake<std::int32_t>(), fake(), fake(),
                                                fake<float>(), fake(), nullptr),
                  {"unpermute_combine_backward: d_weights is null"});
@@ -281,4 +282,7 @@ TEST_CASE("optional arrays stay optional") {
            "adamw_update, grads and weights_out null");
   accepted(k::shared_expert_gate_forward(nullptr, 4, 64, fake(), fake(), fake(), nullptr, fake<float>(), fake()),
            "shared_expert_gate_forward, routed null");
+  accepted(k::permute_plan(nullptr, k::PermuteShape{0, 2, 4}, nullptr, nullptr, nullptr, fake<std::int32_t>(),
+                           fake<std::int32_t>(), nullptr, 0),
+           "permute_plan, no tokens and no workspace");
 }

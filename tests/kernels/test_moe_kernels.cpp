@@ -207,6 +207,15 @@ TEST_CASE("permutation plan, gather, combine and their backwards match the refer
   }
 }
 
+TEST_CASE("permutation plan with no tokens: no scratch, counts and offsets zeroed") {
+  const k::PermuteShape s{.tokens = 0, .top_k = 8, .experts = 64};
+  CHECK(k::permute_plan_workspace_bytes(s) == 0);
+  DeviceBuffer<std::int32_t> counts(64), offsets(65);  // poisoned
+  REQUIRE(k::permute_plan(nullptr, s, nullptr, nullptr, nullptr, counts.get(), offsets.get(), nullptr, 0) == cudaSuccess);
+  CHECK(counts.download() == std::vector<std::int32_t>(64, 0));
+  CHECK(offsets.download() == std::vector<std::int32_t>(65, 0));
+}
+
 TEST_CASE("gather, combine and their backwards: many routes per token, wide and misaligned rows") {
   // The combine backward takes a token's routes eight at a time (K = 12: a full group and a part;
   // K = 32: four groups); rows of a multiple of 8 elements on 16-byte aligned bases take 16-byte

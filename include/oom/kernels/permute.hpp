@@ -23,7 +23,8 @@ struct PermuteShape {
   std::int64_t experts = 0;  ///< E
 };
 
-/// Scratch of permute_plan (sorted keys, slot indices, CUB temporary storage).
+/// Scratch of permute_plan (sorted keys, slot indices, CUB temporary storage); 0 for no tokens,
+/// where permute_plan takes a null workspace.
 std::size_t permute_plan_workspace_bytes(const PermuteShape& s);
 
 /// Expert ids must lie in [0, E) (router_forward guarantees it). expert_counts is what the expert

@@ -651,8 +651,7 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
   if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
 
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
-  if (const cudaError_t e = launch_backward_preprocess<kD>(params, p.batch, stream); e != cudaSuccess) return e;
-
+  // Every refusal before the first launch, so a refused call leaves nothing queued.
   const std::int64_t kv_blocks = (params.q_end + kDkdvKeys - 1) / kDkdvKeys;
   const std::int64_t q_blocks = (params.q_len() + kDqRows - 1) / kDqRows;
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;
@@ -663,6 +662,8 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmem<kSw128>);
       e != cudaSuccess)
     return e;
+
+  if (const cudaError_t e = launch_backward_preprocess<kD>(params, p.batch, stream); e != cudaSuccess) return e;
   kernel<<<static_cast<unsigned>(dkdv_blocks + dq_blocks), kWsThreads, kBackwardSmem<kSw128>, stream>>>(
       params, static_cast<int>(kv_blocks), static_cast<int>(dkdv_blocks), static_cast<int>(q_blocks));
   return cudaGetLastError();
