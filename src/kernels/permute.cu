@@ -253,16 +253,16 @@ cudaError_t permute_plan(cudaStream_t stream, const PermuteShape& s, const std::
   if (const std::size_t need = permute_plan_workspace_bytes(s); workspace_bytes < need)
     return detail::refuse_workspace("permute_plan", workspace, workspace_bytes, need, "permute_plan_workspace_bytes");
   const int n = static_cast<int>(s.tokens * s.top_k), E = static_cast<int>(s.experts);
+  if (n == 0) {  // no workspace, no CUB
+    OOM_KERNEL_TRY(cudaMemsetAsync(expert_counts, 0, E * sizeof(std::int32_t), stream));
+    return cudaMemsetAsync(expert_offsets, 0, (E + 1) * sizeof(std::int32_t), stream);
+  }
   auto* base = static_cast<char*>(workspace);
   auto* sorted_keys = reinterpret_cast<std::int32_t*>(base);
   auto* slots = reinterpret_cast<std::int32_t*>(base + align_up(n * sizeof(std::int32_t)));
   void* temp = base + 2 * align_up(n * sizeof(std::int32_t));
   std::size_t temp_bytes = align_up(cub_temp_bytes(s));
   OOM_KERNEL_TRY(cudaMemsetAsync(expert_offsets, 0, sizeof(std::int32_t), stream));
-  if (n == 0) {
-    OOM_KERNEL_TRY(cudaMemsetAsync(expert_counts, 0, E * sizeof(std::int32_t), stream));
-    return cudaMemsetAsync(expert_offsets, 0, (E + 1) * sizeof(std::int32_t), stream);
-  }
   const unsigned blocks = static_cast<unsigned>(std::min(1024, (n + 255) / 256));
   iota_kernel<<<blocks, 256, 0, stream>>>(slots, n);
   OOM_KERNEL_TRY(cudaGetLastError());
