@@ -80,7 +80,6 @@ struct Shape {
   static constexpr std::uint32_t smem = 1024 + kSt * stage + staging + 16 * kSt + 16;
   static constexpr int threads = kWG * 128 + 64;
   static constexpr int per_sm = smem * 2 + 2048 <= 233472 && 2 * threads * 168 <= 65536 ? 2 : 1;
-  static constexpr std::uint32_t c_bytes = 128 * kN * 4;
 };
 
 /// The dW problems: E experts, C_e (m x n fp32, row-major) = A_e^T B_e over K = 512 rows; A_e and B_e

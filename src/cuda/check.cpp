@@ -17,10 +17,16 @@ std::string take_refusal() { return std::exchange(detail::refusal_text(), std::s
 }  // namespace oom::kernels
 
 namespace oom::detail {
+namespace {
+
+/// A launcher's refusal reason for `status` (taken), "" when it is no refusal.
+std::string refusal_for(cudaError_t status) { return status == cudaErrorInvalidValue ? kernels::take_refusal() : std::string{}; }
+
+}  // namespace
 
 void throw_cuda_error(cudaError_t status, const char* expr, const char* file, int line) {
   // A launcher's refusal is a bad argument, and says which.
-  if (std::string why = status == cudaErrorInvalidValue ? kernels::take_refusal() : std::string{}; !why.empty())
+  if (std::string why = refusal_for(status); !why.empty())
     throw Error(Errc::invalid_argument, fmt::format("{} returned {}: {}", expr, cudaGetErrorName(status), why), file,
                 line);
   throw Error(Errc::cuda,
@@ -29,9 +35,17 @@ void throw_cuda_error(cudaError_t status, const char* expr, const char* file, in
 }
 
 void throw_launch_error(cudaError_t status, std::string_view what) {
-  if (std::string why = status == cudaErrorInvalidValue ? kernels::take_refusal() : std::string{}; !why.empty())
+  if (std::string why = refusal_for(status); !why.empty())
     throw Error(Errc::invalid_argument, fmt::format("{} refused: {}", what, why));
   throw Error(Errc::cuda, fmt::format("{} failed: {} ({})", what, cudaGetErrorName(status), cudaGetErrorString(status)));
+}
+
+void check_launch(cudaError_t status, std::string_view owner, std::string_view step) {
+  if (status == cudaSuccess) {
+    kernels::clear_refusal();
+    return;
+  }
+  throw_launch_error(status, fmt::format("{}: {}", owner, step));
 }
 
 void throw_cublas_error(cublasStatus_t status, const char* expr, const char* file, int line) {

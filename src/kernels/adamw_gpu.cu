@@ -144,9 +144,9 @@ cudaError_t launch(const AdamWStepScalars& s, float* p, M* m, M* v, const float*
                    std::int64_t n, cudaStream_t stream) {
   if (n < 0) return detail::refuse("adamw_update: n = ", n, " (must be >= 0)");
   if (n == 0) return cudaSuccess;
-  if (p == nullptr || m == nullptr || v == nullptr)
-    return detail::refuse("adamw_update: ", p == nullptr ? "master" : m == nullptr ? "exp_avg" : "exp_avg_sq",
-                          " is null (n = ", n, ")");
+  if (const cudaError_t e = detail::refuse_null("adamw_update", {{"master", p}, {"exp_avg", m}, {"exp_avg_sq", v}});
+      e != cudaSuccess)
+    return e;
   const unsigned grid = grid_for(n, threads * 4);
   if (grid == 0) return detail::refuse("adamw_update: n = ", n, " needs more than 2^31 - 1 blocks");
   const bool vec = vector_aligned(p, m, v, g, out);

@@ -95,9 +95,8 @@ __global__ void add_bf16_kernel(const std::uint16_t* a, const std::uint16_t* b, 
 
 cudaError_t add_bf16(const bf16* a, const bf16* b, bf16* out, std::int64_t n, cudaStream_t stream) {
   if (const cudaError_t e = check_count("add_bf16", n); e != cudaSuccess) return e;
-  if (n > 0 && (a == nullptr || b == nullptr || out == nullptr))
-    return detail::refuse("add_bf16: ", a == nullptr ? "a" : b == nullptr ? "b" : "out", " is null (n = ", n, ")");
   if (n == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("add_bf16", {{"a", a}, {"b", b}, {"out", out}}); e != cudaSuccess) return e;
   const unsigned grid = grid_for(n, threads * 8);
   add_bf16_kernel<<<grid, threads, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(a), reinterpret_cast<const std::uint16_t*>(b),
                                                 reinterpret_cast<std::uint16_t*>(out), n, aligned_16(a, b, out));

@@ -870,8 +870,7 @@ cudaError_t expert_down_backward(cublasHandle_t blas, cudaStream_t stream, const
                                  const std::int32_t* counts_host, const bf16* dy, const bf16* h, const bf16* w_down, bf16* dh,
                                  float* dw_down, ExpertGemmMethod method, void* workspace, std::size_t workspace_bytes,
                                  ExpertGemmStreams* streams, GradWrite dw_write) {
-  if (w_down == nullptr || dw_down == nullptr)
-    return detail::refuse("expert_down_backward: ", w_down == nullptr ? "w_down" : "dw_down", " is null");
+  OOM_KERNEL_TRY(detail::refuse_null("expert_down_backward", {{"w_down", w_down}, {"dw_down", dw_down}}));
   const auto w = strided(w_down, s, s.hidden * s.intermediate);
   const auto dw = strided(dw_down, s, s.hidden * s.intermediate);
   return expert_down_backward(blas, stream, s, counts_host, dy, h, w.data(), dh, dw.data(), method, workspace, workspace_bytes,
@@ -906,8 +905,7 @@ cudaError_t expert_gate_up_backward(cublasHandle_t blas, cudaStream_t stream, co
                                     const bf16* w_gate_up, bf16* dx_perm, float* dw_gate_up, ExpertGemmMethod method,
                                     void* workspace, std::size_t workspace_bytes, ExpertGemmStreams* streams,
                                     GradWrite dw_write) {
-  if (w_gate_up == nullptr || dw_gate_up == nullptr)
-    return detail::refuse("expert_gate_up_backward: ", w_gate_up == nullptr ? "w_gate_up" : "dw_gate_up", " is null");
+  OOM_KERNEL_TRY(detail::refuse_null("expert_gate_up_backward", {{"w_gate_up", w_gate_up}, {"dw_gate_up", dw_gate_up}}));
   const auto w = strided(w_gate_up, s, 2 * s.intermediate * s.hidden);
   const auto dw = strided(dw_gate_up, s, 2 * s.intermediate * s.hidden);
   return expert_gate_up_backward(blas, stream, s, counts_host, d_gate_up, x_perm, w.data(), dx_perm, dw.data(), method,
@@ -966,8 +964,7 @@ void record_host_spans(std::vector<HostSpan>* sink) noexcept { host_span_sink = 
 
 cudaError_t expert_counts_to_host(cudaStream_t stream, const std::int32_t* counts, std::int64_t experts,
                                   ExpertGemmStreams& streams, std::int32_t* out) {
-  if (counts == nullptr || out == nullptr)
-    return detail::refuse("expert_counts_to_host: ", counts == nullptr ? "counts" : "out", " is null");
+  OOM_KERNEL_TRY(detail::refuse_null("expert_counts_to_host", {{"counts", counts}, {"out", out}}));
   if (experts < 1) return detail::refuse("expert_counts_to_host: experts = ", experts, " (must be >= 1)");
   ExpertGemmStreams::State* st = nullptr;
   OOM_KERNEL_TRY(streams.state(&st));

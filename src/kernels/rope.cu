@@ -77,7 +77,8 @@ __global__ void rope_tokens(const std::uint16_t* x, const std::int32_t* position
 
 cudaError_t launch(const bf16* x, const std::int32_t* positions, bf16* y, std::int64_t tokens, std::int64_t heads,
                    std::int64_t head_dim, std::int64_t rotary_dim, float theta, float sin_sign, cudaStream_t stream) {
-  const char* name = sin_sign > 0.0f ? "rope_forward" : "rope_backward";
+  const bool forward = sin_sign > 0.0f;
+  const char* name = forward ? "rope_forward" : "rope_backward";
   if (tokens < 0 || tokens > 0x7fffffff) return detail::refuse(name, ": tokens = ", tokens, " (must be 0 .. 2^31 - 1)");
   if (heads < 1) return detail::refuse(name, ": heads = ", heads, " (must be >= 1)");
   if (head_dim < 2 || head_dim > rope_max_head_dim)
@@ -86,7 +87,6 @@ cudaError_t launch(const bf16* x, const std::int32_t* positions, bf16* y, std::i
     return detail::refuse(name, ": rotary_dim = ", rotary_dim, " (must be even, 2 .. head_dim = ", head_dim, ")");
   if (!(theta > 0.0f)) return detail::refuse(name, ": theta = ", theta, " (must be > 0)");
   if (tokens == 0) return cudaSuccess;
-  const bool forward = sin_sign > 0.0f;
   if (const cudaError_t e = detail::refuse_null(name, {{forward ? "x" : "grad_y", x},
                                                        {"positions", positions},
                                                        {forward ? "y" : "grad_x", y}});

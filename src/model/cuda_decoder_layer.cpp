@@ -34,16 +34,9 @@ constexpr ExpertGemmMethod expert_method = ExpertGemmMethod::row_chunked;
 
 [[noreturn]] void invalid(const std::string& what) { throw Error(Errc::invalid_argument, "decoder layer: " + what); }
 
-/// A launcher's status: the step that failed and why (a refusal's reason, else the CUDA error). A
-/// success forgets any reason left on this thread, and so does each entry point, so a reason is
-/// never blamed on a later step's unrelated error (oom/kernels/refusal.hpp).
-void check(cudaError_t status, std::string_view step) {
-  if (status == cudaSuccess) {
-    kernels::clear_refusal();
-    return;
-  }
-  ::oom::detail::throw_launch_error(status, fmt::format("decoder layer: {}", step));
-}
+/// A launcher's status: the step that failed and why (oom::detail::check_launch); each entry point
+/// forgets any reason left on this thread too (oom/kernels/refusal.hpp).
+void check(cudaError_t status, std::string_view step) { ::oom::detail::check_launch(status, "decoder layer", step); }
 void check(cublasStatus_t status, std::string_view step) {
   if (status != CUBLAS_STATUS_SUCCESS)
     throw Error(Errc::cublas, fmt::format("decoder layer: {} failed: {}", step, cublasGetStatusString(status)));

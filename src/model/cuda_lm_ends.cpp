@@ -21,16 +21,9 @@ namespace {
 
 [[noreturn]] void invalid(const std::string& what) { throw Error(Errc::invalid_argument, "lm ends: " + what); }
 
-/// A launcher's status: the step that failed and why (a refusal's reason, else the CUDA error). A
-/// success forgets any reason left on this thread, and so does each entry point, so a reason is
-/// never blamed on a later step's unrelated error (oom/kernels/refusal.hpp).
-void check(cudaError_t status, std::string_view step) {
-  if (status == cudaSuccess) {
-    kernels::clear_refusal();
-    return;
-  }
-  ::oom::detail::throw_launch_error(status, fmt::format("lm ends: {}", step));
-}
+/// A launcher's status: the step that failed and why (oom::detail::check_launch); each entry point
+/// forgets any reason left on this thread too (oom/kernels/refusal.hpp).
+void check(cudaError_t status, std::string_view step) { ::oom::detail::check_launch(status, "lm ends", step); }
 
 void require(const void* p, const char* what) {
   if (p == nullptr) invalid(fmt::format("{} is null", what));

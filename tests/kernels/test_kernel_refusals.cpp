@@ -260,6 +260,16 @@ TEST_CASE("throw_launch_error: the layers' checks carry the reason too") {
   }
 }
 
+TEST_CASE("check_launch: a success forgets a reason left behind, a refusal reports its own") {
+  (void)k::rope_forward(fake(), fake<std::int32_t>(), fake(), 4, 0, 128, 64, 1e6f, nullptr);  // unchecked refusal
+  oom::detail::check_launch(cudaSuccess, "lm ends", "embed");
+  CHECK(std::string(k::last_refusal()).empty());
+  CHECK_THROWS_WITH_AS(oom::detail::check_launch(
+                           k::rope_forward(fake(), fake<std::int32_t>(), fake(), 4, 2, 128, 63, 1e6f, nullptr), "lm ends", "rope"),
+                       doctest::Contains("lm ends: rope refused: rope_forward: rotary_dim = 63"), oom::Error);
+  CHECK(std::string(k::last_refusal()).empty());  // taken with the throw
+}
+
 TEST_CASE("optional arrays stay optional") {
   // Only where no device can run the launch: past its checks the launcher fails to launch (no
   // driver, no device) with no reason recorded. With a GPU the fake host arrays would be launched

@@ -17,6 +17,10 @@ namespace oom::detail {
 /// A launcher's failed status as oom::Error: Errc::cuda "<what> failed: <name> (<text>)", or for
 /// a launcher's refusal Errc::invalid_argument "<what> refused: <reason>".
 [[noreturn]] void throw_launch_error(cudaError_t status, std::string_view what);
+/// A layer's check of one launcher's status: a success forgets any refusal reason left on this
+/// thread (so none is blamed on a later step's unrelated error); a failure throws as
+/// throw_launch_error, naming "<owner>: <step>".
+void check_launch(cudaError_t status, std::string_view owner, std::string_view step);
 [[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* expr, const char* file, int line);
 }  // namespace oom::detail
 
