@@ -460,13 +460,17 @@ __global__ void __launch_bounds__(256) attention_backward_dq_convert_kernel(cons
                             static_cast<std::int64_t>(h) * D + ch * 8) = out;
 }
 
+/// Lets `kernel` take `smem_bytes` of dynamic shared memory (a no-op at or below the default 48 KiB).
+/// launch_backward asks this for every kernel it will launch before it queues anything, so a
+/// failure leaves the stream as it was.
+template <class Kernel>
+cudaError_t allow_smem(Kernel* kernel, int smem_bytes) {
+  if (smem_bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+
 template <class Kernel, class... Args>
 cudaError_t launch(Kernel* kernel, dim3 grid, int threads, int smem_bytes, cudaStream_t stream, const Args&... args) {
-  if (smem_bytes > 48 * 1024) {
-    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-        e != cudaSuccess)
-      return e;
-  }
   kernel<<<grid, threads, smem_bytes, stream>>>(args...);
   return cudaGetLastError();
 }
@@ -510,12 +514,20 @@ cudaError_t launch_backward(const BackwardParams& params, int batch, int heads_k
                             cudaStream_t stream) {
   constexpr int D_SPLIT = BackwardShape<D>::d_split, BR_DKDV = BackwardShape<D>::br_dkdv;
   constexpr int BC_DQ = BackwardShape<D>::bc_dq;
+  using Dkdv = DkdvTiles<D, D_SPLIT, BR_DKDV, FUSED_DQ>;
+  using Dq = DqTiles<D, BC_DQ>;
+  if (const cudaError_t e = allow_smem(attention_backward_dkdv_kernel<D, D_SPLIT, BR_DKDV, FUSED_DQ>, Dkdv::smem_bytes);
+      e != cudaSuccess)
+    return e;
+  if constexpr (!FUSED_DQ) {
+    if (const cudaError_t e = allow_smem(attention_backward_dq_kernel<D, BC_DQ>, Dq::smem_bytes); e != cudaSuccess)
+      return e;
+  }
   if (const cudaError_t e = launch_backward_preprocess<D>(params, batch, stream); e != cudaSuccess) return e;
   if constexpr (FUSED_DQ) {
     if (const cudaError_t e = cudaMemsetAsync(params.dq_count, 0, fused.count_bytes, stream); e != cudaSuccess) return e;
   }
 
-  using Dkdv = DkdvTiles<D, D_SPLIT, BR_DKDV, FUSED_DQ>;
   const int kv_blocks = (params.q_end + Dkdv::bc - 1) / Dkdv::bc;
   const dim3 dkdv_grid(static_cast<unsigned>(kv_blocks * D_SPLIT), static_cast<unsigned>(heads_kv),
                        static_cast<unsigned>(batch));
@@ -531,7 +543,6 @@ cudaError_t launch_backward(const BackwardParams& params, int batch, int heads_k
     return launch(attention_backward_dq_convert_kernel<D, BR_DKDV, D_SPLIT>, grid, 256, 0, stream, params,
                   fused.q_tiles, fused.kv_blocks);
   } else {
-    using Dq = DqTiles<D, BC_DQ>;
     const int q_blocks = (params.q_len() + Dq::br - 1) / Dq::br;
     const dim3 dq_grid(static_cast<unsigned>(q_blocks), static_cast<unsigned>(params.heads_q),
                        static_cast<unsigned>(batch));
