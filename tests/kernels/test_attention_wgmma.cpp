@@ -9,8 +9,9 @@
 // separate and packed, and query sub-ranges [q_begin, q_end). O and LSE are poisoned (all bits
 // set) before every run: every entry in the range must be within its bf16 bound, every entry
 // outside it must still be poison.
-// Then a timing report (printed, not asserted) of mma.sync and every schedule at S = 4096, 16384
-// and 65536.
+// At head_dim 256 the same checks for attention_forward_wgmma_d256 (one schedule, run twice for
+// its bits). Then a timing report (printed, not asserted) of mma.sync and every schedule at S =
+// 4096, 16384 and 65536.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
@@ -99,7 +100,7 @@ struct DeviceQkv {
   TokenRows<bf16> q, k, v;
   DeviceQkv(const AttentionDims& d, bool packed, const std::vector<bf16>& hq, const std::vector<bf16>& hk,
             const std::vector<bf16>& hv) {
-    const std::int64_t s = d.seq, nq = std::int64_t{d.heads_q} * kD, nkv = std::int64_t{d.heads_kv} * kD;
+    const std::int64_t s = d.seq, nq = std::int64_t{d.heads_q} * d.head_dim, nkv = std::int64_t{d.heads_kv} * d.head_dim;
     const std::int64_t tokens = std::int64_t{d.batch} * s;
     std::vector<bf16> host(static_cast<std::size_t>(tokens * (nq + 2 * nkv)));
     if (packed) {
@@ -129,6 +130,7 @@ struct Case {
   int batch, seq, heads_q, heads_kv;
   bool packed = false;
   int q_begin = 0, q_end = -1;  // -1: seq
+  int head_dim = kD;            // 256: attention_forward_wgmma_d256 instead of the 2wg schedules
 };
 
 /// What one kernel wrote, downloaded whole.
@@ -158,8 +160,8 @@ void check_against_reference(const char* who, const Written& got, const std::vec
     for (int i = 0; i < d.seq; ++i)
       for (int h = 0; h < d.heads_q; ++h) {
         const bool in_range = i >= q_begin && i < q_end;
-        const std::size_t base = ((static_cast<std::size_t>(b) * d.seq + i) * d.heads_q + h) * kD;
-        for (int x = 0; x < kD; ++x) {
+        const std::size_t base = ((static_cast<std::size_t>(b) * d.seq + i) * d.heads_q + h) * d.head_dim;
+        for (int x = 0; x < d.head_dim; ++x) {
           const bf16 g = got.o[base + x];
           if (!in_range) {
             if (g.bits != 0xFFFF) note(bad_poison, "O[b" + std::to_string(b) + " i" + std::to_string(i) + " h" +
@@ -212,8 +214,8 @@ void check_against_mma(const char* who, const Written& wg, const Written& mma, c
   for (int b = 0; b < c.batch; ++b)
     for (int i = c.q_begin; i < q_end; ++i)
       for (int h = 0; h < c.heads_q; ++h) {
-        const std::size_t base = ((static_cast<std::size_t>(b) * c.seq + i) * c.heads_q + h) * kD;
-        for (int x = 0; x < kD; ++x) {
+        const std::size_t base = ((static_cast<std::size_t>(b) * c.seq + i) * c.heads_q + h) * c.head_dim;
+        for (int x = 0; x < c.head_dim; ++x) {
           const double a = oom::to_float(wg.o[base + x]), m = oom::to_float(mma.o[base + x]);
           const double bound = 2 * (3 * u * o_mag[base + x] + 2 * u * std::abs(o_ref[base + x]) + 1e-7);
           const double diff = std::abs(a - m);
@@ -240,13 +242,14 @@ void check_against_mma(const char* who, const Written& wg, const Written& mma, c
 /// bits.
 void check_case(const Case& c, std::uint64_t seed) {
   require_sm90();
-  const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, kD};
+  const int dim = c.head_dim;
+  const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, dim};
   const int q_end = c.q_end < 0 ? c.seq : c.q_end;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
-  INFO("B=" << c.batch << " S=" << c.seq << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  INFO("D=" << dim << " B=" << c.batch << " S=" << c.seq << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv
             << (c.packed ? " packed" : " separate") << " rows [" << c.q_begin << ", " << q_end << ")");
-  const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * kD;
-  const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * kD;
+  const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * dim;
+  const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * dim;
   const std::size_t nlse = static_cast<std::size_t>(c.batch) * c.heads_q * c.seq;
   const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
 
@@ -259,12 +262,12 @@ void check_case(const Case& c, std::uint64_t seed) {
   oom::reference::attention_error_scales<float>(d, scale, qf, kf, vf, o_ref, no_grad, o_mag, dq_mag, dk_mag, dv_mag);
 
   DeviceQkv in(d, c.packed, q, k, v);
-  AttentionProblem p{.batch = c.batch, .seq = c.seq, .heads_q = c.heads_q, .heads_kv = c.heads_kv, .head_dim = kD,
+  AttentionProblem p{.batch = c.batch, .seq = c.seq, .heads_q = c.heads_q, .heads_kv = c.heads_kv, .head_dim = dim,
                      .softmax_scale = scale};
   p.q_begin = c.q_begin;
   p.q_end = c.q_end;
   REQUIRE(oom::kernels::attention_can_implement(p));
-  const std::int64_t q_row = std::int64_t{c.heads_q} * kD;
+  const std::int64_t q_row = std::int64_t{c.heads_q} * dim;
 
   // One run of the mma.sync kernel (no schedule) or of the wgmma kernel with `schedule`, into
   // poisoned O and LSE.
@@ -282,6 +285,26 @@ void check_case(const Case& c, std::uint64_t seed) {
     return Written{o_buf.download(), lse_buf.download()};
   };
   const Written mma = run(nullptr);
+  if (dim == 256) {  // the head-dim-256 kernel: one schedule, run twice (deterministic: the same bits)
+    const auto run_d256 = [&] {
+      DeviceBuffer<bf16> o_buf(nq);       // poisoned
+      DeviceBuffer<float> lse_buf(nlse);  // poisoned
+      const TokenRows<bf16> o{o_buf.get(), c.seq * q_row, q_row};
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_d256(p, as_const(in.q), as_const(in.k), as_const(in.v),
+                                                                        o, lse_buf.get(), nullptr));
+      OOM_CUDA_CHECK(cudaDeviceSynchronize());
+      return Written{o_buf.download(), lse_buf.download()};
+    };
+    const Written first = run_d256(), again = run_d256();
+    check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
+    check_against_reference("wgmma d256 kernel", first, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
+    check_against_mma("wgmma d256", first, mma, o_ref, lse_ref, o_mag, c, q_end);
+    CHECK_MESSAGE(std::memcmp(first.o.data(), again.o.data(), first.o.size() * sizeof(bf16)) == 0,
+                  "the d256 kernel's O differs between two runs");
+    CHECK_MESSAGE(std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * sizeof(float)) == 0,
+                  "the d256 kernel's LSE differs between two runs");
+    return;
+  }
   std::vector<Written> wg;
   for (const Schedule& sc : kSchedules) wg.push_back(run(&sc));
   check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
@@ -375,6 +398,27 @@ TEST_CASE("attention_forward_wgmma_2wg matches the reference and the mma.sync ke
                        Case{1, 1000, 2, 2, true, 0, 1}, Case{2, 1000, 4, 2, false, 936, 1000},
                        Case{1, 700, 2, 2, false, 64, 600}, Case{1, 300, 4, 2, true, 190, 300}})
     check_case(c, seed += 10);
+}
+
+TEST_CASE("attention_forward_wgmma_d256 matches the reference and the mma.sync kernel; refuses other head dims") {
+  // Whole sequences and query sub-ranges off the 64-key and 128-row tiles (a block's two
+  // warpgroups then meet a key tile's diagonal at different rows), GQA and MHA, packed and
+  // separate Q/K/V, at head_dim 256; each run into poisoned O and LSE.
+  require_sm90();
+  std::uint64_t seed = 900;
+  for (const Case c : {Case{1, 1, 4, 2, false, 0, -1, 256}, Case{2, 17, 4, 2, true, 0, -1, 256},
+                       Case{1, 64, 2, 2, false, 0, -1, 256}, Case{2, 128, 4, 2, false, 0, -1, 256},
+                       Case{1, 1000, 4, 2, true, 0, -1, 256}, Case{1, 2051, 2, 2, false, 0, -1, 256},
+                       Case{1, 1000, 4, 2, false, 333, 700, 256}, Case{2, 200, 4, 2, true, 130, 131, 256},
+                       Case{1, 700, 2, 2, true, 64, 600, 256}, Case{1, 300, 4, 2, false, 190, 300, 256}})
+    check_case(c, seed += 10);
+  // Another head_dim is not this kernel's: cudaErrorNotSupported, nothing written.
+  const AttentionProblem p128{.batch = 1, .seq = 8, .heads_q = 2, .heads_kv = 2, .head_dim = 128, .softmax_scale = 0.1f};
+  DeviceBuffer<bf16> buf(8 * 2 * 256);
+  DeviceBuffer<float> lse(16);
+  const TokenRows<bf16> rows{buf.get(), 8 * 2 * 128, 2 * 128};
+  CHECK(oom::kernels::hopper::attention_forward_wgmma_d256(p128, as_const(rows), as_const(rows), as_const(rows), rows,
+                                                           lse.get(), nullptr) == cudaErrorNotSupported);
 }
 
 TEST_CASE("the TMA schedules on K/V strides a tensor map cannot hold, or holds only by substitution: producer_overlap's bits") {

@@ -89,6 +89,12 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
 /// Returns cudaErrorInvalidValue where attention_backward does (problem, pointer, stride, LSE, workspace size or alignment);
 /// cudaErrorNotSupported for head_dim != 128 or a current device that is not compute capability
 /// 9.0; otherwise the launches' status. No allocation, no synchronisation.
+/// The forward at head_dim 256 (attention_forward_wgmma_d256.cu): the same arguments, results and
+/// error returns as attention_forward_wgmma_2wg (cudaErrorNotSupported for another head_dim or a
+/// device other than compute capability 9.0).
+cudaError_t attention_forward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                         TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream);
+
 cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
                                      TokenRows<const bf16> k,    // (B, S, Hkv, D) bf16

@@ -119,20 +119,21 @@ __device__ __forceinline__ void load_rows_producer(std::uint32_t tile, const __n
   }
 }
 
-/// The same rows into the 128-byte-swizzled layout instead (wgmma Swizzle::b128; `tile` 1024-byte
-/// aligned): the tile's two 64-column halves are ROWS x 128-byte regions, half h at h ROWS 128, row
-/// r at r 128 in it, its 16-byte chunk c at position c ^ (r % 8), which is what the hardware's
-/// swizzle reads (address bits 4-6 XOR bits 7-9). Thread `tid` copies chunk tid % 8 of rows
-/// 16 i + tid / 8: a warp covers 4 rows x 128 contiguous bytes of global memory (4 lines, no sector
-/// split) into 512 contiguous bytes of shared memory (4 wavefronts), where the band layout's
-/// 16-byte core rows split every global sector across two shared-memory lines. Since r % 8 =
-/// (tid / 8) % 8 for every i, each thread's swizzled chunk is fixed and the addresses step by
-/// constants. Rows >= row_end are zero-filled (nothing read for them).
-template <int ROWS>
+/// The same rows (of COLS columns, 128 or 256) into the 128-byte-swizzled layout instead (wgmma
+/// Swizzle::b128; `tile` 1024-byte aligned): the tile's 64-column panels are ROWS x 128-byte
+/// regions, panel h at h ROWS 128, row r at r 128 in it, its 16-byte chunk c at position
+/// c ^ (r % 8), which is what the hardware's swizzle reads (address bits 4-6 XOR bits 7-9). Thread
+/// `tid` copies chunk tid % 8 of every panel of rows 16 i + tid / 8: a warp covers 4 rows x 128
+/// contiguous bytes of global memory per panel (4 lines, no sector split) into 512 contiguous bytes
+/// of shared memory (4 wavefronts), where the band layout's 16-byte core rows split every global
+/// sector across two shared-memory lines. Since r % 8 = (tid / 8) % 8 for every i, each thread's
+/// swizzled chunk is fixed and the addresses step by constants. Rows >= row_end are zero-filled
+/// (nothing read for them).
+template <int ROWS, int COLS = 128>
 __device__ __forceinline__ void load_rows_sw128_producer(std::uint32_t tile, const __nv_bfloat16* base,
                                                          std::int64_t token_stride, int row0, int row_end, int tid) {
-  static_assert(ROWS % 16 == 0 && kWsProducerThreads == 128);
-  constexpr std::uint32_t kHalf = ROWS * 128;  // one 64-column half
+  static_assert(ROWS % 16 == 0 && kWsProducerThreads == 128 && COLS % 64 == 0);
+  constexpr std::uint32_t kHalf = ROWS * 128;  // one 64-column panel
   const int chunk = tid & 7, row = tid >> 3;    // row 0 .. 15 of each 16-row step
   int r = row0 + row;
   // Stepped through the rows, past row_end too: a copy with src-size 0 reads nothing (PTX ISA,
@@ -143,11 +144,13 @@ __device__ __forceinline__ void load_rows_sw128_producer(std::uint32_t tile, con
   const std::int64_t step = 16 * token_stride;
   std::uint32_t dst = tile + static_cast<std::uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
 #pragma unroll 4
-  for (int i = 0; i < ROWS / 16; ++i) {  // both halves of rows r per step: one live address set
+  for (int i = 0; i < ROWS / 16; ++i) {  // every panel of rows r per step: one live address set
     const std::uint32_t bytes = r < row_end ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + kHalf), "l"(src + 64), "r"(bytes)
-                 : "memory");
+#pragma unroll
+    for (int h = 0; h < COLS / 64; ++h)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + h * kHalf), "l"(src + 64 * h),
+                   "r"(bytes)
+                   : "memory");
     r += 16;
     src += step;
     dst += 16 * 128;
