@@ -585,9 +585,10 @@ cudaError_t attention_backward(const AttentionProblem& p, TokenRows<const bf16> 
                                cudaStream_t stream) {
 #if OOM_HAS_SM90A_KERNELS
   // As attention_forward: the wgmma kernels unless they have no code for the case.
-  if (p.head_dim == 128) {
-    const cudaError_t e = hopper::attention_backward_wgmma(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv,
-                                                           workspace, workspace_bytes, stream);
+  if (p.head_dim == 128 || p.head_dim == 256) {
+    const auto wgmma = p.head_dim == 128 ? hopper::attention_backward_wgmma : hopper::attention_backward_wgmma_d256;
+    const cudaError_t e =
+        wgmma(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
     if (e != cudaErrorNotSupported) return e;
   }
 #endif

@@ -145,11 +145,13 @@ __device__ __forceinline__ std::uint64_t kmajor_step_desc(std::uint32_t rows, in
 }
 
 /// acc (64 x 64) = A (64 rows at a_rows of an RA-row tile, K-major) * B^T (64 rows at b_rows of an
-/// RB-row tile, K-major), over the 128 columns: 8 wgmma m64n64k16 SS, not committed.
-template <bool kSw128, int RA, int RB>
+/// RB-row tile, K-major), over the COLS (128 or, swizzled, 256) columns: COLS / 16 wgmma m64n64k16
+/// SS, not committed.
+template <bool kSw128, int RA, int RB, int COLS = kD>
 __device__ __forceinline__ void issue_nt_64x64(float (&acc)[32], std::uint32_t a_rows, std::uint32_t b_rows) {
+  static_assert(COLS == kD || kSw128, "256-column tiles are swizzled only");
 #pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks)
+  for (int ks = 0; ks < COLS / 16; ++ks)
     wgmma_m64n64k16_f32_bf16_ss(acc, kmajor_step_desc<kSw128, RA>(a_rows, ks), kmajor_step_desc<kSw128, RB>(b_rows, ks),
                                 ks > 0 ? 1 : 0);
 }
@@ -594,6 +596,368 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
                  false);
 }
 
+// ---- head_dim 256 (attention_backward_wgmma_d256) ----
+// The same passes and products, in the swizzled layout, with 256-column tiles (four 64-column
+// panels, load_rows_sw128_producer<ROWS, 256>). A warpgroup cannot hold 64 rows x 256 of two fp32
+// outputs (dK and dV: 256 registers), so both warpgroups of a block take the same 64 keys (dK/dV)
+// or 64 query rows (dQ), and warpgroup w keeps only the 128 output columns 128 w .. 128 w + 127:
+// its dV += P^T dO and dK += dS^T Q (or dQ += dS K) read the B tile's panels 2w and 2w + 1. Each
+// warpgroup forms S^T and dP^T (S and dP) itself over all 256 columns (16 k-steps), so those two
+// products are done twice per block: 11 GEMMs of a tile pair's size where the head-dim-128
+// kernels do 7 and the counted backward 5 (docs/hopper.md, "Head dim 256"). Per consumer thread
+// the registers are the head-dim-128 kernels' (S, dP 32 each, two 64-float outputs, fragments).
+// Shared memory: K, V (or Q, dO) tiles of 64 x 256 (32 KiB each) and two stages of the streamed
+// pair: 193 KiB. Per element the same roundings and the same order of sums as the head-dim-128
+// kernels (and bit-identical run to run).
+constexpr int kD256 = 256;
+constexpr int kRows256 = 64;  // keys per dK/dV block, query rows per dQ block, rows of every tile
+constexpr int kStages256 = 2;
+constexpr int kTile256 = kRows256 * kD256 * 2;   // 32 KiB
+constexpr std::uint32_t kPanel256 = kRows256 * 128;  // one 64-column panel of a 64-row tile: 8 KiB
+
+struct Dkdv256Smem {
+  static constexpr int off_k = 0;
+  static constexpr int off_v = off_k + kTile256;
+  static constexpr int off_q = off_v + kTile256;                      // kStages256 tiles
+  static constexpr int off_do = off_q + kStages256 * kTile256;         // kStages256 tiles
+  static constexpr int off_lse2 = off_do + kStages256 * kTile256;      // kStages256 x 64 fp32
+  static constexpr int off_delta = off_lse2 + kStages256 * kDkdvBr * 4;  // kStages256 x 64 fp32
+  static constexpr int off_bar = off_delta + kStages256 * kDkdvBr * 4;   // full_kv, full[], empty[]
+  static constexpr int bytes = off_bar + 8 * (1 + 2 * kStages256);
+};
+struct Dq256Smem {
+  static constexpr int off_q = 0;
+  static constexpr int off_do = off_q + kTile256;
+  static constexpr int off_k = off_do + kTile256;                // kStages256 tiles
+  static constexpr int off_v = off_k + kStages256 * kTile256;     // kStages256 tiles
+  static constexpr int off_bar = off_v + kStages256 * kTile256;   // full_qdo, full[], empty[]
+  static constexpr int bytes = off_bar + 8 * (1 + 2 * kStages256);
+};
+static_assert(kDkdvBr == kRows256, "the dK/dV steps are 64 queries in both head dims");
+
+/// dK, dV of keys [64 nb, 64 nb + 64) of KV head hk, batch b at head_dim 256 (the head-dim-128
+/// dkdv_block's steps, both warpgroups on the same keys, warpgroup w on output columns 128 w ..).
+__device__ __forceinline__ void dkdv_block_d256(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
+  using L = Dkdv256Smem;
+  constexpr int S = kStages256;
+  const int n0 = nb * kRows256;
+  const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
+  const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
+  const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
+
+  const std::uint32_t bars = smem_addr(smem + L::off_bar);
+  const std::uint32_t full_kv = bars;
+  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
+  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
+  if (threadIdx.x == 0) {
+    mbar_init(full_kv, kWsProducerThreads);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), kWsProducerThreads);
+      mbar_init(empty(s), kWsConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last block-wide barrier
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  if (wg == 2) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
+    load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_k),
+                                              p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD256, p.k_token, n0,
+                                              p.seq, tid);
+    load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_v),
+                                              p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD256, p.v_token, n0,
+                                              p.seq, tid);
+    cp_async_mbar_arrive(full_kv);
+    int h = hk * p.group, qb = qb_first, st = 0;
+    std::uint32_t phase = 0;
+    for (int t = 0; t < steps; ++t) {
+      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
+      const int q0 = p.q_begin + qb * kDkdvBr;
+      load_rows_sw128_producer<kDkdvBr, kD256>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTile256),
+                                               p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD256, p.q_token, q0,
+                                               p.q_end, tid);
+      load_rows_sw128_producer<kDkdvBr, kD256>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTile256),
+                                               p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD256, p.do_token,
+                                               q0, p.q_end, tid);
+      {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
+        const int rr = tid % kDkdvBr;
+        const bool valid = q0 + rr < p.q_end;
+        const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (q0 - p.q_begin) + rr;
+        const float* src = (tid < kDkdvBr ? p.lse2 : p.delta) + (valid ? w : 0);
+        const int dst = (tid < kDkdvBr ? L::off_lse2 : L::off_delta) + 4 * (st * kDkdvBr + rr);
+        cp_async_4(smem + dst, src, valid);
+      }
+      cp_async_mbar_arrive(full(st));
+      if (++qb == qb_count) {
+        qb = qb_first;
+        ++h;
+      }
+      if (++st == S) {
+        st = 0;
+        phase ^= 1u;
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    return;
+  }
+
+  // Consumers: both warpgroups own keys n0 .. n0 + 63; warpgroup wg the output columns 128 wg ..
+  setmaxnreg_inc<kConsumerRegs>();
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int c0 = 2 * (lane & 3);
+  const int key_lane = n0 + 16 * warp + (lane >> 2);  // this thread's keys: key_lane, key_lane + 8
+  const std::uint32_t sbase = smem_addr(smem);
+  const std::uint32_t a_k = sbase + L::off_k;
+  const std::uint32_t a_v = a_k + (L::off_v - L::off_k);
+  const std::uint32_t half = static_cast<std::uint32_t>(wg) * 2 * kPanel256;  // the warpgroup's columns in a tile
+
+  float dk[64], dv[64];
+#pragma unroll
+  for (int e = 0; e < 64; ++e) dk[e] = dv[e] = 0.0f;
+  float s[32], dp[32];
+  std::uint32_t pa[4][4], da[4][4];
+
+  mbar_wait(full_kv, 0);
+  static_assert((S & (S - 1)) == 0);
+  const int q_first = p.q_begin + qb_first * kDkdvBr, q_stop = p.q_begin + qb_count * kDkdvBr;
+  int q0 = q_first;
+  for (int t = 0; t < steps; ++t) {
+    const int st = t & (S - 1);
+    mbar_wait(full(st), static_cast<std::uint32_t>(t / S) & 1u);
+    fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
+    const std::uint32_t a_q = sbase + L::off_q + static_cast<std::uint32_t>(st * kTile256);
+    const std::uint32_t a_do = a_q + (L::off_do - L::off_q);
+    const std::uint32_t a_lse2 = sbase + L::off_lse2 + static_cast<std::uint32_t>(4 * (st * kDkdvBr + c0));
+    const std::uint32_t a_delta = a_lse2 + (L::off_delta - L::off_lse2);
+
+    zero(s);
+    zero(dp);
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    wgmma_fence();
+    const std::uint32_t a_kw = opaque(a_k), a_vw = opaque(a_v);
+    issue_nt_64x64<true, kRows256, kDkdvBr, kD256>(s, a_kw, a_q);  // S^T = K Q^T
+    wgmma_commit_group();
+    issue_nt_64x64<true, kRows256, kDkdvBr, kD256>(dp, a_vw, a_do);  // dP^T = V dO^T
+    wgmma_commit_group();
+    wgmma_wait_group<1>();  // S^T done
+    wgmma_fence_operands(s);
+    const bool edge = q0 < n0 + 63 || q0 + kDkdvBr > p.q_end;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 l2 = ld_shared_f2(a_lse2 + 32 * j);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = q0 + 8 * j + c0 + (e & 1);
+        const int key = key_lane + 8 * (e >> 1);
+        const float pe = exp2f(fmaf(s[4 * j + e], p.scale_log2, -((e & 1) ? l2.y : l2.x)));
+        s[4 * j + e] = (edge && (qi < key || qi >= p.q_end)) ? 0.0f : pe;
+      }
+    }
+    pack_fragments(pa, s);
+    fence_fragments(pa);
+    wgmma_fence_operands(dv);
+    wgmma_fence();
+    issue_rs_64x128<true>(dv, pa, a_do + half);  // dV (columns 128 wg ..) += P^T dO
+    wgmma_commit_group();
+
+    wgmma_wait_group<1>();  // dP^T done; dV may still run
+    wgmma_fence_operands(dp);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int e0 = 8 * ks + 2 * r;
+        const float2 dl = ld_shared_f2(a_delta + 32 * (e0 / 4));
+        da[ks][r] = pack_bf16(s[e0] * (dp[e0] - dl.x), s[e0 + 1] * (dp[e0 + 1] - dl.y));
+      }
+    fence_fragments(da);
+    wgmma_fence_operands(dk);
+    wgmma_fence();
+    issue_rs_64x128<true>(dk, da, a_q + half);  // dK (columns 128 wg ..) += dS^T Q
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dk);
+    wgmma_fence_operands(dv);
+    fence_fragments(pa);
+    fence_fragments(da);
+    mbar_arrive(empty(st));
+
+    q0 += kDkdvBr;
+    if (q0 == q_stop) q0 = q_first;
+  }
+
+  const std::int64_t col = static_cast<std::int64_t>(hk) * kD256 + 128 * wg;
+  store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale, p.accumulate_dkv);
+  store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, p.accumulate_dkv);
+}
+
+/// dQ of query rows [q_begin + 64 qb, + 64) of query head h, batch b at head_dim 256 (the
+/// head-dim-128 dq_block's steps, both warpgroups on the same rows, warpgroup w on dQ columns 128 w ..).
+__device__ __forceinline__ void dq_block_d256(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
+  using L = Dq256Smem;
+  constexpr int S = kStages256;
+  const int hk = h / p.group;
+  const int q0 = p.q_begin + qb * kRows256;
+  const int q_last = min(q0 + kRows256, p.q_end) - 1;
+  const int n_kv = q_last / kRows256 + 1;  // key tiles 0 .. the one holding q_last
+
+  const std::uint32_t bars = smem_addr(smem + L::off_bar);
+  const std::uint32_t full_qdo = bars;
+  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
+  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
+  if (threadIdx.x == 0) {
+    mbar_init(full_qdo, kWsProducerThreads);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), kWsProducerThreads);
+      mbar_init(empty(s), kWsConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last block-wide barrier
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  if (wg == 2) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
+    load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_q),
+                                              p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD256, p.q_token, q0,
+                                              p.q_end, tid);
+    load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_do),
+                                              p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD256, p.do_token,
+                                              q0, p.q_end, tid);
+    cp_async_mbar_arrive(full_qdo);
+    const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD256;
+    const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD256;
+    int st = 0;
+    std::uint32_t phase = 0;
+    for (int t = 0; t < n_kv; ++t) {
+      if (t >= S) mbar_wait(empty(st), phase ^ 1u);
+      load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTile256),
+                                                k_g, p.k_token, t * kRows256, p.seq, tid);
+      load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTile256),
+                                                v_g, p.v_token, t * kRows256, p.seq, tid);
+      cp_async_mbar_arrive(full(st));
+      if (++st == S) {
+        st = 0;
+        phase ^= 1u;
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  // Consumers: both warpgroups own query rows q0 .. q0 + 63; warpgroup wg the dQ columns 128 wg ..
+  setmaxnreg_inc<kConsumerRegs>();
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+  const int c0 = 2 * (lane & 3);
+  const int row_lane = q0 + 16 * warp + (lane >> 2);  // this thread's rows: row_lane, row_lane + 8
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = row_lane + 8 * hf;
+    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
+    lse2[hf] = i < p.q_end ? p.lse2[w] : INFINITY;
+    delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
+  }
+  const std::uint32_t a_q = smem_addr(smem + L::off_q), a_do = smem_addr(smem + L::off_do);
+  const std::uint32_t a_k0 = smem_addr(smem + L::off_k), a_v0 = smem_addr(smem + L::off_v);
+  const std::uint32_t half = static_cast<std::uint32_t>(wg) * 2 * kPanel256;
+
+  float dq[64];
+#pragma unroll
+  for (int e = 0; e < 64; ++e) dq[e] = 0.0f;
+  // s, dp zeroed at the top of each tile (as the dK/dV blocks do), so they are dead between the dS
+  // packing and the next tile: defined once before the loop they spilled 8 bytes here.
+  float s[32], dp[32];
+  std::uint32_t da[4][4];
+
+  mbar_wait(full_qdo, 0);
+  int st = 0;
+  std::uint32_t phase = 0;
+  for (int j = 0; j < n_kv; ++j) {
+    mbar_wait(full(st), phase);
+    fence_proxy_async_shared();
+    const std::uint32_t a_k = a_k0 + static_cast<std::uint32_t>(st * kTile256);
+    const std::uint32_t a_v = a_v0 + static_cast<std::uint32_t>(st * kTile256);
+    const int n0 = j * kRows256;
+
+    zero(s);
+    zero(dp);
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    wgmma_fence();
+    // Q, dO addresses made opaque per tile, so their 32 descriptors are rebuilt, not held.
+    issue_nt_64x64<true, kRows256, kRows256, kD256>(s, opaque(a_q), a_k);  // S = Q K^T
+    wgmma_commit_group();
+    issue_nt_64x64<true, kRows256, kRows256, kD256>(dp, opaque(a_do), a_v);  // dP = dO V^T
+    wgmma_commit_group();
+
+    wgmma_wait_group<1>();  // S done
+    wgmma_fence_operands(s);
+    const bool edge = n0 + kRows256 - 1 > q0;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_lane + 8 * (e >> 1);
+        const int key = n0 + 8 * jj + c0 + (e & 1);
+        const float pe = exp2f(fmaf(s[4 * jj + e], p.scale_log2, -lse2[e >> 1]));
+        s[4 * jj + e] = (edge && key > i) ? 0.0f : pe;
+      }
+    wgmma_wait_group<0>();  // dP done
+    wgmma_fence_operands(dp);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) s[e] *= dp[e] - delta[(e >> 1) & 1];  // dS
+    pack_fragments(da, s);
+    fence_fragments(da);
+    wgmma_fence_operands(dq);
+    wgmma_fence();
+    issue_rs_64x128<true>(dq, da, a_k + half);  // dQ (columns 128 wg ..) += dS K
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dq);
+    fence_fragments(da);
+    mbar_arrive(empty(st));
+
+    if (++st == S) {
+      st = 0;
+      phase ^= 1u;
+    }
+  }
+
+  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * kD256 + 128 * wg, p.dq_token, q0, p.q_end,
+                 p.scale, false);
+}
+
+constexpr int kBackwardSmem256 = (Dkdv256Smem::bytes > Dq256Smem::bytes ? Dkdv256Smem::bytes : Dq256Smem::bytes) + 1024;
+static_assert(kBackwardSmem256 <= 227 * 1024);
+
+/// Passes 2 and 3 at head_dim 256 in one grid, ordered as attention_backward_wgmma_kernel's.
+__global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_d256_kernel(const BackwardParams p, int kv_blocks,
+                                                                                     int dkdv_blocks, int q_blocks) {
+#if OOM_WGMMA_SM90A
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // swizzle: 1 KiB aligned
+  const int i = static_cast<int>(blockIdx.x);
+  if (i < dkdv_blocks) {
+    const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;
+    dkdv_block_d256(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
+  } else {
+    const int j = i - dkdv_blocks, rest = j / q_blocks;
+    dq_block_d256(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
+  }
+#else
+  (void)p;
+  (void)kv_blocks;
+  (void)dkdv_blocks;
+  (void)q_blocks;
+  __trap();
+#endif
+}
+
 /// The shared memory of either block kind, plus (kSw128) the 1 KiB that aligning it may take.
 template <bool kSw128>
 constexpr int kBackwardSmem =
@@ -633,15 +997,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
 #endif
 }
 
-/// attention_backward_wgmma with the tiles in the swizzled (kSw128) or band layout.
-template <bool kSw128>
+/// attention_backward_wgmma with the tiles in the swizzled (kSw128) or band layout; with
+/// kHeadDim 256, attention_backward_wgmma_d256 (swizzled only).
+template <bool kSw128, int kHeadDim = kD>
 cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                      TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
                      TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv, bool accumulate_dkv, void* workspace,
                      std::size_t workspace_bytes, cudaStream_t stream) {
   using namespace attention_detail;
   if (const cudaError_t e = check_problem("attention_backward", p); e != cudaSuccess) return e;
-  if (p.head_dim != kD) return cudaErrorNotSupported;
+  static_assert(kHeadDim == kD || (kHeadDim == kD256 && kSw128));
+  if (p.head_dim != kHeadDim) return cudaErrorNotSupported;
   if (p.query_end() == p.q_begin) return cudaSuccess;
   if (const cudaError_t e = check_backward_args("attention_backward", q, k, v, o, d_o, lse, dq, dk, dv, workspace,
                                                 workspace_bytes, attention_backward_workspace_bytes(p),
@@ -652,19 +1018,20 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
 
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   // Every refusal before the first launch, so a refused call leaves nothing queued.
-  const std::int64_t kv_blocks = (params.q_end + kDkdvKeys - 1) / kDkdvKeys;
-  const std::int64_t q_blocks = (params.q_len() + kDqRows - 1) / kDqRows;
+  constexpr int kKeys = kHeadDim == kD ? kDkdvKeys : kRows256, kQRows = kHeadDim == kD ? kDqRows : kRows256;
+  const std::int64_t kv_blocks = (params.q_end + kKeys - 1) / kKeys;
+  const std::int64_t q_blocks = (params.q_len() + kQRows - 1) / kQRows;
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;
   if (dkdv_blocks + dq_blocks > std::numeric_limits<int>::max())  // beyond any that fits
     return ::oom::kernels::detail::refuse("attention_backward: ", dkdv_blocks + dq_blocks, " blocks exceed 2^31 - 1");
-  auto* kernel = attention_backward_wgmma_kernel<kSw128>;
-  if (const cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmem<kSw128>);
+  auto* kernel = kHeadDim == kD ? attention_backward_wgmma_kernel<kSw128> : attention_backward_wgmma_d256_kernel;
+  constexpr int kSmem = kHeadDim == kD ? kBackwardSmem<kSw128> : kBackwardSmem256;
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
       e != cudaSuccess)
     return e;
 
-  if (const cudaError_t e = launch_backward_preprocess<kD>(params, p.batch, stream); e != cudaSuccess) return e;
-  kernel<<<static_cast<unsigned>(dkdv_blocks + dq_blocks), kWsThreads, kBackwardSmem<kSw128>, stream>>>(
+  if (const cudaError_t e = launch_backward_preprocess<kHeadDim>(params, p.batch, stream); e != cudaSuccess) return e;
+  kernel<<<static_cast<unsigned>(dkdv_blocks + dq_blocks), kWsThreads, kSmem, stream>>>(
       params, static_cast<int>(kv_blocks), static_cast<int>(dkdv_blocks), static_cast<int>(q_blocks));
   return cudaGetLastError();
 }
@@ -677,6 +1044,14 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const 
                                      bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream) {
   return backward<true>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+}
+
+cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                          TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                          const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                          bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                          cudaStream_t stream) {
+  return backward<true, kD256>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 cudaError_t attention_backward_wgmma_band(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,

@@ -112,6 +112,15 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p,
 /// attention_backward_wgmma with every shared-memory tile in the no-swizzle band layout (the
 /// layout before the eighth session): the same products in the same order, so the same bits.
 /// Kept for test_attention_backward_wgmma, which checks that and times the two layouts.
+/// The backward at head_dim 256 (attention_backward_wgmma.cu, "head_dim 256"): the same arguments,
+/// results, workspace and error returns as attention_backward_wgmma (cudaErrorNotSupported for
+/// another head_dim or a device other than compute capability 9.0).
+cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                          TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                          const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                          bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                          cudaStream_t stream);
+
 cudaError_t attention_backward_wgmma_band(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                           TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
                                           const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
