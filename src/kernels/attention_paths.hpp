@@ -1,6 +1,6 @@
 // The attention entry points of include/oom/kernels/attention.hpp pick an implementation by device
-// (the wgmma kernels of src/kernels/hopper on compute capability 9.0, when the build has them: the
-// forward at head_dim 128 and 256, the backward at 128; the mma.sync kernels everywhere else). These private declarations reach the
+// (the wgmma kernels of src/kernels/hopper on compute capability 9.0 at head_dim 128 and 256, when
+// the build has them; the mma.sync kernels everywhere else). These private declarations reach the
 // mma.sync implementations directly, whatever the device, so tests and benchmarks can set the two
 // side by side on one GPU. Same arguments, results and error returns as the public functions.
 #pragma once

@@ -1,4 +1,5 @@
-// Causal GQA flash-attention backward on Hopper wgmma, head_dim 128: hopper::attention_backward_wgmma,
+// Causal GQA flash-attention backward on Hopper wgmma, head_dim 128 (and 256: the section "head_dim
+// 256" below, hopper::attention_backward_wgmma_d256): hopper::attention_backward_wgmma,
 // the same arguments, results contract and error returns as oom::kernels::attention_backward
 // (attention_backward.cu, whose header comment describes the algorithm). The same three passes:
 //   1. preprocess: the very kernel of attention_backward (attention_backward_common.cuh), same
