@@ -344,7 +344,8 @@ TEST_CASE("attention_backward_wgmma_d256 matches the reference and the mma.sync 
   std::uint64_t seed = 1500;
   for (const AttentionDims d : {AttentionDims{1, 1, 4, 2, 256}, AttentionDims{2, 17, 4, 2, 256},
                                 AttentionDims{1, 64, 2, 2, 256}, AttentionDims{2, 128, 4, 2, 256},
-                                AttentionDims{1, 1000, 4, 2, 256}, AttentionDims{1, 2051, 2, 2, 256}})
+                                AttentionDims{1, 1000, 4, 2, 256}, AttentionDims{1, 2051, 2, 2, 256},
+                                AttentionDims{1, 700, 16, 2, 256}})  // the hybrid models' 16 / 2 heads
     check_whole(d, d.seq % 2 == 0, seed += 10);
   check_whole(AttentionDims{1, 1000, 4, 2, 256}, true, 1600, {0, 333, 600});
   check_whole(AttentionDims{1, 300, 4, 2, 256}, false, 1610, {0, 63, 65, 190});

@@ -410,7 +410,8 @@ TEST_CASE("attention_forward_wgmma_d256 matches the reference and the mma.sync k
                        Case{1, 64, 2, 2, false, 0, -1, 256}, Case{2, 128, 4, 2, false, 0, -1, 256},
                        Case{1, 1000, 4, 2, true, 0, -1, 256}, Case{1, 2051, 2, 2, false, 0, -1, 256},
                        Case{1, 1000, 4, 2, false, 333, 700, 256}, Case{2, 200, 4, 2, true, 130, 131, 256},
-                       Case{1, 700, 2, 2, true, 64, 600, 256}, Case{1, 300, 4, 2, false, 190, 300, 256}})
+                       Case{1, 700, 2, 2, true, 64, 600, 256}, Case{1, 300, 4, 2, false, 190, 300, 256},
+                       Case{1, 700, 16, 2, false, 0, -1, 256}})  // the hybrid models' 16 / 2 heads
     check_case(c, seed += 10);
   // Another head_dim is not this kernel's: cudaErrorNotSupported, nothing written.
   const AttentionProblem p128{.batch = 1, .seq = 8, .heads_q = 2, .heads_kv = 2, .head_dim = 128, .softmax_scale = 0.1f};

@@ -115,8 +115,6 @@ constexpr std::uint32_t kKmLbo = 128, kKmSbo = kBandBytes, kKmStep = 256;
 constexpr std::uint32_t kMnLbo = kBandBytes, kMnSbo = 128, kMnStep = 2 * kBandBytes;
 constexpr std::uint32_t kWg64Rows = 64 / 8 * kBandBytes;  // 64 rows of a tile: 16 KiB
 
-template <int ROWS>
-constexpr int kTileBytes = ROWS * kD * 2;
 
 __device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t addr) { return encode_smem_desc(addr, kKmLbo, kKmSbo); }
 __device__ __forceinline__ std::uint64_t mnmajor_desc(std::uint32_t addr) { return encode_smem_desc(addr, kMnLbo, kMnSbo); }
@@ -232,10 +230,7 @@ __device__ __forceinline__ void store_acc_rows(const float (&acc)[64], __nv_bflo
 
 // ---- dK/dV and dQ ----
 
-constexpr int kDkdvKeys = 128;  // keys per dK/dV block, 64 per warpgroup
-constexpr int kDkdvBr = 64;     // queries per dK/dV step
-constexpr int kDqRows = 128;    // query rows per dQ block, 64 per warpgroup
-constexpr int kDqBc = 64;       // keys per dQ tile
+constexpr int kDkdvBr = 64;  // queries per dK/dV step (both head dims)
 
 /// Two consecutive fp32 of shared memory at a shared-space address (8-byte aligned).
 __device__ __forceinline__ float2 ld_shared_f2(std::uint32_t addr) {
@@ -251,28 +246,77 @@ __device__ __forceinline__ std::uint32_t opaque(std::uint32_t x) {
   return y;
 }
 
-constexpr int kDkdvStages = 4;  // (Q, dO, LSE2, D) stages
-struct DkdvWsSmem {
-  static constexpr int off_k = 0;
-  static constexpr int off_v = off_k + kTileBytes<kDkdvKeys>;
-  static constexpr int off_q = off_v + kTileBytes<kDkdvKeys>;                // kDkdvStages tiles
-  static constexpr int off_do = off_q + kDkdvStages * kTileBytes<kDkdvBr>;   // kDkdvStages tiles
-  static constexpr int off_lse2 = off_do + kDkdvStages * kTileBytes<kDkdvBr>;  // kDkdvStages x 64 fp32
-  static constexpr int off_delta = off_lse2 + kDkdvStages * kDkdvBr * 4;      // kDkdvStages x 64 fp32
-  static constexpr int off_bar = off_delta + kDkdvStages * kDkdvBr * 4;       // full_kv, full[], empty[]
-  static constexpr int bytes = off_bar + 8 * (1 + 2 * kDkdvStages);
+/// The tiles of one head dim's blocks (the section "head_dim 256" below says why they differ).
+///   dkdv_keys: keys per dK/dV block; dq_rows, dq_bc: query rows per dQ block, keys per dQ tile;
+///   shared_rows: false: warpgroup w takes rows 64 w .. of the block and all 128 output columns;
+///                true:  both warpgroups take the block's 64 rows, warpgroup w output columns
+///                       128 w .. 128 w + 127 (its RS products read the B tile's panels 2w, 2w + 1).
+template <int HD>
+struct BwdTiles;
+template <>
+struct BwdTiles<128> {
+  static constexpr int dkdv_keys = 128, dq_rows = 128, dq_bc = 64, dkdv_stages = 4, dq_stages = 4;
+  static constexpr bool shared_rows = false;
 };
-static_assert(DkdvWsSmem::off_bar == 194 * 1024 && DkdvWsSmem::bytes <= 227 * 1024);
+template <>
+struct BwdTiles<256> {
+  static constexpr int dkdv_keys = 64, dq_rows = 64, dq_bc = 64, dkdv_stages = 2, dq_stages = 2;
+  static constexpr bool shared_rows = true;
+};
 
-/// dK, dV of keys [128 nb, 128 nb + 128) of KV head hk, batch b (pass 2): one block of the fused
-/// kernel below, `smem` its DkdvWsSmem. `p` by value, as a kernel parameter: taken by reference
-/// (its address escapes), the causal/q_end masking of P^T compiled to a branch per element instead
-/// of selects, and the kernel ran 0.87-0.92x at S = 16K-64K on the H200.
-template <bool kSw128>
+/// A tile of R rows x HD columns, bf16.
+template <int R, int HD>
+constexpr int kTileBytes = R * HD * 2;
+
+template <int HD>
+struct DkdvWsSmem {
+  using T = BwdTiles<HD>;
+  static constexpr int S = T::dkdv_stages;  // (Q, dO, LSE2, D) stages
+  static constexpr int off_k = 0;
+  static constexpr int off_v = off_k + kTileBytes<T::dkdv_keys, HD>;
+  static constexpr int off_q = off_v + kTileBytes<T::dkdv_keys, HD>;       // S tiles
+  static constexpr int off_do = off_q + S * kTileBytes<kDkdvBr, HD>;       // S tiles
+  static constexpr int off_lse2 = off_do + S * kTileBytes<kDkdvBr, HD>;    // S x 64 fp32
+  static constexpr int off_delta = off_lse2 + S * kDkdvBr * 4;              // S x 64 fp32
+  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;               // full_kv, full[], empty[]
+  static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
+};
+static_assert(DkdvWsSmem<128>::off_bar == 194 * 1024 && DkdvWsSmem<128>::bytes <= 227 * 1024);
+static_assert(DkdvWsSmem<256>::off_bar == 193 * 1024);
+
+/// The warpgroup's keys (dK/dV) or query rows (dQ) start at this row of the block, and its output
+/// columns at this column of the head.
+template <int HD>
+__device__ __forceinline__ int wg_row(int wg) {
+  return BwdTiles<HD>::shared_rows ? 0 : 64 * wg;
+}
+template <int HD>
+__device__ __forceinline__ int wg_col(int wg) {
+  return BwdTiles<HD>::shared_rows ? 128 * wg : 0;
+}
+
+/// Rows [row0, row0 + ROWS) of a strided global (rows, HD) bf16 matrix (HD 256: swizzled only).
+template <bool kSw128, int ROWS, int HD>
+__device__ __forceinline__ void load_rows_d(std::uint32_t tile, const __nv_bfloat16* base, std::int64_t token_stride,
+                                            int row0, int row_end, int tid) {
+  static_assert(HD == kD || kSw128, "256-column tiles are swizzled only");
+  if constexpr (HD == kD)
+    load_rows<kSw128, ROWS>(tile, base, token_stride, row0, row_end, tid);
+  else
+    load_rows_sw128_producer<ROWS, HD>(tile, base, token_stride, row0, row_end, tid);
+}
+
+/// dK, dV of keys [K nb, K nb + K) of KV head hk, batch b (pass 2; K = BwdTiles<HD>::dkdv_keys):
+/// one block of the fused kernel below, `smem` its DkdvWsSmem<HD>. `p` by value, as a kernel
+/// parameter: taken by reference (its address escapes), the causal/q_end masking of P^T compiled
+/// to a branch per element instead of selects, and the kernel ran 0.87-0.92x at S = 16K-64K on
+/// the H200.
+template <bool kSw128, int HD>
 __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
-  using L = DkdvWsSmem;
-  constexpr int S = kDkdvStages;
-  const int n0 = nb * kDkdvKeys;
+  using L = DkdvWsSmem<HD>;
+  using T = BwdTiles<HD>;
+  constexpr int S = L::S;
+  const int n0 = nb * T::dkdv_keys;
   const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
   const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
   const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
@@ -298,21 +342,24 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows<kSw128, kDkdvKeys>(smem_addr(smem + L::off_k), p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD,
-                                  p.k_token, n0, p.seq, tid);
-    load_rows<kSw128, kDkdvKeys>(smem_addr(smem + L::off_v), p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD,
-                                  p.v_token, n0, p.seq, tid);
+    load_rows_d<kSw128, T::dkdv_keys, HD>(smem_addr(smem + L::off_k),
+                                          p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0, p.seq,
+                                          tid);
+    load_rows_d<kSw128, T::dkdv_keys, HD>(smem_addr(smem + L::off_v),
+                                          p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token, n0, p.seq,
+                                          tid);
     cp_async_mbar_arrive(full_kv);
     int h = hk * p.group, qb = qb_first, st = 0;
     std::uint32_t phase = 0;
     for (int t = 0; t < steps; ++t) {
       if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
       const int q0 = p.q_begin + qb * kDkdvBr;
-      load_rows<kSw128, kDkdvBr>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>),
-                                  p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD, p.q_token, q0, p.q_end, tid);
-      load_rows<kSw128, kDkdvBr>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>),
-                                  p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0, p.q_end,
-                                  tid);
+      load_rows_d<kSw128, kDkdvBr, HD>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+                                       p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end,
+                                       tid);
+      load_rows_d<kSw128, kDkdvBr, HD>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+                                       p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
+                                       p.q_end, tid);
       {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
         const int rr = tid % kDkdvBr;
         const bool valid = q0 + rr < p.q_end;
@@ -335,21 +382,24 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     return;
   }
 
-  // Consumers: warpgroup wg owns keys n0 + 64 wg .. n0 + 64 wg + 63.
+  // Consumers: warpgroup wg owns keys key_wg .. key_wg + 63 (its own 64, or with shared_rows the
+  // block's) and output columns wg_col .. wg_col + 127.
   setmaxnreg_inc<kConsumerRegs>();
   const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
   const int c0 = 2 * (lane & 3);                          // fragment column offset in an 8-column block
-  const int key_wg = n0 + 64 * wg;                        // the warpgroup's first key
+  const int key_wg = n0 + wg_row<HD>(wg);                 // the warpgroup's first key
   const int key_lane = key_wg + 16 * warp + (lane >> 2);  // this thread's keys: key_lane, key_lane + 8
   // Every shared address as one 32-bit base plus constants (LSE2, D read with ld.shared from it):
   // no 64-bit generic pointers live across the loop.
   const std::uint32_t sbase = smem_addr(smem);
-  const std::uint32_t a_k = sbase + L::off_k + wg * kWgRowsOffset<kSw128>;
+  const std::uint32_t a_k = sbase + L::off_k + (T::shared_rows ? 0u : wg * kWgRowsOffset<kSw128>);
   const std::uint32_t a_v = a_k + (L::off_v - L::off_k);
+  // The warpgroup's output columns in a 64-row B tile: panels 2 wg, 2 wg + 1 (shared_rows only).
+  const std::uint32_t half = T::shared_rows ? static_cast<std::uint32_t>(wg) * 2 * (64 * 128) : 0u;
 
-  float dk[kD / 2], dv[kD / 2];
+  float dk[64], dv[64];
 #pragma unroll
-  for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
+  for (int e = 0; e < 64; ++e) dk[e] = dv[e] = 0.0f;
   // s, dp are zeroed at the top of each step (nothing is in flight there), so they are dead
   // from the dS^T packing to the next step: 240 registers suffice (defining them once before the
   // loop keeps them live across it, as the wgmmas read their accumulators: 16 bytes of spills).
@@ -366,7 +416,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     const int st = t & (S - 1);
     mbar_wait(full(st), static_cast<std::uint32_t>(t / S) & 1u);
     fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
-    const std::uint32_t a_q = sbase + L::off_q + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr>);
+    const std::uint32_t a_q = sbase + L::off_q + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>);
     const std::uint32_t a_do = a_q + (L::off_do - L::off_q);
     // LSE2, D of the stage, column c0 of 8-column block 0 (block j: + 32 j bytes)
     const std::uint32_t a_lse2 = sbase + L::off_lse2 + static_cast<std::uint32_t>(4 * (st * kDkdvBr + c0));
@@ -380,9 +430,9 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     // K, V addresses made opaque per step, so the compiler does not hoist their 16 descriptors
     // out of the loop (16 registers held across it: spills at 240).
     const std::uint32_t a_kw = opaque(a_k), a_vw = opaque(a_v);
-    issue_nt_64x64<kSw128, kDkdvKeys, kDkdvBr>(s, a_kw, a_q);  // S^T = K_w Q^T
+    issue_nt_64x64<kSw128, T::dkdv_keys, kDkdvBr, HD>(s, a_kw, a_q);  // S^T = K_w Q^T
     wgmma_commit_group();
-    issue_nt_64x64<kSw128, kDkdvKeys, kDkdvBr>(dp, a_vw, a_do);  // dP^T = V_w dO^T
+    issue_nt_64x64<kSw128, T::dkdv_keys, kDkdvBr, HD>(dp, a_vw, a_do);  // dP^T = V_w dO^T
     wgmma_commit_group();
     wgmma_wait_group<1>();  // S^T done
     wgmma_fence_operands(s);
@@ -404,7 +454,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     fence_fragments(pa);
     wgmma_fence_operands(dv);
     wgmma_fence();
-    issue_rs_64x128<kSw128>(dv, pa, a_do);  // dV += P^T dO
+    issue_rs_64x128<kSw128>(dv, pa, a_do + half);  // dV += P^T dO
     wgmma_commit_group();
 
     wgmma_wait_group<1>();  // dP^T done; dV may still run
@@ -422,7 +472,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     fence_fragments(da);
     wgmma_fence_operands(dk);
     wgmma_fence();
-    issue_rs_64x128<kSw128>(dk, da, a_q);  // dK += dS^T Q (scaled at the end)
+    issue_rs_64x128<kSw128>(dk, da, a_q + half);  // dK += dS^T Q (scaled at the end)
     wgmma_commit_group();
     wgmma_wait_group<0>();
     wgmma_fence_operands(dk);
@@ -435,33 +485,45 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     if (q0 == q_stop) q0 = q_first;
   }
 
-  store_acc_rows(dk, p.dk + b * p.dk_batch + static_cast<std::int64_t>(hk) * kD, p.dk_token, key_wg, p.q_end, p.scale,
-                 p.accumulate_dkv);
-  store_acc_rows(dv, p.dv + b * p.dv_batch + static_cast<std::int64_t>(hk) * kD, p.dv_token, key_wg, p.q_end, 1.0f,
-                 p.accumulate_dkv);
+  // (The two forms of the column offset are the same value; each is the one its head dim's kernel
+  // was verified with on the H200, kept so that both compile to the very PTX that ran.)
+  const std::int64_t col = static_cast<std::int64_t>(hk) * HD + wg_col<HD>(wg);
+  if constexpr (T::shared_rows) {
+    store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, p.accumulate_dkv);
+    store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, p.accumulate_dkv);
+  } else {
+    store_acc_rows(dk, p.dk + b * p.dk_batch + static_cast<std::int64_t>(hk) * HD, p.dk_token, key_wg, p.q_end, p.scale,
+                   p.accumulate_dkv);
+    store_acc_rows(dv, p.dv + b * p.dv_batch + static_cast<std::int64_t>(hk) * HD, p.dv_token, key_wg, p.q_end, 1.0f,
+                   p.accumulate_dkv);
+  }
 }
 
-constexpr int kDqStages = 4;  // (K, V) stages
+template <int HD>
 struct DqWsSmem {
+  using T = BwdTiles<HD>;
+  static constexpr int S = T::dq_stages;  // (K, V) stages
   static constexpr int off_q = 0;
-  static constexpr int off_do = off_q + kTileBytes<kDqRows>;
-  static constexpr int off_k = off_do + kTileBytes<kDqRows>;              // kDqStages tiles
-  static constexpr int off_v = off_k + kDqStages * kTileBytes<kDqBc>;     // kDqStages tiles
-  static constexpr int off_bar = off_v + kDqStages * kTileBytes<kDqBc>;   // full_qdo, full[], empty[]
-  static constexpr int bytes = off_bar + 8 * (1 + 2 * kDqStages);
+  static constexpr int off_do = off_q + kTileBytes<T::dq_rows, HD>;
+  static constexpr int off_k = off_do + kTileBytes<T::dq_rows, HD>;       // S tiles
+  static constexpr int off_v = off_k + S * kTileBytes<T::dq_bc, HD>;      // S tiles
+  static constexpr int off_bar = off_v + S * kTileBytes<T::dq_bc, HD>;    // full_qdo, full[], empty[]
+  static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
-static_assert(DqWsSmem::off_bar == 192 * 1024 && DqWsSmem::bytes <= 227 * 1024);
+static_assert(DqWsSmem<128>::off_bar == 192 * 1024 && DqWsSmem<128>::bytes <= 227 * 1024);
+static_assert(DqWsSmem<256>::off_bar == 192 * 1024);
 
-/// dQ of query rows [q_begin + 128 qb, + 128) of query head h, batch b (pass 3): one block of the
-/// fused kernel below, `smem` its DqWsSmem.
-template <bool kSw128>
+/// dQ of query rows [q_begin + R qb, + R) of query head h, batch b (pass 3; R =
+/// BwdTiles<HD>::dq_rows): one block of the fused kernel below, `smem` its DqWsSmem<HD>.
+template <bool kSw128, int HD>
 __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
-  using L = DqWsSmem;
-  constexpr int S = kDqStages;
+  using L = DqWsSmem<HD>;
+  using T = BwdTiles<HD>;
+  constexpr int S = L::S;
   const int hk = h / p.group;
-  const int q0 = p.q_begin + qb * kDqRows;
-  const int q_last = min(q0 + kDqRows, p.q_end) - 1;
-  const int n_kv = q_last / kDqBc + 1;  // key tiles 0 .. the one holding q_last
+  const int q0 = p.q_begin + qb * T::dq_rows;
+  const int q_last = min(q0 + T::dq_rows, p.q_end) - 1;
+  const int n_kv = q_last / T::dq_bc + 1;  // key tiles 0 .. the one holding q_last
 
   // Key tile t in stage t % S, its (t / S)-th use (as in the dK/dV kernel).
   const std::uint32_t bars = smem_addr(smem + L::off_bar);
@@ -482,22 +544,22 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows<kSw128, kDqRows>(smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD,
-                                p.q_token, q0, p.q_end, tid);
-    load_rows<kSw128, kDqRows>(smem_addr(smem + L::off_do),
-                                p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD, p.do_token, q0, p.q_end,
-                                tid);
+    load_rows_d<kSw128, T::dq_rows, HD>(smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD,
+                                        p.q_token, q0, p.q_end, tid);
+    load_rows_d<kSw128, T::dq_rows, HD>(smem_addr(smem + L::off_do),
+                                        p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
+                                        p.q_end, tid);
     cp_async_mbar_arrive(full_qdo);
-    const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD;
-    const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD;
+    const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD;
+    const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD;
     int st = 0;
     std::uint32_t phase = 0;
     for (int t = 0; t < n_kv; ++t) {
       if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      load_rows<kSw128, kDqBc>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>), k_g,
-                                p.k_token, t * kDqBc, p.seq, tid);
-      load_rows<kSw128, kDqBc>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>), v_g,
-                                p.v_token, t * kDqBc, p.seq, tid);
+      load_rows_d<kSw128, T::dq_bc, HD>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>),
+                                        k_g, p.k_token, t * T::dq_bc, p.seq, tid);
+      load_rows_d<kSw128, T::dq_bc, HD>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>),
+                                        v_g, p.v_token, t * T::dq_bc, p.seq, tid);
       cp_async_mbar_arrive(full(st));
       if (++st == S) {
         st = 0;
@@ -508,11 +570,12 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     return;
   }
 
-  // Consumers: warpgroup wg owns query rows q0 + 64 wg .. q0 + 64 wg + 63.
+  // Consumers: warpgroup wg owns query rows row_wg .. row_wg + 63 (its own 64, or with shared_rows
+  // the block's) and dQ columns wg_col .. wg_col + 127.
   setmaxnreg_inc<kConsumerRegs>();
   const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
   const int c0 = 2 * (lane & 3);
-  const int row_wg = q0 + 64 * wg;                        // the warpgroup's first query row
+  const int row_wg = q0 + wg_row<HD>(wg);                 // the warpgroup's first query row
   const int row_lane = row_wg + 16 * warp + (lane >> 2);  // this thread's rows: row_lane, row_lane + 8
 
   // Row statistics of this thread's two rows; rows past q_end get P = 0 through LSE2 = +inf.
@@ -525,19 +588,25 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
   }
 
-  const std::uint32_t a_q = smem_addr(smem + L::off_q) + wg * kWgRowsOffset<kSw128>;
-  const std::uint32_t a_do = smem_addr(smem + L::off_do) + wg * kWgRowsOffset<kSw128>;
+  const std::uint32_t rows_at = T::shared_rows ? 0u : wg * kWgRowsOffset<kSw128>;
+  const std::uint32_t a_q = smem_addr(smem + L::off_q) + rows_at;
+  const std::uint32_t a_do = smem_addr(smem + L::off_do) + rows_at;
   const std::uint32_t a_k0 = smem_addr(smem + L::off_k), a_v0 = smem_addr(smem + L::off_v);
+  const std::uint32_t half = T::shared_rows ? static_cast<std::uint32_t>(wg) * 2 * (64 * 128) : 0u;
 
-  float dq[kD / 2];
+  float dq[64];
 #pragma unroll
-  for (int e = 0; e < kD / 2; ++e) dq[e] = 0.0f;
-  float s[32], dp[32];  // defined once; in the loop only wgmmas define them (scale-d 0 first)
+  for (int e = 0; e < 64; ++e) dq[e] = 0.0f;
+  // HD 128: s, dp defined once; in the loop only wgmmas define them (scale-d 0 first). HD 256:
+  // zeroed at the top of each tile instead (one spill fewer).
+  float s[32], dp[32];
   std::uint32_t da[4][4];
-  zero(s);
-  zero(dp);
+  if constexpr (!T::shared_rows) {
+    zero(s);
+    zero(dp);
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
+    for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
+  }
 
   mbar_wait(full_qdo, 0);
   int st = 0;
@@ -548,21 +617,26 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   for (int j = 0; j < n_kv; ++j) {
     mbar_wait(full(st), phase);
     fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
-    const std::uint32_t a_k = a_k0 + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>);
-    const std::uint32_t a_v = a_v0 + static_cast<std::uint32_t>(st * kTileBytes<kDqBc>);
-    const int n0 = j * kDqBc;
+    const std::uint32_t a_k = a_k0 + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>);
+    const std::uint32_t a_v = a_v0 + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>);
+    const int n0 = j * T::dq_bc;
 
+    if constexpr (T::shared_rows) {
+      zero(s);
+      zero(dp);
+    }
     wgmma_fence_operands(s);
     wgmma_fence_operands(dp);
     wgmma_fence();
-    issue_nt_64x64<kSw128, kDqRows, kDqBc>(s, a_q, a_k);  // S = Q_w K^T
+    // HD 256: Q, dO addresses made opaque per tile, so their 32 descriptors are rebuilt, not held.
+    issue_nt_64x64<kSw128, T::dq_rows, T::dq_bc, HD>(s, T::shared_rows ? opaque(a_q) : a_q, a_k);  // S = Q_w K^T
     wgmma_commit_group();
-    issue_nt_64x64<kSw128, kDqRows, kDqBc>(dp, a_do, a_v);  // dP = dO_w V^T
+    issue_nt_64x64<kSw128, T::dq_rows, T::dq_bc, HD>(dp, T::shared_rows ? opaque(a_do) : a_do, a_v);  // dP = dO_w V^T
     wgmma_commit_group();
 
     wgmma_wait_group<1>();  // S done
     wgmma_fence_operands(s);
-    const bool edge = n0 + kDqBc - 1 > row_wg;
+    const bool edge = n0 + T::dq_bc - 1 > row_wg;
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -580,7 +654,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     fence_fragments(da);
     wgmma_fence_operands(dq);
     wgmma_fence();
-    issue_rs_64x128<kSw128>(dq, da, a_k);  // dQ += dS K
+    issue_rs_64x128<kSw128>(dq, da, a_k + half);  // dQ += dS K
     wgmma_commit_group();
     wgmma_wait_group<0>();
     wgmma_fence_operands(dq);
@@ -593,377 +667,29 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     }
   }
 
-  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * kD, p.dq_token, row_wg, p.q_end, p.scale,
-                 false);
+  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * HD + wg_col<HD>(wg), p.dq_token, row_wg,
+                 p.q_end, p.scale, false);
 }
 
 // ---- head_dim 256 (attention_backward_wgmma_d256) ----
-// The same passes and products, in the swizzled layout, with 256-column tiles (four 64-column
-// panels, load_rows_sw128_producer<ROWS, 256>). A warpgroup cannot hold 64 rows x 256 of two fp32
-// outputs (dK and dV: 256 registers), so both warpgroups of a block take the same 64 keys (dK/dV)
-// or 64 query rows (dQ), and warpgroup w keeps only the 128 output columns 128 w .. 128 w + 127:
-// its dV += P^T dO and dK += dS^T Q (or dQ += dS K) read the B tile's panels 2w and 2w + 1. Each
-// warpgroup forms S^T and dP^T (S and dP) itself over all 256 columns (16 k-steps), so those two
-// products are done twice per block: 11 GEMMs of a tile pair's size where the head-dim-128
-// kernels do 7 and the counted backward 5 (docs/hopper.md, "Head dim 256"). Per consumer thread
-// the registers are the head-dim-128 kernels' (S, dP 32 each, two 64-float outputs, fragments).
-// Shared memory: K, V (or Q, dO) tiles of 64 x 256 (32 KiB each) and two stages of the streamed
-// pair: 193 KiB. Per element the same roundings and the same order of sums as the head-dim-128
-// kernels (and bit-identical run to run).
-constexpr int kD256 = 256;
-constexpr int kRows256 = 64;  // keys per dK/dV block, query rows per dQ block, rows of every tile
-constexpr int kStages256 = 2;
-constexpr int kTile256 = kRows256 * kD256 * 2;   // 32 KiB
-constexpr std::uint32_t kPanel256 = kRows256 * 128;  // one 64-column panel of a 64-row tile: 8 KiB
-
-struct Dkdv256Smem {
-  static constexpr int off_k = 0;
-  static constexpr int off_v = off_k + kTile256;
-  static constexpr int off_q = off_v + kTile256;                      // kStages256 tiles
-  static constexpr int off_do = off_q + kStages256 * kTile256;         // kStages256 tiles
-  static constexpr int off_lse2 = off_do + kStages256 * kTile256;      // kStages256 x 64 fp32
-  static constexpr int off_delta = off_lse2 + kStages256 * kDkdvBr * 4;  // kStages256 x 64 fp32
-  static constexpr int off_bar = off_delta + kStages256 * kDkdvBr * 4;   // full_kv, full[], empty[]
-  static constexpr int bytes = off_bar + 8 * (1 + 2 * kStages256);
-};
-struct Dq256Smem {
-  static constexpr int off_q = 0;
-  static constexpr int off_do = off_q + kTile256;
-  static constexpr int off_k = off_do + kTile256;                // kStages256 tiles
-  static constexpr int off_v = off_k + kStages256 * kTile256;     // kStages256 tiles
-  static constexpr int off_bar = off_v + kStages256 * kTile256;   // full_qdo, full[], empty[]
-  static constexpr int bytes = off_bar + 8 * (1 + 2 * kStages256);
-};
-static_assert(kDkdvBr == kRows256, "the dK/dV steps are 64 queries in both head dims");
-
-/// dK, dV of keys [64 nb, 64 nb + 64) of KV head hk, batch b at head_dim 256 (the head-dim-128
-/// dkdv_block's steps, both warpgroups on the same keys, warpgroup w on output columns 128 w ..).
-__device__ __forceinline__ void dkdv_block_d256(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
-  using L = Dkdv256Smem;
-  constexpr int S = kStages256;
-  const int n0 = nb * kRows256;
-  const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
-  const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
-  const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
-
-  const std::uint32_t bars = smem_addr(smem + L::off_bar);
-  const std::uint32_t full_kv = bars;
-  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
-  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
-  if (threadIdx.x == 0) {
-    mbar_init(full_kv, kWsProducerThreads);
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), kWsProducerThreads);
-      mbar_init(empty(s), kWsConsumerThreads);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();  // the last block-wide barrier
-
-  const int wg = static_cast<int>(threadIdx.x) / 128;
-  if (wg == 2) {
-    setmaxnreg_dec<kProducerRegs>();
-    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_k),
-                                              p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD256, p.k_token, n0,
-                                              p.seq, tid);
-    load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_v),
-                                              p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD256, p.v_token, n0,
-                                              p.seq, tid);
-    cp_async_mbar_arrive(full_kv);
-    int h = hk * p.group, qb = qb_first, st = 0;
-    std::uint32_t phase = 0;
-    for (int t = 0; t < steps; ++t) {
-      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      const int q0 = p.q_begin + qb * kDkdvBr;
-      load_rows_sw128_producer<kDkdvBr, kD256>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTile256),
-                                               p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD256, p.q_token, q0,
-                                               p.q_end, tid);
-      load_rows_sw128_producer<kDkdvBr, kD256>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTile256),
-                                               p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD256, p.do_token,
-                                               q0, p.q_end, tid);
-      {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
-        const int rr = tid % kDkdvBr;
-        const bool valid = q0 + rr < p.q_end;
-        const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (q0 - p.q_begin) + rr;
-        const float* src = (tid < kDkdvBr ? p.lse2 : p.delta) + (valid ? w : 0);
-        const int dst = (tid < kDkdvBr ? L::off_lse2 : L::off_delta) + 4 * (st * kDkdvBr + rr);
-        cp_async_4(smem + dst, src, valid);
-      }
-      cp_async_mbar_arrive(full(st));
-      if (++qb == qb_count) {
-        qb = qb_first;
-        ++h;
-      }
-      if (++st == S) {
-        st = 0;
-        phase ^= 1u;
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
-    return;
-  }
-
-  // Consumers: both warpgroups own keys n0 .. n0 + 63; warpgroup wg the output columns 128 wg ..
-  setmaxnreg_inc<kConsumerRegs>();
-  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
-  const int c0 = 2 * (lane & 3);
-  const int key_lane = n0 + 16 * warp + (lane >> 2);  // this thread's keys: key_lane, key_lane + 8
-  const std::uint32_t sbase = smem_addr(smem);
-  const std::uint32_t a_k = sbase + L::off_k;
-  const std::uint32_t a_v = a_k + (L::off_v - L::off_k);
-  const std::uint32_t half = static_cast<std::uint32_t>(wg) * 2 * kPanel256;  // the warpgroup's columns in a tile
-
-  float dk[64], dv[64];
-#pragma unroll
-  for (int e = 0; e < 64; ++e) dk[e] = dv[e] = 0.0f;
-  float s[32], dp[32];
-  std::uint32_t pa[4][4], da[4][4];
-
-  mbar_wait(full_kv, 0);
-  static_assert((S & (S - 1)) == 0);
-  const int q_first = p.q_begin + qb_first * kDkdvBr, q_stop = p.q_begin + qb_count * kDkdvBr;
-  int q0 = q_first;
-  for (int t = 0; t < steps; ++t) {
-    const int st = t & (S - 1);
-    mbar_wait(full(st), static_cast<std::uint32_t>(t / S) & 1u);
-    fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
-    const std::uint32_t a_q = sbase + L::off_q + static_cast<std::uint32_t>(st * kTile256);
-    const std::uint32_t a_do = a_q + (L::off_do - L::off_q);
-    const std::uint32_t a_lse2 = sbase + L::off_lse2 + static_cast<std::uint32_t>(4 * (st * kDkdvBr + c0));
-    const std::uint32_t a_delta = a_lse2 + (L::off_delta - L::off_lse2);
-
-    zero(s);
-    zero(dp);
-    wgmma_fence_operands(s);
-    wgmma_fence_operands(dp);
-    wgmma_fence();
-    const std::uint32_t a_kw = opaque(a_k), a_vw = opaque(a_v);
-    issue_nt_64x64<true, kRows256, kDkdvBr, kD256>(s, a_kw, a_q);  // S^T = K Q^T
-    wgmma_commit_group();
-    issue_nt_64x64<true, kRows256, kDkdvBr, kD256>(dp, a_vw, a_do);  // dP^T = V dO^T
-    wgmma_commit_group();
-    wgmma_wait_group<1>();  // S^T done
-    wgmma_fence_operands(s);
-    const bool edge = q0 < n0 + 63 || q0 + kDkdvBr > p.q_end;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 l2 = ld_shared_f2(a_lse2 + 32 * j);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = q0 + 8 * j + c0 + (e & 1);
-        const int key = key_lane + 8 * (e >> 1);
-        const float pe = exp2f(fmaf(s[4 * j + e], p.scale_log2, -((e & 1) ? l2.y : l2.x)));
-        s[4 * j + e] = (edge && (qi < key || qi >= p.q_end)) ? 0.0f : pe;
-      }
-    }
-    pack_fragments(pa, s);
-    fence_fragments(pa);
-    wgmma_fence_operands(dv);
-    wgmma_fence();
-    issue_rs_64x128<true>(dv, pa, a_do + half);  // dV (columns 128 wg ..) += P^T dO
-    wgmma_commit_group();
-
-    wgmma_wait_group<1>();  // dP^T done; dV may still run
-    wgmma_fence_operands(dp);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int e0 = 8 * ks + 2 * r;
-        const float2 dl = ld_shared_f2(a_delta + 32 * (e0 / 4));
-        da[ks][r] = pack_bf16(s[e0] * (dp[e0] - dl.x), s[e0 + 1] * (dp[e0 + 1] - dl.y));
-      }
-    fence_fragments(da);
-    wgmma_fence_operands(dk);
-    wgmma_fence();
-    issue_rs_64x128<true>(dk, da, a_q + half);  // dK (columns 128 wg ..) += dS^T Q
-    wgmma_commit_group();
-    wgmma_wait_group<0>();
-    wgmma_fence_operands(dk);
-    wgmma_fence_operands(dv);
-    fence_fragments(pa);
-    fence_fragments(da);
-    mbar_arrive(empty(st));
-
-    q0 += kDkdvBr;
-    if (q0 == q_stop) q0 = q_first;
-  }
-
-  const std::int64_t col = static_cast<std::int64_t>(hk) * kD256 + 128 * wg;
-  store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale, p.accumulate_dkv);
-  store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, p.accumulate_dkv);
-}
-
-/// dQ of query rows [q_begin + 64 qb, + 64) of query head h, batch b at head_dim 256 (the
-/// head-dim-128 dq_block's steps, both warpgroups on the same rows, warpgroup w on dQ columns 128 w ..).
-__device__ __forceinline__ void dq_block_d256(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
-  using L = Dq256Smem;
-  constexpr int S = kStages256;
-  const int hk = h / p.group;
-  const int q0 = p.q_begin + qb * kRows256;
-  const int q_last = min(q0 + kRows256, p.q_end) - 1;
-  const int n_kv = q_last / kRows256 + 1;  // key tiles 0 .. the one holding q_last
-
-  const std::uint32_t bars = smem_addr(smem + L::off_bar);
-  const std::uint32_t full_qdo = bars;
-  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
-  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
-  if (threadIdx.x == 0) {
-    mbar_init(full_qdo, kWsProducerThreads);
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), kWsProducerThreads);
-      mbar_init(empty(s), kWsConsumerThreads);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();  // the last block-wide barrier
-
-  const int wg = static_cast<int>(threadIdx.x) / 128;
-  if (wg == 2) {
-    setmaxnreg_dec<kProducerRegs>();
-    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_q),
-                                              p.q + b * p.q_batch + static_cast<std::int64_t>(h) * kD256, p.q_token, q0,
-                                              p.q_end, tid);
-    load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_do),
-                                              p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * kD256, p.do_token,
-                                              q0, p.q_end, tid);
-    cp_async_mbar_arrive(full_qdo);
-    const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * kD256;
-    const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * kD256;
-    int st = 0;
-    std::uint32_t phase = 0;
-    for (int t = 0; t < n_kv; ++t) {
-      if (t >= S) mbar_wait(empty(st), phase ^ 1u);
-      load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTile256),
-                                                k_g, p.k_token, t * kRows256, p.seq, tid);
-      load_rows_sw128_producer<kRows256, kD256>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTile256),
-                                                v_g, p.v_token, t * kRows256, p.seq, tid);
-      cp_async_mbar_arrive(full(st));
-      if (++st == S) {
-        st = 0;
-        phase ^= 1u;
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    return;
-  }
-
-  // Consumers: both warpgroups own query rows q0 .. q0 + 63; warpgroup wg the dQ columns 128 wg ..
-  setmaxnreg_inc<kConsumerRegs>();
-  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
-  const int c0 = 2 * (lane & 3);
-  const int row_lane = q0 + 16 * warp + (lane >> 2);  // this thread's rows: row_lane, row_lane + 8
-  float lse2[2], delta[2];
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int i = row_lane + 8 * hf;
-    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
-    lse2[hf] = i < p.q_end ? p.lse2[w] : INFINITY;
-    delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
-  }
-  const std::uint32_t a_q = smem_addr(smem + L::off_q), a_do = smem_addr(smem + L::off_do);
-  const std::uint32_t a_k0 = smem_addr(smem + L::off_k), a_v0 = smem_addr(smem + L::off_v);
-  const std::uint32_t half = static_cast<std::uint32_t>(wg) * 2 * kPanel256;
-
-  float dq[64];
-#pragma unroll
-  for (int e = 0; e < 64; ++e) dq[e] = 0.0f;
-  // s, dp zeroed at the top of each tile (as the dK/dV blocks do), so they are dead between the dS
-  // packing and the next tile: defined once before the loop they spilled 8 bytes here.
-  float s[32], dp[32];
-  std::uint32_t da[4][4];
-
-  mbar_wait(full_qdo, 0);
-  int st = 0;
-  std::uint32_t phase = 0;
-  for (int j = 0; j < n_kv; ++j) {
-    mbar_wait(full(st), phase);
-    fence_proxy_async_shared();
-    const std::uint32_t a_k = a_k0 + static_cast<std::uint32_t>(st * kTile256);
-    const std::uint32_t a_v = a_v0 + static_cast<std::uint32_t>(st * kTile256);
-    const int n0 = j * kRows256;
-
-    zero(s);
-    zero(dp);
-    wgmma_fence_operands(s);
-    wgmma_fence_operands(dp);
-    wgmma_fence();
-    // Q, dO addresses made opaque per tile, so their 32 descriptors are rebuilt, not held.
-    issue_nt_64x64<true, kRows256, kRows256, kD256>(s, opaque(a_q), a_k);  // S = Q K^T
-    wgmma_commit_group();
-    issue_nt_64x64<true, kRows256, kRows256, kD256>(dp, opaque(a_do), a_v);  // dP = dO V^T
-    wgmma_commit_group();
-
-    wgmma_wait_group<1>();  // S done
-    wgmma_fence_operands(s);
-    const bool edge = n0 + kRows256 - 1 > q0;
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row_lane + 8 * (e >> 1);
-        const int key = n0 + 8 * jj + c0 + (e & 1);
-        const float pe = exp2f(fmaf(s[4 * jj + e], p.scale_log2, -lse2[e >> 1]));
-        s[4 * jj + e] = (edge && key > i) ? 0.0f : pe;
-      }
-    wgmma_wait_group<0>();  // dP done
-    wgmma_fence_operands(dp);
-#pragma unroll
-    for (int e = 0; e < 32; ++e) s[e] *= dp[e] - delta[(e >> 1) & 1];  // dS
-    pack_fragments(da, s);
-    fence_fragments(da);
-    wgmma_fence_operands(dq);
-    wgmma_fence();
-    issue_rs_64x128<true>(dq, da, a_k + half);  // dQ (columns 128 wg ..) += dS K
-    wgmma_commit_group();
-    wgmma_wait_group<0>();
-    wgmma_fence_operands(dq);
-    fence_fragments(da);
-    mbar_arrive(empty(st));
-
-    if (++st == S) {
-      st = 0;
-      phase ^= 1u;
-    }
-  }
-
-  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * kD256 + 128 * wg, p.dq_token, q0, p.q_end,
-                 p.scale, false);
-}
-
-constexpr int kBackwardSmem256 = (Dkdv256Smem::bytes > Dq256Smem::bytes ? Dkdv256Smem::bytes : Dq256Smem::bytes) + 1024;
-static_assert(kBackwardSmem256 <= 227 * 1024);
-
-/// Passes 2 and 3 at head_dim 256 in one grid, ordered as attention_backward_wgmma_kernel's.
-__global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_d256_kernel(const BackwardParams p, int kv_blocks,
-                                                                                     int dkdv_blocks, int q_blocks) {
-#if OOM_WGMMA_SM90A
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // swizzle: 1 KiB aligned
-  const int i = static_cast<int>(blockIdx.x);
-  if (i < dkdv_blocks) {
-    const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;
-    dkdv_block_d256(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
-  } else {
-    const int j = i - dkdv_blocks, rest = j / q_blocks;
-    dq_block_d256(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
-  }
-#else
-  (void)p;
-  (void)kv_blocks;
-  (void)dkdv_blocks;
-  (void)q_blocks;
-  __trap();
-#endif
-}
+// The same passes and products (the blocks above with HD = 256), in the swizzled layout, with
+// 256-column tiles (four 64-column panels, load_rows_sw128_producer<ROWS, 256>). A warpgroup
+// cannot hold 64 rows x 256 of two fp32 outputs (dK and dV: 256 registers), so both warpgroups of
+// a block take the same 64 keys (dK/dV) or 64 query rows (dQ), and warpgroup w keeps only the 128
+// output columns 128 w .. 128 w + 127: its dV += P^T dO and dK += dS^T Q (or dQ += dS K) read the
+// B tile's panels 2w and 2w + 1. Each warpgroup forms S^T and dP^T (S and dP) itself over all 256
+// columns (16 k-steps), so those two products are done twice per block: 11 GEMMs of a tile pair's
+// size where the head-dim-128 kernels do 7 and the counted backward 5 (docs/hopper.md, "Head dim
+// 256"). Per consumer thread the registers are the head-dim-128 kernels' (S, dP 32 each, two
+// 64-float outputs, fragments). Shared memory: K, V (or Q, dO) tiles of 64 x 256 (32 KiB each) and
+// two stages of the streamed pair: 193 KiB. Per element the same roundings and the same order of
+// sums as the head-dim-128 kernels (and bit-identical run to run).
 
 /// The shared memory of either block kind, plus (kSw128) the 1 KiB that aligning it may take.
-template <bool kSw128>
-constexpr int kBackwardSmem =
-    (DkdvWsSmem::bytes > DqWsSmem::bytes ? DkdvWsSmem::bytes : DqWsSmem::bytes) + (kSw128 ? 1024 : 0);
-static_assert(kBackwardSmem<true> <= 227 * 1024);
+template <bool kSw128, int HD = kD>
+constexpr int kBackwardSmem = (DkdvWsSmem<HD>::bytes > DqWsSmem<HD>::bytes ? DkdvWsSmem<HD>::bytes : DqWsSmem<HD>::bytes) +
+                              (kSw128 ? 1024 : 0);
+static_assert(kBackwardSmem<true> <= 227 * 1024 && kBackwardSmem<true, 256> <= 227 * 1024);
 
 /// Passes 2 and 3 in one grid: blocks [0, dkdv_blocks) are dK/dV blocks, then dQ blocks. The two
 /// passes are independent (both read only the inputs and the preprocess's LSE2/D), so the dQ blocks
@@ -974,7 +700,8 @@ static_assert(kBackwardSmem<true> <= 227 * 1024);
 /// the blocks running at one time share the head's Q/dO (dK/dV) or K/V (dQ) tiles in L2.
 /// kSw128: every tile in the 128-byte-swizzled layout (the product's), else the band layout (kept
 /// for attention_backward_wgmma_band: the same products in the same order, so the same bits).
-template <bool kSw128>
+/// HD: the head dim (256: swizzled only, BwdTiles<256>).
+template <bool kSw128, int HD = kD>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel(const BackwardParams p, int kv_blocks,
                                                                                 int dkdv_blocks, int q_blocks) {
 #if OOM_WGMMA_SM90A
@@ -984,10 +711,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
   const int i = static_cast<int>(blockIdx.x);
   if (i < dkdv_blocks) {
     const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;
-    dkdv_block<kSw128>(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
+    dkdv_block<kSw128, HD>(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
   } else {
     const int j = i - dkdv_blocks, rest = j / q_blocks;
-    dq_block<kSw128>(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
+    dq_block<kSw128, HD>(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
   }
 #else
   (void)p;
@@ -1007,7 +734,7 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
                      std::size_t workspace_bytes, cudaStream_t stream) {
   using namespace attention_detail;
   if (const cudaError_t e = check_problem("attention_backward", p); e != cudaSuccess) return e;
-  static_assert(kHeadDim == kD || (kHeadDim == kD256 && kSw128));
+  static_assert(kHeadDim == kD || (kHeadDim == 256 && kSw128));
   if (p.head_dim != kHeadDim) return cudaErrorNotSupported;
   if (p.query_end() == p.q_begin) return cudaSuccess;
   if (const cudaError_t e = check_backward_args("attention_backward", q, k, v, o, d_o, lse, dq, dk, dv, workspace,
@@ -1019,14 +746,14 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
 
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   // Every refusal before the first launch, so a refused call leaves nothing queued.
-  constexpr int kKeys = kHeadDim == kD ? kDkdvKeys : kRows256, kQRows = kHeadDim == kD ? kDqRows : kRows256;
+  constexpr int kKeys = BwdTiles<kHeadDim>::dkdv_keys, kQRows = BwdTiles<kHeadDim>::dq_rows;
   const std::int64_t kv_blocks = (params.q_end + kKeys - 1) / kKeys;
   const std::int64_t q_blocks = (params.q_len() + kQRows - 1) / kQRows;
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;
   if (dkdv_blocks + dq_blocks > std::numeric_limits<int>::max())  // beyond any that fits
     return ::oom::kernels::detail::refuse("attention_backward: ", dkdv_blocks + dq_blocks, " blocks exceed 2^31 - 1");
-  auto* kernel = kHeadDim == kD ? attention_backward_wgmma_kernel<kSw128> : attention_backward_wgmma_d256_kernel;
-  constexpr int kSmem = kHeadDim == kD ? kBackwardSmem<kSw128> : kBackwardSmem256;
+  auto* kernel = attention_backward_wgmma_kernel<kSw128, kHeadDim>;
+  constexpr int kSmem = kBackwardSmem<kSw128, kHeadDim>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
       e != cudaSuccess)
     return e;
@@ -1052,7 +779,7 @@ cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<c
                                           const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
                                           bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                           cudaStream_t stream) {
-  return backward<true, kD256>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+  return backward<true, 256>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 cudaError_t attention_backward_wgmma_band(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,

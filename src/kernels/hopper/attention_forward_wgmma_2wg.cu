@@ -82,6 +82,7 @@
 #include <cstdint>
 
 #include "../attention_common.cuh"
+#include "attention_forward_steps.cuh"
 #include "attention_wgmma.hpp"
 #include "forward_checks.cuh"
 #include "tma.cuh"
@@ -292,38 +293,7 @@ __device__ __forceinline__ void issue_pv(WarpgroupState& st, std::uint32_t a_vbu
 /// an in-flight accumulator).
 __device__ __forceinline__ void softmax_tile(WarpgroupState& st, float (&alpha)[2], int n0, int wg_row0, int r0,
                                              int c0, float scale_log2) {
-  if (n0 + kBc - 1 > wg_row0) {
-#pragma unroll
-    for (int j = 0; j < kBc / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = wg_row0 + r0 + 8 * (e >> 1);
-        const int key = n0 + 8 * j + c0 + (e & 1);
-        if (key > i) st.s[4 * j + e] = -INFINITY;
-      }
-  }
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kBc / 8; ++j) mx = fmaxf(mx, fmaxf(st.s[4 * j + 2 * hf], st.s[4 * j + 2 * hf + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(st.m_run[hf], mx * scale_log2);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet: avoid inf - inf
-    alpha[hf] = exp2f(st.m_run[hf] - m_use);
-    st.m_run[hf] = m_new;
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kBc / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pe = exp2f(fmaf(st.s[4 * j + 2 * hf + e], scale_log2, -m_use));
-        st.s[4 * j + 2 * hf + e] = pe;
-        sum += pe;
-      }
-    st.l_run[hf] = st.l_run[hf] * alpha[hf] + sum;
-  }
+  forward_steps::softmax<kBc>(st.s, st.m_run, st.l_run, alpha, n0, wg_row0, r0, c0, scale_log2);
 }
 
 /// O *= alpha per row, and P (in s) rounded to bf16 into the RS A fragments: k-step ks covers keys
@@ -332,42 +302,15 @@ __device__ __forceinline__ void softmax_tile(WarpgroupState& st, float (&alpha)[
 /// lower column in the low half (wgmma.cuh). Only once no wgmma reading `pa` or writing `o` is in
 /// flight.
 __device__ __forceinline__ void rescale_and_pack(WarpgroupState& st, const float (&alpha)[2]) {
-#pragma unroll
-  for (int j = 0; j < kD / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st.o[4 * j + e] *= alpha[e >> 1];
-#pragma unroll
-  for (int ks = 0; ks < kBc / 16; ++ks) {
-    st.pa[ks][0] = pack_bf16(st.s[8 * ks + 0], st.s[8 * ks + 1]);
-    st.pa[ks][1] = pack_bf16(st.s[8 * ks + 2], st.s[8 * ks + 3]);
-    st.pa[ks][2] = pack_bf16(st.s[8 * ks + 4], st.s[8 * ks + 5]);
-    st.pa[ks][3] = pack_bf16(st.s[8 * ks + 6], st.s[8 * ks + 7]);
-  }
+  forward_steps::rescale<kD>(st.o, alpha);
+  forward_steps::pack_p<kBc>(st.pa, st.s);
 }
 
 /// O = O / l (bf16) and LSE = (m + log2 l) ln 2 of the thread's two rows i0 and i0 + 8 (absolute
 /// query rows) where they are valid (< q_end); c0 = 2 (lane % 4), the thread's first column.
 __device__ __forceinline__ void store_output(const WarpgroupState& st, const Params& p, int b, int h, int i0, int c0,
                                              int lane) {
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float l = st.l_run[hf];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int i = i0 + 8 * hf;
-    if (i < p.q_end) {
-      __nv_bfloat16* dst = p.o + b * p.o_batch + static_cast<std::int64_t>(i) * p.o_token +
-                           static_cast<std::int64_t>(h) * kD + c0;
-#pragma unroll
-      for (int j = 0; j < kD / 8; ++j)
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(st.o[4 * j + 2 * hf] * inv, st.o[4 * j + 2 * hf + 1] * inv);
-      if ((lane & 3) == 0)
-        p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seq + i] =
-            l > 0.0f ? (st.m_run[hf] + log2f(l)) * attention_detail::ln2 : -INFINITY;
-    }
-  }
+  forward_steps::store<kD>(st.o, st.m_run, st.l_run, p, b, h, i0, c0, lane);
 }
 
 /// The two schedules of a warpgroup's GEMMs (docs/hopper.md):

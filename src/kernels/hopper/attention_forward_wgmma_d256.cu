@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "../attention_common.cuh"
+#include "attention_forward_steps.cuh"
 #include "attention_wgmma.hpp"
 #include "forward_checks.cuh"
 #include "oom/kernels/attention.hpp"
@@ -37,7 +38,6 @@
 namespace oom::kernels::hopper {
 namespace {
 
-using attention_detail::pack_bf16;
 using attention_detail::smem_addr;
 
 constexpr int kD = 256;
@@ -123,56 +123,14 @@ __device__ __forceinline__ void issue_pv(State& st, std::uint32_t a_v) {
 /// kernel's softmax_tile). O is not touched.
 __device__ __forceinline__ void softmax_tile(State& st, float (&alpha)[2], int n0, int wg_row0, int r0, int c0,
                                              float scale_log2) {
-  if (n0 + kBc - 1 > wg_row0) {
-#pragma unroll
-    for (int j = 0; j < kBc / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = wg_row0 + r0 + 8 * (e >> 1);
-        const int key = n0 + 8 * j + c0 + (e & 1);
-        if (key > i) st.s[4 * j + e] = -INFINITY;
-      }
-  }
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kBc / 8; ++j) mx = fmaxf(mx, fmaxf(st.s[4 * j + 2 * hf], st.s[4 * j + 2 * hf + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(st.m_run[hf], mx * scale_log2);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet: avoid inf - inf
-    alpha[hf] = exp2f(st.m_run[hf] - m_use);
-    st.m_run[hf] = m_new;
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kBc / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pe = exp2f(fmaf(st.s[4 * j + 2 * hf + e], scale_log2, -m_use));
-        st.s[4 * j + 2 * hf + e] = pe;
-        sum += pe;
-      }
-    st.l_run[hf] = st.l_run[hf] * alpha[hf] + sum;
-  }
+  forward_steps::softmax<kBc>(st.s, st.m_run, st.l_run, alpha, n0, wg_row0, r0, c0, scale_log2);
 }
 
 /// O *= alpha per row, and P rounded to bf16 into the RS A fragments (k-step ks = column blocks
 /// 2ks, 2ks+1; wgmma.cuh). Only once no wgmma reading `pa` or writing `o` is in flight.
 __device__ __forceinline__ void rescale_and_pack(State& st, const float (&alpha)[2]) {
-#pragma unroll
-  for (int h = 0; h < kOHalves; ++h)
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st.o[h][4 * j + e] *= alpha[e >> 1];
-#pragma unroll
-  for (int ks = 0; ks < kBc / 16; ++ks) {
-    st.pa[ks][0] = pack_bf16(st.s[8 * ks + 0], st.s[8 * ks + 1]);
-    st.pa[ks][1] = pack_bf16(st.s[8 * ks + 2], st.s[8 * ks + 3]);
-    st.pa[ks][2] = pack_bf16(st.s[8 * ks + 4], st.s[8 * ks + 5]);
-    st.pa[ks][3] = pack_bf16(st.s[8 * ks + 6], st.s[8 * ks + 7]);
-  }
+  forward_steps::rescale<kD>(&st.o[0][0], alpha);
+  forward_steps::pack_p<kBc>(st.pa, st.s);
 }
 
 /// O = O / l (bf16) and LSE = (m + log2 l) ln 2 of the thread's rows i0 and i0 + 8 where < q_end.

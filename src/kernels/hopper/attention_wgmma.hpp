@@ -79,6 +79,12 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
                                         cudaStream_t stream,
                                         Wgmma2wgSchedule schedule = Wgmma2wgSchedule::producer_sw128);
 
+/// The forward at head_dim 256 (attention_forward_wgmma_d256.cu): the same arguments, results and
+/// error returns as attention_forward_wgmma_2wg (cudaErrorNotSupported for another head_dim or a
+/// device other than compute capability 9.0).
+cudaError_t attention_forward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                         TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream);
+
 /// dQ, dK, dV exactly as oom::kernels::attention_backward computes them (same layouts, strides,
 /// GQA sum, query sub-range and causal prefix, accumulate_dkv, workspace of
 /// attention_backward_workspace_bytes(p) and the same preprocess into it), by the wgmma kernels of
@@ -89,12 +95,6 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
 /// Returns cudaErrorInvalidValue where attention_backward does (problem, pointer, stride, LSE, workspace size or alignment);
 /// cudaErrorNotSupported for head_dim != 128 or a current device that is not compute capability
 /// 9.0; otherwise the launches' status. No allocation, no synchronisation.
-/// The forward at head_dim 256 (attention_forward_wgmma_d256.cu): the same arguments, results and
-/// error returns as attention_forward_wgmma_2wg (cudaErrorNotSupported for another head_dim or a
-/// device other than compute capability 9.0).
-cudaError_t attention_forward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                                         TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream);
-
 cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
                                      TokenRows<const bf16> k,    // (B, S, Hkv, D) bf16
@@ -109,9 +109,6 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream);
 
-/// attention_backward_wgmma with every shared-memory tile in the no-swizzle band layout (the
-/// layout before the eighth session): the same products in the same order, so the same bits.
-/// Kept for test_attention_backward_wgmma, which checks that and times the two layouts.
 /// The backward at head_dim 256 (attention_backward_wgmma.cu, "head_dim 256"): the same arguments,
 /// results, workspace and error returns as attention_backward_wgmma (cudaErrorNotSupported for
 /// another head_dim or a device other than compute capability 9.0).
@@ -121,6 +118,9 @@ cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<c
                                           bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                           cudaStream_t stream);
 
+/// attention_backward_wgmma with every shared-memory tile in the no-swizzle band layout (the
+/// layout before the eighth session): the same products in the same order, so the same bits.
+/// Kept for test_attention_backward_wgmma, which checks that and times the two layouts.
 cudaError_t attention_backward_wgmma_band(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                           TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
                                           const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
