@@ -356,6 +356,88 @@ TEST_CASE("attention_backward_wgmma_d256 matches the reference and the mma.sync 
   }
 }
 
+TEST_CASE("attention_backward_wgmma_d256 on 128 live columns: the head-dim-128 kernel's gradients to rounding, zeros elsewhere") {
+  // A head-dim-128 problem's Q, K, V, dO and O placed in columns [128 c, 128 c + 128) of head-dim-256
+  // tensors, zeros elsewhere, with the same LSE and softmax scale. Every S^T, dP^T and P the
+  // head-dim-256 kernel forms is then the head-dim-128 kernel's, bit for bit (its other eight
+  // k-steps add exact zeros; both sum a key's dV over the same 64-query steps, and a row's dQ over
+  // the same 64-key tiles, in the same order). So dV in the live columns should be the
+  // head-dim-128 kernel's bits, and every gradient is zero outside them. dK and dQ also use D_i =
+  // rowsum(dO o O), which the head-dim-256 preprocess may sum in another order. All three are
+  // checked to within a rounding or two of the head-dim-128 values (a wrong panel or descriptor
+  // gives errors of the values' own size). c = 0
+  // checks warpgroup 0's panels (0, 1), c = 1 warpgroup 1's (2, 3). An exact check of the column
+  // halves that the comparisons with the reference and the mma.sync kernel bound only loosely.
+  require_sm90();
+  for (const AttentionDims d128 : {AttentionDims{1, 777, 4, 2, 128}, AttentionDims{2, 300, 2, 2, 128}})
+    for (const int c : {0, 1}) {
+      INFO("B=" << d128.batch << " S=" << d128.seq << " Hq=" << d128.heads_q << " Hkv=" << d128.heads_kv
+                << " live columns [" << 128 * c << ", " << 128 * c + 128 << ")");
+      const Prepared t(d128, false, 2100 + static_cast<std::uint64_t>(c), {0});  // O, LSE by attention_forward
+      const AttentionDims d256{d128.batch, d128.seq, d128.heads_q, d128.heads_kv, 256};
+      // (B, S, H, 128) host rows into the live columns of (B, S, H, 256), zeros elsewhere.
+      const auto widen = [&](const std::vector<bf16>& narrow) {
+        std::vector<bf16> wide(narrow.size() * 2, bf16{});
+        for (std::size_t r = 0; r < narrow.size() / 128; ++r)
+          std::copy_n(narrow.begin() + static_cast<std::ptrdiff_t>(r * 128), 128,
+                      wide.begin() + static_cast<std::ptrdiff_t>(r * 256 + 128 * c));
+        return wide;
+      };
+      const auto up = [&](const std::vector<bf16>& host, int heads, DeviceBuffer<bf16>& buf) {
+        buf = DeviceBuffer<bf16>(host);
+        const std::int64_t row = std::int64_t{heads} * 256;
+        return TokenRows<bf16>{buf.get(), d256.seq * row, row};
+      };
+      DeviceBuffer<bf16> q_buf, k_buf, v_buf, o_buf, do_buf;
+      const auto q = up(widen(download_bits(t.in.q, d128, d128.heads_q)), d128.heads_q, q_buf);
+      const auto k = up(widen(download_bits(t.in.k, d128, d128.heads_kv)), d128.heads_kv, k_buf);
+      const auto v = up(widen(download_bits(t.in.v, d128, d128.heads_kv)), d128.heads_kv, v_buf);
+      const auto o = up(widen(download_bits(t.o, d128, d128.heads_q)), d128.heads_q, o_buf);
+      const auto d_o = up(widen(t.do_buf.download()), d128.heads_q, do_buf);
+
+      const AttentionProblem p128 = t.problem(0);
+      AttentionProblem p256 = p128;
+      p256.head_dim = 256;  // softmax_scale kept: 1 / sqrt(128)
+      DeviceQkv g128(d128, false), g256(d256, false);  // poisoned
+      DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p256));
+      OOM_CUDA_CHECK(kWgmma(p128, as_const(t.in.q), as_const(t.in.k), as_const(t.in.v), as_const(t.o), t.dor, t.lse.get(),
+                            g128.q, g128.k, g128.v, false, ws.get(), ws.bytes(), nullptr));
+      OOM_CUDA_CHECK(kWgmmaD256(p256, as_const(q), as_const(k), as_const(v), as_const(o), as_const(d_o), t.lse.get(),
+                                g256.q, g256.k, g256.v, false, ws.get(), ws.bytes(), nullptr));
+      const Grads narrow{download_bits(g128.q, d128, d128.heads_q), download_bits(g128.k, d128, d128.heads_kv),
+                         download_bits(g128.v, d128, d128.heads_kv)};
+      const Grads wide{download_bits(g256.q, d256, d256.heads_q), download_bits(g256.k, d256, d256.heads_kv),
+                       download_bits(g256.v, d256, d256.heads_kv)};
+      // Split each wide gradient into its live columns and the rest.
+      const auto split = [&](const std::vector<bf16>& w, std::vector<bf16>* live, std::size_t* dead_nonzero) {
+        *dead_nonzero = 0;
+        for (std::size_t r = 0; r < w.size() / 256; ++r)
+          for (std::size_t x = 0; x < 256; ++x) {
+            const bf16 e = w[r * 256 + x];
+            if (x / 128 == static_cast<std::size_t>(c))
+              live->push_back(e);
+            else if (oom::to_float(e) != 0.0f)
+              ++*dead_nonzero;
+          }
+      };
+      std::vector<bf16> dq_live, dk_live, dv_live;
+      std::size_t dq_dead = 0, dk_dead = 0, dv_dead = 0;
+      split(wide.dq, &dq_live, &dq_dead);
+      split(wide.dk, &dk_live, &dk_dead);
+      split(wide.dv, &dv_live, &dv_dead);
+      CHECK_MESSAGE(dv_dead + dk_dead + dq_dead == 0, dv_dead << " dV, " << dk_dead << " dK, " << dq_dead
+                                                              << " dQ elements non-zero outside the live columns");
+      // Expected bit for bit (see above) unless the tensor cores' internal accumulation treats a
+      // k-step of zero products as other than exact: checked to rounding, the bit count reported.
+      std::size_t same = 0;
+      for (std::size_t x = 0; x < dv_live.size(); ++x) same += dv_live[x].bits == narrow.dv[x].bits;
+      MESSAGE("dV, live columns: " << same << " of " << dv_live.size() << " elements the head-dim-128 kernel's bits");
+      check_bounded(to_float(dv_live), to_float(narrow.dv), t.dv_mag, 1, "dV, live columns, vs the head-dim-128 kernel");
+      check_bounded(to_float(dk_live), to_float(narrow.dk), t.dk_mag, 1, "dK, live columns, vs the head-dim-128 kernel");
+      check_bounded(to_float(dq_live), to_float(narrow.dq), t.dq_mag, 1, "dQ, live columns, vs the head-dim-128 kernel");
+    }
+}
+
 TEST_CASE("attention_backward_wgmma on one query sub-range: rows outside it untouched") {
   std::uint64_t seed = 1300;
   struct R {
