@@ -170,13 +170,15 @@ __device__ __forceinline__ void issue_rs_64x128(float (&acc)[64], const std::uin
   }
 }
 
-/// Rows [row0, row0 + ROWS) of a strided global (rows, 128) bf16 matrix into a tile in the band
-/// or the swizzled layout (warp_specialized.cuh), by the producer's 128 threads.
-template <bool kSw128, int ROWS>
+/// Rows [row0, row0 + ROWS) of a strided global (rows, HD) bf16 matrix into a tile in the band
+/// or the swizzled layout (warp_specialized.cuh; HD 256: swizzled only), by the producer's 128
+/// threads.
+template <bool kSw128, int ROWS, int HD>
 __device__ __forceinline__ void load_rows(std::uint32_t tile, const __nv_bfloat16* base, std::int64_t token_stride,
                                           int row0, int row_end, int tid) {
+  static_assert(HD == kD || kSw128, "256-column tiles are swizzled only");
   if constexpr (kSw128)
-    load_rows_sw128_producer<ROWS>(tile, base, token_stride, row0, row_end, tid);
+    load_rows_sw128_producer<ROWS, HD>(tile, base, token_stride, row0, row_end, tid);
   else
     load_rows_producer<ROWS>(tile, base, token_stride, row0, row_end, tid);
 }
@@ -294,16 +296,11 @@ template <int HD>
 __device__ __forceinline__ int wg_col(int wg) {
   return BwdTiles<HD>::shared_rows ? 128 * wg : 0;
 }
-
-/// Rows [row0, row0 + ROWS) of a strided global (rows, HD) bf16 matrix (HD 256: swizzled only).
-template <bool kSw128, int ROWS, int HD>
-__device__ __forceinline__ void load_rows_d(std::uint32_t tile, const __nv_bfloat16* base, std::int64_t token_stride,
-                                            int row0, int row_end, int tid) {
-  static_assert(HD == kD || kSw128, "256-column tiles are swizzled only");
-  if constexpr (HD == kD)
-    load_rows<kSw128, ROWS>(tile, base, token_stride, row0, row_end, tid);
-  else
-    load_rows_sw128_producer<ROWS, HD>(tile, base, token_stride, row0, row_end, tid);
+/// Where those columns start in a swizzled 64-row B tile (64-column panels of 64 x 128 bytes): the
+/// offset of the warpgroup's RS products' B operand.
+template <int HD>
+__device__ __forceinline__ std::uint32_t wg_col_bytes(int wg) {
+  return static_cast<std::uint32_t>(wg_col<HD>(wg)) / 64 * (64 * 128);
 }
 
 /// dK, dV of keys [K nb, K nb + K) of KV head hk, batch b (pass 2; K = BwdTiles<HD>::dkdv_keys):
@@ -342,10 +339,10 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_d<kSw128, T::dkdv_keys, HD>(smem_addr(smem + L::off_k),
+    load_rows<kSw128, T::dkdv_keys, HD>(smem_addr(smem + L::off_k),
                                           p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0, p.seq,
                                           tid);
-    load_rows_d<kSw128, T::dkdv_keys, HD>(smem_addr(smem + L::off_v),
+    load_rows<kSw128, T::dkdv_keys, HD>(smem_addr(smem + L::off_v),
                                           p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token, n0, p.seq,
                                           tid);
     cp_async_mbar_arrive(full_kv);
@@ -354,10 +351,10 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     for (int t = 0; t < steps; ++t) {
       if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
       const int q0 = p.q_begin + qb * kDkdvBr;
-      load_rows_d<kSw128, kDkdvBr, HD>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+      load_rows<kSw128, kDkdvBr, HD>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
                                        p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end,
                                        tid);
-      load_rows_d<kSw128, kDkdvBr, HD>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+      load_rows<kSw128, kDkdvBr, HD>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
                                        p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
                                        p.q_end, tid);
       {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
@@ -394,8 +391,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   const std::uint32_t sbase = smem_addr(smem);
   const std::uint32_t a_k = sbase + L::off_k + (T::shared_rows ? 0u : wg * kWgRowsOffset<kSw128>);
   const std::uint32_t a_v = a_k + (L::off_v - L::off_k);
-  // The warpgroup's output columns in a 64-row B tile: panels 2 wg, 2 wg + 1 (shared_rows only).
-  const std::uint32_t half = T::shared_rows ? static_cast<std::uint32_t>(wg) * 2 * (64 * 128) : 0u;
+  const std::uint32_t half = wg_col_bytes<HD>(wg);
 
   float dk[64], dv[64];
 #pragma unroll
@@ -544,9 +540,9 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_d<kSw128, T::dq_rows, HD>(smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD,
+    load_rows<kSw128, T::dq_rows, HD>(smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD,
                                         p.q_token, q0, p.q_end, tid);
-    load_rows_d<kSw128, T::dq_rows, HD>(smem_addr(smem + L::off_do),
+    load_rows<kSw128, T::dq_rows, HD>(smem_addr(smem + L::off_do),
                                         p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
                                         p.q_end, tid);
     cp_async_mbar_arrive(full_qdo);
@@ -556,9 +552,9 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     std::uint32_t phase = 0;
     for (int t = 0; t < n_kv; ++t) {
       if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      load_rows_d<kSw128, T::dq_bc, HD>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>),
+      load_rows<kSw128, T::dq_bc, HD>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>),
                                         k_g, p.k_token, t * T::dq_bc, p.seq, tid);
-      load_rows_d<kSw128, T::dq_bc, HD>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>),
+      load_rows<kSw128, T::dq_bc, HD>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>),
                                         v_g, p.v_token, t * T::dq_bc, p.seq, tid);
       cp_async_mbar_arrive(full(st));
       if (++st == S) {
@@ -592,7 +588,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   const std::uint32_t a_q = smem_addr(smem + L::off_q) + rows_at;
   const std::uint32_t a_do = smem_addr(smem + L::off_do) + rows_at;
   const std::uint32_t a_k0 = smem_addr(smem + L::off_k), a_v0 = smem_addr(smem + L::off_v);
-  const std::uint32_t half = T::shared_rows ? static_cast<std::uint32_t>(wg) * 2 * (64 * 128) : 0u;
+  const std::uint32_t half = wg_col_bytes<HD>(wg);
 
   float dq[64];
 #pragma unroll
