@@ -82,10 +82,18 @@ __device__ __forceinline__ void pack_p(std::uint32_t (&pa)[BC / 16][4], const fl
   }
 }
 
+/// Column block j (columns 8j .. 8j + 7) of O's fragment, element e: O held as one accumulator
+/// (float[64], head_dim 128) or as m64n128 halves (float[H][64], head_dim 128 H).
+__device__ __forceinline__ float o_at(const float (&o)[64], int j, int e) { return o[4 * j + e]; }
+template <int H>
+__device__ __forceinline__ float o_at(const float (&o)[H][64], int j, int e) {
+  return o[j / 16][4 * (j % 16) + e];
+}
+
 /// O = O / l (bf16) and LSE = (m + log2 l) ln 2 of the thread's two rows i0 and i0 + 8 (absolute
 /// query rows) where they are valid (< q_end); c0 = 2 (lane % 4), the thread's first column.
-template <int D>
-__device__ __forceinline__ void store(const float* o, const float (&m_run)[2], const float (&l_run)[2],
+template <int D, class O>
+__device__ __forceinline__ void store(const O& o, const float (&m_run)[2], const float (&l_run)[2],
                                       const attention_detail::ForwardParams& p, int b, int h, int i0, int c0, int lane) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
@@ -100,7 +108,7 @@ __device__ __forceinline__ void store(const float* o, const float (&m_run)[2], c
 #pragma unroll
       for (int j = 0; j < D / 8; ++j)
         *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(o[4 * j + 2 * hf] * inv, o[4 * j + 2 * hf + 1] * inv);
+            __floats2bfloat162_rn(o_at(o, j, 2 * hf) * inv, o_at(o, j, 2 * hf + 1) * inv);
       if ((lane & 3) == 0)
         p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seq + i] =
             l > 0.0f ? (m_run[hf] + log2f(l)) * attention_detail::ln2 : -INFINITY;

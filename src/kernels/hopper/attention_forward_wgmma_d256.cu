@@ -135,27 +135,7 @@ __device__ __forceinline__ void rescale_and_pack(State& st, const float (&alpha)
 
 /// O = O / l (bf16) and LSE = (m + log2 l) ln 2 of the thread's rows i0 and i0 + 8 where < q_end.
 __device__ __forceinline__ void store_output(const State& st, const Params& p, int b, int h, int i0, int c0, int lane) {
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float l = st.l_run[hf];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int i = i0 + 8 * hf;
-    if (i < p.q_end) {
-      __nv_bfloat16* dst =
-          p.o + b * p.o_batch + static_cast<std::int64_t>(i) * p.o_token + static_cast<std::int64_t>(h) * kD + c0;
-#pragma unroll
-      for (int oh = 0; oh < kOHalves; ++oh)
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<__nv_bfloat162*>(dst + 128 * oh + 8 * j) =
-              __floats2bfloat162_rn(st.o[oh][4 * j + 2 * hf] * inv, st.o[oh][4 * j + 2 * hf + 1] * inv);
-      if ((lane & 3) == 0)
-        p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seq + i] =
-            l > 0.0f ? (st.m_run[hf] + log2f(l)) * attention_detail::ln2 : -INFINITY;
-    }
-  }
+  forward_steps::store<kD>(st.o, st.m_run, st.l_run, p, b, h, i0, c0, lane);
 }
 
 /// The warp-specialised kernel. Tile t of K (and of V) lives in stage t % kStages; its "full"
