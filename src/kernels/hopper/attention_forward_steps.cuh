@@ -2,9 +2,9 @@
 // head_dim 128, attention_forward_wgmma_d256.cu at 256), on their accumulator fragments
 // (wgmma.cuh): warp w of the warpgroup, lane l holds rows r0 = 16w + l/4 (hf = 0) and r0 + 8
 // (hf = 1) of the warpgroup's 64; of 8-column block j, columns 8j + 2(l%4) + {0, 1} in
-// acc[4j + 2hf], acc[4j + 2hf + 1]. O is passed as its D / 2 floats in column-block order (a
+// acc[4j + 2hf], acc[4j + 2hf + 1]. rescale takes O as its D / 2 floats in column-block order (a
 // 64 x 256 O held as two m64n128 accumulators o[2][64] is o[0] then o[1], so block j of the flat
-// array is columns 8j .. 8j + 7 either way). Private to the kernels.
+// array is columns 8j .. 8j + 7 either way); store takes either form (o_at). Private to the kernels.
 #pragma once
 
 #include <cuda_bf16.h>
