@@ -2,16 +2,14 @@
 // two warpgroups per 128 rows, P in registers, V read MN-major; what oom::kernels::attention_forward
 // runs on compute capability 9.0 at head_dim 128) against the CPU reference and against the
 // mma.sync kernel (oom::kernels::attention_forward_mma_sync, what it runs elsewhere) on the same
-// inputs, every schedule of kSchedules below (serial, overlap_softmax, and the warp-specialised
-// producer_overlap, producer_pingpong, producer_tma, producer_3stage, producer_sw128 and
-// producer_sw128_tma, each bit-identical to serial): sequence lengths that are no multiple of the 64- or 128-row tiles (1, 17, 1000, 4099)
+// inputs: sequence lengths that are no multiple of the 64- or 128-row tiles (1, 17, 1000, 4099)
 // and ones that are (64, 128 for the second), GQA (4/2) and MHA (2/2), batch 1 and 2, Q/K/V
-// separate and packed, and query sub-ranges [q_begin, q_end). O and LSE are poisoned (all bits
-// set) before every run: every entry in the range must be within its bf16 bound, every entry
-// outside it must still be poison.
-// At head_dim 256 the same checks for attention_forward_wgmma_d256 (one schedule, run twice for
-// its bits). Then a timing report (printed, not asserted) of mma.sync and every schedule at S =
-// 4096, 16384 and 65536.
+// separate and packed, query sub-ranges [q_begin, q_end), and K/V batch strides that are zero,
+// negative or huge. O and LSE are poisoned (all bits set) before every run: every entry in the
+// range must be within its bf16 bound, every entry outside it must still be poison; a second run
+// must give the same bits.
+// At head_dim 256 the same checks for attention_forward_wgmma_d256. Then a timing report (printed,
+// not asserted) of mma.sync and the wgmma kernel at S = 4096, 16384 and 65536.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
@@ -24,9 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <iterator>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
@@ -45,35 +41,9 @@ using oom::bf16;
 using oom::kernels::AttentionProblem;
 using oom::kernels::TokenRows;
 using oom::reference::AttentionDims;
-using oom::kernels::hopper::Wgmma2wgSchedule;
 using oom::test::DeviceBuffer;
 
 constexpr int kD = 128;
-
-/// Every schedule of attention_forward_wgmma_2wg (Wgmma2wgSchedule), by the name the messages use.
-/// Each one gets every check of this file: the refusals, the reference and the mma.sync kernel on
-/// every case, the same bits as serial (the first entry, the bits reference), and a timing line.
-/// same_bits_at_scale: its O is also compared bit for bit with producer_overlap's at the timing
-/// sizes (the schedules that load K/V differently from producer_overlap but must give its bits).
-struct Schedule {
-  const char* name;
-  Wgmma2wgSchedule value;
-  bool same_bits_at_scale = false;
-};
-constexpr Schedule kSchedules[] = {
-    {"serial", Wgmma2wgSchedule::serial},
-    {"overlap_softmax", Wgmma2wgSchedule::overlap_softmax},
-    {"producer_overlap", Wgmma2wgSchedule::producer_overlap},
-    {"producer_pingpong", Wgmma2wgSchedule::producer_pingpong},
-    {"producer_tma", Wgmma2wgSchedule::producer_tma, true},
-    {"producer_3stage", Wgmma2wgSchedule::producer_3stage, true},
-    {"producer_sw128", Wgmma2wgSchedule::producer_sw128, true},
-    {"producer_sw128_tma", Wgmma2wgSchedule::producer_sw128_tma, true},
-};
-constexpr std::size_t kSchedulesN = std::size(kSchedules);
-static_assert(kSchedules[0].value == Wgmma2wgSchedule::serial, "the bits reference comes first");
-constexpr std::size_t kProducerOverlap = 2;  // the bits reference of same_bits_at_scale
-static_assert(kSchedules[kProducerOverlap].value == Wgmma2wgSchedule::producer_overlap);
 
 using oom::test::device_is_sm90;
 void require_sm90() { oom::test::require_sm90("test_attention_wgmma"); }
@@ -130,7 +100,7 @@ struct Case {
   int batch, seq, heads_q, heads_kv;
   bool packed = false;
   int q_begin = 0, q_end = -1;  // -1: seq
-  int head_dim = kD;            // 256: attention_forward_wgmma_d256 instead of the 2wg schedules
+  int head_dim = kD;            // 256: attention_forward_wgmma_d256 instead of attention_forward_wgmma_2wg
 };
 
 /// What one kernel wrote, downloaded whole.
@@ -237,11 +207,13 @@ void check_against_mma(const char* who, const Written& wg, const Written& mma, c
   CHECK(bad_lse == 0);
 }
 
-/// The mma.sync kernel and every schedule of the wgmma kernel (kSchedules) on one case, each
-/// against the reference, each wgmma schedule against the mma.sync kernel and against serial's
-/// bits.
-void check_case(const Case& c, std::uint64_t seed) {
-  require_sm90();
+/// The mma.sync kernel and the wgmma kernel of c.head_dim (attention_forward_wgmma_2wg at 128,
+/// attention_forward_wgmma_d256 at 256) on one problem, each against the reference, the wgmma
+/// kernel against the mma.sync kernel, and against its own bits on a second run (deterministic).
+/// q, k, v: the inputs as contiguous (B, S, H, D) tensors, what the reference reads; qd, kd, vd:
+/// the device views of the same values the kernels read.
+void check_views(const Case& c, const std::vector<bf16>& q, const std::vector<bf16>& k, const std::vector<bf16>& v,
+                 TokenRows<const bf16> qd, TokenRows<const bf16> kd, TokenRows<const bf16> vd) {
   const int dim = c.head_dim;
   const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, dim};
   const int q_end = c.q_end < 0 ? c.seq : c.q_end;
@@ -251,7 +223,9 @@ void check_case(const Case& c, std::uint64_t seed) {
   const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * dim;
   const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * dim;
   const std::size_t nlse = static_cast<std::size_t>(c.batch) * c.heads_q * c.seq;
-  const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
+  REQUIRE(q.size() == nq);
+  REQUIRE(k.size() == nkv);
+  REQUIRE(v.size() == nkv);
 
   // Reference on exactly the bf16 values the GPU sees, and the error scales of O.
   const auto qf = to_float(q), kf = to_float(k), vf = to_float(v);
@@ -261,7 +235,6 @@ void check_case(const Case& c, std::uint64_t seed) {
   const std::vector<float> no_grad(nq, 0.0f);  // only o_mag is used
   oom::reference::attention_error_scales<float>(d, scale, qf, kf, vf, o_ref, no_grad, o_mag, dq_mag, dk_mag, dv_mag);
 
-  DeviceQkv in(d, c.packed, q, k, v);
   AttentionProblem p{.batch = c.batch, .seq = c.seq, .heads_q = c.heads_q, .heads_kv = c.heads_kv, .head_dim = dim,
                      .softmax_scale = scale};
   p.q_begin = c.q_begin;
@@ -269,114 +242,80 @@ void check_case(const Case& c, std::uint64_t seed) {
   REQUIRE(oom::kernels::attention_can_implement(p));
   const std::int64_t q_row = std::int64_t{c.heads_q} * dim;
 
-  // One run of the mma.sync kernel (no schedule) or of the wgmma kernel with `schedule`, into
-  // poisoned O and LSE.
-  const auto run = [&](const Schedule* schedule) {
-    DeviceBuffer<bf16> o_buf(nq);     // poisoned
+  // One run of the mma.sync kernel or of the wgmma kernel into poisoned O and LSE.
+  const auto run = [&](bool wgmma) {
+    DeviceBuffer<bf16> o_buf(nq);       // poisoned
     DeviceBuffer<float> lse_buf(nlse);  // poisoned
     const TokenRows<bf16> o{o_buf.get(), c.seq * q_row, q_row};
-    const auto qc = as_const(in.q), kc = as_const(in.k), vc = as_const(in.v);
-    if (schedule == nullptr)
-      OOM_CUDA_CHECK(oom::kernels::attention_forward_mma_sync(p, qc, kc, vc, o, lse_buf.get(), nullptr));
+    if (!wgmma)
+      OOM_CUDA_CHECK(oom::kernels::attention_forward_mma_sync(p, qd, kd, vd, o, lse_buf.get(), nullptr));
+    else if (dim == 256)
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_d256(p, qd, kd, vd, o, lse_buf.get(), nullptr));
     else
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qc, kc, vc, o, lse_buf.get(), nullptr,
-                                                                       schedule->value));
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qd, kd, vd, o, lse_buf.get(), nullptr));
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     return Written{o_buf.download(), lse_buf.download()};
   };
-  const Written mma = run(nullptr);
-  if (dim == 256) {  // the head-dim-256 kernel: one schedule, run twice (deterministic: the same bits)
-    const auto run_d256 = [&] {
-      DeviceBuffer<bf16> o_buf(nq);       // poisoned
-      DeviceBuffer<float> lse_buf(nlse);  // poisoned
-      const TokenRows<bf16> o{o_buf.get(), c.seq * q_row, q_row};
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_d256(p, as_const(in.q), as_const(in.k), as_const(in.v),
-                                                                        o, lse_buf.get(), nullptr));
-      OOM_CUDA_CHECK(cudaDeviceSynchronize());
-      return Written{o_buf.download(), lse_buf.download()};
-    };
-    const Written first = run_d256(), again = run_d256();
-    check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
-    check_against_reference("wgmma d256 kernel", first, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
-    check_against_mma("wgmma d256", first, mma, o_ref, lse_ref, o_mag, c, q_end);
-    CHECK_MESSAGE(std::memcmp(first.o.data(), again.o.data(), first.o.size() * sizeof(bf16)) == 0,
-                  "the d256 kernel's O differs between two runs");
-    CHECK_MESSAGE(std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * sizeof(float)) == 0,
-                  "the d256 kernel's LSE differs between two runs");
-    return;
-  }
-  std::vector<Written> wg;
-  for (const Schedule& sc : kSchedules) wg.push_back(run(&sc));
+  const Written mma = run(false), first = run(true), again = run(true);
+  const std::string name = dim == 256 ? "wgmma d256" : "wgmma 2wg";
   check_against_reference("mma.sync kernel", mma, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
-  for (std::size_t i = 0; i < kSchedulesN; ++i)
-    check_against_reference(("wgmma 2wg kernel, " + std::string(kSchedules[i].name) + " schedule").c_str(), wg[i],
-                            o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
-  for (std::size_t i = 0; i < kSchedulesN; ++i)
-    check_against_mma(("wgmma 2wg " + std::string(kSchedules[i].name)).c_str(), wg[i], mma, o_ref, lse_ref, o_mag, c,
-                      q_end);
-  // Every schedule computes the same operations on the same values in the same order per
-  // warpgroup (only when each wgmma is issued, who loads the tiles, and how, differ), so each must
-  // agree with serial bit for bit. A difference within the tolerances above points at
-  //   - overlap_softmax: a race (an operand register or buffer reused while a wgmma still reads
-  //     it), or the compiler rounding one instantiation differently;
-  //   - the warp-specialised schedules (producer_*): a synchronisation error (a buffer overwritten
-  //     or read before its mbarrier says so; for producer_3stage, the phase arithmetic of a stage
-  //     count that is not a power of two);
-  //   - producer_tma also: the descriptors (LBO/SBO of the chunk-major K or V, kKc* / kVc* in
-  //     attention_forward_wgmma_2wg.cu), the tensor map (tma.cuh), or the expect-tx protocol;
-  //   - producer_sw128(_tma) also: the swizzled descriptors (kSw*; garbage with right magnitudes
-  //     in O but a right LSE points at V's LBO/SBO, a wrong LSE at Q's or K's), the cp.async
-  //     swizzle (load_rows_sw128_producer, test_wgmma checks the layout alone), the 1 KiB
-  //     alignment, or swizzle128_view.
-  const Written& serial = wg[0];
-  for (std::size_t i = 1; i < kSchedulesN; ++i) {
-    const std::string name = kSchedules[i].name;
-    CHECK_MESSAGE(std::memcmp(serial.o.data(), wg[i].o.data(), serial.o.size() * sizeof(bf16)) == 0,
-                  "the 2wg kernel's O differs between its serial and " << name << " schedules");
-    CHECK_MESSAGE(std::memcmp(serial.lse.data(), wg[i].lse.data(), serial.lse.size() * sizeof(float)) == 0,
-                  "the 2wg kernel's LSE differs between its serial and " << name << " schedules");
-  }
+  check_against_reference((name + " kernel").c_str(), first, o_ref, lse_ref, o_mag, d, c.q_begin, q_end);
+  check_against_mma(name.c_str(), first, mma, o_ref, lse_ref, o_mag, c, q_end);
+  // No atomics, a fixed order of every sum: a difference points at a race (a buffer overwritten or
+  // read before its mbarrier says so, an operand register reused while a wgmma still reads it).
+  CHECK_MESSAGE(std::memcmp(first.o.data(), again.o.data(), first.o.size() * sizeof(bf16)) == 0,
+                "the " << name << " kernel's O differs between two runs");
+  CHECK_MESSAGE(std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * sizeof(float)) == 0,
+                "the " << name << " kernel's LSE differs between two runs");
+}
+
+/// check_views on random N(0, 1) inputs (seeds seed, seed + 1, seed + 2), Q/K/V on the device as
+/// c.packed says.
+void check_case(const Case& c, std::uint64_t seed) {
+  require_sm90();
+  const AttentionDims d{c.batch, c.seq, c.heads_q, c.heads_kv, c.head_dim};
+  const std::size_t nq = static_cast<std::size_t>(c.batch) * c.seq * c.heads_q * c.head_dim;
+  const std::size_t nkv = static_cast<std::size_t>(c.batch) * c.seq * c.heads_kv * c.head_dim;
+  const auto q = random_bf16(nq, seed), k = random_bf16(nkv, seed + 1), v = random_bf16(nkv, seed + 2);
+  DeviceQkv in(d, c.packed, q, k, v);
+  check_views(c, q, k, v, as_const(in.q), as_const(in.k), as_const(in.v));
 }
 
 }  // namespace
 
-TEST_CASE("attention_forward_wgmma_2wg refuses what they cannot do, and do nothing for an empty range") {
+TEST_CASE("attention_forward_wgmma_2wg refuses what it cannot do, and does nothing for an empty range") {
   AttentionProblem p{.batch = 1, .seq = 64, .heads_q = 4, .heads_kv = 2, .head_dim = 128, .softmax_scale = 0.1f};
   DeviceBuffer<bf16> buf(64 * 4 * 128 * 4);
   DeviceBuffer<float> lse(4 * 64);  // poisoned
   const TokenRows<const bf16> ok{buf.get(), 64 * 512, 512};
   const TokenRows<bf16> out{buf.get() + 64 * 512 * 3, 64 * 512, 512};
-  for (const Schedule& sc : kSchedules) {
-    const std::string name = "attention_forward_wgmma_2wg, " + std::string(sc.name);
-    CAPTURE(name);
-    const auto forward = [&](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                             TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
-      return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st, sc.value);
-    };
-    auto bad = p;
-    bad.head_dim = 256;  // valid for the mma.sync kernels, not implemented here
-    CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
-    bad.head_dim = 64;  // valid for none
-    CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
-    bad = p;
-    bad.heads_q = 3;
-    CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
-    bad = p;
-    bad.q_end = 65;
-    CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
-    const TokenRows<const bf16> odd_stride{buf.get(), 64 * 512, 500};
-    CHECK(forward(p, odd_stride, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
-    CHECK(forward(p, ok, ok, ok, out, nullptr, nullptr) == cudaErrorInvalidValue);
+  const auto forward = [&](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                           TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
+    return oom::kernels::hopper::attention_forward_wgmma_2wg(pr, q, k, v, o, l, st);
+  };
+  auto bad = p;
+  bad.head_dim = 256;  // valid for the mma.sync kernels, not implemented here
+  CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
+  bad.head_dim = 64;  // valid for none
+  CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
+  bad = p;
+  bad.heads_q = 3;
+  CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
+  bad = p;
+  bad.q_end = 65;
+  CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
+  const TokenRows<const bf16> odd_stride{buf.get(), 64 * 512, 500};
+  CHECK(forward(p, odd_stride, ok, ok, out, lse.get(), nullptr) == cudaErrorInvalidValue);
+  CHECK(forward(p, ok, ok, ok, out, nullptr, nullptr) == cudaErrorInvalidValue);
 
-    auto empty = p;
-    empty.q_begin = empty.q_end = 17;
-    CHECK(forward(empty, ok, ok, ok, out, lse.get(), nullptr) == cudaSuccess);
-    OOM_CUDA_CHECK(cudaDeviceSynchronize());
-    for (const float x : lse.download()) CHECK(std::bit_cast<std::uint32_t>(x) == 0xFFFFFFFFu);
+  auto empty = p;
+  empty.q_begin = empty.q_end = 17;
+  CHECK(forward(empty, ok, ok, ok, out, lse.get(), nullptr) == cudaSuccess);
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());
+  for (const float x : lse.download()) CHECK(std::bit_cast<std::uint32_t>(x) == 0xFFFFFFFFu);
 
-    // Off compute capability 9.0 there is no code to run: refused, not launched.
-    if (!device_is_sm90()) CHECK(forward(p, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
-  }
+  // Off compute capability 9.0 there is no code to run: refused, not launched.
+  if (!device_is_sm90()) CHECK(forward(p, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
 }
 
 TEST_CASE("attention_forward_wgmma_2wg matches the reference and the mma.sync kernel, whole sequences") {
@@ -422,45 +361,52 @@ TEST_CASE("attention_forward_wgmma_d256 matches the reference and the mma.sync k
                                                            lse.get(), nullptr) == cudaErrorNotSupported);
 }
 
-TEST_CASE("the TMA schedules on K/V strides a tensor map cannot hold, or holds only by substitution: producer_overlap's bits") {
-  // K and V shared by both sequences of a batch (batch_stride 0: TMA strides must be positive, so
-  // producer_tma runs producer_overlap's kernel and producer_sw128_tma producer_sw128's), and one
-  // sequence whose K/V batch_stride is 0 (never used for an address: the tensor map gets a valid
-  // stand-in and TMA runs). Either way the result must be producer_overlap's, bit for bit, and
-  // nothing outside the rows written.
+TEST_CASE("attention_forward_wgmma_2wg on unusual K/V batch strides: zero, negative, huge") {
+  // K and V shared by both sequences of a batch (batch_stride 0), one sequence whose K/V
+  // batch_stride is 0 (never used for an address), two sequences stored in reverse order
+  // (batch_stride negative, the views starting at the second), and one sequence with a
+  // batch_stride of 2^40 elements (never used either): each must match the reference and the
+  // mma.sync kernel on the K/V its view shows, deterministically, nothing outside the rows written.
   require_sm90();
   const int s = 300, hq = 4, hkv = 2;
   const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
-  for (const int batch : {2, 1}) {
-    CAPTURE(batch);
-    DeviceBuffer<bf16> q(random_bf16(static_cast<std::size_t>(batch * s * q_row), 900 + batch)),
-        k(random_bf16(static_cast<std::size_t>(s * kv_row), 901)), v(random_bf16(static_cast<std::size_t>(s * kv_row), 902));
-    const TokenRows<const bf16> qr{q.get(), s * q_row, q_row}, kr{k.get(), 0, kv_row}, vr{v.get(), 0, kv_row};
-    const AttentionProblem p{.batch = batch, .seq = s, .heads_q = hq, .heads_kv = hkv, .head_dim = kD,
-                             .softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD)), .q_begin = 5, .q_end = 290};
-    const std::size_t nq = static_cast<std::size_t>(batch * s * q_row), nlse = static_cast<std::size_t>(batch * hq * s);
-    const auto run = [&](Wgmma2wgSchedule schedule) {
-      DeviceBuffer<bf16> o(nq);        // poisoned
-      DeviceBuffer<float> lse(nlse);  // poisoned
-      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qr, kr, vr, {o.get(), s * q_row, q_row},
-                                                                       lse.get(), nullptr, schedule));
-      OOM_CUDA_CHECK(cudaDeviceSynchronize());
-      return std::pair{o.download(), lse.download()};
-    };
-    const auto [o_ref, lse_ref] = run(Wgmma2wgSchedule::producer_overlap);
-    for (const Wgmma2wgSchedule schedule : {Wgmma2wgSchedule::producer_tma, Wgmma2wgSchedule::producer_sw128_tma}) {
-      CAPTURE(static_cast<int>(schedule));
-      const auto [o, lse] = run(schedule);
-      CHECK(std::memcmp(o_ref.data(), o.data(), o.size() * sizeof(bf16)) == 0);
-      CHECK(std::memcmp(lse_ref.data(), lse.data(), lse.size() * sizeof(float)) == 0);
+  const std::size_t per_seq = static_cast<std::size_t>(s * kv_row);
+  struct Strides {
+    const char* what;
+    int batch;
+    int stored;  // K/V sequences in the buffer
+    std::int64_t batch_stride;
+    int first;  // the stored sequence the view starts at
+  };
+  for (const Strides st : {Strides{"shared K/V, batch_stride 0", 2, 1, 0, 0},
+                           Strides{"one sequence, batch_stride 0", 1, 1, 0, 0},
+                           Strides{"reversed, batch_stride -S Hkv D", 2, 2, -(s * kv_row), 1},
+                           Strides{"one sequence, batch_stride 2^40", 1, 1, std::int64_t{1} << 40, 0}}) {
+    CAPTURE(st.what);
+    const int batch = st.batch;
+    const auto q = random_bf16(static_cast<std::size_t>(batch * s * q_row), 900 + 10 * batch);
+    const auto k_stored = random_bf16(st.stored * per_seq, 901), v_stored = random_bf16(st.stored * per_seq, 902);
+    // What the views show, as the contiguous (B, S, Hkv, D) tensors the reference reads: batch b
+    // reads stored sequence first - b with the negative stride, sequence first otherwise (stride 0,
+    // or unused at batch 1).
+    std::vector<bf16> k, v;
+    for (int b = 0; b < batch; ++b) {
+      const int seq_at = st.batch_stride < 0 ? st.first - b : st.first;
+      const auto from = static_cast<std::ptrdiff_t>(seq_at * per_seq);
+      k.insert(k.end(), k_stored.begin() + from, k_stored.begin() + from + static_cast<std::ptrdiff_t>(per_seq));
+      v.insert(v.end(), v_stored.begin() + from, v_stored.begin() + from + static_cast<std::ptrdiff_t>(per_seq));
     }
+    DeviceBuffer<bf16> qd(q), kd(k_stored), vd(v_stored);
+    const std::size_t at = st.first * per_seq;
+    check_views(Case{batch, s, hq, hkv, false, 5, 290}, q, k, v, {qd.get(), s * q_row, q_row},
+                {kd.get() + at, st.batch_stride, kv_row}, {vd.get() + at, st.batch_stride, kv_row});
   }
 }
 
 TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1, Hq/Hkv = 16/4, D = 128)") {
   // Printed, not asserted. FLOPs of the causal forward counted as src/cuda/calibrate.cu counts
   // them: 2 S^2 Hq D per batch (Q K^T and P V, 2 FLOP per multiply-add, half of the S x S square).
-  // The wgmma outputs are also compared with the mma.sync one (relative L2 and LSE), a check at a
+  // The wgmma output is also compared with the mma.sync one (relative L2 and LSE), a check at a
   // size the CPU reference cannot afford.
   require_sm90();
   const int hq = 16, hkv = 4;
@@ -479,15 +425,9 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
       }
       return out;
     };
-    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq);
+    DeviceBuffer<bf16> q(hashed(nq, 1)), k(hashed(nkv, 2)), v(hashed(nkv, 3)), o_mma(nq), o_wg(nq);
     const std::size_t nlse = static_cast<std::size_t>(hq) * s;
-    DeviceBuffer<float> lse_mma(nlse);
-    std::vector<DeviceBuffer<bf16>> o_wg;  // per schedule of kSchedules
-    std::vector<DeviceBuffer<float>> lse_wg;
-    for (std::size_t i = 0; i < kSchedulesN; ++i) {
-      o_wg.emplace_back(nq);
-      lse_wg.emplace_back(nlse);
-    }
+    DeviceBuffer<float> lse_mma(nlse), lse_wg(nlse);
     const std::int64_t q_row = std::int64_t{hq} * kD, kv_row = std::int64_t{hkv} * kD;
     const TokenRows<const bf16> qr{q.get(), s * q_row, q_row}, kr{k.get(), s * kv_row, kv_row},
         vr{v.get(), s * kv_row, kv_row};
@@ -500,47 +440,26 @@ TEST_CASE("wgmma forward vs mma.sync: timing at S = 4096, 16384 and 65536 (B = 1
     };
     const int repeats = s >= 65536 ? 5 : 10;
     const double ms_mma = oom::test::time_ms(mma, stream.s, repeats);
-    std::vector<double> ms_wg;
-    for (std::size_t i = 0; i < kSchedulesN; ++i) {
-      const auto wg = [&](cudaStream_t st) {
-        OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(
-            p, qr, kr, vr, {o_wg[i].get(), s * q_row, q_row}, lse_wg[i].get(), st, kSchedules[i].value));
-      };
-      ms_wg.push_back(oom::test::time_ms(wg, stream.s, repeats));
-    }
+    const auto wg = [&](cudaStream_t st) {
+      OOM_CUDA_CHECK(oom::kernels::hopper::attention_forward_wgmma_2wg(p, qr, kr, vr, {o_wg.get(), s * q_row, q_row},
+                                                                       lse_wg.get(), st));
+    };
+    const double ms_wg = oom::test::time_ms(wg, stream.s, repeats);
     const double flops = 2.0 * static_cast<double>(s) * s * hq * kD;
     const auto tflops = [&](double ms) { return flops / ms / 1e9; };
     std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal forward:\n", s, hq, hkv);
-    std::printf("    %-27s %9.3f ms %5.0f TFLOP/s\n", "mma.sync", ms_mma, tflops(ms_mma));
-    for (std::size_t i = 0; i < kSchedulesN; ++i)
-      std::printf("    wgmma 2wg %-17s %9.3f ms %5.0f TFLOP/s %5.2fx mma.sync\n", kSchedules[i].name, ms_wg[i],
-                  tflops(ms_wg[i]), ms_mma / ms_wg[i]);
+    std::printf("    %-9s %9.3f ms %5.0f TFLOP/s\n", "mma.sync", ms_mma, tflops(ms_mma));
+    std::printf("    %-9s %9.3f ms %5.0f TFLOP/s %5.2fx mma.sync\n", "wgmma 2wg", ms_wg, tflops(ms_wg), ms_mma / ms_wg);
     std::fflush(stdout);
 
-    const auto m = to_float(o_mma.download());
-    const auto lm = lse_mma.download();
-    const auto against_mma = [&](const char* who, DeviceBuffer<bf16>& o, DeviceBuffer<float>& lse) {
-      const auto a = to_float(o.download());
-      const double l2 = oom::test::rel_l2(a, m);
-      const auto la = lse.download();
-      double lse_diff = 0;
-      for (std::size_t i = 0; i < la.size(); ++i)
-        lse_diff = std::max(lse_diff, std::isfinite(la[i]) ? std::abs(static_cast<double>(la[i]) - lm[i]) : INFINITY);
-      INFO("S=" << s << ": relative L2 of " << who << " O vs mma.sync O " << l2 << ", max |LSE difference| "
-                << lse_diff);
-      CHECK(l2 < 1e-2);
-      CHECK(lse_diff < 1e-3 * (1 + std::log(static_cast<double>(s))));
-    };
-    for (std::size_t i = 0; i < kSchedulesN; ++i)
-      against_mma(("wgmma 2wg " + std::string(kSchedules[i].name)).c_str(), o_wg[i], lse_wg[i]);
-    // The schedules that load K/V otherwise than producer_overlap (TMA; more stages) must not
-    // change a bit (same wgmmas, same values) at these sizes either.
-    const auto o_ov = o_wg[kProducerOverlap].download();
-    for (std::size_t i = 0; i < kSchedulesN; ++i) {
-      if (!kSchedules[i].same_bits_at_scale) continue;
-      const auto b = o_wg[i].download();
-      CHECK_MESSAGE(std::memcmp(o_ov.data(), b.data(), o_ov.size() * sizeof(bf16)) == 0,
-                    kSchedules[i].name << "'s O differs from producer_overlap's at S=" << s);
-    }
+    const auto m = to_float(o_mma.download()), a = to_float(o_wg.download());
+    const auto lm = lse_mma.download(), la = lse_wg.download();
+    const double l2 = oom::test::rel_l2(a, m);
+    double lse_diff = 0;
+    for (std::size_t i = 0; i < la.size(); ++i)
+      lse_diff = std::max(lse_diff, std::isfinite(la[i]) ? std::abs(static_cast<double>(la[i]) - lm[i]) : INFINITY);
+    INFO("S=" << s << ": relative L2 of the wgmma 2wg O vs mma.sync O " << l2 << ", max |LSE difference| " << lse_diff);
+    CHECK(l2 < 1e-2);
+    CHECK(lse_diff < 1e-3 * (1 + std::log(static_cast<double>(s))));
   }
 }

@@ -15,30 +15,22 @@
 // summation order inside the tensor-core products differs, so results agree with the mma.sync
 // kernel within the bf16 bounds, not bit for bit.
 //
-// Shared memory: every tile is 128 columns (d) wide, in the 128-byte-swizzled layout (kSw* below,
-// the forward's producer_sw128 layout; 1.12-1.28x the band layout on the H200, the same bits).
-// The band layout, still compiled for attention_backward_wgmma_band, is the no-swizzle
-// core-matrix layout of attention_forward_wgmma_2wg.cu: element (row r, column c) at byte
-//   (r/8) 2048 + (c/8) 128 + (r%8) 16 + (c%8) 2,
-// so a tile of R rows is R x 256 bytes, and one tile serves as either operand form:
-//   K-major (rows = M or N, d = the K of the product): LBO 128 (next 8 d), SBO 2048 (next 8 rows),
-//       one k-step of 16 d = +256 bytes;
-//   MN-major B (rows = the K of the product, d = N):  LBO 2048 (next 8 rows), SBO 128 (next 8 d),
-//       one k-step of 16 rows = +4096 bytes.
-// (Both placements are the ones test_wgmma checks and attention_forward_wgmma_2wg uses for Q/K
-// and for V.)
+// Shared memory: every tile is 128 columns (d) wide, in the forward's 128-byte-swizzled layout
+// (attention_forward_wgmma_2wg.cu; placement and descriptors at kSwAtom below), one tile serving
+// as either operand form; 1.12-1.28x the no-swizzle band layout it replaced on the H200, the same
+// bits.
 //
-// Warp-specialised as the forward's producer_overlap schedule (attention_forward_wgmma_2wg.cu; the
-// mbarrier and setmaxnreg helpers in warp_specialized.cuh): 384 threads per block. Warpgroups 0
-// and 1 compute; warpgroup 2, the producer, issues every cp.async into mbarrier-tracked stages.
-// setmaxnreg: producer 24 registers, consumers 240 (launch bound 168 = 65536 / 384). No block-wide
-// barrier after the set-up: tile t lands in stage t % 4, whose "full" mbarrier (count 128)
-// completes its phase t / 4 through each producer thread's cp.async.mbarrier.arrive.noinc, and
-// whose "empty" mbarrier (count 256) completes once every consumer thread has retired the wgmmas
-// that read the stage (wait_group 0) and read its LSE2/D; the producer refilling stage t % 4 with
-// tile t >= 4 first waits for completion t / 4 - 1 of "empty" (parity (t / 4 + 1) & 1). A
-// step/tile wholly masked for one warpgroup is run (P, dS exact zeros: += 0 products), not
-// skipped: no wgmma in divergent code, and both warpgroups arrive on every "empty".
+// Warp-specialised as the forward (attention_forward_wgmma_2wg.cu; the mbarrier and setmaxnreg
+// helpers in warp_specialized.cuh): 384 threads per block. Warpgroups 0 and 1 compute; warpgroup 2,
+// the producer, issues every cp.async into mbarrier-tracked stages. setmaxnreg: producer 24
+// registers, consumers 240 (launch bound 168 = 65536 / 384). No block-wide barrier after the
+// set-up: tile t lands in stage t % 4, whose "full" mbarrier (count 128) completes its phase t / 4
+// through each producer thread's cp.async.mbarrier.arrive.noinc, and whose "empty" mbarrier (count
+// 256) completes once every consumer thread has retired the wgmmas that read the stage (wait_group
+// 0) and read its LSE2/D; the producer refilling stage t % 4 with tile t >= 4 first waits for
+// completion t / 4 - 1 of "empty" (parity (t / 4 + 1) & 1). A step/tile wholly masked for one
+// warpgroup is run (P, dS exact zeros: += 0 products), not skipped: no wgmma in divergent code, and
+// both warpgroups arrive on every "empty".
 //
 // 2. dK/dV block = 128 keys of one (KV head, batch); consumer warpgroup w owns keys 64w .. 64w+63
 //    (the M of all its wgmmas) and keeps dK, dV for them in fp32 registers (64 + 64 per thread).
@@ -109,78 +101,42 @@ using attention_detail::smem_addr;
 
 constexpr int kD = 128;
 
-// Core-matrix tile geometry (see the top of the file).
-constexpr std::uint32_t kBandBytes = 2048;  // one 8-row band of a 128-column tile
-constexpr std::uint32_t kKmLbo = 128, kKmSbo = kBandBytes, kKmStep = 256;
-constexpr std::uint32_t kMnLbo = kBandBytes, kMnSbo = 128, kMnStep = 2 * kBandBytes;
-constexpr std::uint32_t kWg64Rows = 64 / 8 * kBandBytes;  // 64 rows of a tile: 16 KiB
-
-
-__device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t addr) { return encode_smem_desc(addr, kKmLbo, kKmSbo); }
-__device__ __forceinline__ std::uint64_t mnmajor_desc(std::uint32_t addr) { return encode_smem_desc(addr, kMnLbo, kMnSbo); }
-
-// The 128-byte-swizzled tiles (kSw128 below; the forward's producer_sw128 layout,
-// attention_forward_wgmma_2wg.cu, there verified on the H200): a tile of R rows x 128 d is two
-// 64-column halves of R x 128 bytes, half h at h R 128, row r at r 128 within it, its 16-byte chunk
-// c at position c ^ (r % 8); every tile 1024-byte aligned. Descriptors: K-major (rows = M/N, d =
-// the product's K), k-step ks at (ks/4) R 128 + 32 (ks%4), SBO 1024 (next 8 rows), LBO unused;
-// MN-major B (rows = the product's K, d = N), k-step ks (16 rows) at 2048 ks, LBO R 128 (next 64 d),
-// SBO 1024 (next 8 rows). The band layout splits every 32-byte global sector of a cp.async over
-// two shared-memory lines (ncu on the forward: 2x the ideal L2 sectors, 8x the ideal shared-store
-// wavefronts); the swizzled one keeps a row's 128 bytes in one line.
+// The 128-byte-swizzled tiles (the forward's layout, attention_forward_wgmma_2wg.cu, there verified
+// on the H200): a tile of R rows x HD d is HD / 64 panels of 64 columns, R x 128 bytes each, panel
+// h at h R 128, row r at r 128 within it, its 16-byte chunk c at position c ^ (r % 8); every tile
+// 1024-byte aligned. Descriptors: K-major (rows = M/N, d = the product's K), k-step ks at
+// (ks/4) R 128 + 32 (ks%4), SBO 1024 (next 8 rows), LBO unused; MN-major B (rows = the product's K,
+// d = N), k-step ks (16 rows) at 2048 ks, LBO R 128 (next 64 d), SBO 1024 (next 8 rows). Filled by
+// the producer's 128 threads through load_rows_sw128_producer (warp_specialized.cuh).
 constexpr std::uint32_t kSwAtom = 1024;
-/// Where the rows of warpgroup w start in a 128-row tile: 64 rows of 256 bytes (band) or of 128
-/// bytes per half (swizzled).
-template <bool kSw128>
-constexpr std::uint32_t kWgRowsOffset = kSw128 ? 64 * 128 : kWg64Rows;
+/// Where the rows of warpgroup w start in a 128-row tile: 64 rows of 128 bytes per panel.
+constexpr std::uint32_t kWgRowsOffset = 64 * 128;
 
-template <bool kSw128, int R>
+template <int R>
 __device__ __forceinline__ std::uint64_t kmajor_step_desc(std::uint32_t rows, int ks) {
-  if constexpr (kSw128)
-    return encode_smem_desc(rows + static_cast<std::uint32_t>((ks / 4) * R * 128 + (ks % 4) * 32), 16, kSwAtom,
-                            Swizzle::b128);
-  else
-    return kmajor_desc(rows + ks * kKmStep);
+  return encode_smem_desc(rows + static_cast<std::uint32_t>((ks / 4) * R * 128 + (ks % 4) * 32), 16, kSwAtom,
+                          Swizzle::b128);
 }
 
 /// acc (64 x 64) = A (64 rows at a_rows of an RA-row tile, K-major) * B^T (64 rows at b_rows of an
-/// RB-row tile, K-major), over the COLS (128 or, swizzled, 256) columns: COLS / 16 wgmma m64n64k16
-/// SS, not committed.
-template <bool kSw128, int RA, int RB, int COLS = kD>
+/// RB-row tile, K-major), over the COLS (128 or 256) columns: COLS / 16 wgmma m64n64k16 SS, not
+/// committed.
+template <int RA, int RB, int COLS = kD>
 __device__ __forceinline__ void issue_nt_64x64(float (&acc)[32], std::uint32_t a_rows, std::uint32_t b_rows) {
-  static_assert(COLS == kD || kSw128, "256-column tiles are swizzled only");
 #pragma unroll
   for (int ks = 0; ks < COLS / 16; ++ks)
-    wgmma_m64n64k16_f32_bf16_ss(acc, kmajor_step_desc<kSw128, RA>(a_rows, ks), kmajor_step_desc<kSw128, RB>(b_rows, ks),
+    wgmma_m64n64k16_f32_bf16_ss(acc, kmajor_step_desc<RA>(a_rows, ks), kmajor_step_desc<RB>(b_rows, ks),
                                 ks > 0 ? 1 : 0);
 }
 
 /// acc (64 x 128) += A (64 x 64, bf16 RS fragments) * B (the 64-row tile at b_rows x 128,
 /// MN-major): 4 wgmma m64n128k16 RS, not committed. `a` must stay untouched until they complete.
-template <bool kSw128>
 __device__ __forceinline__ void issue_rs_64x128(float (&acc)[64], const std::uint32_t (&a)[4][4],
                                                 std::uint32_t b_rows) {
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    if constexpr (kSw128)
-      wgmma_m64n128k16_f32_bf16_rs<Major::mn>(
-          acc, a[ks], encode_smem_desc(b_rows + ks * 2 * kSwAtom, 64 * 128, kSwAtom, Swizzle::b128), 1);
-    else
-      wgmma_m64n128k16_f32_bf16_rs<Major::mn>(acc, a[ks], mnmajor_desc(b_rows + ks * kMnStep), 1);
-  }
-}
-
-/// Rows [row0, row0 + ROWS) of a strided global (rows, HD) bf16 matrix into a tile in the band
-/// or the swizzled layout (warp_specialized.cuh; HD 256: swizzled only), by the producer's 128
-/// threads.
-template <bool kSw128, int ROWS, int HD>
-__device__ __forceinline__ void load_rows(std::uint32_t tile, const __nv_bfloat16* base, std::int64_t token_stride,
-                                          int row0, int row_end, int tid) {
-  static_assert(HD == kD || kSw128, "256-column tiles are swizzled only");
-  if constexpr (kSw128)
-    load_rows_sw128_producer<ROWS, HD>(tile, base, token_stride, row0, row_end, tid);
-  else
-    load_rows_producer<ROWS>(tile, base, token_stride, row0, row_end, tid);
+  for (int ks = 0; ks < 4; ++ks)
+    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(
+        acc, a[ks], encode_smem_desc(b_rows + ks * 2 * kSwAtom, 64 * 128, kSwAtom, Swizzle::b128), 1);
 }
 
 /// A 64 x 64 accumulator fragment rounded to bf16 as the RS A operand (k-step ks = columns
@@ -308,7 +264,7 @@ __device__ __forceinline__ std::uint32_t wg_col_bytes(int wg) {
 /// parameter: taken by reference (its address escapes), the causal/q_end masking of P^T compiled
 /// to a branch per element instead of selects, and the kernel ran 0.87-0.92x at S = 16K-64K on
 /// the H200.
-template <bool kSw128, int HD>
+template <int HD>
 __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
   using L = DkdvWsSmem<HD>;
   using T = BwdTiles<HD>;
@@ -339,24 +295,24 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows<kSw128, T::dkdv_keys, HD>(smem_addr(smem + L::off_k),
-                                          p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0, p.seq,
-                                          tid);
-    load_rows<kSw128, T::dkdv_keys, HD>(smem_addr(smem + L::off_v),
-                                          p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token, n0, p.seq,
-                                          tid);
+    load_rows_sw128_producer<T::dkdv_keys, HD>(smem_addr(smem + L::off_k),
+                                               p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token,
+                                               n0, p.seq, tid);
+    load_rows_sw128_producer<T::dkdv_keys, HD>(smem_addr(smem + L::off_v),
+                                               p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token,
+                                               n0, p.seq, tid);
     cp_async_mbar_arrive(full_kv);
     int h = hk * p.group, qb = qb_first, st = 0;
     std::uint32_t phase = 0;
     for (int t = 0; t < steps; ++t) {
       if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
       const int q0 = p.q_begin + qb * kDkdvBr;
-      load_rows<kSw128, kDkdvBr, HD>(smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
-                                       p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end,
-                                       tid);
-      load_rows<kSw128, kDkdvBr, HD>(smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
-                                       p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
-                                       p.q_end, tid);
+      load_rows_sw128_producer<kDkdvBr, HD>(
+          smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+          p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end, tid);
+      load_rows_sw128_producer<kDkdvBr, HD>(
+          smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+          p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0, p.q_end, tid);
       {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
         const int rr = tid % kDkdvBr;
         const bool valid = q0 + rr < p.q_end;
@@ -389,7 +345,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   // Every shared address as one 32-bit base plus constants (LSE2, D read with ld.shared from it):
   // no 64-bit generic pointers live across the loop.
   const std::uint32_t sbase = smem_addr(smem);
-  const std::uint32_t a_k = sbase + L::off_k + (T::shared_rows ? 0u : wg * kWgRowsOffset<kSw128>);
+  const std::uint32_t a_k = sbase + L::off_k + (T::shared_rows ? 0u : wg * kWgRowsOffset);
   const std::uint32_t a_v = a_k + (L::off_v - L::off_k);
   const std::uint32_t half = wg_col_bytes<HD>(wg);
 
@@ -426,9 +382,9 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     // K, V addresses made opaque per step, so the compiler does not hoist their 16 descriptors
     // out of the loop (16 registers held across it: spills at 240).
     const std::uint32_t a_kw = opaque(a_k), a_vw = opaque(a_v);
-    issue_nt_64x64<kSw128, T::dkdv_keys, kDkdvBr, HD>(s, a_kw, a_q);  // S^T = K_w Q^T
+    issue_nt_64x64<T::dkdv_keys, kDkdvBr, HD>(s, a_kw, a_q);  // S^T = K_w Q^T
     wgmma_commit_group();
-    issue_nt_64x64<kSw128, T::dkdv_keys, kDkdvBr, HD>(dp, a_vw, a_do);  // dP^T = V_w dO^T
+    issue_nt_64x64<T::dkdv_keys, kDkdvBr, HD>(dp, a_vw, a_do);  // dP^T = V_w dO^T
     wgmma_commit_group();
     wgmma_wait_group<1>();  // S^T done
     wgmma_fence_operands(s);
@@ -450,7 +406,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     fence_fragments(pa);
     wgmma_fence_operands(dv);
     wgmma_fence();
-    issue_rs_64x128<kSw128>(dv, pa, a_do + half);  // dV += P^T dO
+    issue_rs_64x128(dv, pa, a_do + half);  // dV += P^T dO
     wgmma_commit_group();
 
     wgmma_wait_group<1>();  // dP^T done; dV may still run
@@ -468,7 +424,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     fence_fragments(da);
     wgmma_fence_operands(dk);
     wgmma_fence();
-    issue_rs_64x128<kSw128>(dk, da, a_q + half);  // dK += dS^T Q (scaled at the end)
+    issue_rs_64x128(dk, da, a_q + half);  // dK += dS^T Q (scaled at the end)
     wgmma_commit_group();
     wgmma_wait_group<0>();
     wgmma_fence_operands(dk);
@@ -511,7 +467,7 @@ static_assert(DqWsSmem<256>::off_bar == 192 * 1024);
 
 /// dQ of query rows [q_begin + R qb, + R) of query head h, batch b (pass 3; R =
 /// BwdTiles<HD>::dq_rows): one block of the fused kernel below, `smem` its DqWsSmem<HD>.
-template <bool kSw128, int HD>
+template <int HD>
 __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
   using L = DqWsSmem<HD>;
   using T = BwdTiles<HD>;
@@ -540,11 +496,12 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows<kSw128, T::dq_rows, HD>(smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD,
-                                        p.q_token, q0, p.q_end, tid);
-    load_rows<kSw128, T::dq_rows, HD>(smem_addr(smem + L::off_do),
-                                        p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
-                                        p.q_end, tid);
+    load_rows_sw128_producer<T::dq_rows, HD>(smem_addr(smem + L::off_q),
+                                             p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0,
+                                             p.q_end, tid);
+    load_rows_sw128_producer<T::dq_rows, HD>(smem_addr(smem + L::off_do),
+                                             p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token,
+                                             q0, p.q_end, tid);
     cp_async_mbar_arrive(full_qdo);
     const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD;
     const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD;
@@ -552,10 +509,12 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     std::uint32_t phase = 0;
     for (int t = 0; t < n_kv; ++t) {
       if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      load_rows<kSw128, T::dq_bc, HD>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>),
-                                        k_g, p.k_token, t * T::dq_bc, p.seq, tid);
-      load_rows<kSw128, T::dq_bc, HD>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>),
-                                        v_g, p.v_token, t * T::dq_bc, p.seq, tid);
+      load_rows_sw128_producer<T::dq_bc, HD>(
+          smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>), k_g, p.k_token,
+          t * T::dq_bc, p.seq, tid);
+      load_rows_sw128_producer<T::dq_bc, HD>(
+          smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>), v_g, p.v_token,
+          t * T::dq_bc, p.seq, tid);
       cp_async_mbar_arrive(full(st));
       if (++st == S) {
         st = 0;
@@ -584,7 +543,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
   }
 
-  const std::uint32_t rows_at = T::shared_rows ? 0u : wg * kWgRowsOffset<kSw128>;
+  const std::uint32_t rows_at = T::shared_rows ? 0u : wg * kWgRowsOffset;
   const std::uint32_t a_q = smem_addr(smem + L::off_q) + rows_at;
   const std::uint32_t a_do = smem_addr(smem + L::off_do) + rows_at;
   const std::uint32_t a_k0 = smem_addr(smem + L::off_k), a_v0 = smem_addr(smem + L::off_v);
@@ -625,9 +584,9 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     wgmma_fence_operands(dp);
     wgmma_fence();
     // HD 256: Q, dO addresses made opaque per tile, so their 32 descriptors are rebuilt, not held.
-    issue_nt_64x64<kSw128, T::dq_rows, T::dq_bc, HD>(s, T::shared_rows ? opaque(a_q) : a_q, a_k);  // S = Q_w K^T
+    issue_nt_64x64<T::dq_rows, T::dq_bc, HD>(s, T::shared_rows ? opaque(a_q) : a_q, a_k);  // S = Q_w K^T
     wgmma_commit_group();
-    issue_nt_64x64<kSw128, T::dq_rows, T::dq_bc, HD>(dp, T::shared_rows ? opaque(a_do) : a_do, a_v);  // dP = dO_w V^T
+    issue_nt_64x64<T::dq_rows, T::dq_bc, HD>(dp, T::shared_rows ? opaque(a_do) : a_do, a_v);  // dP = dO_w V^T
     wgmma_commit_group();
 
     wgmma_wait_group<1>();  // S done
@@ -650,7 +609,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     fence_fragments(da);
     wgmma_fence_operands(dq);
     wgmma_fence();
-    issue_rs_64x128<kSw128>(dq, da, a_k + half);  // dQ += dS K
+    issue_rs_64x128(dq, da, a_k + half);  // dQ += dS K
     wgmma_commit_group();
     wgmma_wait_group<0>();
     wgmma_fence_operands(dq);
@@ -681,11 +640,11 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
 // two stages of the streamed pair: 193 KiB. Per element the same roundings and the same order of
 // sums as the head-dim-128 kernels (and bit-identical run to run).
 
-/// The shared memory of either block kind, plus (kSw128) the 1 KiB that aligning it may take.
-template <bool kSw128, int HD = kD>
-constexpr int kBackwardSmem = (DkdvWsSmem<HD>::bytes > DqWsSmem<HD>::bytes ? DkdvWsSmem<HD>::bytes : DqWsSmem<HD>::bytes) +
-                              (kSw128 ? 1024 : 0);
-static_assert(kBackwardSmem<true> <= 227 * 1024 && kBackwardSmem<true, 256> <= 227 * 1024);
+/// The shared memory of either block kind, plus the 1 KiB that aligning it may take.
+template <int HD = kD>
+constexpr int kBackwardSmem =
+    (DkdvWsSmem<HD>::bytes > DqWsSmem<HD>::bytes ? DkdvWsSmem<HD>::bytes : DqWsSmem<HD>::bytes) + 1024;
+static_assert(kBackwardSmem<> <= 227 * 1024 && kBackwardSmem<256> <= 227 * 1024);
 
 /// Passes 2 and 3 in one grid: blocks [0, dkdv_blocks) are dK/dV blocks, then dQ blocks. The two
 /// passes are independent (both read only the inputs and the preprocess's LSE2/D), so the dQ blocks
@@ -694,23 +653,21 @@ static_assert(kBackwardSmem<true> <= 227 * 1024 && kBackwardSmem<true, 256> <= 2
 /// doing twice the mean work). Within each pass the blocks of one head come together (the key /
 /// query block index varies fastest, key block 0 and the last query block, the longest, first):
 /// the blocks running at one time share the head's Q/dO (dK/dV) or K/V (dQ) tiles in L2.
-/// kSw128: every tile in the 128-byte-swizzled layout (the product's), else the band layout (kept
-/// for attention_backward_wgmma_band: the same products in the same order, so the same bits).
-/// HD: the head dim (256: swizzled only, BwdTiles<256>).
-template <bool kSw128, int HD = kD>
+/// HD: the head dim (BwdTiles<HD>).
+template <int HD = kD>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel(const BackwardParams p, int kv_blocks,
                                                                                 int dkdv_blocks, int q_blocks) {
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
   // The swizzle pattern is taken from address bits 7-9: tiles start on 1024-byte boundaries.
-  unsigned char* smem = kSw128 ? smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   const int i = static_cast<int>(blockIdx.x);
   if (i < dkdv_blocks) {
     const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;
-    dkdv_block<kSw128, HD>(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
+    dkdv_block<HD>(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
   } else {
     const int j = i - dkdv_blocks, rest = j / q_blocks;
-    dq_block<kSw128, HD>(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
+    dq_block<HD>(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
   }
 #else
   (void)p;
@@ -721,16 +678,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
 #endif
 }
 
-/// attention_backward_wgmma with the tiles in the swizzled (kSw128) or band layout; with
-/// kHeadDim 256, attention_backward_wgmma_d256 (swizzled only).
-template <bool kSw128, int kHeadDim = kD>
+/// attention_backward_wgmma; with kHeadDim 256, attention_backward_wgmma_d256.
+template <int kHeadDim = kD>
 cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                      TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
                      TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv, bool accumulate_dkv, void* workspace,
                      std::size_t workspace_bytes, cudaStream_t stream) {
   using namespace attention_detail;
   if (const cudaError_t e = check_problem("attention_backward", p); e != cudaSuccess) return e;
-  static_assert(kHeadDim == kD || (kHeadDim == 256 && kSw128));
+  static_assert(kHeadDim == kD || kHeadDim == 256);
   if (p.head_dim != kHeadDim) return cudaErrorNotSupported;
   if (p.query_end() == p.q_begin) return cudaSuccess;
   if (const cudaError_t e = check_backward_args("attention_backward", q, k, v, o, d_o, lse, dq, dk, dv, workspace,
@@ -748,8 +704,8 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;
   if (dkdv_blocks + dq_blocks > std::numeric_limits<int>::max())  // beyond any that fits
     return ::oom::kernels::detail::refuse("attention_backward: ", dkdv_blocks + dq_blocks, " blocks exceed 2^31 - 1");
-  auto* kernel = attention_backward_wgmma_kernel<kSw128, kHeadDim>;
-  constexpr int kSmem = kBackwardSmem<kSw128, kHeadDim>;
+  auto* kernel = attention_backward_wgmma_kernel<kHeadDim>;
+  constexpr int kSmem = kBackwardSmem<kHeadDim>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
       e != cudaSuccess)
     return e;
@@ -767,7 +723,7 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const 
                                      const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
                                      bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream) {
-  return backward<true>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+  return backward(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
@@ -775,15 +731,7 @@ cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<c
                                           const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
                                           bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                           cudaStream_t stream) {
-  return backward<true, 256>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
-}
-
-cudaError_t attention_backward_wgmma_band(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                                          TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
-                                          const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
-                                          bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
-                                          cudaStream_t stream) {
-  return backward<false>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+  return backward<256>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 }  // namespace oom::kernels::hopper

@@ -1,9 +1,9 @@
 // Building blocks of the warp-specialised (producer warpgroup) Hopper kernels: mbarrier
 // initialisation, arrival, cp.async-tracked arrival and parity wait, setmaxnreg, with the
 // register split of a 384-thread block (two consumer warpgroups and one producer), and the
-// producer's tile loader. Private to the
-// kernels (not installed); used by attention_forward_wgmma_2wg.cu (attention_forward_wgmma_ws_kernel)
-// and attention_backward_wgmma.cu (the v3 kernels). The PTX is emitted only where a kernel using it
+// producer's tile loader. Private to the kernels (not installed); used by the wgmma attention
+// kernels (attention_forward_wgmma_2wg.cu, attention_forward_wgmma_d256.cu,
+// attention_backward_wgmma.cu) and the grouped expert GEMMs. The PTX is emitted only where a kernel using it
 // is compiled for sm_90a (the kernels guard their bodies with OOM_WGMMA_SM90A, wgmma.cuh).
 #pragma once
 
@@ -92,43 +92,17 @@ struct StageBarriers {
   }
 };
 
-/// Rows [row0, row0 + ROWS) of a strided global (rows, 128) bf16 matrix into a core-matrix tile at
-/// shared address `tile` (the no-swizzle layout of both attention kernels: element (r, c) at byte
-/// (r/8) 2048 + (c/8) 128 + (r%8) 16 + (c%8) 2), by cp.async from the producer's 128 threads
-/// (thread `tid`): chunk n = 128 i + tid holds row 8 i + tid % 8, column block tid / 8, at byte
-/// 2048 i + 16 tid. The addresses are stepped rather than recomputed (the producer runs with
-/// kProducerRegs registers). Rows >= row_end are zero-filled (nothing read for them).
-template <int ROWS>
-__device__ __forceinline__ void load_rows_producer(std::uint32_t tile, const __nv_bfloat16* base,
-                                                   std::int64_t token_stride, int row0, int row_end, int tid) {
-  static_assert(ROWS % 8 == 0 && kWsProducerThreads == 128);
-  constexpr std::uint32_t kBand = 2048;  // one 8-row band of a 128-column bf16 tile
-  int r = row0 + (tid & 7);
-  std::int64_t off = static_cast<std::int64_t>(r) * token_stride + (tid >> 3) * 8;
-  const std::int64_t step = 8 * token_stride;
-  std::uint32_t dst = tile + 16u * static_cast<std::uint32_t>(tid);
-#pragma unroll 4
-  for (int i = 0; i < ROWS / 8; ++i) {
-    const bool valid = r < row_end;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(valid ? base + off : base),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-    r += 8;
-    off += step;
-    dst += kBand;
-  }
-}
-
-/// The same rows (of COLS columns, 128 or 256) into the 128-byte-swizzled layout instead (wgmma
-/// Swizzle::b128; `tile` 1024-byte aligned): the tile's 64-column panels are ROWS x 128-byte
-/// regions, panel h at h ROWS 128, row r at r 128 in it, its 16-byte chunk c at position
-/// c ^ (r % 8), which is what the hardware's swizzle reads (address bits 4-6 XOR bits 7-9). Thread
-/// `tid` copies chunk tid % 8 of every panel of rows 16 i + tid / 8: a warp covers 4 rows x 128
-/// contiguous bytes of global memory per panel (4 lines, no sector split) into 512 contiguous bytes
-/// of shared memory (4 wavefronts), where the band layout's 16-byte core rows split every global
-/// sector across two shared-memory lines. Since r % 8 = (tid / 8) % 8 for every i, each thread's
-/// swizzled chunk is fixed and the addresses step by constants. Rows >= row_end are zero-filled
-/// (nothing read for them).
+/// Rows [row0, row0 + ROWS) of a strided (token_stride elements) global (rows, COLS) bf16 matrix,
+/// COLS 128 or 256, into the 128-byte-swizzled layout at shared address `tile` (wgmma
+/// Swizzle::b128; 1024-byte aligned), by cp.async from the producer's 128 threads (thread `tid`).
+/// The tile's 64-column panels are ROWS x 128-byte regions, panel h at h ROWS 128, row r at r 128
+/// in it, its 16-byte chunk c at position c ^ (r % 8), which is what the hardware's swizzle reads
+/// (address bits 4-6 XOR bits 7-9). Thread `tid` copies chunk tid % 8 of every panel of rows
+/// 16 i + tid / 8: a warp covers 4 rows x 128 contiguous bytes of global memory per panel (4
+/// lines, no sector split) into 512 contiguous bytes of shared memory (4 wavefronts); the
+/// no-swizzle core-matrix layout this replaced split every global sector across two shared-memory
+/// lines. Since r % 8 = (tid / 8) % 8 for every i, each thread's swizzled chunk is fixed and the
+/// addresses step by constants. Rows >= row_end are zero-filled (nothing read for them).
 template <int ROWS, int COLS = 128>
 __device__ __forceinline__ void load_rows_sw128_producer(std::uint32_t tile, const __nv_bfloat16* base,
                                                          std::int64_t token_stride, int row0, int row_end, int tid) {
