@@ -1,4 +1,4 @@
-// The Hopper (wgmma) flash-attention forward (src/kernels/hopper/attention_forward_wgmma_2wg.cu,
+// The Hopper (wgmma) flash-attention forward (src/kernels/hopper/attention_forward_wgmma.cu,
 // two warpgroups per 128 rows, P in registers, V read MN-major; what oom::kernels::attention_forward
 // runs on compute capability 9.0 at head_dim 128) against the CPU reference and against the
 // mma.sync kernel (oom::kernels::attention_forward_mma_sync, what it runs elsewhere) on the same

@@ -16,11 +16,11 @@
 // kernel within the bf16 bounds, not bit for bit.
 //
 // Shared memory: every tile is 128 columns (d) wide, in the forward's 128-byte-swizzled layout
-// (attention_forward_wgmma_2wg.cu; placement and descriptors at kSwAtom below), one tile serving
+// (attention_forward_wgmma.cu; placement and descriptors at kSwAtom below), one tile serving
 // as either operand form; 1.12-1.28x the no-swizzle band layout it replaced on the H200, the same
 // bits.
 //
-// Warp-specialised as the forward (attention_forward_wgmma_2wg.cu; the mbarrier and setmaxnreg
+// Warp-specialised as the forward (attention_forward_wgmma.cu; the mbarrier and setmaxnreg
 // helpers in warp_specialized.cuh): 384 threads per block. Warpgroups 0 and 1 compute; warpgroup 2,
 // the producer, issues every cp.async into mbarrier-tracked stages. setmaxnreg: producer 24
 // registers, consumers 240 (launch bound 168 = 65536 / 384). No block-wide barrier after the
@@ -101,7 +101,7 @@ using attention_detail::smem_addr;
 
 constexpr int kD = 128;
 
-// The 128-byte-swizzled tiles (the forward's layout, attention_forward_wgmma_2wg.cu, there verified
+// The 128-byte-swizzled tiles (the forward's layout, attention_forward_wgmma.cu, there verified
 // on the H200): a tile of R rows x HD d is HD / 64 panels of 64 columns, R x 128 bytes each, panel
 // h at h R 128, row r at r 128 within it, its 16-byte chunk c at position c ^ (r % 8); every tile
 // 1024-byte aligned. Descriptors: K-major (rows = M/N, d = the product's K), k-step ks at

@@ -19,10 +19,10 @@ namespace oom::kernels::hopper {
 /// O = softmax(scale * Q K^T + causal mask) V and LSE (natural log) for query rows
 /// [q_begin, q_end), exactly as oom::kernels::attention_forward: same layouts, strides, GQA head
 /// mapping, causal prefix of a query chunk, rows outside [q_begin, q_end) untouched. By the kernel
-/// of src/kernels/hopper/attention_forward_wgmma_2wg.cu: two consumer warpgroups per block sharing
-/// each K/V tile (128 query rows x 128 keys), P kept in registers as the A operand of P V, V read
-/// as an MN-major B, the P V of one tile running under the softmax of the next; a producer
-/// warpgroup loads Q, K and V by cp.async into 3 mbarrier-tracked K/V stages in the
+/// of src/kernels/hopper/attention_forward_wgmma.cu at head_dim 128: two consumer warpgroups per
+/// block sharing each K/V tile (128 query rows x 128 keys), P kept in registers as the A operand
+/// of P V, V read as an MN-major B, the P V of one tile running under the softmax of the next; a
+/// producer warpgroup loads Q, K and V by cp.async into 3 mbarrier-tracked K/V stages in the
 /// 128-byte-swizzled layout. Within the bf16 bounds of the exact result, deterministic
 /// (bit-identical run to run).
 /// Returns cudaErrorInvalidValue for a problem attention_can_implement rejects or a misaligned
@@ -37,9 +37,10 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
                                         float* lse,               // (B, Hq, S) fp32, entries [q_begin, q_end) written
                                         cudaStream_t stream);
 
-/// The forward at head_dim 256 (attention_forward_wgmma_d256.cu): the same arguments, results and
-/// error returns as attention_forward_wgmma_2wg (cudaErrorNotSupported for another head_dim or a
-/// device other than compute capability 9.0).
+/// The forward at head_dim 256 (the same kernel template, attention_forward_wgmma.cu, with 64-key
+/// tiles, O as two m64n128 accumulators and 2 K/V stages): the same arguments, results and error
+/// returns as attention_forward_wgmma_2wg (cudaErrorNotSupported for another head_dim or a device
+/// other than compute capability 9.0).
 cudaError_t attention_forward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                          TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream);
 

@@ -2,9 +2,9 @@
 // initialisation, arrival, cp.async-tracked arrival and parity wait, setmaxnreg, with the
 // register split of a 384-thread block (two consumer warpgroups and one producer), and the
 // producer's tile loader. Private to the kernels (not installed); used by the wgmma attention
-// kernels (attention_forward_wgmma_2wg.cu, attention_forward_wgmma_d256.cu,
-// attention_backward_wgmma.cu) and the grouped expert GEMMs. The PTX is emitted only where a kernel using it
-// is compiled for sm_90a (the kernels guard their bodies with OOM_WGMMA_SM90A, wgmma.cuh).
+// kernels (attention_forward_wgmma.cu, attention_backward_wgmma.cu) and the grouped expert GEMMs.
+// The PTX is emitted only where a kernel using it is compiled for sm_90a (the kernels guard their
+// bodies with OOM_WGMMA_SM90A, wgmma.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
