@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: where the wgmma attention forward's time goes. Builds bench_attention and
-# test_attention_wgmma for sm_90, prints every forward schedule's timing, then profiles the
+# test_attention_wgmma for sm_90, prints the forward timing against mma.sync, then profiles the
 # default forward kernel at one sequence length with Nsight Compute (full set, source-level warp
 # stall sampling) and prints the SASS lines with the most stall samples. Logs and the report go
 # to <build>/profile-logs; when $OUT is set (the device tool's return folder, at most 8 files)
@@ -30,9 +30,9 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOOM_ENABLE_CUDA=ON 
 cmake --build "$build" -j "$(nproc)" --target bench_attention test_attention_wgmma > "$out/build.log" 2>&1 ||
   { grep -E -A5 'error|FAILED' "$out/build.log" | head -40; exit 1; }
 
-echo "== forward schedules (test_attention_wgmma timing case)"
-timeout 180 "$build/tests/test_attention_wgmma" -tc="*timing*" > "$out/forward-schedules.log" 2>&1
-grep -E "^S=|^    " "$out/forward-schedules.log"
+echo "== forward timing (test_attention_wgmma timing case)"
+timeout 180 "$build/tests/test_attention_wgmma" -tc="*timing*" > "$out/forward-timing.log" 2>&1
+grep -E "^S=|^    " "$out/forward-timing.log"
 
 echo "== ncu: $kernel at S = $seq (first launch)"
 command -v ncu > /dev/null || { echo "no ncu on this machine"; exit 1; }
