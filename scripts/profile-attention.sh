@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build-gpu}
 out=$build/profile-logs
 seq=${SEQ:-16384}
-kernel=${KERNEL:-attention_forward_wgmma_ws_kernel}
+kernel=${KERNEL:-attention_forward_wgmma_kernel}
 rm -rf "$out"
 mkdir -p "$out"
 # Whatever happens below, what was logged comes back (the device tool returns at most 8 files).

@@ -1,8 +1,9 @@
-// Does the no-swizzle core-matrix layout of our wgmma attention kernels cap the tensor cores?
+// Did the no-swizzle core-matrix layout of our first wgmma attention kernels cap the tensor cores?
+// (Written in the seventh session; the kernels have used the 128-byte swizzle since the eighth.)
 // Two warpgroups per block (as the attention consumers), one block per SM, each warpgroup issuing
 // m64n128k16 wgmmas back to back on resident shared-memory tiles (no loads, contents irrelevant):
 // the rate of the SS form (A and B from shared memory: the attention's S = Q K^T) and of the RS
-// form (A from registers: O += P V), with the no-swizzle layout our kernels use and with the
+// form (A from registers: O += P V), with the no-swizzle layout those kernels used and with the
 // 128-byte swizzle FlashAttention-3 uses, against one cuBLAS bf16 GEMM (8192^3) in the same run.
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -I include -I src \
 //     scripts/diag/wgmma_layout_rate.cu -lcublas -o /tmp/wgmma_rate && /tmp/wgmma_rate
@@ -27,7 +28,7 @@ using namespace oom::kernels::hopper;
   } while (0)
 
 enum Mode : int { ss_none, ss_b128, rs_none, rs_b128 };
-constexpr const char* kNames[] = {"SS no-swizzle (ours)", "SS 128B swizzle", "RS no-swizzle (ours)", "RS 128B swizzle"};
+constexpr const char* kNames[] = {"SS no-swizzle (old)", "SS 128B swizzle", "RS no-swizzle (old)", "RS 128B swizzle"};
 constexpr int kSmem = 64 * 1024 + 1024;
 
 /// Descriptor of k-step ks (16 columns) of rows [row0, row0 + 64) of a 128 x 128 bf16 tile at

@@ -203,12 +203,12 @@ cudaError_t attention_forward_mma_sync(const AttentionProblem& p, TokenRows<cons
 cudaError_t attention_forward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                               TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream) {
 #if OOM_HAS_SM90A_KERNELS
-  // The wgmma kernels (head_dim 128: 1.4-1.5x this file's on an H200; head_dim 256: its own
-  // kernel; docs/hopper.md) refuse with cudaErrorNotSupported exactly when they have no code for
+  // The wgmma kernels (one template at head_dim 128 and 256: 2.2-2.9x this file's on an H200;
+  // docs/hopper.md) refuse with cudaErrorNotSupported exactly when they have no code for
   // the case (a device other than compute capability 9.0); every other result, an error included,
   // is the answer.
   if (p.head_dim == 128 || p.head_dim == 256) {
-    const cudaError_t e = p.head_dim == 128 ? hopper::attention_forward_wgmma_2wg(p, q, k, v, o, lse, stream)
+    const cudaError_t e = p.head_dim == 128 ? hopper::attention_forward_wgmma(p, q, k, v, o, lse, stream)
                                             : hopper::attention_forward_wgmma_d256(p, q, k, v, o, lse, stream);
     if (e != cudaErrorNotSupported) return e;
   }

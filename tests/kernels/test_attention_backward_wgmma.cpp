@@ -453,9 +453,8 @@ TEST_CASE("on compute capability 9.0 attention_forward/backward run the wgmma ke
       return std::pair{o_buf.download(), lse.download()};
     };
     const auto mma = forward_bits(oom::kernels::attention_forward_mma_sync);
-    const auto want = hd != 128 ? forward_bits(oom::kernels::hopper::attention_forward_wgmma_d256) : forward_bits([](auto&&... a) {
-      return oom::kernels::hopper::attention_forward_wgmma_2wg(a...);
-    });
+    const auto want = forward_bits(hd == 128 ? &oom::kernels::hopper::attention_forward_wgmma
+                                             : &oom::kernels::hopper::attention_forward_wgmma_d256);
     const auto o_public = t.o_buf.download();
     const auto lse_public = t.lse.download();
     CHECK(bits_equal(o_public, want.first));

@@ -15,10 +15,9 @@
 // summation order inside the tensor-core products differs, so results agree with the mma.sync
 // kernel within the bf16 bounds, not bit for bit.
 //
-// Shared memory: every tile is 128 columns (d) wide, in the forward's 128-byte-swizzled layout
-// (attention_forward_wgmma.cu; placement and descriptors at kSwAtom below), one tile serving
-// as either operand form; 1.12-1.28x the no-swizzle band layout it replaced on the H200, the same
-// bits.
+// Shared memory: every tile is HD columns (d) wide (128 or 256), in the forward's 128-byte-
+// swizzled layout (wgmma.cuh, sw128: placement and descriptors), one tile serving as either
+// operand form; 1.12-1.28x the no-swizzle band layout it replaced on the H200, the same bits.
 //
 // Warp-specialised as the forward (attention_forward_wgmma.cu; the mbarrier and setmaxnreg
 // helpers in warp_specialized.cuh): 384 threads per block. Warpgroups 0 and 1 compute; warpgroup 2,
@@ -101,22 +100,11 @@ using attention_detail::smem_addr;
 
 constexpr int kD = 128;
 
-// The 128-byte-swizzled tiles (the forward's layout, attention_forward_wgmma.cu, there verified
-// on the H200): a tile of R rows x HD d is HD / 64 panels of 64 columns, R x 128 bytes each, panel
-// h at h R 128, row r at r 128 within it, its 16-byte chunk c at position c ^ (r % 8); every tile
-// 1024-byte aligned. Descriptors: K-major (rows = M/N, d = the product's K), k-step ks at
-// (ks/4) R 128 + 32 (ks%4), SBO 1024 (next 8 rows), LBO unused; MN-major B (rows = the product's K,
-// d = N), k-step ks (16 rows) at 2048 ks, LBO R 128 (next 64 d), SBO 1024 (next 8 rows). Filled by
-// the producer's 128 threads through load_rows_sw128_producer (warp_specialized.cuh).
-constexpr std::uint32_t kSwAtom = 1024;
+// The tiles are the forward's 128-byte-swizzled ones (wgmma.cuh, sw128; there verified on the
+// H200), filled by the producer's 128 threads through load_rows_sw128_producer
+// (warp_specialized.cuh).
 /// Where the rows of warpgroup w start in a 128-row tile: 64 rows of 128 bytes per panel.
 constexpr std::uint32_t kWgRowsOffset = 64 * 128;
-
-template <int R>
-__device__ __forceinline__ std::uint64_t kmajor_step_desc(std::uint32_t rows, int ks) {
-  return encode_smem_desc(rows + static_cast<std::uint32_t>((ks / 4) * R * 128 + (ks % 4) * 32), 16, kSwAtom,
-                          Swizzle::b128);
-}
 
 /// acc (64 x 64) = A (64 rows at a_rows of an RA-row tile, K-major) * B^T (64 rows at b_rows of an
 /// RB-row tile, K-major), over the COLS (128 or 256) columns: COLS / 16 wgmma m64n64k16 SS, not
@@ -125,7 +113,7 @@ template <int RA, int RB, int COLS = kD>
 __device__ __forceinline__ void issue_nt_64x64(float (&acc)[32], std::uint32_t a_rows, std::uint32_t b_rows) {
 #pragma unroll
   for (int ks = 0; ks < COLS / 16; ++ks)
-    wgmma_m64n64k16_f32_bf16_ss(acc, kmajor_step_desc<RA>(a_rows, ks), kmajor_step_desc<RB>(b_rows, ks),
+    wgmma_m64n64k16_f32_bf16_ss(acc, sw128::kmajor_desc<RA>(a_rows, ks), sw128::kmajor_desc<RB>(b_rows, ks),
                                 ks > 0 ? 1 : 0);
 }
 
@@ -135,8 +123,7 @@ __device__ __forceinline__ void issue_rs_64x128(float (&acc)[64], const std::uin
                                                 std::uint32_t b_rows) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
-    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(
-        acc, a[ks], encode_smem_desc(b_rows + ks * 2 * kSwAtom, 64 * 128, kSwAtom, Swizzle::b128), 1);
+    wgmma_m64n128k16_f32_bf16_rs<Major::mn>(acc, a[ks], sw128::mnmajor_desc<64>(b_rows, ks), 1);
 }
 
 /// A 64 x 64 accumulator fragment rounded to bf16 as the RS A operand (k-step ks = columns
@@ -660,7 +647,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
   // The swizzle pattern is taken from address bits 7-9: tiles start on 1024-byte boundaries.
-  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = smem_raw + pad_to_1024(smem_addr(smem_raw));
   const int i = static_cast<int>(blockIdx.x);
   if (i < dkdv_blocks) {
     const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;

@@ -1,5 +1,5 @@
 // Causal GQA flash-attention forwards on Hopper wgmma, head_dim 128 and 256
-// (hopper::attention_forward_wgmma_2wg, hopper::attention_forward_wgmma_d256): what
+// (hopper::attention_forward_wgmma, hopper::attention_forward_wgmma_d256): what
 // oom::kernels::attention_forward runs on compute capability 9.0, same arguments and results as
 // the mma.sync kernel (attention_forward.cu). One kernel template over the head dim (FwdTiles
 // below); docs/hopper.md says what is verified and what was measured.
@@ -62,21 +62,10 @@ constexpr int kBr = 64 * kWarpgroups;  // query rows per block: 64 (one wgmma M)
 static_assert(kWsConsumerThreads == 128 * kWarpgroups);  // warp_specialized.cuh's split: 2 + 1 warpgroups
 constexpr int kMaxSmemPerBlock = 232448;  // sm_90's opt-in dynamic shared memory per block (227 KiB)
 
-// The 128-byte-swizzled tiles (Q, K and V alike; loaded by load_rows_sw128_producer,
-// warp_specialized.cuh; every tile 1024-byte aligned): a tile of R rows x HD columns is HD / 64
-// panels of R rows x 128 bytes, panel h at byte h R 128, row r at r 128 within it, its 16-byte
-// chunk c (columns 8c .. 8c+7 of the panel) at position c ^ (r % 8): element (r, c) at
-// (c/64) R 128 + r 128 + (((c%64)/8) ^ (r%8)) 16 + (c%8) 2. A row's 128 contiguous global bytes
-// of a panel fill one 128-byte shared line. The descriptors (wgmma.cuh; swizzled layouts: 8-row
-// atoms of 1024 bytes):
-//   Q, K (K-major over d): k-step ks (d = 16ks .. 16ks+15) starts at panel ks/4, byte 32 (ks%4) of
-//     each row; SBO 1024 = next 8 rows; LBO unused (16). Warpgroup w's Q rows start 64 w 128 =
-//     8192 w bytes into each panel.
-//   V (MN-major: K = keys, N = d): k-step ks (keys 16ks ..) = 2 atoms of 8 keys: start + 2048 ks;
-//     SBO 1024 = next 8 keys (along K); LBO one panel = next 64 d (along N): the swizzled MN-major
-//     layouts give LBO the MN stride and SBO the K stride, the opposite of no-swizzle. O's m64n128
-//     half h (columns 128h ..) reads from panel 2h.
-constexpr std::uint32_t kSwAtom = 1024;            // 8 rows x 128 bytes
+// Q, K and V tiles are 128-byte swizzled (wgmma.cuh, sw128; loaded by load_rows_sw128_producer,
+// warp_specialized.cuh): a tile of R rows is HD / 64 panels of R rows x 128 bytes, so a row's 128
+// contiguous global bytes of a panel fill one 128-byte shared line. Q and K are K-major over d; V
+// is the MN-major B of P V (K = keys, N = d), O's m64n128 half h reading panels 2h and 2h + 1.
 constexpr std::uint32_t kSwWgRowBytes = 64 * 128;  // warpgroup w's Q rows start w * 8 KiB into each panel
 
 /// What the head dim fixes: keys per K/V tile (the N of S = Q K^T, the K of P V), K/V stages, and
@@ -90,7 +79,6 @@ struct FwdTiles {
   static constexpr int kBc = HD == 128 ? 128 : 64;
   static constexpr int kStages = HD == 128 ? 3 : 2;
   static constexpr int kOHalves = HD / 128;                      // O as m64n128 accumulators
-  static constexpr std::uint32_t kQPanel = kBr * 128;            // one 64-column panel of the Q tile
   static constexpr std::uint32_t kKvPanel = kBc * 128;           // one 64-column panel of a K or V tile
   static constexpr std::uint32_t kQBytes = kBr * HD * 2;
   static constexpr std::uint32_t kKvBytes = kBc * HD * 2;
@@ -106,12 +94,10 @@ static_assert(FwdTiles<256>::kOffBar + 8 * FwdTiles<256>::kBars == 192 * 1024 + 
 
 using Params = attention_detail::ForwardParams;
 
-// ----- the per-warpgroup steps, on the accumulator fragments (wgmma.cuh): warp w of the
-// warpgroup, lane l holds rows r0 = 16w + l/4 (hf = 0) and r0 + 8 (hf = 1) of the warpgroup's 64;
-// of 8-column block j, columns 8j + 2(l%4) + {0, 1} in acc[4j + 2hf], acc[4j + 2hf + 1]. rescale
-// takes O as its HD / 2 floats in column-block order (O held as m64n128 accumulators o[H][64] is
-// o[0] then o[1] ..., so block j of the flat array is columns 8j .. 8j + 7).
-namespace forward_steps {
+// The per-warpgroup steps, on the accumulator fragments (wgmma.cuh): warp w of the warpgroup,
+// lane l holds rows r0 = 16w + l/4 (hf = 0) and r0 + 8 (hf = 1) of the warpgroup's 64; of 8-column
+// block j, columns 8j + 2(l%4) + {0, 1} in acc[4j + 2hf], acc[4j + 2hf + 1]. O is held as HD / 128
+// m64n128 accumulators o[h][64] (columns 128h ..): block j of O is o[j / 16], blocks j % 16.
 
 /// Causal mask of an S tile of BC keys at n0.. (key > query) where it crosses the diagonal of one
 /// of the warpgroup's rows, then the online softmax statistics and P = exp(S - m') in place (fp32):
@@ -155,13 +141,13 @@ __device__ __forceinline__ void softmax(float (&s)[BC / 2], float (&m_run)[2], f
   }
 }
 
-/// O *= alpha per row (D / 2 floats in column-block order, above).
-template <int D>
-__device__ __forceinline__ void rescale(float* o, const float (&alpha)[2]) {
+/// O *= alpha per row.
+template <int H>
+__device__ __forceinline__ void rescale(float (&o)[H][64], const float (&alpha)[2]) {
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j)
+  for (int h = 0; h < H; ++h)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[4 * j + e] *= alpha[e >> 1];
+    for (int e = 0; e < 64; ++e) o[h][e] *= alpha[(e >> 1) & 1];
 }
 
 /// P (in s) rounded to bf16 into the RS A fragments: k-step ks covers keys 16ks .. 16ks+15 =
@@ -183,7 +169,7 @@ __device__ __forceinline__ void pack_p(std::uint32_t (&pa)[BC / 16][4], const fl
 /// query rows) where they are valid (< q_end); c0 = 2 (lane % 4), the thread's first column.
 template <int D>
 __device__ __forceinline__ void store(const float (&o)[D / 128][64], const float (&m_run)[2], const float (&l_run)[2],
-                                      const attention_detail::ForwardParams& p, int b, int h, int i0, int c0, int lane) {
+                                      const Params& p, int b, int h, int i0, int c0, int lane) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     float l = l_run[hf];
@@ -205,11 +191,7 @@ __device__ __forceinline__ void store(const float (&o)[D / 128][64], const float
   }
 }
 
-}  // namespace forward_steps
-
-/// One warpgroup's running state. Accumulator fragments (wgmma.cuh): warp w of the warpgroup, lane
-/// l holds rows r0 = 16w + l/4 (hf = 0) and r0 + 8 (hf = 1) of the warpgroup's 64; of 8-column
-/// block j, columns 8j + 2(l%4) + {0, 1} in acc[4j + 2hf], acc[4j + 2hf + 1].
+/// One warpgroup's running state, in the fragments described above.
 template <int HD>
 struct WarpgroupState {
   using T = FwdTiles<HD>;
@@ -259,9 +241,7 @@ __device__ __forceinline__ void issue_s(WarpgroupState<HD>& st, std::uint32_t a_
   using T = FwdTiles<HD>;
 #pragma unroll
   for (int ks = 0; ks < HD / 16; ++ks) {
-    const std::uint32_t q_at = (ks / 4) * T::kQPanel + (ks % 4) * 32, k_at = (ks / 4) * T::kKvPanel + (ks % 4) * 32;
-    const std::uint64_t a = encode_smem_desc(a_q + q_at, 16, kSwAtom, Swizzle::b128);
-    const std::uint64_t b = encode_smem_desc(a_k + k_at, 16, kSwAtom, Swizzle::b128);
+    const std::uint64_t a = sw128::kmajor_desc<kBr>(a_q, ks), b = sw128::kmajor_desc<T::kBc>(a_k, ks);
     if constexpr (T::kBc == 128)
       wgmma_m64n128k16_f32_bf16_ss(st.s, a, b, ks > 0 ? 1 : 0);
     else
@@ -279,9 +259,8 @@ __device__ __forceinline__ void issue_pv(WarpgroupState<HD>& st, std::uint32_t a
   for (int ks = 0; ks < T::kBc / 16; ++ks)
 #pragma unroll
     for (int h = 0; h < T::kOHalves; ++h)
-      wgmma_m64n128k16_f32_bf16_rs<Major::mn>(
-          st.o[h], st.pa[ks],
-          encode_smem_desc(a_v + 2 * h * T::kKvPanel + ks * 2 * kSwAtom, T::kKvPanel, kSwAtom, Swizzle::b128), 1);
+      wgmma_m64n128k16_f32_bf16_rs<Major::mn>(st.o[h], st.pa[ks],
+                                              sw128::mnmajor_desc<T::kBc>(a_v + 2 * h * T::kKvPanel, ks), 1);
 }
 
 /// The kernel (structure at the top of the file): warpgroup 2 loads (Q, then K_0, then per tile j:
@@ -290,7 +269,7 @@ __device__ __forceinline__ void issue_pv(WarpgroupState<HD>& st, std::uint32_t a
 /// on its "empty" mbarrier (K_j once S_j is done, V_j once P_j V_j is). No block-wide barrier after
 /// the set-up.
 template <int HD>
-__global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kernel(const Params p) {
+__global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_kernel(const Params p) {
 #if OOM_WGMMA_SM90A
   using T = FwdTiles<HD>;
   constexpr int kBc = T::kBc, kStages = T::kStages;
@@ -356,9 +335,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
   if (wg == kWarpgroups) {
-    // Producer. Loading tile t into stage t % kStages first waits until its previous occupant,
-    // tile t - kStages, is freed: completion number t / kStages - 1 of the empty barrier, i.e.
-    // the phase of parity (t / kStages + 1) & 1.
+    // Producer: each tile's load waits for its stage's previous occupant to be freed (above).
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
     const __nv_bfloat16* q_g = p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD;
@@ -425,12 +402,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
     mbar_arrive(empty_k(sk));  // K_nb read
     wgmma_fence_operands(st.s);
     // Mask and online softmax of S_nb (O untouched: it may still be an in-flight accumulator).
-    forward_steps::softmax<kBc>(st.s, st.m_run, st.l_run, alpha, nb * kBc, wg_row0, r0, c0, p.scale_log2);
+    softmax<kBc>(st.s, st.m_run, st.l_run, alpha, nb * kBc, wg_row0, r0, c0, p.scale_log2);
     wgmma_wait_group<0>();
     fence_all(st);  // o and pa are free from here on
     if (nb > 0) mbar_arrive(empty_v(sv));  // V_{nb-1} read
-    forward_steps::rescale<HD>(&st.o[0][0], alpha);
-    forward_steps::pack_p<kBc>(st.pa, st.s);
+    rescale(st.o, alpha);
+    pack_p<kBc>(st.pa, st.s);
   }
   {
     // The last O += P V.
@@ -444,7 +421,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_ws_kern
     wgmma_wait_group<0>();
     fence_all(st);
   }
-  forward_steps::store<HD>(st.o, st.m_run, st.l_run, p, b, h, wg_row0 + r0, c0, lane);
+  store<HD>(st.o, st.m_run, st.l_run, p, b, h, wg_row0 + r0, c0, lane);
 #else
   (void)p;
   __trap();
@@ -460,7 +437,7 @@ cudaError_t launch(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows
   const Params params = attention_detail::forward_params(p, q, k, v, o, lse);
   const int q_tiles = (params.q_end - params.q_begin + kBr - 1) / kBr;
   const dim3 grid(static_cast<unsigned>(q_tiles), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
-  auto* kernel = attention_forward_wgmma_ws_kernel<HD>;
+  auto* kernel = attention_forward_wgmma_kernel<HD>;
   constexpr int kBytes = FwdTiles<HD>::kSmemBytes;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
       e != cudaSuccess)
@@ -471,7 +448,7 @@ cudaError_t launch(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows
 
 }  // namespace
 
-cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+cudaError_t attention_forward_wgmma(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                         TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream) {
   return launch<128>(p, q, k, v, o, lse, stream);
 }

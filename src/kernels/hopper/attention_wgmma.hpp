@@ -3,7 +3,7 @@
 // and the same results, built on the warpgroup MMA of src/kernels/hopper/wgmma.cuh. Private (not
 // installed): compiled only for sm_90a, into the oom_cuda library when the build targets 90
 // (src/CMakeLists.txt, object library oom_cuda_sm90a), where the public entry points dispatch to
-// them on compute capability 9.0 at head_dim 128. docs/hopper.md describes their structure and
+// them on compute capability 9.0 at head_dim 128 and 256. docs/hopper.md describes their structure and
 // what is verified.
 #pragma once
 
@@ -29,7 +29,7 @@ namespace oom::kernels::hopper {
 /// pointer/stride (as attention_forward does); cudaErrorNotSupported for head_dim != 128 or when
 /// the current device is not compute capability 9.0 (the only code compiled is sm_90a); otherwise
 /// the launch's status. No allocation, no synchronisation.
-cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
+cudaError_t attention_forward_wgmma(const AttentionProblem& p,
                                         TokenRows<const bf16> q,  // (B, S, Hq, D) bf16
                                         TokenRows<const bf16> k,  // (B, S, Hkv, D) bf16
                                         TokenRows<const bf16> v,  // (B, S, Hkv, D) bf16
@@ -39,7 +39,7 @@ cudaError_t attention_forward_wgmma_2wg(const AttentionProblem& p,
 
 /// The forward at head_dim 256 (the same kernel template, attention_forward_wgmma.cu, with 64-key
 /// tiles, O as two m64n128 accumulators and 2 K/V stages): the same arguments, results and error
-/// returns as attention_forward_wgmma_2wg (cudaErrorNotSupported for another head_dim or a device
+/// returns as attention_forward_wgmma (cudaErrorNotSupported for another head_dim or a device
 /// other than compute capability 9.0).
 cudaError_t attention_forward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                          TokenRows<const bf16> v, TokenRows<bf16> o, float* lse, cudaStream_t stream);

@@ -107,6 +107,28 @@ __device__ __forceinline__ std::uint64_t make_smem_desc(const void* smem, std::u
   return encode_smem_desc(addr, lbo_bytes, sbo_bytes, swizzle, base_offset);
 }
 
+/// Descriptors of the 128-byte-swizzled bf16 tiles the attention kernels use (filled by
+/// load_rows_sw128_producer, warp_specialized.cuh; 1024-byte aligned): a tile of R rows x C
+/// columns is C / 64 panels of R rows x 128 bytes, panel h at byte h R 128, row r at r 128 in it,
+/// its 16-byte chunk c at position c ^ (r % 8).
+namespace sw128 {
+constexpr std::uint32_t kAtom = 1024;  // 8 rows x 128 bytes: the SBO of both forms
+/// K-major operand (tile rows = the product's M or N, columns = its K): k-step ks (columns 16ks ..
+/// 16ks + 15) starts in panel ks / 4 at byte 32 (ks % 4) of each row; LBO unused (16).
+template <int R>
+__device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t tile, int ks) {
+  return encode_smem_desc(tile + static_cast<std::uint32_t>((ks / 4) * R * 128 + (ks % 4) * 32), 16, kAtom,
+                          Swizzle::b128);
+}
+/// MN-major B (tile rows = the product's K, columns = its N): k-step ks (rows 16ks ..) is two 8-row
+/// atoms at 2048 ks; LBO one panel (the next 64 columns along N). The swizzled MN-major layouts give
+/// LBO the MN stride and SBO the K stride, the opposite of no-swizzle.
+template <int R>
+__device__ __forceinline__ std::uint64_t mnmajor_desc(std::uint32_t tile, int ks) {
+  return encode_smem_desc(tile + static_cast<std::uint32_t>(ks) * 2 * kAtom, R * 128, kAtom, Swizzle::b128);
+}
+}  // namespace sw128
+
 /// Orders this thread's prior generic-proxy writes to shared memory before later async-proxy
 /// reads (wgmma operands). Each thread that wrote a tile runs it, then the block barrier.
 __device__ __forceinline__ void fence_proxy_async_shared() {
