@@ -62,7 +62,6 @@ constexpr std::uint32_t kOffBar = kOffC + (kWsConsumerThreads / 32) * 2 * kEpiBu
 constexpr std::uint32_t kOffWords = kOffBar + 8 * 2 * kStages;  // per stage: tile, problem
 constexpr int kSmemBytes = static_cast<int>(kOffWords) + 4 * 2 * kStages + 1024;
 static_assert(kSmemBytes <= 227 * 1024);
-constexpr std::uint32_t kSwAtom = 1024;  // 8 rows of 128 bytes
 
 struct Params {
   /// A (rows x k) and every problem's B as 128-byte-swizzled views (tma.cuh, encode_matrix_sw128):
@@ -83,13 +82,6 @@ struct Params {
   int tile_end[kMaxGroups];  ///< tiles of problems 0..g
 };
 static_assert(sizeof(Params) <= 32764);
-
-/// A K-major swizzled operand (rows of 128 bytes, 8-row atoms 1024 bytes apart); LBO unused.
-__device__ __forceinline__ std::uint64_t k_desc(std::uint32_t addr) { return encode_smem_desc(addr, 16, kSwAtom, Swizzle::b128); }
-/// An N-major swizzled operand of 16 K rows (LBO: the next 64-wide N half).
-__device__ __forceinline__ std::uint64_t n_desc(std::uint32_t addr) {
-  return encode_smem_desc(addr, kHalfBytes, kSwAtom, Swizzle::b128);
-}
 
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 /// Until all but this thread's newest bulk group have read their shared sources (the buffer the
@@ -188,9 +180,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
         for (int kk = 0; kk < kBK / 16; ++kk) {
           const int scale = ks > 0 || kk > 0 ? 1 : 0;  // the tile's first product overwrites
           if constexpr (BKbyN)
-            wgmma_m64n256k16_f32_bf16_ss<Major::mn, Major::k>(acc, k_desc(a_st + kk * 32), n_desc(b_st + kk * 2 * kSwAtom), scale);
+            wgmma_m64n256k16_f32_bf16_ss<Major::mn, Major::k>(acc, sw128::kmajor_desc<kBM>(a_st, kk),
+                                                              sw128::mnmajor_desc<kBK>(b_st, kk), scale);
           else
-            wgmma_m64n256k16_f32_bf16_ss<Major::k, Major::k>(acc, k_desc(a_st + kk * 32), k_desc(b_st + kk * 32), scale);
+            wgmma_m64n256k16_f32_bf16_ss<Major::k, Major::k>(acc, sw128::kmajor_desc<kBM>(a_st, kk),
+                                                             sw128::kmajor_desc<kBN>(b_st, kk), scale);
         }
         wgmma_commit_group();
       }

@@ -66,7 +66,6 @@ constexpr std::uint32_t kEpiWarpBytes = 16 * kEpiStride * 4;  // 2.5 KiB
 constexpr std::uint32_t kOffEpi = (kOffTiles + 4 * (kStages + 2) + 15) / 16 * 16;
 constexpr int kSmemBytes = static_cast<int>(kOffEpi + (kWsConsumerThreads / 32) * kEpiWarpBytes) + 1024;
 static_assert(kSmemBytes <= 227 * 1024);
-constexpr std::uint32_t kSwAtom = 1024;  // 8 rows of 128 bytes
 
 struct Params {
   int groups = 0, m_tiles = 0, n_tiles = 0, tiles = 0;
@@ -79,11 +78,6 @@ struct Params {
   int rows[kMaxGroups];
 };
 static_assert(sizeof(Params) <= 4096);
-
-/// An MN-major swizzled operand of 16 K rows starting at `addr` (LBO: the next 64-wide M/N half).
-__device__ __forceinline__ std::uint64_t mn_desc(std::uint32_t addr) {
-  return encode_smem_desc(addr, kHalfBytes, kSwAtom, Swizzle::b128);
-}
 
 /// C[0..1] += (x, y) as one fire-and-forget vector reduction performed by L2 (sm_90: red .v2.f32):
 /// the thread does not wait for the old value, so the epilogue costs issue slots, not round trips.
@@ -210,7 +204,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_wgrad_kernel(const __gr
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk)  // one m64n256k16 over the four 64-wide N halves
-        wgmma_m64n256k16_f32_bf16_ss<Major::mn, Major::mn>(acc, mn_desc(a_st + kk * 2 * kSwAtom), mn_desc(b_st + kk * 2 * kSwAtom), 1);
+        wgmma_m64n256k16_f32_bf16_ss<Major::mn, Major::mn>(acc, sw128::mnmajor_desc<kBK>(a_st, kk),
+                                                           sw128::mnmajor_desc<kBK>(b_st, kk), 1);
       wgmma_commit_group();
       ring.step(acc);  // the previous step's wgmmas are done: its stage is free
     }

@@ -107,10 +107,11 @@ __device__ __forceinline__ std::uint64_t make_smem_desc(const void* smem, std::u
   return encode_smem_desc(addr, lbo_bytes, sbo_bytes, swizzle, base_offset);
 }
 
-/// Descriptors of the 128-byte-swizzled bf16 tiles the attention kernels use (filled by
-/// load_rows_sw128_producer, warp_specialized.cuh; 1024-byte aligned): a tile of R rows x C
-/// columns is C / 64 panels of R rows x 128 bytes, panel h at byte h R 128, row r at r 128 in it,
-/// its 16-byte chunk c at position c ^ (r % 8).
+/// Descriptors of the 128-byte-swizzled bf16 tiles of the attention kernels and the grouped expert
+/// GEMMs (filled by load_rows_sw128_producer, warp_specialized.cuh, or by TMA with the 128-byte
+/// swizzle; 1024-byte aligned): a tile of R rows x C columns is C / 64 panels of R rows x 128
+/// bytes, panel h at byte h R 128, row r at r 128 in it, its 16-byte chunk c at position c ^ (r % 8).
+/// An operand one wgmma reads may also be a product's MN-major B: "rows" are then its K.
 namespace sw128 {
 constexpr std::uint32_t kAtom = 1024;  // 8 rows x 128 bytes: the SBO of both forms
 /// K-major operand (tile rows = the product's M or N, columns = its K): k-step ks (columns 16ks ..
