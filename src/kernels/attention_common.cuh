@@ -78,6 +78,22 @@ __device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const std::uint32_t*>(&h);
 }
 
+/// A wgmma accumulator fragment of a 64 x N tile (N / 2 floats per thread, hopper/wgmma.cuh)
+/// rounded to bf16 as the register (RS) A operand of the next product, one k-step of 16 columns per
+/// row of `a`: k-step ks covers 8-column blocks 2ks, 2ks+1; [0] = (row g, block 2ks), [1] = (row
+/// g+8, block 2ks), [2] = (row g, block 2ks+1), [3] = (row g+8, block 2ks+1), the lower column in
+/// the low half. The Hopper attention kernels' P (forward), P^T and dS^T / dS (backward).
+template <int N>
+__device__ __forceinline__ void pack_rs_fragments(std::uint32_t (&a)[N / 16][4], const float (&acc)[N / 2]) {
+#pragma unroll
+  for (int ks = 0; ks < N / 16; ++ks) {
+    a[ks][0] = pack_bf16(acc[8 * ks + 0], acc[8 * ks + 1]);
+    a[ks][1] = pack_bf16(acc[8 * ks + 2], acc[8 * ks + 3]);
+    a[ks][2] = pack_bf16(acc[8 * ks + 4], acc[8 * ks + 5]);
+    a[ks][3] = pack_bf16(acc[8 * ks + 6], acc[8 * ks + 7]);
+  }
+}
+
 /// A shared-memory tile of ROWS x D bf16, rows of D contiguous, 16-byte chunks XOR-swizzled by the
 /// row's low 3 bits: the 8 rows an ldmatrix phase reads at one column land in 8 different
 /// 16-byte bank groups, so there are no bank conflicts (D/8 >= 16 chunks per row).

@@ -126,18 +126,6 @@ __device__ __forceinline__ void issue_rs_64x128(float (&acc)[64], const std::uin
     wgmma_m64n128k16_f32_bf16_rs<Major::mn>(acc, a[ks], sw128::mnmajor_desc<64>(b_rows, ks), 1);
 }
 
-/// A 64 x 64 accumulator fragment rounded to bf16 as the RS A operand (k-step ks = columns
-/// 16ks .. 16ks+15 = 8-column blocks 2ks, 2ks+1; wgmma.cuh): [0] = (row g, block 2ks),
-/// [1] = (row g+8, block 2ks), [2] = (row g, block 2ks+1), [3] = (row g+8, block 2ks+1).
-__device__ __forceinline__ void pack_fragments(std::uint32_t (&a)[4][4], const float (&x)[32]) {
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    a[ks][0] = pack_bf16(x[8 * ks + 0], x[8 * ks + 1]);
-    a[ks][1] = pack_bf16(x[8 * ks + 2], x[8 * ks + 3]);
-    a[ks][2] = pack_bf16(x[8 * ks + 4], x[8 * ks + 5]);
-    a[ks][3] = pack_bf16(x[8 * ks + 6], x[8 * ks + 7]);
-  }
-}
 __device__ __forceinline__ void fence_fragments(std::uint32_t (&a)[4][4]) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) wgmma_fence_operands(a[ks]);
@@ -226,7 +214,7 @@ struct DkdvWsSmem {
   static constexpr int off_bar = off_delta + S * kDkdvBr * 4;               // full_kv, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
-static_assert(DkdvWsSmem<128>::off_bar == 194 * 1024 && DkdvWsSmem<128>::bytes <= 227 * 1024);
+static_assert(DkdvWsSmem<128>::off_bar == 194 * 1024 && DkdvWsSmem<128>::bytes <= kMaxDynamicSmem);
 static_assert(DkdvWsSmem<256>::off_bar == 193 * 1024);
 
 /// The warpgroup's keys (dK/dV) or query rows (dQ) start at this row of the block, and its output
@@ -389,7 +377,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
         s[4 * j + e] = (edge && (qi < key || qi >= p.q_end)) ? 0.0f : pe;
       }
     }
-    pack_fragments(pa, s);
+    attention_detail::pack_rs_fragments<64>(pa, s);
     fence_fragments(pa);
     wgmma_fence_operands(dv);
     wgmma_fence();
@@ -399,7 +387,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     wgmma_wait_group<1>();  // dP^T done; dV may still run
     wgmma_fence_operands(dp);
     // dS^T = P^T o (dP^T - D_q), straight into the bf16 fragments (the values an in-place product
-    // then pack_fragments would give; fewer live registers).
+    // then pack_rs_fragments would give; fewer live registers).
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
@@ -424,18 +412,9 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     if (q0 == q_stop) q0 = q_first;
   }
 
-  // (The two forms of the column offset are the same value; each is the one its head dim's kernel
-  // was verified with on the H200, kept so that both compile to the very PTX that ran.)
   const std::int64_t col = static_cast<std::int64_t>(hk) * HD + wg_col<HD>(wg);
-  if constexpr (T::shared_rows) {
-    store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, p.accumulate_dkv);
-    store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, p.accumulate_dkv);
-  } else {
-    store_acc_rows(dk, p.dk + b * p.dk_batch + static_cast<std::int64_t>(hk) * HD, p.dk_token, key_wg, p.q_end, p.scale,
-                   p.accumulate_dkv);
-    store_acc_rows(dv, p.dv + b * p.dv_batch + static_cast<std::int64_t>(hk) * HD, p.dv_token, key_wg, p.q_end, 1.0f,
-                   p.accumulate_dkv);
-  }
+  store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, p.accumulate_dkv);
+  store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, p.accumulate_dkv);
 }
 
 template <int HD>
@@ -449,7 +428,7 @@ struct DqWsSmem {
   static constexpr int off_bar = off_v + S * kTileBytes<T::dq_bc, HD>;    // full_qdo, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
-static_assert(DqWsSmem<128>::off_bar == 192 * 1024 && DqWsSmem<128>::bytes <= 227 * 1024);
+static_assert(DqWsSmem<128>::off_bar == 192 * 1024 && DqWsSmem<128>::bytes <= kMaxDynamicSmem);
 static_assert(DqWsSmem<256>::off_bar == 192 * 1024);
 
 /// dQ of query rows [q_begin + R qb, + R) of query head h, batch b (pass 3; R =
@@ -592,7 +571,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     wgmma_fence_operands(dp);
 #pragma unroll
     for (int e = 0; e < 32; ++e) s[e] *= dp[e] - delta[(e >> 1) & 1];  // dS
-    pack_fragments(da, s);
+    attention_detail::pack_rs_fragments<64>(da, s);
     fence_fragments(da);
     wgmma_fence_operands(dq);
     wgmma_fence();
@@ -631,7 +610,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
 template <int HD = kD>
 constexpr int kBackwardSmem =
     (DkdvWsSmem<HD>::bytes > DqWsSmem<HD>::bytes ? DkdvWsSmem<HD>::bytes : DqWsSmem<HD>::bytes) + 1024;
-static_assert(kBackwardSmem<> <= 227 * 1024 && kBackwardSmem<256> <= 227 * 1024);
+static_assert(kBackwardSmem<> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDynamicSmem);
 
 /// Passes 2 and 3 in one grid: blocks [0, dkdv_blocks) are dK/dV blocks, then dQ blocks. The two
 /// passes are independent (both read only the inputs and the preprocess's LSE2/D), so the dQ blocks

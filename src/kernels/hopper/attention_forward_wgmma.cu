@@ -60,7 +60,6 @@ using attention_detail::smem_addr;
 constexpr int kWarpgroups = 2;         // consumer warpgroups per block
 constexpr int kBr = 64 * kWarpgroups;  // query rows per block: 64 (one wgmma M) per warpgroup
 static_assert(kWsConsumerThreads == 128 * kWarpgroups);  // warp_specialized.cuh's split: 2 + 1 warpgroups
-constexpr int kMaxSmemPerBlock = 232448;  // sm_90's opt-in dynamic shared memory per block (227 KiB)
 
 // Q, K and V tiles are 128-byte swizzled (wgmma.cuh, sw128; loaded by load_rows_sw128_producer,
 // warp_specialized.cuh): a tile of R rows is HD / 64 panels of R rows x 128 bytes, so a row's 128
@@ -87,7 +86,7 @@ struct FwdTiles {
   static constexpr std::uint32_t kOffBar = kOffV + kStages * kKvBytes;
   static constexpr int kBars = 1 + 4 * kStages;
   static constexpr int kSmemBytes = static_cast<int>(kOffBar) + 8 * kBars + 1024;  // + room to align to 1 KiB
-  static_assert(kSmemBytes <= kMaxSmemPerBlock, "over the sm_90 shared memory per block");
+  static_assert(kSmemBytes <= kMaxDynamicSmem, "over the sm_90 shared memory per block");
 };
 static_assert(FwdTiles<128>::kOffBar + 8 * FwdTiles<128>::kBars == 224 * 1024 + 104);
 static_assert(FwdTiles<256>::kOffBar + 8 * FwdTiles<256>::kBars == 192 * 1024 + 72);
@@ -148,21 +147,6 @@ __device__ __forceinline__ void rescale(float (&o)[H][64], const float (&alpha)[
   for (int h = 0; h < H; ++h)
 #pragma unroll
     for (int e = 0; e < 64; ++e) o[h][e] *= alpha[(e >> 1) & 1];
-}
-
-/// P (in s) rounded to bf16 into the RS A fragments: k-step ks covers keys 16ks .. 16ks+15 =
-/// column blocks 2ks, 2ks+1 of the fragment; pa[ks][0] = (row r0, block 2ks), [1] = (row r0+8,
-/// block 2ks), [2] = (row r0, block 2ks+1), [3] = (row r0+8, block 2ks+1), the lower column in the
-/// low half (wgmma.cuh).
-template <int BC>
-__device__ __forceinline__ void pack_p(std::uint32_t (&pa)[BC / 16][4], const float (&s)[BC / 2]) {
-#pragma unroll
-  for (int ks = 0; ks < BC / 16; ++ks) {
-    pa[ks][0] = attention_detail::pack_bf16(s[8 * ks + 0], s[8 * ks + 1]);
-    pa[ks][1] = attention_detail::pack_bf16(s[8 * ks + 2], s[8 * ks + 3]);
-    pa[ks][2] = attention_detail::pack_bf16(s[8 * ks + 4], s[8 * ks + 5]);
-    pa[ks][3] = attention_detail::pack_bf16(s[8 * ks + 6], s[8 * ks + 7]);
-  }
 }
 
 /// O = O / l (bf16) and LSE = (m + log2 l) ln 2 of the thread's two rows i0 and i0 + 8 (absolute
@@ -407,7 +391,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_forward_wgmma_kernel(
     fence_all(st);  // o and pa are free from here on
     if (nb > 0) mbar_arrive(empty_v(sv));  // V_{nb-1} read
     rescale(st.o, alpha);
-    pack_p<kBc>(st.pa, st.s);
+    attention_detail::pack_rs_fragments<kBc>(st.pa, st.s);  // P
   }
   {
     // The last O += P V.

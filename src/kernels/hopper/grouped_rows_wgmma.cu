@@ -61,7 +61,7 @@ constexpr std::uint32_t kOffC = kStages * kStageBytes;
 constexpr std::uint32_t kOffBar = kOffC + (kWsConsumerThreads / 32) * 2 * kEpiBufBytes;
 constexpr std::uint32_t kOffWords = kOffBar + 8 * 2 * kStages;  // per stage: tile, problem
 constexpr int kSmemBytes = static_cast<int>(kOffWords) + 4 * 2 * kStages + 1024;
-static_assert(kSmemBytes <= 227 * 1024);
+static_assert(kSmemBytes <= kMaxDynamicSmem);
 
 struct Params {
   /// A (rows x k) and every problem's B as 128-byte-swizzled views (tma.cuh, encode_matrix_sw128):

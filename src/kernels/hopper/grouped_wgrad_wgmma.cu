@@ -65,7 +65,7 @@ constexpr int kEpiCols = 32, kEpiStride = 40;
 constexpr std::uint32_t kEpiWarpBytes = 16 * kEpiStride * 4;  // 2.5 KiB
 constexpr std::uint32_t kOffEpi = (kOffTiles + 4 * (kStages + 2) + 15) / 16 * 16;
 constexpr int kSmemBytes = static_cast<int>(kOffEpi + (kWsConsumerThreads / 32) * kEpiWarpBytes) + 1024;
-static_assert(kSmemBytes <= 227 * 1024);
+static_assert(kSmemBytes <= kMaxDynamicSmem);
 
 struct Params {
   int groups = 0, m_tiles = 0, n_tiles = 0, tiles = 0;

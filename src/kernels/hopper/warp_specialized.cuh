@@ -63,6 +63,10 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+/// sm_90's opt-in dynamic shared memory per block (227 KiB): every kernel here checks its layout
+/// against it at compile time.
+constexpr int kMaxDynamicSmem = 227 * 1024;
+
 /// The offset from the dynamic shared memory's start (`raw`, a shared address) to its first
 /// 1024-byte boundary, where the 128-byte-swizzled tiles start (the swizzle pattern is taken from
 /// address bits 7-9); callers reserve 1 KiB for it.
