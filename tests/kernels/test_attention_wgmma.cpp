@@ -289,10 +289,7 @@ TEST_CASE("attention_forward_wgmma refuses what it cannot do, and does nothing f
   DeviceBuffer<float> lse(4 * 64);  // poisoned
   const TokenRows<const bf16> ok{buf.get(), 64 * 512, 512};
   const TokenRows<bf16> out{buf.get() + 64 * 512 * 3, 64 * 512, 512};
-  const auto forward = [&](const AttentionProblem& pr, TokenRows<const bf16> q, TokenRows<const bf16> k,
-                           TokenRows<const bf16> v, TokenRows<bf16> o, float* l, cudaStream_t st) {
-    return oom::kernels::hopper::attention_forward_wgmma(pr, q, k, v, o, l, st);
-  };
+  constexpr auto forward = &oom::kernels::hopper::attention_forward_wgmma;
   auto bad = p;
   bad.head_dim = 256;  // valid for the mma.sync kernels, not implemented here
   CHECK(forward(bad, ok, ok, ok, out, lse.get(), nullptr) == cudaErrorNotSupported);
