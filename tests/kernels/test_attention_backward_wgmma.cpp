@@ -70,6 +70,8 @@ constexpr BackwardFn kMma = &oom::kernels::attention_backward_mma_sync;
 constexpr BackwardFn kWgmma = &oom::kernels::hopper::attention_backward_wgmma;
 /// The head-dim-256 kernel (both warpgroups on the same rows, each on half the output columns).
 constexpr BackwardFn kWgmmaD256 = &oom::kernels::hopper::attention_backward_wgmma_d256;
+/// The same with the dK/dV products split between the warpgroups (not routed yet).
+constexpr BackwardFn kWgmmaD256Split = &oom::kernels::hopper::attention_backward_wgmma_d256_split;
 
 /// Raw bf16 rows of a strided (B, S, H, D) device tensor, contiguous on the host.
 std::vector<bf16> download_bits(TokenRows<bf16> src, const AttentionDims& d, int heads) {
@@ -126,10 +128,18 @@ void check_against_mma(const char* what, const std::vector<bf16>& wg, const std:
   check_bounded(to_float(wg), to_float(mma), mag, 2 * slack + 4, what);
 }
 
-const char* name(BackwardFn fn) { return fn == kMma ? "mma.sync" : fn == kWgmmaD256 ? "wgmma d256" : "wgmma"; }
+const char* name(BackwardFn fn) {
+  return fn == kMma ? "mma.sync" : fn == kWgmmaD256 ? "wgmma d256" : fn == kWgmmaD256Split ? "wgmma d256 split" : "wgmma";
+}
+/// The wgmma kernel a check runs: `pick` if given, else the one of the head dim.
+BackwardFn wgmma_for(const AttentionDims& d, BackwardFn pick) {
+  return pick != nullptr ? pick : d.head_dim == 256 ? kWgmmaD256 : kWgmma;
+}
 
-/// Whole sequences, in query chunks run last to first (chunk_starts = {0} is one call).
-void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const std::vector<int>& chunk_starts = {0}) {
+/// Whole sequences, in query chunks run last to first (chunk_starts = {0} is one call); `pick`:
+/// the wgmma kernel, if not the head dim's.
+void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const std::vector<int>& chunk_starts = {0},
+                 BackwardFn pick = nullptr) {
   require_sm90();
   INFO("B=" << d.batch << " S=" << d.seq << " Hq=" << d.heads_q << " Hkv=" << d.heads_kv
             << (packed ? " packed" : " separate") << " chunks=" << chunk_starts.size());
@@ -142,7 +152,7 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
     }
     return pr.download_grads(grad);
   };
-  const BackwardFn wgmma = d.head_dim == 256 ? kWgmmaD256 : kWgmma;
+  const BackwardFn wgmma = wgmma_for(d, pick);
   const Grads mma = run(kMma), wg = run(wgmma);
   // dK/dV of chunked runs are rounded to bf16 after each chunk: one more u mag per chunk.
   const double chunks = static_cast<double>(chunk_starts.size());
@@ -172,8 +182,9 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
 }
 
 /// One query sub-range [q_begin, q_end) alone, accumulate_dkv false (dQ/dK/dV poisoned) or true
-/// (dK/dV pre-filled with random bf16 values, dQ poisoned).
-void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_begin, int q_end, bool accumulate) {
+/// (dK/dV pre-filled with random bf16 values, dQ poisoned); `pick` as in check_whole.
+void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_begin, int q_end, bool accumulate,
+                 BackwardFn pick = nullptr) {
   require_sm90();
   INFO("B=" << d.batch << " S=" << d.seq << " Hq=" << d.heads_q << " Hkv=" << d.heads_kv
             << (packed ? " packed" : " separate") << " rows [" << q_begin << ", " << q_end << ")"
@@ -190,7 +201,7 @@ void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_
     pr.backward(fn, pr.problem(q_begin, q_end), grad, accumulate);
     return pr.download_grads(grad);
   };
-  const BackwardFn wgmma = d.head_dim == 256 ? kWgmmaD256 : kWgmma;
+  const BackwardFn wgmma = wgmma_for(d, pick);
   const Grads mma = run(kMma);
   {
     const Grads wg = run(wgmma);
@@ -336,6 +347,84 @@ TEST_CASE("attention_backward_wgmma_d256 matches the reference and the mma.sync 
     check_range(AttentionDims{1, 1000, 4, 2, 256}, false, seed += 10, 333, 700, accumulate);
     check_range(AttentionDims{2, 200, 4, 2, 256}, true, seed += 10, 130, 131, accumulate);
     check_range(AttentionDims{1, 700, 2, 2, 256}, true, seed += 10, 64, 600, accumulate);
+  }
+}
+
+TEST_CASE("attention_backward_wgmma_d256_split matches the reference, the mma.sync backward and the d256 kernel's bits") {
+  // The d256 case's problems through the kernel whose dK/dV blocks split S^T and dP^T between the
+  // warpgroups and exchange P^T and dS^T through shared memory.
+  std::uint64_t seed = 1700;
+  for (const AttentionDims d : {AttentionDims{1, 1, 4, 2, 256}, AttentionDims{2, 17, 4, 2, 256},
+                                AttentionDims{1, 64, 2, 2, 256}, AttentionDims{2, 128, 4, 2, 256},
+                                AttentionDims{1, 1000, 4, 2, 256}, AttentionDims{1, 2051, 2, 2, 256},
+                                AttentionDims{1, 700, 16, 2, 256}})
+    check_whole(d, d.seq % 2 == 0, seed += 10, {0}, kWgmmaD256Split);
+  check_whole(AttentionDims{1, 1000, 4, 2, 256}, true, 1800, {0, 333, 600}, kWgmmaD256Split);
+  check_whole(AttentionDims{1, 300, 4, 2, 256}, false, 1810, {0, 63, 65, 190}, kWgmmaD256Split);
+  for (const bool accumulate : {false, true}) {
+    check_range(AttentionDims{1, 1000, 4, 2, 256}, false, seed += 10, 333, 700, accumulate, kWgmmaD256Split);
+    check_range(AttentionDims{2, 200, 4, 2, 256}, true, seed += 10, 130, 131, accumulate, kWgmmaD256Split);
+  }
+  // The same bf16 P^T and dS^T (formed from the same fp32 values) into the same products in the
+  // same k order, read from shared memory instead of registers: the d256 kernel's bits are
+  // expected. dQ comes from the very same code.
+  for (const AttentionDims d : {AttentionDims{1, 1000, 4, 2, 256}, AttentionDims{2, 333, 16, 2, 256}}) {
+    INFO("B=" << d.batch << " S=" << d.seq << " Hq=" << d.heads_q << " Hkv=" << d.heads_kv);
+    const Problem pr(d, false, seed += 10);
+    const auto run = [&](BackwardFn fn) {
+      DeviceQkv grad(d, false);  // poisoned
+      pr.backward(fn, pr.problem(0, d.seq), grad, false);
+      return pr.download_grads(grad);
+    };
+    const Grads a = run(kWgmmaD256), b = run(kWgmmaD256Split);
+    CHECK_MESSAGE(bits_equal(a.dq, b.dq), "dQ differs from the d256 kernel's");
+    CHECK_MESSAGE(bits_equal(a.dk, b.dk), "dK differs from the d256 kernel's");
+    CHECK_MESSAGE(bits_equal(a.dv, b.dv), "dV differs from the d256 kernel's");
+  }
+}
+
+TEST_CASE("attention_backward_wgmma_d256_split vs attention_backward_wgmma_d256: timing at S = 4096, 16384, 65536") {
+  // Printed, not asserted; FLOPs as the D = 128 timing case counts them. B = 1, Hq/Hkv = 16/4.
+  require_sm90();
+  const int hq = 16, hkv = 4, hd = 256;
+  for (const int s : {4096, 16384, 65536}) {
+    const AttentionDims d{1, s, hq, hkv, hd};
+    const std::size_t nq = static_cast<std::size_t>(s) * hq * hd, nkv = static_cast<std::size_t>(s) * hkv * hd;
+    DeviceQkv in(d, false), grad_d256(d, false), grad_split(d, false);
+    upload(in.q, hashed_bf16(nq, 1), d, hq);
+    upload(in.k, hashed_bf16(nkv, 2), d, hkv);
+    upload(in.v, hashed_bf16(nkv, 3), d, hkv);
+    DeviceBuffer<bf16> o_buf(nq), do_buf(hashed_bf16(nq, 4));
+    DeviceBuffer<float> lse(static_cast<std::size_t>(hq) * s);
+    const std::int64_t q_row = std::int64_t{hq} * hd;
+    const TokenRows<bf16> o{o_buf.get(), s * q_row, q_row};
+    const TokenRows<const bf16> dor{do_buf.get(), s * q_row, q_row};
+    const AttentionProblem p{.batch = 1, .seq = s, .heads_q = hq, .heads_kv = hkv, .head_dim = hd,
+                             .softmax_scale = 1.0f / std::sqrt(static_cast<float>(hd))};
+    OOM_CUDA_CHECK(oom::kernels::attention_forward(p, as_const(in.q), as_const(in.k), as_const(in.v), o, lse.get(),
+                                                   nullptr));
+    DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p));
+    oom::test::Stream stream;
+    const auto launcher = [&](BackwardFn fn, DeviceQkv& grad) {
+      return [&, fn](cudaStream_t st) {
+        OOM_CUDA_CHECK(fn(p, as_const(in.q), as_const(in.k), as_const(in.v), as_const(o), dor, lse.get(), grad.q,
+                          grad.k, grad.v, false, ws.get(), ws.bytes(), st));
+      };
+    };
+    const int repeats = s >= 65536 ? 3 : 10;
+    const double ms_d256 = oom::test::time_ms(launcher(kWgmmaD256, grad_d256), stream.s, repeats);
+    const double ms_split = oom::test::time_ms(launcher(kWgmmaD256Split, grad_split), stream.s, repeats);
+    const double flops = 2.5 * 2.0 * static_cast<double>(s) * s * hq * hd;
+    std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=256 causal backward: d256 %.3f ms = %.0f TFLOP/s | split %.3f ms = %.0f "
+                "TFLOP/s (%.2fx)\n",
+                s, hq, hkv, ms_d256, flops / ms_d256 / 1e9, ms_split, flops / ms_split / 1e9, ms_d256 / ms_split);
+    std::fflush(stdout);
+    CHECK_MESSAGE(bits_equal(download_bits(grad_d256.q, d, hq), download_bits(grad_split.q, d, hq)),
+                  "split dQ differs from the d256 kernel's at S=" << s);
+    CHECK_MESSAGE(bits_equal(download_bits(grad_d256.k, d, hkv), download_bits(grad_split.k, d, hkv)),
+                  "split dK differs from the d256 kernel's at S=" << s);
+    CHECK_MESSAGE(bits_equal(download_bits(grad_d256.v, d, hkv), download_bits(grad_split.v, d, hkv)),
+                  "split dV differs from the d256 kernel's at S=" << s);
   }
 }
 

@@ -417,6 +417,249 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, p.accumulate_dkv);
 }
 
+// ---- head_dim 256, the dK/dV products split between the warpgroups (docs/hopper.md, "Next: the
+// head-dim-256 backward without recomputed products") ----
+// A block of 64 keys, as dkdv_block<256>, but warpgroup 0 forms S^T = K Q^T and warpgroup 1
+// dP^T = V dO^T (each once, 16 k-steps of m64n64k16 SS over d) instead of both forming both.
+// Per step:
+//   warpgroup 1: dP^T; x = dP^T - D_q (fp32) into shared memory, in its fragment order (thread t's
+//     elements 4g .. 4g + 3 as one float4 at x + 16 (128 g + t): conflict-free); arrive at named
+//     barrier 1;
+//   warpgroup 0: S^T; P^T = exp2(S^T scale log2e - LSE2_q), masked as dkdv_block's; wait at named
+//     barrier 1; dS^T = P^T x (fp32 P^T, so the roundings are dkdv_block's); P^T and dS^T as bf16
+//     into two 64 x 64 swizzled tiles (one 128-byte panel each, rows = keys: K-major A operands
+//     over the queries); fence.proxy.async;
+//   both: named barrier 2; dV_w += P^T dO[:, 128 w ..] and dK_w += dS^T Q[:, 128 w ..] (4 k-steps
+//     of m64n128k16 SS each, B MN-major at panel 2w of the stage's tiles); wait; arrive on the
+//     stage's empty barrier.
+// The exchange buffers are single: warpgroup 0 rewrites the tiles of step t + 1 only after barrier
+// 1 of that step, which warpgroup 1 reaches after retiring its step-t products (wait_group 0), and
+// warpgroup 1 rewrites x only after barrier 2 of step t, which warpgroup 0 reaches after reading x.
+// Not yet run on a GPU.
+struct DkdvSplitSmem {
+  static constexpr int HD = 256, S = 2, keys = 64;
+  static constexpr int off_k = 0;
+  static constexpr int off_v = off_k + kTileBytes<keys, HD>;
+  static constexpr int off_q = off_v + kTileBytes<keys, HD>;             // S tiles
+  static constexpr int off_do = off_q + S * kTileBytes<kDkdvBr, HD>;     // S tiles
+  static constexpr int off_pt = off_do + S * kTileBytes<kDkdvBr, HD>;    // P^T, 64 x 64 bf16 swizzled
+  static constexpr int off_dst = off_pt + kTileBytes<keys, 64>;          // dS^T, the same
+  static constexpr int off_x = off_dst + kTileBytes<keys, 64>;           // dP^T - D: 128 threads x 32 fp32
+  static constexpr int off_lse2 = off_x + 128 * 32 * 4;                  // S x 64 fp32
+  static constexpr int off_delta = off_lse2 + S * kDkdvBr * 4;           // S x 64 fp32
+  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;            // full_kv, full[], empty[]
+  static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
+};
+static_assert(DkdvSplitSmem::off_pt % 1024 == 0 && DkdvSplitSmem::off_dst % 1024 == 0, "swizzled tiles: 1 KiB aligned");
+static_assert(DkdvSplitSmem::bytes + 1024 <= kMaxDynamicSmem, "over the sm_90 shared memory per block");
+
+/// Named barrier `id` of the two consumer warpgroups (256 threads): wait for all, or only arrive.
+/// The arriving side fences its shared-memory writes first (membar.cta), so they are visible to
+/// the threads that pass the barrier's sync.
+template <int id>
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync %0, 256;\n" ::"n"(id) : "memory");
+}
+template <int id>
+__device__ __forceinline__ void consumers_arrive() {
+  __threadfence_block();
+  asm volatile("bar.arrive %0, 256;\n" ::"n"(id) : "memory");
+}
+__device__ __forceinline__ void st_shared_f4(std::uint32_t addr, float4 v) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ float4 ld_shared_f4(std::uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+/// dK, dV of keys [64 nb, 64 nb + 64) of KV head hk, batch b at head_dim 256, the products split
+/// between the warpgroups (above); `smem` the kernel's DkdvSplitSmem.
+__device__ __forceinline__ void dkdv_block_split(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
+  using L = DkdvSplitSmem;
+  constexpr int S = L::S, HD = L::HD;
+  const int n0 = nb * L::keys;
+  const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
+  const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
+  const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
+
+  const std::uint32_t bars = smem_addr(smem + L::off_bar);
+  const std::uint32_t full_kv = bars;
+  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
+  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
+  if (threadIdx.x == 0) {
+    mbar_init(full_kv, kWsProducerThreads);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), kWsProducerThreads);
+      mbar_init(empty(s), kWsConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last block-wide barrier
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  if (wg == 2) {  // the producer: dkdv_block's, with this layout
+    setmaxnreg_dec<kProducerRegs>();
+    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
+    load_rows_sw128_producer<L::keys, HD>(smem_addr(smem + L::off_k),
+                                          p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0,
+                                          p.seq, tid);
+    load_rows_sw128_producer<L::keys, HD>(smem_addr(smem + L::off_v),
+                                          p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token, n0,
+                                          p.seq, tid);
+    cp_async_mbar_arrive(full_kv);
+    int h = hk * p.group, qb = qb_first, st = 0;
+    std::uint32_t phase = 0;
+    for (int t = 0; t < steps; ++t) {
+      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
+      const int q0 = p.q_begin + qb * kDkdvBr;
+      load_rows_sw128_producer<kDkdvBr, HD>(
+          smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+          p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end, tid);
+      load_rows_sw128_producer<kDkdvBr, HD>(
+          smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+          p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0, p.q_end, tid);
+      {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
+        const int rr = tid % kDkdvBr;
+        const bool valid = q0 + rr < p.q_end;
+        const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (q0 - p.q_begin) + rr;
+        const float* src = (tid < kDkdvBr ? p.lse2 : p.delta) + (valid ? w : 0);
+        const int dst = (tid < kDkdvBr ? L::off_lse2 : L::off_delta) + 4 * (st * kDkdvBr + rr);
+        cp_async_4(smem + dst, src, valid);
+      }
+      cp_async_mbar_arrive(full(st));
+      if (++qb == qb_count) {
+        qb = qb_first;
+        ++h;
+      }
+      if (++st == S) {
+        st = 0;
+        phase ^= 1u;
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    return;
+  }
+
+  // Consumers: both warpgroups take the block's 64 keys; warpgroup wg keeps dK, dV columns
+  // 128 wg .. 128 wg + 127.
+  setmaxnreg_inc<kConsumerRegs>();
+  const int tid = static_cast<int>(threadIdx.x) % 128;
+  const int warp = tid / 32, lane = tid & 31;
+  const int c0 = 2 * (lane & 3);               // fragment column offset in an 8-column block
+  const int r_lo = 16 * warp + (lane >> 2);    // this thread's fragment rows (keys of the block): r_lo, r_lo + 8
+  const int key_lane = n0 + r_lo;
+  const std::uint32_t sbase = smem_addr(smem);
+  // S^T = K Q^T for warpgroup 0, dP^T = V dO^T for warpgroup 1: the same instructions on other
+  // tiles (no wgmma in divergent code).
+  const std::uint32_t a_lhs = sbase + (wg == 0 ? L::off_k : L::off_v);
+  const std::uint32_t rhs_off = wg == 0 ? 0u : static_cast<std::uint32_t>(L::off_do - L::off_q);
+  const std::uint32_t a_pt = sbase + L::off_pt, a_dst = sbase + L::off_dst;
+  const std::uint32_t a_x = sbase + L::off_x + 16u * static_cast<std::uint32_t>(tid);  // + 2048 g: float4 g
+  // The thread's bf16 pair (row r_lo + 8 hf, columns 8 j + c0, + 1) of a swizzled 64 x 64 tile:
+  // row r at r 128, 16-byte chunk j at (j ^ (r % 8)) 16; r_lo + 8 has r_lo's r % 8.
+  const std::uint32_t t_row = static_cast<std::uint32_t>(r_lo * 128 + c0 * 2);
+  const int r_sw = r_lo & 7;
+  const std::uint32_t half = static_cast<std::uint32_t>(wg) * 2 * kTileBytes<kDkdvBr, 64>;  // panels 2wg, 2wg + 1
+
+  float dk[64], dv[64];
+#pragma unroll
+  for (int e = 0; e < 64; ++e) dk[e] = dv[e] = 0.0f;
+  float acc[32];  // S^T (warpgroup 0) or dP^T (warpgroup 1)
+
+  mbar_wait(full_kv, 0);
+  static_assert((S & (S - 1)) == 0);
+  const int q_first = p.q_begin + qb_first * kDkdvBr, q_stop = p.q_begin + qb_count * kDkdvBr;
+  int q0 = q_first;
+  for (int t = 0; t < steps; ++t) {
+    const int st = t & (S - 1);
+    mbar_wait(full(st), static_cast<std::uint32_t>(t / S) & 1u);
+    fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
+    const std::uint32_t a_q = sbase + L::off_q + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>);
+    const std::uint32_t a_do = a_q + (L::off_do - L::off_q);
+    // LSE2 (warpgroup 0) or D (warpgroup 1) of the stage, column c0 of 8-column block 0 (block j:
+    // + 32 j bytes)
+    const std::uint32_t a_stat =
+        sbase + (wg == 0 ? L::off_lse2 : L::off_delta) + static_cast<std::uint32_t>(4 * (st * kDkdvBr + c0));
+
+    zero(acc);
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+    issue_nt_64x64<L::keys, kDkdvBr, HD>(acc, opaque(a_lhs), a_q + rhs_off);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(acc);
+
+    if (wg == 1) {
+      // x = dP^T - D_q, for warpgroup 0's dS^T.
+#pragma unroll
+      for (int g = 0; g < 8; ++g) {
+        const float2 dl = ld_shared_f2(a_stat + 32 * g);
+        st_shared_f4(a_x + 2048u * g,
+                     make_float4(acc[4 * g] - dl.x, acc[4 * g + 1] - dl.y, acc[4 * g + 2] - dl.x, acc[4 * g + 3] - dl.y));
+      }
+      consumers_arrive<1>();
+    } else {
+      // P^T = exp2(S^T scale log2e - LSE2_q); 0 where query < key (causal) or query >= q_end.
+      const bool edge = q0 < n0 + 63 || q0 + kDkdvBr > p.q_end;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 l2 = ld_shared_f2(a_stat + 32 * j);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = q0 + 8 * j + c0 + (e & 1);
+          const int key = key_lane + 8 * (e >> 1);
+          const float pe = exp2f(fmaf(acc[4 * j + e], p.scale_log2, -((e & 1) ? l2.y : l2.x)));
+          acc[4 * j + e] = (edge && (qi < key || qi >= p.q_end)) ? 0.0f : pe;
+        }
+      }
+      consumers_sync<1>();  // x written
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const std::uint32_t at = t_row + static_cast<std::uint32_t>(((j ^ r_sw) * 16));
+        const float4 x = ld_shared_f4(a_x + 2048u * j);
+        st_shared_u32(a_pt + at, pack_bf16(acc[4 * j], acc[4 * j + 1]));
+        st_shared_u32(a_pt + at + 8 * 128, pack_bf16(acc[4 * j + 2], acc[4 * j + 3]));
+        st_shared_u32(a_dst + at, pack_bf16(acc[4 * j] * x.x, acc[4 * j + 1] * x.y));
+        st_shared_u32(a_dst + at + 8 * 128, pack_bf16(acc[4 * j + 2] * x.z, acc[4 * j + 3] * x.w));
+      }
+      fence_proxy_async_shared();  // the tiles' generic writes before the wgmmas (async proxy) read them
+    }
+    consumers_sync<2>();  // P^T, dS^T complete
+
+    wgmma_fence_operands(dv);
+    wgmma_fence_operands(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDkdvBr / 16; ++ks)  // dV += P^T dO
+      wgmma_m64n128k16_f32_bf16_ss<Major::mn>(dv, sw128::kmajor_desc<L::keys>(a_pt, ks),
+                                              sw128::mnmajor_desc<kDkdvBr>(a_do + half, ks), 1);
+    wgmma_commit_group();
+#pragma unroll
+    for (int ks = 0; ks < kDkdvBr / 16; ++ks)  // dK += dS^T Q (scaled at the end)
+      wgmma_m64n128k16_f32_bf16_ss<Major::mn>(dk, sw128::kmajor_desc<L::keys>(a_dst, ks),
+                                              sw128::mnmajor_desc<kDkdvBr>(a_q + half, ks), 1);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dk);
+    wgmma_fence_operands(dv);
+    mbar_arrive(empty(st));  // every read of the stage (wgmmas retired, LSE2/D loaded) is done
+
+    q0 += kDkdvBr;
+    if (q0 == q_stop) q0 = q_first;
+  }
+
+  const std::int64_t col = static_cast<std::int64_t>(hk) * HD + 128 * wg;
+  store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale, p.accumulate_dkv);
+  store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, p.accumulate_dkv);
+}
+
 template <int HD>
 struct DqWsSmem {
   using T = BwdTiles<HD>;
@@ -606,11 +849,15 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
 // two stages of the streamed pair: 193 KiB. Per element the same roundings and the same order of
 // sums as the head-dim-128 kernels (and bit-identical run to run).
 
-/// The shared memory of either block kind, plus the 1 KiB that aligning it may take.
-template <int HD = kD>
-constexpr int kBackwardSmem =
-    (DkdvWsSmem<HD>::bytes > DqWsSmem<HD>::bytes ? DkdvWsSmem<HD>::bytes : DqWsSmem<HD>::bytes) + 1024;
-static_assert(kBackwardSmem<> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDynamicSmem);
+/// The shared memory of either block kind, plus the 1 KiB that aligning it may take (kSplit: the
+/// dK/dV blocks are dkdv_block_split's).
+template <int HD = kD, bool kSplit = false>
+constexpr int kBackwardSmem = ((kSplit ? DkdvSplitSmem::bytes : DkdvWsSmem<HD>::bytes) > DqWsSmem<HD>::bytes
+                                   ? (kSplit ? DkdvSplitSmem::bytes : DkdvWsSmem<HD>::bytes)
+                                   : DqWsSmem<HD>::bytes) +
+                              1024;
+static_assert(kBackwardSmem<> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDynamicSmem &&
+              kBackwardSmem<256, true> <= kMaxDynamicSmem);
 
 /// Passes 2 and 3 in one grid: blocks [0, dkdv_blocks) are dK/dV blocks, then dQ blocks. The two
 /// passes are independent (both read only the inputs and the preprocess's LSE2/D), so the dQ blocks
@@ -619,10 +866,11 @@ static_assert(kBackwardSmem<> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDy
 /// doing twice the mean work). Within each pass the blocks of one head come together (the key /
 /// query block index varies fastest, key block 0 and the last query block, the longest, first):
 /// the blocks running at one time share the head's Q/dO (dK/dV) or K/V (dQ) tiles in L2.
-/// HD: the head dim (BwdTiles<HD>).
-template <int HD = kD>
+/// HD: the head dim (BwdTiles<HD>); kSplit (HD 256 only): dK/dV blocks by dkdv_block_split.
+template <int HD = kD, bool kSplit = false>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel(const BackwardParams p, int kv_blocks,
                                                                                 int dkdv_blocks, int q_blocks) {
+  static_assert(!kSplit || HD == 256);
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
   // The swizzle pattern is taken from address bits 7-9: tiles start on 1024-byte boundaries.
@@ -630,7 +878,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
   const int i = static_cast<int>(blockIdx.x);
   if (i < dkdv_blocks) {
     const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;
-    dkdv_block<HD>(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
+    if constexpr (kSplit)
+      dkdv_block_split(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
+    else
+      dkdv_block<HD>(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
   } else {
     const int j = i - dkdv_blocks, rest = j / q_blocks;
     dq_block<HD>(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
@@ -644,8 +895,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
 #endif
 }
 
-/// attention_backward_wgmma; with kHeadDim 256, attention_backward_wgmma_d256.
-template <int kHeadDim = kD>
+/// attention_backward_wgmma; with kHeadDim 256, attention_backward_wgmma_d256 (kSplit:
+/// attention_backward_wgmma_d256_split).
+template <int kHeadDim = kD, bool kSplit = false>
 cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                      TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
                      TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv, bool accumulate_dkv, void* workspace,
@@ -670,8 +922,8 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;
   if (dkdv_blocks + dq_blocks > std::numeric_limits<int>::max())  // beyond any that fits
     return ::oom::kernels::detail::refuse("attention_backward: ", dkdv_blocks + dq_blocks, " blocks exceed 2^31 - 1");
-  auto* kernel = attention_backward_wgmma_kernel<kHeadDim>;
-  constexpr int kSmem = kBackwardSmem<kHeadDim>;
+  auto* kernel = attention_backward_wgmma_kernel<kHeadDim, kSplit>;
+  constexpr int kSmem = kBackwardSmem<kHeadDim, kSplit>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
       e != cudaSuccess)
     return e;
@@ -698,6 +950,15 @@ cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<c
                                           bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                           cudaStream_t stream) {
   return backward<256>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+}
+
+cudaError_t attention_backward_wgmma_d256_split(const AttentionProblem& p, TokenRows<const bf16> q,
+                                                TokenRows<const bf16> k, TokenRows<const bf16> v,
+                                                TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
+                                                TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                                bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
+                                                cudaStream_t stream) {
+  return backward<256, true>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 }  // namespace oom::kernels::hopper
