@@ -351,8 +351,8 @@ TEST_CASE("attention_backward_wgmma_d256 matches the reference and the mma.sync 
 }
 
 TEST_CASE("attention_backward_wgmma_d256_split matches the reference, the mma.sync backward and the d256 kernel's bits") {
-  // The d256 case's problems through the kernel whose dK/dV blocks split S^T and dP^T between the
-  // warpgroups and exchange P^T and dS^T through shared memory.
+  // The d256 case's problems through the kernel whose blocks split S^T and dP^T (S and dP) between
+  // the warpgroups and exchange P^T and dS^T (dS) through shared memory.
   std::uint64_t seed = 1700;
   for (const AttentionDims d : {AttentionDims{1, 1, 4, 2, 256}, AttentionDims{2, 17, 4, 2, 256},
                                 AttentionDims{1, 64, 2, 2, 256}, AttentionDims{2, 128, 4, 2, 256},
@@ -365,9 +365,9 @@ TEST_CASE("attention_backward_wgmma_d256_split matches the reference, the mma.sy
     check_range(AttentionDims{1, 1000, 4, 2, 256}, false, seed += 10, 333, 700, accumulate, kWgmmaD256Split);
     check_range(AttentionDims{2, 200, 4, 2, 256}, true, seed += 10, 130, 131, accumulate, kWgmmaD256Split);
   }
-  // The same bf16 P^T and dS^T (formed from the same fp32 values) into the same products in the
-  // same k order, read from shared memory instead of registers: the d256 kernel's bits are
-  // expected. dQ comes from the very same code.
+  // The same bf16 P^T, dS^T and dS (formed from the same fp32 values) into the same products in
+  // the same k order, read from shared memory instead of registers: the d256 kernel's bits are
+  // expected.
   for (const AttentionDims d : {AttentionDims{1, 1000, 4, 2, 256}, AttentionDims{2, 333, 16, 2, 256}}) {
     INFO("B=" << d.batch << " S=" << d.seq << " Hq=" << d.heads_q << " Hkv=" << d.heads_kv);
     const Problem pr(d, false, seed += 10);

@@ -835,6 +835,179 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
                  p.q_end, p.scale, false);
 }
 
+/// dQ of query rows [q_begin + 64 qb, + 64) of query head h, batch b at head_dim 256, the
+/// products split between the warpgroups as in dkdv_block_split: per key tile, warpgroup 0 forms
+/// S = Q K^T and warpgroup 1 dP = dO V^T (each once); warpgroup 1 writes x = dP - D_i (fp32, its
+/// fragment order) and arrives at named barrier 1; warpgroup 0 forms P (masked as dq_block's) and
+/// dS = P x, writes dS as bf16 into a 64 x 64 swizzled tile (rows = queries: a K-major A operand
+/// over the keys); after named barrier 2 both run dQ_w += dS K[:, 128 w ..] (4 k-steps of
+/// m64n128k16 SS, B = the K stage MN-major at panel 2w). 3 products a tile pair instead of 5.
+/// `smem` the kernel's DqSplitSmem. Not yet run on a GPU.
+struct DqSplitSmem {
+  static constexpr int HD = 256, S = 2, rows = 64, bc = 64;
+  static constexpr int off_q = 0;
+  static constexpr int off_do = off_q + kTileBytes<rows, HD>;
+  static constexpr int off_k = off_do + kTileBytes<rows, HD>;      // S tiles
+  static constexpr int off_v = off_k + S * kTileBytes<bc, HD>;     // S tiles
+  static constexpr int off_ds = off_v + S * kTileBytes<bc, HD>;    // dS, 64 x 64 bf16 swizzled
+  static constexpr int off_x = off_ds + kTileBytes<rows, 64>;      // dP - D: 128 threads x 32 fp32
+  static constexpr int off_bar = off_x + 128 * 32 * 4;             // full_qdo, full[], empty[]
+  static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
+};
+static_assert(DqSplitSmem::off_ds % 1024 == 0, "swizzled tile: 1 KiB aligned");
+
+__device__ __forceinline__ void dq_block_split(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
+  using L = DqSplitSmem;
+  constexpr int S = L::S, HD = L::HD;
+  const int hk = h / p.group;
+  const int q0 = p.q_begin + qb * L::rows;
+  const int q_last = min(q0 + L::rows, p.q_end) - 1;
+  const int n_kv = q_last / L::bc + 1;  // key tiles 0 .. the one holding q_last
+
+  const std::uint32_t bars = smem_addr(smem + L::off_bar);
+  const std::uint32_t full_qdo = bars;
+  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
+  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
+  if (threadIdx.x == 0) {
+    mbar_init(full_qdo, kWsProducerThreads);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), kWsProducerThreads);
+      mbar_init(empty(s), kWsConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last block-wide barrier
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  if (wg == 2) {  // the producer: dq_block's, with this layout
+    setmaxnreg_dec<kProducerRegs>();
+    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
+    load_rows_sw128_producer<L::rows, HD>(smem_addr(smem + L::off_q),
+                                          p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0,
+                                          p.q_end, tid);
+    load_rows_sw128_producer<L::rows, HD>(smem_addr(smem + L::off_do),
+                                          p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
+                                          p.q_end, tid);
+    cp_async_mbar_arrive(full_qdo);
+    const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD;
+    const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD;
+    int st = 0;
+    std::uint32_t phase = 0;
+    for (int t = 0; t < n_kv; ++t) {
+      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
+      load_rows_sw128_producer<L::bc, HD>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<L::bc, HD>),
+                                          k_g, p.k_token, t * L::bc, p.seq, tid);
+      load_rows_sw128_producer<L::bc, HD>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<L::bc, HD>),
+                                          v_g, p.v_token, t * L::bc, p.seq, tid);
+      cp_async_mbar_arrive(full(st));
+      if (++st == S) {
+        st = 0;
+        phase ^= 1u;
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    return;
+  }
+
+  // Consumers: both warpgroups take the block's 64 rows; warpgroup wg keeps dQ columns 128 wg ..
+  setmaxnreg_inc<kConsumerRegs>();
+  const int tid = static_cast<int>(threadIdx.x) % 128;
+  const int warp = tid / 32, lane = tid & 31;
+  const int c0 = 2 * (lane & 3);
+  const int r_lo = 16 * warp + (lane >> 2);  // this thread's fragment rows: r_lo, r_lo + 8
+  const int row_lane = q0 + r_lo;
+
+  // This thread's rows' statistic: LSE2 for warpgroup 0 (P), D for warpgroup 1 (dP - D); rows
+  // past q_end: LSE2 = +inf (P = 0), D = 0.
+  float stat[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = row_lane + 8 * hf;
+    const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (i - p.q_begin);
+    stat[hf] = wg == 0 ? (i < p.q_end ? p.lse2[w] : INFINITY) : (i < p.q_end ? p.delta[w] : 0.0f);
+  }
+
+  const std::uint32_t sbase = smem_addr(smem);
+  const std::uint32_t a_lhs = sbase + (wg == 0 ? L::off_q : L::off_do);  // S = Q K^T, dP = dO V^T
+  const std::uint32_t rhs_off = wg == 0 ? 0u : static_cast<std::uint32_t>(L::off_v - L::off_k);
+  const std::uint32_t a_ds = sbase + L::off_ds;
+  const std::uint32_t a_x = sbase + L::off_x + 16u * static_cast<std::uint32_t>(tid);  // + 2048 g: float4 g
+  const std::uint32_t t_row = static_cast<std::uint32_t>(r_lo * 128 + c0 * 2);
+  const int r_sw = r_lo & 7;
+  const std::uint32_t half = static_cast<std::uint32_t>(wg) * 2 * kTileBytes<L::bc, 64>;  // panels 2wg, 2wg + 1
+
+  float dq[64];
+#pragma unroll
+  for (int e = 0; e < 64; ++e) dq[e] = 0.0f;
+  float acc[32];  // S (warpgroup 0) or dP (warpgroup 1)
+
+  mbar_wait(full_qdo, 0);
+  int st = 0;
+  std::uint32_t phase = 0;
+  for (int j = 0; j < n_kv; ++j) {
+    mbar_wait(full(st), phase);
+    fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
+    const std::uint32_t a_k = sbase + L::off_k + static_cast<std::uint32_t>(st * kTileBytes<L::bc, HD>);
+    const int n0 = j * L::bc;
+
+    zero(acc);
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+    issue_nt_64x64<L::rows, L::bc, HD>(acc, opaque(a_lhs), a_k + rhs_off);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(acc);
+
+    if (wg == 1) {
+#pragma unroll
+      for (int g = 0; g < 8; ++g)
+        st_shared_f4(a_x + 2048u * g, make_float4(acc[4 * g] - stat[0], acc[4 * g + 1] - stat[0],
+                                                  acc[4 * g + 2] - stat[1], acc[4 * g + 3] - stat[1]));
+      consumers_arrive<1>();
+    } else {
+      const bool edge = n0 + L::bc - 1 > q0;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = row_lane + 8 * (e >> 1);
+          const int key = n0 + 8 * jj + c0 + (e & 1);
+          const float pe = exp2f(fmaf(acc[4 * jj + e], p.scale_log2, -stat[e >> 1]));
+          acc[4 * jj + e] = (edge && key > i) ? 0.0f : pe;
+        }
+      consumers_sync<1>();  // x written
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const std::uint32_t at = t_row + static_cast<std::uint32_t>(((jj ^ r_sw) * 16));
+        const float4 x = ld_shared_f4(a_x + 2048u * jj);
+        st_shared_u32(a_ds + at, pack_bf16(acc[4 * jj] * x.x, acc[4 * jj + 1] * x.y));
+        st_shared_u32(a_ds + at + 8 * 128, pack_bf16(acc[4 * jj + 2] * x.z, acc[4 * jj + 3] * x.w));
+      }
+      fence_proxy_async_shared();  // the tile's generic writes before the wgmmas (async proxy) read it
+    }
+    consumers_sync<2>();  // dS complete
+
+    wgmma_fence_operands(dq);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < L::bc / 16; ++ks)  // dQ += dS K
+      wgmma_m64n128k16_f32_bf16_ss<Major::mn>(dq, sw128::kmajor_desc<L::rows>(a_ds, ks),
+                                              sw128::mnmajor_desc<L::bc>(a_k + half, ks), 1);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dq);
+    mbar_arrive(empty(st));  // K, V of the stage read
+
+    if (++st == S) {
+      st = 0;
+      phase ^= 1u;
+    }
+  }
+
+  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * HD + 128 * wg, p.dq_token, q0, p.q_end,
+                 p.scale, false);
+}
+
 // ---- head_dim 256 (attention_backward_wgmma_d256) ----
 // The same passes and products (the blocks above with HD = 256), in the swizzled layout, with
 // 256-column tiles (four 64-column panels, load_rows_sw128_producer<ROWS, 256>). A warpgroup
@@ -850,12 +1023,14 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
 // sums as the head-dim-128 kernels (and bit-identical run to run).
 
 /// The shared memory of either block kind, plus the 1 KiB that aligning it may take (kSplit: the
-/// dK/dV blocks are dkdv_block_split's).
+/// blocks are dkdv_block_split's and dq_block_split's).
 template <int HD = kD, bool kSplit = false>
-constexpr int kBackwardSmem = ((kSplit ? DkdvSplitSmem::bytes : DkdvWsSmem<HD>::bytes) > DqWsSmem<HD>::bytes
-                                   ? (kSplit ? DkdvSplitSmem::bytes : DkdvWsSmem<HD>::bytes)
-                                   : DqWsSmem<HD>::bytes) +
-                              1024;
+constexpr int kDkdvSmem = kSplit ? DkdvSplitSmem::bytes : DkdvWsSmem<HD>::bytes;
+template <int HD = kD, bool kSplit = false>
+constexpr int kDqSmem = kSplit ? DqSplitSmem::bytes : DqWsSmem<HD>::bytes;
+template <int HD = kD, bool kSplit = false>
+constexpr int kBackwardSmem =
+    (kDkdvSmem<HD, kSplit> > kDqSmem<HD, kSplit> ? kDkdvSmem<HD, kSplit> : kDqSmem<HD, kSplit>) + 1024;
 static_assert(kBackwardSmem<> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDynamicSmem &&
               kBackwardSmem<256, true> <= kMaxDynamicSmem);
 
@@ -866,7 +1041,7 @@ static_assert(kBackwardSmem<> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDy
 /// doing twice the mean work). Within each pass the blocks of one head come together (the key /
 /// query block index varies fastest, key block 0 and the last query block, the longest, first):
 /// the blocks running at one time share the head's Q/dO (dK/dV) or K/V (dQ) tiles in L2.
-/// HD: the head dim (BwdTiles<HD>); kSplit (HD 256 only): dK/dV blocks by dkdv_block_split.
+/// HD: the head dim (BwdTiles<HD>); kSplit (HD 256 only): dkdv_block_split and dq_block_split.
 template <int HD = kD, bool kSplit = false>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel(const BackwardParams p, int kv_blocks,
                                                                                 int dkdv_blocks, int q_blocks) {
@@ -884,7 +1059,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
       dkdv_block<HD>(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
   } else {
     const int j = i - dkdv_blocks, rest = j / q_blocks;
-    dq_block<HD>(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
+    if constexpr (kSplit)
+      dq_block_split(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
+    else
+      dq_block<HD>(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
   }
 #else
   (void)p;

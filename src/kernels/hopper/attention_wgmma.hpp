@@ -77,8 +77,8 @@ cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<c
                                           bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                           cudaStream_t stream);
 
-/// attention_backward_wgmma_d256 with its dK/dV blocks' products split between the warpgroups
-/// (attention_backward_wgmma.cu, dkdv_block_split; docs/hopper.md, "Next: the head-dim-256 backward
+/// attention_backward_wgmma_d256 with its blocks' products split between the warpgroups
+/// (attention_backward_wgmma.cu, dkdv_block_split and dq_block_split; docs/hopper.md, "Next: the head-dim-256 backward
 /// without recomputed products"): the same arguments, results contract, workspace and error
 /// returns. Not routed by attention_backward: test_attention_backward_wgmma compares it with the
 /// reference and attention_backward_wgmma_d256 and times both.
