@@ -454,15 +454,15 @@ static_assert(DkdvSplitSmem::off_pt % 1024 == 0 && DkdvSplitSmem::off_dst % 1024
 static_assert(DkdvSplitSmem::bytes + 1024 <= kMaxDynamicSmem, "over the sm_90 shared memory per block");
 
 /// Named barrier `id` of the two consumer warpgroups (256 threads): wait for all, or only arrive.
-/// The arriving side fences its shared-memory writes first (membar.cta), so they are visible to
-/// the threads that pass the barrier's sync.
+/// An arrive synchronises with the syncs of the same barrier phase (PTX memory model; the ISA's
+/// producer/consumer example is st.shared, bar.arrive / bar.sync, ld.shared with no fence), so the
+/// arriving threads' shared-memory writes are visible to the syncing threads after it.
 template <int id>
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync %0, 256;\n" ::"n"(id) : "memory");
 }
 template <int id>
 __device__ __forceinline__ void consumers_arrive() {
-  __threadfence_block();
   asm volatile("bar.arrive %0, 256;\n" ::"n"(id) : "memory");
 }
 __device__ __forceinline__ void st_shared_f4(std::uint32_t addr, float4 v) {
