@@ -14,8 +14,9 @@
 // The same runs at head_dim 256 for attention_backward_wgmma_d256. Then the refusals (as
 // attention_backward's, plus another head_dim: NotSupported), the dispatch (attention_forward /
 // attention_backward give the wgmma kernels' bits at head_dim 128 and 256), and a timing report
-// (printed, not asserted) at S = 4096, 16384, 65536 against the mma.sync backward, with the
-// wgmma results there checked against mma.sync's and bit-identical on a second run.
+// (printed, not asserted) at S = 4096, 16384, 65536, head_dim 128 and 256, against the mma.sync
+// backward, with the wgmma results there checked against mma.sync's and bit-identical on a second
+// run.
 // Needs compute capability 9.0 (sm_90a code only): elsewhere it prints why and exits 77 (skipped).
 #include <doctest/doctest.h>
 
@@ -27,6 +28,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels/attention_paths.hpp"
@@ -70,9 +72,6 @@ constexpr BackwardFn kMma = &oom::kernels::attention_backward_mma_sync;
 constexpr BackwardFn kWgmma = &oom::kernels::hopper::attention_backward_wgmma;
 /// The head-dim-256 kernel (both warpgroups on the same rows, each on half the output columns).
 constexpr BackwardFn kWgmmaD256 = &oom::kernels::hopper::attention_backward_wgmma_d256;
-/// The same with each block's products split between the warpgroups (not routed yet): expected to
-/// give kWgmmaD256's bits (check_whole and check_range compare them when it is picked).
-constexpr BackwardFn kWgmmaD256Split = &oom::kernels::hopper::attention_backward_wgmma_d256_split;
 
 /// Raw bf16 rows of a strided (B, S, H, D) device tensor, contiguous on the host.
 std::vector<bf16> download_bits(TokenRows<bf16> src, const AttentionDims& d, int heads) {
@@ -130,30 +129,13 @@ void check_against_mma(const char* what, const std::vector<bf16>& wg, const std:
 }
 
 const char* name(BackwardFn fn) {
-  return fn == kMma ? "mma.sync" : fn == kWgmmaD256 ? "wgmma d256" : fn == kWgmmaD256Split ? "wgmma d256 split" : "wgmma";
+  return fn == kMma ? "mma.sync" : fn == kWgmmaD256 ? "wgmma d256" : "wgmma";
 }
-/// The wgmma kernel a check runs: `pick` if given, else the one of the head dim.
-BackwardFn wgmma_for(const AttentionDims& d, BackwardFn pick) {
-  return pick != nullptr ? pick : d.head_dim == 256 ? kWgmmaD256 : kWgmma;
-}
+/// The wgmma kernel of the head dim.
+BackwardFn wgmma_for(const AttentionDims& d) { return d.head_dim == 256 ? kWgmmaD256 : kWgmma; }
 
-/// With the split kernel picked, its gradients against the d256 kernel's bits on the same calls
-/// (the same bf16 operands into the same products in the same order, A read from shared memory
-/// instead of registers; should that ever differ in the hardware's accumulation, the bounds
-/// checks still hold the kernel to the reference).
-template <class Run>
-void check_same_bits_as_d256(BackwardFn pick, const Grads& split, Run&& run_d256) {
-  if (pick != kWgmmaD256Split) return;
-  const Grads ref = run_d256();
-  CHECK_MESSAGE(bits_equal(split.dq, ref.dq), "split dQ differs from the d256 kernel's");
-  CHECK_MESSAGE(bits_equal(split.dk, ref.dk), "split dK differs from the d256 kernel's");
-  CHECK_MESSAGE(bits_equal(split.dv, ref.dv), "split dV differs from the d256 kernel's");
-}
-
-/// Whole sequences, in query chunks run last to first (chunk_starts = {0} is one call); `pick`:
-/// the wgmma kernel, if not the head dim's.
-void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const std::vector<int>& chunk_starts = {0},
-                 BackwardFn pick = nullptr) {
+/// Whole sequences, in query chunks run last to first (chunk_starts = {0} is one call).
+void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const std::vector<int>& chunk_starts = {0}) {
   require_sm90();
   INFO("B=" << d.batch << " S=" << d.seq << " Hq=" << d.heads_q << " Hkv=" << d.heads_kv
             << (packed ? " packed" : " separate") << " chunks=" << chunk_starts.size());
@@ -166,7 +148,7 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
     }
     return pr.download_grads(grad);
   };
-  const BackwardFn wgmma = wgmma_for(d, pick);
+  const BackwardFn wgmma = wgmma_for(d);
   const Grads mma = run(kMma), wg = run(wgmma);
   // dK/dV of chunked runs are rounded to bf16 after each chunk: one more u mag per chunk.
   const double chunks = static_cast<double>(chunk_starts.size());
@@ -193,13 +175,11 @@ void check_whole(const AttentionDims& d, bool packed, std::uint64_t seed, const 
   CHECK_MESSAGE(bits_equal(again.dq, wg.dq), "wgmma dQ differs between two runs");
   CHECK_MESSAGE(bits_equal(again.dk, wg.dk), "wgmma dK differs between two runs");
   CHECK_MESSAGE(bits_equal(again.dv, wg.dv), "wgmma dV differs between two runs");
-  check_same_bits_as_d256(pick, wg, [&] { return run(kWgmmaD256); });
 }
 
 /// One query sub-range [q_begin, q_end) alone, accumulate_dkv false (dQ/dK/dV poisoned) or true
-/// (dK/dV pre-filled with random bf16 values, dQ poisoned); `pick` as in check_whole.
-void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_begin, int q_end, bool accumulate,
-                 BackwardFn pick = nullptr) {
+/// (dK/dV pre-filled with random bf16 values, dQ poisoned).
+void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_begin, int q_end, bool accumulate) {
   require_sm90();
   INFO("B=" << d.batch << " S=" << d.seq << " Hq=" << d.heads_q << " Hkv=" << d.heads_kv
             << (packed ? " packed" : " separate") << " rows [" << q_begin << ", " << q_end << ")"
@@ -216,7 +196,7 @@ void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_
     pr.backward(fn, pr.problem(q_begin, q_end), grad, accumulate);
     return pr.download_grads(grad);
   };
-  const BackwardFn wgmma = wgmma_for(d, pick);
+  const BackwardFn wgmma = wgmma_for(d);
   const Grads mma = run(kMma);
   {
     const Grads wg = run(wgmma);
@@ -277,7 +257,6 @@ void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_
     CHECK_MESSAGE(bits_equal(again.dq, wg.dq), "wgmma dQ differs between two runs");
     CHECK_MESSAGE(bits_equal(again.dk, wg.dk), "wgmma dK differs between two runs");
     CHECK_MESSAGE(bits_equal(again.dv, wg.dv), "wgmma dV differs between two runs");
-    check_same_bits_as_d256(pick, wg, [&] { return run(kWgmmaD256); });
   }
 }
 
@@ -355,7 +334,8 @@ TEST_CASE("attention_backward_wgmma_d256 matches the reference and the mma.sync 
   for (const AttentionDims d : {AttentionDims{1, 1, 4, 2, 256}, AttentionDims{2, 17, 4, 2, 256},
                                 AttentionDims{1, 64, 2, 2, 256}, AttentionDims{2, 128, 4, 2, 256},
                                 AttentionDims{1, 1000, 4, 2, 256}, AttentionDims{1, 2051, 2, 2, 256},
-                                AttentionDims{1, 700, 16, 2, 256}})  // the hybrid models' 16 / 2 heads
+                                AttentionDims{1, 700, 16, 2, 256},  // the hybrid models' 16 / 2 heads
+                                AttentionDims{2, 333, 16, 2, 256}})
     check_whole(d, d.seq % 2 == 0, seed += 10);
   check_whole(AttentionDims{1, 1000, 4, 2, 256}, true, 1600, {0, 333, 600});
   check_whole(AttentionDims{1, 300, 4, 2, 256}, false, 1610, {0, 63, 65, 190});
@@ -363,70 +343,6 @@ TEST_CASE("attention_backward_wgmma_d256 matches the reference and the mma.sync 
     check_range(AttentionDims{1, 1000, 4, 2, 256}, false, seed += 10, 333, 700, accumulate);
     check_range(AttentionDims{2, 200, 4, 2, 256}, true, seed += 10, 130, 131, accumulate);
     check_range(AttentionDims{1, 700, 2, 2, 256}, true, seed += 10, 64, 600, accumulate);
-  }
-}
-
-TEST_CASE("attention_backward_wgmma_d256_split matches the reference, the mma.sync backward and the d256 kernel's bits") {
-  // The d256 case's problems through the kernel whose blocks split S^T and dP^T (S and dP) between
-  // the warpgroups and exchange P^T and dS^T (dS) through shared memory.
-  std::uint64_t seed = 1700;
-  for (const AttentionDims d : {AttentionDims{1, 1, 4, 2, 256}, AttentionDims{2, 17, 4, 2, 256},
-                                AttentionDims{1, 64, 2, 2, 256}, AttentionDims{2, 128, 4, 2, 256},
-                                AttentionDims{1, 1000, 4, 2, 256}, AttentionDims{1, 2051, 2, 2, 256},
-                                AttentionDims{1, 700, 16, 2, 256}})
-    check_whole(d, d.seq % 2 == 0, seed += 10, {0}, kWgmmaD256Split);
-  check_whole(AttentionDims{1, 1000, 4, 2, 256}, true, 1800, {0, 333, 600}, kWgmmaD256Split);
-  check_whole(AttentionDims{1, 300, 4, 2, 256}, false, 1810, {0, 63, 65, 190}, kWgmmaD256Split);
-  for (const bool accumulate : {false, true}) {
-    check_range(AttentionDims{1, 1000, 4, 2, 256}, false, seed += 10, 333, 700, accumulate, kWgmmaD256Split);
-    check_range(AttentionDims{2, 200, 4, 2, 256}, true, seed += 10, 130, 131, accumulate, kWgmmaD256Split);
-  }
-  // (check_whole and check_range also compare every run with the d256 kernel's bits.)
-  check_whole(AttentionDims{2, 333, 16, 2, 256}, false, seed += 10, {0}, kWgmmaD256Split);
-}
-
-TEST_CASE("attention_backward_wgmma_d256_split vs attention_backward_wgmma_d256: timing at S = 4096, 16384, 65536") {
-  // Printed, not asserted; FLOPs as the D = 128 timing case counts them. B = 1, Hq/Hkv = 16/4.
-  require_sm90();
-  const int hq = 16, hkv = 4, hd = 256;
-  for (const int s : {4096, 16384, 65536}) {
-    const AttentionDims d{1, s, hq, hkv, hd};
-    const std::size_t nq = static_cast<std::size_t>(s) * hq * hd, nkv = static_cast<std::size_t>(s) * hkv * hd;
-    DeviceQkv in(d, false), grad_d256(d, false), grad_split(d, false);
-    upload(in.q, hashed_bf16(nq, 1), d, hq);
-    upload(in.k, hashed_bf16(nkv, 2), d, hkv);
-    upload(in.v, hashed_bf16(nkv, 3), d, hkv);
-    DeviceBuffer<bf16> o_buf(nq), do_buf(hashed_bf16(nq, 4));
-    DeviceBuffer<float> lse(static_cast<std::size_t>(hq) * s);
-    const std::int64_t q_row = std::int64_t{hq} * hd;
-    const TokenRows<bf16> o{o_buf.get(), s * q_row, q_row};
-    const TokenRows<const bf16> dor{do_buf.get(), s * q_row, q_row};
-    const AttentionProblem p{.batch = 1, .seq = s, .heads_q = hq, .heads_kv = hkv, .head_dim = hd,
-                             .softmax_scale = 1.0f / std::sqrt(static_cast<float>(hd))};
-    OOM_CUDA_CHECK(oom::kernels::attention_forward(p, as_const(in.q), as_const(in.k), as_const(in.v), o, lse.get(),
-                                                   nullptr));
-    DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p));
-    oom::test::Stream stream;
-    const auto launcher = [&](BackwardFn fn, DeviceQkv& grad) {
-      return [&, fn](cudaStream_t st) {
-        OOM_CUDA_CHECK(fn(p, as_const(in.q), as_const(in.k), as_const(in.v), as_const(o), dor, lse.get(), grad.q,
-                          grad.k, grad.v, false, ws.get(), ws.bytes(), st));
-      };
-    };
-    const int repeats = s >= 65536 ? 3 : 10;
-    const double ms_d256 = oom::test::time_ms(launcher(kWgmmaD256, grad_d256), stream.s, repeats);
-    const double ms_split = oom::test::time_ms(launcher(kWgmmaD256Split, grad_split), stream.s, repeats);
-    const double flops = 2.5 * 2.0 * static_cast<double>(s) * s * hq * hd;
-    std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=256 causal backward: d256 %.3f ms = %.0f TFLOP/s | split %.3f ms = %.0f "
-                "TFLOP/s (%.2fx)\n",
-                s, hq, hkv, ms_d256, flops / ms_d256 / 1e9, ms_split, flops / ms_split / 1e9, ms_d256 / ms_split);
-    std::fflush(stdout);
-    CHECK_MESSAGE(bits_equal(download_bits(grad_d256.q, d, hq), download_bits(grad_split.q, d, hq)),
-                  "split dQ differs from the d256 kernel's at S=" << s);
-    CHECK_MESSAGE(bits_equal(download_bits(grad_d256.k, d, hkv), download_bits(grad_split.k, d, hkv)),
-                  "split dK differs from the d256 kernel's at S=" << s);
-    CHECK_MESSAGE(bits_equal(download_bits(grad_d256.v, d, hkv), download_bits(grad_split.v, d, hkv)),
-                  "split dV differs from the d256 kernel's at S=" << s);
   }
 }
 
@@ -563,25 +479,27 @@ TEST_CASE("on compute capability 9.0 attention_forward/backward run the wgmma ke
   }
 }
 
-TEST_CASE("attention_backward_wgmma vs mma.sync: timing at S = 4096, 16384, 65536 (B = 1, Hq/Hkv = 16/4)") {
+TEST_CASE("attention_backward_wgmma (D = 128) and _d256 vs mma.sync: timing at S = 4096, 16384, 65536 (B = 1, Hq/Hkv = 16/4)") {
   // Printed, not asserted. Backward FLOPs counted as 2.5x the causal forward's 2 S^2 Hq D (as
   // test_attention's 1M case): five S x S products of 2 D FLOP per entry over half the square.
   require_sm90();
   const int hq = 16, hkv = 4;
-  for (const int s : {4096, 16384, 65536}) {
-    const AttentionDims d{1, s, hq, hkv, kD};
-    const std::size_t nq = static_cast<std::size_t>(s) * hq * kD, nkv = static_cast<std::size_t>(s) * hkv * kD;
+  for (const auto& [hd, s] : {std::pair{128, 4096}, std::pair{128, 16384}, std::pair{128, 65536}, std::pair{256, 4096},
+                              std::pair{256, 16384}, std::pair{256, 65536}}) {
+    const AttentionDims d{1, s, hq, hkv, hd};
+    const BackwardFn wgmma = wgmma_for(d);
+    const std::size_t nq = static_cast<std::size_t>(s) * hq * hd, nkv = static_cast<std::size_t>(s) * hkv * hd;
     DeviceQkv in(d, false), grad_mma(d, false), grad_wg(d, false), grad_again(d, false);
     upload(in.q, hashed_bf16(nq, 1), d, hq);
     upload(in.k, hashed_bf16(nkv, 2), d, hkv);
     upload(in.v, hashed_bf16(nkv, 3), d, hkv);
     DeviceBuffer<bf16> o_buf(nq), do_buf(hashed_bf16(nq, 4));
     DeviceBuffer<float> lse(static_cast<std::size_t>(hq) * s);
-    const std::int64_t q_row = std::int64_t{hq} * kD;
+    const std::int64_t q_row = std::int64_t{hq} * hd;
     const TokenRows<bf16> o{o_buf.get(), s * q_row, q_row};
     const TokenRows<const bf16> dor{do_buf.get(), s * q_row, q_row};
-    const AttentionProblem p{.batch = 1, .seq = s, .heads_q = hq, .heads_kv = hkv, .head_dim = kD,
-                             .softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD))};
+    const AttentionProblem p{.batch = 1, .seq = s, .heads_q = hq, .heads_kv = hkv, .head_dim = hd,
+                             .softmax_scale = 1.0f / std::sqrt(static_cast<float>(hd))};
     OOM_CUDA_CHECK(oom::kernels::attention_forward(p, as_const(in.q), as_const(in.k), as_const(in.v), o, lse.get(),
                                                    nullptr));
     DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p));
@@ -594,15 +512,15 @@ TEST_CASE("attention_backward_wgmma vs mma.sync: timing at S = 4096, 16384, 6553
     };
     const int repeats = s >= 65536 ? 3 : 10;
     const double ms_mma = oom::test::time_ms(launcher(kMma, grad_mma), stream.s, repeats);
-    const double ms_wg = oom::test::time_ms(launcher(kWgmma, grad_wg), stream.s, repeats);
-    const double flops = 2.5 * 2.0 * static_cast<double>(s) * s * hq * kD;
-    std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=128 causal backward: mma.sync %.3f ms = %.0f TFLOP/s | wgmma %.3f ms = %.0f "
+    const double ms_wg = oom::test::time_ms(launcher(wgmma, grad_wg), stream.s, repeats);
+    const double flops = 2.5 * 2.0 * static_cast<double>(s) * s * hq * hd;
+    std::printf("S=%5d B=1 Hq/Hkv=%d/%d D=%d causal backward: mma.sync %.3f ms = %.0f TFLOP/s | %s %.3f ms = %.0f "
                 "TFLOP/s (%.2fx)\n",
-                s, hq, hkv, ms_mma, flops / ms_mma / 1e9, ms_wg, flops / ms_wg / 1e9, ms_mma / ms_wg);
+                s, hq, hkv, hd, ms_mma, flops / ms_mma / 1e9, name(wgmma), ms_wg, flops / ms_wg / 1e9, ms_mma / ms_wg);
     std::fflush(stdout);
     // No atomics: one more run, into fresh (poisoned) buffers, gives the timed runs' bits at sizes
     // the other cases do not reach.
-    launcher(kWgmma, grad_again)(stream.s);  // (download_bits synchronises)
+    launcher(wgmma, grad_again)(stream.s);  // (download_bits synchronises)
     CHECK_MESSAGE(bits_equal(download_bits(grad_wg.q, d, hq), download_bits(grad_again.q, d, hq)),
                   "wgmma dQ differs between two runs at S=" << s);
     CHECK_MESSAGE(bits_equal(download_bits(grad_wg.k, d, hkv), download_bits(grad_again.k, d, hkv)),

@@ -179,72 +179,36 @@ __device__ __forceinline__ std::uint32_t opaque(std::uint32_t x) {
   return y;
 }
 
-/// The tiles of one head dim's blocks (the section "head_dim 256" below says why they differ).
-///   dkdv_keys: keys per dK/dV block; dq_rows, dq_bc: query rows per dQ block, keys per dQ tile;
-///   shared_rows: false: warpgroup w takes rows 64 w .. of the block and all 128 output columns;
-///                true:  both warpgroups take the block's 64 rows, warpgroup w output columns
-///                       128 w .. 128 w + 127 (its RS products read the B tile's panels 2w, 2w + 1).
-template <int HD>
-struct BwdTiles;
-template <>
-struct BwdTiles<128> {
-  static constexpr int dkdv_keys = 128, dq_rows = 128, dq_bc = 64, dkdv_stages = 4, dq_stages = 4;
-  static constexpr bool shared_rows = false;
-};
-template <>
-struct BwdTiles<256> {
-  static constexpr int dkdv_keys = 64, dq_rows = 64, dq_bc = 64, dkdv_stages = 2, dq_stages = 2;
-  static constexpr bool shared_rows = true;
-};
+/// The head-dim-128 blocks' tiles: keys per dK/dV block, query rows per dQ block, keys per dQ
+/// tile, and the stages of the streamed pairs.
+constexpr int kDkdvKeys = 128, kDqRows = 128, kDqBc = 64, kStages = 4;
 
 /// A tile of R rows x HD columns, bf16.
 template <int R, int HD>
 constexpr int kTileBytes = R * HD * 2;
 
-template <int HD>
-struct DkdvWsSmem {
-  using T = BwdTiles<HD>;
-  static constexpr int S = T::dkdv_stages;  // (Q, dO, LSE2, D) stages
+struct DkdvSmem {
+  static constexpr int S = kStages;  // (Q, dO, LSE2, D) stages
   static constexpr int off_k = 0;
-  static constexpr int off_v = off_k + kTileBytes<T::dkdv_keys, HD>;
-  static constexpr int off_q = off_v + kTileBytes<T::dkdv_keys, HD>;       // S tiles
-  static constexpr int off_do = off_q + S * kTileBytes<kDkdvBr, HD>;       // S tiles
-  static constexpr int off_lse2 = off_do + S * kTileBytes<kDkdvBr, HD>;    // S x 64 fp32
-  static constexpr int off_delta = off_lse2 + S * kDkdvBr * 4;              // S x 64 fp32
-  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;               // full_kv, full[], empty[]
+  static constexpr int off_v = off_k + kTileBytes<kDkdvKeys, kD>;
+  static constexpr int off_q = off_v + kTileBytes<kDkdvKeys, kD>;        // S tiles
+  static constexpr int off_do = off_q + S * kTileBytes<kDkdvBr, kD>;     // S tiles
+  static constexpr int off_lse2 = off_do + S * kTileBytes<kDkdvBr, kD>;  // S x 64 fp32
+  static constexpr int off_delta = off_lse2 + S * kDkdvBr * 4;            // S x 64 fp32
+  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;             // full_kv, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
-static_assert(DkdvWsSmem<128>::off_bar == 194 * 1024 && DkdvWsSmem<128>::bytes <= kMaxDynamicSmem);
-static_assert(DkdvWsSmem<256>::off_bar == 193 * 1024);
+static_assert(DkdvSmem::off_bar == 194 * 1024 && DkdvSmem::bytes <= kMaxDynamicSmem);
 
-/// The warpgroup's keys (dK/dV) or query rows (dQ) start at this row of the block, and its output
-/// columns at this column of the head.
-template <int HD>
-__device__ __forceinline__ int wg_row(int wg) {
-  return BwdTiles<HD>::shared_rows ? 0 : 64 * wg;
-}
-template <int HD>
-__device__ __forceinline__ int wg_col(int wg) {
-  return BwdTiles<HD>::shared_rows ? 128 * wg : 0;
-}
-/// Where those columns start in a swizzled 64-row B tile (64-column panels of 64 x 128 bytes): the
-/// offset of the warpgroup's RS products' B operand.
-template <int HD>
-__device__ __forceinline__ std::uint32_t wg_col_bytes(int wg) {
-  return static_cast<std::uint32_t>(wg_col<HD>(wg)) / 64 * (64 * 128);
-}
-
-/// dK, dV of keys [K nb, K nb + K) of KV head hk, batch b (pass 2; K = BwdTiles<HD>::dkdv_keys):
-/// one block of the fused kernel below, `smem` its DkdvWsSmem<HD>. `p` by value, as a kernel
+/// dK, dV of keys [128 nb, 128 nb + 128) of KV head hk, batch b at head_dim 128 (pass 2): one
+/// block of the fused kernel below, `smem` its DkdvSmem. `p` by value, as a kernel
 /// parameter: taken by reference (its address escapes), the causal/q_end masking of P^T compiled
 /// to a branch per element instead of selects, and the kernel ran 0.87-0.92x at S = 16K-64K on
 /// the H200.
-template <int HD>
 __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
-  using L = DkdvWsSmem<HD>;
-  using T = BwdTiles<HD>;
-  constexpr int S = L::S;
-  const int n0 = nb * T::dkdv_keys;
+  using L = DkdvSmem;
+  constexpr int S = L::S, HD = kD;
+  const int n0 = nb * kDkdvKeys;
   const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
   const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
   const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
@@ -270,12 +234,12 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_sw128_producer<T::dkdv_keys, HD>(smem_addr(smem + L::off_k),
-                                               p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token,
-                                               n0, p.seq, tid);
-    load_rows_sw128_producer<T::dkdv_keys, HD>(smem_addr(smem + L::off_v),
-                                               p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token,
-                                               n0, p.seq, tid);
+    load_rows_sw128_producer<kDkdvKeys, HD>(smem_addr(smem + L::off_k),
+                                            p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0,
+                                            p.seq, tid);
+    load_rows_sw128_producer<kDkdvKeys, HD>(smem_addr(smem + L::off_v),
+                                            p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token, n0,
+                                            p.seq, tid);
     cp_async_mbar_arrive(full_kv);
     int h = hk * p.group, qb = qb_first, st = 0;
     std::uint32_t phase = 0;
@@ -310,19 +274,17 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     return;
   }
 
-  // Consumers: warpgroup wg owns keys key_wg .. key_wg + 63 (its own 64, or with shared_rows the
-  // block's) and output columns wg_col .. wg_col + 127.
+  // Consumers: warpgroup wg owns keys key_wg .. key_wg + 63 and all 128 output columns.
   setmaxnreg_inc<kConsumerRegs>();
   const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
   const int c0 = 2 * (lane & 3);                          // fragment column offset in an 8-column block
-  const int key_wg = n0 + wg_row<HD>(wg);                 // the warpgroup's first key
+  const int key_wg = n0 + 64 * wg;                        // the warpgroup's first key
   const int key_lane = key_wg + 16 * warp + (lane >> 2);  // this thread's keys: key_lane, key_lane + 8
   // Every shared address as one 32-bit base plus constants (LSE2, D read with ld.shared from it):
   // no 64-bit generic pointers live across the loop.
   const std::uint32_t sbase = smem_addr(smem);
-  const std::uint32_t a_k = sbase + L::off_k + (T::shared_rows ? 0u : wg * kWgRowsOffset);
+  const std::uint32_t a_k = sbase + L::off_k + wg * kWgRowsOffset;
   const std::uint32_t a_v = a_k + (L::off_v - L::off_k);
-  const std::uint32_t half = wg_col_bytes<HD>(wg);
 
   float dk[64], dv[64];
 #pragma unroll
@@ -357,9 +319,9 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     // K, V addresses made opaque per step, so the compiler does not hoist their 16 descriptors
     // out of the loop (16 registers held across it: spills at 240).
     const std::uint32_t a_kw = opaque(a_k), a_vw = opaque(a_v);
-    issue_nt_64x64<T::dkdv_keys, kDkdvBr, HD>(s, a_kw, a_q);  // S^T = K_w Q^T
+    issue_nt_64x64<kDkdvKeys, kDkdvBr>(s, a_kw, a_q);  // S^T = K_w Q^T
     wgmma_commit_group();
-    issue_nt_64x64<T::dkdv_keys, kDkdvBr, HD>(dp, a_vw, a_do);  // dP^T = V_w dO^T
+    issue_nt_64x64<kDkdvKeys, kDkdvBr>(dp, a_vw, a_do);  // dP^T = V_w dO^T
     wgmma_commit_group();
     wgmma_wait_group<1>();  // S^T done
     wgmma_fence_operands(s);
@@ -381,7 +343,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     fence_fragments(pa);
     wgmma_fence_operands(dv);
     wgmma_fence();
-    issue_rs_64x128(dv, pa, a_do + half);  // dV += P^T dO
+    issue_rs_64x128(dv, pa, a_do);  // dV += P^T dO
     wgmma_commit_group();
 
     wgmma_wait_group<1>();  // dP^T done; dV may still run
@@ -399,7 +361,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     fence_fragments(da);
     wgmma_fence_operands(dk);
     wgmma_fence();
-    issue_rs_64x128(dk, da, a_q + half);  // dK += dS^T Q (scaled at the end)
+    issue_rs_64x128(dk, da, a_q);  // dK += dS^T Q (scaled at the end)
     wgmma_commit_group();
     wgmma_wait_group<0>();
     wgmma_fence_operands(dk);
@@ -412,15 +374,26 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     if (q0 == q_stop) q0 = q_first;
   }
 
-  const std::int64_t col = static_cast<std::int64_t>(hk) * HD + wg_col<HD>(wg);
+  const std::int64_t col = static_cast<std::int64_t>(hk) * HD;
   store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, p.accumulate_dkv);
   store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, p.accumulate_dkv);
 }
 
-// ---- head_dim 256, the dK/dV products split between the warpgroups (docs/hopper.md, "Next: the
+// ---- head_dim 256 (attention_backward_wgmma_d256; docs/hopper.md, "Head dim 256" and "The
 // head-dim-256 backward without recomputed products") ----
-// A block of 64 keys, as dkdv_block<256>, but warpgroup 0 forms S^T = K Q^T and warpgroup 1
-// dP^T = V dO^T (each once, 16 k-steps of m64n64k16 SS over d) instead of both forming both.
+// The same three passes, the same roundings, in the same swizzled layout with 256-column tiles
+// (four 64-column panels, load_rows_sw128_producer<ROWS, 256>). A warpgroup cannot hold 64 rows x
+// 256 of two fp32 outputs (dK and dV: 256 registers), so both warpgroups of a block take the same
+// 64 keys (dK/dV) or 64 query rows (dQ), and warpgroup w keeps only the 128 output columns 128 w ..
+// 128 w + 127. The products over d that both would need (S^T and dP^T; S and dP) are split
+// between them instead of done twice: warpgroup 0 forms S^T (S), warpgroup 1 dP^T (dP), each over
+// all 256 columns (16 k-steps of m64n64k16 SS), and the elementwise results meet in shared memory.
+// 7 products of a tile pair's size (the head-dim-128 kernels' count) where forming both in each
+// warpgroup took 11; that kernel, run on the H200 in the twenty-second session, gave the same bits
+// on every test problem and ran 0.83-0.90x this one.
+//
+// dK/dV block = 64 keys of one (KV head, batch); K, V loaded once; (Q, dO, LSE2, D) tiles of 64
+// queries stream through two stages, as in dkdv_block.
 // Per step:
 //   warpgroup 1: dP^T; x = dP^T - D_q (fp32) into shared memory, in its fragment order (thread t's
 //     elements 4g .. 4g + 3 as one float4 at x + 16 (128 g + t): conflict-free); arrive at named
@@ -435,7 +408,8 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
 // The exchange buffers are single: warpgroup 0 rewrites the tiles of step t + 1 only after barrier
 // 1 of that step, which warpgroup 1 reaches after retiring its step-t products (wait_group 0), and
 // warpgroup 1 rewrites x only after barrier 2 of step t, which warpgroup 0 reaches after reading x.
-// Not yet run on a GPU.
+// Shared memory: K, V 2 x 32 KiB, 2 x (Q, dO) 2 x 32 KiB, P^T, dS^T 2 x 8 KiB, x 16 KiB, LSE2/D
+// 1 KiB: 225 KiB and the barriers. ptxas: 168 registers at launch, 8 bytes of spills.
 struct DkdvSplitSmem {
   static constexpr int HD = 256, S = 2, keys = 64;
   static constexpr int off_k = 0;
@@ -660,31 +634,26 @@ __device__ __forceinline__ void dkdv_block_split(const BackwardParams p, unsigne
   store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, p.accumulate_dkv);
 }
 
-template <int HD>
-struct DqWsSmem {
-  using T = BwdTiles<HD>;
-  static constexpr int S = T::dq_stages;  // (K, V) stages
+struct DqSmem {
+  static constexpr int S = kStages;  // (K, V) stages
   static constexpr int off_q = 0;
-  static constexpr int off_do = off_q + kTileBytes<T::dq_rows, HD>;
-  static constexpr int off_k = off_do + kTileBytes<T::dq_rows, HD>;       // S tiles
-  static constexpr int off_v = off_k + S * kTileBytes<T::dq_bc, HD>;      // S tiles
-  static constexpr int off_bar = off_v + S * kTileBytes<T::dq_bc, HD>;    // full_qdo, full[], empty[]
+  static constexpr int off_do = off_q + kTileBytes<kDqRows, kD>;
+  static constexpr int off_k = off_do + kTileBytes<kDqRows, kD>;     // S tiles
+  static constexpr int off_v = off_k + S * kTileBytes<kDqBc, kD>;    // S tiles
+  static constexpr int off_bar = off_v + S * kTileBytes<kDqBc, kD>;  // full_qdo, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
-static_assert(DqWsSmem<128>::off_bar == 192 * 1024 && DqWsSmem<128>::bytes <= kMaxDynamicSmem);
-static_assert(DqWsSmem<256>::off_bar == 192 * 1024);
+static_assert(DqSmem::off_bar == 192 * 1024 && DqSmem::bytes <= kMaxDynamicSmem);
 
-/// dQ of query rows [q_begin + R qb, + R) of query head h, batch b (pass 3; R =
-/// BwdTiles<HD>::dq_rows): one block of the fused kernel below, `smem` its DqWsSmem<HD>.
-template <int HD>
+/// dQ of query rows [q_begin + 128 qb, + 128) of query head h, batch b at head_dim 128 (pass 3):
+/// one block of the fused kernel below, `smem` its DqSmem.
 __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
-  using L = DqWsSmem<HD>;
-  using T = BwdTiles<HD>;
-  constexpr int S = L::S;
+  using L = DqSmem;
+  constexpr int S = L::S, HD = kD;
   const int hk = h / p.group;
-  const int q0 = p.q_begin + qb * T::dq_rows;
-  const int q_last = min(q0 + T::dq_rows, p.q_end) - 1;
-  const int n_kv = q_last / T::dq_bc + 1;  // key tiles 0 .. the one holding q_last
+  const int q0 = p.q_begin + qb * kDqRows;
+  const int q_last = min(q0 + kDqRows, p.q_end) - 1;
+  const int n_kv = q_last / kDqBc + 1;  // key tiles 0 .. the one holding q_last
 
   // Key tile t in stage t % S, its (t / S)-th use (as in the dK/dV kernel).
   const std::uint32_t bars = smem_addr(smem + L::off_bar);
@@ -705,12 +674,12 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_sw128_producer<T::dq_rows, HD>(smem_addr(smem + L::off_q),
-                                             p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0,
-                                             p.q_end, tid);
-    load_rows_sw128_producer<T::dq_rows, HD>(smem_addr(smem + L::off_do),
-                                             p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token,
-                                             q0, p.q_end, tid);
+    load_rows_sw128_producer<kDqRows, HD>(smem_addr(smem + L::off_q),
+                                          p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0,
+                                          p.q_end, tid);
+    load_rows_sw128_producer<kDqRows, HD>(smem_addr(smem + L::off_do),
+                                          p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
+                                          p.q_end, tid);
     cp_async_mbar_arrive(full_qdo);
     const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD;
     const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD;
@@ -718,12 +687,12 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     std::uint32_t phase = 0;
     for (int t = 0; t < n_kv; ++t) {
       if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      load_rows_sw128_producer<T::dq_bc, HD>(
-          smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>), k_g, p.k_token,
-          t * T::dq_bc, p.seq, tid);
-      load_rows_sw128_producer<T::dq_bc, HD>(
-          smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>), v_g, p.v_token,
-          t * T::dq_bc, p.seq, tid);
+      load_rows_sw128_producer<kDqBc, HD>(
+          smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc, HD>), k_g, p.k_token,
+          t * kDqBc, p.seq, tid);
+      load_rows_sw128_producer<kDqBc, HD>(
+          smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc, HD>), v_g, p.v_token,
+          t * kDqBc, p.seq, tid);
       cp_async_mbar_arrive(full(st));
       if (++st == S) {
         st = 0;
@@ -734,12 +703,11 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     return;
   }
 
-  // Consumers: warpgroup wg owns query rows row_wg .. row_wg + 63 (its own 64, or with shared_rows
-  // the block's) and dQ columns wg_col .. wg_col + 127.
+  // Consumers: warpgroup wg owns query rows row_wg .. row_wg + 63 and all 128 dQ columns.
   setmaxnreg_inc<kConsumerRegs>();
   const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
   const int c0 = 2 * (lane & 3);
-  const int row_wg = q0 + wg_row<HD>(wg);                 // the warpgroup's first query row
+  const int row_wg = q0 + 64 * wg;                        // the warpgroup's first query row
   const int row_lane = row_wg + 16 * warp + (lane >> 2);  // this thread's rows: row_lane, row_lane + 8
 
   // Row statistics of this thread's two rows; rows past q_end get P = 0 through LSE2 = +inf.
@@ -752,25 +720,21 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     delta[hf] = i < p.q_end ? p.delta[w] : 0.0f;
   }
 
-  const std::uint32_t rows_at = T::shared_rows ? 0u : wg * kWgRowsOffset;
+  const std::uint32_t rows_at = wg * kWgRowsOffset;
   const std::uint32_t a_q = smem_addr(smem + L::off_q) + rows_at;
   const std::uint32_t a_do = smem_addr(smem + L::off_do) + rows_at;
   const std::uint32_t a_k0 = smem_addr(smem + L::off_k), a_v0 = smem_addr(smem + L::off_v);
-  const std::uint32_t half = wg_col_bytes<HD>(wg);
 
   float dq[64];
 #pragma unroll
   for (int e = 0; e < 64; ++e) dq[e] = 0.0f;
-  // HD 128: s, dp defined once; in the loop only wgmmas define them (scale-d 0 first). HD 256:
-  // zeroed at the top of each tile instead (one spill fewer).
+  // s, dp defined once; in the loop only wgmmas define them (scale-d 0 first).
   float s[32], dp[32];
   std::uint32_t da[4][4];
-  if constexpr (!T::shared_rows) {
-    zero(s);
-    zero(dp);
+  zero(s);
+  zero(dp);
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
-  }
+  for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
 
   mbar_wait(full_qdo, 0);
   int st = 0;
@@ -781,26 +745,21 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   for (int j = 0; j < n_kv; ++j) {
     mbar_wait(full(st), phase);
     fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
-    const std::uint32_t a_k = a_k0 + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>);
-    const std::uint32_t a_v = a_v0 + static_cast<std::uint32_t>(st * kTileBytes<T::dq_bc, HD>);
-    const int n0 = j * T::dq_bc;
+    const std::uint32_t a_k = a_k0 + static_cast<std::uint32_t>(st * kTileBytes<kDqBc, HD>);
+    const std::uint32_t a_v = a_v0 + static_cast<std::uint32_t>(st * kTileBytes<kDqBc, HD>);
+    const int n0 = j * kDqBc;
 
-    if constexpr (T::shared_rows) {
-      zero(s);
-      zero(dp);
-    }
     wgmma_fence_operands(s);
     wgmma_fence_operands(dp);
     wgmma_fence();
-    // HD 256: Q, dO addresses made opaque per tile, so their 32 descriptors are rebuilt, not held.
-    issue_nt_64x64<T::dq_rows, T::dq_bc, HD>(s, T::shared_rows ? opaque(a_q) : a_q, a_k);  // S = Q_w K^T
+    issue_nt_64x64<kDqRows, kDqBc>(s, a_q, a_k);  // S = Q_w K^T
     wgmma_commit_group();
-    issue_nt_64x64<T::dq_rows, T::dq_bc, HD>(dp, T::shared_rows ? opaque(a_do) : a_do, a_v);  // dP = dO_w V^T
+    issue_nt_64x64<kDqRows, kDqBc>(dp, a_do, a_v);  // dP = dO_w V^T
     wgmma_commit_group();
 
     wgmma_wait_group<1>();  // S done
     wgmma_fence_operands(s);
-    const bool edge = n0 + T::dq_bc - 1 > row_wg;
+    const bool edge = n0 + kDqBc - 1 > row_wg;
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -818,7 +777,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     fence_fragments(da);
     wgmma_fence_operands(dq);
     wgmma_fence();
-    issue_rs_64x128(dq, da, a_k + half);  // dQ += dS K
+    issue_rs_64x128(dq, da, a_k);  // dQ += dS K
     wgmma_commit_group();
     wgmma_wait_group<0>();
     wgmma_fence_operands(dq);
@@ -831,8 +790,8 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     }
   }
 
-  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * HD + wg_col<HD>(wg), p.dq_token, row_wg,
-                 p.q_end, p.scale, false);
+  store_acc_rows(dq, p.dq + b * p.dq_batch + static_cast<std::int64_t>(h) * HD, p.dq_token, row_wg, p.q_end, p.scale,
+                 false);
 }
 
 /// dQ of query rows [q_begin + 64 qb, + 64) of query head h, batch b at head_dim 256, the
@@ -842,7 +801,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
 /// dS = P x, writes dS as bf16 into a 64 x 64 swizzled tile (rows = queries: a K-major A operand
 /// over the keys); after named barrier 2 both run dQ_w += dS K[:, 128 w ..] (4 k-steps of
 /// m64n128k16 SS, B = the K stage MN-major at panel 2w). 3 products a tile pair instead of 5.
-/// `smem` the kernel's DqSplitSmem. Not yet run on a GPU.
+/// `smem` the kernel's DqSplitSmem (Q, dO 2 x 32 KiB, 2 x (K, V) 2 x 32 KiB, dS 8 KiB, x 16 KiB: 216 KiB).
 struct DqSplitSmem {
   static constexpr int HD = 256, S = 2, rows = 64, bc = 64;
   static constexpr int off_q = 0;
@@ -1008,31 +967,13 @@ __device__ __forceinline__ void dq_block_split(const BackwardParams p, unsigned 
                  p.scale, false);
 }
 
-// ---- head_dim 256 (attention_backward_wgmma_d256) ----
-// The same passes and products (the blocks above with HD = 256), in the swizzled layout, with
-// 256-column tiles (four 64-column panels, load_rows_sw128_producer<ROWS, 256>). A warpgroup
-// cannot hold 64 rows x 256 of two fp32 outputs (dK and dV: 256 registers), so both warpgroups of
-// a block take the same 64 keys (dK/dV) or 64 query rows (dQ), and warpgroup w keeps only the 128
-// output columns 128 w .. 128 w + 127: its dV += P^T dO and dK += dS^T Q (or dQ += dS K) read the
-// B tile's panels 2w and 2w + 1. Each warpgroup forms S^T and dP^T (S and dP) itself over all 256
-// columns (16 k-steps), so those two products are done twice per block: 11 GEMMs of a tile pair's
-// size where the head-dim-128 kernels do 7 and the counted backward 5 (docs/hopper.md, "Head dim
-// 256"). Per consumer thread the registers are the head-dim-128 kernels' (S, dP 32 each, two
-// 64-float outputs, fragments). Shared memory: K, V (or Q, dO) tiles of 64 x 256 (32 KiB each) and
-// two stages of the streamed pair: 193 KiB. Per element the same roundings and the same order of
-// sums as the head-dim-128 kernels (and bit-identical run to run).
-
-/// The shared memory of either block kind, plus the 1 KiB that aligning it may take (kSplit: the
-/// blocks are dkdv_block_split's and dq_block_split's).
-template <int HD = kD, bool kSplit = false>
-constexpr int kDkdvSmem = kSplit ? DkdvSplitSmem::bytes : DkdvWsSmem<HD>::bytes;
-template <int HD = kD, bool kSplit = false>
-constexpr int kDqSmem = kSplit ? DqSplitSmem::bytes : DqWsSmem<HD>::bytes;
-template <int HD = kD, bool kSplit = false>
+/// The shared memory of the head dim's blocks (the larger of the dK/dV and dQ layouts), plus the
+/// 1 KiB that aligning it may take.
+template <int HD>
 constexpr int kBackwardSmem =
-    (kDkdvSmem<HD, kSplit> > kDqSmem<HD, kSplit> ? kDkdvSmem<HD, kSplit> : kDqSmem<HD, kSplit>) + 1024;
-static_assert(kBackwardSmem<> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDynamicSmem &&
-              kBackwardSmem<256, true> <= kMaxDynamicSmem);
+    HD == 256 ? (DkdvSplitSmem::bytes > DqSplitSmem::bytes ? DkdvSplitSmem::bytes : DqSplitSmem::bytes) + 1024
+              : (DkdvSmem::bytes > DqSmem::bytes ? DkdvSmem::bytes : DqSmem::bytes) + 1024;
+static_assert(kBackwardSmem<128> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDynamicSmem);
 
 /// Passes 2 and 3 in one grid: blocks [0, dkdv_blocks) are dK/dV blocks, then dQ blocks. The two
 /// passes are independent (both read only the inputs and the preprocess's LSE2/D), so the dQ blocks
@@ -1041,11 +982,11 @@ static_assert(kBackwardSmem<> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDy
 /// doing twice the mean work). Within each pass the blocks of one head come together (the key /
 /// query block index varies fastest, key block 0 and the last query block, the longest, first):
 /// the blocks running at one time share the head's Q/dO (dK/dV) or K/V (dQ) tiles in L2.
-/// HD: the head dim (BwdTiles<HD>); kSplit (HD 256 only): dkdv_block_split and dq_block_split.
-template <int HD = kD, bool kSplit = false>
+/// HD: the head dim, 128 (dkdv_block, dq_block) or 256 (dkdv_block_split, dq_block_split).
+template <int HD>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel(const BackwardParams p, int kv_blocks,
                                                                                 int dkdv_blocks, int q_blocks) {
-  static_assert(!kSplit || HD == 256);
+  static_assert(HD == 128 || HD == 256);
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem_raw[];  // 128: no alignment assumed below
   // The swizzle pattern is taken from address bits 7-9: tiles start on 1024-byte boundaries.
@@ -1053,16 +994,16 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
   const int i = static_cast<int>(blockIdx.x);
   if (i < dkdv_blocks) {
     const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;
-    if constexpr (kSplit)
+    if constexpr (HD == 256)
       dkdv_block_split(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
     else
-      dkdv_block<HD>(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
+      dkdv_block(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
   } else {
     const int j = i - dkdv_blocks, rest = j / q_blocks;
-    if constexpr (kSplit)
+    if constexpr (HD == 256)
       dq_block_split(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
     else
-      dq_block<HD>(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
+      dq_block(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
   }
 #else
   (void)p;
@@ -1073,9 +1014,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
 #endif
 }
 
-/// attention_backward_wgmma; with kHeadDim 256, attention_backward_wgmma_d256 (kSplit:
-/// attention_backward_wgmma_d256_split).
-template <int kHeadDim = kD, bool kSplit = false>
+/// attention_backward_wgmma; with kHeadDim 256, attention_backward_wgmma_d256.
+template <int kHeadDim>
 cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                      TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
                      TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv, bool accumulate_dkv, void* workspace,
@@ -1094,14 +1034,15 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
 
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   // Every refusal before the first launch, so a refused call leaves nothing queued.
-  constexpr int kKeys = BwdTiles<kHeadDim>::dkdv_keys, kQRows = BwdTiles<kHeadDim>::dq_rows;
+  constexpr int kKeys = kHeadDim == 256 ? DkdvSplitSmem::keys : kDkdvKeys;
+  constexpr int kQRows = kHeadDim == 256 ? DqSplitSmem::rows : kDqRows;
   const std::int64_t kv_blocks = (params.q_end + kKeys - 1) / kKeys;
   const std::int64_t q_blocks = (params.q_len() + kQRows - 1) / kQRows;
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;
   if (dkdv_blocks + dq_blocks > std::numeric_limits<int>::max())  // beyond any that fits
     return ::oom::kernels::detail::refuse("attention_backward: ", dkdv_blocks + dq_blocks, " blocks exceed 2^31 - 1");
-  auto* kernel = attention_backward_wgmma_kernel<kHeadDim, kSplit>;
-  constexpr int kSmem = kBackwardSmem<kHeadDim, kSplit>;
+  auto* kernel = attention_backward_wgmma_kernel<kHeadDim>;
+  constexpr int kSmem = kBackwardSmem<kHeadDim>;
   if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
       e != cudaSuccess)
     return e;
@@ -1119,7 +1060,7 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p, TokenRows<const 
                                      const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
                                      bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream) {
-  return backward(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+  return backward<kD>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
@@ -1128,15 +1069,6 @@ cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<c
                                           bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                           cudaStream_t stream) {
   return backward<256>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
-}
-
-cudaError_t attention_backward_wgmma_d256_split(const AttentionProblem& p, TokenRows<const bf16> q,
-                                                TokenRows<const bf16> k, TokenRows<const bf16> v,
-                                                TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
-                                                TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
-                                                bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
-                                                cudaStream_t stream) {
-  return backward<256, true>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
 }
 
 }  // namespace oom::kernels::hopper

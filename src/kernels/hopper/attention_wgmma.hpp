@@ -68,7 +68,8 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      void* workspace, std::size_t workspace_bytes,
                                      cudaStream_t stream);
 
-/// The backward at head_dim 256 (attention_backward_wgmma.cu, "head_dim 256"): the same arguments,
+/// The backward at head_dim 256 (attention_backward_wgmma.cu, "head_dim 256": each block's
+/// products over d split between its two warpgroups): the same arguments,
 /// results, workspace and error returns as attention_backward_wgmma (cudaErrorNotSupported for
 /// another head_dim or a device other than compute capability 9.0).
 cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
@@ -76,17 +77,5 @@ cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<c
                                           const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
                                           bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                           cudaStream_t stream);
-
-/// attention_backward_wgmma_d256 with its blocks' products split between the warpgroups
-/// (attention_backward_wgmma.cu, dkdv_block_split and dq_block_split; docs/hopper.md, "Next: the head-dim-256 backward
-/// without recomputed products"): the same arguments, results contract, workspace and error
-/// returns. Not routed by attention_backward: test_attention_backward_wgmma compares it with the
-/// reference and attention_backward_wgmma_d256 and times both.
-cudaError_t attention_backward_wgmma_d256_split(const AttentionProblem& p, TokenRows<const bf16> q,
-                                                TokenRows<const bf16> k, TokenRows<const bf16> v,
-                                                TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
-                                                TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
-                                                bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
-                                                cudaStream_t stream);
 
 }  // namespace oom::kernels::hopper
