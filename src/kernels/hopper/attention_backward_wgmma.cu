@@ -33,7 +33,7 @@
 //
 // 2. dK/dV block = 128 keys of one (KV head, batch); consumer warpgroup w owns keys 64w .. 64w+63
 //    (the M of all its wgmmas) and keeps dK, dV for them in fp32 registers (64 + 64 per thread).
-//    K, V are loaded once ("full_kv"); the producer streams (Q, dO, LSE2, D) tiles of BR = 64
+//    K, V are loaded once (barrier "once"); the producer streams (Q, dO, LSE2, D) tiles of BR = 64
 //    queries, four stages, for every query head of the group and every query tile with a row >=
 //    the block's first key. Per step, per warpgroup:
 //      S^T = K_w Q^T       8 x m64n64k16 SS (A = K rows K-major, B = Q rows K-major)   commit
@@ -56,7 +56,7 @@
 //    spills; no spills at 232 either; 4 bytes at 240 without the opaque mov).
 //
 // 3. dQ block = 128 query rows of one (query head, batch), consumer warpgroup w rows 64w ..
-//    64w+63; Q, dO are loaded once ("full_qdo"), (K, V) tiles of BC = 64 keys stream through four
+//    64w+63; Q, dO are loaded once (barrier "once"), (K, V) tiles of BC = 64 keys stream through four
 //    stages over key tiles 0 .. the one holding the block's last row. Per tile, per warpgroup:
 //      S = Q_w K^T, dP = dO_w V^T   8 + 8 x m64n64k16 SS, two commit groups
 //      wait S; P = exp2(S scale log2e - LSE2_i), 0 where key > query (rows >= q_end: LSE2 = +inf)
@@ -187,6 +187,110 @@ constexpr int kDkdvKeys = 128, kDqRows = 128, kDqBc = 64, kStages = 4;
 template <int R, int HD>
 constexpr int kTileBytes = R * HD * 2;
 
+/// A block's mbarriers at `base` (8 bytes each): `once` (the tiles loaded once per block: K, V or
+/// Q, dO), then full[S] and empty[S] of the streamed stages. Step t uses stage t % S, its (t / S)-th
+/// use: the stage's full barrier completes phase t / S, and the producer waits for completion
+/// t / S - 1 of its empty barrier before refilling it.
+template <int S>
+struct StageBarriers {
+  std::uint32_t base;
+  [[nodiscard]] __device__ std::uint32_t once() const { return base; }
+  [[nodiscard]] __device__ std::uint32_t full(int s) const { return base + static_cast<std::uint32_t>(8 * (1 + s)); }
+  [[nodiscard]] __device__ std::uint32_t empty(int s) const {
+    return base + static_cast<std::uint32_t>(8 * (1 + S + s));
+  }
+  /// Thread 0 initialises them (arrival counts: the producer's 128 threads for once / full, the
+  /// consumers' 256 for empty), then the block's last block-wide barrier.
+  __device__ void init() const {
+    if (threadIdx.x == 0) {
+      mbar_init(once(), kWsProducerThreads);
+      for (int s = 0; s < S; ++s) {
+        mbar_init(full(s), kWsProducerThreads);
+        mbar_init(empty(s), kWsConsumerThreads);
+      }
+      mbar_fence_init();
+    }
+    __syncthreads();
+  }
+};
+
+/// The dK/dV blocks' producer (warpgroup 2; `tid` its thread, 0..127), layout L (DkdvSmem or
+/// DkdvSplitSmem): K, V rows [n0, n0 + KEYS) of KV head hk once, then per step t the Q and dO
+/// rows of query tile qb_first + t % (qb_count - qb_first) of query head hk group + t / (that),
+/// and the tile's LSE2 and D, into stage t % S. Returns with nothing in flight.
+template <class L, int KEYS, int HD>
+__device__ __forceinline__ void dkdv_producer(const BackwardParams& p, unsigned char* smem, StageBarriers<L::S> bar,
+                                              int n0, int hk, int b, int qb_first, int qb_count, int steps, int tid) {
+  constexpr int S = L::S;
+  load_rows_sw128_producer<KEYS, HD>(
+      smem_addr(smem + L::off_k), p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0, p.seq, tid);
+  load_rows_sw128_producer<KEYS, HD>(
+      smem_addr(smem + L::off_v), p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token, n0, p.seq, tid);
+  cp_async_mbar_arrive(bar.once());
+  int h = hk * p.group, qb = qb_first, st = 0;
+  std::uint32_t phase = 0;
+  for (int t = 0; t < steps; ++t) {
+    if (t >= S) mbar_wait(bar.empty(st), phase ^ 1u);  // completion t / S - 1: stage free
+    const int q0 = p.q_begin + qb * kDkdvBr;
+    load_rows_sw128_producer<kDkdvBr, HD>(
+        smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+        p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end, tid);
+    load_rows_sw128_producer<kDkdvBr, HD>(
+        smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
+        p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0, p.q_end, tid);
+    {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
+      const int rr = tid % kDkdvBr;
+      const bool valid = q0 + rr < p.q_end;
+      const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (q0 - p.q_begin) + rr;
+      const float* src = (tid < kDkdvBr ? p.lse2 : p.delta) + (valid ? w : 0);
+      const int dst = (tid < kDkdvBr ? L::off_lse2 : L::off_delta) + 4 * (st * kDkdvBr + rr);
+      cp_async_4(smem + dst, src, valid);
+    }
+    cp_async_mbar_arrive(bar.full(st));
+    if (++qb == qb_count) {
+      qb = qb_first;
+      ++h;
+    }
+    if (++st == S) {
+      st = 0;
+      phase ^= 1u;
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+}
+
+/// The dQ blocks' producer (warpgroup 2; `tid` its thread), layout L (DqSmem or DqSplitSmem): Q,
+/// dO rows [q0, q0 + ROWS) of query head h once, then key tile t (BC keys of KV head hk) of K and
+/// V into stage t % S for t = 0 .. n_kv - 1. Returns with nothing in flight.
+template <class L, int ROWS, int BC, int HD>
+__device__ __forceinline__ void dq_producer(const BackwardParams& p, unsigned char* smem, StageBarriers<L::S> bar,
+                                            int q0, int h, int hk, int b, int n_kv, int tid) {
+  constexpr int S = L::S;
+  load_rows_sw128_producer<ROWS, HD>(
+      smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end, tid);
+  load_rows_sw128_producer<ROWS, HD>(smem_addr(smem + L::off_do),
+                                     p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
+                                     p.q_end, tid);
+  cp_async_mbar_arrive(bar.once());
+  const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD;
+  const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD;
+  int st = 0;
+  std::uint32_t phase = 0;
+  for (int t = 0; t < n_kv; ++t) {
+    if (t >= S) mbar_wait(bar.empty(st), phase ^ 1u);  // completion t / S - 1: stage free
+    load_rows_sw128_producer<BC, HD>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<BC, HD>),
+                                     k_g, p.k_token, t * BC, p.seq, tid);
+    load_rows_sw128_producer<BC, HD>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<BC, HD>),
+                                     v_g, p.v_token, t * BC, p.seq, tid);
+    cp_async_mbar_arrive(bar.full(st));
+    if (++st == S) {
+      st = 0;
+      phase ^= 1u;
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+}
+
 struct DkdvSmem {
   static constexpr int S = kStages;  // (Q, dO, LSE2, D) stages
   static constexpr int off_k = 0;
@@ -195,7 +299,7 @@ struct DkdvSmem {
   static constexpr int off_do = off_q + S * kTileBytes<kDkdvBr, kD>;     // S tiles
   static constexpr int off_lse2 = off_do + S * kTileBytes<kDkdvBr, kD>;  // S x 64 fp32
   static constexpr int off_delta = off_lse2 + S * kDkdvBr * 4;            // S x 64 fp32
-  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;             // full_kv, full[], empty[]
+  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;             // StageBarriers: once, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
 static_assert(DkdvSmem::off_bar == 194 * 1024 && DkdvSmem::bytes <= kMaxDynamicSmem);
@@ -213,64 +317,14 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
   const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
 
-  // Step t (query head hk group + t / per_head, query tile qb_first + t % per_head) in stage t % S,
-  // the (t / S)-th use of that stage: its full barrier completes phase t / S, and the producer
-  // waits for completion t / S - 1 of its empty barrier before refilling it.
-  const std::uint32_t bars = smem_addr(smem + L::off_bar);
-  const std::uint32_t full_kv = bars;
-  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
-  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
-  if (threadIdx.x == 0) {
-    mbar_init(full_kv, kWsProducerThreads);
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), kWsProducerThreads);
-      mbar_init(empty(s), kWsConsumerThreads);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();  // the last block-wide barrier
+  const StageBarriers<S> bar{smem_addr(smem + L::off_bar)};
+  bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
-  if (wg == 2) {
+  if (wg == 2) {  // the producer
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_sw128_producer<kDkdvKeys, HD>(smem_addr(smem + L::off_k),
-                                            p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0,
-                                            p.seq, tid);
-    load_rows_sw128_producer<kDkdvKeys, HD>(smem_addr(smem + L::off_v),
-                                            p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token, n0,
-                                            p.seq, tid);
-    cp_async_mbar_arrive(full_kv);
-    int h = hk * p.group, qb = qb_first, st = 0;
-    std::uint32_t phase = 0;
-    for (int t = 0; t < steps; ++t) {
-      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      const int q0 = p.q_begin + qb * kDkdvBr;
-      load_rows_sw128_producer<kDkdvBr, HD>(
-          smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
-          p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end, tid);
-      load_rows_sw128_producer<kDkdvBr, HD>(
-          smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
-          p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0, p.q_end, tid);
-      {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
-        const int rr = tid % kDkdvBr;
-        const bool valid = q0 + rr < p.q_end;
-        const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (q0 - p.q_begin) + rr;
-        const float* src = (tid < kDkdvBr ? p.lse2 : p.delta) + (valid ? w : 0);
-        const int dst = (tid < kDkdvBr ? L::off_lse2 : L::off_delta) + 4 * (st * kDkdvBr + rr);
-        cp_async_4(smem + dst, src, valid);
-      }
-      cp_async_mbar_arrive(full(st));
-      if (++qb == qb_count) {
-        qb = qb_first;
-        ++h;
-      }
-      if (++st == S) {
-        st = 0;
-        phase ^= 1u;
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    dkdv_producer<L, kDkdvKeys, HD>(p, smem, bar, n0, hk, b, qb_first, qb_count, steps, tid);
     return;
   }
 
@@ -295,7 +349,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   float s[32], dp[32];
   std::uint32_t pa[4][4], da[4][4];
 
-  mbar_wait(full_kv, 0);
+  mbar_wait(bar.once(), 0);
   // Few registers live across the loop: the stage and phase come from t (S a power of two), the
   // query tile start q0 steps through [q_first, q_stop) once per head.
   static_assert((S & (S - 1)) == 0);
@@ -303,7 +357,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   int q0 = q_first;
   for (int t = 0; t < steps; ++t) {
     const int st = t & (S - 1);
-    mbar_wait(full(st), static_cast<std::uint32_t>(t / S) & 1u);
+    mbar_wait(bar.full(st), static_cast<std::uint32_t>(t / S) & 1u);
     fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
     const std::uint32_t a_q = sbase + L::off_q + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>);
     const std::uint32_t a_do = a_q + (L::off_do - L::off_q);
@@ -368,7 +422,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
     wgmma_fence_operands(dv);
     fence_fragments(pa);
     fence_fragments(da);
-    mbar_arrive(empty(st));  // every read of the stage (wgmmas retired, LSE2/D loaded) is done
+    mbar_arrive(bar.empty(st));  // every read of the stage (wgmmas retired, LSE2/D loaded) is done
 
     q0 += kDkdvBr;
     if (q0 == q_stop) q0 = q_first;
@@ -421,7 +475,7 @@ struct DkdvSplitSmem {
   static constexpr int off_x = off_dst + kTileBytes<keys, 64>;           // dP^T - D: 128 threads x 32 fp32
   static constexpr int off_lse2 = off_x + 128 * 32 * 4;                  // S x 64 fp32
   static constexpr int off_delta = off_lse2 + S * kDkdvBr * 4;           // S x 64 fp32
-  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;            // full_kv, full[], empty[]
+  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;            // StageBarriers: once, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
 static_assert(DkdvSplitSmem::off_pt % 1024 == 0 && DkdvSplitSmem::off_dst % 1024 == 0, "swizzled tiles: 1 KiB aligned");
@@ -463,61 +517,14 @@ __device__ __forceinline__ void dkdv_block_split(const BackwardParams p, unsigne
   const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
   const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
 
-  const std::uint32_t bars = smem_addr(smem + L::off_bar);
-  const std::uint32_t full_kv = bars;
-  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
-  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
-  if (threadIdx.x == 0) {
-    mbar_init(full_kv, kWsProducerThreads);
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), kWsProducerThreads);
-      mbar_init(empty(s), kWsConsumerThreads);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();  // the last block-wide barrier
+  const StageBarriers<S> bar{smem_addr(smem + L::off_bar)};
+  bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
-  if (wg == 2) {  // the producer: dkdv_block's, with this layout
+  if (wg == 2) {  // the producer
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_sw128_producer<L::keys, HD>(smem_addr(smem + L::off_k),
-                                          p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0,
-                                          p.seq, tid);
-    load_rows_sw128_producer<L::keys, HD>(smem_addr(smem + L::off_v),
-                                          p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token, n0,
-                                          p.seq, tid);
-    cp_async_mbar_arrive(full_kv);
-    int h = hk * p.group, qb = qb_first, st = 0;
-    std::uint32_t phase = 0;
-    for (int t = 0; t < steps; ++t) {
-      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      const int q0 = p.q_begin + qb * kDkdvBr;
-      load_rows_sw128_producer<kDkdvBr, HD>(
-          smem_addr(smem + L::off_q) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
-          p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end, tid);
-      load_rows_sw128_producer<kDkdvBr, HD>(
-          smem_addr(smem + L::off_do) + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>),
-          p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0, p.q_end, tid);
-      {  // threads 0..63: LSE2, 64..127: D of the tile's rows (zero past q_end; masked anyway)
-        const int rr = tid % kDkdvBr;
-        const bool valid = q0 + rr < p.q_end;
-        const std::int64_t w = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.q_len() + (q0 - p.q_begin) + rr;
-        const float* src = (tid < kDkdvBr ? p.lse2 : p.delta) + (valid ? w : 0);
-        const int dst = (tid < kDkdvBr ? L::off_lse2 : L::off_delta) + 4 * (st * kDkdvBr + rr);
-        cp_async_4(smem + dst, src, valid);
-      }
-      cp_async_mbar_arrive(full(st));
-      if (++qb == qb_count) {
-        qb = qb_first;
-        ++h;
-      }
-      if (++st == S) {
-        st = 0;
-        phase ^= 1u;
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    dkdv_producer<L, L::keys, HD>(p, smem, bar, n0, hk, b, qb_first, qb_count, steps, tid);
     return;
   }
 
@@ -547,13 +554,13 @@ __device__ __forceinline__ void dkdv_block_split(const BackwardParams p, unsigne
   for (int e = 0; e < 64; ++e) dk[e] = dv[e] = 0.0f;
   float acc[32];  // S^T (warpgroup 0) or dP^T (warpgroup 1)
 
-  mbar_wait(full_kv, 0);
+  mbar_wait(bar.once(), 0);
   static_assert((S & (S - 1)) == 0);
   const int q_first = p.q_begin + qb_first * kDkdvBr, q_stop = p.q_begin + qb_count * kDkdvBr;
   int q0 = q_first;
   for (int t = 0; t < steps; ++t) {
     const int st = t & (S - 1);
-    mbar_wait(full(st), static_cast<std::uint32_t>(t / S) & 1u);
+    mbar_wait(bar.full(st), static_cast<std::uint32_t>(t / S) & 1u);
     fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
     const std::uint32_t a_q = sbase + L::off_q + static_cast<std::uint32_t>(st * kTileBytes<kDkdvBr, HD>);
     const std::uint32_t a_do = a_q + (L::off_do - L::off_q);
@@ -630,7 +637,7 @@ __device__ __forceinline__ void dkdv_block_split(const BackwardParams p, unsigne
     wgmma_wait_group<0>();
     wgmma_fence_operands(dk);
     wgmma_fence_operands(dv);
-    mbar_arrive(empty(st));  // every read of the stage (wgmmas retired, LSE2/D loaded) is done
+    mbar_arrive(bar.empty(st));  // every read of the stage (wgmmas retired, LSE2/D loaded) is done
 
     q0 += kDkdvBr;
     if (q0 == q_stop) q0 = q_first;
@@ -647,7 +654,7 @@ struct DqSmem {
   static constexpr int off_do = off_q + kTileBytes<kDqRows, kD>;
   static constexpr int off_k = off_do + kTileBytes<kDqRows, kD>;     // S tiles
   static constexpr int off_v = off_k + S * kTileBytes<kDqBc, kD>;    // S tiles
-  static constexpr int off_bar = off_v + S * kTileBytes<kDqBc, kD>;  // full_qdo, full[], empty[]
+  static constexpr int off_bar = off_v + S * kTileBytes<kDqBc, kD>;  // StageBarriers: once, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
 static_assert(DqSmem::off_bar == 192 * 1024 && DqSmem::bytes <= kMaxDynamicSmem);
@@ -662,51 +669,14 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   const int q_last = min(q0 + kDqRows, p.q_end) - 1;
   const int n_kv = q_last / kDqBc + 1;  // key tiles 0 .. the one holding q_last
 
-  // Key tile t in stage t % S, its (t / S)-th use (as in the dK/dV kernel).
-  const std::uint32_t bars = smem_addr(smem + L::off_bar);
-  const std::uint32_t full_qdo = bars;
-  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
-  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
-  if (threadIdx.x == 0) {
-    mbar_init(full_qdo, kWsProducerThreads);
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), kWsProducerThreads);
-      mbar_init(empty(s), kWsConsumerThreads);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();  // the last block-wide barrier
+  const StageBarriers<S> bar{smem_addr(smem + L::off_bar)};
+  bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
-  if (wg == 2) {
+  if (wg == 2) {  // the producer
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_sw128_producer<kDqRows, HD>(smem_addr(smem + L::off_q),
-                                          p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0,
-                                          p.q_end, tid);
-    load_rows_sw128_producer<kDqRows, HD>(smem_addr(smem + L::off_do),
-                                          p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
-                                          p.q_end, tid);
-    cp_async_mbar_arrive(full_qdo);
-    const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD;
-    const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD;
-    int st = 0;
-    std::uint32_t phase = 0;
-    for (int t = 0; t < n_kv; ++t) {
-      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      load_rows_sw128_producer<kDqBc, HD>(
-          smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc, HD>), k_g, p.k_token,
-          t * kDqBc, p.seq, tid);
-      load_rows_sw128_producer<kDqBc, HD>(
-          smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<kDqBc, HD>), v_g, p.v_token,
-          t * kDqBc, p.seq, tid);
-      cp_async_mbar_arrive(full(st));
-      if (++st == S) {
-        st = 0;
-        phase ^= 1u;
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    dq_producer<L, kDqRows, kDqBc, HD>(p, smem, bar, q0, h, hk, b, n_kv, tid);
     return;
   }
 
@@ -743,14 +713,14 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
 
-  mbar_wait(full_qdo, 0);
+  mbar_wait(bar.once(), 0);
   int st = 0;
   std::uint32_t phase = 0;
   // Every key tile 0 .. n_kv - 1 for both warpgroups, also warpgroup 0's last one when all its keys
   // follow its rows (P, dS masked to exact zeros: dQ += 0 products), so no wgmma is in divergent
   // code and both warpgroups arrive on every empty barrier.
   for (int j = 0; j < n_kv; ++j) {
-    mbar_wait(full(st), phase);
+    mbar_wait(bar.full(st), phase);
     fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
     const std::uint32_t a_k = a_k0 + static_cast<std::uint32_t>(st * kTileBytes<kDqBc, HD>);
     const std::uint32_t a_v = a_v0 + static_cast<std::uint32_t>(st * kTileBytes<kDqBc, HD>);
@@ -789,7 +759,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
     wgmma_wait_group<0>();
     wgmma_fence_operands(dq);
     fence_fragments(da);
-    mbar_arrive(empty(st));  // K, V of the stage read
+    mbar_arrive(bar.empty(st));  // K, V of the stage read
 
     if (++st == S) {
       st = 0;
@@ -817,7 +787,7 @@ struct DqSplitSmem {
   static constexpr int off_v = off_k + S * kTileBytes<bc, HD>;     // S tiles
   static constexpr int off_ds = off_v + S * kTileBytes<bc, HD>;    // dS, 64 x 64 bf16 swizzled
   static constexpr int off_x = off_ds + kTileBytes<rows, 64>;      // dP - D: 128 threads x 32 fp32
-  static constexpr int off_bar = off_x + 128 * 32 * 4;             // full_qdo, full[], empty[]
+  static constexpr int off_bar = off_x + 128 * 32 * 4;             // StageBarriers: once, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
 static_assert(DqSplitSmem::off_ds % 1024 == 0, "swizzled tile: 1 KiB aligned");
@@ -830,48 +800,14 @@ __device__ __forceinline__ void dq_block_split(const BackwardParams p, unsigned 
   const int q_last = min(q0 + L::rows, p.q_end) - 1;
   const int n_kv = q_last / L::bc + 1;  // key tiles 0 .. the one holding q_last
 
-  const std::uint32_t bars = smem_addr(smem + L::off_bar);
-  const std::uint32_t full_qdo = bars;
-  const auto full = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + s)); };
-  const auto empty = [&](int s) { return bars + static_cast<std::uint32_t>(8 * (1 + S + s)); };
-  if (threadIdx.x == 0) {
-    mbar_init(full_qdo, kWsProducerThreads);
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), kWsProducerThreads);
-      mbar_init(empty(s), kWsConsumerThreads);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();  // the last block-wide barrier
+  const StageBarriers<S> bar{smem_addr(smem + L::off_bar)};
+  bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
-  if (wg == 2) {  // the producer: dq_block's, with this layout
+  if (wg == 2) {  // the producer
     setmaxnreg_dec<kProducerRegs>();
     const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    load_rows_sw128_producer<L::rows, HD>(smem_addr(smem + L::off_q),
-                                          p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0,
-                                          p.q_end, tid);
-    load_rows_sw128_producer<L::rows, HD>(smem_addr(smem + L::off_do),
-                                          p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
-                                          p.q_end, tid);
-    cp_async_mbar_arrive(full_qdo);
-    const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD;
-    const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD;
-    int st = 0;
-    std::uint32_t phase = 0;
-    for (int t = 0; t < n_kv; ++t) {
-      if (t >= S) mbar_wait(empty(st), phase ^ 1u);  // completion t / S - 1: stage free
-      load_rows_sw128_producer<L::bc, HD>(smem_addr(smem + L::off_k) + static_cast<std::uint32_t>(st * kTileBytes<L::bc, HD>),
-                                          k_g, p.k_token, t * L::bc, p.seq, tid);
-      load_rows_sw128_producer<L::bc, HD>(smem_addr(smem + L::off_v) + static_cast<std::uint32_t>(st * kTileBytes<L::bc, HD>),
-                                          v_g, p.v_token, t * L::bc, p.seq, tid);
-      cp_async_mbar_arrive(full(st));
-      if (++st == S) {
-        st = 0;
-        phase ^= 1u;
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
+    dq_producer<L, L::rows, L::bc, HD>(p, smem, bar, q0, h, hk, b, n_kv, tid);
     return;
   }
 
@@ -907,11 +843,11 @@ __device__ __forceinline__ void dq_block_split(const BackwardParams p, unsigned 
   for (int e = 0; e < 64; ++e) dq[e] = 0.0f;
   float acc[32];  // S (warpgroup 0) or dP (warpgroup 1)
 
-  mbar_wait(full_qdo, 0);
+  mbar_wait(bar.once(), 0);
   int st = 0;
   std::uint32_t phase = 0;
   for (int j = 0; j < n_kv; ++j) {
-    mbar_wait(full(st), phase);
+    mbar_wait(bar.full(st), phase);
     fence_proxy_async_shared();  // the stage's cp.async writes, seen through the barrier, before the wgmmas
     const std::uint32_t a_k = sbase + L::off_k + static_cast<std::uint32_t>(st * kTileBytes<L::bc, HD>);
     const int n0 = j * L::bc;
@@ -965,7 +901,7 @@ __device__ __forceinline__ void dq_block_split(const BackwardParams p, unsigned 
     wgmma_commit_group();
     wgmma_wait_group<0>();
     wgmma_fence_operands(dq);
-    mbar_arrive(empty(st));  // K, V of the stage read
+    mbar_arrive(bar.empty(st));  // K, V of the stage read
 
     if (++st == S) {
       st = 0;
