@@ -11,7 +11,9 @@
 //     [0, q_end) (the chunk's partial sums, which the reference does not produce) within the
 //     bound of the mma.sync kernel's; every dQ row outside the range and every dK/dV row >= q_end
 //     untouched (still poison, or still the pre-filled value).
-// The same runs at head_dim 256 for attention_backward_wgmma_d256. Then the refusals (as
+// The same runs at head_dim 256 for attention_backward_wgmma_d256, and head-dim-128 problems
+// embedded in 128 of its 256 columns, whose dV must be the head-dim-128 kernel's bits (S = 300,
+// 777 and 16384). Then the refusals (as
 // attention_backward's, plus another head_dim: NotSupported), the dispatch (attention_forward /
 // attention_backward give the wgmma kernels' bits at head_dim 128 and 256), and a timing report
 // (printed, not asserted) at S = 4096, 16384, 65536, head_dim 128 and 256, against the mma.sync
@@ -22,11 +24,13 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -346,86 +350,138 @@ TEST_CASE("attention_backward_wgmma_d256 matches the reference and the mma.sync 
   }
 }
 
+/// A head-dim-128 problem run by the head-dim-128 kernel, and embedded in columns [128 c, 128 c +
+/// 128) of a head-dim-256 problem (zeros elsewhere; the same LSE and softmax scale) run by the
+/// head-dim-256 kernel: the narrow gradients, the wide ones' live columns, and the count of wide
+/// elements outside them that are not zero. Inputs are host (B, S, H, 128) rows.
+struct LiveColumns {
+  Grads narrow;
+  std::vector<bf16> dq, dk, dv;  // live columns of the wide gradients, contiguous (B, S, H, 128)
+  std::size_t dead_nonzero = 0;
+  /// Elements of the live dV that are the narrow dV's bits.
+  [[nodiscard]] std::size_t dv_same_bits() const {
+    std::size_t same = 0;
+    for (std::size_t x = 0; x < dv.size(); ++x) same += dv[x].bits == narrow.dv[x].bits;
+    return same;
+  }
+};
+LiveColumns run_live_columns(const AttentionDims& d128, int c, const AttentionProblem& p128, const std::vector<bf16>& q,
+                             const std::vector<bf16>& k, const std::vector<bf16>& v, const std::vector<bf16>& o,
+                             const std::vector<bf16>& d_o, const float* lse) {
+  const AttentionDims d256{d128.batch, d128.seq, d128.heads_q, d128.heads_kv, 256};
+  // (B, S, H, 128) host rows into the live columns of (B, S, H, 256), zeros elsewhere.
+  const auto widen = [&](const std::vector<bf16>& narrow) {
+    std::vector<bf16> wide(narrow.size() * 2, bf16{});
+    for (std::size_t r = 0; r < narrow.size() / 128; ++r)
+      std::copy_n(narrow.begin() + static_cast<std::ptrdiff_t>(r * 128), 128,
+                  wide.begin() + static_cast<std::ptrdiff_t>(r * 256 + 128 * c));
+    return wide;
+  };
+  const auto up = [](const std::vector<bf16>& host, const AttentionDims& d, int heads, DeviceBuffer<bf16>& buf) {
+    buf = DeviceBuffer<bf16>(host);
+    const std::int64_t row = std::int64_t{heads} * d.head_dim;
+    return TokenRows<const bf16>{buf.get(), d.seq * row, row};
+  };
+  DeviceBuffer<bf16> nq, nk, nv, no, ndo, wq, wk, wv, wo, wdo;
+  AttentionProblem p256 = p128;
+  p256.head_dim = 256;  // softmax_scale kept: the narrow problem's
+  DeviceQkv g128(d128, false), g256(d256, false);  // poisoned
+  DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p256));
+  OOM_CUDA_CHECK(kWgmma(p128, up(q, d128, d128.heads_q, nq), up(k, d128, d128.heads_kv, nk),
+                        up(v, d128, d128.heads_kv, nv), up(o, d128, d128.heads_q, no), up(d_o, d128, d128.heads_q, ndo),
+                        lse, g128.q, g128.k, g128.v, false, ws.get(), ws.bytes(), nullptr));
+  OOM_CUDA_CHECK(kWgmmaD256(p256, up(widen(q), d256, d256.heads_q, wq), up(widen(k), d256, d256.heads_kv, wk),
+                            up(widen(v), d256, d256.heads_kv, wv), up(widen(o), d256, d256.heads_q, wo),
+                            up(widen(d_o), d256, d256.heads_q, wdo), lse, g256.q, g256.k, g256.v, false, ws.get(),
+                            ws.bytes(), nullptr));
+  LiveColumns out;
+  out.narrow = {download_bits(g128.q, d128, d128.heads_q), download_bits(g128.k, d128, d128.heads_kv),
+                download_bits(g128.v, d128, d128.heads_kv)};
+  // Split each wide gradient into its live columns and the rest.
+  const auto split = [&](const std::vector<bf16>& w, std::vector<bf16>* live) {
+    for (std::size_t r = 0; r < w.size() / 256; ++r)
+      for (std::size_t x = 0; x < 256; ++x) {
+        const bf16 e = w[r * 256 + x];
+        if (x / 128 == static_cast<std::size_t>(c))
+          live->push_back(e);
+        else if (oom::to_float(e) != 0.0f)
+          ++out.dead_nonzero;
+      }
+  };
+  split(download_bits(g256.q, d256, d256.heads_q), &out.dq);
+  split(download_bits(g256.k, d256, d256.heads_kv), &out.dk);
+  split(download_bits(g256.v, d256, d256.heads_kv), &out.dv);
+  return out;
+}
+
 TEST_CASE("attention_backward_wgmma_d256 on 128 live columns: the head-dim-128 kernel's gradients to rounding, zeros elsewhere") {
-  // A head-dim-128 problem's Q, K, V, dO and O placed in columns [128 c, 128 c + 128) of head-dim-256
-  // tensors, zeros elsewhere, with the same LSE and softmax scale. Every S^T, dP^T and P the
-  // head-dim-256 kernel forms is then the head-dim-128 kernel's, bit for bit (its other eight
+  // A head-dim-128 problem embedded in a head-dim-256 one (run_live_columns). Every S^T, dP^T and
+  // P the head-dim-256 kernel forms is then the head-dim-128 kernel's, bit for bit (its other eight
   // k-steps add exact zeros; both sum a key's dV over the same 64-query steps, and a row's dQ over
-  // the same 64-key tiles, in the same order). So dV in the live columns should be the
-  // head-dim-128 kernel's bits, and every gradient is zero outside them. dK and dQ also use D_i =
-  // rowsum(dO o O), which the head-dim-256 preprocess may sum in another order. All three are
-  // checked to within a rounding or two of the head-dim-128 values (a wrong panel or descriptor
-  // gives errors of the values' own size). c = 0
-  // checks warpgroup 0's panels (0, 1), c = 1 warpgroup 1's (2, 3). An exact check of the column
-  // halves that the comparisons with the reference and the mma.sync kernel bound only loosely.
+  // the same 64-key tiles, in the same order). So dV in the live columns must be the head-dim-128
+  // kernel's bits (every H200 run so far: all of them), and every gradient is zero outside them.
+  // dK and dQ also use D_i = rowsum(dO o O), which the head-dim-256 preprocess may sum in another
+  // order: checked to within a rounding of the head-dim-128 values (a wrong panel or descriptor
+  // gives errors of the values' own size). c = 0 checks warpgroup 0's panels (0, 1), c = 1
+  // warpgroup 1's (2, 3). An exact check of the column halves that the comparisons with the
+  // reference and the mma.sync kernel bound only loosely, and of the P^T exchange between the
+  // warpgroups.
   require_sm90();
   for (const AttentionDims d128 : {AttentionDims{1, 777, 4, 2, 128}, AttentionDims{2, 300, 2, 2, 128}})
     for (const int c : {0, 1}) {
       INFO("B=" << d128.batch << " S=" << d128.seq << " Hq=" << d128.heads_q << " Hkv=" << d128.heads_kv
                 << " live columns [" << 128 * c << ", " << 128 * c + 128 << ")");
       const Prepared t(d128, false, 2100 + static_cast<std::uint64_t>(c), {0});  // O, LSE by attention_forward
-      const AttentionDims d256{d128.batch, d128.seq, d128.heads_q, d128.heads_kv, 256};
-      // (B, S, H, 128) host rows into the live columns of (B, S, H, 256), zeros elsewhere.
-      const auto widen = [&](const std::vector<bf16>& narrow) {
-        std::vector<bf16> wide(narrow.size() * 2, bf16{});
-        for (std::size_t r = 0; r < narrow.size() / 128; ++r)
-          std::copy_n(narrow.begin() + static_cast<std::ptrdiff_t>(r * 128), 128,
-                      wide.begin() + static_cast<std::ptrdiff_t>(r * 256 + 128 * c));
-        return wide;
-      };
-      const auto up = [&](const std::vector<bf16>& host, int heads, DeviceBuffer<bf16>& buf) {
-        buf = DeviceBuffer<bf16>(host);
-        const std::int64_t row = std::int64_t{heads} * 256;
-        return TokenRows<bf16>{buf.get(), d256.seq * row, row};
-      };
-      DeviceBuffer<bf16> q_buf, k_buf, v_buf, o_buf, do_buf;
-      const auto q = up(widen(download_bits(t.in.q, d128, d128.heads_q)), d128.heads_q, q_buf);
-      const auto k = up(widen(download_bits(t.in.k, d128, d128.heads_kv)), d128.heads_kv, k_buf);
-      const auto v = up(widen(download_bits(t.in.v, d128, d128.heads_kv)), d128.heads_kv, v_buf);
-      const auto o = up(widen(download_bits(t.o, d128, d128.heads_q)), d128.heads_q, o_buf);
-      const auto d_o = up(widen(t.do_buf.download()), d128.heads_q, do_buf);
-
-      const AttentionProblem p128 = t.problem(0);
-      AttentionProblem p256 = p128;
-      p256.head_dim = 256;  // softmax_scale kept: 1 / sqrt(128)
-      DeviceQkv g128(d128, false), g256(d256, false);  // poisoned
-      DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p256));
-      OOM_CUDA_CHECK(kWgmma(p128, as_const(t.in.q), as_const(t.in.k), as_const(t.in.v), as_const(t.o), t.dor, t.lse.get(),
-                            g128.q, g128.k, g128.v, false, ws.get(), ws.bytes(), nullptr));
-      OOM_CUDA_CHECK(kWgmmaD256(p256, as_const(q), as_const(k), as_const(v), as_const(o), as_const(d_o), t.lse.get(),
-                                g256.q, g256.k, g256.v, false, ws.get(), ws.bytes(), nullptr));
-      const Grads narrow{download_bits(g128.q, d128, d128.heads_q), download_bits(g128.k, d128, d128.heads_kv),
-                         download_bits(g128.v, d128, d128.heads_kv)};
-      const Grads wide{download_bits(g256.q, d256, d256.heads_q), download_bits(g256.k, d256, d256.heads_kv),
-                       download_bits(g256.v, d256, d256.heads_kv)};
-      // Split each wide gradient into its live columns and the rest.
-      const auto split = [&](const std::vector<bf16>& w, std::vector<bf16>* live, std::size_t* dead_nonzero) {
-        *dead_nonzero = 0;
-        for (std::size_t r = 0; r < w.size() / 256; ++r)
-          for (std::size_t x = 0; x < 256; ++x) {
-            const bf16 e = w[r * 256 + x];
-            if (x / 128 == static_cast<std::size_t>(c))
-              live->push_back(e);
-            else if (oom::to_float(e) != 0.0f)
-              ++*dead_nonzero;
-          }
-      };
-      std::vector<bf16> dq_live, dk_live, dv_live;
-      std::size_t dq_dead = 0, dk_dead = 0, dv_dead = 0;
-      split(wide.dq, &dq_live, &dq_dead);
-      split(wide.dk, &dk_live, &dk_dead);
-      split(wide.dv, &dv_live, &dv_dead);
-      CHECK_MESSAGE(dv_dead + dk_dead + dq_dead == 0, dv_dead << " dV, " << dk_dead << " dK, " << dq_dead
-                                                              << " dQ elements non-zero outside the live columns");
-      // Expected bit for bit (see above) unless the tensor cores' internal accumulation treats a
-      // k-step of zero products as other than exact: checked to rounding, the bit count reported.
-      std::size_t same = 0;
-      for (std::size_t x = 0; x < dv_live.size(); ++x) same += dv_live[x].bits == narrow.dv[x].bits;
-      MESSAGE("dV, live columns: " << same << " of " << dv_live.size() << " elements the head-dim-128 kernel's bits");
-      check_bounded(to_float(dv_live), to_float(narrow.dv), t.dv_mag, 1, "dV, live columns, vs the head-dim-128 kernel");
-      check_bounded(to_float(dk_live), to_float(narrow.dk), t.dk_mag, 1, "dK, live columns, vs the head-dim-128 kernel");
-      check_bounded(to_float(dq_live), to_float(narrow.dq), t.dq_mag, 1, "dQ, live columns, vs the head-dim-128 kernel");
+      const LiveColumns r = run_live_columns(
+          d128, c, t.problem(0), download_bits(t.in.q, d128, d128.heads_q), download_bits(t.in.k, d128, d128.heads_kv),
+          download_bits(t.in.v, d128, d128.heads_kv), download_bits(t.o, d128, d128.heads_q), t.do_buf.download(),
+          t.lse.get());
+      CHECK_MESSAGE(r.dead_nonzero == 0, r.dead_nonzero << " elements non-zero outside the live columns");
+      CHECK_MESSAGE(r.dv_same_bits() == r.dv.size(), "dV, live columns: " << r.dv_same_bits() << " of " << r.dv.size()
+                                                                          << " the head-dim-128 kernel's bits");
+      check_bounded(to_float(r.dv), to_float(r.narrow.dv), t.dv_mag, 1, "dV, live columns, vs the head-dim-128 kernel");
+      check_bounded(to_float(r.dk), to_float(r.narrow.dk), t.dk_mag, 1, "dK, live columns, vs the head-dim-128 kernel");
+      check_bounded(to_float(r.dq), to_float(r.narrow.dq), t.dq_mag, 1, "dQ, live columns, vs the head-dim-128 kernel");
     }
+}
+
+TEST_CASE("attention_backward_wgmma_d256 on 128 live columns at S = 16384, Hq/Hkv = 16/4: dV the head-dim-128 kernel's bits") {
+  // The case above where the CPU reference cannot go: every dK/dV block runs up to 1,024 steps
+  // through the single exchange buffers, and a race there would change dV bits. Hashed inputs,
+  // O and LSE from attention_forward at head_dim 128.
+  require_sm90();
+  const AttentionDims d128{1, 16384, 16, 4, 128};
+  const std::size_t nq = static_cast<std::size_t>(d128.seq) * d128.heads_q * 128;
+  const std::size_t nkv = static_cast<std::size_t>(d128.seq) * d128.heads_kv * 128;
+  const auto q = hashed_bf16(nq, 31), k = hashed_bf16(nkv, 32), v = hashed_bf16(nkv, 33), d_o = hashed_bf16(nq, 34);
+  DeviceQkv in(d128, false);
+  upload(in.q, q, d128, d128.heads_q);
+  upload(in.k, k, d128, d128.heads_kv);
+  upload(in.v, v, d128, d128.heads_kv);
+  DeviceBuffer<bf16> o_buf(nq);
+  DeviceBuffer<float> lse(static_cast<std::size_t>(d128.heads_q) * d128.seq);
+  const std::int64_t q_row = std::int64_t{d128.heads_q} * 128;
+  const AttentionProblem p{.batch = 1, .seq = d128.seq, .heads_q = d128.heads_q, .heads_kv = d128.heads_kv,
+                           .head_dim = 128, .softmax_scale = 1.0f / std::sqrt(128.0f)};
+  OOM_CUDA_CHECK(oom::kernels::attention_forward(p, as_const(in.q), as_const(in.k), as_const(in.v),
+                                                 TokenRows<bf16>{o_buf.get(), d128.seq * q_row, q_row}, lse.get(),
+                                                 nullptr));
+  const auto o = o_buf.download();
+  for (const int c : {0, 1}) {
+    INFO("live columns [" << 128 * c << ", " << 128 * c + 128 << ")");
+    const LiveColumns r = run_live_columns(d128, c, p, q, k, v, o, d_o, lse.get());
+    CHECK_MESSAGE(r.dead_nonzero == 0, r.dead_nonzero << " elements non-zero outside the live columns");
+    CHECK_MESSAGE(r.dv_same_bits() == r.dv.size(), "dV, live columns: " << r.dv_same_bits() << " of " << r.dv.size()
+                                                                        << " the head-dim-128 kernel's bits");
+    // dK, dQ: within bf16 roundings of D_i's summation order (a wrong panel or descriptor: errors of
+    // the values' own size).
+    const double l2_dk = relative_l2(to_float(r.dk), to_float(r.narrow.dk));
+    const double l2_dq = relative_l2(to_float(r.dq), to_float(r.narrow.dq));
+    MESSAGE("live columns [" << 128 * c << ", +128): relative L2 against the head-dim-128 kernel: dK " << l2_dk
+                             << ", dQ " << l2_dq);
+    CHECK(l2_dk < 1e-2);
+    CHECK(l2_dq < 1e-2);
+  }
 }
 
 TEST_CASE("attention_backward_wgmma on one query sub-range: rows outside it untouched") {
@@ -479,7 +535,7 @@ TEST_CASE("on compute capability 9.0 attention_forward/backward run the wgmma ke
   }
 }
 
-TEST_CASE("attention_backward_wgmma (D = 128) and _d256 vs mma.sync: timing at S = 4096, 16384, 65536 (B = 1, Hq/Hkv = 16/4)") {
+TEST_CASE("attention_backward_wgmma vs mma.sync at head dims 128 and 256: timing at S = 4096, 16384, 65536 (B = 1, Hq/Hkv = 16/4)") {
   // Printed, not asserted. Backward FLOPs counted as 2.5x the causal forward's 2 S^2 Hq D (as
   // test_attention's 1M case): five S x S products of 2 D FLOP per entry over half the square.
   require_sm90();

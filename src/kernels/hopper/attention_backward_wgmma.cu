@@ -15,19 +15,21 @@
 // summation order inside the tensor-core products differs, so results agree with the mma.sync
 // kernel within the bf16 bounds, not bit for bit.
 //
-// Shared memory: every tile is HD columns (d) wide (128 or 256), in the forward's 128-byte-
-// swizzled layout (wgmma.cuh, sw128: placement and descriptors), one tile serving as either
-// operand form; 1.12-1.28x the no-swizzle band layout it replaced on the H200, the same bits.
+// Shared memory: every Q, K, V, dO tile is d (128 or 256) columns wide, the head-dim-256 blocks'
+// exchange tiles 64, all in the forward's 128-byte-swizzled layout (wgmma.cuh, sw128: placement and
+// descriptors), one tile serving as either operand form; 1.12-1.28x the no-swizzle band layout it
+// replaced on the H200, the same bits.
 //
 // Warp-specialised as the forward (attention_forward_wgmma.cu; the mbarrier and setmaxnreg
 // helpers in warp_specialized.cuh): 384 threads per block. Warpgroups 0 and 1 compute; warpgroup 2,
 // the producer, issues every cp.async into mbarrier-tracked stages. setmaxnreg: producer 24
 // registers, consumers 240 (launch bound 168 = 65536 / 384). No block-wide barrier after the
-// set-up: tile t lands in stage t % 4, whose "full" mbarrier (count 128) completes its phase t / 4
-// through each producer thread's cp.async.mbarrier.arrive.noinc, and whose "empty" mbarrier (count
-// 256) completes once every consumer thread has retired the wgmmas that read the stage (wait_group
-// 0) and read its LSE2/D; the producer refilling stage t % 4 with tile t >= 4 first waits for
-// completion t / 4 - 1 of "empty" (parity (t / 4 + 1) & 1). A step/tile wholly masked for one
+// set-up: with S stages (4 at head_dim 128, 2 at 256), tile t lands in stage t % S, whose "full"
+// mbarrier (count 128) completes its phase t / S through each producer thread's
+// cp.async.mbarrier.arrive.noinc, and whose "empty" mbarrier (count 256) completes once every
+// consumer thread has retired the wgmmas that read the stage (wait_group 0) and read its LSE2/D;
+// the producer refilling stage t % S with tile t >= S first waits for completion t / S - 1 of
+// "empty" (parity (t / S + 1) & 1). A step/tile wholly masked for one
 // warpgroup is run (P, dS exact zeros: += 0 products), not skipped: no wgmma in divergent code, and
 // both warpgroups arrive on every "empty".
 //
@@ -188,45 +190,38 @@ template <int R, int HD>
 constexpr int kTileBytes = R * HD * 2;
 
 /// A block's mbarriers at `base` (8 bytes each): `once` (the tiles loaded once per block: K, V or
-/// Q, dO), then full[S] and empty[S] of the streamed stages. Step t uses stage t % S, its (t / S)-th
-/// use: the stage's full barrier completes phase t / S, and the producer waits for completion
-/// t / S - 1 of its empty barrier before refilling it.
-template <int S>
-struct StageBarriers {
-  std::uint32_t base;
-  [[nodiscard]] __device__ std::uint32_t once() const { return base; }
-  [[nodiscard]] __device__ std::uint32_t full(int s) const { return base + static_cast<std::uint32_t>(8 * (1 + s)); }
-  [[nodiscard]] __device__ std::uint32_t empty(int s) const {
-    return base + static_cast<std::uint32_t>(8 * (1 + S + s));
-  }
-  /// Thread 0 initialises them (arrival counts: the producer's 128 threads for once / full, the
-  /// consumers' 256 for empty), then the block's last block-wide barrier.
+/// Q, dO), then the streamed stages' full[S] and empty[S] (warp_specialized.cuh). Step t uses stage
+/// t % S, its (t / S)-th use: the stage's full barrier completes phase t / S, and the producer waits
+/// for completion t / S - 1 of its empty barrier before refilling it.
+struct BwdBarriers {
+  std::uint32_t once;
+  StageBarriers stage;
+  __device__ BwdBarriers(std::uint32_t base, int stages) : once(base), stage{base + 8u, stages} {}
+  [[nodiscard]] __device__ std::uint32_t full(int s) const { return stage.full(s); }
+  [[nodiscard]] __device__ std::uint32_t empty(int s) const { return stage.empty(s); }
+  /// Thread 0 initialises them (the producer's 128 threads arrive on once and full, the consumers'
+  /// 256 on empty), then the block's last block-wide barrier.
   __device__ void init() const {
-    if (threadIdx.x == 0) {
-      mbar_init(once(), kWsProducerThreads);
-      for (int s = 0; s < S; ++s) {
-        mbar_init(full(s), kWsProducerThreads);
-        mbar_init(empty(s), kWsConsumerThreads);
-      }
-      mbar_fence_init();
-    }
-    __syncthreads();
+    if (threadIdx.x == 0) mbar_init(once, kWsProducerThreads);
+    stage.init(kWsProducerThreads);
   }
 };
 
 /// The dK/dV blocks' producer (warpgroup 2; `tid` its thread, 0..127), layout L (DkdvSmem or
-/// DkdvSplitSmem): K, V rows [n0, n0 + KEYS) of KV head hk once, then per step t the Q and dO
+/// DkdvD256Smem): K, V rows [n0, n0 + KEYS) of KV head hk once, then per step t the Q and dO
 /// rows of query tile qb_first + t % (qb_count - qb_first) of query head hk group + t / (that),
-/// and the tile's LSE2 and D, into stage t % S. Returns with nothing in flight.
+/// and the tile's LSE2 and D, into stage t % S. Returns with nothing in flight. `p` by reference
+/// here (unlike the blocks' consumers, below): by value ptxas spilled 4 bytes in the head-dim-128
+/// producer's 24 registers; by reference the SASS is that of the code it was factored out of.
 template <class L, int KEYS, int HD>
-__device__ __forceinline__ void dkdv_producer(const BackwardParams& p, unsigned char* smem, StageBarriers<L::S> bar,
+__device__ __forceinline__ void dkdv_producer(const BackwardParams& p, unsigned char* smem, BwdBarriers bar,
                                               int n0, int hk, int b, int qb_first, int qb_count, int steps, int tid) {
   constexpr int S = L::S;
   load_rows_sw128_producer<KEYS, HD>(
       smem_addr(smem + L::off_k), p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0, p.seq, tid);
   load_rows_sw128_producer<KEYS, HD>(
       smem_addr(smem + L::off_v), p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD, p.v_token, n0, p.seq, tid);
-  cp_async_mbar_arrive(bar.once());
+  cp_async_mbar_arrive(bar.once);
   int h = hk * p.group, qb = qb_first, st = 0;
   std::uint32_t phase = 0;
   for (int t = 0; t < steps; ++t) {
@@ -259,11 +254,11 @@ __device__ __forceinline__ void dkdv_producer(const BackwardParams& p, unsigned 
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
 }
 
-/// The dQ blocks' producer (warpgroup 2; `tid` its thread), layout L (DqSmem or DqSplitSmem): Q,
+/// The dQ blocks' producer (warpgroup 2; `tid` its thread), layout L (DqSmem or DqD256Smem): Q,
 /// dO rows [q0, q0 + ROWS) of query head h once, then key tile t (BC keys of KV head hk) of K and
 /// V into stage t % S for t = 0 .. n_kv - 1. Returns with nothing in flight.
 template <class L, int ROWS, int BC, int HD>
-__device__ __forceinline__ void dq_producer(const BackwardParams& p, unsigned char* smem, StageBarriers<L::S> bar,
+__device__ __forceinline__ void dq_producer(const BackwardParams& p, unsigned char* smem, BwdBarriers bar,
                                             int q0, int h, int hk, int b, int n_kv, int tid) {
   constexpr int S = L::S;
   load_rows_sw128_producer<ROWS, HD>(
@@ -271,7 +266,7 @@ __device__ __forceinline__ void dq_producer(const BackwardParams& p, unsigned ch
   load_rows_sw128_producer<ROWS, HD>(smem_addr(smem + L::off_do),
                                      p.d_o + b * p.do_batch + static_cast<std::int64_t>(h) * HD, p.do_token, q0,
                                      p.q_end, tid);
-  cp_async_mbar_arrive(bar.once());
+  cp_async_mbar_arrive(bar.once);
   const __nv_bfloat16* k_g = p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD;
   const __nv_bfloat16* v_g = p.v + b * p.v_batch + static_cast<std::int64_t>(hk) * HD;
   int st = 0;
@@ -299,7 +294,7 @@ struct DkdvSmem {
   static constexpr int off_do = off_q + S * kTileBytes<kDkdvBr, kD>;     // S tiles
   static constexpr int off_lse2 = off_do + S * kTileBytes<kDkdvBr, kD>;  // S x 64 fp32
   static constexpr int off_delta = off_lse2 + S * kDkdvBr * 4;            // S x 64 fp32
-  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;             // StageBarriers: once, full[], empty[]
+  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;             // BwdBarriers: once, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
 static_assert(DkdvSmem::off_bar == 194 * 1024 && DkdvSmem::bytes <= kMaxDynamicSmem);
@@ -317,7 +312,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
   const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
 
-  const StageBarriers<S> bar{smem_addr(smem + L::off_bar)};
+  const BwdBarriers bar(smem_addr(smem + L::off_bar), S);
   bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
@@ -349,7 +344,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   float s[32], dp[32];
   std::uint32_t pa[4][4], da[4][4];
 
-  mbar_wait(bar.once(), 0);
+  mbar_wait(bar.once, 0);
   // Few registers live across the loop: the stage and phase come from t (S a power of two), the
   // query tile start q0 steps through [q_first, q_stop) once per head.
   static_assert((S & (S - 1)) == 0);
@@ -444,7 +439,8 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
 // all 256 columns (16 k-steps of m64n64k16 SS), and the elementwise results meet in shared memory.
 // 7 products of a tile pair's size (the head-dim-128 kernels' count) where forming both in each
 // warpgroup took 11; that kernel, run on the H200 in the twenty-second session, gave the same bits
-// on every test problem and ran 0.83-0.90x this one.
+// on every test problem and ran 0.83-0.90x this one as first run (0.79-0.86x once the exchange's
+// loads were grouped).
 //
 // dK/dV block = 64 keys of one (KV head, batch); K, V loaded once; (Q, dO, LSE2, D) tiles of 64
 // queries stream through two stages, as in dkdv_block.
@@ -464,7 +460,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
 // warpgroup 1 rewrites x only after barrier 2 of step t, which warpgroup 0 reaches after reading x.
 // Shared memory: K, V 2 x 32 KiB, 2 x (Q, dO) 2 x 32 KiB, P^T, dS^T 2 x 8 KiB, x 16 KiB, LSE2/D
 // 1 KiB: 225 KiB and the barriers. ptxas: 168 registers at launch, 8 bytes of spills.
-struct DkdvSplitSmem {
+struct DkdvD256Smem {
   static constexpr int HD = 256, S = 2, keys = 64;
   static constexpr int off_k = 0;
   static constexpr int off_v = off_k + kTileBytes<keys, HD>;
@@ -475,11 +471,11 @@ struct DkdvSplitSmem {
   static constexpr int off_x = off_dst + kTileBytes<keys, 64>;           // dP^T - D: 128 threads x 32 fp32
   static constexpr int off_lse2 = off_x + 128 * 32 * 4;                  // S x 64 fp32
   static constexpr int off_delta = off_lse2 + S * kDkdvBr * 4;           // S x 64 fp32
-  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;            // StageBarriers: once, full[], empty[]
+  static constexpr int off_bar = off_delta + S * kDkdvBr * 4;            // BwdBarriers: once, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
-static_assert(DkdvSplitSmem::off_pt % 1024 == 0 && DkdvSplitSmem::off_dst % 1024 == 0, "swizzled tiles: 1 KiB aligned");
-static_assert(DkdvSplitSmem::bytes + 1024 <= kMaxDynamicSmem, "over the sm_90 shared memory per block");
+static_assert(DkdvD256Smem::off_pt % 1024 == 0 && DkdvD256Smem::off_dst % 1024 == 0, "swizzled tiles: 1 KiB aligned");
+static_assert(DkdvD256Smem::off_bar == 225 * 1024 && DkdvD256Smem::bytes + 1024 <= kMaxDynamicSmem);
 
 /// Named barrier `id` of the two consumer warpgroups (256 threads): wait for all, or only arrive.
 /// An arrive synchronises with the syncs of the same barrier phase (PTX memory model; the ISA's
@@ -508,16 +504,16 @@ __device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t 
 }
 
 /// dK, dV of keys [64 nb, 64 nb + 64) of KV head hk, batch b at head_dim 256, the products split
-/// between the warpgroups (above); `smem` the kernel's DkdvSplitSmem.
-__device__ __forceinline__ void dkdv_block_split(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
-  using L = DkdvSplitSmem;
+/// between the warpgroups (above); `smem` the kernel's DkdvD256Smem.
+__device__ __forceinline__ void dkdv_block_d256(const BackwardParams p, unsigned char* smem, int nb, int hk, int b) {
+  using L = DkdvD256Smem;
   constexpr int S = L::S, HD = L::HD;
   const int n0 = nb * L::keys;
   const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
   const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
   const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
 
-  const StageBarriers<S> bar{smem_addr(smem + L::off_bar)};
+  const BwdBarriers bar(smem_addr(smem + L::off_bar), S);
   bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
@@ -554,7 +550,7 @@ __device__ __forceinline__ void dkdv_block_split(const BackwardParams p, unsigne
   for (int e = 0; e < 64; ++e) dk[e] = dv[e] = 0.0f;
   float acc[32];  // S^T (warpgroup 0) or dP^T (warpgroup 1)
 
-  mbar_wait(bar.once(), 0);
+  mbar_wait(bar.once, 0);
   static_assert((S & (S - 1)) == 0);
   const int q_first = p.q_begin + qb_first * kDkdvBr, q_stop = p.q_begin + qb_count * kDkdvBr;
   int q0 = q_first;
@@ -654,7 +650,7 @@ struct DqSmem {
   static constexpr int off_do = off_q + kTileBytes<kDqRows, kD>;
   static constexpr int off_k = off_do + kTileBytes<kDqRows, kD>;     // S tiles
   static constexpr int off_v = off_k + S * kTileBytes<kDqBc, kD>;    // S tiles
-  static constexpr int off_bar = off_v + S * kTileBytes<kDqBc, kD>;  // StageBarriers: once, full[], empty[]
+  static constexpr int off_bar = off_v + S * kTileBytes<kDqBc, kD>;  // BwdBarriers: once, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
 static_assert(DqSmem::off_bar == 192 * 1024 && DqSmem::bytes <= kMaxDynamicSmem);
@@ -669,7 +665,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
   const int q_last = min(q0 + kDqRows, p.q_end) - 1;
   const int n_kv = q_last / kDqBc + 1;  // key tiles 0 .. the one holding q_last
 
-  const StageBarriers<S> bar{smem_addr(smem + L::off_bar)};
+  const BwdBarriers bar(smem_addr(smem + L::off_bar), S);
   bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
@@ -713,7 +709,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) da[ks][0] = da[ks][1] = da[ks][2] = da[ks][3] = 0u;
 
-  mbar_wait(bar.once(), 0);
+  mbar_wait(bar.once, 0);
   int st = 0;
   std::uint32_t phase = 0;
   // Every key tile 0 .. n_kv - 1 for both warpgroups, also warpgroup 0's last one when all its keys
@@ -771,15 +767,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
                  false);
 }
 
-/// dQ of query rows [q_begin + 64 qb, + 64) of query head h, batch b at head_dim 256, the
-/// products split between the warpgroups as in dkdv_block_split: per key tile, warpgroup 0 forms
-/// S = Q K^T and warpgroup 1 dP = dO V^T (each once); warpgroup 1 writes x = dP - D_i (fp32, its
-/// fragment order) and arrives at named barrier 1; warpgroup 0 forms P (masked as dq_block's) and
-/// dS = P x, writes dS as bf16 into a 64 x 64 swizzled tile (rows = queries: a K-major A operand
-/// over the keys); after named barrier 2 both run dQ_w += dS K[:, 128 w ..] (4 k-steps of
-/// m64n128k16 SS, B = the K stage MN-major at panel 2w). 3 products a tile pair instead of 5.
-/// `smem` the kernel's DqSplitSmem (Q, dO 2 x 32 KiB, 2 x (K, V) 2 x 32 KiB, dS 8 KiB, x 16 KiB: 216 KiB).
-struct DqSplitSmem {
+struct DqD256Smem {
   static constexpr int HD = 256, S = 2, rows = 64, bc = 64;
   static constexpr int off_q = 0;
   static constexpr int off_do = off_q + kTileBytes<rows, HD>;
@@ -787,20 +775,29 @@ struct DqSplitSmem {
   static constexpr int off_v = off_k + S * kTileBytes<bc, HD>;     // S tiles
   static constexpr int off_ds = off_v + S * kTileBytes<bc, HD>;    // dS, 64 x 64 bf16 swizzled
   static constexpr int off_x = off_ds + kTileBytes<rows, 64>;      // dP - D: 128 threads x 32 fp32
-  static constexpr int off_bar = off_x + 128 * 32 * 4;             // StageBarriers: once, full[], empty[]
+  static constexpr int off_bar = off_x + 128 * 32 * 4;             // BwdBarriers: once, full[], empty[]
   static constexpr int bytes = off_bar + 8 * (1 + 2 * S);
 };
-static_assert(DqSplitSmem::off_ds % 1024 == 0, "swizzled tile: 1 KiB aligned");
+static_assert(DqD256Smem::off_ds % 1024 == 0, "swizzled tile: 1 KiB aligned");
+static_assert(DqD256Smem::off_bar == 216 * 1024);
 
-__device__ __forceinline__ void dq_block_split(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
-  using L = DqSplitSmem;
+/// dQ of query rows [q_begin + 64 qb, + 64) of query head h, batch b at head_dim 256, the
+/// products split between the warpgroups as in dkdv_block_d256: per key tile, warpgroup 0 forms
+/// S = Q K^T and warpgroup 1 dP = dO V^T (each once); warpgroup 1 writes x = dP - D_i (fp32, its
+/// fragment order) and arrives at named barrier 1; warpgroup 0 forms P (masked as dq_block's) and
+/// dS = P x, writes dS as bf16 into a 64 x 64 swizzled tile (rows = queries: a K-major A operand
+/// over the keys); after named barrier 2 both run dQ_w += dS K[:, 128 w ..] (4 k-steps of
+/// m64n128k16 SS, B = the K stage MN-major at panel 2w). 3 products a tile pair instead of 5.
+/// `smem` the kernel's DqD256Smem (Q, dO 2 x 32 KiB, 2 x (K, V) 2 x 32 KiB, dS 8 KiB, x 16 KiB: 216 KiB).
+__device__ __forceinline__ void dq_block_d256(const BackwardParams p, unsigned char* smem, int qb, int h, int b) {
+  using L = DqD256Smem;
   constexpr int S = L::S, HD = L::HD;
   const int hk = h / p.group;
   const int q0 = p.q_begin + qb * L::rows;
   const int q_last = min(q0 + L::rows, p.q_end) - 1;
   const int n_kv = q_last / L::bc + 1;  // key tiles 0 .. the one holding q_last
 
-  const StageBarriers<S> bar{smem_addr(smem + L::off_bar)};
+  const BwdBarriers bar(smem_addr(smem + L::off_bar), S);
   bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
@@ -843,7 +840,7 @@ __device__ __forceinline__ void dq_block_split(const BackwardParams p, unsigned 
   for (int e = 0; e < 64; ++e) dq[e] = 0.0f;
   float acc[32];  // S (warpgroup 0) or dP (warpgroup 1)
 
-  mbar_wait(bar.once(), 0);
+  mbar_wait(bar.once, 0);
   int st = 0;
   std::uint32_t phase = 0;
   for (int j = 0; j < n_kv; ++j) {
@@ -917,7 +914,7 @@ __device__ __forceinline__ void dq_block_split(const BackwardParams p, unsigned 
 /// 1 KiB that aligning it may take.
 template <int HD>
 constexpr int kBackwardSmem =
-    HD == 256 ? (DkdvSplitSmem::bytes > DqSplitSmem::bytes ? DkdvSplitSmem::bytes : DqSplitSmem::bytes) + 1024
+    HD == 256 ? (DkdvD256Smem::bytes > DqD256Smem::bytes ? DkdvD256Smem::bytes : DqD256Smem::bytes) + 1024
               : (DkdvSmem::bytes > DqSmem::bytes ? DkdvSmem::bytes : DqSmem::bytes) + 1024;
 static_assert(kBackwardSmem<128> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMaxDynamicSmem);
 
@@ -928,7 +925,7 @@ static_assert(kBackwardSmem<128> <= kMaxDynamicSmem && kBackwardSmem<256> <= kMa
 /// doing twice the mean work). Within each pass the blocks of one head come together (the key /
 /// query block index varies fastest, key block 0 and the last query block, the longest, first):
 /// the blocks running at one time share the head's Q/dO (dK/dV) or K/V (dQ) tiles in L2.
-/// HD: the head dim, 128 (dkdv_block, dq_block) or 256 (dkdv_block_split, dq_block_split).
+/// HD: the head dim, 128 (dkdv_block, dq_block) or 256 (dkdv_block_d256, dq_block_d256).
 template <int HD>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel(const BackwardParams p, int kv_blocks,
                                                                                 int dkdv_blocks, int q_blocks) {
@@ -941,13 +938,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_backward_wgmma_kernel
   if (i < dkdv_blocks) {
     const int heads_kv = p.heads_q / p.group, rest = i / kv_blocks;
     if constexpr (HD == 256)
-      dkdv_block_split(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
+      dkdv_block_d256(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
     else
       dkdv_block(p, smem, i % kv_blocks, rest % heads_kv, rest / heads_kv);
   } else {
     const int j = i - dkdv_blocks, rest = j / q_blocks;
     if constexpr (HD == 256)
-      dq_block_split(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
+      dq_block_d256(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
     else
       dq_block(p, smem, q_blocks - 1 - j % q_blocks, rest % p.heads_q, rest / p.heads_q);
   }
@@ -980,8 +977,8 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
 
   const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
   // Every refusal before the first launch, so a refused call leaves nothing queued.
-  constexpr int kKeys = kHeadDim == 256 ? DkdvSplitSmem::keys : kDkdvKeys;
-  constexpr int kQRows = kHeadDim == 256 ? DqSplitSmem::rows : kDqRows;
+  constexpr int kKeys = kHeadDim == 256 ? DkdvD256Smem::keys : kDkdvKeys;
+  constexpr int kQRows = kHeadDim == 256 ? DqD256Smem::rows : kDqRows;
   const std::int64_t kv_blocks = (params.q_end + kKeys - 1) / kKeys;
   const std::int64_t q_blocks = (params.q_len() + kQRows - 1) / kQRows;
   const std::int64_t dkdv_blocks = kv_blocks * p.heads_kv * p.batch, dq_blocks = q_blocks * p.heads_q * p.batch;

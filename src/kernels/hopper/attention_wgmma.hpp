@@ -69,9 +69,9 @@ cudaError_t attention_backward_wgmma(const AttentionProblem& p,
                                      cudaStream_t stream);
 
 /// The backward at head_dim 256 (attention_backward_wgmma.cu, "head_dim 256": each block's
-/// products over d split between its two warpgroups): the same arguments,
-/// results, workspace and error returns as attention_backward_wgmma (cudaErrorNotSupported for
-/// another head_dim or a device other than compute capability 9.0).
+/// products over d split between its two warpgroups): the same arguments, results, workspace and
+/// error returns as attention_backward_wgmma (cudaErrorNotSupported for another head_dim or a
+/// device other than compute capability 9.0).
 cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                           TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
                                           const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
