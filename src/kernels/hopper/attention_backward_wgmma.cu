@@ -207,16 +207,30 @@ struct BwdBarriers {
   }
 };
 
-/// The dK/dV blocks' producer (warpgroup 2; `tid` its thread, 0..127), layout L (DkdvSmem or
-/// DkdvD256Smem): K, V rows [n0, n0 + KEYS) of KV head hk once, then per step t the Q and dO
-/// rows of query tile qb_first + t % (qb_count - qb_first) of query head hk group + t / (that),
-/// and the tile's LSE2 and D, into stage t % S. Returns with nothing in flight. `p` by reference
+/// The query tiles a dK/dV block of keys from n0 visits (both head dims): qb_first, the first with
+/// a row >= n0, to qb_count - 1, for each of the group's heads: `steps` (>= 1 for a block with
+/// n0 < q_end).
+struct DkdvWalk {
+  int qb_first, qb_count, steps;
+  __device__ DkdvWalk(const BackwardParams& p, int n0)
+      : qb_first(n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr),
+        qb_count((p.q_len() + kDkdvBr - 1) / kDkdvBr),
+        steps(p.group * (qb_count - qb_first)) {}
+};
+
+/// The dK/dV blocks' producer (warpgroup 2, which it gives up registers for), layout L (DkdvSmem
+/// or DkdvD256Smem): K, V rows [n0, n0 + KEYS) of KV head hk once, then per step t of `w` the Q
+/// and dO rows of query tile qb_first + t % (qb_count - qb_first) of query head hk group + t /
+/// (that), and the tile's LSE2 and D, into stage t % S. Returns with nothing in flight. `p` by reference
 /// here (unlike the blocks' consumers, below): by value ptxas spilled 4 bytes in the head-dim-128
 /// producer's 24 registers; by reference the SASS is that of the code it was factored out of.
 template <class L, int KEYS, int HD>
 __device__ __forceinline__ void dkdv_producer(const BackwardParams& p, unsigned char* smem, BwdBarriers bar,
-                                              int n0, int hk, int b, int qb_first, int qb_count, int steps, int tid) {
+                                              int n0, int hk, int b, DkdvWalk w) {
   constexpr int S = L::S;
+  setmaxnreg_dec<kProducerRegs>();
+  const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
+  const int qb_first = w.qb_first, qb_count = w.qb_count, steps = w.steps;
   load_rows_sw128_producer<KEYS, HD>(
       smem_addr(smem + L::off_k), p.k + b * p.k_batch + static_cast<std::int64_t>(hk) * HD, p.k_token, n0, p.seq, tid);
   load_rows_sw128_producer<KEYS, HD>(
@@ -254,13 +268,15 @@ __device__ __forceinline__ void dkdv_producer(const BackwardParams& p, unsigned 
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight behind
 }
 
-/// The dQ blocks' producer (warpgroup 2; `tid` its thread), layout L (DqSmem or DqD256Smem): Q,
-/// dO rows [q0, q0 + ROWS) of query head h once, then key tile t (BC keys of KV head hk) of K and
-/// V into stage t % S for t = 0 .. n_kv - 1. Returns with nothing in flight.
+/// The dQ blocks' producer (warpgroup 2, which it gives up registers for), layout L (DqSmem or
+/// DqD256Smem): Q, dO rows [q0, q0 + ROWS) of query head h once, then key tile t (BC keys of KV
+/// head hk) of K and V into stage t % S for t = 0 .. n_kv - 1. Returns with nothing in flight.
 template <class L, int ROWS, int BC, int HD>
 __device__ __forceinline__ void dq_producer(const BackwardParams& p, unsigned char* smem, BwdBarriers bar,
-                                            int q0, int h, int hk, int b, int n_kv, int tid) {
+                                            int q0, int h, int hk, int b, int n_kv) {
   constexpr int S = L::S;
+  setmaxnreg_dec<kProducerRegs>();
+  const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
   load_rows_sw128_producer<ROWS, HD>(
       smem_addr(smem + L::off_q), p.q + b * p.q_batch + static_cast<std::int64_t>(h) * HD, p.q_token, q0, p.q_end, tid);
   load_rows_sw128_producer<ROWS, HD>(smem_addr(smem + L::off_do),
@@ -308,18 +324,15 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   using L = DkdvSmem;
   constexpr int S = L::S, HD = kD;
   const int n0 = nb * kDkdvKeys;
-  const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
-  const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
-  const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
+  const DkdvWalk walk(p, n0);
+  const int qb_first = walk.qb_first, qb_count = walk.qb_count, steps = walk.steps;
 
   const BwdBarriers bar(smem_addr(smem + L::off_bar), S);
   bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
   if (wg == 2) {  // the producer
-    setmaxnreg_dec<kProducerRegs>();
-    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    dkdv_producer<L, kDkdvKeys, HD>(p, smem, bar, n0, hk, b, qb_first, qb_count, steps, tid);
+    dkdv_producer<L, kDkdvKeys, HD>(p, smem, bar, n0, hk, b, walk);
     return;
   }
 
@@ -509,18 +522,15 @@ __device__ __forceinline__ void dkdv_block_d256(const BackwardParams p, unsigned
   using L = DkdvD256Smem;
   constexpr int S = L::S, HD = L::HD;
   const int n0 = nb * L::keys;
-  const int qb_first = n0 <= p.q_begin ? 0 : (n0 - p.q_begin) / kDkdvBr;  // first query tile with a row >= n0
-  const int qb_count = (p.q_len() + kDkdvBr - 1) / kDkdvBr;
-  const int steps = p.group * (qb_count - qb_first);  // >= 1: n0 < q_end
+  const DkdvWalk walk(p, n0);
+  const int qb_first = walk.qb_first, qb_count = walk.qb_count, steps = walk.steps;
 
   const BwdBarriers bar(smem_addr(smem + L::off_bar), S);
   bar.init();  // ends with the last block-wide barrier
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
   if (wg == 2) {  // the producer
-    setmaxnreg_dec<kProducerRegs>();
-    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    dkdv_producer<L, L::keys, HD>(p, smem, bar, n0, hk, b, qb_first, qb_count, steps, tid);
+    dkdv_producer<L, L::keys, HD>(p, smem, bar, n0, hk, b, walk);
     return;
   }
 
@@ -670,9 +680,7 @@ __device__ __forceinline__ void dq_block(const BackwardParams p, unsigned char* 
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
   if (wg == 2) {  // the producer
-    setmaxnreg_dec<kProducerRegs>();
-    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    dq_producer<L, kDqRows, kDqBc, HD>(p, smem, bar, q0, h, hk, b, n_kv, tid);
+    dq_producer<L, kDqRows, kDqBc, HD>(p, smem, bar, q0, h, hk, b, n_kv);
     return;
   }
 
@@ -802,9 +810,7 @@ __device__ __forceinline__ void dq_block_d256(const BackwardParams p, unsigned c
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
   if (wg == 2) {  // the producer
-    setmaxnreg_dec<kProducerRegs>();
-    const int tid = static_cast<int>(threadIdx.x) - kWsConsumerThreads;
-    dq_producer<L, L::rows, L::bc, HD>(p, smem, bar, q0, h, hk, b, n_kv, tid);
+    dq_producer<L, L::rows, L::bc, HD>(p, smem, bar, q0, h, hk, b, n_kv);
     return;
   }
 
