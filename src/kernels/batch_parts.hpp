@@ -1,5 +1,5 @@
-// How the row-chunked expert GEMMs split a batch count and how deep their per-expert row GEMMs go
-// (host code, no CUDA).
+// How the row-chunked expert GEMMs split a batch count, how deep their per-expert row GEMMs go, and
+// when their weight gradients are bound by memory (host code, no CUDA).
 #pragma once
 
 #include <algorithm>
@@ -65,6 +65,29 @@ inline std::int64_t deep_row_depth(const std::vector<std::int64_t>& rows, std::i
       if (cost < best_cost) best_cost = cost, best = d;
     }
   return best;
+}
+
+/// The grouped weight gradients' FLOPs per byte of fp32 dW traffic (dW_e (+)= A_e^T B_e, the same
+/// m x n for every expert, k = rows[e]): 2 rows[e] m n FLOPs per expert against 4 m n bytes
+/// written, or 8 read and written when adding; an expert without rows costs its write (zeros)
+/// when overwriting and nothing when adding. m n cancels. 0 when there is no traffic.
+inline double weight_gradient_intensity(const std::vector<std::int64_t>& rows, bool accumulate) {
+  double flops = 0, bytes = 0;
+  for (const auto r : rows) {
+    flops += 2.0 * static_cast<double>(std::max<std::int64_t>(r, 0));
+    bytes += accumulate ? (r > 0 ? 8.0 : 0.0) : 4.0;
+  }
+  return bytes > 0 ? flops / bytes : 0.0;
+}
+
+/// A device's balance: its dense bf16 tensor FLOPs per second (SMs x clock x FLOPs per clock and
+/// SM) over its memory's bytes per second (two transfers per memory clock over the bus), from the
+/// attributes CUDA reports (clocks in kHz, the bus in bits). 0 when an attribute is missing.
+/// Kernels whose FLOPs per byte fall below it are bound by memory.
+inline double device_balance(int sms, double clock_khz, double memory_clock_khz, int bus_bits, double flops_per_clock_per_sm) {
+  const double bytes_per_s = 2.0 * memory_clock_khz * 1e3 * bus_bits / 8.0;
+  const double flops_per_s = sms * clock_khz * 1e3 * flops_per_clock_per_sm;
+  return bytes_per_s > 0 ? flops_per_s / bytes_per_s : 0.0;
 }
 
 }  // namespace oom::kernels::detail

@@ -57,6 +57,10 @@ struct MappedHostBuffer {
 
 struct ExpertGemmStreams::State {
   int device = -1;
+  int sms = 0;  ///< the device's multiprocessors
+  /// The device's dense bf16 tensor FLOPs per byte of memory traffic (detail::device_balance; 4096
+  /// FLOPs per clock and SM, compute capability 9.0's, where the wgmma kernels run).
+  double balance = 0;
   /// The grouped wgmma kernels' tile counters: [0] the dW launch beside the row GEMMs
   /// (overlap_weight_gradients), [1] the grouped row GEMMs (wgmma_rows).
   int* tile_counter = nullptr;
@@ -106,6 +110,12 @@ cudaError_t ExpertGemmStreams::state(State** out) {
     return detail::refuse("ExpertGemmStreams: options.streams = ", options_.streams, " (must be 1 .. 64)");
   auto st = std::make_unique<State>();  // frees what was created if a later step fails
   st->device = device;
+  int clock_khz = 0, memory_clock_khz = 0, bus_bits = 0;
+  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&st->sms, cudaDevAttrMultiProcessorCount, device));
+  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&memory_clock_khz, cudaDevAttrMemoryClockRate, device));
+  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  st->balance = detail::device_balance(st->sms, clock_khz, memory_clock_khz, bus_bits, 4096);
   OOM_KERNEL_TRY(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
   for (int i = 0; i < options_.streams; ++i) {
     // Non-blocking: ordering with the caller's stream comes from the fork/join events only, so a
@@ -534,6 +544,14 @@ bool as_rows(const std::vector<Problem>& ps, hopper::RowsShape* shape, const bf1
   }
   return true;
 }
+
+/// detail::weight_gradient_intensity of the grouped kernel's problems.
+double weight_gradient_intensity(const std::vector<hopper::WgradProblem>& problems, bool accumulate) {
+  std::vector<std::int64_t> rows;
+  rows.reserve(problems.size());
+  for (const auto& q : problems) rows.push_back(q.rows);
+  return detail::weight_gradient_intensity(rows, accumulate);
+}
 #endif
 
 /// row_chunked's row-producing GEMMs on `stream`: one grouped wgmma launch where it applies
@@ -588,12 +606,39 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
           }
           // The row GEMMs on the caller's stream, the weight gradients beside them on the first
           // side stream, tiles handed out dynamically; joined back before returning.
+          // Where dW is bound by memory (row_sm_share), the row GEMMs' grouped launch split: its
+          // first blocks on the caller's stream beside dW, the rest of its grid queued after dW
+          // on the side stream, one tile counter (zeroed here, before the fork) shared by both.
+          hopper::RowsShape rshape;
+          const bf16* ra = nullptr;
+          bf16* rc = nullptr;
+          std::vector<hopper::RowsProblem> rps;
+          int first_blocks = 0;
+          if (o.row_sm_share > 0 && o.row_sm_share < 1 && o.wgmma_rows && !rows.empty() &&
+              weight_gradient_intensity(problems, shape.accumulate) < st->balance && as_rows(rows, &rshape, &ra, &rc, &rps) &&
+              hopper::grouped_rows_supported(rshape, ra, rc, rps) && hopper::grouped_rows_one_launch(rshape, rps)) {
+            first_blocks = std::max(1, static_cast<int>(o.row_sm_share * st->sms));
+            OOM_KERNEL_TRY(cudaMemsetAsync(st->tile_counter + 1, 0, sizeof(int), l.stream));
+          }
           const cudaStream_t side = st->streams[0];
           OOM_KERNEL_TRY(cudaEventRecord(st->fork, l.stream));
           OOM_KERNEL_TRY(cudaStreamWaitEvent(side, st->fork, 0));
-          cudaError_t status = run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays);
+          const hopper::RowsGrid split{.max_blocks = first_blocks, .counter_zeroed = true};
+          cudaError_t status = cudaSuccess;
+          if (first_blocks > 0) {
+            const auto began = std::chrono::steady_clock::now();
+            status = hopper::grouped_rows_wgmma(rshape, ra, rc, rps, l.stream, st->tile_counter + 1, split);
+            record_host_span(began, [&] {
+              return "row GEMMs: one grouped wgmma launch over " + std::to_string(rps.size()) + " experts, its first " +
+                     std::to_string(first_blocks) + " blocks beside the weight gradients";
+            });
+          } else {
+            status = run_rows(*st, o, l.blas, l.stream, rows, l.workspace, arrays);
+          }
           // dW is changed only when the call can succeed (as after the row GEMMs, below).
           if (status == cudaSuccess) status = hopper::grouped_wgrad_wgmma(shape, problems, side, st->tile_counter);
+          if (status == cudaSuccess && first_blocks > 0)
+            status = hopper::grouped_rows_wgmma(rshape, ra, rc, rps, side, st->tile_counter + 1, {.counter_zeroed = true});
           const cudaError_t w = join_side(*st, 0, l.stream);  // joined even after an error
           return status != cudaSuccess ? status : w;
         }

@@ -62,13 +62,17 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       {"chunk128nw", M::row_chunked, {.wgmma_weight_gradients = false}},
                                       // the grouped wgmma dW after the row GEMMs, on the caller's
                                       // stream (chunk128 runs it beside them on a side stream)
-                                      {"chunk128sr", M::row_chunked, {.overlap_weight_gradients = false}}};
+                                      {"chunk128sr", M::row_chunked, {.overlap_weight_gradients = false}},
+                                      // beside them, the row GEMMs never split (row_sm_share)
+                                      {"chunk128ns", M::row_chunked, {.row_sm_share = 1}}};
   if (sweep) {
     v.push_back({"streams2", M::multi_stream, {.streams = 2}});
     v.push_back({"streams8", M::multi_stream, {.streams = 8}});
     v.push_back({"chunk256", M::row_chunked, {.row_chunk = 256}});
     v.push_back({"chunk512", M::row_chunked, {.row_chunk = 512}});
     v.push_back({"chunk128s8", M::row_chunked, {.streams = 8}});
+    v.push_back({"share30", M::row_chunked, {.row_sm_share = 0.3}});
+    v.push_back({"share50", M::row_chunked, {.row_sm_share = 0.5}});
   }
   return v;
 }

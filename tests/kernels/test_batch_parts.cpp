@@ -74,3 +74,26 @@ TEST_CASE("deep row depth: recurring values, at least 4 chunks, only when it sav
   // One big expert among small ones still goes deep: its rows dominate.
   CHECK(deep_row_depth({4096, 10, 20, 0}, 128) == 4096);
 }
+
+TEST_CASE("the weight gradients' FLOPs per byte of dW traffic, against the device's balance") {
+  using oom::kernels::detail::device_balance;
+  using oom::kernels::detail::weight_gradient_intensity;
+  // 64 experts of 512 rows (the 5.13B model at T = 4096): 1024 FLOPs per element against 8 bytes
+  // when adding, 4 when overwriting.
+  const std::vector<std::int64_t> even(64, 512);
+  CHECK(weight_gradient_intensity(even, true) == doctest::Approx(128.0));
+  CHECK(weight_gradient_intensity(even, false) == doctest::Approx(256.0));
+  // An expert without rows: no traffic when adding, its zeros written when overwriting.
+  const std::vector<std::int64_t> one_idle = {512, 0};
+  CHECK(weight_gradient_intensity(one_idle, true) == doctest::Approx(128.0));
+  CHECK(weight_gradient_intensity(one_idle, false) == doctest::Approx(128.0));
+  CHECK(weight_gradient_intensity({}, true) == 0.0);
+  CHECK(weight_gradient_intensity({0, 0}, true) == 0.0);
+  CHECK(weight_gradient_intensity({0, 0}, false) == 0.0);
+  // Doubling the rows doubles the FLOPs, not the traffic.
+  CHECK(weight_gradient_intensity(std::vector<std::int64_t>(64, 1024), true) == doctest::Approx(256.0));
+  // An H100 SXM's attributes (132 SMs, 1.98 GHz, 2.619 GHz HBM3 on 5120 bits: 3.35 TB/s) at 4096
+  // dense bf16 FLOPs per clock and SM: 1.07 PFLOP/s, 319 FLOPs per byte.
+  CHECK(device_balance(132, 1.98e6, 2.619e6, 5120, 4096) == doctest::Approx(132 * 1.98e9 * 4096 / 3.352e12).epsilon(1e-3));
+  CHECK(device_balance(132, 1.98e6, 0, 5120, 4096) == 0.0);
+}

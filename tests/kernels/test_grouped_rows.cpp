@@ -7,8 +7,9 @@
 //     launches) and more tiles than blocks (each block walking its stages and phases across tiles);
 //   - every element within bf16 rounding of its fp32 sum; rows no problem owns and C's padding
 //     columns untouched bit for bit (the output starts as NaN);
-//   - the same bits from a rerun, from tiles handed out by a counter, and for one problem run
-//     alone (a row's result depends on nothing but its row and its expert);
+//   - the same bits from a rerun, from tiles handed out by a counter, from one launch split over
+//     two streams sharing that counter (RowsGrid), and for one problem run alone (a row's result
+//     depends on nothing but its row and its expert);
 //   - what it refuses;
 //   - through the expert GEMM launchers (row_chunked, wgmma_rows on, the default): the four
 //     row-producing GEMMs against the reference MoE, issued as one grouped launch each (their host
@@ -107,6 +108,26 @@ std::vector<bf16> run(const Setup& su, std::span<const hw::RowsProblem> ps, cons
   return d_c.download();
 }
 
+/// One launch split over two streams (RowsGrid): one block on the first stream, the rest of the
+/// grid on the second, the tiles from one counter zeroed beforehand.
+std::vector<bf16> run_split(const Setup& su, std::span<const hw::RowsProblem> ps, const Case& c) {
+  DeviceBuffer<bf16> d_c(static_cast<std::size_t>(su.total_rows * c.ldc));
+  OOM_CUDA_CHECK(cudaMemset(d_c.get(), 0xFF, d_c.bytes()));
+  DeviceBuffer<int> counter(1);
+  OOM_CUDA_CHECK(cudaMemset(counter.get(), 0, sizeof(int)));
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaStream_t first, rest;
+  OOM_CUDA_CHECK(cudaStreamCreateWithFlags(&first, cudaStreamNonBlocking));
+  OOM_CUDA_CHECK(cudaStreamCreateWithFlags(&rest, cudaStreamNonBlocking));
+  CHECK(hw::grouped_rows_wgmma(su.shape, su.d_a.get(), d_c.get(), ps, first, counter.get(), {.max_blocks = 1, .counter_zeroed = true}) ==
+        cudaSuccess);
+  CHECK(hw::grouped_rows_wgmma(su.shape, su.d_a.get(), d_c.get(), ps, rest, counter.get(), {.counter_zeroed = true}) == cudaSuccess);
+  OOM_CUDA_CHECK(cudaDeviceSynchronize());
+  OOM_CUDA_CHECK(cudaStreamDestroy(first));
+  OOM_CUDA_CHECK(cudaStreamDestroy(rest));
+  return d_c.download();
+}
+
 void check_case(const Case& c) {
   require_sm90();
   INFO("n=" << c.n << " k=" << c.k << " lda=" << c.lda << " ldb=" << c.ldb << " ldc=" << c.ldc << (c.b_k_by_n ? " B k x n" : " B n x k")
@@ -159,6 +180,16 @@ void check_case(const Case& c) {
   DeviceBuffer<int> counter(1);
   OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));
   CHECK(same(run(su, ps, c, counter.get())));
+  // Split over two streams where one launch takes the problems; refused where it does not, and
+  // without a counter.
+  if (hw::grouped_rows_one_launch(su.shape, ps)) {
+    CHECK(same(run_split(su, ps, c)));
+  } else {
+    CHECK(hw::grouped_rows_wgmma(su.shape, su.d_a.get(), su.d_a.get(), ps, nullptr, counter.get(), {.counter_zeroed = true}) ==
+          cudaErrorInvalidValue);
+  }
+  CHECK(hw::grouped_rows_wgmma(su.shape, su.d_a.get(), su.d_a.get(), ps, nullptr, nullptr, {.counter_zeroed = true}) ==
+        cudaErrorInvalidValue);
   for (std::size_t e = ps.size(); e-- > 0;)
     if (ps[e].rows > 0) {
       const auto alone = run(su, std::span<const hw::RowsProblem>(&ps[e], 1), c);
@@ -186,7 +217,7 @@ TEST_CASE("grouped row GEMMs over more problems than one launch takes, several t
   // column tiles each, ~500 tiles: every block of a grid of <= 132 walks several.
   std::vector<std::int64_t> rows;
   for (int e = 0; e < 170; ++e) rows.push_back(e % 9 == 0 ? 0 : 1 + (e * 37) % 300);
-  REQUIRE(std::count_if(rows.begin(), rows.end(), [](std::int64_t r) { return r > 0; }) > 128);
+  REQUIRE(std::count_if(rows.begin(), rows.end(), [](std::int64_t r) { return r > 0; }) > 128);  // (not one launch: refused split)
   for (const bool kn : {false, true})
     check_case({.n = 512, .k = 128, .lda = 128, .ldb = kn ? 512 : 128, .ldc = 512, .b_k_by_n = kn, .rows = rows, .gap = 1, .seed = 40});
 }

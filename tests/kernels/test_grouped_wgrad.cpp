@@ -11,7 +11,8 @@
 //   - through the expert GEMM launchers (row_chunked with wgmma_weight_gradients) at widths it
 //     takes: dW of the down and gate_up backward against the reference MoE, the row outputs (dh,
 //     dx) bit-identical to row_chunked without it, and everything bit-identical with the launch
-//     beside the row GEMMs on a side stream (overlap_weight_gradients, tiles from a counter);
+//     beside the row GEMMs on a side stream (overlap_weight_gradients, tiles from a counter), with
+//     the row launch split around it (row_sm_share: 40% of the SMs' blocks, one block) and not;
 //   - tiles handed out by an atomic counter (a counter not zero beforehand; two launches).
 // Then a timing report (printed, not asserted) at the 5.13B shapes, T = 16384, against one dense
 // GEMM of the same FLOPs and row_chunked's per-expert weight gradients; and the kernel alone at 512
@@ -27,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
@@ -220,21 +222,28 @@ TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row
   struct Out {
     std::vector<bf16> dh, dx;
     std::vector<float> dwd, dwgu;
+    int split = 0;  ///< row launches split around the weight gradients (host spans)
   };
-  const auto run = [&](bool wgmma, bool overlap = false) {
-    k::ExpertGemmStreams streams({.wgmma_weight_gradients = wgmma, .overlap_weight_gradients = overlap});
+  const auto run = [&](bool wgmma, bool overlap = false, double row_share = 0.4) {
+    k::ExpertGemmStreams streams({.wgmma_weight_gradients = wgmma, .overlap_weight_gradients = overlap, .row_sm_share = row_share});
     DeviceBuffer<std::uint8_t> ws(k::expert_gemm_workspace_bytes(s, k::ExpertGemmMethod::row_chunked, &streams));
     DeviceBuffer<bf16> d_x(x.bits), d_h(h.bits), d_wd(wd.bits), d_wgu(wgu.bits), d_dy(dy.bits), d_dgu(dgu.bits), dh(N * I), dx(N * H);
     DeviceBuffer<float> dwd(dwd0), dwgu(dwgu0);
     OOM_CUDA_CHECK(cudaDeviceSynchronize());  // the uploads done
     cudaStream_t cs;  // the caller's stream: only its order is waited for below, so a launcher
     OOM_CUDA_CHECK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));  // that forgot a join would be caught (mostly)
-    REQUIRE(k::expert_down_backward(blas.get(), cs, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(), dwd.get(),
-                                    k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams) == cudaSuccess);
-    REQUIRE(k::expert_gate_up_backward(blas.get(), cs, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
-                                       dwgu.get(), k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams) == cudaSuccess);
+    std::vector<k::HostSpan> spans;
+    k::record_host_spans(&spans);
+    const cudaError_t down = k::expert_down_backward(blas.get(), cs, s, counts.data(), d_dy.get(), d_h.get(), d_wd.get(), dh.get(),
+                                                     dwd.get(), k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams);
+    const cudaError_t gate_up = k::expert_gate_up_backward(blas.get(), cs, s, counts.data(), d_dgu.get(), d_x.get(), d_wgu.get(), dx.get(),
+                                                           dwgu.get(), k::ExpertGemmMethod::row_chunked, ws.get(), ws.size(), &streams);
+    k::record_host_spans(nullptr);
+    REQUIRE(down == cudaSuccess);
+    REQUIRE(gate_up == cudaSuccess);
     Out out{std::vector<bf16>(static_cast<std::size_t>(N * I)), std::vector<bf16>(static_cast<std::size_t>(N * H)),
             std::vector<float>(dwd0.size()), std::vector<float>(dwgu0.size())};
+    for (const auto& span : spans) out.split += span.what.find("blocks beside the weight gradients") != std::string::npos;
     OOM_CUDA_CHECK(cudaMemcpyAsync(out.dh.data(), dh.get(), dh.bytes(), cudaMemcpyDeviceToHost, cs));
     OOM_CUDA_CHECK(cudaMemcpyAsync(out.dx.data(), dx.get(), dx.bytes(), cudaMemcpyDeviceToHost, cs));
     OOM_CUDA_CHECK(cudaMemcpyAsync(out.dwd.data(), dwd.get(), dwd.bytes(), cudaMemcpyDeviceToHost, cs));
@@ -244,7 +253,11 @@ TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row
     OOM_CUDA_CHECK(cudaDeviceSynchronize());  // nothing left running before the buffers go
     return out;
   };
-  const Out with = run(true), without = run(false), overlapped = run(true, true);
+  // Beside the row GEMMs: adding to dW over <= ~150 rows per expert is far below any device's
+  // balance, so the row launch splits (row_sm_share): its first 40% of the SMs' blocks, or one
+  // block, beside dW, the rest after it; and not split.
+  const Out with = run(true), without = run(false), overlapped = run(true, true), one_block = run(true, true, 1e-9),
+            unsplit = run(true, true, 1);
   CHECK(std::memcmp(with.dh.data(), without.dh.data(), with.dh.size() * sizeof(bf16)) == 0);
   CHECK(std::memcmp(with.dx.data(), without.dx.data(), with.dx.size() * sizeof(bf16)) == 0);
   // Beside the row GEMMs on a side stream, with dynamic tiles: every output the same bits.
@@ -252,6 +265,15 @@ TEST_CASE("row_chunked with wgmma weight gradients: dW as the reference MoE, row
   CHECK(std::memcmp(overlapped.dx.data(), with.dx.data(), with.dx.size() * sizeof(bf16)) == 0);
   CHECK(std::memcmp(overlapped.dwd.data(), with.dwd.data(), with.dwd.size() * sizeof(float)) == 0);
   CHECK(std::memcmp(overlapped.dwgu.data(), with.dwgu.data(), with.dwgu.size() * sizeof(float)) == 0);
+  CHECK(overlapped.split == 2);  // both backward calls
+  CHECK(one_block.split == 2);
+  CHECK(unsplit.split == 0);
+  for (const Out* o : {&one_block, &unsplit}) {
+    CHECK(std::memcmp(o->dh.data(), with.dh.data(), with.dh.size() * sizeof(bf16)) == 0);
+    CHECK(std::memcmp(o->dx.data(), with.dx.data(), with.dx.size() * sizeof(bf16)) == 0);
+    CHECK(std::memcmp(o->dwd.data(), with.dwd.data(), with.dwd.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(o->dwgu.data(), with.dwgu.data(), with.dwgu.size() * sizeof(float)) == 0);
+  }
   const auto down = ref::expert_down_backward(rs, counts, dy.values, h.values, wd.values);
   const auto gate_up = ref::expert_gate_up_backward(rs, counts, dgu.values, x.values, wgu.values);
   auto dwd_ref = dwd0, dwgu_ref = dwgu0;

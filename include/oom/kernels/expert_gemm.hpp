@@ -125,6 +125,18 @@ struct ExpertGemmStreamsOptions {
   /// beside against 1.271-1.287 ms after (five runs each, T = 16384: 0.79-0.81x of a dense GEMM
   /// against 0.76-0.77x), 2.234 against 2.289 ms at T = 32768.
   bool overlap_weight_gradients = true;
+  /// With overlap_weight_gradients, where the weight gradients are bound by memory (their FLOPs
+  /// per byte of fp32 dW traffic, 2 rows_e per 8 bytes adding or 4 overwriting, below the device's
+  /// dense bf16 FLOPs per byte of memory: 222 on the H200) and the row GEMMs are one grouped
+  /// wgmma launch (wgmma_rows): that launch starts on this share of the SMs beside dW, and the
+  /// rest of its grid waits on the side stream behind dW, both taking tiles from one counter. So
+  /// dW's memory traffic runs beside the row GEMMs' products from the start, and whichever ends
+  /// first leaves its SMs to the other. Outside (0, 1): never. The same bits either way. On the
+  /// H200 (5.13B widths, 2026-12-02, ratio to one dense GEMM of the same FLOPs, four runs) the
+  /// backward at T = 4096 adding to dW: 0.61-0.65 against 0.53-0.54 (down and gate_up); shares of
+  /// 0.7 / 0.5 / 0.3 / 0.2 gave 0.57 / 0.60 / 0.59 / 0.56. Where dW is not bound by memory
+  /// (overwriting at 4096, anything from 8192) splitting measured the same or up to 0.03 lower.
+  double row_sm_share = 0.4;
 };
 
 /// Side streams, fork/join events and one cuBLAS handle per side stream, for the multi_stream and

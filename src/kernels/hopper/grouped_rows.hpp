@@ -43,6 +43,23 @@ inline constexpr int kRowsTileM = 128, kRowsTileN = 256;
 /// is sm_90a). Callers fall back to another path when it is false.
 bool grouped_rows_supported(const RowsShape& s, const bf16* a, const bf16* c, std::span<const RowsProblem> problems);
 
+/// How one grouped_rows_wgmma call takes the SMs. The default: one block per SM (or per tile,
+/// where fewer), the counter zeroed on the stream before each launch.
+struct RowsGrid {
+  /// > 0: at most this many blocks (the SMs left to a kernel that runs beside it).
+  int max_blocks = 0;
+  /// The caller zeroed `tile_counter` before this call in stream order (needs a counter; the
+  /// problems must fit one launch: grouped_rows_one_launch). Two calls with the same arguments on
+  /// two streams then share the tiles: a launch of a few blocks beside another kernel, and the
+  /// same launch queued after that kernel on the other stream, whose blocks take the tiles left
+  /// on the SMs that kernel frees. Each tile is still computed by one block, with the same bits.
+  bool counter_zeroed = false;
+};
+
+/// Whether grouped_rows_wgmma takes these problems in one launch (at most 128 with rows, and
+/// their tiles indexed by int); RowsGrid::counter_zeroed needs it.
+bool grouped_rows_one_launch(const RowsShape& s, std::span<const RowsProblem> problems);
+
 /// C rows of every problem = A rows . B_e, each element one thread's fp32 sum over k in a fixed
 /// order (independent of the other rows and of the schedule: the same bits run to run, for any
 /// split of the rows into problems that keeps a row's expert), rounded to bf16 once. Rows of C
@@ -52,8 +69,9 @@ bool grouped_rows_supported(const RowsShape& s, const bf16* a, const bf16* c, st
 /// 9.0; else the launches' status. `tile_counter` (4 bytes of device memory, or nullptr): blocks
 /// take their tiles from it one at a time (zeroed on `stream` before each launch, so one counter
 /// serves one launch at a time) instead of every grid-th tile, so blocks that start late, on SMs
-/// another stream's kernels held, do not finish late; the same bits either way.
+/// another stream's kernels held, do not finish late; the same bits either way. `grid`: see
+/// RowsGrid.
 cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
-                               cudaStream_t stream, int* tile_counter = nullptr);
+                               cudaStream_t stream, int* tile_counter = nullptr, const RowsGrid& grid = {});
 
 }  // namespace oom::kernels::hopper

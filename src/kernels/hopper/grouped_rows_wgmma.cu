@@ -310,8 +310,20 @@ bool grouped_rows_supported(const RowsShape& s, const bf16* a, const bf16* c, st
   return current_device_is_cc90() == cudaSuccess;
 }
 
+bool grouped_rows_one_launch(const RowsShape& s, std::span<const RowsProblem> problems) {
+  if (s.n < kBN) return false;
+  std::int64_t tiles = 0;
+  int groups = 0;
+  for (const RowsProblem& q : problems) {
+    if (q.rows == 0) continue;
+    tiles += (q.rows + kBM - 1) / kBM * (s.n / kBN);
+    if (++groups > kMaxGroups || tiles > INT_MAX) return false;
+  }
+  return true;
+}
+
 cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
-                               cudaStream_t stream, int* tile_counter) {
+                               cudaStream_t stream, int* tile_counter, const RowsGrid& grid_opts) {
   using ::oom::kernels::detail::refuse;
   if (!shape_ok(s, a, c))
     return refuse("grouped_rows_wgmma: a shape grouped_rows_supported rejects (n = ", s.n, ", k = ", s.k, ", lda = ", s.lda,
@@ -320,9 +332,13 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
     if (!problem_ok(s, problems[i]))
       return refuse("grouped_rows_wgmma: problem ", i, " (rows = ", problems[i].rows, ", first_row = ", problems[i].first_row,
                     ") is one grouped_rows_supported rejects");
+  if (grid_opts.counter_zeroed && (tile_counter == nullptr || !grouped_rows_one_launch(s, problems)))
+    return refuse("grouped_rows_wgmma: RowsGrid::counter_zeroed needs a tile counter and problems that fit one launch",
+                  " (at most ", kMaxGroups, " with rows)");
   const auto kernel = s.b_k_by_n ? grouped_rows_kernel<true> : grouped_rows_kernel<false>;
   int sms = 0;
   if (const cudaError_t e = prepare_persistent_launch(kernel, kSmemBytes, &sms); e != cudaSuccess) return e;
+  if (grid_opts.max_blocks > 0 && grid_opts.max_blocks < sms) sms = grid_opts.max_blocks;
   static_assert(alignof(Params) >= 64);  // the tensor maps' alignment, kept by the parameter copy
   Params params;
   params.n_tiles = static_cast<int>(s.n / kBN);
@@ -337,7 +353,7 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
     if (const cudaError_t e = cached_matrix_sw128(&params.a_map, a, row_end, s.k, s.lda, kBM); e != cudaSuccess) return e;
     if (const cudaError_t e = cached_matrix_sw128(&params.c_map, c, row_end, s.n, s.ldc, 16); e != cudaSuccess) return e;
     const int grid = params.tiles < sms ? params.tiles : sms;
-    if (tile_counter != nullptr)
+    if (tile_counter != nullptr && !grid_opts.counter_zeroed)
       if (const cudaError_t e = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
     kernel<<<static_cast<unsigned>(grid), kWsThreads, kSmemBytes, stream>>>(params);
     params.groups = 0;
