@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "kernels/batch_parts.hpp"
+#include "kernels/device_balance.hpp"
 #include "kernels/expert_gemm_throughput.hpp"
 #include "oom/core/error.hpp"
 
@@ -26,13 +26,10 @@ int main() {
     return list.find("," + item + ",") != std::string::npos;
   };
   {  // what splits the row GEMMs around a memory-bound dW (ExpertGemmStreamsOptions::row_sm_share)
-    int sms = 0, clock = 0, memory_clock = 0, bus = 0;
-    OOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    OOM_CUDA_CHECK(cudaDeviceGetAttribute(&clock, cudaDevAttrClockRate, 0));
-    OOM_CUDA_CHECK(cudaDeviceGetAttribute(&memory_clock, cudaDevAttrMemoryClockRate, 0));
-    OOM_CUDA_CHECK(cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, 0));
-    std::printf("device balance: %.0f dense bf16 FLOPs per byte (%d SMs, %d MHz, memory %d MHz x %d bits)\n",
-                oom::kernels::detail::device_balance(sms, clock, memory_clock, bus, 4096), sms, clock / 1000, memory_clock / 1000, bus);
+    oom::kernels::detail::DeviceBalance b;
+    OOM_CUDA_CHECK(oom::kernels::detail::query_device_balance(0, &b));
+    std::printf("device balance: %.0f dense bf16 FLOPs per byte (%d SMs, %d MHz, memory %d MHz x %d bits)\n", b.flops_per_byte, b.sms,
+                b.clock_khz / 1000, b.memory_clock_khz / 1000, b.bus_bits);
   }
   std::printf("%-10s %6s %-20s %10s %10s %8s %6s %8s %10s %10s %7s %5s\n", "method", "T", "op", "grouped_ms", "dense_ms", "TFLOP/s",
               "ratio", "host_us", "piped_ms", "batched_ms", "b_ratio", "vs_b");

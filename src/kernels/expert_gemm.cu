@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "batch_parts.hpp"
+#include "device_balance.hpp"
 #include "bucketed_gemm.cuh"
 #include "hopper/grouped_rows.hpp"
 #include "hopper/grouped_wgrad.hpp"
@@ -57,10 +58,8 @@ struct MappedHostBuffer {
 
 struct ExpertGemmStreams::State {
   int device = -1;
-  int sms = 0;  ///< the device's multiprocessors
-  /// The device's dense bf16 tensor FLOPs per byte of memory traffic (detail::device_balance; 4096
-  /// FLOPs per clock and SM, compute capability 9.0's, where the wgmma kernels run).
-  double balance = 0;
+  /// The device's SMs and dense bf16 tensor FLOPs per byte of memory traffic.
+  detail::DeviceBalance balance;
   /// The grouped wgmma kernels' tile counters: [0] the dW launch beside the row GEMMs
   /// (overlap_weight_gradients), [1] the grouped row GEMMs (wgmma_rows).
   int* tile_counter = nullptr;
@@ -110,12 +109,7 @@ cudaError_t ExpertGemmStreams::state(State** out) {
     return detail::refuse("ExpertGemmStreams: options.streams = ", options_.streams, " (must be 1 .. 64)");
   auto st = std::make_unique<State>();  // frees what was created if a later step fails
   st->device = device;
-  int clock_khz = 0, memory_clock_khz = 0, bus_bits = 0;
-  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&st->sms, cudaDevAttrMultiProcessorCount, device));
-  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
-  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&memory_clock_khz, cudaDevAttrMemoryClockRate, device));
-  OOM_KERNEL_TRY(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
-  st->balance = detail::device_balance(st->sms, clock_khz, memory_clock_khz, bus_bits, 4096);
+  OOM_KERNEL_TRY(detail::query_device_balance(device, &st->balance));
   OOM_KERNEL_TRY(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
   for (int i = 0; i < options_.streams; ++i) {
     // Non-blocking: ordering with the caller's stream comes from the fork/join events only, so a
@@ -615,9 +609,9 @@ cudaError_t issue_by_method(const Launch& l, const std::vector<Problem>& rows, c
           std::vector<hopper::RowsProblem> rps;
           int first_blocks = 0;
           if (o.row_sm_share > 0 && o.row_sm_share < 1 && o.wgmma_rows && !rows.empty() &&
-              weight_gradient_intensity(problems, shape.accumulate) < st->balance && as_rows(rows, &rshape, &ra, &rc, &rps) &&
+              weight_gradient_intensity(problems, shape.accumulate) < st->balance.flops_per_byte && as_rows(rows, &rshape, &ra, &rc, &rps) &&
               hopper::grouped_rows_supported(rshape, ra, rc, rps) && hopper::grouped_rows_one_launch(rshape, rps)) {
-            first_blocks = std::max(1, static_cast<int>(o.row_sm_share * st->sms));
+            first_blocks = std::max(1, static_cast<int>(o.row_sm_share * st->balance.sms));
             OOM_KERNEL_TRY(cudaMemsetAsync(st->tile_counter + 1, 0, sizeof(int), l.stream));
           }
           const cudaStream_t side = st->streams[0];
