@@ -28,6 +28,10 @@
 // relies on it); an L2 bulk prefetch of each group's next row was slower everywhere (65536 x
 // 2048: 68.5% against 85.8%). With the trigger after the rows, the zeroing and the grad_w load
 // before the waits: 16.7-17.0 us (69.6-71.1% of the 1 GiB copy) against 17.4-17.7 (66.8-68.1%).
+#include <cooperative_groups.h>
+
+#include <type_traits>
+
 #include "bf16_device.cuh"
 #include "oom/kernels/rmsnorm.hpp"
 #include "refuse.hpp"
@@ -88,6 +92,13 @@ cudaError_t launch_as_dependent(void (*kernel)(Params...), dim3 grid, dim3 block
 constexpr int block_threads = 256;
 constexpr std::int64_t max_register_dim_forward = 8192;   // 32 x 16-byte quads per lane: 128 registers
 constexpr std::int64_t max_register_dim_backward = 4096;  // dy and x: 2 x 64 registers per lane
+
+/// The weight gradient's fixed order over the partials: runs of `partial_run` contiguous partials
+/// (a run is one cluster of the one-launch backward), each summed in order from its first, then the
+/// runs' sums added in order from the first, then that total added to grad_w. Both backwards use
+/// it, so the one-launch and two-launch paths give the same bits.
+constexpr int partial_run = 8;
+constexpr int max_partial_runs = 512 / partial_run;  // rmsnorm_rows_per_partial's cap of 512 partials
 
 /// Butterfly sum over the G lanes of an aligned group; G == 32 is warp_sum, bit for bit. Every lane
 /// of the warp must call it.
@@ -190,9 +201,9 @@ __device__ __forceinline__ float row_sum(float x, float* pair_sums, int group, i
 /// tails; acc_shared is the kernel's dynamic shared memory: (groups, dim) fp32, then G = 64's pair
 /// sums.
 template <int G, int V>
-__device__ __forceinline__ void backward_chunk(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
-                                               const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
-                                               int dim, std::int64_t rows_per_partial, float4* acc_shared) {
+__device__ __forceinline__ void backward_chunk_rows(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
+                                                    const float* rstd, std::uint16_t* dx, std::int64_t rows, int dim,
+                                                    std::int64_t rows_per_partial, float4* acc_shared) {
   constexpr int groups = block_threads / G;
   static_assert(G != 64 || groups <= 15, "one named barrier per pair");
   float* pair_sums = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(groups) * dim;
@@ -268,13 +279,31 @@ __device__ __forceinline__ void backward_chunk(const std::uint16_t* dy, const st
   // own wait above (so every kernel before this one is complete when the sum starts): keep this
   // trigger after the wait.
   allow_dependent_launch();
+}
+
+/// The chunk's partial from backward_chunk_rows' group columns: groups 0, 1, ... added in order.
+/// Column c goes to `sink(c, sum)`.
+template <int G, class Sink>
+__device__ __forceinline__ void sum_group_columns(const float4* acc_shared, int dim, Sink sink) {
+  constexpr int groups = block_threads / G;
   __syncthreads();
   const float* all = reinterpret_cast<const float*>(acc_shared);
   for (int c = threadIdx.x; c < dim; c += block_threads) {
     float s = all[c];
     for (int q = 1; q < groups; ++q) s += all[static_cast<std::int64_t>(q) * dim + c];
-    partial[static_cast<std::int64_t>(blockIdx.x) * dim + c] = s;
+    sink(c, s);
   }
+}
+
+/// backward_chunk_rows, then the chunk's partial into `partial` (row blockIdx.x): the two-launch
+/// backward's first kernel, and scripts/diag/rmsnorm_fused_sum.cu's body.
+template <int G, int V>
+__device__ __forceinline__ void backward_chunk(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
+                                               const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
+                                               int dim, std::int64_t rows_per_partial, float4* acc_shared) {
+  backward_chunk_rows<G, V>(dy, x, w, rstd, dx, rows, dim, rows_per_partial, acc_shared);
+  float* out = partial + static_cast<std::int64_t>(blockIdx.x) * dim;
+  sum_group_columns<G>(acc_shared, dim, [out](int c, float s) { out[c] = s; });
 }
 
 template <int G, int V>
@@ -284,6 +313,70 @@ __global__ void __launch_bounds__(block_threads)
                                std::int64_t rows_per_partial) {
   extern __shared__ float4 acc_shared[];
   backward_chunk<G, V>(dy, x, w, rstd, dx, partial, rows, dim, rows_per_partial, acc_shared);
+}
+
+/// The one-launch backward (sm_90+, a ticket given): blocks in clusters of partial_run, one chunk of
+/// rows each as backward_rows_in_registers. A cluster adds its blocks' partials (read from their
+/// shared memory, block rank 0, 1, ... in order; block r sums column runs r, r + partial_run, ...
+/// of block_threads columns) into `run_sums` (row = the cluster), then counts itself done on
+/// `ticket`; the cluster that counts last adds the runs' sums into grad_w, so no second launch
+/// waits for this grid to end. The same order as sum_partials: the same bits. Blocks past the last
+/// chunk (the grid is whole clusters) hold no rows and are not read.
+///
+/// The ticket counts clusters with `atom.inc`, which wraps to 0 at the last one: it must be 0
+/// when the grid starts and is 0 again when it ends. It is touched only after the wait, so calls
+/// queued on one stream share it; calls that may run at once need their own.
+template <int G, int V>
+__global__ void __launch_bounds__(block_threads)
+    backward_rows_one_launch(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w, const float* rstd,
+                             std::uint16_t* dx, float* run_sums, float* grad_w, unsigned* ticket, std::int64_t rows,
+                             int dim, std::int64_t rows_per_partial, int partials) {
+  extern __shared__ float4 acc_shared[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  __shared__ unsigned last_cluster;
+  backward_chunk_rows<G, V>(dy, x, w, rstd, dx, rows, dim, rows_per_partial, acc_shared);
+  // The block's partial into its group 0 columns (each column read and written by one thread).
+  float* mine = reinterpret_cast<float*>(acc_shared);
+  sum_group_columns<G>(acc_shared, dim, [mine](int c, float s) { mine[c] = s; });
+  const cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every block's partial is in its shared memory
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int run = static_cast<int>(blockIdx.x) / partial_run;
+  const int held = partials - run * partial_run < partial_run ? partials - run * partial_run : partial_run;
+  for (int c = rank * block_threads + threadIdx.x; c < dim; c += partial_run * block_threads) {
+    float s = *cluster.map_shared_rank(mine + c, 0);
+    for (int b = 1; b < held; ++b) s += *cluster.map_shared_rank(mine + c, b);
+    run_sums[static_cast<std::int64_t>(run) * dim + c] = s;
+  }
+  __threadfence();  // the run's sums visible device-wide before the cluster counts itself done
+  cluster.sync();   // and every block of the cluster is past its reads of the others' shared memory
+  const unsigned runs = gridDim.x / partial_run;
+  if (rank == 0 && threadIdx.x == 0) {
+    unsigned before = 0;
+    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(before) : "l"(ticket), "r"(runs - 1) : "memory");
+    const unsigned last = before == runs - 1 ? 1u : 0u;
+    for (int b = 0; b < partial_run; ++b) *cluster.map_shared_rank(&last_cluster, b) = last;
+  }
+  cluster.sync();  // last_cluster set in every block; no shared memory of another block is read after
+  if (last_cluster == 0) return;
+  __threadfence();
+  for (int c = rank * block_threads + threadIdx.x; c < dim; c += partial_run * block_threads) {
+    const float before = __ldcg(grad_w + c);
+    float total = __ldcg(run_sums + c);
+    // Eight loads in flight, then their additions in order.
+    constexpr int batch = 8;
+    for (unsigned r0 = 1; r0 < runs; r0 += batch) {
+      float v[batch];
+#pragma unroll
+      for (int i = 0; i < batch; ++i) v[i] = r0 + i < runs ? __ldcg(run_sums + static_cast<std::int64_t>(r0 + i) * dim + c) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < batch; ++i)
+        if (r0 + i < runs) total += v[i];
+    }
+    grad_w[c] = before + total;
+  }
+#endif
 }
 
 /// R = rows per group loaded together: enough that each thread has >= 128 bytes of loads in flight.
@@ -325,20 +418,70 @@ cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, con
 
 /// The register path's one-pass kernel for rows `dim` wide (<= max_register_dim_backward): lanes
 /// per row and quads per lane picked by the width.
+/// f(std::integral_constant<int, G>, std::integral_constant<int, V>) for the register path's
+/// backward at rows `dim` wide (<= max_register_dim_backward): lanes per row and quads per lane.
+template <class F>
+cudaError_t with_backward_width(std::int64_t dim, F&& f) {
+  using std::integral_constant;
+  if (dim <= 64) return f(integral_constant<int, 8>{}, integral_constant<int, 1>{});
+  if (dim <= 128) return f(integral_constant<int, 8>{}, integral_constant<int, 2>{});
+  if (dim <= 256) return f(integral_constant<int, 32>{}, integral_constant<int, 1>{});
+  if (dim <= 512) return f(integral_constant<int, 32>{}, integral_constant<int, 2>{});
+  if (dim <= 1024) return f(integral_constant<int, 32>{}, integral_constant<int, 4>{});
+  if (dim <= 2048) return f(integral_constant<int, 32>{}, integral_constant<int, 8>{});
+  return f(integral_constant<int, 64>{}, integral_constant<int, 8>{});
+}
+
 cudaError_t launch_backward_for_width(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                                       const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
                                       std::int64_t dim, std::int64_t partials, std::int64_t rows_per_partial,
                                       cudaStream_t stream) {
-  const auto with = [&](auto launch) {
-    return launch(dy, x, w, rstd, dx, partial, rows, dim, partials, rows_per_partial, stream);
-  };
-  if (dim <= 64) return with(launch_backward<8, 1>);
-  if (dim <= 128) return with(launch_backward<8, 2>);
-  if (dim <= 256) return with(launch_backward<32, 1>);
-  if (dim <= 512) return with(launch_backward<32, 2>);
-  if (dim <= 1024) return with(launch_backward<32, 4>);
-  if (dim <= 2048) return with(launch_backward<32, 8>);
-  return with(launch_backward<64, 8>);
+  return with_backward_width(dim, [&](auto g, auto v) {
+    return launch_backward<decltype(g)::value, decltype(v)::value>(dy, x, w, rstd, dx, partial, rows, dim, partials,
+                                                                   rows_per_partial, stream);
+  });
+}
+
+/// backward_rows_one_launch for rows `dim` wide, in clusters of partial_run blocks, a programmatic
+/// dependent of the stream's previous kernel. *taken = false (and nothing launched) where the code
+/// loaded for this device was not compiled for sm_90+: there the two launches run instead.
+cudaError_t launch_backward_one_for_width(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
+                                          const float* rstd, std::uint16_t* dx, float* run_sums, float* grad_w,
+                                          unsigned* ticket, std::int64_t rows, std::int64_t dim, std::int64_t partials,
+                                          std::int64_t rows_per_partial, cudaStream_t stream, bool* taken) {
+  *taken = false;
+  return with_backward_width(dim, [&](auto g, auto v) -> cudaError_t {
+    constexpr int G = decltype(g)::value, V = decltype(v)::value;
+    const auto kernel = backward_rows_one_launch<G, V>;
+    cudaFuncAttributes compiled{};
+    if (const cudaError_t e = cudaFuncGetAttributes(&compiled, kernel); e != cudaSuccess) return e;
+    if (compiled.ptxVersion < 90) return cudaSuccess;
+    const std::size_t smem = backward_smem_bytes<G>(dim);
+    if (smem > 48 * 1024) {
+      if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     static_cast<int>(smem));
+          e != cudaSuccess) {
+        return e;
+      }
+    }
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>((partials + partial_run - 1) / partial_run * partial_run));
+    config.blockDim = dim3(block_threads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attributes[2]{};
+    attributes[0].id = cudaLaunchAttributeClusterDimension;
+    attributes[0].val.clusterDim.x = partial_run;
+    attributes[0].val.clusterDim.y = 1;
+    attributes[0].val.clusterDim.z = 1;
+    attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[1].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attributes;
+    config.numAttrs = 2;
+    *taken = true;
+    return cudaLaunchKernelEx(&config, kernel, dy, x, w, rstd, dx, run_sums, grad_w, ticket, rows, static_cast<int>(dim),
+                              rows_per_partial, static_cast<int>(partials));
+  });
 }
 
 // ----- looped path: any width, any alignment -----
@@ -463,14 +606,14 @@ __global__ void grad_w_partials(const std::uint16_t* dy, const std::uint16_t* x,
   }
 }
 
-/// grad_w += the partials' sum, block (32 columns, partial_ranges ranges of partials): range y sums
-/// its contiguous partials in order, then the ranges' sums are added 0..partial_ranges-1 in order.
-/// 32 ranges: a 128-wide q-norm weight is 4 blocks, so each thread sums at most 16 of 512 partials.
-constexpr int partial_ranges = 32;
+/// grad_w += the partials' sum in that order, block (32 columns, 32): thread row y sums runs y and
+/// y + 32, then one thread a column adds the runs' sums in order. A 128-wide q-norm weight is 4
+/// blocks.
+constexpr int sum_rows = 32;
 
-__global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float* partial, float* grad_w, std::int64_t partials,
-                                                            std::int64_t dim) {
-  __shared__ float range_sum[partial_ranges][32];
+__global__ void __launch_bounds__(32 * sum_rows) sum_partials(const float* partial, float* grad_w, std::int64_t partials,
+                                                              std::int64_t dim) {
+  __shared__ float run_sum[max_partial_runs][32];
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
   // grad_w before the wait: the partials' kernel does not write it, and every kernel before that
   // one is complete by now (it triggers this launch only after its own wait, or was launched in
@@ -479,27 +622,34 @@ __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float*
   const float before = threadIdx.y == 0 && c < dim ? __ldcg(grad_w + c) : 0.0f;
   wait_for_prerequisite_grid();  // the partials' kernel, when launched as its dependent
   allow_dependent_launch();      // and the stream's next kernel may be scheduled (it waits for this one)
-  const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;
-  const std::int64_t begin = threadIdx.y * per, end = begin + per < partials ? begin + per : partials;
-  float s = 0.0f;
+  const int runs = static_cast<int>((partials + partial_run - 1) / partial_run);
+  static_assert(max_partial_runs <= 2 * sum_rows, "two runs a thread row");
   if (c < dim) {
-    // Eight loads in flight, then their additions in order: a load per addition would leave each
-    // thread waiting out one memory latency per partial.
-    constexpr int batch = 8;
-    for (std::int64_t p0 = begin; p0 < end; p0 += batch) {
-      float v[batch];
+    // Every load of both runs in flight, then their additions in order: a load per addition would
+    // leave each thread waiting out one memory latency per partial.
+    float v[2][partial_run];
 #pragma unroll
-      for (int i = 0; i < batch; ++i) v[i] = p0 + i < end ? partial[(p0 + i) * dim + c] : 0.0f;
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t first = static_cast<std::int64_t>(threadIdx.y + h * sum_rows) * partial_run;
 #pragma unroll
-      for (int i = 0; i < batch; ++i)
-        if (p0 + i < end) s += v[i];
+      for (int i = 0; i < partial_run; ++i) v[h][i] = first + i < partials ? partial[(first + i) * dim + c] : 0.0f;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int run = threadIdx.y + h * sum_rows;
+      if (run >= runs) continue;
+      const std::int64_t first = static_cast<std::int64_t>(run) * partial_run;
+      float s = v[h][0];
+#pragma unroll
+      for (int i = 1; i < partial_run; ++i)
+        if (first + i < partials) s += v[h][i];
+      run_sum[run][threadIdx.x] = s;
     }
   }
-  range_sum[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < dim) {
-    float total = range_sum[0][threadIdx.x];
-    for (int y = 1; y < partial_ranges; ++y) total += range_sum[y][threadIdx.x];
+    float total = run_sum[0][threadIdx.x];
+    for (int r = 1; r < runs; ++r) total += run_sum[r][threadIdx.x];
     grad_w[c] = before + total;
   }
 }
@@ -508,7 +658,7 @@ __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float*
 /// last blocks instead of following them (about 1 us of a 25-us backward at T = 4096).
 cudaError_t launch_sum_partials(const float* partial, float* grad_w, std::int64_t partials, std::int64_t dim,
                                 cudaStream_t stream) {
-  return launch_as_dependent(sum_partials, dim3(grid_for(dim, 32)), dim3(32, partial_ranges), 0, stream, partial, grad_w,
+  return launch_as_dependent(sum_partials, dim3(grid_for(dim, 32)), dim3(32, sum_rows), 0, stream, partial, grad_w,
                              partials, dim);
 }
 
@@ -555,6 +705,13 @@ std::size_t rmsnorm_backward_workspace_bytes(std::int64_t rows, std::int64_t dim
 cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weight, const float* rstd, bf16* grad_x,
                              float* grad_weight, std::int64_t rows, std::int64_t dim, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream) {
+  return rmsnorm_backward(grad_y, x, weight, rstd, grad_x, grad_weight, rows, dim, workspace, workspace_bytes, nullptr,
+                          stream);
+}
+
+cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weight, const float* rstd, bf16* grad_x,
+                             float* grad_weight, std::int64_t rows, std::int64_t dim, void* workspace,
+                             std::size_t workspace_bytes, unsigned* ticket, cudaStream_t stream) {
   if (rows < 0) return detail::refuse("rmsnorm_backward: rows = ", rows, " (must be >= 0)");
   if (dim < 1) return detail::refuse("rmsnorm_backward: dim = ", dim, " (must be >= 1)");
   if (rows == 0) return cudaSuccess;
@@ -581,6 +738,12 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
 
   const bool vec = dim % 8 == 0 && aligned_16(grad_y, x, weight, grad_x);
   if (vec && dim <= max_register_dim_backward) {
+    if (ticket != nullptr) {
+      bool taken = false;
+      const cudaError_t e = launch_backward_one_for_width(dy, xb, wb, rstd, dx, partial, grad_weight, ticket, rows, dim,
+                                                          partials, per, stream, &taken);
+      if (e != cudaSuccess || taken) return e;
+    }
     const cudaError_t e = launch_backward_for_width(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
     if (e != cudaSuccess) return e;
     return launch_sum_partials(partial, grad_weight, partials, dim, stream);
