@@ -315,10 +315,10 @@ __global__ void __launch_bounds__(block_threads)
   backward_chunk<G, V>(dy, x, w, rstd, dx, partial, rows, dim, rows_per_partial, acc_shared);
 }
 
-/// The one-launch backward (sm_90+, a ticket given): blocks in clusters of partial_run, one chunk of
-/// rows each as backward_rows_in_registers. A cluster adds its blocks' partials (read from their
-/// shared memory, block rank 0, 1, ... in order; block r sums column runs r, r + partial_run, ...
-/// of block_threads columns) into `run_sums` (row = the cluster), then counts itself done on
+/// The one-launch backward (sm_90+, a ticket given): blocks in clusters of K (partial_run), one chunk
+/// of rows each as backward_rows_in_registers. A cluster adds its blocks' partials (read from their
+/// shared memory, block rank 0, 1, ... in order; block r sums the r-th of K contiguous column
+/// slices) into `run_sums` (row = the cluster), then counts itself done on
 /// `ticket`; the cluster that counts last adds the runs' sums into grad_w, so no second launch
 /// waits for this grid to end. The same order as sum_partials: the same bits. Blocks past the last
 /// chunk (the grid is whole clusters) hold no rows and are not read.
@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(block_threads)
 /// The ticket counts clusters with `atom.inc`, which wraps to 0 at the last one: it must be 0
 /// when the grid starts and is 0 again when it ends. It is touched only after the wait, so calls
 /// queued on one stream share it; calls that may run at once need their own.
-template <int G, int V>
+template <int G, int V, int K = partial_run>
 __global__ void __launch_bounds__(block_threads)
     backward_rows_one_launch(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w, const float* rstd,
                              std::uint16_t* dx, float* run_sums, float* grad_w, unsigned* ticket, std::int64_t rows,
@@ -342,37 +342,46 @@ __global__ void __launch_bounds__(block_threads)
   const cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // every block's partial is in its shared memory
   const int rank = static_cast<int>(cluster.block_rank());
-  const int run = static_cast<int>(blockIdx.x) / partial_run;
-  const int held = partials - run * partial_run < partial_run ? partials - run * partial_run : partial_run;
-  for (int c = rank * block_threads + threadIdx.x; c < dim; c += partial_run * block_threads) {
-    float s = *cluster.map_shared_rank(mine + c, 0);
-    for (int b = 1; b < held; ++b) s += *cluster.map_shared_rank(mine + c, b);
+  const int run = static_cast<int>(blockIdx.x) / K;
+  const int held = partials - run * K < K ? partials - run * K : K;
+  // Block r's columns: the r-th of K contiguous slices, for the run's sum and the last sum alike.
+  const int slice = (dim + K - 1) / K;
+  const int c_end = (rank + 1) * slice < dim ? (rank + 1) * slice : dim;
+  for (int c = rank * slice + static_cast<int>(threadIdx.x); c < c_end; c += block_threads) {
+    float v[K];  // every block's value in flight, then added in rank order
+#pragma unroll
+    for (int b = 0; b < K; ++b) v[b] = b < held ? *cluster.map_shared_rank(mine + c, b) : 0.0f;
+    float s = v[0];
+#pragma unroll
+    for (int b = 1; b < K; ++b)
+      if (b < held) s += v[b];
     run_sums[static_cast<std::int64_t>(run) * dim + c] = s;
   }
   __threadfence();  // the run's sums visible device-wide before the cluster counts itself done
   cluster.sync();   // and every block of the cluster is past its reads of the others' shared memory
-  const unsigned runs = gridDim.x / partial_run;
+  const unsigned runs = gridDim.x / K;
   if (rank == 0 && threadIdx.x == 0) {
     unsigned before = 0;
     asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(before) : "l"(ticket), "r"(runs - 1) : "memory");
     const unsigned last = before == runs - 1 ? 1u : 0u;
-    for (int b = 0; b < partial_run; ++b) *cluster.map_shared_rank(&last_cluster, b) = last;
+    for (int b = 0; b < K; ++b) *cluster.map_shared_rank(&last_cluster, b) = last;
   }
   cluster.sync();  // last_cluster set in every block; no shared memory of another block is read after
   if (last_cluster == 0) return;
   __threadfence();
-  for (int c = rank * block_threads + threadIdx.x; c < dim; c += partial_run * block_threads) {
+  for (int c = rank * slice + static_cast<int>(threadIdx.x); c < c_end; c += block_threads) {
     const float before = __ldcg(grad_w + c);
-    float total = __ldcg(run_sums + c);
-    // Eight loads in flight, then their additions in order.
-    constexpr int batch = 8;
-    for (unsigned r0 = 1; r0 < runs; r0 += batch) {
+    // 32 loads in flight, then their additions in order (at most 512 / K runs).
+    constexpr int batch = 32;
+    float total = 0.0f;
+    for (unsigned r0 = 0; r0 < runs; r0 += batch) {
       float v[batch];
 #pragma unroll
-      for (int i = 0; i < batch; ++i) v[i] = r0 + i < runs ? __ldcg(run_sums + static_cast<std::int64_t>(r0 + i) * dim + c) : 0.0f;
+      for (int i = 0; i < batch; ++i)
+        v[i] = r0 + i < runs ? __ldcg(run_sums + static_cast<std::int64_t>(r0 + i) * dim + c) : 0.0f;
 #pragma unroll
       for (int i = 0; i < batch; ++i)
-        if (r0 + i < runs) total += v[i];
+        if (r0 + i < runs) total = r0 + i == 0 ? v[i] : total + v[i];
     }
     grad_w[c] = before + total;
   }
@@ -445,6 +454,7 @@ cudaError_t launch_backward_for_width(const std::uint16_t* dy, const std::uint16
 /// backward_rows_one_launch for rows `dim` wide, in clusters of partial_run blocks, a programmatic
 /// dependent of the stream's previous kernel. *taken = false (and nothing launched) where the code
 /// loaded for this device was not compiled for sm_90+: there the two launches run instead.
+template <int K = partial_run>
 cudaError_t launch_backward_one_for_width(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                                           const float* rstd, std::uint16_t* dx, float* run_sums, float* grad_w,
                                           unsigned* ticket, std::int64_t rows, std::int64_t dim, std::int64_t partials,
@@ -452,7 +462,7 @@ cudaError_t launch_backward_one_for_width(const std::uint16_t* dy, const std::ui
   *taken = false;
   return with_backward_width(dim, [&](auto g, auto v) -> cudaError_t {
     constexpr int G = decltype(g)::value, V = decltype(v)::value;
-    const auto kernel = backward_rows_one_launch<G, V>;
+    const auto kernel = backward_rows_one_launch<G, V, K>;
     cudaFuncAttributes compiled{};
     if (const cudaError_t e = cudaFuncGetAttributes(&compiled, kernel); e != cudaSuccess) return e;
     if (compiled.ptxVersion < 90) return cudaSuccess;
@@ -465,13 +475,13 @@ cudaError_t launch_backward_one_for_width(const std::uint16_t* dy, const std::ui
       }
     }
     cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>((partials + partial_run - 1) / partial_run * partial_run));
+    config.gridDim = dim3(static_cast<unsigned>((partials + K - 1) / K * K));
     config.blockDim = dim3(block_threads);
     config.dynamicSmemBytes = smem;
     config.stream = stream;
     cudaLaunchAttribute attributes[2]{};
     attributes[0].id = cudaLaunchAttributeClusterDimension;
-    attributes[0].val.clusterDim.x = partial_run;
+    attributes[0].val.clusterDim.x = K;
     attributes[0].val.clusterDim.y = 1;
     attributes[0].val.clusterDim.z = 1;
     attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
