@@ -28,8 +28,11 @@
 // relies on it); an L2 bulk prefetch of each group's next row was slower everywhere (65536 x
 // 2048: 68.5% against 85.8%). With the trigger after the rows, the zeroing and the grad_w load
 // before the waits: 16.7-17.0 us (69.6-71.1% of the 1 GiB copy) against 17.4-17.7 (66.8-68.1%).
-#include <cooperative_groups.h>
-
+// Also measured and not kept (2026-12-02, scripts/diag/rmsnorm_one_launch.cu): one launch, clusters
+// of 8 / 4 / 2 blocks adding their partials through distributed shared memory and the last cluster
+// (a zeroed ticket) summing into grad_w: 26.9-29.0 us at 4096 x 2048 against 16.9 (only 30 of 32
+// clusters of 8 fit at once; smaller clusters leave the last sum to too few SMs), and the 65536-row
+// grids 12-18% slower in their rows.
 #include <type_traits>
 
 #include "bf16_device.cuh"
@@ -92,13 +95,6 @@ cudaError_t launch_as_dependent(void (*kernel)(Params...), dim3 grid, dim3 block
 constexpr int block_threads = 256;
 constexpr std::int64_t max_register_dim_forward = 8192;   // 32 x 16-byte quads per lane: 128 registers
 constexpr std::int64_t max_register_dim_backward = 4096;  // dy and x: 2 x 64 registers per lane
-
-/// The weight gradient's fixed order over the partials: runs of `partial_run` contiguous partials
-/// (a run is one cluster of the one-launch backward), each summed in order from its first, then the
-/// runs' sums added in order from the first, then that total added to grad_w. Both backwards use
-/// it, so the one-launch and two-launch paths give the same bits.
-constexpr int partial_run = 8;
-constexpr int max_partial_runs = 512 / partial_run;  // rmsnorm_rows_per_partial's cap of 512 partials
 
 /// Butterfly sum over the G lanes of an aligned group; G == 32 is warp_sum, bit for bit. Every lane
 /// of the warp must call it.
@@ -194,12 +190,12 @@ __device__ __forceinline__ float row_sum(float x, float* pair_sums, int group, i
 
 /// One pass over a chunk of rmsnorm_rows_per_partial rows (blockIdx.x = chunk): group g handles
 /// rows begin + g, + groups, ... in order, writes dx and adds dy * xhat into its own shared-memory
-/// columns; the chunk's partial is then groups 0, 1, ... added in order. With G = 32 (8 groups)
-/// this is the looped path's order (8 row slices), so both give the same weight-gradient bits.
-/// In place is safe: each lane reads its quads of dy and x before it writes the same quads of dx.
-/// The kernel's body, a function so that scripts/diag/rmsnorm_fused_sum.cu can run it with other
-/// tails; acc_shared is the kernel's dynamic shared memory: (groups, dim) fp32, then G = 64's pair
-/// sums.
+/// columns; the chunk's partial is then groups 0, 1, ... added in order (sum_group_columns). With
+/// G = 32 (8 groups) this is the looped path's order (8 row slices), so both give the same
+/// weight-gradient bits. In place is safe: each lane reads its quads of dy and x before it writes
+/// the same quads of dx. The kernel's rows, a function so that scripts/diag/rmsnorm_fused_sum.cu
+/// and rmsnorm_one_launch.cu can run them with other tails; acc_shared is the kernel's dynamic
+/// shared memory: (groups, dim) fp32, then G = 64's pair sums.
 template <int G, int V>
 __device__ __forceinline__ void backward_chunk_rows(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                                                     const float* rstd, std::uint16_t* dx, std::int64_t rows, int dim,
@@ -296,7 +292,7 @@ __device__ __forceinline__ void sum_group_columns(const float4* acc_shared, int 
 }
 
 /// backward_chunk_rows, then the chunk's partial into `partial` (row blockIdx.x): the two-launch
-/// backward's first kernel, and scripts/diag/rmsnorm_fused_sum.cu's body.
+/// backward's first kernel.
 template <int G, int V>
 __device__ __forceinline__ void backward_chunk(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                                                const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
@@ -313,79 +309,6 @@ __global__ void __launch_bounds__(block_threads)
                                std::int64_t rows_per_partial) {
   extern __shared__ float4 acc_shared[];
   backward_chunk<G, V>(dy, x, w, rstd, dx, partial, rows, dim, rows_per_partial, acc_shared);
-}
-
-/// The one-launch backward (sm_90+, a ticket given): blocks in clusters of K (partial_run), one chunk
-/// of rows each as backward_rows_in_registers. A cluster adds its blocks' partials (read from their
-/// shared memory, block rank 0, 1, ... in order; block r sums the r-th of K contiguous column
-/// slices) into `run_sums` (row = the cluster), then counts itself done on
-/// `ticket`; the cluster that counts last adds the runs' sums into grad_w, so no second launch
-/// waits for this grid to end. The same order as sum_partials: the same bits. Blocks past the last
-/// chunk (the grid is whole clusters) hold no rows and are not read.
-///
-/// The ticket counts clusters with `atom.inc`, which wraps to 0 at the last one: it must be 0
-/// when the grid starts and is 0 again when it ends. It is touched only after the wait, so calls
-/// queued on one stream share it; calls that may run at once need their own.
-template <int G, int V, int K = partial_run>
-__global__ void __launch_bounds__(block_threads)
-    backward_rows_one_launch(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w, const float* rstd,
-                             std::uint16_t* dx, float* run_sums, float* grad_w, unsigned* ticket, std::int64_t rows,
-                             int dim, std::int64_t rows_per_partial, int partials) {
-  extern __shared__ float4 acc_shared[];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  __shared__ unsigned last_cluster;
-  backward_chunk_rows<G, V>(dy, x, w, rstd, dx, rows, dim, rows_per_partial, acc_shared);
-  // The block's partial into its group 0 columns (each column read and written by one thread).
-  float* mine = reinterpret_cast<float*>(acc_shared);
-  sum_group_columns<G>(acc_shared, dim, [mine](int c, float s) { mine[c] = s; });
-  const cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every block's partial is in its shared memory
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int run = static_cast<int>(blockIdx.x) / K;
-  const int held = partials - run * K < K ? partials - run * K : K;
-  // Block r's columns: the r-th of K contiguous slices, for the run's sum and the last sum alike.
-  const int slice = (dim + K - 1) / K;
-  const int c_end = (rank + 1) * slice < dim ? (rank + 1) * slice : dim;
-  for (int c = rank * slice + static_cast<int>(threadIdx.x); c < c_end; c += block_threads) {
-    float v[K];  // every block's value in flight, then added in rank order
-#pragma unroll
-    for (int b = 0; b < K; ++b) v[b] = b < held ? *cluster.map_shared_rank(mine + c, b) : 0.0f;
-    float s = v[0];
-#pragma unroll
-    for (int b = 1; b < K; ++b)
-      if (b < held) s += v[b];
-    run_sums[static_cast<std::int64_t>(run) * dim + c] = s;
-  }
-  __threadfence();  // the run's sums visible device-wide before the cluster counts itself done
-  cluster.sync();   // and every block of the cluster is past its reads of the others' shared memory
-  const unsigned runs = gridDim.x / K;
-  if (rank == 0 && threadIdx.x == 0) {
-    unsigned before = 0;
-    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(before) : "l"(ticket), "r"(runs - 1) : "memory");
-    const unsigned last = before == runs - 1 ? 1u : 0u;
-    for (int b = 0; b < K; ++b) *cluster.map_shared_rank(&last_cluster, b) = last;
-  }
-  cluster.sync();  // last_cluster set in every block; no shared memory of another block is read after
-  if (last_cluster == 0) return;
-  __threadfence();
-  for (int c = rank * slice + static_cast<int>(threadIdx.x); c < c_end; c += block_threads) {
-    const float before = __ldcg(grad_w + c);
-    // 32 loads in flight, then their additions in order (at most 512 / K runs).
-    constexpr int batch = 32;
-    float total = 0.0f;
-    for (unsigned r0 = 0; r0 < runs; r0 += batch) {
-      float v[batch];
-#pragma unroll
-      for (int i = 0; i < batch; ++i)
-        v[i] = r0 + i < runs ? __ldcg(run_sums + static_cast<std::int64_t>(r0 + i) * dim + c) : 0.0f;
-#pragma unroll
-      for (int i = 0; i < batch; ++i)
-        if (r0 + i < runs) total = r0 + i == 0 ? v[i] : total + v[i];
-    }
-    grad_w[c] = before + total;
-  }
-#endif
 }
 
 /// R = rows per group loaded together: enough that each thread has >= 128 bytes of loads in flight.
@@ -425,8 +348,6 @@ cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, con
                              rstd, dx, partial, rows, static_cast<int>(dim), rows_per_partial);
 }
 
-/// The register path's one-pass kernel for rows `dim` wide (<= max_register_dim_backward): lanes
-/// per row and quads per lane picked by the width.
 /// f(std::integral_constant<int, G>, std::integral_constant<int, V>) for the register path's
 /// backward at rows `dim` wide (<= max_register_dim_backward): lanes per row and quads per lane.
 template <class F>
@@ -448,49 +369,6 @@ cudaError_t launch_backward_for_width(const std::uint16_t* dy, const std::uint16
   return with_backward_width(dim, [&](auto g, auto v) {
     return launch_backward<decltype(g)::value, decltype(v)::value>(dy, x, w, rstd, dx, partial, rows, dim, partials,
                                                                    rows_per_partial, stream);
-  });
-}
-
-/// backward_rows_one_launch for rows `dim` wide, in clusters of partial_run blocks, a programmatic
-/// dependent of the stream's previous kernel. *taken = false (and nothing launched) where the code
-/// loaded for this device was not compiled for sm_90+: there the two launches run instead.
-template <int K = partial_run>
-cudaError_t launch_backward_one_for_width(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
-                                          const float* rstd, std::uint16_t* dx, float* run_sums, float* grad_w,
-                                          unsigned* ticket, std::int64_t rows, std::int64_t dim, std::int64_t partials,
-                                          std::int64_t rows_per_partial, cudaStream_t stream, bool* taken) {
-  *taken = false;
-  return with_backward_width(dim, [&](auto g, auto v) -> cudaError_t {
-    constexpr int G = decltype(g)::value, V = decltype(v)::value;
-    const auto kernel = backward_rows_one_launch<G, V, K>;
-    cudaFuncAttributes compiled{};
-    if (const cudaError_t e = cudaFuncGetAttributes(&compiled, kernel); e != cudaSuccess) return e;
-    if (compiled.ptxVersion < 90) return cudaSuccess;
-    const std::size_t smem = backward_smem_bytes<G>(dim);
-    if (smem > 48 * 1024) {
-      if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     static_cast<int>(smem));
-          e != cudaSuccess) {
-        return e;
-      }
-    }
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>((partials + K - 1) / K * K));
-    config.blockDim = dim3(block_threads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attributes[2]{};
-    attributes[0].id = cudaLaunchAttributeClusterDimension;
-    attributes[0].val.clusterDim.x = K;
-    attributes[0].val.clusterDim.y = 1;
-    attributes[0].val.clusterDim.z = 1;
-    attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[1].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attributes;
-    config.numAttrs = 2;
-    *taken = true;
-    return cudaLaunchKernelEx(&config, kernel, dy, x, w, rstd, dx, run_sums, grad_w, ticket, rows, static_cast<int>(dim),
-                              rows_per_partial, static_cast<int>(partials));
   });
 }
 
@@ -616,14 +494,14 @@ __global__ void grad_w_partials(const std::uint16_t* dy, const std::uint16_t* x,
   }
 }
 
-/// grad_w += the partials' sum in that order, block (32 columns, 32): thread row y sums runs y and
-/// y + 32, then one thread a column adds the runs' sums in order. A 128-wide q-norm weight is 4
-/// blocks.
-constexpr int sum_rows = 32;
+/// grad_w += the partials' sum, block (32 columns, partial_ranges ranges of partials): range y sums
+/// its contiguous partials in order, then the ranges' sums are added 0..partial_ranges-1 in order.
+/// 32 ranges: a 128-wide q-norm weight is 4 blocks, so each thread sums at most 16 of 512 partials.
+constexpr int partial_ranges = 32;
 
-__global__ void __launch_bounds__(32 * sum_rows) sum_partials(const float* partial, float* grad_w, std::int64_t partials,
-                                                              std::int64_t dim) {
-  __shared__ float run_sum[max_partial_runs][32];
+__global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float* partial, float* grad_w, std::int64_t partials,
+                                                            std::int64_t dim) {
+  __shared__ float range_sum[partial_ranges][32];
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
   // grad_w before the wait: the partials' kernel does not write it, and every kernel before that
   // one is complete by now (it triggers this launch only after its own wait, or was launched in
@@ -632,34 +510,27 @@ __global__ void __launch_bounds__(32 * sum_rows) sum_partials(const float* parti
   const float before = threadIdx.y == 0 && c < dim ? __ldcg(grad_w + c) : 0.0f;
   wait_for_prerequisite_grid();  // the partials' kernel, when launched as its dependent
   allow_dependent_launch();      // and the stream's next kernel may be scheduled (it waits for this one)
-  const int runs = static_cast<int>((partials + partial_run - 1) / partial_run);
-  static_assert(max_partial_runs <= 2 * sum_rows, "two runs a thread row");
+  const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;
+  const std::int64_t begin = threadIdx.y * per, end = begin + per < partials ? begin + per : partials;
+  float s = 0.0f;
   if (c < dim) {
-    // Every load of both runs in flight, then their additions in order: a load per addition would
-    // leave each thread waiting out one memory latency per partial.
-    float v[2][partial_run];
+    // Eight loads in flight, then their additions in order: a load per addition would leave each
+    // thread waiting out one memory latency per partial.
+    constexpr int batch = 8;
+    for (std::int64_t p0 = begin; p0 < end; p0 += batch) {
+      float v[batch];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const std::int64_t first = static_cast<std::int64_t>(threadIdx.y + h * sum_rows) * partial_run;
+      for (int i = 0; i < batch; ++i) v[i] = p0 + i < end ? partial[(p0 + i) * dim + c] : 0.0f;
 #pragma unroll
-      for (int i = 0; i < partial_run; ++i) v[h][i] = first + i < partials ? partial[(first + i) * dim + c] : 0.0f;
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int run = threadIdx.y + h * sum_rows;
-      if (run >= runs) continue;
-      const std::int64_t first = static_cast<std::int64_t>(run) * partial_run;
-      float s = v[h][0];
-#pragma unroll
-      for (int i = 1; i < partial_run; ++i)
-        if (first + i < partials) s += v[h][i];
-      run_sum[run][threadIdx.x] = s;
+      for (int i = 0; i < batch; ++i)
+        if (p0 + i < end) s += v[i];
     }
   }
+  range_sum[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < dim) {
-    float total = run_sum[0][threadIdx.x];
-    for (int r = 1; r < runs; ++r) total += run_sum[r][threadIdx.x];
+    float total = range_sum[0][threadIdx.x];
+    for (int y = 1; y < partial_ranges; ++y) total += range_sum[y][threadIdx.x];
     grad_w[c] = before + total;
   }
 }
@@ -668,7 +539,7 @@ __global__ void __launch_bounds__(32 * sum_rows) sum_partials(const float* parti
 /// last blocks instead of following them (about 1 us of a 25-us backward at T = 4096).
 cudaError_t launch_sum_partials(const float* partial, float* grad_w, std::int64_t partials, std::int64_t dim,
                                 cudaStream_t stream) {
-  return launch_as_dependent(sum_partials, dim3(grid_for(dim, 32)), dim3(32, sum_rows), 0, stream, partial, grad_w,
+  return launch_as_dependent(sum_partials, dim3(grid_for(dim, 32)), dim3(32, partial_ranges), 0, stream, partial, grad_w,
                              partials, dim);
 }
 
@@ -715,13 +586,6 @@ std::size_t rmsnorm_backward_workspace_bytes(std::int64_t rows, std::int64_t dim
 cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weight, const float* rstd, bf16* grad_x,
                              float* grad_weight, std::int64_t rows, std::int64_t dim, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream) {
-  return rmsnorm_backward(grad_y, x, weight, rstd, grad_x, grad_weight, rows, dim, workspace, workspace_bytes, nullptr,
-                          stream);
-}
-
-cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weight, const float* rstd, bf16* grad_x,
-                             float* grad_weight, std::int64_t rows, std::int64_t dim, void* workspace,
-                             std::size_t workspace_bytes, unsigned* ticket, cudaStream_t stream) {
   if (rows < 0) return detail::refuse("rmsnorm_backward: rows = ", rows, " (must be >= 0)");
   if (dim < 1) return detail::refuse("rmsnorm_backward: dim = ", dim, " (must be >= 1)");
   if (rows == 0) return cudaSuccess;
@@ -748,12 +612,6 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
 
   const bool vec = dim % 8 == 0 && aligned_16(grad_y, x, weight, grad_x);
   if (vec && dim <= max_register_dim_backward) {
-    if (ticket != nullptr) {
-      bool taken = false;
-      const cudaError_t e = launch_backward_one_for_width(dy, xb, wb, rstd, dx, partial, grad_weight, ticket, rows, dim,
-                                                          partials, per, stream, &taken);
-      if (e != cudaSuccess || taken) return e;
-    }
     const cudaError_t e = launch_backward_for_width(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
     if (e != cudaSuccess) return e;
     return launch_sum_partials(partial, grad_weight, partials, dim, stream);

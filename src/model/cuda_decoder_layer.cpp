@@ -719,7 +719,7 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
                                  0.0f, b.d_logits, b.dxn2, /*accumulate_dx=*/true, grads.router, b.router_ws, b.router_bytes),
         "router backward");
   check(kernels::rmsnorm_backward(b.dxn2, v.h, params.post_attention_layernorm, v.rstd2, b.dxn2, grads.post_attention_layernorm,
-                                  T, H, b.norm_ws, b.norm_bytes, ctx.norm_ticket, st),
+                                  T, H, b.norm_ws, b.norm_bytes, st),
         "post_attention_layernorm backward");
   bf16* const dh = b.dxn2;
   check(kernels::add_bf16(dy, b.dxn2, dh, T * H, st), "residual add dh = dy + d moe");
@@ -735,10 +735,10 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, D, s.rope_theta, st), "rope backward (q)");
   check(kernels::rope_backward(b.dk, positions, b.dk, T, s.heads_kv, D, D, s.rope_theta, st), "rope backward (k)");
   check(kernels::rmsnorm_backward(b.dq, v.q_raw, params.q_norm, v.q_rstd, b.dq, grads.q_norm, T * s.heads_q, D, b.norm_ws,
-                                  b.norm_bytes, ctx.norm_ticket, st),
+                                  b.norm_bytes, st),
         "q_norm backward");
   check(kernels::rmsnorm_backward(b.dk, v.k_raw, params.k_norm, v.k_rstd, b.dk, grads.k_norm, T * s.heads_kv, D, b.norm_ws,
-                                  b.norm_bytes, ctx.norm_ticket, st),
+                                  b.norm_bytes, st),
         "k_norm backward");
   // d xn1 = dq Wq + dk Wk + dv Wv, summed in fp32 and rounded once.
   gemm(ctx.blas, false, false, T, H, QW, b.dq, QW, params.q_proj, H, b.dxn1_f32, CUDA_R_32F, H, 0.0f, "q_proj dx GEMM");
@@ -749,7 +749,7 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   gemm(ctx.blas, true, false, KW, H, T, b.dv, KW, v.xn1, H, grads.v_proj, CUDA_R_32F, H, 1.0f, "v_proj dW GEMM");
   check(kernels::cast_fp32_to_bf16(b.dxn1_f32, b.dxn1, T * H, st), "cast d xn1 to bf16");
   check(kernels::rmsnorm_backward(b.dxn1, x, params.input_layernorm, v.rstd1, b.dxn1, grads.input_layernorm, T, H, b.norm_ws,
-                                  b.norm_bytes, ctx.norm_ticket, st),
+                                  b.norm_bytes, st),
         "input_layernorm backward");
   check(kernels::add_bf16(dh, b.dxn1, dx, T * H, st), "residual add dx = dh + d attention");
 }

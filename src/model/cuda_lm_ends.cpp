@@ -154,7 +154,7 @@ void lm_head_forward_backward(const LmEndsContext& ctx, const LmEndsShape& s, co
   // of dr is read before the same element of dx is written); grad_final_norm accumulated. The
   // scratch bytes are lm_head_loss's too: it is done with them, earlier on the same stream.
   check(kernels::rmsnorm_backward(dy, y, final_norm, rstd, dy, grad_final_norm, s.tokens, s.hidden, scratch,
-                                  L.scratch_bytes, ctx.norm_ticket, ctx.stream),
+                                  L.scratch_bytes, ctx.stream),
         "final norm rmsnorm_backward");
 }
 

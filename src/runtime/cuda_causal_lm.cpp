@@ -157,9 +157,6 @@ struct CudaCausalLm::Impl {
   std::size_t workspace_bytes = 0;
   std::int32_t *d_ids = nullptr, *d_targets = nullptr, *d_positions = nullptr, *d_invalid = nullptr, *d_valid = nullptr;
   float* d_loss = nullptr;
-  // The RMSNorm backwards' ticket (kernels::rmsnorm_backward): zeroed once, left 0 by every call;
-  // they all run on cs.
-  unsigned* d_norm_ticket = nullptr;
   // Clipping by global norm (options.max_grad_norm > 0): each segment's gradient sum of squares,
   // taken on the GPU as its gradients are made, and the kernel's scratch.
   double* d_sumsq = nullptr;
@@ -307,10 +304,8 @@ struct CudaCausalLm::Impl {
   cudaStream_t raw(const CudaBackend::Stream& s) const { return CudaBackend::raw(s); }
 
   /// Layer L's calls keep its expert counts from the forward for the backward.
-  model::DecoderLayerContext layer_ctx(Layer& L) const {
-    return {raw(cs), blas, expert_streams.get(), &L.expert_counts, d_norm_ticket};
-  }
-  model::LmEndsContext ends_ctx() const { return {raw(cs), blas, d_norm_ticket}; }
+  model::DecoderLayerContext layer_ctx(Layer& L) const { return {raw(cs), blas, expert_streams.get(), &L.expert_counts}; }
+  model::LmEndsContext ends_ctx() const { return {raw(cs), blas}; }
 
   static void CUDART_CB cpu_update(void* p);
   /// Layer L's CPU AdamW with `scalars`, on the cpu stream once its gradients have landed.
@@ -592,8 +587,6 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   d_invalid = dev<std::int32_t>(1, Claimant::worksets);
   d_valid = dev<std::int32_t>(1, Claimant::worksets);
   d_loss = dev<float>(1, Claimant::worksets);
-  d_norm_ticket = dev<unsigned>(1, Claimant::worksets);
-  if (!sizing) OOM_CUDA_CHECK(cudaMemset(d_norm_ticket, 0, sizeof(unsigned)));
   if (clipping()) {
     std::uint64_t largest = 0;
     for (const auto& g : segs) largest = std::max<std::uint64_t>(largest, g.n);

@@ -244,23 +244,6 @@ TEST_CASE("rmsnorm: forward, rstd, input and weight gradients match the referenc
     for (bf16 v : inplace.download()) a.push_back(v.bits);
     for (bf16 v : dx_first) b.push_back(v.bits);
     expect_bits(a, b, "rmsnorm dx in place");
-
-    // With a ticket (one launch on sm_90+ for the register path's widths): the same bits, and the
-    // ticket back at 0 so that the next call may take it. A poisoned dx shows unwritten rows.
-    DeviceBuffer<unsigned> ticket(1);
-    ticket.zero();
-    DeviceBuffer<bf16> dx_one(n);
-    OOM_CUDA_CHECK(cudaMemset(dx_one.get(), 0xFF, n * sizeof(bf16)));
-    for (int call = 0; call < 2; ++call) {
-      gw.upload(gw0);
-      OOM_CUDA_CHECK(k::rmsnorm_backward(dy.get(), x.get(), w.get(), rstd.get(), dx_one.get(), gw.get(), s.rows, s.dim,
-                                         ws.get(), ws.size(), ticket.get(), stream.s));
-      expect_bits(gw.download(), gw_gpu, "rmsnorm dweight with a ticket");
-      CHECK(ticket.download() == std::vector<unsigned>{0u});
-    }
-    a.clear();
-    for (bf16 v : dx_one.download()) a.push_back(v.bits);
-    expect_bits(a, b, "rmsnorm dx with a ticket");
   }
 }
 
@@ -290,14 +273,11 @@ TEST_CASE("rmsnorm backward: calls back to back on one stream add up as calls wi
     DeviceBuffer<unsigned char> ws(std::max(k::rmsnorm_backward_workspace_bytes(s.rows, s.dim),
                                             k::rmsnorm_backward_workspace_bytes(rows_b, s.dim)));
     const std::vector<float> gw0 = random_normal(s.dim, 24);
-    // With a ticket the four calls share it as well (one launch each on sm_90+).
-    DeviceBuffer<unsigned> ticket(1);
-    ticket.zero();
-    const auto run = [&](bool wait_each, unsigned* t) {
+    const auto run = [&](bool wait_each) {
       DeviceBuffer<float> gw(gw0), gw_b(gw0);
       const auto call = [&](float* g, std::int64_t rows) {
         OOM_CUDA_CHECK(k::rmsnorm_backward(dy.get(), x.get(), w.get(), rstd.get(), dx.get(), g, rows, s.dim, ws.get(),
-                                           ws.size(), t, stream.s));
+                                           ws.size(), stream.s));
         if (wait_each) OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
       };
       // Two calls into the same grad_w back to back (the sum of the second must see the first's),
@@ -311,14 +291,10 @@ TEST_CASE("rmsnorm backward: calls back to back on one stream add up as calls wi
       OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
       return std::make_pair(gw.download(), gw_b.download());
     };
-    const auto waited = run(true, nullptr);
-    const auto queued = run(false, nullptr);
+    const auto waited = run(true);
+    const auto queued = run(false);
     expect_bits(queued.first, waited.first, "rmsnorm dweight, four calls queued");
     expect_bits(queued.second, waited.second, "rmsnorm dweight sharing the workspace, four calls queued");
-    const auto queued_ticket = run(false, ticket.get());
-    expect_bits(queued_ticket.first, waited.first, "rmsnorm dweight, four calls queued sharing a ticket");
-    expect_bits(queued_ticket.second, waited.second, "rmsnorm dweight sharing the workspace and a ticket");
-    CHECK(ticket.download() == std::vector<unsigned>{0u});
     // The calls did add up: every column finite and moved away from its start, in both weights.
     for (const std::vector<float>* g : {&waited.first, &waited.second}) {
       std::size_t bad = 0;
@@ -757,9 +733,6 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     DeviceBuffer<bf16> x(rows * dim), y(rows * dim), w(dim);
     DeviceBuffer<float> rstd(rows), gw(dim);
     x.zero(), w.zero(), gw.zero();
-    // The trainer's calls: with a ticket (one launch on sm_90+, register-path widths).
-    DeviceBuffer<unsigned> ticket(1);
-    ticket.zero();
     report("rmsnorm forward (65536 x 4096)", 4.0 * rows * dim,
            [&](cudaStream_t s) { return k::rmsnorm_forward(x.get(), w.get(), y.get(), rstd.get(), rows, dim, 1e-6f, s); });
     DeviceBuffer<unsigned char> ws(k::rmsnorm_backward_workspace_bytes(rows, dim));
@@ -767,7 +740,7 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     // printed 4/3 of the real fraction).
     report("rmsnorm backward, dx in place (65536 x 4096)", 6.0 * rows * dim, [&](cudaStream_t s) {
       return k::rmsnorm_backward(y.get(), x.get(), w.get(), rstd.get(), y.get(), gw.get(), rows, dim, ws.get(),
-                                 ws.size(), ticket.get(), s);
+                                 ws.size(), s);
     });
     const std::int64_t heads = rows * dim / 128;
     report("rmsnorm forward, q-norm rows (x 128)", 4.0 * rows * dim, [&](cudaStream_t s) {
@@ -776,15 +749,11 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     // The 5.13B layer's width (2048) at 65536 rows, dx beside dy.
     report("rmsnorm backward (65536 x 2048)", 6.0 * 65536 * 2048, [&](cudaStream_t s) {
       return k::rmsnorm_backward(y.get(), x.get(), w.get(), rstd.get(), y.get() + 65536 * 2048, gw.get(), 65536, 2048,
-                                 ws.get(), ws.size(), ticket.get(), s);
+                                 ws.get(), ws.size(), s);
     });
     // The 5.13B layer's backwards at T = 4096: the hidden norm (2048 wide) and the q-norm (16 heads
     // of 128); dy and x read, dx written, the weight gradient's partials not counted.
     report("rmsnorm backward (4096 x 2048)", 6.0 * 4096 * 2048, [&](cudaStream_t s) {
-      return k::rmsnorm_backward(y.get(), x.get(), w.get(), rstd.get(), y.get(), gw.get(), 4096, 2048, ws.get(),
-                                 ws.size(), ticket.get(), s);
-    });
-    report("rmsnorm backward (4096 x 2048), two launches (a reference)", 6.0 * 4096 * 2048, [&](cudaStream_t s) {
       return k::rmsnorm_backward(y.get(), x.get(), w.get(), rstd.get(), y.get(), gw.get(), 4096, 2048, ws.get(),
                                  ws.size(), s);
     });
@@ -794,13 +763,8 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     });
     report("rmsnorm backward, q-norm rows (4096 x 16 x 128)", 6.0 * 4096 * 16 * 128, [&](cudaStream_t s) {
       return k::rmsnorm_backward(y.get(), x.get(), w.get(), rstd.get(), y.get(), gw.get(), 4096 * 16, 128, ws.get(),
-                                 ws.size(), ticket.get(), s);
-    });
-    report("rmsnorm backward, q-norm rows, two launches (a reference)", 6.0 * 4096 * 16 * 128, [&](cudaStream_t s) {
-      return k::rmsnorm_backward(y.get(), x.get(), w.get(), rstd.get(), y.get(), gw.get(), 4096 * 16, 128, ws.get(),
                                  ws.size(), s);
     });
-    CHECK(ticket.download() == std::vector<unsigned>{0u});
   }
   {
     const std::int64_t tokens = 65536, heads = 32, head_dim = 128;

@@ -45,8 +45,7 @@ inline constexpr std::int64_t rmsnorm_rows_per_partial(std::int64_t rows) {
 std::size_t rmsnorm_backward_workspace_bytes(std::int64_t rows, std::int64_t dim);
 
 /// dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) with xhat = x*rstd; grad_weight += sum over rows
-/// of dy*xhat, reduced in a fixed order (rows within a chunk; chunks in runs of 8, each summed in
-/// order; the runs' sums in order; then added to grad_weight). grad_x may
+/// of dy*xhat, reduced in a fixed order (rows within a chunk, then chunks in order). grad_x may
 /// equal grad_y or x (in place): every element of dy and x is read before the same element of dx
 /// is written, by the same thread (rows up to 4096 wide with 16-byte aligned arrays: one pass that
 /// also accumulates the weight gradient), or the weight-gradient pass runs before the dx pass.
@@ -60,20 +59,5 @@ cudaError_t rmsnorm_backward(const bf16* grad_y,   // (R, D) bf16
                              float* grad_weight,   // (D) fp32, accumulated into
                              std::int64_t rows, std::int64_t dim, void* workspace, std::size_t workspace_bytes,
                              cudaStream_t stream);
-
-/// The same, in one launch where it can: on sm_90+ with the register path (16-byte aligned rows up
-/// to 4096 wide, the width a multiple of 8) the chunks run in clusters of 8 blocks, each cluster
-/// adds its 8 partials through distributed shared memory, and the last cluster to finish (counted
-/// on `ticket`) adds the clusters' sums into grad_weight, instead of a second kernel that waits
-/// for the first to end (the 4096 x 2048 hidden norm: ~2.5 us of ~17 on an H200). The same bits as
-/// the two-launch call. Elsewhere, or with a null ticket, it is the call above.
-///
-/// `ticket`: one 4-byte word of device memory that is 0 before the call (cudaMemset once, when it
-/// is allocated) and that the call leaves 0 when it completes. Calls queued on one stream may share
-/// it; calls that may run at the same time (other streams, graphs launched concurrently) need one
-/// each. A ticket that is not 0 leaves grad_weight without this call's sum.
-cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weight, const float* rstd, bf16* grad_x,
-                             float* grad_weight, std::int64_t rows, std::int64_t dim, void* workspace,
-                             std::size_t workspace_bytes, unsigned* ticket, cudaStream_t stream);
 
 }  // namespace oom::kernels

@@ -165,10 +165,6 @@ struct DecoderLayerContext {
   /// (Errc::invalid_argument) before the backward launches anything. nullptr: the backward reads
   /// them back.
   std::vector<std::int32_t>* expert_counts = nullptr;
-  /// Optional: a device word that is 0, for the RMSNorm backwards to run in one launch each
-  /// (kernels::rmsnorm_backward's ticket: the calls leave it 0). One per concurrently launching
-  /// stream; nullptr: two launches each, the same bits.
-  unsigned* norm_ticket = nullptr;
 };
 
 /// Bytes of the buffer kept from forward to backward (the list is in docs/kernels.md): O(T*(H +

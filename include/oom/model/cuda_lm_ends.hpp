@@ -63,8 +63,6 @@ struct LmEndsShape {
 struct LmEndsContext {
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;  ///< used by lm_head_forward_backward only
-  /// Optional: the final norm's backward in one launch (DecoderLayerContext::norm_ticket).
-  unsigned* norm_ticket = nullptr;
 };
 
 /// Rows per chunk of the fused LM head: its fp32 + bf16 logits of one chunk (about 6 * V bytes a
