@@ -117,13 +117,7 @@ cudaError_t launch_backward_one_for_width(const std::uint16_t* dy, const std::ui
     if (const cudaError_t e = cudaFuncGetAttributes(&compiled, kernel); e != cudaSuccess) return e;
     if (compiled.ptxVersion < 90) return cudaSuccess;
     const std::size_t smem = backward_smem_bytes<G>(dim);
-    if (smem > 48 * 1024) {
-      if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     static_cast<int>(smem));
-          e != cudaSuccess) {
-        return e;
-      }
-    }
+    if (const cudaError_t e = allow_dynamic_smem(kernel, smem); e != cudaSuccess) return e;
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(static_cast<unsigned>((partials + K - 1) / K * K));
     config.blockDim = dim3(block_threads);
@@ -157,7 +151,7 @@ int max_active_clusters(long long dim) {
     constexpr int G = decltype(g)::value, V = decltype(v)::value;
     const auto kernel = oom::kernels::backward_rows_one_launch<G, V, K>;
     const std::size_t smem = oom::kernels::backward_smem_bytes<G>(dim);
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    CK(oom::kernels::allow_dynamic_smem(kernel, smem));
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(K * 64);
     config.blockDim = dim3(oom::kernels::block_threads);

@@ -330,6 +330,13 @@ constexpr std::size_t backward_smem_bytes(std::int64_t dim) {
   return groups * static_cast<std::size_t>(dim) * sizeof(float) + (G == 64 ? groups * 4 * sizeof(float) : 0);
 }
 
+/// Lets `kernel` launch with `smem` bytes of dynamic shared memory (over 48 KiB needs the opt-in).
+template <class Kernel>
+cudaError_t allow_dynamic_smem(Kernel kernel, std::size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+}
+
 template <int G, int V>
 cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                             const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
@@ -337,13 +344,7 @@ cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, con
                             cudaStream_t stream) {
   const auto kernel = backward_rows_in_registers<G, V>;
   const std::size_t smem = backward_smem_bytes<G>(dim);
-  if (smem > 48 * 1024) {
-    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(smem));
-        e != cudaSuccess) {
-      return e;
-    }
-  }
+  if (const cudaError_t e = allow_dynamic_smem(kernel, smem); e != cudaSuccess) return e;
   return launch_as_dependent(kernel, dim3(static_cast<unsigned>(partials)), dim3(block_threads), smem, stream, dy, x, w,
                              rstd, dx, partial, rows, static_cast<int>(dim), rows_per_partial);
 }
