@@ -133,16 +133,24 @@ def model_layer_config(path, tokens):
     if model.get("model_type") != "qwen3_moe":
         raise SystemExit(f"--model-config {path}: model_type is {model.get('model_type')!r}; this comparison builds "
                          "transformers' Qwen3MoeDecoderLayer, so it needs 'qwen3_moe'")
+    required = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size")
     cfg = layer_config(tokens)
     for k in LAYER_FIELDS:
         if k in model:
             cfg[k] = model[k]
-        elif k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts",
-                   "num_experts_per_tok", "moe_intermediate_size"):
+        elif k in required:
             raise SystemExit(f"--model-config {path}: field {k!r} is missing")
     if "head_dim" not in model:
-        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
-    cfg["max_position_embeddings"] = max(tokens, int(model.get("max_position_embeddings", tokens)))
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_attention_heads"] else 0
+    for k in required + ("head_dim",):
+        v = cfg[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SystemExit(f"--model-config {path}: field {k!r} is {v!r}; it must be a positive integer")
+    positions = model.get("max_position_embeddings", tokens)
+    if isinstance(positions, bool) or not isinstance(positions, int):
+        raise SystemExit(f"--model-config {path}: field 'max_position_embeddings' is {positions!r}; it must be an integer")
+    cfg["max_position_embeddings"] = max(tokens, positions)
     return cfg
 
 

@@ -4,7 +4,8 @@
 # most 8 files) they come back as one archive, $OUT/gpu-logs.tgz, beside $OUT/summary.txt.
 #   bash scripts/gpu-check.sh
 # PARTS (default "tests bench reference") picks sections: the gpu/host tests, the benchmarks, the
-# reference checks against PyTorch/transformers (decoder layer; 50 training steps of oom-train),
+# reference checks against PyTorch/transformers (one decoder layer, small and at the 5.13B widths;
+# 50 training steps of oom-train),
 # and "train" (the CUDA executor's tests and compute-sanitizer runs, 50 GPU steps vs PyTorch,
 # SIGKILL/resume on the GPU, the 5.13B model at $SEQS with a traced step). One device call is at
 # most 10 minutes, so split: e.g. PARTS=tests, then PARTS="reference train" SEQS="4096 32768",

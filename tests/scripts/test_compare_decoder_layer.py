@@ -60,6 +60,12 @@ class ModelLayerConfig(unittest.TestCase):
                 cdl.model_layer_config(os.path.join(d, "absent.json"), 16)
             with self.assertRaisesRegex(SystemExit, "the top level is a JSON list, not an object"):
                 cdl.model_layer_config(write_json(d, "[1, 2]"), 16)
+            for field, bad in (("hidden_size", "2048"), ("num_experts", 0), ("num_experts_per_tok", 2.5),
+                               ("num_attention_heads", True), ("max_position_embeddings", "long")):
+                c = cdl.layer_config(1)
+                c[field] = bad
+                with self.assertRaisesRegex(SystemExit, f"field '{field}' is {bad!r}"):
+                    cdl.model_layer_config(write_json(d, c), 16)
 
 
 if __name__ == "__main__":
