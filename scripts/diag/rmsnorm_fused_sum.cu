@@ -31,22 +31,9 @@ namespace {
 __device__ void sum_tiles(const float* partial, float* grad_w, std::int64_t partials, std::int64_t dim, int tile0,
                           int tile_step, float (*range_sum)[8]) {
   const int y = threadIdx.x / 8, k = threadIdx.x % 8;
-  const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;
-  const std::int64_t begin = y * per, end = begin + per < partials ? begin + per : partials;
   for (std::int64_t tile = tile0; tile * 8 < dim; tile += tile_step) {
     const std::int64_t c = tile * 8 + k;
-    float s = 0.0f;
-    if (c < dim) {
-      constexpr int batch = 8;
-      for (std::int64_t p0 = begin; p0 < end; p0 += batch) {
-        float v[batch];
-#pragma unroll
-        for (int i = 0; i < batch; ++i) v[i] = p0 + i < end ? __ldcg(partial + (p0 + i) * dim + c) : 0.0f;
-#pragma unroll
-        for (int i = 0; i < batch; ++i)
-          if (p0 + i < end) s += v[i];
-      }
-    }
+    const float s = c < dim ? sum_partial_range<true>(partial, partials, dim, c, y) : 0.0f;
     range_sum[y][k] = s;
     __syncthreads();
     if (y == 0 && c < dim) {

@@ -500,6 +500,33 @@ __global__ void grad_w_partials(const std::uint16_t* dy, const std::uint16_t* x,
 /// 32 ranges: a 128-wide q-norm weight is 4 blocks, so each thread sums at most 16 of 512 partials.
 constexpr int partial_ranges = 32;
 
+/// Column c's sum over the partials of range `range` (partials / partial_ranges of them, rounded
+/// up; the last range shorter), in order from 0.0f. Eight loads in flight, then their additions in
+/// order: a load per addition would leave the thread waiting out one memory latency per partial.
+/// ThroughL2: __ldcg, for partials written by other blocks of the same grid.
+template <bool ThroughL2>
+__device__ __forceinline__ float sum_partial_range(const float* partial, std::int64_t partials, std::int64_t dim,
+                                                   std::int64_t c, int range) {
+  const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;
+  const std::int64_t begin = range * per, end = begin + per < partials ? begin + per : partials;
+  float s = 0.0f;
+  constexpr int batch = 8;
+  for (std::int64_t p0 = begin; p0 < end; p0 += batch) {
+    float v[batch];
+#pragma unroll
+    for (int i = 0; i < batch; ++i) {
+      if constexpr (ThroughL2)
+        v[i] = p0 + i < end ? __ldcg(partial + (p0 + i) * dim + c) : 0.0f;
+      else
+        v[i] = p0 + i < end ? partial[(p0 + i) * dim + c] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < batch; ++i)
+      if (p0 + i < end) s += v[i];
+  }
+  return s;
+}
+
 __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float* partial, float* grad_w, std::int64_t partials,
                                                             std::int64_t dim) {
   __shared__ float range_sum[partial_ranges][32];
@@ -511,23 +538,8 @@ __global__ void __launch_bounds__(32 * partial_ranges) sum_partials(const float*
   const float before = threadIdx.y == 0 && c < dim ? __ldcg(grad_w + c) : 0.0f;
   wait_for_prerequisite_grid();  // the partials' kernel, when launched as its dependent
   allow_dependent_launch();      // and the stream's next kernel may be scheduled (it waits for this one)
-  const std::int64_t per = (partials + partial_ranges - 1) / partial_ranges;
-  const std::int64_t begin = threadIdx.y * per, end = begin + per < partials ? begin + per : partials;
-  float s = 0.0f;
-  if (c < dim) {
-    // Eight loads in flight, then their additions in order: a load per addition would leave each
-    // thread waiting out one memory latency per partial.
-    constexpr int batch = 8;
-    for (std::int64_t p0 = begin; p0 < end; p0 += batch) {
-      float v[batch];
-#pragma unroll
-      for (int i = 0; i < batch; ++i) v[i] = p0 + i < end ? partial[(p0 + i) * dim + c] : 0.0f;
-#pragma unroll
-      for (int i = 0; i < batch; ++i)
-        if (p0 + i < end) s += v[i];
-    }
-  }
-  range_sum[threadIdx.y][threadIdx.x] = s;
+  range_sum[threadIdx.y][threadIdx.x] =
+      c < dim ? sum_partial_range<false>(partial, partials, dim, c, static_cast<int>(threadIdx.y)) : 0.0f;
   __syncthreads();
   if (threadIdx.y == 0 && c < dim) {
     float total = range_sum[0][threadIdx.x];
