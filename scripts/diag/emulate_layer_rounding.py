@@ -23,8 +23,8 @@ Qwen3MoeDecoderLayer in fp32 on the CPU (it must agree to ~1e-6) and stops if it
 A run is `all`, `forward`, `backward`, `none`, or `all-P1,P2,...` (every point but those). Points
 (forward: the value is stored bf16; backward: the gradient is):
   forward   xn1 qkv qk_norm rope P attn h xn2 xn2_router gate_up act y_perm moe y
-  backward  d_x_norm d_xn1 d_qk_raw d_qkv d_rope dS d_attn d_h d_h_norm d_xn2 d_logits d_xn2_experts
-            d_x_perm d_gate_up d_act d_y_perm
+  backward  d_x d_x_norm d_xn1 d_qk_raw d_qkv d_rope dS d_attn d_h d_h_norm d_xn2 d_logits
+            d_xn2_experts d_x_perm d_gate_up d_act d_y_perm
 P and dS are the attention kernels' bf16 probabilities (P V) and score gradients (dS K, dS^T Q);
 xn2_router is the router's copy of the post-attention norm's output (the product's router reads the
 bf16 xn2 the experts read); d_logits is the router backward's bf16 copy of d logits.
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 FORWARD = ("xn1", "qkv", "qk_norm", "rope", "P", "attn", "h", "xn2", "xn2_router", "gate_up", "act", "y_perm", "moe", "y")
-BACKWARD = ("d_x_norm", "d_xn1", "d_qk_raw", "d_qkv", "d_rope", "dS", "d_attn", "d_h", "d_h_norm", "d_xn2", "d_logits",
+BACKWARD = ("d_x", "d_x_norm", "d_xn1", "d_qk_raw", "d_qkv", "d_rope", "dS", "d_attn", "d_h", "d_h_norm", "d_xn2", "d_logits",
             "d_xn2_experts", "d_x_perm", "d_gate_up", "d_act", "d_y_perm")
 POINTS = frozenset(FORWARD + BACKWARD)
 
@@ -160,7 +160,8 @@ def build(torch):
         Hq, Hk, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
         E, k, I = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
         eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
-        # attention block: h = x + O Wo^T
+        # attention block: h = x + O Wo^T (dx = dh + the input norm's backward, rounded once more)
+        x = rnd_grad(x, "d_x")
         xn1 = rnd(rms(rnd_grad(x, "d_x_norm"), W["input_layernorm.weight"], eps), "xn1", "d_xn1")
         q_raw = rnd(xn1 @ W["self_attn.q_proj.weight"].t(), "qkv", "d_qk_raw").reshape(T, Hq, D)
         k_raw = rnd(xn1 @ W["self_attn.k_proj.weight"].t(), "qkv", "d_qk_raw").reshape(T, Hk, D)
