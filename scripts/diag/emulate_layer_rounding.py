@@ -26,9 +26,13 @@ A run is `all`, `forward`, `backward`, `none`, or `all-P1,P2,...` (every point b
   forward   xn1 qkv qk_norm rope P attn h xn2 xn2_router gate_up act y_perm moe y
   backward  d_x d_x_norm d_xn1 d_qk_raw d_qkv d_rope dS d_attn d_h d_h_norm d_xn2 d_logits
             d_xn2_experts d_x_perm d_gate_up d_act d_y_perm
-P and dS are the attention kernels' bf16 probabilities (P V) and score gradients (dS K, dS^T Q);
-xn2_router is the router's copy of the post-attention norm's output (the product's router reads the
-bf16 xn2 the experts read); d_logits is the router backward's bf16 copy of d logits.
+P and dS are the attention kernels' bf16 operands in registers, not stores: the forward's
+unnormalised probabilities (P V), the backward's P (dV) and score gradients (dS K, dS^T Q).
+xn2_router is the router's read of the post-attention norm's output: in the product the same bf16
+buffer the experts read, so turning it off alone (or xn2 alone) is a what-if, an fp32 copy for the
+router (or for the experts). d_logits is the router backward's bf16 copy of d logits. RoPE's
+angles are computed in fp64 here, in fp32 there (angles ~1e-5 rad apart at T = 4096: ~1% of one
+bf16 rounding of q and k).
 Needs torch (CPU is enough) and, for --check-transformers, transformers. ~10-20 s a run at 2048
 tokens of the 5.13B widths on two cores.
 """
@@ -122,9 +126,13 @@ def build(torch):
         def forward(ctx, q, k, v):
             s = Attention.scores(q, k)
             lse = torch.logsumexp(s, -1, keepdim=True)
-            p = torch.exp(s - lse)
+            # The forward kernels round the unnormalised exp(S - rowmax) that multiplies V (the
+            # running max of a key tile there; the row's max here) and divide O by the fp32 sum of
+            # the unrounded values at the end.
+            e = torch.exp(s - s.amax(-1, keepdim=True))
             vv = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
-            o = torch.einsum("htu,uhd->thd", bf16(p) if "P" in on else p, vv)
+            o = torch.einsum("htu,uhd->thd", bf16(e) if "P" in on else e, vv)
+            o = o / e.sum(-1).transpose(0, 1).unsqueeze(-1)
             ctx.save_for_backward(q, k, v, o, lse)
             return o
 
@@ -138,6 +146,8 @@ def build(torch):
             kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
             dv = torch.einsum("htu,thd->uhd", bf16(p) if "P" in on else p, do)
             dp = torch.einsum("thd,uhd->htu", do, vv)
+            if "attn" in on:  # D = rowsum(dO o O) reads the O the forward stored (bf16)
+                o = bf16(o)
             ds = p * (dp - (do * o).sum(-1).transpose(0, 1).unsqueeze(-1))
             if "dS" in on:
                 ds = bf16(ds)
@@ -177,7 +187,7 @@ def build(torch):
         logits = rnd_grad(rnd(xn2_full, "xn2_router") @ W["mlp.gate.weight"].t(), "d_logits")
         capture["logits"] = logits.detach()
         top_p, top_i = torch.softmax(logits, -1).topk(k, -1)
-        weights = top_p / top_p.sum(-1, keepdim=True)
+        weights = top_p / top_p.sum(-1, keepdim=True) if cfg["norm_topk_prob"] else top_p
         xn2 = rnd_grad(rnd(xn2_full, "xn2"), "d_xn2_experts")
         moe = torch.zeros_like(x)
         for e in range(E):
