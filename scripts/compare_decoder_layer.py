@@ -358,6 +358,14 @@ def run_torch(torch, M, layer, config, x, dy, dtype, capture=None):
     return out.detach().float().reshape(T, H), xi.grad.detach().float().reshape(T, H), grads
 
 
+def rel(a, b):
+    """||a - b|| / ||b|| in fp64 (0 when both are zero, inf when only b is)."""
+    a, b = a.double(), b.double()
+    nb = b.norm().item()
+    d = (a - b).norm().item()
+    return d / nb if nb > 0 else (0.0 if d == 0 else math.inf)
+
+
 def topk_sets(torch, logits, k):
     probs = torch.softmax(logits.float(), dim=-1)
     return torch.topk(probs, k, dim=-1).indices.sort(dim=-1).values
@@ -453,12 +461,6 @@ def main():
     y16, dx16, g16 = run_torch(torch, M, layer16, config, x, dy, torch.bfloat16, capture=cap16)
     y32, dx32, g32 = run_torch(torch, M, layer32, config, x, dy, torch.float32, capture=cap32)
     g16, g32 = layout.to_canonical(g16), layout.to_canonical(g32)
-
-    def rel(a, b):
-        a, b = a.double(), b.double()
-        nb = b.norm().item()
-        d = (a - b).norm().item()
-        return d / nb if nb > 0 else (0.0 if d == 0 else math.inf)
 
     rows = []  # (name, ours vs bf16, ours vs fp32, bf16 vs fp32, checked)
     rows.append(("output (unambiguous rows)", ours["output"][keep], y16[keep], y32[keep], True))
