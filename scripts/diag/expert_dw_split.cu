@@ -6,8 +6,11 @@
 //   dW_d += dy^T h   dense (K = N, fp32, beta 1)  vs per-expert loop on 1 and 4 streams, beta 1 and
 //                                                   0, and strided batched (one launch, 6144 tiles)
 // and dh + dW together as the product issues them (dh on the main stream, dW on 4 side streams).
+// A what-if for the expert weight gradients' precision (the product writes them in fp32): the
+// strided batched dW and dh + dW with dW written in bf16 (as PyTorch's bf16 matmul backward writes a
+// bf16 weight's gradient), which halves the C traffic that bounds the dW at 512 rows per expert.
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a scripts/diag/expert_dw_split.cu \
-//     -lcublas -o /tmp/dw_split && /tmp/dw_split
+//     -lcublas -o /tmp/dw_split && /tmp/dw_split [rows per expert, default 2048; 512 is T = 4096]
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -19,9 +22,15 @@
 
 #include "diag_timing.cuh"  // CK
 
-constexpr long long H = 2048, I = 768, E = 64, R = 2048, N = E * R;
+constexpr long long H = 2048, I = 768, E = 64;
 
-int main() {
+int main(int argc, char** argv) {
+  const long long R = argc > 1 ? std::atoll(argv[1]) : 2048, N = E * R;
+  if (R < 1 || R > 65536) {
+    std::printf("rows per expert %lld: expected 1 .. 65536\n", R);
+    return 2;
+  }
+  std::printf("%lld experts x %lld rows (T = %lld tokens at top-8), H = %lld, I = %lld\n", E, R, N / 8, H, I);
   __nv_bfloat16 *dy, *h, *w, *dh;
   float* dw;
   CK(cudaMalloc(&dy, N * H * 2));
@@ -102,7 +111,7 @@ int main() {
         for (long long e = 0; e < E; ++e) dh_gemm(blas, R, dy + e * R * H, w + e * H * I, dh + e * R * I);
       }),
       dense_dh);
-  row("dh strided batched (64 x 2048 rows)", time_ms([&] {
+  row("dh strided batched (64 experts)", time_ms([&] {
         CK(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, I, R, H, &one, w, CUDA_R_16BF, I, H * I, dy,
                                       CUDA_R_16BF, H, R * H, &zero, dh, CUDA_R_16BF, I, R * I, E, CUBLAS_COMPUTE_32F,
                                       CUBLAS_GEMM_DEFAULT));
@@ -111,7 +120,7 @@ int main() {
   row("dW per-expert loop, 1 stream, beta 1", time_ms([&] { per_expert_dw(1, &one); }), dense_dw);
   row("dW per-expert loop, 4 streams, beta 1", time_ms([&] { per_expert_dw(4, &one); }), dense_dw);
   row("dW per-expert loop, 4 streams, beta 0", time_ms([&] { per_expert_dw(4, &zero); }), dense_dw);
-  row("dW strided batched (64 x K=2048), beta 1", time_ms([&] {
+  row("dW strided batched (64 experts), beta 1", time_ms([&] {
         CK(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, I, H, R, &one, h, CUDA_R_16BF, I, R * I, dy,
                                       CUDA_R_16BF, H, R * H, &one, dw, CUDA_R_32F, I, H * I, E, CUBLAS_COMPUTE_32F,
                                       CUBLAS_GEMM_DEFAULT));
@@ -123,6 +132,21 @@ int main() {
                                       CUBLAS_GEMM_DEFAULT));
       }),
       dense_dw);
+  // What-if: dW written in bf16 (beta 0). Its reference is the dense dW with a bf16 C as well.
+  __nv_bfloat16* const dw16 = reinterpret_cast<__nv_bfloat16*>(dw);
+  const auto batched_dw16 = [&] {
+    CK(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, I, H, R, &one, h, CUDA_R_16BF, I, R * I, dy,
+                                  CUDA_R_16BF, H, R * H, &zero, dw16, CUDA_R_16BF, I, H * I, E, CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
+  };
+  const auto dense_dw16_call = [&] {
+    CK(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, I, H, N, &one, h, CUDA_R_16BF, I, dy, CUDA_R_16BF, H, &zero, dw16,
+                    CUDA_R_16BF, I, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+  const double dense_dw16 = time_ms(dense_dw16_call);
+  std::printf("dense dW, bf16 C (what-if)              %.3f ms  %.0f TFLOP/s\n", dense_dw16, flops / dense_dw16 / 1e9);
+  row("dW strided batched, beta 0, bf16 C", time_ms(batched_dw16), dense_dw16);
+  row("  the same against the dense fp32 += dW", time_ms(batched_dw16), dense_dw);
   // Both together, as the product issues them: dh on the main stream, dW on 4 side streams.
   const double dense_both = time_ms([&] {
     dh_gemm(blas, N, dy, w, dh);
@@ -145,5 +169,18 @@ int main() {
   std::printf("dh + dW: dense %.3f ms; batched dh + dW on 4 side streams %.3f ms = %.2fx; both strided batched %.3f ms = "
               "%.2fx\n",
               dense_both, grouped_both, dense_both / grouped_both, batched_both, dense_both / batched_both);
+  const double dense_both16 = time_ms([&] {
+    dh_gemm(blas, N, dy, w, dh);
+    dense_dw16_call();
+  });
+  const double batched_both16 = time_ms([&] {
+    CK(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, I, R, H, &one, w, CUDA_R_16BF, I, H * I, dy,
+                                  CUDA_R_16BF, H, R * H, &zero, dh, CUDA_R_16BF, I, R * I, E, CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
+    batched_dw16();
+  });
+  std::printf("dh + dW, dW in bf16 (what-if): dense %.3f ms; both strided batched %.3f ms = %.2fx (%.2fx of the fp32 "
+              "dense pair)\n",
+              dense_both16, batched_both16, dense_both16 / batched_both16, dense_both / batched_both16);
   return 0;
 }
