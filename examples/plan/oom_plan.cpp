@@ -1,11 +1,13 @@
 // oom-plan: plans a training step of a model on a machine within GPU and host budgets, and explains
 // the plan: memory per claimant, policies, predicted time per resource, why it beat the runner-up.
+#include <array>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -145,31 +147,52 @@ int main(int argc, char** argv) {
     const oom::Planner planner(spec, profile, a.model);
     const auto set = planner.plan(req);
     fmt::print("searched {} candidates ({} within budget) in {:.3f} s\n\n", set.evaluated, set.feasible, set.search_s);
+#if OOM_PLAN_HAS_CUDA
+    oom::CudaCausalLmOptions executor;
+    if (a.grad_staging) executor.grad_staging_layers = *a.grad_staging;
+    if (a.keep_attention_state) executor.keep_attention_state = *a.keep_attention_state;
+    executor.max_grad_norm = a.max_grad_norm;  // clipping stages every streamed gradient
+    const auto gpu_and_host = [](const std::array<oom::Bytes, oom::claimant_count>& fp) {
+      oom::Bytes gpu, host;
+      for (int c = 0; c < oom::claimant_count; ++c) (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
+      return std::pair{gpu, host};
+    };
+    const auto executed_step = [&](const oom::Plan& p) { return planner.simulate(oom::CudaCausalLm::as_executed(spec, p, executor)).step_s; };
+#endif
     for (std::size_t i = 0; i < set.plans.size(); ++i) {
       fmt::print("=== plan {}{} ===\n{}\n", i + 1, i == 0 ? " (chosen)" : "", planner.describe(set.plans[i]));
 #if OOM_PLAN_HAS_CUDA
       // What OOM's own CUDA executor would take for this plan (exact, computed without a GPU).
       try {
-        oom::CudaCausalLmOptions executor;
-        if (a.grad_staging) executor.grad_staging_layers = *a.grad_staging;
-        if (a.keep_attention_state) executor.keep_attention_state = *a.keep_attention_state;
-        executor.max_grad_norm = a.max_grad_norm;  // clipping stages every streamed gradient
         const auto fp = oom::CudaCausalLm::footprint(spec, set.plans[i], executor);
-        oom::Bytes gpu, host;
-        for (int c = 0; c < oom::claimant_count; ++c)
-          (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) =
-              (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) + fp[static_cast<std::size_t>(c)];
-        const auto executed = planner.simulate(oom::CudaCausalLm::as_executed(spec, set.plans[i], executor));
+        const auto [gpu, host] = gpu_and_host(fp);
         fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
                    "and {} pinned: {}; as it runs the plan, predicted step {:.3f} s\n\n",
                    gpu, fp[0], fp[1], fp[2], host,
-                   gpu <= req.gpu_budget ? "within the budget" : "OVER the budget (oom-train then tries it as checkpoint)",
-                   executed.step_s);
+                   gpu <= req.gpu_budget ? "within the budget" : "OVER the budget (oom-train then checkpoints it, below)",
+                   executed_step(set.plans[i]));
       } catch (const oom::Error& e) {
         fmt::print("CUDA executor: cannot run this model ({})\n\n", e.message());
       }
 #endif
     }
+#if OOM_PLAN_HAS_CUDA
+    // What oom-train --backend cuda would run of these candidates (CudaCausalLm::fit), with the
+    // GPU budget less the 1 GiB of free memory oom-train leaves.
+    try {
+      const std::uint64_t headroom = std::uint64_t{1} << 30;
+      const oom::Bytes gpu_avail{req.gpu_budget.count() > headroom ? req.gpu_budget.count() - headroom : 0};
+      const auto fit = oom::CudaCausalLm::fit(spec, set.plans, gpu_avail, req.host_budget, executor, executed_step);
+      const auto [gpu, host] = gpu_and_host(fit.footprint);
+      const std::uint64_t chunk = fit.plan.largest_moe_chunk();
+      fmt::print("oom-train --backend cuda would run: plan {} ({}; {}), {} on the GPU and {} pinned; predicted step {:.3f} s\n\n",
+                 fit.candidate + 1, fit.plan.retention_name,
+                 chunk < fit.plan.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole"),
+                 gpu, host, executed_step(fit.plan));
+    } catch (const oom::Error& e) {
+      fmt::print("oom-train --backend cuda would run: none of these ({})\n\n", e.message());
+    }
+#endif
     if (set.plans.size() > 1) fmt::print("why plan 1: {}", oom::Planner::compare(set.plans[0], set.plans[1]));
     if (!a.json_out.empty()) {
       write_file(a.json_out, set.plans.front().to_json().dump(2) + "\n");

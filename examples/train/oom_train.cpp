@@ -283,33 +283,6 @@ void truncate_metrics(const fs::path& path, std::uint64_t step) {
 }
 
 #if OOM_TRAIN_HAS_CUDA
-// The planner's memory model is per activation class; the CUDA executor keeps, offloads or
-// recomputes a layer's saved buffer as a whole, so it may need more than the plan predicts. Take
-// the planner's candidates in order, each as planned and then with checkpoint retention (boundaries
-// kept or offloaded, everything else recomputed), and run the first whose exact executor
-// footprint fits the GPU and the host budget. Should no variant of a candidate fit, its checkpoint
-// variants are tried again with the MoE half in smaller token chunks (halved while that still
-// shrinks the footprint): the planner's chunk comes from its own, lower, estimate of the layer's
-// scratch, and the executor's workspace for the MoE half scales with the chunk.
-Plan with_checkpoint(Plan p, bool offload_boundaries) {
-  for (std::size_t l = 0; l < p.retention.size(); ++l)
-    for (int c = 0; c < activation_class_count; ++c)
-      p.retention[l][static_cast<std::size_t>(c)] =
-          c == 0 ? (offload_boundaries ? RetentionDecision::offload() : RetentionDecision::keep())
-                 : RetentionDecision::recompute(static_cast<int>(l));
-  p.retention_name += offload_boundaries ? ", as checkpoint with offloaded boundaries for the CUDA executor"
-                                         : ", as checkpoint for the CUDA executor";
-  return p;
-}
-
-/// The largest MoE token chunk of the plan's layers; the sequence length when none chunks.
-std::uint64_t moe_chunk(const Plan& p) {
-  const std::uint64_t T = p.workload.tokens();
-  std::uint64_t c = 0;
-  for (const auto& lc : p.chunks) c = std::max(c, lc.moe_tokens == 0 ? T : std::min(lc.moe_tokens, T));
-  return c == 0 ? T : c;
-}
-
 CudaCausalLmOptions cuda_options(const Args& a) {
   CudaCausalLmOptions o;
   if (a.grad_staging) o.grad_staging_layers = static_cast<unsigned>(*a.grad_staging);
@@ -321,47 +294,38 @@ CudaCausalLmOptions cuda_options(const Args& a) {
   return o;
 }
 
-Plan fit_cuda_executor(const ModelSpec& spec, const std::vector<Plan>& plans, const PlanRequest& req,
+// The planner's memory model is per activation class; the CUDA executor keeps, offloads or
+// recomputes a layer's saved buffer as a whole, so it may need more than the plan predicts:
+// CudaCausalLm::fit takes the candidates' variants that fit the GPU's free memory (less 1 GiB)
+// and the host budget, and of the first candidate with any, the one with the shortest step as the
+// executor runs it. Every variant weighed is printed.
+Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std::vector<Plan>& plans, const PlanRequest& req,
                        const CudaCausalLmOptions& options) {
   std::size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) free_b = req.gpu_budget.count();
   const std::uint64_t headroom = std::uint64_t{1} << 30;
   const Bytes gpu_avail{std::min<std::uint64_t>(req.gpu_budget.count(), free_b > headroom ? free_b - headroom : 0)};
-  Bytes least_gpu{~std::uint64_t{0}};
-  // Prints the plan's footprint; its GPU bytes, and whether it fits.
-  const auto consider = [&](std::size_t i, const Plan& p) {
-    const auto fp = CudaCausalLm::footprint(spec, p, options);
+  const auto predict = [&](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p, options)).step_s; };
+  const auto report = [&](std::size_t i, const Plan& p, const std::array<Bytes, claimant_count>& fp, bool fits) {
     Bytes gpu, host;
-    for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) = (on_gpu(static_cast<Claimant>(c)) ? gpu : host) + fp[static_cast<std::size_t>(c)];
-    least_gpu = least_gpu < gpu ? least_gpu : gpu;
-    const bool fits = gpu <= gpu_avail && host <= req.host_budget;
-    const std::uint64_t chunk = moe_chunk(p);
+    for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
+    const std::uint64_t chunk = p.largest_moe_chunk();
     const std::string moe = chunk < p.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole");
     fmt::print("candidate plan {} ({}; {}): the CUDA executor needs {} on the GPU (resident {}, activations {}, worksets {}) "
                "and {} pinned: {}\n",
-               i + 1, p.retention_name, moe, gpu, fp[0], fp[1], fp[2], host, fits ? "fits" : "does not fit");
-    return std::pair{gpu, fits};
+               i + 1, p.retention_name, moe, gpu, fp[0], fp[1], fp[2], host,
+               fits ? fmt::format("fits, predicted step {:.3f} s", predict(p)) : std::string("does not fit"));
   };
-  constexpr std::uint64_t smallest_moe_chunk = 4096;
-  for (std::size_t i = 0; i < plans.size(); ++i) {
-    for (int variant = 0; variant < 3; ++variant) {
-      const Plan p = variant == 0 ? plans[i] : with_checkpoint(plans[i], variant == 2);
-      if (consider(i, p).second) return p;
-    }
-    for (int variant = 1; variant < 3; ++variant) {
-      Plan p = with_checkpoint(plans[i], variant == 2);
-      Bytes last = consider(i, p).first;
-      for (std::uint64_t c = moe_chunk(p) / 2; c >= smallest_moe_chunk; c /= 2) {
-        for (auto& lc : p.chunks) lc.moe_tokens = c;
-        const auto [gpu, fits] = consider(i, p);
-        if (fits) return p;
-        if (!(gpu < last)) break;  // smaller chunks no longer help: the attention half dominates
-        last = gpu;
-      }
-    }
+  try {
+    const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, gpu_avail, req.host_budget, options, predict, report);
+    if (fit.plan.retention_name != plans[fit.candidate].retention_name || fit.plan.largest_moe_chunk() != plans[fit.candidate].largest_moe_chunk())
+      fmt::print("taken: candidate plan {} ({}; the shortest predicted step of those that fit)\n", fit.candidate + 1,
+                 fit.plan.retention_name);
+    return fit.plan;
+  } catch (const Error& e) {
+    if (e.code() != Errc::out_of_budget) throw;
+    OOM_THROW(Errc::out_of_budget, fmt::format("{} (budget {}, free memory less 1 GiB)", e.message(), req.gpu_budget));
   }
-  OOM_THROW(Errc::out_of_budget, fmt::format("no candidate plan fits the CUDA executor: the least GPU memory any needs is {}, "
-                                             "{} is available (budget {}, free memory less 1 GiB)", least_gpu, gpu_avail, req.gpu_budget));
 }
 #endif
 
@@ -502,7 +466,7 @@ int run(const Args& a) {
     const auto set = planner.plan(req);
     plan = set.plans.front();
 #if OOM_TRAIN_HAS_CUDA
-    if (use_cuda) plan = fit_cuda_executor(spec, set.plans, req, cuda_options(a));
+    if (use_cuda) plan = fit_cuda_executor(spec, planner, set.plans, req, cuda_options(a));
 #endif
   }
 

@@ -978,6 +978,89 @@ Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan, const Cu
   return out;
 }
 
+namespace {
+
+/// How CudaCausalLm::fit checkpoints a candidate's layers.
+enum class Checkpoint : unsigned char { around_attention, whole, whole_offloaded_boundaries };
+
+/// `p` with every layer checkpointed: its boundary kept (or offloaded), the attention output and
+/// LSE kept (around_attention) and every other class recomputed from the layer's own boundary.
+Plan checkpointed(Plan p, Checkpoint how) {
+  for (std::size_t l = 0; l < p.retention.size(); ++l)
+    for (int c = 0; c < activation_class_count; ++c) {
+      auto& d = p.retention[l][static_cast<std::size_t>(c)];
+      if (c == 0)
+        d = how == Checkpoint::whole_offloaded_boundaries ? RetentionDecision::offload() : RetentionDecision::keep();
+      else if (how == Checkpoint::around_attention && is_attention_state(c))
+        d = RetentionDecision::keep();
+      else
+        d = RetentionDecision::recompute(static_cast<int>(l));
+    }
+  p.retention_name += how == Checkpoint::around_attention ? ", as checkpoint around kept attention state for the CUDA executor"
+                      : how == Checkpoint::whole         ? ", as checkpoint for the CUDA executor"
+                                                         : ", as checkpoint with offloaded boundaries for the CUDA executor";
+  return p;
+}
+
+}  // namespace
+
+CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candidates, Bytes gpu_available,
+                              Bytes host_budget, const CudaCausalLmOptions& options, const CudaFitPredict& predict_step,
+                              const CudaFitReport& report) {
+  Bytes least_gpu{~std::uint64_t{0}};
+  std::vector<Checkpoint> ways;
+  if (options.keep_attention_state) ways.push_back(Checkpoint::around_attention);  // else the same as whole
+  ways.push_back(Checkpoint::whole);
+  ways.push_back(Checkpoint::whole_offloaded_boundaries);
+  constexpr std::uint64_t smallest_moe_chunk = 4096;
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    std::vector<CudaPlanFit> fitting;
+    // Weighs `p`: its GPU bytes; kept in `fitting` when it fits.
+    const auto weigh = [&](const Plan& p) {
+      const auto fp = footprint(spec, p, options);
+      Bytes gpu, host;
+      for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
+      least_gpu = std::min(least_gpu, gpu);
+      const bool fits = gpu <= gpu_available && host <= host_budget;
+      if (report) report(i, p, fp, fits);
+      if (fits) fitting.push_back({p, i, fp});
+      return gpu;
+    };
+    // The first fit in the documented order, unless a predictor ranks them all.
+    const auto enough = [&] { return !predict_step && !fitting.empty(); };
+    weigh(candidates[i]);
+    std::vector<std::pair<Bytes, bool>> whole_moe;  // each way with the planned chunks: GPU bytes, fits
+    for (const Checkpoint how : ways) {
+      if (enough()) break;
+      const std::size_t before = fitting.size();
+      const Bytes gpu = weigh(checkpointed(candidates[i], how));
+      whole_moe.emplace_back(gpu, fitting.size() > before);
+    }
+    for (std::size_t k = 0; k < whole_moe.size() && !enough(); ++k) {
+      if (whole_moe[k].second) continue;  // smaller chunks than a fitting variant's only cost time
+      Plan p = checkpointed(candidates[i], ways[k]);
+      Bytes last = whole_moe[k].first;
+      for (std::uint64_t c = p.largest_moe_chunk() / 2; c >= smallest_moe_chunk; c /= 2) {
+        for (auto& lc : p.chunks) lc.moe_tokens = c;
+        const std::size_t before = fitting.size();
+        const Bytes gpu = weigh(p);
+        if (fitting.size() > before) break;
+        if (!(gpu < last)) break;  // smaller chunks no longer help: the attention half dominates
+        last = gpu;
+      }
+    }
+    if (fitting.empty()) continue;
+    if (!predict_step) return fitting.front();
+    std::size_t best = 0;
+    double best_s = predict_step(fitting[0].plan);
+    for (std::size_t k = 1; k < fitting.size(); ++k)
+      if (const double s = predict_step(fitting[k].plan); s < best_s) best = k, best_s = s;
+    return fitting[best];
+  }
+  OOM_THROW(Errc::out_of_budget, fmt::format("no candidate plan fits the CUDA executor: the least GPU memory any needs is {}, "
+                                             "{} is available", least_gpu, gpu_available));
+}
+
 CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
                            CudaCausalLmOptions options)
     : impl_(std::make_unique<Impl>(spec, plan, options, /*sizing_only=*/false)) {

@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -280,4 +281,138 @@ TEST_CASE("512K with the attention state kept: fits one H200 and skips the atten
   // 16 layers x ~4.4 s of attention forward not run again.
   CHECK(kept < rerun - 50.0);
   CHECK(kept == doctest::Approx(p.predicted.step_s).epsilon(0.02));  // now what the planner planned
+}
+
+namespace {
+
+/// The planner's candidates as oom-train asks for them on the CUDA backend (6), built-in H200.
+std::vector<Plan> candidates_for(const ModelSpec& spec, std::uint64_t seq) {
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const Planner planner(spec, profile);
+  PlanRequest req;
+  req.gpus = 1;
+  req.gpu_budget = profile.gpu_memory;
+  req.host_budget = profile.host_memory;
+  req.workload = {1, seq};
+  req.candidates = 6;
+  return planner.plan(req).plans;
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("fit: at 128K the planner's plan runs checkpointed around the kept attention state, the fastest variant that fits") {
+  const auto spec = config("moe-5b.json");
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const Planner planner(spec, profile);
+  const auto plans = candidates_for(spec, 131072);
+  const Bytes avail = profile.gpu_memory - 1_GiB;
+  const auto predict_with = [&](const CudaCausalLmOptions& o) {
+    return [&, o](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p, o)).step_s; };
+  };
+  std::vector<std::string> weighed;
+  const CudaFitReport report = [&](std::size_t i, const Plan& p, const std::array<Bytes, claimant_count>& fp, bool fits) {
+    CHECK(i == 0);
+    CHECK(fp == CudaCausalLm::footprint(spec, p));
+    CHECK(fits == (gpu_bytes(fp) <= avail));
+    weighed.push_back(p.retention_name + (fits ? " (fits)" : ""));
+  };
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, predict_with({}), report);
+  for (const auto& w : weighed) MESSAGE("weighed: " << w);
+  CHECK(fit.candidate == 0);
+  CHECK(weighed.front() == plans[0].retention_name);  // as planned first: 188 GiB, does not fit
+  CHECK(ends_with(fit.plan.retention_name, ", as checkpoint around kept attention state for the CUDA executor"));
+  CHECK(fit.footprint == CudaCausalLm::footprint(spec, fit.plan));
+  CHECK(gpu_bytes(fit.footprint) <= avail);
+  for (std::size_t l = 0; l < fit.plan.retention.size(); ++l) {
+    const auto& row = fit.plan.retention[l];
+    CHECK(row[0] == RetentionDecision::keep());
+    for (int c = 1; c < activation_class_count; ++c)
+      CHECK(row[static_cast<std::size_t>(c)] == (is_attention_result(static_cast<ActivationClass>(c))
+                                                     ? RetentionDecision::keep()
+                                                     : RetentionDecision::recompute(static_cast<int>(l))));
+  }
+  // Against the whole-layer checkpoint oom-train ran before (the H200 measured 12.0 s a step for
+  // it on 2026-12-03, 14.8 s predicted): no attention forward in 16 layers' recompute.
+  Plan whole = plans[0];
+  checkpoint(whole);
+  const double kept_s = predict_with({})(fit.plan), whole_s = predict_with({})(whole);
+  MESSAGE("128K predicted step: " << kept_s << " s around the kept attention state, " << whole_s << " s rerunning whole layers; "
+                                  << gib(gpu_bytes(fit.footprint)) << " / " << gib(gpu_bytes(CudaCausalLm::footprint(spec, whole)))
+                                  << " GiB on the GPU");
+  CHECK(kept_s < whole_s - 1.0);
+  CHECK(gpu_bytes(fit.footprint) < gpu_bytes(CudaCausalLm::footprint(spec, whole)) + 10_GiB);
+
+  SUBCASE("without a predictor: the first that fits, in the documented order") {
+    const CudaPlanFit first = CudaCausalLm::fit(spec, plans, avail, profile.host_memory);
+    CHECK(first.plan.retention_name == fit.plan.retention_name);
+  }
+  SUBCASE("the predictor ranks the variants that fit") {
+    const auto prefer_whole = [](const Plan& p) {
+      return ends_with(p.retention_name, ", as checkpoint for the CUDA executor") ? 1.0 : 2.0;
+    };
+    const CudaPlanFit ranked = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, prefer_whole);
+    CHECK(ends_with(ranked.plan.retention_name, ", as checkpoint for the CUDA executor"));
+    CHECK(ranked.plan.retention == whole.retention);
+  }
+  SUBCASE("with the attention state not kept, the variant is not weighed") {
+    weighed.clear();
+    const CudaPlanFit rerun = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, attention_state(false), {},
+                                                [&](std::size_t, const Plan& p, const auto&, bool) { weighed.push_back(p.retention_name); });
+    CHECK(ends_with(rerun.plan.retention_name, ", as checkpoint for the CUDA executor"));
+    for (const auto& w : weighed) CHECK(w.find("around kept attention") == std::string::npos);
+  }
+}
+
+TEST_CASE("fit: a plan that fits runs as planned; none that fits is an out-of-budget error naming the least memory needed") {
+  const auto spec = config("moe-5b.json");
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const auto plans = candidates_for(spec, 4096);
+  int weighed = 0;
+  const auto count = [&](std::size_t, const Plan&, const auto&, bool) { ++weighed; };
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, profile.gpu_memory - 1_GiB, profile.host_memory, {}, {}, count);
+  CHECK(fit.candidate == 0);
+  CHECK(fit.plan.retention == plans[0].retention);
+  CHECK(fit.plan.retention_name == plans[0].retention_name);
+  CHECK(weighed == 1);
+  try {
+    (void)CudaCausalLm::fit(spec, plans, 1_GiB, profile.host_memory);
+    FAIL("a 1 GiB GPU fitted the 5.13B model");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::out_of_budget);
+    MESSAGE(e.message());
+    CHECK(e.message().find("least GPU memory any needs is") != std::string::npos);
+    CHECK(e.message().find("1.00 GiB is available") != std::string::npos);
+  }
+}
+
+TEST_CASE("fit: where only token-chunked MoE fits, the chunk is halved until it does") {
+  const auto spec = config("moe-5b.json");
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const auto plans = candidates_for(spec, 131072);
+  // A GPU just large enough for the around-attention checkpoint with the MoE half in chunks of
+  // T / 4, smaller than it needs with the whole MoE or T / 2.
+  std::vector<Bytes> by_chunk;
+  Plan probe;
+  for (std::uint64_t c : {131072u, 65536u, 32768u}) {
+    probe = plans[0];
+    set_moe_chunk(probe, c);
+    for (std::size_t l = 0; l < probe.retention.size(); ++l)
+      for (int k = 0; k < activation_class_count; ++k)
+        probe.retention[l][static_cast<std::size_t>(k)] =
+            k == 0 || is_attention_result(static_cast<ActivationClass>(k)) ? RetentionDecision::keep()
+                                                                           : RetentionDecision::recompute(static_cast<int>(l));
+    by_chunk.push_back(gpu_bytes(CudaCausalLm::footprint(spec, probe)));
+  }
+  MESSAGE("around the kept attention state, MoE in chunks of 128K / 64K / 32K: " << gib(by_chunk[0]) << " / " << gib(by_chunk[1])
+                                                                                 << " / " << gib(by_chunk[2]) << " GiB");
+  REQUIRE(by_chunk[2] < by_chunk[1]);
+  REQUIRE(by_chunk[1] < by_chunk[0]);
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, by_chunk[2], 1024_GiB, {}, {});
+  MESSAGE("taken: " << fit.plan.retention_name << ", MoE chunk " << fit.plan.largest_moe_chunk());
+  CHECK(gpu_bytes(fit.footprint) <= by_chunk[2]);
+  CHECK(fit.plan.largest_moe_chunk() < 131072);
 }

@@ -3,6 +3,9 @@
 # plan oom-train chose on the H200 (--host-mem 85GiB) pins less with a gradient staging ring (the
 # default, 3 layers) than per parameter (--grad-staging 0), and predicts a shorter step when the
 # attention state is kept (the default) than rerunning whole layers (--no-keep-attention-state).
+# At 128K, where the planner's plan needs more GPU memory on the executor than the H200 has, the
+# line saying what oom-train would run names the checkpoint around the kept attention state (or,
+# with --no-keep-attention-state, the whole-layer checkpoint, predicted slower).
 #   bash tests/plan/cli.sh path/to/oom-plan path/to/examples/configs/moe-5b.json
 set -uo pipefail
 plan=$1 config=$2
@@ -19,5 +22,13 @@ awk -v a="$(pinned "$ring")" -v b="$(pinned "$base")" 'BEGIN { exit !(a + 10 < b
 # 16 layers' attention forward not run again: ~48 s with the wgmma kernels' curves (built-in h200
 # profile since the seventh session; ~70 s with the mma.sync kernels' before).
 awk -v a="$(step "$kept")" -v b="$(step "$base")" 'BEGIN { exit !(a + 30 < b) }' || { echo "FAIL: kept attention did not shorten the step by 30 s"; exit 1; }
+run_line() { "$plan" --model "$config" --seq 131072 --candidates 1 "$@" | grep "^oom-train --backend cuda would run"; }
+around=$(run_line) || { echo "FAIL: no 'would run' line at 128K"; exit 1; }
+whole=$(run_line --no-keep-attention-state)
+echo "128K: $around"
+echo "128K, --no-keep-attention-state: $whole"
+[[ "$around" == *"as checkpoint around kept attention state for the CUDA executor"* ]] || { echo "FAIL: 128K does not run around the kept attention state"; exit 1; }
+[[ "$whole" == *"as checkpoint for the CUDA executor"* ]] || { echo "FAIL: 128K without kept attention state is not the whole-layer checkpoint"; exit 1; }
+awk -v a="$(step "$around")" -v b="$(step "$whole")" 'BEGIN { exit !(a + 1 < b) }' || { echo "FAIL: the kept attention state did not shorten the 128K step by 1 s"; exit 1; }
 "$plan" --model "$config" --grad-staging -1 > /dev/null 2>&1 && { echo "FAIL: --grad-staging -1 accepted"; exit 1; }
 echo "PASS"

@@ -2,6 +2,7 @@
 // planner chose it, with the prediction that justified it. Serialisable to JSON.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -72,6 +73,15 @@ struct Plan {
   std::uint64_t loss_rows = 0;       ///< rows per LM-head/cross-entropy chunk
 
   Prediction predicted;
+
+  /// The largest MoE token chunk of its layers (a chunk of 0 or past the sequence counts as the
+  /// whole sequence); the sequence's tokens when no layer has chunks.
+  [[nodiscard]] std::uint64_t largest_moe_chunk() const {
+    const std::uint64_t T = workload.tokens();
+    std::uint64_t c = 0;
+    for (const auto& lc : chunks) c = std::max(c, lc.moe_tokens == 0 ? T : std::min(lc.moe_tokens, T));
+    return c == 0 ? T : c;
+  }
 
   [[nodiscard]] Json to_json() const;
   [[nodiscard]] static Plan from_json(const Json& j, std::string_view source = "<plan>");

@@ -28,6 +28,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -37,7 +38,6 @@
 #include "oom/optim/segment_state.hpp"
 #include "oom/plan/plan.hpp"
 #include "oom/runtime/cuda_backend.hpp"
-#include "oom/runtime/progress.hpp"
 #include "oom/runtime/progress.hpp"
 #include "oom/runtime/timeline.hpp"
 
@@ -96,6 +96,20 @@ struct CudaCausalLmOptions {
   bool drop_weight_wait = false;
 };
 
+/// The variant of a planner candidate CudaCausalLm::fit chose, and what it takes.
+struct CudaPlanFit {
+  Plan plan;                                   ///< the variant (retention_name says which)
+  std::size_t candidate = 0;                   ///< its index among the candidates given
+  std::array<Bytes, claimant_count> footprint{};  ///< CudaCausalLm::footprint of `plan`
+};
+/// Called by CudaCausalLm::fit for every variant it weighs: the candidate's index, the variant,
+/// its footprint and whether it fits.
+using CudaFitReport = std::function<void(std::size_t candidate, const Plan& variant,
+                                         const std::array<Bytes, claimant_count>& footprint, bool fits)>;
+/// The predicted step seconds of a variant as the executor runs it (e.g. the planner's simulate of
+/// CudaCausalLm::as_executed(variant)).
+using CudaFitPredict = std::function<double(const Plan& variant)>;
+
 class CudaCausalLm {
  public:
   /// `weights[s]`: fp32 values of spec.segments()[s]. Errc::unsupported for layers the CUDA decoder
@@ -151,6 +165,24 @@ class CudaCausalLm {
   /// planned; `predicted` is left as it was (simulate the result to predict).
   /// Errc::unsupported / invalid_argument as the constructor.
   [[nodiscard]] static Plan as_executed(const ModelSpec& spec, const Plan& plan, const CudaCausalLmOptions& options = {});
+
+  /// A plan this executor can run within `gpu_available` (its arena's peak) and `host_budget`
+  /// (pinned), from the planner's `candidates` in their order. The planner prices activations per
+  /// class while this executor keeps, offloads or recomputes a layer's saved buffer whole, so a
+  /// candidate may need more GPU memory here than it was planned with. Each candidate is weighed
+  /// as planned, then with every layer checkpointed: boundaries kept and the rest recomputed
+  /// around the kept attention output and LSE (only with options.keep_attention_state: no
+  /// attention kernel in the recompute), boundaries kept and the whole layer rerun, boundaries
+  /// offloaded and the whole layer rerun; the checkpoint variants also with the MoE half in
+  /// smaller token chunks (halved down to 4096 while that still shrinks the footprint: the
+  /// planner's chunk comes from its own, lower, estimate of the layer's scratch). The first
+  /// candidate with a variant that fits is taken: its fitting variant with the shortest
+  /// `predict_step`, or without one, the first that fits in the order above.
+  /// Errc::out_of_budget when nothing fits, naming the least GPU memory any variant needs; the
+  /// errors of footprint() as it throws them.
+  [[nodiscard]] static CudaPlanFit fit(const ModelSpec& spec, std::span<const Plan> candidates, Bytes gpu_available,
+                                       Bytes host_budget, const CudaCausalLmOptions& options = {},
+                                       const CudaFitPredict& predict_step = {}, const CudaFitReport& report = {});
 
   [[nodiscard]] CudaBackend& backend();
   /// Seconds of the last step, measured with CUDA events around the whole step.
