@@ -1,5 +1,6 @@
 // oom-plan: plans a training step of a model on a machine within GPU and host budgets, and explains
 // the plan: memory per claimant, policies, predicted time per resource, why it beat the runner-up.
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "common/cli_numbers.hpp"
+#include "common/host_budget.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/io/json.hpp"
@@ -47,7 +49,8 @@ constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
                       ring of N layers (default 3; 0: per parameter), as oom-train --grad-staging
   --no-keep-attention-state  (CUDA builds) its footprint and prediction rerunning the whole layer
                       where the plan keeps the attention state (the default recomputes around it),
-                      as oom-train --no-keep-attention-state
+                      as oom-train --no-keep-attention-state; the line saying what oom-train
+                      would run then weighs no checkpoint around kept attention state
 )";
 
 struct Args {
@@ -169,7 +172,7 @@ int main(int argc, char** argv) {
         fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
                    "and {} pinned: {}; as it runs the plan, predicted step {:.3f} s\n\n",
                    gpu, fp[0], fp[1], fp[2], host,
-                   gpu <= req.gpu_budget ? "within the budget" : "OVER the budget (oom-train then checkpoints it, below)",
+                   gpu <= req.gpu_budget ? "within the budget" : "OVER the budget",
                    executed_step(set.plans[i]));
       } catch (const oom::Error& e) {
         fmt::print("CUDA executor: cannot run this model ({})\n\n", e.message());
@@ -177,20 +180,29 @@ int main(int argc, char** argv) {
 #endif
     }
 #if OOM_PLAN_HAS_CUDA
-    // What oom-train --backend cuda would run of these candidates (CudaCausalLm::fit), with the
-    // GPU budget less the 1 GiB of free memory oom-train leaves.
-    try {
-      const std::uint64_t headroom = std::uint64_t{1} << 30;
-      const oom::Bytes gpu_avail{req.gpu_budget.count() > headroom ? req.gpu_budget.count() - headroom : 0};
-      const auto fit = oom::CudaCausalLm::fit(spec, set.plans, gpu_avail, req.host_budget, executor, executed_step);
-      const auto [gpu, host] = gpu_and_host(fit.footprint);
-      const std::uint64_t chunk = fit.plan.largest_moe_chunk();
-      fmt::print("oom-train --backend cuda would run: plan {} ({}; {}), {} on the GPU and {} pinned; predicted step {:.3f} s\n\n",
-                 fit.candidate + 1, fit.plan.retention_name,
-                 chunk < fit.plan.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole"),
-                 gpu, host, executed_step(fit.plan));
-    } catch (const oom::Error& e) {
-      fmt::print("oom-train --backend cuda would run: none of these ({})\n\n", e.message());
+    // What oom-train --backend cuda would run (CudaCausalLm::fit) with the same model, sequence and
+    // GPU budget: its request (one GPU, one sequence, 6 candidates, its default host budget unless
+    // --host-mem) and its GPU headroom (1 GiB of the free memory, here of the profile's).
+    if (a.gpus == 1 && a.batch == 1) {
+      try {
+        oom::PlanRequest train_req = req;
+        train_req.candidates = 6;
+        if (!a.host_mem) train_req.host_budget = oom::examples::default_host_budget(profile, spec).budget;
+        const auto train_set = planner.plan(train_req);
+        const std::uint64_t headroom = std::uint64_t{1} << 30;
+        const std::uint64_t usable = profile.gpu_memory.count() > headroom ? profile.gpu_memory.count() - headroom : 0;
+        const oom::Bytes gpu_avail{std::min<std::uint64_t>(train_req.gpu_budget.count(), usable)};
+        const auto fit = oom::CudaCausalLm::fit(spec, train_set.plans, gpu_avail, train_req.host_budget, executor, executed_step);
+        const auto [gpu, host] = gpu_and_host(fit.footprint);
+        const std::uint64_t chunk = fit.plan.largest_moe_chunk();
+        fmt::print("oom-train --backend cuda would run (host budget {}{}): its candidate plan {} ({}; {}), {} on the GPU and {} "
+                   "pinned; predicted step {:.3f} s\n\n",
+                   train_req.host_budget, a.host_mem ? "" : ", its default", fit.candidate + 1, fit.plan.retention_name,
+                   chunk < fit.plan.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole"),
+                   gpu, host, executed_step(fit.plan));
+      } catch (const oom::Error& e) {
+        fmt::print("oom-train --backend cuda would run: nothing ({})\n\n", e.message());
+      }
     }
 #endif
     if (set.plans.size() > 1) fmt::print("why plan 1: {}", oom::Planner::compare(set.plans[0], set.plans[1]));

@@ -23,6 +23,7 @@
 
 #include "host_lm.hpp"
 #include "common/cli_numbers.hpp"
+#include "common/host_budget.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/io/atomic_file.hpp"
@@ -48,6 +49,8 @@ using namespace oom;
 
 namespace {
 
+using oom::examples::default_host_budget;
+using oom::examples::HostBudget;
 using oom::examples::parse_count;
 using oom::examples::parse_real;
 
@@ -324,27 +327,10 @@ Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std:
     return fit.plan;
   } catch (const Error& e) {
     if (e.code() != Errc::out_of_budget) throw;
-    OOM_THROW(Errc::out_of_budget, fmt::format("{} (budget {}, free memory less 1 GiB)", e.message(), req.gpu_budget));
+    OOM_THROW(Errc::out_of_budget, fmt::format("{} (available on the GPU: the lesser of its budget {} and its free memory less 1 GiB)", e.message(), req.gpu_budget));
   }
 }
 #endif
-
-// The host budget when --host-mem is not given: the profile's host memory less what the trainer
-// holds beside the plan's memory (the fp32 initial weights while the model is built: 19.1 GiB for
-// the 5.13B model) and headroom for the process and the OS (a tenth of it, at least 4 GiB). With
-// the whole profile as its budget, the 5.13B model at 512K on the H200 planned 94 GiB of pinned
-// memory beside those 19.1 GiB on a 125 GiB host.
-struct HostBudget {
-  Bytes budget, initial_weights, headroom;
-};
-HostBudget default_host_budget(const MachineProfile& profile, const ModelSpec& spec) {
-  const Bytes init{spec.total_parameters() * sizeof(float)};
-  const Bytes headroom{std::max<std::uint64_t>(profile.host_memory.count() / 10, std::uint64_t{4} << 30)};
-  if (profile.host_memory.count() <= init.count() + headroom.count())
-    OOM_THROW(Errc::out_of_budget, fmt::format("host memory {} (profile {}) holds no more than the initial weights ({}) and {} of headroom; "
-                                               "give --host-mem to plan anyway", profile.host_memory, profile.name, init, headroom));
-  return {Bytes{profile.host_memory.count() - init.count() - headroom.count()}, init, headroom};
-}
 
 // The learning rate of update t (1-based): linear warmup, then constant or cosine down to min_lr
 // at --steps. A pure function of t, so a resumed run follows the same schedule.

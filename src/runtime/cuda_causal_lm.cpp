@@ -1007,7 +1007,8 @@ Plan checkpointed(Plan p, Checkpoint how) {
 CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candidates, Bytes gpu_available,
                               Bytes host_budget, const CudaCausalLmOptions& options, const CudaFitPredict& predict_step,
                               const CudaFitReport& report) {
-  Bytes least_gpu{~std::uint64_t{0}};
+  if (candidates.empty()) OOM_THROW(Errc::invalid_argument, "CudaCausalLm::fit: no candidate plans");
+  Bytes least_gpu{~std::uint64_t{0}}, least_host{~std::uint64_t{0}};
   std::vector<Checkpoint> ways;
   if (options.keep_attention_state) ways.push_back(Checkpoint::around_attention);  // else the same as whole
   ways.push_back(Checkpoint::whole);
@@ -1021,6 +1022,7 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
       Bytes gpu, host;
       for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
       least_gpu = std::min(least_gpu, gpu);
+      least_host = std::min(least_host, host);
       const bool fits = gpu <= gpu_available && host <= host_budget;
       if (report) report(i, p, fp, fits);
       if (fits) fitting.push_back({p, i, fp});
@@ -1058,7 +1060,8 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
     return fitting[best];
   }
   OOM_THROW(Errc::out_of_budget, fmt::format("no candidate plan fits the CUDA executor: the least GPU memory any needs is {}, "
-                                             "{} is available", least_gpu, gpu_available));
+                                             "{} is available; the least pinned host memory {}, budget {}",
+                                             least_gpu, gpu_available, least_host, host_budget));
 }
 
 CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,

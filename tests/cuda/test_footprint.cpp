@@ -386,6 +386,13 @@ TEST_CASE("fit: a plan that fits runs as planned; none that fits is an out-of-bu
     MESSAGE(e.message());
     CHECK(e.message().find("least GPU memory any needs is") != std::string::npos);
     CHECK(e.message().find("1.00 GiB is available") != std::string::npos);
+    CHECK(e.message().find("the least pinned host memory") != std::string::npos);
+  }
+  try {
+    (void)CudaCausalLm::fit(spec, {}, profile.gpu_memory, profile.host_memory);
+    FAIL("no candidates fitted");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::invalid_argument);
   }
 }
 
@@ -414,5 +421,7 @@ TEST_CASE("fit: where only token-chunked MoE fits, the chunk is halved until it 
   const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, by_chunk[2], 1024_GiB, {}, {});
   MESSAGE("taken: " << fit.plan.retention_name << ", MoE chunk " << fit.plan.largest_moe_chunk());
   CHECK(gpu_bytes(fit.footprint) <= by_chunk[2]);
-  CHECK(fit.plan.largest_moe_chunk() < 131072);
+  CHECK(fit.plan.largest_moe_chunk() == 32768);
+  CHECK(ends_with(fit.plan.retention_name, ", as checkpoint around kept attention state for the CUDA executor"));
+  CHECK(fit.plan.retention == probe.retention);
 }

@@ -173,13 +173,15 @@ class CudaCausalLm {
   /// as planned, then with every layer checkpointed: boundaries kept and the rest recomputed
   /// around the kept attention output and LSE (only with options.keep_attention_state: no
   /// attention kernel in the recompute), boundaries kept and the whole layer rerun, boundaries
-  /// offloaded and the whole layer rerun; the checkpoint variants also with the MoE half in
-  /// smaller token chunks (halved down to 4096 while that still shrinks the footprint: the
-  /// planner's chunk comes from its own, lower, estimate of the layer's scratch). The first
-  /// candidate with a variant that fits is taken: its fitting variant with the shortest
-  /// `predict_step`, or without one, the first that fits in the order above.
-  /// Errc::out_of_budget when nothing fits, naming the least GPU memory any variant needs; the
-  /// errors of footprint() as it throws them.
+  /// offloaded and the whole layer rerun. A checkpoint variant that does not fit with the planned
+  /// MoE chunks is weighed again with the MoE half in token chunks halved down to 4096, up to the
+  /// first chunk that fits or while that still shrinks the footprint (the planner's chunk comes
+  /// from its own, lower, estimate of the layer's scratch). The first candidate with a variant
+  /// that fits is taken: its fitting variant with the shortest `predict_step` (the earlier one on
+  /// a tie), or without a predictor, the first that fits in the order above.
+  /// Errc::out_of_budget when nothing fits, naming the least GPU and pinned host memory any
+  /// variant needs; Errc::invalid_argument for no candidates; footprint()'s errors as it throws
+  /// them (an as-planned variant it refuses ends the search too).
   [[nodiscard]] static CudaPlanFit fit(const ModelSpec& spec, std::span<const Plan> candidates, Bytes gpu_available,
                                        Bytes host_budget, const CudaCausalLmOptions& options = {},
                                        const CudaFitPredict& predict_step = {}, const CudaFitReport& report = {});
