@@ -192,14 +192,18 @@ int main(int argc, char** argv) {
         const std::uint64_t headroom = std::uint64_t{1} << 30;
         const std::uint64_t usable = profile.gpu_memory.count() > headroom ? profile.gpu_memory.count() - headroom : 0;
         const oom::Bytes gpu_avail{std::min<std::uint64_t>(train_req.gpu_budget.count(), usable)};
-        const auto fit = oom::CudaCausalLm::fit(spec, train_set.plans, gpu_avail, train_req.host_budget, executor, executed_step);
+        oom::CudaFitOptions how;
+        how.predict_step = executed_step;
+        how.residency_order = planner.residency_order(train_set.plans.front());
+        const auto fit = oom::CudaCausalLm::fit(spec, train_set.plans, gpu_avail, train_req.host_budget, executor, how);
         const auto [gpu, host] = gpu_and_host(fit.footprint);
         const std::uint64_t chunk = fit.plan.largest_moe_chunk();
-        fmt::print("oom-train --backend cuda would run (host budget {}{}): its candidate plan {} ({}; {}), {} on the GPU and {} "
-                   "pinned; predicted step {:.3f} s\n\n",
+        fmt::print("oom-train --backend cuda would run (host budget {}{}): its candidate plan {} ({}; {}; {} of {} segments "
+                   "resident, {} planned), {} on the GPU and {} pinned; predicted step {:.3f} s\n\n",
                    train_req.host_budget, a.host_mem ? "" : ", its default", fit.candidate + 1, fit.plan.retention_name,
                    chunk < fit.plan.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole"),
-                   gpu, host, executed_step(fit.plan));
+                   fit.plan.resident_segments.size(), spec.segments().size(),
+                   train_set.plans[fit.candidate].resident_segments.size(), gpu, host, executed_step(fit.plan));
       } catch (const oom::Error& e) {
         fmt::print("oom-train --backend cuda would run: nothing ({})\n\n", e.message());
       }

@@ -118,6 +118,10 @@ Plan
                        and softmax statistics but recomputes the rest, rerun the whole layer
                        (attention too) instead of rerunning the layer around them (the default,
                        --keep-attention-state)
+  --planned-residency  cuda: keep the planner's resident segments where checkpointing a plan for
+                       the CUDA executor leaves GPU memory unused, instead of making more segments
+                       resident, in the planner's order, as far as they fit and shorten the
+                       predicted step (the default)
   --no-bucketed-expert-gemms  cuda: issue the per-expert GEMMs of varying size through
                        cublasGemmEx, which picks an algorithm on the host for every row count it
                        has not seen, instead of through cuBLASLt with one algorithm per
@@ -163,6 +167,7 @@ struct Args {
   std::optional<bool> bucketed_expert_gemms;  // CUDA: one cuBLASLt algorithm per size bucket
   std::optional<bool> leave_unrouted_expert_grads;  // CUDA: idle experts' gradients not written
   std::optional<bool> overlap_updates;              // CUDA: resident AdamW beside the backward
+  bool planned_residency = false;                   // CUDA: no more resident segments than planned
   double step_progress_s = 30;        // a step running this long reports its layer passes
   fs::path out = "runs/oom-train";
   bool resume = false, overwrite = false, save_initial = false;
@@ -191,6 +196,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--leave-unrouted-expert-grads") { a.leave_unrouted_expert_grads = true; continue; }
     if (flag == "--zero-unrouted-expert-grads") { a.leave_unrouted_expert_grads = false; continue; }
     if (flag == "--no-overlap-updates") { a.overlap_updates = false; continue; }
+    if (flag == "--planned-residency") { a.planned_residency = true; continue; }
     if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
     if (flag == "--config") a.config = v;
@@ -303,7 +309,7 @@ CudaCausalLmOptions cuda_options(const Args& a) {
 // and the host budget, and of the first candidate with any, the one with the shortest step as the
 // executor runs it. Every variant weighed is printed.
 Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std::vector<Plan>& plans, const PlanRequest& req,
-                       const CudaCausalLmOptions& options) {
+                       const CudaCausalLmOptions& options, bool planned_residency) {
   std::size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) free_b = req.gpu_budget.count();
   const std::uint64_t headroom = std::uint64_t{1} << 30;
@@ -320,10 +326,18 @@ Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std:
                fits ? fmt::format("fits, predicted step {:.3f} s", predict(p)) : std::string("does not fit"));
   };
   try {
-    const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, gpu_avail, req.host_budget, options, predict, report);
-    if (fit.plan.retention_name != plans[fit.candidate].retention_name || fit.plan.largest_moe_chunk() != plans[fit.candidate].largest_moe_chunk())
-      fmt::print("taken: candidate plan {} ({}; the shortest predicted step of those that fit)\n", fit.candidate + 1,
-                 fit.plan.retention_name);
+    CudaFitOptions how;
+    how.report = report;
+    how.predict_step = predict;
+    if (!planned_residency) how.residency_order = planner.residency_order(plans.front());
+    const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, gpu_avail, req.host_budget, options, how);
+    const Plan& planned = plans[fit.candidate];
+    if (fit.plan.retention_name != planned.retention_name || fit.plan.largest_moe_chunk() != planned.largest_moe_chunk() ||
+        fit.plan.resident_segments != planned.resident_segments)
+      fmt::print("taken: candidate plan {} ({}; {} of {} segments resident, {} planned; the shortest predicted step of those "
+                 "that fit)\n",
+                 fit.candidate + 1, fit.plan.retention_name, fit.plan.resident_segments.size(), spec.segments().size(),
+                 planned.resident_segments.size());
     return fit.plan;
   } catch (const Error& e) {
     if (e.code() != Errc::out_of_budget) throw;
@@ -414,6 +428,10 @@ int run(const Args& a) {
                                       "no expert gradient buffers on a GPU (it applies to --backend cuda)");
   if (!use_cuda && a.overlap_updates)
     OOM_THROW(Errc::invalid_argument, "--no-overlap-updates: the host backend runs no GPU optimizer (it applies to --backend cuda)");
+  if (!use_cuda && a.planned_residency)
+    OOM_THROW(Errc::invalid_argument, "--planned-residency: the host backend runs every plan as planned (it applies to --backend cuda)");
+  if (a.planned_residency && !a.plan.empty())
+    OOM_THROW(Errc::invalid_argument, "--planned-residency: a plan given with --plan runs as written");
   if (!use_cuda && a.grad_staging)
     OOM_THROW(Errc::invalid_argument, "--grad-staging: the host backend has no pinned gradient staging (it applies to --backend cuda)");
   if (!use_cuda && a.keep_attention_state)
@@ -452,7 +470,7 @@ int run(const Args& a) {
     const auto set = planner.plan(req);
     plan = set.plans.front();
 #if OOM_TRAIN_HAS_CUDA
-    if (use_cuda) plan = fit_cuda_executor(spec, planner, set.plans, req, cuda_options(a));
+    if (use_cuda) plan = fit_cuda_executor(spec, planner, set.plans, req, cuda_options(a), a.planned_residency);
 #endif
   }
 

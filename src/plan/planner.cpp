@@ -584,7 +584,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
 
   for (auto path : paths) {
     const StepModel model(*spec_, *profile_, req, path);
-    const auto order = residency_order(*spec_, model);
+    const auto order = oom::residency_order(*spec_, model);
     const WorkItem loss = model.loss_item();
     for (int depth : {2, 3}) {
       for (const auto& r : retentions) {
@@ -775,6 +775,13 @@ std::string Planner::compare(const Plan& best, const Plan& other) {
   }
   s += fmt::format("  GPU peak {} vs {}\n", best.predicted.gpu_peak, other.predicted.gpu_peak);
   return s;
+}
+
+std::vector<std::string> Planner::residency_order(const Plan& plan) const {
+  const StepModel model(*spec_, *profile_, request_of(plan), plan.path);
+  std::vector<std::string> names;
+  for (const std::size_t i : oom::residency_order(*spec_, model)) names.push_back(spec_->segments()[i].name);
+  return names;
 }
 
 }  // namespace oom

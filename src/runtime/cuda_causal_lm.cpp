@@ -1005,31 +1005,58 @@ Plan checkpointed(Plan p, Checkpoint how) {
 }  // namespace
 
 CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candidates, Bytes gpu_available,
-                              Bytes host_budget, const CudaCausalLmOptions& options, const CudaFitPredict& predict_step,
-                              const CudaFitReport& report) {
+                              Bytes host_budget, const CudaCausalLmOptions& options, const CudaFitOptions& fit) {
   if (candidates.empty()) OOM_THROW(Errc::invalid_argument, "CudaCausalLm::fit: no candidate plans");
+  std::unordered_set<std::string> known;
+  for (const auto& seg : spec.segments()) known.insert(seg.name);
+  for (const auto& name : fit.residency_order)
+    if (!known.contains(name))
+      OOM_THROW(Errc::invalid_argument, fmt::format("CudaCausalLm::fit: the residency order names '{}', no segment of the model", name));
   Bytes least_gpu{~std::uint64_t{0}}, least_host{~std::uint64_t{0}};
   std::vector<Checkpoint> ways;
   if (options.keep_attention_state) ways.push_back(Checkpoint::around_attention);  // else the same as whole
   ways.push_back(Checkpoint::whole);
   ways.push_back(Checkpoint::whole_offloaded_boundaries);
   constexpr std::uint64_t smallest_moe_chunk = 4096;
+  // The GPU and host bytes of a footprint.
+  const auto split = [](const std::array<Bytes, claimant_count>& fp) {
+    Bytes gpu, host;
+    for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
+    return std::pair{gpu, host};
+  };
+  const auto fits = [&](const std::array<Bytes, claimant_count>& fp) {
+    const auto [gpu, host] = split(fp);
+    return gpu <= gpu_available && host <= host_budget;
+  };
+  // `p` with the first `extra` segments of the residency order it does not hold made resident
+  // (names kept in ModelSpec order, as the planner writes them).
+  const auto with_more_resident = [&](const Plan& p, std::size_t extra) {
+    std::unordered_set<std::string> resident(p.resident_segments.begin(), p.resident_segments.end());
+    for (const auto& name : fit.residency_order) {
+      if (extra == 0) break;
+      if (resident.insert(name).second) --extra;
+    }
+    Plan out = p;
+    out.resident_segments.clear();
+    for (const auto& s : spec.segments())
+      if (resident.contains(s.name)) out.resident_segments.push_back(s.name);
+    return out;
+  };
   for (std::size_t i = 0; i < candidates.size(); ++i) {
     std::vector<CudaPlanFit> fitting;
     // Weighs `p`: its GPU bytes; kept in `fitting` when it fits.
     const auto weigh = [&](const Plan& p) {
       const auto fp = footprint(spec, p, options);
-      Bytes gpu, host;
-      for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
+      const auto [gpu, host] = split(fp);
       least_gpu = std::min(least_gpu, gpu);
       least_host = std::min(least_host, host);
-      const bool fits = gpu <= gpu_available && host <= host_budget;
-      if (report) report(i, p, fp, fits);
-      if (fits) fitting.push_back({p, i, fp});
+      const bool ok = fits(fp);
+      if (fit.report) fit.report(i, p, fp, ok);
+      if (ok) fitting.push_back({p, i, fp});
       return gpu;
     };
     // The first fit in the documented order, unless a predictor ranks them all.
-    const auto enough = [&] { return !predict_step && !fitting.empty(); };
+    const auto enough = [&] { return !fit.predict_step && !fitting.empty(); };
     weigh(candidates[i]);
     std::vector<std::pair<Bytes, bool>> whole_moe;  // each way with the planned chunks: GPU bytes, fits
     for (const Checkpoint how : ways) {
@@ -1051,12 +1078,27 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
         last = gpu;
       }
     }
+    // The fitting variants with more segments resident: the most of the order's prefix that fits,
+    // by bisection over how many more (the footprint grows with every resident segment's state).
+    if (!fit.residency_order.empty() && !enough()) {
+      const std::size_t found = fitting.size();
+      for (std::size_t v = 0; v < found; ++v) {
+        const Plan base = fitting[v].plan;
+        std::size_t lo = 0, hi = spec.segments().size() - base.resident_segments.size();  // lo fits
+        while (lo < hi) {
+          const std::size_t mid = lo + (hi - lo + 1) / 2;
+          if (fits(footprint(spec, with_more_resident(base, mid), options))) lo = mid;
+          else hi = mid - 1;
+        }
+        if (lo > 0) weigh(with_more_resident(base, lo));
+      }
+    }
     if (fitting.empty()) continue;
-    if (!predict_step) return fitting.front();
+    if (!fit.predict_step) return fitting.front();
     std::size_t best = 0;
-    double best_s = predict_step(fitting[0].plan);
+    double best_s = fit.predict_step(fitting[0].plan);
     for (std::size_t k = 1; k < fitting.size(); ++k)
-      if (const double s = predict_step(fitting[k].plan); s < best_s) best = k, best_s = s;
+      if (const double s = fit.predict_step(fitting[k].plan); s < best_s) best = k, best_s = s;
     return fitting[best];
   }
   OOM_THROW(Errc::out_of_budget, fmt::format("no candidate plan fits the CUDA executor: the least GPU memory any needs is {}, "

@@ -5,6 +5,7 @@
 // plan fits only because the decoder layer runs its MoE half in the plan's token chunks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -314,13 +315,15 @@ TEST_CASE("fit: at 128K the planner's plan runs checkpointed around the kept att
     return [&, o](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p, o)).step_s; };
   };
   std::vector<std::string> weighed;
-  const CudaFitReport report = [&](std::size_t i, const Plan& p, const std::array<Bytes, claimant_count>& fp, bool fits) {
+  CudaFitOptions how;
+  how.predict_step = predict_with({});
+  how.report = [&](std::size_t i, const Plan& p, const std::array<Bytes, claimant_count>& fp, bool fits) {
     CHECK(i == 0);
     CHECK(fp == CudaCausalLm::footprint(spec, p));
     CHECK(fits == (gpu_bytes(fp) <= avail));
     weighed.push_back(p.retention_name + (fits ? " (fits)" : ""));
   };
-  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, predict_with({}), report);
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, how);
   for (const auto& w : weighed) MESSAGE("weighed: " << w);
   CHECK(fit.candidate == 0);
   CHECK(weighed.front() == plans[0].retention_name);  // as planned first: 188 GiB, does not fit
@@ -354,14 +357,17 @@ TEST_CASE("fit: at 128K the planner's plan runs checkpointed around the kept att
     const auto prefer_whole = [](const Plan& p) {
       return ends_with(p.retention_name, ", as checkpoint for the CUDA executor") ? 1.0 : 2.0;
     };
-    const CudaPlanFit ranked = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, prefer_whole);
+    CudaFitOptions ranking;
+    ranking.predict_step = prefer_whole;
+    const CudaPlanFit ranked = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, ranking);
     CHECK(ends_with(ranked.plan.retention_name, ", as checkpoint for the CUDA executor"));
     CHECK(ranked.plan.retention == whole.retention);
   }
   SUBCASE("with the attention state not kept, the variant is not weighed") {
     weighed.clear();
-    const CudaPlanFit rerun = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, attention_state(false), {},
-                                                [&](std::size_t, const Plan& p, const auto&, bool) { weighed.push_back(p.retention_name); });
+    CudaFitOptions listing;
+    listing.report = [&](std::size_t, const Plan& p, const auto&, bool) { weighed.push_back(p.retention_name); };
+    const CudaPlanFit rerun = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, attention_state(false), listing);
     CHECK(ends_with(rerun.plan.retention_name, ", as checkpoint for the CUDA executor"));
     for (const auto& w : weighed) CHECK(w.find("around kept attention") == std::string::npos);
   }
@@ -372,8 +378,9 @@ TEST_CASE("fit: a plan that fits runs as planned; none that fits is an out-of-bu
   const auto profile = MachineProfile::builtin("h200", 1);
   const auto plans = candidates_for(spec, 4096);
   int weighed = 0;
-  const auto count = [&](std::size_t, const Plan&, const auto&, bool) { ++weighed; };
-  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, profile.gpu_memory - 1_GiB, profile.host_memory, {}, {}, count);
+  CudaFitOptions counting;
+  counting.report = [&](std::size_t, const Plan&, const auto&, bool) { ++weighed; };
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, profile.gpu_memory - 1_GiB, profile.host_memory, {}, counting);
   CHECK(fit.candidate == 0);
   CHECK(fit.plan.retention == plans[0].retention);
   CHECK(fit.plan.retention_name == plans[0].retention_name);
@@ -418,10 +425,66 @@ TEST_CASE("fit: where only token-chunked MoE fits, the chunk is halved until it 
                                                                                  << " / " << gib(by_chunk[2]) << " GiB");
   REQUIRE(by_chunk[2] < by_chunk[1]);
   REQUIRE(by_chunk[1] < by_chunk[0]);
-  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, by_chunk[2], 1024_GiB, {}, {});
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, by_chunk[2], 1024_GiB);
   MESSAGE("taken: " << fit.plan.retention_name << ", MoE chunk " << fit.plan.largest_moe_chunk());
   CHECK(gpu_bytes(fit.footprint) <= by_chunk[2]);
   CHECK(fit.plan.largest_moe_chunk() == 32768);
   CHECK(ends_with(fit.plan.retention_name, ", as checkpoint around kept attention state for the CUDA executor"));
   CHECK(fit.plan.retention == probe.retention);
+}
+
+TEST_CASE("fit: the GPU memory a checkpoint frees goes to more resident segments, in the planner's order") {
+  // On an H100 (80 GB) at 16K the planner's keep-all plan streams most segments to make room for
+  // activations it prices per class; the executor cannot run it there, and its checkpoint around
+  // the kept attention state leaves GPU memory that more resident segments (no streaming, no CPU
+  // update) can use.
+  const auto spec = config("moe-5b.json");
+  const auto profile = MachineProfile::builtin("h100-80gb", 1);
+  const Planner planner(spec, profile);
+  PlanRequest req;
+  req.gpus = 1;
+  req.gpu_budget = profile.gpu_memory;
+  req.host_budget = profile.host_memory;
+  req.workload = {1, 16384};
+  req.candidates = 6;
+  const auto plans = planner.plan(req).plans;
+  const Bytes avail = profile.gpu_memory - 1_GiB;
+  CudaFitOptions how;
+  how.predict_step = [&](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p)).step_s; };
+  const CudaPlanFit as_planned = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, how);
+  how.residency_order = planner.residency_order(plans[0]);
+  REQUIRE(how.residency_order.size() == spec.segments().size());
+  const CudaPlanFit filled = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, how);
+  const double before = how.predict_step(as_planned.plan), after = how.predict_step(filled.plan);
+  MESSAGE("16K on an H100: " << as_planned.plan.resident_segments.size() << " segments resident, " << gib(gpu_bytes(as_planned.footprint))
+                  << " GiB on the GPU, " << before << " s predicted; filled: " << filled.plan.resident_segments.size() << ", "
+                  << gib(gpu_bytes(filled.footprint)) << " GiB, " << after << " s (" << filled.plan.retention_name << ")");
+  CHECK(filled.plan.resident_segments.size() > as_planned.plan.resident_segments.size());
+  CHECK(gpu_bytes(filled.footprint) <= avail);
+  CHECK(filled.footprint == CudaCausalLm::footprint(spec, filled.plan));
+  CHECK(after < before);
+  // The planned resident segments stay resident, the names in ModelSpec order, and the added
+  // ones are the first the order names that the plan did not hold.
+  std::vector<std::string> in_spec_order;
+  for (const auto& seg : spec.segments())
+    if (std::find(filled.plan.resident_segments.begin(), filled.plan.resident_segments.end(), seg.name) !=
+        filled.plan.resident_segments.end())
+      in_spec_order.push_back(seg.name);
+  CHECK(in_spec_order == filled.plan.resident_segments);
+  for (const auto& name : as_planned.plan.resident_segments)
+    CHECK(std::find(filled.plan.resident_segments.begin(), filled.plan.resident_segments.end(), name) !=
+          filled.plan.resident_segments.end());
+  bool gap = false;  // once one segment of the order is left out, all later ones are, but for the planned
+  for (const auto& name : how.residency_order) {
+    const bool in = std::find(filled.plan.resident_segments.begin(), filled.plan.resident_segments.end(), name) !=
+                    filled.plan.resident_segments.end();
+    const bool planned = std::find(as_planned.plan.resident_segments.begin(), as_planned.plan.resident_segments.end(), name) !=
+                         as_planned.plan.resident_segments.end();
+    if (!in) gap = true;
+    else if (gap) CHECK(planned);
+  }
+  SUBCASE("an order naming no segment of the model is refused") {
+    how.residency_order.push_back("layers.99.mlp.nothing");
+    CHECK_THROWS_AS((void)CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, how), Error);
+  }
 }

@@ -34,6 +34,11 @@ class Planner {
   [[nodiscard]] StepGraph step_graph(const Plan& plan) const;
   /// Re-simulates a plan (e.g. one read from JSON) on this planner's profile.
   [[nodiscard]] SimResult simulate(const Plan& plan) const;
+  /// Every segment's name, in the order the planner makes segments resident for `plan`'s
+  /// workload and path (time saved per GPU byte, earlier layers first among equals): a plan's
+  /// resident set is a prefix of it. For an executor that finds GPU memory the plan left unused
+  /// (CudaCausalLm::fit).
+  [[nodiscard]] std::vector<std::string> residency_order(const Plan& plan) const;
 
   /// A readable account of one plan: memory per claimant per GPU and on the host, policies,
   /// predicted time per resource.

@@ -102,13 +102,21 @@ struct CudaPlanFit {
   std::size_t candidate = 0;                   ///< its index among the candidates given
   std::array<Bytes, claimant_count> footprint{};  ///< CudaCausalLm::footprint of `plan`
 };
-/// Called by CudaCausalLm::fit for every variant it weighs: the candidate's index, the variant,
-/// its footprint and whether it fits.
-using CudaFitReport = std::function<void(std::size_t candidate, const Plan& variant,
-                                         const std::array<Bytes, claimant_count>& footprint, bool fits)>;
-/// The predicted step seconds of a variant as the executor runs it (e.g. the planner's simulate of
-/// CudaCausalLm::as_executed(variant)).
-using CudaFitPredict = std::function<double(const Plan& variant)>;
+/// How CudaCausalLm::fit weighs and ranks the variants of the planner's candidates.
+struct CudaFitOptions {
+  /// Called for every variant weighed: the candidate's index, the variant, its footprint, whether
+  /// it fits.
+  std::function<void(std::size_t candidate, const Plan& variant, const std::array<Bytes, claimant_count>& footprint, bool fits)>
+      report;
+  /// A variant's predicted step seconds as the executor runs it (e.g. the planner's simulate of
+  /// CudaCausalLm::as_executed(variant)); empty: the first variant that fits is taken.
+  std::function<double(const Plan& variant)> predict_step;
+  /// Segment names in the order the planner makes segments resident (Planner::residency_order);
+  /// empty: residency as planned. Given, each variant that fits is also weighed with the longest
+  /// prefix of this order resident that still fits: checkpointing can leave tens of GiB of the
+  /// GPU that the planner, pricing activations per class, gave to activations.
+  std::vector<std::string> residency_order;
+};
 
 class CudaCausalLm {
  public:
@@ -169,22 +177,25 @@ class CudaCausalLm {
   /// A plan this executor can run within `gpu_available` (its arena's peak) and `host_budget`
   /// (pinned), from the planner's `candidates` in their order. The planner prices activations per
   /// class while this executor keeps, offloads or recomputes a layer's saved buffer whole, so a
-  /// candidate may need more GPU memory here than it was planned with. Each candidate is weighed
-  /// as planned, then with every layer checkpointed: boundaries kept and the rest recomputed
-  /// around the kept attention output and LSE (only with options.keep_attention_state: no
-  /// attention kernel in the recompute), boundaries kept and the whole layer rerun, boundaries
-  /// offloaded and the whole layer rerun. A checkpoint variant that does not fit with the planned
-  /// MoE chunks is weighed again with the MoE half in token chunks halved down to 4096, up to the
-  /// first chunk that fits or while that still shrinks the footprint (the planner's chunk comes
-  /// from its own, lower, estimate of the layer's scratch). The first candidate with a variant
-  /// that fits is taken: its fitting variant with the shortest `predict_step` (the earlier one on
-  /// a tie), or without a predictor, the first that fits in the order above.
+  /// candidate may need more GPU memory here than it was planned with, or less once checkpointed.
+  /// Each candidate is weighed as planned, then with every layer checkpointed: boundaries kept and
+  /// the rest recomputed around the kept attention output and LSE (only with
+  /// options.keep_attention_state: no attention kernel in the recompute), boundaries kept and the
+  /// whole layer rerun, boundaries offloaded and the whole layer rerun. A checkpoint variant that
+  /// does not fit with the planned MoE chunks is weighed again with the MoE half in token chunks
+  /// halved down to 4096, up to the first chunk that fits or while that still shrinks the
+  /// footprint (the planner's chunk comes from its own, lower, estimate of the layer's scratch).
+  /// With fit.residency_order, every variant that fits is also weighed with more segments
+  /// resident (CudaFitOptions). The first candidate with a variant that fits is taken: its fitting
+  /// variant with the shortest fit.predict_step (the earlier one on a tie), or without a
+  /// predictor, the first that fits in the order above.
   /// Errc::out_of_budget when nothing fits, naming the least GPU and pinned host memory any
-  /// variant needs; Errc::invalid_argument for no candidates; footprint()'s errors as it throws
-  /// them (an as-planned variant it refuses ends the search too).
+  /// variant needs; Errc::invalid_argument for no candidates or a residency order naming an unknown
+  /// segment; footprint()'s errors as it throws them (an as-planned variant it refuses ends the
+  /// search too).
   [[nodiscard]] static CudaPlanFit fit(const ModelSpec& spec, std::span<const Plan> candidates, Bytes gpu_available,
                                        Bytes host_budget, const CudaCausalLmOptions& options = {},
-                                       const CudaFitPredict& predict_step = {}, const CudaFitReport& report = {});
+                                       const CudaFitOptions& fit = {});
 
   [[nodiscard]] CudaBackend& backend();
   /// Seconds of the last step, measured with CUDA events around the whole step.
