@@ -286,9 +286,10 @@ TEST_CASE("512K with the attention state kept: fits one H200 and skips the atten
 
 namespace {
 
-/// The planner's candidates as oom-train asks for them on the CUDA backend (6), built-in H200.
-std::vector<Plan> candidates_for(const ModelSpec& spec, std::uint64_t seq) {
-  const auto profile = MachineProfile::builtin("h200", 1);
+/// The planner's candidates as oom-train asks for them on the CUDA backend (6), on a built-in
+/// machine profile.
+std::vector<Plan> candidates_for(const ModelSpec& spec, std::uint64_t seq, const char* machine = "h200") {
+  const auto profile = MachineProfile::builtin(machine, 1);
   const Planner planner(spec, profile);
   PlanRequest req;
   req.gpus = 1;
@@ -441,13 +442,7 @@ TEST_CASE("fit: the GPU memory a checkpoint frees goes to more resident segments
   const auto spec = config("moe-5b.json");
   const auto profile = MachineProfile::builtin("h100-80gb", 1);
   const Planner planner(spec, profile);
-  PlanRequest req;
-  req.gpus = 1;
-  req.gpu_budget = profile.gpu_memory;
-  req.host_budget = profile.host_memory;
-  req.workload = {1, 16384};
-  req.candidates = 6;
-  const auto plans = planner.plan(req).plans;
+  const auto plans = candidates_for(spec, 16384, "h100-80gb");
   const Bytes avail = profile.gpu_memory - 1_GiB;
   CudaFitOptions how;
   how.predict_step = [&](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p)).step_s; };
