@@ -320,9 +320,9 @@ Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std:
     for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
     const std::uint64_t chunk = p.largest_moe_chunk();
     const std::string moe = chunk < p.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole");
-    fmt::print("candidate plan {} ({}; {}): the CUDA executor needs {} on the GPU (resident {}, activations {}, worksets {}) "
-               "and {} pinned: {}\n",
-               i + 1, p.retention_name, moe, gpu, fp[0], fp[1], fp[2], host,
+    fmt::print("candidate plan {} ({}; {}; {} segments resident): the CUDA executor needs {} on the GPU (resident {}, "
+               "activations {}, worksets {}) and {} pinned: {}\n",
+               i + 1, p.retention_name, moe, p.resident_segments.size(), gpu, fp[0], fp[1], fp[2], host,
                fits ? fmt::format("fits, predicted step {:.3f} s", predict(p)) : std::string("does not fit"));
   };
   try {

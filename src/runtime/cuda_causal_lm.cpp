@@ -1079,12 +1079,19 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
       }
     }
     // The fitting variants with more segments resident: the most of the order's prefix that fits,
-    // by bisection over how many more (the footprint grows with every resident segment's state).
+    // by bisection over how many more. The footprint grows with each one: its resident state (18
+    // bytes a parameter) outweighs the weight and gradient slots it may shrink ((2 x depth + 8)
+    // bytes a parameter of the largest streamed layer, at most its own parameters' worth for the
+    // planner's depths of 2 and 3), and pinned host memory only shrinks.
     if (!fit.residency_order.empty() && !enough()) {
       const std::size_t found = fitting.size();
       for (std::size_t v = 0; v < found; ++v) {
         const Plan base = fitting[v].plan;
-        std::size_t lo = 0, hi = spec.segments().size() - base.resident_segments.size();  // lo fits
+        const std::unordered_set<std::string> held(base.resident_segments.begin(), base.resident_segments.end());
+        std::unordered_set<std::string> more;
+        for (const auto& name : fit.residency_order)
+          if (!held.contains(name)) more.insert(name);
+        std::size_t lo = 0, hi = more.size();  // lo more fit
         while (lo < hi) {
           const std::size_t mid = lo + (hi - lo + 1) / 2;
           if (fits(footprint(spec, with_more_resident(base, mid), options))) lo = mid;

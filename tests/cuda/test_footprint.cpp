@@ -458,6 +458,19 @@ TEST_CASE("fit: the GPU memory a checkpoint frees goes to more resident segments
   CHECK(gpu_bytes(filled.footprint) <= avail);
   CHECK(filled.footprint == CudaCausalLm::footprint(spec, filled.plan));
   CHECK(after < before);
+  // The most that fit: one more segment of the order does not.
+  std::vector<std::string> one_more = filled.plan.resident_segments;
+  for (const auto& name : how.residency_order)
+    if (std::find(one_more.begin(), one_more.end(), name) == one_more.end()) {
+      one_more.push_back(name);
+      break;
+    }
+  REQUIRE(one_more.size() == filled.plan.resident_segments.size() + 1);
+  Plan over = filled.plan;
+  over.resident_segments.clear();
+  for (const auto& seg : spec.segments())
+    if (std::find(one_more.begin(), one_more.end(), seg.name) != one_more.end()) over.resident_segments.push_back(seg.name);
+  CHECK(gpu_bytes(CudaCausalLm::footprint(spec, over)) > avail);
   // The planned resident segments stay resident, the names in ModelSpec order, and the added
   // ones are the first the order names that the plan did not hold.
   std::vector<std::string> in_spec_order;
@@ -477,6 +490,12 @@ TEST_CASE("fit: the GPU memory a checkpoint frees goes to more resident segments
                          as_planned.plan.resident_segments.end();
     if (!in) gap = true;
     else if (gap) CHECK(planned);
+  }
+  SUBCASE("without a predictor, the first variant that fits is taken as it is") {
+    CudaFitOptions first_fit;
+    first_fit.residency_order = how.residency_order;
+    const CudaPlanFit plain = CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, first_fit);
+    CHECK(plain.plan.resident_segments == plans[plain.candidate].resident_segments);
   }
   SUBCASE("an order naming no segment of the model is refused") {
     how.residency_order.push_back("layers.99.mlp.nothing");

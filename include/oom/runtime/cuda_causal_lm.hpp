@@ -112,9 +112,11 @@ struct CudaFitOptions {
   /// CudaCausalLm::as_executed(variant)); empty: the first variant that fits is taken.
   std::function<double(const Plan& variant)> predict_step;
   /// Segment names in the order the planner makes segments resident (Planner::residency_order);
-  /// empty: residency as planned. Given, each variant that fits is also weighed with the longest
-  /// prefix of this order resident that still fits: checkpointing can leave tens of GiB of the
-  /// GPU that the planner, pricing activations per class, gave to activations.
+  /// empty: residency as planned. Given together with predict_step, each variant that fits is also
+  /// weighed with the longest prefix of this order resident that still fits (the planned resident
+  /// segments stay), and ranked with the rest: checkpointing can leave tens of GiB of the GPU that
+  /// the planner, pricing activations per class, gave to activations. Without a predictor the
+  /// first variant that fits is taken as it is.
   std::vector<std::string> residency_order;
 };
 
@@ -185,8 +187,8 @@ class CudaCausalLm {
   /// does not fit with the planned MoE chunks is weighed again with the MoE half in token chunks
   /// halved down to 4096, up to the first chunk that fits or while that still shrinks the
   /// footprint (the planner's chunk comes from its own, lower, estimate of the layer's scratch).
-  /// With fit.residency_order, every variant that fits is also weighed with more segments
-  /// resident (CudaFitOptions). The first candidate with a variant that fits is taken: its fitting
+  /// With fit.residency_order and fit.predict_step, every variant that fits is also weighed with
+  /// more segments resident (CudaFitOptions). The first candidate with a variant that fits is taken: its fitting
   /// variant with the shortest fit.predict_step (the earlier one on a tie), or without a
   /// predictor, the first that fits in the order above.
   /// Errc::out_of_budget when nothing fits, naming the least GPU and pinned host memory any
