@@ -303,6 +303,15 @@ CudaCausalLmOptions cuda_options(const Args& a) {
   return o;
 }
 
+// The GPU bytes the executor may take under `budget`: the budget, or the device's free memory less
+// 1 GiB (for cuBLAS workspaces and module loads outside the arena) where that is less.
+Bytes usable_gpu_memory(Bytes budget) {
+  std::size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return budget;
+  const std::uint64_t headroom = std::uint64_t{1} << 30;
+  return Bytes{std::min<std::uint64_t>(budget.count(), free_b > headroom ? free_b - headroom : 0)};
+}
+
 // The planner's memory model is per activation class; the CUDA executor keeps, offloads or
 // recomputes a layer's saved buffer as a whole, so it may need more than the plan predicts:
 // CudaCausalLm::fit takes the candidates' variants that fit the GPU's free memory (less 1 GiB)
@@ -310,10 +319,7 @@ CudaCausalLmOptions cuda_options(const Args& a) {
 // executor runs it. Every variant weighed is printed.
 Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std::vector<Plan>& plans, const PlanRequest& req,
                        const CudaCausalLmOptions& options, bool planned_residency) {
-  std::size_t free_b = 0, total_b = 0;
-  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) free_b = req.gpu_budget.count();
-  const std::uint64_t headroom = std::uint64_t{1} << 30;
-  const Bytes gpu_avail{std::min<std::uint64_t>(req.gpu_budget.count(), free_b > headroom ? free_b - headroom : 0)};
+  const Bytes gpu_avail = usable_gpu_memory(req.gpu_budget);
   const auto predict = [&](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p, options)).step_s; };
   const auto report = [&](std::size_t i, const Plan& p, const std::array<Bytes, claimant_count>& fp, bool fits) {
     Bytes gpu, host;
@@ -455,6 +461,20 @@ int run(const Args& a) {
     PlanRequest req;
     req.gpus = 1;
     req.gpu_budget = a.gpu_mem.value_or(use_cuda ? profile.gpu_memory : Bytes{std::uint64_t{1} << 30});
+#if OOM_TRAIN_HAS_CUDA
+    // Plan for the memory the GPU has: another process may hold some of it (planned for the whole
+    // profile, every candidate kept all 86 GiB of the 5.13B model resident and none fit a GPU with
+    // 78.6 GiB free: H200, 2026-12-03).
+    // Only where the device has less free memory than the budget: the profile's GPU memory is
+    // already what a fresh device has free after the CUDA context.
+    std::size_t free_b = 0, total_b = 0;
+    if (use_cuda && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && free_b < req.gpu_budget.count()) {
+      const Bytes usable = usable_gpu_memory(req.gpu_budget);
+      fmt::print("GPU budget {}: the device has {} free, less 1 GiB (the {} says {})\n", usable, Bytes{free_b},
+                 a.gpu_mem ? "--gpu-mem" : "profile", req.gpu_budget);
+      req.gpu_budget = usable;
+    }
+#endif
     if (a.host_mem) {
       req.host_budget = *a.host_mem;
     } else {
