@@ -514,11 +514,17 @@ def main():
     return 1 if failed else 0
 
 
-if __name__ == "__main__":
+def run_cli(entry, name):
+    """Exits with entry()'s status; a SystemExit carrying a message (argument errors, refusals) prints
+    it as "name: message" on stderr and exits 2. Also scripts/diag/emulate_layer_rounding.py's."""
     try:
-        sys.exit(main())
+        sys.exit(entry())
     except SystemExit as e:
         if isinstance(e.code, str):
-            print(f"compare_decoder_layer: {e.code}", file=sys.stderr)
+            print(f"{name}: {e.code}", file=sys.stderr)
             sys.exit(2)
         raise
+
+
+if __name__ == "__main__":
+    run_cli(main, "compare_decoder_layer")

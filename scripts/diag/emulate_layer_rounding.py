@@ -320,10 +320,4 @@ def emulate(torch, cdl, cfg, T, seed, unscaled_init, reference, runs, margin=0.0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except SystemExit as e:
-        if isinstance(e.code, str):
-            print(f"emulate_layer_rounding: {e.code}", file=sys.stderr)
-            sys.exit(2)
-        raise
+    load_compare_script().run_cli(main, "emulate_layer_rounding")
