@@ -1,14 +1,12 @@
 // oom-plan: plans a training step of a model on a machine within GPU and host budgets, and explains
 // the plan: memory per claimant, policies, predicted time per resource, why it beat the runner-up.
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
 
 #include <fmt/format.h>
 
@@ -155,11 +153,6 @@ int main(int argc, char** argv) {
     if (a.grad_staging) executor.grad_staging_layers = *a.grad_staging;
     if (a.keep_attention_state) executor.keep_attention_state = *a.keep_attention_state;
     executor.max_grad_norm = a.max_grad_norm;  // clipping stages every streamed gradient
-    const auto gpu_and_host = [](const std::array<oom::Bytes, oom::claimant_count>& fp) {
-      oom::Bytes gpu, host;
-      for (int c = 0; c < oom::claimant_count; ++c) (oom::on_gpu(static_cast<oom::Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
-      return std::pair{gpu, host};
-    };
     const auto executed_step = [&](const oom::Plan& p) { return planner.simulate(oom::CudaCausalLm::as_executed(spec, p, executor)).step_s; };
 #endif
     for (std::size_t i = 0; i < set.plans.size(); ++i) {
@@ -168,7 +161,7 @@ int main(int argc, char** argv) {
       // What OOM's own CUDA executor would take for this plan (exact, computed without a GPU).
       try {
         const auto fp = oom::CudaCausalLm::footprint(spec, set.plans[i], executor);
-        const auto [gpu, host] = gpu_and_host(fp);
+        const auto [gpu, host] = oom::gpu_and_host(fp);
         fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
                    "and {} pinned: {}; as it runs the plan, predicted step {:.3f} s\n\n",
                    gpu, fp[0], fp[1], fp[2], host,
@@ -189,14 +182,14 @@ int main(int argc, char** argv) {
         train_req.candidates = 6;
         if (!a.host_mem) train_req.host_budget = oom::examples::default_host_budget(profile, spec).budget;
         const auto train_set = planner.plan(train_req);
-        const std::uint64_t headroom = std::uint64_t{1} << 30;
+        const std::uint64_t headroom = oom::CudaCausalLm::gpu_headroom.count();
         const std::uint64_t usable = profile.gpu_memory.count() > headroom ? profile.gpu_memory.count() - headroom : 0;
         const oom::Bytes gpu_avail{std::min<std::uint64_t>(train_req.gpu_budget.count(), usable)};
         oom::CudaFitOptions how;
         how.predict_step = executed_step;
         how.residency_order = planner.residency_order(train_set.plans.front());
         const auto fit = oom::CudaCausalLm::fit(spec, train_set.plans, gpu_avail, train_req.host_budget, executor, how);
-        const auto [gpu, host] = gpu_and_host(fit.footprint);
+        const auto [gpu, host] = oom::gpu_and_host(fit.footprint);
         const std::uint64_t chunk = fit.plan.largest_moe_chunk();
         fmt::print("oom-train --backend cuda would run (host budget {}{}): its candidate plan {} ({}; {}; {} of {} segments "
                    "resident, {} planned), {} on the GPU and {} pinned; predicted step {:.3f} s\n\n",

@@ -303,13 +303,20 @@ CudaCausalLmOptions cuda_options(const Args& a) {
   return o;
 }
 
-// The GPU bytes the executor may take under `budget`: the budget, or the device's free memory less
-// 1 GiB (for cuBLAS workspaces and module loads outside the arena) where that is less.
-Bytes usable_gpu_memory(Bytes budget) {
+// The device's free memory; nothing where it cannot be read.
+std::optional<Bytes> free_gpu_memory() {
   std::size_t free_b = 0, total_b = 0;
-  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return budget;
-  const std::uint64_t headroom = std::uint64_t{1} << 30;
-  return Bytes{std::min<std::uint64_t>(budget.count(), free_b > headroom ? free_b - headroom : 0)};
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return std::nullopt;
+  return Bytes{free_b};
+}
+
+// The GPU bytes the executor may take under `budget`: the budget, or the device's free memory less
+// CudaCausalLm::gpu_headroom (cuBLAS workspaces and module loads outside the arena) where that is less.
+Bytes usable_gpu_memory(Bytes budget, std::optional<Bytes> free) {
+  if (!free) return budget;
+  const Bytes h = CudaCausalLm::gpu_headroom;
+  const Bytes usable{free->count() > h.count() ? free->count() - h.count() : 0};
+  return usable < budget ? usable : budget;
 }
 
 // The planner's memory model is per activation class; the CUDA executor keeps, offloads or
@@ -319,11 +326,10 @@ Bytes usable_gpu_memory(Bytes budget) {
 // executor runs it. Every variant weighed is printed.
 Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std::vector<Plan>& plans, const PlanRequest& req,
                        const CudaCausalLmOptions& options, bool planned_residency) {
-  const Bytes gpu_avail = usable_gpu_memory(req.gpu_budget);
+  const Bytes gpu_avail = usable_gpu_memory(req.gpu_budget, free_gpu_memory());
   const auto predict = [&](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p, options)).step_s; };
   const auto report = [&](std::size_t i, const Plan& p, const std::array<Bytes, claimant_count>& fp, bool fits) {
-    Bytes gpu, host;
-    for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
+    const auto [gpu, host] = gpu_and_host(fp);
     const std::uint64_t chunk = p.largest_moe_chunk();
     const std::string moe = chunk < p.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole");
     fmt::print("candidate plan {} ({}; {}; {} segments resident): the CUDA executor needs {} on the GPU (resident {}, "
@@ -347,7 +353,8 @@ Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std:
     return fit.plan;
   } catch (const Error& e) {
     if (e.code() != Errc::out_of_budget) throw;
-    OOM_THROW(Errc::out_of_budget, fmt::format("{} (available on the GPU: the lesser of its budget {} and its free memory less 1 GiB)", e.message(), req.gpu_budget));
+    OOM_THROW(Errc::out_of_budget, fmt::format("{} (available on the GPU: the lesser of its budget {} and its free memory less {})",
+                                               e.message(), req.gpu_budget, CudaCausalLm::gpu_headroom));
   }
 }
 #endif
@@ -467,10 +474,9 @@ int run(const Args& a) {
     // 78.6 GiB free: H200, 2026-12-03).
     // Only where the device has less free memory than the budget: the profile's GPU memory is
     // already what a fresh device has free after the CUDA context.
-    std::size_t free_b = 0, total_b = 0;
-    if (use_cuda && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && free_b < req.gpu_budget.count()) {
-      const Bytes usable = usable_gpu_memory(req.gpu_budget);
-      fmt::print("GPU budget {}: the device has {} free, less 1 GiB (the {} says {})\n", usable, Bytes{free_b},
+    if (const auto free = use_cuda ? free_gpu_memory() : std::nullopt; free && *free < req.gpu_budget) {
+      const Bytes usable = usable_gpu_memory(req.gpu_budget, free);
+      fmt::print("GPU budget {}: the device has {} free, less {} (the {} says {})\n", usable, *free, CudaCausalLm::gpu_headroom,
                  a.gpu_mem ? "--gpu-mem" : "profile", req.gpu_budget);
       req.gpu_budget = usable;
     }

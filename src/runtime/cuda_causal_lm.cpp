@@ -247,18 +247,13 @@ struct CudaCausalLm::Impl {
     Impl probe(s, p, o, /*sizing_only=*/true);
     probe.build({});
     const Bytes reserve = reservation(o, p);
-    Bytes device_need;
-    for (int c = 0; c < claimant_count; ++c)
-      if (on_gpu(static_cast<Claimant>(c))) device_need = device_need + probe.need[static_cast<std::size_t>(c)];
+    const auto [device_need, host_need] = gpu_and_host(probe.need);
     if (reserve < device_need)
       OOM_THROW(Errc::out_of_budget,
                 fmt::format("the plan needs {} of GPU memory with the CUDA executor (resident state {}, retained activations {}, "
                             "worksets {}), {} can be reserved (the plan's budget {}, at most the GPU's free memory less 1 GiB)",
                             device_need, probe.need[0], probe.need[1], probe.need[2], reserve,
                             o.device_budget.count() ? o.device_budget : p.gpu_budget));
-    Bytes host_need;
-    for (int c = 0; c < claimant_count; ++c)
-      if (!on_gpu(static_cast<Claimant>(c))) host_need = host_need + probe.need[static_cast<std::size_t>(c)];
     const Bytes pinned_budget = o.pinned_budget.count() ? o.pinned_budget : p.host_budget;
     if (pinned_budget < host_need)
       OOM_THROW(Errc::out_of_budget,
@@ -282,8 +277,7 @@ struct CudaCausalLm::Impl {
     OOM_CUDA_CHECK(cudaSetDevice(o.device));
     std::size_t free_b = 0, total_b = 0;
     OOM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    const std::uint64_t headroom = std::uint64_t{1} << 30;
-    const Bytes avail{free_b > headroom ? free_b - headroom : 0};
+    const Bytes avail{free_b > gpu_headroom.count() ? free_b - gpu_headroom.count() : 0};
     return want < avail ? want : avail;
   }
 
@@ -1018,14 +1012,8 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
   ways.push_back(Checkpoint::whole);
   ways.push_back(Checkpoint::whole_offloaded_boundaries);
   constexpr std::uint64_t smallest_moe_chunk = 4096;
-  // The GPU and host bytes of a footprint.
-  const auto split = [](const std::array<Bytes, claimant_count>& fp) {
-    Bytes gpu, host;
-    for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? gpu : host) += fp[static_cast<std::size_t>(c)];
-    return std::pair{gpu, host};
-  };
   const auto fits = [&](const std::array<Bytes, claimant_count>& fp) {
-    const auto [gpu, host] = split(fp);
+    const auto [gpu, host] = gpu_and_host(fp);
     return gpu <= gpu_available && host <= host_budget;
   };
   // `p` with the first `extra` segments of the residency order it does not hold made resident
@@ -1047,7 +1035,7 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
     // Weighs `p`: its GPU bytes; kept in `fitting` when it fits.
     const auto weigh = [&](const Plan& p) {
       const auto fp = footprint(spec, p, options);
-      const auto [gpu, host] = split(fp);
+      const auto [gpu, host] = gpu_and_host(fp);
       least_gpu = std::min(least_gpu, gpu);
       least_host = std::min(least_host, host);
       const bool ok = fits(fp);

@@ -32,12 +32,7 @@ ModelSpec config(const char* name) {
   return ModelSpec::from_file(std::filesystem::path(OOM_SOURCE_DIR) / "examples/configs" / name);
 }
 
-Bytes gpu_bytes(const std::array<Bytes, claimant_count>& fp) {
-  Bytes b;
-  for (int c = 0; c < claimant_count; ++c)
-    if (on_gpu(static_cast<Claimant>(c))) b = b + fp[static_cast<std::size_t>(c)];
-  return b;
-}
+Bytes gpu_bytes(const std::array<Bytes, claimant_count>& fp) { return gpu_and_host(fp).gpu; }
 
 /// The H200 as the runs these tests cite were measured (fourth and fifth sessions, 2026-11-30): the
 /// built-in profile with the attention curves of the mma.sync kernels the dispatch ran then

@@ -25,6 +25,15 @@ enum class Claimant : unsigned char {
 inline constexpr int claimant_count = 6;
 const char* to_string(Claimant c) noexcept;
 constexpr bool on_gpu(Claimant c) { return c <= Claimant::worksets; }
+/// Bytes by claimant summed on the GPU and on the host.
+struct GpuHostBytes {
+  Bytes gpu, host;
+};
+inline GpuHostBytes gpu_and_host(const std::array<Bytes, claimant_count>& by_claimant) {
+  GpuHostBytes sum;
+  for (int c = 0; c < claimant_count; ++c) (on_gpu(static_cast<Claimant>(c)) ? sum.gpu : sum.host) += by_claimant[static_cast<std::size_t>(c)];
+  return sum;
+}
 
 struct SimOp {
   const char* what = "";  ///< a static string: "fwd.attention", "h2d.weights", ... (with `layer`, its name)

@@ -122,6 +122,11 @@ struct CudaFitOptions {
 
 class CudaCausalLm {
  public:
+  /// The last GiB of the GPU's free memory, which the device arena never takes: the CUDA
+  /// context, cuBLAS and the expert GEMMs' side handles allocate from it on their own. Callers
+  /// sizing a plan for a device's free memory leave it too.
+  static constexpr Bytes gpu_headroom{std::uint64_t{1} << 30};
+
   /// `weights[s]`: fp32 values of spec.segments()[s]. Errc::unsupported for layers the CUDA decoder
   /// layer does not implement, Errc::out_of_budget (naming the claimant) when the buffers the plan
   /// needs do not fit the device arena.
