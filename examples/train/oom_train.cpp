@@ -90,7 +90,7 @@ Model and data
                        (default: the built-in corpus, generated into the run directory)
   --init-from PATH     start from these weights (safetensors, HF names) instead of a random init
   --seq N              tokens per sequence (default 256)
-  --micro-batches K    sequences per optimizer step, their gradients accumulated (default 1; host backend)
+  --micro-batches K    sequences per optimizer step, their gradients accumulated (default 1)
   --steps N            optimizer steps to reach (default 200)
   --seed N             initial weights and data order (default 0)
 Optimizer (AdamW, as torch.optim.AdamW over all parameters)
@@ -431,8 +431,11 @@ int run(const Args& a) {
               fmt::format("--grad-staging {} with --max-grad-norm: clipping defers every update to the end of the backward, so the "
                           "gradients are staged one pinned buffer per parameter (leave --grad-staging out, or pass 0)",
                           *a.grad_staging));
-  if (use_cuda && a.micro_batches > 1)
-    OOM_THROW(Errc::unsupported, "--micro-batches: gradient accumulation is not implemented on the CUDA executor yet (use --backend host)");
+  if (use_cuda && a.micro_batches > 1 && a.grad_staging && *a.grad_staging > 0)
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("--grad-staging {} with --micro-batches {}: each layer's gradients accumulate in their staging until the last "
+                          "micro-batch, so they are staged one pinned buffer per parameter (leave --grad-staging out, or pass 0)",
+                          *a.grad_staging, a.micro_batches));
   if (!use_cuda && a.bucketed_expert_gemms)
     OOM_THROW(Errc::invalid_argument,
               "--bucketed-expert-gemms / --no-bucketed-expert-gemms: the host backend has no cuBLAS (it applies to --backend cuda)");

@@ -79,6 +79,8 @@ void LmEndsShape::validate() const {
   // The embedding kernels take V < 2^31 - 1 (ids are int32).
   if (vocab < 1 || vocab >= INT_MAX) invalid(fmt::format("vocab = {} (needs 1 <= V < 2^31 - 1)", vocab));
   if (!(rms_norm_eps >= 0.0f)) invalid(fmt::format("rms_norm_eps = {} (needs >= 0)", rms_norm_eps));
+  if (loss_tokens < 0 || (loss_tokens > 0 && loss_tokens < tokens))
+    invalid(fmt::format("loss_tokens = {} (needs 0, or at least this call's tokens {})", loss_tokens, tokens));
 }
 
 std::int64_t lm_head_chunk_rows(const LmEndsShape& s) {
@@ -144,8 +146,10 @@ void lm_head_forward_backward(const LmEndsContext& ctx, const LmEndsShape& s, co
   check(kernels::rmsnorm_forward(y, final_norm, r, backward ? rstd : nullptr, s.tokens, s.hidden, s.rms_norm_eps, ctx.stream),
         "final norm rmsnorm_forward");
   // loss_sum, valid; with the backward dr = d(loss_sum / T) / dr written into dy (bf16) and
-  // grad_head += dlogits^T r. grad_scale = 1/T: the mean over this call's T tokens.
-  const float grad_scale = s.tokens > 0 ? 1.0f / static_cast<float>(s.tokens) : 0.0f;
+  // grad_head += dlogits^T r. grad_scale = 1/T, the mean over this call's T tokens (1/(k T) for
+  // one of a step's k micro-batches: LmEndsShape::loss_tokens).
+  const std::int64_t mean_over = s.loss_tokens > 0 ? s.loss_tokens : s.tokens;
+  const float grad_scale = mean_over > 0 ? 1.0f / static_cast<float>(mean_over) : 0.0f;
   check(kernels::lm_head_loss(ctx.blas, ctx.stream, head_shape(s), r, head, targets, grad_scale, loss_sum, valid,
                               backward ? dy : nullptr, backward ? grad_head : nullptr, scratch, L.scratch_bytes),
         "lm_head_loss");

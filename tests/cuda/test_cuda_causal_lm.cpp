@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "oom/core/error.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
 #include "support/executor_options.hpp"
@@ -73,7 +74,7 @@ Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait
           unsigned grad_staging_layers = CudaCausalLmOptions{}.grad_staging_layers,
           bool keep_attention_state = CudaCausalLmOptions{}.keep_attention_state, double max_grad_norm = 0,
           bool leave_unrouted = CudaCausalLmOptions{}.leave_unrouted_expert_grads, std::uint64_t tokens = T,
-          bool overlap_updates = CudaCausalLmOptions{}.overlap_updates) {
+          bool overlap_updates = CudaCausalLmOptions{}.overlap_updates, bool repeat_window = false) {
   CudaCausalLmOptions opt;
   opt.overlap_updates = overlap_updates;
   opt.max_grad_norm = max_grad_norm;
@@ -85,10 +86,14 @@ Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait
   CudaCausalLm lm(spec, plan, init(spec), opt);
   Run r;
   std::mt19937_64 rng(7);
+  // A step takes plan.micro_batches windows of `tokens` (with repeat_window, copies of its first).
+  const auto k = static_cast<std::uint64_t>(plan.micro_batches);
   for (int s = 0; s < steps; ++s) {
-    std::vector<std::uint32_t> in(tokens), tgt(tokens);
-    for (auto& v : in) v = static_cast<std::uint32_t>(rng() % 300);
-    for (std::uint64_t i = 0; i < tokens; ++i) tgt[i] = (in[i] * 7 + 3) % 300;  // learnable: a function of the current token
+    std::vector<std::uint32_t> in(tokens * k), tgt(tokens * k);
+    // (drawn window by window: a run repeating its first window draws what a one-window run does)
+    for (std::uint64_t i = 0; i < tokens * k; ++i)
+      in[i] = repeat_window && i >= tokens ? in[i % tokens] : static_cast<std::uint32_t>(rng() % 300);
+    for (std::uint64_t i = 0; i < tokens * k; ++i) tgt[i] = (in[i] * 7 + 3) % 300;  // learnable: a function of the current token
     const auto result = lm.step(in, tgt);
     r.losses.push_back(result.loss);
     r.grad_norms.push_back(result.grad_norm);
@@ -455,4 +460,79 @@ TEST_CASE("recomputing around kept or offloaded attention state gives the same s
     const auto off = static_cast<std::size_t>(Claimant::host_offload);
     CHECK(kept[act] + kept[off] > rerun[act] + rerun[off]);
   }
+}
+
+TEST_CASE("gradient accumulation over micro-batches: every plan gives the resident plan's step, bit for bit") {
+  const auto spec = small_spec();
+  Plan reference = resident_plan(spec);
+  reference.micro_batches = 3;
+  const Run expect = train(spec, reference);
+  MESSAGE("resident plan, 3 micro-batches: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
+  CHECK(same(train(spec, reference).state, expect.state));  // deterministic run to run
+  // The other micro-batches count: one micro-batch of the same first windows is another step.
+  Plan one = reference;
+  one.micro_batches = 1;
+  CHECK(train(spec, one).losses[0] != expect.losses[0]);
+
+  std::mt19937_64 rng(43);
+  for (int i = 0; i < 5; ++i) {
+    Plan p = reference;
+    p.prefetch_depth = 1 + static_cast<int>(rng() % 3);
+    p.resident_segments.clear();
+    for (const auto& s : spec.segments())
+      if (i > 0 && rng() % 2) p.resident_segments.push_back(s.name);  // plan 0: everything streamed
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      auto& row = p.retention[static_cast<std::size_t>(l)];
+      row[0] = rng() % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
+      const auto pick = rng() % 3;
+      const auto d = pick == 0 ? RetentionDecision::keep() : pick == 1 ? RetentionDecision::offload() : RetentionDecision::recompute(l);
+      row[static_cast<std::size_t>(ActivationClass::expert_intermediate)] = d;
+    }
+    CAPTURE(i);
+    const Run got = train(spec, p);
+    CHECK(got.losses == expect.losses);
+    CHECK(same(got.state, expect.state));
+    if (i == 0) {
+      // The gradients accumulate in their staging: one pinned buffer per streamed parameter, the
+      // ring asked for (the default, 3 layers) or not.
+      CHECK(got.staging == train(spec, p, 3, false, /*grad_staging_layers=*/0).staging);
+      // Clipped: the same norms and step as the resident plan's, bit for bit.
+      const Run clipped = train(spec, p, 3, false, 3, true, /*max_grad_norm=*/0.05);
+      const Run clipped_resident = train(spec, reference, 3, false, 3, true, 0.05);
+      CHECK(clipped.grad_norms == clipped_resident.grad_norms);
+      CHECK(clipped.grad_norms[0] > 0.05);  // the clip acts
+      CHECK(same(clipped.state, clipped_resident.state));
+    }
+  }
+}
+
+TEST_CASE("micro-batches of one window repeated: that window's loss and gradient") {
+  const auto spec = small_spec();
+  const Plan one = resident_plan(spec);
+  Plan two = one;
+  two.micro_batches = 2;
+  // A clip no norm reaches, for the gradient norm.
+  const Run a = train(spec, one, 3, false, 3, true, /*max_grad_norm=*/1e9);
+  const Run b = train(spec, two, 3, false, 3, true, 1e9, true, T, true, /*repeat_window=*/true);
+  MESSAGE("one window: loss " << a.losses[0] << ", gradient norm " << a.grad_norms[0] << "; twice: " << b.losses[0] << ", "
+                              << b.grad_norms[0] << " (relative difference " << std::abs(b.grad_norms[0] / a.grad_norms[0] - 1) << ")");
+  CHECK(b.losses[0] == a.losses[0]);  // the same forward twice: (L + L) / 2T == L / T exactly
+  // Each micro-batch's gradient carries 1/(2T): the sum is the window's gradient, not twice it
+  // (halving is exact, so only the order of additions into an accumulated gradient can differ).
+  CHECK(b.grad_norms[0] == doctest::Approx(a.grad_norms[0]).epsilon(1e-6));
+  // The steps after it, the same windows again.
+  for (std::size_t s = 1; s < 3; ++s) {
+    CHECK(b.losses[s] == doctest::Approx(a.losses[s]).epsilon(1e-4));
+    CHECK(b.grad_norms[s] == doctest::Approx(a.grad_norms[s]).epsilon(1e-4));
+  }
+}
+
+TEST_CASE("micro-batches: a step of the wrong token count is refused, naming micro-batches x tokens") {
+  const auto spec = small_spec();
+  Plan p = resident_plan(spec);
+  p.micro_batches = 2;
+  CudaCausalLm lm(spec, p, init(spec), CudaCausalLmOptions{});
+  std::vector<std::uint32_t> in(T, 1), tgt(T, 2);
+  CHECK_THROWS_WITH_AS(lm.step(in, tgt), doctest::Contains("2 x 157 tokens"), Error);
+  CHECK(lm.optimizer_steps() == 0);
 }

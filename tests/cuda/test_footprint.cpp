@@ -261,6 +261,29 @@ TEST_CASE("a gradient staging ring: pinned staging of a few layers instead of ev
   CHECK(clip[worksets] < whole[worksets] + 16_MiB);
 }
 
+TEST_CASE("micro-batches: gradients staged per parameter (they accumulate there), the GPU as for one") {
+  const auto spec = config("moe-5b.json");
+  const Plan one = plan_for(spec, 32768);
+  Plan three = one;
+  three.micro_batches = 3;
+  const auto whole = CudaCausalLm::footprint(spec, one, staging_ring(0));
+  const auto accumulated = CudaCausalLm::footprint(spec, three, staging_ring(3));  // the ring is not used
+  const auto staging = static_cast<std::size_t>(Claimant::host_staging);
+  const auto worksets = static_cast<std::size_t>(Claimant::worksets);
+  // Per parameter, as without a ring, plus two more micro-batches' tokens (ids and targets, int32,
+  // in the pinned token buffer: 512 KiB at 32K).
+  CHECK(accumulated[staging] == whole[staging] + Bytes{2 * 2 * 32768 * 4});
+  // On the GPU only the micro-batches' loss sums (8 more bytes, within one 256-byte block).
+  CHECK(accumulated[worksets] == whole[worksets]);
+  for (int c = 0; c < claimant_count; ++c)
+    if (c != static_cast<int>(staging) && c != static_cast<int>(worksets))
+      CHECK(accumulated[static_cast<std::size_t>(c)] == whole[static_cast<std::size_t>(c)]);
+  CHECK(CudaCausalLm::footprint(spec, three, staging_ring(0)) == accumulated);
+  Plan none = one;
+  none.micro_batches = 0;
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, none), doctest::Contains("0 micro-batches"), Error);
+}
+
 TEST_CASE("512K with the attention state kept: fits one H200 and skips the attention's second forward") {
   const auto spec = config("moe-5b.json");
   const auto profile = h200_as_measured();

@@ -10,7 +10,7 @@
 //   grad_embedding += scatter-add of dx by ids             lm_embed_backward
 //
 // Loss scaling: the gradient is that of loss_sum / T (grad_scale = 1/T, the mean over the T tokens
-// of this call), known on the host, so no host sync is needed to learn the valid-target count.
+// of this call; 1/(k T) with LmEndsShape::loss_tokens = k T for one of k micro-batches), known on the host, so no host sync is needed to learn the valid-target count.
 // With targets of -100 (ignored, as HF) that is not HF's mean over the valid targets: `valid`
 // tells the caller how many there were.
 //
@@ -53,6 +53,10 @@ struct LmEndsShape {
   std::int64_t hidden = 0;  ///< H
   std::int64_t vocab = 0;   ///< V
   float rms_norm_eps = 1e-6f;
+  /// Tokens the step's loss is the mean over: 0 means this call's T. A step of k micro-batches of T
+  /// tokens each passes k * T, so each call's gradient carries 1 / (k * T) and their sum is the
+  /// step's (gradient accumulation).
+  std::int64_t loss_tokens = 0;
 
   /// hidden, vocab and rms_norm_eps of `spec`, T = tokens.
   [[nodiscard]] static LmEndsShape from_spec(const ModelSpec& spec, std::int64_t tokens);
