@@ -581,7 +581,7 @@ int run(const Args& a) {
     if (std::abs(sim.step_s - plan.predicted.step_s) > 0.01 * plan.predicted.step_s)
       fmt::print("as the CUDA executor runs it (a layer's saved activations are kept, offloaded or recomputed as one; MoE "
                  "chunks regenerated in the backward): predicted step {:.3f} s, {:.0f} tokens/s\n\n",
-                 sim.step_s, static_cast<double>(plan.workload.tokens()) / sim.step_s);
+                 sim.step_s, static_cast<double>(plan.workload.tokens() * static_cast<std::uint64_t>(plan.micro_batches)) / sim.step_s);
   }
 #endif
 

@@ -34,6 +34,13 @@ ExecutionPath parse_path(const JsonCursor& c) {
   OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not local or expert-parallel", c.path(), s));
 }
 
+GradAccumulation parse_accumulation(const JsonCursor& c) {
+  const auto& s = c.as_string();
+  for (auto a : {GradAccumulation::host, GradAccumulation::device})
+    if (s == to_string(a)) return a;
+  OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not host or device", c.path(), s));
+}
+
 Json bytes_by_claimant(const std::array<Bytes, claimant_count>& a) {
   Json o = Json::object();
   for (int c = 0; c < claimant_count; ++c) o.set(to_string(static_cast<Claimant>(c)), a[static_cast<std::size_t>(c)].count());
@@ -52,6 +59,7 @@ Json Plan::to_json() const {
   j.set("sequences", workload.sequences);
   j.set("seq_len", workload.seq_len);
   j.set("micro_batches", micro_batches);
+  j.set("grad_accumulation", to_string(grad_accumulation));
   j.set("clip_grad_norm", clip_grad_norm);
   Json prec = Json::object();
   prec.set("weights", std::string(name(precision.weights)));
@@ -111,6 +119,7 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     p.prefetch_depth = static_cast<int>(j["prefetch_depth"].as_int64());
     p.workload = {j["sequences"].as_uint64(), j["seq_len"].as_uint64()};
     p.micro_batches = static_cast<int>(j["micro_batches"].as_int64());
+    if (j["grad_accumulation"].present()) p.grad_accumulation = parse_accumulation(j["grad_accumulation"]);  // absent in older plans: host
     if (j["clip_grad_norm"].present()) p.clip_grad_norm = j["clip_grad_norm"].as_bool();  // absent in older plans: off
     p.precision.weights = parse_dtype(j["precision"]["weights"].as_string());
     p.precision.master = parse_dtype(j["precision"]["master"].as_string());

@@ -25,6 +25,14 @@ const char* to_string(ExecutionPath p) noexcept {
   return "?";
 }
 
+const char* to_string(GradAccumulation a) noexcept {
+  switch (a) {
+    case GradAccumulation::host: return "host";
+    case GradAccumulation::device: return "device";
+  }
+  return "?";
+}
+
 namespace {
 
 using detail::LayerState;
@@ -103,9 +111,11 @@ class GraphBuilder {
     bwd_last_.assign(static_cast<std::size_t>(n + 2), -1);
     d2h_act_.assign(static_cast<std::size_t>(n), -1);
     regenerated_.assign(static_cast<std::size_t>(n), false);
+    d2h_grads_.assign(static_cast<std::size_t>(n), -1);
     int prev = -1;
     for (int mb = 0; mb < plan_.micro_batches; ++mb) {
       const bool last_mb = mb + 1 == plan_.micro_batches;
+      refill_grads_ = mb > 0 && plan_.grad_accumulation == GradAccumulation::device;
       std::fill(regenerated_.begin(), regenerated_.end(), false);
       plan_loads(n);
       prev = embedding_forward(prev);
@@ -323,8 +333,17 @@ class GraphBuilder {
       deferred_.push_back({Claimant::retained_activations, dropped, rc, bwd_end_of(l)});
     }
     const auto pf = prefetch_op_.find(l);
+    // A later micro-batch on the device: the layer's streamed gradients so far go back up into its
+    // gradient slot (after the previous micro-batch's went down), and the backward adds to them.
+    int refill = -1;
+    if (refill_grads_ && st(l).streamed_params > 0) {
+      const Bytes sum{st(l).streamed_params * fp32_bytes};
+      refill = g_.add({"h2d.grads (accumulated)", Resource::h2d, model_.time_of(Operation::moving(OpKind::copy_h2d, sum), Resource::h2d),
+                       deps_of({d2h_grads_[static_cast<std::size_t>(l)]}), l});
+      g_.hold(Claimant::worksets, sum, refill, refill);  // (the slot, then held from the backward on as before)
+    }
     const int bm = g_.add({"bwd.mlp", Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, true, false),
-                           deps_of({load, prev, rc, pf == prefetch_op_.end() ? -1 : pf->second}), l});
+                           deps_of({load, prev, rc, refill, pf == prefetch_op_.end() ? -1 : pf->second}), l});
     g_.hold(Claimant::worksets, mlp_peak(l), bm, bm);
     int before_attn = bm;
     if (const double a2a = model_.all_to_all_time(l); a2a > 0)
@@ -359,6 +378,7 @@ class GraphBuilder {
       const Bytes sent{(replicated / static_cast<std::uint64_t>(gpus) + owned) * fp32_bytes};
       const int d2h = g_.add({"d2h.grads", Resource::d2h,
                               model_.time_of(Operation::moving(OpKind::copy_d2h, sent), Resource::d2h), {reduced}, l});
+      if (l >= 0 && l < spec_.num_layers()) d2h_grads_[static_cast<std::size_t>(l)] = d2h;
       g_.hold(Claimant::worksets, Bytes{streamed_grad}, first >= 0 ? first : done, d2h);
       // While a layer's update runs, the backward streams about one layer's fp32 gradients down
       // and its bf16 weights up through the same host memory (the layers are alike).
@@ -440,6 +460,8 @@ class GraphBuilder {
   std::vector<int> fwd_last_, bwd_last_, d2h_act_;
   std::map<int, int> prefetch_op_;
   std::vector<bool> regenerated_;
+  std::vector<int> d2h_grads_;  ///< per layer: its streamed gradients' last trip down (-1: none yet)
+  bool refill_grads_ = false;   ///< this micro-batch refills streamed gradients (GradAccumulation::device)
   std::vector<Deferred> deferred_;
   std::vector<SimOp> clipped_updates_;  ///< with clipping: the updates, added after the norm
 };

@@ -989,6 +989,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
 Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan, const CudaCausalLmOptions& options) {
   (void)footprint(spec, plan, options);  // the same checks the constructor makes
   Plan out = plan;
+  out.grad_accumulation = GradAccumulation::device;  // a later micro-batch refills each streamed layer's gradient slot
   const std::uint64_t T = plan.workload.tokens();
   for (std::size_t l = 0; l < out.retention.size(); ++l) {
     auto& row = out.retention[l];

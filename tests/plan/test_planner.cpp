@@ -220,3 +220,66 @@ TEST_CASE("clipping by global norm: every update after the backward and the norm
   req.clip_grad_norm = true;
   for (const auto& p : planner.plan(req).plans) CHECK(p.clip_grad_norm);
 }
+
+TEST_CASE("gradient accumulation on the device: each later micro-batch refills every streamed layer's gradients") {
+  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/moe-5b.json");
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const Planner planner(spec, profile, "moe-5b");
+  PlanRequest req;
+  req.workload = {1, 4096};
+  req.micro_batches = 3;
+  req.gpu_budget = 79_GiB;  // some layers streamed
+  req.host_budget = 110_GiB;
+  const Plan host = planner.plan(req).plans.front();
+  CHECK(host.grad_accumulation == GradAccumulation::host);
+  Plan device = host;
+  device.grad_accumulation = GradAccumulation::device;
+  const StepGraph graph = planner.step_graph(device);
+  const SimResult sim = simulate(graph);
+  const auto& ops = graph.ops();
+  // One refill per streamed layer and later micro-batch, each the layer's fp32 streamed gradients,
+  // after that layer's previous trip down and before its backward.
+  int streamed_layers = 0;
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    bool streamed = false;
+    for (const auto& seg : spec.layer_segments(l))
+      if (std::find(host.resident_segments.begin(), host.resident_segments.end(), seg.name) == host.resident_segments.end()) streamed = true;
+    streamed_layers += streamed ? 1 : 0;
+  }
+  REQUIRE(streamed_layers > 0);
+  int refills = 0;
+  double refill_s = 0;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    if (std::string_view(ops[i].what) != "h2d.grads (accumulated)") continue;
+    ++refills;
+    refill_s += sim.end_s[i] - sim.start_s[i];
+    REQUIRE(ops[i].deps.size() == 1);
+    CHECK(std::string_view(ops[static_cast<std::size_t>(ops[i].deps[0])].what) == "d2h.grads");
+    CHECK(ops[static_cast<std::size_t>(ops[i].deps[0])].layer == ops[i].layer);
+    bool feeds_backward = false;
+    for (const auto& op : ops)
+      if (std::string_view(op.what) == "bwd.mlp" && std::find(op.deps.begin(), op.deps.end(), static_cast<int>(i)) != op.deps.end()) feeds_backward = true;
+    CHECK(feeds_backward);
+  }
+  CHECK(refills == 2 * streamed_layers);
+  const SimResult on_host = planner.simulate(host);
+  MESSAGE("5.13B at 4K, 3 micro-batches, 79 GiB: " << streamed_layers << " layers streamed; h2d busy " << on_host.busy[Resource::h2d]
+                                                  << " s summed on the host, " << sim.busy[Resource::h2d] << " s refilled on the device");
+  CHECK(sim.busy[Resource::h2d] == doctest::Approx(on_host.busy[Resource::h2d] + refill_s));
+  CHECK(sim.step_s >= on_host.step_s);
+  // One micro-batch: nothing to refill.
+  Plan single = device;
+  single.micro_batches = 1;
+  const StepGraph single_graph = planner.step_graph(single);
+  for (const auto& op : single_graph.ops()) CHECK(std::string_view(op.what) != "h2d.grads (accumulated)");
+  // The choice survives JSON; older plans without it read as host; a wrong value is named.
+  CHECK(Plan::from_json(Json::parse(device.to_json().dump()), "<device>").grad_accumulation == GradAccumulation::device);
+  std::string old = host.to_json().dump(2);
+  const auto key = old.find("\"grad_accumulation\"");
+  REQUIRE(key != std::string::npos);
+  old.erase(key, old.find('\n', key) - key + 1);
+  CHECK(Plan::from_json(Json::parse(old), "<old>").grad_accumulation == GradAccumulation::host);
+  Json bad = device.to_json();
+  bad.set("grad_accumulation", "gpu");
+  CHECK_THROWS_WITH_AS((void)Plan::from_json(bad, "bad.json"), doctest::Contains("'gpu' is not host or device"), Error);
+}

@@ -25,6 +25,14 @@ enum class ExecutionPath : unsigned char {
 };
 const char* to_string(ExecutionPath p) noexcept;
 
+/// Where a streamed segment's gradient is summed over a step's micro-batches.
+enum class GradAccumulation : unsigned char {
+  host,    ///< each later micro-batch's lands in pinned memory and is added there (HostExecutor)
+  device,  ///< the sum so far goes back up into the layer's GPU gradient slot before its backward,
+           ///< which adds to it (CudaCausalLm): PCIe, no CPU pass
+};
+const char* to_string(GradAccumulation a) noexcept;
+
 /// What the user asks the planner for.
 struct PlanRequest {
   int gpus = 1;
@@ -61,6 +69,10 @@ struct Plan {
   int prefetch_depth = 2;  ///< weight slots per GPU: layers in flight
   Workload workload;
   int micro_batches = 1;
+  /// How the executor sums streamed gradients over micro-batches: the simulation charges the
+  /// device's refill (an H2D of the sum so far per streamed layer and later micro-batch); the
+  /// host's CPU additions are not modelled. An executor's as_executed sets its own.
+  GradAccumulation grad_accumulation = GradAccumulation::host;
   bool clip_grad_norm = false;  ///< PlanRequest::clip_grad_norm
   StatePrecision precision;
   Bytes gpu_budget, host_budget;

@@ -61,7 +61,8 @@ struct CudaCausalLmOptions {
   /// the buffer's previous layer has run (14 bytes a parameter plus N layers: at 32K on the 5.13B
   /// model 17.4 GiB of staging becomes ~3.6 GiB with N = 3, and the step ran no slower on the
   /// H200). N at least the number of streamed layers stages as 0 does (a ring that large takes no
-  /// less pinned memory).
+  /// less pinned memory); so do plans of several micro-batches (the staging holds each layer's sum
+  /// until the last one) and clipping (below).
   unsigned grad_staging_layers = 3;
   /// A layer whose plan recomputes some classes but keeps (or offloads) the attention output and
   /// softmax statistics: true, its backward reruns the layer around that kept attention state
@@ -75,7 +76,8 @@ struct CudaCausalLmOptions {
   /// (model::DecoderLayerGrads::unrouted_experts) and its AdamW step takes zeros without reading
   /// one (the same bits as a zeroed buffer; clipping counts it as 0). False: zeroed and read as
   /// before. On the H200 at 4K with the 5.13B model (26-54 of 64 experts idle per layer in the
-  /// first steps) the zeroing alone took 10.3 ms of a 115 ms step.
+  /// first steps) the zeroing alone took 10.3 ms of a 115 ms step. One micro-batch a step only:
+  /// with more, a later one would add to the unwritten buffer, so they are zeroed.
   bool leave_unrouted_expert_grads = true;
   /// Without clipping, a layer's resident AdamW steps run on a stream of their own, each as soon as
   /// its layer's backward has ended, beside the next layers' backward; the compute stream (and the
@@ -137,11 +139,16 @@ class CudaCausalLm {
   CudaCausalLm& operator=(const CudaCausalLm&) = delete;
 
   struct StepResult {
-    double loss = 0;       ///< mean cross-entropy over the step's tokens (nats)
+    double loss = 0;       ///< mean cross-entropy over the step's tokens, all micro-batches' (nats)
     bool skipped = false;  ///< non-finite loss: no backward, no update
     double grad_norm = -1; ///< with max_grad_norm: the global gradient norm before clipping (else -1)
   };
-  /// One optimizer step on one sequence: inputs -> targets, T = plan.workload.tokens() each.
+  /// One optimizer step over plan.micro_batches = K sequences (gradient accumulation): inputs ->
+  /// targets, K x T tokens each (window by window, T = plan.workload.tokens()). The windows run one
+  /// after another; each one's gradient carries 1/(K T) and is added to the previous ones' in
+  /// window order (a streamed layer's sum so far brought back into its GPU gradient slot), and the
+  /// updates run after the last. Errc::invalid_argument (nothing run) for a wrong token count or an
+  /// id past the vocab.
   StepResult step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
 
   /// Every segment's AdamW state, in spec.segments() order (a copy of all of it).
