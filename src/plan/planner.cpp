@@ -112,6 +112,7 @@ class GraphBuilder {
     d2h_act_.assign(static_cast<std::size_t>(n), -1);
     regenerated_.assign(static_cast<std::size_t>(n), false);
     d2h_grads_.assign(static_cast<std::size_t>(n), -1);
+    slot_d2h_ = {-1, -1};
     int prev = -1;
     for (int mb = 0; mb < plan_.micro_batches; ++mb) {
       const bool last_mb = mb + 1 == plan_.micro_batches;
@@ -334,13 +335,13 @@ class GraphBuilder {
     }
     const auto pf = prefetch_op_.find(l);
     // A later micro-batch on the device: the layer's streamed gradients so far go back up into its
-    // gradient slot (after the previous micro-batch's went down), and the backward adds to them.
+    // gradient slot, after the previous micro-batch's went down and the slot's last user (two
+    // slots, by layer parity) sent its own home; the backward adds to them.
     int refill = -1;
     if (refill_grads_ && st(l).streamed_params > 0) {
       const Bytes sum{st(l).streamed_params * fp32_bytes};
       refill = g_.add({"h2d.grads (accumulated)", Resource::h2d, model_.time_of(Operation::moving(OpKind::copy_h2d, sum), Resource::h2d),
-                       deps_of({d2h_grads_[static_cast<std::size_t>(l)]}), l});
-      g_.hold(Claimant::worksets, sum, refill, refill);  // (the slot, then held from the backward on as before)
+                       deps_of({d2h_grads_[static_cast<std::size_t>(l)], slot_d2h_[static_cast<std::size_t>(l % 2)]}), l});
     }
     const int bm = g_.add({"bwd.mlp", Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, true, false),
                            deps_of({load, prev, rc, refill, pf == prefetch_op_.end() ? -1 : pf->second}), l});
@@ -353,7 +354,7 @@ class GraphBuilder {
     g_.hold(Claimant::worksets, attn_[static_cast<std::size_t>(l)].peak, ba, ba);
     end_compute(bm, ba);
     bwd_last_[static_cast<std::size_t>(l + 1)] = ba;
-    return gradients(l, ba, last_mb, bm);
+    return gradients(l, ba, last_mb, refill >= 0 ? refill : bm);  // the slot held from its refill
   }
 
   // Gradients of (pseudo-)layer l after its backward `done` (which began at `first`): reduced
@@ -378,7 +379,7 @@ class GraphBuilder {
       const Bytes sent{(replicated / static_cast<std::uint64_t>(gpus) + owned) * fp32_bytes};
       const int d2h = g_.add({"d2h.grads", Resource::d2h,
                               model_.time_of(Operation::moving(OpKind::copy_d2h, sent), Resource::d2h), {reduced}, l});
-      if (l >= 0 && l < spec_.num_layers()) d2h_grads_[static_cast<std::size_t>(l)] = d2h;
+      if (l >= 0 && l < spec_.num_layers()) d2h_grads_[static_cast<std::size_t>(l)] = slot_d2h_[static_cast<std::size_t>(l % 2)] = d2h;
       g_.hold(Claimant::worksets, Bytes{streamed_grad}, first >= 0 ? first : done, d2h);
       // While a layer's update runs, the backward streams about one layer's fp32 gradients down
       // and its bf16 weights up through the same host memory (the layers are alike).
@@ -461,6 +462,7 @@ class GraphBuilder {
   std::map<int, int> prefetch_op_;
   std::vector<bool> regenerated_;
   std::vector<int> d2h_grads_;  ///< per layer: its streamed gradients' last trip down (-1: none yet)
+  std::array<int, 2> slot_d2h_{-1, -1};  ///< per gradient slot (layer parity): its last user's trip down
   bool refill_grads_ = false;   ///< this micro-batch refills streamed gradients (GradAccumulation::device)
   std::vector<Deferred> deferred_;
   std::vector<SimOp> clipped_updates_;  ///< with clipping: the updates, added after the norm

@@ -907,6 +907,14 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
         g.grad_zero = g.expert && !unrouted.empty() && unrouted.at(static_cast<std::size_t>(g.expert_index)) != 0;
       }
       span_end(cs, mk);
+      // Clipping: the gradients' sums of squares instead of the updates (every update once the norm
+      // is known), taken before `done`: the gradient slot's next user (a later micro-batch's refill
+      // on h2d, behind this layer's D2H, which waits for `done`) must not overwrite what they read.
+      if (last_mb && clipping()) {
+        mk = span_begin(cs, Resource::gpu_compute, "gradient sums of squares " + label(li));
+        for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
+        span_end(cs, mk);
+      }
       auto& done = L.backward_done;
       backend->record(done, cs);
       backend->record(slot.free, cs);
@@ -914,13 +922,8 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       if (blob != nullptr) backend->record(blob_rot_free[static_cast<std::size_t>(r)], cs);
       std::swap(dy, dx);
       // Resident segments update on the GPU; streamed gradients go home and the CPU AdamW applies them.
-      // Clipping: the gradients' sums of squares instead, and every update once the norm is known.
-      if (!last_mb) {
-        // (the sums so far stay where they are: the updates wait for the last micro-batch)
-      } else if (clipping()) {
-        mk = span_begin(cs, Resource::gpu_compute, "gradient sums of squares " + label(li));
-        for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
-        span_end(cs, mk);
+      if (!last_mb || clipping()) {
+        // (the sums so far stay where they are: the updates wait for the last micro-batch, or the norm)
       } else if (overlapped_updates()) {
         backend->wait(us, done);
         mk = span_begin(us, Resource::gpu_compute, "adamw resident (beside the backward) " + label(li));

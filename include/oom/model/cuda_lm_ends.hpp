@@ -5,7 +5,7 @@
 //   ... decoder layers: x -> y ...
 //   r    = rms(y) * final_norm                             lm_head_forward_backward
 //   loss = sum_t CE(r_t head^T, target_t)   (loss_sum; the step's loss is loss_sum / T)
-//   dy   = d(loss_sum / T) / dy,  grad_final_norm += ..., grad_head += ...
+//   dy   = d(loss_sum / T) / dy,  grad_final_norm += ..., grad_head += ...   (T: loss_tokens if set)
 //   ... decoder layers backward: dy -> dx ...
 //   grad_embedding += scatter-add of dx by ids             lm_embed_backward
 //
@@ -85,7 +85,8 @@ void lm_embed_forward(const LmEndsContext& ctx, const LmEndsShape& s,
                       std::int32_t* invalid_count); // (1) incremented per invalid id
 
 /// r = rms(y) * final_norm; loss_sum = sum over valid targets of CE(r head^T, target), valid = their
-/// count (both written, not accumulated). With dy != nullptr also the backward of loss_sum / T:
+/// count (both written, not accumulated). With dy != nullptr also the backward of loss_sum / T (or
+/// / loss_tokens):
 /// dy written, grad_final_norm and grad_head accumulated (both required then). With dy == nullptr
 /// only the loss (the gradient pointers are ignored). dy must not alias y.
 void lm_head_forward_backward(const LmEndsContext& ctx, const LmEndsShape& s,

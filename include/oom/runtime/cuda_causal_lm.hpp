@@ -18,8 +18,9 @@
 // allocation pattern is fixed), rotating buffers for offloaded and recomputed activations guarded
 // by events, so the measured peak per claimant is the plan's memory, not an allocator's.
 //
-// Streams: compute, h2d (weights in, activations back), d2h (activations out, gradients home),
-// cpu (host functions running the CPU AdamW). Every step ends with all four drained.
+// Streams: compute, h2d (weights in, activations back, a later micro-batch's gradient sums back),
+// d2h (activations out, gradients home), cpu (host functions running the CPU AdamW). Every step
+// ends with all four drained.
 //
 // Every plan computes the same step: residency moves an update between the GPU and the CPU AdamW
 // (bit-identical by construction), retention moves bytes, and the kernels are deterministic; the
@@ -69,7 +70,8 @@ struct CudaCausalLmOptions {
   /// (decoder_layer_recompute: no attention kernel; 2 bytes a token per q-head dim kept per layer);
   /// false, the whole layer forward is rerun (what as_executed() then predicts).
   bool keep_attention_state = true;
-  /// A step whose loss is NaN or infinite ends after the loss: no backward, no update.
+  /// A step whose loss (any micro-batch's) is NaN or infinite ends after that loss: no backward of
+  /// that micro-batch, none after it, no update (earlier micro-batches' gradients are dropped).
   bool skip_nonfinite_loss = true;
   /// In a layer whose routed experts are all GPU-resident, an expert no token reached this step
   /// gets no gradient buffer pass: the backward leaves it unwritten

@@ -11,7 +11,7 @@ struct LayerProgress {
   bool backward = false;  ///< false: the forward pass
   int layer = 0;          ///< the layer about to be issued
   int layers = 0;         ///< decoder layers in the model
-  int micro_batch = 0;    ///< of the step's micro-batches (host executor; 0 on CUDA)
+  int micro_batch = 0;    ///< of the step's micro-batches
 };
 
 /// Called on the step's thread, so it must be quick (print, store). Work is issued asynchronously:
