@@ -225,6 +225,10 @@ if [[ "$parts" == *" train "* ]]; then
     limited 300 env TRAIN_ARGS="--backend cuda --config examples/configs/tiny-moe-d128.json" \
       bash tests/train/kill_resume.sh "$build_dir/examples/train/oom-train" > "$out/kill-resume-cuda.log" 2>&1 || ref_rc=1
     echo "kill/resume on cuda: $(tail -1 "$out/kill-resume-cuda.log")" >> "$out/train-summary.log"
+    # The same with gradient accumulation and clipping (the CI runs this pair on the host backend).
+    limited 300 env TRAIN_ARGS="--backend cuda --config examples/configs/tiny-moe-d128.json --micro-batches 2 --max-grad-norm 0.5" \
+      bash tests/train/kill_resume.sh "$build_dir/examples/train/oom-train" > "$out/kill-resume-cuda-accumulated.log" 2>&1 || ref_rc=1
+    echo "kill/resume on cuda, 2 micro-batches, clipped: $(tail -1 "$out/kill-resume-cuda-accumulated.log")" >> "$out/train-summary.log"
   fi
   # The step traced is the last: the first steps still warm cuBLAS' heuristics for new shapes.
   steps_5b=${STEPS_5B:-4}
