@@ -34,9 +34,11 @@ __device__ __forceinline__ void narrow(float x, std::uint16_t& out) { out = floa
 
 template <class M>
 __device__ __forceinline__ void update_one(const AdamWStepScalars& s, float* p, M* m, M* v, const float* g,
-                                           std::uint16_t* out, std::int64_t i) {
+                                           std::uint16_t* out, std::int64_t i, int* flag) {
   float pi = p[i], mi = widen(m[i]), vi = widen(v[i]);
-  element(s, pi, mi, vi, g != nullptr ? g[i] : 0.0f);
+  const float gi = g != nullptr ? g[i] : 0.0f;
+  if (flag != nullptr && !isfinite(gi)) *flag = 1;
+  element(s, pi, mi, vi, gi);
   p[i] = pi;
   narrow(mi, m[i]);
   narrow(vi, v[i]);
@@ -46,17 +48,19 @@ __device__ __forceinline__ void update_one(const AdamWStepScalars& s, float* p, 
 // Four elements per thread: float4 for p, m (fp32), v (fp32), g; 8-byte uint2 for bf16 moments
 // and the bf16 copy. `vec` says every array is aligned for those widths. g null: every gradient
 // +0.0f, as if read from zeroed memory (the same operations on the same value: the same bits).
+// flag: null, or set to 1 when a gradient read is not finite (AdamWSegment::nonfinite).
 template <class M>
 __device__ __forceinline__ void update_four(const AdamWStepScalars& s, float* p, M* m, M* v, const float* g, std::uint16_t* out,
-                                            std::int64_t n, bool vec, std::int64_t i) {
+                                            std::int64_t n, bool vec, std::int64_t i, int* flag = nullptr) {
   if (i >= n) return;
   if (!vec || i + 4 > n) {
     const std::int64_t end = i + 4 < n ? i + 4 : n;
-    for (std::int64_t j = i; j < end; ++j) update_one(s, p, m, v, g, out, j);
+    for (std::int64_t j = i; j < end; ++j) update_one(s, p, m, v, g, out, j, flag);
     return;
   }
   float4 p4 = *reinterpret_cast<const float4*>(p + i);
   const float4 g4 = g != nullptr ? *reinterpret_cast<const float4*>(g + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (flag != nullptr && !(isfinite(g4.x) && isfinite(g4.y) && isfinite(g4.z) && isfinite(g4.w))) *flag = 1;
   float pp[4] = {p4.x, p4.y, p4.z, p4.w};
   const float gg[4] = {g4.x, g4.y, g4.z, g4.w};
   float mm[4], vv[4];
@@ -102,7 +106,7 @@ __global__ void adamw_kernel(AdamWStepScalars s, float* p, M* m, M* v, const flo
 // Many segments in one launch (fp32 moments): block b works on the segment whose blocks
 // [first_block[k], first_block[k + 1]) hold b, exactly as its own launch's block b - first_block[k]
 // would (the same elements, the same operations: the same bits).
-constexpr int max_segments = 256;  // per launch: the parameters stay under 16 KiB
+constexpr int max_segments = 256;  // per launch: the parameters stay under 17 KiB
 struct ManyParams {
   AdamWStepScalars s;
   int count = 0;
@@ -113,6 +117,7 @@ struct ManyParams {
   const float* g[max_segments];
   std::uint16_t* out[max_segments];
   std::int64_t n[max_segments];
+  int* flag[max_segments];
   bool vec[max_segments];
 };
 static_assert(sizeof(ManyParams) <= 32764);
@@ -126,7 +131,22 @@ __global__ void adamw_many_kernel(const __grid_constant__ ManyParams q) {
     else hi = mid - 1;
   }
   const std::int64_t i = ((b - q.first_block[lo]) * threads + threadIdx.x) * 4;
-  update_four<float>(q.s, q.p[lo], q.m[lo], q.v[lo], q.g[lo], q.out[lo], q.n[lo], q.vec[lo], i);
+  update_four<float>(q.s, q.p[lo], q.m[lo], q.v[lo], q.g[lo], q.out[lo], q.n[lo], q.vec[lo], i, q.flag[lo]);
+}
+
+// Four elements a thread (a float4 where grads is 16-byte aligned), grid-stride.
+__global__ void flag_nonfinite_kernel(const float* g, std::int64_t n, int* flag, bool vec) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x * 4;
+  bool bad = false;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < n; i += stride) {
+    if (vec && i + 4 <= n) {
+      const float4 g4 = *reinterpret_cast<const float4*>(g + i);
+      bad |= !(isfinite(g4.x) && isfinite(g4.y) && isfinite(g4.z) && isfinite(g4.w));
+    } else {
+      for (std::int64_t j = i; j < n && j < i + 4; ++j) bad |= !isfinite(g[j]);
+    }
+  }
+  if (bad) *flag = 1;
 }
 
 bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
@@ -291,10 +311,23 @@ cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<con
     q.g[k] = a.grads;
     q.out[k] = reinterpret_cast<std::uint16_t*>(a.weights_out);
     q.n[k] = a.n;
+    q.flag[k] = a.nonfinite;
     q.vec[k] = vector_aligned(a.master, a.exp_avg, a.exp_avg_sq, a.grads, a.weights_out);
     blocks += a_blocks;
   }
   return flush();
+}
+
+cudaError_t flag_nonfinite(const float* grads, std::int64_t n, int* flag, cudaStream_t stream) {
+  if (n < 0) return detail::refuse("flag_nonfinite: n = ", n, " (must be >= 0)");
+  if (flag == nullptr) return detail::refuse("flag_nonfinite: flag is null");
+  if (n == 0) return cudaSuccess;
+  if (grads == nullptr) return detail::refuse("flag_nonfinite: grads is null (n = ", n, ")");
+  // Enough blocks to fill the GPU several times over; each thread then strides over the rest.
+  const std::int64_t wanted = (n + threads * 4 - 1) / (threads * 4);
+  const unsigned grid = static_cast<unsigned>(wanted < 4096 ? wanted : 4096);
+  flag_nonfinite_kernel<<<grid, threads, 0, stream>>>(grads, n, flag, aligned(grads, 16));
+  return cudaGetLastError();
 }
 
 std::size_t grad_sum_of_squares_workspace_bytes(std::int64_t n) {

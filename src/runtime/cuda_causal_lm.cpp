@@ -164,6 +164,23 @@ struct CudaCausalLm::Impl {
   void* sumsq_workspace = nullptr;
   std::size_t sumsq_workspace_bytes = 0;
   bool clipping() const { return opt.max_grad_norm > 0; }
+  // The gradient check without clipping (CudaCausalLmOptions::check_gradients): a flag per
+  // segment, set by the resident AdamW or a pass over a streamed layer's slot, read after the step.
+  bool checking() const { return opt.check_gradients && !clipping(); }
+  int* d_nonfinite = nullptr;
+  int* h_nonfinite = nullptr;  // pinned
+  /// In the last micro-batch, once layer L's backward is done, before `done`: the test hook's
+  /// poison, then the check of its streamed gradients (in `gslot`).
+  void check_streamed(const Layer& L, float* gslot, cudaStream_t s) {
+    for (auto sidx : L.segments) {
+      const Segment& g = segs[sidx];
+      float* grad = g.resident ? g.dgrad : gslot + g.slot_offset;
+      if (!opt.poison_gradient.empty() && g.name == opt.poison_gradient && !g.grad_zero)
+        OOM_CUDA_CHECK(cudaMemsetAsync(grad, 0xff, sizeof(float), s));  // 0xffffffff: a NaN
+      if (checking() && !g.resident)
+        OOM_CUDA_CHECK(kernels::flag_nonfinite(grad, static_cast<std::int64_t>(g.n), d_nonfinite + sidx, s));
+    }
+  }
   void sum_of_squares(std::size_t sidx, const float* grads, cudaStream_t s) {
     const auto n = segs[sidx].grad_zero ? 0 : static_cast<std::int64_t>(segs[sidx].n);  // a zero gradient: 0
     OOM_CUDA_CHECK(kernels::grad_sum_of_squares(grads, n, d_sumsq + sidx, sumsq_workspace, sumsq_workspace_bytes, s));
@@ -175,7 +192,9 @@ struct CudaCausalLm::Impl {
     std::vector<kernels::AdamWSegment> list;
     for (const std::size_t sidx : which) {
       const Segment& g = segs[sidx];
-      if (g.resident) list.push_back({g.dmaster, g.dm, g.dv, g.grad_zero ? nullptr : g.dgrad, g.dw, static_cast<std::int64_t>(g.n)});
+      if (g.resident)
+        list.push_back({g.dmaster, g.dm, g.dv, g.grad_zero ? nullptr : g.dgrad, g.dw, static_cast<std::int64_t>(g.n),
+                        checking() ? d_nonfinite + sidx : nullptr});
     }
     OOM_CUDA_CHECK(kernels::adamw_update_many(scalars, list, s));
   }
@@ -595,6 +614,10 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
     sumsq_workspace = take(MemorySpace::device(opt.device), sumsq_workspace_bytes, Claimant::worksets);
   }
   h_tokens = pinned<std::int32_t>(2 * K * T, Claimant::host_staging);  // per micro-batch: ids, then targets
+  // The gradient check's flags (a few KiB; taken whatever the options, so that they move no
+  // other figure).
+  d_nonfinite = dev<int>(segs.size(), Claimant::worksets);
+  h_nonfinite = pinned<int>(segs.size(), Claimant::host_staging);
   if (sizing) return;
   std::vector<std::int32_t> pos(T);
   for (std::uint64_t i = 0; i < T; ++i) pos[i] = static_cast<std::int32_t>(i);
@@ -709,6 +732,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       h_tokens[2 * T * mb + T + i] = static_cast<std::int32_t>(targets[T * mb + i]);
     }
   OOM_CUDA_CHECK(cudaMemsetAsync(d_invalid, 0, sizeof(std::int32_t), s));
+  if (checking()) OOM_CUDA_CHECK(cudaMemsetAsync(d_nonfinite, 0, segs.size() * sizeof(int), s));
   for (auto& g : segs)  // (the routed experts' are written by their layer's first backward)
     if (g.resident && !g.expert) OOM_CUDA_CHECK(cudaMemsetAsync(g.dgrad, 0, g.n * sizeof(float), s));
   // Each micro-batch's gradient carries 1 / (K T): their sum is the gradient of the mean over the
@@ -910,6 +934,8 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       // Clipping: the gradients' sums of squares instead of the updates (every update once the norm
       // is known), taken before `done`: the gradient slot's next user (a later micro-batch's refill
       // on h2d, behind this layer's D2H, which waits for `done`) must not overwrite what they read.
+      // The same for the gradient check of the streamed segments.
+      if (last_mb) check_streamed(L, gslot, s);
       if (last_mb && clipping()) {
         mk = span_begin(cs, Resource::gpu_compute, "gradient sums of squares " + label(li));
         for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
@@ -978,7 +1004,20 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   OOM_CUDA_CHECK(cudaEventRecord(step_end, s));
   std::vector<float> loss_sums(K);
   OOM_CUDA_CHECK(cudaMemcpyAsync(loss_sums.data(), d_loss, K * sizeof(float), cudaMemcpyDeviceToHost, s));
+  if (checking()) OOM_CUDA_CHECK(cudaMemcpyAsync(h_nonfinite, d_nonfinite, segs.size() * sizeof(int), cudaMemcpyDeviceToHost, s));
   sync_all();
+  if (checking()) {
+    std::size_t bad = 0, first = 0;
+    for (std::size_t i = 0; i < segs.size(); ++i)
+      if (h_nonfinite[i] != 0 && bad++ == 0) first = i;
+    if (bad > 0) {
+      resolve_marks();
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("step {}: non-finite gradient (NaN or infinite) in segment '{}'{}; this step's updates ran with it, so "
+                            "the model state is not usable: go back to the last checkpoint",
+                            steps + 1, segs[first].name, bad > 1 ? fmt::format(" and {} more", bad - 1) : std::string()));
+    }
+  }
   ++steps;  // counted once the whole step, updates included, is done
   float ms = 0;
   OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin, step_end));

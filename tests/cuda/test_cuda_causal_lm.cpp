@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "oom/core/error.hpp"
@@ -573,4 +574,48 @@ TEST_CASE("micro-batches: a step of the wrong token count is refused, naming mic
   std::vector<std::uint32_t> in(T, 1), tgt(T, 2);
   CHECK_THROWS_WITH_AS(lm.step(in, tgt), doctest::Contains("2 x 157 tokens"), Error);
   CHECK(lm.optimizer_steps() == 0);
+}
+
+TEST_CASE("a NaN gradient is caught: the step throws naming its segment, resident or streamed, one micro-batch or two") {
+  const auto spec = small_spec();
+  std::string attention, expert;  // a decoder layer's attention segment, and one of its experts
+  for (const auto& s : spec.segments()) {
+    if (attention.empty() && s.role == SegmentRole::attention) attention = s.name;
+    if (expert.empty() && s.role == SegmentRole::expert) expert = s.name;
+  }
+  REQUIRE(!attention.empty());
+  REQUIRE(!expert.empty());
+  std::mt19937_64 rng(11);
+  const auto step_with = [&](const Plan& p, CudaCausalLmOptions opt) {
+    opt.adamw.lr = 3e-3f;
+    CudaCausalLm lm(spec, p, init(spec), opt);
+    const std::uint64_t n = T * static_cast<std::uint64_t>(p.micro_batches);
+    std::vector<std::uint32_t> in(n), tgt(n);
+    for (std::uint64_t i = 0; i < n; ++i) in[i] = static_cast<std::uint32_t>(rng() % 300), tgt[i] = (in[i] * 7 + 3) % 300;
+    return lm.step(in, tgt);
+  };
+  for (const int k : {1, 2}) {
+    for (const bool streamed : {false, true}) {
+      for (const std::string& poisoned : {attention, expert}) {
+        Plan p = resident_plan(spec);
+        p.micro_batches = k;
+        if (streamed) p.resident_segments.clear();
+        CudaCausalLmOptions opt;
+        opt.leave_unrouted_expert_grads = false;  // (an expert no token reached passes no gradient to poison)
+        opt.poison_gradient = poisoned;
+        CAPTURE(k);
+        CAPTURE(streamed);
+        CAPTURE(poisoned);
+        const std::string want = "non-finite gradient (NaN or infinite) in segment '" + poisoned + "'";
+        CHECK_THROWS_WITH_AS(step_with(p, opt), doctest::Contains(want.c_str()), Error);
+        // The check is what catches it: without it the step ends with a finite loss.
+        opt.check_gradients = false;
+        CHECK(std::isfinite(step_with(p, opt).loss));
+        // Clipped, the norm refuses it before any update.
+        opt.check_gradients = true;
+        opt.max_grad_norm = 1.0;
+        CHECK_THROWS_WITH_AS(step_with(p, opt), doctest::Contains("sum of squares"), Error);
+      }
+    }
+  }
 }

@@ -647,6 +647,70 @@ TEST_CASE("adamw_update_many: one launch over many segments, the bits of one lau
   CHECK(k::adamw_update_many(scalars, std::span<const k::AdamWSegment>(&bad, 1), stream.s) == cudaErrorInvalidValue);
 }
 
+TEST_CASE("non-finite gradients: flagged by adamw_update_many as it reads them, and by flag_nonfinite") {
+  // Segments of sizes off the vector width, misaligned ones (the scalar path), each with one NaN,
+  // +inf or -inf at its first, a middle or its last element, or none; a flag per segment, poisoned
+  // to 0 beforehand. Exactly the segments with a bad value are flagged, by both kernels; the
+  // updates of the others are the bits of an unflagged launch.
+  namespace optim = oom::optim;
+  Stream stream;
+  optim::AdamWConfig config;
+  config.lr = 3e-4f;
+  const auto scalars = optim::adamw_step_scalars(config, 1, 1.0f);
+  const std::vector<std::int64_t> sizes = {1, 7, 4096, 4099, 33, (1 << 18) + 5, 1000, 12};
+  const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity()};
+  std::int64_t total = 0;
+  for (const auto n : sizes) total += n + 1;
+  const auto t = static_cast<std::size_t>(total);
+  std::vector<float> grads = random_normal(t, 81, 1.0f);
+  std::vector<int> expect(sizes.size(), 0);
+  std::vector<std::int64_t> offsets;
+  std::int64_t at = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const std::int64_t off = at + static_cast<std::int64_t>(i % 2);
+    offsets.push_back(off);
+    if (i % 4 != 3) {  // every fourth segment stays finite
+      const std::int64_t where[] = {0, sizes[i] / 2, sizes[i] - 1};
+      grads[static_cast<std::size_t>(off + where[i % 3])] = bad_values[i % 3];
+      expect[i] = 1;
+    }
+    at += sizes[i] + 1;
+  }
+  const std::vector<float> master = random_normal(t, 82, 0.02f), zeros(t, 0.0f);
+  DeviceBuffer<float> g(grads), p1(master), m1(zeros), v1(zeros), p2(master), m2(zeros), v2(zeros);
+  DeviceBuffer<int> by_update(sizes.size()), by_pass(sizes.size());
+  by_update.zero();
+  by_pass.zero();
+  std::vector<k::AdamWSegment> flagged, plain;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const auto off = offsets[i];
+    flagged.push_back({p1.get() + off, m1.get() + off, v1.get() + off, g.get() + off, nullptr, sizes[i], by_update.get() + i});
+    plain.push_back({p2.get() + off, m2.get() + off, v2.get() + off, g.get() + off, nullptr, sizes[i]});
+    OOM_CUDA_CHECK(k::flag_nonfinite(g.get() + off, sizes[i], by_pass.get() + i, stream.s));
+  }
+  OOM_CUDA_CHECK(k::adamw_update_many(scalars, flagged, stream.s));
+  OOM_CUDA_CHECK(k::adamw_update_many(scalars, plain, stream.s));
+  OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  CHECK(by_update.download() == expect);
+  CHECK(by_pass.download() == expect);
+  expect_bits(bits_of(p1.download()), bits_of(p2.download()), "flagged: master");
+  expect_bits(bits_of(v1.download()), bits_of(v2.download()), "flagged: exp_avg_sq");
+  // A set flag stays set; n = 0 and null gradients (zeros) flag nothing; bad arguments are refused.
+  OOM_CUDA_CHECK(k::flag_nonfinite(g.get() + offsets[3], sizes[3], by_pass.get() + 0, stream.s));
+  DeviceBuffer<int> none(1);
+  none.zero();
+  OOM_CUDA_CHECK(k::flag_nonfinite(g.get(), 0, none.get(), stream.s));
+  const k::AdamWSegment zero_grads{p2.get(), m2.get(), v2.get(), nullptr, nullptr, 100, none.get()};
+  OOM_CUDA_CHECK(k::adamw_update_many(scalars, std::span<const k::AdamWSegment>(&zero_grads, 1), stream.s));
+  OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  CHECK(by_pass.download()[0] == 1);
+  CHECK(none.download()[0] == 0);
+  CHECK(k::flag_nonfinite(g.get(), 5, nullptr, stream.s) == cudaErrorInvalidValue);
+  CHECK(k::flag_nonfinite(nullptr, 5, none.get(), stream.s) == cudaErrorInvalidValue);
+  CHECK(k::flag_nonfinite(g.get(), -1, none.get(), stream.s) == cudaErrorInvalidValue);
+}
+
 TEST_CASE("grad_sum_of_squares: bit-identical to oom::optim::grad_sum_of_squares") {
   Stream stream;
   oom::optim::ThreadPool pool(4);

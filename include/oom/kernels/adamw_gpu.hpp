@@ -48,6 +48,10 @@ struct AdamWSegment {
   const float* grads = nullptr;  ///< or null: zeros
   bf16* weights_out = nullptr;   ///< or null
   std::int64_t n = 0;
+  /// Or null. Set to 1 (device int) when a gradient read is NaN or infinite; never cleared. The
+  /// update runs all the same: the caller learns after the launch that this step's state is
+  /// unusable, at no cost beyond the reads the update makes anyway.
+  int* nonfinite = nullptr;
 };
 
 /// adamw_update (fp32 moments) on every segment, in as few launches as fit (one per 256 segments):
@@ -55,6 +59,11 @@ struct AdamWSegment {
 /// and its 67 launches, each draining before the next starts, left the GPU idle between them.
 /// cudaErrorInvalidValue for a negative n or a missing state array.
 cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<const AdamWSegment> segments, cudaStream_t stream);
+
+/// *flag = 1 (a device int, never cleared) when any of grads[0, n) is NaN or infinite; else
+/// *flag is left as it is. One read of the gradients. cudaErrorInvalidValue for a negative n or
+/// a null flag (or null grads with n > 0).
+cudaError_t flag_nonfinite(const float* grads, std::int64_t n, int* flag, cudaStream_t stream);
 
 /// Scratch bytes grad_sum_of_squares needs (one fp64 partial per tile).
 std::size_t grad_sum_of_squares_workspace_bytes(std::int64_t n);
