@@ -164,21 +164,29 @@ struct CudaCausalLm::Impl {
   void* sumsq_workspace = nullptr;
   std::size_t sumsq_workspace_bytes = 0;
   bool clipping() const { return opt.max_grad_norm > 0; }
-  // The gradient check without clipping (CudaCausalLmOptions::check_gradients): a flag per
-  // segment, set by the resident AdamW or a pass over a streamed layer's slot, read after the step.
+  // The gradient check without clipping (CudaCausalLmOptions::check_gradients): flags set by the
+  // resident AdamW (one per segment: [0, segs)) or by one pass over a streamed layer's gradient
+  // slot (one per layer: segs + l), read after the step.
   bool checking() const { return opt.check_gradients && !clipping(); }
   int* d_nonfinite = nullptr;
   int* h_nonfinite = nullptr;  // pinned
-  /// In the last micro-batch, once layer L's backward is done, before `done`: the test hook's
-  /// poison, then the check of its streamed gradients (in `gslot`).
-  void check_streamed(const Layer& L, float* gslot, cudaStream_t s) {
-    for (auto sidx : L.segments) {
+  std::size_t flag_count() const { return segs.size() + layers.size(); }
+  /// In the last micro-batch, once layer l's backward is done, before `done`: its streamed
+  /// gradients (the slot's [0, streamed), the sum over the micro-batches: a NaN or infinity in any
+  /// of them stays one) in one pass.
+  void check_streamed(std::size_t l, const float* gslot, cudaStream_t s) {
+    if (checking() && layers[l].streamed > 0)
+      OOM_CUDA_CHECK(kernels::flag_nonfinite(gslot, static_cast<std::int64_t>(layers[l].streamed), d_nonfinite + segs.size() + l, s));
+  }
+  /// The test hook (CudaCausalLmOptions::poison_gradient), in the first micro-batch once the
+  /// gradients of `which` are written: a NaN at the named segment's first element.
+  template <class Range>
+  void poison(const Range& which, float* gslot, cudaStream_t s) {
+    for (const std::size_t sidx : which) {
       const Segment& g = segs[sidx];
+      if (opt.poison_gradient.empty() || g.name != opt.poison_gradient || g.grad_zero) continue;
       float* grad = g.resident ? g.dgrad : gslot + g.slot_offset;
-      if (!opt.poison_gradient.empty() && g.name == opt.poison_gradient && !g.grad_zero)
-        OOM_CUDA_CHECK(cudaMemsetAsync(grad, 0xff, sizeof(float), s));  // 0xffffffff: a NaN
-      if (checking() && !g.resident)
-        OOM_CUDA_CHECK(kernels::flag_nonfinite(grad, static_cast<std::int64_t>(g.n), d_nonfinite + sidx, s));
+      OOM_CUDA_CHECK(cudaMemsetAsync(grad, 0xff, sizeof(float), s));  // 0xffffffff: a NaN
     }
   }
   void sum_of_squares(std::size_t sidx, const float* grads, cudaStream_t s) {
@@ -616,8 +624,8 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   h_tokens = pinned<std::int32_t>(2 * K * T, Claimant::host_staging);  // per micro-batch: ids, then targets
   // The gradient check's flags (a few KiB; taken whatever the options, so that they move no
   // other figure).
-  d_nonfinite = dev<int>(segs.size(), Claimant::worksets);
-  h_nonfinite = pinned<int>(segs.size(), Claimant::host_staging);
+  d_nonfinite = dev<int>(flag_count(), Claimant::worksets);
+  h_nonfinite = pinned<int>(flag_count(), Claimant::host_staging);
   if (sizing) return;
   std::vector<std::int32_t> pos(T);
   for (std::uint64_t i = 0; i < T; ++i) pos[i] = static_cast<std::int32_t>(i);
@@ -732,7 +740,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       h_tokens[2 * T * mb + T + i] = static_cast<std::int32_t>(targets[T * mb + i]);
     }
   OOM_CUDA_CHECK(cudaMemsetAsync(d_invalid, 0, sizeof(std::int32_t), s));
-  if (checking()) OOM_CUDA_CHECK(cudaMemsetAsync(d_nonfinite, 0, segs.size() * sizeof(int), s));
+  if (checking()) OOM_CUDA_CHECK(cudaMemsetAsync(d_nonfinite, 0, flag_count() * sizeof(int), s));
   for (auto& g : segs)  // (the routed experts' are written by their layer's first backward)
     if (g.resident && !g.expert) OOM_CUDA_CHECK(cudaMemsetAsync(g.dgrad, 0, g.n * sizeof(float), s));
   // Each micro-batch's gradient carries 1 / (K T): their sum is the gradient of the mean over the
@@ -935,7 +943,8 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
       // is known), taken before `done`: the gradient slot's next user (a later micro-batch's refill
       // on h2d, behind this layer's D2H, which waits for `done`) must not overwrite what they read.
       // The same for the gradient check of the streamed segments.
-      if (last_mb) check_streamed(L, gslot, s);
+      if (mb == 0) poison(L.segments, gslot, s);
+      if (last_mb) check_streamed(li, gslot, s);
       if (last_mb && clipping()) {
         mk = span_begin(cs, Resource::gpu_compute, "gradient sums of squares " + label(li));
         for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
@@ -981,6 +990,7 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
     model::lm_embed_backward(ends_ctx(), ends, d_ids, dy, segs[emb].dgrad, d_invalid, workspace, workspace_bytes);
     std::vector<std::size_t> ends_segs = {emb, norm};
     if (head != emb) ends_segs.push_back(head);
+    if (mb == 0) poison(ends_segs, nullptr, s);
     if (!last_mb) {
       // (the next micro-batch adds to the ends' gradients)
     } else if (clipping()) {
@@ -1004,21 +1014,24 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   OOM_CUDA_CHECK(cudaEventRecord(step_end, s));
   std::vector<float> loss_sums(K);
   OOM_CUDA_CHECK(cudaMemcpyAsync(loss_sums.data(), d_loss, K * sizeof(float), cudaMemcpyDeviceToHost, s));
-  if (checking()) OOM_CUDA_CHECK(cudaMemcpyAsync(h_nonfinite, d_nonfinite, segs.size() * sizeof(int), cudaMemcpyDeviceToHost, s));
+  if (checking()) OOM_CUDA_CHECK(cudaMemcpyAsync(h_nonfinite, d_nonfinite, flag_count() * sizeof(int), cudaMemcpyDeviceToHost, s));
   sync_all();
+  ++steps;  // counted once the whole step, updates included, is done
   if (checking()) {
-    std::size_t bad = 0, first = 0;
+    std::vector<std::string> where;  // resident segments by name, streamed ones by layer
     for (std::size_t i = 0; i < segs.size(); ++i)
-      if (h_nonfinite[i] != 0 && bad++ == 0) first = i;
-    if (bad > 0) {
+      if (h_nonfinite[i] != 0) where.push_back(fmt::format("segment '{}'", segs[i].name));
+    for (std::size_t l = 0; l < layers.size(); ++l)
+      if (h_nonfinite[segs.size() + l] != 0) where.push_back(fmt::format("the streamed segments of {}", label(l)));
+    if (!where.empty()) {
       resolve_marks();
       OOM_THROW(Errc::invalid_argument,
-                fmt::format("step {}: non-finite gradient (NaN or infinite) in segment '{}'{}; this step's updates ran with it, so "
-                            "the model state is not usable: go back to the last checkpoint",
-                            steps + 1, segs[first].name, bad > 1 ? fmt::format(" and {} more", bad - 1) : std::string()));
+                fmt::format("step {}: non-finite gradient (NaN or infinite) in {}{}; this step's updates ran with it (counted: "
+                            "optimizer_steps() {}), so the model state is not usable: go back to the last checkpoint",
+                            steps, where.front(), where.size() > 1 ? fmt::format(" and {} more", where.size() - 1) : std::string(),
+                            steps));
     }
   }
-  ++steps;  // counted once the whole step, updates included, is done
   float ms = 0;
   OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin, step_end));
   last_seconds = ms / 1e3;

@@ -576,15 +576,19 @@ TEST_CASE("micro-batches: a step of the wrong token count is refused, naming mic
   CHECK(lm.optimizer_steps() == 0);
 }
 
-TEST_CASE("a NaN gradient is caught: the step throws naming its segment, resident or streamed, one micro-batch or two") {
+TEST_CASE("a NaN gradient is caught: the step throws naming where, resident or streamed, one micro-batch or two") {
+  // The test hook puts a NaN into one segment's gradient in the first micro-batch; with two, it
+  // stays a NaN through the second's additions (and, streamed, through the trip home and back).
   const auto spec = small_spec();
-  std::string attention, expert;  // a decoder layer's attention segment, and one of its experts
+  std::string attention, expert, embedding;  // layer 0's attention segment, one of its experts, the embedding
   for (const auto& s : spec.segments()) {
     if (attention.empty() && s.role == SegmentRole::attention) attention = s.name;
     if (expert.empty() && s.role == SegmentRole::expert) expert = s.name;
+    if (embedding.empty() && s.role == SegmentRole::embedding) embedding = s.name;
   }
   REQUIRE(!attention.empty());
   REQUIRE(!expert.empty());
+  REQUIRE(!embedding.empty());
   std::mt19937_64 rng(11);
   const auto step_with = [&](const Plan& p, CudaCausalLmOptions opt) {
     opt.adamw.lr = 3e-3f;
@@ -596,18 +600,24 @@ TEST_CASE("a NaN gradient is caught: the step throws naming its segment, residen
   };
   for (const int k : {1, 2}) {
     for (const bool streamed : {false, true}) {
-      for (const std::string& poisoned : {attention, expert}) {
+      for (const std::string& poisoned : {attention, expert, embedding}) {
         Plan p = resident_plan(spec);
         p.micro_batches = k;
-        if (streamed) p.resident_segments.clear();
+        if (streamed) p.resident_segments.clear();  // (the embedding stays resident)
         CudaCausalLmOptions opt;
         opt.leave_unrouted_expert_grads = false;  // (an expert no token reached passes no gradient to poison)
         opt.poison_gradient = poisoned;
         CAPTURE(k);
         CAPTURE(streamed);
         CAPTURE(poisoned);
-        const std::string want = "non-finite gradient (NaN or infinite) in segment '" + poisoned + "'";
-        CHECK_THROWS_WITH_AS(step_with(p, opt), doctest::Contains(want.c_str()), Error);
+        const std::string want = streamed && poisoned != embedding ? "in the streamed segments of layers.0"
+                                                                   : "in segment '" + poisoned + "'";
+        CHECK_THROWS_WITH_AS(step_with(p, opt), doctest::Contains(("non-finite gradient (NaN or infinite) " + want).c_str()), Error);
+        if (!streamed) {  // the resident updates on the compute stream instead of beside the backward
+          opt.overlap_updates = false;
+          CHECK_THROWS_WITH_AS(step_with(p, opt), doctest::Contains(want.c_str()), Error);
+          opt.overlap_updates = true;
+        }
         // The check is what catches it: without it the step ends with a finite loss.
         opt.check_gradients = false;
         CHECK(std::isfinite(step_with(p, opt).loss));

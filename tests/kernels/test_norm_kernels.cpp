@@ -648,8 +648,9 @@ TEST_CASE("adamw_update_many: one launch over many segments, the bits of one lau
 }
 
 TEST_CASE("non-finite gradients: flagged by adamw_update_many as it reads them, and by flag_nonfinite") {
-  // Segments of sizes off the vector width, misaligned ones (the scalar path), each with one NaN,
-  // +inf or -inf at its first, a middle or its last element, or none; a flag per segment, poisoned
+  // Segments of sizes off the vector width, 16-byte aligned ones (the float4 path) and misaligned
+  // ones (the scalar path), one past 4M floats (flag_nonfinite's grid-stride loop), each with one
+  // NaN, +inf or -inf at its first, a middle or its last element, or none; a flag per segment, poisoned
   // to 0 beforehand. Exactly the segments with a bad value are flagged, by both kernels; the
   // updates of the others are the bits of an unflagged launch.
   namespace optim = oom::optim;
@@ -657,17 +658,21 @@ TEST_CASE("non-finite gradients: flagged by adamw_update_many as it reads them, 
   optim::AdamWConfig config;
   config.lr = 3e-4f;
   const auto scalars = optim::adamw_step_scalars(config, 1, 1.0f);
-  const std::vector<std::int64_t> sizes = {1, 7, 4096, 4099, 33, (1 << 18) + 5, 1000, 12};
+  // (offsets alternate aligned / misaligned by one float from 0: the even segments start 16-byte
+  // aligned when their predecessors' sizes keep them so, which the sizes below do for 4096, 4100
+  // and the 4M + 4 that takes the grid-stride loop more than once.)
+  const std::vector<std::int64_t> sizes = {1, 7, 4096, 4099, 4100, (1 << 18) + 5, (1 << 22) + 4, 12, 4096, 33};
   const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                               -std::numeric_limits<float>::infinity()};
   std::int64_t total = 0;
-  for (const auto n : sizes) total += n + 1;
+  for (const auto n : sizes) total += n + 5;  // + 5: room to align and to misalign
   const auto t = static_cast<std::size_t>(total);
   std::vector<float> grads = random_normal(t, 81, 1.0f);
   std::vector<int> expect(sizes.size(), 0);
   std::vector<std::int64_t> offsets;
   std::int64_t at = 0;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (i % 2 == 0) at = (at + 3) / 4 * 4;  // even segments 16-byte aligned: the float4 path
     const std::int64_t off = at + static_cast<std::int64_t>(i % 2);
     offsets.push_back(off);
     if (i % 4 != 3) {  // every fourth segment stays finite
@@ -695,6 +700,7 @@ TEST_CASE("non-finite gradients: flagged by adamw_update_many as it reads them, 
   CHECK(by_update.download() == expect);
   CHECK(by_pass.download() == expect);
   expect_bits(bits_of(p1.download()), bits_of(p2.download()), "flagged: master");
+  expect_bits(bits_of(m1.download()), bits_of(m2.download()), "flagged: exp_avg");
   expect_bits(bits_of(v1.download()), bits_of(v2.download()), "flagged: exp_avg_sq");
   // A set flag stays set; n = 0 and null gradients (zeros) flag nothing; bad arguments are refused.
   OOM_CUDA_CHECK(k::flag_nonfinite(g.get() + offsets[3], sizes[3], by_pass.get() + 0, stream.s));

@@ -99,14 +99,15 @@ struct CudaCausalLmOptions {
   /// every gradient is checked for NaN and infinity, the resident ones by their GPU AdamW as it
   /// reads them, the streamed ones by one GPU pass over the layer's gradient slot before they go
   /// home. The updates are not held back for it (that would cost the overlap with the backward),
-  /// so a flagged step throws Errc::invalid_argument at its end, naming the segment: its updates
-  /// ran with the bad values, and the run must go back to its last checkpoint.
+  /// so a flagged step throws Errc::invalid_argument at its end, naming the resident segment (or
+  /// the layer, for streamed ones): its updates ran with the bad values (and count in
+  /// optimizer_steps()), and the run must go back to its last checkpoint.
   bool check_gradients = true;
   /// Test hook: compute does not wait for a layer's weights to arrive. Only for showing that the
   /// equivalence tests catch a broken schedule.
   bool drop_weight_wait = false;
-  /// Test hook: the named segment's gradient gets a NaN (its first element) once its layer's
-  /// backward is done, each step. Only for showing the gradient check at work.
+  /// Test hook: the named segment's gradient gets a NaN (its first element) once the first
+  /// micro-batch has written it, each step. Only for showing the gradient check at work.
   std::string poison_gradient;
 };
 
