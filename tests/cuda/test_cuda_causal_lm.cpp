@@ -107,6 +107,23 @@ Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait
   return r;
 }
 
+/// `reference` with a random prefetch depth, residency (every segment streamed with
+/// all_streamed) and keep / offload / recompute of each layer's boundary and expert activations.
+Plan random_variant(const ModelSpec& spec, Plan p, std::mt19937_64& rng, bool all_streamed) {
+  p.prefetch_depth = 1 + static_cast<int>(rng() % 3);
+  p.resident_segments.clear();
+  for (const auto& s : spec.segments())
+    if (!all_streamed && rng() % 2) p.resident_segments.push_back(s.name);
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    auto& row = p.retention[static_cast<std::size_t>(l)];
+    row[0] = rng() % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
+    const auto pick = rng() % 3;
+    const auto d = pick == 0 ? RetentionDecision::keep() : pick == 1 ? RetentionDecision::offload() : RetentionDecision::recompute(l);
+    row[static_cast<std::size_t>(ActivationClass::expert_intermediate)] = d;
+  }
+  return p;
+}
+
 /// `p` with one micro-batch.
 Plan single(Plan p) {
   p.micro_batches = 1;
@@ -138,18 +155,7 @@ TEST_CASE("every plan gives the resident plan's step, bit for bit, on the GPU") 
 
   std::mt19937_64 rng(42);
   for (int i = 0; i < 8; ++i) {
-    Plan p = reference;
-    p.prefetch_depth = 1 + static_cast<int>(rng() % 3);
-    p.resident_segments.clear();
-    for (const auto& s : spec.segments())
-      if (i > 0 && rng() % 2) p.resident_segments.push_back(s.name);  // plan 0: everything streamed
-    for (int l = 0; l < spec.num_layers(); ++l) {
-      auto& row = p.retention[static_cast<std::size_t>(l)];
-      row[0] = rng() % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
-      const auto pick = rng() % 3;
-      const auto d = pick == 0 ? RetentionDecision::keep() : pick == 1 ? RetentionDecision::offload() : RetentionDecision::recompute(l);
-      row[static_cast<std::size_t>(ActivationClass::expert_intermediate)] = d;
-    }
+    const Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
     CAPTURE(i);
     CAPTURE(p.prefetch_depth);
     const Run got = train(spec, p);
@@ -487,18 +493,7 @@ TEST_CASE("gradient accumulation over micro-batches: every plan gives the reside
   CHECK(clipped_resident.grad_norms[0] > 0.05);  // the clip acts
   std::mt19937_64 rng(43);
   for (int i = 0; i < 5; ++i) {
-    Plan p = reference;
-    p.prefetch_depth = 1 + static_cast<int>(rng() % 3);
-    p.resident_segments.clear();
-    for (const auto& s : spec.segments())
-      if (i > 0 && rng() % 2) p.resident_segments.push_back(s.name);  // plan 0: everything streamed
-    for (int l = 0; l < spec.num_layers(); ++l) {
-      auto& row = p.retention[static_cast<std::size_t>(l)];
-      row[0] = rng() % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
-      const auto pick = rng() % 3;
-      const auto d = pick == 0 ? RetentionDecision::keep() : pick == 1 ? RetentionDecision::offload() : RetentionDecision::recompute(l);
-      row[static_cast<std::size_t>(ActivationClass::expert_intermediate)] = d;
-    }
+    const Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
     CAPTURE(i);
     const Run got = train(spec, p);
     CHECK(got.losses == expect.losses);
