@@ -26,6 +26,8 @@ __device__ __forceinline__ void element(const AdamWStepScalars& s, float& p, flo
   p = __fmaf_rn(s.neg_step_size, __fdiv_rn(m, denom), decayed);
 }
 
+__device__ __forceinline__ bool finite4(float4 x) { return isfinite(x.x) && isfinite(x.y) && isfinite(x.z) && isfinite(x.w); }
+
 // Moments as fp32 (float) or bf16 bits (std::uint16_t).
 __device__ __forceinline__ float widen(float x) { return x; }
 __device__ __forceinline__ float widen(std::uint16_t x) { return bf16_to_float(x); }
@@ -60,7 +62,7 @@ __device__ __forceinline__ void update_four(const AdamWStepScalars& s, float* p,
   }
   float4 p4 = *reinterpret_cast<const float4*>(p + i);
   const float4 g4 = g != nullptr ? *reinterpret_cast<const float4*>(g + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (flag != nullptr && !(isfinite(g4.x) && isfinite(g4.y) && isfinite(g4.z) && isfinite(g4.w))) *flag = 1;
+  if (flag != nullptr && !finite4(g4)) *flag = 1;
   float pp[4] = {p4.x, p4.y, p4.z, p4.w};
   const float gg[4] = {g4.x, g4.y, g4.z, g4.w};
   float mm[4], vv[4];
@@ -140,8 +142,7 @@ __global__ void flag_nonfinite_kernel(const float* g, std::int64_t n, int* flag,
   bool bad = false;
   for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < n; i += stride) {
     if (vec && i + 4 <= n) {
-      const float4 g4 = *reinterpret_cast<const float4*>(g + i);
-      bad |= !(isfinite(g4.x) && isfinite(g4.y) && isfinite(g4.z) && isfinite(g4.w));
+      bad |= !finite4(*reinterpret_cast<const float4*>(g + i));
     } else {
       for (std::int64_t j = i; j < n && j < i + 4; ++j) bad |= !isfinite(g[j]);
     }

@@ -1,5 +1,7 @@
 // Plan <-> JSON. The JSON is what `oom-plan --json` writes and the trainer's `--plan` reads.
+#include <initializer_list>
 #include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -27,18 +29,22 @@ Retention parse_retention(const JsonCursor& c) {
   OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not keep, offload or recompute", c.path(), s));
 }
 
-ExecutionPath parse_path(const JsonCursor& c) {
+/// The value of `values` whose to_string() is the string at `c`; else an error naming the field
+/// and what it may be (`expected`).
+template <class E>
+E parse_named(const JsonCursor& c, std::initializer_list<E> values, std::string_view expected) {
   const auto& s = c.as_string();
-  for (auto p : {ExecutionPath::local, ExecutionPath::expert_parallel})
-    if (s == to_string(p)) return p;
-  OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not local or expert-parallel", c.path(), s));
+  for (const E v : values)
+    if (s == to_string(v)) return v;
+  OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not {}", c.path(), s, expected));
+}
+
+ExecutionPath parse_path(const JsonCursor& c) {
+  return parse_named(c, {ExecutionPath::local, ExecutionPath::expert_parallel}, "local or expert-parallel");
 }
 
 GradAccumulation parse_accumulation(const JsonCursor& c) {
-  const auto& s = c.as_string();
-  for (auto a : {GradAccumulation::host, GradAccumulation::device})
-    if (s == to_string(a)) return a;
-  OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not host or device", c.path(), s));
+  return parse_named(c, {GradAccumulation::host, GradAccumulation::device}, "host or device");
 }
 
 Json bytes_by_claimant(const std::array<Bytes, claimant_count>& a) {

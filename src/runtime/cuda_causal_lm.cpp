@@ -182,9 +182,10 @@ struct CudaCausalLm::Impl {
   /// gradients of `which` are written: a NaN at the named segment's first element.
   template <class Range>
   void poison(const Range& which, float* gslot, cudaStream_t s) {
+    if (opt.poison_gradient.empty()) return;
     for (const std::size_t sidx : which) {
       const Segment& g = segs[sidx];
-      if (opt.poison_gradient.empty() || g.name != opt.poison_gradient || g.grad_zero) continue;
+      if (g.name != opt.poison_gradient || g.grad_zero) continue;
       float* grad = g.resident ? g.dgrad : gslot + g.slot_offset;
       OOM_CUDA_CHECK(cudaMemsetAsync(grad, 0xff, sizeof(float), s));  // 0xffffffff: a NaN
     }
@@ -939,11 +940,11 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
         g.grad_zero = g.expert && !unrouted.empty() && unrouted.at(static_cast<std::size_t>(g.expert_index)) != 0;
       }
       span_end(cs, mk);
-      // Clipping: the gradients' sums of squares instead of the updates (every update once the norm
-      // is known), taken before `done`: the gradient slot's next user (a later micro-batch's refill
-      // on h2d, behind this layer's D2H, which waits for `done`) must not overwrite what they read.
-      // The same for the gradient check of the streamed segments.
       if (mb == 0) poison(L.segments, gslot, s);
+      // The gradient check of the streamed segments, and with clipping the gradients' sums of
+      // squares instead of the updates (every update once the norm is known), both before `done`:
+      // the gradient slot's next user (a later micro-batch's refill on h2d, behind this layer's
+      // D2H, which waits for `done`) must not overwrite what they read.
       if (last_mb) check_streamed(li, gslot, s);
       if (last_mb && clipping()) {
         mk = span_begin(cs, Resource::gpu_compute, "gradient sums of squares " + label(li));

@@ -10,7 +10,8 @@
 //   grad_embedding += scatter-add of dx by ids             lm_embed_backward
 //
 // Loss scaling: the gradient is that of loss_sum / T (grad_scale = 1/T, the mean over the T tokens
-// of this call; 1/(k T) with LmEndsShape::loss_tokens = k T for one of k micro-batches), known on the host, so no host sync is needed to learn the valid-target count.
+// of this call; 1/(k T) with LmEndsShape::loss_tokens = k T for one of k micro-batches), known on
+// the host, so no host sync is needed to learn the valid-target count.
 // With targets of -100 (ignored, as HF) that is not HF's mean over the valid targets: `valid`
 // tells the caller how many there were.
 //
@@ -85,9 +86,9 @@ void lm_embed_forward(const LmEndsContext& ctx, const LmEndsShape& s,
                       std::int32_t* invalid_count); // (1) incremented per invalid id
 
 /// r = rms(y) * final_norm; loss_sum = sum over valid targets of CE(r head^T, target), valid = their
-/// count (both written, not accumulated). With dy != nullptr also the backward of loss_sum / T (or
-/// / loss_tokens):
-/// dy written, grad_final_norm and grad_head accumulated (both required then). With dy == nullptr
+/// count (both written, not accumulated). With dy != nullptr also the backward of loss_sum / T
+/// (loss_sum / loss_tokens where set): dy written, grad_final_norm and grad_head accumulated (both
+/// required then). With dy == nullptr
 /// only the loss (the gradient pointers are ignored). dy must not alias y.
 void lm_head_forward_backward(const LmEndsContext& ctx, const LmEndsShape& s,
                               const bf16* y,                 // (T, H) the last layer's output
