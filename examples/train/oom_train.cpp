@@ -130,6 +130,10 @@ Plan
                        and let the optimizer read those zeros, instead of leaving it unwritten
                        and updating the expert with a zero gradient unread (the default,
                        --leave-unrouted-expert-grads; the same bits either way)
+  --no-gradient-check  cuda: do not look for NaN or infinite gradients (the default checks every
+                       gradient as the optimizer reads it, and each streamed layer's in one more
+                       pass on the GPU, and stops with the segment or layer named; with
+                       --max-grad-norm the norm check refuses them before any update anyway)
   --no-overlap-updates  cuda: run each layer's resident AdamW on the compute stream after its
                        backward, instead of on a lower-priority stream beside the next layers'
                        backward (the default without --max-grad-norm; the same bits either way)
@@ -167,6 +171,7 @@ struct Args {
   std::optional<bool> bucketed_expert_gemms;  // CUDA: one cuBLASLt algorithm per size bucket
   std::optional<bool> leave_unrouted_expert_grads;  // CUDA: idle experts' gradients not written
   std::optional<bool> overlap_updates;              // CUDA: resident AdamW beside the backward
+  std::optional<bool> check_gradients;              // CUDA: flag NaN/inf gradients
   bool planned_residency = false;                   // CUDA: no more resident segments than planned
   double step_progress_s = 30;        // a step running this long reports its layer passes
   fs::path out = "runs/oom-train";
@@ -196,6 +201,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--leave-unrouted-expert-grads") { a.leave_unrouted_expert_grads = true; continue; }
     if (flag == "--zero-unrouted-expert-grads") { a.leave_unrouted_expert_grads = false; continue; }
     if (flag == "--no-overlap-updates") { a.overlap_updates = false; continue; }
+    if (flag == "--no-gradient-check") { a.check_gradients = false; continue; }
     if (flag == "--planned-residency") { a.planned_residency = true; continue; }
     if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
@@ -300,6 +306,7 @@ CudaCausalLmOptions cuda_options(const Args& a) {
   if (a.bucketed_expert_gemms) o.bucketed_expert_gemms = *a.bucketed_expert_gemms;
   if (a.leave_unrouted_expert_grads) o.leave_unrouted_expert_grads = *a.leave_unrouted_expert_grads;
   if (a.overlap_updates) o.overlap_updates = *a.overlap_updates;
+  if (a.check_gradients) o.check_gradients = *a.check_gradients;
   return o;
 }
 
@@ -444,6 +451,8 @@ int run(const Args& a) {
                                       "no expert gradient buffers on a GPU (it applies to --backend cuda)");
   if (!use_cuda && a.overlap_updates)
     OOM_THROW(Errc::invalid_argument, "--no-overlap-updates: the host backend runs no GPU optimizer (it applies to --backend cuda)");
+  if (!use_cuda && a.check_gradients)
+    OOM_THROW(Errc::invalid_argument, "--no-gradient-check: the host backend always checks each gradient as it lands (it applies to --backend cuda)");
   if (!use_cuda && a.planned_residency)
     OOM_THROW(Errc::invalid_argument, "--planned-residency: the host backend runs every plan as planned (it applies to --backend cuda)");
   if (a.planned_residency && !a.plan.empty())

@@ -400,7 +400,23 @@ struct CudaCausalLm::Impl {
   /// Zeroes layer L's streamed gradients in `gslot` but the routed experts' (which its backward
   /// overwrites), contiguous runs in one memset each.
   void zero_streamed_grads(const Layer& L, float* gslot, cudaStream_t s) const;
+  /// A step: K micro-batches, each forward(), loss(), backward_layer() for the layers last to
+  /// first and backward_ends(), then finish_step(). Everything is issued on the streams; the host
+  /// waits only for a micro-batch's loss (skip_nonfinite_loss) and at the end.
   StepResult run_step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
+  /// Micro-batch mb's embedding and layers' forward; the last layer's output goes to y_scratch.
+  void forward(std::size_t mb, const model::LmEndsShape& ends);
+  /// The LM head's loss and its backward into dy; starts the last layer's weights down into
+  /// `upcoming`. Returns the mean loss when it is not finite (the step is then skipped), else nothing.
+  std::optional<double> loss(std::size_t mb, const model::LmEndsShape& ends, Slot*& upcoming);
+  /// Layer li's backward from dy into dx (then swapped), its weights in `upcoming` (which then
+  /// names the next layer's): its activations back, any recompute, its streamed gradients summed
+  /// in their slot and sent home, and in the last micro-batch its updates.
+  void backward_layer(std::size_t li, std::size_t mb, const optim::AdamWStepScalars& scalars, Slot*& upcoming);
+  /// The embedding's backward, then in the last micro-batch the ends' updates (or sums of squares).
+  void backward_ends(std::size_t mb, const model::LmEndsShape& ends, const optim::AdamWStepScalars& scalars);
+  /// The clipped updates if any, the step's time, its losses and the gradient check's verdict.
+  StepResult finish_step();
   /// Every stream the step issues on (drained by sync_all, release and a failed step).
   std::array<CudaBackend::Stream*, 5> streams() { return {&cs, &us, &h2d, &d2h, &cpu}; }
   void sync_all() {
@@ -748,7 +764,6 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   // step's K T tokens.
   auto ends = model::LmEndsShape::from_spec(*spec, static_cast<std::int64_t>(T));
   ends.loss_tokens = static_cast<std::int64_t>(K * T);
-  const std::size_t n = layers.size();
   const auto scalars = optim::adamw_step_scalars(opt.adamw, steps + 1);
 
   OOM_NVTX_SCOPE("oom step");
@@ -758,259 +773,283 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::run_step(std::span<const std::uint3
   // slot, refilled from the host's staging (which holds the sum so far) before the layer's
   // backward. So every plan sums in the same order, and the updates run in the last micro-batch.
   for (std::size_t mb = 0; mb < K; ++mb) {
-    const bool last_mb = mb + 1 == K;
     OOM_CUDA_CHECK(cudaMemcpyAsync(d_ids, h_tokens + 2 * T * mb, T * sizeof(std::int32_t), cudaMemcpyHostToDevice, s));
     OOM_CUDA_CHECK(cudaMemcpyAsync(d_targets, h_tokens + 2 * T * mb + T, T * sizeof(std::int32_t), cudaMemcpyHostToDevice, s));
-    // ---- forward ----
-    // Where layer l's input lives during the forward: its kept buffer or a rotating one.
-    std::vector<bf16*> x_at(n + 1, nullptr);
-    std::vector<int> x_rot_index(n + 1, -1);
-    int next_x_rot = 0;
-    auto place_boundary = [&](std::size_t l) {  // l in [0, n): layer l's input
-      if (layers[l].boundary == Keep::keep) {
-        x_at[l] = layers[l].x_keep;
-      } else {
-        const int r = next_x_rot;
-        next_x_rot = (next_x_rot + 1) % static_cast<int>(x_rot.size());
-        backend->wait(cs, x_rot_free[static_cast<std::size_t>(r)]);  // its last D2H and reader are done
-        x_at[l] = x_rot[static_cast<std::size_t>(r)];
-        x_rot_index[l] = r;
-      }
-    };
-    place_boundary(0);
-    int mk = span_begin(cs, Resource::gpu_compute, "embedding");
-    model::lm_embed_forward(ends_ctx(), ends, segs[emb].dw, d_ids, x_at[0], d_invalid);
-    span_end(cs, mk);
-    int next_blob = 0;
-    Slot* upcoming = n > 0 ? &load_weights(0) : nullptr;  // the next layer's weights
-    for (std::size_t l = 0; l < n; ++l) {
-      OOM_NVTX_SCOPE("oom forward layer");
-      if (on_layer) on_layer({false, static_cast<int>(l), static_cast<int>(n), static_cast<int>(mb)});
-      const double issued = host_now();
-      auto& L = layers[l];
-      Slot& slot = *upcoming;
-      use_weights(l, slot);
-      if (l + 1 < n && prefetch_ahead()) upcoming = &load_weights(l + 1);
-      const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(l), weight_bases(l, slot));
-      if (l + 1 < n) place_boundary(l + 1);
-      bf16* y = l + 1 < n ? x_at[l + 1] : y_scratch;
-      std::byte* saved = L.saved_keep;
-      int blob = -1;
-      if (L.blob != Keep::keep) {
-        blob = next_blob;
-        next_blob = (next_blob + 1) % 2;
-        backend->wait(cs, blob_rot_free[static_cast<std::size_t>(blob)]);
-        saved = blob_rot[static_cast<std::size_t>(blob)];
-      }
-      mk = span_begin(cs, Resource::gpu_compute, "fwd " + label(l));
-      const double called = host_now();
-      model::decoder_layer_forward(layer_ctx(L), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
-      host_span("decoder_layer_forward " + label(l), called);
-      span_end(cs, mk);
-      // A refill layer keeps its attention output and LSE on the GPU (copied out before the blob
-      // is reused) or sends them home with the offloads below.
-      const bool attn_home = L.blob == Keep::refill && L.attn == Keep::offload;
-      if (L.blob == Keep::refill && L.attn == Keep::keep) copy_attention_state(L, saved, L.attn_keep, true, cs);
-      backend->record(L.forward_done, cs);
-      backend->record(slot.free, cs);
-      // Offload: the boundary (this layer's input) and the saved buffer go home once written.
-      if (L.boundary == Keep::offload || L.blob == Keep::offload || attn_home) {
-        backend->wait(d2h, L.forward_done);
-        const int om = span_begin(d2h, Resource::d2h, "d2h activations " + label(l));
-        if (L.boundary == Keep::offload) backend->copy(L.x_host, x_at[l], Bytes{T * H * sizeof(bf16)}, d2h);
-        if (L.blob == Keep::offload) backend->copy(L.saved_host, saved, Bytes{saved_bytes}, d2h);
-        if (attn_home) copy_attention_state(L, saved, L.attn_host, true, d2h);
-        span_end(d2h, om);
-        backend->record(L.offloaded, d2h);
-      }
-      if (L.boundary == Keep::offload) backend->record(x_rot_free[static_cast<std::size_t>(x_rot_index[l])], d2h);
-      if (blob >= 0)
-        backend->record(blob_rot_free[static_cast<std::size_t>(blob)], L.blob == Keep::offload || attn_home ? d2h : cs);
-      if (l + 1 < n && !prefetch_ahead()) upcoming = &load_weights(l + 1);  // one slot: after its reader
-      host_span("issue fwd " + label(l), issued);
-    }
+    forward(mb, ends);
+    Slot* upcoming = nullptr;  // the slot of the next layer the backward runs
+    if (const auto skipped = loss(mb, ends, upcoming)) return {*skipped, true};
+    for (std::size_t li = layers.size(); li-- > 0;) backward_layer(li, mb, scalars, upcoming);
+    backward_ends(mb, ends, scalars);
+  }
+  return finish_step();
+}
 
-    // ---- loss (and its backward into dy) ----
-    mk = span_begin(cs, Resource::gpu_compute, "loss");
-    model::lm_head_forward_backward(ends_ctx(), ends, y_scratch, segs[norm].dw, segs[head].dw, d_targets, d_loss + mb, d_valid, dy,
-                                    segs[norm].dgrad, segs[head].dgrad, workspace, workspace_bytes);
-    span_end(cs, mk);
-    // The last layer's weights start down before the host waits for the loss: the backward needs
-    // them first, and a skipped step loses nothing by it (the slot is simply refilled later).
-    upcoming = n > 0 ? &load_weights(n - 1) : nullptr;
-    if (opt.skip_nonfinite_loss) {
-      // A micro-batch's non-finite loss skips the whole step: nothing has been updated yet, and the
-      // next step writes its gradients afresh.
-      float loss_sum = 0;
-      const double waited = host_now();
-      OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss + mb, sizeof(float), cudaMemcpyDeviceToHost, s));
-      sync_all();
-      host_span("wait for the loss", waited);
-      const double loss = static_cast<double>(loss_sum) / static_cast<double>(K * T);
-      if (!std::isfinite(loss)) {
-        resolve_marks();
-        return {loss, true};
-      }
+void CudaCausalLm::Impl::forward(std::size_t mb, const model::LmEndsShape& ends) {
+  const std::size_t n = layers.size();
+  // Where layer l's input lives during the forward: its kept buffer or a rotating one.
+  std::vector<bf16*> x_at(n + 1, nullptr);
+  std::vector<int> x_rot_index(n + 1, -1);
+  int next_x_rot = 0;
+  auto place_boundary = [&](std::size_t l) {  // l in [0, n): layer l's input
+    if (layers[l].boundary == Keep::keep) {
+      x_at[l] = layers[l].x_keep;
+    } else {
+      const int r = next_x_rot;
+      next_x_rot = (next_x_rot + 1) % static_cast<int>(x_rot.size());
+      backend->wait(cs, x_rot_free[static_cast<std::size_t>(r)]);  // its last D2H and reader are done
+      x_at[l] = x_rot[static_cast<std::size_t>(r)];
+      x_rot_index[l] = r;
     }
+  };
+  place_boundary(0);
+  int mk = span_begin(cs, Resource::gpu_compute, "embedding");
+  model::lm_embed_forward(ends_ctx(), ends, segs[emb].dw, d_ids, x_at[0], d_invalid);
+  span_end(cs, mk);
+  int next_blob = 0;
+  Slot* upcoming = n > 0 ? &load_weights(0) : nullptr;  // the next layer's weights
+  for (std::size_t l = 0; l < n; ++l) {
+    OOM_NVTX_SCOPE("oom forward layer");
+    if (on_layer) on_layer({false, static_cast<int>(l), static_cast<int>(n), static_cast<int>(mb)});
+    const double issued = host_now();
+    auto& L = layers[l];
+    Slot& slot = *upcoming;
+    use_weights(l, slot);
+    if (l + 1 < n && prefetch_ahead()) upcoming = &load_weights(l + 1);
+    const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(l), weight_bases(l, slot));
+    if (l + 1 < n) place_boundary(l + 1);
+    bf16* y = l + 1 < n ? x_at[l + 1] : y_scratch;
+    std::byte* saved = L.saved_keep;
+    int blob = -1;
+    if (L.blob != Keep::keep) {
+      blob = next_blob;
+      next_blob = (next_blob + 1) % 2;
+      backend->wait(cs, blob_rot_free[static_cast<std::size_t>(blob)]);
+      saved = blob_rot[static_cast<std::size_t>(blob)];
+    }
+    mk = span_begin(cs, Resource::gpu_compute, "fwd " + label(l));
+    const double called = host_now();
+    model::decoder_layer_forward(layer_ctx(L), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
+    host_span("decoder_layer_forward " + label(l), called);
+    span_end(cs, mk);
+    // A refill layer keeps its attention output and LSE on the GPU (copied out before the blob
+    // is reused) or sends them home with the offloads below.
+    const bool attn_home = L.blob == Keep::refill && L.attn == Keep::offload;
+    if (L.blob == Keep::refill && L.attn == Keep::keep) copy_attention_state(L, saved, L.attn_keep, true, cs);
+    backend->record(L.forward_done, cs);
+    backend->record(slot.free, cs);
+    // Offload: the boundary (this layer's input) and the saved buffer go home once written.
+    if (L.boundary == Keep::offload || L.blob == Keep::offload || attn_home) {
+      backend->wait(d2h, L.forward_done);
+      const int om = span_begin(d2h, Resource::d2h, "d2h activations " + label(l));
+      if (L.boundary == Keep::offload) backend->copy(L.x_host, x_at[l], Bytes{T * H * sizeof(bf16)}, d2h);
+      if (L.blob == Keep::offload) backend->copy(L.saved_host, saved, Bytes{saved_bytes}, d2h);
+      if (attn_home) copy_attention_state(L, saved, L.attn_host, true, d2h);
+      span_end(d2h, om);
+      backend->record(L.offloaded, d2h);
+    }
+    if (L.boundary == Keep::offload) backend->record(x_rot_free[static_cast<std::size_t>(x_rot_index[l])], d2h);
+    if (blob >= 0)
+      backend->record(blob_rot_free[static_cast<std::size_t>(blob)], L.blob == Keep::offload || attn_home ? d2h : cs);
+    if (l + 1 < n && !prefetch_ahead()) upcoming = &load_weights(l + 1);  // one slot: after its reader
+    host_span("issue fwd " + label(l), issued);
+  }
 
-    // ---- backward ----
-    for (std::size_t li = n; li-- > 0;) {
-      OOM_NVTX_SCOPE("oom backward layer");
-      if (on_layer) on_layer({true, static_cast<int>(li), static_cast<int>(n), static_cast<int>(mb)});
-      const double issued = host_now();
-      auto& L = layers[li];
-      Slot& slot = *upcoming;
-      const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(li), weight_bases(li, slot));
-      // The layer's input and saved buffer, back on the device.
-      const bf16* x = L.x_keep;
-      const std::byte* saved = L.saved_keep;
-      const int r = static_cast<int>(li % 2);
-      bf16* x_restore = nullptr;
-      if (L.boundary == Keep::offload) {
-        x_restore = x_rot[static_cast<std::size_t>(r)];
-        backend->wait(h2d, x_rot_free[static_cast<std::size_t>(r)]);
-        backend->wait(h2d, L.offloaded);
-        backend->copy(x_restore, L.x_host, Bytes{T * H * sizeof(bf16)}, h2d);
-        x = x_restore;
-      }
-      std::byte* blob = nullptr;
-      const int rm = span_begin(h2d, Resource::h2d, "h2d activations " + label(li));
-      if (L.blob != Keep::keep) {
-        blob = blob_rot[static_cast<std::size_t>(r)];
-        if (L.blob == Keep::offload || (L.blob == Keep::refill && L.attn == Keep::offload)) {
-          backend->wait(h2d, blob_rot_free[static_cast<std::size_t>(r)]);
-          backend->wait(h2d, L.offloaded);
-          if (L.blob == Keep::offload) backend->copy(blob, L.saved_host, Bytes{saved_bytes}, h2d);
-          else copy_attention_state(L, blob, L.attn_host, false, h2d);
-        }
-        saved = blob;
-      }
-      span_end(h2d, rm);
-      // The layer's streamed gradients: a later micro-batch adds to the sum so far, brought back from
-      // the host's staging into the slot once the previous micro-batch's have landed there.
-      float* gslot = L.streamed > 0 ? grad_slots[li % 2] : nullptr;
-      if (gslot != nullptr && mb > 0) {
-        backend->wait(h2d, grad_slot_free[li % 2]);
-        backend->wait(h2d, L.grads_landed);
-        const int gm = span_begin(h2d, Resource::h2d, "h2d grads " + label(li));
-        for (auto* g : L.update.segments) backend->copy(gslot + g->slot_offset, g->hgrad, Bytes{g->n * sizeof(float)}, h2d);
-        span_end(h2d, gm);
-      }
-      auto& restored = L.restored;
-      backend->record(restored, h2d);
-      backend->wait(cs, restored);
-      use_weights(li, slot);
-      // The next layer's weights go down behind this layer's activations, before this layer's
-      // compute is issued (a forward's issue blocks on the expert counts; the backward's takes the
-      // forward's, kept in L.expert_counts).
-      if (li > 0 && prefetch_ahead()) upcoming = &load_weights(li - 1);
-      if (L.blob == Keep::recompute) {
-        backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
-        mk = span_begin(cs, Resource::gpu_compute, "recompute " + label(li));
-        model::decoder_layer_recompute(layer_ctx(L), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
-                                       workspace_bytes, /*attention_state_kept=*/false);
-        span_end(cs, mk);
-      } else if (L.blob == Keep::refill) {
-        // The kept attention state back into the blob (an offloaded one came in on h2d above), then
-        // everything around it again; the attention kernel does not run.
-        backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
-        if (L.attn == Keep::keep) copy_attention_state(L, blob, L.attn_keep, false, cs);
-        mk = span_begin(cs, Resource::gpu_compute, "recompute (attention kept) " + label(li));
-        model::decoder_layer_recompute(layer_ctx(L), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
-                                       workspace_bytes, /*attention_state_kept=*/true);
-        span_end(cs, mk);
-      }
-      if (gslot != nullptr && mb == 0) {
-        backend->wait(cs, grad_slot_free[li % 2]);
-        zero_streamed_grads(L, gslot, s);
-      }
-      auto grads = model::bind_decoder_layer_grads(*spec, static_cast<int>(li), grad_bases(li, gslot));
-      // The first micro-batch's backward writes the experts' gradients (no zeroing); later ones add.
-      grads.overwrite_experts = mb == 0;
-      std::vector<std::uint8_t> unrouted;  // (filled as the backward is issued, from the expert counts)
-      // An expert left unwritten holds garbage a later micro-batch would add to: only with one.
-      if (opt.leave_unrouted_expert_grads && L.experts_resident && K == 1) grads.unrouted_experts = &unrouted;
-      mk = span_begin(cs, Resource::gpu_compute, "bwd " + label(li));
-      const double called = host_now();
-      model::decoder_layer_backward(layer_ctx(L), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace,
-                                    workspace_bytes);
-      host_span("decoder_layer_backward " + label(li), called);
-      for (auto sidx : L.segments) {
-        auto& g = segs[sidx];
-        g.grad_zero = g.expert && !unrouted.empty() && unrouted.at(static_cast<std::size_t>(g.expert_index)) != 0;
-      }
-      span_end(cs, mk);
-      if (mb == 0) poison(L.segments, gslot, s);
-      // The gradient check of the streamed segments, and with clipping the gradients' sums of
-      // squares instead of the updates (every update once the norm is known), both before `done`:
-      // the gradient slot's next user (a later micro-batch's refill on h2d, behind this layer's
-      // D2H, which waits for `done`) must not overwrite what they read.
-      if (last_mb) check_streamed(li, gslot, s);
-      if (last_mb && clipping()) {
-        mk = span_begin(cs, Resource::gpu_compute, "gradient sums of squares " + label(li));
-        for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
-        span_end(cs, mk);
-      }
-      auto& done = L.backward_done;
-      backend->record(done, cs);
-      backend->record(slot.free, cs);
-      if (x_restore != nullptr) backend->record(x_rot_free[static_cast<std::size_t>(r)], cs);
-      if (blob != nullptr) backend->record(blob_rot_free[static_cast<std::size_t>(r)], cs);
-      std::swap(dy, dx);
-      // Resident segments update on the GPU; streamed gradients go home and the CPU AdamW applies them.
-      if (!last_mb || clipping()) {
-        // (the sums so far stay where they are: the updates wait for the last micro-batch, or the norm)
-      } else if (overlapped_updates()) {
-        backend->wait(us, done);
-        mk = span_begin(us, Resource::gpu_compute, "adamw resident (beside the backward) " + label(li));
-        adamw_resident(scalars, L.segments, raw(us));
-        span_end(us, mk);
-      } else {
-        mk = span_begin(cs, Resource::gpu_compute, "adamw resident " + label(li));
-        adamw_resident(scalars, L.segments, s);
-        span_end(cs, mk);
-      }
-      if (L.streamed > 0) {
-        backend->wait(d2h, done);
-        if (L.ring >= 0) backend->wait(d2h, grad_ring_free[static_cast<std::size_t>(L.ring)]);
-        const int gm = span_begin(d2h, Resource::d2h, "d2h grads " + label(li));
-        for (auto* g : L.update.segments) backend->copy(g->hgrad, gslot + g->slot_offset, Bytes{g->n * sizeof(float)}, d2h);
-        span_end(d2h, gm);
-        auto& landed = L.grads_landed;
-        backend->record(landed, d2h);
-        backend->record(grad_slot_free[li % 2], d2h);
-        if (last_mb && !clipping()) cpu_update_after(L, scalars);
-      }
-      if (li > 0 && !prefetch_ahead()) upcoming = &load_weights(li - 1);  // one slot: after its reader
-      host_span("issue bwd " + label(li), issued);
+}
+
+std::optional<double> CudaCausalLm::Impl::loss(std::size_t mb, const model::LmEndsShape& ends, Slot*& upcoming) {
+  const cudaStream_t s = raw(cs);
+  const std::size_t n = layers.size();
+  const int mk = span_begin(cs, Resource::gpu_compute, "loss");
+  model::lm_head_forward_backward(ends_ctx(), ends, y_scratch, segs[norm].dw, segs[head].dw, d_targets, d_loss + mb, d_valid, dy,
+                                  segs[norm].dgrad, segs[head].dgrad, workspace, workspace_bytes);
+  span_end(cs, mk);
+  // The last layer's weights start down before the host waits for the loss: the backward needs
+  // them first, and a skipped step loses nothing by it (the slot is simply refilled later).
+  upcoming = n > 0 ? &load_weights(n - 1) : nullptr;
+  if (opt.skip_nonfinite_loss) {
+    // A micro-batch's non-finite loss skips the whole step: nothing has been updated yet, and the
+    // next step writes its gradients afresh.
+    float loss_sum = 0;
+    const double waited = host_now();
+    OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss + mb, sizeof(float), cudaMemcpyDeviceToHost, s));
+    sync_all();
+    host_span("wait for the loss", waited);
+    const double mean = static_cast<double>(loss_sum) / static_cast<double>(K * T);
+    if (!std::isfinite(mean)) {
+      resolve_marks();
+      return mean;
     }
-    // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
-    const bool ends_beside = overlapped_updates();
-    mk = span_begin(cs, Resource::gpu_compute,
-                    clipping() || ends_beside || !last_mb ? "embedding backward" : "embedding backward + adamw ends");
-    model::lm_embed_backward(ends_ctx(), ends, d_ids, dy, segs[emb].dgrad, d_invalid, workspace, workspace_bytes);
-    std::vector<std::size_t> ends_segs = {emb, norm};
-    if (head != emb) ends_segs.push_back(head);
-    if (mb == 0) poison(ends_segs, nullptr, s);
-    if (!last_mb) {
-      // (the next micro-batch adds to the ends' gradients)
-    } else if (clipping()) {
-      for (const auto sidx : ends_segs) sum_of_squares(sidx, segs[sidx].dgrad, s);
-    } else if (!ends_beside) {
-      adamw_resident(scalars, ends_segs, s);
+  }
+  return std::nullopt;
+}
+
+void CudaCausalLm::Impl::backward_layer(std::size_t li, std::size_t mb, const optim::AdamWStepScalars& scalars, Slot*& upcoming) {
+  const cudaStream_t s = raw(cs);
+  const bool last_mb = mb + 1 == K;
+  int mk = 0;
+  OOM_NVTX_SCOPE("oom backward layer");
+  if (on_layer) on_layer({true, static_cast<int>(li), static_cast<int>(layers.size()), static_cast<int>(mb)});
+  const double issued = host_now();
+  auto& L = layers[li];
+  Slot& slot = *upcoming;
+  const auto params = model::bind_decoder_layer_params(*spec, static_cast<int>(li), weight_bases(li, slot));
+  // The layer's input and saved buffer, back on the device.
+  const bf16* x = L.x_keep;
+  const std::byte* saved = L.saved_keep;
+  const int r = static_cast<int>(li % 2);
+  bf16* x_restore = nullptr;
+  if (L.boundary == Keep::offload) {
+    x_restore = x_rot[static_cast<std::size_t>(r)];
+    backend->wait(h2d, x_rot_free[static_cast<std::size_t>(r)]);
+    backend->wait(h2d, L.offloaded);
+    backend->copy(x_restore, L.x_host, Bytes{T * H * sizeof(bf16)}, h2d);
+    x = x_restore;
+  }
+  std::byte* blob = nullptr;
+  const int rm = span_begin(h2d, Resource::h2d, "h2d activations " + label(li));
+  if (L.blob != Keep::keep) {
+    blob = blob_rot[static_cast<std::size_t>(r)];
+    if (L.blob == Keep::offload || (L.blob == Keep::refill && L.attn == Keep::offload)) {
+      backend->wait(h2d, blob_rot_free[static_cast<std::size_t>(r)]);
+      backend->wait(h2d, L.offloaded);
+      if (L.blob == Keep::offload) backend->copy(blob, L.saved_host, Bytes{saved_bytes}, h2d);
+      else copy_attention_state(L, blob, L.attn_host, false, h2d);
     }
+    saved = blob;
+  }
+  span_end(h2d, rm);
+  // The layer's streamed gradients: a later micro-batch adds to the sum so far, brought back from
+  // the host's staging into the slot once the previous micro-batch's have landed there.
+  float* gslot = L.streamed > 0 ? grad_slots[li % 2] : nullptr;
+  if (gslot != nullptr && mb > 0) {
+    backend->wait(h2d, grad_slot_free[li % 2]);
+    backend->wait(h2d, L.grads_landed);
+    const int gm = span_begin(h2d, Resource::h2d, "h2d grads " + label(li));
+    for (auto* g : L.update.segments) backend->copy(gslot + g->slot_offset, g->hgrad, Bytes{g->n * sizeof(float)}, h2d);
+    span_end(h2d, gm);
+  }
+  auto& restored = L.restored;
+  backend->record(restored, h2d);
+  backend->wait(cs, restored);
+  use_weights(li, slot);
+  // The next layer's weights go down behind this layer's activations, before this layer's
+  // compute is issued (a forward's issue blocks on the expert counts; the backward's takes the
+  // forward's, kept in L.expert_counts).
+  if (li > 0 && prefetch_ahead()) upcoming = &load_weights(li - 1);
+  if (L.blob == Keep::recompute) {
+    backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
+    mk = span_begin(cs, Resource::gpu_compute, "recompute " + label(li));
+    model::decoder_layer_recompute(layer_ctx(L), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
+                                   workspace_bytes, /*attention_state_kept=*/false);
     span_end(cs, mk);
-    if (ends_beside && last_mb) {
-      // The ends' update behind the layers' on the update stream; the step ends when it has.
-      backend->record(ends_done, cs);
-      backend->wait(us, ends_done);
-      mk = span_begin(us, Resource::gpu_compute, "adamw ends");
-      adamw_resident(scalars, ends_segs, raw(us));
-      span_end(us, mk);
-      backend->record(updates_done, us);
-      backend->wait(cs, updates_done);
-    }
-  }  // micro-batches
+  } else if (L.blob == Keep::refill) {
+    // The kept attention state back into the blob (an offloaded one came in on h2d above), then
+    // everything around it again; the attention kernel does not run.
+    backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
+    if (L.attn == Keep::keep) copy_attention_state(L, blob, L.attn_keep, false, cs);
+    mk = span_begin(cs, Resource::gpu_compute, "recompute (attention kept) " + label(li));
+    model::decoder_layer_recompute(layer_ctx(L), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
+                                   workspace_bytes, /*attention_state_kept=*/true);
+    span_end(cs, mk);
+  }
+  if (gslot != nullptr && mb == 0) {
+    backend->wait(cs, grad_slot_free[li % 2]);
+    zero_streamed_grads(L, gslot, s);
+  }
+  auto grads = model::bind_decoder_layer_grads(*spec, static_cast<int>(li), grad_bases(li, gslot));
+  // The first micro-batch's backward writes the experts' gradients (no zeroing); later ones add.
+  grads.overwrite_experts = mb == 0;
+  std::vector<std::uint8_t> unrouted;  // (filled as the backward is issued, from the expert counts)
+  // An expert left unwritten holds garbage a later micro-batch would add to: only with one.
+  if (opt.leave_unrouted_expert_grads && L.experts_resident && K == 1) grads.unrouted_experts = &unrouted;
+  mk = span_begin(cs, Resource::gpu_compute, "bwd " + label(li));
+  const double called = host_now();
+  model::decoder_layer_backward(layer_ctx(L), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace,
+                                workspace_bytes);
+  host_span("decoder_layer_backward " + label(li), called);
+  for (auto sidx : L.segments) {
+    auto& g = segs[sidx];
+    g.grad_zero = g.expert && !unrouted.empty() && unrouted.at(static_cast<std::size_t>(g.expert_index)) != 0;
+  }
+  span_end(cs, mk);
+  if (mb == 0) poison(L.segments, gslot, s);
+  // The gradient check of the streamed segments, and with clipping the gradients' sums of
+  // squares instead of the updates (every update once the norm is known), both before `done`:
+  // the gradient slot's next user (a later micro-batch's refill on h2d, behind this layer's
+  // D2H, which waits for `done`) must not overwrite what they read.
+  if (last_mb) check_streamed(li, gslot, s);
+  if (last_mb && clipping()) {
+    mk = span_begin(cs, Resource::gpu_compute, "gradient sums of squares " + label(li));
+    for (auto sidx : L.segments) sum_of_squares(sidx, segs[sidx].resident ? segs[sidx].dgrad : gslot + segs[sidx].slot_offset, s);
+    span_end(cs, mk);
+  }
+  auto& done = L.backward_done;
+  backend->record(done, cs);
+  backend->record(slot.free, cs);
+  if (x_restore != nullptr) backend->record(x_rot_free[static_cast<std::size_t>(r)], cs);
+  if (blob != nullptr) backend->record(blob_rot_free[static_cast<std::size_t>(r)], cs);
+  std::swap(dy, dx);
+  // Resident segments update on the GPU; streamed gradients go home and the CPU AdamW applies them.
+  if (!last_mb || clipping()) {
+    // (the sums so far stay where they are: the updates wait for the last micro-batch, or the norm)
+  } else if (overlapped_updates()) {
+    backend->wait(us, done);
+    mk = span_begin(us, Resource::gpu_compute, "adamw resident (beside the backward) " + label(li));
+    adamw_resident(scalars, L.segments, raw(us));
+    span_end(us, mk);
+  } else {
+    mk = span_begin(cs, Resource::gpu_compute, "adamw resident " + label(li));
+    adamw_resident(scalars, L.segments, s);
+    span_end(cs, mk);
+  }
+  if (L.streamed > 0) {
+    backend->wait(d2h, done);
+    if (L.ring >= 0) backend->wait(d2h, grad_ring_free[static_cast<std::size_t>(L.ring)]);
+    const int gm = span_begin(d2h, Resource::d2h, "d2h grads " + label(li));
+    for (auto* g : L.update.segments) backend->copy(g->hgrad, gslot + g->slot_offset, Bytes{g->n * sizeof(float)}, d2h);
+    span_end(d2h, gm);
+    auto& landed = L.grads_landed;
+    backend->record(landed, d2h);
+    backend->record(grad_slot_free[li % 2], d2h);
+    if (last_mb && !clipping()) cpu_update_after(L, scalars);
+  }
+  if (li > 0 && !prefetch_ahead()) upcoming = &load_weights(li - 1);  // one slot: after its reader
+  host_span("issue bwd " + label(li), issued);
+}
+
+void CudaCausalLm::Impl::backward_ends(std::size_t mb, const model::LmEndsShape& ends, const optim::AdamWStepScalars& scalars) {
+  const cudaStream_t s = raw(cs);
+  const bool last_mb = mb + 1 == K;
+  // Embedding backward (dy now holds dL/dx of layer 0's input), then the ends' updates.
+  const bool ends_beside = overlapped_updates();
+  int mk = span_begin(cs, Resource::gpu_compute,
+                      clipping() || ends_beside || !last_mb ? "embedding backward" : "embedding backward + adamw ends");
+  model::lm_embed_backward(ends_ctx(), ends, d_ids, dy, segs[emb].dgrad, d_invalid, workspace, workspace_bytes);
+  std::vector<std::size_t> ends_segs = {emb, norm};
+  if (head != emb) ends_segs.push_back(head);
+  if (mb == 0) poison(ends_segs, nullptr, s);
+  if (!last_mb) {
+    // (the next micro-batch adds to the ends' gradients)
+  } else if (clipping()) {
+    for (const auto sidx : ends_segs) sum_of_squares(sidx, segs[sidx].dgrad, s);
+  } else if (!ends_beside) {
+    adamw_resident(scalars, ends_segs, s);
+  }
+  span_end(cs, mk);
+  if (ends_beside && last_mb) {
+    // The ends' update behind the layers' on the update stream; the step ends when it has.
+    backend->record(ends_done, cs);
+    backend->wait(us, ends_done);
+    mk = span_begin(us, Resource::gpu_compute, "adamw ends");
+    adamw_resident(scalars, ends_segs, raw(us));
+    span_end(us, mk);
+    backend->record(updates_done, us);
+    backend->wait(cs, updates_done);
+  }
+}
+
+CudaCausalLm::StepResult CudaCausalLm::Impl::finish_step() {
+  const cudaStream_t s = raw(cs);
   if (clipping()) apply_clipped_updates();
   OOM_CUDA_CHECK(cudaEventRecord(step_end, s));
   std::vector<float> loss_sums(K);

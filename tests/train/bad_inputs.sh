@@ -72,6 +72,7 @@ expect bucketed-gemms-on-host 2 "bucketed-expert-gemms" -- --backend host --buck
 expect no-bucketed-gemms-on-host 2 "bucketed-expert-gemms" -- --backend host --no-bucketed-expert-gemms
 expect zero-unrouted-on-host 2 "unrouted-expert-grads" -- --backend host --zero-unrouted-expert-grads
 expect no-overlap-on-host 2 "no-overlap-updates" -- --backend host --no-overlap-updates
+expect no-gradient-check-on-host 2 "no-gradient-check" -- --backend host --no-gradient-check
 expect planned-residency-on-host 2 "planned-residency" -- --backend host --planned-residency
 
 # Misuse of a run directory: refused, and the run in it left as it was.
