@@ -6,9 +6,9 @@ torch.optim.AdamW) and compares every step's loss with an oom-train run.
   python3 scripts/compare_train_pytorch.py --run RUN [--device cuda] [--tolerance 1e-2]
 
 It loads RUN/checkpoint-000000 (the initial weights oom-train saved) and RUN/batches.tok (every
-step's window of seq + 1 tokens), and reads the lr and weight decay from the final checkpoint's
-trainer_state.json (and the clipping norm, applied with torch.nn.utils.clip_grad_norm_ when it is
-set). Precision follows oom-train's: fp32 master weights and AdamW state, the forward
+step's windows of seq + 1 tokens, micro_batches x batch of them), and reads the lr and weight
+decay from the final checkpoint's trainer_state.json (and the clipping norm, applied with
+torch.nn.utils.clip_grad_norm_ when it is set). Precision follows oom-train's: fp32 master weights and AdamW state, the forward
 and backward in fp32 over the bf16-rounded weights (each step rounds the master to bf16 and back,
 takes the gradient with respect to those rounded weights and applies it to the master), loss = mean
 cross-entropy of window[1:] given window[:-1]. Exit status 1 when any step's relative loss
@@ -60,6 +60,7 @@ def main():
         state = json.load(f)
     seq = int(state["seq"])
     micro_batches = int(state.get("micro_batches", 1))
+    batch = int(state.get("batch", 1))  # sequences per micro-batch: input_ids of shape (batch, seq)
     base_lr = float(state["lr"])
     warmup = int(state.get("warmup", 0))
     cosine = state.get("schedule", "constant") == "cosine"
@@ -76,7 +77,7 @@ def main():
     metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
     ours = {m["step"]: m["loss"] for m in metrics}
     windows = read_tokens(args.batches or os.path.join(run, "batches.tok")).reshape(-1, seq + 1)
-    steps = len(windows) // int(state.get("micro_batches", 1))
+    steps = len(windows) // (micro_batches * batch)
     steps = steps if args.steps == 0 else min(args.steps, steps)
 
     torch.manual_seed(0)
@@ -127,9 +128,11 @@ def main():
             rounded = {k: v.detach().to(torch.bfloat16).to(torch.float32).requires_grad_(True) for k, v in params.items()}
             loss = 0.0
             for mb in range(micro_batches):  # gradient accumulation: the mean over all the step's tokens
-                w = torch.from_numpy(windows[(step - 1) * micro_batches + mb]).to(device)
-                out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:-1].unsqueeze(0), "use_cache": False})
-                part = torch.nn.functional.cross_entropy(out.logits[0].float(), w[1:]) / micro_batches
+                first = ((step - 1) * micro_batches + mb) * batch
+                w = torch.from_numpy(windows[first:first + batch]).to(device)  # (batch, seq + 1)
+                out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:, :-1], "use_cache": False})
+                logits = out.logits.float().reshape(-1, out.logits.shape[-1])
+                part = torch.nn.functional.cross_entropy(logits, w[:, 1:].reshape(-1)) / micro_batches
                 part.backward()
                 loss = loss + part.detach()
             for k, p in params.items():

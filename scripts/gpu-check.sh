@@ -197,6 +197,13 @@ if [[ "$parts" == *" train "* ]]; then
     versus_pytorch train-cuda-accumulated 300 "50 GPU steps of ${MICRO_BATCHES:-3} micro-batches vs PyTorch" --backend cuda \
       --config examples/configs/tiny-moe-d128.json --steps 50 --seq 128 --micro-batches "${MICRO_BATCHES:-3}" --lr 3e-4 --log-every 10
   fi
+  # Several sequences per micro-batch: 50 GPU steps of BATCH (default 3) sequences in one
+  # micro-batch, 2 micro-batches a step, against PyTorch's input_ids of shape (BATCH, seq)
+  # (TRAIN_BATCH=0 leaves it out).
+  if [[ "${TRAIN_BATCH:-1}" == 1 ]]; then
+    versus_pytorch train-cuda-batch 300 "50 GPU steps of 2 micro-batches of ${BATCH:-3} sequences vs PyTorch" --backend cuda \
+      --config examples/configs/tiny-moe-d128.json --steps 50 --seq 128 --batch "${BATCH:-3}" --micro-batches 2 --lr 3e-4 --log-every 10
+  fi
   # CLIP=X: 50 GPU steps with --max-grad-norm X against PyTorch's clip_grad_norm_ (lr 1e-3).
   if [[ -n "${CLIP:-}" ]]; then
     versus_pytorch train-cuda-clip 300 "50 GPU steps clipped to $CLIP vs PyTorch" --backend cuda \

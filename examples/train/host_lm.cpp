@@ -62,8 +62,6 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
   const auto& segs = spec.segments();
   if (weights.size() != segs.size())
     OOM_THROW(Errc::invalid_argument, fmt::format("{} weight blocks for a model of {} segments", weights.size(), segs.size()));
-  if (plan.workload.sequences != 1)
-    OOM_THROW(Errc::unsupported, fmt::format("the host trainer runs one sequence per step (the plan has {})", plan.workload.sequences));
   tokens_ = plan.workload.tokens();
   micro_batches_ = static_cast<std::size_t>(std::max(plan.micro_batches, 1));
   tied_ = spec.tied_embeddings();

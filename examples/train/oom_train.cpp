@@ -90,7 +90,10 @@ Model and data
                        (default: the built-in corpus, generated into the run directory)
   --init-from PATH     start from these weights (safetensors, HF names) instead of a random init
   --seq N              tokens per sequence (default 256)
-  --micro-batches K    sequences per optimizer step, their gradients accumulated (default 1)
+  --batch B            sequences per micro-batch, run together (default 1): each its own window
+                       of the data, attention within each; weights cross PCIe once for all B
+  --micro-batches K    micro-batches per optimizer step, run one after another, their gradients
+                       accumulated (default 1); a step trains on K x B sequences
   --steps N            optimizer steps to reach (default 200)
   --seed N             initial weights and data order (default 0)
 Optimizer (AdamW, as torch.optim.AdamW over all parameters)
@@ -161,7 +164,7 @@ Exit status: 0 done, 2 bad input, 3 no plan fits the budget, 4 stopped on a non-
 
 struct Args {
   std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto";
-  std::uint64_t seq = 256, steps = 200, seed = 0, micro_batches = 1;
+  std::uint64_t seq = 256, batch = 1, steps = 200, seed = 0, micro_batches = 1;
   float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f, min_lr = 0.0f;
   std::uint64_t warmup = 0;
   bool cosine = false;
@@ -210,6 +213,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--init-from") a.init_from = v;
     else if (flag == "--seq") a.seq = parse_count(flag, v);
     else if (flag == "--micro-batches") a.micro_batches = parse_count(flag, v);
+    else if (flag == "--batch") a.batch = parse_count(flag, v);
     else if (flag == "--steps") a.steps = parse_count(flag, v);
     else if (flag == "--seed") a.seed = parse_count(flag, v, true);
     else if (flag == "--lr") a.lr = parse_real(flag, v);
@@ -423,7 +427,8 @@ int run(const Args& a) {
     OOM_THROW(Errc::unsupported, fmt::format("--backend cuda: no usable GPU ({})", cuda::no_device_reason()));
   if (use_cuda) {
     try {  // the CUDA decoder layer takes Qwen3-MoE layers with head_dim 128 or 256
-      for (int l = 0; l < spec.num_layers(); ++l) (void)model::DecoderLayerShape::from_spec(spec, l, static_cast<std::int64_t>(a.seq));
+      for (int l = 0; l < spec.num_layers(); ++l)
+        (void)model::DecoderLayerShape::from_spec(spec, l, static_cast<std::int64_t>(a.seq * a.batch), static_cast<std::int64_t>(a.batch));
     } catch (const Error& e) {
       if (a.backend == "cuda") throw;
       fmt::print("backend auto: the host backend, since the CUDA decoder layer does not take this model ({})\n", e.message());
@@ -468,10 +473,11 @@ int run(const Args& a) {
   const Planner planner(spec, profile, config_name);
   if (!a.plan.empty()) {
     plan = Plan::from_json(read_json_file(a.plan), a.plan);
-    if (plan.workload.tokens() != a.seq || plan.workload.sequences != 1 || plan.micro_batches != static_cast<int>(a.micro_batches))
+    if (plan.workload.seq_len != a.seq || plan.workload.sequences != a.batch || plan.micro_batches != static_cast<int>(a.micro_batches))
       OOM_THROW(Errc::invalid_argument,
-                fmt::format("{}: planned for {} micro-batch(es) of {} x {} tokens, the run asks for {} of 1 x {} (--micro-batches, --seq)",
-                            a.plan, plan.micro_batches, plan.workload.sequences, plan.workload.seq_len, a.micro_batches, a.seq));
+                fmt::format("{}: planned for {} micro-batch(es) of {} x {} tokens, the run asks for {} of {} x {} (--micro-batches, "
+                            "--batch, --seq)",
+                            a.plan, plan.micro_batches, plan.workload.sequences, plan.workload.seq_len, a.micro_batches, a.batch, a.seq));
     if (plan.clip_grad_norm != (a.max_grad_norm > 0))
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("{}: planned {} clipping, the run asks for {} (--max-grad-norm {}; oom-plan --max-grad-norm plans for it)", a.plan,
@@ -501,7 +507,7 @@ int run(const Args& a) {
       fmt::print("host budget {} (the profile's {} less {} of initial weights and {} headroom; --host-mem sets it)\n", hb.budget,
                  profile.host_memory, hb.initial_weights, hb.headroom);
     }
-    req.workload = {1, a.seq};
+    req.workload = {a.batch, a.seq};
     req.micro_batches = static_cast<int>(a.micro_batches);
     req.clip_grad_norm = a.max_grad_norm > 0;
     req.candidates = use_cuda ? 6 : 2;
@@ -535,6 +541,10 @@ int run(const Args& a) {
     };
     require_same("seq", a.seq);
     if (ts["micro_batches"].present()) require_same("micro_batches", a.micro_batches);
+    const std::uint64_t saved_batch = ts["batch"].present() ? ts["batch"].as_uint64() : 1;  // absent: one sequence a micro-batch
+    if (saved_batch != a.batch)
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} holds batch = {}, this run asks for {} (--batch)", latest->string(),
+                                                    saved_batch, a.batch));
     if (read_text(*latest / "config.json") != config_text)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", latest->string(), config_name));
     const double saved_clip = ts["max_grad_norm"].present() ? ts["max_grad_norm"].as_double() : 0.0;
@@ -618,6 +628,7 @@ int run(const Args& a) {
     ts.set("optimizer_steps", static_cast<long long>(model.optimizer_steps()));
     ts.set("seq", a.seq);
     ts.set("micro_batches", a.micro_batches);
+    ts.set("batch", a.batch);
     ts.set("lr", static_cast<double>(a.lr));
     ts.set("weight_decay", static_cast<double>(a.weight_decay));
     ts.set("max_grad_norm", static_cast<double>(a.max_grad_norm));
@@ -637,7 +648,7 @@ int run(const Args& a) {
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
-  const std::uint64_t step_tokens = a.seq * a.micro_batches;
+  const std::uint64_t step_tokens = a.seq * a.batch * a.micro_batches;
   std::vector<std::uint32_t> in(step_tokens), tgt(step_tokens);
   const auto t0 = std::chrono::steady_clock::now();
   auto last = t0;
@@ -666,9 +677,9 @@ int run(const Args& a) {
     Timeline timeline;
     if (step == a.trace_step) model.record_next_step(&timeline);
     if (!a.dump_batches.empty())
-      for (std::uint64_t mb = 0; mb < a.micro_batches; ++mb) {  // each window: its seq inputs and its last target
-        dumped.insert(dumped.end(), in.begin() + static_cast<std::ptrdiff_t>(mb * a.seq), in.begin() + static_cast<std::ptrdiff_t>((mb + 1) * a.seq));
-        dumped.push_back(tgt[(mb + 1) * a.seq - 1]);
+      for (std::uint64_t w = 0; w < a.batch * a.micro_batches; ++w) {  // each window: its seq inputs and its last target
+        dumped.insert(dumped.end(), in.begin() + static_cast<std::ptrdiff_t>(w * a.seq), in.begin() + static_cast<std::ptrdiff_t>((w + 1) * a.seq));
+        dumped.push_back(tgt[(w + 1) * a.seq - 1]);
       }
     running_step = step;
     step_start = last_note = std::chrono::steady_clock::now();

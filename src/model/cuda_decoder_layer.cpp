@@ -185,8 +185,8 @@ std::size_t plan_workspace_bytes(const DecoderLayerShape& s) {
 }
 kernels::AttentionProblem attention_problem(const DecoderLayerShape& s) {
   kernels::AttentionProblem p;
-  p.batch = 1;
-  p.seq = static_cast<int>(s.tokens);
+  p.batch = static_cast<int>(s.sequences);
+  p.seq = static_cast<int>(s.tokens / s.sequences);
   p.heads_q = static_cast<int>(s.heads_q);
   p.heads_kv = static_cast<int>(s.heads_kv);
   p.head_dim = static_cast<int>(s.head_dim);
@@ -418,6 +418,9 @@ void DecoderLayerShape::validate() const {
     if (!ok) invalid("shape: " + what);
   };
   need(tokens >= 1 && tokens <= 0x7fffffff, fmt::format("tokens = {} must be in [1, 2^31)", tokens));
+  need(sequences >= 1 && tokens % sequences == 0,
+       fmt::format("tokens = {} must be a whole number of sequences = {} (each sequence's tokens one after another)", tokens,
+                   sequences));
   need(hidden >= 1, fmt::format("hidden = {} must be positive", hidden));
   need(heads_q >= 1 && heads_kv >= 1 && heads_q % heads_kv == 0,
        fmt::format("heads_q = {} must be a positive multiple of heads_kv = {}", heads_q, heads_kv));
@@ -436,7 +439,7 @@ void DecoderLayerShape::validate() const {
   need(kernels::attention_can_implement(attention_problem(*this)), "the attention kernel rejects this problem");
 }
 
-DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer, std::int64_t tokens) {
+DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer, std::int64_t tokens, std::int64_t sequences) {
   const LayerSpec& L = spec.layer(layer);
   const auto& a = spec.attention();
   const std::string where = fmt::format("layer {} of a {} model", layer, to_string(spec.family()));
@@ -449,6 +452,7 @@ DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer,
   if (spec.moe().shared_expert_intermediate != 0) invalid(where + ": a shared expert is not implemented");
   DecoderLayerShape s;
   s.tokens = tokens;
+  s.sequences = sequences;
   s.hidden = static_cast<std::int64_t>(spec.hidden_size());
   s.heads_q = static_cast<std::int64_t>(a.heads);
   s.heads_kv = static_cast<std::int64_t>(a.kv_heads);
@@ -566,7 +570,7 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
                 decoder_layer_workspace_bytes(s, *ctx.expert_streams));
 
   const cudaStream_t st = ctx.stream;
-  const auto T = s.tokens, H = s.hidden, D = s.head_dim, QW = q_width(s), KW = kv_width(s);
+  const auto T = s.tokens, S = s.tokens / s.sequences, H = s.hidden, D = s.head_dim, QW = q_width(s), KW = kv_width(s);
   const float eps = s.rms_norm_eps;
   const Saved v = carve_saved(s, saved);
   const ForwardScratch w = carve_forward(s, *ctx.expert_streams, workspace);
@@ -583,7 +587,7 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
   check(kernels::rope_forward(v.k, positions, v.k, T, s.heads_kv, D, D, s.rope_theta, st), "rope forward (k)");
   const kernels::AttentionProblem ap = attention_problem(s);
   if (!reuse_attention)
-    check(kernels::attention_forward(ap, {v.q, T * QW, QW}, {v.k, T * KW, KW}, {v.v, T * KW, KW}, {v.attn, T * QW, QW}, v.lse, st),
+    check(kernels::attention_forward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW}, v.lse, st),
           "attention forward");
   // h = x + O Wo^T: x copied into h, then the GEMM adds onto it (beta = 1, one rounding).
   check(cudaMemcpyAsync(v.h, x, static_cast<std::size_t>(T * H) * sizeof(bf16), cudaMemcpyDeviceToDevice, st),
@@ -650,7 +654,7 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
                 decoder_layer_workspace_bytes(s, *ctx.expert_streams));
 
   const cudaStream_t st = ctx.stream;
-  const auto T = s.tokens, H = s.hidden, D = s.head_dim, QW = q_width(s), KW = kv_width(s), I = s.intermediate;
+  const auto T = s.tokens, S = s.tokens / s.sequences, H = s.hidden, D = s.head_dim, QW = q_width(s), KW = kv_width(s), I = s.intermediate;
   const Saved v = carve_saved(s, const_cast<void*>(saved));  // read only
   const BackwardScratch b = carve_backward(s, *ctx.expert_streams, workspace);
   check(cublasSetStream(ctx.blas, st), "cublasSetStream");
@@ -728,8 +732,8 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   gemm(ctx.blas, false, false, T, QW, H, dh, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
   gemm(ctx.blas, true, false, H, QW, T, dh, H, v.attn, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
   const kernels::AttentionProblem ap = attention_problem(s);
-  check(kernels::attention_backward(ap, {v.q, T * QW, QW}, {v.k, T * KW, KW}, {v.v, T * KW, KW}, {v.attn, T * QW, QW},
-                                    {b.d_attn, T * QW, QW}, v.lse, {b.dq, T * QW, QW}, {b.dk, T * KW, KW}, {b.dv, T * KW, KW},
+  check(kernels::attention_backward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW},
+                                    {b.d_attn, S * QW, QW}, v.lse, {b.dq, S * QW, QW}, {b.dk, S * KW, KW}, {b.dv, S * KW, KW},
                                     /*accumulate_dkv=*/false, b.attn_ws, b.attn_bytes, st),
         "attention backward");
   check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, D, s.rope_theta, st), "rope backward (q)");

@@ -212,6 +212,9 @@ void HostDecoderLayer::check_context(const HostLayerContext& ctx, bool backward)
   }
   if (ctx.begin >= ctx.end || ctx.end > ctx.tokens || ctx.input == nullptr)
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: bad call over tokens [{}, {}) of {}", name_, ctx.begin, ctx.end, ctx.tokens));
+  if (ctx.sequences == 0 || ctx.tokens % ctx.sequences != 0)
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("{}: {} tokens are not a whole number of sequences = {}", name_, ctx.tokens, ctx.sequences));
   if (backward) {
     if (ctx.grad_output == nullptr || ctx.grad_input == nullptr)
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: backward without gradient buffers", name_));
@@ -226,14 +229,17 @@ void HostDecoderLayer::check_context(const HostLayerContext& ctx, bool backward)
 void HostDecoderLayer::begin_pass(const HostLayerContext& ctx, std::uint64_t& tokens, std::uint64_t& next) {
   if (ctx.begin == 0) {
     tokens = ctx.tokens;
-  } else if (ctx.begin != next || ctx.tokens != tokens) {
+    sequences_ = ctx.sequences;
+  } else if (ctx.begin != next || ctx.tokens != tokens || ctx.sequences != sequences_) {
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: chunk [{}, {}) of {} tokens does not continue the pass (expected "
                                                   "begin {} of {})", name_, ctx.begin, ctx.end, ctx.tokens, next, tokens));
   }
   next = ctx.end;
-  if (positions_.size() != ctx.tokens) {
-    positions_.resize(ctx.tokens);
-    for (size_t t = 0; t < positions_.size(); ++t) positions_[t] = static_cast<std::int32_t>(t);
+  if (positions_.size() != ctx.tokens || positions_sequences_ != ctx.sequences) {
+    const std::uint64_t seq = ctx.tokens / ctx.sequences;
+    positions_.resize(ctx.tokens);  // each sequence's from 0
+    for (size_t t = 0; t < positions_.size(); ++t) positions_[t] = static_cast<std::int32_t>(t % seq);
+    positions_sequences_ = ctx.sequences;
   }
 }
 
@@ -304,7 +310,8 @@ void HostDecoderLayer::attention_forward(const HostLayerContext& ctx) {
   Vec qn, rq, qr, kn, rk, kr;
   normed_rotated(f.q_raw.data(), T, heads_, q_norm, qn, rq, qr);
   normed_rotated(f.k_raw.data(), T, kv_heads_, k_norm, kn, rk, kr);
-  const reference::AttentionDims dims{1, static_cast<int>(T), static_cast<int>(heads_), static_cast<int>(kv_heads_), static_cast<int>(d_)};
+  const reference::AttentionDims dims{static_cast<int>(ctx.sequences), static_cast<int>(T / ctx.sequences), static_cast<int>(heads_),
+                                      static_cast<int>(kv_heads_), static_cast<int>(d_)};
   f.context.resize(T * q_);
   f.lse.resize(heads_ * T);
   reference::attention_forward<float>(dims, scale_, cspan(qr), cspan(kr), cspan(f.v), f.context, f.lse);
@@ -546,7 +553,8 @@ void HostDecoderLayer::attention_backward(const HostLayerContext& ctx) {
   Vec qn, rq, qr, kn, rk, kr;
   normed_rotated(q_raw, T, heads_, q_norm, qn, rq, qr);
   normed_rotated(k_raw, T, kv_heads_, k_norm, kn, rk, kr);
-  const reference::AttentionDims dims{1, static_cast<int>(T), static_cast<int>(heads_), static_cast<int>(kv_heads_), static_cast<int>(d_)};
+  const reference::AttentionDims dims{static_cast<int>(ctx.sequences), static_cast<int>(T / ctx.sequences), static_cast<int>(heads_),
+                                      static_cast<int>(kv_heads_), static_cast<int>(d_)};
   Vec dqr(T * q_), dkr(T * kv_), dv(T * kv_);
   reference::attention_backward<float>(dims, scale_, cspan(qr), cspan(kr), cspan(v, T * kv_), cspan(context, T * q_),
                                        cspan(lse, heads_ * T), cspan(d_context), dqr, dkr, dv);

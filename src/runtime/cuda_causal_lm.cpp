@@ -430,10 +430,11 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   const auto& all = spec->segments();
   if (!sizing && weights.size() != all.size())
     OOM_THROW(Errc::invalid_argument, fmt::format("{} weight blocks for a model of {} segments", weights.size(), all.size()));
-  if (plan.workload.sequences != 1 || plan.gpus != 1)
-    OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs one sequence per micro-batch on one GPU (the plan has {} sequences "
-                                             "a micro-batch on {} GPU(s))",
-                                             plan.workload.sequences, plan.gpus));
+  if (plan.gpus != 1)
+    OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs on one GPU (the plan has {})", plan.gpus));
+  if (plan.workload.sequences < 1 || plan.workload.seq_len < 1)
+    OOM_THROW(Errc::invalid_argument, fmt::format("the plan's micro-batch has {} sequences of {} tokens (needs at least 1 of 1)",
+                                                  plan.workload.sequences, plan.workload.seq_len));
   if (plan.micro_batches < 1)
     OOM_THROW(Errc::invalid_argument, fmt::format("the plan has {} micro-batches a step (needs at least 1)", plan.micro_batches));
   K = static_cast<std::uint64_t>(plan.micro_batches);
@@ -530,7 +531,7 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   std::uint64_t max_streamed = 0;
   for (int l = 0; l < n; ++l) {
     Layer L;
-    L.shape = model::DecoderLayerShape::from_spec(*spec, l, static_cast<std::int64_t>(T));
+    L.shape = model::DecoderLayerShape::from_spec(*spec, l, static_cast<std::int64_t>(T), static_cast<std::int64_t>(plan.workload.sequences));
     // The plan's MoE token chunk (0 or >= T: the MoE half runs whole).
     if (static_cast<std::size_t>(l) < plan.chunks.size())
       L.shape.moe_chunk_tokens = static_cast<std::int64_t>(std::min<std::uint64_t>(plan.chunks[static_cast<std::size_t>(l)].moe_tokens, T));
@@ -644,8 +645,8 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   d_nonfinite = dev<int>(flag_count(), Claimant::worksets);
   h_nonfinite = pinned<int>(flag_count(), Claimant::host_staging);
   if (sizing) return;
-  std::vector<std::int32_t> pos(T);
-  for (std::uint64_t i = 0; i < T; ++i) pos[i] = static_cast<std::int32_t>(i);
+  std::vector<std::int32_t> pos(T);  // each sequence's positions from 0
+  for (std::uint64_t i = 0; i < T; ++i) pos[i] = static_cast<std::int32_t>(i % plan.workload.seq_len);
   OOM_CUDA_CHECK(cudaMemcpy(d_positions, pos.data(), T * sizeof(std::int32_t), cudaMemcpyHostToDevice));
   // The uploads above ran on the legacy default stream, which the executor's non-blocking
   // streams do not wait for.

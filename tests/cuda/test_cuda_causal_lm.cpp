@@ -561,6 +561,41 @@ TEST_CASE("micro-batches of one window repeated: that window's loss and gradient
   }
 }
 
+TEST_CASE("several sequences in one micro-batch: the step of those windows as micro-batches; every plan bit for bit") {
+  // B sequences of S tokens in one micro-batch, against the same B windows run one after another as
+  // micro-batches (the same token draws): each row's forward is that window's alone but for the GEMMs
+  // seeing B S rows instead of S (cuBLAS may pick other kernels, so not bit for bit), the weight
+  // gradients the same sum in another order. One sequence of B S tokens attends across: another step.
+  const auto spec = small_spec();
+  constexpr std::uint64_t S = 79, B = 3;  // odd, not a multiple of any tile
+  Plan batched = resident_plan(spec, S * B);
+  batched.workload = {B, S};
+  Plan windows = resident_plan(spec, S);
+  windows.micro_batches = static_cast<int>(B);
+  const bool keep = CudaCausalLmOptions{}.keep_attention_state, leave = CudaCausalLmOptions{}.leave_unrouted_expert_grads;
+  const Run expect = train(spec, batched, 3, false, 3, keep, 0, leave, S * B);
+  const Run apart = train(spec, windows, 3, false, 3, keep, 0, leave, S);
+  const Run joined = train(spec, resident_plan(spec, S * B), 3, false, 3, keep, 0, leave, S * B);
+  MESSAGE("3 sequences of 79: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]
+                                       << "; as 3 micro-batches " << apart.losses[0] << " " << apart.losses[1] << " " << apart.losses[2]
+                                       << "; as one sequence of 237 " << joined.losses[0] << " " << joined.losses[1] << " "
+                                       << joined.losses[2]);
+  for (std::size_t s = 0; s < 3; ++s) {
+    CAPTURE(s);
+    CHECK(expect.losses[s] == doctest::Approx(apart.losses[s]).epsilon(1e-4));
+    // Attention across the windows, at other positions: not the batched step.
+    CHECK(std::abs(joined.losses[s] - expect.losses[s]) > std::abs(apart.losses[s] - expect.losses[s]));
+  }
+  std::mt19937_64 rng(47);
+  for (int i = 0; i < 3; ++i) {
+    const Plan p = random_variant(spec, batched, rng, /*all_streamed=*/i == 0);
+    CAPTURE(i);
+    const Run got = train(spec, p, 3, false, 3, keep, 0, leave, S * B);
+    CHECK(got.losses == expect.losses);
+    CHECK(same(got.state, expect.state));
+  }
+}
+
 TEST_CASE("micro-batches: a step of the wrong token count is refused, naming micro-batches x tokens") {
   const auto spec = small_spec();
   Plan p = resident_plan(spec);

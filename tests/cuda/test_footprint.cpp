@@ -284,6 +284,21 @@ TEST_CASE("micro-batches: gradients staged per parameter (they accumulate there)
   CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, none), doctest::Contains("0 micro-batches"), Error);
 }
 
+TEST_CASE("several sequences in one micro-batch: the footprint of their tokens as one sequence; tokens that do not split refused") {
+  // Every buffer is per token (the attention's LSE and backward scratch per sequence and head:
+  // (B, Hq, S) is Hq B S values), so 8 sequences of 4K take what one of 32K does.
+  const auto spec = config("moe-5b.json");
+  const Plan joined = plan_for(spec, 32768);
+  Plan batched = joined;
+  batched.workload = {8, 4096};
+  CHECK(CudaCausalLm::footprint(spec, batched) == CudaCausalLm::footprint(spec, joined));
+  CHECK_THROWS_WITH_AS((void)model::DecoderLayerShape::from_spec(spec, 0, 32768, 3),
+                       doctest::Contains("tokens = 32768 must be a whole number of sequences = 3"), Error);
+  Plan none = joined;
+  none.workload = {0, 32768};
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, none), doctest::Contains("0 sequences"), Error);
+}
+
 TEST_CASE("512K with the attention state kept: fits one H200 and skips the attention's second forward") {
   const auto spec = config("moe-5b.json");
   const auto profile = h200_as_measured();

@@ -64,11 +64,13 @@ struct Run {
   std::array<std::vector<float>, activation_class_count> saved;
 };
 
-HostLayerContext bind(const std::vector<std::vector<bf16>>& w, std::vector<std::vector<float>>& grads, std::uint64_t t) {
+HostLayerContext bind(const std::vector<std::vector<bf16>>& w, std::vector<std::vector<float>>& grads, std::uint64_t t,
+                      std::uint64_t sequences = 1) {
   HostLayerContext ctx;
   for (const auto& s : w) ctx.weights.emplace_back(s.data(), s.size());
   for (auto& g : grads) ctx.weight_grads.emplace_back(g.data(), g.size());
   ctx.tokens = t;
+  ctx.sequences = sequences;
   return ctx;
 }
 
@@ -82,13 +84,15 @@ void chunks(std::uint64_t t, std::uint64_t chunk, const HostLayerContext& ctx, F
   }
 }
 
-/// Forward (and backward with grad_output `dy` when given) over chunks of `chunk` tokens.
+/// Forward (and backward with grad_output `dy` when given) over chunks of `chunk` tokens, the t
+/// tokens being `sequences` sequences.
 Run run(HostDecoderLayer& layer, const std::vector<std::vector<bf16>>& w, const std::vector<float>& x,
-        const std::vector<float>* dy, std::uint64_t t, std::uint64_t chunk, std::uint64_t backward_chunk = 0) {
+        const std::vector<float>* dy, std::uint64_t t, std::uint64_t chunk, std::uint64_t backward_chunk = 0,
+        std::uint64_t sequences = 1) {
   Run r;
   const auto h = layer.hidden();
   for (const auto& s : w) r.grads.emplace_back(s.size(), 0.0f);
-  HostLayerContext ctx = bind(w, r.grads, t);
+  HostLayerContext ctx = bind(w, r.grads, t, sequences);
   r.y.assign(t * h, NAN);
   ctx.input = x.data();
   ctx.output = r.y.data();
@@ -235,6 +239,46 @@ TEST_CASE("the forward is transformers' Qwen3MoeDecoderLayer") {
     INFO(report.first);
     CHECK(report.ok());
   }
+}
+
+TEST_CASE("several sequences in one pass: each sequence's outputs as if it ran alone, the weight gradients their sum") {
+  const ModelSpec spec = tiny_spec();
+  HostDecoderLayer layer(spec, 0);
+  const auto h = layer.hidden();
+  constexpr std::uint64_t S = 7, B = 3, T = S * B;
+  const auto w = grid_weights(layer, 31);
+  const auto x = test::random_normal(T * h, 32);
+  const auto dy = test::random_normal(T * h, 33);
+  // Chunks of 5 tokens cross the sequences' boundaries; so does the backward's 4.
+  const Run all = run(layer, w, x, &dy, T, 5, 4, B);
+  std::vector<std::vector<double>> sum;
+  for (const auto& g : all.grads) sum.emplace_back(g.size(), 0.0);
+  for (std::uint64_t b = 0; b < B; ++b) {
+    CAPTURE(b);
+    const auto rows = [&](const std::vector<float>& v) {
+      return std::vector<float>(v.begin() + static_cast<std::ptrdiff_t>(b * S * h), v.begin() + static_cast<std::ptrdiff_t>((b + 1) * S * h));
+    };
+    const auto xb = rows(x), dyb = rows(dy);
+    const Run alone = run(layer, w, xb, &dyb, S, S);
+    // Every row is its own fixed sequence of operations: the same bits.
+    CHECK(same_bits(rows(all.y), alone.y));
+    CHECK(same_bits(rows(all.dx), alone.dx));
+    for (std::size_t s = 0; s < sum.size(); ++s)
+      for (std::size_t i = 0; i < sum[s].size(); ++i) sum[s][i] += alone.grads[s][i];
+  }
+  // A weight gradient adds over all T tokens in order; the separate runs' sum rounds elsewhere.
+  for (std::size_t s = 0; s < sum.size(); ++s) {
+    const auto report = test::compare(all.grads[s], sum[s], 1e-5, 1e-5, "weight gradient");
+    INFO(report.first);
+    CHECK(report.ok());
+  }
+  // The same tokens as one sequence: later rows attend across, at other positions.
+  const Run joined = run(layer, w, x, &dy, T, T);
+  CHECK(std::equal(joined.y.begin(), joined.y.begin() + static_cast<std::ptrdiff_t>(S * h), all.y.begin()));
+  CHECK_FALSE(std::equal(joined.y.begin() + static_cast<std::ptrdiff_t>(S * h), joined.y.end(), all.y.begin() + static_cast<std::ptrdiff_t>(S * h)));
+  // Tokens that do not split into the sequences are refused, naming both.
+  HostDecoderLayer other(spec, 0);
+  CHECK_THROWS_WITH_AS(run(other, w, x, nullptr, T, T, 0, 4), doctest::Contains("21 tokens are not a whole number of sequences = 4"), Error);
 }
 
 TEST_CASE("backward against central differences of L = sum(y * g)") {

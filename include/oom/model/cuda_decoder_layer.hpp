@@ -67,7 +67,10 @@ class ExpertGemmStreams;
 namespace oom::model {
 
 struct DecoderLayerShape {
-  std::int64_t tokens = 0;        ///< T (one sequence; positions are given per token)
+  std::int64_t tokens = 0;        ///< T, all the sequences' tokens (positions are given per token)
+  /// B: T holds B sequences of T / B tokens, one after another; attention is causal within each
+  /// (no token attends to another sequence's), everything else works on the T tokens as rows.
+  std::int64_t sequences = 1;
   std::int64_t hidden = 0;        ///< H
   std::int64_t heads_q = 0;       ///< Hq
   std::int64_t heads_kv = 0;      ///< Hkv (divides Hq)
@@ -82,10 +85,11 @@ struct DecoderLayerShape {
   /// chunk of all T, whose permutation and expert activations are kept in `saved`.
   std::int64_t moe_chunk_tokens = 0;
 
-  /// Layer `layer` of a Qwen3-MoE config with T = tokens. Errc::invalid_argument when the layer is
-  /// not one this class implements (another family, linear attention, a dense MLP, no q/k norm,
-  /// attention biases, partial RoPE, a head_dim the attention kernel does not take).
-  [[nodiscard]] static DecoderLayerShape from_spec(const ModelSpec& spec, int layer, std::int64_t tokens);
+  /// Layer `layer` of a Qwen3-MoE config with T = tokens in `sequences` sequences.
+  /// Errc::invalid_argument when the layer is not one this class implements (another family,
+  /// linear attention, a dense MLP, no q/k norm, attention biases, partial RoPE, a head_dim the
+  /// attention kernel does not take) or the tokens do not split into the sequences.
+  [[nodiscard]] static DecoderLayerShape from_spec(const ModelSpec& spec, int layer, std::int64_t tokens, std::int64_t sequences = 1);
   /// Throws Errc::invalid_argument naming the first field out of range.
   void validate() const;
 };

@@ -91,7 +91,9 @@ class HostDecoderLayer {
   bool norm_topk_ = true;
 
   std::vector<std::vector<float>> w_;  // fp32 copies of the bound weights, per segment, for one pass
-  std::vector<std::int32_t> positions_;
+  std::vector<std::int32_t> positions_;  // for positions_.size() tokens in positions_sequences_ sequences
+  std::uint64_t positions_sequences_ = 1;
+  std::uint64_t sequences_ = 1;  // the current pass's (begin_pass)
   ForwardState fwd_;
   BackwardState bwd_;
 };

@@ -156,8 +156,12 @@ class CudaCausalLm {
     bool skipped = false;  ///< non-finite loss: no backward, no update
     double grad_norm = -1; ///< with max_grad_norm: the global gradient norm before clipping (else -1)
   };
-  /// One optimizer step over plan.micro_batches = K sequences (gradient accumulation): inputs ->
-  /// targets, K x T tokens each (window by window, T = plan.workload.tokens()). The windows run one
+  /// One optimizer step over plan.micro_batches = K windows (gradient accumulation): inputs ->
+  /// targets, K x T tokens each (window by window, T = plan.workload.tokens()). A window holds
+  /// plan.workload.sequences sequences of seq_len tokens, one after another: attention is causal
+  /// within each, positions restart at 0 in each, a target is whatever the caller put there (the
+  /// step does not shift tokens, so a sequence's last target may be the next one's first input).
+  /// The windows run one
   /// after another; each one's gradient carries 1/(K T) and is added to the previous ones' in
   /// window order (a streamed layer's sum so far brought back into its GPU gradient slot), and the
   /// updates run after the last. Errc::invalid_argument (nothing run) for a wrong token count or an

@@ -36,6 +36,9 @@ struct HostLayerContext {
   std::vector<std::span<const bf16>> weights;  ///< per segment of the layer, bound where they live now
   std::vector<std::span<float>> weight_grads;  ///< per segment, fp32, accumulated over tokens in order
   std::uint64_t tokens = 0;
+  /// The tokens are this many sequences of tokens / sequences, one after another: attention (and
+  /// a position's RoPE angle) is within each.
+  std::uint64_t sequences = 1;
   std::uint64_t begin = 0, end = 0;
   const float* input = nullptr;        ///< (T, H) the layer boundary
   float* output = nullptr;             ///< (T, H), or nullptr when recomputing saved activations only
@@ -287,6 +290,7 @@ class HostExecutor {
       }
       HostLayerContext ctx = bind(l, slot);
       ctx.tokens = t;
+      ctx.sequences = plan_.workload.sequences;
       ctx.input = act[l];
       ctx.output = act[l + 1];
       ctx.saved = saved[l];
@@ -377,6 +381,7 @@ class HostExecutor {
       // Recompute what was dropped, from the boundary.
       HostLayerContext re = bind(li, slot);
       re.tokens = t;
+      re.sequences = plan_.workload.sequences;
       re.input = act[li];
       bool any = false;
       for (int c = 1; c < activation_class_count; ++c) {
@@ -396,6 +401,7 @@ class HostExecutor {
       float* grad_in = alloc_device(act_bytes, Claimant::worksets);
       HostLayerContext ctx = bind(li, slot);
       ctx.tokens = t;
+      ctx.sequences = plan_.workload.sequences;
       ctx.input = act[li];
       ctx.grad_output = grad;
       ctx.grad_input = grad_in;
