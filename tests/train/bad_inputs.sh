@@ -87,7 +87,13 @@ rc=$?
 if [[ $rc -ne 2 ]] || ! grep -q "seq" "$work/reseq.stderr" || [[ "$(cat "$work/good/latest")" != "$before" ]]; then
   echo "FAIL resume-other-seq: exit $rc"; cat "$work/reseq.stderr"; fails=$((fails + 1))
 else echo "ok   resume-other-seq: $(cat "$work/reseq.stderr")"; fi
+"$train" --out "$work/good" --steps 2 --seq 32 --batch 2 --resume > /dev/null 2> "$work/rebatch.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "holds batch = 1, this run asks for 2" "$work/rebatch.stderr" || [[ "$(cat "$work/good/latest")" != "$before" ]]; then
+  echo "FAIL resume-other-batch: exit $rc"; cat "$work/rebatch.stderr"; fails=$((fails + 1))
+else echo "ok   resume-other-batch: $(cat "$work/rebatch.stderr")"; fi
 expect resume-nothing 2 "no checkpoint" -- --resume
+expect zero-batch 2 "--batch needs a positive integer, got '0'" -- --batch 0
 
 # Faults during training: a diverging run (absurd learning rate) skips its non-finite steps
 # without updating, logs them, and stops after --max-skips in a row (exit 4); --on-nonfinite stop
