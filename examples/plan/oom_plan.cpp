@@ -173,10 +173,10 @@ int main(int argc, char** argv) {
 #endif
     }
 #if OOM_PLAN_HAS_CUDA
-    // What oom-train --backend cuda would run (CudaCausalLm::fit) with the same model, sequence and
-    // GPU budget: its request (one GPU, one sequence, 6 candidates, its default host budget unless
-    // --host-mem) and its GPU headroom (1 GiB of the free memory, here of the profile's).
-    if (a.gpus == 1 && a.batch == 1) {
+    // What oom-train --backend cuda would run (CudaCausalLm::fit) with the same model, sequences and
+    // GPU budget: its request (one GPU, --batch sequences, 6 candidates, its default host budget
+    // unless --host-mem) and its GPU headroom (1 GiB of the free memory, here of the profile's).
+    if (a.gpus == 1) {
       try {
         oom::PlanRequest train_req = req;
         train_req.candidates = 6;

@@ -39,8 +39,9 @@ class HostCausalLm {
     bool skipped = false;  ///< the loss was not finite: no backward, no update
     double grad_norm = -1; ///< global gradient norm before clipping (-1: not computed, no clipping)
   };
-  /// One optimizer step on `inputs` -> `targets`: plan.micro_batches sequences of T tokens back
-  /// to back, their gradients accumulated (the loss is the mean over all of their tokens).
+  /// One optimizer step on `inputs` -> `targets`: plan.micro_batches windows of T tokens back to
+  /// back (each plan.workload.sequences sequences of seq_len), their gradients accumulated (the
+  /// loss is the mean over all of their tokens).
   StepResult step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
 
   /// Every segment's AdamW state, in spec.segments() order (what a checkpoint holds).

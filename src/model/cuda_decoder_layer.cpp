@@ -133,7 +133,7 @@ struct Saved {
   bf16* k;                 // (T, Hkv, D)
   bf16* v;                 // (T, Hkv, D)
   bf16* attn;              // (T, Hq, D)      the attention's output O
-  float* lse;              // (Hq, T)
+  float* lse;              // (B, Hq, S): Hq T values
   bf16* h;                 // (T, H)          x + O Wo^T
   float* rstd2;            // (T)
   bf16* xn2;               // (T, H)          rms2(h) * w
@@ -421,6 +421,7 @@ void DecoderLayerShape::validate() const {
   need(sequences >= 1 && tokens % sequences == 0,
        fmt::format("tokens = {} must be a whole number of sequences = {} (each sequence's tokens one after another)", tokens,
                    sequences));
+  need(sequences <= 65535, fmt::format("sequences = {}: the attention kernels take at most 65535 (their grid's batch dimension)", sequences));
   need(hidden >= 1, fmt::format("hidden = {} must be positive", hidden));
   need(heads_q >= 1 && heads_kv >= 1 && heads_q % heads_kv == 0,
        fmt::format("heads_q = {} must be a positive multiple of heads_kv = {}", heads_q, heads_kv));

@@ -226,13 +226,16 @@ void HostDecoderLayer::check_context(const HostLayerContext& ctx, bool backward)
 
 // Chunks come in increasing order from token 0; a pass starts at 0 and must then continue where
 // the previous call ended (the state between chunks depends on it).
-void HostDecoderLayer::begin_pass(const HostLayerContext& ctx, std::uint64_t& tokens, std::uint64_t& next) {
+void HostDecoderLayer::begin_pass(const HostLayerContext& ctx, std::uint64_t& tokens, std::uint64_t& sequences,
+                                  std::uint64_t& next) {
   if (ctx.begin == 0) {
     tokens = ctx.tokens;
-    sequences_ = ctx.sequences;
-  } else if (ctx.begin != next || ctx.tokens != tokens || ctx.sequences != sequences_) {
-    OOM_THROW(Errc::invalid_argument, fmt::format("{}: chunk [{}, {}) of {} tokens does not continue the pass (expected "
-                                                  "begin {} of {})", name_, ctx.begin, ctx.end, ctx.tokens, next, tokens));
+    sequences = ctx.sequences;
+  } else if (ctx.begin != next || ctx.tokens != tokens || ctx.sequences != sequences) {
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("{}: chunk [{}, {}) of {} tokens in {} sequence(s) does not continue the pass (expected begin {} of {} "
+                          "tokens in {})",
+                          name_, ctx.begin, ctx.end, ctx.tokens, ctx.sequences, next, tokens, sequences));
   }
   next = ctx.end;
   if (positions_.size() != ctx.tokens || positions_sequences_ != ctx.sequences) {
@@ -268,7 +271,7 @@ void HostDecoderLayer::normed_rotated(const float* raw, std::uint64_t tokens, st
 
 void HostDecoderLayer::forward(HostLayerContext& ctx) {
   check_context(ctx, false);
-  begin_pass(ctx, fwd_.tokens, fwd_.next);
+  begin_pass(ctx, fwd_.tokens, fwd_.sequences, fwd_.next);
   if (ctx.begin == 0) {
     convert_weights(ctx);
     attention_forward(ctx);
@@ -384,7 +387,7 @@ void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
 
 void HostDecoderLayer::backward(HostLayerContext& ctx) {
   check_context(ctx, true);
-  begin_pass(ctx, bwd_.tokens, bwd_.next);
+  begin_pass(ctx, bwd_.tokens, bwd_.sequences, bwd_.next);
   if (ctx.begin == 0) {
     convert_weights(ctx);
     const size_t T = ctx.tokens, slots = T * k_;

@@ -570,6 +570,7 @@ TEST_CASE("several sequences in one micro-batch: the step of those windows as mi
   constexpr std::uint64_t S = 79, B = 3;  // odd, not a multiple of any tile
   Plan batched = resident_plan(spec, S * B);
   batched.workload = {B, S};
+  for (auto& c : batched.chunks) c.attention = {S};  // query chunks per sequence
   Plan windows = resident_plan(spec, S);
   windows.micro_batches = static_cast<int>(B);
   const bool keep = CudaCausalLmOptions{}.keep_attention_state, leave = CudaCausalLmOptions{}.leave_unrouted_expert_grads;
@@ -580,9 +581,13 @@ TEST_CASE("several sequences in one micro-batch: the step of those windows as mi
                                        << "; as 3 micro-batches " << apart.losses[0] << " " << apart.losses[1] << " " << apart.losses[2]
                                        << "; as one sequence of 237 " << joined.losses[0] << " " << joined.losses[1] << " "
                                        << joined.losses[2]);
+  // The first step's loss is the forward alone (2e-8 apart on the H200): positions that did not
+  // restart in each sequence would move it by more than rounding (checked by breaking them).
+  // Later steps pass through AdamW, which magnifies the gradients' rounding (6e-5 by the third).
+  CHECK(expect.losses[0] == doctest::Approx(apart.losses[0]).epsilon(1e-6));
   for (std::size_t s = 0; s < 3; ++s) {
     CAPTURE(s);
-    CHECK(expect.losses[s] == doctest::Approx(apart.losses[s]).epsilon(1e-4));
+    CHECK(expect.losses[s] == doctest::Approx(apart.losses[s]).epsilon(1e-3));
     // Attention across the windows, at other positions: not the batched step.
     CHECK(std::abs(joined.losses[s] - expect.losses[s]) > std::abs(apart.losses[s] - expect.losses[s]));
   }

@@ -291,9 +291,12 @@ TEST_CASE("several sequences in one micro-batch: the footprint of their tokens a
   const Plan joined = plan_for(spec, 32768);
   Plan batched = joined;
   batched.workload = {8, 4096};
+  for (auto& c : batched.chunks) c.attention = {4096};  // query chunks per sequence
   CHECK(CudaCausalLm::footprint(spec, batched) == CudaCausalLm::footprint(spec, joined));
   CHECK_THROWS_WITH_AS((void)model::DecoderLayerShape::from_spec(spec, 0, 32768, 3),
                        doctest::Contains("tokens = 32768 must be a whole number of sequences = 3"), Error);
+  CHECK_THROWS_WITH_AS((void)model::DecoderLayerShape::from_spec(spec, 0, 65536 * 2, 65536),
+                       doctest::Contains("sequences = 65536: the attention kernels take at most 65535"), Error);
   Plan none = joined;
   none.workload = {0, 32768};
   CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, none), doctest::Contains("0 sequences"), Error);

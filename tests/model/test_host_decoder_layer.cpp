@@ -273,9 +273,35 @@ TEST_CASE("several sequences in one pass: each sequence's outputs as if it ran a
     CHECK(report.ok());
   }
   // The same tokens as one sequence: later rows attend across, at other positions.
-  const Run joined = run(layer, w, x, &dy, T, T);
+  HostDecoderLayer fresh(spec, 0);
+  const Run joined = run(fresh, w, x, &dy, T, T);
   CHECK(std::equal(joined.y.begin(), joined.y.begin() + static_cast<std::ptrdiff_t>(S * h), all.y.begin()));
   CHECK_FALSE(std::equal(joined.y.begin() + static_cast<std::ptrdiff_t>(S * h), joined.y.end(), all.y.begin() + static_cast<std::ptrdiff_t>(S * h)));
+  // One layer object, the same T split one way and then the other: its positions follow.
+  CHECK(same_bits(run(layer, w, x, &dy, T, T).y, joined.y));
+  CHECK(same_bits(run(layer, w, x, &dy, T, 5, 4, B).y, all.y));
+  // A pass whose chunks disagree on the split is refused, naming both.
+  {
+    std::vector<std::vector<float>> grads;
+    for (const auto& s : w) grads.emplace_back(s.size(), 0.0f);
+    std::vector<float> y(T * h);
+    HostLayerContext ctx = bind(w, grads, T, B);
+    ctx.input = x.data();
+    ctx.output = y.data();
+    Run dummy;
+    for (int c = 1; c < activation_class_count; ++c) {
+      const auto n = layer.saved_floats(static_cast<ActivationClass>(c), T);
+      dummy.saved[static_cast<std::size_t>(c)].assign(n, 0.0f);
+      if (n > 0) ctx.saved[static_cast<std::size_t>(c)] = dummy.saved[static_cast<std::size_t>(c)].data();
+    }
+    ctx.begin = 0;
+    ctx.end = 5;
+    layer.forward(ctx);
+    ctx.begin = 5;
+    ctx.end = T;
+    ctx.sequences = 1;
+    CHECK_THROWS_WITH_AS(layer.forward(ctx), doctest::Contains("of 21 tokens in 1 sequence(s) does not continue the pass (expected begin 5 of 21 tokens in 3)"), Error);
+  }
   // Tokens that do not split into the sequences are refused, naming both.
   HostDecoderLayer other(spec, 0);
   CHECK_THROWS_WITH_AS(run(other, w, x, nullptr, T, T, 0, 4), doctest::Contains("21 tokens are not a whole number of sequences = 4"), Error);
@@ -507,6 +533,37 @@ TEST_CASE("a 2-layer stack through the HostExecutor: random plans train the resi
     REQUIRE(got.master.size() == expect.master.size());
     for (std::size_t s = 0; s < got.master.size(); ++s) REQUIRE(same_bits(got.master[s], expect.master[s]));
     CHECK(expect.losses.back() != expect.losses.front());
+  }
+}
+
+TEST_CASE("several sequences through the HostExecutor: every plan the resident plan's step bit for bit, not one long sequence's") {
+  const ModelSpec spec = tiny_spec(true, 2);
+  std::vector<HostDecoderLayer> shape;
+  for (int l = 0; l < spec.num_layers(); ++l) shape.emplace_back(spec, l);
+  constexpr std::uint64_t S = 6, B = 3, T = S * B;
+  auto batched = [&](Plan p) {  // the plan for B sequences of S: attention chunks per sequence
+    p.workload = {B, S};
+    for (auto& c : p.chunks) c.attention = {S};
+    return p;
+  };
+  const Plan reference = batched(resident_plan(shape, T));
+  const Trained expect = train(spec, reference, T, 9);
+  // The executor hands the split to every pass (forward, backward, recompute): without it the
+  // step would be one sequence of T tokens'.
+  const Trained joined = train(spec, resident_plan(shape, T), T, 9);
+  CHECK(joined.losses != expect.losses);
+  std::mt19937_64 rng(17);
+  for (int i = 0; i < 6; ++i) {
+    Plan p = batched(random_plan(shape, T, rng));
+    // Every class recomputed in one of them (the recompute pass regenerates saved state by forward).
+    if (i == 0)
+      for (std::size_t l = 0; l < p.retention.size(); ++l)
+        for (int c = 1; c < activation_class_count; ++c)
+          p.retention[l][static_cast<std::size_t>(c)] = RetentionDecision::recompute(static_cast<int>(l));
+    CAPTURE(i);
+    const Trained got = train(spec, p, T, 9);
+    CHECK(got.losses == expect.losses);
+    for (std::size_t s = 0; s < got.master.size(); ++s) CHECK(same_bits(got.master[s], expect.master[s]));
   }
 }
 

@@ -30,5 +30,9 @@ echo "128K, --no-keep-attention-state: $whole"
 [[ "$around" == *"as checkpoint around kept attention state for the CUDA executor"* ]] || { echo "FAIL: 128K does not run around the kept attention state"; exit 1; }
 [[ "$whole" == *"as checkpoint for the CUDA executor"* ]] || { echo "FAIL: 128K without kept attention state is not the whole-layer checkpoint"; exit 1; }
 awk -v a="$(step "$around")" -v b="$(step "$whole")" 'BEGIN { exit !(a + 1 < b) }' || { echo "FAIL: the kept attention state did not shorten the 128K step by 1 s"; exit 1; }
+# Several sequences per micro-batch: oom-train runs them too, so the line is there.
+batched=$("$plan" --model "$config" --seq 4096 --batch 2 --candidates 1 | grep "^oom-train --backend cuda would run") ||
+  { echo "FAIL: no 'would run' line for --batch 2"; exit 1; }
+echo "4K x 2 sequences: $batched"
 "$plan" --model "$config" --grad-staging -1 > /dev/null 2>&1 && { echo "FAIL: --grad-staging -1 accepted"; exit 1; }
 echo "PASS"

@@ -10,7 +10,7 @@
 //   p   = softmax(xn2 Wr^T) (fp32); top-k experts, weights renormalised when norm_topk_prob
 //   y   = h + sum_j w_j down_e(silu(gate_e xn2) * up_e xn2)
 //
-// No aux loss, no dropout, one sequence of T tokens (positions given per token).
+// No aux loss, no dropout; T tokens in DecoderLayerShape::sequences sequences (positions given per token).
 //
 // Dtypes: activations and weights bf16, every accumulation fp32 (cuBLAS with CUBLAS_COMPUTE_32F,
 // fp32 statistics). Parameter gradients are fp32 and ACCUMULATED (+=) into what the caller passes
@@ -179,7 +179,7 @@ struct DecoderLayerContext {
 /// the chunk (C*k rows), the attention backward's with T.
 [[nodiscard]] std::size_t decoder_layer_workspace_bytes(const DecoderLayerShape& s, const kernels::ExpertGemmStreams& streams);
 
-/// y = layer(x). `positions` (T) int32 on the device (0..T-1 for one sequence). x is read again
+/// y = layer(x). `positions` (T) int32 on the device (0..S-1 in each sequence of S). x is read again
 /// by the backward, so keep it unchanged until then. y must not alias x. Writes `saved`.
 /// All device buffers 256-byte aligned is the safe choice (16 bytes is required).
 void decoder_layer_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,

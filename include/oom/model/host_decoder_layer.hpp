@@ -5,8 +5,8 @@
 //   h = x + o_proj(attention(rope(q_norm(q_proj(n1))), rope(k_norm(k_proj(n1))), v_proj(n1))),  n1 = rms1(x)
 //   y = h + sum_j w_j down_j(silu(gate_j n2) * up_j n2),                                        n2 = rms2(h)
 //
-// with causal GQA (scale 1/sqrt(head_dim)), rotate-half RoPE over positions 0..T-1 (the tokens
-// are one sequence), a softmax router over the experts with top-k (ties to the lower index) and,
+// with causal GQA (scale 1/sqrt(head_dim)), rotate-half RoPE over positions 0..S-1 (the T tokens
+// are HostLayerContext::sequences sequences of S, attention within each), a softmax router over the experts with top-k (ties to the lower index) and,
 // with norm_topk_prob, the k weights renormalised. No auxiliary loss.
 //
 // Chunks (ChunkDependency::independent, the executor's run_chunks): forward and backward are
@@ -62,16 +62,16 @@ class HostDecoderLayer {
  private:
   // Work that spans the chunks of one pass (calls for one layer never run concurrently).
   struct ForwardState {
-    std::uint64_t tokens = 0, next = 0;
+    std::uint64_t tokens = 0, sequences = 1, next = 0;
     std::vector<float> xn1, rstd1, q_raw, k_raw, v, context, lse, h;
   };
   struct BackwardState {
-    std::uint64_t tokens = 0, next = 0;
+    std::uint64_t tokens = 0, sequences = 1, next = 0;
     std::vector<float> dxn2, dlogits, dgate_up, act, dy_weighted;  // per token / per slot, all T
   };
 
   void check_context(const HostLayerContext& ctx, bool backward) const;
-  void begin_pass(const HostLayerContext& ctx, std::uint64_t& tokens, std::uint64_t& next);
+  void begin_pass(const HostLayerContext& ctx, std::uint64_t& tokens, std::uint64_t& sequences, std::uint64_t& next);
   void convert_weights(const HostLayerContext& ctx);
   void attention_forward(const HostLayerContext& ctx);
   void moe_forward(const HostLayerContext& ctx);
@@ -93,7 +93,6 @@ class HostDecoderLayer {
   std::vector<std::vector<float>> w_;  // fp32 copies of the bound weights, per segment, for one pass
   std::vector<std::int32_t> positions_;  // for positions_.size() tokens in positions_sequences_ sequences
   std::uint64_t positions_sequences_ = 1;
-  std::uint64_t sequences_ = 1;  // the current pass's (begin_pass)
   ForwardState fwd_;
   BackwardState bwd_;
 };

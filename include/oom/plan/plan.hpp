@@ -86,8 +86,8 @@ struct Plan {
 
   Prediction predicted;
 
-  /// The largest MoE token chunk of its layers (a chunk of 0 or past the sequence counts as the
-  /// whole sequence); the sequence's tokens when no layer has chunks.
+  /// The largest MoE token chunk of its layers (a chunk of 0 or past the micro-batch's tokens
+  /// counts as all of them); the micro-batch's tokens when no layer has chunks.
   [[nodiscard]] std::uint64_t largest_moe_chunk() const {
     const std::uint64_t T = workload.tokens();
     std::uint64_t c = 0;
