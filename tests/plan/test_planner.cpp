@@ -44,6 +44,27 @@ ModelSpec random_model(std::mt19937_64& rng) {
   return ModelSpec::from_json(c, "<random>");
 }
 
+/// The 5.13B benchmark model's planner on the built-in H200 profile (the planner points at the
+/// spec and the profile, so the fixture is neither copied nor moved).
+struct Moe5bOnH200 {
+  ModelSpec spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/moe-5b.json");
+  MachineProfile profile = MachineProfile::h200(1);
+  Planner planner{spec, profile, "moe-5b"};
+
+  Moe5bOnH200() = default;
+  Moe5bOnH200(const Moe5bOnH200&) = delete;
+  Moe5bOnH200& operator=(const Moe5bOnH200&) = delete;
+
+  /// One sequence of `tokens` a micro-batch, within these budgets.
+  static PlanRequest request(std::uint64_t tokens, Bytes gpu_budget, Bytes host_budget) {
+    PlanRequest req;
+    req.workload = {1, tokens};
+    req.gpu_budget = gpu_budget;
+    req.host_budget = host_budget;
+    return req;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("random models, machines and budgets: plans fit, and more GPU memory is never slower") {
@@ -98,13 +119,9 @@ TEST_CASE("random models, machines and budgets: plans fit, and more GPU memory i
 }
 
 TEST_CASE("an infeasible request names the least bytes it needs and the budget") {
-  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/moe-5b.json");
-  const auto profile = MachineProfile::h200(1);
-  const Planner planner(spec, profile, "moe-5b");
-  PlanRequest req;
-  req.workload = {1, 1 << 20};
-  req.gpu_budget = 8_GiB;
-  req.host_budget = 120_GiB;
+  const Moe5bOnH200 m;
+  const auto& [spec, profile, planner] = m;
+  PlanRequest req = Moe5bOnH200::request(1 << 20, 8_GiB, 120_GiB);
   try {
     (void)planner.plan(req);
     FAIL("planned 1M tokens in 8 GiB");
@@ -178,13 +195,9 @@ TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
 }
 
 TEST_CASE("clipping by global norm: every update after the backward and the norm, staging for all streamed gradients") {
-  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/moe-5b.json");
-  const auto profile = MachineProfile::builtin("h200", 1);
-  const Planner planner(spec, profile, "moe-5b");
-  PlanRequest req;
-  req.workload = {1, 32768};
-  req.gpu_budget = 139_GiB;
-  req.host_budget = 110_GiB;
+  const Moe5bOnH200 m;
+  const auto& [spec, profile, planner] = m;
+  PlanRequest req = Moe5bOnH200::request(32768, 139_GiB, 110_GiB);
   const Plan plain = planner.plan(req).plans.front();
   Plan clipped = plain;
   clipped.clip_grad_norm = true;
@@ -222,14 +235,10 @@ TEST_CASE("clipping by global norm: every update after the backward and the norm
 }
 
 TEST_CASE("gradient accumulation on the device: each later micro-batch refills every streamed layer's gradients") {
-  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/moe-5b.json");
-  const auto profile = MachineProfile::builtin("h200", 1);
-  const Planner planner(spec, profile, "moe-5b");
-  PlanRequest req;
-  req.workload = {1, 4096};
+  const Moe5bOnH200 m;
+  const auto& [spec, profile, planner] = m;
+  PlanRequest req = Moe5bOnH200::request(4096, 79_GiB, 110_GiB);  // some layers streamed
   req.micro_batches = 3;
-  req.gpu_budget = 79_GiB;  // some layers streamed
-  req.host_budget = 110_GiB;
   const Plan host = planner.plan(req).plans.front();
   CHECK(host.grad_accumulation == GradAccumulation::host);
   Plan device = host;
