@@ -267,6 +267,16 @@ void HostDecoderLayer::normed_rotated(const float* raw, std::uint64_t tokens, st
                                  static_cast<std::int64_t>(heads), static_cast<std::int64_t>(d_), static_cast<std::int64_t>(d_), theta_);
 }
 
+namespace {
+
+/// The attention over a pass's tokens: ctx.sequences sequences, each causal on its own.
+reference::AttentionDims attention_dims(const HostLayerContext& ctx, std::uint64_t heads, std::uint64_t kv_heads, std::uint64_t d) {
+  return {static_cast<int>(ctx.sequences), static_cast<int>(ctx.tokens / ctx.sequences), static_cast<int>(heads),
+          static_cast<int>(kv_heads), static_cast<int>(d)};
+}
+
+}  // namespace
+
 // ---- forward ---------------------------------------------------------------------------------
 
 void HostDecoderLayer::forward(HostLayerContext& ctx) {
@@ -313,8 +323,7 @@ void HostDecoderLayer::attention_forward(const HostLayerContext& ctx) {
   Vec qn, rq, qr, kn, rk, kr;
   normed_rotated(f.q_raw.data(), T, heads_, q_norm, qn, rq, qr);
   normed_rotated(f.k_raw.data(), T, kv_heads_, k_norm, kn, rk, kr);
-  const reference::AttentionDims dims{static_cast<int>(ctx.sequences), static_cast<int>(T / ctx.sequences), static_cast<int>(heads_),
-                                      static_cast<int>(kv_heads_), static_cast<int>(d_)};
+  const reference::AttentionDims dims = attention_dims(ctx, heads_, kv_heads_, d_);
   f.context.resize(T * q_);
   f.lse.resize(heads_ * T);
   reference::attention_forward<float>(dims, scale_, cspan(qr), cspan(kr), cspan(f.v), f.context, f.lse);
@@ -556,8 +565,7 @@ void HostDecoderLayer::attention_backward(const HostLayerContext& ctx) {
   Vec qn, rq, qr, kn, rk, kr;
   normed_rotated(q_raw, T, heads_, q_norm, qn, rq, qr);
   normed_rotated(k_raw, T, kv_heads_, k_norm, kn, rk, kr);
-  const reference::AttentionDims dims{static_cast<int>(ctx.sequences), static_cast<int>(T / ctx.sequences), static_cast<int>(heads_),
-                                      static_cast<int>(kv_heads_), static_cast<int>(d_)};
+  const reference::AttentionDims dims = attention_dims(ctx, heads_, kv_heads_, d_);
   Vec dqr(T * q_), dkr(T * kv_), dv(T * kv_);
   reference::attention_backward<float>(dims, scale_, cspan(qr), cspan(kr), cspan(v, T * kv_), cspan(context, T * q_),
                                        cspan(lse, heads_ * T), cspan(d_context), dqr, dkr, dv);

@@ -289,8 +289,6 @@ class HostExecutor {
         if (elems > 0) saved[l][static_cast<std::size_t>(c)] = alloc_device(Bytes{elems * sizeof(float)}, Claimant::retained_activations);
       }
       HostLayerContext ctx = bind(l, slot);
-      ctx.tokens = t;
-      ctx.sequences = plan_.workload.sequences;
       ctx.input = act[l];
       ctx.output = act[l + 1];
       ctx.saved = saved[l];
@@ -380,8 +378,6 @@ class HostExecutor {
       b_.wait(compute_, restored);
       // Recompute what was dropped, from the boundary.
       HostLayerContext re = bind(li, slot);
-      re.tokens = t;
-      re.sequences = plan_.workload.sequences;
       re.input = act[li];
       bool any = false;
       for (int c = 1; c < activation_class_count; ++c) {
@@ -400,8 +396,6 @@ class HostExecutor {
       // Backward, chunk by chunk; weight gradients accumulate in token order.
       float* grad_in = alloc_device(act_bytes, Claimant::worksets);
       HostLayerContext ctx = bind(li, slot);
-      ctx.tokens = t;
-      ctx.sequences = plan_.workload.sequences;
       ctx.input = act[li];
       ctx.grad_output = grad;
       ctx.grad_input = grad_in;
@@ -660,8 +654,12 @@ class HostExecutor {
   }
   void release(Slot* slot) { b_.record(slot->free, compute_); }
 
+  /// Layer l's weights where they live now (its streamed ones in `slot`), over the micro-batch's
+  /// tokens and sequences.
   HostLayerContext bind(std::size_t l, Slot* slot) {
     HostLayerContext ctx;
+    ctx.tokens = plan_.workload.tokens();
+    ctx.sequences = plan_.workload.sequences;
     std::uint64_t offset = 0;
     for (auto& seg : layers_state_[l].segments) {
       if (seg.resident) {
