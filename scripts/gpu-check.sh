@@ -19,6 +19,8 @@
 # it over calls: KERNEL_BENCH=0 GPU_CTEST_ARGS="-E ^test_attention$", then KERNEL_BENCH=0
 # GPU_CTEST_ARGS="-R ^test_attention$", then KERNEL_TESTS=0 (the benchmarks alone; if they do not
 # fit either, OOM_BENCH_TOKENS and OOM_BENCH_VARIANTS pick bench_moe_kernels' rows).
+# PARTS=peers runs the 5.13B model in oom-train and in PyTorch FSDP2 (scripts/bench_fsdp2.py) at the
+# same seq and batch, one after the other, and prints the ratios (PEERS, PEER_MODES below).
 # PARTS="calibrate train" first measures a machine profile ($out/profile.json, oom-calibrate) and
 # the 5.13B runs plan and predict with it (else with PROFILE=path, if given). GRAD_STAGING=N runs them with a pinned gradient
 # staging ring of N layers (oom-train --grad-staging, default 3; 0 per parameter); KEEP_ATTENTION=0
@@ -86,6 +88,7 @@ kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_k
   test_lm_ends test_cuda_decoder_layer test_wgmma test_attention_wgmma test_attention_backward_wgmma test_grouped_wgrad
   test_grouped_rows)
 [[ "$parts" == *" kernels "* ]] && targets=(--target "${kernel_tests[@]}" bench_attention bench_moe_kernels ${EXTRA_TARGETS:-})
+[[ "$parts" == " peers " ]] && targets=(--target oom-train ${EXTRA_TARGETS:-})
 # The build stops after BUILD_LIMIT seconds (default 480) with its progress printed, so that a
 # device call (at most 600 s) on a fresh machine returns something and the next call, on the warm
 # machine, finishes the build and runs. BUILD_ONLY=1 stops after a completed build.
@@ -252,6 +255,32 @@ if [[ "$parts" == *" train "* ]]; then
   done
 fi
 
+# PARTS=peers: OOM against PyTorch FSDP2 (scripts/bench_fsdp2.py) on the 5.13B model in the same
+# call, each run alone on the whole GPU, one after the other. PEERS (default "4096:1 4096:2") lists
+# seq:batch settings; PEER_MODES (default "plain") may add "offload" (FSDP2 + CPUOffloadPolicy,
+# ~9 s a step) and either with "-nockpt" (no per-layer activation checkpointing); PEER_STEPS
+# (default 4) steps each, the first not counted. The summary prints the ratios. A peer that runs
+# out of memory says so (exit 3) and the sweep goes on.
+if [[ "$parts" == *" peers "* ]]; then
+  for setting in ${PEERS:-4096:1 4096:2}; do
+    seq=${setting%%:*} batch=${setting##*:}
+    [[ "$seq" =~ ^[0-9]+$ && "$batch" =~ ^[0-9]+$ ]] || { echo "PEERS: '$setting' is not seq:batch" >&2; bench_rc=1; continue; }
+    run="$build_dir/peer-oom-$seq-$batch"
+    limited "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/moe-5b.json \
+      --out "$run" --overwrite --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" --lr 3e-4 --log-every 1 \
+      --checkpoint-every 0 > "$out/peer-oom-$seq-$batch.log" 2>&1 || bench_rc=1
+    cp "$run/metrics.jsonl" "$out/peer-oom-$seq-$batch.jsonl" 2> /dev/null
+    for mode in ${PEER_MODES:-plain}; do
+      limited 420 env PYTHONUNBUFFERED=1 python3 scripts/bench_fsdp2.py --config examples/configs/moe-5b.json \
+        --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" $([[ "$mode" == offload* ]] && echo --offload) \
+        $([[ "$mode" == *-nockpt ]] && echo --no-checkpointing) \
+        --json "$out/peer-fsdp2-$mode-$seq-$batch.json" > "$out/peer-fsdp2-$mode-$seq-$batch.log" 2>&1
+      rc=$?
+      ((rc != 0 && rc != 3)) && bench_rc=1
+    done
+  done
+fi
+
 [[ "$parts" == *" bench "* ]] && for b in "$build_dir"/bench/micro/bench_*; do
   [[ -x "$b" ]] || continue
   name=$(basename "$b")
@@ -346,6 +375,23 @@ for line in open(os.path.join(out, "bandwidth.log")) if os.path.exists(os.path.j
     m = bw_line.match(line)
     if m and "size reference" not in m.group(1):
         bars.append((m.group(1).strip(), float(m.group(2)) / 100, 0.7, "x copy"))
+# OOM against FSDP2 in the same call (PARTS=peers): tokens/s over the steps after the first.
+peers = []
+for name in sorted(os.listdir(out)):
+    m = re.match(r"peer-oom-(\d+)-(\d+)\.jsonl$", name)
+    if not m:
+        continue
+    seq, batch = int(m.group(1)), int(m.group(2))
+    steps = [json.loads(l) for l in open(os.path.join(out, name)) if l.strip()][1:]
+    ours = sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in steps) if steps else None
+    ours_peak = max((s["device_peak_bytes"] for s in steps), default=0)
+    ours_rss = max((s["host_rss_bytes"] for s in steps), default=0)
+    for peer_name in sorted(os.listdir(out)):
+        pm = re.match(rf"peer-fsdp2-([a-z-]+)-{seq}-{batch}\.json$", peer_name)
+        if pm:
+            mode, peer = pm.group(1), json.load(open(os.path.join(out, peer_name)))
+            peers.append((seq, batch, mode, ours, peer.get("tokens_per_s"), peer.get("error"), ours_peak,
+                          peer.get("gpu_reserved_peak_bytes", 0), ours_rss, peer.get("host_rss_peak_bytes", 0)))
 tests = re.findall(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", log)
 print("\n==== OOM GPU check ====")
 if tests:
@@ -359,6 +405,18 @@ if bars:
     wb = max(len(b[0]) for b in bars)
     for name, value, bar, unit, *aside in bars:
         print(f"{name:<{wb}}  {value:6.3f}{unit:<8} bar {bar:.2f}  {'ok' if value >= bar else 'BELOW':<5}  {' '.join(aside)}".rstrip())
+if peers:
+    print("--- OOM vs PyTorch FSDP2, 5.13B, same call (tokens/s, steps after the first; GiB: GPU peak, host RSS peak)")
+    for seq, batch, mode, ours, theirs, error, op, tp, orss, trss in peers:
+        peer = ("FSDP2 + CPU offload" if mode.startswith("offload") else "plain FSDP2") + \
+            (" (no activation checkpointing)" if mode.endswith("-nockpt") else "")
+        ours_s = f"{ours:,.0f}" if ours else "no run"
+        if error or not theirs:
+            print(f"seq {seq} x batch {batch}: OOM {ours_s}; {peer}: {error or 'no result'}")
+            continue
+        ratio = f"{ours / theirs:.2f}x" if ours else "-"
+        print(f"seq {seq} x batch {batch}: OOM {ours_s} vs {peer} {theirs:,.0f} = {ratio}; "
+              f"GPU {op / 2**30:.1f} vs {tp / 2**30:.1f}, host {orss / 2**30:.1f} vs {trss / 2**30:.1f}")
 for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14),
                     ("bench_attention_d256.log", 7), ("sdpa_d256.log", 7),
                     ("train-3e-3.log", 3), ("compare-layer.log", 30), ("compare-train-3e-3.log", 8),

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The FSDP2 peer baseline's parts that run without a GPU or torch (scripts/bench_fsdp2.py): its
+arguments, the config it hands transformers, and the figure it reports.
+Usage: test_bench_fsdp2.py REPO_ROOT"""
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+REPO = os.path.abspath(sys.argv.pop(1) if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import bench_fsdp2 as bench  # noqa: E402  (stdlib imports only at module level)
+
+MOE_5B = os.path.join(REPO, "examples", "configs", "moe-5b.json")
+
+
+def refused(fn, *args):
+    """The message of the SystemExit fn raises (argparse's goes to stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            fn(*args)
+        except SystemExit as e:
+            return f"{e.code if isinstance(e.code, str) else ''}{err.getvalue()}"
+    raise AssertionError(f"{fn.__name__}{args} was not refused")
+
+
+class Arguments(unittest.TestCase):
+    def test_defaults(self):
+        a = bench.parse_args(["--config", MOE_5B])
+        self.assertEqual((a.seq, a.batch, a.steps, a.offload, a.no_checkpointing), (4096, 1, 4, False, False))
+
+    def test_one_step_is_refused_since_the_first_is_not_counted(self):
+        self.assertIn("--steps must be at least 2", refused(bench.parse_args, ["--config", MOE_5B, "--steps", "1"]))
+
+    def test_zero_batch_and_seq_are_refused(self):
+        self.assertIn("--batch must be at least 1", refused(bench.parse_args, ["--config", MOE_5B, "--batch", "0"]))
+        self.assertIn("--seq must be at least 1", refused(bench.parse_args, ["--config", MOE_5B, "--seq", "0"]))
+
+    def test_a_missing_config_is_named(self):
+        self.assertIn("nope.json: no such file", refused(bench.parse_args, ["--config", "nope.json"]))
+
+
+class ConfigFields(unittest.TestCase):
+    def test_the_benchmark_model(self):
+        model_type, fields = bench.config_fields(MOE_5B, 4096)
+        self.assertEqual(model_type, "qwen3_moe")
+        self.assertNotIn("model_type", fields)
+        self.assertNotIn("torch_dtype", fields)  # fp32 parameters whatever the file says
+        self.assertEqual((fields["hidden_size"], fields["num_experts"], fields["num_experts_per_tok"]), (2048, 64, 8))
+        self.assertEqual(fields["max_position_embeddings"], 1048576)  # already long enough: unchanged
+
+    def test_a_sequence_longer_than_the_table_raises_it(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "c.json")
+            with open(path, "w") as f:
+                json.dump({"model_type": "qwen3_moe", "max_position_embeddings": 4096, "dtype": "bfloat16"}, f)
+            model_type, fields = bench.config_fields(path, 131072)
+            self.assertEqual(fields, {"max_position_embeddings": 131072})
+            with open(path) as f:
+                self.assertEqual(json.load(f)["max_position_embeddings"], 4096)  # the file is not touched
+
+    def test_bad_files_are_named(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "c.json")
+            with open(path, "w") as f:
+                f.write('{"hidden_size": 8}')
+            self.assertIn(f"{path}: no model_type field", refused(bench.config_fields, path, 8))
+            with open(path, "w") as f:
+                f.write("[1, 2")
+            self.assertIn(path, refused(bench.config_fields, path, 8))
+
+
+class Summary(unittest.TestCase):
+    def test_the_first_step_is_left_out_and_the_rate_is_tokens_over_mean_time(self):
+        mean_s, low, high, rate = bench.summarize([9.0, 1.0, 2.0, 1.0], 4000)
+        self.assertAlmostEqual(mean_s, 4.0 / 3.0)
+        self.assertAlmostEqual(rate, 3000.0)  # not the mean of the per-step rates (3333)
+        self.assertEqual((low, high), (2000.0, 4000.0))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
