@@ -11,9 +11,11 @@ over fp32 parameters, per-layer activation checkpointing, torch.optim.AdamW).
 Modes: plain FSDP2 (all state on the GPU) or --offload (CPUOffloadPolicy(pin_memory=True): fp32
 parameters, gradients and AdamW state on the host, the optimizer step on the CPU). The model is
 built and initialised on the GPU (transformers' init, std initializer_range), then sharded, one
-FSDP unit per decoder layer and one for the rest. Each step is one forward and backward of a
-(batch, seq) window of random tokens with labels = input_ids (transformers shifts them) and one
-AdamW step. Printed per step: loss, seconds, tokens/s (all GPUs together); then the mean over the
+FSDP unit per decoder layer and one for the rest. Each step is one forward and backward of
+(batch, seq) tokens with oom-train's loss (mean cross-entropy of each window's tokens 1..seq given
+0..seq-1, on fp32 logits as transformers computes it) and one AdamW step; the windows are random
+tokens, or with --batches those of an oom-train run (its --dump-batches file), so both train on
+the same data. Printed per step: loss, seconds, tokens/s (all GPUs together); then the mean over the
 steps after the first (the first warms allocators and kernels) and the peaks: GPU memory reserved
 by PyTorch's allocator (the most any rank reserved) and host RSS high-water mark (VmHWM) of rank
 0. A run that does not fit prints 'out of GPU memory' (or host memory) and exits with status 3,
@@ -49,6 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--batches", help="train on these windows (an OOMTOK01 file of seq + 1 tokens each, as "
+                    "oom-train --dump-batches writes; step i takes windows i*batch*gpus ...) instead of random tokens")
     ap.add_argument("--json", help="write the summary here (rank 0)")
     args = ap.parse_args(argv)
     for name in ("seq", "batch", "steps"):
@@ -56,8 +60,10 @@ def parse_args(argv=None):
             ap.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     if args.steps < 2:
         ap.error("--steps must be at least 2: the first step is a warm-up and is not counted")
-    if not os.path.isfile(args.config):
-        ap.error(f"--config {args.config}: no such file")
+    for name in ("config", "batches"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            ap.error(f"--{name} {path}: no such file")
     return args
 
 
@@ -79,6 +85,16 @@ def config_fields(path, seq):
     if raw.get("max_position_embeddings", seq) < seq:
         raw["max_position_embeddings"] = seq
     return raw.pop("model_type"), raw
+
+
+def step_windows(total_windows, seq, batch, gpus, steps):
+    """How a token file of total_windows windows (of seq + 1 tokens) feeds the run: step i on rank r
+    takes windows (i * gpus + r) * batch ... + batch. Refused, naming the counts, when the file is short."""
+    need = steps * gpus * batch
+    if total_windows < need:
+        raise SystemExit(f"bench_fsdp2: --batches holds {total_windows} windows of {seq + 1} tokens; {steps} steps "
+                         f"of {batch} sequence(s) on {gpus} GPU(s) need {need}")
+    return lambda step, rank: range((step * gpus + rank) * batch, (step * gpus + rank + 1) * batch)
 
 
 def summarize(step_seconds, tokens_per_step):
@@ -154,13 +170,26 @@ def main(argv=None):
         say(f"built and sharded in {time.perf_counter() - t0:.1f} s", flush=True)
 
         gen = torch.Generator(device="cuda").manual_seed(args.seed + rank)
+        if args.batches:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from compare_train_pytorch import read_tokens
+            flat = read_tokens(args.batches)
+            if flat.size % (args.seq + 1):
+                raise SystemExit(f"bench_fsdp2: {args.batches}: {flat.size} tokens are not windows of seq + 1 = {args.seq + 1}")
+            windows = torch.from_numpy(flat.reshape(-1, args.seq + 1))
+            pick = step_windows(windows.shape[0], args.seq, args.batch, world, args.steps)
+            result["batches"] = args.batches
         step_seconds = []
         for step in range(1, args.steps + 1):
-            ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda", generator=gen)
+            if args.batches:  # oom-train's loss: window[1:] given window[:-1]
+                w = windows[list(pick(step - 1, rank))].to("cuda")
+            else:
+                w = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device="cuda", generator=gen)
             torch.cuda.synchronize()
             dist.barrier()
             start = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
+            logits = model(input_ids=w[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

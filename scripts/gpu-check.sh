@@ -256,7 +256,8 @@ if [[ "$parts" == *" train "* ]]; then
 fi
 
 # PARTS=peers: OOM against PyTorch FSDP2 (scripts/bench_fsdp2.py) on the 5.13B model in the same
-# call, each run alone on the whole GPU, one after the other. PEERS (default "4096:1 4096:2") lists
+# call, each run alone on the whole GPU, one after the other, on the same windows of data (the
+# peer reads those oom-train dumped). PEERS (default "4096:1 4096:2") lists
 # seq:batch settings; PEER_MODES (default "plain") may add "offload" (FSDP2 + CPUOffloadPolicy,
 # ~9 s a step) and either with "-nockpt" (no per-layer activation checkpointing); PEER_STEPS
 # (default 4) steps each, the first not counted. The summary prints the ratios. A peer that runs
@@ -266,14 +267,16 @@ if [[ "$parts" == *" peers "* ]]; then
     seq=${setting%%:*} batch=${setting##*:}
     [[ "$seq" =~ ^[0-9]+$ && "$batch" =~ ^[0-9]+$ ]] || { echo "PEERS: '$setting' is not seq:batch" >&2; bench_rc=1; continue; }
     run="$build_dir/peer-oom-$seq-$batch"
+    rm -f "$run.tok"
     limited "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/moe-5b.json \
       --out "$run" --overwrite --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" --lr 3e-4 --log-every 1 \
-      --checkpoint-every 0 > "$out/peer-oom-$seq-$batch.log" 2>&1 || bench_rc=1
+      --checkpoint-every 0 --dump-batches "$run.tok" > "$out/peer-oom-$seq-$batch.log" 2>&1 || bench_rc=1
     cp "$run/metrics.jsonl" "$out/peer-oom-$seq-$batch.jsonl" 2> /dev/null
     for mode in ${PEER_MODES:-plain}; do
       limited 420 env PYTHONUNBUFFERED=1 python3 scripts/bench_fsdp2.py --config examples/configs/moe-5b.json \
         --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" $([[ "$mode" == offload* ]] && echo --offload) \
         $([[ "$mode" == *-nockpt ]] && echo --no-checkpointing) \
+        $([[ -f "$run.tok" ]] && echo --batches "$run.tok") \
         --json "$out/peer-fsdp2-$mode-$seq-$batch.json" > "$out/peer-fsdp2-$mode-$seq-$batch.log" 2>&1
       rc=$?
       ((rc != 0 && rc != 3)) && bench_rc=1

@@ -40,8 +40,10 @@ class Arguments(unittest.TestCase):
         self.assertIn("--batch must be at least 1", refused(bench.parse_args, ["--config", MOE_5B, "--batch", "0"]))
         self.assertIn("--seq must be at least 1", refused(bench.parse_args, ["--config", MOE_5B, "--seq", "0"]))
 
-    def test_a_missing_config_is_named(self):
+    def test_missing_files_are_named(self):
         self.assertIn("nope.json: no such file", refused(bench.parse_args, ["--config", "nope.json"]))
+        self.assertIn("--batches nope.tok: no such file",
+                      refused(bench.parse_args, ["--config", MOE_5B, "--batches", "nope.tok"]))
 
 
 class ConfigFields(unittest.TestCase):
@@ -72,6 +74,23 @@ class ConfigFields(unittest.TestCase):
             with open(path, "w") as f:
                 f.write("[1, 2")
             self.assertIn(path, refused(bench.config_fields, path, 8))
+
+
+class StepWindows(unittest.TestCase):
+    def test_as_oom_train_dumps_them_one_step_after_another(self):
+        pick = bench.step_windows(12, 4096, 3, 1, 4)
+        self.assertEqual([list(pick(i, 0)) for i in range(4)], [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]])
+
+    def test_ranks_take_disjoint_windows(self):
+        pick = bench.step_windows(16, 128, 2, 2, 4)
+        seen = [w for i in range(4) for r in range(2) for w in pick(i, r)]
+        self.assertEqual(sorted(seen), list(range(16)))
+        self.assertEqual(list(pick(1, 1)), [6, 7])
+
+    def test_a_short_file_is_refused_with_the_counts(self):
+        msg = refused(bench.step_windows, 11, 4096, 3, 1, 4)
+        self.assertIn("holds 11 windows of 4097 tokens", msg)
+        self.assertIn("need 12", msg)
 
 
 class Summary(unittest.TestCase):
