@@ -1086,6 +1086,12 @@ Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan, const Cu
   (void)footprint(spec, plan, options);  // the same checks the constructor makes
   Plan out = plan;
   out.grad_accumulation = GradAccumulation::device;  // a later micro-batch refills each streamed layer's gradient slot
+  // The ends (embedding, final norm, LM head) are resident whatever the plan lists: the kernels
+  // read them in place and they are updated on the GPU. Listed in ModelSpec order, as plans are.
+  const std::unordered_set<std::string> listed(plan.resident_segments.begin(), plan.resident_segments.end());
+  out.resident_segments.clear();
+  for (const auto& seg : spec.segments())
+    if (seg.layer < 0 || listed.contains(seg.name)) out.resident_segments.push_back(seg.name);
   const std::uint64_t T = plan.workload.tokens();
   for (std::size_t l = 0; l < out.retention.size(); ++l) {
     auto& row = out.retention[l];

@@ -196,11 +196,18 @@ TEST_CASE("as_executed: a layer's saved activations share one decision; the pred
   const auto spec = config("moe-5b.json");
   const auto profile = h200_as_measured();
   const Planner planner(spec, profile);
-  SUBCASE("keep-all plans run as planned") {
+  SUBCASE("keep-all plans run as planned, the ends resident") {
     const Plan p = plan_for(spec, 32768);
     const Plan e = CudaCausalLm::as_executed(spec, p);
     CHECK(e.retention == p.retention);
-    CHECK(planner.simulate(e).step_s == doctest::Approx(p.predicted.step_s).epsilon(1e-9));
+    // The planner streams the final norm and the LM head here; the executor holds them, so their
+    // updates move from the CPU pool to the GPU: the same step within a millisecond.
+    for (const char* end : {"final_norm", "lm_head"}) {
+      CHECK(std::ranges::find(p.resident_segments, end) == p.resident_segments.end());
+      CHECK(std::ranges::find(e.resident_segments, end) != e.resident_segments.end());
+    }
+    CHECK(e.resident_segments.size() == p.resident_segments.size() + 2);
+    CHECK(std::abs(planner.simulate(e).step_s - p.predicted.step_s) < 1e-3);
   }
   SUBCASE("512K with 85 GiB of host memory: the run measured on the H200 (2026-11-30)") {
     // oom-train --seq 524288 --host-mem 85GiB chose this plan (keep-attention, MoE in chunks of
@@ -229,6 +236,37 @@ TEST_CASE("as_executed: a layer's saved activations share one decision; the pred
     MESSAGE("512K with the defaults: as executed " << now << " s; the H200 measured 310.4 s");
     CHECK(std::abs(now - 310.4) < 0.15 * 310.4);
   }
+}
+
+TEST_CASE("as_executed lists the ends resident, as the executor holds them, and predicts their updates on the GPU") {
+  const auto spec = config("moe-5b.json");
+  const auto profile = h200_as_measured();
+  const Planner planner(spec, profile);
+  std::vector<std::string> ends;
+  for (const auto& seg : spec.segments())
+    if (seg.layer < 0) ends.push_back(seg.name);
+  REQUIRE(ends.size() == 3);  // embedding, final norm, LM head (untied)
+
+  Plan streamed = plan_for(spec, 32768);
+  streamed.resident_segments.clear();  // a plan that streams everything, the ends included
+  const Plan e = CudaCausalLm::as_executed(spec, streamed);
+  CHECK(e.resident_segments == ends);
+  // Streamed, the ends' 131M parameters would cross PCIe and be updated by the CPU AdamW; as the
+  // executor runs them they do neither.
+  const double planned = planner.simulate(streamed).step_s, executed = planner.simulate(e).step_s;
+  MESSAGE("all streamed at 32K: " << planned << " s as listed, " << executed << " s with the ends resident");
+  CHECK(executed < planned);
+
+  // Layer segments the plan lists stay listed, in ModelSpec order, the ends among them; a plan that
+  // already lists the ends is unchanged.
+  const Plan planned_plan = plan_for(spec, 131072);
+  const Plan again = CudaCausalLm::as_executed(spec, planned_plan);
+  std::vector<std::string> expected;
+  for (const auto& seg : spec.segments())
+    if (seg.layer < 0 || std::ranges::find(planned_plan.resident_segments, seg.name) != planned_plan.resident_segments.end())
+      expected.push_back(seg.name);
+  CHECK(again.resident_segments == expected);
+  CHECK(CudaCausalLm::as_executed(spec, again).resident_segments == expected);
 }
 
 TEST_CASE("a gradient staging ring: pinned staging of a few layers instead of every streamed parameter") {

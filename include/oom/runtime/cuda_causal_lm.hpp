@@ -200,8 +200,10 @@ class CudaCausalLm {
   /// projections, norms and RoPE the executor does rerun (~14 ms a layer at 512K on the 5.13B
   /// model, against 4.4 s of attention), and holds the planner's Q, K, V and O for the attention
   /// output where the executor keeps O and the LSE. With MoE token chunks the backward regenerates
-  /// each chunk's permuted tokens and expert activations. Boundaries, chunks and residency are as
-  /// planned; `predicted` is left as it was (simulate the result to predict).
+  /// each chunk's permuted tokens and expert activations. The ends (embedding, final norm, LM
+  /// head) are listed resident, as the executor always holds them (the planner may stream the
+  /// final norm and LM head). Boundaries, chunks and the layers' residency are as planned;
+  /// `predicted` is left as it was (simulate the result to predict).
   /// Errc::unsupported / invalid_argument as the constructor.
   [[nodiscard]] static Plan as_executed(const ModelSpec& spec, const Plan& plan, const CudaCausalLmOptions& options = {});
 
