@@ -19,7 +19,7 @@
 # it over calls: KERNEL_BENCH=0 GPU_CTEST_ARGS="-E ^test_attention$", then KERNEL_BENCH=0
 # GPU_CTEST_ARGS="-R ^test_attention$", then KERNEL_TESTS=0 (the benchmarks alone; if they do not
 # fit either, OOM_BENCH_TOKENS and OOM_BENCH_VARIANTS pick bench_moe_kernels' rows).
-# PARTS=peers runs the 5.13B model in oom-train and in PyTorch FSDP2 (scripts/bench_fsdp2.py) at the
+# PARTS=peers runs the 5.13B model in oom-train and in PyTorch FSDP2 (bench/baselines/fsdp2.py) at the
 # same seq and batch, one after the other, and prints the ratios (PEERS, PEER_MODES below).
 # PARTS="calibrate train" first measures a machine profile ($out/profile.json, oom-calibrate) and
 # the 5.13B runs plan and predict with it (else with PROFILE=path, if given). GRAD_STAGING=N runs them with a pinned gradient
@@ -255,7 +255,7 @@ if [[ "$parts" == *" train "* ]]; then
   done
 fi
 
-# PARTS=peers: OOM against PyTorch FSDP2 (scripts/bench_fsdp2.py) on the 5.13B model in the same
+# PARTS=peers: OOM against PyTorch FSDP2 (bench/baselines/fsdp2.py) on the 5.13B model in the same
 # call, each run alone on the whole GPU, one after the other, on the same windows of data (the
 # peer reads those oom-train dumped). PEERS (default "4096:1 4096:2") lists
 # seq:batch settings; PEER_MODES (default "plain") may add "offload" (FSDP2 + CPUOffloadPolicy,
@@ -273,7 +273,7 @@ if [[ "$parts" == *" peers "* ]]; then
       --checkpoint-every 0 --dump-batches "$run.tok" > "$out/peer-oom-$seq-$batch.log" 2>&1 || bench_rc=1
     cp "$run/metrics.jsonl" "$out/peer-oom-$seq-$batch.jsonl" 2> /dev/null
     for mode in ${PEER_MODES:-plain}; do
-      limited 420 env PYTHONUNBUFFERED=1 python3 scripts/bench_fsdp2.py --config examples/configs/moe-5b.json \
+      limited 420 env PYTHONUNBUFFERED=1 python3 bench/baselines/fsdp2.py --config examples/configs/moe-5b.json \
         --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" $([[ "$mode" == offload* ]] && echo --offload) \
         $([[ "$mode" == *-nockpt ]] && echo --no-checkpointing) \
         $([[ -f "$run.tok" ]] && echo --batches "$run.tok") \

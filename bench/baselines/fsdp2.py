@@ -4,9 +4,9 @@ oom-train reports itself, so that OOM's figures can be read as ratios to a peer 
 machine in the same session (MISSION.md's peer table was measured this way: FSDP2, bf16 compute
 over fp32 parameters, per-layer activation checkpointing, torch.optim.AdamW).
 
-  python3 scripts/bench_fsdp2.py --config examples/configs/moe-5b.json --seq 4096 --batch 2 \
+  python3 bench/baselines/fsdp2.py --config examples/configs/moe-5b.json --seq 4096 --batch 2 \
       [--offload] [--steps 4] [--json out.json]
-  torchrun --nproc-per-node 2 scripts/bench_fsdp2.py ...     (several GPUs: batch per GPU)
+  torchrun --nproc-per-node 2 bench/baselines/fsdp2.py ...     (several GPUs: batch per GPU)
 
 Modes: plain FSDP2 (all state on the GPU) or --offload (CPUOffloadPolicy(pin_memory=True): fp32
 parameters, gradients and AdamW state on the host, the optimizer step on the CPU). The model is
@@ -76,9 +76,9 @@ def config_fields(path, seq):
         with open(path) as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"bench_fsdp2: {path}: {e}")
+        raise SystemExit(f"fsdp2 baseline: {path}: {e}")
     if not isinstance(raw, dict) or "model_type" not in raw:
-        raise SystemExit(f"bench_fsdp2: {path}: no model_type field (not a Hugging Face config.json?)")
+        raise SystemExit(f"fsdp2 baseline: {path}: no model_type field (not a Hugging Face config.json?)")
     raw = dict(raw)
     raw.pop("torch_dtype", None)
     raw.pop("dtype", None)
@@ -92,7 +92,7 @@ def step_windows(total_windows, seq, batch, gpus, steps):
     takes windows (i * gpus + r) * batch ... + batch. Refused, naming the counts, when the file is short."""
     need = steps * gpus * batch
     if total_windows < need:
-        raise SystemExit(f"bench_fsdp2: --batches holds {total_windows} windows of {seq + 1} tokens; {steps} steps "
+        raise SystemExit(f"fsdp2 baseline: --batches holds {total_windows} windows of {seq + 1} tokens; {steps} steps "
                          f"of {batch} sequence(s) on {gpus} GPU(s) need {need}")
     return lambda step, rank: range((step * gpus + rank) * batch, (step * gpus + rank + 1) * batch)
 
@@ -115,7 +115,7 @@ def main(argv=None):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if not torch.cuda.is_available():
-        sys.exit("bench_fsdp2: no CUDA device; this baseline runs on the GPU machine")
+        sys.exit("fsdp2 baseline: no CUDA device; this baseline runs on the GPU machine")
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1"),
                        ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
@@ -171,11 +171,11 @@ def main(argv=None):
 
         gen = torch.Generator(device="cuda").manual_seed(args.seed + rank)
         if args.batches:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
             from compare_train_pytorch import read_tokens
             flat = read_tokens(args.batches)
             if flat.size % (args.seq + 1):
-                raise SystemExit(f"bench_fsdp2: {args.batches}: {flat.size} tokens are not windows of seq + 1 = {args.seq + 1}")
+                raise SystemExit(f"fsdp2 baseline: {args.batches}: {flat.size} tokens are not windows of seq + 1 = {args.seq + 1}")
             windows = torch.from_numpy(flat.reshape(-1, args.seq + 1))
             pick = step_windows(windows.shape[0], args.seq, args.batch, world, args.steps)
             result["batches"] = args.batches

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The FSDP2 peer baseline's parts that run without a GPU or torch (scripts/bench_fsdp2.py): its
+"""The FSDP2 peer baseline's parts that run without a GPU or torch (bench/baselines/fsdp2.py): its
 arguments, the config it hands transformers, and the figure it reports.
-Usage: test_bench_fsdp2.py REPO_ROOT"""
+Usage: test_fsdp2_baseline.py REPO_ROOT"""
 import contextlib
 import io
 import json
@@ -11,8 +11,8 @@ import tempfile
 import unittest
 
 REPO = os.path.abspath(sys.argv.pop(1) if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import bench_fsdp2 as bench  # noqa: E402  (stdlib imports only at module level)
+sys.path.insert(0, os.path.join(REPO, "bench", "baselines"))
+import fsdp2 as bench  # noqa: E402  (stdlib imports only at module level)
 
 MOE_5B = os.path.join(REPO, "examples", "configs", "moe-5b.json")
 
