@@ -88,7 +88,9 @@ kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_k
   test_lm_ends test_cuda_decoder_layer test_wgmma test_attention_wgmma test_attention_backward_wgmma test_grouped_wgrad
   test_grouped_rows)
 [[ "$parts" == *" kernels "* ]] && targets=(--target "${kernel_tests[@]}" bench_attention bench_moe_kernels ${EXTRA_TARGETS:-})
-[[ "$parts" == " peers " ]] && targets=(--target oom-train ${EXTRA_TARGETS:-})
+# PARTS=peers needs oom-train: alone, only it; beside other parts that name their targets, it too.
+if [[ "$parts" == " peers " ]]; then targets=(--target oom-train ${EXTRA_TARGETS:-})
+elif [[ "$parts" == *" peers "* && ${#targets[@]} -gt 0 ]]; then targets+=(oom-train); fi
 # The build stops after BUILD_LIMIT seconds (default 480) with its progress printed, so that a
 # device call (at most 600 s) on a fresh machine returns something and the next call, on the warm
 # machine, finishes the build and runs. BUILD_ONLY=1 stops after a completed build.
@@ -257,27 +259,42 @@ fi
 
 # PARTS=peers: OOM against PyTorch FSDP2 (bench/baselines/fsdp2.py) on the 5.13B model in the same
 # call, each run alone on the whole GPU, one after the other, on the same windows of data (the
-# peer reads those oom-train dumped). PEERS (default "4096:1 4096:2") lists
-# seq:batch settings; PEER_MODES (default "plain") may add "offload" (FSDP2 + CPUOffloadPolicy,
-# ~9 s a step) and either with "-nockpt" (no per-layer activation checkpointing); PEER_STEPS
-# (default 4) steps each, the first not counted. The summary prints the ratios. A peer that runs
-# out of memory says so (exit 3) and the sweep goes on.
+# peer reads those oom-train dumped; where oom-train did not finish, the peer is not run). PEERS
+# (default "4096:1 4096:2") lists seq:batch settings; PEER_MODES (default "plain") may add "offload"
+# (FSDP2 + CPUOffloadPolicy, ~7 s a step) and either with "-nockpt" (no per-layer activation
+# checkpointing); PEER_STEPS (default 4) steps each, the first not counted. The summary prints the
+# ratios, and names a peer that failed. A peer out of memory says so (exit 3); the sweep goes on.
 if [[ "$parts" == *" peers "* ]]; then
+  for mode in ${PEER_MODES:-plain}; do
+    [[ "$mode" =~ ^(plain|offload)(-nockpt)?$ ]] ||
+      { echo "PEER_MODES: '$mode' is not plain, offload, plain-nockpt or offload-nockpt" >&2; bench_rc=1; }
+  done
   for setting in ${PEERS:-4096:1 4096:2}; do
-    seq=${setting%%:*} batch=${setting##*:}
-    [[ "$seq" =~ ^[0-9]+$ && "$batch" =~ ^[0-9]+$ ]] || { echo "PEERS: '$setting' is not seq:batch" >&2; bench_rc=1; continue; }
+    if [[ ! "$setting" =~ ^([0-9]+):([0-9]+)$ ]]; then
+      echo "PEERS: '$setting' is not seq:batch (e.g. 4096:2)" >&2
+      bench_rc=1
+      continue
+    fi
+    seq=${BASH_REMATCH[1]} batch=${BASH_REMATCH[2]}
     run="$build_dir/peer-oom-$seq-$batch"
-    rm -f "$run.tok"
-    limited "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/moe-5b.json \
-      --out "$run" --overwrite --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" --lr 3e-4 --log-every 1 \
-      --checkpoint-every 0 --dump-batches "$run.tok" > "$out/peer-oom-$seq-$batch.log" 2>&1 || bench_rc=1
-    cp "$run/metrics.jsonl" "$out/peer-oom-$seq-$batch.jsonl" 2> /dev/null
+    rm -rf "$run" "$run.tok"  # nothing of an earlier call may stand in for this one's
+    if limited "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/moe-5b.json \
+        --out "$run" --overwrite --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" --lr 3e-4 --log-every 1 \
+        --checkpoint-every 0 --dump-batches "$run.tok" > "$out/peer-oom-$seq-$batch.log" 2>&1; then
+      cp "$run/metrics.jsonl" "$out/peer-oom-$seq-$batch.jsonl"
+    else
+      echo "oom-train failed at seq $seq x batch $batch (peer-oom-$seq-$batch.log): its peers are not run" >&2
+      bench_rc=1
+      continue
+    fi
     for mode in ${PEER_MODES:-plain}; do
-      limited 420 env PYTHONUNBUFFERED=1 python3 bench/baselines/fsdp2.py --config examples/configs/moe-5b.json \
-        --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" $([[ "$mode" == offload* ]] && echo --offload) \
-        $([[ "$mode" == *-nockpt ]] && echo --no-checkpointing) \
-        $([[ -f "$run.tok" ]] && echo --batches "$run.tok") \
-        --json "$out/peer-fsdp2-$mode-$seq-$batch.json" > "$out/peer-fsdp2-$mode-$seq-$batch.log" 2>&1
+      [[ "$mode" =~ ^(plain|offload)(-nockpt)?$ ]] || continue
+      peer_args=(--config examples/configs/moe-5b.json --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}"
+        --batches "$run.tok" --json "$out/peer-fsdp2-$mode-$seq-$batch.json")
+      [[ "$mode" == offload* ]] && peer_args+=(--offload)
+      [[ "$mode" == *-nockpt ]] && peer_args+=(--no-checkpointing)
+      limited 420 env PYTHONUNBUFFERED=1 python3 bench/baselines/fsdp2.py "${peer_args[@]}" \
+        > "$out/peer-fsdp2-$mode-$seq-$batch.log" 2>&1
       rc=$?
       ((rc != 0 && rc != 3)) && bench_rc=1
     done
@@ -378,7 +395,8 @@ for line in open(os.path.join(out, "bandwidth.log")) if os.path.exists(os.path.j
     m = bw_line.match(line)
     if m and "size reference" not in m.group(1):
         bars.append((m.group(1).strip(), float(m.group(2)) / 100, 0.7, "x copy"))
-# OOM against FSDP2 in the same call (PARTS=peers): tokens/s over the steps after the first.
+# OOM against FSDP2 in the same call (PARTS=peers): tokens/s over the steps after the first. Rows
+# come from the peers' logs, so a peer that failed without its JSON is named, not left out.
 peers = []
 for name in sorted(os.listdir(out)):
     m = re.match(r"peer-oom-(\d+)-(\d+)\.jsonl$", name)
@@ -390,11 +408,14 @@ for name in sorted(os.listdir(out)):
     ours_peak = max((s["device_peak_bytes"] for s in steps), default=0)
     ours_rss = max((s["host_rss_bytes"] for s in steps), default=0)
     for peer_name in sorted(os.listdir(out)):
-        pm = re.match(rf"peer-fsdp2-([a-z-]+)-{seq}-{batch}\.json$", peer_name)
-        if pm:
-            mode, peer = pm.group(1), json.load(open(os.path.join(out, peer_name)))
-            peers.append((seq, batch, mode, ours, peer.get("tokens_per_s"), peer.get("error"), ours_peak,
-                          peer.get("gpu_reserved_peak_bytes", 0), ours_rss, peer.get("host_rss_peak_bytes", 0)))
+        pm = re.match(rf"peer-fsdp2-([a-z-]+)-{seq}-{batch}\.log$", peer_name)
+        if not pm:
+            continue
+        path = os.path.join(out, peer_name[:-4] + ".json")
+        peer = json.load(open(path)) if os.path.exists(path) else {"error": f"failed, no result ({peer_name})"}
+        peers.append((seq, batch, pm.group(1), ours, peer.get("tokens_per_s"), peer.get("error"), ours_peak,
+                      peer.get("gpu_reserved_peak_bytes", 0), ours_rss, peer.get("host_rss_peak_bytes", 0),
+                      "same windows" if peer.get("batches") else "random tokens"))
 tests = re.findall(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", log)
 print("\n==== OOM GPU check ====")
 if tests:
@@ -409,8 +430,9 @@ if bars:
     for name, value, bar, unit, *aside in bars:
         print(f"{name:<{wb}}  {value:6.3f}{unit:<8} bar {bar:.2f}  {'ok' if value >= bar else 'BELOW':<5}  {' '.join(aside)}".rstrip())
 if peers:
-    print("--- OOM vs PyTorch FSDP2, 5.13B, same call (tokens/s, steps after the first; GiB: GPU peak, host RSS peak)")
-    for seq, batch, mode, ours, theirs, error, op, tp, orss, trss in peers:
+    print("--- OOM vs PyTorch FSDP2, 5.13B, same call (tokens/s, steps after the first; GiB: GPU peak, "
+          "host RSS: OOM's largest logged, the peer's high-water mark)")
+    for seq, batch, mode, ours, theirs, error, op, tp, orss, trss, data in peers:
         peer = ("FSDP2 + CPU offload" if mode.startswith("offload") else "plain FSDP2") + \
             (" (no activation checkpointing)" if mode.endswith("-nockpt") else "")
         ours_s = f"{ours:,.0f}" if ours else "no run"
@@ -419,7 +441,7 @@ if peers:
             continue
         ratio = f"{ours / theirs:.2f}x" if ours else "-"
         print(f"seq {seq} x batch {batch}: OOM {ours_s} vs {peer} {theirs:,.0f} = {ratio}; "
-              f"GPU {op / 2**30:.1f} vs {tp / 2**30:.1f}, host {orss / 2**30:.1f} vs {trss / 2**30:.1f}")
+              f"GPU {op / 2**30:.1f} vs {tp / 2**30:.1f}, host {orss / 2**30:.1f} vs {trss / 2**30:.1f}; {data}")
 for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14),
                     ("bench_attention_d256.log", 7), ("sdpa_d256.log", 7),
                     ("train-3e-3.log", 3), ("compare-layer.log", 30), ("compare-train-3e-3.log", 8),

@@ -1,0 +1,233 @@
+"""What the peer baselines share (bench/baselines/fsdp2.py, deepspeed_offload.py): the arguments,
+the model from a config.json, the data (random tokens or an oom-train run's windows), oom-train's
+loss, the timing and the summary. Each baseline supplies only how it wraps the model and takes a
+step. Standard library only at module level, so the CI tests run without torch.
+
+A run prints per step: loss, seconds, tokens/s (all GPUs together); then the mean over the steps
+after the first (the first warms allocators and kernels) and the peaks: GPU memory reserved by
+PyTorch's allocator (the most any rank reserved) and the host RSS high-water mark (VmHWM) of rank
+0. A run that does not fit prints 'out of GPU memory' (or host memory) and exits with status 3,
+after writing the JSON with "error" set, so that a sweep goes on to the next setting.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def host_rss_peak_bytes():
+    """VmHWM of this process (bytes), 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def parse_args(description, argv=None, extra=None):
+    """The common arguments, plus the baseline's own (extra(ap) adds them)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="a Hugging Face config.json (a model transformers knows)")
+    ap.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step on each GPU (default 1)")
+    ap.add_argument("--steps", type=int, default=4, help="steps to run, the first not counted (default 4)")
+    ap.add_argument("--no-checkpointing", action="store_true", help="keep every activation (no per-layer recompute)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--batches", help="train on these windows (an OOMTOK01 file of seq + 1 tokens each, as "
+                    "oom-train --dump-batches writes; step i takes windows i*batch*gpus ...) instead of random tokens")
+    ap.add_argument("--json", help="write the summary here (rank 0)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the run's logic on the CPU with gloo, for tests of the script (its times mean nothing)")
+    if extra:
+        extra(ap)
+    args = ap.parse_args(argv)
+    for name in ("seq", "batch", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    if args.steps < 2:
+        ap.error("--steps must be at least 2: the first step is a warm-up and is not counted")
+    for name in ("config", "batches"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            ap.error(f"--{name} {path}: no such file")
+    return args
+
+
+def config_fields(path, seq):
+    """The config.json's fields for transformers.AutoConfig.for_model: (model_type, the rest). The
+    dtype fields are dropped (parameters are built fp32; the baseline's mixed precision computes in
+    bf16) and max_position_embeddings is raised to seq where it is smaller. A file without
+    model_type, or that is not a JSON object, is refused naming the file."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"peer baseline: {path}: {e}")
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise SystemExit(f"peer baseline: {path}: no model_type field (not a Hugging Face config.json?)")
+    raw = dict(raw)
+    raw.pop("torch_dtype", None)
+    raw.pop("dtype", None)
+    if raw.get("max_position_embeddings", seq) < seq:
+        raw["max_position_embeddings"] = seq
+    return raw.pop("model_type"), raw
+
+
+def step_windows(total_windows, seq, batch, gpus, steps):
+    """How a token file of total_windows windows (of seq + 1 tokens) feeds the run: step i on rank r
+    takes windows (i * gpus + r) * batch ... + batch. Refused, naming the counts, when the file is short."""
+    need = steps * gpus * batch
+    if total_windows < need:
+        raise SystemExit(f"peer baseline: --batches holds {total_windows} windows of {seq + 1} tokens; {steps} steps "
+                         f"of {batch} sequence(s) on {gpus} GPU(s) need {need}")
+    return lambda step, rank: range((step * gpus + rank) * batch, (step * gpus + rank + 1) * batch)
+
+
+def summarize(step_seconds, tokens_per_step):
+    """Mean and range over the steps after the first: (mean s, min tok/s, max tok/s, mean tok/s)."""
+    timed = step_seconds[1:]
+    mean_s = sum(timed) / len(timed)
+    rates = [tokens_per_step / s for s in timed]
+    return mean_s, min(rates), max(rates), tokens_per_step / mean_s
+
+
+def run(args, peer, label, prepare, info=None):
+    """Builds the model of args.config on the GPU (fp32, transformers' init), lets prepare(model,
+    world, device) wrap it and return (forward, update) -- forward(input_ids) gives the logits, update(loss)
+    runs the backward and the optimizer step -- and times args.steps steps. `peer` names the
+    baseline in the JSON, `label` in the output; `info` adds fields to the JSON. Returns the exit
+    status (0, or 3 when out of memory)."""
+    model_type, fields = config_fields(args.config, args.seq)  # a bad file fails before torch starts
+    import torch
+    import torch.distributed as dist
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit(f"{peer}: no CUDA device; this baseline runs on the GPU machine")
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    world = int(os.environ["WORLD_SIZE"])
+    windows = pick = None
+    if args.batches:  # read before anything starts: a short or malformed file fails at once
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+        from compare_train_pytorch import read_tokens
+        flat = read_tokens(args.batches)
+        if flat.size % (args.seq + 1):
+            sys.exit(f"{peer}: {args.batches}: {flat.size} tokens are not windows of seq + 1 = {args.seq + 1}")
+        windows = flat.reshape(-1, args.seq + 1)
+        pick = step_windows(windows.shape[0], args.seq, args.batch, world, args.steps)
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    try:
+        return _run(args, peer, label, prepare, info, model_type, fields, windows, pick)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
+    """run() once the process group is up: the model, the steps, the summary."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device, cuda = args.device, args.device == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    config.use_cache = False
+    torch.manual_seed(args.seed)
+    tokens = args.seq * args.batch * world
+    result = {"peer": peer, "config": args.config, "seq": args.seq, "batch": args.batch, "gpus": world,
+              "tokens_per_step": tokens, "checkpointing": not args.no_checkpointing, "torch": torch.__version__,
+              "transformers": transformers.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu", **(info or {})}
+
+    def finish(code):
+        result["host_rss_peak_bytes"] = host_rss_peak_bytes()
+        peak = float(torch.cuda.max_memory_reserved()) if cuda else 0.0
+        if code == 0 and world > 1:  # after a failure the other ranks may be inside a collective
+            t = torch.tensor([peak], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            peak = t.item()
+        result["gpu_reserved_peak_bytes"] = int(peak)
+        if rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return code
+
+    if args.batches:
+        result["batches"] = args.batches
+    t0 = time.perf_counter()
+    try:
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        model.float()
+        result["parameters"] = params = sum(p.numel() for p in model.parameters())
+        say(f"{label}: {config.model_type}, {params:,} parameters, seq {args.seq} x batch {args.batch} on {world} GPU(s); "
+            f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+        if not args.no_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        forward, update = prepare(model, world, device)
+        sync()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        say(f"built and wrapped in {time.perf_counter() - t0:.1f} s", flush=True)
+
+        gen = torch.Generator(device=device).manual_seed(args.seed + rank)
+        step_seconds = []
+        for step in range(1, args.steps + 1):
+            if windows is not None:
+                w = torch.from_numpy(windows[list(pick(step - 1, rank))]).to(device)
+            else:
+                w = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device=device, generator=gen)
+            sync()
+            dist.barrier()
+            start = time.perf_counter()
+            logits = forward(w[:, :-1])  # oom-train's loss: window[1:] given window[:-1], on fp32 logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+            update(loss)
+            sync()
+            dist.barrier()
+            seconds = time.perf_counter() - start
+            step_seconds.append(seconds)
+            say(f"step {step:4d}/{args.steps} | loss {loss.item():.4f} | {seconds:.3f} s | {tokens / seconds:,.0f} tok/s",
+                flush=True)
+    except torch.cuda.OutOfMemoryError as e:
+        say(f"{label}: out of GPU memory at seq {args.seq} x batch {args.batch}: {str(e).splitlines()[0]}")
+        result["error"] = "out of GPU memory"
+        return finish(3)
+    except MemoryError:
+        say(f"{label}: out of host memory at seq {args.seq} x batch {args.batch}")
+        result["error"] = "out of host memory"
+        return finish(3)
+    except RuntimeError as e:  # a failed pinned (host) allocation comes as a CUDA error, not MemoryError
+        if "out of memory" not in str(e):
+            raise
+        say(f"{label}: out of memory at seq {args.seq} x batch {args.batch}: {str(e).splitlines()[0]}")
+        result["error"] = "out of memory (pinned host or GPU)"
+        return finish(3)
+
+    mean_s, low, high, mean_rate = summarize(step_seconds, tokens)
+    result.update(step_seconds=step_seconds, mean_step_s=mean_s, tokens_per_s=mean_rate, tokens_per_s_range=[low, high])
+    code = finish(0)
+    say(f"{label}, seq {args.seq} x batch {args.batch} x {world} GPU(s), steps 2-{args.steps}: {mean_s:.3f} s a step, "
+        f"{mean_rate:,.0f} tok/s ({low:,.0f}-{high:,.0f}); GPU reserved peak "
+        f"{result['gpu_reserved_peak_bytes'] / 2**30:.1f} GiB, host RSS peak {result['host_rss_peak_bytes'] / 2**30:.1f} GiB")
+    return code
