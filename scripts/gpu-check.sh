@@ -19,8 +19,9 @@
 # it over calls: KERNEL_BENCH=0 GPU_CTEST_ARGS="-E ^test_attention$", then KERNEL_BENCH=0
 # GPU_CTEST_ARGS="-R ^test_attention$", then KERNEL_TESTS=0 (the benchmarks alone; if they do not
 # fit either, OOM_BENCH_TOKENS and OOM_BENCH_VARIANTS pick bench_moe_kernels' rows).
-# PARTS=peers runs the 5.13B model in oom-train and in PyTorch FSDP2 (bench/baselines/fsdp2.py) at the
-# same seq and batch, one after the other, and prints the ratios (PEERS, PEER_MODES below).
+# PARTS=peers runs the 5.13B model in oom-train and in its peers (bench/baselines/: PyTorch FSDP2,
+# DeepSpeed) at the same seq and batch, one after the other, and prints the ratios (PEERS,
+# PEER_MODES below).
 # PARTS="calibrate train" first measures a machine profile ($out/profile.json, oom-calibrate) and
 # the 5.13B runs plan and predict with it (else with PROFILE=path, if given). GRAD_STAGING=N runs them with a pinned gradient
 # staging ring of N layers (oom-train --grad-staging, default 3; 0 per parameter); KEEP_ATTENTION=0
@@ -262,13 +263,37 @@ fi
 # peer reads those oom-train dumped; where oom-train did not finish, the peer is not run). PEERS
 # (default "4096:1 4096:2") lists seq:batch settings; PEER_MODES (default "plain") may add "offload"
 # (FSDP2 + CPUOffloadPolicy, ~7 s a step) and either with "-nockpt" (no per-layer activation
-# checkpointing); PEER_STEPS (default 4) steps each, the first not counted. The summary prints the
-# ratios, and names a peer that failed. A peer out of memory says so (exit 3); the sweep goes on.
+# checkpointing), and "deepspeed" (ZeRO-Offload: stage 2, optimizer on the host) or
+# "deepspeed-zero3" (parameters on the host too; bench/baselines/deepspeed_offload.py). DeepSpeed
+# comes from .whl/ (scripts/fetch-peer-wheels.sh; carry it to the GPU machine), installed into
+# $build_dir/peer-python; its CPU Adam is built on first use into $build_dir/torch-extensions.
+# PEER_STEPS (default 4) steps each, the first not counted. The summary prints the ratios, and names
+# a peer that failed. A peer out of memory says so (exit 3); the sweep goes on.
+peer_mode_re='^((plain|offload)(-nockpt)?|deepspeed(-zero3)?)$'
 if [[ "$parts" == *" peers "* ]]; then
   for mode in ${PEER_MODES:-plain}; do
-    [[ "$mode" =~ ^(plain|offload)(-nockpt)?$ ]] ||
-      { echo "PEER_MODES: '$mode' is not plain, offload, plain-nockpt or offload-nockpt" >&2; bench_rc=1; }
+    [[ "$mode" =~ $peer_mode_re ]] ||
+      { echo "PEER_MODES: '$mode' is not plain, offload (either with -nockpt), deepspeed or deepspeed-zero3" >&2; bench_rc=1; }
   done
+  peer_python="$build_dir/peer-python"
+  if [[ " ${PEER_MODES:-plain} " == *" deepspeed"* && ! -d "$peer_python/deepspeed" ]]; then
+    # The wheels of this Python only (the folder holds CPython 3.10-3.13's), no index, no deps.
+    pyv=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+    wheels=()
+    for w in .whl/*.whl; do
+      [[ -f "$w" ]] || continue
+      case "$(basename "$w")" in
+        *-cp3[0-9]*-cp3[0-9]*-*) [[ "$w" == *"-$pyv-"* ]] && wheels+=("$w") ;;
+        *) wheels+=("$w") ;;
+      esac
+    done
+    if ((${#wheels[@]} == 0)) || ! python3 -m pip install --no-index --no-deps --target "$peer_python" "${wheels[@]}" \
+        > "$out/peer-python.log" 2>&1; then
+      echo "DeepSpeed not installed (.whl/ empty or pip failed, peer-python.log): run scripts/fetch-peer-wheels.sh" \
+        "and carry .whl" >&2
+      bench_rc=1
+    fi
+  fi
   for setting in ${PEERS:-4096:1 4096:2}; do
     if [[ ! "$setting" =~ ^([0-9]+):([0-9]+)$ ]]; then
       echo "PEERS: '$setting' is not seq:batch (e.g. 4096:2)" >&2
@@ -288,13 +313,19 @@ if [[ "$parts" == *" peers "* ]]; then
       continue
     fi
     for mode in ${PEER_MODES:-plain}; do
-      [[ "$mode" =~ ^(plain|offload)(-nockpt)?$ ]] || continue
+      [[ "$mode" =~ $peer_mode_re ]] || continue
       peer_args=(--config examples/configs/moe-5b.json --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}"
-        --batches "$run.tok" --json "$out/peer-fsdp2-$mode-$seq-$batch.json")
+        --batches "$run.tok" --json "$out/peer-run-$mode-$seq-$batch.json")
       [[ "$mode" == offload* ]] && peer_args+=(--offload)
       [[ "$mode" == *-nockpt ]] && peer_args+=(--no-checkpointing)
-      limited 420 env PYTHONUNBUFFERED=1 python3 bench/baselines/fsdp2.py "${peer_args[@]}" \
-        > "$out/peer-fsdp2-$mode-$seq-$batch.log" 2>&1
+      script=bench/baselines/fsdp2.py
+      if [[ "$mode" == deepspeed* ]]; then
+        script=bench/baselines/deepspeed_offload.py
+        [[ "$mode" == *-zero3 ]] && peer_args+=(--stage 3)
+      fi
+      limited 420 env PYTHONUNBUFFERED=1 PYTHONPATH="$peer_python${PYTHONPATH:+:$PYTHONPATH}" \
+        TORCH_EXTENSIONS_DIR="$build_dir/torch-extensions" python3 "$script" "${peer_args[@]}" \
+        > "$out/peer-run-$mode-$seq-$batch.log" 2>&1
       rc=$?
       ((rc != 0 && rc != 3)) && bench_rc=1
     done
@@ -408,7 +439,7 @@ for name in sorted(os.listdir(out)):
     ours_peak = max((s["device_peak_bytes"] for s in steps), default=0)
     ours_rss = max((s["host_rss_bytes"] for s in steps), default=0)
     for peer_name in sorted(os.listdir(out)):
-        pm = re.match(rf"peer-fsdp2-([a-z-]+)-{seq}-{batch}\.log$", peer_name)
+        pm = re.match(rf"peer-run-([a-z0-9-]+)-{seq}-{batch}\.log$", peer_name)
         if not pm:
             continue
         path = os.path.join(out, peer_name[:-4] + ".json")
@@ -430,10 +461,11 @@ if bars:
     for name, value, bar, unit, *aside in bars:
         print(f"{name:<{wb}}  {value:6.3f}{unit:<8} bar {bar:.2f}  {'ok' if value >= bar else 'BELOW':<5}  {' '.join(aside)}".rstrip())
 if peers:
-    print("--- OOM vs PyTorch FSDP2, 5.13B, same call (tokens/s, steps after the first; GiB: GPU peak, "
+    print("--- OOM vs its peers, 5.13B, same call (tokens/s, steps after the first; GiB: GPU peak, "
           "host RSS: OOM's largest logged, the peer's high-water mark)")
     for seq, batch, mode, ours, theirs, error, op, tp, orss, trss, data in peers:
-        peer = ("FSDP2 + CPU offload" if mode.startswith("offload") else "plain FSDP2") + \
+        peer = {"deepspeed": "DeepSpeed ZeRO-Offload", "deepspeed-zero3": "DeepSpeed ZeRO-3 CPU offload"}.get(mode) or \
+            ("FSDP2 + CPU offload" if mode.startswith("offload") else "plain FSDP2") + \
             (" (no activation checkpointing)" if mode.endswith("-nockpt") else "")
         ours_s = f"{ours:,.0f}" if ours else "no run"
         if error or not theirs:

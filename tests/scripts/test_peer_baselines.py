@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""The peer baselines' parts that run without a GPU or torch (bench/baselines/common.py and
-fsdp2.py): their arguments, the config they hand transformers, how a token file feeds the steps,
-and the figure they report.
-Usage: test_fsdp2_baseline.py REPO_ROOT"""
+"""The peer baselines' parts that run without a GPU or torch (bench/baselines/common.py, fsdp2.py,
+deepspeed_offload.py): their arguments, the config they hand transformers and DeepSpeed, how a
+token file feeds the steps, and the figure they report.
+Usage: test_peer_baselines.py REPO_ROOT"""
 import contextlib
 import io
 import json
@@ -14,6 +14,7 @@ import unittest
 REPO = os.path.abspath(sys.argv.pop(1) if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "bench", "baselines"))
 import common as bench  # noqa: E402  (stdlib imports only at module level)
+import deepspeed_offload  # noqa: E402
 import fsdp2  # noqa: E402
 
 MOE_5B = os.path.join(REPO, "examples", "configs", "moe-5b.json")
@@ -48,6 +49,31 @@ class Arguments(unittest.TestCase):
         self.assertIn("nope.json: no such file", refused(fsdp2.parse_args, ["--config", "nope.json"]))
         self.assertIn("--batches nope.tok: no such file",
                       refused(fsdp2.parse_args, ["--config", MOE_5B, "--batches", "nope.tok"]))
+
+
+class DeepSpeedConfig(unittest.TestCase):
+    def test_stage_2_offloads_the_optimizer_only(self):
+        args = deepspeed_offload.parse_args(["--config", MOE_5B, "--batch", "3", "--lr", "1e-4"])
+        self.assertEqual(args.stage, 2)
+        cfg = deepspeed_offload.ds_config(args, args.stage)
+        self.assertEqual(cfg["train_micro_batch_size_per_gpu"], 3)
+        self.assertEqual(cfg["gradient_accumulation_steps"], 1)
+        self.assertTrue(cfg["bf16"]["enabled"])
+        zero = cfg["zero_optimization"]
+        self.assertEqual((zero["stage"], zero["offload_optimizer"]["device"]), (2, "cpu"))
+        self.assertTrue(zero["offload_optimizer"]["pin_memory"])
+        self.assertNotIn("offload_param", zero)
+        self.assertEqual(cfg["optimizer"]["type"], "AdamW")
+        self.assertEqual((cfg["optimizer"]["params"]["lr"], cfg["optimizer"]["params"]["weight_decay"]), (1e-4, 0.1))
+        self.assertEqual(cfg["gradient_clipping"], 0.0)  # oom-train's default: no clipping
+
+    def test_stage_3_offloads_the_parameters_too(self):
+        args = deepspeed_offload.parse_args(["--config", MOE_5B, "--stage", "3"])
+        zero = deepspeed_offload.ds_config(args, args.stage)["zero_optimization"]
+        self.assertEqual((zero["stage"], zero["offload_param"]["device"]), (3, "cpu"))
+
+    def test_other_stages_are_refused(self):
+        self.assertIn("invalid choice", refused(deepspeed_offload.parse_args, ["--config", MOE_5B, "--stage", "1"]))
 
 
 class ConfigFields(unittest.TestCase):
