@@ -437,7 +437,7 @@ for name in sorted(os.listdir(out)):
     steps = [json.loads(l) for l in open(os.path.join(out, name)) if l.strip()][1:]
     ours = sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in steps) if steps else None
     ours_peak = max((s["device_peak_bytes"] for s in steps), default=0)
-    ours_rss = max((s["host_rss_bytes"] for s in steps), default=0)
+    ours_rss = max((s.get("host_rss_peak_bytes", s["host_rss_bytes"]) for s in steps), default=0)
     for peer_name in sorted(os.listdir(out)):
         pm = re.match(rf"peer-run-([a-z0-9-]+)-{seq}-{batch}\.log$", peer_name)
         if not pm:
@@ -462,7 +462,7 @@ if bars:
         print(f"{name:<{wb}}  {value:6.3f}{unit:<8} bar {bar:.2f}  {'ok' if value >= bar else 'BELOW':<5}  {' '.join(aside)}".rstrip())
 if peers:
     print("--- OOM vs its peers, 5.13B, same call (tokens/s, steps after the first; GiB: GPU peak, "
-          "host RSS: OOM's largest logged, the peer's high-water mark)")
+          "host RSS high-water mark, VmHWM)")
     for seq, batch, mode, ours, theirs, error, op, tp, orss, trss, data in peers:
         peer = {"deepspeed": "DeepSpeed ZeRO-Offload", "deepspeed-zero3": "DeepSpeed ZeRO-3 CPU offload"}.get(mode) or \
             ("FSDP2 + CPU offload" if mode.startswith("offload") else "plain FSDP2") + \

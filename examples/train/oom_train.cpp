@@ -274,6 +274,15 @@ Bytes rss() {
   return Bytes{resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE))};
 }
 
+/// The process's resident-set high-water mark (VmHWM), what peers' baselines report as their host
+/// memory peak; 0 where /proc does not say.
+Bytes rss_peak() {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return Bytes{std::stoull(line.substr(6)) * 1024};
+  return Bytes{};
+}
+
 std::string duration(double s) {
   const auto t = static_cast<long long>(s + 0.5);
   return t >= 3600 ? fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60) : fmt::format("{}:{:02}", t / 60, t % 60);
@@ -713,6 +722,7 @@ int run(const Args& a) {
     m.set("host_staging_bytes", pin.in_use(Claimant::host_staging).count());
     m.set("host_offload_peak_bytes", pin.peak(Claimant::host_offload).count());
     m.set("host_rss_bytes", rss().count());
+    m.set("host_rss_peak_bytes", rss_peak().count());
     metrics << m.dump() << "\n" << std::flush;
     if (step == a.trace_step) {
       const fs::path trace_path = a.trace.empty() ? a.out / fmt::format("trace-step-{}.json", step) : fs::path(a.trace);

@@ -23,6 +23,12 @@ done
 if [[ "$got" != "$want" ]]; then
   echo "FAIL: progress lines"; echo " got: $got"; echo "want: $want"; cat "$work/out.txt"; exit 1
 fi
+# metrics.jsonl: every step has the host RSS and its high-water mark (VmHWM), the peak no lower.
+python3 -c "import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+ok = len(rows) == 2 and all(r['host_rss_peak_bytes'] >= r['host_rss_bytes'] > 0 for r in rows)
+sys.exit(0 if ok else 1)" "$work/run/metrics.jsonl" ||
+  { echo "FAIL: metrics' host_rss_bytes / host_rss_peak_bytes"; cat "$work/run/metrics.jsonl"; exit 1; }
 # Without --step-progress 0 (the default, 30 s) these short steps say nothing.
 "$train" --backend host --out "$work/quiet" --steps 1 --seq 32 --checkpoint-every 0 > "$work/quiet.txt" 2>&1
 if grep -qE '^  step [0-9]+: ' "$work/quiet.txt"; then echo "FAIL: short steps reported progress"; exit 1; fi
