@@ -276,22 +276,22 @@ if [[ "$parts" == *" peers "* ]]; then
       { echo "PEER_MODES: '$mode' is not plain, offload (either with -nockpt), deepspeed or deepspeed-zero3" >&2; bench_rc=1; }
   done
   peer_python="$build_dir/peer-python"
-  if [[ " ${PEER_MODES:-plain} " == *" deepspeed"* && ! -d "$peer_python/deepspeed" ]]; then
-    # The wheels of this Python only (the folder holds CPython 3.10-3.13's), no index, no deps.
-    pyv=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-    wheels=()
-    for w in .whl/*.whl; do
-      [[ -f "$w" ]] || continue
-      case "$(basename "$w")" in
-        *-cp3[0-9]*-cp3[0-9]*-*) [[ "$w" == *"-$pyv-"* ]] && wheels+=("$w") ;;
-        *) wheels+=("$w") ;;
-      esac
-    done
-    if ((${#wheels[@]} == 0)) || ! python3 -m pip install --no-index --no-deps --target "$peer_python" "${wheels[@]}" \
-        > "$out/peer-python.log" 2>&1; then
-      echo "DeepSpeed not installed (.whl/ empty or pip failed, peer-python.log): run scripts/fetch-peer-wheels.sh" \
-        "and carry .whl" >&2
-      bench_rc=1
+  if [[ " ${PEER_MODES:-plain} " == *" deepspeed"* ]]; then
+    # Installed again whenever .whl/ changed (its listing is the stamp). Only the projects DeepSpeed
+    # needs beyond what the machine has, and typing_extensions only where it is missing; pip picks
+    # each one's wheel for this Python from .whl/. Only the DeepSpeed runs see this folder.
+    stamp=$(ls -l .whl 2> /dev/null | md5sum | cut -c1-16)
+    if [[ "$(cat "$peer_python/.stamp" 2> /dev/null)" != "$stamp" ]]; then
+      projects=(deepspeed einops hjson msgpack py-cpuinfo psutil pydantic pydantic-core annotated-types typing-inspection)
+      python3 -c "import typing_extensions" 2> /dev/null || projects+=(typing-extensions)
+      rm -rf "$peer_python"
+      if python3 -m pip install --no-index --no-deps --find-links .whl --target "$peer_python" "${projects[@]}" \
+          > "$out/peer-python.log" 2>&1; then
+        echo "$stamp" > "$peer_python/.stamp"
+      else
+        echo "DeepSpeed not installed (peer-python.log): run scripts/fetch-peer-wheels.sh and carry .whl" >&2
+        bench_rc=1
+      fi
     fi
   fi
   for setting in ${PEERS:-4096:1 4096:2}; do
@@ -323,10 +323,12 @@ if [[ "$parts" == *" peers "* ]]; then
         script=bench/baselines/deepspeed_offload.py
         [[ "$mode" == *-zero3 ]] && peer_args+=(--stage 3)
       fi
-      limited 420 env PYTHONUNBUFFERED=1 PYTHONPATH="$peer_python${PYTHONPATH:+:$PYTHONPATH}" \
-        TORCH_EXTENSIONS_DIR="$build_dir/torch-extensions" python3 "$script" "${peer_args[@]}" \
-        > "$out/peer-run-$mode-$seq-$batch.log" 2>&1
+      peer_env=(PYTHONUNBUFFERED=1)
+      [[ "$mode" == deepspeed* ]] &&
+        peer_env+=(PYTHONPATH="$peer_python${PYTHONPATH:+:$PYTHONPATH}" TORCH_EXTENSIONS_DIR="$build_dir/torch-extensions")
+      limited 420 env "${peer_env[@]}" python3 "$script" "${peer_args[@]}" > "$out/peer-run-$mode-$seq-$batch.log" 2>&1
       rc=$?
+      echo "$rc" > "$out/peer-run-$mode-$seq-$batch.rc"  # 124: skipped or cut by its time limit (the summary says so)
       ((rc != 0 && rc != 3)) && bench_rc=1
     done
   done
@@ -426,27 +428,10 @@ for line in open(os.path.join(out, "bandwidth.log")) if os.path.exists(os.path.j
     m = bw_line.match(line)
     if m and "size reference" not in m.group(1):
         bars.append((m.group(1).strip(), float(m.group(2)) / 100, 0.7, "x copy"))
-# OOM against FSDP2 in the same call (PARTS=peers): tokens/s over the steps after the first. Rows
-# come from the peers' logs, so a peer that failed without its JSON is named, not left out.
-peers = []
-for name in sorted(os.listdir(out)):
-    m = re.match(r"peer-oom-(\d+)-(\d+)\.jsonl$", name)
-    if not m:
-        continue
-    seq, batch = int(m.group(1)), int(m.group(2))
-    steps = [json.loads(l) for l in open(os.path.join(out, name)) if l.strip()][1:]
-    ours = sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in steps) if steps else None
-    ours_peak = max((s["device_peak_bytes"] for s in steps), default=0)
-    ours_rss = max((s.get("host_rss_peak_bytes", s["host_rss_bytes"]) for s in steps), default=0)
-    for peer_name in sorted(os.listdir(out)):
-        pm = re.match(rf"peer-run-([a-z0-9-]+)-{seq}-{batch}\.log$", peer_name)
-        if not pm:
-            continue
-        path = os.path.join(out, peer_name[:-4] + ".json")
-        peer = json.load(open(path)) if os.path.exists(path) else {"error": f"failed, no result ({peer_name})"}
-        peers.append((seq, batch, pm.group(1), ours, peer.get("tokens_per_s"), peer.get("error"), ours_peak,
-                      peer.get("gpu_reserved_peak_bytes", 0), ours_rss, peer.get("host_rss_peak_bytes", 0),
-                      "same windows" if peer.get("batches") else "random tokens"))
+# OOM against its peers in the same call (PARTS=peers): bench/baselines/summary.py.
+sys.path.insert(0, os.path.join(os.getcwd(), "bench", "baselines"))
+import summary as peer_summary
+peers = peer_summary.peer_rows(out)
 tests = re.findall(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", log)
 print("\n==== OOM GPU check ====")
 if tests:
@@ -463,17 +448,7 @@ if bars:
 if peers:
     print("--- OOM vs its peers, 5.13B, same call (tokens/s, steps after the first; GiB: GPU peak, "
           "host RSS high-water mark, VmHWM)")
-    for seq, batch, mode, ours, theirs, error, op, tp, orss, trss, data in peers:
-        peer = {"deepspeed": "DeepSpeed ZeRO-Offload", "deepspeed-zero3": "DeepSpeed ZeRO-3 CPU offload"}.get(mode) or \
-            ("FSDP2 + CPU offload" if mode.startswith("offload") else "plain FSDP2") + \
-            (" (no activation checkpointing)" if mode.endswith("-nockpt") else "")
-        ours_s = f"{ours:,.0f}" if ours else "no run"
-        if error or not theirs:
-            print(f"seq {seq} x batch {batch}: OOM {ours_s}; {peer}: {error or 'no result'}")
-            continue
-        ratio = f"{ours / theirs:.2f}x" if ours else "-"
-        print(f"seq {seq} x batch {batch}: OOM {ours_s} vs {peer} {theirs:,.0f} = {ratio}; "
-              f"GPU {op / 2**30:.1f} vs {tp / 2**30:.1f}, host {orss / 2**30:.1f} vs {trss / 2**30:.1f}; {data}")
+    print("\n".join(peer_summary.format_rows(peers)))
 for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14),
                     ("bench_attention_d256.log", 7), ("sdpa_d256.log", 7),
                     ("train-3e-3.log", 3), ("compare-layer.log", 30), ("compare-train-3e-3.log", 8),

@@ -110,8 +110,12 @@ def run(args, peer, label, prepare, info=None):
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit(f"{peer}: no CUDA device; this baseline runs on the GPU machine")
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("LOCAL_RANK", "0")):
+    if "WORLD_SIZE" not in os.environ:  # one process, not under torchrun: a free port of its own
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
     world = int(os.environ["WORLD_SIZE"])
     windows = pick = None
@@ -154,7 +158,7 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
     config.use_cache = False
     torch.manual_seed(args.seed)
     tokens = args.seq * args.batch * world
-    result = {"peer": peer, "config": args.config, "seq": args.seq, "batch": args.batch, "gpus": world,
+    result = {"peer": peer, "label": label, "config": args.config, "seq": args.seq, "batch": args.batch, "gpus": world,
               "tokens_per_step": tokens, "checkpointing": not args.no_checkpointing, "torch": torch.__version__,
               "transformers": transformers.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu", **(info or {})}
 
@@ -166,7 +170,8 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peak = t.item()
         result["gpu_reserved_peak_bytes"] = int(peak)
-        if rank == 0 and args.json:
+        # Rank 0 writes it; a rank that failed writes its own failure (torchrun then stops the others).
+        if args.json and (rank == 0 or code != 0):
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
         return code
@@ -182,7 +187,10 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
         say(f"{label}: {config.model_type}, {params:,} parameters, seq {args.seq} x batch {args.batch} on {world} GPU(s); "
             f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
         if not args.no_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers' newer name, every layer
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         forward, update = prepare(model, world, device)
         sync()
         if cuda:

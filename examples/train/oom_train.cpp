@@ -267,20 +267,20 @@ std::string read_text(const fs::path& p) {
 std::atomic<int> g_signal{0};
 extern "C" void on_signal(int sig) { g_signal.store(sig); }
 
-Bytes rss() {
-  std::ifstream f("/proc/self/statm");
-  std::uint64_t size = 0, resident = 0;
-  f >> size >> resident;
-  return Bytes{resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE))};
-}
-
-/// The process's resident-set high-water mark (VmHWM), what peers' baselines report as their host
-/// memory peak; 0 where /proc does not say.
-Bytes rss_peak() {
+/// The process's resident set now (VmRSS) and its high-water mark (VmHWM, what the peer baselines
+/// report as their host memory peak), read in one pass so the peak is never below the current;
+/// zeros where /proc does not say.
+struct HostRss {
+  Bytes now, peak;
+};
+HostRss host_rss() {
+  HostRss r;
   std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return Bytes{std::stoull(line.substr(6)) * 1024};
-  return Bytes{};
+  for (std::string line; std::getline(f, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) r.now = Bytes{std::stoull(line.substr(6)) * 1024};
+    if (line.rfind("VmHWM:", 0) == 0) r.peak = Bytes{std::stoull(line.substr(6)) * 1024};
+  }
+  return r;
 }
 
 std::string duration(double s) {
@@ -721,8 +721,9 @@ int run(const Args& a) {
     m.set("host_state_bytes", pin.in_use(Claimant::host_state).count());
     m.set("host_staging_bytes", pin.in_use(Claimant::host_staging).count());
     m.set("host_offload_peak_bytes", pin.peak(Claimant::host_offload).count());
-    m.set("host_rss_bytes", rss().count());
-    m.set("host_rss_peak_bytes", rss_peak().count());
+    const HostRss host = host_rss();
+    m.set("host_rss_bytes", host.now.count());
+    m.set("host_rss_peak_bytes", host.peak.count());
     metrics << m.dump() << "\n" << std::flush;
     if (step == a.trace_step) {
       const fs::path trace_path = a.trace.empty() ? a.out / fmt::format("trace-step-{}.json", step) : fs::path(a.trace);
@@ -765,7 +766,7 @@ int run(const Args& a) {
                  "host pinned {} MiB (state {}, staging {}, offload {}), RSS {} MiB | ETA {}\n",
                  step, a.steps, r.loss, gn, tok_s, mib(dev.peak()), mib(dev.peak(Claimant::retained_activations)),
                  mib(dev.peak(Claimant::worksets)), mib(dev.in_use(Claimant::resident_state)), mib(pin.in_use()),
-                 mib(pin.in_use(Claimant::host_state)), mib(pin.in_use(Claimant::host_staging)), mib(pin.peak(Claimant::host_offload)), mib(rss()),
+                 mib(pin.in_use(Claimant::host_state)), mib(pin.in_use(Claimant::host_staging)), mib(pin.peak(Claimant::host_offload)), mib(host.now),
                  duration(eta));
       std::fflush(stdout);
     }

@@ -4,9 +4,11 @@ deepspeed_offload.py): their arguments, the config they hand transformers and De
 token file feeds the steps, and the figure they report.
 Usage: test_peer_baselines.py REPO_ROOT"""
 import contextlib
+import importlib.util
 import io
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -16,6 +18,7 @@ sys.path.insert(0, os.path.join(REPO, "bench", "baselines"))
 import common as bench  # noqa: E402  (stdlib imports only at module level)
 import deepspeed_offload  # noqa: E402
 import fsdp2  # noqa: E402
+import summary  # noqa: E402
 
 MOE_5B = os.path.join(REPO, "examples", "configs", "moe-5b.json")
 
@@ -127,6 +130,69 @@ class Summary(unittest.TestCase):
         self.assertAlmostEqual(mean_s, 4.0 / 3.0)
         self.assertAlmostEqual(rate, 3000.0)  # not the mean of the per-step rates (3333)
         self.assertEqual((low, high), (2000.0, 4000.0))
+
+
+class PeerTable(unittest.TestCase):
+    """bench/baselines/summary.py on a folder as PARTS=peers leaves it."""
+
+    @staticmethod
+    def write(d, name, text):
+        with open(os.path.join(d, name), "w") as f:
+            f.write(text)
+
+    def folder(self, d):
+        # oom-train: 3 steps of 8192 tokens; the first (slow) is left out: 2 x 8192 / (0.5 + 0.3) = 20480.
+        steps = [{"tokens": 8192, "step_s": s, "device_peak_bytes": p * 2**30, "host_rss_bytes": 2**30,
+                  "host_rss_peak_bytes": 3 * 2**30} for s, p in ((4.0, 90), (0.5, 96), (0.3, 95))]
+        self.write(d, "peer-oom-4096-2.jsonl", "".join(json.dumps(x) + "\n" for x in steps))
+        self.write(d, "peer-run-plain-4096-2.log", "")
+        self.write(d, "peer-run-plain-4096-2.json", json.dumps(
+            {"label": "plain FSDP2", "tokens_per_s": 5120.0, "gpu_reserved_peak_bytes": 100 * 2**30,
+             "host_rss_peak_bytes": 2 * 2**30, "batches": "x.tok"}))
+        self.write(d, "peer-run-deepspeed-zero3-4096-2.log", "")
+        self.write(d, "peer-run-deepspeed-zero3-4096-2.rc", "124\n")
+        self.write(d, "peer-run-offload-nockpt-4096-2.log", "")
+        self.write(d, "peer-run-offload-nockpt-4096-2.rc", "1\n")
+        self.write(d, "peer-run-deepspeed-4096-2.log", "")
+        self.write(d, "peer-run-deepspeed-4096-2.json", json.dumps({"error": "out of GPU memory"}))
+        self.write(d, "peer-run-plain-1024-1.log", "")  # no oom-train run at that setting: no row
+
+    def test_rows_ratios_and_why_a_peer_has_no_figure(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.folder(d)
+            rows = {r["mode"]: r for r in summary.peer_rows(d)}
+            self.assertEqual(set(rows), {"plain", "deepspeed", "deepspeed-zero3", "offload-nockpt"})
+            plain = rows["plain"]
+            self.assertAlmostEqual(plain["ours"], 20480.0)
+            self.assertEqual((plain["ours_gpu"], plain["ours_host"]), (96 * 2**30, 3 * 2**30))
+            self.assertEqual(plain["data"], "same windows")
+            self.assertIn("not finished", rows["deepspeed-zero3"]["error"])
+            self.assertEqual(rows["deepspeed-zero3"]["label"], "DeepSpeed ZeRO-Infinity (CPU)")
+            self.assertIn("failed, exit 1", rows["offload-nockpt"]["error"])
+            self.assertEqual(rows["offload-nockpt"]["label"], "FSDP2 + CPU offload (no activation checkpointing)")
+            self.assertEqual(rows["deepspeed"]["error"], "out of GPU memory")
+            lines = summary.format_rows(summary.peer_rows(d))
+            self.assertIn("seq 4096 x batch 2: OOM 20,480 vs plain FSDP2 5,120 = 4.00x; GPU 96.0 vs 100.0, "
+                          "host 3.0 vs 2.0; same windows", lines)
+            self.assertIn("seq 4096 x batch 2: OOM 20,480; DeepSpeed ZeRO-Offload: out of GPU memory", lines)
+            self.assertEqual(len(lines), 4)
+
+
+@unittest.skipUnless(importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"),
+                     "torch and transformers are not installed here: the baseline's run on the CPU is not tried")
+class RunOnTheCpu(unittest.TestCase):
+    def test_fsdp2_two_steps_of_the_tiny_model(self):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "r.json")
+            proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "baselines", "fsdp2.py"), "--config",
+                                   os.path.join(REPO, "examples", "configs", "tiny-moe-d128.json"), "--seq", "32",
+                                   "--steps", "2", "--device", "cpu", "--json", out], capture_output=True, text=True,
+                                  timeout=300, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+            result = json.load(open(out))
+            self.assertEqual((result["peer"], result["seq"], result["tokens_per_step"]), ("fsdp2", 32, 32))
+            self.assertEqual(len(result["step_seconds"]), 2)
+            self.assertGreater(result["tokens_per_s"], 0)
 
 
 if __name__ == "__main__":

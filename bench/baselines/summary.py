@@ -1,0 +1,76 @@
+"""The peers' table of a PARTS=peers run (scripts/gpu-check.sh): OOM's tokens/s against each peer's
+at the same seq and batch, from the logs in one folder. Standard library only.
+
+The folder holds, per setting: peer-oom-SEQ-BATCH.jsonl (oom-train's metrics), and per peer mode
+peer-run-MODE-SEQ-BATCH.log, its .json when the run got that far, and its .rc (exit status) as
+gpu-check.sh writes it. Rows come from the logs, so a peer that left no JSON is named, not left out.
+"""
+import json
+import os
+import re
+
+# What a mode is called where its JSON does not say (no result).
+MODE_LABELS = {"plain": "plain FSDP2", "offload": "FSDP2 + CPU offload", "deepspeed": "DeepSpeed ZeRO-Offload",
+               "deepspeed-zero3": "DeepSpeed ZeRO-Infinity (CPU)"}
+
+
+def mode_label(mode):
+    base = mode[:-len("-nockpt")] if mode.endswith("-nockpt") else mode
+    return MODE_LABELS.get(base, mode) + (" (no activation checkpointing)" if base != mode else "")
+
+
+def oom_figures(path):
+    """oom-train's tokens/s over the steps after the first (tokens over their summed time), its GPU
+    peak and its host RSS high-water mark (bytes), from its metrics.jsonl."""
+    steps = [json.loads(line) for line in open(path) if line.strip()][1:]
+    if not steps:
+        return None, 0, 0
+    rate = sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in steps)
+    return (rate, max(s["device_peak_bytes"] for s in steps),
+            max(s.get("host_rss_peak_bytes", s["host_rss_bytes"]) for s in steps))
+
+
+def peer_rows(folder):
+    """One dict per (setting, peer mode): seq, batch, mode, label, ours, theirs (tokens/s or None),
+    error (None or why there is no figure), the GPU and host peaks of both, and the data used."""
+    rows = []
+    names = sorted(os.listdir(folder))
+    for name in names:
+        m = re.match(r"peer-oom-(\d+)-(\d+)\.jsonl$", name)
+        if not m:
+            continue
+        seq, batch = int(m.group(1)), int(m.group(2))
+        ours, ours_gpu, ours_host = oom_figures(os.path.join(folder, name))
+        for log in names:
+            pm = re.match(rf"peer-run-([a-z0-9-]+)-{seq}-{batch}\.log$", log)
+            if not pm:
+                continue
+            mode, stem = pm.group(1), os.path.join(folder, log[:-len(".log")])
+            peer = json.load(open(stem + ".json")) if os.path.exists(stem + ".json") else {}
+            error = peer.get("error")
+            if not peer:
+                rc = open(stem + ".rc").read().strip() if os.path.exists(stem + ".rc") else "?"
+                error = (f"not finished: skipped or cut by its time limit ({log})" if rc in ("124", "137")
+                         else f"failed, exit {rc}, no result ({log})")
+            rows.append({"seq": seq, "batch": batch, "mode": mode, "label": peer.get("label") or mode_label(mode),
+                         "ours": ours, "theirs": peer.get("tokens_per_s"), "error": error,
+                         "ours_gpu": ours_gpu, "theirs_gpu": peer.get("gpu_reserved_peak_bytes", 0),
+                         "ours_host": ours_host, "theirs_host": peer.get("host_rss_peak_bytes", 0),
+                         "data": "same windows" if peer.get("batches") else "random tokens"})
+    return rows
+
+
+def format_rows(rows):
+    """The table's lines (GiB: GPU peak, host RSS high-water mark)."""
+    lines = []
+    for r in rows:
+        head = f"seq {r['seq']} x batch {r['batch']}: OOM {r['ours']:,.0f}" if r["ours"] else \
+            f"seq {r['seq']} x batch {r['batch']}: OOM no run"
+        if r["error"] or not r["theirs"]:
+            lines.append(f"{head}; {r['label']}: {r['error'] or 'no result'}")
+            continue
+        ratio = f" = {r['ours'] / r['theirs']:.2f}x" if r["ours"] else ""
+        lines.append(f"{head} vs {r['label']} {r['theirs']:,.0f}{ratio}; GPU {r['ours_gpu'] / 2**30:.1f} vs "
+                     f"{r['theirs_gpu'] / 2**30:.1f}, host {r['ours_host'] / 2**30:.1f} vs "
+                     f"{r['theirs_host'] / 2**30:.1f}; {r['data']}")
+    return lines
