@@ -258,8 +258,8 @@ if [[ "$parts" == *" train "* ]]; then
   done
 fi
 
-# PARTS=peers: OOM against PyTorch FSDP2 (bench/baselines/fsdp2.py) on the 5.13B model in the same
-# call, each run alone on the whole GPU, one after the other, on the same windows of data (the
+# PARTS=peers: OOM against its peers (bench/baselines/: PyTorch FSDP2, DeepSpeed) on the 5.13B model
+# in the same call, each run alone on the whole GPU, one after the other, on the same windows of data (the
 # peer reads those oom-train dumped; where oom-train did not finish, the peer is not run). PEERS
 # (default "4096:1 4096:2") lists seq:batch settings; PEER_MODES (default "plain") may add "offload"
 # (FSDP2 + CPUOffloadPolicy, ~7 s a step) and either with "-nockpt" (no per-layer activation
@@ -275,7 +275,8 @@ if [[ "$parts" == *" peers "* ]]; then
     [[ "$mode" =~ $peer_mode_re ]] ||
       { echo "PEER_MODES: '$mode' is not plain, offload (either with -nockpt), deepspeed or deepspeed-zero3" >&2; bench_rc=1; }
   done
-  peer_python="$build_dir/peer-python"
+  abs_build=$(cd "$build_dir" && pwd)
+  peer_python="$abs_build/peer-python"  # absolute: it goes into PYTHONPATH
   if [[ " ${PEER_MODES:-plain} " == *" deepspeed"* ]]; then
     # Installed again whenever .whl/ changed (its listing is the stamp). Only the projects DeepSpeed
     # needs beyond what the machine has, and typing_extensions only where it is missing; pip picks
@@ -325,7 +326,7 @@ if [[ "$parts" == *" peers "* ]]; then
       fi
       peer_env=(PYTHONUNBUFFERED=1)
       [[ "$mode" == deepspeed* ]] &&
-        peer_env+=(PYTHONPATH="$peer_python${PYTHONPATH:+:$PYTHONPATH}" TORCH_EXTENSIONS_DIR="$build_dir/torch-extensions")
+        peer_env+=(PYTHONPATH="$peer_python${PYTHONPATH:+:$PYTHONPATH}" TORCH_EXTENSIONS_DIR="$abs_build/torch-extensions")
       limited 420 env "${peer_env[@]}" python3 "$script" "${peer_args[@]}" > "$out/peer-run-$mode-$seq-$batch.log" 2>&1
       rc=$?
       echo "$rc" > "$out/peer-run-$mode-$seq-$batch.rc"  # 124: skipped or cut by its time limit (the summary says so)
