@@ -16,6 +16,17 @@ import sys
 import time
 
 
+# What each baseline mode is called, in its output and in the peers' table (bench/baselines/summary.py).
+LABELS = {"plain": "plain FSDP2", "offload": "FSDP2 + CPU offload", "deepspeed": "DeepSpeed ZeRO-Offload",
+          "deepspeed-zero3": "DeepSpeed ZeRO-Infinity (CPU)"}
+
+
+def mode_label(mode):
+    """The label of a mode as PARTS=peers names it: a LABELS key, "-nockpt" added without checkpointing."""
+    base = mode.removesuffix("-nockpt")
+    return LABELS.get(base, mode) + (" (no activation checkpointing)" if base != mode else "")
+
+
 def host_rss_peak_bytes():
     """VmHWM of this process (bytes), 0 where /proc is missing."""
     try:
@@ -97,12 +108,13 @@ def summarize(step_seconds, tokens_per_step):
     return mean_s, min(rates), max(rates), tokens_per_step / mean_s
 
 
-def run(args, peer, label, prepare, info=None):
+def run(args, peer, mode, prepare, info=None):
     """Builds the model of args.config on the GPU (fp32, transformers' init), lets prepare(model,
     world, device) wrap it and return (forward, update) -- forward(input_ids) gives the logits, update(loss)
     runs the backward and the optimizer step -- and times args.steps steps. `peer` names the
-    baseline in the JSON, `label` in the output; `info` adds fields to the JSON. Returns the exit
-    status (0, or 3 when out of memory)."""
+    baseline in the JSON, `mode` (a LABELS key) its label in the output; `info` adds fields to the
+    JSON. Returns the exit status (0, or 3 when out of memory)."""
+    label = mode_label(mode + ("-nockpt" if args.no_checkpointing else ""))
     model_type, fields = config_fields(args.config, args.seq)  # a bad file fails before torch starts
     import torch
     import torch.distributed as dist
@@ -217,19 +229,19 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
             step_seconds.append(seconds)
             say(f"step {step:4d}/{args.steps} | loss {loss.item():.4f} | {seconds:.3f} s | {tokens / seconds:,.0f} tok/s",
                 flush=True)
-    except torch.cuda.OutOfMemoryError as e:
-        say(f"{label}: out of GPU memory at seq {args.seq} x batch {args.batch}: {str(e).splitlines()[0]}")
-        result["error"] = "out of GPU memory"
-        return finish(3)
-    except MemoryError:
-        say(f"{label}: out of host memory at seq {args.seq} x batch {args.batch}")
-        result["error"] = "out of host memory"
-        return finish(3)
-    except RuntimeError as e:  # a failed pinned (host) allocation comes as a CUDA error, not MemoryError
-        if "out of memory" not in str(e):
+    except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        # A failed pinned (host) allocation comes as a RuntimeError naming CUDA, not a MemoryError.
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            what = "out of GPU memory"
+        elif isinstance(e, MemoryError):
+            what = "out of host memory"
+        elif "out of memory" in str(e):
+            what = "out of memory (pinned host or GPU)"
+        else:
             raise
-        say(f"{label}: out of memory at seq {args.seq} x batch {args.batch}: {str(e).splitlines()[0]}")
-        result["error"] = "out of memory (pinned host or GPU)"
+        detail = str(e).splitlines()[0] if str(e) else ""
+        say(f"{label}: {what} at seq {args.seq} x batch {args.batch}{': ' + detail if detail else ''}")
+        result["error"] = what
         return finish(3)
 
     mean_s, low, high, mean_rate = summarize(step_seconds, tokens)

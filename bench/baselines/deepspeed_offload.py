@@ -48,9 +48,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    try:
+        import deepspeed
+    except ImportError:
+        sys.exit("deepspeed baseline: no deepspeed module; `bash scripts/fetch-peer-wheels.sh` here, then "
+                 "scripts/gpu-check.sh installs it on the GPU machine (PYTHONPATH=build-gpu/peer-python)")
 
     def prepare(model, world, device):
-        import deepspeed
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=ds_config(args, args.stage))
 
@@ -59,15 +63,8 @@ def main(argv=None):
             engine.step()
         return (lambda ids: engine(input_ids=ids).logits), update
 
-    import importlib.util
-    info = {"deepspeed": None, "zero_stage": args.stage}
-    if importlib.util.find_spec("deepspeed") is None:
-        sys.exit("deepspeed baseline: no deepspeed module; `bash scripts/fetch-peer-wheels.sh` here, then "
-                 "scripts/gpu-check.sh installs it on the GPU machine (PYTHONPATH=build-gpu/peer-python)")
-    import deepspeed
-    info["deepspeed"] = deepspeed.__version__
-    label = "DeepSpeed ZeRO-Offload" if args.stage == 2 else "DeepSpeed ZeRO-Infinity (CPU)"
-    return common.run(args, f"deepspeed-zero{args.stage}-offload", label, prepare, info)
+    return common.run(args, f"deepspeed-zero{args.stage}-offload", "deepspeed" if args.stage == 2 else "deepspeed-zero3",
+                      prepare, {"deepspeed": deepspeed.__version__, "zero_stage": args.stage})
 
 
 if __name__ == "__main__":

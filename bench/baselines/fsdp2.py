@@ -51,8 +51,7 @@ def main(argv=None):
             optimizer.zero_grad(set_to_none=True)
         return (lambda ids: model(input_ids=ids).logits), update
 
-    return common.run(args, "fsdp2-offload" if args.offload else "fsdp2",
-                      "FSDP2 + CPU offload" if args.offload else "plain FSDP2", prepare)
+    return common.run(args, "fsdp2-offload" if args.offload else "fsdp2", "offload" if args.offload else "plain", prepare)
 
 
 if __name__ == "__main__":

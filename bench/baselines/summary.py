@@ -8,16 +8,10 @@ gpu-check.sh writes it. Rows come from the logs, so a peer that left no JSON is 
 import json
 import os
 import re
+import sys
 
-# What a mode is called where its JSON does not say (no result).
-MODE_LABELS = {"plain": "plain FSDP2", "offload": "FSDP2 + CPU offload", "deepspeed": "DeepSpeed ZeRO-Offload",
-               "deepspeed-zero3": "DeepSpeed ZeRO-Infinity (CPU)"}
-
-
-def mode_label(mode):
-    base = mode[:-len("-nockpt")] if mode.endswith("-nockpt") else mode
-    return MODE_LABELS.get(base, mode) + (" (no activation checkpointing)" if base != mode else "")
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 def oom_figures(path):
     """oom-train's tokens/s over the steps after the first (tokens over their summed time), its GPU
@@ -52,7 +46,7 @@ def peer_rows(folder):
                 rc = open(stem + ".rc").read().strip() if os.path.exists(stem + ".rc") else "?"
                 error = (f"not finished: skipped or cut by its time limit ({log})" if rc in ("124", "137")
                          else f"failed, exit {rc}, no result ({log})")
-            rows.append({"seq": seq, "batch": batch, "mode": mode, "label": peer.get("label") or mode_label(mode),
+            rows.append({"seq": seq, "batch": batch, "mode": mode, "label": common.mode_label(mode),
                          "ours": ours, "theirs": peer.get("tokens_per_s"), "error": error,
                          "ours_gpu": ours_gpu, "theirs_gpu": peer.get("gpu_reserved_peak_bytes", 0),
                          "ours_host": ours_host, "theirs_host": peer.get("host_rss_peak_bytes", 0),

@@ -155,13 +155,16 @@ class PeerTable(unittest.TestCase):
         self.write(d, "peer-run-offload-nockpt-4096-2.rc", "1\n")
         self.write(d, "peer-run-deepspeed-4096-2.log", "")
         self.write(d, "peer-run-deepspeed-4096-2.json", json.dumps({"error": "out of GPU memory"}))
+        self.write(d, "peer-run-plain-nockpt-4096-2.log", "")  # its JSON's label may lack the mode's suffix
+        self.write(d, "peer-run-plain-nockpt-4096-2.json", json.dumps({"label": "plain FSDP2", "tokens_per_s": 6000.0}))
         self.write(d, "peer-run-plain-1024-1.log", "")  # no oom-train run at that setting: no row
 
     def test_rows_ratios_and_why_a_peer_has_no_figure(self):
         with tempfile.TemporaryDirectory() as d:
             self.folder(d)
             rows = {r["mode"]: r for r in summary.peer_rows(d)}
-            self.assertEqual(set(rows), {"plain", "deepspeed", "deepspeed-zero3", "offload-nockpt"})
+            self.assertEqual(set(rows), {"plain", "plain-nockpt", "deepspeed", "deepspeed-zero3", "offload-nockpt"})
+            self.assertEqual(rows["plain-nockpt"]["label"], "plain FSDP2 (no activation checkpointing)")
             plain = rows["plain"]
             self.assertAlmostEqual(plain["ours"], 20480.0)
             self.assertEqual((plain["ours_gpu"], plain["ours_host"]), (96 * 2**30, 3 * 2**30))
@@ -175,7 +178,7 @@ class PeerTable(unittest.TestCase):
             self.assertIn("seq 4096 x batch 2: OOM 20,480 vs plain FSDP2 5,120 = 4.00x; GPU 96.0 vs 100.0, "
                           "host 3.0 vs 2.0; same windows", lines)
             self.assertIn("seq 4096 x batch 2: OOM 20,480; DeepSpeed ZeRO-Offload: out of GPU memory", lines)
-            self.assertEqual(len(lines), 4)
+            self.assertEqual(len(lines), 5)
 
 
 @unittest.skipUnless(importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"),
