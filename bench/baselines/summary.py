@@ -13,13 +13,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+
 def oom_figures(path):
-    """oom-train's tokens/s over the steps after the first (tokens over their summed time), its GPU
-    peak and its host RSS high-water mark (bytes), from its metrics.jsonl."""
-    steps = [json.loads(line) for line in open(path) if line.strip()][1:]
-    if not steps:
+    """oom-train's tokens/s over the steps after the first (as the peers' are: common.summarize), its
+    GPU peak and its host RSS high-water mark (bytes), from its metrics.jsonl."""
+    every = [json.loads(line) for line in open(path) if line.strip()]
+    if len(every) < 2:
         return None, 0, 0
-    rate = sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in steps)
+    rate = common.summarize([s["step_s"] for s in every], every[0]["tokens"])[3]
+    steps = every[1:]
     return (rate, max(s["device_peak_bytes"] for s in steps),
             max(s.get("host_rss_peak_bytes", s["host_rss_bytes"]) for s in steps))
 
