@@ -108,6 +108,14 @@ def summarize(step_seconds, tokens_per_step):
     return mean_s, min(rates), max(rates), tokens_per_step / mean_s
 
 
+def token_loss(logits, targets):
+    """oom-train's loss: the mean cross-entropy of window[1:] given window[:-1], on fp32 logits. The
+    logits die with this call, so only the graph holds what the backward needs (a name kept across
+    the step held the bf16 logits, 8 GiB at 128K, into the next step's forward)."""
+    import torch
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def run(args, peer, mode, prepare, info=None):
     """Builds the model of args.config on the GPU (fp32, transformers' init), lets prepare(model,
     world, device) wrap it and return (forward, update) -- forward(input_ids) gives the logits, update(loss)
@@ -116,6 +124,10 @@ def run(args, peer, mode, prepare, info=None):
     JSON. Returns the exit status (0, or 3 when out of memory)."""
     label = mode_label(mode + ("-nockpt" if args.no_checkpointing else ""))
     model_type, fields = config_fields(args.config, args.seq)  # a bad file fails before torch starts
+    # PyTorch's advice when reserved-but-unallocated memory is what runs out (plain FSDP2 at 128K
+    # failed so at step 2 with 17 GiB reserved and free): the peer as a user would tune it. A
+    # setting of the caller's own stands; the JSON records which ran.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     import torch.distributed as dist
 
@@ -172,7 +184,8 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
     tokens = args.seq * args.batch * world
     result = {"peer": peer, "label": label, "config": args.config, "seq": args.seq, "batch": args.batch, "gpus": world,
               "tokens_per_step": tokens, "checkpointing": not args.no_checkpointing, "torch": torch.__version__,
-              "transformers": transformers.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu", **(info or {})}
+              "transformers": transformers.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), **(info or {})}
 
     def finish(code):
         result["host_rss_peak_bytes"] = host_rss_peak_bytes()
@@ -220,8 +233,7 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
             sync()
             dist.barrier()
             start = time.perf_counter()
-            logits = forward(w[:, :-1])  # oom-train's loss: window[1:] given window[:-1], on fp32 logits
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+            loss = token_loss(forward(w[:, :-1]), w[:, 1:])
             update(loss)
             sync()
             dist.barrier()

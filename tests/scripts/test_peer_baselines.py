@@ -184,18 +184,40 @@ class PeerTable(unittest.TestCase):
 @unittest.skipUnless(importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"),
                      "torch and transformers are not installed here: the baseline's run on the CPU is not tried")
 class RunOnTheCpu(unittest.TestCase):
-    def test_fsdp2_two_steps_of_the_tiny_model(self):
+    def run_fsdp2(self, **env):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "r.json")
+            keep = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PYTORCH_CUDA_ALLOC_CONF")}
             proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "baselines", "fsdp2.py"), "--config",
                                    os.path.join(REPO, "examples", "configs", "tiny-moe-d128.json"), "--seq", "32",
                                    "--steps", "2", "--device", "cpu", "--json", out], capture_output=True, text=True,
-                                  timeout=300, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+                                  timeout=300, env={**keep, **env})
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-            result = json.load(open(out))
-            self.assertEqual((result["peer"], result["seq"], result["tokens_per_step"]), ("fsdp2", 32, 32))
-            self.assertEqual(len(result["step_seconds"]), 2)
-            self.assertGreater(result["tokens_per_s"], 0)
+            return json.load(open(out))
+
+    def test_fsdp2_two_steps_of_the_tiny_model(self):
+        result = self.run_fsdp2()
+        self.assertEqual((result["peer"], result["seq"], result["tokens_per_step"]), ("fsdp2", 32, 32))
+        self.assertEqual(len(result["step_seconds"]), 2)
+        self.assertGreater(result["tokens_per_s"], 0)
+        # The peer runs with PyTorch's own advice against fragmentation unless the caller says otherwise.
+        self.assertEqual(result["cuda_alloc_conf"], "expandable_segments:True")
+
+    def test_the_callers_allocator_setting_stands(self):
+        result = self.run_fsdp2(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
+        self.assertEqual(result["cuda_alloc_conf"], "expandable_segments:False")
+
+    def test_token_loss_is_the_fp32_cross_entropy_of_the_next_token(self):
+        import torch
+        gen = torch.Generator().manual_seed(3)
+        logits = torch.randn(2, 5, 11, generator=gen).to(torch.bfloat16)
+        targets = torch.randint(0, 11, (2, 5), generator=gen)
+        loss = bench.token_loss(logits, targets)
+        self.assertEqual(loss.dtype, torch.float32)
+        # By hand, in fp64 from the same bf16 values: mean over tokens of logsumexp - the target's logit.
+        x = logits.double().reshape(-1, 11)
+        want = (torch.logsumexp(x, dim=1) - x[torch.arange(10), targets.reshape(-1)]).mean()
+        self.assertAlmostEqual(loss.item(), want.item(), places=5)
 
 
 if __name__ == "__main__":
