@@ -15,16 +15,20 @@
 
 namespace oom::examples {
 
-/// The profile's host memory less what the trainer holds beside the plan's memory (the fp32 initial
-/// weights while the model is built: 19.1 GiB for the 5.13B model) and headroom for the process and
-/// the OS (a tenth of it, at least 4 GiB). With the whole profile as its budget, the 5.13B model at
-/// 512K on the H200 planned 94 GiB of pinned memory beside those 19.1 GiB on a 125 GiB host.
+/// The profile's host memory less what the trainer holds beside the plan's memory while the model is
+/// built (`initial_weights`: the host model takes the fp32 initial weights whole, 19.1 GiB for the
+/// 5.13B model; the CUDA model reads them a segment at a time, CudaCausalLm::build_buffer_bytes) and
+/// headroom for the process and the OS (a tenth of it, at least 4 GiB). With the whole profile as its
+/// budget, the 5.13B model at 512K on the H200 planned 94 GiB of pinned memory, which did not fit a
+/// 125 GiB host beside the whole initial weights.
 struct HostBudget {
   Bytes budget, initial_weights, headroom;
 };
+/// The initial weights whole, as the host model holds them while it is built.
+inline Bytes whole_initial_weights(const ModelSpec& spec) { return Bytes{spec.total_parameters() * sizeof(float)}; }
 /// Errc::out_of_budget when nothing is left.
-inline HostBudget default_host_budget(const MachineProfile& profile, const ModelSpec& spec) {
-  const Bytes init{spec.total_parameters() * sizeof(float)};
+inline HostBudget default_host_budget(const MachineProfile& profile, Bytes initial_weights) {
+  const Bytes init = initial_weights;
   const Bytes headroom{std::max<std::uint64_t>(profile.host_memory.count() / 10, std::uint64_t{4} << 30)};
   if (profile.host_memory.count() <= init.count() + headroom.count())
     OOM_THROW(Errc::out_of_budget, fmt::format("host memory {} (profile {}) holds no more than the initial weights ({}) and {} of headroom; "

@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
       try {
         oom::PlanRequest train_req = req;
         train_req.candidates = 6;
-        if (!a.host_mem) train_req.host_budget = oom::examples::default_host_budget(profile, spec).budget;
+        if (!a.host_mem) train_req.host_budget = oom::examples::default_host_budget(profile, oom::CudaCausalLm::build_buffer_bytes(spec)).budget;
         const auto train_set = planner.plan(train_req);
         const std::uint64_t headroom = oom::CudaCausalLm::gpu_headroom.count();
         const std::uint64_t usable = profile.gpu_memory.count() > headroom ? profile.gpu_memory.count() - headroom : 0;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numbers>
 
 #include <fmt/format.h>
@@ -32,27 +33,51 @@ void check_finite(std::span<const float> g, const std::string& segment, std::int
 
 }  // namespace
 
-std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint64_t seed, float std) {
+SegmentWeightSource initial_weight_source(const ModelSpec& spec, std::uint64_t seed, float std) {
   // Every tensor's key first (a chain, in spec order), then the values in parallel: each element is
-  // a function of (key, index) alone, so the thread count changes nothing.
+  // a function of (key, index) alone, so neither the thread count nor the order segments are asked
+  // in changes a value.
   const auto& segs = spec.segments();
-  std::vector<std::vector<std::uint64_t>> keys(segs.size());
+  auto keys = std::make_shared<std::vector<std::vector<std::uint64_t>>>(segs.size());
   std::uint64_t key = splitmix64(seed);
   for (std::size_t s = 0; s < segs.size(); ++s)
-    for (std::size_t t = 0; t < segs[s].tensors.size(); ++t) keys[s].push_back(key = splitmix64(key));
-  std::vector<std::vector<float>> out(segs.size());
-  optim::ThreadPool pool(0);
-  pool.run(segs.size(), [&](std::size_t s) {
-    std::vector<float> v;
-    v.reserve(segs[s].parameters());
-    for (std::size_t t = 0; t < segs[s].tensors.size(); ++t) {
-      const auto& ts = segs[s].tensors[t];
-      const bool norm = is_norm(ts.name);
-      for (std::uint64_t i = 0; i < ts.elements(); ++i) v.push_back(norm ? 1.0f : std * normal(keys[s][t], i));
+    for (std::size_t t = 0; t < segs[s].tensors.size(); ++t) (*keys)[s].push_back(key = splitmix64(key));
+  auto pool = std::make_shared<optim::ThreadPool>(0);
+  return [&spec, keys, pool, std](std::size_t s, std::span<float> out) {
+    const auto& seg = spec.segments().at(s);
+    if (out.size() != seg.parameters())
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("initial weights: segment '{}' has {} parameters; a span of {}", seg.name, seg.parameters(), out.size()));
+    constexpr std::uint64_t piece = std::uint64_t{1} << 18;  // elements a task
+    std::uint64_t offset = 0;
+    for (std::size_t t = 0; t < seg.tensors.size(); ++t) {
+      const std::uint64_t n = seg.tensors[t].elements();
+      float* dst = out.data() + offset;
+      if (is_norm(seg.tensors[t].name)) {
+        std::fill(dst, dst + n, 1.0f);
+      } else {
+        const std::uint64_t k = (*keys)[s][t];
+        pool->run((n + piece - 1) / piece, [&](std::size_t p) {
+          const std::uint64_t end = std::min(n, (p + 1) * piece);
+          for (std::uint64_t i = p * piece; i < end; ++i) dst[i] = std * normal(k, i);
+        });
+      }
+      offset += n;
     }
-    out[s] = std::move(v);
-  });
+  };
+}
+
+std::vector<std::vector<float>> weights_in_memory(const ModelSpec& spec, const SegmentWeightSource& source) {
+  std::vector<std::vector<float>> out(spec.segments().size());
+  for (std::size_t s = 0; s < out.size(); ++s) {
+    out[s].resize(spec.segments()[s].parameters());
+    source(s, out[s]);
+  }
   return out;
+}
+
+std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint64_t seed, float std) {
+  return weights_in_memory(spec, initial_weight_source(spec, seed, std));
 }
 
 HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,

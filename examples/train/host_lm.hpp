@@ -24,6 +24,11 @@ namespace oom::train {
 /// Initial weights as transformers initialises Qwen3-MoE: every matrix N(0, std), every norm
 /// weight 1. A counter-based generator, so the same seed gives the same weights everywhere.
 std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint64_t seed, float std = 0.02f);
+/// The same weights segment by segment, on every core: what a model built from a source takes
+/// (CudaCausalLm), with no copy of the whole model in memory. Valid while `spec` lives.
+SegmentWeightSource initial_weight_source(const ModelSpec& spec, std::uint64_t seed, float std = 0.02f);
+/// Every segment of `source`, in memory (what HostCausalLm takes).
+std::vector<std::vector<float>> weights_in_memory(const ModelSpec& spec, const SegmentWeightSource& source);
 
 class HostCausalLm {
  public:

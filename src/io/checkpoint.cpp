@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <map>
 #include <system_error>
 #include <tuple>
@@ -102,17 +103,22 @@ void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<flo
   }
 }
 
-std::vector<std::vector<float>> read_segments(const SafetensorsFile& file, const ModelSpec& spec, std::string_view prefix) {
+void read_segment(const SafetensorsFile& file, const StateSegment& seg, std::span<float> out) {
+  if (out.size() != seg.parameters())
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: segment '{}' has {} parameters; a span of {}", file.source(), seg.name,
+                                                  seg.parameters(), out.size()));
+  std::uint64_t offset = 0;
+  for (const auto& t : seg.tensors) {
+    read_values(file, t, out.subspan(offset, t.elements()));
+    offset += t.elements();
+  }
+}
+
+std::vector<std::vector<float>> read_segments(const SafetensorsFile& file, const ModelSpec& spec) {
   std::vector<std::vector<float>> out;
   for (const auto& seg : spec.segments()) {
     std::vector<float> v(seg.parameters());
-    std::uint64_t offset = 0;
-    for (const auto& t : seg.tensors) {
-      TensorSpec named = t;
-      named.name = std::string(prefix) + t.name;
-      read_values(file, named, std::span<float>(v).subspan(offset, t.elements()));
-      offset += t.elements();
-    }
+    read_segment(file, seg, v);
     out.push_back(std::move(v));
   }
   return out;
@@ -261,7 +267,7 @@ SegmentStateSource CheckpointReader::source() const {
 CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool with_optimizer) {
   CheckpointRead r;
   if (!with_optimizer) {
-    for (auto& w : read_segments(SafetensorsFile::open(dir / "model.safetensors"), spec, ""))
+    for (auto& w : read_segments(SafetensorsFile::open(dir / "model.safetensors"), spec))
       r.state.push_back({std::move(w), {}, {}});
     r.trainer_state = read_json_file(dir / "trainer_state.json");
     return r;
@@ -273,7 +279,25 @@ CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool 
 }
 
 std::vector<std::vector<float>> load_weights(const fs::path& safetensors, const ModelSpec& spec) {
-  return read_segments(SafetensorsFile::open(safetensors), spec, "");
+  return read_segments(SafetensorsFile::open(safetensors), spec);
+}
+
+SegmentWeightSource weight_source(const fs::path& safetensors, const ModelSpec& spec) {
+  auto file = std::make_shared<const SafetensorsFile>(SafetensorsFile::open(safetensors));
+  // Every tensor present, of a readable type and the right shape, before anyone reads one.
+  for (const auto& seg : spec.segments())
+    for (const auto& t : seg.tensors) {
+      DType dt{};
+      (void)file->tensor_bytes(t, &dt);
+      if (dt != DType::fp32 && dt != DType::bf16)
+        OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; weights must be F32 or BF16", file->source(), t.name,
+                                           safetensors_dtype_name(dt)));
+    }
+  return [file, &spec](std::size_t s, std::span<float> out) {
+    if (s >= spec.segments().size())
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: segment {} of a model of {}", file->source(), s, spec.segments().size()));
+    read_segment(*file, spec.segments()[s], out);
+  };
 }
 
 }  // namespace oom

@@ -274,7 +274,7 @@ struct CudaCausalLm::Impl {
     // Size everything first: a plan the arena cannot hold is refused here, by claimant, before
     // any memory is taken; pinned slabs are made large enough for the largest single buffer.
     Impl probe(s, p, o, /*sizing_only=*/true);
-    probe.build({});
+    probe.build(nullptr);
     const Bytes reserve = reservation(o, p);
     const auto [device_need, host_need] = gpu_and_host(probe.need);
     if (reserve < device_need)
@@ -370,7 +370,7 @@ struct CudaCausalLm::Impl {
       if (L.streamed > 0) cpu_update_after(*(last = &L), scalars);
     if (last != nullptr) backend->wait(cs, last->updated);  // the step (step_end) ends with its updates
   }
-  void build(const std::vector<std::vector<float>>& weights);
+  void build(const SegmentWeightSource* weights);  // nullptr: sizing
   CudaBackend::Event event() { return sizing ? CudaBackend::Event{} : backend->make_event(); }
   void release() noexcept;
   /// Starts layer l's streamed weights down into the next slot (after its last reader); the
@@ -426,10 +426,9 @@ struct CudaCausalLm::Impl {
   }
 };
 
-void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
+void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
   const auto& all = spec->segments();
-  if (!sizing && weights.size() != all.size())
-    OOM_THROW(Errc::invalid_argument, fmt::format("{} weight blocks for a model of {} segments", weights.size(), all.size()));
+  if (!sizing && weights == nullptr) OOM_THROW(Errc::invalid_argument, "CudaCausalLm: no weight source");
   if (plan.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs on one GPU (the plan has {})", plan.gpus));
   if (plan.workload.sequences < 1 || plan.workload.seq_len < 1)
@@ -482,6 +481,8 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
   // layer's gradients in its staging until the last one: no staging buffer could be reused.
   const bool ring = !clipping() && K == 1 && opt.grad_staging_layers > 0 && opt.grad_staging_layers < streamed_layers.size();
   segs.resize(all.size());
+  std::vector<float> w32;  // a resident segment's values on their way up, reused
+  std::vector<bf16> w16;
   for (std::size_t s = 0; s < all.size(); ++s) {
     auto& g = segs[s];
     g.name = all[s].name;
@@ -504,19 +505,18 @@ void CudaCausalLm::Impl::build(const std::vector<std::vector<float>>& weights) {
       if (!ring) g.hgrad = pinned<float>(g.n, Claimant::host_staging);  // else: the ring, below
     }
     if (sizing) continue;
-    const auto& w = weights[s];
-    if (w.size() != g.n)
-      OOM_THROW(Errc::invalid_argument, fmt::format("segment '{}': {} values for {} parameters", g.name, w.size(), g.n));
-    std::vector<bf16> w16(g.n);
-    std::transform(w.begin(), w.end(), w16.begin(), [](float f) { return to_bf16(f); });
     if (g.resident) {
+      w32.resize(g.n);
+      w16.resize(g.n);
+      (*weights)(s, w32);
+      std::transform(w32.begin(), w32.end(), w16.begin(), [](float f) { return to_bf16(f); });
       OOM_CUDA_CHECK(cudaMemcpy(g.dw, w16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
-      OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, w.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, w32.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
       OOM_CUDA_CHECK(cudaMemset(g.dm, 0, g.n * sizeof(float)));
       OOM_CUDA_CHECK(cudaMemset(g.dv, 0, g.n * sizeof(float)));
     } else {
-      std::copy(w16.begin(), w16.end(), g.hw);
-      std::copy(w.begin(), w.end(), g.hmaster);
+      (*weights)(s, std::span<float>(g.hmaster, g.n));
+      std::transform(g.hmaster, g.hmaster + g.n, g.hw, [](float f) { return to_bf16(f); });
       std::fill(g.hm, g.hm + g.n, 0.0f);
       std::fill(g.hv, g.hv + g.n, 0.0f);
     }
@@ -1243,15 +1243,44 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
                                              least_gpu, gpu_available, least_host, host_budget));
 }
 
-CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
-                           CudaCausalLmOptions options)
-    : impl_(std::make_unique<Impl>(spec, plan, options, /*sizing_only=*/false)) {
+namespace {
+// Checked before the executor touches a device.
+void require(const SegmentWeightSource& weights) {
+  if (!weights) OOM_THROW(Errc::invalid_argument, "CudaCausalLm: no weight source");
+}
+
+// In-memory weights as a source, their counts checked first.
+SegmentWeightSource checked_source(const ModelSpec& spec, const std::vector<std::vector<float>>& weights) {
+  const auto& all = spec.segments();
+  if (weights.size() != all.size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} weight blocks for a model of {} segments", weights.size(), all.size()));
+  for (std::size_t s = 0; s < all.size(); ++s)
+    if (weights[s].size() != all[s].parameters())
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("segment '{}': {} values for {} parameters", all[s].name, weights[s].size(), all[s].parameters()));
+  return [&weights](std::size_t s, std::span<float> out) { std::copy(weights[s].begin(), weights[s].end(), out.begin()); };
+}
+}  // namespace
+
+CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const SegmentWeightSource& weights, CudaCausalLmOptions options)
+    : impl_((require(weights), std::make_unique<Impl>(spec, plan, options, /*sizing_only=*/false))) {
   try {
-    impl_->build(weights);
+    impl_->build(&weights);
   } catch (...) {
     impl_->release();
     throw;
   }
+}
+
+
+CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
+                           CudaCausalLmOptions options)
+    : CudaCausalLm(spec, plan, checked_source(spec, weights), options) {}
+
+Bytes CudaCausalLm::build_buffer_bytes(const ModelSpec& spec) {
+  std::uint64_t largest = 0;
+  for (const auto& seg : spec.segments()) largest = std::max(largest, seg.parameters());
+  return Bytes{largest * (sizeof(float) + sizeof(bf16))};
 }
 
 CudaCausalLm::~CudaCausalLm() { impl_->release(); }
@@ -1344,7 +1373,7 @@ void CudaCausalLm::set_learning_rate(float lr) { impl_->opt.adamw.lr = lr; }
 std::array<Bytes, claimant_count> CudaCausalLm::footprint(const ModelSpec& spec, const Plan& plan,
                                                            const CudaCausalLmOptions& options) {
   Impl sizing(spec, plan, options, /*sizing_only=*/true);
-  sizing.build({});
+  sizing.build(nullptr);
   return sizing.need;
 }
 CudaBackend& CudaCausalLm::backend() { return *impl_->backend; }

@@ -165,6 +165,41 @@ TEST_CASE("every plan gives the resident plan's step, bit for bit, on the GPU") 
   }
 }
 
+TEST_CASE("a model built from a weight source: each segment asked once, in spec order; the model the weights in memory build") {
+  const auto spec = small_spec();
+  const auto w = init(spec);
+  std::mt19937_64 rng(5);
+  const Plan p = random_variant(spec, resident_plan(spec), rng, /*all_streamed=*/false);
+  REQUIRE(!p.resident_segments.empty());  // streamed segments are filled in pinned memory, resident ones uploaded
+  REQUIRE(p.resident_segments.size() < spec.segments().size());
+  std::vector<std::size_t> asked;
+  const SegmentWeightSource source = [&](std::size_t s, std::span<float> out) {
+    asked.push_back(s);
+    REQUIRE(out.size() == w[s].size());
+    std::copy(w[s].begin(), w[s].end(), out.begin());
+  };
+  CudaCausalLmOptions opt;
+  opt.adamw.lr = 3e-3f;
+  {
+    CudaCausalLm lm(spec, p, source, opt);
+    std::vector<std::size_t> order(spec.segments().size());
+    for (std::size_t s = 0; s < order.size(); ++s) order[s] = s;
+    CHECK(asked == order);
+    const auto st = lm.state();
+    for (std::size_t s = 0; s < w.size(); ++s) {
+      CAPTURE(spec.segments()[s].name);
+      CHECK(std::memcmp(st[s].master.data(), w[s].data(), w[s].size() * sizeof(float)) == 0);
+      CHECK(std::all_of(st[s].exp_avg.begin(), st[s].exp_avg.end(), [](float x) { return x == 0.0f; }));
+    }
+  }
+  // A source that fails part way: its error comes out of the constructor.
+  const SegmentWeightSource failing = [&](std::size_t s, std::span<float> out) {
+    if (s == 3) OOM_THROW(Errc::io, "weights.bin: read failed");
+    std::fill(out.begin(), out.end(), 0.0f);
+  };
+  CHECK_THROWS_WITH_AS(CudaCausalLm(spec, p, failing, opt), doctest::Contains("weights.bin: read failed"), Error);
+}
+
 TEST_CASE("clipping by global norm: every plan the same clipped step, bit for bit, and the clip acts") {
   const auto spec = small_spec();
   const Plan reference = resident_plan(spec);

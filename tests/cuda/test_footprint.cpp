@@ -586,3 +586,25 @@ TEST_CASE("fit: the GPU memory a checkpoint frees goes to more resident segments
     CHECK_THROWS_AS((void)CudaCausalLm::fit(spec, plans, avail, profile.host_memory, {}, how), Error);
   }
 }
+
+TEST_CASE("building from a weight source holds one segment beside the plan; weights in memory of the wrong count are refused first") {
+  // The most the source-fed constructor holds while it builds: the largest segment (the 5.13B
+  // model's embedding, 32000 x 2048) in fp32 and bf16, against 19.1 GiB for its whole weights.
+  const auto big = config("moe-5b.json");
+  CHECK(CudaCausalLm::build_buffer_bytes(big) == Bytes{32000ull * 2048 * 6});
+  CHECK(CudaCausalLm::build_buffer_bytes(big) * 50 < Bytes{big.total_parameters() * 4});
+
+  // In-memory weights are checked before the executor touches a device (so this runs without one).
+  const auto spec = config("tiny-moe-d128.json");
+  const Plan p = plan_for(spec, 256);
+  std::vector<std::vector<float>> w;
+  for (const auto& s : spec.segments()) w.emplace_back(s.parameters(), 0.0f);
+  auto short_by_one = w;
+  short_by_one.pop_back();
+  CHECK_THROWS_WITH_AS(CudaCausalLm(spec, p, short_by_one, {}), doctest::Contains("weight blocks for a model of"), Error);
+  auto one_value_less = w;
+  one_value_less[2].pop_back();
+  CHECK_THROWS_WITH_AS(CudaCausalLm(spec, p, one_value_less, {}), doctest::Contains(spec.segments()[2].name.c_str()), Error);
+  // An empty source is refused by name (before a device is touched too).
+  CHECK_THROWS_WITH_AS(CudaCausalLm(spec, p, SegmentWeightSource{}, {}), doctest::Contains("no weight source"), Error);
+}

@@ -164,3 +164,32 @@ TEST_CASE("a checkpoint read segment by segment: the same bits, from views writt
   CHECK_THROWS_WITH_AS(CheckpointReader(where, spec), doctest::Contains("optimizer.safetensors"), Error);
   fs::remove_all(dir);
 }
+
+TEST_CASE("weights read as a source: load_weights' bits, segment by segment in any order; every tensor checked when it opens") {
+  const auto spec = tiny();
+  const auto dir = fresh_dir("weight-source");
+  const auto st = random_state(spec, 6);
+  const auto where = save_checkpoint(dir, spec, st, {1, "{}", Json::object(), 2});
+  const auto model = where / "model.safetensors";
+  const auto whole = load_weights(model, spec);
+  const auto source = weight_source(model, spec);
+  for (std::size_t k = 0; k < st.size(); ++k) {
+    const std::size_t s = st.size() - 1 - k;  // the last first: nothing depends on the order
+    CAPTURE(spec.segments()[s].name);
+    std::vector<float> w(spec.segments()[s].parameters(), -1.0f);
+    source(s, w);
+    CHECK(same_bits(w, st[s].master));
+    CHECK(same_bits(w, whole[s]));
+  }
+  // A span of the wrong size, a segment the model does not have: named.
+  std::vector<float> small(3);
+  CHECK_THROWS_WITH_AS(source(0, small), doctest::Contains(spec.segments()[0].name.c_str()), Error);
+  CHECK_THROWS_WITH_AS(source(spec.segments().size(), small), doctest::Contains("segment"), Error);
+  // Another model's weights: the missing tensor named when the source is made, before any read.
+  Json other = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json");
+  other.set("num_hidden_layers", 5);
+  const auto bigger = ModelSpec::from_json(other);
+  CHECK_THROWS_WITH_AS((void)weight_source(model, bigger), doctest::Contains("model.layers.4"), Error);
+  CHECK_THROWS_WITH_AS((void)weight_source(dir / "absent.safetensors", spec), doctest::Contains("absent.safetensors"), Error);
+  fs::remove_all(dir);
+}

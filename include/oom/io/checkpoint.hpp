@@ -89,5 +89,9 @@ CheckpointRead load_checkpoint(const std::filesystem::path& dir, const ModelSpec
 /// Reads weights only from one safetensors file (transformers' model.safetensors, or ours):
 /// per segment of `spec`, the fp32 values of its tensors back to back.
 std::vector<std::vector<float>> load_weights(const std::filesystem::path& safetensors, const ModelSpec& spec);
+/// The same file as a source, read segment by segment (the file stays mapped while the source
+/// lives; `spec` must outlive it). Every tensor's name, shape and type is checked here, before any
+/// is read; errors as load_weights.
+SegmentWeightSource weight_source(const std::filesystem::path& safetensors, const ModelSpec& spec);
 
 }  // namespace oom

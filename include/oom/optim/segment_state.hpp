@@ -41,4 +41,9 @@ struct StateSnapshot {
 using SegmentStateSource =
     std::function<void(std::size_t segment, std::span<float> master, std::span<float> exp_avg, std::span<float> exp_avg_sq)>;
 
+/// Fills one segment's fp32 weights (by its index in spec.segments()) into the span, the segment's
+/// parameters() long: how a model is built from weights made or read piece by piece (a seeded
+/// initialiser, a safetensors file) without all of them in memory beside the model's own state.
+using SegmentWeightSource = std::function<void(std::size_t segment, std::span<float> weights)>;
+
 }  // namespace oom

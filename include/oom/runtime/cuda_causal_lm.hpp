@@ -142,11 +142,20 @@ class CudaCausalLm {
   /// sizing a plan for a device's free memory leave it too.
   static constexpr Bytes gpu_headroom{std::uint64_t{1} << 30};
 
-  /// `weights[s]`: fp32 values of spec.segments()[s]. Errc::unsupported for layers the CUDA decoder
-  /// layer does not implement, Errc::out_of_budget (naming the claimant) when the buffers the plan
-  /// needs do not fit the device arena.
+  /// `weights(s, out)` fills the fp32 values of spec.segments()[s], called once per segment in spec
+  /// order: a streamed segment's straight into its pinned master, a resident one's into one
+  /// segment-sized buffer that is uploaded and reused, so building needs no copy of the whole
+  /// model's weights in host memory (the 5.13B model's are 19.1 GiB). Errc::unsupported for layers
+  /// the CUDA decoder layer does not implement, Errc::out_of_budget (naming the claimant) when the
+  /// buffers the plan needs do not fit the device arena; what the source throws propagates.
+  CudaCausalLm(const ModelSpec& spec, const Plan& plan, const SegmentWeightSource& weights, CudaCausalLmOptions options);
+  /// The same from weights in memory: `weights[s]` holds spec.segments()[s]'s values
+  /// (Errc::invalid_argument, before anything is allocated, for a wrong count of segments or values).
   CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
                CudaCausalLmOptions options);
+  /// The most host memory the source-fed constructor takes beside the plan's while it builds, an
+  /// upper bound: the largest segment's fp32 values and their bf16 copy (freed once built).
+  [[nodiscard]] static Bytes build_buffer_bytes(const ModelSpec& spec);
   ~CudaCausalLm();
   CudaCausalLm(const CudaCausalLm&) = delete;
   CudaCausalLm& operator=(const CudaCausalLm&) = delete;
