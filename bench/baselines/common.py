@@ -108,6 +108,10 @@ def summarize(step_seconds, tokens_per_step):
     return mean_s, min(rates), max(rates), tokens_per_step / mean_s
 
 
+# The names torch reads its allocator settings from (the first wins; PYTORCH_ALLOC_CONF since 2.9).
+ALLOC_CONF_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 def token_loss(logits, targets):
     """oom-train's loss: the mean cross-entropy of window[1:] given window[:-1], on fp32 logits. The
     logits die with this call, so only the graph holds what the backward needs (a name kept across
@@ -126,8 +130,9 @@ def run(args, peer, mode, prepare, info=None):
     model_type, fields = config_fields(args.config, args.seq)  # a bad file fails before torch starts
     # PyTorch's advice when reserved-but-unallocated memory is what runs out (plain FSDP2 at 128K
     # failed so at step 2 with 17 GiB reserved and free): the peer as a user would tune it. A
-    # setting of the caller's own stands; the JSON records which ran.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # setting of the caller's own, under either name torch reads, stands; the JSON records which ran.
+    if not any(name in os.environ for name in ALLOC_CONF_NAMES):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     import torch
     import torch.distributed as dist
 
@@ -185,7 +190,7 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
     result = {"peer": peer, "label": label, "config": args.config, "seq": args.seq, "batch": args.batch, "gpus": world,
               "tokens_per_step": tokens, "checkpointing": not args.no_checkpointing, "torch": torch.__version__,
               "transformers": transformers.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), **(info or {})}
+              "alloc_conf": {name: os.environ[name] for name in ALLOC_CONF_NAMES if name in os.environ}, **(info or {})}
 
     def finish(code):
         result["host_rss_peak_bytes"] = host_rss_peak_bytes()

@@ -31,7 +31,7 @@ inline HostBudget default_host_budget(const MachineProfile& profile, Bytes initi
   const Bytes init = initial_weights;
   const Bytes headroom{std::max<std::uint64_t>(profile.host_memory.count() / 10, std::uint64_t{4} << 30)};
   if (profile.host_memory.count() <= init.count() + headroom.count())
-    OOM_THROW(Errc::out_of_budget, fmt::format("host memory {} (profile {}) holds no more than the initial weights ({}) and {} of headroom; "
+    OOM_THROW(Errc::out_of_budget, fmt::format("host memory {} (profile {}) holds no more than what building the model holds ({}) and {} of headroom; "
                                                "give --host-mem to plan anyway", profile.host_memory, profile.name, init, headroom));
   return {Bytes{profile.host_memory.count() - init.count() - headroom.count()}, init, headroom};
 }

@@ -111,8 +111,9 @@ Plan
   --profile PATH       calibrated machine profile for the planner (default: built-in, see --machine)
   --machine NAME       built-in profile: h200 (default), h100-80gb, rtx4090
   --gpu-mem SIZE       device memory budget (default: the profile's GPU memory on cuda, 1GiB on host)
-  --host-mem SIZE      host memory budget (default: the profile's, less the fp32 initial weights
-                       and a tenth for the process and the OS)
+  --host-mem SIZE      host memory budget (default: the profile's, less what building the model
+                       holds (cuda: one segment; host: the fp32 initial weights) and a tenth for
+                       the process and the OS)
   --backend NAME       auto (default: cuda when this build has CUDA and a GPU is present, else host),
                        cuda, or host (the CPU reference backend; small models)
   --grad-staging N     cuda: stage gradients on the host in a ring of N layers' pinned buffers
@@ -517,7 +518,7 @@ int run(const Args& a) {
 #endif
       const HostBudget hb = default_host_budget(profile, held_while_building);
       req.host_budget = hb.budget;
-      fmt::print("host budget {} (the profile's {} less {} of initial weights and {} headroom; --host-mem sets it)\n", hb.budget,
+      fmt::print("host budget {} (the profile's {} less {} held while the model is built and {} headroom; --host-mem sets it)\n", hb.budget,
                  profile.host_memory, hb.initial_weights, hb.headroom);
     }
     req.workload = {a.batch, a.seq};
@@ -534,7 +535,8 @@ int run(const Args& a) {
   // The initial weights as a source, made or read segment by segment into the model: the CUDA model
   // holds no copy of all of them beside its own state (19.1 GiB for the 5.13B model); the host model
   // takes them whole. --init-from's file is checked here, every tensor, before anything is built.
-  const SegmentWeightSource init = a.init_from.empty() ? train::initial_weight_source(spec, a.seed) : weight_source(a.init_from, spec);
+  // Released once the model is built (the generator's threads, the file's mapping).
+  SegmentWeightSource init = a.init_from.empty() ? train::initial_weight_source(spec, a.seed) : weight_source(a.init_from, spec);
   // Opened (every tensor checked) but read only into the model, segment by segment: no copy of the
   // whole optimizer state in memory beside the model's own.
   std::optional<CheckpointReader> ckpt;
@@ -798,6 +800,7 @@ int run(const Args& a) {
     CudaCausalLmOptions co = cuda_options(a);
     co.adamw = adamw;
     CudaCausalLm model(spec, plan, init, co);  // a resumed run overwrites these below
+    init = nullptr;
     return train_with(model);
 #endif
   }
@@ -809,6 +812,7 @@ int run(const Args& a) {
     const auto weights = train::weights_in_memory(spec, init);
     model.emplace(spec, plan, weights, adamw, bo, a.max_grad_norm);  // a resumed run overwrites these below
   }
+  init = nullptr;
   return train_with(*model);
 }
 

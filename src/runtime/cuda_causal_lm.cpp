@@ -481,8 +481,17 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
   // layer's gradients in its staging until the last one: no staging buffer could be reused.
   const bool ring = !clipping() && K == 1 && opt.grad_staging_layers > 0 && opt.grad_staging_layers < streamed_layers.size();
   segs.resize(all.size());
-  std::vector<float> w32;  // a resident segment's values on their way up, reused
+  // A resident segment's values on their way up, sized once for the largest (never regrown: what
+  // build_buffer_bytes bounds).
+  std::uint64_t largest_resident = 0;
+  for (const auto& seg : all)
+    if (is_resident(seg)) largest_resident = std::max(largest_resident, seg.parameters());
+  std::vector<float> w32;
   std::vector<bf16> w16;
+  if (!sizing) {
+    w32.reserve(largest_resident);
+    w16.reserve(largest_resident);
+  }
   for (std::size_t s = 0; s < all.size(); ++s) {
     auto& g = segs[s];
     g.name = all[s].name;

@@ -190,6 +190,7 @@ TEST_CASE("a model built from a weight source: each segment asked once, in spec 
       CAPTURE(spec.segments()[s].name);
       CHECK(std::memcmp(st[s].master.data(), w[s].data(), w[s].size() * sizeof(float)) == 0);
       CHECK(std::all_of(st[s].exp_avg.begin(), st[s].exp_avg.end(), [](float x) { return x == 0.0f; }));
+      CHECK(std::all_of(st[s].exp_avg_sq.begin(), st[s].exp_avg_sq.end(), [](float x) { return x == 0.0f; }));
     }
   }
   // A source that fails part way: its error comes out of the constructor.

@@ -187,7 +187,7 @@ class RunOnTheCpu(unittest.TestCase):
     def run_fsdp2(self, **env):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "r.json")
-            keep = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PYTORCH_CUDA_ALLOC_CONF")}
+            keep = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE") + bench.ALLOC_CONF_NAMES}
             proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "baselines", "fsdp2.py"), "--config",
                                    os.path.join(REPO, "examples", "configs", "tiny-moe-d128.json"), "--seq", "32",
                                    "--steps", "2", "--device", "cpu", "--json", out], capture_output=True, text=True,
@@ -201,11 +201,13 @@ class RunOnTheCpu(unittest.TestCase):
         self.assertEqual(len(result["step_seconds"]), 2)
         self.assertGreater(result["tokens_per_s"], 0)
         # The peer runs with PyTorch's own advice against fragmentation unless the caller says otherwise.
-        self.assertEqual(result["cuda_alloc_conf"], "expandable_segments:True")
+        self.assertEqual(result["alloc_conf"], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
 
-    def test_the_callers_allocator_setting_stands(self):
-        result = self.run_fsdp2(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
-        self.assertEqual(result["cuda_alloc_conf"], "expandable_segments:False")
+    def test_the_callers_allocator_setting_stands_under_either_name(self):
+        for name in bench.ALLOC_CONF_NAMES:
+            with self.subTest(name=name):
+                result = self.run_fsdp2(**{name: "expandable_segments:False"})
+                self.assertEqual(result["alloc_conf"], {name: "expandable_segments:False"})
 
     def test_token_loss_is_the_fp32_cross_entropy_of_the_next_token(self):
         import torch
@@ -218,6 +220,26 @@ class RunOnTheCpu(unittest.TestCase):
         x = logits.double().reshape(-1, 11)
         want = (torch.logsumexp(x, dim=1) - x[torch.arange(10), targets.reshape(-1)]).mean()
         self.assertAlmostEqual(loss.item(), want.item(), places=5)
+
+    def test_token_loss_keeps_no_logits_alive(self):
+        # The step loop passes the forward's logits straight in: once the loss is made nothing but
+        # the graph may hold them, and the graph of a projection does not (8 GiB at 128K).
+        import gc
+        import weakref
+        import torch
+        x = torch.randn(10, 4, requires_grad=True)
+        w = torch.randn(4, 11).to(torch.bfloat16)
+        held = []
+
+        def forward():
+            out = (x.to(torch.bfloat16) @ w).reshape(2, 5, 11)
+            held.append(weakref.ref(out))
+            return out
+        loss = bench.token_loss(forward(), torch.randint(0, 11, (2, 5)))
+        gc.collect()
+        self.assertIsNone(held[0]())
+        loss.backward()
+        self.assertEqual(x.grad.shape, (10, 4))
 
 
 if __name__ == "__main__":
