@@ -519,7 +519,7 @@ int run(const Args& a) {
       const HostBudget hb = default_host_budget(profile, held_while_building);
       req.host_budget = hb.budget;
       fmt::print("host budget {} (the profile's {} less {} held while the model is built and {} headroom; --host-mem sets it)\n", hb.budget,
-                 profile.host_memory, hb.initial_weights, hb.headroom);
+                 profile.host_memory, hb.held_while_building, hb.headroom);
     }
     req.workload = {a.batch, a.seq};
     req.micro_batches = static_cast<int>(a.micro_batches);
@@ -807,13 +807,10 @@ int run(const Args& a) {
   // The host backend computes in fp32: its activations take twice the plan's bf16 bytes, so its
   // device arena is twice the plan's budget.
   HostBackend::Options bo{plan.gpu_budget + plan.gpu_budget, plan.host_budget, /*expose_races=*/false};
-  std::optional<train::HostCausalLm> model;
-  {
-    const auto weights = train::weights_in_memory(spec, init);
-    model.emplace(spec, plan, weights, adamw, bo, a.max_grad_norm);  // a resumed run overwrites these below
-  }
+  // The weights in memory only while the model is built (a temporary); a resumed run overwrites them below.
+  train::HostCausalLm model(spec, plan, train::weights_in_memory(spec, init), adamw, bo, a.max_grad_norm);
   init = nullptr;
-  return train_with(*model);
+  return train_with(model);
 }
 
 }  // namespace

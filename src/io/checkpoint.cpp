@@ -103,6 +103,21 @@ void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<flo
   }
 }
 
+// Every tensor of `spec` present in `file` as `prefix` + its name, of the right shape and of a type
+// read_values converts (F32, BF16), checked before anyone reads one; `rule` ends the type error.
+void check_tensors(const SafetensorsFile& file, const ModelSpec& spec, std::string_view prefix, std::string_view rule) {
+  for (const auto& seg : spec.segments())
+    for (const auto& t : seg.tensors) {
+      TensorSpec named = t;
+      named.name = std::string(prefix) + t.name;
+      DType dt{};
+      (void)file.tensor_bytes(named, &dt);
+      if (dt != DType::fp32 && dt != DType::bf16)
+        OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; {} F32 or BF16", file.source(), named.name,
+                                           safetensors_dtype_name(dt), rule));
+    }
+}
+
 void read_segment(const SafetensorsFile& file, const StateSegment& seg, std::span<float> out) {
   if (out.size() != seg.parameters())
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: segment '{}' has {} parameters; a span of {}", file.source(), seg.name,
@@ -207,18 +222,9 @@ CheckpointReader::CheckpointReader(const fs::path& dir, const ModelSpec& spec)
     : files_(std::make_unique<Files>(Files{&spec, SafetensorsFile::open(dir / "model.safetensors"),
                                            SafetensorsFile::open(dir / "optimizer.safetensors"),
                                            read_json_file(dir / "trainer_state.json")})) {
-  // Every tensor present, of a readable type and the right shape, before anyone reads one.
-  for (const auto& seg : spec.segments())
-    for (const auto& t : seg.tensors)
-      for (const auto& [file, prefix] : {std::pair{&files_->model, ""}, {&files_->optimizer, "exp_avg."}, {&files_->optimizer, "exp_avg_sq."}}) {
-        TensorSpec named = t;
-        named.name = std::string(prefix) + t.name;
-        DType dt{};
-        (void)file->tensor_bytes(named, &dt);
-        if (dt != DType::fp32 && dt != DType::bf16)
-          OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; checkpoints hold F32 or BF16", file->source(), named.name,
-                                             safetensors_dtype_name(dt)));
-      }
+  check_tensors(files_->model, spec, "", "checkpoints hold");
+  check_tensors(files_->optimizer, spec, "exp_avg.", "checkpoints hold");
+  check_tensors(files_->optimizer, spec, "exp_avg_sq.", "checkpoints hold");
 }
 
 CheckpointReader::~CheckpointReader() = default;
@@ -284,15 +290,7 @@ std::vector<std::vector<float>> load_weights(const fs::path& safetensors, const 
 
 SegmentWeightSource weight_source(const fs::path& safetensors, const ModelSpec& spec) {
   auto file = std::make_shared<const SafetensorsFile>(SafetensorsFile::open(safetensors));
-  // Every tensor present, of a readable type and the right shape, before anyone reads one.
-  for (const auto& seg : spec.segments())
-    for (const auto& t : seg.tensors) {
-      DType dt{};
-      (void)file->tensor_bytes(t, &dt);
-      if (dt != DType::fp32 && dt != DType::bf16)
-        OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; weights must be F32 or BF16", file->source(), t.name,
-                                           safetensors_dtype_name(dt)));
-    }
+  check_tensors(*file, spec, "", "weights must be");
   return [file, &spec](std::size_t s, std::span<float> out) {
     if (s >= spec.segments().size())
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: segment {} of a model of {}", file->source(), s, spec.segments().size()));

@@ -370,7 +370,7 @@ struct CudaCausalLm::Impl {
       if (L.streamed > 0) cpu_update_after(*(last = &L), scalars);
     if (last != nullptr) backend->wait(cs, last->updated);  // the step (step_end) ends with its updates
   }
-  void build(const SegmentWeightSource* weights);  // nullptr: sizing
+  void build(const SegmentWeightSource* weights);  // nullptr: sizing (the constructor requires a source)
   CudaBackend::Event event() { return sizing ? CudaBackend::Event{} : backend->make_event(); }
   void release() noexcept;
   /// Starts layer l's streamed weights down into the next slot (after its last reader); the
@@ -428,7 +428,6 @@ struct CudaCausalLm::Impl {
 
 void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
   const auto& all = spec->segments();
-  if (!sizing && weights == nullptr) OOM_THROW(Errc::invalid_argument, "CudaCausalLm: no weight source");
   if (plan.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs on one GPU (the plan has {})", plan.gpus));
   if (plan.workload.sequences < 1 || plan.workload.seq_len < 1)
