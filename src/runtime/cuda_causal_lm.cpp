@@ -1146,6 +1146,14 @@ Plan checkpointed(Plan p, Checkpoint how) {
   return p;
 }
 
+/// `p` with the boundaries of its first `j` layers offloaded and the rest as they are.
+Plan with_offloaded_boundaries(Plan p, std::size_t j) {
+  for (std::size_t l = 0; l < j && l < p.retention.size(); ++l)
+    p.retention[l][static_cast<std::size_t>(ActivationClass::layer_boundary)] = RetentionDecision::offload();
+  p.retention_name += fmt::format(", the first {} of {} boundaries offloaded", std::min(j, p.retention.size()), p.retention.size());
+  return p;
+}
+
 }  // namespace
 
 CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candidates, Bytes gpu_available,
@@ -1203,9 +1211,11 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
       const Bytes gpu = weigh(checkpointed(candidates[i], how));
       whole_moe.emplace_back(gpu, fitting.size() > before);
     }
-    for (std::size_t k = 0; k < whole_moe.size() && !enough(); ++k) {
-      if (whole_moe[k].second) continue;  // smaller chunks than a fitting variant's only cost time
+    std::vector<std::vector<Plan>> by_chunk(ways.size());  // each way's variants weighed, in halving order
+    for (std::size_t k = 0; k < whole_moe.size(); ++k) {
       Plan p = checkpointed(candidates[i], ways[k]);
+      by_chunk[k].push_back(p);
+      if (whole_moe[k].second || enough()) continue;  // smaller chunks than a fitting variant's only cost time
       Bytes last = whole_moe[k].first;
       for (std::uint64_t c = p.largest_moe_chunk() / 2; c >= smallest_moe_chunk; c /= 2) {
         for (auto& lc : p.chunks) lc.moe_tokens = c;
@@ -1214,6 +1224,34 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
         if (fitting.size() > before) break;
         if (!(gpu < last)) break;  // smaller chunks no longer help: the attention half dominates
         last = gpu;
+        by_chunk[k].push_back(p);
+      }
+    }
+    // Between keeping every boundary (too much GPU memory) and offloading every one (too much
+    // pinned memory): the fewest boundaries offloaded, from the first layer on, that bring the GPU
+    // within its budget. Each offloaded boundary moves T·H bf16 from the GPU to pinned memory, so
+    // the GPU bytes fall and the pinned bytes rise with their count (bisection), and the fewest
+    // that fit the GPU cost the least pinned memory and PCIe traffic. The first layers' boundaries
+    // go first: they are written earliest in the forward and read last in the backward, so their
+    // copies have the most time to hide. Each way's MoE chunks are tried largest first, as the
+    // halving above weighed them, down to the first that fits: smaller chunks cost host syncs.
+    for (std::size_t k = 0; k < ways.size() && !enough(); ++k) {
+      if (ways[k] == Checkpoint::whole_offloaded_boundaries || whole_moe[k].second) continue;
+      for (const Plan& base : by_chunk[k]) {
+        const std::size_t layers = base.retention.size();
+        const auto gpu_fits = [&](std::size_t j) {
+          return gpu_and_host(footprint(spec, with_offloaded_boundaries(base, j), options)).gpu <= gpu_available;
+        };
+        if (layers < 2 || !gpu_fits(layers - 1)) continue;  // all but one offloaded: the most this family frees
+        std::size_t lo = 1, hi = layers - 1;  // hi fits the GPU
+        while (lo < hi) {
+          const std::size_t mid = lo + (hi - lo) / 2;
+          if (gpu_fits(mid)) hi = mid;
+          else lo = mid + 1;
+        }
+        const std::size_t before = fitting.size();
+        weigh(with_offloaded_boundaries(base, hi));
+        if (fitting.size() > before) break;
       }
     }
     // The fitting variants with more segments resident: the most of the order's prefix that fits,

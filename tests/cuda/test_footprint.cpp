@@ -518,6 +518,72 @@ TEST_CASE("fit: where only token-chunked MoE fits, the chunk is halved until it 
   CHECK(fit.plan.retention == probe.retention);
 }
 
+TEST_CASE("fit: 5.13B at 1M tokens on one H200 offloads the fewest boundaries, from the first layer, that fit the GPU") {
+  // Keeping all 16 boundaries (4 GiB each at 1M) takes too much GPU memory, offloading all of them
+  // too much pinned memory beside 61 GiB of host state: only a mix fits both.
+  const auto spec = config("moe-5b.json");
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const Planner planner(spec, profile);
+  const std::uint64_t T = 1048576;
+  const auto plans = candidates_for(spec, T);
+  const Bytes avail = profile.gpu_memory - 1_GiB, pinned = 112_GiB;
+  const std::size_t L = spec.layers().size();
+  const auto boundary = [](const Plan& p, std::size_t l) {
+    return p.retention[l][static_cast<std::size_t>(ActivationClass::layer_boundary)].action;
+  };
+  const auto with_boundaries = [&](Plan p, std::size_t offloaded) {
+    for (std::size_t l = 0; l < L; ++l)
+      p.retention[l][static_cast<std::size_t>(ActivationClass::layer_boundary)] =
+          l < offloaded ? RetentionDecision::offload() : RetentionDecision::keep();
+    return p;
+  };
+  const auto check = [&](const CudaPlanFit& fit) {
+    const auto [gpu, host] = gpu_and_host(fit.footprint);
+    std::size_t j = 0;
+    while (j < L && boundary(fit.plan, j) == Retention::offload) ++j;
+    MESSAGE("1M: " << fit.plan.retention_name << "; MoE chunk " << fit.plan.largest_moe_chunk() << "; " << gib(gpu)
+                   << " GiB on the GPU, " << gib(host) << " GiB pinned");
+    CHECK(gpu <= avail);
+    CHECK(host <= pinned);
+    CHECK(fit.footprint == CudaCausalLm::footprint(spec, fit.plan));
+    REQUIRE(j > 0);
+    REQUIRE(j < L);
+    for (std::size_t l = j; l < L; ++l) CHECK(boundary(fit.plan, l) == Retention::keep);  // a prefix of the layers
+    CHECK(fit.plan.retention_name.find(fmt::format("the first {} of {} boundaries offloaded", j, L)) != std::string::npos);
+    // The fewest: one boundary fewer offloaded does not fit the GPU.
+    CHECK(gpu_bytes(CudaCausalLm::footprint(spec, with_boundaries(fit.plan, j - 1))) > avail);
+    // Neither end fits: every boundary kept is over the GPU, every one offloaded over the pinned budget.
+    CHECK(gpu_bytes(CudaCausalLm::footprint(spec, with_boundaries(fit.plan, 0))) > avail);
+    CHECK(gpu_and_host(CudaCausalLm::footprint(spec, with_boundaries(fit.plan, L))).host > pinned);
+  };
+  SUBCASE("without a predictor: the first that fits") { check(CudaCausalLm::fit(spec, plans, avail, pinned)); }
+  SUBCASE("ranked by the predicted step, more segments resident where they fit (as oom-train runs)") {
+    CudaFitOptions how;
+    how.predict_step = [&](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p)).step_s; };
+    how.residency_order = planner.residency_order(plans[0]);
+    check(CudaCausalLm::fit(spec, plans, avail, pinned, {}, how));
+  }
+  SUBCASE("a smaller GPU offloads more boundaries; with too little pinned memory for them nothing fits") {
+    const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, avail, pinned);
+    const auto offloaded = [&](const Plan& p) {
+      std::size_t j = 0;
+      while (j < L && boundary(p, j) == Retention::offload) ++j;
+      return j;
+    };
+    const Bytes boundary_bytes{T * spec.hidden_size() * 2};
+    const CudaPlanFit smaller = CudaCausalLm::fit(spec, plans, avail - boundary_bytes, pinned + boundary_bytes);
+    CHECK(offloaded(smaller.plan) == offloaded(fit.plan) + 1);
+    CHECK(gpu_bytes(smaller.footprint) <= avail - boundary_bytes);
+    CHECK(gpu_and_host(smaller.footprint).host <= pinned + boundary_bytes);
+    try {
+      (void)CudaCausalLm::fit(spec, plans, avail, gpu_and_host(fit.footprint).host - boundary_bytes);
+      FAIL("fitted 1M with a boundary's less pinned memory than the fewest offloaded boundaries need");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::out_of_budget);
+    }
+  }
+}
+
 TEST_CASE("fit: the GPU memory a checkpoint frees goes to more resident segments, in the planner's order") {
   // On an H100 (80 GB) at 16K the planner's keep-all plan streams most segments to make room for
   // activations it prices per class; the executor cannot run it there, and its checkpoint around

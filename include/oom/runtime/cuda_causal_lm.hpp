@@ -227,6 +227,10 @@ class CudaCausalLm {
   /// does not fit with the planned MoE chunks is weighed again with the MoE half in token chunks
   /// halved down to 4096, up to the first chunk that fits or while that still shrinks the
   /// footprint (the planner's chunk comes from its own, lower, estimate of the layer's scratch).
+  /// Where a checkpoint that keeps its boundaries fits in none of those chunks, it is weighed with
+  /// the fewest boundaries offloaded, from the first layer on, that bring it within the GPU (its
+  /// chunks tried largest first): at 1M tokens the 5.13B model fits one H200 only so, every
+  /// boundary kept being over the GPU and every one offloaded over the pinned budget.
   /// With fit.residency_order and fit.predict_step, every variant that fits is also weighed with
   /// more segments resident (CudaFitOptions). The first candidate with a variant that fits is taken: its fitting
   /// variant with the shortest fit.predict_step (the earlier one on a tie), or without a
