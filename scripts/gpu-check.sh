@@ -53,7 +53,9 @@ save_logs() {  # written to a temporary name and renamed: a call killed mid-writ
   return 0
 }
 # limited SECONDS COMMAND...: COMMAND under `timeout` (0: no limit of its own), cut to the budget
-# left; a command that ignores the TERM is killed 10 s later.
+# left; a command that ignores the TERM is killed 10 s later. Leaves the limit it ran under in
+# limited_s (0: skipped) and the seconds it took in limited_took.
+limited_s=0 limited_took=0
 limited() {
   local want=$1
   shift
@@ -63,11 +65,16 @@ limited() {
     local left=$((budget - SECONDS - 30))
     if ((left < 30)); then
       echo "skipped, TIME_BUDGET of ${budget} s spent: $*" >> "$out/skipped.log"
+      limited_s=0 limited_took=0
       return 124
     fi
     if ((want == 0 || want > left)); then want=$left; fi
   fi
+  local start=$SECONDS rc
   timeout -k 10 "$want" "$@"
+  rc=$?
+  limited_s=$want limited_took=$((SECONDS - start))
+  return $rc
 }
 
 {
@@ -267,10 +274,13 @@ fi
 # "deepspeed-zero3" (parameters on the host too; bench/baselines/deepspeed_offload.py). DeepSpeed
 # comes from .whl/ (scripts/fetch-peer-wheels.sh; carry it to the GPU machine), installed into
 # $build_dir/peer-python; its CPU Adam is built on first use into $build_dir/torch-extensions.
-# PEER_STEPS (default 4) steps each, the first not counted. The summary prints the ratios, and names
+# PEER_STEPS (default 4) steps each, the first not counted. PEER_CONFIG (default
+# examples/configs/moe-5b.json) is the model both run. The summary prints the ratios, and names
 # a peer that failed. A peer out of memory says so (exit 3); the sweep goes on.
 peer_mode_re='^((plain|offload)(-nockpt)?|deepspeed(-zero3)?)$'
 if [[ "$parts" == *" peers "* ]]; then
+  peer_config=${PEER_CONFIG:-examples/configs/moe-5b.json}
+  [[ -f "$peer_config" ]] || { echo "PEER_CONFIG: no file '$peer_config'" >&2; bench_rc=1; }
   for mode in ${PEER_MODES:-plain}; do
     [[ "$mode" =~ $peer_mode_re ]] ||
       { echo "PEER_MODES: '$mode' is not plain, offload (either with -nockpt), deepspeed or deepspeed-zero3" >&2; bench_rc=1; }
@@ -304,7 +314,7 @@ if [[ "$parts" == *" peers "* ]]; then
     seq=${BASH_REMATCH[1]} batch=${BASH_REMATCH[2]}
     run="$build_dir/peer-oom-$seq-$batch"
     rm -rf "$run" "$run.tok"  # nothing of an earlier call may stand in for this one's
-    if limited "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config examples/configs/moe-5b.json \
+    if limited "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config "$peer_config" \
         --out "$run" --overwrite --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" --lr 3e-4 --log-every 1 \
         --checkpoint-every 0 --dump-batches "$run.tok" > "$out/peer-oom-$seq-$batch.log" 2>&1; then
       cp "$run/metrics.jsonl" "$out/peer-oom-$seq-$batch.jsonl"
@@ -315,7 +325,7 @@ if [[ "$parts" == *" peers "* ]]; then
     fi
     for mode in ${PEER_MODES:-plain}; do
       [[ "$mode" =~ $peer_mode_re ]] || continue
-      peer_args=(--config examples/configs/moe-5b.json --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}"
+      peer_args=(--config "$peer_config" --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}"
         --batches "$run.tok" --json "$out/peer-run-$mode-$seq-$batch.json")
       [[ "$mode" == offload* ]] && peer_args+=(--offload)
       [[ "$mode" == *-nockpt ]] && peer_args+=(--no-checkpointing)
@@ -329,7 +339,9 @@ if [[ "$parts" == *" peers "* ]]; then
         peer_env+=(PYTHONPATH="$peer_python${PYTHONPATH:+:$PYTHONPATH}" TORCH_EXTENSIONS_DIR="$abs_build/torch-extensions")
       limited 420 env "${peer_env[@]}" python3 "$script" "${peer_args[@]}" > "$out/peer-run-$mode-$seq-$batch.log" 2>&1
       rc=$?
-      echo "$rc" > "$out/peer-run-$mode-$seq-$batch.rc"  # 124: skipped or cut by its time limit (the summary says so)
+      # The exit status, the seconds it ran and its limit (0: skipped): a SIGKILL (137) well inside
+      # the limit came from elsewhere, on these machines the host's out-of-memory killer.
+      echo "$rc $limited_took $limited_s" > "$out/peer-run-$mode-$seq-$batch.rc"
       ((rc != 0 && rc != 3)) && bench_rc=1
     done
   done
@@ -447,7 +459,8 @@ if bars:
     for name, value, bar, unit, *aside in bars:
         print(f"{name:<{wb}}  {value:6.3f}{unit:<8} bar {bar:.2f}  {'ok' if value >= bar else 'BELOW':<5}  {' '.join(aside)}".rstrip())
 if peers:
-    print("--- OOM vs its peers, 5.13B, same call (tokens/s, steps after the first; GiB: GPU peak, "
+    model = os.environ.get("PEER_CONFIG", "examples/configs/moe-5b.json")
+    print(f"--- OOM vs its peers, {model}, same call (tokens/s, steps after the first; GiB: GPU peak, "
           "host RSS high-water mark, VmHWM)")
     print("\n".join(peer_summary.format_rows(peers)))
 for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14),

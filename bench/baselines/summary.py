@@ -26,6 +26,26 @@ def oom_figures(path):
             max(s.get("host_rss_peak_bytes", s["host_rss_bytes"]) for s in steps))
 
 
+def why_no_result(rc_path, log):
+    """Why a peer left no JSON, from its .rc file: the exit status, then (gpu-check.sh since the
+    thirty-third session) the seconds it ran and its time limit, 0 where it was skipped. A SIGKILL
+    more than the TERM's 10 s grace before the limit is not the limit's: the host's out-of-memory
+    killer sends it on these machines (a peer past the host's memory dies so, without a Python
+    error)."""
+    fields = open(rc_path).read().split() if os.path.exists(rc_path) else []
+    rc = fields[0] if fields else "?"
+    took, limit = (int(fields[1]), int(fields[2])) if len(fields) >= 3 else (None, None)
+    if rc == "137" and took is not None and limit > 0 and took + 10 < limit:
+        return (f"killed (SIGKILL) after {took} s, inside its {limit} s limit: not a time cut, "
+                f"likely the host's out-of-memory killer ({log})")
+    if rc in ("124", "137"):
+        if limit == 0:
+            return f"not run: the call's time budget was spent ({log})"
+        return f"not finished: cut by its time limit ({log})" if took is not None else \
+            f"not finished: skipped or cut by its time limit ({log})"
+    return f"failed, exit {rc}, no result ({log})"
+
+
 def peer_rows(folder):
     """One dict per (setting, peer mode): seq, batch, mode, label, ours, theirs (tokens/s or None),
     error (None or why there is no figure), the GPU and host peaks of both, and the data used."""
@@ -45,9 +65,7 @@ def peer_rows(folder):
             peer = json.load(open(stem + ".json")) if os.path.exists(stem + ".json") else {}
             error = peer.get("error")
             if not peer:
-                rc = open(stem + ".rc").read().strip() if os.path.exists(stem + ".rc") else "?"
-                error = (f"not finished: skipped or cut by its time limit ({log})" if rc in ("124", "137")
-                         else f"failed, exit {rc}, no result ({log})")
+                error = why_no_result(stem + ".rc", log)
             rows.append({"seq": seq, "batch": batch, "mode": mode, "label": common.mode_label(mode),
                          "ours": ours, "theirs": peer.get("tokens_per_s"), "error": error,
                          "ours_gpu": ours_gpu, "theirs_gpu": peer.get("gpu_reserved_peak_bytes", 0),

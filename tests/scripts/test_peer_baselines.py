@@ -180,6 +180,22 @@ class PeerTable(unittest.TestCase):
             self.assertIn("seq 4096 x batch 2: OOM 20,480; DeepSpeed ZeRO-Offload: out of GPU memory", lines)
             self.assertEqual(len(lines), 5)
 
+    def test_a_kill_inside_the_time_limit_is_told_from_a_time_cut(self):
+        with tempfile.TemporaryDirectory() as d:
+            def why(text):
+                self.write(d, "x.rc", text)
+                return summary.why_no_result(os.path.join(d, "x.rc"), "x.log")
+            # 2026-12-03: DeepSpeed on a 6.38B model, SIGKILLed 165 s into a 434 s limit.
+            self.assertEqual(why("137 165 434\n"), "killed (SIGKILL) after 165 s, inside its 434 s limit: not a time "
+                                                   "cut, likely the host's out-of-memory killer (x.log)")
+            self.assertEqual(why("137 430 420\n"), "not finished: cut by its time limit (x.log)")  # KILL after the TERM
+            self.assertEqual(why("124 420 420\n"), "not finished: cut by its time limit (x.log)")
+            self.assertEqual(why("137 415 420\n"), "not finished: cut by its time limit (x.log)")  # within the grace
+            self.assertEqual(why("124 0 0\n"), "not run: the call's time budget was spent (x.log)")
+            self.assertEqual(why("137\n"), "not finished: skipped or cut by its time limit (x.log)")  # older runs
+            self.assertEqual(why("2 5 420\n"), "failed, exit 2, no result (x.log)")
+            self.assertEqual(summary.why_no_result(os.path.join(d, "none.rc"), "x.log"), "failed, exit ?, no result (x.log)")
+
 
 @unittest.skipUnless(importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"),
                      "torch and transformers are not installed here: the baseline's run on the CPU is not tried")
