@@ -19,7 +19,7 @@
 # it over calls: KERNEL_BENCH=0 GPU_CTEST_ARGS="-E ^test_attention$", then KERNEL_BENCH=0
 # GPU_CTEST_ARGS="-R ^test_attention$", then KERNEL_TESTS=0 (the benchmarks alone; if they do not
 # fit either, OOM_BENCH_TOKENS and OOM_BENCH_VARIANTS pick bench_moe_kernels' rows).
-# PARTS=peers runs the 5.13B model in oom-train and in its peers (bench/baselines/: PyTorch FSDP2,
+# PARTS=peers runs the 5.13B model (or PEER_CONFIG's) in oom-train and in its peers (bench/baselines/: PyTorch FSDP2,
 # DeepSpeed) at the same seq and batch, one after the other, and prints the ratios (PEERS,
 # PEER_MODES below).
 # PARTS="calibrate train" first measures a machine profile ($out/profile.json, oom-calibrate) and
@@ -54,18 +54,18 @@ save_logs() {  # written to a temporary name and renamed: a call killed mid-writ
 }
 # limited SECONDS COMMAND...: COMMAND under `timeout` (0: no limit of its own), cut to the budget
 # left; a command that ignores the TERM is killed 10 s later. Leaves the limit it ran under in
-# limited_s (0: skipped) and the seconds it took in limited_took.
+# limited_s (0: skipped, or no limit at all) and the seconds it took in limited_took.
 limited_s=0 limited_took=0
 limited() {
   local want=$1
   shift
+  limited_s=0 limited_took=0
   [[ "$want" =~ ^[0-9]+$ ]] || { echo "limited: '$want' is not a whole number of seconds ($*)" >&2; return 2; }
   save_logs
   if ((budget > 0)); then
     local left=$((budget - SECONDS - 30))
     if ((left < 30)); then
       echo "skipped, TIME_BUDGET of ${budget} s spent: $*" >> "$out/skipped.log"
-      limited_s=0 limited_took=0
       return 124
     fi
     if ((want == 0 || want > left)); then want=$left; fi
@@ -266,6 +266,7 @@ if [[ "$parts" == *" train "* ]]; then
 fi
 
 # PARTS=peers: OOM against its peers (bench/baselines/: PyTorch FSDP2, DeepSpeed) on the 5.13B model
+# (PEER_CONFIG below)
 # in the same call, each run alone on the whole GPU, one after the other, on the same windows of data (the
 # peer reads those oom-train dumped; where oom-train did not finish, the peer is not run). PEERS
 # (default "4096:1 4096:2") lists seq:batch settings; PEER_MODES (default "plain") may add "offload"
@@ -280,7 +281,13 @@ fi
 peer_mode_re='^((plain|offload)(-nockpt)?|deepspeed(-zero3)?)$'
 if [[ "$parts" == *" peers "* ]]; then
   peer_config=${PEER_CONFIG:-examples/configs/moe-5b.json}
-  [[ -f "$peer_config" ]] || { echo "PEER_CONFIG: no file '$peer_config'" >&2; bench_rc=1; }
+  if [[ ! -f "$peer_config" ]]; then
+    echo "PEER_CONFIG: no file '$peer_config': the peers are not run" >&2
+    bench_rc=1
+    parts=${parts/ peers / }
+  fi
+fi
+if [[ "$parts" == *" peers "* ]]; then
   for mode in ${PEER_MODES:-plain}; do
     [[ "$mode" =~ $peer_mode_re ]] ||
       { echo "PEER_MODES: '$mode' is not plain, offload (either with -nockpt), deepspeed or deepspeed-zero3" >&2; bench_rc=1; }

@@ -2,8 +2,8 @@
 at the same seq and batch, from the logs in one folder. Standard library only.
 
 The folder holds, per setting: peer-oom-SEQ-BATCH.jsonl (oom-train's metrics), and per peer mode
-peer-run-MODE-SEQ-BATCH.log, its .json when the run got that far, and its .rc (exit status) as
-gpu-check.sh writes it. Rows come from the logs, so a peer that left no JSON is named, not left out.
+peer-run-MODE-SEQ-BATCH.log, its .json when the run got that far, and its .rc as gpu-check.sh
+writes it (the exit status, the seconds it ran, its time limit: why_no_result). Rows come from the logs, so a peer that left no JSON is named, not left out.
 """
 import json
 import os
@@ -28,14 +28,14 @@ def oom_figures(path):
 
 def why_no_result(rc_path, log):
     """Why a peer left no JSON, from its .rc file: the exit status, then (gpu-check.sh since the
-    thirty-third session) the seconds it ran and its time limit, 0 where it was skipped. A SIGKILL
-    more than the TERM's 10 s grace before the limit is not the limit's: the host's out-of-memory
-    killer sends it on these machines (a peer past the host's memory dies so, without a Python
-    error)."""
+    thirty-third session) the seconds it ran and its time limit, 0 where it was skipped. `timeout`
+    sends its KILL 10 s after the limit, so a SIGKILL (137) before the limit (2 s allowed for the
+    whole-second clock) came from elsewhere: on these machines, the host's out-of-memory killer
+    (a peer past the host's memory dies so, without a Python error)."""
     fields = open(rc_path).read().split() if os.path.exists(rc_path) else []
     rc = fields[0] if fields else "?"
     took, limit = (int(fields[1]), int(fields[2])) if len(fields) >= 3 else (None, None)
-    if rc == "137" and took is not None and limit > 0 and took + 10 < limit:
+    if rc == "137" and took is not None and limit > 0 and took + 2 < limit:
         return (f"killed (SIGKILL) after {took} s, inside its {limit} s limit: not a time cut, "
                 f"likely the host's out-of-memory killer ({log})")
     if rc in ("124", "137"):

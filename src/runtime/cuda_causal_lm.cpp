@@ -1211,38 +1211,48 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
       const Bytes gpu = weigh(checkpointed(candidates[i], how));
       whole_moe.emplace_back(gpu, fitting.size() > before);
     }
-    std::vector<std::vector<Plan>> by_chunk(ways.size());  // each way's variants weighed, in halving order
+    // Each way that does not fit with the planned chunks, weighed again with halved ones: its
+    // variants that did not fit, in the order weighed (largest chunk first), and whether any did.
+    std::vector<std::vector<Plan>> by_chunk(whole_moe.size());
+    std::vector<bool> way_fits(whole_moe.size());
     for (std::size_t k = 0; k < whole_moe.size(); ++k) {
+      way_fits[k] = whole_moe[k].second;
+      if (way_fits[k] || enough()) continue;  // smaller chunks than a fitting variant's only cost time
       Plan p = checkpointed(candidates[i], ways[k]);
       by_chunk[k].push_back(p);
-      if (whole_moe[k].second || enough()) continue;  // smaller chunks than a fitting variant's only cost time
       Bytes last = whole_moe[k].first;
       for (std::uint64_t c = p.largest_moe_chunk() / 2; c >= smallest_moe_chunk; c /= 2) {
         for (auto& lc : p.chunks) lc.moe_tokens = c;
         const std::size_t before = fitting.size();
         const Bytes gpu = weigh(p);
-        if (fitting.size() > before) break;
+        if (fitting.size() > before) {
+          way_fits[k] = true;
+          break;
+        }
         if (!(gpu < last)) break;  // smaller chunks no longer help: the attention half dominates
         last = gpu;
         by_chunk[k].push_back(p);
       }
     }
-    // Between keeping every boundary (too much GPU memory) and offloading every one (too much
-    // pinned memory): the fewest boundaries offloaded, from the first layer on, that bring the GPU
-    // within its budget. Each offloaded boundary moves T·H bf16 from the GPU to pinned memory, so
-    // the GPU bytes fall and the pinned bytes rise with their count (bisection), and the fewest
-    // that fit the GPU cost the least pinned memory and PCIe traffic. The first layers' boundaries
-    // go first: they are written earliest in the forward and read last in the backward, so their
-    // copies have the most time to hide. Each way's MoE chunks are tried largest first, as the
-    // halving above weighed them, down to the first that fits: smaller chunks cost host syncs.
-    for (std::size_t k = 0; k < ways.size() && !enough(); ++k) {
-      if (ways[k] == Checkpoint::whole_offloaded_boundaries || whole_moe[k].second) continue;
+    // A way that keeps every boundary and fits in none of those chunks, between keeping them all
+    // (too much GPU memory) and offloading them all (too much pinned memory): the fewest offloaded,
+    // from the first layer on, that bring the GPU within its budget. The first offload adds the
+    // three rotating boundary buffers (T·H bf16 each), every further one frees a kept boundary
+    // (T·H) and pins one: from one on, the GPU bytes fall and the pinned bytes rise with the count,
+    // so a bisection finds the fewest that fit the GPU, which cost the least pinned memory and PCIe
+    // traffic. All offloaded is not tried here: for the whole-layer checkpoint that is way 3, and
+    // around the kept attention state it needs more GPU memory than way 3 for the same pinned.
+    // The first layers' boundaries go first: they are written earliest in the forward and read
+    // last in the backward, so their copies have the most time to hide. The chunks are tried
+    // largest first, down to the first that fits: smaller ones cost host syncs.
+    for (std::size_t k = 0; k < whole_moe.size() && !enough(); ++k) {
+      if (ways[k] == Checkpoint::whole_offloaded_boundaries || way_fits[k]) continue;
       for (const Plan& base : by_chunk[k]) {
         const std::size_t layers = base.retention.size();
         const auto gpu_fits = [&](std::size_t j) {
           return gpu_and_host(footprint(spec, with_offloaded_boundaries(base, j), options)).gpu <= gpu_available;
         };
-        if (layers < 2 || !gpu_fits(layers - 1)) continue;  // all but one offloaded: the most this family frees
+        if (layers < 2 || !gpu_fits(layers - 1)) continue;
         std::size_t lo = 1, hi = layers - 1;  // hi fits the GPU
         while (lo < hi) {
           const std::size_t mid = lo + (hi - lo) / 2;
@@ -1251,7 +1261,7 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
         }
         const std::size_t before = fitting.size();
         weigh(with_offloaded_boundaries(base, hi));
-        if (fitting.size() > before) break;
+        if (fitting.size() > before) break;  // more offloaded with a larger chunk would not fit the pinned budget
       }
     }
     // The fitting variants with more segments resident: the most of the order's prefix that fits,

@@ -556,8 +556,24 @@ TEST_CASE("fit: 5.13B at 1M tokens on one H200 offloads the fewest boundaries, f
     CHECK(gpu_bytes(CudaCausalLm::footprint(spec, with_boundaries(fit.plan, 0))) > avail);
     CHECK(gpu_and_host(CudaCausalLm::footprint(spec, with_boundaries(fit.plan, L))).host > pinned);
   };
-  SUBCASE("without a predictor: the first that fits") { check(CudaCausalLm::fit(spec, plans, avail, pinned)); }
-  SUBCASE("ranked by the predicted step, more segments resident where they fit (as oom-train runs)") {
+  SUBCASE("without a predictor: the first that fits, with the largest MoE chunk that does") {
+    const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, avail, pinned);
+    check(fit);
+    // The chunks are tried largest first: with twice the chosen chunk, the fewest boundaries that
+    // fit the GPU are over the pinned budget.
+    Plan larger = fit.plan;
+    set_moe_chunk(larger, 2 * fit.plan.largest_moe_chunk());
+    REQUIRE(larger.largest_moe_chunk() == 2 * fit.plan.largest_moe_chunk());
+    bool gpu_fitted = false;
+    for (std::size_t j = 1; j < L && !gpu_fitted; ++j) {
+      const auto [gpu, host] = gpu_and_host(CudaCausalLm::footprint(spec, with_boundaries(larger, j)));
+      if (gpu > avail) continue;
+      gpu_fitted = true;
+      MESSAGE("MoE chunk " << larger.largest_moe_chunk() << ": " << j << " offloaded fit the GPU, " << gib(host) << " GiB pinned");
+      CHECK(host > pinned);
+    }
+  }
+  SUBCASE("ranked by the predicted step, with the planner's residency order (as oom-train runs)") {
     CudaFitOptions how;
     how.predict_step = [&](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p)).step_s; };
     how.residency_order = planner.residency_order(plans[0]);
@@ -582,6 +598,39 @@ TEST_CASE("fit: 5.13B at 1M tokens on one H200 offloads the fewest boundaries, f
       CHECK(e.code() == Errc::out_of_budget);
     }
   }
+}
+
+TEST_CASE("fit: with a predictor, no boundaries offloaded where a checkpoint keeping them all fits in some MoE chunk") {
+  // 512K on the 5.13B model: the whole-layer checkpoint fits with the planned chunks and the one
+  // around the kept attention state with halved ones, so neither is weighed with offloaded boundaries.
+  const auto spec = config("moe-5b.json");
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const Planner planner(spec, profile);
+  const auto plans = candidates_for(spec, 524288);
+  struct Weighed {
+    std::string name;
+    std::uint64_t chunk;
+    bool fits;
+  };
+  std::vector<Weighed> weighed;
+  CudaFitOptions how;
+  how.report = [&](std::size_t, const Plan& p, const auto&, bool ok) {
+    weighed.push_back({p.retention_name, p.largest_moe_chunk(), ok});
+  };
+  how.predict_step = [&](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p)).step_s; };
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, profile.gpu_memory - 1_GiB, 112_GiB, {}, how);
+  MESSAGE("512K: " << weighed.size() << " variants weighed; taken: " << fit.plan.retention_name);
+  const std::uint64_t planned = plans[0].largest_moe_chunk();
+  bool around_fits_halved = false, whole_fits_planned = false;
+  for (const auto& w : weighed) {
+    CHECK(w.name.find("boundaries offloaded") == std::string::npos);
+    around_fits_halved = around_fits_halved || (ends_with(w.name, "around kept attention state for the CUDA executor") &&
+                                                w.fits && w.chunk < planned);
+    whole_fits_planned = whole_fits_planned || (ends_with(w.name, ", as checkpoint for the CUDA executor") && w.fits &&
+                                                w.chunk == planned);
+  }
+  CHECK(around_fits_halved);
+  CHECK(whole_fits_planned);
 }
 
 TEST_CASE("fit: the GPU memory a checkpoint frees goes to more resident segments, in the planner's order") {
