@@ -628,7 +628,7 @@ int run(const Args& a) {
     } else {
       model.load(ckpt->source(), optimizer_steps);
     }
-    ckpt.reset();  // unmaps the files: their pages would otherwise count in the run's RSS
+    ckpt.reset();  // unmaps the files (each tensor's pages already left the RSS as it was read)
     fmt::print("resumed from {} at step {}\n", latest->string(), start_step);
   }
 

@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -145,6 +147,16 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
 }
 
 MappedFile::~MappedFile() { release(); }
+
+void MappedFile::drop_pages(std::span<const std::byte> range) const noexcept {
+  if (data_ == nullptr || range.empty()) return;
+  const auto base = reinterpret_cast<std::uintptr_t>(data_);
+  const auto lo = std::max(reinterpret_cast<std::uintptr_t>(range.data()), base);
+  const auto hi = std::min(reinterpret_cast<std::uintptr_t>(range.data()) + range.size(), base + size_);
+  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const std::uintptr_t first = (lo + page - 1) / page * page, end = hi / page * page;  // whole pages only
+  if (first < end) (void)::madvise(reinterpret_cast<void*>(first), end - first, MADV_DONTNEED);
+}
 
 void MappedFile::release() noexcept {
   if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);

@@ -1,7 +1,11 @@
 // AtomicFile and MappedFile: a file is either the old one or the whole new one; maps see its bytes.
 #include <doctest/doctest.h>
 
+#include <cstring>
+#include <fstream>
+#include <span>
 #include <stdexcept>
+#include <string>
 
 #include "oom/core/error.hpp"
 #include "oom/io/atomic_file.hpp"
@@ -93,4 +97,61 @@ TEST_CASE("MappedFile maps the bytes, empty files and moves") {
     CHECK(e.message().find("missing.bin") != std::string::npos);
   }
   CHECK_THROWS_AS(MappedFile(dir.path()), Error);  // a directory is not a regular file
+}
+
+namespace {
+/// The process's resident set (VmRSS), KiB; -1 where /proc does not say.
+long resident_kib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
+}
+}  // namespace
+
+TEST_CASE("MappedFile::drop_pages takes read pages out of the resident set; the bytes stay readable") {
+  TempDir dir("drop-pages");
+  constexpr std::size_t size = std::size_t{32} << 20, page = 4096;
+  std::string content(size, '\0');
+  for (std::size_t i = 0; i < size; ++i) content[i] = static_cast<char>((i * 31) % 251);
+  write_file_atomically(dir / "big.bin", content);
+  MappedFile m(dir / "big.bin");
+  const auto b = m.bytes();
+  REQUIRE(b.size() == size);
+  const auto touch = [&] {  // reads a byte of every page (volatile: the reads are not elided)
+    const volatile std::byte* p = b.data();
+    unsigned sum = 0;
+    for (std::size_t i = 0; i < size; i += page) sum += static_cast<unsigned>(p[i]);
+    return sum;
+  };
+  const long before = resident_kib();
+  if (before < 0) {
+    MESSAGE("no VmRSS in /proc/self/status here: the resident set is not checked");
+    return;
+  }
+  (void)touch();
+  const long read = resident_kib();
+  CHECK(read - before >= 30 * 1024);  // the 32 MiB read are resident
+  m.drop_pages(b);
+  const long dropped = resident_kib();
+  MESSAGE("VmRSS KiB: before " << before << ", after reading 32 MiB " << read << ", after drop_pages " << dropped);
+  CHECK(read - dropped >= 30 * 1024);
+  // The bytes are still the file's.
+  CHECK(std::memcmp(b.data(), content.data(), size) == 0);
+  // Part of the map: [1 MiB + 1, 5 MiB - 1) asks for 4 MiB less its two edge pages. The kernel may
+  // take out more where it maps the file in huge pages (here it took the three 2 MiB blocks the
+  // range touches, and faults them back on the next read), but not the rest of the file.
+  (void)touch();
+  const long again = resident_kib();
+  m.drop_pages(b.subspan((1 << 20) + 1, (4 << 20) - 2));
+  const long part = again - resident_kib();
+  MESSAGE("drop_pages of [1 MiB + 1, 5 MiB - 1): " << part << " KiB left the resident set");
+  CHECK(part >= 4 * 1024 - 8 - 64);
+  CHECK(part <= 8 * 1024);
+  // Bytes outside the mapping, an empty range, an empty map: nothing happens.
+  m.drop_pages(std::as_bytes(std::span<const char>(content.data(), content.size())));
+  m.drop_pages({});
+  MappedFile().drop_pages(b);
+  CHECK(std::memcmp(b.data(), content.data(), size) == 0);
+  CHECK(content[size - 1] == static_cast<char>(((size - 1) * 31) % 251));
 }

@@ -213,3 +213,52 @@ TEST_CASE("weights read as a source: load_weights' bits, segment by segment in a
   CHECK_THROWS_WITH_AS((void)weight_source(dir / "absent.safetensors", spec), doctest::Contains("absent.safetensors"), Error);
   fs::remove_all(dir);
 }
+
+namespace {
+/// The process's resident set (VmRSS), KiB; -1 where /proc does not say.
+long resident_kib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
+}
+}  // namespace
+
+TEST_CASE("reading a checkpoint or weights file leaves its pages out of the resident set") {
+  // A vocabulary of 16384 makes the embedding and the LM head 16 MiB each: the checkpoint's files
+  // hold 140 MiB. Read segment by segment into buffers already resident, they would add that much
+  // to the RSS if their pages stayed mapped in.
+  Json cfg = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json");
+  cfg.set("vocab_size", 16384);
+  const auto spec = ModelSpec::from_json(cfg);
+  const auto dir = fresh_dir("resident");
+  const auto st = random_state(spec, 9);
+  const auto where = save_checkpoint(dir, spec, st, {1, "{}", Json::object(), 2});
+  const auto file_kib = static_cast<long>((fs::file_size(where / "model.safetensors") + fs::file_size(where / "optimizer.safetensors")) >> 10);
+  REQUIRE(file_kib > 90 * 1024);
+  std::vector<SegmentOptimizerState> out(st.size());
+  for (std::size_t s = 0; s < st.size(); ++s)
+    for (auto* v : {&out[s].master, &out[s].exp_avg, &out[s].exp_avg_sq}) v->assign(st[s].master.size(), -1.0f);
+  const long before = resident_kib();
+  if (before < 0) {
+    MESSAGE("no VmRSS in /proc/self/status here: the resident set is not checked");
+    return;
+  }
+  {
+    const CheckpointReader reader(where, spec);
+    for (std::size_t s = 0; s < st.size(); ++s) reader.read(s, out[s].master, out[s].exp_avg, out[s].exp_avg_sq);
+    const long grew = resident_kib() - before;
+    MESSAGE("checkpoint of " << file_kib << " KiB read: the RSS grew " << grew << " KiB");
+    CHECK(grew < file_kib / 8);
+  }
+  for (std::size_t s = 0; s < st.size(); ++s) {
+    CHECK(same_bits(out[s].master, st[s].master));
+    CHECK(same_bits(out[s].exp_avg_sq, st[s].exp_avg_sq));
+  }
+  const long again = resident_kib();
+  const auto source = weight_source(where / "model.safetensors", spec);
+  for (std::size_t s = 0; s < st.size(); ++s) source(s, out[s].master);
+  CHECK(resident_kib() - again < file_kib / 8);
+  for (std::size_t s = 0; s < st.size(); ++s) CHECK(same_bits(out[s].master, st[s].master));
+  fs::remove_all(dir);
+}

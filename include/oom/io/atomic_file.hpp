@@ -68,6 +68,15 @@ class MappedFile {
 
   [[nodiscard]] std::span<const std::byte> bytes() const { return {data_, size_}; }
 
+  /// Takes the mapping's pages that lie wholly inside `range` out of the process's resident set
+  /// (madvise MADV_DONTNEED; bytes of `range` outside the mapping are ignored). The mapping is
+  /// private and read-only, so those pages are clean copies of the file: the bytes stay valid, and
+  /// a later read faults them in again from the page cache or the file. For readers that go through
+  /// a large file once (a checkpoint, initial weights), so its pages do not pile up in the RSS
+  /// beside what was read into. Advice: a failure is ignored, and where the kernel maps the file in
+  /// huge pages it may take out the whole huge pages the range touches (they fault back in too).
+  void drop_pages(std::span<const std::byte> range) const noexcept;
+
  private:
   void release() noexcept;
 

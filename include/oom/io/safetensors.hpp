@@ -80,6 +80,10 @@ class SafetensorsFile {
   /// it is absent or shaped otherwise.
   [[nodiscard]] std::span<const std::byte> tensor_bytes(const TensorSpec& spec, DType* dtype = nullptr) const;
 
+  /// Takes the file's pages wholly inside `bytes` (e.g. a tensor's, once read) out of the resident
+  /// set (MappedFile::drop_pages); the views stay valid. Nothing for a parsed buffer.
+  void drop_pages(std::span<const std::byte> bytes) const noexcept { map_.drop_pages(bytes); }
+
   /// `__metadata__` in file order; empty when absent.
   [[nodiscard]] const Metadata& metadata() const { return metadata_; }
   /// N, the JSON header's length (with its padding).
