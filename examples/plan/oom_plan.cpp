@@ -49,6 +49,10 @@ constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
                       where the plan keeps the attention state (the default recomputes around it),
                       as oom-train --no-keep-attention-state; the line saying what oom-train
                       would run then weighs no checkpoint around kept attention state
+  --longest           (CUDA builds, one GPU) instead of planning --seq: the longest sequence, in
+                      multiples of 1024 tokens, for which oom-train --backend cuda would find a plan
+                      within the budgets (doubling from --seq, then bisection: a shorter sequence
+                      is taken to fit where a longer one does), with that plan and its predicted step
 )";
 
 struct Args {
@@ -64,6 +68,7 @@ struct Args {
   std::string json_out, trace_out;
   std::optional<unsigned> grad_staging;  // the CUDA executor's options, for its footprint and prediction
   std::optional<bool> keep_attention_state;
+  bool longest = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -73,6 +78,10 @@ Args parse(int argc, char** argv) {
     if (flag == "--help" || flag == "-h") {
       std::fputs(usage, stdout);
       std::exit(0);
+    }
+    if (flag == "--longest") {
+      a.longest = true;
+      continue;
     }
     if (flag == "--keep-attention-state" || flag == "--no-keep-attention-state") {
       a.keep_attention_state = flag == "--keep-attention-state";
@@ -115,16 +124,74 @@ void write_file(const std::string& path, const std::string& text) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) OOM_THROW(oom::Errc::io, fmt::format("cannot rename {} to {}", tmp, path));
 }
 
+// --longest: the longest sequence, a multiple of `granule` tokens, for which `would_run(seq, &line)`
+// finds a plan: doubling from --seq (rounded up to the granule) while it does, then bisection
+// between the last that did and the first that did not. Each sequence tried is printed as it is
+// weighed. Exit status 0 with a plan, 3 when even the first does not fit.
+template <class WouldRun>
+int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& would_run) {
+  constexpr std::uint64_t granule = 1024, ceiling = std::uint64_t{1} << 27;  // 128M tokens: far past any GPU's memory
+  std::string line;
+  const auto weigh = [&](std::uint64_t seq) {
+    const bool ok = would_run(seq, &line);
+    fmt::print("  {:>10} tokens x {}: {}\n", seq, a.batch, ok ? "fits" : line);
+    std::fflush(stdout);
+    return ok;
+  };
+  std::uint64_t lo = (a.seq + granule - 1) / granule * granule;
+  if (!weigh(lo)) {
+    fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): none from {} tokens on\n", budget_note, lo);
+    return 3;
+  }
+  std::uint64_t hi = 0;  // the first that does not fit; 0: none found below the ceiling
+  while (lo * 2 <= ceiling) {
+    if (!weigh(lo * 2)) {
+      hi = lo * 2;
+      break;
+    }
+    lo *= 2;
+  }
+  if (hi == 0) {
+    fmt::print("\nevery sequence up to {} tokens fits: the search stops there\n", lo);
+  } else {
+    while (hi - lo > granule) {
+      const std::uint64_t mid = lo + (hi - lo) / granule / 2 * granule;
+      if (weigh(mid)) lo = mid;
+      else hi = mid;
+    }
+  }
+  (void)would_run(lo, &line);
+  fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): {} tokens x {} sequence(s): {}\n", budget_note, lo,
+             a.batch, line);
+  if (hi != 0) {
+    std::string over;
+    (void)would_run(hi, &over);
+    fmt::print("{} tokens: {}\n", hi, over);
+  }
+  // The positions the model was trained for (config.json's max_position_embeddings, where it says).
+  const oom::Json config = oom::read_json_file(a.model);
+  if (const oom::Json* max_pos = config.find("max_position_embeddings"); max_pos && max_pos->is_integer() &&
+                                                                        max_pos->as_int64() > 0 &&
+                                                                        lo > static_cast<std::uint64_t>(max_pos->as_int64()))
+    fmt::print("note: longer than the config's max_position_embeddings ({}), the positions the model was trained for\n",
+               max_pos->as_int64());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const Args a = parse(argc, argv);
 #if !OOM_PLAN_HAS_CUDA
-    if (a.grad_staging || a.keep_attention_state)
-      OOM_THROW(oom::Errc::unsupported, "--grad-staging / --[no-]keep-attention-state describe the CUDA executor, which this build "
-                                        "does not have (configure with -DOOM_ENABLE_CUDA=ON)");
+    if (a.grad_staging || a.keep_attention_state || a.longest)
+      OOM_THROW(oom::Errc::unsupported, "--grad-staging / --[no-]keep-attention-state / --longest describe the CUDA executor, which "
+                                        "this build does not have (configure with -DOOM_ENABLE_CUDA=ON)");
 #endif
+    if (a.longest && a.gpus != 1)
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--longest searches what oom-train runs on one GPU; --gpus {} given", a.gpus));
+    if (a.longest && (!a.json_out.empty() || !a.trace_out.empty()))
+      OOM_THROW(oom::Errc::invalid_argument, "--longest only prints the longest sequence; plan it with --seq N for --json or --trace");
     const auto spec = oom::ModelSpec::from_file(a.model);
     const auto profile = a.profile.empty() ? oom::MachineProfile::builtin(a.machine, a.gpus) : oom::MachineProfile::from_file(a.profile);
 
@@ -142,19 +209,54 @@ int main(int argc, char** argv) {
                static_cast<double>(spec.total_parameters()) / 1e9, static_cast<double>(spec.active_parameters()) / 1e9,
                spec.segments().size());
     fmt::print("machine {} x{}; budgets: {} per GPU, {} host; workload {} x {} tokens per GPU, {} micro-batch(es){}\n\n",
-               profile.name, a.gpus, req.gpu_budget, req.host_budget, a.batch, a.seq, a.micro_batches,
-               req.clip_grad_norm ? ", gradients clipped by global norm" : "");
+               profile.name, a.gpus, req.gpu_budget, req.host_budget, a.batch, a.longest ? std::string("(longest)") : std::to_string(a.seq),
+               a.micro_batches, req.clip_grad_norm ? ", gradients clipped by global norm" : "");
 
     const oom::Planner planner(spec, profile, a.model);
-    const auto set = planner.plan(req);
-    fmt::print("searched {} candidates ({} within budget) in {:.3f} s\n\n", set.evaluated, set.feasible, set.search_s);
 #if OOM_PLAN_HAS_CUDA
     oom::CudaCausalLmOptions executor;
     if (a.grad_staging) executor.grad_staging_layers = *a.grad_staging;
     if (a.keep_attention_state) executor.keep_attention_state = *a.keep_attention_state;
     executor.max_grad_norm = a.max_grad_norm;  // clipping stages every streamed gradient
     const auto executed_step = [&](const oom::Plan& p) { return planner.simulate(oom::CudaCausalLm::as_executed(spec, p, executor)).step_s; };
+    // What oom-train --backend cuda would run (CudaCausalLm::fit) with the same model, sequences and
+    // GPU budget at `seq` tokens a sequence: its request (one GPU, --batch sequences, 6 candidates,
+    // its default host budget unless --host-mem) and its GPU headroom (1 GiB of the free memory,
+    // here of the profile's). One line: the plan, or "nothing" and why.
+    oom::PlanRequest train_req = req;
+    train_req.candidates = 6;
+    if (!a.host_mem) train_req.host_budget = oom::examples::default_host_budget(profile, oom::CudaCausalLm::build_buffer_bytes(spec)).budget;
+    const std::uint64_t headroom = oom::CudaCausalLm::gpu_headroom.count();
+    const std::uint64_t usable = profile.gpu_memory.count() > headroom ? profile.gpu_memory.count() - headroom : 0;
+    const oom::Bytes gpu_avail{std::min<std::uint64_t>(train_req.gpu_budget.count(), usable)};
+    const auto would_run = [&](std::uint64_t seq, std::string* line) {
+      try {
+        train_req.workload = {a.batch, seq};
+        const auto train_set = planner.plan(train_req);
+        oom::CudaFitOptions how;
+        how.predict_step = executed_step;
+        how.residency_order = planner.residency_order(train_set.plans.front());
+        const auto fit = oom::CudaCausalLm::fit(spec, train_set.plans, gpu_avail, train_req.host_budget, executor, how);
+        const auto [gpu, host] = oom::gpu_and_host(fit.footprint);
+        const std::uint64_t chunk = fit.plan.largest_moe_chunk();
+        const double step_s = executed_step(fit.plan);
+        *line = fmt::format("its candidate plan {} ({}; {}; {} of {} segments resident, {} planned), {} on the GPU and {} pinned; "
+                            "predicted step {:.3f} s",
+                            fit.candidate + 1, fit.plan.retention_name,
+                            chunk < fit.plan.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole"),
+                            fit.plan.resident_segments.size(), spec.segments().size(),
+                            train_set.plans[fit.candidate].resident_segments.size(), gpu, host, step_s);
+        return true;
+      } catch (const oom::Error& e) {
+        *line = fmt::format("nothing ({})", e.message());
+        return false;
+      }
+    };
+    const std::string budget_note = fmt::format("host budget {}{}", train_req.host_budget, a.host_mem ? "" : ", its default");
+    if (a.longest) return longest_sequence(a, budget_note, would_run);
 #endif
+    const auto set = planner.plan(req);
+    fmt::print("searched {} candidates ({} within budget) in {:.3f} s\n\n", set.evaluated, set.feasible, set.search_s);
     for (std::size_t i = 0; i < set.plans.size(); ++i) {
       fmt::print("=== plan {}{} ===\n{}\n", i + 1, i == 0 ? " (chosen)" : "", planner.describe(set.plans[i]));
 #if OOM_PLAN_HAS_CUDA
@@ -173,33 +275,10 @@ int main(int argc, char** argv) {
 #endif
     }
 #if OOM_PLAN_HAS_CUDA
-    // What oom-train --backend cuda would run (CudaCausalLm::fit) with the same model, sequences and
-    // GPU budget: its request (one GPU, --batch sequences, 6 candidates, its default host budget
-    // unless --host-mem) and its GPU headroom (1 GiB of the free memory, here of the profile's).
     if (a.gpus == 1) {
-      try {
-        oom::PlanRequest train_req = req;
-        train_req.candidates = 6;
-        if (!a.host_mem) train_req.host_budget = oom::examples::default_host_budget(profile, oom::CudaCausalLm::build_buffer_bytes(spec)).budget;
-        const auto train_set = planner.plan(train_req);
-        const std::uint64_t headroom = oom::CudaCausalLm::gpu_headroom.count();
-        const std::uint64_t usable = profile.gpu_memory.count() > headroom ? profile.gpu_memory.count() - headroom : 0;
-        const oom::Bytes gpu_avail{std::min<std::uint64_t>(train_req.gpu_budget.count(), usable)};
-        oom::CudaFitOptions how;
-        how.predict_step = executed_step;
-        how.residency_order = planner.residency_order(train_set.plans.front());
-        const auto fit = oom::CudaCausalLm::fit(spec, train_set.plans, gpu_avail, train_req.host_budget, executor, how);
-        const auto [gpu, host] = oom::gpu_and_host(fit.footprint);
-        const std::uint64_t chunk = fit.plan.largest_moe_chunk();
-        fmt::print("oom-train --backend cuda would run (host budget {}{}): its candidate plan {} ({}; {}; {} of {} segments "
-                   "resident, {} planned), {} on the GPU and {} pinned; predicted step {:.3f} s\n\n",
-                   train_req.host_budget, a.host_mem ? "" : ", its default", fit.candidate + 1, fit.plan.retention_name,
-                   chunk < fit.plan.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole"),
-                   fit.plan.resident_segments.size(), spec.segments().size(),
-                   train_set.plans[fit.candidate].resident_segments.size(), gpu, host, executed_step(fit.plan));
-      } catch (const oom::Error& e) {
-        fmt::print("oom-train --backend cuda would run: nothing ({})\n\n", e.message());
-      }
+      std::string line;
+      if (would_run(a.seq, &line)) fmt::print("oom-train --backend cuda would run ({}): {}\n\n", budget_note, line);
+      else fmt::print("oom-train --backend cuda would run: {}\n\n", line);
     }
 #endif
     if (set.plans.size() > 1) fmt::print("why plan 1: {}", oom::Planner::compare(set.plans[0], set.plans[1]));

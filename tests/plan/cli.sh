@@ -6,6 +6,7 @@
 # At 128K, where the planner's plan needs more GPU memory on the executor than the H200 has, the
 # line saying what oom-train would run names the checkpoint around the kept attention state (or,
 # with --no-keep-attention-state, the whole-layer checkpoint, predicted slower).
+# --longest finds the longest sequence that has such a line, exactly (below).
 #   bash tests/plan/cli.sh path/to/oom-plan path/to/examples/configs/moe-5b.json
 set -uo pipefail
 plan=$1 config=$2
@@ -35,4 +36,20 @@ batched=$("$plan" --model "$config" --seq 4096 --batch 2 --candidates 1 | grep "
   { echo "FAIL: no 'would run' line for --batch 2"; exit 1; }
 echo "4K x 2 sequences: $batched"
 "$plan" --model "$config" --grad-staging -1 > /dev/null 2>&1 && { echo "FAIL: --grad-staging -1 accepted"; exit 1; }
+# --longest: the longest sequence oom-train would run. On the whole H200 the 5.13B model reaches
+# 1M tokens (some boundaries offloaded). On 80 GiB of it the answer is shorter, and it is exact in
+# multiples of 1024: oom-plan --seq at the answer has a plan, 1024 tokens more has none.
+longest_of() { "$plan" --model "$config" --longest "$@" | sed -nE 's/^longest sequence oom-train .*: ([0-9]+) tokens x .*/\1/p'; }
+whole_gpu=$(longest_of)
+echo "--longest on the H200: $whole_gpu tokens"
+[[ -n "$whole_gpu" ]] && (( whole_gpu >= 1048576 )) || { echo "FAIL: the 5.13B model's longest sequence on the H200 is under 1M tokens"; exit 1; }
+small=$(longest_of --gpu-mem 80GiB)
+echo "--longest on 80 GiB: $small tokens"
+[[ -n "$small" ]] && (( small < whole_gpu && small % 1024 == 0 )) || { echo "FAIL: --longest on 80 GiB: '$small'"; exit 1; }
+"$plan" --model "$config" --gpu-mem 80GiB --seq "$small" --candidates 1 | grep -q "^oom-train --backend cuda would run (" ||
+  { echo "FAIL: no plan at the longest sequence $small"; exit 1; }
+"$plan" --model "$config" --gpu-mem 80GiB --seq $((small + 1024)) --candidates 1 | grep -q "^oom-train --backend cuda would run: nothing" ||
+  { echo "FAIL: a plan 1024 tokens past the longest sequence $small"; exit 1; }
+"$plan" --model "$config" --longest --gpus 2 > /dev/null 2>&1 && { echo "FAIL: --longest with --gpus 2 accepted"; exit 1; }
+"$plan" --model "$config" --longest --json /dev/null > /dev/null 2>&1 && { echo "FAIL: --longest with --json accepted"; exit 1; }
 echo "PASS"
