@@ -124,41 +124,59 @@ void write_file(const std::string& path, const std::string& text) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) OOM_THROW(oom::Errc::io, fmt::format("cannot rename {} to {}", tmp, path));
 }
 
-// --longest: the longest sequence, a multiple of `granule` tokens, for which `would_run(seq, &line)`
-// finds a plan: doubling from --seq (rounded up to the granule) while it does, then bisection
-// between the last that did and the first that did not. Each sequence tried is printed as it is
-// weighed. Exit status 0 with a plan, 3 when even the first does not fit.
+#if OOM_PLAN_HAS_CUDA
+constexpr std::uint64_t longest_granule = 1024;
+constexpr std::uint64_t longest_ceiling = std::uint64_t{1} << 27;  // 128M tokens: far past any GPU's memory
+
+// config.json's max_position_embeddings (under text_config where the model wraps one, as Qwen3.5's
+// does, like ModelSpec reads it); 0 where it does not say.
+std::uint64_t max_position_embeddings(const std::string& path) {
+  const oom::Json config = oom::read_json_file(path);
+  const oom::Json* text = config.find("text_config");
+  const oom::Json& fields = text != nullptr && text->is_object() ? *text : config;
+  const oom::Json* v = fields.find("max_position_embeddings");
+  return v != nullptr && v->is_integer() && v->as_int64() > 0 ? static_cast<std::uint64_t>(v->as_int64()) : 0;
+}
+
+// --longest: the longest sequence, a multiple of longest_granule tokens, for which
+// `would_run(seq, &line)` finds a plan (`line` then describes it, else says why none runs). From --seq (rounded up to the granule): doubling while it
+// fits; where --seq itself does not, from the granule up to it. Then bisection between the last that
+// fitted and the first that did not. Each sequence is printed as it is weighed. `would_run` returns
+// the error's code (none: a plan); any but out_of_budget (a model the executor cannot run) ends the
+// search as that error. Exit status 0 with a plan, 3 when none fits.
 template <class WouldRun>
 int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& would_run) {
-  constexpr std::uint64_t granule = 1024, ceiling = std::uint64_t{1} << 27;  // 128M tokens: far past any GPU's memory
+  constexpr std::uint64_t granule = longest_granule;
   std::string line;
   const auto weigh = [&](std::uint64_t seq) {
-    const bool ok = would_run(seq, &line);
-    fmt::print("  {:>10} tokens x {}: {}\n", seq, a.batch, ok ? "fits" : line);
+    const std::optional<oom::Errc> code = would_run(seq, &line);
+    if (code && *code != oom::Errc::out_of_budget) OOM_THROW(*code, line);
+    fmt::print("  {:>10} tokens x {}: {}\n", seq, a.batch, code ? fmt::format("nothing ({})", line) : std::string("fits"));
     std::fflush(stdout);
-    return ok;
+    return !code;
   };
-  std::uint64_t lo = (a.seq + granule - 1) / granule * granule;
-  if (!weigh(lo)) {
-    fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): none from {} tokens on\n", budget_note, lo);
+  const std::uint64_t start = (a.seq + granule - 1) / granule * granule;
+  std::uint64_t lo = 0, hi = 0;  // the longest found to fit, the shortest found not to; 0: none yet
+  if (weigh(start)) {
+    for (lo = start; lo * 2 <= longest_ceiling; lo *= 2)
+      if (!weigh(lo * 2)) {
+        hi = lo * 2;
+        break;
+      }
+  } else {
+    hi = start;
+    if (start > granule && weigh(granule)) lo = granule;
+  }
+  if (lo == 0) {
+    fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): none, not even {} tokens\n", budget_note,
+               std::min(start, granule));
     return 3;
   }
-  std::uint64_t hi = 0;  // the first that does not fit; 0: none found below the ceiling
-  while (lo * 2 <= ceiling) {
-    if (!weigh(lo * 2)) {
-      hi = lo * 2;
-      break;
-    }
-    lo *= 2;
-  }
-  if (hi == 0) {
-    fmt::print("\nevery sequence up to {} tokens fits: the search stops there\n", lo);
-  } else {
-    while (hi - lo > granule) {
-      const std::uint64_t mid = lo + (hi - lo) / granule / 2 * granule;
-      if (weigh(mid)) lo = mid;
-      else hi = mid;
-    }
+  if (hi == 0) fmt::print("\nevery sequence up to {} tokens fits: the search stops there\n", lo);
+  while (hi != 0 && hi - lo > granule) {
+    const std::uint64_t mid = lo + (hi - lo) / granule / 2 * granule;
+    if (weigh(mid)) lo = mid;
+    else hi = mid;
   }
   (void)would_run(lo, &line);
   fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): {} tokens x {} sequence(s): {}\n", budget_note, lo,
@@ -166,17 +184,14 @@ int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& w
   if (hi != 0) {
     std::string over;
     (void)would_run(hi, &over);
-    fmt::print("{} tokens: {}\n", hi, over);
+    fmt::print("{} tokens: nothing ({})\n", hi, over);
   }
-  // The positions the model was trained for (config.json's max_position_embeddings, where it says).
-  const oom::Json config = oom::read_json_file(a.model);
-  if (const oom::Json* max_pos = config.find("max_position_embeddings"); max_pos && max_pos->is_integer() &&
-                                                                        max_pos->as_int64() > 0 &&
-                                                                        lo > static_cast<std::uint64_t>(max_pos->as_int64()))
+  if (const std::uint64_t max_pos = max_position_embeddings(a.model); max_pos > 0 && lo > max_pos)
     fmt::print("note: longer than the config's max_position_embeddings ({}), the positions the model was trained for\n",
-               max_pos->as_int64());
+               max_pos);
   return 0;
 }
+#endif
 
 }  // namespace
 
@@ -192,6 +207,11 @@ int main(int argc, char** argv) {
       OOM_THROW(oom::Errc::invalid_argument, fmt::format("--longest searches what oom-train runs on one GPU; --gpus {} given", a.gpus));
     if (a.longest && (!a.json_out.empty() || !a.trace_out.empty()))
       OOM_THROW(oom::Errc::invalid_argument, "--longest only prints the longest sequence; plan it with --seq N for --json or --trace");
+#if OOM_PLAN_HAS_CUDA
+    if (a.longest && a.seq > longest_ceiling)
+      OOM_THROW(oom::Errc::invalid_argument,
+                fmt::format("--longest searches up to {} tokens; --seq {} starts past it", longest_ceiling, a.seq));
+#endif
     const auto spec = oom::ModelSpec::from_file(a.model);
     const auto profile = a.profile.empty() ? oom::MachineProfile::builtin(a.machine, a.gpus) : oom::MachineProfile::from_file(a.profile);
 
@@ -225,12 +245,20 @@ int main(int argc, char** argv) {
     // here of the profile's). One line: the plan, or "nothing" and why.
     oom::PlanRequest train_req = req;
     train_req.candidates = 6;
-    if (!a.host_mem) train_req.host_budget = oom::examples::default_host_budget(profile, oom::CudaCausalLm::build_buffer_bytes(spec)).budget;
+    std::string host_error;  // why there is no default host budget (a profile with too little host memory)
+    if (!a.host_mem) {
+      try {
+        train_req.host_budget = oom::examples::default_host_budget(profile, oom::CudaCausalLm::build_buffer_bytes(spec)).budget;
+      } catch (const oom::Error& e) {
+        host_error = e.message();
+      }
+    }
     const std::uint64_t headroom = oom::CudaCausalLm::gpu_headroom.count();
     const std::uint64_t usable = profile.gpu_memory.count() > headroom ? profile.gpu_memory.count() - headroom : 0;
     const oom::Bytes gpu_avail{std::min<std::uint64_t>(train_req.gpu_budget.count(), usable)};
-    const auto would_run = [&](std::uint64_t seq, std::string* line) {
+    const auto would_run = [&](std::uint64_t seq, std::string* line) -> std::optional<oom::Errc> {
       try {
+        if (!host_error.empty()) OOM_THROW(oom::Errc::out_of_budget, host_error);
         train_req.workload = {a.batch, seq};
         const auto train_set = planner.plan(train_req);
         oom::CudaFitOptions how;
@@ -246,10 +274,10 @@ int main(int argc, char** argv) {
                             chunk < fit.plan.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole"),
                             fit.plan.resident_segments.size(), spec.segments().size(),
                             train_set.plans[fit.candidate].resident_segments.size(), gpu, host, step_s);
-        return true;
+        return std::nullopt;
       } catch (const oom::Error& e) {
-        *line = fmt::format("nothing ({})", e.message());
-        return false;
+        *line = e.message();  // why nothing runs
+        return e.code();
       }
     };
     const std::string budget_note = fmt::format("host budget {}{}", train_req.host_budget, a.host_mem ? "" : ", its default");
@@ -277,8 +305,8 @@ int main(int argc, char** argv) {
 #if OOM_PLAN_HAS_CUDA
     if (a.gpus == 1) {
       std::string line;
-      if (would_run(a.seq, &line)) fmt::print("oom-train --backend cuda would run ({}): {}\n\n", budget_note, line);
-      else fmt::print("oom-train --backend cuda would run: {}\n\n", line);
+      if (!would_run(a.seq, &line)) fmt::print("oom-train --backend cuda would run ({}): {}\n\n", budget_note, line);
+      else fmt::print("oom-train --backend cuda would run: nothing ({})\n\n", line);
     }
 #endif
     if (set.plans.size() > 1) fmt::print("why plan 1: {}", oom::Planner::compare(set.plans[0], set.plans[1]));

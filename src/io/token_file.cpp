@@ -123,7 +123,21 @@ void TokenFile::check_range(std::uint64_t begin, std::uint64_t count) const {
   else scan(u32());
 }
 
-void TokenFile::check_all() const { check_range(0, header_.token_count); }
+void TokenFile::check_all() const {
+  // In pieces of 16M tokens, each piece's pages let go once checked: a corpus larger than the
+  // host's memory can be scanned, and a smaller one does not sit in the RSS for the whole run.
+  constexpr std::uint64_t piece = std::uint64_t{1} << 24;
+  for (std::uint64_t begin = 0; begin < header_.token_count; begin += piece) {
+    const std::uint64_t count = std::min(piece, header_.token_count - begin);
+    check_range(begin, count);
+    drop_pages(begin, count);
+  }
+}
+
+void TokenFile::drop_pages(std::uint64_t begin, std::uint64_t count) const {
+  const std::uint64_t width = header_.dtype == DType::uint16 ? 2 : 4;
+  map_.drop_pages({tokens_ + begin * width, count * width});
+}
 
 void TokenFile::read(std::uint64_t begin, std::span<std::uint32_t> out) const {
   if (begin > header_.token_count || out.size() > header_.token_count - begin)
@@ -137,6 +151,7 @@ void TokenFile::read(std::uint64_t begin, std::span<std::uint32_t> out) const {
     const auto src = u32().subspan(begin, out.size());
     std::copy(src.begin(), src.end(), out.begin());
   }
+  drop_pages(begin, out.size());  // a window is read once an epoch: its pages need not stay resident
 }
 
 void write_token_file(const std::filesystem::path& path, std::span<const std::uint32_t> tokens,

@@ -1295,8 +1295,11 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
     return fitting[best];
   }
   OOM_THROW(Errc::out_of_budget, fmt::format("no candidate plan fits the CUDA executor: the least GPU memory any needs is {}, "
-                                             "{} is available; the least pinned host memory {}, budget {}",
-                                             least_gpu, gpu_available, least_host, host_budget));
+                                             "{} is available; the least pinned host memory {}, budget {}{}",
+                                             least_gpu, gpu_available, least_host, host_budget,
+                                             least_gpu <= gpu_available && least_host <= host_budget
+                                                 ? " (each within its budget, but no variant within both)"
+                                                 : ""));
 }
 
 namespace {

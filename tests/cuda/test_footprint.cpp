@@ -596,6 +596,9 @@ TEST_CASE("fit: 5.13B at 1M tokens on one H200 offloads the fewest boundaries, f
       FAIL("fitted 1M with a boundary's less pinned memory than the fewest offloaded boundaries need");
     } catch (const Error& e) {
       CHECK(e.code() == Errc::out_of_budget);
+      // Some variant fits the GPU and some the pinned budget, none both: the message says so.
+      MESSAGE(e.message());
+      CHECK(e.message().find("each within its budget, but no variant within both") != std::string::npos);
     }
   }
 }

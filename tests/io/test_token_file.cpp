@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <numeric>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "oom/core/error.hpp"
@@ -248,4 +250,42 @@ TEST_CASE("the fuzzers' seed files are valid token files") {
     ++n;
   }
   CHECK(n >= 3);
+}
+
+namespace {
+/// The process's resident set, KiB: smaps_rollup's Rss (exact); -1 where /proc does not say.
+long resident_kib() {
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  for (std::string line; std::getline(rollup, line);)
+    if (line.rfind("Rss:", 0) == 0) return std::stol(line.substr(4));
+  return -1;
+}
+}  // namespace
+
+TEST_CASE("a token file's pages leave the resident set once checked or read") {
+  TempDir dir("token-resident");
+  // 24M u16 tokens: 48 MiB of file.
+  std::vector<std::uint32_t> tokens(std::size_t{24} << 20);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::uint32_t>((i * 7919) % 50304);
+  write_token_file(dir / "big.tok", tokens, 50304);
+  std::vector<std::uint32_t> window(std::size_t{1} << 20, 0);
+  const long before = resident_kib();
+  if (before < 0) {
+    MESSAGE("no /proc/self/smaps_rollup here: the resident set is not checked");
+    return;
+  }
+  const TokenFile f = TokenFile::open(dir / "big.tok");  // checks every token
+  const long opened = resident_kib() - before;
+  for (std::uint64_t begin = 0; begin + window.size() <= f.size(); begin += window.size()) {
+    f.read(begin, window);
+    REQUIRE(window.front() == tokens[begin]);
+    REQUIRE(window.back() == tokens[begin + window.size() - 1]);
+  }
+  const long read_all = resident_kib() - before;
+  MESSAGE("48 MiB token file: the RSS grew " << opened << " KiB on open (every token checked), " << read_all
+                                             << " KiB after reading every window");
+  CHECK(opened < 8 * 1024);
+  CHECK(read_all < 8 * 1024);
+  f.check_all();  // the tokens come back from the file when read again
+  CHECK(resident_kib() - before < 8 * 1024);
 }

@@ -48,8 +48,20 @@ echo "--longest on 80 GiB: $small tokens"
 [[ -n "$small" ]] && (( small < whole_gpu && small % 1024 == 0 )) || { echo "FAIL: --longest on 80 GiB: '$small'"; exit 1; }
 "$plan" --model "$config" --gpu-mem 80GiB --seq "$small" --candidates 1 | grep -q "^oom-train --backend cuda would run (" ||
   { echo "FAIL: no plan at the longest sequence $small"; exit 1; }
-"$plan" --model "$config" --gpu-mem 80GiB --seq $((small + 1024)) --candidates 1 | grep -q "^oom-train --backend cuda would run: nothing" ||
-  { echo "FAIL: a plan 1024 tokens past the longest sequence $small"; exit 1; }
+# 1024 tokens more: the executor fits nothing, or the planner itself has no plan (exit 3).
+past=$("$plan" --model "$config" --gpu-mem 80GiB --seq $((small + 1024)) --candidates 1 2>&1)
+past_rc=$?
+(( past_rc == 3 )) || grep -q "^oom-train --backend cuda would run: nothing" <<< "$past" ||
+  { echo "FAIL: a plan 1024 tokens past the longest sequence $small (exit $past_rc)"; exit 1; }
+# A model the executor cannot run (head_dim 32) is an error naming why, not "no sequence fits".
+"$plan" --model "$(dirname "$config")/tiny-moe.json" --longest > /dev/null 2> "${TMPDIR:-/tmp}/oom-cli-longest.err"
+tiny_rc=$?
+(( tiny_rc == 2 )) && grep -q "head_dim = 32" "${TMPDIR:-/tmp}/oom-cli-longest.err" ||
+  { echo "FAIL: --longest on tiny-moe exited $tiny_rc: $(cat "${TMPDIR:-/tmp}/oom-cli-longest.err")"; exit 1; }
+rm -f "${TMPDIR:-/tmp}/oom-cli-longest.err"
+# Starting past the longest, the search goes down to it.
+down=$(longest_of --gpu-mem 80GiB --seq 1000000)
+[[ "$down" == "$small" ]] || { echo "FAIL: --longest from --seq 1000000 on 80 GiB found '$down', not $small"; exit 1; }
 "$plan" --model "$config" --longest --gpus 2 > /dev/null 2>&1 && { echo "FAIL: --longest with --gpus 2 accepted"; exit 1; }
 "$plan" --model "$config" --longest --json /dev/null > /dev/null 2>&1 && { echo "FAIL: --longest with --json accepted"; exit 1; }
 echo "PASS"

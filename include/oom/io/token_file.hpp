@@ -67,14 +67,17 @@ class TokenFile {
   [[nodiscard]] std::span<const std::uint32_t> u32() const;
 
   /// Copies tokens [begin, begin + out.size()) widened to u32, checking each against the vocab.
+  /// The window's pages of a mapped file then leave the resident set (MappedFile::drop_pages).
   void read(std::uint64_t begin, std::span<std::uint32_t> out) const;
   /// Checks every token: "data/train.tok: token 51234 at position 1 283 117 is >= vocab 50304".
+  /// A mapped file's pages leave the resident set as they are checked.
   void check_all() const;
 
  private:
   TokenFile() = default;
   void init(std::span<const std::byte> bytes, Check check);
   void check_range(std::uint64_t begin, std::uint64_t count) const;
+  void drop_pages(std::uint64_t begin, std::uint64_t count) const;  ///< of tokens [begin, begin + count)
 
   std::string source_;
   MappedFile map_;
