@@ -11,9 +11,11 @@
 
 #include "oom/core/error.hpp"
 #include "oom/io/atomic_file.hpp"
+#include "resident.hpp"
 #include "temp_dir.hpp"
 
 using namespace oom;
+using oom::test::resident_kib;
 using oom::test::TempDir;
 
 namespace {
@@ -101,16 +103,6 @@ TEST_CASE("MappedFile maps the bytes, empty files and moves") {
   CHECK_THROWS_AS(MappedFile(dir.path()), Error);  // a directory is not a regular file
 }
 
-namespace {
-/// The process's resident set, KiB: smaps_rollup's Rss (exact; /proc/self/status's VmRSS lags by
-/// per-CPU counts on many kernels); -1 where /proc does not say.
-long resident_kib() {
-  std::ifstream rollup("/proc/self/smaps_rollup");
-  for (std::string line; std::getline(rollup, line);)
-    if (line.rfind("Rss:", 0) == 0) return std::stol(line.substr(4));
-  return -1;
-}
-}  // namespace
 
 TEST_CASE("MappedFile::drop_pages takes read pages out of the resident set; the bytes stay readable") {
   TempDir dir("drop-pages");

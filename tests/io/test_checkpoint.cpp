@@ -14,9 +14,11 @@
 #include "oom/io/checkpoint.hpp"
 #include "oom/io/safetensors.hpp"
 #include "oom/model/model_spec.hpp"
+#include "resident.hpp"
 #include "temp_dir.hpp"
 
 using namespace oom;
+using oom::test::resident_kib;
 namespace fs = std::filesystem;
 
 namespace {
@@ -215,15 +217,6 @@ TEST_CASE("weights read as a source: load_weights' bits, segment by segment in a
   fs::remove_all(dir);
 }
 
-namespace {
-/// The process's resident set, KiB: smaps_rollup's Rss (exact); -1 where /proc does not say.
-long resident_kib() {
-  std::ifstream rollup("/proc/self/smaps_rollup");
-  for (std::string line; std::getline(rollup, line);)
-    if (line.rfind("Rss:", 0) == 0) return std::stol(line.substr(4));
-  return -1;
-}
-}  // namespace
 
 TEST_CASE("reading a checkpoint or weights file leaves its pages out of the resident set") {
   // A vocabulary of 16384 makes the embedding and the LM head 16 MiB each: the checkpoint's files

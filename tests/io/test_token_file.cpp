@@ -13,9 +13,11 @@
 #include "oom/core/error.hpp"
 #include "oom/io/json.hpp"
 #include "oom/io/token_file.hpp"
+#include "resident.hpp"
 #include "temp_dir.hpp"
 
 using namespace oom;
+using oom::test::resident_kib;
 using oom::test::TempDir;
 
 namespace {
@@ -252,15 +254,6 @@ TEST_CASE("the fuzzers' seed files are valid token files") {
   CHECK(n >= 3);
 }
 
-namespace {
-/// The process's resident set, KiB: smaps_rollup's Rss (exact); -1 where /proc does not say.
-long resident_kib() {
-  std::ifstream rollup("/proc/self/smaps_rollup");
-  for (std::string line; std::getline(rollup, line);)
-    if (line.rfind("Rss:", 0) == 0) return std::stol(line.substr(4));
-  return -1;
-}
-}  // namespace
 
 TEST_CASE("a token file's pages leave the resident set once checked or read") {
   TempDir dir("token-resident");
