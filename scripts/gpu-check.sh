@@ -277,7 +277,8 @@ fi
 # $build_dir/peer-python; its CPU Adam is built on first use into $build_dir/torch-extensions.
 # PEER_STEPS (default 4) steps each, the first not counted. PEER_CONFIG (default
 # examples/configs/moe-5b.json) is the model both run. The summary prints the ratios, and names
-# a peer that failed. A peer out of memory says so (exit 3); the sweep goes on.
+# a peer that failed: with the host RSS it had reached where the kernel killed it (each peer keeps
+# its high-water mark in peer-run-*.json.rss as it runs: bench/baselines/common.py RssWatch). A peer out of memory says so (exit 3); the sweep goes on.
 peer_mode_re='^((plain|offload)(-nockpt)?|deepspeed(-zero3)?)$'
 if [[ "$parts" == *" peers "* ]]; then
   peer_config=${PEER_CONFIG:-examples/configs/moe-5b.json}

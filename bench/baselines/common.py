@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 
@@ -37,6 +38,42 @@ def host_rss_peak_bytes():
     except OSError:
         pass
     return 0
+
+
+class RssWatch:
+    """Writes this process's resident-set high-water mark (VmHWM, bytes, as decimal text) to `path`
+    whenever it has grown, every `period` seconds, from a daemon thread; and once more on stop().
+    A peer that outgrows the host's memory is SIGKILLed by the kernel with no Python error and no
+    JSON: this file then says how far it had got (at most one period late). Rank 0 only."""
+
+    def __init__(self, path, period=0.5):
+        self.path, self.period, self.last = path, period, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rss-watch", daemon=True)
+
+    def start(self):
+        self.sample()
+        self._thread.start()
+        return self
+
+    def sample(self):
+        peak = host_rss_peak_bytes()
+        if peak > self.last:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{peak}\n")
+            os.replace(tmp, self.path)  # a reader never sees half a number
+            self.last = peak
+
+    def _loop(self):
+        while not self._stop.wait(self.period):
+            self.sample()
+
+    def stop(self):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.sample()
 
 
 def parse_args(description, argv=None, extra=None):
@@ -128,6 +165,16 @@ def run(args, peer, mode, prepare, info=None):
     JSON. Returns the exit status (0, or 3 when out of memory)."""
     label = mode_label(mode + ("-nockpt" if args.no_checkpointing else ""))
     model_type, fields = config_fields(args.config, args.seq)  # a bad file fails before torch starts
+    watch = RssWatch(args.json + ".rss").start() if args.json and os.environ.get("RANK", "0") == "0" else None
+    try:
+        return _start(args, peer, label, prepare, info, model_type, fields)
+    finally:
+        if watch:
+            watch.stop()
+
+
+def _start(args, peer, label, prepare, info, model_type, fields):
+    """run() from torch's import on."""
     # PyTorch's advice when reserved-but-unallocated memory is what runs out (plain FSDP2 at 128K
     # failed so at step 2 with 17 GiB reserved and free): the peer as a user would tune it. A
     # setting of the caller's own, under either name torch reads, stands; the JSON records which ran.

@@ -2,8 +2,9 @@
 at the same seq and batch, from the logs in one folder. Standard library only.
 
 The folder holds, per setting: peer-oom-SEQ-BATCH.jsonl (oom-train's metrics), and per peer mode
-peer-run-MODE-SEQ-BATCH.log, its .json when the run got that far, and its .rc as gpu-check.sh
-writes it (the exit status, the seconds it ran, its time limit: why_no_result). Rows come from the logs, so a peer that left no JSON is named, not left out.
+peer-run-MODE-SEQ-BATCH.log, its .json when the run got that far, its .json.rss (the host RSS
+high-water mark the run had reached: common.RssWatch) and its .rc as gpu-check.sh writes it (the
+exit status, the seconds it ran, its time limit: why_no_result). Rows come from the logs, so a peer that left no JSON is named, not left out.
 """
 import json
 import os
@@ -26,24 +27,29 @@ def oom_figures(path):
             max(s.get("host_rss_peak_bytes", s["host_rss_bytes"]) for s in steps))
 
 
-def why_no_result(rc_path, log):
+def why_no_result(rc_path, log, rss_path=None):
     """Why a peer left no JSON, from its .rc file: the exit status, then (gpu-check.sh since the
     thirty-third session) the seconds it ran and its time limit, 0 where it was skipped. `timeout`
     sends its KILL 10 s after the limit, so a SIGKILL (137) before the limit (2 s allowed for the
     whole-second clock) came from elsewhere: on these machines, the host's out-of-memory killer
     (a peer past the host's memory dies so, without a Python error)."""
+    reached = ""  # common.RssWatch's last word: how much host memory the run held when it ended
+    if rss_path and os.path.exists(rss_path):
+        text = open(rss_path).read().strip()
+        if text.isdigit():
+            reached = f", its host RSS at least {int(text) / 2**30:.1f} GiB"
     fields = open(rc_path).read().split() if os.path.exists(rc_path) else []
     rc = fields[0] if fields else "?"
     took, limit = (int(fields[1]), int(fields[2])) if len(fields) >= 3 else (None, None)
     if rc == "137" and took is not None and limit > 0 and took + 2 < limit:
         return (f"killed (SIGKILL) after {took} s, inside its {limit} s limit: not a time cut, "
-                f"likely the host's out-of-memory killer ({log})")
+                f"likely the host's out-of-memory killer{reached} ({log})")
     if rc in ("124", "137"):
         if limit == 0:
             return f"not run: the call's time budget was spent ({log})"
         return f"not finished: cut by its time limit ({log})" if took is not None else \
             f"not finished: skipped or cut by its time limit ({log})"
-    return f"failed, exit {rc}, no result ({log})"
+    return f"failed, exit {rc}, no result{reached} ({log})"
 
 
 def peer_rows(folder):
@@ -65,7 +71,7 @@ def peer_rows(folder):
             peer = json.load(open(stem + ".json")) if os.path.exists(stem + ".json") else {}
             error = peer.get("error")
             if not peer:
-                error = why_no_result(stem + ".rc", log)
+                error = why_no_result(stem + ".rc", log, stem + ".json.rss")
             rows.append({"seq": seq, "batch": batch, "mode": mode, "label": common.mode_label(mode),
                          "ours": ours, "theirs": peer.get("tokens_per_s"), "error": error,
                          "ours_gpu": ours_gpu, "theirs_gpu": peer.get("gpu_reserved_peak_bytes", 0),

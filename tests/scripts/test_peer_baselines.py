@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 REPO = os.path.abspath(sys.argv.pop(1) if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -132,6 +133,36 @@ class Summary(unittest.TestCase):
         self.assertEqual((low, high), (2000.0, 4000.0))
 
 
+class WatchingTheResidentSet(unittest.TestCase):
+    """common.RssWatch: the high-water mark on disk while the process runs, growing with it."""
+
+    def test_the_file_follows_the_high_water_mark(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "r.json.rss")
+
+            def written():
+                with open(path) as f:
+                    return int(f.read())
+            watch = bench.RssWatch(path, period=0.05).start()
+            first = written()
+            self.assertGreater(first, 0)
+            self.assertLessEqual(first, bench.host_rss_peak_bytes() + 8 * 2**20)
+            grown = bytearray(256 * 2**20)  # touched: 256 MiB more resident
+            for i in range(0, len(grown), 4096):
+                grown[i] = 1
+            deadline = time.time() + 5
+            while written() < first + 200 * 2**20 and time.time() < deadline:
+                time.sleep(0.05)
+            self.assertGreaterEqual(written(), first + 200 * 2**20)  # written by the thread, unasked
+            del grown
+            watch.stop()
+            # A high-water mark: freeing the memory does not lower it.
+            self.assertGreaterEqual(written(), first + 200 * 2**20)
+            # (VmHWM is read from per-CPU counters that lag by a few pages: a little slack.)
+            self.assertLessEqual(written(), bench.host_rss_peak_bytes() + 8 * 2**20)
+            self.assertFalse(os.path.exists(path + ".tmp"))
+
+
 class PeerTable(unittest.TestCase):
     """bench/baselines/summary.py on a folder as PARTS=peers leaves it."""
 
@@ -195,6 +226,12 @@ class PeerTable(unittest.TestCase):
             self.assertEqual(why("124 0 0\n"), "not run: the call's time budget was spent (x.log)")
             self.assertEqual(why("137\n"), "not finished: skipped or cut by its time limit (x.log)")  # older runs
             self.assertEqual(why("2 5 420\n"), "failed, exit 2, no result (x.log)")
+            # What the run's RssWatch last wrote: how far it had got.
+            self.write(d, "x.json.rss", f"{int(123.5 * 2**30)}\n")
+            self.write(d, "x.rc", "137 130 420\n")
+            self.assertEqual(summary.why_no_result(os.path.join(d, "x.rc"), "x.log", os.path.join(d, "x.json.rss")),
+                             "killed (SIGKILL) after 130 s, inside its 420 s limit: not a time cut, likely the host's "
+                             "out-of-memory killer, its host RSS at least 123.5 GiB (x.log)")
             self.assertEqual(summary.why_no_result(os.path.join(d, "none.rc"), "x.log"), "failed, exit ?, no result (x.log)")
 
 
