@@ -28,12 +28,11 @@ struct HostBudget {
 inline Bytes whole_initial_weights(const ModelSpec& spec) { return Bytes{spec.total_parameters() * sizeof(float)}; }
 /// Errc::out_of_budget when nothing is left.
 inline HostBudget default_host_budget(const MachineProfile& profile, Bytes held_while_building) {
-  const Bytes init = held_while_building;
   const Bytes headroom{std::max<std::uint64_t>(profile.host_memory.count() / 10, std::uint64_t{4} << 30)};
-  if (profile.host_memory.count() <= init.count() + headroom.count())
+  if (profile.host_memory.count() <= held_while_building.count() + headroom.count())
     OOM_THROW(Errc::out_of_budget, fmt::format("host memory {} (profile {}) holds no more than what building the model holds ({}) and {} of headroom; "
-                                               "give --host-mem to plan anyway", profile.host_memory, profile.name, init, headroom));
-  return {Bytes{profile.host_memory.count() - init.count() - headroom.count()}, init, headroom};
+                                               "give --host-mem to plan anyway", profile.host_memory, profile.name, held_while_building, headroom));
+  return {Bytes{profile.host_memory.count() - held_while_building.count() - headroom.count()}, held_while_building, headroom};
 }
 
 }  // namespace oom::examples

@@ -147,12 +147,16 @@ std::uint64_t max_position_embeddings(const std::string& path) {
 template <class WouldRun>
 int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& would_run) {
   constexpr std::uint64_t granule = longest_granule;
-  std::string line;
+  // What would_run said of the last sequence found to fit and the last found not to: every fit
+  // weighed becomes lo below and every miss hi, so these are lo's plan and why hi has none.
+  std::string fit_line, miss_line;
   const auto weigh = [&](std::uint64_t seq) {
+    std::string line;
     const std::optional<oom::Errc> code = would_run(seq, &line);
     if (code && *code != oom::Errc::out_of_budget) OOM_THROW(*code, line);
     fmt::print("  {:>10} tokens x {}: {}\n", seq, a.batch, code ? fmt::format("nothing ({})", line) : std::string("fits"));
     std::fflush(stdout);
+    (code ? miss_line : fit_line) = std::move(line);
     return !code;
   };
   const std::uint64_t start = (a.seq + granule - 1) / granule * granule;
@@ -165,7 +169,9 @@ int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& w
       }
   } else {
     hi = start;
+    const std::string start_miss = miss_line;
     if (start > granule && weigh(granule)) lo = granule;
+    miss_line = start_miss;  // hi is still the start
   }
   if (lo == 0) {
     fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): none, not even {} tokens\n", budget_note,
@@ -178,14 +184,9 @@ int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& w
     if (weigh(mid)) lo = mid;
     else hi = mid;
   }
-  (void)would_run(lo, &line);
   fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): {} tokens x {} sequence(s): {}\n", budget_note, lo,
-             a.batch, line);
-  if (hi != 0) {
-    std::string over;
-    (void)would_run(hi, &over);
-    fmt::print("{} tokens: nothing ({})\n", hi, over);
-  }
+             a.batch, fit_line);
+  if (hi != 0) fmt::print("{} tokens: nothing ({})\n", hi, miss_line);
   if (const std::uint64_t max_pos = max_position_embeddings(a.model); max_pos > 0 && lo > max_pos)
     fmt::print("note: longer than the config's max_position_embeddings ({}), the positions the model was trained for\n",
                max_pos);

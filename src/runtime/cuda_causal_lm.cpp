@@ -1331,7 +1331,6 @@ CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const Segmen
   }
 }
 
-
 CudaCausalLm::CudaCausalLm(const ModelSpec& spec, const Plan& plan, const std::vector<std::vector<float>>& weights,
                            CudaCausalLmOptions options)
     : CudaCausalLm(spec, plan, checked_source(spec, weights), options) {}
