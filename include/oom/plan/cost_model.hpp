@@ -27,14 +27,33 @@ class ProfileCostModel {
   /// the bf16 weights out).
   static constexpr double cpu_adamw_bytes_per_param = 16.0 + 12.0 + 2.0;
 
+  /// Seconds of `rows` rows of `flops_per_row` each at `rate`'s FLOP/s for that many rows, and never
+  /// less than fewer rows take: between some samples the measured rate grows faster than the rows
+  /// (a launch of a few rows is latency-bound), which would make more work predict less time.
+  [[nodiscard]] static double compute_seconds(const SizeCurve& rate, double rows, double flops_per_row) {
+    double s = flops_per_row * rows / rate.at(rows);
+    for (const auto& [x, r] : rate.samples())
+      if (x < rows) s = std::max(s, flops_per_row * x / r);
+    return s;
+  }
+
   [[nodiscard]] ResourceTimes predict(const Operation& op) const {
     ResourceTimes t;
     const double launch = profile_->launch_overhead_s;
     const auto bytes = static_cast<double>(op.bytes.count());
     switch (op.kind) {
-      case OpKind::gemm:
-        t[Resource::gpu_compute] = launch + op.flops() / profile_->gemm_flops.at(static_cast<double>(std::max<std::uint64_t>(op.m, 1)));
+      case OpKind::gemm: {
+        // A grouped launch (batch > 1: one GEMM per expert) spreads all its groups' rows over the
+        // GPU, so it runs at the rate of its total rows, not of one group's; and it cannot beat
+        // reading every group's n x k bf16 weights from HBM. Priced by rows per group instead, 64
+        // experts' gate/up at 32 rows each came out 4x slower than that weight read, and than
+        // the H200 measured (docs/performance.md, thirty-third session).
+        const double rows = static_cast<double>(std::max<std::uint64_t>(op.m, 1)) * static_cast<double>(op.batch);
+        double c = compute_seconds(profile_->gemm_flops, rows, op.flops() / rows);
+        if (op.batch > 1) c = std::max(c, 2.0 * static_cast<double>(op.n) * op.k * op.batch / profile_->hbm_bytes_per_s);
+        t[Resource::gpu_compute] = launch + c;
         break;
+      }
       case OpKind::attention_forward:
       case OpKind::attention_backward: {
         // Keyed by the queries in the launch: the parallel work a flash kernel spreads over the GPU.
