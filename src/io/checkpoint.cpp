@@ -59,25 +59,25 @@ std::vector<Source> sources(const ModelSpec& spec) {
   return out;
 }
 
-// A safetensors entry whose bytes are gathered from the segments' `member` vectors.
-SafetensorsEntry entry(std::string name, const Source& src, std::span<const SegmentStateView> state,
-                       std::span<const float> SegmentStateView::*member) {
+// A safetensors entry whose bytes are gathered from the segments' `array`, wherever it lives (a
+// GPU-resident segment's is read a piece at a time: no copy of it is held).
+SafetensorsEntry entry(std::string name, const Source& src, std::span<const SegmentStateView> state, StateArray array) {
   SafetensorsEntry e;
   e.name = std::move(name);
   e.dtype = DType::fp32;
   e.shape = src.shape;
   const Source* s = &src;
-  e.fill = [s, state, member](std::uint64_t offset, std::span<std::byte> out) {
-    // offset and out.size() are multiples of 4 except possibly the last piece; copy bytes.
-    const std::uint64_t slice_bytes = s->slice_elements * sizeof(float);
+  e.fill = [s, state, array](std::uint64_t offset, std::span<std::byte> out) {
+    // An fp32 tensor's pieces start and end on whole floats.
+    OOM_ASSERT(offset % sizeof(float) == 0 && out.size() % sizeof(float) == 0);
+    const std::span<float> floats(reinterpret_cast<float*>(out.data()), out.size() / sizeof(float));
     std::uint64_t done = 0;
-    while (done < out.size()) {
-      const std::uint64_t at = offset + done;
-      const std::uint64_t slice = at / slice_bytes, within = at % slice_bytes;
+    while (done < floats.size()) {
+      const std::uint64_t at = offset / sizeof(float) + done;
+      const std::uint64_t slice = at / s->slice_elements, within = at % s->slice_elements;
       const auto [seg, seg_off] = s->slices[slice];
-      const auto& v = state[seg].*member;
-      const std::uint64_t n = std::min<std::uint64_t>(slice_bytes - within, out.size() - done);
-      std::memcpy(out.data() + done, reinterpret_cast<const std::byte*>(v.data() + seg_off) + within, n);
+      const std::uint64_t n = std::min<std::uint64_t>(s->slice_elements - within, floats.size() - done);
+      state[seg].copy(array, seg_off + within, floats.subspan(done, n));
       done += n;
     }
   };
@@ -158,10 +158,11 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
     OOM_THROW(Errc::invalid_argument, fmt::format("checkpoint: {} segment states for a model of {} segments", state.size(), segs.size()));
   for (std::size_t s = 0; s < segs.size(); ++s) {
     const auto n = segs[s].parameters();
-    if (state[s].master.size() != n || state[s].exp_avg.size() != n || state[s].exp_avg_sq.size() != n)
+    const auto& v = state[s];
+    if (v.size(StateArray::master) != n || v.size(StateArray::exp_avg) != n || v.size(StateArray::exp_avg_sq) != n)
       OOM_THROW(Errc::invalid_argument, fmt::format("checkpoint: segment '{}' holds {}/{}/{} values (master/m/v) for {} parameters",
-                                                    segs[s].name, state[s].master.size(), state[s].exp_avg.size(),
-                                                    state[s].exp_avg_sq.size(), n));
+                                                    segs[s].name, v.size(StateArray::master), v.size(StateArray::exp_avg),
+                                                    v.size(StateArray::exp_avg_sq), n));
   }
   std::error_code ec;
   fs::create_directories(run_dir, ec);
@@ -176,9 +177,9 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   const auto srcs = sources(spec);
   std::vector<SafetensorsEntry> model, optimizer;
   for (const auto& src : srcs) {
-    model.push_back(entry(src.name, src, state, &SegmentStateView::master));
-    optimizer.push_back(entry("exp_avg." + src.name, src, state, &SegmentStateView::exp_avg));
-    optimizer.push_back(entry("exp_avg_sq." + src.name, src, state, &SegmentStateView::exp_avg_sq));
+    model.push_back(entry(src.name, src, state, StateArray::master));
+    optimizer.push_back(entry("exp_avg." + src.name, src, state, StateArray::exp_avg));
+    optimizer.push_back(entry("exp_avg_sq." + src.name, src, state, StateArray::exp_avg_sq));
   }
   const SafetensorsFile::Metadata meta{{"format", "pt"}, {"producer", "oom"}, {"step", std::to_string(what.step)}};
   write_safetensors(partial / "model.safetensors", std::move(model), meta);

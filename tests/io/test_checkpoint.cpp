@@ -2,6 +2,7 @@
 // partial is ever named by `latest`, old checkpoints are pruned, and bad files are named.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -166,6 +167,55 @@ TEST_CASE("a checkpoint read segment by segment: the same bits, from views writt
   fs::remove(where / "optimizer.safetensors");
   CHECK_THROWS_WITH_AS(CheckpointReader(where, spec), doctest::Contains("optimizer.safetensors"), Error);
   fs::remove_all(dir);
+}
+
+TEST_CASE("a checkpoint of state read a range at a time (a GPU's): the same files, never a whole array at once") {
+  // A vocabulary of 16384 makes the embedding 4 Mi floats: more than one 8 MiB piece of the writer.
+  Json cfg = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json");
+  cfg.set("vocab_size", 16384);
+  const auto spec = ModelSpec::from_json(cfg);
+  const test::TempDir dir("ckpt-ranges");
+  const auto st = random_state(spec, 11);
+  const auto spans = save_checkpoint(dir.path() / "spans", spec, st, {1, "{}", Json::object(), 2});
+
+  // Every other segment, and the embedding (segment 0), only through a reader, as the CUDA
+  // executor's resident segments are.
+  std::size_t largest = 0, read_floats = 0, calls = 0, fail_at = 0;
+  std::uint64_t behind_readers = 0;
+  std::vector<SegmentStateView> views;
+  for (std::size_t s = 0; s < st.size(); ++s) {
+    if (s % 2 == 1) {
+      views.emplace_back(st[s]);
+      continue;
+    }
+    behind_readers += st[s].master.size();
+    views.emplace_back(st[s].master.size(), [&, s](StateArray a, std::size_t offset, std::span<float> out) {
+      if (fail_at != 0 && ++calls == fail_at) throw Error(Errc::io, "the reader failed");
+      largest = std::max(largest, out.size());
+      read_floats += out.size();
+      const auto& from = a == StateArray::master ? st[s].master : a == StateArray::exp_avg ? st[s].exp_avg : st[s].exp_avg_sq;
+      std::copy_n(from.begin() + static_cast<std::ptrdiff_t>(offset), out.size(), out.begin());
+    });
+  }
+  REQUIRE(st[0].master.size() == 16384u * 256u);  // hidden_size 256
+  const auto ranged = save_checkpoint(dir.path() / "ranged", spec, std::span<const SegmentStateView>(views), {1, "{}", Json::object(), 2});
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+    CAPTURE(file);
+    REQUIRE(fs::file_size(spans / file) == fs::file_size(ranged / file));
+    std::ifstream fa(spans / file, std::ios::binary), fb(ranged / file, std::ios::binary);
+    CHECK(std::equal(std::istreambuf_iterator<char>(fa), {}, std::istreambuf_iterator<char>(fb)));
+  }
+  CHECK(read_floats == 3 * behind_readers);  // each value read once
+  CHECK(largest <= (std::size_t{8} << 20) / sizeof(float));
+  CHECK(largest < st[0].master.size());
+
+  // A reader that fails midway: the error comes out, and `latest` still names the last complete
+  // checkpoint, with nothing under the failed one's name.
+  fail_at = 5;
+  CHECK_THROWS_WITH_AS(save_checkpoint(dir.path() / "ranged", spec, std::span<const SegmentStateView>(views), {2, "{}", Json::object(), 2}),
+                       doctest::Contains("the reader failed"), Error);
+  CHECK(latest_checkpoint(dir.path() / "ranged") == ranged);
+  CHECK_FALSE(fs::exists(dir.path() / "ranged" / "checkpoint-000002"));
 }
 
 TEST_CASE("weights read as a source: load_weights' bits, segment by segment in any order; every tensor checked when it opens") {

@@ -2,6 +2,7 @@
 // returns) or viewed where it lives (what a checkpoint write reads, without a copy of the model).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <functional>
 #include <span>
@@ -15,21 +16,47 @@ struct SegmentOptimizerState {
   std::vector<float> master, exp_avg, exp_avg_sq;
 };
 
-/// The same three arrays of one segment, read-only, wherever they live (e.g. an executor's pinned
-/// host state).
+/// One of the three arrays of a segment's state.
+enum class StateArray : unsigned char { master, exp_avg, exp_avg_sq };
+
+/// The same three arrays of one segment, read-only, wherever they live: in host memory (the spans,
+/// e.g. an executor's pinned host state), or elsewhere (e.g. resident on a GPU), read a range at a
+/// time by `read`, so that whoever reads all of a model's state (a checkpoint write) never holds a
+/// copy of all of it.
 struct SegmentStateView {
-  std::span<const float> master, exp_avg, exp_avg_sq;
+  /// Copies out.size() values of one array, from `offset` on, into `out`.
+  using RangeReader = std::function<void(StateArray array, std::size_t offset, std::span<float> out)>;
+
+  std::span<const float> master, exp_avg, exp_avg_sq;  ///< empty where `read` is set
+  RangeReader read;                                     ///< set for state not in host memory
+  std::size_t read_parameters = 0;                      ///< each array's length where `read` is set
 
   SegmentStateView() = default;
   SegmentStateView(std::span<const float> w, std::span<const float> m, std::span<const float> v)
       : master(w), exp_avg(m), exp_avg_sq(v) {}
   /// Views an owned state (which must outlive the view).
   explicit SegmentStateView(const SegmentOptimizerState& s) : master(s.master), exp_avg(s.exp_avg), exp_avg_sq(s.exp_avg_sq) {}
+  /// State of `parameters` values per array that `reader` copies out a range at a time.
+  SegmentStateView(std::size_t parameters, RangeReader reader) : read(std::move(reader)), read_parameters(parameters) {}
+
+  [[nodiscard]] std::span<const float> host(StateArray a) const {
+    return a == StateArray::master ? master : a == StateArray::exp_avg ? exp_avg : exp_avg_sq;
+  }
+  [[nodiscard]] std::size_t size(StateArray a) const { return read ? read_parameters : host(a).size(); }
+  /// out.size() values of `a` from `offset` on (offset + out.size() <= size(a)), from wherever they live.
+  void copy(StateArray a, std::size_t offset, std::span<float> out) const {
+    if (read) {
+      read(a, offset, out);
+    } else {
+      const auto from = host(a).subspan(offset, out.size());
+      std::copy(from.begin(), from.end(), out.begin());
+    }
+  }
 };
 
 /// Every segment's state as views, in spec.segments() order, plus whatever had to be copied to be
-/// viewed (e.g. segments resident on a GPU). The views stay valid while this object lives and the
-/// model it came from takes no step and loads nothing.
+/// viewed. The views stay valid while this object lives and the model it came from takes no step
+/// and loads nothing.
 struct StateSnapshot {
   std::vector<SegmentStateView> views;
   std::vector<SegmentOptimizerState> owned;  ///< reserved up front: views into it never move
