@@ -11,6 +11,8 @@
 # most 10 minutes, so split: e.g. PARTS=tests, then PARTS="reference train" SEQS="4096 32768",
 # then PARTS=train SEQS=131072 TRAIN_CUDA_LRS=" " (each builds only what it needs when warm).
 # PARTS=kernels builds and runs only the gpu tests and the kernel benchmarks (issue 5's checks).
+# PARTS=group builds and runs only the multi-GPU group's tests and a quick oom-calibrate over every
+# GPU (kind nvidia-h200-x2: docs/multi-gpu.md, slice 1).
 # On a fresh machine that build can outlast a device call (580 s, 2026-12-01): the build stops
 # after BUILD_LIMIT seconds (default 480) and says so (exit 3); call again while the machine is
 # warm. BUILD_ONLY=1 only builds. Its run is longer than one call, too (the gpu tests several
@@ -96,6 +98,9 @@ kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_k
   test_lm_ends test_cuda_decoder_layer test_wgmma test_attention_wgmma test_attention_backward_wgmma test_grouped_wgrad
   test_grouped_rows)
 [[ "$parts" == *" kernels "* ]] && targets=(--target "${kernel_tests[@]}" bench_attention bench_moe_kernels ${EXTRA_TARGETS:-})
+# PARTS=group (docs/multi-gpu.md; run it with kind nvidia-h200-x2): DeviceGroup's tests over every
+# visible GPU, then a quick oom-calibrate over all of them (NCCL rates, the host links together).
+[[ "$parts" == " group " ]] && targets=(--target test_device_group test_device_group_check oom-calibrate ${EXTRA_TARGETS:-})
 # PARTS=peers needs oom-train: alone, only it; beside other parts that name their targets, it too.
 if [[ "$parts" == " peers " ]]; then targets=(--target oom-train ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" peers "* && ${#targets[@]} -gt 0 ]]; then targets+=(oom-train); fi
@@ -183,6 +188,19 @@ if [[ "$parts" == *" reference "* ]]; then
   for lr in ${TRAIN_LRS:-3e-3 1e-3}; do
     versus_pytorch "train-$lr" 400 "" --steps 50 --seq 128 --lr "$lr" --log-every 10
   done
+fi
+
+if [[ "$parts" == *" group "* ]]; then
+  echo "GPUs visible: $(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)" > "$out/group.log"
+  nvidia-smi topo -m >> "$out/group.log" 2>&1
+  for t in test_device_group_check test_device_group; do
+    limited 120 "$build_dir/tests/$t" -s > "$out/$t.log" 2>&1 || gpu_rc=1
+    echo "$t: $(grep -E '^(NOTE|group of)|test cases:' "$out/$t.log" | tr '\n' ' ')" >> "$out/group.log"
+  done
+  limited 300 "$build_dir/examples/calibrate/oom-calibrate" --quick --out "$out/profile-group.json" \
+    > "$out/calibrate-group.log" 2>&1 || ref_rc=1
+  grep -E 'host_link_total|all_reduce|all_to_all|h2d' "$out/calibrate-group.log" >> "$out/group.log"
+  cat "$out/group.log"
 fi
 
 if [[ "$parts" == *" calibrate "* ]]; then
