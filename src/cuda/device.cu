@@ -25,18 +25,24 @@ std::string no_device_reason() {
   return n == 0 ? "the CUDA runtime reports 0 devices" : "";
 }
 
-DeviceInfo device_info(int device) {
+DeviceInfo device_properties(int device) {
   cudaDeviceProp prop{};
   OOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  OOM_CUDA_CHECK(cudaSetDevice(device));
-  std::size_t free_b = 0, total_b = 0;
-  OOM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   DeviceInfo info;
   info.index = device;
   info.name = prop.name;
   info.sm_major = prop.major;
   info.sm_minor = prop.minor;
   info.multiprocessors = prop.multiProcessorCount;
+  info.total_memory = Bytes{prop.totalGlobalMem};
+  return info;
+}
+
+DeviceInfo device_info(int device) {
+  DeviceInfo info = device_properties(device);
+  OOM_CUDA_CHECK(cudaSetDevice(device));
+  std::size_t free_b = 0, total_b = 0;
+  OOM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   info.total_memory = Bytes{total_b};
   info.free_memory = Bytes{free_b};
   return info;

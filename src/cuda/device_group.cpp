@@ -73,19 +73,7 @@ class NcclGroup {
 /// The properties of every visible GPU, without making a context on any of them.
 std::vector<DeviceInfo> visible_devices() {
   std::vector<DeviceInfo> out;
-  const int n = device_count();
-  for (int d = 0; d < n; ++d) {
-    cudaDeviceProp prop{};
-    OOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, d));
-    DeviceInfo info;
-    info.index = d;
-    info.name = prop.name;
-    info.sm_major = prop.major;
-    info.sm_minor = prop.minor;
-    info.multiprocessors = prop.multiProcessorCount;
-    info.total_memory = Bytes{prop.totalGlobalMem};
-    out.push_back(std::move(info));
-  }
+  for (int d = 0, n = device_count(); d < n; ++d) out.push_back(device_properties(d));
   return out;
 }
 

@@ -24,7 +24,11 @@ struct DeviceInfo {
   Bytes total_memory;
   Bytes free_memory;
 };
+/// `device`'s properties and memory (it makes the device current, and a context on it).
 DeviceInfo device_info(int device);
+/// The same without touching the device (no context made): free_memory is left 0, total_memory
+/// is the device's global memory as its properties give it.
+DeviceInfo device_properties(int device);
 
 struct CopyBandwidth {
   double h2d_bytes_per_s = 0;     ///< pinned host -> device, alone
