@@ -14,39 +14,14 @@
 #include "oom/reference/permute.hpp"
 #include "oom/reference/router.hpp"
 #include "support/compare.hpp"
+#include "support/finite_differences.hpp"
 
 namespace ref = oom::reference;
+using oom::test::check_fd;
+using oom::test::dot;
 using oom::test::random_normal;
 
 namespace {
-
-double dot(std::span<const float> a, std::span<const float> b) {
-  double acc = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) acc += static_cast<double>(a[i]) * b[i];
-  return acc;
-}
-
-/// Central differences of `loss` with respect to every element of `v` (perturbed in place and
-/// restored), compared with `grad`. The step divides by the actually representable perturbation.
-/// Tolerance: fp32 forward values (~1e-7 relative) over a 2e-3 step, plus O(eps^2) curvature.
-void check_fd(std::vector<float>& v, std::span<const float> grad, const std::function<double()>& loss, const char* what,
-              float eps = 1e-3f, double rtol = 2e-3, double atol = 2e-4) {
-  REQUIRE(grad.size() == v.size());
-  std::vector<double> fd(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    const float x0 = v[i];
-    const float xp = x0 + eps, xm = x0 - eps;
-    v[i] = xp;
-    const double lp = loss();
-    v[i] = xm;
-    const double lm = loss();
-    v[i] = x0;
-    fd[i] = (lp - lm) / (static_cast<double>(xp) - static_cast<double>(xm));
-  }
-  const auto r = oom::test::compare(grad, std::span<const double>(fd), rtol, atol, what);
-  INFO(what << ": max abs err " << r.max_abs_err << "\n" << r.first);
-  CHECK(r.ok());
-}
 
 /// Smallest gap, over tokens, between the k-th and (k+1)-th largest logit: the routing is
 /// constant within a perturbation smaller than this, so finite differences see no discrete jump.

@@ -1,0 +1,85 @@
+// CPU reference of the linear-attention half of the hybrid models (Qwen3-Next, Qwen3.5-MoE): the
+// Gated DeltaNet's causal depthwise convolution with SiLU, its gates, the gated delta rule and the
+// gated RMSNorm, each forward and backward. fp32 values, fp64 arithmetic. The math is transformers'
+// Qwen3NextGatedDeltaNet (torch_recurrent_gated_delta_rule with use_qk_l2norm_in_kernel, the
+// Conv1d with padding kernel - 1 cut to the sequence, Qwen3NextRMSNormGated); GPU kernels are to be
+// checked against this, and this against PyTorch's autograd (tests/reference/test_gated_delta_ref.cpp).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace oom::reference {
+
+struct GatedDeltaShape {
+  std::int64_t tokens = 0;   ///< T
+  std::int64_t k_heads = 0;  ///< query/key heads
+  std::int64_t v_heads = 0;  ///< value heads, a multiple of k_heads: value head h reads key head h / (v_heads / k_heads)
+  std::int64_t k_dim = 0;    ///< dk
+  std::int64_t v_dim = 0;    ///< dv
+};
+
+/// The gated delta rule from a zero state, per value head h (its key head kh):
+///   q_t, k_t = l2norm(q[t, kh]), l2norm(k[t, kh])  (x / sqrt(sum x^2 + 1e-6)); q_t /= sqrt(dk)
+///   S = exp(g[t, h]) S;  d = beta[t, h] (v[t, h] - S^T k_t);  S += k_t d^T;  out[t, h] = S^T q_t
+/// with S a dk x dv state. q, k: (T, k_heads, dk); v: (T, v_heads, dv); g (log decay, <= 0 in the
+/// models) and beta: (T, v_heads). Returns out: (T, v_heads, dv).
+std::vector<float> gated_delta_rule_forward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                            std::span<const float> v, std::span<const float> g,
+                                            std::span<const float> beta);
+
+struct GatedDeltaGrads {
+  std::vector<float> dq, dk;  ///< (T, k_heads, dk): summed over the value heads that share a key head
+  std::vector<float> dv;      ///< (T, v_heads, dv)
+  std::vector<float> dg, dbeta;  ///< (T, v_heads)
+};
+
+/// The gradients of gated_delta_rule_forward's inputs from d_out (T, v_heads, dv). Keeps every
+/// state of the forward it recomputes (T x dk x dv per head): a reference, for small shapes.
+GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                          std::span<const float> v, std::span<const float> g, std::span<const float> beta,
+                                          std::span<const float> d_out);
+
+/// Causal depthwise convolution over time, then SiLU: y[t, c] = silu(sum_j w[c, j] x[t - K + 1 + j, c]),
+/// x before the first token being 0. x, y: (T, C); w: (C, K) (nn.Conv1d's (C, 1, K) weight).
+std::vector<float> causal_conv1d_silu_forward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
+                                              std::span<const float> x, std::span<const float> w);
+
+struct CausalConvGrads {
+  std::vector<float> dx;  ///< (T, C)
+  std::vector<float> dw;  ///< (C, K)
+};
+CausalConvGrads causal_conv1d_silu_backward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
+                                            std::span<const float> x, std::span<const float> w, std::span<const float> dy);
+
+/// The DeltaNet's gates per (t, h): beta = sigmoid(b), g = -exp(A_log[h]) softplus(a + dt_bias[h])
+/// (softplus(x) = x above 20, as torch's). a, b: (T, H); A_log, dt_bias: (H).
+struct DeltaGates {
+  std::vector<float> beta, g;  ///< (T, H)
+};
+DeltaGates delta_gates_forward(std::int64_t tokens, std::int64_t heads, std::span<const float> a, std::span<const float> b,
+                               std::span<const float> a_log, std::span<const float> dt_bias);
+
+struct DeltaGateGrads {
+  std::vector<float> da, db;             ///< (T, H)
+  std::vector<float> da_log, ddt_bias;   ///< (H)
+};
+DeltaGateGrads delta_gates_backward(std::int64_t tokens, std::int64_t heads, std::span<const float> a, std::span<const float> b,
+                                    std::span<const float> a_log, std::span<const float> dt_bias,
+                                    std::span<const float> dbeta, std::span<const float> dg);
+
+/// Qwen3NextRMSNormGated over rows of `dim`: y = w * x / sqrt(mean(x^2) + eps) * silu(z).
+/// x, z, y: (rows, dim); w: (dim).
+std::vector<float> gated_rmsnorm_forward(std::int64_t rows, std::int64_t dim, std::span<const float> x,
+                                         std::span<const float> z, std::span<const float> w, double eps);
+
+struct GatedRmsNormGrads {
+  std::vector<float> dx, dz;  ///< (rows, dim)
+  std::vector<float> dw;      ///< (dim)
+};
+GatedRmsNormGrads gated_rmsnorm_backward(std::int64_t rows, std::int64_t dim, std::span<const float> x,
+                                         std::span<const float> z, std::span<const float> w, double eps,
+                                         std::span<const float> dy);
+
+}  // namespace oom::reference

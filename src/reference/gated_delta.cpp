@@ -1,0 +1,347 @@
+// CPU reference of the Gated DeltaNet pieces; see oom/reference/gated_delta.hpp.
+#include "oom/reference/gated_delta.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstddef>
+#include <string>
+
+#include "oom/core/error.hpp"
+
+namespace oom::reference {
+namespace {
+
+using Vec = std::vector<double>;
+
+void check_size(const char* fn, std::size_t got, std::int64_t want, const char* what) {
+  if (got != static_cast<std::size_t>(want))
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: {} has {} elements, expected {}", fn, what, got, want));
+}
+
+void check_shape(const GatedDeltaShape& s) {
+  if (s.tokens < 0 || s.k_heads < 1 || s.v_heads < 1 || s.k_dim < 1 || s.v_dim < 1 || s.v_heads % s.k_heads != 0)
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("gated delta rule: need T >= 0, dims >= 1 and value heads a multiple of key heads (T {}, "
+                          "heads {}/{}, dims {}/{})", s.tokens, s.k_heads, s.v_heads, s.k_dim, s.v_dim));
+}
+
+void check_inputs(const char* fn, const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                  std::span<const float> v, std::span<const float> g, std::span<const float> beta) {
+  check_shape(s);
+  check_size(fn, q.size(), s.tokens * s.k_heads * s.k_dim, "q");
+  check_size(fn, k.size(), s.tokens * s.k_heads * s.k_dim, "k");
+  check_size(fn, v.size(), s.tokens * s.v_heads * s.v_dim, "v");
+  check_size(fn, g.size(), s.tokens * s.v_heads, "g");
+  check_size(fn, beta.size(), s.tokens * s.v_heads, "beta");
+}
+
+constexpr double l2_eps = 1e-6;  // transformers' l2norm (FLA's)
+
+/// x / sqrt(sum x^2 + eps) of `n` values, and 1 / sqrt(...) for the backward.
+double l2_normalise(const float* x, std::int64_t n, double* out) {
+  double ss = 0;
+  for (std::int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const double r = 1.0 / std::sqrt(ss + l2_eps);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = x[i] * r;
+  return r;
+}
+
+/// d x from d y of y = x r, r = (sum x^2 + eps)^(-1/2): r dy - x r^3 (x . dy); added to dx.
+void l2_normalise_backward(const float* x, std::int64_t n, double r, const double* dy, float* dx) {
+  double xdy = 0;
+  for (std::int64_t i = 0; i < n; ++i) xdy += static_cast<double>(x[i]) * dy[i];
+  for (std::int64_t i = 0; i < n; ++i) dx[i] += static_cast<float>(r * dy[i] - static_cast<double>(x[i]) * r * r * r * xdy);
+}
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+double silu(double x) { return x * sigmoid(x); }
+double silu_grad(double x) {
+  const double sg = sigmoid(x);
+  return sg * (1.0 + x * (1.0 - sg));
+}
+double softplus(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
+double softplus_grad(double x) { return x > 20.0 ? 1.0 : sigmoid(x); }
+
+/// One value head's forward: the normalised q/k of every token, and every state S_0 .. S_T
+/// (S_0 = 0; S_t after token t - 1), dk x dv each, row-major by key dimension.
+struct HeadRun {
+  Vec qn, kn;   // (T, dk): q already scaled by 1 / sqrt(dk)
+  Vec rq, rk;   // (T): l2 factors
+  Vec states;   // (T + 1, dk, dv)
+};
+
+HeadRun run_head(const GatedDeltaShape& s, std::int64_t h, std::span<const float> q, std::span<const float> k,
+                 std::span<const float> v, std::span<const float> g, std::span<const float> beta, float* out) {
+  const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim, kh = h / (s.v_heads / s.k_heads);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  HeadRun r;
+  r.qn.resize(static_cast<std::size_t>(T * dk));
+  r.kn.resize(r.qn.size());
+  r.rq.resize(static_cast<std::size_t>(T));
+  r.rk.resize(r.rq.size());
+  r.states.assign(static_cast<std::size_t>((T + 1) * dk * dv), 0.0);
+  Vec u(static_cast<std::size_t>(dv)), d(u.size());
+  for (std::int64_t t = 0; t < T; ++t) {
+    double* qn = &r.qn[t * dk];
+    double* kn = &r.kn[t * dk];
+    r.rq[t] = l2_normalise(&q[(t * s.k_heads + kh) * dk], dk, qn);
+    r.rk[t] = l2_normalise(&k[(t * s.k_heads + kh) * dk], dk, kn);
+    for (std::int64_t i = 0; i < dk; ++i) qn[i] *= scale;
+    const double* prev = &r.states[t * dk * dv];
+    double* S = &r.states[(t + 1) * dk * dv];
+    const double alpha = std::exp(static_cast<double>(g[t * s.v_heads + h]));
+    const double b = beta[t * s.v_heads + h];
+    const float* vt = &v[(t * s.v_heads + h) * dv];
+    for (std::int64_t i = 0; i < dk * dv; ++i) S[i] = alpha * prev[i];
+    for (std::int64_t j = 0; j < dv; ++j) {
+      double acc = 0;
+      for (std::int64_t i = 0; i < dk; ++i) acc += S[i * dv + j] * kn[i];
+      u[j] = acc;
+      d[j] = b * (vt[j] - acc);
+    }
+    for (std::int64_t i = 0; i < dk; ++i)
+      for (std::int64_t j = 0; j < dv; ++j) S[i * dv + j] += kn[i] * d[j];
+    if (out != nullptr)
+      for (std::int64_t j = 0; j < dv; ++j) {
+        double acc = 0;
+        for (std::int64_t i = 0; i < dk; ++i) acc += S[i * dv + j] * qn[i];
+        out[(t * s.v_heads + h) * dv + j] = static_cast<float>(acc);
+      }
+  }
+  return r;
+}
+
+}  // namespace
+
+std::vector<float> gated_delta_rule_forward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                            std::span<const float> v, std::span<const float> g,
+                                            std::span<const float> beta) {
+  check_inputs("gated_delta_rule_forward", s, q, k, v, g, beta);
+  std::vector<float> out(static_cast<std::size_t>(s.tokens * s.v_heads * s.v_dim));
+  for (std::int64_t h = 0; h < s.v_heads; ++h) (void)run_head(s, h, q, k, v, g, beta, out.data());
+  return out;
+}
+
+GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                          std::span<const float> v, std::span<const float> g, std::span<const float> beta,
+                                          std::span<const float> d_out) {
+  check_inputs("gated_delta_rule_backward", s, q, k, v, g, beta);
+  check_size("gated_delta_rule_backward", d_out.size(), s.tokens * s.v_heads * s.v_dim, "d_out");
+  const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim, group = s.v_heads / s.k_heads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  GatedDeltaGrads gr;
+  gr.dq.assign(q.size(), 0.0f);
+  gr.dk.assign(k.size(), 0.0f);
+  gr.dv.assign(v.size(), 0.0f);
+  gr.dg.assign(g.size(), 0.0f);
+  gr.dbeta.assign(beta.size(), 0.0f);
+  Vec dS(static_cast<std::size_t>(dk * dv)), u(static_cast<std::size_t>(dv)), dd(u.size()), du(u.size());
+  Vec dqn(static_cast<std::size_t>(dk)), dkn(dqn.size());
+  for (std::int64_t h = 0; h < s.v_heads; ++h) {
+    const std::int64_t kh = h / group;
+    const HeadRun r = run_head(s, h, q, k, v, g, beta, nullptr);
+    std::fill(dS.begin(), dS.end(), 0.0);
+    for (std::int64_t t = T - 1; t >= 0; --t) {
+      const double* qn = &r.qn[t * dk];
+      const double* kn = &r.kn[t * dk];
+      const double* prev = &r.states[t * dk * dv];
+      const double* S = &r.states[(t + 1) * dk * dv];
+      const double alpha = std::exp(static_cast<double>(g[t * s.v_heads + h]));
+      const double b = beta[t * s.v_heads + h];
+      const float* vt = &v[(t * s.v_heads + h) * dv];
+      const float* dot = &d_out[(t * s.v_heads + h) * dv];
+      // u and the delta of this token, from the decayed state alpha * prev.
+      for (std::int64_t j = 0; j < dv; ++j) {
+        double acc = 0;
+        for (std::int64_t i = 0; i < dk; ++i) acc += alpha * prev[i * dv + j] * kn[i];
+        u[j] = acc;
+      }
+      // out = S^T q: into dS and dq.
+      for (std::int64_t i = 0; i < dk; ++i) {
+        double acc = 0;
+        for (std::int64_t j = 0; j < dv; ++j) {
+          dS[i * dv + j] += qn[i] * dot[j];
+          acc += S[i * dv + j] * dot[j];
+        }
+        dqn[i] = acc;
+      }
+      // S = decayed + k d^T, d = beta (v - u).
+      for (std::int64_t j = 0; j < dv; ++j) {
+        double acc = 0;
+        for (std::int64_t i = 0; i < dk; ++i) acc += dS[i * dv + j] * kn[i];
+        dd[j] = acc;
+      }
+      double dbeta = 0;
+      for (std::int64_t i = 0; i < dk; ++i) {
+        double acc = 0;
+        for (std::int64_t j = 0; j < dv; ++j) acc += dS[i * dv + j] * b * (vt[j] - u[j]);
+        dkn[i] = acc;
+      }
+      for (std::int64_t j = 0; j < dv; ++j) {
+        dbeta += dd[j] * (vt[j] - u[j]);
+        gr.dv[(t * s.v_heads + h) * dv + j] = static_cast<float>(b * dd[j]);
+        du[j] = -b * dd[j];
+      }
+      gr.dbeta[t * s.v_heads + h] = static_cast<float>(dbeta);
+      // u = decayed^T k: the decayed state's gradient gains k du^T, and k gains decayed du.
+      for (std::int64_t i = 0; i < dk; ++i) {
+        double acc = 0;
+        for (std::int64_t j = 0; j < dv; ++j) {
+          acc += alpha * prev[i * dv + j] * du[j];
+          dS[i * dv + j] += kn[i] * du[j];
+        }
+        dkn[i] += acc;
+      }
+      // decayed = alpha prev, alpha = exp(g).
+      double dalpha = 0;
+      for (std::int64_t i = 0; i < dk * dv; ++i) {
+        dalpha += dS[i] * prev[i];
+        dS[i] *= alpha;
+      }
+      gr.dg[t * s.v_heads + h] = static_cast<float>(dalpha * alpha);
+      // Through the scale and the l2 normalisations, into the shared key head.
+      for (std::int64_t i = 0; i < dk; ++i) dqn[i] *= scale;
+      l2_normalise_backward(&q[(t * s.k_heads + kh) * dk], dk, r.rq[t], dqn.data(), &gr.dq[(t * s.k_heads + kh) * dk]);
+      l2_normalise_backward(&k[(t * s.k_heads + kh) * dk], dk, r.rk[t], dkn.data(), &gr.dk[(t * s.k_heads + kh) * dk]);
+    }
+  }
+  return gr;
+}
+
+std::vector<float> causal_conv1d_silu_forward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
+                                              std::span<const float> x, std::span<const float> w) {
+  if (tokens < 0 || channels < 1 || kernel < 1)
+    OOM_THROW(Errc::invalid_argument, fmt::format("causal conv1d: need T >= 0, C >= 1, K >= 1 (T {}, C {}, K {})", tokens, channels, kernel));
+  check_size("causal_conv1d_silu_forward", x.size(), tokens * channels, "x");
+  check_size("causal_conv1d_silu_forward", w.size(), channels * kernel, "w");
+  std::vector<float> y(x.size());
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t c = 0; c < channels; ++c) {
+      double acc = 0;
+      for (std::int64_t j = 0; j < kernel; ++j) {
+        const std::int64_t src = t - kernel + 1 + j;
+        if (src >= 0) acc += static_cast<double>(w[c * kernel + j]) * x[src * channels + c];
+      }
+      y[t * channels + c] = static_cast<float>(silu(acc));
+    }
+  return y;
+}
+
+CausalConvGrads causal_conv1d_silu_backward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
+                                            std::span<const float> x, std::span<const float> w, std::span<const float> dy) {
+  (void)causal_conv1d_silu_forward(0, channels, kernel, {}, w);  // the shape checks
+  check_size("causal_conv1d_silu_backward", x.size(), tokens * channels, "x");
+  check_size("causal_conv1d_silu_backward", dy.size(), tokens * channels, "dy");
+  Vec dx(x.size(), 0.0), dw(w.size(), 0.0);
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t c = 0; c < channels; ++c) {
+      double pre = 0;
+      for (std::int64_t j = 0; j < kernel; ++j) {
+        const std::int64_t src = t - kernel + 1 + j;
+        if (src >= 0) pre += static_cast<double>(w[c * kernel + j]) * x[src * channels + c];
+      }
+      const double dz = dy[t * channels + c] * silu_grad(pre);
+      for (std::int64_t j = 0; j < kernel; ++j) {
+        const std::int64_t src = t - kernel + 1 + j;
+        if (src < 0) continue;
+        dw[c * kernel + j] += dz * x[src * channels + c];
+        dx[src * channels + c] += dz * w[c * kernel + j];
+      }
+    }
+  return {std::vector<float>(dx.begin(), dx.end()), std::vector<float>(dw.begin(), dw.end())};
+}
+
+DeltaGates delta_gates_forward(std::int64_t tokens, std::int64_t heads, std::span<const float> a, std::span<const float> b,
+                               std::span<const float> a_log, std::span<const float> dt_bias) {
+  if (tokens < 0 || heads < 1)
+    OOM_THROW(Errc::invalid_argument, fmt::format("delta gates: need T >= 0, H >= 1 (T {}, H {})", tokens, heads));
+  check_size("delta_gates_forward", a.size(), tokens * heads, "a");
+  check_size("delta_gates_forward", b.size(), tokens * heads, "b");
+  check_size("delta_gates_forward", a_log.size(), heads, "A_log");
+  check_size("delta_gates_forward", dt_bias.size(), heads, "dt_bias");
+  DeltaGates out{std::vector<float>(a.size()), std::vector<float>(a.size())};
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const std::int64_t i = t * heads + h;
+      out.beta[i] = static_cast<float>(sigmoid(b[i]));
+      out.g[i] = static_cast<float>(-std::exp(static_cast<double>(a_log[h])) * softplus(static_cast<double>(a[i]) + dt_bias[h]));
+    }
+  return out;
+}
+
+DeltaGateGrads delta_gates_backward(std::int64_t tokens, std::int64_t heads, std::span<const float> a, std::span<const float> b,
+                                    std::span<const float> a_log, std::span<const float> dt_bias,
+                                    std::span<const float> dbeta, std::span<const float> dg) {
+  (void)delta_gates_forward(0, heads, {}, {}, a_log, dt_bias);  // the shape checks
+  check_size("delta_gates_backward", a.size(), tokens * heads, "a");
+  check_size("delta_gates_backward", b.size(), tokens * heads, "b");
+  check_size("delta_gates_backward", dbeta.size(), tokens * heads, "dbeta");
+  check_size("delta_gates_backward", dg.size(), tokens * heads, "dg");
+  DeltaGateGrads gr{std::vector<float>(a.size()), std::vector<float>(b.size()), {}, {}};
+  Vec da_log(static_cast<std::size_t>(heads), 0.0), ddt(da_log.size(), 0.0);
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const std::int64_t i = t * heads + h;
+      const double sb = sigmoid(b[i]);
+      gr.db[i] = static_cast<float>(dbeta[i] * sb * (1.0 - sb));
+      const double x = static_cast<double>(a[i]) + dt_bias[h], decay = std::exp(static_cast<double>(a_log[h]));
+      const double dx = -dg[i] * decay * softplus_grad(x);
+      gr.da[i] = static_cast<float>(dx);
+      ddt[h] += dx;
+      da_log[h] += dg[i] * -decay * softplus(x);  // d g / d A_log = g
+    }
+  gr.da_log.assign(da_log.begin(), da_log.end());
+  gr.ddt_bias.assign(ddt.begin(), ddt.end());
+  return gr;
+}
+
+std::vector<float> gated_rmsnorm_forward(std::int64_t rows, std::int64_t dim, std::span<const float> x,
+                                         std::span<const float> z, std::span<const float> w, double eps) {
+  if (rows < 0 || dim < 1 || !(eps > 0))
+    OOM_THROW(Errc::invalid_argument, fmt::format("gated rmsnorm: need rows >= 0, dim >= 1, eps > 0 (rows {}, dim {}, eps {})", rows, dim, eps));
+  check_size("gated_rmsnorm_forward", x.size(), rows * dim, "x");
+  check_size("gated_rmsnorm_forward", z.size(), rows * dim, "z");
+  check_size("gated_rmsnorm_forward", w.size(), dim, "w");
+  std::vector<float> y(x.size());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (std::int64_t i = 0; i < dim; ++i) ss += static_cast<double>(x[r * dim + i]) * x[r * dim + i];
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dim) + eps);
+    for (std::int64_t i = 0; i < dim; ++i)
+      y[r * dim + i] = static_cast<float>(w[i] * (x[r * dim + i] * inv) * silu(z[r * dim + i]));
+  }
+  return y;
+}
+
+GatedRmsNormGrads gated_rmsnorm_backward(std::int64_t rows, std::int64_t dim, std::span<const float> x,
+                                         std::span<const float> z, std::span<const float> w, double eps,
+                                         std::span<const float> dy) {
+  (void)gated_rmsnorm_forward(0, dim, {}, {}, w, eps);  // the shape checks
+  check_size("gated_rmsnorm_backward", x.size(), rows * dim, "x");
+  check_size("gated_rmsnorm_backward", z.size(), rows * dim, "z");
+  check_size("gated_rmsnorm_backward", dy.size(), rows * dim, "dy");
+  GatedRmsNormGrads gr{std::vector<float>(x.size()), std::vector<float>(z.size()), {}};
+  Vec dw(static_cast<std::size_t>(dim), 0.0), dn(dw.size());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = &x[r * dim];
+    double ss = 0;
+    for (std::int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dim) + eps);
+    // y = w n silu(z), n = x inv: dn = dy w silu(z); dx = inv (dn - n mean(n dn)).
+    double n_dn = 0;
+    for (std::int64_t i = 0; i < dim; ++i) {
+      const double zi = z[r * dim + i], n = xr[i] * inv, d = dy[r * dim + i];
+      dw[i] += d * n * silu(zi);
+      gr.dz[r * dim + i] = static_cast<float>(d * w[i] * n * silu_grad(zi));
+      dn[i] = d * w[i] * silu(zi);
+      n_dn += n * dn[i];
+    }
+    for (std::int64_t i = 0; i < dim; ++i)
+      gr.dx[r * dim + i] = static_cast<float>(inv * (dn[i] - xr[i] * inv * n_dn / static_cast<double>(dim)));
+  }
+  gr.dw.assign(dw.begin(), dw.end());
+  return gr;
+}
+
+}  // namespace oom::reference

@@ -1,0 +1,137 @@
+// Host checks of the Gated DeltaNet CPU references (hybrid models' linear attention): each backward
+// against central finite differences of its forward, the forward against the delta rule written
+// out for one token, and forward and backward against PyTorch's autograd through transformers'
+// own functions (tests/data/gated_delta_torch.safetensors, made by scripts/make_gated_delta_fixture.py).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "oom/core/error.hpp"
+#include "oom/io/safetensors.hpp"
+#include "oom/reference/gated_delta.hpp"
+#include "support/compare.hpp"
+#include "support/finite_differences.hpp"
+
+namespace ref = oom::reference;
+using oom::test::check_fd;
+using oom::test::dot;
+using oom::test::random_normal;
+
+namespace {
+
+std::vector<float> uniform(std::size_t n, std::uint64_t seed, float lo, float hi) {
+  auto v = random_normal(n, seed);
+  for (auto& x : v) x = lo + (hi - lo) * (0.5f + 0.5f * std::tanh(x));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("gated delta rule: one token is the rule written out; the state carries to the next token") {
+  // One key head, one value head, dk = dv = 2, from a zero state: out_0 = beta (q.k) v with q, k
+  // unit vectors and q scaled by 1/sqrt(2). A second token decays the state by exp(g).
+  const ref::GatedDeltaShape s{.tokens = 2, .k_heads = 1, .v_heads = 1, .k_dim = 2, .v_dim = 2};
+  const std::vector<float> q = {3, 4, 0, 1}, k = {1, 0, 0, 2}, v = {2, -1, 5, 7}, g = {0, std::log(0.5f)}, beta = {0.5f, 1};
+  const auto out = ref::gated_delta_rule_forward(s, q, k, v, g, beta);
+  const double r = 1 / std::sqrt(25 + 1e-6), scale = 1 / std::sqrt(2.0), kk = 1 / std::sqrt(1 + 1e-6);
+  // S_1 = k1 (beta v)^T with k1 = (kk, 0): column i = 0 only.
+  CHECK(out[0] == doctest::Approx(3 * r * scale * kk * 0.5 * 2).epsilon(1e-6));
+  CHECK(out[1] == doctest::Approx(3 * r * scale * kk * 0.5 * -1).epsilon(1e-6));
+  // Token 2: S = 0.5 S_1; k2 = (0, ~1) reads nothing of it (u = 0), so S_2 = 0.5 S_1 + k2 v2^T;
+  // q2 = (0, ~1) sees only k2's row.
+  const double k2 = 2 / std::sqrt(4 + 1e-6), q2 = 1 / std::sqrt(1 + 1e-6);
+  CHECK(out[2] == doctest::Approx(q2 * scale * k2 * 5).epsilon(1e-6));
+  CHECK(out[3] == doctest::Approx(q2 * scale * k2 * 7).epsilon(1e-6));
+}
+
+TEST_CASE("gated delta rule: backward matches finite differences, value heads sharing key heads") {
+  // 2 key heads, 4 value heads (2 per key head), odd sizes.
+  const ref::GatedDeltaShape s{.tokens = 7, .k_heads = 2, .v_heads = 4, .k_dim = 3, .v_dim = 5};
+  const auto nq = static_cast<std::size_t>(s.tokens * s.k_heads * s.k_dim);
+  const auto nv = static_cast<std::size_t>(s.tokens * s.v_heads * s.v_dim);
+  const auto ng = static_cast<std::size_t>(s.tokens * s.v_heads);
+  auto q = random_normal(nq, 1), k = random_normal(nq, 2), v = random_normal(nv, 3);
+  auto g = uniform(ng, 4, -1.5f, -0.05f), beta = uniform(ng, 5, 0.1f, 0.9f);
+  const auto w = random_normal(nv, 6);  // loss = sum w * out
+  const auto gr = ref::gated_delta_rule_backward(s, q, k, v, g, beta, w);
+  const auto loss = [&] { return dot(ref::gated_delta_rule_forward(s, q, k, v, g, beta), w); };
+  check_fd(q, gr.dq, loss, "dq");
+  check_fd(k, gr.dk, loss, "dk");
+  check_fd(v, gr.dv, loss, "dv");
+  check_fd(g, gr.dg, loss, "dg");
+  check_fd(beta, gr.dbeta, loss, "dbeta");
+}
+
+TEST_CASE("gated delta rule: shapes are checked by name") {
+  const ref::GatedDeltaShape s{.tokens = 2, .k_heads = 2, .v_heads = 3, .k_dim = 2, .v_dim = 2};
+  const std::vector<float> x(8);
+  CHECK_THROWS_WITH_AS(ref::gated_delta_rule_forward(s, x, x, x, x, x), doctest::Contains("multiple of key heads"), oom::Error);
+  const ref::GatedDeltaShape ok{.tokens = 2, .k_heads = 1, .v_heads = 1, .k_dim = 2, .v_dim = 2};
+  CHECK_THROWS_WITH_AS(ref::gated_delta_rule_forward(ok, x, std::vector<float>(4), std::vector<float>(4), std::vector<float>(2),
+                                                     std::vector<float>(2)),
+                       doctest::Contains("q has 8 elements, expected 4"), oom::Error);
+}
+
+TEST_CASE("causal conv1d + SiLU: causal, and its backward matches finite differences") {
+  const std::int64_t T = 9, C = 5, K = 4;
+  auto x = random_normal(static_cast<std::size_t>(T * C), 7), w = random_normal(static_cast<std::size_t>(C * K), 8, 0.5f);
+  const auto y = ref::causal_conv1d_silu_forward(T, C, K, x, w);
+  // Causal: changing token 5 leaves tokens 0-4 as they were, and changes token 5.
+  auto x2 = x;
+  for (std::int64_t c = 0; c < C; ++c) x2[5 * C + c] += 1.0f;
+  const auto y2 = ref::causal_conv1d_silu_forward(T, C, K, x2, w);
+  for (std::int64_t i = 0; i < 5 * C; ++i) CHECK(y2[i] == y[i]);
+  CHECK(y2[5 * C] != y[5 * C]);
+  // Token 0 sees only its own input, through the last tap.
+  for (std::int64_t c = 0; c < C; ++c) {
+    const double z = static_cast<double>(w[c * K + K - 1]) * x[c];
+    CHECK(y[c] == doctest::Approx(z / (1 + std::exp(-z))).epsilon(1e-6));
+  }
+  const auto dy = random_normal(y.size(), 9);
+  const auto gr = ref::causal_conv1d_silu_backward(T, C, K, x, w, dy);
+  const auto loss = [&] { return dot(ref::causal_conv1d_silu_forward(T, C, K, x, w), dy); };
+  check_fd(x, gr.dx, loss, "dx");
+  check_fd(w, gr.dw, loss, "dw");
+}
+
+TEST_CASE("delta gates: beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); backward matches finite differences") {
+  const std::int64_t T = 6, H = 3;
+  auto a = random_normal(static_cast<std::size_t>(T * H), 10, 2.0f), b = random_normal(a.size(), 11);
+  auto a_log = uniform(static_cast<std::size_t>(H), 12, -1.0f, 1.0f), dt = uniform(static_cast<std::size_t>(H), 13, 0.5f, 1.5f);
+  a[0] = 30.0f;  // softplus's linear branch above 20, as torch's
+  const auto f = ref::delta_gates_forward(T, H, a, b, a_log, dt);
+  CHECK(f.g[0] == doctest::Approx(-std::exp(a_log[0]) * (30.0 + dt[0])).epsilon(1e-6));
+  CHECK(f.beta[1] == doctest::Approx(1 / (1 + std::exp(-static_cast<double>(b[1])))).epsilon(1e-6));
+  for (float gi : f.g) CHECK(gi < 0.0f);
+  const auto wb = random_normal(a.size(), 14), wg = random_normal(a.size(), 15);
+  const auto gr = ref::delta_gates_backward(T, H, a, b, a_log, dt, wb, wg);
+  const auto loss = [&] {
+    const auto o = ref::delta_gates_forward(T, H, a, b, a_log, dt);
+    return dot(o.beta, wb) + dot(o.g, wg);
+  };
+  check_fd(a, gr.da, loss, "da");
+  check_fd(b, gr.db, loss, "db");
+  check_fd(a_log, gr.da_log, loss, "dA_log");
+  check_fd(dt, gr.ddt_bias, loss, "ddt_bias");
+}
+
+TEST_CASE("gated RMSNorm: y = w x / rms(x) silu(z); backward matches finite differences") {
+  const std::int64_t rows = 5, dim = 7;
+  const double eps = 1e-6;
+  auto x = random_normal(static_cast<std::size_t>(rows * dim), 16), z = random_normal(x.size(), 17);
+  auto w = uniform(static_cast<std::size_t>(dim), 18, 0.5f, 1.5f);
+  const auto y = ref::gated_rmsnorm_forward(rows, dim, x, z, w, eps);
+  double ms = 0;
+  for (std::int64_t i = 0; i < dim; ++i) ms += static_cast<double>(x[i]) * x[i] / dim;
+  const double z0 = z[0];
+  CHECK(y[0] == doctest::Approx(w[0] * x[0] / std::sqrt(ms + eps) * z0 / (1 + std::exp(-z0))).epsilon(1e-6));
+  const auto dy = random_normal(y.size(), 19);
+  const auto gr = ref::gated_rmsnorm_backward(rows, dim, x, z, w, eps, dy);
+  const auto loss = [&] { return dot(ref::gated_rmsnorm_forward(rows, dim, x, z, w, eps), dy); };
+  check_fd(x, gr.dx, loss, "dx");
+  check_fd(z, gr.dz, loss, "dz");
+  check_fd(w, gr.dw, loss, "dw");
+}
