@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Writes tests/data/gated_delta_torch.safetensors: inputs, outputs and PyTorch autograd gradients
+of the Gated DeltaNet pieces as transformers' Qwen3-Next runs them, for test_gated_delta_ref to
+check the CPU reference (src/reference/gated_delta.cpp) against, without PyTorch in CI.
+
+  python3 scripts/make_gated_delta_fixture.py [--out PATH]
+
+Needs torch, transformers (with models/qwen3_next) and safetensors; runs on the CPU in fp32.
+Every gradient is of sum(output * w) for a random w kept in the file (w_* tensors). The pieces:
+  core_*   transformers' torch_recurrent_gated_delta_rule(use_qk_l2norm_in_kernel=True), 2 key
+           heads and 4 value heads (grouped), and the chunked form torch_chunk_gated_delta_rule's
+           output beside it (core_out_chunked), which the model uses for whole sequences
+  conv_*   causal_conv1d_forward over a depthwise nn.Conv1d (padding kernel - 1), activation silu
+  gates_*  beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias): Qwen3NextGatedDeltaNet.forward's lines
+  norm_*   Qwen3NextRMSNormGated
+"""
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+import transformers
+from transformers.models.qwen3_next import modeling_qwen3_next as q3n
+
+
+def grads(out, inputs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out.shape, generator=gen)
+    g = torch.autograd.grad((out * w).sum(), inputs)
+    return w, g
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--out", default=os.path.join(here, "..", "tests", "data", "gated_delta_torch.safetensors"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    t = {}
+
+    # The gated delta rule: T 13, key heads 2, value heads 4, dk 8, dv 6.
+    T, hk, hv, dk, dv = 13, 2, 4, 8, 6
+    q = torch.randn(1, T, hk, dk, requires_grad=True)
+    k = torch.randn(1, T, hk, dk, requires_grad=True)
+    v = torch.randn(1, T, hv, dv, requires_grad=True)
+    g = (-torch.rand(1, T, hv) * 1.5 - 0.05).requires_grad_()
+    beta = (torch.rand(1, T, hv) * 0.8 + 0.1).requires_grad_()
+    out, _ = q3n.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    w, (dq, dkk, dvv, dg, dbeta) = grads(out, (q, k, v, g, beta), 1)
+    chunked, _ = q3n.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, chunk_size=4, use_qk_l2norm_in_kernel=True)
+    t.update(core_q=q, core_k=k, core_v=v, core_g=g, core_beta=beta, core_out=out, core_out_chunked=chunked, core_w=w,
+             core_dq=dq, core_dk=dkk, core_dv=dvv, core_dg=dg, core_dbeta=dbeta)
+
+    # The causal depthwise conv + SiLU: T 11, channels 10, kernel 4.
+    T, C, K = 11, 10, 4
+    conv = torch.nn.Conv1d(C, C, K, groups=C, padding=K - 1, bias=False)
+    x = torch.randn(1, T, C, requires_grad=True)
+    y = q3n.causal_conv1d_forward(conv, x.transpose(1, 2), None, 0, activation="silu").transpose(1, 2)
+    w, (dx, dw) = grads(y, (x, conv.weight), 2)
+    t.update(conv_x=x, conv_w=conv.weight.squeeze(1), conv_y=y, conv_dy=w, conv_dx=dx, conv_dw=dw.squeeze(1))
+
+    # The gates: T 9, heads 4; one a past softplus's threshold (20).
+    T, H = 9, 4
+    a = (torch.randn(1, T, H) * 3).detach()
+    a[0, 0, 0] = 25.0
+    a.requires_grad_()
+    b = torch.randn(1, T, H, requires_grad=True)
+    a_log = torch.log(torch.empty(H).uniform_(0.01, 16)).requires_grad_()
+    dt_bias = (torch.rand(H) + 0.5).requires_grad_()
+    beta_out = b.sigmoid()
+    g_out = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    wb = torch.randn(beta_out.shape, generator=torch.Generator().manual_seed(3))
+    wg = torch.randn(g_out.shape, generator=torch.Generator().manual_seed(4))
+    da, db, da_log, ddt = torch.autograd.grad((beta_out * wb).sum() + (g_out * wg).sum(), (a, b, a_log, dt_bias))
+    t.update(gates_a=a, gates_b=b, gates_A_log=a_log, gates_dt_bias=dt_bias, gates_beta=beta_out, gates_g=g_out,
+             gates_wbeta=wb, gates_wg=wg, gates_da=da, gates_db=db, gates_dA_log=da_log, gates_ddt_bias=ddt)
+
+    # The gated RMSNorm: 7 rows of 6, eps 1e-6.
+    rows, dim = 7, 6
+    norm = q3n.Qwen3NextRMSNormGated(dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(rows, dim, requires_grad=True)
+    z = torch.randn(rows, dim, requires_grad=True)
+    y = norm(x, z)
+    w, (dx, dz, dw) = grads(y, (x, z, norm.weight), 5)
+    t.update(norm_x=x, norm_z=z, norm_w=norm.weight, norm_y=y, norm_dy=w, norm_dx=dx, norm_dz=dz, norm_dw=dw)
+
+    tensors = {name: v.detach().reshape(v.shape).contiguous().float() for name, v in t.items()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    save_file(tensors, args.out, metadata={"torch": torch.__version__, "transformers": transformers.__version__,
+                                           "producer": "scripts/make_gated_delta_fixture.py"})
+    print(f"wrote {args.out}: {len(tensors)} tensors (torch {torch.__version__}, transformers {transformers.__version__})")
+
+
+if __name__ == "__main__":
+    main()
