@@ -20,7 +20,7 @@ void check_group(int gpus, std::span<const DeviceInfo> visible) {
   if (static_cast<std::size_t>(gpus) > visible.size()) {
     const char* mask = std::getenv("CUDA_VISIBLE_DEVICES");
     OOM_THROW(Errc::unsupported,
-              fmt::format("{} GPUs asked for, but {} {} visible{}", gpus, visible.size(), visible.size() == 1 ? "is" : "are",
+              fmt::format("{} GPU{} asked for, but {} {} visible{}", gpus, gpus == 1 ? "" : "s", visible.size(), visible.size() == 1 ? "is" : "are",
                           mask != nullptr ? fmt::format(" (CUDA_VISIBLE_DEVICES={})", mask) : std::string{}));
   }
   const DeviceInfo& first = visible[0];
@@ -28,12 +28,12 @@ void check_group(int gpus, std::span<const DeviceInfo> visible) {
     const DeviceInfo& d = visible[r];
     if (d.total_memory != first.total_memory)
       OOM_THROW(Errc::unsupported,
-                fmt::format("GPU {} ({}, {}) has not the memory of GPU 0 ({}, {}): a plan budgets the same memory on "
-                            "every GPU of a group",
+                fmt::format("GPU {} ({}, {}) differs in memory from GPU 0 ({}, {}): a plan budgets the same memory "
+                            "on every GPU of a group",
                             r, d.name, to_string(d.total_memory), first.name, to_string(first.total_memory)));
     if (d.sm_major != first.sm_major || d.sm_minor != first.sm_minor)
       OOM_THROW(Errc::unsupported,
-                fmt::format("GPU {} ({}, compute capability {}.{}) is not of GPU 0's compute capability ({}, {}.{}): "
+                fmt::format("GPU {} ({}, compute capability {}.{}) differs in compute capability from GPU 0 ({}, {}.{}): "
                             "every GPU of a group runs the same kernels",
                             r, d.name, d.sm_major, d.sm_minor, first.name, first.sm_major, first.sm_minor));
   }
@@ -85,10 +85,13 @@ struct DeviceGroup::Impl {
   std::vector<cudaStream_t> streams;
 
   ~Impl() {
+    int saved = 0;
+    const bool restore = cudaGetDevice(&saved) == cudaSuccess;
     for (ncclComm_t c : comms)
       if (c != nullptr) (void)ncclCommDestroy(c);
     for (std::size_t r = 0; r < streams.size(); ++r)
       if (streams[r] != nullptr && cudaSetDevice(static_cast<int>(r)) == cudaSuccess) (void)cudaStreamDestroy(streams[r]);
+    if (restore) (void)cudaSetDevice(saved);
   }
 
   [[nodiscard]] int size() const noexcept { return static_cast<int>(info.size()); }
@@ -129,17 +132,24 @@ DeviceGroup::~DeviceGroup() = default;
 DeviceGroup::DeviceGroup(DeviceGroup&&) noexcept = default;
 DeviceGroup& DeviceGroup::operator=(DeviceGroup&&) noexcept = default;
 
-int DeviceGroup::size() const noexcept { return impl_->size(); }
+int DeviceGroup::size() const noexcept { return impl_ ? impl_->size() : 0; }
 
-const DeviceInfo& DeviceGroup::info(int rank) const { return impl_->info.at(static_cast<std::size_t>(rank)); }
-CUstream_st* DeviceGroup::stream(int rank) const { return impl_->streams.at(static_cast<std::size_t>(rank)); }
-ncclComm* DeviceGroup::comm(int rank) const { return impl_->comms.at(static_cast<std::size_t>(rank)); }
+const DeviceGroup::Impl& DeviceGroup::live(int rank) const {
+  if (!impl_) OOM_THROW(Errc::invalid_argument, "DeviceGroup: used after it was moved from");
+  if (rank < -1 || rank >= impl_->size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("DeviceGroup: rank {} of a group of {} GPUs", rank, impl_->size()));
+  return *impl_;
+}
 
-std::size_t DeviceGroup::shard(std::size_t count) const noexcept { return count / impl_->info.size(); }
+const DeviceInfo& DeviceGroup::info(int rank) const { return live(rank).info[static_cast<std::size_t>(rank)]; }
+CUstream_st* DeviceGroup::stream(int rank) const { return live(rank).streams[static_cast<std::size_t>(rank)]; }
+ncclComm* DeviceGroup::comm(int rank) const { return live(rank).comms[static_cast<std::size_t>(rank)]; }
+
+std::size_t DeviceGroup::shard(std::size_t count) const { return count / live().info.size(); }
 
 void DeviceGroup::reduce_scatter_sum(std::span<const float* const> send, std::span<float* const> recv,
                                      std::size_t count) const {
-  impl_->check_buffers(send.size(), "send", "reduce_scatter_sum");
+  live().check_buffers(send.size(), "send", "reduce_scatter_sum");
   impl_->check_buffers(recv.size(), "receive", "reduce_scatter_sum");
   impl_->check_count(count, "reduce_scatter_sum");
   if (count == 0) return;
@@ -151,7 +161,7 @@ void DeviceGroup::reduce_scatter_sum(std::span<const float* const> send, std::sp
 }
 
 void DeviceGroup::all_gather(std::span<const float* const> send, std::span<float* const> recv, std::size_t count) const {
-  impl_->check_buffers(send.size(), "send", "all_gather");
+  live().check_buffers(send.size(), "send", "all_gather");
   impl_->check_buffers(recv.size(), "receive", "all_gather");
   impl_->check_count(count, "all_gather");
   if (count == 0) return;
@@ -163,7 +173,7 @@ void DeviceGroup::all_gather(std::span<const float* const> send, std::span<float
 }
 
 void DeviceGroup::all_reduce_sum(std::span<float* const> data, std::size_t count) const {
-  impl_->check_buffers(data.size(), "data", "all_reduce_sum");
+  live().check_buffers(data.size(), "data", "all_reduce_sum");
   const std::size_t s = shard(count);
   const std::size_t body = s * static_cast<std::size_t>(size());
   std::vector<const float*> whole(data.begin(), data.end());
@@ -183,6 +193,7 @@ void DeviceGroup::all_reduce_sum(std::span<float* const> data, std::size_t count
 }
 
 void DeviceGroup::synchronize() const {
+  (void)live();
   CurrentDevice keep;
   for (int r = 0; r < size(); ++r) {
     OOM_CUDA_CHECK(cudaSetDevice(r));

@@ -38,6 +38,7 @@ void upload(std::vector<DeviceBuffer<float>>& b, const std::vector<std::vector<f
   for (std::size_t r = 0; r < b.size(); ++r) {
     OOM_CUDA_CHECK(cudaSetDevice(static_cast<int>(r)));
     b[r].upload(host[r]);
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());  // a pageable copy may return early; the group's streams do not wait for it
   }
 }
 
@@ -198,11 +199,27 @@ TEST_CASE("collectives refuse buffers that do not match the group, and leave the
       CHECK(e.message().find("do not split into") != std::string::npos);
     }
   }
-  const int last = g.size() - 1;
-  OOM_CUDA_CHECK(cudaSetDevice(last));
+  // The collectives and synchronize() end on the group's last GPU: the caller's, GPU 0, is restored.
+  OOM_CUDA_CHECK(cudaSetDevice(0));
   g.all_reduce_sum(pointers<float*>(data), 4 * G);
   g.synchronize();
   int current = -1;
   OOM_CUDA_CHECK(cudaGetDevice(&current));
-  CHECK(current == last);
+  CHECK(current == 0);
+  // A rank outside the group, and a moved-from group, are refused by name.
+  const std::string outside = "rank " + std::to_string(G) + " of a group of";
+  CHECK_THROWS_WITH_AS((void)g.stream(g.size()), doctest::Contains(outside.c_str()), oom::Error);
+  DeviceGroup moved = std::move(g);
+  CHECK(g.size() == 0);  // NOLINT(bugprone-use-after-move): what a moved-from group answers
+  CHECK_THROWS_WITH_AS(g.synchronize(), doctest::Contains("moved from"), oom::Error);  // NOLINT(bugprone-use-after-move)
+  CHECK(moved.size() == static_cast<int>(G));
+}
+
+TEST_CASE("a group made and destroyed leaves the caller's device current") {
+  const int n = oom::cuda::device_count();
+  OOM_CUDA_CHECK(cudaSetDevice(0));
+  { DeviceGroup g(n); }
+  int current = -1;
+  OOM_CUDA_CHECK(cudaGetDevice(&current));
+  CHECK(current == 0);
 }

@@ -55,7 +55,7 @@ TEST_CASE("too few GPUs visible, or none asked for, is refused by name") {
   unsetenv("CUDA_VISIBLE_DEVICES");
   CHECK(refusal(2, one, &code) == "2 GPUs asked for, but 1 is visible");
   CHECK(code == Errc::unsupported);
-  CHECK(refusal(1, {}, &code) == "1 GPUs asked for, but 0 are visible");
+  CHECK(refusal(1, {}, &code) == "1 GPU asked for, but 0 are visible");
   setenv("CUDA_VISIBLE_DEVICES", "3", 1);
   CHECK(refusal(2, one) == "2 GPUs asked for, but 1 is visible (CUDA_VISIBLE_DEVICES=3)");
   unsetenv("CUDA_VISIBLE_DEVICES");
@@ -71,11 +71,12 @@ TEST_CASE("GPUs of different memory or compute capability in one group are refus
   CHECK(code == Errc::unsupported);
   CHECK(why.find("GPU 1 (NVIDIA H100 80GB HBM3, 80.00 GiB)") != std::string::npos);
   CHECK(why.find("GPU 0 (NVIDIA H200, 140.00 GiB)") != std::string::npos);
+  CHECK(why.find("differs in memory from GPU 0") != std::string::npos);
   CHECK(why.find("same memory on every GPU") != std::string::npos);
 
   const std::vector<DeviceInfo> arch{gpu(0, "A", 24_GiB, 8, 9), gpu(1, "B", 24_GiB, 9, 0)};
   const std::string arch_why = refusal(2, arch, &code);
   CHECK(code == Errc::unsupported);
   CHECK(arch_why.find("GPU 1 (B, compute capability 9.0)") != std::string::npos);
-  CHECK(arch_why.find("(A, 8.9)") != std::string::npos);
+  CHECK(arch_why.find("differs in compute capability from GPU 0 (A, 8.9)") != std::string::npos);
 }

@@ -408,6 +408,8 @@ TEST_CASE("cost model: a grouped GEMM at the rate of the launch's rows, never fa
   // One group: the dense GEMM as before.
   const auto dense = Operation::gemm(4096, 2048, 2048);
   CHECK(gpu(dense) == doctest::Approx(p.launch_overhead_s + dense.flops() / p.gemm_flops.at(4096)));
+  // No groups: no work, the launch alone (the curve is never asked for 0 rows).
+  CHECK(gpu(Operation::gemm(32, 2304, 2048, 0)) == doctest::Approx(p.launch_overhead_s));
   // More work never predicts less time: rows, groups, width.
   for (std::uint64_t groups : {1u, 8u, 64u, 128u})
     for (std::uint64_t m = 1; m <= 65536; m *= 2) {

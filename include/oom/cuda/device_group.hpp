@@ -16,7 +16,7 @@ struct ncclComm;     // ncclComm_t is ncclComm*
 namespace oom::cuda {
 
 /// Refuses, by name, `gpus` GPUs that cannot form one group out of `visible` (the node's GPUs as
-/// the CUDA runtime numbers them, `device_info` of each): fewer than 1 asked for
+/// the CUDA runtime numbers them, `device_properties` of each): fewer than 1 asked for
 /// (Errc::invalid_argument); more than are visible (Errc::unsupported, naming CUDA_VISIBLE_DEVICES
 /// where it is set); and, among the first `gpus`, a GPU whose memory or compute capability is not
 /// GPU 0's (Errc::unsupported): the planner budgets one memory size for every GPU, and every GPU
@@ -29,7 +29,13 @@ void check_group(int gpus, std::span<const DeviceInfo> visible);
 /// Determinism: before the communicators are made it sets, where the environment does not,
 /// NCCL_ALGO=Ring and NCCL_PROTO=Simple, so one reduction order holds for the whole run and a
 /// collective gives the same bits every time on the same inputs; and NCCL_NVLS_ENABLE=0 (no NVLink
-/// multicast on shared machines). They are process-wide: every NCCL user in the process sees them.
+/// multicast on shared machines). They are process-wide: every NCCL user in the process sees them;
+/// and NCCL reads some of them once, at its first use in the process, so a process that ran NCCL
+/// before its first DeviceGroup keeps the settings it had then.
+///
+/// A moved-from group has size() 0 and refuses everything else (Errc::invalid_argument), as does
+/// a rank outside the group. Destroying a group, like every call, leaves the calling thread's
+/// current device as it was.
 ///
 /// The collectives take one buffer per rank, on that rank's GPU, enqueue on the ranks'
 /// communication streams in one NCCL group and return without waiting: order them after the
@@ -51,7 +57,7 @@ class DeviceGroup {
 
   /// Floats of rank r's shard of a `count`-float buffer: count / size(); the shard starts at
   /// r * shard(count). The last count % size() floats (the tail) belong to no shard.
-  [[nodiscard]] std::size_t shard(std::size_t count) const noexcept;
+  [[nodiscard]] std::size_t shard(std::size_t count) const;
 
   /// Sums `send[r]` (`count` floats, a multiple of size()) over the ranks; rank r receives its
   /// shard of the sum in `recv[r]` (shard(count) floats). In place when recv[r] == send[r] + r *
@@ -75,6 +81,9 @@ class DeviceGroup {
 
  private:
   struct Impl;
+  /// The group's state, checked: Errc::invalid_argument for a moved-from group or a rank outside
+  /// it (-1: no rank asked about).
+  const Impl& live(int rank = -1) const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -104,8 +104,10 @@ class SafetensorsFile {
 
 /// A tensor to write. Its bytes come from `fill(offset, out)`, which must write bytes
 /// [offset, offset + out.size()) of the tensor (little-endian, row-major) into `out`; the writer
-/// calls it in increasing offset order with chunks of a few MiB, so a tensor never has to exist
-/// whole in memory (a stack of experts gathered from their segments, a device download).
+/// calls it in increasing offset order with chunks of a few MiB (8 MiB), so a tensor never has to
+/// exist whole in memory (a stack of experts gathered from their segments, a device download).
+/// `offset` and out.size() are whole elements of `dtype`, and `out` is aligned for it (at least 16
+/// bytes): a fill may view it as the element type.
 struct SafetensorsEntry {
   std::string name;
   DType dtype = DType::fp32;

@@ -8,6 +8,8 @@
 #include <span>
 #include <vector>
 
+#include "oom/core/error.hpp"
+
 namespace oom {
 
 /// fp32 master weights and both AdamW moments of one segment, each `parameters()` long; the
@@ -48,6 +50,7 @@ struct SegmentStateView {
     if (read) {
       read(a, offset, out);
     } else {
+      OOM_ASSERT(offset <= host(a).size() && out.size() <= host(a).size() - offset);
       const auto from = host(a).subspan(offset, out.size());
       std::copy(from.begin(), from.end(), out.begin());
     }

@@ -48,7 +48,8 @@ class ProfileCostModel {
         // reading every group's n x k bf16 weights from HBM. Priced by rows per group instead, 64
         // experts' gate/up at 32 rows each came out 4x slower than that weight read, and than
         // the H200 measured (docs/performance.md, thirty-third session).
-        const double rows = static_cast<double>(std::max<std::uint64_t>(op.m, 1)) * static_cast<double>(op.batch);
+        // (A batch of 0 is no work: the launch overhead, as before grouped launches were priced.)
+        const double rows = static_cast<double>(std::max<std::uint64_t>(op.m, 1)) * static_cast<double>(std::max<std::uint64_t>(op.batch, 1));
         double c = compute_seconds(profile_->gemm_flops, rows, op.flops() / rows);
         if (op.batch > 1) c = std::max(c, 2.0 * static_cast<double>(op.n) * op.k * op.batch / profile_->hbm_bytes_per_s);
         t[Resource::gpu_compute] = launch + c;
