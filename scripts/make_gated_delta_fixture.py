@@ -13,6 +13,7 @@ Every gradient is of sum(output * w) for a random w kept in the file (w_* tensor
   conv_*   causal_conv1d_forward over a depthwise nn.Conv1d (padding kernel - 1), activation silu
   gates_*  beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias): Qwen3NextGatedDeltaNet.forward's lines
   norm_*   Qwen3NextRMSNormGated
+  block_*  the whole Qwen3NextGatedDeltaNet block: x, its weights, out, and every gradient
 """
 import argparse
 import os
@@ -86,6 +87,29 @@ def main():
     y = norm(x, z)
     w, (dx, dz, dw) = grads(y, (x, z, norm.weight), 5)
     t.update(norm_x=x, norm_z=z, norm_w=norm.weight, norm_y=y, norm_dy=w, norm_dx=dx, norm_dz=dz, norm_dw=dw)
+
+    # The whole block, transformers' Qwen3NextGatedDeltaNet: T 10, hidden 12, 2 key heads of 4, 4
+    # value heads of 3 (2 a key head), kernel 4; the weights as the module makes them, but A_log
+    # and the norm's weight drawn so that their gradients are not trivial.
+    cfg = transformers.Qwen3NextConfig(hidden_size=12, linear_num_key_heads=2, linear_num_value_heads=4,
+                                       linear_key_head_dim=4, linear_value_head_dim=3, linear_conv_kernel_dim=4,
+                                       hidden_act="silu", rms_norm_eps=1e-6, num_hidden_layers=1,
+                                       layer_types=["linear_attention"])
+    block = q3n.Qwen3NextGatedDeltaNet(cfg, 0)
+    with torch.no_grad():
+        block.norm.weight.uniform_(0.5, 1.5)
+        for lin in (block.in_proj_qkvz, block.in_proj_ba, block.out_proj):
+            lin.weight.normal_(0, 0.3)
+    x = torch.randn(1, 10, 12, requires_grad=True)
+    y = block(x)
+    params = [block.in_proj_qkvz.weight, block.in_proj_ba.weight, block.conv1d.weight, block.A_log, block.dt_bias,
+              block.norm.weight, block.out_proj.weight]
+    w, grads_out = grads(y, [x] + params, 6)
+    names = ["in_proj_qkvz", "in_proj_ba", "conv", "A_log", "dt_bias", "norm", "out_proj"]
+    t.update(block_x=x, block_y=y, block_dy=w, block_dx=grads_out[0])
+    for name, p, g in zip(names, params, grads_out[1:]):
+        t["block_" + name] = p.squeeze(1) if name == "conv" else p
+        t["block_d" + name] = g.squeeze(1) if name == "conv" else g
 
     tensors = {name: v.detach().reshape(v.shape).contiguous().float() for name, v in t.items()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

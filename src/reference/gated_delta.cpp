@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <string>
@@ -341,6 +342,171 @@ GatedRmsNormGrads gated_rmsnorm_backward(std::int64_t rows, std::int64_t dim, st
       gr.dx[r * dim + i] = static_cast<float>(inv * (dn[i] - xr[i] * inv * n_dn / static_cast<double>(dim)));
   }
   gr.dw.assign(dw.begin(), dw.end());
+  return gr;
+}
+
+
+namespace {
+
+/// y (M, N) = a (M, K) w^T, w (N, K): nn.Linear without bias, fp64 accumulation.
+std::vector<float> linear(std::int64_t m, std::int64_t k, std::int64_t n, std::span<const float> a, std::span<const float> w) {
+  std::vector<float> y(static_cast<std::size_t>(m * n));
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double acc = 0;
+      for (std::int64_t c = 0; c < k; ++c) acc += static_cast<double>(a[i * k + c]) * w[j * k + c];
+      y[i * n + j] = static_cast<float>(acc);
+    }
+  return y;
+}
+
+/// Of y = a w^T: da (M, K) = dy w, dw (N, K) = dy^T a.
+void linear_backward(std::int64_t m, std::int64_t k, std::int64_t n, std::span<const float> a, std::span<const float> w,
+                     std::span<const float> dy, std::vector<float>& da, std::vector<float>& dw) {
+  da.assign(static_cast<std::size_t>(m * k), 0.0f);
+  dw.assign(static_cast<std::size_t>(n * k), 0.0f);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t c = 0; c < k; ++c) {
+      double acc = 0;
+      for (std::int64_t j = 0; j < n; ++j) acc += static_cast<double>(dy[i * n + j]) * w[j * k + c];
+      da[i * k + c] = static_cast<float>(acc);
+    }
+  for (std::int64_t j = 0; j < n; ++j)
+    for (std::int64_t c = 0; c < k; ++c) {
+      double acc = 0;
+      for (std::int64_t i = 0; i < m; ++i) acc += static_cast<double>(dy[i * n + j]) * a[i * k + c];
+      dw[j * k + c] = static_cast<float>(acc);
+    }
+}
+
+/// Where each value of a projection row goes (fix_query_key_value_ordering): per key head kh, the
+/// qkvz row holds [q (dk), k (dk), v (r dv), z (r dv)] and the ba row [b (r), a (r)], r = v_heads /
+/// k_heads; q, k and v go to the conv's channels [q | k | v] (v by value head kh r + j), z, b and
+/// a to (T, v_heads[, dv]). `move(from, to)` is called for every pair: the split forward, its
+/// adjoint backward.
+template <class Move>
+void route_qkvz(const GatedDeltaNetShape& s, Move&& move) {
+  const std::int64_t r = s.v_heads / s.k_heads, dk = s.k_dim, dv = s.v_dim, row = 2 * s.key_width() + 2 * s.value_width();
+  const std::int64_t C = s.conv_channels(), zrow = s.value_width();
+  for (std::int64_t t = 0; t < s.tokens; ++t)
+    for (std::int64_t kh = 0; kh < s.k_heads; ++kh) {
+      const std::int64_t base = t * row + kh * (2 * dk + 2 * r * dv);
+      for (std::int64_t i = 0; i < dk; ++i) {
+        move(0, base + i, t * C + kh * dk + i);                      // q
+        move(0, base + dk + i, t * C + s.key_width() + kh * dk + i);  // k
+      }
+      for (std::int64_t j = 0; j < r; ++j)
+        for (std::int64_t d = 0; d < dv; ++d) {
+          const std::int64_t h = kh * r + j;
+          move(0, base + 2 * dk + j * dv + d, t * C + 2 * s.key_width() + h * dv + d);  // v
+          move(1, base + 2 * dk + r * dv + j * dv + d, t * zrow + h * dv + d);          // z
+        }
+    }
+}
+template <class Move>
+void route_ba(const GatedDeltaNetShape& s, Move&& move) {
+  const std::int64_t r = s.v_heads / s.k_heads;
+  for (std::int64_t t = 0; t < s.tokens; ++t)
+    for (std::int64_t kh = 0; kh < s.k_heads; ++kh)
+      for (std::int64_t j = 0; j < r; ++j) {
+        const std::int64_t from = t * 2 * s.v_heads + kh * 2 * r, h = t * s.v_heads + kh * r + j;
+        move(2, from + j, h);      // b
+        move(3, from + r + j, h);  // a
+      }
+}
+
+struct DeltaNetRun {
+  std::vector<float> qkvz, ba;             // the projections
+  std::vector<float> mixed, conv;          // (T, C): before and after the conv + SiLU
+  std::vector<float> q, k, v, z, a, b;     // split
+  DeltaGates gates;
+  std::vector<float> core, normed;         // (T, v_heads, dv)
+};
+
+void check_block(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w) {
+  if (s.tokens < 0 || s.hidden < 1 || s.k_heads < 1 || s.v_heads < 1 || s.k_dim < 1 || s.v_dim < 1 || s.conv_kernel < 1 ||
+      s.v_heads % s.k_heads != 0 || !(s.eps > 0))
+    OOM_THROW(Errc::invalid_argument, fmt::format("gated deltanet: bad shape (T {}, hidden {}, heads {}/{}, dims {}/{}, kernel {})",
+                                                  s.tokens, s.hidden, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel));
+  const char* fn = "gated_deltanet";
+  check_size(fn, x.size(), s.tokens * s.hidden, "x");
+  check_size(fn, w.in_proj_qkvz.size(), (2 * s.key_width() + 2 * s.value_width()) * s.hidden, "in_proj_qkvz");
+  check_size(fn, w.in_proj_ba.size(), 2 * s.v_heads * s.hidden, "in_proj_ba");
+  check_size(fn, w.conv.size(), s.conv_channels() * s.conv_kernel, "conv");
+  check_size(fn, w.a_log.size(), s.v_heads, "A_log");
+  check_size(fn, w.dt_bias.size(), s.v_heads, "dt_bias");
+  check_size(fn, w.norm.size(), s.v_dim, "norm");
+  check_size(fn, w.out_proj.size(), s.hidden * s.value_width(), "out_proj");
+}
+
+GatedDeltaShape core_shape(const GatedDeltaNetShape& s) {
+  return {.tokens = s.tokens, .k_heads = s.k_heads, .v_heads = s.v_heads, .k_dim = s.k_dim, .v_dim = s.v_dim};
+}
+
+DeltaNetRun run_block(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w) {
+  check_block(s, x, w);
+  const std::int64_t T = s.tokens, C = s.conv_channels(), kw = s.key_width(), vw = s.value_width();
+  DeltaNetRun r;
+  r.qkvz = linear(T, s.hidden, 2 * kw + 2 * vw, x, w.in_proj_qkvz);
+  r.ba = linear(T, s.hidden, 2 * s.v_heads, x, w.in_proj_ba);
+  r.mixed.resize(static_cast<std::size_t>(T * C));
+  r.z.resize(static_cast<std::size_t>(T * vw));
+  r.a.resize(static_cast<std::size_t>(T * s.v_heads));
+  r.b.resize(r.a.size());
+  std::vector<float>* qkvz_to[] = {&r.mixed, &r.z};
+  route_qkvz(s, [&](int to, std::int64_t from, std::int64_t at) { (*qkvz_to[to])[at] = r.qkvz[from]; });
+  route_ba(s, [&](int to, std::int64_t from, std::int64_t at) { (to == 2 ? r.b : r.a)[at] = r.ba[from]; });
+  r.conv = causal_conv1d_silu_forward(T, C, s.conv_kernel, r.mixed, w.conv);
+  for (std::int64_t t = 0; t < T; ++t) {
+    const float* row = &r.conv[t * C];
+    r.q.insert(r.q.end(), row, row + kw);
+    r.k.insert(r.k.end(), row + kw, row + 2 * kw);
+    r.v.insert(r.v.end(), row + 2 * kw, row + C);
+  }
+  r.gates = delta_gates_forward(T, s.v_heads, r.a, r.b, w.a_log, w.dt_bias);
+  r.core = gated_delta_rule_forward(core_shape(s), r.q, r.k, r.v, r.gates.g, r.gates.beta);
+  r.normed = gated_rmsnorm_forward(T * s.v_heads, s.v_dim, r.core, r.z, w.norm, s.eps);
+  return r;
+}
+
+}  // namespace
+
+std::vector<float> gated_deltanet_forward(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w) {
+  const DeltaNetRun r = run_block(s, x, w);
+  return linear(s.tokens, s.value_width(), s.hidden, r.normed, w.out_proj);
+}
+
+GatedDeltaNetGrads gated_deltanet_backward(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
+                                           std::span<const float> d_out) {
+  const DeltaNetRun r = run_block(s, x, w);
+  check_size("gated_deltanet_backward", d_out.size(), s.tokens * s.hidden, "d_out");
+  const std::int64_t T = s.tokens, C = s.conv_channels(), kw = s.key_width(), vw = s.value_width();
+  GatedDeltaNetGrads gr;
+  std::vector<float> d_normed;
+  linear_backward(T, vw, s.hidden, r.normed, w.out_proj, d_out, d_normed, gr.out_proj);
+  const auto norm = gated_rmsnorm_backward(T * s.v_heads, s.v_dim, r.core, r.z, w.norm, s.eps, d_normed);
+  gr.norm = norm.dw;
+  const auto core = gated_delta_rule_backward(core_shape(s), r.q, r.k, r.v, r.gates.g, r.gates.beta, norm.dx);
+  const auto gates = delta_gates_backward(T, s.v_heads, r.a, r.b, w.a_log, w.dt_bias, core.dbeta, core.dg);
+  gr.a_log = gates.da_log;
+  gr.dt_bias = gates.ddt_bias;
+  std::vector<float> d_conv(static_cast<std::size_t>(T * C));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::copy_n(&core.dq[t * kw], kw, &d_conv[t * C]);
+    std::copy_n(&core.dk[t * kw], kw, &d_conv[t * C + kw]);
+    std::copy_n(&core.dv[t * vw], vw, &d_conv[t * C + 2 * kw]);
+  }
+  const auto conv = causal_conv1d_silu_backward(T, C, s.conv_kernel, r.mixed, w.conv, d_conv);
+  gr.conv = conv.dw;
+  std::vector<float> d_qkvz(r.qkvz.size()), d_ba(r.ba.size());
+  const std::vector<float>* qkvz_from[] = {&conv.dx, &norm.dz};
+  route_qkvz(s, [&](int to, std::int64_t from, std::int64_t at) { d_qkvz[from] = (*qkvz_from[to])[at]; });
+  route_ba(s, [&](int to, std::int64_t from, std::int64_t at) { d_ba[from] = (to == 2 ? gates.db : gates.da)[at]; });
+  std::vector<float> dx_qkvz, dx_ba;
+  linear_backward(T, s.hidden, 2 * kw + 2 * vw, x, w.in_proj_qkvz, d_qkvz, dx_qkvz, gr.in_proj_qkvz);
+  linear_backward(T, s.hidden, 2 * s.v_heads, x, w.in_proj_ba, d_ba, dx_ba, gr.in_proj_ba);
+  gr.dx.resize(dx_qkvz.size());
+  for (std::size_t i = 0; i < gr.dx.size(); ++i) gr.dx[i] = static_cast<float>(static_cast<double>(dx_qkvz[i]) + dx_ba[i]);
   return gr;
 }
 

@@ -207,6 +207,25 @@ TEST_CASE("gated delta pieces against PyTorch's autograd through transformers' Q
     check_torch(gr.da_log, fx["gates_dA_log"], "dA_log");
     check_torch(gr.ddt_bias, fx["gates_ddt_bias"], "ddt_bias");
   }
+  SUBCASE("the whole block, Qwen3NextGatedDeltaNet: its weight layouts and every gradient") {
+    const ref::GatedDeltaNetShape s{.tokens = fx.dim("block_x", 1), .hidden = fx.dim("block_x", 2), .k_heads = 2, .v_heads = 4,
+                                    .k_dim = 4, .v_dim = 3, .conv_kernel = fx.dim("block_conv", 1), .eps = 1e-6};
+    REQUIRE(fx.dim("block_in_proj_qkvz", 0) == 2 * s.key_width() + 2 * s.value_width());
+    REQUIRE(fx.dim("block_conv", 0) == s.conv_channels());
+    const auto x = fx["block_x"], qkvz = fx["block_in_proj_qkvz"], ba = fx["block_in_proj_ba"], conv = fx["block_conv"];
+    const auto a_log = fx["block_A_log"], dt = fx["block_dt_bias"], norm = fx["block_norm"], out = fx["block_out_proj"];
+    const ref::GatedDeltaNetWeights w{qkvz, ba, conv, a_log, dt, norm, out};
+    check_torch(ref::gated_deltanet_forward(s, x, w), fx["block_y"], "y");
+    const auto gr = ref::gated_deltanet_backward(s, x, w, fx["block_dy"]);
+    check_torch(gr.dx, fx["block_dx"], "dx");
+    check_torch(gr.in_proj_qkvz, fx["block_din_proj_qkvz"], "d in_proj_qkvz");
+    check_torch(gr.in_proj_ba, fx["block_din_proj_ba"], "d in_proj_ba");
+    check_torch(gr.conv, fx["block_dconv"], "d conv");
+    check_torch(gr.a_log, fx["block_dA_log"], "d A_log");
+    check_torch(gr.dt_bias, fx["block_ddt_bias"], "d dt_bias");
+    check_torch(gr.norm, fx["block_dnorm"], "d norm");
+    check_torch(gr.out_proj, fx["block_dout_proj"], "d out_proj");
+  }
   SUBCASE("the gated RMSNorm") {
     const std::int64_t rows = fx.dim("norm_x", 0), dim = fx.dim("norm_x", 1);
     const auto x = fx["norm_x"], z = fx["norm_z"], w = fx["norm_w"];

@@ -1,6 +1,6 @@
 // CPU reference of the linear-attention half of the hybrid models (Qwen3-Next, Qwen3.5-MoE): the
 // Gated DeltaNet's causal depthwise convolution with SiLU, its gates, the gated delta rule and the
-// gated RMSNorm, each forward and backward. fp32 values, fp64 arithmetic. The math is transformers'
+// gated RMSNorm, each forward and backward, and the whole block they make. fp32 values, fp64 arithmetic. The math is transformers'
 // Qwen3NextGatedDeltaNet (torch_recurrent_gated_delta_rule with use_qk_l2norm_in_kernel, the
 // Conv1d with padding kernel - 1 cut to the sequence, Qwen3NextRMSNormGated); GPU kernels are to be
 // checked against this, and this against PyTorch's autograd (tests/reference/test_gated_delta_ref.cpp).
@@ -81,5 +81,45 @@ struct GatedRmsNormGrads {
 GatedRmsNormGrads gated_rmsnorm_backward(std::int64_t rows, std::int64_t dim, std::span<const float> x,
                                          std::span<const float> z, std::span<const float> w, double eps,
                                          std::span<const float> dy);
+
+}  // namespace oom::reference
+
+namespace oom::reference {
+
+/// A whole Gated DeltaNet (linear-attention) block as transformers' Qwen3NextGatedDeltaNet runs
+/// it on one sequence without a cache: in_proj_qkvz and in_proj_ba, the per-key-head interleaved
+/// split (fix_query_key_value_ordering), the conv + SiLU over [q, k, v], the gates, the gated
+/// delta rule, the gated RMSNorm with z, out_proj.
+struct GatedDeltaNetShape {
+  std::int64_t tokens = 0, hidden = 0;
+  std::int64_t k_heads = 0, v_heads = 0, k_dim = 0, v_dim = 0;  ///< linear_num_key_heads, ..., linear_value_head_dim
+  std::int64_t conv_kernel = 4;                                  ///< linear_conv_kernel_dim
+  double eps = 1e-6;                                             ///< rms_norm_eps
+  [[nodiscard]] std::int64_t key_width() const { return k_heads * k_dim; }
+  [[nodiscard]] std::int64_t value_width() const { return v_heads * v_dim; }
+  [[nodiscard]] std::int64_t conv_channels() const { return 2 * key_width() + value_width(); }
+};
+
+/// The block's parameters under their transformers layouts (nn.Linear: (out, in)).
+struct GatedDeltaNetWeights {
+  std::span<const float> in_proj_qkvz;  ///< (2 key_width + 2 value_width, hidden)
+  std::span<const float> in_proj_ba;    ///< (2 v_heads, hidden)
+  std::span<const float> conv;          ///< (conv_channels, conv_kernel)
+  std::span<const float> a_log, dt_bias;  ///< (v_heads)
+  std::span<const float> norm;          ///< (v_dim)
+  std::span<const float> out_proj;      ///< (hidden, value_width)
+};
+
+/// out (T, hidden) from x (T, hidden).
+std::vector<float> gated_deltanet_forward(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w);
+
+struct GatedDeltaNetGrads {
+  std::vector<float> dx;  ///< (T, hidden)
+  std::vector<float> in_proj_qkvz, in_proj_ba, conv, a_log, dt_bias, norm, out_proj;  ///< as the weights
+};
+
+/// Every gradient from d_out (T, hidden); the forward is run again inside.
+GatedDeltaNetGrads gated_deltanet_backward(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
+                                           std::span<const float> d_out);
 
 }  // namespace oom::reference
