@@ -42,8 +42,13 @@ def main():
 
     # The gated delta rule: T 13, key heads 2, value heads 4, dk 8, dv 6.
     T, hk, hv, dk, dv = 13, 2, 4, 8, 6
-    q = torch.randn(1, T, hk, dk, requires_grad=True)
-    k = torch.randn(1, T, hk, dk, requires_grad=True)
+    q = torch.randn(1, T, hk, dk)
+    k = torch.randn(1, T, hk, dk)
+    # One token's q and k of norm ~1e-3, where the l2norm's eps (1e-6 under the root) shows.
+    q[0, 3] *= 1e-3 / q[0, 3].norm(dim=-1, keepdim=True)
+    k[0, 5] *= 1e-3 / k[0, 5].norm(dim=-1, keepdim=True)
+    q.requires_grad_()
+    k.requires_grad_()
     v = torch.randn(1, T, hv, dv, requires_grad=True)
     g = (-torch.rand(1, T, hv) * 1.5 - 0.05).requires_grad_()
     beta = (torch.rand(1, T, hv) * 0.8 + 0.1).requires_grad_()
@@ -89,8 +94,9 @@ def main():
     t.update(norm_x=x, norm_z=z, norm_w=norm.weight, norm_y=y, norm_dy=w, norm_dx=dx, norm_dz=dz, norm_dw=dw)
 
     # The whole block, transformers' Qwen3NextGatedDeltaNet: T 10, hidden 12, 2 key heads of 4, 4
-    # value heads of 3 (2 a key head), kernel 4; the weights as the module makes them, but A_log
-    # and the norm's weight drawn so that their gradients are not trivial.
+    # value heads of 3 (2 a key head), kernel 4; the weights as the module makes them, but the
+    # projections, A_log, dt_bias and the norm's weight drawn so that no head's state is reset
+    # every token (A up to 16 makes exp(g) ~ 1e-4) and every head's parameters differ.
     cfg = transformers.Qwen3NextConfig(hidden_size=12, linear_num_key_heads=2, linear_num_value_heads=4,
                                        linear_key_head_dim=4, linear_value_head_dim=3, linear_conv_kernel_dim=4,
                                        hidden_act="silu", rms_norm_eps=1e-6, num_hidden_layers=1,
@@ -98,6 +104,8 @@ def main():
     block = q3n.Qwen3NextGatedDeltaNet(cfg, 0)
     with torch.no_grad():
         block.norm.weight.uniform_(0.5, 1.5)
+        block.A_log.uniform_(-2.0, 0.5)
+        block.dt_bias.uniform_(-0.5, 1.5)
         for lin in (block.in_proj_qkvz, block.in_proj_ba, block.out_proj):
             lin.weight.normal_(0, 0.3)
     x = torch.randn(1, 10, 12, requires_grad=True)
@@ -111,10 +119,15 @@ def main():
         t["block_" + name] = p.squeeze(1) if name == "conv" else p
         t["block_d" + name] = g.squeeze(1) if name == "conv" else g
 
-    tensors = {name: v.detach().reshape(v.shape).contiguous().float() for name, v in t.items()}
+    tensors = {name: v.detach().contiguous().float() for name, v in t.items()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     save_file(tensors, args.out, metadata={"torch": torch.__version__, "transformers": transformers.__version__,
-                                           "producer": "scripts/make_gated_delta_fixture.py"})
+                                           "producer": "scripts/make_gated_delta_fixture.py",
+                                           "block_key_heads": str(cfg.linear_num_key_heads),
+                                           "block_key_head_dim": str(cfg.linear_key_head_dim),
+                                           "block_value_heads": str(cfg.linear_num_value_heads),
+                                           "block_value_head_dim": str(cfg.linear_value_head_dim),
+                                           "block_eps": repr(cfg.rms_norm_eps)})
     print(f"wrote {args.out}: {len(tensors)} tensors (torch {torch.__version__}, transformers {transformers.__version__})")
 
 

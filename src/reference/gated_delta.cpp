@@ -49,10 +49,10 @@ double l2_normalise(const float* x, std::int64_t n, double* out) {
 }
 
 /// d x from d y of y = x r, r = (sum x^2 + eps)^(-1/2): r dy - x r^3 (x . dy); added to dx.
-void l2_normalise_backward(const float* x, std::int64_t n, double r, const double* dy, float* dx) {
+void l2_normalise_backward(const float* x, std::int64_t n, double r, const double* dy, double* dx) {
   double xdy = 0;
   for (std::int64_t i = 0; i < n; ++i) xdy += static_cast<double>(x[i]) * dy[i];
-  for (std::int64_t i = 0; i < n; ++i) dx[i] += static_cast<float>(r * dy[i] - static_cast<double>(x[i]) * r * r * r * xdy);
+  for (std::int64_t i = 0; i < n; ++i) dx[i] += r * dy[i] - static_cast<double>(x[i]) * r * r * r * xdy;
 }
 
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
@@ -63,6 +63,24 @@ double silu_grad(double x) {
 }
 double softplus(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
 double softplus_grad(double x) { return x > 20.0 ? 1.0 : sigmoid(x); }
+
+void check_conv(const char* fn, std::int64_t tokens, std::int64_t channels, std::int64_t kernel, std::span<const float> w) {
+  if (tokens < 0 || channels < 1 || kernel < 1)
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: need T >= 0, C >= 1, K >= 1 (T {}, C {}, K {})", fn, tokens, channels, kernel));
+  check_size(fn, w.size(), channels * kernel, "w");
+}
+
+void check_gates(const char* fn, std::int64_t tokens, std::int64_t heads, std::span<const float> a_log, std::span<const float> dt_bias) {
+  if (tokens < 0 || heads < 1) OOM_THROW(Errc::invalid_argument, fmt::format("{}: need T >= 0, H >= 1 (T {}, H {})", fn, tokens, heads));
+  check_size(fn, a_log.size(), heads, "A_log");
+  check_size(fn, dt_bias.size(), heads, "dt_bias");
+}
+
+void check_norm(const char* fn, std::int64_t rows, std::int64_t dim, std::span<const float> w, double eps) {
+  if (rows < 0 || dim < 1 || !(eps > 0))
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: need rows >= 0, dim >= 1, eps > 0 (rows {}, dim {}, eps {})", fn, rows, dim, eps));
+  check_size(fn, w.size(), dim, "w");
+}
 
 /// One value head's forward: the normalised q/k of every token, and every state S_0 .. S_T
 /// (S_0 = 0; S_t after token t - 1), dk x dv each, row-major by key dimension.
@@ -132,8 +150,7 @@ GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<co
   const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim, group = s.v_heads / s.k_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
   GatedDeltaGrads gr;
-  gr.dq.assign(q.size(), 0.0f);
-  gr.dk.assign(k.size(), 0.0f);
+  Vec dq(q.size(), 0.0), dk_sum(k.size(), 0.0);  // summed over the value heads of a key head, in fp64
   gr.dv.assign(v.size(), 0.0f);
   gr.dg.assign(g.size(), 0.0f);
   gr.dbeta.assign(beta.size(), 0.0f);
@@ -203,19 +220,19 @@ GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<co
       gr.dg[t * s.v_heads + h] = static_cast<float>(dalpha * alpha);
       // Through the scale and the l2 normalisations, into the shared key head.
       for (std::int64_t i = 0; i < dk; ++i) dqn[i] *= scale;
-      l2_normalise_backward(&q[(t * s.k_heads + kh) * dk], dk, r.rq[t], dqn.data(), &gr.dq[(t * s.k_heads + kh) * dk]);
-      l2_normalise_backward(&k[(t * s.k_heads + kh) * dk], dk, r.rk[t], dkn.data(), &gr.dk[(t * s.k_heads + kh) * dk]);
+      l2_normalise_backward(&q[(t * s.k_heads + kh) * dk], dk, r.rq[t], dqn.data(), &dq[(t * s.k_heads + kh) * dk]);
+      l2_normalise_backward(&k[(t * s.k_heads + kh) * dk], dk, r.rk[t], dkn.data(), &dk_sum[(t * s.k_heads + kh) * dk]);
     }
   }
+  gr.dq.assign(dq.begin(), dq.end());
+  gr.dk.assign(dk_sum.begin(), dk_sum.end());
   return gr;
 }
 
 std::vector<float> causal_conv1d_silu_forward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
                                               std::span<const float> x, std::span<const float> w) {
-  if (tokens < 0 || channels < 1 || kernel < 1)
-    OOM_THROW(Errc::invalid_argument, fmt::format("causal conv1d: need T >= 0, C >= 1, K >= 1 (T {}, C {}, K {})", tokens, channels, kernel));
+  check_conv("causal_conv1d_silu_forward", tokens, channels, kernel, w);
   check_size("causal_conv1d_silu_forward", x.size(), tokens * channels, "x");
-  check_size("causal_conv1d_silu_forward", w.size(), channels * kernel, "w");
   std::vector<float> y(x.size());
   for (std::int64_t t = 0; t < tokens; ++t)
     for (std::int64_t c = 0; c < channels; ++c) {
@@ -231,7 +248,7 @@ std::vector<float> causal_conv1d_silu_forward(std::int64_t tokens, std::int64_t 
 
 CausalConvGrads causal_conv1d_silu_backward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
                                             std::span<const float> x, std::span<const float> w, std::span<const float> dy) {
-  (void)causal_conv1d_silu_forward(0, channels, kernel, {}, w);  // the shape checks
+  check_conv("causal_conv1d_silu_backward", tokens, channels, kernel, w);
   check_size("causal_conv1d_silu_backward", x.size(), tokens * channels, "x");
   check_size("causal_conv1d_silu_backward", dy.size(), tokens * channels, "dy");
   Vec dx(x.size(), 0.0), dw(w.size(), 0.0);
@@ -255,12 +272,9 @@ CausalConvGrads causal_conv1d_silu_backward(std::int64_t tokens, std::int64_t ch
 
 DeltaGates delta_gates_forward(std::int64_t tokens, std::int64_t heads, std::span<const float> a, std::span<const float> b,
                                std::span<const float> a_log, std::span<const float> dt_bias) {
-  if (tokens < 0 || heads < 1)
-    OOM_THROW(Errc::invalid_argument, fmt::format("delta gates: need T >= 0, H >= 1 (T {}, H {})", tokens, heads));
+  check_gates("delta_gates_forward", tokens, heads, a_log, dt_bias);
   check_size("delta_gates_forward", a.size(), tokens * heads, "a");
   check_size("delta_gates_forward", b.size(), tokens * heads, "b");
-  check_size("delta_gates_forward", a_log.size(), heads, "A_log");
-  check_size("delta_gates_forward", dt_bias.size(), heads, "dt_bias");
   DeltaGates out{std::vector<float>(a.size()), std::vector<float>(a.size())};
   for (std::int64_t t = 0; t < tokens; ++t)
     for (std::int64_t h = 0; h < heads; ++h) {
@@ -274,7 +288,7 @@ DeltaGates delta_gates_forward(std::int64_t tokens, std::int64_t heads, std::spa
 DeltaGateGrads delta_gates_backward(std::int64_t tokens, std::int64_t heads, std::span<const float> a, std::span<const float> b,
                                     std::span<const float> a_log, std::span<const float> dt_bias,
                                     std::span<const float> dbeta, std::span<const float> dg) {
-  (void)delta_gates_forward(0, heads, {}, {}, a_log, dt_bias);  // the shape checks
+  check_gates("delta_gates_backward", tokens, heads, a_log, dt_bias);
   check_size("delta_gates_backward", a.size(), tokens * heads, "a");
   check_size("delta_gates_backward", b.size(), tokens * heads, "b");
   check_size("delta_gates_backward", dbeta.size(), tokens * heads, "dbeta");
@@ -299,11 +313,9 @@ DeltaGateGrads delta_gates_backward(std::int64_t tokens, std::int64_t heads, std
 
 std::vector<float> gated_rmsnorm_forward(std::int64_t rows, std::int64_t dim, std::span<const float> x,
                                          std::span<const float> z, std::span<const float> w, double eps) {
-  if (rows < 0 || dim < 1 || !(eps > 0))
-    OOM_THROW(Errc::invalid_argument, fmt::format("gated rmsnorm: need rows >= 0, dim >= 1, eps > 0 (rows {}, dim {}, eps {})", rows, dim, eps));
+  check_norm("gated_rmsnorm_forward", rows, dim, w, eps);
   check_size("gated_rmsnorm_forward", x.size(), rows * dim, "x");
   check_size("gated_rmsnorm_forward", z.size(), rows * dim, "z");
-  check_size("gated_rmsnorm_forward", w.size(), dim, "w");
   std::vector<float> y(x.size());
   for (std::int64_t r = 0; r < rows; ++r) {
     double ss = 0;
@@ -318,7 +330,7 @@ std::vector<float> gated_rmsnorm_forward(std::int64_t rows, std::int64_t dim, st
 GatedRmsNormGrads gated_rmsnorm_backward(std::int64_t rows, std::int64_t dim, std::span<const float> x,
                                          std::span<const float> z, std::span<const float> w, double eps,
                                          std::span<const float> dy) {
-  (void)gated_rmsnorm_forward(0, dim, {}, {}, w, eps);  // the shape checks
+  check_norm("gated_rmsnorm_backward", rows, dim, w, eps);
   check_size("gated_rmsnorm_backward", x.size(), rows * dim, "x");
   check_size("gated_rmsnorm_backward", z.size(), rows * dim, "z");
   check_size("gated_rmsnorm_backward", dy.size(), rows * dim, "dy");
@@ -426,8 +438,10 @@ struct DeltaNetRun {
 void check_block(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w) {
   if (s.tokens < 0 || s.hidden < 1 || s.k_heads < 1 || s.v_heads < 1 || s.k_dim < 1 || s.v_dim < 1 || s.conv_kernel < 1 ||
       s.v_heads % s.k_heads != 0 || !(s.eps > 0))
-    OOM_THROW(Errc::invalid_argument, fmt::format("gated deltanet: bad shape (T {}, hidden {}, heads {}/{}, dims {}/{}, kernel {})",
-                                                  s.tokens, s.hidden, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel));
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("gated deltanet: need T >= 0, every width >= 1, value heads a multiple of key heads and eps > 0 (T {}, "
+                          "hidden {}, heads {}/{}, dims {}/{}, kernel {}, eps {})",
+                          s.tokens, s.hidden, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel, s.eps));
   const char* fn = "gated_deltanet";
   check_size(fn, x.size(), s.tokens * s.hidden, "x");
   check_size(fn, w.in_proj_qkvz.size(), (2 * s.key_width() + 2 * s.value_width()) * s.hidden, "in_proj_qkvz");

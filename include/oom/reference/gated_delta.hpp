@@ -1,6 +1,7 @@
 // CPU reference of the linear-attention half of the hybrid models (Qwen3-Next, Qwen3.5-MoE): the
 // Gated DeltaNet's causal depthwise convolution with SiLU, its gates, the gated delta rule and the
-// gated RMSNorm, each forward and backward, and the whole block they make. fp32 values, fp64 arithmetic. The math is transformers'
+// gated RMSNorm, each forward and backward, and the whole block they make (Qwen3-Next's layout).
+// fp32 values between the pieces, fp64 arithmetic within each. The math is transformers'
 // Qwen3NextGatedDeltaNet (torch_recurrent_gated_delta_rule with use_qk_l2norm_in_kernel, the
 // Conv1d with padding kernel - 1 cut to the sequence, Qwen3NextRMSNormGated); GPU kernels are to be
 // checked against this, and this against PyTorch's autograd (tests/reference/test_gated_delta_ref.cpp).
@@ -82,14 +83,13 @@ GatedRmsNormGrads gated_rmsnorm_backward(std::int64_t rows, std::int64_t dim, st
                                          std::span<const float> z, std::span<const float> w, double eps,
                                          std::span<const float> dy);
 
-}  // namespace oom::reference
-
-namespace oom::reference {
-
 /// A whole Gated DeltaNet (linear-attention) block as transformers' Qwen3NextGatedDeltaNet runs
 /// it on one sequence without a cache: in_proj_qkvz and in_proj_ba, the per-key-head interleaved
-/// split (fix_query_key_value_ordering), the conv + SiLU over [q, k, v], the gates, the gated
-/// delta rule, the gated RMSNorm with z, out_proj.
+/// split (fix_query_key_value_ordering), the conv + SiLU over [q, k, v] (hidden_act must be silu,
+/// as in every Qwen3-Next config), the gates, the gated delta rule, the gated RMSNorm with z,
+/// out_proj. Qwen3-Next's layout only: Qwen3.5-MoE's separate in_proj_qkv / in_proj_z and
+/// in_proj_b / in_proj_a, stacked, have the same sizes but another order, and would be split
+/// wrongly (except with one key head) without any error.
 struct GatedDeltaNetShape {
   std::int64_t tokens = 0, hidden = 0;
   std::int64_t k_heads = 0, v_heads = 0, k_dim = 0, v_dim = 0;  ///< linear_num_key_heads, ..., linear_value_head_dim
