@@ -70,6 +70,17 @@ void check_conv(const char* fn, std::int64_t tokens, std::int64_t channels, std:
   check_size(fn, w.size(), channels * kernel, "w");
 }
 
+/// The conv's output at (t, c) before the SiLU: the taps over tokens t - K + 1 .. t (none before 0).
+double conv_pre(std::int64_t t, std::int64_t c, std::int64_t channels, std::int64_t kernel, std::span<const float> x,
+                std::span<const float> w) {
+  double acc = 0;
+  for (std::int64_t j = 0; j < kernel; ++j) {
+    const std::int64_t src = t - kernel + 1 + j;
+    if (src >= 0) acc += static_cast<double>(w[c * kernel + j]) * x[src * channels + c];
+  }
+  return acc;
+}
+
 void check_gates(const char* fn, std::int64_t tokens, std::int64_t heads, std::span<const float> a_log, std::span<const float> dt_bias) {
   if (tokens < 0 || heads < 1) OOM_THROW(Errc::invalid_argument, fmt::format("{}: need T >= 0, H >= 1 (T {}, H {})", fn, tokens, heads));
   check_size(fn, a_log.size(), heads, "A_log");
@@ -236,12 +247,7 @@ std::vector<float> causal_conv1d_silu_forward(std::int64_t tokens, std::int64_t 
   std::vector<float> y(x.size());
   for (std::int64_t t = 0; t < tokens; ++t)
     for (std::int64_t c = 0; c < channels; ++c) {
-      double acc = 0;
-      for (std::int64_t j = 0; j < kernel; ++j) {
-        const std::int64_t src = t - kernel + 1 + j;
-        if (src >= 0) acc += static_cast<double>(w[c * kernel + j]) * x[src * channels + c];
-      }
-      y[t * channels + c] = static_cast<float>(silu(acc));
+      y[t * channels + c] = static_cast<float>(silu(conv_pre(t, c, channels, kernel, x, w)));
     }
   return y;
 }
@@ -254,12 +260,7 @@ CausalConvGrads causal_conv1d_silu_backward(std::int64_t tokens, std::int64_t ch
   Vec dx(x.size(), 0.0), dw(w.size(), 0.0);
   for (std::int64_t t = 0; t < tokens; ++t)
     for (std::int64_t c = 0; c < channels; ++c) {
-      double pre = 0;
-      for (std::int64_t j = 0; j < kernel; ++j) {
-        const std::int64_t src = t - kernel + 1 + j;
-        if (src >= 0) pre += static_cast<double>(w[c * kernel + j]) * x[src * channels + c];
-      }
-      const double dz = dy[t * channels + c] * silu_grad(pre);
+      const double dz = dy[t * channels + c] * silu_grad(conv_pre(t, c, channels, kernel, x, w));
       for (std::int64_t j = 0; j < kernel; ++j) {
         const std::int64_t src = t - kernel + 1 + j;
         if (src < 0) continue;
