@@ -14,6 +14,7 @@ Every gradient is of sum(output * w) for a random w kept in the file (w_* tensor
   gates_*  beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias): Qwen3NextGatedDeltaNet.forward's lines
   norm_*   Qwen3NextRMSNormGated
   block_*  the whole Qwen3NextGatedDeltaNet block: x, its weights, out, and every gradient
+  b35_*    the whole Qwen3_5MoeGatedDeltaNet block, its projections stacked (qkv over z, b over a)
 """
 import argparse
 import os
@@ -118,6 +119,33 @@ def main():
     for name, p, g in zip(names, params, grads_out[1:]):
         t["block_" + name] = p.squeeze(1) if name == "conv" else p
         t["block_d" + name] = g.squeeze(1) if name == "conv" else g
+
+    # The same block as Qwen3.5-MoE lays it out (separate in_proj_qkv, in_proj_z, in_proj_b,
+    # in_proj_a), stacked for the reference as in_proj_qkv over in_proj_z and in_proj_b over
+    # in_proj_a: Qwen3_5MoeGatedDeltaNet with its own weights.
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35
+    cfg35 = transformers.Qwen3_5MoeTextConfig(hidden_size=12, linear_num_key_heads=2, linear_num_value_heads=4,
+                                              linear_key_head_dim=4, linear_value_head_dim=3, linear_conv_kernel_dim=4,
+                                              hidden_act="silu", rms_norm_eps=1e-6, num_hidden_layers=1,
+                                              layer_types=["linear_attention"])
+    b35 = q35.Qwen3_5MoeGatedDeltaNet(cfg35, 0)
+    with torch.no_grad():
+        b35.norm.weight.uniform_(0.5, 1.5)
+        b35.A_log.uniform_(-2.0, 0.5)
+        b35.dt_bias.uniform_(-0.5, 1.5)
+        for lin in (b35.in_proj_qkv, b35.in_proj_z, b35.in_proj_b, b35.in_proj_a, b35.out_proj):
+            lin.weight.normal_(0, 0.3)
+    x = torch.randn(1, 10, 12, requires_grad=True)
+    y = b35(x)
+    params = [b35.in_proj_qkv.weight, b35.in_proj_z.weight, b35.in_proj_b.weight, b35.in_proj_a.weight,
+              b35.conv1d.weight, b35.A_log, b35.dt_bias, b35.norm.weight, b35.out_proj.weight]
+    w, g35 = grads(y, [x] + params, 7)
+    t.update(b35_x=x, b35_y=y, b35_dy=w, b35_dx=g35[0],
+             b35_in_proj_qkvz=torch.cat([params[0], params[1]]), b35_din_proj_qkvz=torch.cat([g35[1], g35[2]]),
+             b35_in_proj_ba=torch.cat([params[2], params[3]]), b35_din_proj_ba=torch.cat([g35[3], g35[4]]),
+             b35_conv=params[4].squeeze(1), b35_dconv=g35[5].squeeze(1), b35_A_log=params[5], b35_dA_log=g35[6],
+             b35_dt_bias=params[6], b35_ddt_bias=g35[7], b35_norm=params[7], b35_dnorm=g35[8],
+             b35_out_proj=params[8], b35_dout_proj=g35[9])
 
     tensors = {name: v.detach().contiguous().float() for name, v in t.items()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -392,15 +392,20 @@ void linear_backward(std::int64_t m, std::int64_t k, std::int64_t n, std::span<c
     }
 }
 
-/// Where each value of a projection row goes (fix_query_key_value_ordering): per key head kh, the
-/// qkvz row holds [q (dk), k (dk), v (r dv), z (r dv)] and the ba row [b (r), a (r)], r = v_heads /
-/// k_heads; q, k and v go to the conv's channels [q | k | v] (v by value head kh r + j), z, b and
-/// a to (T, v_heads[, dv]). `move(from, to)` is called for every pair: the split forward, its
+/// Where each value of a projection row goes, by the layout (DeltaNetLayout): q, k and v to the
+/// conv's channels [q | k | v] (v by value head), z, b and a to (T, v_heads[, dv]). `move(from, to)` is called for every pair: the split forward, its
 /// adjoint backward.
 template <class Move>
 void route_qkvz(const GatedDeltaNetShape& s, Move&& move) {
   const std::int64_t r = s.v_heads / s.k_heads, dk = s.k_dim, dv = s.v_dim, row = 2 * s.key_width() + 2 * s.value_width();
   const std::int64_t C = s.conv_channels(), zrow = s.value_width();
+  if (s.layout == DeltaNetLayout::qwen3_5_stacked) {  // [q | k | v | z]: already the conv's order
+    for (std::int64_t t = 0; t < s.tokens; ++t) {
+      for (std::int64_t c = 0; c < C; ++c) move(0, t * row + c, t * C + c);
+      for (std::int64_t e = 0; e < zrow; ++e) move(1, t * row + C + e, t * zrow + e);
+    }
+    return;
+  }
   for (std::int64_t t = 0; t < s.tokens; ++t)
     for (std::int64_t kh = 0; kh < s.k_heads; ++kh) {
       const std::int64_t base = t * row + kh * (2 * dk + 2 * r * dv);
@@ -419,6 +424,14 @@ void route_qkvz(const GatedDeltaNetShape& s, Move&& move) {
 template <class Move>
 void route_ba(const GatedDeltaNetShape& s, Move&& move) {
   const std::int64_t r = s.v_heads / s.k_heads;
+  if (s.layout == DeltaNetLayout::qwen3_5_stacked) {  // [b | a]
+    for (std::int64_t t = 0; t < s.tokens; ++t)
+      for (std::int64_t h = 0; h < s.v_heads; ++h) {
+        move(2, t * 2 * s.v_heads + h, t * s.v_heads + h);
+        move(3, t * 2 * s.v_heads + s.v_heads + h, t * s.v_heads + h);
+      }
+    return;
+  }
   for (std::int64_t t = 0; t < s.tokens; ++t)
     for (std::int64_t kh = 0; kh < s.k_heads; ++kh)
       for (std::int64_t j = 0; j < r; ++j) {

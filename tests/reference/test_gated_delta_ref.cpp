@@ -183,6 +183,33 @@ void check_torch(std::span<const float> ours, std::span<const float> torch_value
   CHECK(r.ok());
 }
 
+/// A whole block of the fixture (tensors named `prefix` + ...), in `layout`, against PyTorch.
+void check_block(const TorchFixture& fx, const std::string& prefix, ref::DeltaNetLayout layout) {
+  const auto name = [&](const char* n) { return prefix + n; };
+  const auto get = [&](const char* n) { return fx[name(n).c_str()]; };
+  const ref::GatedDeltaNetShape s{.tokens = fx.dim(name("x").c_str(), 1), .hidden = fx.dim(name("x").c_str(), 2),
+                                  .k_heads = std::stoll(fx.meta("block_key_heads")), .v_heads = std::stoll(fx.meta("block_value_heads")),
+                                  .k_dim = std::stoll(fx.meta("block_key_head_dim")), .v_dim = std::stoll(fx.meta("block_value_head_dim")),
+                                  .conv_kernel = fx.dim(name("conv").c_str(), 1), .eps = std::stod(fx.meta("block_eps")),
+                                  .layout = layout};
+  REQUIRE(s.v_heads > s.k_heads);  // the two layouts differ only with several key heads
+  REQUIRE(fx.dim(name("in_proj_qkvz").c_str(), 0) == 2 * s.key_width() + 2 * s.value_width());
+  REQUIRE(fx.dim(name("conv").c_str(), 0) == s.conv_channels());
+  const auto x = get("x"), qkvz = get("in_proj_qkvz"), ba = get("in_proj_ba"), conv = get("conv");
+  const auto a_log = get("A_log"), dt = get("dt_bias"), norm = get("norm"), out = get("out_proj");
+  const ref::GatedDeltaNetWeights w{qkvz, ba, conv, a_log, dt, norm, out};
+  check_torch(ref::gated_deltanet_forward(s, x, w), get("y"), "y");
+  const auto gr = ref::gated_deltanet_backward(s, x, w, get("dy"));
+  check_torch(gr.dx, get("dx"), "dx");
+  check_torch(gr.in_proj_qkvz, get("din_proj_qkvz"), "d in_proj_qkvz");
+  check_torch(gr.in_proj_ba, get("din_proj_ba"), "d in_proj_ba");
+  check_torch(gr.conv, get("dconv"), "d conv");
+  check_torch(gr.a_log, get("dA_log"), "d A_log");
+  check_torch(gr.dt_bias, get("ddt_bias"), "d dt_bias");
+  check_torch(gr.norm, get("dnorm"), "d norm");
+  check_torch(gr.out_proj, get("dout_proj"), "d out_proj");
+}
+
 }  // namespace
 
 TEST_CASE("gated delta pieces against PyTorch's autograd through transformers' Qwen3-Next functions") {
@@ -227,27 +254,11 @@ TEST_CASE("gated delta pieces against PyTorch's autograd through transformers' Q
     check_torch(gr.da_log, fx["gates_dA_log"], "dA_log");
     check_torch(gr.ddt_bias, fx["gates_ddt_bias"], "ddt_bias");
   }
-  SUBCASE("the whole block, Qwen3NextGatedDeltaNet: its weight layouts and every gradient") {
-    const ref::GatedDeltaNetShape s{.tokens = fx.dim("block_x", 1), .hidden = fx.dim("block_x", 2),
-                                    .k_heads = std::stoll(fx.meta("block_key_heads")), .v_heads = std::stoll(fx.meta("block_value_heads")),
-                                    .k_dim = std::stoll(fx.meta("block_key_head_dim")), .v_dim = std::stoll(fx.meta("block_value_head_dim")),
-                                    .conv_kernel = fx.dim("block_conv", 1), .eps = std::stod(fx.meta("block_eps"))};
-    REQUIRE(s.v_heads > s.k_heads);
-    REQUIRE(fx.dim("block_in_proj_qkvz", 0) == 2 * s.key_width() + 2 * s.value_width());
-    REQUIRE(fx.dim("block_conv", 0) == s.conv_channels());
-    const auto x = fx["block_x"], qkvz = fx["block_in_proj_qkvz"], ba = fx["block_in_proj_ba"], conv = fx["block_conv"];
-    const auto a_log = fx["block_A_log"], dt = fx["block_dt_bias"], norm = fx["block_norm"], out = fx["block_out_proj"];
-    const ref::GatedDeltaNetWeights w{qkvz, ba, conv, a_log, dt, norm, out};
-    check_torch(ref::gated_deltanet_forward(s, x, w), fx["block_y"], "y");
-    const auto gr = ref::gated_deltanet_backward(s, x, w, fx["block_dy"]);
-    check_torch(gr.dx, fx["block_dx"], "dx");
-    check_torch(gr.in_proj_qkvz, fx["block_din_proj_qkvz"], "d in_proj_qkvz");
-    check_torch(gr.in_proj_ba, fx["block_din_proj_ba"], "d in_proj_ba");
-    check_torch(gr.conv, fx["block_dconv"], "d conv");
-    check_torch(gr.a_log, fx["block_dA_log"], "d A_log");
-    check_torch(gr.dt_bias, fx["block_ddt_bias"], "d dt_bias");
-    check_torch(gr.norm, fx["block_dnorm"], "d norm");
-    check_torch(gr.out_proj, fx["block_dout_proj"], "d out_proj");
+  SUBCASE("the whole block, Qwen3NextGatedDeltaNet: its fused layout and every gradient") {
+    check_block(fx, "block_", ref::DeltaNetLayout::qwen3_next_fused);
+  }
+  SUBCASE("the whole block, Qwen3_5MoeGatedDeltaNet: its stacked layout and every gradient") {
+    check_block(fx, "b35_", ref::DeltaNetLayout::qwen3_5_stacked);
   }
   SUBCASE("the gated RMSNorm") {
     const std::int64_t rows = fx.dim("norm_x", 0), dim = fx.dim("norm_x", 1);

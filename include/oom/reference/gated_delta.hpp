@@ -1,6 +1,6 @@
 // CPU reference of the linear-attention half of the hybrid models (Qwen3-Next, Qwen3.5-MoE): the
 // Gated DeltaNet's causal depthwise convolution with SiLU, its gates, the gated delta rule and the
-// gated RMSNorm, each forward and backward, and the whole block they make (Qwen3-Next's layout).
+// gated RMSNorm, each forward and backward, and the whole block they make (both families' layouts).
 // fp32 values between the pieces, fp64 arithmetic within each. The math is transformers'
 // Qwen3NextGatedDeltaNet (torch_recurrent_gated_delta_rule with use_qk_l2norm_in_kernel, the
 // Conv1d with padding kernel - 1 cut to the sequence, Qwen3NextRMSNormGated); GPU kernels are to be
@@ -87,14 +87,24 @@ GatedRmsNormGrads gated_rmsnorm_backward(std::int64_t rows, std::int64_t dim, st
 /// it on one sequence without a cache: in_proj_qkvz and in_proj_ba, the per-key-head interleaved
 /// split (fix_query_key_value_ordering), the conv + SiLU over [q, k, v] (hidden_act must be silu,
 /// as in every Qwen3-Next config), the gates, the gated delta rule, the gated RMSNorm with z,
-/// out_proj. Qwen3-Next's layout only: Qwen3.5-MoE's separate in_proj_qkv / in_proj_z and
-/// in_proj_b / in_proj_a, stacked, have the same sizes but another order, and would be split
-/// wrongly (except with one key head) without any error.
+/// out_proj. Its projections come in one of two layouts (`layout`, below): the weights must be
+/// given in the layout named, since both have the same sizes.
+enum class DeltaNetLayout : unsigned char {
+  /// Qwen3-Next: in_proj_qkvz holds, per key head, [q (dk), k (dk), v (r dv), z (r dv)] of its
+  /// r = v_heads / k_heads value heads, and in_proj_ba per key head [b (r), a (r)]
+  /// (fix_query_key_value_ordering).
+  qwen3_next_fused,
+  /// Qwen3.5-MoE: in_proj_qkvz is in_proj_qkv ([q | k | v], the conv's channel order) stacked over
+  /// in_proj_z, and in_proj_ba is in_proj_b stacked over in_proj_a (rows).
+  qwen3_5_stacked,
+};
+
 struct GatedDeltaNetShape {
   std::int64_t tokens = 0, hidden = 0;
   std::int64_t k_heads = 0, v_heads = 0, k_dim = 0, v_dim = 0;  ///< linear_num_key_heads, ..., linear_value_head_dim
   std::int64_t conv_kernel = 4;                                  ///< linear_conv_kernel_dim
   double eps = 1e-6;                                             ///< rms_norm_eps
+  DeltaNetLayout layout = DeltaNetLayout::qwen3_next_fused;
   [[nodiscard]] std::int64_t key_width() const { return k_heads * k_dim; }
   [[nodiscard]] std::int64_t value_width() const { return v_heads * v_dim; }
   [[nodiscard]] std::int64_t conv_channels() const { return 2 * key_width() + value_width(); }
