@@ -149,13 +149,13 @@ def main():
 
     tensors = {name: v.detach().contiguous().float() for name, v in t.items()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    save_file(tensors, args.out, metadata={"torch": torch.__version__, "transformers": transformers.__version__,
-                                           "producer": "scripts/make_gated_delta_fixture.py",
-                                           "block_key_heads": str(cfg.linear_num_key_heads),
-                                           "block_key_head_dim": str(cfg.linear_key_head_dim),
-                                           "block_value_heads": str(cfg.linear_num_value_heads),
-                                           "block_value_head_dim": str(cfg.linear_value_head_dim),
-                                           "block_eps": repr(cfg.rms_norm_eps)})
+    metadata = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "producer": "scripts/make_gated_delta_fixture.py"}
+    for prefix, c in (("block_", cfg), ("b35_", cfg35)):  # each block's shape, for the test to read
+        metadata.update({prefix + "key_heads": str(c.linear_num_key_heads), prefix + "key_head_dim": str(c.linear_key_head_dim),
+                         prefix + "value_heads": str(c.linear_num_value_heads),
+                         prefix + "value_head_dim": str(c.linear_value_head_dim), prefix + "eps": repr(c.rms_norm_eps)})
+    save_file(tensors, args.out, metadata=metadata)
     print(f"wrote {args.out}: {len(tensors)} tensors (torch {torch.__version__}, transformers {transformers.__version__})")
 
 

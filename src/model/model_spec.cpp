@@ -145,7 +145,9 @@ class ConfigReader {
     const double default_theta = f == ModelFamily::mixtral ? 1e6 : 10000.0;
     m.rope_theta_ = number_or(rope["rope_theta"], number_or(c["rope_theta"], default_theta));
     if (!(m.rope_theta_ > 0)) bad_field(rope["rope_theta"], "must be positive");
-    m.partial_rotary_factor_ = number_or(rope["partial_rotary_factor"], number_or(c["partial_rotary_factor"], 1.0));
+    // Qwen3-Next and Qwen3.5 configs default it to 0.25 (transformers' config classes), the others to 1.
+    const double default_rotary = qwen_hybrid ? 0.25 : 1.0;
+    m.partial_rotary_factor_ = number_or(rope["partial_rotary_factor"], number_or(c["partial_rotary_factor"], default_rotary));
     if (!(m.partial_rotary_factor_ > 0 && m.partial_rotary_factor_ <= 1))
       bad_field(rope["partial_rotary_factor"].present() ? rope["partial_rotary_factor"] : c["partial_rotary_factor"],
                 "must be in (0, 1], got " + std::to_string(m.partial_rotary_factor_));

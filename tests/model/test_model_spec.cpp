@@ -115,6 +115,12 @@ TEST_CASE("Qwen3-Next-80B-A3B: hybrid 3 DeltaNet : 1 gated attention, shared exp
   CHECK(tensor(m, "model.layers.5.mlp.shared_expert_gate.weight").shape == Shape{1, 2048});
   CHECK(tensor(m, "model.layers.5.mlp.experts.511.up_proj.weight").shape == Shape{512, 2048});
   CHECK(m.moe() == MoeShape{512, 10, 512, 512, true});
+  // Without the field, transformers' Qwen3NextConfig rotates a quarter of each head, not all of it.
+  std::string text = read_json_file(config_path("qwen3-next-80b-a3b.json")).dump();
+  const std::string field = "\"partial_rotary_factor\":0.25,";
+  REQUIRE(text.find(field) != std::string::npos);
+  text.erase(text.find(field), field.size());
+  CHECK(ModelSpec::from_json(Json::parse(text)).partial_rotary_factor() == 0.25);
 }
 
 TEST_CASE("Qwen3.5-MoE reads text_config; experts are slices of packed checkpoint tensors") {

@@ -178,7 +178,7 @@ void check_torch(std::span<const float> ours, std::span<const float> torch_value
   double scale = 0;
   for (float v : torch_values) scale = std::max(scale, static_cast<double>(std::abs(v)));
   const auto r = oom::test::compare(ours, torch_values, 1e-4, std::max(1e-5, 1e-5 * scale), what);
-  INFO(what << ": max abs err " << r.max_abs_err << "\n" << r.first);
+  INFO(std::string(what) << ": max abs err " << r.max_abs_err << "\n" << r.first);
   CHECK(r.checked == torch_values.size());
   CHECK(r.ok());
 }
@@ -188,11 +188,12 @@ void check_block(const TorchFixture& fx, const std::string& prefix, ref::DeltaNe
   const auto name = [&](const char* n) { return prefix + n; };
   const auto get = [&](const char* n) { return fx[name(n).c_str()]; };
   const ref::GatedDeltaNetShape s{.tokens = fx.dim(name("x").c_str(), 1), .hidden = fx.dim(name("x").c_str(), 2),
-                                  .k_heads = std::stoll(fx.meta("block_key_heads")), .v_heads = std::stoll(fx.meta("block_value_heads")),
-                                  .k_dim = std::stoll(fx.meta("block_key_head_dim")), .v_dim = std::stoll(fx.meta("block_value_head_dim")),
-                                  .conv_kernel = fx.dim(name("conv").c_str(), 1), .eps = std::stod(fx.meta("block_eps")),
+                                  .k_heads = std::stoll(fx.meta(name("key_heads").c_str())), .v_heads = std::stoll(fx.meta(name("value_heads").c_str())),
+                                  .k_dim = std::stoll(fx.meta(name("key_head_dim").c_str())), .v_dim = std::stoll(fx.meta(name("value_head_dim").c_str())),
+                                  .conv_kernel = fx.dim(name("conv").c_str(), 1), .eps = std::stod(fx.meta(name("eps").c_str())),
                                   .layout = layout};
-  REQUIRE(s.v_heads > s.k_heads);  // the two layouts differ only with several key heads
+  REQUIRE(s.k_heads > 1);  // the two layouts coincide with one key head
+  REQUIRE(s.v_heads > s.k_heads);  // and grouped value heads are exercised
   REQUIRE(fx.dim(name("in_proj_qkvz").c_str(), 0) == 2 * s.key_width() + 2 * s.value_width());
   REQUIRE(fx.dim(name("conv").c_str(), 0) == s.conv_channels());
   const auto x = get("x"), qkvz = get("in_proj_qkvz"), ba = get("in_proj_ba"), conv = get("conv");

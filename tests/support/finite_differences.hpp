@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <string>
 #include <span>
 #include <vector>
 
@@ -37,7 +38,7 @@ inline void check_fd(std::vector<float>& v, std::span<const float> grad, const s
     fd[i] = (lp - lm) / (static_cast<double>(xp) - static_cast<double>(xm));
   }
   const auto r = oom::test::compare(grad, std::span<const double>(fd), rtol, atol, what);
-  INFO(what << ": max abs err " << r.max_abs_err << "\n" << r.first);
+  INFO(std::string(what) << ": max abs err " << r.max_abs_err << "\n" << r.first);
   CHECK(r.ok());
 }
 
