@@ -67,8 +67,9 @@ SegmentWeightSource initial_weight_source(const ModelSpec& spec, std::uint64_t s
     pool->run(pieces.size(), [&](std::size_t p) {
       const Piece& pc = pieces[p];
       float* dst = out.data() + pc.offset;
-      if (is_norm(seg.tensors[pc.tensor].name)) {
-        std::fill(dst + pc.begin, dst + pc.end, 1.0f);
+      if (const std::string& name = seg.tensors[pc.tensor].name; is_norm(name)) {
+        // The identity scale: 1, or 0 where the norm applies (1 + w) (Qwen3-Next / Qwen3.5).
+        std::fill(dst + pc.begin, dst + pc.end, 1.0f - spec.norm_weight_offset(name));
         return;
       }
       const std::uint64_t k = (*keys)[s][pc.tensor];

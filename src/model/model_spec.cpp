@@ -25,6 +25,13 @@ const char* to_string(ModelFamily f) noexcept {
 
 const char* to_string(AttentionKind k) noexcept { return k == AttentionKind::full ? "full" : "linear"; }
 
+bool ModelSpec::zero_centred_norms() const { return family_ == ModelFamily::qwen3_next || family_ == ModelFamily::qwen3_5_moe; }
+
+float ModelSpec::norm_weight_offset(std::string_view tensor_name) const {
+  const bool norm = tensor_name.ends_with("norm.weight");  // layernorm.weight, q_norm.weight, model.norm.weight, ...
+  return zero_centred_norms() && norm && tensor_name.find("linear_attn.norm.weight") == std::string_view::npos ? 1.0f : 0.0f;
+}
+
 namespace {
 
 using Shape = std::vector<std::uint64_t>;

@@ -1,5 +1,5 @@
 // oom-train's initial weights (examples/train/host_lm.cpp): transformers' init (N(0, 0.02)
-// matrices, unit norms), the same bits for a seed on every machine and in every version (a run's
+// matrices, norms at the identity scale), the same bits for a seed on every machine and in every version (a run's
 // resume and a comparison across builds depend on it), whether made whole or segment by segment
 // in any order.
 #include <doctest/doctest.h>
@@ -81,4 +81,39 @@ TEST_CASE("the initial weights of a seed are fixed bits; made segment by segment
   std::vector<float> small(3);
   CHECK_THROWS_WITH_AS(source(1, small), doctest::Contains(spec.segments()[1].name.c_str()), Error);
   CHECK_THROWS_WITH_AS(source(whole.size(), small), doctest::Contains(fmt::format("segment {} of a model of {}", whole.size(), whole.size()).c_str()), Error);
+}
+
+TEST_CASE("norm weights start at the identity scale: 1, or 0 for Qwen3-Next's (1 + w) norms, 1 for its gated norm") {
+  const auto next = ModelSpec::from_file(std::filesystem::path(OOM_SOURCE_DIR) / "examples/configs/qwen3-next-80b-a3b.json");
+  REQUIRE(next.zero_centred_norms());
+  const auto source = train::initial_weight_source(next, 0);
+  // Layer 0 (linear attention) and layer 3 (full attention): every norm tensor in their segments.
+  int seen_zero = 0, seen_one = 0;
+  for (std::size_t s = 0; s < next.segments().size(); ++s) {
+    const auto& seg = next.segments()[s];
+    if (seg.layer != 0 && seg.layer != 3 && seg.layer != -1) continue;
+    bool has_norm = false;
+    for (const auto& t : seg.tensors) has_norm = has_norm || t.name.ends_with("norm.weight");
+    if (!has_norm) continue;
+    std::vector<float> w(seg.parameters());
+    source(s, w);
+    std::uint64_t off = 0;
+    for (const auto& t : seg.tensors) {
+      if (t.name.ends_with("norm.weight")) {
+        CAPTURE(t.name);
+        const float want = t.name.find("linear_attn.norm") != std::string::npos ? 1.0f : 0.0f;
+        CHECK(next.norm_weight_offset(t.name) == 1.0f - want);
+        std::uint64_t other = 0;
+        for (std::uint64_t i = 0; i < t.elements(); ++i) other += w[off + i] != want;
+        CHECK(other == 0);
+        (want == 0.0f ? seen_zero : seen_one) += 1;
+      }
+      off += t.elements();
+    }
+  }
+  CHECK(seen_zero >= 6);  // input and post-attention norms of two layers, q and k norms, the final norm
+  CHECK(seen_one == 1);   // layer 0's gated norm
+  // Another family's norms are plain: no offset, initialised to 1.
+  CHECK_FALSE(tiny().zero_centred_norms());
+  CHECK(tiny().norm_weight_offset("model.layers.0.input_layernorm.weight") == 0.0f);
 }

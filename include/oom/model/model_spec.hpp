@@ -95,6 +95,13 @@ class ModelSpec {
   [[nodiscard]] double rope_theta() const { return rope_theta_; }
   [[nodiscard]] double partial_rotary_factor() const { return partial_rotary_factor_; }
   [[nodiscard]] double rms_norm_eps() const { return rms_norm_eps_; }
+  /// Qwen3-Next and Qwen3.5 scale their RMSNorms by (1 + w), w initialised to 0: the input,
+  /// post-attention, final and q/k norms ("zero-centred"); not the gated norm inside linear
+  /// attention (linear_attn.norm, w initialised to 1), nor any other family's.
+  [[nodiscard]] bool zero_centred_norms() const;
+  /// What a norm weight `tensor_name` of this model adds to its stored value when applied: 1 for a
+  /// zero-centred norm, else 0 (so an initial weight of 1 - offset is the identity scale).
+  [[nodiscard]] float norm_weight_offset(std::string_view tensor_name) const;
   [[nodiscard]] bool tied_embeddings() const { return tied_; }
 
   /// Every segment: embedding, then per layer (attention or linear_attention, norms, then router,
