@@ -33,6 +33,23 @@ def grads(out, inputs, seed):
     return w, g
 
 
+BLOCK_SHAPE = dict(hidden_size=12, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
+                   linear_value_head_dim=3, linear_conv_kernel_dim=4, hidden_act="silu", rms_norm_eps=1e-6,
+                   num_hidden_layers=1, layer_types=["linear_attention"])
+
+
+def drawn_block(block, projections):
+    """`block` with its norm weight, A_log, dt_bias and `projections` drawn, so that no head's state
+    is reset every token (the module's A up to 16 makes exp(g) ~ 1e-4) and every head differs."""
+    with torch.no_grad():
+        block.norm.weight.uniform_(0.5, 1.5)
+        block.A_log.uniform_(-2.0, 0.5)
+        block.dt_bias.uniform_(-0.5, 1.5)
+        for lin in projections:
+            lin.weight.normal_(0, 0.3)
+    return block
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     here = os.path.dirname(os.path.abspath(__file__))
@@ -95,20 +112,10 @@ def main():
     t.update(norm_x=x, norm_z=z, norm_w=norm.weight, norm_y=y, norm_dy=w, norm_dx=dx, norm_dz=dz, norm_dw=dw)
 
     # The whole block, transformers' Qwen3NextGatedDeltaNet: T 10, hidden 12, 2 key heads of 4, 4
-    # value heads of 3 (2 a key head), kernel 4; the weights as the module makes them, but the
-    # projections, A_log, dt_bias and the norm's weight drawn so that no head's state is reset
-    # every token (A up to 16 makes exp(g) ~ 1e-4) and every head's parameters differ.
-    cfg = transformers.Qwen3NextConfig(hidden_size=12, linear_num_key_heads=2, linear_num_value_heads=4,
-                                       linear_key_head_dim=4, linear_value_head_dim=3, linear_conv_kernel_dim=4,
-                                       hidden_act="silu", rms_norm_eps=1e-6, num_hidden_layers=1,
-                                       layer_types=["linear_attention"])
+    # value heads of 3 (2 a key head), kernel 4; the module's weights, drawn (drawn_block).
+    cfg = transformers.Qwen3NextConfig(**BLOCK_SHAPE)
     block = q3n.Qwen3NextGatedDeltaNet(cfg, 0)
-    with torch.no_grad():
-        block.norm.weight.uniform_(0.5, 1.5)
-        block.A_log.uniform_(-2.0, 0.5)
-        block.dt_bias.uniform_(-0.5, 1.5)
-        for lin in (block.in_proj_qkvz, block.in_proj_ba, block.out_proj):
-            lin.weight.normal_(0, 0.3)
+    drawn_block(block, (block.in_proj_qkvz, block.in_proj_ba, block.out_proj))
     x = torch.randn(1, 10, 12, requires_grad=True)
     y = block(x)
     params = [block.in_proj_qkvz.weight, block.in_proj_ba.weight, block.conv1d.weight, block.A_log, block.dt_bias,
@@ -124,17 +131,9 @@ def main():
     # in_proj_a), stacked for the reference as in_proj_qkv over in_proj_z and in_proj_b over
     # in_proj_a: Qwen3_5MoeGatedDeltaNet with its own weights.
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35
-    cfg35 = transformers.Qwen3_5MoeTextConfig(hidden_size=12, linear_num_key_heads=2, linear_num_value_heads=4,
-                                              linear_key_head_dim=4, linear_value_head_dim=3, linear_conv_kernel_dim=4,
-                                              hidden_act="silu", rms_norm_eps=1e-6, num_hidden_layers=1,
-                                              layer_types=["linear_attention"])
+    cfg35 = transformers.Qwen3_5MoeTextConfig(**BLOCK_SHAPE)
     b35 = q35.Qwen3_5MoeGatedDeltaNet(cfg35, 0)
-    with torch.no_grad():
-        b35.norm.weight.uniform_(0.5, 1.5)
-        b35.A_log.uniform_(-2.0, 0.5)
-        b35.dt_bias.uniform_(-0.5, 1.5)
-        for lin in (b35.in_proj_qkv, b35.in_proj_z, b35.in_proj_b, b35.in_proj_a, b35.out_proj):
-            lin.weight.normal_(0, 0.3)
+    drawn_block(b35, (b35.in_proj_qkv, b35.in_proj_z, b35.in_proj_b, b35.in_proj_a, b35.out_proj))
     x = torch.randn(1, 10, 12, requires_grad=True)
     y = b35(x)
     params = [b35.in_proj_qkv.weight, b35.in_proj_z.weight, b35.in_proj_b.weight, b35.in_proj_a.weight,
