@@ -153,6 +153,69 @@ std::vector<float> gated_delta_rule_forward(const GatedDeltaShape& s, std::span<
   return out;
 }
 
+GatedDeltaChunked gated_delta_rule_chunked_forward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                                   std::span<const float> v, std::span<const float> g,
+                                                   std::span<const float> beta, std::int64_t chunk) {
+  check_inputs("gated_delta_rule_chunked_forward", s, q, k, v, g, beta);
+  if (chunk < 1) OOM_THROW(Errc::invalid_argument, fmt::format("gated_delta_rule_chunked_forward: chunk {} < 1", chunk));
+  const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim, chunks = (T + chunk - 1) / chunk;
+  GatedDeltaChunked out;
+  out.out.resize(static_cast<std::size_t>(T * s.v_heads * dv));
+  out.states.resize(static_cast<std::size_t>(s.v_heads * (chunks + 1) * dk * dv));
+  for (std::int64_t h = 0; h < s.v_heads; ++h) {
+    const HeadRun r = run_head(s, h, q, k, v, g, beta, nullptr);  // the normalised q and k (its states unused)
+    const std::int64_t most = std::min(chunk, T);  // tokens in the longest chunk
+    Vec S(static_cast<std::size_t>(dk * dv), 0.0), G(static_cast<std::size_t>(most)), d(static_cast<std::size_t>(most * dv));
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      std::copy(S.begin(), S.end(), out.states.begin() + (h * (chunks + 1) + c) * dk * dv);
+      const std::int64_t t0 = c * chunk, n = std::min(chunk, T - t0);
+      double acc_g = 0;
+      for (std::int64_t i = 0; i < n; ++i) G[i] = acc_g += g[(t0 + i) * s.v_heads + h];
+      // The deltas by forward substitution.
+      for (std::int64_t i = 0; i < n; ++i) {
+        const double* ki = &r.kn[(t0 + i) * dk];
+        const double b = beta[(t0 + i) * s.v_heads + h];
+        for (std::int64_t e = 0; e < dv; ++e) {
+          double sk = 0;
+          for (std::int64_t a = 0; a < dk; ++a) sk += S[a * dv + e] * ki[a];
+          double rhs = v[((t0 + i) * s.v_heads + h) * dv + e] - std::exp(G[i]) * sk;
+          for (std::int64_t j = 0; j < i; ++j) {
+            double kk = 0;
+            for (std::int64_t a = 0; a < dk; ++a) kk += ki[a] * r.kn[(t0 + j) * dk + a];
+            rhs -= std::exp(G[i] - G[j]) * kk * d[j * dv + e];
+          }
+          d[i * dv + e] = b * rhs;
+        }
+      }
+      // The outputs from the entering state and the chunk's deltas.
+      for (std::int64_t i = 0; i < n; ++i) {
+        const double* qi = &r.qn[(t0 + i) * dk];
+        for (std::int64_t e = 0; e < dv; ++e) {
+          double sq = 0;
+          for (std::int64_t a = 0; a < dk; ++a) sq += S[a * dv + e] * qi[a];
+          double o = std::exp(G[i]) * sq;
+          for (std::int64_t j = 0; j <= i; ++j) {
+            double qk = 0;
+            for (std::int64_t a = 0; a < dk; ++a) qk += qi[a] * r.kn[(t0 + j) * dk + a];
+            o += std::exp(G[i] - G[j]) * qk * d[j * dv + e];
+          }
+          out.out[((t0 + i) * s.v_heads + h) * dv + e] = static_cast<float>(o);
+        }
+      }
+      // The state leaving the chunk.
+      const double last = G[n - 1];
+      for (std::int64_t a = 0; a < dk; ++a)
+        for (std::int64_t e = 0; e < dv; ++e) {
+          double x = std::exp(last) * S[a * dv + e];
+          for (std::int64_t j = 0; j < n; ++j) x += std::exp(last - G[j]) * r.kn[(t0 + j) * dk + a] * d[j * dv + e];
+          S[a * dv + e] = x;
+        }
+    }
+    std::copy(S.begin(), S.end(), out.states.begin() + (h * (chunks + 1) + chunks) * dk * dv);
+  }
+  return out;
+}
+
 GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
                                           std::span<const float> v, std::span<const float> g, std::span<const float> beta,
                                           std::span<const float> d_out) {

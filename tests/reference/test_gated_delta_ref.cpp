@@ -67,6 +67,35 @@ TEST_CASE("gated delta rule: backward matches finite differences, value heads sh
   check_fd(beta, gr.dbeta, loss, "dbeta");
 }
 
+TEST_CASE("chunked gated delta rule: the recurrence's outputs, and its states at every chunk boundary") {
+  const ref::GatedDeltaShape s{.tokens = 11, .k_heads = 2, .v_heads = 4, .k_dim = 3, .v_dim = 5};
+  const auto nq = static_cast<std::size_t>(s.tokens * s.k_heads * s.k_dim);
+  const auto q = random_normal(nq, 21), k = random_normal(nq, 22);
+  const auto v = random_normal(static_cast<std::size_t>(s.tokens * s.v_heads * s.v_dim), 23);
+  const auto g = uniform(static_cast<std::size_t>(s.tokens * s.v_heads), 24, -1.5f, -0.05f);
+  const auto beta = uniform(g.size(), 25, 0.1f, 0.9f);
+  const auto recurrent = ref::gated_delta_rule_forward(s, q, k, v, g, beta);
+  const auto each = ref::gated_delta_rule_chunked_forward(s, q, k, v, g, beta, 1);  // a state after every token
+  const std::int64_t per_state = s.k_dim * s.v_dim;
+  for (std::int64_t chunk : {1, 3, 4, 11, 64}) {
+    CAPTURE(chunk);
+    const auto c = ref::gated_delta_rule_chunked_forward(s, q, k, v, g, beta, chunk);
+    const auto r = oom::test::compare(std::span<const float>(c.out), std::span<const float>(recurrent), 1e-5, 1e-6, "out");
+    INFO(r.first);
+    CHECK(r.ok());
+    const std::int64_t chunks = (s.tokens + chunk - 1) / chunk;
+    REQUIRE(c.states.size() == static_cast<std::size_t>(s.v_heads * (chunks + 1) * per_state));
+    for (std::int64_t h = 0; h < s.v_heads; ++h)
+      for (std::int64_t b = 0; b <= chunks; ++b) {
+        const std::int64_t token = std::min(b * chunk, s.tokens);  // the state entering this token
+        const std::span<const float> got(&c.states[(h * (chunks + 1) + b) * per_state], static_cast<std::size_t>(per_state));
+        const std::span<const float> want(&each.states[(h * (s.tokens + 1) + token) * per_state], static_cast<std::size_t>(per_state));
+        CHECK(oom::test::compare(got, want, 1e-5, 1e-6, "state").ok());
+      }
+  }
+  CHECK_THROWS_WITH_AS(ref::gated_delta_rule_chunked_forward(s, q, k, v, g, beta, 0), doctest::Contains("chunk 0"), oom::Error);
+}
+
 TEST_CASE("gated delta rule: shapes are checked by name") {
   const ref::GatedDeltaShape s{.tokens = 2, .k_heads = 2, .v_heads = 3, .k_dim = 2, .v_dim = 2};
   const std::vector<float> x(8);
@@ -227,6 +256,8 @@ TEST_CASE("gated delta pieces against PyTorch's autograd through transformers' Q
     const auto out = ref::gated_delta_rule_forward(s, q, k, v, g, beta);
     check_torch(out, fx["core_out"], "out");
     check_torch(out, fx["core_out_chunked"], "out vs the chunked form");
+    check_torch(ref::gated_delta_rule_chunked_forward(s, q, k, v, g, beta, 4).out, fx["core_out_chunked"],
+                "our chunks of 4 vs transformers' chunks of 4");
     const auto gr = ref::gated_delta_rule_backward(s, q, k, v, g, beta, fx["core_w"]);
     check_torch(gr.dq, fx["core_dq"], "dq");
     check_torch(gr.dk, fx["core_dk"], "dk");

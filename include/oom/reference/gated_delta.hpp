@@ -30,6 +30,20 @@ std::vector<float> gated_delta_rule_forward(const GatedDeltaShape& s, std::span<
                                             std::span<const float> v, std::span<const float> g,
                                             std::span<const float> beta);
 
+/// The same rule computed a chunk of `chunk` tokens at a time, as chunked GPU kernels do (FLA's
+/// form, transformers' torch_chunk_gated_delta_rule): within a chunk, with G_i the decay summed
+/// from its start and S the state entering it, the deltas solve the unit lower-triangular system
+///   d_i + beta_i sum_{j<i} exp(G_i - G_j) (k_i . k_j) d_j = beta_i (v_i - exp(G_i) S^T k_i),
+/// then out_i = exp(G_i) S^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) d_j, and the state leaving
+/// is exp(G_last) S + sum_j exp(G_last - G_j) k_j d_j^T. chunk 1 is the recurrence itself.
+struct GatedDeltaChunked {
+  std::vector<float> out;     ///< (T, v_heads, dv)
+  std::vector<float> states;  ///< (v_heads, chunks + 1, dk, dv): the state entering each chunk, then the final one
+};
+GatedDeltaChunked gated_delta_rule_chunked_forward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                                   std::span<const float> v, std::span<const float> g,
+                                                   std::span<const float> beta, std::int64_t chunk);
+
 struct GatedDeltaGrads {
   std::vector<float> dq, dk;  ///< (T, k_heads, dk): summed over the value heads that share a key head
   std::vector<float> dv;      ///< (T, v_heads, dv)
