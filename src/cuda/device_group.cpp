@@ -101,6 +101,15 @@ struct DeviceGroup::Impl {
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("DeviceGroup::{}: {} {} buffers for a group of {} GPUs", op, buffers, which, info.size()));
   }
+  /// `call(r, comm, stream)` for every rank, in one NCCL group, the caller's device kept.
+  template <class Call>
+  void each_rank(Call&& call) const {
+    CurrentDevice keep;
+    NcclGroup group;
+    for (std::size_t r = 0; r < info.size(); ++r) OOM_NCCL_CHECK(call(r, comms[r], streams[r]));
+    group.end();
+  }
+
   void check_count(std::size_t count, const char* op) const {
     if (count % info.size() != 0)
       OOM_THROW(Errc::invalid_argument,
@@ -153,11 +162,10 @@ void DeviceGroup::reduce_scatter_sum(std::span<const float* const> send, std::sp
   impl_->check_buffers(recv.size(), "receive", "reduce_scatter_sum");
   impl_->check_count(count, "reduce_scatter_sum");
   if (count == 0) return;
-  CurrentDevice keep;
-  NcclGroup group;
-  for (int r = 0; r < size(); ++r)
-    OOM_NCCL_CHECK(ncclReduceScatter(send[r], recv[r], shard(count), ncclFloat, ncclSum, impl_->comms[r], impl_->streams[r]));
-  group.end();
+  const std::size_t s = shard(count);
+  impl_->each_rank([&](std::size_t r, ncclComm_t comm, cudaStream_t stream) {
+    return ncclReduceScatter(send[r], recv[r], s, ncclFloat, ncclSum, comm, stream);
+  });
 }
 
 void DeviceGroup::all_gather(std::span<const float* const> send, std::span<float* const> recv, std::size_t count) const {
@@ -165,11 +173,10 @@ void DeviceGroup::all_gather(std::span<const float* const> send, std::span<float
   impl_->check_buffers(recv.size(), "receive", "all_gather");
   impl_->check_count(count, "all_gather");
   if (count == 0) return;
-  CurrentDevice keep;
-  NcclGroup group;
-  for (int r = 0; r < size(); ++r)
-    OOM_NCCL_CHECK(ncclAllGather(send[r], recv[r], shard(count), ncclFloat, impl_->comms[r], impl_->streams[r]));
-  group.end();
+  const std::size_t s = shard(count);
+  impl_->each_rank([&](std::size_t r, ncclComm_t comm, cudaStream_t stream) {
+    return ncclAllGather(send[r], recv[r], s, ncclFloat, comm, stream);
+  });
 }
 
 void DeviceGroup::all_reduce_sum(std::span<float* const> data, std::size_t count) const {
@@ -184,12 +191,9 @@ void DeviceGroup::all_reduce_sum(std::span<float* const> data, std::size_t count
   reduce_scatter_sum(whole, own, body);
   all_gather(own_in, data, body);
   if (body == count) return;
-  CurrentDevice keep;
-  NcclGroup group;
-  for (int r = 0; r < size(); ++r)
-    OOM_NCCL_CHECK(ncclAllReduce(data[r] + body, data[r] + body, count - body, ncclFloat, ncclSum, impl_->comms[r],
-                                 impl_->streams[r]));
-  group.end();
+  impl_->each_rank([&](std::size_t r, ncclComm_t comm, cudaStream_t stream) {
+    return ncclAllReduce(data[r] + body, data[r] + body, count - body, ncclFloat, ncclSum, comm, stream);
+  });
 }
 
 void DeviceGroup::synchronize() const {
