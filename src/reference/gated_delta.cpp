@@ -93,31 +93,40 @@ void check_norm(const char* fn, std::int64_t rows, std::int64_t dim, std::span<c
   check_size(fn, w.size(), dim, "w");
 }
 
-/// One value head's forward: the normalised q/k of every token, and every state S_0 .. S_T
-/// (S_0 = 0; S_t after token t - 1), dk x dv each, row-major by key dimension.
+/// One value head's normalised q and k (q also scaled by 1 / sqrt(dk)) and their l2 factors, and,
+/// where the recurrence is run (run_head), every state S_0 .. S_T (S_0 = 0; S_t after token t - 1),
+/// dk x dv each, row-major by key dimension.
 struct HeadRun {
-  Vec qn, kn;   // (T, dk): q already scaled by 1 / sqrt(dk)
+  Vec qn, kn;   // (T, dk)
   Vec rq, rk;   // (T): l2 factors
-  Vec states;   // (T + 1, dk, dv)
+  Vec states;   // (T + 1, dk, dv); empty from normalise_head
 };
 
-HeadRun run_head(const GatedDeltaShape& s, std::int64_t h, std::span<const float> q, std::span<const float> k,
-                 std::span<const float> v, std::span<const float> g, std::span<const float> beta, float* out) {
-  const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim, kh = h / (s.v_heads / s.k_heads);
+HeadRun normalise_head(const GatedDeltaShape& s, std::int64_t h, std::span<const float> q, std::span<const float> k) {
+  const std::int64_t T = s.tokens, dk = s.k_dim, kh = h / (s.v_heads / s.k_heads);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
   HeadRun r;
   r.qn.resize(static_cast<std::size_t>(T * dk));
   r.kn.resize(r.qn.size());
   r.rq.resize(static_cast<std::size_t>(T));
   r.rk.resize(r.rq.size());
-  r.states.assign(static_cast<std::size_t>((T + 1) * dk * dv), 0.0);
-  Vec u(static_cast<std::size_t>(dv)), d(u.size());
   for (std::int64_t t = 0; t < T; ++t) {
-    double* qn = &r.qn[t * dk];
-    double* kn = &r.kn[t * dk];
-    r.rq[t] = l2_normalise(&q[(t * s.k_heads + kh) * dk], dk, qn);
-    r.rk[t] = l2_normalise(&k[(t * s.k_heads + kh) * dk], dk, kn);
-    for (std::int64_t i = 0; i < dk; ++i) qn[i] *= scale;
+    r.rq[t] = l2_normalise(&q[(t * s.k_heads + kh) * dk], dk, &r.qn[t * dk]);
+    r.rk[t] = l2_normalise(&k[(t * s.k_heads + kh) * dk], dk, &r.kn[t * dk]);
+    for (std::int64_t i = 0; i < dk; ++i) r.qn[t * dk + i] *= scale;
+  }
+  return r;
+}
+
+HeadRun run_head(const GatedDeltaShape& s, std::int64_t h, std::span<const float> q, std::span<const float> k,
+                 std::span<const float> v, std::span<const float> g, std::span<const float> beta, float* out) {
+  const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim;
+  HeadRun r = normalise_head(s, h, q, k);
+  r.states.assign(static_cast<std::size_t>((T + 1) * dk * dv), 0.0);
+  Vec d(static_cast<std::size_t>(dv));
+  for (std::int64_t t = 0; t < T; ++t) {
+    const double* qn = &r.qn[t * dk];
+    const double* kn = &r.kn[t * dk];
     const double* prev = &r.states[t * dk * dv];
     double* S = &r.states[(t + 1) * dk * dv];
     const double alpha = std::exp(static_cast<double>(g[t * s.v_heads + h]));
@@ -127,7 +136,6 @@ HeadRun run_head(const GatedDeltaShape& s, std::int64_t h, std::span<const float
     for (std::int64_t j = 0; j < dv; ++j) {
       double acc = 0;
       for (std::int64_t i = 0; i < dk; ++i) acc += S[i * dv + j] * kn[i];
-      u[j] = acc;
       d[j] = b * (vt[j] - acc);
     }
     for (std::int64_t i = 0; i < dk; ++i)
@@ -163,14 +171,26 @@ GatedDeltaChunked gated_delta_rule_chunked_forward(const GatedDeltaShape& s, std
   out.out.resize(static_cast<std::size_t>(T * s.v_heads * dv));
   out.states.resize(static_cast<std::size_t>(s.v_heads * (chunks + 1) * dk * dv));
   for (std::int64_t h = 0; h < s.v_heads; ++h) {
-    const HeadRun r = run_head(s, h, q, k, v, g, beta, nullptr);  // the normalised q and k (its states unused)
+    const HeadRun r = normalise_head(s, h, q, k);
     const std::int64_t most = std::min(chunk, T);  // tokens in the longest chunk
     Vec S(static_cast<std::size_t>(dk * dv), 0.0), G(static_cast<std::size_t>(most)), d(static_cast<std::size_t>(most * dv));
+    // Within a chunk, exp(G_i - G_j) (k_i . k_j) for j < i and exp(G_i - G_j) (q_i . k_j) for j <= i.
+    Vec kk(static_cast<std::size_t>(most * most)), qk(kk.size());
     for (std::int64_t c = 0; c < chunks; ++c) {
       std::copy(S.begin(), S.end(), out.states.begin() + (h * (chunks + 1) + c) * dk * dv);
       const std::int64_t t0 = c * chunk, n = std::min(chunk, T - t0);
       double acc_g = 0;
       for (std::int64_t i = 0; i < n; ++i) G[i] = acc_g += g[(t0 + i) * s.v_heads + h];
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t j = 0; j <= i; ++j) {
+          double dot_k = 0, dot_q = 0;
+          for (std::int64_t a = 0; a < dk; ++a) {
+            dot_k += r.kn[(t0 + i) * dk + a] * r.kn[(t0 + j) * dk + a];
+            dot_q += r.qn[(t0 + i) * dk + a] * r.kn[(t0 + j) * dk + a];
+          }
+          kk[i * most + j] = std::exp(G[i] - G[j]) * dot_k;
+          qk[i * most + j] = std::exp(G[i] - G[j]) * dot_q;
+        }
       // The deltas by forward substitution.
       for (std::int64_t i = 0; i < n; ++i) {
         const double* ki = &r.kn[(t0 + i) * dk];
@@ -179,11 +199,7 @@ GatedDeltaChunked gated_delta_rule_chunked_forward(const GatedDeltaShape& s, std
           double sk = 0;
           for (std::int64_t a = 0; a < dk; ++a) sk += S[a * dv + e] * ki[a];
           double rhs = v[((t0 + i) * s.v_heads + h) * dv + e] - std::exp(G[i]) * sk;
-          for (std::int64_t j = 0; j < i; ++j) {
-            double kk = 0;
-            for (std::int64_t a = 0; a < dk; ++a) kk += ki[a] * r.kn[(t0 + j) * dk + a];
-            rhs -= std::exp(G[i] - G[j]) * kk * d[j * dv + e];
-          }
+          for (std::int64_t j = 0; j < i; ++j) rhs -= kk[i * most + j] * d[j * dv + e];
           d[i * dv + e] = b * rhs;
         }
       }
@@ -194,11 +210,7 @@ GatedDeltaChunked gated_delta_rule_chunked_forward(const GatedDeltaShape& s, std
           double sq = 0;
           for (std::int64_t a = 0; a < dk; ++a) sq += S[a * dv + e] * qi[a];
           double o = std::exp(G[i]) * sq;
-          for (std::int64_t j = 0; j <= i; ++j) {
-            double qk = 0;
-            for (std::int64_t a = 0; a < dk; ++a) qk += qi[a] * r.kn[(t0 + j) * dk + a];
-            o += std::exp(G[i] - G[j]) * qk * d[j * dv + e];
-          }
+          for (std::int64_t j = 0; j <= i; ++j) o += qk[i * most + j] * d[j * dv + e];
           out.out[((t0 + i) * s.v_heads + h) * dv + e] = static_cast<float>(o);
         }
       }
