@@ -206,6 +206,12 @@ TEST_CASE("a checkpoint of state read a range at a time (a GPU's): the same file
     CHECK(std::equal(std::istreambuf_iterator<char>(fa), {}, std::istreambuf_iterator<char>(fb)));
   }
   CHECK(read_floats == 3 * behind_readers);  // each value read once
+  // A range past the end is refused by name, for a view of host memory and before a reader is asked.
+  const std::size_t read_before = read_floats;
+  std::vector<float> two(2);
+  CHECK_THROWS_WITH_AS(views[0].copy(StateArray::master, st[0].master.size() - 1, two), doctest::Contains("state read: values"), Error);
+  CHECK_THROWS_WITH_AS(views[1].copy(StateArray::exp_avg, st[1].master.size() - 1, two), doctest::Contains("of a segment of"), Error);
+  CHECK(read_floats == read_before);
   CHECK(largest <= (std::size_t{8} << 20) / sizeof(float));
   CHECK(largest < st[0].master.size());
 

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "oom/core/error.hpp"
@@ -45,12 +46,16 @@ struct SegmentStateView {
     return a == StateArray::master ? master : a == StateArray::exp_avg ? exp_avg : exp_avg_sq;
   }
   [[nodiscard]] std::size_t size(StateArray a) const { return read ? read_parameters : host(a).size(); }
-  /// out.size() values of `a` from `offset` on (offset + out.size() <= size(a)), from wherever they live.
+  /// out.size() values of `a` from `offset` on, from wherever they live; a range past the end is
+  /// Errc::invalid_argument, before any reader is asked.
   void copy(StateArray a, std::size_t offset, std::span<float> out) const {
+    const std::size_t n = size(a);
+    if (offset > n || out.size() > n - offset)
+      OOM_THROW(Errc::invalid_argument, "state read: values " + std::to_string(offset) + ".." + std::to_string(offset + out.size()) +
+                                            " of a segment of " + std::to_string(n));
     if (read) {
       read(a, offset, out);
     } else {
-      OOM_ASSERT(offset <= host(a).size() && out.size() <= host(a).size() - offset);
       const auto from = host(a).subspan(offset, out.size());
       std::copy(from.begin(), from.end(), out.begin());
     }
