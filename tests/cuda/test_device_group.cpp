@@ -52,9 +52,9 @@ std::vector<std::vector<float>> download(const std::vector<DeviceBuffer<float>>&
 }
 
 template <class T>
-std::vector<T> pointers(const std::vector<DeviceBuffer<float>>& b, std::size_t offset_per_rank = 0) {
+std::vector<T> pointers(const std::vector<DeviceBuffer<float>>& b) {
   std::vector<T> out;
-  for (std::size_t r = 0; r < b.size(); ++r) out.push_back(b[r].get() + r * offset_per_rank);
+  for (const auto& buffer : b) out.push_back(buffer.get());
   return out;
 }
 
