@@ -111,8 +111,8 @@ std::span<const float> cspan(const Vec& v) { return {v.data(), v.size()}; }
 
 std::string unsupported(int layer, std::string_view feature) {
   return fmt::format("HostDecoderLayer: layer {} has {}, which the host decoder layer does not implement "
-                     "(it runs qwen3_moe layers: full attention with per-head q/k RMSNorm, no bias, MoE without "
-                     "shared expert)",
+                     "(it runs qwen3_moe, qwen3_next and qwen3_5_moe layers: an MoE block; full attention with "
+                     "per-head q/k RMSNorm and no bias, or Gated DeltaNet linear attention)",
                      layer, feature);
 }
 
@@ -122,17 +122,16 @@ HostDecoderLayer::HostDecoderLayer(const ModelSpec& spec, int layer) : layer_(la
   const LayerSpec& ls = spec.layer(layer);
   const auto& a = spec.attention();
   const auto& m = spec.moe();
-  if (ls.attention != AttentionKind::full) OOM_THROW(Errc::unsupported, unsupported(layer, "linear attention (Gated DeltaNet)"));
-  if (a.output_gate) OOM_THROW(Errc::unsupported, unsupported(layer, "an attention output gate"));
-  if (!a.qk_norm) OOM_THROW(Errc::unsupported, unsupported(layer, "attention without q/k norm"));
-  if (a.qk_norm_full_width) OOM_THROW(Errc::unsupported, unsupported(layer, "a full-width q/k norm"));
-  if (a.bias) OOM_THROW(Errc::unsupported, unsupported(layer, "attention bias"));
-  if (spec.partial_rotary_factor() != 1.0)
-    OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("partial rotary embedding (factor {})", spec.partial_rotary_factor())));
+  const ModelFamily family = spec.family();
+  if (family != ModelFamily::qwen3_moe && family != ModelFamily::qwen3_next && family != ModelFamily::qwen3_5_moe)
+    OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("model family {}", to_string(family))));
+  linear_ = ls.attention == AttentionKind::linear;
+  if (!linear_) {
+    if (!a.qk_norm) OOM_THROW(Errc::unsupported, unsupported(layer, "attention without q/k norm"));
+    if (a.qk_norm_full_width) OOM_THROW(Errc::unsupported, unsupported(layer, "a full-width q/k norm"));
+    if (a.bias) OOM_THROW(Errc::unsupported, unsupported(layer, "attention bias"));
+  }
   if (!ls.moe) OOM_THROW(Errc::unsupported, unsupported(layer, "a dense MLP (mlp_only_layers / decoder_sparse_step)"));
-  if (m.shared_expert_intermediate > 0) OOM_THROW(Errc::unsupported, unsupported(layer, "a shared expert"));
-  if (spec.family() != ModelFamily::qwen3_moe)
-    OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("model family {}", to_string(spec.family()))));
 
   const auto segs = spec.layer_segments(layer);
   segments_.assign(segs.begin(), segs.end());
@@ -146,24 +145,53 @@ HostDecoderLayer::HostDecoderLayer(const ModelSpec& spec, int layer) : layer_(la
   e_ = m.experts;
   k_ = m.top_k;
   i_ = m.expert_intermediate;
+  shared_i_ = m.shared_expert_intermediate;
   eps_ = static_cast<float>(spec.rms_norm_eps());
   theta_ = static_cast<float>(spec.rope_theta());
   scale_ = 1.0 / std::sqrt(static_cast<double>(d_));
   norm_topk_ = m.norm_topk_prob;
+  output_gate_ = !linear_ && a.output_gate;
+  norm_offset_ = spec.zero_centred_norms() ? 1.0f : 0.0f;
+  // transformers: int(head_dim * partial_rotary_factor), rotated as rotate-half pairs.
+  rotary_ = static_cast<std::uint64_t>(static_cast<double>(d_) * spec.partial_rotary_factor());
+  if (!linear_ && (rotary_ == 0 || rotary_ > d_ || rotary_ % 2 != 0))
+    OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("a rotary dimension of {} (head_dim {} x partial_rotary_factor {}): "
+                                                                "it must be even and in (0, head_dim]",
+                                                                rotary_, d_, spec.partial_rotary_factor())));
+  if (linear_) {
+    const auto& l = spec.linear_attention();
+    delta_.hidden = static_cast<std::int64_t>(h_);
+    delta_.k_heads = static_cast<std::int64_t>(l.key_heads);
+    delta_.v_heads = static_cast<std::int64_t>(l.value_heads);
+    delta_.k_dim = static_cast<std::int64_t>(l.key_head_dim);
+    delta_.v_dim = static_cast<std::int64_t>(l.value_head_dim);
+    delta_.conv_kernel = static_cast<std::int64_t>(l.conv_kernel);
+    delta_.eps = spec.rms_norm_eps();
+    delta_.layout = family == ModelFamily::qwen3_5_moe ? reference::DeltaNetLayout::qwen3_5_stacked
+                                                       : reference::DeltaNetLayout::qwen3_next_fused;
+  }
   // The layout the weight offsets below assume.
-  OOM_ASSERT(segments_.size() == 3 + e_);
-  OOM_ASSERT(segments_[0].parameters() == (q_ + 2 * kv_) * h_ + h_ * q_ + 2 * d_);
+  OOM_ASSERT(segments_.size() == 3 + e_ + (shared_i_ > 0 ? 1 : 0));
+  if (linear_) {
+    const auto C = static_cast<std::uint64_t>(delta_.conv_channels()), vw = static_cast<std::uint64_t>(delta_.value_width());
+    const auto kw = static_cast<std::uint64_t>(delta_.key_width()), vh = static_cast<std::uint64_t>(delta_.v_heads);
+    OOM_ASSERT(segments_[0].parameters() == (2 * kw + 2 * vw) * h_ + 2 * vh * h_ + C * static_cast<std::uint64_t>(delta_.conv_kernel) +
+                                                2 * vh + static_cast<std::uint64_t>(delta_.v_dim) + h_ * vw);
+  } else {
+    OOM_ASSERT(segments_[0].parameters() == ((output_gate_ ? 2 : 1) * q_ + 2 * kv_) * h_ + h_ * q_ + 2 * d_);
+  }
   OOM_ASSERT(segments_[1].parameters() == 2 * h_ && segments_[2].parameters() == e_ * h_);
   for (std::uint64_t e = 0; e < e_; ++e) OOM_ASSERT(segments_[3 + e].parameters() == 3 * i_ * h_);
+  if (shared_i_ > 0) OOM_ASSERT(segments_[3 + e_].parameters() == 3 * shared_i_ * h_ + h_);
 }
 
 std::uint64_t HostDecoderLayer::saved_floats(ActivationClass c, std::uint64_t t) const {
   switch (c) {
     case ActivationClass::norm_output: return 3 * t * h_ + 2 * t;
-    case ActivationClass::attention_output: return t * (2 * q_ + 2 * kv_);
-    case ActivationClass::softmax_stats: return heads_ * t;
+    case ActivationClass::attention_output: return linear_ ? 0 : t * (2 * q_ + 2 * kv_ + (output_gate_ ? q_ : 0));
+    case ActivationClass::softmax_stats: return linear_ ? 0 : heads_ * t;
     case ActivationClass::router_output: return t * (e_ + 2 * k_);
-    case ActivationClass::expert_intermediate: return t * k_ * 2 * i_;
+    case ActivationClass::expert_intermediate: return t * k_ * 2 * i_ + (shared_i_ > 0 ? t * (2 * shared_i_ + 1) : 0);
     default: return 0;
   }
 }
@@ -171,28 +199,51 @@ std::uint64_t HostDecoderLayer::saved_floats(ActivationClass c, std::uint64_t t)
 LayerCost HostDecoderLayer::cost(const Workload& w) const {
   const double t = static_cast<double>(w.tokens()), s = static_cast<double>(w.seq_len);
   const double H = static_cast<double>(h_);
-  const double proj = 2 * t * H * static_cast<double>(q_ + 2 * kv_) + 2 * t * static_cast<double>(q_) * H;
-  // QK^T and PV over the causal pairs of each sequence.
-  const double core = static_cast<double>(w.sequences) * 2.0 * static_cast<double>(heads_ * d_) * s * (s + 1);
+  double proj = 0, core = 0, mixer_backward = 0;
+  if (linear_) {
+    const auto kw = static_cast<double>(delta_.key_width()), vw = static_cast<double>(delta_.value_width());
+    const auto vh = static_cast<double>(delta_.v_heads), C = static_cast<double>(delta_.conv_channels());
+    proj = 2 * t * H * (2 * kw + 2 * vw + 2 * vh) + 2 * t * vw * H;
+    // The conv, and per token and value head the decay, S^T k, the rank-1 update and S^T q.
+    core = 2 * t * C * static_cast<double>(delta_.conv_kernel) + 8 * t * vh * static_cast<double>(delta_.k_dim * delta_.v_dim);
+    mixer_backward = 3 * (proj + core);  // the block runs again, then twice its work backward
+  } else {
+    proj = 2 * t * H * static_cast<double>((output_gate_ ? 2 : 1) * q_ + 2 * kv_) + 2 * t * static_cast<double>(q_) * H;
+    // QK^T and PV over the causal pairs of each sequence.
+    core = static_cast<double>(w.sequences) * 2.0 * static_cast<double>(heads_ * d_) * s * (s + 1);
+    mixer_backward = 2 * proj + 2.5 * core;
+  }
   const double router = 2 * t * H * static_cast<double>(e_);
-  const double experts = 2 * t * static_cast<double>(k_) * 3 * H * static_cast<double>(i_);
-  const double norms = 8 * t * H + 8 * t * static_cast<double>(q_ + kv_);
+  const double experts = 2 * t * static_cast<double>(k_) * 3 * H * static_cast<double>(i_) +
+                         (shared_i_ > 0 ? 2 * t * (3 * H * static_cast<double>(shared_i_) + H) : 0.0);
+  const double norms = 8 * t * H + (linear_ ? 0.0 : 8 * t * static_cast<double>(q_ + kv_));
   const double attention_half = proj + core + norms / 2;
   LayerCost c;
   c.forward_flops = proj + core + router + experts + norms;
-  c.backward_flops = 2 * (proj + router + experts + norms) + 2.5 * core;
+  c.backward_flops = mixer_backward + 2 * (router + experts + norms);
   const std::uint64_t tokens = w.tokens();
   for (auto a : {ActivationClass::norm_output, ActivationClass::attention_output, ActivationClass::softmax_stats,
                  ActivationClass::router_output, ActivationClass::expert_intermediate}) {
+    if (saved_floats(a, tokens) == 0) continue;  // a linear-attention layer's attention classes
     const bool attn = is_attention_result(a);
     c.activations.push_back({a, Bytes{saved_floats(a, tokens) * sizeof(float)}, attn ? attention_half : c.forward_flops});
   }
-  // Live while the layer runs unchunked: the fp32 weight copies, the attention half's and the
-  // MoE half's temporaries and the backward's per-slot gradients.
+  // Live while the layer runs unchunked: the fp32 weight copies, the mixer's and the MoE half's
+  // temporaries and the backward's per-slot gradients.
   std::uint64_t params = 0;
   for (const auto& seg : segments_) params += seg.parameters();
-  const std::uint64_t per_token = 8 * h_ + 6 * q_ + 6 * kv_ + 2 * e_ + k_ * (4 * i_ + 3 * i_ + 3 * h_);
-  c.workset = Bytes{(params + tokens * per_token) * sizeof(float)};
+  std::uint64_t per_token = 8 * h_ + 2 * e_ + k_ * (4 * i_ + 3 * i_ + 3 * h_) + (shared_i_ > 0 ? 7 * shared_i_ + h_ + 2 : 0);
+  std::uint64_t fixed = 0;
+  if (linear_) {
+    // The reference block: its projections, conv, gates and core per token (x2 in backward), and
+    // one head's S x dk x dv fp64 states while its backward runs (sequences run one at a time).
+    const auto row = static_cast<std::uint64_t>(2 * delta_.key_width() + 2 * delta_.value_width() + 2 * delta_.v_heads);
+    per_token += 6 * row;
+    fixed = 2 * (w.seq_len + 1) * static_cast<std::uint64_t>(delta_.k_dim * delta_.v_dim);
+  } else {
+    per_token += 6 * q_ + 6 * kv_ + (output_gate_ ? 3 * q_ : 0);
+  }
+  c.workset = Bytes{(params + tokens * per_token + fixed) * sizeof(float)};
   c.output = Bytes{tokens * h_ * sizeof(float)};
   return c;
 }
@@ -253,6 +304,11 @@ void HostDecoderLayer::convert_weights(const HostLayerContext& ctx) {
     w_[s].resize(src.size());
     for (size_t i = 0; i < src.size(); ++i) w_[s][i] = to_float(src[i]);
   }
+  if (norm_offset_ != 0) {  // (1 + w), in fp32 as transformers: the layer norms, then q_norm and k_norm
+    for (float& v : w_[1]) v += norm_offset_;
+    if (!linear_)
+      for (size_t i = w_[0].size() - 2 * d_; i < w_[0].size(); ++i) w_[0][i] += norm_offset_;
+  }
 }
 
 void HostDecoderLayer::normed_rotated(const float* raw, std::uint64_t tokens, std::uint64_t heads, const float* norm_weight,
@@ -264,7 +320,7 @@ void HostDecoderLayer::normed_rotated(const float* raw, std::uint64_t tokens, st
   reference::rmsnorm_forward<float>(cspan(raw, n), cspan(norm_weight, d_), normed, rstd,
                                     static_cast<std::int64_t>(tokens * heads), static_cast<std::int64_t>(d_), eps_);
   reference::rope_forward<float>(cspan(normed), std::span<const std::int32_t>(positions_.data(), tokens), rotated,
-                                 static_cast<std::int64_t>(heads), static_cast<std::int64_t>(d_), static_cast<std::int64_t>(d_), theta_);
+                                 static_cast<std::int64_t>(heads), static_cast<std::int64_t>(d_), static_cast<std::int64_t>(rotary_), theta_);
 }
 
 namespace {
@@ -299,36 +355,14 @@ void HostDecoderLayer::forward(HostLayerContext& ctx) {
 void HostDecoderLayer::attention_forward(const HostLayerContext& ctx) {
   const size_t T = ctx.tokens, H = h_;
   const float* x = ctx.input;
-  const float* wa = w_[0].data();
-  const float* w_o = wa + (q_ + 2 * kv_) * H;
-  const float* q_norm = w_o + H * q_;
-  const float* k_norm = q_norm + d_;
   auto& f = fwd_;
   f.xn1.resize(T * H);
   f.rstd1.resize(T);
   reference::rmsnorm_forward<float>(cspan(x, T * H), cspan(w_[1].data(), H), f.xn1, f.rstd1, static_cast<std::int64_t>(T),
                                     static_cast<std::int64_t>(H), eps_);
-  const size_t P = q_ + 2 * kv_;
-  Vec qkv(T * P);
-  gemm_nt(f.xn1.data(), wa, qkv.data(), T, P, H);
-  f.q_raw.resize(T * q_);
-  f.k_raw.resize(T * kv_);
-  f.v.resize(T * kv_);
-  for (size_t t = 0; t < T; ++t) {
-    const float* row = qkv.data() + t * P;
-    std::copy_n(row, q_, f.q_raw.data() + t * q_);
-    std::copy_n(row + q_, kv_, f.k_raw.data() + t * kv_);
-    std::copy_n(row + q_ + kv_, kv_, f.v.data() + t * kv_);
-  }
-  Vec qn, rq, qr, kn, rk, kr;
-  normed_rotated(f.q_raw.data(), T, heads_, q_norm, qn, rq, qr);
-  normed_rotated(f.k_raw.data(), T, kv_heads_, k_norm, kn, rk, kr);
-  const reference::AttentionDims dims = attention_dims(ctx, heads_, kv_heads_, d_);
-  f.context.resize(T * q_);
-  f.lse.resize(heads_ * T);
-  reference::attention_forward<float>(dims, scale_, cspan(qr), cspan(kr), cspan(f.v), f.context, f.lse);
   Vec attn(T * H);
-  gemm_nt(f.context.data(), w_o, attn.data(), T, H, q_);
+  if (linear_) linear_attention_forward(ctx, attn);
+  else full_attention_forward(ctx, attn);
   f.h.resize(T * H);
   for (size_t i = 0; i < T * H; ++i) f.h[i] = x[i] + attn[i];
 
@@ -337,13 +371,108 @@ void HostDecoderLayer::attention_forward(const HostLayerContext& ctx) {
     std::copy(f.h.begin(), f.h.end(), s + 2 * T * H);
     std::copy(f.rstd1.begin(), f.rstd1.end(), s + 3 * T * H);
   }
+  if (linear_) return;
   if (float* s = ctx.saved[cls(ActivationClass::attention_output)]) {
     s = std::copy(f.q_raw.begin(), f.q_raw.end(), s);
     s = std::copy(f.k_raw.begin(), f.k_raw.end(), s);
     s = std::copy(f.v.begin(), f.v.end(), s);
-    std::copy(f.context.begin(), f.context.end(), s);
+    s = std::copy(f.context.begin(), f.context.end(), s);
+    std::copy(f.gate.begin(), f.gate.end(), s);  // empty without an output gate
   }
   if (float* s = ctx.saved[cls(ActivationClass::softmax_stats)]) std::copy(f.lse.begin(), f.lse.end(), s);
+}
+
+namespace {
+
+float sigmoidf(float x) { return static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(x)))); }
+
+/// The attention context scaled by sigmoid(gate), as o_proj reads it; the context itself without a gate.
+Vec gated_context(const Vec& context, const Vec& gate) {
+  if (gate.empty()) return context;
+  Vec out(context.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = context[i] * sigmoidf(gate[i]);
+  return out;
+}
+
+}  // namespace
+
+void HostDecoderLayer::full_attention_forward(const HostLayerContext& ctx, Vec& out) {
+  const size_t T = ctx.tokens, H = h_;
+  const size_t Pq = (output_gate_ ? 2 : 1) * q_, P = Pq + 2 * kv_;  // q_proj's rows, then k_proj's and v_proj's
+  const float* wa = w_[0].data();
+  const float* w_o = wa + P * H;
+  const float* q_norm = w_o + H * q_;
+  const float* k_norm = q_norm + d_;
+  auto& f = fwd_;
+  Vec qkv(T * P);
+  gemm_nt(f.xn1.data(), wa, qkv.data(), T, P, H);
+  f.q_raw.resize(T * q_);
+  f.gate.resize(output_gate_ ? T * q_ : 0);
+  f.k_raw.resize(T * kv_);
+  f.v.resize(T * kv_);
+  for (size_t t = 0; t < T; ++t) {
+    const float* row = qkv.data() + t * P;
+    if (output_gate_) {  // per head [q_h | gate_h] (transformers: view(..., heads, 2 head_dim), chunk in two)
+      for (size_t hd = 0; hd < heads_; ++hd) {
+        std::copy_n(row + hd * 2 * d_, d_, f.q_raw.data() + t * q_ + hd * d_);
+        std::copy_n(row + hd * 2 * d_ + d_, d_, f.gate.data() + t * q_ + hd * d_);
+      }
+    } else {
+      std::copy_n(row, q_, f.q_raw.data() + t * q_);
+    }
+    std::copy_n(row + Pq, kv_, f.k_raw.data() + t * kv_);
+    std::copy_n(row + Pq + kv_, kv_, f.v.data() + t * kv_);
+  }
+  Vec qn, rq, qr, kn, rk, kr;
+  normed_rotated(f.q_raw.data(), T, heads_, q_norm, qn, rq, qr);
+  normed_rotated(f.k_raw.data(), T, kv_heads_, k_norm, kn, rk, kr);
+  const reference::AttentionDims dims = attention_dims(ctx, heads_, kv_heads_, d_);
+  f.context.resize(T * q_);
+  f.lse.resize(heads_ * T);
+  reference::attention_forward<float>(dims, scale_, cspan(qr), cspan(kr), cspan(f.v), f.context, f.lse);
+  gemm_nt(gated_context(f.context, f.gate).data(), w_o, out.data(), T, H, q_);
+}
+
+namespace {
+
+/// The linear block's weights, bound to a linear_attention segment's tensors in ModelSpec's order
+/// (in_proj_qkvz or in_proj_qkv + in_proj_z, in_proj_ba or in_proj_b + in_proj_a, conv1d,
+/// dt_bias, A_log, norm, out_proj); `offsets` gets each one's first element.
+struct DeltaNetBinding {
+  reference::GatedDeltaNetWeights w;
+  size_t qkvz = 0, ba = 0, conv = 0, dt_bias = 0, a_log = 0, norm = 0, out_proj = 0;
+};
+
+DeltaNetBinding bind_deltanet(const reference::GatedDeltaNetShape& s, const float* base) {
+  const auto n = [](std::int64_t v) { return static_cast<size_t>(v); };
+  DeltaNetBinding b;
+  b.ba = b.qkvz + n((2 * s.key_width() + 2 * s.value_width()) * s.hidden);
+  b.conv = b.ba + n(2 * s.v_heads * s.hidden);
+  b.dt_bias = b.conv + n(s.conv_channels() * s.conv_kernel);
+  b.a_log = b.dt_bias + n(s.v_heads);
+  b.norm = b.a_log + n(s.v_heads);
+  b.out_proj = b.norm + n(s.v_dim);
+  b.w.in_proj_qkvz = {base + b.qkvz, b.ba - b.qkvz};
+  b.w.in_proj_ba = {base + b.ba, b.conv - b.ba};
+  b.w.conv = {base + b.conv, b.dt_bias - b.conv};
+  b.w.dt_bias = {base + b.dt_bias, n(s.v_heads)};
+  b.w.a_log = {base + b.a_log, n(s.v_heads)};
+  b.w.norm = {base + b.norm, n(s.v_dim)};
+  b.w.out_proj = {base + b.out_proj, n(s.hidden * s.value_width())};
+  return b;
+}
+
+}  // namespace
+
+void HostDecoderLayer::linear_attention_forward(const HostLayerContext& ctx, Vec& out) {
+  const size_t S = ctx.tokens / ctx.sequences, H = h_;
+  reference::GatedDeltaNetShape shape = delta_;
+  shape.tokens = static_cast<std::int64_t>(S);
+  const DeltaNetBinding b = bind_deltanet(shape, w_[0].data());
+  for (size_t seq = 0; seq < ctx.sequences; ++seq) {  // each from a zero state
+    const auto y = reference::gated_deltanet_forward(shape, cspan(fwd_.xn1.data() + seq * S * H, S * H), b.w);
+    std::copy(y.begin(), y.end(), out.begin() + static_cast<std::ptrdiff_t>(seq * S * H));
+  }
 }
 
 void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
@@ -364,6 +493,14 @@ void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
     const size_t r0 = static_cast<size_t>(plan.expert_offsets[e]), ne = static_cast<size_t>(plan.expert_counts[e]);
     gemm_nt(x_perm.data() + r0 * H, w_[3 + e].data(), gate_up.data() + r0 * 2 * I, ne, 2 * I, H);
   }
+  // The shared expert's [gate | up] projections and its gate's logit, per token.
+  const size_t SI = shared_i_;
+  Vec shared_gate_up(n * 2 * SI), shared_logit(SI > 0 ? n : 0);
+  if (SI > 0) {
+    const float* ws = w_[3 + E].data();
+    gemm_nt(xn2.data(), ws, shared_gate_up.data(), n, 2 * SI, H);
+    gemm_nt(xn2.data(), ws + 3 * SI * H, shared_logit.data(), n, 1, H);
+  }
   if (ctx.output != nullptr) {
     Vec act(slots * I), y(slots * H);
     reference::swiglu_forward<float>(cspan(gate_up), act, static_cast<std::int64_t>(slots), static_cast<std::int64_t>(I));
@@ -371,7 +508,14 @@ void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
       const size_t r0 = static_cast<size_t>(plan.expert_offsets[e]), ne = static_cast<size_t>(plan.expert_counts[e]);
       gemm_nt(act.data() + r0 * I, w_[3 + e].data() + 2 * I * H, y.data() + r0 * H, ne, H, I);
     }
-    const auto moe = reference::unpermute_combine(plan, y, route.weights, static_cast<std::int64_t>(K), static_cast<std::int64_t>(H));
+    auto moe = reference::unpermute_combine(plan, y, route.weights, static_cast<std::int64_t>(K), static_cast<std::int64_t>(H));
+    if (shared_i_ > 0) {  // routed + sigmoid(gate) * shared, then the residual (transformers' order)
+      const Vec ys = shared_expert_output(shared_gate_up, n);
+      for (size_t t = 0; t < n; ++t) {
+        const float sg = sigmoidf(shared_logit[t]);
+        for (size_t c = 0; c < H; ++c) moe[t * H + c] += sg * ys[t * H + c];
+      }
+    }
     float* out = ctx.output + b * H;
     for (size_t i = 0; i < n * H; ++i) out[i] = h[i] + moe[i];
   }
@@ -389,7 +533,20 @@ void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
   if (float* s = ctx.saved[cls(ActivationClass::expert_intermediate)]) {
     for (size_t r = 0; r < slots; ++r)
       std::copy_n(gate_up.data() + r * 2 * I, 2 * I, s + (b * K + static_cast<size_t>(plan.row_to_slot[r])) * 2 * I);
+    if (SI > 0) {
+      std::copy(shared_gate_up.begin(), shared_gate_up.end(), s + T * K * 2 * I + b * 2 * SI);
+      std::copy(shared_logit.begin(), shared_logit.end(), s + T * K * 2 * I + T * 2 * SI + b);
+    }
   }
+}
+
+// down(silu(gate) * up) of the shared expert for `n` tokens' [gate | up] rows.
+Vec HostDecoderLayer::shared_expert_output(const Vec& gate_up, size_t n) const {
+  const size_t SI = shared_i_, H = h_;
+  Vec act(n * SI), y(n * H);
+  reference::swiglu_forward<float>(cspan(gate_up), act, static_cast<std::int64_t>(n), static_cast<std::int64_t>(SI));
+  gemm_nt(act.data(), w_[3 + e_].data() + 2 * SI * H, y.data(), n, H, SI);
+  return y;
 }
 
 // ---- backward --------------------------------------------------------------------------------
@@ -405,6 +562,12 @@ void HostDecoderLayer::backward(HostLayerContext& ctx) {
     bwd_.dgate_up.assign(slots * 2 * i_, 0.0f);
     bwd_.act.assign(slots * i_, 0.0f);
     bwd_.dy_weighted.assign(slots * h_, 0.0f);
+    if (shared_i_ > 0) {
+      bwd_.shared_dgate_up.assign(T * 2 * shared_i_, 0.0f);
+      bwd_.shared_act.assign(T * shared_i_, 0.0f);
+      bwd_.shared_dy.assign(T * h_, 0.0f);
+      bwd_.shared_dlogit.assign(T, 0.0f);
+    }
   }
   moe_backward(ctx);
   if (ctx.end == ctx.tokens) {
@@ -468,6 +631,7 @@ void HostDecoderLayer::moe_backward(const HostLayerContext& ctx) {
   Vec dxn2(n * H);
   gemm_nn(d_logits.data(), w_[2].data(), dxn2.data(), n, E, H, false);
   for (size_t i = 0; i < n * H; ++i) dxn2[i] = dx_experts[i] + dxn2[i];
+  if (shared_i_ > 0) shared_expert_backward(ctx, dxn2);
   // rms2: the weight's gradient is taken over all tokens at the end of the pass.
   Vec dh(n * H), unused(H, 0.0f);
   reference::rmsnorm_backward<float>(cspan(dxn2), cspan(h, n * H), cspan(w_[1].data() + H, H), cspan(rstd2, n), dh, unused,
@@ -485,6 +649,41 @@ void HostDecoderLayer::moe_backward(const HostLayerContext& ctx) {
     const float w = weights[slot_of(r)];
     for (size_t c = 0; c < H; ++c) st.dy_weighted[s * H + c] = w * dy_rows[r * H + c];
   }
+}
+
+// The shared expert of the chunk's tokens: adds its d n2 into dxn2 (n, H) and keeps what its
+// weight gradients need. y = sigmoid(l) down(a), a = silu(gate) * up, l = <w_gate, n2>.
+void HostDecoderLayer::shared_expert_backward(const HostLayerContext& ctx, Vec& dxn2) {
+  const size_t T = ctx.tokens, H = h_, K = k_, I = i_, SI = shared_i_;
+  const size_t b = ctx.begin, n = ctx.end - ctx.begin;
+  const float* dy = ctx.grad_output + b * H;
+  const float* saved = ctx.saved[cls(ActivationClass::expert_intermediate)] + T * K * 2 * I;
+  const Vec gate_up(saved + b * 2 * SI, saved + (b + n) * 2 * SI);
+  const float* logit = saved + T * 2 * SI + b;
+  const float* ws = w_[3 + e_].data();
+  Vec act(n * SI);
+  reference::swiglu_forward<float>(cspan(gate_up), act, static_cast<std::int64_t>(n), static_cast<std::int64_t>(SI));
+  Vec y(n * H);
+  gemm_nt(act.data(), ws + 2 * SI * H, y.data(), n, H, SI);
+  auto& st = bwd_;
+  Vec dy_scaled(n * H), dlogit(n);
+  for (size_t t = 0; t < n; ++t) {
+    const float sg = sigmoidf(logit[t]);
+    // dL/dl = <dy, y> sigmoid'(l); the MLP's output gradient is sigmoid(l) dy.
+    dlogit[t] = static_cast<float>(dot(dy + t * H, y.data() + t * H, H) * sg * (1.0 - static_cast<double>(sg)));
+    for (size_t c = 0; c < H; ++c) dy_scaled[t * H + c] = sg * dy[t * H + c];
+  }
+  Vec d_act(n * SI), d_gate_up(n * 2 * SI), dx(n * H);
+  gemm_nn(dy_scaled.data(), ws + 2 * SI * H, d_act.data(), n, H, SI, false);
+  reference::swiglu_backward<float>(cspan(d_act), cspan(gate_up), d_gate_up, static_cast<std::int64_t>(n), static_cast<std::int64_t>(SI));
+  gemm_nn(d_gate_up.data(), ws, dx.data(), n, 2 * SI, H, false);
+  const float* w_gate = ws + 3 * SI * H;
+  for (size_t t = 0; t < n; ++t)
+    for (size_t c = 0; c < H; ++c) dxn2[t * H + c] += dx[t * H + c] + dlogit[t] * w_gate[c];
+  std::copy(d_gate_up.begin(), d_gate_up.end(), st.shared_dgate_up.begin() + static_cast<std::ptrdiff_t>(b * 2 * SI));
+  std::copy(act.begin(), act.end(), st.shared_act.begin() + static_cast<std::ptrdiff_t>(b * SI));
+  std::copy(dy_scaled.begin(), dy_scaled.end(), st.shared_dy.begin() + static_cast<std::ptrdiff_t>(b * H));
+  std::copy(dlogit.begin(), dlogit.end(), st.shared_dlogit.begin() + static_cast<std::ptrdiff_t>(b));
 }
 
 // The MoE half's weight gradients over all T tokens, each summed in token order.
@@ -523,6 +722,17 @@ void HostDecoderLayer::moe_weight_grads(const HostLayerContext& ctx) {
     }
     gemm_nn(a.data(), bm.data(), grad + 2 * I * H, H, ne, I, true);
   }
+  if (shared_i_ > 0) {  // [gate; up] (2Is, H) += d_gate_up^T . n2; down (H, Is) += (s dy)^T . act; gate (1, H) += dl^T . n2
+    const size_t SI = shared_i_;
+    float* grad = ctx.weight_grads[3 + E].data();
+    a.resize(2 * SI * T);
+    transpose(st.shared_dgate_up.data(), a.data(), T, 2 * SI);
+    gemm_nn(a.data(), xn2, grad, 2 * SI, T, H, true);
+    a.resize(H * T);
+    transpose(st.shared_dy.data(), a.data(), T, H);
+    gemm_nn(a.data(), st.shared_act.data(), grad + 2 * SI * H, H, T, SI, true);
+    gemm_nn(st.shared_dlogit.data(), xn2, grad + 3 * SI * H, 1, T, H, true);
+  }
   // Router (E, H) += d_logits^T . n2.
   a.resize(E * T);
   transpose(st.dlogits.data(), a.data(), T, E);
@@ -533,19 +743,32 @@ void HostDecoderLayer::moe_weight_grads(const HostLayerContext& ctx) {
                                      ctx.weight_grads[1].subspan(H, H), static_cast<std::int64_t>(T), static_cast<std::int64_t>(H));
 }
 
-// The attention half over all tokens: reads dh from grad_input, overwrites it with dx.
+// The mixer's half over all tokens: reads dh from grad_input, overwrites it with dx.
 void HostDecoderLayer::attention_backward(const HostLayerContext& ctx) {
-  const size_t T = ctx.tokens, H = h_, P = q_ + 2 * kv_;
+  const size_t T = ctx.tokens, H = h_;
   const float* x = ctx.input;
   float* dh = ctx.grad_input;
-  const float* norm = ctx.saved[cls(ActivationClass::norm_output)];
-  const float* xn1 = norm;
-  const float* rstd1 = norm + 3 * T * H;
+  const float* rstd1 = ctx.saved[cls(ActivationClass::norm_output)] + 3 * T * H;
+  Vec dxn1(T * H);
+  if (linear_) linear_attention_backward(ctx, dxn1);
+  else full_attention_backward(ctx, dxn1);
+  // input_layernorm, and the residual.
+  Vec dx(T * H);
+  reference::rmsnorm_backward<float>(cspan(dxn1), cspan(x, T * H), cspan(w_[1].data(), H), cspan(rstd1, T), dx,
+                                     ctx.weight_grads[1].subspan(0, H), static_cast<std::int64_t>(T), static_cast<std::int64_t>(H));
+  for (size_t i = 0; i < T * H; ++i) dh[i] += dx[i];
+}
+
+void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec& dxn1) {
+  const size_t T = ctx.tokens, H = h_, Pq = (output_gate_ ? 2 : 1) * q_, P = Pq + 2 * kv_;
+  const float* dh = ctx.grad_input;
+  const float* xn1 = ctx.saved[cls(ActivationClass::norm_output)];
   const float* attn = ctx.saved[cls(ActivationClass::attention_output)];
   const float* q_raw = attn;
   const float* k_raw = q_raw + T * q_;
   const float* v = k_raw + T * kv_;
   const float* context = v + T * kv_;
+  const float* gate = output_gate_ ? context + T * q_ : nullptr;
   const float* lse = ctx.saved[cls(ActivationClass::softmax_stats)];
   const float* wa = w_[0].data();
   const float* w_o = wa + P * H;
@@ -555,12 +778,20 @@ void HostDecoderLayer::attention_backward(const HostLayerContext& ctx) {
   float* g_o = ga + P * H;
   const size_t q_norm_at = P * H + H * q_, k_norm_at = q_norm_at + d_;
 
-  // o_proj.
+  // o_proj reads the context, scaled by sigmoid(gate) where there is a gate.
+  const Vec gate_v = gate != nullptr ? Vec(gate, gate + T * q_) : Vec{};
+  const Vec o_in = gated_context(Vec(context, context + T * q_), gate_v);
   Vec dh_t(H * T);
   transpose(dh, dh_t.data(), T, H);
-  gemm_nn(dh_t.data(), context, g_o, H, T, q_, true);
-  Vec d_context(T * q_);
+  gemm_nn(dh_t.data(), o_in.data(), g_o, H, T, q_, true);
+  Vec d_context(T * q_), d_gate(gate != nullptr ? T * q_ : 0);
   gemm_nn(dh, w_o, d_context.data(), T, H, q_, false);
+  if (gate != nullptr)
+    for (size_t i = 0; i < T * q_; ++i) {  // d o_in = d_context so far; o_in = c s(g)
+      const float sg = sigmoidf(gate[i]);
+      d_gate[i] = static_cast<float>(static_cast<double>(d_context[i]) * context[i] * sg * (1.0 - static_cast<double>(sg)));
+      d_context[i] *= sg;
+    }
   // Attention core, on q and k normed and rotated again exactly as in forward.
   Vec qn, rq, qr, kn, rk, kr;
   normed_rotated(q_raw, T, heads_, q_norm, qn, rq, qr);
@@ -572,32 +803,59 @@ void HostDecoderLayer::attention_backward(const HostLayerContext& ctx) {
   // RoPE and the q/k norms.
   Vec dqn(T * q_), dkn(T * kv_);
   const std::span<const std::int32_t> pos(positions_.data(), T);
-  const auto D = static_cast<std::int64_t>(d_);
-  reference::rope_backward<float>(cspan(dqr), pos, dqn, static_cast<std::int64_t>(heads_), D, D, theta_);
-  reference::rope_backward<float>(cspan(dkr), pos, dkn, static_cast<std::int64_t>(kv_heads_), D, D, theta_);
+  const auto D = static_cast<std::int64_t>(d_), R = static_cast<std::int64_t>(rotary_);
+  reference::rope_backward<float>(cspan(dqr), pos, dqn, static_cast<std::int64_t>(heads_), D, R, theta_);
+  reference::rope_backward<float>(cspan(dkr), pos, dkn, static_cast<std::int64_t>(kv_heads_), D, R, theta_);
   Vec dq_raw(T * q_), dk_raw(T * kv_);
   reference::rmsnorm_backward<float>(cspan(dqn), cspan(q_raw, T * q_), cspan(q_norm, d_), cspan(rq), dq_raw,
                                      ctx.weight_grads[0].subspan(q_norm_at, d_), static_cast<std::int64_t>(T * heads_), D);
   reference::rmsnorm_backward<float>(cspan(dkn), cspan(k_raw, T * kv_), cspan(k_norm, d_), cspan(rk), dk_raw,
                                      ctx.weight_grads[0].subspan(k_norm_at, d_), static_cast<std::int64_t>(T * kv_heads_), D);
-  // q/k/v projections as one (q + 2kv, H) matrix.
+  // q(+gate)/k/v projections as one (P, H) matrix, rows as the forward split them.
   Vec dqkv(T * P);
   for (size_t t = 0; t < T; ++t) {
     float* row = dqkv.data() + t * P;
-    std::copy_n(dq_raw.data() + t * q_, q_, row);
-    std::copy_n(dk_raw.data() + t * kv_, kv_, row + q_);
-    std::copy_n(dv.data() + t * kv_, kv_, row + q_ + kv_);
+    if (gate != nullptr) {
+      for (size_t hd = 0; hd < heads_; ++hd) {
+        std::copy_n(dq_raw.data() + t * q_ + hd * d_, d_, row + hd * 2 * d_);
+        std::copy_n(d_gate.data() + t * q_ + hd * d_, d_, row + hd * 2 * d_ + d_);
+      }
+    } else {
+      std::copy_n(dq_raw.data() + t * q_, q_, row);
+    }
+    std::copy_n(dk_raw.data() + t * kv_, kv_, row + Pq);
+    std::copy_n(dv.data() + t * kv_, kv_, row + Pq + kv_);
   }
   Vec dqkv_t(P * T);
   transpose(dqkv.data(), dqkv_t.data(), T, P);
   gemm_nn(dqkv_t.data(), xn1, ga, P, T, H, true);
-  Vec dxn1(T * H);
   gemm_nn(dqkv.data(), wa, dxn1.data(), T, P, H, false);
-  // input_layernorm, and the residual.
-  Vec dx(T * H);
-  reference::rmsnorm_backward<float>(cspan(dxn1), cspan(x, T * H), cspan(w_[1].data(), H), cspan(rstd1, T), dx,
-                                     ctx.weight_grads[1].subspan(0, H), static_cast<std::int64_t>(T), static_cast<std::int64_t>(H));
-  for (size_t i = 0; i < T * H; ++i) dh[i] += dx[i];
+}
+
+// Each sequence's block run again from n1 and differentiated (the reference's backward), its
+// weight gradients added in sequence order.
+void HostDecoderLayer::linear_attention_backward(const HostLayerContext& ctx, Vec& dxn1) {
+  const size_t S = ctx.tokens / ctx.sequences, H = h_;
+  const float* xn1 = ctx.saved[cls(ActivationClass::norm_output)];
+  reference::GatedDeltaNetShape shape = delta_;
+  shape.tokens = static_cast<std::int64_t>(S);
+  const DeltaNetBinding b = bind_deltanet(shape, w_[0].data());
+  float* grad = ctx.weight_grads[0].data();
+  auto add = [grad](size_t at, const std::vector<float>& g) {
+    for (size_t i = 0; i < g.size(); ++i) grad[at + i] += g[i];
+  };
+  for (size_t seq = 0; seq < ctx.sequences; ++seq) {
+    const auto g = reference::gated_deltanet_backward(shape, cspan(xn1 + seq * S * H, S * H), b.w,
+                                                      cspan(ctx.grad_input + seq * S * H, S * H));
+    std::copy(g.dx.begin(), g.dx.end(), dxn1.begin() + static_cast<std::ptrdiff_t>(seq * S * H));
+    add(b.qkvz, g.in_proj_qkvz);
+    add(b.ba, g.in_proj_ba);
+    add(b.conv, g.conv);
+    add(b.dt_bias, g.dt_bias);
+    add(b.a_log, g.a_log);
+    add(b.norm, g.norm);
+    add(b.out_proj, g.out_proj);
+  }
 }
 
 }  // namespace oom
