@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Trains the same model on the same data with PyTorch (transformers' Qwen3MoeForCausalLM and
-torch.optim.AdamW) and compares every step's loss with an oom-train run.
+"""Trains the same model on the same data with PyTorch (transformers' model for the run's config:
+Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM; torch.optim.AdamW) and compares
+every step's loss with an oom-train run.
 
   oom-train --out RUN --steps 50 --save-initial --dump-batches RUN/batches.tok --keep 3 ...
   python3 scripts/compare_train_pytorch.py --run RUN [--device cuda] [--tolerance 1e-2]
@@ -46,6 +47,9 @@ def main():
     ap.add_argument("--noise-device", default="cpu",
                     help="also train PyTorch on this device and show how far two PyTorch runs drift apart "
                          "(the noise floor of the comparison; '' to skip)")
+    ap.add_argument("--noise-threads", type=int, default=0,
+                    help="train the noise run with this many CPU threads (default: torch's own); with --device cpu "
+                         "and --noise-device cpu the two PyTorch runs then differ only in their reduction order")
     args = ap.parse_args()
 
     import torch
@@ -89,6 +93,12 @@ def main():
         pass
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     weights = load_file(os.path.join(init, "model.safetensors"))
+    # Qwen3.5-MoE checkpoints name the text model "model.language_model." (the multimodal
+    # model's layout); its text-only Qwen3_5MoeForCausalLM says "model." (from_pretrained maps
+    # these itself, load_state_dict does not).
+    if not any(k.startswith("model.language_model.") for k in model.state_dict()):
+        weights = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
+                   for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # transformers >= 5 packs experts; map per-expert names if the module wants packed ones.
     if missing:
@@ -149,7 +159,13 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     theirs_all = train(model, args.device)
-    noise = train(reference_model, args.noise_device) if reference_model is not None else None
+    noise = None
+    if reference_model is not None:
+        threads = torch.get_num_threads()
+        if args.noise_threads > 0:
+            torch.set_num_threads(args.noise_threads)
+        noise = train(reference_model, args.noise_device)
+        torch.set_num_threads(threads)
     rows = []
     first_bad = []
     for step in range(1, steps + 1):
@@ -174,7 +190,8 @@ def main():
     worst = max(rows, key=lambda r: r[3])
     if noise is not None:
         wf = max(rows, key=lambda r: r[5])
-        print(f"noise floor: PyTorch on {args.noise_device} vs PyTorch on {args.device}, same weights, data and precision: "
+        threads = f" with {args.noise_threads} thread(s)" if args.noise_threads > 0 else ""
+        print(f"noise floor: PyTorch on {args.noise_device}{threads} vs PyTorch on {args.device}, same weights, data and precision: "
               f"worst {wf[5]:.2e} at step {wf[0]}")
     print(f"{steps} steps; worst relative difference {worst[3]:.2e} at step {worst[0]} (tolerance {args.tolerance:g}); "
           f"torch {torch.__version__}, transformers {transformers.__version__}, device {args.device}")

@@ -67,12 +67,27 @@ SegmentWeightSource initial_weight_source(const ModelSpec& spec, std::uint64_t s
     pool->run(pieces.size(), [&](std::size_t p) {
       const Piece& pc = pieces[p];
       float* dst = out.data() + pc.offset;
-      if (const std::string& name = seg.tensors[pc.tensor].name; is_norm(name)) {
+      const std::string& name = seg.tensors[pc.tensor].name;
+      if (is_norm(name)) {
         // The identity scale: 1, or 0 where the norm applies (1 + w) (Qwen3-Next / Qwen3.5).
         std::fill(dst + pc.begin, dst + pc.end, 1.0f - spec.norm_weight_offset(name));
         return;
       }
       const std::uint64_t k = (*keys)[s][pc.tensor];
+      // The Gated DeltaNet's decay parameters as transformers initialises them: dt_bias 1 and
+      // A_log = log U(0.01, 16) per value head, so that the heads decay at rates spread over three
+      // orders of magnitude (a matrix's N(0, std) would give every head nearly the same rate).
+      if (name.ends_with("linear_attn.dt_bias")) {
+        std::fill(dst + pc.begin, dst + pc.end, 1.0f);
+        return;
+      }
+      if (name.ends_with("linear_attn.A_log")) {
+        for (std::uint64_t i = pc.begin; i < pc.end; ++i) {
+          const double u = (static_cast<double>(splitmix64(k ^ i) >> 11) + 0.5) * 0x1.0p-53;
+          dst[i] = static_cast<float>(std::log(0.01 + (16.0 - 0.01) * u));
+        }
+        return;
+      }
       for (std::uint64_t i = pc.begin; i < pc.end; ++i) dst[i] = std * normal(k, i);
     });
   };
@@ -119,6 +134,7 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
     layers_.emplace_back(spec, l);
     for (std::size_t k = 0; k < spec.layer_segments(l).size(); ++k) layer_weights.push_back(weights[s++]);
   }
+  final_norm_offset_ = spec.norm_weight_offset(segs[s].tensors.at(0).name);
   final_norm_ = make_end(s++);
   if (!tied_) lm_head_ = make_end(s++);
   HostExecutorOptions opt;
@@ -181,6 +197,9 @@ HostCausalLm::StepResult HostCausalLm::step(std::span<const std::uint32_t> input
     std::transform(from.begin(), from.end(), to.begin(), [](bf16 b) { return to_float(b); });
   };
   widen(final_norm_.weights, norm_w_);
+  // A (1 + w) final norm (Qwen3-Next / Qwen3.5) applies 1 + w, added in fp32 as transformers does.
+  if (final_norm_offset_ != 0)
+    for (float& v : norm_w_) v += final_norm_offset_;
   widen((tied_ ? embedding_ : lm_head_).weights, head_w_);
   if (tied_) std::fill(embedding_.grad.begin(), embedding_.grad.end(), 0.0f);  // the head adds into it first
   std::vector<std::vector<float>> grad_x;

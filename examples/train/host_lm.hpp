@@ -22,7 +22,8 @@
 namespace oom::train {
 
 /// Initial weights as transformers initialises Qwen3-MoE: every matrix N(0, std), every norm
-/// weight 1. A counter-based generator, so the same seed gives the same weights everywhere.
+/// at its identity scale (1, or 0 for a (1 + w) norm); a Gated DeltaNet's dt_bias 1 and A_log
+/// log U(0.01, 16), as transformers' Qwen3-Next. A counter-based generator, so the same seed gives the same weights everywhere.
 std::vector<std::vector<float>> initial_weights(const ModelSpec& spec, std::uint64_t seed, float std = 0.02f);
 /// The same weights segment by segment, on every core: what a model built from a source takes
 /// (CudaCausalLm), with no copy of the whole model in memory. Valid while `spec` lives.
@@ -88,6 +89,7 @@ class HostCausalLm {
   optim::ThreadPool pool_;
   End embedding_, final_norm_, lm_head_;
   bool tied_ = false;
+  float final_norm_offset_ = 0;  // 1 where the final norm applies (1 + w)
   double max_grad_norm_ = 0;
   std::uint64_t tokens_ = 0;         // per micro-batch
   std::size_t micro_batches_ = 1;

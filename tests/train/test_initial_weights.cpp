@@ -4,10 +4,13 @@
 // in any order.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <set>
+#include <span>
 #include <vector>
 
 #include <fmt/format.h>
@@ -116,4 +119,39 @@ TEST_CASE("norm weights start at the identity scale: 1, or 0 for Qwen3-Next's (1
   // Another family's norms are plain: no offset, initialised to 1.
   CHECK_FALSE(tiny().zero_centred_norms());
   CHECK(tiny().norm_weight_offset("model.layers.0.input_layernorm.weight") == 0.0f);
+}
+
+TEST_CASE("a Gated DeltaNet's decay parameters start as transformers': dt_bias 1, A_log = log U(0.01, 16) per value head") {
+  const auto next = ModelSpec::from_file(std::filesystem::path(OOM_SOURCE_DIR) / "examples/configs/qwen3-next-80b-a3b.json");
+  const auto source = train::initial_weight_source(next, 7);
+  const auto& seg = next.layer_segments(0)[0];  // layer 0's linear attention
+  REQUIRE(seg.role == SegmentRole::linear_attention);
+  const std::size_t s = static_cast<std::size_t>(&seg - next.segments().data());
+  std::vector<float> w(seg.parameters());
+  source(s, w);
+  std::uint64_t off = 0;
+  int seen = 0;
+  for (const auto& t : seg.tensors) {
+    CAPTURE(t.name);
+    const std::span<const float> v(w.data() + off, t.elements());
+    if (t.name.ends_with("dt_bias")) {
+      CHECK(std::all_of(v.begin(), v.end(), [](float x) { return x == 1.0f; }));
+      ++seen;
+    } else if (t.name.ends_with("A_log")) {
+      // 32 heads: every value in [log 0.01, log 16], their decay rates exp(A_log) spread across
+      // orders of magnitude (a matrix's N(0, 0.02) would put them all near 1), no two equal.
+      const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+      CHECK(*lo >= std::log(0.01f));
+      CHECK(*hi <= std::log(16.0f));
+      CHECK(*hi - *lo > 2.0f);
+      CHECK(std::set<float>(v.begin(), v.end()).size() == v.size());
+      ++seen;
+    }
+    off += t.elements();
+  }
+  CHECK(seen == 2);
+  // Another seed, other rates.
+  std::vector<float> other(seg.parameters());
+  train::initial_weight_source(next, 8)(s, other);
+  CHECK(other != w);
 }
