@@ -23,6 +23,7 @@
 #include "oom/kernels/rmsnorm.hpp"
 #include "oom/kernels/rope.hpp"
 #include "oom/kernels/router.hpp"
+#include "oom/kernels/gated_delta.hpp"
 #include "oom/kernels/swiglu.hpp"
 #include "oom/optim/adamw.hpp"
 
@@ -295,4 +296,43 @@ TEST_CASE("optional arrays stay optional") {
   accepted(k::permute_plan(nullptr, k::PermuteShape{0, 2, 4}, nullptr, nullptr, nullptr, fake<std::int32_t>(),
                            fake<std::int32_t>(), nullptr, 0),
            "permute_plan, no tokens and no workspace");
+}
+
+TEST_CASE("the gated delta rule's refusals name the dims, the array and the workspace") {
+  k::clear_refusal();
+  k::GatedDeltaDims d{2, 100, 2, 4, 128, 128, 64};
+  auto forward = [&](const k::GatedDeltaDims& dims, bf16* out) {
+    return k::gated_delta_forward(dims, fake(), fake(), fake(), fake<float>(), fake<float>(), out, fake<float>(), nullptr);
+  };
+  auto bad = d;
+  bad.v_heads = 3;
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: k_heads = 2, v_heads = 3", "a multiple of k_heads"});
+  bad = d;
+  bad.k_dim = 512;
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: k_dim = 512, v_dim = 128 (need 1..256 and 1..1024)"});
+  bad = d;
+  bad.chunk = 0;
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: chunk = 0"});
+  bad = d;
+  bad.seq_len = -1;
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: sequences = 2, seq_len = -1"});
+  expect_refused(forward(d, nullptr), {"gated_delta_forward: out is null"});
+  // No tokens: nothing to do, nothing refused (null arrays included).
+  bad = d;
+  bad.seq_len = 0;
+  CHECK(k::gated_delta_forward(bad, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr) == cudaSuccess);
+  CHECK(k::gated_delta_backward_workspace_bytes(bad) == 0);
+  CHECK(k::gated_delta_states_floats(bad) == 0);
+  // States: 2 sequences x 4 heads x (2 chunks + the final state) x 128 x 128.
+  CHECK(k::gated_delta_states_floats(d) == std::size_t{2} * 4 * 3 * 128 * 128);
+  const std::size_t need = k::gated_delta_backward_workspace_bytes(d);
+  // This block's scratch of one chunk per (sequence, head), then dq and dk per value head.
+  CHECK(need == (std::size_t{2} * 4 * 64 * 128 * 128 + std::size_t{2} * 200 * 4 * 128) * sizeof(float));
+  expect_refused(k::gated_delta_backward(d, fake(), fake(), fake(), fake<float>(), fake<float>(), fake(), fake<float>(), fake(),
+                                         fake(), fake(), fake<float>(), fake<float>(), fake<void>(), 1000, nullptr),
+                 {"gated_delta_backward: workspace of 1000 bytes, needs " + std::to_string(need),
+                  "gated_delta_backward_workspace_bytes(dims)"});
+  expect_refused(k::gated_delta_backward(d, fake(), fake(), fake(), fake<float>(), fake<float>(), fake(), fake<float>(), fake(),
+                                         fake(), fake(), nullptr, fake<float>(), fake<void>(), need, nullptr),
+                 {"gated_delta_backward: dg is null"});
 }

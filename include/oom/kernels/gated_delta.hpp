@@ -1,0 +1,63 @@
+// The gated delta rule on the GPU: the core of the hybrid models' Gated DeltaNet (linear
+// attention), forward and backward, as oom::reference::gated_delta_rule_forward / _backward compute
+// it (include/oom/reference/gated_delta.hpp): per value head h of key head kh = h / (v_heads /
+// k_heads), from a zero state at the start of each sequence,
+//   q_t, k_t = l2norm(q[t, kh]), l2norm(k[t, kh])  (x / sqrt(sum x^2 + 1e-6)); q_t /= sqrt(dk)
+//   S = exp(g[t, h]) S;  d = beta[t, h] (v[t, h] - S^T k_t);  S += k_t d^T;  out[t, h] = S^T q_t
+// with S a dk x dv fp32 state. Kernels in src/kernels/gated_delta.cu.
+//
+// This is the first, recurrent version (docs/hybrid.md, slice 3): one thread block per (sequence,
+// value head) walks the tokens in order with its state in shared memory, so its time grows with
+// the sequence length rather than its FLOPs; the chunked form with tensor cores (FLA's) is the
+// next step. Its memory is O(T): the forward keeps the state entering every `chunk` tokens (and
+// the final one), and the backward recomputes each chunk's states from them, a chunk at a time.
+//
+// Precision: q, k, v, out and their gradients bf16; g, beta and their gradients fp32; every state,
+// product and sum fp32. Deterministic: every value is computed by one thread in a fixed order, and
+// the gradients of q and k, summed over the value heads that share a key head, are added in head
+// order (no atomics).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "oom/core/numeric.hpp"
+
+namespace oom::kernels {
+
+struct GatedDeltaDims {
+  std::int64_t sequences = 1;  ///< B: independent sequences, each from a zero state
+  std::int64_t seq_len = 0;    ///< S: tokens per sequence (T = B S rows, sequence-major)
+  std::int64_t k_heads = 0, v_heads = 0;  ///< v_heads a multiple of k_heads
+  std::int64_t k_dim = 0, v_dim = 0;      ///< dk <= 256, dv <= 1024, and the state must fit shared memory
+  std::int64_t chunk = 64;     ///< tokens between the states the forward keeps for the backward
+
+  [[nodiscard]] std::int64_t tokens() const { return sequences * seq_len; }
+  [[nodiscard]] std::int64_t chunks() const { return chunk > 0 ? (seq_len + chunk - 1) / chunk : 0; }
+};
+
+/// Floats of the states the forward writes: (B, v_heads, chunks + 1, dk, dv), the state entering
+/// chunk c of each sequence and, last, its final state (what oom::reference::
+/// gated_delta_rule_chunked_forward returns per sequence as `states`).
+[[nodiscard]] std::size_t gated_delta_states_floats(const GatedDeltaDims& d);
+
+/// q, k: (T, k_heads, dk) bf16; v: (T, v_heads, dv) bf16; g (log decay), beta: (T, v_heads) fp32.
+/// Writes out: (T, v_heads, dv) bf16 and `states` (gated_delta_states_floats floats, fp32).
+cudaError_t gated_delta_forward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
+                                const float* beta, bf16* out, float* states, cudaStream_t stream);
+
+/// Bytes of the backward's workspace: each block's recomputed states of one chunk, and the q and k
+/// gradients per value head before they are summed per key head.
+[[nodiscard]] std::size_t gated_delta_backward_workspace_bytes(const GatedDeltaDims& d);
+
+/// The gradients of the forward's inputs from d_out (T, v_heads, dv) bf16 and the forward's
+/// `states`: dq, dk (T, k_heads, dk) bf16 (through the l2norm, summed over the value heads of each
+/// key head); dv (T, v_heads, dv) bf16; dg, dbeta (T, v_heads) fp32. Every output is overwritten.
+cudaError_t gated_delta_backward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
+                                 const float* beta, const bf16* d_out, const float* states, bf16* dq, bf16* dk, bf16* dv,
+                                 float* dg, float* dbeta, void* workspace, std::size_t workspace_bytes,
+                                 cudaStream_t stream);
+
+}  // namespace oom::kernels

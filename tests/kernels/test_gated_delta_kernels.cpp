@@ -1,0 +1,213 @@
+// GPU checks of the gated delta rule kernels (oom/kernels/gated_delta.hpp) against the CPU
+// reference (oom/reference/gated_delta.hpp): fresh random inputs, shapes no tile divides (odd
+// token counts, head dims of 4 to 128 that are no multiple of 32, chunks that do not divide the
+// sequence), several sequences, outputs poisoned (NaN) before every run, every run repeated for
+// the same bits. Tolerances are justified next to each check. The last case times the Qwen3-Next
+// linear layer's shape at 4K tokens (printed, not asserted; scripts/bench_gated_delta_torch.py
+// times PyTorch's chunked rule on the same shape for the ratio).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/device_buffer.hpp"
+#include "kernels/moe_test_util.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/kernels/gated_delta.hpp"
+#include "oom/reference/gated_delta.hpp"
+#include "support/compare.hpp"
+
+namespace k = oom::kernels;
+namespace ref = oom::reference;
+using oom::bf16;
+using oom::test::Bf16Data;
+using oom::test::DeviceBuffer;
+using oom::test::random_normal;
+using oom::test::to_floats;
+
+namespace {
+
+struct Inputs {
+  Bf16Data q, k, v, d_out;
+  std::vector<float> g, beta;
+};
+
+Inputs make_inputs(const k::GatedDeltaDims& d, std::uint64_t seed) {
+  const auto T = static_cast<std::size_t>(d.tokens());
+  const auto qk = T * static_cast<std::size_t>(d.k_heads * d.k_dim), vv = T * static_cast<std::size_t>(d.v_heads * d.v_dim);
+  std::vector<float> g(T * static_cast<std::size_t>(d.v_heads)), beta(g.size());
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    g[i] = -(0.01f + 1.5f * u(rng));  // decays exp(g) from 0.22 to 0.99, as the models' gates give
+    beta[i] = 1.0f / (1.0f + std::exp(-3.0f * (u(rng) - 0.5f)));
+  }
+  return {Bf16Data(random_normal(qk, seed + 1)), Bf16Data(random_normal(qk, seed + 2)), Bf16Data(random_normal(vv, seed + 3)),
+          Bf16Data(random_normal(vv, seed + 4)), std::move(g), std::move(beta)};
+}
+
+/// Rows [b S, (b + 1) S) of a (T, width) array.
+std::vector<float> rows(const std::vector<float>& a, std::int64_t b, std::int64_t S, std::int64_t width) {
+  return {a.begin() + b * S * width, a.begin() + (b + 1) * S * width};
+}
+
+struct Reference {
+  std::vector<float> out, states, dq, dk, dv, dg, dbeta;
+};
+
+/// The reference run per sequence, concatenated in the kernels' layouts.
+Reference reference(const k::GatedDeltaDims& d, const Inputs& in) {
+  Reference r;
+  const ref::GatedDeltaShape shape{d.seq_len, d.k_heads, d.v_heads, d.k_dim, d.v_dim};
+  for (std::int64_t b = 0; b < d.sequences; ++b) {
+    const auto q = rows(in.q.values, b, d.seq_len, d.k_heads * d.k_dim), kk = rows(in.k.values, b, d.seq_len, d.k_heads * d.k_dim);
+    const auto v = rows(in.v.values, b, d.seq_len, d.v_heads * d.v_dim), dout = rows(in.d_out.values, b, d.seq_len, d.v_heads * d.v_dim);
+    const auto g = rows(in.g, b, d.seq_len, d.v_heads), beta = rows(in.beta, b, d.seq_len, d.v_heads);
+    const auto fwd = ref::gated_delta_rule_chunked_forward(shape, q, kk, v, g, beta, d.chunk);
+    const auto bwd = ref::gated_delta_rule_backward(shape, q, kk, v, g, beta, dout);
+    auto append = [](std::vector<float>& to, const std::vector<float>& from) { to.insert(to.end(), from.begin(), from.end()); };
+    append(r.out, fwd.out);
+    append(r.states, fwd.states);  // (v_heads, chunks + 1, dk, dv) per sequence: the kernels' (B, v_heads, ...) order
+    append(r.dq, bwd.dq);
+    append(r.dk, bwd.dk);
+    append(r.dv, bwd.dv);
+    append(r.dg, bwd.dg);
+    append(r.dbeta, bwd.dbeta);
+  }
+  return r;
+}
+
+/// |got - want| <= rtol |want| + atol_frac max|want|: atol in proportion to the tensor's scale, for
+/// elements that cancel to near zero.
+void check(const std::vector<float>& got, const std::vector<float>& want, double rtol, double atol_frac, const char* what) {
+  REQUIRE(got.size() == want.size());
+  double scale = 0;
+  for (float w : want) scale = std::max(scale, static_cast<double>(std::abs(w)));
+  const auto r = oom::test::compare(std::span<const float>(got), std::span<const float>(want), rtol, atol_frac * scale, what);
+  INFO(what << ": max abs err " << r.max_abs_err << " (scale " << scale << ")\n" << r.first);
+  CHECK(r.checked == want.size());
+  CHECK(r.ok());
+}
+
+struct Run {
+  std::vector<bf16> out, dq, dk, dv;
+  std::vector<float> states, dg, dbeta;
+};
+
+Run run(const k::GatedDeltaDims& d, const Inputs& in) {
+  const DeviceBuffer<bf16> q(in.q.bits), kk(in.k.bits), v(in.v.bits), dout(in.d_out.bits);
+  const DeviceBuffer<float> g(in.g), beta(in.beta);
+  DeviceBuffer<bf16> out(in.v.bits.size()), dq(in.q.bits.size()), dk(in.k.bits.size()), dv(in.v.bits.size());
+  DeviceBuffer<float> states(k::gated_delta_states_floats(d)), dg(in.g.size()), dbeta(in.g.size());
+  DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(d));
+  OOM_CUDA_CHECK(k::gated_delta_forward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr));
+  OOM_CUDA_CHECK(k::gated_delta_backward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), dout.get(), states.get(), dq.get(),
+                                         dk.get(), dv.get(), dg.get(), dbeta.get(), ws.get(), ws.size(), nullptr));
+  return {out.download(), dq.download(), dk.download(), dv.download(), states.download(), dg.download(), dbeta.download()};
+}
+
+bool same_bits(const auto& a, const auto& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("the gated delta rule's forward and backward match the CPU reference") {
+  // {sequences, seq_len, k_heads, v_heads, k_dim, v_dim, chunk}
+  const k::GatedDeltaDims cases[] = {
+      {1, 1, 1, 1, 4, 4, 64},      // one token
+      {2, 37, 2, 4, 16, 24, 16},   // grouped value heads, a chunk that does not divide the sequence
+      {3, 9, 2, 2, 33, 7, 4},      // head dims no multiple of anything; 3 chunks of 4, 4, 1
+      {1, 130, 1, 2, 128, 128, 64},  // the models' head dims, several tiles of the forward
+  };
+  std::uint64_t seed = 100;
+  for (const auto& d : cases) {
+    CAPTURE(d.sequences);
+    CAPTURE(d.seq_len);
+    CAPTURE(d.k_dim);
+    CAPTURE(d.v_dim);
+    CAPTURE(d.chunk);
+    const Inputs in = make_inputs(d, seed += 10);
+    const Reference want = reference(d, in);
+    const Run got = run(d, in);
+    // bf16 outputs: one rounding of an fp32 result (<= 2^-9 relative) and the fp32-vs-fp64 sums
+    // on either side of a rounding boundary: 2^-7 relative; plus 1e-3 of the tensor's scale for
+    // values that cancel to near zero (the recurrence's sums run over dk terms a token, T tokens).
+    check(to_floats(got.out), want.out, 1.0 / 128, 1e-3, "out");
+    check(to_floats(got.dv), want.dv, 1.0 / 128, 1e-3, "dv");
+    check(to_floats(got.dq), want.dq, 1.0 / 128, 1e-3, "dq");
+    check(to_floats(got.dk), want.dk, 1.0 / 128, 1e-3, "dk");
+    // fp32 outputs: the same sums in fp32 against fp64 (rounding ~1e-7 a term over up to dk x dv
+    // terms a token): 1e-4 relative plus 1e-5 of the scale for the states, which carry no bf16
+    // rounding, and 1e-3 / 1e-4 for the gates' gradients, which sum dk x dv products of gradients
+    // that passed through bf16 inputs.
+    check(got.states, want.states, 1e-4, 1e-5, "states");
+    check(got.dg, want.dg, 1e-3, 1e-4, "dg");
+    check(got.dbeta, want.dbeta, 1e-3, 1e-4, "dbeta");
+    // The same bits again (fresh, poisoned buffers).
+    const Run again = run(d, in);
+    CHECK(same_bits(again.out, got.out));
+    CHECK(same_bits(again.states, got.states));
+    CHECK(same_bits(again.dq, got.dq));
+    CHECK(same_bits(again.dk, got.dk));
+    CHECK(same_bits(again.dv, got.dv));
+    CHECK(same_bits(again.dg, got.dg));
+    CHECK(same_bits(again.dbeta, got.dbeta));
+  }
+}
+
+TEST_CASE("the chunk only changes what is kept: every chunk gives the same outputs") {
+  k::GatedDeltaDims d{2, 29, 1, 2, 8, 8, 1};
+  const Inputs in = make_inputs(d, 7);
+  const Run one = run(d, in);
+  for (const std::int64_t chunk : {3, 29, 64}) {
+    CAPTURE(chunk);
+    d.chunk = chunk;
+    const Run r = run(d, in);
+    CHECK(same_bits(r.out, one.out));
+    CHECK(same_bits(r.dq, one.dq));
+    CHECK(same_bits(r.dk, one.dk));
+    CHECK(same_bits(r.dv, one.dv));
+    CHECK(same_bits(r.dg, one.dg));
+    CHECK(same_bits(r.dbeta, one.dbeta));
+  }
+}
+
+TEST_CASE("timing: the Qwen3-Next linear layer's rule at 4K tokens (1 sequence, 16 key / 32 value heads of 128)") {
+  const k::GatedDeltaDims d{1, 4096, 16, 32, 128, 128, 64};
+  const Inputs in = make_inputs(d, 3);
+  const DeviceBuffer<bf16> q(in.q.bits), kk(in.k.bits), v(in.v.bits), dout(in.d_out.bits);
+  const DeviceBuffer<float> g(in.g), beta(in.beta);
+  DeviceBuffer<bf16> out(in.v.bits.size()), dq(in.q.bits.size()), dk(in.k.bits.size()), dv(in.v.bits.size());
+  DeviceBuffer<float> states(k::gated_delta_states_floats(d)), dg(in.g.size()), dbeta(in.g.size());
+  DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(d));
+  auto forward = [&] {
+    OOM_CUDA_CHECK(k::gated_delta_forward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr));
+  };
+  auto backward = [&] {
+    OOM_CUDA_CHECK(k::gated_delta_backward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), dout.get(), states.get(),
+                                           dq.get(), dk.get(), dv.get(), dg.get(), dbeta.get(), ws.get(), ws.size(), nullptr));
+  };
+  auto time_ms = [](auto&& fn) {
+    fn();
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto t0 = std::chrono::steady_clock::now();
+    constexpr int reps = 3;
+    for (int i = 0; i < reps; ++i) fn();
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / reps;
+  };
+  const double f = time_ms(forward), b = time_ms(backward);
+  // The rule's own FLOPs (per token and value head: S^T k, the update, S^T q, 2 dk dv each; the
+  // backward about twice): what a chunked tensor-core version would be measured against.
+  const double flops = 6.0 * static_cast<double>(d.tokens() * d.v_heads * d.k_dim * d.v_dim);
+  std::printf("gated_delta 4K x 32 heads of 128: forward %.3f ms, backward %.3f ms (recurrent v1; %.1f GFLOP/s forward, "
+              "states %.1f MiB, backward workspace %.1f MiB)\n",
+              f, b, flops / f * 1e-6, static_cast<double>(states.bytes()) / (1 << 20), static_cast<double>(ws.size()) / (1 << 20));
+  CHECK(f > 0);
+}
