@@ -1,17 +1,22 @@
-// The gated delta rule, recurrent: one block per (sequence, value head), its dk x dv fp32 state in
-// shared memory. Contract in include/oom/kernels/gated_delta.hpp; the math, line by line, is
-// oom::reference::gated_delta_rule_forward / _backward (src/reference/gated_delta.cpp).
+// The gated delta rule, recurrent, its state in registers. Contract in
+// include/oom/kernels/gated_delta.hpp; the math, line by line, is oom::reference::
+// gated_delta_rule_forward / _backward (src/reference/gated_delta.cpp).
 //
-// Forward: thread j owns column j of the state (dv threads, rounded up to a warp), so a token's
-// S^T k, delta, rank-1 update and S^T q need no other thread: the block meets only to stage the
-// next tile of tokens (their q and k l2-normalised, by warps).
-// Backward, per chunk from the last: the chunk's states are recomputed from the one the forward
-// kept and written to this block's scratch, then the tokens are walked backwards with the state's
-// gradient dS in shared memory beside the state before the token: column passes (S^T k, dS^T k)
-// and row passes (S do, dS d) alternate, each element computed by one thread in a fixed order.
-// A last kernel sums dq and dk over the value heads of each key head, in head order, and takes
-// them back through the l2norm.
+// Layout (both passes): thread (j, p) holds rows p R .. p R + R - 1 of column j of the dk x dv
+// state (P = 4 parts of R = dk / 4 rows, padded to 8, 16 or 32), the four parts of a column in
+// adjacent lanes: a sum over rows (S^T k, S^T q, dS^T k) is the thread's R terms in order, then two
+// xor shuffles, so the forward needs no other thread but its column's. Tokens are staged a tile at
+// a time in shared memory, q and k l2-normalised by warps.
+// Forward: a block per (sequence, value head, 32 columns): the columns of the state never meet.
+// Backward: a block per (sequence, value head), every column (dq and dk sum over them): per chunk
+// from the last, the chunk's states are recomputed from the one the forward kept (the same
+// arithmetic as the forward: the same bits) into this block's scratch, then the tokens are walked
+// backwards with the state's gradient dS beside the state in registers; the sums over columns
+// (dq, dk, d alpha, d beta) reduce-scatter over a warp's 8 columns by shuffles, then add the warps'
+// partials in warp order through shared memory. A last kernel sums dq and dk over the value heads
+// of each key head, in head order, and takes them back through the l2norm.
 #include <algorithm>
+#include <type_traits>
 
 #include "bf16_device.cuh"
 #include "oom/kernels/gated_delta.hpp"
@@ -25,249 +30,309 @@ using detail::float_to_bf16;
 using detail::warp_sum;
 
 constexpr float l2_eps = 1e-6f;       // transformers' (FLA's) l2norm
-constexpr int tile_tokens = 16;       // tokens the forward stages at once
-constexpr int backward_threads = 256;
+constexpr int parts = 4;              // P: threads a column's rows are split over (adjacent lanes)
+constexpr int tile_tokens = 16;       // tokens staged at once
+constexpr int forward_columns = 32;   // columns a forward block owns
 constexpr int norm_threads = 128;     // the l2norm backward: a warp per (token, key head) row
+constexpr int max_backward_threads = 512;  // 4 x dv <= 128 columns
 
 __host__ __device__ constexpr std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 // GatedDeltaDims' chunks() and tokens(), for device code (the header's are host functions).
 __device__ std::int64_t chunks_of(const GatedDeltaDims& d) { return (d.seq_len + d.chunk - 1) / d.chunk; }
 __device__ std::int64_t tokens_of(const GatedDeltaDims& d) { return d.sequences * d.seq_len; }
 
-std::size_t forward_smem_bytes(const GatedDeltaDims& d) {
-  return static_cast<std::size_t>(d.k_dim * d.v_dim + tile_tokens * (2 * d.k_dim + d.v_dim + 2)) * sizeof(float);
-}
+/// Rows a thread holds: dk / P rounded up to 8, 16 or 32 (the reduce-scatter halves it three times).
+int rows_per_thread(std::int64_t dk) { return dk <= 32 ? 8 : dk <= 64 ? 16 : 32; }
 
-// Row stride of the backward's two (dk, dv) matrices: dv + 1 floats, so that a row pass (threads
-// over rows, each walking its row) reads 32 different banks.
-std::int64_t backward_ld(const GatedDeltaDims& d) { return d.v_dim + 1; }
-std::size_t backward_smem_bytes(const GatedDeltaDims& d) {
-  const std::int64_t vectors = 3 * d.k_dim + 5 * d.v_dim + 2;
-  return static_cast<std::size_t>(2 * d.k_dim * backward_ld(d) + vectors) * sizeof(float);
-}
-
-// The recurrence's three steps, spelled out (explicit fma and uncontracted products) so that the
-// forward and the backward's recomputation round alike whatever the compiler contracts: the
-// backward starts from the states the forward kept and must walk to the same bits.
+// The recurrence's steps, spelled out (explicit fma and uncontracted products) so that the
+// forward and the backward's recomputation round alike whatever the compiler contracts.
 __device__ __forceinline__ float dot_step(float acc, float s, float k) { return __fmaf_rn(s, k, acc); }
 __device__ __forceinline__ float delta_of(float beta, float v, float alpha, float u) {
   return __fmul_rn(beta, __fsub_rn(v, __fmul_rn(alpha, u)));
 }
 __device__ __forceinline__ float update(float s, float alpha, float k, float delta) { return __fmaf_rn(k, delta, __fmul_rn(alpha, s)); }
-
-// ---- forward ------------------------------------------------------------------------------------
-
-__global__ void forward_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k, const std::uint16_t* v,
-                               const float* g, const float* beta, std::uint16_t* out, float* states) {
-  extern __shared__ float smem[];
-  const std::int64_t dk = d.k_dim, dv = d.v_dim, S = d.seq_len, H = d.v_heads;
-  const std::int64_t b = blockIdx.x / H, h = blockIdx.x % H, kh = h / (H / d.k_heads);
-  const float scale = 1.0f / sqrtf(static_cast<float>(dk));
-  float* state = smem;                        // (dk, dv): column j is thread j's
-  float* qn = state + dk * dv;                // (tile, dk)
-  float* kn = qn + tile_tokens * dk;          // (tile, dk)
-  float* vt = kn + tile_tokens * dk;          // (tile, dv)
-  float* alpha = vt + tile_tokens * dv;       // (tile)
-  float* bt = alpha + tile_tokens;            // (tile)
-  const int j = threadIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const bool owner = j < dv;
-  if (owner)
-    for (std::int64_t i = 0; i < dk; ++i) state[i * dv + j] = 0.0f;
-  float* my_states = states + static_cast<std::size_t>(blockIdx.x) * (chunks_of(d) + 1) * dk * dv;
-  auto save_state = [&](std::int64_t c) {
-    if (owner)
-      for (std::int64_t i = 0; i < dk; ++i) my_states[(c * dk + i) * dv + j] = state[i * dv + j];
-  };
-  for (std::int64_t t0 = 0; t0 < S; t0 += tile_tokens) {
-    const int n = static_cast<int>(min(static_cast<std::int64_t>(tile_tokens), S - t0));
-    __syncthreads();  // the previous tile's values are read
-    // Stage: q and k rows normalised by a warp each, v by the block, the gates by thread 0.
-    for (int r = warp; r < 2 * n; r += warps) {
-      const int tt = r / 2;
-      const std::int64_t row = ((b * S + t0 + tt) * d.k_heads + kh) * dk;
-      const std::uint16_t* src = (r % 2 == 0 ? q : k) + row;
-      float ss = 0;
-      for (std::int64_t i = lane; i < dk; i += 32) {
-        const float x = bf16_to_float(src[i]);
-        ss += x * x;
-      }
-      const float inv = 1.0f / sqrtf(warp_sum(ss) + l2_eps) * (r % 2 == 0 ? scale : 1.0f);
-      float* dst = (r % 2 == 0 ? qn : kn) + tt * dk;
-      for (std::int64_t i = lane; i < dk; i += 32) dst[i] = bf16_to_float(src[i]) * inv;
-    }
-    for (std::int64_t e = threadIdx.x; e < n * dv; e += blockDim.x) {
-      const std::int64_t tt = e / dv, c = e % dv;
-      vt[e] = bf16_to_float(v[((b * S + t0 + tt) * H + h) * dv + c]);
-    }
-    if (threadIdx.x < n) {
-      const std::int64_t gi = (b * S + t0 + threadIdx.x) * H + h;
-      alpha[threadIdx.x] = expf(g[gi]);
-      bt[threadIdx.x] = beta[gi];
-    }
-    __syncthreads();
-    if (!owner) continue;
-    for (int tt = 0; tt < n; ++tt) {
-      const std::int64_t t = t0 + tt;
-      if (t % d.chunk == 0) save_state(t / d.chunk);
-      const float* kk = kn + tt * dk;
-      const float* qq = qn + tt * dk;
-      const float a = alpha[tt];
-      float u = 0;
-      for (std::int64_t i = 0; i < dk; ++i) u = dot_step(u, state[i * dv + j], kk[i]);
-      const float delta = delta_of(bt[tt], vt[tt * dv + j], a, u);
-      float o = 0;
-      for (std::int64_t i = 0; i < dk; ++i) {
-        const float s = update(state[i * dv + j], a, kk[i], delta);
-        state[i * dv + j] = s;
-        o += s * qq[i];
-      }
-      out[((b * S + t) * H + h) * dv + j] = float_to_bf16(o);
-    }
-  }
-  save_state(chunks_of(d));
+/// The sum over a column's P = 4 parts (lanes p ^ 1, p ^ 2): every part gets the same value.
+__device__ __forceinline__ float column_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// ---- backward -----------------------------------------------------------------------------------
-
-/// One token's vectors for the backward, staged by the block: q and k normalised (q scaled),
-/// v, d_out, exp(g), beta. Ends synchronised.
-struct TokenVectors {
-  float *qn, *kn, *v, *dout, *scalars;  // scalars: [alpha, beta]
+/// A tile of tokens in shared memory: q and k normalised (q also by 1 / sqrt(dk)), each row as P
+/// parts of R + 1 floats (the pad puts the parts' r-th values in different banks), zero past dk;
+/// v and d_out as (tile, dv); exp(g) and beta.
+template <int R>
+struct Tile {
+  static constexpr int row = parts * (R + 1);
+  float* qn;  // (tile, row)
+  float* kn;
+  float* v;   // (tile, vcols)
+  float* dout;
+  float* alpha;  // (tile)
+  float* beta;
+  __host__ __device__ static std::size_t floats(std::int64_t vcols) { return static_cast<std::size_t>(tile_tokens * (2 * row + 2 * vcols + 2)); }
+  __device__ static Tile carve(float* at, std::int64_t vcols) {
+    Tile t;
+    t.qn = at;
+    t.kn = t.qn + tile_tokens * row;
+    t.v = t.kn + tile_tokens * row;
+    t.dout = t.v + tile_tokens * vcols;
+    t.alpha = t.dout + tile_tokens * vcols;
+    t.beta = t.alpha + tile_tokens;
+    return t;
+  }
+  __device__ static int at(std::int64_t i) { return static_cast<int>(i / R) * (R + 1) + static_cast<int>(i % R); }
 };
 
-__device__ void stage_token(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t kh, std::int64_t t,
-                            const std::uint16_t* q, const std::uint16_t* k, const std::uint16_t* v, const float* g,
-                            const float* beta, const std::uint16_t* d_out, const TokenVectors& tv) {
-  const std::int64_t dk = d.k_dim, dv = d.v_dim, S = d.seq_len, H = d.v_heads;
-  const std::int64_t qrow = ((b * S + t) * d.k_heads + kh) * dk, vrow = ((b * S + t) * H + h) * dv;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (warp < 2) {  // warp 0: q, warp 1: k
-    const std::uint16_t* src = (warp == 0 ? q : k) + qrow;
+/// Stages tokens [t0, t0 + n) of sequence b for value head h, columns [j0, j0 + vcols) of v (and
+/// of d_out when given). The caller synchronises before (the last tile is read) and after.
+template <int R>
+__device__ void stage(const GatedDeltaDims& d, const Tile<R>& tile, std::int64_t b, std::int64_t h, std::int64_t t0, int n,
+                      std::int64_t j0, std::int64_t vcols, const std::uint16_t* q, const std::uint16_t* k,
+                      const std::uint16_t* v, const float* g, const float* beta, const std::uint16_t* d_out) {
+  const std::int64_t dk = d.k_dim, dv = d.v_dim, S = d.seq_len, H = d.v_heads, kh = h / (H / d.k_heads);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const float scale = 1.0f / sqrtf(static_cast<float>(dk));
+  for (int r = warp; r < 2 * n; r += warps) {
+    const int tt = r / 2;
+    const std::uint16_t* src = (r % 2 == 0 ? q : k) + ((b * S + t0 + tt) * d.k_heads + kh) * dk;
     float ss = 0;
     for (std::int64_t i = lane; i < dk; i += 32) {
       const float x = bf16_to_float(src[i]);
       ss += x * x;
     }
-    const float inv = 1.0f / sqrtf(warp_sum(ss) + l2_eps) * (warp == 0 ? 1.0f / sqrtf(static_cast<float>(dk)) : 1.0f);
-    float* dst = warp == 0 ? tv.qn : tv.kn;
-    for (std::int64_t i = lane; i < dk; i += 32) dst[i] = bf16_to_float(src[i]) * inv;
+    const float inv = 1.0f / sqrtf(warp_sum(ss) + l2_eps) * (r % 2 == 0 ? scale : 1.0f);
+    float* dst = (r % 2 == 0 ? tile.qn : tile.kn) + tt * Tile<R>::row;
+    for (std::int64_t i = lane; i < parts * R; i += 32) dst[Tile<R>::at(i)] = i < dk ? bf16_to_float(src[i]) * inv : 0.0f;
   }
-  for (std::int64_t c = threadIdx.x; c < dv; c += blockDim.x) {
-    tv.v[c] = bf16_to_float(v[vrow + c]);
-    if (d_out != nullptr) tv.dout[c] = bf16_to_float(d_out[vrow + c]);
+  for (std::int64_t e = threadIdx.x; e < n * vcols; e += blockDim.x) {
+    const std::int64_t tt = e / vcols, c = j0 + e % vcols;
+    const std::int64_t at = ((b * S + t0 + tt) * H + h) * dv + c;
+    tile.v[e] = c < dv ? bf16_to_float(v[at]) : 0.0f;
+    if (d_out != nullptr) tile.dout[e] = c < dv ? bf16_to_float(d_out[at]) : 0.0f;
   }
-  if (threadIdx.x == 0) {
-    tv.scalars[0] = expf(g[(b * S + t) * H + h]);
-    tv.scalars[1] = beta[(b * S + t) * H + h];
+  if (threadIdx.x < n) {
+    const std::int64_t gi = (b * S + t0 + threadIdx.x) * H + h;
+    tile.alpha[threadIdx.x] = expf(g[gi]);
+    tile.beta[threadIdx.x] = beta[gi];
   }
-  __syncthreads();
 }
 
-__global__ void backward_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k, const std::uint16_t* v,
-                                const float* g, const float* beta, const std::uint16_t* d_out, const float* states,
-                                std::uint16_t* dv_out, float* dg, float* dbeta, float* scratch, float* dq_part,
-                                float* dk_part) {
+/// One token of the recurrence for thread (column jl of the tile's columns, part p): S = a S +
+/// k delta^T with delta = beta (v - a S^T k). Returns delta.
+template <int R>
+__device__ __forceinline__ float recur(float (&s)[R], const Tile<R>& tile, int tt, int jl, int p, std::int64_t vcols) {
+  const float* kk = tile.kn + tt * Tile<R>::row + p * (R + 1);
+  const float a = tile.alpha[tt];
+  float u = 0;
+#pragma unroll
+  for (int r = 0; r < R; ++r) u = dot_step(u, s[r], kk[r]);
+  const float delta = delta_of(tile.beta[tt], tile.v[tt * vcols + jl], a, column_sum(u));
+#pragma unroll
+  for (int r = 0; r < R; ++r) s[r] = update(s[r], a, kk[r], delta);
+  return delta;
+}
+
+/// The state's rows of thread part p to or from (dk, dv) row-major `m` (column j).
+template <int R>
+__device__ void save_rows(const float (&s)[R], float* m, std::int64_t dk, std::int64_t dv, std::int64_t j, int p) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (p * R + r < dk) m[(p * R + r) * dv + j] = s[r];
+}
+template <int R>
+__device__ void load_rows(float (&s)[R], const float* m, std::int64_t dk, std::int64_t dv, std::int64_t j, int p) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) s[r] = p * R + r < dk ? m[(p * R + r) * dv + j] : 0.0f;
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+
+template <int R>
+__global__ void __launch_bounds__(forward_columns * parts) forward_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
+                                                                           const std::uint16_t* v, const float* g, const float* beta,
+                                                                           std::uint16_t* out, float* states) {
   extern __shared__ float smem[];
-  const std::int64_t dk = d.k_dim, dv = d.v_dim, S = d.seq_len, H = d.v_heads, ld = d.v_dim + 1;
-  const std::int64_t b = blockIdx.x / H, h = blockIdx.x % H, kh = h / (H / d.k_heads);
-  float* sp = smem;              // (dk, ld): the state before the token
-  float* ds = sp + dk * ld;      // (dk, ld): the gradient of the state after the token
-  TokenVectors tv;
-  tv.qn = ds + dk * ld;
-  tv.kn = tv.qn + dk;
-  tv.v = tv.kn + dk;
-  tv.dout = tv.v + dv;
-  float* delta = tv.dout + dv;   // (dv)
-  float* du = delta + dv;        // (dv)
-  float* dbeta_part = du + dv;   // (dv)
-  float* dalpha_part = dbeta_part + dv;  // (dk)
-  tv.scalars = dalpha_part + dk;  // 2
+  const std::int64_t dk = d.k_dim, dv = d.v_dim, S = d.seq_len, H = d.v_heads;
+  const std::int64_t column_blocks = (dv + forward_columns - 1) / forward_columns;
+  const std::int64_t bh = blockIdx.x / column_blocks, b = bh / H, h = bh % H;
+  const std::int64_t j0 = (blockIdx.x % column_blocks) * forward_columns;
+  const Tile<R> tile = Tile<R>::carve(smem, forward_columns);
+  const int jl = threadIdx.x / parts, p = threadIdx.x % parts;
+  const std::int64_t j = j0 + jl;
+  const bool owner = j < dv;
+  float s[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) s[r] = 0.0f;
+  float* my_states = states + static_cast<std::size_t>(bh) * (chunks_of(d) + 1) * dk * dv;
+  for (std::int64_t t0 = 0; t0 < S; t0 += tile_tokens) {
+    const int n = static_cast<int>(min(static_cast<std::int64_t>(tile_tokens), S - t0));
+    __syncthreads();
+    stage(d, tile, b, h, t0, n, j0, forward_columns, q, k, v, g, beta, nullptr);
+    __syncthreads();
+    for (int tt = 0; tt < n; ++tt) {
+      const std::int64_t t = t0 + tt;
+      if (t % d.chunk == 0 && owner) save_rows(s, my_states + (t / d.chunk) * dk * dv, dk, dv, j, p);
+      recur(s, tile, tt, jl, p, forward_columns);
+      const float* qq = tile.qn + tt * Tile<R>::row + p * (R + 1);
+      float o = 0;
+#pragma unroll
+      for (int r = 0; r < R; ++r) o = dot_step(o, s[r], qq[r]);
+      o = column_sum(o);
+      if (owner && p == 0) out[((b * S + t) * H + h) * dv + j] = float_to_bf16(o);
+    }
+  }
+  if (owner) save_rows(s, my_states + chunks_of(d) * dk * dv, dk, dv, j, p);
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+
+/// x's R values summed over the warp's 8 columns (lane bits 2..4), scattered: lane (c, p) ends with
+/// the sums of rows p R + offset(c) + m, m < R / 8, in x[0 .. R / 8), where offset(c) = c's bits
+/// read as R/2, R/4, R/8 (c = lane >> 2). Each stage adds the kept half to the partner's.
+template <int R, int Half, int Offset>
+__device__ __forceinline__ void reduce_scatter_stage(float (&x)[R], int lane) {
+  const bool upper = (lane & Offset) != 0;
+#pragma unroll
+  for (int m = 0; m < Half; ++m) {
+    const float lo = x[m], hi = x[m + Half];
+    const float recv = __shfl_xor_sync(0xffffffffu, upper ? lo : hi, Offset);
+    x[m] = (upper ? hi : lo) + recv;
+  }
+}
+template <int R>
+__device__ __forceinline__ void reduce_scatter_columns(float (&x)[R], int lane) {
+  reduce_scatter_stage<R, R / 2, 16>(x, lane);
+  reduce_scatter_stage<R, R / 4, 8>(x, lane);
+  reduce_scatter_stage<R, R / 8, 4>(x, lane);
+}
+template <int R>
+__device__ __forceinline__ int scatter_offset(int lane) {
+  return ((lane & 16) ? R / 2 : 0) + ((lane & 8) ? R / 4 : 0) + ((lane & 4) ? R / 8 : 0);
+}
+
+template <int R>
+__global__ void __launch_bounds__(max_backward_threads) backward_kernel(
+    GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k, const std::uint16_t* v, const float* g,
+    const float* beta, const std::uint16_t* d_out, const float* states, std::uint16_t* dv_out, float* dg, float* dbeta,
+    float* scratch, float* dq_part, float* dk_part) {
+  extern __shared__ float smem[];
+  const std::int64_t dk = d.k_dim, dv = d.v_dim, S = d.seq_len, H = d.v_heads;
+  const std::int64_t vcols = round_up(dv, 8);  // 8 columns a warp
+  const std::int64_t b = blockIdx.x / H, h = blockIdx.x % H;
+  const int warps = blockDim.x / 32, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const Tile<R> tile = Tile<R>::carve(smem, vcols);
+  // Per token parity: the warps' partial sums of dq and dk rows (warps, P R) and of d alpha, d beta.
+  float* dq_w = smem + Tile<R>::floats(vcols);
+  float* dk_w = dq_w + 2 * warps * parts * R;
+  float* scal_w = dk_w + 2 * warps * parts * R;  // (2, warps, 2)
+  const int jl = threadIdx.x / parts, p = threadIdx.x % parts;
+  const bool owner = jl < dv;
   const std::int64_t chunks = chunks_of(d);
   const float* my_states = states + static_cast<std::size_t>(blockIdx.x) * (chunks + 1) * dk * dv;
-  float* my_scratch = scratch + static_cast<std::size_t>(blockIdx.x) * min(d.chunk, S) * dk * dv;
-  const std::int64_t elems = dk * dv;
-
-  for (std::int64_t e = threadIdx.x; e < elems; e += blockDim.x) ds[(e / dv) * ld + e % dv] = 0.0f;
+  float* my_scratch = scratch + static_cast<std::size_t>(blockIdx.x) * min(d.chunk, S) * R * blockDim.x;
+  float s[R], ds[R], x[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) ds[r] = 0.0f;
   for (std::int64_t c = chunks - 1; c >= 0; --c) {
     const std::int64_t c0 = c * d.chunk, c1 = min(S, c0 + d.chunk);
-    // Recompute the chunk's states: sp walks from the kept one, each written to scratch first.
-    for (std::int64_t e = threadIdx.x; e < elems; e += blockDim.x) sp[(e / dv) * ld + e % dv] = my_states[c * elems + e];
-    __syncthreads();
-    for (std::int64_t t = c0; t < c1; ++t) {
-      float* dst = my_scratch + (t - c0) * elems;
-      for (std::int64_t e = threadIdx.x; e < elems; e += blockDim.x) dst[e] = sp[(e / dv) * ld + e % dv];
-      stage_token(d, b, h, kh, t, q, k, v, g, beta, nullptr, tv);
-      const float a = tv.scalars[0], bb = tv.scalars[1];
-      for (std::int64_t j = threadIdx.x; j < dv; j += blockDim.x) {
-        float u = 0;
-        for (std::int64_t i = 0; i < dk; ++i) u = dot_step(u, sp[i * ld + j], tv.kn[i]);
-        delta[j] = delta_of(bb, tv.v[j], a, u);
-      }
+    // The chunk's states, from the kept one: the state before token t to scratch[t - c0] (r-major).
+    if (owner) load_rows(s, my_states + c * dk * dv, dk, dv, jl, p);
+    else
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[r] = 0.0f;
+    for (std::int64_t t0 = c0; t0 < c1; t0 += tile_tokens) {
+      const int n = static_cast<int>(min(static_cast<std::int64_t>(tile_tokens), c1 - t0));
       __syncthreads();
-      for (std::int64_t e = threadIdx.x; e < elems; e += blockDim.x) {
-        const std::int64_t i = e / dv, j = e % dv;
-        sp[i * ld + j] = update(sp[i * ld + j], a, tv.kn[i], delta[j]);
-      }
+      stage(d, tile, b, h, t0, n, 0, vcols, q, k, v, g, beta, nullptr);
       __syncthreads();
+      for (int tt = 0; tt < n; ++tt) {
+        float* to = my_scratch + (t0 + tt - c0) * R * blockDim.x + threadIdx.x;
+#pragma unroll
+        for (int r = 0; r < R; ++r) to[r * blockDim.x] = s[r];
+        recur(s, tile, tt, jl, p, vcols);
+      }
     }
-    // Backwards over the chunk's tokens.
-    for (std::int64_t t = c1 - 1; t >= c0; --t) {
-      const float* src = my_scratch + (t - c0) * elems;
-      for (std::int64_t e = threadIdx.x; e < elems; e += blockDim.x) sp[(e / dv) * ld + e % dv] = src[e];
-      stage_token(d, b, h, kh, t, q, k, v, g, beta, d_out, tv);
-      const float a = tv.scalars[0], bb = tv.scalars[1];
-      const std::int64_t vrow = ((b * S + t) * H + h) * dv;
-      // Columns: u = a S^T k, the delta; dS += q do^T; dd = dS^T k; dv, du and dbeta's terms.
-      for (std::int64_t j = threadIdx.x; j < dv; j += blockDim.x) {
+    // Backwards over the chunk, a tile at a time from its last.
+    const std::int64_t tiles = (c1 - c0 + tile_tokens - 1) / tile_tokens;
+    for (std::int64_t m = tiles - 1; m >= 0; --m) {
+      const std::int64_t t0 = c0 + m * tile_tokens;
+      const int n = static_cast<int>(min(static_cast<std::int64_t>(tile_tokens), c1 - t0));
+      __syncthreads();
+      stage(d, tile, b, h, t0, n, 0, vcols, q, k, v, g, beta, d_out);
+      __syncthreads();
+      for (int tt = n - 1; tt >= 0; --tt) {
+        const std::int64_t t = t0 + tt;
+        const float* from = my_scratch + (t - c0) * R * blockDim.x + threadIdx.x;
+#pragma unroll
+        for (int r = 0; r < R; ++r) s[r] = from[r * blockDim.x];
+        const float* kk = tile.kn + tt * Tile<R>::row + p * (R + 1);
+        const float* qq = tile.qn + tt * Tile<R>::row + p * (R + 1);
+        const float a = tile.alpha[tt], bb = tile.beta[tt], vj = tile.v[tt * vcols + jl], doj = tile.dout[tt * vcols + jl];
+        // Columns: u = S^T k (before the decay), delta; dS += q do^T; dd = dS^T k.
         float u = 0;
-        for (std::int64_t i = 0; i < dk; ++i) u += sp[i * ld + j] * tv.kn[i];
-        u *= a;
-        const float dl = bb * (tv.v[j] - u);
+#pragma unroll
+        for (int r = 0; r < R; ++r) u = dot_step(u, s[r], kk[r]);
+        u = column_sum(u);
+        const float delta = delta_of(bb, vj, a, u);
         float dd = 0;
-        for (std::int64_t i = 0; i < dk; ++i) {
-          const float x = ds[i * ld + j] + tv.qn[i] * tv.dout[j];
-          ds[i * ld + j] = x;
-          dd += x * tv.kn[i];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          ds[r] = __fmaf_rn(qq[r], doj, ds[r]);
+          dd = dot_step(dd, ds[r], kk[r]);
         }
-        delta[j] = dl;
-        du[j] = -bb * dd;
-        dbeta_part[j] = dd * (tv.v[j] - u);
-        dv_out[vrow + j] = float_to_bf16(bb * dd);
-      }
-      __syncthreads();
-      // Rows: dq = S_t do with S_t = a S + k delta^T; dk = dS delta + a S du.
-      const std::int64_t prow = ((b * S + t) * H + h) * dk;
-      for (std::int64_t i = threadIdx.x; i < dk; i += blockDim.x) {
-        float gq = 0, gk = 0;
-        for (std::int64_t j = 0; j < dv; ++j) {
-          const float s = sp[i * ld + j];
-          gq += (a * s + tv.kn[i] * delta[j]) * tv.dout[j];
-          gk += ds[i * ld + j] * delta[j] + a * s * du[j];
+        dd = column_sum(dd);
+        const float du = -bb * dd;
+        const int buf = static_cast<int>(t & 1);
+        // Rows: dq = S_t do with S_t = a S + k delta^T; dk = dS delta + a S du.
+#pragma unroll
+        for (int r = 0; r < R; ++r) x[r] = update(s[r], a, kk[r], delta) * doj;
+        reduce_scatter_columns(x, lane);
+        float* dq_row = dq_w + (buf * warps + warp) * parts * R + p * R + scatter_offset<R>(lane);
+#pragma unroll
+        for (int m2 = 0; m2 < R / 8; ++m2) dq_row[m2] = x[m2];
+#pragma unroll
+        for (int r = 0; r < R; ++r) x[r] = __fmaf_rn(ds[r], delta, a * s[r] * du);
+        reduce_scatter_columns(x, lane);
+        float* dk_row = dk_w + (buf * warps + warp) * parts * R + p * R + scatter_offset<R>(lane);
+#pragma unroll
+        for (int m2 = 0; m2 < R / 8; ++m2) dk_row[m2] = x[m2];
+        // dS' = dS + k du^T; d alpha = <dS', S>; the gradient entering the previous token is a dS'.
+        float dalpha = 0;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float y = __fmaf_rn(kk[r], du, ds[r]);
+          dalpha = __fmaf_rn(y, s[r], dalpha);
+          ds[r] = a * y;
         }
-        dq_part[prow + i] = gq;
-        dk_part[prow + i] = gk;
-      }
-      __syncthreads();
-      // dS' = dS + k du^T; d alpha = <dS', S>; the gradient entering the previous token is a dS'.
-      // Each thread sums its rows' terms in order, then the rows in order.
-      for (std::int64_t i = threadIdx.x; i < dk; i += blockDim.x) {
-        float acc = 0;
-        for (std::int64_t j = 0; j < dv; ++j) {
-          const float x = ds[i * ld + j] + tv.kn[i] * du[j];
-          acc += x * sp[i * ld + j];
-          ds[i * ld + j] = a * x;
+        dalpha = warp_sum(dalpha);
+        const float dbeta_term = warp_sum(p == 0 ? dd * (vj - __fmul_rn(a, u)) : 0.0f);
+        if (lane == 0) {
+          scal_w[(buf * warps + warp) * 2] = dalpha;
+          scal_w[(buf * warps + warp) * 2 + 1] = dbeta_term;
         }
-        dalpha_part[i] = acc;
+        if (owner && p == 0) dv_out[((b * S + t) * H + h) * dv + jl] = float_to_bf16(bb * dd);
+        __syncthreads();
+        // The warps' partials in warp order (the other parity's buffers take the next token).
+        const std::int64_t prow = ((b * S + t) * H + h) * dk;
+        for (std::int64_t i = threadIdx.x; i < dk; i += blockDim.x) {
+          float sq = 0, sk = 0;
+          for (int w = 0; w < warps; ++w) {
+            sq += dq_w[(buf * warps + w) * parts * R + i];
+            sk += dk_w[(buf * warps + w) * parts * R + i];
+          }
+          dq_part[prow + i] = sq;
+          dk_part[prow + i] = sk;
+        }
+        if (threadIdx.x == blockDim.x - 1) {
+          float da = 0, db = 0;
+          for (int w = 0; w < warps; ++w) {
+            da += scal_w[(buf * warps + w) * 2];
+            db += scal_w[(buf * warps + w) * 2 + 1];
+          }
+          dg[(b * S + t) * H + h] = da * a;
+          dbeta[(b * S + t) * H + h] = db;
+        }
       }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float dalpha = 0, db = 0;
-        for (std::int64_t i = 0; i < dk; ++i) dalpha += dalpha_part[i];
-        for (std::int64_t j = 0; j < dv; ++j) db += dbeta_part[j];
-        dg[(b * S + t) * H + h] = dalpha * a;
-        dbeta[(b * S + t) * H + h] = db;
-      }
-      __syncthreads();
     }
   }
 }
@@ -306,33 +371,46 @@ __global__ void l2norm_backward_kernel(GatedDeltaDims d, const std::uint16_t* q,
 
 // ---- launchers ----------------------------------------------------------------------------------
 
+constexpr std::int64_t max_dim = 128;  // dk: R <= 32 rows a thread; dv: the backward's 4 dv threads <= 512
+
 cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
   if (d.sequences < 0 || d.seq_len < 0)
     return detail::refuse(name, ": sequences = ", d.sequences, ", seq_len = ", d.seq_len, " (must be >= 0)");
   if (d.k_heads < 1 || d.v_heads < 1 || d.v_heads % d.k_heads != 0)
     return detail::refuse(name, ": k_heads = ", d.k_heads, ", v_heads = ", d.v_heads,
                           " (need >= 1 each, v_heads a multiple of k_heads)");
-  if (d.k_dim < 1 || d.k_dim > 256 || d.v_dim < 1 || d.v_dim > 1024)
-    return detail::refuse(name, ": k_dim = ", d.k_dim, ", v_dim = ", d.v_dim, " (need 1..256 and 1..1024)");
+  if (d.k_dim < 1 || d.k_dim > max_dim || d.v_dim < 1 || d.v_dim > max_dim)
+    return detail::refuse(name, ": k_dim = ", d.k_dim, ", v_dim = ", d.v_dim, " (need 1..", max_dim, " each: the state's rows and "
+                          "columns are held in registers)");
   if (d.chunk < 1) return detail::refuse(name, ": chunk = ", d.chunk, " (must be >= 1)");
-  if (d.sequences * d.v_heads > 0x7fffffff)
+  if (d.sequences * d.v_heads * ((d.v_dim + forward_columns - 1) / forward_columns) > 0x7fffffff)
     return detail::refuse(name, ": ", d.sequences, " sequences x ", d.v_heads, " value heads need more than 2^31 - 1 blocks");
   return cudaSuccess;
 }
 
-/// The opt-in for `smem` bytes of dynamic shared memory, or a refusal naming the dims when the
-/// device has less.
+/// The opt-in for `smem` bytes of dynamic shared memory (over 48 KiB).
 template <class Kernel>
-cudaError_t reserve_smem(const char* name, Kernel kernel, std::size_t smem, const GatedDeltaDims& d) {
-  int device = 0, limit = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device); e != cudaSuccess)
-    return e;
-  if (smem > static_cast<std::size_t>(limit))
-    return detail::refuse(name, ": k_dim ", d.k_dim, " x v_dim ", d.v_dim, " needs ", smem, " bytes of shared memory a block, the device has ",
-                          limit);
+cudaError_t reserve_smem(Kernel kernel, std::size_t smem) {
   if (smem <= 48 * 1024) return cudaSuccess;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+}
+
+std::int64_t backward_threads(const GatedDeltaDims& d) { return round_up(d.v_dim, 8) * parts; }
+
+template <int R>
+std::size_t backward_smem_bytes(const GatedDeltaDims& d) {
+  const std::int64_t warps = backward_threads(d) / 32;
+  return (Tile<R>::floats(round_up(d.v_dim, 8)) + static_cast<std::size_t>(4 * warps * parts * R + 4 * warps)) * sizeof(float);
+}
+
+/// fn(std::integral_constant<int, R>) for the rows a thread holds at this dk.
+template <class Fn>
+cudaError_t with_rows(std::int64_t dk, Fn&& fn) {
+  switch (rows_per_thread(dk)) {
+    case 8: return fn(std::integral_constant<int, 8>{});
+    case 16: return fn(std::integral_constant<int, 16>{});
+    default: return fn(std::integral_constant<int, 32>{});
+  }
 }
 
 }  // namespace
@@ -343,10 +421,11 @@ std::size_t gated_delta_states_floats(const GatedDeltaDims& d) {
 }
 
 std::size_t gated_delta_backward_workspace_bytes(const GatedDeltaDims& d) {
-  if (d.sequences < 1 || d.seq_len < 1 || d.chunk < 1) return 0;
-  const std::int64_t scratch = d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * d.k_dim * d.v_dim;
-  const std::int64_t parts = 2 * d.tokens() * d.v_heads * d.k_dim;
-  return static_cast<std::size_t>(round_up(scratch, 64) + parts) * sizeof(float);
+  if (d.sequences < 1 || d.seq_len < 1 || d.chunk < 1 || d.k_dim < 1 || d.v_dim < 1) return 0;
+  // Each block's states of one chunk, as its threads hold them (R rows each), then dq and dk per value head.
+  const std::int64_t scratch = d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * rows_per_thread(d.k_dim) * backward_threads(d);
+  const std::int64_t grads = 2 * d.tokens() * d.v_heads * d.k_dim;
+  return static_cast<std::size_t>(round_up(scratch, 64) + grads) * sizeof(float);
 }
 
 cudaError_t gated_delta_forward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
@@ -358,13 +437,16 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& d, const bf16* q, const bf
                                                        {"states", states}});
       e != cudaSuccess)
     return e;
-  const std::size_t smem = forward_smem_bytes(d);
-  if (const cudaError_t e = reserve_smem(name, forward_kernel, smem, d); e != cudaSuccess) return e;
-  const auto threads = static_cast<unsigned>(round_up(d.v_dim, 32));
-  forward_kernel<<<static_cast<unsigned>(d.sequences * d.v_heads), threads, smem, stream>>>(
-      d, reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
-      reinterpret_cast<const std::uint16_t*>(v), g, beta, reinterpret_cast<std::uint16_t*>(out), states);
-  return cudaGetLastError();
+  const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * ((d.v_dim + forward_columns - 1) / forward_columns));
+  return with_rows(d.k_dim, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    const std::size_t smem = Tile<R>::floats(forward_columns) * sizeof(float);
+    if (const cudaError_t e = reserve_smem(forward_kernel<R>, smem); e != cudaSuccess) return e;
+    forward_kernel<R><<<blocks, forward_columns * parts, smem, stream>>>(
+        d, reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
+        reinterpret_cast<const std::uint16_t*>(v), g, beta, reinterpret_cast<std::uint16_t*>(out), states);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t gated_delta_backward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
@@ -382,17 +464,22 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& d, const bf16* q, const b
   const std::size_t need = gated_delta_backward_workspace_bytes(d);
   if (workspace == nullptr || workspace_bytes < need)
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "gated_delta_backward_workspace_bytes(dims)");
-  const std::size_t smem = backward_smem_bytes(d);
-  if (const cudaError_t e = reserve_smem(name, backward_kernel, smem, d); e != cudaSuccess) return e;
   auto* scratch = static_cast<float*>(workspace);
-  float* dq_part = scratch + round_up(d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * d.k_dim * d.v_dim, 64);
+  float* dq_part = scratch + round_up(d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * rows_per_thread(d.k_dim) *
+                                          backward_threads(d), 64);
   float* dk_part = dq_part + d.tokens() * d.v_heads * d.k_dim;
   const auto* qb = reinterpret_cast<const std::uint16_t*>(q);
   const auto* kb = reinterpret_cast<const std::uint16_t*>(k);
-  backward_kernel<<<static_cast<unsigned>(d.sequences * d.v_heads), backward_threads, smem, stream>>>(
-      d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta, reinterpret_cast<const std::uint16_t*>(d_out), states,
-      reinterpret_cast<std::uint16_t*>(dv), dg, dbeta, scratch, dq_part, dk_part);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const cudaError_t launched = with_rows(d.k_dim, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    const std::size_t smem = backward_smem_bytes<R>(d);
+    if (const cudaError_t e = reserve_smem(backward_kernel<R>, smem); e != cudaSuccess) return e;
+    backward_kernel<R><<<static_cast<unsigned>(d.sequences * d.v_heads), static_cast<unsigned>(backward_threads(d)), smem, stream>>>(
+        d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta, reinterpret_cast<const std::uint16_t*>(d_out), states,
+        reinterpret_cast<std::uint16_t*>(dv), dg, dbeta, scratch, dq_part, dk_part);
+    return cudaGetLastError();
+  });
+  if (launched != cudaSuccess) return launched;
   const std::int64_t rows = 2 * d.tokens() * d.k_heads, per_block = norm_threads / 32;
   const std::int64_t blocks = (rows + per_block - 1) / per_block;
   if (blocks > 0x7fffffff) return detail::refuse(name, ": ", rows, " rows of q and k need more than 2^31 - 1 blocks");

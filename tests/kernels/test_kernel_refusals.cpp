@@ -309,7 +309,10 @@ TEST_CASE("the gated delta rule's refusals name the dims, the array and the work
   expect_refused(forward(bad, fake()), {"gated_delta_forward: k_heads = 2, v_heads = 3", "a multiple of k_heads"});
   bad = d;
   bad.k_dim = 512;
-  expect_refused(forward(bad, fake()), {"gated_delta_forward: k_dim = 512, v_dim = 128 (need 1..256 and 1..1024)"});
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: k_dim = 512, v_dim = 128 (need 1..128 each"});
+  bad = d;
+  bad.v_dim = 129;
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: k_dim = 128, v_dim = 129 (need 1..128 each"});
   bad = d;
   bad.chunk = 0;
   expect_refused(forward(bad, fake()), {"gated_delta_forward: chunk = 0"});
@@ -326,7 +329,7 @@ TEST_CASE("the gated delta rule's refusals name the dims, the array and the work
   // States: 2 sequences x 4 heads x (2 chunks + the final state) x 128 x 128.
   CHECK(k::gated_delta_states_floats(d) == std::size_t{2} * 4 * 3 * 128 * 128);
   const std::size_t need = k::gated_delta_backward_workspace_bytes(d);
-  // This block's scratch of one chunk per (sequence, head), then dq and dk per value head.
+  // Each block's states of one chunk (dk x dv at these dims: 32 rows x 512 threads), then dq and dk per value head.
   CHECK(need == (std::size_t{2} * 4 * 64 * 128 * 128 + std::size_t{2} * 200 * 4 * 128) * sizeof(float));
   expect_refused(k::gated_delta_backward(d, fake(), fake(), fake(), fake<float>(), fake<float>(), fake(), fake<float>(), fake(),
                                          fake(), fake(), fake<float>(), fake<float>(), fake<void>(), 1000, nullptr),
