@@ -4,10 +4,11 @@ gated delta rule as transformers' Qwen3-Next trains it where flash-linear-attent
 installed (torch_chunk_gated_delta_rule, chunks of 64, l2norm in the kernel), forward and forward +
 backward through autograd, on the shape test_gated_delta_kernels times (by default the Qwen3-Next
 linear layer's: 1 sequence of 4096 tokens, 16 key and 32 value heads of 128), bf16 inputs as the
-model passes them. Prints one line per pass in milliseconds; with --ours-forward-ms and
+model passes them; then, where installed, flash-linear-attention's chunk_gated_delta_rule (Triton).
+Prints one line per implementation in milliseconds; with --ours-forward-ms and
 --ours-backward-ms (what test_gated_delta_kernels printed in the same device call) also the ratios.
 
-  python3 scripts/bench_gated_delta_torch.py [--tokens 4096] [--ours-forward-ms F --ours-backward-ms B]
+  python3 scripts/bench_gated_delta_torch.py [--impl torch|fla] [--tokens 4096] [--ours-forward-ms F --ours-backward-ms B]
 """
 import argparse
 import time
@@ -33,6 +34,9 @@ def main():
     ap.add_argument("--v-heads", type=int, default=32)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--impl", choices=("torch", "fla"), default="torch",
+                    help="torch: transformers' torch_chunk_gated_delta_rule (run it where fla is not importable: "
+                         "transformers takes fla's kernels where it can import them); fla: flash-linear-attention's")
     ap.add_argument("--ours-forward-ms", type=float)
     ap.add_argument("--ours-backward-ms", type=float)
     args = ap.parse_args()
@@ -63,13 +67,45 @@ def main():
         out, _ = q3n.torch_chunk_gated_delta_rule(heads(q), heads(k), v, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=True)
         torch.autograd.grad(out, [q, k, v, g, beta], dout.to(out.dtype))
 
-    f = timed(forward, args.reps)
-    fb = timed(forward_backward, args.reps)
-    print(f"torch_chunk_gated_delta_rule {T} x {vh} heads of {d}: forward {f:.3f} ms, forward+backward {fb:.3f} ms "
-          f"(torch {torch.__version__}, {torch.cuda.get_device_name()})")
-    if args.ours_forward_ms and args.ours_backward_ms:
-        ours = args.ours_forward_ms + args.ours_backward_ms
-        print(f"ours / PyTorch speed: forward {f / args.ours_forward_ms:.2f}x, forward+backward {fb / ours:.2f}x")
+    def report(name, f, fb):
+        print(f"{name} {T} x {vh} heads of {d}: forward {f:.3f} ms, forward+backward {fb:.3f} ms "
+              f"(torch {torch.__version__}, {torch.cuda.get_device_name()})")
+        if args.ours_forward_ms and args.ours_backward_ms:
+            ours = args.ours_forward_ms + args.ours_backward_ms
+            print(f"ours / {name} speed: forward {f / args.ours_forward_ms:.2f}x, forward+backward {fb / ours:.2f}x")
+
+    if args.impl == "torch":
+        report("torch_chunk_gated_delta_rule", timed(forward, args.reps), timed(forward_backward, args.reps))
+        return
+
+    # flash-linear-attention's Triton kernels, the rule's fastest public implementation, where
+    # installed (the GPU machine has no internet: fla-core's wheel travels in .whl/, see
+    # scripts/fetch-peer-wheels.sh). Grouped value heads natively (GVA).
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        print(f"flash-linear-attention: not installed ({e})")
+        return
+
+    def fla_forward():
+        with torch.no_grad():
+            chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+
+    def fla_forward_backward():
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        torch.autograd.grad(out, [q, k, v, g, beta], dout.to(out.dtype))
+
+    import fla
+    name = f"fla {fla.__version__} chunk_gated_delta_rule"
+    f = timed(fla_forward, args.reps)
+    try:
+        fb = timed(fla_forward_backward, args.reps)
+    except RuntimeError as e:  # fla refuses its backward on some Triton versions (Hopper: < 3.7.1)
+        print(f"{name} {T} x {vh} heads of {d}: forward {f:.3f} ms; backward refused: {str(e).splitlines()[0]}")
+        if args.ours_forward_ms:
+            print(f"ours / {name} speed: forward {f / args.ours_forward_ms:.2f}x")
+        return
+    report(name, f, fb)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ for py in 310 311 312 313; do
   "$work/venv/bin/pip" download -q --only-binary=:all: --python-version "$py" --platform manylinux2014_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$dest" "${deps[@]}"
 done
+# flash-linear-attention's kernels (fla-core: pure Python + Triton, which the GPU machine's torch
+# brings), the gated delta rule's peer in scripts/bench_gated_delta_torch.py.
+"$work/venv/bin/pip" download -q --no-deps -d "$dest" "fla-core==0.6.0"
 rm -rf .whl
 mv "$dest" .whl
 ls -1 .whl

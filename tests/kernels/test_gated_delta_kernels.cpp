@@ -206,7 +206,7 @@ TEST_CASE("timing: the Qwen3-Next linear layer's rule at 4K tokens (1 sequence, 
   // The rule's own FLOPs (per token and value head: S^T k, the update, S^T q, 2 dk dv each; the
   // backward about twice): what a chunked tensor-core version would be measured against.
   const double flops = 6.0 * static_cast<double>(d.tokens() * d.v_heads * d.k_dim * d.v_dim);
-  std::printf("gated_delta 4K x 32 heads of 128: forward %.3f ms, backward %.3f ms (recurrent v1; %.1f GFLOP/s forward, "
+  std::printf("gated_delta 4K x 32 heads of 128: forward %.3f ms, backward %.3f ms (recurrent; %.1f GFLOP/s forward, "
               "states %.1f MiB, backward workspace %.1f MiB)\n",
               f, b, flops / f * 1e-6, static_cast<double>(states.bytes()) / (1 << 20), static_cast<double>(ws.size()) / (1 << 20));
   CHECK(f > 0);

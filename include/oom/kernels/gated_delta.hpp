@@ -6,11 +6,13 @@
 //   S = exp(g[t, h]) S;  d = beta[t, h] (v[t, h] - S^T k_t);  S += k_t d^T;  out[t, h] = S^T q_t
 // with S a dk x dv fp32 state. Kernels in src/kernels/gated_delta.cu.
 //
-// This is the first, recurrent version (docs/hybrid.md, slice 3): one thread block per (sequence,
-// value head) walks the tokens in order with its state in shared memory, so its time grows with
-// the sequence length rather than its FLOPs; the chunked form with tensor cores (FLA's) is the
-// next step. Its memory is O(T): the forward keeps the state entering every `chunk` tokens (and
-// the final one), and the backward recomputes each chunk's states from them, a chunk at a time.
+// This is the recurrent form (docs/hybrid.md, slice 3): the forward's blocks (a sequence, a value
+// head, 32 columns of the state) and the backward's (a sequence, a value head) walk the tokens in
+// order with the state in registers, so the time grows with the sequence length rather than with
+// the FLOPs; the chunked form with tensor cores (fla's) is the next step. Its memory is O(T): the
+// forward keeps the state entering every `chunk` tokens (and the final one), and the backward
+// recomputes each chunk's states from them, a chunk at a time, in the same arithmetic: the same
+// bits whatever the chunk.
 //
 // Precision: q, k, v, out and their gradients bf16; g, beta and their gradients fp32; every state,
 // product and sum fp32. Deterministic: every value is computed by one thread in a fixed order, and
@@ -31,7 +33,7 @@ struct GatedDeltaDims {
   std::int64_t sequences = 1;  ///< B: independent sequences, each from a zero state
   std::int64_t seq_len = 0;    ///< S: tokens per sequence (T = B S rows, sequence-major)
   std::int64_t k_heads = 0, v_heads = 0;  ///< v_heads a multiple of k_heads
-  std::int64_t k_dim = 0, v_dim = 0;      ///< dk <= 256, dv <= 1024, and the state must fit shared memory
+  std::int64_t k_dim = 0, v_dim = 0;      ///< 1..128 each (the state's rows and columns held in registers)
   std::int64_t chunk = 64;     ///< tokens between the states the forward keeps for the backward
 
   [[nodiscard]] std::int64_t tokens() const { return sequences * seq_len; }
