@@ -23,6 +23,7 @@
 #include "oom/kernels/rmsnorm.hpp"
 #include "oom/kernels/rope.hpp"
 #include "oom/kernels/router.hpp"
+#include "oom/kernels/deltanet.hpp"
 #include "oom/kernels/gated_delta.hpp"
 #include "oom/kernels/swiglu.hpp"
 #include "oom/optim/adamw.hpp"
@@ -338,4 +339,30 @@ TEST_CASE("the gated delta rule's refusals name the dims, the array and the work
   expect_refused(k::gated_delta_backward(d, fake(), fake(), fake(), fake<float>(), fake<float>(), fake(), fake<float>(), fake(),
                                          fake(), fake(), nullptr, fake<float>(), fake<void>(), need, nullptr),
                  {"gated_delta_backward: dg is null"});
+}
+
+TEST_CASE("the Gated DeltaNet pieces' refusals name the argument") {
+  k::clear_refusal();
+  expect_refused(k::causal_conv1d_silu_forward({1, 10, 64, 9, 64}, fake(), fake(), fake(), nullptr),
+                 {"causal_conv1d_silu_forward: kernel = 9 (need 1..8)"});
+  expect_refused(k::causal_conv1d_silu_forward({1, 10, 64, 4, 32}, fake(), fake(), fake(), nullptr),
+                 {"causal_conv1d_silu_forward: x_stride = 32 is less than channels = 64"});
+  expect_refused(k::causal_conv1d_silu_forward({1, 10, 64, 4, 64}, fake(), nullptr, fake(), nullptr),
+                 {"causal_conv1d_silu_forward: w is null"});
+  const k::ConvDims conv{2, 10, 64, 4, 64};
+  const std::size_t need = k::causal_conv1d_silu_backward_workspace_bytes(conv);
+  CHECK(need == std::size_t{64} * 4 * sizeof(float));  // one block of 256 tokens
+  expect_refused(k::causal_conv1d_silu_backward(conv, fake(), fake(), fake(), fake(), fake<float>(), fake<void>(), need - 4, nullptr),
+                 {"causal_conv1d_silu_backward: workspace of " + std::to_string(need - 4) + " bytes, needs " + std::to_string(need)});
+  expect_refused(k::delta_gates_forward({10, 4, 3}, fake(), fake(), fake(), fake(), fake<float>(), fake<float>(), nullptr),
+                 {"delta_gates_forward: ab_stride = 3 is less than heads = 4"});
+  expect_refused(k::delta_gates_backward({10, 4, 8}, fake(), fake(), fake(), fake(), fake<float>(), fake<float>(), fake(), fake(),
+                                         nullptr, fake<float>(), fake<void>(), 4096, nullptr),
+                 {"delta_gates_backward: dA_log is null"});
+  expect_refused(k::gated_rmsnorm_forward({10, 2, 2048, 4096, 1e-6f}, fake(), fake(), fake(), fake(), fake<float>(), nullptr),
+                 {"gated_rmsnorm_forward: heads = 2, dim = 2048 (need heads >= 1, dim 1..1024)"});
+  expect_refused(k::gated_rmsnorm_forward({10, 2, 64, 100, 1e-6f}, fake(), fake(), fake(), fake(), fake<float>(), nullptr),
+                 {"gated_rmsnorm_forward: z_stride = 100 is less than heads x dim = 128"});
+  expect_refused(k::gated_rmsnorm_forward({10, 2, 64, 128, 0.0f}, fake(), fake(), fake(), fake(), fake<float>(), nullptr),
+                 {"gated_rmsnorm_forward: eps = 0 (must be > 0)"});
 }
