@@ -94,7 +94,7 @@ __device__ void stage(const GatedDeltaDims& d, const Tile<R>& tile, std::int64_t
   const float scale = 1.0f / sqrtf(static_cast<float>(dk));
   for (int r = warp; r < 2 * n; r += warps) {
     const int tt = r / 2;
-    const std::uint16_t* src = (r % 2 == 0 ? q : k) + ((b * S + t0 + tt) * d.k_heads + kh) * dk;
+    const std::uint16_t* src = (r % 2 == 0 ? q : k) + (b * S + t0 + tt) * d.qk_stride + kh * dk;
     float ss = 0;
     for (std::int64_t i = lane; i < dk; i += 32) {
       const float x = bf16_to_float(src[i]);
@@ -106,9 +106,9 @@ __device__ void stage(const GatedDeltaDims& d, const Tile<R>& tile, std::int64_t
   }
   for (std::int64_t e = threadIdx.x; e < n * vcols; e += blockDim.x) {
     const std::int64_t tt = e / vcols, c = j0 + e % vcols;
-    const std::int64_t at = ((b * S + t0 + tt) * H + h) * dv + c;
-    tile.v[e] = c < dv ? bf16_to_float(v[at]) : 0.0f;
-    if (d_out != nullptr) tile.dout[e] = c < dv ? bf16_to_float(d_out[at]) : 0.0f;
+    const std::int64_t row = b * S + t0 + tt;
+    tile.v[e] = c < dv ? bf16_to_float(v[row * d.v_stride + h * dv + c]) : 0.0f;
+    if (d_out != nullptr) tile.dout[e] = c < dv ? bf16_to_float(d_out[(row * H + h) * dv + c]) : 0.0f;
   }
   if (threadIdx.x < n) {
     const std::int64_t gi = (b * S + t0 + threadIdx.x) * H + h;
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(max_backward_threads) backward_kernel(
           scal_w[(buf * warps + warp) * 2] = dalpha;
           scal_w[(buf * warps + warp) * 2 + 1] = dbeta_term;
         }
-        if (owner && p == 0) dv_out[((b * S + t) * H + h) * dv + jl] = float_to_bf16(bb * dd);
+        if (owner && p == 0) dv_out[(b * S + t) * d.v_stride + h * dv + jl] = float_to_bf16(bb * dd);
         __syncthreads();
         // The warps' partials in warp order (the other parity's buffers take the next token).
         const std::int64_t prow = ((b * S + t) * H + h) * dk;
@@ -347,7 +347,7 @@ __global__ void l2norm_backward_kernel(GatedDeltaDims d, const std::uint16_t* q,
   const bool is_q = row < rows;
   const std::int64_t r = is_q ? row : row - rows, t = r / d.k_heads, kh = r % d.k_heads;
   const int lane = threadIdx.x % 32;
-  const std::uint16_t* x = (is_q ? q : k) + r * dk;
+  const std::uint16_t* x = (is_q ? q : k) + t * d.qk_stride + kh * dk;
   const float* part = is_q ? dq_part : dk_part;
   const float scale = is_q ? 1.0f / sqrtf(static_cast<float>(dk)) : 1.0f;
   float ss = 0, xdy = 0;
@@ -360,7 +360,7 @@ __global__ void l2norm_backward_kernel(GatedDeltaDims d, const std::uint16_t* q,
   }
   const float inv = 1.0f / sqrtf(warp_sum(ss) + l2_eps);
   xdy = warp_sum(xdy);
-  std::uint16_t* out = (is_q ? dq : dk_out) + r * dk;
+  std::uint16_t* out = (is_q ? dq : dk_out) + t * d.qk_stride + kh * dk;
   for (std::int64_t i = lane; i < dk; i += 32) {
     float dy = 0;
     for (std::int64_t gh = 0; gh < group; ++gh) dy += part[((t * d.v_heads) + kh * group + gh) * dk + i];
@@ -383,9 +383,20 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
     return detail::refuse(name, ": k_dim = ", d.k_dim, ", v_dim = ", d.v_dim, " (need 1..", max_dim, " each: the state's rows and "
                           "columns are held in registers)");
   if (d.chunk < 1) return detail::refuse(name, ": chunk = ", d.chunk, " (must be >= 1)");
+  if (d.qk_stride != 0 && d.qk_stride < d.k_heads * d.k_dim)
+    return detail::refuse(name, ": qk_stride = ", d.qk_stride, " is less than k_heads x k_dim = ", d.k_heads * d.k_dim);
+  if (d.v_stride != 0 && d.v_stride < d.v_heads * d.v_dim)
+    return detail::refuse(name, ": v_stride = ", d.v_stride, " is less than v_heads x v_dim = ", d.v_heads * d.v_dim);
   if (d.sequences * d.v_heads * ((d.v_dim + forward_columns - 1) / forward_columns) > 0x7fffffff)
     return detail::refuse(name, ": ", d.sequences, " sequences x ", d.v_heads, " value heads need more than 2^31 - 1 blocks");
   return cudaSuccess;
+}
+
+/// The dims as the kernels read them: a stride of 0 is the packed one.
+GatedDeltaDims with_strides(GatedDeltaDims d) {
+  if (d.qk_stride == 0) d.qk_stride = d.k_heads * d.k_dim;
+  if (d.v_stride == 0) d.v_stride = d.v_heads * d.v_dim;
+  return d;
 }
 
 /// The opt-in for `smem` bytes of dynamic shared memory (over 48 KiB).
@@ -428,10 +439,11 @@ std::size_t gated_delta_backward_workspace_bytes(const GatedDeltaDims& d) {
   return static_cast<std::size_t>(round_up(scratch, 64) + grads) * sizeof(float);
 }
 
-cudaError_t gated_delta_forward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
+cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const bf16* k, const bf16* v, const float* g,
                                 const float* beta, bf16* out, float* states, cudaStream_t stream) {
   constexpr const char* name = "gated_delta_forward";
-  if (const cudaError_t e = check_dims(name, d); e != cudaSuccess) return e;
+  if (const cudaError_t e = check_dims(name, dims); e != cudaSuccess) return e;
+  const GatedDeltaDims d = with_strides(dims);
   if (d.tokens() == 0) return cudaSuccess;
   if (const cudaError_t e = detail::refuse_null(name, {{"q", q}, {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"out", out},
                                                        {"states", states}});
@@ -449,12 +461,13 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& d, const bf16* q, const bf
   });
 }
 
-cudaError_t gated_delta_backward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
+cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, const bf16* k, const bf16* v, const float* g,
                                  const float* beta, const bf16* d_out, const float* states, bf16* dq, bf16* dk, bf16* dv,
                                  float* dg, float* dbeta, void* workspace, std::size_t workspace_bytes,
                                  cudaStream_t stream) {
   constexpr const char* name = "gated_delta_backward";
-  if (const cudaError_t e = check_dims(name, d); e != cudaSuccess) return e;
+  if (const cudaError_t e = check_dims(name, dims); e != cudaSuccess) return e;
+  const GatedDeltaDims d = with_strides(dims);
   if (d.tokens() == 0) return cudaSuccess;
   if (const cudaError_t e = detail::refuse_null(name, {{"q", q}, {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"d_out", d_out},
                                                        {"states", states}, {"dq", dq}, {"dk", dk}, {"dv", dv}, {"dg", dg},

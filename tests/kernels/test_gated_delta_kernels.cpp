@@ -178,6 +178,47 @@ TEST_CASE("the chunk only changes what is kept: every chunk gives the same outpu
   }
 }
 
+TEST_CASE("q, k and v as column ranges of one [q | k | v | pad] array: the packed run's bits, dq, dk, dv in place") {
+  const k::GatedDeltaDims packed{2, 21, 2, 4, 16, 8, 8};
+  const Inputs in = make_inputs(packed, 77);
+  const Run want = run(packed, in);
+  const std::int64_t T = packed.tokens(), kw = packed.k_heads * packed.k_dim, vw = packed.v_heads * packed.v_dim;
+  const std::int64_t C = 2 * kw + vw + 5;  // 5 columns no one reads or writes
+  std::vector<bf16> mixed(static_cast<std::size_t>(T * C), oom::to_bf16(0.0f));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::copy_n(in.q.bits.begin() + t * kw, kw, mixed.begin() + t * C);
+    std::copy_n(in.k.bits.begin() + t * kw, kw, mixed.begin() + t * C + kw);
+    std::copy_n(in.v.bits.begin() + t * vw, vw, mixed.begin() + t * C + 2 * kw);
+  }
+  k::GatedDeltaDims d = packed;
+  d.qk_stride = d.v_stride = C;
+  const DeviceBuffer<bf16> m(mixed), dout(in.d_out.bits);
+  const DeviceBuffer<float> g(in.g), beta(in.beta);
+  DeviceBuffer<bf16> out(in.v.bits.size()), dmixed(mixed.size());
+  DeviceBuffer<float> states(k::gated_delta_states_floats(d)), dg(in.g.size()), dbeta(in.g.size());
+  DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(d));
+  const bf16 *q = m.get(), *kk = m.get() + kw, *v = m.get() + 2 * kw;
+  OOM_CUDA_CHECK(k::gated_delta_forward(d, q, kk, v, g.get(), beta.get(), out.get(), states.get(), nullptr));
+  OOM_CUDA_CHECK(k::gated_delta_backward(d, q, kk, v, g.get(), beta.get(), dout.get(), states.get(), dmixed.get(), dmixed.get() + kw,
+                                         dmixed.get() + 2 * kw, dg.get(), dbeta.get(), ws.get(), ws.size(), nullptr));
+  CHECK(same_bits(out.download(), want.out));
+  CHECK(same_bits(states.download(), want.states));
+  CHECK(same_bits(dg.download(), want.dg));
+  CHECK(same_bits(dbeta.download(), want.dbeta));
+  const auto dm = dmixed.download();
+  std::vector<bf16> dq, dk, dv, pad;
+  for (std::int64_t t = 0; t < T; ++t) {
+    dq.insert(dq.end(), dm.begin() + t * C, dm.begin() + t * C + kw);
+    dk.insert(dk.end(), dm.begin() + t * C + kw, dm.begin() + t * C + 2 * kw);
+    dv.insert(dv.end(), dm.begin() + t * C + 2 * kw, dm.begin() + t * C + 2 * kw + vw);
+    pad.insert(pad.end(), dm.begin() + t * C + 2 * kw + vw, dm.begin() + (t + 1) * C);
+  }
+  CHECK(same_bits(dq, want.dq));
+  CHECK(same_bits(dk, want.dk));
+  CHECK(same_bits(dv, want.dv));
+  CHECK(std::all_of(pad.begin(), pad.end(), [](bf16 x) { return std::isnan(oom::to_float(x)); }));  // still the poison
+}
+
 TEST_CASE("timing: the Qwen3-Next linear layer's rule at 4K tokens (1 sequence, 16 key / 32 value heads of 128)") {
   const k::GatedDeltaDims d{1, 4096, 16, 32, 128, 128, 64};
   const Inputs in = make_inputs(d, 3);

@@ -321,6 +321,9 @@ TEST_CASE("the gated delta rule's refusals name the dims, the array and the work
   bad.seq_len = -1;
   expect_refused(forward(bad, fake()), {"gated_delta_forward: sequences = 2, seq_len = -1"});
   expect_refused(forward(d, nullptr), {"gated_delta_forward: out is null"});
+  bad = d;
+  bad.qk_stride = 255;
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: qk_stride = 255 is less than k_heads x k_dim = 256"});
   // No tokens: nothing to do, nothing refused (null arrays included).
   bad = d;
   bad.seq_len = 0;

@@ -35,6 +35,10 @@ struct GatedDeltaDims {
   std::int64_t k_heads = 0, v_heads = 0;  ///< v_heads a multiple of k_heads
   std::int64_t k_dim = 0, v_dim = 0;      ///< 1..128 each (the state's rows and columns held in registers)
   std::int64_t chunk = 64;     ///< tokens between the states the forward keeps for the backward
+  /// Elements between tokens of q and k (and of dq and dk), and of v (and of dv): 0 for packed
+  /// (k_heads k_dim, v_heads v_dim); more to read them as column ranges of one [q | k | v] array.
+  /// out and d_out are always packed.
+  std::int64_t qk_stride = 0, v_stride = 0;
 
   [[nodiscard]] std::int64_t tokens() const { return sequences * seq_len; }
   [[nodiscard]] std::int64_t chunks() const { return chunk > 0 ? (seq_len + chunk - 1) / chunk : 0; }
@@ -45,7 +49,8 @@ struct GatedDeltaDims {
 /// gated_delta_rule_chunked_forward returns per sequence as `states`).
 [[nodiscard]] std::size_t gated_delta_states_floats(const GatedDeltaDims& d);
 
-/// q, k: (T, k_heads, dk) bf16; v: (T, v_heads, dv) bf16; g (log decay), beta: (T, v_heads) fp32.
+/// q, k: (T, k_heads, dk) bf16 (rows qk_stride apart); v: (T, v_heads, dv) bf16 (rows v_stride
+/// apart); g (log decay), beta: (T, v_heads) fp32.
 /// Writes out: (T, v_heads, dv) bf16 and `states` (gated_delta_states_floats floats, fp32).
 cudaError_t gated_delta_forward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
                                 const float* beta, bf16* out, float* states, cudaStream_t stream);
