@@ -14,6 +14,7 @@ import argparse
 import time
 
 import torch
+import transformers
 from transformers.models.qwen3_next import modeling_qwen3_next as q3n
 
 
@@ -34,9 +35,11 @@ def main():
     ap.add_argument("--v-heads", type=int, default=32)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--impl", choices=("torch", "fla"), default="torch",
+    ap.add_argument("--impl", choices=("torch", "fla", "block"), default="torch",
                     help="torch: transformers' torch_chunk_gated_delta_rule (run it where fla is not importable: "
-                         "transformers takes fla's kernels where it can import them); fla: flash-linear-attention's")
+                         "transformers takes fla's kernels where it can import them); fla: flash-linear-attention's; "
+                         "block: transformers' whole Qwen3NextGatedDeltaNet at hidden 2048 (compare with "
+                         "test_cuda_deltanet's timing)")
     ap.add_argument("--ours-forward-ms", type=float)
     ap.add_argument("--ours-backward-ms", type=float)
     args = ap.parse_args()
@@ -74,6 +77,23 @@ def main():
             ours = args.ours_forward_ms + args.ours_backward_ms
             print(f"ours / {name} speed: forward {f / args.ours_forward_ms:.2f}x, forward+backward {fb / ours:.2f}x")
 
+    if args.impl == "block":  # the whole Qwen3NextGatedDeltaNet module at the Qwen3-Next-80B widths
+        cfg = transformers.Qwen3NextConfig(hidden_size=2048, linear_num_key_heads=kh, linear_num_value_heads=vh,
+                                           linear_key_head_dim=d, linear_value_head_dim=d, linear_conv_kernel_dim=4,
+                                           num_hidden_layers=1, layer_types=["linear_attention"])
+        block = q3n.Qwen3NextGatedDeltaNet(cfg, 0).to(dev, torch.bfloat16)
+        xb = torch.randn(1, T, 2048, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+        dyb = torch.randn(1, T, 2048, device=dev, generator=gen).to(torch.bfloat16)
+
+        def block_forward():
+            with torch.no_grad():
+                block(xb)
+
+        def block_forward_backward():
+            torch.autograd.grad(block(xb), [xb, *block.parameters()], dyb)
+
+        report("Qwen3NextGatedDeltaNet (bf16)", timed(block_forward, args.reps), timed(block_forward_backward, args.reps))
+        return
     if args.impl == "torch":
         report("torch_chunk_gated_delta_rule", timed(forward, args.reps), timed(forward_backward, args.reps))
         return

@@ -258,7 +258,58 @@ cudaError_t check_norm(const char* name, const GatedNormDims& d) {
   return cudaSuccess;
 }
 
+// ---- Qwen3-Next's fused projections ------------------------------------------------------------
+
+/// Column `c` of the fused qkvz row (group g = c / group width) as a column of [q | k | v | z].
+__device__ std::int64_t unfused_qkvz(const FusedProjectionDims& d, std::int64_t c) {
+  const std::int64_t r = d.v_heads / d.k_heads, kw = d.k_heads * d.k_dim, vw = d.v_heads * d.v_dim;
+  const std::int64_t width = 2 * d.k_dim + 2 * r * d.v_dim, g = c / width, o = c % width;
+  if (o < d.k_dim) return g * d.k_dim + o;
+  if (o < 2 * d.k_dim) return kw + g * d.k_dim + (o - d.k_dim);
+  if (o < 2 * d.k_dim + r * d.v_dim) return 2 * kw + g * r * d.v_dim + (o - 2 * d.k_dim);
+  return 2 * kw + vw + g * r * d.v_dim + (o - 2 * d.k_dim - r * d.v_dim);
+}
+
+__global__ void unfuse(FusedProjectionDims d, const std::uint16_t* qkvz_src, const std::uint16_t* ba_src, std::uint16_t* qkvz_dst,
+                       std::uint16_t* ba_dst, bool inverse) {
+  const std::int64_t r = d.v_heads / d.k_heads;
+  const std::int64_t wide = 2 * d.k_heads * d.k_dim + 2 * d.v_heads * d.v_dim, narrow = 2 * d.v_heads;
+  const std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x;
+  if (e >= d.tokens * (wide + narrow)) return;
+  const std::int64_t t = e / (wide + narrow), c = e % (wide + narrow);
+  if (c < wide) {
+    const std::int64_t u = unfused_qkvz(d, c);
+    if (inverse) qkvz_dst[t * wide + c] = qkvz_src[t * wide + u];
+    else qkvz_dst[t * wide + u] = qkvz_src[t * wide + c];
+  } else {
+    const std::int64_t f = c - wide, g = f / (2 * r), o = f % (2 * r);
+    const std::int64_t u = o < r ? g * r + o : d.v_heads + g * r + (o - r);  // [b_g | a_g] -> [b | a]
+    if (inverse) ba_dst[t * narrow + f] = ba_src[t * narrow + u];
+    else ba_dst[t * narrow + u] = ba_src[t * narrow + f];
+  }
+}
+
 }  // namespace
+
+cudaError_t deltanet_unfuse_projections(const FusedProjectionDims& d, const bf16* qkvz_src, const bf16* ba_src, bf16* qkvz_dst,
+                                        bf16* ba_dst, bool inverse, cudaStream_t stream) {
+  constexpr const char* name = "deltanet_unfuse_projections";
+  if (d.tokens < 0 || d.k_heads < 1 || d.v_heads < 1 || d.v_heads % d.k_heads != 0 || d.k_dim < 1 || d.v_dim < 1)
+    return detail::refuse(name, ": tokens = ", d.tokens, ", k_heads = ", d.k_heads, ", v_heads = ", d.v_heads, ", k_dim = ", d.k_dim,
+                          ", v_dim = ", d.v_dim, " (need tokens >= 0, the rest >= 1, v_heads a multiple of k_heads)");
+  if (d.tokens == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null(name, {{"qkvz_src", qkvz_src}, {"ba_src", ba_src}, {"qkvz_dst", qkvz_dst}, {"ba_dst", ba_dst}});
+      e != cudaSuccess)
+    return e;
+  if (qkvz_src == qkvz_dst || ba_src == ba_dst) return detail::refuse(name, ": the source and destination are the same array");
+  const std::int64_t n = d.tokens * (2 * d.k_heads * d.k_dim + 2 * d.v_heads * d.v_dim + 2 * d.v_heads);
+  if (blocks_for(n, threads) > 0x7fffffffu) return detail::refuse(name, ": ", n, " elements need more than 2^31 - 1 blocks");
+  unfuse<<<blocks_for(n, threads), threads, 0, stream>>>(d, reinterpret_cast<const std::uint16_t*>(qkvz_src),
+                                                         reinterpret_cast<const std::uint16_t*>(ba_src),
+                                                         reinterpret_cast<std::uint16_t*>(qkvz_dst), reinterpret_cast<std::uint16_t*>(ba_dst),
+                                                         inverse);
+  return cudaGetLastError();
+}
 
 // ---- launchers ----------------------------------------------------------------------------------
 

@@ -71,4 +71,15 @@ cudaError_t gated_rmsnorm_backward(const GatedNormDims& d, const bf16* x, const 
                                    const bf16* dy, bf16* dx, bf16* dz, float* dw, void* workspace, std::size_t workspace_bytes,
                                    cudaStream_t stream);
 
+/// Qwen3-Next's fused projections, per key head g (r = v_heads / k_heads value heads each):
+/// in_proj_qkvz's output holds [q_g (dk) | k_g (dk) | v of its r heads | z of its r heads] and
+/// in_proj_ba's [b (r) | a (r)] (transformers' fix_query_key_value_ordering). This moves them to
+/// [q | k | v | z] (T, 2 kw + 2 vw) and [b | a] (T, 2 v_heads), as Qwen3.5's separate projections
+/// give them; `inverse` moves gradients back. Every element is moved once: src and dst must differ.
+struct FusedProjectionDims {
+  std::int64_t tokens = 0, k_heads = 0, v_heads = 0, k_dim = 0, v_dim = 0;
+};
+cudaError_t deltanet_unfuse_projections(const FusedProjectionDims& d, const bf16* qkvz_src, const bf16* ba_src, bf16* qkvz_dst,
+                                        bf16* ba_dst, bool inverse, cudaStream_t stream);
+
 }  // namespace oom::kernels

@@ -1,0 +1,270 @@
+// The Gated DeltaNet block on the GPU; contract in include/oom/model/cuda_deltanet.hpp.
+#include "oom/model/cuda_deltanet.hpp"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "cuda_layer_util.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/core/error.hpp"
+#include "oom/kernels/deltanet.hpp"
+#include "oom/kernels/gated_delta.hpp"
+#include "oom/model/model_spec.hpp"
+
+namespace oom::model {
+namespace {
+
+constexpr std::string_view owner = "Gated DeltaNet block";
+
+[[noreturn]] void invalid(const std::string& what) { throw Error(Errc::invalid_argument, fmt::format("{}: {}", owner, what)); }
+void check(cudaError_t status, std::string_view step) { ::oom::detail::check_launch(status, owner, step); }
+void check(cublasStatus_t status, std::string_view step) { detail::check_cublas(status, owner, step); }
+void gemm(cublasHandle_t blas, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, const void* a,
+          std::int64_t lda, const void* b, std::int64_t ldb, void* c, cudaDataType_t c_type, std::int64_t ldc, float beta,
+          std::string_view step) {
+  detail::gemm_bf16(blas, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, c_type, ldc, beta, owner, step);
+}
+
+void check_shape(const DeltaNetShape& s) {
+  if (s.tokens < 1 || s.sequences < 1 || s.tokens % s.sequences != 0)
+    invalid(fmt::format("{} tokens are not a whole number of sequences = {}", s.tokens, s.sequences));
+  if (s.hidden < 1 || s.k_heads < 1 || s.v_heads < 1 || s.v_heads % s.k_heads != 0 || s.k_dim < 1 || s.v_dim < 1 || s.conv_kernel < 1)
+    invalid(fmt::format("shape hidden {}, k_heads {}, v_heads {}, k_dim {}, v_dim {}, conv_kernel {} (all >= 1, v_heads a multiple "
+                        "of k_heads)",
+                        s.hidden, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel));
+}
+
+kernels::GatedDeltaDims rule_dims(const DeltaNetShape& s) {
+  kernels::GatedDeltaDims d;
+  d.sequences = s.sequences;
+  d.seq_len = s.tokens / s.sequences;
+  d.k_heads = s.k_heads;
+  d.v_heads = s.v_heads;
+  d.k_dim = s.k_dim;
+  d.v_dim = s.v_dim;
+  d.chunk = s.chunk;
+  d.qk_stride = d.v_stride = s.conv_channels();  // q, k, v: column ranges of the conv's output
+  return d;
+}
+kernels::ConvDims conv_dims(const DeltaNetShape& s) {
+  return {s.sequences, s.tokens / s.sequences, s.conv_channels(), s.conv_kernel, s.projection_width()};
+}
+kernels::GateDims gate_dims(const DeltaNetShape& s) { return {s.tokens, s.v_heads, 2 * s.v_heads}; }
+kernels::GatedNormDims norm_dims(const DeltaNetShape& s) { return {s.tokens, s.v_heads, s.v_dim, s.projection_width(), s.eps}; }
+kernels::FusedProjectionDims fused_dims(const DeltaNetShape& s) { return {s.tokens, s.k_heads, s.v_heads, s.k_dim, s.v_dim}; }
+
+/// What the forward keeps for the backward.
+struct Saved {
+  bf16* qkvz;   // (T, [q k v z]) the projections, unfused
+  bf16* ba;     // (T, [b a])
+  bf16* mixed;  // (T, C) the conv's output: q, k, v of the rule
+  float *g, *beta;  // (T, v_heads)
+  bf16* core;   // (T, vw) the rule's output
+  float* rstd;  // (T v_heads)
+  bf16* y;      // (T, vw) the gated norm's output, o_proj's input
+  float* states;
+};
+
+Saved carve_saved(const DeltaNetShape& s, detail::Carver& c) {
+  const std::int64_t T = s.tokens;
+  Saved v{};
+  v.qkvz = c.take<bf16>(T * s.projection_width());
+  v.ba = c.take<bf16>(T * 2 * s.v_heads);
+  v.mixed = c.take<bf16>(T * s.conv_channels());
+  v.g = c.take<float>(T * s.v_heads);
+  v.beta = c.take<float>(T * s.v_heads);
+  v.core = c.take<bf16>(T * s.value_width());
+  v.rstd = c.take<float>(T * s.v_heads);
+  v.y = c.take<bf16>(T * s.value_width());
+  v.states = c.take<float>(static_cast<std::int64_t>(kernels::gated_delta_states_floats(rule_dims(s))));
+  return v;
+}
+
+struct Backward {
+  bf16 *dy, *dcore, *dqkvz, *dba, *dmixed, *dp, *dpba;  // dp, dpba: the fused layout's gradients (else dqkvz, dba)
+  float *dg, *dbeta, *dconv, *da_log, *ddt_bias, *dnorm;
+  void *rule_ws, *conv_ws, *gate_ws, *norm_ws;
+  std::size_t rule_bytes, conv_bytes, gate_bytes, norm_bytes;
+};
+
+Backward carve_backward(const DeltaNetShape& s, detail::Carver& c) {
+  const std::int64_t T = s.tokens;
+  Backward b{};
+  b.dy = c.take<bf16>(T * s.value_width());
+  b.dcore = c.take<bf16>(T * s.value_width());
+  b.dqkvz = c.take<bf16>(T * s.projection_width());
+  b.dba = c.take<bf16>(T * 2 * s.v_heads);
+  b.dmixed = c.take<bf16>(T * s.conv_channels());
+  b.dp = s.fused ? c.take<bf16>(T * s.projection_width()) : b.dqkvz;
+  b.dpba = s.fused ? c.take<bf16>(T * 2 * s.v_heads) : b.dba;
+  b.dg = c.take<float>(T * s.v_heads);
+  b.dbeta = c.take<float>(T * s.v_heads);
+  b.dconv = c.take<float>(s.conv_channels() * s.conv_kernel);
+  b.da_log = c.take<float>(s.v_heads);
+  b.ddt_bias = c.take<float>(s.v_heads);
+  b.dnorm = c.take<float>(s.v_dim);
+  b.rule_bytes = kernels::gated_delta_backward_workspace_bytes(rule_dims(s));
+  b.conv_bytes = kernels::causal_conv1d_silu_backward_workspace_bytes(conv_dims(s));
+  b.gate_bytes = kernels::delta_gates_backward_workspace_bytes(gate_dims(s));
+  b.norm_bytes = kernels::gated_rmsnorm_backward_workspace_bytes(norm_dims(s));
+  b.rule_ws = c.take_bytes(b.rule_bytes);
+  b.conv_ws = c.take_bytes(b.conv_bytes);
+  b.gate_ws = c.take_bytes(b.gate_bytes);
+  b.norm_ws = c.take_bytes(b.norm_bytes);
+  return b;
+}
+
+/// The forward's projection outputs before the fused layout's unfusing (the workspace).
+struct Forward {
+  bf16 *p, *pba;
+};
+Forward carve_forward(const DeltaNetShape& s, detail::Carver& c) {
+  if (!s.fused) return {nullptr, nullptr};
+  return {c.take<bf16>(s.tokens * s.projection_width()), c.take<bf16>(s.tokens * 2 * s.v_heads)};
+}
+
+template <class T>
+DeltaNetTensors<T> bind(const DeltaNetShape& s, T* base) {
+  if (base == nullptr) invalid("the segment's base pointer is null");
+  DeltaNetTensors<T> t;
+  T* p = base;
+  auto next = [&p](std::int64_t n) {
+    T* at = p;
+    p += n;
+    return at;
+  };
+  t.in_proj_qkvz = next(s.projection_width() * s.hidden);
+  t.in_proj_ba = next(2 * s.v_heads * s.hidden);
+  t.conv = next(s.conv_channels() * s.conv_kernel);
+  t.dt_bias = next(s.v_heads);
+  t.a_log = next(s.v_heads);
+  t.norm = next(s.v_dim);
+  t.out_proj = next(s.hidden * s.value_width());
+  return t;
+}
+
+/// dst += src (n floats) on the handle's stream.
+void add(cublasHandle_t blas, const float* src, float* dst, std::int64_t n, std::string_view step) {
+  const float one = 1.0f;
+  check(cublasSaxpy(blas, static_cast<int>(n), &one, src, 1, dst, 1), step);
+}
+
+}  // namespace
+
+DeltaNetShape DeltaNetShape::from_spec(const ModelSpec& spec, int layer, std::int64_t tokens, std::int64_t sequences) {
+  const LayerSpec& ls = spec.layer(layer);
+  if (ls.attention != AttentionKind::linear)
+    invalid(fmt::format("layer {} of the {} model is not a linear-attention layer", layer, to_string(spec.family())));
+  if (spec.family() != ModelFamily::qwen3_next && spec.family() != ModelFamily::qwen3_5_moe)
+    invalid(fmt::format("layer {}: model family {} has no Gated DeltaNet", layer, to_string(spec.family())));
+  const auto& l = spec.linear_attention();
+  DeltaNetShape s;
+  s.tokens = tokens;
+  s.sequences = sequences;
+  s.hidden = static_cast<std::int64_t>(spec.hidden_size());
+  s.k_heads = static_cast<std::int64_t>(l.key_heads);
+  s.v_heads = static_cast<std::int64_t>(l.value_heads);
+  s.k_dim = static_cast<std::int64_t>(l.key_head_dim);
+  s.v_dim = static_cast<std::int64_t>(l.value_head_dim);
+  s.conv_kernel = static_cast<std::int64_t>(l.conv_kernel);
+  s.eps = static_cast<float>(spec.rms_norm_eps());
+  s.fused = spec.family() == ModelFamily::qwen3_next;
+  check_shape(s);
+  return s;
+}
+
+DeltaNetParams bind_deltanet_params(const DeltaNetShape& s, const bf16* base) { return bind(s, base); }
+DeltaNetGrads bind_deltanet_grads(const DeltaNetShape& s, float* base) { return bind(s, base); }
+
+std::int64_t deltanet_parameters(const DeltaNetShape& s) {
+  return s.projection_width() * s.hidden + 2 * s.v_heads * s.hidden + s.conv_channels() * s.conv_kernel + 2 * s.v_heads + s.v_dim +
+         s.hidden * s.value_width();
+}
+
+std::size_t deltanet_saved_bytes(const DeltaNetShape& s) {
+  check_shape(s);
+  detail::Carver c(nullptr);
+  (void)carve_saved(s, c);
+  return c.size();
+}
+
+std::size_t deltanet_workspace_bytes(const DeltaNetShape& s) {
+  check_shape(s);
+  detail::Carver f(nullptr), b(nullptr);
+  (void)carve_forward(s, f);
+  (void)carve_backward(s, b);
+  return std::max(f.size(), b.size());
+}
+
+void deltanet_forward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetShape& s, const DeltaNetParams& w, const bf16* x,
+                      bf16* out, void* saved, void* workspace) {
+  check_shape(s);
+  if (x == nullptr || out == nullptr || saved == nullptr || (s.fused && workspace == nullptr))
+    invalid("forward: x, out, saved (and, for the fused layout, workspace) must be set");
+  detail::Carver cs(saved), cw(workspace);
+  const Saved v = carve_saved(s, cs);
+  const Forward f = carve_forward(s, cw);
+  const std::int64_t T = s.tokens, H = s.hidden, PW = s.projection_width(), C = s.conv_channels(), vw = s.value_width();
+  check(cublasSetStream(blas, stream), "cublasSetStream");
+  bf16* p = s.fused ? f.p : v.qkvz;
+  bf16* pba = s.fused ? f.pba : v.ba;
+  gemm(blas, false, true, T, PW, H, x, H, w.in_proj_qkvz, H, p, CUDA_R_16BF, PW, 0.0f, "in_proj_qkvz forward GEMM");
+  gemm(blas, false, true, T, 2 * s.v_heads, H, x, H, w.in_proj_ba, H, pba, CUDA_R_16BF, 2 * s.v_heads, 0.0f, "in_proj_ba forward GEMM");
+  if (s.fused) check(kernels::deltanet_unfuse_projections(fused_dims(s), p, pba, v.qkvz, v.ba, false, stream), "unfusing the projections");
+  check(kernels::causal_conv1d_silu_forward(conv_dims(s), v.qkvz, w.conv, v.mixed, stream), "conv1d forward");
+  check(kernels::delta_gates_forward(gate_dims(s), v.ba + s.v_heads, v.ba, w.a_log, w.dt_bias, v.g, v.beta, stream), "gates forward");
+  const kernels::GatedDeltaDims rd = rule_dims(s);
+  check(kernels::gated_delta_forward(rd, v.mixed, v.mixed + s.key_width(), v.mixed + 2 * s.key_width(), v.g, v.beta, v.core, v.states,
+                                     stream),
+        "gated delta rule forward");
+  check(kernels::gated_rmsnorm_forward(norm_dims(s), v.core, v.qkvz + C, w.norm, v.y, v.rstd, stream), "gated norm forward");
+  gemm(blas, false, true, T, H, vw, v.y, vw, w.out_proj, vw, out, CUDA_R_16BF, H, 0.0f, "out_proj forward GEMM");
+}
+
+void deltanet_backward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetShape& s, const DeltaNetParams& w, const bf16* x,
+                       const bf16* d_out, float* dx, const DeltaNetGrads& grads, const void* saved, void* workspace) {
+  check_shape(s);
+  if (x == nullptr || d_out == nullptr || dx == nullptr || saved == nullptr || workspace == nullptr)
+    invalid("backward: x, d_out, dx, saved and workspace must be set");
+  detail::Carver cs(const_cast<void*>(saved)), cw(workspace);
+  const Saved v = carve_saved(s, cs);
+  const Backward b = carve_backward(s, cw);
+  const std::int64_t T = s.tokens, H = s.hidden, PW = s.projection_width(), C = s.conv_channels(), vw = s.value_width();
+  const std::int64_t kw = s.key_width(), vh = s.v_heads;
+  check(cublasSetStream(blas, stream), "cublasSetStream");
+  // out_proj.
+  gemm(blas, true, false, H, vw, T, d_out, H, v.y, vw, grads.out_proj, CUDA_R_32F, vw, 1.0f, "out_proj dW GEMM");
+  gemm(blas, false, false, T, vw, H, d_out, H, w.out_proj, vw, b.dy, CUDA_R_16BF, vw, 0.0f, "out_proj dx GEMM");
+  // The gated norm: d core, dz (into dqkvz's z columns), d norm_w.
+  check(kernels::gated_rmsnorm_backward(norm_dims(s), v.core, v.qkvz + C, w.norm, v.rstd, b.dy, b.dcore, b.dqkvz + C, b.dnorm,
+                                        b.norm_ws, b.norm_bytes, stream),
+        "gated norm backward");
+  add(blas, b.dnorm, grads.norm, s.v_dim, "norm weight gradient");
+  // The rule: dq, dk, dv into d mixed's columns; dg, dbeta.
+  const kernels::GatedDeltaDims rd = rule_dims(s);
+  check(kernels::gated_delta_backward(rd, v.mixed, v.mixed + kw, v.mixed + 2 * kw, v.g, v.beta, b.dcore, v.states, b.dmixed,
+                                      b.dmixed + kw, b.dmixed + 2 * kw, b.dg, b.dbeta, b.rule_ws, b.rule_bytes, stream),
+        "gated delta rule backward");
+  // The gates: da, db into dba's columns.
+  check(kernels::delta_gates_backward(gate_dims(s), v.ba + vh, v.ba, w.a_log, w.dt_bias, b.dg, b.dbeta, b.dba + vh, b.dba, b.da_log,
+                                      b.ddt_bias, b.gate_ws, b.gate_bytes, stream),
+        "gates backward");
+  add(blas, b.da_log, grads.a_log, vh, "A_log gradient");
+  add(blas, b.ddt_bias, grads.dt_bias, vh, "dt_bias gradient");
+  // The conv: d [q k v] into dqkvz's first C columns.
+  check(kernels::causal_conv1d_silu_backward(conv_dims(s), v.qkvz, w.conv, b.dmixed, b.dqkvz, b.dconv, b.conv_ws, b.conv_bytes, stream),
+        "conv1d backward");
+  add(blas, b.dconv, grads.conv, C * s.conv_kernel, "conv1d weight gradient");
+  // The projections (their gradients back in the fused rows first).
+  if (s.fused) check(kernels::deltanet_unfuse_projections(fused_dims(s), b.dqkvz, b.dba, b.dp, b.dpba, true, stream), "refusing the gradients");
+  gemm(blas, true, false, PW, H, T, b.dp, PW, x, H, grads.in_proj_qkvz, CUDA_R_32F, H, 1.0f, "in_proj_qkvz dW GEMM");
+  gemm(blas, true, false, 2 * vh, H, T, b.dpba, 2 * vh, x, H, grads.in_proj_ba, CUDA_R_32F, H, 1.0f, "in_proj_ba dW GEMM");
+  gemm(blas, false, false, T, H, PW, b.dp, PW, w.in_proj_qkvz, H, dx, CUDA_R_32F, H, 0.0f, "in_proj_qkvz dx GEMM");
+  gemm(blas, false, false, T, H, 2 * vh, b.dpba, 2 * vh, w.in_proj_ba, H, dx, CUDA_R_32F, H, 1.0f, "in_proj_ba dx GEMM");
+}
+
+}  // namespace oom::model

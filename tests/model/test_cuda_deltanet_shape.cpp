@@ -1,0 +1,41 @@
+// The Gated DeltaNet block's shape from a model spec and its sizes (no GPU needed): the segment
+// it binds is exactly the spec's linear_attention segment, and what it is not given is refused.
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "oom/core/error.hpp"
+#include "oom/model/cuda_deltanet.hpp"
+#include "oom/model/model_spec.hpp"
+
+using namespace oom;
+
+TEST_CASE("DeltaNetShape::from_spec: both families, the spec's segment, refusals named") {
+  const std::string dir = std::string(OOM_SOURCE_DIR) + "/examples/configs/";
+  const ModelSpec next = ModelSpec::from_file(dir + "qwen3-next-80b-a3b.json");
+  const auto s = model::DeltaNetShape::from_spec(next, 0, 4096, 2);
+  CHECK(s.fused);
+  CHECK(s.hidden == 2048);
+  CHECK(s.k_heads == 16);
+  CHECK(s.v_heads == 32);
+  CHECK(s.k_dim == 128);
+  CHECK(s.v_dim == 128);
+  CHECK(s.conv_kernel == 4);
+  CHECK(s.conv_channels() == 2 * 2048 + 4096);
+  CHECK(model::deltanet_parameters(s) == static_cast<std::int64_t>(next.layer_segments(0)[0].parameters()));
+  const ModelSpec q35 = ModelSpec::from_file(dir + "qwen3.5-35b-a3b.json");
+  const auto s35 = model::DeltaNetShape::from_spec(q35, 0, 1024);
+  CHECK_FALSE(s35.fused);
+  CHECK(model::deltanet_parameters(s35) == static_cast<std::int64_t>(q35.layer_segments(0)[0].parameters()));
+  // The saved state and workspace grow with the tokens.
+  const auto longer = model::DeltaNetShape::from_spec(next, 0, 8192, 2);
+  CHECK(model::deltanet_saved_bytes(longer) > model::deltanet_saved_bytes(s));
+  CHECK(model::deltanet_workspace_bytes(longer) > model::deltanet_workspace_bytes(s));
+
+  CHECK_THROWS_WITH_AS(model::DeltaNetShape::from_spec(next, 3, 4096), doctest::Contains("layer 3 of the qwen3_next model is not a linear-attention layer"),
+                       Error);
+  CHECK_THROWS_WITH_AS(model::DeltaNetShape::from_spec(next, 0, 4095, 2), doctest::Contains("4095 tokens are not a whole number of sequences = 2"),
+                       Error);
+  const ModelSpec moe = ModelSpec::from_file(dir + "moe-5b.json");
+  CHECK_THROWS_AS(model::DeltaNetShape::from_spec(moe, 0, 4096), Error);
+}
