@@ -2,7 +2,7 @@
 """Writes tests/data/hybrid_layers_torch.safetensors: whole decoder layers of the hybrid families as
 transformers runs them (Qwen3NextDecoderLayer and Qwen3_5MoeDecoderLayer: a Gated DeltaNet layer
 and a gated full-attention layer of each, with zero-centred norms, partial rotary and a shared
-expert), their inputs, outputs and PyTorch autograd gradients, for test_host_hybrid_layer to check
+expert), their inputs, outputs and PyTorch autograd gradients, for tests/model/test_host_decoder_layer.cpp to check
 HostDecoderLayer against without PyTorch in CI.
 
   python3 scripts/make_hybrid_layer_fixture.py [--out PATH]

@@ -43,6 +43,8 @@ __device__ std::int64_t tokens_of(const GatedDeltaDims& d) { return d.sequences 
 
 /// Rows a thread holds: dk / P rounded up to 8, 16 or 32 (the reduce-scatter halves it three times).
 int rows_per_thread(std::int64_t dk) { return dk <= 32 ? 8 : dk <= 64 ? 16 : 32; }
+/// The forward's blocks per (sequence, head): one per forward_columns columns of the state.
+__host__ __device__ std::int64_t column_blocks(std::int64_t dv) { return (dv + forward_columns - 1) / forward_columns; }
 
 // The recurrence's steps, spelled out (explicit fma and uncontracted products) so that the
 // forward and the backward's recomputation round alike whatever the compiler contracts.
@@ -153,9 +155,9 @@ __global__ void __launch_bounds__(forward_columns * parts) forward_kernel(GatedD
                                                                            std::uint16_t* out, float* states) {
   extern __shared__ float smem[];
   const std::int64_t dk = d.k_dim, dv = d.v_dim, S = d.seq_len, H = d.v_heads;
-  const std::int64_t column_blocks = (dv + forward_columns - 1) / forward_columns;
-  const std::int64_t bh = blockIdx.x / column_blocks, b = bh / H, h = bh % H;
-  const std::int64_t j0 = (blockIdx.x % column_blocks) * forward_columns;
+  const std::int64_t blocks_per_head = column_blocks(dv);
+  const std::int64_t bh = blockIdx.x / blocks_per_head, b = bh / H, h = bh % H;
+  const std::int64_t j0 = (blockIdx.x % blocks_per_head) * forward_columns;
   const Tile<R> tile = Tile<R>::carve(smem, forward_columns);
   const int jl = threadIdx.x / parts, p = threadIdx.x % parts;
   const std::int64_t j = j0 + jl;
@@ -387,8 +389,10 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
     return detail::refuse(name, ": qk_stride = ", d.qk_stride, " is less than k_heads x k_dim = ", d.k_heads * d.k_dim);
   if (d.v_stride != 0 && d.v_stride < d.v_heads * d.v_dim)
     return detail::refuse(name, ": v_stride = ", d.v_stride, " is less than v_heads x v_dim = ", d.v_heads * d.v_dim);
-  if (d.sequences * d.v_heads * ((d.v_dim + forward_columns - 1) / forward_columns) > 0x7fffffff)
+  if (d.sequences * d.v_heads * column_blocks(d.v_dim) > 0x7fffffff)
     return detail::refuse(name, ": ", d.sequences, " sequences x ", d.v_heads, " value heads need more than 2^31 - 1 blocks");
+  if ((2 * d.sequences * d.seq_len * d.k_heads + norm_threads / 32 - 1) / (norm_threads / 32) > 0x7fffffff)
+    return detail::refuse(name, ": ", d.sequences * d.seq_len, " tokens x ", d.k_heads, " key heads need more than 2^31 - 1 blocks");
   return cudaSuccess;
 }
 
@@ -407,6 +411,10 @@ cudaError_t reserve_smem(Kernel kernel, std::size_t smem) {
 }
 
 std::int64_t backward_threads(const GatedDeltaDims& d) { return round_up(d.v_dim, 8) * parts; }
+/// Floats of the backward's scratch: each block's states of one chunk as its threads hold them.
+std::int64_t scratch_floats(const GatedDeltaDims& d) {
+  return round_up(d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * rows_per_thread(d.k_dim) * backward_threads(d), 64);
+}
 
 template <int R>
 std::size_t backward_smem_bytes(const GatedDeltaDims& d) {
@@ -434,9 +442,7 @@ std::size_t gated_delta_states_floats(const GatedDeltaDims& d) {
 std::size_t gated_delta_backward_workspace_bytes(const GatedDeltaDims& d) {
   if (d.sequences < 1 || d.seq_len < 1 || d.chunk < 1 || d.k_dim < 1 || d.v_dim < 1) return 0;
   // Each block's states of one chunk, as its threads hold them (R rows each), then dq and dk per value head.
-  const std::int64_t scratch = d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * rows_per_thread(d.k_dim) * backward_threads(d);
-  const std::int64_t grads = 2 * d.tokens() * d.v_heads * d.k_dim;
-  return static_cast<std::size_t>(round_up(scratch, 64) + grads) * sizeof(float);
+  return static_cast<std::size_t>(scratch_floats(d) + 2 * d.tokens() * d.v_heads * d.k_dim) * sizeof(float);
 }
 
 cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const bf16* k, const bf16* v, const float* g,
@@ -449,7 +455,7 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const
                                                        {"states", states}});
       e != cudaSuccess)
     return e;
-  const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * ((d.v_dim + forward_columns - 1) / forward_columns));
+  const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * column_blocks(d.v_dim));
   return with_rows(d.k_dim, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
     const std::size_t smem = Tile<R>::floats(forward_columns) * sizeof(float);
@@ -478,8 +484,7 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
   if (workspace == nullptr || workspace_bytes < need)
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "gated_delta_backward_workspace_bytes(dims)");
   auto* scratch = static_cast<float*>(workspace);
-  float* dq_part = scratch + round_up(d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * rows_per_thread(d.k_dim) *
-                                          backward_threads(d), 64);
+  float* dq_part = scratch + scratch_floats(d);
   float* dk_part = dq_part + d.tokens() * d.v_heads * d.k_dim;
   const auto* qb = reinterpret_cast<const std::uint16_t*>(q);
   const auto* kb = reinterpret_cast<const std::uint16_t*>(k);
@@ -494,8 +499,7 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
   });
   if (launched != cudaSuccess) return launched;
   const std::int64_t rows = 2 * d.tokens() * d.k_heads, per_block = norm_threads / 32;
-  const std::int64_t blocks = (rows + per_block - 1) / per_block;
-  if (blocks > 0x7fffffff) return detail::refuse(name, ": ", rows, " rows of q and k need more than 2^31 - 1 blocks");
+  const std::int64_t blocks = (rows + per_block - 1) / per_block;  // within 2^31 - 1: check_dims
   l2norm_backward_kernel<<<static_cast<unsigned>(blocks), norm_threads, 0, stream>>>(
       d, qb, kb, dq_part, dk_part, reinterpret_cast<std::uint16_t*>(dq), reinterpret_cast<std::uint16_t*>(dk));
   return cudaGetLastError();

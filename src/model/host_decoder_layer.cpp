@@ -127,9 +127,12 @@ HostDecoderLayer::HostDecoderLayer(const ModelSpec& spec, int layer) : layer_(la
     OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("model family {}", to_string(family))));
   linear_ = ls.attention == AttentionKind::linear;
   if (!linear_) {
-    if (!a.qk_norm) OOM_THROW(Errc::unsupported, unsupported(layer, "attention without q/k norm"));
-    if (a.qk_norm_full_width) OOM_THROW(Errc::unsupported, unsupported(layer, "a full-width q/k norm"));
+    OOM_ASSERT(a.qk_norm && !a.qk_norm_full_width);  // every family above norms q and k per head
     if (a.bias) OOM_THROW(Errc::unsupported, unsupported(layer, "attention bias"));
+    // transformers gates every Qwen3-Next and Qwen3.5 attention whatever attn_output_gate says;
+    // a config without the gate would describe another model than the one it loads.
+    if (family != ModelFamily::qwen3_moe && !a.output_gate)
+      OOM_THROW(Errc::unsupported, unsupported(layer, "attn_output_gate false (transformers always gates this family's attention)"));
   }
   if (!ls.moe) OOM_THROW(Errc::unsupported, unsupported(layer, "a dense MLP (mlp_only_layers / decoder_sparse_step)"));
 
@@ -235,13 +238,14 @@ LayerCost HostDecoderLayer::cost(const Workload& w) const {
   std::uint64_t per_token = 8 * h_ + 2 * e_ + k_ * (4 * i_ + 3 * i_ + 3 * h_) + (shared_i_ > 0 ? 7 * shared_i_ + h_ + 2 : 0);
   std::uint64_t fixed = 0;
   if (linear_) {
-    // The reference block: its projections, conv, gates and core per token (x2 in backward), and
-    // one head's S x dk x dv fp64 states while its backward runs (sequences run one at a time).
+    // The reference block: its projections, conv, gates and core per token (x2 in backward), one
+    // head's S x dk x dv fp64 states while its backward runs (sequences run one at a time), and
+    // the gradient of every weight of the block it returns for a sequence.
     const auto row = static_cast<std::uint64_t>(2 * delta_.key_width() + 2 * delta_.value_width() + 2 * delta_.v_heads);
     per_token += 6 * row;
-    fixed = 2 * (w.seq_len + 1) * static_cast<std::uint64_t>(delta_.k_dim * delta_.v_dim);
+    fixed = 2 * (w.seq_len + 1) * static_cast<std::uint64_t>(delta_.k_dim * delta_.v_dim) + segments_[0].parameters();
   } else {
-    per_token += 6 * q_ + 6 * kv_ + (output_gate_ ? 3 * q_ : 0);
+    per_token += 6 * q_ + 6 * kv_ + (output_gate_ ? 4 * q_ : 0);  // the gate, o_proj's input and their gradients
   }
   c.workset = Bytes{(params + tokens * per_token + fixed) * sizeof(float)};
   c.output = Bytes{tokens * h_ * sizeof(float)};
@@ -386,11 +390,10 @@ namespace {
 
 float sigmoidf(float x) { return static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(x)))); }
 
-/// The attention context scaled by sigmoid(gate), as o_proj reads it; the context itself without a gate.
-Vec gated_context(const Vec& context, const Vec& gate) {
-  if (gate.empty()) return context;
-  Vec out(context.size());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = context[i] * sigmoidf(gate[i]);
+/// The n values of the attention context scaled by sigmoid(gate), as o_proj reads them.
+Vec gated_context(const float* context, const float* gate, size_t n) {
+  Vec out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = context[i] * sigmoidf(gate[i]);
   return out;
 }
 
@@ -430,7 +433,8 @@ void HostDecoderLayer::full_attention_forward(const HostLayerContext& ctx, Vec& 
   f.context.resize(T * q_);
   f.lse.resize(heads_ * T);
   reference::attention_forward<float>(dims, scale_, cspan(qr), cspan(kr), cspan(f.v), f.context, f.lse);
-  gemm_nt(gated_context(f.context, f.gate).data(), w_o, out.data(), T, H, q_);
+  if (output_gate_) gemm_nt(gated_context(f.context.data(), f.gate.data(), T * q_).data(), w_o, out.data(), T, H, q_);
+  else gemm_nt(f.context.data(), w_o, out.data(), T, H, q_);
 }
 
 namespace {
@@ -510,7 +514,8 @@ void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
     }
     auto moe = reference::unpermute_combine(plan, y, route.weights, static_cast<std::int64_t>(K), static_cast<std::int64_t>(H));
     if (shared_i_ > 0) {  // routed + sigmoid(gate) * shared, then the residual (transformers' order)
-      const Vec ys = shared_expert_output(shared_gate_up, n);
+      Vec act_unused;
+      const Vec ys = shared_expert_output(shared_gate_up, n, act_unused);
       for (size_t t = 0; t < n; ++t) {
         const float sg = sigmoidf(shared_logit[t]);
         for (size_t c = 0; c < H; ++c) moe[t * H + c] += sg * ys[t * H + c];
@@ -540,10 +545,11 @@ void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
   }
 }
 
-// down(silu(gate) * up) of the shared expert for `n` tokens' [gate | up] rows.
-Vec HostDecoderLayer::shared_expert_output(const Vec& gate_up, size_t n) const {
+// down(silu(gate) * up) of the shared expert for `n` tokens' [gate | up] rows; `act` gets silu(gate) * up.
+Vec HostDecoderLayer::shared_expert_output(const Vec& gate_up, size_t n, Vec& act) const {
   const size_t SI = shared_i_, H = h_;
-  Vec act(n * SI), y(n * H);
+  act.resize(n * SI);
+  Vec y(n * H);
   reference::swiglu_forward<float>(cspan(gate_up), act, static_cast<std::int64_t>(n), static_cast<std::int64_t>(SI));
   gemm_nt(act.data(), w_[3 + e_].data() + 2 * SI * H, y.data(), n, H, SI);
   return y;
@@ -661,10 +667,8 @@ void HostDecoderLayer::shared_expert_backward(const HostLayerContext& ctx, Vec& 
   const Vec gate_up(saved + b * 2 * SI, saved + (b + n) * 2 * SI);
   const float* logit = saved + T * 2 * SI + b;
   const float* ws = w_[3 + e_].data();
-  Vec act(n * SI);
-  reference::swiglu_forward<float>(cspan(gate_up), act, static_cast<std::int64_t>(n), static_cast<std::int64_t>(SI));
-  Vec y(n * H);
-  gemm_nt(act.data(), ws + 2 * SI * H, y.data(), n, H, SI);
+  Vec act;
+  const Vec y = shared_expert_output(gate_up, n, act);
   auto& st = bwd_;
   Vec dy_scaled(n * H), dlogit(n);
   for (size_t t = 0; t < n; ++t) {
@@ -779,11 +783,10 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
   const size_t q_norm_at = P * H + H * q_, k_norm_at = q_norm_at + d_;
 
   // o_proj reads the context, scaled by sigmoid(gate) where there is a gate.
-  const Vec gate_v = gate != nullptr ? Vec(gate, gate + T * q_) : Vec{};
-  const Vec o_in = gated_context(Vec(context, context + T * q_), gate_v);
   Vec dh_t(H * T);
   transpose(dh, dh_t.data(), T, H);
-  gemm_nn(dh_t.data(), o_in.data(), g_o, H, T, q_, true);
+  if (gate != nullptr) gemm_nn(dh_t.data(), gated_context(context, gate, T * q_).data(), g_o, H, T, q_, true);
+  else gemm_nn(dh_t.data(), context, g_o, H, T, q_, true);
   Vec d_context(T * q_), d_gate(gate != nullptr ? T * q_ : 0);
   gemm_nn(dh, w_o, d_context.data(), T, H, q_, false);
   if (gate != nullptr)

@@ -124,6 +124,8 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
       {2, 37, 2, 4, 16, 24, 16},   // grouped value heads, a chunk that does not divide the sequence
       {3, 9, 2, 2, 33, 7, 4},      // head dims no multiple of anything; 3 chunks of 4, 4, 1
       {1, 130, 1, 2, 128, 128, 64},  // the models' head dims, several tiles of the forward
+      {2, 50, 2, 4, 100, 70, 24},    // padded rows (100 of 128) and columns (70 of 72): a forward block
+                                     // of 6 columns at j0 = 64, backward padding lanes in the 9th warp
   };
   std::uint64_t seed = 100;
   for (const auto& d : cases) {
@@ -162,7 +164,7 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
 }
 
 TEST_CASE("the chunk only changes what is kept: every chunk gives the same outputs") {
-  k::GatedDeltaDims d{2, 29, 1, 2, 8, 8, 1};
+  k::GatedDeltaDims d{2, 29, 1, 2, 40, 70, 1};  // several warps, padded rows and columns
   const Inputs in = make_inputs(d, 7);
   const Run one = run(d, in);
   for (const std::int64_t chunk : {3, 29, 64}) {

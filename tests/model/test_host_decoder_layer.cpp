@@ -490,7 +490,8 @@ TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, and bot
   const std::vector<Case> cases = {{"qwen3_moe", tiny_spec(true, 1, 16, 8), 0},
                                    {"qwen3_next linear", hybrid_spec("tiny-qwen3-next-layers.json"), 0},
                                    {"qwen3_next full", hybrid_spec("tiny-qwen3-next-layers.json"), 3},
-                                   {"qwen3_5_moe linear", hybrid_spec("tiny-qwen3.5-moe.json"), 0}};
+                                   {"qwen3_5_moe linear", hybrid_spec("tiny-qwen3.5-moe.json"), 0},
+                                   {"qwen3_5_moe full", hybrid_spec("tiny-qwen3.5-moe.json"), 3}};
   for (const auto& [name, spec, index] : cases)
   for (const std::uint64_t T : {7u, 23u}) {
     CAPTURE(name);
@@ -715,6 +716,16 @@ TEST_CASE("what the host decoder layer does not implement is named") {
   CHECK(error_of(ModelSpec::from_json(narrow), 3).find("layer 3 has a rotary dimension of 0 (head_dim 8 x partial_rotary_factor 0.1)") !=
         std::string::npos);
   CHECK_NOTHROW(HostDecoderLayer(ModelSpec::from_json(narrow), 0));  // linear attention has no RoPE
+  // Attention biases; a hybrid config that turns the output gate off (transformers gates anyway).
+  Json biased = read_json_file(dir + "tiny-moe.json");
+  biased.set("attention_bias", Json::parse("true"));
+  CHECK(error_of(ModelSpec::from_json(biased), 0).find("layer 0 has attention bias") != std::string::npos);
+  Json ungated = read_json_file(std::string(OOM_SOURCE_DIR) + "/tests/data/tiny-qwen3.5-moe.json");
+  Json text = *ungated.find("text_config");
+  text.set("attn_output_gate", Json::parse("false"));
+  ungated.set("text_config", std::move(text));
+  CHECK(error_of(ModelSpec::from_json(ungated), 3).find("layer 3 has attn_output_gate false") != std::string::npos);
+  CHECK_NOTHROW(HostDecoderLayer(ModelSpec::from_json(ungated), 0));
   Json dense = read_json_file(dir + "tiny-moe.json");
   dense.set("mlp_only_layers", Json::parse("[2]"));
   CHECK(error_of(ModelSpec::from_json(dense), 2).find("layer 2 has a dense MLP") != std::string::npos);

@@ -7,12 +7,16 @@
 // with S a dk x dv fp32 state. Kernels in src/kernels/gated_delta.cu.
 //
 // This is the recurrent form (docs/hybrid.md, slice 3): the forward's blocks (a sequence, a value
-// head, 32 columns of the state) and the backward's (a sequence, a value head) walk the tokens in
-// order with the state in registers, so the time grows with the sequence length rather than with
-// the FLOPs; the chunked form with tensor cores (fla's) is the next step. Its memory is O(T): the
-// forward keeps the state entering every `chunk` tokens (and the final one), and the backward
-// recomputes each chunk's states from them, a chunk at a time, in the same arithmetic: the same
-// bits whatever the chunk.
+// head, 32 columns of the state) walk the tokens in order, the backward's (a sequence, a value
+// head) walk them from the last, with the state in registers, so the time grows with the sequence
+// length rather than with the FLOPs; the chunked form with tensor cores (fla's) is the next step.
+// Its memory is O(T): the forward keeps the state entering every `chunk` tokens (and the final
+// one), and the backward recomputes each chunk's states from them, a chunk at a time, in the same
+// arithmetic: the same bits whatever the chunk. The backward's workspace holds one chunk's states
+// per (sequence, head) as the threads hold them (dk padded to 8, 16 or 32 rows a thread, dv to a
+// multiple of 8 columns): it grows with `chunk` (at 4K tokens x 32 heads of 128, 128 MiB at chunk
+// 64, 8 GiB at chunk 4096, beside 128 MiB of per-head dq and dk), the states the forward keeps
+// shrink with it.
 //
 // Precision: q, k, v, out and their gradients bf16; g, beta and their gradients fp32; every state,
 // product and sum fp32. Deterministic: every value is computed by one thread in a fixed order, and

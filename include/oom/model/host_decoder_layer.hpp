@@ -64,7 +64,7 @@ class HostDecoderLayer {
  public:
   /// Layer `layer` of `spec`. Throws Errc::unsupported, naming the layer and the feature, for
   /// anything but a qwen3_moe, qwen3_next or qwen3_5_moe layer with an MoE block, and, in a
-  /// full-attention layer, per-head q/k norm and no attention bias.
+  /// full-attention layer, no attention bias (and, in the hybrid families, the output gate).
   HostDecoderLayer(const ModelSpec& spec, int layer);
 
   /// Exactly spec.layer_segments(layer): attention or linear attention, norms, router, experts
@@ -101,8 +101,10 @@ class HostDecoderLayer {
   void full_attention_forward(const HostLayerContext& ctx, std::vector<float>& out);
   void linear_attention_forward(const HostLayerContext& ctx, std::vector<float>& out);
   void moe_forward(const HostLayerContext& ctx);
-  // down(silu(gate) * up) of the shared expert from n tokens' [gate | up] projections (n, 2 Is).
-  [[nodiscard]] std::vector<float> shared_expert_output(const std::vector<float>& gate_up, std::size_t n) const;
+  // down(silu(gate) * up) of the shared expert from n tokens' [gate | up] projections (n, 2 Is);
+  // `act` gets silu(gate) * up (n, Is).
+  [[nodiscard]] std::vector<float> shared_expert_output(const std::vector<float>& gate_up, std::size_t n,
+                                                        std::vector<float>& act) const;
   void moe_backward(const HostLayerContext& ctx);
   void shared_expert_backward(const HostLayerContext& ctx, std::vector<float>& dxn2);
   void moe_weight_grads(const HostLayerContext& ctx);
