@@ -109,13 +109,23 @@ __device__ __forceinline__ float row_rstd(float ss, std::int64_t dim, float eps)
   return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(dim)), eps)));
 }
 
+/// The weight a norm applies: w, or w + offset in fp32 for the (1 + w) norms of Qwen3-Next and
+/// Qwen3.5 (offset 1); untouched when the offset is 0, so those norms keep their bits.
+template <int N>
+__device__ __forceinline__ void apply_offset(float (&wv)[N], float offset) {
+  if (offset != 0.0f) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) wv[k] += offset;
+  }
+}
+
 /// G lanes per row, each holding V 16-byte quads (8 bf16; quad j of lane l is columns
 /// (j G + l) 8 .. + 7, so each quad index is one coalesced G x 16-byte access); R rows per group
 /// loaded together. Lane sums run over a lane's quads in order, as the looped path's do.
 template <int G, int V, int R>
 __global__ void __launch_bounds__(block_threads)
     forward_rows_in_registers(const std::uint16_t* x, const std::uint16_t* w, std::uint16_t* y, float* rstd,
-                              std::int64_t rows, int dim, float eps) {
+                              std::int64_t rows, int dim, float eps, float w_offset) {
   constexpr int groups = block_threads / G;
   const int lane = threadIdx.x % G;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * (groups * R) + threadIdx.x / G;
@@ -149,6 +159,7 @@ __global__ void __launch_bounds__(block_threads)
     if (c >= dim) continue;
     float wv[8];
     unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+    apply_offset(wv, w_offset);
 #pragma unroll
     for (int k = 0; k < R; ++k) {
       const std::int64_t row = first + k * groups;
@@ -199,7 +210,7 @@ __device__ __forceinline__ float row_sum(float x, float* pair_sums, int group, i
 template <int G, int V>
 __device__ __forceinline__ void backward_chunk_rows(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                                                     const float* rstd, std::uint16_t* dx, std::int64_t rows, int dim,
-                                                    std::int64_t rows_per_partial, float4* acc_shared) {
+                                                    std::int64_t rows_per_partial, float4* acc_shared, float w_offset = 0.0f) {
   constexpr int groups = block_threads / G;
   static_assert(G != 64 || groups <= 15, "one named barrier per pair");
   float* pair_sums = reinterpret_cast<float*>(acc_shared) + static_cast<std::int64_t>(groups) * dim;
@@ -240,6 +251,7 @@ __device__ __forceinline__ void backward_chunk_rows(const std::uint16_t* dy, con
       unpack_bf16(gq[j], g);
       unpack_bf16(xq[j], v);
       unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+      apply_offset(wv, w_offset);
 #pragma unroll
       for (int e = 0; e < 8; ++e) dot = __fmaf_rn(g[e] * wv[e], v[e] * r, dot);
     }
@@ -253,6 +265,7 @@ __device__ __forceinline__ void backward_chunk_rows(const std::uint16_t* dy, con
       unpack_bf16(gq[j], g);
       unpack_bf16(xq[j], v);
       unpack_bf16(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+      apply_offset(wv, w_offset);
 #pragma unroll
       for (int e = 0; e < 8; ++e) out[e] = r * (g[e] * wv[e] - (v[e] * r) * mean_dot);
       *reinterpret_cast<uint4*>(dx + row * dim + c) = pack_bf16(out);
@@ -296,8 +309,9 @@ __device__ __forceinline__ void sum_group_columns(const float4* acc_shared, int 
 template <int G, int V>
 __device__ __forceinline__ void backward_chunk(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                                                const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
-                                               int dim, std::int64_t rows_per_partial, float4* acc_shared) {
-  backward_chunk_rows<G, V>(dy, x, w, rstd, dx, rows, dim, rows_per_partial, acc_shared);
+                                               int dim, std::int64_t rows_per_partial, float4* acc_shared,
+                                               float w_offset = 0.0f) {
+  backward_chunk_rows<G, V>(dy, x, w, rstd, dx, rows, dim, rows_per_partial, acc_shared, w_offset);
   float* out = partial + static_cast<std::int64_t>(blockIdx.x) * dim;
   sum_group_columns<G>(acc_shared, dim, [out](int c, float s) { out[c] = s; });
 }
@@ -306,20 +320,20 @@ template <int G, int V>
 __global__ void __launch_bounds__(block_threads)
     backward_rows_in_registers(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                                const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows, int dim,
-                               std::int64_t rows_per_partial) {
+                               std::int64_t rows_per_partial, float w_offset) {
   extern __shared__ float4 acc_shared[];
-  backward_chunk<G, V>(dy, x, w, rstd, dx, partial, rows, dim, rows_per_partial, acc_shared);
+  backward_chunk<G, V>(dy, x, w, rstd, dx, partial, rows, dim, rows_per_partial, acc_shared, w_offset);
 }
 
 /// R = rows per group loaded together: enough that each thread has >= 128 bytes of loads in flight.
 template <int G, int V>
 cudaError_t launch_forward(const std::uint16_t* x, const std::uint16_t* w, std::uint16_t* y, float* rstd,
-                           std::int64_t rows, std::int64_t dim, float eps, cudaStream_t stream) {
+                           std::int64_t rows, std::int64_t dim, float eps, float w_offset, cudaStream_t stream) {
   constexpr int R = V >= 8 ? 1 : 8 / V;
   const unsigned grid = grid_for(rows, block_threads / G * R);
   if (grid == 0) return detail::refuse("rmsnorm_forward: ", rows, " rows need more than 2^31 - 1 blocks");
   forward_rows_in_registers<G, V, R>
-      <<<grid, block_threads, 0, stream>>>(x, w, y, rstd, rows, static_cast<int>(dim), eps);
+      <<<grid, block_threads, 0, stream>>>(x, w, y, rstd, rows, static_cast<int>(dim), eps, w_offset);
   return cudaGetLastError();
 }
 
@@ -341,12 +355,12 @@ template <int G, int V>
 cudaError_t launch_backward(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                             const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
                             std::int64_t dim, std::int64_t partials, std::int64_t rows_per_partial,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, float w_offset = 0.0f) {
   const auto kernel = backward_rows_in_registers<G, V>;
   const std::size_t smem = backward_smem_bytes<G>(dim);
   if (const cudaError_t e = allow_dynamic_smem(kernel, smem); e != cudaSuccess) return e;
   return launch_as_dependent(kernel, dim3(static_cast<unsigned>(partials)), dim3(block_threads), smem, stream, dy, x, w,
-                             rstd, dx, partial, rows, static_cast<int>(dim), rows_per_partial);
+                             rstd, dx, partial, rows, static_cast<int>(dim), rows_per_partial, w_offset);
 }
 
 /// f(std::integral_constant<int, G>, std::integral_constant<int, V>) for the register path's
@@ -366,10 +380,10 @@ cudaError_t with_backward_width(std::int64_t dim, F&& f) {
 cudaError_t launch_backward_for_width(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
                                       const float* rstd, std::uint16_t* dx, float* partial, std::int64_t rows,
                                       std::int64_t dim, std::int64_t partials, std::int64_t rows_per_partial,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, float w_offset = 0.0f) {
   return with_backward_width(dim, [&](auto g, auto v) {
     return launch_backward<decltype(g)::value, decltype(v)::value>(dy, x, w, rstd, dx, partial, rows, dim, partials,
-                                                                   rows_per_partial, stream);
+                                                                   rows_per_partial, stream, w_offset);
   });
 }
 
@@ -377,7 +391,7 @@ cudaError_t launch_backward_for_width(const std::uint16_t* dy, const std::uint16
 
 template <int N>
 __device__ void forward_row(const std::uint16_t* x, const std::uint16_t* w, std::uint16_t* y, float* rstd,
-                            std::int64_t dim, float eps, int lane) {
+                            std::int64_t dim, float eps, int lane, float w_offset) {
   float ss = 0.0f;
   for (std::int64_t c = lane * N; c < dim; c += 32 * N) {
     float v[N];
@@ -392,6 +406,7 @@ __device__ void forward_row(const std::uint16_t* x, const std::uint16_t* w, std:
     float v[N], wv[N], out[N];
     load_bf16<N>(x + c, v);
     load_bf16<N>(w + c, wv);
+    apply_offset(wv, w_offset);
 #pragma unroll
     for (int k = 0; k < N; ++k) out[k] = (v[k] * r) * wv[k];
     store_bf16<N>(y + c, out);
@@ -400,28 +415,29 @@ __device__ void forward_row(const std::uint16_t* x, const std::uint16_t* w, std:
 }
 
 __global__ void forward_rows(const std::uint16_t* x, const std::uint16_t* w, std::uint16_t* y, float* rstd,
-                             std::int64_t rows, std::int64_t dim, float eps, bool vec) {
+                             std::int64_t rows, std::int64_t dim, float eps, bool vec, float w_offset) {
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x % 32;
   const std::int64_t off = row * dim;
   float* r = rstd == nullptr ? nullptr : rstd + row;
   if (vec) {
-    forward_row<8>(x + off, w, y + off, r, dim, eps, lane);
+    forward_row<8>(x + off, w, y + off, r, dim, eps, lane, w_offset);
   } else {
-    forward_row<1>(x + off, w, y + off, r, dim, eps, lane);
+    forward_row<1>(x + off, w, y + off, r, dim, eps, lane, w_offset);
   }
 }
 
 template <int N>
 __device__ void grad_x_row(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w, float r,
-                           std::uint16_t* dx, std::int64_t dim, int lane) {
+                           std::uint16_t* dx, std::int64_t dim, int lane, float w_offset) {
   float dot = 0.0f;
   for (std::int64_t c = lane * N; c < dim; c += 32 * N) {
     float g[N], v[N], wv[N];
     load_bf16<N>(dy + c, g);
     load_bf16<N>(x + c, v);
     load_bf16<N>(w + c, wv);
+    apply_offset(wv, w_offset);
 #pragma unroll
     for (int k = 0; k < N; ++k) dot = __fmaf_rn(g[k] * wv[k], v[k] * r, dot);
   }
@@ -431,6 +447,7 @@ __device__ void grad_x_row(const std::uint16_t* dy, const std::uint16_t* x, cons
     load_bf16<N>(dy + c, g);
     load_bf16<N>(x + c, v);
     load_bf16<N>(w + c, wv);
+    apply_offset(wv, w_offset);
 #pragma unroll
     for (int k = 0; k < N; ++k) out[k] = r * (g[k] * wv[k] - (v[k] * r) * mean_dot);
     store_bf16<N>(dx + c, out);
@@ -438,16 +455,17 @@ __device__ void grad_x_row(const std::uint16_t* dy, const std::uint16_t* x, cons
 }
 
 __global__ void grad_x_rows(const std::uint16_t* dy, const std::uint16_t* x, const std::uint16_t* w,
-                            const float* rstd, std::uint16_t* dx, std::int64_t rows, std::int64_t dim, bool vec) {
+                            const float* rstd, std::uint16_t* dx, std::int64_t rows, std::int64_t dim, bool vec,
+                            float w_offset) {
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x % 32;
   const std::int64_t off = row * dim;
   const float r = rstd[row];
   if (vec) {
-    grad_x_row<8>(dy + off, x + off, w, r, dx + off, dim, lane);
+    grad_x_row<8>(dy + off, x + off, w, r, dx + off, dim, lane, w_offset);
   } else {
-    grad_x_row<1>(dy + off, x + off, w, r, dx + off, dim, lane);
+    grad_x_row<1>(dy + off, x + off, w, r, dx + off, dim, lane, w_offset);
   }
 }
 
@@ -564,7 +582,7 @@ std::int64_t partial_count(std::int64_t rows) {
 }  // namespace
 
 cudaError_t rmsnorm_forward(const bf16* x, const bf16* weight, bf16* y, float* rstd, std::int64_t rows,
-                            std::int64_t dim, float eps, cudaStream_t stream) {
+                            std::int64_t dim, float eps, cudaStream_t stream, float weight_offset) {
   if (rows < 0) return detail::refuse("rmsnorm_forward: rows = ", rows, " (must be >= 0)");
   if (dim < 1) return detail::refuse("rmsnorm_forward: dim = ", dim, " (must be >= 1)");
   if (!(eps >= 0.0f)) return detail::refuse("rmsnorm_forward: eps = ", eps, " (must be >= 0)");
@@ -576,18 +594,18 @@ cudaError_t rmsnorm_forward(const bf16* x, const bf16* weight, bf16* y, float* r
   auto* yb = reinterpret_cast<std::uint16_t*>(y);
   const bool vec = dim % 8 == 0 && aligned_16(x, weight, y);
   if (vec && dim <= max_register_dim_forward) {
-    if (dim <= 64) return launch_forward<8, 1>(xb, wb, yb, rstd, rows, dim, eps, stream);
-    if (dim <= 128) return launch_forward<8, 2>(xb, wb, yb, rstd, rows, dim, eps, stream);
-    if (dim <= 256) return launch_forward<32, 1>(xb, wb, yb, rstd, rows, dim, eps, stream);
-    if (dim <= 512) return launch_forward<32, 2>(xb, wb, yb, rstd, rows, dim, eps, stream);
-    if (dim <= 1024) return launch_forward<32, 4>(xb, wb, yb, rstd, rows, dim, eps, stream);
-    if (dim <= 2048) return launch_forward<32, 8>(xb, wb, yb, rstd, rows, dim, eps, stream);
-    if (dim <= 4096) return launch_forward<32, 16>(xb, wb, yb, rstd, rows, dim, eps, stream);
-    return launch_forward<32, 32>(xb, wb, yb, rstd, rows, dim, eps, stream);
+    if (dim <= 64) return launch_forward<8, 1>(xb, wb, yb, rstd, rows, dim, eps, weight_offset, stream);
+    if (dim <= 128) return launch_forward<8, 2>(xb, wb, yb, rstd, rows, dim, eps, weight_offset, stream);
+    if (dim <= 256) return launch_forward<32, 1>(xb, wb, yb, rstd, rows, dim, eps, weight_offset, stream);
+    if (dim <= 512) return launch_forward<32, 2>(xb, wb, yb, rstd, rows, dim, eps, weight_offset, stream);
+    if (dim <= 1024) return launch_forward<32, 4>(xb, wb, yb, rstd, rows, dim, eps, weight_offset, stream);
+    if (dim <= 2048) return launch_forward<32, 8>(xb, wb, yb, rstd, rows, dim, eps, weight_offset, stream);
+    if (dim <= 4096) return launch_forward<32, 16>(xb, wb, yb, rstd, rows, dim, eps, weight_offset, stream);
+    return launch_forward<32, 32>(xb, wb, yb, rstd, rows, dim, eps, weight_offset, stream);
   }
   const unsigned grid = grid_for(rows, warps_per_block);
   if (grid == 0) return detail::refuse("rmsnorm_forward: ", rows, " rows need more than 2^31 - 1 blocks");
-  forward_rows<<<grid, warps_per_block * 32, 0, stream>>>(xb, wb, yb, rstd, rows, dim, eps, vec);
+  forward_rows<<<grid, warps_per_block * 32, 0, stream>>>(xb, wb, yb, rstd, rows, dim, eps, vec, weight_offset);
   return cudaGetLastError();
 }
 
@@ -598,7 +616,7 @@ std::size_t rmsnorm_backward_workspace_bytes(std::int64_t rows, std::int64_t dim
 
 cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weight, const float* rstd, bf16* grad_x,
                              float* grad_weight, std::int64_t rows, std::int64_t dim, void* workspace,
-                             std::size_t workspace_bytes, cudaStream_t stream) {
+                             std::size_t workspace_bytes, cudaStream_t stream, float weight_offset) {
   if (rows < 0) return detail::refuse("rmsnorm_backward: rows = ", rows, " (must be >= 0)");
   if (dim < 1) return detail::refuse("rmsnorm_backward: dim = ", dim, " (must be >= 1)");
   if (rows == 0) return cudaSuccess;
@@ -625,7 +643,7 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
 
   const bool vec = dim % 8 == 0 && aligned_16(grad_y, x, weight, grad_x);
   if (vec && dim <= max_register_dim_backward) {
-    const cudaError_t e = launch_backward_for_width(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream);
+    const cudaError_t e = launch_backward_for_width(dy, xb, wb, rstd, dx, partial, rows, dim, partials, per, stream, weight_offset);
     if (e != cudaSuccess) return e;
     return launch_sum_partials(partial, grad_weight, partials, dim, stream);
   }
@@ -640,7 +658,7 @@ cudaError_t rmsnorm_backward(const bf16* grad_y, const bf16* x, const bf16* weig
 
   const unsigned grid = grid_for(rows, warps_per_block);
   if (grid == 0) return detail::refuse("rmsnorm_backward: ", rows, " rows need more than 2^31 - 1 blocks");
-  grad_x_rows<<<grid, warps_per_block * 32, 0, stream>>>(dy, xb, wb, rstd, dx, rows, dim, vec);
+  grad_x_rows<<<grid, warps_per_block * 32, 0, stream>>>(dy, xb, wb, rstd, dx, rows, dim, vec, weight_offset);
   return cudaGetLastError();
 }
 

@@ -15,6 +15,7 @@
 #include "oom/core/numeric.hpp"
 #include "oom/optim/thread_pool.hpp"
 #include "oom/reference/attention.hpp"
+#include "oom/reference/output_gate.hpp"
 #include "oom/reference/permute.hpp"
 #include "oom/reference/rmsnorm.hpp"
 #include "oom/reference/rope.hpp"
@@ -388,12 +389,13 @@ void HostDecoderLayer::attention_forward(const HostLayerContext& ctx) {
 
 namespace {
 
-float sigmoidf(float x) { return static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(x)))); }
+using reference::output_gate_sigmoid;
+float sigmoidf(float x) { return output_gate_sigmoid(x); }
 
 /// The n values of the attention context scaled by sigmoid(gate), as o_proj reads them.
 Vec gated_context(const float* context, const float* gate, size_t n) {
   Vec out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = context[i] * sigmoidf(gate[i]);
+  reference::output_gate_forward(cspan(context, n), cspan(gate, n), out);
   return out;
 }
 
@@ -789,12 +791,10 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
   else gemm_nn(dh_t.data(), context, g_o, H, T, q_, true);
   Vec d_context(T * q_), d_gate(gate != nullptr ? T * q_ : 0);
   gemm_nn(dh, w_o, d_context.data(), T, H, q_, false);
-  if (gate != nullptr)
-    for (size_t i = 0; i < T * q_; ++i) {  // d o_in = d_context so far; o_in = c s(g)
-      const float sg = sigmoidf(gate[i]);
-      d_gate[i] = static_cast<float>(static_cast<double>(d_context[i]) * context[i] * sg * (1.0 - static_cast<double>(sg)));
-      d_context[i] *= sg;
-    }
+  if (gate != nullptr) {  // d o_in = d_context so far; o_in = c s(g)
+    const Vec d_o = d_context;
+    reference::output_gate_backward(cspan(context, T * q_), cspan(gate, T * q_), cspan(d_o), d_context, d_gate);
+  }
   // Attention core, on q and k normed and rotated again exactly as in forward.
   Vec qn, rq, qr, kn, rk, kr;
   normed_rotated(q_raw, T, heads_, q_norm, qn, rq, qr);

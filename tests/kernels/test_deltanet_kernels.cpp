@@ -1,4 +1,5 @@
-// GPU checks of the Gated DeltaNet's conv, gates and gated norm (oom/kernels/deltanet.hpp) against
+// GPU checks of the Gated DeltaNet's conv, gates and gated norm (oom/kernels/deltanet.hpp), and of
+// the hybrid models' attention output gate (oom/kernels/output_gate.hpp), against
 // the CPU reference (oom/reference/gated_delta.hpp): fresh random inputs, sizes no tile divides,
 // several sequences (the conv restarts in each), strided inputs and outputs whose other columns
 // stay untouched, every output poisoned (NaN) before the run, the parameter gradients' partial
@@ -15,7 +16,9 @@
 #include "kernels/moe_test_util.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/kernels/deltanet.hpp"
+#include "oom/kernels/output_gate.hpp"
 #include "oom/reference/gated_delta.hpp"
+#include "oom/reference/output_gate.hpp"
 #include "support/compare.hpp"
 
 namespace k = oom::kernels;
@@ -188,4 +191,35 @@ TEST_CASE("the gated RMSNorm: forward and backward against the reference, z stri
                                              ws.get(), ws.size(), nullptr));
     CHECK(same_bits(dw.download(), dw_got));
   }
+}
+
+TEST_CASE("the full attention's output gate: o = ctx * sigmoid(gate), the gate read from q_proj's [q | gate] heads") {
+  const std::int64_t T = 37, heads = 3, D = 40, row = 2 * heads * D;  // q_proj's output: per head [q | gate]
+  const Bf16Data ctx(random_normal(static_cast<std::size_t>(T * heads * D), 51));
+  const Bf16Data qg(random_normal(static_cast<std::size_t>(T * row), 52, 3.0f)), d_o(random_normal(static_cast<std::size_t>(T * heads * D), 53));
+  const k::OutputGateDims d{T, heads, D, row, 2 * D};
+  const DeviceBuffer<bf16> c(ctx.bits), g(qg.bits), dod(d_o.bits);
+  DeviceBuffer<bf16> o(ctx.bits.size()), dc(ctx.bits.size()), dqg(qg.bits.size());
+  const bf16* gate = g.get() + D;  // the second half of each head
+  OOM_CUDA_CHECK(k::output_gate_forward(d, c.get(), gate, o.get(), nullptr));
+  OOM_CUDA_CHECK(k::output_gate_backward(d, c.get(), gate, dod.get(), dc.get(), dqg.get() + D, nullptr));
+  std::vector<float> gate_packed;
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < D; ++i) gate_packed.push_back(qg.values[t * row + h * 2 * D + D + i]);
+  std::vector<float> o_want(ctx.values.size()), dc_want(o_want.size()), dg_want(o_want.size());
+  ref::output_gate_forward(ctx.values, gate_packed, o_want);
+  ref::output_gate_backward(ctx.values, gate_packed, d_o.values, dc_want, dg_want);
+  check(to_floats(o.download()), o_want, bf16_rtol, bf16_atol, "o");
+  check(to_floats(dc.download()), dc_want, bf16_rtol, bf16_atol, "d ctx");
+  const auto dqg_got = dqg.download();
+  std::vector<float> dg_got;
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < 2 * D; ++i) {
+        const float v = oom::to_float(dqg_got[t * row + h * 2 * D + i]);
+        if (i >= D) dg_got.push_back(v);
+        else CHECK(std::isnan(v));  // the q half is not the gate's to write
+      }
+  check(dg_got, dg_want, bf16_rtol, bf16_atol, "d gate");
 }

@@ -24,6 +24,7 @@
 #include "oom/kernels/rope.hpp"
 #include "oom/kernels/router.hpp"
 #include "oom/kernels/deltanet.hpp"
+#include "oom/kernels/output_gate.hpp"
 #include "oom/kernels/gated_delta.hpp"
 #include "oom/kernels/swiglu.hpp"
 #include "oom/optim/adamw.hpp"
@@ -368,4 +369,13 @@ TEST_CASE("the Gated DeltaNet pieces' refusals name the argument") {
                  {"gated_rmsnorm_forward: z_stride = 100 is less than heads x dim = 128"});
   expect_refused(k::gated_rmsnorm_forward({10, 2, 64, 128, 0.0f}, fake(), fake(), fake(), fake(), fake<float>(), nullptr),
                  {"gated_rmsnorm_forward: eps = 0 (must be > 0)"});
+}
+
+TEST_CASE("the output gate's refusals name the strides") {
+  k::clear_refusal();
+  expect_refused(k::output_gate_forward({4, 2, 8, 24, 16}, fake(), fake(), fake(), nullptr),
+                 {"output_gate_forward: head_stride = 16, row_stride = 24 (need head_stride >= head_dim and row_stride >= heads x head_stride)"});
+  expect_refused(k::output_gate_backward({4, 2, 8, 32, 16}, fake(), fake(), fake(), fake(), nullptr, nullptr),
+                 {"output_gate_backward: d_gate is null"});
+  CHECK(k::output_gate_forward({0, 2, 8, 32, 16}, nullptr, nullptr, nullptr, nullptr) == cudaSuccess);
 }

@@ -247,6 +247,38 @@ TEST_CASE("rmsnorm: forward, rstd, input and weight gradients match the referenc
   }
 }
 
+TEST_CASE("rmsnorm with weight_offset 1: Qwen3-Next's (1 + w) norms, the 1 added in fp32 on every path") {
+  Stream stream;
+  // The register paths (8 and 32 lanes a row, a row over two warps in the backward) and the looped one.
+  for (const auto [rows, dim] : {std::pair<std::int64_t, std::int64_t>{1000 * 16, 128}, {7, 2048}, {2001, 3000}, {7, 130}}) {
+    CAPTURE(rows);
+    CAPTURE(dim);
+    const std::size_t n = static_cast<std::size_t>(rows * dim);
+    const float eps = 1e-6f;
+    const std::vector<float> x_f = bf16_normal(n, 21 + rows), dy_f = bf16_normal(n, 22 + rows);
+    // Stored w near 0, as these norms are initialised and stay: most of it below bf16's spacing at
+    // 1 (2^-7), so a bf16 1 + w would lose it.
+    std::vector<float> w_f = random_normal(dim, 23 + dim, 0.004f);
+    for (auto& w : w_f) w = oom::to_float(oom::to_bf16(w));
+    std::vector<float> applied(w_f);
+    for (auto& w : applied) w += 1.0f;  // fp32, as transformers' (1.0 + weight.float())
+    DeviceBuffer<bf16> x(to_bf16(x_f)), w(to_bf16(w_f)), dy(to_bf16(dy_f)), y(n), dx(n);
+    DeviceBuffer<float> rstd(rows);
+    OOM_CUDA_CHECK(k::rmsnorm_forward(x.get(), w.get(), y.get(), rstd.get(), rows, dim, eps, stream.s, 1.0f));
+    std::vector<float> y_ref(n), rstd_ref(rows);
+    ref::rmsnorm_forward<float>(x_f, applied, y_ref, rstd_ref, rows, dim, eps);
+    expect_close(widen_bits(y), y_ref, bf16_rtol, 1e-6, "rmsnorm y, offset 1");
+    DeviceBuffer<float> gw(std::vector<float>(dim, 0.0f));
+    DeviceBuffer<unsigned char> ws(k::rmsnorm_backward_workspace_bytes(rows, dim));
+    OOM_CUDA_CHECK(k::rmsnorm_backward(dy.get(), x.get(), w.get(), rstd.get(), dx.get(), gw.get(), rows, dim, ws.get(), ws.size(),
+                                       stream.s, 1.0f));
+    std::vector<float> dx_ref(n), gw_ref(dim, 0.0f);
+    ref::rmsnorm_backward<float>(dy_f, x_f, applied, rstd.download(), dx_ref, gw_ref, rows, dim);
+    expect_close(widen_bits(dx), dx_ref, bf16_rtol, 1e-4, "rmsnorm dx, offset 1");
+    expect_close(gw.download(), gw_ref, 1e-4, 1e-4 * std::sqrt(static_cast<double>(rows)), "rmsnorm dweight, offset 1");
+  }
+}
+
 TEST_CASE("rmsnorm backward: calls back to back on one stream add up as calls with a wait between") {
   // On sm_90+ both kernels of a backward are programmatic dependents and the partial sum loads
   // grad_w before its wait: that load must see the previous call's sum. Four calls into one

@@ -6,6 +6,11 @@
 //
 // Unlike HF (which rounds x * rstd to bf16 before multiplying by the weight) the product is
 // rounded once, at the output.
+//
+// weight_offset: the norm applies weight + weight_offset, added in fp32 (Qwen3-Next's and
+// Qwen3.5's (1 + w) norms: offset 1, ModelSpec::norm_weight_offset; rounding 1 + w to bf16 would
+// lose every w below 2^-8). 0, the default, leaves every bit as it was. grad_weight is the same
+// either way (the offset is a constant).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -24,7 +29,8 @@ cudaError_t rmsnorm_forward(const bf16* x,       // (R, D) bf16
                             const bf16* weight,  // (D) bf16
                             bf16* y,             // (R, D) bf16
                             float* rstd,         // (R) fp32, saved for the backward, or null
-                            std::int64_t rows, std::int64_t dim, float eps, cudaStream_t stream);
+                            std::int64_t rows, std::int64_t dim, float eps, cudaStream_t stream,
+                            float weight_offset = 0.0f);
 
 /// Rows summed into one partial weight gradient: a function of the row count only (not of the
 /// device), so the reduction order, and the bits of grad_weight, depend only on the shape and on
@@ -58,6 +64,6 @@ cudaError_t rmsnorm_backward(const bf16* grad_y,   // (R, D) bf16
                              bf16* grad_x,         // (R, D) bf16
                              float* grad_weight,   // (D) fp32, accumulated into
                              std::int64_t rows, std::int64_t dim, void* workspace, std::size_t workspace_bytes,
-                             cudaStream_t stream);
+                             cudaStream_t stream, float weight_offset = 0.0f);
 
 }  // namespace oom::kernels
