@@ -107,6 +107,10 @@ __device__ __forceinline__ void store_f32(float* p, const float (&f)[N]) {
   }
 }
 
+/// 1 / (1 + exp(-x)) in fp32 (expf, not __expf: within ~2 ulp of the references' std::exp, far
+/// below a bf16 rounding), shared by the gates, SwiGLU, the SiLUs and the attention output gate.
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
 /// Butterfly sum over a full warp; every lane gets the same result (same order on every lane).
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

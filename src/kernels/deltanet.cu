@@ -26,14 +26,16 @@ constexpr int norm_warps = 8;
 constexpr int max_conv_kernel = 8;
 constexpr std::int64_t max_norm_dim = 1024;
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+using detail::sigmoid;
 __device__ __forceinline__ float silu_grad(float x) {
   const float s = sigmoid(x);
   return s * (1.0f + x * (1.0f - s));
 }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-unsigned blocks_for(std::int64_t n, std::int64_t per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
+/// Blocks of per_block for n items; callers check it against the grid's limit before launching.
+std::int64_t blocks_for(std::int64_t n, std::int64_t per_block) { return (n + per_block - 1) / per_block; }
+constexpr std::int64_t max_blocks = 0x7fffffff;
 
 /// out[i] = sum over b < blocks of partials[b * n + i], in block order.
 __global__ void finish_partials(const float* partials, std::int64_t blocks, std::int64_t n, float* out) {
@@ -45,7 +47,7 @@ __global__ void finish_partials(const float* partials, std::int64_t blocks, std:
 }
 
 cudaError_t finish(const float* partials, std::int64_t blocks, std::int64_t n, float* out, cudaStream_t stream) {
-  finish_partials<<<blocks_for(n, threads), threads, 0, stream>>>(partials, blocks, n, out);
+  finish_partials<<<static_cast<unsigned>(blocks_for(n, threads)), threads, 0, stream>>>(partials, blocks, n, out);
   return cudaGetLastError();
 }
 
@@ -118,7 +120,8 @@ cudaError_t check_conv(const char* name, const ConvDims& d) {
   if (d.kernel < 1 || d.kernel > max_conv_kernel)
     return detail::refuse(name, ": kernel = ", d.kernel, " (need 1..", max_conv_kernel, ")");
   if (d.x_stride < d.channels) return detail::refuse(name, ": x_stride = ", d.x_stride, " is less than channels = ", d.channels);
-  if (blocks_for(d.tokens() * d.channels, threads) > 0x7fffffffu)
+  if (blocks_for(d.channels, threads) > 65535) return detail::refuse(name, ": channels = ", d.channels, " (at most 65535 x 256)");
+  if (blocks_for(d.tokens() * d.channels, threads) > max_blocks)
     return detail::refuse(name, ": ", d.tokens(), " tokens x ", d.channels, " channels need more than 2^31 - 1 blocks");
   return cudaSuccess;
 }
@@ -171,7 +174,7 @@ cudaError_t check_gates(const char* name, const GateDims& d) {
   if (d.tokens < 0) return detail::refuse(name, ": tokens = ", d.tokens, " (must be >= 0)");
   if (d.heads < 1) return detail::refuse(name, ": heads = ", d.heads, " (must be >= 1)");
   if (d.ab_stride < d.heads) return detail::refuse(name, ": ab_stride = ", d.ab_stride, " is less than heads = ", d.heads);
-  if (blocks_for(d.tokens * d.heads, threads) > 0x7fffffffu)
+  if (blocks_for(d.tokens * d.heads, threads) > max_blocks)
     return detail::refuse(name, ": ", d.tokens, " tokens x ", d.heads, " heads need more than 2^31 - 1 blocks");
   return cudaSuccess;
 }
@@ -253,7 +256,7 @@ cudaError_t check_norm(const char* name, const GatedNormDims& d) {
   if (d.z_stride < d.heads * d.dim)
     return detail::refuse(name, ": z_stride = ", d.z_stride, " is less than heads x dim = ", d.heads * d.dim);
   if (!(d.eps > 0.0f)) return detail::refuse(name, ": eps = ", d.eps, " (must be > 0)");
-  if (blocks_for(d.tokens * d.heads, norm_warps) > 0x7fffffffu)
+  if (blocks_for(d.tokens * d.heads, norm_warps) > max_blocks)
     return detail::refuse(name, ": ", d.tokens * d.heads, " rows need more than 2^31 - 1 blocks");
   return cudaSuccess;
 }
@@ -303,8 +306,8 @@ cudaError_t deltanet_unfuse_projections(const FusedProjectionDims& d, const bf16
     return e;
   if (qkvz_src == qkvz_dst || ba_src == ba_dst) return detail::refuse(name, ": the source and destination are the same array");
   const std::int64_t n = d.tokens * (2 * d.k_heads * d.k_dim + 2 * d.v_heads * d.v_dim + 2 * d.v_heads);
-  if (blocks_for(n, threads) > 0x7fffffffu) return detail::refuse(name, ": ", n, " elements need more than 2^31 - 1 blocks");
-  unfuse<<<blocks_for(n, threads), threads, 0, stream>>>(d, reinterpret_cast<const std::uint16_t*>(qkvz_src),
+  if (blocks_for(n, threads) > max_blocks) return detail::refuse(name, ": ", n, " elements need more than 2^31 - 1 blocks");
+  unfuse<<<static_cast<unsigned>(blocks_for(n, threads)), threads, 0, stream>>>(d, reinterpret_cast<const std::uint16_t*>(qkvz_src),
                                                          reinterpret_cast<const std::uint16_t*>(ba_src),
                                                          reinterpret_cast<std::uint16_t*>(qkvz_dst), reinterpret_cast<std::uint16_t*>(ba_dst),
                                                          inverse);
@@ -321,7 +324,7 @@ cudaError_t causal_conv1d_silu_forward(const ConvDims& d, const bf16* x, const b
                                   {"y", y}});
       e != cudaSuccess)
     return e;
-  conv_forward<<<blocks_for(d.tokens() * d.channels, threads), threads, 0, stream>>>(
+  conv_forward<<<static_cast<unsigned>(blocks_for(d.tokens() * d.channels, threads)), threads, 0, stream>>>(
       d, reinterpret_cast<const std::uint16_t*>(x), reinterpret_cast<const std::uint16_t*>(w), reinterpret_cast<std::uint16_t*>(y));
   return cudaGetLastError();
 }
@@ -350,12 +353,13 @@ cudaError_t causal_conv1d_silu_backward(const ConvDims& d, const bf16* x, const 
   const auto* xb = reinterpret_cast<const std::uint16_t*>(x);
   const auto* wb = reinterpret_cast<const std::uint16_t*>(w);
   const auto* dyb = reinterpret_cast<const std::uint16_t*>(dy);
-  conv_backward_dx<<<blocks_for(d.tokens() * d.channels, threads), threads, 0, stream>>>(d, xb, wb, dyb,
+  conv_backward_dx<<<static_cast<unsigned>(blocks_for(d.tokens() * d.channels, threads)), threads, 0, stream>>>(d, xb, wb, dyb,
                                                                                         reinterpret_cast<std::uint16_t*>(dx));
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  const unsigned token_blocks = blocks_for(d.tokens(), conv_tokens_per_block);
+  const auto token_blocks = static_cast<unsigned>(blocks_for(d.tokens(), conv_tokens_per_block));
   auto* partials = static_cast<float*>(workspace);
-  conv_backward_dw<<<dim3(token_blocks, blocks_for(d.channels, threads)), threads, 0, stream>>>(d, xb, wb, dyb, partials);
+  conv_backward_dw<<<dim3(token_blocks, static_cast<unsigned>(blocks_for(d.channels, threads))), threads, 0, stream>>>(d, xb, wb, dyb,
+                                                                                                                  partials);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   return finish(partials, token_blocks, d.channels * d.kernel, dw, stream);
 }
@@ -371,7 +375,7 @@ cudaError_t delta_gates_forward(const GateDims& d, const bf16* a, const bf16* b,
                                   {"beta", beta}});
       e != cudaSuccess)
     return e;
-  gates_forward<<<blocks_for(d.tokens * d.heads, threads), threads, 0, stream>>>(
+  gates_forward<<<static_cast<unsigned>(blocks_for(d.tokens * d.heads, threads)), threads, 0, stream>>>(
       d, reinterpret_cast<const std::uint16_t*>(a), reinterpret_cast<const std::uint16_t*>(b),
       reinterpret_cast<const std::uint16_t*>(a_log), reinterpret_cast<const std::uint16_t*>(dt_bias), g, beta);
   return cudaGetLastError();
@@ -406,7 +410,7 @@ cudaError_t delta_gates_backward(const GateDims& d, const bf16* a, const bf16* b
   const std::size_t need = delta_gates_backward_workspace_bytes(d);
   if (workspace == nullptr || workspace_bytes < need)
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "delta_gates_backward_workspace_bytes(dims)");
-  const unsigned blocks = blocks_for(d.tokens, gate_tokens_per_block);
+  const auto blocks = static_cast<unsigned>(blocks_for(d.tokens, gate_tokens_per_block));
   auto* partials = static_cast<float*>(workspace);
   const auto block_threads = static_cast<unsigned>(std::min<std::int64_t>(1024, (d.heads + 31) / 32 * 32));
   gates_backward<<<blocks, block_threads, 0, stream>>>(
@@ -414,7 +418,7 @@ cudaError_t delta_gates_backward(const GateDims& d, const bf16* a, const bf16* b
       reinterpret_cast<const std::uint16_t*>(a_log), reinterpret_cast<const std::uint16_t*>(dt_bias), dg, dbeta,
       reinterpret_cast<std::uint16_t*>(da), reinterpret_cast<std::uint16_t*>(db), partials);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  finish_gates<<<blocks_for(2 * d.heads, threads), threads, 0, stream>>>(partials, blocks, d.heads, da_log, ddt_bias);
+  finish_gates<<<static_cast<unsigned>(blocks_for(2 * d.heads, threads)), threads, 0, stream>>>(partials, blocks, d.heads, da_log, ddt_bias);
   return cudaGetLastError();
 }
 
@@ -428,7 +432,7 @@ cudaError_t gated_rmsnorm_forward(const GatedNormDims& d, const bf16* x, const b
                                   {"rstd", rstd}});
       e != cudaSuccess)
     return e;
-  norm_forward<<<blocks_for(d.tokens * d.heads, norm_warps), norm_warps * 32, 0, stream>>>(
+  norm_forward<<<static_cast<unsigned>(blocks_for(d.tokens * d.heads, norm_warps)), norm_warps * 32, 0, stream>>>(
       d, reinterpret_cast<const std::uint16_t*>(x), reinterpret_cast<const std::uint16_t*>(z), reinterpret_cast<const std::uint16_t*>(w),
       reinterpret_cast<std::uint16_t*>(y), rstd);
   return cudaGetLastError();
@@ -459,7 +463,7 @@ cudaError_t gated_rmsnorm_backward(const GatedNormDims& d, const bf16* x, const 
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "gated_rmsnorm_backward_workspace_bytes(dims)");
   auto* partials = static_cast<float*>(workspace);
   const std::int64_t warps = norm_partials(d);
-  norm_backward<<<blocks_for(warps, norm_warps), norm_warps * 32, 0, stream>>>(
+  norm_backward<<<static_cast<unsigned>(blocks_for(warps, norm_warps)), norm_warps * 32, 0, stream>>>(
       d, reinterpret_cast<const std::uint16_t*>(x), reinterpret_cast<const std::uint16_t*>(z), reinterpret_cast<const std::uint16_t*>(w),
       rstd, reinterpret_cast<const std::uint16_t*>(dy), reinterpret_cast<std::uint16_t*>(dx), reinterpret_cast<std::uint16_t*>(dz),
       partials);

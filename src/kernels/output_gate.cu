@@ -11,7 +11,7 @@ using detail::float_to_bf16;
 
 constexpr int threads = 256;
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+using detail::sigmoid;
 
 /// The gate's offset of packed element e = (t, h, i).
 __device__ __forceinline__ std::int64_t gate_at(const OutputGateDims& d, std::int64_t e) {

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -36,6 +38,20 @@ void check_shape(const DeltaNetShape& s) {
     invalid(fmt::format("shape hidden {}, k_heads {}, v_heads {}, k_dim {}, v_dim {}, conv_kernel {} (all >= 1, v_heads a multiple "
                         "of k_heads)",
                         s.hidden, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel));
+  // What the kernels take (gated_delta.hpp, deltanet.hpp), refused here before any sizing.
+  if (s.k_dim > 128 || s.v_dim > 128 || s.conv_kernel > 8 || s.chunk < 1)
+    invalid(fmt::format("k_dim {}, v_dim {} (at most 128 each), conv_kernel {} (at most 8), chunk {} (at least 1)", s.k_dim, s.v_dim,
+                        s.conv_kernel, s.chunk));
+}
+
+/// Every tensor of a binding set, or an error naming the first that is not.
+template <class T>
+void check_bound(const DeltaNetTensors<T>& t, std::string_view what) {
+  const std::pair<const char*, const void*> all[] = {{"in_proj_qkvz", t.in_proj_qkvz}, {"in_proj_ba", t.in_proj_ba}, {"conv", t.conv},
+                                                     {"dt_bias", t.dt_bias},           {"A_log", t.a_log},           {"norm", t.norm},
+                                                     {"out_proj", t.out_proj}};
+  for (const auto& [name, p] : all)
+    if (p == nullptr) invalid(fmt::format("{}: {} is null", what, name));
 }
 
 kernels::GatedDeltaDims rule_dims(const DeltaNetShape& s) {
@@ -205,6 +221,7 @@ void deltanet_forward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetSh
   check_shape(s);
   if (x == nullptr || out == nullptr || saved == nullptr || (s.fused && workspace == nullptr))
     invalid("forward: x, out, saved (and, for the fused layout, workspace) must be set");
+  check_bound(w, "forward: weight");
   detail::Carver cs(saved), cw(workspace);
   const Saved v = carve_saved(s, cs);
   const Forward f = carve_forward(s, cw);
@@ -230,6 +247,8 @@ void deltanet_backward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetS
   check_shape(s);
   if (x == nullptr || d_out == nullptr || dx == nullptr || saved == nullptr || workspace == nullptr)
     invalid("backward: x, d_out, dx, saved and workspace must be set");
+  check_bound(w, "backward: weight");
+  check_bound(grads, "backward: gradient");
   detail::Carver cs(const_cast<void*>(saved)), cw(workspace);
   const Saved v = carve_saved(s, cs);
   const Backward b = carve_backward(s, cw);

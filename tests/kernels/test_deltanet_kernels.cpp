@@ -155,7 +155,7 @@ TEST_CASE("the gates: beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), 
 
 TEST_CASE("the gated RMSNorm: forward and backward against the reference, z strided") {
   // {tokens, heads, dim, z_stride}
-  const k::GatedNormDims cases[] = {{77, 3, 40, 3 * 40 + 5, 1e-6f}, {300, 4, 128, 4 * 128, 1e-6f}, {9, 1, 1000, 1003, 1e-5f}};
+  const k::GatedNormDims cases[] = {{77, 3, 40, 3 * 40 + 5, 1e-6f}, {300, 4, 128, 4 * 128 + 8, 1e-6f}, {9, 1, 1000, 1003, 1e-5f}};
   std::uint64_t seed = 40;
   for (const auto& d : cases) {
     CAPTURE(d.dim);
@@ -222,4 +222,15 @@ TEST_CASE("the full attention's output gate: o = ctx * sigmoid(gate), the gate r
         else CHECK(std::isnan(v));  // the q half is not the gate's to write
       }
   check(dg_got, dg_want, bf16_rtol, bf16_atol, "d gate");
+}
+
+TEST_CASE("no tokens: the parameter gradients are zeroed, nothing else is touched") {
+  DeviceBuffer<float> dw(4 * 3), dal(5), ddt(5), dn(7);  // poisoned
+  OOM_CUDA_CHECK(k::causal_conv1d_silu_backward({1, 0, 4, 3, 4}, nullptr, nullptr, nullptr, nullptr, dw.get(), nullptr, 0, nullptr));
+  OOM_CUDA_CHECK(k::delta_gates_backward({0, 5, 10}, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, dal.get(),
+                                         ddt.get(), nullptr, 0, nullptr));
+  OOM_CUDA_CHECK(k::gated_rmsnorm_backward({0, 2, 7, 14, 1e-6f}, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, dn.get(),
+                                           nullptr, 0, nullptr));
+  for (const auto* b : {&dw, &dal, &ddt, &dn})
+    for (float v : b->download()) CHECK(v == 0.0f);
 }

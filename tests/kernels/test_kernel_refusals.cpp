@@ -379,3 +379,13 @@ TEST_CASE("the output gate's refusals name the strides") {
                  {"output_gate_backward: d_gate is null"});
   CHECK(k::output_gate_forward({0, 2, 8, 32, 16}, nullptr, nullptr, nullptr, nullptr) == cudaSuccess);
 }
+
+TEST_CASE("the fused projections' refusals") {
+  k::clear_refusal();
+  expect_refused(k::deltanet_unfuse_projections({4, 2, 3, 8, 8}, fake(), fake(), fake(1024), fake(2048), false, nullptr),
+                 {"deltanet_unfuse_projections: tokens = 4, k_heads = 2, v_heads = 3", "v_heads a multiple of k_heads"});
+  expect_refused(k::deltanet_unfuse_projections({4, 2, 4, 8, 8}, fake(), fake(512), fake(), fake(2048), false, nullptr),
+                 {"deltanet_unfuse_projections: the source and destination are the same array"});
+  expect_refused(k::deltanet_unfuse_projections({4, 2, 4, 8, 8}, fake(), nullptr, fake(1024), fake(2048), true, nullptr),
+                 {"deltanet_unfuse_projections: ba_src is null"});
+}

@@ -328,7 +328,10 @@ TEST_CASE("the block's wiring: the GPU equals the reference pieces composed with
   const std::int64_t S = s.tokens / s.sequences, H = s.hidden;
   const Bf16Data w = draw_segment(s, 2);
   const Bf16Data x(random_normal(static_cast<std::size_t>(s.tokens * H), 3)), dy(random_normal(static_cast<std::size_t>(s.tokens * H), 4));
-  const GpuRun got = run_gpu(s, w, x, dy, std::vector<float>(w.bits.size(), 0.0f));
+  // The gradients start from random values: the backward must add onto them, not overwrite.
+  const std::vector<float> before = random_normal(w.bits.size(), 8);
+  GpuRun got = run_gpu(s, w, x, dy, before);
+  for (std::size_t i = 0; i < before.size(); ++i) got.grads[i] -= before[i];
   Emulated e;
   e.grads.assign(w.bits.size(), 0.0);
   for (std::int64_t b = 0; b < s.sequences; ++b)

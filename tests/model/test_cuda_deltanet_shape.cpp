@@ -36,6 +36,14 @@ TEST_CASE("DeltaNetShape::from_spec: both families, the spec's segment, refusals
                        Error);
   CHECK_THROWS_WITH_AS(model::DeltaNetShape::from_spec(next, 0, 4095, 2), doctest::Contains("4095 tokens are not a whole number of sequences = 2"),
                        Error);
+  auto wide = s;
+  wide.v_dim = 256;
+  CHECK_THROWS_WITH_AS((void)model::deltanet_saved_bytes(wide), doctest::Contains("v_dim 256 (at most 128 each)"), Error);
+  // Null weights or gradients are named before any GPU work (no GPU needed to see it).
+  model::DeltaNetParams w{};
+  CHECK_THROWS_WITH_AS(model::deltanet_forward(nullptr, nullptr, s, w, reinterpret_cast<const bf16*>(&s), reinterpret_cast<bf16*>(&wide),
+                                               &wide, &wide),
+                       doctest::Contains("forward: weight: in_proj_qkvz is null"), Error);
   const ModelSpec moe = ModelSpec::from_file(dir + "moe-5b.json");
   CHECK_THROWS_AS(model::DeltaNetShape::from_spec(moe, 0, 4096), Error);
 }
