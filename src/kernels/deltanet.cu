@@ -20,8 +20,8 @@ using detail::warp_sum;
 
 constexpr int threads = 256;
 constexpr std::int64_t conv_tokens_per_block = 256;   // dw partials: tokens a block sums
-constexpr std::int64_t gate_tokens_per_block = 1024;  // dA_log, ddt_bias partials
-constexpr std::int64_t norm_rows_per_warp = 32;       // dw partials of the norm: rows a warp sums
+constexpr std::int64_t gate_tokens_per_block = 64;   // dA_log, ddt_bias partials: 64 blocks at 4K tokens
+constexpr std::int64_t norm_rows_per_warp = 128;      // dw partials of the norm: rows a warp sums (1,024 partials at 4K x 32 heads)
 constexpr int norm_warps = 8;
 constexpr int max_conv_kernel = 8;
 constexpr std::int64_t max_norm_dim = 1024;

@@ -19,28 +19,19 @@
 #include "oom/kernels/output_gate.hpp"
 #include "oom/reference/gated_delta.hpp"
 #include "oom/reference/output_gate.hpp"
-#include "support/compare.hpp"
+#include "support/check_scaled.hpp"
 
 namespace k = oom::kernels;
 namespace ref = oom::reference;
 using oom::bf16;
 using oom::test::Bf16Data;
+using oom::test::check_scaled;
 using oom::test::DeviceBuffer;
 using oom::test::random_normal;
 using oom::test::to_floats;
 
 namespace {
 
-/// |got - want| <= rtol |want| + atol_frac max|want|.
-void check(const std::vector<float>& got, const std::vector<float>& want, double rtol, double atol_frac, const char* what) {
-  REQUIRE(got.size() == want.size());
-  double scale = 0;
-  for (float w : want) scale = std::max(scale, static_cast<double>(std::abs(w)));
-  const auto r = oom::test::compare(std::span<const float>(got), std::span<const float>(want), rtol, atol_frac * scale, what);
-  INFO(what << ": max abs err " << r.max_abs_err << " (scale " << scale << ")\n" << r.first);
-  CHECK(r.checked == want.size());
-  CHECK(r.ok());
-}
 
 // bf16 outputs: one rounding of an fp32 result (2^-9) and fp32-vs-fp64 arithmetic on either side
 // of a rounding boundary: 2^-7 relative, plus 1e-3 of the tensor's scale where terms cancel.
@@ -102,12 +93,12 @@ TEST_CASE("causal conv1d + SiLU: forward and backward against the reference, per
       dx_want.insert(dx_want.end(), g.dx.begin(), g.dx.end());
       for (std::size_t i = 0; i < dw_sum.size(); ++i) dw_sum[i] += g.dw[i];
     }
-    check(to_floats(y.download()), y_want, bf16_rtol, bf16_atol, "y");
-    check(columns(dx_got, T, d.x_stride, C), dx_want, bf16_rtol, bf16_atol, "dx");
+    check_scaled(to_floats(y.download()), y_want, bf16_rtol, bf16_atol, "y");
+    check_scaled(columns(dx_got, T, d.x_stride, C), dx_want, bf16_rtol, bf16_atol, "dx");
     CHECK(untouched_outside(dx_got, d.x_stride, 0, C));
     // dw sums T products in fp32 (block partials, then the blocks): 1e-4 relative plus 1e-5 of
     // the scale covers fp32 rounding over up to 2,100 terms against the fp64 sum.
-    check(dw_got, std::vector<float>(dw_sum.begin(), dw_sum.end()), 1e-4, 1e-5, "dw");
+    check_scaled(dw_got, std::vector<float>(dw_sum.begin(), dw_sum.end()), 1e-4, 1e-5, "dw");
     dw.poison();
     OOM_CUDA_CHECK(k::causal_conv1d_silu_backward(d, xd.get(), wd.get(), dyd.get(), dx.get(), dw.get(), ws.get(), ws.size(), nullptr));
     CHECK(same_bits(dw.download(), dw_got));
@@ -115,7 +106,7 @@ TEST_CASE("causal conv1d + SiLU: forward and backward against the reference, per
 }
 
 TEST_CASE("the gates: beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), forward and backward") {
-  const std::int64_t T = 2500, H = 6, stride = 2 * H + 3;  // 3 partial blocks of tokens
+  const std::int64_t T = 2500, H = 6, stride = 2 * H + 3;  // 40 partial blocks of 64 tokens, the last part-filled
   std::vector<float> ab = random_normal(static_cast<std::size_t>(T * stride), 5, 2.0f);
   for (std::int64_t t = 0; t < T; t += 7) ab[t * stride + H + 1] = 25.0f;  // a + dt_bias past softplus' threshold
   const Bf16Data abd(ab), a_log(random_normal(H, 6, 1.0f)), dt_bias(random_normal(H, 7, 0.5f));
@@ -135,16 +126,16 @@ TEST_CASE("the gates: beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), 
   const auto fwd = ref::delta_gates_forward(T, H, a, b, a_log.values, dt_bias.values);
   const auto bwd = ref::delta_gates_backward(T, H, a, b, a_log.values, dt_bias.values, dbeta, dg);
   // fp32 outputs of exp, log1p and sigmoid (a few ulp) against fp64.
-  check(g.download(), fwd.g, 1e-5, 1e-6, "g");
-  check(beta.download(), fwd.beta, 1e-5, 1e-6, "beta");
+  check_scaled(g.download(), fwd.g, 1e-5, 1e-6, "g");
+  check_scaled(beta.download(), fwd.beta, 1e-5, 1e-6, "beta");
   const auto dab_got = dab.download();
-  check(columns(dab_got, T, stride, H, H), bwd.da, bf16_rtol, bf16_atol, "da");
-  check(columns(dab_got, T, stride, H, 0), bwd.db, bf16_rtol, bf16_atol, "db");
+  check_scaled(columns(dab_got, T, stride, H, H), bwd.da, bf16_rtol, bf16_atol, "da");
+  check_scaled(columns(dab_got, T, stride, H, 0), bwd.db, bf16_rtol, bf16_atol, "db");
   CHECK(untouched_outside(dab_got, stride, 0, 2 * H));
   // Sums over 2,500 tokens in fp32: 1e-4 relative plus 1e-5 of the scale.
   const auto dal_got = dal.download(), ddt_got = ddt.download();
-  check(dal_got, bwd.da_log, 1e-4, 1e-5, "dA_log");
-  check(ddt_got, bwd.ddt_bias, 1e-4, 1e-5, "ddt_bias");
+  check_scaled(dal_got, bwd.da_log, 1e-4, 1e-5, "dA_log");
+  check_scaled(ddt_got, bwd.ddt_bias, 1e-4, 1e-5, "ddt_bias");
   dal.poison();
   ddt.poison();
   OOM_CUDA_CHECK(k::delta_gates_backward(d, a_ptr, b_ptr, al.get(), db_.get(), dgd.get(), dbetad.get(), dab.get() + H, dab.get(),
@@ -172,20 +163,20 @@ TEST_CASE("the gated RMSNorm: forward and backward against the reference, z stri
     const auto z = columns(zs.bits, d.tokens, d.z_stride, d.heads * D);  // (rows, D) contiguous for the reference
     const auto y_want = ref::gated_rmsnorm_forward(rows, D, x.values, z, w.values, d.eps);
     const auto g = ref::gated_rmsnorm_backward(rows, D, x.values, z, w.values, d.eps, dy.values);
-    check(to_floats(y.download()), y_want, bf16_rtol, bf16_atol, "y");
+    check_scaled(to_floats(y.download()), y_want, bf16_rtol, bf16_atol, "y");
     std::vector<float> rstd_want(static_cast<std::size_t>(rows));
     for (std::int64_t r = 0; r < rows; ++r) {
       double ss = 0;
       for (std::int64_t i = 0; i < D; ++i) ss += static_cast<double>(x.values[r * D + i]) * x.values[r * D + i];
       rstd_want[r] = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(D) + d.eps));
     }
-    check(rstd.download(), rstd_want, 1e-5, 0, "rstd");
-    check(to_floats(dx.download()), g.dx, bf16_rtol, bf16_atol, "dx");
+    check_scaled(rstd.download(), rstd_want, 1e-5, 0, "rstd");
+    check_scaled(to_floats(dx.download()), g.dx, bf16_rtol, bf16_atol, "dx");
     const auto dz_got = dz.download();
-    check(columns(dz_got, d.tokens, d.z_stride, d.heads * D), g.dz, bf16_rtol, bf16_atol, "dz");
+    check_scaled(columns(dz_got, d.tokens, d.z_stride, d.heads * D), g.dz, bf16_rtol, bf16_atol, "dz");
     CHECK(untouched_outside(dz_got, d.z_stride, 0, d.heads * D));
     const auto dw_got = dw.download();
-    check(dw_got, g.dw, 1e-4, 1e-5, "dw");
+    check_scaled(dw_got, g.dw, 1e-4, 1e-5, "dw");
     dw.poison();
     OOM_CUDA_CHECK(k::gated_rmsnorm_backward(d, xd.get(), zd.get(), wd.get(), rstd.get(), dyd.get(), dx.get(), dz.get(), dw.get(),
                                              ws.get(), ws.size(), nullptr));
@@ -210,8 +201,8 @@ TEST_CASE("the full attention's output gate: o = ctx * sigmoid(gate), the gate r
   std::vector<float> o_want(ctx.values.size()), dc_want(o_want.size()), dg_want(o_want.size());
   ref::output_gate_forward(ctx.values, gate_packed, o_want);
   ref::output_gate_backward(ctx.values, gate_packed, d_o.values, dc_want, dg_want);
-  check(to_floats(o.download()), o_want, bf16_rtol, bf16_atol, "o");
-  check(to_floats(dc.download()), dc_want, bf16_rtol, bf16_atol, "d ctx");
+  check_scaled(to_floats(o.download()), o_want, bf16_rtol, bf16_atol, "o");
+  check_scaled(to_floats(dc.download()), dc_want, bf16_rtol, bf16_atol, "d ctx");
   const auto dqg_got = dqg.download();
   std::vector<float> dg_got;
   for (std::int64_t t = 0; t < T; ++t)
@@ -221,7 +212,7 @@ TEST_CASE("the full attention's output gate: o = ctx * sigmoid(gate), the gate r
         if (i >= D) dg_got.push_back(v);
         else CHECK(std::isnan(v));  // the q half is not the gate's to write
       }
-  check(dg_got, dg_want, bf16_rtol, bf16_atol, "d gate");
+  check_scaled(dg_got, dg_want, bf16_rtol, bf16_atol, "d gate");
 }
 
 TEST_CASE("no tokens: the parameter gradients are zeroed, nothing else is touched") {

@@ -20,12 +20,13 @@
 #include "oom/core/cuda_check.hpp"
 #include "oom/kernels/gated_delta.hpp"
 #include "oom/reference/gated_delta.hpp"
-#include "support/compare.hpp"
+#include "support/check_scaled.hpp"
 
 namespace k = oom::kernels;
 namespace ref = oom::reference;
 using oom::bf16;
 using oom::test::Bf16Data;
+using oom::test::check_scaled;
 using oom::test::DeviceBuffer;
 using oom::test::random_normal;
 using oom::test::to_floats;
@@ -82,17 +83,6 @@ Reference reference(const k::GatedDeltaDims& d, const Inputs& in) {
   return r;
 }
 
-/// |got - want| <= rtol |want| + atol_frac max|want|: atol in proportion to the tensor's scale, for
-/// elements that cancel to near zero.
-void check(const std::vector<float>& got, const std::vector<float>& want, double rtol, double atol_frac, const char* what) {
-  REQUIRE(got.size() == want.size());
-  double scale = 0;
-  for (float w : want) scale = std::max(scale, static_cast<double>(std::abs(w)));
-  const auto r = oom::test::compare(std::span<const float>(got), std::span<const float>(want), rtol, atol_frac * scale, what);
-  INFO(what << ": max abs err " << r.max_abs_err << " (scale " << scale << ")\n" << r.first);
-  CHECK(r.checked == want.size());
-  CHECK(r.ok());
-}
 
 struct Run {
   std::vector<bf16> out, dq, dk, dv;
@@ -140,17 +130,17 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
     // bf16 outputs: one rounding of an fp32 result (<= 2^-9 relative) and the fp32-vs-fp64 sums
     // on either side of a rounding boundary: 2^-7 relative; plus 1e-3 of the tensor's scale for
     // values that cancel to near zero (the recurrence's sums run over dk terms a token, T tokens).
-    check(to_floats(got.out), want.out, 1.0 / 128, 1e-3, "out");
-    check(to_floats(got.dv), want.dv, 1.0 / 128, 1e-3, "dv");
-    check(to_floats(got.dq), want.dq, 1.0 / 128, 1e-3, "dq");
-    check(to_floats(got.dk), want.dk, 1.0 / 128, 1e-3, "dk");
+    check_scaled(to_floats(got.out), want.out, 1.0 / 128, 1e-3, "out");
+    check_scaled(to_floats(got.dv), want.dv, 1.0 / 128, 1e-3, "dv");
+    check_scaled(to_floats(got.dq), want.dq, 1.0 / 128, 1e-3, "dq");
+    check_scaled(to_floats(got.dk), want.dk, 1.0 / 128, 1e-3, "dk");
     // fp32 outputs: the same sums in fp32 against fp64 (rounding ~1e-7 a term over up to dk x dv
     // terms a token): 1e-4 relative plus 1e-5 of the scale for the states, which carry no bf16
     // rounding, and 1e-3 / 1e-4 for the gates' gradients, which sum dk x dv products of gradients
     // that passed through bf16 inputs.
-    check(got.states, want.states, 1e-4, 1e-5, "states");
-    check(got.dg, want.dg, 1e-3, 1e-4, "dg");
-    check(got.dbeta, want.dbeta, 1e-3, 1e-4, "dbeta");
+    check_scaled(got.states, want.states, 1e-4, 1e-5, "states");
+    check_scaled(got.dg, want.dg, 1e-3, 1e-4, "dg");
+    check_scaled(got.dbeta, want.dbeta, 1e-3, 1e-4, "dbeta");
     // The same bits again (fresh, poisoned buffers).
     const Run again = run(d, in);
     CHECK(same_bits(again.out, got.out));

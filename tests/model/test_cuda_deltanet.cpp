@@ -195,22 +195,28 @@ void emulate_sequence(const model::DeltaNetShape& s, const Bf16Data& w, std::spa
   add(p.dt_bias, gg.ddt_bias);
 }
 
+/// 2 sequences of 19 tokens, hidden 48, 2 key / 4 value heads of 16 / 8, the rule's states every 8 tokens.
+model::DeltaNetShape small_shape(bool fused) {
+  model::DeltaNetShape s;
+  s.sequences = 2;
+  s.tokens = 2 * 19;
+  s.hidden = 48;
+  s.k_heads = 2;
+  s.v_heads = 4;
+  s.k_dim = 16;
+  s.v_dim = 8;
+  s.conv_kernel = 4;
+  s.fused = fused;
+  s.chunk = 8;
+  return s;
+}
+
 }  // namespace
 
 TEST_CASE("the Gated DeltaNet block matches the reference block: Qwen3-Next's fused and Qwen3.5's stacked projections") {
   for (const bool fused : {true, false}) {
     CAPTURE(fused);
-    model::DeltaNetShape s;
-    s.sequences = 2;
-    s.tokens = 2 * 19;
-    s.hidden = 48;
-    s.k_heads = 2;
-    s.v_heads = 4;
-    s.k_dim = 16;
-    s.v_dim = 8;
-    s.conv_kernel = 4;
-    s.fused = fused;
-    s.chunk = 8;
+    const model::DeltaNetShape s = small_shape(fused);
     const std::int64_t S = s.tokens / s.sequences, H = s.hidden;
     const Bf16Data w = draw_segment(s, fused ? 1 : 2);
     const Bf16Data x(random_normal(static_cast<std::size_t>(s.tokens * H), 3)), dy(random_normal(static_cast<std::size_t>(s.tokens * H), 4));
@@ -315,16 +321,7 @@ TEST_CASE("the block's wiring: the GPU equals the reference pieces composed with
   // 6% from the fp32 block, as in PyTorch's own bf16 Qwen3NextGatedDeltaNet against fp64 on this
   // shape (dx 6.5e-2, in_proj_qkvz 6.1e-2, conv1d 5.6e-2; torch 2.15, transformers 5.25, CPU,
   // thirty-fifth session): the gradients through the l2norm cancel.
-  model::DeltaNetShape s;
-  s.sequences = 2;
-  s.tokens = 2 * 19;
-  s.hidden = 48;
-  s.k_heads = 2;
-  s.v_heads = 4;
-  s.k_dim = 16;
-  s.v_dim = 8;
-  s.fused = false;
-  s.chunk = 8;
+  const model::DeltaNetShape s = small_shape(false);
   const std::int64_t S = s.tokens / s.sequences, H = s.hidden;
   const Bf16Data w = draw_segment(s, 2);
   const Bf16Data x(random_normal(static_cast<std::size_t>(s.tokens * H), 3)), dy(random_normal(static_cast<std::size_t>(s.tokens * H), 4));
