@@ -410,6 +410,8 @@ cudaError_t delta_gates_backward(const GateDims& d, const bf16* a, const bf16* b
   const std::size_t need = delta_gates_backward_workspace_bytes(d);
   if (workspace == nullptr || workspace_bytes < need)
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "delta_gates_backward_workspace_bytes(dims)");
+  if (blocks_for(d.tokens, gate_tokens_per_block) > max_blocks)
+    return detail::refuse(name, ": ", d.tokens, " tokens need more than 2^31 - 1 blocks of ", gate_tokens_per_block);
   const auto blocks = static_cast<unsigned>(blocks_for(d.tokens, gate_tokens_per_block));
   auto* partials = static_cast<float*>(workspace);
   const auto block_threads = static_cast<unsigned>(std::min<std::int64_t>(1024, (d.heads + 31) / 32 * 32));

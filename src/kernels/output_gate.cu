@@ -30,9 +30,9 @@ __global__ void backward(OutputGateDims d, const std::uint16_t* ctx, const std::
   const std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x;
   if (e >= d.tokens * d.heads * d.head_dim) return;
   const std::int64_t g = gate_at(d, e);
-  const float s = sigmoid(bf16_to_float(gate[g])), go = bf16_to_float(d_o[e]);
-  d_ctx[e] = float_to_bf16(go * s);
-  d_gate[g] = float_to_bf16(go * bf16_to_float(ctx[e]) * s * (1.0f - s));
+  const float s = sigmoid(bf16_to_float(gate[g])), go = bf16_to_float(d_o[e]), c = bf16_to_float(ctx[e]);
+  d_ctx[e] = float_to_bf16(go * s);  // after every read: d_ctx may be ctx or d_o
+  d_gate[g] = float_to_bf16(go * c * s * (1.0f - s));
 }
 
 cudaError_t check(const char* name, const OutputGateDims& d, unsigned& blocks) {

@@ -39,9 +39,9 @@ void check_shape(const DeltaNetShape& s) {
                         "of k_heads)",
                         s.hidden, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel));
   // What the kernels take (gated_delta.hpp, deltanet.hpp), refused here before any sizing.
-  if (s.k_dim > 128 || s.v_dim > 128 || s.conv_kernel > 8 || s.chunk < 1)
-    invalid(fmt::format("k_dim {}, v_dim {} (at most 128 each), conv_kernel {} (at most 8), chunk {} (at least 1)", s.k_dim, s.v_dim,
-                        s.conv_kernel, s.chunk));
+  if (s.k_dim > 128 || s.v_dim > 128 || s.conv_kernel > 8 || s.chunk < 1 || !(s.eps > 0.0f))
+    invalid(fmt::format("k_dim {}, v_dim {} (at most 128 each), conv_kernel {} (at most 8), chunk {} (at least 1), eps {} (above 0)",
+                        s.k_dim, s.v_dim, s.conv_kernel, s.chunk, s.eps));
 }
 
 /// Every tensor of a binding set, or an error naming the first that is not.

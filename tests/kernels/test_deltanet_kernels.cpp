@@ -215,7 +215,7 @@ TEST_CASE("the full attention's output gate: o = ctx * sigmoid(gate), the gate r
   check_scaled(dg_got, dg_want, bf16_rtol, bf16_atol, "d gate");
 }
 
-TEST_CASE("no tokens: the parameter gradients are zeroed, nothing else is touched") {
+TEST_CASE("no tokens: the parameter gradients are zeroed, and no other array is needed") {
   DeviceBuffer<float> dw(4 * 3), dal(5), ddt(5), dn(7);  // poisoned
   OOM_CUDA_CHECK(k::causal_conv1d_silu_backward({1, 0, 4, 3, 4}, nullptr, nullptr, nullptr, nullptr, dw.get(), nullptr, 0, nullptr));
   OOM_CUDA_CHECK(k::delta_gates_backward({0, 5, 10}, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, dal.get(),

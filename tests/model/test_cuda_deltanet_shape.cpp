@@ -44,6 +44,11 @@ TEST_CASE("DeltaNetShape::from_spec: both families, the spec's segment, refusals
   CHECK_THROWS_WITH_AS(model::deltanet_forward(nullptr, nullptr, s, w, reinterpret_cast<const bf16*>(&s), reinterpret_cast<bf16*>(&wide),
                                                &wide, &wide),
                        doctest::Contains("forward: weight: in_proj_qkvz is null"), Error);
+  // A null gradient is named before anything runs.
+  const model::DeltaNetParams bound = model::bind_deltanet_params(s, reinterpret_cast<const bf16*>(&s));
+  CHECK_THROWS_WITH_AS(model::deltanet_backward(nullptr, nullptr, s, bound, reinterpret_cast<const bf16*>(&s), reinterpret_cast<const bf16*>(&s),
+                                                reinterpret_cast<float*>(&wide), model::DeltaNetGrads{}, &wide, &wide),
+                       doctest::Contains("backward: gradient: in_proj_qkvz is null"), Error);
   const ModelSpec moe = ModelSpec::from_file(dir + "moe-5b.json");
   CHECK_THROWS_AS(model::DeltaNetShape::from_spec(moe, 0, 4096), Error);
 }

@@ -4,7 +4,8 @@
 // from, and its gradient written to, a strided view of that array: element (t, h, i) at
 // t * row_stride + h * head_stride + i. ctx and o are packed (T, heads, head_dim). bf16 in and
 // out, fp32 math (sigmoid(g) = 1 / (1 + exp(-g))). Kernels in src/kernels/output_gate.cu; the CPU
-// reference is HostDecoderLayer's (src/model/host_decoder_layer.cpp).
+// reference, which HostDecoderLayer uses too, is oom/reference/output_gate.hpp. d_ctx may be ctx
+// or d_o (in place); d_gate must not overlap ctx or d_o.
 #pragma once
 
 #include <cuda_runtime_api.h>
