@@ -161,71 +161,259 @@ std::vector<float> gated_delta_rule_forward(const GatedDeltaShape& s, std::span<
   return out;
 }
 
+namespace {
+
+/// One chunk of the chunked rule for value head h: tokens [t0, t0 + n) and the state S entering it
+/// (dk x dv), as gated_delta_rule_chunked_forward's contract writes it out.
+struct ChunkRun {
+  std::int64_t t0 = 0, n = 0;
+  Vec G;   // (n): the decay summed from the chunk's start, token i's included
+  Vec kk;  // (n, n): exp(G_i - G_j) (k_i . k_j) for j < i
+  Vec qk;  // (n, n): exp(G_i - G_j) (q_i . k_j) for j <= i
+  Vec u;   // (n, dv): S^T k_i, before the decay
+  Vec d;   // (n, dv): the deltas
+};
+
+ChunkRun run_chunk(const GatedDeltaShape& s, const HeadRun& r, std::int64_t h, std::span<const float> v, std::span<const float> g,
+                   std::span<const float> beta, std::int64_t t0, std::int64_t n, const Vec& S) {
+  const std::int64_t dk = s.k_dim, dv = s.v_dim;
+  ChunkRun c;
+  c.t0 = t0;
+  c.n = n;
+  c.G.resize(static_cast<std::size_t>(n));
+  c.kk.assign(static_cast<std::size_t>(n * n), 0.0);
+  c.qk.assign(c.kk.size(), 0.0);
+  c.u.resize(static_cast<std::size_t>(n * dv));
+  c.d.resize(c.u.size());
+  double acc_g = 0;
+  for (std::int64_t i = 0; i < n; ++i) c.G[i] = acc_g += g[(t0 + i) * s.v_heads + h];
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j <= i; ++j) {
+      double dot_k = 0, dot_q = 0;
+      for (std::int64_t a = 0; a < dk; ++a) {
+        dot_k += r.kn[(t0 + i) * dk + a] * r.kn[(t0 + j) * dk + a];
+        dot_q += r.qn[(t0 + i) * dk + a] * r.kn[(t0 + j) * dk + a];
+      }
+      c.kk[i * n + j] = std::exp(c.G[i] - c.G[j]) * dot_k;
+      c.qk[i * n + j] = std::exp(c.G[i] - c.G[j]) * dot_q;
+    }
+  // The deltas by forward substitution.
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double* ki = &r.kn[(t0 + i) * dk];
+    const double b = beta[(t0 + i) * s.v_heads + h];
+    for (std::int64_t e = 0; e < dv; ++e) {
+      double sk = 0;
+      for (std::int64_t a = 0; a < dk; ++a) sk += S[a * dv + e] * ki[a];
+      c.u[i * dv + e] = sk;
+      double rhs = v[((t0 + i) * s.v_heads + h) * dv + e] - std::exp(c.G[i]) * sk;
+      for (std::int64_t j = 0; j < i; ++j) rhs -= c.kk[i * n + j] * c.d[j * dv + e];
+      c.d[i * dv + e] = b * rhs;
+    }
+  }
+  return c;
+}
+
+/// The state leaving chunk c, in place: exp(G_last) S + sum_j exp(G_last - G_j) k_j d_j^T.
+void leave_chunk(const GatedDeltaShape& s, const HeadRun& r, const ChunkRun& c, Vec& S) {
+  const std::int64_t dk = s.k_dim, dv = s.v_dim;
+  const double last = c.G[c.n - 1];
+  for (std::int64_t a = 0; a < dk; ++a)
+    for (std::int64_t e = 0; e < dv; ++e) {
+      double x = std::exp(last) * S[a * dv + e];
+      for (std::int64_t j = 0; j < c.n; ++j) x += std::exp(last - c.G[j]) * r.kn[(c.t0 + j) * dk + a] * c.d[j * dv + e];
+      S[a * dv + e] = x;
+    }
+}
+
+void check_chunk(const char* fn, std::int64_t chunk) {
+  if (chunk < 1) OOM_THROW(Errc::invalid_argument, fmt::format("{}: chunk {} < 1", fn, chunk));
+}
+
+}  // namespace
+
 GatedDeltaChunked gated_delta_rule_chunked_forward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
                                                    std::span<const float> v, std::span<const float> g,
                                                    std::span<const float> beta, std::int64_t chunk) {
   check_inputs("gated_delta_rule_chunked_forward", s, q, k, v, g, beta);
-  if (chunk < 1) OOM_THROW(Errc::invalid_argument, fmt::format("gated_delta_rule_chunked_forward: chunk {} < 1", chunk));
+  check_chunk("gated_delta_rule_chunked_forward", chunk);
   const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim, chunks = (T + chunk - 1) / chunk;
   GatedDeltaChunked out;
   out.out.resize(static_cast<std::size_t>(T * s.v_heads * dv));
   out.states.resize(static_cast<std::size_t>(s.v_heads * (chunks + 1) * dk * dv));
   for (std::int64_t h = 0; h < s.v_heads; ++h) {
     const HeadRun r = normalise_head(s, h, q, k);
-    const std::int64_t most = std::min(chunk, T);  // tokens in the longest chunk
-    Vec S(static_cast<std::size_t>(dk * dv), 0.0), G(static_cast<std::size_t>(most)), d(static_cast<std::size_t>(most * dv));
-    // Within a chunk, exp(G_i - G_j) (k_i . k_j) for j < i and exp(G_i - G_j) (q_i . k_j) for j <= i.
-    Vec kk(static_cast<std::size_t>(most * most)), qk(kk.size());
+    Vec S(static_cast<std::size_t>(dk * dv), 0.0);
     for (std::int64_t c = 0; c < chunks; ++c) {
       std::copy(S.begin(), S.end(), out.states.begin() + (h * (chunks + 1) + c) * dk * dv);
       const std::int64_t t0 = c * chunk, n = std::min(chunk, T - t0);
-      double acc_g = 0;
-      for (std::int64_t i = 0; i < n; ++i) G[i] = acc_g += g[(t0 + i) * s.v_heads + h];
-      for (std::int64_t i = 0; i < n; ++i)
-        for (std::int64_t j = 0; j <= i; ++j) {
-          double dot_k = 0, dot_q = 0;
-          for (std::int64_t a = 0; a < dk; ++a) {
-            dot_k += r.kn[(t0 + i) * dk + a] * r.kn[(t0 + j) * dk + a];
-            dot_q += r.qn[(t0 + i) * dk + a] * r.kn[(t0 + j) * dk + a];
-          }
-          kk[i * most + j] = std::exp(G[i] - G[j]) * dot_k;
-          qk[i * most + j] = std::exp(G[i] - G[j]) * dot_q;
-        }
-      // The deltas by forward substitution.
-      for (std::int64_t i = 0; i < n; ++i) {
-        const double* ki = &r.kn[(t0 + i) * dk];
-        const double b = beta[(t0 + i) * s.v_heads + h];
-        for (std::int64_t e = 0; e < dv; ++e) {
-          double sk = 0;
-          for (std::int64_t a = 0; a < dk; ++a) sk += S[a * dv + e] * ki[a];
-          double rhs = v[((t0 + i) * s.v_heads + h) * dv + e] - std::exp(G[i]) * sk;
-          for (std::int64_t j = 0; j < i; ++j) rhs -= kk[i * most + j] * d[j * dv + e];
-          d[i * dv + e] = b * rhs;
-        }
-      }
+      const ChunkRun run = run_chunk(s, r, h, v, g, beta, t0, n, S);
       // The outputs from the entering state and the chunk's deltas.
       for (std::int64_t i = 0; i < n; ++i) {
         const double* qi = &r.qn[(t0 + i) * dk];
         for (std::int64_t e = 0; e < dv; ++e) {
           double sq = 0;
           for (std::int64_t a = 0; a < dk; ++a) sq += S[a * dv + e] * qi[a];
-          double o = std::exp(G[i]) * sq;
-          for (std::int64_t j = 0; j <= i; ++j) o += qk[i * most + j] * d[j * dv + e];
+          double o = std::exp(run.G[i]) * sq;
+          for (std::int64_t j = 0; j <= i; ++j) o += run.qk[i * n + j] * run.d[j * dv + e];
           out.out[((t0 + i) * s.v_heads + h) * dv + e] = static_cast<float>(o);
         }
       }
-      // The state leaving the chunk.
-      const double last = G[n - 1];
-      for (std::int64_t a = 0; a < dk; ++a)
-        for (std::int64_t e = 0; e < dv; ++e) {
-          double x = std::exp(last) * S[a * dv + e];
-          for (std::int64_t j = 0; j < n; ++j) x += std::exp(last - G[j]) * r.kn[(t0 + j) * dk + a] * d[j * dv + e];
-          S[a * dv + e] = x;
-        }
+      leave_chunk(s, r, run, S);
     }
     std::copy(S.begin(), S.end(), out.states.begin() + (h * (chunks + 1) + chunks) * dk * dv);
   }
   return out;
+}
+
+GatedDeltaGrads gated_delta_rule_chunked_backward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                                  std::span<const float> v, std::span<const float> g, std::span<const float> beta,
+                                                  std::span<const float> d_out, std::int64_t chunk) {
+  check_inputs("gated_delta_rule_chunked_backward", s, q, k, v, g, beta);
+  check_size("gated_delta_rule_chunked_backward", d_out.size(), s.tokens * s.v_heads * s.v_dim, "d_out");
+  check_chunk("gated_delta_rule_chunked_backward", chunk);
+  const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim, group = s.v_heads / s.k_heads, chunks = (T + chunk - 1) / chunk;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  GatedDeltaGrads gr;
+  Vec dq(q.size(), 0.0), dk_sum(k.size(), 0.0);
+  gr.dv.assign(v.size(), 0.0f);
+  gr.dg.assign(g.size(), 0.0f);
+  gr.dbeta.assign(beta.size(), 0.0f);
+  for (std::int64_t h = 0; h < s.v_heads; ++h) {
+    const std::int64_t kh = h / group;
+    const HeadRun r = normalise_head(s, h, q, k);
+    // The states entering each chunk, as the forward makes them.
+    std::vector<Vec> entering;
+    Vec S(static_cast<std::size_t>(dk * dv), 0.0);
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      entering.push_back(S);
+      const std::int64_t t0 = c * chunk;
+      leave_chunk(s, r, run_chunk(s, r, h, v, g, beta, t0, std::min(chunk, T - t0), S), S);
+    }
+    Vec dS(static_cast<std::size_t>(dk * dv), 0.0);  // of the state leaving the chunk being differentiated
+    Vec dqn(static_cast<std::size_t>(T * dk), 0.0), dkn(dqn.size(), 0.0);  // of the normalised (q scaled) rows
+    for (std::int64_t c = chunks - 1; c >= 0; --c) {
+      const Vec& S0 = entering[static_cast<std::size_t>(c)];
+      const std::int64_t t0 = c * chunk, n = std::min(chunk, T - t0);
+      const ChunkRun run = run_chunk(s, r, h, v, g, beta, t0, n, S0);
+      const double* kn = &r.kn[t0 * dk];
+      const double* qn = &r.qn[t0 * dk];
+      double* dkc = &dkn[t0 * dk];
+      double* dqc = &dqn[t0 * dk];
+      Vec dD(static_cast<std::size_t>(n * dv), 0.0), dG(static_cast<std::size_t>(n), 0.0), dS0(dS.size(), 0.0);
+      const double last = run.G[n - 1];
+      // S_leaving = exp(G_last) S0 + sum_j w_j k_j d_j^T, w_j = exp(G_last - G_j).
+      double s_ds = 0;
+      for (std::int64_t i = 0; i < dk * dv; ++i) {
+        s_ds += S0[i] * dS[i];
+        dS0[i] = std::exp(last) * dS[i];
+      }
+      dG[n - 1] += std::exp(last) * s_ds;
+      for (std::int64_t j = 0; j < n; ++j) {
+        const double w = std::exp(last - run.G[j]);
+        double dw = 0;
+        for (std::int64_t a = 0; a < dk; ++a)
+          for (std::int64_t e = 0; e < dv; ++e) {
+            dD[j * dv + e] += w * kn[j * dk + a] * dS[a * dv + e];
+            dkc[j * dk + a] += w * dS[a * dv + e] * run.d[j * dv + e];
+            dw += kn[j * dk + a] * dS[a * dv + e] * run.d[j * dv + e];
+          }
+        dG[n - 1] += dw * w;
+        dG[j] -= dw * w;
+      }
+      // out_i = exp(G_i) S0^T q_i + sum_{j<=i} qk_ij d_j, qk_ij = exp(G_i - G_j) (q_i . k_j).
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float* doi = &d_out[((t0 + i) * s.v_heads + h) * dv];
+        const double ei = std::exp(run.G[i]);
+        double sqd = 0;
+        for (std::int64_t a = 0; a < dk; ++a) {
+          double sd = 0;
+          for (std::int64_t e = 0; e < dv; ++e) {
+            dS0[a * dv + e] += ei * qn[i * dk + a] * doi[e];
+            sd += S0[a * dv + e] * doi[e];
+          }
+          dqc[i * dk + a] += ei * sd;
+          sqd += qn[i * dk + a] * sd;
+        }
+        dG[i] += ei * sqd;
+        for (std::int64_t j = 0; j <= i; ++j) {
+          double dqk = 0;
+          for (std::int64_t e = 0; e < dv; ++e) {
+            dD[j * dv + e] += run.qk[i * n + j] * doi[e];
+            dqk += doi[e] * run.d[j * dv + e];
+          }
+          const double gamma = std::exp(run.G[i] - run.G[j]);
+          double qdotk = 0;
+          for (std::int64_t a = 0; a < dk; ++a) {
+            dqc[i * dk + a] += dqk * gamma * kn[j * dk + a];
+            dkc[j * dk + a] += dqk * gamma * qn[i * dk + a];
+            qdotk += qn[i * dk + a] * kn[j * dk + a];
+          }
+          dG[i] += dqk * qdotk * gamma;
+          dG[j] -= dqk * qdotk * gamma;
+        }
+      }
+      // d_i = beta_i (v_i - exp(G_i) u_i - sum_{j<i} kk_ij d_j), u_i = S0^T k_i: back substitution,
+      // each dD_i complete once the later tokens have added to it.
+      for (std::int64_t i = n - 1; i >= 0; --i) {
+        const double b = beta[(t0 + i) * s.v_heads + h], ei = std::exp(run.G[i]);
+        const float* vi = &v[((t0 + i) * s.v_heads + h) * dv];
+        Vec hi(static_cast<std::size_t>(dv));  // d loss / d rhs_i
+        double dbeta = 0, u_h = 0;
+        for (std::int64_t e = 0; e < dv; ++e) {
+          double rhs = vi[e] - ei * run.u[i * dv + e];
+          for (std::int64_t j = 0; j < i; ++j) rhs -= run.kk[i * n + j] * run.d[j * dv + e];
+          dbeta += dD[i * dv + e] * rhs;
+          hi[e] = b * dD[i * dv + e];
+          gr.dv[((t0 + i) * s.v_heads + h) * dv + e] = static_cast<float>(hi[e]);
+          u_h += run.u[i * dv + e] * hi[e];
+        }
+        gr.dbeta[(t0 + i) * s.v_heads + h] = static_cast<float>(dbeta);
+        // The u_i term: du_i = -exp(G_i) h_i.
+        dG[i] -= ei * u_h;
+        for (std::int64_t a = 0; a < dk; ++a) {
+          double acc = 0;
+          for (std::int64_t e = 0; e < dv; ++e) {
+            dS0[a * dv + e] -= ei * kn[i * dk + a] * hi[e];
+            acc -= ei * S0[a * dv + e] * hi[e];
+          }
+          dkc[i * dk + a] += acc;
+        }
+        // The kk_ij d_j terms, kk_ij = exp(G_i - G_j) (k_i . k_j).
+        for (std::int64_t j = 0; j < i; ++j) {
+          double dkk = 0;
+          for (std::int64_t e = 0; e < dv; ++e) {
+            dD[j * dv + e] -= run.kk[i * n + j] * hi[e];
+            dkk -= hi[e] * run.d[j * dv + e];
+          }
+          const double gamma = std::exp(run.G[i] - run.G[j]);
+          double kdotk = 0;
+          for (std::int64_t a = 0; a < dk; ++a) {
+            dkc[i * dk + a] += dkk * gamma * kn[j * dk + a];
+            dkc[j * dk + a] += dkk * gamma * kn[i * dk + a];
+            kdotk += kn[i * dk + a] * kn[j * dk + a];
+          }
+          dG[i] += dkk * kdotk * gamma;
+          dG[j] -= dkk * kdotk * gamma;
+        }
+      }
+      // G_i = g_0 + ... + g_i within the chunk.
+      double tail = 0;
+      for (std::int64_t i = n - 1; i >= 0; --i) {
+        tail += dG[i];
+        gr.dg[(t0 + i) * s.v_heads + h] = static_cast<float>(tail);
+      }
+      dS = dS0;
+    }
+    // Through the scale and the l2 normalisations, into the shared key head.
+    for (std::int64_t t = 0; t < T; ++t) {
+      for (std::int64_t a = 0; a < dk; ++a) dqn[t * dk + a] *= scale;
+      l2_normalise_backward(&q[(t * s.k_heads + kh) * dk], dk, r.rq[t], &dqn[t * dk], &dq[(t * s.k_heads + kh) * dk]);
+      l2_normalise_backward(&k[(t * s.k_heads + kh) * dk], dk, r.rk[t], &dkn[t * dk], &dk_sum[(t * s.k_heads + kh) * dk]);
+    }
+  }
+  gr.dq.assign(dq.begin(), dq.end());
+  gr.dk.assign(dk_sum.begin(), dk_sum.end());
+  return gr;
 }
 
 GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,

@@ -96,6 +96,35 @@ TEST_CASE("chunked gated delta rule: the recurrence's outputs, and its states at
   CHECK_THROWS_WITH_AS(ref::gated_delta_rule_chunked_forward(s, q, k, v, g, beta, 0), doctest::Contains("chunk 0"), oom::Error);
 }
 
+TEST_CASE("chunked gated delta rule backward: the recurrence's gradients at every chunk size") {
+  // Both in fp64 in other orders, each rounded to fp32 once: within a few fp32 ulps.
+  const ref::GatedDeltaShape s{.tokens = 23, .k_heads = 2, .v_heads = 4, .k_dim = 5, .v_dim = 3};
+  const auto nq = static_cast<std::size_t>(s.tokens * s.k_heads * s.k_dim);
+  const auto q = random_normal(nq, 31), k = random_normal(nq, 32);
+  const auto v = random_normal(static_cast<std::size_t>(s.tokens * s.v_heads * s.v_dim), 33);
+  const auto g = uniform(static_cast<std::size_t>(s.tokens * s.v_heads), 34, -1.5f, -0.05f);
+  const auto beta = uniform(g.size(), 35, 0.1f, 0.9f);
+  const auto d_out = random_normal(v.size(), 36);
+  const auto want = ref::gated_delta_rule_backward(s, q, k, v, g, beta, d_out);
+  for (std::int64_t chunk : {1, 3, 4, 11, 64}) {
+    CAPTURE(chunk);
+    const auto got = ref::gated_delta_rule_chunked_backward(s, q, k, v, g, beta, d_out, chunk);
+    const std::pair<const std::vector<float>*, const std::vector<float>*> pairs[] = {
+        {&got.dq, &want.dq}, {&got.dk, &want.dk}, {&got.dv, &want.dv}, {&got.dg, &want.dg}, {&got.dbeta, &want.dbeta}};
+    const char* names[] = {"dq", "dk", "dv", "dg", "dbeta"};
+    for (int i = 0; i < 5; ++i) {
+      double scale = 0;
+      for (float x : *pairs[i].second) scale = std::max(scale, static_cast<double>(std::abs(x)));
+      const auto r = oom::test::compare(std::span<const float>(*pairs[i].first), std::span<const float>(*pairs[i].second), 1e-6,
+                                        1e-6 * scale, names[i]);
+      INFO(names[i] << ": " << r.first);
+      CHECK(r.checked == pairs[i].second->size());
+      CHECK(r.ok());
+    }
+  }
+  CHECK_THROWS_WITH_AS(ref::gated_delta_rule_chunked_backward(s, q, k, v, g, beta, d_out, 0), doctest::Contains("chunk 0"), oom::Error);
+}
+
 TEST_CASE("gated delta rule: shapes are checked by name") {
   const ref::GatedDeltaShape s{.tokens = 2, .k_heads = 2, .v_heads = 3, .k_dim = 2, .v_dim = 2};
   const std::vector<float> x(8);

@@ -56,6 +56,15 @@ GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<co
                                           std::span<const float> v, std::span<const float> g, std::span<const float> beta,
                                           std::span<const float> d_out);
 
+/// The same gradients computed a chunk at a time from the last, as a chunked GPU kernel will:
+/// per chunk, the forward's quantities (run_chunk: the decays G, the masked k.k and q.k products,
+/// the deltas) from the state entering it, then the chunk's equations differentiated in matrix
+/// form (the deltas' triangular system by back substitution), the state's gradient handed to the
+/// chunk before. Holds one state per chunk, not per token. chunk 1 is the recurrence's backward.
+GatedDeltaGrads gated_delta_rule_chunked_backward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                                  std::span<const float> v, std::span<const float> g, std::span<const float> beta,
+                                                  std::span<const float> d_out, std::int64_t chunk);
+
 /// Causal depthwise convolution over time, then SiLU: y[t, c] = silu(sum_j w[c, j] x[t - K + 1 + j, c]),
 /// x before the first token being 0. x, y: (T, C); w: (C, K) (nn.Conv1d's (C, 1, K) weight).
 std::vector<float> causal_conv1d_silu_forward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
