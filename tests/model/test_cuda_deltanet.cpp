@@ -6,6 +6,7 @@
 // 4K tokens.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -369,19 +370,18 @@ TEST_CASE("Qwen3-Next's fused projection rows give the stacked layout's results 
   const Bf16Data stacked = draw_segment(s, 5);
   const std::int64_t H = s.hidden, r = s.v_heads / s.k_heads, kw = s.key_width(), vw = s.value_width();
   std::vector<float> fused = stacked.values;
-  const std::int64_t group = 2 * s.k_dim + 2 * r * s.v_dim;
-  auto move_row = [&](std::int64_t to, std::int64_t from, std::int64_t n) {  // n rows of H
-    std::copy_n(stacked.values.begin() + from * H, n * H, fused.begin() + to * H);
-  };
+  // (fused row, stacked row, rows) runs of the segment viewed as rows of H; in_proj_ba follows in_proj_qkvz.
+  const std::int64_t group = 2 * s.k_dim + 2 * r * s.v_dim, ba = s.projection_width();
+  std::vector<std::array<std::int64_t, 3>> runs;
   for (std::int64_t g = 0; g < s.k_heads; ++g) {
-    move_row(g * group, g * s.k_dim, s.k_dim);
-    move_row(g * group + s.k_dim, kw + g * s.k_dim, s.k_dim);
-    move_row(g * group + 2 * s.k_dim, 2 * kw + g * r * s.v_dim, r * s.v_dim);
-    move_row(g * group + 2 * s.k_dim + r * s.v_dim, 2 * kw + vw + g * r * s.v_dim, r * s.v_dim);
-    const std::int64_t ba = s.projection_width();  // in_proj_ba's first row in the segment
-    move_row(ba + g * 2 * r, ba + g * r, r);
-    move_row(ba + g * 2 * r + r, ba + s.v_heads + g * r, r);
+    runs.push_back({g * group, g * s.k_dim, s.k_dim});
+    runs.push_back({g * group + s.k_dim, kw + g * s.k_dim, s.k_dim});
+    runs.push_back({g * group + 2 * s.k_dim, 2 * kw + g * r * s.v_dim, r * s.v_dim});
+    runs.push_back({g * group + 2 * s.k_dim + r * s.v_dim, 2 * kw + vw + g * r * s.v_dim, r * s.v_dim});
+    runs.push_back({ba + g * 2 * r, ba + g * r, r});
+    runs.push_back({ba + g * 2 * r + r, ba + s.v_heads + g * r, r});
   }
+  for (const auto& [to, from, n] : runs) std::copy_n(stacked.values.begin() + from * H, n * H, fused.begin() + to * H);
   const Bf16Data fused_w(fused);
   const Bf16Data x(random_normal(static_cast<std::size_t>(s.tokens * H), 6)), dy(random_normal(static_cast<std::size_t>(s.tokens * H), 7));
   const std::vector<float> zero(stacked.bits.size(), 0.0f);
@@ -393,17 +393,6 @@ TEST_CASE("Qwen3-Next's fused projection rows give the stacked layout's results 
   CHECK(normwise(b.dx, std::vector<double>(a.dx.begin(), a.dx.end())) < 1e-6);
   // The gradients, moved back to the stacked rows.
   std::vector<float> back = b.grads;
-  for (std::int64_t g = 0; g < s.k_heads; ++g) {
-    auto unmove = [&](std::int64_t to, std::int64_t from, std::int64_t n) {
-      std::copy_n(b.grads.begin() + to * H, n * H, back.begin() + from * H);
-    };
-    unmove(g * group, g * s.k_dim, s.k_dim);
-    unmove(g * group + s.k_dim, kw + g * s.k_dim, s.k_dim);
-    unmove(g * group + 2 * s.k_dim, 2 * kw + g * r * s.v_dim, r * s.v_dim);
-    unmove(g * group + 2 * s.k_dim + r * s.v_dim, 2 * kw + vw + g * r * s.v_dim, r * s.v_dim);
-    const std::int64_t ba = s.projection_width();
-    unmove(ba + g * 2 * r, ba + g * r, r);
-    unmove(ba + g * 2 * r + r, ba + s.v_heads + g * r, r);
-  }
+  for (const auto& [from, to, n] : runs) std::copy_n(b.grads.begin() + from * H, n * H, back.begin() + to * H);
   CHECK(normwise(back, std::vector<double>(a.grads.begin(), a.grads.end())) < 1e-6);
 }
