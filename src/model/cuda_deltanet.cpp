@@ -16,6 +16,7 @@
 #include "oom/kernels/deltanet.hpp"
 #include "oom/kernels/gated_delta.hpp"
 #include "oom/model/model_spec.hpp"
+#include "oom/reference/gated_delta.hpp"
 
 namespace oom::model {
 namespace {
@@ -143,24 +144,17 @@ Forward carve_forward(const DeltaNetShape& s, detail::Carver& c) {
   return {c.take<bf16>(s.tokens * s.projection_width()), c.take<bf16>(s.tokens * 2 * s.v_heads)};
 }
 
+/// The block's segment layout, as the reference states it (the host layer reads the same).
+reference::GatedDeltaNetOffsets segment_offsets(const DeltaNetShape& s) {
+  return reference::gated_deltanet_offsets({.hidden = s.hidden, .k_heads = s.k_heads, .v_heads = s.v_heads, .k_dim = s.k_dim,
+                                            .v_dim = s.v_dim, .conv_kernel = s.conv_kernel});
+}
+
 template <class T>
 DeltaNetTensors<T> bind(const DeltaNetShape& s, T* base) {
   if (base == nullptr) invalid("the segment's base pointer is null");
-  DeltaNetTensors<T> t;
-  T* p = base;
-  auto next = [&p](std::int64_t n) {
-    T* at = p;
-    p += n;
-    return at;
-  };
-  t.in_proj_qkvz = next(s.projection_width() * s.hidden);
-  t.in_proj_ba = next(2 * s.v_heads * s.hidden);
-  t.conv = next(s.conv_channels() * s.conv_kernel);
-  t.dt_bias = next(s.v_heads);
-  t.a_log = next(s.v_heads);
-  t.norm = next(s.v_dim);
-  t.out_proj = next(s.hidden * s.value_width());
-  return t;
+  const reference::GatedDeltaNetOffsets o = segment_offsets(s);
+  return {base + o.in_proj_qkvz, base + o.in_proj_ba, base + o.conv, base + o.dt_bias, base + o.a_log, base + o.norm, base + o.out_proj};
 }
 
 /// dst += src (n floats) on the handle's stream.
@@ -196,10 +190,7 @@ DeltaNetShape DeltaNetShape::from_spec(const ModelSpec& spec, int layer, std::in
 DeltaNetParams bind_deltanet_params(const DeltaNetShape& s, const bf16* base) { return bind(s, base); }
 DeltaNetGrads bind_deltanet_grads(const DeltaNetShape& s, float* base) { return bind(s, base); }
 
-std::int64_t deltanet_parameters(const DeltaNetShape& s) {
-  return s.projection_width() * s.hidden + 2 * s.v_heads * s.hidden + s.conv_channels() * s.conv_kernel + 2 * s.v_heads + s.v_dim +
-         s.hidden * s.value_width();
-}
+std::int64_t deltanet_parameters(const DeltaNetShape& s) { return segment_offsets(s).end; }
 
 std::size_t deltanet_saved_bytes(const DeltaNetShape& s) {
   check_shape(s);

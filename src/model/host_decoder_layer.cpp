@@ -439,44 +439,14 @@ void HostDecoderLayer::full_attention_forward(const HostLayerContext& ctx, Vec& 
   else gemm_nt(f.context.data(), w_o, out.data(), T, H, q_);
 }
 
-namespace {
-
-/// The linear block's weights, bound to a linear_attention segment's tensors in ModelSpec's order
-/// (in_proj_qkvz or in_proj_qkv + in_proj_z, in_proj_ba or in_proj_b + in_proj_a, conv1d,
-/// dt_bias, A_log, norm, out_proj); `offsets` gets each one's first element.
-struct DeltaNetBinding {
-  reference::GatedDeltaNetWeights w;
-  size_t qkvz = 0, ba = 0, conv = 0, dt_bias = 0, a_log = 0, norm = 0, out_proj = 0;
-};
-
-DeltaNetBinding bind_deltanet(const reference::GatedDeltaNetShape& s, const float* base) {
-  const auto n = [](std::int64_t v) { return static_cast<size_t>(v); };
-  DeltaNetBinding b;
-  b.ba = b.qkvz + n((2 * s.key_width() + 2 * s.value_width()) * s.hidden);
-  b.conv = b.ba + n(2 * s.v_heads * s.hidden);
-  b.dt_bias = b.conv + n(s.conv_channels() * s.conv_kernel);
-  b.a_log = b.dt_bias + n(s.v_heads);
-  b.norm = b.a_log + n(s.v_heads);
-  b.out_proj = b.norm + n(s.v_dim);
-  b.w.in_proj_qkvz = {base + b.qkvz, b.ba - b.qkvz};
-  b.w.in_proj_ba = {base + b.ba, b.conv - b.ba};
-  b.w.conv = {base + b.conv, b.dt_bias - b.conv};
-  b.w.dt_bias = {base + b.dt_bias, n(s.v_heads)};
-  b.w.a_log = {base + b.a_log, n(s.v_heads)};
-  b.w.norm = {base + b.norm, n(s.v_dim)};
-  b.w.out_proj = {base + b.out_proj, n(s.hidden * s.value_width())};
-  return b;
-}
-
-}  // namespace
 
 void HostDecoderLayer::linear_attention_forward(const HostLayerContext& ctx, Vec& out) {
   const size_t S = ctx.tokens / ctx.sequences, H = h_;
   reference::GatedDeltaNetShape shape = delta_;
   shape.tokens = static_cast<std::int64_t>(S);
-  const DeltaNetBinding b = bind_deltanet(shape, w_[0].data());
+  const reference::GatedDeltaNetWeights w = reference::gated_deltanet_weights(shape, w_[0]);
   for (size_t seq = 0; seq < ctx.sequences; ++seq) {  // each from a zero state
-    const auto y = reference::gated_deltanet_forward(shape, cspan(fwd_.xn1.data() + seq * S * H, S * H), b.w);
+    const auto y = reference::gated_deltanet_forward(shape, cspan(fwd_.xn1.data() + seq * S * H, S * H), w);
     std::copy(y.begin(), y.end(), out.begin() + static_cast<std::ptrdiff_t>(seq * S * H));
   }
 }
@@ -842,22 +812,12 @@ void HostDecoderLayer::linear_attention_backward(const HostLayerContext& ctx, Ve
   const float* xn1 = ctx.saved[cls(ActivationClass::norm_output)];
   reference::GatedDeltaNetShape shape = delta_;
   shape.tokens = static_cast<std::int64_t>(S);
-  const DeltaNetBinding b = bind_deltanet(shape, w_[0].data());
-  float* grad = ctx.weight_grads[0].data();
-  auto add = [grad](size_t at, const std::vector<float>& g) {
-    for (size_t i = 0; i < g.size(); ++i) grad[at + i] += g[i];
-  };
+  const reference::GatedDeltaNetWeights w = reference::gated_deltanet_weights(shape, w_[0]);
   for (size_t seq = 0; seq < ctx.sequences; ++seq) {
-    const auto g = reference::gated_deltanet_backward(shape, cspan(xn1 + seq * S * H, S * H), b.w,
+    const auto g = reference::gated_deltanet_backward(shape, cspan(xn1 + seq * S * H, S * H), w,
                                                       cspan(ctx.grad_input + seq * S * H, S * H));
     std::copy(g.dx.begin(), g.dx.end(), dxn1.begin() + static_cast<std::ptrdiff_t>(seq * S * H));
-    add(b.qkvz, g.in_proj_qkvz);
-    add(b.ba, g.in_proj_ba);
-    add(b.conv, g.conv);
-    add(b.dt_bias, g.dt_bias);
-    add(b.a_log, g.a_log);
-    add(b.norm, g.norm);
-    add(b.out_proj, g.out_proj);
+    reference::add_gated_deltanet_grads(shape, g, ctx.weight_grads[0]);
   }
 }
 

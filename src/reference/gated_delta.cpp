@@ -301,6 +301,18 @@ GatedDeltaGrads gated_delta_rule_chunked_backward(const GatedDeltaShape& s, std:
       double* dqc = &dqn[t0 * dk];
       Vec dD(static_cast<std::size_t>(n * dv), 0.0), dG(static_cast<std::size_t>(n), 0.0), dS0(dS.size(), 0.0);
       const double last = run.G[n - 1];
+      // X_ij = exp(G_i - G_j) (a_i . k_j), a = q (qk) or k (kk): its gradient dx into a_i, k_j, G_i and G_j.
+      auto masked_dot_backward = [&](double dx, std::int64_t i, std::int64_t j, const double* a_rows, double* da_rows) {
+        const double gamma = std::exp(run.G[i] - run.G[j]);
+        double adotk = 0;
+        for (std::int64_t a = 0; a < dk; ++a) {
+          da_rows[i * dk + a] += dx * gamma * kn[j * dk + a];
+          dkc[j * dk + a] += dx * gamma * a_rows[i * dk + a];
+          adotk += a_rows[i * dk + a] * kn[j * dk + a];
+        }
+        dG[i] += dx * adotk * gamma;
+        dG[j] -= dx * adotk * gamma;
+      };
       // S_leaving = exp(G_last) S0 + sum_j w_j k_j d_j^T, w_j = exp(G_last - G_j).
       double s_ds = 0;
       for (std::int64_t i = 0; i < dk * dv; ++i) {
@@ -341,15 +353,7 @@ GatedDeltaGrads gated_delta_rule_chunked_backward(const GatedDeltaShape& s, std:
             dD[j * dv + e] += run.qk[i * n + j] * doi[e];
             dqk += doi[e] * run.d[j * dv + e];
           }
-          const double gamma = std::exp(run.G[i] - run.G[j]);
-          double qdotk = 0;
-          for (std::int64_t a = 0; a < dk; ++a) {
-            dqc[i * dk + a] += dqk * gamma * kn[j * dk + a];
-            dkc[j * dk + a] += dqk * gamma * qn[i * dk + a];
-            qdotk += qn[i * dk + a] * kn[j * dk + a];
-          }
-          dG[i] += dqk * qdotk * gamma;
-          dG[j] -= dqk * qdotk * gamma;
+          masked_dot_backward(dqk, i, j, qn, dqc);
         }
       }
       // d_i = beta_i (v_i - exp(G_i) u_i - sum_{j<i} kk_ij d_j), u_i = S0^T k_i: back substitution,
@@ -385,15 +389,7 @@ GatedDeltaGrads gated_delta_rule_chunked_backward(const GatedDeltaShape& s, std:
             dD[j * dv + e] -= run.kk[i * n + j] * hi[e];
             dkk -= hi[e] * run.d[j * dv + e];
           }
-          const double gamma = std::exp(run.G[i] - run.G[j]);
-          double kdotk = 0;
-          for (std::int64_t a = 0; a < dk; ++a) {
-            dkc[i * dk + a] += dkk * gamma * kn[j * dk + a];
-            dkc[j * dk + a] += dkk * gamma * kn[i * dk + a];
-            kdotk += kn[i * dk + a] * kn[j * dk + a];
-          }
-          dG[i] += dkk * kdotk * gamma;
-          dG[j] -= dkk * kdotk * gamma;
+          masked_dot_backward(dkk, i, j, kn, dkc);
         }
       }
       // G_i = g_0 + ... + g_i within the chunk.
@@ -761,6 +757,28 @@ DeltaNetRun run_block(const GatedDeltaNetShape& s, std::span<const float> x, con
 }
 
 }  // namespace
+
+GatedDeltaNetOffsets gated_deltanet_offsets(const GatedDeltaNetShape& s) {
+  GatedDeltaNetOffsets o;
+  o.in_proj_ba = o.in_proj_qkvz + (2 * s.key_width() + 2 * s.value_width()) * s.hidden;
+  o.conv = o.in_proj_ba + 2 * s.v_heads * s.hidden;
+  o.dt_bias = o.conv + s.conv_channels() * s.conv_kernel;
+  o.a_log = o.dt_bias + s.v_heads;
+  o.norm = o.a_log + s.v_heads;
+  o.out_proj = o.norm + s.v_dim;
+  o.end = o.out_proj + s.hidden * s.value_width();
+  return o;
+}
+
+GatedDeltaNetWeights gated_deltanet_weights(const GatedDeltaNetShape& s, std::span<const float> segment) {
+  const GatedDeltaNetOffsets o = gated_deltanet_offsets(s);
+  check_size("gated_deltanet_weights", segment.size(), o.end, "segment");
+  auto part = [&](std::int64_t at, std::int64_t to) {
+    return segment.subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(to - at));
+  };
+  return {part(o.in_proj_qkvz, o.in_proj_ba), part(o.in_proj_ba, o.conv), part(o.conv, o.dt_bias), part(o.a_log, o.norm),
+          part(o.dt_bias, o.a_log), part(o.norm, o.out_proj), part(o.out_proj, o.end)};
+}
 
 std::vector<float> gated_deltanet_forward(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w) {
   const DeltaNetRun r = run_block(s, x, w);

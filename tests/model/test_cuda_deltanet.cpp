@@ -54,15 +54,15 @@ Bf16Data draw_segment(const model::DeltaNetShape& s, std::uint64_t seed) {
   return Bf16Data(w);
 }
 
-/// The reference's view of the segment: its fp32 values at the offsets bind_deltanet_params gives.
+/// The reference's shape of a sequence of the block (layout and sizes; the segment's offsets with it).
+ref::GatedDeltaNetShape reference_shape(const model::DeltaNetShape& s) {
+  return {s.tokens / s.sequences, s.hidden, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel, s.eps,
+          s.fused ? ref::DeltaNetLayout::qwen3_next_fused : ref::DeltaNetLayout::qwen3_5_stacked};
+}
+
+/// The reference's view of the segment: its fp32 values.
 ref::GatedDeltaNetWeights reference_weights(const model::DeltaNetShape& s, const Bf16Data& w) {
-  const auto p = model::bind_deltanet_params(s, w.bits.data());
-  auto span = [&](const bf16* t, std::int64_t n) {
-    return std::span<const float>(w.values.data() + (t - w.bits.data()), static_cast<std::size_t>(n));
-  };
-  return {span(p.in_proj_qkvz, s.projection_width() * s.hidden), span(p.in_proj_ba, 2 * s.v_heads * s.hidden),
-          span(p.conv, s.conv_channels() * s.conv_kernel), span(p.a_log, s.v_heads), span(p.dt_bias, s.v_heads),
-          span(p.norm, s.v_dim), span(p.out_proj, s.hidden * s.value_width())};
+  return ref::gated_deltanet_weights(reference_shape(s), w.values);
 }
 
 /// ||got - want|| / ||want||.
@@ -225,8 +225,7 @@ TEST_CASE("the Gated DeltaNet block matches the reference block: Qwen3-Next's fu
     const std::vector<float> grads0(w.bits.size(), 0.25f);
     const GpuRun got = run_gpu(s, w, x, dy, grads0);
 
-    ref::GatedDeltaNetShape rs{S, H, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel, s.eps,
-                               fused ? ref::DeltaNetLayout::qwen3_next_fused : ref::DeltaNetLayout::qwen3_5_stacked};
+    const ref::GatedDeltaNetShape rs = reference_shape(s);
     const auto rw = reference_weights(s, w);
     std::vector<double> out, dx, grads(w.bits.size(), 0.0);
     const auto p0 = model::bind_deltanet_params(s, w.bits.data());
@@ -238,16 +237,7 @@ TEST_CASE("the Gated DeltaNet block matches the reference block: Qwen3-Next's fu
       const auto g = ref::gated_deltanet_backward(rs, xs, rw, dys);
       out.insert(out.end(), o.begin(), o.end());
       dx.insert(dx.end(), g.dx.begin(), g.dx.end());
-      auto acc = [&](const bf16* t, const std::vector<float>& v) {
-        for (std::size_t i = 0; i < v.size(); ++i) grads[off(t) + i] += v[i];
-      };
-      acc(p0.in_proj_qkvz, g.in_proj_qkvz);
-      acc(p0.in_proj_ba, g.in_proj_ba);
-      acc(p0.conv, g.conv);
-      acc(p0.dt_bias, g.dt_bias);
-      acc(p0.a_log, g.a_log);
-      acc(p0.norm, g.norm);
-      acc(p0.out_proj, g.out_proj);
+      ref::add_gated_deltanet_grads(rs, g, std::span<double>(grads));
     }
     // The GPU rounds every activation between the pieces to bf16 where the reference carries fp32
     // and sums in fp64. The output moves by under 1e-2. The gradients that pass through the

@@ -49,6 +49,27 @@ TEST_CASE("DeltaNetShape::from_spec: both families, the spec's segment, refusals
   CHECK_THROWS_WITH_AS(model::deltanet_backward(nullptr, nullptr, s, bound, reinterpret_cast<const bf16*>(&s), reinterpret_cast<const bf16*>(&s),
                                                 reinterpret_cast<float*>(&wide), model::DeltaNetGrads{}, &wide, &wide),
                        doctest::Contains("backward: gradient: in_proj_qkvz is null"), Error);
+  // Each tensor where ModelSpec's segment puts it (Qwen3.5's separate projections back to back).
+  for (const auto& [spec, fused] : {std::pair{&next, true}, std::pair{&q35, false}}) {
+    CAPTURE(fused);
+    const auto shape = model::DeltaNetShape::from_spec(*spec, 0, 64);
+    const bf16* base = reinterpret_cast<const bf16*>(&shape);  // only offsets are taken from it
+    const auto p = model::bind_deltanet_params(shape, base);
+    std::int64_t at = 0;
+    for (const auto& t : spec->layer_segments(0)[0].tensors) {
+      CAPTURE(t.name);
+      const auto is = [&](const char* suffix) { return t.name.ends_with(suffix); };
+      if (is("in_proj_qkvz.weight") || is("in_proj_qkv.weight")) CHECK(p.in_proj_qkvz - base == at);
+      if (is("in_proj_ba.weight") || is("in_proj_b.weight")) CHECK(p.in_proj_ba - base == at);
+      if (is("conv1d.weight")) CHECK(p.conv - base == at);
+      if (is("dt_bias")) CHECK(p.dt_bias - base == at);
+      if (is("A_log")) CHECK(p.a_log - base == at);
+      if (is("linear_attn.norm.weight")) CHECK(p.norm - base == at);
+      if (is("out_proj.weight")) CHECK(p.out_proj - base == at);
+      at += static_cast<std::int64_t>(t.elements());
+    }
+    CHECK(at == model::deltanet_parameters(shape));
+  }
   const ModelSpec moe = ModelSpec::from_file(dir + "moe-5b.json");
   CHECK_THROWS_AS(model::DeltaNetShape::from_spec(moe, 0, 4096), Error);
 }

@@ -143,6 +143,18 @@ struct GatedDeltaNetWeights {
   std::span<const float> out_proj;      ///< (hidden, value_width)
 };
 
+/// Where each of the block's tensors starts in its linear_attention segment, in elements: ModelSpec's
+/// order, in_proj_qkvz (Qwen3.5: in_proj_qkv then in_proj_z), in_proj_ba (in_proj_b then
+/// in_proj_a), conv1d, dt_bias, A_log, norm, out_proj; `end` is the segment's size. The one
+/// statement of that layout for the host layer, the GPU block and their tests.
+struct GatedDeltaNetOffsets {
+  std::int64_t in_proj_qkvz = 0, in_proj_ba = 0, conv = 0, dt_bias = 0, a_log = 0, norm = 0, out_proj = 0, end = 0;
+};
+GatedDeltaNetOffsets gated_deltanet_offsets(const GatedDeltaNetShape& s);
+
+/// The weights of a segment laid out as gated_deltanet_offsets says.
+GatedDeltaNetWeights gated_deltanet_weights(const GatedDeltaNetShape& s, std::span<const float> segment);
+
 /// out (T, hidden) from x (T, hidden).
 std::vector<float> gated_deltanet_forward(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w);
 
@@ -154,5 +166,22 @@ struct GatedDeltaNetGrads {
 /// Every gradient from d_out (T, hidden); the forward is run again inside.
 GatedDeltaNetGrads gated_deltanet_backward(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
                                            std::span<const float> d_out);
+
+/// Adds g's weight gradients into a segment's gradient (float or double), laid out as
+/// gated_deltanet_offsets says.
+template <class T>
+void add_gated_deltanet_grads(const GatedDeltaNetShape& s, const GatedDeltaNetGrads& g, std::span<T> segment) {
+  const GatedDeltaNetOffsets o = gated_deltanet_offsets(s);
+  auto add = [&](std::int64_t at, const std::vector<float>& v) {
+    for (std::size_t i = 0; i < v.size(); ++i) segment[static_cast<std::size_t>(at) + i] += v[i];
+  };
+  add(o.in_proj_qkvz, g.in_proj_qkvz);
+  add(o.in_proj_ba, g.in_proj_ba);
+  add(o.conv, g.conv);
+  add(o.dt_bias, g.dt_bias);
+  add(o.a_log, g.a_log);
+  add(o.norm, g.norm);
+  add(o.out_proj, g.out_proj);
+}
 
 }  // namespace oom::reference
