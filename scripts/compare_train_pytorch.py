@@ -47,6 +47,9 @@ def main():
     ap.add_argument("--noise-device", default="cpu",
                     help="also train PyTorch on this device and show how far two PyTorch runs drift apart "
                          "(the noise floor of the comparison; '' to skip)")
+    ap.add_argument("--noise-bf16", action="store_true",
+                    help="run the noise run's forward and backward under torch.autocast(bfloat16): the floor is then "
+                         "how far PyTorch's own bf16 training drifts from its fp32 one, the yardstick for a bf16 trainer")
     ap.add_argument("--noise-threads", type=int, default=0,
                     help="train the noise run with this many CPU threads (default: torch's own); with --device cpu "
                          "and --noise-device cpu the two PyTorch runs then differ only in their reduction order")
@@ -128,7 +131,7 @@ def main():
     import copy
     reference_model = copy.deepcopy(model).to(args.noise_device) if args.noise_device else None
 
-    def train(model, device):
+    def train(model, device, bf16=False):
         params = dict(model.named_parameters())
         opt = torch.optim.AdamW(params.values(), lr=float(state["lr"]), betas=(0.9, 0.999), eps=1e-8,
                                 weight_decay=float(state["weight_decay"]))
@@ -140,7 +143,8 @@ def main():
             for mb in range(micro_batches):  # gradient accumulation: the mean over all the step's tokens
                 first = ((step - 1) * micro_batches + mb) * batch
                 w = torch.from_numpy(windows[first:first + batch]).to(device)  # (batch, seq + 1)
-                out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:, :-1], "use_cache": False})
+                with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+                    out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:, :-1], "use_cache": False})
                 logits = out.logits.float().reshape(-1, out.logits.shape[-1])
                 part = torch.nn.functional.cross_entropy(logits, w[:, 1:].reshape(-1)) / micro_batches
                 part.backward()
@@ -164,7 +168,7 @@ def main():
         threads = torch.get_num_threads()
         if args.noise_threads > 0:
             torch.set_num_threads(args.noise_threads)
-        noise = train(reference_model, args.noise_device)
+        noise = train(reference_model, args.noise_device, bf16=args.noise_bf16)
         torch.set_num_threads(threads)
     rows = []
     first_bad = []
@@ -191,7 +195,8 @@ def main():
     if noise is not None:
         wf = max(rows, key=lambda r: r[5])
         threads = f" with {args.noise_threads} thread(s)" if args.noise_threads > 0 else ""
-        print(f"noise floor: PyTorch on {args.noise_device}{threads} vs PyTorch on {args.device}, same weights, data and precision: "
+        precision = "PyTorch's bf16 autocast against its fp32" if args.noise_bf16 else "same precision"
+        print(f"noise floor: PyTorch on {args.noise_device}{threads} vs PyTorch on {args.device}, same weights and data, {precision}: "
               f"worst {wf[5]:.2e} at step {wf[0]}")
     print(f"{steps} steps; worst relative difference {worst[3]:.2e} at step {worst[0]} (tolerance {args.tolerance:g}); "
           f"torch {torch.__version__}, transformers {transformers.__version__}, device {args.device}")

@@ -221,6 +221,13 @@ if [[ "$parts" == *" train "* ]]; then
     versus_pytorch "train-cuda-$lr" 300 "50 GPU steps vs PyTorch at lr $lr" --backend cuda \
       --config examples/configs/tiny-moe-d128.json --steps 50 --seq 128 --lr "$lr" --log-every 10
   done
+  # The hybrid family on the GPU: tiny Qwen3-Next (3 Gated DeltaNet + 1 gated attention layer,
+  # shared experts, hidden 256, heads of 128), 50 steps against transformers' Qwen3NextForCausalLM
+  # (TRAIN_HYBRID=0 leaves it out).
+  if [[ "${TRAIN_HYBRID:-1}" == 1 ]]; then
+    versus_pytorch train-cuda-qwen3-next 300 "Qwen3-Next: 50 GPU steps vs PyTorch at lr 3e-4" --backend cuda \
+      --config examples/configs/tiny-qwen3-next-d128.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
+  fi
   # Gradient accumulation: 50 GPU steps of MICRO_BATCHES (default 3) sequences each against
   # PyTorch's summed per-micro-batch gradients (TRAIN_ACCUMULATE=0 leaves it out). At lr 3e-4: at
   # 1e-3 this model's 50 steps are chaotic past step ~30 (PyTorch on CPU and on CUDA part by 1.6e-2).

@@ -436,7 +436,7 @@ int run(const Args& a) {
   if (a.backend == "cuda" && cuda::device_count() == 0)
     OOM_THROW(Errc::unsupported, fmt::format("--backend cuda: no usable GPU ({})", cuda::no_device_reason()));
   if (use_cuda) {
-    try {  // the CUDA decoder layer takes Qwen3-MoE layers with head_dim 128 or 256
+    try {  // the CUDA decoder layer takes Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE MoE layers, attention head_dim 128 or 256
       for (int l = 0; l < spec.num_layers(); ++l)
         (void)model::DecoderLayerShape::from_spec(spec, l, static_cast<std::int64_t>(a.seq * a.batch), static_cast<std::int64_t>(a.batch));
     } catch (const Error& e) {

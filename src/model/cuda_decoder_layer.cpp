@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "oom/kernels/attention.hpp"
 #include "oom/kernels/cast.hpp"
 #include "oom/kernels/expert_gemm.hpp"
+#include "oom/kernels/output_gate.hpp"
 #include "oom/kernels/permute.hpp"
 #include "oom/kernels/rmsnorm.hpp"
 #include "oom/kernels/rope.hpp"
@@ -48,6 +50,10 @@ void gemm(cublasHandle_t blas, bool trans_a, bool trans_b, std::int64_t m, std::
 using detail::Carver;
 
 std::int64_t q_width(const DecoderLayerShape& s) { return s.heads_q * s.head_dim; }
+/// q_proj's rows: Hq D, or 2 Hq D with the output gate ([q | gate] per head).
+std::int64_t q_proj_rows(const DecoderLayerShape& s) { return (s.output_gate ? 2 : 1) * q_width(s); }
+std::int64_t rotary(const DecoderLayerShape& s) { return s.rotary_dim > 0 ? s.rotary_dim : s.head_dim; }
+bool has_shared(const DecoderLayerShape& s) { return s.shared_intermediate > 0; }
 std::int64_t kv_width(const DecoderLayerShape& s) { return s.heads_kv * s.head_dim; }
 /// Tokens per MoE chunk: moe_chunk_tokens, or T when the MoE half runs whole (0 or >= T).
 std::int64_t moe_chunk(const DecoderLayerShape& s) {
@@ -68,6 +74,11 @@ struct ExpertRows {
   bf16* gate_up;              // (N, 2I)
   bf16* act;                  // (N, I)          silu(gate) * up
   bf16* y_perm;               // (N, H)          expert outputs before the weighted combine
+  // The shared expert's, over the chunk's n tokens in token order (null without one).
+  bf16* s_gate_up;            // (n, 2Is)
+  bf16* s_act;                // (n, Is)
+  bf16* s_y;                  // (n, H)          its MLP's output before the sigmoid gate
+  float* s_logit;             // (n)             the gate's logit xn2 . shared_expert_gate
 };
 
 ExpertRows carve_expert_rows(const DecoderLayerShape& s, Carver& c) {
@@ -81,14 +92,24 @@ ExpertRows carve_expert_rows(const DecoderLayerShape& s, Carver& c) {
   r.gate_up = c.take<bf16>(N * 2 * I);
   r.act = c.take<bf16>(N * I);
   r.y_perm = c.take<bf16>(N * H);
+  if (has_shared(s)) {
+    const auto n = moe_chunk(s), Is = s.shared_intermediate;
+    r.s_gate_up = c.take<bf16>(n * 2 * Is);
+    r.s_act = c.take<bf16>(n * Is);
+    r.s_y = c.take<bf16>(n * H);
+    r.s_logit = c.take<float>(n);
+  }
   return r;
 }
 
-/// What the forward keeps for the backward, in this order in `saved`.
+/// What the forward keeps for the backward, in this order in `saved`. A linear layer keeps its
+/// block's `deltanet` buffer in place of the softmax attention's q_raw ... lse (null there).
 struct Saved {
   float* rstd1;            // (T)
   bf16* xn1;               // (T, H)          rms1(x) * w
-  bf16* q_raw;             // (T, Hq, D)      xn1 Wq^T (input of q_norm)
+  void* deltanet;          // linear: deltanet_saved_bytes
+  bf16* q_raw;             // (T, Hq, D)      xn1 Wq^T (input of q_norm); gated: q_proj's q halves
+  bf16* gate;              // (T, Hq, D)      gated only: q_proj's gate halves, packed
   bf16* k_raw;             // (T, Hkv, D)
   float* q_rstd;           // (T * Hq)
   float* k_rstd;           // (T * Hkv)
@@ -112,15 +133,20 @@ Saved carve_saved(const DecoderLayerShape& s, void* base, std::size_t* total = n
   Saved v{};
   v.rstd1 = c.take<float>(T);
   v.xn1 = c.take<bf16>(T * H);
-  v.q_raw = c.take<bf16>(T * q_width(s));
-  v.k_raw = c.take<bf16>(T * kv_width(s));
-  v.q_rstd = c.take<float>(T * s.heads_q);
-  v.k_rstd = c.take<float>(T * s.heads_kv);
-  v.q = c.take<bf16>(T * q_width(s));
-  v.k = c.take<bf16>(T * kv_width(s));
-  v.v = c.take<bf16>(T * kv_width(s));
-  v.attn = c.take<bf16>(T * q_width(s));
-  v.lse = c.take<float>(s.heads_q * T);
+  if (s.linear) {
+    v.deltanet = c.take_bytes(deltanet_saved_bytes(s.deltanet));
+  } else {
+    v.q_raw = c.take<bf16>(T * q_width(s));
+    if (s.output_gate) v.gate = c.take<bf16>(T * q_width(s));
+    v.k_raw = c.take<bf16>(T * kv_width(s));
+    v.q_rstd = c.take<float>(T * s.heads_q);
+    v.k_rstd = c.take<float>(T * s.heads_kv);
+    v.q = c.take<bf16>(T * q_width(s));
+    v.k = c.take<bf16>(T * kv_width(s));
+    v.v = c.take<bf16>(T * kv_width(s));
+    v.attn = c.take<bf16>(T * q_width(s));
+    v.lse = c.take<float>(s.heads_q * T);
+  }
   v.h = c.take<bf16>(T * H);
   v.rstd2 = c.take<float>(T);
   v.xn2 = c.take<bf16>(T * H);
@@ -159,6 +185,9 @@ kernels::AttentionProblem attention_problem(const DecoderLayerShape& s) {
 
 /// Forward scratch.
 struct ForwardScratch {
+  bf16* qg;         // gated: (T, 2 Hq D) q_proj's output, split into saved q_raw and gate
+  bf16* go;         // gated: (T, Hq D) ctx * sigmoid(gate), o_proj's input
+  void* deltanet_ws;  // linear: the block's
   float* logits;    // (T, E)
   void* plan_ws;    // permute_plan's
   std::size_t plan_bytes;
@@ -172,6 +201,12 @@ ForwardScratch carve_forward(const DecoderLayerShape& s, const kernels::ExpertGe
                              std::size_t* total = nullptr) {
   Carver c(base);
   ForwardScratch f{};
+  if (s.linear) {
+    f.deltanet_ws = c.take_bytes(deltanet_workspace_bytes(s.deltanet));
+  } else if (s.output_gate) {
+    f.qg = c.take<bf16>(s.tokens * q_proj_rows(s));
+    f.go = c.take<bf16>(s.tokens * q_width(s));
+  }
   f.logits = c.take<float>(s.tokens * s.experts);
   f.plan_bytes = plan_workspace_bytes(s);
   f.plan_ws = c.take_bytes(f.plan_bytes);
@@ -204,7 +239,16 @@ struct BackwardScratch {
   bf16* d_gate_up;     // (N, 2I)  in dy_perm's storage: written after the down backward read dy_perm
   bf16* d_act;         // (N, I)
   bf16* dx_perm;       // (N, H)   chunked: in rows.y_perm's storage, whose last reader is the combine backward
-  // Attention phase.
+  bf16* s_dy;          // (C, H)   the shared expert's MLP output gradient (and a chunked recompute's throwaway)
+  bf16* s_d_act;       // (C, Is)
+  bf16* s_d_gate_up;   // (C, 2Is)
+  void* shared_ws;     // shared_expert_gate_backward's
+  std::size_t shared_bytes;
+  // Attention phase (a linear layer: only deltanet_ws, dxn1_f32, dxn1).
+  void* deltanet_ws;
+  bf16* go;            // gated: (T, Hq D) ctx * sigmoid(gate) again, o_proj's input
+  bf16* d_gate;        // gated: (T, Hq D) packed
+  bf16* d_qg;          // gated: (T, 2 Hq D) [dq | d_gate] per head, q_proj's output gradient
   bf16* d_attn;        // (T, Hq, D)
   bf16* dq;            // (T, Hq, D)
   bf16* dk;            // (T, Hkv, D)
@@ -240,14 +284,31 @@ BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::Expert
   b.d_gate_up = b.dy_perm;
   b.d_act = c.take<bf16>(N * I);
   b.dx_perm = chunked(s) ? b.rows.y_perm : c.take<bf16>(N * H);
+  if (has_shared(s)) {
+    const auto C = moe_chunk(s), Is = s.shared_intermediate;
+    b.s_dy = c.take<bf16>(C * H);
+    b.s_d_act = c.take<bf16>(C * Is);
+    b.s_d_gate_up = c.take<bf16>(C * 2 * Is);
+    b.shared_bytes = kernels::shared_expert_gate_backward_workspace_bytes(C, H);
+    b.shared_ws = c.take_bytes(b.shared_bytes);
+  }
 
   c.rewind(phases);
-  b.d_attn = c.take<bf16>(T * q_width(s));
-  b.dq = c.take<bf16>(T * q_width(s));
-  b.dk = c.take<bf16>(T * kv_width(s));
-  b.dv = c.take<bf16>(T * kv_width(s));
-  b.attn_bytes = kernels::attention_backward_workspace_bytes(attention_problem(s));
-  b.attn_ws = c.take_bytes(b.attn_bytes);
+  if (s.linear) {
+    b.deltanet_ws = c.take_bytes(deltanet_workspace_bytes(s.deltanet));
+  } else {
+    if (s.output_gate) {
+      b.go = c.take<bf16>(T * q_width(s));
+      b.d_gate = c.take<bf16>(T * q_width(s));
+      b.d_qg = c.take<bf16>(T * q_proj_rows(s));
+    }
+    b.d_attn = c.take<bf16>(T * q_width(s));
+    b.dq = c.take<bf16>(T * q_width(s));
+    b.dk = c.take<bf16>(T * kv_width(s));
+    b.dv = c.take<bf16>(T * kv_width(s));
+    b.attn_bytes = kernels::attention_backward_workspace_bytes(attention_problem(s));
+    b.attn_ws = c.take_bytes(b.attn_bytes);
+  }
   b.dxn1_f32 = c.take<float>(T * H);
   b.dxn1 = c.take<bf16>(T * H);
   if (total) *total = c.size();
@@ -270,27 +331,33 @@ void check_experts(const DecoderLayerShape& s, const std::vector<P>& gate, const
   }
 }
 
-void check_params(const DecoderLayerShape& s, const DecoderLayerParams& p) {
-  const std::pair<const bf16*, const char*> named[] = {
-      {p.input_layernorm, "input_layernorm"}, {p.q_proj, "q_proj"},   {p.k_proj, "k_proj"},
-      {p.v_proj, "v_proj"},                   {p.o_proj, "o_proj"},   {p.q_norm, "q_norm"},
-      {p.k_norm, "k_norm"},                   {p.post_attention_layernorm, "post_attention_layernorm"},
+/// Every tensor the layer's kind reads is there (params or grads alike: same member names).
+template <class Tensors>
+void check_tensors(const DecoderLayerShape& s, const Tensors& p, const char* what) {
+  std::vector<std::pair<const void*, const char*>> named = {
+      {p.input_layernorm, "input_layernorm"}, {p.post_attention_layernorm, "post_attention_layernorm"},
       {p.router, "router (mlp.gate)"}};
+  if (s.linear) {
+    const auto& d = p.deltanet;
+    named.insert(named.end(), {{d.in_proj_qkvz, "linear_attn in_proj_qkvz"}, {d.in_proj_ba, "linear_attn in_proj_ba"},
+                               {d.conv, "linear_attn conv1d"}, {d.dt_bias, "linear_attn dt_bias"},
+                               {d.a_log, "linear_attn A_log"}, {d.norm, "linear_attn norm"},
+                               {d.out_proj, "linear_attn out_proj"}});
+  } else {
+    named.insert(named.end(), {{p.q_proj, "q_proj"}, {p.k_proj, "k_proj"}, {p.v_proj, "v_proj"}, {p.o_proj, "o_proj"},
+                               {p.q_norm, "q_norm"}, {p.k_norm, "k_norm"}});
+  }
+  if (has_shared(s)) {
+    named.insert(named.end(), {{p.shared_gate_proj, "shared_expert gate_proj"}, {p.shared_down_proj, "shared_expert down_proj"},
+                               {p.shared_expert_gate, "shared_expert_gate"}});
+  }
   for (const auto& [ptr, name] : named)
-    if (!ptr) invalid(fmt::format("params: {} is null", name));
-  check_experts(s, p.expert_gate_proj, p.expert_up_proj, p.expert_down_proj, "params");
+    if (!ptr) invalid(fmt::format("{}: {} is null", what, name));
+  check_experts(s, p.expert_gate_proj, p.expert_up_proj, p.expert_down_proj, what);
 }
 
-void check_grads(const DecoderLayerShape& s, const DecoderLayerGrads& g) {
-  const std::pair<const float*, const char*> named[] = {
-      {g.input_layernorm, "input_layernorm"}, {g.q_proj, "q_proj"},   {g.k_proj, "k_proj"},
-      {g.v_proj, "v_proj"},                   {g.o_proj, "o_proj"},   {g.q_norm, "q_norm"},
-      {g.k_norm, "k_norm"},                   {g.post_attention_layernorm, "post_attention_layernorm"},
-      {g.router, "router (mlp.gate)"}};
-  for (const auto& [ptr, name] : named)
-    if (!ptr) invalid(fmt::format("grads: {} is null", name));
-  check_experts(s, g.expert_gate_proj, g.expert_up_proj, g.expert_down_proj, "grads");
-}
+void check_params(const DecoderLayerShape& s, const DecoderLayerParams& p) { check_tensors(s, p, "params"); }
+void check_grads(const DecoderLayerShape& s, const DecoderLayerGrads& g) { check_tensors(s, g, "grads"); }
 
 void check_buffers(const void* saved, std::size_t saved_bytes, std::size_t saved_needed, const void* workspace,
                    std::size_t workspace_bytes, std::size_t workspace_needed) {
@@ -356,7 +423,8 @@ bool counts_kept(const DecoderLayerContext& ctx, const DecoderLayerShape& s) {
 }
 
 /// The experts of one chunk of n tokens, from its rows of xn2 to r.y_perm: gather, gate/up GEMMs,
-/// SwiGLU, down GEMMs. The forward and the backward's recomputation issue exactly these launches.
+/// SwiGLU, down GEMMs; and the shared expert's MLP over the same rows to r.s_y (its gate comes
+/// later: combine_shared). The forward and the backward's recomputation issue exactly these launches.
 void experts_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
                      const std::vector<std::int32_t>& counts, const bf16* xn2_rows, std::int64_t n, const ExpertRows& r,
                      void* gemm_ws, std::size_t gemm_bytes) {
@@ -370,6 +438,42 @@ void experts_forward(const DecoderLayerContext& ctx, const DecoderLayerShape& s,
   check(kernels::expert_down_forward(ctx.blas, st, es, counts.data(), r.act, params.expert_down_proj.data(), r.y_perm,
                                      expert_method, gemm_ws, gemm_bytes, ctx.expert_streams),
         "expert down forward GEMMs");
+  if (has_shared(s)) {
+    const auto H = s.hidden, Is = s.shared_intermediate;
+    gemm(ctx.blas, false, true, n, 2 * Is, H, xn2_rows, H, params.shared_gate_proj, H, r.s_gate_up, CUDA_R_16BF, 2 * Is, 0.0f,
+         "shared expert gate_up forward GEMM");
+    check(kernels::swiglu_forward(r.s_gate_up, r.s_act, n, Is, st), "shared expert swiglu forward");
+    gemm(ctx.blas, false, true, n, H, Is, r.s_act, Is, params.shared_down_proj, Is, r.s_y, CUDA_R_16BF, H, 0.0f,
+         "shared expert down forward GEMM");
+  }
+}
+
+/// out = routed + sigmoid(xn2 . shared_expert_gate) * s_y over a chunk's n rows, its logit into
+/// r.s_logit; `routed` null: out = the gated shared output alone.
+void combine_shared(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                    const bf16* xn2_rows, std::int64_t n, const ExpertRows& r, const bf16* routed, bf16* out) {
+  check(kernels::shared_expert_gate_forward(ctx.stream, n, s.hidden, xn2_rows, params.shared_expert_gate, r.s_y, routed,
+                                            r.s_logit, out),
+        "shared expert gate forward");
+}
+
+/// q_proj's (T, Hq, 2D) output [q | gate] per head split into packed (T, Hq, D) q and gate, or
+/// (`merge`) packed ones put back side by side: strided copies of D elements a row.
+void split_heads(const DecoderLayerShape& s, cudaStream_t st, bf16* qg, bf16* q, bf16* gate, bool merge) {
+  const auto D = static_cast<std::size_t>(s.head_dim), rows = static_cast<std::size_t>(s.tokens * s.heads_q);
+  const std::size_t packed = D * sizeof(bf16), wide = 2 * packed;
+  for (const auto& [half, offset] : {std::pair{q, std::size_t{0}}, std::pair{gate, D}}) {
+    if (merge)
+      check(cudaMemcpy2DAsync(qg + offset, wide, half, packed, packed, rows, cudaMemcpyDeviceToDevice, st),
+            "merge of dq and d gate into q_proj's rows");
+    else
+      check(cudaMemcpy2DAsync(half, packed, qg + offset, wide, packed, rows, cudaMemcpyDeviceToDevice, st),
+            "split of q_proj's rows into q and the gate");
+  }
+}
+
+kernels::OutputGateDims gate_dims(const DecoderLayerShape& s) {
+  return {s.tokens, s.heads_q, s.head_dim, q_width(s), s.head_dim};
 }
 
 }  // namespace
@@ -386,10 +490,20 @@ void DecoderLayerShape::validate() const {
                    sequences));
   need(sequences <= 65535, fmt::format("sequences = {}: the attention kernels take at most 65535 (their grid's batch dimension)", sequences));
   need(hidden >= 1, fmt::format("hidden = {} must be positive", hidden));
-  need(heads_q >= 1 && heads_kv >= 1 && heads_q % heads_kv == 0,
-       fmt::format("heads_q = {} must be a positive multiple of heads_kv = {}", heads_q, heads_kv));
-  need(head_dim == 128 || head_dim == 256,
-       fmt::format("head_dim = {}: the attention kernel takes 128 or 256 (include/oom/kernels/attention.hpp)", head_dim));
+  if (linear) {
+    need(deltanet.tokens == tokens && deltanet.sequences == sequences && deltanet.hidden == hidden,
+         fmt::format("deltanet has tokens {}, sequences {}, hidden {}; the layer {}, {}, {}", deltanet.tokens,
+                     deltanet.sequences, deltanet.hidden, tokens, sequences, hidden));
+  } else {
+    need(heads_q >= 1 && heads_kv >= 1 && heads_q % heads_kv == 0,
+         fmt::format("heads_q = {} must be a positive multiple of heads_kv = {}", heads_q, heads_kv));
+    need(head_dim == 128 || head_dim == 256,
+         fmt::format("head_dim = {}: the attention kernel takes 128 or 256 (include/oom/kernels/attention.hpp)", head_dim));
+    need(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0,
+         fmt::format("rotary_dim = {} must be even and in [0, head_dim = {}] (0: all of it)", rotary_dim, head_dim));
+  }
+  need(std::isfinite(norm_offset), "norm_offset must be finite");
+  need(shared_intermediate >= 0, fmt::format("shared_intermediate = {} must be >= 0 (0: no shared expert)", shared_intermediate));
   need(hidden % 8 == 0, fmt::format("hidden = {} must be a multiple of 8 (16-byte rows)", hidden));
   need(experts >= 1 && experts <= kernels::router_max_experts,
        fmt::format("experts = {} must be in [1, {}]", experts, kernels::router_max_experts));
@@ -400,21 +514,37 @@ void DecoderLayerShape::validate() const {
   need(moe_chunk_tokens >= 0,
        fmt::format("moe_chunk_tokens = {} must be >= 0 (0: the MoE half runs over all tokens at once)", moe_chunk_tokens));
   need(rms_norm_eps > 0 && rope_theta > 0, "rms_norm_eps and rope_theta must be positive");
-  need(kernels::attention_can_implement(attention_problem(*this)), "the attention kernel rejects this problem");
+  if (!linear) need(kernels::attention_can_implement(attention_problem(*this)), "the attention kernel rejects this problem");
 }
 
 DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer, std::int64_t tokens, std::int64_t sequences) {
   const LayerSpec& L = spec.layer(layer);
   const auto& a = spec.attention();
   const std::string where = fmt::format("layer {} of a {} model", layer, to_string(spec.family()));
-  if (spec.family() != ModelFamily::qwen3_moe) invalid(where + ": only Qwen3-MoE (model_type qwen3_moe) layers are implemented");
-  if (L.attention != AttentionKind::full) invalid(where + " is not a full-attention layer");
+  const bool hybrid = spec.family() == ModelFamily::qwen3_next || spec.family() == ModelFamily::qwen3_5_moe;
+  if (spec.family() != ModelFamily::qwen3_moe && !hybrid)
+    invalid(where + ": only Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE layers are implemented");
   if (!L.moe) invalid(where + " is a dense-MLP layer; only MoE layers are implemented");
-  if (!a.qk_norm || a.qk_norm_full_width || a.output_gate || a.bias)
-    invalid(where + ": needs per-head q/k norm, no output gate and no attention bias (Qwen3-MoE's attention)");
-  if (spec.partial_rotary_factor() != 1.0) invalid(where + ": partial RoPE is not implemented");
-  if (spec.moe().shared_expert_intermediate != 0) invalid(where + ": a shared expert is not implemented");
   DecoderLayerShape s;
+  s.linear = L.attention == AttentionKind::linear;
+  if (!s.linear) {
+    if (!a.qk_norm || a.qk_norm_full_width || a.bias)
+      invalid(where + ": needs a per-head q/k norm and no attention bias (Qwen3's attention)");
+    // transformers gates every Qwen3-Next and Qwen3.5 attention whatever attn_output_gate says.
+    if (hybrid != a.output_gate)
+      invalid(where + (hybrid ? ": attn_output_gate false (transformers always gates this family's attention)"
+                              : ": an output gate on a Qwen3-MoE attention"));
+    // transformers: int(head_dim * partial_rotary_factor), rotated as rotate-half pairs.
+    s.rotary_dim = static_cast<std::int64_t>(static_cast<double>(a.head_dim) * spec.partial_rotary_factor());
+    if (s.rotary_dim < 2 || s.rotary_dim % 2 != 0 || s.rotary_dim > static_cast<std::int64_t>(a.head_dim))
+      invalid(where + fmt::format(": a rotary dimension of {} (head_dim {} x partial_rotary_factor {}) is not even in [2, head_dim]",
+                                  s.rotary_dim, a.head_dim, spec.partial_rotary_factor()));
+  } else {
+    s.deltanet = DeltaNetShape::from_spec(spec, layer, tokens, sequences);
+  }
+  s.output_gate = !s.linear && a.output_gate;
+  s.norm_offset = spec.zero_centred_norms() ? 1.0f : 0.0f;
+  s.shared_intermediate = static_cast<std::int64_t>(spec.moe().shared_expert_intermediate);
   s.tokens = tokens;
   s.sequences = sequences;
   s.hidden = static_cast<std::int64_t>(spec.hidden_size());
@@ -441,6 +571,8 @@ void bind(const ModelSpec& spec, int layer, std::span<P const> bases, Out& out, 
   if (bases.size() != segs.size())
     invalid(fmt::format("bind {}: {} segment bases for the {} segments of layer {}", what, bases.size(), segs.size(), layer));
   const auto E = spec.moe().experts;
+  const auto HI = static_cast<std::int64_t>(spec.hidden_size() * spec.moe().expert_intermediate);
+  const auto HIs = static_cast<std::int64_t>(spec.hidden_size() * spec.moe().shared_expert_intermediate);
   out.expert_gate_proj.assign(E, nullptr);
   out.expert_up_proj.assign(E, nullptr);
   out.expert_down_proj.assign(E, nullptr);
@@ -450,17 +582,46 @@ void bind(const ModelSpec& spec, int layer, std::span<P const> bases, Out& out, 
   for (std::size_t i = 0; i < segs.size(); ++i) {
     const StateSegment& seg = segs[i];
     if (!bases[i]) invalid(fmt::format("bind {}: segment {} has a null base", what, seg.name));
+    if (seg.role == SegmentRole::linear_attention) {  // the block binds its own segment (ModelSpec's tensor order)
+      const DeltaNetShape ds = DeltaNetShape::from_spec(spec, layer, 1);
+      if (static_cast<std::int64_t>(seg.parameters()) != deltanet_parameters(ds))
+        invalid(fmt::format("bind {}: segment {} has {} elements, the Gated DeltaNet block {}", what, seg.name,
+                            seg.parameters(), deltanet_parameters(ds)));
+      if constexpr (std::is_same_v<P, float*>) out.deltanet = bind_deltanet_grads(ds, bases[i]);
+      else out.deltanet = bind_deltanet_params(ds, bases[i]);
+      continue;
+    }
     std::uint64_t offset = 0;
     for (const TensorSpec& t : seg.tensors) {
-      if (t.stacked_index >= 0) invalid(fmt::format("bind {}: stacked expert tensors ({}) are not supported", what, t.name));
       P p = bases[i] + offset;
       offset += t.elements();
       if (seg.role == SegmentRole::expert) {
         const auto e = static_cast<std::size_t>(seg.expert);
-        if (ends_with(t.name, ".gate_proj.weight")) out.expert_gate_proj[e] = p;
-        else if (ends_with(t.name, ".up_proj.weight")) out.expert_up_proj[e] = p;
-        else if (ends_with(t.name, ".down_proj.weight")) out.expert_down_proj[e] = p;
-        else invalid(fmt::format("bind {}: unexpected expert tensor {}", what, t.name));
+        if (t.stacked_index >= 0 && ends_with(t.name, ".experts.gate_up_proj")) {  // Qwen3.5: this expert's [gate; up]
+          out.expert_gate_proj[e] = p;
+          out.expert_up_proj[e] = p + HI;
+        } else if (t.stacked_index >= 0 && ends_with(t.name, ".experts.down_proj")) {
+          out.expert_down_proj[e] = p;
+        } else if (t.stacked_index < 0 && ends_with(t.name, ".gate_proj.weight")) {
+          out.expert_gate_proj[e] = p;
+        } else if (t.stacked_index < 0 && ends_with(t.name, ".up_proj.weight")) {
+          out.expert_up_proj[e] = p;
+        } else if (t.stacked_index < 0 && ends_with(t.name, ".down_proj.weight")) {
+          out.expert_down_proj[e] = p;
+        } else {
+          invalid(fmt::format("bind {}: unexpected expert tensor {}", what, t.name));
+        }
+        continue;
+      }
+      if (t.stacked_index >= 0) invalid(fmt::format("bind {}: unexpected stacked tensor {}", what, t.name));
+      if (seg.role == SegmentRole::shared_expert) {
+        if (ends_with(t.name, ".shared_expert.gate_proj.weight")) out.shared_gate_proj = p;
+        else if (ends_with(t.name, ".shared_expert.up_proj.weight")) {
+          if (p != out.shared_gate_proj + HIs)
+            invalid(fmt::format("bind {}: {} does not directly follow the shared expert's gate_proj", what, t.name));
+        } else if (ends_with(t.name, ".shared_expert.down_proj.weight")) out.shared_down_proj = p;
+        else if (ends_with(t.name, ".shared_expert_gate.weight")) out.shared_expert_gate = p;
+        else invalid(fmt::format("bind {}: unexpected shared expert tensor {}", what, t.name));
         continue;
       }
       if (ends_with(t.name, ".input_layernorm.weight")) out.input_layernorm = p;
@@ -472,7 +633,7 @@ void bind(const ModelSpec& spec, int layer, std::span<P const> bases, Out& out, 
       else if (ends_with(t.name, ".self_attn.q_norm.weight")) out.q_norm = p;
       else if (ends_with(t.name, ".self_attn.k_norm.weight")) out.k_norm = p;
       else if (ends_with(t.name, ".mlp.gate.weight")) out.router = p;
-      else invalid(fmt::format("bind {}: tensor {} is not part of a Qwen3-MoE decoder layer", what, t.name));
+      else invalid(fmt::format("bind {}: tensor {} is not part of a Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE decoder layer", what, t.name));
     }
   }
 }
@@ -540,28 +701,45 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
   const ForwardScratch w = carve_forward(s, *ctx.expert_streams, workspace);
   check(cublasSetStream(ctx.blas, st), "cublasSetStream");
 
-  // ---- attention block
-  check(kernels::rmsnorm_forward(x, params.input_layernorm, v.xn1, v.rstd1, T, H, eps, st), "input_layernorm forward");
-  gemm(ctx.blas, false, true, T, QW, H, v.xn1, H, params.q_proj, H, v.q_raw, CUDA_R_16BF, QW, 0.0f, "q_proj forward GEMM");
-  gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.k_proj, H, v.k_raw, CUDA_R_16BF, KW, 0.0f, "k_proj forward GEMM");
-  gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.v_proj, H, v.v, CUDA_R_16BF, KW, 0.0f, "v_proj forward GEMM");
-  check(kernels::rmsnorm_forward(v.q_raw, params.q_norm, v.q, v.q_rstd, T * s.heads_q, D, eps, st), "q_norm forward");
-  check(kernels::rmsnorm_forward(v.k_raw, params.k_norm, v.k, v.k_rstd, T * s.heads_kv, D, eps, st), "k_norm forward");
-  check(kernels::rope_forward(v.q, positions, v.q, T, s.heads_q, D, D, s.rope_theta, st), "rope forward (q)");
-  check(kernels::rope_forward(v.k, positions, v.k, T, s.heads_kv, D, D, s.rope_theta, st), "rope forward (k)");
-  const kernels::AttentionProblem ap = attention_problem(s);
-  if (!reuse_attention)
-    check(kernels::attention_forward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW}, v.lse, st),
-          "attention forward");
-  // h = x + O Wo^T: x copied into h, then the GEMM adds onto it (beta = 1, one rounding).
-  check(cudaMemcpyAsync(v.h, x, static_cast<std::size_t>(T * H) * sizeof(bf16), cudaMemcpyDeviceToDevice, st),
-        "residual copy x -> h");
-  gemm(ctx.blas, false, true, T, H, QW, v.attn, QW, params.o_proj, QW, v.h, CUDA_R_16BF, H, 1.0f, "o_proj forward GEMM");
+  // ---- attention block (a linear layer: h = x + deltanet(xn1), the block's output rounded, then the sum)
+  const float offset = s.norm_offset;
+  check(kernels::rmsnorm_forward(x, params.input_layernorm, v.xn1, v.rstd1, T, H, eps, st, offset), "input_layernorm forward");
+  if (s.linear) {
+    deltanet_forward(ctx.blas, st, s.deltanet, params.deltanet, v.xn1, v.h, v.deltanet, w.deltanet_ws);
+    check(kernels::add_bf16(x, v.h, v.h, T * H, st), "residual add h = x + deltanet");
+  } else {
+    if (s.output_gate) {  // [q | gate] per head, split into the saved q_raw and gate
+      gemm(ctx.blas, false, true, T, q_proj_rows(s), H, v.xn1, H, params.q_proj, H, w.qg, CUDA_R_16BF, q_proj_rows(s), 0.0f,
+           "q_proj forward GEMM");
+      split_heads(s, st, w.qg, v.q_raw, v.gate, /*merge=*/false);
+    } else {
+      gemm(ctx.blas, false, true, T, QW, H, v.xn1, H, params.q_proj, H, v.q_raw, CUDA_R_16BF, QW, 0.0f, "q_proj forward GEMM");
+    }
+    gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.k_proj, H, v.k_raw, CUDA_R_16BF, KW, 0.0f, "k_proj forward GEMM");
+    gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.v_proj, H, v.v, CUDA_R_16BF, KW, 0.0f, "v_proj forward GEMM");
+    check(kernels::rmsnorm_forward(v.q_raw, params.q_norm, v.q, v.q_rstd, T * s.heads_q, D, eps, st, offset), "q_norm forward");
+    check(kernels::rmsnorm_forward(v.k_raw, params.k_norm, v.k, v.k_rstd, T * s.heads_kv, D, eps, st, offset), "k_norm forward");
+    check(kernels::rope_forward(v.q, positions, v.q, T, s.heads_q, D, rotary(s), s.rope_theta, st), "rope forward (q)");
+    check(kernels::rope_forward(v.k, positions, v.k, T, s.heads_kv, D, rotary(s), s.rope_theta, st), "rope forward (k)");
+    const kernels::AttentionProblem ap = attention_problem(s);
+    if (!reuse_attention)
+      check(kernels::attention_forward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW}, v.lse, st),
+            "attention forward");
+    const bf16* o_in = v.attn;  // o_proj's input: O, or O * sigmoid(gate)
+    if (s.output_gate) {
+      check(kernels::output_gate_forward(gate_dims(s), v.attn, v.gate, w.go, st), "output gate forward");
+      o_in = w.go;
+    }
+    // h = x + o_in Wo^T: x copied into h, then the GEMM adds onto it (beta = 1, one rounding).
+    check(cudaMemcpyAsync(v.h, x, static_cast<std::size_t>(T * H) * sizeof(bf16), cudaMemcpyDeviceToDevice, st),
+          "residual copy x -> h");
+    gemm(ctx.blas, false, true, T, H, QW, o_in, QW, params.o_proj, QW, v.h, CUDA_R_16BF, H, 1.0f, "o_proj forward GEMM");
+  }
 
   // ---- MoE block: the post-attention norm and the router over all T (their state is O(T*(H + E))),
   // then the experts chunk by chunk, rows [c0, c0 + n) of xn2 to the same rows of y. Whole: one
   // chunk whose permutation and activations stay in `saved`.
-  check(kernels::rmsnorm_forward(v.h, params.post_attention_layernorm, v.xn2, v.rstd2, T, H, eps, st),
+  check(kernels::rmsnorm_forward(v.h, params.post_attention_layernorm, v.xn2, v.rstd2, T, H, eps, st, offset),
         "post_attention_layernorm forward");
   check(kernels::router_forward(ctx.blas, st, router_shape(s), v.xn2, params.router, w.logits, v.probs, v.expert_ids, v.weights),
         "router forward");
@@ -575,6 +753,7 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
     experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, w.gemm_ws, w.gemm_bytes);
     check(kernels::unpermute_combine(st, permute_shape(s, n), H, r.slot_to_row, r.y_perm, v.weights + c0 * s.top_k, w.moe_out),
           "unpermute combine");
+    if (has_shared(s)) combine_shared(ctx, s, params, v.xn2 + c0 * H, n, r, w.moe_out, w.moe_out);
     check(kernels::add_bf16(v.h + c0 * H, w.moe_out, y + c0 * H, n * H, st), "residual add y = h + moe");
   }
 }
@@ -598,6 +777,7 @@ void decoder_layer_recompute(const DecoderLayerContext& ctx, const DecoderLayerS
 DecoderLayerAttentionState decoder_layer_attention_state(const DecoderLayerShape& s, void* saved) {
   const Saved v = carve_saved(s, saved);
   const auto T = s.tokens;
+  if (s.linear) return {};
   return {v.attn, static_cast<std::size_t>(T * q_width(s)) * sizeof(bf16), v.lse,
           static_cast<std::size_t>(s.heads_q * T) * sizeof(float)};
 }
@@ -646,7 +826,10 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
         kept ? std::vector<std::int32_t>(ctx.expert_counts->begin() + index * s.experts,
                                          ctx.expert_counts->begin() + (index + 1) * s.experts)
              : download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
-    if (chunked(s)) experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, b.gemm_ws, b.gemm_bytes);
+    if (chunked(s)) {
+      experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, b.gemm_ws, b.gemm_bytes);
+      if (has_shared(s)) combine_shared(ctx, s, params, v.xn2 + c0 * H, n, r, nullptr, b.s_dy);  // for the logit alone
+    }
     check(kernels::unpermute_combine_backward(st, ps, H, r.slot_to_row, dy + c0 * H, r.y_perm, v.weights + c0 * s.top_k,
                                               b.dy_perm, b.d_weights + c0 * s.top_k),
           "unpermute combine backward");
@@ -676,6 +859,23 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
                                            expert_method, b.gemm_ws, b.gemm_bytes, ctx.expert_streams, dw_write),
           "expert gate_up backward GEMMs");
     check(kernels::permute_rows_backward(st, ps, H, r.slot_to_row, b.dx_perm, b.dxn2 + c0 * H), "permute rows backward");
+    if (has_shared(s)) {  // the shared expert's gate, then its MLP, adding onto the routed experts' d xn2
+      const auto Is = s.shared_intermediate;
+      const bf16* xn2_rows = v.xn2 + c0 * H;
+      bf16* dxn2_rows = b.dxn2 + c0 * H;
+      check(kernels::shared_expert_gate_backward(st, n, H, xn2_rows, params.shared_expert_gate, r.s_y, r.s_logit, dy + c0 * H,
+                                                 b.s_dy, dxn2_rows, grads.shared_expert_gate, b.shared_ws, b.shared_bytes),
+            "shared expert gate backward");
+      gemm(ctx.blas, false, false, n, Is, H, b.s_dy, H, params.shared_down_proj, Is, b.s_d_act, CUDA_R_16BF, Is, 0.0f,
+           "shared expert down dx GEMM");
+      gemm(ctx.blas, true, false, H, Is, n, b.s_dy, H, r.s_act, Is, grads.shared_down_proj, CUDA_R_32F, Is, 1.0f,
+           "shared expert down dW GEMM");
+      check(kernels::swiglu_backward(b.s_d_act, r.s_gate_up, b.s_d_gate_up, n, Is, st), "shared expert swiglu backward");
+      gemm(ctx.blas, false, false, n, H, 2 * Is, b.s_d_gate_up, 2 * Is, params.shared_gate_proj, H, dxn2_rows, CUDA_R_16BF, H,
+           1.0f, "shared expert gate_up dx GEMM");
+      gemm(ctx.blas, true, false, 2 * Is, H, n, b.s_d_gate_up, 2 * Is, xn2_rows, H, grads.shared_gate_proj, CUDA_R_32F, H, 1.0f,
+           "shared expert gate_up dW GEMM");
+    }
   }
   if (leave_unrouted) {
     grads.unrouted_experts->resize(reached.size());
@@ -686,38 +886,63 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   check(kernels::router_backward(ctx.blas, st, router_shape(s), v.xn2, params.router, v.probs, v.expert_ids, b.d_weights, r.counts,
                                  0.0f, b.d_logits, b.dxn2, /*accumulate_dx=*/true, grads.router, b.router_ws, b.router_bytes),
         "router backward");
+  const float offset = s.norm_offset;
   check(kernels::rmsnorm_backward(b.dxn2, v.h, params.post_attention_layernorm, v.rstd2, b.dxn2, grads.post_attention_layernorm,
-                                  T, H, b.norm_ws, b.norm_bytes, st),
+                                  T, H, b.norm_ws, b.norm_bytes, st, offset),
         "post_attention_layernorm backward");
   bf16* const dh = b.dxn2;
   check(kernels::add_bf16(dy, b.dxn2, dh, T * H, st), "residual add dh = dy + d moe");
 
-  // ---- attention block: h = x + O Wo^T
+  if (s.linear) {  // ---- linear attention block: h = x + deltanet(xn1)
+    deltanet_backward(ctx.blas, st, s.deltanet, params.deltanet, v.xn1, dh, b.dxn1_f32, grads.deltanet, v.deltanet, b.deltanet_ws);
+    check(kernels::cast_fp32_to_bf16(b.dxn1_f32, b.dxn1, T * H, st), "cast d xn1 to bf16");
+    check(kernels::rmsnorm_backward(b.dxn1, x, params.input_layernorm, v.rstd1, b.dxn1, grads.input_layernorm, T, H, b.norm_ws,
+                                    b.norm_bytes, st, offset),
+          "input_layernorm backward");
+    check(kernels::add_bf16(dh, b.dxn1, dx, T * H, st), "residual add dx = dh + d linear attention");
+    return;
+  }
+
+  // ---- attention block: h = x + o_in Wo^T, o_in = O or (gated) O * sigmoid(gate)
+  const bf16* o_in = v.attn;
+  if (s.output_gate) {
+    check(kernels::output_gate_forward(gate_dims(s), v.attn, v.gate, b.go, st), "output gate forward (again)");
+    o_in = b.go;
+  }
   gemm(ctx.blas, false, false, T, QW, H, dh, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
-  gemm(ctx.blas, true, false, H, QW, T, dh, H, v.attn, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
+  gemm(ctx.blas, true, false, H, QW, T, dh, H, o_in, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
+  if (s.output_gate)  // d O in place of d o_in
+    check(kernels::output_gate_backward(gate_dims(s), v.attn, v.gate, b.d_attn, b.d_attn, b.d_gate, st), "output gate backward");
   const kernels::AttentionProblem ap = attention_problem(s);
   check(kernels::attention_backward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW},
                                     {b.d_attn, S * QW, QW}, v.lse, {b.dq, S * QW, QW}, {b.dk, S * KW, KW}, {b.dv, S * KW, KW},
                                     /*accumulate_dkv=*/false, b.attn_ws, b.attn_bytes, st),
         "attention backward");
-  check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, D, s.rope_theta, st), "rope backward (q)");
-  check(kernels::rope_backward(b.dk, positions, b.dk, T, s.heads_kv, D, D, s.rope_theta, st), "rope backward (k)");
+  check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, rotary(s), s.rope_theta, st), "rope backward (q)");
+  check(kernels::rope_backward(b.dk, positions, b.dk, T, s.heads_kv, D, rotary(s), s.rope_theta, st), "rope backward (k)");
   check(kernels::rmsnorm_backward(b.dq, v.q_raw, params.q_norm, v.q_rstd, b.dq, grads.q_norm, T * s.heads_q, D, b.norm_ws,
-                                  b.norm_bytes, st),
+                                  b.norm_bytes, st, offset),
         "q_norm backward");
   check(kernels::rmsnorm_backward(b.dk, v.k_raw, params.k_norm, v.k_rstd, b.dk, grads.k_norm, T * s.heads_kv, D, b.norm_ws,
-                                  b.norm_bytes, st),
+                                  b.norm_bytes, st, offset),
         "k_norm backward");
+  // q_proj's output gradient: dq, or (gated) [dq | d gate] per head as its rows are.
+  const bf16* dq_rows = b.dq;
+  if (s.output_gate) {
+    split_heads(s, st, b.d_qg, b.dq, b.d_gate, /*merge=*/true);
+    dq_rows = b.d_qg;
+  }
+  const std::int64_t QP = q_proj_rows(s);
   // d xn1 = dq Wq + dk Wk + dv Wv, summed in fp32 and rounded once.
-  gemm(ctx.blas, false, false, T, H, QW, b.dq, QW, params.q_proj, H, b.dxn1_f32, CUDA_R_32F, H, 0.0f, "q_proj dx GEMM");
+  gemm(ctx.blas, false, false, T, H, QP, dq_rows, QP, params.q_proj, H, b.dxn1_f32, CUDA_R_32F, H, 0.0f, "q_proj dx GEMM");
   gemm(ctx.blas, false, false, T, H, KW, b.dk, KW, params.k_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "k_proj dx GEMM");
   gemm(ctx.blas, false, false, T, H, KW, b.dv, KW, params.v_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "v_proj dx GEMM");
-  gemm(ctx.blas, true, false, QW, H, T, b.dq, QW, v.xn1, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
+  gemm(ctx.blas, true, false, QP, H, T, dq_rows, QP, v.xn1, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
   gemm(ctx.blas, true, false, KW, H, T, b.dk, KW, v.xn1, H, grads.k_proj, CUDA_R_32F, H, 1.0f, "k_proj dW GEMM");
   gemm(ctx.blas, true, false, KW, H, T, b.dv, KW, v.xn1, H, grads.v_proj, CUDA_R_32F, H, 1.0f, "v_proj dW GEMM");
   check(kernels::cast_fp32_to_bf16(b.dxn1_f32, b.dxn1, T * H, st), "cast d xn1 to bf16");
   check(kernels::rmsnorm_backward(b.dxn1, x, params.input_layernorm, v.rstd1, b.dxn1, grads.input_layernorm, T, H, b.norm_ws,
-                                  b.norm_bytes, st),
+                                  b.norm_bytes, st, offset),
         "input_layernorm backward");
   check(kernels::add_bf16(dh, b.dxn1, dx, T * H, st), "residual add dx = dh + d attention");
 }

@@ -69,6 +69,7 @@ LmEndsShape LmEndsShape::from_spec(const ModelSpec& spec, std::int64_t tokens) {
   s.hidden = static_cast<std::int64_t>(spec.hidden_size());
   s.vocab = static_cast<std::int64_t>(spec.vocab_size());
   s.rms_norm_eps = static_cast<float>(spec.rms_norm_eps());
+  s.norm_offset = spec.zero_centred_norms() ? 1.0f : 0.0f;
   s.validate();
   return s;
 }
@@ -79,6 +80,7 @@ void LmEndsShape::validate() const {
   // The embedding kernels take V < 2^31 - 1 (ids are int32).
   if (vocab < 1 || vocab >= INT_MAX) invalid(fmt::format("vocab = {} (needs 1 <= V < 2^31 - 1)", vocab));
   if (!(rms_norm_eps >= 0.0f)) invalid(fmt::format("rms_norm_eps = {} (needs >= 0)", rms_norm_eps));
+  if (!std::isfinite(norm_offset)) invalid(fmt::format("norm_offset = {} (needs a finite value)", norm_offset));
   if (loss_tokens < 0 || (loss_tokens > 0 && loss_tokens < tokens))
     invalid(fmt::format("loss_tokens = {} (needs 0, or at least this call's tokens {})", loss_tokens, tokens));
 }
@@ -142,8 +144,9 @@ void lm_head_forward_backward(const LmEndsContext& ctx, const LmEndsShape& s, co
   auto* r = reinterpret_cast<bf16*>(base + L.r);
   void* scratch = base + L.scratch;
 
-  // r = rms(y) * final_norm (rstd kept for the backward).
-  check(kernels::rmsnorm_forward(y, final_norm, r, backward ? rstd : nullptr, s.tokens, s.hidden, s.rms_norm_eps, ctx.stream),
+  // r = rms(y) * (final_norm + norm_offset) (rstd kept for the backward).
+  check(kernels::rmsnorm_forward(y, final_norm, r, backward ? rstd : nullptr, s.tokens, s.hidden, s.rms_norm_eps, ctx.stream,
+                                 s.norm_offset),
         "final norm rmsnorm_forward");
   // loss_sum, valid; with the backward dr = d(loss_sum / T) / dr written into dy (bf16) and
   // grad_head += dlogits^T r. grad_scale = 1/T, the mean over this call's T tokens (1/(k T) for
@@ -158,7 +161,7 @@ void lm_head_forward_backward(const LmEndsContext& ctx, const LmEndsShape& s, co
   // of dr is read before the same element of dx is written); grad_final_norm accumulated. The
   // scratch bytes are lm_head_loss's too: it is done with them, earlier on the same stream.
   check(kernels::rmsnorm_backward(dy, y, final_norm, rstd, dy, grad_final_norm, s.tokens, s.hidden, scratch,
-                                  L.scratch_bytes, ctx.stream),
+                                  L.scratch_bytes, ctx.stream, s.norm_offset),
         "final norm rmsnorm_backward");
 }
 

@@ -45,9 +45,11 @@ enum class Keep : unsigned char { keep, offload, recompute, refill };
 bool is_attention_state(int c) { return is_attention_result(static_cast<ActivationClass>(c)); }
 
 /// The saved buffer's one decision for a row of per-class decisions; `attn` gets where the
-/// attention state goes for Keep::refill (only with `keep_attention_state`).
+/// attention state goes for Keep::refill (only with `keep_attention_state`, and never for a
+/// Gated DeltaNet layer, `linear`, which has no attention state: its recompute runs it all).
 Keep blob_retention(const std::array<RetentionDecision, activation_class_count>& row, bool keep_attention_state = false,
-                    Keep* attn = nullptr) {
+                    Keep* attn = nullptr, bool linear = false) {
+  keep_attention_state = keep_attention_state && !linear;
   bool offload = false, recompute = false, attn_recomputed = false, attn_offloaded = false;
   for (int c = 1; c < activation_class_count; ++c) {
     const auto a = row[static_cast<std::size_t>(c)].action;
@@ -558,7 +560,7 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
     if (b == Retention::recompute)
       OOM_THROW(Errc::unsupported, fmt::format("layer {}: regenerating a boundary through earlier layers is not implemented on CUDA", l));
     L.boundary = b == Retention::offload ? Keep::offload : Keep::keep;
-    L.blob = blob_retention(row, opt.keep_attention_state, &L.attn);
+    L.blob = blob_retention(row, opt.keep_attention_state, &L.attn, L.shape.linear);
     L.updated = event();
     L.offloaded = event();
     L.forward_done = event();
@@ -1104,7 +1106,8 @@ Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan, const Cu
   for (std::size_t l = 0; l < out.retention.size(); ++l) {
     auto& row = out.retention[l];
     Keep attn = Keep::keep;
-    const Keep blob = blob_retention(row, options.keep_attention_state, &attn);
+    const Keep blob = blob_retention(row, options.keep_attention_state, &attn,
+                                     spec.layer(static_cast<int>(l)).attention == AttentionKind::linear);
     const auto recompute = RetentionDecision::recompute(static_cast<int>(l));
     const auto shared = blob == Keep::recompute || blob == Keep::refill ? recompute
                         : blob == Keep::offload                         ? RetentionDecision::offload()

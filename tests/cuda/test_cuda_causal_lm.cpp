@@ -165,6 +165,33 @@ TEST_CASE("every plan gives the resident plan's step, bit for bit, on the GPU") 
   }
 }
 
+TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared experts): every plan the resident plan's step") {
+  // tests/data/gpu-qwen3-next-layers.json: layers 0 and 2 Gated DeltaNet, 1 gated full attention
+  // with a quarter of each head rotated, (1 + w) norms (the final one too), a shared expert.
+  const auto spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/tests/data/gpu-qwen3-next-layers.json");
+  REQUIRE(spec.layer(0).attention == AttentionKind::linear);
+  REQUIRE(spec.layer(1).attention == AttentionKind::full);
+  const Plan reference = resident_plan(spec);
+  const Run expect = train(spec, reference);
+  MESSAGE("hybrid resident plan: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
+  for (const double loss : expect.losses) CHECK(std::isfinite(loss));
+  const auto start = init(spec);
+  for (std::size_t i = 0; i < start.size(); ++i) CHECK(expect.state[i].master != start[i]);
+  // Streamed, offloaded and recomputed (a linear layer's recompute runs its whole block: it keeps
+  // no attention state) plans, with and without kept attention state: the same bits.
+  std::mt19937_64 rng(43);
+  for (int i = 0; i < 6; ++i) {
+    Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
+    if (i % 2 == 1)  // every saved buffer recomputed
+      for (int l = 0; l < spec.num_layers(); ++l)
+        for (int c = 1; c < activation_class_count; ++c) p.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] = RetentionDecision::recompute(l);
+    CAPTURE(i);
+    const Run got = train(spec, p, 3, false, CudaCausalLmOptions{}.grad_staging_layers, /*keep_attention_state=*/i % 3 != 2);
+    CHECK(got.losses == expect.losses);
+    CHECK(same(got.state, expect.state));
+  }
+}
+
 TEST_CASE("a model built from a weight source: each segment asked once, in spec order; the model the weights in memory build") {
   const auto spec = small_spec();
   const auto w = init(spec);

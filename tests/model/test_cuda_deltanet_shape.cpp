@@ -1,10 +1,15 @@
 // The Gated DeltaNet block's shape from a model spec and its sizes (no GPU needed): the segment
 // it binds is exactly the spec's linear_attention segment, and what it is not given is refused.
+// The decoder layer's hybrid shapes and bindings likewise (the layer itself: test_cuda_hybrid_layer).
 #include <doctest/doctest.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "oom/core/error.hpp"
+#include "oom/kernels/expert_gemm.hpp"
+#include "oom/model/cuda_decoder_layer.hpp"
 #include "oom/model/cuda_deltanet.hpp"
 #include "oom/model/model_spec.hpp"
 
@@ -72,4 +77,66 @@ TEST_CASE("DeltaNetShape::from_spec: both families, the spec's segment, refusals
   }
   const ModelSpec moe = ModelSpec::from_file(dir + "moe-5b.json");
   CHECK_THROWS_AS(model::DeltaNetShape::from_spec(moe, 0, 4096), Error);
+}
+
+TEST_CASE("the decoder layer's hybrid shapes and bindings: kind, gate, rotary, norm offset, shared expert, stacked experts") {
+  const std::string data = std::string(OOM_SOURCE_DIR) + "/tests/data/";
+  const ModelSpec next = ModelSpec::from_file(data + "gpu-qwen3-next-layers.json");
+  const ModelSpec q35 = ModelSpec::from_file(data + "gpu-qwen3.5-moe-layers.json");
+  for (const auto* spec : {&next, &q35}) {
+    CAPTURE(to_string(spec->family()));
+    const auto linear = model::DecoderLayerShape::from_spec(*spec, 0, 122, 2);
+    const auto full = model::DecoderLayerShape::from_spec(*spec, 1, 122, 2);
+    CHECK(linear.linear);
+    CHECK_FALSE(linear.output_gate);
+    CHECK(linear.deltanet.fused == (spec == &next));
+    CHECK(linear.deltanet.tokens == 122);
+    CHECK(linear.deltanet.sequences == 2);
+    CHECK_FALSE(full.linear);
+    CHECK(full.output_gate);
+    CHECK(full.rotary_dim == 32);  // 128 x 0.25
+    CHECK(full.norm_offset == 1.0f);
+    CHECK(linear.norm_offset == 1.0f);
+    CHECK(full.shared_intermediate == 96);
+    // A linear layer keeps no attention state; its saved buffer is the block's and the MoE half's.
+    CHECK(model::decoder_layer_attention_state(linear, nullptr).output_bytes == 0);
+    CHECK(model::decoder_layer_saved_bytes(linear) > model::deltanet_saved_bytes(linear.deltanet));
+    // Bindings from fake segment bases (only offsets are taken): every tensor where the spec puts it.
+    for (int layer : {0, 1}) {
+      CAPTURE(layer);
+      const auto segs = spec->layer_segments(layer);
+      std::vector<const bf16*> bases;
+      for (std::size_t i = 0; i < segs.size(); ++i) bases.push_back(reinterpret_cast<const bf16*>((i + 1) << 32));
+      const auto p = model::bind_decoder_layer_params(*spec, layer, bases);
+      const auto H = static_cast<std::int64_t>(spec->hidden_size()), I = static_cast<std::int64_t>(spec->moe().expert_intermediate);
+      for (std::size_t e = 0; e < spec->moe().experts; ++e) {
+        CHECK(p.expert_up_proj[e] == p.expert_gate_proj[e] + I * H);
+        CHECK(p.expert_down_proj[e] == p.expert_gate_proj[e] + 2 * I * H);
+      }
+      const auto shared = segs.back();
+      REQUIRE(shared.role == SegmentRole::shared_expert);
+      CHECK(p.shared_gate_proj == bases.back());
+      CHECK(p.shared_down_proj == bases.back() + 2 * 96 * H);
+      CHECK(p.shared_expert_gate == bases.back() + 3 * 96 * H);
+      if (layer == 0) {
+        CHECK(p.deltanet.in_proj_qkvz == bases[0]);
+        CHECK(p.q_proj == nullptr);
+      } else {
+        CHECK(p.q_proj == bases[0]);
+        CHECK(p.k_proj == bases[0] + 2 * 4 * 128 * H);  // q_proj is [q | gate] per head: 2 Hq D rows
+      }
+    }
+  }
+  // A missing shared expert pointer is named before anything runs (no GPU needed).
+  const auto full = model::DecoderLayerShape::from_spec(next, 1, 122, 2);
+  std::vector<const bf16*> bases;
+  for (std::size_t i = 0; i < next.layer_segments(1).size(); ++i) bases.push_back(reinterpret_cast<const bf16*>((i + 1) << 32));
+  auto p = model::bind_decoder_layer_params(next, 1, bases);
+  p.shared_expert_gate = nullptr;
+  kernels::ExpertGemmStreams streams;
+  const model::DecoderLayerContext ctx{nullptr, reinterpret_cast<cublasHandle_t>(&streams), &streams, nullptr};
+  const auto* fake = reinterpret_cast<bf16*>(&streams);
+  CHECK_THROWS_WITH_AS(model::decoder_layer_forward(ctx, full, p, reinterpret_cast<const std::int32_t*>(fake), fake,
+                                                    const_cast<bf16*>(fake) + 1, &streams, 0, &streams, 0),
+                       doctest::Contains("params: shared_expert_gate is null"), Error);
 }

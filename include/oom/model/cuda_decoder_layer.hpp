@@ -12,6 +12,18 @@
 //
 // No aux loss, no dropout; T tokens in DecoderLayerShape::sequences sequences (positions given per token).
 //
+// The hybrid families (Qwen3-Next, Qwen3.5-MoE; transformers' Qwen3NextDecoderLayer and
+// Qwen3_5MoeDecoderLayer) differ in five ways, each a field of DecoderLayerShape:
+//   - linear: a Gated DeltaNet layer, whose attention half is h = x + deltanet(xn1)
+//     (oom/model/cuda_deltanet.hpp) in place of the softmax attention above;
+//   - output_gate: q_proj yields per head [q (D) | gate (D)] side by side, and the attention
+//     output is ctx * sigmoid(gate) before o_proj (kernels/output_gate.hpp);
+//   - rotary_dim < D: RoPE rotates only the first rotary_dim dimensions of each head;
+//   - norm_offset = 1: every RMSNorm of the layer (input, post-attention, q and k) scales by
+//     (1 + w), the 1 added in fp32 inside the kernel;
+//   - shared_intermediate > 0: a shared expert beside the routed ones,
+//     y = h + routed + sigmoid(xn2 . shared_expert_gate) * down(silu(gate xn2) * up xn2).
+//
 // Dtypes: activations and weights bf16, every accumulation fp32 (cuBLAS with CUBLAS_COMPUTE_32F,
 // fp32 statistics). Parameter gradients are fp32 and ACCUMULATED (+=) into what the caller passes
 // (zero them once per step): the projections' weight gradients are cuBLAS GEMMs with an fp32 C and
@@ -52,6 +64,7 @@
 #include <vector>
 
 #include "oom/core/numeric.hpp"
+#include "oom/model/cuda_deltanet.hpp"
 
 struct cublasContext;
 typedef struct cublasContext* cublasHandle_t;  // as cublas_api.h declares it
@@ -84,11 +97,21 @@ struct DecoderLayerShape {
   /// Tokens per chunk of the MoE half (the plan's LayerChunks::moe_tokens); 0 or >= tokens: one
   /// chunk of all T, whose permutation and expert activations are kept in `saved`.
   std::int64_t moe_chunk_tokens = 0;
+  /// The hybrid families' fields (see the top of this file); Qwen3-MoE's layers leave them so.
+  bool output_gate = false;              ///< q_proj is (2 Hq D, H): per head [q | gate]
+  std::int64_t rotary_dim = 0;           ///< dimensions RoPE rotates per head; 0: all D
+  float norm_offset = 0.0f;              ///< 1 for (1 + w) RMSNorms
+  std::int64_t shared_intermediate = 0;  ///< Is of the shared expert; 0: none
+  /// A Gated DeltaNet layer: `deltanet` (its tokens and sequences those above) replaces the
+  /// softmax attention, whose fields (heads, head_dim, rope, output_gate) are then not used.
+  bool linear = false;
+  DeltaNetShape deltanet;
 
-  /// Layer `layer` of a Qwen3-MoE config with T = tokens in `sequences` sequences.
-  /// Errc::invalid_argument when the layer is not one this class implements (another family,
-  /// linear attention, a dense MLP, no q/k norm, attention biases, partial RoPE, a head_dim the
-  /// attention kernel does not take) or the tokens do not split into the sequences.
+  /// Layer `layer` of a Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE config with T = tokens in
+  /// `sequences` sequences. Errc::invalid_argument when the layer is not one this class
+  /// implements (another family, a dense MLP, no q/k norm, attention biases, a hybrid attention
+  /// without the output gate, an odd rotary dimension, a head_dim the attention kernel does not
+  /// take) or the tokens do not split into the sequences.
   [[nodiscard]] static DecoderLayerShape from_spec(const ModelSpec& spec, int layer, std::int64_t tokens, std::int64_t sequences = 1);
   /// Throws Errc::invalid_argument naming the first field out of range.
   void validate() const;
@@ -108,6 +131,10 @@ struct DecoderLayerParams {
   std::vector<const bf16*> expert_gate_proj;       ///< E pointers, (I, H) each
   std::vector<const bf16*> expert_up_proj;         ///< E pointers, (I, H) each; == gate_proj + I*H
   std::vector<const bf16*> expert_down_proj;       ///< E pointers, (H, I) each
+  const bf16* shared_gate_proj = nullptr;          ///< (Is, H), up_proj (Is, H) directly after it
+  const bf16* shared_down_proj = nullptr;          ///< (H, Is)
+  const bf16* shared_expert_gate = nullptr;        ///< (1, H)
+  DeltaNetParams deltanet;                         ///< a linear layer's block (q/k/v/o_proj and q/k_norm unused)
 };
 
 /// Device pointers to the layer's parameter gradients, fp32, same shapes, accumulated into (the
@@ -125,6 +152,10 @@ struct DecoderLayerGrads {
   std::vector<float*> expert_gate_proj;  ///< E pointers, (I, H) each
   std::vector<float*> expert_up_proj;    ///< E pointers, (I, H) each; == gate_proj + I*H
   std::vector<float*> expert_down_proj;  ///< E pointers, (H, I) each
+  float* shared_gate_proj = nullptr;     ///< (Is, H), up_proj's directly after it
+  float* shared_down_proj = nullptr;
+  float* shared_expert_gate = nullptr;
+  DeltaNetGrads deltanet;
   /// The routed experts' gradients are set, not added to: their old contents are never read (the
   /// caller need not zero them) and an expert no token reaches gets zeros. The MoE block's first
   /// token chunk writes them (kernels::GradWrite::overwrite), later chunks add. Half the memory
@@ -200,7 +231,9 @@ void decoder_layer_recompute(const DecoderLayerContext& ctx, const DecoderLayerS
                              void* workspace, std::size_t workspace_bytes, bool attention_state_kept);
 
 /// Where the attention's output O (T, Hq, D bf16) and LSE (Hq, T fp32) sit in `saved`: what a
-/// caller keeps (or offloads) to regenerate the rest with decoder_layer_recompute().
+/// caller keeps (or offloads) to regenerate the rest with decoder_layer_recompute(). A linear
+/// layer has none (null, 0 bytes): its recompute runs the whole block whatever
+/// `attention_state_kept` says.
 struct DecoderLayerAttentionState {
   bf16* output = nullptr;
   std::size_t output_bytes = 0;

@@ -54,12 +54,14 @@ struct LmEndsShape {
   std::int64_t hidden = 0;  ///< H
   std::int64_t vocab = 0;   ///< V
   float rms_norm_eps = 1e-6f;
+  /// Added to the final norm's weight in fp32: 1 where it scales by (1 + w) (Qwen3-Next, Qwen3.5).
+  float norm_offset = 0.0f;
   /// Tokens the step's loss is the mean over: 0 means this call's T. A step of k micro-batches of T
   /// tokens each passes k * T, so each call's gradient carries 1 / (k * T) and their sum is the
   /// step's (gradient accumulation).
   std::int64_t loss_tokens = 0;
 
-  /// hidden, vocab and rms_norm_eps of `spec`, T = tokens.
+  /// hidden, vocab, rms_norm_eps and the final norm's offset of `spec`, T = tokens.
   [[nodiscard]] static LmEndsShape from_spec(const ModelSpec& spec, std::int64_t tokens);
   /// Throws Errc::invalid_argument naming the first field out of range.
   void validate() const;

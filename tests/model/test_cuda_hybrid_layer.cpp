@@ -1,0 +1,288 @@
+// GPU test of the CUDA decoder layer on the hybrid families (oom/model/cuda_decoder_layer.hpp):
+// a Gated DeltaNet layer and a gated full-attention layer of Qwen3-Next and of Qwen3.5-MoE, with
+// the shared expert, (1 + w) norms and partial rotary, against HostDecoderLayer on the same bf16
+// weights and inputs. The host layer is the fp32 oracle: it matches transformers' own layers
+// (tests/data/hybrid_layers_torch.safetensors, test_host_decoder_layer), so this checks the GPU
+// layer against transformers' math at widths the GPU kernels take (head_dim 128).
+//
+// Tolerance: the GPU layer keeps every activation in bf16 (a relative rounding of up to 2^-9 at
+// each of some ten steps deep) where the host keeps fp32; issue 5's bar for one layer against an
+// fp32 reference is 1e-2 relative L2, and the Qwen3-MoE layer measures <= 8.2e-3 against
+// transformers in fp32 (docs/kernels.md). The gated attention layers: 1e-2 for y, dx and every
+// gradient (measured on the H200, 2026-12-04: y 3.2e-3, dx 4.2e-3, worst gradient 7.5e-3). The
+// Gated DeltaNet layers: 3e-2, since the block's bf16 inputs to its recurrence (q, k, v, the
+// gates) carry their rounding through every later token: the block alone sits 2-9e-2 from fp64
+// in bf16, ours and PyTorch's alike (test_cuda_deltanet: dx 6.1e-2 ours, 6.5e-2 PyTorch's bf16
+// Qwen3NextGatedDeltaNet at its shape). Measured here: dx 1.4e-2, worst gradient 2.0e-2
+// (in_proj_ba, through the gates' exp and softplus). A dropped piece (the 1 of a norm, the
+// partial rotary) moves them by O(1): the test also runs the GPU layer with such a field of its
+// shape undone and requires the error to exceed the tolerance tenfold, so the comparison can tell.
+
+// Routing: a token whose k-th and (k+1)-th router probabilities are within 5% of each other could
+// be routed differently by two implementations that round differently; its row of dy is zeroed
+// (nothing of its MoE path then reaches any gradient) and its row of y left out, as
+// scripts/compare_decoder_layer.py does. Their count is checked to stay small.
+//
+// Run: build-gpu/tests/test_cuda_hybrid_layer.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "kernels/device_buffer.hpp"
+#include "kernels/moe_test_util.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/core/numeric.hpp"
+#include "oom/kernels/expert_gemm.hpp"
+#include "oom/model/cuda_decoder_layer.hpp"
+#include "oom/model/host_decoder_layer.hpp"
+#include "oom/model/model_spec.hpp"
+#include "support/compare.hpp"
+
+using namespace oom;
+using oom::test::Blas;
+using oom::test::DeviceBuffer;
+using oom::test::Stream;
+using oom::test::rel_l2;
+using oom::test::to_floats;
+
+namespace {
+
+constexpr double attention_tolerance = 1e-2;
+constexpr double linear_tolerance = 3e-2;
+constexpr std::int64_t sequences = 2, sequence_tokens = 61;  // T = 122: no tile's multiple
+constexpr std::int64_t T = sequences * sequence_tokens;
+
+// Widths the GPU kernels take: head_dim 128 (the attention's), linear heads of 64, hidden 256;
+// 2 layers, the first Gated DeltaNet, the second gated full attention; a quarter of each head
+// rotated; 8 experts top-2 and a shared expert of 96 (tests/data/gpu-*-layers.json).
+ModelSpec hybrid_spec(bool qwen3_5) {
+  return ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/tests/data/" +
+                              (qwen3_5 ? "gpu-qwen3.5-moe-layers.json" : "gpu-qwen3-next-layers.json"));
+}
+
+std::vector<bf16> bf16s(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_bf16(v[i]);
+  return out;
+}
+
+/// Random bf16 weights per segment of `layer`: matrices N(0, 1/16) (about 1/sqrt(fan-in) at
+/// hidden 256), norm scales 1 + N(0, 0.1) stored less the norm's offset, the conv's taps N(0, 0.4),
+/// dt_bias N(1, 0.2), A_log log U(1, 16) (transformers' initialisation).
+std::vector<std::vector<bf16>> random_weights(const ModelSpec& spec, int layer, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(1.0f, 16.0f);
+  std::vector<std::vector<bf16>> w;
+  for (const StateSegment& seg : spec.layer_segments(layer)) {
+    std::vector<float> v;
+    for (const TensorSpec& t : seg.tensors)
+      for (std::uint64_t i = 0; i < t.elements(); ++i) {
+        if (t.name.ends_with("norm.weight")) v.push_back(1.0f + 0.1f * normal(rng) - spec.norm_weight_offset(t.name));
+        else if (t.name.ends_with("conv1d.weight")) v.push_back(0.4f * normal(rng));
+        else if (t.name.ends_with("dt_bias")) v.push_back(1.0f + 0.2f * normal(rng));
+        else if (t.name.ends_with("A_log")) v.push_back(std::log(uniform(rng)));
+        else v.push_back(normal(rng) / 16.0f);
+      }
+    w.push_back(bf16s(v));
+  }
+  return w;
+}
+
+struct Outputs {
+  std::vector<float> y, dx;
+  std::vector<std::vector<float>> grads;  ///< per segment, fp32, TensorSpec order
+};
+
+/// The host layer's forward, and its backward with grad_output `dy` when given; the router's
+/// probabilities (T, E) into `probs` when given.
+Outputs host_run(const ModelSpec& spec, int layer, const std::vector<std::vector<bf16>>& w, const std::vector<float>& x,
+                 const std::vector<float>* dy, std::vector<float>* probs = nullptr) {
+  HostDecoderLayer host(spec, layer);
+  const auto H = host.hidden();
+  Outputs out;
+  for (const auto& s : w) out.grads.emplace_back(s.size(), 0.0f);
+  std::array<std::vector<float>, activation_class_count> saved;
+  HostLayerContext ctx;
+  for (const auto& s : w) ctx.weights.emplace_back(s.data(), s.size());
+  for (auto& g : out.grads) ctx.weight_grads.emplace_back(g.data(), g.size());
+  ctx.tokens = T;
+  ctx.sequences = sequences;
+  ctx.begin = 0;
+  ctx.end = T;
+  out.y.assign(T * H, NAN);
+  ctx.input = x.data();
+  ctx.output = out.y.data();
+  for (int c = 1; c < activation_class_count; ++c) {
+    const auto n = host.saved_floats(static_cast<ActivationClass>(c), T);
+    if (n == 0) continue;
+    saved[static_cast<std::size_t>(c)].assign(n, NAN);
+    ctx.saved[static_cast<std::size_t>(c)] = saved[static_cast<std::size_t>(c)].data();
+  }
+  host.forward(ctx);
+  if (probs != nullptr) {  // router_output begins with the probabilities
+    const auto& router = saved[static_cast<std::size_t>(ActivationClass::router_output)];
+    probs->assign(router.begin(), router.begin() + static_cast<std::ptrdiff_t>(T * spec.moe().experts));
+  }
+  if (dy == nullptr) return out;
+  out.dx.assign(T * H, NAN);
+  ctx.output = nullptr;
+  ctx.grad_output = dy->data();
+  ctx.grad_input = out.dx.data();
+  host.backward(ctx);
+  return out;
+}
+
+/// The GPU layer's forward and backward on the same weights, with `shape` (from_spec's, or one
+/// with a field undone), MoE chunks of `chunk` tokens; outputs, saved buffer and workspace poisoned.
+Outputs gpu_run(const ModelSpec& spec, int layer, model::DecoderLayerShape shape, const std::vector<std::vector<bf16>>& w,
+                const std::vector<float>& x, const std::vector<float>& dy, std::int64_t chunk) {
+  shape.moe_chunk_tokens = chunk;
+  std::vector<DeviceBuffer<bf16>> weights;
+  std::vector<DeviceBuffer<float>> grads;
+  std::vector<const bf16*> wb;
+  std::vector<float*> gb;
+  for (const auto& s : w) {
+    weights.emplace_back(s);
+    grads.emplace_back(s.size());
+    grads.back().zero();
+    wb.push_back(weights.back().get());
+    gb.push_back(grads.back().get());
+  }
+  const auto params = model::bind_decoder_layer_params(spec, layer, wb);
+  const auto grad_ptrs = model::bind_decoder_layer_grads(spec, layer, gb);
+  DeviceBuffer<bf16> x_in(bf16s(x)), dy_in(bf16s(dy)), y(x.size()), dx(x.size());
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
+  for (std::int64_t t = 0; t < T; ++t) pos[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(t % sequence_tokens);
+  DeviceBuffer<std::int32_t> positions(pos);
+  Blas blas;
+  Stream stream;
+  kernels::ExpertGemmStreams expert_streams;
+  const std::size_t saved_bytes = model::decoder_layer_saved_bytes(shape);
+  const std::size_t ws_bytes = model::decoder_layer_workspace_bytes(shape, expert_streams);
+  DeviceBuffer<std::byte> saved(saved_bytes), workspace(ws_bytes);  // poisoned
+  const model::DecoderLayerContext ctx{stream.s, blas.get(), &expert_streams, nullptr};
+  model::decoder_layer_forward(ctx, shape, params, positions.get(), x_in.get(), y.get(), saved.get(), saved_bytes,
+                               workspace.get(), ws_bytes);
+  model::decoder_layer_backward(ctx, shape, params, positions.get(), x_in.get(), dy_in.get(), saved.get(), saved_bytes,
+                                dx.get(), grad_ptrs, workspace.get(), ws_bytes);
+  OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  Outputs out;
+  out.y = to_floats(y.download());
+  out.dx = to_floats(dx.download());
+  for (const auto& g : grads) out.grads.push_back(g.download());
+  return out;
+}
+
+/// Tokens the two implementations might route apart: the k-th and (k+1)-th probabilities within 5%.
+std::vector<bool> near_ties(const std::vector<float>& probs, std::int64_t experts, std::int64_t k) {
+  std::vector<bool> tie(static_cast<std::size_t>(T), false);
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::vector<float> p(probs.begin() + t * experts, probs.begin() + (t + 1) * experts);
+    std::sort(p.begin(), p.end(), std::greater<>());
+    tie[static_cast<std::size_t>(t)] = std::log(p[static_cast<std::size_t>(k - 1)] / p[static_cast<std::size_t>(k)]) < 0.05;
+  }
+  return tie;
+}
+
+struct Errors {
+  double y = 0, dx = 0, worst_grad = 0;
+  std::string worst_name;
+  [[nodiscard]] double worst() const { return std::max({y, dx, worst_grad}); }
+};
+
+Errors compare(const ModelSpec& spec, int layer, const Outputs& got, const Outputs& want, const std::vector<bool>& tie) {
+  const auto H = static_cast<std::size_t>(spec.hidden_size());
+  std::vector<float> gy, wy;  // y without the near-tie rows
+  for (std::size_t t = 0; t < static_cast<std::size_t>(T); ++t) {
+    if (tie[t]) continue;
+    gy.insert(gy.end(), got.y.begin() + static_cast<std::ptrdiff_t>(t * H), got.y.begin() + static_cast<std::ptrdiff_t>((t + 1) * H));
+    wy.insert(wy.end(), want.y.begin() + static_cast<std::ptrdiff_t>(t * H), want.y.begin() + static_cast<std::ptrdiff_t>((t + 1) * H));
+  }
+  Errors e;
+  e.y = rel_l2(gy, wy);
+  e.dx = rel_l2(got.dx, want.dx);
+  const auto segs = spec.layer_segments(layer);
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    std::size_t offset = 0;
+    for (const TensorSpec& t : segs[i].tensors) {
+      const std::span<const float> g(got.grads[i].data() + offset, t.elements()), r(want.grads[i].data() + offset, t.elements());
+      offset += t.elements();
+      const double err = rel_l2(g, r);
+      if (!(err <= e.worst_grad)) {  // NaN counts as worst
+        e.worst_grad = std::isnan(err) ? INFINITY : err;
+        e.worst_name = t.name;
+      }
+    }
+  }
+  return e;
+}
+
+void check_layer(bool qwen3_5, int layer) {
+  const ModelSpec spec = hybrid_spec(qwen3_5);
+  const auto w = random_weights(spec, layer, 100 + static_cast<std::uint64_t>(layer));
+  const auto H = static_cast<std::size_t>(spec.hidden_size());
+  // Inputs as bf16 holds them, so both layers read the same numbers.
+  std::vector<float> x = to_floats(bf16s(test::random_normal(static_cast<std::size_t>(T) * H, 7)));
+  std::vector<float> dy = to_floats(bf16s(test::random_normal(static_cast<std::size_t>(T) * H, 8)));
+  std::vector<float> probs;
+  (void)host_run(spec, layer, w, x, nullptr, &probs);
+  const auto tie = near_ties(probs, static_cast<std::int64_t>(spec.moe().experts), static_cast<std::int64_t>(spec.moe().top_k));
+  const auto ties = std::count(tie.begin(), tie.end(), true);
+  CHECK(ties <= T / 4);
+  for (std::size_t t = 0; t < tie.size(); ++t)
+    if (tie[t]) std::fill(dy.begin() + static_cast<std::ptrdiff_t>(t * H), dy.begin() + static_cast<std::ptrdiff_t>((t + 1) * H), 0.0f);
+  const Outputs want = host_run(spec, layer, w, x, &dy);
+
+  const auto shape = model::DecoderLayerShape::from_spec(spec, layer, T, sequences);
+  CHECK(shape.linear == (layer == 0));
+  const double tolerance = shape.linear ? linear_tolerance : attention_tolerance;
+  for (const std::int64_t chunk : {std::int64_t{0}, std::int64_t{37}}) {
+    const Errors e = compare(spec, layer, gpu_run(spec, layer, shape, w, x, dy, chunk), want, tie);
+    MESSAGE(fmt::format("{} layer {} ({}), MoE chunk {}: rel L2 y {:.2e}, dx {:.2e}, worst gradient {:.2e} ({}); {} near-tie tokens",
+                        qwen3_5 ? "Qwen3.5-MoE" : "Qwen3-Next", layer, shape.linear ? "Gated DeltaNet" : "gated attention",
+                        chunk, e.y, e.dx, e.worst_grad, e.worst_name, ties));
+    CHECK(e.y <= tolerance);
+    CHECK(e.dx <= tolerance);
+    CHECK(e.worst_grad <= tolerance);
+  }
+
+  // Each hybrid piece undone in the GPU layer's shape is caught by the comparison.
+  std::vector<std::pair<std::string, model::DecoderLayerShape>> undone;
+  auto plain_norms = shape;
+  plain_norms.norm_offset = 0.0f;
+  undone.emplace_back("norm_offset 0", plain_norms);
+  if (!shape.linear) {
+    auto full_rotary = shape;
+    full_rotary.rotary_dim = shape.head_dim;
+    undone.emplace_back("rotary over all of head_dim", full_rotary);
+  }
+  for (const auto& [what, wrong] : undone) {
+    const Errors e = compare(spec, layer, gpu_run(spec, layer, wrong, w, x, dy, 0), want, tie);
+    MESSAGE(fmt::format("  with {}: worst rel L2 {:.2e}", what, e.worst()));
+    CHECK(e.worst() > 10 * tolerance);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("Qwen3-Next's Gated DeltaNet and gated attention layers on the GPU: the host layer's output and every gradient") {
+  check_layer(false, 0);
+  check_layer(false, 1);
+}
+
+TEST_CASE("Qwen3.5-MoE's layers (separate DeltaNet projections, stacked experts) on the GPU: the host layer's results") {
+  check_layer(true, 0);
+  check_layer(true, 1);
+}
