@@ -226,9 +226,10 @@ if [[ "$parts" == *" train "* ]]; then
   # shared experts, hidden 256, heads of 128), 50 steps against transformers' Qwen3NextForCausalLM
   # (TRAIN_HYBRID=0 leaves it out). Its noise floor is PyTorch's own bf16 run against its fp32 one:
   # the bf16 Gated DeltaNet's gradients sit a few 1e-2 from fp32 in any implementation, and 50
-  # steps of AdamW carry that to ~1.3e-2 in the loss (2026-12-04: ours 1.30e-2, PyTorch bf16 1.35e-2).
+  # steps of AdamW carry that to ~1.3e-2 in the loss (2026-12-04: ours 1.30e-2, PyTorch bf16
+  # 1.35e-2), so this comparison allows 2e-2, about 1.5x that floor, where Qwen3-MoE's allows 1e-2.
   if [[ "${TRAIN_HYBRID:-1}" == 1 ]]; then
-    COMPARE_ARGS="--noise-device cuda --noise-bf16" versus_pytorch train-cuda-qwen3-next 300 "Qwen3-Next: 50 GPU steps vs PyTorch at lr 3e-4" --backend cuda \
+    COMPARE_ARGS="--noise-device cuda --noise-bf16 --tolerance 2e-2" versus_pytorch train-cuda-qwen3-next 300 "Qwen3-Next: 50 GPU steps vs PyTorch at lr 3e-4" --backend cuda \
       --config examples/configs/tiny-qwen3-next-d128.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
   fi
   # Gradient accumulation: 50 GPU steps of MICRO_BATCHES (default 3) sequences each against

@@ -1,4 +1,5 @@
-// A Qwen3-MoE decoder layer on the GPU; contract in include/oom/model/cuda_decoder_layer.hpp.
+// A Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE decoder layer on the GPU; contract in
+// include/oom/model/cuda_decoder_layer.hpp.
 // Host code only (the kernels are OOM's launchers and cuBLAS), so it is a .cpp: fmt builds the
 // error messages here.
 #include "oom/model/cuda_decoder_layer.hpp"
@@ -269,9 +270,10 @@ BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::Expert
   b.d_logits = c.take<float>(T * s.experts);
   b.router_bytes = kernels::router_backward_workspace_bytes(router_shape(s));
   b.router_ws = c.take_bytes(b.router_bytes);
-  b.norm_bytes = std::max({kernels::rmsnorm_backward_workspace_bytes(T, H),
-                           kernels::rmsnorm_backward_workspace_bytes(T * s.heads_q, s.head_dim),
-                           kernels::rmsnorm_backward_workspace_bytes(T * s.heads_kv, s.head_dim)});
+  b.norm_bytes = kernels::rmsnorm_backward_workspace_bytes(T, H);
+  if (!s.linear)  // the q and k norms
+    b.norm_bytes = std::max({b.norm_bytes, kernels::rmsnorm_backward_workspace_bytes(T * s.heads_q, s.head_dim),
+                             kernels::rmsnorm_backward_workspace_bytes(T * s.heads_kv, s.head_dim)});
   b.norm_ws = c.take_bytes(b.norm_bytes);
   b.gemm_bytes = kernels::expert_gemm_workspace_bytes(expert_shape(s), expert_method, &streams);
   b.gemm_ws = c.take_bytes(b.gemm_bytes);
@@ -339,7 +341,9 @@ void check_tensors(const DecoderLayerShape& s, const Tensors& p, const char* wha
       {p.router, "router (mlp.gate)"}};
   if (s.linear) {
     const auto& d = p.deltanet;
-    named.insert(named.end(), {{d.in_proj_qkvz, "linear_attn in_proj_qkvz"}, {d.in_proj_ba, "linear_attn in_proj_ba"},
+    // (Qwen3.5's separate in_proj_qkv and in_proj_z, in_proj_b and in_proj_a bind as one each.)
+    named.insert(named.end(), {{d.in_proj_qkvz, "linear_attn in_proj_qkvz (or in_proj_qkv, in_proj_z)"},
+                               {d.in_proj_ba, "linear_attn in_proj_ba (or in_proj_b, in_proj_a)"},
                                {d.conv, "linear_attn conv1d"}, {d.dt_bias, "linear_attn dt_bias"},
                                {d.a_log, "linear_attn A_log"}, {d.norm, "linear_attn norm"},
                                {d.out_proj, "linear_attn out_proj"}});
@@ -542,6 +546,9 @@ DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer,
   } else {
     s.deltanet = DeltaNetShape::from_spec(spec, layer, tokens, sequences);
   }
+  // transformers' Qwen3-MoE rotates the whole head; a partial_rotary_factor there is not its model.
+  if (!hybrid && spec.partial_rotary_factor() != 1.0)
+    invalid(where + fmt::format(": partial_rotary_factor {} (Qwen3-MoE rotates the whole head)", spec.partial_rotary_factor()));
   s.output_gate = !s.linear && a.output_gate;
   s.norm_offset = spec.zero_centred_norms() ? 1.0f : 0.0f;
   s.shared_intermediate = static_cast<std::int64_t>(spec.moe().shared_expert_intermediate);
@@ -617,7 +624,7 @@ void bind(const ModelSpec& spec, int layer, std::span<P const> bases, Out& out, 
       if (seg.role == SegmentRole::shared_expert) {
         if (ends_with(t.name, ".shared_expert.gate_proj.weight")) out.shared_gate_proj = p;
         else if (ends_with(t.name, ".shared_expert.up_proj.weight")) {
-          if (p != out.shared_gate_proj + HIs)
+          if (out.shared_gate_proj == nullptr || p != out.shared_gate_proj + HIs)
             invalid(fmt::format("bind {}: {} does not directly follow the shared expert's gate_proj", what, t.name));
         } else if (ends_with(t.name, ".shared_expert.down_proj.weight")) out.shared_down_proj = p;
         else if (ends_with(t.name, ".shared_expert_gate.weight")) out.shared_expert_gate = p;

@@ -190,6 +190,26 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
     CHECK(got.losses == expect.losses);
     CHECK(same(got.state, expect.state));
   }
+  // MoE token chunks (the shared expert recomputed chunk by chunk in the backward) and 2
+  // micro-batches a step: each plan its own resident step under streaming and recompute.
+  for (const bool micro : {false, true}) {
+    CAPTURE(micro);
+    Plan chunked = reference;
+    for (auto& c : chunked.chunks) c.moe_tokens = 50;  // 157 tokens: 50, 50, 50 and 7
+    if (micro) chunked.micro_batches = 2;
+    const Run want = train(spec, chunked);
+    for (const double loss : want.losses) CHECK(std::isfinite(loss));
+    Plan streamed = chunked;
+    streamed.resident_segments.clear();
+    streamed.prefetch_depth = 1;
+    streamed.retention[0][0] = RetentionDecision::offload();
+    for (int l = 0; l < spec.num_layers(); ++l)
+      streamed.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(ActivationClass::expert_intermediate)] =
+          l == 1 ? RetentionDecision::offload() : RetentionDecision::recompute(l);
+    const Run got = train(spec, streamed);
+    CHECK(got.losses == want.losses);
+    CHECK(same(got.state, want.state));
+  }
 }
 
 TEST_CASE("a model built from a weight source: each segment asked once, in spec order; the model the weights in memory build") {

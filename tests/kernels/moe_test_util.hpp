@@ -30,6 +30,12 @@ inline std::vector<float> to_floats(const std::vector<bf16>& v) {
   for (std::size_t i = 0; i < v.size(); ++i) f[i] = to_float(v[i]);
   return f;
 }
+/// Each value rounded to bf16.
+inline std::vector<bf16> to_bf16s(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_bf16(v[i]);
+  return out;
+}
 
 class Blas {
  public:

@@ -99,20 +99,25 @@ constexpr Case cases[] = {{37, 64, 256}, {37, 256, 1000}, {300, 64, 1000}, {300,
 TEST_CASE("lm_head_forward_backward matches rmsnorm + lm_head_loss + rmsnorm backward references") {
   Blas blas;
   Stream stream;
-  for (const auto& c : cases) {
+  // norm_offset 1: the hybrid families' (1 + w) final norm, w stored less the 1 and the 1 added in fp32.
+  for (const auto& c : cases)
+  for (const float offset : {0.0f, 1.0f}) {
     const std::int64_t T = c.tokens, H = c.hidden, V = c.vocab;
     CAPTURE(T);
     CAPTURE(H);
     CAPTURE(V);
-    const m::LmEndsShape s{.tokens = T, .hidden = H, .vocab = V, .rms_norm_eps = 1e-6f};
+    CAPTURE(offset);
+    const m::LmEndsShape s{.tokens = T, .hidden = H, .vocab = V, .rms_norm_eps = 1e-6f, .norm_offset = offset};
     const m::LmEndsContext ctx{.stream = stream.s, .blas = blas.get()};
     const auto seed = static_cast<std::uint64_t>(T * 1000003 + H * 1009 + V);
 
     // y ~ N(0, 1); final_norm ~ 1 + N(0, 0.1); head ~ N(0, 1/H) so logits are of order 1.
     const Bf16Data y(random_normal(static_cast<std::size_t>(T * H), seed + 1));
     auto wn = random_normal(static_cast<std::size_t>(H), seed + 2, 0.1f);
-    for (auto& w : wn) w += 1.0f;
+    for (auto& w : wn) w += 1.0f - offset;
     const Bf16Data w_norm(wn);
+    std::vector<float> w_applied = w_norm.values;  // what the norm scales by: the stored weight + the offset, in fp32
+    for (auto& w : w_applied) w += offset;
     const Bf16Data head(random_normal(static_cast<std::size_t>(V * H), seed + 3, 1.0f / std::sqrt(static_cast<float>(H))));
     std::vector<std::int32_t> targets(static_cast<std::size_t>(T));
     std::mt19937_64 rng(seed + 4);
@@ -124,13 +129,13 @@ TEST_CASE("lm_head_forward_backward matches rmsnorm + lm_head_loss + rmsnorm bac
     // ---- reference: r = bf16(rms(y) * w) (the GPU's r is bf16), CE with grad_scale 1/T,
     // dr rounded to bf16 (the GPU writes it into dy), then the norm's backward.
     std::vector<float> r(static_cast<std::size_t>(T * H)), rstd(static_cast<std::size_t>(T));
-    ref::rmsnorm_forward<float>(y.values, w_norm.values, r, rstd, T, H, s.rms_norm_eps);
+    ref::rmsnorm_forward<float>(y.values, w_applied, r, rstd, T, H, s.rms_norm_eps);
     r = round_bf16(r);
     const double scale = 1.0 / static_cast<double>(T);
     const auto lm = ref::lm_head_loss(T, H, V, r, head.values, targets, true, scale);
     const auto dr = round_bf16(lm.dx);
     std::vector<float> dy_ref(static_cast<std::size_t>(T * H)), gnorm_inc(static_cast<std::size_t>(H), 0.0f);
-    ref::rmsnorm_backward<float>(dr, y.values, w_norm.values, rstd, dy_ref, gnorm_inc, T, H);
+    ref::rmsnorm_backward<float>(dr, y.values, w_applied, rstd, dy_ref, gnorm_inc, T, H);
     dy_ref = round_bf16(dy_ref);  // the GPU's dy is bf16
 
     // ---- GPU
@@ -156,7 +161,7 @@ TEST_CASE("lm_head_forward_backward matches rmsnorm + lm_head_loss + rmsnorm bac
     const double e_ghead = rel_l2_increment(ghead.download(), ghead0, lm.dw);
     INFO("grad_head relative L2 error " << e_ghead);
     CHECK(e_ghead <= grad_rel_l2);
-    MESSAGE("T=" << T << " H=" << H << " V=" << V << ": loss " << loss_gpu << " (ref " << lm.loss_sum << "), rel L2 dy "
+    MESSAGE("T=" << T << " H=" << H << " V=" << V << " offset " << offset << ": loss " << loss_gpu << " (ref " << lm.loss_sum << "), rel L2 dy "
                  << e_dy << ", grad_final_norm " << e_gnorm << ", grad_head " << e_ghead);
 
     // ---- loss only: the same loss bits, and no gradient buffer touched (they stay poisoned).

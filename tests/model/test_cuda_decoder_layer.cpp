@@ -40,6 +40,7 @@ using oom::test::Blas;
 using oom::test::DeviceBuffer;
 using oom::test::Stream;
 using oom::test::rel_l2;
+using oom::test::to_bf16s;
 using oom::test::to_floats;
 
 namespace {
@@ -61,13 +62,6 @@ constexpr double grad_rel_l2 = 1e-3;
 constexpr std::int64_t T = 1000;
 
 ModelSpec layer_spec() { return test::small_qwen3_moe(1); }
-
-std::vector<bf16> bf16s(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_bf16(v[i]);
-  return out;
-}
-
 
 /// Layer 0 of layer_spec() on the device: weights (bf16) and gradients (fp32) in one block per
 /// segment, bound as the executor binds them; inputs x, dy and positions for `tokens` tokens.
@@ -94,7 +88,7 @@ struct Fixture {
       std::vector<float> w;
       for (const TensorSpec& t : seg.tensors)
         for (std::uint64_t i = 0; i < t.elements(); ++i) w.push_back(t.name.ends_with("norm.weight") ? 1.0f + d(rng) : d(rng));
-      weights.emplace_back(bf16s(w));
+      weights.emplace_back(to_bf16s(w));
       grads.emplace_back(w.size());
       wb.push_back(weights.back().get());
       gb.push_back(grads.back().get());
@@ -102,8 +96,8 @@ struct Fixture {
     params = model::bind_decoder_layer_params(spec, 0, wb);
     grad_ptrs = model::bind_decoder_layer_grads(spec, 0, gb);
     const auto n = static_cast<std::size_t>(tokens * shape.hidden);
-    x = DeviceBuffer<bf16>(bf16s(test::random_normal(n, 21)));
-    dy = DeviceBuffer<bf16>(bf16s(test::random_normal(n, 22)));
+    x = DeviceBuffer<bf16>(to_bf16s(test::random_normal(n, 21)));
+    dy = DeviceBuffer<bf16>(to_bf16s(test::random_normal(n, 22)));
     y = DeviceBuffer<bf16>(n);
     dx = DeviceBuffer<bf16>(n);
     std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens));

@@ -1,5 +1,6 @@
-// One Qwen3-MoE decoder layer on the GPU, forward and backward, composed from OOM's kernels
-// (include/oom/kernels/) and cuBLAS. The math is transformers' Qwen3MoeDecoderLayer:
+// One Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE decoder layer on the GPU, forward and backward,
+// composed from OOM's kernels (include/oom/kernels/) and cuBLAS. The math is transformers'
+// Qwen3MoeDecoderLayer (the hybrid families' differences below):
 //
 //   xn1 = rms(x) * input_layernorm
 //   q   = rope(rms_head(xn1 Wq^T) * q_norm)     (T, Hq, D)   per-head RMSNorm, then RoPE
@@ -43,14 +44,17 @@
 // (expert ids, weights, router probabilities) of the MoE half, not the permuted tokens and expert
 // activations (O(T*k*(H + I))); the backward recomputes them chunk by chunk from the saved xn2 and
 // routing, so saved and workspace bytes of the MoE half scale with C, not T. The results equal the
-// whole layer's up to the expert GEMMs' summation order (cuBLAS picks kernels by shape); for one C
-// they are deterministic run to run.
+// whole layer's up to the expert GEMMs' summation order (cuBLAS picks kernels by shape; the shared
+// expert's GEMMs see chunk-sized shapes too, and its gate's dW adds the chunks' partial sums in
+// chunk order); for one C they are deterministic run to run.
 //
 // Weights may live anywhere in device memory, e.g. in per-segment blocks laid out as ModelSpec's
 // segments (tensors of one segment back to back, in TensorSpec order): bind_decoder_layer_params()
 // resolves every tensor from the layer's segments and one base pointer per segment. The only
 // layout requirement: each expert's up_proj must directly follow its gate_proj (as in its segment),
-// since the expert GEMM reads [gate_proj; up_proj] as one (2I, H) matrix; the same for gradients.
+// since the expert GEMM reads [gate_proj; up_proj] as one (2I, H) matrix; the same for gradients,
+// and for the shared expert's (2Is, H). Qwen3.5's stacked experts.gate_up_proj slices are that
+// layout already.
 //
 // Errors: oom::Error (Errc::invalid_argument for bad shapes/pointers/workspace sizes naming what is
 // wrong, Errc::cuda / Errc::cublas naming the failed call).
@@ -120,7 +124,7 @@ struct DecoderLayerShape {
 /// Device pointers to the layer's weights (bf16), shapes as the HF tensors.
 struct DecoderLayerParams {
   const bf16* input_layernorm = nullptr;           ///< (H)
-  const bf16* q_proj = nullptr;                    ///< (Hq*D, H)
+  const bf16* q_proj = nullptr;                    ///< (Hq*D, H); with output_gate (2*Hq*D, H), [q | gate] per head
   const bf16* k_proj = nullptr;                    ///< (Hkv*D, H)
   const bf16* v_proj = nullptr;                    ///< (Hkv*D, H)
   const bf16* o_proj = nullptr;                    ///< (H, Hq*D)
@@ -203,7 +207,9 @@ struct DecoderLayerContext {
 };
 
 /// Bytes of the buffer kept from forward to backward (the list is in docs/kernels.md): O(T*(H +
-/// heads*D)) for the attention half, plus O(T*k*(H + I)) for the MoE half when it runs whole.
+/// heads*D)) for the attention half (plus T*Hq*D for the gate with output_gate; a linear layer's
+/// is deltanet_saved_bytes instead), plus O(T*k*(H + I) + T*(H + Is)) for the MoE half when it
+/// runs whole.
 [[nodiscard]] std::size_t decoder_layer_saved_bytes(const DecoderLayerShape& s);
 /// Scratch bytes of forward and of backward (the larger of the two); depends on the expert
 /// streams' options (their cuBLAS workspaces are carved from it). The MoE half's part scales with
