@@ -439,6 +439,23 @@ int run(const Options& opt) {
   measured("attention_backward_flops", fmt::format(fmt::runtime(attn_how), "backward", 2.5));
   progress.end("done");
 
+  // The hybrid models' linear attention: the Qwen3-Next-80B linear layer's shape.
+  constexpr std::int64_t kDeltaTokens = 4096;
+  constexpr int kDeltaKHeads = 16, kDeltaVHeads = 32, kDeltaDim = 128;
+  progress.begin(fmt::format("gated delta rule, {} tokens, {}/{} heads of {}", kDeltaTokens, kDeltaKHeads, kDeltaVHeads, kDeltaDim));
+  const auto gd = cuda::measure_gated_delta(0, kDeltaTokens, kDeltaKHeads, kDeltaVHeads, kDeltaDim, q ? 3 : 7);
+  p.gated_delta_forward_updates_per_s = gd.forward_updates_per_s;
+  p.gated_delta_backward_updates_per_s = gd.backward_updates_per_s;
+  const std::string delta_how = fmt::format(
+      "measure_gated_delta: OOM's recurrent gated delta rule, the {{}} timed alone ({{:.2f}} ms, median of {}), 1 x {} tokens, "
+      "{}/{} heads of {}, chunk 64; updates = tokens x v_heads x head_dim^2",
+      gd.repeats, kDeltaTokens, kDeltaKHeads, kDeltaVHeads, kDeltaDim);
+  measured("gated_delta_forward_updates_per_s", fmt::format(fmt::runtime(delta_how), "forward", gd.forward_seconds * 1e3));
+  measured("gated_delta_backward_updates_per_s", fmt::format(fmt::runtime(delta_how), "backward", gd.backward_seconds * 1e3));
+  progress.end(fmt::format("forward {:.2f} ms ({:.2f}x h200 default), backward {:.2f} ms ({:.2f}x)", gd.forward_seconds * 1e3,
+                           gd.forward_updates_per_s / ref.gated_delta_forward_updates_per_s, gd.backward_seconds * 1e3,
+                           gd.backward_updates_per_s / ref.gated_delta_backward_updates_per_s));
+
   const Bytes host_copy_size = q ? 512_MiB : 2_GiB;
   progress.begin(fmt::format("host memcpy {}, all cores", to_string(host_copy_size)));
   const auto hc = measure_host_copy(host_copy_size, q ? 3 : 7);

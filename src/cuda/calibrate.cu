@@ -16,6 +16,7 @@
 #include "oom/core/nccl_check.hpp"
 #include "oom/cuda/calibrate.hpp"
 #include "oom/kernels/attention.hpp"
+#include "oom/kernels/gated_delta.hpp"
 
 namespace oom::cuda {
 
@@ -282,6 +283,53 @@ AttentionRate measure_flash_attention(int device, std::int64_t seq, int q_heads,
   r.flops_per_s = 3.5 * causal_forward / r.seconds;
   r.forward_flops_per_s = causal_forward / r.forward_seconds;
   r.backward_flops_per_s = 2.5 * causal_forward / r.backward_seconds;
+  return r;
+}
+
+GatedDeltaRate measure_gated_delta(int device, std::int64_t tokens, int k_heads, int v_heads, int head_dim, int repeats) {
+  if (tokens < 1 || k_heads < 1 || v_heads < 1 || v_heads % k_heads != 0 || head_dim < 1 || repeats < 1)
+    OOM_THROW(Errc::invalid_argument, "measure_gated_delta: bad shape (v_heads must be a multiple of k_heads)");
+  OOM_CUDA_CHECK(cudaSetDevice(device));
+  kernels::GatedDeltaDims d;
+  d.seq_len = tokens;
+  d.k_heads = k_heads;
+  d.v_heads = v_heads;
+  d.k_dim = d.v_dim = head_dim;
+  Stream stream;
+  const std::int64_t qk = tokens * k_heads * head_dim, vv = tokens * v_heads * head_dim, gates = tokens * v_heads;
+  DeviceBuffer<__nv_bfloat16> q(qk), k(qk), v(vv), out(vv), dout(vv), dq(qk), dk(qk), dv(vv);
+  DeviceBuffer<float> g(gates), beta(gates), dg(gates), dbeta(gates), states(kernels::gated_delta_states_floats(d));
+  const std::size_t ws_bytes = kernels::gated_delta_backward_workspace_bytes(d);
+  DeviceBuffer<unsigned char> ws(std::max<std::size_t>(ws_bytes, 1));
+  launch_fill(q.ptr, q.count, 7, stream.s);
+  launch_fill(k.ptr, k.count, 8, stream.s);
+  launch_fill(v.ptr, v.count, 9, stream.s);
+  launch_fill(dout.ptr, dout.count, 10, stream.s);
+  fill_float<<<1024, 256, 0, stream.s>>>(g.ptr, g.count, -0.05f);  // a decay of 0.95 a token
+  OOM_CUDA_CHECK_LAUNCH();
+  fill_float<<<1024, 256, 0, stream.s>>>(beta.ptr, beta.count, 0.5f);
+  OOM_CUDA_CHECK_LAUNCH();
+  auto b = [](const __nv_bfloat16* p) { return reinterpret_cast<const bf16*>(p); };
+  auto forward = [&] {
+    OOM_CUDA_CHECK(kernels::gated_delta_forward(d, b(q.ptr), b(k.ptr), b(v.ptr), g.ptr, beta.ptr, reinterpret_cast<bf16*>(out.ptr),
+                                                states.ptr, stream.s));
+  };
+  auto backward = [&] {
+    OOM_CUDA_CHECK(kernels::gated_delta_backward(d, b(q.ptr), b(k.ptr), b(v.ptr), g.ptr, beta.ptr, b(dout.ptr), states.ptr,
+                                                 reinterpret_cast<bf16*>(dq.ptr), reinterpret_cast<bf16*>(dk.ptr),
+                                                 reinterpret_cast<bf16*>(dv.ptr), dg.ptr, dbeta.ptr, ws.ptr, ws_bytes, stream.s));
+  };
+  GatedDeltaRate r;
+  r.tokens = tokens;
+  r.k_heads = k_heads;
+  r.v_heads = v_heads;
+  r.head_dim = head_dim;
+  r.repeats = repeats;
+  r.forward_seconds = time_median(stream.s, forward, repeats);  // first: the backward reads its states
+  r.backward_seconds = time_median(stream.s, backward, repeats);
+  const double updates = static_cast<double>(tokens) * v_heads * head_dim * head_dim;
+  r.forward_updates_per_s = updates / r.forward_seconds;
+  r.backward_updates_per_s = updates / r.backward_seconds;
   return r;
 }
 

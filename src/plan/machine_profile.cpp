@@ -65,6 +65,7 @@ namespace {
 enum class Rule : unsigned char {
   positive,    ///< > 0
   collective,  ///< > 0 with several GPUs; >= 0 with one (there is no collective to measure)
+  optional,    ///< >= 0, 0 (or absent from the file) meaning not measured; provenance only when > 0
 };
 
 struct RateField {
@@ -85,6 +86,8 @@ constexpr RateField kRates[] = {
     {"host_copy_bytes_per_s", &MachineProfile::host_copy_bytes_per_s, Rule::positive},
     {"all_to_all_bytes_per_s", &MachineProfile::all_to_all_bytes_per_s, Rule::collective},
     {"all_reduce_bytes_per_s", &MachineProfile::all_reduce_bytes_per_s, Rule::collective},
+    {"gated_delta_forward_updates_per_s", &MachineProfile::gated_delta_forward_updates_per_s, Rule::optional},
+    {"gated_delta_backward_updates_per_s", &MachineProfile::gated_delta_backward_updates_per_s, Rule::optional},
 };
 
 struct BytesField {
@@ -159,7 +162,9 @@ void MachineProfile::validate(std::string_view source) const {
   for (const auto& f : kRates) {
     const double v = this->*f.member;
     if (!std::isfinite(v)) bad(source, f.name, fmt::format("must be finite, got {}", v));
-    if (f.rule == Rule::positive || gpus > 1) {
+    if (f.rule == Rule::optional) {
+      if (v < 0) bad(source, f.name, fmt::format("must be >= 0 (0: not measured), got {}", v));
+    } else if (f.rule == Rule::positive || gpus > 1) {
       if (!(v > 0))
         bad(source, f.name,
             f.rule == Rule::positive ? fmt::format("must be > 0, got {}", v)
@@ -180,6 +185,10 @@ void MachineProfile::validate(std::string_view source) const {
     }
   }
   for (const std::string& field : constant_fields()) {
+    const auto optional = std::find_if(std::begin(kRates), std::end(kRates), [&](const RateField& f) {
+      return f.name == field && f.rule == Rule::optional;
+    });
+    if (optional != std::end(kRates) && this->*optional->member == 0) continue;  // not measured: nothing to explain
     const auto it = provenance.find(field);
     if (it == provenance.end()) bad(source, field, "has no provenance entry (where did the value come from?)");
     const Provenance& p = it->second;
@@ -252,7 +261,10 @@ MachineProfile MachineProfile::from_json(const Json& j, std::string_view source)
       bad(source, f.name, fmt::format("must be > 0, got {}", c.value().dump()));
     p.*f.member = Bytes{read(f.name, [](const JsonCursor& c) { return c.as_uint64(); })};
   }
-  for (const auto& f : kRates) p.*f.member = read(f.name, [](const JsonCursor& c) { return c.as_double(); });
+  for (const auto& f : kRates) {
+    if (f.rule == Rule::optional && !root[f.name].present()) continue;  // a profile from before the field: 0
+    p.*f.member = read(f.name, [](const JsonCursor& c) { return c.as_double(); });
+  }
   // A profile from before the attention curve was split: its one curve serves both passes.
   const bool legacy_attention = root[kLegacyAttention].present() && !root["attention_forward_flops"].present() &&
                                 !root["attention_backward_flops"].present();
@@ -495,6 +507,19 @@ MachineProfile MachineProfile::h200(int gpus) {
 
   p.launch_overhead_s = 3.44e-6;
   p.provenance["launch_overhead_s"] = prov(kCalibrated + ": empty kernel launch, median", kH200Machine, kH200Date);
+
+  {  // The recurrent gated delta rule at the Qwen3-Next-80B linear layer's shape: 1 x 4096 tokens,
+     // 16 key / 32 value heads of 128, states kept every 64 tokens; forward 4.04 ms, backward 22.9 ms.
+    constexpr double updates = 4096.0 * 32 * 128 * 128;
+    const std::string what =
+        "OOM's recurrent gated delta rule (kernels/gated_delta.hpp), the {} timed alone at 1 x 4096 tokens, 16/32 heads of "
+        "128, chunk 64: {} ms for 4096 x 32 x 128 x 128 state updates (test_gated_delta_kernels' timing case; "
+        "docs/performance.md, thirty-fifth session)";
+    p.gated_delta_forward_updates_per_s = updates / 4.04e-3;
+    p.gated_delta_backward_updates_per_s = updates / 22.9e-3;
+    p.provenance["gated_delta_forward_updates_per_s"] = prov(fmt::format(fmt::runtime(what), "forward", 4.04), kH200Machine, "2026-12-04");
+    p.provenance["gated_delta_backward_updates_per_s"] = prov(fmt::format(fmt::runtime(what), "backward", 22.9), kH200Machine, "2026-12-04");
+  }
 
   p.cpu_adamw_params_per_s = 4.82e9;
   p.provenance["cpu_adamw_params_per_s"] = prov(

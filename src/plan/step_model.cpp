@@ -156,11 +156,17 @@ std::array<Bytes, activation_class_count> StepModel::saved_bytes(int layer) cons
     at(ActivationClass::attention_output) = Bytes{t * (q + 2 * a.kv_heads * a.head_dim + a.heads * a.head_dim) * bf16_bytes};
     at(ActivationClass::softmax_stats) = Bytes{t * a.heads * fp32_bytes};
   } else {
+    // What the GPU block keeps (model::deltanet_saved_bytes): the unfused projections [q k v z]
+    // and [b a], the conv's output [q k v], the rule's output and the gated norm's (bf16); the
+    // gates g and beta and the norm's rstd (fp32); and each sequence's state at every 64th token
+    // and its end.
     const auto& la = spec_.linear_attention();
+    const std::uint64_t kw = la.key_heads * la.key_head_dim, vw = la.value_heads * la.value_head_dim;
     at(ActivationClass::attention_output) =
-        Bytes{t * (2 * la.key_heads * la.key_head_dim + 3 * la.value_heads * la.value_head_dim) * bf16_bytes};
+        Bytes{t * ((4 * kw + 5 * vw + 2 * la.value_heads) * bf16_bytes + 3 * la.value_heads * fp32_bytes)};
+    const std::uint64_t b = req_.workload.sequences;
     at(ActivationClass::linear_attention_state) =
-        Bytes{ceil_div(t, 64) * la.value_heads * la.key_head_dim * la.value_head_dim * fp32_bytes};
+        Bytes{b * (ceil_div(t / b, 64) + 1) * la.value_heads * la.key_head_dim * la.value_head_dim * fp32_bytes};
   }
   if (spec_.layer(layer).moe) {
     at(ActivationClass::router_output) = Bytes{t * (m.experts + 2 * m.top_k) * fp32_bytes};
@@ -202,11 +208,9 @@ double StepModel::attention_time(int layer, const Partition& part, bool backward
         t += gemm_factor * time_of(Operation::gemm(b * len, in, h), Resource::gpu_compute);
         t += gemm_factor * time_of(Operation::gemm(b * len, h, la.value_heads * la.value_head_dim), Resource::gpu_compute);
       }
-      // Chunked gated delta rule: intra-chunk (64) attention and state update/readout, as GEMMs.
-      const double scan_factor = backward ? 2.5 : 1.0;
-      t += scan_factor * time_of(Operation::gemm(b * len, la.value_heads * (la.key_head_dim + la.value_head_dim),
-                                  64 + 2 * la.key_head_dim),
-                                 Resource::gpu_compute);
+      // The gated delta rule's recurrence: every value head's key x value state updated per token.
+      t += time_of(Operation::delta_rule(backward, b * len, la.key_head_dim, la.value_head_dim, la.value_heads),
+                   Resource::gpu_compute);
     }
   }
   (void)begin;

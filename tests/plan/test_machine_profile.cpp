@@ -420,3 +420,40 @@ TEST_CASE("cost model: a grouped GEMM at the rate of the launch's rows, never fa
       CHECK(gpu(Operation::gemm(m, 4608, 2048, groups)) >= gpu(Operation::gemm(m, 2304, 2048, groups)));
     }
 }
+
+TEST_CASE("the gated delta rule's rates: measured on the built-in H200, optional in a file, priced by the cost model") {
+  const MachineProfile h200 = MachineProfile::h200(1);
+  CHECK(h200.gated_delta_forward_updates_per_s > h200.gated_delta_backward_updates_per_s);  // the backward reruns each chunk
+  CHECK(h200.provenance.at("gated_delta_backward_updates_per_s").source.find("recurrent gated delta rule") != std::string::npos);
+  CHECK(MachineProfile::h100_80gb(1).gated_delta_forward_updates_per_s == 0);  // not measured there
+  // A file from before the fields (every examples/profiles file) reads them as 0, not measured.
+  const MachineProfile old = MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h200-2026-12-03.json");
+  CHECK(old.gated_delta_forward_updates_per_s == 0);
+  CHECK(old.gated_delta_backward_updates_per_s == 0);
+  SUBCASE("negative") {
+    Json j = h200_json();
+    j.set("gated_delta_forward_updates_per_s", -1);
+    CHECK(profile_error(j) == "profile t.json: field gated_delta_forward_updates_per_s must be >= 0 (0: not measured), got -1");
+  }
+  SUBCASE("measured without provenance") {
+    MachineProfile p = MachineProfile::h100_80gb(1);
+    p.gated_delta_backward_updates_per_s = 1e11;
+    CHECK_THROWS_WITH_AS(p.validate("x"), doctest::Contains("gated_delta_backward_updates_per_s has no provenance entry"), Error);
+  }
+  SUBCASE("priced: the measured rate, or a tensor-core scan where not measured, more tokens never less time") {
+    const ProfileCostModel measured(h200);
+    const auto fwd = Operation::delta_rule(false, 4096, 128, 128, 32), bwd = Operation::delta_rule(true, 4096, 128, 128, 32);
+    CHECK(fwd.state_updates() == 4096.0 * 128 * 128 * 32);
+    // The kernels' measured seconds at that shape come back (the launch aside).
+    CHECK(measured.predict(fwd)[Resource::gpu_compute] == doctest::Approx(h200.launch_overhead_s + 4.04e-3));
+    CHECK(measured.predict(bwd)[Resource::gpu_compute] == doctest::Approx(h200.launch_overhead_s + 22.9e-3));
+    MachineProfile unmeasured = h200;
+    unmeasured.gated_delta_forward_updates_per_s = unmeasured.gated_delta_backward_updates_per_s = 0;
+    const ProfileCostModel scan(unmeasured);
+    CHECK(scan.predict(bwd)[Resource::gpu_compute] > scan.predict(fwd)[Resource::gpu_compute]);
+    CHECK(scan.predict(bwd)[Resource::gpu_compute] < measured.predict(bwd)[Resource::gpu_compute]);
+    for (const ProfileCostModel* m : {&measured, &scan})
+      CHECK(m->predict(Operation::delta_rule(true, 8192, 128, 128, 32))[Resource::gpu_compute] >=
+            m->predict(bwd)[Resource::gpu_compute]);
+  }
+}

@@ -43,6 +43,10 @@ enum class OpKind : unsigned char {
   gpu_optimizer,       ///< GPU AdamW over `elements` parameters
   all_to_all,          ///< `bytes` per GPU
   all_reduce,          ///< `bytes` per GPU
+  /// The gated delta rule's recurrence (the hybrid models' linear attention) over `m` tokens in
+  /// `batch` heads, each head's state `k` x `n` (key dim x value dim) updated once per token.
+  delta_rule_forward,
+  delta_rule_backward,
 };
 
 struct Operation {
@@ -60,12 +64,24 @@ struct Operation {
     return {backward ? OpKind::attention_backward : OpKind::attention_forward, queries, n, head_dim, heads, 0, Bytes{},
             DType::bf16};
   }
+  static constexpr Operation delta_rule(bool backward, std::uint64_t tokens, std::uint64_t k_dim, std::uint64_t v_dim,
+                                        std::uint64_t heads) {
+    return {backward ? OpKind::delta_rule_backward : OpKind::delta_rule_forward, tokens, v_dim, k_dim, heads, 0, Bytes{},
+            DType::bf16};
+  }
   /// Ops that move `bytes`: memory_bound, copies, collectives.
   static constexpr Operation moving(OpKind kind, Bytes bytes) { return {kind, 0, 0, 0, 1, 0, bytes, DType::bf16}; }
   /// Ops over `elements` parameters: the optimizers; `concurrent` bytes of copies through host
   /// memory meanwhile (cpu_optimizer).
   static constexpr Operation over(OpKind kind, std::uint64_t elements, Bytes concurrent = Bytes{}) {
     return {kind, 0, 0, 0, 1, elements, concurrent, DType::bf16};
+  }
+
+  /// State elements a delta_rule op updates: tokens x heads x k x n (0 for others).
+  [[nodiscard]] constexpr double state_updates() const {
+    return kind == OpKind::delta_rule_forward || kind == OpKind::delta_rule_backward
+               ? static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) * static_cast<double>(batch)
+               : 0.0;
   }
 
   /// FLOPs of a gemm or attention op, 2 per multiply-add; 0 for others. Attention forward is

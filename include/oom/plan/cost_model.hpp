@@ -63,6 +63,24 @@ class ProfileCostModel {
         t[Resource::gpu_compute] = launch + op.flops() / rate.at(static_cast<double>(std::max<std::uint64_t>(op.m, 1)));
         break;
       }
+      case OpKind::delta_rule_forward:
+      case OpKind::delta_rule_backward: {
+        const bool backward = op.kind == OpKind::delta_rule_backward;
+        const double rate = backward ? profile_->gated_delta_backward_updates_per_s : profile_->gated_delta_forward_updates_per_s;
+        if (rate > 0) {  // OOM's recurrent kernels, as measured
+          t[Resource::gpu_compute] = launch + op.state_updates() / rate;
+        } else {
+          // Not measured (a profile from before the field): a chunked tensor-core scan in chunks
+          // of 64 as GEMMs, each token's row of all heads' [k | v] against 64 + 2k columns; the
+          // backward 2.5x. The recurrent kernels OOM runs are slower than this (the 4K Qwen3-Next
+          // layer's 0.023 s backward on an H200 against 0.002 s so priced).
+          const double rows = static_cast<double>(std::max<std::uint64_t>(op.m, 1));
+          const double flops_per_row = 2.0 * static_cast<double>(op.batch) * static_cast<double>(op.k + op.n) *
+                                       static_cast<double>(64 + 2 * op.k);
+          t[Resource::gpu_compute] = (backward ? 2.5 : 1.0) * (launch + compute_seconds(profile_->gemm_flops, rows, flops_per_row));
+        }
+        break;
+      }
       case OpKind::memory_bound: t[Resource::gpu_compute] = launch + bytes / profile_->hbm_bytes_per_s; break;
       case OpKind::copy_h2d: t[Resource::h2d] = launch + bytes / h2d_rate(); break;
       case OpKind::copy_d2h: t[Resource::d2h] = launch + bytes / d2h_rate(); break;

@@ -70,6 +70,12 @@ struct MachineProfile {
   SizeCurve attention_forward_flops;
   SizeCurve attention_backward_flops;
   double launch_overhead_s = 0;   ///< fixed cost per kernel or copy
+  /// OOM's recurrent gated delta rule (the hybrid models' linear attention): state elements
+  /// updated per second (tokens x value heads x key dim x value dim over the kernel's seconds),
+  /// forward and backward (which reruns each chunk's forward). 0: not measured (a profile from
+  /// before these fields), and the cost model prices the rule as a tensor-core chunked scan.
+  double gated_delta_forward_updates_per_s = 0;
+  double gated_delta_backward_updates_per_s = 0;
 
   double cpu_adamw_params_per_s = 0;  ///< OOM's CPU AdamW, fp32 master and moments, all cores
   double host_copy_bytes_per_s = 0;   ///< host memory, bytes read + written per second, all cores
