@@ -231,6 +231,11 @@ if [[ "$parts" == *" train "* ]]; then
   if [[ "${TRAIN_HYBRID:-1}" == 1 ]]; then
     COMPARE_ARGS="--noise-device cuda --noise-bf16 --tolerance 2e-2" versus_pytorch train-cuda-qwen3-next 300 "Qwen3-Next: 50 GPU steps vs PyTorch at lr 3e-4" --backend cuda \
       --config examples/configs/tiny-qwen3-next-d128.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
+    # Qwen3.5-MoE: its separate linear-attention projections and stacked experts (2026-12-04:
+    # ours 6.90e-3, PyTorch bf16 7.20e-3).
+    COMPARE_ARGS="--noise-device cuda --noise-bf16 --tolerance 2e-2" versus_pytorch train-cuda-qwen3.5 300 \
+      "Qwen3.5-MoE: 50 GPU steps vs PyTorch at lr 3e-4" --backend cuda \
+      --config examples/configs/tiny-qwen3.5-moe-d128.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
   fi
   # Gradient accumulation: 50 GPU steps of MICRO_BATCHES (default 3) sequences each against
   # PyTorch's summed per-micro-batch gradients (TRAIN_ACCUMULATE=0 leaves it out). At lr 3e-4: at
