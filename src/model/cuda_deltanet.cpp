@@ -74,15 +74,17 @@ kernels::GateDims gate_dims(const DeltaNetShape& s) { return {s.tokens, s.v_head
 kernels::GatedNormDims norm_dims(const DeltaNetShape& s) { return {s.tokens, s.v_heads, s.v_dim, s.projection_width(), s.eps}; }
 kernels::FusedProjectionDims fused_dims(const DeltaNetShape& s) { return {s.tokens, s.k_heads, s.v_heads, s.k_dim, s.v_dim}; }
 
-/// What the forward keeps for the backward.
+/// What the forward keeps for the backward. Not the conv's output (the rule's q, k, v) nor the
+/// gated norm's (out_proj's input): the backward makes them again from qkvz and core with the
+/// forward's launches (the same bits), in the workspace, which one device shares among all layers
+/// where `saved` is one per layer kept: (T, C + vw) bf16 a layer less (6.4 GB at 256K tokens of
+/// the Qwen3-Next-80B layer) for two memory-bound passes.
 struct Saved {
   bf16* qkvz;   // (T, [q k v z]) the projections, unfused
   bf16* ba;     // (T, [b a])
-  bf16* mixed;  // (T, C) the conv's output: q, k, v of the rule
   float *g, *beta;  // (T, v_heads)
   bf16* core;   // (T, vw) the rule's output
   float* rstd;  // (T v_heads)
-  bf16* y;      // (T, vw) the gated norm's output, o_proj's input
   float* states;
 };
 
@@ -91,18 +93,19 @@ Saved carve_saved(const DeltaNetShape& s, detail::Carver& c) {
   Saved v{};
   v.qkvz = c.take<bf16>(T * s.projection_width());
   v.ba = c.take<bf16>(T * 2 * s.v_heads);
-  v.mixed = c.take<bf16>(T * s.conv_channels());
   v.g = c.take<float>(T * s.v_heads);
   v.beta = c.take<float>(T * s.v_heads);
   v.core = c.take<bf16>(T * s.value_width());
   v.rstd = c.take<float>(T * s.v_heads);
-  v.y = c.take<bf16>(T * s.value_width());
   v.states = c.take<float>(static_cast<std::int64_t>(kernels::gated_delta_states_floats(rule_dims(s))));
   return v;
 }
 
 struct Backward {
   bf16 *dy, *dcore, *dqkvz, *dba, *dmixed, *dp, *dpba;  // dp, dpba: the fused layout's gradients (else dqkvz, dba)
+  bf16* mixed;        // (T, C) the conv's output again
+  bf16* y;            // (T, vw) the gated norm's output again, in dcore's storage (read before dcore is written)
+  float* rstd_again;  // (T v_heads) its rstd, written by the recompute and not read
   float *dg, *dbeta, *dconv, *da_log, *ddt_bias, *dnorm;
   void *rule_ws, *conv_ws, *gate_ws, *norm_ws;
   std::size_t rule_bytes, conv_bytes, gate_bytes, norm_bytes;
@@ -113,6 +116,9 @@ Backward carve_backward(const DeltaNetShape& s, detail::Carver& c) {
   Backward b{};
   b.dy = c.take<bf16>(T * s.value_width());
   b.dcore = c.take<bf16>(T * s.value_width());
+  b.y = b.dcore;
+  b.mixed = c.take<bf16>(T * s.conv_channels());
+  b.rstd_again = c.take<float>(T * s.v_heads);
   b.dqkvz = c.take<bf16>(T * s.projection_width());
   b.dba = c.take<bf16>(T * 2 * s.v_heads);
   b.dmixed = c.take<bf16>(T * s.conv_channels());
@@ -135,13 +141,20 @@ Backward carve_backward(const DeltaNetShape& s, detail::Carver& c) {
   return b;
 }
 
-/// The forward's projection outputs before the fused layout's unfusing (the workspace).
+/// The forward's scratch: the projection outputs before the fused layout's unfusing, the conv's
+/// output and the gated norm's.
 struct Forward {
-  bf16 *p, *pba;
+  bf16 *p, *pba, *mixed, *y;
 };
 Forward carve_forward(const DeltaNetShape& s, detail::Carver& c) {
-  if (!s.fused) return {nullptr, nullptr};
-  return {c.take<bf16>(s.tokens * s.projection_width()), c.take<bf16>(s.tokens * 2 * s.v_heads)};
+  Forward f{};
+  if (s.fused) {
+    f.p = c.take<bf16>(s.tokens * s.projection_width());
+    f.pba = c.take<bf16>(s.tokens * 2 * s.v_heads);
+  }
+  f.mixed = c.take<bf16>(s.tokens * s.conv_channels());
+  f.y = c.take<bf16>(s.tokens * s.value_width());
+  return f;
 }
 
 /// The block's segment layout, as the reference states it (the host layer reads the same).
@@ -210,8 +223,8 @@ std::size_t deltanet_workspace_bytes(const DeltaNetShape& s) {
 void deltanet_forward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetShape& s, const DeltaNetParams& w, const bf16* x,
                       bf16* out, void* saved, void* workspace) {
   check_shape(s);
-  if (x == nullptr || out == nullptr || saved == nullptr || (s.fused && workspace == nullptr))
-    invalid("forward: x, out, saved (and, for the fused layout, workspace) must be set");
+  if (x == nullptr || out == nullptr || saved == nullptr || workspace == nullptr)
+    invalid("forward: x, out, saved and workspace must be set");
   check_bound(w, "forward: weight");
   detail::Carver cs(saved), cw(workspace);
   const Saved v = carve_saved(s, cs);
@@ -223,14 +236,14 @@ void deltanet_forward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetSh
   gemm(blas, false, true, T, PW, H, x, H, w.in_proj_qkvz, H, p, CUDA_R_16BF, PW, 0.0f, "in_proj_qkvz forward GEMM");
   gemm(blas, false, true, T, 2 * s.v_heads, H, x, H, w.in_proj_ba, H, pba, CUDA_R_16BF, 2 * s.v_heads, 0.0f, "in_proj_ba forward GEMM");
   if (s.fused) check(kernels::deltanet_unfuse_projections(fused_dims(s), p, pba, v.qkvz, v.ba, false, stream), "unfusing the projections");
-  check(kernels::causal_conv1d_silu_forward(conv_dims(s), v.qkvz, w.conv, v.mixed, stream), "conv1d forward");
+  check(kernels::causal_conv1d_silu_forward(conv_dims(s), v.qkvz, w.conv, f.mixed, stream), "conv1d forward");
   check(kernels::delta_gates_forward(gate_dims(s), v.ba + s.v_heads, v.ba, w.a_log, w.dt_bias, v.g, v.beta, stream), "gates forward");
   const kernels::GatedDeltaDims rd = rule_dims(s);
-  check(kernels::gated_delta_forward(rd, v.mixed, v.mixed + s.key_width(), v.mixed + 2 * s.key_width(), v.g, v.beta, v.core, v.states,
+  check(kernels::gated_delta_forward(rd, f.mixed, f.mixed + s.key_width(), f.mixed + 2 * s.key_width(), v.g, v.beta, v.core, v.states,
                                      stream),
         "gated delta rule forward");
-  check(kernels::gated_rmsnorm_forward(norm_dims(s), v.core, v.qkvz + C, w.norm, v.y, v.rstd, stream), "gated norm forward");
-  gemm(blas, false, true, T, H, vw, v.y, vw, w.out_proj, vw, out, CUDA_R_16BF, H, 0.0f, "out_proj forward GEMM");
+  check(kernels::gated_rmsnorm_forward(norm_dims(s), v.core, v.qkvz + C, w.norm, f.y, v.rstd, stream), "gated norm forward");
+  gemm(blas, false, true, T, H, vw, f.y, vw, w.out_proj, vw, out, CUDA_R_16BF, H, 0.0f, "out_proj forward GEMM");
 }
 
 void deltanet_backward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetShape& s, const DeltaNetParams& w, const bf16* x,
@@ -246,8 +259,13 @@ void deltanet_backward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetS
   const std::int64_t T = s.tokens, H = s.hidden, PW = s.projection_width(), C = s.conv_channels(), vw = s.value_width();
   const std::int64_t kw = s.key_width(), vh = s.v_heads;
   check(cublasSetStream(blas, stream), "cublasSetStream");
+  // The gated norm's output and the conv's, as the forward made them (the same launches on the
+  // same inputs: the same bits); y lives in dcore's storage until the norm's backward.
+  check(kernels::gated_rmsnorm_forward(norm_dims(s), v.core, v.qkvz + C, w.norm, b.y, b.rstd_again, stream),
+        "gated norm forward (again)");
+  check(kernels::causal_conv1d_silu_forward(conv_dims(s), v.qkvz, w.conv, b.mixed, stream), "conv1d forward (again)");
   // out_proj.
-  gemm(blas, true, false, H, vw, T, d_out, H, v.y, vw, grads.out_proj, CUDA_R_32F, vw, 1.0f, "out_proj dW GEMM");
+  gemm(blas, true, false, H, vw, T, d_out, H, b.y, vw, grads.out_proj, CUDA_R_32F, vw, 1.0f, "out_proj dW GEMM");
   gemm(blas, false, false, T, vw, H, d_out, H, w.out_proj, vw, b.dy, CUDA_R_16BF, vw, 0.0f, "out_proj dx GEMM");
   // The gated norm: d core, dz (into dqkvz's z columns), d norm_w.
   check(kernels::gated_rmsnorm_backward(norm_dims(s), v.core, v.qkvz + C, w.norm, v.rstd, b.dy, b.dcore, b.dqkvz + C, b.dnorm,
@@ -256,7 +274,7 @@ void deltanet_backward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetS
   add(blas, b.dnorm, grads.norm, s.v_dim, "norm weight gradient");
   // The rule: dq, dk, dv into d mixed's columns; dg, dbeta.
   const kernels::GatedDeltaDims rd = rule_dims(s);
-  check(kernels::gated_delta_backward(rd, v.mixed, v.mixed + kw, v.mixed + 2 * kw, v.g, v.beta, b.dcore, v.states, b.dmixed,
+  check(kernels::gated_delta_backward(rd, b.mixed, b.mixed + kw, b.mixed + 2 * kw, v.g, v.beta, b.dcore, v.states, b.dmixed,
                                       b.dmixed + kw, b.dmixed + 2 * kw, b.dg, b.dbeta, b.rule_ws, b.rule_bytes, stream),
         "gated delta rule backward");
   // The gates: da, db into dba's columns.

@@ -157,13 +157,13 @@ std::array<Bytes, activation_class_count> StepModel::saved_bytes(int layer) cons
     at(ActivationClass::softmax_stats) = Bytes{t * a.heads * fp32_bytes};
   } else {
     // What the GPU block keeps (model::deltanet_saved_bytes): the unfused projections [q k v z]
-    // and [b a], the conv's output [q k v], the rule's output and the gated norm's (bf16); the
-    // gates g and beta and the norm's rstd (fp32); and each sequence's state at every 64th token
-    // and its end.
+    // and [b a] and the rule's output (bf16); the gates g and beta and the norm's rstd (fp32); and
+    // each sequence's state at every 64th token and its end. (The conv's and the norm's outputs
+    // are made again in the backward's workspace.)
     const auto& la = spec_.linear_attention();
     const std::uint64_t kw = la.key_heads * la.key_head_dim, vw = la.value_heads * la.value_head_dim;
     at(ActivationClass::attention_output) =
-        Bytes{t * ((4 * kw + 5 * vw + 2 * la.value_heads) * bf16_bytes + 3 * la.value_heads * fp32_bytes)};
+        Bytes{t * ((2 * kw + 3 * vw + 2 * la.value_heads) * bf16_bytes + 3 * la.value_heads * fp32_bytes)};
     const std::uint64_t b = req_.workload.sequences;
     at(ActivationClass::linear_attention_state) =
         Bytes{b * (ceil_div(t / b, 64) + 1) * la.value_heads * la.key_head_dim * la.value_head_dim * fp32_bytes};

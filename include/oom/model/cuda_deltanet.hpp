@@ -73,6 +73,10 @@ DeltaNetGrads bind_deltanet_grads(const DeltaNetShape& s, float* base);
 /// Elements of the segment: what bind_* covers.
 [[nodiscard]] std::int64_t deltanet_parameters(const DeltaNetShape& s);
 
+/// `saved`: the unfused projections [q k v z] and [b a], the rule's output (bf16), the gates and
+/// the norm's rstd (fp32), and each sequence's state every `chunk` tokens and at its end; the
+/// conv's and the norm's outputs are made again in the backward's workspace (one per device, not
+/// one per kept layer). `workspace`: one call's scratch, forward or backward, both layouts.
 [[nodiscard]] std::size_t deltanet_saved_bytes(const DeltaNetShape& s);
 [[nodiscard]] std::size_t deltanet_workspace_bytes(const DeltaNetShape& s);
 
