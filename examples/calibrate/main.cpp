@@ -301,7 +301,7 @@ int run(const Options& opt) {
     return ok ? "" : "  CHECK FAILED";
   };
 
-  const int steps = 10 + (gpus > 1 ? 1 : 0);
+  const int steps = 11 + (gpus > 1 ? 1 : 0);
   Progress progress(steps);
 
   // GPU memory: free after the context exists, the smallest over the GPUs used.
@@ -452,9 +452,10 @@ int run(const Options& opt) {
       gd.repeats, kDeltaTokens, kDeltaKHeads, kDeltaVHeads, kDeltaDim);
   measured("gated_delta_forward_updates_per_s", fmt::format(fmt::runtime(delta_how), "forward", gd.forward_seconds * 1e3));
   measured("gated_delta_backward_updates_per_s", fmt::format(fmt::runtime(delta_how), "backward", gd.backward_seconds * 1e3));
-  progress.end(fmt::format("forward {:.2f} ms ({:.2f}x h200 default), backward {:.2f} ms ({:.2f}x)", gd.forward_seconds * 1e3,
+  progress.end(fmt::format("forward {:.2f} ms ({:.2f}x h200 default), backward {:.2f} ms ({:.2f}x){}", gd.forward_seconds * 1e3,
                            gd.forward_updates_per_s / ref.gated_delta_forward_updates_per_s, gd.backward_seconds * 1e3,
-                           gd.backward_updates_per_s / ref.gated_delta_backward_updates_per_s));
+                           gd.backward_updates_per_s / ref.gated_delta_backward_updates_per_s,
+                           check(gd.verified, "gated delta rule outputs finite")));
 
   const Bytes host_copy_size = q ? 512_MiB : 2_GiB;
   progress.begin(fmt::format("host memcpy {}, all cores", to_string(host_copy_size)));

@@ -327,6 +327,14 @@ GatedDeltaRate measure_gated_delta(int device, std::int64_t tokens, int k_heads,
   r.repeats = repeats;
   r.forward_seconds = time_median(stream.s, forward, repeats);  // first: the backward reads its states
   r.backward_seconds = time_median(stream.s, backward, repeats);
+  // Finite outputs and gradients: the timed launches did the work (their values are checked
+  // against the reference in test_gated_delta_kernels).
+  r.verified = true;
+  for (const DeviceBuffer<__nv_bfloat16>* b : {&out, &dq, &dk, &dv}) {
+    std::vector<__nv_bfloat16> host(b->count);
+    OOM_CUDA_CHECK(cudaMemcpy(host.data(), b->ptr, b->count * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
+    for (const auto& x : host) r.verified = r.verified && std::isfinite(__bfloat162float(x));
+  }
   const double updates = static_cast<double>(tokens) * v_heads * head_dim * head_dim;
   r.forward_updates_per_s = updates / r.forward_seconds;
   r.backward_updates_per_s = updates / r.backward_seconds;

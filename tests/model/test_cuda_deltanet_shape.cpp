@@ -12,6 +12,8 @@
 #include "oom/model/cuda_decoder_layer.hpp"
 #include "oom/model/cuda_deltanet.hpp"
 #include "oom/model/model_spec.hpp"
+#include "oom/plan/machine_profile.hpp"
+#include "plan/step_model.hpp"
 
 using namespace oom;
 
@@ -139,4 +141,29 @@ TEST_CASE("the decoder layer's hybrid shapes and bindings: kind, gate, rotary, n
   CHECK_THROWS_WITH_AS(model::decoder_layer_forward(ctx, full, p, reinterpret_cast<const std::int32_t*>(fake), fake,
                                                     const_cast<bf16*>(fake) + 1, &streams, 0, &streams, 0),
                        doctest::Contains("params: shared_expert_gate is null"), Error);
+}
+
+TEST_CASE("the planner's bytes for a linear layer are the GPU block's saved buffer") {
+  // The planner (src/plan/step_model.cpp) sizes a linear layer's attention_output and
+  // linear_attention_state classes; the CUDA executor keeps deltanet_saved_bytes. They must agree
+  // (up to the Carver's 256-byte alignment of each of the block's six pieces), for one sequence
+  // and several, at token counts that are no multiple of the state interval.
+  const ModelSpec next = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/qwen3-next-80b-a3b.json");
+  for (const auto& [sequences, seq_len] : {std::pair<std::uint64_t, std::uint64_t>{1, 4100}, {2, 4100}, {3, 77}}) {
+    CAPTURE(sequences);
+    CAPTURE(seq_len);
+    PlanRequest req;
+    req.gpu_budget = Bytes{139ull << 30};
+    req.host_budget = Bytes{125ull << 30};
+    req.workload = {sequences, seq_len};
+    const detail::StepModel model(next, MachineProfile::h200(1), req, ExecutionPath::local);
+    const auto planned = model.saved_bytes(0);
+    const std::uint64_t bytes = planned[static_cast<std::size_t>(ActivationClass::attention_output)].count() +
+                                planned[static_cast<std::size_t>(ActivationClass::linear_attention_state)].count();
+    const auto shape = model::DeltaNetShape::from_spec(next, 0, static_cast<std::int64_t>(sequences * seq_len),
+                                                       static_cast<std::int64_t>(sequences));
+    const std::uint64_t gpu = model::deltanet_saved_bytes(shape);
+    CHECK(gpu >= bytes);
+    CHECK(gpu - bytes < 6 * 256);
+  }
 }

@@ -84,7 +84,7 @@ struct Operation {
                : 0.0;
   }
 
-  /// FLOPs of a gemm or attention op, 2 per multiply-add; 0 for others. Attention forward is
+  /// FLOPs of a gemm, attention or delta_rule op, 2 per multiply-add; 0 for others. Attention forward is
   /// two products (QK^T and PV), 4·m·n·k per head, of which causal masking computes half; its
   /// backward does 2.5 times the forward's work (the usual 3.5× for forward plus backward).
   [[nodiscard]] constexpr double flops() const {
@@ -92,6 +92,10 @@ struct Operation {
       case OpKind::gemm: return 2.0 * static_cast<double>(m) * n * k * batch;
       case OpKind::attention_forward: return 0.5 * 4.0 * static_cast<double>(m) * n * k * batch;
       case OpKind::attention_backward: return 2.5 * 0.5 * 4.0 * static_cast<double>(m) * n * k * batch;
+      // Per token and head, k x n state: read it against k (2kn), update it (2kn), read it out
+      // against q (2kn); the backward about 2.5x, as attention's.
+      case OpKind::delta_rule_forward: return 6.0 * state_updates();
+      case OpKind::delta_rule_backward: return 2.5 * 6.0 * state_updates();
       default: return 0;
     }
   }

@@ -56,6 +56,7 @@ struct GatedDeltaRate {
   double backward_updates_per_s = 0;  ///< the same count over the backward's
   double forward_seconds = 0, backward_seconds = 0;
   int repeats = 0;
+  bool verified = false;  ///< every output and input gradient came back finite (the rule itself: test_gated_delta_kernels)
 };
 /// OOM's recurrent gated delta rule (include/oom/kernels/gated_delta.hpp) over one sequence of
 /// `tokens`, k_heads/v_heads heads of head_dim (key and value alike), states kept every 64

@@ -74,6 +74,9 @@ struct MachineProfile {
   /// updated per second (tokens x value heads x key dim x value dim over the kernel's seconds),
   /// forward and backward (which reruns each chunk's forward). 0: not measured (a profile from
   /// before these fields), and the cost model prices the rule as a tensor-core chunked scan.
+  /// One rate per pass, measured at 32 value heads of one sequence (32 blocks of the backward on
+  /// 132 SMs): more sequences or heads at once likely run faster than this prices them (not
+  /// measured yet).
   double gated_delta_forward_updates_per_s = 0;
   double gated_delta_backward_updates_per_s = 0;
 
@@ -83,7 +86,8 @@ struct MachineProfile {
   double all_to_all_bytes_per_s = 0;  ///< NCCL all-to-all, bytes each GPU sends per second (0: one GPU)
   double all_reduce_bytes_per_s = 0;  ///< NCCL all-reduce bus bandwidth per GPU (0: one GPU)
 
-  /// Field name (as in the JSON) -> where its value came from. Every field above has one.
+  /// Field name (as in the JSON) -> where its value came from. Every field above has one, but an
+  /// optional one left at 0 (not measured).
   std::map<std::string, Provenance> provenance;
 
   /// Built-in profiles, `gpus` of them in one node.
