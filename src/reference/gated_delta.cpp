@@ -118,11 +118,15 @@ HeadRun normalise_head(const GatedDeltaShape& s, std::int64_t h, std::span<const
   return r;
 }
 
+/// `initial`: the states entering token 0, (v_heads, dk, dv), or empty for zeros.
 HeadRun run_head(const GatedDeltaShape& s, std::int64_t h, std::span<const float> q, std::span<const float> k,
-                 std::span<const float> v, std::span<const float> g, std::span<const float> beta, float* out) {
+                 std::span<const float> v, std::span<const float> g, std::span<const float> beta, float* out,
+                 std::span<const float> initial = {}) {
   const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim;
   HeadRun r = normalise_head(s, h, q, k);
   r.states.assign(static_cast<std::size_t>((T + 1) * dk * dv), 0.0);
+  if (!initial.empty())
+    for (std::int64_t i = 0; i < dk * dv; ++i) r.states[i] = initial[h * dk * dv + i];
   Vec d(static_cast<std::size_t>(dv));
   for (std::int64_t t = 0; t < T; ++t) {
     const double* qn = &r.qn[t * dk];
@@ -159,6 +163,30 @@ std::vector<float> gated_delta_rule_forward(const GatedDeltaShape& s, std::span<
   std::vector<float> out(static_cast<std::size_t>(s.tokens * s.v_heads * s.v_dim));
   for (std::int64_t h = 0; h < s.v_heads; ++h) (void)run_head(s, h, q, k, v, g, beta, out.data());
   return out;
+}
+
+namespace {
+/// A carried state's size: empty, or one dk x dv state per value head.
+void check_state(const char* fn, const GatedDeltaShape& s, std::span<const float> state, const char* what) {
+  if (!state.empty()) check_size(fn, state.size(), s.v_heads * s.k_dim * s.v_dim, what);
+}
+}  // namespace
+
+GatedDeltaCarried gated_delta_rule_forward_from(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                                std::span<const float> v, std::span<const float> g,
+                                                std::span<const float> beta, std::span<const float> initial) {
+  constexpr const char* fn = "gated_delta_rule_forward_from";
+  check_inputs(fn, s, q, k, v, g, beta);
+  check_state(fn, s, initial, "initial");
+  const std::int64_t T = s.tokens, n = s.k_dim * s.v_dim;
+  GatedDeltaCarried c;
+  c.out.resize(static_cast<std::size_t>(T * s.v_heads * s.v_dim));
+  c.final_state.resize(static_cast<std::size_t>(s.v_heads * n));
+  for (std::int64_t h = 0; h < s.v_heads; ++h) {
+    const HeadRun r = run_head(s, h, q, k, v, g, beta, c.out.data(), initial);
+    for (std::int64_t i = 0; i < n; ++i) c.final_state[h * n + i] = static_cast<float>(r.states[T * n + i]);
+  }
+  return c;
 }
 
 namespace {
@@ -415,11 +443,23 @@ GatedDeltaGrads gated_delta_rule_chunked_backward(const GatedDeltaShape& s, std:
 GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
                                           std::span<const float> v, std::span<const float> g, std::span<const float> beta,
                                           std::span<const float> d_out) {
-  check_inputs("gated_delta_rule_backward", s, q, k, v, g, beta);
-  check_size("gated_delta_rule_backward", d_out.size(), s.tokens * s.v_heads * s.v_dim, "d_out");
+  return gated_delta_rule_backward_from(s, q, k, v, g, beta, d_out, {}, {}).grads;
+}
+
+GatedDeltaCarriedGrads gated_delta_rule_backward_from(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                                      std::span<const float> v, std::span<const float> g,
+                                                      std::span<const float> beta, std::span<const float> d_out,
+                                                      std::span<const float> initial, std::span<const float> d_final) {
+  constexpr const char* fn = "gated_delta_rule_backward";
+  check_inputs(fn, s, q, k, v, g, beta);
+  check_size(fn, d_out.size(), s.tokens * s.v_heads * s.v_dim, "d_out");
+  check_state(fn, s, initial, "initial");
+  check_state(fn, s, d_final, "d_final");
   const std::int64_t T = s.tokens, dk = s.k_dim, dv = s.v_dim, group = s.v_heads / s.k_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
-  GatedDeltaGrads gr;
+  GatedDeltaCarriedGrads carried;
+  carried.d_initial.resize(static_cast<std::size_t>(s.v_heads * dk * dv));
+  GatedDeltaGrads& gr = carried.grads;
   Vec dq(q.size(), 0.0), dk_sum(k.size(), 0.0);  // summed over the value heads of a key head, in fp64
   gr.dv.assign(v.size(), 0.0f);
   gr.dg.assign(g.size(), 0.0f);
@@ -428,8 +468,8 @@ GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<co
   Vec dqn(static_cast<std::size_t>(dk)), dkn(dqn.size());
   for (std::int64_t h = 0; h < s.v_heads; ++h) {
     const std::int64_t kh = h / group;
-    const HeadRun r = run_head(s, h, q, k, v, g, beta, nullptr);
-    std::fill(dS.begin(), dS.end(), 0.0);
+    const HeadRun r = run_head(s, h, q, k, v, g, beta, nullptr, initial);
+    for (std::int64_t i = 0; i < dk * dv; ++i) dS[i] = d_final.empty() ? 0.0 : d_final[h * dk * dv + i];
     for (std::int64_t t = T - 1; t >= 0; --t) {
       const double* qn = &r.qn[t * dk];
       const double* kn = &r.kn[t * dk];
@@ -493,10 +533,12 @@ GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<co
       l2_normalise_backward(&q[(t * s.k_heads + kh) * dk], dk, r.rq[t], dqn.data(), &dq[(t * s.k_heads + kh) * dk]);
       l2_normalise_backward(&k[(t * s.k_heads + kh) * dk], dk, r.rk[t], dkn.data(), &dk_sum[(t * s.k_heads + kh) * dk]);
     }
+    // dS is now the gradient of the state entering token 0.
+    for (std::int64_t i = 0; i < dk * dv; ++i) carried.d_initial[h * dk * dv + i] = static_cast<float>(dS[i]);
   }
   gr.dq.assign(dq.begin(), dq.end());
   gr.dk.assign(dk_sum.begin(), dk_sum.end());
-  return gr;
+  return carried;
 }
 
 std::vector<float> causal_conv1d_silu_forward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,

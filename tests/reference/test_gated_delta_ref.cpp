@@ -67,6 +67,78 @@ TEST_CASE("gated delta rule: backward matches finite differences, value heads sh
   check_fd(beta, gr.dbeta, loss, "dbeta");
 }
 
+TEST_CASE("gated delta rule from a carried state: a sequence split in two is the whole; the state's gradients match finite differences") {
+  // docs/hybrid.md, slice 6: the block run in token chunks hands the rule's state forward and its
+  // gradient backward. T = 11 split at m = 4 (no chunk-size multiple), value heads sharing keys.
+  const ref::GatedDeltaShape whole{.tokens = 11, .k_heads = 2, .v_heads = 4, .k_dim = 3, .v_dim = 5};
+  const std::int64_t m = 4, dk = whole.k_dim, dv = whole.v_dim, kh = whole.k_heads, vh = whole.v_heads;
+  const auto nq = static_cast<std::size_t>(whole.tokens * kh * dk), nv = static_cast<std::size_t>(whole.tokens * vh * dv);
+  const auto ng = static_cast<std::size_t>(whole.tokens * vh);
+  auto q = random_normal(nq, 11), k = random_normal(nq, 12), v = random_normal(nv, 13);
+  auto g = uniform(ng, 14, -1.5f, -0.05f), beta = uniform(ng, 15, 0.1f, 0.9f);
+  const auto w = random_normal(nv, 16);  // loss = sum w * out
+  // Rows [from, to) of a (T, heads, dim) array.
+  const auto rows = [](const std::vector<float>& x, std::int64_t per_token, std::int64_t from, std::int64_t to) {
+    return std::vector<float>(x.begin() + from * per_token, x.begin() + to * per_token);
+  };
+  const ref::GatedDeltaShape first{.tokens = m, .k_heads = kh, .v_heads = vh, .k_dim = dk, .v_dim = dv};
+  ref::GatedDeltaShape second = first;
+  second.tokens = whole.tokens - m;
+  const auto part = [&](const ref::GatedDeltaShape& s, std::int64_t from, std::int64_t to, std::span<const float> initial) {
+    return ref::gated_delta_rule_forward_from(s, rows(q, kh * dk, from, to), rows(k, kh * dk, from, to), rows(v, vh * dv, from, to),
+                                              rows(g, vh, from, to), rows(beta, vh, from, to), initial);
+  };
+  const auto out = ref::gated_delta_rule_forward(whole, q, k, v, g, beta);
+  const auto a = part(first, 0, m, {});
+  const auto b = part(second, m, whole.tokens, a.final_state);
+  std::vector<float> joined = a.out;
+  joined.insert(joined.end(), b.out.begin(), b.out.end());
+  // The state handed over is rounded to fp32 once: the second part's outputs move by ~1e-7.
+  CHECK(oom::test::rel_l2(joined, out) <= 1e-6);
+  CHECK(oom::test::rel_l2(a.out, rows(out, vh * dv, 0, m)) == 0.0);  // from zeros: the same arithmetic
+
+  // Backward: the second part from d_final = 0 gives d_initial; the first takes it as its d_final.
+  const auto gw = ref::gated_delta_rule_backward(whole, q, k, v, g, beta, w);
+  const auto part_back = [&](const ref::GatedDeltaShape& s, std::int64_t from, std::int64_t to, std::span<const float> initial,
+                             std::span<const float> d_final) {
+    return ref::gated_delta_rule_backward_from(s, rows(q, kh * dk, from, to), rows(k, kh * dk, from, to), rows(v, vh * dv, from, to),
+                                               rows(g, vh, from, to), rows(beta, vh, from, to), rows(w, vh * dv, from, to), initial,
+                                               d_final);
+  };
+  const auto gb = part_back(second, m, whole.tokens, a.final_state, {});
+  const auto ga = part_back(first, 0, m, {}, gb.d_initial);
+  const auto join = [](const std::vector<float>& x, const std::vector<float>& y) {
+    std::vector<float> z = x;
+    z.insert(z.end(), y.begin(), y.end());
+    return z;
+  };
+  CHECK(oom::test::rel_l2(join(ga.grads.dq, gb.grads.dq), gw.dq) <= 1e-6);
+  CHECK(oom::test::rel_l2(join(ga.grads.dk, gb.grads.dk), gw.dk) <= 1e-6);
+  CHECK(oom::test::rel_l2(join(ga.grads.dv, gb.grads.dv), gw.dv) <= 1e-6);
+  CHECK(oom::test::rel_l2(join(ga.grads.dg, gb.grads.dg), gw.dg) <= 1e-6);
+  CHECK(oom::test::rel_l2(join(ga.grads.dbeta, gb.grads.dbeta), gw.dbeta) <= 1e-6);
+
+  // The state's own gradients against central differences, with a nonzero d_final: the loss of
+  // the second part is sum w * out + sum wf * final_state, from a given initial state.
+  auto initial = random_normal(static_cast<std::size_t>(vh * dk * dv), 17, 0.5f);
+  const auto wf = random_normal(initial.size(), 18);
+  const auto loss = [&] {
+    const auto c = part(second, m, whole.tokens, initial);
+    return dot(c.out, rows(w, vh * dv, m, whole.tokens)) + dot(c.final_state, wf);
+  };
+  const auto gi = part_back(second, m, whole.tokens, initial, wf);
+  check_fd(initial, gi.d_initial, loss, "d_initial");
+  auto vs = rows(v, vh * dv, m, whole.tokens);  // and an input, through the carried state and d_final
+  const auto loss_v = [&] {
+    const auto c = ref::gated_delta_rule_forward_from(second, rows(q, kh * dk, m, whole.tokens), rows(k, kh * dk, m, whole.tokens), vs,
+                                                      rows(g, vh, m, whole.tokens), rows(beta, vh, m, whole.tokens), initial);
+    return dot(c.out, rows(w, vh * dv, m, whole.tokens)) + dot(c.final_state, wf);
+  };
+  check_fd(vs, gi.grads.dv, loss_v, "dv with d_final");
+  // A carried state of the wrong size is named.
+  CHECK_THROWS_WITH_AS(part(second, m, whole.tokens, std::vector<float>(3)), doctest::Contains("initial"), oom::Error);
+}
+
 TEST_CASE("chunked gated delta rule: the recurrence's outputs, and its states at every chunk boundary") {
   const ref::GatedDeltaShape s{.tokens = 11, .k_heads = 2, .v_heads = 4, .k_dim = 3, .v_dim = 5};
   const auto nq = static_cast<std::size_t>(s.tokens * s.k_heads * s.k_dim);

@@ -30,6 +30,19 @@ std::vector<float> gated_delta_rule_forward(const GatedDeltaShape& s, std::span<
                                             std::span<const float> v, std::span<const float> g,
                                             std::span<const float> beta);
 
+/// The rule over a token range that continues a sequence (docs/hybrid.md, slice 6: a block run
+/// in token chunks): each value head starts from `initial` (v_heads, dk, dv), the state entering
+/// the range (empty: zeros, as gated_delta_rule_forward), and the state leaving the range comes
+/// back. Running [0, m) and then [m, T) from its final state is the whole rule, up to the fp32
+/// rounding of the state handed over.
+struct GatedDeltaCarried {
+  std::vector<float> out;          ///< (T, v_heads, dv)
+  std::vector<float> final_state;  ///< (v_heads, dk, dv)
+};
+GatedDeltaCarried gated_delta_rule_forward_from(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                                std::span<const float> v, std::span<const float> g,
+                                                std::span<const float> beta, std::span<const float> initial);
+
 /// The same rule computed a chunk of `chunk` tokens at a time, as chunked GPU kernels do (FLA's
 /// form, transformers' torch_chunk_gated_delta_rule): within a chunk, with G_i the decay summed
 /// from its start and S the state entering it, the deltas solve the unit lower-triangular system
@@ -55,6 +68,18 @@ struct GatedDeltaGrads {
 GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
                                           std::span<const float> v, std::span<const float> g, std::span<const float> beta,
                                           std::span<const float> d_out);
+
+/// gated_delta_rule_forward_from's backward: with `d_final` (v_heads, dk, dv) the gradient of the
+/// state leaving the range (empty: zeros), the inputs' gradients and `d_initial`, the gradient of
+/// the state entering it, which the range before takes as its d_final.
+struct GatedDeltaCarriedGrads {
+  GatedDeltaGrads grads;
+  std::vector<float> d_initial;  ///< (v_heads, dk, dv)
+};
+GatedDeltaCarriedGrads gated_delta_rule_backward_from(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                                      std::span<const float> v, std::span<const float> g,
+                                                      std::span<const float> beta, std::span<const float> d_out,
+                                                      std::span<const float> initial, std::span<const float> d_final);
 
 /// The same gradients computed a chunk at a time from the last, as a chunked GPU kernel will:
 /// per chunk, the forward's quantities (run_chunk: the decays G, the masked k.k and q.k products,
