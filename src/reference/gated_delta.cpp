@@ -572,6 +572,48 @@ CausalConvGrads causal_conv1d_silu_backward(std::int64_t tokens, std::int64_t ch
   return {std::vector<float>(dx.begin(), dx.end()), std::vector<float>(dw.begin(), dw.end())};
 }
 
+namespace {
+/// history (K - 1 rows, or zeros when empty) then x, as one sequence.
+std::vector<float> with_history(const char* fn, std::int64_t channels, std::int64_t kernel, std::span<const float> x,
+                                std::span<const float> history) {
+  if (!history.empty()) check_size(fn, history.size(), (kernel - 1) * channels, "history");
+  std::vector<float> joined(static_cast<std::size_t>((kernel - 1) * channels), 0.0f);
+  if (!history.empty()) std::copy(history.begin(), history.end(), joined.begin());
+  joined.insert(joined.end(), x.begin(), x.end());
+  return joined;
+}
+}  // namespace
+
+std::vector<float> causal_conv1d_silu_forward_from(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
+                                                   std::span<const float> x, std::span<const float> w,
+                                                   std::span<const float> history) {
+  constexpr const char* fn = "causal_conv1d_silu_forward_from";
+  check_conv(fn, tokens, channels, kernel, w);
+  check_size(fn, x.size(), tokens * channels, "x");
+  const auto joined = with_history(fn, channels, kernel, x, history);
+  const auto y = causal_conv1d_silu_forward(tokens + kernel - 1, channels, kernel, joined, w);
+  return std::vector<float>(y.begin() + (kernel - 1) * channels, y.end());
+}
+
+CausalConvCarriedGrads causal_conv1d_silu_backward_from(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
+                                                        std::span<const float> x, std::span<const float> w,
+                                                        std::span<const float> history, std::span<const float> dy) {
+  constexpr const char* fn = "causal_conv1d_silu_backward_from";
+  check_conv(fn, tokens, channels, kernel, w);
+  check_size(fn, x.size(), tokens * channels, "x");
+  check_size(fn, dy.size(), tokens * channels, "dy");
+  const auto joined = with_history(fn, channels, kernel, x, history);
+  std::vector<float> dy_joined(static_cast<std::size_t>((kernel - 1) * channels), 0.0f);  // the history's outputs are not ours
+  dy_joined.insert(dy_joined.end(), dy.begin(), dy.end());
+  CausalConvGrads g = causal_conv1d_silu_backward(tokens + kernel - 1, channels, kernel, joined, w, dy_joined);
+  CausalConvCarriedGrads c;
+  const auto split = g.dx.begin() + (kernel - 1) * channels;
+  c.d_history.assign(g.dx.begin(), split);
+  c.grads.dx.assign(split, g.dx.end());
+  c.grads.dw = std::move(g.dw);
+  return c;
+}
+
 DeltaGates delta_gates_forward(std::int64_t tokens, std::int64_t heads, std::span<const float> a, std::span<const float> b,
                                std::span<const float> a_log, std::span<const float> dt_bias) {
   check_gates("delta_gates_forward", tokens, heads, a_log, dt_bias);

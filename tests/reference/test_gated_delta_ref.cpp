@@ -229,6 +229,45 @@ TEST_CASE("causal conv1d + SiLU: causal, and its backward matches finite differe
   check_fd(w, gr.dw, loss, "dw");
 }
 
+TEST_CASE("causal conv1d + SiLU continuing a sequence: a split in two is the whole, bit for bit, gradients included") {
+  // T = 9 split at 2 (fewer tokens than the K - 1 = 3 rows of history: the second part's history
+  // reaches into the zeros before the sequence) and at 6.
+  const std::int64_t T = 9, C = 5, K = 4;
+  const auto x = random_normal(static_cast<std::size_t>(T * C), 21), w = random_normal(static_cast<std::size_t>(C * K), 22, 0.5f);
+  const auto dy = random_normal(x.size(), 23);
+  const auto y = ref::causal_conv1d_silu_forward(T, C, K, x, w);
+  const auto gw = ref::causal_conv1d_silu_backward(T, C, K, x, w, dy);
+  for (const std::int64_t m : {std::int64_t{2}, std::int64_t{6}}) {
+    CAPTURE(m);
+    const std::vector<float> x1(x.begin(), x.begin() + m * C), x2(x.begin() + m * C, x.end());
+    const std::vector<float> dy1(dy.begin(), dy.begin() + m * C), dy2(dy.begin() + m * C, dy.end());
+    // The history: the K - 1 input rows before token m, zeros before token 0.
+    std::vector<float> history(static_cast<std::size_t>((K - 1) * C), 0.0f);
+    for (std::int64_t r = 0; r < K - 1; ++r) {
+      const std::int64_t t = m - (K - 1) + r;
+      if (t >= 0) std::copy(x.begin() + t * C, x.begin() + (t + 1) * C, history.begin() + r * C);
+    }
+    auto y1 = ref::causal_conv1d_silu_forward_from(m, C, K, x1, w, {});
+    const auto y2 = ref::causal_conv1d_silu_forward_from(T - m, C, K, x2, w, history);
+    y1.insert(y1.end(), y2.begin(), y2.end());
+    CHECK(y1 == y);
+    // Backward: the second part's d_history lands on the K - 1 rows before token m.
+    const auto g2 = ref::causal_conv1d_silu_backward_from(T - m, C, K, x2, w, history, dy2);
+    const auto g1 = ref::causal_conv1d_silu_backward_from(m, C, K, x1, w, {}, dy1);
+    std::vector<double> dx(g1.grads.dx.begin(), g1.grads.dx.end());
+    dx.insert(dx.end(), g2.grads.dx.begin(), g2.grads.dx.end());
+    for (std::int64_t r = 0; r < K - 1; ++r) {
+      const std::int64_t t = m - (K - 1) + r;
+      if (t >= 0)
+        for (std::int64_t c = 0; c < C; ++c) dx[t * C + c] += g2.d_history[r * C + c];
+    }
+    for (std::size_t i = 0; i < dx.size(); ++i) CHECK(dx[i] == doctest::Approx(gw.dx[i]).epsilon(1e-6));
+    for (std::size_t i = 0; i < gw.dw.size(); ++i)
+      CHECK(static_cast<double>(g1.grads.dw[i]) + g2.grads.dw[i] == doctest::Approx(gw.dw[i]).epsilon(1e-5));
+  }
+  CHECK_THROWS_WITH_AS(ref::causal_conv1d_silu_forward_from(T, C, K, x, w, std::vector<float>(C)), doctest::Contains("history"), oom::Error);
+}
+
 TEST_CASE("delta gates: beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); backward matches finite differences") {
   const std::int64_t T = 6, H = 3;
   auto a = random_normal(static_cast<std::size_t>(T * H), 10, 2.0f), b = random_normal(a.size(), 11);

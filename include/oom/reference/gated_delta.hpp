@@ -102,6 +102,21 @@ struct CausalConvGrads {
 CausalConvGrads causal_conv1d_silu_backward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
                                             std::span<const float> x, std::span<const float> w, std::span<const float> dy);
 
+/// The conv continuing a sequence (docs/hybrid.md, slice 6): `history` (K - 1, C) holds the input
+/// rows before x's first, the previous token chunk's last ones (empty: zeros, as above); the
+/// backward also returns their gradient, which the chunk before adds to its dx's last K - 1 rows.
+/// The same arithmetic as the whole sequence's conv: a sequence split in two is the whole, bit for bit.
+std::vector<float> causal_conv1d_silu_forward_from(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
+                                                   std::span<const float> x, std::span<const float> w,
+                                                   std::span<const float> history);
+struct CausalConvCarriedGrads {
+  CausalConvGrads grads;
+  std::vector<float> d_history;  ///< (K - 1, C)
+};
+CausalConvCarriedGrads causal_conv1d_silu_backward_from(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
+                                                        std::span<const float> x, std::span<const float> w,
+                                                        std::span<const float> history, std::span<const float> dy);
+
 /// The DeltaNet's gates per (t, h): beta = sigmoid(b), g = -exp(A_log[h]) softplus(a + dt_bias[h])
 /// (softplus(x) = x above 20, as torch's). a, b: (T, H); A_log, dt_bias: (H).
 struct DeltaGates {
