@@ -790,7 +790,24 @@ struct DeltaNetRun {
   std::vector<float> q, k, v, z, a, b;     // split
   DeltaGates gates;
   std::vector<float> core, normed;         // (T, v_heads, dv)
+  std::vector<float> final_state;          // run from a carry only: the rule's state after the last token
 };
+
+/// The block's backward, whole (in == nullptr) or from a carry (then d_carry_out given, d_carry_in filled).
+GatedDeltaNetGrads gated_deltanet_backward_impl(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
+                                                std::span<const float> d_out, const GatedDeltaNetCarry* in,
+                                                const GatedDeltaNetCarry* d_carry_out, GatedDeltaNetCarry* d_carry_in);
+
+/// history (K - 1 rows; empty: zeros) then the chunk's conv inputs, as one sequence of rows.
+std::vector<float> history_then(const GatedDeltaNetShape& s, const std::vector<float>& history, const std::vector<float>& rows) {
+  std::vector<float> joined(static_cast<std::size_t>((s.conv_kernel - 1) * s.conv_channels()), 0.0f);
+  if (!history.empty()) {
+    check_size("gated_deltanet carry", history.size(), (s.conv_kernel - 1) * s.conv_channels(), "conv_history");
+    std::copy(history.begin(), history.end(), joined.begin());
+  }
+  joined.insert(joined.end(), rows.begin(), rows.end());
+  return joined;
+}
 
 void check_block(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w) {
   if (s.tokens < 0 || s.hidden < 1 || s.k_heads < 1 || s.v_heads < 1 || s.k_dim < 1 || s.v_dim < 1 || s.conv_kernel < 1 ||
@@ -814,7 +831,8 @@ GatedDeltaShape core_shape(const GatedDeltaNetShape& s) {
   return {.tokens = s.tokens, .k_heads = s.k_heads, .v_heads = s.v_heads, .k_dim = s.k_dim, .v_dim = s.v_dim};
 }
 
-DeltaNetRun run_block(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w) {
+DeltaNetRun run_block(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
+                      const GatedDeltaNetCarry* in = nullptr) {
   check_block(s, x, w);
   const std::int64_t T = s.tokens, C = s.conv_channels(), kw = s.key_width(), vw = s.value_width();
   DeltaNetRun r;
@@ -827,7 +845,8 @@ DeltaNetRun run_block(const GatedDeltaNetShape& s, std::span<const float> x, con
   std::vector<float>* qkvz_to[] = {&r.mixed, &r.z};
   route_qkvz(s, [&](int to, std::int64_t from, std::int64_t at) { (*qkvz_to[to])[at] = r.qkvz[from]; });
   route_ba(s, [&](int to, std::int64_t from, std::int64_t at) { (to == 2 ? r.b : r.a)[at] = r.ba[from]; });
-  r.conv = causal_conv1d_silu_forward(T, C, s.conv_kernel, r.mixed, w.conv);
+  r.conv = in == nullptr ? causal_conv1d_silu_forward(T, C, s.conv_kernel, r.mixed, w.conv)
+                         : causal_conv1d_silu_forward_from(T, C, s.conv_kernel, r.mixed, w.conv, in->conv_history);
   for (std::int64_t t = 0; t < T; ++t) {
     const float* row = &r.conv[t * C];
     r.q.insert(r.q.end(), row, row + kw);
@@ -835,7 +854,13 @@ DeltaNetRun run_block(const GatedDeltaNetShape& s, std::span<const float> x, con
     r.v.insert(r.v.end(), row + 2 * kw, row + C);
   }
   r.gates = delta_gates_forward(T, s.v_heads, r.a, r.b, w.a_log, w.dt_bias);
-  r.core = gated_delta_rule_forward(core_shape(s), r.q, r.k, r.v, r.gates.g, r.gates.beta);
+  if (in == nullptr) {
+    r.core = gated_delta_rule_forward(core_shape(s), r.q, r.k, r.v, r.gates.g, r.gates.beta);
+  } else {
+    auto carried = gated_delta_rule_forward_from(core_shape(s), r.q, r.k, r.v, r.gates.g, r.gates.beta, in->state);
+    r.core = std::move(carried.out);
+    r.final_state = std::move(carried.final_state);
+  }
   r.normed = gated_rmsnorm_forward(T * s.v_heads, s.v_dim, r.core, r.z, w.norm, s.eps);
   return r;
 }
@@ -869,9 +894,36 @@ std::vector<float> gated_deltanet_forward(const GatedDeltaNetShape& s, std::span
   return linear(s.tokens, s.value_width(), s.hidden, r.normed, w.out_proj);
 }
 
+GatedDeltaNetChunk gated_deltanet_forward_from(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
+                                               const GatedDeltaNetCarry& in) {
+  DeltaNetRun r = run_block(s, x, w, &in);
+  GatedDeltaNetChunk c;
+  c.out = linear(s.tokens, s.value_width(), s.hidden, r.normed, w.out_proj);
+  c.carry.state = std::move(r.final_state);
+  const auto joined = history_then(s, in.conv_history, r.mixed);  // the last K - 1 rows go on
+  c.carry.conv_history.assign(joined.end() - (s.conv_kernel - 1) * s.conv_channels(), joined.end());
+  return c;
+}
+
+GatedDeltaNetChunkGrads gated_deltanet_backward_from(const GatedDeltaNetShape& s, std::span<const float> x,
+                                                     const GatedDeltaNetWeights& w, std::span<const float> d_out,
+                                                     const GatedDeltaNetCarry& in, const GatedDeltaNetCarry& d_carry_out) {
+  GatedDeltaNetChunkGrads out;
+  out.grads = gated_deltanet_backward_impl(s, x, w, d_out, &in, &d_carry_out, &out.d_carry_in);
+  return out;
+}
+
 GatedDeltaNetGrads gated_deltanet_backward(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
                                            std::span<const float> d_out) {
-  const DeltaNetRun r = run_block(s, x, w);
+  return gated_deltanet_backward_impl(s, x, w, d_out, nullptr, nullptr, nullptr);
+}
+
+namespace {
+
+GatedDeltaNetGrads gated_deltanet_backward_impl(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
+                                                std::span<const float> d_out, const GatedDeltaNetCarry* in,
+                                                const GatedDeltaNetCarry* d_carry_out, GatedDeltaNetCarry* d_carry_in) {
+  const DeltaNetRun r = run_block(s, x, w, in);
   check_size("gated_deltanet_backward", d_out.size(), s.tokens * s.hidden, "d_out");
   const std::int64_t T = s.tokens, C = s.conv_channels(), kw = s.key_width(), vw = s.value_width();
   GatedDeltaNetGrads gr;
@@ -879,7 +931,15 @@ GatedDeltaNetGrads gated_deltanet_backward(const GatedDeltaNetShape& s, std::spa
   linear_backward(T, vw, s.hidden, r.normed, w.out_proj, d_out, d_normed, gr.out_proj);
   const auto norm = gated_rmsnorm_backward(T * s.v_heads, s.v_dim, r.core, r.z, w.norm, s.eps, d_normed);
   gr.norm = norm.dw;
-  const auto core = gated_delta_rule_backward(core_shape(s), r.q, r.k, r.v, r.gates.g, r.gates.beta, norm.dx);
+  GatedDeltaGrads core;
+  if (in == nullptr) {
+    core = gated_delta_rule_backward(core_shape(s), r.q, r.k, r.v, r.gates.g, r.gates.beta, norm.dx);
+  } else {
+    auto carried = gated_delta_rule_backward_from(core_shape(s), r.q, r.k, r.v, r.gates.g, r.gates.beta, norm.dx, in->state,
+                                                  d_carry_out->state);
+    core = std::move(carried.grads);
+    d_carry_in->state = std::move(carried.d_initial);
+  }
   const auto gates = delta_gates_backward(T, s.v_heads, r.a, r.b, w.a_log, w.dt_bias, core.dbeta, core.dg);
   gr.a_log = gates.da_log;
   gr.dt_bias = gates.ddt_bias;
@@ -889,7 +949,25 @@ GatedDeltaNetGrads gated_deltanet_backward(const GatedDeltaNetShape& s, std::spa
     std::copy_n(&core.dk[t * kw], kw, &d_conv[t * C + kw]);
     std::copy_n(&core.dv[t * vw], vw, &d_conv[t * C + 2 * kw]);
   }
-  const auto conv = causal_conv1d_silu_backward(T, C, s.conv_kernel, r.mixed, w.conv, d_conv);
+  CausalConvGrads conv;
+  if (in == nullptr) {
+    conv = causal_conv1d_silu_backward(T, C, s.conv_kernel, r.mixed, w.conv, d_conv);
+  } else {
+    auto carried = causal_conv1d_silu_backward_from(T, C, s.conv_kernel, r.mixed, w.conv, in->conv_history, d_conv);
+    // The rows handed on (the last K - 1 of history + this chunk's inputs) take the next chunk's
+    // gradient of them; the history's part goes back with d_carry_in.
+    const std::int64_t hist = (s.conv_kernel - 1) * C;
+    std::vector<double> d_joined(static_cast<std::size_t>(hist + T * C));
+    for (std::int64_t i = 0; i < hist; ++i) d_joined[i] = carried.d_history[i];
+    for (std::int64_t i = 0; i < T * C; ++i) d_joined[hist + i] = carried.grads.dx[i];
+    if (!d_carry_out->conv_history.empty()) {
+      check_size("gated_deltanet_backward_from", d_carry_out->conv_history.size(), hist, "d_carry_out.conv_history");
+      for (std::int64_t i = 0; i < hist; ++i) d_joined[T * C + i] += d_carry_out->conv_history[i];
+    }
+    d_carry_in->conv_history.assign(d_joined.begin(), d_joined.begin() + hist);
+    conv.dx.assign(d_joined.begin() + hist, d_joined.end());
+    conv.dw = std::move(carried.grads.dw);
+  }
   gr.conv = conv.dw;
   std::vector<float> d_qkvz(r.qkvz.size()), d_ba(r.ba.size());
   const std::vector<float>* qkvz_from[] = {&conv.dx, &norm.dz};
@@ -902,5 +980,7 @@ GatedDeltaNetGrads gated_deltanet_backward(const GatedDeltaNetShape& s, std::spa
   for (std::size_t i = 0; i < gr.dx.size(); ++i) gr.dx[i] = static_cast<float>(static_cast<double>(dx_qkvz[i]) + dx_ba[i]);
   return gr;
 }
+
+}  // namespace
 
 }  // namespace oom::reference

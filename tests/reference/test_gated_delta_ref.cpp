@@ -442,3 +442,70 @@ TEST_CASE("gated delta pieces against PyTorch's autograd through transformers' Q
     check_torch(gr.dw, fx["norm_dw"], "dw");
   }
 }
+
+TEST_CASE("the Gated DeltaNet block in token chunks (slice 6): chunks run in order, carrying state and conv rows, are the whole block") {
+  // Both layouts; T = 13 cut into chunks of 2 (fewer tokens than the conv's K - 1 = 3 history
+  // rows), 5 and 6. The forward's outputs and, running the chunks' backwards last to first with
+  // the carried gradients, dx and every weight gradient (summed over chunks) equal the whole
+  // block's within the fp32 handover of the state.
+  for (const auto layout : {ref::DeltaNetLayout::qwen3_next_fused, ref::DeltaNetLayout::qwen3_5_stacked}) {
+    CAPTURE(static_cast<int>(layout));
+    const ref::GatedDeltaNetShape s{.tokens = 13, .hidden = 6, .k_heads = 1, .v_heads = 2, .k_dim = 3, .v_dim = 4,
+                                    .conv_kernel = 4, .eps = 1e-6, .layout = layout};
+    const auto o = ref::gated_deltanet_offsets(s);
+    auto segment = random_normal(static_cast<std::size_t>(o.end), 31, 0.4f);
+    for (std::int64_t i = o.a_log; i < o.norm; ++i) segment[i] = 0.3f * segment[i];  // A_log, norm near 0 / 1
+    for (std::int64_t i = o.norm; i < o.out_proj; ++i) segment[i] = 1.0f + 0.1f * segment[i];
+    const auto w = ref::gated_deltanet_weights(s, segment);
+    const auto x = random_normal(static_cast<std::size_t>(s.tokens * s.hidden), 32);
+    const auto d_out = random_normal(x.size(), 33);
+    const auto y = ref::gated_deltanet_forward(s, x, w);
+    const auto whole = ref::gated_deltanet_backward(s, x, w, d_out);
+
+    const std::vector<std::int64_t> cuts = {0, 2, 7, 13};
+    std::vector<ref::GatedDeltaNetCarry> carry_in(cuts.size() - 1);  // carry_in[0]: zeros
+    std::vector<float> y_chunks;
+    const auto rows = [&](const std::vector<float>& v, std::size_t c) {
+      return std::vector<float>(v.begin() + cuts[c] * s.hidden, v.begin() + cuts[c + 1] * s.hidden);
+    };
+    const auto shape = [&](std::size_t c) {
+      ref::GatedDeltaNetShape sc = s;
+      sc.tokens = cuts[c + 1] - cuts[c];
+      return sc;
+    };
+    for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
+      auto chunk = ref::gated_deltanet_forward_from(shape(c), rows(x, c), w, carry_in[c]);
+      y_chunks.insert(y_chunks.end(), chunk.out.begin(), chunk.out.end());
+      if (c + 2 < cuts.size()) carry_in[c + 1] = std::move(chunk.carry);
+    }
+    CHECK(oom::test::rel_l2(y_chunks, y) <= 1e-6);
+
+    ref::GatedDeltaNetCarry d_carry;  // the last chunk's: zeros
+    std::vector<float> dx(x.size());
+    std::vector<double> sums[7];
+    const auto add = [](std::vector<double>& to, const std::vector<float>& g) {
+      to.resize(g.size(), 0.0);
+      for (std::size_t i = 0; i < g.size(); ++i) to[i] += g[i];
+    };
+    for (std::size_t c = cuts.size() - 1; c-- > 0;) {
+      auto g = ref::gated_deltanet_backward_from(shape(c), rows(x, c), w, rows(d_out, c), carry_in[c], d_carry);
+      std::copy(g.grads.dx.begin(), g.grads.dx.end(), dx.begin() + cuts[c] * s.hidden);
+      const std::vector<float>* parts[7] = {&g.grads.in_proj_qkvz, &g.grads.in_proj_ba, &g.grads.conv, &g.grads.a_log,
+                                            &g.grads.dt_bias, &g.grads.norm, &g.grads.out_proj};
+      for (int i = 0; i < 7; ++i) add(sums[i], *parts[i]);
+      d_carry = std::move(g.d_carry_in);
+    }
+    CHECK(oom::test::rel_l2(dx, whole.dx) <= 1e-5);
+    const std::vector<float>* want[7] = {&whole.in_proj_qkvz, &whole.in_proj_ba, &whole.conv, &whole.a_log,
+                                         &whole.dt_bias, &whole.norm, &whole.out_proj};
+    for (int i = 0; i < 7; ++i) {
+      CAPTURE(i);
+      const std::vector<float> got(sums[i].begin(), sums[i].end());
+      CHECK(oom::test::rel_l2(got, *want[i]) <= 1e-5);
+    }
+    // The first chunk's incoming carry's gradient is what the zeros before the sequence would
+    // receive: the whole block has none to give, but it exists (a state and K - 1 rows).
+    CHECK(d_carry.state.size() == static_cast<std::size_t>(s.v_heads * s.k_dim * s.v_dim));
+    CHECK(d_carry.conv_history.size() == static_cast<std::size_t>((s.conv_kernel - 1) * s.conv_channels()));
+  }
+}

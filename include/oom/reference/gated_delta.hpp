@@ -207,6 +207,32 @@ struct GatedDeltaNetGrads {
 GatedDeltaNetGrads gated_deltanet_backward(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
                                            std::span<const float> d_out);
 
+/// What a token chunk of one sequence hands the next (docs/hybrid.md, slice 6): the rule's state
+/// per value head (v_heads, dk, dv) and the conv's last K - 1 input rows (K - 1, C). Empty
+/// vectors: zeros (a sequence's first chunk). The gradients of the same, handed back.
+struct GatedDeltaNetCarry {
+  std::vector<float> state;         ///< (v_heads, dk, dv)
+  std::vector<float> conv_history;  ///< (K - 1, conv channels): [q k v] before the conv
+};
+/// The block over a token chunk continuing a sequence from `in`; returns its output and the
+/// carry for the chunk after. Chunks run in order are the whole block (the rule within its fp32
+/// handover of the state; everything else per token or bit for bit).
+struct GatedDeltaNetChunk {
+  std::vector<float> out;  ///< (T, hidden)
+  GatedDeltaNetCarry carry;
+};
+GatedDeltaNetChunk gated_deltanet_forward_from(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
+                                               const GatedDeltaNetCarry& in);
+/// Its backward from d_out and `d_carry_out`, the next chunk's d_carry_in (empty: zeros): the
+/// chunk's gradients (weights' to be summed over the chunks) and the gradient of `in`.
+struct GatedDeltaNetChunkGrads {
+  GatedDeltaNetGrads grads;
+  GatedDeltaNetCarry d_carry_in;
+};
+GatedDeltaNetChunkGrads gated_deltanet_backward_from(const GatedDeltaNetShape& s, std::span<const float> x,
+                                                     const GatedDeltaNetWeights& w, std::span<const float> d_out,
+                                                     const GatedDeltaNetCarry& in, const GatedDeltaNetCarry& d_carry_out);
+
 /// Adds g's weight gradients into a segment's gradient (float or double), laid out as
 /// gated_deltanet_offsets says.
 template <class T>
