@@ -440,17 +440,30 @@ GatedDeltaGrads gated_delta_rule_chunked_backward(const GatedDeltaShape& s, std:
   return gr;
 }
 
+namespace {
+/// The recurrent backward, from `initial` and `d_final` (empty: zeros); `fn` names the caller in errors.
+GatedDeltaCarriedGrads rule_backward(const char* fn, const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                     std::span<const float> v, std::span<const float> g, std::span<const float> beta,
+                                     std::span<const float> d_out, std::span<const float> initial, std::span<const float> d_final);
+}  // namespace
+
 GatedDeltaGrads gated_delta_rule_backward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
                                           std::span<const float> v, std::span<const float> g, std::span<const float> beta,
                                           std::span<const float> d_out) {
-  return gated_delta_rule_backward_from(s, q, k, v, g, beta, d_out, {}, {}).grads;
+  return rule_backward("gated_delta_rule_backward", s, q, k, v, g, beta, d_out, {}, {}).grads;
 }
 
 GatedDeltaCarriedGrads gated_delta_rule_backward_from(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
                                                       std::span<const float> v, std::span<const float> g,
                                                       std::span<const float> beta, std::span<const float> d_out,
                                                       std::span<const float> initial, std::span<const float> d_final) {
-  constexpr const char* fn = "gated_delta_rule_backward";
+  return rule_backward("gated_delta_rule_backward_from", s, q, k, v, g, beta, d_out, initial, d_final);
+}
+
+namespace {
+GatedDeltaCarriedGrads rule_backward(const char* fn, const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                     std::span<const float> v, std::span<const float> g, std::span<const float> beta,
+                                     std::span<const float> d_out, std::span<const float> initial, std::span<const float> d_final) {
   check_inputs(fn, s, q, k, v, g, beta);
   check_size(fn, d_out.size(), s.tokens * s.v_heads * s.v_dim, "d_out");
   check_state(fn, s, initial, "initial");
@@ -540,6 +553,7 @@ GatedDeltaCarriedGrads gated_delta_rule_backward_from(const GatedDeltaShape& s, 
   gr.dk.assign(dk_sum.begin(), dk_sum.end());
   return carried;
 }
+}  // namespace
 
 std::vector<float> causal_conv1d_silu_forward(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
                                               std::span<const float> x, std::span<const float> w) {
@@ -798,13 +812,11 @@ GatedDeltaNetGrads gated_deltanet_backward_impl(const GatedDeltaNetShape& s, std
                                                 std::span<const float> d_out, const GatedDeltaNetCarry* in,
                                                 const GatedDeltaNetCarry* d_carry_out, GatedDeltaNetCarry* d_carry_in);
 
-/// history (K - 1 rows; empty: zeros) then the chunk's conv inputs, as one sequence of rows.
+/// history (K - 1 rows, its size checked by the caller; empty: zeros) then the chunk's conv
+/// inputs, as one sequence of rows.
 std::vector<float> history_then(const GatedDeltaNetShape& s, const std::vector<float>& history, const std::vector<float>& rows) {
   std::vector<float> joined(static_cast<std::size_t>((s.conv_kernel - 1) * s.conv_channels()), 0.0f);
-  if (!history.empty()) {
-    check_size("gated_deltanet carry", history.size(), (s.conv_kernel - 1) * s.conv_channels(), "conv_history");
-    std::copy(history.begin(), history.end(), joined.begin());
-  }
+  if (!history.empty()) std::copy(history.begin(), history.end(), joined.begin());
   joined.insert(joined.end(), rows.begin(), rows.end());
   return joined;
 }
@@ -894,8 +906,20 @@ std::vector<float> gated_deltanet_forward(const GatedDeltaNetShape& s, std::span
   return linear(s.tokens, s.value_width(), s.hidden, r.normed, w.out_proj);
 }
 
+namespace {
+/// A carry's two parts are empty (zeros) or of their sizes; `fn` and `what` name it in errors.
+void check_carry(const char* fn, const GatedDeltaNetShape& s, const GatedDeltaNetCarry& c, const char* what) {
+  if (!c.state.empty())
+    check_size(fn, c.state.size(), s.v_heads * s.k_dim * s.v_dim, fmt::format("{}.state", what).c_str());
+  if (!c.conv_history.empty())
+    check_size(fn, c.conv_history.size(), (s.conv_kernel - 1) * s.conv_channels(), fmt::format("{}.conv_history", what).c_str());
+}
+}  // namespace
+
 GatedDeltaNetChunk gated_deltanet_forward_from(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w,
                                                const GatedDeltaNetCarry& in) {
+  check_block(s, x, w);
+  check_carry("gated_deltanet_forward_from", s, in, "in");
   DeltaNetRun r = run_block(s, x, w, &in);
   GatedDeltaNetChunk c;
   c.out = linear(s.tokens, s.value_width(), s.hidden, r.normed, w.out_proj);
@@ -908,6 +932,11 @@ GatedDeltaNetChunk gated_deltanet_forward_from(const GatedDeltaNetShape& s, std:
 GatedDeltaNetChunkGrads gated_deltanet_backward_from(const GatedDeltaNetShape& s, std::span<const float> x,
                                                      const GatedDeltaNetWeights& w, std::span<const float> d_out,
                                                      const GatedDeltaNetCarry& in, const GatedDeltaNetCarry& d_carry_out) {
+  constexpr const char* fn = "gated_deltanet_backward_from";
+  check_block(s, x, w);
+  check_carry(fn, s, in, "in");
+  check_carry(fn, s, d_carry_out, "d_carry_out");
+  check_size(fn, d_out.size(), s.tokens * s.hidden, "d_out");
   GatedDeltaNetChunkGrads out;
   out.grads = gated_deltanet_backward_impl(s, x, w, d_out, &in, &d_carry_out, &out.d_carry_in);
   return out;
@@ -960,8 +989,7 @@ GatedDeltaNetGrads gated_deltanet_backward_impl(const GatedDeltaNetShape& s, std
     std::vector<double> d_joined(static_cast<std::size_t>(hist + T * C));
     for (std::int64_t i = 0; i < hist; ++i) d_joined[i] = carried.d_history[i];
     for (std::int64_t i = 0; i < T * C; ++i) d_joined[hist + i] = carried.grads.dx[i];
-    if (!d_carry_out->conv_history.empty()) {
-      check_size("gated_deltanet_backward_from", d_carry_out->conv_history.size(), hist, "d_carry_out.conv_history");
+    if (!d_carry_out->conv_history.empty()) {  // (its size checked on entry)
       for (std::int64_t i = 0; i < hist; ++i) d_joined[T * C + i] += d_carry_out->conv_history[i];
     }
     d_carry_in->conv_history.assign(d_joined.begin(), d_joined.begin() + hist);

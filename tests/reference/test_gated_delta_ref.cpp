@@ -229,7 +229,7 @@ TEST_CASE("causal conv1d + SiLU: causal, and its backward matches finite differe
   check_fd(w, gr.dw, loss, "dw");
 }
 
-TEST_CASE("causal conv1d + SiLU continuing a sequence: a split in two is the whole, bit for bit, gradients included") {
+TEST_CASE("causal conv1d + SiLU continuing a sequence: a split in two is the whole, the forward bit for bit, the gradients within fp32 rounding") {
   // T = 9 split at 2 (fewer tokens than the K - 1 = 3 rows of history: the second part's history
   // reaches into the zeros before the sequence) and at 6.
   const std::int64_t T = 9, C = 5, K = 4;
@@ -444,13 +444,14 @@ TEST_CASE("gated delta pieces against PyTorch's autograd through transformers' Q
 }
 
 TEST_CASE("the Gated DeltaNet block in token chunks (slice 6): chunks run in order, carrying state and conv rows, are the whole block") {
-  // Both layouts; T = 13 cut into chunks of 2 (fewer tokens than the conv's K - 1 = 3 history
-  // rows), 5 and 6. The forward's outputs and, running the chunks' backwards last to first with
-  // the carried gradients, dx and every weight gradient (summed over chunks) equal the whole
-  // block's within the fp32 handover of the state.
+  // Both layouts (2 key heads of 2 value heads each, so the two route differently); T = 13 cut
+  // into chunks of 5, 2, 1 and 5: the middle ones shorter than the conv's K - 1 = 3 history rows,
+  // so their history reaches back over more than one chunk. The forward's outputs and, running the
+  // chunks' backwards last to first with the carried gradients, dx and every weight gradient
+  // (summed over chunks) equal the whole block's within the fp32 handover of the state.
   for (const auto layout : {ref::DeltaNetLayout::qwen3_next_fused, ref::DeltaNetLayout::qwen3_5_stacked}) {
     CAPTURE(static_cast<int>(layout));
-    const ref::GatedDeltaNetShape s{.tokens = 13, .hidden = 6, .k_heads = 1, .v_heads = 2, .k_dim = 3, .v_dim = 4,
+    const ref::GatedDeltaNetShape s{.tokens = 13, .hidden = 6, .k_heads = 2, .v_heads = 4, .k_dim = 3, .v_dim = 2,
                                     .conv_kernel = 4, .eps = 1e-6, .layout = layout};
     const auto o = ref::gated_deltanet_offsets(s);
     auto segment = random_normal(static_cast<std::size_t>(o.end), 31, 0.4f);
@@ -462,7 +463,7 @@ TEST_CASE("the Gated DeltaNet block in token chunks (slice 6): chunks run in ord
     const auto y = ref::gated_deltanet_forward(s, x, w);
     const auto whole = ref::gated_deltanet_backward(s, x, w, d_out);
 
-    const std::vector<std::int64_t> cuts = {0, 2, 7, 13};
+    const std::vector<std::int64_t> cuts = {0, 5, 7, 8, 13};
     std::vector<ref::GatedDeltaNetCarry> carry_in(cuts.size() - 1);  // carry_in[0]: zeros
     std::vector<float> y_chunks;
     const auto rows = [&](const std::vector<float>& v, std::size_t c) {
@@ -503,9 +504,47 @@ TEST_CASE("the Gated DeltaNet block in token chunks (slice 6): chunks run in ord
       const std::vector<float> got(sums[i].begin(), sums[i].end());
       CHECK(oom::test::rel_l2(got, *want[i]) <= 1e-5);
     }
-    // The first chunk's incoming carry's gradient is what the zeros before the sequence would
-    // receive: the whole block has none to give, but it exists (a state and K - 1 rows).
-    CHECK(d_carry.state.size() == static_cast<std::size_t>(s.v_heads * s.k_dim * s.v_dim));
-    CHECK(d_carry.conv_history.size() == static_cast<std::size_t>((s.conv_kernel - 1) * s.conv_channels()));
   }
+}
+
+TEST_CASE("the Gated DeltaNet block from a carry: the carry's and dx's gradients match finite differences; bad carries named") {
+  // A chunk of 2 tokens (shorter than K - 1 = 3) from a nonzero carry, with a nonzero gradient of
+  // the carry it hands on: loss = out . d_out + carry_out . d_carry_out.
+  const ref::GatedDeltaNetShape s{.tokens = 2, .hidden = 6, .k_heads = 2, .v_heads = 4, .k_dim = 3, .v_dim = 2,
+                                  .conv_kernel = 4, .eps = 1e-6, .layout = ref::DeltaNetLayout::qwen3_next_fused};
+  const auto o = ref::gated_deltanet_offsets(s);
+  auto segment = random_normal(static_cast<std::size_t>(o.end), 41, 0.4f);
+  for (std::int64_t i = o.norm; i < o.out_proj; ++i) segment[i] = 1.0f + 0.1f * segment[i];
+  const auto w = ref::gated_deltanet_weights(s, segment);
+  auto x = random_normal(static_cast<std::size_t>(s.tokens * s.hidden), 42);
+  const auto d_out = random_normal(x.size(), 43);
+  ref::GatedDeltaNetCarry in{random_normal(static_cast<std::size_t>(s.v_heads * s.k_dim * s.v_dim), 44, 0.5f),
+                             random_normal(static_cast<std::size_t>((s.conv_kernel - 1) * s.conv_channels()), 45)};
+  const ref::GatedDeltaNetCarry d_carry_out{random_normal(in.state.size(), 46), random_normal(in.conv_history.size(), 47)};
+  const auto g = ref::gated_deltanet_backward_from(s, x, w, d_out, in, d_carry_out);
+  const auto loss = [&] {
+    const auto c = ref::gated_deltanet_forward_from(s, x, w, in);
+    return dot(c.out, d_out) + dot(c.carry.state, d_carry_out.state) + dot(c.carry.conv_history, d_carry_out.conv_history);
+  };
+  check_fd(in.state, g.d_carry_in.state, loss, "d_carry_in.state");
+  check_fd(in.conv_history, g.d_carry_in.conv_history, loss, "d_carry_in.conv_history");
+  check_fd(x, g.grads.dx, loss, "dx");
+
+  // Wrongly sized carries are named by the block's function and the carry's part.
+  ref::GatedDeltaNetCarry bad = in;
+  bad.state.resize(5);
+  CHECK_THROWS_WITH_AS(ref::gated_deltanet_forward_from(s, x, w, bad), doctest::Contains("gated_deltanet_forward_from: in.state"),
+                       oom::Error);
+  bad = in;
+  bad.conv_history.resize(5);
+  CHECK_THROWS_WITH_AS(ref::gated_deltanet_forward_from(s, x, w, bad),
+                       doctest::Contains("gated_deltanet_forward_from: in.conv_history"), oom::Error);
+  bad = d_carry_out;
+  bad.state.resize(5);
+  CHECK_THROWS_WITH_AS(ref::gated_deltanet_backward_from(s, x, w, d_out, in, bad),
+                       doctest::Contains("gated_deltanet_backward_from: d_carry_out.state"), oom::Error);
+  bad = d_carry_out;
+  bad.conv_history.resize(5);
+  CHECK_THROWS_WITH_AS(ref::gated_deltanet_backward_from(s, x, w, d_out, in, bad),
+                       doctest::Contains("gated_deltanet_backward_from: d_carry_out.conv_history"), oom::Error);
 }

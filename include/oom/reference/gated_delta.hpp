@@ -104,8 +104,9 @@ CausalConvGrads causal_conv1d_silu_backward(std::int64_t tokens, std::int64_t ch
 
 /// The conv continuing a sequence (docs/hybrid.md, slice 6): `history` (K - 1, C) holds the input
 /// rows before x's first, the previous token chunk's last ones (empty: zeros, as above); the
-/// backward also returns their gradient, which the chunk before adds to its dx's last K - 1 rows.
-/// The same arithmetic as the whole sequence's conv: a sequence split in two is the whole, bit for bit.
+/// backward also returns their gradient, which the chunk before adds to the last K - 1 rows of
+/// [its history; its x] (a chunk shorter than K - 1 passes the rest on to its own d_history). The
+/// forward is the whole sequence's conv bit for bit; the gradients within fp32 rounding.
 std::vector<float> causal_conv1d_silu_forward_from(std::int64_t tokens, std::int64_t channels, std::int64_t kernel,
                                                    std::span<const float> x, std::span<const float> w,
                                                    std::span<const float> history);
