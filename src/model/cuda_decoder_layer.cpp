@@ -900,53 +900,48 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   bf16* const dh = b.dxn2;
   check(kernels::add_bf16(dy, b.dxn2, dh, T * H, st), "residual add dh = dy + d moe");
 
-  if (s.linear) {  // ---- linear attention block: h = x + deltanet(xn1)
+  // ---- the token mixer's backward, its d xn1 summed in fp32 into dxn1_f32; then the input norm's.
+  if (s.linear) {  // linear attention: h = x + deltanet(xn1)
     deltanet_backward(ctx.blas, st, s.deltanet, params.deltanet, v.xn1, dh, b.dxn1_f32, grads.deltanet, v.deltanet, b.deltanet_ws);
-    check(kernels::cast_fp32_to_bf16(b.dxn1_f32, b.dxn1, T * H, st), "cast d xn1 to bf16");
-    check(kernels::rmsnorm_backward(b.dxn1, x, params.input_layernorm, v.rstd1, b.dxn1, grads.input_layernorm, T, H, b.norm_ws,
+  } else {
+    // softmax attention: h = x + o_in Wo^T, o_in = O or (gated) O * sigmoid(gate)
+    const bf16* o_in = v.attn;
+    if (s.output_gate) {
+      check(kernels::output_gate_forward(gate_dims(s), v.attn, v.gate, b.go, st), "output gate forward (again)");
+      o_in = b.go;
+    }
+    gemm(ctx.blas, false, false, T, QW, H, dh, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
+    gemm(ctx.blas, true, false, H, QW, T, dh, H, o_in, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
+    if (s.output_gate)  // d O in place of d o_in
+      check(kernels::output_gate_backward(gate_dims(s), v.attn, v.gate, b.d_attn, b.d_attn, b.d_gate, st), "output gate backward");
+    const kernels::AttentionProblem ap = attention_problem(s);
+    check(kernels::attention_backward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW},
+                                      {b.d_attn, S * QW, QW}, v.lse, {b.dq, S * QW, QW}, {b.dk, S * KW, KW}, {b.dv, S * KW, KW},
+                                      /*accumulate_dkv=*/false, b.attn_ws, b.attn_bytes, st),
+          "attention backward");
+    check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, rotary(s), s.rope_theta, st), "rope backward (q)");
+    check(kernels::rope_backward(b.dk, positions, b.dk, T, s.heads_kv, D, rotary(s), s.rope_theta, st), "rope backward (k)");
+    check(kernels::rmsnorm_backward(b.dq, v.q_raw, params.q_norm, v.q_rstd, b.dq, grads.q_norm, T * s.heads_q, D, b.norm_ws,
                                     b.norm_bytes, st, offset),
-          "input_layernorm backward");
-    check(kernels::add_bf16(dh, b.dxn1, dx, T * H, st), "residual add dx = dh + d linear attention");
-    return;
+          "q_norm backward");
+    check(kernels::rmsnorm_backward(b.dk, v.k_raw, params.k_norm, v.k_rstd, b.dk, grads.k_norm, T * s.heads_kv, D, b.norm_ws,
+                                    b.norm_bytes, st, offset),
+          "k_norm backward");
+    // q_proj's output gradient: dq, or (gated) [dq | d gate] per head as its rows are.
+    const bf16* dq_rows = b.dq;
+    if (s.output_gate) {
+      split_heads(s, st, b.d_qg, b.dq, b.d_gate, /*merge=*/true);
+      dq_rows = b.d_qg;
+    }
+    const std::int64_t QP = q_proj_rows(s);
+    // d xn1 = dq Wq + dk Wk + dv Wv, summed in fp32 and rounded once.
+    gemm(ctx.blas, false, false, T, H, QP, dq_rows, QP, params.q_proj, H, b.dxn1_f32, CUDA_R_32F, H, 0.0f, "q_proj dx GEMM");
+    gemm(ctx.blas, false, false, T, H, KW, b.dk, KW, params.k_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "k_proj dx GEMM");
+    gemm(ctx.blas, false, false, T, H, KW, b.dv, KW, params.v_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "v_proj dx GEMM");
+    gemm(ctx.blas, true, false, QP, H, T, dq_rows, QP, v.xn1, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
+    gemm(ctx.blas, true, false, KW, H, T, b.dk, KW, v.xn1, H, grads.k_proj, CUDA_R_32F, H, 1.0f, "k_proj dW GEMM");
+    gemm(ctx.blas, true, false, KW, H, T, b.dv, KW, v.xn1, H, grads.v_proj, CUDA_R_32F, H, 1.0f, "v_proj dW GEMM");
   }
-
-  // ---- attention block: h = x + o_in Wo^T, o_in = O or (gated) O * sigmoid(gate)
-  const bf16* o_in = v.attn;
-  if (s.output_gate) {
-    check(kernels::output_gate_forward(gate_dims(s), v.attn, v.gate, b.go, st), "output gate forward (again)");
-    o_in = b.go;
-  }
-  gemm(ctx.blas, false, false, T, QW, H, dh, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
-  gemm(ctx.blas, true, false, H, QW, T, dh, H, o_in, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
-  if (s.output_gate)  // d O in place of d o_in
-    check(kernels::output_gate_backward(gate_dims(s), v.attn, v.gate, b.d_attn, b.d_attn, b.d_gate, st), "output gate backward");
-  const kernels::AttentionProblem ap = attention_problem(s);
-  check(kernels::attention_backward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW},
-                                    {b.d_attn, S * QW, QW}, v.lse, {b.dq, S * QW, QW}, {b.dk, S * KW, KW}, {b.dv, S * KW, KW},
-                                    /*accumulate_dkv=*/false, b.attn_ws, b.attn_bytes, st),
-        "attention backward");
-  check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, rotary(s), s.rope_theta, st), "rope backward (q)");
-  check(kernels::rope_backward(b.dk, positions, b.dk, T, s.heads_kv, D, rotary(s), s.rope_theta, st), "rope backward (k)");
-  check(kernels::rmsnorm_backward(b.dq, v.q_raw, params.q_norm, v.q_rstd, b.dq, grads.q_norm, T * s.heads_q, D, b.norm_ws,
-                                  b.norm_bytes, st, offset),
-        "q_norm backward");
-  check(kernels::rmsnorm_backward(b.dk, v.k_raw, params.k_norm, v.k_rstd, b.dk, grads.k_norm, T * s.heads_kv, D, b.norm_ws,
-                                  b.norm_bytes, st, offset),
-        "k_norm backward");
-  // q_proj's output gradient: dq, or (gated) [dq | d gate] per head as its rows are.
-  const bf16* dq_rows = b.dq;
-  if (s.output_gate) {
-    split_heads(s, st, b.d_qg, b.dq, b.d_gate, /*merge=*/true);
-    dq_rows = b.d_qg;
-  }
-  const std::int64_t QP = q_proj_rows(s);
-  // d xn1 = dq Wq + dk Wk + dv Wv, summed in fp32 and rounded once.
-  gemm(ctx.blas, false, false, T, H, QP, dq_rows, QP, params.q_proj, H, b.dxn1_f32, CUDA_R_32F, H, 0.0f, "q_proj dx GEMM");
-  gemm(ctx.blas, false, false, T, H, KW, b.dk, KW, params.k_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "k_proj dx GEMM");
-  gemm(ctx.blas, false, false, T, H, KW, b.dv, KW, params.v_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "v_proj dx GEMM");
-  gemm(ctx.blas, true, false, QP, H, T, dq_rows, QP, v.xn1, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
-  gemm(ctx.blas, true, false, KW, H, T, b.dk, KW, v.xn1, H, grads.k_proj, CUDA_R_32F, H, 1.0f, "k_proj dW GEMM");
-  gemm(ctx.blas, true, false, KW, H, T, b.dv, KW, v.xn1, H, grads.v_proj, CUDA_R_32F, H, 1.0f, "v_proj dW GEMM");
   check(kernels::cast_fp32_to_bf16(b.dxn1_f32, b.dxn1, T * H, st), "cast d xn1 to bf16");
   check(kernels::rmsnorm_backward(b.dxn1, x, params.input_layernorm, v.rstd1, b.dxn1, grads.input_layernorm, T, H, b.norm_ws,
                                   b.norm_bytes, st, offset),

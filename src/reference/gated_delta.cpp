@@ -156,26 +156,16 @@ HeadRun run_head(const GatedDeltaShape& s, std::int64_t h, std::span<const float
 
 }  // namespace
 
-std::vector<float> gated_delta_rule_forward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
-                                            std::span<const float> v, std::span<const float> g,
-                                            std::span<const float> beta) {
-  check_inputs("gated_delta_rule_forward", s, q, k, v, g, beta);
-  std::vector<float> out(static_cast<std::size_t>(s.tokens * s.v_heads * s.v_dim));
-  for (std::int64_t h = 0; h < s.v_heads; ++h) (void)run_head(s, h, q, k, v, g, beta, out.data());
-  return out;
-}
-
 namespace {
 /// A carried state's size: empty, or one dk x dv state per value head.
 void check_state(const char* fn, const GatedDeltaShape& s, std::span<const float> state, const char* what) {
   if (!state.empty()) check_size(fn, state.size(), s.v_heads * s.k_dim * s.v_dim, what);
 }
-}  // namespace
 
-GatedDeltaCarried gated_delta_rule_forward_from(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
-                                                std::span<const float> v, std::span<const float> g,
-                                                std::span<const float> beta, std::span<const float> initial) {
-  constexpr const char* fn = "gated_delta_rule_forward_from";
+/// The recurrence from `initial` (empty: zeros); `fn` names the caller in errors.
+GatedDeltaCarried rule_forward(const char* fn, const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                               std::span<const float> v, std::span<const float> g, std::span<const float> beta,
+                               std::span<const float> initial) {
   check_inputs(fn, s, q, k, v, g, beta);
   check_state(fn, s, initial, "initial");
   const std::int64_t T = s.tokens, n = s.k_dim * s.v_dim;
@@ -187,6 +177,19 @@ GatedDeltaCarried gated_delta_rule_forward_from(const GatedDeltaShape& s, std::s
     for (std::int64_t i = 0; i < n; ++i) c.final_state[h * n + i] = static_cast<float>(r.states[T * n + i]);
   }
   return c;
+}
+}  // namespace
+
+std::vector<float> gated_delta_rule_forward(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                            std::span<const float> v, std::span<const float> g,
+                                            std::span<const float> beta) {
+  return rule_forward("gated_delta_rule_forward", s, q, k, v, g, beta, {}).out;
+}
+
+GatedDeltaCarried gated_delta_rule_forward_from(const GatedDeltaShape& s, std::span<const float> q, std::span<const float> k,
+                                                std::span<const float> v, std::span<const float> g,
+                                                std::span<const float> beta, std::span<const float> initial) {
+  return rule_forward("gated_delta_rule_forward_from", s, q, k, v, g, beta, initial);
 }
 
 namespace {
@@ -812,15 +815,6 @@ GatedDeltaNetGrads gated_deltanet_backward_impl(const GatedDeltaNetShape& s, std
                                                 std::span<const float> d_out, const GatedDeltaNetCarry* in,
                                                 const GatedDeltaNetCarry* d_carry_out, GatedDeltaNetCarry* d_carry_in);
 
-/// history (K - 1 rows, its size checked by the caller; empty: zeros) then the chunk's conv
-/// inputs, as one sequence of rows.
-std::vector<float> history_then(const GatedDeltaNetShape& s, const std::vector<float>& history, const std::vector<float>& rows) {
-  std::vector<float> joined(static_cast<std::size_t>((s.conv_kernel - 1) * s.conv_channels()), 0.0f);
-  if (!history.empty()) std::copy(history.begin(), history.end(), joined.begin());
-  joined.insert(joined.end(), rows.begin(), rows.end());
-  return joined;
-}
-
 void check_block(const GatedDeltaNetShape& s, std::span<const float> x, const GatedDeltaNetWeights& w) {
   if (s.tokens < 0 || s.hidden < 1 || s.k_heads < 1 || s.v_heads < 1 || s.k_dim < 1 || s.v_dim < 1 || s.conv_kernel < 1 ||
       s.v_heads % s.k_heads != 0 || !(s.eps > 0))
@@ -924,7 +918,8 @@ GatedDeltaNetChunk gated_deltanet_forward_from(const GatedDeltaNetShape& s, std:
   GatedDeltaNetChunk c;
   c.out = linear(s.tokens, s.value_width(), s.hidden, r.normed, w.out_proj);
   c.carry.state = std::move(r.final_state);
-  const auto joined = history_then(s, in.conv_history, r.mixed);  // the last K - 1 rows go on
+  const auto joined = with_history("gated_deltanet_forward_from", s.conv_channels(), s.conv_kernel, r.mixed,
+                                   in.conv_history);  // the last K - 1 rows go on
   c.carry.conv_history.assign(joined.end() - (s.conv_kernel - 1) * s.conv_channels(), joined.end());
   return c;
 }

@@ -85,6 +85,12 @@ TEST_CASE("the decoder layer's hybrid shapes and bindings: kind, gate, rotary, n
   const std::string data = std::string(OOM_SOURCE_DIR) + "/tests/data/";
   const ModelSpec next = ModelSpec::from_file(data + "gpu-qwen3-next-layers.json");
   const ModelSpec q35 = ModelSpec::from_file(data + "gpu-qwen3.5-moe-layers.json");
+  // One fake base per segment of a layer, far apart (only offsets are taken from them).
+  const auto fake_bases = [](const ModelSpec& spec, int layer) {
+    std::vector<const bf16*> bases;
+    for (std::size_t i = 0; i < spec.layer_segments(layer).size(); ++i) bases.push_back(reinterpret_cast<const bf16*>((i + 1) << 32));
+    return bases;
+  };
   for (const auto* spec : {&next, &q35}) {
     CAPTURE(to_string(spec->family()));
     const auto linear = model::DecoderLayerShape::from_spec(*spec, 0, 122, 2);
@@ -107,8 +113,7 @@ TEST_CASE("the decoder layer's hybrid shapes and bindings: kind, gate, rotary, n
     for (int layer : {0, 1}) {
       CAPTURE(layer);
       const auto segs = spec->layer_segments(layer);
-      std::vector<const bf16*> bases;
-      for (std::size_t i = 0; i < segs.size(); ++i) bases.push_back(reinterpret_cast<const bf16*>((i + 1) << 32));
+      const auto bases = fake_bases(*spec, layer);
       const auto p = model::bind_decoder_layer_params(*spec, layer, bases);
       const auto H = static_cast<std::int64_t>(spec->hidden_size()), I = static_cast<std::int64_t>(spec->moe().expert_intermediate);
       for (std::size_t e = 0; e < spec->moe().experts; ++e) {
@@ -131,9 +136,7 @@ TEST_CASE("the decoder layer's hybrid shapes and bindings: kind, gate, rotary, n
   }
   // A missing shared expert pointer is named before anything runs (no GPU needed).
   const auto full = model::DecoderLayerShape::from_spec(next, 1, 122, 2);
-  std::vector<const bf16*> bases;
-  for (std::size_t i = 0; i < next.layer_segments(1).size(); ++i) bases.push_back(reinterpret_cast<const bf16*>((i + 1) << 32));
-  auto p = model::bind_decoder_layer_params(next, 1, bases);
+  auto p = model::bind_decoder_layer_params(next, 1, fake_bases(next, 1));
   p.shared_expert_gate = nullptr;
   kernels::ExpertGemmStreams streams;
   const model::DecoderLayerContext ctx{nullptr, reinterpret_cast<cublasHandle_t>(&streams), &streams, nullptr};
