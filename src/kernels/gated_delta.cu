@@ -8,13 +8,19 @@
 // xor shuffles, so the forward needs no other thread but its column's. Tokens are staged a tile at
 // a time in shared memory, q and k l2-normalised by warps.
 // Forward: a block per (sequence, value head, 32 columns): the columns of the state never meet.
-// Backward: a block per (sequence, value head), every column (dq and dk sum over them): per chunk
-// from the last, the chunk's states are recomputed from the one the forward kept (the same
-// arithmetic as the forward: the same bits) into this block's scratch, then the tokens are walked
-// backwards with the state's gradient dS beside the state in registers; the sums over columns
-// (dq, dk, d alpha, d beta) reduce-scatter over a warp's 8 columns by shuffles, then add the warps'
-// partials in warp order through shared memory. A last kernel sums dq and dk over the value heads
+// Backward: per chunk from the last, the chunk's states are recomputed from the one the forward
+// kept (the same arithmetic as the forward: the same bits) into the block's scratch, then the
+// tokens are walked backwards with the state's gradient dS beside the state in registers; the sums
+// over columns (dq, dk, d alpha, d beta) reduce-scatter over a warp's 8 columns by shuffles, then
+// add the warps' partials in warp order. On Hopper and later a cluster of blocks per (sequence,
+// value head), 32 columns a block as in the forward, adds them a tile of tokens at a time through
+// distributed shared memory; before it, one block per (sequence, value head) holds every column
+// and adds them a token at a time through its shared memory. Only the one-block path existed
+// until the thirty-seventh session: at one sequence of 32 value heads it kept 32 of the H200's 132
+// SMs busy. A last kernel sums dq and dk over the value heads
 // of each key head, in head order, and takes them back through the l2norm.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <type_traits>
 
@@ -35,6 +41,7 @@ constexpr int tile_tokens = 16;       // tokens staged at once
 constexpr int forward_columns = 32;   // columns a forward block owns
 constexpr int norm_threads = 128;     // the l2norm backward: a warp per (token, key head) row
 constexpr int max_backward_threads = 512;  // 4 x dv <= 128 columns
+constexpr int cluster_threads = forward_columns * parts;  // the cluster backward's blocks: 32 columns each
 
 __host__ __device__ constexpr std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 // GatedDeltaDims' chunks() and tokens(), for device code (the header's are host functions).
@@ -48,7 +55,17 @@ __host__ __device__ std::int64_t column_blocks(std::int64_t dv) { return (dv + f
 
 // The recurrence's steps, spelled out (explicit fma and uncontracted products) so that the
 // forward and the backward's recomputation round alike whatever the compiler contracts.
-__device__ __forceinline__ float dot_step(float acc, float s, float k) { return __fmaf_rn(s, k, acc); }
+/// sum_r s[r] k[r] over a thread's R rows as four interleaved fma chains added pairwise: a quarter
+/// of one chain's dependent latency (the recurrence runs a warp per scheduler, so latency is its
+/// time). Every pass computes its sums through this one order, so the forward and the backward's
+/// recomputation agree bit for bit.
+template <int R>
+__device__ __forceinline__ float dot(const float (&s)[R], const float* k) {
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r % 4] = __fmaf_rn(s[r], k[r], acc[r % 4]);
+  return __fadd_rn(__fadd_rn(acc[0], acc[1]), __fadd_rn(acc[2], acc[3]));
+}
 __device__ __forceinline__ float delta_of(float beta, float v, float alpha, float u) {
   return __fmul_rn(beta, __fsub_rn(v, __fmul_rn(alpha, u)));
 }
@@ -125,10 +142,7 @@ template <int R>
 __device__ __forceinline__ float recur(float (&s)[R], const Tile<R>& tile, int tt, int jl, int p, std::int64_t vcols) {
   const float* kk = tile.kn + tt * Tile<R>::row + p * (R + 1);
   const float a = tile.alpha[tt];
-  float u = 0;
-#pragma unroll
-  for (int r = 0; r < R; ++r) u = dot_step(u, s[r], kk[r]);
-  const float delta = delta_of(tile.beta[tt], tile.v[tt * vcols + jl], a, column_sum(u));
+  const float delta = delta_of(tile.beta[tt], tile.v[tt * vcols + jl], a, column_sum(dot(s, kk)));
 #pragma unroll
   for (int r = 0; r < R; ++r) s[r] = update(s[r], a, kk[r], delta);
   return delta;
@@ -150,7 +164,7 @@ __device__ void load_rows(float (&s)[R], const float* m, std::int64_t dk, std::i
 // ---- forward ------------------------------------------------------------------------------------
 
 template <int R>
-__global__ void __launch_bounds__(forward_columns * parts) forward_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
+__global__ void __launch_bounds__(forward_columns * parts, 4) forward_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
                                                                            const std::uint16_t* v, const float* g, const float* beta,
                                                                            std::uint16_t* out, float* states) {
   extern __shared__ float smem[];
@@ -165,7 +179,9 @@ __global__ void __launch_bounds__(forward_columns * parts) forward_kernel(GatedD
   float s[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) s[r] = 0.0f;
-  float* my_states = states + static_cast<std::size_t>(bh) * (chunks_of(d) + 1) * dk * dv;
+  float* kept = states + static_cast<std::size_t>(bh) * (chunks_of(d) + 1) * dk * dv;  // the next state to keep
+  std::int64_t keep_at = 0;
+  std::uint16_t* my_out = out + (b * S * H + h) * dv + j;  // token t's at t H dv
   for (std::int64_t t0 = 0; t0 < S; t0 += tile_tokens) {
     const int n = static_cast<int>(min(static_cast<std::int64_t>(tile_tokens), S - t0));
     __syncthreads();
@@ -173,17 +189,18 @@ __global__ void __launch_bounds__(forward_columns * parts) forward_kernel(GatedD
     __syncthreads();
     for (int tt = 0; tt < n; ++tt) {
       const std::int64_t t = t0 + tt;
-      if (t % d.chunk == 0 && owner) save_rows(s, my_states + (t / d.chunk) * dk * dv, dk, dv, j, p);
+      if (t == keep_at) {
+        if (owner) save_rows(s, kept, dk, dv, j, p);
+        kept += dk * dv;
+        keep_at += d.chunk;
+      }
       recur(s, tile, tt, jl, p, forward_columns);
       const float* qq = tile.qn + tt * Tile<R>::row + p * (R + 1);
-      float o = 0;
-#pragma unroll
-      for (int r = 0; r < R; ++r) o = dot_step(o, s[r], qq[r]);
-      o = column_sum(o);
-      if (owner && p == 0) out[((b * S + t) * H + h) * dv + j] = float_to_bf16(o);
+      const float o = column_sum(dot(s, qq));
+      if (owner && p == 0) my_out[t * H * dv] = float_to_bf16(o);
     }
   }
-  if (owner) save_rows(s, my_states + chunks_of(d) * dk * dv, dk, dv, j, p);
+  if (owner) save_rows(s, kept, dk, dv, j, p);  // the final state, after chunks() kept ones
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -212,6 +229,92 @@ __device__ __forceinline__ int scatter_offset(int lane) {
   return ((lane & 16) ? R / 2 : 0) + ((lane & 8) ? R / 4 : 0) + ((lane & 4) ? R / 8 : 0);
 }
 
+/// One token t of the backward for thread (column jl of the tile's, part p): s holds the state
+/// before the token's update, ds the state's gradient after it and leaves with the gradient
+/// before it. The warp's partial sums over its 8 columns of the dq and dk rows go to dq_row and
+/// dk_row (P R floats each, every row written once), its partials of d alpha and d beta come back
+/// (every lane the same), and the column's dv.
+template <int R>
+__device__ __forceinline__ void backward_token(const float (&s)[R], float (&ds)[R], const Tile<R>& tile, int tt, int jl, int p,
+                                               int lane, std::int64_t vcols, float* dq_row, float* dk_row, float& dalpha,
+                                               float& dbeta_term, float& dvj) {
+  float x[R];
+  const float* kk = tile.kn + tt * Tile<R>::row + p * (R + 1);
+  const float* qq = tile.qn + tt * Tile<R>::row + p * (R + 1);
+  const float a = tile.alpha[tt], bb = tile.beta[tt], vj = tile.v[tt * vcols + jl], doj = tile.dout[tt * vcols + jl];
+  // Columns: u = S^T k (before the decay), delta; dS += q do^T; dd = dS^T k.
+  const float u = column_sum(dot(s, kk));
+  const float delta = delta_of(bb, vj, a, u);
+#pragma unroll
+  for (int r = 0; r < R; ++r) ds[r] = __fmaf_rn(qq[r], doj, ds[r]);
+  const float dd = column_sum(dot(ds, kk));
+  const float du = -bb * dd;
+  // Rows: dq = S_t do with S_t = a S + k delta^T; dk = dS delta + a S du.
+#pragma unroll
+  for (int r = 0; r < R; ++r) x[r] = update(s[r], a, kk[r], delta) * doj;
+  reduce_scatter_columns(x, lane);
+  dq_row += p * R + scatter_offset<R>(lane);
+#pragma unroll
+  for (int m = 0; m < R / 8; ++m) dq_row[m] = x[m];
+#pragma unroll
+  for (int r = 0; r < R; ++r) x[r] = __fmaf_rn(ds[r], delta, a * s[r] * du);
+  reduce_scatter_columns(x, lane);
+  dk_row += p * R + scatter_offset<R>(lane);
+#pragma unroll
+  for (int m = 0; m < R / 8; ++m) dk_row[m] = x[m];
+  // dS' = dS + k du^T; d alpha = <dS', S>; the gradient entering the previous token is a dS'.
+  float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // dot()'s order
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float y = __fmaf_rn(kk[r], du, ds[r]);
+    da[r % 4] = __fmaf_rn(y, s[r], da[r % 4]);
+    ds[r] = a * y;
+  }
+  dalpha = warp_sum(__fadd_rn(__fadd_rn(da[0], da[1]), __fadd_rn(da[2], da[3])));
+  dbeta_term = warp_sum(p == 0 ? dd * (vj - __fmul_rn(a, u)) : 0.0f);
+  dvj = bb * dd;
+}
+
+/// The chunk's states, from the one the forward kept: the state before token t to this thread's
+/// scratch[t - c0] (r-major, `threads` apart), in the forward's arithmetic (the same bits).
+/// Columns [j0, j0 + vcols) of the state; s holds the chunk's first state on entry.
+template <int R>
+__device__ void recompute_chunk(const GatedDeltaDims& d, float (&s)[R], const Tile<R>& tile, std::int64_t b, std::int64_t h,
+                                std::int64_t c0, std::int64_t c1, std::int64_t j0, std::int64_t vcols, const std::uint16_t* q,
+                                const std::uint16_t* k, const std::uint16_t* v, const float* g, const float* beta,
+                                float* my_scratch) {
+  const int jl = threadIdx.x / parts, p = threadIdx.x % parts;
+  for (std::int64_t t0 = c0; t0 < c1; t0 += tile_tokens) {
+    const int n = static_cast<int>(min(static_cast<std::int64_t>(tile_tokens), c1 - t0));
+    __syncthreads();
+    stage(d, tile, b, h, t0, n, j0, vcols, q, k, v, g, beta, nullptr);
+    __syncthreads();
+    for (int tt = 0; tt < n; ++tt) {
+      float* to = my_scratch + (t0 + tt - c0) * R * blockDim.x + threadIdx.x;
+#pragma unroll
+      for (int r = 0; r < R; ++r) to[r * blockDim.x] = s[r];
+      recur(s, tile, tt, jl, p, vcols);
+    }
+  }
+}
+
+template <int R>
+__device__ __forceinline__ void load_scratch(float (&s)[R], const float* my_scratch, std::int64_t i) {
+  const float* from = my_scratch + i * R * blockDim.x + threadIdx.x;
+#pragma unroll
+  for (int r = 0; r < R; ++r) s[r] = from[r * blockDim.x];
+}
+/// The state before token t (loaded one token ahead, in `next`) to s, and the load of token t - 1's
+/// issued (within the chunk from c0): its latency passes under token t's arithmetic.
+template <int R>
+__device__ __forceinline__ void next_state(float (&s)[R], float (&next)[R], const float* my_scratch, std::int64_t t, std::int64_t c0) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) s[r] = next[r];
+  if (t > c0) load_scratch(next, my_scratch, t - 1 - c0);
+}
+
+/// One block per (sequence, value head), every column; the column sums added a token at a time
+/// through shared memory (the path before compute capability 9.0).
 template <int R>
 __global__ void __launch_bounds__(max_backward_threads) backward_kernel(
     GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k, const std::uint16_t* v, const float* g,
@@ -232,28 +335,16 @@ __global__ void __launch_bounds__(max_backward_threads) backward_kernel(
   const std::int64_t chunks = chunks_of(d);
   const float* my_states = states + static_cast<std::size_t>(blockIdx.x) * (chunks + 1) * dk * dv;
   float* my_scratch = scratch + static_cast<std::size_t>(blockIdx.x) * min(d.chunk, S) * R * blockDim.x;
-  float s[R], ds[R], x[R];
+  float s[R], ds[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) ds[r] = 0.0f;
   for (std::int64_t c = chunks - 1; c >= 0; --c) {
     const std::int64_t c0 = c * d.chunk, c1 = min(S, c0 + d.chunk);
-    // The chunk's states, from the kept one: the state before token t to scratch[t - c0] (r-major).
     if (owner) load_rows(s, my_states + c * dk * dv, dk, dv, jl, p);
     else
 #pragma unroll
       for (int r = 0; r < R; ++r) s[r] = 0.0f;
-    for (std::int64_t t0 = c0; t0 < c1; t0 += tile_tokens) {
-      const int n = static_cast<int>(min(static_cast<std::int64_t>(tile_tokens), c1 - t0));
-      __syncthreads();
-      stage(d, tile, b, h, t0, n, 0, vcols, q, k, v, g, beta, nullptr);
-      __syncthreads();
-      for (int tt = 0; tt < n; ++tt) {
-        float* to = my_scratch + (t0 + tt - c0) * R * blockDim.x + threadIdx.x;
-#pragma unroll
-        for (int r = 0; r < R; ++r) to[r * blockDim.x] = s[r];
-        recur(s, tile, tt, jl, p, vcols);
-      }
-    }
+    recompute_chunk(d, s, tile, b, h, c0, c1, 0, vcols, q, k, v, g, beta, my_scratch);
     // Backwards over the chunk, a tile at a time from its last.
     const std::int64_t tiles = (c1 - c0 + tile_tokens - 1) / tile_tokens;
     for (std::int64_t m = tiles - 1; m >= 0; --m) {
@@ -264,55 +355,16 @@ __global__ void __launch_bounds__(max_backward_threads) backward_kernel(
       __syncthreads();
       for (int tt = n - 1; tt >= 0; --tt) {
         const std::int64_t t = t0 + tt;
-        const float* from = my_scratch + (t - c0) * R * blockDim.x + threadIdx.x;
-#pragma unroll
-        for (int r = 0; r < R; ++r) s[r] = from[r * blockDim.x];
-        const float* kk = tile.kn + tt * Tile<R>::row + p * (R + 1);
-        const float* qq = tile.qn + tt * Tile<R>::row + p * (R + 1);
-        const float a = tile.alpha[tt], bb = tile.beta[tt], vj = tile.v[tt * vcols + jl], doj = tile.dout[tt * vcols + jl];
-        // Columns: u = S^T k (before the decay), delta; dS += q do^T; dd = dS^T k.
-        float u = 0;
-#pragma unroll
-        for (int r = 0; r < R; ++r) u = dot_step(u, s[r], kk[r]);
-        u = column_sum(u);
-        const float delta = delta_of(bb, vj, a, u);
-        float dd = 0;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          ds[r] = __fmaf_rn(qq[r], doj, ds[r]);
-          dd = dot_step(dd, ds[r], kk[r]);
-        }
-        dd = column_sum(dd);
-        const float du = -bb * dd;
         const int buf = static_cast<int>(t & 1);
-        // Rows: dq = S_t do with S_t = a S + k delta^T; dk = dS delta + a S du.
-#pragma unroll
-        for (int r = 0; r < R; ++r) x[r] = update(s[r], a, kk[r], delta) * doj;
-        reduce_scatter_columns(x, lane);
-        float* dq_row = dq_w + (buf * warps + warp) * parts * R + p * R + scatter_offset<R>(lane);
-#pragma unroll
-        for (int m2 = 0; m2 < R / 8; ++m2) dq_row[m2] = x[m2];
-#pragma unroll
-        for (int r = 0; r < R; ++r) x[r] = __fmaf_rn(ds[r], delta, a * s[r] * du);
-        reduce_scatter_columns(x, lane);
-        float* dk_row = dk_w + (buf * warps + warp) * parts * R + p * R + scatter_offset<R>(lane);
-#pragma unroll
-        for (int m2 = 0; m2 < R / 8; ++m2) dk_row[m2] = x[m2];
-        // dS' = dS + k du^T; d alpha = <dS', S>; the gradient entering the previous token is a dS'.
-        float dalpha = 0;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const float y = __fmaf_rn(kk[r], du, ds[r]);
-          dalpha = __fmaf_rn(y, s[r], dalpha);
-          ds[r] = a * y;
-        }
-        dalpha = warp_sum(dalpha);
-        const float dbeta_term = warp_sum(p == 0 ? dd * (vj - __fmul_rn(a, u)) : 0.0f);
+        load_scratch(s, my_scratch, t - c0);  // (no prefetch: 128 registers a thread at 512 threads)
+        float dalpha, dbeta_term, dvj;
+        backward_token(s, ds, tile, tt, jl, p, lane, vcols, dq_w + (buf * warps + warp) * parts * R,
+                       dk_w + (buf * warps + warp) * parts * R, dalpha, dbeta_term, dvj);
         if (lane == 0) {
           scal_w[(buf * warps + warp) * 2] = dalpha;
           scal_w[(buf * warps + warp) * 2 + 1] = dbeta_term;
         }
-        if (owner && p == 0) dv_out[(b * S + t) * d.v_stride + h * dv + jl] = float_to_bf16(bb * dd);
+        if (owner && p == 0) dv_out[(b * S + t) * d.v_stride + h * dv + jl] = float_to_bf16(dvj);
         __syncthreads();
         // The warps' partials in warp order (the other parity's buffers take the next token).
         const std::int64_t prow = ((b * S + t) * H + h) * dk;
@@ -331,12 +383,111 @@ __global__ void __launch_bounds__(max_backward_threads) backward_kernel(
             da += scal_w[(buf * warps + w) * 2];
             db += scal_w[(buf * warps + w) * 2 + 1];
           }
-          dg[(b * S + t) * H + h] = da * a;
+          dg[(b * S + t) * H + h] = da * tile.alpha[tt];
           dbeta[(b * S + t) * H + h] = db;
         }
       }
     }
   }
+}
+
+/// A cluster of column_blocks(dv) blocks per (sequence, value head), block `rank` owning columns
+/// [32 rank, 32 rank + 32) (Hopper and later). Per tile of tokens, each warp's partial column sums
+/// of every token go to its block's shared memory; after a cluster barrier the cluster's threads
+/// add them, each sum over the blocks in rank order and their warps in order (the one-block
+/// kernel's order: the same bits), reading the other blocks' shared memory.
+template <int R>
+__global__ void __launch_bounds__(cluster_threads) backward_cluster_kernel(
+    GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k, const std::uint16_t* v, const float* g,
+    const float* beta, const std::uint16_t* d_out, const float* states, std::uint16_t* dv_out, float* dg, float* dbeta,
+    float* scratch, float* dq_part, float* dk_part) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // never launched there: the launcher takes the one-block kernel below compute capability 9.0
+#else
+  namespace cg = cooperative_groups;
+  extern __shared__ float smem[];
+  const cg::cluster_group cluster = cg::this_cluster();
+  constexpr int warps = cluster_threads / 32, row = parts * R;
+  const std::int64_t dk = d.k_dim, dv = d.v_dim, S = d.seq_len, H = d.v_heads;
+  const int blocks = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  const std::int64_t bh = blockIdx.x / blocks, b = bh / H, h = bh % H, j0 = static_cast<std::int64_t>(rank) * forward_columns;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const Tile<R> tile = Tile<R>::carve(smem, forward_columns);
+  // The tile's partials: (token, warp) rows of [dq (P R) | dk (P R)], then (token, warp) pairs of
+  // d alpha, d beta.
+  float* part = smem + Tile<R>::floats(forward_columns);
+  float* scal = part + tile_tokens * warps * 2 * row;
+  const int jl = threadIdx.x / parts, p = threadIdx.x % parts;
+  const std::int64_t j = j0 + jl;
+  const bool owner = j < dv;
+  const std::int64_t chunks = chunks_of(d);
+  const float* my_states = states + static_cast<std::size_t>(bh) * (chunks + 1) * dk * dv;
+  float* my_scratch = scratch + static_cast<std::size_t>(blockIdx.x) * min(d.chunk, S) * R * blockDim.x;
+  float s[R], s_next[R], ds[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) ds[r] = 0.0f;
+  for (std::int64_t c = chunks - 1; c >= 0; --c) {
+    const std::int64_t c0 = c * d.chunk, c1 = min(S, c0 + d.chunk);
+    if (owner) load_rows(s, my_states + c * dk * dv, dk, dv, j, p);
+    else
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[r] = 0.0f;
+    recompute_chunk(d, s, tile, b, h, c0, c1, j0, forward_columns, q, k, v, g, beta, my_scratch);
+    load_scratch(s_next, my_scratch, c1 - 1 - c0);
+    const std::int64_t tiles = (c1 - c0 + tile_tokens - 1) / tile_tokens;
+    for (std::int64_t m = tiles - 1; m >= 0; --m) {
+      const std::int64_t t0 = c0 + m * tile_tokens;
+      const int n = static_cast<int>(min(static_cast<std::int64_t>(tile_tokens), c1 - t0));
+      cluster.sync();  // every block is done reading the last tile's partials (ours too) and its tile
+      stage(d, tile, b, h, t0, n, j0, forward_columns, q, k, v, g, beta, d_out);
+      __syncthreads();
+      for (int tt = n - 1; tt >= 0; --tt) {
+        const std::int64_t t = t0 + tt;
+        next_state(s, s_next, my_scratch, t, c0);
+        float dalpha, dbeta_term, dvj;
+        float* at = part + (tt * warps + warp) * 2 * row;
+        backward_token(s, ds, tile, tt, jl, p, lane, forward_columns, at, at + row, dalpha, dbeta_term, dvj);
+        if (lane == 0) {
+          scal[(tt * warps + warp) * 2] = dalpha;
+          scal[(tt * warps + warp) * 2 + 1] = dbeta_term;
+        }
+        if (owner && p == 0) dv_out[(b * S + t) * d.v_stride + h * dv + j] = float_to_bf16(dvj);
+      }
+      cluster.sync();  // the tile's partials of every block written
+      // The n tokens' 2 dk row sums, then their 2 scalar sums, shared over the cluster's threads.
+      const std::int64_t sums = n * 2 * dk;
+      for (std::int64_t e = static_cast<std::int64_t>(rank) * blockDim.x + threadIdx.x; e < sums + n;
+           e += static_cast<std::int64_t>(blocks) * blockDim.x) {
+        if (e < sums) {
+          const int tt = static_cast<int>(e / (2 * dk));
+          const std::int64_t rest = e % (2 * dk), which = rest / dk, i = rest % dk;
+          float sum = 0;
+          for (int r = 0; r < blocks; ++r) {
+            const float* from = cluster.map_shared_rank(part, r) + tt * warps * 2 * row + which * row + i;
+#pragma unroll
+            for (int w = 0; w < warps; ++w) sum += from[w * 2 * row];
+          }
+          (which == 0 ? dq_part : dk_part)[((b * S + t0 + tt) * H + h) * dk + i] = sum;
+        } else {
+          const int tt = static_cast<int>(e - sums);
+          float da = 0, db = 0;
+          for (int r = 0; r < blocks; ++r) {
+            const float* from = cluster.map_shared_rank(scal, r) + tt * warps * 2;
+#pragma unroll
+            for (int w = 0; w < warps; ++w) {
+              da += from[w * 2];
+              db += from[w * 2 + 1];
+            }
+          }
+          const std::int64_t gi = (b * S + t0 + tt) * H + h;
+          dg[gi] = da * tile.alpha[tt];
+          dbeta[gi] = db;
+        }
+      }
+    }
+  }
+  cluster.sync();  // no block leaves while another may still read its shared memory
+#endif
 }
 
 /// Per (token, key head) row: the value heads' gradients of the normalised q and k summed in head
@@ -411,15 +562,44 @@ cudaError_t reserve_smem(Kernel kernel, std::size_t smem) {
 }
 
 std::int64_t backward_threads(const GatedDeltaDims& d) { return round_up(d.v_dim, 8) * parts; }
-/// Floats of the backward's scratch: each block's states of one chunk as its threads hold them.
+/// Floats of the backward's scratch: each block's states of one chunk as its threads hold them,
+/// the larger of the two paths' (they differ where dv is no multiple of 32), so the workspace does
+/// not depend on the device.
 std::int64_t scratch_floats(const GatedDeltaDims& d) {
-  return round_up(d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * rows_per_thread(d.k_dim) * backward_threads(d), 64);
+  const std::int64_t threads = std::max(backward_threads(d), column_blocks(d.v_dim) * cluster_threads);
+  return round_up(d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * rows_per_thread(d.k_dim) * threads, 64);
 }
 
 template <int R>
 std::size_t backward_smem_bytes(const GatedDeltaDims& d) {
   const std::int64_t warps = backward_threads(d) / 32;
   return (Tile<R>::floats(round_up(d.v_dim, 8)) + static_cast<std::size_t>(4 * warps * parts * R + 4 * warps)) * sizeof(float);
+}
+/// The cluster kernel's: its tile of 32 columns and the tile's partials (tokens, warps, 2 P R + 2).
+template <int R>
+std::size_t cluster_smem_bytes() {
+  return (Tile<R>::floats(forward_columns) + static_cast<std::size_t>(tile_tokens * (cluster_threads / 32) * (2 * parts * R + 2))) *
+         sizeof(float);
+}
+
+/// Whether the backward runs as clusters on the current device (GatedDeltaDims::Backward).
+cudaError_t use_clusters(const GatedDeltaDims& d, bool* clustered) {
+  using Path = GatedDeltaDims::Backward;
+  if (d.backward != Path::automatic && d.backward != Path::cluster && d.backward != Path::one_block)
+    return detail::refuse("gated_delta_backward: backward = ", static_cast<int>(d.backward),
+                          " is none of automatic (0), cluster (1), one_block (2)");
+  *clustered = false;
+  if (d.backward == Path::one_block) return cudaSuccess;
+  int device = 0, major = 0, sms = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
+  if (d.backward == Path::cluster && major < 9)
+    return detail::refuse("gated_delta_backward: backward = cluster needs thread-block clusters (compute capability 9.0 and "
+                          "later); device ", device, " is compute capability ", major, ".x (use automatic or one_block)");
+  *clustered = d.backward == Path::cluster ||
+               (d.backward == Path::automatic && major >= 9 && d.sequences * d.v_heads * column_blocks(d.v_dim) <= sms);
+  return cudaSuccess;
 }
 
 /// fn(std::integral_constant<int, R>) for the rows a thread holds at this dk.
@@ -488,8 +668,30 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
   float* dk_part = dq_part + d.tokens() * d.v_heads * d.k_dim;
   const auto* qb = reinterpret_cast<const std::uint16_t*>(q);
   const auto* kb = reinterpret_cast<const std::uint16_t*>(k);
+  bool clustered = false;
+  if (const cudaError_t e = use_clusters(d, &clustered); e != cudaSuccess) return e;
   const cudaError_t launched = with_rows(d.k_dim, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
+    if (clustered) {
+      const std::size_t smem = cluster_smem_bytes<R>();
+      if (const cudaError_t e = reserve_smem(backward_cluster_kernel<R>, smem); e != cudaSuccess) return e;
+      const auto blocks = static_cast<unsigned>(column_blocks(d.v_dim));  // <= 4: within the portable cluster size of 8
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(static_cast<unsigned>(d.sequences * d.v_heads) * blocks);
+      config.blockDim = dim3(cluster_threads);
+      config.dynamicSmemBytes = smem;
+      config.stream = stream;
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = blocks;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      return cudaLaunchKernelEx(&config, backward_cluster_kernel<R>, d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta,
+                                reinterpret_cast<const std::uint16_t*>(d_out), states, reinterpret_cast<std::uint16_t*>(dv), dg,
+                                dbeta, scratch, dq_part, dk_part);
+    }
     const std::size_t smem = backward_smem_bytes<R>(d);
     if (const cudaError_t e = reserve_smem(backward_kernel<R>, smem); e != cudaSuccess) return e;
     backward_kernel<R><<<static_cast<unsigned>(d.sequences * d.v_heads), static_cast<unsigned>(backward_threads(d)), smem, stream>>>(

@@ -432,20 +432,26 @@ std::string node(int gpus, std::string_view what) { return fmt::format("{}x {}",
 
 /// OOM's recurrent gated delta rule measured on our H200 at the Qwen3-Next-80B linear layer's
 /// shape (1 x 4096 tokens, 16 key / 32 value heads of 128, states every 64 tokens): forward
-/// 4.04 ms, backward 22.9 ms; times `scale` for another GPU, `estimate` saying why (empty: ours).
-void set_gated_delta(MachineProfile& p, double scale, const std::string& estimate, const std::string& machine) {
+/// 3.69 ms, backward 15.3 ms as a cluster of blocks per head (22.7 ms as one block per head, the
+/// path of a GPU without clusters: `clusters` false); times `scale` for another GPU, `estimate`
+/// saying why (empty: ours).
+void set_gated_delta(MachineProfile& p, double scale, bool clusters, const std::string& estimate, const std::string& machine) {
   constexpr double updates = 4096.0 * 32 * 128 * 128;
+  const double forward_ms = 3.69, backward_ms = clusters ? 15.3 : 22.7;
   const std::string what =
       "OOM's recurrent gated delta rule (kernels/gated_delta.hpp), the {} timed alone at 1 x 4096 tokens, 16/32 heads of "
-      "128, chunk 64: {} ms for 4096 x 32 x 128 x 128 state updates (test_gated_delta_kernels' timing case; "
-      "docs/performance.md, thirty-fifth session; oom-calibrate measure_gated_delta 4.22 / 23.01 ms, 2026-12-04)";
-  p.gated_delta_forward_updates_per_s = scale * updates / 4.04e-3;
-  p.gated_delta_backward_updates_per_s = scale * updates / 22.9e-3;
+      "128, chunk 64: {} ms for 4096 x 32 x 128 x 128 state updates (bench_gated_delta and test_gated_delta_kernels' "
+      "timing case, docs/performance.md, thirty-seventh session: forward 3.69 ms, backward 15.2-15.3 ms as clusters, "
+      "22.7 ms one block a head, 2026-12-04)";
+  p.gated_delta_forward_updates_per_s = scale * updates / (forward_ms * 1e-3);
+  p.gated_delta_backward_updates_per_s = scale * updates / (backward_ms * 1e-3);
   const std::string prefix = estimate.empty() ? "" : "ESTIMATE: " + estimate + ", from ";
   p.provenance["gated_delta_forward_updates_per_s"] =
-      prov(prefix + fmt::format(fmt::runtime(what), "forward", 4.04), machine, estimate.empty() ? "2026-12-04" : "2023");
-  p.provenance["gated_delta_backward_updates_per_s"] =
-      prov(prefix + fmt::format(fmt::runtime(what), "backward", 22.9), machine, estimate.empty() ? "2026-12-04" : "2023");
+      prov(prefix + fmt::format(fmt::runtime(what), "forward", forward_ms), machine, estimate.empty() ? "2026-12-04" : "2023");
+  p.provenance["gated_delta_backward_updates_per_s"] = prov(
+      prefix + fmt::format(fmt::runtime(what), clusters ? "backward (clusters)" : "backward (one block a head, no clusters)",
+                           backward_ms),
+      machine, estimate.empty() ? "2026-12-04" : "2023");
 }
 
 MachineProfile MachineProfile::h200(int gpus) {
@@ -526,7 +532,7 @@ MachineProfile MachineProfile::h200(int gpus) {
   p.launch_overhead_s = 3.44e-6;
   p.provenance["launch_overhead_s"] = prov(kCalibrated + ": empty kernel launch, median", kH200Machine, kH200Date);
 
-  set_gated_delta(p, 1.0, "", kH200Machine);
+  set_gated_delta(p, 1.0, true, "", kH200Machine);
 
   p.cpu_adamw_params_per_s = 4.82e9;
   p.provenance["cpu_adamw_params_per_s"] = prov(
@@ -619,7 +625,7 @@ MachineProfile MachineProfile::h100_80gb(int gpus) {
                                 machine, "2023");
     set_attention(p, h200_attention(scale), est, est);
   }
-  set_gated_delta(p, 1.0,
+  set_gated_delta(p, 1.0, true,
                   "the H200's rates x 1.0: the recurrent kernels are bound by each SM's latency (no tensor cores, little "
                   "HBM traffic) and the H100 SXM has the same 132 SMs",
                   machine);
@@ -707,9 +713,10 @@ MachineProfile MachineProfile::rtx4090(int gpus) {
                                 machine, "2022");
     set_attention(p, h200_attention(scale), est, est);
   }
-  set_gated_delta(p, 128.0 / 132.0,
-                  "the H200's rates x 128 / 132 SMs: the recurrent kernels are bound by each SM's latency (no tensor "
-                  "cores, little memory traffic); the 4090's higher clocks are not counted",
+  set_gated_delta(p, 128.0 / 132.0, false,
+                  "the H200's rates x 128 / 132 SMs, its backward as one block a head (compute capability 8.9 has no "
+                  "thread-block clusters): the recurrent kernels are bound by each SM's latency (no tensor cores, little "
+                  "memory traffic); the 4090's higher clocks are not counted",
                   machine);
 
   p.launch_overhead_s = 5e-6;

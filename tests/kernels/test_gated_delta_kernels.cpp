@@ -153,6 +153,55 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
   }
 }
 
+TEST_CASE("the backward as a cluster of blocks per head gives the one-block backward's bits") {
+  int device = 0, major = 0;
+  OOM_CUDA_CHECK(cudaGetDevice(&device));
+  OOM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  using Path = k::GatedDeltaDims::Backward;
+  if (major < 9) {
+    // Refused, named, where the device has no clusters; `automatic` takes one block a head there.
+    k::GatedDeltaDims d{1, 5, 1, 1, 8, 8, 4};
+    d.backward = Path::cluster;
+    DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(d));
+    const DeviceBuffer<bf16> x(std::vector<bf16>(40));
+    DeviceBuffer<bf16> dx(40);
+    DeviceBuffer<float> gates(std::vector<float>(5, -0.1f)), dgates(5), states(k::gated_delta_states_floats(d));
+    CHECK(k::gated_delta_backward(d, x.get(), x.get(), x.get(), gates.get(), gates.get(), x.get(), states.get(), dx.get(), dx.get(),
+                                  dx.get(), dgates.get(), dgates.get(), ws.get(), ws.size(), nullptr) == cudaErrorInvalidValue);
+    MESSAGE("compute capability ", major, ".x has no clusters: the cluster backward is refused there, not compared");
+    return;
+  }
+  // {sequences, seq_len, k_heads, v_heads, k_dim, v_dim, chunk}: clusters of 1 (dv <= 32), 2 (a
+  // second block of 6 real columns and 26 idle), 3 and 4 blocks; every row width R; chunks that do
+  // not divide the sequence and tiles cut short.
+  const k::GatedDeltaDims cases[] = {
+      {3, 9, 2, 2, 33, 7, 4},  {2, 37, 2, 4, 16, 24, 16}, {2, 50, 2, 4, 100, 70, 24},
+      {1, 77, 1, 3, 64, 96, 32}, {1, 130, 1, 2, 128, 128, 64},
+  };
+  std::uint64_t seed = 500;
+  for (k::GatedDeltaDims d : cases) {
+    CAPTURE(d.v_dim);
+    CAPTURE(d.k_dim);
+    const Inputs in = make_inputs(d, seed += 10);
+    d.backward = Path::one_block;
+    const Run one = run(d, in);
+    d.backward = Path::cluster;
+    const Run clustered = run(d, in);
+    CHECK(same_bits(clustered.dq, one.dq));
+    CHECK(same_bits(clustered.dk, one.dk));
+    CHECK(same_bits(clustered.dv, one.dv));
+    CHECK(same_bits(clustered.dg, one.dg));
+    CHECK(same_bits(clustered.dbeta, one.dbeta));
+    // And the reference's values, so that two equally wrong paths cannot pass (tolerances as above).
+    const Reference want = reference(d, in);
+    check_scaled(to_floats(clustered.dq), want.dq, 1.0 / 128, 1e-3, "dq");
+    check_scaled(to_floats(clustered.dk), want.dk, 1.0 / 128, 1e-3, "dk");
+    check_scaled(to_floats(clustered.dv), want.dv, 1.0 / 128, 1e-3, "dv");
+    check_scaled(clustered.dg, want.dg, 1e-3, 1e-4, "dg");
+    check_scaled(clustered.dbeta, want.dbeta, 1e-3, 1e-4, "dbeta");
+  }
+}
+
 TEST_CASE("the chunk only changes what is kept: every chunk gives the same outputs") {
   k::GatedDeltaDims d{2, 29, 1, 2, 40, 70, 1};  // several warps, padded rows and columns
   const Inputs in = make_inputs(d, 7);
@@ -212,7 +261,7 @@ TEST_CASE("q, k and v as column ranges of one [q | k | v | pad] array: the packe
 }
 
 TEST_CASE("timing: the Qwen3-Next linear layer's rule at 4K tokens (1 sequence, 16 key / 32 value heads of 128)") {
-  const k::GatedDeltaDims d{1, 4096, 16, 32, 128, 128, 64};
+  k::GatedDeltaDims d{1, 4096, 16, 32, 128, 128, 64};
   const Inputs in = make_inputs(d, 3);
   const DeviceBuffer<bf16> q(in.q.bits), kk(in.k.bits), v(in.v.bits), dout(in.d_out.bits);
   const DeviceBuffer<float> g(in.g), beta(in.beta);
@@ -236,11 +285,13 @@ TEST_CASE("timing: the Qwen3-Next linear layer's rule at 4K tokens (1 sequence, 
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / reps;
   };
   const double f = time_ms(forward), b = time_ms(backward);
+  d.backward = k::GatedDeltaDims::Backward::one_block;
+  const double b_one = time_ms(backward);
   // The rule's own FLOPs (per token and value head: S^T k, the update, S^T q, 2 dk dv each; the
   // backward about twice): what a chunked tensor-core version would be measured against.
   const double flops = 6.0 * static_cast<double>(d.tokens() * d.v_heads * d.k_dim * d.v_dim);
-  std::printf("gated_delta 4K x 32 heads of 128: forward %.3f ms, backward %.3f ms (recurrent; %.1f GFLOP/s forward, "
-              "states %.1f MiB, backward workspace %.1f MiB)\n",
-              f, b, flops / f * 1e-6, static_cast<double>(states.bytes()) / (1 << 20), static_cast<double>(ws.size()) / (1 << 20));
+  std::printf("gated_delta 4K x 32 heads of 128: forward %.3f ms, backward %.3f ms (automatic; one block a head: %.3f ms; recurrent; "
+              "%.1f GFLOP/s forward, states %.1f MiB, backward workspace %.1f MiB)\n",
+              f, b, b_one, flops / f * 1e-6, static_cast<double>(states.bytes()) / (1 << 20), static_cast<double>(ws.size()) / (1 << 20));
   CHECK(f > 0);
 }

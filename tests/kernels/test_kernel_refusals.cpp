@@ -343,6 +343,17 @@ TEST_CASE("the gated delta rule's refusals name the dims, the array and the work
   expect_refused(k::gated_delta_backward(d, fake(), fake(), fake(), fake<float>(), fake<float>(), fake(), fake<float>(), fake(),
                                          fake(), fake(), nullptr, fake<float>(), fake<void>(), need, nullptr),
                  {"gated_delta_backward: dg is null"});
+  bad = d;
+  bad.backward = static_cast<k::GatedDeltaDims::Backward>(7);
+  expect_refused(k::gated_delta_backward(bad, fake(), fake(), fake(), fake<float>(), fake<float>(), fake(), fake<float>(), fake(),
+                                         fake(), fake(), fake<float>(), fake<float>(), fake<void>(), need, nullptr),
+                 {"gated_delta_backward: backward = 7 is none of automatic (0), cluster (1), one_block (2)"});
+  // The workspace does not depend on the path (the larger of the two layouts' scratch): at dv = 40
+  // one block holds 40 columns (160 threads), a cluster two blocks of 32 (256 threads).
+  bad = d;
+  bad.v_dim = 40;
+  CHECK(k::gated_delta_backward_workspace_bytes(bad) ==
+        (std::size_t{2} * 4 * 64 * 32 * 256 + std::size_t{2} * 200 * 4 * 128) * sizeof(float));
 }
 
 TEST_CASE("the Gated DeltaNet pieces' refusals name the argument") {

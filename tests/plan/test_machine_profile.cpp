@@ -428,6 +428,10 @@ TEST_CASE("the gated delta rule's rates: measured on the built-in H200, optional
   // The other built-ins estimate them from the H200's, and say so.
   CHECK(MachineProfile::h100_80gb(1).gated_delta_forward_updates_per_s == h200.gated_delta_forward_updates_per_s);
   CHECK(MachineProfile::rtx4090(1).gated_delta_backward_updates_per_s < h200.gated_delta_backward_updates_per_s);
+  // ... the 4090's backward from the H200's one-block path (no clusters before compute capability 9.0).
+  CHECK(MachineProfile::rtx4090(1).gated_delta_backward_updates_per_s ==
+        doctest::Approx(h200.gated_delta_backward_updates_per_s * 128.0 / 132.0 * 15.3 / 22.7));
+  CHECK(MachineProfile::rtx4090(1).provenance.at("gated_delta_backward_updates_per_s").source.find("no clusters") != std::string::npos);
   CHECK(MachineProfile::rtx4090(1).provenance.at("gated_delta_backward_updates_per_s").source.starts_with("ESTIMATE"));
   // A file from before the fields (every examples/profiles file) reads them as 0, not measured.
   const MachineProfile old = MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h200-2026-12-03.json");
@@ -448,8 +452,8 @@ TEST_CASE("the gated delta rule's rates: measured on the built-in H200, optional
     const auto fwd = Operation::delta_rule(false, 4096, 128, 128, 32), bwd = Operation::delta_rule(true, 4096, 128, 128, 32);
     CHECK(fwd.state_updates() == 4096.0 * 128 * 128 * 32);
     // The kernels' measured seconds at that shape come back (the launch aside).
-    CHECK(measured.predict(fwd)[Resource::gpu_compute] == doctest::Approx(h200.launch_overhead_s + 4.04e-3));
-    CHECK(measured.predict(bwd)[Resource::gpu_compute] == doctest::Approx(h200.launch_overhead_s + 22.9e-3));
+    CHECK(measured.predict(fwd)[Resource::gpu_compute] == doctest::Approx(h200.launch_overhead_s + 3.69e-3));
+    CHECK(measured.predict(bwd)[Resource::gpu_compute] == doctest::Approx(h200.launch_overhead_s + 15.3e-3));
     MachineProfile unmeasured = h200;
     unmeasured.gated_delta_forward_updates_per_s = unmeasured.gated_delta_backward_updates_per_s = 0;
     const ProfileCostModel scan(unmeasured);

@@ -7,14 +7,15 @@
 // with S a dk x dv fp32 state. Kernels in src/kernels/gated_delta.cu.
 //
 // This is the recurrent form (docs/hybrid.md, slice 3): the forward's blocks (a sequence, a value
-// head, 32 columns of the state) walk the tokens in order, the backward's (a sequence, a value
-// head) walk them from the last, with the state in registers, so the time grows with the sequence
+// head, 32 columns of the state) walk the tokens in order, the backward's (the same, as a cluster
+// of blocks on Hopper; else a sequence and value head a block) walk them from the last, with the
+// state in registers, so the time grows with the sequence
 // length rather than with the FLOPs; the chunked form with tensor cores (fla's) is the next step.
 // Its memory is O(T): the forward keeps the state entering every `chunk` tokens (and the final
 // one), and the backward recomputes each chunk's states from them, a chunk at a time, in the same
 // arithmetic: the same bits whatever the chunk. The backward's workspace holds one chunk's states
 // per (sequence, head) as the threads hold them (dk padded to 8, 16 or 32 rows a thread, dv to a
-// multiple of 8 columns): it grows with `chunk` (at 4K tokens x 32 heads of 128, 128 MiB at chunk
+// multiple of 8 columns, or of 32 for the cluster path: the larger, whichever path runs): it grows with `chunk` (at 4K tokens x 32 heads of 128, 128 MiB at chunk
 // 64, 8 GiB at chunk 4096, beside 128 MiB of per-head dq and dk), the states the forward keeps
 // shrink with it.
 //
@@ -43,6 +44,21 @@ struct GatedDeltaDims {
   /// (k_heads k_dim, v_heads v_dim); more to read them as column ranges of one [q | k | v] array.
   /// out and d_out are always packed.
   std::int64_t qk_stride = 0, v_stride = 0;
+  /// How the backward spreads over the GPU (the same bits every way: the same sums in the same order).
+  enum class Backward : std::uint8_t {
+    /// `cluster` where the device has clusters and the clusters' blocks all fit its SMs at once
+    /// (sequences x v_heads x ceil(v_dim / 32) <= SMs: one sequence of the Qwen3-Next layer's 32
+    /// value heads of 128 on an H100/H200), else `one_block` (more threads an SM, measured the
+    /// faster once there are more blocks than SMs: bench_gated_delta, docs/performance.md).
+    automatic,
+    /// A thread-block cluster per (sequence, value head), a block per 32 columns of the state as
+    /// in the forward, the column sums (dq, dk, d alpha, d beta) added a tile of tokens at a time
+    /// through distributed shared memory. Compute capability 9.0 and later; refused before.
+    cluster,
+    /// One block per (sequence, value head) holding every column, the sums added a token at a time.
+    one_block,
+  };
+  Backward backward = Backward::automatic;
 
   [[nodiscard]] std::int64_t tokens() const { return sequences * seq_len; }
   [[nodiscard]] std::int64_t chunks() const { return chunk > 0 ? (seq_len + chunk - 1) / chunk : 0; }

@@ -1,0 +1,145 @@
+// The gated delta rule's throughput (oom/kernels/gated_delta.hpp) against the number of blocks it
+// can keep busy: the Qwen3-Next linear layer's heads (16 key, 32 value heads of 128) over B = 1, 2,
+// 4 and 8 sequences of S tokens, the backward both as a cluster of blocks per head (Hopper) and as
+// one block per head. Each row gives state updates a second (tokens x value heads x 128^2) and its
+// ratio to the same pass at B = 1 on the same path in the same run (what MachineProfile's
+// gated_delta_*_updates_per_s, measured at B = 1, understates at larger B), and the backward's
+// ratio of one-block to cluster time (the cluster path's gain).
+//   bench_gated_delta [--seq S] [--repeats N]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernels/device_buffer.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/kernels/gated_delta.hpp"
+
+namespace {
+
+using oom::bf16;
+using oom::test::DeviceBuffer;
+namespace k = oom::kernels;
+
+/// Median milliseconds of `fn` over `repeats` runs after one warm-up, timed by events on stream 0.
+template <class Fn>
+double median_ms(Fn&& fn, int repeats) {
+  cudaEvent_t a, b;
+  OOM_CUDA_CHECK(cudaEventCreate(&a));
+  OOM_CUDA_CHECK(cudaEventCreate(&b));
+  fn();
+  std::vector<float> ms;
+  for (int r = 0; r < repeats; ++r) {
+    OOM_CUDA_CHECK(cudaEventRecord(a));
+    fn();
+    OOM_CUDA_CHECK(cudaEventRecord(b));
+    OOM_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    OOM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  OOM_CUDA_CHECK(cudaEventDestroy(a));
+  OOM_CUDA_CHECK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+struct Times {
+  double forward_ms = 0, backward_ms = 0, cluster_backward_ms = 0;
+  bool same_bits = false;  // the two backward paths' dq, dk, dv, dg, dbeta
+};
+
+Times measure(k::GatedDeltaDims d, int repeats) {
+  const std::size_t T = static_cast<std::size_t>(d.tokens());
+  const std::size_t qk = T * static_cast<std::size_t>(d.k_heads * d.k_dim), vv = T * static_cast<std::size_t>(d.v_heads * d.v_dim);
+  const std::size_t gates = T * static_cast<std::size_t>(d.v_heads);
+  // Inputs of a unit scale (bf16 bits of small integers over 64), decays near 0.95, beta 0.5.
+  std::vector<bf16> hq(qk), hk(qk), hv(vv), hdo(vv);
+  for (std::size_t i = 0; i < qk; ++i) {
+    hq[i] = oom::to_bf16(static_cast<float>(static_cast<int>(i * 7 % 127) - 63) / 64.0f);
+    hk[i] = oom::to_bf16(static_cast<float>(static_cast<int>(i * 13 % 127) - 63) / 64.0f);
+  }
+  for (std::size_t i = 0; i < vv; ++i) {
+    hv[i] = oom::to_bf16(static_cast<float>(static_cast<int>(i * 11 % 127) - 63) / 64.0f);
+    hdo[i] = oom::to_bf16(static_cast<float>(static_cast<int>(i * 5 % 127) - 63) / 64.0f);
+  }
+  const DeviceBuffer<bf16> q(hq), kk(hk), v(hv), dout(hdo);
+  const DeviceBuffer<float> g(std::vector<float>(gates, -0.05f)), beta(std::vector<float>(gates, 0.5f));
+  DeviceBuffer<bf16> out(vv), dq(qk), dk(qk), dv(vv);
+  DeviceBuffer<float> states(k::gated_delta_states_floats(d)), dg(gates), dbeta(gates);
+  DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(d));
+  Times t;
+  t.forward_ms = median_ms(
+      [&] { OOM_CUDA_CHECK(k::gated_delta_forward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr)); },
+      repeats);
+  auto backward = [&](k::GatedDeltaDims::Backward path) {
+    d.backward = path;
+    return median_ms(
+        [&] {
+          OOM_CUDA_CHECK(k::gated_delta_backward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), dout.get(), states.get(), dq.get(),
+                                                 dk.get(), dv.get(), dg.get(), dbeta.get(), ws.get(), ws.size(), nullptr));
+        },
+        repeats);
+  };
+  t.backward_ms = backward(k::GatedDeltaDims::Backward::one_block);
+  const auto one_dq = dq.download(), one_dk = dk.download(), one_dv = dv.download();
+  const auto one_dg = dg.download(), one_dbeta = dbeta.download();
+  t.cluster_backward_ms = backward(k::GatedDeltaDims::Backward::cluster);
+  const auto same = [](const auto& a, const auto& b) { return std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0; };
+  t.same_bits = same(one_dq, dq.download()) && same(one_dk, dk.download()) && same(one_dv, dv.download()) &&
+                same(one_dg, dg.download()) && same(one_dbeta, dbeta.download());
+  return t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::int64_t seq = 4096;
+  int repeats = 5;
+  for (int a = 1; a + 1 < argc; a += 2) {
+    if (std::strcmp(argv[a], "--seq") == 0) seq = std::atoll(argv[a + 1]);
+    if (std::strcmp(argv[a], "--repeats") == 0) repeats = std::atoi(argv[a + 1]);
+  }
+  if (seq < 1 || repeats < 1) {
+    std::fprintf(stderr, "bench_gated_delta: --seq and --repeats must be >= 1\n");
+    return 2;
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("bench_gated_delta: no GPU: nothing to measure\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  OOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major < 9) {
+    std::printf("bench_gated_delta: %s (compute capability %d.%d) has no thread-block clusters: nothing to compare\n", prop.name,
+                prop.major, prop.minor);
+    return 0;
+  }
+  std::printf("gated delta rule, %lld tokens a sequence, 16/32 heads of 128, chunk 64, %s (%d SMs); automatic takes the cluster "
+              "backward at B x 32 heads x 4 column blocks <= %d\n",
+              static_cast<long long>(seq), prop.name, prop.multiProcessorCount, prop.multiProcessorCount);
+  std::printf("%3s %10s %10s %12s %10s %10s %10s %10s %9s\n", "B", "fwd_ms", "fwd_G/s", "fwd_vs_B1", "bwd1_ms", "bwdC_ms", "bwdC_G/s",
+              "bwdC_vs_B1", "C_gain");
+  double f1 = 0, c1 = 0;
+  bool all_same = true;
+  for (const std::int64_t B : {1, 2, 4, 8}) {
+    const k::GatedDeltaDims d{B, seq, 16, 32, 128, 128, 64};
+    const Times t = measure(d, repeats);
+    const double updates = static_cast<double>(d.tokens()) * d.v_heads * d.k_dim * d.v_dim;
+    const double f = updates / t.forward_ms * 1e-6, c = updates / t.cluster_backward_ms * 1e-6;  // G updates/s
+    if (B == 1) f1 = f, c1 = c;
+    std::printf("%3lld %10.3f %10.1f %12.2f %10.3f %10.3f %10.1f %10.2f %9.2f%s\n", static_cast<long long>(B), t.forward_ms, f, f / f1,
+                t.backward_ms, t.cluster_backward_ms, c, c / c1, t.backward_ms / t.cluster_backward_ms,
+                t.same_bits ? "" : "  PATHS DIFFER");
+    all_same = all_same && t.same_bits;
+  }
+  if (!all_same) {
+    std::printf("bench_gated_delta: the cluster and one-block backwards gave different bits\n");
+    return 1;
+  }
+  return 0;
+}
