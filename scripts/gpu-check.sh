@@ -96,8 +96,8 @@ targets=()  # everything, unless only the reference checks and the trainer run, 
 # minutes (eighth session), these ~4.
 kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_kernels test_moe_kernels test_attention
   test_lm_ends test_cuda_decoder_layer test_wgmma test_attention_wgmma test_attention_backward_wgmma test_grouped_wgrad
-  test_grouped_rows)
-[[ "$parts" == *" kernels "* ]] && targets=(--target "${kernel_tests[@]}" bench_attention bench_moe_kernels ${EXTRA_TARGETS:-})
+  test_grouped_rows test_gated_delta_kernels test_deltanet_kernels)
+[[ "$parts" == *" kernels "* ]] && targets=(--target "${kernel_tests[@]}" bench_attention bench_moe_kernels bench_gated_delta ${EXTRA_TARGETS:-})
 # PARTS=group (docs/multi-gpu.md; run it with kind nvidia-h200-x2): DeviceGroup's tests over every
 # visible GPU, then a quick oom-calibrate over all of them (NCCL rates, the host links together).
 [[ "$parts" == " group " ]] && targets=(--target test_device_group test_device_group_check oom-calibrate ${EXTRA_TARGETS:-})
@@ -401,7 +401,7 @@ done
 kernel_bench=0
 [[ "$parts" == *" bench "* || ( "$parts" == *" kernels "* && "${KERNEL_BENCH:-1}" == 1 ) ]] && kernel_bench=1
 ((kernel_bench)) &&
-  for b in "$build_dir"/bench/bench_moe_kernels "$build_dir"/bench/kernels/bench_attention; do
+  for b in "$build_dir"/bench/bench_moe_kernels "$build_dir"/bench/kernels/bench_attention "$build_dir"/bench/kernels/bench_gated_delta; do
   [[ -x "$b" ]] || continue
   limited 300 "$b" > "$out/$(basename "$b").log" 2>&1 || bench_rc=1
 done
@@ -505,7 +505,7 @@ if peers:
     print(f"--- OOM vs its peers, {model}, same call (tokens/s, steps after the first; GiB: GPU peak, "
           "host RSS high-water mark, VmHWM)")
     print("\n".join(peer_summary.format_rows(peers)))
-for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14),
+for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), ("sdpa.log", 14), ("bench_gated_delta.log", 6),
                     ("bench_attention_d256.log", 7), ("sdpa_d256.log", 7),
                     ("train-3e-3.log", 3), ("compare-layer.log", 30), ("compare-train-3e-3.log", 8),
                     ("compare-train-1e-3.log", 8), ("sanitizer.log", 2),
