@@ -53,13 +53,19 @@ cudaError_t finish(const float* partials, std::int64_t blocks, std::int64_t n, f
 
 // ---- conv ---------------------------------------------------------------------------------------
 
-/// The conv's value before the SiLU at token t (global row), channel c: the taps within t's sequence.
+/// Token t's (global row's) position in its sequence: t itself for one sequence (a part's future
+/// rows run past seq_len), else t mod seq_len.
+__device__ std::int64_t conv_pos(const ConvDims& d, std::int64_t t) { return d.sequences == 1 ? t : t % d.seq_len; }
+
+/// The conv's value before the SiLU at token t (global row), channel c: the taps within t's
+/// sequence, reaching `history` rows before it.
 __device__ float conv_pre(const ConvDims& d, const std::uint16_t* x, const std::uint16_t* w, std::int64_t t, std::int64_t c) {
-  const std::int64_t pos = t % d.seq_len;
+  const std::int64_t pos = conv_pos(d, t);
   float acc = 0;
   for (std::int64_t j = 0; j < d.kernel; ++j) {
     const std::int64_t back = d.kernel - 1 - j;  // tokens before t
-    if (pos >= back) acc = __fmaf_rn(bf16_to_float(w[c * d.kernel + j]), bf16_to_float(x[(t - back) * d.x_stride + c]), acc);
+    if (pos + d.history >= back)
+      acc = __fmaf_rn(bf16_to_float(w[c * d.kernel + j]), bf16_to_float(x[(t - back) * d.x_stride + c]), acc);
   }
   return acc;
 }
@@ -82,11 +88,11 @@ __global__ void conv_backward_dx(ConvDims d, const std::uint16_t* x, const std::
                                  std::uint16_t* dx) {
   const std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x;
   if (e >= d.sequences * d.seq_len * d.channels) return;
-  const std::int64_t t = e / d.channels, c = e % d.channels, pos = t % d.seq_len;
+  const std::int64_t t = e / d.channels, c = e % d.channels, pos = conv_pos(d, t);
   float acc = 0;
   for (std::int64_t j = 0; j < d.kernel; ++j) {
     const std::int64_t ahead = d.kernel - 1 - j;  // x[t] is tap j of token t + ahead
-    if (pos + ahead < d.seq_len) acc = __fmaf_rn(bf16_to_float(w[c * d.kernel + j]), conv_dpre(d, x, w, dy, t + ahead, c), acc);
+    if (pos + ahead < d.seq_len + d.future) acc = __fmaf_rn(bf16_to_float(w[c * d.kernel + j]), conv_dpre(d, x, w, dy, t + ahead, c), acc);
   }
   dx[t * d.x_stride + c] = float_to_bf16(acc);
 }
@@ -101,11 +107,11 @@ __global__ void conv_backward_dw(ConvDims d, const std::uint16_t* x, const std::
   float acc[max_conv_kernel] = {};
   for (std::int64_t t = t0; t < t1; ++t) {
     const float g = conv_dpre(d, x, w, dy, t, c);
-    const std::int64_t pos = t % d.seq_len;
+    const std::int64_t pos = conv_pos(d, t);
 #pragma unroll
     for (int j = 0; j < max_conv_kernel; ++j) {
       const std::int64_t back = d.kernel - 1 - j;
-      if (j < d.kernel && pos >= back) acc[j] = __fmaf_rn(g, bf16_to_float(x[(t - back) * d.x_stride + c]), acc[j]);
+      if (j < d.kernel && pos + d.history >= back) acc[j] = __fmaf_rn(g, bf16_to_float(x[(t - back) * d.x_stride + c]), acc[j]);
     }
   }
   float* out = partials + (static_cast<std::int64_t>(blockIdx.x) * d.channels + c) * d.kernel;
@@ -120,6 +126,10 @@ cudaError_t check_conv(const char* name, const ConvDims& d) {
   if (d.kernel < 1 || d.kernel > max_conv_kernel)
     return detail::refuse(name, ": kernel = ", d.kernel, " (need 1..", max_conv_kernel, ")");
   if (d.x_stride < d.channels) return detail::refuse(name, ": x_stride = ", d.x_stride, " is less than channels = ", d.channels);
+  if (d.history < 0 || d.future < 0 || d.history > d.kernel - 1 || d.future > d.kernel - 1)
+    return detail::refuse(name, ": history = ", d.history, ", future = ", d.future, " (need 0..kernel - 1 = ", d.kernel - 1, ")");
+  if ((d.history > 0 || d.future > 0) && d.sequences != 1)
+    return detail::refuse(name, ": history and future rows need one sequence (a part of it), got sequences = ", d.sequences);
   if (blocks_for(d.channels, threads) > 65535) return detail::refuse(name, ": channels = ", d.channels, " (at most 65535 x 256)");
   if (blocks_for(d.tokens() * d.channels, threads) > max_blocks)
     return detail::refuse(name, ": ", d.tokens(), " tokens x ", d.channels, " channels need more than 2^31 - 1 blocks");

@@ -176,10 +176,12 @@ __global__ void __launch_bounds__(forward_columns * parts, 4) forward_kernel(Gat
   const int jl = threadIdx.x / parts, p = threadIdx.x % parts;
   const std::int64_t j = j0 + jl;
   const bool owner = j < dv;
+  float* kept = states + static_cast<std::size_t>(bh) * d.states_stride;  // the next state to keep
   float s[R];
+  if (d.from_kept_state && owner) load_rows(s, kept, dk, dv, j, p);
+  else
 #pragma unroll
-  for (int r = 0; r < R; ++r) s[r] = 0.0f;
-  float* kept = states + static_cast<std::size_t>(bh) * (chunks_of(d) + 1) * dk * dv;  // the next state to keep
+    for (int r = 0; r < R; ++r) s[r] = 0.0f;
   std::int64_t keep_at = 0;
   std::uint16_t* my_out = out + (b * S * H + h) * dv + j;  // token t's at t H dv
   for (std::int64_t t0 = 0; t0 < S; t0 += tile_tokens) {
@@ -319,7 +321,7 @@ template <int R>
 __global__ void __launch_bounds__(max_backward_threads) backward_kernel(
     GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k, const std::uint16_t* v, const float* g,
     const float* beta, const std::uint16_t* d_out, const float* states, std::uint16_t* dv_out, float* dg, float* dbeta,
-    float* scratch, float* dq_part, float* dk_part) {
+    float* d_state, float* scratch, float* dq_part, float* dk_part) {
   extern __shared__ float smem[];
   const std::int64_t dk = d.k_dim, dv = d.v_dim, S = d.seq_len, H = d.v_heads;
   const std::int64_t vcols = round_up(dv, 8);  // 8 columns a warp
@@ -333,11 +335,14 @@ __global__ void __launch_bounds__(max_backward_threads) backward_kernel(
   const int jl = threadIdx.x / parts, p = threadIdx.x % parts;
   const bool owner = jl < dv;
   const std::int64_t chunks = chunks_of(d);
-  const float* my_states = states + static_cast<std::size_t>(blockIdx.x) * (chunks + 1) * dk * dv;
+  const float* my_states = states + static_cast<std::size_t>(blockIdx.x) * d.states_stride;
   float* my_scratch = scratch + static_cast<std::size_t>(blockIdx.x) * min(d.chunk, S) * R * blockDim.x;
+  float* my_d_state = d_state == nullptr ? nullptr : d_state + static_cast<std::size_t>(blockIdx.x) * dk * dv;
   float s[R], ds[R];
+  if (my_d_state != nullptr && owner) load_rows(ds, my_d_state, dk, dv, jl, p);
+  else
 #pragma unroll
-  for (int r = 0; r < R; ++r) ds[r] = 0.0f;
+    for (int r = 0; r < R; ++r) ds[r] = 0.0f;
   for (std::int64_t c = chunks - 1; c >= 0; --c) {
     const std::int64_t c0 = c * d.chunk, c1 = min(S, c0 + d.chunk);
     if (owner) load_rows(s, my_states + c * dk * dv, dk, dv, jl, p);
@@ -389,6 +394,7 @@ __global__ void __launch_bounds__(max_backward_threads) backward_kernel(
       }
     }
   }
+  if (my_d_state != nullptr && owner) save_rows(ds, my_d_state, dk, dv, jl, p);  // the state's gradient before the first token
 }
 
 /// A cluster of column_blocks(dv) blocks per (sequence, value head), block `rank` owning columns
@@ -400,7 +406,7 @@ template <int R>
 __global__ void __launch_bounds__(cluster_threads) backward_cluster_kernel(
     GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k, const std::uint16_t* v, const float* g,
     const float* beta, const std::uint16_t* d_out, const float* states, std::uint16_t* dv_out, float* dg, float* dbeta,
-    float* scratch, float* dq_part, float* dk_part) {
+    float* d_state, float* scratch, float* dq_part, float* dk_part) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // never launched there: the launcher takes the one-block kernel below compute capability 9.0
 #else
@@ -421,11 +427,14 @@ __global__ void __launch_bounds__(cluster_threads) backward_cluster_kernel(
   const std::int64_t j = j0 + jl;
   const bool owner = j < dv;
   const std::int64_t chunks = chunks_of(d);
-  const float* my_states = states + static_cast<std::size_t>(bh) * (chunks + 1) * dk * dv;
+  const float* my_states = states + static_cast<std::size_t>(bh) * d.states_stride;
   float* my_scratch = scratch + static_cast<std::size_t>(blockIdx.x) * min(d.chunk, S) * R * blockDim.x;
+  float* my_d_state = d_state == nullptr ? nullptr : d_state + static_cast<std::size_t>(bh) * dk * dv;
   float s[R], s_next[R], ds[R];
+  if (my_d_state != nullptr && owner) load_rows(ds, my_d_state, dk, dv, j, p);
+  else
 #pragma unroll
-  for (int r = 0; r < R; ++r) ds[r] = 0.0f;
+    for (int r = 0; r < R; ++r) ds[r] = 0.0f;
   for (std::int64_t c = chunks - 1; c >= 0; --c) {
     const std::int64_t c0 = c * d.chunk, c1 = min(S, c0 + d.chunk);
     if (owner) load_rows(s, my_states + c * dk * dv, dk, dv, j, p);
@@ -486,6 +495,7 @@ __global__ void __launch_bounds__(cluster_threads) backward_cluster_kernel(
       }
     }
   }
+  if (my_d_state != nullptr && owner) save_rows(ds, my_d_state, dk, dv, j, p);  // the state's gradient before the first token
   cluster.sync();  // no block leaves while another may still read its shared memory
 #endif
 }
@@ -536,6 +546,9 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
     return detail::refuse(name, ": k_dim = ", d.k_dim, ", v_dim = ", d.v_dim, " (need 1..", max_dim, " each: the state's rows and "
                           "columns are held in registers)");
   if (d.chunk < 1) return detail::refuse(name, ": chunk = ", d.chunk, " (must be >= 1)");
+  if (d.states_stride != 0 && d.states_stride < (d.chunks() + 1) * d.k_dim * d.v_dim)
+    return detail::refuse(name, ": states_stride = ", d.states_stride, " is less than (chunks + 1) x k_dim x v_dim = ",
+                          (d.chunks() + 1) * d.k_dim * d.v_dim, " (a sequence's own kept states)");
   if (d.qk_stride != 0 && d.qk_stride < d.k_heads * d.k_dim)
     return detail::refuse(name, ": qk_stride = ", d.qk_stride, " is less than k_heads x k_dim = ", d.k_heads * d.k_dim);
   if (d.v_stride != 0 && d.v_stride < d.v_heads * d.v_dim)
@@ -551,6 +564,7 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
 GatedDeltaDims with_strides(GatedDeltaDims d) {
   if (d.qk_stride == 0) d.qk_stride = d.k_heads * d.k_dim;
   if (d.v_stride == 0) d.v_stride = d.v_heads * d.v_dim;
+  if (d.states_stride == 0) d.states_stride = (d.chunks() + 1) * d.k_dim * d.v_dim;
   return d;
 }
 
@@ -647,9 +661,16 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const
   });
 }
 
-cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, const bf16* k, const bf16* v, const float* g,
+cudaError_t gated_delta_backward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
                                  const float* beta, const bf16* d_out, const float* states, bf16* dq, bf16* dk, bf16* dv,
                                  float* dg, float* dbeta, void* workspace, std::size_t workspace_bytes,
+                                 cudaStream_t stream) {
+  return gated_delta_backward(d, q, k, v, g, beta, d_out, states, dq, dk, dv, dg, dbeta, nullptr, workspace, workspace_bytes, stream);
+}
+
+cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, const bf16* k, const bf16* v, const float* g,
+                                 const float* beta, const bf16* d_out, const float* states, bf16* dq, bf16* dk, bf16* dv,
+                                 float* dg, float* dbeta, float* d_state, void* workspace, std::size_t workspace_bytes,
                                  cudaStream_t stream) {
   constexpr const char* name = "gated_delta_backward";
   if (const cudaError_t e = check_dims(name, dims); e != cudaSuccess) return e;
@@ -690,13 +711,13 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
       config.numAttrs = 1;
       return cudaLaunchKernelEx(&config, backward_cluster_kernel<R>, d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta,
                                 reinterpret_cast<const std::uint16_t*>(d_out), states, reinterpret_cast<std::uint16_t*>(dv), dg,
-                                dbeta, scratch, dq_part, dk_part);
+                                dbeta, d_state, scratch, dq_part, dk_part);
     }
     const std::size_t smem = backward_smem_bytes<R>(d);
     if (const cudaError_t e = reserve_smem(backward_kernel<R>, smem); e != cudaSuccess) return e;
     backward_kernel<R><<<static_cast<unsigned>(d.sequences * d.v_heads), static_cast<unsigned>(backward_threads(d)), smem, stream>>>(
         d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta, reinterpret_cast<const std::uint16_t*>(d_out), states,
-        reinterpret_cast<std::uint16_t*>(dv), dg, dbeta, scratch, dq_part, dk_part);
+        reinterpret_cast<std::uint16_t*>(dv), dg, dbeta, d_state, scratch, dq_part, dk_part);
     return cudaGetLastError();
   });
   if (launched != cudaSuccess) return launched;

@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -40,6 +41,8 @@ void check_shape(const DeltaNetShape& s) {
                         "of k_heads)",
                         s.hidden, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel));
   // What the kernels take (gated_delta.hpp, deltanet.hpp), refused here before any sizing.
+  if (s.part_tokens < 0 || (s.part_tokens > 0 && s.chunk > 0 && s.part_tokens % s.chunk != 0))
+    invalid(fmt::format("part_tokens = {} (0: whole sequences, else a multiple of chunk = {})", s.part_tokens, s.chunk));
   if (s.k_dim > 128 || s.v_dim > 128 || s.conv_kernel > 8 || s.chunk < 1 || !(s.eps > 0.0f))
     invalid(fmt::format("k_dim {}, v_dim {} (at most 128 each), conv_kernel {} (at most 8), chunk {} (at least 1), eps {} (above 0)",
                         s.k_dim, s.v_dim, s.conv_kernel, s.chunk, s.eps));
@@ -74,6 +77,57 @@ kernels::GateDims gate_dims(const DeltaNetShape& s) { return {s.tokens, s.v_head
 kernels::GatedNormDims norm_dims(const DeltaNetShape& s) { return {s.tokens, s.v_heads, s.v_dim, s.projection_width(), s.eps}; }
 kernels::FusedProjectionDims fused_dims(const DeltaNetShape& s) { return {s.tokens, s.k_heads, s.v_heads, s.k_dim, s.v_dim}; }
 
+/// One pass of the block over rows [r0, r0 + shape.tokens): whole sequences (one pass, `shape` the
+/// block's), or part [c0, c0 + shape.tokens) of sequence b (`shape` one sequence of the part).
+struct Pass {
+  DeltaNetShape shape;
+  std::int64_t r0 = 0, b = 0, c0 = 0;
+};
+/// The shape of one part: the largest pass, what the workspace is sized for.
+DeltaNetShape part_shape(const DeltaNetShape& s, std::int64_t tokens) {
+  DeltaNetShape p = s;
+  p.sequences = 1;
+  p.tokens = tokens;
+  p.part_tokens = 0;
+  return p;
+}
+DeltaNetShape pass_shape(const DeltaNetShape& s) { return s.in_parts() ? part_shape(s, s.part_tokens) : s; }
+/// The passes in order (the forward's; the backward runs them in reverse).
+std::vector<Pass> passes(const DeltaNetShape& s) {
+  if (!s.in_parts()) return {Pass{s, 0, 0, 0}};
+  std::vector<Pass> all;
+  const std::int64_t S = s.seq_len();
+  for (std::int64_t b = 0; b < s.sequences; ++b)
+    for (std::int64_t c0 = 0; c0 < S; c0 += s.part_tokens)
+      all.push_back(Pass{part_shape(s, std::min(s.part_tokens, S - c0)), b * S + c0, b, c0});
+  return all;
+}
+/// The rule's dims for a pass: a part reads and writes its slots of the whole sequence's kept
+/// states (states_stride), from the state the part before kept.
+kernels::GatedDeltaDims pass_rule_dims(const DeltaNetShape& s, const Pass& ps) {
+  kernels::GatedDeltaDims d = rule_dims(ps.shape);
+  if (s.in_parts()) {
+    d.states_stride = ((s.seq_len() + s.chunk - 1) / s.chunk + 1) * s.k_dim * s.v_dim;
+    d.from_kept_state = ps.c0 > 0;
+  }
+  return d;
+}
+/// Where a pass's kept states start in the block's: slot c0 / chunk of sequence b's first head.
+float* pass_states(const DeltaNetShape& s, const Pass& ps, float* states) {
+  if (!s.in_parts()) return states;
+  return states + ps.b * s.v_heads * pass_rule_dims(s, ps).states_stride + ps.c0 / s.chunk * s.k_dim * s.v_dim;
+}
+/// The conv's dims for a pass: a part reaches K - 1 rows into the part before (history) and, in
+/// the backward, into the part after (future).
+kernels::ConvDims pass_conv_dims(const DeltaNetShape& s, const Pass& ps, bool backward) {
+  kernels::ConvDims d = conv_dims(ps.shape);
+  if (s.in_parts()) {
+    d.history = std::min(s.conv_kernel - 1, ps.c0);
+    if (backward) d.future = std::min(s.conv_kernel - 1, s.seq_len() - ps.c0 - ps.shape.tokens);
+  }
+  return d;
+}
+
 /// What the forward keeps for the backward. Not the conv's output (the rule's q, k, v) nor the
 /// gated norm's (out_proj's input): the backward makes them again from qkvz and core with the
 /// forward's launches (the same bits), in the workspace, which one device shares among all layers
@@ -107,6 +161,8 @@ struct Backward {
   bf16* y;            // (T, vw) the gated norm's output again, in dcore's storage (read before dcore is written)
   float* rstd_again;  // (T v_heads) its rstd, written by the recompute and not read
   float *dg, *dbeta, *dconv, *da_log, *ddt_bias, *dnorm;
+  float* d_state;  // in parts: the rule's state gradient between them (v_heads, dk, dv)
+  bf16* carry;     // in parts: the first K - 1 rows of the later part's dmixed, the earlier part's future
   void *rule_ws, *conv_ws, *gate_ws, *norm_ws;
   std::size_t rule_bytes, conv_bytes, gate_bytes, norm_bytes;
 };
@@ -121,7 +177,7 @@ Backward carve_backward(const DeltaNetShape& s, detail::Carver& c) {
   b.rstd_again = c.take<float>(T * s.v_heads);
   b.dqkvz = c.take<bf16>(T * s.projection_width());
   b.dba = c.take<bf16>(T * 2 * s.v_heads);
-  b.dmixed = c.take<bf16>(T * s.conv_channels());
+  b.dmixed = c.take<bf16>((T + s.conv_kernel - 1) * s.conv_channels());  // and the part after's first K - 1 rows
   b.dp = s.fused ? c.take<bf16>(T * s.projection_width()) : b.dqkvz;
   b.dpba = s.fused ? c.take<bf16>(T * 2 * s.v_heads) : b.dba;
   b.dg = c.take<float>(T * s.v_heads);
@@ -130,6 +186,8 @@ Backward carve_backward(const DeltaNetShape& s, detail::Carver& c) {
   b.da_log = c.take<float>(s.v_heads);
   b.ddt_bias = c.take<float>(s.v_heads);
   b.dnorm = c.take<float>(s.v_dim);
+  b.d_state = c.take<float>(s.v_heads * s.k_dim * s.v_dim);
+  b.carry = c.take<bf16>((s.conv_kernel - 1) * s.conv_channels());
   b.rule_bytes = kernels::gated_delta_backward_workspace_bytes(rule_dims(s));
   b.conv_bytes = kernels::causal_conv1d_silu_backward_workspace_bytes(conv_dims(s));
   b.gate_bytes = kernels::delta_gates_backward_workspace_bytes(gate_dims(s));
@@ -215,8 +273,8 @@ std::size_t deltanet_saved_bytes(const DeltaNetShape& s) {
 std::size_t deltanet_workspace_bytes(const DeltaNetShape& s) {
   check_shape(s);
   detail::Carver f(nullptr), b(nullptr);
-  (void)carve_forward(s, f);
-  (void)carve_backward(s, b);
+  (void)carve_forward(pass_shape(s), f);
+  (void)carve_backward(pass_shape(s), b);
   return std::max(f.size(), b.size());
 }
 
@@ -228,22 +286,29 @@ void deltanet_forward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetSh
   check_bound(w, "forward: weight");
   detail::Carver cs(saved), cw(workspace);
   const Saved v = carve_saved(s, cs);
-  const Forward f = carve_forward(s, cw);
-  const std::int64_t T = s.tokens, H = s.hidden, PW = s.projection_width(), C = s.conv_channels(), vw = s.value_width();
+  const Forward f = carve_forward(pass_shape(s), cw);
+  const std::int64_t H = s.hidden, PW = s.projection_width(), C = s.conv_channels(), vw = s.value_width(), vh = s.v_heads;
   check(cublasSetStream(blas, stream), "cublasSetStream");
-  bf16* p = s.fused ? f.p : v.qkvz;
-  bf16* pba = s.fused ? f.pba : v.ba;
-  gemm(blas, false, true, T, PW, H, x, H, w.in_proj_qkvz, H, p, CUDA_R_16BF, PW, 0.0f, "in_proj_qkvz forward GEMM");
-  gemm(blas, false, true, T, 2 * s.v_heads, H, x, H, w.in_proj_ba, H, pba, CUDA_R_16BF, 2 * s.v_heads, 0.0f, "in_proj_ba forward GEMM");
-  if (s.fused) check(kernels::deltanet_unfuse_projections(fused_dims(s), p, pba, v.qkvz, v.ba, false, stream), "unfusing the projections");
-  check(kernels::causal_conv1d_silu_forward(conv_dims(s), v.qkvz, w.conv, f.mixed, stream), "conv1d forward");
-  check(kernels::delta_gates_forward(gate_dims(s), v.ba + s.v_heads, v.ba, w.a_log, w.dt_bias, v.g, v.beta, stream), "gates forward");
-  const kernels::GatedDeltaDims rd = rule_dims(s);
-  check(kernels::gated_delta_forward(rd, f.mixed, f.mixed + s.key_width(), f.mixed + 2 * s.key_width(), v.g, v.beta, v.core, v.states,
-                                     stream),
-        "gated delta rule forward");
-  check(kernels::gated_rmsnorm_forward(norm_dims(s), v.core, v.qkvz + C, w.norm, f.y, v.rstd, stream), "gated norm forward");
-  gemm(blas, false, true, T, H, vw, f.y, vw, w.out_proj, vw, out, CUDA_R_16BF, H, 0.0f, "out_proj forward GEMM");
+  for (const Pass& ps : passes(s)) {
+    const DeltaNetShape& p = ps.shape;
+    const std::int64_t n = p.tokens, r0 = ps.r0;
+    bf16* qkvz = v.qkvz + r0 * PW;
+    bf16* ba = v.ba + r0 * 2 * vh;
+    bf16* proj = s.fused ? f.p : qkvz;
+    bf16* pba = s.fused ? f.pba : ba;
+    gemm(blas, false, true, n, PW, H, x + r0 * H, H, w.in_proj_qkvz, H, proj, CUDA_R_16BF, PW, 0.0f, "in_proj_qkvz forward GEMM");
+    gemm(blas, false, true, n, 2 * vh, H, x + r0 * H, H, w.in_proj_ba, H, pba, CUDA_R_16BF, 2 * vh, 0.0f, "in_proj_ba forward GEMM");
+    if (s.fused) check(kernels::deltanet_unfuse_projections(fused_dims(p), proj, pba, qkvz, ba, false, stream), "unfusing the projections");
+    check(kernels::causal_conv1d_silu_forward(pass_conv_dims(s, ps, false), qkvz, w.conv, f.mixed, stream), "conv1d forward");
+    float *g = v.g + r0 * vh, *beta = v.beta + r0 * vh;
+    check(kernels::delta_gates_forward(gate_dims(p), ba + vh, ba, w.a_log, w.dt_bias, g, beta, stream), "gates forward");
+    check(kernels::gated_delta_forward(pass_rule_dims(s, ps), f.mixed, f.mixed + s.key_width(), f.mixed + 2 * s.key_width(), g, beta,
+                                       v.core + r0 * vw, pass_states(s, ps, v.states), stream),
+          "gated delta rule forward");
+    check(kernels::gated_rmsnorm_forward(norm_dims(p), v.core + r0 * vw, qkvz + C, w.norm, f.y, v.rstd + r0 * vh, stream),
+          "gated norm forward");
+    gemm(blas, false, true, n, H, vw, f.y, vw, w.out_proj, vw, out + r0 * H, CUDA_R_16BF, H, 0.0f, "out_proj forward GEMM");
+  }
 }
 
 void deltanet_backward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetShape& s, const DeltaNetParams& w, const bf16* x,
@@ -255,44 +320,75 @@ void deltanet_backward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetS
   check_bound(grads, "backward: gradient");
   detail::Carver cs(const_cast<void*>(saved)), cw(workspace);
   const Saved v = carve_saved(s, cs);
-  const Backward b = carve_backward(s, cw);
-  const std::int64_t T = s.tokens, H = s.hidden, PW = s.projection_width(), C = s.conv_channels(), vw = s.value_width();
-  const std::int64_t kw = s.key_width(), vh = s.v_heads;
+  const Backward b = carve_backward(pass_shape(s), cw);
+  const std::int64_t H = s.hidden, PW = s.projection_width(), C = s.conv_channels(), vw = s.value_width();
+  const std::int64_t kw = s.key_width(), vh = s.v_heads, S = s.seq_len();
   check(cublasSetStream(blas, stream), "cublasSetStream");
-  // The gated norm's output and the conv's, as the forward made them (the same launches on the
-  // same inputs: the same bits); y lives in dcore's storage until the norm's backward.
-  check(kernels::gated_rmsnorm_forward(norm_dims(s), v.core, v.qkvz + C, w.norm, b.y, b.rstd_again, stream),
-        "gated norm forward (again)");
-  check(kernels::causal_conv1d_silu_forward(conv_dims(s), v.qkvz, w.conv, b.mixed, stream), "conv1d forward (again)");
-  // out_proj.
-  gemm(blas, true, false, H, vw, T, d_out, H, b.y, vw, grads.out_proj, CUDA_R_32F, vw, 1.0f, "out_proj dW GEMM");
-  gemm(blas, false, false, T, vw, H, d_out, H, w.out_proj, vw, b.dy, CUDA_R_16BF, vw, 0.0f, "out_proj dx GEMM");
-  // The gated norm: d core, dz (into dqkvz's z columns), d norm_w.
-  check(kernels::gated_rmsnorm_backward(norm_dims(s), v.core, v.qkvz + C, w.norm, v.rstd, b.dy, b.dcore, b.dqkvz + C, b.dnorm,
-                                        b.norm_ws, b.norm_bytes, stream),
-        "gated norm backward");
-  add(blas, b.dnorm, grads.norm, s.v_dim, "norm weight gradient");
-  // The rule: dq, dk, dv into d mixed's columns; dg, dbeta.
-  const kernels::GatedDeltaDims rd = rule_dims(s);
-  check(kernels::gated_delta_backward(rd, b.mixed, b.mixed + kw, b.mixed + 2 * kw, v.g, v.beta, b.dcore, v.states, b.dmixed,
-                                      b.dmixed + kw, b.dmixed + 2 * kw, b.dg, b.dbeta, b.rule_ws, b.rule_bytes, stream),
-        "gated delta rule backward");
-  // The gates: da, db into dba's columns.
-  check(kernels::delta_gates_backward(gate_dims(s), v.ba + vh, v.ba, w.a_log, w.dt_bias, b.dg, b.dbeta, b.dba + vh, b.dba, b.da_log,
-                                      b.ddt_bias, b.gate_ws, b.gate_bytes, stream),
-        "gates backward");
-  add(blas, b.da_log, grads.a_log, vh, "A_log gradient");
-  add(blas, b.ddt_bias, grads.dt_bias, vh, "dt_bias gradient");
-  // The conv: d [q k v] into dqkvz's first C columns.
-  check(kernels::causal_conv1d_silu_backward(conv_dims(s), v.qkvz, w.conv, b.dmixed, b.dqkvz, b.dconv, b.conv_ws, b.conv_bytes, stream),
-        "conv1d backward");
-  add(blas, b.dconv, grads.conv, C * s.conv_kernel, "conv1d weight gradient");
-  // The projections (their gradients back in the fused rows first).
-  if (s.fused) check(kernels::deltanet_unfuse_projections(fused_dims(s), b.dqkvz, b.dba, b.dp, b.dpba, true, stream), "refusing the gradients");
-  gemm(blas, true, false, PW, H, T, b.dp, PW, x, H, grads.in_proj_qkvz, CUDA_R_32F, H, 1.0f, "in_proj_qkvz dW GEMM");
-  gemm(blas, true, false, 2 * vh, H, T, b.dpba, 2 * vh, x, H, grads.in_proj_ba, CUDA_R_32F, H, 1.0f, "in_proj_ba dW GEMM");
-  gemm(blas, false, false, T, H, PW, b.dp, PW, w.in_proj_qkvz, H, dx, CUDA_R_32F, H, 0.0f, "in_proj_qkvz dx GEMM");
-  gemm(blas, false, false, T, H, 2 * vh, b.dpba, 2 * vh, w.in_proj_ba, H, dx, CUDA_R_32F, H, 1.0f, "in_proj_ba dx GEMM");
+  const std::vector<Pass> all = passes(s);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {  // a sequence's parts from its last
+    const Pass& ps = *it;
+    const DeltaNetShape& p = ps.shape;
+    const std::int64_t n = p.tokens, r0 = ps.r0;
+    const bf16* qkvz = v.qkvz + r0 * PW;
+    const bf16* ba = v.ba + r0 * 2 * vh;
+    const bf16* core = v.core + r0 * vw;
+    const bf16* dout = d_out + r0 * H;
+    const float *g = v.g + r0 * vh, *beta = v.beta + r0 * vh;
+    const kernels::ConvDims cd = pass_conv_dims(s, ps, true);
+    // The gated norm's output and the conv's, as the forward made them (the same launches on the
+    // same inputs: the same bits); y lives in dcore's storage until the norm's backward.
+    check(kernels::gated_rmsnorm_forward(norm_dims(p), core, qkvz + C, w.norm, b.y, b.rstd_again, stream), "gated norm forward (again)");
+    kernels::ConvDims forward_cd = cd;
+    forward_cd.future = 0;
+    check(kernels::causal_conv1d_silu_forward(forward_cd, qkvz, w.conv, b.mixed, stream), "conv1d forward (again)");
+    // out_proj.
+    gemm(blas, true, false, H, vw, n, dout, H, b.y, vw, grads.out_proj, CUDA_R_32F, vw, 1.0f, "out_proj dW GEMM");
+    gemm(blas, false, false, n, vw, H, dout, H, w.out_proj, vw, b.dy, CUDA_R_16BF, vw, 0.0f, "out_proj dx GEMM");
+    // The gated norm: d core, dz (into dqkvz's z columns), d norm_w.
+    check(kernels::gated_rmsnorm_backward(norm_dims(p), core, qkvz + C, w.norm, v.rstd + r0 * vh, b.dy, b.dcore, b.dqkvz + C, b.dnorm,
+                                          b.norm_ws, b.norm_bytes, stream),
+          "gated norm backward");
+    add(blas, b.dnorm, grads.norm, s.v_dim, "norm weight gradient");
+    // The rule: dq, dk, dv into d mixed's columns; dg, dbeta; in parts, the state's gradient from
+    // the part after (zeros at a sequence's end) to the part before.
+    float* d_state = nullptr;
+    if (s.in_parts()) {
+      d_state = b.d_state;
+      if (ps.c0 + n == S)
+        check(cudaMemsetAsync(d_state, 0, static_cast<std::size_t>(vh * s.k_dim * s.v_dim) * sizeof(float), stream),
+              "zeroing the state's gradient");
+    }
+    check(kernels::gated_delta_backward(pass_rule_dims(s, ps), b.mixed, b.mixed + kw, b.mixed + 2 * kw, g, beta, b.dcore,
+                                        pass_states(s, ps, v.states), b.dmixed, b.dmixed + kw, b.dmixed + 2 * kw, b.dg, b.dbeta, d_state,
+                                        b.rule_ws, b.rule_bytes, stream),
+          "gated delta rule backward");
+    // The gates: da, db into dba's columns.
+    check(kernels::delta_gates_backward(gate_dims(p), ba + vh, ba, w.a_log, w.dt_bias, b.dg, b.dbeta, b.dba + vh, b.dba, b.da_log,
+                                        b.ddt_bias, b.gate_ws, b.gate_bytes, stream),
+          "gates backward");
+    add(blas, b.da_log, grads.a_log, vh, "A_log gradient");
+    add(blas, b.ddt_bias, grads.dt_bias, vh, "dt_bias gradient");
+    // The conv: d [q k v] into dqkvz's first C columns, its taps reaching the part after's first
+    // rows (carried below d mixed's own); then this part's first rows carried to the part before.
+    if (cd.future > 0)
+      check(cudaMemcpyAsync(b.dmixed + n * C, b.carry, static_cast<std::size_t>(cd.future * C) * sizeof(bf16), cudaMemcpyDeviceToDevice,
+                            stream),
+            "the part after's conv gradient rows");
+    check(kernels::causal_conv1d_silu_backward(cd, qkvz, w.conv, b.dmixed, b.dqkvz, b.dconv, b.conv_ws, b.conv_bytes, stream),
+          "conv1d backward");
+    if (s.in_parts() && ps.c0 > 0)
+      check(cudaMemcpyAsync(b.carry, b.dmixed, static_cast<std::size_t>(std::min(s.conv_kernel - 1, n) * C) * sizeof(bf16),
+                            cudaMemcpyDeviceToDevice, stream),
+            "carrying the conv gradient rows");
+    add(blas, b.dconv, grads.conv, C * s.conv_kernel, "conv1d weight gradient");
+    // The projections (their gradients back in the fused rows first).
+    if (s.fused) check(kernels::deltanet_unfuse_projections(fused_dims(p), b.dqkvz, b.dba, b.dp, b.dpba, true, stream), "refusing the gradients");
+    const bf16* xr = x + r0 * H;
+    gemm(blas, true, false, PW, H, n, b.dp, PW, xr, H, grads.in_proj_qkvz, CUDA_R_32F, H, 1.0f, "in_proj_qkvz dW GEMM");
+    gemm(blas, true, false, 2 * vh, H, n, b.dpba, 2 * vh, xr, H, grads.in_proj_ba, CUDA_R_32F, H, 1.0f, "in_proj_ba dW GEMM");
+    gemm(blas, false, false, n, H, PW, b.dp, PW, w.in_proj_qkvz, H, dx + r0 * H, CUDA_R_32F, H, 0.0f, "in_proj_qkvz dx GEMM");
+    gemm(blas, false, false, n, H, 2 * vh, b.dpba, 2 * vh, w.in_proj_ba, H, dx + r0 * H, CUDA_R_32F, H, 1.0f, "in_proj_ba dx GEMM");
+  }
 }
 
 }  // namespace oom::model

@@ -105,11 +105,28 @@ WorkItem StepModel::attention_item(int layer) const {
     // Per earlier position: its keys and values, and backward's fp32 dK/dV accumulators.
     w.per_prefix_unit = Bytes{b * 2 * a.kv_heads * a.head_dim * (bf16_bytes + fp32_bytes)};
   } else {
+    // The GPU block's workspace (model/cuda_deltanet.cpp, its backward's, the larger), run in
+    // parts of the chunk's tokens with the state carried (slice 6); test_cuda_deltanet_shape ties
+    // the two. Fixed: the rule kernel's one chunk of states per head (the rows padded to 32, 64 or
+    // 128, the columns to 32), the state's gradient carried between parts, the conv's K - 1 rows
+    // of d mixed from the part after (twice: carried, and placed), the weight gradients' fp32
+    // scratch of conv, A_log, dt_bias and norm.
     const auto& la = spec_.linear_attention();
+    const std::uint64_t vh = la.value_heads, dk = la.key_head_dim, dv = la.value_head_dim, K = la.conv_kernel;
+    const std::uint64_t kw = la.key_heads * dk, vw = vh * dv, C = 2 * kw + vw, PW = C + vw;
+    const std::uint64_t rows = dk <= 32 ? 32 : dk <= 64 ? 64 : 128, cols = ceil_div(dv, 32) * 32;
+    const bool fused = spec_.family() == ModelFamily::qwen3_next;  // the projections refused into their fused rows: twice
     w.dependency = ChunkDependency::carried_state;
-    w.fixed = Bytes{b * la.value_heads * la.key_head_dim * la.value_head_dim * fp32_bytes * 2};
-    w.per_unit = Bytes{b * (spec_.hidden_size() * bf16_bytes * 2 +
-                            (2 * la.key_heads * la.key_head_dim + 2 * la.value_heads * la.value_head_dim) * bf16_bytes * 2)};
+    w.fixed = Bytes{b * vh * std::min<std::uint64_t>(64, req_.workload.seq_len) * rows * cols * fp32_bytes +
+                    vh * dk * dv * fp32_bytes + 2 * (K - 1) * C * bf16_bytes + (C * K + 2 * vh + dv) * fp32_bytes};
+    // Per token: dy, d core, the conv's output again, d [q k v z], d [b a], d mixed (and the fused
+    // layout's copies) in bf16; rstd, dg, dbeta in fp32; the rule's dq and dk per value head in fp32;
+    // the conv's, the gated norm's and the gates' weight-gradient partials (a block's per 256, 128
+    // and 64 tokens).
+    const std::uint64_t per_token = (2 * vw + 2 * C + PW + 2 * vh + (fused ? PW + 2 * vh : 0)) * bf16_bytes + 3 * vh * fp32_bytes +
+                                    2 * vh * dk * fp32_bytes + ceil_div(C * K * fp32_bytes, 256) + ceil_div(vw * fp32_bytes, 128) +
+                                    ceil_div(2 * vh * fp32_bytes, 64);
+    w.per_unit = Bytes{b * per_token};
   }
   return w;
 }

@@ -545,6 +545,14 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
     // The plan's MoE token chunk (0 or >= T: the MoE half runs whole).
     if (static_cast<std::size_t>(l) < plan.chunks.size())
       L.shape.moe_chunk_tokens = static_cast<std::int64_t>(std::min<std::uint64_t>(plan.chunks[static_cast<std::size_t>(l)].moe_tokens, T));
+    // A linear layer in the plan's token chunks (its first chunk's length, a multiple of the rule's
+    // state interval): the Gated DeltaNet block runs each sequence in parts of that many tokens.
+    if (L.shape.linear && static_cast<std::size_t>(l) < plan.chunks.size()) {
+      const auto& ends = plan.chunks[static_cast<std::size_t>(l)].attention;
+      const std::int64_t every = L.shape.deltanet.chunk;
+      if (ends.size() > 1)
+        L.shape.deltanet.part_tokens = std::max(every, static_cast<std::int64_t>(ends.front()) / every * every);
+    }
     for (std::size_t k = 0; k < spec->layer_segments(l).size(); ++k) {
       const std::size_t s = first + k;
       L.segments.push_back(s);

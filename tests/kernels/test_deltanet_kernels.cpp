@@ -105,6 +105,55 @@ TEST_CASE("causal conv1d + SiLU: forward and backward against the reference, per
   }
 }
 
+TEST_CASE("causal conv1d + SiLU over parts of one sequence (history and future rows) gives the whole run's rows") {
+  // One sequence of 300 tokens cut at 3 and 130 (a part shorter than the kernel's reach), strided x.
+  const std::int64_t S = 300, C = 37, K = 4, stride = 41;
+  const k::ConvDims whole{1, S, C, K, stride};
+  const Bf16Data x(random_normal(static_cast<std::size_t>(S * stride), 31));
+  const Bf16Data w(random_normal(static_cast<std::size_t>(C * K), 32, 0.5f));
+  const Bf16Data dy(random_normal(static_cast<std::size_t>(S * C), 33));
+  const DeviceBuffer<bf16> xd(x.bits), wd(w.bits), dyd(dy.bits);
+  DeviceBuffer<bf16> y(static_cast<std::size_t>(S * C)), dx(static_cast<std::size_t>(S * stride));
+  DeviceBuffer<float> dw(static_cast<std::size_t>(C * K));
+  DeviceBuffer<std::byte> ws(k::causal_conv1d_silu_backward_workspace_bytes(whole));
+  OOM_CUDA_CHECK(k::causal_conv1d_silu_forward(whole, xd.get(), wd.get(), y.get(), nullptr));
+  OOM_CUDA_CHECK(k::causal_conv1d_silu_backward(whole, xd.get(), wd.get(), dyd.get(), dx.get(), dw.get(), ws.get(), ws.size(), nullptr));
+  const auto y_whole = y.download(), dx_whole = dx.download();
+  const auto dw_whole = dw.download();
+  y.poison();
+  dx.poison();
+  const std::int64_t cuts[] = {0, 3, 130, S};
+  std::vector<double> dw_sum(static_cast<std::size_t>(C * K), 0.0);
+  for (int i = 0; i < 3; ++i) {
+    const std::int64_t c0 = cuts[i], c1 = cuts[i + 1];
+    k::ConvDims part{1, c1 - c0, C, K, stride};
+    part.history = std::min(K - 1, c0);
+    part.future = std::min(K - 1, S - c1);
+    DeviceBuffer<std::byte> pws(k::causal_conv1d_silu_backward_workspace_bytes(part));
+    OOM_CUDA_CHECK(k::causal_conv1d_silu_forward(part, xd.get() + c0 * stride, wd.get(), y.get() + c0 * C, nullptr));
+    OOM_CUDA_CHECK(k::causal_conv1d_silu_backward(part, xd.get() + c0 * stride, wd.get(), dyd.get() + c0 * C, dx.get() + c0 * stride,
+                                                  dw.get(), pws.get(), pws.size(), nullptr));
+    const auto dw_part = dw.download();
+    for (std::size_t j = 0; j < dw_sum.size(); ++j) dw_sum[j] += dw_part[j];
+  }
+  // Every row's taps are the whole run's, in the same order: the same bits.
+  CHECK(same_bits(y.download(), y_whole));
+  CHECK(same_bits(dx.download(), dx_whole));
+  // dw: the parts' sums added, against the whole's (fp32 sums of 300 terms grouped differently).
+  check_scaled(std::vector<float>(dw_sum.begin(), dw_sum.end()), dw_whole, 1e-5, 1e-6, "dw summed over the parts");
+  // Without the history and future rows the cut edges lose their taps: the check above can fail.
+  k::ConvDims cut{1, 130 - 3, C, K, stride};
+  OOM_CUDA_CHECK(k::causal_conv1d_silu_forward(cut, xd.get() + 3 * stride, wd.get(), y.get() + 3 * C, nullptr));
+  CHECK_FALSE(same_bits(y.download(), y_whole));
+  // Refused: history beyond the kernel's reach, and parts of several sequences.
+  k::ConvDims bad = whole;
+  bad.history = K;
+  CHECK(k::causal_conv1d_silu_forward(bad, xd.get(), wd.get(), y.get(), nullptr) == cudaErrorInvalidValue);
+  bad = {2, 150, C, K, stride};
+  bad.future = 1;
+  CHECK(k::causal_conv1d_silu_forward(bad, xd.get(), wd.get(), y.get(), nullptr) == cudaErrorInvalidValue);
+}
+
 TEST_CASE("the gates: beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), forward and backward") {
   const std::int64_t T = 2500, H = 6, stride = 2 * H + 3;  // 40 partial blocks of 64 tokens, the last part-filled
   std::vector<float> ab = random_normal(static_cast<std::size_t>(T * stride), 5, 2.0f);

@@ -202,6 +202,82 @@ TEST_CASE("the backward as a cluster of blocks per head gives the one-block back
   }
 }
 
+TEST_CASE("a sequence run in parts gives the whole run's bits, the state and its gradient carried between them") {
+  // {sequences, seq_len, k_heads, v_heads, k_dim, v_dim, chunk}: one sequence cut at tokens 64 and
+  // 160 (multiples of the chunk), the last part short of a whole chunk.
+  const k::GatedDeltaDims whole{1, 200, 2, 4, 64, 48, 32};
+  const Inputs in = make_inputs(whole, 900);
+  const ref::GatedDeltaShape shape{whole.seq_len, whole.k_heads, whole.v_heads, whole.k_dim, whole.v_dim};
+  const std::int64_t kw = whole.k_heads * whole.k_dim, vw = whole.v_heads * whole.v_dim, H = whole.v_heads;
+  const std::int64_t state = whole.k_dim * whole.v_dim, stride = (whole.chunks() + 1) * state;
+  const std::int64_t cuts[] = {0, 64, 160, 200};
+  using Path = k::GatedDeltaDims::Backward;
+  // d_state on entry to the last part: zeros (a whole sequence), then a random gradient of the final state.
+  const std::vector<float> zeros(static_cast<std::size_t>(H * state), 0.0f);
+  const std::vector<float> d_final = random_normal(static_cast<std::size_t>(H * state), 901);
+  for (const bool carried_in : {false, true}) {
+    const auto want = ref::gated_delta_rule_backward_from(shape, in.q.values, in.k.values, in.v.values, in.g, in.beta, in.d_out.values,
+                                                          {}, carried_in ? std::span<const float>(d_final) : std::span<const float>());
+    for (const Path path : {Path::one_block, Path::cluster}) {
+      CAPTURE(carried_in);
+      CAPTURE(static_cast<int>(path));
+      k::GatedDeltaDims wd = whole;
+      wd.backward = path;
+      // The whole run, with the same incoming gradient of the final state.
+      const DeviceBuffer<bf16> q(in.q.bits), kk(in.k.bits), v(in.v.bits), dout(in.d_out.bits);
+      const DeviceBuffer<float> g(in.g), beta(in.beta);
+      DeviceBuffer<bf16> out(in.v.bits.size()), dq(in.q.bits.size()), dk(in.k.bits.size()), dv(in.v.bits.size());
+      DeviceBuffer<float> states(k::gated_delta_states_floats(wd)), dg(in.g.size()), dbeta(in.g.size());
+      DeviceBuffer<float> d_state(carried_in ? d_final : zeros);
+      DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(wd));
+      OOM_CUDA_CHECK(k::gated_delta_forward(wd, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr));
+      OOM_CUDA_CHECK(k::gated_delta_backward(wd, q.get(), kk.get(), v.get(), g.get(), beta.get(), dout.get(), states.get(), dq.get(),
+                                             dk.get(), dv.get(), dg.get(), dbeta.get(), d_state.get(), ws.get(), ws.size(), nullptr));
+      const Run one{out.download(), dq.download(), dk.download(), dv.download(), states.download(), dg.download(), dbeta.download()};
+      const auto one_d_initial = d_state.download();
+      // Against the reference (tolerances as in the first case; the carried gradient like the states').
+      check_scaled(to_floats(one.dq), want.grads.dq, 1.0 / 128, 1e-3, "dq");
+      check_scaled(to_floats(one.dk), want.grads.dk, 1.0 / 128, 1e-3, "dk");
+      check_scaled(to_floats(one.dv), want.grads.dv, 1.0 / 128, 1e-3, "dv");
+      check_scaled(one.dg, want.grads.dg, 1e-3, 1e-4, "dg");
+      check_scaled(one_d_initial, want.d_initial, 1e-3, 1e-4, "d_initial");
+      // In parts: the forward in order, each from the state the part before kept; the backward in
+      // reverse, each taking the part after's gradient of the state between them.
+      out.poison(), states.poison(), dq.poison(), dk.poison(), dv.poison(), dg.poison(), dbeta.poison();
+      d_state.upload(carried_in ? d_final : zeros);
+      for (int i = 0; i + 1 < 4; ++i) {
+        k::GatedDeltaDims pd = wd;
+        const std::int64_t c0 = cuts[i];
+        pd.seq_len = cuts[i + 1] - c0;
+        pd.states_stride = stride;
+        pd.from_kept_state = c0 > 0;
+        OOM_CUDA_CHECK(k::gated_delta_forward(pd, q.get() + c0 * kw, kk.get() + c0 * kw, v.get() + c0 * vw, g.get() + c0 * H,
+                                              beta.get() + c0 * H, out.get() + c0 * vw, states.get() + c0 / whole.chunk * state,
+                                              nullptr));
+      }
+      for (int i = 2; i >= 0; --i) {
+        k::GatedDeltaDims pd = wd;
+        const std::int64_t c0 = cuts[i];
+        pd.seq_len = cuts[i + 1] - c0;
+        pd.states_stride = stride;
+        DeviceBuffer<std::byte> pws(k::gated_delta_backward_workspace_bytes(pd));
+        OOM_CUDA_CHECK(k::gated_delta_backward(pd, q.get() + c0 * kw, kk.get() + c0 * kw, v.get() + c0 * vw, g.get() + c0 * H,
+                                               beta.get() + c0 * H, dout.get() + c0 * vw, states.get() + c0 / whole.chunk * state,
+                                               dq.get() + c0 * kw, dk.get() + c0 * kw, dv.get() + c0 * vw, dg.get() + c0 * H,
+                                               dbeta.get() + c0 * H, d_state.get(), pws.get(), pws.size(), nullptr));
+      }
+      CHECK(same_bits(out.download(), one.out));
+      CHECK(same_bits(states.download(), one.states));
+      CHECK(same_bits(dq.download(), one.dq));
+      CHECK(same_bits(dk.download(), one.dk));
+      CHECK(same_bits(dv.download(), one.dv));
+      CHECK(same_bits(dg.download(), one.dg));
+      CHECK(same_bits(dbeta.download(), one.dbeta));
+      CHECK(same_bits(d_state.download(), one_d_initial));
+    }
+  }
+}
+
 TEST_CASE("the chunk only changes what is kept: every chunk gives the same outputs") {
   k::GatedDeltaDims d{2, 29, 1, 2, 40, 70, 1};  // several warps, padded rows and columns
   const Inputs in = make_inputs(d, 7);

@@ -323,6 +323,9 @@ TEST_CASE("the gated delta rule's refusals name the dims, the array and the work
   expect_refused(forward(bad, fake()), {"gated_delta_forward: sequences = 2, seq_len = -1"});
   expect_refused(forward(d, nullptr), {"gated_delta_forward: out is null"});
   bad = d;
+  bad.states_stride = 2 * 128 * 128;  // 2 chunks + the final state need 3
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: states_stride = 32768 is less than (chunks + 1) x k_dim x v_dim = 49152"});
+  bad = d;
   bad.qk_stride = 255;
   expect_refused(forward(bad, fake()), {"gated_delta_forward: qk_stride = 255 is less than k_heads x k_dim = 256"});
   // No tokens: nothing to do, nothing refused (null arrays included).
@@ -364,6 +367,14 @@ TEST_CASE("the Gated DeltaNet pieces' refusals name the argument") {
                  {"causal_conv1d_silu_forward: x_stride = 32 is less than channels = 64"});
   expect_refused(k::causal_conv1d_silu_forward({1, 10, 64, 4, 64}, fake(), nullptr, fake(), nullptr),
                  {"causal_conv1d_silu_forward: w is null"});
+  k::ConvDims part{1, 10, 64, 4, 64};
+  part.future = 4;
+  expect_refused(k::causal_conv1d_silu_forward(part, fake(), fake(), fake(), nullptr),
+                 {"causal_conv1d_silu_forward: history = 0, future = 4 (need 0..kernel - 1 = 3)"});
+  part = {2, 10, 64, 4, 64};
+  part.history = 3;
+  expect_refused(k::causal_conv1d_silu_forward(part, fake(), fake(), fake(), nullptr),
+                 {"history and future rows need one sequence (a part of it), got sequences = 2"});
   const k::ConvDims conv{2, 10, 64, 4, 64};
   const std::size_t need = k::causal_conv1d_silu_backward_workspace_bytes(conv);
   CHECK(need == std::size_t{64} * 4 * sizeof(float));  // one block of 256 tokens

@@ -46,6 +46,22 @@ TEST_CASE("DeltaNetShape::from_spec: both families, the spec's segment, refusals
   auto wide = s;
   wide.v_dim = 256;
   CHECK_THROWS_WITH_AS((void)model::deltanet_saved_bytes(wide), doctest::Contains("v_dim 256 (at most 128 each)"), Error);
+  // In parts: a multiple of the rule's chunk, and a workspace of the part's rows, not the sequence's.
+  auto parts = s;
+  parts.part_tokens = 100;
+  CHECK_THROWS_WITH_AS((void)model::deltanet_workspace_bytes(parts), doctest::Contains("part_tokens = 100 (0: whole sequences, else a multiple of chunk = 64)"),
+                       Error);
+  parts.part_tokens = 1024;
+  CHECK(parts.in_parts());
+  CHECK(model::deltanet_saved_bytes(parts) == model::deltanet_saved_bytes(s));
+  CHECK(model::deltanet_workspace_bytes(parts) < model::deltanet_workspace_bytes(s) / 2);  // the rule's per-head scratch is fixed
+  auto one_part = s;
+  one_part.tokens = 1024;
+  one_part.sequences = 1;
+  CHECK(model::deltanet_workspace_bytes(parts) >= model::deltanet_workspace_bytes(one_part));
+  parts.part_tokens = s.tokens;  // not shorter than a sequence: whole
+  CHECK_FALSE(parts.in_parts());
+  CHECK(model::deltanet_workspace_bytes(parts) == model::deltanet_workspace_bytes(s));
   // Null weights or gradients are named before any GPU work (no GPU needed to see it).
   model::DeltaNetParams w{};
   CHECK_THROWS_WITH_AS(model::deltanet_forward(nullptr, nullptr, s, w, reinterpret_cast<const bf16*>(&s), reinterpret_cast<bf16*>(&wide),
@@ -168,5 +184,34 @@ TEST_CASE("the planner's bytes for a linear layer are the GPU block's saved buff
     const std::uint64_t gpu = model::deltanet_saved_bytes(shape);
     CHECK(gpu >= bytes);
     CHECK(gpu - bytes < 6 * 256);
+  }
+}
+
+TEST_CASE("the planner's workset for a linear layer's part is the GPU block's workspace") {
+  // The planner partitions a linear layer's tokens (a carried_state work item: fixed + per token)
+  // and the CUDA executor runs the block in parts of that many tokens (DeltaNetShape::part_tokens),
+  // sizing deltanet_workspace_bytes. They must agree up to the Carver's 256-byte alignment of each
+  // of the block's pieces, for both projection layouts.
+  for (const char* config : {"/examples/configs/qwen3-next-80b-a3b.json", "/examples/configs/qwen3.5-35b-a3b.json"}) {
+    CAPTURE(config);
+    const ModelSpec spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + config);
+    int linear = 0;
+    while (spec.layer(linear).attention != AttentionKind::linear) ++linear;
+    PlanRequest req;
+    req.gpu_budget = Bytes{139ull << 30};
+    req.host_budget = Bytes{125ull << 30};
+    req.workload = {1, 16384};
+    const detail::StepModel model(spec, MachineProfile::h200(1), req, ExecutionPath::local);
+    const WorkItem w = model.attention_item(linear);
+    CHECK(w.dependency == ChunkDependency::carried_state);
+    for (const std::int64_t part : {1024, 4096}) {
+      CAPTURE(part);
+      auto shape = model::DeltaNetShape::from_spec(spec, linear, 16384, 1);
+      shape.part_tokens = part;
+      const std::uint64_t gpu = model::deltanet_workspace_bytes(shape);
+      const std::uint64_t planned = w.fixed.count() + static_cast<std::uint64_t>(part) * w.per_unit.count();
+      CHECK(gpu >= planned);
+      CHECK(gpu - planned < 24 * 256);
+    }
   }
 }

@@ -26,6 +26,13 @@ struct ConvDims {
   std::int64_t channels = 0;                ///< C: 2 k_heads dk + v_heads dv ([q | k | v])
   std::int64_t kernel = 4;                  ///< K: linear_conv_kernel_dim, 1..8
   std::int64_t x_stride = 0;                ///< elements between rows of x (and of dx): >= C
+  /// A part of one longer sequence (docs/hybrid.md, slice 6; `sequences` must then be 1): `history`
+  /// rows of x before the part's first row and `future` rows of x and dy after its last are real
+  /// (the parts before and after), and the taps reach into them instead of stopping at the part's
+  /// edges: the forward's first rows read the history; the backward's dx takes the future rows'
+  /// gradients through the taps (dy then holds seq_len + future rows), its dw sums the part's own
+  /// rows only (their taps reaching into the history). Each at most kernel - 1.
+  std::int64_t history = 0, future = 0;
   [[nodiscard]] std::int64_t tokens() const { return sequences * seq_len; }
 };
 

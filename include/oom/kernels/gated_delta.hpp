@@ -59,6 +59,15 @@ struct GatedDeltaDims {
     one_block,
   };
   Backward backward = Backward::automatic;
+  /// A part of longer sequences (docs/hybrid.md, slice 6): each sequence here is tokens [c0, c0 +
+  /// seq_len) of one whose kept states the caller holds in one array, c0 a multiple of `chunk`.
+  /// states_stride: floats between the (sequence, head) runs of `states` (0: this call's own,
+  /// (chunks() + 1) dk dv); `states` then points at slot c0 / chunk of the first run, and the
+  /// forward writes slots c0 / chunk .. of each run, the last the state after the part.
+  std::int64_t states_stride = 0;
+  /// The forward starts from the state in its first slot (what the part before wrote as its last)
+  /// instead of zeros.
+  bool from_kept_state = false;
 
   [[nodiscard]] std::int64_t tokens() const { return sequences * seq_len; }
   [[nodiscard]] std::int64_t chunks() const { return chunk > 0 ? (seq_len + chunk - 1) / chunk : 0; }
@@ -85,6 +94,15 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& d, const bf16* q, const bf
 cudaError_t gated_delta_backward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
                                  const float* beta, const bf16* d_out, const float* states, bf16* dq, bf16* dk, bf16* dv,
                                  float* dg, float* dbeta, void* workspace, std::size_t workspace_bytes,
+                                 cudaStream_t stream);
+
+/// The same with the state's gradient carried across parts of a sequence: `d_state` (B, v_heads,
+/// dk, dv) fp32 holds on entry the gradient of each sequence's state after its last token (the
+/// part after's; zeros for a sequence's last part) and on return that of the state before its
+/// first token (for the part before). nullptr: zeros in, nothing out (the call above).
+cudaError_t gated_delta_backward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
+                                 const float* beta, const bf16* d_out, const float* states, bf16* dq, bf16* dk, bf16* dv,
+                                 float* dg, float* dbeta, float* d_state, void* workspace, std::size_t workspace_bytes,
                                  cudaStream_t stream);
 
 }  // namespace oom::kernels

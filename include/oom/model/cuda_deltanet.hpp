@@ -40,6 +40,12 @@ struct DeltaNetShape {
   float eps = 1e-6f;
   bool fused = true;       ///< Qwen3-Next's per-key-head interleaved projection rows (false: Qwen3.5's stacked)
   std::int64_t chunk = 64;  ///< tokens between the recurrent states kept for the backward
+  /// Run each sequence in parts of at most this many tokens (a multiple of `chunk`; 0: whole
+  /// sequences at once), the rule's state, its gradient and the conv's edge rows carried between
+  /// them (docs/hybrid.md, slice 6): the workspace is O(part) instead of O(tokens); `saved` is
+  /// unchanged. The same results as whole sequences up to the projections' fp32 sums (their
+  /// weight gradients added a part at a time); bit-identical run to run.
+  std::int64_t part_tokens = 0;
 
   /// Layer `layer` of `spec` (a linear-attention layer of a qwen3_next or qwen3_5_moe model), for
   /// `tokens` rows in `sequences` sequences. Errc::invalid_argument naming the layer otherwise.
@@ -49,6 +55,9 @@ struct DeltaNetShape {
   [[nodiscard]] std::int64_t value_width() const { return v_heads * v_dim; }
   [[nodiscard]] std::int64_t conv_channels() const { return 2 * key_width() + value_width(); }
   [[nodiscard]] std::int64_t projection_width() const { return conv_channels() + value_width(); }  ///< [q k v z]
+  [[nodiscard]] std::int64_t seq_len() const { return tokens / sequences; }
+  /// Whether the block runs in parts (part_tokens set and shorter than a sequence).
+  [[nodiscard]] bool in_parts() const { return part_tokens > 0 && part_tokens < seq_len(); }
 };
 
 /// The block's weights (bf16), each as its tensor in the linear_attention segment (ModelSpec's
