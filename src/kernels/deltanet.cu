@@ -329,6 +329,7 @@ cudaError_t deltanet_unfuse_projections(const FusedProjectionDims& d, const bf16
 cudaError_t causal_conv1d_silu_forward(const ConvDims& d, const bf16* x, const bf16* w, bf16* y, cudaStream_t stream) {
   constexpr const char* name = "causal_conv1d_silu_forward";
   if (const cudaError_t e = check_conv(name, d); e != cudaSuccess) return e;
+  if (d.future != 0) return detail::refuse(name, ": future = ", d.future, " (the rows after a part are the backward's; 0 here)");
   if (d.tokens() == 0) return cudaSuccess;
   if (const cudaError_t e = detail::refuse_null(name, {{"x", x}, {"w", w},
                                   {"y", y}});

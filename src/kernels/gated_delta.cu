@@ -611,8 +611,19 @@ cudaError_t use_clusters(const GatedDeltaDims& d, bool* clustered) {
   if (d.backward == Path::cluster && major < 9)
     return detail::refuse("gated_delta_backward: backward = cluster needs thread-block clusters (compute capability 9.0 and "
                           "later); device ", device, " is compute capability ", major, ".x (use automatic or one_block)");
+  // A build without sm_90 code (CMAKE_CUDA_ARCHITECTURES 80 or 89 only) runs on Hopper from older
+  // PTX, where the cluster kernel is a trap: take one block a head there.
+  bool built = false;
+  if (major >= 9) {
+    cudaFuncAttributes a{};
+    if (const cudaError_t e = cudaFuncGetAttributes(&a, backward_cluster_kernel<32>); e != cudaSuccess) return e;
+    built = a.ptxVersion >= 90;
+  }
+  if (d.backward == Path::cluster && !built)
+    return detail::refuse("gated_delta_backward: backward = cluster, but this build has no sm_90 code for it (its PTX is for "
+                          "compute capability below 9.0: add 90 to CMAKE_CUDA_ARCHITECTURES; or use automatic or one_block)");
   *clustered = d.backward == Path::cluster ||
-               (d.backward == Path::automatic && major >= 9 && d.sequences * d.v_heads * column_blocks(d.v_dim) <= sms);
+               (d.backward == Path::automatic && built && d.sequences * d.v_heads * column_blocks(d.v_dim) <= sms);
   return cudaSuccess;
 }
 

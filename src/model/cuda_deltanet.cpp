@@ -43,6 +43,10 @@ void check_shape(const DeltaNetShape& s) {
   // What the kernels take (gated_delta.hpp, deltanet.hpp), refused here before any sizing.
   if (s.part_tokens < 0 || (s.part_tokens > 0 && s.chunk > 0 && s.part_tokens % s.chunk != 0))
     invalid(fmt::format("part_tokens = {} (0: whole sequences, else a multiple of chunk = {})", s.part_tokens, s.chunk));
+  // A part's conv reaches K - 1 rows into the part after, which the block carries from that part
+  // alone: parts must be at least that long.
+  if (s.part_tokens > 0 && s.part_tokens < s.conv_kernel - 1)
+    invalid(fmt::format("part_tokens = {} is shorter than the conv's reach, conv_kernel - 1 = {}", s.part_tokens, s.conv_kernel - 1));
   if (s.k_dim > 128 || s.v_dim > 128 || s.conv_kernel > 8 || s.chunk < 1 || !(s.eps > 0.0f))
     invalid(fmt::format("k_dim {}, v_dim {} (at most 128 each), conv_kernel {} (at most 8), chunk {} (at least 1), eps {} (above 0)",
                         s.k_dim, s.v_dim, s.conv_kernel, s.chunk, s.eps));

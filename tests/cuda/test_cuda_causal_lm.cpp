@@ -130,6 +130,18 @@ Plan single(Plan p) {
   return p;
 }
 
+/// ||got - want|| / ||want|| over every segment's master weights.
+double master_rel_l2(const std::vector<SegmentOptimizerState>& got, const std::vector<SegmentOptimizerState>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < want.size(); ++i)
+    for (std::size_t j = 0; j < want[i].master.size(); ++j) {
+      const double d = static_cast<double>(got[i].master[j]) - want[i].master[j];
+      num += d * d;
+      den += static_cast<double>(want[i].master[j]) * want[i].master[j];
+    }
+  return std::sqrt(num / den);
+}
+
 bool same(const std::vector<SegmentOptimizerState>& a, const std::vector<SegmentOptimizerState>& b) {
   if (a.size() != b.size()) return false;
   auto eq = [](const std::vector<float>& x, const std::vector<float>& y) {
@@ -236,16 +248,10 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
     CAPTURE(s);
     CHECK(std::abs(want.losses[s] - expect.losses[s]) <= 5e-3 * std::abs(expect.losses[s]));
   }
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < expect.state.size(); ++i)
-    for (std::size_t j = 0; j < expect.state[i].master.size(); ++j) {
-      const double d = static_cast<double>(want.state[i].master[j]) - expect.state[i].master[j];
-      num += d * d;
-      den += static_cast<double>(expect.state[i].master[j]) * expect.state[i].master[j];
-    }
+  const double rel = master_rel_l2(want.state, expect.state);
   MESSAGE("hybrid, linear layers in parts of 64: losses " << want.losses[2] << " against the whole plan's " << expect.losses[2]
-                                                          << ", master weights rel. L2 " << std::sqrt(num / den));
-  CHECK(std::sqrt(num / den) <= 1e-2);
+                                                          << ", master weights rel. L2 " << rel);
+  CHECK(rel <= 1e-2);
 }
 
 TEST_CASE("a model built from a weight source: each segment asked once, in spec order; the model the weights in memory build") {
@@ -407,16 +413,9 @@ TEST_CASE("a plan with MoE token chunks: its own step under any retention, close
     CAPTURE(s);
     CHECK(std::abs(expect.losses[s] - ref.losses[s]) <= 1e-3 * std::abs(ref.losses[s]));
   }
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < ref.state.size(); ++i)
-    for (std::size_t j = 0; j < ref.state[i].master.size(); ++j) {
-      const double d = static_cast<double>(expect.state[i].master[j]) - ref.state[i].master[j];
-      num += d * d;
-      den += static_cast<double>(ref.state[i].master[j]) * ref.state[i].master[j];
-    }
-  MESSAGE("chunked vs whole plan: losses " << expect.losses[2] << " / " << ref.losses[2] << ", master weights rel. L2 "
-                                          << std::sqrt(num / den));
-  CHECK(std::sqrt(num / den) <= 1e-2);
+  const double rel = master_rel_l2(expect.state, ref.state);
+  MESSAGE("chunked vs whole plan: losses " << expect.losses[2] << " / " << ref.losses[2] << ", master weights rel. L2 " << rel);
+  CHECK(rel <= 1e-2);
 }
 
 TEST_CASE("dropping the wait for a layer's weights on the GPU is caught") {

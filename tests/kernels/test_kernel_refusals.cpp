@@ -371,6 +371,10 @@ TEST_CASE("the Gated DeltaNet pieces' refusals name the argument") {
   part.future = 4;
   expect_refused(k::causal_conv1d_silu_forward(part, fake(), fake(), fake(), nullptr),
                  {"causal_conv1d_silu_forward: history = 0, future = 4 (need 0..kernel - 1 = 3)"});
+  part = {1, 10, 64, 4, 64};
+  part.future = 1;
+  expect_refused(k::causal_conv1d_silu_forward(part, fake(), fake(), fake(), nullptr),
+                 {"causal_conv1d_silu_forward: future = 1 (the rows after a part are the backward's; 0 here)"});
   part = {2, 10, 64, 4, 64};
   part.history = 3;
   expect_refused(k::causal_conv1d_silu_forward(part, fake(), fake(), fake(), nullptr),

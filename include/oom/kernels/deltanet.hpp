@@ -31,7 +31,8 @@ struct ConvDims {
   /// (the parts before and after), and the taps reach into them instead of stopping at the part's
   /// edges: the forward's first rows read the history; the backward's dx takes the future rows'
   /// gradients through the taps (dy then holds seq_len + future rows), its dw sums the part's own
-  /// rows only (their taps reaching into the history). Each at most kernel - 1.
+  /// rows only (their taps reaching into the history). Each at most kernel - 1; the forward
+  /// refuses `future` (it has no use for it).
   std::int64_t history = 0, future = 0;
   [[nodiscard]] std::int64_t tokens() const { return sequences * seq_len; }
 };

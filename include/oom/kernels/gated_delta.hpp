@@ -53,7 +53,8 @@ struct GatedDeltaDims {
     automatic,
     /// A thread-block cluster per (sequence, value head), a block per 32 columns of the state as
     /// in the forward, the column sums (dq, dk, d alpha, d beta) added a tile of tokens at a time
-    /// through distributed shared memory. Compute capability 9.0 and later; refused before.
+    /// through distributed shared memory. Compute capability 9.0 and later, in a build with sm_90
+    /// code; refused otherwise (`automatic` then takes one_block).
     cluster,
     /// One block per (sequence, value head) holding every column, the sums added a token at a time.
     one_block,
