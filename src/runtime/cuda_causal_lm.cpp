@@ -1165,6 +1165,23 @@ Plan with_offloaded_boundaries(Plan p, std::size_t j) {
   return p;
 }
 
+/// A linear-attention layer's token chunks (the Gated DeltaNet block's parts, one sequence at a
+/// time) made at most `tokens` long, a multiple of the rule's state interval, where the plan has
+/// them longer: its workspace grows with them as the MoE half's does with its chunk.
+void halve_linear_parts(const ModelSpec& spec, Plan& p, std::uint64_t tokens) {
+  constexpr std::uint64_t every = 64;  // DeltaNetShape::chunk
+  const std::uint64_t S = p.workload.seq_len, part = std::max(every, tokens / every * every);
+  if (part >= S) return;
+  for (std::size_t l = 0; l < p.chunks.size(); ++l) {
+    if (spec.layer(static_cast<int>(l)).attention != AttentionKind::linear) continue;
+    auto& ends = p.chunks[l].attention;
+    if (ends.size() > 1 && ends.front() <= part) continue;
+    ends.clear();
+    for (std::uint64_t e = part; e < S; e += part) ends.push_back(e);
+    ends.push_back(S);
+  }
+}
+
 }  // namespace
 
 CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candidates, Bytes gpu_available,
@@ -1234,6 +1251,7 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
       Bytes last = whole_moe[k].first;
       for (std::uint64_t c = p.largest_moe_chunk() / 2; c >= smallest_moe_chunk; c /= 2) {
         for (auto& lc : p.chunks) lc.moe_tokens = c;
+        halve_linear_parts(spec, p, c);
         const std::size_t before = fitting.size();
         const Bytes gpu = weigh(p);
         if (fitting.size() > before) {

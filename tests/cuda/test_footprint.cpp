@@ -15,6 +15,7 @@
 #include "oom/kernels/expert_gemm.hpp"
 #include "oom/model/cuda_decoder_layer.hpp"
 #include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/planner.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
@@ -725,4 +726,39 @@ TEST_CASE("building from a weight source holds one segment beside the plan; weig
   CHECK_THROWS_WITH_AS(CudaCausalLm(spec, p, one_value_less, {}), doctest::Contains(spec.segments()[2].name.c_str()), Error);
   // An empty source is refused by name (before a device is touched too).
   CHECK_THROWS_WITH_AS(CudaCausalLm(spec, p, SegmentWeightSource{}, {}), doctest::Contains("no weight source"), Error);
+}
+
+TEST_CASE("fit: a linear layer's token parts are cut with the MoE chunk where only that fits") {
+  // The 2-layer Qwen3-Next-80B-wide slice (one Gated DeltaNet, one gated attention layer, 512
+  // experts) at 256K: a GPU just short of what the checkpoint needs with its linear layer in the
+  // planner's parts, so the fit must cut the parts (the block's workspace, 132 KB a token) with
+  // the MoE chunk. Before the thirty-seventh session the fit halved only the MoE chunk.
+  Json j = read_json_file(std::filesystem::path(OOM_SOURCE_DIR) / "examples/configs/qwen3-next-80b-a3b.json");
+  j.set("num_hidden_layers", Json(std::int64_t{2}));
+  j.set("full_attention_interval", Json(std::int64_t{2}));
+  const ModelSpec spec = ModelSpec::from_json(j, "qn2");
+  REQUIRE(spec.layer(0).attention == AttentionKind::linear);
+  const std::uint64_t S = 262144;
+  const auto plans = candidates_for(spec, S);
+  // The first candidate checkpointed (boundaries kept, the whole layer rerun), MoE in chunks of
+  // 16K, its linear layer whole and then in parts of 16K.
+  Plan whole = plans[0];
+  checkpoint(whole);
+  set_moe_chunk(whole, 16384);
+  whole.chunks[0].attention = {S};
+  Plan parts = whole;
+  for (std::uint64_t e = 16384; e <= S; e += 16384) parts.chunks[0].attention.push_back(e);
+  parts.chunks[0].attention.erase(parts.chunks[0].attention.begin());  // {16K, 32K, ..., S}
+  const Bytes whole_gpu = gpu_bytes(CudaCausalLm::footprint(spec, whole)), parts_gpu = gpu_bytes(CudaCausalLm::footprint(spec, parts));
+  MESSAGE("qn2 at 256K, checkpointed, MoE in 16K chunks: linear layer whole " << gib(whole_gpu) << " GiB, in 16K parts "
+                                                                              << gib(parts_gpu) << " GiB");
+  REQUIRE(parts_gpu + 15_GiB < whole_gpu);  // about 132 KB a token x 240K tokens fewer
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, std::span<const Plan>(plans.data(), 1), parts_gpu, 1024_GiB);
+  MESSAGE("taken: " << fit.plan.retention_name << ", MoE chunk " << fit.plan.largest_moe_chunk() << ", linear parts of "
+                    << fit.plan.chunks[0].attention.front());
+  CHECK(gpu_bytes(fit.footprint) <= parts_gpu);
+  CHECK(fit.plan.chunks[0].attention.size() > 1);
+  CHECK(fit.plan.chunks[0].attention.back() == S);
+  CHECK(fit.plan.chunks[0].attention.front() % 64 == 0);
+  CHECK(fit.plan.chunks[1].attention == plans[0].chunks[1].attention);  // the full-attention layer's are the planner's
 }

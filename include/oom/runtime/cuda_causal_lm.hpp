@@ -228,7 +228,9 @@ class CudaCausalLm {
   /// whole layer rerun, boundaries offloaded and the whole layer rerun. A checkpoint variant that
   /// does not fit with the planned MoE chunks is weighed again with the MoE half in token chunks
   /// halved down to 4096, up to the first chunk that fits or while that still shrinks the
-  /// footprint (the planner's chunk comes from its own, lower, estimate of the layer's scratch).
+  /// footprint (the planner's chunk comes from its own, lower, estimate of the layer's scratch);
+  /// a linear-attention layer's token parts are cut to the same length where they are longer
+  /// (the Gated DeltaNet block's workspace grows with its part).
   /// Where a checkpoint that keeps its boundaries fits in none of those chunks, it is weighed with
   /// the fewest boundaries offloaded, from the first layer on, that bring it within the GPU (its
   /// chunks tried largest first): at 1M tokens the 5.13B model fits one H200 only so, every
