@@ -1168,9 +1168,23 @@ Plan with_offloaded_boundaries(Plan p, std::size_t j) {
 /// A linear-attention layer's token chunks (the Gated DeltaNet block's parts, one sequence at a
 /// time) made at most `tokens` long, a multiple of the rule's state interval, where the plan has
 /// them longer: its workspace grows with them as the MoE half's does with its chunk.
+constexpr std::uint64_t linear_state_interval = 64;  // DeltaNetShape::chunk, what CudaCausalLm builds its linear layers with
+std::uint64_t linear_part(std::uint64_t tokens) {
+  return std::max(linear_state_interval, tokens / linear_state_interval * linear_state_interval);
+}
+/// Whether a linear-attention layer of `p` runs in parts longer than linear_part(tokens) (its
+/// whole sequence counting as one part): what cutting them to `tokens` would still shrink.
+bool linear_parts_longer(const ModelSpec& spec, const Plan& p, std::uint64_t tokens) {
+  const std::uint64_t S = p.workload.seq_len, part = linear_part(tokens);
+  for (std::size_t l = 0; l < p.chunks.size(); ++l) {
+    if (spec.layer(static_cast<int>(l)).attention != AttentionKind::linear) continue;
+    const auto& ends = p.chunks[l].attention;
+    if (std::min(S, ends.size() > 1 ? ends.front() : S) > part) return true;
+  }
+  return false;
+}
 void halve_linear_parts(const ModelSpec& spec, Plan& p, std::uint64_t tokens) {
-  constexpr std::uint64_t every = 64;  // DeltaNetShape::chunk
-  const std::uint64_t S = p.workload.seq_len, part = std::max(every, tokens / every * every);
+  const std::uint64_t S = p.workload.seq_len, part = linear_part(tokens);
   if (part >= S) return;
   for (std::size_t l = 0; l < p.chunks.size(); ++l) {
     if (spec.layer(static_cast<int>(l)).attention != AttentionKind::linear) continue;
@@ -1258,7 +1272,9 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
           way_fits[k] = true;
           break;
         }
-        if (!(gpu < last)) break;  // smaller chunks no longer help: the attention half dominates
+        // Smaller chunks no longer help (the attention half dominates), unless a linear layer's
+        // parts are still longer than the next chunk: cutting them may (its block's workspace).
+        if (!(gpu < last) && !linear_parts_longer(spec, p, c / 2)) break;
         last = gpu;
         by_chunk[k].push_back(p);
       }
