@@ -267,12 +267,11 @@ int main(int argc, char** argv) {
         how.residency_order = planner.residency_order(train_set.plans.front());
         const auto fit = oom::CudaCausalLm::fit(spec, train_set.plans, gpu_avail, train_req.host_budget, executor, how);
         const auto [gpu, host] = oom::gpu_and_host(fit.footprint);
-        const std::uint64_t chunk = fit.plan.largest_moe_chunk();
         const double step_s = executed_step(fit.plan);
         *line = fmt::format("its candidate plan {} ({}; {}; {} of {} segments resident, {} planned), {} on the GPU and {} pinned; "
                             "predicted step {:.3f} s",
                             fit.candidate + 1, fit.plan.retention_name,
-                            chunk < fit.plan.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole"),
+                            oom::describe_chunks(spec, fit.plan),
                             fit.plan.resident_segments.size(), spec.segments().size(),
                             train_set.plans[fit.candidate].resident_segments.size(), gpu, host, step_s);
         return std::nullopt;

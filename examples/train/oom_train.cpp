@@ -351,8 +351,7 @@ Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std:
   const auto predict = [&](const Plan& p) { return planner.simulate(CudaCausalLm::as_executed(spec, p, options)).step_s; };
   const auto report = [&](std::size_t i, const Plan& p, const std::array<Bytes, claimant_count>& fp, bool fits) {
     const auto [gpu, host] = gpu_and_host(fp);
-    const std::uint64_t chunk = p.largest_moe_chunk();
-    const std::string moe = chunk < p.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole");
+    const std::string moe = describe_chunks(spec, p);
     fmt::print("candidate plan {} ({}; {}; {} segments resident): the CUDA executor needs {} on the GPU (resident {}, "
                "activations {}, worksets {}) and {} pinned: {}\n",
                i + 1, p.retention_name, moe, p.resident_segments.size(), gpu, fp[0], fp[1], fp[2], host,

@@ -768,9 +768,19 @@ std::string Planner::describe(const Plan& p) const {
   for (const auto& [role, count] : by_role) s += fmt::format(", {} {}", count, role);
   s += "\n";
   s += fmt::format("retention: {}\n", p.retention_name);
+  // Full-attention layers' query chunks; linear-attention layers' token parts (the longest first part).
   std::size_t max_attn = 0;
-  for (const auto& c : p.chunks) max_attn = std::max(max_attn, c.attention.size());
-  s += fmt::format("chunking: attention up to {} query chunk(s), MoE {} tokens per chunk, loss {} rows per chunk\n", max_attn,
+  std::uint64_t linear_part = 0;
+  for (std::size_t l = 0; l < p.chunks.size(); ++l) {
+    const auto& c = p.chunks[l];
+    if (spec_->layer(static_cast<int>(l)).attention == AttentionKind::linear) {
+      if (c.attention.size() > 1) linear_part = std::max(linear_part, c.attention.front());
+    } else {
+      max_attn = std::max(max_attn, c.attention.size());
+    }
+  }
+  s += fmt::format("chunking: attention up to {} query chunk(s),{} MoE {} tokens per chunk, loss {} rows per chunk\n", max_attn,
+                   linear_part > 0 ? fmt::format(" linear attention in parts of {} tokens,", linear_part) : std::string(),
                    p.chunks.empty() ? 0 : p.chunks.front().moe_tokens, p.loss_rows);
   s += fmt::format("predicted step {:.3f} s ({:.0f} tokens/s over {} GPU(s)); busy:", pr.step_s,
                    static_cast<double>(p.workload.tokens() * static_cast<std::uint64_t>(p.micro_batches * p.gpus)) / pr.step_s, p.gpus);

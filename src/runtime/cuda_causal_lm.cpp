@@ -1198,6 +1198,17 @@ void halve_linear_parts(const ModelSpec& spec, Plan& p, std::uint64_t tokens) {
 
 }  // namespace
 
+std::string describe_chunks(const ModelSpec& spec, const Plan& p) {
+  const std::uint64_t chunk = p.largest_moe_chunk();
+  std::string s = chunk < p.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole");
+  std::uint64_t part = 0;
+  for (std::size_t l = 0; l < p.chunks.size() && l < static_cast<std::size_t>(spec.num_layers()); ++l)
+    if (spec.layer(static_cast<int>(l)).attention == AttentionKind::linear && p.chunks[l].attention.size() > 1)
+      part = std::max(part, linear_part(p.chunks[l].attention.front()));
+  if (part > 0) s += fmt::format(", linear attention in parts of {} tokens", part);
+  return s;
+}
+
 CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candidates, Bytes gpu_available,
                               Bytes host_budget, const CudaCausalLmOptions& options, const CudaFitOptions& fit) {
   if (candidates.empty()) OOM_THROW(Errc::invalid_argument, "CudaCausalLm::fit: no candidate plans");

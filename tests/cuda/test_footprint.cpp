@@ -770,5 +770,13 @@ TEST_CASE("fit: a linear layer's token parts are cut with the MoE chunk where on
   CHECK(ends.front() % 64 == 0);
   CHECK(ends.back() == S);
   for (std::size_t i = 1; i + 1 < ends.size(); ++i) CHECK(ends[i] - ends[i - 1] == ends.front());  // parts of one length, the last shorter
+  // The report lines say so: oom-train's and oom-plan's (describe_chunks), and the planner's describe.
+  CHECK(describe_chunks(spec, fit.plan) ==
+        fmt::format("MoE in chunks of {} tokens, linear attention in parts of {} tokens", fit.plan.largest_moe_chunk(), ends.front()));
+  CHECK(describe_chunks(spec, whole) == "MoE in chunks of 16384 tokens");  // the linear layer whole
+  const Planner planner(spec, MachineProfile::builtin("h200", 1));
+  const std::string text = planner.describe(fit.plan);
+  CHECK(text.find(fmt::format("chunking: attention up to 1 query chunk(s), linear attention in parts of {} tokens,", ends.front())) !=
+        std::string::npos);
   CHECK(fit.plan.chunks[1].attention == plans[0].chunks[1].attention);  // the full-attention layer's are the planner's
 }
