@@ -102,11 +102,14 @@ constexpr BytesField kSizes[] = {
 struct CurveField {
   const char* name;
   SizeCurve MachineProfile::*member;
+  bool optional = false;  ///< may be empty (absent from the file): not measured; provenance only when set
 };
 constexpr CurveField kCurves[] = {
     {"gemm_flops", &MachineProfile::gemm_flops},
     {"attention_forward_flops", &MachineProfile::attention_forward_flops},
     {"attention_backward_flops", &MachineProfile::attention_backward_flops},
+    {"gated_delta_forward_parallel", &MachineProfile::gated_delta_forward_parallel, true},
+    {"gated_delta_backward_parallel", &MachineProfile::gated_delta_backward_parallel, true},
 };
 /// The single forward + backward attention curve of profiles written before the two were split
 /// (read as both; see MachineProfile::attention_forward_flops).
@@ -175,6 +178,7 @@ void MachineProfile::validate(std::string_view source) const {
   }
   for (const auto& f : kCurves) {
     const SizeCurve& c = this->*f.member;
+    if (c.empty() && f.optional) continue;  // not measured
     if (c.empty()) bad(source, f.name, "must have at least one [size, rate] sample");
     // A curve built by SizeCurve's constructor is already valid; this guards one assembled by hand
     // from a default-constructed profile and then compared or written.
@@ -189,6 +193,9 @@ void MachineProfile::validate(std::string_view source) const {
       return f.name == field && f.rule == Rule::optional;
     });
     if (optional != std::end(kRates) && this->*optional->member == 0) continue;  // not measured: nothing to explain
+    const auto curve = std::find_if(std::begin(kCurves), std::end(kCurves),
+                                    [&](const CurveField& f) { return f.name == field && f.optional; });
+    if (curve != std::end(kCurves) && (this->*curve->member).empty()) continue;
     const auto it = provenance.find(field);
     if (it == provenance.end()) bad(source, field, "has no provenance entry (where did the value come from?)");
     const Provenance& p = it->second;
@@ -215,6 +222,7 @@ Json MachineProfile::to_json() const {
   for (const auto& f : kSizes) j.set(f.name, static_cast<unsigned long long>((this->*f.member).count()));
   for (const auto& f : kRates) j.set(f.name, this->*f.member);
   for (const auto& f : kCurves) {
+    if (f.optional && (this->*f.member).empty()) continue;  // not measured: absent, as in files from before the field
     Json arr = Json::array();
     for (const auto& [size, rate] : (this->*f.member).samples()) arr.push_back(Json(Json::Array{Json(size), Json(rate)}));
     j.set(f.name, std::move(arr));
@@ -269,6 +277,7 @@ MachineProfile MachineProfile::from_json(const Json& j, std::string_view source)
   const bool legacy_attention = root[kLegacyAttention].present() && !root["attention_forward_flops"].present() &&
                                 !root["attention_backward_flops"].present();
   for (const auto& f : kCurves) {
+    if (f.optional && !root[f.name].present()) continue;  // a profile from before the field: not measured
     const std::string_view name = legacy_attention && std::string_view(f.name).starts_with("attention_") ? kLegacyAttention : f.name;
     const auto samples = read(name, [](const JsonCursor& c) {
       (void)c.as_array();  // an object would otherwise pass as a list of members
@@ -452,6 +461,26 @@ void set_gated_delta(MachineProfile& p, double scale, bool clusters, const std::
       prefix + fmt::format(fmt::runtime(what), clusters ? "backward (clusters)" : "backward (one block a head, no clusters)",
                            backward_ms),
       machine, estimate.empty() ? "2026-12-04" : "2023");
+  // By recurrences side by side: 1, 2, 4 and 8 sequences of the same 32 heads (bench_gated_delta,
+  // call 5 of the thirty-seventh session; the backward on its automatic path, one block a head
+  // from 2 sequences on), the first point the scalars above.
+  const double forward_at[] = {forward_ms, 3.989, 4.929, 9.802}, backward_at[] = {backward_ms, 23.952, 27.580, 55.369};
+  std::vector<std::pair<double, double>> forward, backward;
+  for (int i = 0; i < 4; ++i) {
+    const double sequences = static_cast<double>(1 << i);
+    forward.emplace_back(32 * sequences, scale * sequences * updates / (forward_at[i] * 1e-3));
+    backward.emplace_back(32 * sequences, scale * sequences * updates / (backward_at[i] * 1e-3));
+  }
+  p.gated_delta_forward_parallel = SizeCurve(forward);
+  p.gated_delta_backward_parallel = SizeCurve(backward);
+  const std::string curve =
+      "OOM's recurrent gated delta rule's {} by recurrences side by side (sequences x value heads): 1, 2, 4, 8 sequences of "
+      "4096 tokens, 16/32 heads of 128 (bench_gated_delta, docs/performance.md, thirty-seventh session: {} ms, 2026-12-04)";
+  p.provenance["gated_delta_forward_parallel"] =
+      prov(prefix + fmt::format(fmt::runtime(curve), "forward", "3.69, 3.99, 4.93, 9.80"), machine, estimate.empty() ? "2026-12-04" : "2023");
+  p.provenance["gated_delta_backward_parallel"] = prov(
+      prefix + fmt::format(fmt::runtime(curve), "backward", fmt::format("{}, 23.95, 27.58, 55.37", backward_ms)), machine,
+      estimate.empty() ? "2026-12-04" : "2023");
 }
 
 MachineProfile MachineProfile::h200(int gpus) {

@@ -231,7 +231,10 @@ double StepModel::attention_time(int layer, const Partition& part, bool backward
         t += gemm_factor * time_of(Operation::gemm(b * len, h, la.value_heads * la.value_head_dim), Resource::gpu_compute);
       }
       // The gated delta rule's recurrence: every value head's key x value state updated per token.
-      t += time_of(Operation::delta_rule(backward, b * len, la.key_head_dim, la.value_head_dim, la.value_heads),
+      // Whole sequences run side by side; in parts (several chunks) the GPU block takes one
+      // sequence at a time, so its recurrences are one sequence's heads.
+      t += time_of(Operation::delta_rule(backward, b * len, la.key_head_dim, la.value_head_dim, la.value_heads,
+                                         part.chunks.size() > 1 ? 1 : b),
                    Resource::gpu_compute);
     }
   }

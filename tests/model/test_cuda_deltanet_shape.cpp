@@ -228,3 +228,23 @@ TEST_CASE("the planner's workset for a linear layer's part is the GPU block's wo
     }
   }
 }
+
+TEST_CASE("the planner prices a linear layer's sequences side by side when whole, one at a time when in parts") {
+  // The GPU block runs all sequences of a micro-batch at once when whole (their recurrences side
+  // by side: faster per update, MachineProfile::gated_delta_*_parallel) and one sequence at a time
+  // in parts: 4 sequences in two parts each cost more than whole.
+  const ModelSpec next = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/qwen3-next-80b-a3b.json");
+  PlanRequest req;
+  req.gpu_budget = Bytes{139ull << 30};
+  req.host_budget = Bytes{125ull << 30};
+  req.workload = {4, 4096};
+  const detail::StepModel model(next, MachineProfile::h200(1), req, ExecutionPath::local);
+  Partition whole, parts;
+  whole.chunks = {{0, 4096, Bytes{}}};
+  parts.chunks = {{0, 2048, Bytes{}}, {2048, 4096, Bytes{}}};
+  for (const bool backward : {false, true}) {
+    CAPTURE(backward);
+    const double t_whole = model.attention_time(0, whole, backward, true), t_parts = model.attention_time(0, parts, backward, true);
+    CHECK(t_parts > 1.3 * t_whole);  // the rule at 32 recurrences instead of 128: 1.3x (forward) to 3x slower per update
+  }
+}

@@ -421,6 +421,40 @@ TEST_CASE("cost model: a grouped GEMM at the rate of the launch's rows, never fa
     }
 }
 
+TEST_CASE("the gated delta rule's rates by recurrences side by side: more sequences fill more of the GPU") {
+  const MachineProfile h200 = MachineProfile::h200(1);
+  REQUIRE_FALSE(h200.gated_delta_forward_parallel.empty());
+  // The curve's first point is the scalar (32 heads of one sequence).
+  CHECK(h200.gated_delta_forward_parallel.at(32) == doctest::Approx(h200.gated_delta_forward_updates_per_s));
+  CHECK(h200.gated_delta_backward_parallel.at(32) == doctest::Approx(h200.gated_delta_backward_updates_per_s));
+  const ProfileCostModel model(h200);
+  const auto gpu = [&](const Operation& op) { return model.predict(op)[Resource::gpu_compute] - h200.launch_overhead_s; };
+  for (const bool backward : {false, true}) {
+    CAPTURE(backward);
+    const Operation one = Operation::delta_rule(backward, 4096, 128, 128, 32);
+    const Operation four = Operation::delta_rule(backward, 4 * 4096, 128, 128, 32, 4);
+    CHECK(four.recurrences() == 128);
+    CHECK(four.state_updates() == 4 * one.state_updates());
+    // Four sequences side by side: 4x the work in 4.93 / 3.69 (forward) and 27.58 / 15.3 (backward)
+    // the time, as bench_gated_delta measured; the same tokens as one sequence run 4x the time.
+    CHECK(gpu(four) / gpu(one) == doctest::Approx(backward ? 27.58 / 15.3 : 4.929 / 3.69).epsilon(1e-3));
+    CHECK(gpu(Operation::delta_rule(backward, 4 * 4096, 128, 128, 32)) == doctest::Approx(4 * gpu(one)));
+  }
+  // The RTX 4090 has no clusters: its backward curve starts at the one-block path.
+  const MachineProfile ada = MachineProfile::rtx4090(1);
+  CHECK(ada.gated_delta_backward_parallel.at(32) == doctest::Approx(ada.gated_delta_backward_updates_per_s));
+  CHECK(ada.gated_delta_backward_parallel.at(32) < ada.gated_delta_backward_parallel.at(64));
+  // Optional in a file: absent reads as not measured (the scalars price the rule), written back
+  // only when set, and a set curve needs its provenance.
+  const MachineProfile old = MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h200-2026-12-03.json");
+  CHECK(old.gated_delta_forward_parallel.empty());
+  CHECK(old.to_json().dump().find("gated_delta_forward_parallel") == std::string::npos);
+  CHECK(MachineProfile::from_json(h200.to_json(), "t.json").gated_delta_backward_parallel == h200.gated_delta_backward_parallel);
+  MachineProfile unexplained = h200;
+  unexplained.provenance.erase("gated_delta_forward_parallel");
+  CHECK_THROWS_WITH_AS(unexplained.validate("x"), doctest::Contains("gated_delta_forward_parallel has no provenance entry"), Error);
+}
+
 TEST_CASE("the gated delta rule's rates: measured on the built-in H200, optional in a file, priced by the cost model") {
   const MachineProfile h200 = MachineProfile::h200(1);
   CHECK(h200.gated_delta_forward_updates_per_s > h200.gated_delta_backward_updates_per_s);  // the backward reruns each chunk
@@ -456,6 +490,7 @@ TEST_CASE("the gated delta rule's rates: measured on the built-in H200, optional
     CHECK(measured.predict(bwd)[Resource::gpu_compute] == doctest::Approx(h200.launch_overhead_s + 15.3e-3));
     MachineProfile unmeasured = h200;
     unmeasured.gated_delta_forward_updates_per_s = unmeasured.gated_delta_backward_updates_per_s = 0;
+    unmeasured.gated_delta_forward_parallel = unmeasured.gated_delta_backward_parallel = SizeCurve{};
     const ProfileCostModel scan(unmeasured);
     CHECK(scan.predict(bwd)[Resource::gpu_compute] > scan.predict(fwd)[Resource::gpu_compute]);
     CHECK(scan.predict(bwd)[Resource::gpu_compute] < measured.predict(bwd)[Resource::gpu_compute]);

@@ -2,6 +2,7 @@
 // PCIe directions, the CPU pool, the network), from constants measured on that machine.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <concepts>
 #include <cstdint>
@@ -64,9 +65,12 @@ struct Operation {
     return {backward ? OpKind::attention_backward : OpKind::attention_forward, queries, n, head_dim, heads, 0, Bytes{},
             DType::bf16};
   }
+  /// The gated delta rule over `tokens` rows (all sequences' together) of `heads` value heads of
+  /// k_dim x v_dim states, `sequences` of them side by side (the recurrences run in parallel:
+  /// sequences x heads of them; kept in `elements`).
   static constexpr Operation delta_rule(bool backward, std::uint64_t tokens, std::uint64_t k_dim, std::uint64_t v_dim,
-                                        std::uint64_t heads) {
-    return {backward ? OpKind::delta_rule_backward : OpKind::delta_rule_forward, tokens, v_dim, k_dim, heads, 0, Bytes{},
+                                        std::uint64_t heads, std::uint64_t sequences = 1) {
+    return {backward ? OpKind::delta_rule_backward : OpKind::delta_rule_forward, tokens, v_dim, k_dim, heads, sequences, Bytes{},
             DType::bf16};
   }
   /// Ops that move `bytes`: memory_bound, copies, collectives.
@@ -77,6 +81,10 @@ struct Operation {
     return {kind, 0, 0, 0, 1, elements, concurrent, DType::bf16};
   }
 
+  /// Recurrences a delta_rule op runs side by side: sequences x heads (0 for others).
+  [[nodiscard]] constexpr std::uint64_t recurrences() const {
+    return kind == OpKind::delta_rule_forward || kind == OpKind::delta_rule_backward ? std::max<std::uint64_t>(elements, 1) * batch : 0;
+  }
   /// State elements a delta_rule op updates: tokens x heads x k x n (0 for others).
   [[nodiscard]] constexpr double state_updates() const {
     return kind == OpKind::delta_rule_forward || kind == OpKind::delta_rule_backward

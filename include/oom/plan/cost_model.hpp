@@ -66,7 +66,11 @@ class ProfileCostModel {
       case OpKind::delta_rule_forward:
       case OpKind::delta_rule_backward: {
         const bool backward = op.kind == OpKind::delta_rule_backward;
-        const double rate = backward ? profile_->gated_delta_backward_updates_per_s : profile_->gated_delta_forward_updates_per_s;
+        // Keyed by the recurrences side by side where measured so (more fill more of the GPU).
+        const SizeCurve& by_count = backward ? profile_->gated_delta_backward_parallel : profile_->gated_delta_forward_parallel;
+        const double rate = !by_count.empty() ? by_count.at(static_cast<double>(op.recurrences()))
+                            : backward      ? profile_->gated_delta_backward_updates_per_s
+                                            : profile_->gated_delta_forward_updates_per_s;
         if (rate > 0) {  // OOM's recurrent kernels, as measured
           t[Resource::gpu_compute] = launch + op.state_updates() / rate;
         } else {
