@@ -27,6 +27,8 @@ struct LayerState {
 class StepModel {
  public:
   StepModel(const ModelSpec& spec, const MachineProfile& profile, const PlanRequest& req, ExecutionPath path);
+  /// It keeps a reference to the profile: a temporary would dangle.
+  StepModel(const ModelSpec& spec, MachineProfile&& profile, const PlanRequest& req, ExecutionPath path) = delete;
 
   [[nodiscard]] std::uint64_t tokens() const;
   /// Layer -1 is the embedding, num_layers() the final norm + LM head.

@@ -774,7 +774,8 @@ TEST_CASE("fit: a linear layer's token parts are cut with the MoE chunk where on
   CHECK(describe_chunks(spec, fit.plan) ==
         fmt::format("MoE in chunks of {} tokens, linear attention in parts of {} tokens", fit.plan.largest_moe_chunk(), ends.front()));
   CHECK(describe_chunks(spec, whole) == "MoE in chunks of 16384 tokens");  // the linear layer whole
-  const Planner planner(spec, MachineProfile::builtin("h200", 1));
+  const MachineProfile h200 = MachineProfile::builtin("h200", 1);  // the planner keeps a pointer to it
+  const Planner planner(spec, h200);
   const std::string text = planner.describe(fit.plan);
   CHECK(text.find(fmt::format("chunking: attention up to 1 query chunk(s), linear attention in parts of {} tokens,", ends.front())) !=
         std::string::npos);

@@ -182,7 +182,8 @@ TEST_CASE("the planner's bytes for a linear layer are the GPU block's saved buff
     req.gpu_budget = Bytes{139ull << 30};
     req.host_budget = Bytes{125ull << 30};
     req.workload = {sequences, seq_len};
-    const detail::StepModel model(next, MachineProfile::h200(1), req, ExecutionPath::local);
+    const MachineProfile h200 = MachineProfile::h200(1);  // the model keeps a reference to it
+    const detail::StepModel model(next, h200, req, ExecutionPath::local);
     const auto planned = model.saved_bytes(0);
     const std::uint64_t bytes = planned[static_cast<std::size_t>(ActivationClass::attention_output)].count() +
                                 planned[static_cast<std::size_t>(ActivationClass::linear_attention_state)].count();
@@ -208,7 +209,8 @@ TEST_CASE("the planner's workset for a linear layer's part is the GPU block's wo
     req.gpu_budget = Bytes{139ull << 30};
     req.host_budget = Bytes{125ull << 30};
     req.workload = {1, 16384};
-    const detail::StepModel model(spec, MachineProfile::h200(1), req, ExecutionPath::local);
+    const MachineProfile h200 = MachineProfile::h200(1);  // the model keeps a reference to it
+    const detail::StepModel model(spec, h200, req, ExecutionPath::local);
     const WorkItem w = model.attention_item(linear);
     CHECK(w.dependency == ChunkDependency::carried_state);
     // The planner keeps one extra block of each weight-gradient partial (conv: C K floats; norm:
@@ -238,13 +240,16 @@ TEST_CASE("the planner prices a linear layer's sequences side by side when whole
   req.gpu_budget = Bytes{139ull << 30};
   req.host_budget = Bytes{125ull << 30};
   req.workload = {4, 4096};
-  const detail::StepModel model(next, MachineProfile::h200(1), req, ExecutionPath::local);
+  const MachineProfile h200 = MachineProfile::h200(1);  // the model keeps a reference to it
+  const detail::StepModel model(next, h200, req, ExecutionPath::local);
   Partition whole, parts;
   whole.chunks = {{0, 4096, Bytes{}}};
   parts.chunks = {{0, 2048, Bytes{}}, {2048, 4096, Bytes{}}};
   for (const bool backward : {false, true}) {
     CAPTURE(backward);
     const double t_whole = model.attention_time(0, whole, backward, true), t_parts = model.attention_time(0, parts, backward, true);
-    CHECK(t_parts > 1.3 * t_whole);  // the rule at 32 recurrences instead of 128: 1.3x (forward) to 3x slower per update
+    // The rule at 32 recurrences instead of 128: 3.0x (forward) and 2.2x (backward) the time per
+    // update; with the layer's memory-bound passes beside it, over 1.5x.
+    CHECK(t_parts > 1.5 * t_whole);
   }
 }

@@ -112,7 +112,9 @@ struct Operation {
 /// Requirements, for `const M& model` and `const Operation& op`:
 ///   1. `model.predict(op)` returns ResourceTimes: non-negative, and zero on resources the op
 ///      does not use (a copy_h2d uses only h2d);
-///   2. monotone: more work (larger m, n, k, batch, elements or bytes) never predicts less time;
+///   2. monotone: more work (larger m, n, k, batch, elements or bytes) never predicts less time
+///      (a delta_rule op's elements are its sequences, parallelism rather than work: the same
+///      tokens in more sequences side by side may predict less);
 ///   3. deterministic (the planner compares thousands of candidates by it).
 ///
 /// **Customization**

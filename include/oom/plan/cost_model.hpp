@@ -68,7 +68,7 @@ class ProfileCostModel {
         const bool backward = op.kind == OpKind::delta_rule_backward;
         // Keyed by the recurrences side by side where measured so (more fill more of the GPU).
         const SizeCurve& by_count = backward ? profile_->gated_delta_backward_parallel : profile_->gated_delta_forward_parallel;
-        const double rate = !by_count.empty() ? by_count.at(static_cast<double>(op.recurrences()))
+        const double rate = !by_count.empty() ? by_count.at(static_cast<double>(std::max<std::uint64_t>(op.recurrences(), 1)))
                             : backward      ? profile_->gated_delta_backward_updates_per_s
                                             : profile_->gated_delta_forward_updates_per_s;
         if (rate > 0) {  // OOM's recurrent kernels, as measured

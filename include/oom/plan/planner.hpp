@@ -25,6 +25,8 @@ class Planner {
  public:
   /// `model_name` is recorded in plans (e.g. the config's path).
   Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name = {});
+  /// It keeps a pointer to the profile (and the spec): a temporary would dangle.
+  Planner(const ModelSpec& spec, MachineProfile&& profile, std::string model_name = {}) = delete;
 
   /// Throws Errc::invalid_argument for a malformed request and Errc::out_of_budget, naming the
   /// least GPU and host bytes a plan needs and the claimant that dominates, when nothing fits.
