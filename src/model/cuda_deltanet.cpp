@@ -342,9 +342,7 @@ void deltanet_backward(cublasHandle_t blas, cudaStream_t stream, const DeltaNetS
     // The gated norm's output and the conv's, as the forward made them (the same launches on the
     // same inputs: the same bits); y lives in dcore's storage until the norm's backward.
     check(kernels::gated_rmsnorm_forward(norm_dims(p), core, qkvz + C, w.norm, b.y, b.rstd_again, stream), "gated norm forward (again)");
-    kernels::ConvDims forward_cd = cd;
-    forward_cd.future = 0;
-    check(kernels::causal_conv1d_silu_forward(forward_cd, qkvz, w.conv, b.mixed, stream), "conv1d forward (again)");
+    check(kernels::causal_conv1d_silu_forward(pass_conv_dims(s, ps, false), qkvz, w.conv, b.mixed, stream), "conv1d forward (again)");
     // out_proj.
     gemm(blas, true, false, H, vw, n, dout, H, b.y, vw, grads.out_proj, CUDA_R_32F, vw, 1.0f, "out_proj dW GEMM");
     gemm(blas, false, false, n, vw, H, dout, H, w.out_proj, vw, b.dy, CUDA_R_16BF, vw, 0.0f, "out_proj dx GEMM");

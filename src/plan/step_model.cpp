@@ -120,10 +120,9 @@ WorkItem StepModel::attention_item(int layer) const {
     // (The rule's state interval, 64, is DeltaNetShape's default. Run in parts the block takes one
     // sequence at a time, so for several sequences this counts b x what a part needs: safe, not
     // tight.) The weight-gradient partials come a block of 256, 128 or 64 tokens at a time: one
-    // more block of each covers a part that ends mid-block.
+    // more block of each covers a part that ends mid-block, so the weights' scratch counts twice.
     w.fixed = Bytes{b * vh * std::min<std::uint64_t>(64, req_.workload.seq_len) * rows * cols * fp32_bytes +
-                    vh * dk * dv * fp32_bytes + 2 * (K - 1) * C * bf16_bytes + (C * K + 2 * vh + dv) * fp32_bytes +
-                    (C * K + dv + 2 * vh) * fp32_bytes};
+                    vh * dk * dv * fp32_bytes + 2 * (K - 1) * C * bf16_bytes + 2 * (C * K + 2 * vh + dv) * fp32_bytes};
     // Per token: dy, d core, the conv's output again, d [q k v z], d [b a], d mixed (and the fused
     // layout's copies) in bf16; rstd, dg, dbeta in fp32; the rule's dq and dk per value head in fp32;
     // the conv's, the gated norm's and the gates' weight-gradient partials (a block's per 256, 128

@@ -68,6 +68,13 @@ Keep blob_retention(const std::array<RetentionDecision, activation_class_count>&
   return offload ? Keep::offload : Keep::keep;
 }
 
+/// A linear-attention layer's part of `tokens` (the plan's chunk) as the Gated DeltaNet block runs
+/// it: rounded down to a multiple of the rule's state interval, at least one interval.
+std::uint64_t linear_part(std::uint64_t tokens, std::uint64_t interval) { return std::max(interval, tokens / interval * interval); }
+/// DeltaNetShape::chunk as DeltaNetShape::from_spec sets it: the interval of the layers CudaCausalLm builds.
+constexpr std::uint64_t linear_state_interval = 64;
+std::uint64_t linear_part(std::uint64_t tokens) { return linear_part(tokens, linear_state_interval); }
+
 }  // namespace
 
 struct CudaCausalLm::Impl {
@@ -549,9 +556,9 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
     // state interval): the Gated DeltaNet block runs each sequence in parts of that many tokens.
     if (L.shape.linear && static_cast<std::size_t>(l) < plan.chunks.size()) {
       const auto& ends = plan.chunks[static_cast<std::size_t>(l)].attention;
-      const std::int64_t every = L.shape.deltanet.chunk;
       if (ends.size() > 1)
-        L.shape.deltanet.part_tokens = std::max(every, static_cast<std::int64_t>(ends.front()) / every * every);
+        L.shape.deltanet.part_tokens =
+            static_cast<std::int64_t>(linear_part(ends.front(), static_cast<std::uint64_t>(L.shape.deltanet.chunk)));
     }
     for (std::size_t k = 0; k < spec->layer_segments(l).size(); ++k) {
       const std::size_t s = first + k;
@@ -1165,13 +1172,6 @@ Plan with_offloaded_boundaries(Plan p, std::size_t j) {
   return p;
 }
 
-/// A linear-attention layer's token chunks (the Gated DeltaNet block's parts, one sequence at a
-/// time) made at most `tokens` long, a multiple of the rule's state interval, where the plan has
-/// them longer: its workspace grows with them as the MoE half's does with its chunk.
-constexpr std::uint64_t linear_state_interval = 64;  // DeltaNetShape::chunk, what CudaCausalLm builds its linear layers with
-std::uint64_t linear_part(std::uint64_t tokens) {
-  return std::max(linear_state_interval, tokens / linear_state_interval * linear_state_interval);
-}
 /// Whether a linear-attention layer of `p` runs in parts longer than linear_part(tokens) (its
 /// whole sequence counting as one part): what cutting them to `tokens` would still shrink.
 bool linear_parts_longer(const ModelSpec& spec, const Plan& p, std::uint64_t tokens) {
@@ -1183,6 +1183,9 @@ bool linear_parts_longer(const ModelSpec& spec, const Plan& p, std::uint64_t tok
   }
   return false;
 }
+/// A linear-attention layer's token chunks (the Gated DeltaNet block's parts, one sequence at a
+/// time) made at most `tokens` long, a multiple of the rule's state interval, where the plan has
+/// them longer: its workspace grows with them as the MoE half's does with its chunk.
 void halve_linear_parts(const ModelSpec& spec, Plan& p, std::uint64_t tokens) {
   const std::uint64_t S = p.workload.seq_len, part = linear_part(tokens);
   if (part >= S) return;

@@ -17,6 +17,25 @@
 
 using namespace oom;
 
+namespace {
+
+/// The planner's step model of `spec` on one H200 (139 GiB, 125 GiB host) for `workload`, with the
+/// profile it keeps a reference to.
+struct H200StepModel {
+  MachineProfile profile = MachineProfile::h200(1);
+  detail::StepModel model;
+  H200StepModel(const ModelSpec& spec, Workload workload) : model(spec, profile, request(workload), ExecutionPath::local) {}
+  static PlanRequest request(Workload workload) {
+    PlanRequest req;
+    req.gpu_budget = Bytes{139ull << 30};
+    req.host_budget = Bytes{125ull << 30};
+    req.workload = workload;
+    return req;
+  }
+};
+
+}  // namespace
+
 TEST_CASE("DeltaNetShape::from_spec: both families, the spec's segment, refusals named") {
   const std::string dir = std::string(OOM_SOURCE_DIR) + "/examples/configs/";
   const ModelSpec next = ModelSpec::from_file(dir + "qwen3-next-80b-a3b.json");
@@ -178,13 +197,8 @@ TEST_CASE("the planner's bytes for a linear layer are the GPU block's saved buff
   for (const auto& [sequences, seq_len] : {std::pair<std::uint64_t, std::uint64_t>{1, 4100}, {2, 4100}, {3, 77}}) {
     CAPTURE(sequences);
     CAPTURE(seq_len);
-    PlanRequest req;
-    req.gpu_budget = Bytes{139ull << 30};
-    req.host_budget = Bytes{125ull << 30};
-    req.workload = {sequences, seq_len};
-    const MachineProfile h200 = MachineProfile::h200(1);  // the model keeps a reference to it
-    const detail::StepModel model(next, h200, req, ExecutionPath::local);
-    const auto planned = model.saved_bytes(0);
+    const H200StepModel planner(next, {sequences, seq_len});
+    const auto planned = planner.model.saved_bytes(0);
     const std::uint64_t bytes = planned[static_cast<std::size_t>(ActivationClass::attention_output)].count() +
                                 planned[static_cast<std::size_t>(ActivationClass::linear_attention_state)].count();
     const auto shape = model::DeltaNetShape::from_spec(next, 0, static_cast<std::int64_t>(sequences * seq_len),
@@ -205,13 +219,8 @@ TEST_CASE("the planner's workset for a linear layer's part is the GPU block's wo
     const ModelSpec spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + config);
     int linear = 0;
     while (spec.layer(linear).attention != AttentionKind::linear) ++linear;
-    PlanRequest req;
-    req.gpu_budget = Bytes{139ull << 30};
-    req.host_budget = Bytes{125ull << 30};
-    req.workload = {1, 16384};
-    const MachineProfile h200 = MachineProfile::h200(1);  // the model keeps a reference to it
-    const detail::StepModel model(spec, h200, req, ExecutionPath::local);
-    const WorkItem w = model.attention_item(linear);
+    const H200StepModel planner(spec, {1, 16384});
+    const WorkItem w = planner.model.attention_item(linear);
     CHECK(w.dependency == ChunkDependency::carried_state);
     // The planner keeps one extra block of each weight-gradient partial (conv: C K floats; norm:
     // v_dim; gates: 2 v_heads) for a part that ends mid-block; 1152 tokens end half-way into the
@@ -236,12 +245,8 @@ TEST_CASE("the planner prices a linear layer's sequences side by side when whole
   // by side: faster per update, MachineProfile::gated_delta_*_parallel) and one sequence at a time
   // in parts: 4 sequences in two parts each cost more than whole.
   const ModelSpec next = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/qwen3-next-80b-a3b.json");
-  PlanRequest req;
-  req.gpu_budget = Bytes{139ull << 30};
-  req.host_budget = Bytes{125ull << 30};
-  req.workload = {4, 4096};
-  const MachineProfile h200 = MachineProfile::h200(1);  // the model keeps a reference to it
-  const detail::StepModel model(next, h200, req, ExecutionPath::local);
+  const H200StepModel planner(next, {4, 4096});
+  const detail::StepModel& model = planner.model;
   Partition whole, parts;
   whole.chunks = {{0, 4096, Bytes{}}};
   parts.chunks = {{0, 2048, Bytes{}}, {2048, 4096, Bytes{}}};
