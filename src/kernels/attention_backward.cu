@@ -326,10 +326,15 @@ __global__ void __launch_bounds__(128, 1) attention_backward_dkdv_kernel(const B
     }
   }
 
-  store_rows(dk_acc, p.dk + b * p.dk_batch + static_cast<std::int64_t>(hk) * D + col0, p.dk_token, key_w, p.q_end,
-             p.scale, p.accumulate_dkv);
-  store_rows(dv_acc, p.dv + b * p.dv_batch + static_cast<std::int64_t>(hk) * D + col0, p.dv_token, key_w, p.q_end,
-             1.0f, p.accumulate_dkv);
+  const std::int64_t dk_at = b * p.dk_batch + static_cast<std::int64_t>(hk) * D + col0;
+  const std::int64_t dv_at = b * p.dv_batch + static_cast<std::int64_t>(hk) * D + col0;
+  if (p.dk_sum != nullptr) {  // attention_backward_dkv_sum
+    add_rows_f32(dk_acc, p.dk_sum + dk_at, p.dk_token, key_w, p.q_end, p.scale);
+    add_rows_f32(dv_acc, p.dv_sum + dv_at, p.dv_token, key_w, p.q_end, 1.0f);
+  } else {
+    store_rows(dk_acc, p.dk + dk_at, p.dk_token, key_w, p.q_end, p.scale, p.accumulate_dkv);
+    store_rows(dv_acc, p.dv + dv_at, p.dv_token, key_w, p.q_end, 1.0f, p.accumulate_dkv);
+  }
 }
 
 // ---- 3. dQ ----
@@ -594,6 +599,36 @@ cudaError_t attention_backward(const AttentionProblem& p, TokenRows<const bf16> 
 #endif
   return attention_backward_mma_sync(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes,
                                      stream);
+}
+
+cudaError_t attention_backward_mma_sync_dkv_sum(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                                TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                                const float* lse, TokenRows<bf16> dq, AttentionDkvSums sums, void* workspace,
+                                                std::size_t workspace_bytes, cudaStream_t stream) {
+  using namespace attention_detail;
+  if (const cudaError_t e = check_problem("attention_backward_dkv_sum", p); e != cudaSuccess) return e;
+  if (p.query_end() == p.q_begin) return cudaSuccess;
+  if (const cudaError_t e = check_backward_args("attention_backward_dkv_sum", q, k, v, o, d_o, lse, dq, sums.dk, sums.dv,
+                                                workspace, workspace_bytes, attention_backward_workspace_bytes(p),
+                                                "attention_backward_workspace_bytes");
+      e != cudaSuccess)
+    return e;
+  const BackwardParams params = with_sums(backward_params(p, q, k, v, o, d_o, lse, dq, {}, {}, true, workspace), sums);
+  if (p.head_dim == 128) return launch_backward<128, false>(params, p.batch, p.heads_kv, {}, stream);
+  return launch_backward<256, false>(params, p.batch, p.heads_kv, {}, stream);
+}
+
+cudaError_t attention_backward_dkv_sum(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                       TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                       const float* lse, TokenRows<bf16> dq, AttentionDkvSums sums, void* workspace,
+                                       std::size_t workspace_bytes, cudaStream_t stream) {
+#if OOM_HAS_SM90A_KERNELS
+  if (p.head_dim == 128 || p.head_dim == 256) {
+    const cudaError_t e = hopper::attention_backward_wgmma_dkv_sum(p, q, k, v, o, d_o, lse, dq, sums, workspace, workspace_bytes, stream);
+    if (e != cudaErrorNotSupported) return e;
+  }
+#endif
+  return attention_backward_mma_sync_dkv_sum(p, q, k, v, o, d_o, lse, dq, sums, workspace, workspace_bytes, stream);
 }
 
 std::size_t attention_backward_fused_dq_workspace_bytes(const AttentionProblem& p) {

@@ -30,8 +30,10 @@ struct BackwardParams {
   const __nv_bfloat16* d_o;
   const float* lse;  // (B, Hq, S)
   __nv_bfloat16* dq;
-  __nv_bfloat16* dk;
+  __nv_bfloat16* dk;  // null where dK/dV go to the fp32 sums below
   __nv_bfloat16* dv;
+  float* dk_sum;      // attention_backward_dkv_sum: dK/dV added here in fp32 (dk_batch ... dv_token
+  float* dv_sum;      // then stride these); null otherwise
   float* delta;  // workspace (B, Hq, q_len): D_i = rowsum(dO o O)
   float* lse2;   // workspace (B, Hq, q_len): LSE_i * log2(e)
   std::int64_t q_batch, q_token, k_batch, k_token, v_batch, v_token, o_batch, o_token, do_batch, do_token;
@@ -49,18 +51,21 @@ struct BackwardParams {
 
 inline std::size_t round_up_256(std::size_t n) { return (n + 255) / 256 * 256; }
 
-/// The backward's tensors as check_rows, lse not null, and a 256-byte aligned workspace of at least
-/// `workspace_needed` bytes (what `workspace_call` returns); else a refusal naming which.
+/// The backward's tensors as check_rows (dk, dv: bf16 outputs or fp32 sums), lse not null, and a
+/// 256-byte aligned workspace of at least `workspace_needed` bytes (what `workspace_call`
+/// returns); else a refusal naming which.
+template <class G>
 inline cudaError_t check_backward_args(const char* name, TokenRows<const bf16> q, TokenRows<const bf16> k,
                                        TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
-                                       const float* lse, TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv,
+                                       const float* lse, TokenRows<bf16> dq, TokenRows<G> dk, TokenRows<G> dv,
                                        const void* workspace, std::size_t workspace_bytes, std::size_t workspace_needed,
                                        const char* workspace_call) {
   using ::oom::kernels::detail::refuse;
   for (const auto& [tensor, rows] :
        {std::pair{"q", q}, std::pair{"k", k}, std::pair{"v", v}, std::pair{"o", o}, std::pair{"d_o", d_o}})
     if (const cudaError_t e = check_rows(name, tensor, rows); e != cudaSuccess) return e;
-  for (const auto& [tensor, rows] : {std::pair{"dq", dq}, std::pair{"dk", dk}, std::pair{"dv", dv}})
+  if (const cudaError_t e = check_rows(name, "dq", dq); e != cudaSuccess) return e;
+  for (const auto& [tensor, rows] : {std::pair{"dk", dk}, std::pair{"dv", dv}})
     if (const cudaError_t e = check_rows(name, tensor, rows); e != cudaSuccess) return e;
   if (lse == nullptr) return refuse(name, ": lse is null");
   if (workspace == nullptr || workspace_bytes < workspace_needed)
@@ -110,6 +115,20 @@ inline BackwardParams backward_params(const AttentionProblem& p, TokenRows<const
   params.scale = p.softmax_scale;
   params.scale_log2 = p.softmax_scale * log2e;
   params.accumulate_dkv = accumulate_dkv;
+  return params;
+}
+
+/// `params` (of backward_params, any dk/dv) made to add dK/dV into `sums` in fp32.
+inline BackwardParams with_sums(BackwardParams params, const AttentionDkvSums& sums) {
+  params.dk = nullptr;
+  params.dv = nullptr;
+  params.dk_sum = sums.dk.data;
+  params.dv_sum = sums.dv.data;
+  params.dk_batch = sums.dk.batch_stride;
+  params.dk_token = sums.dk.token_stride;
+  params.dv_batch = sums.dv.batch_stride;
+  params.dv_token = sums.dv.token_stride;
+  params.accumulate_dkv = true;
   return params;
 }
 

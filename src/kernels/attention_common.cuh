@@ -229,6 +229,28 @@ __device__ __forceinline__ void store_rows(const float (&acc)[M_TILES][N_TILES][
     }
 }
 
+/// store_rows' tile times `scale` ADDED to fp32 rows (attention_backward_dkv_sum's dK/dV sums).
+template <int M_TILES, int N_TILES>
+__device__ __forceinline__ void add_rows_f32(const float (&acc)[M_TILES][N_TILES][4], float* base, std::int64_t token_stride,
+                                             int row0, int row_end, float scale) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + mt * 16 + g + 8 * half;
+      if (row >= row_end) continue;
+      float* dst = base + static_cast<std::int64_t>(row) * token_stride + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt) {
+        auto* d2 = reinterpret_cast<float2*>(dst + nt * 8);
+        const float2 old = *d2;
+        *d2 = make_float2(old.x + acc[mt][nt][2 * half] * scale, old.y + acc[mt][nt][2 * half + 1] * scale);
+      }
+    }
+}
+
 // ---- host side, shared by the launchers ----
 
 /// What a forward kernel (attention_forward.cu, hopper/attention_forward_wgmma.cu) reads of its

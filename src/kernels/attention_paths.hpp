@@ -23,4 +23,10 @@ cudaError_t attention_backward_mma_sync(const AttentionProblem& p, TokenRows<con
                                         bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                         cudaStream_t stream);
 
+/// attention_backward_dkv_sum by the mma.sync kernels on every device.
+cudaError_t attention_backward_mma_sync_dkv_sum(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                                TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                                const float* lse, TokenRows<bf16> dq, AttentionDkvSums sums, void* workspace,
+                                                std::size_t workspace_bytes, cudaStream_t stream);
+
 }  // namespace oom::kernels

@@ -63,6 +63,13 @@ std::int64_t moe_chunk(const DecoderLayerShape& s) {
 bool chunked(const DecoderLayerShape& s) { return moe_chunk(s) < s.tokens; }
 /// N: rows of one chunk's expert GEMMs (the largest chunk's).
 std::int64_t chunk_slots(const DecoderLayerShape& s) { return moe_chunk(s) * s.top_k; }
+/// A softmax-attention layer's query chunk (DecoderLayerShape::attention_chunk_tokens), at most a
+/// sequence; attention_chunked: shorter than one.
+std::int64_t attention_chunk(const DecoderLayerShape& s) {
+  const std::int64_t S = s.tokens / s.sequences, c = s.attention_chunk_tokens;
+  return c > 0 && c < S ? c : S;
+}
+bool attention_chunked(const DecoderLayerShape& s) { return !s.linear && attention_chunk(s) < s.tokens / s.sequences; }
 
 /// One MoE chunk's permutation and expert activations (N = n*k rows for a chunk of n tokens). Whole:
 /// kept in `saved` for the backward; chunked: in the workspace, recomputed by the backward per chunk.
@@ -184,6 +191,25 @@ kernels::AttentionProblem attention_problem(const DecoderLayerShape& s) {
   return p;
 }
 
+/// One sequence's query rows [q0, q0 + n): the attention problem of a query chunk (batch 1; the
+/// caller points the tensors at the sequence).
+kernels::AttentionProblem chunk_problem(const DecoderLayerShape& s, std::int64_t q0, std::int64_t n) {
+  kernels::AttentionProblem p = attention_problem(s);
+  p.batch = 1;
+  p.q_begin = static_cast<int>(q0);
+  p.q_end = static_cast<int>(q0 + n);
+  return p;
+}
+
+/// `rows` shifted back `by` rows of `width` elements: the view a query-chunk kernel call indexes
+/// with the sequence's row numbers, for a chunk buffer that holds rows [by, by + n) from its start.
+/// Only the chunk's rows are read or written through it (address arithmetic, never dereferenced
+/// outside the buffer).
+template <class T>
+T* rows_from(T* rows, std::int64_t by, std::int64_t width) {
+  return reinterpret_cast<T*>(reinterpret_cast<std::uintptr_t>(rows) - static_cast<std::uintptr_t>(by * width) * sizeof(T));
+}
+
 /// Forward scratch.
 struct ForwardScratch {
   bf16* qg;         // gated: (T, 2 Hq D) q_proj's output, split into saved q_raw and gate
@@ -204,9 +230,10 @@ ForwardScratch carve_forward(const DecoderLayerShape& s, const kernels::ExpertGe
   ForwardScratch f{};
   if (s.linear) {
     f.deltanet_ws = c.take_bytes(deltanet_workspace_bytes(s.deltanet));
-  } else if (s.output_gate) {
-    f.qg = c.take<bf16>(s.tokens * q_proj_rows(s));
-    f.go = c.take<bf16>(s.tokens * q_width(s));
+  } else if (s.output_gate) {  // a chunk's rows (attention_chunk_tokens), or all T
+    const std::int64_t rows = attention_chunked(s) ? attention_chunk(s) : s.tokens;
+    f.qg = c.take<bf16>(rows * q_proj_rows(s));
+    f.go = c.take<bf16>(rows * q_width(s));
   }
   f.logits = c.take<float>(s.tokens * s.experts);
   f.plan_bytes = plan_workspace_bytes(s);
@@ -245,15 +272,18 @@ struct BackwardScratch {
   bf16* s_d_gate_up;   // (C, 2Is)
   void* shared_ws;     // shared_expert_gate_backward's
   std::size_t shared_bytes;
-  // Attention phase (a linear layer: only deltanet_ws, dxn1_f32, dxn1).
+  // Attention phase (a linear layer: only deltanet_ws, dxn1_f32, dxn1). R rows: T, or in query
+  // chunks one chunk's (attention_chunk_tokens).
   void* deltanet_ws;
-  bf16* go;            // gated: (T, Hq D) ctx * sigmoid(gate) again, o_proj's input
-  bf16* d_gate;        // gated: (T, Hq D) packed
-  bf16* d_qg;          // gated: (T, 2 Hq D) [dq | d_gate] per head, q_proj's output gradient
-  bf16* d_attn;        // (T, Hq, D)
-  bf16* dq;            // (T, Hq, D)
+  bf16* go;            // gated: (R, Hq D) ctx * sigmoid(gate) again, o_proj's input
+  bf16* d_gate;        // gated: (R, Hq D) packed
+  bf16* d_qg;          // gated: (R, 2 Hq D) [dq | d_gate] per head, q_proj's output gradient
+  bf16* d_attn;        // (R, Hq, D)
+  bf16* dq;            // (R, Hq, D)
   bf16* dk;            // (T, Hkv, D)
   bf16* dv;            // (T, Hkv, D)
+  float* dk_sum;       // in query chunks: (T, Hkv, D) fp32, dK summed over the chunks
+  float* dv_sum;       // in query chunks: (T, Hkv, D) fp32
   void* attn_ws;
   std::size_t attn_bytes;
   float* dxn1_f32;     // (T, H)   the three projections' dx summed in fp32
@@ -299,16 +329,21 @@ BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::Expert
   if (s.linear) {
     b.deltanet_ws = c.take_bytes(deltanet_workspace_bytes(s.deltanet));
   } else {
+    const std::int64_t R = attention_chunked(s) ? attention_chunk(s) : T;
     if (s.output_gate) {
-      b.go = c.take<bf16>(T * q_width(s));
-      b.d_gate = c.take<bf16>(T * q_width(s));
-      b.d_qg = c.take<bf16>(T * q_proj_rows(s));
+      b.go = c.take<bf16>(R * q_width(s));
+      b.d_gate = c.take<bf16>(R * q_width(s));
+      b.d_qg = c.take<bf16>(R * q_proj_rows(s));
     }
-    b.d_attn = c.take<bf16>(T * q_width(s));
-    b.dq = c.take<bf16>(T * q_width(s));
+    b.d_attn = c.take<bf16>(R * q_width(s));
+    b.dq = c.take<bf16>(R * q_width(s));
     b.dk = c.take<bf16>(T * kv_width(s));
     b.dv = c.take<bf16>(T * kv_width(s));
-    b.attn_bytes = kernels::attention_backward_workspace_bytes(attention_problem(s));
+    if (attention_chunked(s)) {
+      b.dk_sum = c.take<float>(T * kv_width(s));
+      b.dv_sum = c.take<float>(T * kv_width(s));
+    }
+    b.attn_bytes = kernels::attention_backward_workspace_bytes(chunk_problem(s, 0, R));
     b.attn_ws = c.take_bytes(b.attn_bytes);
   }
   b.dxn1_f32 = c.take<float>(T * H);
@@ -461,10 +496,10 @@ void combine_shared(const DecoderLayerContext& ctx, const DecoderLayerShape& s, 
         "shared expert gate forward");
 }
 
-/// q_proj's (T, Hq, 2D) output [q | gate] per head split into packed (T, Hq, D) q and gate, or
+/// q_proj's (tokens, Hq, 2D) output [q | gate] per head split into packed (tokens, Hq, D) q and gate, or
 /// (`merge`) packed ones put back side by side: strided copies of D elements a row.
-void split_heads(const DecoderLayerShape& s, cudaStream_t st, bf16* qg, bf16* q, bf16* gate, bool merge) {
-  const auto D = static_cast<std::size_t>(s.head_dim), rows = static_cast<std::size_t>(s.tokens * s.heads_q);
+void split_heads(const DecoderLayerShape& s, std::int64_t tokens, cudaStream_t st, bf16* qg, bf16* q, bf16* gate, bool merge) {
+  const auto D = static_cast<std::size_t>(s.head_dim), rows = static_cast<std::size_t>(tokens * s.heads_q);
   const std::size_t packed = D * sizeof(bf16), wide = 2 * packed;
   for (const auto& [half, offset] : {std::pair{q, std::size_t{0}}, std::pair{gate, D}}) {
     if (merge)
@@ -476,9 +511,10 @@ void split_heads(const DecoderLayerShape& s, cudaStream_t st, bf16* qg, bf16* q,
   }
 }
 
-kernels::OutputGateDims gate_dims(const DecoderLayerShape& s) {
-  return {s.tokens, s.heads_q, s.head_dim, q_width(s), s.head_dim};
+kernels::OutputGateDims gate_dims(const DecoderLayerShape& s, std::int64_t rows) {
+  return {rows, s.heads_q, s.head_dim, q_width(s), s.head_dim};
 }
+kernels::OutputGateDims gate_dims(const DecoderLayerShape& s) { return gate_dims(s, s.tokens); }
 
 }  // namespace
 
@@ -517,6 +553,8 @@ void DecoderLayerShape::validate() const {
   need(tokens * top_k <= 0x7fffffff, "tokens * top_k must fit in int32");
   need(moe_chunk_tokens >= 0,
        fmt::format("moe_chunk_tokens = {} must be >= 0 (0: the MoE half runs over all tokens at once)", moe_chunk_tokens));
+  need(attention_chunk_tokens >= 0,
+       fmt::format("attention_chunk_tokens = {} must be >= 0 (0: each sequence's queries at once)", attention_chunk_tokens));
   need(rms_norm_eps > 0 && rope_theta > 0, "rms_norm_eps and rope_theta must be positive");
   if (!linear) need(kernels::attention_can_implement(attention_problem(*this)), "the attention kernel rejects this problem");
 }
@@ -715,10 +753,16 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
     deltanet_forward(ctx.blas, st, s.deltanet, params.deltanet, v.xn1, v.h, v.deltanet, w.deltanet_ws);
     check(kernels::add_bf16(x, v.h, v.h, T * H, st), "residual add h = x + deltanet");
   } else {
+    // Gated, the row-wise steps around the attention kernel go R rows at a time (one query
+    // chunk's, or all T), their scratch sized so.
+    const std::int64_t R = attention_chunked(s) ? attention_chunk(s) : T;
     if (s.output_gate) {  // [q | gate] per head, split into the saved q_raw and gate
-      gemm(ctx.blas, false, true, T, q_proj_rows(s), H, v.xn1, H, params.q_proj, H, w.qg, CUDA_R_16BF, q_proj_rows(s), 0.0f,
-           "q_proj forward GEMM");
-      split_heads(s, st, w.qg, v.q_raw, v.gate, /*merge=*/false);
+      for (std::int64_t r0 = 0; r0 < T; r0 += R) {
+        const std::int64_t n = std::min(R, T - r0);
+        gemm(ctx.blas, false, true, n, q_proj_rows(s), H, v.xn1 + r0 * H, H, params.q_proj, H, w.qg, CUDA_R_16BF, q_proj_rows(s),
+             0.0f, "q_proj forward GEMM");
+        split_heads(s, n, st, w.qg, v.q_raw + r0 * QW, v.gate + r0 * QW, /*merge=*/false);
+      }
     } else {
       gemm(ctx.blas, false, true, T, QW, H, v.xn1, H, params.q_proj, H, v.q_raw, CUDA_R_16BF, QW, 0.0f, "q_proj forward GEMM");
     }
@@ -732,15 +776,19 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
     if (!reuse_attention)
       check(kernels::attention_forward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW}, v.lse, st),
             "attention forward");
-    const bf16* o_in = v.attn;  // o_proj's input: O, or O * sigmoid(gate)
-    if (s.output_gate) {
-      check(kernels::output_gate_forward(gate_dims(s), v.attn, v.gate, w.go, st), "output gate forward");
-      o_in = w.go;
-    }
-    // h = x + o_in Wo^T: x copied into h, then the GEMM adds onto it (beta = 1, one rounding).
+    // h = x + o_in Wo^T, o_in = O or (gated) O * sigmoid(gate): x copied into h, then the GEMM
+    // adds onto it (beta = 1, one rounding).
     check(cudaMemcpyAsync(v.h, x, static_cast<std::size_t>(T * H) * sizeof(bf16), cudaMemcpyDeviceToDevice, st),
           "residual copy x -> h");
-    gemm(ctx.blas, false, true, T, H, QW, o_in, QW, params.o_proj, QW, v.h, CUDA_R_16BF, H, 1.0f, "o_proj forward GEMM");
+    if (s.output_gate) {
+      for (std::int64_t r0 = 0; r0 < T; r0 += R) {
+        const std::int64_t n = std::min(R, T - r0);
+        check(kernels::output_gate_forward(gate_dims(s, n), v.attn + r0 * QW, v.gate + r0 * QW, w.go, st), "output gate forward");
+        gemm(ctx.blas, false, true, n, H, QW, w.go, QW, params.o_proj, QW, v.h + r0 * H, CUDA_R_16BF, H, 1.0f, "o_proj forward GEMM");
+      }
+    } else {
+      gemm(ctx.blas, false, true, T, H, QW, v.attn, QW, params.o_proj, QW, v.h, CUDA_R_16BF, H, 1.0f, "o_proj forward GEMM");
+    }
   }
 
   // ---- MoE block: the post-attention norm and the router over all T (their state is O(T*(H + E))),
@@ -790,6 +838,65 @@ DecoderLayerAttentionState decoder_layer_attention_state(const DecoderLayerShape
 }
 
 // ---- backward -------------------------------------------------------------------------------------
+
+namespace {
+
+/// The softmax attention's backward from d h down to dq's share of d xn1 (into b.dxn1_f32, beta 0)
+/// and the fp32-summed dK/dV rounded into b.dk / b.dv, one query chunk of one sequence at a time
+/// (DecoderLayerShape::attention_chunk_tokens), the chunks of a sequence first to last: o_proj's
+/// dx and dW, the output gate's backward, the attention backward with dK/dV added to fp32 sums,
+/// then RoPE, the q norm and q_proj's dx and dW for the chunk's rows.
+void attention_backward_chunked(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
+                                const std::int32_t* positions, const Saved& v, const BackwardScratch& b, const bf16* dh,
+                                const DecoderLayerGrads& grads) {
+  const cudaStream_t st = ctx.stream;
+  const auto T = s.tokens, S = s.tokens / s.sequences, H = s.hidden, D = s.head_dim, QW = q_width(s), KW = kv_width(s);
+  const std::int64_t QP = q_proj_rows(s), C = attention_chunk(s);
+  const std::size_t kv_bytes = static_cast<std::size_t>(T * KW) * sizeof(float);
+  check(cudaMemsetAsync(b.dk_sum, 0, kv_bytes, st), "zero the dK sums");
+  check(cudaMemsetAsync(b.dv_sum, 0, kv_bytes, st), "zero the dV sums");
+  for (std::int64_t seq = 0; seq < s.sequences; ++seq) {
+    const std::int64_t base = seq * S;  // the sequence's first row
+    for (std::int64_t q0 = 0; q0 < S; q0 += C) {
+      const std::int64_t n = std::min(C, S - q0), r0 = base + q0;
+      const bf16* o_in = v.attn + r0 * QW;
+      if (s.output_gate) {
+        check(kernels::output_gate_forward(gate_dims(s, n), v.attn + r0 * QW, v.gate + r0 * QW, b.go, st),
+              "output gate forward (again)");
+        o_in = b.go;
+      }
+      gemm(ctx.blas, false, false, n, QW, H, dh + r0 * H, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
+      gemm(ctx.blas, true, false, H, QW, n, dh + r0 * H, H, o_in, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
+      if (s.output_gate)  // d O in place of d o_in
+        check(kernels::output_gate_backward(gate_dims(s, n), v.attn + r0 * QW, v.gate + r0 * QW, b.d_attn, b.d_attn, b.d_gate, st),
+              "output gate backward");
+      // The sequence's tensors, its query rows [q0, q0 + n) (the chunk buffers viewed at those rows).
+      const kernels::AttentionProblem ap = chunk_problem(s, q0, n);
+      const kernels::AttentionDkvSums sums{{b.dk_sum + base * KW, S * KW, KW}, {b.dv_sum + base * KW, S * KW, KW}};
+      check(kernels::attention_backward_dkv_sum(ap, {v.q + base * QW, S * QW, QW}, {v.k + base * KW, S * KW, KW},
+                                                {v.v + base * KW, S * KW, KW}, {v.attn + base * QW, S * QW, QW},
+                                                {rows_from(b.d_attn, q0, QW), S * QW, QW}, v.lse + seq * s.heads_q * S,
+                                                {rows_from(b.dq, q0, QW), S * QW, QW}, sums, b.attn_ws, b.attn_bytes, st),
+            "attention backward (query chunk)");
+      check(kernels::rope_backward(b.dq, positions + r0, b.dq, n, s.heads_q, D, rotary(s), s.rope_theta, st), "rope backward (q)");
+      check(kernels::rmsnorm_backward(b.dq, v.q_raw + r0 * QW, params.q_norm, v.q_rstd + r0 * s.heads_q, b.dq, grads.q_norm,
+                                      n * s.heads_q, D, b.norm_ws, b.norm_bytes, st, s.norm_offset),
+            "q_norm backward");
+      const bf16* dq_rows = b.dq;  // q_proj's output gradient: dq, or (gated) [dq | d gate] per head
+      if (s.output_gate) {
+        split_heads(s, n, st, b.d_qg, b.dq, b.d_gate, /*merge=*/true);
+        dq_rows = b.d_qg;
+      }
+      gemm(ctx.blas, false, false, n, H, QP, dq_rows, QP, params.q_proj, H, b.dxn1_f32 + r0 * H, CUDA_R_32F, H, 0.0f,
+           "q_proj dx GEMM");
+      gemm(ctx.blas, true, false, QP, H, n, dq_rows, QP, v.xn1 + r0 * H, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
+    }
+  }
+  check(kernels::cast_fp32_to_bf16(b.dk_sum, b.dk, T * KW, st), "round the dK sums");
+  check(kernels::cast_fp32_to_bf16(b.dv_sum, b.dv, T * KW, st), "round the dV sums");
+}
+
+}  // namespace
 
 void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const DecoderLayerParams& params,
                             const std::int32_t* positions, const bf16* x, const bf16* dy, const void* saved,
@@ -905,40 +1012,44 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
     deltanet_backward(ctx.blas, st, s.deltanet, params.deltanet, v.xn1, dh, b.dxn1_f32, grads.deltanet, v.deltanet, b.deltanet_ws);
   } else {
     // softmax attention: h = x + o_in Wo^T, o_in = O or (gated) O * sigmoid(gate)
-    const bf16* o_in = v.attn;
-    if (s.output_gate) {
-      check(kernels::output_gate_forward(gate_dims(s), v.attn, v.gate, b.go, st), "output gate forward (again)");
-      o_in = b.go;
+    const std::int64_t QP = q_proj_rows(s);
+    if (attention_chunked(s)) {
+      attention_backward_chunked(ctx, s, params, positions, v, b, dh, grads);
+    } else {
+      const bf16* o_in = v.attn;
+      if (s.output_gate) {
+        check(kernels::output_gate_forward(gate_dims(s), v.attn, v.gate, b.go, st), "output gate forward (again)");
+        o_in = b.go;
+      }
+      gemm(ctx.blas, false, false, T, QW, H, dh, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
+      gemm(ctx.blas, true, false, H, QW, T, dh, H, o_in, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
+      if (s.output_gate)  // d O in place of d o_in
+        check(kernels::output_gate_backward(gate_dims(s), v.attn, v.gate, b.d_attn, b.d_attn, b.d_gate, st), "output gate backward");
+      const kernels::AttentionProblem ap = attention_problem(s);
+      check(kernels::attention_backward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW},
+                                        {b.d_attn, S * QW, QW}, v.lse, {b.dq, S * QW, QW}, {b.dk, S * KW, KW}, {b.dv, S * KW, KW},
+                                        /*accumulate_dkv=*/false, b.attn_ws, b.attn_bytes, st),
+            "attention backward");
+      check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, rotary(s), s.rope_theta, st), "rope backward (q)");
+      check(kernels::rmsnorm_backward(b.dq, v.q_raw, params.q_norm, v.q_rstd, b.dq, grads.q_norm, T * s.heads_q, D, b.norm_ws,
+                                      b.norm_bytes, st, offset),
+            "q_norm backward");
+      // q_proj's output gradient: dq, or (gated) [dq | d gate] per head as its rows are.
+      const bf16* dq_rows = b.dq;
+      if (s.output_gate) {
+        split_heads(s, T, st, b.d_qg, b.dq, b.d_gate, /*merge=*/true);
+        dq_rows = b.d_qg;
+      }
+      // d xn1 = dq Wq + dk Wk + dv Wv, summed in fp32 and rounded once (the k and v terms below).
+      gemm(ctx.blas, false, false, T, H, QP, dq_rows, QP, params.q_proj, H, b.dxn1_f32, CUDA_R_32F, H, 0.0f, "q_proj dx GEMM");
+      gemm(ctx.blas, true, false, QP, H, T, dq_rows, QP, v.xn1, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
     }
-    gemm(ctx.blas, false, false, T, QW, H, dh, H, params.o_proj, QW, b.d_attn, CUDA_R_16BF, QW, 0.0f, "o_proj dx GEMM");
-    gemm(ctx.blas, true, false, H, QW, T, dh, H, o_in, QW, grads.o_proj, CUDA_R_32F, QW, 1.0f, "o_proj dW GEMM");
-    if (s.output_gate)  // d O in place of d o_in
-      check(kernels::output_gate_backward(gate_dims(s), v.attn, v.gate, b.d_attn, b.d_attn, b.d_gate, st), "output gate backward");
-    const kernels::AttentionProblem ap = attention_problem(s);
-    check(kernels::attention_backward(ap, {v.q, S * QW, QW}, {v.k, S * KW, KW}, {v.v, S * KW, KW}, {v.attn, S * QW, QW},
-                                      {b.d_attn, S * QW, QW}, v.lse, {b.dq, S * QW, QW}, {b.dk, S * KW, KW}, {b.dv, S * KW, KW},
-                                      /*accumulate_dkv=*/false, b.attn_ws, b.attn_bytes, st),
-          "attention backward");
-    check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, rotary(s), s.rope_theta, st), "rope backward (q)");
     check(kernels::rope_backward(b.dk, positions, b.dk, T, s.heads_kv, D, rotary(s), s.rope_theta, st), "rope backward (k)");
-    check(kernels::rmsnorm_backward(b.dq, v.q_raw, params.q_norm, v.q_rstd, b.dq, grads.q_norm, T * s.heads_q, D, b.norm_ws,
-                                    b.norm_bytes, st, offset),
-          "q_norm backward");
     check(kernels::rmsnorm_backward(b.dk, v.k_raw, params.k_norm, v.k_rstd, b.dk, grads.k_norm, T * s.heads_kv, D, b.norm_ws,
                                     b.norm_bytes, st, offset),
           "k_norm backward");
-    // q_proj's output gradient: dq, or (gated) [dq | d gate] per head as its rows are.
-    const bf16* dq_rows = b.dq;
-    if (s.output_gate) {
-      split_heads(s, st, b.d_qg, b.dq, b.d_gate, /*merge=*/true);
-      dq_rows = b.d_qg;
-    }
-    const std::int64_t QP = q_proj_rows(s);
-    // d xn1 = dq Wq + dk Wk + dv Wv, summed in fp32 and rounded once.
-    gemm(ctx.blas, false, false, T, H, QP, dq_rows, QP, params.q_proj, H, b.dxn1_f32, CUDA_R_32F, H, 0.0f, "q_proj dx GEMM");
     gemm(ctx.blas, false, false, T, H, KW, b.dk, KW, params.k_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "k_proj dx GEMM");
     gemm(ctx.blas, false, false, T, H, KW, b.dv, KW, params.v_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "v_proj dx GEMM");
-    gemm(ctx.blas, true, false, QP, H, T, dq_rows, QP, v.xn1, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
     gemm(ctx.blas, true, false, KW, H, T, b.dk, KW, v.xn1, H, grads.k_proj, CUDA_R_32F, H, 1.0f, "k_proj dW GEMM");
     gemm(ctx.blas, true, false, KW, H, T, b.dv, KW, v.xn1, H, grads.v_proj, CUDA_R_32F, H, 1.0f, "v_proj dW GEMM");
   }

@@ -74,6 +74,30 @@ std::uint64_t linear_part(std::uint64_t tokens, std::uint64_t interval) { return
 /// DeltaNetShape::chunk as DeltaNetShape::from_spec sets it: the interval of the layers CudaCausalLm builds.
 constexpr std::uint64_t linear_state_interval = 64;
 std::uint64_t linear_part(std::uint64_t tokens) { return linear_part(tokens, linear_state_interval); }
+/// A softmax-attention layer's query chunk of `tokens` as the decoder layer runs it
+/// (DecoderLayerShape::attention_chunk_tokens): rounded down to the planner's attention
+/// granularity, 128 tokens, at least 128.
+constexpr std::uint64_t query_chunk_granularity = 128;
+std::uint64_t query_chunk(std::uint64_t tokens) {
+  return std::max(query_chunk_granularity, tokens / query_chunk_granularity * query_chunk_granularity);
+}
+/// The token part a layer of kind `kind` runs its attention half in, given the plan's chunk ends
+/// over a sequence of S tokens (0: whole). A linear layer: its first chunk (the planner's parts of
+/// a carried state are equal but the last). A softmax layer: its first chunk where the chunks are
+/// equal but the last (as cut_attention_parts writes them), else the sequence split evenly into as
+/// many chunks as the plan has (the planner's causal-prefix chunks shrink as the prefix grows; the
+/// decoder layer's are equal, its dK/dV and d xn1 T-wide whatever the chunk).
+std::uint64_t planned_part(AttentionKind kind, std::uint64_t S, const std::vector<std::uint64_t>& ends) {
+  if (ends.size() <= 1) return 0;
+  if (kind == AttentionKind::linear) return linear_part(ends.front());
+  bool equal = true;
+  for (std::size_t i = 1; i + 1 < ends.size(); ++i) equal &= ends[i] - ends[i - 1] == ends.front();
+  return query_chunk(equal ? ends.front() : (S + ends.size() - 1) / ends.size());
+}
+/// What a part of at most `tokens` is for a layer of `kind` (linear_part or query_chunk).
+std::uint64_t part_of(AttentionKind kind, std::uint64_t tokens) {
+  return kind == AttentionKind::linear ? linear_part(tokens) : query_chunk(tokens);
+}
 
 }  // namespace
 
@@ -552,13 +576,16 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
     // The plan's MoE token chunk (0 or >= T: the MoE half runs whole).
     if (static_cast<std::size_t>(l) < plan.chunks.size())
       L.shape.moe_chunk_tokens = static_cast<std::int64_t>(std::min<std::uint64_t>(plan.chunks[static_cast<std::size_t>(l)].moe_tokens, T));
-    // A linear layer in the plan's token chunks (its first chunk's length, a multiple of the rule's
-    // state interval): the Gated DeltaNet block runs each sequence in parts of that many tokens.
-    if (L.shape.linear && static_cast<std::size_t>(l) < plan.chunks.size()) {
+    // The attention half in the plan's token chunks (planned_part): a linear layer's Gated DeltaNet
+    // block runs each sequence in parts of that many tokens (a multiple of the rule's state
+    // interval), a softmax layer's backward one query chunk of a sequence at a time.
+    if (static_cast<std::size_t>(l) < plan.chunks.size()) {
       const auto& ends = plan.chunks[static_cast<std::size_t>(l)].attention;
-      if (ends.size() > 1)
+      if (L.shape.linear && ends.size() > 1)
         L.shape.deltanet.part_tokens =
             static_cast<std::int64_t>(linear_part(ends.front(), static_cast<std::uint64_t>(L.shape.deltanet.chunk)));
+      else if (!L.shape.linear)
+        L.shape.attention_chunk_tokens = static_cast<std::int64_t>(planned_part(AttentionKind::full, plan.workload.seq_len, ends));
     }
     for (std::size_t k = 0; k < spec->layer_segments(l).size(); ++k) {
       const std::size_t s = first + k;
@@ -1172,27 +1199,27 @@ Plan with_offloaded_boundaries(Plan p, std::size_t j) {
   return p;
 }
 
-/// Whether a linear-attention layer of `p` runs in parts longer than linear_part(tokens) (its
-/// whole sequence counting as one part): what cutting them to `tokens` would still shrink.
-bool linear_parts_longer(const ModelSpec& spec, const Plan& p, std::uint64_t tokens) {
-  const std::uint64_t S = p.workload.seq_len, part = linear_part(tokens);
+/// Whether a layer of `p` runs its attention half in parts longer than part_of(tokens) (a whole
+/// sequence counting as one part): what cutting them to `tokens` would still shrink.
+bool attention_parts_longer(const ModelSpec& spec, const Plan& p, std::uint64_t tokens) {
+  const std::uint64_t S = p.workload.seq_len;
   for (std::size_t l = 0; l < p.chunks.size(); ++l) {
-    if (spec.layer(static_cast<int>(l)).attention != AttentionKind::linear) continue;
-    const auto& ends = p.chunks[l].attention;
-    if (std::min(S, ends.size() > 1 ? ends.front() : S) > part) return true;
+    const AttentionKind kind = spec.layer(static_cast<int>(l)).attention;
+    const std::uint64_t part = planned_part(kind, S, p.chunks[l].attention);
+    if (std::min(S, part > 0 ? part : S) > part_of(kind, tokens)) return true;
   }
   return false;
 }
-/// A linear-attention layer's token chunks (the Gated DeltaNet block's parts, one sequence at a
-/// time) made at most `tokens` long, a multiple of the rule's state interval, where the plan has
-/// them longer: its workspace grows with them as the MoE half's does with its chunk.
-void halve_linear_parts(const ModelSpec& spec, Plan& p, std::uint64_t tokens) {
-  const std::uint64_t S = p.workload.seq_len, part = linear_part(tokens);
-  if (part >= S) return;
+/// Every layer's attention half cut into parts of at most `tokens` (a linear layer's Gated DeltaNet
+/// block: a multiple of the rule's state interval; a softmax layer's query chunks: of 128), where
+/// the plan has them longer: their workspaces grow with them as the MoE half's does with its chunk.
+void cut_attention_parts(const ModelSpec& spec, Plan& p, std::uint64_t tokens) {
+  const std::uint64_t S = p.workload.seq_len;
   for (std::size_t l = 0; l < p.chunks.size(); ++l) {
-    if (spec.layer(static_cast<int>(l)).attention != AttentionKind::linear) continue;
+    const AttentionKind kind = spec.layer(static_cast<int>(l)).attention;
+    const std::uint64_t part = part_of(kind, tokens), now = planned_part(kind, S, p.chunks[l].attention);
+    if (part >= S || (now > 0 && now <= part)) continue;
     auto& ends = p.chunks[l].attention;
-    if (ends.size() > 1 && ends.front() <= part) continue;
     ends.clear();
     for (std::uint64_t e = part; e < S; e += part) ends.push_back(e);
     ends.push_back(S);
@@ -1204,11 +1231,14 @@ void halve_linear_parts(const ModelSpec& spec, Plan& p, std::uint64_t tokens) {
 std::string describe_chunks(const ModelSpec& spec, const Plan& p) {
   const std::uint64_t chunk = p.largest_moe_chunk();
   std::string s = chunk < p.workload.tokens() ? fmt::format("MoE in chunks of {} tokens", chunk) : std::string("MoE whole");
-  std::uint64_t part = 0;
-  for (std::size_t l = 0; l < p.chunks.size() && l < static_cast<std::size_t>(spec.num_layers()); ++l)
-    if (spec.layer(static_cast<int>(l)).attention == AttentionKind::linear && p.chunks[l].attention.size() > 1)
-      part = std::max(part, linear_part(p.chunks[l].attention.front()));
-  if (part > 0) s += fmt::format(", linear attention in parts of {} tokens", part);
+  std::uint64_t linear = 0, full = 0;
+  for (std::size_t l = 0; l < p.chunks.size() && l < static_cast<std::size_t>(spec.num_layers()); ++l) {
+    const AttentionKind kind = spec.layer(static_cast<int>(l)).attention;
+    auto& part = kind == AttentionKind::linear ? linear : full;
+    part = std::max(part, planned_part(kind, p.workload.seq_len, p.chunks[l].attention));
+  }
+  if (full > 0) s += fmt::format(", attention in query chunks of {} tokens", full);
+  if (linear > 0) s += fmt::format(", linear attention in parts of {} tokens", linear);
   return s;
 }
 
@@ -1279,16 +1309,16 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
       Bytes last = whole_moe[k].first;
       for (std::uint64_t c = p.largest_moe_chunk() / 2; c >= smallest_moe_chunk; c /= 2) {
         for (auto& lc : p.chunks) lc.moe_tokens = c;
-        halve_linear_parts(spec, p, c);
+        cut_attention_parts(spec, p, c);
         const std::size_t before = fitting.size();
         const Bytes gpu = weigh(p);
         if (fitting.size() > before) {
           way_fits[k] = true;
           break;
         }
-        // Smaller chunks no longer help (the attention half dominates), unless a linear layer's
-        // parts are still longer than the next chunk: cutting them may (its block's workspace).
-        if (!(gpu < last) && !linear_parts_longer(spec, p, c / 2)) break;
+        // Smaller chunks no longer help (the attention half dominates), unless a layer's attention
+        // parts are still longer than the next chunk: cutting them may (their workspace).
+        if (!(gpu < last) && !attention_parts_longer(spec, p, c / 2)) break;
         last = gpu;
         by_chunk[k].push_back(p);
       }

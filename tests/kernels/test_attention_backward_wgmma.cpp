@@ -14,7 +14,8 @@
 // The same runs at head_dim 256 for attention_backward_wgmma_d256, and head-dim-128 problems
 // embedded in 128 of its 256 columns, whose dV must be the head-dim-128 kernel's bits (S = 300,
 // 777 and 16384). Then the refusals (as
-// attention_backward's, plus another head_dim: NotSupported), the dispatch (attention_forward /
+// attention_backward's, plus another head_dim: NotSupported), attention_backward_dkv_sum's query
+// chunks with fp32 dK/dV sums (both kernels, against their whole calls), the dispatch (attention_forward /
 // attention_backward give the wgmma kernels' bits at head_dim 128 and 256), and a timing report
 // (printed, not asserted) at S = 4096, 16384, 65536, head_dim 128 and 256, against the mma.sync
 // backward, with the wgmma results there checked against mma.sync's and bit-identical on a second
@@ -264,7 +265,107 @@ void check_range(const AttentionDims& d, bool packed, std::uint64_t seed, int q_
   }
 }
 
+using SumFn = decltype(&oom::kernels::attention_backward_mma_sync_dkv_sum);
+static_assert(std::is_same_v<SumFn, decltype(&oom::kernels::hopper::attention_backward_wgmma_dkv_sum)>);
+constexpr SumFn kMmaSum = &oom::kernels::attention_backward_mma_sync_dkv_sum;
+constexpr SumFn kWgmmaSum = &oom::kernels::hopper::attention_backward_wgmma_dkv_sum;
+
+/// fp32 (B, S, Hkv, D) sums rounded once to bf16, the way the layer rounds them.
+std::vector<bf16> rounded(const std::vector<float>& sums) {
+  std::vector<bf16> out(sums.size());
+  for (std::size_t i = 0; i < sums.size(); ++i) out[i] = oom::to_bf16(sums[i]);
+  return out;
+}
+
+/// Whole sequences in query chunks with dK/dV summed in fp32 (attention_backward_dkv_sum), the
+/// chunks first to last or last to first, each kernel against its own whole call: dQ the same bits;
+/// the sums, rounded once, within the whole call's bound of the reference (4 u mag) plus one u mag
+/// for the fp32 summation order, and within the two kernels' bound of the whole call's dK/dV.
+/// With `prefilled`, the sums start from random values and one chunk [0, starts[1]) runs: rows >=
+/// its end keep them bit for bit.
+void check_sums(const AttentionDims& d, bool packed, std::uint64_t seed, const std::vector<int>& starts, bool reversed) {
+  require_sm90();
+  INFO("B=" << d.batch << " S=" << d.seq << " Hq=" << d.heads_q << " Hkv=" << d.heads_kv << " D=" << d.head_dim
+            << (packed ? " packed" : " separate") << " chunks=" << starts.size() << (reversed ? " last first" : " first first"));
+  const Problem pr(d, packed, seed);
+  const std::size_t nkv = static_cast<std::size_t>(d.batch) * d.seq * d.heads_kv * d.head_dim;
+  const std::int64_t kv_row = std::int64_t{d.heads_kv} * d.head_dim;
+  for (const SumFn fn : {kMmaSum, kWgmmaSum}) {
+    const BackwardFn whole_fn = fn == kMmaSum ? kMma : wgmma_for(d);
+    CAPTURE(name(whole_fn));
+    DeviceQkv whole(d, packed);
+    pr.backward(whole_fn, pr.problem(0, d.seq), whole, false);
+    const Grads w = pr.download_grads(whole);
+
+    DeviceQkv grad(d, packed);  // poisoned: dQ rows are written chunk by chunk
+    DeviceBuffer<float> dk_sum(nkv), dv_sum(nkv);
+    dk_sum.zero();
+    dv_sum.zero();
+    const oom::kernels::AttentionDkvSums sums{{dk_sum.get(), d.seq * kv_row, kv_row}, {dv_sum.get(), d.seq * kv_row, kv_row}};
+    for (std::size_t i = 0; i < starts.size(); ++i) {
+      const std::size_t ch = reversed ? starts.size() - 1 - i : i;
+      const int qe = ch + 1 < starts.size() ? starts[ch + 1] : d.seq;
+      const AttentionProblem p = pr.problem(starts[ch], qe);
+      DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p));
+      OOM_CUDA_CHECK(fn(p, as_const(pr.in.q), as_const(pr.in.k), as_const(pr.in.v), as_const(pr.o), pr.dor, pr.lse.get(),
+                        grad.q, sums, ws.get(), ws.bytes(), nullptr));
+    }
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_MESSAGE(bits_equal(download_bits(grad.q, d, d.heads_q), w.dq), "dQ in chunks differs from the whole call's");
+    const auto dk = rounded(dk_sum.download()), dv = rounded(dv_sum.download());
+    check_bounded(to_float(dk), pr.dk_ref, pr.dk_mag, 5, "summed dK vs reference");
+    check_bounded(to_float(dv), pr.dv_ref, pr.dv_mag, 5, "summed dV vs reference");
+    check_against_mma("summed dK vs the whole call's", dk, w.dk, pr.dk_mag, 5);
+    check_against_mma("summed dV vs the whole call's", dv, w.dv, pr.dv_mag, 5);
+    if (d.seq > 1) {
+      CHECK(relative_l2(to_float(dk), to_float(w.dk)) < 2e-3);
+      CHECK(relative_l2(to_float(dv), to_float(w.dv)) < 2e-3);
+    }
+  }
+}
+
+/// One chunk [0, q_end) added onto random sums: rows >= q_end keep their bits, rows below moved.
+void check_sums_untouched(const AttentionDims& d, std::uint64_t seed, int q_end) {
+  require_sm90();
+  const Problem pr(d, false, seed);
+  const std::size_t nkv = static_cast<std::size_t>(d.batch) * d.seq * d.heads_kv * d.head_dim;
+  const std::int64_t kv_row = std::int64_t{d.heads_kv} * d.head_dim;
+  const std::vector<float> old = to_float(random_bf16(nkv, seed + 1));
+  for (const SumFn fn : {kMmaSum, kWgmmaSum}) {
+    DeviceQkv grad(d, false);
+    DeviceBuffer<float> dk_sum(nkv), dv_sum(nkv);
+    dk_sum.upload(old);
+    dv_sum.upload(old);
+    const oom::kernels::AttentionDkvSums sums{{dk_sum.get(), d.seq * kv_row, kv_row}, {dv_sum.get(), d.seq * kv_row, kv_row}};
+    const AttentionProblem p = pr.problem(0, q_end);
+    DeviceBuffer<unsigned char> ws(oom::kernels::attention_backward_workspace_bytes(p));
+    OOM_CUDA_CHECK(fn(p, as_const(pr.in.q), as_const(pr.in.k), as_const(pr.in.v), as_const(pr.o), pr.dor, pr.lse.get(), grad.q,
+                      sums, ws.get(), ws.bytes(), nullptr));
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
+    std::size_t past_changed = 0, below_changed = 0;
+    for (const auto& got : {dk_sum.download(), dv_sum.download()})
+      for (std::size_t e = 0; e < nkv; ++e) {
+        const int row = static_cast<int>((e / static_cast<std::size_t>(kv_row)) % static_cast<std::size_t>(d.seq));
+        const bool changed = std::memcmp(&got[e], &old[e], sizeof(float)) != 0;
+        (row >= q_end ? past_changed : below_changed) += changed;
+      }
+    CHECK_MESSAGE(past_changed == 0, name(fn == kMmaSum ? kMma : wgmma_for(d)) << ": " << past_changed << " sums changed at rows >= q_end");
+    CHECK(below_changed > 0);
+  }
+}
+
 }  // namespace
+
+TEST_CASE("attention_backward_dkv_sum: query chunks with dK/dV summed in fp32, either order, against the whole call") {
+  // Chunk edges on the layer's 128-token granularity and off every tile; head dims 128 and 256.
+  check_sums(AttentionDims{1, 1000, 4, 2, kD}, true, 2100, {0, 384, 768}, false);
+  check_sums(AttentionDims{2, 1000, 2, 2, kD}, false, 2110, {0, 512}, true);
+  check_sums(AttentionDims{1, 700, 16, 2, 256}, false, 2120, {0, 256, 512}, false);
+  check_sums(AttentionDims{2, 333, 4, 2, 256}, true, 2130, {0, 128, 256}, true);
+  check_sums(AttentionDims{1, 300, 4, 2, kD}, false, 2140, {0, 63, 65, 190}, false);
+  check_sums_untouched(AttentionDims{1, 500, 4, 2, kD}, 2150, 256);
+  check_sums_untouched(AttentionDims{2, 300, 4, 2, 256}, 2160, 130);
+}
 
 TEST_CASE("attention_backward_wgmma refuses what attention_backward refuses, and another head_dim") {
   AttentionProblem p{.batch = 1, .seq = 64, .heads_q = 4, .heads_kv = 2, .head_dim = 128, .softmax_scale = 0.1f};

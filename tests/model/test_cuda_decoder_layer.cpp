@@ -78,6 +78,7 @@ struct Fixture {
   Blas blas;
   Stream stream;
   kernels::ExpertGemmStreams expert_streams;
+  std::int64_t attention_chunk = 0;  ///< DecoderLayerShape::attention_chunk_tokens of every run
 
   explicit Fixture(std::int64_t tokens_ = T) : tokens(tokens_) {
     std::mt19937_64 rng(11);
@@ -138,6 +139,7 @@ Result run(Fixture& f, std::int64_t chunk, bool overwrite_experts = false, std::
            const CountsOptions& counts = {}) {
   model::DecoderLayerShape shape = f.shape;
   shape.moe_chunk_tokens = chunk;
+  shape.attention_chunk_tokens = f.attention_chunk;
   const std::size_t saved_bytes = model::decoder_layer_saved_bytes(shape);
   const std::size_t ws_bytes = model::decoder_layer_workspace_bytes(shape, f.expert_streams);
   DeviceBuffer<std::byte> saved(saved_bytes), workspace(ws_bytes);  // poisoned
@@ -236,6 +238,52 @@ TEST_CASE("MoE token chunks: the whole layer's results, deterministic, every row
         CHECK(rel_l2(g, w) <= grad_rel_l2);
       }
     }
+  }
+}
+
+TEST_CASE("attention query chunks: the whole layer's results, deterministic, less scratch; one or two sequences") {
+  // One sequence of 1000 and two of 500, the queries in chunks of 384 and 128 (ends on no tile of
+  // the kernels: 1000 = 2 x 384 + 232), then beside MoE chunks of 333. The chunks change only
+  // summation orders (dK/dV summed in fp32 over chunks and rounded once, o_proj's and q_proj's
+  // weight gradients chunk by chunk, chunk-shaped GEMMs): the MoE chunks' bounds hold.
+  for (const std::int64_t sequences : {std::int64_t{1}, std::int64_t{2}}) {
+    Fixture f;
+    f.shape.sequences = sequences;
+    const Result whole = run(f, 0);
+    const std::size_t whole_ws = model::decoder_layer_workspace_bytes(f.shape, f.expert_streams);
+    for (const std::int64_t chunk : {std::int64_t{384}, std::int64_t{128}, T / sequences}) {
+      for (const std::int64_t moe : {std::int64_t{0}, std::int64_t{333}}) {
+        CAPTURE(sequences);
+        CAPTURE(chunk);
+        CAPTURE(moe);
+        f.attention_chunk = chunk;
+        const Result got = run(f, moe);
+        if (chunk == T / sequences && moe == 0) {  // a chunk of each whole sequence: the whole layer
+          CHECK(same_bits(got, whole));
+          continue;
+        }
+        CHECK(same_bits(got, run(f, moe)));
+        CHECK(same_bits(got.expert_ids, whole.expert_ids));
+        const double e_y = rel_l2(got.y, whole.y), e_dx = rel_l2(got.dx, whole.dx);
+        double e_grad = 0;
+        for (std::size_t i = 0; i < got.grads.size(); ++i) e_grad = std::max(e_grad, rel_l2(got.grads[i], whole.grads[i]));
+        MESSAGE(sequences << " sequence(s), query chunk " << chunk << ", MoE chunk " << moe << ": y rel. L2 " << e_y << ", dx "
+                          << e_dx << ", worst gradient segment " << e_grad);
+        CHECK(e_y <= y_rel_l2);
+        CHECK(e_dx <= dx_rel_l2);
+        CHECK(e_grad <= grad_rel_l2);
+        if (chunk < T / sequences) {
+          auto chunked_shape = f.shape;
+          chunked_shape.attention_chunk_tokens = chunk;
+          chunked_shape.moe_chunk_tokens = moe;
+          auto whole_shape = f.shape;
+          whole_shape.moe_chunk_tokens = moe;
+          CHECK(model::decoder_layer_workspace_bytes(chunked_shape, f.expert_streams) <
+                model::decoder_layer_workspace_bytes(whole_shape, f.expert_streams));
+        }
+      }
+    }
+    CHECK(whole_ws > 0);
   }
 }
 

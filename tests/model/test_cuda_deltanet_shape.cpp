@@ -1,6 +1,8 @@
 // The Gated DeltaNet block's shape from a model spec and its sizes (no GPU needed): the segment
 // it binds is exactly the spec's linear_attention segment, and what it is not given is refused.
 // The decoder layer's hybrid shapes and bindings likewise (the layer itself: test_cuda_hybrid_layer).
+// The planner's worksets for a linear layer's parts and a softmax layer's query chunks against the
+// CUDA layer's workspace.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -256,5 +258,51 @@ TEST_CASE("the planner prices a linear layer's sequences side by side when whole
     // The rule at 32 recurrences instead of 128: 3.0x (forward) and 2.2x (backward) the time per
     // update; with the layer's memory-bound passes beside it, over 1.5x.
     CHECK(t_parts > 1.5 * t_whole);
+  }
+}
+
+TEST_CASE("the planner's workset for a softmax layer's query chunk is the CUDA layer's backward in chunks") {
+  // The planner partitions a full-attention layer's queries (a causal_prefix work item: per query
+  // of the chunk, and per position up to its end) and the CUDA layer runs its backward one query
+  // chunk at a time (DecoderLayerShape::attention_chunk_tokens), holding the chunk's rows and,
+  // T-wide, dK/dV with their fp32 sums and d xn1. The chunk's bytes a token must be the planner's
+  // per-query bytes (to the Carver's alignment); the T-wide bytes a token at least its per-prefix
+  // bytes, the rest being the layer's other T-wide rows (the MoE half's d xn2, routing gradients).
+  // Gated (Qwen3-Next, Qwen3.5) and not (the 5.13B configuration).
+  for (const char* config : {"qwen3-next-80b-a3b.json", "qwen3.5-35b-a3b.json", "moe-5b.json"}) {
+    CAPTURE(config);
+    const ModelSpec spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/" + config);
+    int full = 0;
+    while (spec.layer(full).attention != AttentionKind::full) ++full;
+    constexpr std::int64_t T = 65536, C1 = 4096, C2 = 8192;
+    const H200StepModel planner(spec, {1, static_cast<std::uint64_t>(T)});
+    const WorkItem w = planner.model.attention_item(full);
+    CHECK(w.dependency == ChunkDependency::causal_prefix);
+    kernels::ExpertGemmStreams streams;  // creates no CUDA objects until used
+    const auto workspace = [&](std::int64_t tokens, std::int64_t chunk) {
+      auto shape = model::DecoderLayerShape::from_spec(spec, full, tokens);
+      shape.moe_chunk_tokens = 4096;  // the MoE half's phase well below the attention's
+      shape.attention_chunk_tokens = chunk;
+      return static_cast<std::int64_t>(model::decoder_layer_workspace_bytes(shape, streams));
+    };
+    const std::int64_t per_chunk_token = static_cast<std::int64_t>(w.per_unit.count());
+    const std::int64_t chunk_step = workspace(T, C2) - workspace(T, C1);
+    CHECK(std::abs(chunk_step - per_chunk_token * (C2 - C1)) <= 8 * 256);
+    // T-wide: twice the tokens with the same chunk.
+    const std::int64_t per_prefix = static_cast<std::int64_t>(w.per_prefix_unit.count());
+    const std::int64_t t_step = workspace(2 * T, C1) - workspace(T, C1);
+    // The others: d xn2 (bf16), the routing weights' gradient (fp32, k), the router logits'
+    // gradient (fp32, E) and the router backward's scratch (2 bytes an expert).
+    const std::int64_t others = 2 * spec.hidden_size() + 4 * static_cast<std::int64_t>(spec.moe().top_k) +
+                                6 * static_cast<std::int64_t>(spec.moe().experts);
+    CHECK(t_step >= per_prefix * T);
+    CHECK(t_step <= (per_prefix + others) * T + 16 * 256);
+    // Whole, the layer holds the chunk's rows for all T but not the fp32 sums of dK/dV: the
+    // difference, to the Carver's alignment.
+    const std::int64_t kv = static_cast<std::int64_t>(spec.attention().kv_heads * spec.attention().head_dim);
+    const std::int64_t saved = workspace(T, 0) - workspace(T, C1);
+    CAPTURE(saved);
+    CHECK(saved > 0);
+    CHECK(std::abs(saved - (per_chunk_token * (T - C1) - 2 * kv * 4 * T)) <= 16 * 256);
   }
 }

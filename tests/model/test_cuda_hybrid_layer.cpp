@@ -17,6 +17,7 @@
 // (in_proj_ba, through the gates' exp and softplus). A dropped piece (the 1 of a norm, the
 // partial rotary) moves them by O(1): the test also runs the GPU layer with such a field of its
 // shape undone and requires the error to exceed the tolerance tenfold, so the comparison can tell.
+// The gated attention layers run once more in query chunks (DecoderLayerShape::attention_chunk_tokens).
 
 // Routing: a token whose k-th and (k+1)-th router probabilities are within 5% of each other could
 // be routed differently by two implementations that round differently; its row of dy is zeroed
@@ -272,6 +273,23 @@ void check_layer(bool qwen3_5, int layer) {
   MESSAGE(fmt::format("  chunked vs whole: y {:.2e}, dx {:.2e}, worst gradient {:.2e} ({})", apart.y, apart.dx, apart.worst_grad,
                       apart.worst_name));
   CHECK(apart.worst() <= chunk_tolerance);
+
+  if (!shape.linear) {
+    // The gated attention in query chunks of 16 (16, 16, 16, 13 of each 61-token sequence) beside
+    // the MoE chunks of 37: against the host as above, and against the MoE-chunked run, from
+    // which only its summation orders differ (dK/dV summed in fp32 over the chunks, o_proj's and
+    // q_proj's weight gradients chunk by chunk, chunk-shaped GEMMs).
+    auto in_chunks = shape;
+    in_chunks.attention_chunk_tokens = 16;
+    const Outputs q_chunked = gpu_run(spec, layer, in_chunks, w, x, dy, 37, 0.25f);
+    const Errors e = compare(spec, layer, q_chunked, want, tie);
+    const Errors off = compare(spec, layer, q_chunked, chunked, std::vector<bool>(static_cast<std::size_t>(T), false));
+    MESSAGE(fmt::format("  query chunks of 16: rel L2 y {:.2e}, dx {:.2e}, worst gradient {:.2e} ({}); vs MoE-chunked alone: "
+                        "y {:.2e}, dx {:.2e}, worst gradient {:.2e} ({})",
+                        e.y, e.dx, e.worst_grad, e.worst_name, off.y, off.dx, off.worst_grad, off.worst_name));
+    CHECK(e.worst() <= tolerance);
+    CHECK(off.worst() <= chunk_tolerance);
+  }
 
   // Each hybrid piece undone in the GPU layer's shape is caught by the comparison.
   std::vector<std::pair<std::string, model::DecoderLayerShape>> undone;

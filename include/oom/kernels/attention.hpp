@@ -18,7 +18,9 @@
 // backward writes dQ rows [q_begin, q_end) and the chunk's contributions to dK/dV rows
 // [0, q_end): stored when accumulate_dkv is false (rows >= q_end untouched), added to the bf16
 // values already there when it is true. Run the chunks of a sequence last-to-first, the first
-// call (the last chunk, which covers every key) with accumulate_dkv = false.
+// call (the last chunk, which covers every key) with accumulate_dkv = false. That sums dK/dV in
+// bf16, rounding once per chunk; attention_backward_dkv_sum sums them in fp32 instead, for the
+// caller to round once after the last chunk (the layer's query chunks, docs/runtime.md).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -86,5 +88,32 @@ cudaError_t attention_backward(const AttentionProblem& p,
                                bool accumulate_dkv,
                                void* workspace, std::size_t workspace_bytes,
                                cudaStream_t stream);
+
+/// Where attention_backward_dkv_sum adds dK and dV: (B, S, Hkv, D) fp32 each, strided as
+/// TokenRows (16-byte aligned, strides multiples of 8 elements).
+struct AttentionDkvSums {
+  TokenRows<float> dk;
+  TokenRows<float> dv;
+};
+
+/// attention_backward for one query chunk [q_begin, q_end) of a sequence whose dK/dV are summed in
+/// fp32 over its chunks: dQ rows [q_begin, q_end) as attention_backward writes them (the same
+/// bits), and the chunk's contributions to dK/dV rows [0, q_end), the softmax scale applied, ADDED
+/// to sums.dk / sums.dv (rows >= q_end untouched). Zero the sums before a sequence's first chunk;
+/// chunks in any order; round once after the last (cast_fp32_to_bf16). Over all chunks the sums
+/// equal attention_backward's dK/dV before its rounding up to fp32 summation order. Same refusals
+/// as attention_backward (for the sums as for dk/dv); workspace of
+/// attention_backward_workspace_bytes(p).
+cudaError_t attention_backward_dkv_sum(const AttentionProblem& p,
+                                       TokenRows<const bf16> q,    // (B, S, Hq, D) bf16
+                                       TokenRows<const bf16> k,    // (B, S, Hkv, D) bf16
+                                       TokenRows<const bf16> v,    // (B, S, Hkv, D) bf16
+                                       TokenRows<const bf16> o,    // (B, S, Hq, D) bf16 (the forward's output)
+                                       TokenRows<const bf16> d_o,  // (B, S, Hq, D) bf16
+                                       const float* lse,           // (B, Hq, S) fp32 (the forward's)
+                                       TokenRows<bf16> dq,         // (B, S, Hq, D) bf16, rows [q_begin, q_end)
+                                       AttentionDkvSums sums,      // fp32, rows [0, q_end) added to
+                                       void* workspace, std::size_t workspace_bytes,
+                                       cudaStream_t stream);
 
 }  // namespace oom::kernels

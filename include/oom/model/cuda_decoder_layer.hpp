@@ -101,6 +101,15 @@ struct DecoderLayerShape {
   /// Tokens per chunk of the MoE half (the plan's LayerChunks::moe_tokens); 0 or >= tokens: one
   /// chunk of all T, whose permutation and expert activations are kept in `saved`.
   std::int64_t moe_chunk_tokens = 0;
+  /// Query tokens per chunk of a softmax-attention layer (the plan's LayerChunks::attention); 0 or
+  /// >= tokens / sequences: each sequence whole. In chunks, the attention half's scratch that grows
+  /// with the tokens (the gated q_proj output and o_proj input; in the backward the output-gate
+  /// and attention output gradients, dq, [dq | d gate]) is held for one chunk of one sequence, and
+  /// dK/dV are summed in fp32 over the chunks (kernels::attention_backward_dkv_sum) and rounded
+  /// once: the backward then holds, T-wide, only dK/dV (bf16 and fp32) and d xn1 (fp32 and bf16).
+  /// The results equal the whole layer's up to summation order (dK/dV over chunks; o_proj's and
+  /// q_proj's weight gradients over chunks; cuBLAS kernels picked by shape).
+  std::int64_t attention_chunk_tokens = 0;
   /// The hybrid families' fields (see the top of this file); Qwen3-MoE's layers leave them so.
   bool output_gate = false;              ///< q_proj is (2 Hq D, H): per head [q | gate]
   std::int64_t rotary_dim = 0;           ///< dimensions RoPE rotates per head; 0: all D

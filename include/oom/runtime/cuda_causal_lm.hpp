@@ -112,8 +112,9 @@ struct CudaCausalLmOptions {
 };
 
 /// How `p` chunks what this executor runs in chunks, for a report line: "MoE in chunks of N
-/// tokens" (or "MoE whole"), and ", linear attention in parts of M tokens" where a linear-attention
-/// layer runs its Gated DeltaNet block in parts.
+/// tokens" (or "MoE whole"), ", attention in query chunks of Q tokens" where a softmax-attention
+/// layer runs its backward in query chunks, and ", linear attention in parts of M tokens" where a
+/// linear-attention layer runs its Gated DeltaNet block in parts.
 [[nodiscard]] std::string describe_chunks(const ModelSpec& spec, const Plan& p);
 
 /// The variant of a planner candidate CudaCausalLm::fit chose, and what it takes.

@@ -163,6 +163,24 @@ __device__ __forceinline__ void store_acc_rows(const float (&acc)[64], __nv_bflo
   }
 }
 
+/// store_acc_rows' rows times `scale` ADDED to fp32 (attention_backward_dkv_sum's dK/dV sums).
+__device__ __forceinline__ void add_acc_rows_f32(const float (&acc)[64], float* base, std::int64_t token_stride, int row0,
+                                                 int row_end, float scale) {
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int row = row0 + 16 * warp + (lane >> 2) + 8 * hf;
+    if (row >= row_end) continue;
+    float* dst = base + static_cast<std::int64_t>(row) * token_stride + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      auto* d2 = reinterpret_cast<float2*>(dst + 8 * j);
+      const float2 old = *d2;
+      *d2 = make_float2(old.x + acc[4 * j + 2 * hf] * scale, old.y + acc[4 * j + 2 * hf + 1] * scale);
+    }
+  }
+}
+
 // ---- dK/dV and dQ ----
 
 constexpr int kDkdvBr = 64;  // queries per dK/dV step (both head dims)
@@ -437,8 +455,13 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   }
 
   const std::int64_t col = static_cast<std::int64_t>(hk) * HD;
-  store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, p.accumulate_dkv);
-  store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, p.accumulate_dkv);
+  if (p.dk_sum != nullptr) {  // attention_backward_dkv_sum
+    add_acc_rows_f32(dk, p.dk_sum + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale);
+    add_acc_rows_f32(dv, p.dv_sum + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f);
+  } else {
+    store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, p.accumulate_dkv);
+    store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, p.accumulate_dkv);
+  }
 }
 
 // ---- head_dim 256 (attention_backward_wgmma_d256; docs/hopper.md, "Head dim 256" and "The
@@ -650,8 +673,13 @@ __device__ __forceinline__ void dkdv_block_d256(const BackwardParams p, unsigned
   }
 
   const std::int64_t col = static_cast<std::int64_t>(hk) * HD + 128 * wg;
-  store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale, p.accumulate_dkv);
-  store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, p.accumulate_dkv);
+  if (p.dk_sum != nullptr) {  // attention_backward_dkv_sum
+    add_acc_rows_f32(dk, p.dk_sum + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale);
+    add_acc_rows_f32(dv, p.dv_sum + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f);
+  } else {
+    store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale, p.accumulate_dkv);
+    store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, p.accumulate_dkv);
+  }
 }
 
 struct DqSmem {
@@ -968,20 +996,23 @@ template <int kHeadDim>
 cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
                      TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o, const float* lse,
                      TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv, bool accumulate_dkv, void* workspace,
-                     std::size_t workspace_bytes, cudaStream_t stream) {
+                     std::size_t workspace_bytes, cudaStream_t stream, const AttentionDkvSums* sums = nullptr) {
   using namespace attention_detail;
   if (const cudaError_t e = check_problem("attention_backward", p); e != cudaSuccess) return e;
   static_assert(kHeadDim == kD || kHeadDim == 256);
   if (p.head_dim != kHeadDim) return cudaErrorNotSupported;
   if (p.query_end() == p.q_begin) return cudaSuccess;
-  if (const cudaError_t e = check_backward_args("attention_backward", q, k, v, o, d_o, lse, dq, dk, dv, workspace,
-                                                workspace_bytes, attention_backward_workspace_bytes(p),
-                                                "attention_backward_workspace_bytes");
-      e != cudaSuccess)
-    return e;
+  const cudaError_t checked =
+      sums != nullptr ? check_backward_args("attention_backward_dkv_sum", q, k, v, o, d_o, lse, dq, sums->dk, sums->dv, workspace,
+                                            workspace_bytes, attention_backward_workspace_bytes(p),
+                                            "attention_backward_workspace_bytes")
+                      : check_backward_args("attention_backward", q, k, v, o, d_o, lse, dq, dk, dv, workspace, workspace_bytes,
+                                            attention_backward_workspace_bytes(p), "attention_backward_workspace_bytes");
+  if (checked != cudaSuccess) return checked;
   if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
 
-  const BackwardParams params = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
+  const BackwardParams plain = backward_params(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace);
+  const BackwardParams params = sums != nullptr ? with_sums(plain, *sums) : plain;
   // Every refusal before the first launch, so a refused call leaves nothing queued.
   constexpr int kKeys = kHeadDim == 256 ? DkdvD256Smem::keys : kDkdvKeys;
   constexpr int kQRows = kHeadDim == 256 ? DqD256Smem::rows : kDqRows;
@@ -1018,6 +1049,14 @@ cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<c
                                           bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                           cudaStream_t stream) {
   return backward<256>(p, q, k, v, o, d_o, lse, dq, dk, dv, accumulate_dkv, workspace, workspace_bytes, stream);
+}
+
+cudaError_t attention_backward_wgmma_dkv_sum(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                             TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                             const float* lse, TokenRows<bf16> dq, AttentionDkvSums sums, void* workspace,
+                                             std::size_t workspace_bytes, cudaStream_t stream) {
+  if (p.head_dim == 256) return backward<256>(p, q, k, v, o, d_o, lse, dq, {}, {}, true, workspace, workspace_bytes, stream, &sums);
+  return backward<kD>(p, q, k, v, o, d_o, lse, dq, {}, {}, true, workspace, workspace_bytes, stream, &sums);
 }
 
 }  // namespace oom::kernels::hopper

@@ -78,4 +78,11 @@ cudaError_t attention_backward_wgmma_d256(const AttentionProblem& p, TokenRows<c
                                           bool accumulate_dkv, void* workspace, std::size_t workspace_bytes,
                                           cudaStream_t stream);
 
+/// attention_backward_dkv_sum by these kernels, at head_dim 128 or 256 (cudaErrorNotSupported
+/// for another head_dim or a device other than compute capability 9.0).
+cudaError_t attention_backward_wgmma_dkv_sum(const AttentionProblem& p, TokenRows<const bf16> q, TokenRows<const bf16> k,
+                                             TokenRows<const bf16> v, TokenRows<const bf16> o, TokenRows<const bf16> d_o,
+                                             const float* lse, TokenRows<bf16> dq, AttentionDkvSums sums, void* workspace,
+                                             std::size_t workspace_bytes, cudaStream_t stream);
+
 }  // namespace oom::kernels::hopper
