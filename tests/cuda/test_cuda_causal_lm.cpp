@@ -142,6 +142,18 @@ double master_rel_l2(const std::vector<SegmentOptimizerState>& got, const std::v
   return std::sqrt(num / den);
 }
 
+/// The `n` segments whose master weights are furthest apart (relative L2 each), for a message.
+std::string furthest_segments(const ModelSpec& spec, const std::vector<SegmentOptimizerState>& got,
+                              const std::vector<SegmentOptimizerState>& want, std::size_t n = 4) {
+  std::vector<std::pair<double, std::string>> apart;
+  for (std::size_t i = 0; i < want.size() && i < spec.segments().size(); ++i)
+    apart.emplace_back(master_rel_l2({got[i]}, {want[i]}), spec.segments()[i].name);
+  std::sort(apart.begin(), apart.end(), std::greater<>());
+  std::string out;
+  for (std::size_t i = 0; i < std::min(n, apart.size()); ++i) out += (i ? ", " : "") + apart[i].second + " " + std::to_string(apart[i].first);
+  return out;
+}
+
 bool same(const std::vector<SegmentOptimizerState>& a, const std::vector<SegmentOptimizerState>& b) {
   if (a.size() != b.size()) return false;
   auto eq = [](const std::vector<float>& x, const std::vector<float>& y) {
@@ -223,35 +235,56 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
     CHECK(same(got.state, want.state));
   }
   // The linear layers in the plan's token chunks (parts of 64, 64 and 29 tokens, the rule's state,
-  // its gradient and the conv's edge rows carried between them): its own step under streaming,
-  // offload and recompute, bit for bit. Against the whole plan: the first step's loss the same
-  // bits (the forward in parts is the whole's, test_cuda_deltanet), the gradients the same up to
-  // the projections' weight gradients summed a part at a time (1e-7 relative there), which AdamW's
+  // its gradient and the conv's edge rows carried between them), and the gated attention layer in
+  // query chunks (the same ends: chunks of 128 and 29, on the executor's 128-token granularity; its
+  // dK/dV summed in fp32 over them): its own step under streaming, offload and recompute, bit for
+  // bit. Against the whole plan: the first step's loss the same bits (the forward in parts is the
+  // whole's, test_cuda_deltanet; the gated q_proj and o_proj rows a chunk at a time, the same
+  // sums), the gradients the same up to the weight gradients summed a part at a time and dK/dV
+  // summed over chunks (1e-7 relative there, test_cuda_hybrid_layer: 7.8e-6 at the worst), which AdamW's
   // first steps amplify where a gradient is near 0 (the MoE-chunk case below explains the bounds):
   // later losses within 5e-3 relative (measured 3.7e-5 and 1.4e-3 at steps 2 and 3, H200,
-  // thirty-seventh session), the master weights within 1e-2 relative L2.
-  Plan parts = reference;
-  for (const int l : {0, 2}) parts.chunks[static_cast<std::size_t>(l)].attention = {64, 128, T};
-  const Run want = train(spec, parts);
-  Plan streamed = parts;
-  streamed.resident_segments.clear();
-  streamed.prefetch_depth = 1;
-  streamed.retention[0][0] = RetentionDecision::offload();
-  for (int l = 0; l < spec.num_layers(); ++l)
-    for (int c = 1; c < activation_class_count; ++c)
-      streamed.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] = RetentionDecision::recompute(l);
-  const Run got = train(spec, streamed);
-  CHECK(got.losses == want.losses);
-  CHECK(same(got.state, want.state));
-  CHECK(want.losses[0] == expect.losses[0]);
-  for (std::size_t s = 1; s < want.losses.size(); ++s) {
-    CAPTURE(s);
-    CHECK(std::abs(want.losses[s] - expect.losses[s]) <= 5e-3 * std::abs(expect.losses[s]));
+  // thirty-seventh session), the master weights within 1e-2 relative L2. With the query chunks the
+  // gradients differ by more than a summation order: dK/dV are rounded to bf16 once from fp32 sums
+  // whose order changed, so a small fraction of their elements move by one bf16 step (2^-8), and
+  // that reaches the layer's k and v weight gradients (7.8e-6 relative, test_cuda_hybrid_layer;
+  // and its dx in general: 1e-4 in test_cuda_decoder_layer, against 1e-7 for the parts' weight
+  // gradients): more near-zero gradients change sign under AdamW's first, sign-like steps, every
+  // later step's gradients then differ, and the models drift further apart over the 3 steps (measured on the H200,
+  // thirty-eighth session: losses 1.5e-3 and 7.5e-4 relative at steps 2 and 3, master weights
+  // 2.2e-2, spread over every layer's router and experts, the embedding alike): bound 5e-2, the
+  // losses' bound unchanged. test_cuda_decoder_layer and test_cuda_hybrid_layer bound the chunks'
+  // effect on one layer tightly.
+  for (const bool query_chunks : {false, true}) {
+    CAPTURE(query_chunks);
+    Plan parts = reference;
+    for (const int l : {0, 2}) parts.chunks[static_cast<std::size_t>(l)].attention = {64, 128, T};
+    if (query_chunks) parts.chunks[1].attention = {64, 128, T};
+    CHECK(describe_chunks(spec, parts) == (query_chunks ? "MoE whole, attention in query chunks of 128 tokens, linear attention in parts of 64 tokens"
+                                                        : "MoE whole, linear attention in parts of 64 tokens"));
+    const Run want = train(spec, parts);
+    Plan streamed = parts;
+    streamed.resident_segments.clear();
+    streamed.prefetch_depth = 1;
+    streamed.retention[0][0] = RetentionDecision::offload();
+    for (int l = 0; l < spec.num_layers(); ++l)
+      for (int c = 1; c < activation_class_count; ++c)
+        streamed.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] = RetentionDecision::recompute(l);
+    const Run got = train(spec, streamed);
+    CHECK(got.losses == want.losses);
+    CHECK(same(got.state, want.state));
+    CHECK(want.losses[0] == expect.losses[0]);
+    for (std::size_t s = 1; s < want.losses.size(); ++s) {
+      CAPTURE(s);
+      CHECK(std::abs(want.losses[s] - expect.losses[s]) <= 5e-3 * std::abs(expect.losses[s]));
+    }
+    const double rel = master_rel_l2(want.state, expect.state);
+    const std::string what = query_chunks ? "linear layers in parts of 64, attention in query chunks of 128" : "linear layers in parts of 64";
+    MESSAGE("hybrid, " << what << ": losses " << want.losses[1] << " " << want.losses[2] << " against the whole plan's "
+                       << expect.losses[1] << " " << expect.losses[2] << ", master weights rel. L2 " << rel
+                       << "; furthest segments: " << furthest_segments(spec, want.state, expect.state));
+    CHECK(rel <= (query_chunks ? 5e-2 : 1e-2));
   }
-  const double rel = master_rel_l2(want.state, expect.state);
-  MESSAGE("hybrid, linear layers in parts of 64: losses " << want.losses[2] << " against the whole plan's " << expect.losses[2]
-                                                          << ", master weights rel. L2 " << rel);
-  CHECK(rel <= 1e-2);
 }
 
 TEST_CASE("a model built from a weight source: each segment asked once, in spec order; the model the weights in memory build") {

@@ -241,16 +241,18 @@ TEST_CASE("MoE token chunks: the whole layer's results, deterministic, every row
   }
 }
 
-TEST_CASE("attention query chunks: the whole layer's results, deterministic, less scratch; one or two sequences") {
+TEST_CASE("attention query chunks: the whole layer's results, deterministic; one or two sequences") {
   // One sequence of 1000 and two of 500, the queries in chunks of 384 and 128 (ends on no tile of
   // the kernels: 1000 = 2 x 384 + 232), then beside MoE chunks of 333. The chunks change only
   // summation orders (dK/dV summed in fp32 over chunks and rounded once, o_proj's and q_proj's
-  // weight gradients chunk by chunk, chunk-shaped GEMMs): the MoE chunks' bounds hold.
+  // weight gradients chunk by chunk, chunk-shaped GEMMs): the MoE chunks' bounds hold. (The bytes
+  // they save need more query heads per key head than this layer's 4 / 2: the fp32 dK/dV sums
+  // cost 8 kv-wide bytes a token of T, the chunk saves 4 q-wide a token past it;
+  // test_cuda_deltanet_shape weighs them at the real models' widths.)
   for (const std::int64_t sequences : {std::int64_t{1}, std::int64_t{2}}) {
     Fixture f;
     f.shape.sequences = sequences;
     const Result whole = run(f, 0);
-    const std::size_t whole_ws = model::decoder_layer_workspace_bytes(f.shape, f.expert_streams);
     for (const std::int64_t chunk : {std::int64_t{384}, std::int64_t{128}, T / sequences}) {
       for (const std::int64_t moe : {std::int64_t{0}, std::int64_t{333}}) {
         CAPTURE(sequences);
@@ -272,18 +274,8 @@ TEST_CASE("attention query chunks: the whole layer's results, deterministic, les
         CHECK(e_y <= y_rel_l2);
         CHECK(e_dx <= dx_rel_l2);
         CHECK(e_grad <= grad_rel_l2);
-        if (chunk < T / sequences) {
-          auto chunked_shape = f.shape;
-          chunked_shape.attention_chunk_tokens = chunk;
-          chunked_shape.moe_chunk_tokens = moe;
-          auto whole_shape = f.shape;
-          whole_shape.moe_chunk_tokens = moe;
-          CHECK(model::decoder_layer_workspace_bytes(chunked_shape, f.expert_streams) <
-                model::decoder_layer_workspace_bytes(whole_shape, f.expert_streams));
-        }
       }
     }
-    CHECK(whole_ws > 0);
   }
 }
 
