@@ -301,7 +301,7 @@ int run(const Options& opt) {
     return ok ? "" : "  CHECK FAILED";
   };
 
-  const int steps = 11 + (gpus > 1 ? 1 : 0);
+  const int steps = 12 + (gpus > 1 ? 1 : 0);
   Progress progress(steps);
 
   // GPU memory: free after the context exists, the smallest over the GPUs used.
@@ -456,6 +456,31 @@ int run(const Options& opt) {
                            gd.forward_updates_per_s / ref.gated_delta_forward_updates_per_s, gd.backward_seconds * 1e3,
                            gd.backward_updates_per_s / ref.gated_delta_backward_updates_per_s,
                            check(gd.verified, "gated delta rule outputs finite")));
+  // By recurrences side by side (sequences x value heads): the same layer at 2, 4 and 8 sequences
+  // (2 and 4 with --quick), the first point the one sequence above.
+  {
+    const int most = q ? 4 : 8;
+    progress.begin(fmt::format("gated delta rule side by side, 2..{} sequences of {} tokens", most, kDeltaTokens));
+    std::vector<std::pair<double, double>> forward{{kDeltaVHeads, gd.forward_updates_per_s}}, backward{{kDeltaVHeads, gd.backward_updates_per_s}};
+    std::string times = fmt::format("1: {:.2f} / {:.2f}", gd.forward_seconds * 1e3, gd.backward_seconds * 1e3);
+    bool finite = gd.verified;
+    for (int b = 2; b <= most; b *= 2) {
+      const auto r = cuda::measure_gated_delta(0, kDeltaTokens, kDeltaKHeads, kDeltaVHeads, kDeltaDim, q ? 3 : 7, b);
+      forward.emplace_back(static_cast<double>(b) * kDeltaVHeads, r.forward_updates_per_s);
+      backward.emplace_back(static_cast<double>(b) * kDeltaVHeads, r.backward_updates_per_s);
+      times += fmt::format(", {}: {:.2f} / {:.2f}", b, r.forward_seconds * 1e3, r.backward_seconds * 1e3);
+      finite = finite && r.verified;
+    }
+    p.gated_delta_forward_parallel = SizeCurve(forward);
+    p.gated_delta_backward_parallel = SizeCurve(backward);
+    const std::string how = fmt::format(
+        "measure_gated_delta at 1..{} sequences of {} tokens, {}/{} heads of {}, the {{}} timed alone (median of {}), keyed by "
+        "sequences x v_heads; sequences: forward / backward ms {}",
+        most, kDeltaTokens, kDeltaKHeads, kDeltaVHeads, kDeltaDim, q ? 3 : 7, times);
+    measured("gated_delta_forward_parallel", fmt::format(fmt::runtime(how), "forward"));
+    measured("gated_delta_backward_parallel", fmt::format(fmt::runtime(how), "backward"));
+    progress.end(fmt::format("ms forward / backward by sequences: {}{}", times, check(finite, "gated delta rule outputs finite")));
+  }
 
   const Bytes host_copy_size = q ? 512_MiB : 2_GiB;
   progress.begin(fmt::format("host memcpy {}, all cores", to_string(host_copy_size)));

@@ -286,17 +286,20 @@ AttentionRate measure_flash_attention(int device, std::int64_t seq, int q_heads,
   return r;
 }
 
-GatedDeltaRate measure_gated_delta(int device, std::int64_t tokens, int k_heads, int v_heads, int head_dim, int repeats) {
-  if (tokens < 1 || k_heads < 1 || v_heads < 1 || v_heads % k_heads != 0 || head_dim < 1 || repeats < 1)
+GatedDeltaRate measure_gated_delta(int device, std::int64_t tokens, int k_heads, int v_heads, int head_dim, int repeats,
+                                   std::int64_t sequences) {
+  if (tokens < 1 || sequences < 1 || k_heads < 1 || v_heads < 1 || v_heads % k_heads != 0 || head_dim < 1 || repeats < 1)
     OOM_THROW(Errc::invalid_argument, "measure_gated_delta: bad shape (v_heads must be a multiple of k_heads)");
   OOM_CUDA_CHECK(cudaSetDevice(device));
   kernels::GatedDeltaDims d;
+  d.sequences = sequences;
   d.seq_len = tokens;
   d.k_heads = k_heads;
   d.v_heads = v_heads;
   d.k_dim = d.v_dim = head_dim;
   Stream stream;
-  const std::int64_t qk = tokens * k_heads * head_dim, vv = tokens * v_heads * head_dim, gates = tokens * v_heads;
+  const std::int64_t rows = sequences * tokens;
+  const std::int64_t qk = rows * k_heads * head_dim, vv = rows * v_heads * head_dim, gates = rows * v_heads;
   DeviceBuffer<__nv_bfloat16> q(qk), k(qk), v(vv), out(vv), dout(vv), dq(qk), dk(qk), dv(vv);
   DeviceBuffer<float> g(gates), beta(gates), dg(gates), dbeta(gates), states(kernels::gated_delta_states_floats(d));
   const std::size_t ws_bytes = kernels::gated_delta_backward_workspace_bytes(d);
@@ -321,6 +324,7 @@ GatedDeltaRate measure_gated_delta(int device, std::int64_t tokens, int k_heads,
   };
   GatedDeltaRate r;
   r.tokens = tokens;
+  r.sequences = sequences;
   r.k_heads = k_heads;
   r.v_heads = v_heads;
   r.head_dim = head_dim;
@@ -335,7 +339,7 @@ GatedDeltaRate measure_gated_delta(int device, std::int64_t tokens, int k_heads,
     OOM_CUDA_CHECK(cudaMemcpy(host.data(), b->ptr, b->count * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
     for (const auto& x : host) r.verified = r.verified && std::isfinite(__bfloat162float(x));
   }
-  const double updates = static_cast<double>(tokens) * v_heads * head_dim * head_dim;
+  const double updates = static_cast<double>(rows) * v_heads * head_dim * head_dim;
   r.forward_updates_per_s = updates / r.forward_seconds;
   r.backward_updates_per_s = updates / r.backward_seconds;
   return r;

@@ -50,18 +50,22 @@ struct AttentionRate {
 AttentionRate measure_flash_attention(int device, std::int64_t seq, int q_heads, int kv_heads, int head_dim, int repeats);
 
 struct GatedDeltaRate {
-  std::int64_t tokens = 0;
+  std::int64_t tokens = 0;     ///< per sequence
+  std::int64_t sequences = 1;
   int k_heads = 0, v_heads = 0, head_dim = 0;
-  double forward_updates_per_s = 0;   ///< tokens x v_heads x head_dim^2 state updates over the forward's median seconds
+  double forward_updates_per_s = 0;   ///< sequences x tokens x v_heads x head_dim^2 state updates over the forward's median seconds
   double backward_updates_per_s = 0;  ///< the same count over the backward's
   double forward_seconds = 0, backward_seconds = 0;
   int repeats = 0;
   bool verified = false;  ///< every output and input gradient came back finite (the rule itself: test_gated_delta_kernels)
 };
-/// OOM's recurrent gated delta rule (include/oom/kernels/gated_delta.hpp) over one sequence of
-/// `tokens`, k_heads/v_heads heads of head_dim (key and value alike), states kept every 64
-/// tokens; forward and backward each timed alone: MachineProfile's gated_delta_*_updates_per_s.
-GatedDeltaRate measure_gated_delta(int device, std::int64_t tokens, int k_heads, int v_heads, int head_dim, int repeats);
+/// OOM's recurrent gated delta rule (include/oom/kernels/gated_delta.hpp) over `sequences`
+/// sequences of `tokens`, k_heads/v_heads heads of head_dim (key and value alike), states kept
+/// every 64 tokens, the backward on its automatic path; forward and backward each timed alone:
+/// MachineProfile's gated_delta_*_updates_per_s (one sequence) and, by sequences x v_heads
+/// recurrences side by side, gated_delta_*_parallel.
+GatedDeltaRate measure_gated_delta(int device, std::int64_t tokens, int k_heads, int v_heads, int head_dim, int repeats,
+                                   std::int64_t sequences = 1);
 
 struct LaunchOverhead {
   double kernel_s = 0;      ///< per empty kernel launched back to back
