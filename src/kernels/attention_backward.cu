@@ -329,8 +329,8 @@ __global__ void __launch_bounds__(128, 1) attention_backward_dkdv_kernel(const B
   const std::int64_t dk_at = b * p.dk_batch + static_cast<std::int64_t>(hk) * D + col0;
   const std::int64_t dv_at = b * p.dv_batch + static_cast<std::int64_t>(hk) * D + col0;
   if (p.dk_sum != nullptr) {  // attention_backward_dkv_sum
-    add_rows_f32(dk_acc, p.dk_sum + dk_at, p.dk_token, key_w, p.q_end, p.scale);
-    add_rows_f32(dv_acc, p.dv_sum + dv_at, p.dv_token, key_w, p.q_end, 1.0f);
+    store_rows(dk_acc, p.dk_sum + dk_at, p.dk_token, key_w, p.q_end, p.scale, true);
+    store_rows(dv_acc, p.dv_sum + dv_at, p.dv_token, key_w, p.q_end, 1.0f, true);
   } else {
     store_rows(dk_acc, p.dk + dk_at, p.dk_token, key_w, p.q_end, p.scale, p.accumulate_dkv);
     store_rows(dv_acc, p.dv + dv_at, p.dv_token, key_w, p.q_end, 1.0f, p.accumulate_dkv);

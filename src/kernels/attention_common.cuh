@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "oom/kernels/attention.hpp"
@@ -199,13 +200,13 @@ __device__ __forceinline__ void zero(float (&acc)[M][N][4]) {
       for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
 }
 
-/// Writes a warp's fp32 accumulator tile (16 M_TILES rows x 8 N_TILES columns) as bf16 rows
-/// row0 + .. of a strided global matrix, times `scale`; rows >= row_end are skipped. With
-/// `accumulate`, adds to the bf16 values already there.
-template <int M_TILES, int N_TILES>
-__device__ __forceinline__ void store_rows(const float (&acc)[M_TILES][N_TILES][4], __nv_bfloat16* base,
-                                           std::int64_t token_stride, int row0, int row_end, float scale,
-                                           bool accumulate = false) {
+/// Writes a warp's fp32 accumulator tile (16 M_TILES rows x 8 N_TILES columns) times `scale` into
+/// rows row0 + .. of a strided global matrix; rows >= row_end are skipped. bf16 rows are stored,
+/// or with `accumulate` added to (bf16(acc scale + old)); fp32 rows are always added to
+/// (attention_backward_dkv_sum's dK/dV sums).
+template <int M_TILES, int N_TILES, class Out>
+__device__ __forceinline__ void store_rows(const float (&acc)[M_TILES][N_TILES][4], Out* base, std::int64_t token_stride,
+                                           int row0, int row_end, float scale, bool accumulate = false) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -214,39 +215,23 @@ __device__ __forceinline__ void store_rows(const float (&acc)[M_TILES][N_TILES][
     for (int half = 0; half < 2; ++half) {
       const int row = row0 + mt * 16 + g + 8 * half;
       if (row >= row_end) continue;
-      __nv_bfloat16* dst = base + static_cast<std::int64_t>(row) * token_stride + 2 * t;
+      Out* dst = base + static_cast<std::int64_t>(row) * token_stride + 2 * t;
 #pragma unroll
       for (int nt = 0; nt < N_TILES; ++nt) {
         float x0 = acc[mt][nt][2 * half] * scale, x1 = acc[mt][nt][2 * half + 1] * scale;
-        auto* d2 = reinterpret_cast<__nv_bfloat162*>(dst + nt * 8);
-        if (accumulate) {
-          const float2 old = __bfloat1622float2(*d2);
-          x0 += old.x;
-          x1 += old.y;
+        if constexpr (std::is_same_v<Out, float>) {
+          auto* d2 = reinterpret_cast<float2*>(dst + nt * 8);
+          const float2 old = *d2;
+          *d2 = make_float2(old.x + x0, old.y + x1);
+        } else {
+          auto* d2 = reinterpret_cast<__nv_bfloat162*>(dst + nt * 8);
+          if (accumulate) {
+            const float2 old = __bfloat1622float2(*d2);
+            x0 += old.x;
+            x1 += old.y;
+          }
+          *d2 = __floats2bfloat162_rn(x0, x1);
         }
-        *d2 = __floats2bfloat162_rn(x0, x1);
-      }
-    }
-}
-
-/// store_rows' tile times `scale` ADDED to fp32 rows (attention_backward_dkv_sum's dK/dV sums).
-template <int M_TILES, int N_TILES>
-__device__ __forceinline__ void add_rows_f32(const float (&acc)[M_TILES][N_TILES][4], float* base, std::int64_t token_stride,
-                                             int row0, int row_end, float scale) {
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row0 + mt * 16 + g + 8 * half;
-      if (row >= row_end) continue;
-      float* dst = base + static_cast<std::int64_t>(row) * token_stride + 2 * t;
-#pragma unroll
-      for (int nt = 0; nt < N_TILES; ++nt) {
-        auto* d2 = reinterpret_cast<float2*>(dst + nt * 8);
-        const float2 old = *d2;
-        *d2 = make_float2(old.x + acc[mt][nt][2 * half] * scale, old.y + acc[mt][nt][2 * half + 1] * scale);
       }
     }
 }

@@ -100,16 +100,18 @@ WorkItem StepModel::attention_item(int layer) const {
   if (spec_.layer(layer).attention == AttentionKind::full) {
     w.dependency = ChunkDependency::causal_prefix;
     // What the CUDA layer's backward holds in query chunks (model/cuda_decoder_layer.cpp, its
-    // attention phase; DecoderLayerShape::attention_chunk_tokens); test_footprint ties the two.
+    // attention phase; DecoderLayerShape::attention_chunk_tokens); test_cuda_deltanet_shape ties
+    // the two. The chunks then come out equal but the last, the length the executor runs.
     const std::uint64_t q = a.heads * a.head_dim, kv = a.kv_heads * a.head_dim;
     // Per query position of the chunk: the attention output's gradient and dq, and gated, o_proj's
     // input again, the gate's gradient and [dq | d gate] (6 q-wide in all, 2 without the gate) in
     // bf16; the kernel's two fp32 a query head. (The layer takes one sequence's chunk at a time;
     // for several sequences this counts b x that: safe, not tight.)
     w.per_unit = Bytes{b * ((a.output_gate ? 6 : 2) * q * bf16_bytes + 2 * a.heads * fp32_bytes)};
-    // Per position up to the chunk's end (all T at the last chunk): dK and dV in bf16 and their
-    // fp32 sums over the chunks, d xn1 in fp32 and bf16.
-    w.per_prefix_unit = Bytes{b * (2 * kv * (bf16_bytes + fp32_bytes) + spec_.hidden_size() * (fp32_bytes + bf16_bytes))};
+    // Whatever the chunk, all T (every sequence's positions): dK and dV in bf16 and their fp32
+    // sums over the chunks, d xn1 in fp32 and bf16. (Keys up to the chunk's end would do, but the
+    // layer holds them for the whole sequence.)
+    w.fixed = Bytes{b * req_.workload.seq_len * (2 * kv * (bf16_bytes + fp32_bytes) + spec_.hidden_size() * (fp32_bytes + bf16_bytes))};
   } else {
     // The GPU block's workspace (model/cuda_deltanet.cpp, its backward's, the larger), run in
     // parts of the chunk's tokens with the state carried (slice 6); test_cuda_deltanet_shape ties

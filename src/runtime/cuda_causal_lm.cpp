@@ -82,17 +82,22 @@ std::uint64_t query_chunk(std::uint64_t tokens) {
   return std::max(query_chunk_granularity, tokens / query_chunk_granularity * query_chunk_granularity);
 }
 /// The token part a layer of kind `kind` runs its attention half in, given the plan's chunk ends
-/// over a sequence of S tokens (0: whole). A linear layer: its first chunk (the planner's parts of
+/// over a sequence of S tokens (0: whole, also where the rounding reaches S). A linear layer: its first chunk (the planner's parts of
 /// a carried state are equal but the last). A softmax layer: its first chunk where the chunks are
 /// equal but the last (as cut_attention_parts writes them), else the sequence split evenly into as
 /// many chunks as the plan has (the planner's causal-prefix chunks shrink as the prefix grows; the
 /// decoder layer's are equal, its dK/dV and d xn1 T-wide whatever the chunk).
 std::uint64_t planned_part(AttentionKind kind, std::uint64_t S, const std::vector<std::uint64_t>& ends) {
   if (ends.size() <= 1) return 0;
-  if (kind == AttentionKind::linear) return linear_part(ends.front());
-  bool equal = true;
-  for (std::size_t i = 1; i + 1 < ends.size(); ++i) equal &= ends[i] - ends[i - 1] == ends.front();
-  return query_chunk(equal ? ends.front() : (S + ends.size() - 1) / ends.size());
+  std::uint64_t part = 0;
+  if (kind == AttentionKind::linear) {
+    part = linear_part(ends.front());
+  } else {
+    bool equal = true;
+    for (std::size_t i = 1; i + 1 < ends.size(); ++i) equal &= ends[i] - ends[i - 1] == ends.front();
+    part = query_chunk(equal ? ends.front() : (S + ends.size() - 1) / ends.size());
+  }
+  return part < S ? part : 0;  // rounded up to a whole sequence: the layer runs it whole
 }
 /// What a part of at most `tokens` is for a layer of `kind` (linear_part or query_chunk).
 std::uint64_t part_of(AttentionKind kind, std::uint64_t tokens) {

@@ -281,8 +281,6 @@ std::vector<bf16> rounded(const std::vector<float>& sums) {
 /// chunks first to last or last to first, each kernel against its own whole call: dQ the same bits;
 /// the sums, rounded once, within the whole call's bound of the reference (4 u mag) plus one u mag
 /// for the fp32 summation order, and within the two kernels' bound of the whole call's dK/dV.
-/// With `prefilled`, the sums start from random values and one chunk [0, starts[1]) runs: rows >=
-/// its end keep them bit for bit.
 void check_sums(const AttentionDims& d, bool packed, std::uint64_t seed, const std::vector<int>& starts, bool reversed) {
   require_sm90();
   INFO("B=" << d.batch << " S=" << d.seq << " Hq=" << d.heads_q << " Hkv=" << d.heads_kv << " D=" << d.head_dim

@@ -161,6 +161,21 @@ TEST_CASE("attention refusals say which field or tensor") {
     expect_refused(k::attention_backward(p, in, in, in, in, in, fake<float>(), out, out, out, false, fake<void>(), 16, nullptr),
                    {"attention_backward: workspace of 16 bytes, needs " + std::to_string(need)});
   }
+  SUBCASE("the backward with fp32 dK/dV sums: the sums named, and the problem as for attention_backward") {
+    const k::TokenRows<float> sum{fake<float>(), 64 * 2 * 128, 2 * 128};
+    const k::TokenRows<float> odd_sum{fake<float>(8), 64 * 2 * 128, 2 * 128};
+    const std::size_t need = k::attention_backward_workspace_bytes(p);
+    expect_refused(k::attention_backward_dkv_sum(p, in, in, in, in, in, fake<float>(), out, {sum, odd_sum}, fake<void>(), need, nullptr),
+                   {"attention_backward_dkv_sum: dv is not 16-byte aligned"});
+    expect_refused(k::attention_backward_dkv_sum(p, in, in, in, in, in, fake<float>(), out, {{nullptr, 0, 0}, sum}, fake<void>(), need,
+                                                 nullptr),
+                   {"attention_backward_dkv_sum: dk is null"});
+    expect_refused(k::attention_backward_dkv_sum(p, in, in, in, in, in, fake<float>(), out, {sum, sum}, fake<void>(), 16, nullptr),
+                   {"attention_backward_dkv_sum: workspace of 16 bytes, needs " + std::to_string(need)});
+    p.head_dim = 64;
+    expect_refused(k::attention_backward_dkv_sum(p, in, in, in, in, in, fake<float>(), out, {sum, sum}, fake<void>(), need, nullptr),
+                   {"attention_backward_dkv_sum: head_dim = 64"});
+  }
 }
 
 TEST_CASE("OOM_CUDA_CHECK reports a refusal as a bad argument, with its reason") {

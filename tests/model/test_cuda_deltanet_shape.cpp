@@ -14,6 +14,7 @@
 #include "oom/model/cuda_decoder_layer.hpp"
 #include "oom/model/cuda_deltanet.hpp"
 #include "oom/model/model_spec.hpp"
+#include "oom/plan/dependency_partitioner.hpp"
 #include "oom/plan/machine_profile.hpp"
 #include "plan/step_model.hpp"
 
@@ -262,13 +263,14 @@ TEST_CASE("the planner prices a linear layer's sequences side by side when whole
 }
 
 TEST_CASE("the planner's workset for a softmax layer's query chunk is the CUDA layer's backward in chunks") {
-  // The planner partitions a full-attention layer's queries (a causal_prefix work item: per query
-  // of the chunk, and per position up to its end) and the CUDA layer runs its backward one query
-  // chunk at a time (DecoderLayerShape::attention_chunk_tokens), holding the chunk's rows and,
-  // T-wide, dK/dV with their fp32 sums and d xn1. The chunk's bytes a token must be the planner's
-  // per-query bytes (to the Carver's alignment); the T-wide bytes a token at least its per-prefix
-  // bytes, the rest being the layer's other T-wide rows (the MoE half's d xn2, routing gradients).
-  // Gated (Qwen3-Next, Qwen3.5) and not (the 5.13B configuration).
+  // The planner partitions a full-attention layer's queries (fixed bytes and bytes per query of
+  // the chunk) and the CUDA layer runs its backward one query chunk at a time
+  // (DecoderLayerShape::attention_chunk_tokens), holding the chunk's rows and, T-wide whatever
+  // the chunk, dK/dV with their fp32 sums and d xn1. The chunk's bytes a token must be the
+  // planner's per-query bytes (to the Carver's alignment); the T-wide bytes a token at least its
+  // fixed bytes a token, the rest being the layer's other T-wide rows (the MoE half's d xn2,
+  // routing gradients). Gated (Qwen3-Next, Qwen3.5) and not (the 5.13B configuration). The
+  // planner's chunks are then equal but the last: the length the executor runs.
   for (const char* config : {"qwen3-next-80b-a3b.json", "qwen3.5-35b-a3b.json", "moe-5b.json"}) {
     CAPTURE(config);
     const ModelSpec spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/" + config);
@@ -278,6 +280,7 @@ TEST_CASE("the planner's workset for a softmax layer's query chunk is the CUDA l
     const H200StepModel planner(spec, {1, static_cast<std::uint64_t>(T)});
     const WorkItem w = planner.model.attention_item(full);
     CHECK(w.dependency == ChunkDependency::causal_prefix);
+    CHECK(w.per_prefix_unit.count() == 0);
     kernels::ExpertGemmStreams streams;  // creates no CUDA objects until used
     const auto workspace = [&](std::int64_t tokens, std::int64_t chunk) {
       auto shape = model::DecoderLayerShape::from_spec(spec, full, tokens);
@@ -289,14 +292,15 @@ TEST_CASE("the planner's workset for a softmax layer's query chunk is the CUDA l
     const std::int64_t chunk_step = workspace(T, C2) - workspace(T, C1);
     CHECK(std::abs(chunk_step - per_chunk_token * (C2 - C1)) <= 8 * 256);
     // T-wide: twice the tokens with the same chunk.
-    const std::int64_t per_prefix = static_cast<std::int64_t>(w.per_prefix_unit.count());
+    REQUIRE(w.fixed.count() % T == 0);
+    const std::int64_t wide = static_cast<std::int64_t>(w.fixed.count()) / T;
     const std::int64_t t_step = workspace(2 * T, C1) - workspace(T, C1);
     // The others: d xn2 (bf16), the routing weights' gradient (fp32, k), the router logits'
     // gradient (fp32, E) and the router backward's scratch (2 bytes an expert).
     const std::int64_t others = 2 * spec.hidden_size() + 4 * static_cast<std::int64_t>(spec.moe().top_k) +
                                 6 * static_cast<std::int64_t>(spec.moe().experts);
-    CHECK(t_step >= per_prefix * T);
-    CHECK(t_step <= (per_prefix + others) * T + 16 * 256);
+    CHECK(t_step >= wide * T);
+    CHECK(t_step <= (wide + others) * T + 16 * 256);
     // Whole, the layer holds the chunk's rows for all T but not the fp32 sums of dK/dV: the
     // difference, to the Carver's alignment.
     const std::int64_t kv = static_cast<std::int64_t>(spec.attention().kv_heads * spec.attention().head_dim);
@@ -304,5 +308,12 @@ TEST_CASE("the planner's workset for a softmax layer's query chunk is the CUDA l
     CAPTURE(saved);
     CHECK(saved > 0);
     CHECK(std::abs(saved - (per_chunk_token * (T - C1) - 2 * kv * 4 * T)) <= 16 * 256);
+    // Partitioned for a budget that takes a few chunks: equal ones, the last shorter, each within it.
+    const Bytes budget = w.fixed + Bytes{static_cast<std::uint64_t>(per_chunk_token) * 20000};
+    const auto part = DependencyPartitioner{}.partition(w, budget);
+    REQUIRE(part.chunks.size() > 2);
+    for (std::size_t i = 0; i + 1 < part.chunks.size(); ++i) CHECK(part.chunks[i].end - part.chunks[i].begin == part.chunks[0].end);
+    CHECK(part.chunks.back().end == static_cast<std::uint64_t>(T));
+    CHECK(part.peak <= budget);
   }
 }

@@ -83,6 +83,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "../attention_backward_common.cuh"
 #include "../attention_common.cuh"
@@ -138,45 +139,35 @@ __device__ __forceinline__ void zero(float (&x)[32]) {
   for (int e = 0; e < 32; ++e) x[e] = 0.0f;
 }
 
-/// A warpgroup's 64 x 128 fp32 accumulator rows as bf16 into global rows row0 + (fragment row),
-/// times `scale`, rows >= row_end skipped; with `accumulate`, added to the bf16 values there
-/// (bf16(acc scale + old), as store_rows of the mma.sync kernels).
-__device__ __forceinline__ void store_acc_rows(const float (&acc)[64], __nv_bfloat16* base, std::int64_t token_stride,
-                                               int row0, int row_end, float scale, bool accumulate) {
+/// A warpgroup's 64 x 128 fp32 accumulator rows times `scale` into global rows row0 + (fragment
+/// row), rows >= row_end skipped. bf16 rows are stored, or with `accumulate` added to
+/// (bf16(acc scale + old), as store_rows of the mma.sync kernels); fp32 rows are always added to
+/// (attention_backward_dkv_sum's dK/dV sums).
+template <class Out>
+__device__ __forceinline__ void store_acc_rows(const float (&acc)[64], Out* base, std::int64_t token_stride, int row0,
+                                               int row_end, float scale, bool accumulate) {
   const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int row = row0 + 16 * warp + (lane >> 2) + 8 * hf;
     if (row >= row_end) continue;
-    __nv_bfloat16* dst = base + static_cast<std::int64_t>(row) * token_stride + 2 * (lane & 3);
+    Out* dst = base + static_cast<std::int64_t>(row) * token_stride + 2 * (lane & 3);
 #pragma unroll
     for (int j = 0; j < kD / 8; ++j) {
       float x0 = acc[4 * j + 2 * hf] * scale, x1 = acc[4 * j + 2 * hf + 1] * scale;
-      auto* d2 = reinterpret_cast<__nv_bfloat162*>(dst + 8 * j);
-      if (accumulate) {
-        const float2 old = __bfloat1622float2(*d2);
-        x0 += old.x;
-        x1 += old.y;
+      if constexpr (std::is_same_v<Out, float>) {
+        auto* d2 = reinterpret_cast<float2*>(dst + 8 * j);
+        const float2 old = *d2;
+        *d2 = make_float2(old.x + x0, old.y + x1);
+      } else {
+        auto* d2 = reinterpret_cast<__nv_bfloat162*>(dst + 8 * j);
+        if (accumulate) {
+          const float2 old = __bfloat1622float2(*d2);
+          x0 += old.x;
+          x1 += old.y;
+        }
+        *d2 = __floats2bfloat162_rn(x0, x1);
       }
-      *d2 = __floats2bfloat162_rn(x0, x1);
-    }
-  }
-}
-
-/// store_acc_rows' rows times `scale` ADDED to fp32 (attention_backward_dkv_sum's dK/dV sums).
-__device__ __forceinline__ void add_acc_rows_f32(const float (&acc)[64], float* base, std::int64_t token_stride, int row0,
-                                                 int row_end, float scale) {
-  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) & 31;
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int row = row0 + 16 * warp + (lane >> 2) + 8 * hf;
-    if (row >= row_end) continue;
-    float* dst = base + static_cast<std::int64_t>(row) * token_stride + 2 * (lane & 3);
-#pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
-      auto* d2 = reinterpret_cast<float2*>(dst + 8 * j);
-      const float2 old = *d2;
-      *d2 = make_float2(old.x + acc[4 * j + 2 * hf] * scale, old.y + acc[4 * j + 2 * hf + 1] * scale);
     }
   }
 }
@@ -456,8 +447,8 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
 
   const std::int64_t col = static_cast<std::int64_t>(hk) * HD;
   if (p.dk_sum != nullptr) {  // attention_backward_dkv_sum
-    add_acc_rows_f32(dk, p.dk_sum + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale);
-    add_acc_rows_f32(dv, p.dv_sum + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f);
+    store_acc_rows(dk, p.dk_sum + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, true);
+    store_acc_rows(dv, p.dv_sum + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, true);
   } else {
     store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, p.accumulate_dkv);
     store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, p.accumulate_dkv);
@@ -674,8 +665,8 @@ __device__ __forceinline__ void dkdv_block_d256(const BackwardParams p, unsigned
 
   const std::int64_t col = static_cast<std::int64_t>(hk) * HD + 128 * wg;
   if (p.dk_sum != nullptr) {  // attention_backward_dkv_sum
-    add_acc_rows_f32(dk, p.dk_sum + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale);
-    add_acc_rows_f32(dv, p.dv_sum + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f);
+    store_acc_rows(dk, p.dk_sum + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale, true);
+    store_acc_rows(dv, p.dv_sum + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, true);
   } else {
     store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale, p.accumulate_dkv);
     store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, p.accumulate_dkv);
@@ -998,15 +989,15 @@ cudaError_t backward(const AttentionProblem& p, TokenRows<const bf16> q, TokenRo
                      TokenRows<bf16> dq, TokenRows<bf16> dk, TokenRows<bf16> dv, bool accumulate_dkv, void* workspace,
                      std::size_t workspace_bytes, cudaStream_t stream, const AttentionDkvSums* sums = nullptr) {
   using namespace attention_detail;
-  if (const cudaError_t e = check_problem("attention_backward", p); e != cudaSuccess) return e;
+  const char* const name = sums != nullptr ? "attention_backward_dkv_sum" : "attention_backward";
+  if (const cudaError_t e = check_problem(name, p); e != cudaSuccess) return e;
   static_assert(kHeadDim == kD || kHeadDim == 256);
   if (p.head_dim != kHeadDim) return cudaErrorNotSupported;
   if (p.query_end() == p.q_begin) return cudaSuccess;
   const cudaError_t checked =
-      sums != nullptr ? check_backward_args("attention_backward_dkv_sum", q, k, v, o, d_o, lse, dq, sums->dk, sums->dv, workspace,
-                                            workspace_bytes, attention_backward_workspace_bytes(p),
-                                            "attention_backward_workspace_bytes")
-                      : check_backward_args("attention_backward", q, k, v, o, d_o, lse, dq, dk, dv, workspace, workspace_bytes,
+      sums != nullptr ? check_backward_args(name, q, k, v, o, d_o, lse, dq, sums->dk, sums->dv, workspace, workspace_bytes,
+                                            attention_backward_workspace_bytes(p), "attention_backward_workspace_bytes")
+                      : check_backward_args(name, q, k, v, o, d_o, lse, dq, dk, dv, workspace, workspace_bytes,
                                             attention_backward_workspace_bytes(p), "attention_backward_workspace_bytes");
   if (checked != cudaSuccess) return checked;
   if (const cudaError_t e = current_device_is_cc90(); e != cudaSuccess) return e;
