@@ -172,6 +172,19 @@ __device__ __forceinline__ void store_acc_rows(const float (&acc)[64], Out* base
   }
 }
 
+/// A dK/dV block's two accumulators into rows row0.. of column `col` of sequence b's dK and dV
+/// (the softmax scale on dK): the bf16 outputs, or attention_backward_dkv_sum's fp32 sums.
+__device__ __forceinline__ void store_dkdv(const BackwardParams& p, const float (&dk)[64], const float (&dv)[64], int b,
+                                           std::int64_t col, int row0) {
+  if (p.dk_sum != nullptr) {
+    store_acc_rows(dk, p.dk_sum + b * p.dk_batch + col, p.dk_token, row0, p.q_end, p.scale, true);
+    store_acc_rows(dv, p.dv_sum + b * p.dv_batch + col, p.dv_token, row0, p.q_end, 1.0f, true);
+  } else {
+    store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, row0, p.q_end, p.scale, p.accumulate_dkv);
+    store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, row0, p.q_end, 1.0f, p.accumulate_dkv);
+  }
+}
+
 // ---- dK/dV and dQ ----
 
 constexpr int kDkdvBr = 64;  // queries per dK/dV step (both head dims)
@@ -446,13 +459,7 @@ __device__ __forceinline__ void dkdv_block(const BackwardParams p, unsigned char
   }
 
   const std::int64_t col = static_cast<std::int64_t>(hk) * HD;
-  if (p.dk_sum != nullptr) {  // attention_backward_dkv_sum
-    store_acc_rows(dk, p.dk_sum + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, true);
-    store_acc_rows(dv, p.dv_sum + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, true);
-  } else {
-    store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, key_wg, p.q_end, p.scale, p.accumulate_dkv);
-    store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, key_wg, p.q_end, 1.0f, p.accumulate_dkv);
-  }
+  store_dkdv(p, dk, dv, b, col, key_wg);
 }
 
 // ---- head_dim 256 (attention_backward_wgmma_d256; docs/hopper.md, "Head dim 256" and "The
@@ -664,13 +671,7 @@ __device__ __forceinline__ void dkdv_block_d256(const BackwardParams p, unsigned
   }
 
   const std::int64_t col = static_cast<std::int64_t>(hk) * HD + 128 * wg;
-  if (p.dk_sum != nullptr) {  // attention_backward_dkv_sum
-    store_acc_rows(dk, p.dk_sum + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale, true);
-    store_acc_rows(dv, p.dv_sum + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, true);
-  } else {
-    store_acc_rows(dk, p.dk + b * p.dk_batch + col, p.dk_token, n0, p.q_end, p.scale, p.accumulate_dkv);
-    store_acc_rows(dv, p.dv + b * p.dv_batch + col, p.dv_token, n0, p.q_end, 1.0f, p.accumulate_dkv);
-  }
+  store_dkdv(p, dk, dv, b, col, n0);
 }
 
 struct DqSmem {
