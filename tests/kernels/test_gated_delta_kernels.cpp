@@ -105,6 +105,16 @@ bool same_bits(const auto& a, const auto& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
 }
 
+/// The forward's output and the backward's five gradients of two runs: each the same bits.
+void check_same_bits(const Run& got, const Run& want) {
+  CHECK_MESSAGE(same_bits(got.out, want.out), "out differs");
+  CHECK_MESSAGE(same_bits(got.dq, want.dq), "dq differs");
+  CHECK_MESSAGE(same_bits(got.dk, want.dk), "dk differs");
+  CHECK_MESSAGE(same_bits(got.dv, want.dv), "dv differs");
+  CHECK_MESSAGE(same_bits(got.dg, want.dg), "dg differs");
+  CHECK_MESSAGE(same_bits(got.dbeta, want.dbeta), "dbeta differs");
+}
+
 }  // namespace
 
 TEST_CASE("the gated delta rule's forward and backward match the CPU reference") {
@@ -143,13 +153,8 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
     check_scaled(got.dbeta, want.dbeta, 1e-3, 1e-4, "dbeta");
     // The same bits again (fresh, poisoned buffers).
     const Run again = run(d, in);
-    CHECK(same_bits(again.out, got.out));
+    check_same_bits(again, got);
     CHECK(same_bits(again.states, got.states));
-    CHECK(same_bits(again.dq, got.dq));
-    CHECK(same_bits(again.dk, got.dk));
-    CHECK(same_bits(again.dv, got.dv));
-    CHECK(same_bits(again.dg, got.dg));
-    CHECK(same_bits(again.dbeta, got.dbeta));
   }
 }
 
@@ -187,11 +192,7 @@ TEST_CASE("the backward as a cluster of blocks per head gives the one-block back
     const Run one = run(d, in);
     d.backward = Path::cluster;
     const Run clustered = run(d, in);
-    CHECK(same_bits(clustered.dq, one.dq));
-    CHECK(same_bits(clustered.dk, one.dk));
-    CHECK(same_bits(clustered.dv, one.dv));
-    CHECK(same_bits(clustered.dg, one.dg));
-    CHECK(same_bits(clustered.dbeta, one.dbeta));
+    check_same_bits(clustered, one);
     // And the reference's values, so that two equally wrong paths cannot pass (tolerances as above).
     const Reference want = reference(d, in);
     check_scaled(to_floats(clustered.dq), want.dq, 1.0 / 128, 1e-3, "dq");
@@ -286,12 +287,7 @@ TEST_CASE("the chunk only changes what is kept: every chunk gives the same outpu
     CAPTURE(chunk);
     d.chunk = chunk;
     const Run r = run(d, in);
-    CHECK(same_bits(r.out, one.out));
-    CHECK(same_bits(r.dq, one.dq));
-    CHECK(same_bits(r.dk, one.dk));
-    CHECK(same_bits(r.dv, one.dv));
-    CHECK(same_bits(r.dg, one.dg));
-    CHECK(same_bits(r.dbeta, one.dbeta));
+    check_same_bits(r, one);
   }
 }
 
