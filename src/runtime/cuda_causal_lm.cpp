@@ -68,12 +68,14 @@ Keep blob_retention(const std::array<RetentionDecision, activation_class_count>&
   return offload ? Keep::offload : Keep::keep;
 }
 
+/// DeltaNetShape::chunk as DeltaNetShape::from_spec sets it: the interval of the layers CudaCausalLm
+/// builds (a part that is no multiple of a layer's own interval is refused by its shape).
+constexpr std::uint64_t linear_state_interval = 64;
 /// A linear-attention layer's part of `tokens` (the plan's chunk) as the Gated DeltaNet block runs
 /// it: rounded down to a multiple of the rule's state interval, at least one interval.
-std::uint64_t linear_part(std::uint64_t tokens, std::uint64_t interval) { return std::max(interval, tokens / interval * interval); }
-/// DeltaNetShape::chunk as DeltaNetShape::from_spec sets it: the interval of the layers CudaCausalLm builds.
-constexpr std::uint64_t linear_state_interval = 64;
-std::uint64_t linear_part(std::uint64_t tokens) { return linear_part(tokens, linear_state_interval); }
+std::uint64_t linear_part(std::uint64_t tokens) {
+  return std::max(linear_state_interval, tokens / linear_state_interval * linear_state_interval);
+}
 /// A softmax-attention layer's query chunk of `tokens` as the decoder layer runs it
 /// (DecoderLayerShape::attention_chunk_tokens): rounded down to the planner's attention
 /// granularity, 128 tokens, at least 128.
@@ -585,12 +587,9 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
     // block runs each sequence in parts of that many tokens (a multiple of the rule's state
     // interval), a softmax layer's backward one query chunk of a sequence at a time.
     if (static_cast<std::size_t>(l) < plan.chunks.size()) {
-      const auto& ends = plan.chunks[static_cast<std::size_t>(l)].attention;
-      if (L.shape.linear && ends.size() > 1)
-        L.shape.deltanet.part_tokens =
-            static_cast<std::int64_t>(linear_part(ends.front(), static_cast<std::uint64_t>(L.shape.deltanet.chunk)));
-      else if (!L.shape.linear)
-        L.shape.attention_chunk_tokens = static_cast<std::int64_t>(planned_part(AttentionKind::full, plan.workload.seq_len, ends));
+      const auto part = static_cast<std::int64_t>(
+          planned_part(spec->layer(l).attention, plan.workload.seq_len, plan.chunks[static_cast<std::size_t>(l)].attention));
+      (L.shape.linear ? L.shape.deltanet.part_tokens : L.shape.attention_chunk_tokens) = part;
     }
     for (std::size_t k = 0; k < spec->layer_segments(l).size(); ++k) {
       const std::size_t s = first + k;
