@@ -791,6 +791,7 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
     }
   }
 
+  if (ctx.halves != nullptr) check(cudaEventRecord(ctx.halves, st), "cudaEventRecord (the layer's halves)");
   // ---- MoE block: the post-attention norm and the router over all T (their state is O(T*(H + E))),
   // then the experts chunk by chunk, rows [c0, c0 + n) of xn2 to the same rows of y. Whole: one
   // chunk whose permutation and activations stay in `saved`.
@@ -1006,6 +1007,7 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
         "post_attention_layernorm backward");
   bf16* const dh = b.dxn2;
   check(kernels::add_bf16(dy, b.dxn2, dh, T * H, st), "residual add dh = dy + d moe");
+  if (ctx.halves != nullptr) check(cudaEventRecord(ctx.halves, st), "cudaEventRecord (the layer's halves)");
 
   // ---- the token mixer's backward, its d xn1 summed in fp32 into dxn1_f32; then the input norm's.
   if (s.linear) {  // linear attention: h = x + deltanet(xn1)

@@ -258,6 +258,10 @@ struct CudaCausalLm::Impl {
     std::string name;
     Resource resource;
     cudaEvent_t begin = nullptr, end = nullptr;
+    // A decoder layer's call: the event it records between its halves (DecoderLayerContext::
+    // halves), and the names of the spans before and after it, nested in this one.
+    cudaEvent_t mid = nullptr;
+    std::string first, second;
   };
   std::vector<Mark> marks;
   int span_begin(CudaBackend::Stream& st, Resource r, std::string name) {
@@ -269,6 +273,17 @@ struct CudaCausalLm::Impl {
     marks.push_back(std::move(m));
     return static_cast<int>(marks.size()) - 1;
   }
+  /// The event for the layer call that span `mark` times to record between its halves (nullptr
+  /// when not recording): the step's trace then also has "<what>.<first> <layer>" and
+  /// "<what>.<second> <layer>" within it, the planner's op names (fwd.attention, bwd.mlp, ...).
+  cudaEvent_t halves(int mark, std::string_view what, std::string_view first, std::string_view second, std::size_t l) {
+    if (mark < 0) return nullptr;
+    auto& m = marks[static_cast<std::size_t>(mark)];
+    OOM_CUDA_CHECK(cudaEventCreate(&m.mid));
+    m.first = fmt::format("{}.{} {}", what, first, label(l));
+    m.second = fmt::format("{}.{} {}", what, second, label(l));
+    return m.mid;
+  }
   void span_end(CudaBackend::Stream& st, int mark) {
     if (mark >= 0) OOM_CUDA_CHECK(cudaEventRecord(marks[static_cast<std::size_t>(mark)].end, raw(st)));
   }
@@ -277,10 +292,20 @@ struct CudaCausalLm::Impl {
     for (auto& m : marks) {
       float b = 0, e = 0;
       if (timeline != nullptr && cudaEventElapsedTime(&b, step_begin, m.begin) == cudaSuccess &&
-          cudaEventElapsedTime(&e, step_begin, m.end) == cudaSuccess)
+          cudaEventElapsedTime(&e, step_begin, m.end) == cudaSuccess) {
         timeline->add(m.name, m.resource, b / 1e3, e / 1e3);
+        if (float h = 0; m.mid != nullptr) {
+          if (cudaEventElapsedTime(&h, step_begin, m.mid) == cudaSuccess) {
+            timeline->add(m.first, m.resource, b / 1e3, h / 1e3);
+            timeline->add(m.second, m.resource, h / 1e3, e / 1e3);
+          } else {
+            (void)cudaGetLastError();  // a layer call that threw before its halves: none, and no error left behind
+          }
+        }
+      }
       (void)cudaEventDestroy(m.begin);
       (void)cudaEventDestroy(m.end);
+      if (m.mid != nullptr) (void)cudaEventDestroy(m.mid);
     }
     marks.clear();
     timeline = nullptr;
@@ -367,7 +392,9 @@ struct CudaCausalLm::Impl {
   cudaStream_t raw(const CudaBackend::Stream& s) const { return CudaBackend::raw(s); }
 
   /// Layer L's calls keep its expert counts from the forward for the backward.
-  model::DecoderLayerContext layer_ctx(Layer& L) const { return {raw(cs), blas, expert_streams.get(), &L.expert_counts}; }
+  model::DecoderLayerContext layer_ctx(Layer& L, cudaEvent_t halves = nullptr) const {
+    return {raw(cs), blas, expert_streams.get(), &L.expert_counts, halves};
+  }
   model::LmEndsContext ends_ctx() const { return {raw(cs), blas}; }
 
   static void CUDART_CB cpu_update(void* p);
@@ -885,7 +912,7 @@ void CudaCausalLm::Impl::forward(std::size_t mb, const model::LmEndsShape& ends)
     }
     mk = span_begin(cs, Resource::gpu_compute, "fwd " + label(l));
     const double called = host_now();
-    model::decoder_layer_forward(layer_ctx(L), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
+    model::decoder_layer_forward(layer_ctx(L, halves(mk, "fwd", "attention", "mlp", l)), L.shape, params, d_positions, x_at[l], y, saved, saved_bytes, workspace, workspace_bytes);
     host_span("decoder_layer_forward " + label(l), called);
     span_end(cs, mk);
     // A refill layer keeps its attention output and LSE on the GPU (copied out before the blob
@@ -996,7 +1023,7 @@ void CudaCausalLm::Impl::backward_layer(std::size_t li, std::size_t mb, const op
   if (L.blob == Keep::recompute) {
     backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
     mk = span_begin(cs, Resource::gpu_compute, "recompute " + label(li));
-    model::decoder_layer_recompute(layer_ctx(L), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
+    model::decoder_layer_recompute(layer_ctx(L, halves(mk, "recompute", "attention", "mlp", li)), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
                                    workspace_bytes, /*attention_state_kept=*/false);
     span_end(cs, mk);
   } else if (L.blob == Keep::refill) {
@@ -1005,7 +1032,7 @@ void CudaCausalLm::Impl::backward_layer(std::size_t li, std::size_t mb, const op
     backend->wait(cs, blob_rot_free[static_cast<std::size_t>(r)]);
     if (L.attn == Keep::keep) copy_attention_state(L, blob, L.attn_keep, false, cs);
     mk = span_begin(cs, Resource::gpu_compute, "recompute (attention kept) " + label(li));
-    model::decoder_layer_recompute(layer_ctx(L), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
+    model::decoder_layer_recompute(layer_ctx(L, halves(mk, "recompute", "attention", "mlp", li)), L.shape, params, d_positions, x, y_scratch, blob, saved_bytes, workspace,
                                    workspace_bytes, /*attention_state_kept=*/true);
     span_end(cs, mk);
   }
@@ -1021,7 +1048,7 @@ void CudaCausalLm::Impl::backward_layer(std::size_t li, std::size_t mb, const op
   if (opt.leave_unrouted_expert_grads && L.experts_resident && K == 1) grads.unrouted_experts = &unrouted;
   mk = span_begin(cs, Resource::gpu_compute, "bwd " + label(li));
   const double called = host_now();
-  model::decoder_layer_backward(layer_ctx(L), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace,
+  model::decoder_layer_backward(layer_ctx(L, halves(mk, "bwd", "mlp", "attention", li)), L.shape, params, d_positions, x, dy, saved, saved_bytes, dx, grads, workspace,
                                 workspace_bytes);
   host_span("decoder_layer_backward " + label(li), called);
   for (auto sidx : L.segments) {

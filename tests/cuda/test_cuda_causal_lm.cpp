@@ -9,6 +9,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -550,6 +551,32 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
     CHECK(s.begin_s >= 0);
     CHECK(s.end_s >= s.begin_s);
   }
+  // Each layer call split at its halves (DecoderLayerContext::halves), under the planner's op
+  // names: the first half starts with the call, the second ends with it, and they meet.
+  auto find = [&](const std::string& name) {
+    const auto it = std::find_if(spans.begin(), spans.end(), [&](const TimelineSpan& s) { return s.name == name; });
+    REQUIRE_MESSAGE(it != spans.end(), name);
+    return *it;
+  };
+  for (int l = 0; l < 3; ++l) {
+    const std::string layer = "layers." + std::to_string(l);
+    const std::array<std::array<std::string, 3>, 3> calls{{{"fwd " + layer, "fwd.attention " + layer, "fwd.mlp " + layer},
+                                                           {"bwd " + layer, "bwd.mlp " + layer, "bwd.attention " + layer},
+                                                           {"recompute (attention kept) " + layer, "recompute.attention " + layer,
+                                                            "recompute.mlp " + layer}}};
+    for (const auto& [whole_name, first_name, second_name] : calls) {
+      if (whole_name.starts_with("recompute") && l != 2) continue;
+      const auto whole = find(whole_name), first = find(first_name), second = find(second_name);
+      CHECK(first.begin_s == whole.begin_s);
+      CHECK(first.end_s == second.begin_s);
+      CHECK(second.end_s == whole.end_s);
+      CHECK(first.end_s > first.begin_s);
+      CHECK(second.end_s > second.begin_s);
+    }
+  }
+  CHECK(count("fwd.attention layers.", Resource::gpu_compute) == 3);
+  CHECK(count("bwd.mlp layers.", Resource::gpu_compute) == 3);
+  CHECK(count("recompute.mlp layers.", Resource::gpu_compute) == 1);
   CHECK(tl.busy()[Resource::gpu_compute] > 0);
   // The issuing thread's track: each layer pass issued once, and the wait for the loss.
   const auto host = tl.host_spans();

@@ -213,6 +213,12 @@ struct DecoderLayerContext {
   /// (Errc::invalid_argument) before the backward launches anything. nullptr: the backward reads
   /// them back.
   std::vector<std::int32_t>* expert_counts = nullptr;
+  /// Optional event recorded on `stream` where the layer passes from one half to the other: in
+  /// the forward (and a recompute) after the token mixer (attention or Gated DeltaNet block and
+  /// its residual), before the post-attention norm; in the backward after the MoE half (the
+  /// router's and the post-attention norm's backward and the residual included), before the token
+  /// mixer's. A profiler (CudaCausalLm's recorded step) times each half with it. nullptr: none.
+  cudaEvent_t halves = nullptr;
 };
 
 /// Bytes of the buffer kept from forward to backward (the list is in docs/kernels.md): O(T*(H +
