@@ -38,8 +38,13 @@ void require_workspace(const void* workspace, std::size_t bytes, std::size_t nee
 
 constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
-/// Logits budget of one chunk of the fused LM head.
-constexpr std::size_t lm_head_budget_bytes = std::size_t{256} << 20;
+/// Logits budget of one chunk of the fused LM head. Each chunk also reads and writes the whole
+/// fp32 head gradient (V x H, added into: 2.5 GB at V = 151936, H = 2048), so short chunks are
+/// slow: at 256 rows that traffic took as long as the chunk's three GEMMs (H200, 2026-12-04:
+/// the loss of a 151936-vocab model 1.86x its GEMMs' time). 2 GiB gives 2304 rows there (about
+/// 11% on top of the GEMMs) and 11,136 at V = 32000; the memory is the executor's shared
+/// workspace, which a layer's backward needs more of from a few thousand tokens on.
+constexpr std::size_t lm_head_budget_bytes = std::size_t{2} << 30;
 
 kernels::LmHeadShape head_shape(const LmEndsShape& s) {
   return {.tokens = s.tokens, .hidden = s.hidden, .vocab = s.vocab, .chunk_rows = lm_head_chunk_rows(s)};

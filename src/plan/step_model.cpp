@@ -297,6 +297,10 @@ double StepModel::loss_time(std::uint64_t rows, bool backward) const {
     const std::uint64_t r = std::min(rows, t_all - i * rows);
     t += (backward ? 2.0 : 1.0) * time_of(Operation::gemm(r, spec_.vocab_size(), spec_.hidden_size()), Resource::gpu_compute);
     t += time_of(Operation::moving(OpKind::memory_bound, Bytes{r * spec_.vocab_size() * fp32_bytes * 3}), Resource::gpu_compute);
+    // Each chunk's head gradient is added into the fp32 (V, H) sum: read and written once a chunk.
+    if (backward)
+      t += time_of(Operation::moving(OpKind::memory_bound, Bytes{spec_.vocab_size() * spec_.hidden_size() * fp32_bytes * 2}),
+                   Resource::gpu_compute);
   }
   return t;
 }

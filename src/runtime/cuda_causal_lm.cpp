@@ -266,7 +266,9 @@ struct CudaCausalLm::Impl {
   std::vector<Mark> marks;
   int span_begin(CudaBackend::Stream& st, Resource r, std::string name) {
     if (timeline == nullptr) return -1;
-    Mark m{std::move(name), r};
+    Mark m;
+    m.name = std::move(name);
+    m.resource = r;
     OOM_CUDA_CHECK(cudaEventCreate(&m.begin));
     OOM_CUDA_CHECK(cudaEventCreate(&m.end));
     OOM_CUDA_CHECK(cudaEventRecord(m.begin, raw(st)));
@@ -1176,6 +1178,8 @@ Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan, const Cu
   for (const auto& seg : spec.segments())
     if (seg.layer < 0 || listed.contains(seg.name)) out.resident_segments.push_back(seg.name);
   const std::uint64_t T = plan.workload.tokens();
+  // The LM head runs in the chunks its workspace rule gives, whatever rows the plan names.
+  out.loss_rows = static_cast<std::uint64_t>(model::lm_head_chunk_rows(model::LmEndsShape::from_spec(spec, static_cast<std::int64_t>(T))));
   for (std::size_t l = 0; l < out.retention.size(); ++l) {
     auto& row = out.retention[l];
     Keep attn = Keep::keep;

@@ -73,8 +73,10 @@ struct LmEndsContext {
 };
 
 /// Rows per chunk of the fused LM head: its fp32 + bf16 logits of one chunk (about 6 * V bytes a
-/// row) stay within 256 MiB (1344 rows at V = 32000, 256 at V = 151936), a multiple of 64 when
-/// that many fit, and never more than T (at least 1).
+/// row) stay within 2 GiB (11,136 rows at V = 32000, 2304 at V = 151936), a multiple of 64 when
+/// that many fit, and never more than T (at least 1). Each chunk reads and writes the fp32 head
+/// gradient once (8 * V * H bytes), which is what longer chunks save. A function of the shape
+/// alone, so every plan of a model sums the head gradient in the same order.
 [[nodiscard]] std::int64_t lm_head_chunk_rows(const LmEndsShape& s);
 
 /// Scratch bytes: the largest of the three calls'.
