@@ -3,6 +3,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include <bit>
+#include <type_traits>
 
 #include "bf16_device.cuh"
 #include "oom/kernels/embedding.hpp"
@@ -48,41 +49,103 @@ __global__ void make_sort_keys(const std::int32_t* ids, std::uint32_t* keys, std
   tokens_idx[t] = static_cast<std::int32_t>(t);
 }
 
-/// One block per sorted position; the block at the first position of each run of equal ids sums
-/// the run's gradient rows in (stable-sorted, hence token) order and adds the sum to the table.
+/// The backward sums each run of equal ids (stably sorted, so in token order) over fixed segments
+/// of `segment_rows` sorted positions, whatever the runs: one block a segment (and a slice of
+/// columns). A run inside one segment is summed there and added to the table; a run that crosses
+/// segments leaves one partial sum per segment in the workspace (the segment's slot 1 where the
+/// run starts, slot 0 where it goes on), which join_runs adds in segment order. So the sum order
+/// is fixed by the sorted positions alone, and an id in very many tokens is summed by many blocks.
+constexpr int segment_rows = 64;
+constexpr int rows_in_flight = 4;  // row loads issued before their sums
+
 template <int N>
-__device__ void sum_run(const std::uint32_t* keys, const std::int32_t* tok, std::int64_t begin, std::int64_t tokens,
-                        const std::uint16_t* grad_out, float* grad_row, std::int64_t hidden) {
-  const std::uint32_t key = keys[begin];
-  for (std::int64_t c = threadIdx.x * N; c < hidden; c += threads_per_row * N) {
-    float acc[N] = {};
-    for (std::int64_t j = begin; j < tokens && keys[j] == key; ++j) {
-      float g[N];
-      load_bf16<N>(grad_out + static_cast<std::int64_t>(tok[j]) * hidden + c, g);
+__global__ void __launch_bounds__(threads_per_row) sum_segments(const std::uint32_t* __restrict__ keys,
+                                                                const std::int32_t* __restrict__ tok,
+                                                                const std::uint16_t* __restrict__ grad_out,
+                                                                float* __restrict__ grad_table, float* __restrict__ partial,
+                                                                std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) {
+  // skey[0] and skey[n + 1]: the keys just before and after the segment (none: ~0u, no id).
+  __shared__ std::uint32_t skey[segment_rows + 2];
+  __shared__ std::int32_t stok[segment_rows];
+  const std::int64_t p0 = static_cast<std::int64_t>(blockIdx.x) * segment_rows;
+  const int n = static_cast<int>(min(static_cast<std::int64_t>(segment_rows), tokens - p0));
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    skey[i + 1] = keys[p0 + i];
+    stok[i] = tok[p0 + i];
+  }
+  if (threadIdx.x == 0) {
+    skey[0] = p0 > 0 ? keys[p0 - 1] : ~0u;
+    skey[n + 1] = p0 + n < tokens ? keys[p0 + n] : ~0u;
+  }
+  __syncthreads();
+  const std::int64_t c = (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * N;
+  if (c >= hidden) return;
+  float acc[N] = {}, cur[N] = {};
+  int start = 0;
+  for (int j0 = 0; j0 < n; j0 += rows_in_flight) {
+    float g[rows_in_flight][N];
 #pragma unroll
-      for (int k = 0; k < N; ++k) acc[k] += g[k];
+    for (int r = 0; r < rows_in_flight; ++r)
+      if (j0 + r < n && skey[j0 + r + 1] < vocab) load_bf16<N>(grad_out + static_cast<std::int64_t>(stok[j0 + r]) * hidden + c, g[r]);
+#pragma unroll
+    for (int r = 0; r < rows_in_flight; ++r) {
+      const int j = j0 + r;
+      if (j >= n) break;
+      const std::uint32_t key = skey[j + 1];
+      if (key >= vocab) return;  // invalid ids sort last: nothing after them
+      if (j == start) load_f32<N>(grad_table + static_cast<std::int64_t>(key) * hidden + c, cur);  // ahead of its add
+#pragma unroll
+      for (int k = 0; k < N; ++k) acc[k] += g[r][k];
+      if (skey[j + 2] == key && j + 1 < n) continue;  // the run goes on in this segment
+      const bool head = start == 0 && skey[0] == key;  // began in an earlier segment
+      const bool tail = j == n - 1 && skey[n + 1] == key;  // goes on in the next
+      if (!head && !tail) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) cur[k] += acc[k];
+        store_f32<N>(grad_table + static_cast<std::int64_t>(key) * hidden + c, cur);
+      } else {
+        store_f32<N>(partial + (static_cast<std::int64_t>(blockIdx.x) * 2 + (head ? 0 : 1)) * hidden + c, acc);
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) acc[k] = 0.0f;
+      start = j + 1;
     }
-    float cur[N];
-    load_f32<N>(grad_row + c, cur);
-#pragma unroll
-    for (int k = 0; k < N; ++k) cur[k] += acc[k];
-    store_f32<N>(grad_row + c, cur);
   }
 }
 
-__global__ void scatter_add_runs(const std::uint32_t* keys, const std::int32_t* tok, const std::uint16_t* grad_out,
-                                 float* grad_table, std::int64_t tokens, std::int64_t vocab, std::int64_t hidden,
-                                 bool vec) {
-  const std::int64_t i = blockIdx.x;
-  const std::uint32_t key = keys[i];
-  if (key >= vocab) return;                      // invalid ids (counted already)
-  if (i > 0 && keys[i - 1] == key) return;       // not the first of its run
-  float* grad_row = grad_table + static_cast<std::int64_t>(key) * hidden;
-  if (vec) {
-    sum_run<8>(keys, tok, i, tokens, grad_out, grad_row, hidden);
-  } else {
-    sum_run<1>(keys, tok, i, tokens, grad_out, grad_row, hidden);
+/// For each run that crosses segments, the block of the segment it starts in: its partial sums in
+/// segment order, then one add into the table.
+template <int N>
+__global__ void __launch_bounds__(threads_per_row) join_runs(const std::uint32_t* __restrict__ keys,
+                                                             const float* __restrict__ partial, float* __restrict__ grad_table,
+                                                             std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) {
+  const std::int64_t seg = blockIdx.x, p0 = seg * segment_rows, last = min(p0 + segment_rows, tokens) - 1;
+  const std::uint32_t key = keys[last];
+  if (key >= vocab || last + 1 >= tokens || keys[last + 1] != key) return;  // no run goes on past this segment
+  if (p0 > 0 && keys[p0] == key && keys[p0 - 1] == key) return;  // it began in an earlier one, which joins it
+  // The run's end: the first position after it (keys are sorted; keys[lo] == key, keys[hi] != key or hi == tokens).
+  std::int64_t lo = last + 1, hi = tokens;
+  while (hi - lo > 1) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    if (keys[mid] == key) lo = mid;
+    else hi = mid;
   }
+  const std::int64_t last_seg = (hi - 1) / segment_rows;
+  const std::int64_t c = (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * N;
+  if (c >= hidden) return;
+  float acc[N], cur[N];
+  load_f32<N>(grad_table + static_cast<std::int64_t>(key) * hidden + c, cur);
+  load_f32<N>(partial + (seg * 2 + 1) * hidden + c, acc);
+#pragma unroll 4
+  for (std::int64_t s = seg + 1; s <= last_seg; ++s) {
+    float g[N];
+    load_f32<N>(partial + s * 2 * hidden + c, g);
+#pragma unroll
+    for (int k = 0; k < N; ++k) acc[k] += g[k];
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) cur[k] += acc[k];
+  store_f32<N>(grad_table + static_cast<std::int64_t>(key) * hidden + c, cur);
 }
 
 /// What the kernels reject in these sizes, or "" when they take them.
@@ -111,17 +174,20 @@ int key_bits(std::int64_t vocab) {
 constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
 struct Layout {
-  std::size_t keys_in = 0, keys_out = 0, tok_in = 0, tok_out = 0, cub = 0, cub_bytes = 0, total = 0;
+  std::size_t keys_in = 0, keys_out = 0, tok_in = 0, tok_out = 0, partial = 0, cub = 0, cub_bytes = 0, total = 0;
 };
 
-Layout layout(std::int64_t tokens, std::int64_t vocab) {
+std::int64_t segments(std::int64_t tokens) { return (tokens + segment_rows - 1) / segment_rows; }
+
+Layout layout(std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) {
   Layout l;
   const std::size_t arr = align_up(static_cast<std::size_t>(tokens) * 4);
   l.keys_in = 0;
   l.keys_out = arr;
   l.tok_in = 2 * arr;
   l.tok_out = 3 * arr;
-  l.cub = 4 * arr;
+  l.partial = 4 * arr;  // two partial sums (H fp32) a segment
+  l.cub = l.partial + align_up(static_cast<std::size_t>(segments(tokens) * 2 * hidden) * sizeof(float));
   cub::DeviceRadixSort::SortPairs(nullptr, l.cub_bytes, static_cast<const std::uint32_t*>(nullptr),
                                   static_cast<std::uint32_t*>(nullptr), static_cast<const std::int32_t*>(nullptr),
                                   static_cast<std::int32_t*>(nullptr), static_cast<int>(tokens), 0, key_bits(vocab));
@@ -146,9 +212,9 @@ cudaError_t embedding_forward(const std::int32_t* ids, const bf16* table, bf16* 
   return cudaGetLastError();
 }
 
-std::size_t embedding_backward_workspace_bytes(std::int64_t tokens, std::int64_t vocab) {
-  if (!shape_ok(tokens, vocab, 1)) return 0;
-  return layout(tokens, vocab).total;
+std::size_t embedding_backward_workspace_bytes(std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) {
+  if (!shape_ok(tokens, vocab, hidden)) return 0;
+  return layout(tokens, vocab, hidden).total;
 }
 
 cudaError_t embedding_backward(const std::int32_t* ids, const bf16* grad_out, float* grad_table,
@@ -162,10 +228,10 @@ cudaError_t embedding_backward(const std::int32_t* ids, const bf16* grad_out, fl
           detail::refuse_null("embedding_backward", {{"ids", ids}, {"grad_out", grad_out}, {"grad_table", grad_table}});
       e != cudaSuccess)
     return e;
-  Layout l = layout(tokens, vocab);
+  Layout l = layout(tokens, vocab, hidden);
   if (workspace == nullptr || workspace_bytes < l.total)
     return detail::refuse_workspace("embedding_backward", workspace, workspace_bytes, l.total,
-                                    "embedding_backward_workspace_bytes(", tokens, ", ", vocab, ")");
+                                    "embedding_backward_workspace_bytes(", tokens, ", ", vocab, ", ", hidden, ")");
   auto* base = static_cast<char*>(workspace);
   auto* keys_in = reinterpret_cast<std::uint32_t*>(base + l.keys_in);
   auto* keys_out = reinterpret_cast<std::uint32_t*>(base + l.keys_out);
@@ -181,10 +247,18 @@ cudaError_t embedding_backward(const std::int32_t* ids, const bf16* grad_out, fl
       e != cudaSuccess) {
     return e;
   }
-  const bool vec = hidden % 8 == 0 && aligned_16(grad_out, grad_table);
-  scatter_add_runs<<<static_cast<unsigned>(tokens), threads_per_row, 0, stream>>>(
-      keys_out, tok_out, reinterpret_cast<const std::uint16_t*>(grad_out), grad_table, tokens, vocab, hidden, vec);
-  return cudaGetLastError();
+  auto* partial = reinterpret_cast<float*>(base + l.partial);
+  const auto* rows = reinterpret_cast<const std::uint16_t*>(grad_out);
+  const auto launch = [&](auto n) {
+    constexpr int N = decltype(n)::value;
+    const dim3 grid(static_cast<unsigned>(segments(tokens)), static_cast<unsigned>((hidden + threads_per_row * N - 1) / (threads_per_row * N)));
+    sum_segments<N><<<grid, threads_per_row, 0, stream>>>(keys_out, tok_out, rows, grad_table, partial, tokens, vocab, hidden);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    join_runs<N><<<grid, threads_per_row, 0, stream>>>(keys_out, partial, grad_table, tokens, vocab, hidden);
+    return cudaGetLastError();
+  };
+  if (hidden % 8 == 0 && aligned_16(grad_out, grad_table)) return launch(std::integral_constant<int, 8>{});
+  return launch(std::integral_constant<int, 1>{});
 }
 
 }  // namespace oom::kernels

@@ -106,7 +106,7 @@ std::int64_t lm_head_chunk_rows(const LmEndsShape& s) {
 
 std::size_t lm_ends_workspace_bytes(const LmEndsShape& s) {
   s.validate();
-  return std::max(head_scratch(s).total, kernels::embedding_backward_workspace_bytes(s.tokens, s.vocab));
+  return std::max(head_scratch(s).total, kernels::embedding_backward_workspace_bytes(s.tokens, s.vocab, s.hidden));
 }
 
 void lm_embed_forward(const LmEndsContext& ctx, const LmEndsShape& s, const bf16* embedding, const std::int32_t* ids, bf16* x,
@@ -180,7 +180,7 @@ void lm_embed_backward(const LmEndsContext& ctx, const LmEndsShape& s, const std
   require(ids, "lm_embed_backward: ids");
   require(dx, "lm_embed_backward: dx");
   require(grad_embedding, "lm_embed_backward: grad_embedding");
-  require_workspace(workspace, workspace_bytes, kernels::embedding_backward_workspace_bytes(s.tokens, s.vocab),
+  require_workspace(workspace, workspace_bytes, kernels::embedding_backward_workspace_bytes(s.tokens, s.vocab, s.hidden),
                     "lm_embed_backward");
   check(kernels::embedding_backward(ids, dx, grad_embedding, invalid_count, s.tokens, s.vocab, s.hidden, workspace,
                                     workspace_bytes, ctx.stream),

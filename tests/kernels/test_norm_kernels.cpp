@@ -131,7 +131,7 @@ TEST_CASE("embedding: forward gathers rows exactly; backward scatter-adds like t
       DeviceBuffer<bf16> dout(to_bf16(dout_f));
       const std::vector<float> grad0 = random_normal(static_cast<std::size_t>(V * H), 300 + T);
       DeviceBuffer<float> grad(grad0);
-      DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(T, V));
+      DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(T, V, H));
       invalid.zero();
       OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, H, ws.get(),
                                            ws.size(), stream.s));
@@ -149,6 +149,43 @@ TEST_CASE("embedding: forward gathers rows exactly; backward scatter-adds like t
                                            ws.size(), stream.s));
       expect_bits(grad.download(), grad_gpu, "embedding backward, second run");
     }
+  }
+}
+
+TEST_CASE("embedding backward: runs that end on, cross and fill the 64-token segments, with invalid ids last") {
+  // Sorted, the ids make runs of 64 (one whole segment), 64 (the next, exactly), 1, 130 (across
+  // three), 63, 200 and 2, then the invalid ids: every way a run meets a segment's edges.
+  Stream stream;
+  const std::int64_t V = 40, H = 2048 + 8;
+  std::vector<std::int32_t> ids_h;
+  for (const auto [id, n] : std::vector<std::pair<std::int32_t, int>>{{0, 64}, {1, 64}, {2, 1}, {3, 130}, {4, 63}, {5, 200}, {39, 2}})
+    ids_h.insert(ids_h.end(), static_cast<std::size_t>(n), id);
+  for (const std::int32_t bad : {-1, 40, 1000, -7}) ids_h.push_back(bad);
+  std::mt19937_64 rng(11);
+  std::shuffle(ids_h.begin(), ids_h.end(), rng);
+  const auto T = static_cast<std::int64_t>(ids_h.size());
+  for (const std::int64_t h : {H, H - 3}) {  // the 8-column path and the scalar one
+    CAPTURE(h);
+    const std::vector<float> dout_f = bf16_normal(static_cast<std::size_t>(T * h), 5 + h);
+    DeviceBuffer<bf16> dout(to_bf16(dout_f));
+    DeviceBuffer<std::int32_t> ids(ids_h), invalid(1);
+    const std::vector<float> grad0 = random_normal(static_cast<std::size_t>(V * h), 6 + h);
+    DeviceBuffer<float> grad(grad0);
+    DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(T, V, h));
+    invalid.zero();
+    OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, h, ws.get(), ws.size(), stream.s));
+    CHECK(read_count(invalid) == 4);
+    std::vector<float> grad_ref = grad0;
+    ref::embedding_backward<float>(ids_h, dout_f, grad_ref, V, h);
+    const std::vector<float> first = grad.download();
+    expect_close(first, grad_ref, 1e-5, 1e-4, "embedding backward over segment edges");
+    // Ids that occur nowhere keep their rows bit for bit.
+    for (std::int64_t v = 6; v < 39; ++v)
+      for (std::int64_t c = 0; c < h; ++c) REQUIRE(first[v * h + c] == grad0[v * h + c]);
+    grad.upload(grad0);
+    invalid.zero();
+    OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, h, ws.get(), ws.size(), stream.s));
+    expect_bits(grad.download(), first, "embedding backward over segment edges, second run");
   }
 }
 
@@ -171,7 +208,7 @@ TEST_CASE("embedding: out-of-range ids are counted, give zero rows and no gradie
   const std::vector<float> dout_f = bf16_normal(T * H, 2);
   DeviceBuffer<bf16> dout(to_bf16(dout_f));
   DeviceBuffer<float> grad(std::vector<float>(V * H, 0.0f));
-  DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(T, V));
+  DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(T, V, H));
   invalid.zero();
   OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, H, ws.get(), ws.size(),
                                        stream.s));
@@ -898,9 +935,17 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     report("embedding forward (65536 x 2048)", 4.0 * tokens * hidden, [&](cudaStream_t s) {
       return k::embedding_forward(ids.get(), table.get(), out.get(), invalid.get(), tokens, vocab, hidden, s);
     });
-    DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(tokens, vocab));
+    DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(tokens, vocab, hidden));
     // bf16 grads read + fp32 rows read and written (distinct ids ~ tokens).
     report("embedding backward (65536 x 2048)", 10.0 * tokens * hidden, [&](cudaStream_t s) {
+      return k::embedding_backward(ids.get(), out.get(), grad.get(), invalid.get(), tokens, vocab, hidden, ws.get(),
+                                   ws.size(), s);
+    });
+    // Text's ids are far from uniform: here one id in 30% of the tokens (a long run to sum).
+    for (auto& id : ids_h)
+      if (rng() % 10 < 3) id = 13;
+    ids.upload(ids_h);
+    report("embedding backward, one id in 30% of tokens (65536 x 2048)", 10.0 * tokens * hidden, [&](cudaStream_t s) {
       return k::embedding_backward(ids.get(), out.get(), grad.get(), invalid.get(), tokens, vocab, hidden, ws.get(),
                                    ws.size(), s);
     });
