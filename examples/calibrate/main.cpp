@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <thread>
 #include <vector>
 
@@ -405,39 +406,56 @@ int run(const Options& opt) {
                                      reps, square.flops_per_s / 1e12));
   progress.end(gemm_ok ? "done, results checked" : "done  CHECK FAILED");
 
-  progress.begin(fmt::format("OOM flash attention forward + backward, causal GQA {}/{} heads, hd {}", kQHeads, kKvHeads,
-                             kHeadDim));
-  fmt::print("\n");
-  std::vector<std::pair<double, double>> attn_forward, attn_backward;
-  for (std::int64_t s : attn_seq) {
-    // Q, O, dO, dQ and K, V, dK, dV in bf16, plus the LSE and the backward's workspace.
-    const double need = 2.0 * 4 * static_cast<double>(s) * (kQHeads + kKvHeads) * kHeadDim +
-                        12.0 * kQHeads * static_cast<double>(s);
-    if (need > 0.8 * static_cast<double>(p.gpu_memory.count())) {
-      progress.note(fmt::format("seq {:>6}: skipped, needs {} of {}", s, to_string(Bytes{static_cast<std::uint64_t>(need)}),
-                                to_string(p.gpu_memory)));
-      continue;
+  // OOM's flash attention at each length, forward and backward timed alone: the head-dim-128
+  // curves every model uses, then head dim 256's (Qwen3-Next's and Qwen3.5's full attention).
+  const auto attention_curves = [&](int q_heads, int kv_heads, int head_dim, const SizeCurve& ref_forward,
+                                    const SizeCurve& ref_backward) {
+    progress.begin(fmt::format("OOM flash attention forward + backward, causal GQA {}/{} heads, hd {}", q_heads, kv_heads, head_dim));
+    fmt::print("\n");
+    std::vector<std::pair<double, double>> forward, backward;
+    for (std::int64_t s : attn_seq) {
+      // Q, O, dO, dQ and K, V, dK, dV in bf16, plus the LSE and the backward's workspace.
+      const double need = 2.0 * 4 * static_cast<double>(s) * (q_heads + kv_heads) * head_dim + 12.0 * q_heads * static_cast<double>(s);
+      if (need > 0.8 * static_cast<double>(p.gpu_memory.count())) {
+        progress.note(fmt::format("seq {:>6}: skipped, needs {} of {}", s, to_string(Bytes{static_cast<std::uint64_t>(need)}),
+                                  to_string(p.gpu_memory)));
+        continue;
+      }
+      const auto a = cuda::measure_flash_attention(0, s, q_heads, kv_heads, head_dim, q ? 2 : 3);
+      forward.emplace_back(static_cast<double>(s), a.forward_flops_per_s);
+      backward.emplace_back(static_cast<double>(s), a.backward_flops_per_s);
+      const double key = static_cast<double>(s);
+      const auto against = [&](double rate, const SizeCurve& ref) {
+        return ref.empty() ? std::string() : fmt::format(" ({:.2f}x h200 default)", rate / ref.at(key));
+      };
+      progress.note(fmt::format("seq {:>6}: forward {:>8}{}, backward {:>8}{}, together {} in {:.1f} ms", s,
+                                tflops(a.forward_flops_per_s), against(a.forward_flops_per_s, ref_forward),
+                                tflops(a.backward_flops_per_s), against(a.backward_flops_per_s, ref_backward), tflops(a.flops_per_s),
+                                a.seconds * 1e3));
     }
-    const auto a = cuda::measure_flash_attention(0, s, kQHeads, kKvHeads, kHeadDim, q ? 2 : 3);
-    attn_forward.emplace_back(static_cast<double>(s), a.forward_flops_per_s);
-    attn_backward.emplace_back(static_cast<double>(s), a.backward_flops_per_s);
-    const double key = static_cast<double>(s);
-    progress.note(fmt::format("seq {:>6}: forward {:>8} ({:.2f}x h200 default), backward {:>8} ({:.2f}x), together {} "
-                              "in {:.1f} ms",
-                              s, tflops(a.forward_flops_per_s), a.forward_flops_per_s / ref.attention_forward_flops.at(key),
-                              tflops(a.backward_flops_per_s), a.backward_flops_per_s / ref.attention_backward_flops.at(key),
-                              tflops(a.flops_per_s), a.seconds * 1e3));
+    if (forward.empty()) OOM_THROW(Errc::out_of_budget, "no attention size fits this GPU's memory");
+    progress.end("done");
+    const std::string how = fmt::format(
+        "measure_flash_attention: OOM's flash attention kernel, the {{}} timed alone, causal GQA {}/{} heads, head dim {}, "
+        "batch 1; FLOPs = {{}} x causal forward (2 S^2 heads head_dim)",
+        q_heads, kv_heads, head_dim);
+    return std::tuple{SizeCurve(forward), SizeCurve(backward), how};
+  };
+  {
+    auto [forward, backward, how] = attention_curves(kQHeads, kKvHeads, kHeadDim, ref.attention_forward_flops, ref.attention_backward_flops);
+    p.attention_forward_flops = std::move(forward);
+    p.attention_backward_flops = std::move(backward);
+    measured("attention_forward_flops", fmt::format(fmt::runtime(how), "forward", 1));
+    measured("attention_backward_flops", fmt::format(fmt::runtime(how), "backward", 2.5));
   }
-  if (attn_forward.empty()) OOM_THROW(Errc::out_of_budget, "no attention size fits this GPU's memory");
-  p.attention_forward_flops = SizeCurve(attn_forward);
-  p.attention_backward_flops = SizeCurve(attn_backward);
-  const std::string attn_how = fmt::format(
-      "measure_flash_attention: OOM's flash attention kernel, the {{}} timed alone, causal GQA {}/{} heads, head dim {}, "
-      "batch 1; FLOPs = {{}} x causal forward (2 S^2 heads head_dim)",
-      kQHeads, kKvHeads, kHeadDim);
-  measured("attention_forward_flops", fmt::format(fmt::runtime(attn_how), "forward", 1));
-  measured("attention_backward_flops", fmt::format(fmt::runtime(attn_how), "backward", 2.5));
-  progress.end("done");
+  {
+    auto [forward, backward, how] =
+        attention_curves(16, 2, 256, ref.attention_forward_flops_d256, ref.attention_backward_flops_d256);
+    p.attention_forward_flops_d256 = std::move(forward);
+    p.attention_backward_flops_d256 = std::move(backward);
+    measured("attention_forward_flops_d256", fmt::format(fmt::runtime(how), "forward", 1));
+    measured("attention_backward_flops_d256", fmt::format(fmt::runtime(how), "backward", 2.5));
+  }
 
   // The hybrid models' linear attention: the Qwen3-Next-80B linear layer's shape.
   constexpr std::int64_t kDeltaTokens = 4096;

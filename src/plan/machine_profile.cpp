@@ -108,6 +108,8 @@ constexpr CurveField kCurves[] = {
     {"gemm_flops", &MachineProfile::gemm_flops},
     {"attention_forward_flops", &MachineProfile::attention_forward_flops},
     {"attention_backward_flops", &MachineProfile::attention_backward_flops},
+    {"attention_forward_flops_d256", &MachineProfile::attention_forward_flops_d256, true},
+    {"attention_backward_flops_d256", &MachineProfile::attention_backward_flops_d256, true},
     {"gated_delta_forward_parallel", &MachineProfile::gated_delta_forward_parallel, true},
     {"gated_delta_backward_parallel", &MachineProfile::gated_delta_backward_parallel, true},
 };
@@ -396,7 +398,8 @@ SizeCurve gemm_roofline(double cap_flops, double mem_bytes_per_s) {
 /// heads, head dim 128, batch 1, each pass timed alone (oom-calibrate's measure_flash_attention),
 /// scaled by `scale`: what the planner must predict OOM's steps with.
 struct AttentionCurves {
-  SizeCurve forward, backward;
+  SizeCurve forward, backward;  ///< head dim 128
+  SizeCurve forward_d256, backward_d256;
 };
 AttentionCurves h200_attention(double scale) {
   // oom-calibrate on our 1x H200, 2026-12-03, twenty-ninth session (examples/profiles/h200-2026-12-03.json):
@@ -418,14 +421,40 @@ AttentionCurves h200_attention(double scale) {
                      {16384, 423.4 * kTFLOP * scale},
                      {32768, 423.4 * kTFLOP * scale},
                      {65536, 424.0 * kTFLOP * scale},
-                     {131072, 428.9 * kTFLOP * scale}})};
+                     {131072, 428.9 * kTFLOP * scale}}),
+          // Head dim 256, causal GQA 16q/2kv (Qwen3-Next's full attention), oom-calibrate on our 1x H200,
+          // 2026-12-04, thirty-ninth session (examples/profiles/h200-2026-12-04.json; non-decreasing,
+          // so 32K-128K read 16K's: 573-610 and 345-359 measured there). With them the 2-layer Qwen3-Next
+          // slice's attention backward at 256K came out 1.03x its prediction, against 1.21x with the
+          // head-dim-128 curves.
+          SizeCurve({{4096, 401.9 * kTFLOP * scale},
+                     {8192, 526.4 * kTFLOP * scale},
+                     {16384, 610.2 * kTFLOP * scale},
+                     {32768, 610.2 * kTFLOP * scale},
+                     {65536, 610.2 * kTFLOP * scale},
+                     {131072, 610.2 * kTFLOP * scale}}),
+          SizeCurve({{4096, 290.2 * kTFLOP * scale},
+                     {8192, 367.5 * kTFLOP * scale},
+                     {16384, 367.5 * kTFLOP * scale},
+                     {32768, 367.5 * kTFLOP * scale},
+                     {65536, 367.5 * kTFLOP * scale},
+                     {131072, 367.5 * kTFLOP * scale}})};
 }
 
-void set_attention(MachineProfile& p, const AttentionCurves& c, const Provenance& forward, const Provenance& backward) {
+/// The four curves; the head-dim-256 pair's provenance is the head-dim-128 pair's with `d256` said.
+void set_attention(MachineProfile& p, const AttentionCurves& c, const Provenance& forward, const Provenance& backward,
+                   const std::string& d256) {
   p.attention_forward_flops = c.forward;
   p.attention_backward_flops = c.backward;
+  p.attention_forward_flops_d256 = c.forward_d256;
+  p.attention_backward_flops_d256 = c.backward_d256;
   p.provenance["attention_forward_flops"] = forward;
   p.provenance["attention_backward_flops"] = backward;
+  Provenance f = forward, b = backward;
+  f.source += "; " + d256;
+  b.source += "; " + d256;
+  p.provenance["attention_forward_flops_d256"] = f;
+  p.provenance["attention_backward_flops_d256"] = b;
 }
 
 void check_gpus(std::string_view profile, int gpus) {
@@ -555,7 +584,9 @@ MachineProfile MachineProfile::h200(int gpus) {
         "forward FLOPs; oom-calibrate measure_flash_attention; the Hopper wgmma kernels, forward + backward "
         "0.88-1.55x PyTorch SDPA, docs/hopper.md; examples/profiles/h200-2026-12-03.json)";
     set_attention(p, h200_attention(1.0), prov(fmt::format(fmt::runtime(what), "forward", 1), kH200Machine, kH200AttentionDate),
-                  prov(fmt::format(fmt::runtime(what), "backward", 2.5), kH200Machine, kH200AttentionDate));
+                  prov(fmt::format(fmt::runtime(what), "backward", 2.5), kH200Machine, kH200AttentionDate),
+                  "the _d256 curves: head dim 256, 16q/2kv heads, oom-calibrate on the same machine 2026-12-04 "
+                  "(examples/profiles/h200-2026-12-04.json)");
   }
 
   p.launch_overhead_s = 3.44e-6;
@@ -652,7 +683,7 @@ MachineProfile MachineProfile::h100_80gb(int gpus) {
     const Provenance est = prov("ESTIMATE: OOM's flash attention curves measured on our H200 (" + std::string(kH200AttentionDate) +
                                     ") x 1.0, the ratio of the H100 SXM and H200 dense bf16 datasheet peaks (989.4 TFLOP/s each)",
                                 machine, "2023");
-    set_attention(p, h200_attention(scale), est, est);
+    set_attention(p, h200_attention(scale), est, est, "the _d256 curves: the H200's head-dim-256 ones (2026-12-04), scaled the same");
   }
   set_gated_delta(p, 1.0, true,
                   "the H200's rates x 1.0: the recurrent kernels are bound by each SM's latency (no tensor cores, little "
@@ -740,7 +771,7 @@ MachineProfile MachineProfile::rtx4090(int gpus) {
     const Provenance est = prov("ESTIMATE: OOM's flash attention curves measured on our H200 (" + std::string(kH200AttentionDate) +
                                     ") x 165.2 / 989.4 (dense bf16 fp32-accumulate peaks: Ada whitepaper, H200 datasheet)",
                                 machine, "2022");
-    set_attention(p, h200_attention(scale), est, est);
+    set_attention(p, h200_attention(scale), est, est, "the _d256 curves: the H200's head-dim-256 ones (2026-12-04), scaled the same");
   }
   set_gated_delta(p, 128.0 / 132.0, false,
                   "the H200's rates x 128 / 132 SMs, its backward as one block a head (compute capability 8.9 has no "

@@ -499,3 +499,32 @@ TEST_CASE("the gated delta rule's rates: measured on the built-in H200, optional
             m->predict(bwd)[Resource::gpu_compute]);
   }
 }
+
+TEST_CASE("attention at head dim 256: its own curves, measured on the built-in H200, optional in a file, priced by head dim") {
+  const MachineProfile h200 = MachineProfile::h200(1);
+  // The built-in's are the 2026-12-04 oom-calibrate run's (examples/profiles/h200-2026-12-04.json).
+  const MachineProfile measured = MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h200-2026-12-04.json");
+  for (double s : {4096.0, 8192.0, 16384.0, 32768.0, 65536.0, 131072.0}) {
+    CAPTURE(s);
+    CHECK(h200.attention_forward_flops_d256.at(s) == doctest::Approx(measured.attention_forward_flops_d256.at(s)).epsilon(0.01));
+    CHECK(h200.attention_backward_flops_d256.at(s) == doctest::Approx(measured.attention_backward_flops_d256.at(s)).epsilon(0.01));
+  }
+  CHECK(measured.provenance.at("attention_backward_flops_d256").source.find("head dim 256") != std::string::npos);
+  CHECK(h200.provenance.at("attention_backward_flops_d256").source.find("head dim 256") != std::string::npos);
+  CHECK(MachineProfile::rtx4090(1).provenance.at("attention_forward_flops_d256").source.starts_with("ESTIMATE"));
+  // Priced by the op's head dim: 256 at its own (slower backward) rate, 128 at the usual one, and
+  // without the curves (a file from before them) 256 at the head-dim-128 rate.
+  const ProfileCostModel model(h200);
+  const auto bwd = [](std::uint64_t head_dim) { return Operation::attention(true, 65536, 65536, head_dim, 16); };
+  const double t128 = model.predict(bwd(128))[Resource::gpu_compute], t256 = model.predict(bwd(256))[Resource::gpu_compute];
+  CHECK(t256 / 2 > t128);  // twice the FLOPs at a lower rate
+  CHECK(t256 == doctest::Approx(h200.launch_overhead_s + bwd(256).flops() / h200.attention_backward_flops_d256.at(65536)));
+  const MachineProfile old = MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h200-2026-12-03.json");
+  CHECK(old.attention_backward_flops_d256.empty());
+  CHECK(old.to_json().dump().find("attention_backward_flops_d256") == std::string::npos);
+  const ProfileCostModel without(old);
+  CHECK(without.predict(bwd(256))[Resource::gpu_compute] ==
+        doctest::Approx(old.launch_overhead_s + bwd(256).flops() / old.attention_backward_flops.at(65536)));
+  // Written back and read again with the rest.
+  CHECK(MachineProfile::from_json(h200.to_json(), "t.json").attention_forward_flops_d256 == h200.attention_forward_flops_d256);
+}

@@ -58,8 +58,12 @@ class ProfileCostModel {
       case OpKind::attention_forward:
       case OpKind::attention_backward: {
         // Keyed by the queries in the launch: the parallel work a flash kernel spreads over the GPU.
-        const SizeCurve& rate = op.kind == OpKind::attention_forward ? profile_->attention_forward_flops
-                                                                     : profile_->attention_backward_flops;
+        // op.k is the head dim: 256 takes its own curves where the profile has them.
+        const bool fwd = op.kind == OpKind::attention_forward;
+        const SizeCurve& d256 = fwd ? profile_->attention_forward_flops_d256 : profile_->attention_backward_flops_d256;
+        const SizeCurve& rate = op.k >= 256 && !d256.empty() ? d256
+                                : fwd                        ? profile_->attention_forward_flops
+                                                             : profile_->attention_backward_flops;
         t[Resource::gpu_compute] = launch + op.flops() / rate.at(static_cast<double>(std::max<std::uint64_t>(op.m, 1)));
         break;
       }

@@ -69,6 +69,11 @@ struct MachineProfile {
   /// the same forward + backward time.
   SizeCurve attention_forward_flops;
   SizeCurve attention_backward_flops;
+  /// The same two curves at head dim 256 (Qwen3-Next's and Qwen3.5's full attention), whose kernels
+  /// run at other rates (OOM's D = 256 backward ~0.8x its D = 128 one). Optional: empty (a profile
+  /// without them), the head-dim-128 curves stand in for every head dim.
+  SizeCurve attention_forward_flops_d256;
+  SizeCurve attention_backward_flops_d256;
   double launch_overhead_s = 0;   ///< fixed cost per kernel or copy
   /// OOM's recurrent gated delta rule (the hybrid models' linear attention): state elements
   /// updated per second (tokens x value heads x key dim x value dim over the kernel's seconds),
