@@ -6,7 +6,8 @@ same plan).
 Each decoder layer's passes are paired by name: the planner's "fwd.attention L3" with the
 executor's "fwd.attention layers.3" (the CUDA executor splits every layer call at its halves:
 fwd.attention / fwd.mlp, bwd.mlp / bwd.attention, recompute.attention / recompute.mlp), and the
-whole pass ("fwd", "bwd", "recompute") against the sum of the planner's ops of that pass. Prints one
+whole pass ("fwd", "bwd", "recompute") against the sum of the planner's ops of that pass (its
+"regenerate boundaries up to L<n>", reruns of earlier layers, is left out). Prints one
 row per layer and pass, then the totals over the layers, each with measured / predicted: a ratio
 above 1 is time the cost model does not see.
 
@@ -40,7 +41,7 @@ def spans(path):
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         sys.exit(f"trace_compare: {path}: not a Chrome trace with traceEvents ({e})")
     host_tracks = {e.get("tid") for e in events if e.get("ph") == "M" and "host" in str(e.get("args", {}).get("name", ""))}
-    return [(e["name"], e.get("dur", 0) / 1e6) for e in events if e.get("ph") == "X" and e.get("tid") not in host_tracks]
+    return [(e.get("name", ""), e.get("dur", 0) / 1e6) for e in events if e.get("ph") == "X" and e.get("tid") not in host_tracks]
 
 
 def measured_times(path):
@@ -97,9 +98,13 @@ def main(argv=None):
     ap.add_argument("--layers", action="store_true")
     a = ap.parse_args(argv)
     predicted_path = a.predicted or re.sub(r"\.json$", "", a.trace) + ".predicted.json"
+    if a.trace.endswith(".predicted.json"):
+        sys.exit(f"trace_compare: {a.trace} is the prediction; give the measured trace (trace-step-N.json)")
     measured, predicted = measured_times(a.trace), predicted_times(predicted_path)
     if not measured:
         sys.exit(f"trace_compare: {a.trace} has no decoder layer spans (fwd/bwd/recompute layers.N)")
+    if not predicted:
+        sys.exit(f"trace_compare: {predicted_path} has no decoder layer ops (fwd.attention L<n>, ...)")
     table = rows(measured, predicted)
     print(f"{'layer':>5}  {'op':<20} {'measured ms':>12} {'predicted ms':>13} {'meas/pred':>9}")
     if a.layers:

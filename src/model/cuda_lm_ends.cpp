@@ -42,8 +42,11 @@ constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
 /// fp32 head gradient (V x H, added into: 2.5 GB at V = 151936, H = 2048), so short chunks are
 /// slow: at 256 rows that traffic took as long as the chunk's three GEMMs (H200, 2026-12-04:
 /// the loss of a 151936-vocab model 1.86x its GEMMs' time). 2 GiB gives 2304 rows there (about
-/// 11% on top of the GEMMs) and 11,136 at V = 32000; the memory is the executor's shared
-/// workspace, which a layer's backward needs more of from a few thousand tokens on.
+/// 11% on top of the GEMMs) and 11,136 at V = 32000. The memory is the executor's shared
+/// workspace: from about 24-32K tokens on a layer's backward needs more than this anyway; below
+/// that, a model of a large vocabulary holds up to ~1.7 GiB more than with 256 MiB (Qwen3-30B-A3B
+/// at 4K: 2,019 MiB against its layers' 453), which CudaCausalLm::fit weighs like any workset. Not
+/// tied to the layers' workspace: that depends on the plan, and the rows must not.
 constexpr std::size_t lm_head_budget_bytes = std::size_t{2} << 30;
 
 kernels::LmHeadShape head_shape(const LmEndsShape& s) {

@@ -47,6 +47,24 @@ std::vector<std::vector<float>> init(const ModelSpec& spec) {
   return w;
 }
 
+/// The recorded span `whole` and its two halves (DecoderLayerContext::halves): the first starts
+/// with it, the second ends with it, they meet, and neither is empty.
+void check_halves(const std::vector<TimelineSpan>& spans, const std::string& whole_name, const std::string& first_name,
+                  const std::string& second_name) {
+  CAPTURE(whole_name);
+  auto find = [&](const std::string& name) {
+    const auto it = std::find_if(spans.begin(), spans.end(), [&](const TimelineSpan& s) { return s.name == name; });
+    REQUIRE_MESSAGE(it != spans.end(), name);
+    return *it;
+  };
+  const auto whole = find(whole_name), first = find(first_name), second = find(second_name);
+  CHECK(first.begin_s == whole.begin_s);
+  CHECK(first.end_s == second.begin_s);
+  CHECK(second.end_s == whole.end_s);
+  CHECK(first.end_s > first.begin_s);
+  CHECK(second.end_s > second.begin_s);
+}
+
 Plan resident_plan(const ModelSpec& spec, std::uint64_t tokens = T) {
   Plan p;
   p.workload = {1, tokens};
@@ -551,29 +569,13 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
     CHECK(s.begin_s >= 0);
     CHECK(s.end_s >= s.begin_s);
   }
-  // Each layer call split at its halves (DecoderLayerContext::halves), under the planner's op
-  // names: the first half starts with the call, the second ends with it, and they meet.
-  auto find = [&](const std::string& name) {
-    const auto it = std::find_if(spans.begin(), spans.end(), [&](const TimelineSpan& s) { return s.name == name; });
-    REQUIRE_MESSAGE(it != spans.end(), name);
-    return *it;
-  };
+  // Each layer call split at its halves (DecoderLayerContext::halves), under the planner's op names.
   for (int l = 0; l < 3; ++l) {
     const std::string layer = "layers." + std::to_string(l);
-    const std::array<std::array<std::string, 3>, 3> calls{{{"fwd " + layer, "fwd.attention " + layer, "fwd.mlp " + layer},
-                                                           {"bwd " + layer, "bwd.mlp " + layer, "bwd.attention " + layer},
-                                                           {"recompute (attention kept) " + layer, "recompute.attention " + layer,
-                                                            "recompute.mlp " + layer}}};
-    for (const auto& [whole_name, first_name, second_name] : calls) {
-      if (whole_name.starts_with("recompute") && l != 2) continue;
-      const auto whole = find(whole_name), first = find(first_name), second = find(second_name);
-      CHECK(first.begin_s == whole.begin_s);
-      CHECK(first.end_s == second.begin_s);
-      CHECK(second.end_s == whole.end_s);
-      CHECK(first.end_s > first.begin_s);
-      CHECK(second.end_s > second.begin_s);
-    }
+    check_halves(spans, "fwd " + layer, "fwd.attention " + layer, "fwd.mlp " + layer);
+    check_halves(spans, "bwd " + layer, "bwd.mlp " + layer, "bwd.attention " + layer);
   }
+  check_halves(spans, "recompute (attention kept) layers.2", "recompute.attention layers.2", "recompute.mlp layers.2");
   CHECK(count("fwd.attention layers.", Resource::gpu_compute) == 3);
   CHECK(count("bwd.mlp layers.", Resource::gpu_compute) == 3);
   CHECK(count("recompute.mlp layers.", Resource::gpu_compute) == 1);
@@ -602,6 +604,33 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
 // The smallest run that still goes through every path of the executor (streamed and resident
 // segments, offloaded boundary and saved buffer, a recompute, CPU and GPU AdamW): what the
 // compute-sanitizer runs in scripts/gpu-check.sh use, since racecheck is slow.
+TEST_CASE("a recorded hybrid step: Gated DeltaNet and attention layers split at their halves, a whole recompute too") {
+  // Layers 0 and 2 (Gated DeltaNet) recomputed whole, layer 2 with its MoE in token chunks (its
+  // recompute stops after the router); layer 1 (gated attention) kept.
+  const auto spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/tests/data/gpu-qwen3-next-layers.json");
+  Plan p = resident_plan(spec);
+  for (const int l : {0, 2})
+    for (int c = 1; c < activation_class_count; ++c) p.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] = RetentionDecision::recompute(l);
+  p.chunks[2].moe_tokens = 50;
+  CudaCausalLm lm(spec, p, init(spec), CudaCausalLmOptions{});
+  std::vector<std::uint32_t> in(T, 5), tgt(T, 7);
+  (void)lm.step(in, tgt);
+  Timeline tl;
+  lm.record_next_step(&tl);
+  (void)lm.step(in, tgt);
+  const auto spans = tl.spans();
+  for (int l = 0; l < 3; ++l) {
+    const std::string layer = "layers." + std::to_string(l);
+    check_halves(spans, "fwd " + layer, "fwd.attention " + layer, "fwd.mlp " + layer);
+    check_halves(spans, "bwd " + layer, "bwd.mlp " + layer, "bwd.attention " + layer);
+  }
+  check_halves(spans, "recompute layers.0", "recompute.attention layers.0", "recompute.mlp layers.0");
+  check_halves(spans, "recompute layers.2", "recompute.attention layers.2", "recompute.mlp layers.2");
+  // The next step, unrecorded, runs as before (nothing left behind by the recording).
+  const auto loss = lm.step(in, tgt).loss;
+  CHECK(std::isfinite(loss));
+}
+
 TEST_CASE("one streamed step with offload and recompute") {
   const auto spec = small_spec();
   Plan p = resident_plan(spec);

@@ -272,9 +272,10 @@ TEST_CASE("LM head chunking keeps the logits workspace within ~2 GiB and scales 
   const auto qwen_rows = m::lm_head_chunk_rows(qwen);
   CHECK(static_cast<double>(qwen_rows) * 151936 * 6 <= 2048.0 * (1 << 20));
   CHECK(qwen_rows >= 2048);
-  // The rows follow the shape alone (every plan of a model sums the head gradient in one order),
-  // and a short call takes all its rows at once.
-  CHECK(m::lm_head_chunk_rows(qwen) == qwen_rows);
+  // The rows follow the vocabulary, not the length (every plan of a model, every length past a
+  // chunk, sums the head gradient in chunks of one size), and a short call takes all its rows at once.
+  const m::LmEndsShape qwen_64k{.tokens = 65536, .hidden = 2048, .vocab = 151936, .rms_norm_eps = 1e-6f};
+  CHECK(m::lm_head_chunk_rows(qwen_64k) == qwen_rows);
   const m::LmEndsShape short_qwen{.tokens = 1000, .hidden = 2048, .vocab = 151936, .rms_norm_eps = 1e-6f};
   CHECK(m::lm_head_chunk_rows(short_qwen) == 1000);
   const m::LmEndsShape small{.tokens = 37, .hidden = 64, .vocab = 32000, .rms_norm_eps = 1e-6f};

@@ -153,39 +153,52 @@ TEST_CASE("embedding: forward gathers rows exactly; backward scatter-adds like t
 }
 
 TEST_CASE("embedding backward: runs that end on, cross and fill the 64-token segments, with invalid ids last") {
-  // Sorted, the ids make runs of 64 (one whole segment), 64 (the next, exactly), 1, 130 (across
-  // three), 63, 200 and 2, then the invalid ids: every way a run meets a segment's edges.
+  // Sorted, each layout's ids make runs that meet the segments' edges every way: layout 0 runs of
+  // 64 (one whole segment), 64 (the next, exactly), 1, 130 (across three), 63, 200 and 2, then 4
+  // invalid ids; layout 1 a run from position 0 across a segment edge ending on one (128), a whole
+  // segment (64), a run from a segment's start across two edges (130), one ending on an edge (62)
+  // and a segment of invalid ids (T = 448, a multiple of 64); layout 2 the same with 100 invalid
+  // ids, across an edge.
   Stream stream;
   const std::int64_t V = 40, H = 2048 + 8;
-  std::vector<std::int32_t> ids_h;
-  for (const auto [id, n] : std::vector<std::pair<std::int32_t, int>>{{0, 64}, {1, 64}, {2, 1}, {3, 130}, {4, 63}, {5, 200}, {39, 2}})
-    ids_h.insert(ids_h.end(), static_cast<std::size_t>(n), id);
-  for (const std::int32_t bad : {-1, 40, 1000, -7}) ids_h.push_back(bad);
-  std::mt19937_64 rng(11);
-  std::shuffle(ids_h.begin(), ids_h.end(), rng);
-  const auto T = static_cast<std::int64_t>(ids_h.size());
-  for (const std::int64_t h : {H, H - 3}) {  // the 8-column path and the scalar one
-    CAPTURE(h);
-    const std::vector<float> dout_f = bf16_normal(static_cast<std::size_t>(T * h), 5 + h);
-    DeviceBuffer<bf16> dout(to_bf16(dout_f));
-    DeviceBuffer<std::int32_t> ids(ids_h), invalid(1);
-    const std::vector<float> grad0 = random_normal(static_cast<std::size_t>(V * h), 6 + h);
-    DeviceBuffer<float> grad(grad0);
-    DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(T, V, h));
-    invalid.zero();
-    OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, h, ws.get(), ws.size(), stream.s));
-    CHECK(read_count(invalid) == 4);
-    std::vector<float> grad_ref = grad0;
-    ref::embedding_backward<float>(ids_h, dout_f, grad_ref, V, h);
-    const std::vector<float> first = grad.download();
-    expect_close(first, grad_ref, 1e-5, 1e-4, "embedding backward over segment edges");
-    // Ids that occur nowhere keep their rows bit for bit.
-    for (std::int64_t v = 6; v < 39; ++v)
-      for (std::int64_t c = 0; c < h; ++c) REQUIRE(first[v * h + c] == grad0[v * h + c]);
-    grad.upload(grad0);
-    invalid.zero();
-    OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, h, ws.get(), ws.size(), stream.s));
-    expect_bits(grad.download(), first, "embedding backward over segment edges, second run");
+  using Runs = std::vector<std::pair<std::int32_t, int>>;
+  const std::vector<std::pair<Runs, int>> layouts = {
+      {Runs{{0, 64}, {1, 64}, {2, 1}, {3, 130}, {4, 63}, {5, 200}, {39, 2}}, 4},
+      {Runs{{0, 128}, {1, 64}, {2, 130}, {3, 62}}, 64},
+      {Runs{{0, 128}, {1, 64}, {2, 130}, {3, 62}}, 100},
+  };
+  for (std::size_t layout = 0; layout < layouts.size(); ++layout) {
+    CAPTURE(layout);
+    std::vector<std::int32_t> ids_h;
+    for (const auto& [id, n] : layouts[layout].first) ids_h.insert(ids_h.end(), static_cast<std::size_t>(n), id);
+    const int invalid_ids = layouts[layout].second;
+    for (int i = 0; i < invalid_ids; ++i) ids_h.push_back(i % 2 == 0 ? -1 - i : static_cast<std::int32_t>(V) + i);
+    std::mt19937_64 rng(11 + layout);
+    std::shuffle(ids_h.begin(), ids_h.end(), rng);
+    const auto T = static_cast<std::int64_t>(ids_h.size());
+    for (const std::int64_t h : {H, H - 3}) {  // the 8-column path and the scalar one
+      CAPTURE(h);
+      const std::vector<float> dout_f = bf16_normal(static_cast<std::size_t>(T * h), 5 + h);
+      DeviceBuffer<bf16> dout(to_bf16(dout_f));
+      DeviceBuffer<std::int32_t> ids(ids_h), invalid(1);
+      const std::vector<float> grad0 = random_normal(static_cast<std::size_t>(V * h), 6 + h);
+      DeviceBuffer<float> grad(grad0);
+      DeviceBuffer<unsigned char> ws(k::embedding_backward_workspace_bytes(T, V, h));
+      invalid.zero();
+      OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, h, ws.get(), ws.size(), stream.s));
+      CHECK(read_count(invalid) == invalid_ids);
+      std::vector<float> grad_ref = grad0;
+      ref::embedding_backward<float>(ids_h, dout_f, grad_ref, V, h);
+      const std::vector<float> first = grad.download();
+      expect_close(first, grad_ref, 1e-5, 1e-4, "embedding backward over segment edges");
+      // Ids that occur nowhere keep their rows bit for bit.
+      for (std::int64_t v = 6; v < 39; ++v)
+        for (std::int64_t c = 0; c < h; ++c) REQUIRE(first[v * h + c] == grad0[v * h + c]);
+      grad.upload(grad0);
+      invalid.zero();
+      OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, h, ws.get(), ws.size(), stream.s));
+      expect_bits(grad.download(), first, "embedding backward over segment edges, second run");
+    }
   }
 }
 

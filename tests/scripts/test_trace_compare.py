@@ -35,7 +35,9 @@ def trace(path, spans, host=()):
 def run(argv):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert tc.main(argv) == 0
+        rc = tc.main(argv)
+    if rc != 0:
+        raise AssertionError(f"trace_compare.main({argv}) returned {rc}")
     return out.getvalue()
 
 
@@ -98,6 +100,12 @@ class TraceCompare(unittest.TestCase):
         with self.assertRaises(SystemExit) as e:
             tc.main([empty, self.measured])
         self.assertIn("no decoder layer spans", str(e.exception))
+        with self.assertRaises(SystemExit) as e:
+            tc.main([self.measured, empty])
+        self.assertIn("no decoder layer ops", str(e.exception))
+        with self.assertRaises(SystemExit) as e:
+            tc.main([os.path.join(self.dir.name, "trace-step-3.predicted.json")])
+        self.assertIn("is the prediction", str(e.exception))
         broken = os.path.join(self.dir.name, "broken.json")
         with open(broken, "w", encoding="utf-8") as f:
             f.write("{not json")
