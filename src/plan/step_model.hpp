@@ -52,6 +52,9 @@ class StepModel {
   [[nodiscard]] double mlp_time(int layer, std::uint64_t chunk_tokens, bool backward, bool up_only) const;
   [[nodiscard]] double all_to_all_time(int layer) const;
   [[nodiscard]] double loss_time(std::uint64_t rows, bool backward) const;
+  /// Weight values of `layer`'s MLP half whose gradients this GPU sums over the MoE chunks (its
+  /// experts and the shared expert; or the dense MLP).
+  [[nodiscard]] std::uint64_t mlp_weight_values(int layer) const;
   [[nodiscard]] double recompute_time(int layer, const std::array<RetentionDecision, activation_class_count>& row,
                                       const Partition& attn, std::uint64_t mlp_chunk) const;
   [[nodiscard]] double time_of(const Operation& op, Resource r) const;
