@@ -65,6 +65,14 @@ void check_halves(const std::vector<TimelineSpan>& spans, const std::string& who
   CHECK(second.end_s > second.begin_s);
 }
 
+/// A warm-up step of `lm` (inputs of 5s, targets of 7s), then one recorded into `tl`.
+void record_second_step(CudaCausalLm& lm, Timeline& tl) {
+  const std::vector<std::uint32_t> in(T, 5), tgt(T, 7);
+  (void)lm.step(in, tgt);
+  lm.record_next_step(&tl);
+  (void)lm.step(in, tgt);
+}
+
 Plan resident_plan(const ModelSpec& spec, std::uint64_t tokens = T) {
   Plan p;
   p.workload = {1, tokens};
@@ -545,13 +553,9 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
   p.resident_segments.clear();
   p.retention[1][0] = RetentionDecision::offload();
   p.retention[2][static_cast<std::size_t>(ActivationClass::expert_intermediate)] = RetentionDecision::recompute(2);
-  CudaCausalLmOptions opt;
-  CudaCausalLm lm(spec, p, init(spec), opt);
-  std::vector<std::uint32_t> in(T, 5), tgt(T, 7);
-  (void)lm.step(in, tgt);
+  CudaCausalLm lm(spec, p, init(spec), CudaCausalLmOptions{});
   Timeline tl;
-  lm.record_next_step(&tl);
-  (void)lm.step(in, tgt);
+  record_second_step(lm, tl);
   const auto spans = tl.spans();
   auto count = [&](const std::string& prefix, Resource r) {
     return std::count_if(spans.begin(), spans.end(), [&](const TimelineSpan& s) { return s.resource == r && s.name.starts_with(prefix); });
@@ -613,11 +617,8 @@ TEST_CASE("a recorded hybrid step: Gated DeltaNet and attention layers split at 
     for (int c = 1; c < activation_class_count; ++c) p.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] = RetentionDecision::recompute(l);
   p.chunks[2].moe_tokens = 50;
   CudaCausalLm lm(spec, p, init(spec), CudaCausalLmOptions{});
-  std::vector<std::uint32_t> in(T, 5), tgt(T, 7);
-  (void)lm.step(in, tgt);
   Timeline tl;
-  lm.record_next_step(&tl);
-  (void)lm.step(in, tgt);
+  record_second_step(lm, tl);
   const auto spans = tl.spans();
   for (int l = 0; l < 3; ++l) {
     const std::string layer = "layers." + std::to_string(l);
@@ -627,6 +628,7 @@ TEST_CASE("a recorded hybrid step: Gated DeltaNet and attention layers split at 
   check_halves(spans, "recompute layers.0", "recompute.attention layers.0", "recompute.mlp layers.0");
   check_halves(spans, "recompute layers.2", "recompute.attention layers.2", "recompute.mlp layers.2");
   // The next step, unrecorded, runs as before (nothing left behind by the recording).
+  const std::vector<std::uint32_t> in(T, 5), tgt(T, 7);
   const auto loss = lm.step(in, tgt).loss;
   CHECK(std::isfinite(loss));
 }
