@@ -153,7 +153,8 @@ std::string shape_issue(std::int64_t tokens, std::int64_t vocab, std::int64_t hi
   using detail::concat;
   if (tokens < 0 || tokens >= 0x7fffffff) return concat("tokens = ", tokens, " (must be 0 .. 2^31 - 2)");
   if (vocab < 1 || vocab >= 0x7fffffff) return concat("vocab = ", vocab, " (must be 1 .. 2^31 - 2)");
-  // The backward's grid takes the columns in slices of threads_per_row (x 8 where it can): at most 65535 slices.
+  // The backward's grid takes the columns in slices of threads_per_row (x 8 where it can): at most
+  // 65535 slices, checked for the one-column path's (the 8-column path would take 8x more).
   if (hidden < 1 || hidden > std::int64_t{65535} * threads_per_row)
     return concat("hidden = ", hidden, " (must be 1 .. ", std::int64_t{65535} * threads_per_row, ")");
   return {};

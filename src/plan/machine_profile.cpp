@@ -3,6 +3,7 @@
 #include "oom/plan/machine_profile.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <string>
@@ -190,6 +191,12 @@ void MachineProfile::validate(std::string_view source) const {
       bad(source, f.name, e.message());
     }
   }
+  // Head dim 256's two curves go together: with one, the cost model would price that head dim's
+  // forward and backward from different kernels' measurements.
+  if (attention_forward_flops_d256.empty() != attention_backward_flops_d256.empty())
+    bad(source, attention_forward_flops_d256.empty() ? "attention_forward_flops_d256" : "attention_backward_flops_d256",
+        "is missing while attention_" + std::string(attention_forward_flops_d256.empty() ? "backward" : "forward") +
+            "_flops_d256 is given (give both head-dim-256 curves or neither)");
   for (const std::string& field : constant_fields()) {
     const auto optional = std::find_if(std::begin(kRates), std::end(kRates), [&](const RateField& f) {
       return f.name == field && f.rule == Rule::optional;
@@ -280,7 +287,8 @@ MachineProfile MachineProfile::from_json(const Json& j, std::string_view source)
                                 !root["attention_backward_flops"].present();
   for (const auto& f : kCurves) {
     if (f.optional && !root[f.name].present()) continue;  // a profile from before the field: not measured
-    const std::string_view name = legacy_attention && std::string_view(f.name).starts_with("attention_") ? kLegacyAttention : f.name;
+    const bool split_pair = std::string_view(f.name) == "attention_forward_flops" || std::string_view(f.name) == "attention_backward_flops";
+    const std::string_view name = legacy_attention && split_pair ? kLegacyAttention : f.name;
     const auto samples = read(name, [](const JsonCursor& c) {
       (void)c.as_array();  // an object would otherwise pass as a list of members
       std::vector<std::pair<double, double>> s;
@@ -349,6 +357,7 @@ constexpr double kTFLOP = 1e12;
 constexpr const char* kH200Machine = "1x NVIDIA H200 (132 SMs), 16-core Xeon (Sapphire Rapids)";
 constexpr const char* kH200Date = "2026-11-30";
 constexpr const char* kH200AttentionDate = "2026-12-03";  // the attention curves (h200_attention)
+constexpr const char* kH200AttentionD256Date = "2026-12-04";  // their head-dim-256 pair
 constexpr double kH200H2d = 55.3 * kGB, kH200D2h = 55.3 * kGB, kH200Bidir = 101.3 * kGB, kH200Pageable = 6.9 * kGB;
 constexpr double kH200GemmPeakMeasured = 799 * kTFLOP;   // cuBLAS bf16 GEMM 8192^3
 constexpr double kH200HostCopy = 87 * kGB;               // memcpy, read + write counted
@@ -424,7 +433,8 @@ AttentionCurves h200_attention(double scale) {
                      {131072, 428.9 * kTFLOP * scale}}),
           // Head dim 256, causal GQA 16q/2kv (Qwen3-Next's full attention), oom-calibrate on our 1x H200,
           // 2026-12-04, thirty-ninth session (examples/profiles/h200-2026-12-04.json; non-decreasing,
-          // so 32K-128K read 16K's: 573-610 and 345-359 measured there). With them the 2-layer Qwen3-Next
+          // so the forward from 32K reads 16K's 610.2 (573-584 measured there) and the backward from
+          // 16K reads 8K's 367.5 (345-359 measured there)). With them the 2-layer Qwen3-Next
           // slice's attention backward at 256K came out 1.03x its prediction, against 1.21x with the
           // head-dim-128 curves.
           SizeCurve({{4096, 401.9 * kTFLOP * scale},
@@ -441,20 +451,22 @@ AttentionCurves h200_attention(double scale) {
                      {131072, 367.5 * kTFLOP * scale}})};
 }
 
-/// The four curves; the head-dim-256 pair's provenance is the head-dim-128 pair's with `d256` said.
-void set_attention(MachineProfile& p, const AttentionCurves& c, const Provenance& forward, const Provenance& backward,
-                   const std::string& d256) {
+/// An estimate's provenance for the head-dim-256 curves: the same scaling of the H200's.
+Provenance est_d256(Provenance p) {
+  p.source += "; these: the H200's head-dim-256 curves (16q/2kv heads, " + std::string(kH200AttentionD256Date) + "), scaled the same";
+  return p;
+}
+
+/// The four curves with their provenance: forward then backward, head dim 128 then 256.
+void set_attention(MachineProfile& p, const AttentionCurves& c, const std::array<Provenance, 4>& how) {
   p.attention_forward_flops = c.forward;
   p.attention_backward_flops = c.backward;
   p.attention_forward_flops_d256 = c.forward_d256;
   p.attention_backward_flops_d256 = c.backward_d256;
-  p.provenance["attention_forward_flops"] = forward;
-  p.provenance["attention_backward_flops"] = backward;
-  Provenance f = forward, b = backward;
-  f.source += "; " + d256;
-  b.source += "; " + d256;
-  p.provenance["attention_forward_flops_d256"] = f;
-  p.provenance["attention_backward_flops_d256"] = b;
+  p.provenance["attention_forward_flops"] = how[0];
+  p.provenance["attention_backward_flops"] = how[1];
+  p.provenance["attention_forward_flops_d256"] = how[2];
+  p.provenance["attention_backward_flops_d256"] = how[3];
 }
 
 void check_gpus(std::string_view profile, int gpus) {
@@ -583,10 +595,14 @@ MachineProfile MachineProfile::h200(int gpus) {
         "OOM's flash attention, causal GQA 16q/4kv heads, head dim 128, batch 1, the {} timed alone ({}x the causal "
         "forward FLOPs; oom-calibrate measure_flash_attention; the Hopper wgmma kernels, forward + backward "
         "0.88-1.55x PyTorch SDPA, docs/hopper.md; examples/profiles/h200-2026-12-03.json)";
-    set_attention(p, h200_attention(1.0), prov(fmt::format(fmt::runtime(what), "forward", 1), kH200Machine, kH200AttentionDate),
-                  prov(fmt::format(fmt::runtime(what), "backward", 2.5), kH200Machine, kH200AttentionDate),
-                  "the _d256 curves: head dim 256, 16q/2kv heads, oom-calibrate on the same machine 2026-12-04 "
-                  "(examples/profiles/h200-2026-12-04.json)");
+    const std::string what_d256 =
+        "OOM's flash attention, causal GQA 16q/2kv heads, head dim 256, batch 1, the {} timed alone ({}x the causal "
+        "forward FLOPs; oom-calibrate measure_flash_attention; examples/profiles/h200-2026-12-04.json)";
+    set_attention(p, h200_attention(1.0),
+                  {prov(fmt::format(fmt::runtime(what), "forward", 1), kH200Machine, kH200AttentionDate),
+                   prov(fmt::format(fmt::runtime(what), "backward", 2.5), kH200Machine, kH200AttentionDate),
+                   prov(fmt::format(fmt::runtime(what_d256), "forward", 1), kH200Machine, kH200AttentionD256Date),
+                   prov(fmt::format(fmt::runtime(what_d256), "backward", 2.5), kH200Machine, kH200AttentionD256Date)});
   }
 
   p.launch_overhead_s = 3.44e-6;
@@ -683,7 +699,7 @@ MachineProfile MachineProfile::h100_80gb(int gpus) {
     const Provenance est = prov("ESTIMATE: OOM's flash attention curves measured on our H200 (" + std::string(kH200AttentionDate) +
                                     ") x 1.0, the ratio of the H100 SXM and H200 dense bf16 datasheet peaks (989.4 TFLOP/s each)",
                                 machine, "2023");
-    set_attention(p, h200_attention(scale), est, est, "the _d256 curves: the H200's head-dim-256 ones (2026-12-04), scaled the same");
+    set_attention(p, h200_attention(scale), {est, est, est_d256(est), est_d256(est)});
   }
   set_gated_delta(p, 1.0, true,
                   "the H200's rates x 1.0: the recurrent kernels are bound by each SM's latency (no tensor cores, little "
@@ -771,7 +787,7 @@ MachineProfile MachineProfile::rtx4090(int gpus) {
     const Provenance est = prov("ESTIMATE: OOM's flash attention curves measured on our H200 (" + std::string(kH200AttentionDate) +
                                     ") x 165.2 / 989.4 (dense bf16 fp32-accumulate peaks: Ada whitepaper, H200 datasheet)",
                                 machine, "2022");
-    set_attention(p, h200_attention(scale), est, est, "the _d256 curves: the H200's head-dim-256 ones (2026-12-04), scaled the same");
+    set_attention(p, h200_attention(scale), {est, est, est_d256(est), est_d256(est)});
   }
   set_gated_delta(p, 128.0 / 132.0, false,
                   "the H200's rates x 128 / 132 SMs, its backward as one block a head (compute capability 8.9 has no "

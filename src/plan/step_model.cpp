@@ -277,7 +277,9 @@ double StepModel::mlp_time(int layer, std::uint64_t chunk_tokens, bool backward,
       t += f * time_of(Operation::gemm(c, (up_only ? 2 : 3) * spec_.layer(layer).dense_intermediate, h), Resource::gpu_compute);
     }
     // The weight gradients are fp32 sums over the chunks: the first chunk writes them, every later
-    // one reads and writes them again (the 512-expert Qwen3-Next layer's 1.6 G values, 12.9 GB a
+    // one reads and writes them again. (A later micro-batch's first chunk adds too, one pass this
+    // counts short: ~3 ms a Qwen3-Next layer. Dense layers are priced alike, unmeasured: the CUDA
+    // executor takes MoE layers only.) (The 512-expert Qwen3-Next layer's 1.6 G values, 12.9 GB a
     // chunk; the 2-layer slice at 424,960 tokens in 32 chunks of 13,280 ran its MoE backward about
     // 0.3 s over a prediction without this pass, which accounts for 0.19 s of it; H200 2026-12-04).
     if (backward && !up_only) {

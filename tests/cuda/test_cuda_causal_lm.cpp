@@ -605,9 +605,6 @@ TEST_CASE("a recorded GPU step: spans per resource, serial within each, inside t
   }
 }
 
-// The smallest run that still goes through every path of the executor (streamed and resident
-// segments, offloaded boundary and saved buffer, a recompute, CPU and GPU AdamW): what the
-// compute-sanitizer runs in scripts/gpu-check.sh use, since racecheck is slow.
 TEST_CASE("a recorded hybrid step: Gated DeltaNet and attention layers split at their halves, a whole recompute too") {
   // Layers 0 and 2 (Gated DeltaNet) recomputed whole, layer 2 with its MoE in token chunks (its
   // recompute stops after the router); layer 1 (gated attention) kept.
@@ -633,6 +630,9 @@ TEST_CASE("a recorded hybrid step: Gated DeltaNet and attention layers split at 
   CHECK(std::isfinite(loss));
 }
 
+// The smallest run that still goes through every path of the executor (streamed and resident
+// segments, offloaded boundary and saved buffer, a recompute, CPU and GPU AdamW): what the
+// compute-sanitizer runs in scripts/gpu-check.sh use, since racecheck is slow.
 TEST_CASE("one streamed step with offload and recompute") {
   const auto spec = small_spec();
   Plan p = resident_plan(spec);

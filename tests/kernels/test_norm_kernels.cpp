@@ -192,8 +192,11 @@ TEST_CASE("embedding backward: runs that end on, cross and fill the 64-token seg
       const std::vector<float> first = grad.download();
       expect_close(first, grad_ref, 1e-5, 1e-4, "embedding backward over segment edges");
       // Ids that occur nowhere keep their rows bit for bit.
-      for (std::int64_t v = 6; v < 39; ++v)
+      for (std::int64_t v = 0; v < V; ++v) {
+        const auto& runs = layouts[layout].first;
+        if (std::any_of(runs.begin(), runs.end(), [&](const auto& r) { return r.first == v; })) continue;
         for (std::int64_t c = 0; c < h; ++c) REQUIRE(first[v * h + c] == grad0[v * h + c]);
+      }
       grad.upload(grad0);
       invalid.zero();
       OOM_CUDA_CHECK(k::embedding_backward(ids.get(), dout.get(), grad.get(), invalid.get(), T, V, h, ws.get(), ws.size(), stream.s));

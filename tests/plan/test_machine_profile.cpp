@@ -359,6 +359,18 @@ TEST_CASE("a profile with the older single attention curve reads it as the rate 
   CHECK(p.attention_forward_flops.at(4096) == doctest::Approx(1.0e14));
   CHECK(p.attention_backward_flops.at(131072) == doctest::Approx(2.0e14));
   CHECK(p.provenance.at("attention_backward_flops").source.find("old calibration") != std::string::npos);
+  CHECK(p.attention_forward_flops_d256.empty());  // not measured, not read from the single curve
+  // The head-dim-256 curves beside the single one are read from their own fields.
+  Json with_d256 = j;
+  Json prov_d256 = prov;
+  for (const char* f : {"attention_forward_flops_d256", "attention_backward_flops_d256"}) {
+    with_d256.set(f, *current.find(f));
+    prov_d256.set(f, *current.find("provenance")->find(f));
+  }
+  with_d256.set("provenance", prov_d256);
+  const MachineProfile q = MachineProfile::from_json(with_d256, "old-and-d256.json");
+  CHECK(q.attention_forward_flops.at(4096) == doctest::Approx(1.0e14));
+  CHECK(q.attention_backward_flops_d256 == MachineProfile::h200(1).attention_backward_flops_d256);
   // Written back, it is in the new form and reads back equal.
   CHECK(MachineProfile::from_json(p.to_json(), "new.json") == p);
   // A file with both forms is a mistake, named.
@@ -527,4 +539,11 @@ TEST_CASE("attention at head dim 256: its own curves, measured on the built-in H
         doctest::Approx(old.launch_overhead_s + bwd(256).flops() / old.attention_backward_flops.at(65536)));
   // Written back and read again with the rest.
   CHECK(MachineProfile::from_json(h200.to_json(), "t.json").attention_forward_flops_d256 == h200.attention_forward_flops_d256);
+  // The pair goes together: one without the other is refused, naming the missing one.
+  MachineProfile half = h200;
+  half.attention_backward_flops_d256 = SizeCurve{};
+  CHECK_THROWS_WITH_AS(half.validate("x"), doctest::Contains("attention_backward_flops_d256 is missing"), Error);
+  // The built-in's head-dim-256 provenance says what was measured, and when.
+  CHECK(h200.provenance.at("attention_forward_flops_d256").source.find("head dim 256") != std::string::npos);
+  CHECK(h200.provenance.at("attention_forward_flops_d256").date == "2026-12-04");
 }

@@ -58,7 +58,9 @@ class ProfileCostModel {
       case OpKind::attention_forward:
       case OpKind::attention_backward: {
         // Keyed by the queries in the launch: the parallel work a flash kernel spreads over the GPU.
-        // op.k is the head dim: 256 takes its own curves where the profile has them.
+        // op.k is the head dim, taken as a class: 256 and up at the head-dim-256 curves where the
+        // profile has them, anything below at the head-dim-128 ones (so a head dim between the two,
+        // which no model here has, may be priced above 256's; more FLOPs at one head dim never less).
         const bool fwd = op.kind == OpKind::attention_forward;
         const SizeCurve& d256 = fwd ? profile_->attention_forward_flops_d256 : profile_->attention_backward_flops_d256;
         const SizeCurve& rate = op.k >= 256 && !d256.empty() ? d256
