@@ -8,7 +8,8 @@ executor's "fwd.attention layers.3" (the CUDA executor splits every layer call a
 fwd.attention / fwd.mlp, bwd.mlp / bwd.attention, recompute.attention / recompute.mlp), and the
 whole pass ("fwd", "bwd", "recompute") against the sum of the planner's ops of that pass (its
 "regenerate boundaries up to L<n>", reruns of earlier layers, is left out). Prints one
-row per layer and pass, then the totals over the layers, each with measured / predicted: a ratio
+row per layer and pass, then the totals over the layers, then the model's ends (the loss: LM head
+and cross-entropy; the embedding forward and backward), each with measured / predicted: a ratio
 above 1 is time the cost model does not see.
 
 Usage: trace_compare.py TRACE [PREDICTED] [--layers]
@@ -27,6 +28,9 @@ PASSES = {
     "bwd": ("bwd.mlp", "bwd.attention"),
     "recompute": ("recompute",),  # the planner prices a recompute as one op
 }
+# The model's ends, outside the layers: the executor's span name and the planner's op name.
+ENDS = (("loss", "loss", "loss (LM head + cross-entropy)"), ("embedding", "embedding", "fwd.embedding"),
+        ("embedding backward", "embedding backward", "bwd.embedding"))
 MEASURED = re.compile(r"^(?P<op>fwd|bwd|recompute)(?P<half>\.attention|\.mlp)?(?: \([^)]*\))? layers\.(?P<layer>\d+)$")
 PREDICTED = re.compile(r"^(?P<op>[a-z0-9_.]+) L(?P<layer>\d+)$")
 
@@ -67,6 +71,19 @@ def predicted_times(path):
                 out[(layer, op)] += s
                 if op != pass_name:
                     out[(layer, pass_name)] += s
+    return out
+
+
+def ends_times(measured_path, predicted_path):
+    """[(row name, measured s or None, predicted s or None)] of the model's ends (the loss, the
+    embedding forward and backward); the planner's loss op carries a layer suffix (L<n>)."""
+    m_spans, p_spans = spans(measured_path), spans(predicted_path)
+    out = []
+    for row, m_name, p_name in ENDS:
+        m = [s for n, s in m_spans if n == m_name]
+        p = [s for n, s in p_spans if n == p_name or re.fullmatch(re.escape(p_name) + r" L\d+", n)]
+        if m or p:
+            out.append((row, sum(m) if m else None, sum(p) if p else None))
     return out
 
 
@@ -119,6 +136,8 @@ def main(argv=None):
             t[1] = (t[1] or 0) + p
     for op, (m, p) in totals.items():
         print(f"{'all':>5}  {op:<20} {fmt_s(m):>12} {fmt_s(p):>13} {ratio(m, p):>9}")
+    for op, m, p in ends_times(a.trace, predicted_path):
+        print(f"{'ends':>5}  {op:<20} {fmt_s(m):>12} {fmt_s(p):>13} {ratio(m, p):>9}")
     return 0
 
 

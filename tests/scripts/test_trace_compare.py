@@ -45,7 +45,8 @@ def table(text):
     """{(layer, op): (measured, predicted, ratio)} of the printed rows ('-' kept as None)."""
     rows = {}
     for line in text.splitlines()[1:]:
-        layer, op, m, p, r = line.split()
+        fields = line.split()
+        layer, (m, p, r), op = fields[0], fields[-3:], " ".join(fields[1:-3])
         val = lambda x: None if x == "-" else float(x)  # noqa: E731
         rows[(layer, op)] = (val(m), val(p), val(r))
     return rows
@@ -62,12 +63,12 @@ class TraceCompare(unittest.TestCase):
             ("recompute (attention kept) layers.1", 0.03, 0.004), ("recompute.attention layers.1", 0.03, 0.001),
             ("recompute.mlp layers.1", 0.031, 0.003),
             ("bwd layers.1", 0.034, 0.020), ("bwd.mlp layers.1", 0.034, 0.012), ("bwd.attention layers.1", 0.046, 0.008),
-            ("h2d weights layers.1", 0.0, 0.002),
-        ], host=[("issue fwd layers.0", 0.0, 0.5)])
+            ("h2d weights layers.1", 0.0, 0.002), ("loss", 0.02, 0.009), ("embedding backward", 0.06, 0.001),
+        ], host=[("issue fwd layers.0", 0.0, 0.5), ("wait for the loss", 0.02, 0.3)])
         trace(os.path.join(self.dir.name, "trace-step-3.predicted.json"), [
             ("fwd.attention L0", 0, 0.002), ("fwd.mlp L0", 0, 0.006), ("fwd.attention L1", 0, 0.005), ("fwd.mlp L1", 0, 0.007),
             ("recompute L1", 0, 0.002), ("bwd.mlp L1", 0, 0.010), ("bwd.attention L1", 0, 0.010), ("h2d.weights L1", 0, 1.0),
-            ("loss (LM head + cross-entropy)", 0, 1.0),
+            ("loss (LM head + cross-entropy) L2", 0, 0.003), ("bwd.embedding", 0, 0.002), ("fwd.embedding", 0, 0.004),
         ])
 
     def tearDown(self):
@@ -84,11 +85,16 @@ class TraceCompare(unittest.TestCase):
         # Totals over the layers; the host track and other ops stay out.
         self.assertEqual(rows[("all", "fwd")], (22.0, 20.0, 1.1))
         self.assertEqual(rows[("all", "fwd.mlp")], (13.0, 13.0, 1.0))
-        self.assertFalse(any("h2d" in op or "loss" in op for _, op in rows))
+        self.assertFalse(any("h2d" in op for _, op in rows))
+        # The ends: the loss against the planner's loss op (its L<n> suffix), the embedding backward
+        # against bwd.embedding, the forward only predicted; the host's "wait for the loss" left out.
+        self.assertEqual(rows[("ends", "loss")], (9.0, 3.0, 3.0))
+        self.assertEqual(rows[("ends", "embedding backward")], (1.0, 2.0, 0.5))
+        self.assertEqual(rows[("ends", "embedding")], (None, 4.0, None))
 
     def test_totals_only_by_default(self):
         rows = table(run([self.measured]))
-        self.assertTrue(rows and all(layer == "all" for layer, _ in rows))
+        self.assertTrue(rows and all(layer in ("all", "ends") for layer, _ in rows))
 
     def test_bad_input_named(self):
         for argv, says in (([os.path.join(self.dir.name, "none.json")], "no such file"),):
