@@ -180,8 +180,6 @@ struct Layout {
   std::size_t keys_in = 0, keys_out = 0, tok_in = 0, tok_out = 0, partial = 0, cub = 0, cub_bytes = 0, total = 0;
 };
 
-std::int64_t segments(std::int64_t tokens) { return (tokens + segment_rows - 1) / segment_rows; }
-
 Layout layout(std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) {
   Layout l;
   const std::size_t arr = align_up(static_cast<std::size_t>(tokens) * 4);
@@ -190,7 +188,7 @@ Layout layout(std::int64_t tokens, std::int64_t vocab, std::int64_t hidden) {
   l.tok_in = 2 * arr;
   l.tok_out = 3 * arr;
   l.partial = 4 * arr;  // two partial sums (H fp32) a segment
-  l.cub = l.partial + align_up(static_cast<std::size_t>(segments(tokens) * 2 * hidden) * sizeof(float));
+  l.cub = l.partial + align_up(static_cast<std::size_t>(grid_for(tokens, segment_rows)) * 2 * static_cast<std::size_t>(hidden) * sizeof(float));
   cub::DeviceRadixSort::SortPairs(nullptr, l.cub_bytes, static_cast<const std::uint32_t*>(nullptr),
                                   static_cast<std::uint32_t*>(nullptr), static_cast<const std::int32_t*>(nullptr),
                                   static_cast<std::int32_t*>(nullptr), static_cast<int>(tokens), 0, key_bits(vocab));
@@ -254,7 +252,7 @@ cudaError_t embedding_backward(const std::int32_t* ids, const bf16* grad_out, fl
   const auto* rows = reinterpret_cast<const std::uint16_t*>(grad_out);
   const auto launch = [&](auto n) {
     constexpr int N = decltype(n)::value;
-    const dim3 grid(static_cast<unsigned>(segments(tokens)), static_cast<unsigned>((hidden + threads_per_row * N - 1) / (threads_per_row * N)));
+    const dim3 grid(grid_for(tokens, segment_rows), grid_for(hidden, threads_per_row * N));
     sum_segments<N><<<grid, threads_per_row, 0, stream>>>(keys_out, tok_out, rows, grad_table, partial, tokens, vocab, hidden);
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     join_runs<N><<<grid, threads_per_row, 0, stream>>>(keys_out, partial, grad_table, tokens, vocab, hidden);

@@ -263,12 +263,11 @@ double StepModel::mlp_time(int layer, std::uint64_t chunk_tokens, bool backward,
     const std::uint64_t c = std::min(chunk_tokens, t_all - i * chunk_tokens);
     if (spec_.layer(layer).moe) {
       const bool ep = path_ == ExecutionPath::expert_parallel;
-      const std::uint64_t local_experts = ep ? m.experts / static_cast<std::uint64_t>(req_.gpus) : m.experts;
       const std::uint64_t gpus = ep ? static_cast<std::uint64_t>(req_.gpus) : 1;
       const std::uint64_t per_expert = std::max<std::uint64_t>(1, ceil_div(gpus * c * m.top_k, m.experts));
       const std::uint64_t width = (up_only ? 2 : 3) * m.expert_intermediate;
       t += f * time_of(Operation::gemm(c, m.experts, h), Resource::gpu_compute);
-      t += f * time_of(Operation::gemm(per_expert, width, h, local_experts), Resource::gpu_compute);
+      t += f * time_of(Operation::gemm(per_expert, width, h, local_experts()), Resource::gpu_compute);
       if (m.shared_expert_intermediate > 0)
         t += f * time_of(Operation::gemm(c, (up_only ? 2 : 3) * m.shared_expert_intermediate + 1, h), Resource::gpu_compute);
       // Permute / unpermute: the routed copies through HBM twice.
@@ -283,22 +282,23 @@ double StepModel::mlp_time(int layer, std::uint64_t chunk_tokens, bool backward,
     // chunk; the 2-layer slice at 424,960 tokens in 32 chunks of 13,280 ran its MoE backward about
     // 0.3 s over a prediction without this pass, which accounts for 0.19 s of it; H200 2026-12-04).
     if (backward && !up_only) {
-      const double passes = i == 0 ? 1.0 : 2.0;
-      t += time_of(Operation::moving(OpKind::memory_bound,
-                                     Bytes{static_cast<std::uint64_t>(passes * static_cast<double>(mlp_weight_values(layer)) * fp32_bytes)}),
-                   Resource::gpu_compute);
+      const std::uint64_t passes = i == 0 ? 1 : 2;
+      t += time_of(Operation::moving(OpKind::memory_bound, Bytes{passes * mlp_weight_values(layer) * fp32_bytes}), Resource::gpu_compute);
     }
   }
   return t;
+}
+
+std::uint64_t StepModel::local_experts() const {
+  const auto& m = spec_.moe();
+  return path_ == ExecutionPath::expert_parallel ? m.experts / static_cast<std::uint64_t>(req_.gpus) : m.experts;
 }
 
 std::uint64_t StepModel::mlp_weight_values(int layer) const {
   const auto& m = spec_.moe();
   const std::uint64_t h = spec_.hidden_size();
   if (!spec_.layer(layer).moe) return 3 * spec_.layer(layer).dense_intermediate * h;
-  const bool ep = path_ == ExecutionPath::expert_parallel;
-  const std::uint64_t local_experts = ep ? m.experts / static_cast<std::uint64_t>(req_.gpus) : m.experts;
-  std::uint64_t v = local_experts * 3 * m.expert_intermediate * h;  // (the router's runs once over all tokens)
+  std::uint64_t v = local_experts() * 3 * m.expert_intermediate * h;  // (the router's runs once over all tokens)
   if (m.shared_expert_intermediate > 0) v += (3 * m.shared_expert_intermediate + 1) * h;  // shared expert and its gate
   return v;
 }

@@ -55,6 +55,8 @@ class StepModel {
   /// Weight values of `layer`'s MLP half whose gradients this GPU sums over the MoE chunks (its
   /// experts and the shared expert; or the dense MLP).
   [[nodiscard]] std::uint64_t mlp_weight_values(int layer) const;
+  /// Experts one GPU runs: all on the local path, its share on the expert-parallel one.
+  [[nodiscard]] std::uint64_t local_experts() const;
   [[nodiscard]] double recompute_time(int layer, const std::array<RetentionDecision, activation_class_count>& row,
                                       const Partition& attn, std::uint64_t mlp_chunk) const;
   [[nodiscard]] double time_of(const Operation& op, Resource r) const;
