@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "bf16_device.cuh"
+#include "gated_delta_chunked.hpp"
 #include "oom/kernels/gated_delta.hpp"
 #include "refuse.hpp"
 
@@ -546,6 +547,12 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
     return detail::refuse(name, ": k_dim = ", d.k_dim, ", v_dim = ", d.v_dim, " (need 1..", max_dim, " each: the state's rows and "
                           "columns are held in registers)");
   if (d.chunk < 1) return detail::refuse(name, ": chunk = ", d.chunk, " (must be >= 1)");
+  using Form = GatedDeltaDims::Form;
+  if (d.form != Form::automatic && d.form != Form::chunked && d.form != Form::recurrent)
+    return detail::refuse(name, ": form = ", static_cast<int>(d.form), " is none of automatic (0), chunked (1), recurrent (2)");
+  if (d.form == Form::chunked && d.chunk > detail::chunked_max_chunk)
+    return detail::refuse(name, ": form = chunked takes chunk <= ", detail::chunked_max_chunk, ", not ", d.chunk,
+                          " (a chunk's tokens are one block's rows; use automatic or recurrent)");
   if (d.states_stride != 0 && d.states_stride < (d.chunks() + 1) * d.k_dim * d.v_dim)
     return detail::refuse(name, ": states_stride = ", d.states_stride, " is less than (chunks + 1) x k_dim x v_dim = ",
                           (d.chunks() + 1) * d.k_dim * d.v_dim, " (a sequence's own kept states)");
@@ -559,6 +566,10 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
     return detail::refuse(name, ": ", d.sequences * d.seq_len, " tokens x ", d.k_heads, " key heads need more than 2^31 - 1 blocks");
   return cudaSuccess;
 }
+
+/// Whether the dims run the chunked form (GatedDeltaDims::Form): from the dims alone, so the
+/// workspace does not depend on the device.
+bool chunked(const GatedDeltaDims& d) { return d.form == GatedDeltaDims::Form::chunked; }
 
 /// The dims as the kernels read them: a stride of 0 is the packed one.
 GatedDeltaDims with_strides(GatedDeltaDims d) {
@@ -637,6 +648,12 @@ cudaError_t with_rows(std::int64_t dk, Fn&& fn) {
   }
 }
 
+/// The recurrent form's backward kernels (defined at the end of this file): dv, dg, dbeta, d_state
+/// and the per-value-head dq_part, dk_part.
+cudaError_t recurrent_backward(const GatedDeltaDims& d, const std::uint16_t* qb, const std::uint16_t* kb, const bf16* v, const float* g,
+                               const float* beta, const bf16* d_out, const float* states, bf16* dv, float* dg, float* dbeta,
+                               float* d_state, float* scratch, float* dq_part, float* dk_part, cudaStream_t stream);
+
 }  // namespace
 
 std::size_t gated_delta_states_floats(const GatedDeltaDims& d) {
@@ -646,8 +663,10 @@ std::size_t gated_delta_states_floats(const GatedDeltaDims& d) {
 
 std::size_t gated_delta_backward_workspace_bytes(const GatedDeltaDims& d) {
   if (d.sequences < 1 || d.seq_len < 1 || d.chunk < 1 || d.k_dim < 1 || d.v_dim < 1) return 0;
-  // Each block's states of one chunk, as its threads hold them (R rows each), then dq and dk per value head.
-  return static_cast<std::size_t>(scratch_floats(d) + 2 * d.tokens() * d.v_heads * d.k_dim) * sizeof(float);
+  // The chunked form's leaving-state gradients, or each recurrent block's states of one chunk as
+  // its threads hold them (R rows each); then dq and dk per value head.
+  const auto scratch = chunked(d) ? static_cast<std::int64_t>(detail::gated_delta_chunked_scratch_floats(d)) : scratch_floats(d);
+  return static_cast<std::size_t>(round_up(scratch, 64) + 2 * d.tokens() * d.v_heads * d.k_dim) * sizeof(float);
 }
 
 cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const bf16* k, const bf16* v, const float* g,
@@ -660,6 +679,10 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const
                                                        {"states", states}});
       e != cudaSuccess)
     return e;
+  if (chunked(d))
+    return detail::gated_delta_chunked_forward(d, reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
+                                               reinterpret_cast<const std::uint16_t*>(v), g, beta,
+                                               reinterpret_cast<std::uint16_t*>(out), states, stream);
   const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * column_blocks(d.v_dim));
   return with_rows(d.k_dim, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
@@ -696,10 +719,34 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
   if (workspace == nullptr || workspace_bytes < need)
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "gated_delta_backward_workspace_bytes(dims)");
   auto* scratch = static_cast<float*>(workspace);
-  float* dq_part = scratch + scratch_floats(d);
+  const bool chunk_form = chunked(d);
+  float* dq_part =
+      scratch + round_up(chunk_form ? static_cast<std::int64_t>(detail::gated_delta_chunked_scratch_floats(d)) : scratch_floats(d), 64);
   float* dk_part = dq_part + d.tokens() * d.v_heads * d.k_dim;
   const auto* qb = reinterpret_cast<const std::uint16_t*>(q);
   const auto* kb = reinterpret_cast<const std::uint16_t*>(k);
+  const cudaError_t launched = chunk_form ? detail::gated_delta_chunked_backward(
+                                                d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta,
+                                                reinterpret_cast<const std::uint16_t*>(d_out), states,
+                                                reinterpret_cast<std::uint16_t*>(dv), dg, dbeta, d_state, scratch, dq_part, dk_part, stream)
+                                          : recurrent_backward(d, qb, kb, v, g, beta, d_out, states, dv, dg, dbeta, d_state, scratch,
+                                                               dq_part, dk_part, stream);
+  if (launched != cudaSuccess) return launched;
+  const std::int64_t rows = 2 * d.tokens() * d.k_heads, per_block = norm_threads / 32;
+  const std::int64_t blocks = (rows + per_block - 1) / per_block;  // within 2^31 - 1: check_dims
+  l2norm_backward_kernel<<<static_cast<unsigned>(blocks), norm_threads, 0, stream>>>(
+      d, qb, kb, dq_part, dk_part, reinterpret_cast<std::uint16_t*>(dq), reinterpret_cast<std::uint16_t*>(dk));
+  return cudaGetLastError();
+}
+
+}  // namespace oom::kernels
+
+namespace oom::kernels {
+namespace {
+
+cudaError_t recurrent_backward(const GatedDeltaDims& d, const std::uint16_t* qb, const std::uint16_t* kb, const bf16* v, const float* g,
+                               const float* beta, const bf16* d_out, const float* states, bf16* dv, float* dg, float* dbeta,
+                               float* d_state, float* scratch, float* dq_part, float* dk_part, cudaStream_t stream) {
   bool clustered = false;
   if (const cudaError_t e = use_clusters(d, &clustered); e != cudaSuccess) return e;
   const cudaError_t launched = with_rows(d.k_dim, [&](auto rows) {
@@ -731,12 +778,8 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
         reinterpret_cast<std::uint16_t*>(dv), dg, dbeta, d_state, scratch, dq_part, dk_part);
     return cudaGetLastError();
   });
-  if (launched != cudaSuccess) return launched;
-  const std::int64_t rows = 2 * d.tokens() * d.k_heads, per_block = norm_threads / 32;
-  const std::int64_t blocks = (rows + per_block - 1) / per_block;  // within 2^31 - 1: check_dims
-  l2norm_backward_kernel<<<static_cast<unsigned>(blocks), norm_threads, 0, stream>>>(
-      d, qb, kb, dq_part, dk_part, reinterpret_cast<std::uint16_t*>(dq), reinterpret_cast<std::uint16_t*>(dk));
-  return cudaGetLastError();
+  return launched;
 }
 
+}  // namespace
 }  // namespace oom::kernels

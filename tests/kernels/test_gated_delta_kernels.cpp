@@ -13,12 +13,15 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
 #include "kernels/moe_test_util.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/kernels/gated_delta.hpp"
+#include "oom/kernels/refusal.hpp"
 #include "oom/reference/gated_delta.hpp"
 #include "support/check_scaled.hpp"
 
@@ -126,9 +129,15 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
       {1, 130, 1, 2, 128, 128, 64},  // the models' head dims, several tiles of the forward
       {2, 50, 2, 4, 100, 70, 24},    // padded rows (100 of 128) and columns (70 of 72): a forward block
                                      // of 6 columns at j0 = 64, backward padding lanes in the 9th warp
+      {1, 300, 2, 4, 128, 128, 64},  // the models' chunk: four whole chunks and a short one
+      {2, 45, 1, 1, 17, 33, 7},      // a chunked block's tiles cut at 1 column (33 = 32 + 1, 16 + 16 + 1)
   };
+  using Form = k::GatedDeltaDims::Form;
   std::uint64_t seed = 100;
-  for (const auto& d : cases) {
+  for (const Form form : {Form::chunked, Form::recurrent})
+  for (k::GatedDeltaDims d : cases) {
+    d.form = form;
+    CAPTURE(static_cast<int>(form));
     CAPTURE(d.sequences);
     CAPTURE(d.seq_len);
     CAPTURE(d.k_dim);
@@ -166,6 +175,7 @@ TEST_CASE("the backward as a cluster of blocks per head gives the one-block back
   if (major < 9) {
     // Refused, named, where the device has no clusters; `automatic` takes one block a head there.
     k::GatedDeltaDims d{1, 5, 1, 1, 8, 8, 4};
+    d.form = k::GatedDeltaDims::Form::recurrent;
     d.backward = Path::cluster;
     DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(d));
     const DeviceBuffer<bf16> x(std::vector<bf16>(40));
@@ -188,6 +198,7 @@ TEST_CASE("the backward as a cluster of blocks per head gives the one-block back
     CAPTURE(d.v_dim);
     CAPTURE(d.k_dim);
     const Inputs in = make_inputs(d, seed += 10);
+    d.form = k::GatedDeltaDims::Form::recurrent;
     d.backward = Path::one_block;
     const Run one = run(d, in);
     d.backward = Path::cluster;
@@ -219,10 +230,14 @@ TEST_CASE("a sequence run in parts gives the whole run's bits, the state and its
   for (const bool carried_in : {false, true}) {
     const auto want = ref::gated_delta_rule_backward_from(shape, in.q.values, in.k.values, in.v.values, in.g, in.beta, in.d_out.values,
                                                           {}, carried_in ? std::span<const float>(d_final) : std::span<const float>());
-    for (const Path path : {Path::one_block, Path::cluster}) {
+    using Form = k::GatedDeltaDims::Form;
+    for (const auto& [form, path] : {std::pair{Form::chunked, Path::automatic}, std::pair{Form::recurrent, Path::one_block},
+                                     std::pair{Form::recurrent, Path::cluster}}) {
       CAPTURE(carried_in);
+      CAPTURE(static_cast<int>(form));
       CAPTURE(static_cast<int>(path));
       k::GatedDeltaDims wd = whole;
+      wd.form = form;
       wd.backward = path;
       // The whole run, with the same incoming gradient of the final state.
       const DeviceBuffer<bf16> q(in.q.bits), kk(in.k.bits), v(in.v.bits), dout(in.d_out.bits);
@@ -279,8 +294,9 @@ TEST_CASE("a sequence run in parts gives the whole run's bits, the state and its
   }
 }
 
-TEST_CASE("the chunk only changes what is kept: every chunk gives the same outputs") {
+TEST_CASE("the recurrent form's chunk only changes what is kept: every chunk gives the same outputs") {
   k::GatedDeltaDims d{2, 29, 1, 2, 40, 70, 1};  // several warps, padded rows and columns
+  d.form = k::GatedDeltaDims::Form::recurrent;
   const Inputs in = make_inputs(d, 7);
   const Run one = run(d, in);
   for (const std::int64_t chunk : {3, 29, 64}) {
@@ -291,8 +307,12 @@ TEST_CASE("the chunk only changes what is kept: every chunk gives the same outpu
   }
 }
 
-TEST_CASE("q, k and v as column ranges of one [q | k | v | pad] array: the packed run's bits, dq, dk, dv in place") {
-  const k::GatedDeltaDims packed{2, 21, 2, 4, 16, 8, 8};
+namespace {
+/// The strided case below, in one form.
+void check_column_ranges(k::GatedDeltaDims::Form form) {
+  CAPTURE(static_cast<int>(form));
+  k::GatedDeltaDims packed{2, 21, 2, 4, 16, 8, 8};
+  packed.form = form;
   const Inputs in = make_inputs(packed, 77);
   const Run want = run(packed, in);
   const std::int64_t T = packed.tokens(), kw = packed.k_heads * packed.k_dim, vw = packed.v_heads * packed.v_dim;
@@ -331,20 +351,47 @@ TEST_CASE("q, k and v as column ranges of one [q | k | v | pad] array: the packe
   CHECK(same_bits(dv, want.dv));
   CHECK(std::all_of(pad.begin(), pad.end(), [](bf16 x) { return std::isnan(oom::to_float(x)); }));  // still the poison
 }
+}  // namespace
+
+TEST_CASE("q, k and v as column ranges of one [q | k | v | pad] array: the packed run's bits, dq, dk, dv in place") {
+  check_column_ranges(k::GatedDeltaDims::Form::chunked);
+  check_column_ranges(k::GatedDeltaDims::Form::recurrent);
+}
+
+TEST_CASE("the chunked form refuses a chunk over 64 tokens, and automatic takes the recurrent form there") {
+  k::GatedDeltaDims d{1, 130, 1, 2, 32, 32, 65};
+  const Inputs in = make_inputs(d, 11);
+  d.form = k::GatedDeltaDims::Form::chunked;
+  const DeviceBuffer<bf16> q(in.q.bits), kk(in.k.bits), v(in.v.bits);
+  const DeviceBuffer<float> g(in.g), beta(in.beta);
+  DeviceBuffer<bf16> out(in.v.bits.size());
+  DeviceBuffer<float> states(k::gated_delta_states_floats(d));
+  CHECK(k::gated_delta_forward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr) ==
+        cudaErrorInvalidValue);
+  CHECK(std::string(k::last_refusal()).find("chunk <= 64") != std::string::npos);
+  d.form = k::GatedDeltaDims::Form::automatic;
+  const Run automatic = run(d, in);
+  d.form = k::GatedDeltaDims::Form::recurrent;
+  check_same_bits(automatic, run(d, in));
+}
 
 TEST_CASE("timing: the Qwen3-Next linear layer's rule at 4K tokens (1 sequence, 16 key / 32 value heads of 128)") {
+  using Form = k::GatedDeltaDims::Form;
   k::GatedDeltaDims d{1, 4096, 16, 32, 128, 128, 64};
   const Inputs in = make_inputs(d, 3);
   const DeviceBuffer<bf16> q(in.q.bits), kk(in.k.bits), v(in.v.bits), dout(in.d_out.bits);
   const DeviceBuffer<float> g(in.g), beta(in.beta);
   DeviceBuffer<bf16> out(in.v.bits.size()), dq(in.q.bits.size()), dk(in.k.bits.size()), dv(in.v.bits.size());
   DeviceBuffer<float> states(k::gated_delta_states_floats(d)), dg(in.g.size()), dbeta(in.g.size());
-  DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(d));
-  auto forward = [&] {
-    OOM_CUDA_CHECK(k::gated_delta_forward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr));
+  k::GatedDeltaDims recurrent = d;
+  recurrent.form = Form::recurrent;
+  d.form = Form::chunked;
+  DeviceBuffer<std::byte> ws(std::max(k::gated_delta_backward_workspace_bytes(d), k::gated_delta_backward_workspace_bytes(recurrent)));
+  auto forward = [&](const k::GatedDeltaDims& dims) {
+    OOM_CUDA_CHECK(k::gated_delta_forward(dims, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr));
   };
-  auto backward = [&] {
-    OOM_CUDA_CHECK(k::gated_delta_backward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), dout.get(), states.get(),
+  auto backward = [&](const k::GatedDeltaDims& dims) {
+    OOM_CUDA_CHECK(k::gated_delta_backward(dims, q.get(), kk.get(), v.get(), g.get(), beta.get(), dout.get(), states.get(),
                                            dq.get(), dk.get(), dv.get(), dg.get(), dbeta.get(), ws.get(), ws.size(), nullptr));
   };
   auto time_ms = [](auto&& fn) {
@@ -356,14 +403,30 @@ TEST_CASE("timing: the Qwen3-Next linear layer's rule at 4K tokens (1 sequence, 
     OOM_CUDA_CHECK(cudaDeviceSynchronize());
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / reps;
   };
-  const double f = time_ms(forward), b = time_ms(backward);
-  d.backward = k::GatedDeltaDims::Backward::one_block;
-  const double b_one = time_ms(backward);
-  // The rule's own FLOPs (per token and value head: S^T k, the update, S^T q, 2 dk dv each; the
-  // backward about twice): what a chunked tensor-core version would be measured against.
+  // The two forms at the models' shape, each against the other: each is within 2^-7 (bf16) or 1e-3
+  // (fp32 gates' gradients) of the reference at the small shapes above, so within twice that here.
+  auto results = [&] {
+    return Run{out.download(), dq.download(), dk.download(), dv.download(), states.download(), dg.download(), dbeta.download()};
+  };
+  const double f = time_ms([&] { forward(d); }), b = time_ms([&] { backward(d); });
+  const Run chunked = results();
+  const double fr = time_ms([&] { forward(recurrent); }), br = time_ms([&] { backward(recurrent); });
+  recurrent.backward = k::GatedDeltaDims::Backward::one_block;
+  const double b_one = time_ms([&] { backward(recurrent); });
+  const Run rec = results();
+  check_scaled(to_floats(chunked.out), to_floats(rec.out), 2.0 / 128, 2e-3, "out");
+  check_scaled(to_floats(chunked.dq), to_floats(rec.dq), 2.0 / 128, 2e-3, "dq");
+  check_scaled(to_floats(chunked.dk), to_floats(rec.dk), 2.0 / 128, 2e-3, "dk");
+  check_scaled(to_floats(chunked.dv), to_floats(rec.dv), 2.0 / 128, 2e-3, "dv");
+  check_scaled(chunked.states, rec.states, 2e-4, 2e-5, "states");
+  check_scaled(chunked.dg, rec.dg, 2e-3, 2e-4, "dg");
+  check_scaled(chunked.dbeta, rec.dbeta, 2e-3, 2e-4, "dbeta");
+  // The rule's own FLOPs as the recurrence counts them (per token and value head: S^T k, the
+  // update, S^T q, 2 dk dv each), for a rate to compare across versions.
   const double flops = 6.0 * static_cast<double>(d.tokens() * d.v_heads * d.k_dim * d.v_dim);
-  std::printf("gated_delta 4K x 32 heads of 128: forward %.3f ms, backward %.3f ms (automatic; one block a head: %.3f ms; recurrent; "
-              "%.1f GFLOP/s forward, states %.1f MiB, backward workspace %.1f MiB)\n",
-              f, b, b_one, flops / f * 1e-6, static_cast<double>(states.bytes()) / (1 << 20), static_cast<double>(ws.size()) / (1 << 20));
-  CHECK(f > 0);
+  std::printf("gated_delta 4K x 32 heads of 128: chunked forward %.3f ms, backward %.3f ms; recurrent forward %.3f ms, backward %.3f ms "
+              "(cluster or automatic), %.3f ms (one block a head); chunked / recurrent %.2fx forward, %.2fx backward; "
+              "%.1f GFLOP/s chunked forward; states %.1f MiB, chunked backward workspace %.1f MiB\n",
+              f, b, fr, br, b_one, fr / f, br / b, flops / f * 1e-6, static_cast<double>(states.bytes()) / (1 << 20),
+              static_cast<double>(k::gated_delta_backward_workspace_bytes(d)) / (1 << 20));
 }

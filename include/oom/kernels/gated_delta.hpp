@@ -6,18 +6,24 @@
 //   S = exp(g[t, h]) S;  d = beta[t, h] (v[t, h] - S^T k_t);  S += k_t d^T;  out[t, h] = S^T q_t
 // with S a dk x dv fp32 state. Kernels in src/kernels/gated_delta.cu.
 //
-// This is the recurrent form (docs/hybrid.md, slice 3): the forward's blocks (a sequence, a value
-// head, 32 columns of the state) walk the tokens in order, the backward's (the same, as a cluster
-// of blocks on Hopper; else a sequence and value head a block) walk them from the last, with the
-// state in registers, so the time grows with the sequence
-// length rather than with the FLOPs; the chunked form with tensor cores (fla's) is the next step.
-// Its memory is O(T): the forward keeps the state entering every `chunk` tokens (and the final
-// one), and the backward recomputes each chunk's states from them, a chunk at a time, in the same
-// arithmetic: the same bits whatever the chunk. The backward's workspace holds one chunk's states
-// per (sequence, head) as the threads hold them (dk padded to 8, 16 or 32 rows a thread, dv to a
-// multiple of 8 columns, or of 32 for the cluster path: the larger, whichever path runs): it grows with `chunk` (at 4K tokens x 32 heads of 128, 128 MiB at chunk
-// 64, 8 GiB at chunk 4096, beside 128 MiB of per-head dq and dk), the states the forward keeps
-// shrink with it.
+// Two forms (GatedDeltaDims::Form), both keeping the state entering every `chunk` tokens (and the
+// final one) for the backward, so the memory is O(T):
+// - chunked (chunk <= 64; src/kernels/gated_delta_chunked.cu): a chunk's tokens
+//   as small fp32 matrix products in shared memory, the state carried from chunk to chunk by a
+//   block per (sequence, value head, 32 columns); the backward carries the state's gradient back
+//   the same way, then a block per chunk computes the chunk's gradients. Its workspace holds the
+//   gradient of the state leaving every chunk (at 4K tokens x 32 heads of 128, 128 MiB at chunk
+//   64: as much as the kept states), beside 128 MiB of per-head dq and dk.
+// - recurrent (docs/hybrid.md, slice 3; src/kernels/gated_delta.cu): the forward's blocks (a
+//   sequence, a value head, 32 columns of the state) walk the tokens in order, the backward's (the
+//   same, as a cluster of blocks on Hopper; else a sequence and value head a block) walk them from
+//   the last, with the state in registers, so the time grows with the sequence length rather than
+//   with the FLOPs. The backward recomputes each chunk's states from the kept ones, in the same
+//   arithmetic: the same bits whatever the chunk. Its workspace holds one chunk's states per
+//   (sequence, head) as the threads hold them (dk padded to 8, 16 or 32 rows a thread, dv to a
+//   multiple of 8 columns, or of 32 for the cluster path: the larger, whichever path runs): it
+//   grows with `chunk` (at 4K tokens x 32 heads of 128, 128 MiB at chunk 64, 8 GiB at chunk
+//   4096, beside 128 MiB of per-head dq and dk), the states the forward keeps shrink with it.
 //
 // Precision: q, k, v, out and their gradients bf16; g, beta and their gradients fp32; every state,
 // product and sum fp32. Deterministic: every value is computed by one thread in a fixed order, and
@@ -44,7 +50,22 @@ struct GatedDeltaDims {
   /// (k_heads k_dim, v_heads v_dim); more to read them as column ranges of one [q | k | v] array.
   /// out and d_out are always packed.
   std::int64_t qk_stride = 0, v_stride = 0;
-  /// How the backward spreads over the GPU (the same bits every way: the same sums in the same order).
+  /// Which form of the rule runs (the forward and the backward take it alike; each form computes
+  /// the reference's rule, in other fp32 orders, so their bits differ).
+  enum class Form : std::uint8_t {
+    /// `recurrent` for now: the chunked form's forward is not yet faster (docs/performance.md,
+    /// fortieth session), and the planner sizes the recurrent form's workspace.
+    automatic,
+    /// A chunk of up to 64 tokens at a time as small matrix products (oom::reference::
+    /// gated_delta_rule_chunked_forward / _chunked_backward): the state still passes chunk to chunk,
+    /// but a chunk's tokens are worked together, not one after another. The chunk of the products
+    /// is `chunk`, so its bits depend on it. Refused for chunk > 64.
+    chunked,
+    /// Token by token (below): the bits do not depend on `chunk`.
+    recurrent,
+  };
+  Form form = Form::automatic;
+  /// How the recurrent backward spreads over the GPU (the same bits every way: the same sums in the same order).
   enum class Backward : std::uint8_t {
     /// `cluster` where the device has clusters and the clusters' blocks all fit its SMs at once
     /// (sequences x v_heads x ceil(v_dim / 32) <= SMs: one sequence of the Qwen3-Next layer's 32
@@ -85,8 +106,9 @@ struct GatedDeltaDims {
 cudaError_t gated_delta_forward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
                                 const float* beta, bf16* out, float* states, cudaStream_t stream);
 
-/// Bytes of the backward's workspace: each block's recomputed states of one chunk, and the q and k
-/// gradients per value head before they are summed per key head.
+/// Bytes of the backward's workspace for the form the dims choose: the chunked form's gradient of
+/// every chunk's leaving state, or the recurrent's recomputed states of one chunk a block; and the
+/// q and k gradients per value head before they are summed per key head.
 [[nodiscard]] std::size_t gated_delta_backward_workspace_bytes(const GatedDeltaDims& d);
 
 /// The gradients of the forward's inputs from d_out (T, v_heads, dv) bf16 and the forward's

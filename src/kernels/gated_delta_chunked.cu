@@ -1,0 +1,610 @@
+// The gated delta rule a chunk of up to 64 tokens at a time: the math of oom::reference::
+// gated_delta_rule_chunked_forward / _chunked_backward (src/reference/gated_delta.cpp), with the
+// products of a chunk as small matrix products in shared memory, every value fp32.
+//
+// Per chunk of n tokens with G the decay summed from its start, S the state entering it,
+// A = strict lower (exp(G_i - G_j) k_i . k_j) and Q = lower (exp(G_i - G_j) q_i . k_j):
+//   X = V - diag(exp G) K S;  R_i = X_i - sum_{j<i} A_ij D_j, D = diag(beta) R (the deltas);
+//   out = diag(exp G) Q' S + Q D   (Q' the normalised, scaled q rows);
+//   S' = exp(G_last) S + K^T diag(exp(G_last - G)) D.
+// The state's columns never meet, so the passes that carry it from chunk to chunk run a block per
+// (sequence, value head, 32 columns), as the recurrent forward does, and do per chunk a few
+// products of (64 x 128) by (128 x 32) where the recurrence did 64 dependent steps.
+//
+// Forward: one kernel, the state carried in shared memory, kept every chunk as the recurrent
+// kernels keep it. Backward: a pass from the last chunk carries the gradient dS of the state
+// leaving each chunk (dD = diag(w) K dS + Q^T dO, back substitution through A for dR and h =
+// diag(beta) dR, dS_before = exp(G_last) dS + Q'^T diag(exp G) dO - K^T diag(exp G) h) and writes
+// dv = h and every chunk's dS; then a block per chunk recomputes the chunk from its kept state
+// and its dS and sums what crosses the columns: dq and dk of the normalised rows (per value head,
+// for the l2norm's backward in gated_delta.cu), dbeta = sum_e dR R, and dg through the decays.
+// That block solves the triangular system once, for M = (I + diag(beta) A)^-1 diag(beta), and
+// takes D = M X, R = X - A D, h = M^T dD and dR = dD - A^T h as products, 16 columns at a time.
+// The carrying blocks solve theirs a column a thread, the column in registers.
+// Deterministic: every sum in a fixed order, no atomics.
+#include <algorithm>
+#include <cstdio>
+#include <cstdint>
+
+#include "bf16_device.cuh"
+#include "gated_delta_chunked.hpp"
+
+namespace oom::kernels::detail {
+namespace {
+
+constexpr int threads = 256;
+constexpr int max_rows = static_cast<int>(chunked_max_chunk);  // a chunk's tokens
+constexpr int max_dim = 128;                                    // dk and dv
+constexpr int ldk = max_dim + 1;                                // a token's row of q or k (odd: no bank conflicts)
+constexpr int ldc = max_rows + 1;                               // a chunk x chunk matrix's row
+constexpr int carry_cols = 32;                                  // the state's columns a carrying block owns
+constexpr int ldt = carry_cols + 1;
+constexpr int chunk_cols = 16;                                  // the columns the per-chunk backward takes at once
+constexpr int ldu = chunk_cols + 1;
+constexpr float l2_eps = 1e-6f;                                 // as the recurrent kernels' (FLA's) l2norm
+
+// Phase marks: each is a barrier. Built with -DOOM_GATED_DELTA_PHASES (kernel development), block
+// 0 also prints the cycles since the mark before, summed over its chunks, by the marks' numbers.
+#ifdef OOM_GATED_DELTA_PHASES
+#define PHASES_BEGIN \
+  long long phase_cycles[8] = {0, 0, 0, 0, 0, 0, 0, 0}; \
+  long long phase_last = clock64();
+#define PHASE(k)                                \
+  do {                                          \
+    __syncthreads();                            \
+    const long long phase_now = clock64();      \
+    phase_cycles[k] += phase_now - phase_last;  \
+    phase_last = phase_now;                     \
+  } while (0)
+#define PHASES_PRINT(name)                                                                                                  \
+  do {                                                                                                                      \
+    if (threadIdx.x == 0 && blockIdx.x == 0)                                                                                \
+      printf("%s, kcycles by phase: %lld %lld %lld %lld %lld %lld\n", name, phase_cycles[0] / 1000, phase_cycles[1] / 1000, \
+             phase_cycles[2] / 1000, phase_cycles[3] / 1000, phase_cycles[4] / 1000, phase_cycles[5] / 1000);                \
+  } while (0)
+#else
+#define PHASES_BEGIN
+#define PHASE(k) __syncthreads()
+#define PHASES_PRINT(name)
+#endif
+
+__device__ std::int64_t chunks_of(const GatedDeltaDims& d) { return (d.seq_len + d.chunk - 1) / d.chunk; }
+
+/// C(i, j) = sum_{l < L} A(i, l) B(l, j) for i < M, j < N, handed to out(i, j, C), with A(i, l) at
+/// a[i AR + l AC] and B(l, j) at b[l BR + j BC] (strides known at compile time, so the unrolled
+/// loop's loads take immediate offsets): each thread a TM x TN tile of C whose rows and columns are
+/// mt and nt apart (consecutive threads take consecutive columns: a row-major B is read without bank
+/// conflicts, A as a broadcast). Two calls of the same M, N, TM and TN give each thread the same
+/// elements, so they may add into one output without a barrier between them.
+template <int TM, int TN, int AR, int AC, int BR, int BC, class Out>
+__device__ __forceinline__ void block_gemm(int M, int N, int L, const float* a, const float* b, Out out) {
+  const int mt = (M + TM - 1) / TM, nt = (N + TN - 1) / TN;
+  for (int t = threadIdx.x; t < mt * nt; t += blockDim.x) {
+    const int it = t / nt, jt = t % nt;
+    const float* ar[TM];
+    const float* bc[TN];
+#pragma unroll
+    for (int x = 0; x < TM; ++x) ar[x] = a + min(it + x * mt, M - 1) * AR;  // rows past M read row M - 1, not stored
+#pragma unroll
+    for (int y = 0; y < TN; ++y) bc[y] = b + min(jt + y * nt, N - 1) * BC;
+    float acc[TM][TN];
+#pragma unroll
+    for (int x = 0; x < TM; ++x)
+#pragma unroll
+      for (int y = 0; y < TN; ++y) acc[x][y] = 0.0f;
+#pragma unroll 4
+    for (int l = 0; l < L; ++l) {
+      float av[TM], bv[TN];
+#pragma unroll
+      for (int x = 0; x < TM; ++x) av[x] = ar[x][l * AC];
+#pragma unroll
+      for (int y = 0; y < TN; ++y) bv[y] = bc[y][l * BR];
+#pragma unroll
+      for (int x = 0; x < TM; ++x)
+#pragma unroll
+        for (int y = 0; y < TN; ++y) acc[x][y] = __fmaf_rn(av[x], bv[y], acc[x][y]);
+    }
+#pragma unroll
+    for (int x = 0; x < TM; ++x)
+#pragma unroll
+      for (int y = 0; y < TN; ++y)
+        if (it + x * mt < M && jt + y * nt < N) out(it + x * mt, jt + y * nt, acc[x][y]);
+  }
+}
+
+/// R_i = X_i - sum_{j<i} A_ij D_j and D_i = beta_i R_i, for `cols` (<= 32) columns of row stride
+/// LD, a thread a column holding it in registers (the loops unrolled over the chunk's rows): once
+/// D_j is known it is taken from every later row at once, so a row waits for one product, not for
+/// a sum over the rows before it. R goes into X, or with `w` given w_i D_i (what the forward's
+/// state update takes).
+template <int LD>
+__device__ void solve_deltas(int n, int cols, const float* A, float* X, float* D, const float* beta, const float* w = nullptr) {
+  const int col = threadIdx.x;
+  if (col >= cols) return;
+  float r[max_rows];
+#pragma unroll
+  for (int i = 0; i < max_rows; ++i) r[i] = i < n ? X[i * LD + col] : 0.0f;
+#pragma unroll
+  for (int j = 0; j < max_rows; ++j) {
+    if (j < n) {
+      const float dj = beta[j] * r[j];
+      D[j * LD + col] = dj;
+      X[j * LD + col] = w != nullptr ? w[j] * dj : r[j];
+#pragma unroll
+      for (int i = j + 1; i < max_rows; ++i) r[i] = __fmaf_rn(-A[i * ldc + j], dj, r[i]);
+    }
+  }
+}
+
+/// Its transpose, from the last row: dR_i = dD_i - sum_{l>i} A_li h_l (into dD) and h_i = beta_i dR_i.
+template <int LD>
+__device__ void solve_delta_grads(int n, int cols, const float* A, float* dD, float* H, const float* beta) {
+  const int col = threadIdx.x;
+  if (col >= cols) return;
+  float r[max_rows];
+#pragma unroll
+  for (int i = 0; i < max_rows; ++i) r[i] = i < n ? dD[i * LD + col] : 0.0f;
+#pragma unroll
+  for (int l = max_rows - 1; l >= 0; --l) {
+    if (l < n) {
+      const float hl = beta[l] * r[l];
+      dD[l * LD + col] = r[l];
+      H[l * LD + col] = hl;
+#pragma unroll
+      for (int i = 0; i < l; ++i) r[i] = __fmaf_rn(-A[l * ldc + i], hl, r[i]);
+    }
+  }
+}
+
+/// A chunk's per-token quantities in shared memory: the l2-normalised k rows and q rows (q also by
+/// 1 / sqrt(dk)), G, exp(G), w = exp(G_last - G), beta, and A and Q as the header says.
+struct Chunk {
+  float *kn, *qn, *A, *Q, *G, *eg, *w, *beta;
+};
+
+/// Rows [t0, t0 + n) of sequence b, key head of value head h, normalised into qn and kn (ldk
+/// apart; kn nullptr: the q rows only): the block loads every value first (many loads in flight),
+/// then a warp a row sums its squares and scales it.
+__device__ void load_normalised(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n,
+                                const std::uint16_t* q, const std::uint16_t* k, float* qn, float* kn) {
+  const int dk = static_cast<int>(d.k_dim);
+  const std::int64_t kh = h / (d.v_heads / d.k_heads);
+  const int which = kn == nullptr ? 1 : 2;
+  const std::int64_t first = (b * d.seq_len + t0) * d.qk_stride + kh * dk;
+  if (dk % 8 == 0 && d.qk_stride % 8 == 0 && (reinterpret_cast<std::uintptr_t>(q + first) | reinterpret_cast<std::uintptr_t>(k + first)) % 16 == 0) {
+    // Eight values a load, all of a thread's loads issued before their stores.
+    const int per_row = dk / 8, vectors = which * n * per_row;
+    constexpr int unroll = 4;
+    for (int e0 = threadIdx.x; e0 < vectors; e0 += unroll * blockDim.x) {
+      uint4 r[unroll];
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        const int e = e0 + u * blockDim.x, row = e / per_row, i = row % n;
+        if (e < vectors)
+          r[u] = *reinterpret_cast<const uint4*>((row < n ? q : k) + first + i * d.qk_stride + e % per_row * 8);
+      }
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        const int e = e0 + u * blockDim.x, row = e / per_row, i = row % n;
+        if (e >= vectors) continue;
+        float f[8];
+        unpack_bf16(r[u], f);
+        float* dst = (row < n ? qn : kn) + i * ldk + e % per_row * 8;
+#pragma unroll
+        for (int x = 0; x < 8; ++x) dst[x] = f[x];
+      }
+    }
+  } else {
+    for (int e = threadIdx.x; e < which * n * dk; e += blockDim.x) {
+      const int r = e / dk, a = e % dk, i = r % n;
+      (r < n ? qn : kn)[i * ldk + a] = bf16_to_float((r < n ? q : k)[first + i * d.qk_stride + a]);
+    }
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const float scale = 1.0f / sqrtf(static_cast<float>(dk));
+  for (int r = warp; r < which * n; r += warps) {
+    float* row = (r < n ? qn : kn) + (r % n) * ldk;
+    float ss = 0;
+    for (int a = lane; a < dk; a += 32) ss += row[a] * row[a];
+    const float inv = 1.0f / sqrtf(warp_sum(ss) + l2_eps) * (r < n ? scale : 1.0f);
+    for (int a = lane; a < dk; a += 32) row[a] *= inv;
+  }
+}
+
+/// Fills c for tokens [t0, t0 + n) of (sequence b, value head h). Synchronises before returning.
+__device__ void prepare(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n, const std::uint16_t* q,
+                        const std::uint16_t* k, const float* g, const float* beta, const Chunk& c) {
+  const std::int64_t H = d.v_heads, row0 = (b * d.seq_len + t0) * H + h;
+  if (threadIdx.x < n) {
+    c.eg[threadIdx.x] = g[row0 + threadIdx.x * H];
+    c.beta[threadIdx.x] = beta[row0 + threadIdx.x * H];
+  }
+  load_normalised(d, b, h, t0, n, q, k, c.qn, c.kn);  // synchronises after its loads
+  if (threadIdx.x == 0) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; ++i) c.G[i] = acc += c.eg[i];
+  }
+  __syncthreads();
+  if (threadIdx.x < n) {
+    const int i = threadIdx.x;
+    c.eg[i] = expf(c.G[i]);
+    c.w[i] = expf(c.G[n - 1] - c.G[i]);
+  }
+  const int dk = static_cast<int>(d.k_dim);
+  // A and Q: k rows, and q rows, by k rows.
+  block_gemm<4, 4, ldk, 1, 1, ldk>(n, n, dk, c.kn, c.kn, [&](int i, int j, float x) {
+    c.A[i * ldc + j] = j < i ? expf(c.G[i] - c.G[j]) * x : 0.0f;
+  });
+  block_gemm<4, 4, ldk, 1, 1, ldk>(n, n, dk, c.qn, c.kn, [&](int i, int j, float x) {
+    c.Q[i * ldc + j] = j <= i ? expf(c.G[i] - c.G[j]) * x : 0.0f;
+  });
+  __syncthreads();
+}
+
+/// Carves the chunk's arrays from `at`; returns the next free float.
+__device__ float* carve(Chunk& c, float* at, bool with_q_rows) {
+  c.kn = at;
+  at += max_rows * ldk;
+  if (with_q_rows) {
+    c.qn = at;
+    at += max_rows * ldk;
+  }
+  c.A = at;
+  c.Q = at + max_rows * ldc;
+  at += 2 * max_rows * ldc;
+  c.G = at;
+  c.eg = at + max_rows;
+  c.w = at + 2 * max_rows;
+  c.beta = at + 3 * max_rows;
+  return at + 4 * max_rows;
+}
+constexpr std::size_t chunk_floats(bool with_q_rows) {
+  return static_cast<std::size_t>((with_q_rows ? 2 : 1) * max_rows * ldk + 2 * max_rows * ldc + 4 * max_rows);
+}
+
+/// Rows of a (dk, dv) state's columns [j0, j0 + cols) to or from a shared tile (ld apart), zeros
+/// past dv.
+__device__ void load_state(const GatedDeltaDims& d, const float* m, std::int64_t j0, int cols, int ld, float* tile) {
+  for (int e = threadIdx.x; e < d.k_dim * cols; e += blockDim.x) {
+    const int a = e / cols, j = e % cols;
+    tile[a * ld + j] = j0 + j < d.v_dim ? m[a * d.v_dim + j0 + j] : 0.0f;
+  }
+}
+__device__ void save_state(const GatedDeltaDims& d, const float* tile, std::int64_t j0, int cols, int ld, float* m) {
+  for (int e = threadIdx.x; e < d.k_dim * cols; e += blockDim.x) {
+    const int a = e / cols, j = e % cols;
+    if (j0 + j < d.v_dim) m[a * d.v_dim + j0 + j] = tile[a * ld + j];
+  }
+}
+/// Tokens [t0, t0 + n) of a (T, heads, dv) bf16 array (rows `stride` apart), value head h, columns
+/// [j0, j0 + cols), into a tile (ld apart), zeros past dv.
+__device__ void load_rows(const GatedDeltaDims& d, const std::uint16_t* x, std::int64_t stride, std::int64_t b, std::int64_t h,
+                          std::int64_t t0, int n, std::int64_t j0, int cols, int ld, float* tile) {
+  for (int e = threadIdx.x; e < n * cols; e += blockDim.x) {
+    const int i = e / cols, j = e % cols;
+    tile[i * ld + j] = j0 + j < d.v_dim ? bf16_to_float(x[(b * d.seq_len + t0 + i) * stride + h * d.v_dim + j0 + j]) : 0.0f;
+  }
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+
+constexpr std::size_t forward_floats = chunk_floats(true) + max_dim * ldt + 3 * max_rows * ldt;
+
+__global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
+                                                                  const std::uint16_t* v, const float* g, const float* beta,
+                                                                  std::uint16_t* out, float* states) {
+  extern __shared__ float smem[];
+  Chunk c;
+  float* S = carve(c, smem, true);
+  float* X = S + max_dim * ldt;
+  float* D = X + max_rows * ldt;
+  float* O = D + max_rows * ldt;
+  const std::int64_t H = d.v_heads, tiles = (d.v_dim + carry_cols - 1) / carry_cols;
+  const std::int64_t bh = blockIdx.x / tiles, b = bh / H, h = bh % H, j0 = blockIdx.x % tiles * carry_cols;
+  const int dk = static_cast<int>(d.k_dim);
+  float* kept = states + bh * d.states_stride;
+  if (d.from_kept_state) load_state(d, kept, j0, carry_cols, ldt, S);
+  else
+    for (int e = threadIdx.x; e < max_dim * ldt; e += blockDim.x) S[e] = 0.0f;
+  const std::int64_t chunks = chunks_of(d);
+  PHASES_BEGIN
+  for (std::int64_t ci = 0; ci < chunks; ++ci) {
+    __syncthreads();
+    save_state(d, S, j0, carry_cols, ldt, kept + ci * d.k_dim * d.v_dim);
+    const std::int64_t t0 = ci * d.chunk;
+    const int n = static_cast<int>(min(d.chunk, d.seq_len - t0));
+    load_rows(d, v, d.v_stride, b, h, t0, n, j0, carry_cols, ldt, X);
+    PHASE(0);
+    prepare(d, b, h, t0, n, q, k, g, beta, c);
+    PHASE(1);
+    // X -= diag(exp G) K S; O = diag(exp G) Q' S.
+    block_gemm<2, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, S, [&](int i, int j, float x) { X[i * ldt + j] -= c.eg[i] * x; });
+    block_gemm<2, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.qn, S, [&](int i, int j, float x) { O[i * ldt + j] = c.eg[i] * x; });
+    PHASE(2);
+    solve_deltas<ldt>(n, carry_cols, c.A, X, D, c.beta, c.w);  // X = diag(w) D
+    PHASE(3);
+    // out = O + Q D; S = exp(G_last) S + K^T diag(w) D.
+    std::uint16_t* o = out + ((b * d.seq_len + t0) * H + h) * d.v_dim + j0;
+    block_gemm<2, 2, ldc, 1, ldt, 1>(n, carry_cols, n, c.Q, D, [&](int i, int j, float x) {
+      if (j0 + j < d.v_dim) o[i * H * d.v_dim + j] = float_to_bf16(O[i * ldt + j] + x);
+    });
+    const float last = c.eg[n - 1];
+    block_gemm<4, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.kn, X,
+                                      [&](int a, int j, float x) { S[a * ldt + j] = __fmaf_rn(last, S[a * ldt + j], x); });
+    PHASE(4);
+  }
+  PHASES_PRINT("forward (0 loads, 1 prepare, 2 K S and Q S, 3 solve, 4 out and the state)");
+  __syncthreads();
+  save_state(d, S, j0, carry_cols, ldt, kept + chunks * d.k_dim * d.v_dim);
+}
+
+// ---- backward: the state's gradient from the last chunk -------------------------------------------
+
+constexpr std::size_t carry_floats = chunk_floats(true) + max_dim * ldt + 3 * max_rows * ldt;
+
+__global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
+                                                                const float* g, const float* beta, const std::uint16_t* d_out,
+                                                                std::uint16_t* dv_out, float* d_state, float* dS_all) {
+  extern __shared__ float smem[];
+  Chunk c;
+  float* dS = carve(c, smem, true);
+  float* dO = dS + max_dim * ldt;
+  float* dD = dO + max_rows * ldt;
+  float* Hh = dD + max_rows * ldt;
+  const std::int64_t H = d.v_heads, tiles = (d.v_dim + carry_cols - 1) / carry_cols, chunks = chunks_of(d);
+  const std::int64_t bh = blockIdx.x / tiles, b = bh / H, h = bh % H, j0 = blockIdx.x % tiles * carry_cols;
+  const std::int64_t state = d.k_dim * d.v_dim;
+  const int dk = static_cast<int>(d.k_dim);
+  if (d_state != nullptr) load_state(d, d_state + bh * state, j0, carry_cols, ldt, dS);
+  else
+    for (int e = threadIdx.x; e < max_dim * ldt; e += blockDim.x) dS[e] = 0.0f;
+  PHASES_BEGIN
+  for (std::int64_t ci = chunks - 1; ci >= 0; --ci) {
+    __syncthreads();
+    save_state(d, dS, j0, carry_cols, ldt, dS_all + (bh * chunks + ci) * state);
+    const std::int64_t t0 = ci * d.chunk;
+    const int n = static_cast<int>(min(d.chunk, d.seq_len - t0));
+    load_rows(d, d_out, H * d.v_dim, b, h, t0, n, j0, carry_cols, ldt, dO);
+    PHASE(0);
+    prepare(d, b, h, t0, n, q, k, g, beta, c);
+    PHASE(1);
+    // dD = diag(w) K dS + Q^T dO (the same threads' elements in both).
+    block_gemm<2, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, dS, [&](int i, int j, float x) { dD[i * ldt + j] = c.w[i] * x; });
+    block_gemm<2, 2, 1, ldc, ldt, 1>(n, carry_cols, n, c.Q, dO, [&](int i, int j, float x) { dD[i * ldt + j] += x; });
+    PHASE(2);
+    solve_delta_grads<ldt>(n, carry_cols, c.A, dD, Hh, c.beta);
+    PHASE(3);
+    // dv = h; then dO and h scaled by exp G (into dD and h) for the state's gradient.
+    for (int e = threadIdx.x; e < n * carry_cols; e += blockDim.x) {
+      const int i = e / carry_cols, j = e % carry_cols;
+      const float hv = Hh[i * ldt + j];
+      if (j0 + j < d.v_dim) dv_out[(b * d.seq_len + t0 + i) * d.v_stride + h * d.v_dim + j0 + j] = float_to_bf16(hv);
+      dD[i * ldt + j] = c.eg[i] * dO[i * ldt + j];
+      Hh[i * ldt + j] = -(c.eg[i] * hv);
+    }
+    __syncthreads();
+    // dS = exp(G_last) dS + Q'^T diag(exp G) dO - K^T diag(exp G) h.
+    const float last = c.eg[n - 1];
+    block_gemm<4, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.qn, dD,
+                                      [&](int a, int j, float x) { dS[a * ldt + j] = __fmaf_rn(last, dS[a * ldt + j], x); });
+    block_gemm<4, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.kn, Hh, [&](int a, int j, float x) { dS[a * ldt + j] += x; });
+    PHASE(4);
+  }
+  PHASES_PRINT("carry (0 loads, 1 prepare, 2 dD, 3 solve, 4 the state's gradient)");
+  __syncthreads();
+  if (d_state != nullptr) save_state(d, dS, j0, carry_cols, ldt, d_state + bh * state);
+}
+
+// ---- backward: each chunk from its kept state and its dS --------------------------------------------
+
+// The per-chunk tiles (chunk_cols columns): S0 and dS (dk rows); X (then R), U = K S0, D, P = K dS,
+// dD (then dR), h, dO (chunk rows). The q rows share their space: loaded before and after the tiles.
+constexpr std::size_t tile_floats = 2 * max_dim * ldu + 7 * max_rows * ldu;
+static_assert(tile_floats >= static_cast<std::size_t>(max_rows * ldk), "the q rows fit the tiles' space");
+constexpr int ldq = max_dim;  // the dq' and dk accumulators' rows (written and read along rows only)
+constexpr std::size_t chunk_grad_floats =
+    chunk_floats(false) + 2 * max_rows * ldq + 3 * max_rows * ldc + tile_floats + 3 * max_rows + max_dim + 2;
+static_assert(chunk_grad_floats * sizeof(float) <= 227 * 1024, "the per-chunk backward fits an SM's shared memory");
+static_assert(tile_floats >= static_cast<std::size_t>(max_rows * ldc), "the identity for M fits the tiles' space");
+
+__global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
+                                                               const std::uint16_t* v, const float* g, const float* beta,
+                                                               const std::uint16_t* d_out, const float* states, const float* dS_all,
+                                                               float* dg, float* dbeta, float* dq_part, float* dk_part) {
+  extern __shared__ float smem[];
+  Chunk c;
+  float* dQ = carve(c, smem, false);  // d loss / d q' rows (n, dk)
+  float* dK = dQ + max_rows * ldq;
+  float* dqk = dK + max_rows * ldq;   // d loss / d Q (before the decays), (n, n)
+  float* dkk = dqk + max_rows * ldc;  // d loss / d A
+  float* M = dkk + max_rows * ldc;    // (I + diag(beta) A)^-1 diag(beta): D = M X, h = M^T dD
+  float* area = M + max_rows * ldc;
+  float* S0 = area;
+  float* dS = S0 + max_dim * ldu;
+  float* X = dS + max_dim * ldu;
+  float* U = X + max_rows * ldu;
+  float* D = U + max_rows * ldu;
+  float* P = D + max_rows * ldu;
+  float* dD = P + max_rows * ldu;
+  float* Hh = dD + max_rows * ldu;
+  float* dO = Hh + max_rows * ldu;
+  float* dG = area + tile_floats;  // (n): d loss / d G
+  float* dB = dG + max_rows;       // (n): d loss / d beta
+  float* dQo = dB + max_rows;      // (n): the out term of dG, q' . dq'
+  float* part = dQo + max_rows;    // (dk): S0 . dS by rows of the state
+  float* last_grad = part + max_dim;  // d loss / d G_last from the state's terms
+  c.qn = area;
+
+  const std::int64_t H = d.v_heads, chunks = chunks_of(d), state = d.k_dim * d.v_dim;
+  const std::int64_t bh = blockIdx.x / chunks, ci = blockIdx.x % chunks, b = bh / H, h = bh % H;
+  const std::int64_t t0 = ci * d.chunk;
+  const int n = static_cast<int>(min(d.chunk, d.seq_len - t0)), dk = static_cast<int>(d.k_dim);
+  PHASES_BEGIN
+  prepare(d, b, h, t0, n, q, k, g, beta, c);
+  PHASE(0);
+  for (int e = threadIdx.x; e < max_rows * ldq; e += blockDim.x) dQ[e] = dK[e] = 0.0f;
+  for (int e = threadIdx.x; e < max_rows * ldc; e += blockDim.x) {
+    dqk[e] = dkk[e] = 0.0f;
+    area[e] = e / ldc == e % ldc ? 1.0f : 0.0f;  // the identity, solved for M
+  }
+  if (threadIdx.x < max_rows) dG[threadIdx.x] = dB[threadIdx.x] = 0.0f;
+  if (threadIdx.x == 0) *last_grad = 0.0f;
+  __syncthreads();
+  solve_deltas<ldc>(n, n, c.A, area, M, c.beta);  // the chunk's one triangular solve, a column a thread
+  const float* S0_all = states + bh * d.states_stride + ci * state;
+  const float* dS_chunk = dS_all + (bh * chunks + ci) * state;
+  for (std::int64_t j0 = 0; j0 < d.v_dim; j0 += chunk_cols) {
+    __syncthreads();
+    load_state(d, S0_all, j0, chunk_cols, ldu, S0);
+    load_state(d, dS_chunk, j0, chunk_cols, ldu, dS);
+    load_rows(d, v, d.v_stride, b, h, t0, n, j0, chunk_cols, ldu, X);
+    load_rows(d, d_out, H * d.v_dim, b, h, t0, n, j0, chunk_cols, ldu, dO);
+    PHASE(1);
+    // U = K S0, X -= diag(exp G) U; P = K dS.
+    block_gemm<2, 1, ldk, 1, ldu, 1>(n, chunk_cols, dk, c.kn, S0, [&](int i, int j, float x) {
+      U[i * ldu + j] = x;
+      X[i * ldu + j] -= c.eg[i] * x;
+    });
+    block_gemm<2, 1, ldk, 1, ldu, 1>(n, chunk_cols, dk, c.kn, dS, [&](int i, int j, float x) { P[i * ldu + j] = x; });
+    PHASE(2);
+    // D = M X and dD = diag(w) P + Q^T dO; then R = X - A D and h = M^T dD; then dR = dD - A^T h.
+    block_gemm<2, 1, ldc, 1, ldu, 1>(n, chunk_cols, n, M, X, [&](int i, int j, float x) { D[i * ldu + j] = x; });
+    block_gemm<2, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, c.Q, dO,
+                                      [&](int i, int j, float x) { dD[i * ldu + j] = __fmaf_rn(c.w[i], P[i * ldu + j], x); });
+    PHASE(3);
+    block_gemm<2, 1, ldc, 1, ldu, 1>(n, chunk_cols, n, c.A, D, [&](int i, int j, float x) { X[i * ldu + j] -= x; });
+    block_gemm<2, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, M, dD, [&](int i, int j, float x) { Hh[i * ldu + j] = x; });
+    PHASE(3);
+    block_gemm<2, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, c.A, Hh, [&](int i, int j, float x) { dD[i * ldu + j] -= x; });
+    PHASE(3);
+    // The sums over this tile's columns: dbeta_i += dR_i . R_i; dG_i -= exp(G_i) U_i . h_i + w_i D_i . P_i,
+    // and dG_last gains w_i D_i . P_i and exp(G_last) S0 . dS.
+    if (threadIdx.x < n) {
+      const int i = threadIdx.x;
+      float r1 = 0, r2 = 0, r3 = 0;
+      for (int j = 0; j < chunk_cols; ++j) {
+        r1 = __fmaf_rn(dD[i * ldu + j], X[i * ldu + j], r1);
+        r2 = __fmaf_rn(U[i * ldu + j], Hh[i * ldu + j], r2);
+        r3 = __fmaf_rn(D[i * ldu + j], P[i * ldu + j], r3);
+      }
+      dB[i] += r1;
+      dG[i] -= c.eg[i] * r2 + c.w[i] * r3;
+      dQo[i] = c.w[i] * r3;  // for last_grad, below
+    } else if (threadIdx.x >= 128 && threadIdx.x - 128 < dk) {
+      const int a = threadIdx.x - 128;
+      float s = 0;
+      for (int j = 0; j < chunk_cols; ++j) s = __fmaf_rn(S0[a * ldu + j], dS[a * ldu + j], s);
+      part[a] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float s = 0, wsum = 0;
+      for (int a = 0; a < dk; ++a) s += part[a];
+      for (int i = 0; i < n; ++i) wsum += dQo[i];
+      *last_grad += c.eg[n - 1] * s + wsum;
+    }
+    // dq' += diag(exp G) dO S0^T; dk += diag(w) D dS^T - diag(exp G) h S0^T;
+    // d Q += dO D^T; d A -= h D^T (the masks applied after the tiles).
+    block_gemm<2, 4, ldu, 1, 1, ldu>(n, dk, chunk_cols, dO, S0,
+                                      [&](int i, int a, float x) { dQ[i * ldq + a] = __fmaf_rn(c.eg[i], x, dQ[i * ldq + a]); });
+    block_gemm<2, 4, ldu, 1, 1, ldu>(n, dk, chunk_cols, D, dS, [&](int i, int a, float x) { dK[i * ldq + a] += c.w[i] * x; });
+    block_gemm<2, 4, ldu, 1, 1, ldu>(n, dk, chunk_cols, Hh, S0, [&](int i, int a, float x) { dK[i * ldq + a] -= c.eg[i] * x; });
+    block_gemm<2, 2, ldu, 1, 1, ldu>(n, n, chunk_cols, dO, D, [&](int i, int j, float x) { dqk[i * ldc + j] += x; });
+    block_gemm<2, 2, ldu, 1, 1, ldu>(n, n, chunk_cols, Hh, D, [&](int i, int j, float x) { dkk[i * ldc + j] -= x; });
+    PHASE(4);
+  }
+  __syncthreads();
+  load_normalised(d, b, h, t0, n, q, k, c.qn, nullptr);  // the q rows again, over the tiles
+  __syncthreads();
+  // dG from out's S0 term (q' . dq' so far) and from the decays of Q and A, before the masks.
+  {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int i = warp; i < n; i += blockDim.x / 32) {
+      float s = 0;
+      for (int a = lane; a < dk; a += 32) s = __fmaf_rn(c.qn[i * ldk + a], dQ[i * ldq + a], s);
+      s = warp_sum(s);
+      if (lane == 0) dQo[i] = s;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < n) {
+    const int i = threadIdx.x;
+    float rows = 0, cols = 0;
+    for (int l = 0; l < n; ++l) {
+      rows += dqk[i * ldc + l] * c.Q[i * ldc + l] + dkk[i * ldc + l] * c.A[i * ldc + l];
+      cols += dqk[l * ldc + i] * c.Q[l * ldc + i] + dkk[l * ldc + i] * c.A[l * ldc + i];
+    }
+    dG[i] += dQo[i] + rows - cols;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < n * n; e += blockDim.x) {
+    const int i = e / n, j = e % n;
+    const float gamma = j <= i ? expf(c.G[i] - c.G[j]) : 0.0f;
+    dqk[i * ldc + j] *= gamma;
+    dkk[i * ldc + j] = j < i ? dkk[i * ldc + j] * gamma : 0.0f;
+  }
+  __syncthreads();
+  // dq'_i += sum_j dQ_ij K_j; dk_j += sum_i dQ_ij q'_i + sum_i dA_ij k_i + sum_l dA_jl k_l.
+  block_gemm<2, 4, ldc, 1, ldk, 1>(n, dk, n, dqk, c.kn, [&](int i, int a, float x) { dQ[i * ldq + a] += x; });
+  block_gemm<2, 4, 1, ldc, ldk, 1>(n, dk, n, dqk, c.qn, [&](int j, int a, float x) { dK[j * ldq + a] += x; });
+  block_gemm<2, 4, 1, ldc, ldk, 1>(n, dk, n, dkk, c.kn, [&](int j, int a, float x) { dK[j * ldq + a] += x; });
+  block_gemm<2, 4, ldc, 1, ldk, 1>(n, dk, n, dkk, c.kn, [&](int j, int a, float x) { dK[j * ldq + a] += x; });
+  __syncthreads();
+  for (int e = threadIdx.x; e < n * dk; e += blockDim.x) {
+    const int i = e / dk, a = e % dk;
+    const std::int64_t row = ((b * d.seq_len + t0 + i) * H + h) * d.k_dim;
+    dq_part[row + a] = dQ[i * ldq + a];
+    dk_part[row + a] = dK[i * ldq + a];
+  }
+  PHASE(5);
+  PHASES_PRINT("chunks (0 prepare, 1 tile loads, 2 U and P, 3 D, R, h, dR, 4 the tiles' sums, 5 the masks and dk)");
+  if (threadIdx.x == 0) {
+    dG[n - 1] += *last_grad;
+    float tail = 0;
+    for (int i = n - 1; i >= 0; --i) {
+      tail += dG[i];
+      const std::int64_t gi = (b * d.seq_len + t0 + i) * H + h;
+      dg[gi] = tail;
+      dbeta[gi] = dB[i];
+    }
+  }
+}
+
+template <class Kernel>
+cudaError_t reserve(Kernel kernel, std::size_t floats) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(floats * sizeof(float)));
+}
+
+}  // namespace
+
+std::size_t gated_delta_chunked_scratch_floats(const GatedDeltaDims& d) {
+  return static_cast<std::size_t>(d.sequences * d.v_heads * ((d.seq_len + d.chunk - 1) / d.chunk) * d.k_dim * d.v_dim);
+}
+
+cudaError_t gated_delta_chunked_forward(const GatedDeltaDims& d, const std::uint16_t* q, const std::uint16_t* k,
+                                        const std::uint16_t* v, const float* g, const float* beta, std::uint16_t* out,
+                                        float* states, cudaStream_t stream) {
+  if (const cudaError_t e = reserve(chunked_forward_kernel, forward_floats); e != cudaSuccess) return e;
+  const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * ((d.v_dim + carry_cols - 1) / carry_cols));
+  chunked_forward_kernel<<<blocks, threads, forward_floats * sizeof(float), stream>>>(d, q, k, v, g, beta, out, states);
+  return cudaGetLastError();
+}
+
+cudaError_t gated_delta_chunked_backward(const GatedDeltaDims& d, const std::uint16_t* q, const std::uint16_t* k,
+                                         const std::uint16_t* v, const float* g, const float* beta, const std::uint16_t* d_out,
+                                         const float* states, std::uint16_t* dv, float* dg, float* dbeta, float* d_state,
+                                         float* scratch, float* dq_part, float* dk_part, cudaStream_t stream) {
+  if (const cudaError_t e = reserve(chunked_carry_kernel, carry_floats); e != cudaSuccess) return e;
+  if (const cudaError_t e = reserve(chunked_grad_kernel, chunk_grad_floats); e != cudaSuccess) return e;
+  const std::int64_t chunks = (d.seq_len + d.chunk - 1) / d.chunk;
+  const auto carriers = static_cast<unsigned>(d.sequences * d.v_heads * ((d.v_dim + carry_cols - 1) / carry_cols));
+  chunked_carry_kernel<<<carriers, threads, carry_floats * sizeof(float), stream>>>(d, q, k, g, beta, d_out, dv, d_state, scratch);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * chunks);
+  chunked_grad_kernel<<<blocks, threads, chunk_grad_floats * sizeof(float), stream>>>(d, q, k, v, g, beta, d_out, states, scratch, dg,
+                                                                                       dbeta, dq_part, dk_part);
+  return cudaGetLastError();
+}
+
+}  // namespace oom::kernels::detail
