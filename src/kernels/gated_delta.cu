@@ -547,6 +547,9 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
     return detail::refuse(name, ": k_dim = ", d.k_dim, ", v_dim = ", d.v_dim, " (need 1..", max_dim, " each: the state's rows and "
                           "columns are held in registers)");
   if (d.chunk < 1) return detail::refuse(name, ": chunk = ", d.chunk, " (must be >= 1)");
+  using Path = GatedDeltaDims::Backward;
+  if (d.backward != Path::automatic && d.backward != Path::cluster && d.backward != Path::one_block)
+    return detail::refuse(name, ": backward = ", static_cast<int>(d.backward), " is none of automatic (0), cluster (1), one_block (2)");
   using Form = GatedDeltaDims::Form;
   if (d.form != Form::automatic && d.form != Form::chunked && d.form != Form::recurrent)
     return detail::refuse(name, ": form = ", static_cast<int>(d.form), " is none of automatic (0), chunked (1), recurrent (2)");
@@ -566,10 +569,6 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
     return detail::refuse(name, ": ", d.sequences * d.seq_len, " tokens x ", d.k_heads, " key heads need more than 2^31 - 1 blocks");
   return cudaSuccess;
 }
-
-/// Whether the dims run the chunked form (GatedDeltaDims::Form): from the dims alone, so the
-/// workspace does not depend on the device.
-bool chunked(const GatedDeltaDims& d) { return d.form == GatedDeltaDims::Form::chunked; }
 
 /// The dims as the kernels read them: a stride of 0 is the packed one.
 GatedDeltaDims with_strides(GatedDeltaDims d) {
@@ -593,6 +592,33 @@ std::int64_t backward_threads(const GatedDeltaDims& d) { return round_up(d.v_dim
 std::int64_t scratch_floats(const GatedDeltaDims& d) {
   const std::int64_t threads = std::max(backward_threads(d), column_blocks(d.v_dim) * cluster_threads);
   return round_up(d.sequences * d.v_heads * std::min(d.chunk, d.seq_len) * rows_per_thread(d.k_dim) * threads, 64);
+}
+
+/// Whether the chunked form may run for these dims (GatedDeltaDims::Form), whatever the device.
+bool chunk_fits(const GatedDeltaDims& d) { return d.chunk <= detail::chunked_max_chunk; }
+
+/// Whether the dims run the chunked form on the current device: `automatic` takes it where the
+/// chunk fits and the device has the shared memory of compute capability 9.0 and later.
+cudaError_t runs_chunked(const GatedDeltaDims& d, bool* chunked) {
+  using Form = GatedDeltaDims::Form;
+  *chunked = d.form == Form::chunked;
+  if (d.form != Form::automatic || !chunk_fits(d)) return cudaSuccess;
+  int device = 0, major = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device); e != cudaSuccess) return e;
+  *chunked = major >= 9;
+  return cudaSuccess;
+}
+
+/// Floats of the backward's scratch before the per-head dq and dk, from the dims alone (so the
+/// workspace does not depend on the device): the form's, or under `automatic` (either may run)
+/// the larger of the two.
+std::int64_t form_scratch_floats(const GatedDeltaDims& d) {
+  using Form = GatedDeltaDims::Form;
+  const auto chunked = static_cast<std::int64_t>(detail::gated_delta_chunked_scratch_floats(d));
+  if (d.form == Form::chunked) return round_up(chunked, 64);
+  if (d.form == Form::recurrent || !chunk_fits(d)) return scratch_floats(d);
+  return round_up(std::max(chunked, scratch_floats(d)), 64);
 }
 
 template <int R>
@@ -665,8 +691,7 @@ std::size_t gated_delta_backward_workspace_bytes(const GatedDeltaDims& d) {
   if (d.sequences < 1 || d.seq_len < 1 || d.chunk < 1 || d.k_dim < 1 || d.v_dim < 1) return 0;
   // The chunked form's leaving-state gradients, or each recurrent block's states of one chunk as
   // its threads hold them (R rows each); then dq and dk per value head.
-  const auto scratch = chunked(d) ? static_cast<std::int64_t>(detail::gated_delta_chunked_scratch_floats(d)) : scratch_floats(d);
-  return static_cast<std::size_t>(round_up(scratch, 64) + 2 * d.tokens() * d.v_heads * d.k_dim) * sizeof(float);
+  return static_cast<std::size_t>(form_scratch_floats(d) + 2 * d.tokens() * d.v_heads * d.k_dim) * sizeof(float);
 }
 
 cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const bf16* k, const bf16* v, const float* g,
@@ -679,7 +704,9 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const
                                                        {"states", states}});
       e != cudaSuccess)
     return e;
-  if (chunked(d))
+  bool chunk_form = false;
+  if (const cudaError_t e = runs_chunked(d, &chunk_form); e != cudaSuccess) return e;
+  if (chunk_form)
     return detail::gated_delta_chunked_forward(d, reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
                                                reinterpret_cast<const std::uint16_t*>(v), g, beta,
                                                reinterpret_cast<std::uint16_t*>(out), states, stream);
@@ -719,9 +746,9 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
   if (workspace == nullptr || workspace_bytes < need)
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "gated_delta_backward_workspace_bytes(dims)");
   auto* scratch = static_cast<float*>(workspace);
-  const bool chunk_form = chunked(d);
-  float* dq_part =
-      scratch + round_up(chunk_form ? static_cast<std::int64_t>(detail::gated_delta_chunked_scratch_floats(d)) : scratch_floats(d), 64);
+  bool chunk_form = false;
+  if (const cudaError_t e = runs_chunked(d, &chunk_form); e != cudaSuccess) return e;
+  float* dq_part = scratch + form_scratch_floats(d);
   float* dk_part = dq_part + d.tokens() * d.v_heads * d.k_dim;
   const auto* qb = reinterpret_cast<const std::uint16_t*>(q);
   const auto* kb = reinterpret_cast<const std::uint16_t*>(k);

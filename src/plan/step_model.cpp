@@ -135,9 +135,13 @@ WorkItem StepModel::attention_item(int layer) const {
     // layout's copies) in bf16; rstd, dg, dbeta in fp32; the rule's dq and dk per value head in fp32;
     // the conv's, the gated norm's and the gates' weight-gradient partials (a block's per 256, 128
     // and 64 tokens).
+    // And the chunked rule's gradient of the state leaving every chunk of 64 tokens (a state per
+    // head a chunk: as much as the states the forward keeps). The rule's workspace is the larger of
+    // the two forms' scratch (either may run: GatedDeltaDims::Form::automatic), counted here as
+    // their sum: over by the smaller, the recurrent's fixed one at long parts.
     const std::uint64_t per_token = (2 * vw + 2 * C + PW + 2 * vh + (fused ? PW + 2 * vh : 0)) * bf16_bytes + 3 * vh * fp32_bytes +
                                     2 * vh * dk * fp32_bytes + ceil_div(C * K * fp32_bytes, 256) + ceil_div(vw * fp32_bytes, 128) +
-                                    ceil_div(2 * vh * fp32_bytes, 64);
+                                    ceil_div(2 * vh * fp32_bytes, 64) + ceil_div(vh * dk * dv * fp32_bytes, 64);
     w.per_unit = Bytes{b * per_token};
   }
   return w;

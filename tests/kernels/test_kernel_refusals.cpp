@@ -366,6 +366,24 @@ TEST_CASE("the gated delta rule's refusals name the dims, the array and the work
   expect_refused(k::gated_delta_backward(bad, fake(), fake(), fake(), fake<float>(), fake<float>(), fake(), fake<float>(), fake(),
                                          fake(), fake(), fake<float>(), fake<float>(), fake<void>(), need, nullptr),
                  {"gated_delta_backward: backward = 7 is none of automatic (0), cluster (1), one_block (2)"});
+  bad = d;
+  bad.form = static_cast<k::GatedDeltaDims::Form>(9);
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: form = 9 is none of automatic (0), chunked (1), recurrent (2)"});
+  bad = d;
+  bad.form = k::GatedDeltaDims::Form::chunked;
+  bad.chunk = 128;
+  expect_refused(forward(bad, fake()), {"gated_delta_forward: form = chunked takes chunk <= 64, not 128"});
+  // The chunked form's scratch: the gradient of every chunk's leaving state (2 sequences x 4 heads
+  // x 2 chunks of 128 x 128), then dq and dk per value head.
+  bad.chunk = 64;
+  CHECK(k::gated_delta_backward_workspace_bytes(bad) == (std::size_t{2} * 4 * 2 * 128 * 128 + std::size_t{2} * 200 * 4 * 128) * sizeof(float));
+  // Under `automatic` either form may run: the larger scratch (here the recurrent's, at 100 tokens;
+  // the chunked one's from 4,096 tokens a sequence).
+  CHECK(need > k::gated_delta_backward_workspace_bytes(bad));
+  bad.seq_len = 8192;
+  const std::size_t chunked_long = k::gated_delta_backward_workspace_bytes(bad);
+  bad.form = k::GatedDeltaDims::Form::automatic;
+  CHECK(k::gated_delta_backward_workspace_bytes(bad) == chunked_long);
   // The workspace does not depend on the path (the larger of the two layouts' scratch): at dv = 40
   // one block holds 40 columns (160 threads), a cluster two blocks of 32 (256 threads).
   bad = d;

@@ -8,7 +8,7 @@
 //
 // Two forms (GatedDeltaDims::Form), both keeping the state entering every `chunk` tokens (and the
 // final one) for the backward, so the memory is O(T):
-// - chunked (chunk <= 64; src/kernels/gated_delta_chunked.cu): a chunk's tokens
+// - chunked (the default for chunk <= 64 on Hopper; src/kernels/gated_delta_chunked.cu): a chunk's tokens
 //   as small fp32 matrix products in shared memory, the state carried from chunk to chunk by a
 //   block per (sequence, value head, 32 columns); the backward carries the state's gradient back
 //   the same way, then a block per chunk computes the chunk's gradients. Its workspace holds the
@@ -53,8 +53,9 @@ struct GatedDeltaDims {
   /// Which form of the rule runs (the forward and the backward take it alike; each form computes
   /// the reference's rule, in other fp32 orders, so their bits differ).
   enum class Form : std::uint8_t {
-    /// `recurrent` for now: the chunked form's forward is not yet faster (docs/performance.md,
-    /// fortieth session), and the planner sizes the recurrent form's workspace.
+    /// `chunked` where chunk <= 64 on a device of compute capability 9.0 or later (its kernels
+    /// take up to 227 KiB of shared memory a block), else `recurrent`. The workspace is sized for
+    /// either (gated_delta_backward_workspace_bytes: the larger scratch).
     automatic,
     /// A chunk of up to 64 tokens at a time as small matrix products (oom::reference::
     /// gated_delta_rule_chunked_forward / _chunked_backward): the state still passes chunk to chunk,
@@ -106,9 +107,10 @@ struct GatedDeltaDims {
 cudaError_t gated_delta_forward(const GatedDeltaDims& d, const bf16* q, const bf16* k, const bf16* v, const float* g,
                                 const float* beta, bf16* out, float* states, cudaStream_t stream);
 
-/// Bytes of the backward's workspace for the form the dims choose: the chunked form's gradient of
-/// every chunk's leaving state, or the recurrent's recomputed states of one chunk a block; and the
-/// q and k gradients per value head before they are summed per key head.
+/// Bytes of the backward's workspace for the form the dims name: the chunked form's gradient of
+/// every chunk's leaving state, or the recurrent's recomputed states of one chunk a block, or
+/// under `automatic` the larger of the two (whichever runs, from the dims alone); and the q and k
+/// gradients per value head before they are summed per key head.
 [[nodiscard]] std::size_t gated_delta_backward_workspace_bytes(const GatedDeltaDims& d);
 
 /// The gradients of the forward's inputs from d_out (T, v_heads, dv) bf16 and the forward's
