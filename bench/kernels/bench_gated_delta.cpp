@@ -1,10 +1,10 @@
-// The gated delta rule's throughput (oom/kernels/gated_delta.hpp) against the number of blocks it
-// can keep busy: the Qwen3-Next linear layer's heads (16 key, 32 value heads of 128) over B = 1, 2,
-// 4 and 8 sequences of S tokens, the backward both as a cluster of blocks per head (Hopper) and as
-// one block per head. Each row gives state updates a second (tokens x value heads x 128^2) and its
-// ratio to the same pass at B = 1 on the same path in the same run (what MachineProfile's
-// gated_delta_*_updates_per_s, measured at B = 1, understates at larger B), and the backward's
-// ratio of one-block to cluster time (the cluster path's gain).
+// The gated delta rule's throughput (oom/kernels/gated_delta.hpp) against the number of sequences
+// side by side: the Qwen3-Next linear layer's heads (16 key, 32 value heads of 128) over B = 1, 2,
+// 4 and 8 sequences of S tokens, in the chunked form (the default on Hopper) and in the recurrent
+// one, its backward both as a cluster of blocks per head and as one block per head. Each row gives
+// state updates a second (tokens x value heads x 128^2), the chunked form's ratio to the same pass
+// at B = 1 (what MachineProfile's gated_delta_*_updates_per_s, measured at B = 1, understates at
+// larger B), and the chunked form's speed against the recurrent one's (its cluster backward).
 //   bench_gated_delta [--seq S] [--repeats N]
 #include <cuda_runtime.h>
 
@@ -48,8 +48,9 @@ double median_ms(Fn&& fn, int repeats) {
 }
 
 struct Times {
-  double forward_ms = 0, backward_ms = 0, cluster_backward_ms = 0;
-  bool same_bits = false;  // the two backward paths' dq, dk, dv, dg, dbeta
+  double forward_ms = 0, backward_ms = 0;                // chunked
+  double recurrent_forward_ms = 0, one_block_ms = 0, cluster_ms = 0;
+  bool same_bits = false;  // the two recurrent backward paths' dq, dk, dv, dg, dbeta
 };
 
 Times measure(k::GatedDeltaDims d, int repeats) {
@@ -70,12 +71,16 @@ Times measure(k::GatedDeltaDims d, int repeats) {
   const DeviceBuffer<float> g(std::vector<float>(gates, -0.05f)), beta(std::vector<float>(gates, 0.5f));
   DeviceBuffer<bf16> out(vv), dq(qk), dk(qk), dv(vv);
   DeviceBuffer<float> states(k::gated_delta_states_floats(d)), dg(gates), dbeta(gates);
+  d.form = k::GatedDeltaDims::Form::automatic;  // sized for either form
   DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(d));
-  Times t;
-  t.forward_ms = median_ms(
-      [&] { OOM_CUDA_CHECK(k::gated_delta_forward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr)); },
-      repeats);
-  auto backward = [&](k::GatedDeltaDims::Backward path) {
+  auto forward = [&](k::GatedDeltaDims::Form form) {
+    d.form = form;
+    return median_ms(
+        [&] { OOM_CUDA_CHECK(k::gated_delta_forward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr)); },
+        repeats);
+  };
+  auto backward = [&](k::GatedDeltaDims::Form form, k::GatedDeltaDims::Backward path) {
+    d.form = form;
     d.backward = path;
     return median_ms(
         [&] {
@@ -84,10 +89,16 @@ Times measure(k::GatedDeltaDims d, int repeats) {
         },
         repeats);
   };
-  t.backward_ms = backward(k::GatedDeltaDims::Backward::one_block);
+  using Form = k::GatedDeltaDims::Form;
+  using Path = k::GatedDeltaDims::Backward;
+  Times t;
+  t.forward_ms = forward(Form::chunked);
+  t.backward_ms = backward(Form::chunked, Path::automatic);
+  t.recurrent_forward_ms = forward(Form::recurrent);
+  t.one_block_ms = backward(Form::recurrent, Path::one_block);
   const auto one_dq = dq.download(), one_dk = dk.download(), one_dv = dv.download();
   const auto one_dg = dg.download(), one_dbeta = dbeta.download();
-  t.cluster_backward_ms = backward(k::GatedDeltaDims::Backward::cluster);
+  t.cluster_ms = backward(Form::recurrent, Path::cluster);
   const auto same = [](const auto& a, const auto& b) { return std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0; };
   t.same_bits = same(one_dq, dq.download()) && same(one_dk, dk.download()) && same(one_dv, dv.download()) &&
                 same(one_dg, dg.download()) && same(one_dbeta, dbeta.download());
@@ -119,21 +130,21 @@ int main(int argc, char** argv) {
                 prop.major, prop.minor);
     return 0;
   }
-  std::printf("gated delta rule, %lld tokens a sequence, 16/32 heads of 128, chunk 64, %s (%d SMs); automatic takes the cluster "
-              "backward at B x 32 heads x 4 column blocks <= %d\n",
-              static_cast<long long>(seq), prop.name, prop.multiProcessorCount, prop.multiProcessorCount);
-  std::printf("%3s %10s %10s %12s %10s %10s %10s %10s %9s\n", "B", "fwd_ms", "fwd_G/s", "fwd_vs_B1", "bwd1_ms", "bwdC_ms", "bwdC_G/s",
-              "bwdC_vs_B1", "C_gain");
-  double f1 = 0, c1 = 0;
+  std::printf("gated delta rule, %lld tokens a sequence, 16/32 heads of 128, chunk 64, %s (%d SMs)\n", static_cast<long long>(seq),
+              prop.name, prop.multiProcessorCount);
+  std::printf("%3s %10s %10s %10s %10s %10s %10s | %12s %12s %12s %10s %10s\n", "B", "fwd_ms", "fwd_G/s", "fwd_vs_B1", "bwd_ms",
+              "bwd_G/s", "bwd_vs_B1", "rec_fwd_ms", "rec_bwdC_ms", "rec_bwd1_ms", "fwd_gain", "bwd_gain");
+  double f1 = 0, b1 = 0;
   bool all_same = true;
   for (const std::int64_t B : {1, 2, 4, 8}) {
     const k::GatedDeltaDims d{B, seq, 16, 32, 128, 128, 64};
     const Times t = measure(d, repeats);
     const double updates = static_cast<double>(d.tokens()) * d.v_heads * d.k_dim * d.v_dim;
-    const double f = updates / t.forward_ms * 1e-6, c = updates / t.cluster_backward_ms * 1e-6;  // G updates/s
-    if (B == 1) f1 = f, c1 = c;
-    std::printf("%3lld %10.3f %10.1f %12.2f %10.3f %10.3f %10.1f %10.2f %9.2f%s\n", static_cast<long long>(B), t.forward_ms, f, f / f1,
-                t.backward_ms, t.cluster_backward_ms, c, c / c1, t.backward_ms / t.cluster_backward_ms,
+    const double f = updates / t.forward_ms * 1e-6, b = updates / t.backward_ms * 1e-6;  // G updates/s
+    if (B == 1) f1 = f, b1 = b;
+    std::printf("%3lld %10.3f %10.1f %10.2f %10.3f %10.1f %10.2f | %12.3f %12.3f %12.3f %10.2f %10.2f%s\n", static_cast<long long>(B),
+                t.forward_ms, f, f / f1, t.backward_ms, b, b / b1, t.recurrent_forward_ms, t.cluster_ms, t.one_block_ms,
+                t.recurrent_forward_ms / t.forward_ms, std::min(t.cluster_ms, t.one_block_ms) / t.backward_ms,
                 t.same_bits ? "" : "  PATHS DIFFER");
     all_same = all_same && t.same_bits;
   }
