@@ -597,21 +597,22 @@ std::int64_t scratch_floats(const GatedDeltaDims& d) {
 /// Whether the chunked form may run for these dims (GatedDeltaDims::Form), whatever the device.
 bool chunk_fits(const GatedDeltaDims& d) { return d.chunk <= detail::chunked_max_chunk; }
 
-/// Whether a pass runs the chunked form on the current device. `automatic` takes the recurrent
-/// forward (at least as fast at every batch measured: bench_gated_delta) and the chunked backward
-/// where the chunk fits, the device has the shared memory of compute capability 9.0 and later,
-/// and its carrying blocks (sequences x value heads x 32-column blocks) fill the SMs at most twice
-/// (beyond that the recurrent backward's small blocks share the SMs better: 0.66x at 4 sequences
-/// of the Qwen3-Next layer's 32 heads, 1.16x at 2, 1.42x at 1).
-cudaError_t runs_chunked(const GatedDeltaDims& d, bool backward, bool* chunked) {
+/// Whether the dims run the chunked form on the current device. `automatic` takes it, forward and
+/// backward alike, where the chunk fits, the device has the shared memory of compute capability 9.0
+/// and later, and the carrying blocks (sequences x value heads x 32-column blocks) fit its SMs at
+/// once: one sequence of the Qwen3-Next layer's 32 heads (bench_gated_delta: the chunked backward
+/// 1.42x the recurrent one there, the forward 0.96x). With more blocks than SMs the recurrent
+/// kernels' smaller blocks share the SMs better (at 2 sequences the chunked pair is even, from 4
+/// it is slower).
+cudaError_t runs_chunked(const GatedDeltaDims& d, bool* chunked) {
   using Form = GatedDeltaDims::Form;
   *chunked = d.form == Form::chunked;
-  if (d.form != Form::automatic || !backward || !chunk_fits(d)) return cudaSuccess;
+  if (d.form != Form::automatic || !chunk_fits(d)) return cudaSuccess;
   int device = 0, major = 0, sms = 0;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
-  *chunked = major >= 9 && d.sequences * d.v_heads * column_blocks(d.v_dim) <= 2 * static_cast<std::int64_t>(sms);
+  *chunked = major >= 9 && d.sequences * d.v_heads * column_blocks(d.v_dim) <= sms;
   return cudaSuccess;
 }
 
@@ -710,7 +711,7 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const
       e != cudaSuccess)
     return e;
   bool chunk_form = false;
-  if (const cudaError_t e = runs_chunked(d, false, &chunk_form); e != cudaSuccess) return e;
+  if (const cudaError_t e = runs_chunked(d, &chunk_form); e != cudaSuccess) return e;
   if (chunk_form)
     return detail::gated_delta_chunked_forward(d, reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
                                                reinterpret_cast<const std::uint16_t*>(v), g, beta,
@@ -752,7 +753,7 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "gated_delta_backward_workspace_bytes(dims)");
   auto* scratch = static_cast<float*>(workspace);
   bool chunk_form = false;
-  if (const cudaError_t e = runs_chunked(d, true, &chunk_form); e != cudaSuccess) return e;
+  if (const cudaError_t e = runs_chunked(d, &chunk_form); e != cudaSuccess) return e;
   float* dq_part = scratch + form_scratch_floats(d);
   float* dk_part = dq_part + d.tokens() * d.v_heads * d.k_dim;
   const auto* qb = reinterpret_cast<const std::uint16_t*>(q);

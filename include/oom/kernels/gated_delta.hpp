@@ -8,7 +8,7 @@
 //
 // Two forms (GatedDeltaDims::Form), both keeping the state entering every `chunk` tokens (and the
 // final one) for the backward, so the memory is O(T):
-// - chunked (the default backward for chunk <= 64 on Hopper; src/kernels/gated_delta_chunked.cu): a chunk's tokens
+// - chunked (the default for one sequence's heads on Hopper; src/kernels/gated_delta_chunked.cu): a chunk's tokens
 //   as small fp32 matrix products in shared memory, the state carried from chunk to chunk by a
 //   block per (sequence, value head, 32 columns); the backward carries the state's gradient back
 //   the same way, then a block per chunk computes the chunk's gradients. Its workspace holds the
@@ -53,12 +53,12 @@ struct GatedDeltaDims {
   /// Which form of the rule runs (the forward and the backward take it alike; each form computes
   /// the reference's rule, in other fp32 orders, so their bits differ).
   enum class Form : std::uint8_t {
-    /// The forward `recurrent` (as fast or faster: bench_gated_delta); the backward `chunked`
-    /// where chunk <= 64 on a device of compute capability 9.0 or later (its kernels take up to
-    /// 227 KiB of shared memory a block) whose SMs its carrying blocks, sequences x v_heads x
-    /// ceil(v_dim / 32), fill at most twice; else `recurrent`. A forward of either form feeds a
-    /// backward of either (the kept states mean the same). The workspace is sized for either
-    /// (gated_delta_backward_workspace_bytes: the larger scratch).
+    /// `chunked` (forward and backward alike) where chunk <= 64 on a device of compute capability
+    /// 9.0 or later (its kernels take up to 227 KiB of shared memory a block) whose SMs hold its
+    /// carrying blocks, sequences x v_heads x ceil(v_dim / 32), at once; else `recurrent`
+    /// (bench_gated_delta: one sequence of the Qwen3-Next layer, 1.42x the recurrent backward
+    /// and 0.96x its forward; from two sequences the recurrent pair is as fast or faster). The
+    /// workspace is sized for either (gated_delta_backward_workspace_bytes: the larger scratch).
     automatic,
     /// A chunk of up to 64 tokens at a time as small matrix products (oom::reference::
     /// gated_delta_rule_chunked_forward / _chunked_backward): the state still passes chunk to chunk,
