@@ -544,7 +544,7 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
     return detail::refuse(name, ": k_heads = ", d.k_heads, ", v_heads = ", d.v_heads,
                           " (need >= 1 each, v_heads a multiple of k_heads)");
   if (d.k_dim < 1 || d.k_dim > max_dim || d.v_dim < 1 || d.v_dim > max_dim)
-    return detail::refuse(name, ": k_dim = ", d.k_dim, ", v_dim = ", d.v_dim, " (need 1..", max_dim, " each: the state's rows and "
+    return detail::refuse(name, ": k_dim = ", d.k_dim, ", v_dim = ", d.v_dim, " (need 1..", max_dim, " each: the recurrent kernels' rows and "
                           "columns are held in registers)");
   if (d.chunk < 1) return detail::refuse(name, ": chunk = ", d.chunk, " (must be >= 1)");
   using Path = GatedDeltaDims::Backward;
@@ -565,6 +565,9 @@ cudaError_t check_dims(const char* name, const GatedDeltaDims& d) {
     return detail::refuse(name, ": v_stride = ", d.v_stride, " is less than v_heads x v_dim = ", d.v_heads * d.v_dim);
   if (d.sequences * d.v_heads * column_blocks(d.v_dim) > 0x7fffffff)
     return detail::refuse(name, ": ", d.sequences, " sequences x ", d.v_heads, " value heads need more than 2^31 - 1 blocks");
+  if (d.chunk > 0 && d.sequences * d.v_heads * d.chunks() > 0x7fffffff)
+    return detail::refuse(name, ": ", d.sequences, " sequences x ", d.v_heads, " value heads x ", d.chunks(),
+                          " chunks need more than 2^31 - 1 blocks");
   if ((2 * d.sequences * d.seq_len * d.k_heads + norm_threads / 32 - 1) / (norm_threads / 32) > 0x7fffffff)
     return detail::refuse(name, ": ", d.sequences * d.seq_len, " tokens x ", d.k_heads, " key heads need more than 2^31 - 1 blocks");
   return cudaSuccess;
@@ -597,22 +600,42 @@ std::int64_t scratch_floats(const GatedDeltaDims& d) {
 /// Whether the chunked form may run for these dims (GatedDeltaDims::Form), whatever the device.
 bool chunk_fits(const GatedDeltaDims& d) { return d.chunk <= detail::chunked_max_chunk; }
 
-/// Whether the dims run the chunked form on the current device. `automatic` takes it, forward and
-/// backward alike, where the chunk fits, the device has the shared memory of compute capability 9.0
-/// and later, and the carrying blocks (sequences x value heads x 32-column blocks) fit its SMs at
-/// once: one sequence of the Qwen3-Next layer's 32 heads (bench_gated_delta: the chunked backward
-/// 1.42x the recurrent one there, the forward 0.96x). With more blocks than SMs the recurrent
-/// kernels' smaller blocks share the SMs better (at 2 sequences the chunked pair is even, from 4
-/// it is slower).
-cudaError_t runs_chunked(const GatedDeltaDims& d, bool* chunked) {
-  using Form = GatedDeltaDims::Form;
-  *chunked = d.form == Form::chunked;
-  if (d.form != Form::automatic || !chunk_fits(d)) return cudaSuccess;
-  int device = 0, major = 0, sms = 0;
+/// Whether the current device has what the chunked kernels take (gated_delta_chunked_supported),
+/// and its SMs.
+cudaError_t chunked_device(bool* supported, int* sms) {
+  int device = 0, major = 0, smem = 0;
+  *supported = false;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
-  *chunked = major >= 9 && d.sequences * d.v_heads * column_blocks(d.v_dim) <= sms;
+  if (const cudaError_t e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device); e != cudaSuccess)
+    return e;
+  *supported = major >= 9 && static_cast<std::size_t>(smem) >= detail::gated_delta_chunked_smem_bytes();
+  return cudaSuccess;
+}
+
+/// Whether the dims run the chunked form on the current device. `automatic` takes it, forward and
+/// backward alike, where the chunk fits, the device can run it, and the carrying blocks
+/// (sequences x value heads x 32-column blocks) fit its SMs at once: one sequence of the
+/// Qwen3-Next layer's 32 heads (bench_gated_delta: the chunked backward 1.42x the recurrent one
+/// there, the forward 0.96x). With more blocks than SMs the recurrent kernels' smaller blocks
+/// share the SMs better (at 2 sequences the chunked pair is even, from 4 it is slower). An explicit
+/// `chunked` on a device that cannot run it is refused, named.
+cudaError_t runs_chunked(const char* name, const GatedDeltaDims& d, bool* chunked) {
+  using Form = GatedDeltaDims::Form;
+  *chunked = false;
+  if (d.form == Form::recurrent || !chunk_fits(d)) return cudaSuccess;
+  bool supported = false;
+  int sms = 0;
+  if (const cudaError_t e = chunked_device(&supported, &sms); e != cudaSuccess) return e;
+  if (d.form == Form::chunked) {
+    if (!supported)
+      return detail::refuse(name, ": form = chunked needs compute capability 9.0 or later and ", detail::gated_delta_chunked_smem_bytes(),
+                            " bytes of shared memory a block, which this device has not (use automatic or recurrent)");
+    *chunked = true;
+    return cudaSuccess;
+  }
+  *chunked = supported && d.sequences * d.v_heads * column_blocks(d.v_dim) <= sms;
   return cudaSuccess;
 }
 
@@ -688,6 +711,12 @@ cudaError_t recurrent_backward(const GatedDeltaDims& d, const std::uint16_t* qb,
 
 }  // namespace
 
+bool gated_delta_chunked_supported() {
+  bool supported = false;
+  int sms = 0;
+  return chunked_device(&supported, &sms) == cudaSuccess && supported;
+}
+
 std::size_t gated_delta_states_floats(const GatedDeltaDims& d) {
   if (d.sequences < 1 || d.seq_len < 1 || d.chunk < 1) return 0;
   return static_cast<std::size_t>(d.sequences * d.v_heads * (d.chunks() + 1) * d.k_dim * d.v_dim);
@@ -711,7 +740,7 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const
       e != cudaSuccess)
     return e;
   bool chunk_form = false;
-  if (const cudaError_t e = runs_chunked(d, &chunk_form); e != cudaSuccess) return e;
+  if (const cudaError_t e = runs_chunked(name, d, &chunk_form); e != cudaSuccess) return e;
   if (chunk_form)
     return detail::gated_delta_chunked_forward(d, reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
                                                reinterpret_cast<const std::uint16_t*>(v), g, beta,
@@ -753,7 +782,7 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "gated_delta_backward_workspace_bytes(dims)");
   auto* scratch = static_cast<float*>(workspace);
   bool chunk_form = false;
-  if (const cudaError_t e = runs_chunked(d, &chunk_form); e != cudaSuccess) return e;
+  if (const cudaError_t e = runs_chunked(name, d, &chunk_form); e != cudaSuccess) return e;
   float* dq_part = scratch + form_scratch_floats(d);
   float* dk_part = dq_part + d.tokens() * d.v_heads * d.k_dim;
   const auto* qb = reinterpret_cast<const std::uint16_t*>(q);

@@ -112,7 +112,7 @@ __device__ __forceinline__ void block_gemm(int M, int N, int L, const float* a, 
   }
 }
 
-/// R_i = X_i - sum_{j<i} A_ij D_j and D_i = beta_i R_i, for `cols` (<= 32) columns of row stride
+/// R_i = X_i - sum_{j<i} A_ij D_j and D_i = beta_i R_i, for `cols` (<= blockDim) columns of row stride
 /// LD, a thread a column holding it in registers (the loops unrolled over the chunk's rows): once
 /// D_j is known it is taken from every later row at once, so a row waits for one product, not for
 /// a sum over the rows before it. R goes into X, or with `w` given w_i D_i (what the forward's
@@ -577,6 +577,10 @@ cudaError_t reserve(Kernel kernel, std::size_t floats) {
 }
 
 }  // namespace
+
+std::size_t gated_delta_chunked_smem_bytes() {
+  return std::max({forward_floats, carry_floats, chunk_grad_floats}) * sizeof(float);
+}
 
 std::size_t gated_delta_chunked_scratch_floats(const GatedDeltaDims& d) {
   return static_cast<std::size_t>(d.sequences * d.v_heads * ((d.seq_len + d.chunk - 1) / d.chunk) * d.k_dim * d.v_dim);

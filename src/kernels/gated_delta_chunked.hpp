@@ -15,6 +15,9 @@ namespace oom::kernels::detail {
 /// The longest chunk the chunked kernels take (a chunk's tokens are one block's rows).
 constexpr std::int64_t chunked_max_chunk = 64;
 
+/// The most dynamic shared memory one of the chunked kernels takes a block (its per-chunk backward's).
+std::size_t gated_delta_chunked_smem_bytes();
+
 /// Floats of the chunked backward's scratch: the gradient of the state leaving every chunk,
 /// (B, v_heads, chunks, dk, dv), as the sequential pass hands it to the chunks' pass.
 std::size_t gated_delta_chunked_scratch_floats(const GatedDeltaDims& d);

@@ -519,7 +519,9 @@ void set_gated_delta(MachineProfile& p, double scale, bool clusters, const std::
       "4096 tokens, 16/32 heads of 128 (bench_gated_delta, docs/performance.md, thirty-seventh and fortieth sessions: {} ms, "
       "2026-12-04)";
   p.provenance["gated_delta_forward_parallel"] =
-      prov(prefix + fmt::format(fmt::runtime(curve), "forward", "3.69, 3.99, 4.93, 9.80"), machine, estimate.empty() ? "2026-12-04" : "2023");
+      prov(prefix + fmt::format(fmt::runtime(curve), "forward",
+                                fmt::format("{}, {}, {}, {}", forward_at[0], forward_at[1], forward_at[2], forward_at[3])),
+           machine, estimate.empty() ? "2026-12-04" : "2023");
   p.provenance["gated_delta_backward_parallel"] = prov(
       prefix + fmt::format(fmt::runtime(curve), "backward",
                            fmt::format("{}, {}, {}, {}", backward_at[0], backward_at[1], backward_at[2], backward_at[3])),
@@ -705,8 +707,8 @@ MachineProfile MachineProfile::h100_80gb(int gpus) {
     set_attention(p, h200_attention(scale), {est, est, est_d256(est), est_d256(est)});
   }
   set_gated_delta(p, 1.0, true,
-                  "the H200's rates x 1.0: the recurrent kernels are bound by each SM's latency (no tensor cores, little "
-                  "HBM traffic) and the H100 SXM has the same 132 SMs",
+                  "the H200's rates x 1.0: the rule's kernels are bound by each SM's latency and shared memory (no tensor "
+                  "cores, little HBM traffic) and the H100 SXM has the same 132 SMs and 227 KiB a block",
                   machine);
 
   p.launch_overhead_s = 5e-6;

@@ -134,8 +134,11 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
   };
   using Form = k::GatedDeltaDims::Form;
   std::uint64_t seed = 100;
+  const bool chunked_here = k::gated_delta_chunked_supported();
+  if (!chunked_here) MESSAGE("this GPU cannot run the chunked form (compute capability 9.0 and its shared memory): the recurrent one only");
   for (const Form form : {Form::chunked, Form::recurrent})
   for (k::GatedDeltaDims d : cases) {
+    if (form == Form::chunked && !chunked_here) continue;
     d.form = form;
     CAPTURE(static_cast<int>(form));
     CAPTURE(d.sequences);
@@ -233,6 +236,8 @@ TEST_CASE("a sequence run in parts gives the whole run's bits, the state and its
     using Form = k::GatedDeltaDims::Form;
     for (const auto& [form, path] : {std::pair{Form::chunked, Path::automatic}, std::pair{Form::recurrent, Path::one_block},
                                      std::pair{Form::recurrent, Path::cluster}}) {
+      if ((form == Form::chunked && !k::gated_delta_chunked_supported()) || (path == Path::cluster && !k::gated_delta_chunked_supported()))
+        continue;  // (the recurrent cluster path needs compute capability 9.0 as well)
       CAPTURE(carried_in);
       CAPTURE(static_cast<int>(form));
       CAPTURE(static_cast<int>(path));
@@ -354,7 +359,7 @@ void check_column_ranges(k::GatedDeltaDims::Form form) {
 }  // namespace
 
 TEST_CASE("q, k and v as column ranges of one [q | k | v | pad] array: the packed run's bits, dq, dk, dv in place") {
-  check_column_ranges(k::GatedDeltaDims::Form::chunked);
+  if (k::gated_delta_chunked_supported()) check_column_ranges(k::GatedDeltaDims::Form::chunked);
   check_column_ranges(k::GatedDeltaDims::Form::recurrent);
 }
 
@@ -375,8 +380,33 @@ TEST_CASE("the chunked form refuses a chunk over 64 tokens, and automatic takes 
   check_same_bits(automatic, run(d, in));
 }
 
+TEST_CASE("automatic: the chunked form where one sequence's blocks fit the SMs, the recurrent one past them") {
+  using Form = k::GatedDeltaDims::Form;
+  int device = 0, sms = 0;
+  OOM_CUDA_CHECK(cudaGetDevice(&device));
+  OOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // Past the SMs: as many sequences as SMs, 2 value heads of 2 column blocks each (4x the SMs).
+  k::GatedDeltaDims many{sms, 16, 1, 2, 16, 64, 16};
+  const Inputs in_many = make_inputs(many, 23);
+  const Run many_auto = run(many, in_many);
+  many.form = Form::recurrent;
+  check_same_bits(many_auto, run(many, in_many));
+  k::GatedDeltaDims one{1, 130, 1, 2, 64, 64, 64};  // 4 blocks
+  const Inputs in = make_inputs(one, 21);
+  const Run automatic = run(one, in);
+  one.form = k::gated_delta_chunked_supported() ? Form::chunked : Form::recurrent;
+  check_same_bits(automatic, run(one, in));
+  // And the two forms give different bits there (so the check above tells them apart).
+  one.form = one.form == Form::chunked ? Form::recurrent : Form::chunked;
+  if (k::gated_delta_chunked_supported()) CHECK_FALSE(same_bits(run(one, in).dq, automatic.dq));
+}
+
 TEST_CASE("timing: the Qwen3-Next linear layer's rule at 4K tokens (1 sequence, 16 key / 32 value heads of 128)") {
   using Form = k::GatedDeltaDims::Form;
+  if (!k::gated_delta_chunked_supported()) {
+    MESSAGE("this GPU cannot run the chunked form: nothing to compare");
+    return;
+  }
   k::GatedDeltaDims d{1, 4096, 16, 32, 128, 128, 64};
   const Inputs in = make_inputs(d, 3);
   const DeviceBuffer<bf16> q(in.q.bits), kk(in.k.bits), v(in.v.bits), dout(in.d_out.bits);

@@ -4,7 +4,8 @@
 // k_heads), from a zero state at the start of each sequence,
 //   q_t, k_t = l2norm(q[t, kh]), l2norm(k[t, kh])  (x / sqrt(sum x^2 + 1e-6)); q_t /= sqrt(dk)
 //   S = exp(g[t, h]) S;  d = beta[t, h] (v[t, h] - S^T k_t);  S += k_t d^T;  out[t, h] = S^T q_t
-// with S a dk x dv fp32 state. Kernels in src/kernels/gated_delta.cu.
+// with S a dk x dv fp32 state. Kernels in src/kernels/gated_delta.cu (the recurrent form, and the
+// launchers) and src/kernels/gated_delta_chunked.cu (the chunked form).
 //
 // Two forms (GatedDeltaDims::Form), both keeping the state entering every `chunk` tokens (and the
 // final one) for the backward, so the memory is O(T):
@@ -44,7 +45,7 @@ struct GatedDeltaDims {
   std::int64_t sequences = 1;  ///< B: independent sequences, each from a zero state
   std::int64_t seq_len = 0;    ///< S: tokens per sequence (T = B S rows, sequence-major)
   std::int64_t k_heads = 0, v_heads = 0;  ///< v_heads a multiple of k_heads
-  std::int64_t k_dim = 0, v_dim = 0;      ///< 1..128 each (the state's rows and columns held in registers)
+  std::int64_t k_dim = 0, v_dim = 0;      ///< 1..128 each
   std::int64_t chunk = 64;     ///< tokens between the states the forward keeps for the backward
   /// Elements between tokens of q and k (and of dq and dk), and of v (and of dv): 0 for packed
   /// (k_heads k_dim, v_heads v_dim); more to read them as column ranges of one [q | k | v] array.
@@ -53,8 +54,8 @@ struct GatedDeltaDims {
   /// Which form of the rule runs (the forward and the backward take it alike; each form computes
   /// the reference's rule, in other fp32 orders, so their bits differ).
   enum class Form : std::uint8_t {
-    /// `chunked` (forward and backward alike) where chunk <= 64 on a device of compute capability
-    /// 9.0 or later (its kernels take up to 227 KiB of shared memory a block) whose SMs hold its
+    /// `chunked` (forward and backward alike) where chunk <= 64 on a device that can run it
+    /// (gated_delta_chunked_supported: up to 227 KiB of shared memory a block) whose SMs hold its
     /// carrying blocks, sequences x v_heads x ceil(v_dim / 32), at once; else `recurrent`
     /// (bench_gated_delta: one sequence of the Qwen3-Next layer, 1.42x the recurrent backward
     /// and 0.96x its forward; from two sequences the recurrent pair is as fast or faster). The
@@ -63,7 +64,8 @@ struct GatedDeltaDims {
     /// A chunk of up to 64 tokens at a time as small matrix products (oom::reference::
     /// gated_delta_rule_chunked_forward / _chunked_backward): the state still passes chunk to chunk,
     /// but a chunk's tokens are worked together, not one after another. The chunk of the products
-    /// is `chunk`, so its bits depend on it. Refused for chunk > 64.
+    /// is `chunk`, so its bits depend on it. Refused for chunk > 64, and on a device without the
+    /// shared memory its kernels take (gated_delta_chunked_supported).
     chunked,
     /// Token by token (below): the bits do not depend on `chunk`.
     recurrent,
@@ -98,6 +100,11 @@ struct GatedDeltaDims {
   [[nodiscard]] std::int64_t tokens() const { return sequences * seq_len; }
   [[nodiscard]] std::int64_t chunks() const { return chunk > 0 ? (seq_len + chunk - 1) / chunk : 0; }
 };
+
+/// Whether the current device can run the chunked form: compute capability 9.0 or later with the
+/// shared memory its kernels take a block (up to 227 KiB: the H100 and H200 have it). False where
+/// the device cannot be queried.
+[[nodiscard]] bool gated_delta_chunked_supported();
 
 /// Floats of the states the forward writes: (B, v_heads, chunks + 1, dk, dv), the state entering
 /// chunk c of each sequence and, last, its final state (what oom::reference::

@@ -75,17 +75,20 @@ struct MachineProfile {
   SizeCurve attention_forward_flops_d256;
   SizeCurve attention_backward_flops_d256;
   double launch_overhead_s = 0;   ///< fixed cost per kernel or copy
-  /// OOM's recurrent gated delta rule (the hybrid models' linear attention): state elements
-  /// updated per second (tokens x value heads x key dim x value dim over the kernel's seconds),
-  /// forward and backward (which reruns each chunk's forward). 0: not measured (a profile from
-  /// before these fields), and the cost model prices the rule as a tensor-core chunked scan.
-  /// One rate per pass, measured at 32 value heads of one sequence.
+  /// OOM's gated delta rule (the hybrid models' linear attention) in the form its `automatic`
+  /// takes: state elements updated per second (tokens x value heads x key dim x value dim over the
+  /// kernel's seconds), forward and backward (which reruns each chunk's forward). 0: not measured
+  /// (a profile from before these fields), and the cost model prices the rule as a tensor-core
+  /// chunked scan. One rate per pass, measured at 32 value heads of one sequence (on Hopper the
+  /// chunked form).
   double gated_delta_forward_updates_per_s = 0;
   double gated_delta_backward_updates_per_s = 0;
   /// The same rates by the recurrences run side by side (sequences x value heads): more of them
-  /// fill more of the GPU (on the H200 the forward runs 3.0x the updates a second at 128 as at 32,
-  /// the backward 2.2x). Optional: empty (absent from the file) and the cost model takes the
-  /// scalar rates above whatever the count.
+  /// fill more of the GPU (on the H200 the forward runs 3.2x the updates a second at 128 as at 32,
+  /// the backward 1.6x, the recurrent form's from 64 against the chunked one's at 32). Optional:
+  /// empty (absent from the file) and the cost model takes the scalar rates above whatever the
+  /// count. (A curve is made non-decreasing, so on the H200 the backward at 64, measured 23.95 ms
+  /// for twice the work of 10.86 ms, is priced at 32's rate: ~10% fast.)
   SizeCurve gated_delta_forward_parallel;
   SizeCurve gated_delta_backward_parallel;
 
