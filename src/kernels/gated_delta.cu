@@ -664,10 +664,7 @@ std::size_t cluster_smem_bytes() {
 
 /// Whether the backward runs as clusters on the current device (GatedDeltaDims::Backward).
 cudaError_t use_clusters(const GatedDeltaDims& d, bool* clustered) {
-  using Path = GatedDeltaDims::Backward;
-  if (d.backward != Path::automatic && d.backward != Path::cluster && d.backward != Path::one_block)
-    return detail::refuse("gated_delta_backward: backward = ", static_cast<int>(d.backward),
-                          " is none of automatic (0), cluster (1), one_block (2)");
+  using Path = GatedDeltaDims::Backward;  // a valid one: check_dims
   *clustered = false;
   if (d.backward == Path::one_block) return cudaSuccess;
   int device = 0, major = 0, sms = 0;
@@ -703,11 +700,44 @@ cudaError_t with_rows(std::int64_t dk, Fn&& fn) {
   }
 }
 
-/// The recurrent form's backward kernels (defined at the end of this file): dv, dg, dbeta, d_state
-/// and the per-value-head dq_part, dk_part.
+/// The recurrent form's backward kernels: dv, dg, dbeta, d_state and the per-value-head dq_part, dk_part.
 cudaError_t recurrent_backward(const GatedDeltaDims& d, const std::uint16_t* qb, const std::uint16_t* kb, const bf16* v, const float* g,
                                const float* beta, const bf16* d_out, const float* states, bf16* dv, float* dg, float* dbeta,
-                               float* d_state, float* scratch, float* dq_part, float* dk_part, cudaStream_t stream);
+                               float* d_state, float* scratch, float* dq_part, float* dk_part, cudaStream_t stream) {
+  bool clustered = false;
+  if (const cudaError_t e = use_clusters(d, &clustered); e != cudaSuccess) return e;
+  const cudaError_t launched = with_rows(d.k_dim, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if (clustered) {
+      const std::size_t smem = cluster_smem_bytes<R>();
+      if (const cudaError_t e = reserve_smem(backward_cluster_kernel<R>, smem); e != cudaSuccess) return e;
+      const auto blocks = static_cast<unsigned>(column_blocks(d.v_dim));  // <= 4: within the portable cluster size of 8
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(static_cast<unsigned>(d.sequences * d.v_heads) * blocks);
+      config.blockDim = dim3(cluster_threads);
+      config.dynamicSmemBytes = smem;
+      config.stream = stream;
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = blocks;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      return cudaLaunchKernelEx(&config, backward_cluster_kernel<R>, d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta,
+                                reinterpret_cast<const std::uint16_t*>(d_out), states, reinterpret_cast<std::uint16_t*>(dv), dg,
+                                dbeta, d_state, scratch, dq_part, dk_part);
+    }
+    const std::size_t smem = backward_smem_bytes<R>(d);
+    if (const cudaError_t e = reserve_smem(backward_kernel<R>, smem); e != cudaSuccess) return e;
+    backward_kernel<R><<<static_cast<unsigned>(d.sequences * d.v_heads), static_cast<unsigned>(backward_threads(d)), smem, stream>>>(
+        d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta, reinterpret_cast<const std::uint16_t*>(d_out), states,
+        reinterpret_cast<std::uint16_t*>(dv), dg, dbeta, d_state, scratch, dq_part, dk_part);
+    return cudaGetLastError();
+  });
+  return launched;
+}
+
 
 }  // namespace
 
@@ -801,47 +831,4 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
   return cudaGetLastError();
 }
 
-}  // namespace oom::kernels
-
-namespace oom::kernels {
-namespace {
-
-cudaError_t recurrent_backward(const GatedDeltaDims& d, const std::uint16_t* qb, const std::uint16_t* kb, const bf16* v, const float* g,
-                               const float* beta, const bf16* d_out, const float* states, bf16* dv, float* dg, float* dbeta,
-                               float* d_state, float* scratch, float* dq_part, float* dk_part, cudaStream_t stream) {
-  bool clustered = false;
-  if (const cudaError_t e = use_clusters(d, &clustered); e != cudaSuccess) return e;
-  const cudaError_t launched = with_rows(d.k_dim, [&](auto rows) {
-    constexpr int R = decltype(rows)::value;
-    if (clustered) {
-      const std::size_t smem = cluster_smem_bytes<R>();
-      if (const cudaError_t e = reserve_smem(backward_cluster_kernel<R>, smem); e != cudaSuccess) return e;
-      const auto blocks = static_cast<unsigned>(column_blocks(d.v_dim));  // <= 4: within the portable cluster size of 8
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(static_cast<unsigned>(d.sequences * d.v_heads) * blocks);
-      config.blockDim = dim3(cluster_threads);
-      config.dynamicSmemBytes = smem;
-      config.stream = stream;
-      cudaLaunchAttribute cluster{};
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = blocks;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      return cudaLaunchKernelEx(&config, backward_cluster_kernel<R>, d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta,
-                                reinterpret_cast<const std::uint16_t*>(d_out), states, reinterpret_cast<std::uint16_t*>(dv), dg,
-                                dbeta, d_state, scratch, dq_part, dk_part);
-    }
-    const std::size_t smem = backward_smem_bytes<R>(d);
-    if (const cudaError_t e = reserve_smem(backward_kernel<R>, smem); e != cudaSuccess) return e;
-    backward_kernel<R><<<static_cast<unsigned>(d.sequences * d.v_heads), static_cast<unsigned>(backward_threads(d)), smem, stream>>>(
-        d, qb, kb, reinterpret_cast<const std::uint16_t*>(v), g, beta, reinterpret_cast<const std::uint16_t*>(d_out), states,
-        reinterpret_cast<std::uint16_t*>(dv), dg, dbeta, d_state, scratch, dq_part, dk_part);
-    return cudaGetLastError();
-  });
-  return launched;
-}
-
-}  // namespace
 }  // namespace oom::kernels

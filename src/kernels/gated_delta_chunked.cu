@@ -68,7 +68,9 @@ constexpr float l2_eps = 1e-6f;                                 // as the recurr
 #define PHASES_PRINT(name)
 #endif
 
-__device__ std::int64_t chunks_of(const GatedDeltaDims& d) { return (d.seq_len + d.chunk - 1) / d.chunk; }
+__device__ std::int64_t chunks_of(const GatedDeltaDims& d) { return (d.seq_len + d.chunk - 1) / d.chunk; }  // chunks(), on the device
+/// The carrying kernels' blocks a (sequence, value head): one per carry_cols columns of the state.
+__host__ __device__ std::int64_t carry_tiles(std::int64_t dv) { return (dv + carry_cols - 1) / carry_cols; }
 
 /// C(i, j) = sum_{l < L} A(i, l) B(l, j) for i < M, j < N, handed to out(i, j, C), with A(i, l) at
 /// a[i AR + l AC] and B(l, j) at b[l BR + j BC] (strides known at compile time, so the unrolled
@@ -300,7 +302,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaD
   float* X = S + max_dim * ldt;
   float* D = X + max_rows * ldt;
   float* O = D + max_rows * ldt;
-  const std::int64_t H = d.v_heads, tiles = (d.v_dim + carry_cols - 1) / carry_cols;
+  const std::int64_t H = d.v_heads, tiles = carry_tiles(d.v_dim);
   const std::int64_t bh = blockIdx.x / tiles, b = bh / H, h = bh % H, j0 = blockIdx.x % tiles * carry_cols;
   const int dk = static_cast<int>(d.k_dim);
   float* kept = states + bh * d.states_stride;
@@ -352,7 +354,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
   float* dO = dS + max_dim * ldt;
   float* dD = dO + max_rows * ldt;
   float* Hh = dD + max_rows * ldt;
-  const std::int64_t H = d.v_heads, tiles = (d.v_dim + carry_cols - 1) / carry_cols, chunks = chunks_of(d);
+  const std::int64_t H = d.v_heads, tiles = carry_tiles(d.v_dim), chunks = chunks_of(d);
   const std::int64_t bh = blockIdx.x / tiles, b = bh / H, h = bh % H, j0 = blockIdx.x % tiles * carry_cols;
   const std::int64_t state = d.k_dim * d.v_dim;
   const int dk = static_cast<int>(d.k_dim);
@@ -583,14 +585,14 @@ std::size_t gated_delta_chunked_smem_bytes() {
 }
 
 std::size_t gated_delta_chunked_scratch_floats(const GatedDeltaDims& d) {
-  return static_cast<std::size_t>(d.sequences * d.v_heads * ((d.seq_len + d.chunk - 1) / d.chunk) * d.k_dim * d.v_dim);
+  return static_cast<std::size_t>(d.sequences * d.v_heads * d.chunks() * d.k_dim * d.v_dim);
 }
 
 cudaError_t gated_delta_chunked_forward(const GatedDeltaDims& d, const std::uint16_t* q, const std::uint16_t* k,
                                         const std::uint16_t* v, const float* g, const float* beta, std::uint16_t* out,
                                         float* states, cudaStream_t stream) {
   if (const cudaError_t e = reserve(chunked_forward_kernel, forward_floats); e != cudaSuccess) return e;
-  const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * ((d.v_dim + carry_cols - 1) / carry_cols));
+  const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * carry_tiles(d.v_dim));
   chunked_forward_kernel<<<blocks, threads, forward_floats * sizeof(float), stream>>>(d, q, k, v, g, beta, out, states);
   return cudaGetLastError();
 }
@@ -601,8 +603,8 @@ cudaError_t gated_delta_chunked_backward(const GatedDeltaDims& d, const std::uin
                                          float* scratch, float* dq_part, float* dk_part, cudaStream_t stream) {
   if (const cudaError_t e = reserve(chunked_carry_kernel, carry_floats); e != cudaSuccess) return e;
   if (const cudaError_t e = reserve(chunked_grad_kernel, chunk_grad_floats); e != cudaSuccess) return e;
-  const std::int64_t chunks = (d.seq_len + d.chunk - 1) / d.chunk;
-  const auto carriers = static_cast<unsigned>(d.sequences * d.v_heads * ((d.v_dim + carry_cols - 1) / carry_cols));
+  const std::int64_t chunks = d.chunks();
+  const auto carriers = static_cast<unsigned>(d.sequences * d.v_heads * carry_tiles(d.v_dim));
   chunked_carry_kernel<<<carriers, threads, carry_floats * sizeof(float), stream>>>(d, q, k, g, beta, d_out, dv, d_state, scratch);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * chunks);
