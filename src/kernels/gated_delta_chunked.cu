@@ -35,10 +35,14 @@ namespace {
 constexpr int threads = 256;
 constexpr int max_rows = static_cast<int>(chunked_max_chunk);  // a chunk's tokens
 constexpr int max_dim = 128;                                    // dk and dv
-constexpr int ldk = max_dim + 1;                                // a token's row of q or k (odd: no bank conflicts)
-constexpr int ldc = max_rows + 1;                               // a chunk x chunk matrix's row
+// Row strides in shared memory: a token's row of q or k (ldk) and a chunk x chunk matrix's row
+// (ldc). The carrying kernels' rows are 4 banks apart, so the tensor-core fragments' 8 rows x 4
+// columns fall in 32 distinct banks; the per-chunk kernel keeps odd strides (its per-row loops
+// read a row a thread) and has no shared memory to spare for more.
+constexpr int carry_ldk = max_dim + 4, carry_ldc = max_rows + 4;
+constexpr int grad_ldk = max_dim + 1, grad_ldc = max_rows + 1;
 constexpr int carry_cols = 32;                                  // the state's columns a carrying block owns
-constexpr int ldt = carry_cols + 1;
+constexpr int ldt = carry_cols + 8;                             // 8 banks apart: a fragment's 4 rows x 8 columns distinct
 constexpr int chunk_cols = 16;                                  // the columns the per-chunk backward takes at once
 constexpr int ldu = chunk_cols + 1;
 constexpr float l2_eps = 1e-6f;                                 // as the recurrent kernels' (FLA's) l2norm
@@ -69,6 +73,7 @@ constexpr float l2_eps = 1e-6f;                                 // as the recurr
 #endif
 
 __device__ std::int64_t chunks_of(const GatedDeltaDims& d) { return (d.seq_len + d.chunk - 1) / d.chunk; }  // chunks(), on the device
+__device__ int rows_in(const GatedDeltaDims& d, std::int64_t ci) { return static_cast<int>(min(d.chunk, d.seq_len - ci * d.chunk)); }  // chunk ci's tokens
 /// The carrying kernels' blocks a (sequence, value head): one per carry_cols columns of the state.
 __host__ __device__ std::int64_t carry_tiles(std::int64_t dv) { return (dv + carry_cols - 1) / carry_cols; }
 
@@ -114,46 +119,148 @@ __device__ __forceinline__ void block_gemm(int M, int N, int L, const float* a, 
   }
 }
 
-/// R_i = X_i - sum_{j<i} A_ij D_j and D_i = beta_i R_i, for `cols` (<= blockDim) columns of row stride
-/// LD, a thread a column holding it in registers (the loops unrolled over the chunk's rows): once
-/// D_j is known it is taken from every later row at once, so a row waits for one product, not for
-/// a sum over the rows before it. R goes into X, or with `w` given w_i D_i (what the forward's
-/// state update takes).
-template <int LD>
-__device__ void solve_deltas(int n, int cols, const float* A, float* X, float* D, const float* beta, const float* w = nullptr) {
-  const int col = threadIdx.x;
-  if (col >= cols) return;
-  float r[max_rows];
+/// x as a tf32 pair, hi + lo == x to within 2^-21 |x|: hi its 10 leading mantissa bits (cut, so
+/// exactly a tf32 value and x - hi exact in fp32), lo the rest rounded to tf32.
+__device__ __forceinline__ void split_tf32(float x, std::uint32_t& hi, std::uint32_t& lo) {
+  hi = __float_as_uint(x) & 0xffffe000u;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+}
+
+/// c += a b for one m16n8k8 tile on the tensor cores, tf32 in, fp32 out.
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/// block_gemm's product on the tensor cores at fp32 accuracy: each operand split into a tf32 pair
+/// and the three products that matter summed (a_lo b_hi + a_hi b_lo + a_hi b_hi, smallest first;
+/// a_lo b_lo, below 2^-22 of the product, left out), accumulated in fp32. Each warp a (16 WM) x
+/// (8 WN) tile of C; out(i, j, C) by the thread the tile's fragment gives (i, j). The same M, N, WM
+/// and WN give each thread the same elements, so two calls may add into one output without a
+/// barrier between them. Inner indices past L read as zeros in both operands; rows past M and
+/// columns past N read row M - 1 and column N - 1 and are not stored.
+template <int WM, int WN, int AR, int AC, int BR, int BC, class Out>
+__device__ __forceinline__ void block_mma(int M, int N, int L, const float* a, const float* b, Out out) {
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800) || defined(OOM_GATED_DELTA_FMA)
+  block_gemm<2, 2, AR, AC, BR, BC>(M, N, L, a, b, out);  // no tf32 tensor cores (or, for kernel work, the FMA pipes asked for)
+#else
+  const int lane = threadIdx.x % 32, gr = lane / 4, tg = lane % 4;
+  const int mt = (M + 16 * WM - 1) / (16 * WM), nt = (N + 8 * WN - 1) / (8 * WN);
+  for (int tile = threadIdx.x / 32; tile < mt * nt; tile += blockDim.x / 32) {
+    const int m0 = tile / nt * 16 * WM, n0 = tile % nt * 8 * WN;
+    const float* ar[WM][2];  // the fragment's rows gr and gr + 8 of each 16-row tile
+    const float* bc[WN];     // its column gr of each 8-column tile
 #pragma unroll
-  for (int i = 0; i < max_rows; ++i) r[i] = i < n ? X[i * LD + col] : 0.0f;
+    for (int x = 0; x < WM; ++x)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) ar[x][h] = a + min(m0 + 16 * x + 8 * h + gr, M - 1) * AR;
+#pragma unroll
+    for (int y = 0; y < WN; ++y) bc[y] = b + min(n0 + 8 * y + gr, N - 1) * BC;
+    float acc[WM][WN][4];
+#pragma unroll
+    for (int x = 0; x < WM; ++x)
+#pragma unroll
+      for (int y = 0; y < WN; ++y)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[x][y][r] = 0.0f;
+    const auto step = [&](int k0, bool tail) {
+      std::uint32_t ahi[WM][4], alo[WM][4], bhi[WN][2], blo[WN][2];
+#pragma unroll
+      for (int x = 0; x < WM; ++x)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // a_r: row gr (+ 8 for odd r), column tg (+ 4 for r >= 2)
+          const int l = k0 + tg + 4 * (r / 2);
+          split_tf32(!tail || l < L ? ar[x][r % 2][l * AC] : 0.0f, ahi[x][r], alo[x][r]);
+        }
+#pragma unroll
+      for (int y = 0; y < WN; ++y)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // b_r: row tg (+ 4 for r = 1), column gr
+          const int l = k0 + tg + 4 * r;
+          split_tf32(!tail || l < L ? bc[y][l * BR] : 0.0f, bhi[y][r], blo[y][r]);
+        }
+#pragma unroll
+      for (int x = 0; x < WM; ++x)
+#pragma unroll
+        for (int y = 0; y < WN; ++y) {
+          mma_tf32(acc[x][y], alo[x], bhi[y]);
+          mma_tf32(acc[x][y], ahi[x], blo[y]);
+          mma_tf32(acc[x][y], ahi[x], bhi[y]);
+        }
+    };
+    const int whole = L / 8 * 8;
+#pragma unroll 2
+    for (int k0 = 0; k0 < whole; k0 += 8) step(k0, false);
+    if (whole < L) step(whole, true);
+#pragma unroll
+    for (int x = 0; x < WM; ++x)
+#pragma unroll
+      for (int y = 0; y < WN; ++y)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // c_r: row gr (+ 8 for r >= 2), column 2 tg (+ 1 for odd r)
+          const int i = m0 + 16 * x + gr + 8 * (r / 2), j = n0 + 8 * y + 2 * tg + r % 2;
+          if (i < M && j < N) out(i, j, acc[x][y][r]);
+        }
+  }
+#endif
+}
+
+/// R_i = X_i - sum_{j<i} A_ij D_j and D_i = beta_i R_i, for `cols` columns of row stride LD: GROUPS
+/// consecutive lanes a column (cols x GROUPS <= blockDim), each holding every GROUPS-th row in
+/// registers (A's rows LDA apart). Once D_j is known (from the lane holding row j, by a shuffle) it is taken from every
+/// row at once, so a row waits for one product, not for a sum over the rows before it; each row's
+/// products are taken in the order of j, so the bits do not depend on GROUPS. A is strictly lower
+/// (zeros on and above the diagonal for the chunk's n rows), so the rows before j take nothing.
+/// R goes into X, or with `w` given w_i D_i (what the forward's state update takes).
+template <int LD, int LDA, int GROUPS>
+__device__ void solve_deltas(int n, int cols, const float* A, float* X, float* D, const float* beta, const float* w = nullptr) {
+  static_assert(32 % GROUPS == 0 && max_rows % GROUPS == 0, "a column's lanes in one warp");
+  constexpr int per = max_rows / GROUPS;
+  const int grp = static_cast<int>(threadIdx.x) % GROUPS, col = static_cast<int>(threadIdx.x) / GROUPS;
+  if (static_cast<int>(threadIdx.x & ~31u) / GROUPS >= cols) return;  // a warp with no column (uniform)
+  const bool mine = col < cols;
+  float r[per];  // rows grp + GROUPS x
+#pragma unroll
+  for (int x = 0; x < per; ++x) r[x] = mine && grp + GROUPS * x < n ? X[(grp + GROUPS * x) * LD + col] : 0.0f;
 #pragma unroll
   for (int j = 0; j < max_rows; ++j) {
     if (j < n) {
-      const float dj = beta[j] * r[j];
-      D[j * LD + col] = dj;
-      X[j * LD + col] = w != nullptr ? w[j] * dj : r[j];
+      const float rj = __shfl_sync(0xffffffffu, r[j / GROUPS], j % GROUPS, GROUPS);
+      const float dj = beta[j] * rj;
+      if (mine && grp == j % GROUPS) {
+        D[j * LD + col] = dj;
+        X[j * LD + col] = w != nullptr ? w[j] * dj : rj;
+      }
 #pragma unroll
-      for (int i = j + 1; i < max_rows; ++i) r[i] = __fmaf_rn(-A[i * ldc + j], dj, r[i]);
+      for (int x = 0; x < per; ++x) r[x] = __fmaf_rn(-A[(grp + GROUPS * x) * LDA + j], dj, r[x]);
     }
   }
 }
 
-/// Its transpose, from the last row: dR_i = dD_i - sum_{l>i} A_li h_l (into dD) and h_i = beta_i dR_i.
-template <int LD>
+/// Its transpose, from the last row: dR_i = dD_i - sum_{l>i} A_li h_l (into dD) and h_i = beta_i dR_i,
+/// the lanes and rows as above (row l of A is zero from column l on).
+template <int LD, int LDA, int GROUPS>
 __device__ void solve_delta_grads(int n, int cols, const float* A, float* dD, float* H, const float* beta) {
-  const int col = threadIdx.x;
-  if (col >= cols) return;
-  float r[max_rows];
+  static_assert(32 % GROUPS == 0 && max_rows % GROUPS == 0, "a column's lanes in one warp");
+  constexpr int per = max_rows / GROUPS;
+  const int grp = static_cast<int>(threadIdx.x) % GROUPS, col = static_cast<int>(threadIdx.x) / GROUPS;
+  if (static_cast<int>(threadIdx.x & ~31u) / GROUPS >= cols) return;
+  const bool mine = col < cols;
+  float r[per];
 #pragma unroll
-  for (int i = 0; i < max_rows; ++i) r[i] = i < n ? dD[i * LD + col] : 0.0f;
+  for (int x = 0; x < per; ++x) r[x] = mine && grp + GROUPS * x < n ? dD[(grp + GROUPS * x) * LD + col] : 0.0f;
 #pragma unroll
   for (int l = max_rows - 1; l >= 0; --l) {
     if (l < n) {
-      const float hl = beta[l] * r[l];
-      dD[l * LD + col] = r[l];
-      H[l * LD + col] = hl;
+      const float rl = __shfl_sync(0xffffffffu, r[l / GROUPS], l % GROUPS, GROUPS);
+      const float hl = beta[l] * rl;
+      if (mine && grp == l % GROUPS) {
+        dD[l * LD + col] = rl;
+        H[l * LD + col] = hl;
+      }
 #pragma unroll
-      for (int i = 0; i < l; ++i) r[i] = __fmaf_rn(-A[l * ldc + i], hl, r[i]);
+      for (int x = 0; x < per; ++x) r[x] = __fmaf_rn(-A[l * LDA + grp + GROUPS * x], hl, r[x]);
     }
   }
 }
@@ -164,105 +271,185 @@ struct Chunk {
   float *kn, *qn, *A, *Q, *G, *eg, *w, *beta;
 };
 
-/// Rows [t0, t0 + n) of sequence b, key head of value head h, normalised into qn and kn (ldk
-/// apart; kn nullptr: the q rows only): the block loads every value first (many loads in flight),
-/// then a warp a row sums its squares and scales it.
-__device__ void load_normalised(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n,
-                                const std::uint16_t* q, const std::uint16_t* k, float* qn, float* kn) {
-  const int dk = static_cast<int>(d.k_dim);
-  const std::int64_t kh = h / (d.v_heads / d.k_heads);
-  const int which = kn == nullptr ? 1 : 2;
-  const std::int64_t first = (b * d.seq_len + t0) * d.qk_stride + kh * dk;
-  if (dk % 8 == 0 && d.qk_stride % 8 == 0 && (reinterpret_cast<std::uintptr_t>(q + first) | reinterpret_cast<std::uintptr_t>(k + first)) % 16 == 0) {
-    // Eight values a load, all of a thread's loads issued before their stores.
-    const int per_row = dk / 8, vectors = which * n * per_row;
-    constexpr int unroll = 4;
-    for (int e0 = threadIdx.x; e0 < vectors; e0 += unroll * blockDim.x) {
-      uint4 r[unroll];
-#pragma unroll
-      for (int u = 0; u < unroll; ++u) {
-        const int e = e0 + u * blockDim.x, row = e / per_row, i = row % n;
-        if (e < vectors)
-          r[u] = *reinterpret_cast<const uint4*>((row < n ? q : k) + first + i * d.qk_stride + e % per_row * 8);
-      }
-#pragma unroll
-      for (int u = 0; u < unroll; ++u) {
-        const int e = e0 + u * blockDim.x, row = e / per_row, i = row % n;
-        if (e >= vectors) continue;
-        float f[8];
-        unpack_bf16(r[u], f);
-        float* dst = (row < n ? qn : kn) + i * ldk + e % per_row * 8;
-#pragma unroll
-        for (int x = 0; x < 8; ++x) dst[x] = f[x];
-      }
-    }
-  } else {
-    for (int e = threadIdx.x; e < which * n * dk; e += blockDim.x) {
-      const int r = e / dk, a = e % dk, i = r % n;
-      (r < n ? qn : kn)[i * ldk + a] = bf16_to_float((r < n ? q : k)[first + i * d.qk_stride + a]);
-    }
+/// Whether a chunk's q and k rows load as 16-byte vectors with each row's vectors in consecutive
+/// lanes of one warp: rows of 8, 16, 32, 64 or 128 values (a power of two of vectors, at most 32),
+/// rows 16 bytes apart, 16-byte aligned arrays.
+__device__ bool rows_vectorised(const GatedDeltaDims& d, const std::uint16_t* q, const std::uint16_t* k) {
+  const std::int64_t per_row = d.k_dim / 8;
+  return d.k_dim % 8 == 0 && (per_row & (per_row - 1)) == 0 && d.qk_stride % 8 == 0 &&
+         (reinterpret_cast<std::uintptr_t>(q) | reinterpret_cast<std::uintptr_t>(k)) % 16 == 0;
+}
+
+constexpr int row_vectors = 2 * max_rows * (max_dim / 8) / threads;  // a thread's share of a chunk's q and k vectors
+constexpr int tile_values = max_rows * carry_cols / threads;         // and of a carrying block's v or d_out tile
+static_assert(row_vectors * threads == 2 * max_rows * (max_dim / 8) && tile_values * threads == max_rows * carry_cols);
+
+/// What a thread reads of a chunk from global memory, held in registers: the carrying kernels load
+/// the next chunk's while this one computes, so its latency is off their sequential path.
+struct Loads {
+  uint4 qk[row_vectors];          // the q rows' vectors, then the k rows' (rows_vectorised)
+  std::uint16_t x[tile_values];   // the carrying block's columns of v (forward) or d_out (carry)
+  float g = 0.0f, beta = 0.0f;    // token threadIdx.x's
+};
+
+/// Loads tokens [t0, t0 + n) of (sequence b, value head h): g and beta; with `vec`, the q rows (and
+/// with `which` 2 the k rows) of its key head; with x given, columns [j0, j0 + carry_cols) of x
+/// (rows x_stride apart).
+__device__ void fetch(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n, bool vec, int which,
+                      const std::uint16_t* q, const std::uint16_t* k, const float* g, const float* beta, const std::uint16_t* x,
+                      std::int64_t x_stride, std::int64_t j0, Loads& p) {
+  const std::int64_t H = d.v_heads, row0 = (b * d.seq_len + t0) * H + h;
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < n) {
+    p.g = g[row0 + tid * H];
+    p.beta = beta[row0 + tid * H];
   }
-  __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const float scale = 1.0f / sqrtf(static_cast<float>(dk));
-  for (int r = warp; r < which * n; r += warps) {
-    float* row = (r < n ? qn : kn) + (r % n) * ldk;
-    float ss = 0;
-    for (int a = lane; a < dk; a += 32) ss += row[a] * row[a];
-    const float inv = 1.0f / sqrtf(warp_sum(ss) + l2_eps) * (r < n ? scale : 1.0f);
-    for (int a = lane; a < dk; a += 32) row[a] *= inv;
+  if (x != nullptr)
+#pragma unroll
+    for (int u = 0; u < tile_values; ++u) {
+      const int e = tid + u * threads, i = e / carry_cols, j = e % carry_cols;
+      if (i < n && j0 + j < d.v_dim) p.x[u] = x[(b * d.seq_len + t0 + i) * x_stride + h * d.v_dim + j0 + j];
+    }
+  if (!vec) return;
+  const int dk = static_cast<int>(d.k_dim), per_row = dk / 8, vectors = which * n * per_row;
+  const std::int64_t first = (b * d.seq_len + t0) * d.qk_stride + h / (d.v_heads / d.k_heads) * dk;
+#pragma unroll
+  for (int u = 0; u < row_vectors; ++u) {
+    const int e = tid + u * threads, row = e / per_row, i = row % n;
+    if (e < vectors) p.qk[u] = *reinterpret_cast<const uint4*>((row < n ? q : k) + first + i * d.qk_stride + e % per_row * 8);
   }
 }
 
-/// Fills c for tokens [t0, t0 + n) of (sequence b, value head h). Synchronises before returning.
-__device__ void prepare(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n, const std::uint16_t* q,
-                        const std::uint16_t* k, const float* g, const float* beta, const Chunk& c) {
-  const std::int64_t H = d.v_heads, row0 = (b * d.seq_len + t0) * H + h;
-  if (threadIdx.x < n) {
-    c.eg[threadIdx.x] = g[row0 + threadIdx.x * H];
-    c.beta[threadIdx.x] = beta[row0 + threadIdx.x * H];
+/// The l2norm's scale of a row whose squares this lane summed (a run of 8 values, in order) and
+/// whose other lanes are the `group` lanes around it (a power of two): the runs summed by a tree of
+/// shuffles, the same sums in the same order whatever the group (lanes past the row add zeros).
+__device__ __forceinline__ float l2_scale(float ss, int group, float scale) {
+  for (int o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return 1.0f / sqrtf(ss + l2_eps) * scale;
+}
+
+/// The q rows (and with `which` 2 the k rows) normalised into qn (q also by 1 / sqrt(dk)) and kn
+/// (LDK apart): from the vectors `fetch` loaded, or where the rows are not vectorised, loaded here
+/// and normalised a warp a row with the same sums. Synchronises before returning.
+template <int LDK>
+__device__ void store_normalised(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n, bool vec,
+                                 int which, const std::uint16_t* q, const std::uint16_t* k, const Loads& p, float* qn, float* kn) {
+  const int dk = static_cast<int>(d.k_dim), lane = static_cast<int>(threadIdx.x % 32);
+  const float scale = 1.0f / sqrtf(static_cast<float>(dk));
+  if (vec) {
+    const int per_row = dk / 8, vectors = which * n * per_row;
+#pragma unroll
+    for (int u = 0; u < row_vectors; ++u) {
+      if (static_cast<int>(threadIdx.x) - lane + u * threads >= vectors) break;  // uniform: the warp's rows are all past
+      const int e = static_cast<int>(threadIdx.x) + u * threads, row = e / per_row, i = row % n;
+      float f[8];
+      float ss = 0.0f;
+      if (e < vectors) {  // a row's lanes are all in or all out
+        unpack_bf16(p.qk[u], f);
+#pragma unroll
+        for (int x = 0; x < 8; ++x) ss = __fmaf_rn(f[x], f[x], ss);
+      }
+      const float inv = l2_scale(ss, per_row, row < n ? scale : 1.0f);
+      if (e >= vectors) continue;
+      float* dst = (row < n ? qn : kn) + i * LDK + e % per_row * 8;
+#pragma unroll
+      for (int x = 0; x < 8; ++x) dst[x] = f[x] * inv;
+    }
+    __syncthreads();
+    return;
   }
-  load_normalised(d, b, h, t0, n, q, k, c.qn, c.kn);  // synchronises after its loads
-  if (threadIdx.x == 0) {
-    float acc = 0.0f;
-    for (int i = 0; i < n; ++i) c.G[i] = acc += c.eg[i];
+  const std::int64_t first = (b * d.seq_len + t0) * d.qk_stride + h / (d.v_heads / d.k_heads) * dk;
+  for (int e = static_cast<int>(threadIdx.x); e < which * n * dk; e += blockDim.x) {
+    const int r = e / dk, a = e % dk, i = r % n;
+    (r < n ? qn : kn)[i * LDK + a] = bf16_to_float((r < n ? q : k)[first + i * d.qk_stride + a]);
   }
   __syncthreads();
-  if (threadIdx.x < n) {
-    const int i = threadIdx.x;
-    c.eg[i] = expf(c.G[i]);
-    c.w[i] = expf(c.G[n - 1] - c.G[i]);
+  const int warp = static_cast<int>(threadIdx.x / 32), warps = static_cast<int>(blockDim.x / 32);
+  for (int r = warp; r < which * n; r += warps) {
+    float* row = (r < n ? qn : kn) + (r % n) * LDK;
+    float ss = 0.0f;
+    for (int x = 0; x < 8; ++x)
+      if (lane * 8 + x < dk) ss = __fmaf_rn(row[lane * 8 + x], row[lane * 8 + x], ss);
+    const float inv = l2_scale(ss, 32, r < n ? scale : 1.0f);
+    for (int a = lane; a < dk; a += 32) row[a] *= inv;
   }
+  __syncthreads();
+}
+
+/// Fills c for tokens [t0, t0 + n) from what `fetch` loaded (`x`, if given, into the carrying
+/// block's tile, ldt apart, zeros past dv). Synchronises before returning.
+template <int LDK, int LDC>
+__device__ void prepare(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n, bool vec,
+                        const std::uint16_t* q, const std::uint16_t* k, const Loads& p, std::int64_t j0, float* x, const Chunk& c) {
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < n) {
+    c.eg[tid] = p.g;
+    c.beta[tid] = p.beta;
+  }
+  if (x != nullptr)
+#pragma unroll
+    for (int u = 0; u < tile_values; ++u) {
+      const int e = tid + u * threads, i = e / carry_cols, j = e % carry_cols;
+      if (i < n) x[i * ldt + j] = j0 + j < d.v_dim ? bf16_to_float(p.x[u]) : 0.0f;
+    }
+  store_normalised<LDK>(d, b, h, t0, n, vec, 2, q, k, p, c.qn, c.kn);  // synchronises
+  if (threadIdx.x < 32) {  // G, the gates summed from the chunk's start: a scan over the warp, rows l and l + 32 a lane
+    const int l = static_cast<int>(threadIdx.x);
+    float lo = l < n ? c.eg[l] : 0.0f, hi = l + 32 < n ? c.eg[l + 32] : 0.0f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float up_lo = __shfl_up_sync(0xffffffffu, lo, o), up_hi = __shfl_up_sync(0xffffffffu, hi, o);
+      if (l >= o) {
+        lo += up_lo;
+        hi += up_hi;
+      }
+    }
+    hi += __shfl_sync(0xffffffffu, lo, 31);
+    const float last = __shfl_sync(0xffffffffu, n > 32 ? hi : lo, (n - 1) % 32);
+    if (l < n) {
+      c.G[l] = lo;
+      c.eg[l] = expf(lo);
+      c.w[l] = expf(last - lo);
+    }
+    if (l + 32 < n) {
+      c.G[l + 32] = hi;
+      c.eg[l + 32] = expf(hi);
+      c.w[l + 32] = expf(last - hi);
+    }
+  }
+  __syncthreads();
   const int dk = static_cast<int>(d.k_dim);
   // A and Q: k rows, and q rows, by k rows.
-  block_gemm<4, 4, ldk, 1, 1, ldk>(n, n, dk, c.kn, c.kn, [&](int i, int j, float x) {
-    c.A[i * ldc + j] = j < i ? expf(c.G[i] - c.G[j]) * x : 0.0f;
+  block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.kn, c.kn, [&](int i, int j, float x) {
+    c.A[i * LDC + j] = j < i ? expf(c.G[i] - c.G[j]) * x : 0.0f;
   });
-  block_gemm<4, 4, ldk, 1, 1, ldk>(n, n, dk, c.qn, c.kn, [&](int i, int j, float x) {
-    c.Q[i * ldc + j] = j <= i ? expf(c.G[i] - c.G[j]) * x : 0.0f;
+  block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.qn, c.kn, [&](int i, int j, float x) {
+    c.Q[i * LDC + j] = j <= i ? expf(c.G[i] - c.G[j]) * x : 0.0f;
   });
   __syncthreads();
 }
 
 /// Carves the chunk's arrays from `at`; returns the next free float.
+template <int LDK, int LDC>
 __device__ float* carve(Chunk& c, float* at, bool with_q_rows) {
   c.kn = at;
-  at += max_rows * ldk;
+  at += max_rows * LDK;
   if (with_q_rows) {
     c.qn = at;
-    at += max_rows * ldk;
+    at += max_rows * LDK;
   }
   c.A = at;
-  c.Q = at + max_rows * ldc;
-  at += 2 * max_rows * ldc;
+  c.Q = at + max_rows * LDC;
+  at += 2 * max_rows * LDC;
   c.G = at;
   c.eg = at + max_rows;
   c.w = at + 2 * max_rows;
   c.beta = at + 3 * max_rows;
   return at + 4 * max_rows;
 }
+template <int LDK, int LDC>
 constexpr std::size_t chunk_floats(bool with_q_rows) {
-  return static_cast<std::size_t>((with_q_rows ? 2 : 1) * max_rows * ldk + 2 * max_rows * ldc + 4 * max_rows);
+  return static_cast<std::size_t>((with_q_rows ? 2 : 1) * max_rows * LDK + 2 * max_rows * LDC + 4 * max_rows);
 }
 
 /// Rows of a (dk, dv) state's columns [j0, j0 + cols) to or from a shared tile (ld apart), zeros
@@ -291,14 +478,15 @@ __device__ void load_rows(const GatedDeltaDims& d, const std::uint16_t* x, std::
 
 // ---- forward ------------------------------------------------------------------------------------
 
-constexpr std::size_t forward_floats = chunk_floats(true) + max_dim * ldt + 3 * max_rows * ldt;
+constexpr std::size_t forward_floats = chunk_floats<carry_ldk, carry_ldc>(true) + max_dim * ldt + 3 * max_rows * ldt;
 
 __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
                                                                   const std::uint16_t* v, const float* g, const float* beta,
                                                                   std::uint16_t* out, float* states) {
   extern __shared__ float smem[];
   Chunk c;
-  float* S = carve(c, smem, true);
+  constexpr int ldk = carry_ldk, ldc = carry_ldc;
+  float* S = carve<ldk, ldc>(c, smem, true);
   float* X = S + max_dim * ldt;
   float* D = X + max_rows * ldt;
   float* O = D + max_rows * ldt;
@@ -310,47 +498,51 @@ __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaD
   else
     for (int e = threadIdx.x; e < max_dim * ldt; e += blockDim.x) S[e] = 0.0f;
   const std::int64_t chunks = chunks_of(d);
+  const bool vec = rows_vectorised(d, q, k);
+  Loads p;  // the chunk's reads, issued a chunk ahead
+  fetch(d, b, h, 0, rows_in(d, 0), vec, 2, q, k, g, beta, v, d.v_stride, j0, p);
   PHASES_BEGIN
   for (std::int64_t ci = 0; ci < chunks; ++ci) {
     __syncthreads();
     save_state(d, S, j0, carry_cols, ldt, kept + ci * d.k_dim * d.v_dim);
     const std::int64_t t0 = ci * d.chunk;
-    const int n = static_cast<int>(min(d.chunk, d.seq_len - t0));
-    load_rows(d, v, d.v_stride, b, h, t0, n, j0, carry_cols, ldt, X);
+    const int n = rows_in(d, ci);
     PHASE(0);
-    prepare(d, b, h, t0, n, q, k, g, beta, c);
+    prepare<ldk, ldc>(d, b, h, t0, n, vec, q, k, p, j0, X, c);
+    if (ci + 1 < chunks) fetch(d, b, h, t0 + d.chunk, rows_in(d, ci + 1), vec, 2, q, k, g, beta, v, d.v_stride, j0, p);
     PHASE(1);
     // X -= diag(exp G) K S; O = diag(exp G) Q' S.
-    block_gemm<2, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, S, [&](int i, int j, float x) { X[i * ldt + j] -= c.eg[i] * x; });
-    block_gemm<2, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.qn, S, [&](int i, int j, float x) { O[i * ldt + j] = c.eg[i] * x; });
+    block_mma<1, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, S, [&](int i, int j, float x) { X[i * ldt + j] -= c.eg[i] * x; });
+    block_mma<1, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.qn, S, [&](int i, int j, float x) { O[i * ldt + j] = c.eg[i] * x; });
     PHASE(2);
-    solve_deltas<ldt>(n, carry_cols, c.A, X, D, c.beta, c.w);  // X = diag(w) D
+    solve_deltas<ldt, ldc, 8>(n, carry_cols, c.A, X, D, c.beta, c.w);  // X = diag(w) D
     PHASE(3);
     // out = O + Q D; S = exp(G_last) S + K^T diag(w) D.
     std::uint16_t* o = out + ((b * d.seq_len + t0) * H + h) * d.v_dim + j0;
-    block_gemm<2, 2, ldc, 1, ldt, 1>(n, carry_cols, n, c.Q, D, [&](int i, int j, float x) {
+    block_mma<1, 2, ldc, 1, ldt, 1>(n, carry_cols, n, c.Q, D, [&](int i, int j, float x) {
       if (j0 + j < d.v_dim) o[i * H * d.v_dim + j] = float_to_bf16(O[i * ldt + j] + x);
     });
     const float last = c.eg[n - 1];
-    block_gemm<4, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.kn, X,
+    block_mma<2, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.kn, X,
                                       [&](int a, int j, float x) { S[a * ldt + j] = __fmaf_rn(last, S[a * ldt + j], x); });
     PHASE(4);
   }
-  PHASES_PRINT("forward (0 loads, 1 prepare, 2 K S and Q S, 3 solve, 4 out and the state)");
+  PHASES_PRINT("forward (0 the kept state, 1 prepare, 2 K S and Q S, 3 solve, 4 out and the state)");
   __syncthreads();
   save_state(d, S, j0, carry_cols, ldt, kept + chunks * d.k_dim * d.v_dim);
 }
 
 // ---- backward: the state's gradient from the last chunk -------------------------------------------
 
-constexpr std::size_t carry_floats = chunk_floats(true) + max_dim * ldt + 3 * max_rows * ldt;
+constexpr std::size_t carry_floats = chunk_floats<carry_ldk, carry_ldc>(true) + max_dim * ldt + 3 * max_rows * ldt;
 
 __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
                                                                 const float* g, const float* beta, const std::uint16_t* d_out,
                                                                 std::uint16_t* dv_out, float* d_state, float* dS_all) {
   extern __shared__ float smem[];
   Chunk c;
-  float* dS = carve(c, smem, true);
+  constexpr int ldk = carry_ldk, ldc = carry_ldc;
+  float* dS = carve<ldk, ldc>(c, smem, true);
   float* dO = dS + max_dim * ldt;
   float* dD = dO + max_rows * ldt;
   float* Hh = dD + max_rows * ldt;
@@ -361,21 +553,24 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
   if (d_state != nullptr) load_state(d, d_state + bh * state, j0, carry_cols, ldt, dS);
   else
     for (int e = threadIdx.x; e < max_dim * ldt; e += blockDim.x) dS[e] = 0.0f;
+  const bool vec = rows_vectorised(d, q, k);
+  Loads p;  // the chunk's reads, issued a chunk ahead
+  fetch(d, b, h, (chunks - 1) * d.chunk, rows_in(d, chunks - 1), vec, 2, q, k, g, beta, d_out, H * d.v_dim, j0, p);
   PHASES_BEGIN
   for (std::int64_t ci = chunks - 1; ci >= 0; --ci) {
     __syncthreads();
     save_state(d, dS, j0, carry_cols, ldt, dS_all + (bh * chunks + ci) * state);
     const std::int64_t t0 = ci * d.chunk;
-    const int n = static_cast<int>(min(d.chunk, d.seq_len - t0));
-    load_rows(d, d_out, H * d.v_dim, b, h, t0, n, j0, carry_cols, ldt, dO);
+    const int n = rows_in(d, ci);
     PHASE(0);
-    prepare(d, b, h, t0, n, q, k, g, beta, c);
+    prepare<ldk, ldc>(d, b, h, t0, n, vec, q, k, p, j0, dO, c);
+    if (ci > 0) fetch(d, b, h, t0 - d.chunk, rows_in(d, ci - 1), vec, 2, q, k, g, beta, d_out, H * d.v_dim, j0, p);
     PHASE(1);
     // dD = diag(w) K dS + Q^T dO (the same threads' elements in both).
-    block_gemm<2, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, dS, [&](int i, int j, float x) { dD[i * ldt + j] = c.w[i] * x; });
-    block_gemm<2, 2, 1, ldc, ldt, 1>(n, carry_cols, n, c.Q, dO, [&](int i, int j, float x) { dD[i * ldt + j] += x; });
+    block_mma<1, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, dS, [&](int i, int j, float x) { dD[i * ldt + j] = c.w[i] * x; });
+    block_mma<1, 2, 1, ldc, ldt, 1>(n, carry_cols, n, c.Q, dO, [&](int i, int j, float x) { dD[i * ldt + j] += x; });
     PHASE(2);
-    solve_delta_grads<ldt>(n, carry_cols, c.A, dD, Hh, c.beta);
+    solve_delta_grads<ldt, ldc, 8>(n, carry_cols, c.A, dD, Hh, c.beta);
     PHASE(3);
     // dv = h; then dO and h scaled by exp G (into dD and h) for the state's gradient.
     for (int e = threadIdx.x; e < n * carry_cols; e += blockDim.x) {
@@ -388,12 +583,12 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
     __syncthreads();
     // dS = exp(G_last) dS + Q'^T diag(exp G) dO - K^T diag(exp G) h.
     const float last = c.eg[n - 1];
-    block_gemm<4, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.qn, dD,
+    block_mma<2, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.qn, dD,
                                       [&](int a, int j, float x) { dS[a * ldt + j] = __fmaf_rn(last, dS[a * ldt + j], x); });
-    block_gemm<4, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.kn, Hh, [&](int a, int j, float x) { dS[a * ldt + j] += x; });
+    block_mma<2, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.kn, Hh, [&](int a, int j, float x) { dS[a * ldt + j] += x; });
     PHASE(4);
   }
-  PHASES_PRINT("carry (0 loads, 1 prepare, 2 dD, 3 solve, 4 the state's gradient)");
+  PHASES_PRINT("carry (0 the kept gradient, 1 prepare, 2 dD, 3 solve, 4 the state's gradient)");
   __syncthreads();
   if (d_state != nullptr) save_state(d, dS, j0, carry_cols, ldt, d_state + bh * state);
 }
@@ -403,12 +598,12 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
 // The per-chunk tiles (chunk_cols columns): S0 and dS (dk rows); X (then R), U = K S0, D, P = K dS,
 // dD (then dR), h, dO (chunk rows). The q rows share their space: loaded before and after the tiles.
 constexpr std::size_t tile_floats = 2 * max_dim * ldu + 7 * max_rows * ldu;
-static_assert(tile_floats >= static_cast<std::size_t>(max_rows * ldk), "the q rows fit the tiles' space");
+static_assert(tile_floats >= static_cast<std::size_t>(max_rows * grad_ldk), "the q rows fit the tiles' space");
 constexpr int ldq = max_dim;  // the dq' and dk accumulators' rows (written and read along rows only)
 constexpr std::size_t chunk_grad_floats =
-    chunk_floats(false) + 2 * max_rows * ldq + 3 * max_rows * ldc + tile_floats + 3 * max_rows + max_dim + 2;
+    chunk_floats<grad_ldk, grad_ldc>(false) + 2 * max_rows * ldq + 3 * max_rows * grad_ldc + tile_floats + 3 * max_rows + max_dim + 2;
 static_assert(chunk_grad_floats * sizeof(float) <= 227 * 1024, "the per-chunk backward fits an SM's shared memory");
-static_assert(tile_floats >= static_cast<std::size_t>(max_rows * ldc), "the identity for M fits the tiles' space");
+static_assert(tile_floats >= static_cast<std::size_t>(max_rows * grad_ldc), "the identity for M fits the tiles' space");
 
 __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
                                                                const std::uint16_t* v, const float* g, const float* beta,
@@ -416,7 +611,8 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
                                                                float* dg, float* dbeta, float* dq_part, float* dk_part) {
   extern __shared__ float smem[];
   Chunk c;
-  float* dQ = carve(c, smem, false);  // d loss / d q' rows (n, dk)
+  constexpr int ldk = grad_ldk, ldc = grad_ldc;
+  float* dQ = carve<ldk, ldc>(c, smem, false);  // d loss / d q' rows (n, dk)
   float* dK = dQ + max_rows * ldq;
   float* dqk = dK + max_rows * ldq;   // d loss / d Q (before the decays), (n, n)
   float* dkk = dqk + max_rows * ldc;  // d loss / d A
@@ -442,8 +638,13 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   const std::int64_t bh = blockIdx.x / chunks, ci = blockIdx.x % chunks, b = bh / H, h = bh % H;
   const std::int64_t t0 = ci * d.chunk;
   const int n = static_cast<int>(min(d.chunk, d.seq_len - t0)), dk = static_cast<int>(d.k_dim);
+  const bool vec = rows_vectorised(d, q, k);
   PHASES_BEGIN
-  prepare(d, b, h, t0, n, q, k, g, beta, c);
+  {
+    Loads p;
+    fetch(d, b, h, t0, n, vec, 2, q, k, g, beta, nullptr, 0, 0, p);
+    prepare<ldk, ldc>(d, b, h, t0, n, vec, q, k, p, 0, nullptr, c);
+  }
   PHASE(0);
   for (int e = threadIdx.x; e < max_rows * ldq; e += blockDim.x) dQ[e] = dK[e] = 0.0f;
   for (int e = threadIdx.x; e < max_rows * ldc; e += blockDim.x) {
@@ -453,7 +654,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   if (threadIdx.x < max_rows) dG[threadIdx.x] = dB[threadIdx.x] = 0.0f;
   if (threadIdx.x == 0) *last_grad = 0.0f;
   __syncthreads();
-  solve_deltas<ldc>(n, n, c.A, area, M, c.beta);  // the chunk's one triangular solve, a column a thread
+  solve_deltas<ldc, ldc, 4>(n, n, c.A, area, M, c.beta);  // the chunk's one triangular solve, 4 lanes a column
   const float* S0_all = states + bh * d.states_stride + ci * state;
   const float* dS_chunk = dS_all + (bh * chunks + ci) * state;
   for (std::int64_t j0 = 0; j0 < d.v_dim; j0 += chunk_cols) {
@@ -464,21 +665,21 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
     load_rows(d, d_out, H * d.v_dim, b, h, t0, n, j0, chunk_cols, ldu, dO);
     PHASE(1);
     // U = K S0, X -= diag(exp G) U; P = K dS.
-    block_gemm<2, 1, ldk, 1, ldu, 1>(n, chunk_cols, dk, c.kn, S0, [&](int i, int j, float x) {
+    block_mma<1, 1, ldk, 1, ldu, 1>(n, chunk_cols, dk, c.kn, S0, [&](int i, int j, float x) {
       U[i * ldu + j] = x;
       X[i * ldu + j] -= c.eg[i] * x;
     });
-    block_gemm<2, 1, ldk, 1, ldu, 1>(n, chunk_cols, dk, c.kn, dS, [&](int i, int j, float x) { P[i * ldu + j] = x; });
+    block_mma<1, 1, ldk, 1, ldu, 1>(n, chunk_cols, dk, c.kn, dS, [&](int i, int j, float x) { P[i * ldu + j] = x; });
     PHASE(2);
     // D = M X and dD = diag(w) P + Q^T dO; then R = X - A D and h = M^T dD; then dR = dD - A^T h.
-    block_gemm<2, 1, ldc, 1, ldu, 1>(n, chunk_cols, n, M, X, [&](int i, int j, float x) { D[i * ldu + j] = x; });
-    block_gemm<2, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, c.Q, dO,
+    block_mma<1, 1, ldc, 1, ldu, 1>(n, chunk_cols, n, M, X, [&](int i, int j, float x) { D[i * ldu + j] = x; });
+    block_mma<1, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, c.Q, dO,
                                       [&](int i, int j, float x) { dD[i * ldu + j] = __fmaf_rn(c.w[i], P[i * ldu + j], x); });
     PHASE(3);
-    block_gemm<2, 1, ldc, 1, ldu, 1>(n, chunk_cols, n, c.A, D, [&](int i, int j, float x) { X[i * ldu + j] -= x; });
-    block_gemm<2, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, M, dD, [&](int i, int j, float x) { Hh[i * ldu + j] = x; });
+    block_mma<1, 1, ldc, 1, ldu, 1>(n, chunk_cols, n, c.A, D, [&](int i, int j, float x) { X[i * ldu + j] -= x; });
+    block_mma<1, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, M, dD, [&](int i, int j, float x) { Hh[i * ldu + j] = x; });
     PHASE(3);
-    block_gemm<2, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, c.A, Hh, [&](int i, int j, float x) { dD[i * ldu + j] -= x; });
+    block_mma<1, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, c.A, Hh, [&](int i, int j, float x) { dD[i * ldu + j] -= x; });
     PHASE(3);
     // The sums over this tile's columns: dbeta_i += dR_i . R_i; dG_i -= exp(G_i) U_i . h_i + w_i D_i . P_i,
     // and dG_last gains w_i D_i . P_i and exp(G_last) S0 . dS.
@@ -508,17 +709,20 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
     }
     // dq' += diag(exp G) dO S0^T; dk += diag(w) D dS^T - diag(exp G) h S0^T;
     // d Q += dO D^T; d A -= h D^T (the masks applied after the tiles).
-    block_gemm<2, 4, ldu, 1, 1, ldu>(n, dk, chunk_cols, dO, S0,
+    block_mma<2, 4, ldu, 1, 1, ldu>(n, dk, chunk_cols, dO, S0,
                                       [&](int i, int a, float x) { dQ[i * ldq + a] = __fmaf_rn(c.eg[i], x, dQ[i * ldq + a]); });
-    block_gemm<2, 4, ldu, 1, 1, ldu>(n, dk, chunk_cols, D, dS, [&](int i, int a, float x) { dK[i * ldq + a] += c.w[i] * x; });
-    block_gemm<2, 4, ldu, 1, 1, ldu>(n, dk, chunk_cols, Hh, S0, [&](int i, int a, float x) { dK[i * ldq + a] -= c.eg[i] * x; });
-    block_gemm<2, 2, ldu, 1, 1, ldu>(n, n, chunk_cols, dO, D, [&](int i, int j, float x) { dqk[i * ldc + j] += x; });
-    block_gemm<2, 2, ldu, 1, 1, ldu>(n, n, chunk_cols, Hh, D, [&](int i, int j, float x) { dkk[i * ldc + j] -= x; });
+    block_mma<2, 4, ldu, 1, 1, ldu>(n, dk, chunk_cols, D, dS, [&](int i, int a, float x) { dK[i * ldq + a] += c.w[i] * x; });
+    block_mma<2, 4, ldu, 1, 1, ldu>(n, dk, chunk_cols, Hh, S0, [&](int i, int a, float x) { dK[i * ldq + a] -= c.eg[i] * x; });
+    block_mma<2, 2, ldu, 1, 1, ldu>(n, n, chunk_cols, dO, D, [&](int i, int j, float x) { dqk[i * ldc + j] += x; });
+    block_mma<2, 2, ldu, 1, 1, ldu>(n, n, chunk_cols, Hh, D, [&](int i, int j, float x) { dkk[i * ldc + j] -= x; });
     PHASE(4);
   }
   __syncthreads();
-  load_normalised(d, b, h, t0, n, q, k, c.qn, nullptr);  // the q rows again, over the tiles
-  __syncthreads();
+  {  // the q rows again, over the tiles
+    Loads p;
+    fetch(d, b, h, t0, n, vec, 1, q, k, g, beta, nullptr, 0, 0, p);
+    store_normalised<ldk>(d, b, h, t0, n, vec, 1, q, k, p, c.qn, nullptr);  // synchronises
+  }
   // dG from out's S0 term (q' . dq' so far) and from the decays of Q and A, before the masks.
   {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -548,10 +752,10 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   }
   __syncthreads();
   // dq'_i += sum_j dQ_ij K_j; dk_j += sum_i dQ_ij q'_i + sum_i dA_ij k_i + sum_l dA_jl k_l.
-  block_gemm<2, 4, ldc, 1, ldk, 1>(n, dk, n, dqk, c.kn, [&](int i, int a, float x) { dQ[i * ldq + a] += x; });
-  block_gemm<2, 4, 1, ldc, ldk, 1>(n, dk, n, dqk, c.qn, [&](int j, int a, float x) { dK[j * ldq + a] += x; });
-  block_gemm<2, 4, 1, ldc, ldk, 1>(n, dk, n, dkk, c.kn, [&](int j, int a, float x) { dK[j * ldq + a] += x; });
-  block_gemm<2, 4, ldc, 1, ldk, 1>(n, dk, n, dkk, c.kn, [&](int j, int a, float x) { dK[j * ldq + a] += x; });
+  block_mma<2, 4, ldc, 1, ldk, 1>(n, dk, n, dqk, c.kn, [&](int i, int a, float x) { dQ[i * ldq + a] += x; });
+  block_mma<2, 4, 1, ldc, ldk, 1>(n, dk, n, dqk, c.qn, [&](int j, int a, float x) { dK[j * ldq + a] += x; });
+  block_mma<2, 4, 1, ldc, ldk, 1>(n, dk, n, dkk, c.kn, [&](int j, int a, float x) { dK[j * ldq + a] += x; });
+  block_mma<2, 4, ldc, 1, ldk, 1>(n, dk, n, dkk, c.kn, [&](int j, int a, float x) { dK[j * ldq + a] += x; });
   __syncthreads();
   for (int e = threadIdx.x; e < n * dk; e += blockDim.x) {
     const int i = e / dk, a = e % dk;

@@ -279,8 +279,13 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
   // gradients): more near-zero gradients change sign under AdamW's first, sign-like steps, every
   // later step's gradients then differ, and the models drift further apart over the 3 steps (measured on the H200,
   // thirty-eighth session: losses 1.5e-3 and 7.5e-4 relative at steps 2 and 3, master weights
-  // 2.2e-2, spread over every layer's router and experts, the embedding alike): bound 5e-2, the
-  // losses' bound unchanged. test_cuda_decoder_layer and test_cuda_hybrid_layer bound the chunks'
+  // 2.2e-2, spread over every layer's router and experts, the embedding alike): bound 5e-2. The
+  // losses drift with them: the loss rises over the 3 steps (6.82 to 7.1-7.2: a chaotic path, on
+  // which the routers' top-k choices flip), and any change to a kernel's rounding moves where it
+  // ends. On the H200 (forty-first session), one-step segments within 9e-4 throughout, step 2 and 3
+  // losses 8.9e-4 and 2.4e-3 apart with the rule's products on the FMA pipes, 6.4e-3 and 7.4e-3 in two
+  // builds with them on the tensor cores (tf32 pairs, 1e-6 from the reference like the FMA ones):
+  // bound 2e-2 there, 5e-3 for the parts alone. test_cuda_decoder_layer and test_cuda_hybrid_layer bound the chunks'
   // effect on one layer tightly.
   // After one step, segment by segment: only gradients near 0 can change sign there, so every
   // segment stays within 1e-2 (a wrong chunk's dK/dV would flip a good part of that layer's k/v
@@ -309,7 +314,7 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
     CHECK(want.losses[0] == expect.losses[0]);
     for (std::size_t s = 1; s < want.losses.size(); ++s) {
       CAPTURE(s);
-      CHECK(std::abs(want.losses[s] - expect.losses[s]) <= 5e-3 * std::abs(expect.losses[s]));
+      CHECK(std::abs(want.losses[s] - expect.losses[s]) <= (query_chunks ? 2e-2 : 5e-3) * std::abs(expect.losses[s]));
     }
     const double rel = master_rel_l2(want.state, expect.state);
     const std::string what = query_chunks ? "linear layers in parts of 64, attention in query chunks of 128" : "linear layers in parts of 64";
