@@ -616,11 +616,12 @@ cudaError_t chunked_device(bool* supported, int* sms) {
 
 /// Whether the dims run the chunked form on the current device. `automatic` takes it, forward and
 /// backward alike, where the chunk fits, the device can run it, and the carrying blocks
-/// (sequences x value heads x 32-column blocks) fit its SMs at once: one sequence of the
-/// Qwen3-Next layer's 32 heads (bench_gated_delta: the chunked backward 1.42x the recurrent one
-/// there, the forward 0.96x). With more blocks than SMs the recurrent kernels' smaller blocks
-/// share the SMs better (at 2 sequences the chunked pair is even, from 4 it is slower). An explicit
-/// `chunked` on a device that cannot run it is refused, named.
+/// (sequences x value heads x 32-column blocks, one an SM) run in at most two waves: up to two
+/// sequences of the Qwen3-Next layer's 32 heads (bench_gated_delta, forty-first session: one
+/// sequence 1.9x the recurrent forward and 2.6x its backward, two 1.04x and 2.1x; at four the
+/// forward 0.64x and the backward 1.21x, even with the forward rerun for a recompute, and the
+/// recurrent kernels' smaller blocks share the SMs better from there on). An explicit `chunked` on
+/// a device that cannot run it is refused, named.
 cudaError_t runs_chunked(const char* name, const GatedDeltaDims& d, bool* chunked) {
   using Form = GatedDeltaDims::Form;
   *chunked = false;
@@ -635,7 +636,7 @@ cudaError_t runs_chunked(const char* name, const GatedDeltaDims& d, bool* chunke
     *chunked = true;
     return cudaSuccess;
   }
-  *chunked = supported && d.sequences * d.v_heads * column_blocks(d.v_dim) <= sms;
+  *chunked = supported && d.sequences * d.v_heads * column_blocks(d.v_dim) <= 2 * static_cast<std::int64_t>(sms);
   return cudaSuccess;
 }
 

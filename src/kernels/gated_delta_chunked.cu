@@ -119,11 +119,12 @@ __device__ __forceinline__ void block_gemm(int M, int N, int L, const float* a, 
   }
 }
 
-/// x as a tf32 pair, hi + lo == x to within 2^-21 |x|: hi its 10 leading mantissa bits (cut, so
-/// exactly a tf32 value and x - hi exact in fp32), lo the rest rounded to tf32.
+/// x as a tf32 pair, hi + lo == x to within 2^-20 |x|: hi its 10 leading mantissa bits and lo those
+/// of the rest, each cut (a mask, on the full-rate integer pipe; cvt.rna.tf32 costs more and
+/// measured slower), so exact tf32 values, and x - hi exact in fp32.
 __device__ __forceinline__ void split_tf32(float x, std::uint32_t& hi, std::uint32_t& lo) {
   hi = __float_as_uint(x) & 0xffffe000u;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
 }
 
 /// c += a b for one m16n8k8 tile on the tensor cores, tf32 in, fp32 out.
@@ -135,7 +136,7 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const std::uint32_t (&a)
 
 /// block_gemm's product on the tensor cores at fp32 accuracy: each operand split into a tf32 pair
 /// and the three products that matter summed (a_lo b_hi + a_hi b_lo + a_hi b_hi, smallest first;
-/// a_lo b_lo, below 2^-22 of the product, left out), accumulated in fp32. Each warp a (16 WM) x
+/// a_lo b_lo, below 2^-20 of the product, left out), accumulated in fp32. Each warp a (16 WM) x
 /// (8 WN) tile of C; out(i, j, C) by the thread the tile's fragment gives (i, j). The same M, N, WM
 /// and WN give each thread the same elements, so two calls may add into one output without a
 /// barrier between them. Inner indices past L read as zeros in both operands; rows past M and
@@ -206,61 +207,91 @@ __device__ __forceinline__ void block_mma(int M, int N, int L, const float* a, c
 #endif
 }
 
-/// R_i = X_i - sum_{j<i} A_ij D_j and D_i = beta_i R_i, for `cols` columns of row stride LD: GROUPS
-/// consecutive lanes a column (cols x GROUPS <= blockDim), each holding every GROUPS-th row in
-/// registers (A's rows LDA apart). Once D_j is known (from the lane holding row j, by a shuffle) it is taken from every
-/// row at once, so a row waits for one product, not for a sum over the rows before it; each row's
-/// products are taken in the order of j, so the bits do not depend on GROUPS. A is strictly lower
-/// (zeros on and above the diagonal for the chunk's n rows), so the rows before j take nothing.
-/// R goes into X, or with `w` given w_i D_i (what the forward's state update takes).
+/// The rows a triangular solve takes one after another; the rows after them take the block's
+/// result at once, as a product on the tensor cores.
+constexpr int solve_rows = 16;
+
+/// R_i = X_i - sum_{j<i} A_ij D_j and D_i = beta_i R_i for `cols` columns of row stride LD (A's rows
+/// LDA apart), 16 rows at a time: within a block GROUPS consecutive lanes take a column (cols x
+/// GROUPS <= blockDim), each holding every GROUPS-th of its rows in registers, and once D_j is
+/// known (from the lane holding row j, by a shuffle) every row of the block takes it at once; then
+/// the rows below take the block's D as one product. A is strictly lower (zeros on and above the
+/// diagonal for the chunk's n rows). R goes into X, or with `w` given w_i D_i (what the forward's
+/// state update takes). The arrays do not overlap. Every thread of the block must call it (it
+/// synchronises).
 template <int LD, int LDA, int GROUPS>
-__device__ void solve_deltas(int n, int cols, const float* A, float* X, float* D, const float* beta, const float* w = nullptr) {
-  static_assert(32 % GROUPS == 0 && max_rows % GROUPS == 0, "a column's lanes in one warp");
-  constexpr int per = max_rows / GROUPS;
+__device__ void solve_deltas(int n, int cols, const float* __restrict__ A, float* __restrict__ X, float* __restrict__ D,
+                             const float* __restrict__ beta, const float* __restrict__ w = nullptr) {
+  static_assert(32 % GROUPS == 0 && solve_rows % GROUPS == 0, "a column's lanes in one warp");
+  constexpr int per = solve_rows / GROUPS;
   const int grp = static_cast<int>(threadIdx.x) % GROUPS, col = static_cast<int>(threadIdx.x) / GROUPS;
-  if (static_cast<int>(threadIdx.x & ~31u) / GROUPS >= cols) return;  // a warp with no column (uniform)
+  const bool active = static_cast<int>(threadIdx.x & ~31u) / GROUPS < cols;  // the warp has a column (uniform)
   const bool mine = col < cols;
-  float r[per];  // rows grp + GROUPS x
+  for (int r0 = 0; r0 < n; r0 += solve_rows) {
+    const int rows = min(solve_rows, n - r0);
+    if (active) {
+      float r[per];  // rows r0 + grp + GROUPS x
 #pragma unroll
-  for (int x = 0; x < per; ++x) r[x] = mine && grp + GROUPS * x < n ? X[(grp + GROUPS * x) * LD + col] : 0.0f;
+      for (int x = 0; x < per; ++x) r[x] = mine && grp + GROUPS * x < rows ? X[(r0 + grp + GROUPS * x) * LD + col] : 0.0f;
 #pragma unroll
-  for (int j = 0; j < max_rows; ++j) {
-    if (j < n) {
-      const float rj = __shfl_sync(0xffffffffu, r[j / GROUPS], j % GROUPS, GROUPS);
-      const float dj = beta[j] * rj;
-      if (mine && grp == j % GROUPS) {
-        D[j * LD + col] = dj;
-        X[j * LD + col] = w != nullptr ? w[j] * dj : rj;
+      for (int j = 0; j < solve_rows; ++j) {
+        if (j < rows) {
+          const float rj = __shfl_sync(0xffffffffu, r[j / GROUPS], j % GROUPS, GROUPS);
+          const float dj = beta[r0 + j] * rj;
+          if (mine && grp == j % GROUPS) {
+            D[(r0 + j) * LD + col] = dj;
+            X[(r0 + j) * LD + col] = w != nullptr ? w[r0 + j] * dj : rj;
+          }
+#pragma unroll
+          for (int x = 0; x < per; ++x) r[x] = __fmaf_rn(-A[(r0 + grp + GROUPS * x) * LDA + r0 + j], dj, r[x]);
+        }
       }
-#pragma unroll
-      for (int x = 0; x < per; ++x) r[x] = __fmaf_rn(-A[(grp + GROUPS * x) * LDA + j], dj, r[x]);
+    }
+    __syncthreads();
+    if (r0 + solve_rows < n) {  // the rows below: X -= A[below, block] D[block]
+      const int below = r0 + solve_rows;
+      block_mma<1, 1, LDA, 1, LD, 1>(n - below, cols, solve_rows, A + below * LDA + r0, D + r0 * LD,
+                                     [&](int i, int j, float x) { X[(below + i) * LD + j] -= x; });
+      __syncthreads();
     }
   }
 }
 
-/// Its transpose, from the last row: dR_i = dD_i - sum_{l>i} A_li h_l (into dD) and h_i = beta_i dR_i,
-/// the lanes and rows as above (row l of A is zero from column l on).
+/// Its transpose, from the last block: dR_i = dD_i - sum_{l>i} A_li h_l (into dD) and h_i = beta_i
+/// dR_i, the lanes and rows as above (row l of A is zero from column l on); the rows above take the
+/// block's h as one product. Every thread of the block must call it.
 template <int LD, int LDA, int GROUPS>
-__device__ void solve_delta_grads(int n, int cols, const float* A, float* dD, float* H, const float* beta) {
-  static_assert(32 % GROUPS == 0 && max_rows % GROUPS == 0, "a column's lanes in one warp");
-  constexpr int per = max_rows / GROUPS;
+__device__ void solve_delta_grads(int n, int cols, const float* __restrict__ A, float* __restrict__ dD, float* __restrict__ H,
+                                  const float* __restrict__ beta) {
+  static_assert(32 % GROUPS == 0 && solve_rows % GROUPS == 0, "a column's lanes in one warp");
+  constexpr int per = solve_rows / GROUPS;
   const int grp = static_cast<int>(threadIdx.x) % GROUPS, col = static_cast<int>(threadIdx.x) / GROUPS;
-  if (static_cast<int>(threadIdx.x & ~31u) / GROUPS >= cols) return;
+  const bool active = static_cast<int>(threadIdx.x & ~31u) / GROUPS < cols;
   const bool mine = col < cols;
-  float r[per];
+  for (int r0 = (n - 1) / solve_rows * solve_rows; r0 >= 0; r0 -= solve_rows) {
+    const int rows = min(solve_rows, n - r0);
+    if (active) {
+      float r[per];
 #pragma unroll
-  for (int x = 0; x < per; ++x) r[x] = mine && grp + GROUPS * x < n ? dD[(grp + GROUPS * x) * LD + col] : 0.0f;
+      for (int x = 0; x < per; ++x) r[x] = mine && grp + GROUPS * x < rows ? dD[(r0 + grp + GROUPS * x) * LD + col] : 0.0f;
 #pragma unroll
-  for (int l = max_rows - 1; l >= 0; --l) {
-    if (l < n) {
-      const float rl = __shfl_sync(0xffffffffu, r[l / GROUPS], l % GROUPS, GROUPS);
-      const float hl = beta[l] * rl;
-      if (mine && grp == l % GROUPS) {
-        dD[l * LD + col] = rl;
-        H[l * LD + col] = hl;
+      for (int l = solve_rows - 1; l >= 0; --l) {
+        if (l < rows) {
+          const float rl = __shfl_sync(0xffffffffu, r[l / GROUPS], l % GROUPS, GROUPS);
+          const float hl = beta[r0 + l] * rl;
+          if (mine && grp == l % GROUPS) {
+            dD[(r0 + l) * LD + col] = rl;
+            H[(r0 + l) * LD + col] = hl;
+          }
+#pragma unroll
+          for (int x = 0; x < per; ++x) r[x] = __fmaf_rn(-A[(r0 + l) * LDA + r0 + grp + GROUPS * x], hl, r[x]);
+        }
       }
-#pragma unroll
-      for (int x = 0; x < per; ++x) r[x] = __fmaf_rn(-A[l * LDA + grp + GROUPS * x], hl, r[x]);
+    }
+    __syncthreads();
+    if (r0 > 0) {  // the rows above: dD -= A[block, above]^T h[block]
+      block_mma<1, 1, 1, LDA, LD, 1>(r0, cols, rows, A + r0 * LDA, H + r0 * LD, [&](int i, int j, float x) { dD[i * LD + j] -= x; });
+      __syncthreads();
     }
   }
 }
@@ -352,8 +383,13 @@ __device__ void store_normalised(const GatedDeltaDims& d, std::int64_t b, std::i
       const float inv = l2_scale(ss, per_row, row < n ? scale : 1.0f);
       if (e >= vectors) continue;
       float* dst = (row < n ? qn : kn) + i * LDK + e % per_row * 8;
+      if constexpr (LDK % 4 == 0) {  // rows 16-byte aligned: two 16-byte stores
+        reinterpret_cast<float4*>(dst)[0] = make_float4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+        reinterpret_cast<float4*>(dst)[1] = make_float4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
+      } else {
 #pragma unroll
-      for (int x = 0; x < 8; ++x) dst[x] = f[x] * inv;
+        for (int x = 0; x < 8; ++x) dst[x] = f[x] * inv;
+      }
     }
     __syncthreads();
     return;
@@ -377,7 +413,8 @@ __device__ void store_normalised(const GatedDeltaDims& d, std::int64_t b, std::i
 }
 
 /// Fills c for tokens [t0, t0 + n) from what `fetch` loaded (`x`, if given, into the carrying
-/// block's tile, ldt apart, zeros past dv). Synchronises before returning.
+/// block's tile, ldt apart, zeros past dv), all but A and Q (decay_products). Synchronises before
+/// returning.
 template <int LDK, int LDC>
 __device__ void prepare(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n, bool vec,
                         const std::uint16_t* q, const std::uint16_t* k, const Loads& p, std::int64_t j0, float* x, const Chunk& c) {
@@ -418,8 +455,12 @@ __device__ void prepare(const GatedDeltaDims& d, std::int64_t b, std::int64_t h,
     }
   }
   __syncthreads();
-  const int dk = static_cast<int>(d.k_dim);
-  // A and Q: k rows, and q rows, by k rows.
+}
+
+/// A and Q of the chunk `prepare` filled (k rows, and q rows, by k rows, with the decays).
+/// Synchronises before returning.
+template <int LDK, int LDC>
+__device__ void decay_products(int n, int dk, const Chunk& c) {
   block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.kn, c.kn, [&](int i, int j, float x) {
     c.A[i * LDC + j] = j < i ? expf(c.G[i] - c.G[j]) * x : 0.0f;
   });
@@ -466,16 +507,6 @@ __device__ void save_state(const GatedDeltaDims& d, const float* tile, std::int6
     if (j0 + j < d.v_dim) m[a * d.v_dim + j0 + j] = tile[a * ld + j];
   }
 }
-/// Tokens [t0, t0 + n) of a (T, heads, dv) bf16 array (rows `stride` apart), value head h, columns
-/// [j0, j0 + cols), into a tile (ld apart), zeros past dv.
-__device__ void load_rows(const GatedDeltaDims& d, const std::uint16_t* x, std::int64_t stride, std::int64_t b, std::int64_t h,
-                          std::int64_t t0, int n, std::int64_t j0, int cols, int ld, float* tile) {
-  for (int e = threadIdx.x; e < n * cols; e += blockDim.x) {
-    const int i = e / cols, j = e % cols;
-    tile[i * ld + j] = j0 + j < d.v_dim ? bf16_to_float(x[(b * d.seq_len + t0 + i) * stride + h * d.v_dim + j0 + j]) : 0.0f;
-  }
-}
-
 // ---- forward ------------------------------------------------------------------------------------
 
 constexpr std::size_t forward_floats = chunk_floats<carry_ldk, carry_ldc>(true) + max_dim * ldt + 3 * max_rows * ldt;
@@ -510,6 +541,8 @@ __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaD
     PHASE(0);
     prepare<ldk, ldc>(d, b, h, t0, n, vec, q, k, p, j0, X, c);
     if (ci + 1 < chunks) fetch(d, b, h, t0 + d.chunk, rows_in(d, ci + 1), vec, 2, q, k, g, beta, v, d.v_stride, j0, p);
+    PHASE(5);
+    decay_products<ldk, ldc>(n, dk, c);
     PHASE(1);
     // X -= diag(exp G) K S; O = diag(exp G) Q' S.
     block_mma<1, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, S, [&](int i, int j, float x) { X[i * ldt + j] -= c.eg[i] * x; });
@@ -527,7 +560,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaD
                                       [&](int a, int j, float x) { S[a * ldt + j] = __fmaf_rn(last, S[a * ldt + j], x); });
     PHASE(4);
   }
-  PHASES_PRINT("forward (0 the kept state, 1 prepare, 2 K S and Q S, 3 solve, 4 out and the state)");
+  PHASES_PRINT("forward (0 the kept state, 5 the rows and gates, 1 A and Q, 2 K S and Q S, 3 solve, 4 out and the state)");
   __syncthreads();
   save_state(d, S, j0, carry_cols, ldt, kept + chunks * d.k_dim * d.v_dim);
 }
@@ -565,6 +598,8 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
     PHASE(0);
     prepare<ldk, ldc>(d, b, h, t0, n, vec, q, k, p, j0, dO, c);
     if (ci > 0) fetch(d, b, h, t0 - d.chunk, rows_in(d, ci - 1), vec, 2, q, k, g, beta, d_out, H * d.v_dim, j0, p);
+    PHASE(5);
+    decay_products<ldk, ldc>(n, dk, c);
     PHASE(1);
     // dD = diag(w) K dS + Q^T dO (the same threads' elements in both).
     block_mma<1, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, dS, [&](int i, int j, float x) { dD[i * ldt + j] = c.w[i] * x; });
@@ -588,7 +623,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
     block_mma<2, 2, 1, ldk, ldt, 1>(dk, carry_cols, n, c.kn, Hh, [&](int a, int j, float x) { dS[a * ldt + j] += x; });
     PHASE(4);
   }
-  PHASES_PRINT("carry (0 the kept gradient, 1 prepare, 2 dD, 3 solve, 4 the state's gradient)");
+  PHASES_PRINT("carry (0 the kept gradient, 5 the rows and gates, 1 A and Q, 2 dD, 3 solve, 4 the state's gradient)");
   __syncthreads();
   if (d_state != nullptr) save_state(d, dS, j0, carry_cols, ldt, d_state + bh * state);
 }
@@ -604,6 +639,57 @@ constexpr std::size_t chunk_grad_floats =
     chunk_floats<grad_ldk, grad_ldc>(false) + 2 * max_rows * ldq + 3 * max_rows * grad_ldc + tile_floats + 3 * max_rows + max_dim + 2;
 static_assert(chunk_grad_floats * sizeof(float) <= 227 * 1024, "the per-chunk backward fits an SM's shared memory");
 static_assert(tile_floats >= static_cast<std::size_t>(max_rows * grad_ldc), "the identity for M fits the tiles' space");
+
+constexpr int state_tile_values = max_dim * chunk_cols / threads;  // a thread's share of a (dk x chunk_cols) state tile
+constexpr int row_tile_values = max_rows * chunk_cols / threads;   // and of a (chunk x chunk_cols) v or d_out tile
+static_assert(state_tile_values * threads == max_dim * chunk_cols && row_tile_values * threads == max_rows * chunk_cols);
+
+/// A thread's reads of one column tile of the per-chunk kernel, held in registers.
+struct TileLoads {
+  float s0[state_tile_values], ds[state_tile_values];  // the kept state's and its gradient's
+  std::uint16_t x[row_tile_values], o[row_tile_values];  // v's and d_out's
+};
+
+/// Loads columns [j0, j0 + chunk_cols) of the chunk's kept state and state gradient (zeros past dk
+/// and dv) and of its v and d_out rows.
+__device__ void fetch_tile(const GatedDeltaDims& d, const float* S0, const float* dS, const std::uint16_t* v, const std::uint16_t* d_out,
+                           std::int64_t b, std::int64_t h, std::int64_t t0, int n, std::int64_t j0, TileLoads& p) {
+  const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+  for (int u = 0; u < state_tile_values; ++u) {
+    const int e = tid + u * threads, a = e / chunk_cols, j = e % chunk_cols;
+    const bool in = a < d.k_dim && j0 + j < d.v_dim;
+    p.s0[u] = in ? S0[a * d.v_dim + j0 + j] : 0.0f;
+    p.ds[u] = in ? dS[a * d.v_dim + j0 + j] : 0.0f;
+  }
+#pragma unroll
+  for (int u = 0; u < row_tile_values; ++u) {
+    const int e = tid + u * threads, i = e / chunk_cols, j = e % chunk_cols;
+    const bool in = i < n && j0 + j < d.v_dim;
+    const std::int64_t token = b * d.seq_len + t0 + i;
+    p.x[u] = in ? v[token * d.v_stride + h * d.v_dim + j0 + j] : std::uint16_t{0};
+    p.o[u] = in ? d_out[(token * d.v_heads + h) * d.v_dim + j0 + j] : std::uint16_t{0};
+  }
+}
+
+/// The tile `fetch_tile` loaded into the shared tiles (ldu apart; the chunk's n rows of X and dO).
+__device__ void store_tile(int n, const TileLoads& p, float* S0, float* dS, float* X, float* dO) {
+  const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+  for (int u = 0; u < state_tile_values; ++u) {
+    const int e = tid + u * threads, a = e / chunk_cols, j = e % chunk_cols;
+    S0[a * ldu + j] = p.s0[u];
+    dS[a * ldu + j] = p.ds[u];
+  }
+#pragma unroll
+  for (int u = 0; u < row_tile_values; ++u) {
+    const int e = tid + u * threads, i = e / chunk_cols, j = e % chunk_cols;
+    if (i < n) {
+      X[i * ldu + j] = bf16_to_float(p.x[u]);
+      dO[i * ldu + j] = bf16_to_float(p.o[u]);
+    }
+  }
+}
 
 __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
                                                                const std::uint16_t* v, const float* g, const float* beta,
@@ -645,6 +731,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
     fetch(d, b, h, t0, n, vec, 2, q, k, g, beta, nullptr, 0, 0, p);
     prepare<ldk, ldc>(d, b, h, t0, n, vec, q, k, p, 0, nullptr, c);
   }
+  decay_products<ldk, ldc>(n, dk, c);
   PHASE(0);
   for (int e = threadIdx.x; e < max_rows * ldq; e += blockDim.x) dQ[e] = dK[e] = 0.0f;
   for (int e = threadIdx.x; e < max_rows * ldc; e += blockDim.x) {
@@ -653,16 +740,17 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   }
   if (threadIdx.x < max_rows) dG[threadIdx.x] = dB[threadIdx.x] = 0.0f;
   if (threadIdx.x == 0) *last_grad = 0.0f;
-  __syncthreads();
-  solve_deltas<ldc, ldc, 4>(n, n, c.A, area, M, c.beta);  // the chunk's one triangular solve, 4 lanes a column
   const float* S0_all = states + bh * d.states_stride + ci * state;
   const float* dS_chunk = dS_all + (bh * chunks + ci) * state;
+  TileLoads tl;  // a tile's reads, issued a tile ahead (the first during the solve)
+  fetch_tile(d, S0_all, dS_chunk, v, d_out, b, h, t0, n, 0, tl);
+  __syncthreads();
+  solve_deltas<ldc, ldc, 4>(n, n, c.A, area, M, c.beta);  // the chunk's one triangular solve, 4 lanes a column
   for (std::int64_t j0 = 0; j0 < d.v_dim; j0 += chunk_cols) {
     __syncthreads();
-    load_state(d, S0_all, j0, chunk_cols, ldu, S0);
-    load_state(d, dS_chunk, j0, chunk_cols, ldu, dS);
-    load_rows(d, v, d.v_stride, b, h, t0, n, j0, chunk_cols, ldu, X);
-    load_rows(d, d_out, H * d.v_dim, b, h, t0, n, j0, chunk_cols, ldu, dO);
+    store_tile(n, tl, S0, dS, X, dO);
+    if (j0 + chunk_cols < d.v_dim) fetch_tile(d, S0_all, dS_chunk, v, d_out, b, h, t0, n, j0 + chunk_cols, tl);
+    __syncthreads();
     PHASE(1);
     // U = K S0, X -= diag(exp G) U; P = K dS.
     block_mma<1, 1, ldk, 1, ldu, 1>(n, chunk_cols, dk, c.kn, S0, [&](int i, int j, float x) {

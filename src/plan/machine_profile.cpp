@@ -483,16 +483,16 @@ std::string node(int gpus, std::string_view what) { return fmt::format("{}x {}",
 /// OOM's gated delta rule measured on our H200 at the Qwen3-Next-80B linear layer's shape (1 x 4096
 /// tokens, 16 key / 32 value heads of 128, states every 64 tokens) as `automatic` takes it: on a
 /// GPU with clusters (`clusters`: Hopper, whose shared memory the chunked kernels need) the chunked
-/// form, forward 3.90 ms, backward 10.86 ms; else the recurrent one, 3.69 ms, and 22.7 ms one block
-/// per head; times `scale` for another GPU, `estimate` saying why (empty: ours).
+/// form, forward 1.95 ms, backward 5.93 ms (forty-first session); else the recurrent one, 3.69 ms,
+/// and 22.7 ms one block per head; times `scale` for another GPU, `estimate` saying why (empty: ours).
 void set_gated_delta(MachineProfile& p, double scale, bool clusters, const std::string& estimate, const std::string& machine) {
   constexpr double updates = 4096.0 * 32 * 128 * 128;
-  const double forward_ms = clusters ? 3.90 : 3.69, backward_ms = clusters ? 10.86 : 22.7;
+  const double forward_ms = clusters ? 1.95 : 3.69, backward_ms = clusters ? 5.93 : 22.7;
   const std::string what =
       "OOM's gated delta rule (kernels/gated_delta.hpp), the {} timed alone at 1 x 4096 tokens, 16/32 heads of 128, chunk 64: "
       "{} ms for 4096 x 32 x 128 x 128 state updates (bench_gated_delta and test_gated_delta_kernels' timing case, "
       "docs/performance.md: the recurrent forward 3.69 ms and one-block backward 22.7 ms in the thirty-seventh session, the "
-      "chunked forward 3.90 ms and backward 10.86 ms in the fortieth, 2026-12-04)";
+      "chunked forward 1.95 ms and backward 5.93 ms in the forty-first, 2026-12-04)";
   p.gated_delta_forward_updates_per_s = scale * updates / (forward_ms * 1e-3);
   p.gated_delta_backward_updates_per_s = scale * updates / (backward_ms * 1e-3);
   const std::string prefix = estimate.empty() ? "" : "ESTIMATE: " + estimate + ", from ";
@@ -502,10 +502,15 @@ void set_gated_delta(MachineProfile& p, double scale, bool clusters, const std::
       prefix + fmt::format(fmt::runtime(what), clusters ? "chunked backward" : "recurrent backward (one block a head, no clusters)",
                            backward_ms),
       machine, estimate.empty() ? "2026-12-04" : "2023");
-  // By recurrences side by side: 1, 2, 4 and 8 sequences of the same 32 heads (bench_gated_delta,
-  // thirty-seventh session; the recurrent form from 2 sequences on, as `automatic` takes it, its
-  // backward one block a head), the first point the scalars above.
-  const double forward_at[] = {forward_ms, 3.989, 4.929, 9.802}, backward_at[] = {backward_ms, 23.952, 27.580, 55.369};
+  // By recurrences side by side: 1, 2, 4 and 8 sequences of the same 32 heads (bench_gated_delta),
+  // the first point the scalars above, the rest the form `automatic` takes: with clusters the
+  // chunked form at 2 sequences (two waves of its blocks) and the recurrent one from 4, its
+  // backward one block a head (forty-first session); without, the recurrent form throughout
+  // (thirty-seventh session).
+  const double chunked_forward_at[] = {forward_ms, 3.888, 4.943, 9.858}, chunked_backward_at[] = {backward_ms, 11.868, 28.578, 56.534};
+  const double recurrent_forward_at[] = {forward_ms, 3.989, 4.929, 9.802}, recurrent_backward_at[] = {backward_ms, 23.952, 27.580, 55.369};
+  const double* forward_at = clusters ? chunked_forward_at : recurrent_forward_at;
+  const double* backward_at = clusters ? chunked_backward_at : recurrent_backward_at;
   std::vector<std::pair<double, double>> forward, backward;
   for (int i = 0; i < 4; ++i) {
     const double sequences = static_cast<double>(1 << i);
@@ -516,7 +521,7 @@ void set_gated_delta(MachineProfile& p, double scale, bool clusters, const std::
   p.gated_delta_backward_parallel = SizeCurve(backward);
   const std::string curve =
       "OOM's gated delta rule's {} by recurrences side by side (sequences x value heads): 1, 2, 4, 8 sequences of "
-      "4096 tokens, 16/32 heads of 128 (bench_gated_delta, docs/performance.md, thirty-seventh and fortieth sessions: {} ms, "
+      "4096 tokens, 16/32 heads of 128 (bench_gated_delta, docs/performance.md, thirty-seventh and forty-first sessions: {} ms, "
       "2026-12-04)";
   p.provenance["gated_delta_forward_parallel"] =
       prov(prefix + fmt::format(fmt::runtime(curve), "forward",
@@ -707,8 +712,9 @@ MachineProfile MachineProfile::h100_80gb(int gpus) {
     set_attention(p, h200_attention(scale), {est, est, est_d256(est), est_d256(est)});
   }
   set_gated_delta(p, 1.0, true,
-                  "the H200's rates x 1.0: the rule's kernels are bound by each SM's latency and shared memory (no tensor "
-                  "cores, little HBM traffic) and the H100 SXM has the same 132 SMs and 227 KiB a block",
+                  "the H200's rates x 1.0: the rule's chunked kernels are bound by each SM's latency, shared memory and "
+                  "tf32 tensor cores (little HBM traffic), and the H100 SXM has the same 132 SMs, 227 KiB a block and "
+                  "tf32 peak",
                   machine);
 
   p.launch_overhead_s = 5e-6;

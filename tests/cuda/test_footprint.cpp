@@ -777,10 +777,11 @@ TEST_CASE("fit: a linear layer's token parts are cut with the MoE chunk where on
   CHECK(ends.front() % 64 == 0);
   CHECK(ends.back() == S);
   for (std::size_t i = 1; i + 1 < ends.size(); ++i) CHECK(ends[i] - ends[i - 1] == ends.front());  // parts of one length, the last shorter
-  // The full-attention layer's query chunks are cut with them (the planner's one chunk of all S
-  // here): equal ones of at most the MoE chunk, on the 128-token granularity, the last shorter.
+  // The full-attention layer's query chunks are cut with them (the planner's are longer here: one
+  // chunk of all S before the forty-first session's faster rule, two halves since): equal ones of
+  // at most the MoE chunk, on the 128-token granularity, the last shorter.
   const auto& q_ends = fit.plan.chunks[1].attention;
-  REQUIRE(plans[0].chunks[1].attention.size() == 1);
+  REQUIRE(plans[0].chunks[1].attention.front() > fit.plan.largest_moe_chunk());
   REQUIRE(q_ends.size() > 1);
   CHECK(q_ends.front() <= fit.plan.largest_moe_chunk());
   CHECK(q_ends.front() % 128 == 0);
@@ -790,7 +791,9 @@ TEST_CASE("fit: a linear layer's token parts are cut with the MoE chunk where on
   CHECK(describe_chunks(spec, fit.plan) == fmt::format("MoE in chunks of {} tokens, attention in query chunks of {} tokens, linear "
                                                        "attention in parts of {} tokens",
                                                        fit.plan.largest_moe_chunk(), q_ends.front(), ends.front()));
-  CHECK(describe_chunks(spec, whole) == "MoE in chunks of 16384 tokens");  // the linear layer whole
+  Plan whole_layers = whole;  // the linear layer whole, and the full one in one query chunk
+  whole_layers.chunks[1].attention = {S};
+  CHECK(describe_chunks(spec, whole_layers) == "MoE in chunks of 16384 tokens");
   const MachineProfile h200 = MachineProfile::builtin("h200", 1);  // the planner keeps a pointer to it
   const Planner planner(spec, h200);
   const std::string text = planner.describe(fit.plan);

@@ -257,8 +257,11 @@ TEST_CASE("the planner's workset for a linear layer's part is the GPU block's wo
 
 TEST_CASE("the planner prices a linear layer's sequences side by side when whole, one at a time when in parts") {
   // The GPU block runs all sequences of a micro-batch at once when whole (their recurrences side
-  // by side: faster per update, MachineProfile::gated_delta_*_parallel) and one sequence at a time
-  // in parts: 4 sequences in two parts each cost more than whole.
+  // by side, MachineProfile::gated_delta_*_parallel) and one sequence at a time in parts: 4
+  // sequences in two parts each cost more than whole in the forward (the recurrent form side by
+  // side, 1.6x the chunked one's updates a second) and no less in the backward (the chunked one
+  // sequence at a time is as fast per update as the recurrent four side by side: the curve, made
+  // non-decreasing, prices both at its rate).
   const ModelSpec next = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/qwen3-next-80b-a3b.json");
   const H200StepModel planner(next, {4, 4096});
   const detail::StepModel& model = planner.model;
@@ -268,9 +271,10 @@ TEST_CASE("the planner prices a linear layer's sequences side by side when whole
   for (const bool backward : {false, true}) {
     CAPTURE(backward);
     const double t_whole = model.attention_time(0, whole, backward, true), t_parts = model.attention_time(0, parts, backward, true);
-    // The rule at 32 recurrences instead of 128: 3.0x (forward) and 2.2x (backward) the time per
-    // update; with the layer's memory-bound passes beside it, over 1.5x.
-    CHECK(t_parts > 1.5 * t_whole);
+    // The rule at 32 recurrences instead of 128: 1.6x the forward's time per update; with the
+    // layer's memory-bound passes beside it, over 1.3x. The backward's the same per update.
+    if (backward) CHECK(t_parts >= 0.999 * t_whole);
+    else CHECK(t_parts > 1.3 * t_whole);
   }
 }
 

@@ -84,11 +84,12 @@ struct MachineProfile {
   double gated_delta_forward_updates_per_s = 0;
   double gated_delta_backward_updates_per_s = 0;
   /// The same rates by the recurrences run side by side (sequences x value heads): more of them
-  /// fill more of the GPU (on the H200 the forward runs 3.2x the updates a second at 128 as at 32,
-  /// the backward 1.6x, the recurrent form's from 64 against the chunked one's at 32). Optional:
+  /// fill more of the GPU (on the H200 the forward runs 1.6x the updates a second at 128 as at 32,
+  /// the recurrent form's at 128 against the chunked one's at 32 and 64). Optional:
   /// empty (absent from the file) and the cost model takes the scalar rates above whatever the
-  /// count. (A curve is made non-decreasing, so on the H200 the backward at 64, measured 23.95 ms
-  /// for twice the work of 10.86 ms, is priced at 32's rate: ~10% fast.)
+  /// count. (A curve is made non-decreasing, so on the H200 the backward at 128, the recurrent
+  /// form's 28.58 ms for four times the work of the chunked 5.93 ms at 32, is priced at 32's rate:
+  /// ~17% fast.)
   SizeCurve gated_delta_forward_parallel;
   SizeCurve gated_delta_backward_parallel;
 
