@@ -618,7 +618,7 @@ cudaError_t chunked_device(bool* supported, int* sms) {
 /// backward alike, where the chunk fits, the device can run it, and the carrying blocks
 /// (sequences x value heads x 32-column blocks, one an SM) run in at most two waves: up to two
 /// sequences of the Qwen3-Next layer's 32 heads (bench_gated_delta, forty-first session: one
-/// sequence 1.9x the recurrent forward and 2.6x its backward, two 1.04x and 2.1x; at four the
+/// sequence 1.9x the recurrent forward and 2.6x its backward, two 1.05x and 2.1x; at four the
 /// forward 0.64x and the backward 1.21x, even with the forward rerun for a recompute, and the
 /// recurrent kernels' smaller blocks share the SMs better from there on). An explicit `chunked` on
 /// a device that cannot run it is refused, named.

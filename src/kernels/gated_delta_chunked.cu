@@ -1,6 +1,7 @@
 // The gated delta rule a chunk of up to 64 tokens at a time: the math of oom::reference::
 // gated_delta_rule_chunked_forward / _chunked_backward (src/reference/gated_delta.cpp), with the
-// products of a chunk as small matrix products in shared memory, every value fp32.
+// products of a chunk as small matrix products in shared memory, every value fp32 and the products
+// at fp32 accuracy on the tensor cores (block_mma: each operand a pair of tf32 values).
 //
 // Per chunk of n tokens with G the decay summed from its start, S the state entering it,
 // A = strict lower (exp(G_i - G_j) k_i . k_j) and Q = lower (exp(G_i - G_j) q_i . k_j):
@@ -20,7 +21,8 @@
 // for the l2norm's backward in gated_delta.cu), dbeta = sum_e dR R, and dg through the decays.
 // That block solves the triangular system once, for M = (I + diag(beta) A)^-1 diag(beta), and
 // takes D = M X, R = X - A D, h = M^T dD and dR = dD - A^T h as products, 16 columns at a time.
-// The carrying blocks solve theirs a column a thread, the column in registers.
+// The carrying blocks solve theirs 16 rows at a time, 8 lanes a column, the rows after a block
+// taking its result as one product (solve_deltas, solve_delta_grads).
 // Deterministic: every sum in a fixed order, no atomics.
 #include <algorithm>
 #include <cstdio>
@@ -303,7 +305,7 @@ struct Chunk {
 };
 
 /// Whether a chunk's q and k rows load as 16-byte vectors with each row's vectors in consecutive
-/// lanes of one warp: rows of 8, 16, 32, 64 or 128 values (a power of two of vectors, at most 32),
+/// lanes of one warp: rows of 8, 16, 32, 64 or 128 values (a power of two of vectors, at most 16),
 /// rows 16 bytes apart, 16-byte aligned arrays.
 __device__ bool rows_vectorised(const GatedDeltaDims& d, const std::uint16_t* q, const std::uint16_t* k) {
   const std::int64_t per_row = d.k_dim / 8;
@@ -407,6 +409,7 @@ __device__ void store_normalised(const GatedDeltaDims& d, std::int64_t b, std::i
     for (int x = 0; x < 8; ++x)
       if (lane * 8 + x < dk) ss = __fmaf_rn(row[lane * 8 + x], row[lane * 8 + x], ss);
     const float inv = l2_scale(ss, 32, r < n ? scale : 1.0f);
+    __syncwarp();  // every lane's reads of the row before any lane's writes
     for (int a = lane; a < dk; a += 32) row[a] *= inv;
   }
   __syncthreads();
@@ -415,7 +418,7 @@ __device__ void store_normalised(const GatedDeltaDims& d, std::int64_t b, std::i
 /// Fills c for tokens [t0, t0 + n) from what `fetch` loaded (`x`, if given, into the carrying
 /// block's tile, ldt apart, zeros past dv), all but A and Q (decay_products). Synchronises before
 /// returning.
-template <int LDK, int LDC>
+template <int LDK>
 __device__ void prepare(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n, bool vec,
                         const std::uint16_t* q, const std::uint16_t* k, const Loads& p, std::int64_t j0, float* x, const Chunk& c) {
   const int tid = static_cast<int>(threadIdx.x);
@@ -514,7 +517,7 @@ constexpr std::size_t forward_floats = chunk_floats<carry_ldk, carry_ldc>(true) 
 __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
                                                                   const std::uint16_t* v, const float* g, const float* beta,
                                                                   std::uint16_t* out, float* states) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // 16-byte stores into the q and k rows
   Chunk c;
   constexpr int ldk = carry_ldk, ldc = carry_ldc;
   float* S = carve<ldk, ldc>(c, smem, true);
@@ -539,7 +542,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaD
     const std::int64_t t0 = ci * d.chunk;
     const int n = rows_in(d, ci);
     PHASE(0);
-    prepare<ldk, ldc>(d, b, h, t0, n, vec, q, k, p, j0, X, c);
+    prepare<ldk>(d, b, h, t0, n, vec, q, k, p, j0, X, c);
     if (ci + 1 < chunks) fetch(d, b, h, t0 + d.chunk, rows_in(d, ci + 1), vec, 2, q, k, g, beta, v, d.v_stride, j0, p);
     PHASE(5);
     decay_products<ldk, ldc>(n, dk, c);
@@ -548,7 +551,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaD
     block_mma<1, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, S, [&](int i, int j, float x) { X[i * ldt + j] -= c.eg[i] * x; });
     block_mma<1, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.qn, S, [&](int i, int j, float x) { O[i * ldt + j] = c.eg[i] * x; });
     PHASE(2);
-    solve_deltas<ldt, ldc, 8>(n, carry_cols, c.A, X, D, c.beta, c.w);  // X = diag(w) D
+    solve_deltas<ldt, ldc, 8>(n, carry_cols, c.A, X, D, c.beta, c.w);  // X = diag(w) D; 32 columns x 8 lanes = the block
     PHASE(3);
     // out = O + Q D; S = exp(G_last) S + K^T diag(w) D.
     std::uint16_t* o = out + ((b * d.seq_len + t0) * H + h) * d.v_dim + j0;
@@ -568,11 +571,13 @@ __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaD
 // ---- backward: the state's gradient from the last chunk -------------------------------------------
 
 constexpr std::size_t carry_floats = chunk_floats<carry_ldk, carry_ldc>(true) + max_dim * ldt + 3 * max_rows * ldt;
+static_assert(forward_floats * sizeof(float) <= 227 * 1024 && carry_floats * sizeof(float) <= 227 * 1024,
+              "the carrying kernels fit an SM's shared memory");
 
 __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDims d, const std::uint16_t* q, const std::uint16_t* k,
                                                                 const float* g, const float* beta, const std::uint16_t* d_out,
                                                                 std::uint16_t* dv_out, float* d_state, float* dS_all) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // 16-byte stores into the q and k rows
   Chunk c;
   constexpr int ldk = carry_ldk, ldc = carry_ldc;
   float* dS = carve<ldk, ldc>(c, smem, true);
@@ -596,7 +601,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
     const std::int64_t t0 = ci * d.chunk;
     const int n = rows_in(d, ci);
     PHASE(0);
-    prepare<ldk, ldc>(d, b, h, t0, n, vec, q, k, p, j0, dO, c);
+    prepare<ldk>(d, b, h, t0, n, vec, q, k, p, j0, dO, c);
     if (ci > 0) fetch(d, b, h, t0 - d.chunk, rows_in(d, ci - 1), vec, 2, q, k, g, beta, d_out, H * d.v_dim, j0, p);
     PHASE(5);
     decay_products<ldk, ldc>(n, dk, c);
@@ -605,7 +610,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
     block_mma<1, 2, ldk, 1, ldt, 1>(n, carry_cols, dk, c.kn, dS, [&](int i, int j, float x) { dD[i * ldt + j] = c.w[i] * x; });
     block_mma<1, 2, 1, ldc, ldt, 1>(n, carry_cols, n, c.Q, dO, [&](int i, int j, float x) { dD[i * ldt + j] += x; });
     PHASE(2);
-    solve_delta_grads<ldt, ldc, 8>(n, carry_cols, c.A, dD, Hh, c.beta);
+    solve_delta_grads<ldt, ldc, 8>(n, carry_cols, c.A, dD, Hh, c.beta);  // 32 columns x 8 lanes = the block
     PHASE(3);
     // dv = h; then dO and h scaled by exp G (into dD and h) for the state's gradient.
     for (int e = threadIdx.x; e < n * carry_cols; e += blockDim.x) {
@@ -695,7 +700,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
                                                                const std::uint16_t* v, const float* g, const float* beta,
                                                                const std::uint16_t* d_out, const float* states, const float* dS_all,
                                                                float* dg, float* dbeta, float* dq_part, float* dk_part) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // 16-byte stores into the q and k rows
   Chunk c;
   constexpr int ldk = grad_ldk, ldc = grad_ldc;
   float* dQ = carve<ldk, ldc>(c, smem, false);  // d loss / d q' rows (n, dk)
@@ -729,7 +734,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   {
     Loads p;
     fetch(d, b, h, t0, n, vec, 2, q, k, g, beta, nullptr, 0, 0, p);
-    prepare<ldk, ldc>(d, b, h, t0, n, vec, q, k, p, 0, nullptr, c);
+    prepare<ldk>(d, b, h, t0, n, vec, q, k, p, 0, nullptr, c);
   }
   decay_products<ldk, ldc>(n, dk, c);
   PHASE(0);
@@ -745,7 +750,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   TileLoads tl;  // a tile's reads, issued a tile ahead (the first during the solve)
   fetch_tile(d, S0_all, dS_chunk, v, d_out, b, h, t0, n, 0, tl);
   __syncthreads();
-  solve_deltas<ldc, ldc, 4>(n, n, c.A, area, M, c.beta);  // the chunk's one triangular solve, 4 lanes a column
+  solve_deltas<ldc, ldc, 4>(n, n, c.A, area, M, c.beta);  // the chunk's one triangular solve: n <= 64 columns x 4 lanes
   for (std::int64_t j0 = 0; j0 < d.v_dim; j0 += chunk_cols) {
     __syncthreads();
     store_tile(n, tl, S0, dS, X, dO);

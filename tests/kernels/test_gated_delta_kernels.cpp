@@ -437,6 +437,12 @@ TEST_CASE("automatic: the chunked form where its carrying blocks run in two wave
   const Run many_auto = run(many, in_many);
   many.form = Form::recurrent;
   check_same_bits(many_auto, run(many, in_many));
+  // One block past two waves: 2 x SMs + 1 sequences of one value head of one column block.
+  k::GatedDeltaDims past{2 * static_cast<std::int64_t>(sms) + 1, 16, 1, 1, 16, 32, 16};
+  const Inputs in_past = make_inputs(past, 27);
+  const Run past_auto = run(past, in_past);
+  past.form = Form::recurrent;
+  check_same_bits(past_auto, run(past, in_past));
   // Two waves exactly: one value head of 2 column blocks a sequence (2x the SMs).
   k::GatedDeltaDims two{sms, 16, 1, 1, 16, 64, 16};
   const Inputs in_two = make_inputs(two, 25);

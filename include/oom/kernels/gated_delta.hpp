@@ -9,9 +9,10 @@
 //
 // Two forms (GatedDeltaDims::Form), both keeping the state entering every `chunk` tokens (and the
 // final one) for the backward, so the memory is O(T):
-// - chunked (the default for one sequence's heads on Hopper; src/kernels/gated_delta_chunked.cu): a chunk's tokens
-//   as small fp32 matrix products in shared memory, the state carried from chunk to chunk by a
-//   block per (sequence, value head, 32 columns); the backward carries the state's gradient back
+// - chunked (the default on Hopper for up to two waves of its blocks; src/kernels/gated_delta_chunked.cu):
+//   a chunk's tokens as small matrix products in shared memory, at fp32 accuracy on the tensor
+//   cores (each fp32 operand a pair of tf32 values, three tf32 products for each fp32 one), the
+//   state carried from chunk to chunk by a block per (sequence, value head, 32 columns); the backward carries the state's gradient back
 //   the same way, then a block per chunk computes the chunk's gradients. Its workspace holds the
 //   gradient of the state leaving every chunk (at 4K tokens x 32 heads of 128, 128 MiB at chunk
 //   64: as much as the kept states), beside 128 MiB of per-head dq and dk.
@@ -55,11 +56,12 @@ struct GatedDeltaDims {
   /// the reference's rule, in other fp32 orders, so their bits differ).
   enum class Form : std::uint8_t {
     /// `chunked` (forward and backward alike) where chunk <= 64 on a device that can run it
-    /// (gated_delta_chunked_supported: up to 227 KiB of shared memory a block) whose SMs hold its
-    /// carrying blocks, sequences x v_heads x ceil(v_dim / 32), at once; else `recurrent`
-    /// (bench_gated_delta: one sequence of the Qwen3-Next layer, 1.42x the recurrent backward
-    /// and 0.96x its forward; from two sequences the recurrent pair is as fast or faster). The
-    /// workspace is sized for either (gated_delta_backward_workspace_bytes: the larger scratch).
+    /// (gated_delta_chunked_supported: up to 227 KiB of shared memory a block) whose SMs take its
+    /// carrying blocks, sequences x v_heads x ceil(v_dim / 32), one an SM, in at most two waves;
+    /// else `recurrent` (bench_gated_delta on the H200, the Qwen3-Next layer: one sequence 2.6x
+    /// the recurrent backward and 1.9x its forward, two 2.1x and 1.05x; from four the recurrent
+    /// forward is faster, 0.64x, and the backward only 1.2x slower). The workspace is sized for
+    /// either (gated_delta_backward_workspace_bytes: the larger scratch).
     automatic,
     /// A chunk of up to 64 tokens at a time as small matrix products (oom::reference::
     /// gated_delta_rule_chunked_forward / _chunked_backward): the state still passes chunk to chunk,
