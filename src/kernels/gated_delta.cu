@@ -45,9 +45,10 @@ constexpr int max_backward_threads = 512;  // 4 x dv <= 128 columns
 constexpr int cluster_threads = forward_columns * parts;  // the cluster backward's blocks: 32 columns each
 
 __host__ __device__ constexpr std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-// GatedDeltaDims' chunks() and tokens(), for device code (the header's are host functions).
-__device__ std::int64_t chunks_of(const GatedDeltaDims& d) { return (d.seq_len + d.chunk - 1) / d.chunk; }
+// GatedDeltaDims' tokens(), for device code (the header's is a host function; chunks(): detail::chunks_of).
 __device__ std::int64_t tokens_of(const GatedDeltaDims& d) { return d.sequences * d.seq_len; }
+using detail::chunks_of;
+using detail::reserve_smem;
 
 /// Rows a thread holds: dk / P rounded up to 8, 16 or 32 (the reduce-scatter halves it three times).
 int rows_per_thread(std::int64_t dk) { return dk <= 32 ? 8 : dk <= 64 ? 16 : 32; }
@@ -581,13 +582,6 @@ GatedDeltaDims with_strides(GatedDeltaDims d) {
   return d;
 }
 
-/// The opt-in for `smem` bytes of dynamic shared memory (over 48 KiB).
-template <class Kernel>
-cudaError_t reserve_smem(Kernel kernel, std::size_t smem) {
-  if (smem <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-}
-
 std::int64_t backward_threads(const GatedDeltaDims& d) { return round_up(d.v_dim, 8) * parts; }
 /// Floats of the backward's scratch: each block's states of one chunk as its threads hold them,
 /// the larger of the two paths' (they differ where dv is no multiple of 32), so the workspace does
@@ -707,7 +701,7 @@ cudaError_t recurrent_backward(const GatedDeltaDims& d, const std::uint16_t* qb,
                                float* d_state, float* scratch, float* dq_part, float* dk_part, cudaStream_t stream) {
   bool clustered = false;
   if (const cudaError_t e = use_clusters(d, &clustered); e != cudaSuccess) return e;
-  const cudaError_t launched = with_rows(d.k_dim, [&](auto rows) {
+  return with_rows(d.k_dim, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
     if (clustered) {
       const std::size_t smem = cluster_smem_bytes<R>();
@@ -736,9 +730,7 @@ cudaError_t recurrent_backward(const GatedDeltaDims& d, const std::uint16_t* qb,
         reinterpret_cast<std::uint16_t*>(dv), dg, dbeta, d_state, scratch, dq_part, dk_part);
     return cudaGetLastError();
   });
-  return launched;
 }
-
 
 }  // namespace
 

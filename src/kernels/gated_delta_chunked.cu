@@ -74,7 +74,6 @@ constexpr float l2_eps = 1e-6f;                                 // as the recurr
 #define PHASES_PRINT(name)
 #endif
 
-__device__ std::int64_t chunks_of(const GatedDeltaDims& d) { return (d.seq_len + d.chunk - 1) / d.chunk; }  // chunks(), on the device
 __device__ int rows_in(const GatedDeltaDims& d, std::int64_t ci) { return static_cast<int>(min(d.chunk, d.seq_len - ci * d.chunk)); }  // chunk ci's tokens
 /// The carrying kernels' blocks a (sequence, value head): one per carry_cols columns of the state.
 __host__ __device__ std::int64_t carry_tiles(std::int64_t dv) { return (dv + carry_cols - 1) / carry_cols; }
@@ -325,7 +324,7 @@ struct Loads {
   float g = 0.0f, beta = 0.0f;    // token threadIdx.x's
 };
 
-/// Loads tokens [t0, t0 + n) of (sequence b, value head h): g and beta; with `vec`, the q rows (and
+/// Loads tokens [t0, t0 + n) of (sequence b, value head h): with g given, g and beta; with `vec`, the q rows (and
 /// with `which` 2 the k rows) of its key head; with x given, columns [j0, j0 + carry_cols) of x
 /// (rows x_stride apart).
 __device__ void fetch(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, std::int64_t t0, int n, bool vec, int which,
@@ -333,7 +332,7 @@ __device__ void fetch(const GatedDeltaDims& d, std::int64_t b, std::int64_t h, s
                       std::int64_t x_stride, std::int64_t j0, Loads& p) {
   const std::int64_t H = d.v_heads, row0 = (b * d.seq_len + t0) * H + h;
   const int tid = static_cast<int>(threadIdx.x);
-  if (tid < n) {
+  if (g != nullptr && tid < n) {
     p.g = g[row0 + tid * H];
     p.beta = beta[row0 + tid * H];
   }
@@ -813,7 +812,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   __syncthreads();
   {  // the q rows again, over the tiles
     Loads p;
-    fetch(d, b, h, t0, n, vec, 1, q, k, g, beta, nullptr, 0, 0, p);
+    fetch(d, b, h, t0, n, vec, 1, q, k, nullptr, nullptr, nullptr, 0, 0, p);
     store_normalised<ldk>(d, b, h, t0, n, vec, 1, q, k, p, c.qn, nullptr);  // synchronises
   }
   // dG from out's S0 term (q' . dq' so far) and from the decays of Q and A, before the masks.
@@ -870,10 +869,6 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   }
 }
 
-template <class Kernel>
-cudaError_t reserve(Kernel kernel, std::size_t floats) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(floats * sizeof(float)));
-}
 
 }  // namespace
 
@@ -888,7 +883,7 @@ std::size_t gated_delta_chunked_scratch_floats(const GatedDeltaDims& d) {
 cudaError_t gated_delta_chunked_forward(const GatedDeltaDims& d, const std::uint16_t* q, const std::uint16_t* k,
                                         const std::uint16_t* v, const float* g, const float* beta, std::uint16_t* out,
                                         float* states, cudaStream_t stream) {
-  if (const cudaError_t e = reserve(chunked_forward_kernel, forward_floats); e != cudaSuccess) return e;
+  if (const cudaError_t e = reserve_smem(chunked_forward_kernel, forward_floats * sizeof(float)); e != cudaSuccess) return e;
   const auto blocks = static_cast<unsigned>(d.sequences * d.v_heads * carry_tiles(d.v_dim));
   chunked_forward_kernel<<<blocks, threads, forward_floats * sizeof(float), stream>>>(d, q, k, v, g, beta, out, states);
   return cudaGetLastError();
@@ -898,8 +893,8 @@ cudaError_t gated_delta_chunked_backward(const GatedDeltaDims& d, const std::uin
                                          const std::uint16_t* v, const float* g, const float* beta, const std::uint16_t* d_out,
                                          const float* states, std::uint16_t* dv, float* dg, float* dbeta, float* d_state,
                                          float* scratch, float* dq_part, float* dk_part, cudaStream_t stream) {
-  if (const cudaError_t e = reserve(chunked_carry_kernel, carry_floats); e != cudaSuccess) return e;
-  if (const cudaError_t e = reserve(chunked_grad_kernel, chunk_grad_floats); e != cudaSuccess) return e;
+  if (const cudaError_t e = reserve_smem(chunked_carry_kernel, carry_floats * sizeof(float)); e != cudaSuccess) return e;
+  if (const cudaError_t e = reserve_smem(chunked_grad_kernel, chunk_grad_floats * sizeof(float)); e != cudaSuccess) return e;
   const std::int64_t chunks = d.chunks();
   const auto carriers = static_cast<unsigned>(d.sequences * d.v_heads * carry_tiles(d.v_dim));
   chunked_carry_kernel<<<carriers, threads, carry_floats * sizeof(float), stream>>>(d, q, k, g, beta, d_out, dv, d_state, scratch);

@@ -15,6 +15,18 @@ namespace oom::kernels::detail {
 /// The longest chunk the chunked kernels take (a chunk's tokens are one block's rows).
 constexpr std::int64_t chunked_max_chunk = 64;
 
+/// The opt-in for `smem` bytes of dynamic shared memory (over 48 KiB), for both forms' kernels.
+template <class Kernel>
+cudaError_t reserve_smem(Kernel kernel, std::size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+}
+
+#ifdef __CUDACC__
+/// GatedDeltaDims::chunks(), for device code (the header's is a host function).
+__device__ inline std::int64_t chunks_of(const GatedDeltaDims& d) { return (d.seq_len + d.chunk - 1) / d.chunk; }
+#endif
+
 /// The most dynamic shared memory one of the chunked kernels takes a block (its per-chunk backward's).
 std::size_t gated_delta_chunked_smem_bytes();
 
