@@ -11,6 +11,8 @@
 # most 10 minutes, so split: e.g. PARTS=tests, then PARTS="reference train" SEQS="4096 32768",
 # then PARTS=train SEQS=131072 TRAIN_CUDA_LRS=" " (each builds only what it needs when warm).
 # PARTS=kernels builds and runs only the gpu tests and the kernel benchmarks (issue 5's checks).
+# PARTS=hybrid builds and runs only the gated delta rule's and the hybrid model's GPU tests,
+# bench_gated_delta and a 2-layer Qwen3-Next-80B slice at HYBRID_SEQS (default "32768 262144").
 # PARTS=group builds and runs only the multi-GPU group's tests and a quick oom-calibrate over every
 # GPU (kind nvidia-h200-x2: docs/multi-gpu.md, slice 1).
 # On a fresh machine that build can outlast a device call (580 s, 2026-12-01): the build stops
@@ -101,6 +103,10 @@ kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_k
 # PARTS=group (docs/multi-gpu.md; run it with kind nvidia-h200-x2): DeviceGroup's tests over every
 # visible GPU, then a quick oom-calibrate over all of them (NCCL rates, the host links together).
 [[ "$parts" == " group " ]] && targets=(--target test_device_group test_device_group_check oom-calibrate ${EXTRA_TARGETS:-})
+# PARTS=hybrid: the gated delta rule's kernels and the hybrid model's GPU tests, bench_gated_delta,
+# and a 2-layer Qwen3-Next-80B slice in oom-train at $HYBRID_SEQS (predicted vs measured).
+[[ "$parts" == " hybrid " ]] && targets=(--target test_gated_delta_kernels test_deltanet_kernels test_cuda_deltanet
+  test_cuda_hybrid_layer test_cuda_causal_lm bench_gated_delta oom-train ${EXTRA_TARGETS:-})
 # PARTS=peers needs oom-train: alone, only it; beside other parts that name their targets, it too.
 if [[ "$parts" == " peers " ]]; then targets=(--target oom-train ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" peers "* && ${#targets[@]} -gt 0 ]]; then targets+=(oom-train); fi
@@ -202,6 +208,32 @@ if [[ "$parts" == *" group "* ]]; then
     > "$out/calibrate-group.log" 2>&1 || ref_rc=1
   grep -E 'host_link_total|all_reduce|all_to_all|h2d' "$out/calibrate-group.log" >> "$out/group.log"
   cat "$out/group.log"
+fi
+
+if [[ "$parts" == *" hybrid "* ]]; then
+  # The hybrid family's GPU checks (docs/hybrid.md): the rule's kernels against their references in
+  # both forms, the Gated DeltaNet layer, a hybrid layer against transformers' fixture, and the
+  # executor's hybrid plans against the resident one; then the rule's forms side by side.
+  for t in test_gated_delta_kernels test_deltanet_kernels test_cuda_deltanet test_cuda_hybrid_layer; do
+    limited 300 "$build_dir/tests/$t" > "$out/$t.log" 2>&1 || gpu_rc=1
+    echo "$t: $(grep -E 'test cases:|assertions:' "$out/$t.log" | tr '\n' ' ')" >> "$out/hybrid-summary.log"
+  done
+  limited 300 "$build_dir/tests/test_cuda_causal_lm" -tc="*hybrid*" > "$out/test_cuda_causal_lm-hybrid.log" 2>&1 || gpu_rc=1
+  echo "test_cuda_causal_lm (hybrid cases): $(grep -E 'test cases:|assertions:' "$out/test_cuda_causal_lm-hybrid.log" | tr '\n' ' ')" \
+    >> "$out/hybrid-summary.log"
+  limited 200 "$build_dir/bench/kernels/bench_gated_delta" > "$out/bench_gated_delta.log" 2>&1 || bench_rc=1
+  # Qwen3-Next-80B's widths in 2 layers (one Gated DeltaNet, one gated attention; the slice of
+  # docs/performance.md's thirty-ninth to forty-first sessions), 3 steps a length, the last traced.
+  python3 -c "import json; c = json.load(open('examples/configs/qwen3-next-80b-a3b.json')); c['num_hidden_layers'] = 2; c['full_attention_interval'] = 2; json.dump(c, open('$build_dir/qn2.json', 'w'))"
+  for seq in ${HYBRID_SEQS:-32768 262144}; do
+    steps=$((seq > 131072 ? 2 : 3))
+    limited "${SEQ_TIMEOUT:-200}" "$build_dir/examples/train/oom-train" --backend cuda --config "$build_dir/qn2.json" \
+      --out "$build_dir/train-qn2-$seq" --overwrite --seq "$seq" --steps "$steps" --lr 3e-4 --log-every 1 \
+      --checkpoint-every 0 --trace-step "$steps" --trace "$out/trace-qn2-$seq.json" > "$out/train-qn2-$seq.log" 2>&1
+    echo "qn2 seq $seq: exit $? — $(grep -o 'predicted step [0-9.]* s' "$out/train-qn2-$seq.log" | tail -1); $(grep '^step' "$out/train-qn2-$seq.log" | tail -1)" \
+      >> "$out/hybrid-summary.log"
+    grep "recorded in" "$out/train-qn2-$seq.log" >> "$out/hybrid-summary.log"
+  done
 fi
 
 if [[ "$parts" == *" calibrate "* ]]; then
@@ -509,7 +541,7 @@ for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), 
                     ("bench_attention_d256.log", 7), ("sdpa_d256.log", 7),
                     ("train-3e-3.log", 3), ("compare-layer.log", 30), ("compare-train-3e-3.log", 8),
                     ("compare-train-1e-3.log", 8), ("sanitizer.log", 2),
-                    ("calibrate.log", 40), ("train-summary.log", 24), ("skipped.log", 40)):
+                    ("calibrate.log", 40), ("train-summary.log", 24), ("hybrid-summary.log", 12), ("skipped.log", 40)):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"--- {name} (last lines)")
