@@ -600,7 +600,9 @@ int run(const Args& a) {
   fmt::print("data {}: {} tokens (vocab {}), {} windows of {} per epoch\n", data_path.string(), tokens->size(), tokens->vocab_size(),
              sampler.windows_per_epoch(), a.seq);
   if (use_cuda) fmt::print("backend: cuda (GPU {})\n", 0);
-  else fmt::print("backend: host (the CPU reference backend; its \"device\" is an accounted arena)\n");
+  else
+    fmt::print("backend: host (the CPU reference backend; its \"device\" is an accounted arena of twice the plan's GPU budget: it "
+               "computes in fp32 where the plan counts bf16)\n");
   fmt::print("=== the plan ({}) ===\n{}\n", a.plan.empty() ? "chosen by the planner" : a.plan, planner.describe(plan));
   // What the trace is compared with: the plan's prediction, or on CUDA the plan as that executor
   // carries it out (one saved buffer per layer; MoE chunks regenerated in the backward).
@@ -768,9 +770,9 @@ int run(const Args& a) {
       if constexpr (requires { r.grad_norm; }) {
         if (r.grad_norm >= 0) gn = fmt::format(" | grad norm {:.3f}", r.grad_norm);
       }
-      fmt::print("step {:>5}/{} | loss {:.4f}{} | {:.0f} tok/s | device {} MiB peak (activations {}, worksets {}, resident {}) | "
+      fmt::print("step {:>5}/{} | loss {:.4f}{} | {:.0f} tok/s | device peak {} of {} MiB (activations {}, worksets {}, resident {}) | "
                  "host pinned {} MiB (state {}, staging {}, offload {}), RSS {} MiB | ETA {}\n",
-                 step, a.steps, r.loss, gn, tok_s, mib(dev.peak()), mib(dev.peak(Claimant::retained_activations)),
+                 step, a.steps, r.loss, gn, tok_s, mib(dev.peak()), mib(dev.budget()), mib(dev.peak(Claimant::retained_activations)),
                  mib(dev.peak(Claimant::worksets)), mib(dev.in_use(Claimant::resident_state)), mib(pin.in_use()),
                  mib(pin.in_use(Claimant::host_state)), mib(pin.in_use(Claimant::host_staging)), mib(pin.peak(Claimant::host_offload)), mib(host.now),
                  duration(eta));
