@@ -1,6 +1,7 @@
 // Number arguments of the example programs' command lines, with errors naming the flag.
 #pragma once
 
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -15,9 +16,12 @@ namespace oom::examples {
 /// A positive integer (or 0 with allow_zero); anything else throws invalid_argument naming `flag`.
 inline std::uint64_t parse_count(std::string_view flag, const char* text, bool allow_zero = false) {
   char* end = nullptr;
+  errno = 0;
   const unsigned long long v = std::strtoull(text, &end, 10);
   if (end == text || *end != '\0' || text[0] == '-' || (v == 0 && !allow_zero))
     OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a positive integer, got '{}'", flag, text));
+  if (errno == ERANGE)  // strtoull saturates: a count past 2^64 - 1 would read as that
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: '{}' is out of range (at most {})", flag, text, ~0ull));
   return v;
 }
 

@@ -138,6 +138,9 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     p.retention_name = j["retention_name"].as_string();
     if (p.gpus < 1 || p.prefetch_depth < 1 || p.micro_batches < 1 || p.workload.tokens() == 0)
       OOM_THROW(Errc::parse, "gpus, prefetch_depth, micro_batches, sequences and seq_len must be positive");
+    if (!p.workload.within_limit())
+      OOM_THROW(Errc::parse, fmt::format("sequences {} x seq_len {} is more than the {} tokens a micro-batch may hold", p.workload.sequences,
+                                         p.workload.seq_len, max_workload_tokens));
     const auto layers = j["layers"];
     for (std::size_t l = 0; l < layers.size(); ++l) {
       const auto layer = layers[l];

@@ -581,6 +581,9 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   const auto t0 = std::chrono::steady_clock::now();
   if (req.gpus < 1) OOM_THROW(Errc::invalid_argument, "plan request: gpus must be >= 1");
   if (req.workload.tokens() == 0) OOM_THROW(Errc::invalid_argument, "plan request: the workload has no tokens (seq and batch must be > 0)");
+  if (!req.workload.within_limit())
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan request: {} sequences of {} tokens is more than the {} tokens a micro-batch may hold",
+                                                  req.workload.sequences, req.workload.seq_len, max_workload_tokens));
   if (req.micro_batches < 1) OOM_THROW(Errc::invalid_argument, "plan request: micro_batches must be >= 1");
   if (req.gpu_budget.count() == 0 || req.host_budget.count() == 0)
     OOM_THROW(Errc::invalid_argument, "plan request: GPU and host budgets must be > 0");

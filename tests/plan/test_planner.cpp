@@ -137,6 +137,28 @@ TEST_CASE("an infeasible request names the least bytes it needs and the budget")
   CHECK_THROWS_WITH_AS((void)planner.plan(req), doctest::Contains("host memory"), Error);
 }
 
+TEST_CASE("a micro-batch past max_workload_tokens is refused, named, before any byte count can overflow") {
+  const Moe5bOnH200 m;
+  const auto& [spec, profile, planner] = m;
+  CHECK(Workload{1, max_workload_tokens}.within_limit());
+  CHECK(Workload{4, max_workload_tokens / 4}.within_limit());
+  CHECK_FALSE(Workload{1, max_workload_tokens + 1}.within_limit());
+  CHECK_FALSE(Workload{2, max_workload_tokens / 2 + 1}.within_limit());
+  CHECK_FALSE(Workload{std::uint64_t{1} << 33, std::uint64_t{1} << 33}.within_limit());  // the product wraps to 0 in 64 bits
+  CHECK_FALSE(Workload{1, ~std::uint64_t{0}}.within_limit());
+  for (const Workload w : {Workload{1, ~std::uint64_t{0}}, Workload{3, max_workload_tokens / 2}}) {
+    PlanRequest req = Moe5bOnH200::request(1, 139_GiB, 2_TiB);
+    req.workload = w;
+    try {
+      (void)planner.plan(req);
+      FAIL("planned " << w.sequences << " x " << w.seq_len << " tokens");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::invalid_argument);
+      CHECK(std::string(e.what()).find("a micro-batch may hold") != std::string::npos);
+    }
+  }
+}
+
 namespace {
 void scenario(const char* config, const char* machine, int gpus, std::uint64_t seq, Bytes host, DType moments) {
   const auto spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR "/examples/configs/") + config);
@@ -192,6 +214,9 @@ TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
   Json bad = p.to_json();
   bad.set("prefetch_depth", "two");
   CHECK_THROWS_WITH_AS((void)Plan::from_json(bad, "bad.json"), doctest::Contains("prefetch_depth"), Error);
+  Json long_one = p.to_json();
+  long_one.set("seq_len", max_workload_tokens + 1);
+  CHECK_THROWS_WITH_AS((void)Plan::from_json(long_one, "long.json"), doctest::Contains("a micro-batch may hold"), Error);
 }
 
 TEST_CASE("clipping by global norm: every update after the backward and the norm, staging for all streamed gradients") {

@@ -9,12 +9,21 @@
 
 namespace oom {
 
+/// The most tokens a micro-batch may hold: 2^32, some 4,000 times the longest context any model
+/// here trains at on one node, and small enough that every byte count the planner forms from it
+/// (tokens x hidden x bytes x layers) stays far inside 64 bits.
+inline constexpr std::uint64_t max_workload_tokens = std::uint64_t{1} << 32;
+
 /// One micro-batch: `sequences` sequences of `seq_len` tokens each.
 struct Workload {
   std::uint64_t sequences = 1;
   std::uint64_t seq_len = 0;
 
   [[nodiscard]] constexpr std::uint64_t tokens() const { return sequences * seq_len; }
+  /// Whether sequences x seq_len is within max_workload_tokens (without overflowing on the way).
+  [[nodiscard]] constexpr bool within_limit() const {
+    return seq_len <= max_workload_tokens && (seq_len == 0 || sequences <= max_workload_tokens / seq_len);
+  }
   friend constexpr bool operator==(const Workload&, const Workload&) = default;
 };
 
