@@ -124,6 +124,10 @@ class GraphBuilder {
       prev = head(prev, last_mb);
       for (int l = n - 1; l >= 0; --l) prev = layer_backward(l, prev, last_mb);
       prev = embedding_backward(prev, last_mb);
+      // What this micro-batch saved for its backward is freed by that backward, not a later
+      // micro-batch's (resolved now, while bwd_last_ holds this micro-batch's ops).
+      for (const auto& h : deferred_) g_.hold(h.claimant, h.bytes, h.from, resolve(h.to));
+      deferred_.clear();
     }
     if (!clipped_updates_.empty()) {
       // Clipping: the gradients' sums of squares (one read of every gradient; the executors take
@@ -139,7 +143,6 @@ class GraphBuilder {
       }
     }
     add_constant_holds();
-    for (const auto& h : deferred_) g_.hold(h.claimant, h.bytes, h.from, resolve(h.to));
     return std::move(g_);
   }
 
