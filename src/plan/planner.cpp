@@ -346,8 +346,11 @@ class GraphBuilder {
       refill = g_.add({"h2d.grads (accumulated)", Resource::h2d, model_.time_of(Operation::moving(OpKind::copy_h2d, sum), Resource::h2d),
                        deps_of({d2h_grads_[static_cast<std::size_t>(l)], slot_d2h_[static_cast<std::size_t>(l % 2)]}), l});
     }
+    // A streamed layer's gradients take one of two slots (by layer parity), free once the slot's
+    // last user's went home: the executors' bound on gradients waiting for the link.
+    const int slot_free = st(l).streamed_params > 0 ? slot_d2h_[static_cast<std::size_t>(l % 2)] : -1;
     const int bm = g_.add({"bwd.mlp", Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, true, false),
-                           deps_of({load, prev, rc, refill, pf == prefetch_op_.end() ? -1 : pf->second}), l});
+                           deps_of({load, prev, rc, refill, slot_free, pf == prefetch_op_.end() ? -1 : pf->second}), l});
     g_.hold(Claimant::worksets, mlp_peak(l), bm, bm);
     int before_attn = bm;
     if (const double a2a = model_.all_to_all_time(l); a2a > 0)

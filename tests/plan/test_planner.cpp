@@ -3,7 +3,9 @@
 // bytes they need; the evaluation's scenarios plan; plans survive JSON.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <string>
 
@@ -192,6 +194,42 @@ TEST_CASE("scenario: Qwen3-30B-A3B, 512K tokens per step on 4x RTX 4090 24GB") {
 }
 TEST_CASE("scenario: Qwen3.5-122B-A10B on 4x H100 80GB") {
   scenario("qwen3.5-122b-a10b.json", "h100-80gb", 4, 32768, 2_TiB, DType::bf16);
+}
+
+TEST_CASE("streamed gradients take two slots: a layer's backward waits for its slot's last user's trip home") {
+  // As both executors do (CudaCausalLm's grad_slots, the HostExecutor's grad_slots_). Before
+  // 2026-12-04 the step graph let a link-bound backward run ahead with every layer's gradients on
+  // the GPU: Qwen3-Next-80B at 4K on one H200 "needed" 139.23 GiB, 125 GiB of it gradients, and
+  // found no plan, while 64K tokens planned (and the executor's footprint was 90 GiB).
+  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
+  const auto profile = MachineProfile::h200(1);
+  const Planner planner(spec, profile, "qwen3-next");
+  PlanRequest req;
+  req.workload = {1, 4096};
+  req.gpu_budget = 139_GiB;
+  req.host_budget = 1_TiB;
+  const Plan p = planner.plan(req).plans.front();
+  CHECK(p.predicted.gpu_peak <= req.gpu_budget);
+  const StepGraph graph = planner.step_graph(p);
+  const SimResult sim = simulate(graph);
+  const auto& ops = graph.ops();
+  std::map<int, int> grads_home;  // layer -> its d2h.grads
+  for (std::size_t i = 0; i < ops.size(); ++i)
+    if (std::string_view(ops[i].what) == "d2h.grads") grads_home[ops[i].layer] = static_cast<int>(i);
+  REQUIRE(grads_home.size() > 2);
+  int checked = 0;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const int l = ops[i].layer;
+    // (The LM head, layer n, holds no slot.)
+    if (std::string_view(ops[i].what) != "bwd.mlp" || l + 2 >= spec.num_layers() || grads_home.count(l) == 0 || grads_home.count(l + 2) == 0)
+      continue;
+    const int before = grads_home[l + 2];  // the slot's last user: two layers later, backward runs from the last
+    CAPTURE(l);
+    CHECK(std::find(ops[i].deps.begin(), ops[i].deps.end(), before) != ops[i].deps.end());
+    CHECK(sim.start_s[i] >= sim.end_s[static_cast<std::size_t>(before)]);
+    ++checked;
+  }
+  CHECK(checked > 0);
 }
 
 TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {

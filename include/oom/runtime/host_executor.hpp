@@ -134,11 +134,17 @@ class HostExecutor {
     }
     for (int i = 0; i < depth; ++i)
       slots_.push_back(Slot{static_cast<bf16*>(b_.allocate(MemorySpace::device(0), slot, Claimant::worksets)), slot, b_.make_event()});
+    // Two gradient slots, taken by layer parity, as the CUDA executor's (and the planner's step
+    // graph): a streamed layer's backward waits until its slot's last user's gradients went home.
+    const Bytes grad_slot{slot.count() / sizeof(bf16) * sizeof(float)};
+    if (grad_slot.count() > 0)
+      for (int i = 0; i < 2; ++i) grad_slots_.push_back(GradSlot{alloc_device(grad_slot, Claimant::worksets), grad_slot, b_.make_event()});
   }
 
   ~HostExecutor() {
     synchronize_all();
     for (auto& s : slots_) b_.free(s.ptr, MemorySpace::device(0), s.bytes, Claimant::worksets);
+    for (auto& s : grad_slots_) b_.free(s.ptr, MemorySpace::device(0), s.bytes, Claimant::worksets);
     for (auto& ls : layers_state_)
       for (auto& s : ls.segments) free_segment(s);
   }
@@ -402,16 +408,25 @@ class HostExecutor {
       ctx.saved = saved[li];
       // Micro-batch 0 accumulates a resident segment's gradient in place; later ones into a
       // scratch that is then added, exactly as a streamed segment's lands in staging and is added.
+      // Streamed segments' gradients go into the layer's gradient slot, once its last user's left.
       std::vector<float*> streamed_grads, resident_scratch(ls.segments.size(), nullptr);
+      GradSlot* gslot = nullptr;
+      std::uint64_t gslot_at = 0;
       for (std::size_t s = 0; s < ls.segments.size(); ++s) {
         auto& seg = ls.segments[s];
         float* g = nullptr;
         if (seg.resident && mb == 0) {
           g = seg.device_grad;
+        } else if (seg.resident) {
+          g = resident_scratch[s] = alloc_device(Bytes{seg.n * sizeof(float)}, Claimant::worksets);
         } else {
-          g = alloc_device(Bytes{seg.n * sizeof(float)}, Claimant::worksets);
-          if (seg.resident) resident_scratch[s] = g;
-          else streamed_grads.push_back(g);
+          if (gslot == nullptr) {
+            gslot = &grad_slots_[li % 2];
+            b_.wait(compute_, gslot->free);
+          }
+          g = gslot->ptr + gslot_at;
+          gslot_at += seg.n;
+          streamed_grads.push_back(g);
         }
         ctx.weight_grads[s] = {g, seg.n};
         b_.submit(compute_, [g, n = seg.n] { std::fill(g, g + n, 0.0f); });
@@ -457,9 +472,9 @@ class HostExecutor {
           landed.emplace_back(&seg, into);
         }
         b_.copy(into, streamed_grads[k], Bytes{seg.n * sizeof(float)}, d2h_);
-        free_device_on(d2h_, streamed_grads[k], Bytes{seg.n * sizeof(float)}, Claimant::worksets);
         ++k;
       }
+      if (gslot != nullptr) b_.record(gslot->free, d2h_);
       span_end(d2h_, Resource::d2h, "d2h grads " + label(li), gb);
       b_.record(ls.grads_landed, d2h_);
       if (!landed.empty()) {
@@ -573,6 +588,11 @@ class HostExecutor {
     bf16* ptr;
     Bytes bytes;
     HostBackend::Event free;
+  };
+  struct GradSlot {
+    float* ptr;
+    Bytes bytes;
+    HostBackend::Event free;  ///< recorded on d2h_ once its layer's gradients are copied out
   };
 
   float* alloc_device(Bytes bytes, Claimant c) { return static_cast<float*>(b_.allocate(MemorySpace::device(0), bytes, c)); }
@@ -765,6 +785,7 @@ class HostExecutor {
   HostBackend::Event loaded_;
   std::vector<LayerState> layers_state_;
   std::vector<Slot> slots_;
+  std::vector<GradSlot> grad_slots_;  ///< two, by layer parity (none without streamed segments)
   std::size_t next_slot_ = 0;
   std::int64_t step_ = 0;
   bool skipped_ = false;
