@@ -127,6 +127,11 @@ void write_file(const std::string& path, const std::string& text) {
 #if OOM_PLAN_HAS_CUDA
 constexpr std::uint64_t longest_granule = 1024;
 constexpr std::uint64_t longest_ceiling = std::uint64_t{1} << 27;  // 128M tokens: far past any GPU's memory
+/// The search's ceiling for `batch` sequences: longest_ceiling, or less where batch of them would
+/// pass the tokens a micro-batch may hold (oom::max_workload_tokens).
+std::uint64_t longest_ceiling_for(std::uint64_t batch) {
+  return std::min(longest_ceiling, oom::max_workload_tokens / batch / longest_granule * longest_granule);
+}
 
 // config.json's max_position_embeddings (under text_config where the model wraps one, as Qwen3.5's
 // does, like ModelSpec reads it); 0 where it does not say.
@@ -162,7 +167,7 @@ int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& w
   const std::uint64_t start = (a.seq + granule - 1) / granule * granule;
   std::uint64_t lo = 0, hi = 0;  // the longest found to fit, the shortest found not to; 0: none yet
   if (weigh(start)) {
-    for (lo = start; lo * 2 <= longest_ceiling; lo *= 2)
+    for (lo = start; lo * 2 <= longest_ceiling_for(a.batch); lo *= 2)
       if (!weigh(lo * 2)) {
         hi = lo * 2;
         break;
@@ -209,9 +214,9 @@ int main(int argc, char** argv) {
     if (a.longest && (!a.json_out.empty() || !a.trace_out.empty()))
       OOM_THROW(oom::Errc::invalid_argument, "--longest only prints the longest sequence; plan it with --seq N for --json or --trace");
 #if OOM_PLAN_HAS_CUDA
-    if (a.longest && a.seq > longest_ceiling)
-      OOM_THROW(oom::Errc::invalid_argument,
-                fmt::format("--longest searches up to {} tokens; --seq {} starts past it", longest_ceiling, a.seq));
+    if (a.longest && a.seq > longest_ceiling_for(a.batch))
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--longest searches up to {} tokens a sequence at --batch {}; --seq {} starts past it",
+                                                         longest_ceiling_for(a.batch), a.batch, a.seq));
 #endif
     const auto spec = oom::ModelSpec::from_file(a.model);
     const auto profile = a.profile.empty() ? oom::MachineProfile::builtin(a.machine, a.gpus) : oom::MachineProfile::from_file(a.profile);

@@ -136,7 +136,7 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     p.resident_level = Bytes{j["resident_level_bytes"].as_uint64()};
     for (std::size_t i = 0; i < j["resident_segments"].size(); ++i) p.resident_segments.push_back(j["resident_segments"][i].as_string());
     p.retention_name = j["retention_name"].as_string();
-    if (p.gpus < 1 || p.prefetch_depth < 1 || p.micro_batches < 1 || p.workload.tokens() == 0)
+    if (p.gpus < 1 || p.prefetch_depth < 1 || p.micro_batches < 1 || p.workload.sequences == 0 || p.workload.seq_len == 0)
       OOM_THROW(Errc::parse, "gpus, prefetch_depth, micro_batches, sequences and seq_len must be positive");
     if (!p.workload.within_limit())
       OOM_THROW(Errc::parse, fmt::format("sequences {} x seq_len {} is more than the {} tokens a micro-batch may hold", p.workload.sequences,

@@ -118,6 +118,8 @@ class GraphBuilder {
       const bool last_mb = mb + 1 == plan_.micro_batches;
       refill_grads_ = mb > 0 && plan_.grad_accumulation == GradAccumulation::device;
       std::fill(regenerated_.begin(), regenerated_.end(), false);
+      std::fill(d2h_act_.begin(), d2h_act_.end(), -1);  // this micro-batch's offloads, as they are added
+      prefetch_pending_.assign(static_cast<std::size_t>(n), false);
       plan_loads(n);
       prev = embedding_forward(prev);
       for (int l = 0; l < n; ++l) prev = layer_forward(l, prev);
@@ -256,6 +258,10 @@ class GraphBuilder {
       const int d2h = g_.add({"d2h.activations", Resource::d2h,
                               model_.time_of(Operation::moving(OpKind::copy_d2h, offload), Resource::d2h), {fm}, l});
       d2h_act_[static_cast<std::size_t>(l)] = d2h;
+      if (prefetch_pending_[static_cast<std::size_t>(l)]) {
+        prefetch_pending_[static_cast<std::size_t>(l)] = false;
+        prefetch_activations(l);
+      }
       g_.hold(Claimant::retained_activations, offload, fm, d2h);
       deferred_.push_back({Claimant::host_offload, offload * static_cast<std::uint64_t>(plan_.gpus), d2h, bwd_end_of(l)});
     }
@@ -272,6 +278,13 @@ class GraphBuilder {
       if (plan_.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)].action == Retention::offload)
         offload += saved_[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
     if (offload.count() == 0) return;
+    // The backward's loads run up to prefetch_depth - 1 ahead of the compute, so with depth 3 the
+    // last layer's backward load is issued from its own forward, before this micro-batch's offload
+    // exists: the prefetch then waits for it and is added after it.
+    if (d2h_act_[static_cast<std::size_t>(l)] < 0) {
+      prefetch_pending_[static_cast<std::size_t>(l)] = true;
+      return;
+    }
     const int h2d = g_.add({"h2d.activations", Resource::h2d,
                             model_.time_of(Operation::moving(OpKind::copy_h2d, offload), Resource::h2d),
                             deps_of({d2h_act_[static_cast<std::size_t>(l)]}), l});
@@ -386,7 +399,8 @@ class GraphBuilder {
       const int d2h = g_.add({"d2h.grads", Resource::d2h,
                               model_.time_of(Operation::moving(OpKind::copy_d2h, sent), Resource::d2h), {reduced}, l});
       if (l >= 0 && l < spec_.num_layers()) d2h_grads_[static_cast<std::size_t>(l)] = slot_d2h_[static_cast<std::size_t>(l % 2)] = d2h;
-      g_.hold(Claimant::worksets, Bytes{streamed_grad}, first >= 0 ? first : done, d2h);
+      // A decoder layer's go into its gradient slot, held for the whole step (add_constant_holds).
+      if (l < 0 || l >= spec_.num_layers()) g_.hold(Claimant::worksets, Bytes{streamed_grad}, first >= 0 ? first : done, d2h);
       // While a layer's update runs, the backward streams about one layer's fp32 gradients down
       // and its bf16 weights up through the same host memory (the layers are alike).
       if (last_mb)
@@ -447,6 +461,11 @@ class GraphBuilder {
       largest_layer_host = std::max(largest_layer_host, s.host_params);
     }
     g_.hold(Claimant::resident_state, Bytes{resident * model_.state_bytes_per_param(true)});
+    // The two gradient slots (by layer parity) both executors hold through the step, each the
+    // largest streamed decoder layer's fp32 gradients.
+    std::uint64_t largest_streamed = 0;
+    for (int l = 0; l < spec_.num_layers(); ++l) largest_streamed = std::max(largest_streamed, st(l).streamed_params);
+    if (largest_streamed > 0) g_.hold(Claimant::worksets, Bytes{2 * largest_streamed * fp32_bytes});
     g_.hold(Claimant::host_state, Bytes{host * model_.state_bytes_per_param(false)});
     // Pinned staging for gradients as they land: two layers' worth, so one is being applied while
     // the next arrives (with accumulation, the accumulators are part of host_state instead); with
@@ -465,6 +484,7 @@ class GraphBuilder {
   std::vector<int> load_op_, release_op_;
   std::size_t issued_ = 0, next_compute_ = 0;
   std::vector<int> fwd_last_, bwd_last_, d2h_act_;
+  std::vector<bool> prefetch_pending_;  ///< per layer: its prefetch was due before its offload was added
   std::map<int, int> prefetch_op_;
   std::vector<bool> regenerated_;
   std::vector<int> d2h_grads_;  ///< per layer: its streamed gradients' last trip down (-1: none yet)
@@ -586,7 +606,8 @@ Bytes retained_estimate(const StepModel& model, const RetentionTable& table, int
 PlanSet Planner::plan(const PlanRequest& req) const {
   const auto t0 = std::chrono::steady_clock::now();
   if (req.gpus < 1) OOM_THROW(Errc::invalid_argument, "plan request: gpus must be >= 1");
-  if (req.workload.tokens() == 0) OOM_THROW(Errc::invalid_argument, "plan request: the workload has no tokens (seq and batch must be > 0)");
+  if (req.workload.sequences == 0 || req.workload.seq_len == 0)
+    OOM_THROW(Errc::invalid_argument, "plan request: the workload has no tokens (seq and batch must be > 0)");
   if (!req.workload.within_limit())
     OOM_THROW(Errc::invalid_argument, fmt::format("plan request: {} sequences of {} tokens is more than the {} tokens a micro-batch may hold",
                                                   req.workload.sequences, req.workload.seq_len, max_workload_tokens));

@@ -232,6 +232,43 @@ TEST_CASE("streamed gradients take two slots: a layer's backward waits for its s
   CHECK(checked > 0);
 }
 
+TEST_CASE("an offloaded layer's prefetch waits for its own micro-batch's offload, at every prefetch depth") {
+  // With prefetch depth 3 the last layer's backward load is issued from its own forward, before
+  // that forward's offload is in the graph: the prefetch had no dependency in the first micro-batch
+  // and the previous micro-batch's offload in later ones (a review, 2026-12-04).
+  const Moe5bOnH200 m;
+  const auto& [spec, profile, planner] = m;
+  const Plan base = planner.plan(Moe5bOnH200::request(4096, 139_GiB, 125_GiB)).plans.front();
+  const int last = spec.num_layers() - 1;
+  for (const int depth : {1, 2, 3}) {
+    CAPTURE(depth);
+    Plan p = base;
+    p.prefetch_depth = depth;
+    p.micro_batches = 2;
+    for (int l = last - 1; l <= last; ++l)
+      p.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(ActivationClass::layer_boundary)] = RetentionDecision::offload();
+    const StepGraph graph = planner.step_graph(p);
+    const SimResult sim = simulate(graph);
+    const auto& ops = graph.ops();
+    for (const int l : {last - 1, last}) {
+      CAPTURE(l);
+      std::vector<int> offloads, prefetches;
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        if (ops[i].layer != l) continue;
+        if (std::string_view(ops[i].what) == "d2h.activations") offloads.push_back(static_cast<int>(i));
+        if (std::string_view(ops[i].what) == "h2d.activations") prefetches.push_back(static_cast<int>(i));
+      }
+      REQUIRE(offloads.size() == 2);
+      REQUIRE(prefetches.size() == 2);
+      for (std::size_t mb = 0; mb < 2; ++mb) {
+        const auto& deps = ops[static_cast<std::size_t>(prefetches[mb])].deps;
+        CHECK(std::find(deps.begin(), deps.end(), offloads[mb]) != deps.end());
+        CHECK(sim.start_s[static_cast<std::size_t>(prefetches[mb])] >= sim.end_s[static_cast<std::size_t>(offloads[mb])]);
+      }
+    }
+  }
+}
+
 TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
   const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
   const auto profile = MachineProfile::h200(2);

@@ -136,9 +136,9 @@ class HostExecutor {
       slots_.push_back(Slot{static_cast<bf16*>(b_.allocate(MemorySpace::device(0), slot, Claimant::worksets)), slot, b_.make_event()});
     // Two gradient slots, taken by layer parity, as the CUDA executor's (and the planner's step
     // graph): a streamed layer's backward waits until its slot's last user's gradients went home.
+    // (Allocated even where no layer streams: a streamed segment of no parameters still takes one.)
     const Bytes grad_slot{slot.count() / sizeof(bf16) * sizeof(float)};
-    if (grad_slot.count() > 0)
-      for (int i = 0; i < 2; ++i) grad_slots_.push_back(GradSlot{alloc_device(grad_slot, Claimant::worksets), grad_slot, b_.make_event()});
+    for (int i = 0; i < 2; ++i) grad_slots_.push_back(GradSlot{alloc_device(grad_slot, Claimant::worksets), grad_slot, b_.make_event()});
   }
 
   ~HostExecutor() {
