@@ -148,7 +148,7 @@ TEST_CASE("a micro-batch past max_workload_tokens is refused, named, before any 
   CHECK_FALSE(Workload{2, max_workload_tokens / 2 + 1}.within_limit());
   CHECK_FALSE(Workload{std::uint64_t{1} << 33, std::uint64_t{1} << 33}.within_limit());  // the product wraps to 0 in 64 bits
   CHECK_FALSE(Workload{1, ~std::uint64_t{0}}.within_limit());
-  for (const Workload w : {Workload{1, ~std::uint64_t{0}}, Workload{3, max_workload_tokens / 2}}) {
+  for (const Workload w : {Workload{1, ~std::uint64_t{0}}, Workload{3, max_workload_tokens / 2}, Workload{max_workload_tokens, max_workload_tokens}}) {
     PlanRequest req = Moe5bOnH200::request(1, 139_GiB, 2_TiB);
     req.workload = w;
     try {
