@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -23,6 +24,15 @@ inline std::uint64_t parse_count(std::string_view flag, const char* text, bool a
   if (errno == ERANGE)  // strtoull saturates: a count past 2^64 - 1 would read as that
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: '{}' is out of range (at most {})", flag, text, ~0ull));
   return v;
+}
+
+/// parse_count for a flag held as an int: above 2^31 - 1 throws invalid_argument naming `flag`
+/// (a cast would wrap it).
+inline int parse_int_count(std::string_view flag, const char* text, bool allow_zero = false) {
+  const std::uint64_t v = parse_count(flag, text, allow_zero);
+  if (v > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: '{}' is out of range (at most {})", flag, text, std::numeric_limits<int>::max()));
+  return static_cast<int>(v);
 }
 
 /// A finite non-negative number; anything else throws invalid_argument naming `flag`.

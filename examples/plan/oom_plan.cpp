@@ -25,6 +25,7 @@
 namespace {
 
 using oom::examples::parse_count;
+using oom::examples::parse_int_count;
 using oom::examples::parse_real;
 
 constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
@@ -90,12 +91,12 @@ Args parse(int argc, char** argv) {
     if (i + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
     if (flag == "--model") a.model = v;
-    else if (flag == "--gpus") a.gpus = static_cast<int>(parse_count(flag, v));
+    else if (flag == "--gpus") a.gpus = parse_int_count(flag, v);
     else if (flag == "--gpu-mem") a.gpu_mem = oom::parse_bytes(v);
     else if (flag == "--host-mem") a.host_mem = oom::parse_bytes(v);
     else if (flag == "--seq") a.seq = parse_count(flag, v);
     else if (flag == "--batch") a.batch = parse_count(flag, v);
-    else if (flag == "--micro-batches") a.micro_batches = static_cast<int>(parse_count(flag, v));
+    else if (flag == "--micro-batches") a.micro_batches = parse_int_count(flag, v);
     else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
     else if (flag == "--moments") {
       a.moments = oom::parse_dtype(v);
@@ -103,10 +104,10 @@ Args parse(int argc, char** argv) {
         OOM_THROW(oom::Errc::invalid_argument, fmt::format("--moments must be fp32 or bf16, got '{}'", v));
     } else if (flag == "--profile") a.profile = v;
     else if (flag == "--machine") a.machine = v;
-    else if (flag == "--candidates") a.candidates = static_cast<int>(parse_count(flag, v));
+    else if (flag == "--candidates") a.candidates = parse_int_count(flag, v);
     else if (flag == "--json") a.json_out = v;
     else if (flag == "--trace") a.trace_out = v;
-    else if (flag == "--grad-staging") a.grad_staging = static_cast<unsigned>(parse_count(flag, v, /*allow_zero=*/true));
+    else if (flag == "--grad-staging") a.grad_staging = static_cast<unsigned>(parse_int_count(flag, v, /*allow_zero=*/true));
     else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
   }
   if (a.model.empty()) OOM_THROW(oom::Errc::invalid_argument, "--model config.json is required (see --help)");

@@ -52,6 +52,7 @@ namespace {
 using oom::examples::default_host_budget;
 using oom::examples::HostBudget;
 using oom::examples::parse_count;
+using oom::examples::parse_int_count;
 using oom::examples::parse_real;
 
 // The built-in model: a 4-layer Qwen3-MoE with 8 experts over byte-level tokens (3.9M parameters),
@@ -213,7 +214,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--data") a.data = v;
     else if (flag == "--init-from") a.init_from = v;
     else if (flag == "--seq") a.seq = parse_count(flag, v);
-    else if (flag == "--micro-batches") a.micro_batches = parse_count(flag, v);
+    else if (flag == "--micro-batches") a.micro_batches = static_cast<std::uint64_t>(parse_int_count(flag, v));
     else if (flag == "--batch") a.batch = parse_count(flag, v);
     else if (flag == "--steps") a.steps = parse_count(flag, v);
     else if (flag == "--seed") a.seed = parse_count(flag, v, true);
@@ -232,14 +233,14 @@ Args parse(int argc, char** argv) {
     else if (flag == "--machine") a.machine = v;
     else if (flag == "--gpu-mem") a.gpu_mem = parse_bytes(v);
     else if (flag == "--host-mem") a.host_mem = parse_bytes(v);
-    else if (flag == "--grad-staging") a.grad_staging = parse_count(flag, v, /*allow_zero=*/true);
+    else if (flag == "--grad-staging") a.grad_staging = static_cast<std::uint64_t>(parse_int_count(flag, v, /*allow_zero=*/true));
     else if (flag == "--backend") a.backend = v;
     else if (flag == "--dump-batches") a.dump_batches = v;
     else if (flag == "--trace-step") a.trace_step = parse_count(flag, v);
     else if (flag == "--trace") a.trace = v;
     else if (flag == "--out") a.out = v;
     else if (flag == "--checkpoint-every") a.checkpoint_every = parse_count(flag, v, /*allow_zero=*/true);
-    else if (flag == "--keep") a.keep = static_cast<int>(parse_count(flag, v));
+    else if (flag == "--keep") a.keep = parse_int_count(flag, v);
     else if (flag == "--log-every") a.log_every = parse_count(flag, v);
     else if (flag == "--step-progress") a.step_progress_s = static_cast<double>(parse_count(flag, v, /*allow_zero=*/true));
     else if (flag == "--max-skips") a.max_skips = parse_count(flag, v);

@@ -97,6 +97,7 @@ expect zero-batch 2 "--batch needs a positive integer, got '0'" -- --batch 0
 # A count past 2^64 - 1 (strtoull would saturate), and a micro-batch past the planner's 2^32 tokens.
 expect seq-out-of-range 2 "out of range" -- --seq 99999999999999999999
 expect seq-past-limit 2 "a micro-batch may hold" -- --seq 4294967296 --batch 2
+expect micro-batches-past-int 2 "out of range (at most 2147483647)" -- --micro-batches 4294967297
 
 # Faults during training: a diverging run (absurd learning rate) skips its non-finite steps
 # without updating, logs them, and stops after --max-skips in a row (exit 4); --on-nonfinite stop
