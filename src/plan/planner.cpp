@@ -373,13 +373,13 @@ class GraphBuilder {
     g_.hold(Claimant::worksets, attn_[static_cast<std::size_t>(l)].peak, ba, ba);
     end_compute(bm, ba);
     bwd_last_[static_cast<std::size_t>(l + 1)] = ba;
-    return gradients(l, ba, last_mb, refill >= 0 ? refill : bm);  // the slot held from its refill
+    return gradients(l, ba, last_mb);
   }
 
   // Gradients of (pseudo-)layer l after its backward `done` (which began at `first`): reduced
   // over GPUs when several hold replicas, sent to the host, applied by the CPU optimizer once the
   // last micro-batch's have landed; resident segments updated on the GPU.
-  int gradients(int l, int done, bool last_mb, int first = -1) {
+  int gradients(int l, int done, bool last_mb) {
     const LayerState& s = st(l);
     const int gpus = plan_.gpus;
     const bool ep = plan_.path == ExecutionPath::expert_parallel;
@@ -400,7 +400,7 @@ class GraphBuilder {
                               model_.time_of(Operation::moving(OpKind::copy_d2h, sent), Resource::d2h), {reduced}, l});
       if (l >= 0 && l < spec_.num_layers()) d2h_grads_[static_cast<std::size_t>(l)] = slot_d2h_[static_cast<std::size_t>(l % 2)] = d2h;
       // A decoder layer's go into its gradient slot, held for the whole step (add_constant_holds).
-      if (l < 0 || l >= spec_.num_layers()) g_.hold(Claimant::worksets, Bytes{streamed_grad}, first >= 0 ? first : done, d2h);
+      if (l < 0 || l >= spec_.num_layers()) g_.hold(Claimant::worksets, Bytes{streamed_grad}, done, d2h);
       // While a layer's update runs, the backward streams about one layer's fp32 gradients down
       // and its bf16 weights up through the same host memory (the layers are alike).
       if (last_mb)

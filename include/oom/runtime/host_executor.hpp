@@ -5,6 +5,7 @@
 // Every plan computes the same step: the tests compare weights bit for bit across plans.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -125,19 +126,20 @@ class HostExecutor {
       layers_state_[l].grads_landed = b_.make_event();
     }
     const int depth = std::max(plan.prefetch_depth, 1);
-    Bytes slot;
+    std::uint64_t largest_streamed = 0;  // a layer's streamed parameters, at most
     for (const auto& ls : layers_state_) {
       std::uint64_t streamed = 0;
       for (const auto& s : ls.segments)
         if (!s.resident) streamed += s.n;
-      slot = max(slot, Bytes{streamed * sizeof(bf16)});
+      largest_streamed = std::max(largest_streamed, streamed);
     }
+    const Bytes slot{largest_streamed * sizeof(bf16)};
     for (int i = 0; i < depth; ++i)
       slots_.push_back(Slot{static_cast<bf16*>(b_.allocate(MemorySpace::device(0), slot, Claimant::worksets)), slot, b_.make_event()});
     // Two gradient slots, taken by layer parity, as the CUDA executor's (and the planner's step
     // graph): a streamed layer's backward waits until its slot's last user's gradients went home.
     // (Allocated even where no layer streams: a streamed segment of no parameters still takes one.)
-    const Bytes grad_slot{slot.count() / sizeof(bf16) * sizeof(float)};
+    const Bytes grad_slot{largest_streamed * sizeof(float)};
     for (int i = 0; i < 2; ++i) grad_slots_.push_back(GradSlot{alloc_device(grad_slot, Claimant::worksets), grad_slot, b_.make_event()});
   }
 
@@ -785,7 +787,7 @@ class HostExecutor {
   HostBackend::Event loaded_;
   std::vector<LayerState> layers_state_;
   std::vector<Slot> slots_;
-  std::vector<GradSlot> grad_slots_;  ///< two, by layer parity (none without streamed segments)
+  std::vector<GradSlot> grad_slots_;  ///< two, by layer parity
   std::size_t next_slot_ = 0;
   std::int64_t step_ = 0;
   bool skipped_ = false;
