@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Trains the same model on the same data with PyTorch (transformers' model for the run's config:
-Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM; torch.optim.AdamW) and compares
+Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM, MixtralForCausalLM,
+OlmoeForCausalLM; torch.optim.AdamW) and compares
 every step's loss with an oom-train run.
 
   oom-train --out RUN --steps 50 --save-initial --dump-batches RUN/batches.tok --keep 3 ...
@@ -102,6 +103,16 @@ def main():
     if not any(k.startswith("model.language_model.") for k in model.state_dict()):
         weights = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
                    for k, v in weights.items()}
+    # Mixtral checkpoints say block_sparse_moe with experts' w1 / w3 / w2 (gate, up, down);
+    # transformers >= 5's module says mlp (from_pretrained maps these itself).
+    if any(".block_sparse_moe." in k for k in weights) and not any(".block_sparse_moe." in k for k in model.state_dict()):
+        def renamed(k):
+            k = k.replace(".block_sparse_moe.", ".mlp.")
+            for old, new in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+                if ".mlp.experts." in k:
+                    k = k.replace(old, new)
+            return k
+        weights = {renamed(k): v for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # transformers >= 5 packs experts; map per-expert names if the module wants packed ones.
     if missing:

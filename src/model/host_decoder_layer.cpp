@@ -112,8 +112,9 @@ std::span<const float> cspan(const Vec& v) { return {v.data(), v.size()}; }
 
 std::string unsupported(int layer, std::string_view feature) {
   return fmt::format("HostDecoderLayer: layer {} has {}, which the host decoder layer does not implement "
-                     "(it runs qwen3_moe, qwen3_next and qwen3_5_moe layers: an MoE block; full attention with "
-                     "per-head q/k RMSNorm and no bias, or Gated DeltaNet linear attention)",
+                     "(it runs qwen3_moe, qwen3_next, qwen3_5_moe, mixtral and olmoe layers: an MoE block; full "
+                     "attention with per-head, full-width or no q/k RMSNorm, no bias, no sliding window, or "
+                     "Gated DeltaNet linear attention)",
                      layer, feature);
 }
 
@@ -124,17 +125,20 @@ HostDecoderLayer::HostDecoderLayer(const ModelSpec& spec, int layer) : layer_(la
   const auto& a = spec.attention();
   const auto& m = spec.moe();
   const ModelFamily family = spec.family();
-  if (family != ModelFamily::qwen3_moe && family != ModelFamily::qwen3_next && family != ModelFamily::qwen3_5_moe)
-    OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("model family {}", to_string(family))));
   linear_ = ls.attention == AttentionKind::linear;
   if (!linear_) {
-    OOM_ASSERT(a.qk_norm && !a.qk_norm_full_width);  // every family above norms q and k per head
     if (a.bias) OOM_THROW(Errc::unsupported, unsupported(layer, "attention bias"));
+    if (a.sliding_window > 0)
+      OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("sliding-window attention (sliding_window {})", a.sliding_window)));
+    if (a.clip_qkv > 0) OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("clip_qkv {}", a.clip_qkv)));
     // transformers gates every Qwen3-Next and Qwen3.5 attention whatever attn_output_gate says;
     // a config without the gate would describe another model than the one it loads.
-    if (family != ModelFamily::qwen3_moe && !a.output_gate)
+    if ((family == ModelFamily::qwen3_next || family == ModelFamily::qwen3_5_moe) && !a.output_gate)
       OOM_THROW(Errc::unsupported, unsupported(layer, "attn_output_gate false (transformers always gates this family's attention)"));
   }
+  if (m.router_jitter_noise > 0)
+    OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("router_jitter_noise {} (random, so no step could be reproduced)",
+                                                                m.router_jitter_noise)));
   if (!ls.moe) OOM_THROW(Errc::unsupported, unsupported(layer, "a dense MLP (mlp_only_layers / decoder_sparse_step)"));
 
   const auto segs = spec.layer_segments(layer);
@@ -154,6 +158,10 @@ HostDecoderLayer::HostDecoderLayer(const ModelSpec& spec, int layer) : layer_(la
   theta_ = static_cast<float>(spec.rope_theta());
   scale_ = 1.0 / std::sqrt(static_cast<double>(d_));
   norm_topk_ = m.norm_topk_prob;
+  if (!linear_ && a.qk_norm) {  // Qwen's per head, OLMoE's over the whole projection; Mixtral's none
+    q_norm_n_ = a.qk_norm_full_width ? q_ : d_;
+    k_norm_n_ = a.qk_norm_full_width ? kv_ : d_;
+  }
   output_gate_ = !linear_ && a.output_gate;
   norm_offset_ = spec.zero_centred_norms() ? 1.0f : 0.0f;
   // transformers: int(head_dim * partial_rotary_factor), rotated as rotate-half pairs.
@@ -182,7 +190,7 @@ HostDecoderLayer::HostDecoderLayer(const ModelSpec& spec, int layer) : layer_(la
     OOM_ASSERT(segments_[0].parameters() == (2 * kw + 2 * vw) * h_ + 2 * vh * h_ + C * static_cast<std::uint64_t>(delta_.conv_kernel) +
                                                 2 * vh + static_cast<std::uint64_t>(delta_.v_dim) + h_ * vw);
   } else {
-    OOM_ASSERT(segments_[0].parameters() == ((output_gate_ ? 2 : 1) * q_ + 2 * kv_) * h_ + h_ * q_ + 2 * d_);
+    OOM_ASSERT(segments_[0].parameters() == ((output_gate_ ? 2 : 1) * q_ + 2 * kv_) * h_ + h_ * q_ + q_norm_n_ + k_norm_n_);
   }
   OOM_ASSERT(segments_[1].parameters() == 2 * h_ && segments_[2].parameters() == e_ * h_);
   for (std::uint64_t e = 0; e < e_; ++e) OOM_ASSERT(segments_[3 + e].parameters() == 3 * i_ * h_);
@@ -312,18 +320,23 @@ void HostDecoderLayer::convert_weights(const HostLayerContext& ctx) {
   if (norm_offset_ != 0) {  // (1 + w), in fp32 as transformers: the layer norms, then q_norm and k_norm
     for (float& v : w_[1]) v += norm_offset_;
     if (!linear_)
-      for (size_t i = w_[0].size() - 2 * d_; i < w_[0].size(); ++i) w_[0][i] += norm_offset_;
+      for (size_t i = w_[0].size() - q_norm_n_ - k_norm_n_; i < w_[0].size(); ++i) w_[0][i] += norm_offset_;
   }
 }
 
 void HostDecoderLayer::normed_rotated(const float* raw, std::uint64_t tokens, std::uint64_t heads, const float* norm_weight,
-                                      Vec& normed, Vec& rstd, Vec& rotated) const {
+                                      std::uint64_t norm_width, Vec& normed, Vec& rstd, Vec& rotated) const {
   const size_t n = tokens * heads * d_;
   normed.resize(n);
   rotated.resize(n);
-  rstd.resize(tokens * heads);
-  reference::rmsnorm_forward<float>(cspan(raw, n), cspan(norm_weight, d_), normed, rstd,
-                                    static_cast<std::int64_t>(tokens * heads), static_cast<std::int64_t>(d_), eps_);
+  if (norm_width == 0) {
+    std::copy(raw, raw + n, normed.begin());
+    rstd.clear();
+  } else {
+    rstd.resize(n / norm_width);
+    reference::rmsnorm_forward<float>(cspan(raw, n), cspan(norm_weight, norm_width), normed, rstd,
+                                      static_cast<std::int64_t>(n / norm_width), static_cast<std::int64_t>(norm_width), eps_);
+  }
   reference::rope_forward<float>(cspan(normed), std::span<const std::int32_t>(positions_.data(), tokens), rotated,
                                  static_cast<std::int64_t>(heads), static_cast<std::int64_t>(d_), static_cast<std::int64_t>(rotary_), theta_);
 }
@@ -407,7 +420,7 @@ void HostDecoderLayer::full_attention_forward(const HostLayerContext& ctx, Vec& 
   const float* wa = w_[0].data();
   const float* w_o = wa + P * H;
   const float* q_norm = w_o + H * q_;
-  const float* k_norm = q_norm + d_;
+  const float* k_norm = q_norm + q_norm_n_;
   auto& f = fwd_;
   Vec qkv(T * P);
   gemm_nt(f.xn1.data(), wa, qkv.data(), T, P, H);
@@ -429,8 +442,8 @@ void HostDecoderLayer::full_attention_forward(const HostLayerContext& ctx, Vec& 
     std::copy_n(row + Pq + kv_, kv_, f.v.data() + t * kv_);
   }
   Vec qn, rq, qr, kn, rk, kr;
-  normed_rotated(f.q_raw.data(), T, heads_, q_norm, qn, rq, qr);
-  normed_rotated(f.k_raw.data(), T, kv_heads_, k_norm, kn, rk, kr);
+  normed_rotated(f.q_raw.data(), T, heads_, q_norm, q_norm_n_, qn, rq, qr);
+  normed_rotated(f.k_raw.data(), T, kv_heads_, k_norm, k_norm_n_, kn, rk, kr);
   const reference::AttentionDims dims = attention_dims(ctx, heads_, kv_heads_, d_);
   f.context.resize(T * q_);
   f.lse.resize(heads_ * T);
@@ -749,10 +762,10 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
   const float* wa = w_[0].data();
   const float* w_o = wa + P * H;
   const float* q_norm = w_o + H * q_;
-  const float* k_norm = q_norm + d_;
+  const float* k_norm = q_norm + q_norm_n_;
   float* ga = ctx.weight_grads[0].data();
   float* g_o = ga + P * H;
-  const size_t q_norm_at = P * H + H * q_, k_norm_at = q_norm_at + d_;
+  const size_t q_norm_at = P * H + H * q_, k_norm_at = q_norm_at + q_norm_n_;
 
   // o_proj reads the context, scaled by sigmoid(gate) where there is a gate.
   Vec dh_t(H * T);
@@ -767,8 +780,8 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
   }
   // Attention core, on q and k normed and rotated again exactly as in forward.
   Vec qn, rq, qr, kn, rk, kr;
-  normed_rotated(q_raw, T, heads_, q_norm, qn, rq, qr);
-  normed_rotated(k_raw, T, kv_heads_, k_norm, kn, rk, kr);
+  normed_rotated(q_raw, T, heads_, q_norm, q_norm_n_, qn, rq, qr);
+  normed_rotated(k_raw, T, kv_heads_, k_norm, k_norm_n_, kn, rk, kr);
   const reference::AttentionDims dims = attention_dims(ctx, heads_, kv_heads_, d_);
   Vec dqr(T * q_), dkr(T * kv_), dv(T * kv_);
   reference::attention_backward<float>(dims, scale_, cspan(qr), cspan(kr), cspan(v, T * kv_), cspan(context, T * q_),
@@ -780,10 +793,18 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
   reference::rope_backward<float>(cspan(dqr), pos, dqn, static_cast<std::int64_t>(heads_), D, R, theta_);
   reference::rope_backward<float>(cspan(dkr), pos, dkn, static_cast<std::int64_t>(kv_heads_), D, R, theta_);
   Vec dq_raw(T * q_), dk_raw(T * kv_);
-  reference::rmsnorm_backward<float>(cspan(dqn), cspan(q_raw, T * q_), cspan(q_norm, d_), cspan(rq), dq_raw,
-                                     ctx.weight_grads[0].subspan(q_norm_at, d_), static_cast<std::int64_t>(T * heads_), D);
-  reference::rmsnorm_backward<float>(cspan(dkn), cspan(k_raw, T * kv_), cspan(k_norm, d_), cspan(rk), dk_raw,
-                                     ctx.weight_grads[0].subspan(k_norm_at, d_), static_cast<std::int64_t>(T * kv_heads_), D);
+  auto norm_backward = [&](const Vec& dn, const float* raw, size_t n, const float* w, std::uint64_t width, const Vec& rstd,
+                           size_t at, Vec& draw) {
+    if (width == 0) {
+      draw = dn;
+      return;
+    }
+    reference::rmsnorm_backward<float>(cspan(dn), cspan(raw, n), cspan(w, width), cspan(rstd), draw,
+                                       ctx.weight_grads[0].subspan(at, width), static_cast<std::int64_t>(n / width),
+                                       static_cast<std::int64_t>(width));
+  };
+  norm_backward(dqn, q_raw, T * q_, q_norm, q_norm_n_, rq, q_norm_at, dq_raw);
+  norm_backward(dkn, k_raw, T * kv_, k_norm, k_norm_n_, rk, k_norm_at, dk_raw);
   // q(+gate)/k/v projections as one (P, H) matrix, rows as the forward split them.
   Vec dqkv(T * P);
   for (size_t t = 0; t < T; ++t) {

@@ -111,6 +111,14 @@ class ConfigReader {
     a.qk_norm_full_width = f == ModelFamily::olmoe;
     a.output_gate = f == ModelFamily::qwen3_next || (f == ModelFamily::qwen3_5_moe && bool_or(c["attn_output_gate"], true));
     a.bias = f != ModelFamily::mixtral && bool_or(c["attention_bias"], false);
+    // Fields that change what a layer computes; read so a layer that does not implement them can
+    // refuse the model by name instead of training another one.
+    if (f == ModelFamily::mixtral || (f != ModelFamily::olmoe && bool_or(c["use_sliding_window"], false)))
+      a.sliding_window = c["sliding_window"].present_not_null() ? positive(c["sliding_window"]) : 0;
+    if (f == ModelFamily::olmoe) {
+      a.clip_qkv = number_or(c["clip_qkv"], 0.0);
+      if (!(a.clip_qkv >= 0)) bad_field(c["clip_qkv"], "must be positive or null");
+    }
 
     // MoE.
     auto& moe = m.moe_;
@@ -120,6 +128,10 @@ class ConfigReader {
     if (moe.top_k > moe.experts)
       bad_field(c["num_experts_per_tok"], std::to_string(moe.top_k) + " exceeds the number of experts " +
                                               std::to_string(moe.experts));
+    if (f == ModelFamily::mixtral) {
+      moe.router_jitter_noise = number_or(c["router_jitter_noise"], 0.0);
+      if (!(moe.router_jitter_noise >= 0)) bad_field(c["router_jitter_noise"], "must not be negative");
+    }
     // Mixtral and OLMoE name the expert width intermediate_size; Qwen reserves that for dense layers.
     const bool expert_in_intermediate = f == ModelFamily::mixtral || f == ModelFamily::olmoe;
     moe.expert_intermediate = positive(c[expert_in_intermediate ? "intermediate_size" : "moe_intermediate_size"]);
@@ -318,7 +330,8 @@ class ConfigReader {
       const std::string ex = block + "experts." + std::to_string(e) + ".";
       std::vector<TensorSpec> t;
       if (mixtral) {
-        t = {tensor(ex + "w1.weight", {I, H}), tensor(ex + "w2.weight", {H, I}), tensor(ex + "w3.weight", {I, H})};
+        // w1 gate, w3 up, w2 down: held in the order the other families' experts are.
+        t = {tensor(ex + "w1.weight", {I, H}), tensor(ex + "w3.weight", {I, H}), tensor(ex + "w2.weight", {H, I})};
       } else if (m.family_ == ModelFamily::qwen3_5_moe) {
         TensorSpec gate_up = tensor(block + "experts.gate_up_proj", {2 * I, H});
         TensorSpec down = tensor(block + "experts.down_proj", {H, I});

@@ -35,8 +35,8 @@ ModelSpec tiny_spec(bool norm_topk = true, int layers = 1, std::uint64_t hidden 
       hidden, layers, experts, norm_topk ? "true" : "false")));
 }
 
-/// A hybrid model's config among the tests' data (tests/data/tiny-qwen3-next-layers.json, ...).
-ModelSpec hybrid_spec(const std::string& file) { return ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/tests/data/" + file); }
+/// A model config among the tests' data or the examples' (a path from the source tree's root).
+ModelSpec data_spec(const std::string& file) { return ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/" + file); }
 
 bool is_norm(const TensorSpec& t) { return t.name.find("norm") != std::string::npos; }
 
@@ -247,12 +247,16 @@ TEST_CASE("the forward is transformers' Qwen3MoeDecoderLayer") {
   }
 }
 
-TEST_CASE("Qwen3-Next's and Qwen3.5's layers are transformers': outputs and every gradient") {
-  // tests/data/hybrid_layers_torch.safetensors (scripts/make_hybrid_layer_fixture.py): PyTorch's
-  // autograd through transformers' Qwen3NextDecoderLayer and Qwen3_5MoeDecoderLayer in fp32, on
-  // 2 sequences of 9 tokens, weights bf16 values. Tolerance as test_gated_delta_ref's (PyTorch's
-  // own fp32 rounding): 1e-4 relative plus 1e-5 of the tensor's largest magnitude.
-  const SafetensorsFile file = SafetensorsFile::open(std::string(OOM_SOURCE_DIR) + "/tests/data/hybrid_layers_torch.safetensors");
+namespace {
+
+/// Checks HostDecoderLayer against a fixture of PyTorch's autograd through transformers' layers
+/// (scripts/make_hybrid_layer_fixture.py, scripts/make_moe_family_fixture.py): per family prefix
+/// and config, each of `layers`, on 2 sequences of 9 tokens, weights bf16 values. Tolerance as
+/// test_gated_delta_ref's (PyTorch's own fp32 rounding): 1e-4 relative plus 1e-5 of the tensor's
+/// largest magnitude.
+void check_against_torch(const std::string& fixture, const std::vector<std::pair<std::string, std::string>>& families,
+                         const std::vector<int>& layers) {
+  const SafetensorsFile file = SafetensorsFile::open(std::string(OOM_SOURCE_DIR) + "/tests/data/" + fixture);
   auto fp32 = [&](const TensorSpec& t) {
     DType dtype{};
     const auto bytes = file.tensor_bytes(t, &dtype);
@@ -274,11 +278,11 @@ TEST_CASE("Qwen3-Next's and Qwen3.5's layers are transformers': outputs and ever
     CHECK(r.ok());
   };
   const std::uint64_t B = 2, S = 9, T = B * S;
-  for (const auto& [family, config] : {std::pair{"next", "tiny-qwen3-next-layers.json"}, std::pair{"q35", "tiny-qwen3.5-moe.json"}})
-    for (const int index : {0, 3}) {
+  for (const auto& [family, config] : families)
+    for (const int index : layers) {
       CAPTURE(family);
       CAPTURE(index);
-      const ModelSpec spec = hybrid_spec(config);
+      const ModelSpec spec = data_spec(config);
       HostDecoderLayer layer(spec, index);
       const std::string prefix = fmt::format("{}.{}.", family, index), within = fmt::format("layers.{}.", index);
       // Each tensor under the fixture's name: the checkpoint's, from the layer's own prefix on.
@@ -316,6 +320,22 @@ TEST_CASE("Qwen3-Next's and Qwen3.5's layers are transformers': outputs and ever
         }
       }
     }
+}
+
+}  // namespace
+
+TEST_CASE("Qwen3-Next's and Qwen3.5's layers are transformers': outputs and every gradient") {
+  // tests/data/hybrid_layers_torch.safetensors: Qwen3NextDecoderLayer and Qwen3_5MoeDecoderLayer,
+  // a Gated DeltaNet layer (0) and a gated full-attention layer (3) of each.
+  check_against_torch("hybrid_layers_torch.safetensors",
+                      {{"next", "tests/data/tiny-qwen3-next-layers.json"}, {"q35", "tests/data/tiny-qwen3.5-moe.json"}}, {0, 3});
+}
+
+TEST_CASE("Mixtral's and OLMoE's layers are transformers': outputs and every gradient") {
+  // tests/data/moe_families_torch.safetensors: MixtralDecoderLayer (no q/k norm, experts w1/w3/w2)
+  // and OlmoeDecoderLayer (q/k RMSNorm over the whole projection, top-k weights not renormalised).
+  check_against_torch("moe_families_torch.safetensors",
+                      {{"mixtral", "examples/configs/tiny-mixtral.json"}, {"olmoe", "examples/configs/tiny-olmoe.json"}}, {0, 1});
 }
 
 TEST_CASE("several sequences in one pass: each sequence's outputs as if it ran alone, the weight gradients their sum") {
@@ -481,17 +501,20 @@ TEST_CASE("backward against central differences of L = sum(y * g)") {
   }
 }
 
-TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, and both hybrid families' linear and gated full attention)") {
+TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, both hybrid families' linear and gated full attention, "
+          "Mixtral, OLMoE)") {
   struct Case {
     std::string name;
     ModelSpec spec;
     int layer;
   };
   const std::vector<Case> cases = {{"qwen3_moe", tiny_spec(true, 1, 16, 8), 0},
-                                   {"qwen3_next linear", hybrid_spec("tiny-qwen3-next-layers.json"), 0},
-                                   {"qwen3_next full", hybrid_spec("tiny-qwen3-next-layers.json"), 3},
-                                   {"qwen3_5_moe linear", hybrid_spec("tiny-qwen3.5-moe.json"), 0},
-                                   {"qwen3_5_moe full", hybrid_spec("tiny-qwen3.5-moe.json"), 3}};
+                                   {"qwen3_next linear", data_spec("tests/data/tiny-qwen3-next-layers.json"), 0},
+                                   {"qwen3_next full", data_spec("tests/data/tiny-qwen3-next-layers.json"), 3},
+                                   {"qwen3_5_moe linear", data_spec("tests/data/tiny-qwen3.5-moe.json"), 0},
+                                   {"qwen3_5_moe full", data_spec("tests/data/tiny-qwen3.5-moe.json"), 3},
+                                   {"mixtral", data_spec("examples/configs/tiny-mixtral.json"), 1},
+                                   {"olmoe", data_spec("examples/configs/tiny-olmoe.json"), 0}};
   for (const auto& [name, spec, index] : cases)
   for (const std::uint64_t T : {7u, 23u}) {
     CAPTURE(name);
@@ -661,7 +684,7 @@ TEST_CASE("several sequences through the HostExecutor: every plan the resident p
 
 TEST_CASE("a hybrid stack (3 Gated DeltaNet layers, 1 gated full attention) through the HostExecutor: random plans, "
           "several sequences, the resident plan's step bit for bit") {
-  const ModelSpec spec = hybrid_spec("tiny-qwen3-next-layers.json");
+  const ModelSpec spec = data_spec("tests/data/tiny-qwen3-next-layers.json");
   std::vector<HostDecoderLayer> shape;
   for (int l = 0; l < spec.num_layers(); ++l) shape.emplace_back(spec, l);
   constexpr std::uint64_t S = 5, B = 2, T = S * B;
@@ -699,12 +722,19 @@ TEST_CASE("what the host decoder layer does not implement is named") {
     }
     return "no error";
   };
-  // Mixtral's experts store w1, w2, w3 (gate, down, up) and OLMoE norms q and k over their full
-  // width: other layouts, refused by family.
-  const ModelSpec mixtral = ModelSpec::from_file(dir + "mixtral-8x7b-v0.1.json");
-  CHECK(error_of(mixtral, 1).find("layer 1 has model family mixtral") != std::string::npos);
-  const ModelSpec olmoe = ModelSpec::from_file(dir + "olmoe-1b-7b-0924.json");
-  CHECK(error_of(olmoe, 0).find("layer 0 has model family olmoe") != std::string::npos);
+  // Mixtral and OLMoE are built, at the full models' shapes too; what changes their math and the
+  // layer does not implement is refused: a sliding window, OLMoE's clip_qkv, Mixtral's router jitter.
+  CHECK_NOTHROW(HostDecoderLayer(ModelSpec::from_file(dir + "mixtral-8x7b-v0.1.json"), 1));
+  CHECK_NOTHROW(HostDecoderLayer(ModelSpec::from_file(dir + "olmoe-1b-7b-0924.json"), 0));
+  Json windowed = read_json_file(dir + "mixtral-8x7b-v0.1.json");
+  windowed.set("sliding_window", 4096);
+  CHECK(error_of(ModelSpec::from_json(windowed), 1).find("layer 1 has sliding-window attention (sliding_window 4096)") != std::string::npos);
+  Json jittered = read_json_file(dir + "mixtral-8x7b-v0.1.json");
+  jittered.set("router_jitter_noise", Json::parse("0.01"));
+  CHECK(error_of(ModelSpec::from_json(jittered), 0).find("layer 0 has router_jitter_noise 0.01") != std::string::npos);
+  Json clipped = read_json_file(dir + "olmoe-1b-7b-0924.json");
+  clipped.set("clip_qkv", Json::parse("8.0"));
+  CHECK(error_of(ModelSpec::from_json(clipped), 0).find("layer 0 has clip_qkv 8") != std::string::npos);
   // The hybrids' layers of both kinds are built (at the full models' shapes too).
   const ModelSpec next = ModelSpec::from_file(dir + "qwen3-next-80b-a3b.json");
   CHECK_NOTHROW(HostDecoderLayer(next, 0));

@@ -85,6 +85,22 @@ TEST_CASE("Mixtral-8x7B: 46.7B total, 12.9B active") {
   CHECK(tensor(m, "model.layers.0.block_sparse_moe.gate.weight").shape == Shape{8, 4096});
   CHECK_FALSE(m.attention().qk_norm);
   CHECK(segment(m, "layers.0.attention").tensors.size() == 4);
+  // An expert's segment holds w1, w3, w2 (gate, up, down), the other families' layout.
+  const auto& ex = segment(m, "layers.0.experts.0").tensors;
+  REQUIRE(ex.size() == 3);
+  CHECK(ex[0].name == "model.layers.0.block_sparse_moe.experts.0.w1.weight");
+  CHECK(ex[1].name == "model.layers.0.block_sparse_moe.experts.0.w3.weight");
+  CHECK(ex[2].name == "model.layers.0.block_sparse_moe.experts.0.w2.weight");
+  // Fields that change a layer's math, read for the layers to refuse by name (null: none).
+  CHECK(m.attention().sliding_window == 0);
+  CHECK(m.moe().router_jitter_noise == 0);
+  Json j = read_json_file(config_path("mixtral-8x7b-v0.1.json"));
+  j.set("sliding_window", 4096);
+  j.set("router_jitter_noise", Json::parse("0.01"));
+  const ModelSpec windowed = ModelSpec::from_json(j);
+  CHECK(windowed.attention().sliding_window == 4096);
+  CHECK(windowed.moe().router_jitter_noise == 0.01);
+  CHECK(windowed.total_parameters() == m.total_parameters());
 }
 
 TEST_CASE("Qwen3-Next-80B-A3B: hybrid 3 DeltaNet : 1 gated attention, shared expert") {
@@ -270,6 +286,15 @@ TEST_CASE("config errors name the file and the field") {
   olmoe.set("num_key_value_heads", 15);
   CHECK(config_error(olmoe).find("num_attention_heads: hidden_size 2048 is not divisible by num_attention_heads 15") !=
         std::string::npos);
+  olmoe = read_json_file(config_path("olmoe-1b-7b-0924.json"));
+  olmoe.set("clip_qkv", -1);
+  CHECK(config_error(olmoe).find("clip_qkv: must be positive or null") != std::string::npos);
+  Json mixtral = read_json_file(config_path("mixtral-8x7b-v0.1.json"));
+  mixtral.set("router_jitter_noise", -1);
+  CHECK(config_error(mixtral).find("router_jitter_noise: must not be negative") != std::string::npos);
+  mixtral = read_json_file(config_path("mixtral-8x7b-v0.1.json"));
+  mixtral.set("sliding_window", 0);
+  CHECK(config_error(mixtral).find("sliding_window: must be positive") != std::string::npos);
 
   Json next = read_json_file(config_path("qwen3-next-80b-a3b.json"));
   next.set("linear_num_value_heads", 24);

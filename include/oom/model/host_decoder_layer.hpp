@@ -1,13 +1,16 @@
-// HostDecoderLayer: one decoder layer of a Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE model for the
-// HostExecutor, computed on the CPU in fp32 (fp64 accumulation in every dot product and weight
-// gradient) from bf16 weights, as transformers' Qwen3MoeDecoderLayer / Qwen3NextDecoderLayer /
-// Qwen3_5MoeDecoderLayer compute it:
+// HostDecoderLayer: one decoder layer of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral or OLMoE
+// model for the HostExecutor, computed on the CPU in fp32 (fp64 accumulation in every dot product
+// and weight gradient) from bf16 weights, as transformers' Qwen3MoeDecoderLayer /
+// Qwen3NextDecoderLayer / Qwen3_5MoeDecoderLayer / MixtralDecoderLayer / OlmoeDecoderLayer
+// compute it:
 //
 //   h = x + mixer(n1),                                                   n1 = rms1(x)
 //   y = h + (sum_j w_j down_j(silu(gate_j n2) * up_j n2) + shared(n2)),   n2 = rms2(h)
 //
 // where the token mixer is either
 //   full attention:   o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v) [* sigmoid(gate)]),
+//                     the q/k RMSNorms per head (Qwen), over the whole projection (OLMoE) or
+//                     absent (Mixtral);
 //                     q (and, with an output gate, the gate: q_proj yields [q_h | gate_h] per
 //                     head) = q_proj(n1), k = k_proj(n1), v = v_proj(n1); causal GQA (scale
 //                     1/sqrt(head_dim)); rotate-half RoPE over the first rotary_dim =
@@ -63,8 +66,8 @@ namespace oom {
 class HostDecoderLayer {
  public:
   /// Layer `layer` of `spec`. Throws Errc::unsupported, naming the layer and the feature, for
-  /// anything but a qwen3_moe, qwen3_next or qwen3_5_moe layer with an MoE block, and, in a
-  /// full-attention layer, no attention bias (and, in the hybrid families, the output gate).
+  /// anything but a layer with an MoE block (and no router jitter) and, in a full-attention layer,
+  /// no attention bias, sliding window or clip_qkv (and, in the hybrid families, the output gate).
   HostDecoderLayer(const ModelSpec& spec, int layer);
 
   /// Exactly spec.layer_segments(layer): attention or linear attention, norms, router, experts
@@ -113,8 +116,9 @@ class HostDecoderLayer {
   void full_attention_backward(const HostLayerContext& ctx, std::vector<float>& dxn1);
   void linear_attention_backward(const HostLayerContext& ctx, std::vector<float>& dxn1);
   // q and k after their norms and RoPE, from the raw projections (forward and backward alike).
+  // norm_width: the RMSNorm's row (head_dim, the projection's width, or 0 for none).
   void normed_rotated(const float* raw, std::uint64_t tokens, std::uint64_t heads, const float* norm_weight,
-                      std::vector<float>& normed, std::vector<float>& rstd, std::vector<float>& rotated) const;
+                      std::uint64_t norm_width, std::vector<float>& normed, std::vector<float>& rstd, std::vector<float>& rotated) const;
 
   std::vector<StateSegment> segments_;
   std::string name_;
@@ -122,6 +126,7 @@ class HostDecoderLayer {
   std::uint64_t h_ = 0, heads_ = 0, kv_heads_ = 0, d_ = 0, q_ = 0, kv_ = 0, e_ = 0, k_ = 0, i_ = 0;
   std::uint64_t rotary_ = 0;  // dimensions of a head RoPE rotates
   std::uint64_t shared_i_ = 0;  // the shared expert's intermediate; 0: none
+  std::uint64_t q_norm_n_ = 0, k_norm_n_ = 0;  // the q and k norms' weights (and rows): head_dim, full width, or 0: none
   float eps_ = 0, theta_ = 0;
   float norm_offset_ = 0;  // added to the input, post-attention and q/k norm weights: 1 where they scale by (1 + w)
   double scale_ = 0;

@@ -9,7 +9,8 @@
 //                attention (full_attention_interval or layer_types); shared expert with sigmoid gate.
 //   qwen3_5_moe  Qwen3.5-MoE: as Qwen3-Next, text model nested under "text_config", DeltaNet input
 //                projections split, experts packed per layer in the checkpoint ("model.language_model.").
-//   mixtral      Mixtral: GQA without q/k norm; experts w1/w2/w3 under block_sparse_moe.
+//   mixtral      Mixtral: GQA without q/k norm; experts w1/w2/w3 under block_sparse_moe (held in
+//                a segment as w1, w3, w2: gate, up, down, the layout of the other families).
 //   olmoe        OLMoE: MHA with q/k RMSNorm over the full projection width.
 #pragma once
 
@@ -45,6 +46,10 @@ struct FullAttentionShape {
   bool qk_norm = false;             ///< RMSNorm on q and k
   bool qk_norm_full_width = false;  ///< the q/k norm spans heads*head_dim (OLMoE), not one head
   bool bias = false;                ///< q/k/v/o projections carry biases (attention_bias)
+  /// Attention only over the last this many keys (Mixtral's sliding_window; Qwen's with
+  /// use_sliding_window); 0: over every earlier key. The planner sizes it as full attention.
+  std::uint64_t sliding_window = 0;
+  double clip_qkv = 0;  ///< OLMoE's clamp of the q/k/v projections to [-c, c]; 0: none
   friend bool operator==(const FullAttentionShape&, const FullAttentionShape&) = default;
 };
 
@@ -64,6 +69,7 @@ struct MoeShape {
   std::uint64_t expert_intermediate = 0;
   std::uint64_t shared_expert_intermediate = 0;  ///< 0: no shared expert
   bool norm_topk_prob = false;                   ///< top-k routing weights renormalised to sum to 1
+  double router_jitter_noise = 0;                ///< Mixtral's multiplicative noise on the router input in training; 0: none
   friend bool operator==(const MoeShape&, const MoeShape&) = default;
 };
 

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Writes tests/data/moe_families_torch.safetensors: whole decoder layers of Mixtral and OLMoE as
+transformers runs them (MixtralDecoderLayer: GQA without q/k norm, top-k weights renormalised;
+OlmoeDecoderLayer: q/k RMSNorm over the whole projection width, top-k weights as the softmax gave
+them), their inputs, outputs and PyTorch autograd gradients, for
+tests/model/test_host_decoder_layer.cpp to check HostDecoderLayer against without PyTorch in CI.
+
+  python3 scripts/make_moe_family_fixture.py [--out PATH]
+
+Needs torch, transformers (5.x: experts packed as gate_up_proj / down_proj) and safetensors; runs
+on the CPU in fp32. The models are examples/configs/tiny-mixtral.json and tiny-olmoe.json;
+their layers 0 and 1. Per family F (mixtral, olmoe) and layer L, tensors are named F.L.<what>,
+as scripts/make_hybrid_layer_fixture.py names them:
+  x, dy          the input (B sequences of S tokens, B x S x hidden) and the gradient given to y
+  y, dx          the layer's output and the gradient of sum(y * dy) with respect to x
+  w.<name>       each weight in bf16 (drawn and rounded to bf16 before the run) under the
+                 checkpoint's name within the layer (model.layers.L. stripped): Mixtral's
+                 block_sparse_moe.experts.E.w1 / w3 / w2 (gate, up, down), OLMoE's
+                 mlp.experts.E.gate_proj / up_proj / down_proj
+  g.<name>       the gradient of sum(y * dy) with respect to that weight
+The draw is redone until every token's k-th and (k+1)-th routing probabilities differ by more than
+1e-3, so that fp32 rounding cannot change which experts a token picks.
+"""
+import argparse
+import os
+
+import torch
+from safetensors.torch import save_file
+import transformers
+from transformers.models.mixtral import modeling_mixtral as mx
+from transformers.models.olmoe import modeling_olmoe as ol
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+B, S = 2, 9  # sequences, tokens each
+LAYERS = (0, 1)
+
+
+def bf16(t):
+    return t.to(torch.bfloat16).to(torch.float32)
+
+
+def draw(module, gen):
+    """Every parameter drawn and rounded to bf16: norms 1 + N(0, 0.2), matrices N(0, 0.15)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            scale, mean = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
+            p.copy_(bf16(mean + scale * torch.randn(p.shape, generator=gen)))
+
+
+def routing_margin(layer, h):
+    """The smallest gap between a token's k-th and (k+1)-th routing probability."""
+    with torch.no_grad():
+        return _margin(layer, h)
+
+
+def _margin(layer, h):
+    n2 = layer.post_attention_layernorm(h).reshape(-1, h.shape[-1])
+    probs = torch.softmax(n2 @ layer.mlp.gate.weight.T, dim=-1, dtype=torch.float)
+    top = torch.topk(probs, layer.mlp.gate.top_k + 1, dim=-1).values
+    return float((top[:, -2] - top[:, -1]).min())
+
+
+def checkpoint_names(family, name, p, g):
+    """(checkpoint name within the layer, weight, gradient) for one parameter of transformers' module."""
+    if name == "mlp.experts.gate_up_proj":
+        inter = p.shape[1] // 2
+        gate, up = ("w1", "w3") if family == "mixtral" else ("gate_proj", "up_proj")
+        for e in range(p.shape[0]):
+            for part, rows in ((gate, slice(0, inter)), (up, slice(inter, 2 * inter))):
+                yield f"mlp.experts.{e}.{part}.weight", p[e, rows], g[e, rows]
+    elif name == "mlp.experts.down_proj":
+        down = "w2" if family == "mixtral" else "down_proj"
+        for e in range(p.shape[0]):
+            yield f"mlp.experts.{e}.{down}.weight", p[e], g[e]
+    else:
+        yield name, p, g
+
+
+def run_layer(family, layer, rotary, idx, seed):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.full((S, S), float("-inf")).triu(1).expand(B, 1, S, S)  # eager attention: an additive causal mask
+    positions = torch.arange(S).unsqueeze(0).expand(B, S)
+    for attempt in range(100):
+        draw(layer, gen)
+        x = torch.randn(B, S, layer.hidden_size, generator=gen)
+        dy = torch.randn(B, S, layer.hidden_size, generator=gen)
+        cos_sin = rotary(x, positions)
+        with torch.no_grad():
+            residual = x + layer.self_attn(layer.input_layernorm(x), cos_sin, mask)[0]
+        if routing_margin(layer, residual) > 1e-3:
+            break
+    else:
+        raise SystemExit(f"{family} layer {idx}: no draw with well-separated routing in 100 attempts")
+    x.requires_grad_(True)
+    params = dict(layer.named_parameters())
+    y = layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)
+    y = y[0] if isinstance(y, tuple) else y
+    grads = torch.autograd.grad((y * dy).sum(), [x, *params.values()])
+    out = {"x": x.detach(), "dy": dy, "y": y.detach(), "dx": grads[0]}
+    for (name, p), g in zip(params.items(), grads[1:]):
+        for ckpt, w, gw in checkpoint_names(family, name, p.detach(), g):
+            if family == "mixtral":
+                ckpt = ckpt.replace("mlp.", "block_sparse_moe.", 1)
+            out[f"w.{ckpt}"] = w
+            out[f"g.{ckpt}"] = gw
+    print(f"{family} layer {idx}: routing margin {routing_margin(layer, residual):.2e} after {attempt + 1} draw(s), "
+          f"|y| {float(y.abs().max()):.3g}, |dx| {float(grads[0].abs().max()):.3g}")
+    # Weights as bf16 (they are bf16 values; the layer reads bf16), everything else fp32.
+    return {f"{family}.{idx}.{k}": (v.to(torch.bfloat16) if k.startswith("w.") else v).contiguous() for k, v in out.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(ROOT, "tests/data/moe_families_torch.safetensors"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+
+    tensors = {}
+    for family, module, config, seed in (("mixtral", mx, "tiny-mixtral.json", 300), ("olmoe", ol, "tiny-olmoe.json", 400)):
+        cfg = transformers.AutoConfig.from_pretrained(os.path.join(ROOT, "examples/configs", config))
+        cfg._attn_implementation = "eager"
+        prefix = "Mixtral" if family == "mixtral" else "Olmoe"
+        rotary = getattr(module, prefix + "RotaryEmbedding")(cfg)
+        for i, idx in enumerate(LAYERS):
+            layer = getattr(module, prefix + "DecoderLayer")(cfg, idx)
+            tensors.update(run_layer(family, layer, rotary, idx, seed + i))
+
+    save_file(tensors, args.out, metadata={"torch": torch.__version__, "transformers": transformers.__version__,
+                                           "sequences": str(B), "tokens": str(S)})
+    print(f"wrote {len(tensors)} tensors to {args.out} (torch {torch.__version__}, transformers {transformers.__version__})")
+
+
+if __name__ == "__main__":
+    main()
