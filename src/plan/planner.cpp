@@ -340,16 +340,8 @@ class GraphBuilder {
     const auto boundary = row[static_cast<std::size_t>(ActivationClass::layer_boundary)];
     if (boundary.action == Retention::recompute && !regenerated_[static_cast<std::size_t>(l)])
       prev = regenerate(boundary.recompute_from, l, prev);
-    int rc = -1;
-    if (const double t = model_.recompute_time(l, row, attn_[static_cast<std::size_t>(l)], ch.moe_tokens); t > 0) {
-      rc = g_.add({"recompute", Resource::gpu_compute, t, deps_of({load, prev}), l});
-      Bytes dropped;
-      for (int c = 0; c < activation_class_count; ++c)
-        if (held_when_recomputed(static_cast<ActivationClass>(c)) && row[static_cast<std::size_t>(c)].action == Retention::recompute)
-          dropped += saved_[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
-      deferred_.push_back({Claimant::retained_activations, dropped, rc, bwd_end_of(l)});
-    }
     const auto pf = prefetch_op_.find(l);
+    const int prefetched = pf == prefetch_op_.end() ? -1 : pf->second;
     // A later micro-batch on the device: the layer's streamed gradients so far go back up into its
     // gradient slot, after the previous micro-batch's went down and the slot's last user (two
     // slots, by layer parity) sent its own home; the backward adds to them.
@@ -359,11 +351,23 @@ class GraphBuilder {
       refill = g_.add({"h2d.grads (accumulated)", Resource::h2d, model_.time_of(Operation::moving(OpKind::copy_h2d, sum), Resource::h2d),
                        deps_of({d2h_grads_[static_cast<std::size_t>(l)], slot_d2h_[static_cast<std::size_t>(l % 2)]}), l});
     }
+    // The recompute starts once what the backward's copies bring up has landed: its boundary (or
+    // other offloaded input) and, on a later micro-batch, the refill. Both executors record one
+    // event after the layer's copies up, and the compute waits on it before the recompute.
+    int rc = -1;
+    if (const double t = model_.recompute_time(l, row, attn_[static_cast<std::size_t>(l)], ch.moe_tokens); t > 0) {
+      rc = g_.add({"recompute", Resource::gpu_compute, t, deps_of({load, prev, prefetched, refill}), l});
+      Bytes dropped;
+      for (int c = 0; c < activation_class_count; ++c)
+        if (held_when_recomputed(static_cast<ActivationClass>(c)) && row[static_cast<std::size_t>(c)].action == Retention::recompute)
+          dropped += saved_[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
+      deferred_.push_back({Claimant::retained_activations, dropped, rc, bwd_end_of(l)});
+    }
     // A streamed layer's gradients take one of two slots (by layer parity), free once the slot's
     // last user's went home: the executors' bound on gradients waiting for the link.
     const int slot_free = st(l).streamed_params > 0 ? slot_d2h_[static_cast<std::size_t>(l % 2)] : -1;
     const int bm = g_.add({"bwd.mlp", Resource::gpu_compute, model_.mlp_time(l, ch.moe_tokens, true, false),
-                           deps_of({load, prev, rc, refill, slot_free, pf == prefetch_op_.end() ? -1 : pf->second}), l});
+                           deps_of({load, prev, rc, refill, slot_free, prefetched}), l});
     g_.hold(Claimant::worksets, mlp_peak(l), bm, bm);
     int before_attn = bm;
     if (const double a2a = model_.all_to_all_time(l); a2a > 0)

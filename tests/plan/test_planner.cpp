@@ -269,6 +269,54 @@ TEST_CASE("an offloaded layer's prefetch waits for its own micro-batch's offload
   }
 }
 
+TEST_CASE("a layer's recompute waits for what its backward brings up: the offloaded boundary, a later micro-batch's refill") {
+  // Both executors record one event after a layer's copies up (its activations, and on a later
+  // micro-batch its gradient sum so far) and the compute waits on it before the recompute. Until
+  // 2026-12-05 the step graph started the recompute on its weights and the gradient from above
+  // alone: before its input had landed.
+  const Moe5bOnH200 m;
+  const auto& [spec, profile, planner] = m;
+  Plan p = planner.plan(Moe5bOnH200::request(4096, 139_GiB, 125_GiB)).plans.front();
+  p.micro_batches = 2;
+  p.grad_accumulation = GradAccumulation::device;
+  p.resident_segments.clear();  // every layer streamed: every layer's gradients refilled
+  const int last = spec.num_layers() - 1;
+  for (int l = last - 1; l <= last; ++l)
+    for (int c = 0; c < activation_class_count; ++c)
+      p.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] =
+          c == static_cast<int>(ActivationClass::layer_boundary) ? RetentionDecision::offload() : RetentionDecision::recompute(l);
+  const StepGraph graph = planner.step_graph(p);
+  const SimResult sim = simulate(graph);
+  const auto& ops = graph.ops();
+  int checked = 0;
+  for (const int l : {last - 1, last}) {
+    CAPTURE(l);
+    std::vector<int> recomputes, prefetches, refills;  // in micro-batch order
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i].layer != l) continue;
+      const std::string_view what = ops[i].what;
+      if (what == "recompute") recomputes.push_back(static_cast<int>(i));
+      if (what == "h2d.activations") prefetches.push_back(static_cast<int>(i));
+      if (what == "h2d.grads (accumulated)") refills.push_back(static_cast<int>(i));
+    }
+    REQUIRE(recomputes.size() == 2);
+    REQUIRE(prefetches.size() == 2);
+    REQUIRE(refills.size() == 1);  // the second micro-batch's
+    for (std::size_t mb = 0; mb < 2; ++mb) {
+      CAPTURE(mb);
+      const auto rc = static_cast<std::size_t>(recomputes[mb]);
+      std::vector<int> inputs{prefetches[mb]};
+      if (mb == 1) inputs.push_back(refills[0]);
+      for (const int in : inputs) {
+        CHECK(std::find(ops[rc].deps.begin(), ops[rc].deps.end(), in) != ops[rc].deps.end());
+        CHECK(sim.start_s[rc] >= sim.end_s[static_cast<std::size_t>(in)]);
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == 6);
+}
+
 TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
   const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
   const auto profile = MachineProfile::h200(2);
