@@ -356,6 +356,13 @@ TEST_CASE("several sequences in one micro-batch: the footprint of their tokens a
   Plan none = joined;
   none.workload = {0, 32768};
   CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, none), doctest::Contains("0 sequences"), Error);
+  // A hand-made plan past the micro-batch limit is named as the planner and the plan reader name
+  // it, before its byte counts could wrap (2^16 x 2^16 = 2^32 tokens pass; one more sequence not).
+  Plan huge = joined;
+  huge.workload = {65537, 65536};
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, huge), doctest::Contains("more than the 4294967296 tokens a micro-batch may hold"),
+                       Error);
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::as_executed(spec, huge), doctest::Contains("65537 sequences of 65536 tokens"), Error);
 }
 
 TEST_CASE("512K with the attention state kept: fits one H200 and skips the attention's second forward") {
