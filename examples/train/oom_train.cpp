@@ -89,7 +89,9 @@ Model and data
   --config PATH        Hugging Face config.json (default: the built-in 4-layer, 8-expert Qwen3-MoE)
   --data PATH          token file (OOMTOK01; see include/oom/io/token_file.hpp)
                        (default: the built-in corpus, generated into the run directory)
-  --init-from PATH     start from these weights (safetensors, HF names) instead of a random init
+  --init-from PATH     start from these weights instead of a random init: a safetensors file, a
+                       sharded checkpoint's model.safetensors.index.json, or a Hugging Face model
+                       directory holding either (HF tensor names)
   --seq N              tokens per sequence (default 256)
   --batch B            sequences per micro-batch, run together (default 1): each its own window
                        of the data, attention within each; weights cross PCIe once for all B

@@ -7,12 +7,14 @@
 #include <map>
 #include <system_error>
 #include <tuple>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
 #include "oom/core/error.hpp"
 #include "oom/core/numeric.hpp"
 #include "oom/io/atomic_file.hpp"
+#include "oom/io/json.hpp"
 #include "oom/io/safetensors.hpp"
 #include "oom/model/model_spec.hpp"
 
@@ -129,6 +131,79 @@ void read_segment(const SafetensorsFile& file, const StateSegment& seg, std::spa
   std::uint64_t offset = 0;
   for (const auto& t : seg.tensors) {
     read_values(file, t, out.subspan(offset, t.elements()));
+    offset += t.elements();
+  }
+}
+
+/// Weights in one safetensors file or in a Hugging Face sharded checkpoint: the shards named by a
+/// model.safetensors.index.json's weight_map (tensor name -> shard file, beside the index). Opened
+/// from the file, the index, or a directory holding model.safetensors or the index.
+class WeightFiles {
+ public:
+  static WeightFiles open(const fs::path& path) {
+    std::error_code ec;
+    if (fs::is_directory(path, ec)) {
+      if (fs::exists(path / "model.safetensors.index.json", ec)) return open(path / "model.safetensors.index.json");
+      if (fs::exists(path / "model.safetensors", ec)) return open(path / "model.safetensors");
+      OOM_THROW(Errc::io, fmt::format("{}: a directory without model.safetensors or model.safetensors.index.json (a Hugging Face "
+                                      "checkpoint has one of them)", path.string()));
+    }
+    WeightFiles w;
+    w.source_ = path.string();
+    if (path.extension() != ".json") {
+      w.files_.push_back(std::make_shared<const SafetensorsFile>(SafetensorsFile::open(path)));
+      return w;
+    }
+    const Json index = read_json_file(path);
+    const JsonCursor map = JsonCursor(index, path.string())["weight_map"];
+    std::unordered_map<std::string, std::size_t> shard_of;  // shard file name -> files_ index
+    for (const auto& member : map.as_object()) {
+      const std::string& name = member.first;
+      const std::string& file = map[name].as_string();
+      if (file.empty() || fs::path(file).filename() != fs::path(file))
+        OOM_THROW(Errc::parse, fmt::format("{}: weight_map.{}: '{}' is not a file name beside the index", path.string(), name, file));
+      auto [it, added] = shard_of.try_emplace(file, w.files_.size());
+      if (added) w.files_.push_back(std::make_shared<const SafetensorsFile>(SafetensorsFile::open(path.parent_path() / file)));
+      w.index_.emplace(name, it->second);
+    }
+    if (w.files_.empty()) OOM_THROW(Errc::parse, fmt::format("{}: weight_map names no tensor", path.string()));
+    return w;
+  }
+
+  /// The file holding tensor `name` (a packed expert's: the stacked tensor's name).
+  [[nodiscard]] const SafetensorsFile& file_of(const std::string& name) const {
+    if (index_.empty()) return *files_.front();
+    const auto it = index_.find(name);
+    if (it == index_.end()) OOM_THROW(Errc::parse, fmt::format("{}: weight_map has no tensor '{}'", source_, name));
+    return *files_[it->second];
+  }
+  [[nodiscard]] const std::string& source() const { return source_; }
+
+ private:
+  std::string source_;
+  std::vector<std::shared_ptr<const SafetensorsFile>> files_;
+  std::unordered_map<std::string, std::size_t> index_;  ///< empty: one file holds every tensor
+};
+
+void check_tensors(const WeightFiles& files, const ModelSpec& spec) {
+  for (const auto& seg : spec.segments())
+    for (const auto& t : seg.tensors) {
+      const SafetensorsFile& file = files.file_of(t.name);
+      DType dt{};
+      (void)file.tensor_bytes(t, &dt);
+      if (dt != DType::fp32 && dt != DType::bf16)
+        OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; weights must be F32 or BF16", file.source(), t.name,
+                                           safetensors_dtype_name(dt)));
+    }
+}
+
+void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<float> out) {
+  if (out.size() != seg.parameters())
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: segment '{}' has {} parameters; a span of {}", files.source(), seg.name,
+                                                  seg.parameters(), out.size()));
+  std::uint64_t offset = 0;
+  for (const auto& t : seg.tensors) {
+    read_values(files.file_of(t.name), t, out.subspan(offset, t.elements()));
     offset += t.elements();
   }
 }
@@ -290,16 +365,22 @@ CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool 
 }
 
 std::vector<std::vector<float>> load_weights(const fs::path& safetensors, const ModelSpec& spec) {
-  return read_segments(SafetensorsFile::open(safetensors), spec);
+  const auto source = weight_source(safetensors, spec);
+  std::vector<std::vector<float>> out;
+  for (std::size_t s = 0; s < spec.segments().size(); ++s) {
+    out.emplace_back(spec.segments()[s].parameters());
+    source(s, out.back());
+  }
+  return out;
 }
 
-SegmentWeightSource weight_source(const fs::path& safetensors, const ModelSpec& spec) {
-  auto file = std::make_shared<const SafetensorsFile>(SafetensorsFile::open(safetensors));
-  check_tensors(*file, spec, "", "weights must be");
-  return [file, &spec](std::size_t s, std::span<float> out) {
+SegmentWeightSource weight_source(const fs::path& path, const ModelSpec& spec) {
+  auto files = std::make_shared<const WeightFiles>(WeightFiles::open(path));
+  check_tensors(*files, spec);
+  return [files, &spec](std::size_t s, std::span<float> out) {
     if (s >= spec.segments().size())
-      OOM_THROW(Errc::invalid_argument, fmt::format("{}: segment {} of a model of {}", file->source(), s, spec.segments().size()));
-    read_segment(*file, spec.segments()[s], out);
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: segment {} of a model of {}", files->source(), s, spec.segments().size()));
+    read_segment(*files, spec.segments()[s], out);
   };
 }
 

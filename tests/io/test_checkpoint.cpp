@@ -274,6 +274,68 @@ TEST_CASE("weights read as a source: load_weights' bits, segment by segment in a
 }
 
 
+TEST_CASE("weights in a Hugging Face sharded checkpoint: read through its index, the single file's bits; bad indexes named") {
+  const auto spec = tiny();
+  const auto dir = fresh_dir("sharded");
+  const auto st = random_state(spec, 7);
+  const auto model = save_checkpoint(dir, spec, st, {1, "{}", Json::object(), 2}) / "model.safetensors";
+  const auto whole = load_weights(model, spec);
+  // The tensors dealt over three shards, the index naming each one's, as transformers writes them.
+  const auto src = SafetensorsFile::open(model);
+  const fs::path hf = dir / "hf";
+  fs::create_directories(hf);
+  std::vector<std::vector<SafetensorsEntry>> shards(3);
+  Json::Object map;
+  for (std::size_t i = 0; i < src.tensors().size(); ++i) {
+    const auto& t = src.tensors()[i];
+    const std::string file = fmt::format("model-{:05}-of-00003.safetensors", i % 3 + 1);
+    shards[i % 3].push_back(SafetensorsEntry::view(t.name, t.dtype, t.shape, t.data));
+    map.emplace_back(t.name, Json(file));
+  }
+  for (std::size_t k = 0; k < shards.size(); ++k) write_safetensors(hf / fmt::format("model-{:05}-of-00003.safetensors", k + 1), shards[k]);
+  auto write_index = [&](const fs::path& at, Json::Object weight_map) {
+    Json index = Json::object();
+    index.set("metadata", Json::object());
+    index.set("weight_map", Json(std::move(weight_map)));
+    std::ofstream(at) << index.dump();
+  };
+  write_index(hf / "model.safetensors.index.json", map);
+  // The index, or the directory holding it: every segment as the single file gives it.
+  for (const fs::path& path : {hf / "model.safetensors.index.json", hf}) {
+    CAPTURE(path.string());
+    const auto got = load_weights(path, spec);
+    REQUIRE(got.size() == whole.size());
+    for (std::size_t s = 0; s < got.size(); ++s) CHECK(same_bits(got[s], whole[s]));
+  }
+  // A directory holding model.safetensors (a checkpoint of ours) reads too.
+  const auto from_dir = load_weights(model.parent_path(), spec);
+  CHECK(same_bits(from_dir.back(), whole.back()));
+  // An index that leaves a tensor out: the index and the tensor named, when the source is made.
+  Json::Object partial(map.begin(), map.end());
+  const std::string dropped = partial.back().first;
+  partial.pop_back();
+  write_index(hf / "partial.json", partial);
+  CHECK_THROWS_WITH_AS((void)weight_source(hf / "partial.json", spec),
+                       doctest::Contains(fmt::format("partial.json: weight_map has no tensor '{}'", dropped).c_str()), Error);
+  // A shard that is not there, a shard named by a path, an index with no tensors, a directory
+  // with neither file: each named.
+  Json::Object missing = map;
+  missing.front().second = Json("model-00009-of-00009.safetensors");
+  write_index(hf / "missing.json", missing);
+  CHECK_THROWS_WITH_AS((void)weight_source(hf / "missing.json", spec), doctest::Contains("model-00009-of-00009.safetensors"), Error);
+  Json::Object pathy = map;
+  pathy.front().second = Json("../model.safetensors");
+  write_index(hf / "pathy.json", pathy);
+  CHECK_THROWS_WITH_AS((void)weight_source(hf / "pathy.json", spec),
+                       doctest::Contains("'../model.safetensors' is not a file name beside the index"), Error);
+  write_index(hf / "empty.json", {});
+  CHECK_THROWS_WITH_AS((void)weight_source(hf / "empty.json", spec), doctest::Contains("weight_map names no tensor"), Error);
+  fs::create_directories(dir / "nothing");
+  CHECK_THROWS_WITH_AS((void)weight_source(dir / "nothing", spec),
+                       doctest::Contains("a directory without model.safetensors or model.safetensors.index.json"), Error);
+  fs::remove_all(dir);
+}
+
 TEST_CASE("reading a checkpoint or weights file leaves its pages out of the resident set") {
   // A vocabulary of 16384 makes the embedding and the LM head 16 MiB each: the checkpoint's files
   // hold 140 MiB. Read segment by segment into buffers already resident, they would add that much

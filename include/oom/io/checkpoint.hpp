@@ -86,12 +86,15 @@ struct CheckpointRead {
 /// someone's weights. Errors name the file and the tensor (Errc::parse) or the file (Errc::io).
 CheckpointRead load_checkpoint(const std::filesystem::path& dir, const ModelSpec& spec, bool with_optimizer = true);
 
-/// Reads weights only from one safetensors file (transformers' model.safetensors, or ours):
-/// per segment of `spec`, the fp32 values of its tensors back to back.
-std::vector<std::vector<float>> load_weights(const std::filesystem::path& safetensors, const ModelSpec& spec);
-/// The same file as a source, read segment by segment (the file stays mapped while the source
+/// Reads weights only (transformers' checkpoints, or ours): per segment of `spec`, the fp32 values
+/// of its tensors back to back. `path` is one safetensors file, a Hugging Face sharded
+/// checkpoint's model.safetensors.index.json (its weight_map names each tensor's shard, a file
+/// beside it), or a directory holding model.safetensors or that index.
+std::vector<std::vector<float>> load_weights(const std::filesystem::path& path, const ModelSpec& spec);
+/// The same weights as a source, read segment by segment (the files stay mapped while the source
 /// lives; `spec` must outlive it). Every tensor's name, shape and type is checked here, before any
-/// is read; errors as load_weights.
-SegmentWeightSource weight_source(const std::filesystem::path& safetensors, const ModelSpec& spec);
+/// is read, in whichever shard holds it; errors name the file and the tensor (a tensor the index
+/// does not list: the index).
+SegmentWeightSource weight_source(const std::filesystem::path& path, const ModelSpec& spec);
 
 }  // namespace oom
