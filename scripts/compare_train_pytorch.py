@@ -142,6 +142,10 @@ def main():
     import copy
     reference_model = copy.deepcopy(model).to(args.noise_device) if args.noise_device else None
 
+    # transformers adds router_aux_loss_coef x load_balancing_loss_func to the loss only with
+    # output_router_logits (oom-train then adds it too).
+    router_logits = {"output_router_logits": True} if getattr(config, "output_router_logits", False) else {}
+
     def train(model, device, bf16=False):
         params = dict(model.named_parameters())
         opt = torch.optim.AdamW(params.values(), lr=float(state["lr"]), betas=(0.9, 0.999), eps=1e-8,
@@ -155,9 +159,13 @@ def main():
                 first = ((step - 1) * micro_batches + mb) * batch
                 w = torch.from_numpy(windows[first:first + batch]).to(device)  # (batch, seq + 1)
                 with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
-                    out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:, :-1], "use_cache": False})
+                    out = functional_call(model, rounded, args=(), kwargs={"input_ids": w[:, :-1], "use_cache": False,
+                                                                           **router_logits})
                 logits = out.logits.float().reshape(-1, out.logits.shape[-1])
-                part = torch.nn.functional.cross_entropy(logits, w[:, 1:].reshape(-1)) / micro_batches
+                part = torch.nn.functional.cross_entropy(logits, w[:, 1:].reshape(-1))
+                if router_logits:  # the load-balancing loss, as the model adds it to the loss with labels
+                    part = part + model.router_aux_loss_coef * out.aux_loss.float()
+                part = part / micro_batches
                 part.backward()
                 loss = loss + part.detach()
             for k, p in params.items():

@@ -134,6 +134,12 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
     layers_.emplace_back(spec, l);
     for (std::size_t k = 0; k < spec.layer_segments(l).size(); ++k) layer_weights.push_back(weights[s++]);
   }
+  // transformers' load-balancing loss over every layer's router, where the config turns it on
+  // (output_router_logits), each micro-batch's carrying 1/k as its cross-entropy does.
+  if (const double coef = spec.moe().router_aux_loss_coef; coef > 0) {
+    balance_ = std::make_unique<RouterBalanceLoss>(spec.num_layers(), spec.moe().experts, coef, 1.0 / static_cast<double>(micro_batches_));
+    for (auto& layer : layers_) layer.balance_router(balance_.get());
+  }
   final_norm_offset_ = spec.norm_weight_offset(segs[s].tensors.at(0).name);
   final_norm_ = make_end(s++);
   if (!tied_) lm_head_ = make_end(s++);
@@ -167,7 +173,7 @@ double HostCausalLm::loss_and_grad(const float* y, float* grad_y, std::size_t mb
   }
   reference::rmsnorm_backward<float>(res.dx, ys, norm_w_, rstd, std::span<float>(grad_y, static_cast<std::size_t>(t * h)),
                                      final_norm_.grad, t, h);
-  return res.loss_sum / (static_cast<double>(t) * k);
+  return res.loss_sum / (static_cast<double>(t) * k) + (balance_ != nullptr ? balance_->loss() : 0.0);
 }
 
 HostCausalLm::StepResult HostCausalLm::step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets) {

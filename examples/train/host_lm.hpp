@@ -85,6 +85,7 @@ class HostCausalLm {
   optim::AdamWConfig adamw_;
   std::unique_ptr<HostBackend> backend_;
   std::vector<HostDecoderLayer> layers_;
+  std::unique_ptr<RouterBalanceLoss> balance_;  ///< the load-balancing loss, where the config adds it
   std::unique_ptr<HostExecutor<HostDecoderLayer>> executor_;
   optim::ThreadPool pool_;
   End embedding_, final_norm_, lm_head_;

@@ -567,6 +567,8 @@ DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer,
   if (spec.family() != ModelFamily::qwen3_moe && !hybrid)
     invalid(where + ": only Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE layers are implemented");
   if (!L.moe) invalid(where + " is a dense-MLP layer; only MoE layers are implemented");
+  if (spec.moe().router_aux_loss_coef > 0)
+    invalid(where + ": output_router_logits (transformers' load-balancing loss in the training loss) is not implemented on the GPU");
   DecoderLayerShape s;
   s.linear = L.attention == AttentionKind::linear;
   if (!s.linear) {

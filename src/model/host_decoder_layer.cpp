@@ -474,6 +474,8 @@ void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
   const reference::RouterShape rs{static_cast<std::int64_t>(n), static_cast<std::int64_t>(H), static_cast<std::int64_t>(E),
                                   static_cast<std::int64_t>(K), norm_topk_};
   const auto route = reference::router_forward(rs, xn2, w_[2]);
+  // The load-balancing loss counts the forward's rows once (a recompute writes no output).
+  if (balance_ != nullptr && ctx.output != nullptr) balance_->add(layer_, b, route.probs, route.expert_ids);
   const auto plan = reference::permute_plan(route.expert_ids, static_cast<std::int64_t>(n), static_cast<std::int64_t>(K),
                                             static_cast<std::int64_t>(E));
   const auto x_perm = reference::permute_rows(plan, xn2, static_cast<std::int64_t>(K), static_cast<std::int64_t>(H));
@@ -614,11 +616,14 @@ void HostDecoderLayer::moe_backward(const HostLayerContext& ctx) {
     gemm_nn(d_gate_up.data() + r0 * 2 * I, w_[3 + e].data(), dx_rows.data() + r0 * H, ne, 2 * I, H, false);
   }
   const auto dx_experts = reference::permute_rows_backward(plan, dx_rows, static_cast<std::int64_t>(K), static_cast<std::int64_t>(H));
-  // Router: through the top-k renormalisation and the softmax (no auxiliary loss).
+  // Router: through the top-k renormalisation and the softmax, plus the load-balancing loss's
+  // gradient where the model adds it (the same for every row).
   const reference::RouterShape rs{static_cast<std::int64_t>(n), static_cast<std::int64_t>(H), static_cast<std::int64_t>(E),
                                   static_cast<std::int64_t>(K), norm_topk_};
-  const std::vector<std::int32_t> no_counts(E, 0);
-  const auto d_logits = reference::router_logits_backward(rs, cspan(probs, n * E), ids, d_weights, no_counts, 0.0f);
+  const std::vector<double> no_balance(E, 0.0);
+  const auto d_logits = reference::router_logits_backward(rs, cspan(probs, n * E), ids, d_weights,
+                                                          balance_ != nullptr ? balance_->probability_gradient()
+                                                                              : std::span<const double>(no_balance));
   Vec dxn2(n * H);
   gemm_nn(d_logits.data(), w_[2].data(), dxn2.data(), n, E, H, false);
   for (size_t i = 0; i < n * H; ++i) dxn2[i] = dx_experts[i] + dxn2[i];

@@ -132,6 +132,10 @@ class ConfigReader {
       moe.router_jitter_noise = number_or(c["router_jitter_noise"], 0.0);
       if (!(moe.router_jitter_noise >= 0)) bad_field(c["router_jitter_noise"], "must not be negative");
     }
+    if (bool_or(c["output_router_logits"], false)) {  // transformers' defaults where the field is absent
+      moe.router_aux_loss_coef = number_or(c["router_aux_loss_coef"], f == ModelFamily::olmoe ? 0.01 : 0.001);
+      if (!(moe.router_aux_loss_coef >= 0)) bad_field(c["router_aux_loss_coef"], "must not be negative");
+    }
     // Mixtral and OLMoE name the expert width intermediate_size; Qwen reserves that for dense layers.
     const bool expert_in_intermediate = f == ModelFamily::mixtral || f == ModelFamily::olmoe;
     moe.expert_intermediate = positive(c[expert_in_intermediate ? "intermediate_size" : "moe_intermediate_size"]);

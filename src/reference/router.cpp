@@ -97,18 +97,28 @@ std::vector<float> router_logits_backward(const RouterShape& s, std::span<const 
                                           std::span<const std::int32_t> expert_ids, std::span<const float> d_weights,
                                           std::span<const std::int32_t> counts, float aux_loss_grad) {
   check_shape(s);
+  check_size(counts.size(), s.experts, "counts");
+  // d aux / d P_e = E * f_e / T... per token: d aux / d p[t, e] = E * counts[e] / T^2.
+  const double T = static_cast<double>(std::max<std::int64_t>(s.tokens, 1));
+  std::vector<double> d_probs(static_cast<std::size_t>(s.experts));
+  for (std::int64_t e = 0; e < s.experts; ++e) d_probs[e] = aux_loss_grad * static_cast<double>(s.experts) * counts[e] / (T * T);
+  return router_logits_backward(s, probs, expert_ids, d_weights, d_probs);
+}
+
+std::vector<float> router_logits_backward(const RouterShape& s, std::span<const float> probs,
+                                          std::span<const std::int32_t> expert_ids, std::span<const float> d_weights,
+                                          std::span<const double> d_probs) {
+  check_shape(s);
   const auto E = s.experts, k = s.top_k;
   check_size(probs.size(), s.tokens * E, "probs");
   check_size(expert_ids.size(), s.tokens * k, "expert_ids");
   check_size(d_weights.size(), s.tokens * k, "d_weights");
-  check_size(counts.size(), E, "counts");
+  check_size(d_probs.size(), E, "d_probs");
   std::vector<float> d_logits(probs.size());
   std::vector<double> dp(static_cast<std::size_t>(E));
-  // d aux / d P_e = E * f_e / T... per token: d aux / d p[t, e] = E * counts[e] / T^2.
-  const double T = static_cast<double>(std::max<std::int64_t>(s.tokens, 1));
   for (std::int64_t t = 0; t < s.tokens; ++t) {
     const float* p = &probs[t * E];
-    for (std::int64_t e = 0; e < E; ++e) dp[e] = aux_loss_grad * static_cast<double>(E) * counts[e] / (T * T);
+    for (std::int64_t e = 0; e < E; ++e) dp[e] = d_probs[e];
     if (s.norm_topk_prob) {
       // w_i = p_i / S with S = sum of the selected p: dp_i = (dw_i - sum_j dw_j w_j) / S.
       double S = 0;

@@ -15,6 +15,7 @@
 #include "oom/kernels/gated_delta.hpp"
 #include "oom/model/cuda_decoder_layer.hpp"
 #include "oom/model/cuda_deltanet.hpp"
+#include "oom/io/json.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/dependency_partitioner.hpp"
 #include "oom/plan/machine_profile.hpp"
@@ -191,6 +192,16 @@ TEST_CASE("the decoder layer's hybrid shapes and bindings: kind, gate, rotary, n
   CHECK_THROWS_WITH_AS(model::decoder_layer_forward(ctx, full, p, reinterpret_cast<const std::int32_t*>(fake), fake,
                                                     const_cast<bf16*>(fake) + 1, &streams, 0, &streams, 0),
                        doctest::Contains("params: shared_expert_gate is null"), Error);
+}
+
+TEST_CASE("the GPU layer refuses a model whose training loss adds the load-balancing loss, naming it") {
+  Json j = read_json_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/tiny-moe-d128.json");
+  CHECK_NOTHROW((void)model::DecoderLayerShape::from_spec(ModelSpec::from_json(j), 0, 128));
+  j.set("output_router_logits", Json(true));
+  CHECK_THROWS_WITH_AS((void)model::DecoderLayerShape::from_spec(ModelSpec::from_json(j), 0, 128),
+                       doctest::Contains("output_router_logits (transformers' load-balancing loss in the training loss) is not "
+                                         "implemented on the GPU"),
+                       Error);
 }
 
 TEST_CASE("the planner's bytes for a linear layer are the GPU block's saved buffer") {

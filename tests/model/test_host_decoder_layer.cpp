@@ -404,17 +404,22 @@ TEST_CASE("several sequences in one pass: each sequence's outputs as if it ran a
   CHECK_THROWS_WITH_AS(run(other, w, x, nullptr, T, T, 0, 4), doctest::Contains("21 tokens are not a whole number of sequences = 4"), Error);
 }
 
-TEST_CASE("backward against central differences of L = sum(y * g)") {
+TEST_CASE("backward against central differences of L = sum(y * g) (+ the load-balancing loss)") {
   // Finite differences in the weights need perturbed weights that bf16 holds exactly: the weights
   // are drawn on a grid (see grid_weights) on which w +- 2^-7 is representable, so L(w +- eps) is
   // the layer's exact fp32 function of the perturbed weight, not of a rounded one. L is summed in
   // fp64 from the fp32 outputs; its rounding (~1e-6) over 2 eps bounds the difference quotient's
   // noise near 1e-4, the truncation error is ~eps^2/6 |L'''|. A perturbation that flips a top-k
   // choice makes L jump; those samples are detected (the chosen experts differ) and skipped.
-  for (const bool norm_topk : {true, false}) {
+  // With the load-balancing loss (RouterBalanceLoss, coefficient 0.5) L adds its value: its
+  // gradient reaches the router's weights, the norms and x through the probabilities.
+  for (const auto& [norm_topk, balanced] : {std::pair{true, false}, std::pair{false, false}, std::pair{true, true}}) {
     CAPTURE(norm_topk);
+    CAPTURE(balanced);
     const ModelSpec spec = tiny_spec(norm_topk);
     HostDecoderLayer layer(spec, 0);
+    RouterBalanceLoss balance(1, spec.moe().experts, 0.5);
+    if (balanced) layer.balance_router(&balance);
     const std::uint64_t T = 7, H = layer.hidden(), E = spec.moe().experts;
     auto w = grid_weights(spec, layer, 21);
     auto x = test::random_normal(T * H, 22);
@@ -424,7 +429,7 @@ TEST_CASE("backward against central differences of L = sum(y * g)") {
     auto loss = [&](bool& flipped) {
       const Run r = run(layer, w, x, nullptr, T, T);
       flipped = flipped || expert_ids(layer, r, T, E) != base_ids;
-      double l = 0;
+      double l = balanced ? balance.loss() : 0.0;
       for (std::size_t i = 0; i < r.y.size(); ++i) l += static_cast<double>(r.y[i]) * g[i];
       return l;
     };
@@ -495,18 +500,19 @@ TEST_CASE("backward against central differences of L = sum(y * g)") {
         offset += n;
       }
     }
-    MESSAGE("norm_topk_prob " << norm_topk << ": " << checked << " derivatives checked, " << skipped
+    MESSAGE("norm_topk_prob " << norm_topk << std::string(balanced ? ", load-balancing loss" : "") << ": " << checked << " derivatives checked, " << skipped
                               << " skipped (top-k flipped), max |error| " << max_err);
     CHECK(skipped * 10 < checked);
   }
 }
 
 TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, both hybrid families' linear and gated full attention, "
-          "Mixtral, OLMoE)") {
+          "Mixtral, OLMoE; with the load-balancing loss)") {
   struct Case {
     std::string name;
     ModelSpec spec;
     int layer;
+    bool balanced = false;
   };
   const std::vector<Case> cases = {{"qwen3_moe", tiny_spec(true, 1, 16, 8), 0},
                                    {"qwen3_next linear", data_spec("tests/data/tiny-qwen3-next-layers.json"), 0},
@@ -514,22 +520,28 @@ TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, both hy
                                    {"qwen3_5_moe linear", data_spec("tests/data/tiny-qwen3.5-moe.json"), 0},
                                    {"qwen3_5_moe full", data_spec("tests/data/tiny-qwen3.5-moe.json"), 3},
                                    {"mixtral", data_spec("examples/configs/tiny-mixtral.json"), 1},
-                                   {"olmoe", data_spec("examples/configs/tiny-olmoe.json"), 0}};
-  for (const auto& [name, spec, index] : cases)
+                                   {"olmoe", data_spec("examples/configs/tiny-olmoe.json"), 0},
+                                   {"mixtral, load-balancing loss", data_spec("examples/configs/tiny-mixtral.json"), 1, true}};
+  for (const auto& [name, spec, index, balanced] : cases)
   for (const std::uint64_t T : {7u, 23u}) {
     CAPTURE(name);
     CAPTURE(T);
     HostDecoderLayer layer(spec, index);
+    RouterBalanceLoss balance(spec.num_layers(), spec.moe().experts, 0.5);
+    if (balanced) layer.balance_router(&balance);
     const std::uint64_t H = layer.hidden();
     const auto w = grid_weights(spec, layer, 31 + T);
     const auto x = test::random_normal(T * H, 32 + T);
     const auto g = test::random_normal(T * H, 33 + T);
     const Run whole = run(layer, w, x, &g, T, T);
+    const double whole_loss = balance.loss();
+    CHECK(balance.rows() == (balanced ? T : 0));
     for (const std::uint64_t fc : {T, std::uint64_t{1}, std::uint64_t{3}, std::uint64_t{5}})
       for (const std::uint64_t bc : {T, std::uint64_t{1}, std::uint64_t{3}, std::uint64_t{5}}) {
         CAPTURE(fc);
         CAPTURE(bc);
         const Run r = run(layer, w, x, &g, T, fc, bc);
+        CHECK(balance.loss() == whole_loss);  // each forward's rows once, summed in token order
         CHECK(same_bits(r.y, whole.y));
         CHECK(same_bits(r.dx, whole.dx));
         for (std::size_t s = 0; s < r.grads.size(); ++s) CHECK(same_bits(r.grads[s], whole.grads[s]));
@@ -548,6 +560,8 @@ TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, both hy
       ctx.saved[static_cast<std::size_t>(c)] = again.data();
       chunks(T, 2, ctx, [&](HostLayerContext& cc) { layer.forward(cc); });
       CHECK(same_bits(again, whole.saved[static_cast<std::size_t>(c)]));
+      CHECK(balance.rows() == (balanced ? T : 0));  // a recompute adds no rows
+      CHECK(balance.loss() == whole_loss);
     }
   }
 }
@@ -760,4 +774,44 @@ TEST_CASE("what the host decoder layer does not implement is named") {
   dense.set("mlp_only_layers", Json::parse("[2]"));
   CHECK(error_of(ModelSpec::from_json(dense), 2).find("layer 2 has a dense MLP") != std::string::npos);
   CHECK_NOTHROW(HostDecoderLayer(ModelSpec::from_json(dense), 1));
+}
+
+TEST_CASE("the load-balancing loss is transformers' load_balancing_loss_func over every layer; each forward begins anew") {
+  // Two layers of 3 tokens over 4 experts, top-2: the formula written out.
+  RouterBalanceLoss loss(2, 4, 0.25, 0.5);
+  const std::vector<float> p0 = {0.4f, 0.3f, 0.2f, 0.1f, 0.1f, 0.2f, 0.3f, 0.4f, 0.25f, 0.25f, 0.25f, 0.25f};
+  const std::vector<std::int32_t> ids0 = {0, 1, 3, 2, 0, 1};
+  const std::vector<float> p1 = {0.7f, 0.1f, 0.1f, 0.1f, 0.1f, 0.7f, 0.1f, 0.1f, 0.1f, 0.1f, 0.7f, 0.1f};
+  const std::vector<std::int32_t> ids1 = {0, 1, 1, 0, 2, 0};
+  // Layer 0 in two chunks (tokens 0-1, then 2), layer 1 whole.
+  loss.add(0, 0, std::span(p0).first(8), std::span(ids0).first(4));
+  loss.add(0, 2, std::span(p0).subspan(8), std::span(ids0).subspan(4));
+  loss.add(1, 0, p1, ids1);
+  CHECK(loss.rows() == 6);
+  std::vector<double> C(4, 0), P(4, 0);
+  for (const auto* ids : {&ids0, &ids1})
+    for (const auto e : *ids) C[static_cast<std::size_t>(e)] += 1;
+  for (const auto* p : {&p0, &p1})
+    for (std::size_t i = 0; i < p->size(); ++i) P[i % 4] += (*p)[i];
+  double aux = 0;
+  for (std::size_t e = 0; e < 4; ++e) aux += (C[e] / 6) * (P[e] / 6);
+  aux *= 4;
+  CHECK(loss.loss() == doctest::Approx(0.25 * 0.5 * aux).epsilon(1e-12));
+  const auto grad = loss.probability_gradient();
+  for (std::size_t e = 0; e < 4; ++e) CHECK(grad[e] == doctest::Approx(0.25 * 0.5 * 4 * C[e] / 36).epsilon(1e-12));
+  // The next forward (layer 0 from token 0 again) starts from nothing.
+  loss.add(0, 0, p1, ids1);
+  CHECK(loss.rows() == 3);
+  double again = 0;
+  std::vector<double> c1(4, 0), q1(4, 0);
+  for (const auto e : ids1) c1[static_cast<std::size_t>(e)] += 1;
+  for (std::size_t i = 0; i < p1.size(); ++i) q1[i % 4] += p1[i];
+  for (std::size_t e = 0; e < 4; ++e) again += (c1[e] / 3) * (q1[e] / 3);
+  CHECK(loss.loss() == doctest::Approx(0.25 * 0.5 * 4 * again).epsilon(1e-12));
+  // Bad rows are named.
+  CHECK_THROWS_WITH_AS(loss.add(2, 0, p1, ids1), doctest::Contains("layer 2 of 2"), Error);
+  CHECK_THROWS_WITH_AS(loss.add(0, 0, std::span(p1).first(5), ids1), doctest::Contains("no whole rows of 4 experts"), Error);
+  const std::vector<std::int32_t> bad = {0, 4, 1, 1, 2, 3};
+  CHECK_THROWS_WITH_AS(loss.add(0, 0, p1, bad), doctest::Contains("expert id 4 of 4 experts"), Error);
+  CHECK_THROWS_AS(RouterBalanceLoss(0, 4, 0.1), Error);
 }

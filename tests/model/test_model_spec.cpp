@@ -101,6 +101,19 @@ TEST_CASE("Mixtral-8x7B: 46.7B total, 12.9B active") {
   CHECK(windowed.attention().sliding_window == 4096);
   CHECK(windowed.moe().router_jitter_noise == 0.01);
   CHECK(windowed.total_parameters() == m.total_parameters());
+  // The load-balancing loss enters the training loss only with output_router_logits: its
+  // coefficient then (transformers' default where absent: 0.001 here, 0.01 for OLMoE), else 0.
+  CHECK(m.moe().router_aux_loss_coef == 0);
+  Json aux = read_json_file(config_path("mixtral-8x7b-v0.1.json"));
+  aux.set("output_router_logits", Json(true));
+  CHECK(ModelSpec::from_json(aux).moe().router_aux_loss_coef == 0.02);  // the file's
+  Json bare = read_json_file(config_path("olmoe-1b-7b-0924.json"));
+  Json::Object without;
+  for (const auto& [k, v] : bare.as_object())
+    if (k != "router_aux_loss_coef") without.emplace_back(k, v);
+  Json olmoe(without);
+  olmoe.set("output_router_logits", Json(true));
+  CHECK(ModelSpec::from_json(olmoe).moe().router_aux_loss_coef == 0.01);
 }
 
 TEST_CASE("Qwen3-Next-80B-A3B: hybrid 3 DeltaNet : 1 gated attention, shared expert") {
@@ -292,6 +305,10 @@ TEST_CASE("config errors name the file and the field") {
   Json mixtral = read_json_file(config_path("mixtral-8x7b-v0.1.json"));
   mixtral.set("router_jitter_noise", -1);
   CHECK(config_error(mixtral).find("router_jitter_noise: must not be negative") != std::string::npos);
+  mixtral = read_json_file(config_path("mixtral-8x7b-v0.1.json"));
+  mixtral.set("output_router_logits", Json(true));
+  mixtral.set("router_aux_loss_coef", -1);
+  CHECK(config_error(mixtral).find("router_aux_loss_coef: must not be negative") != std::string::npos);
   mixtral = read_json_file(config_path("mixtral-8x7b-v0.1.json"));
   mixtral.set("sliding_window", 0);
   CHECK(config_error(mixtral).find("sliding_window: must be positive") != std::string::npos);

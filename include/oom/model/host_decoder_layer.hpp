@@ -21,7 +21,8 @@
 //                     fused projections or Qwen3.5's separate ones), run on each sequence from a
 //                     zero state;
 // and the MoE block is a softmax router over the experts with top-k (ties to the lower index)
-// and, with norm_topk_prob, the k weights renormalised (no auxiliary loss), plus, where the model
+// and, with norm_topk_prob, the k weights renormalised (the load-balancing loss where the model
+// adds it: balance_router), plus, where the model
 // has one, a shared expert scaled by sigmoid(shared_expert_gate(n2)). The hybrid families'
 // RMSNorms outside the linear block scale by (1 + w) (ModelSpec::zero_centred_norms): the layer
 // adds the 1 to its fp32 copy of those weights, as transformers does in fp32.
@@ -58,6 +59,7 @@
 
 #include "oom/concepts/layer.hpp"
 #include "oom/model/model_spec.hpp"
+#include "oom/model/router_balance.hpp"
 #include "oom/reference/gated_delta.hpp"
 #include "oom/runtime/host_executor.hpp"
 
@@ -78,6 +80,11 @@ class HostDecoderLayer {
   [[nodiscard]] std::uint64_t saved_floats(ActivationClass c, std::uint64_t tokens) const;
   [[nodiscard]] std::string_view name() const { return name_; }
   [[nodiscard]] ChunkDependency chunking() const { return ChunkDependency::independent; }
+
+  /// The model's load-balancing loss (output_router_logits): the forward adds its router's rows to
+  /// `loss` (shared by every layer of the model; it must outlive the layer's calls) and the
+  /// backward adds its gradient. nullptr (the default): none.
+  void balance_router(RouterBalanceLoss* loss) { balance_ = loss; }
 
   /// Writes ctx.output (when set) and every saved class whose pointer is set.
   void forward(HostLayerContext& ctx);
@@ -131,6 +138,7 @@ class HostDecoderLayer {
   float norm_offset_ = 0;  // added to the input, post-attention and q/k norm weights: 1 where they scale by (1 + w)
   double scale_ = 0;
   bool norm_topk_ = true;
+  RouterBalanceLoss* balance_ = nullptr;
   bool linear_ = false;       // a Gated DeltaNet layer
   bool output_gate_ = false;  // full attention's output scaled by sigmoid(gate)
   reference::GatedDeltaNetShape delta_;  // the linear block's shape, for one sequence

@@ -70,6 +70,9 @@ struct MoeShape {
   std::uint64_t shared_expert_intermediate = 0;  ///< 0: no shared expert
   bool norm_topk_prob = false;                   ///< top-k routing weights renormalised to sum to 1
   double router_jitter_noise = 0;                ///< Mixtral's multiplicative noise on the router input in training; 0: none
+  /// transformers adds router_aux_loss_coef x its load-balancing loss to the training loss only
+  /// with output_router_logits: that coefficient then, else 0 (RouterBalanceLoss).
+  double router_aux_loss_coef = 0;
   friend bool operator==(const MoeShape&, const MoeShape&) = default;
 };
 

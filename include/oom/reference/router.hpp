@@ -49,6 +49,13 @@ std::vector<float> router_logits_backward(const RouterShape& s, std::span<const 
                                           std::span<const std::int32_t> counts,                 // (E)
                                           float aux_loss_grad);
 
+/// As above with a loss on the probabilities that gives every token the same d loss / d p[t, e] =
+/// d_probs[e] (E values; a load-balancing loss over several layers: RouterBalanceLoss).
+std::vector<float> router_logits_backward(const RouterShape& s, std::span<const float> probs,  // (T, E)
+                                          std::span<const std::int32_t> expert_ids,             // (T, k)
+                                          std::span<const float> d_weights,                     // (T, k)
+                                          std::span<const double> d_probs);                     // (E)
+
 struct RouterGrads {
   std::vector<float> d_logits;  // (T, E)
   std::vector<float> dx;        // (T, H)
