@@ -215,13 +215,14 @@ fi
 if [[ "$parts" == *" hybrid "* ]]; then
   # The hybrid family's GPU checks (docs/hybrid.md): the rule's kernels against their references in
   # both forms, the Gated DeltaNet layer, a hybrid layer against transformers' fixture, and the
-  # executor's hybrid plans against the resident one; then the rule's forms side by side.
+  # executor's hybrid plans against the resident one (and Mixtral's and OLMoE's, where the build
+  # has them); then the rule's forms side by side.
   for t in test_gated_delta_kernels test_deltanet_kernels test_cuda_deltanet test_cuda_hybrid_layer; do
     limited 300 "$build_dir/tests/$t" > "$out/$t.log" 2>&1 || gpu_rc=1
     echo "$t: $(grep -E 'test cases:|assertions:' "$out/$t.log" | tr '\n' ' ')" >> "$out/hybrid-summary.log"
   done
-  limited 300 "$build_dir/tests/test_cuda_causal_lm" -tc="*hybrid*" > "$out/test_cuda_causal_lm-hybrid.log" 2>&1 || gpu_rc=1
-  echo "test_cuda_causal_lm (hybrid cases): $(grep -E 'test cases:|assertions:' "$out/test_cuda_causal_lm-hybrid.log" | tr '\n' ' ')" \
+  limited 300 "$build_dir/tests/test_cuda_causal_lm" -tc="*hybrid*,Mixtral*" > "$out/test_cuda_causal_lm-hybrid.log" 2>&1 || gpu_rc=1
+  echo "test_cuda_causal_lm (hybrid, Mixtral/OLMoE cases): $(grep -E 'test cases:|assertions:' "$out/test_cuda_causal_lm-hybrid.log" | tr '\n' ' ')" \
     >> "$out/hybrid-summary.log"
   limited 200 "$build_dir/bench/kernels/bench_gated_delta" > "$out/bench_gated_delta.log" 2>&1 || bench_rc=1
   # Qwen3-Next-80B's widths in 2 layers (one Gated DeltaNet, one gated attention; the slice of
