@@ -137,7 +137,8 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
   // transformers' load-balancing loss over every layer's router, where the config turns it on
   // (output_router_logits), each micro-batch's carrying 1/k as its cross-entropy does.
   if (const double coef = spec.moe().router_aux_loss_coef; coef > 0) {
-    balance_ = std::make_unique<RouterBalanceLoss>(spec.num_layers(), spec.moe().experts, coef, 1.0 / static_cast<double>(micro_batches_));
+    balance_ = std::make_unique<RouterBalanceLoss>(spec.num_layers(), spec.moe().experts, spec.moe().top_k, coef,
+                                                   1.0 / static_cast<double>(micro_batches_));
     for (auto& layer : layers_) layer.balance_router(balance_.get());
   }
   final_norm_offset_ = spec.norm_weight_offset(segs[s].tensors.at(0).name);

@@ -157,13 +157,20 @@ class WeightFiles {
     const Json index = read_json_file(path);
     const JsonCursor map = JsonCursor(index, path.string())["weight_map"];
     std::unordered_map<std::string, std::size_t> shard_of;  // shard file name -> files_ index
-    for (const auto& member : map.as_object()) {
+    for (const auto& member : map.as_object()) {  // (not map[name]: a scan of the map per key)
       const std::string& name = member.first;
-      const std::string& file = map[name].as_string();
+      const std::string& file = JsonCursor(member.second, map.path() + "." + name).as_string();
       if (file.empty() || fs::path(file).filename() != fs::path(file))
         OOM_THROW(Errc::parse, fmt::format("{}: weight_map.{}: '{}' is not a file name beside the index", path.string(), name, file));
       auto [it, added] = shard_of.try_emplace(file, w.files_.size());
-      if (added) w.files_.push_back(std::make_shared<const SafetensorsFile>(SafetensorsFile::open(path.parent_path() / file)));
+      if (added) {
+        try {
+          w.files_.push_back(std::make_shared<const SafetensorsFile>(SafetensorsFile::open(path.parent_path() / file)));
+        } catch (const Error& e) {
+          throw Error(e.code(), fmt::format("{}: weight_map.{}: shard '{}': {}", path.string(), name, file, e.message()), e.file(),
+                      e.line());
+        }
+      }
       w.index_.emplace(name, it->second);
     }
     if (w.files_.empty()) OOM_THROW(Errc::parse, fmt::format("{}: weight_map names no tensor", path.string()));

@@ -569,6 +569,8 @@ DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer,
   if (!L.moe) invalid(where + " is a dense-MLP layer; only MoE layers are implemented");
   if (spec.moe().router_aux_loss_coef > 0)
     invalid(where + ": output_router_logits (transformers' load-balancing loss in the training loss) is not implemented on the GPU");
+  if (spec.attention().sliding_window > 0 && L.attention == AttentionKind::full)
+    invalid(where + fmt::format(": sliding-window attention (sliding_window {}) is not implemented", spec.attention().sliding_window));
   DecoderLayerShape s;
   s.linear = L.attention == AttentionKind::linear;
   if (!s.linear) {

@@ -116,8 +116,11 @@ class ConfigReader {
     if (f == ModelFamily::mixtral || (f != ModelFamily::olmoe && bool_or(c["use_sliding_window"], false)))
       a.sliding_window = c["sliding_window"].present_not_null() ? positive(c["sliding_window"]) : 0;
     if (f == ModelFamily::olmoe) {
-      a.clip_qkv = number_or(c["clip_qkv"], 0.0);
-      if (!(a.clip_qkv >= 0)) bad_field(c["clip_qkv"], "must be positive or null");
+      // transformers clamps whenever the field is not null (0 clamps q, k and v to 0).
+      if (c["clip_qkv"].present_not_null()) {
+        a.clip_qkv = c["clip_qkv"].as_double();
+        if (!(a.clip_qkv > 0)) bad_field(c["clip_qkv"], "must be positive or null");
+      }
     }
 
     // MoE.

@@ -275,41 +275,46 @@ TEST_CASE("weights read as a source: load_weights' bits, segment by segment in a
 
 
 TEST_CASE("weights in a Hugging Face sharded checkpoint: read through its index, the single file's bits; bad indexes named") {
-  const auto spec = tiny();
   const auto dir = fresh_dir("sharded");
-  const auto st = random_state(spec, 7);
-  const auto model = save_checkpoint(dir, spec, st, {1, "{}", Json::object(), 2}) / "model.safetensors";
-  const auto whole = load_weights(model, spec);
-  // The tensors dealt over three shards, the index naming each one's, as transformers writes them.
-  const auto src = SafetensorsFile::open(model);
-  const fs::path hf = dir / "hf";
-  fs::create_directories(hf);
-  std::vector<std::vector<SafetensorsEntry>> shards(3);
-  Json::Object map;
-  for (std::size_t i = 0; i < src.tensors().size(); ++i) {
-    const auto& t = src.tensors()[i];
-    const std::string file = fmt::format("model-{:05}-of-00003.safetensors", i % 3 + 1);
-    shards[i % 3].push_back(SafetensorsEntry::view(t.name, t.dtype, t.shape, t.data));
-    map.emplace_back(t.name, Json(file));
-  }
-  for (std::size_t k = 0; k < shards.size(); ++k) write_safetensors(hf / fmt::format("model-{:05}-of-00003.safetensors", k + 1), shards[k]);
   auto write_index = [&](const fs::path& at, Json::Object weight_map) {
     Json index = Json::object();
     index.set("metadata", Json::object());
     index.set("weight_map", Json(std::move(weight_map)));
     std::ofstream(at) << index.dump();
   };
-  write_index(hf / "model.safetensors.index.json", map);
-  // The index, or the directory holding it: every segment as the single file gives it.
-  for (const fs::path& path : {hf / "model.safetensors.index.json", hf}) {
-    CAPTURE(path.string());
-    const auto got = load_weights(path, spec);
-    REQUIRE(got.size() == whole.size());
-    for (std::size_t s = 0; s < got.size(); ++s) CHECK(same_bits(got[s], whole[s]));
+  // The tensors dealt over three shards, the index naming each one's, as transformers writes them:
+  // the tiny Qwen3-MoE, and a Qwen3.5-MoE whose experts are slices of packed tensors (gate_up_proj
+  // and down_proj in different shards).
+  Json::Object map;
+  fs::path hf;
+  ModelSpec spec = tiny();
+  std::vector<std::vector<float>> whole;
+  for (const fs::path config : {fs::path(OOM_SOURCE_DIR) / "tests/data/tiny-qwen3.5-moe.json", fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json"}) {
+    CAPTURE(config.string());
+    spec = ModelSpec::from_file(config);
+    const auto model = save_checkpoint(dir / config.stem(), spec, random_state(spec, 7), {1, "{}", Json::object(), 2}) / "model.safetensors";
+    whole = load_weights(model, spec);
+    const auto src = SafetensorsFile::open(model);
+    hf = dir / config.stem() / "hf";
+    fs::create_directories(hf);
+    std::vector<std::vector<SafetensorsEntry>> shards(3);
+    map.clear();
+    for (std::size_t i = 0; i < src.tensors().size(); ++i) {
+      const auto& t = src.tensors()[i];
+      shards[i % 3].push_back(SafetensorsEntry::view(t.name, t.dtype, t.shape, t.data));
+      map.emplace_back(t.name, Json(fmt::format("model-{:05}-of-00003.safetensors", i % 3 + 1)));
+    }
+    for (std::size_t k = 0; k < shards.size(); ++k) write_safetensors(hf / fmt::format("model-{:05}-of-00003.safetensors", k + 1), shards[k]);
+    write_index(hf / "model.safetensors.index.json", map);
+    // The index, the directory holding it, and a directory holding model.safetensors (a checkpoint
+    // of ours): every segment as the single file gives it.
+    for (const fs::path& path : {hf / "model.safetensors.index.json", hf, model.parent_path()}) {
+      CAPTURE(path.string());
+      const auto got = load_weights(path, spec);
+      REQUIRE(got.size() == whole.size());
+      for (std::size_t s = 0; s < got.size(); ++s) CHECK(same_bits(got[s], whole[s]));
+    }
   }
-  // A directory holding model.safetensors (a checkpoint of ours) reads too.
-  const auto from_dir = load_weights(model.parent_path(), spec);
-  CHECK(same_bits(from_dir.back(), whole.back()));
   // An index that leaves a tensor out: the index and the tensor named, when the source is made.
   Json::Object partial(map.begin(), map.end());
   const std::string dropped = partial.back().first;
@@ -322,7 +327,9 @@ TEST_CASE("weights in a Hugging Face sharded checkpoint: read through its index,
   Json::Object missing = map;
   missing.front().second = Json("model-00009-of-00009.safetensors");
   write_index(hf / "missing.json", missing);
-  CHECK_THROWS_WITH_AS((void)weight_source(hf / "missing.json", spec), doctest::Contains("model-00009-of-00009.safetensors"), Error);
+  CHECK_THROWS_WITH_AS((void)weight_source(hf / "missing.json", spec),
+                       doctest::Contains(("missing.json: weight_map." + missing.front().first + ": shard 'model-00009-of-00009.safetensors'").c_str()),
+                       Error);
   Json::Object pathy = map;
   pathy.front().second = Json("../model.safetensors");
   write_index(hf / "pathy.json", pathy);

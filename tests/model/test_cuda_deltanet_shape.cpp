@@ -194,9 +194,14 @@ TEST_CASE("the decoder layer's hybrid shapes and bindings: kind, gate, rotary, n
                        doctest::Contains("params: shared_expert_gate is null"), Error);
 }
 
-TEST_CASE("the GPU layer refuses a model whose training loss adds the load-balancing loss, naming it") {
+TEST_CASE("the GPU layer refuses a model whose training loss adds the load-balancing loss, or with a sliding window, naming it") {
   Json j = read_json_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/tiny-moe-d128.json");
   CHECK_NOTHROW((void)model::DecoderLayerShape::from_spec(ModelSpec::from_json(j), 0, 128));
+  Json windowed = j;
+  windowed.set("use_sliding_window", Json(true));
+  windowed.set("sliding_window", Json(4096));
+  CHECK_THROWS_WITH_AS((void)model::DecoderLayerShape::from_spec(ModelSpec::from_json(windowed), 0, 128),
+                       doctest::Contains("sliding-window attention (sliding_window 4096) is not implemented"), Error);
   j.set("output_router_logits", Json(true));
   CHECK_THROWS_WITH_AS((void)model::DecoderLayerShape::from_spec(ModelSpec::from_json(j), 0, 128),
                        doctest::Contains("output_router_logits (transformers' load-balancing loss in the training loss) is not "

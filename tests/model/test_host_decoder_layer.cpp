@@ -418,7 +418,7 @@ TEST_CASE("backward against central differences of L = sum(y * g) (+ the load-ba
     CAPTURE(balanced);
     const ModelSpec spec = tiny_spec(norm_topk);
     HostDecoderLayer layer(spec, 0);
-    RouterBalanceLoss balance(1, spec.moe().experts, 0.5);
+    RouterBalanceLoss balance(1, spec.moe().experts, spec.moe().top_k, 0.5);
     if (balanced) layer.balance_router(&balance);
     const std::uint64_t T = 7, H = layer.hidden(), E = spec.moe().experts;
     auto w = grid_weights(spec, layer, 21);
@@ -521,27 +521,28 @@ TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, both hy
                                    {"qwen3_5_moe full", data_spec("tests/data/tiny-qwen3.5-moe.json"), 3},
                                    {"mixtral", data_spec("examples/configs/tiny-mixtral.json"), 1},
                                    {"olmoe", data_spec("examples/configs/tiny-olmoe.json"), 0},
-                                   {"mixtral, load-balancing loss", data_spec("examples/configs/tiny-mixtral.json"), 1, true}};
+                                   {"mixtral, load-balancing loss", data_spec("examples/configs/tiny-mixtral.json"), 0, true}};
   for (const auto& [name, spec, index, balanced] : cases)
   for (const std::uint64_t T : {7u, 23u}) {
     CAPTURE(name);
     CAPTURE(T);
     HostDecoderLayer layer(spec, index);
-    RouterBalanceLoss balance(spec.num_layers(), spec.moe().experts, 0.5);
+    RouterBalanceLoss balance(1, spec.moe().experts, spec.moe().top_k, 0.5);  // over this layer alone
     if (balanced) layer.balance_router(&balance);
+    const auto balance_loss = [&] { return balanced ? balance.loss() : 0.0; };
     const std::uint64_t H = layer.hidden();
     const auto w = grid_weights(spec, layer, 31 + T);
     const auto x = test::random_normal(T * H, 32 + T);
     const auto g = test::random_normal(T * H, 33 + T);
     const Run whole = run(layer, w, x, &g, T, T);
-    const double whole_loss = balance.loss();
+    const double whole_loss = balance_loss();
     CHECK(balance.rows() == (balanced ? T : 0));
     for (const std::uint64_t fc : {T, std::uint64_t{1}, std::uint64_t{3}, std::uint64_t{5}})
       for (const std::uint64_t bc : {T, std::uint64_t{1}, std::uint64_t{3}, std::uint64_t{5}}) {
         CAPTURE(fc);
         CAPTURE(bc);
         const Run r = run(layer, w, x, &g, T, fc, bc);
-        CHECK(balance.loss() == whole_loss);  // each forward's rows once, summed in token order
+        CHECK(balance_loss() == whole_loss);  // each forward's rows once, summed in token order
         CHECK(same_bits(r.y, whole.y));
         CHECK(same_bits(r.dx, whole.dx));
         for (std::size_t s = 0; s < r.grads.size(); ++s) CHECK(same_bits(r.grads[s], whole.grads[s]));
@@ -561,7 +562,7 @@ TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, both hy
       chunks(T, 2, ctx, [&](HostLayerContext& cc) { layer.forward(cc); });
       CHECK(same_bits(again, whole.saved[static_cast<std::size_t>(c)]));
       CHECK(balance.rows() == (balanced ? T : 0));  // a recompute adds no rows
-      CHECK(balance.loss() == whole_loss);
+      CHECK(balance_loss() == whole_loss);
     }
   }
 }
@@ -778,14 +779,15 @@ TEST_CASE("what the host decoder layer does not implement is named") {
 
 TEST_CASE("the load-balancing loss is transformers' load_balancing_loss_func over every layer; each forward begins anew") {
   // Two layers of 3 tokens over 4 experts, top-2: the formula written out.
-  RouterBalanceLoss loss(2, 4, 0.25, 0.5);
+  RouterBalanceLoss loss(2, 4, 2, 0.25, 0.5);
   const std::vector<float> p0 = {0.4f, 0.3f, 0.2f, 0.1f, 0.1f, 0.2f, 0.3f, 0.4f, 0.25f, 0.25f, 0.25f, 0.25f};
   const std::vector<std::int32_t> ids0 = {0, 1, 3, 2, 0, 1};
   const std::vector<float> p1 = {0.7f, 0.1f, 0.1f, 0.1f, 0.1f, 0.7f, 0.1f, 0.1f, 0.1f, 0.1f, 0.7f, 0.1f};
   const std::vector<std::int32_t> ids1 = {0, 1, 1, 0, 2, 0};
-  // Layer 0 in two chunks (tokens 0-1, then 2), layer 1 whole.
+  // Layer 0 in two chunks (tokens 0-1, then 2), layer 1 whole; nothing is read before both added.
   loss.add(0, 0, std::span(p0).first(8), std::span(ids0).first(4));
   loss.add(0, 2, std::span(p0).subspan(8), std::span(ids0).subspan(4));
+  CHECK_THROWS_WITH_AS((void)loss.loss(), doctest::Contains("before every layer's forward added its rows (layer 1 holds 0 rows"), Error);
   loss.add(1, 0, p1, ids1);
   CHECK(loss.rows() == 6);
   std::vector<double> C(4, 0), P(4, 0);
@@ -802,16 +804,22 @@ TEST_CASE("the load-balancing loss is transformers' load_balancing_loss_func ove
   // The next forward (layer 0 from token 0 again) starts from nothing.
   loss.add(0, 0, p1, ids1);
   CHECK(loss.rows() == 3);
+  loss.add(1, 0, p1, ids1);
+  CHECK(loss.rows() == 6);
   double again = 0;
   std::vector<double> c1(4, 0), q1(4, 0);
   for (const auto e : ids1) c1[static_cast<std::size_t>(e)] += 1;
   for (std::size_t i = 0; i < p1.size(); ++i) q1[i % 4] += p1[i];
   for (std::size_t e = 0; e < 4; ++e) again += (c1[e] / 3) * (q1[e] / 3);
-  CHECK(loss.loss() == doctest::Approx(0.25 * 0.5 * 4 * again).epsilon(1e-12));
-  // Bad rows are named.
+  CHECK(loss.loss() == doctest::Approx(0.25 * 0.5 * 4 * again).epsilon(1e-12));  // both layers the same rows: the same ratios
+  // Bad rows are named, and leave the sums as they were.
   CHECK_THROWS_WITH_AS(loss.add(2, 0, p1, ids1), doctest::Contains("layer 2 of 2"), Error);
   CHECK_THROWS_WITH_AS(loss.add(0, 0, std::span(p1).first(5), ids1), doctest::Contains("no whole rows of 4 experts"), Error);
   const std::vector<std::int32_t> bad = {0, 4, 1, 1, 2, 3};
   CHECK_THROWS_WITH_AS(loss.add(0, 0, p1, bad), doctest::Contains("expert id 4 of 4 experts"), Error);
-  CHECK_THROWS_AS(RouterBalanceLoss(0, 4, 0.1), Error);
+  CHECK_THROWS_WITH_AS(loss.add(0, 0, p1, std::span(ids1).first(5)), doctest::Contains("5 expert ids for 3 rows of top 2"), Error);
+  CHECK(loss.rows() == 6);
+  CHECK(loss.loss() == doctest::Approx(0.25 * 0.5 * 4 * again).epsilon(1e-12));
+  CHECK_THROWS_AS(RouterBalanceLoss(0, 4, 2, 0.1), Error);
+  CHECK_THROWS_AS(RouterBalanceLoss(2, 4, 5, 0.1), Error);
 }

@@ -302,6 +302,8 @@ TEST_CASE("config errors name the file and the field") {
   olmoe = read_json_file(config_path("olmoe-1b-7b-0924.json"));
   olmoe.set("clip_qkv", -1);
   CHECK(config_error(olmoe).find("clip_qkv: must be positive or null") != std::string::npos);
+  olmoe.set("clip_qkv", 0);  // transformers would clamp q, k and v to 0, not leave them
+  CHECK(config_error(olmoe).find("clip_qkv: must be positive or null") != std::string::npos);
   Json mixtral = read_json_file(config_path("mixtral-8x7b-v0.1.json"));
   mixtral.set("router_jitter_noise", -1);
   CHECK(config_error(mixtral).find("router_jitter_noise: must not be negative") != std::string::npos);

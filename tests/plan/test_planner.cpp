@@ -271,9 +271,9 @@ TEST_CASE("an offloaded layer's prefetch waits for its own micro-batch's offload
 
 TEST_CASE("a layer's recompute waits for what its backward brings up: the offloaded boundary, a later micro-batch's refill") {
   // Both executors record one event after a layer's copies up (its activations, and on a later
-  // micro-batch its gradient sum so far) and the compute waits on it before the recompute. Until
-  // 2026-12-05 the step graph started the recompute on its weights and the gradient from above
-  // alone: before its input had landed.
+  // micro-batch its gradient sum so far) and the compute waits on it before the recompute. Before
+  // the forty-third session (2026-12-05) the step graph started the recompute on its weights and
+  // the gradient from above alone: before its input had landed.
   const Moe5bOnH200 m;
   const auto& [spec, profile, planner] = m;
   Plan p = planner.plan(Moe5bOnH200::request(4096, 139_GiB, 125_GiB)).plans.front();

@@ -47,7 +47,8 @@ struct FullAttentionShape {
   bool qk_norm_full_width = false;  ///< the q/k norm spans heads*head_dim (OLMoE), not one head
   bool bias = false;                ///< q/k/v/o projections carry biases (attention_bias)
   /// Attention only over the last this many keys (Mixtral's sliding_window; Qwen's with
-  /// use_sliding_window); 0: over every earlier key. The planner sizes it as full attention.
+  /// use_sliding_window, read for every layer: max_window_layers is not read, so the layers refuse
+  /// such a model whole); 0: over every earlier key. The planner sizes it as full attention.
   std::uint64_t sliding_window = 0;
   double clip_qkv = 0;  ///< OLMoE's clamp of the q/k/v projections to [-c, c]; 0: none
   friend bool operator==(const FullAttentionShape&, const FullAttentionShape&) = default;
