@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Tokenizes text into an OOMTOK01 token file, oom-train's --data (include/oom/io/token_file.hpp).
+
+  python3 scripts/make_token_file.py --tokenizer /models/Qwen3-30B-A3B --out data.tok corpus/*.txt
+  python3 scripts/make_token_file.py --bytes --out data.tok notes.md more.jsonl
+
+Inputs are documents: each .txt / .md file is one, each line of a .jsonl file is one (its "text"
+field, or --field). The tokens are written as they come (the corpus never sits in memory whole),
+into a temporary file beside --out that is renamed onto it once complete, so --out is either the
+old file or the whole new one.
+
+  --tokenizer DIR  a Hugging Face tokenizer (a model directory with tokenizer.json or the like;
+                   read with transformers' AutoTokenizer, offline). Its vocab is len(tokenizer);
+                   its EOS token ends every document unless --no-eos.
+  --bytes          UTF-8 bytes as tokens (vocab 256, no EOS): the built-in demo model's tokens
+                   (examples/configs/tiny-moe.json), no dependencies.
+The file holds u16 tokens where the vocab fits (<= 65536), else u32, and records the document
+count. A progress line goes to stderr every few seconds; the last line says what was written.
+"""
+import argparse
+import json
+import os
+import struct
+import sys
+import tempfile
+import time
+from array import array
+
+MAGIC = b"OOMTOK01"
+VERSION = 1
+HEADER = 64
+
+
+def documents(paths, field):
+    """(source, text) per document, in order."""
+    for path in paths:
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        sys.exit(f"{path}:{n}: not a JSON line ({e.msg})")
+                    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                        sys.exit(f"{path}:{n}: no string field '{field}' (--field names another)")
+                    yield f"{path}:{n}", record[field]
+        else:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    yield path, f.read()
+            except UnicodeDecodeError as e:
+                sys.exit(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("inputs", nargs="+", help=".txt/.md files (a document each) or .jsonl files (a document a line)")
+    ap.add_argument("--out", required=True, help="the token file to write")
+    how = ap.add_mutually_exclusive_group(required=True)
+    how.add_argument("--tokenizer", help="Hugging Face tokenizer directory (offline)")
+    how.add_argument("--bytes", action="store_true", help="UTF-8 bytes as tokens (vocab 256)")
+    ap.add_argument("--field", default="text", help="the text field of .jsonl records (default: text)")
+    ap.add_argument("--no-eos", action="store_true", help="do not end each document with the tokenizer's EOS token")
+    args = ap.parse_args()
+    for path in args.inputs:
+        if not os.path.isfile(path):
+            sys.exit(f"{path}: no such file")
+
+    if args.bytes:
+        vocab, eos = 256, None
+        encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
+    else:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            sys.exit("--tokenizer needs transformers (pip install transformers); --bytes needs nothing")
+        try:
+            tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+        except Exception as e:  # transformers raises several kinds for a directory it cannot read
+            sys.exit(f"{args.tokenizer}: cannot load a tokenizer ({type(e).__name__}: {e})")
+        vocab = len(tok)
+        eos = None if args.no_eos else tok.eos_token_id
+        if not args.no_eos and eos is None:
+            sys.exit(f"{args.tokenizer}: the tokenizer has no EOS token; pass --no-eos to write documents back to back")
+        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    code = "H" if vocab <= 1 << 16 else "I"
+    width = 2 if code == "H" else 4
+
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    fd, tmp = tempfile.mkstemp(prefix=".make_token_file.", dir=out_dir)
+    count = docs = 0
+    started = last = time.monotonic()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * HEADER)  # the header, once the counts are known
+            for source, text in documents(args.inputs, args.field):
+                ids = array(code, encode(text))
+                if eos is not None:
+                    ids.append(eos)
+                if ids and max(ids) >= vocab:
+                    sys.exit(f"{source}: token {max(ids)} >= the vocab {vocab}")
+                if sys.byteorder != "little":
+                    ids.byteswap()
+                ids.tofile(f)
+                count += len(ids)
+                docs += 1
+                if time.monotonic() - last > 5:
+                    last = time.monotonic()
+                    print(f"{docs} documents, {count} tokens ({count / (last - started):.0f} tokens/s)", file=sys.stderr)
+            if count == 0:
+                sys.exit("no tokens: the inputs hold no text")
+            f.seek(0)
+            f.write(MAGIC + struct.pack("<IIQQQ", VERSION, width, vocab, count, docs) + b"\0" * 24)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, args.out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    print(f"wrote {args.out}: {count} tokens ({width} bytes each, vocab {vocab}) in {docs} documents")
+
+
+if __name__ == "__main__":
+    main()

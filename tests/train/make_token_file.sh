@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# scripts/make_token_file.py: text and JSON lines into an OOMTOK01 file that oom-train trains on
+# (UTF-8 bytes: every byte a token, one document a file or a line); bad inputs named, the old
+# output left whole; with transformers ($OOM_TEST_PYTHON), a Hugging Face tokenizer's ids and its
+# EOS after each document. Usage: make_token_file.sh path/to/oom-train
+set -euo pipefail
+train="$1"
+here="$(cd "$(dirname "$0")/../.." && pwd)"
+make="$here/scripts/make_token_file.py"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+printf 'The planner splits GPU memory \xe2\x86\x92 experts.\n' > "$work/a.txt"
+printf '{"text": "hello world"}\n\n{"text": "caf\\u00e9", "id": 2}\n' > "$work/b.jsonl"
+python3 "$make" --bytes --out "$work/data.tok" "$work/a.txt" "$work/b.jsonl" > "$work/make.log"
+bytes=$(( $(wc -c < "$work/a.txt") + 11 + 5 ))  # "hello world", "café" in UTF-8
+read -r magic version width vocab count docs < <(python3 -c '
+import struct, sys
+b = open(sys.argv[1], "rb").read()
+print(b[:8].decode(), *struct.unpack_from("<IIQQQ", b, 8))' "$work/data.tok")
+[[ "$magic $version $width $vocab $count $docs" == "OOMTOK01 1 2 256 $bytes 3" ]] ||
+  fail "header '$magic $version $width $vocab $count $docs', expected 'OOMTOK01 1 2 256 $bytes 3'"
+grep -q "wrote .*data.tok: $bytes tokens (2 bytes each, vocab 256) in 3 documents" "$work/make.log" || fail "$(cat "$work/make.log")"
+# oom-train takes it (the built-in model's vocab is 256).
+"$train" --data "$work/data.tok" --seq 16 --steps 2 --out "$work/run" > "$work/train.log" || { cat "$work/train.log"; fail "oom-train"; }
+grep -q "data $work/data.tok: $bytes tokens (vocab 256)" "$work/train.log" || fail "oom-train read $(grep '^data' "$work/train.log")"
+
+# Bad inputs: named, and the old output left as it was.
+cp "$work/data.tok" "$work/before.tok"
+expect() {  # name, message part, then the arguments
+  local name="$1" want="$2"
+  shift 2
+  if python3 "$make" --out "$work/data.tok" "$@" > "$work/$name.log" 2>&1; then fail "$name: succeeded"; fi
+  grep -qF -- "$want" "$work/$name.log" || fail "$name: expected '$want', got: $(cat "$work/$name.log")"
+  cmp -s "$work/data.tok" "$work/before.tok" || fail "$name: the old output changed"
+  echo "ok   $name: $(tail -1 "$work/$name.log")"
+}
+printf '{"text": "fine"}\n{"text": \n' > "$work/broken.jsonl"
+expect broken-json-line "broken.jsonl:2: not a JSON line" --bytes "$work/broken.jsonl"
+printf '{"body": "x"}\n' > "$work/field.jsonl"
+expect missing-field "field.jsonl:1: no string field 'text'" --bytes "$work/field.jsonl"
+expect missing-file "absent.txt: no such file" --bytes "$work/absent.txt"
+printf '\xff\xfe' > "$work/latin.txt"
+expect not-utf8 "latin.txt: not UTF-8 text" --bytes "$work/latin.txt"
+: > "$work/empty.txt"
+expect no-text "no tokens: the inputs hold no text" --bytes "$work/empty.txt"
+[[ -z "$(find "$work" -name '.make_token_file.*')" ]] || fail "a temporary file was left behind"
+
+# A Hugging Face tokenizer (a BPE trained here: no network), where transformers is.
+python="${OOM_TEST_PYTHON:-python3}"
+if "$python" -c "import tokenizers, transformers" 2> /dev/null; then
+  "$python" - "$work/tk" "$here/README.md" 2> /dev/null <<'PY'
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+tok = Tokenizer(models.BPE(unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+tok.train([sys.argv[2]], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"]))
+PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(sys.argv[1])
+PY
+  "$python" "$make" --tokenizer "$work/tk" --out "$work/tk.tok" "$work/b.jsonl" > /dev/null
+  "$python" - "$work/tk" "$work/tk.tok" <<'PY' || fail "tokenizer ids"
+import struct, sys
+from array import array
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)
+want = []
+for text in ("hello world", "café"):
+    want += tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+b = open(sys.argv[2], "rb").read()
+_, width, vocab, count, docs = struct.unpack_from("<IIQQQ", b, 8)
+got = array("H", b[64:]).tolist()
+assert (width, vocab, count, docs) == (2, len(tok), len(want), 2), (width, vocab, count, docs)
+assert got == want, (got, want)
+print(f"ok   tokenizer: {count} ids, EOS after each of {docs} documents")
+PY
+else
+  echo "(no tokenizers/transformers in $python: the tokenizer case skipped)"
+fi
+echo PASS
