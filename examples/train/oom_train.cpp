@@ -86,7 +86,8 @@ constexpr std::string_view builtin_config = R"({
 
 constexpr const char* usage = R"(usage: oom-train [options]
 Model and data
-  --config PATH        Hugging Face config.json (default: the built-in 4-layer, 8-expert Qwen3-MoE)
+  --config PATH        Hugging Face config.json (default: the one beside --init-from's weights, else
+                       the built-in 4-layer, 8-expert Qwen3-MoE)
   --data PATH          token file (OOMTOK01; see include/oom/io/token_file.hpp)
                        (default: the built-in corpus, generated into the run directory)
   --init-from PATH     start from these weights instead of a random init: a safetensors file, a
@@ -395,7 +396,22 @@ float learning_rate(const Args& a, std::uint64_t t) {
   return static_cast<float>(a.lr * f);
 }
 
-int run(const Args& a) {
+/// The config.json beside --init-from's weights (a model directory, or the directory of its file or
+/// index), when --config is not given: a Hugging Face model or one of our checkpoints is one path.
+std::string config_beside(const std::string& init_from) {
+  if (init_from.empty()) return {};
+  std::error_code ec;
+  const fs::path p(init_from);
+  const fs::path dir = fs::is_directory(p, ec) ? p : p.parent_path();
+  const fs::path config = dir / "config.json";
+  return fs::is_regular_file(config, ec) ? config.string() : std::string();
+}
+
+int run(Args a) {
+  if (a.config.empty()) {
+    a.config = config_beside(a.init_from);
+    if (!a.config.empty()) fmt::print("config {} (beside --init-from; --config picks another)\n", a.config);
+  }
   // ---- model, data, plan: every input checked before anything is written ----
   const std::string config_text = a.config.empty() ? std::string(builtin_config) : read_text(a.config);
   const std::string config_name = a.config.empty() ? std::string("built-in tiny Qwen3-MoE") : a.config;
