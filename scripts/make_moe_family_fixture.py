@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""Writes tests/data/moe_families_torch.safetensors: whole decoder layers of Mixtral and OLMoE as
-transformers runs them (MixtralDecoderLayer: GQA without q/k norm, top-k weights renormalised;
-OlmoeDecoderLayer: q/k RMSNorm over the whole projection width, top-k weights as the softmax gave
-them), their inputs, outputs and PyTorch autograd gradients, for
+"""Writes tests/data/moe_families_torch.safetensors: whole decoder layers of Mixtral, OLMoE and
+Qwen2-MoE as transformers runs them (MixtralDecoderLayer: GQA without q/k norm, top-k weights
+renormalised; OlmoeDecoderLayer: q/k RMSNorm over the whole projection width, top-k weights as the
+softmax gave them; Qwen2MoeDecoderLayer: q/k/v biases, a shared expert with a sigmoid gate), their inputs, outputs and PyTorch autograd gradients, for
 tests/model/test_host_decoder_layer.cpp to check HostDecoderLayer against without PyTorch in CI.
 
   python3 scripts/make_moe_family_fixture.py [--out PATH]
 
 Needs torch, transformers (5.x: experts packed as gate_up_proj / down_proj) and safetensors; runs
-on the CPU in fp32. The models are examples/configs/tiny-mixtral.json and tiny-olmoe.json;
-their layers 0 and 1. Per family F (mixtral, olmoe) and layer L, tensors are named F.L.<what>,
+on the CPU in fp32. The models are examples/configs/tiny-mixtral.json, tiny-olmoe.json and
+tiny-qwen2-moe.json; their layers 0 and 1. Per family F (mixtral, olmoe, qwen2) and layer L, tensors are named F.L.<what>,
 as scripts/make_hybrid_layer_fixture.py names them:
   x, dy          the input (B sequences of S tokens, B x S x hidden) and the gradient given to y
   y, dx          the layer's output and the gradient of sum(y * dy) with respect to x
@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 import transformers
 from transformers.models.mixtral import modeling_mixtral as mx
 from transformers.models.olmoe import modeling_olmoe as ol
+from transformers.models.qwen2_moe import modeling_qwen2_moe as q2
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 B, S = 2, 9  # sequences, tokens each
@@ -116,10 +117,11 @@ def main():
     torch.manual_seed(0)
 
     tensors = {}
-    for family, module, config, seed in (("mixtral", mx, "tiny-mixtral.json", 300), ("olmoe", ol, "tiny-olmoe.json", 400)):
+    for family, module, prefix, config, seed in (("mixtral", mx, "Mixtral", "tiny-mixtral.json", 300),
+                                                 ("olmoe", ol, "Olmoe", "tiny-olmoe.json", 400),
+                                                 ("qwen2", q2, "Qwen2Moe", "tiny-qwen2-moe.json", 500)):
         cfg = transformers.AutoConfig.from_pretrained(os.path.join(ROOT, "examples/configs", config))
         cfg._attn_implementation = "eager"
-        prefix = "Mixtral" if family == "mixtral" else "Olmoe"
         rotary = getattr(module, prefix + "RotaryEmbedding")(cfg)
         for i, idx in enumerate(LAYERS):
             layer = getattr(module, prefix + "DecoderLayer")(cfg, idx)

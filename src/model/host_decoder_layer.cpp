@@ -112,9 +112,9 @@ std::span<const float> cspan(const Vec& v) { return {v.data(), v.size()}; }
 
 std::string unsupported(int layer, std::string_view feature) {
   return fmt::format("HostDecoderLayer: layer {} has {}, which the host decoder layer does not implement "
-                     "(it runs qwen3_moe, qwen3_next, qwen3_5_moe, mixtral and olmoe layers: an MoE block; full "
-                     "attention with per-head, full-width or no q/k RMSNorm, no bias, no sliding window, or "
-                     "Gated DeltaNet linear attention)",
+                     "(it runs qwen3_moe, qwen3_next, qwen3_5_moe, mixtral, olmoe and qwen2_moe layers: an MoE "
+                     "block; full attention with per-head, full-width or no q/k RMSNorm, q/k/v biases or none, "
+                     "no sliding window, or Gated DeltaNet linear attention)",
                      layer, feature);
 }
 
@@ -127,7 +127,9 @@ HostDecoderLayer::HostDecoderLayer(const ModelSpec& spec, int layer) : layer_(la
   const ModelFamily family = spec.family();
   linear_ = ls.attention == AttentionKind::linear;
   if (!linear_) {
-    if (a.bias) OOM_THROW(Errc::unsupported, unsupported(layer, "attention bias"));
+    if (a.bias) OOM_THROW(Errc::unsupported, unsupported(layer, "attention bias on o_proj (attention_bias)"));
+    if (a.qkv_bias && a.output_gate) OOM_THROW(Errc::unsupported, unsupported(layer, "q/k/v biases beside an output gate"));
+    if (a.qkv_bias) qkv_bias_n_ = (a.heads + 2 * a.kv_heads) * a.head_dim;
     if (a.sliding_window > 0)
       OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("sliding-window attention (sliding_window {})", a.sliding_window)));
     if (a.clip_qkv > 0) OOM_THROW(Errc::unsupported, unsupported(layer, fmt::format("clip_qkv {}", a.clip_qkv)));
@@ -190,7 +192,7 @@ HostDecoderLayer::HostDecoderLayer(const ModelSpec& spec, int layer) : layer_(la
     OOM_ASSERT(segments_[0].parameters() == (2 * kw + 2 * vw) * h_ + 2 * vh * h_ + C * static_cast<std::uint64_t>(delta_.conv_kernel) +
                                                 2 * vh + static_cast<std::uint64_t>(delta_.v_dim) + h_ * vw);
   } else {
-    OOM_ASSERT(segments_[0].parameters() == ((output_gate_ ? 2 : 1) * q_ + 2 * kv_) * h_ + h_ * q_ + q_norm_n_ + k_norm_n_);
+    OOM_ASSERT(segments_[0].parameters() == ((output_gate_ ? 2 : 1) * q_ + 2 * kv_) * h_ + h_ * q_ + qkv_bias_n_ + q_norm_n_ + k_norm_n_);
   }
   OOM_ASSERT(segments_[1].parameters() == 2 * h_ && segments_[2].parameters() == e_ * h_);
   for (std::uint64_t e = 0; e < e_; ++e) OOM_ASSERT(segments_[3 + e].parameters() == 3 * i_ * h_);
@@ -419,11 +421,15 @@ void HostDecoderLayer::full_attention_forward(const HostLayerContext& ctx, Vec& 
   const size_t Pq = (output_gate_ ? 2 : 1) * q_, P = Pq + 2 * kv_;  // q_proj's rows, then k_proj's and v_proj's
   const float* wa = w_[0].data();
   const float* w_o = wa + P * H;
-  const float* q_norm = w_o + H * q_;
+  const float* qkv_bias = w_o + H * q_;  // Qwen2-MoE's q, k and v biases, (P), where the model has them
+  const float* q_norm = qkv_bias + qkv_bias_n_;
   const float* k_norm = q_norm + q_norm_n_;
   auto& f = fwd_;
   Vec qkv(T * P);
   gemm_nt(f.xn1.data(), wa, qkv.data(), T, P, H);
+  if (qkv_bias_n_ > 0)
+    for (size_t t = 0; t < T; ++t)
+      for (size_t j = 0; j < P; ++j) qkv[t * P + j] += qkv_bias[j];
   f.q_raw.resize(T * q_);
   f.gate.resize(output_gate_ ? T * q_ : 0);
   f.k_raw.resize(T * kv_);
@@ -766,11 +772,11 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
   const float* lse = ctx.saved[cls(ActivationClass::softmax_stats)];
   const float* wa = w_[0].data();
   const float* w_o = wa + P * H;
-  const float* q_norm = w_o + H * q_;
+  const float* q_norm = w_o + H * q_ + qkv_bias_n_;  // after the q, k and v biases, where the model has them
   const float* k_norm = q_norm + q_norm_n_;
   float* ga = ctx.weight_grads[0].data();
   float* g_o = ga + P * H;
-  const size_t q_norm_at = P * H + H * q_, k_norm_at = q_norm_at + q_norm_n_;
+  const size_t bias_at = P * H + H * q_, q_norm_at = bias_at + qkv_bias_n_, k_norm_at = q_norm_at + q_norm_n_;
 
   // o_proj reads the context, scaled by sigmoid(gate) where there is a gate.
   Vec dh_t(H * T);
@@ -828,6 +834,12 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
   Vec dqkv_t(P * T);
   transpose(dqkv.data(), dqkv_t.data(), T, P);
   gemm_nn(dqkv_t.data(), xn1, ga, P, T, H, true);
+  if (qkv_bias_n_ > 0)  // each bias's gradient: its rows' gradients summed over the tokens, in order
+    for (size_t j = 0; j < P; ++j) {
+      double sum = 0;
+      for (size_t t = 0; t < T; ++t) sum += dqkv_t[j * T + t];
+      ga[bias_at + j] += static_cast<float>(sum);
+    }
   gemm_nn(dqkv.data(), wa, dxn1.data(), T, P, H, false);
 }
 

@@ -19,6 +19,7 @@ const char* to_string(ModelFamily f) noexcept {
     case ModelFamily::qwen3_5_moe: return "qwen3_5_moe";
     case ModelFamily::mixtral: return "mixtral";
     case ModelFamily::olmoe: return "olmoe";
+    case ModelFamily::qwen2_moe: return "qwen2_moe";
   }
   return "?";
 }
@@ -72,9 +73,10 @@ class ConfigReader {
     else if (type == "qwen3_5_moe") m.family_ = ModelFamily::qwen3_5_moe;
     else if (type == "mixtral") m.family_ = ModelFamily::mixtral;
     else if (type == "olmoe") m.family_ = ModelFamily::olmoe;
+    else if (type == "qwen2_moe") m.family_ = ModelFamily::qwen2_moe;
     else
       bad_field(root_["model_type"], "unknown model_type \"" + type +
-                                         "\" (supported: qwen3_moe, qwen3_next, qwen3_5_moe, mixtral, olmoe)");
+                                         "\" (supported: qwen3_moe, qwen3_next, qwen3_5_moe, mixtral, olmoe, qwen2_moe)");
     const ModelFamily f = m.family_;
     const bool qwen_hybrid = f == ModelFamily::qwen3_next || f == ModelFamily::qwen3_5_moe;
 
@@ -107,10 +109,11 @@ class ConfigReader {
                                                 " is not divisible by num_attention_heads " + std::to_string(a.heads));
       a.head_dim = m.hidden_ / a.heads;
     }
-    a.qk_norm = f != ModelFamily::mixtral;
+    a.qk_norm = f != ModelFamily::mixtral && f != ModelFamily::qwen2_moe;
     a.qk_norm_full_width = f == ModelFamily::olmoe;
     a.output_gate = f == ModelFamily::qwen3_next || (f == ModelFamily::qwen3_5_moe && bool_or(c["attn_output_gate"], true));
-    a.bias = f != ModelFamily::mixtral && bool_or(c["attention_bias"], false);
+    a.bias = f != ModelFamily::mixtral && f != ModelFamily::qwen2_moe && bool_or(c["attention_bias"], false);
+    a.qkv_bias = f == ModelFamily::qwen2_moe && bool_or(c["qkv_bias"], true);
     // Fields that change what a layer computes; read so a layer that does not implement them can
     // refuse the model by name instead of training another one.
     if (f == ModelFamily::mixtral || (f != ModelFamily::olmoe && bool_or(c["use_sliding_window"], false)))
@@ -142,9 +145,10 @@ class ConfigReader {
     // Mixtral and OLMoE name the expert width intermediate_size; Qwen reserves that for dense layers.
     const bool expert_in_intermediate = f == ModelFamily::mixtral || f == ModelFamily::olmoe;
     moe.expert_intermediate = positive(c[expert_in_intermediate ? "intermediate_size" : "moe_intermediate_size"]);
-    if (qwen_hybrid) moe.shared_expert_intermediate = positive(c["shared_expert_intermediate_size"]);
+    if (qwen_hybrid || f == ModelFamily::qwen2_moe) moe.shared_expert_intermediate = positive(c["shared_expert_intermediate_size"]);
     switch (f) {
       case ModelFamily::qwen3_moe:
+      case ModelFamily::qwen2_moe:
       case ModelFamily::olmoe: moe.norm_topk_prob = bool_or(c["norm_topk_prob"], false); break;
       case ModelFamily::qwen3_next: moe.norm_topk_prob = bool_or(c["norm_topk_prob"], true); break;
       // These routers always renormalise the top-k weights; the config has no switch.
@@ -219,10 +223,10 @@ class ConfigReader {
       }
     }
 
-    // Dense layers. Qwen3-MoE and Qwen3-Next build a layer as MoE unless it is listed in
+    // Dense layers. Qwen3-MoE, Qwen2-MoE and Qwen3-Next build a layer as MoE unless it is listed in
     // mlp_only_layers or falls off decoder_sparse_step; Qwen3.5-MoE, Mixtral and OLMoE always build
     // MoE layers (transformers ignores such fields there, so do we, to match the checkpoints).
-    if (f == ModelFamily::qwen3_moe || f == ModelFamily::qwen3_next) {
+    if (f == ModelFamily::qwen3_moe || f == ModelFamily::qwen2_moe || f == ModelFamily::qwen3_next) {
       const std::uint64_t step = positive_or(c["decoder_sparse_step"], 1);
       std::set<std::uint64_t> dense;
       if (const JsonCursor list = c["mlp_only_layers"]; list.present_not_null()) {
@@ -294,6 +298,9 @@ class ConfigReader {
     if (a.bias) t.push_back(tensor(sa + "v_proj.bias", {kv}));
     t.push_back(tensor(sa + "o_proj.weight", {H, q}));
     if (a.bias) t.push_back(tensor(sa + "o_proj.bias", {H}));
+    if (a.qkv_bias)  // after the weights, which stay one block of rows
+      for (const auto& [name, n] : {std::pair{"q_proj.bias", q}, std::pair{"k_proj.bias", kv}, std::pair{"v_proj.bias", kv}})
+        t.push_back(tensor(sa + name, {n}));
     if (a.qk_norm) {
       t.push_back(tensor(sa + "q_norm.weight", {a.qk_norm_full_width ? q : a.head_dim}));
       t.push_back(tensor(sa + "k_norm.weight", {a.qk_norm_full_width ? kv : a.head_dim}));

@@ -289,7 +289,7 @@ TEST_CASE("weights in a Hugging Face sharded checkpoint: read through its index,
   fs::path hf;
   ModelSpec spec = tiny();
   std::vector<std::vector<float>> whole;
-  for (const fs::path config : {fs::path(OOM_SOURCE_DIR) / "tests/data/tiny-qwen3.5-moe.json", fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json"}) {
+  for (const fs::path& config : {fs::path(OOM_SOURCE_DIR) / "tests/data/tiny-qwen3.5-moe.json", fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json"}) {
     CAPTURE(config.string());
     spec = ModelSpec::from_file(config);
     const auto model = save_checkpoint(dir / config.stem(), spec, random_state(spec, 7), {1, "{}", Json::object(), 2}) / "model.safetensors";

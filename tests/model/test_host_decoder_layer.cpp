@@ -331,11 +331,15 @@ TEST_CASE("Qwen3-Next's and Qwen3.5's layers are transformers': outputs and ever
                       {{"next", "tests/data/tiny-qwen3-next-layers.json"}, {"q35", "tests/data/tiny-qwen3.5-moe.json"}}, {0, 3});
 }
 
-TEST_CASE("Mixtral's and OLMoE's layers are transformers': outputs and every gradient") {
-  // tests/data/moe_families_torch.safetensors: MixtralDecoderLayer (no q/k norm, experts w1/w3/w2)
-  // and OlmoeDecoderLayer (q/k RMSNorm over the whole projection, top-k weights not renormalised).
+TEST_CASE("Mixtral's, OLMoE's and Qwen2-MoE's layers are transformers': outputs and every gradient") {
+  // tests/data/moe_families_torch.safetensors: MixtralDecoderLayer (no q/k norm, experts w1/w3/w2),
+  // OlmoeDecoderLayer (q/k RMSNorm over the whole projection, top-k weights not renormalised) and
+  // Qwen2MoeDecoderLayer (q/k/v biases, a shared expert with a sigmoid gate).
   check_against_torch("moe_families_torch.safetensors",
-                      {{"mixtral", "examples/configs/tiny-mixtral.json"}, {"olmoe", "examples/configs/tiny-olmoe.json"}}, {0, 1});
+                      {{"mixtral", "examples/configs/tiny-mixtral.json"},
+                       {"olmoe", "examples/configs/tiny-olmoe.json"},
+                       {"qwen2", "examples/configs/tiny-qwen2-moe.json"}},
+                      {0, 1});
 }
 
 TEST_CASE("several sequences in one pass: each sequence's outputs as if it ran alone, the weight gradients their sum") {
@@ -521,6 +525,7 @@ TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, both hy
                                    {"qwen3_5_moe full", data_spec("tests/data/tiny-qwen3.5-moe.json"), 3},
                                    {"mixtral", data_spec("examples/configs/tiny-mixtral.json"), 1},
                                    {"olmoe", data_spec("examples/configs/tiny-olmoe.json"), 0},
+                                   {"qwen2_moe", data_spec("examples/configs/tiny-qwen2-moe.json"), 1},
                                    {"mixtral, load-balancing loss", data_spec("examples/configs/tiny-mixtral.json"), 0, true}};
   for (const auto& [name, spec, index, balanced] : cases)
   for (const std::uint64_t T : {7u, 23u}) {

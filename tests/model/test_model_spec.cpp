@@ -116,6 +116,35 @@ TEST_CASE("Mixtral-8x7B: 46.7B total, 12.9B active") {
   CHECK(ModelSpec::from_json(olmoe).moe().router_aux_loss_coef == 0.01);
 }
 
+TEST_CASE("Qwen1.5-MoE-A2.7B (qwen2_moe): 14.3B total, 2.7B active; q/k/v biases after the weights, a shared expert") {
+  const ModelSpec m = load("qwen1.5-moe-a2.7b.json");
+  CHECK(m.family() == ModelFamily::qwen2_moe);
+  CHECK(m.total_parameters() == 14'315'784'192ULL);
+  CHECK(m.active_parameters() == 2'689'173'504ULL);
+  CHECK(off(m.total_parameters(), 14.3e9) < 0.01);
+  CHECK(off(m.active_parameters(), 2.7e9) < 0.01);
+  CHECK_FALSE(m.attention().qk_norm);
+  CHECK_FALSE(m.attention().bias);
+  CHECK(m.attention().qkv_bias);
+  CHECK(m.moe().shared_expert_intermediate == 5632);
+  CHECK_FALSE(m.moe().norm_topk_prob);
+  const auto& attn = segment(m, "layers.0.attention").tensors;
+  REQUIRE(attn.size() == 7);
+  CHECK(attn[3].name == "model.layers.0.self_attn.o_proj.weight");
+  CHECK(attn[4].name == "model.layers.0.self_attn.q_proj.bias");
+  CHECK(attn[6].shape == Shape{2048});
+  CHECK(tensor(m, "model.layers.23.mlp.shared_expert_gate.weight").shape == Shape{1, 2048});
+  CHECK(tensor(m, "model.layers.0.mlp.experts.59.down_proj.weight").shape == Shape{2048, 1408});
+  // qkv_bias false drops the biases; decoder_sparse_step makes dense layers as Qwen3-MoE's does.
+  Json j = read_json_file(config_path("qwen1.5-moe-a2.7b.json"));
+  j.set("qkv_bias", Json(false));
+  j.set("decoder_sparse_step", 2);
+  const ModelSpec plain = ModelSpec::from_json(j);
+  CHECK(segment(plain, "layers.0.attention").tensors.size() == 4);
+  CHECK_FALSE(plain.layer(0).moe);
+  CHECK(plain.layer(1).moe);
+}
+
 TEST_CASE("Qwen3-Next-80B-A3B: hybrid 3 DeltaNet : 1 gated attention, shared expert") {
   const ModelSpec m = load("qwen3-next-80b-a3b.json");
   CHECK(m.family() == ModelFamily::qwen3_next);

@@ -1,5 +1,5 @@
-// HostDecoderLayer: one decoder layer of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral or OLMoE
-// model for the HostExecutor, computed on the CPU in fp32 (fp64 accumulation in every dot product
+// HostDecoderLayer: one decoder layer of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, OLMoE or
+// Qwen2-MoE model for the HostExecutor, computed on the CPU in fp32 (fp64 accumulation in every dot product
 // and weight gradient) from bf16 weights, as transformers' Qwen3MoeDecoderLayer /
 // Qwen3NextDecoderLayer / Qwen3_5MoeDecoderLayer / MixtralDecoderLayer / OlmoeDecoderLayer
 // compute it:
@@ -9,8 +9,8 @@
 //
 // where the token mixer is either
 //   full attention:   o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v) [* sigmoid(gate)]),
-//                     the q/k RMSNorms per head (Qwen), over the whole projection (OLMoE) or
-//                     absent (Mixtral);
+//                     the q/k RMSNorms per head (Qwen3), over the whole projection (OLMoE) or
+//                     absent (Mixtral, Qwen2-MoE, whose q, k and v projections add biases);
 //                     q (and, with an output gate, the gate: q_proj yields [q_h | gate_h] per
 //                     head) = q_proj(n1), k = k_proj(n1), v = v_proj(n1); causal GQA (scale
 //                     1/sqrt(head_dim)); rotate-half RoPE over the first rotary_dim =
@@ -133,6 +133,7 @@ class HostDecoderLayer {
   std::uint64_t h_ = 0, heads_ = 0, kv_heads_ = 0, d_ = 0, q_ = 0, kv_ = 0, e_ = 0, k_ = 0, i_ = 0;
   std::uint64_t rotary_ = 0;  // dimensions of a head RoPE rotates
   std::uint64_t shared_i_ = 0;  // the shared expert's intermediate; 0: none
+  std::uint64_t qkv_bias_n_ = 0;  // Qwen2-MoE's q, k and v biases (heads + 2 kv_heads) * head_dim; 0: none
   std::uint64_t q_norm_n_ = 0, k_norm_n_ = 0;  // the q and k norms' weights (and rows): head_dim, full width, or 0: none
   float eps_ = 0, theta_ = 0;
   float norm_offset_ = 0;  // added to the input, post-attention and q/k norm weights: 1 where they scale by (1 + w)

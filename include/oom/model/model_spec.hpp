@@ -12,6 +12,9 @@
 //   mixtral      Mixtral: GQA without q/k norm; experts w1/w2/w3 under block_sparse_moe (held in
 //                a segment as w1, w3, w2: gate, up, down, the layout of the other families).
 //   olmoe        OLMoE: MHA with q/k RMSNorm over the full projection width.
+//   qwen2_moe    Qwen1.5-MoE / Qwen2-MoE: q/k/v biases (qkv_bias), no q/k norm, a shared expert
+//                with a sigmoid gate, dense layers as Qwen3-MoE's (held in a segment with the
+//                biases after o_proj: the weights' rows stay one block).
 #pragma once
 
 #include <cstdint>
@@ -27,7 +30,7 @@ namespace oom {
 
 class Json;
 
-enum class ModelFamily : unsigned char { qwen3_moe, qwen3_next, qwen3_5_moe, mixtral, olmoe };
+enum class ModelFamily : unsigned char { qwen3_moe, qwen3_next, qwen3_5_moe, mixtral, olmoe, qwen2_moe };
 /// The config.json model_type of a family ("qwen3_moe", ...).
 const char* to_string(ModelFamily f) noexcept;
 
@@ -46,6 +49,7 @@ struct FullAttentionShape {
   bool qk_norm = false;             ///< RMSNorm on q and k
   bool qk_norm_full_width = false;  ///< the q/k norm spans heads*head_dim (OLMoE), not one head
   bool bias = false;                ///< q/k/v/o projections carry biases (attention_bias)
+  bool qkv_bias = false;            ///< q/k/v (not o) carry biases (Qwen2-MoE's qkv_bias)
   /// Attention only over the last this many keys (Mixtral's sliding_window; Qwen's with
   /// use_sliding_window, read for every layer: max_window_layers is not read, so the layers refuse
   /// such a model whole); 0: over every earlier key. The planner sizes it as full attention.
