@@ -124,17 +124,6 @@ void check_tensors(const SafetensorsFile& file, const ModelSpec& spec, std::stri
     }
 }
 
-void read_segment(const SafetensorsFile& file, const StateSegment& seg, std::span<float> out) {
-  if (out.size() != seg.parameters())
-    OOM_THROW(Errc::invalid_argument, fmt::format("{}: segment '{}' has {} parameters; a span of {}", file.source(), seg.name,
-                                                  seg.parameters(), out.size()));
-  std::uint64_t offset = 0;
-  for (const auto& t : seg.tensors) {
-    read_values(file, t, out.subspan(offset, t.elements()));
-    offset += t.elements();
-  }
-}
-
 /// Weights in one safetensors file or in a Hugging Face sharded checkpoint: the shards named by a
 /// model.safetensors.index.json's weight_map (tensor name -> shard file, beside the index). Opened
 /// from the file, the index, or a directory holding model.safetensors or the index.
@@ -213,16 +202,6 @@ void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<f
     read_values(files.file_of(t.name), t, out.subspan(offset, t.elements()));
     offset += t.elements();
   }
-}
-
-std::vector<std::vector<float>> read_segments(const SafetensorsFile& file, const ModelSpec& spec) {
-  std::vector<std::vector<float>> out;
-  for (const auto& seg : spec.segments()) {
-    std::vector<float> v(seg.parameters());
-    read_segment(file, seg, v);
-    out.push_back(std::move(v));
-  }
-  return out;
 }
 
 }  // namespace
@@ -360,7 +339,7 @@ SegmentStateSource CheckpointReader::source() const {
 CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool with_optimizer) {
   CheckpointRead r;
   if (!with_optimizer) {
-    for (auto& w : read_segments(SafetensorsFile::open(dir / "model.safetensors"), spec))
+    for (auto& w : load_weights(dir / "model.safetensors", spec))
       r.state.push_back({std::move(w), {}, {}});
     r.trainer_state = read_json_file(dir / "trainer_state.json");
     return r;
