@@ -25,19 +25,15 @@ import json
 import os
 
 import torch
-from safetensors.torch import save_file
 import transformers
 from transformers.models.qwen3_next import modeling_qwen3_next as q3n
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
 
+from layer_fixture import B, S, bf16, causal_mask, entries, forward_backward, routing_margin, save
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-B, S = 2, 9  # sequences, tokens each
 LAYERS = (0, 3)
-
-
-def bf16(t):
-    return t.to(torch.bfloat16).to(torch.float32)
 
 
 def draw(module, gen):
@@ -60,14 +56,6 @@ def draw(module, gen):
             p.copy_(bf16(v))
 
 
-def routing_margin(layer, h):
-    """The smallest gap between a token's k-th and (k+1)-th routing probability."""
-    n2 = layer.post_attention_layernorm(h).reshape(-1, h.shape[-1])
-    probs = torch.softmax(n2 @ layer.mlp.gate.weight.T, dim=-1, dtype=torch.float)
-    top = torch.topk(probs, layer.mlp.gate.top_k + 1, dim=-1).values
-    return float((top[:, -2] - top[:, -1]).min())
-
-
 def run_layer(family, layer, rotary, idx, seed):
     gen = torch.Generator().manual_seed(seed)
     for attempt in range(100):
@@ -78,7 +66,7 @@ def run_layer(family, layer, rotary, idx, seed):
         cos_sin = rotary(x, positions)
         mask = None
         if layer.block_type == "full_attention":  # eager attention: an additive causal mask
-            mask = torch.full((S, S), float("-inf")).triu(1).expand(B, 1, S, S)
+            mask = causal_mask()
         with torch.no_grad():
             residual = x + (layer.linear_attn(layer.input_layernorm(x)) if layer.block_type == "linear_attention"
                             else layer.self_attn(layer.input_layernorm(x), cos_sin, mask)[0])
@@ -86,12 +74,9 @@ def run_layer(family, layer, rotary, idx, seed):
             break
     else:
         raise SystemExit(f"{family} layer {idx}: no draw with well-separated routing in 100 attempts")
-    x.requires_grad_(True)
     params = dict(layer.named_parameters())
-    y = layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)
-    grads = torch.autograd.grad((y * dy).sum(), [x, *params.values()])
-    out = {"x": x.detach(), "dy": dy, "y": y.detach(), "dx": grads[0]}
-    named = dict(zip(params.keys(), grads[1:]))
+    y, dx, named = forward_backward(layer, x, dy, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)
+    out = {"x": x, "dy": dy, "y": y, "dx": dx}
     for name, p in params.items():
         g = named[name]
         if family == "next" and name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
@@ -109,9 +94,8 @@ def run_layer(family, layer, rotary, idx, seed):
             out[f"w.{name}"] = p.detach()
             out[f"g.{name}"] = g
     print(f"{family} layer {idx} ({layer.block_type}): routing margin {routing_margin(layer, residual):.2e} "
-          f"after {attempt + 1} draw(s), |y| {float(y.abs().max()):.3g}, |dx| {float(grads[0].abs().max()):.3g}")
-    # Weights as bf16 (they are bf16 values; the layer reads bf16), everything else fp32.
-    return {f"{family}.{idx}.{k}": (v.to(torch.bfloat16) if k.startswith("w.") else v).contiguous() for k, v in out.items()}
+          f"after {attempt + 1} draw(s), |y| {float(y.abs().max()):.3g}, |dx| {float(dx.abs().max()):.3g}")
+    return entries(family, idx, out)
 
 
 def main():
@@ -134,9 +118,7 @@ def main():
     for i, idx in enumerate(LAYERS):
         tensors.update(run_layer("q35", q35.Qwen3_5MoeDecoderLayer(cfg35, idx), rotary35, idx, 200 + i))
 
-    save_file(tensors, args.out, metadata={"torch": torch.__version__, "transformers": transformers.__version__,
-                                           "sequences": str(B), "tokens": str(S)})
-    print(f"wrote {len(tensors)} tensors to {args.out} (torch {torch.__version__}, transformers {transformers.__version__})")
+    save(tensors, args.out)
 
 
 if __name__ == "__main__":

@@ -25,19 +25,15 @@ import argparse
 import os
 
 import torch
-from safetensors.torch import save_file
 import transformers
 from transformers.models.mixtral import modeling_mixtral as mx
 from transformers.models.olmoe import modeling_olmoe as ol
 from transformers.models.qwen2_moe import modeling_qwen2_moe as q2
 
+from layer_fixture import B, S, bf16, causal_mask, entries, forward_backward, routing_margin, save
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-B, S = 2, 9  # sequences, tokens each
 LAYERS = (0, 1)
-
-
-def bf16(t):
-    return t.to(torch.bfloat16).to(torch.float32)
 
 
 def draw(module, gen):
@@ -46,19 +42,6 @@ def draw(module, gen):
         for name, p in module.named_parameters():
             scale, mean = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
             p.copy_(bf16(mean + scale * torch.randn(p.shape, generator=gen)))
-
-
-def routing_margin(layer, h):
-    """The smallest gap between a token's k-th and (k+1)-th routing probability."""
-    with torch.no_grad():
-        return _margin(layer, h)
-
-
-def _margin(layer, h):
-    n2 = layer.post_attention_layernorm(h).reshape(-1, h.shape[-1])
-    probs = torch.softmax(n2 @ layer.mlp.gate.weight.T, dim=-1, dtype=torch.float)
-    top = torch.topk(probs, layer.mlp.gate.top_k + 1, dim=-1).values
-    return float((top[:, -2] - top[:, -1]).min())
 
 
 def checkpoint_names(family, name, p, g):
@@ -79,7 +62,7 @@ def checkpoint_names(family, name, p, g):
 
 def run_layer(family, layer, rotary, idx, seed):
     gen = torch.Generator().manual_seed(seed)
-    mask = torch.full((S, S), float("-inf")).triu(1).expand(B, 1, S, S)  # eager attention: an additive causal mask
+    mask = causal_mask()
     positions = torch.arange(S).unsqueeze(0).expand(B, S)
     for attempt in range(100):
         draw(layer, gen)
@@ -92,22 +75,18 @@ def run_layer(family, layer, rotary, idx, seed):
             break
     else:
         raise SystemExit(f"{family} layer {idx}: no draw with well-separated routing in 100 attempts")
-    x.requires_grad_(True)
     params = dict(layer.named_parameters())
-    y = layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)
-    y = y[0] if isinstance(y, tuple) else y
-    grads = torch.autograd.grad((y * dy).sum(), [x, *params.values()])
-    out = {"x": x.detach(), "dy": dy, "y": y.detach(), "dx": grads[0]}
-    for (name, p), g in zip(params.items(), grads[1:]):
-        for ckpt, w, gw in checkpoint_names(family, name, p.detach(), g):
+    y, dx, named = forward_backward(layer, x, dy, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)
+    out = {"x": x, "dy": dy, "y": y, "dx": dx}
+    for name, p in params.items():
+        for ckpt, w, gw in checkpoint_names(family, name, p.detach(), named[name]):
             if family == "mixtral":
                 ckpt = ckpt.replace("mlp.", "block_sparse_moe.", 1)
             out[f"w.{ckpt}"] = w
             out[f"g.{ckpt}"] = gw
     print(f"{family} layer {idx}: routing margin {routing_margin(layer, residual):.2e} after {attempt + 1} draw(s), "
-          f"|y| {float(y.abs().max()):.3g}, |dx| {float(grads[0].abs().max()):.3g}")
-    # Weights as bf16 (they are bf16 values; the layer reads bf16), everything else fp32.
-    return {f"{family}.{idx}.{k}": (v.to(torch.bfloat16) if k.startswith("w.") else v).contiguous() for k, v in out.items()}
+          f"|y| {float(y.abs().max()):.3g}, |dx| {float(dx.abs().max()):.3g}")
+    return entries(family, idx, out)
 
 
 def main():
@@ -127,9 +106,7 @@ def main():
             layer = getattr(module, prefix + "DecoderLayer")(cfg, idx)
             tensors.update(run_layer(family, layer, rotary, idx, seed + i))
 
-    save_file(tensors, args.out, metadata={"torch": torch.__version__, "transformers": transformers.__version__,
-                                           "sequences": str(B), "tokens": str(S)})
-    print(f"wrote {len(tensors)} tensors to {args.out} (torch {torch.__version__}, transformers {transformers.__version__})")
+    save(tensors, args.out)
 
 
 if __name__ == "__main__":
