@@ -35,8 +35,12 @@ def documents(paths, field):
     """(source, text) per document, in order."""
     for path in paths:
         if path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
+            with open(path, "rb") as f:
+                for n, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        sys.exit(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})")
                     if not line.strip():
                         continue
                     try:
@@ -80,7 +84,8 @@ def main():
             tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
         except Exception as e:  # transformers raises several kinds for a directory it cannot read
             sys.exit(f"{args.tokenizer}: cannot load a tokenizer ({type(e).__name__}: {e})")
-        vocab = len(tok)
+        # Added tokens may sit past len(tok) (gaps in their ids): the vocab covers every id.
+        vocab = max(len(tok), max(tok.get_vocab().values(), default=-1) + 1)
         eos = None if args.no_eos else tok.eos_token_id
         if not args.no_eos and eos is None:
             sys.exit(f"{args.tokenizer}: the tokenizer has no EOS token; pass --no-eos to write documents back to back")
@@ -89,14 +94,24 @@ def main():
     width = 2 if code == "H" else 4
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        sys.exit(f"{args.out}: no directory {out_dir} to write it in")
     fd, tmp = tempfile.mkstemp(prefix=".make_token_file.", dir=out_dir)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # as any new file (mkstemp's are the owner's alone)
     count = docs = 0
     started = last = time.monotonic()
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(b"\0" * HEADER)  # the header, once the counts are known
             for source, text in documents(args.inputs, args.field):
-                ids = array(code, encode(text))
+                try:
+                    ids = array(code, encode(text))
+                except UnicodeEncodeError as e:  # a lone surrogate a JSON escape made
+                    sys.exit(f"{source}: text that UTF-8 cannot hold ({e.reason} at character {e.start})")
+                except OverflowError:
+                    sys.exit(f"{source}: a token id past {2 ** (8 * width) - 1}")
                 if eos is not None:
                     ids.append(eos)
                 if ids and max(ids) >= vocab:

@@ -398,19 +398,31 @@ float learning_rate(const Args& a, std::uint64_t t) {
 
 /// The config.json beside --init-from's weights (a model directory, or the directory of its file or
 /// index), when --config is not given: a Hugging Face model or one of our checkpoints is one path.
+/// A directory without one is refused (its weights would meet the built-in model).
 std::string config_beside(const std::string& init_from) {
   if (init_from.empty()) return {};
   std::error_code ec;
   const fs::path p(init_from);
-  const fs::path dir = fs::is_directory(p, ec) ? p : p.parent_path();
-  const fs::path config = dir / "config.json";
-  return fs::is_regular_file(config, ec) ? config.string() : std::string();
+  const bool is_dir = fs::is_directory(p, ec);
+  const fs::path config = (is_dir ? p : p.parent_path()) / "config.json";
+  if (fs::is_regular_file(config, ec)) return config.string();
+  if (is_dir)
+    OOM_THROW(Errc::invalid_argument, fmt::format("--init-from {}: the directory has no config.json; pass --config with the "
+                                                  "model's", init_from));
+  return {};
 }
 
 int run(Args a) {
   if (a.config.empty()) {
-    a.config = config_beside(a.init_from);
-    if (!a.config.empty()) fmt::print("config {} (beside --init-from; --config picks another)\n", a.config);
+    // A resumed run's model is its checkpoint's; a new one's the config beside --init-from's weights.
+    const auto resumed = a.resume ? latest_checkpoint(a.out) : std::nullopt;
+    if (resumed && fs::is_regular_file(*resumed / "config.json")) {
+      a.config = (*resumed / "config.json").string();
+      fmt::print("config {} (the checkpoint's; --config picks another)\n", a.config);
+    } else {
+      a.config = config_beside(a.init_from);
+      if (!a.config.empty()) fmt::print("config {} (beside --init-from; --config picks another)\n", a.config);
+    }
   }
   // ---- model, data, plan: every input checked before anything is written ----
   const std::string config_text = a.config.empty() ? std::string(builtin_config) : read_text(a.config);

@@ -41,9 +41,11 @@ printf '\xff\xff\xff\x00\x00\x00\x00\x00{}' > "$work/corrupt.safetensors"
 expect corrupt-safetensors 2 "corrupt.safetensors" -- --init-from "$work/corrupt.safetensors"
 # A directory that is no checkpoint, and a sharded index naming a shard that is not there.
 mkdir -p "$work/not-a-model"
-expect empty-model-dir 2 "without model.safetensors or model.safetensors.index.json" -- --init-from "$work/not-a-model"
+tiny="$(dirname "$0")/../../examples/configs/tiny-moe.json"
+expect init-dir-without-config 2 "the directory has no config.json; pass --config" -- --init-from "$work/not-a-model"
+expect empty-model-dir 2 "without model.safetensors or model.safetensors.index.json" -- --init-from "$work/not-a-model" --config "$tiny"
 printf '{"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}' > "$work/not-a-model/model.safetensors.index.json"
-expect missing-shard 2 "model-00001-of-00002.safetensors" -- --init-from "$work/not-a-model"
+expect missing-shard 2 "model-00001-of-00002.safetensors" -- --init-from "$work/not-a-model" --config "$tiny"
 
 # A token file whose ids exceed the model's vocab (file vocab 300, token 280 at position 3).
 {

@@ -19,4 +19,12 @@ awk -v a="$resumed" -v b="$fresh" 'BEGIN { exit !(a < b) }' || { echo "FAIL: fir
 # --config still picks another (here the same widths, so the weights fit).
 "$train" --init-from "$ckpt" --config "$here/examples/configs/tiny-mixtral.json" --seq 32 --steps 1 --out "$work/third" > "$work/third.log"
 grep -q "beside --init-from" "$work/third.log" && { echo "FAIL: --config was overridden"; exit 1; }
+# Resumed without --config: the checkpoint's config (not the built-in model's).
+"$train" --resume --seq 32 --steps 3 --out "$work/second" > "$work/resume.log" || { cat "$work/resume.log"; echo "FAIL: resume"; exit 1; }
+grep -q "config $work/second/checkpoint-000002/config.json (the checkpoint's" "$work/resume.log" ||
+  { echo "FAIL: resume read $(head -2 "$work/resume.log")"; exit 1; }
+# A directory of weights without a config.json, and no --config: refused by name.
+mkdir -p "$work/bare" && cp "$ckpt/model.safetensors" "$work/bare/"
+if "$train" --init-from "$work/bare" --seq 32 --steps 1 --out "$work/fourth" > "$work/bare.log" 2>&1; then echo "FAIL: bare dir ran"; exit 1; fi
+grep -q "the directory has no config.json; pass --config" "$work/bare.log" || { echo "FAIL: $(cat "$work/bare.log")"; exit 1; }
 echo "PASS: first loss $resumed from the checkpoint, $fresh fresh"

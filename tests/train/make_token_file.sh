@@ -45,12 +45,22 @@ printf '\xff\xfe' > "$work/latin.txt"
 expect not-utf8 "latin.txt: not UTF-8 text" --bytes "$work/latin.txt"
 : > "$work/empty.txt"
 expect no-text "no tokens: the inputs hold no text" --bytes "$work/empty.txt"
+printf '{"text": "ok"}\n\xff{"text": "x"}\n' > "$work/bytes.jsonl"
+expect jsonl-not-utf8 "bytes.jsonl:2: not UTF-8 text" --bytes "$work/bytes.jsonl"
+printf '{"text": "\\ud800"}\n' > "$work/surrogate.jsonl"
+expect lone-surrogate "surrogate.jsonl:1: text that UTF-8 cannot hold" --bytes "$work/surrogate.jsonl"
+if python3 "$make" --bytes --out "$work/no/such/dir/x.tok" "$work/a.txt" > "$work/nodir.log" 2>&1; then fail "no-dir: succeeded"; fi
+grep -q "no directory" "$work/nodir.log" || fail "no-dir: $(cat "$work/nodir.log")"
 [[ -z "$(find "$work" -name '.make_token_file.*')" ]] || fail "a temporary file was left behind"
+# Written as any new file is (mkstemp's own mode is the owner's alone).
+python3 "$make" --bytes --out "$work/mode.tok" "$work/a.txt" > /dev/null
+want=$(printf '%o' $(( 0666 & ~$(umask) )))
+[[ "$(stat -c %a "$work/mode.tok")" == "$want" ]] || fail "mode $(stat -c %a "$work/mode.tok"), expected $want"
 
 # A Hugging Face tokenizer (a BPE trained here: no network), where transformers is.
 python="${OOM_TEST_PYTHON:-python3}"
 if "$python" -c "import tokenizers, transformers" 2> /dev/null; then
-  "$python" - "$work/tk" "$here/README.md" 2> /dev/null <<'PY'
+  "$python" - "$work/tk" "$here/README.md" > /dev/null 2>&1 <<'PY'
 import sys
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast

@@ -1,8 +1,8 @@
 // HostDecoderLayer: one decoder layer of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, OLMoE or
 // Qwen2-MoE model for the HostExecutor, computed on the CPU in fp32 (fp64 accumulation in every dot product
 // and weight gradient) from bf16 weights, as transformers' Qwen3MoeDecoderLayer /
-// Qwen3NextDecoderLayer / Qwen3_5MoeDecoderLayer / MixtralDecoderLayer / OlmoeDecoderLayer
-// compute it:
+// Qwen3NextDecoderLayer / Qwen3_5MoeDecoderLayer / MixtralDecoderLayer / OlmoeDecoderLayer /
+// Qwen2MoeDecoderLayer compute it:
 //
 //   h = x + mixer(n1),                                                   n1 = rms1(x)
 //   y = h + (sum_j w_j down_j(silu(gate_j n2) * up_j n2) + shared(n2)),   n2 = rms2(h)
