@@ -192,7 +192,7 @@ HostDecoderLayer::HostDecoderLayer(const ModelSpec& spec, int layer) : layer_(la
     OOM_ASSERT(segments_[0].parameters() == (2 * kw + 2 * vw) * h_ + 2 * vh * h_ + C * static_cast<std::uint64_t>(delta_.conv_kernel) +
                                                 2 * vh + static_cast<std::uint64_t>(delta_.v_dim) + h_ * vw);
   } else {
-    OOM_ASSERT(segments_[0].parameters() == ((output_gate_ ? 2 : 1) * q_ + 2 * kv_) * h_ + h_ * q_ + qkv_bias_n_ + q_norm_n_ + k_norm_n_);
+    OOM_ASSERT(segments_[0].parameters() == attention_layout().end);
   }
   OOM_ASSERT(segments_[1].parameters() == 2 * h_ && segments_[2].parameters() == e_ * h_);
   for (std::uint64_t e = 0; e < e_; ++e) OOM_ASSERT(segments_[3 + e].parameters() == 3 * i_ * h_);
@@ -322,8 +322,18 @@ void HostDecoderLayer::convert_weights(const HostLayerContext& ctx) {
   if (norm_offset_ != 0) {  // (1 + w), in fp32 as transformers: the layer norms, then q_norm and k_norm
     for (float& v : w_[1]) v += norm_offset_;
     if (!linear_)
-      for (size_t i = w_[0].size() - q_norm_n_ - k_norm_n_; i < w_[0].size(); ++i) w_[0][i] += norm_offset_;
+      for (size_t i = attention_layout().q_norm; i < w_[0].size(); ++i) w_[0][i] += norm_offset_;
   }
+}
+
+HostDecoderLayer::AttentionLayout HostDecoderLayer::attention_layout() const {
+  AttentionLayout a;
+  a.o_proj = ((output_gate_ ? 2 : 1) * q_ + 2 * kv_) * h_;
+  a.qkv_bias = a.o_proj + h_ * q_;
+  a.q_norm = a.qkv_bias + qkv_bias_n_;
+  a.k_norm = a.q_norm + q_norm_n_;
+  a.end = a.k_norm + k_norm_n_;
+  return a;
 }
 
 void HostDecoderLayer::normed_rotated(const float* raw, std::uint64_t tokens, std::uint64_t heads, const float* norm_weight,
@@ -419,11 +429,12 @@ Vec gated_context(const float* context, const float* gate, size_t n) {
 void HostDecoderLayer::full_attention_forward(const HostLayerContext& ctx, Vec& out) {
   const size_t T = ctx.tokens, H = h_;
   const size_t Pq = (output_gate_ ? 2 : 1) * q_, P = Pq + 2 * kv_;  // q_proj's rows, then k_proj's and v_proj's
+  const AttentionLayout at = attention_layout();
   const float* wa = w_[0].data();
-  const float* w_o = wa + P * H;
-  const float* qkv_bias = w_o + H * q_;  // Qwen2-MoE's q, k and v biases, (P), where the model has them
-  const float* q_norm = qkv_bias + qkv_bias_n_;
-  const float* k_norm = q_norm + q_norm_n_;
+  const float* w_o = wa + at.o_proj;
+  const float* qkv_bias = wa + at.qkv_bias;
+  const float* q_norm = wa + at.q_norm;
+  const float* k_norm = wa + at.k_norm;
   auto& f = fwd_;
   Vec qkv(T * P);
   gemm_nt(f.xn1.data(), wa, qkv.data(), T, P, H);
@@ -770,13 +781,13 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
   const float* context = v + T * kv_;
   const float* gate = output_gate_ ? context + T * q_ : nullptr;
   const float* lse = ctx.saved[cls(ActivationClass::softmax_stats)];
+  const AttentionLayout at = attention_layout();
   const float* wa = w_[0].data();
-  const float* w_o = wa + P * H;
-  const float* q_norm = w_o + H * q_ + qkv_bias_n_;  // after the q, k and v biases, where the model has them
-  const float* k_norm = q_norm + q_norm_n_;
+  const float* w_o = wa + at.o_proj;
+  const float* q_norm = wa + at.q_norm;
+  const float* k_norm = wa + at.k_norm;
   float* ga = ctx.weight_grads[0].data();
-  float* g_o = ga + P * H;
-  const size_t bias_at = P * H + H * q_, q_norm_at = bias_at + qkv_bias_n_, k_norm_at = q_norm_at + q_norm_n_;
+  float* g_o = ga + at.o_proj;
 
   // o_proj reads the context, scaled by sigmoid(gate) where there is a gate.
   Vec dh_t(H * T);
@@ -814,8 +825,8 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
                                        ctx.weight_grads[0].subspan(at, width), static_cast<std::int64_t>(n / width),
                                        static_cast<std::int64_t>(width));
   };
-  norm_backward(dqn, q_raw, T * q_, q_norm, q_norm_n_, rq, q_norm_at, dq_raw);
-  norm_backward(dkn, k_raw, T * kv_, k_norm, k_norm_n_, rk, k_norm_at, dk_raw);
+  norm_backward(dqn, q_raw, T * q_, q_norm, q_norm_n_, rq, at.q_norm, dq_raw);
+  norm_backward(dkn, k_raw, T * kv_, k_norm, k_norm_n_, rk, at.k_norm, dk_raw);
   // q(+gate)/k/v projections as one (P, H) matrix, rows as the forward split them.
   Vec dqkv(T * P);
   for (size_t t = 0; t < T; ++t) {
@@ -838,7 +849,7 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
     for (size_t j = 0; j < P; ++j) {
       double sum = 0;
       for (size_t t = 0; t < T; ++t) sum += dqkv_t[j * T + t];
-      ga[bias_at + j] += static_cast<float>(sum);
+      ga[at.qkv_bias + j] += static_cast<float>(sum);
     }
   gemm_nn(dqkv.data(), wa, dxn1.data(), T, P, H, false);
 }

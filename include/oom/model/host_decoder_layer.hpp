@@ -52,6 +52,7 @@
 // cost() counts in the workset; the host backend is an oracle for small shapes).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -122,6 +123,14 @@ class HostDecoderLayer {
   // d n1 (T, H) from dh = grad_input, accumulating the mixer's weight gradients.
   void full_attention_backward(const HostLayerContext& ctx, std::vector<float>& dxn1);
   void linear_attention_backward(const HostLayerContext& ctx, std::vector<float>& dxn1);
+  // Where a full-attention segment's pieces begin, in floats: q_proj's rows (with the gate's), then
+  // k_proj's and v_proj's as one (P, H) block, o_proj, the q/k/v biases (Qwen2-MoE), the q norm,
+  // the k norm; `end` is the segment's size. The forward, the backward and the weights' (1 + w)
+  // all read it from here.
+  struct AttentionLayout {
+    std::size_t o_proj = 0, qkv_bias = 0, q_norm = 0, k_norm = 0, end = 0;
+  };
+  [[nodiscard]] AttentionLayout attention_layout() const;
   // q and k after their norms and RoPE, from the raw projections (forward and backward alike).
   // norm_width: the RMSNorm's row (head_dim, the projection's width, or 0 for none).
   void normed_rotated(const float* raw, std::uint64_t tokens, std::uint64_t heads, const float* norm_weight,
