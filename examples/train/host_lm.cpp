@@ -74,13 +74,13 @@ SegmentWeightSource initial_weight_source(const ModelSpec& spec, std::uint64_t s
         return;
       }
       const std::uint64_t k = (*keys)[s][pc.tensor];
-      // The Gated DeltaNet's decay parameters as transformers' _init_weights sets them: dt_bias 1 and
-      // A_log = log U(0.01, 16) per value head, so that the heads decay at rates spread over three
-      // orders of magnitude (a matrix's N(0, std) would give every head nearly the same rate).
       if (name.ends_with("_proj.bias")) {  // projection biases (Qwen2-MoE's q/k/v) start at 0, as transformers'
         std::fill(dst + pc.begin, dst + pc.end, 0.0f);
         return;
       }
+      // The Gated DeltaNet's decay parameters as transformers' _init_weights sets them: dt_bias 1 and
+      // A_log = log U(0.01, 16) per value head, so that the heads decay at rates spread over three
+      // orders of magnitude (a matrix's N(0, std) would give every head nearly the same rate).
       if (name.ends_with("linear_attn.dt_bias")) {
         std::fill(dst + pc.begin, dst + pc.end, 1.0f);
         return;

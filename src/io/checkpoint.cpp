@@ -109,18 +109,22 @@ void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<flo
   file.drop_pages(bytes);
 }
 
-// Every tensor of `spec` present in `file` as `prefix` + its name, of the right shape and of a type
-// read_values converts (F32, BF16), checked before anyone reads one; `rule` ends the type error.
+// Tensor `t` present in `file`, of the right shape and of a type read_values converts (F32, BF16);
+// `rule` ends the type error.
+void check_tensor(const SafetensorsFile& file, const TensorSpec& t, std::string_view rule) {
+  DType dt{};
+  (void)file.tensor_bytes(t, &dt);
+  if (dt != DType::fp32 && dt != DType::bf16)
+    OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; {} F32 or BF16", file.source(), t.name, safetensors_dtype_name(dt), rule));
+}
+
+// Every tensor of `spec` present in `file` as `prefix` + its name, checked before anyone reads one.
 void check_tensors(const SafetensorsFile& file, const ModelSpec& spec, std::string_view prefix, std::string_view rule) {
   for (const auto& seg : spec.segments())
     for (const auto& t : seg.tensors) {
       TensorSpec named = t;
       named.name = std::string(prefix) + t.name;
-      DType dt{};
-      (void)file.tensor_bytes(named, &dt);
-      if (dt != DType::fp32 && dt != DType::bf16)
-        OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; {} F32 or BF16", file.source(), named.name,
-                                           safetensors_dtype_name(dt), rule));
+      check_tensor(file, named, rule);
     }
 }
 
@@ -181,16 +185,10 @@ class WeightFiles {
   std::unordered_map<std::string, std::size_t> index_;  ///< empty: one file holds every tensor
 };
 
+// Every tensor of `spec` in the file that holds it, checked before anyone reads one.
 void check_tensors(const WeightFiles& files, const ModelSpec& spec) {
   for (const auto& seg : spec.segments())
-    for (const auto& t : seg.tensors) {
-      const SafetensorsFile& file = files.file_of(t.name);
-      DType dt{};
-      (void)file.tensor_bytes(t, &dt);
-      if (dt != DType::fp32 && dt != DType::bf16)
-        OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is {}; weights must be F32 or BF16", file.source(), t.name,
-                                           safetensors_dtype_name(dt)));
-    }
+    for (const auto& t : seg.tensors) check_tensor(files.file_of(t.name), t, "weights must be");
 }
 
 void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<float> out) {

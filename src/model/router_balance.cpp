@@ -1,6 +1,7 @@
 #include "oom/model/router_balance.hpp"
 
 #include <algorithm>
+#include <numeric>
 
 #include <fmt/format.h>
 
@@ -35,16 +36,16 @@ void RouterBalanceLoss::add(int layer, std::uint64_t begin, std::span<const floa
     std::fill(counts_.begin(), counts_.end(), 0);
     std::fill(probs_.begin(), probs_.end(), 0.0);
     std::fill(layer_rows_.begin(), layer_rows_.end(), 0);
-    rows_ = 0;
   }
   last_layer_ = layer;
   for (std::uint64_t t = 0; t < n; ++t)
     for (std::uint64_t e = 0; e < experts_; ++e) probs_[e] += probs[t * experts_ + e];
   for (const std::int32_t e : expert_ids) ++counts_[static_cast<std::size_t>(e)];
-  rows_ += n;
   layer_rows_[static_cast<std::size_t>(layer)] += n;
   gradient_stale_ = true;
 }
+
+std::uint64_t RouterBalanceLoss::rows() const { return std::accumulate(layer_rows_.begin(), layer_rows_.end(), std::uint64_t{0}); }
 
 void RouterBalanceLoss::check_complete(const char* what) const {
   for (int l = 0; l < layers_; ++l)
@@ -56,7 +57,7 @@ void RouterBalanceLoss::check_complete(const char* what) const {
 
 double RouterBalanceLoss::loss() const {
   check_complete("the loss asked");
-  const double n = static_cast<double>(rows_);
+  const double n = static_cast<double>(rows());
   double sum = 0;
   for (std::uint64_t e = 0; e < experts_; ++e) sum += (static_cast<double>(counts_[e]) / n) * (probs_[e] / n);
   return coefficient_ * scale_ * static_cast<double>(experts_) * sum;
@@ -65,7 +66,7 @@ double RouterBalanceLoss::loss() const {
 std::span<const double> RouterBalanceLoss::probability_gradient() const {
   if (gradient_stale_) {
     check_complete("the gradient asked");
-    const double n = static_cast<double>(rows_);
+    const double n = static_cast<double>(rows());
     for (std::uint64_t e = 0; e < experts_; ++e)
       gradient_[e] = coefficient_ * scale_ * static_cast<double>(experts_) * static_cast<double>(counts_[e]) / (n * n);
     gradient_stale_ = false;

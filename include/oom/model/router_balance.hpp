@@ -33,7 +33,8 @@ class RouterBalanceLoss {
   [[nodiscard]] double loss() const;
   /// d (coefficient x scale x aux) / d p[l, t, e], per expert e (the same for every row).
   [[nodiscard]] std::span<const double> probability_gradient() const;
-  [[nodiscard]] std::uint64_t rows() const { return rows_; }
+  /// Rows added in this forward, over every layer.
+  [[nodiscard]] std::uint64_t rows() const;
 
  private:
   void check_complete(const char* what) const;
@@ -42,7 +43,6 @@ class RouterBalanceLoss {
   std::uint64_t experts_, top_k_;
   double coefficient_, scale_;
   int last_layer_ = -1;
-  std::uint64_t rows_ = 0;
   std::vector<std::uint64_t> layer_rows_;  // rows each layer added in this forward
   std::vector<std::uint64_t> counts_;  // C_e
   std::vector<double> probs_;          // P_e, summed row by row in order
