@@ -608,15 +608,17 @@ cudaError_t chunked_device(bool* supported, int* sms) {
   return cudaSuccess;
 }
 
-/// Whether the dims run the chunked form on the current device. `automatic` takes it, forward and
-/// backward alike, where the chunk fits, the device can run it, and the carrying blocks
-/// (sequences x value heads x 32-column blocks, one an SM) run in at most two waves: up to two
-/// sequences of the Qwen3-Next layer's 32 heads (bench_gated_delta, forty-first session: one
-/// sequence 1.9x the recurrent forward and 2.6x its backward, two 1.05x and 2.1x; at four the
-/// forward 0.64x and the backward 1.21x, even with the forward rerun for a recompute, and the
-/// recurrent kernels' smaller blocks share the SMs better from there on). An explicit `chunked` on
-/// a device that cannot run it is refused, named.
-cudaError_t runs_chunked(const char* name, const GatedDeltaDims& d, bool* chunked) {
+/// Whether the dims' `pass` (forward or backward) runs the chunked form on the current device.
+/// `automatic` takes it where the chunk fits and the device can run it: for the backward always,
+/// for the forward where its carrying blocks (sequences x value heads x 32-column blocks, one an
+/// SM) run in at most two waves (bench_gated_delta on the H200, the Qwen3-Next layer, forty-first
+/// session: the chunked backward 2.6x, 2.1x, 1.21x and 1.20x the recurrent one at 1, 2, 4 and 8
+/// sequences; its forward 1.9x and 1.05x at one and two, 0.64x from four, where the recurrent
+/// kernels' smaller blocks share the SMs better). A backward takes the states either forward kept
+/// (the state entering each chunk, the same quantity in fp32). An explicit `chunked` on a device
+/// that cannot run it is refused, named.
+enum class Pass : std::uint8_t { forward, backward };
+cudaError_t runs_chunked(const char* name, const GatedDeltaDims& d, Pass pass, bool* chunked) {
   using Form = GatedDeltaDims::Form;
   *chunked = false;
   if (d.form == Form::recurrent || !chunk_fits(d)) return cudaSuccess;
@@ -630,7 +632,7 @@ cudaError_t runs_chunked(const char* name, const GatedDeltaDims& d, bool* chunke
     *chunked = true;
     return cudaSuccess;
   }
-  *chunked = supported && d.sequences * d.v_heads * column_blocks(d.v_dim) <= 2 * static_cast<std::int64_t>(sms);
+  *chunked = supported && (pass == Pass::backward || d.sequences * d.v_heads * column_blocks(d.v_dim) <= 2 * static_cast<std::int64_t>(sms));
   return cudaSuccess;
 }
 
@@ -763,7 +765,7 @@ cudaError_t gated_delta_forward(const GatedDeltaDims& dims, const bf16* q, const
       e != cudaSuccess)
     return e;
   bool chunk_form = false;
-  if (const cudaError_t e = runs_chunked(name, d, &chunk_form); e != cudaSuccess) return e;
+  if (const cudaError_t e = runs_chunked(name, d, Pass::forward, &chunk_form); e != cudaSuccess) return e;
   if (chunk_form)
     return detail::gated_delta_chunked_forward(d, reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
                                                reinterpret_cast<const std::uint16_t*>(v), g, beta,
@@ -805,7 +807,7 @@ cudaError_t gated_delta_backward(const GatedDeltaDims& dims, const bf16* q, cons
     return detail::refuse_workspace(name, workspace, workspace_bytes, need, "gated_delta_backward_workspace_bytes(dims)");
   auto* scratch = static_cast<float*>(workspace);
   bool chunk_form = false;
-  if (const cudaError_t e = runs_chunked(name, d, &chunk_form); e != cudaSuccess) return e;
+  if (const cudaError_t e = runs_chunked(name, d, Pass::backward, &chunk_form); e != cudaSuccess) return e;
   float* dq_part = scratch + form_scratch_floats(d);
   float* dk_part = dq_part + d.tokens() * d.v_heads * d.k_dim;
   const auto* qb = reinterpret_cast<const std::uint16_t*>(q);

@@ -485,6 +485,8 @@ std::string node(int gpus, std::string_view what) { return fmt::format("{}x {}",
 /// GPU with clusters (`clusters`: Hopper, whose shared memory the chunked kernels need) the chunked
 /// form, forward 1.95 ms, backward 5.93 ms (forty-first session); else the recurrent one, 3.69 ms,
 /// and 22.7 ms one block per head; times `scale` for another GPU, `estimate` saying why (empty: ours).
+/// By sequences side by side, with clusters, the forward is the chunked form's up to two sequences
+/// and the recurrent one's from four, the backward the chunked form's throughout.
 void set_gated_delta(MachineProfile& p, double scale, bool clusters, const std::string& estimate, const std::string& machine) {
   constexpr double updates = 4096.0 * 32 * 128 * 128;
   const double forward_ms = clusters ? 1.95 : 3.69, backward_ms = clusters ? 5.93 : 22.7;
@@ -503,11 +505,11 @@ void set_gated_delta(MachineProfile& p, double scale, bool clusters, const std::
                            backward_ms),
       machine, estimate.empty() ? "2026-12-04" : "2023");
   // By recurrences side by side: 1, 2, 4 and 8 sequences of the same 32 heads (bench_gated_delta),
-  // the first point the scalars above, the rest the form `automatic` takes: with clusters the
-  // chunked form at 2 sequences (two waves of its blocks) and the recurrent one from 4, its
-  // backward one block a head (forty-first session); without, the recurrent form throughout
-  // (thirty-seventh session).
-  const double chunked_forward_at[] = {forward_ms, 3.888, 4.943, 9.858}, chunked_backward_at[] = {backward_ms, 11.868, 28.578, 56.534};
+  // the first point the scalars above, the rest the form `automatic` takes (forty-first session):
+  // with clusters the forward's chunked form at 2 sequences (two waves of its blocks) and its
+  // recurrent one from 4, the backward's chunked form throughout; without, the recurrent form
+  // throughout (thirty-seventh session), its backward one block a head.
+  const double chunked_forward_at[] = {forward_ms, 3.888, 4.943, 9.858}, chunked_backward_at[] = {backward_ms, 11.868, 23.617, 46.975};
   const double recurrent_forward_at[] = {forward_ms, 3.989, 4.929, 9.802}, recurrent_backward_at[] = {backward_ms, 23.952, 27.580, 55.369};
   const double* forward_at = clusters ? chunked_forward_at : recurrent_forward_at;
   const double* backward_at = clusters ? chunked_backward_at : recurrent_backward_at;

@@ -92,16 +92,27 @@ struct Run {
   std::vector<float> states, dg, dbeta;
 };
 
-Run run(const k::GatedDeltaDims& d, const Inputs& in) {
+/// The forward with dims `fwd`, then the backward with `bwd` (the same shape; the forms may differ)
+/// from the states that forward kept.
+Run run(const k::GatedDeltaDims& fwd, const k::GatedDeltaDims& bwd, const Inputs& in) {
   const DeviceBuffer<bf16> q(in.q.bits), kk(in.k.bits), v(in.v.bits), dout(in.d_out.bits);
   const DeviceBuffer<float> g(in.g), beta(in.beta);
   DeviceBuffer<bf16> out(in.v.bits.size()), dq(in.q.bits.size()), dk(in.k.bits.size()), dv(in.v.bits.size());
-  DeviceBuffer<float> states(k::gated_delta_states_floats(d)), dg(in.g.size()), dbeta(in.g.size());
-  DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(d));
-  OOM_CUDA_CHECK(k::gated_delta_forward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr));
-  OOM_CUDA_CHECK(k::gated_delta_backward(d, q.get(), kk.get(), v.get(), g.get(), beta.get(), dout.get(), states.get(), dq.get(),
+  DeviceBuffer<float> states(k::gated_delta_states_floats(fwd)), dg(in.g.size()), dbeta(in.g.size());
+  DeviceBuffer<std::byte> ws(k::gated_delta_backward_workspace_bytes(bwd));
+  OOM_CUDA_CHECK(k::gated_delta_forward(fwd, q.get(), kk.get(), v.get(), g.get(), beta.get(), out.get(), states.get(), nullptr));
+  OOM_CUDA_CHECK(k::gated_delta_backward(bwd, q.get(), kk.get(), v.get(), g.get(), beta.get(), dout.get(), states.get(), dq.get(),
                                          dk.get(), dv.get(), dg.get(), dbeta.get(), ws.get(), ws.size(), nullptr));
   return {out.download(), dq.download(), dk.download(), dv.download(), states.download(), dg.download(), dbeta.download()};
+}
+Run run(const k::GatedDeltaDims& d, const Inputs& in) { return run(d, d, in); }
+
+/// `d` with the forward in form `fwd` and the backward in form `bwd`.
+Run run_forms(k::GatedDeltaDims d, k::GatedDeltaDims::Form fwd, k::GatedDeltaDims::Form bwd, const Inputs& in) {
+  k::GatedDeltaDims backward = d;
+  d.form = fwd;
+  backward.form = bwd;
+  return run(d, backward, in);
 }
 
 bool same_bits(const auto& a, const auto& b) {
@@ -136,11 +147,17 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
   std::uint64_t seed = 100;
   const bool chunked_here = k::gated_delta_chunked_supported();
   if (!chunked_here) MESSAGE("this GPU cannot run the chunked form (compute capability 9.0 and its shared memory): the recurrent one only");
-  for (const Form form : {Form::chunked, Form::recurrent})
+  // Each form, and the recurrent forward's states taken by the chunked backward (what `automatic`
+  // runs from three waves of the chunked form's blocks on).
+  for (const auto& [form, backward_form] :
+       {std::pair{Form::chunked, Form::chunked}, std::pair{Form::recurrent, Form::recurrent}, std::pair{Form::recurrent, Form::chunked}})
   for (k::GatedDeltaDims d : cases) {
-    if (form == Form::chunked && !chunked_here) continue;
+    if (backward_form == Form::chunked && !chunked_here) continue;
     d.form = form;
+    k::GatedDeltaDims bd = d;
+    bd.form = backward_form;
     CAPTURE(static_cast<int>(form));
+    CAPTURE(static_cast<int>(backward_form));
     CAPTURE(d.sequences);
     CAPTURE(d.seq_len);
     CAPTURE(d.k_dim);
@@ -148,7 +165,7 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
     CAPTURE(d.chunk);
     const Inputs in = make_inputs(d, seed += 10);
     const Reference want = reference(d, in);
-    const Run got = run(d, in);
+    const Run got = run(d, bd, in);
     // bf16 outputs: one rounding of an fp32 result (<= 2^-9 relative) and the fp32-vs-fp64 sums
     // on either side of a rounding boundary: 2^-7 relative; plus 1e-3 of the tensor's scale for
     // values that cancel to near zero (the recurrence's sums run over dk terms a token, T tokens).
@@ -164,7 +181,7 @@ TEST_CASE("the gated delta rule's forward and backward match the CPU reference")
     check_scaled(got.dg, want.dg, 1e-3, 1e-4, "dg");
     check_scaled(got.dbeta, want.dbeta, 1e-3, 1e-4, "dbeta");
     // The same bits again (fresh, poisoned buffers).
-    const Run again = run(d, in);
+    const Run again = run(d, bd, in);
     check_same_bits(again, got);
     CHECK(same_bits(again.states, got.states));
   }
@@ -426,39 +443,49 @@ TEST_CASE("the chunked form refuses a chunk over 64 tokens, and automatic takes 
   check_same_bits(automatic, run(d, in));
 }
 
-TEST_CASE("automatic: the chunked form where its carrying blocks run in two waves, the recurrent one past them") {
+TEST_CASE("automatic: the chunked backward always, the chunked forward where its carrying blocks run in two waves") {
   using Form = k::GatedDeltaDims::Form;
   int device = 0, sms = 0;
   OOM_CUDA_CHECK(cudaGetDevice(&device));
   OOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const bool chunked_here = k::gated_delta_chunked_supported();
+  // Past two waves the forward is the recurrent form's; the backward the chunked form's where the
+  // device runs it (else the recurrent one's).
+  const Form past_backward = chunked_here ? Form::chunked : Form::recurrent;
   // Past two waves: as many sequences as SMs, 2 value heads of 2 column blocks each (4x the SMs).
   k::GatedDeltaDims many{sms, 16, 1, 2, 16, 64, 16};
   const Inputs in_many = make_inputs(many, 23);
   const Run many_auto = run(many, in_many);
-  many.form = Form::recurrent;
-  check_same_bits(many_auto, run(many, in_many));
+  check_same_bits(many_auto, run_forms(many, Form::recurrent, past_backward, in_many));
+  CHECK(same_bits(many_auto.states, run_forms(many, Form::recurrent, Form::recurrent, in_many).states));
+  // The backward's forms give different bits there (so the check above tells them apart): the
+  // fp32 gate gradients, summed in other orders.
+  if (chunked_here) CHECK_FALSE(same_bits(run_forms(many, Form::recurrent, Form::recurrent, in_many).dg, many_auto.dg));
   // One block past two waves: 2 x SMs + 1 sequences of one value head of one column block.
   k::GatedDeltaDims past{2 * static_cast<std::int64_t>(sms) + 1, 16, 1, 1, 16, 32, 16};
   const Inputs in_past = make_inputs(past, 27);
-  const Run past_auto = run(past, in_past);
-  past.form = Form::recurrent;
-  check_same_bits(past_auto, run(past, in_past));
+  check_same_bits(run(past, in_past), run_forms(past, Form::recurrent, past_backward, in_past));
   // Two waves exactly: one value head of 2 column blocks a sequence (2x the SMs).
   k::GatedDeltaDims two{sms, 16, 1, 1, 16, 64, 16};
   const Inputs in_two = make_inputs(two, 25);
   const Run two_auto = run(two, in_two);
-  two.form = k::gated_delta_chunked_supported() ? Form::chunked : Form::recurrent;
+  two.form = chunked_here ? Form::chunked : Form::recurrent;
   check_same_bits(two_auto, run(two, in_two));
   k::GatedDeltaDims one{1, 130, 1, 2, 64, 64, 64};  // 4 blocks
   const Inputs in = make_inputs(one, 21);
   const Run automatic = run(one, in);
-  one.form = k::gated_delta_chunked_supported() ? Form::chunked : Form::recurrent;
+  one.form = chunked_here ? Form::chunked : Form::recurrent;
   check_same_bits(automatic, run(one, in));
   // And the two forms give different bits there (so the check above tells them apart). Their
   // fp32 gate gradients, summed in different orders: at this size every bf16 output of the two
-  // forms rounds to the same bits (the H200, 2026-12-04), so those cannot tell them apart.
+  // forms rounds to the same bits (the H200, 2026-12-04), so those cannot tell them apart; the
+  // forward's kept states tell the forward's forms apart.
   one.form = one.form == Form::chunked ? Form::recurrent : Form::chunked;
-  if (k::gated_delta_chunked_supported()) CHECK_FALSE(same_bits(run(one, in).dg, automatic.dg));
+  if (chunked_here) {
+    const Run other = run(one, in);
+    CHECK_FALSE(same_bits(other.dg, automatic.dg));
+    CHECK_FALSE(same_bits(other.states, automatic.states));
+  }
 }
 
 TEST_CASE("timing: the Qwen3-Next linear layer's rule at 4K tokens (1 sequence, 16 key / 32 value heads of 128)") {

@@ -9,7 +9,8 @@
 //
 // Two forms (GatedDeltaDims::Form), both keeping the state entering every `chunk` tokens (and the
 // final one) for the backward, so the memory is O(T):
-// - chunked (the default on Hopper for up to two waves of its blocks; src/kernels/gated_delta_chunked.cu):
+// - chunked (on Hopper the default backward, and the default forward up to two waves of its
+//   blocks; src/kernels/gated_delta_chunked.cu):
 //   a chunk's tokens as small matrix products in shared memory, at fp32 accuracy on the tensor
 //   cores (each fp32 operand a pair of tf32 values, three tf32 products for each fp32 one), the
 //   state carried from chunk to chunk by a block per (sequence, value head, 32 columns); the backward carries the state's gradient back
@@ -52,16 +53,17 @@ struct GatedDeltaDims {
   /// (k_heads k_dim, v_heads v_dim); more to read them as column ranges of one [q | k | v] array.
   /// out and d_out are always packed.
   std::int64_t qk_stride = 0, v_stride = 0;
-  /// Which form of the rule runs (the forward and the backward take it alike; each form computes
-  /// the reference's rule, in other fp32 orders, so their bits differ).
+  /// Which form of the rule runs (each form computes the reference's rule, in other fp32 orders,
+  /// so their bits differ; a backward takes the states either form's forward kept).
   enum class Form : std::uint8_t {
-    /// `chunked` (forward and backward alike) where chunk <= 64 on a device that can run it
-    /// (gated_delta_chunked_supported: up to 227 KiB of shared memory a block) whose SMs take its
-    /// carrying blocks, sequences x v_heads x ceil(v_dim / 32), one an SM, in at most two waves;
-    /// else `recurrent` (bench_gated_delta on the H200, the Qwen3-Next layer: one sequence 2.6x
-    /// the recurrent backward and 1.9x its forward, two 2.1x and 1.05x; from four the recurrent
-    /// forward is faster, 0.64x, and the backward only 1.2x slower). The workspace is sized for
-    /// either (gated_delta_backward_workspace_bytes: the larger scratch).
+    /// `chunked` where chunk <= 64 on a device that can run it (gated_delta_chunked_supported: up
+    /// to 227 KiB of shared memory a block): for the backward always, for the forward where the
+    /// SMs take its carrying blocks, sequences x v_heads x ceil(v_dim / 32), one an SM, in at most
+    /// two waves; else `recurrent` (bench_gated_delta on the H200, the Qwen3-Next layer: the
+    /// chunked backward 2.6x, 2.1x, 1.21x and 1.20x the recurrent one at 1, 2, 4 and 8 sequences,
+    /// its forward 1.9x and 1.05x at one and two, 0.64x from four). A forward and a backward of
+    /// the same dims may so run different forms. The workspace is sized for either
+    /// (gated_delta_backward_workspace_bytes: the larger scratch).
     automatic,
     /// A chunk of up to 64 tokens at a time as small matrix products (oom::reference::
     /// gated_delta_rule_chunked_forward / _chunked_backward): the state still passes chunk to chunk,

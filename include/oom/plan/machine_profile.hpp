@@ -87,9 +87,8 @@ struct MachineProfile {
   /// fill more of the GPU (on the H200 the forward runs 1.6x the updates a second at 128 as at 32,
   /// the recurrent form's at 128 against the chunked one's at 32 and 64). Optional:
   /// empty (absent from the file) and the cost model takes the scalar rates above whatever the
-  /// count. (A curve is made non-decreasing, so on the H200 the backward at 128, the recurrent
-  /// form's 28.58 ms for four times the work of the chunked 5.93 ms at 32, is priced at 32's rate:
-  /// ~17% fast.)
+  /// count. (A curve is made non-decreasing: a count measured slower than a smaller one's rate is
+  /// priced at that rate.)
   SizeCurve gated_delta_forward_parallel;
   SizeCurve gated_delta_backward_parallel;
 
