@@ -455,16 +455,18 @@ TEST_CASE("automatic: the chunked backward always, the chunked forward where its
   // Past two waves: as many sequences as SMs, 2 value heads of 2 column blocks each (4x the SMs).
   k::GatedDeltaDims many{sms, 16, 1, 2, 16, 64, 16};
   const Inputs in_many = make_inputs(many, 23);
-  const Run many_auto = run(many, in_many);
+  const Run many_auto = run(many, in_many), many_recurrent = run_forms(many, Form::recurrent, Form::recurrent, in_many);
   check_same_bits(many_auto, run_forms(many, Form::recurrent, past_backward, in_many));
-  CHECK(same_bits(many_auto.states, run_forms(many, Form::recurrent, Form::recurrent, in_many).states));
+  CHECK(same_bits(many_auto.states, many_recurrent.states));
   // The backward's forms give different bits there (so the check above tells them apart): the
   // fp32 gate gradients, summed in other orders.
-  if (chunked_here) CHECK_FALSE(same_bits(run_forms(many, Form::recurrent, Form::recurrent, in_many).dg, many_auto.dg));
+  if (chunked_here) CHECK_FALSE(same_bits(many_recurrent.dg, many_auto.dg));
   // One block past two waves: 2 x SMs + 1 sequences of one value head of one column block.
   k::GatedDeltaDims past{2 * static_cast<std::int64_t>(sms) + 1, 16, 1, 1, 16, 32, 16};
   const Inputs in_past = make_inputs(past, 27);
-  check_same_bits(run(past, in_past), run_forms(past, Form::recurrent, past_backward, in_past));
+  const Run past_auto = run(past, in_past), past_mixed = run_forms(past, Form::recurrent, past_backward, in_past);
+  check_same_bits(past_auto, past_mixed);
+  CHECK(same_bits(past_auto.states, past_mixed.states));  // the forward's form
   // Two waves exactly: one value head of 2 column blocks a sequence (2x the SMs).
   k::GatedDeltaDims two{sms, 16, 1, 1, 16, 64, 16};
   const Inputs in_two = make_inputs(two, 25);
