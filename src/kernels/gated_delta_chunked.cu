@@ -135,6 +135,72 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const std::uint32_t (&a)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+#if !((defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800) || defined(OOM_GATED_DELTA_FMA))
+/// One warp's (16 WM) x (8 WN) tile of C = A B at (m0, n0) on the tensor cores at fp32 accuracy,
+/// its first `used` column tiles of 8 only (uniform over the warp; the rest neither read nor
+/// stored): block_mma's tile, which says the rest.
+template <int WM, int WN, int AR, int AC, int BR, int BC, class Out>
+__device__ __forceinline__ void warp_mma(int M, int N, int L, const float* a, const float* b, int m0, int n0, int used, Out out) {
+  const int lane = threadIdx.x % 32, gr = lane / 4, tg = lane % 4;
+  const float* ar[WM][2];  // the fragment's rows gr and gr + 8 of each 16-row tile
+  const float* bc[WN];     // its column gr of each 8-column tile
+#pragma unroll
+  for (int x = 0; x < WM; ++x)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ar[x][h] = a + min(m0 + 16 * x + 8 * h + gr, M - 1) * AR;
+#pragma unroll
+  for (int y = 0; y < WN; ++y) bc[y] = b + min(n0 + 8 * y + gr, N - 1) * BC;
+  float acc[WM][WN][4];
+#pragma unroll
+  for (int x = 0; x < WM; ++x)
+#pragma unroll
+    for (int y = 0; y < WN; ++y)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[x][y][r] = 0.0f;
+  const auto step = [&](int k0, bool tail) {
+    std::uint32_t ahi[WM][4], alo[WM][4], bhi[WN][2], blo[WN][2];
+#pragma unroll
+    for (int x = 0; x < WM; ++x)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // a_r: row gr (+ 8 for odd r), column tg (+ 4 for r >= 2)
+        const int l = k0 + tg + 4 * (r / 2);
+        split_tf32(!tail || l < L ? ar[x][r % 2][l * AC] : 0.0f, ahi[x][r], alo[x][r]);
+      }
+#pragma unroll
+    for (int y = 0; y < WN; ++y)
+      if (y < used)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // b_r: row tg (+ 4 for r = 1), column gr
+          const int l = k0 + tg + 4 * r;
+          split_tf32(!tail || l < L ? bc[y][l * BR] : 0.0f, bhi[y][r], blo[y][r]);
+        }
+#pragma unroll
+    for (int x = 0; x < WM; ++x)
+#pragma unroll
+      for (int y = 0; y < WN; ++y)
+        if (y < used) {
+          mma_tf32(acc[x][y], alo[x], bhi[y]);
+          mma_tf32(acc[x][y], ahi[x], blo[y]);
+          mma_tf32(acc[x][y], ahi[x], bhi[y]);
+        }
+  };
+  const int whole = L / 8 * 8;
+#pragma unroll 2
+  for (int k0 = 0; k0 < whole; k0 += 8) step(k0, false);
+  if (whole < L) step(whole, true);
+#pragma unroll
+  for (int x = 0; x < WM; ++x)
+#pragma unroll
+    for (int y = 0; y < WN; ++y)
+      if (y < used)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // c_r: row gr (+ 8 for r >= 2), column 2 tg (+ 1 for odd r)
+          const int i = m0 + 16 * x + gr + 8 * (r / 2), j = n0 + 8 * y + 2 * tg + r % 2;
+          if (i < M && j < N) out(i, j, acc[x][y][r]);
+        }
+}
+#endif
+
 /// block_gemm's product on the tensor cores at fp32 accuracy: each operand split into a tf32 pair
 /// and the three products that matter summed (a_lo b_hi + a_hi b_lo + a_hi b_hi, smallest first;
 /// a_lo b_lo, below 2^-20 of the product, left out), accumulated in fp32. Each warp a (16 WM) x
@@ -147,64 +213,9 @@ __device__ __forceinline__ void block_mma(int M, int N, int L, const float* a, c
 #if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800) || defined(OOM_GATED_DELTA_FMA)
   block_gemm<2, 2, AR, AC, BR, BC>(M, N, L, a, b, out);  // no tf32 tensor cores (or, for kernel work, the FMA pipes asked for)
 #else
-  const int lane = threadIdx.x % 32, gr = lane / 4, tg = lane % 4;
   const int mt = (M + 16 * WM - 1) / (16 * WM), nt = (N + 8 * WN - 1) / (8 * WN);
-  for (int tile = threadIdx.x / 32; tile < mt * nt; tile += blockDim.x / 32) {
-    const int m0 = tile / nt * 16 * WM, n0 = tile % nt * 8 * WN;
-    const float* ar[WM][2];  // the fragment's rows gr and gr + 8 of each 16-row tile
-    const float* bc[WN];     // its column gr of each 8-column tile
-#pragma unroll
-    for (int x = 0; x < WM; ++x)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) ar[x][h] = a + min(m0 + 16 * x + 8 * h + gr, M - 1) * AR;
-#pragma unroll
-    for (int y = 0; y < WN; ++y) bc[y] = b + min(n0 + 8 * y + gr, N - 1) * BC;
-    float acc[WM][WN][4];
-#pragma unroll
-    for (int x = 0; x < WM; ++x)
-#pragma unroll
-      for (int y = 0; y < WN; ++y)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[x][y][r] = 0.0f;
-    const auto step = [&](int k0, bool tail) {
-      std::uint32_t ahi[WM][4], alo[WM][4], bhi[WN][2], blo[WN][2];
-#pragma unroll
-      for (int x = 0; x < WM; ++x)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {  // a_r: row gr (+ 8 for odd r), column tg (+ 4 for r >= 2)
-          const int l = k0 + tg + 4 * (r / 2);
-          split_tf32(!tail || l < L ? ar[x][r % 2][l * AC] : 0.0f, ahi[x][r], alo[x][r]);
-        }
-#pragma unroll
-      for (int y = 0; y < WN; ++y)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {  // b_r: row tg (+ 4 for r = 1), column gr
-          const int l = k0 + tg + 4 * r;
-          split_tf32(!tail || l < L ? bc[y][l * BR] : 0.0f, bhi[y][r], blo[y][r]);
-        }
-#pragma unroll
-      for (int x = 0; x < WM; ++x)
-#pragma unroll
-        for (int y = 0; y < WN; ++y) {
-          mma_tf32(acc[x][y], alo[x], bhi[y]);
-          mma_tf32(acc[x][y], ahi[x], blo[y]);
-          mma_tf32(acc[x][y], ahi[x], bhi[y]);
-        }
-    };
-    const int whole = L / 8 * 8;
-#pragma unroll 2
-    for (int k0 = 0; k0 < whole; k0 += 8) step(k0, false);
-    if (whole < L) step(whole, true);
-#pragma unroll
-    for (int x = 0; x < WM; ++x)
-#pragma unroll
-      for (int y = 0; y < WN; ++y)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {  // c_r: row gr (+ 8 for r >= 2), column 2 tg (+ 1 for odd r)
-          const int i = m0 + 16 * x + gr + 8 * (r / 2), j = n0 + 8 * y + 2 * tg + r % 2;
-          if (i < M && j < N) out(i, j, acc[x][y][r]);
-        }
-  }
+  for (int tile = threadIdx.x / 32; tile < mt * nt; tile += blockDim.x / 32)
+    warp_mma<WM, WN, AR, AC, BR, BC>(M, N, L, a, b, tile / nt * 16 * WM, tile % nt * 8 * WN, WN, out);
 #endif
 }
 
@@ -459,17 +470,49 @@ __device__ void prepare(const GatedDeltaDims& d, std::int64_t b, std::int64_t h,
   __syncthreads();
 }
 
-/// A and Q of the chunk `prepare` filled (k rows, and q rows, by k rows, with the decays).
-/// Synchronises before returning.
+/// The 16 x 8 tiles of strip r (rows 16 r .. 16 r + 15) of an n x n chunk product that hold a
+/// column <= a row (the lower triangle's, diagonal included): column tiles 0 .. 2 r + 1, as far
+/// as the chunk's n columns reach.
+__host__ __device__ __forceinline__ int lower_tiles_in(int n, int r) { return min(2 * r + 2, (n + 7) / 8); }
+
+/// A and Q of the chunk `prepare` filled (k rows, and q rows, by k rows, with the decays), on and
+/// below the diagonal: each product's lower tiles (lower_tiles_in: 20 of a 64-token chunk's 32),
+/// strips from the last, the two products' tiles dealt to the warps in runs (5 each at 64 tokens;
+/// a run within one strip shares its rows' fragments). The tiles above them are never written:
+/// zero_products zeroed them when the kernel began. Synchronises before returning.
 template <int LDK, int LDC>
 __device__ void decay_products(int n, int dk, const Chunk& c) {
-  block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.kn, c.kn, [&](int i, int j, float x) {
-    c.A[i * LDC + j] = j < i ? expf(c.G[i] - c.G[j]) * x : 0.0f;
-  });
-  block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.qn, c.kn, [&](int i, int j, float x) {
-    c.Q[i * LDC + j] = j <= i ? expf(c.G[i] - c.G[j]) * x : 0.0f;
-  });
+  const auto write = [&](float* m, bool strict) {
+    return [&c, m, strict](int i, int j, float x) { m[i * LDC + j] = (strict ? j < i : j <= i) ? expf(c.G[i] - c.G[j]) * x : 0.0f; };
+  };
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800) || defined(OOM_GATED_DELTA_FMA)
+  block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.kn, c.kn, write(c.A, true));
+  block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.qn, c.kn, write(c.Q, false));
+#else
+  constexpr int most = 5;  // a run's tiles at most (40 tiles of a 64-token chunk over 8 warps)
+  const int strips = (n + 15) / 16;
+  int per_product = 0;
+  for (int r = 0; r < strips; ++r) per_product += lower_tiles_in(n, r);
+  const int warps = static_cast<int>(blockDim.x / 32), total = 2 * per_product, per = (total + warps - 1) / warps;
+  const int end = min((static_cast<int>(threadIdx.x) / 32 + 1) * per, total);
+  for (int t = static_cast<int>(threadIdx.x) / 32 * per; t < end;) {  // uniform over the warp
+    const int product = t / per_product;
+    int u = t % per_product, r = strips - 1;
+    while (u >= lower_tiles_in(n, r)) u -= lower_tiles_in(n, r--);
+    const int used = min(min(lower_tiles_in(n, r) - u, end - t), most);
+    warp_mma<1, most, LDK, 1, 1, LDK>(n, n, dk, product == 0 ? c.kn : c.qn, c.kn, 16 * r, 8 * u, used,
+                                      write(product == 0 ? c.A : c.Q, product == 0));
+    t += used;
+  }
+#endif
   __syncthreads();
+}
+
+/// Zeros A and Q whole (decay_products then writes only their lower tiles, every chunk). Call
+/// before the first chunk's prepare (which synchronises).
+template <int LDC>
+__device__ void zero_products(const Chunk& c) {
+  for (int e = static_cast<int>(threadIdx.x); e < max_rows * LDC; e += static_cast<int>(blockDim.x)) c.A[e] = c.Q[e] = 0.0f;
 }
 
 /// Carves the chunk's arrays from `at`; returns the next free float.
@@ -520,6 +563,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaD
   Chunk c;
   constexpr int ldk = carry_ldk, ldc = carry_ldc;
   float* S = carve<ldk, ldc>(c, smem, true);
+  zero_products<ldc>(c);
   float* X = S + max_dim * ldt;
   float* D = X + max_rows * ldt;
   float* O = D + max_rows * ldt;
@@ -580,6 +624,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
   Chunk c;
   constexpr int ldk = carry_ldk, ldc = carry_ldc;
   float* dS = carve<ldk, ldc>(c, smem, true);
+  zero_products<ldc>(c);
   float* dO = dS + max_dim * ldt;
   float* dD = dO + max_rows * ldt;
   float* Hh = dD + max_rows * ldt;
@@ -703,6 +748,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   Chunk c;
   constexpr int ldk = grad_ldk, ldc = grad_ldc;
   float* dQ = carve<ldk, ldc>(c, smem, false);  // d loss / d q' rows (n, dk)
+  zero_products<ldc>(c);
   float* dK = dQ + max_rows * ldq;
   float* dqk = dK + max_rows * ldq;   // d loss / d Q (before the decays), (n, n)
   float* dkk = dqk + max_rows * ldc;  // d loss / d A
