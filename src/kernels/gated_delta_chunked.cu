@@ -789,7 +789,9 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
     area[e] = e / ldc == e % ldc ? 1.0f : 0.0f;  // the identity, solved for M
   }
   if (threadIdx.x < max_rows) dG[threadIdx.x] = dB[threadIdx.x] = 0.0f;
-  if (threadIdx.x == 0) *last_grad = 0.0f;
+  // dG_last's two terms, summed over the tiles by the threads that own their rows: w_i D_i . P_i
+  // (thread i) and S0_a . dS_a (thread 128 + a); added up once, after the tiles.
+  float last_rows = 0.0f, last_state = 0.0f;
   const float* S0_all = states + bh * d.states_stride + ci * state;
   const float* dS_chunk = dS_all + (bh * chunks + ci) * state;
   TileLoads tl;  // a tile's reads, issued a tile ahead (the first during the solve)
@@ -797,7 +799,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   __syncthreads();
   solve_deltas<ldc, ldc, 4>(n, n, c.A, area, M, c.beta);  // the chunk's one triangular solve: n <= 64 columns x 4 lanes
   for (std::int64_t j0 = 0; j0 < d.v_dim; j0 += chunk_cols) {
-    __syncthreads();
+    __syncthreads();  // (the tile before's sums and products have read S0, dS, X and dO)
     store_tile(n, tl, S0, dS, X, dO);
     if (j0 + chunk_cols < d.v_dim) fetch_tile(d, S0_all, dS_chunk, v, d_out, b, h, t0, n, j0 + chunk_cols, tl);
     __syncthreads();
@@ -820,7 +822,8 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
     block_mma<1, 1, 1, ldc, ldu, 1>(n, chunk_cols, n, c.A, Hh, [&](int i, int j, float x) { dD[i * ldu + j] -= x; });
     PHASE(3);
     // The sums over this tile's columns: dbeta_i += dR_i . R_i; dG_i -= exp(G_i) U_i . h_i + w_i D_i . P_i,
-    // and dG_last gains w_i D_i . P_i and exp(G_last) S0 . dS.
+    // and dG_last gains w_i D_i . P_i and exp(G_last) S0 . dS. Only the thread of a row writes or
+    // reads what it sums into, and the products below write none of what it reads: no barrier.
     if (threadIdx.x < n) {
       const int i = threadIdx.x;
       float r1 = 0, r2 = 0, r3 = 0;
@@ -831,19 +834,12 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
       }
       dB[i] += r1;
       dG[i] -= c.eg[i] * r2 + c.w[i] * r3;
-      dQo[i] = c.w[i] * r3;  // for last_grad, below
+      last_rows += c.w[i] * r3;
     } else if (threadIdx.x >= 128 && threadIdx.x - 128 < dk) {
       const int a = threadIdx.x - 128;
       float s = 0;
       for (int j = 0; j < chunk_cols; ++j) s = __fmaf_rn(S0[a * ldu + j], dS[a * ldu + j], s);
-      part[a] = s;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float s = 0, wsum = 0;
-      for (int a = 0; a < dk; ++a) s += part[a];
-      for (int i = 0; i < n; ++i) wsum += dQo[i];
-      *last_grad += c.eg[n - 1] * s + wsum;
+      last_state += s;
     }
     // dq' += diag(exp G) dO S0^T; dk += diag(w) D dS^T - diag(exp G) h S0^T;
     // d Q += dO D^T; d A -= h D^T (the masks applied after the tiles).
@@ -855,8 +851,19 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
     block_mma<2, 2, ldu, 1, 1, ldu>(n, n, chunk_cols, Hh, D, [&](int i, int j, float x) { dkk[i * ldc + j] -= x; });
     PHASE(4);
   }
+  if (threadIdx.x < n) dQo[threadIdx.x] = last_rows;
+  else if (threadIdx.x >= 128 && threadIdx.x - 128 < dk) part[threadIdx.x - 128] = last_state;
   __syncthreads();
-  {  // the q rows again, over the tiles
+  if (threadIdx.x < 32) {  // dG_last's terms summed by one warp, in a fixed order
+    const int lane = static_cast<int>(threadIdx.x);
+    float state_sum = 0.0f, rows_sum = 0.0f;
+    for (int a = lane; a < dk; a += 32) state_sum += part[a];
+    for (int i = lane; i < n; i += 32) rows_sum += dQo[i];
+    state_sum = warp_sum(state_sum);
+    rows_sum = warp_sum(rows_sum);
+    if (lane == 0) *last_grad = c.eg[n - 1] * state_sum + rows_sum;
+  }
+  {  // the q rows again, over the tiles (store_normalised's barrier orders the sums above before dQo's reuse)
     Loads p;
     fetch(d, b, h, t0, n, vec, 1, q, k, nullptr, nullptr, nullptr, 0, 0, p);
     store_normalised<ldk>(d, b, h, t0, n, vec, 1, q, k, p, c.qn, nullptr);  // synchronises
