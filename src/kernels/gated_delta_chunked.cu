@@ -30,6 +30,7 @@
 
 #include "bf16_device.cuh"
 #include "gated_delta_chunked.hpp"
+#include "gated_delta_tiles.hpp"
 
 namespace oom::kernels::detail {
 namespace {
@@ -48,6 +49,14 @@ constexpr int ldt = carry_cols + 8;                             // 8 banks apart
 constexpr int chunk_cols = 16;                                  // the columns the per-chunk backward takes at once
 constexpr int ldu = chunk_cols + 1;
 constexpr float l2_eps = 1e-6f;                                 // as the recurrent kernels' (FLA's) l2norm
+
+// Products on the FMA pipes (block_gemm) where the device has no tf32 tensor cores, or where a
+// build for kernel work asks for them (-DOOM_GATED_DELTA_FMA); else on the tensor cores (block_mma).
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800) || defined(OOM_GATED_DELTA_FMA)
+#define OOM_GATED_DELTA_ON_FMA 1
+#else
+#define OOM_GATED_DELTA_ON_FMA 0
+#endif
 
 // Phase marks: each is a barrier. Built with -DOOM_GATED_DELTA_PHASES (kernel development), block
 // 0 also prints the cycles since the mark before, summed over its chunks, by the marks' numbers.
@@ -135,7 +144,7 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const std::uint32_t (&a)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-#if !((defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800) || defined(OOM_GATED_DELTA_FMA))
+#if !OOM_GATED_DELTA_ON_FMA
 /// One warp's (16 WM) x (8 WN) tile of C = A B at (m0, n0) on the tensor cores at fp32 accuracy,
 /// its first `used` column tiles of 8 only (uniform over the warp; the rest neither read nor
 /// stored): block_mma's tile, which says the rest.
@@ -210,7 +219,7 @@ __device__ __forceinline__ void warp_mma(int M, int N, int L, const float* a, co
 /// columns past N read row M - 1 and column N - 1 and are not stored.
 template <int WM, int WN, int AR, int AC, int BR, int BC, class Out>
 __device__ __forceinline__ void block_mma(int M, int N, int L, const float* a, const float* b, Out out) {
-#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800) || defined(OOM_GATED_DELTA_FMA)
+#if OOM_GATED_DELTA_ON_FMA
   block_gemm<2, 2, AR, AC, BR, BC>(M, N, L, a, b, out);  // no tf32 tensor cores (or, for kernel work, the FMA pipes asked for)
 #else
   const int mt = (M + 16 * WM - 1) / (16 * WM), nt = (N + 8 * WN - 1) / (8 * WN);
@@ -470,43 +479,34 @@ __device__ void prepare(const GatedDeltaDims& d, std::int64_t b, std::int64_t h,
   __syncthreads();
 }
 
-/// The 16 x 8 tiles of strip r (rows 16 r .. 16 r + 15) of an n x n chunk product that hold a
-/// column <= a row (the lower triangle's, diagonal included): column tiles 0 .. 2 r + 1, as far
-/// as the chunk's n columns reach.
-__host__ __device__ __forceinline__ int lower_tiles_in(int n, int r) { return min(2 * r + 2, (n + 7) / 8); }
-
 /// A and Q of the chunk `prepare` filled (k rows, and q rows, by k rows, with the decays), on and
-/// below the diagonal: each product's lower tiles (lower_tiles_in: 20 of a 64-token chunk's 32),
-/// strips from the last, the two products' tiles dealt to the warps in runs (5 each at 64 tokens;
-/// a run within one strip shares its rows' fragments). The tiles above them are never written:
-/// zero_products zeroed them when the kernel began. Synchronises before returning.
+/// below the diagonal: each product's lower tiles, dealt to the warps in runs (LowerTiles, in
+/// gated_delta_tiles.hpp: 20 of a 64-token chunk's 32 tiles a product, 5 a warp). The tiles above
+/// them are never written: zero_products zeroed them when the kernel began. Synchronises before
+/// returning.
 template <int LDK, int LDC>
 __device__ void decay_products(int n, int dk, const Chunk& c) {
   const auto write = [&](float* m, bool strict) {
     return [&c, m, strict](int i, int j, float x) { m[i * LDC + j] = (strict ? j < i : j <= i) ? expf(c.G[i] - c.G[j]) * x : 0.0f; };
   };
-#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800) || defined(OOM_GATED_DELTA_FMA)
+#if OOM_GATED_DELTA_ON_FMA
   block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.kn, c.kn, write(c.A, true));
   block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.qn, c.kn, write(c.Q, false));
 #else
-  constexpr int most = 5;  // a run's tiles at most (40 tiles of a 64-token chunk over 8 warps)
-  const int strips = (n + 15) / 16;
-  int per_product = 0;
-  for (int r = 0; r < strips; ++r) per_product += lower_tiles_in(n, r);
-  const int warps = static_cast<int>(blockDim.x / 32), total = 2 * per_product, per = (total + warps - 1) / warps;
-  const int end = min((static_cast<int>(threadIdx.x) / 32 + 1) * per, total);
-  for (int t = static_cast<int>(threadIdx.x) / 32 * per; t < end;) {  // uniform over the warp
-    const int product = t / per_product;
-    int u = t % per_product, r = strips - 1;
-    while (u >= lower_tiles_in(n, r)) u -= lower_tiles_in(n, r--);
-    const int used = min(min(lower_tiles_in(n, r) - u, end - t), most);
-    warp_mma<1, most, LDK, 1, 1, LDK>(n, n, dk, product == 0 ? c.kn : c.qn, c.kn, 16 * r, 8 * u, used,
-                                      write(product == 0 ? c.A : c.Q, product == 0));
-    t += used;
+  const LowerTiles tiles(n, static_cast<int>(blockDim.x / 32));
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  for (int t = tiles.begin(warp), end = tiles.end(warp); t < end;) {  // uniform over the warp
+    const LowerRun run = tiles.run_at(t, end);
+    warp_mma<1, lower_run_most, LDK, 1, 1, LDK>(n, n, dk, run.product == 0 ? c.kn : c.qn, c.kn, 16 * run.strip, 8 * run.first,
+                                                run.count, write(run.product == 0 ? c.A : c.Q, run.product == 0));
+    t += run.count;
   }
 #endif
   __syncthreads();
 }
+
+static_assert((2 * 20 + threads / 32 - 1) / (threads / 32) <= lower_run_most,
+              "a 64-token chunk's 40 lower tiles over the block's warps: one run of warp_mma's columns or fewer a warp");
 
 /// Zeros A and Q whole (decay_products then writes only their lower tiles, every chunk). Call
 /// before the first chunk's prepare (which synchronises).
@@ -799,7 +799,7 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   __syncthreads();
   solve_deltas<ldc, ldc, 4>(n, n, c.A, area, M, c.beta);  // the chunk's one triangular solve: n <= 64 columns x 4 lanes
   for (std::int64_t j0 = 0; j0 < d.v_dim; j0 += chunk_cols) {
-    __syncthreads();  // (the tile before's sums and products have read S0, dS, X and dO)
+    __syncthreads();
     store_tile(n, tl, S0, dS, X, dO);
     if (j0 + chunk_cols < d.v_dim) fetch_tile(d, S0_all, dS_chunk, v, d_out, b, h, t0, n, j0 + chunk_cols, tl);
     __syncthreads();
