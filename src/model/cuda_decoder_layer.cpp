@@ -71,6 +71,35 @@ std::int64_t attention_chunk(const DecoderLayerShape& s) {
 }
 bool attention_chunked(const DecoderLayerShape& s) { return !s.linear && attention_chunk(s) < s.tokens / s.sequences; }
 
+/// The q or k RMSNorm over `tokens` tokens of `heads` heads: rows of head_dim per head, or one row
+/// of heads * head_dim per token over the whole projection (QkNorm::full_width); none: 0 rows.
+struct NormRows {
+  std::int64_t rows = 0, width = 0;
+};
+NormRows qk_norm_rows(const DecoderLayerShape& s, std::int64_t tokens, std::int64_t heads) {
+  switch (s.qk_norm) {
+    case QkNorm::per_head: return {tokens * heads, s.head_dim};
+    case QkNorm::full_width: return {tokens, heads * s.head_dim};
+    case QkNorm::none: break;
+  }
+  return {};
+}
+/// The norm's saved rstd values per token (the offset of a token's first).
+std::int64_t rstd_per_token(const DecoderLayerShape& s, std::int64_t heads) { return qk_norm_rows(s, 1, heads).rows; }
+
+/// q or k before RoPE from its projection `raw` (tokens, heads, D): normed as s.qk_norm says, or
+/// copied where the model has no q/k norm.
+void qk_norm_forward(const DecoderLayerShape& s, const bf16* raw, const bf16* weight, bf16* out, float* rstd, std::int64_t tokens,
+                     std::int64_t heads, cudaStream_t st, std::string_view step) {
+  const NormRows r = qk_norm_rows(s, tokens, heads);
+  if (r.rows == 0) {
+    check(cudaMemcpyAsync(out, raw, static_cast<std::size_t>(tokens * heads * s.head_dim) * sizeof(bf16), cudaMemcpyDeviceToDevice, st),
+          step);
+    return;
+  }
+  check(kernels::rmsnorm_forward(raw, weight, out, rstd, r.rows, r.width, s.rms_norm_eps, st, s.norm_offset), step);
+}
+
 /// One MoE chunk's permutation and expert activations (N = n*k rows for a chunk of n tokens). Whole:
 /// kept in `saved` for the backward; chunked: in the workspace, recomputed by the backward per chunk.
 struct ExpertRows {
@@ -119,8 +148,8 @@ struct Saved {
   bf16* q_raw;             // (T, Hq, D)      xn1 Wq^T (input of q_norm); gated: q_proj's q halves
   bf16* gate;              // (T, Hq, D)      gated only: q_proj's gate halves, packed
   bf16* k_raw;             // (T, Hkv, D)
-  float* q_rstd;           // (T * Hq)
-  float* k_rstd;           // (T * Hkv)
+  float* q_rstd;           // (T * Hq) per head, (T) over the projection, none without a q/k norm
+  float* k_rstd;           // (T * Hkv), (T), none
   bf16* q;                 // (T, Hq, D)      rope(q_norm(q_raw)), the attention's Q
   bf16* k;                 // (T, Hkv, D)
   bf16* v;                 // (T, Hkv, D)
@@ -147,8 +176,8 @@ Saved carve_saved(const DecoderLayerShape& s, void* base, std::size_t* total = n
     v.q_raw = c.take<bf16>(T * q_width(s));
     if (s.output_gate) v.gate = c.take<bf16>(T * q_width(s));
     v.k_raw = c.take<bf16>(T * kv_width(s));
-    v.q_rstd = c.take<float>(T * s.heads_q);
-    v.k_rstd = c.take<float>(T * s.heads_kv);
+    v.q_rstd = c.take<float>(qk_norm_rows(s, T, s.heads_q).rows);
+    v.k_rstd = c.take<float>(qk_norm_rows(s, T, s.heads_kv).rows);
     v.q = c.take<bf16>(T * q_width(s));
     v.k = c.take<bf16>(T * kv_width(s));
     v.v = c.take<bf16>(T * kv_width(s));
@@ -301,9 +330,11 @@ BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::Expert
   b.router_bytes = kernels::router_backward_workspace_bytes(router_shape(s));
   b.router_ws = c.take_bytes(b.router_bytes);
   b.norm_bytes = kernels::rmsnorm_backward_workspace_bytes(T, H);
-  if (!s.linear)  // the q and k norms
-    b.norm_bytes = std::max({b.norm_bytes, kernels::rmsnorm_backward_workspace_bytes(T * s.heads_q, s.head_dim),
-                             kernels::rmsnorm_backward_workspace_bytes(T * s.heads_kv, s.head_dim)});
+  if (!s.linear && s.qk_norm != QkNorm::none) {  // the q and k norms
+    const NormRows q = qk_norm_rows(s, T, s.heads_q), k = qk_norm_rows(s, T, s.heads_kv);
+    b.norm_bytes = std::max({b.norm_bytes, kernels::rmsnorm_backward_workspace_bytes(q.rows, q.width),
+                             kernels::rmsnorm_backward_workspace_bytes(k.rows, k.width)});
+  }
   b.norm_ws = c.take_bytes(b.norm_bytes);
   b.gemm_bytes = kernels::expert_gemm_workspace_bytes(expert_shape(s), expert_method, &streams);
   b.gemm_ws = c.take_bytes(b.gemm_bytes);
@@ -352,6 +383,16 @@ BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::Expert
   return b;
 }
 
+/// d raw from d (normed q or k), in place in `d` (tokens, heads, D), the norm's weight gradient
+/// accumulated into `grad_weight`; nothing where the model has no q/k norm (d is then d raw).
+void qk_norm_backward(const DecoderLayerShape& s, bf16* d, const bf16* raw, const bf16* weight, const float* rstd, float* grad_weight,
+                      std::int64_t tokens, std::int64_t heads, const BackwardScratch& b, cudaStream_t st, std::string_view step) {
+  const NormRows r = qk_norm_rows(s, tokens, heads);
+  if (r.rows == 0) return;
+  check(kernels::rmsnorm_backward(d, raw, weight, rstd, d, grad_weight, r.rows, r.width, b.norm_ws, b.norm_bytes, st, s.norm_offset),
+        step);
+}
+
 template <class P>
 void check_experts(const DecoderLayerShape& s, const std::vector<P>& gate, const std::vector<P>& up, const std::vector<P>& down,
                    const char* what) {
@@ -383,8 +424,8 @@ void check_tensors(const DecoderLayerShape& s, const Tensors& p, const char* wha
                                {d.a_log, "linear_attn A_log"}, {d.norm, "linear_attn norm"},
                                {d.out_proj, "linear_attn out_proj"}});
   } else {
-    named.insert(named.end(), {{p.q_proj, "q_proj"}, {p.k_proj, "k_proj"}, {p.v_proj, "v_proj"}, {p.o_proj, "o_proj"},
-                               {p.q_norm, "q_norm"}, {p.k_norm, "k_norm"}});
+    named.insert(named.end(), {{p.q_proj, "q_proj"}, {p.k_proj, "k_proj"}, {p.v_proj, "v_proj"}, {p.o_proj, "o_proj"}});
+    if (s.qk_norm != QkNorm::none) named.insert(named.end(), {{p.q_norm, "q_norm"}, {p.k_norm, "k_norm"}});
   }
   if (has_shared(s)) {
     named.insert(named.end(), {{p.shared_gate_proj, "shared_expert gate_proj"}, {p.shared_down_proj, "shared_expert down_proj"},
@@ -564,18 +605,19 @@ DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer,
   const auto& a = spec.attention();
   const std::string where = fmt::format("layer {} of a {} model", layer, to_string(spec.family()));
   const bool hybrid = spec.family() == ModelFamily::qwen3_next || spec.family() == ModelFamily::qwen3_5_moe;
-  if (spec.family() != ModelFamily::qwen3_moe && !hybrid)
-    invalid(where + ": only Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE layers are implemented");
   if (!L.moe) invalid(where + " is a dense-MLP layer; only MoE layers are implemented");
   if (spec.moe().router_aux_loss_coef > 0)
     invalid(where + ": output_router_logits (transformers' load-balancing loss in the training loss) is not implemented on the GPU");
-  if (spec.attention().sliding_window > 0 && L.attention == AttentionKind::full)
-    invalid(where + fmt::format(": sliding-window attention (sliding_window {}) is not implemented", spec.attention().sliding_window));
+  if (spec.moe().router_jitter_noise > 0)
+    invalid(where + fmt::format(": router_jitter_noise {} (random, so no step could be reproduced) is not implemented",
+                                spec.moe().router_jitter_noise));
   DecoderLayerShape s;
   s.linear = L.attention == AttentionKind::linear;
   if (!s.linear) {
-    if (!a.qk_norm || a.qk_norm_full_width || a.bias)
-      invalid(where + ": needs a per-head q/k norm and no attention bias (Qwen3's attention)");
+    if (a.bias || a.qkv_bias) invalid(where + ": attention biases are not implemented");
+    if (a.sliding_window > 0) invalid(where + fmt::format(": sliding-window attention (sliding_window {}) is not implemented", a.sliding_window));
+    if (a.clip_qkv > 0) invalid(where + fmt::format(": clip_qkv {} is not implemented", a.clip_qkv));
+    s.qk_norm = !a.qk_norm ? QkNorm::none : a.qk_norm_full_width ? QkNorm::full_width : QkNorm::per_head;
     // transformers gates every Qwen3-Next and Qwen3.5 attention whatever attn_output_gate says.
     if (hybrid != a.output_gate)
       invalid(where + (hybrid ? ": attn_output_gate false (transformers always gates this family's attention)"
@@ -588,9 +630,11 @@ DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer,
   } else {
     s.deltanet = DeltaNetShape::from_spec(spec, layer, tokens, sequences);
   }
-  // transformers' Qwen3-MoE rotates the whole head; a partial_rotary_factor there is not its model.
+  // transformers' Qwen3-MoE, Mixtral and OLMoE rotate the whole head; a partial_rotary_factor
+  // there is not their model.
   if (!hybrid && spec.partial_rotary_factor() != 1.0)
-    invalid(where + fmt::format(": partial_rotary_factor {} (Qwen3-MoE rotates the whole head)", spec.partial_rotary_factor()));
+    invalid(where + fmt::format(": partial_rotary_factor {} ({} rotates the whole head)", spec.partial_rotary_factor(),
+                                to_string(spec.family())));
   s.output_gate = !s.linear && a.output_gate;
   s.norm_offset = spec.zero_centred_norms() ? 1.0f : 0.0f;
   s.shared_intermediate = static_cast<std::int64_t>(spec.moe().shared_expert_intermediate);
@@ -651,11 +695,11 @@ void bind(const ModelSpec& spec, int layer, std::span<P const> bases, Out& out, 
           out.expert_up_proj[e] = p + HI;
         } else if (t.stacked_index >= 0 && ends_with(t.name, ".experts.down_proj")) {
           out.expert_down_proj[e] = p;
-        } else if (t.stacked_index < 0 && ends_with(t.name, ".gate_proj.weight")) {
-          out.expert_gate_proj[e] = p;
-        } else if (t.stacked_index < 0 && ends_with(t.name, ".up_proj.weight")) {
+        } else if (t.stacked_index < 0 && (ends_with(t.name, ".gate_proj.weight") || ends_with(t.name, ".w1.weight"))) {
+          out.expert_gate_proj[e] = p;  // (Mixtral: w1 gate, w3 up, w2 down)
+        } else if (t.stacked_index < 0 && (ends_with(t.name, ".up_proj.weight") || ends_with(t.name, ".w3.weight"))) {
           out.expert_up_proj[e] = p;
-        } else if (t.stacked_index < 0 && ends_with(t.name, ".down_proj.weight")) {
+        } else if (t.stacked_index < 0 && (ends_with(t.name, ".down_proj.weight") || ends_with(t.name, ".w2.weight"))) {
           out.expert_down_proj[e] = p;
         } else {
           invalid(fmt::format("bind {}: unexpected expert tensor {}", what, t.name));
@@ -681,8 +725,9 @@ void bind(const ModelSpec& spec, int layer, std::span<P const> bases, Out& out, 
       else if (ends_with(t.name, ".self_attn.o_proj.weight")) out.o_proj = p;
       else if (ends_with(t.name, ".self_attn.q_norm.weight")) out.q_norm = p;
       else if (ends_with(t.name, ".self_attn.k_norm.weight")) out.k_norm = p;
-      else if (ends_with(t.name, ".mlp.gate.weight")) out.router = p;
-      else invalid(fmt::format("bind {}: tensor {} is not part of a Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE decoder layer", what, t.name));
+      else if (ends_with(t.name, ".mlp.gate.weight") || ends_with(t.name, ".block_sparse_moe.gate.weight")) out.router = p;
+      else invalid(fmt::format("bind {}: tensor {} is not part of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral or OLMoE decoder layer",
+                               what, t.name));
     }
   }
 }
@@ -772,8 +817,8 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
     }
     gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.k_proj, H, v.k_raw, CUDA_R_16BF, KW, 0.0f, "k_proj forward GEMM");
     gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.v_proj, H, v.v, CUDA_R_16BF, KW, 0.0f, "v_proj forward GEMM");
-    check(kernels::rmsnorm_forward(v.q_raw, params.q_norm, v.q, v.q_rstd, T * s.heads_q, D, eps, st, offset), "q_norm forward");
-    check(kernels::rmsnorm_forward(v.k_raw, params.k_norm, v.k, v.k_rstd, T * s.heads_kv, D, eps, st, offset), "k_norm forward");
+    qk_norm_forward(s, v.q_raw, params.q_norm, v.q, v.q_rstd, T, s.heads_q, st, "q_norm forward");
+    qk_norm_forward(s, v.k_raw, params.k_norm, v.k, v.k_rstd, T, s.heads_kv, st, "k_norm forward");
     check(kernels::rope_forward(v.q, positions, v.q, T, s.heads_q, D, rotary(s), s.rope_theta, st), "rope forward (q)");
     check(kernels::rope_forward(v.k, positions, v.k, T, s.heads_kv, D, rotary(s), s.rope_theta, st), "rope forward (k)");
     const kernels::AttentionProblem ap = attention_problem(s);
@@ -884,9 +929,8 @@ void attention_backward_chunked(const DecoderLayerContext& ctx, const DecoderLay
                                                 {rows_from(b.dq, q0, QW), S * QW, QW}, sums, b.attn_ws, b.attn_bytes, st),
             "attention backward (query chunk)");
       check(kernels::rope_backward(b.dq, positions + r0, b.dq, n, s.heads_q, D, rotary(s), s.rope_theta, st), "rope backward (q)");
-      check(kernels::rmsnorm_backward(b.dq, v.q_raw + r0 * QW, params.q_norm, v.q_rstd + r0 * s.heads_q, b.dq, grads.q_norm,
-                                      n * s.heads_q, D, b.norm_ws, b.norm_bytes, st, s.norm_offset),
-            "q_norm backward");
+      qk_norm_backward(s, b.dq, v.q_raw + r0 * QW, params.q_norm, v.q_rstd + r0 * rstd_per_token(s, s.heads_q), grads.q_norm, n,
+                       s.heads_q, b, st, "q_norm backward");
       const bf16* dq_rows = b.dq;  // q_proj's output gradient: dq, or (gated) [dq | d gate] per head
       if (s.output_gate) {
         split_heads(s, n, st, b.d_qg, b.dq, b.d_gate, /*merge=*/true);
@@ -1037,9 +1081,7 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
                                         /*accumulate_dkv=*/false, b.attn_ws, b.attn_bytes, st),
             "attention backward");
       check(kernels::rope_backward(b.dq, positions, b.dq, T, s.heads_q, D, rotary(s), s.rope_theta, st), "rope backward (q)");
-      check(kernels::rmsnorm_backward(b.dq, v.q_raw, params.q_norm, v.q_rstd, b.dq, grads.q_norm, T * s.heads_q, D, b.norm_ws,
-                                      b.norm_bytes, st, offset),
-            "q_norm backward");
+      qk_norm_backward(s, b.dq, v.q_raw, params.q_norm, v.q_rstd, grads.q_norm, T, s.heads_q, b, st, "q_norm backward");
       // q_proj's output gradient: dq, or (gated) [dq | d gate] per head as its rows are.
       const bf16* dq_rows = b.dq;
       if (s.output_gate) {
@@ -1051,9 +1093,7 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
       gemm(ctx.blas, true, false, QP, H, T, dq_rows, QP, v.xn1, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
     }
     check(kernels::rope_backward(b.dk, positions, b.dk, T, s.heads_kv, D, rotary(s), s.rope_theta, st), "rope backward (k)");
-    check(kernels::rmsnorm_backward(b.dk, v.k_raw, params.k_norm, v.k_rstd, b.dk, grads.k_norm, T * s.heads_kv, D, b.norm_ws,
-                                    b.norm_bytes, st, offset),
-          "k_norm backward");
+    qk_norm_backward(s, b.dk, v.k_raw, params.k_norm, v.k_rstd, grads.k_norm, T, s.heads_kv, b, st, "k_norm backward");
     gemm(ctx.blas, false, false, T, H, KW, b.dk, KW, params.k_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "k_proj dx GEMM");
     gemm(ctx.blas, false, false, T, H, KW, b.dv, KW, params.v_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "v_proj dx GEMM");
     gemm(ctx.blas, true, false, KW, H, T, b.dk, KW, v.xn1, H, grads.k_proj, CUDA_R_32F, H, 1.0f, "k_proj dW GEMM");

@@ -330,6 +330,27 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
   }
 }
 
+TEST_CASE("Mixtral and OLMoE models (no q/k norm; q/k norm over the whole projection): every plan the resident plan's step") {
+  // tests/data/gpu-mixtral-layers.json and gpu-olmoe-layers.json: 2 layers of full attention, 8
+  // experts top-2 (OLMoE's weights not renormalised), the layers test_cuda_hybrid_layer checks.
+  for (const char* file : {"gpu-mixtral-layers.json", "gpu-olmoe-layers.json"}) {
+    CAPTURE(file);
+    const auto spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/tests/data/" + file);
+    const Plan reference = resident_plan(spec);
+    const Run expect = train(spec, reference);
+    MESSAGE(file << " resident plan: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
+    for (const double loss : expect.losses) CHECK(std::isfinite(loss));
+    std::mt19937_64 rng(44);
+    for (int i = 0; i < 4; ++i) {
+      Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
+      CAPTURE(i);
+      const Run got = train(spec, p, 3, false, CudaCausalLmOptions{}.grad_staging_layers, /*keep_attention_state=*/i % 2 == 0);
+      CHECK(got.losses == expect.losses);
+      CHECK(same(got.state, expect.state));
+    }
+  }
+}
+
 TEST_CASE("a model built from a weight source: each segment asked once, in spec order; the model the weights in memory build") {
   const auto spec = small_spec();
   const auto w = init(spec);

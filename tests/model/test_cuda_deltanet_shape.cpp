@@ -1,6 +1,7 @@
 // The Gated DeltaNet block's shape from a model spec and its sizes (no GPU needed): the segment
 // it binds is exactly the spec's linear_attention segment, and what it is not given is refused.
-// The decoder layer's hybrid shapes and bindings likewise (the layer itself: test_cuda_hybrid_layer).
+// The decoder layer's hybrid, Mixtral and OLMoE shapes and bindings likewise (the layer itself:
+// test_cuda_hybrid_layer).
 // The planner's worksets for a linear layer's parts and a softmax layer's query chunks against the
 // CUDA layer's workspace.
 #include <doctest/doctest.h>
@@ -207,6 +208,84 @@ TEST_CASE("the GPU layer refuses a model whose training loss adds the load-balan
                        doctest::Contains("output_router_logits (transformers' load-balancing loss in the training loss) is not "
                                          "implemented on the GPU"),
                        Error);
+}
+
+TEST_CASE("Mixtral's and OLMoE's layer shapes and bindings: q/k norm, experts w1/w3/w2, router, refusals named") {
+  const std::string data = std::string(OOM_SOURCE_DIR) + "/tests/data/";
+  const ModelSpec mixtral = ModelSpec::from_file(data + "gpu-mixtral-layers.json");
+  const ModelSpec olmoe = ModelSpec::from_file(data + "gpu-olmoe-layers.json");
+  const auto m = model::DecoderLayerShape::from_spec(mixtral, 1, 122, 2);
+  const auto o = model::DecoderLayerShape::from_spec(olmoe, 0, 122, 2);
+  CHECK(m.qk_norm == model::QkNorm::none);
+  CHECK(o.qk_norm == model::QkNorm::full_width);
+  for (const auto* s : {&m, &o}) {
+    CHECK_FALSE(s->linear);
+    CHECK_FALSE(s->output_gate);
+    CHECK(s->rotary_dim == 128);
+    CHECK(s->norm_offset == 0.0f);
+    CHECK(s->shared_intermediate == 0);
+  }
+  CHECK(m.norm_topk_prob);
+  CHECK_FALSE(o.norm_topk_prob);
+  CHECK(m.rope_theta == 1e6f);
+  // The norms' saved rstd: per head, one per token over the whole projection, none without a norm.
+  auto per_head = o;
+  per_head.qk_norm = model::QkNorm::per_head;
+  auto none = o;
+  none.qk_norm = model::QkNorm::none;
+  CHECK(model::decoder_layer_saved_bytes(per_head) > model::decoder_layer_saved_bytes(o));
+  CHECK(model::decoder_layer_saved_bytes(o) > model::decoder_layer_saved_bytes(none));
+  const auto fake_bases = [](const ModelSpec& spec, int layer) {
+    std::vector<const bf16*> bases;
+    for (std::size_t i = 0; i < spec.layer_segments(layer).size(); ++i) bases.push_back(reinterpret_cast<const bf16*>((i + 1) << 32));
+    return bases;
+  };
+  for (const auto* spec : {&mixtral, &olmoe}) {
+    CAPTURE(to_string(spec->family()));
+    const auto bases = fake_bases(*spec, 1);
+    const auto p = model::bind_decoder_layer_params(*spec, 1, bases);
+    const auto H = static_cast<std::int64_t>(spec->hidden_size()), I = static_cast<std::int64_t>(spec->moe().expert_intermediate);
+    const auto q = static_cast<std::int64_t>(spec->attention().heads * spec->attention().head_dim);
+    const auto kv = static_cast<std::int64_t>(spec->attention().kv_heads * spec->attention().head_dim);
+    CHECK(p.router == bases[2]);  // attention, norms, router (block_sparse_moe.gate / mlp.gate), experts
+    for (std::size_t e = 0; e < spec->moe().experts; ++e) {
+      CHECK(p.expert_gate_proj[e] == bases[3 + e]);  // Mixtral's w1
+      CHECK(p.expert_up_proj[e] == bases[3 + e] + I * H);  // w3
+      CHECK(p.expert_down_proj[e] == bases[3 + e] + 2 * I * H);  // w2
+    }
+    CHECK(p.q_proj == bases[0]);
+    CHECK(p.o_proj == bases[0] + (q + 2 * kv) * H);
+    if (spec == &mixtral) {
+      CHECK(p.q_norm == nullptr);
+      CHECK(p.k_norm == nullptr);
+    } else {
+      CHECK(p.q_norm == bases[0] + (q + 2 * kv) * H + H * q);
+      CHECK(p.k_norm == p.q_norm + q);  // over the whole projection: q wide, then kv wide
+    }
+  }
+  // What would change their math and is not implemented is refused by name.
+  auto refused = [](const std::string& file, const char* field, const Json& value) {
+    Json j = read_json_file(file);
+    j.set(field, value);
+    try {
+      (void)model::DecoderLayerShape::from_spec(ModelSpec::from_json(j), 0, 122, 2);
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  CHECK(refused(data + "gpu-mixtral-layers.json", "sliding_window", Json(4096)).find("sliding-window attention (sliding_window 4096)") !=
+        std::string::npos);
+  CHECK(refused(data + "gpu-mixtral-layers.json", "router_jitter_noise", Json::parse("0.01")).find("router_jitter_noise 0.01") !=
+        std::string::npos);
+  CHECK(refused(data + "gpu-olmoe-layers.json", "clip_qkv", Json::parse("8.0")).find("clip_qkv 8 is not implemented") !=
+        std::string::npos);
+  CHECK(refused(data + "gpu-olmoe-layers.json", "attention_bias", Json(true)).find("attention biases are not implemented") !=
+        std::string::npos);
+  // Qwen2-MoE's q/k/v biases likewise.
+  CHECK_THROWS_WITH_AS((void)model::DecoderLayerShape::from_spec(
+                           ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/qwen1.5-moe-a2.7b.json"), 0, 122, 2),
+                       doctest::Contains("attention biases are not implemented"), Error);
 }
 
 TEST_CASE("the planner's bytes for a linear layer are the GPU block's saved buffer") {

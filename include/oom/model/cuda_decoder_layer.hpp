@@ -83,6 +83,10 @@ class ExpertGemmStreams;
 
 namespace oom::model {
 
+/// The RMSNorm on q and k before RoPE: Qwen's per head (rows of head_dim), OLMoE's over the whole
+/// projection (rows of heads * head_dim), Mixtral's none.
+enum class QkNorm : unsigned char { per_head, full_width, none };
+
 struct DecoderLayerShape {
   std::int64_t tokens = 0;        ///< T, all the sequences' tokens (positions are given per token)
   /// B: T holds B sequences of T / B tokens, one after another; attention is causal within each
@@ -96,6 +100,7 @@ struct DecoderLayerShape {
   std::int64_t top_k = 0;         ///< k
   std::int64_t intermediate = 0;  ///< I, moe_intermediate_size
   bool norm_topk_prob = true;
+  QkNorm qk_norm = QkNorm::per_head;
   float rms_norm_eps = 1e-6f;
   float rope_theta = 1e6f;
   /// Tokens per chunk of the MoE half (the plan's LayerChunks::moe_tokens); 0 or >= tokens: one
@@ -120,11 +125,11 @@ struct DecoderLayerShape {
   bool linear = false;
   DeltaNetShape deltanet;
 
-  /// Layer `layer` of a Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE config with T = tokens in
-  /// `sequences` sequences. Errc::invalid_argument when the layer is not one this class
-  /// implements (another family, a dense MLP, no q/k norm, attention biases, a hybrid attention
-  /// without the output gate, an odd rotary dimension, a head_dim the attention kernel does not
-  /// take) or the tokens do not split into the sequences.
+  /// Layer `layer` of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral or OLMoE config with T =
+  /// tokens in `sequences` sequences. Errc::invalid_argument when the layer is not one this class
+  /// implements (a dense MLP, attention biases, a sliding window, OLMoE's clip_qkv, Mixtral's
+  /// router jitter, a hybrid attention without the output gate, an odd rotary dimension, a
+  /// head_dim the attention kernel does not take) or the tokens do not split into the sequences.
   [[nodiscard]] static DecoderLayerShape from_spec(const ModelSpec& spec, int layer, std::int64_t tokens, std::int64_t sequences = 1);
   /// Throws Errc::invalid_argument naming the first field out of range.
   void validate() const;
