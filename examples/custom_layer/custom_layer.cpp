@@ -7,6 +7,7 @@
 //                    [--gpu-budget BYTES] [--host-budget BYTES] [--profile FILE.json]
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -179,7 +180,9 @@ int run(const Options& o) {
 
   std::vector<std::vector<float>> init;
   for (const auto& l : layers) init.push_back(noise(l.segments()[0].parameters(), init.size() + 1, 1.0f / std::sqrt(static_cast<float>(o.hidden))));
-  // The host backend's "GPU" arena is budgeted: the executor's buffers come out of it.
+  // The host backend's "GPU" arena is budgeted: the executor's buffers come out of it. It takes
+  // each buffer when it queues the work, ahead of the compute that frees earlier ones, so its
+  // arena gets twice the plan's budget, as oom-train gives it (docs/planner.md).
   oom::HostBackend backend({o.gpu_budget * 2, o.host_budget, /*expose_races=*/false});
   oom::HostExecutorOptions eo;
   eo.adamw.lr = 3e-3f;

@@ -26,6 +26,7 @@ constexpr auto boundary = static_cast<std::size_t>(ActivationClass::layer_bounda
 struct Costed {
   LayerCost cost;
   std::array<Bytes, activation_class_count> saved{};  ///< by class; [layer_boundary]: its input
+  std::array<double, activation_class_count> recompute_flops{};  ///< by class
 };
 
 bool bad_number(double v) { return !std::isfinite(v) || v < 0; }
@@ -50,6 +51,7 @@ std::vector<Costed> cost_layers(const std::vector<LayerDescription>& layers, con
         OOM_THROW(Errc::invalid_argument, fmt::format("{}: {} recompute FLOPs must be finite and >= 0, not {}", where,
                                                       to_string(a.cls), a.recompute_flops));
       c.saved[static_cast<std::size_t>(a.cls)] += a.bytes;
+      c.recompute_flops[static_cast<std::size_t>(a.cls)] += a.recompute_flops;
     }
     c.saved[boundary] = l == 0 ? c.cost.output : out.back().cost.output;
     out.push_back(std::move(c));
@@ -104,15 +106,16 @@ class GraphBuilder {
     g_.hold(Claimant::host_staging, on_host.grads);
     slot_user_.assign(static_cast<std::size_t>(depth), -1);
 
-    std::vector<int> updates_after;  // the ops every update waits for (clipping: the whole backward)
+    std::vector<int> grads_out;  // every d2h.grads: clipping's norm reads the landed gradients
     int last_bwd = -1;
+    std::vector<int> mb_end;  // a micro-batch's last ops: the HostExecutor synchronises after each
     for (int mb = 0; mb < std::max(plan_.micro_batches, 1); ++mb) {
       const bool last = mb + 1 == std::max(plan_.micro_batches, 1);
       std::vector<int> fwd(static_cast<std::size_t>(n)), offload(static_cast<std::size_t>(n), -1);
       int producer = -1;  // the op that made the current boundary (the micro-batch's first load for layer 0)
       for (int l = 0; l < n; ++l) {
         const auto L = static_cast<std::size_t>(l);
-        const int h = load(l);
+        const int h = load(l, l == 0 ? mb_end : std::vector<int>{});
         if (l == 0) producer = h;
         const int f = g_.add({"fwd", Resource::gpu_compute, compute_time(l, costs_[L].cost.forward_flops), {h}, l});
         release(f);
@@ -132,9 +135,11 @@ class GraphBuilder {
       g_.hold(Claimant::retained_activations, y, fwd.back(), loss);
       int grad_from = loss;  // dL/d(output of the layer whose backward comes next)
       Bytes grad_bytes = y;
+      mb_end.clear();
       for (int l = n; l-- > 0;) {
         const auto L = static_cast<std::size_t>(l);
-        const int h = load(l);
+        // The backward is queued once the loss is known (the executor checks it is finite first).
+        const int h = load(l, l == n - 1 ? std::vector<int>{loss} : std::vector<int>{});
         std::vector<int> deps{h};
         int prefetch = -1;
         if (offload[L] >= 0) {
@@ -146,11 +151,17 @@ class GraphBuilder {
           deps.push_back(prefetch);
         }
         bool regenerate = false;
+        double rerun = 0;  // the recomputed classes' own FLOPs, at most the forward's
         for (int c = 1; c < activation_class_count; ++c)
-          regenerate |= costs_[L].saved[static_cast<std::size_t>(c)].count() > 0 && action(l, c) == Retention::recompute;
+          if (costs_[L].saved[static_cast<std::size_t>(c)].count() > 0 && action(l, c) == Retention::recompute) {
+            regenerate = true;
+            rerun += costs_[L].recompute_flops[static_cast<std::size_t>(c)];
+          }
         int rec = -1;
         if (regenerate) {
-          rec = g_.add({"recompute", Resource::gpu_compute, compute_time(l, costs_[L].cost.forward_flops), deps, l});
+          // A layer that declares no recompute FLOPs is priced as its whole forward again.
+          const double f = rerun > 0 ? std::min(rerun, costs_[L].cost.forward_flops) : costs_[L].cost.forward_flops;
+          rec = g_.add({"recompute", Resource::gpu_compute, compute_time(l, f), deps, l});
           hold_workset(l, rec, rec);
           deps.push_back(rec);
         }
@@ -163,11 +174,21 @@ class GraphBuilder {
         grad_from = b;
         grad_bytes = costs_[L].saved[boundary];
         hold_saved(l, fwd[L], offload[L], prefetch, rec, b);
+        // Later micro-batches: a resident segment's gradient lands in a scratch, then is added.
+        if (mb > 0 && resident_[L] > 0) g_.hold(Claimant::worksets, Bytes{resident_[L] * fp32_bytes}, b, b);
         if (last && resident_[L] > 0) pending_.push_back({"gpu.adamw", Resource::gpu_compute,
                                                           time_of(Operation::over(OpKind::gpu_optimizer, resident_[L])), {b}, l});
         if (streamed_[L] > 0) {
           const int d = g_.add({"d2h.grads", Resource::d2h, copy_time(OpKind::copy_d2h, Bytes{streamed_[L] * fp32_bytes}), {b}, l});
           grad_slot_user_[L % 2] = d;
+          grads_out.push_back(d);
+          mb_end.push_back(d);
+          // Later micro-batches land in pinned buffers the CPU adds into the staging, then frees.
+          if (mb > 0) {
+            const int add = g_.add({"cpu.grad_add", Resource::cpu, host_pass_seconds(streamed_[L], 12.0), {d}, l});
+            g_.hold(Claimant::host_staging, Bytes{streamed_[L] * fp32_bytes}, d, add);
+            mb_end.push_back(add);
+          }
           if (last)
             pending_.push_back({"cpu.adamw", Resource::cpu,
                                 time_of(Operation::over(OpKind::cpu_optimizer, streamed_[L],
@@ -175,15 +196,18 @@ class GraphBuilder {
                                 {d}, l});
         }
         if (last && !plan_.clip_grad_norm) flush_updates({});
+        mb_end.push_back(b);
       }
+      mb_end.push_back(loss);
       g_.hold(Claimant::worksets, grad_bytes, grad_from, grad_from);  // dL/d(input), handed to the caller
       producers_.clear();
     }
     if (plan_.clip_grad_norm) {
-      // One read of every gradient after the last backward; every update waits for the norm.
-      const int norm = g_.add({"gpu.grad_norm", Resource::gpu_compute,
-                               time_of(Operation::moving(OpKind::memory_bound, Bytes{(resident + streamed) * fp32_bytes})),
-                               {last_bwd}, -1});
+      // The HostExecutor's defer_updates: once every stream is done, the norm over every gradient
+      // (resident and landed), then every update.
+      std::vector<int> after = grads_out;
+      after.push_back(last_bwd);
+      const int norm = g_.add({"cpu.grad_norm", Resource::cpu, host_pass_seconds(resident + streamed, 4.0), after, -1});
       flush_updates({norm});
     }
     return std::move(g_);
@@ -201,6 +225,12 @@ class GraphBuilder {
   double time_of(const Operation& op) const {
     const auto t = cost_.predict(op);
     return t.longest();
+  }
+  // A pass over `params` values moving `bytes_per_param` of host memory each, at the bandwidth
+  // the CPU AdamW's measured rate implies (it moves 30 bytes a parameter, memory-bound).
+  double host_pass_seconds(std::uint64_t params, double bytes_per_param) const {
+    return static_cast<double>(params) * bytes_per_param /
+           (ProfileCostModel::cpu_adamw_bytes_per_param * profile_.cpu_adamw_params_per_s);
   }
   double copy_time(OpKind kind, Bytes bytes) const { return bytes.count() == 0 ? 0.0 : time_of(Operation::moving(kind, bytes)); }
   // A layer's FLOPs over its tokens in chunks, each chunk a launch at the GEMM rate of its rows.
@@ -220,12 +250,12 @@ class GraphBuilder {
     const Bytes part{c == T ? w.count() : static_cast<std::uint64_t>(std::ceil(static_cast<double>(w.count()) * static_cast<double>(c) / static_cast<double>(T)))};
     if (part.count() > 0) g_.hold(Claimant::worksets, part, from, to);
   }
-  // The weights of layer l into the next slot, once the slot's last user is done with it.
-  int load(int l) {
+  // The weights of layer l into the next slot, once the slot's last user is done with it (and
+  // `after`: what the executor waits for on the host before it queues the load).
+  int load(int l, std::vector<int> deps) {
     const auto L = static_cast<std::size_t>(l);
     slot_ = next_slot_;
     next_slot_ = (next_slot_ + 1) % slot_user_.size();
-    std::vector<int> deps;
     if (slot_user_[slot_] >= 0) deps.push_back(slot_user_[slot_]);
     const Bytes w = bytes_of(plan_.precision.weights, streamed_[L]);
     return g_.add({"h2d.weights", Resource::h2d, copy_time(OpKind::copy_h2d, w), deps, l});
@@ -307,6 +337,11 @@ void check_plan(const Plan& p, std::size_t layers) {
                                                   p.chunks.size(), layers));
   if (p.gpus != 1) OOM_THROW(Errc::unsupported, fmt::format("plan for {} GPUs: the layer-stack planner plans one", p.gpus));
   for (std::size_t l = 0; l < layers; ++l)
+    if (p.chunks[l].moe_tokens == 0)
+      OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {}: a chunk of 0 tokens (the whole micro-batch is {} tokens; the "
+                                                    "HostExecutor would run it a token at a time)",
+                                                    l, p.workload.tokens()));
+  for (std::size_t l = 0; l < layers; ++l)
     for (int c = 0; c < activation_class_count; ++c) {
       const auto d = p.retention[l][static_cast<std::size_t>(c)];
       if (d.action == Retention::recompute && (c == 0 || d.recompute_from != static_cast<int>(l)))
@@ -372,10 +407,31 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
   std::vector<Found> feasible;
   Bytes least_gpu{~0ull}, least_host{~0ull};
   std::string least_claimant;
-  const int depths = static_cast<int>(std::min<std::size_t>(3, std::max<std::size_t>(n, 1)));
+  // Each template's table. A class a layer does not save is set as the template says; the
+  // tables are compared over the classes saved, so no two candidates differ only there.
+  std::vector<std::vector<std::array<RetentionDecision, activation_class_count>>> tables;
+  for (const Template& tpl : templates) {
+    auto& table = tables.emplace_back();
+    for (std::size_t l = 0; l < n; ++l) {
+      std::array<RetentionDecision, activation_class_count> row{};
+      const bool rec = layers_[l].recomputable;
+      for (int c = 0; c < activation_class_count; ++c) {
+        if (c > 0 && costs[l].saved[static_cast<std::size_t>(c)].count() == 0) continue;  // keep: nothing to move
+        const Retention a = c == 0 ? tpl.boundary : (tpl.others == Retention::recompute && !rec ? tpl.boundary : tpl.others);
+        row[static_cast<std::size_t>(c)] =
+            a == Retention::recompute ? RetentionDecision::recompute(static_cast<int>(l)) : RetentionDecision{a, -1};
+      }
+      table.push_back(row);
+    }
+  }
+  const int depths = static_cast<int>(std::min<std::size_t>(3, 2 * n));  // loads per micro-batch: 2n
 
   for (int depth = 1; depth <= depths; ++depth) {
-    for (const auto& tpl : templates) {
+    for (std::size_t t = 0; t < std::size(templates); ++t) {
+      const Template& tpl = templates[t];
+      // A template that gives an earlier one's table (no layer recomputable, say) adds nothing.
+      if (std::find(tables.begin(), tables.begin() + static_cast<std::ptrdiff_t>(t), tables[t]) != tables.begin() + static_cast<std::ptrdiff_t>(t))
+        continue;
       for (std::uint64_t chunk : chunk_levels) {
         Plan p;
         p.model = model_name_;
@@ -388,15 +444,8 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
         p.gpu_budget = req.gpu_budget;
         p.host_budget = req.host_budget;
         p.retention_name = tpl.name;
+        p.retention = tables[t];
         for (std::size_t l = 0; l < n; ++l) {
-          std::array<RetentionDecision, activation_class_count> row{};
-          const bool rec = layers_[l].recomputable;
-          for (int c = 0; c < activation_class_count; ++c) {
-            const Retention a = c == 0 ? tpl.boundary : (tpl.others == Retention::recompute && !rec ? tpl.boundary : tpl.others);
-            row[static_cast<std::size_t>(c)] = a == Retention::recompute ? RetentionDecision::recompute(static_cast<int>(l))
-                                                                         : RetentionDecision{a, -1};
-          }
-          p.retention.push_back(row);
           LayerChunks lc;
           lc.moe_tokens = layers_[l].chunking != ChunkDependency::none ? chunk : T;
           p.chunks.push_back(lc);
@@ -411,38 +460,63 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
           q.predicted = predict(sim);
           return q;
         };
-        auto fits = [&](const Plan& q) { return q.predicted.gpu_peak <= usable && q.predicted.host_peak <= req.host_budget; };
+        auto gpu_fits = [&](const Plan& q) { return q.predicted.gpu_peak <= usable; };
+        auto host_fits = [&](const Plan& q) { return q.predicted.host_peak <= req.host_budget; };
+        // More resident segments: more GPU memory, less host memory. The smallest resident prefix
+        // within the host budget (bisection) ...
+        const std::size_t S = order.size();
         Plan none = with(0);
-        least_host = min(least_host, none.predicted.host_peak);
-        if (!fits(none)) {
-          const Bytes need{static_cast<std::uint64_t>(std::ceil(static_cast<double>(none.predicted.gpu_peak.count()) / (1.0 - gpu_margin)))};
-          if (none.predicted.gpu_peak > usable && need < least_gpu) {
-            least_gpu = need;
-            const auto& at = none.predicted.gpu_at_peak;
-            const auto top = std::max_element(at.begin(), at.begin() + 3) - at.begin();
-            least_claimant = to_string(static_cast<Claimant>(top));
+        std::size_t k_lo = 0;
+        Plan low = none;
+        if (!host_fits(none)) {
+          Plan all = with(S);
+          if (!host_fits(all)) {  // no prefix fits the host (offloaded activations, say)
+            least_host = min(least_host, all.predicted.host_peak);
+            continue;
           }
+          std::size_t a = 0, b = S;  // host_fits(b), !host_fits(a)
+          low = std::move(all);
+          while (b - a > 1) {
+            const std::size_t mid = a + (b - a) / 2;
+            Plan q = with(mid);
+            if (host_fits(q)) {
+              b = mid;
+              low = std::move(q);
+            } else {
+              a = mid;
+            }
+          }
+          k_lo = b;
+        }
+        if (!gpu_fits(low)) {  // the least GPU memory a plan within the host budget needs, here
+          const Bytes need{static_cast<std::uint64_t>(std::ceil(static_cast<double>(low.predicted.gpu_peak.count()) / (1.0 - gpu_margin)))};
+          if (need < least_gpu) {
+            least_gpu = need;
+            const auto& at = low.predicted.gpu_at_peak;
+            least_claimant = to_string(static_cast<Claimant>(std::max_element(at.begin(), at.begin() + 3) - at.begin()));
+          }
+          if (k_lo > 0) least_host = min(least_host, none.predicted.host_peak);
           continue;  // smaller chunks may fit
         }
-        // The largest resident prefix that fits (binary search; each found plan checked by its
-        // own simulation), and a few levels below it: more residency is not always faster.
-        std::size_t lo = 0, hi = order.size();
-        Plan best = none;
+        // ... and the largest within the GPU budget (bisection; each plan kept was simulated), with
+        // a few levels between: more residency is not always faster.
+        std::size_t lo = k_lo, hi = S;
+        Plan best = low;
         while (lo < hi) {
           const std::size_t mid = lo + (hi - lo + 1) / 2;
           Plan q = with(mid);
-          if (fits(q)) {
+          if (gpu_fits(q)) {
             lo = mid;
             best = std::move(q);
           } else {
             hi = mid - 1;
           }
         }
-        std::vector<std::size_t> levels{lo, lo / 2, lo / 4, 0};
+        std::vector<std::size_t> levels{lo, k_lo + (lo - k_lo) / 2, k_lo + (lo - k_lo) / 4, k_lo};
         levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
         for (std::size_t k : levels) {
-          Plan q = k == lo ? best : k == 0 ? none : with(k);
-          if (!fits(q)) continue;
+          Plan q = k == lo ? best : k == k_lo ? low : with(k);
+          if (!gpu_fits(q) || !host_fits(q)) continue;
           ++out.feasible;
           feasible.push_back({std::move(q), k});
         }
@@ -453,10 +527,10 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
   if (feasible.empty()) {
     std::string msg = fmt::format("no plan for {} fits: ", model_name_.empty() ? "this layer stack" : model_name_);
     if (least_gpu.count() != ~0ull)
-      msg += fmt::format("the least GPU memory any plan needs is {} (largest claimant: {}), the budget is {}", least_gpu,
-                         least_claimant, req.gpu_budget);
-    if (least_host > req.host_budget)
-      msg += fmt::format("{}the least host memory any plan needs is {}, the budget is {}", msg.back() == ' ' ? "" : "; ",
+      msg += fmt::format("within the host budget, the least GPU memory a plan needs is {} (largest claimant: {}), the budget is {}",
+                         least_gpu, least_claimant, req.gpu_budget);
+    if (least_host.count() != ~0ull && least_host > req.host_budget)
+      msg += fmt::format("{}the least host memory a plan needs is {}, the budget is {}", msg.back() == ' ' ? "" : "; ",
                          least_host, req.host_budget);
     OOM_THROW(Errc::out_of_budget, msg);
   }
@@ -470,7 +544,7 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
   for (const auto& f : feasible) {
     if (chosen.size() == wanted) break;
     if (std::none_of(chosen.begin(), chosen.end(), [&](const Found* b) {
-          return b->plan.retention_name == f.plan.retention_name && b->resident == f.resident;
+          return b->plan.retention == f.plan.retention && b->resident == f.resident;
         }))
       chosen.push_back(&f);
   }
