@@ -27,10 +27,17 @@ class MoeMlpLayer {
   }
 
   const std::vector<StateSegment>& segments() const { return segs_; }
+  // What it saves matches saved_floats (fp32, as the HostExecutor holds it); its boundary is
+  // (T, H) fp32; a token's temporaries are its probabilities and one expert's gate, up and output.
   LayerCost cost(const Workload& w) const {
     LayerCost c;
-    c.forward_flops = 2.0 * static_cast<double>(w.tokens()) * static_cast<double>(h_ * e_ + k_ * 3 * h_ * i_);
+    const std::uint64_t t = w.tokens();
+    c.forward_flops = 2.0 * static_cast<double>(t) * static_cast<double>(h_ * e_ + k_ * 3 * h_ * i_);
     c.backward_flops = 2 * c.forward_flops;
+    for (auto cls : {ActivationClass::router_output, ActivationClass::expert_intermediate})
+      c.activations.push_back({cls, Bytes{saved_floats(cls, t) * sizeof(float)}, 2.0 * static_cast<double>(t * h_ * e_)});
+    c.workset = Bytes{t * (e_ + 3 * i_ + h_) * sizeof(float)};
+    c.output = Bytes{t * h_ * sizeof(float)};
     return c;
   }
   std::uint64_t hidden() const { return h_; }

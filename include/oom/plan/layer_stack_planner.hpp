@@ -1,0 +1,89 @@
+// LayerStackPlanner: plans the training step of a stack of the user's own layers — any
+// describable_layer — from what each one declares (its state segments and its LayerCost), so a
+// framework that plugs its layers in gets a Plan chosen against its GPU and host budgets instead
+// of writing one by hand. The plan runs on the HostExecutor (and any executor of the same
+// schedule): weights streamed through prefetch_depth slots or resident, each activation class
+// kept, offloaded or recomputed, chunkable layers run in token chunks. docs/planner.md, "Planning
+// your own layers", says what it models and what it does not.
+#pragma once
+
+#include <functional>
+#include <ranges>
+#include <string>
+#include <vector>
+
+#include "oom/concepts/layer.hpp"
+#include "oom/plan/machine_profile.hpp"
+#include "oom/plan/plan.hpp"
+#include "oom/plan/planner.hpp"
+#include "oom/plan/simulator.hpp"
+
+namespace oom {
+
+/// What the planner knows of one layer: its name, its state segments, and its cost for a
+/// workload. `cost` is called with each request's workload (one micro-batch on one GPU).
+///   - LayerCost::output is the boundary the layer hands on; a layer's input boundary (its
+///     ActivationClass::layer_boundary, which the planner keeps, offloads or recomputes from) is
+///     the previous layer's output, and the first layer's is taken to be as large as its own.
+///     A layer does not declare its boundary among its activations.
+///   - LayerCost::workset is live while the layer runs; a layer that is not ChunkDependency::none
+///     runs in token chunks, its workset and each chunk's FLOPs shrinking with the chunk.
+struct LayerDescription {
+  std::string name;
+  std::vector<StateSegment> segments;
+  std::function<LayerCost(const Workload&)> cost;
+  ChunkDependency chunking = ChunkDependency::none;
+  bool recomputable = true;
+};
+
+/// Descriptions of a range of describable layers, in order; each `cost` calls the layer's own
+/// cost(), so the layers must outlive the descriptions (and the planner made from them).
+template <std::ranges::forward_range R>
+  requires describable_layer<std::ranges::range_value_t<R>>
+std::vector<LayerDescription> describe_layers(const R& layers) {
+  using L = std::ranges::range_value_t<R>;
+  std::vector<LayerDescription> out;
+  for (const L& l : layers) {
+    LayerDescription d;
+    d.name = std::string(layer_traits<L>::name(l));
+    if (d.name == "layer") d.name = "layer " + std::to_string(out.size());
+    for (const StateSegment& s : l.segments()) d.segments.push_back(s);
+    d.cost = [p = &l](const Workload& w) { return LayerCost(p->cost(w)); };
+    d.chunking = layer_traits<L>::chunking(l);
+    d.recomputable = layer_traits<L>::recomputable;
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
+class LayerStackPlanner {
+ public:
+  /// Throws Errc::invalid_argument for an empty stack, a layer without a cost function, or two
+  /// segments of one name (plans name resident segments). It keeps a pointer to the profile.
+  LayerStackPlanner(std::vector<LayerDescription> layers, const MachineProfile& profile, std::string model_name = {});
+  LayerStackPlanner(std::vector<LayerDescription> layers, MachineProfile&& profile, std::string model_name = {}) = delete;
+
+  /// The best few plans within both budgets, fastest first (distinct in residency or retention).
+  /// Throws Errc::invalid_argument for a malformed request or a layer cost that is negative, not
+  /// finite, or declares a layer_boundary activation (naming the layer), Errc::unsupported for
+  /// more than one GPU, and Errc::out_of_budget naming the least GPU and host bytes any plan
+  /// needs and the GPU claimant that dominates it, when nothing fits.
+  [[nodiscard]] PlanSet plan(const PlanRequest& request) const;
+
+  /// The step graph a plan was simulated on (ops named "fwd", "bwd", "recompute", "h2d.weights",
+  /// "d2h.activations", "h2d.activations", "d2h.grads", "cpu.adamw", "gpu.adamw", "loss").
+  [[nodiscard]] StepGraph step_graph(const Plan& plan) const;
+  /// Re-simulates a plan (one of this planner's, or one written by hand or read from JSON).
+  [[nodiscard]] SimResult simulate(const Plan& plan) const;
+  /// A readable account of one plan: memory by claimant, residency, retention, chunks, time.
+  [[nodiscard]] std::string describe(const Plan& plan) const;
+
+  [[nodiscard]] const std::vector<LayerDescription>& layers() const { return layers_; }
+
+ private:
+  std::vector<LayerDescription> layers_;
+  const MachineProfile* profile_;
+  std::string model_name_;
+};
+
+}  // namespace oom

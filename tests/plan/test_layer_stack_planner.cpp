@@ -1,0 +1,437 @@
+// LayerStackPlanner: a plan for a stack of the user's own layers, from what they declare. The
+// plans fit their budgets, move what the budget does not hold (streaming, offloading,
+// recomputing, chunking), run on the HostExecutor to the resident plan's weights bit for bit, and
+// bad stacks or budgets are refused by name.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "oom/core/error.hpp"
+#include "oom/plan/layer_stack_planner.hpp"
+#include "oom/runtime/host_executor.hpp"
+#include "runtime/moe_mlp_layer.hpp"
+#include "support/compare.hpp"
+
+using namespace oom;
+using namespace oom::literals;
+
+namespace {
+
+constexpr std::uint64_t hidden = 16, experts = 4, top_k = 2, inter = 8, tokens = 24;
+
+/// The same layer, declared chunkable by tokens (its tokens are independent).
+struct ChunkedMoe : test::MoeMlpLayer {
+  using MoeMlpLayer::MoeMlpLayer;
+  ChunkDependency chunking() const { return ChunkDependency::independent; }
+};
+static_assert(host_layer<ChunkedMoe>);
+
+/// The same layer, declared not recomputable (as one with dropout whose mask is not replayed).
+struct NoRecompute : test::MoeMlpLayer {
+  using MoeMlpLayer::MoeMlpLayer;
+  static constexpr bool recomputable = false;
+};
+static_assert(host_layer<NoRecompute>);
+
+template <class L>
+std::vector<L> stack(int n, std::uint64_t h = hidden, std::uint64_t e = experts, std::uint64_t i = inter) {
+  std::vector<L> layers;
+  for (int l = 0; l < n; ++l) layers.emplace_back(l, h, e, top_k, i);
+  return layers;
+}
+
+PlanRequest request(Bytes gpu, Bytes host = 1_GiB, std::uint64_t t = tokens) {
+  PlanRequest r;
+  r.gpu_budget = gpu;
+  r.host_budget = host;
+  r.workload = {1, t};
+  return r;
+}
+
+template <class L>
+Plan resident_plan(const std::vector<L>& layers) {
+  Plan p;
+  p.workload = {1, tokens};
+  p.gpu_budget = 1_GiB;
+  p.host_budget = 1_GiB;
+  for (const auto& l : layers)
+    for (const auto& s : l.segments()) p.resident_segments.push_back(s.name);
+  p.retention.resize(layers.size());
+  p.chunks.assign(layers.size(), {{tokens}, tokens});
+  p.loss_rows = tokens;
+  return p;
+}
+
+std::size_t segment_count(const std::vector<LayerDescription>& d) {
+  std::size_t n = 0;
+  for (const auto& l : d) n += l.segments.size();
+  return n;
+}
+
+/// Weights after 3 steps of `plan` (micro-batches as the plan has them).
+template <class L>
+std::vector<std::vector<float>> train(std::vector<L>& layers, const Plan& plan) {
+  std::vector<std::vector<float>> init;
+  std::uint64_t s = 7;
+  for (const auto& l : layers)
+    for (const auto& seg : l.segments()) init.push_back(test::random_normal(seg.parameters(), ++s, 0.3f));
+  HostBackend backend({1_GiB, 1_GiB, true});
+  HostExecutorOptions o;
+  o.adamw.lr = 1e-2f;
+  HostExecutor<L> exec(backend, layers, plan, init, o);
+  for (std::uint64_t step = 0; step < 3; ++step) {
+    std::vector<std::vector<float>> x;
+    std::vector<HostLossFn> losses;
+    std::vector<std::vector<float>> targets;
+    for (int mb = 0; mb < plan.micro_batches; ++mb) {
+      x.push_back(test::random_normal(tokens * hidden, 100 * step + static_cast<std::uint64_t>(mb)));
+      targets.push_back(test::random_normal(tokens * hidden, 100 * step + 50 + static_cast<std::uint64_t>(mb)));
+    }
+    for (int mb = 0; mb < plan.micro_batches; ++mb) {
+      const float* tgt = targets[static_cast<std::size_t>(mb)].data();
+      const double k = plan.micro_batches;
+      losses.push_back([tgt, k](const float* y, float* g) {
+        double sum = 0;
+        for (std::uint64_t i = 0; i < tokens * hidden; ++i) {
+          const float d = y[i] - tgt[i];
+          sum += 0.5 * static_cast<double>(d) * d;
+          g[i] = d / static_cast<float>(tokens * k);
+        }
+        return sum / (static_cast<double>(tokens) * k);
+      });
+    }
+    exec.step(x, losses);
+  }
+  return exec.master();
+}
+
+bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) return false;
+  return true;
+}
+
+/// Whether any layer's class is planned `r`.
+bool any_retention(const Plan& p, Retention r) {
+  for (const auto& row : p.retention)
+    for (const auto& d : row)
+      if (d.action == r) return true;
+  return false;
+}
+
+std::string thrown(const std::function<void()>& f, Errc* code = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (code != nullptr) *code = e.code();
+    return e.what();
+  }
+  return "(nothing thrown)";
+}
+
+}  // namespace
+
+TEST_CASE("describe_layers reads a describable layer's name, segments, cost per workload and traits") {
+  const auto layers = stack<ChunkedMoe>(2);
+  const auto d = describe_layers(layers);
+  REQUIRE(d.size() == 2);
+  CHECK(d[1].name == "layer 1");
+  CHECK(d[1].segments == layers[1].segments());
+  CHECK(d[0].chunking == ChunkDependency::independent);
+  CHECK(d[0].recomputable);
+  CHECK_FALSE(describe_layers(stack<NoRecompute>(1))[0].recomputable);
+  const LayerCost at8 = d[0].cost({1, 8}), at16 = d[0].cost({2, 8});
+  CHECK(at16.forward_flops == doctest::Approx(2 * at8.forward_flops));
+  CHECK(at16.activation_bytes() == 2 * at8.activation_bytes());
+}
+
+TEST_CASE("with room for everything, the plan keeps everything resident and on the GPU") {
+  // Layers of some size: at the test stacks' few KiB, launch overheads rule and a GPU update on
+  // the compute stream costs more than a copy and a CPU update beside it.
+  const auto layers = stack<test::MoeMlpLayer>(3, 1024, 4, 2048);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile, "three MoE layers");
+  const auto set = planner.plan(request(8_GiB, 8_GiB, 4096));
+  REQUIRE_FALSE(set.plans.empty());
+  const Plan& p = set.plans.front();
+  CHECK(p.resident_segments.size() == segment_count(planner.layers()));
+  CHECK(p.retention_name == "keep-all");
+  CHECK(p.predicted.gpu_peak <= 8_GiB);
+  CHECK(p.predicted.step_s > 0);
+  CHECK(set.feasible <= set.evaluated);
+  const std::string text = planner.describe(p);
+  CHECK(text.find("residency: 15 of 15 segments resident") != std::string::npos);
+  CHECK(text.find("predicted step") != std::string::npos);
+}
+
+TEST_CASE("tight budgets: the plan streams, offloads or recomputes what does not fit, stays within the budget, and computes the resident step bit for bit") {
+  auto layers = stack<test::MoeMlpLayer>(4);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  const Bytes all = planner.plan(request(1_GiB)).plans.front().predicted.gpu_peak;
+  const auto expect = train(layers, resident_plan(layers));
+  int streamed = 0, moved = 0;
+  for (double share : {0.9, 0.6, 0.4, 0.25}) {
+    const Bytes budget{static_cast<std::uint64_t>(static_cast<double>(all.count()) * share)};
+    CAPTURE(share);
+    PlanSet set;
+    const std::string why = thrown([&] { set = planner.plan(request(budget)); });
+    if (set.plans.empty()) {  // the smallest shares may be below what any plan needs: refused by name
+      CHECK(why.find("the least GPU memory a plan needs") != std::string::npos);
+      continue;
+    }
+    for (const Plan& p : set.plans) {
+      CHECK(p.predicted.gpu_peak <= budget);
+      // Re-simulating the returned plan predicts what the search saw.
+      const SimResult again = planner.simulate(p);
+      CHECK(again.gpu_peak == p.predicted.gpu_peak);
+      CHECK(again.step_s == doctest::Approx(p.predicted.step_s));
+      streamed += p.resident_segments.size() < segment_count(planner.layers());
+      moved += any_retention(p, Retention::offload) || any_retention(p, Retention::recompute);
+      CHECK(bitwise_equal(train(layers, p), expect));
+    }
+  }
+  CHECK(streamed > 0);
+  CHECK(moved > 0);
+}
+
+TEST_CASE("a budget too small for any plan is refused with the least bytes a plan needs and its largest claimant") {
+  const auto layers = stack<test::MoeMlpLayer>(2);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile, "my stack");
+  Errc code{};
+  const std::string why = thrown([&] { (void)planner.plan(request(1_KiB)); }, &code);
+  CHECK(code == Errc::out_of_budget);
+  CHECK(why.find("no plan for my stack fits") != std::string::npos);
+  CHECK(why.find("within the host budget, the least GPU memory a plan needs is") != std::string::npos);
+  CHECK(why.find("largest claimant:") != std::string::npos);
+  CHECK(why.find("the budget is 1.00 KiB") != std::string::npos);
+  // Host memory too small for the state even with every segment resident: named apart.
+  const std::string host = thrown([&] { (void)planner.plan(request(1_KiB, 1_B)); });
+  CHECK(host.find("the least host memory a plan needs is") != std::string::npos);
+}
+
+TEST_CASE("a host budget too small for streamed state is met by keeping more resident") {
+  const auto layers = stack<test::MoeMlpLayer>(3);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  auto r = request(1_GiB);
+  const Plan streamed = planner.plan(r).plans.front();
+  // Every segment streamed needs this much host memory; half of it forces residency.
+  Plan none = streamed;
+  none.resident_segments.clear();
+  const Bytes host_all_streamed = planner.simulate(none).host_peak;
+  REQUIRE(host_all_streamed.count() > 0);
+  r.host_budget = Bytes{host_all_streamed.count() / 2};
+  r.candidates = 8;
+  const auto set = planner.plan(r);
+  for (const Plan& p : set.plans) {
+    CHECK(p.predicted.host_peak <= r.host_budget);
+    CHECK_FALSE(p.resident_segments.empty());
+  }
+}
+
+TEST_CASE("the step graph is the HostExecutor's schedule: slots in turn, gradient slots by parity, a recompute where one is planned") {
+  const auto layers = stack<test::MoeMlpLayer>(4);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  Plan p = resident_plan(layers);
+  p.resident_segments.clear();  // every layer streamed
+  p.prefetch_depth = 2;
+  p.retention[1][static_cast<std::size_t>(ActivationClass::router_output)] = RetentionDecision::recompute(1);
+  p.retention[2][static_cast<std::size_t>(ActivationClass::layer_boundary)] = RetentionDecision::offload();
+  const StepGraph g = planner.step_graph(p);
+  std::vector<int> loads, users, grads_by_layer(4, -1);
+  int recomputes = 0, prefetches = 0;
+  for (std::size_t i = 0; i < g.ops().size(); ++i) {
+    const auto& op = g.ops()[i];
+    const std::string what = op.what;
+    if (what == "h2d.weights") loads.push_back(static_cast<int>(i));
+    if (what == "fwd" || what == "bwd") users.push_back(static_cast<int>(i));
+    if (what == "recompute") {
+      ++recomputes;
+      CHECK(op.layer == 1);
+    }
+    if (what == "h2d.activations") {
+      ++prefetches;
+      CHECK(op.layer == 2);
+    }
+    if (what == "bwd" && op.layer <= 1) {  // waits for the gradient slot of layer + 2
+      CHECK(std::find(op.deps.begin(), op.deps.end(), grads_by_layer[static_cast<std::size_t>(op.layer + 2)]) != op.deps.end());
+    }
+    if (what == "d2h.grads") grads_by_layer[static_cast<std::size_t>(op.layer)] = static_cast<int>(i);
+  }
+  CHECK(recomputes == 1);
+  CHECK(prefetches == 1);
+  REQUIRE(loads.size() == 8);
+  REQUIRE(users.size() == 8);
+  for (std::size_t i = 2; i < loads.size(); ++i) {  // load i reuses the slot of load i - 2
+    const auto& deps = g.ops()[static_cast<std::size_t>(loads[i])].deps;
+    CHECK(std::find(deps.begin(), deps.end(), users[i - 2]) != deps.end());
+  }
+  // The first backward load waits for the loss (the executor checks it before queueing backward).
+  int loss = -1;
+  for (std::size_t i = 0; i < g.ops().size(); ++i)
+    if (std::string(g.ops()[i].what) == "loss") loss = static_cast<int>(i);
+  const auto& first_bwd_load = g.ops()[static_cast<std::size_t>(loads[4])].deps;
+  CHECK(std::find(first_bwd_load.begin(), first_bwd_load.end(), loss) != first_bwd_load.end());
+  // A chunk of 0 tokens is refused: the executor would run a token at a time.
+  p.chunks[3].moe_tokens = 0;
+  CHECK(thrown([&] { (void)planner.step_graph(p); }).find("layer 3: a chunk of 0 tokens") != std::string::npos);
+}
+
+TEST_CASE("more GPU memory never predicts a slower best plan") {
+  const auto layers = stack<ChunkedMoe>(6, 64, 8, 128);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  auto r = request(1_GiB, 1_GiB, 512);
+  const Bytes all = planner.plan(r).plans.front().predicted.gpu_peak;
+  double last = 0;
+  int planned = 0;
+  for (int pct = 10; pct <= 110; pct += 5) {
+    r.gpu_budget = Bytes{all.count() * static_cast<std::uint64_t>(pct) / 100};
+    try {
+      const double step = planner.plan(r).plans.front().predicted.step_s;
+      CAPTURE(pct);
+      if (planned > 0) CHECK(step <= last * (1 + 1e-12));
+      last = step;
+      ++planned;
+    } catch (const Error& e) {
+      CHECK(planned == 0);  // once a budget fits, every larger one does
+    }
+  }
+  CHECK(planned >= 10);
+}
+
+TEST_CASE("a chunkable layer runs in token chunks when its whole workset does not fit; the chunked plan computes the same step") {
+  auto layers = stack<ChunkedMoe>(2);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  // Find the smallest budget that plans at all: it can only be met by chunking.
+  Bytes budget = planner.plan(request(1_GiB)).plans.front().predicted.gpu_peak;
+  Plan smallest;
+  for (;;) {
+    const Bytes next{budget.count() * 9 / 10};
+    PlanSet set;
+    try {
+      set = planner.plan(request(next));
+    } catch (const Error&) {
+      break;
+    }
+    smallest = set.plans.front();
+    budget = next;
+  }
+  REQUIRE_FALSE(smallest.chunks.empty());
+  CHECK(smallest.chunks.front().moe_tokens < tokens);
+  CHECK(smallest.predicted.gpu_peak <= budget);
+  CHECK(bitwise_equal(train(layers, smallest), train(layers, resident_plan(layers))));
+}
+
+TEST_CASE("a layer that is not recomputable is never planned to recompute") {
+  const auto layers = stack<NoRecompute>(3);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  const Bytes all = planner.plan(request(1_GiB)).plans.front().predicted.gpu_peak;
+  int plans = 0;
+  for (double share : {0.8, 0.5, 0.3}) {
+    try {
+      auto r = request(Bytes{static_cast<std::uint64_t>(static_cast<double>(all.count()) * share)});
+      r.candidates = 8;
+      for (const Plan& p : planner.plan(r).plans) {
+        CHECK_FALSE(any_retention(p, Retention::recompute));
+        ++plans;
+      }
+    } catch (const Error&) {
+    }
+  }
+  CHECK(plans > 0);
+}
+
+TEST_CASE("micro-batches and clipping: the graph repeats the passes, the updates follow the last, and the norm comes first") {
+  auto layers = stack<test::MoeMlpLayer>(3);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  auto r = request(1_GiB);
+  r.micro_batches = 2;
+  r.clip_grad_norm = true;
+  Plan p = planner.plan(r).plans.front();
+  p.resident_segments = {layers[0].segments()[0].name, layers[0].segments()[1].name};  // both optimizers run
+  const StepGraph g = planner.step_graph(p);
+  int fwd = 0, bwd = 0, norm = -1, cpu = 0, gpu = 0;
+  for (std::size_t i = 0; i < g.ops().size(); ++i) {
+    const std::string what = g.ops()[i].what;
+    fwd += what == "fwd";
+    bwd += what == "bwd";
+    if (what == "cpu.grad_norm") norm = static_cast<int>(i);
+    if (what == "cpu.adamw" || what == "gpu.adamw") {
+      (what == "cpu.adamw" ? cpu : gpu)++;
+      CHECK(norm >= 0);
+      CHECK(std::find(g.ops()[i].deps.begin(), g.ops()[i].deps.end(), norm) != g.ops()[i].deps.end());
+    }
+  }
+  CHECK(fwd == 6);
+  CHECK(bwd == 6);
+  CHECK(cpu == 3);  // every layer streams something
+  CHECK(gpu == 1);  // layer 0 holds the two resident segments
+  // Two micro-batches on the HostExecutor compute what the resident plan does.
+  Plan resident = resident_plan(layers);
+  resident.micro_batches = 2;
+  p.clip_grad_norm = false;  // the executor leaves clipping to its caller (defer_updates)
+  CHECK(bitwise_equal(train(layers, p), train(layers, resident)));
+}
+
+TEST_CASE("bad stacks and requests are refused by name") {
+  const auto layers = stack<test::MoeMlpLayer>(2);
+  const MachineProfile profile = MachineProfile::h200(1);
+  Errc code{};
+  CHECK(thrown([&] { LayerStackPlanner({}, profile); }, &code).find("the stack has no layers") != std::string::npos);
+  CHECK(code == Errc::invalid_argument);
+
+  auto d = describe_layers(layers);
+  d[1].segments[0].name = d[0].segments[0].name;
+  CHECK(thrown([&] { LayerStackPlanner(d, profile); }).find("segment name 'layers.0.mlp.gate' is used by layer 0 and layer 1") !=
+        std::string::npos);
+
+  d = describe_layers(layers);
+  d[0].cost = nullptr;
+  CHECK(thrown([&] { LayerStackPlanner(d, profile); }).find("layer 0 ('layer 0') has no cost function") != std::string::npos);
+
+  auto with_cost = [&](std::function<void(LayerCost&)> edit) {
+    auto e = describe_layers(layers);
+    auto base = e[1].cost;
+    e[1].cost = [base, edit](const Workload& w) {
+      LayerCost c = base(w);
+      edit(c);
+      return c;
+    };
+    const LayerStackPlanner planner(e, profile);
+    return thrown([&] { (void)planner.plan(request(1_GiB)); });
+  };
+  CHECK(with_cost([](LayerCost& c) { c.forward_flops = -1; }).find("layer 1 ('layer 1'), cost for 1 x 24 tokens: FLOPs must be finite") !=
+        std::string::npos);
+  CHECK(with_cost([](LayerCost& c) { c.backward_flops = std::numeric_limits<double>::quiet_NaN(); }).find("FLOPs must be finite") !=
+        std::string::npos);
+  CHECK(with_cost([](LayerCost& c) { c.activations.push_back({ActivationClass::layer_boundary, 64_KiB, 0}); })
+            .find("declares a layer_boundary activation") != std::string::npos);
+  CHECK(with_cost([](LayerCost& c) { c.activations[0].recompute_flops = std::numeric_limits<double>::infinity(); })
+            .find("router_output recompute FLOPs must be finite") != std::string::npos);
+
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  auto r = request(1_GiB);
+  r.gpus = 2;
+  CHECK(thrown([&] { (void)planner.plan(r); }, &code).find("plans one GPU, not 2") != std::string::npos);
+  CHECK(code == Errc::unsupported);
+  CHECK(thrown([&] { (void)planner.plan(request(1_GiB, 1_GiB, 0)); }).find("the workload has no tokens") != std::string::npos);
+  r = request(0_B);
+  CHECK(thrown([&] { (void)planner.plan(r); }).find("budgets must be > 0") != std::string::npos);
+  // A hand-made plan that recomputes from another layer's boundary is refused, not simulated.
+  Plan p = resident_plan(layers);
+  p.retention[1][static_cast<std::size_t>(ActivationClass::router_output)] = RetentionDecision::recompute(0);
+  CHECK(thrown([&] { (void)planner.simulate(p); }).find("layer 1: router_output recomputed from layer 0") != std::string::npos);
+  p.retention.pop_back();
+  CHECK(thrown([&] { (void)planner.simulate(p); }).find("plan covers 1 layers") != std::string::npos);
+}
