@@ -59,16 +59,6 @@ std::vector<Costed> cost_layers(const std::vector<LayerDescription>& layers, con
   return out;
 }
 
-Prediction predict(const SimResult& r) {
-  Prediction p;
-  p.step_s = r.step_s;
-  p.busy = r.busy;
-  p.gpu_at_peak = r.at_gpu_peak;
-  p.peak = r.peak;
-  p.gpu_peak = r.gpu_peak;
-  p.host_peak = r.host_peak;
-  return p;
-}
 
 /// Builds one plan's step graph. Mirrors the HostExecutor's schedule: one weight slot per load in
 /// turn (forward and backward loads alike), two gradient slots by layer parity, offloads after a
@@ -318,17 +308,10 @@ constexpr Template templates[] = {
 };
 
 void check_request(const PlanRequest& req) {
+  check_plan_request(req);
   if (req.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("plan request: the layer-stack planner plans one GPU, not {} (the HostExecutor "
                                              "runs on one)", req.gpus));
-  if (req.workload.sequences == 0 || req.workload.seq_len == 0)
-    OOM_THROW(Errc::invalid_argument, "plan request: the workload has no tokens (seq and batch must be > 0)");
-  if (!req.workload.within_limit())
-    OOM_THROW(Errc::invalid_argument, fmt::format("plan request: {} sequences of {} tokens is more than the {} tokens a micro-batch may hold",
-                                                  req.workload.sequences, req.workload.seq_len, max_workload_tokens));
-  if (req.micro_batches < 1) OOM_THROW(Errc::invalid_argument, "plan request: micro_batches must be >= 1");
-  if (req.gpu_budget.count() == 0 || req.host_budget.count() == 0)
-    OOM_THROW(Errc::invalid_argument, "plan request: GPU and host budgets must be > 0");
 }
 
 void check_plan(const Plan& p, std::size_t layers) {
@@ -457,7 +440,7 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
           q.resident_segments.assign(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k));
           const SimResult sim = oom::simulate(GraphBuilder(layers_, costs, *profile_, q).build());
           ++out.evaluated;
-          q.predicted = predict(sim);
+          q.predicted = Prediction::of(sim);
           return q;
         };
         auto gpu_fits = [&](const Plan& q) { return q.predicted.gpu_peak <= usable; };

@@ -33,6 +33,18 @@ const char* to_string(GradAccumulation a) noexcept {
   return "?";
 }
 
+void check_plan_request(const PlanRequest& req) {
+  if (req.gpus < 1) OOM_THROW(Errc::invalid_argument, "plan request: gpus must be >= 1");
+  if (req.workload.sequences == 0 || req.workload.seq_len == 0)
+    OOM_THROW(Errc::invalid_argument, "plan request: the workload has no tokens (seq and batch must be > 0)");
+  if (!req.workload.within_limit())
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan request: {} sequences of {} tokens is more than the {} tokens a micro-batch may hold",
+                                                  req.workload.sequences, req.workload.seq_len, max_workload_tokens));
+  if (req.micro_batches < 1) OOM_THROW(Errc::invalid_argument, "plan request: micro_batches must be >= 1");
+  if (req.gpu_budget.count() == 0 || req.host_budget.count() == 0)
+    OOM_THROW(Errc::invalid_argument, "plan request: GPU and host budgets must be > 0");
+}
+
 namespace {
 
 using detail::LayerState;
@@ -498,16 +510,6 @@ class GraphBuilder {
   std::vector<SimOp> clipped_updates_;  ///< with clipping: the updates, added after the norm
 };
 
-Prediction predict(const SimResult& r) {
-  Prediction p;
-  p.step_s = r.step_s;
-  p.busy = r.busy;
-  p.gpu_at_peak = r.at_gpu_peak;
-  p.peak = r.peak;
-  p.gpu_peak = r.gpu_peak;
-  p.host_peak = r.host_peak;
-  return p;
-}
 
 }  // namespace
 
@@ -609,15 +611,7 @@ Bytes retained_estimate(const StepModel& model, const RetentionTable& table, int
 
 PlanSet Planner::plan(const PlanRequest& req) const {
   const auto t0 = std::chrono::steady_clock::now();
-  if (req.gpus < 1) OOM_THROW(Errc::invalid_argument, "plan request: gpus must be >= 1");
-  if (req.workload.sequences == 0 || req.workload.seq_len == 0)
-    OOM_THROW(Errc::invalid_argument, "plan request: the workload has no tokens (seq and batch must be > 0)");
-  if (!req.workload.within_limit())
-    OOM_THROW(Errc::invalid_argument, fmt::format("plan request: {} sequences of {} tokens is more than the {} tokens a micro-batch may hold",
-                                                  req.workload.sequences, req.workload.seq_len, max_workload_tokens));
-  if (req.micro_batches < 1) OOM_THROW(Errc::invalid_argument, "plan request: micro_batches must be >= 1");
-  if (req.gpu_budget.count() == 0 || req.host_budget.count() == 0)
-    OOM_THROW(Errc::invalid_argument, "plan request: GPU and host budgets must be > 0");
+  check_plan_request(req);
   if (req.gpus > profile_->gpus)
     OOM_THROW(Errc::invalid_argument, fmt::format("plan request: {} GPUs asked for, profile '{}' describes {}", req.gpus,
                                                   profile_->name, profile_->gpus));
@@ -720,7 +714,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
 
           const SimResult sim = oom::simulate(GraphBuilder(model, *spec_, p, &states).build());
           ++out.evaluated;
-          p.predicted = predict(sim);
+          p.predicted = Prediction::of(sim);
           least_host = min(least_host, sim.host_peak);
           if (sim.gpu_peak > req.gpu_budget) {
             if (sim.gpu_peak < least_gpu) {

@@ -55,7 +55,17 @@ struct Prediction {
   std::array<Bytes, claimant_count> peak{};         ///< each claimant's own peak
   Bytes gpu_peak;   ///< per GPU
   Bytes host_peak;  ///< per node
+
+  /// A simulation's figures.
+  [[nodiscard]] static Prediction of(const SimResult& r) {
+    return {r.step_s, r.busy, r.at_gpu_peak, r.peak, r.gpu_peak, r.host_peak};
+  }
 };
+
+/// The checks every planner makes of a request before planning (Errc::invalid_argument naming
+/// the field): tokens in the workload, within max_workload_tokens, at least one micro-batch and
+/// GPU, both budgets set.
+void check_plan_request(const PlanRequest& req);
 
 struct LayerChunks {
   std::vector<std::uint64_t> attention;  ///< query-chunk ends, in execution order (causal)
