@@ -113,6 +113,19 @@ Json Plan::to_json() const {
   return j;
 }
 
+namespace {
+
+/// A whole number field within [lo, hi], named when it is not: a count past int's range would
+/// otherwise wrap in the cast (prefetch_depth 4294967297 read as 1), and a huge one ask an
+/// executor for that many weight slots or micro-batches.
+int bounded(const JsonCursor& j, std::int64_t lo, std::int64_t hi, std::string_view what) {
+  const std::int64_t v = j.as_int64();
+  if (v < lo || v > hi) OOM_THROW(Errc::parse, fmt::format("{}: {} is out of range ({} to {}: {})", j.path(), v, lo, hi, what));
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
 Plan Plan::from_json(const Json& json, std::string_view source) {
   try {
     const JsonCursor j(json);
@@ -121,10 +134,10 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     Plan p;
     p.model = j["model"].as_string();
     p.path = parse_path(j["path"]);
-    p.gpus = static_cast<int>(j["gpus"].as_int64());
-    p.prefetch_depth = static_cast<int>(j["prefetch_depth"].as_int64());
+    p.gpus = bounded(j["gpus"], 1, 256, "GPUs of one node");
+    p.prefetch_depth = bounded(j["prefetch_depth"], 1, 64, "weight slots, layers in flight");
     p.workload = {j["sequences"].as_uint64(), j["seq_len"].as_uint64()};
-    p.micro_batches = static_cast<int>(j["micro_batches"].as_int64());
+    p.micro_batches = bounded(j["micro_batches"], 1, 1 << 20, "micro-batches a step");
     if (j["grad_accumulation"].present()) p.grad_accumulation = parse_accumulation(j["grad_accumulation"]);  // absent in older plans: host
     if (j["clip_grad_norm"].present()) p.clip_grad_norm = j["clip_grad_norm"].as_bool();  // absent in older plans: off
     p.precision.weights = parse_dtype(j["precision"]["weights"].as_string());

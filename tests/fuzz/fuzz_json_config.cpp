@@ -1,6 +1,7 @@
-// libFuzzer target: arbitrary bytes -> Json::parse -> ModelSpec::from_json. Any exception other
-// than oom::Error, any sanitizer report, or a parsed value that does not survive dump() and
-// parse() again is a bug.
+// libFuzzer target: arbitrary bytes -> Json::parse -> ModelSpec::from_json, Plan::from_json and
+// MachineProfile::from_json (the three JSON inputs oom-train and oom-plan read). Any exception
+// other than oom::Error, any sanitizer report, a parsed value that does not survive dump() and
+// parse() again, or a profile or plan that does not survive its own to_json() is a bug.
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -8,6 +9,8 @@
 #include "oom/core/error.hpp"
 #include "oom/io/json.hpp"
 #include "oom/model/model_spec.hpp"
+#include "oom/plan/machine_profile.hpp"
+#include "oom/plan/plan.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
@@ -26,6 +29,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     (void)spec.total_parameters();
     (void)spec.active_parameters();
     (void)spec.state_bytes();
+  } catch (const oom::Error&) {
+  }
+  try {
+    const oom::MachineProfile profile = oom::MachineProfile::from_json(j, "fuzz.json");
+    if (!(oom::MachineProfile::from_json(profile.to_json(), "fuzz.json (written)") == profile)) __builtin_trap();
+  } catch (const oom::Error&) {
+  }
+  try {
+    const oom::Plan plan = oom::Plan::from_json(j, "fuzz.json");
+    const oom::Json written = plan.to_json();
+    if (!(oom::Plan::from_json(written, "fuzz.json (written)").to_json() == written)) __builtin_trap();
   } catch (const oom::Error&) {
   }
   return 0;
