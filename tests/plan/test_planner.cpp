@@ -8,6 +8,9 @@
 #include <map>
 #include <random>
 #include <string>
+#include <tuple>
+
+#include <fmt/format.h>
 
 #include "oom/core/error.hpp"
 #include "oom/io/json.hpp"
@@ -340,6 +343,16 @@ TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
   Json long_one = p.to_json();
   long_one.set("seq_len", max_workload_tokens + 1);
   CHECK_THROWS_WITH_AS((void)Plan::from_json(long_one, "long.json"), doctest::Contains("a micro-batch may hold"), Error);
+  // Counts past their range are named, not wrapped by the cast to int (4294967297 had read as 1).
+  for (const auto& [field, value, range] : {std::tuple{"prefetch_depth", std::int64_t{4294967297}, "(1 to 64"},
+                                            std::tuple{"micro_batches", std::int64_t{1} << 21, "(1 to 1048576"},
+                                            std::tuple{"gpus", std::int64_t{0}, "(1 to 256"}}) {
+    Json out_of_range = p.to_json();
+    out_of_range.set(field, value);
+    CAPTURE(field);
+    CHECK_THROWS_WITH_AS((void)Plan::from_json(out_of_range, "range.json"),
+                         doctest::Contains(fmt::format("{}: {} is out of range {}", field, value, range).c_str()), Error);
+  }
 }
 
 TEST_CASE("clipping by global norm: every update after the backward and the norm, staging for all streamed gradients") {
