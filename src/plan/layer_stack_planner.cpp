@@ -319,6 +319,12 @@ void check_plan(const Plan& p, std::size_t layers) {
     OOM_THROW(Errc::invalid_argument, fmt::format("plan covers {} layers ({} chunk entries), the stack has {}", p.retention.size(),
                                                   p.chunks.size(), layers));
   if (p.gpus != 1) OOM_THROW(Errc::unsupported, fmt::format("plan for {} GPUs: the layer-stack planner plans one", p.gpus));
+  if (p.prefetch_depth < 1 || p.prefetch_depth > 64 || p.micro_batches < 1 || p.micro_batches > (1 << 20))
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan: prefetch_depth {} (1 to 64) or micro_batches {} (1 to 1048576) out of range, "
+                                                  "as Plan::from_json would refuse them", p.prefetch_depth, p.micro_batches));
+  if (!p.workload.within_limit() || p.workload.tokens() == 0)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan: {} sequences of {} tokens (1 to {} tokens a micro-batch)", p.workload.sequences,
+                                                  p.workload.seq_len, max_workload_tokens));
   for (std::size_t l = 0; l < layers; ++l)
     if (p.chunks[l].moe_tokens == 0)
       OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {}: a chunk of 0 tokens (the whole micro-batch is {} tokens; the "

@@ -434,4 +434,11 @@ TEST_CASE("bad stacks and requests are refused by name") {
   CHECK(thrown([&] { (void)planner.simulate(p); }).find("layer 1: router_output recomputed from layer 0") != std::string::npos);
   p.retention.pop_back();
   CHECK(thrown([&] { (void)planner.simulate(p); }).find("plan covers 1 layers") != std::string::npos);
+  // Counts no plan reader accepts are refused before a graph of that size is built.
+  p = resident_plan(layers);
+  p.prefetch_depth = 1 << 30;
+  CHECK(thrown([&] { (void)planner.simulate(p); }).find("prefetch_depth 1073741824 (1 to 64)") != std::string::npos);
+  p = resident_plan(layers);
+  p.workload = {0, 24};
+  CHECK(thrown([&] { (void)planner.simulate(p); }).find("plan: 0 sequences of 24 tokens") != std::string::npos);
 }
