@@ -113,6 +113,22 @@ Json Plan::to_json() const {
   return j;
 }
 
+const char* to_string(ExecutionPath p) noexcept {
+  switch (p) {
+    case ExecutionPath::local: return "local";
+    case ExecutionPath::expert_parallel: return "expert-parallel";
+  }
+  return "?";
+}
+
+const char* to_string(GradAccumulation a) noexcept {
+  switch (a) {
+    case GradAccumulation::host: return "host";
+    case GradAccumulation::device: return "device";
+  }
+  return "?";
+}
+
 namespace {
 
 /// A whole number field within [lo, hi], named when it is not: a count past int's range would

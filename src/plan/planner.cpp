@@ -17,22 +17,6 @@
 
 namespace oom {
 
-const char* to_string(ExecutionPath p) noexcept {
-  switch (p) {
-    case ExecutionPath::local: return "local";
-    case ExecutionPath::expert_parallel: return "expert-parallel";
-  }
-  return "?";
-}
-
-const char* to_string(GradAccumulation a) noexcept {
-  switch (a) {
-    case GradAccumulation::host: return "host";
-    case GradAccumulation::device: return "device";
-  }
-  return "?";
-}
-
 void check_plan_request(const PlanRequest& req) {
   if (req.gpus < 1) OOM_THROW(Errc::invalid_argument, "plan request: gpus must be >= 1");
   if (req.workload.sequences == 0 || req.workload.seq_len == 0)
