@@ -113,10 +113,23 @@ Json Plan::to_json() const {
   return j;
 }
 
+// The names plans are written with (and logs and traces print), beside the reader that parses them.
 const char* to_string(ExecutionPath p) noexcept {
   switch (p) {
     case ExecutionPath::local: return "local";
     case ExecutionPath::expert_parallel: return "expert-parallel";
+  }
+  return "?";
+}
+
+const char* to_string(Claimant c) noexcept {
+  switch (c) {
+    case Claimant::resident_state: return "resident_state";
+    case Claimant::retained_activations: return "retained_activations";
+    case Claimant::worksets: return "worksets";
+    case Claimant::host_state: return "host_state";
+    case Claimant::host_staging: return "host_staging";
+    case Claimant::host_offload: return "host_offload";
   }
   return "?";
 }

@@ -10,18 +10,6 @@
 
 namespace oom {
 
-const char* to_string(Claimant c) noexcept {
-  switch (c) {
-    case Claimant::resident_state: return "resident_state";
-    case Claimant::retained_activations: return "retained_activations";
-    case Claimant::worksets: return "worksets";
-    case Claimant::host_state: return "host_state";
-    case Claimant::host_staging: return "host_staging";
-    case Claimant::host_offload: return "host_offload";
-  }
-  return "?";
-}
-
 std::string SimOp::name() const { return layer >= 0 ? std::string(what) + " L" + std::to_string(layer) : std::string(what); }
 
 int StepGraph::add(SimOp op) {
