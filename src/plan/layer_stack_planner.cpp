@@ -89,7 +89,7 @@ class GraphBuilder {
     }
     const SegmentBytes on_gpu = segment_bytes(resident, prec), on_host = segment_bytes(streamed, prec);
     g_.hold(Claimant::resident_state, on_gpu.total());
-    const int depth = std::max(plan_.prefetch_depth, 1);
+    const int depth = plan_.prefetch_depth;  // check_plan: 1 to max_prefetch_depth
     g_.hold(Claimant::worksets, bytes_of(prec.weights, largest) * static_cast<std::uint64_t>(depth));
     g_.hold(Claimant::worksets, Bytes{2 * largest * fp32_bytes});
     g_.hold(Claimant::host_state, on_host.weights + on_host.master + on_host.moments);
@@ -319,9 +319,10 @@ void check_plan(const Plan& p, std::size_t layers) {
     OOM_THROW(Errc::invalid_argument, fmt::format("plan covers {} layers ({} chunk entries), the stack has {}", p.retention.size(),
                                                   p.chunks.size(), layers));
   if (p.gpus != 1) OOM_THROW(Errc::unsupported, fmt::format("plan for {} GPUs: the layer-stack planner plans one", p.gpus));
-  if (p.prefetch_depth < 1 || p.prefetch_depth > 64 || p.micro_batches < 1 || p.micro_batches > (1 << 20))
-    OOM_THROW(Errc::invalid_argument, fmt::format("plan: prefetch_depth {} (1 to 64) or micro_batches {} (1 to 1048576) out of range, "
-                                                  "as Plan::from_json would refuse them", p.prefetch_depth, p.micro_batches));
+  if (p.prefetch_depth < 1 || p.prefetch_depth > max_prefetch_depth || p.micro_batches < 1 || p.micro_batches > max_micro_batches)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan: prefetch_depth {} (1 to {}) or micro_batches {} (1 to {}) out of range, "
+                                                  "as Plan::from_json would refuse them",
+                                                  p.prefetch_depth, max_prefetch_depth, p.micro_batches, max_micro_batches));
   if (!p.workload.within_limit() || p.workload.tokens() == 0)
     OOM_THROW(Errc::invalid_argument, fmt::format("plan: {} sequences of {} tokens (1 to {} tokens a micro-batch)", p.workload.sequences,
                                                   p.workload.seq_len, max_workload_tokens));
@@ -394,7 +395,9 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
     std::size_t resident = 0;
   };
   std::vector<Found> feasible;
-  Bytes least_gpu{~0ull}, least_host{~0ull};
+  // For the refusal: the least GPU memory of a plan within the host budget; the least host memory
+  // of a plan within the GPU budget; failing that, the least host memory of any plan.
+  Bytes least_gpu{~0ull}, least_host{~0ull}, least_host_any{~0ull};
   std::string least_claimant;
   // Each template's table. A class a layer does not save is set as the template says; the
   // tables are compared over the classes saved, so no two candidates differ only there.
@@ -460,7 +463,7 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
         if (!host_fits(none)) {
           Plan all = with(S);
           if (!host_fits(all)) {  // no prefix fits the host (offloaded activations, say)
-            least_host = min(least_host, all.predicted.host_peak);
+            least_host_any = min(least_host_any, all.predicted.host_peak);
             continue;
           }
           std::size_t a = 0, b = S;  // host_fits(b), !host_fits(a)
@@ -484,7 +487,22 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
             const auto& at = low.predicted.gpu_at_peak;
             least_claimant = to_string(static_cast<Claimant>(std::max_element(at.begin(), at.begin() + 3) - at.begin()));
           }
-          if (k_lo > 0) least_host = min(least_host, none.predicted.host_peak);
+          // The host memory of the most resident prefix within the GPU budget, where one is.
+          if (k_lo > 0 && gpu_fits(none)) {
+            std::size_t a = 0, b = k_lo;  // gpu_fits(a), !gpu_fits(b)
+            Bytes host = none.predicted.host_peak;
+            while (b - a > 1) {
+              const std::size_t mid = a + (b - a) / 2;
+              const Plan q = with(mid);
+              if (gpu_fits(q)) {
+                a = mid;
+                host = q.predicted.host_peak;
+              } else {
+                b = mid;
+              }
+            }
+            least_host = min(least_host, host);
+          }
           continue;  // smaller chunks may fit
         }
         // ... and the largest within the GPU budget (bisection; each plan kept was simulated), with
@@ -518,9 +536,12 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
     if (least_gpu.count() != ~0ull)
       msg += fmt::format("within the host budget, the least GPU memory a plan needs is {} (largest claimant: {}), the budget is {}",
                          least_gpu, least_claimant, req.gpu_budget);
-    if (least_host.count() != ~0ull && least_host > req.host_budget)
-      msg += fmt::format("{}the least host memory a plan needs is {}, the budget is {}", msg.back() == ' ' ? "" : "; ",
-                         least_host, req.host_budget);
+    if (least_host.count() != ~0ull)
+      msg += fmt::format("{}within the GPU budget, the least host memory a plan needs is {}, the budget is {}",
+                         msg.back() == ' ' ? "" : "; ", least_host, req.host_budget);
+    else if (least_host_any.count() != ~0ull)
+      msg += fmt::format("{}the least host memory any plan needs is {}, the budget is {}", msg.back() == ' ' ? "" : "; ",
+                         least_host_any, req.host_budget);
     OOM_THROW(Errc::out_of_budget, msg);
   }
   std::stable_sort(feasible.begin(), feasible.end(), [](const Found& a, const Found& b) {

@@ -113,7 +113,8 @@ Json Plan::to_json() const {
   return j;
 }
 
-// The names plans are written with (and logs and traces print), beside the reader that parses them.
+// The names plans are written with (and logs and traces print), beside the reader that parses them
+// (declared with their enums in plan.hpp and simulator.hpp).
 const char* to_string(ExecutionPath p) noexcept {
   switch (p) {
     case ExecutionPath::local: return "local";
@@ -163,10 +164,10 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     Plan p;
     p.model = j["model"].as_string();
     p.path = parse_path(j["path"]);
-    p.gpus = bounded(j["gpus"], 1, 256, "GPUs of one node");
-    p.prefetch_depth = bounded(j["prefetch_depth"], 1, 64, "weight slots, layers in flight");
+    p.gpus = bounded(j["gpus"], 1, max_plan_gpus, "GPUs of one node");
+    p.prefetch_depth = bounded(j["prefetch_depth"], 1, max_prefetch_depth, "weight slots, layers in flight");
     p.workload = {j["sequences"].as_uint64(), j["seq_len"].as_uint64()};
-    p.micro_batches = bounded(j["micro_batches"], 1, 1 << 20, "micro-batches a step");
+    p.micro_batches = bounded(j["micro_batches"], 1, max_micro_batches, "micro-batches a step");
     if (j["grad_accumulation"].present()) p.grad_accumulation = parse_accumulation(j["grad_accumulation"]);  // absent in older plans: host
     if (j["clip_grad_norm"].present()) p.clip_grad_norm = j["clip_grad_norm"].as_bool();  // absent in older plans: off
     p.precision.weights = parse_dtype(j["precision"]["weights"].as_string());
@@ -178,8 +179,7 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     p.resident_level = Bytes{j["resident_level_bytes"].as_uint64()};
     for (std::size_t i = 0; i < j["resident_segments"].size(); ++i) p.resident_segments.push_back(j["resident_segments"][i].as_string());
     p.retention_name = j["retention_name"].as_string();
-    if (p.gpus < 1 || p.prefetch_depth < 1 || p.micro_batches < 1 || p.workload.sequences == 0 || p.workload.seq_len == 0)
-      OOM_THROW(Errc::parse, "gpus, prefetch_depth, micro_batches, sequences and seq_len must be positive");
+    if (p.workload.sequences == 0 || p.workload.seq_len == 0) OOM_THROW(Errc::parse, "sequences and seq_len must be positive");
     if (!p.workload.within_limit())
       OOM_THROW(Errc::parse, fmt::format("sequences {} x seq_len {} is more than the {} tokens a micro-batch may hold", p.workload.sequences,
                                          p.workload.seq_len, max_workload_tokens));

@@ -18,13 +18,16 @@
 namespace oom {
 
 void check_plan_request(const PlanRequest& req) {
-  if (req.gpus < 1) OOM_THROW(Errc::invalid_argument, "plan request: gpus must be >= 1");
+  if (req.gpus < 1 || req.gpus > max_plan_gpus)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan request: gpus must be 1 to {}, not {}", max_plan_gpus, req.gpus));
   if (req.workload.sequences == 0 || req.workload.seq_len == 0)
     OOM_THROW(Errc::invalid_argument, "plan request: the workload has no tokens (seq and batch must be > 0)");
   if (!req.workload.within_limit())
     OOM_THROW(Errc::invalid_argument, fmt::format("plan request: {} sequences of {} tokens is more than the {} tokens a micro-batch may hold",
                                                   req.workload.sequences, req.workload.seq_len, max_workload_tokens));
-  if (req.micro_batches < 1) OOM_THROW(Errc::invalid_argument, "plan request: micro_batches must be >= 1");
+  if (req.micro_batches < 1 || req.micro_batches > max_micro_batches)
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("plan request: micro_batches must be 1 to {}, not {}", max_micro_batches, req.micro_batches));
   if (req.gpu_budget.count() == 0 || req.host_budget.count() == 0)
     OOM_THROW(Errc::invalid_argument, "plan request: GPU and host budgets must be > 0");
 }

@@ -212,7 +212,16 @@ TEST_CASE("a budget too small for any plan is refused with the least bytes a pla
   CHECK(why.find("the budget is 1.00 KiB") != std::string::npos);
   // Host memory too small for the state even with every segment resident: named apart.
   const std::string host = thrown([&] { (void)planner.plan(request(1_KiB, 1_B)); });
-  CHECK(host.find("the least host memory a plan needs is") != std::string::npos);
+  CHECK(host.find("the least host memory any plan needs is") != std::string::npos);
+  // A host too small for the state streamed, a GPU too small to hold it: the refusal names the
+  // host memory a plan within the GPU budget needs.
+  Plan streamed = planner.plan(request(1_GiB)).plans.front();
+  streamed.resident_segments.clear();
+  const auto tight = planner.simulate(streamed);
+  const std::string both = thrown([&] {
+    (void)planner.plan(request(Bytes{tight.gpu_peak.count() * 105 / 100}, Bytes{tight.host_peak.count() / 2}));
+  });
+  CHECK(both.find("within the GPU budget, the least host memory a plan needs is") != std::string::npos);
 }
 
 TEST_CASE("a host budget too small for streamed state is met by keeping more resident") {

@@ -8,7 +8,6 @@
 #include <map>
 #include <random>
 #include <string>
-#include <tuple>
 
 #include <fmt/format.h>
 
@@ -344,14 +343,18 @@ TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
   long_one.set("seq_len", max_workload_tokens + 1);
   CHECK_THROWS_WITH_AS((void)Plan::from_json(long_one, "long.json"), doctest::Contains("a micro-batch may hold"), Error);
   // Counts past their range are named, not wrapped by the cast to int (4294967297 had read as 1).
-  for (const auto& [field, value, range] : {std::tuple{"prefetch_depth", std::int64_t{4294967297}, "(1 to 64"},
-                                            std::tuple{"micro_batches", std::int64_t{1} << 21, "(1 to 1048576"},
-                                            std::tuple{"gpus", std::int64_t{0}, "(1 to 256"}}) {
+  struct Case {
+    const char* field;
+    std::int64_t value;
+    const char* range;
+  };
+  for (const Case& c : {Case{"prefetch_depth", 4294967297, "(1 to 64"}, Case{"micro_batches", std::int64_t{1} << 21, "(1 to 1048576"},
+                        Case{"gpus", 0, "(1 to 1024"}, Case{"gpus", 1025, "(1 to 1024"}}) {
     Json out_of_range = p.to_json();
-    out_of_range.set(field, value);
-    CAPTURE(field);
-    CHECK_THROWS_WITH_AS((void)Plan::from_json(out_of_range, "range.json"),
-                         doctest::Contains(fmt::format("{}: {} is out of range {}", field, value, range).c_str()), Error);
+    out_of_range.set(c.field, c.value);
+    CAPTURE(c.field);
+    const std::string want = fmt::format("{}: {} is out of range {}", c.field, c.value, c.range);
+    CHECK_THROWS_WITH_AS((void)Plan::from_json(out_of_range, "range.json"), doctest::Contains(want.c_str()), Error);
   }
 }
 

@@ -62,9 +62,15 @@ struct Prediction {
   }
 };
 
+/// What a plan may hold, for every planner, executor and plan reader alike: GPUs of one node (as
+/// a MachineProfile may describe), weight slots in flight, micro-batches a step.
+inline constexpr int max_plan_gpus = 1024;
+inline constexpr int max_prefetch_depth = 64;
+inline constexpr int max_micro_batches = 1 << 20;
+
 /// The checks every planner makes of a request before planning (Errc::invalid_argument naming
-/// the field): tokens in the workload, within max_workload_tokens, at least one micro-batch and
-/// GPU, both budgets set.
+/// the field): tokens in the workload, within max_workload_tokens, 1 to max_micro_batches
+/// micro-batches, 1 to max_plan_gpus GPUs, both budgets set.
 void check_plan_request(const PlanRequest& req);
 
 struct LayerChunks {
