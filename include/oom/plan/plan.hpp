@@ -62,7 +62,7 @@ struct Prediction {
   }
 };
 
-/// What a plan may hold, for every planner, executor and plan reader alike: GPUs of one node (as
+/// What a plan may hold, for both planners and the plan reader alike: GPUs of one node (as
 /// a MachineProfile may describe), weight slots in flight, micro-batches a step.
 inline constexpr int max_plan_gpus = 1024;
 inline constexpr int max_prefetch_depth = 64;
