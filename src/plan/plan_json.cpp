@@ -219,6 +219,17 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     p.predicted.step_s = j["predicted"]["step_s"].as_double();
     p.predicted.gpu_peak = Bytes{j["predicted"]["gpu_peak_bytes"].as_uint64()};
     p.predicted.host_peak = Bytes{j["predicted"]["host_peak_bytes"].as_uint64()};
+    // Optional (a hand-written plan may leave them out): busy seconds by resource, bytes by claimant.
+    const auto pred = j["predicted"];
+    if (pred["busy_s"].present())
+      for (int r = 0; r < resource_count; ++r)
+        if (const auto v = pred["busy_s"][to_string(static_cast<Resource>(r))]; v.present())
+          p.predicted.busy.seconds[static_cast<std::size_t>(r)] = v.as_double();
+    for (const auto& [key, into] : {std::pair{"gpu_at_peak_bytes", &p.predicted.gpu_at_peak}, std::pair{"peak_bytes", &p.predicted.peak}})
+      if (pred[key].present())
+        for (int c = 0; c < claimant_count; ++c)
+          if (const auto v = pred[key][to_string(static_cast<Claimant>(c))]; v.present())
+            (*into)[static_cast<std::size_t>(c)] = Bytes{v.as_uint64()};
     return p;
   } catch (Error& e) {
     throw e.add_context(fmt::format("reading plan {}", source));

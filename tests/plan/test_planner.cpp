@@ -335,6 +335,12 @@ TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
   CHECK(back.retention_name == p.retention_name);
   CHECK(back.chunks.size() == p.chunks.size());
   CHECK(planner.simulate(back).step_s == doctest::Approx(p.predicted.step_s));
+  // The prediction's figures come back too (describe() prints them for a plan read from a file).
+  for (int r = 0; r < resource_count; ++r)
+    CHECK(back.predicted.busy.seconds[static_cast<std::size_t>(r)] == doctest::Approx(p.predicted.busy.seconds[static_cast<std::size_t>(r)]));
+  CHECK(back.predicted.gpu_at_peak == p.predicted.gpu_at_peak);
+  CHECK(back.predicted.peak == p.predicted.peak);
+  CHECK(back.predicted.gpu_peak == p.predicted.gpu_peak);
   // A damaged plan is refused, naming the field.
   Json bad = p.to_json();
   bad.set("prefetch_depth", "two");
