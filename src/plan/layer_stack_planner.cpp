@@ -60,10 +60,10 @@ std::vector<Costed> cost_layers(const std::vector<LayerDescription>& layers, con
 }
 
 
-/// Builds one plan's step graph. Mirrors the HostExecutor's schedule: one weight slot per load in
-/// turn (forward and backward loads alike), two gradient slots by layer parity, offloads after a
-/// layer's forward, prefetches and the recompute (the whole forward again) before its backward,
-/// the CPU AdamW of a layer as soon as its gradients land.
+/// Builds one plan's step graph (check_plan'ed). Mirrors the HostExecutor's schedule: one weight
+/// slot per load in turn (forward and backward loads alike), two gradient slots by layer parity,
+/// offloads after a layer's forward, prefetches and the recompute (of the recomputed classes)
+/// before its backward, the CPU AdamW of a layer as soon as its gradients land.
 class GraphBuilder {
  public:
   GraphBuilder(const std::vector<LayerDescription>& layers, const std::vector<Costed>& costs, const MachineProfile& profile,
@@ -99,8 +99,8 @@ class GraphBuilder {
     std::vector<int> grads_out;  // every d2h.grads: clipping's norm reads the landed gradients
     int last_bwd = -1;
     std::vector<int> mb_end;  // a micro-batch's last ops: the HostExecutor synchronises after each
-    for (int mb = 0; mb < std::max(plan_.micro_batches, 1); ++mb) {
-      const bool last = mb + 1 == std::max(plan_.micro_batches, 1);
+    for (int mb = 0; mb < plan_.micro_batches; ++mb) {
+      const bool last = mb + 1 == plan_.micro_batches;
       std::vector<int> fwd(static_cast<std::size_t>(n)), offload(static_cast<std::size_t>(n), -1);
       int producer = -1;  // the op that made the current boundary (the micro-batch's first load for layer 0)
       for (int l = 0; l < n; ++l) {
@@ -111,11 +111,8 @@ class GraphBuilder {
         release(f);
         fwd[L] = f;
         hold_workset(l, f, f);
-        Bytes out;
-        for (int c = 0; c < activation_class_count; ++c)
-          if (costs_[L].saved[static_cast<std::size_t>(c)].count() > 0 && action(l, c) == Retention::offload)
-            out += costs_[L].saved[static_cast<std::size_t>(c)];
-        if (out.count() > 0) offload[L] = g_.add({"d2h.activations", Resource::d2h, copy_time(OpKind::copy_d2h, out), {f}, l});
+        if (const Bytes out = offloaded(l); out.count() > 0)
+          offload[L] = g_.add({"d2h.activations", Resource::d2h, copy_time(OpKind::copy_d2h, out), {f}, l});
         producers_.push_back(producer);
         producer = f;
       }
@@ -133,11 +130,7 @@ class GraphBuilder {
         std::vector<int> deps{h};
         int prefetch = -1;
         if (offload[L] >= 0) {
-          Bytes back;
-          for (int c = 0; c < activation_class_count; ++c)
-            if (costs_[L].saved[static_cast<std::size_t>(c)].count() > 0 && action(l, c) == Retention::offload)
-              back += costs_[L].saved[static_cast<std::size_t>(c)];
-          prefetch = g_.add({"h2d.activations", Resource::h2d, copy_time(OpKind::copy_h2d, back), {offload[L]}, l});
+          prefetch = g_.add({"h2d.activations", Resource::h2d, copy_time(OpKind::copy_h2d, offloaded(l)), {offload[L]}, l});
           deps.push_back(prefetch);
         }
         bool regenerate = false;
@@ -207,10 +200,15 @@ class GraphBuilder {
   Retention action(int l, int c) const {
     return plan_.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)].action;
   }
-  std::uint64_t chunk_tokens(int l) const {
-    const std::uint64_t T = plan_.workload.tokens();
-    const std::uint64_t c = plan_.chunks[static_cast<std::size_t>(l)].moe_tokens;
-    return c == 0 || c >= T ? T : c;
+  // Layer l's saved bytes that go to the host and back (its boundary among them).
+  Bytes offloaded(int l) const {
+    Bytes b;
+    for (int c = 0; c < activation_class_count; ++c)
+      if (action(l, c) == Retention::offload) b += costs_[static_cast<std::size_t>(l)].saved[static_cast<std::size_t>(c)];
+    return b;
+  }
+  std::uint64_t chunk_tokens(int l) const {  // check_plan: > 0
+    return std::min(plan_.chunks[static_cast<std::size_t>(l)].moe_tokens, plan_.workload.tokens());
   }
   double time_of(const Operation& op) const {
     const auto t = cost_.predict(op);
@@ -425,16 +423,8 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
       if (std::find(tables.begin(), tables.begin() + static_cast<std::ptrdiff_t>(t), tables[t]) != tables.begin() + static_cast<std::ptrdiff_t>(t))
         continue;
       for (std::uint64_t chunk : chunk_levels) {
-        Plan p;
-        p.model = model_name_;
-        p.gpus = 1;
+        Plan p = Plan::for_request(req, model_name_);  // check_request: one GPU
         p.prefetch_depth = depth;
-        p.workload = req.workload;
-        p.micro_batches = req.micro_batches;
-        p.clip_grad_norm = req.clip_grad_norm;
-        p.precision = req.precision;
-        p.gpu_budget = req.gpu_budget;
-        p.host_budget = req.host_budget;
         p.retention_name = tpl.name;
         p.retention = tables[t];
         for (std::size_t l = 0; l < n; ++l) {
@@ -454,6 +444,21 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
         };
         auto gpu_fits = [&](const Plan& q) { return q.predicted.gpu_peak <= usable; };
         auto host_fits = [&](const Plan& q) { return q.predicted.host_peak <= req.host_budget; };
+        // The most resident prefix in [lo, hi] within the GPU budget, given `at_lo`'s plan within
+        // it (bisection; more resident segments, more GPU memory).
+        auto most_within_gpu = [&](std::size_t lo, std::size_t hi, Plan at_lo) {
+          while (lo < hi) {
+            const std::size_t mid = lo + (hi - lo + 1) / 2;
+            Plan q = with(mid);
+            if (gpu_fits(q)) {
+              lo = mid;
+              at_lo = std::move(q);
+            } else {
+              hi = mid - 1;
+            }
+          }
+          return std::pair{lo, std::move(at_lo)};
+        };
         // More resident segments: more GPU memory, less host memory. The smallest resident prefix
         // within the host budget (bisection) ...
         const std::size_t S = order.size();
@@ -488,37 +493,12 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
             least_claimant = to_string(static_cast<Claimant>(std::max_element(at.begin(), at.begin() + 3) - at.begin()));
           }
           // The host memory of the most resident prefix within the GPU budget, where one is.
-          if (k_lo > 0 && gpu_fits(none)) {
-            std::size_t a = 0, b = k_lo;  // gpu_fits(a), !gpu_fits(b)
-            Bytes host = none.predicted.host_peak;
-            while (b - a > 1) {
-              const std::size_t mid = a + (b - a) / 2;
-              const Plan q = with(mid);
-              if (gpu_fits(q)) {
-                a = mid;
-                host = q.predicted.host_peak;
-              } else {
-                b = mid;
-              }
-            }
-            least_host = min(least_host, host);
-          }
+          if (k_lo > 0 && gpu_fits(none)) least_host = min(least_host, most_within_gpu(0, k_lo - 1, none).second.predicted.host_peak);
           continue;  // smaller chunks may fit
         }
         // ... and the largest within the GPU budget (bisection; each plan kept was simulated), with
         // a few levels between: more residency is not always faster.
-        std::size_t lo = k_lo, hi = S;
-        Plan best = low;
-        while (lo < hi) {
-          const std::size_t mid = lo + (hi - lo + 1) / 2;
-          Plan q = with(mid);
-          if (gpu_fits(q)) {
-            lo = mid;
-            best = std::move(q);
-          } else {
-            hi = mid - 1;
-          }
-        }
+        auto [lo, best] = most_within_gpu(k_lo, S, low);
         std::vector<std::size_t> levels{lo, k_lo + (lo - k_lo) / 2, k_lo + (lo - k_lo) / 4, k_lo};
         levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
         for (std::size_t k : levels) {

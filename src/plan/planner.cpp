@@ -672,17 +672,9 @@ PlanSet Planner::plan(const PlanRequest& req) const {
             break;  // higher levels only need more
           }
           const Bytes workset = usable - fixed;
-          Plan p;
-          p.model = model_name_;
+          Plan p = Plan::for_request(req, model_name_);
           p.path = path;
-          p.gpus = req.gpus;
           p.prefetch_depth = depth;
-          p.workload = req.workload;
-          p.micro_batches = req.micro_batches;
-          p.clip_grad_norm = req.clip_grad_norm;
-          p.precision = req.precision;
-          p.gpu_budget = req.gpu_budget;
-          p.host_budget = req.host_budget;
           p.resident_level = level;
           p.retention_name = std::string(table.name());
           const DependencyPartitioner part;

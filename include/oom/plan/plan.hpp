@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "oom/concepts/cost_model.hpp"
@@ -109,6 +110,21 @@ struct Plan {
     std::uint64_t c = 0;
     for (const auto& lc : chunks) c = std::max(c, lc.moe_tokens == 0 ? T : std::min(lc.moe_tokens, T));
     return c == 0 ? T : c;
+  }
+
+  /// A plan with what it takes from its request filled in (GPUs, workload, micro-batches,
+  /// clipping, precision, budgets) and `model`; the planner fills the rest.
+  [[nodiscard]] static Plan for_request(const PlanRequest& r, std::string model) {
+    Plan p;
+    p.model = std::move(model);
+    p.gpus = r.gpus;
+    p.workload = r.workload;
+    p.micro_batches = r.micro_batches;
+    p.clip_grad_norm = r.clip_grad_norm;
+    p.precision = r.precision;
+    p.gpu_budget = r.gpu_budget;
+    p.host_budget = r.host_budget;
+    return p;
   }
 
   [[nodiscard]] Json to_json() const;
