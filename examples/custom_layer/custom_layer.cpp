@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "common/cli_numbers.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/plan/layer_stack_planner.hpp"
@@ -125,24 +126,13 @@ Options parse(int argc, char** argv) {
       std::exit(0);
     }
     if (a + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value", arg));
-    const std::string v = argv[++a];
-    auto count = [&](std::uint64_t lo) {
-      std::size_t used = 0;
-      unsigned long long n = 0;
-      try {
-        n = std::stoull(v, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used != v.size() || v.empty() || v[0] == '-' || n < lo)
-        OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} takes a whole number >= {}, not '{}'", arg, lo, v));
-      return static_cast<std::uint64_t>(n);
-    };
-    if (arg == "--layers") o.layers = static_cast<int>(count(1));
-    else if (arg == "--hidden") o.hidden = count(1);
-    else if (arg == "--inter") o.inter = count(1);
-    else if (arg == "--tokens") o.tokens = count(1);
-    else if (arg == "--steps") o.steps = static_cast<int>(count(0));
+    const char* text = argv[++a];
+    const std::string v = text;
+    if (arg == "--layers") o.layers = oom::examples::parse_int_count(arg, text);
+    else if (arg == "--hidden") o.hidden = oom::examples::parse_count(arg, text);
+    else if (arg == "--inter") o.inter = oom::examples::parse_count(arg, text);
+    else if (arg == "--tokens") o.tokens = oom::examples::parse_count(arg, text);
+    else if (arg == "--steps") o.steps = oom::examples::parse_int_count(arg, text, /*allow_zero=*/true);
     else if (arg == "--gpu-budget") o.gpu_budget = oom::parse_bytes(v);
     else if (arg == "--host-budget") o.host_budget = oom::parse_bytes(v);
     else if (arg == "--profile") o.profile = v;
