@@ -170,10 +170,10 @@ int run(const Options& o) {
 
   std::vector<std::vector<float>> init;
   for (const auto& l : layers) init.push_back(noise(l.segments()[0].parameters(), init.size() + 1, 1.0f / std::sqrt(static_cast<float>(o.hidden))));
-  // The host backend's "GPU" arena is budgeted: the executor's buffers come out of it. It takes
-  // each buffer when it queues the work, ahead of the compute that frees earlier ones, so its
-  // arena gets twice the plan's budget, as oom-train gives it (docs/planner.md).
-  oom::HostBackend backend({o.gpu_budget * 2, o.host_budget, /*expose_races=*/false});
+  // The host backend's arenas are what the plan predicts it needs, within the budgets asked for:
+  // the executor's buffers come out of them, and one that does not fit yet waits for the frees
+  // queued before it. A byte past the prediction would be refused (Errc::out_of_budget).
+  oom::HostBackend backend({plan.predicted.gpu_peak, plan.predicted.host_peak, /*expose_races=*/false});
   oom::HostExecutorOptions eo;
   eo.adamw.lr = 3e-3f;
   oom::HostExecutor<ResidualMlp> exec(backend, layers, plan, init, eo);
@@ -193,6 +193,8 @@ int run(const Options& o) {
   }
   if (o.steps == 0) return 0;
   fmt::print("loss {:.5f} -> {:.5f} over {} steps\n", first, last, o.steps);
+  fmt::print("GPU arena peak {} (predicted {}); pinned peak {} (predicted {})\n", backend.device_arena().peak(),
+             plan.predicted.gpu_peak, backend.pinned_arena().peak(), plan.predicted.host_peak);
   return std::isfinite(last) ? 0 : 1;
 }
 

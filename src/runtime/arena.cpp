@@ -1,6 +1,8 @@
 // Arena accounting.
 #include "oom/runtime/arena.hpp"
 
+#include <chrono>
+
 #include <fmt/format.h>
 
 #include "oom/core/error.hpp"
@@ -8,11 +10,30 @@
 
 namespace oom {
 
+void Arena::refuse(Claimant claimant, Bytes bytes, const char* when) const {
+  OOM_THROW(Errc::out_of_budget, fmt::format("{}: {} asks for {} with {} in use{}; the budget is {}", name_, to_string(claimant),
+                                             bytes, in_use_, when, budget_));
+}
+
 void Arena::take(Claimant claimant, Bytes bytes) {
   std::lock_guard lock(mutex_);
-  if (in_use_ + bytes > budget_)
-    OOM_THROW(Errc::out_of_budget, fmt::format("{}: {} asks for {} with {} in use; the budget is {}", name_,
-                                               to_string(claimant), bytes, in_use_, budget_));
+  if (in_use_ + bytes > budget_) refuse(claimant, bytes, "");
+  take_locked(claimant, bytes);
+}
+
+void Arena::take_when_free(Claimant claimant, Bytes bytes, const std::function<bool()>& pending) {
+  std::unique_lock lock(mutex_);
+  if (bytes > budget_) refuse(claimant, bytes, "");
+  while (in_use_ + bytes > budget_) {
+    if (!pending()) refuse(claimant, bytes, " once the queued work had run");
+    // Timed: pending() reads other locks, so a give() between its answer and this wait is not
+    // missed for longer than a millisecond.
+    given_.wait_for(lock, std::chrono::milliseconds(1));
+  }
+  take_locked(claimant, bytes);
+}
+
+void Arena::take_locked(Claimant claimant, Bytes bytes) {
   in_use_ += bytes;
   peak_ = max(peak_, in_use_);
   auto& c = by_claimant_[static_cast<std::size_t>(claimant)];
@@ -27,6 +48,7 @@ void Arena::give(Claimant claimant, Bytes bytes) {
   if (bytes > c) OOM_THROW(Errc::internal, fmt::format("{}: {} returns {} but holds {}", name_, to_string(claimant), bytes, c));
   c -= bytes;
   in_use_ -= bytes;
+  given_.notify_all();
 }
 
 Bytes Arena::in_use() const {

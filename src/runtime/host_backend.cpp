@@ -25,6 +25,12 @@ class HostBackend::Worker {
     ready_.notify_one();
     thread_.join();
   }
+  /// Whether work is queued or running on this stream, the calling thread's own work excepted.
+  bool pending() {
+    if (std::this_thread::get_id() == thread_.get_id()) return false;
+    std::lock_guard lock(mutex_);
+    return busy_ || !queue_.empty();
+  }
   void push(std::function<void()> fn) {
     {
       std::lock_guard lock(mutex_);
@@ -39,10 +45,12 @@ class HostBackend::Worker {
       std::function<void()> task;
       {
         std::unique_lock lock(mutex_);
+        busy_ = false;
         ready_.wait(lock, [&] { return stop_ || !queue_.empty(); });
         if (queue_.empty()) return;
         task = std::move(queue_.front());
         queue_.pop_front();
+        busy_ = true;
       }
       try {
         task();
@@ -58,6 +66,7 @@ class HostBackend::Worker {
   std::condition_variable ready_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
+  bool busy_ = false;
   std::thread thread_;
 };
 
@@ -65,12 +74,27 @@ HostBackend::HostBackend(Options options)
     : options_(options), device_("host-backend device arena", options.device_budget),
       pinned_("host-backend pinned memory", options.pinned_budget) {}
 
-HostBackend::~HostBackend() { streams_.clear(); }
+HostBackend::~HostBackend() {
+  std::vector<Stream> streams;
+  {
+    std::lock_guard lock(streams_mutex_);
+    streams.swap(streams_);
+  }
+  streams.clear();  // joins the workers the callers no longer hold, outside the lock
+}
 
 HostBackend::Stream HostBackend::make_stream(std::string name) {
   auto s = std::make_shared<Worker>(*this, std::move(name));
+  std::lock_guard lock(streams_mutex_);
   streams_.push_back(s);
   return s;
+}
+
+bool HostBackend::work_pending() {
+  std::lock_guard lock(streams_mutex_);
+  for (auto& s : streams_)
+    if (s->pending()) return true;
+  return false;
 }
 
 HostBackend::Event HostBackend::make_event() { return std::make_shared<EventState>(); }
@@ -126,7 +150,7 @@ void HostBackend::copy(void* dst, const void* src, Bytes bytes, Stream& s) {
 
 void* HostBackend::allocate(MemorySpace space, Bytes bytes, Claimant claimant) {
   Arena* arena = space.is_device() ? &device_ : space.kind == MemorySpace::Kind::pinned_host ? &pinned_ : nullptr;
-  if (arena) arena->take(claimant, bytes);
+  if (arena) arena->take_when_free(claimant, bytes, [this] { return work_pending(); });
   const std::size_t align = space.is_device() ? 256 : 4096;
   void* p = std::aligned_alloc(align, std::max<std::size_t>(align, bytes.align_up(align).count()));
   if (p == nullptr) {

@@ -1,6 +1,7 @@
 // HostBackend: the reference backend. Each stream is a worker thread draining its queue in order,
 // events are generations a stream completes and another waits for, "device" memory is a budgeted
-// host arena. Streams really run concurrently, and copies poison their destination and then copy
+// host arena whose budget holds in the order the work runs: an allocation that does not fit waits
+// while queued work may still free memory, and is refused once none is left. Streams really run concurrently, and copies poison their destination and then copy
 // in pieces, so a missing wait between streams reads NaNs or stale bytes instead of passing by luck.
 #pragma once
 
@@ -50,6 +51,11 @@ class HostBackend {
   void record(Event& e, Stream& s);
   void wait(Stream& s, Event& e);
   void copy(void* dst, const void* src, Bytes bytes, Stream& s);
+  /// Memory accounted to `claimant` in `space`'s arena. Bytes that do not fit wait while any
+  /// stream has work queued or running (whose frees may make room: the queueing thread runs
+  /// ahead of the streams, so a budget checked when work is queued would count buffers that the
+  /// work before them frees); Errc::out_of_budget once the streams are idle and they still do
+  /// not fit. From a stream's own task, that stream's later work does not count.
   void* allocate(MemorySpace space, Bytes bytes, Claimant claimant);
   void free(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant);
   /// Blocks until s has run everything submitted so far; rethrows the first exception a task
@@ -64,9 +70,11 @@ class HostBackend {
   Arena device_, pinned_;
   std::mutex error_mutex_;
   std::exception_ptr first_error_;
+  std::mutex streams_mutex_;
   std::vector<Stream> streams_;
   friend class Worker;
   void fail(std::exception_ptr e);
+  bool work_pending();
 };
 
 static_assert(backend<HostBackend>);

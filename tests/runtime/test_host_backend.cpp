@@ -1,0 +1,74 @@
+// HostBackend's arenas hold their budget in the order the work runs: an allocation that does not
+// fit waits while a stream's queued work may still free memory, and is refused by name once the
+// streams are idle; a stream's own task is never left waiting on itself.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "oom/core/error.hpp"
+#include "oom/runtime/host_backend.hpp"
+
+using namespace oom;
+using namespace oom::literals;
+
+TEST_CASE("an allocation that does not fit waits for the frees queued before it, then fits") {
+  HostBackend b({1_MiB, 1_MiB, false});
+  auto s = b.make_stream("frees");
+  const MemorySpace dev = MemorySpace::device(0);
+  void* first = b.allocate(dev, Bytes{768 << 10}, Claimant::retained_activations);
+  std::atomic<bool> freed{false};
+  // The stream frees `first` only after a while: the allocation below must wait for it.
+  b.submit(s, [&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    freed = true;
+    b.free(first, dev, Bytes{768 << 10}, Claimant::retained_activations);
+  });
+  void* second = b.allocate(dev, Bytes{512 << 10}, Claimant::worksets);
+  CHECK(freed.load());
+  CHECK(b.device_arena().in_use() == Bytes{512 << 10});
+  CHECK(b.device_arena().peak() == Bytes{768 << 10});  // never both at once
+  b.free(second, dev, Bytes{512 << 10}, Claimant::worksets);
+}
+
+TEST_CASE("an allocation that does not fit once the streams are idle is refused, naming the claimant and the budget") {
+  HostBackend b({1_MiB, 1_MiB, false});
+  auto s = b.make_stream("idle");
+  const MemorySpace pinned = MemorySpace::pinned_host();
+  void* held = b.allocate(pinned, Bytes{768 << 10}, Claimant::host_state);
+  b.submit(s, [] { std::this_thread::sleep_for(std::chrono::milliseconds(10)); });  // work that frees nothing
+  try {
+    (void)b.allocate(pinned, Bytes{512 << 10}, Claimant::host_offload);
+    FAIL("the allocation should have been refused");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::out_of_budget);
+    const std::string what = e.what();
+    CHECK(what.find("host_offload asks for 512.00 KiB") != std::string::npos);
+    CHECK(what.find("once the queued work had run") != std::string::npos);
+    CHECK(what.find("the budget is 1.00 MiB") != std::string::npos);
+  }
+  CHECK(b.pinned_arena().in_use() == Bytes{768 << 10});  // the refusal took nothing
+  // More than the whole budget is refused at once, whatever is queued.
+  CHECK_THROWS_WITH_AS((void)b.allocate(pinned, 2_MiB, Claimant::host_state), doctest::Contains("the budget is 1.00 MiB"), Error);
+  b.free(held, pinned, Bytes{768 << 10}, Claimant::host_state);
+}
+
+TEST_CASE("a stream's own task that asks for too much is refused instead of waiting on its own queue") {
+  HostBackend b({1_MiB, 1_MiB, false});
+  auto s = b.make_stream("self");
+  const MemorySpace dev = MemorySpace::device(0);
+  void* held = b.allocate(dev, Bytes{768 << 10}, Claimant::resident_state);
+  std::atomic<bool> refused{false};
+  b.submit(s, [&] {
+    try {
+      (void)b.allocate(dev, Bytes{512 << 10}, Claimant::worksets);
+    } catch (const Error& e) {
+      refused = e.code() == Errc::out_of_budget;
+    }
+  });
+  b.submit(s, [] {});  // later work on the same stream, which cannot run before the task above
+  b.synchronize(s);
+  CHECK(refused.load());
+  b.free(held, dev, Bytes{768 << 10}, Claimant::resident_state);
+}
