@@ -491,8 +491,9 @@ void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
   const reference::RouterShape rs{static_cast<std::int64_t>(n), static_cast<std::int64_t>(H), static_cast<std::int64_t>(E),
                                   static_cast<std::int64_t>(K), norm_topk_};
   const auto route = reference::router_forward(rs, xn2, w_[2]);
-  // The load-balancing loss counts the forward's rows once (a recompute writes no output).
-  if (balance_ != nullptr && ctx.output != nullptr) balance_->add(layer_, b, route.probs, route.expert_ids);
+  // The load-balancing loss counts the forward's rows once (a recompute writes no output; a
+  // regeneration of the boundary above reruns the forward for its output alone).
+  if (balance_ != nullptr && ctx.output != nullptr && !ctx.regenerating) balance_->add(layer_, b, route.probs, route.expert_ids);
   const auto plan = reference::permute_plan(route.expert_ids, static_cast<std::int64_t>(n), static_cast<std::int64_t>(K),
                                             static_cast<std::int64_t>(E));
   const auto x_perm = reference::permute_rows(plan, xn2, static_cast<std::int64_t>(K), static_cast<std::int64_t>(H));

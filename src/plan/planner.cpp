@@ -118,6 +118,8 @@ class GraphBuilder {
       refill_grads_ = mb > 0 && plan_.grad_accumulation == GradAccumulation::device;
       std::fill(regenerated_.begin(), regenerated_.end(), false);
       std::fill(d2h_act_.begin(), d2h_act_.end(), -1);  // this micro-batch's offloads, as they are added
+      boundary_back_.assign(static_cast<std::size_t>(n), -1);
+      prefetch_op_.clear();
       prefetch_pending_.assign(static_cast<std::size_t>(n), false);
       plan_loads(n);
       prev = embedding_forward(prev);
@@ -274,7 +276,8 @@ class GraphBuilder {
   void prefetch_activations(int l) {
     Bytes offload;
     for (int c = 0; c < activation_class_count; ++c)
-      if (plan_.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)].action == Retention::offload)
+      if (plan_.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)].action == Retention::offload &&
+          !(c == 0 && boundary_back_[static_cast<std::size_t>(l)] >= 0))  // the boundary came back for a regeneration
         offload += saved_[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)];
     if (offload.count() == 0) return;
     // The backward's loads run up to prefetch_depth - 1 ahead of the compute, so with depth 3 the
@@ -307,8 +310,23 @@ class GraphBuilder {
   }
 
   // Regenerates boundaries [from+1, l] by rerunning layers from..l-1 forward (their weights
-  // streamed again), once per backward; the boundaries are held until their own backward.
+  // streamed again), once per backward; the boundaries are held until their own backward. An
+  // offloaded boundary to regenerate from comes back first (the executors bring it up then) and
+  // stays until its own layer's backward, whose prefetch then leaves it out.
   int regenerate(int from, int l, int prev) {
+    int back = -1;
+    const auto f = static_cast<std::size_t>(from);
+    if (plan_.retention[f][static_cast<std::size_t>(ActivationClass::layer_boundary)].action == Retention::offload) {
+      if (const auto pf = prefetch_op_.find(from); pf != prefetch_op_.end()) {
+        back = pf->second;  // its layer's whole prefetch is in flight already (loads run ahead)
+      } else {
+        const Bytes b = saved_[f][static_cast<std::size_t>(ActivationClass::layer_boundary)];
+        back = g_.add({"h2d.boundary (to regenerate from)", Resource::h2d,
+                       model_.time_of(Operation::moving(OpKind::copy_h2d, b), Resource::h2d), deps_of({d2h_act_[f]}), l});
+        boundary_back_[f] = back;
+        deferred_.push_back({Claimant::retained_activations, b, back, bwd_end_of(from)});
+      }
+    }
     Bytes weights;
     double compute = 0;
     for (int j = from; j < l; ++j) {
@@ -321,7 +339,7 @@ class GraphBuilder {
       load = g_.add({"h2d.weights.regenerate", Resource::h2d,
                      model_.time_of(Operation::moving(OpKind::copy_h2d, weights), Resource::h2d), {}, l});
     const int op = g_.add({"regenerate boundaries up to", Resource::gpu_compute, compute,
-                           deps_of({load, prev}), l});
+                           deps_of({load, prev, back}), l});
     if (load >= 0) g_.hold(Claimant::worksets, weights, load, op);
     for (int j = from + 1; j <= l; ++j) {
       regenerated_[static_cast<std::size_t>(j)] = true;
@@ -487,6 +505,7 @@ class GraphBuilder {
   std::vector<int> load_op_, release_op_;
   std::size_t issued_ = 0, next_compute_ = 0;
   std::vector<int> fwd_last_, bwd_last_, d2h_act_;
+  std::vector<int> boundary_back_;  ///< per layer: this micro-batch's early fetch of its offloaded boundary (-1: none)
   std::vector<bool> prefetch_pending_;  ///< per layer: its prefetch was due before its offload was added
   std::map<int, int> prefetch_op_;
   std::vector<bool> regenerated_;

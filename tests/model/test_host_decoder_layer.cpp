@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -18,6 +19,8 @@
 #include "oom/io/json.hpp"
 #include "oom/io/safetensors.hpp"
 #include "oom/model/host_decoder_layer.hpp"
+#include "oom/model/router_balance.hpp"
+#include "oom/plan/policies.hpp"
 #include "oom/runtime/host_executor.hpp"
 #include "support/compare.hpp"
 
@@ -617,9 +620,16 @@ struct Trained {
   std::vector<double> losses;
 };
 
-Trained train(const ModelSpec& spec, const Plan& plan, std::uint64_t tokens, std::uint64_t seed) {
+/// Two steps of `plan`; with `balance_coef` > 0 the loss adds the load-balancing loss over every
+/// layer (RouterBalanceLoss) at that coefficient.
+Trained train(const ModelSpec& spec, const Plan& plan, std::uint64_t tokens, std::uint64_t seed, double balance_coef = 0) {
   std::vector<HostDecoderLayer> layers;
   for (int l = 0; l < spec.num_layers(); ++l) layers.emplace_back(spec, l);
+  std::unique_ptr<RouterBalanceLoss> balance;
+  if (balance_coef > 0) {
+    balance = std::make_unique<RouterBalanceLoss>(spec.num_layers(), spec.moe().experts, spec.moe().top_k, balance_coef);
+    for (auto& l : layers) l.balance_router(balance.get());
+  }
   std::vector<std::vector<float>> init;
   std::uint64_t s = seed;
   for (const auto& l : layers)
@@ -642,7 +652,21 @@ Trained train(const ModelSpec& spec, const Plan& plan, std::uint64_t tokens, std
   for (int step = 0; step < 2; ++step) {
     const auto x = test::random_normal(tokens * h, seed * 100 + static_cast<std::uint64_t>(step));
     const auto y = test::random_normal(tokens * h, seed * 100 + 50 + static_cast<std::uint64_t>(step));
-    r.losses.push_back(exec.step(x, y));
+    if (!balance) {
+      r.losses.push_back(exec.step(x, y));
+      continue;
+    }
+    const float* tgt = y.data();
+    auto* bal = balance.get();
+    r.losses.push_back(exec.step(x, [tgt, bal, n = tokens * h, tokens](const float* out, float* grad) {
+      double sum = 0;
+      for (std::uint64_t i = 0; i < n; ++i) {
+        const float d = out[i] - tgt[i];
+        sum += 0.5 * static_cast<double>(d) * d;
+        grad[i] = d / static_cast<float>(tokens);
+      }
+      return sum / static_cast<double>(tokens) + bal->loss();
+    }));
   }
   r.master = exec.master();
   return r;
@@ -729,6 +753,55 @@ TEST_CASE("a hybrid stack (3 Gated DeltaNet layers, 1 gated full attention) thro
     CHECK(got.losses == expect.losses);
     for (std::size_t s = 0; s < got.master.size(); ++s) CHECK(same_bits(got.master[s], expect.master[s]));
   }
+}
+
+TEST_CASE("boundaries regenerated through the layers before them (hybrid-regenerate): the resident plan's step bit for bit, "
+          "the load-balancing loss counted once") {
+  // Qwen3-Next's 3 Gated DeltaNet layers and 1 gated full attention, 4 layers over 2 sequences:
+  // the retention MISSION.md names for hybrid models. Layer 0's boundary goes to the host; layers
+  // 1-3 regenerate theirs through the linear layers below them in layer 3's backward.
+  const ModelSpec spec = data_spec("tests/data/tiny-qwen3-next-layers.json");
+  std::vector<HostDecoderLayer> shape;
+  for (int l = 0; l < spec.num_layers(); ++l) shape.emplace_back(spec, l);
+  constexpr std::uint64_t S = 5, B = 2, T = S * B;
+  auto batched = [&](Plan p) {
+    p.workload = {B, S};
+    for (auto& c : p.chunks) c.attention = {S};
+    return p;
+  };
+  const RetentionTable table(spec, RetentionTemplate::hybrid_regenerate, RetentionTemplate::hybrid_regenerate, 0);
+  int regenerated = 0;
+  Plan regen = batched(resident_plan(shape, T));
+  for (int l = 0; l < spec.num_layers(); ++l)
+    for (int c = 0; c < activation_class_count; ++c) {
+      const auto d = table.retain(l, static_cast<ActivationClass>(c));
+      regen.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] = d;
+      regenerated += c == 0 && d.action == Retention::recompute && d.recompute_from < l;
+    }
+  REQUIRE(regenerated == 3);
+  for (const double coef : {0.0, 0.5}) {
+    CAPTURE(coef);
+    const Trained expect = train(spec, batched(resident_plan(shape, T)), T, 3, coef);
+    CHECK(expect.losses.back() != expect.losses.front());
+    Plan streamed = regen;  // and every segment streamed through one slot, the MoE in chunks of 3
+    streamed.resident_segments.clear();
+    streamed.prefetch_depth = 1;
+    for (auto& c : streamed.chunks) c.moe_tokens = 3;
+    for (const Plan& p : {regen, streamed}) {
+      const Trained got = train(spec, p, T, 3, coef);
+      CHECK(got.losses == expect.losses);
+      for (std::size_t s = 0; s < got.master.size(); ++s) CHECK(same_bits(got.master[s], expect.master[s]));
+    }
+  }
+  // A boundary regenerated from a layer whose own is regenerated, or past a layer that keeps its
+  // own, is refused by name before anything runs.
+  Plan bad = regen;
+  bad.retention[3][0] = RetentionDecision::recompute(2);
+  CHECK_THROWS_WITH_AS((void)train(spec, bad, T, 3), doctest::Contains("layer 3: its boundary is regenerated from layer 2, whose own"), Error);
+  bad = regen;
+  bad.retention[2][0] = RetentionDecision::keep();
+  CHECK_THROWS_WITH_AS((void)train(spec, bad, T, 3), doctest::Contains("layer 3: its boundary is regenerated from layer 0 but layer 2's is not"),
+                       Error);
 }
 
 TEST_CASE("what the host decoder layer does not implement is named") {

@@ -319,6 +319,65 @@ TEST_CASE("a layer's recompute waits for what its backward brings up: the offloa
   CHECK(checked == 6);
 }
 
+TEST_CASE("a boundary regenerated from an offloaded one waits for it to come back, which then stays until its layer's backward") {
+  // Qwen3-Next-80B's 3:1 layers under hybrid-regenerate: each group's first boundary goes to the
+  // host, the full-attention layer's backward reruns the three linear layers below it. The
+  // executors bring that first boundary back before the rerun; before the forty-fifth session
+  // (2026-12-05) the step graph ran the rerun without it and brought it back at its own layer's
+  // backward, after the rerun, so the boundary's GPU bytes were counted for too short a time.
+  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
+  const MachineProfile profile = MachineProfile::h200(1);
+  const Planner planner(spec, profile, "qwen3-next");
+  PlanRequest req;
+  req.gpu_budget = 139_GiB;
+  req.host_budget = 2048_GiB;
+  req.workload = {1, 4096};
+  Plan p = planner.plan(req).plans.front();
+  const RetentionTable table(spec, RetentionTemplate::hybrid_regenerate, RetentionTemplate::hybrid_regenerate, 0);
+  for (int l = 0; l < spec.num_layers(); ++l)
+    for (int c = 0; c < activation_class_count; ++c)
+      p.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] = table.retain(l, static_cast<ActivationClass>(c));
+  p.micro_batches = 2;
+  const StepGraph graph = planner.step_graph(p);
+  const SimResult sim = simulate(graph);
+  const auto& ops = graph.ops();
+  const Bytes boundary{4096 * spec.hidden_size() * 2};  // bf16 (T, H)
+  int regenerations = 0, early = 0;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    if (std::string_view(ops[i].what) != "regenerate boundaries up to") continue;
+    ++regenerations;
+    const int l = ops[i].layer;
+    const int from = p.retention[static_cast<std::size_t>(l)][0].recompute_from;
+    CAPTURE(l);
+    REQUIRE(spec.layer(l).attention == AttentionKind::full);
+    REQUIRE(p.retention[static_cast<std::size_t>(from)][0].action == Retention::offload);
+    // Among its inputs: the first boundary of the group coming back up (on its own, or with the
+    // rest of its layer's prefetch when the loads ran that far ahead).
+    int back = -1;
+    for (const int d : ops[i].deps) {
+      const std::string_view what = ops[static_cast<std::size_t>(d)].what;
+      if (what == "h2d.boundary (to regenerate from)" || (what == "h2d.activations" && ops[static_cast<std::size_t>(d)].layer == from))
+        back = d;
+    }
+    REQUIRE(back >= 0);
+    CHECK(sim.start_s[i] >= sim.end_s[static_cast<std::size_t>(back)]);
+    if (std::string_view(ops[static_cast<std::size_t>(back)].what) == "h2d.boundary (to regenerate from)") {
+      ++early;
+      // Held from its arrival to the end of its own layer's backward, later in the step.
+      bool held = false;
+      for (const auto& h : graph.holds())
+        if (h.from == back && h.claimant == Claimant::retained_activations && h.bytes == boundary) {
+          held = true;
+          CHECK(h.to > static_cast<int>(i));
+          CHECK(ops[static_cast<std::size_t>(h.to)].layer == from);
+        }
+      CHECK(held);
+    }
+  }
+  CHECK(regenerations == 2 * spec.num_layers() / 4);  // a group each, each micro-batch
+  CHECK(early > 0);
+}
+
 TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
   const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
   const auto profile = MachineProfile::h200(2);

@@ -50,10 +50,19 @@ Plan random_plan(const std::vector<test::MoeMlpLayer>& layers, std::uint64_t tok
   for (const auto& l : layers)
     for (const auto& s : l.segments())
       if (rng() % 2) p.resident_segments.push_back(s.name);
+  int group = -1;  // the first layer of the group of regenerated boundaries l would join
   for (std::size_t l = 0; l < layers.size(); ++l) {
     auto& row = p.retention[l];
-    row[static_cast<std::size_t>(ActivationClass::layer_boundary)] =
-        rng() % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
+    // A boundary is kept, offloaded, or (a third of the time above layer 0) regenerated through
+    // the layers from its group's first, whose boundary is kept or offloaded.
+    if (l > 0 && rng() % 3 == 0) {
+      if (group < 0) group = static_cast<int>(l) - 1;
+      row[static_cast<std::size_t>(ActivationClass::layer_boundary)] = RetentionDecision::recompute(group);
+    } else {
+      group = -1;
+      row[static_cast<std::size_t>(ActivationClass::layer_boundary)] =
+          rng() % 2 ? RetentionDecision::keep() : RetentionDecision::offload();
+    }
     for (auto c : {ActivationClass::router_output, ActivationClass::expert_intermediate}) {
       const auto pick = rng() % 3;
       row[static_cast<std::size_t>(c)] = pick == 0   ? RetentionDecision::keep()
@@ -105,7 +114,7 @@ bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<s
 
 TEST_CASE("60 random (model, plan) pairs: 3 steps give the resident plan's weights, bit for bit") {
   std::mt19937_64 rng(42);
-  int streamed_plans = 0;
+  int streamed_plans = 0, regenerating_plans = 0;
   for (int i = 0; i < 60; ++i) {
     const Case c{8 + 8 * (rng() % 2), std::uint64_t{2} << (rng() % 3), 1 + rng() % 2, 8 + 8 * (rng() % 2), 3 + rng() % 30,
                  1 + static_cast<int>(rng() % 4)};
@@ -113,6 +122,7 @@ TEST_CASE("60 random (model, plan) pairs: 3 steps give the resident plan's weigh
     for (int l = 0; l < c.layers; ++l) shape.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
     const Plan reference = resident_plan(shape, c.tokens);
     const Plan plan = random_plan(shape, c.tokens, rng);
+    for (const auto& row : plan.retention) regenerating_plans += row[0].action == Retention::recompute;
     std::size_t segments = 0;
     for (const auto& l : shape) segments += l.segments().size();
     streamed_plans += plan.resident_segments.size() < segments;
@@ -127,6 +137,7 @@ TEST_CASE("60 random (model, plan) pairs: 3 steps give the resident plan's weigh
     CHECK(expect.losses.back() != expect.losses.front());
   }
   CHECK(streamed_plans > 50);
+  CHECK(regenerating_plans > 20);
 }
 
 TEST_CASE("dropping the wait for a layer's weights is caught") {

@@ -1,7 +1,8 @@
 // HostExecutor: runs training steps of a stack of layers on the HostBackend as a Plan says —
 // weights streamed through `prefetch_depth` slots or resident, saved activations kept, offloaded
-// and prefetched back, or recomputed, the MLP work in the plan's token chunks, streamed segments
-// updated by the CPU AdamW as soon as their gradients land, resident ones by the device AdamW.
+// and prefetched back, or recomputed, layer boundaries regenerated through the layers before them,
+// the MLP work in the plan's token chunks, streamed segments updated by the CPU AdamW as soon as
+// their gradients land, resident ones by the device AdamW.
 // Every plan computes the same step: the tests compare weights bit for bit across plans.
 #pragma once
 
@@ -46,6 +47,10 @@ struct HostLayerContext {
   const float* grad_output = nullptr;  ///< (T, H)
   float* grad_input = nullptr;         ///< (T, H)
   std::array<float*, activation_class_count> saved{};  ///< buffers for the classes the layer saves
+  /// A forward rerun to regenerate the output (the boundary of the layer above) for the backward:
+  /// it must write the same output bits as the step's forward did and count nothing of the step a
+  /// second time (a load-balancing loss's statistics, say). `saved` is empty then.
+  bool regenerating = false;
 };
 
 /// A layer the HostExecutor runs: describable, forward/backward over a HostLayerContext, and the
@@ -110,11 +115,12 @@ class HostExecutor {
       }
       for (int c = 0; c < activation_class_count; ++c) {
         const auto d = plan.retention[l][static_cast<std::size_t>(c)];
-        if (c == static_cast<int>(ActivationClass::layer_boundary) && d.action == Retention::recompute)
-          OOM_THROW(Errc::unsupported, fmt::format("layer {}: regenerating boundaries through earlier layers is not "
-                                                   "implemented by the host executor", l));
-        if (d.action == Retention::recompute && d.recompute_from != static_cast<int>(l))
-          OOM_THROW(Errc::unsupported, fmt::format("layer {}: recompute from layer {} (only from its own boundary)", l, d.recompute_from));
+        if (d.action != Retention::recompute) continue;
+        if (c == static_cast<int>(ActivationClass::layer_boundary)) check_regeneration(plan, l);
+        else if (d.recompute_from != static_cast<int>(l))
+          OOM_THROW(Errc::unsupported, fmt::format("layer {}: {} recomputed from layer {} (a layer's saved activations are recomputed "
+                                                   "from its own boundary; boundaries are what earlier layers regenerate)",
+                                                   l, to_string(static_cast<ActivationClass>(c)), d.recompute_from));
       }
       layers_state_.push_back(std::move(ls));
     }
@@ -366,6 +372,10 @@ class HostExecutor {
       if (on_layer_) on_layer_({true, static_cast<int>(li), static_cast<int>(n), static_cast<int>(mb)});
       auto& ls = layers_state_[li];
       Slot* slot = load_weights(li);
+      // A regenerated boundary: rerun the layers from the group's first boundary up to this one,
+      // which gives every boundary of the group back at once (their backwards come next).
+      if (act[li] == nullptr && plan_.retention[li][0].action == Retention::recompute)
+        regenerate(static_cast<std::size_t>(plan_.retention[li][0].recompute_from), li, act, host_copy, t);
       // Bring back what was offloaded.
       for (int c = 0; c < activation_class_count; ++c) {
         float* host = host_copy[li][static_cast<std::size_t>(c)];
@@ -678,7 +688,9 @@ class HostExecutor {
 
   /// Layer l's weights where they live now (its streamed ones in `slot`), over the micro-batch's
   /// tokens and sequences.
-  HostLayerContext bind(std::size_t l, Slot* slot) {
+  HostLayerContext bind(std::size_t l, Slot* slot) { return bind(l, slot->ptr); }
+  /// The same with layer l's streamed segments at `streamed`, one after another.
+  HostLayerContext bind(std::size_t l, bf16* streamed) {
     HostLayerContext ctx;
     ctx.tokens = plan_.workload.tokens();
     ctx.sequences = plan_.workload.sequences;
@@ -687,7 +699,7 @@ class HostExecutor {
       if (seg.resident) {
         ctx.weights.emplace_back(seg.device_weights, seg.n);
       } else {
-        ctx.weights.emplace_back(slot->ptr + offset, seg.n);
+        ctx.weights.emplace_back(streamed + offset, seg.n);
         offset += seg.n;
       }
       ctx.weight_grads.emplace_back();
@@ -714,6 +726,80 @@ class HostExecutor {
   std::string label(std::size_t l) const {
     const auto n = layer_traits<L>::name(layers_[l]);
     return n == "layer" ? fmt::format("layer {}", l) : std::string(n);
+  }
+
+  // A boundary regenerated from layer `from` (Retention::recompute of the layer_boundary class):
+  // from below l, its own boundary kept or offloaded, and every boundary between regenerated from
+  // it too, so that one rerun of layers [from, l) in l's backward gives back all of them.
+  static void check_regeneration(const Plan& plan, std::size_t l) {
+    const auto boundary = [&](std::size_t j) { return plan.retention[j][static_cast<std::size_t>(ActivationClass::layer_boundary)]; };
+    const int from = boundary(l).recompute_from;
+    if (from < 0 || from >= static_cast<int>(l))
+      OOM_THROW(Errc::invalid_argument, fmt::format("layer {}: its boundary is regenerated from layer {}, which is not below it", l, from));
+    const auto f = static_cast<std::size_t>(from);
+    if (boundary(f).action == Retention::recompute)
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("layer {}: its boundary is regenerated from layer {}, whose own boundary is regenerated too", l, from));
+    for (std::size_t j = f + 1; j < l; ++j)
+      if (boundary(j).action != Retention::recompute || boundary(j).recompute_from != from)
+        OOM_THROW(Errc::unsupported, fmt::format("layer {}: its boundary is regenerated from layer {} but layer {}'s is not (the host "
+                                                 "executor regenerates a group of consecutive boundaries from the group's first)",
+                                                 l, from, j));
+  }
+
+  // Gives back the boundaries act[from + 1 .. l] by rerunning layers [from, l) forward over
+  // act[from] (brought back first if it was offloaded), with their streamed weights in a workset
+  // of their own; the layers' outputs only, in the plan's chunks, so the same bits as the forward.
+  void regenerate(std::size_t from, std::size_t l, std::vector<float*>& act,
+                  std::vector<std::array<float*, activation_class_count>>& host_copy, std::uint64_t t) {
+    const Bytes act_bytes = class_bytes(from, 0, t);
+    if (act[from] == nullptr) {  // offloaded: it comes back now and stays until its own backward
+      float* host = host_copy[from][0];
+      if (host == nullptr)
+        OOM_THROW(Errc::internal, fmt::format("layer {}: the boundary of layer {} to regenerate from is gone", l, from));
+      float* dev = alloc_device(act_bytes, Claimant::retained_activations);
+      b_.wait(h2d_, layers_state_[from].offloaded);
+      auto in = span_begin(h2d_);
+      b_.copy(dev, host, act_bytes, h2d_);
+      span_end(h2d_, Resource::h2d, fmt::format("h2d {} {}", to_string(ActivationClass::layer_boundary), label(from)), in);
+      auto* backend = &b_;
+      b_.submit(h2d_, [backend, host, act_bytes] { backend->free(host, MemorySpace::pinned_host(), act_bytes, Claimant::host_offload); });
+      act[from] = dev;
+      host_copy[from][0] = nullptr;
+    }
+    std::uint64_t streamed = 0;
+    for (std::size_t j = from; j < l; ++j)
+      for (const auto& seg : layers_state_[j].segments)
+        if (!seg.resident) streamed += seg.n;
+    const Bytes weight_bytes{streamed * sizeof(bf16)};
+    bf16* weights = streamed > 0 ? static_cast<bf16*>(b_.allocate(MemorySpace::device(0), weight_bytes, Claimant::worksets)) : nullptr;
+    auto wb = span_begin(h2d_);
+    std::vector<bf16*> at(l - from, nullptr);
+    std::uint64_t offset = 0;
+    for (std::size_t j = from; j < l; ++j) {
+      at[j - from] = weights + offset;
+      b_.wait(h2d_, layers_state_[j].updated);
+      for (auto& seg : layers_state_[j].segments) {
+        if (seg.resident) continue;
+        b_.copy(weights + offset, seg.weights, Bytes{seg.n * sizeof(bf16)}, h2d_);
+        offset += seg.n;
+      }
+    }
+    span_end(h2d_, Resource::h2d, fmt::format("h2d weights regenerate {}-{}", from, l - 1), wb);
+    auto ready = b_.make_event();
+    b_.record(ready, h2d_);
+    b_.wait(compute_, ready);
+    auto rb = span_begin(compute_);
+    for (std::size_t j = from; j < l; ++j) {
+      HostLayerContext ctx = bind(j, at[j - from]);
+      ctx.input = act[j];
+      act[j + 1] = alloc_device(class_bytes(j + 1, 0, t), Claimant::retained_activations);
+      ctx.output = act[j + 1];
+      ctx.regenerating = true;
+      run_chunks(j, ctx, /*backward=*/false);
+    }
+    span_end(compute_, Resource::gpu_compute, fmt::format("regenerate boundaries {}-{}", from + 1, l), rb);
+    if (weights != nullptr) free_device_on(compute_, weights, weight_bytes, Claimant::worksets);
   }
 
   // Runs the layer over the plan's token chunks, in increasing token order, on the compute stream.
