@@ -102,6 +102,8 @@ class GraphBuilder {
     for (int mb = 0; mb < plan_.micro_batches; ++mb) {
       const bool last = mb + 1 == plan_.micro_batches;
       std::vector<int> fwd(static_cast<std::size_t>(n)), offload(static_cast<std::size_t>(n), -1);
+      back_.assign(static_cast<std::size_t>(n), -1);
+      early_.assign(static_cast<std::size_t>(n), -1);
       int producer = -1;  // the op that made the current boundary (the micro-batch's first load for layer 0)
       for (int l = 0; l < n; ++l) {
         const auto L = static_cast<std::size_t>(l);
@@ -128,9 +130,10 @@ class GraphBuilder {
         // The backward is queued once the loss is known (the executor checks it is finite first).
         const int h = load(l, l == n - 1 ? std::vector<int>{loss} : std::vector<int>{});
         std::vector<int> deps{h};
+        if (action(l, 0) == Retention::recompute && back_[L] < 0) deps.push_back(regenerate(l, h, offload));
         int prefetch = -1;
-        if (offload[L] >= 0) {
-          prefetch = g_.add({"h2d.activations", Resource::h2d, copy_time(OpKind::copy_h2d, offloaded(l)), {offload[L]}, l});
+        if (const Bytes up = offloaded(l) - (early_[L] >= 0 ? costs_[L].saved[boundary] : Bytes{}); up.count() > 0) {
+          prefetch = g_.add({"h2d.activations", Resource::h2d, copy_time(OpKind::copy_h2d, up), {offload[L]}, l});
           deps.push_back(prefetch);
         }
         bool regenerate = false;
@@ -157,6 +160,7 @@ class GraphBuilder {
         grad_from = b;
         grad_bytes = costs_[L].saved[boundary];
         hold_saved(l, fwd[L], offload[L], prefetch, rec, b);
+        if (early_[L] >= 0) g_.hold(Claimant::retained_activations, costs_[L].saved[boundary], early_[L], b);
         // Later micro-batches: a resident segment's gradient lands in a scratch, then is added.
         if (mb > 0 && resident_[L] > 0) g_.hold(Claimant::worksets, Bytes{resident_[L] * fp32_bytes}, b, b);
         if (last && resident_[L] > 0) pending_.push_back({"gpu.adamw", Resource::gpu_compute,
@@ -231,12 +235,14 @@ class GraphBuilder {
     };
     return static_cast<double>(T / c) * one(c) + (T % c > 0 ? one(T % c) : 0.0);
   }
-  void hold_workset(int l, int from, int to) {
+  // Layer l's workset over one chunk: a chunk's share, rounded up (never less than its own temporaries).
+  Bytes workset_part(int l) const {
     const auto& w = costs_[static_cast<std::size_t>(l)].cost.workset;
     const std::uint64_t T = plan_.workload.tokens(), c = chunk_tokens(l);
-    // A chunk's share, rounded up: never less than the chunk's own temporaries.
-    const Bytes part{c == T ? w.count() : static_cast<std::uint64_t>(std::ceil(static_cast<double>(w.count()) * static_cast<double>(c) / static_cast<double>(T)))};
-    if (part.count() > 0) g_.hold(Claimant::worksets, part, from, to);
+    return Bytes{c == T ? w.count() : static_cast<std::uint64_t>(std::ceil(static_cast<double>(w.count()) * static_cast<double>(c) / static_cast<double>(T)))};
+  }
+  void hold_workset(int l, int from, int to) {
+    if (const Bytes part = workset_part(l); part.count() > 0) g_.hold(Claimant::worksets, part, from, to);
   }
   // The weights of layer l into the next slot, once the slot's last user is done with it (and
   // `after`: what the executor waits for on the host before it queues the load).
@@ -262,15 +268,52 @@ class GraphBuilder {
         case Retention::keep: g_.hold(Claimant::retained_activations, b, made, bwd); break;
         case Retention::offload:
           g_.hold(Claimant::retained_activations, b, made, offload);
+          if (c == 0 && early_[L] >= 0) {  // back early for a regeneration (its GPU hold: build())
+            g_.hold(Claimant::host_offload, b, offload, early_[L]);
+            break;
+          }
           g_.hold(Claimant::host_offload, b, offload, prefetch);
           g_.hold(Claimant::retained_activations, b, prefetch, bwd);
           break;
         case Retention::recompute:
           g_.hold(Claimant::retained_activations, b, made, fwd);
-          g_.hold(Claimant::retained_activations, b, rec, bwd);
+          g_.hold(Claimant::retained_activations, b, c == 0 ? back_[L] : rec, bwd);  // a boundary: from its regeneration
           break;
       }
     }
+  }
+  // The HostExecutor's regeneration in layer l's backward (the first of its group): layer f's
+  // boundary brought back if it was offloaded (and held to f's backward, build()), the streamed
+  // weights of layers [f, l) into a workset of their own, then their forwards rerun for their
+  // outputs, the boundaries of layers f+1 .. l, each held to its own backward (hold_saved).
+  int regenerate(int l, int load_l, const std::vector<int>& offload) {
+    const int f = plan_.retention[static_cast<std::size_t>(l)][boundary].recompute_from;  // check_plan: a group
+    const auto F = static_cast<std::size_t>(f);
+    std::vector<int> deps{load_l};
+    if (action(f, 0) == Retention::offload) {
+      const Bytes b = costs_[F].saved[boundary];
+      early_[F] = g_.add({"h2d.boundary (to regenerate from)", Resource::h2d, copy_time(OpKind::copy_h2d, b), {offload[F]}, l});
+      deps.push_back(early_[F]);
+    }
+    std::uint64_t streamed = 0;
+    double seconds = 0;
+    Bytes temporaries;
+    for (int j = f; j < l; ++j) {
+      streamed += streamed_[static_cast<std::size_t>(j)];
+      seconds += compute_time(j, costs_[static_cast<std::size_t>(j)].cost.forward_flops);
+      temporaries = max(temporaries, workset_part(j));
+    }
+    int weights = -1;
+    const Bytes w = bytes_of(plan_.precision.weights, streamed);
+    if (w.count() > 0) {
+      weights = g_.add({"h2d.weights.regenerate", Resource::h2d, copy_time(OpKind::copy_h2d, w), {}, l});
+      deps.push_back(weights);
+    }
+    const int op = g_.add({"regenerate", Resource::gpu_compute, seconds, deps, l});
+    if (weights >= 0) g_.hold(Claimant::worksets, w, weights, op);
+    if (temporaries.count() > 0) g_.hold(Claimant::worksets, temporaries, op, op);
+    for (int j = f + 1; j <= l; ++j) back_[static_cast<std::size_t>(j)] = op;
+    return op;
   }
   void flush_updates(const std::vector<int>& extra) {
     for (auto& op : pending_) {
@@ -291,19 +334,40 @@ class GraphBuilder {
   std::size_t slot_ = 0, next_slot_ = 0;
   std::array<int, 2> grad_slot_user_{-1, -1};
   std::vector<int> producers_;  // by layer: the op that made its boundary, this micro-batch
+  std::vector<int> back_;   // by layer: the regeneration that gave its boundary back, this micro-batch (-1: none yet)
+  std::vector<int> early_;  // by layer: its offloaded boundary's early copy up for a regeneration (-1: none)
   std::vector<SimOp> pending_;  // updates not yet issued
 };
 
 struct Template {
-  const char* name;
+  std::string name;
   Retention boundary, others;  // others fall back to the boundary's action where not recomputable
+  /// Boundaries regenerated in groups of this many layers (1: none): a group's first boundary as
+  /// `boundary` says, the others regenerated from it by rerunning the layers between, as long as
+  /// those are recomputable (a group ends before one that is not).
+  std::size_t group = 1;
 };
-constexpr Template templates[] = {
-    {"keep-all", Retention::keep, Retention::keep},
-    {"checkpoint", Retention::keep, Retention::recompute},
-    {"offload-checkpoint", Retention::offload, Retention::recompute},
-    {"offload-all", Retention::offload, Retention::offload},
-};
+
+/// The templates for a stack of n layers: every layer alike, then checkpointing (kept or
+/// offloaded) in groups of 2, 4 and about sqrt(n) layers, each group's boundaries but its first
+/// regenerated: the classic trade of a rerun forward for the boundaries' memory.
+std::vector<Template> templates_for(std::size_t n) {
+  std::vector<Template> out = {
+      {"keep-all", Retention::keep, Retention::keep},
+      {"checkpoint", Retention::keep, Retention::recompute},
+      {"offload-checkpoint", Retention::offload, Retention::recompute},
+      {"offload-all", Retention::offload, Retention::offload},
+  };
+  std::vector<std::size_t> groups{2, 4, static_cast<std::size_t>(std::lround(std::sqrt(static_cast<double>(n))))};
+  std::sort(groups.begin(), groups.end());
+  groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
+  for (std::size_t g : groups) {
+    if (g < 2 || g > n) continue;
+    out.push_back({fmt::format("checkpoint, boundaries regenerated in groups of {}", g), Retention::keep, Retention::recompute, g});
+    out.push_back({fmt::format("offload-checkpoint, boundaries regenerated in groups of {}", g), Retention::offload, Retention::recompute, g});
+  }
+  return out;
+}
 
 void check_request(const PlanRequest& req) {
   check_plan_request(req);
@@ -312,7 +376,8 @@ void check_request(const PlanRequest& req) {
                                              "runs on one)", req.gpus));
 }
 
-void check_plan(const Plan& p, std::size_t layers) {
+void check_plan(const Plan& p, const std::vector<LayerDescription>& stack) {
+  const std::size_t layers = stack.size();
   if (p.retention.size() != layers || p.chunks.size() != layers)
     OOM_THROW(Errc::invalid_argument, fmt::format("plan covers {} layers ({} chunk entries), the stack has {}", p.retention.size(),
                                                   p.chunks.size(), layers));
@@ -332,10 +397,20 @@ void check_plan(const Plan& p, std::size_t layers) {
   for (std::size_t l = 0; l < layers; ++l)
     for (int c = 0; c < activation_class_count; ++c) {
       const auto d = p.retention[l][static_cast<std::size_t>(c)];
-      if (d.action == Retention::recompute && (c == 0 || d.recompute_from != static_cast<int>(l)))
-        OOM_THROW(Errc::unsupported, fmt::format("plan, layer {}: {} recomputed from layer {}; a layer's activations are "
-                                                 "regenerated from its own kept or offloaded boundary only",
+      if (d.action != Retention::recompute) continue;
+      if (c > 0 && d.recompute_from != static_cast<int>(l))
+        OOM_THROW(Errc::unsupported, fmt::format("plan, layer {}: {} recomputed from layer {}; a layer's saved activations are "
+                                                 "recomputed from its own boundary (boundaries are what earlier layers regenerate)",
                                                  l, to_string(static_cast<ActivationClass>(c)), d.recompute_from));
+      if (c > 0 && !stack[l].recomputable)
+        OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {} ('{}'): {} recomputed, but the layer is not recomputable", l,
+                                                      stack[l].name, to_string(static_cast<ActivationClass>(c))));
+      if (c > 0) continue;
+      check_boundary_regeneration(p, l);  // a group of boundaries from a kept or offloaded one
+      for (std::size_t j = static_cast<std::size_t>(d.recompute_from); j < l; ++j)
+        if (!stack[j].recomputable)
+          OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {}: its boundary is regenerated through layer {} ('{}'), which is "
+                                                        "not recomputable", l, j, stack[j].name));
     }
 }
 
@@ -357,7 +432,7 @@ LayerStackPlanner::LayerStackPlanner(std::vector<LayerDescription> layers, const
 }
 
 StepGraph LayerStackPlanner::step_graph(const Plan& plan) const {
-  check_plan(plan, layers_.size());
+  check_plan(plan, layers_);
   const auto costs = cost_layers(layers_, plan.workload);
   return GraphBuilder(layers_, costs, *profile_, plan).build();
 }
@@ -399,15 +474,25 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
   std::string least_claimant;
   // Each template's table. A class a layer does not save is set as the template says; the
   // tables are compared over the classes saved, so no two candidates differ only there.
+  const std::vector<Template> templates = templates_for(n);
   std::vector<std::vector<std::array<RetentionDecision, activation_class_count>>> tables;
   for (const Template& tpl : templates) {
     auto& table = tables.emplace_back();
+    std::size_t first = 0;  // the current group's first layer
     for (std::size_t l = 0; l < n; ++l) {
       std::array<RetentionDecision, activation_class_count> row{};
       const bool rec = layers_[l].recomputable;
+      // A boundary regenerated from the group's first: the group is not full and every layer to
+      // rerun (first .. l-1) is recomputable; otherwise l starts the next group.
+      const bool regenerated = l > first && l - first < tpl.group && layers_[l - 1].recomputable;
+      if (!regenerated) first = l;
       for (int c = 0; c < activation_class_count; ++c) {
         if (c > 0 && costs[l].saved[static_cast<std::size_t>(c)].count() == 0) continue;  // keep: nothing to move
-        const Retention a = c == 0 ? tpl.boundary : (tpl.others == Retention::recompute && !rec ? tpl.boundary : tpl.others);
+        if (c == 0) {
+          row[0] = regenerated ? RetentionDecision::recompute(static_cast<int>(first)) : RetentionDecision{tpl.boundary, -1};
+          continue;
+        }
+        const Retention a = tpl.others == Retention::recompute && !rec ? tpl.boundary : tpl.others;
         row[static_cast<std::size_t>(c)] =
             a == Retention::recompute ? RetentionDecision::recompute(static_cast<int>(l)) : RetentionDecision{a, -1};
       }
@@ -417,7 +502,7 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
   const int depths = static_cast<int>(std::min<std::size_t>(3, 2 * n));  // loads per micro-batch: 2n
 
   for (int depth = 1; depth <= depths; ++depth) {
-    for (std::size_t t = 0; t < std::size(templates); ++t) {
+    for (std::size_t t = 0; t < templates.size(); ++t) {
       const Template& tpl = templates[t];
       // A template that gives an earlier one's table (no layer recomputable, say) adds nothing.
       if (std::find(tables.begin(), tables.begin() + static_cast<std::ptrdiff_t>(t), tables[t]) != tables.begin() + static_cast<std::ptrdiff_t>(t))

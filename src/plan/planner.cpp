@@ -17,6 +17,22 @@
 
 namespace oom {
 
+void check_boundary_regeneration(const Plan& plan, std::size_t l) {
+  const auto boundary = [&](std::size_t j) { return plan.retention[j][static_cast<std::size_t>(ActivationClass::layer_boundary)]; };
+  const int from = boundary(l).recompute_from;
+  if (from < 0 || from >= static_cast<int>(l))
+    OOM_THROW(Errc::invalid_argument, fmt::format("layer {}: its boundary is regenerated from layer {}, which is not below it", l, from));
+  const auto f = static_cast<std::size_t>(from);
+  if (boundary(f).action == Retention::recompute)
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("layer {}: its boundary is regenerated from layer {}, whose own boundary is regenerated too", l, from));
+  for (std::size_t j = f + 1; j < l; ++j)
+    if (boundary(j).action != Retention::recompute || boundary(j).recompute_from != from)
+      OOM_THROW(Errc::unsupported, fmt::format("layer {}: its boundary is regenerated from layer {} but layer {}'s is not (the "
+                                               "executors regenerate a group of consecutive boundaries from the group's first)",
+                                               l, from, j));
+}
+
 void check_plan_request(const PlanRequest& req) {
   if (req.gpus < 1 || req.gpus > max_plan_gpus)
     OOM_THROW(Errc::invalid_argument, fmt::format("plan request: gpus must be 1 to {}, not {}", max_plan_gpus, req.gpus));

@@ -296,6 +296,109 @@ TEST_CASE("the step graph is the HostExecutor's schedule: slots in turn, gradien
   CHECK(thrown([&] { (void)planner.step_graph(p); }).find("layer 3: a chunk of 0 tokens") != std::string::npos);
 }
 
+TEST_CASE("where boundaries do not fit, groups of them are regenerated through the layers below: the plan runs in its predicted "
+          "arenas and computes the resident step bit for bit") {
+  // Six layers whose boundaries (T x H fp32) outweigh what each saves: below the checkpointed
+  // plans' memory the search keeps one boundary in each group and reruns the group's layers.
+  auto layers = stack<test::MoeMlpLayer>(6);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  const auto expect = train(layers, resident_plan(layers));
+  Bytes budget = planner.plan(request(1_GiB)).plans.front().predicted.gpu_peak;
+  int regenerating = 0, offloaded_first = 0;
+  for (;;) {
+    budget = Bytes{budget.count() * 9 / 10};
+    auto r = request(budget);
+    r.candidates = 6;
+    PlanSet set;
+    try {
+      set = planner.plan(r);
+    } catch (const Error&) {
+      break;
+    }
+    for (const Plan& p : set.plans) {
+      bool regen = false;
+      for (std::size_t l = 0; l < p.retention.size(); ++l) {
+        const auto d = p.retention[l][0];
+        if (d.action != Retention::recompute) continue;
+        regen = true;
+        CHECK(d.recompute_from < static_cast<int>(l));
+        offloaded_first += p.retention[static_cast<std::size_t>(d.recompute_from)][0].action == Retention::offload;
+      }
+      if (!regen) continue;
+      ++regenerating;
+      CAPTURE(p.retention_name);
+      CHECK(p.retention_name.find("boundaries regenerated in groups of") != std::string::npos);
+      CHECK(bitwise_equal(train(layers, p), expect));  // in arenas of exactly its predicted bytes
+    }
+  }
+  CHECK(regenerating > 0);
+  CHECK(offloaded_first > 0);
+}
+
+TEST_CASE("a regenerated group's step graph: the offloaded first boundary back before the rerun, held to its own backward") {
+  const auto layers = stack<test::MoeMlpLayer>(4);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  Plan p = resident_plan(layers);
+  p.resident_segments.clear();
+  p.retention[1][0] = RetentionDecision::offload();
+  p.retention[2][0] = RetentionDecision::recompute(1);
+  p.retention[3][0] = RetentionDecision::recompute(1);
+  const StepGraph g = planner.step_graph(p);
+  const auto& ops = g.ops();
+  int regen = -1, back = -1, weights = -1, bwd1 = -1, prefetch1 = -1;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const std::string what = ops[i].what;
+    if (what == "regenerate") {
+      CHECK(regen < 0);  // once: layer 3's backward gives back the boundaries of layers 2 and 3
+      regen = static_cast<int>(i);
+      CHECK(ops[i].layer == 3);
+    }
+    if (what == "h2d.boundary (to regenerate from)") back = static_cast<int>(i);
+    if (what == "h2d.weights.regenerate") weights = static_cast<int>(i);
+    if (what == "bwd" && ops[i].layer == 1) bwd1 = static_cast<int>(i);
+    if (what == "h2d.activations" && ops[i].layer == 1) prefetch1 = static_cast<int>(i);
+  }
+  REQUIRE(regen >= 0);
+  REQUIRE(back >= 0);
+  REQUIRE(weights >= 0);
+  const auto& deps = ops[static_cast<std::size_t>(regen)].deps;
+  CHECK(std::find(deps.begin(), deps.end(), back) != deps.end());
+  CHECK(std::find(deps.begin(), deps.end(), weights) != deps.end());
+  CHECK(prefetch1 < 0);  // layer 1 saves nothing else to offload: its boundary came back already
+  // Layer 1's boundary: on the GPU from its copy back to layer 1's backward; layers 2's and 3's
+  // from the rerun to their own backward; the rerun's weights (layers 1 and 2) a workset until it.
+  const Bytes boundary{tokens * hidden * sizeof(float)};
+  bool held_back = false, held_weights = false;
+  int held_regenerated = 0;
+  for (const auto& h : g.holds()) {
+    if (h.claimant == Claimant::retained_activations && h.from == back && h.to == bwd1 && h.bytes == boundary) held_back = true;
+    if (h.claimant == Claimant::retained_activations && h.from == regen && h.bytes == boundary) ++held_regenerated;
+    if (h.claimant == Claimant::worksets && h.from == weights && h.to == regen) held_weights = true;
+  }
+  CHECK(held_back);
+  CHECK(held_regenerated == 2);
+  CHECK(held_weights);
+  // And the HostExecutor runs it in those bytes to the resident plan's weights.
+  p.predicted = Prediction::of(planner.simulate(p));
+  auto stack4 = stack<test::MoeMlpLayer>(4);
+  CHECK(bitwise_equal(train(stack4, p), train(stack4, resident_plan(stack4))));
+  // Shapes the executors do not run are refused by name: a regeneration past a boundary kept in
+  // between, from a regenerated one, through a layer that is not recomputable.
+  Plan bad = p;
+  bad.retention[2][0] = RetentionDecision::keep();
+  CHECK(thrown([&] { (void)planner.step_graph(bad); }).find("layer 3: its boundary is regenerated from layer 1 but layer 2's is not") !=
+        std::string::npos);
+  bad = p;
+  bad.retention[3][0] = RetentionDecision::recompute(2);
+  CHECK(thrown([&] { (void)planner.step_graph(bad); }).find("regenerated from layer 2, whose own boundary is regenerated too") !=
+        std::string::npos);
+  const auto fixed = stack<NoRecompute>(4);
+  const LayerStackPlanner strict(describe_layers(fixed), profile);
+  CHECK(thrown([&] { (void)strict.step_graph(p); }).find("layer 2: its boundary is regenerated through layer 1") != std::string::npos);
+}
+
 TEST_CASE("more GPU memory never predicts a slower best plan") {
   const auto layers = stack<ChunkedMoe>(6, 64, 8, 128);
   const MachineProfile profile = MachineProfile::h200(1);

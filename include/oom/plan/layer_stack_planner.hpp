@@ -3,8 +3,9 @@
 // framework that plugs its layers in gets a Plan chosen against its GPU and host budgets instead
 // of writing one by hand. The plan runs on the HostExecutor (and any executor of the same
 // schedule): weights streamed through prefetch_depth slots or resident, each activation class
-// kept, offloaded or recomputed, chunkable layers run in token chunks. docs/planner.md, "Planning
-// your own layers", says what it models and what it does not.
+// kept, offloaded or recomputed, boundaries regenerated in groups through the layers below them,
+// chunkable layers run in token chunks. docs/planner.md, "Planning your own layers", says what it
+// models and what it does not.
 #pragma once
 
 #include <functional>
@@ -33,6 +34,8 @@ struct LayerDescription {
   std::vector<StateSegment> segments;
   std::function<LayerCost(const Workload&)> cost;
   ChunkDependency chunking = ChunkDependency::none;
+  /// Whether its forward may run again with the same result: for its own saved activations, and
+  /// to regenerate the boundaries of the layers above it.
   bool recomputable = true;
 };
 

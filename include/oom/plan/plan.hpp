@@ -74,6 +74,7 @@ inline constexpr int max_micro_batches = 1 << 20;
 /// micro-batches, 1 to max_plan_gpus GPUs, both budgets set.
 void check_plan_request(const PlanRequest& req);
 
+
 struct LayerChunks {
   std::vector<std::uint64_t> attention;  ///< query-chunk ends, in execution order (causal)
   std::uint64_t moe_tokens = 0;          ///< tokens per MoE chunk
@@ -130,5 +131,13 @@ struct Plan {
   [[nodiscard]] Json to_json() const;
   [[nodiscard]] static Plan from_json(const Json& j, std::string_view source = "<plan>");
 };
+
+/// A regenerated boundary (Retention::recompute of layer `layer`'s layer_boundary) as the
+/// executors run one: from a layer f below it whose own boundary is kept or offloaded, every
+/// boundary between regenerated from f as well, so that one rerun of layers [f, layer) in the
+/// group's first backward gives back all of them. Errc::invalid_argument (f not below, or f's own
+/// boundary regenerated) or Errc::unsupported (a boundary between not in the group), naming the
+/// layers.
+void check_boundary_regeneration(const Plan& p, std::size_t layer);
 
 }  // namespace oom

@@ -116,7 +116,7 @@ class HostExecutor {
       for (int c = 0; c < activation_class_count; ++c) {
         const auto d = plan.retention[l][static_cast<std::size_t>(c)];
         if (d.action != Retention::recompute) continue;
-        if (c == static_cast<int>(ActivationClass::layer_boundary)) check_regeneration(plan, l);
+        if (c == static_cast<int>(ActivationClass::layer_boundary)) check_boundary_regeneration(plan, l);
         else if (d.recompute_from != static_cast<int>(l))
           OOM_THROW(Errc::unsupported, fmt::format("layer {}: {} recomputed from layer {} (a layer's saved activations are recomputed "
                                                    "from its own boundary; boundaries are what earlier layers regenerate)",
@@ -726,25 +726,6 @@ class HostExecutor {
   std::string label(std::size_t l) const {
     const auto n = layer_traits<L>::name(layers_[l]);
     return n == "layer" ? fmt::format("layer {}", l) : std::string(n);
-  }
-
-  // A boundary regenerated from layer `from` (Retention::recompute of the layer_boundary class):
-  // from below l, its own boundary kept or offloaded, and every boundary between regenerated from
-  // it too, so that one rerun of layers [from, l) in l's backward gives back all of them.
-  static void check_regeneration(const Plan& plan, std::size_t l) {
-    const auto boundary = [&](std::size_t j) { return plan.retention[j][static_cast<std::size_t>(ActivationClass::layer_boundary)]; };
-    const int from = boundary(l).recompute_from;
-    if (from < 0 || from >= static_cast<int>(l))
-      OOM_THROW(Errc::invalid_argument, fmt::format("layer {}: its boundary is regenerated from layer {}, which is not below it", l, from));
-    const auto f = static_cast<std::size_t>(from);
-    if (boundary(f).action == Retention::recompute)
-      OOM_THROW(Errc::invalid_argument,
-                fmt::format("layer {}: its boundary is regenerated from layer {}, whose own boundary is regenerated too", l, from));
-    for (std::size_t j = f + 1; j < l; ++j)
-      if (boundary(j).action != Retention::recompute || boundary(j).recompute_from != from)
-        OOM_THROW(Errc::unsupported, fmt::format("layer {}: its boundary is regenerated from layer {} but layer {}'s is not (the host "
-                                                 "executor regenerates a group of consecutive boundaries from the group's first)",
-                                                 l, from, j));
   }
 
   // Gives back the boundaries act[from + 1 .. l] by rerunning layers [from, l) forward over
