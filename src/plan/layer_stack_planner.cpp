@@ -499,18 +499,37 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
       table.push_back(row);
     }
   }
+  std::vector<std::string> names;
+  for (const Template& tpl : templates) names.push_back(tpl.name);
+  // Mixes: the layers nearest the loss, whose backward comes first (an offload or a recompute of
+  // theirs is waited for at once), under keep-all or checkpoint, the others under any other
+  // template, for the last quarter, half and three quarters of the stack. A group of regenerated
+  // boundaries cut by the mix stays valid: its layers below the cut keep regenerating from the
+  // group's first, those above keep their boundaries.
+  const std::size_t pure = templates.size();
+  for (std::size_t far = 1; far < pure; ++far)
+    for (std::size_t near : {std::size_t{0}, std::size_t{1}}) {  // keep-all, checkpoint
+      if (near == far) continue;
+      for (std::size_t q : {n / 4, n / 2, 3 * n / 4}) {
+        if (q == 0 || q >= n) continue;
+        auto mixed = tables[far];
+        std::copy(tables[near].begin() + static_cast<std::ptrdiff_t>(n - q), tables[near].end(),
+                  mixed.begin() + static_cast<std::ptrdiff_t>(n - q));
+        tables.push_back(std::move(mixed));
+        names.push_back(fmt::format("{} + last {} layers {}", templates[far].name, q, templates[near].name));
+      }
+    }
   const int depths = static_cast<int>(std::min<std::size_t>(3, 2 * n));  // loads per micro-batch: 2n
 
   for (int depth = 1; depth <= depths; ++depth) {
-    for (std::size_t t = 0; t < templates.size(); ++t) {
-      const Template& tpl = templates[t];
+    for (std::size_t t = 0; t < tables.size(); ++t) {
       // A template that gives an earlier one's table (no layer recomputable, say) adds nothing.
       if (std::find(tables.begin(), tables.begin() + static_cast<std::ptrdiff_t>(t), tables[t]) != tables.begin() + static_cast<std::ptrdiff_t>(t))
         continue;
       for (std::uint64_t chunk : chunk_levels) {
         Plan p = Plan::for_request(req, model_name_);  // check_request: one GPU
         p.prefetch_depth = depth;
-        p.retention_name = tpl.name;
+        p.retention_name = names[t];
         p.retention = tables[t];
         for (std::size_t l = 0; l < n; ++l) {
           LayerChunks lc;
