@@ -136,15 +136,15 @@ class GraphBuilder {
           prefetch = g_.add({"h2d.activations", Resource::h2d, copy_time(OpKind::copy_h2d, up), {offload[L]}, l});
           deps.push_back(prefetch);
         }
-        bool regenerate = false;
+        bool recomputes = false;
         double rerun = 0;  // the recomputed classes' own FLOPs, at most the forward's
         for (int c = 1; c < activation_class_count; ++c)
           if (costs_[L].saved[static_cast<std::size_t>(c)].count() > 0 && action(l, c) == Retention::recompute) {
-            regenerate = true;
+            recomputes = true;
             rerun += costs_[L].recompute_flops[static_cast<std::size_t>(c)];
           }
         int rec = -1;
-        if (regenerate) {
+        if (recomputes) {
           // A layer that declares no recompute FLOPs is priced as its whole forward again.
           const double f = rerun > 0 ? std::min(rerun, costs_[L].cost.forward_flops) : costs_[L].cost.forward_flops;
           rec = g_.add({"recompute", Resource::gpu_compute, compute_time(l, f), deps, l});
@@ -374,6 +374,12 @@ void check_request(const PlanRequest& req) {
   if (req.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("plan request: the layer-stack planner plans one GPU, not {} (the HostExecutor "
                                              "runs on one)", req.gpus));
+  if (req.precision != StatePrecision{})
+    OOM_THROW(Errc::unsupported, fmt::format("plan request: state in {} weights, {} master, {} moments, {} gradients; the "
+                                             "HostExecutor holds bf16 weights and fp32 master, moments and gradients, so a plan "
+                                             "for other precisions would misstate its memory",
+                                             name(req.precision.weights), name(req.precision.master),
+                                             name(req.precision.moments), name(req.precision.grads)));
 }
 
 void check_plan(const Plan& p, const std::vector<LayerDescription>& stack) {

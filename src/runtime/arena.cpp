@@ -24,10 +24,9 @@ void Arena::take(Claimant claimant, Bytes bytes) {
 void Arena::take_when_free(Claimant claimant, Bytes bytes, const std::function<bool()>& pending) {
   std::unique_lock lock(mutex_);
   if (bytes > budget_) refuse(claimant, bytes, "");
-  while (in_use_ + bytes > budget_) {
-    if (!pending()) refuse(claimant, bytes, " once the queued work had run");
-    // Timed: pending() reads other locks, so a give() between its answer and this wait is not
-    // missed for longer than a millisecond.
+  for (bool waited = false; in_use_ + bytes > budget_; waited = true) {
+    if (!pending()) refuse(claimant, bytes, waited ? " once the queued work had run" : " with no work queued");
+    // Timed: a stream that goes idle without giving anything back sends no notification.
     given_.wait_for(lock, std::chrono::milliseconds(1));
   }
   take_locked(claimant, bytes);

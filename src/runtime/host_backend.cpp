@@ -25,12 +25,12 @@ class HostBackend::Worker {
     ready_.notify_one();
     thread_.join();
   }
-  /// Whether work is queued or running on this stream, the calling thread's own work excepted.
+  /// Whether work is queued or running on this stream.
   bool pending() {
-    if (std::this_thread::get_id() == thread_.get_id()) return false;
     std::lock_guard lock(mutex_);
     return busy_ || !queue_.empty();
   }
+  [[nodiscard]] bool runs_on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
   void push(std::function<void()> fn) {
     {
       std::lock_guard lock(mutex_);
@@ -92,6 +92,10 @@ HostBackend::Stream HostBackend::make_stream(std::string name) {
 
 bool HostBackend::work_pending() {
   std::lock_guard lock(streams_mutex_);
+  // A stream's own task does not wait: another stream may be waiting on an event that task's
+  // stream records later, or allocating from its own task, so neither would ever be idle.
+  for (auto& s : streams_)
+    if (s->runs_on_this_thread()) return false;
   for (auto& s : streams_)
     if (s->pending()) return true;
   return false;

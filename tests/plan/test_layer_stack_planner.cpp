@@ -322,7 +322,8 @@ TEST_CASE("where boundaries do not fit, groups of them are regenerated through t
     PlanSet set;
     try {
       set = planner.plan(r);
-    } catch (const Error&) {
+    } catch (const Error& e) {
+      REQUIRE(e.code() == Errc::out_of_budget);  // below the least any plan needs
       break;
     }
     for (const Plan& p : set.plans) {
@@ -389,10 +390,15 @@ TEST_CASE("a regenerated group's step graph: the offloaded first boundary back b
   CHECK(held_back);
   CHECK(held_regenerated == 2);
   CHECK(held_weights);
-  // And the HostExecutor runs it in those bytes to the resident plan's weights.
+  // And the HostExecutor runs it in those bytes to the resident plan's weights, one micro-batch or
+  // two (each regenerates its own boundaries).
   p.predicted = Prediction::of(planner.simulate(p));
   auto stack4 = stack<test::MoeMlpLayer>(4);
   CHECK(bitwise_equal(train(stack4, p), train(stack4, resident_plan(stack4))));
+  Plan two = p, two_resident = resident_plan(stack4);
+  two.micro_batches = two_resident.micro_batches = 2;
+  two.predicted = Prediction::of(planner.simulate(two));
+  CHECK(bitwise_equal(train(stack4, two), train(stack4, two_resident)));
   // Shapes the executors do not run are refused by name: a regeneration past a boundary kept in
   // between, from a regenerated one, through a layer that is not recomputable.
   Plan bad = p;
@@ -549,6 +555,10 @@ TEST_CASE("bad stacks and requests are refused by name") {
   auto r = request(1_GiB);
   r.gpus = 2;
   CHECK(thrown([&] { (void)planner.plan(r); }, &code).find("plans one GPU, not 2") != std::string::npos);
+  CHECK(code == Errc::unsupported);
+  r = request(1_GiB);
+  r.precision.moments = DType::bf16;  // the HostExecutor keeps fp32 moments: its memory would be misstated
+  CHECK(thrown([&] { (void)planner.plan(r); }, &code).find("bf16 moments") != std::string::npos);
   CHECK(code == Errc::unsupported);
   CHECK(thrown([&] { (void)planner.plan(request(1_GiB, 1_GiB, 0)); }).find("the workload has no tokens") != std::string::npos);
   r = request(0_B);

@@ -1,6 +1,7 @@
 // HostBackend's arenas hold their budget in the order the work runs: an allocation that does not
 // fit waits while a stream's queued work may still free memory, and is refused by name once the
-// streams are idle; a stream's own task is never left waiting on itself.
+// streams are idle; a stream's task that asks for too much is refused at once (a stream waiting
+// on it would never go idle).
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -37,11 +38,16 @@ TEST_CASE("an allocation that does not fit once the streams are idle is refused,
   auto s = b.make_stream("idle");
   const MemorySpace pinned = MemorySpace::pinned_host();
   void* held = b.allocate(pinned, Bytes{768 << 10}, Claimant::host_state);
-  b.submit(s, [] { std::this_thread::sleep_for(std::chrono::milliseconds(10)); });  // work that frees nothing
+  std::atomic<bool> ran{false};
+  b.submit(s, [&] {  // work that frees nothing
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ran = true;
+  });
   try {
     (void)b.allocate(pinned, Bytes{512 << 10}, Claimant::host_offload);
     FAIL("the allocation should have been refused");
   } catch (const Error& e) {
+    CHECK(ran.load());  // refused only after the queued work had run, not at once
     CHECK(e.code() == Errc::out_of_budget);
     const std::string what = e.what();
     CHECK(what.find("host_offload asks for 512.00 KiB") != std::string::npos);
@@ -54,11 +60,17 @@ TEST_CASE("an allocation that does not fit once the streams are idle is refused,
   b.free(held, pinned, Bytes{768 << 10}, Claimant::host_state);
 }
 
-TEST_CASE("a stream's own task that asks for too much is refused instead of waiting on its own queue") {
+TEST_CASE("a stream's task that asks for too much is refused at once, not left waiting on streams that wait on it") {
   HostBackend b({1_MiB, 1_MiB, false});
-  auto s = b.make_stream("self");
+  auto s = b.make_stream("allocates");
+  auto other = b.make_stream("waits");
   const MemorySpace dev = MemorySpace::device(0);
   void* held = b.allocate(dev, Bytes{768 << 10}, Claimant::resident_state);
+  // `other` waits for an event `s` records after the allocating task: it stays busy until that
+  // task ends, so the task must not wait for it to go idle.
+  auto before = b.make_event();
+  auto after = b.make_event();
+  b.record(before, s);
   std::atomic<bool> refused{false};
   b.submit(s, [&] {
     try {
@@ -67,8 +79,11 @@ TEST_CASE("a stream's own task that asks for too much is refused instead of wait
       refused = e.code() == Errc::out_of_budget;
     }
   });
+  b.record(after, s);
+  b.wait(other, after);
   b.submit(s, [] {});  // later work on the same stream, which cannot run before the task above
   b.synchronize(s);
+  b.synchronize(other);
   CHECK(refused.load());
   b.free(held, dev, Bytes{768 << 10}, Claimant::resident_state);
 }

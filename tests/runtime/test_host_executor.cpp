@@ -78,6 +78,7 @@ struct Result {
   std::vector<std::vector<float>> master;
   std::vector<double> losses;
   Bytes device_peak;
+  bool leaked = false;  ///< the arenas held more after a step than before it
 };
 
 Result train(const Case& c, const Plan& plan, std::uint64_t seed, HostExecutorOptions options = {}) {
@@ -92,10 +93,12 @@ Result train(const Case& c, const Plan& plan, std::uint64_t seed, HostExecutorOp
   {
     options.adamw.lr = 1e-2f;
     HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, init, options);
+    const Bytes device_held = backend.device_arena().in_use(), pinned_held = backend.pinned_arena().in_use();
     for (int step = 0; step < 3; ++step) {
       const auto x = test::random_normal(c.tokens * c.hidden, seed * 100 + static_cast<std::uint64_t>(step));
       const auto y = test::random_normal(c.tokens * c.hidden, seed * 100 + 50 + static_cast<std::uint64_t>(step));
       r.losses.push_back(exec.step(x, y));
+      r.leaked |= backend.device_arena().in_use() != device_held || backend.pinned_arena().in_use() != pinned_held;
     }
     r.master = exec.master();
   }
@@ -122,7 +125,8 @@ TEST_CASE("60 random (model, plan) pairs: 3 steps give the resident plan's weigh
     for (int l = 0; l < c.layers; ++l) shape.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
     const Plan reference = resident_plan(shape, c.tokens);
     const Plan plan = random_plan(shape, c.tokens, rng);
-    for (const auto& row : plan.retention) regenerating_plans += row[0].action == Retention::recompute;
+    regenerating_plans += std::any_of(plan.retention.begin(), plan.retention.end(),
+                                      [](const auto& row) { return row[0].action == Retention::recompute; });
     std::size_t segments = 0;
     for (const auto& l : shape) segments += l.segments().size();
     streamed_plans += plan.resident_segments.size() < segments;
@@ -133,11 +137,12 @@ TEST_CASE("60 random (model, plan) pairs: 3 steps give the resident plan's weigh
     CAPTURE(plan.prefetch_depth);
     REQUIRE(got.losses == expect.losses);
     REQUIRE(bitwise_equal(got.master, expect.master));
+    CHECK_FALSE(got.leaked);  // every buffer a step takes (regenerated boundaries too) is given back
     // The optimizer did move the weights (the comparison is not between two untouched copies).
     CHECK(expect.losses.back() != expect.losses.front());
   }
   CHECK(streamed_plans > 50);
-  CHECK(regenerating_plans > 20);
+  CHECK(regenerating_plans > 15);
 }
 
 TEST_CASE("dropping the wait for a layer's weights is caught") {

@@ -55,7 +55,8 @@ class HostBackend {
   /// stream has work queued or running (whose frees may make room: the queueing thread runs
   /// ahead of the streams, so a budget checked when work is queued would count buffers that the
   /// work before them frees); Errc::out_of_budget once the streams are idle and they still do
-  /// not fit. From a stream's own task, that stream's later work does not count.
+  /// not fit. From a stream's task, bytes that do not fit are refused at once: another stream
+  /// may be blocked on that task's stream, so waiting for the streams could never end.
   void* allocate(MemorySpace space, Bytes bytes, Claimant claimant);
   void free(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant);
   /// Blocks until s has run everything submitted so far; rethrows the first exception a task
