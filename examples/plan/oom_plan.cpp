@@ -42,6 +42,9 @@ constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
   --profile PATH      calibrated MachineProfile JSON (from oom-calibrate)
   --machine NAME      built-in profile when no --profile: h200 (default), h100-80gb, rtx4090
   --candidates N      plans to show (default 3)
+  --retention NAME    only plans of this retention template and its mixes nearer the loss (keep-all,
+                      checkpoint, offload-checkpoint, keep-attention, offload-attention, and for
+                      hybrid models hybrid-regenerate): what it would cost, or the least memory it needs
   --json PATH         write the chosen plan as JSON (the trainer's --plan input)
   --trace PATH        write the chosen plan's simulated step as Chrome trace JSON
   --grad-staging N    (CUDA builds) the CUDA executor's footprint with a pinned gradient staging
@@ -66,6 +69,7 @@ struct Args {
   oom::DType moments = oom::DType::fp32;
   std::string profile, machine = "h200";
   int candidates = 3;
+  std::string retention;
   std::string json_out, trace_out;
   std::optional<unsigned> grad_staging;  // the CUDA executor's options, for its footprint and prediction
   std::optional<bool> keep_attention_state;
@@ -105,6 +109,7 @@ Args parse(int argc, char** argv) {
     } else if (flag == "--profile") a.profile = v;
     else if (flag == "--machine") a.machine = v;
     else if (flag == "--candidates") a.candidates = parse_int_count(flag, v);
+    else if (flag == "--retention") a.retention = v;
     else if (flag == "--json") a.json_out = v;
     else if (flag == "--trace") a.trace_out = v;
     else if (flag == "--grad-staging") a.grad_staging = static_cast<unsigned>(parse_int_count(flag, v, /*allow_zero=*/true));
@@ -231,6 +236,7 @@ int main(int argc, char** argv) {
     req.clip_grad_norm = a.max_grad_norm > 0;
     req.precision.moments = a.moments;
     req.candidates = a.candidates;
+    req.retention = a.retention;
 
     fmt::print("model {}: {} layers, {:.2f}B parameters ({:.2f}B active), {} segments\n", a.model, spec.num_layers(),
                static_cast<double>(spec.total_parameters()) / 1e9, static_cast<double>(spec.active_parameters()) / 1e9,
@@ -252,6 +258,7 @@ int main(int argc, char** argv) {
     // here of the profile's). One line: the plan, or "nothing" and why.
     oom::PlanRequest train_req = req;
     train_req.candidates = 6;
+    train_req.retention.clear();  // oom-train searches every template
     std::string host_error;  // why there is no default host budget (a profile with too little host memory)
     if (!a.host_mem) {
       try {
@@ -304,7 +311,7 @@ int main(int argc, char** argv) {
                    gpu <= req.gpu_budget ? "within the budget" : "OVER the budget",
                    executed_step(set.plans[i]));
       } catch (const oom::Error& e) {
-        fmt::print("CUDA executor: cannot run this model ({})\n\n", e.message());
+        fmt::print("CUDA executor: cannot run this plan as it is ({})\n\n", e.message());
       }
 #endif
     }

@@ -112,6 +112,10 @@ Optimizer (AdamW, as torch.optim.AdamW over all parameters)
                        are staged per parameter, as --grad-staging 0)
 Plan
   --plan PATH          use this plan (from oom-plan --json) instead of planning
+  --retention NAME     plan only with this retention template and its mixes nearer the loss (as
+                       oom-plan --retention: keep-all, checkpoint, offload-checkpoint, keep-attention,
+                       offload-attention, hybrid-regenerate for hybrid models); cuda runs a plan that
+                       regenerates boundaries checkpointed (its executor does not regenerate yet)
   --profile PATH       calibrated machine profile for the planner (default: built-in, see --machine)
   --machine NAME       built-in profile: h200 (default), h100-80gb, rtx4090
   --gpu-mem SIZE       device memory budget (default: the profile's GPU memory on cuda, 1GiB on host)
@@ -168,7 +172,7 @@ Exit status: 0 done, 2 bad input, 3 no plan fits the budget, 4 stopped on a non-
 )";
 
 struct Args {
-  std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto";
+  std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto", retention;
   std::uint64_t seq = 256, batch = 1, steps = 200, seed = 0, micro_batches = 1;
   float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f, min_lr = 0.0f;
   std::uint64_t warmup = 0;
@@ -232,6 +236,7 @@ Args parse(int argc, char** argv) {
       a.cosine = w == "cosine";
     }
     else if (flag == "--plan") a.plan = v;
+    else if (flag == "--retention") a.retention = v;
     else if (flag == "--profile") a.profile = v;
     else if (flag == "--machine") a.machine = v;
     else if (flag == "--gpu-mem") a.gpu_mem = parse_bytes(v);
@@ -502,6 +507,8 @@ int run(Args a) {
     OOM_THROW(Errc::invalid_argument, "--planned-residency: the host backend runs every plan as planned (it applies to --backend cuda)");
   if (a.planned_residency && !a.plan.empty())
     OOM_THROW(Errc::invalid_argument, "--planned-residency: a plan given with --plan runs as written");
+  if (!a.retention.empty() && !a.plan.empty())
+    OOM_THROW(Errc::invalid_argument, "--retention: a plan given with --plan runs as written");
   if (!use_cuda && a.grad_staging)
     OOM_THROW(Errc::invalid_argument, "--grad-staging: the host backend has no pinned gradient staging (it applies to --backend cuda)");
   if (!use_cuda && a.keep_attention_state)
@@ -555,6 +562,7 @@ int run(Args a) {
     req.micro_batches = static_cast<int>(a.micro_batches);
     req.clip_grad_norm = a.max_grad_norm > 0;
     req.candidates = use_cuda ? 6 : 2;
+    req.retention = a.retention;
     const auto set = planner.plan(req);
     plan = set.plans.front();
 #if OOM_TRAIN_HAS_CUDA

@@ -506,7 +506,11 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
     }
   }
   std::vector<std::string> names;
-  for (const Template& tpl : templates) names.push_back(tpl.name);
+  std::vector<std::size_t> far_of;  // each table's template (its far part where it is a mix)
+  for (std::size_t t = 0; t < templates.size(); ++t) {
+    names.push_back(templates[t].name);
+    far_of.push_back(t);
+  }
   // Mixes: the layers nearest the loss, whose backward comes first (an offload or a recompute of
   // theirs is waited for at once), under keep-all or checkpoint, the others under any other
   // template, for the last quarter, half and three quarters of the stack. A group of regenerated
@@ -523,12 +527,21 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
                   mixed.begin() + static_cast<std::ptrdiff_t>(n - q));
         tables.push_back(std::move(mixed));
         names.push_back(fmt::format("{} + last {} layers {}", templates[far].name, q, templates[near].name));
+        far_of.push_back(far);
       }
     }
+  if (!req.retention.empty() &&
+      std::none_of(templates.begin(), templates.end(), [&](const Template& t) { return t.name == req.retention; })) {
+    std::string known;
+    for (const Template& t : templates) known += fmt::format("{}'{}'", known.empty() ? "" : ", ", t.name);
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan request: retention '{}' is not one the layer-stack planner searches for {} "
+                                                  "layers ({})", req.retention, n, known));
+  }
   const int depths = static_cast<int>(std::min<std::size_t>(3, 2 * n));  // loads per micro-batch: 2n
 
   for (int depth = 1; depth <= depths; ++depth) {
     for (std::size_t t = 0; t < tables.size(); ++t) {
+      if (!req.retention.empty() && templates[far_of[t]].name != req.retention) continue;
       // A template that gives an earlier one's table (no layer recomputable, say) adds nothing.
       if (std::find(tables.begin(), tables.begin() + static_cast<std::ptrdiff_t>(t), tables[t]) != tables.begin() + static_cast<std::ptrdiff_t>(t))
         continue;

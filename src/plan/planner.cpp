@@ -642,7 +642,16 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   std::vector<ExecutionPath> paths{ExecutionPath::local};
   if (req.gpus > 1 && spec_->moe().experts % static_cast<std::uint64_t>(req.gpus) == 0)
     paths.push_back(ExecutionPath::expert_parallel);
-  const auto retentions = retention_candidates(*spec_);
+  auto retentions = retention_candidates(*spec_);
+  if (!req.retention.empty()) {
+    std::string names;
+    for (const auto& r : retentions)
+      if (r.near_layers == 0) names += fmt::format("{}'{}'", names.empty() ? "" : ", ", to_string(r.far));
+    std::erase_if(retentions, [&](const RetentionChoice& r) { return req.retention != to_string(r.far); });
+    if (retentions.empty())
+      OOM_THROW(Errc::invalid_argument, fmt::format("plan request: retention '{}' is not one the planner searches for this model ({})",
+                                                    req.retention, names));
+  }
   const Bytes usable{static_cast<std::uint64_t>(static_cast<double>(req.gpu_budget.count()) * (1.0 - gpu_margin))};
   const auto ladder = residency_ladder(usable);
 

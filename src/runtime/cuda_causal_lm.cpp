@@ -1330,7 +1330,12 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
     };
     // The first fit in the documented order, unless a predictor ranks them all.
     const auto enough = [&] { return !fit.predict_step && !fitting.empty(); };
-    weigh(candidates[i]);
+    // A plan that regenerates boundaries through earlier layers (the planner's hybrid-regenerate)
+    // is not run as planned here: only its checkpointed variants, which keep or offload them all.
+    const bool regenerates = std::any_of(candidates[i].retention.begin(), candidates[i].retention.end(), [](const auto& row) {
+      return row[static_cast<std::size_t>(ActivationClass::layer_boundary)].action == Retention::recompute;
+    });
+    if (!regenerates) weigh(candidates[i]);
     std::vector<std::pair<Bytes, bool>> whole_moe;  // each way with the planned chunks: GPU bytes, fits
     for (const Checkpoint how : ways) {
       if (enough()) break;

@@ -71,6 +71,20 @@ struct RecomputeFromTheFuture {  // recompute from a later layer: breaks require
   }
   std::string_view name() const { return "future"; }
 };
+struct RegenerateInPairs {  // even layers offload their boundary, odd ones regenerate theirs from it
+  RetentionDecision retain(int layer, ActivationClass c) const {
+    if (c != ActivationClass::layer_boundary) return RetentionDecision::recompute(layer);  // from its own, regenerated or not
+    return layer % 2 == 0 ? RetentionDecision::offload() : RetentionDecision::recompute(layer - 1);
+  }
+  std::string_view name() const { return "regenerate-in-pairs"; }
+};
+struct RegenerateFromRegenerated {  // layer 2's boundary from layer 1's, itself regenerated: breaks requirement 2
+  RetentionDecision retain(int layer, ActivationClass c) const {
+    if (c != ActivationClass::layer_boundary || layer == 0) return RetentionDecision::keep();
+    return RetentionDecision::recompute(layer - 1);
+  }
+  std::string_view name() const { return "chain"; }
+};
 struct RetainTakesString {
   RetentionDecision retain(int, std::string_view) const { return {}; }
   std::string_view name() const { return "s"; }
@@ -88,6 +102,10 @@ TEST_CASE("valid_retention accepts recompute from a kept boundary, rejects the r
   CHECK(valid_retention(CheckpointEveryLayer{}, 8));
   CHECK_FALSE(valid_retention(RecomputeFromDroppedBoundary{}, 8));
   CHECK_FALSE(valid_retention(RecomputeFromTheFuture{}, 8));
+  // Boundaries regenerated from a kept or offloaded one, and a layer's classes from its own
+  // regenerated boundary (the planner's hybrid-regenerate); not a boundary from a regenerated one.
+  CHECK(valid_retention(RegenerateInPairs{}, 8));
+  CHECK_FALSE(valid_retention(RegenerateFromRegenerated{}, 8));
 }
 
 // ---- partitioner ----

@@ -503,6 +503,35 @@ TEST_CASE("fit: a plan that fits runs as planned; none that fits is an out-of-bu
   }
 }
 
+TEST_CASE("fit: a plan that regenerates boundaries runs as its checkpointed variants; as planned it is refused by name") {
+  // Since the forty-fifth session the planner searches hybrid-regenerate for hybrid models (a
+  // validity check had dropped it before); the CUDA executor does not regenerate boundaries yet.
+  const auto spec = config("qwen3-next-80b-a3b.json");
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const Planner planner(spec, profile);
+  PlanRequest req;
+  req.gpu_budget = profile.gpu_memory;
+  req.host_budget = 2048_GiB;
+  req.workload = {1, 4096};
+  req.retention = "hybrid-regenerate";
+  const auto plans = planner.plan(req).plans;
+  REQUIRE_FALSE(plans.empty());
+  for (const Plan& p : plans) {
+    CHECK(p.retention_name.rfind("hybrid-regenerate", 0) == 0);
+    CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, p), doctest::Contains("regenerating a boundary through earlier layers"), Error);
+  }
+  int weighed = 0;
+  CudaFitOptions counting;
+  counting.report = [&](std::size_t, const Plan& p, const auto&, bool) {
+    ++weighed;
+    for (const auto& row : p.retention) CHECK(row[0].action != Retention::recompute);
+  };
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, profile.gpu_memory - 1_GiB, 2048_GiB, {}, counting);
+  CHECK(weighed > 0);
+  CHECK(fit.plan.retention_name.find("for the CUDA executor") != std::string::npos);
+  for (const auto& row : fit.plan.retention) CHECK(row[0].action != Retention::recompute);
+}
+
 TEST_CASE("fit: where only token-chunked MoE fits, the chunk is halved until it does") {
   const auto spec = config("moe-5b.json");
   const auto profile = MachineProfile::builtin("h200", 1);

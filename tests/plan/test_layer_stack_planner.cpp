@@ -346,6 +346,25 @@ TEST_CASE("where boundaries do not fit, groups of them are regenerated through t
   CHECK(offloaded_first > 0);
 }
 
+TEST_CASE("a request for one retention template plans only it and its mixes nearer the loss") {
+  const auto layers = stack<test::MoeMlpLayer>(6);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  auto r = request(1_GiB);
+  r.candidates = 10;
+  for (const char* name : {"offload-checkpoint", "checkpoint, boundaries regenerated in groups of 2"}) {
+    CAPTURE(name);
+    r.retention = name;
+    const auto set = planner.plan(r);
+    REQUIRE_FALSE(set.plans.empty());
+    for (const Plan& p : set.plans) {
+      CHECK(p.retention_name.rfind(name, 0) == 0);
+      // Not a longer name that merely begins the same ("offload-checkpoint, boundaries ...").
+      CHECK((p.retention_name.size() == std::strlen(name) || p.retention_name.compare(std::strlen(name), 8, " + last ") == 0));
+    }
+  }
+}
+
 TEST_CASE("a regenerated group's step graph: the offloaded first boundary back before the rerun, held to its own backward") {
   const auto layers = stack<test::MoeMlpLayer>(4);
   const MachineProfile profile = MachineProfile::h200(1);
@@ -561,6 +580,11 @@ TEST_CASE("bad stacks and requests are refused by name") {
   CHECK(thrown([&] { (void)planner.plan(r); }, &code).find("bf16 moments") != std::string::npos);
   CHECK(code == Errc::unsupported);
   CHECK(thrown([&] { (void)planner.plan(request(1_GiB, 1_GiB, 0)); }).find("the workload has no tokens") != std::string::npos);
+  r = request(1_GiB);
+  r.retention = "checkpointing";
+  CHECK(thrown([&] { (void)planner.plan(r); }, &code).find("retention 'checkpointing' is not one the layer-stack planner searches") !=
+        std::string::npos);
+  CHECK(code == Errc::invalid_argument);
   r = request(0_B);
   CHECK(thrown([&] { (void)planner.plan(r); }).find("budgets must be > 0") != std::string::npos);
   // A hand-made plan that recomputes from another layer's boundary is refused, not simulated.

@@ -378,6 +378,46 @@ TEST_CASE("a boundary regenerated from an offloaded one waits for it to come bac
   CHECK(early > 0);
 }
 
+TEST_CASE("a request for one retention template plans only it and its mixes; hybrid-regenerate is searched for hybrid models") {
+  // Before the forty-fifth session (2026-12-05) valid_retention refused a layer's classes
+  // recomputed from its own regenerated boundary, so every hybrid-regenerate candidate was
+  // dropped unsimulated: `oom-plan --retention hybrid-regenerate` found nothing at any length.
+  const auto qn = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
+  const MachineProfile profile = MachineProfile::h200(1);
+  const Planner planner(qn, profile, "qwen3-next");
+  PlanRequest req;
+  req.gpu_budget = 139_GiB;
+  req.host_budget = 2048_GiB;
+  req.workload = {1, 65536};
+  req.candidates = 5;
+  for (const char* name : {"checkpoint", "offload-attention", "hybrid-regenerate"}) {
+    CAPTURE(name);
+    req.retention = name;
+    const auto set = planner.plan(req);
+    REQUIRE_FALSE(set.plans.empty());
+    for (const Plan& p : set.plans) CHECK(p.retention_name.rfind(name, 0) == 0);
+  }
+  const auto regen = planner.plan(req).plans.front();  // hybrid-regenerate: boundaries regenerated
+  int regenerated = 0;
+  for (const auto& row : regen.retention) regenerated += row[0].action == Retention::recompute;
+  CHECK(regenerated > 0);
+  // Unknown names, and hybrid-regenerate for a model with no linear-attention layers, are refused
+  // with the names the planner does search.
+  req.retention = "checkpointing";
+  CHECK_THROWS_WITH_AS((void)planner.plan(req), doctest::Contains("retention 'checkpointing' is not one the planner searches"), Error);
+  const Moe5bOnH200 m;
+  auto dense = Moe5bOnH200::request(4096, 139_GiB, 125_GiB);
+  dense.retention = "hybrid-regenerate";
+  try {
+    (void)m.planner.plan(dense);
+    FAIL("hybrid-regenerate planned for a model with no linear-attention layers");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::invalid_argument);
+    CHECK(std::string(e.what()).find("'keep-all', 'checkpoint', 'offload-checkpoint', 'keep-attention', 'offload-attention')") !=
+          std::string::npos);
+  }
+}
+
 TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
   const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
   const auto profile = MachineProfile::h200(2);

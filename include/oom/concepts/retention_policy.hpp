@@ -25,8 +25,11 @@ struct RetentionDecision {
 
 /// Requirements, for `const P& p`, `int layer` and `ActivationClass c`:
 ///   1. `p.retain(layer, c)` returns a RetentionDecision, the same every step;
-///   2. a recompute decision names a boundary `from <= layer` whose layer_boundary is itself
-///      kept or offloaded (recomputation must start from something that exists);
+///   2. a recompute decision names a boundary `from <= layer` that exists when the rerun starts:
+///      one kept or offloaded; or, for a layer's other classes recomputed from its own boundary
+///      (`from == layer`), that boundary regenerated itself (its layer's backward gives it back
+///      first). A regenerated boundary (`c == layer_boundary`) starts from a layer below it whose
+///      own boundary is kept or offloaded;
 ///   3. `p.name()` converts to std::string_view.
 /// Requirement 2 is a property of a whole plan; `valid_retention(p, layers)` checks it.
 ///
@@ -55,7 +58,13 @@ bool valid_retention(const P& p, int layers) {
       const auto d = p.retain(layer, static_cast<ActivationClass>(c));
       if (d.action != Retention::recompute) continue;
       if (d.recompute_from < 0 || d.recompute_from > layer) return false;
-      if (p.retain(d.recompute_from, ActivationClass::layer_boundary).action == Retention::recompute) return false;
+      const bool boundary = c == static_cast<int>(ActivationClass::layer_boundary);
+      if (boundary && d.recompute_from == layer) return false;  // a boundary cannot start its own rerun
+      // Regenerated boundaries start from a kept or offloaded one; a layer's own classes may
+      // start from its regenerated boundary, which its backward gives back before them.
+      if (p.retain(d.recompute_from, ActivationClass::layer_boundary).action == Retention::recompute &&
+          (boundary || d.recompute_from != layer))
+        return false;
     }
   }
   return true;

@@ -46,6 +46,10 @@ struct PlanRequest {
   bool clip_grad_norm = false;
   StatePrecision precision;
   int candidates = 3;     ///< how many of the best plans to return
+  /// Only plans of this retention template (its name, as Plan::retention_name begins: the
+  /// template alone and its mixes with others nearer the loss); empty: every template. A name the
+  /// planner does not search is refused, listing the ones it does.
+  std::string retention;
 };
 
 /// The predicted cost of a plan, from the simulator.
