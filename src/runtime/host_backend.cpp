@@ -90,6 +90,21 @@ HostBackend::Stream HostBackend::make_stream(std::string name) {
   return s;
 }
 
+void HostBackend::retire(Stream& s) {
+  if (!s) return;
+  synchronize(s);
+  {
+    std::lock_guard lock(streams_mutex_);
+    std::erase(streams_, s);
+  }
+  s.reset();  // outside the lock: the last handle joins the worker
+}
+
+std::size_t HostBackend::stream_count() {
+  std::lock_guard lock(streams_mutex_);
+  return streams_.size();
+}
+
 bool HostBackend::work_pending() {
   std::lock_guard lock(streams_mutex_);
   // A stream's own task does not wait: another stream may be waiting on an event that task's

@@ -87,3 +87,22 @@ TEST_CASE("a stream's task that asks for too much is refused at once, not left w
   CHECK(refused.load());
   b.free(held, dev, Bytes{768 << 10}, Claimant::resident_state);
 }
+
+TEST_CASE("a retired stream runs what was queued on it, then leaves the backend") {
+  HostBackend b({1_MiB, 1_MiB, false});
+  auto s = b.make_stream("short-lived");
+  auto keep = b.make_stream("kept");
+  CHECK(b.stream_count() == 2);
+  std::atomic<int> ran{0};
+  for (int i = 0; i < 3; ++i)
+    b.submit(s, [&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      ++ran;
+    });
+  b.retire(s);
+  CHECK(ran.load() == 3);
+  CHECK(!s);
+  CHECK(b.stream_count() == 1);
+  b.retire(s);  // an empty handle: nothing
+  CHECK(b.stream_count() == 1);
+}

@@ -145,6 +145,26 @@ TEST_CASE("60 random (model, plan) pairs: 3 steps give the resident plan's weigh
   CHECK(regenerating_plans > 15);
 }
 
+TEST_CASE("executors made and destroyed on one backend leave no streams behind") {
+  const Case c{16, 4, 2, 16, 12, 2};
+  std::vector<test::MoeMlpLayer> layers;
+  for (int l = 0; l < c.layers; ++l) layers.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+  std::vector<std::vector<float>> init;
+  std::uint64_t seed = 3;
+  for (const auto& l : layers)
+    for (const auto& seg : l.segments()) init.push_back(test::random_normal(seg.parameters(), ++seed, 0.3f));
+  const Plan plan = resident_plan(layers, c.tokens);
+  HostBackend backend({1_GiB, 1_GiB, false});
+  for (int i = 0; i < 5; ++i) {
+    HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, init);
+    CHECK(backend.stream_count() == 4);
+    (void)exec.step(test::random_normal(c.tokens * c.hidden, 1), test::random_normal(c.tokens * c.hidden, 2));
+  }
+  CHECK(backend.stream_count() == 0);
+  CHECK(backend.device_arena().in_use() == Bytes{});
+  CHECK(backend.pinned_arena().in_use() == Bytes{});
+}
+
 TEST_CASE("dropping the wait for a layer's weights is caught") {
   // One slot: the load of layer l+1 starts when layer l's compute ends, and a compute that does
   // not wait for it reads a slot being poisoned and refilled.

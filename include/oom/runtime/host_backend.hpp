@@ -46,6 +46,12 @@ class HostBackend {
   HostBackend& operator=(const HostBackend&) = delete;
 
   Stream make_stream(std::string name = "stream");
+  /// Drains `s`, forgets it and empties the handle: its worker thread ends once no other handle
+  /// holds it. An executor retires its streams when it is destroyed, so a backend that outlives
+  /// many executors does not keep their threads.
+  void retire(Stream& s);
+  /// Streams made and not retired.
+  [[nodiscard]] std::size_t stream_count();
   Event make_event();
   void submit(Stream& s, std::function<void()> fn);
   void record(Event& e, Stream& s);

@@ -150,11 +150,17 @@ class HostExecutor {
   }
 
   ~HostExecutor() {
-    synchronize_all();
+    drain();
     for (auto& s : slots_) b_.free(s.ptr, MemorySpace::device(0), s.bytes, Claimant::worksets);
     for (auto& s : grad_slots_) b_.free(s.ptr, MemorySpace::device(0), s.bytes, Claimant::worksets);
     for (auto& ls : layers_state_)
       for (auto& s : ls.segments) free_segment(s);
+    for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) {
+      try {
+        b_.retire(*s);
+      } catch (...) {  // a task's error nobody collected: the streams are drained, nothing is lost
+      }
+    }
   }
   HostExecutor(const HostExecutor&) = delete;
   HostExecutor& operator=(const HostExecutor&) = delete;
