@@ -726,17 +726,36 @@ TEST_CASE("several sequences through the HostExecutor: every plan the resident p
   }
 }
 
-TEST_CASE("a hybrid stack (3 Gated DeltaNet layers, 1 gated full attention) through the HostExecutor: random plans, "
-          "several sequences, the resident plan's step bit for bit") {
-  const ModelSpec spec = data_spec("tests/data/tiny-qwen3-next-layers.json");
-  std::vector<HostDecoderLayer> shape;
-  for (int l = 0; l < spec.num_layers(); ++l) shape.emplace_back(spec, l);
-  constexpr std::uint64_t S = 5, B = 2, T = S * B;
-  auto batched = [&](Plan p) {
+namespace {
+
+/// The tiny Qwen3-Next stack (3 Gated DeltaNet layers, 1 gated full attention) over B = 2
+/// sequences of S = 5 tokens.
+struct HybridStack {
+  static constexpr std::uint64_t S = 5, B = 2, T = S * B;
+  ModelSpec spec = data_spec("tests/data/tiny-qwen3-next-layers.json");
+  std::vector<HostDecoderLayer> shape = layers_of(spec);
+
+  static std::vector<HostDecoderLayer> layers_of(const ModelSpec& m) {
+    std::vector<HostDecoderLayer> out;
+    for (int l = 0; l < m.num_layers(); ++l) out.emplace_back(m, l);
+    return out;
+  }
+  /// `p` for the B sequences: attention chunks per sequence.
+  Plan batched(Plan p) const {
     p.workload = {B, S};
     for (auto& c : p.chunks) c.attention = {S};
     return p;
-  };
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a hybrid stack (3 Gated DeltaNet layers, 1 gated full attention) through the HostExecutor: random plans, "
+          "several sequences, the resident plan's step bit for bit") {
+  const HybridStack hs;
+  const auto& [spec, shape] = hs;
+  constexpr std::uint64_t T = HybridStack::T;
+  const auto batched = [&](const Plan& p) { return hs.batched(p); };
   const Trained expect = train(spec, batched(resident_plan(shape, T)), T, 3);
   CHECK(expect.losses.back() != expect.losses.front());
   // One sequence of T is another step: the linear layers' state and the attention run across.
@@ -760,15 +779,10 @@ TEST_CASE("boundaries regenerated through the layers before them (hybrid-regener
   // Qwen3-Next's 3 Gated DeltaNet layers and 1 gated full attention, 4 layers over 2 sequences:
   // the retention MISSION.md names for hybrid models. Layer 0's boundary goes to the host; layers
   // 1-3 regenerate theirs through the linear layers below them in layer 3's backward.
-  const ModelSpec spec = data_spec("tests/data/tiny-qwen3-next-layers.json");
-  std::vector<HostDecoderLayer> shape;
-  for (int l = 0; l < spec.num_layers(); ++l) shape.emplace_back(spec, l);
-  constexpr std::uint64_t S = 5, B = 2, T = S * B;
-  auto batched = [&](Plan p) {
-    p.workload = {B, S};
-    for (auto& c : p.chunks) c.attention = {S};
-    return p;
-  };
+  const HybridStack hs;
+  const auto& [spec, shape] = hs;
+  constexpr std::uint64_t T = HybridStack::T;
+  const auto batched = [&](const Plan& p) { return hs.batched(p); };
   const RetentionTable table(spec, RetentionTemplate::hybrid_regenerate, RetentionTemplate::hybrid_regenerate, 0);
   int regenerated = 0;
   Plan regen = batched(resident_plan(shape, T));

@@ -48,6 +48,26 @@ ModelSpec random_model(std::mt19937_64& rng) {
   return ModelSpec::from_json(c, "<random>");
 }
 
+/// Qwen3-Next-80B-A3B's planner (3:1 linear and full attention) on the built-in H200 profile,
+/// with host memory to spare (2 TiB), as the hybrid retention's tests plan it.
+struct QwenNextOnH200 {
+  ModelSpec spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
+  MachineProfile profile = MachineProfile::h200(1);
+  Planner planner{spec, profile, "qwen3-next"};
+
+  QwenNextOnH200() = default;
+  QwenNextOnH200(const QwenNextOnH200&) = delete;
+  QwenNextOnH200& operator=(const QwenNextOnH200&) = delete;
+
+  static PlanRequest request(std::uint64_t seq) {
+    PlanRequest r;
+    r.gpu_budget = 139_GiB;
+    r.host_budget = 2048_GiB;
+    r.workload = {1, seq};
+    return r;
+  }
+};
+
 /// The 5.13B benchmark model's planner on the built-in H200 profile (the planner points at the
 /// spec and the profile, so the fixture is neither copied nor moved).
 struct Moe5bOnH200 {
@@ -325,14 +345,9 @@ TEST_CASE("a boundary regenerated from an offloaded one waits for it to come bac
   // executors bring that first boundary back before the rerun; before the forty-fifth session
   // (2026-12-05) the step graph ran the rerun without it and brought it back at its own layer's
   // backward, after the rerun, so the boundary's GPU bytes were counted for too short a time.
-  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
-  const MachineProfile profile = MachineProfile::h200(1);
-  const Planner planner(spec, profile, "qwen3-next");
-  PlanRequest req;
-  req.gpu_budget = 139_GiB;
-  req.host_budget = 2048_GiB;
-  req.workload = {1, 4096};
-  Plan p = planner.plan(req).plans.front();
+  const QwenNextOnH200 m;
+  const auto& [spec, profile, planner] = m;
+  Plan p = planner.plan(QwenNextOnH200::request(4096)).plans.front();
   const RetentionTable table(spec, RetentionTemplate::hybrid_regenerate, RetentionTemplate::hybrid_regenerate, 0);
   for (int l = 0; l < spec.num_layers(); ++l)
     for (int c = 0; c < activation_class_count; ++c)
@@ -382,13 +397,9 @@ TEST_CASE("a request for one retention template plans only it and its mixes; hyb
   // Before the forty-fifth session (2026-12-05) valid_retention refused a layer's classes
   // recomputed from its own regenerated boundary, so every hybrid-regenerate candidate was
   // dropped unsimulated: `oom-plan --retention hybrid-regenerate` found nothing at any length.
-  const auto qn = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
-  const MachineProfile profile = MachineProfile::h200(1);
-  const Planner planner(qn, profile, "qwen3-next");
-  PlanRequest req;
-  req.gpu_budget = 139_GiB;
-  req.host_budget = 2048_GiB;
-  req.workload = {1, 65536};
+  const QwenNextOnH200 qn;
+  const auto& planner = qn.planner;
+  PlanRequest req = QwenNextOnH200::request(65536);
   req.candidates = 5;
   for (const char* name : {"checkpoint", "offload-attention", "hybrid-regenerate"}) {
     CAPTURE(name);
