@@ -109,7 +109,10 @@ Args parse(int argc, char** argv) {
     } else if (flag == "--profile") a.profile = v;
     else if (flag == "--machine") a.machine = v;
     else if (flag == "--candidates") a.candidates = parse_int_count(flag, v);
-    else if (flag == "--retention") a.retention = v;
+    else if (flag == "--retention") {
+      if (*v == '\0') OOM_THROW(oom::Errc::invalid_argument, "--retention needs a template name (see --help)");
+      a.retention = v;
+    }
     else if (flag == "--json") a.json_out = v;
     else if (flag == "--trace") a.trace_out = v;
     else if (flag == "--grad-staging") a.grad_staging = static_cast<unsigned>(parse_int_count(flag, v, /*allow_zero=*/true));
@@ -258,7 +261,6 @@ int main(int argc, char** argv) {
     // here of the profile's). One line: the plan, or "nothing" and why.
     oom::PlanRequest train_req = req;
     train_req.candidates = 6;
-    train_req.retention.clear();  // oom-train searches every template
     std::string host_error;  // why there is no default host budget (a profile with too little host memory)
     if (!a.host_mem) {
       try {

@@ -236,7 +236,10 @@ Args parse(int argc, char** argv) {
       a.cosine = w == "cosine";
     }
     else if (flag == "--plan") a.plan = v;
-    else if (flag == "--retention") a.retention = v;
+    else if (flag == "--retention") {
+      if (*v == '\0') OOM_THROW(Errc::invalid_argument, "--retention needs a template name (see --help)");
+      a.retention = v;
+    }
     else if (flag == "--profile") a.profile = v;
     else if (flag == "--machine") a.machine = v;
     else if (flag == "--gpu-mem") a.gpu_mem = parse_bytes(v);

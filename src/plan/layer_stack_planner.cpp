@@ -537,14 +537,17 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
     OOM_THROW(Errc::invalid_argument, fmt::format("plan request: retention '{}' is not one the layer-stack planner searches for {} "
                                                   "layers ({})", req.retention, n, known));
   }
+  const auto wanted_table = [&](std::size_t t) { return req.retention.empty() || templates[far_of[t]].name == req.retention; };
   const int depths = static_cast<int>(std::min<std::size_t>(3, 2 * n));  // loads per micro-batch: 2n
 
   for (int depth = 1; depth <= depths; ++depth) {
     for (std::size_t t = 0; t < tables.size(); ++t) {
-      if (!req.retention.empty() && templates[far_of[t]].name != req.retention) continue;
-      // A template that gives an earlier one's table (no layer recomputable, say) adds nothing.
-      if (std::find(tables.begin(), tables.begin() + static_cast<std::ptrdiff_t>(t), tables[t]) != tables.begin() + static_cast<std::ptrdiff_t>(t))
-        continue;
+      if (!wanted_table(t)) continue;
+      // A template that gives an earlier one's table (no layer recomputable, say) adds nothing;
+      // earlier ones the request leaves out do not count.
+      bool repeat = false;
+      for (std::size_t u = 0; u < t && !repeat; ++u) repeat = wanted_table(u) && tables[u] == tables[t];
+      if (repeat) continue;
       for (std::uint64_t chunk : chunk_levels) {
         Plan p = Plan::for_request(req, model_name_);  // check_request: one GPU
         p.prefetch_depth = depth;
@@ -687,7 +690,7 @@ std::string LayerStackPlanner::describe(const Plan& p) const {
     }
   s += fmt::format("residency: {} of {} segments resident ({} of {} parameters)\n", p.resident_segments.size(), segments,
                    resident_params, params);
-  s += fmt::format("retention: {}\n", p.retention_name);
+  s += fmt::format("retention: {}\n{}\n", p.retention_name, describe_boundaries(p));
   std::uint64_t smallest = p.workload.tokens();
   for (const auto& c : p.chunks) smallest = std::min(smallest, c.moe_tokens == 0 ? p.workload.tokens() : c.moe_tokens);
   s += fmt::format("chunking: {} tokens per chunk at the smallest\n", smallest);

@@ -2,6 +2,7 @@
 #include "oom/plan/planner.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -31,6 +32,12 @@ void check_boundary_regeneration(const Plan& plan, std::size_t l) {
       OOM_THROW(Errc::unsupported, fmt::format("layer {}: its boundary is regenerated from layer {} but layer {}'s is not (the "
                                                "executors regenerate a group of consecutive boundaries from the group's first)",
                                                l, from, j));
+}
+
+std::string describe_boundaries(const Plan& p) {
+  std::array<std::size_t, 3> n{};  // keep, offload, recompute
+  for (const auto& row : p.retention) ++n[static_cast<std::size_t>(row[static_cast<std::size_t>(ActivationClass::layer_boundary)].action)];
+  return fmt::format("boundaries: {} kept, {} offloaded, {} regenerated through the layers below them", n[0], n[1], n[2]);
 }
 
 void check_plan_request(const PlanRequest& req) {
@@ -343,10 +350,11 @@ class GraphBuilder {
         deferred_.push_back({Claimant::retained_activations, b, back, bwd_end_of(from)});
       }
     }
-    Bytes weights;
+    Bytes weights, temporaries;  // the rerun layers' weights, together; their worksets, one at a time
     double compute = 0;
     for (int j = from; j < l; ++j) {
       weights += weight_bytes(j);
+      temporaries = max(temporaries, max(attn_[static_cast<std::size_t>(j)].peak, mlp_peak(j)));
       compute += model_.attention_time(j, attn_[static_cast<std::size_t>(j)], false, false) +
                  model_.mlp_time(j, plan_.chunks[static_cast<std::size_t>(j)].moe_tokens, false, false);
     }
@@ -357,6 +365,7 @@ class GraphBuilder {
     const int op = g_.add({"regenerate boundaries up to", Resource::gpu_compute, compute,
                            deps_of({load, prev, back}), l});
     if (load >= 0) g_.hold(Claimant::worksets, weights, load, op);
+    g_.hold(Claimant::worksets, temporaries, op, op);
     for (int j = from + 1; j <= l; ++j) {
       regenerated_[static_cast<std::size_t>(j)] = true;
       deferred_.push_back({Claimant::retained_activations,
@@ -818,7 +827,7 @@ std::string Planner::describe(const Plan& p) const {
                    spec_->segments().size(), static_cast<double>(resident_params) / 1e9);
   for (const auto& [role, count] : by_role) s += fmt::format(", {} {}", count, role);
   s += "\n";
-  s += fmt::format("retention: {}\n", p.retention_name);
+  s += fmt::format("retention: {}\n{}\n", p.retention_name, describe_boundaries(p));
   // Full-attention layers' query chunks; linear-attention layers' token parts (the longest first part).
   std::size_t max_attn = 0;
   std::uint64_t linear_part = 0;

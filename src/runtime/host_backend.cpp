@@ -92,12 +92,18 @@ HostBackend::Stream HostBackend::make_stream(std::string name) {
 
 void HostBackend::retire(Stream& s) {
   if (!s) return;
-  synchronize(s);
+  std::exception_ptr error;  // a task's, rethrown once the stream is gone
+  try {
+    synchronize(s);
+  } catch (...) {
+    error = std::current_exception();
+  }
   {
     std::lock_guard lock(streams_mutex_);
     std::erase(streams_, s);
   }
   s.reset();  // outside the lock: the last handle joins the worker
+  if (error) std::rethrow_exception(error);
 }
 
 std::size_t HostBackend::stream_count() {

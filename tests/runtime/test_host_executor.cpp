@@ -163,6 +163,18 @@ TEST_CASE("executors made and destroyed on one backend leave no streams behind")
   CHECK(backend.stream_count() == 0);
   CHECK(backend.device_arena().in_use() == Bytes{});
   CHECK(backend.pinned_arena().in_use() == Bytes{});
+  // An executor whose state does not fit is refused, and gives back what it had taken.
+  HostBackend small({Bytes{backend.device_arena().peak().count() / 3}, 1_GiB, false});
+  CHECK_THROWS_WITH_AS(HostExecutor<test::MoeMlpLayer>(small, layers, plan, init), doctest::Contains("resident_state asks for"), Error);
+  CHECK(small.stream_count() == 0);
+  CHECK(small.device_arena().in_use() == Bytes{});
+  CHECK(small.pinned_arena().in_use() == Bytes{});
+  // And one refused for its input, before it takes anything.
+  auto short_init = init;
+  short_init.pop_back();
+  CHECK_THROWS_WITH_AS(HostExecutor<test::MoeMlpLayer>(backend, layers, plan, short_init), doctest::Contains("initial weights of segment"),
+                       Error);
+  CHECK(backend.stream_count() == 0);
 }
 
 TEST_CASE("dropping the wait for a layer's weights is caught") {

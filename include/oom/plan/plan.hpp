@@ -144,4 +144,8 @@ struct Plan {
 /// layers.
 void check_boundary_regeneration(const Plan& p, std::size_t layer);
 
+/// "boundaries: K kept, O offloaded, R regenerated through the layers below them": the layer
+/// boundaries' decisions counted, for the planners' describe().
+std::string describe_boundaries(const Plan& p);
+
 }  // namespace oom

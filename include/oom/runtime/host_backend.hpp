@@ -47,8 +47,10 @@ class HostBackend {
 
   Stream make_stream(std::string name = "stream");
   /// Drains `s`, forgets it and empties the handle: its worker thread ends once no other handle
-  /// holds it. An executor retires its streams when it is destroyed, so a backend that outlives
-  /// many executors does not keep their threads.
+  /// holds it (retire only a stream nobody else uses: the backend no longer counts its work, and
+  /// never from a task of that stream). An executor retires its streams when it is destroyed, so
+  /// a backend that outlives many executors does not keep their threads. Rethrows a task's error
+  /// as synchronize() does, after the stream is gone.
   void retire(Stream& s);
   /// Streams made and not retired.
   [[nodiscard]] std::size_t stream_count();

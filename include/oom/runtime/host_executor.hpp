@@ -95,22 +95,14 @@ class HostExecutor {
     if (plan.micro_batches < 1 || plan.gpus != 1)
       OOM_THROW(Errc::unsupported, fmt::format("the host executor runs on one device, at least one micro-batch (the plan: {} GPUs, {} "
                                                "micro-batches)", plan.gpus, plan.micro_batches));
-    compute_ = b_.make_stream("compute");
-    h2d_ = b_.make_stream("h2d");
-    d2h_ = b_.make_stream("d2h");
-    cpu_ = b_.make_stream("cpu-optimizer");
-    std::unordered_map<std::string, bool> resident;
-    for (const auto& n : plan.resident_segments) resident[n] = true;
+    // Everything checked before anything is taken from the backend.
     std::size_t index = 0;
     for (std::size_t l = 0; l < layers.size(); ++l) {
-      LayerState ls;
       for (const auto& seg : layers[l].segments()) {
         if (index >= initial_master.size() || initial_master[index].size() != seg.parameters())
           OOM_THROW(Errc::invalid_argument, fmt::format("initial weights of segment {} ('{}'): {} values for {} parameters", index,
                                                         seg.name, index < initial_master.size() ? initial_master[index].size() : 0,
                                                         seg.parameters()));
-        ls.segments.push_back(make_segment(initial_master[index], resident.count(seg.name) > 0));
-        ls.segments.back().name = seg.name;
         ++index;
       }
       for (int c = 0; c < activation_class_count; ++c) {
@@ -122,8 +114,42 @@ class HostExecutor {
                                                    "from its own boundary; boundaries are what earlier layers regenerate)",
                                                    l, to_string(static_cast<ActivationClass>(c)), d.recompute_from));
       }
-      layers_state_.push_back(std::move(ls));
     }
+    compute_ = b_.make_stream("compute");
+    h2d_ = b_.make_stream("h2d");
+    d2h_ = b_.make_stream("d2h");
+    cpu_ = b_.make_stream("cpu-optimizer");
+    try {
+      take_memory(initial_master);
+    } catch (...) {  // out of budget, say: give back what was taken, and the streams
+      release();
+      throw;
+    }
+  }
+
+  ~HostExecutor() {
+    drain();
+    release();
+  }
+  HostExecutor(const HostExecutor&) = delete;
+  HostExecutor& operator=(const HostExecutor&) = delete;
+
+ private:
+  // The state of every segment where the plan puts it, the weight slots and the gradient slots.
+  void take_memory(const std::vector<std::vector<float>>& initial_master) {
+    std::unordered_map<std::string, bool> resident;
+    for (const auto& n : plan_.resident_segments) resident[n] = true;
+    std::size_t index = 0;
+    for (auto& layer : layers_) {
+      auto& ls = layers_state_.emplace_back();
+      for (const auto& seg : layer.segments()) {
+        auto& s = ls.segments.emplace_back();  // in place first: release() frees what it holds if a later allocation fails
+        s.name = seg.name;
+        take_segment(s, initial_master[index++], resident.count(seg.name) > 0);
+      }
+    }
+    const auto& layers = layers_;
+    const Plan& plan = plan_;
     loaded_ = b_.make_event();
     for (std::size_t l = 0; l < layers.size(); ++l) {
       layers_state_[l].updated = b_.make_event();
@@ -148,13 +174,15 @@ class HostExecutor {
     const Bytes grad_slot{largest_streamed * sizeof(float)};
     for (int i = 0; i < 2; ++i) grad_slots_.push_back(GradSlot{alloc_device(grad_slot, Claimant::worksets), grad_slot, b_.make_event()});
   }
-
-  ~HostExecutor() {
-    drain();
+  // Gives back everything take_memory() took (as far as it got) and retires the streams.
+  void release() noexcept {
     for (auto& s : slots_) b_.free(s.ptr, MemorySpace::device(0), s.bytes, Claimant::worksets);
     for (auto& s : grad_slots_) b_.free(s.ptr, MemorySpace::device(0), s.bytes, Claimant::worksets);
+    slots_.clear();
+    grad_slots_.clear();
     for (auto& ls : layers_state_)
       for (auto& s : ls.segments) free_segment(s);
+    layers_state_.clear();
     for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) {
       try {
         b_.retire(*s);
@@ -162,9 +190,8 @@ class HostExecutor {
       }
     }
   }
-  HostExecutor(const HostExecutor&) = delete;
-  HostExecutor& operator=(const HostExecutor&) = delete;
 
+ public:
   /// One training step on `input` (T, H) against `target` (T, H) with loss 0.5·mean‖y − target‖².
   /// Returns the loss. If anything throws (a budget overrun, say), the work already queued is
   /// drained before the exception leaves, so no stream touches the caller's buffers afterwards.
@@ -625,8 +652,8 @@ class HostExecutor {
     return Bytes{layers_[l].saved_floats(static_cast<ActivationClass>(c), t) * sizeof(float)};
   }
 
-  Segment make_segment(const std::vector<float>& init, bool resident) {
-    Segment s;
+  // Takes segment s's memory where the plan puts it (each pointer set as it is taken) and fills it.
+  void take_segment(Segment& s, const std::vector<float>& init, bool resident) {
     s.n = init.size();
     s.resident = resident;
     auto fill = [&](float* master, float* m, float* v, bf16* w) {
@@ -655,17 +682,20 @@ class HostExecutor {
       s.staging = static_cast<float*>(pinned(f, Claimant::host_staging));
       fill(s.master, s.exp_avg, s.exp_avg_sq, s.weights);
     }
-    return s;
   }
-  void free_segment(Segment& s) {
+  // Gives back what segment s holds (a segment whose taking failed part-way holds some of it).
+  void free_segment(Segment& s) noexcept {
     const Bytes f{s.n * sizeof(float)};
+    const auto give = [&](void* p, MemorySpace where, Bytes b, Claimant c) {
+      if (p != nullptr) b_.free(p, where, b, c);
+    };
     if (s.resident) {
-      for (float* p : {s.device_master, s.device_m, s.device_v, s.device_grad}) b_.free(p, MemorySpace::device(0), f, Claimant::resident_state);
-      b_.free(s.device_weights, MemorySpace::device(0), Bytes{s.n * sizeof(bf16)}, Claimant::resident_state);
+      for (float* p : {s.device_master, s.device_m, s.device_v, s.device_grad}) give(p, MemorySpace::device(0), f, Claimant::resident_state);
+      give(s.device_weights, MemorySpace::device(0), Bytes{s.n * sizeof(bf16)}, Claimant::resident_state);
     } else {
-      b_.free(s.weights, MemorySpace::pinned_host(), Bytes{s.n * sizeof(bf16)}, Claimant::host_state);
-      for (float* p : {s.master, s.exp_avg, s.exp_avg_sq}) b_.free(p, MemorySpace::pinned_host(), f, Claimant::host_state);
-      b_.free(s.staging, MemorySpace::pinned_host(), f, Claimant::host_staging);
+      give(s.weights, MemorySpace::pinned_host(), Bytes{s.n * sizeof(bf16)}, Claimant::host_state);
+      for (float* p : {s.master, s.exp_avg, s.exp_avg_sq}) give(p, MemorySpace::pinned_host(), f, Claimant::host_state);
+      give(s.staging, MemorySpace::pinned_host(), f, Claimant::host_staging);
     }
   }
 
