@@ -363,6 +363,14 @@ TEST_CASE("a request for one retention template plans only it and its mixes near
       CHECK((p.retention_name.size() == std::strlen(name) || p.retention_name.compare(std::strlen(name), 8, " + last ") == 0));
     }
   }
+  // A template whose table equals another's (no layer recomputable: checkpoint is keep-all) is
+  // still planned when asked for by name.
+  const auto fixed = stack<NoRecompute>(6);
+  const LayerStackPlanner strict(describe_layers(fixed), profile);
+  r.retention = "checkpoint";
+  const auto set = strict.plan(r);
+  REQUIRE_FALSE(set.plans.empty());
+  CHECK(set.plans.front().retention_name.rfind("checkpoint", 0) == 0);
 }
 
 TEST_CASE("a regenerated group's step graph: the offloaded first boundary back before the rerun, held to its own backward") {
