@@ -130,6 +130,15 @@ class ConfigReader {
     auto& moe = m.moe_;
     const bool expert_count_local = f == ModelFamily::mixtral;
     moe.experts = positive(c[expert_count_local ? "num_local_experts" : "num_experts"]);
+    // Each expert of each layer is a state segment of its own: bound their count before building
+    // them (a fuzzed config of 86,666,666 experts took gigabytes). The largest public MoE configs
+    // hold about 25K (Qwen3-Next-80B: 48 x 513).
+    constexpr std::uint64_t max_segments = std::uint64_t{1} << 18;
+    if (moe.experts > max_segments || num_layers * (moe.experts + 8) > max_segments)
+      bad_field(c[expert_count_local ? "num_local_experts" : "num_experts"],
+                std::to_string(num_layers) + " layers of " + std::to_string(moe.experts) +
+                    " experts make a state segment per expert and layer, more than the " + std::to_string(max_segments) +
+                    " supported");
     moe.top_k = positive(c["num_experts_per_tok"]);
     if (moe.top_k > moe.experts)
       bad_field(c["num_experts_per_tok"], std::to_string(moe.top_k) + " exceeds the number of experts " +

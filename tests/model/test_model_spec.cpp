@@ -312,6 +312,10 @@ TEST_CASE("config errors name the file and the field") {
   CHECK(with("num_key_value_heads", 3).find("my/config.json: num_key_value_heads: num_attention_heads 8 is not a "
                                             "multiple of num_key_value_heads 3") == 0);
   CHECK(with("num_experts_per_tok", 9) == "my/config.json: num_experts_per_tok: 9 exceeds the number of experts 8");
+  // A segment per expert and layer, bounded before any is built (the fuzzer's 86,666,666 experts).
+  CHECK(with("num_experts", 86666666) == "my/config.json: num_experts: 4 layers of 86666666 experts make a state segment per "
+                                         "expert and layer, more than the 262144 supported");
+  CHECK(with("num_hidden_layers", 20000).find("num_experts: 20000 layers of 8 experts make") != std::string::npos);
   CHECK(with("mlp_only_layers", Json::parse("[0, 4]")).find("my/config.json: mlp_only_layers[1]: layer 4 is out of range") == 0);
   CHECK(with("norm_topk_prob", 1) == "my/config.json: norm_topk_prob: expected bool, got number 1");
   CHECK(with("rms_norm_eps", "1e-6") == "my/config.json: rms_norm_eps: expected number, got string");
