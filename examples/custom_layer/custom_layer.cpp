@@ -4,7 +4,7 @@
 // which chunks) and trains it on the host reference backend (HostExecutor) with the plan, which
 // computes the same step as keeping everything on the GPU.
 //   oom-custom-layer [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S]
-//                    [--gpu-budget BYTES] [--host-budget BYTES] [--profile FILE.json]
+//                    [--gpu-budget BYTES] [--host-budget BYTES] [--profile FILE.json] [--retention NAME]
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -114,6 +114,7 @@ struct Options {
   std::uint64_t hidden = 64, inter = 256, tokens = 256;
   oom::Bytes gpu_budget{std::uint64_t{3} << 20}, host_budget{std::uint64_t{1} << 30};
   std::string profile;
+  std::string retention;  // only this retention template and its mixes (LayerStackPlanner's names)
 };
 
 Options parse(int argc, char** argv) {
@@ -122,7 +123,8 @@ Options parse(int argc, char** argv) {
     const std::string arg = argv[a];
     if (arg == "--help" || arg == "-h") {
       std::puts("oom-custom-layer [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S] [--gpu-budget BYTES] "
-                "[--host-budget BYTES] [--profile FILE.json]");
+                "[--host-budget BYTES] [--profile FILE.json] [--retention NAME, e.g. 'offload-checkpoint, boundaries "
+                "regenerated in groups of 2']");
       std::exit(0);
     }
     if (a + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value", arg));
@@ -136,6 +138,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--gpu-budget") o.gpu_budget = oom::parse_bytes(v);
     else if (arg == "--host-budget") o.host_budget = oom::parse_bytes(v);
     else if (arg == "--profile") o.profile = v;
+    else if (arg == "--retention") o.retention = v;
     else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (--help lists them)", arg));
   }
   return o;
@@ -162,6 +165,7 @@ int run(const Options& o) {
   req.gpu_budget = o.gpu_budget;
   req.host_budget = o.host_budget;
   req.workload = {1, o.tokens};
+  req.retention = o.retention;
   const oom::LayerStackPlanner planner(oom::describe_layers(layers), profile, "residual MLP stack");
   const auto set = planner.plan(req);
   const oom::Plan& plan = set.plans.front();

@@ -351,8 +351,9 @@ class GraphBuilder {
       }
     }
     Bytes weights, temporaries;  // the rerun layers' weights, together; their worksets, one at a time
-    double compute = 0;
+    double compute = 0, exchange = 0;  // exchange: the rerun's all-to-alls on the expert-parallel path
     for (int j = from; j < l; ++j) {
+      exchange += model_.all_to_all_time(j);
       weights += weight_bytes(j);
       temporaries = max(temporaries, max(attn_[static_cast<std::size_t>(j)].peak, mlp_peak(j)));
       compute += model_.attention_time(j, attn_[static_cast<std::size_t>(j)], false, false) +
@@ -362,8 +363,11 @@ class GraphBuilder {
     if (weights.count() > 0)
       load = g_.add({"h2d.weights.regenerate", Resource::h2d,
                      model_.time_of(Operation::moving(OpKind::copy_h2d, weights), Resource::h2d), {}, l});
+    // The rerun's token exchanges, taken before its compute (they interleave with it layer by
+    // layer: this orders them conservatively).
+    const int a2a = exchange > 0 ? g_.add({"a2a.regenerate", Resource::network, exchange, deps_of({load, prev, back}), l}) : -1;
     const int op = g_.add({"regenerate boundaries up to", Resource::gpu_compute, compute,
-                           deps_of({load, prev, back}), l});
+                           deps_of({load, prev, back, a2a}), l});
     if (load >= 0) g_.hold(Claimant::worksets, weights, load, op);
     g_.hold(Claimant::worksets, temporaries, op, op);
     for (int j = from + 1; j <= l; ++j) {

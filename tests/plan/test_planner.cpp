@@ -391,6 +391,24 @@ TEST_CASE("a boundary regenerated from an offloaded one waits for it to come bac
   }
   CHECK(regenerations == 2 * spec.num_layers() / 4);  // a group each, each micro-batch
   CHECK(early > 0);
+  // Expert-parallel over two GPUs: the rerun exchanges its layers' tokens too.
+  Plan ep = p;
+  ep.gpus = 2;
+  ep.path = ExecutionPath::expert_parallel;
+  ep.micro_batches = 1;
+  const MachineProfile two = MachineProfile::h200(2);
+  const Planner planner2(spec, two, "qwen3-next");
+  const StepGraph g2 = planner2.step_graph(ep);
+  int exchanges = 0;
+  for (std::size_t i = 0; i < g2.ops().size(); ++i) {
+    if (std::string_view(g2.ops()[i].what) != "regenerate boundaries up to") continue;
+    const auto& deps = g2.ops()[i].deps;
+    exchanges += std::any_of(deps.begin(), deps.end(), [&](int d) {
+      return std::string_view(g2.ops()[static_cast<std::size_t>(d)].what) == "a2a.regenerate" &&
+             g2.ops()[static_cast<std::size_t>(d)].resource == Resource::network && g2.ops()[static_cast<std::size_t>(d)].duration_s > 0;
+    });
+  }
+  CHECK(exchanges == spec.num_layers() / 4);
 }
 
 TEST_CASE("a request for one retention template plans only it and its mixes; hybrid-regenerate is searched for hybrid models") {
