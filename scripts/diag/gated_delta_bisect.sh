@@ -2,8 +2,8 @@
 # Times the chunked gated delta rule (bench_gated_delta) at several commits in one device call,
 # each built from only the rule's sources and their few helpers (~20 s a tree, no oom::cuda).
 #   here:        bash scripts/diag/gated_delta_bisect.sh prepare f5a1279 279f211 d075933
-#                (git archive of each commit into bisect/<commit>/, untracked, so the device tool
-#                 carries it; "HEAD" is the working tree itself)
+#                (git archive of each commit into bisect/<commit>/, git-ignored: pass the device
+#                 tool carry ["bisect"]; "HEAD" is the working tree itself)
 #   on the GPU:  bash scripts/diag/gated_delta_bisect.sh run [ROUNDS]   (logs in $OUT/b/)
 # Forty-fourth session: the chunked forward measured 1.23x slower than the forty-first session's
 # after the gpu-pending branches merged; bisect f5a1279 (forms by pass), 279f211 (lower tiles),

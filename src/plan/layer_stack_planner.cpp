@@ -400,24 +400,22 @@ void check_plan(const Plan& p, const std::vector<LayerDescription>& stack) {
       OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {}: a chunk of 0 tokens (the whole micro-batch is {} tokens; the "
                                                     "HostExecutor would run it a token at a time)",
                                                     l, p.workload.tokens()));
-  for (std::size_t l = 0; l < layers; ++l)
+  for (std::size_t l = 0; l < layers; ++l) {
+    check_recompute_sources(p, l);  // as the HostExecutor runs them
+    // ... and only through layers that may run again.
     for (int c = 0; c < activation_class_count; ++c) {
       const auto d = p.retention[l][static_cast<std::size_t>(c)];
       if (d.action != Retention::recompute) continue;
-      if (c > 0 && d.recompute_from != static_cast<int>(l))
-        OOM_THROW(Errc::unsupported, fmt::format("plan, layer {}: {} recomputed from layer {}; a layer's saved activations are "
-                                                 "recomputed from its own boundary (boundaries are what earlier layers regenerate)",
-                                                 l, to_string(static_cast<ActivationClass>(c)), d.recompute_from));
       if (c > 0 && !stack[l].recomputable)
         OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {} ('{}'): {} recomputed, but the layer is not recomputable", l,
                                                       stack[l].name, to_string(static_cast<ActivationClass>(c))));
       if (c > 0) continue;
-      check_boundary_regeneration(p, l);  // a group of boundaries from a kept or offloaded one
       for (std::size_t j = static_cast<std::size_t>(d.recompute_from); j < l; ++j)
         if (!stack[j].recomputable)
           OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {}: its boundary is regenerated through layer {} ('{}'), which is "
                                                         "not recomputable", l, j, stack[j].name));
     }
+  }
 }
 
 }  // namespace
@@ -481,9 +479,14 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
   // Each template's table. A class a layer does not save is set as the template says; the
   // tables are compared over the classes saved, so no two candidates differ only there.
   const std::vector<Template> templates = templates_for(n);
-  std::vector<std::vector<std::array<RetentionDecision, activation_class_count>>> tables;
+  struct Candidate {
+    std::string name;
+    std::vector<std::array<RetentionDecision, activation_class_count>> table;
+    std::size_t far;  // its template (the far part, where it is a mix)
+  };
+  std::vector<Candidate> candidates;  // the templates, then their mixes
   for (const Template& tpl : templates) {
-    auto& table = tables.emplace_back();
+    auto& table = candidates.emplace_back(Candidate{tpl.name, {}, candidates.size()}).table;
     std::size_t first = 0;  // the current group's first layer
     for (std::size_t l = 0; l < n; ++l) {
       std::array<RetentionDecision, activation_class_count> row{};
@@ -505,12 +508,6 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
       table.push_back(row);
     }
   }
-  std::vector<std::string> names;
-  std::vector<std::size_t> far_of;  // each table's template (its far part where it is a mix)
-  for (std::size_t t = 0; t < templates.size(); ++t) {
-    names.push_back(templates[t].name);
-    far_of.push_back(t);
-  }
   // Mixes: the layers nearest the loss, whose backward comes first (an offload or a recompute of
   // theirs is waited for at once), under keep-all or checkpoint, the others under any other
   // template, for the last quarter, half and three quarters of the stack. A group of regenerated
@@ -522,12 +519,10 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
       if (near == far) continue;
       for (std::size_t q : {n / 4, n / 2, 3 * n / 4}) {
         if (q == 0 || q >= n) continue;
-        auto mixed = tables[far];
-        std::copy(tables[near].begin() + static_cast<std::ptrdiff_t>(n - q), tables[near].end(),
+        auto mixed = candidates[far].table;
+        std::copy(candidates[near].table.begin() + static_cast<std::ptrdiff_t>(n - q), candidates[near].table.end(),
                   mixed.begin() + static_cast<std::ptrdiff_t>(n - q));
-        tables.push_back(std::move(mixed));
-        names.push_back(fmt::format("{} + last {} layers {}", templates[far].name, q, templates[near].name));
-        far_of.push_back(far);
+        candidates.push_back({fmt::format("{} + last {} layers {}", templates[far].name, q, templates[near].name), std::move(mixed), far});
       }
     }
   if (!req.retention.empty() &&
@@ -537,22 +532,22 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
     OOM_THROW(Errc::invalid_argument, fmt::format("plan request: retention '{}' is not one the layer-stack planner searches for {} "
                                                   "layers ({})", req.retention, n, known));
   }
-  const auto wanted_table = [&](std::size_t t) { return req.retention.empty() || templates[far_of[t]].name == req.retention; };
+  // Those the request asks for, each table once: a template that gives an earlier one's table (no
+  // layer recomputable, say) adds nothing.
+  std::vector<const Candidate*> searched;
+  for (const Candidate& c : candidates)
+    if ((req.retention.empty() || templates[c.far].name == req.retention) &&
+        std::none_of(searched.begin(), searched.end(), [&](const Candidate* s) { return s->table == c.table; }))
+      searched.push_back(&c);
   const int depths = static_cast<int>(std::min<std::size_t>(3, 2 * n));  // loads per micro-batch: 2n
 
   for (int depth = 1; depth <= depths; ++depth) {
-    for (std::size_t t = 0; t < tables.size(); ++t) {
-      if (!wanted_table(t)) continue;
-      // A template that gives an earlier one's table (no layer recomputable, say) adds nothing;
-      // earlier ones the request leaves out do not count.
-      bool repeat = false;
-      for (std::size_t u = 0; u < t && !repeat; ++u) repeat = wanted_table(u) && tables[u] == tables[t];
-      if (repeat) continue;
+    for (const Candidate* cand : searched) {
       for (std::uint64_t chunk : chunk_levels) {
         Plan p = Plan::for_request(req, model_name_);  // check_request: one GPU
         p.prefetch_depth = depth;
-        p.retention_name = names[t];
-        p.retention = tables[t];
+        p.retention_name = cand->name;
+        p.retention = cand->table;
         for (std::size_t l = 0; l < n; ++l) {
           LayerChunks lc;
           lc.moe_tokens = layers_[l].chunking != ChunkDependency::none ? chunk : T;

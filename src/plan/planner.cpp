@@ -34,6 +34,18 @@ void check_boundary_regeneration(const Plan& plan, std::size_t l) {
                                                l, from, j));
 }
 
+void check_recompute_sources(const Plan& p, std::size_t l) {
+  for (int c = 0; c < activation_class_count; ++c) {
+    const auto d = p.retention[l][static_cast<std::size_t>(c)];
+    if (d.action != Retention::recompute) continue;
+    if (c == static_cast<int>(ActivationClass::layer_boundary)) check_boundary_regeneration(p, l);
+    else if (d.recompute_from != static_cast<int>(l))
+      OOM_THROW(Errc::unsupported, fmt::format("layer {}: {} recomputed from layer {} (a layer's saved activations are recomputed "
+                                               "from its own boundary; boundaries are what earlier layers regenerate)",
+                                               l, to_string(static_cast<ActivationClass>(c)), d.recompute_from));
+  }
+}
+
 std::string describe_boundaries(const Plan& p) {
   std::array<std::size_t, 3> n{};  // keep, offload, recompute
   for (const auto& row : p.retention) ++n[static_cast<std::size_t>(row[static_cast<std::size_t>(ActivationClass::layer_boundary)].action)];

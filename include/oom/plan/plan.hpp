@@ -78,7 +78,6 @@ inline constexpr int max_micro_batches = 1 << 20;
 /// micro-batches, 1 to max_plan_gpus GPUs, both budgets set.
 void check_plan_request(const PlanRequest& req);
 
-
 struct LayerChunks {
   std::vector<std::uint64_t> attention;  ///< query-chunk ends, in execution order (causal)
   std::uint64_t moe_tokens = 0;          ///< tokens per MoE chunk
@@ -143,6 +142,11 @@ struct Plan {
 /// boundary regenerated) or Errc::unsupported (a boundary between not in the group), naming the
 /// layers.
 void check_boundary_regeneration(const Plan& p, std::size_t layer);
+
+/// Where layer `layer`'s recomputes start, as the executors run them: its saved activations from
+/// its own boundary (Errc::unsupported naming the class otherwise), its boundary as
+/// check_boundary_regeneration says.
+void check_recompute_sources(const Plan& p, std::size_t layer);
 
 /// "boundaries: K kept, O offloaded, R regenerated through the layers below them": the layer
 /// boundaries' decisions counted, for the planners' describe().

@@ -105,15 +105,7 @@ class HostExecutor {
                                                         seg.parameters()));
         ++index;
       }
-      for (int c = 0; c < activation_class_count; ++c) {
-        const auto d = plan.retention[l][static_cast<std::size_t>(c)];
-        if (d.action != Retention::recompute) continue;
-        if (c == static_cast<int>(ActivationClass::layer_boundary)) check_boundary_regeneration(plan, l);
-        else if (d.recompute_from != static_cast<int>(l))
-          OOM_THROW(Errc::unsupported, fmt::format("layer {}: {} recomputed from layer {} (a layer's saved activations are recomputed "
-                                                   "from its own boundary; boundaries are what earlier layers regenerate)",
-                                                   l, to_string(static_cast<ActivationClass>(c)), d.recompute_from));
-      }
+      check_recompute_sources(plan, l);
     }
     compute_ = b_.make_stream("compute");
     h2d_ = b_.make_stream("h2d");
@@ -411,18 +403,9 @@ class HostExecutor {
         regenerate(static_cast<std::size_t>(plan_.retention[li][0].recompute_from), li, act, host_copy, t);
       // Bring back what was offloaded.
       for (int c = 0; c < activation_class_count; ++c) {
-        float* host = host_copy[li][static_cast<std::size_t>(c)];
+        float*& host = host_copy[li][static_cast<std::size_t>(c)];
         if (host == nullptr) continue;
-        const Bytes bytes = class_bytes(li, c, t);
-        float* dev = alloc_device(bytes, Claimant::retained_activations);
-        b_.wait(h2d_, ls.offloaded);
-        auto in = span_begin(h2d_);
-        b_.copy(dev, host, bytes, h2d_);
-        span_end(h2d_, Resource::h2d, fmt::format("h2d {} {}", to_string(static_cast<ActivationClass>(c)), label(li)), in);
-        auto* backend = &b_;
-        b_.submit(h2d_, [backend, host, bytes] { backend->free(host, MemorySpace::pinned_host(), bytes, Claimant::host_offload); });
-        if (c == 0) act[li] = dev;
-        else saved[li][static_cast<std::size_t>(c)] = dev;
+        (c == 0 ? act[li] : saved[li][static_cast<std::size_t>(c)]) = bring_back(li, c, host, t);
       }
       auto restored = b_.make_event();
       b_.record(restored, h2d_);
@@ -764,25 +747,30 @@ class HostExecutor {
     return n == "layer" ? fmt::format("layer {}", l) : std::string(n);
   }
 
+  // Copies layer l's offloaded class c up from `host` into a new device buffer (after the offload
+  // landed), frees the pinned copy once it has, and empties `host`; returns the device buffer.
+  float* bring_back(std::size_t l, int c, float*& host, std::uint64_t t) {
+    const Bytes bytes = class_bytes(l, c, t);
+    float* dev = alloc_device(bytes, Claimant::retained_activations);
+    b_.wait(h2d_, layers_state_[l].offloaded);
+    auto in = span_begin(h2d_);
+    b_.copy(dev, host, bytes, h2d_);
+    span_end(h2d_, Resource::h2d, fmt::format("h2d {} {}", to_string(static_cast<ActivationClass>(c)), label(l)), in);
+    auto* backend = &b_;
+    b_.submit(h2d_, [backend, p = host, bytes] { backend->free(p, MemorySpace::pinned_host(), bytes, Claimant::host_offload); });
+    host = nullptr;
+    return dev;
+  }
+
   // Gives back the boundaries act[from + 1 .. l] by rerunning layers [from, l) forward over
   // act[from] (brought back first if it was offloaded), with their streamed weights in a workset
   // of their own; the layers' outputs only, in the plan's chunks, so the same bits as the forward.
   void regenerate(std::size_t from, std::size_t l, std::vector<float*>& act,
                   std::vector<std::array<float*, activation_class_count>>& host_copy, std::uint64_t t) {
-    const Bytes act_bytes = class_bytes(from, 0, t);
     if (act[from] == nullptr) {  // offloaded: it comes back now and stays until its own backward
-      float* host = host_copy[from][0];
-      if (host == nullptr)
+      if (host_copy[from][0] == nullptr)
         OOM_THROW(Errc::internal, fmt::format("layer {}: the boundary of layer {} to regenerate from is gone", l, from));
-      float* dev = alloc_device(act_bytes, Claimant::retained_activations);
-      b_.wait(h2d_, layers_state_[from].offloaded);
-      auto in = span_begin(h2d_);
-      b_.copy(dev, host, act_bytes, h2d_);
-      span_end(h2d_, Resource::h2d, fmt::format("h2d {} {}", to_string(ActivationClass::layer_boundary), label(from)), in);
-      auto* backend = &b_;
-      b_.submit(h2d_, [backend, host, act_bytes] { backend->free(host, MemorySpace::pinned_host(), act_bytes, Claimant::host_offload); });
-      act[from] = dev;
-      host_copy[from][0] = nullptr;
+      act[from] = bring_back(from, 0, host_copy[from][0], t);
     }
     std::uint64_t streamed = 0;
     for (std::size_t j = from; j < l; ++j)
