@@ -30,7 +30,6 @@
 
 #include "bf16_device.cuh"
 #include "gated_delta_chunked.hpp"
-#include "gated_delta_tiles.hpp"
 
 namespace oom::kernels::detail {
 namespace {
@@ -145,11 +144,10 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const std::uint32_t (&a)
 }
 
 #if !OOM_GATED_DELTA_ON_FMA
-/// One warp's (16 WM) x (8 WN) tile of C = A B at (m0, n0) on the tensor cores at fp32 accuracy,
-/// its first `used` column tiles of 8 only (uniform over the warp; the rest neither read nor
-/// stored): block_mma's tile, which says the rest.
+/// One warp's (16 WM) x (8 WN) tile of C = A B at (m0, n0) on the tensor cores at fp32 accuracy:
+/// block_mma's tile, which says the rest.
 template <int WM, int WN, int AR, int AC, int BR, int BC, class Out>
-__device__ __forceinline__ void warp_mma(int M, int N, int L, const float* a, const float* b, int m0, int n0, int used, Out out) {
+__device__ __forceinline__ void warp_mma(int M, int N, int L, const float* a, const float* b, int m0, int n0, Out out) {
   const int lane = threadIdx.x % 32, gr = lane / 4, tg = lane % 4;
   const float* ar[WM][2];  // the fragment's rows gr and gr + 8 of each 16-row tile
   const float* bc[WN];     // its column gr of each 8-column tile
@@ -177,21 +175,19 @@ __device__ __forceinline__ void warp_mma(int M, int N, int L, const float* a, co
       }
 #pragma unroll
     for (int y = 0; y < WN; ++y)
-      if (y < used)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {  // b_r: row tg (+ 4 for r = 1), column gr
-          const int l = k0 + tg + 4 * r;
-          split_tf32(!tail || l < L ? bc[y][l * BR] : 0.0f, bhi[y][r], blo[y][r]);
-        }
+      for (int r = 0; r < 2; ++r) {  // b_r: row tg (+ 4 for r = 1), column gr
+        const int l = k0 + tg + 4 * r;
+        split_tf32(!tail || l < L ? bc[y][l * BR] : 0.0f, bhi[y][r], blo[y][r]);
+      }
 #pragma unroll
     for (int x = 0; x < WM; ++x)
 #pragma unroll
-      for (int y = 0; y < WN; ++y)
-        if (y < used) {
-          mma_tf32(acc[x][y], alo[x], bhi[y]);
-          mma_tf32(acc[x][y], ahi[x], blo[y]);
-          mma_tf32(acc[x][y], ahi[x], bhi[y]);
-        }
+      for (int y = 0; y < WN; ++y) {
+        mma_tf32(acc[x][y], alo[x], bhi[y]);
+        mma_tf32(acc[x][y], ahi[x], blo[y]);
+        mma_tf32(acc[x][y], ahi[x], bhi[y]);
+      }
   };
   const int whole = L / 8 * 8;
 #pragma unroll 2
@@ -201,12 +197,11 @@ __device__ __forceinline__ void warp_mma(int M, int N, int L, const float* a, co
   for (int x = 0; x < WM; ++x)
 #pragma unroll
     for (int y = 0; y < WN; ++y)
-      if (y < used)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {  // c_r: row gr (+ 8 for r >= 2), column 2 tg (+ 1 for odd r)
-          const int i = m0 + 16 * x + gr + 8 * (r / 2), j = n0 + 8 * y + 2 * tg + r % 2;
-          if (i < M && j < N) out(i, j, acc[x][y][r]);
-        }
+      for (int r = 0; r < 4; ++r) {  // c_r: row gr (+ 8 for r >= 2), column 2 tg (+ 1 for odd r)
+        const int i = m0 + 16 * x + gr + 8 * (r / 2), j = n0 + 8 * y + 2 * tg + r % 2;
+        if (i < M && j < N) out(i, j, acc[x][y][r]);
+      }
 }
 #endif
 
@@ -224,7 +219,7 @@ __device__ __forceinline__ void block_mma(int M, int N, int L, const float* a, c
 #else
   const int mt = (M + 16 * WM - 1) / (16 * WM), nt = (N + 8 * WN - 1) / (8 * WN);
   for (int tile = threadIdx.x / 32; tile < mt * nt; tile += blockDim.x / 32)
-    warp_mma<WM, WN, AR, AC, BR, BC>(M, N, L, a, b, tile / nt * 16 * WM, tile % nt * 8 * WN, WN, out);
+    warp_mma<WM, WN, AR, AC, BR, BC>(M, N, L, a, b, tile / nt * 16 * WM, tile % nt * 8 * WN, out);
 #endif
 }
 
@@ -479,40 +474,19 @@ __device__ void prepare(const GatedDeltaDims& d, std::int64_t b, std::int64_t h,
   __syncthreads();
 }
 
-/// A and Q of the chunk `prepare` filled (k rows, and q rows, by k rows, with the decays), on and
-/// below the diagonal: each product's lower tiles, dealt to the warps in runs (LowerTiles, in
-/// gated_delta_tiles.hpp: 20 of a 64-token chunk's 32 tiles a product, 5 a warp). The tiles above
-/// them are never written: zero_products zeroed them when the kernel began. Synchronises before
+/// A and Q of the chunk `prepare` filled (k rows, and q rows, by k rows, with the decays), whole:
+/// the elements above the diagonal are written as zeros. (Taking only the tiles on and below it,
+/// 20 of a 64-token chunk's 32 a product dealt to the warps in runs, made the forward 1.21x slower
+/// on the H100, 2026-12-05: docs/performance.md, forty-sixth section.) Synchronises before
 /// returning.
 template <int LDK, int LDC>
 __device__ void decay_products(int n, int dk, const Chunk& c) {
   const auto write = [&](float* m, bool strict) {
     return [&c, m, strict](int i, int j, float x) { m[i * LDC + j] = (strict ? j < i : j <= i) ? expf(c.G[i] - c.G[j]) * x : 0.0f; };
   };
-#if OOM_GATED_DELTA_ON_FMA
   block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.kn, c.kn, write(c.A, true));
   block_mma<2, 2, LDK, 1, 1, LDK>(n, n, dk, c.qn, c.kn, write(c.Q, false));
-#else
-  const LowerTiles tiles(n, static_cast<int>(blockDim.x / 32));
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  for (int t = tiles.begin(warp), end = tiles.end(warp); t < end;) {  // uniform over the warp
-    const LowerRun run = tiles.run_at(t, end);
-    warp_mma<1, lower_run_most, LDK, 1, 1, LDK>(n, n, dk, run.product == 0 ? c.kn : c.qn, c.kn, 16 * run.strip, 8 * run.first,
-                                                run.count, write(run.product == 0 ? c.A : c.Q, run.product == 0));
-    t += run.count;
-  }
-#endif
   __syncthreads();
-}
-
-static_assert((2 * 20 + threads / 32 - 1) / (threads / 32) <= lower_run_most,
-              "a 64-token chunk's 40 lower tiles over the block's warps: one run of warp_mma's columns or fewer a warp");
-
-/// Zeros A and Q whole (decay_products then writes only their lower tiles, every chunk). Call
-/// before the first chunk's prepare (which synchronises).
-template <int LDC>
-__device__ void zero_products(const Chunk& c) {
-  for (int e = static_cast<int>(threadIdx.x); e < max_rows * LDC; e += static_cast<int>(blockDim.x)) c.A[e] = c.Q[e] = 0.0f;
 }
 
 /// Carves the chunk's arrays from `at`; returns the next free float.
@@ -563,7 +537,6 @@ __global__ void __launch_bounds__(threads, 1) chunked_forward_kernel(GatedDeltaD
   Chunk c;
   constexpr int ldk = carry_ldk, ldc = carry_ldc;
   float* S = carve<ldk, ldc>(c, smem, true);
-  zero_products<ldc>(c);
   float* X = S + max_dim * ldt;
   float* D = X + max_rows * ldt;
   float* O = D + max_rows * ldt;
@@ -624,7 +597,6 @@ __global__ void __launch_bounds__(threads, 1) chunked_carry_kernel(GatedDeltaDim
   Chunk c;
   constexpr int ldk = carry_ldk, ldc = carry_ldc;
   float* dS = carve<ldk, ldc>(c, smem, true);
-  zero_products<ldc>(c);
   float* dO = dS + max_dim * ldt;
   float* dD = dO + max_rows * ldt;
   float* Hh = dD + max_rows * ldt;
@@ -748,7 +720,6 @@ __global__ void __launch_bounds__(threads, 1) chunked_grad_kernel(GatedDeltaDims
   Chunk c;
   constexpr int ldk = grad_ldk, ldc = grad_ldc;
   float* dQ = carve<ldk, ldc>(c, smem, false);  // d loss / d q' rows (n, dk)
-  zero_products<ldc>(c);
   float* dK = dQ + max_rows * ldq;
   float* dqk = dK + max_rows * ldq;   // d loss / d Q (before the decays), (n, n)
   float* dkk = dqk + max_rows * ldc;  // d loss / d A
