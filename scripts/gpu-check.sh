@@ -13,6 +13,8 @@
 # PARTS=kernels builds and runs only the gpu tests and the kernel benchmarks (issue 5's checks).
 # PARTS=hybrid builds and runs only the gated delta rule's and the hybrid model's GPU tests,
 # bench_gated_delta and a 2-layer Qwen3-Next-80B slice at HYBRID_SEQS (default "32768 262144").
+# PARTS=balance builds and runs only the load-balancing loss's GPU checks (its kernels, the
+# executor's plans, 50 steps of two router-loss configs against transformers).
 # PARTS=group builds and runs only the multi-GPU group's tests and a quick oom-calibrate over every
 # GPU (kind nvidia-h200-x2: docs/multi-gpu.md, slice 1).
 # On a fresh machine that build can outlast a device call (580 s, 2026-12-01): the build stops
@@ -109,6 +111,11 @@ hybrid_targets=(test_gated_delta_kernels test_deltanet_kernels test_cuda_deltane
   bench_gated_delta oom-train)
 if [[ "$parts" == " hybrid " ]]; then targets=(--target "${hybrid_targets[@]}" ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" hybrid "* && ${#targets[@]} -gt 0 ]]; then targets+=("${hybrid_targets[@]}"); fi
+# PARTS=balance: the load-balancing loss on the GPU (docs/runtime.md): its kernels' and the
+# executor's tests, and 50 GPU steps of two router-loss configs against transformers.
+balance_targets=(test_moe_kernels test_cuda_causal_lm test_cuda_deltanet_shape oom-train)
+if [[ "$parts" == " balance " ]]; then targets=(--target "${balance_targets[@]}" ${EXTRA_TARGETS:-})
+elif [[ "$parts" == *" balance "* && ${#targets[@]} -gt 0 ]]; then targets+=("${balance_targets[@]}"); fi
 # PARTS=peers needs oom-train: alone, only it; beside other parts that name their targets, it too.
 if [[ "$parts" == " peers " ]]; then targets=(--target oom-train ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" peers "* && ${#targets[@]} -gt 0 ]]; then targets+=(oom-train); fi
@@ -239,6 +246,23 @@ if [[ "$parts" == *" hybrid "* ]]; then
     echo "qn2 seq $seq: exit $rc — $(grep '^step' "$out/train-qn2-$seq.log" | tail -1)" >> "$out/hybrid-summary.log"
     grep "recorded in" "$out/train-qn2-$seq.log" >> "$out/hybrid-summary.log"
   done
+fi
+
+if [[ "$parts" == *" balance "* ]]; then
+  # transformers' load-balancing loss (output_router_logits) in the CUDA executor: the router's
+  # probability sums and loss kernels against their references, every plan's step against the
+  # resident one with the loss, and 50 GPU steps against transformers (Qwen3-MoE with 2
+  # micro-batches; OLMoE, whose top-k weights are not renormalised), coefficient 0.5.
+  limited 200 "$build_dir/tests/test_moe_kernels" -tc="router*" > "$out/test_moe_kernels-router.log" 2>&1 || gpu_rc=1
+  limited 300 "$build_dir/tests/test_cuda_causal_lm" -tc="*load-balancing*" > "$out/test_cuda_causal_lm-balance.log" 2>&1 || gpu_rc=1
+  limited 60 "$build_dir/tests/test_cuda_deltanet_shape" > "$out/test_cuda_deltanet_shape.log" 2>&1 || host_rc=1
+  for t in test_moe_kernels-router test_cuda_causal_lm-balance test_cuda_deltanet_shape; do
+    echo "$t: $(grep -E 'test cases:|assertions:|aux at|losses' "$out/$t.log" | tr '\n' ' ')" >> "$out/train-summary.log"
+  done
+  COMPARE_ARGS="${BALANCE_COMPARE_ARGS:-}" versus_pytorch train-cuda-qwen3-router-loss 300 "Qwen3-MoE + load-balancing loss: 50 GPU steps vs PyTorch" \
+    --backend cuda --config tests/data/gpu-qwen3-moe-router-loss.json --steps 50 --seq 128 --micro-batches 2 --lr 3e-4 --log-every 10
+  COMPARE_ARGS="${BALANCE_COMPARE_ARGS:-}" versus_pytorch train-cuda-olmoe-router-loss 300 "OLMoE + load-balancing loss: 50 GPU steps vs PyTorch" \
+    --backend cuda --config tests/data/gpu-olmoe-router-loss.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
 fi
 
 if [[ "$parts" == *" calibrate "* ]]; then

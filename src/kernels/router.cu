@@ -98,6 +98,49 @@ __global__ void aux_final_kernel(const float* __restrict__ partial, float* __res
   if (threadIdx.x == 0) *aux = static_cast<float>(experts) * (s / T) / T;
 }
 
+// The rows of router_probability_sums split into at most this many slabs, each summed by one
+// block column; the slabs' count depends on T only, so the sums' order does too.
+constexpr std::int64_t prob_sum_slabs = 256;
+constexpr int prob_sum_rows_lanes = 8;  // threads a column within a block: rows y, y + 8, ...
+
+std::int64_t prob_sum_slab_count(std::int64_t tokens) { return std::min<std::int64_t>(prob_sum_slabs, (tokens + 255) / 256); }
+
+// Block (32, 8): 32 experts' columns, 8 row lanes over one slab of rows; the lanes' sums are added
+// in lane order. Writes partial[slab * E + e].
+__global__ void prob_sums_partial_kernel(const float* __restrict__ probs, double* __restrict__ partial, std::int64_t tokens,
+                                         int experts, std::int64_t slab_rows) {
+  __shared__ double lanes[prob_sum_rows_lanes][32];
+  const int e = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
+  const std::int64_t begin = static_cast<std::int64_t>(blockIdx.y) * slab_rows;
+  const std::int64_t end = min(tokens, begin + slab_rows);
+  double s = 0.0;
+  if (e < experts)
+    for (std::int64_t t = begin + threadIdx.y; t < end; t += prob_sum_rows_lanes) s += static_cast<double>(probs[t * experts + e]);
+  lanes[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && e < experts) {
+    double total = 0.0;
+    for (int y = 0; y < prob_sum_rows_lanes; ++y) total += lanes[y][threadIdx.x];
+    partial[blockIdx.y * static_cast<std::int64_t>(experts) + e] = total;
+  }
+}
+
+__global__ void prob_sums_final_kernel(const double* __restrict__ partial, double* __restrict__ sums, int slabs, int experts) {
+  const int e = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (e >= experts) return;
+  double total = 0.0;
+  for (int b = 0; b < slabs; ++b) total += partial[static_cast<std::int64_t>(b) * experts + e];
+  sums[e] += total;
+}
+
+// One thread: E <= 1024 products in expert order (the loss is read once a micro-batch).
+__global__ void balance_loss_kernel(const std::int32_t* __restrict__ counts, const double* __restrict__ sums, double rows,
+                                    double factor, double* __restrict__ loss, int experts) {
+  double s = 0.0;
+  for (int e = 0; e < experts; ++e) s += (static_cast<double>(counts[e]) / rows) * (sums[e] / rows);
+  *loss = factor * static_cast<double>(experts) * s;
+}
+
 // One warp per token: d p from d weights (through renorm) plus the aux term, then softmax backward.
 __global__ void router_backward_kernel(const float* __restrict__ probs, const std::int32_t* __restrict__ ids,
                                        const float* __restrict__ d_weights, const std::int32_t* __restrict__ counts,
@@ -184,6 +227,38 @@ cudaError_t router_aux_loss(cudaStream_t stream, const RouterShape& s, const flo
   aux_partial_kernel<<<static_cast<unsigned>(s.experts), 256, 0, stream>>>(probs, expert_counts, partial, s.tokens,
                                                                            static_cast<int>(s.experts));
   aux_final_kernel<<<1, 256, 0, stream>>>(partial, aux_loss, s.tokens, static_cast<int>(s.experts));
+  return cudaGetLastError();
+}
+
+std::size_t router_probability_sums_workspace_bytes(const RouterShape& s) {
+  return detail::align_up(static_cast<std::size_t>(prob_sum_slabs * s.experts) * sizeof(double));
+}
+
+cudaError_t router_probability_sums(cudaStream_t stream, const RouterShape& s, const float* probs, double* sums, void* workspace,
+                                    std::size_t workspace_bytes) {
+  OOM_KERNEL_TRY(check_shape("router_probability_sums", s));
+  if (const std::size_t need = router_probability_sums_workspace_bytes(s); workspace_bytes < need)
+    return detail::refuse_workspace("router_probability_sums", workspace, workspace_bytes, need,
+                                    "router_probability_sums_workspace_bytes");
+  if (s.tokens == 0) return cudaSuccess;
+  OOM_KERNEL_TRY(detail::refuse_null("router_probability_sums", {{"probs", probs}, {"sums", sums}, {"workspace", workspace}}));
+  const std::int64_t slabs = prob_sum_slab_count(s.tokens), slab_rows = (s.tokens + slabs - 1) / slabs;
+  auto* partial = static_cast<double*>(workspace);
+  const int E = static_cast<int>(s.experts);
+  prob_sums_partial_kernel<<<dim3(static_cast<unsigned>((E + 31) / 32), static_cast<unsigned>(slabs)), dim3(32, prob_sum_rows_lanes), 0,
+                             stream>>>(probs, partial, s.tokens, E, slab_rows);
+  OOM_KERNEL_TRY(cudaGetLastError());
+  prob_sums_final_kernel<<<static_cast<unsigned>((E + 127) / 128), 128, 0, stream>>>(partial, sums, static_cast<int>(slabs), E);
+  return cudaGetLastError();
+}
+
+cudaError_t router_balance_loss(cudaStream_t stream, std::int64_t experts, const std::int32_t* counts, const double* sums, double rows,
+                                double factor, double* loss) {
+  if (experts < 1 || experts > router_max_experts)
+    return detail::refuse("router_balance_loss: ", experts, " experts (1 to ", router_max_experts, ")");
+  if (!(rows > 0)) return detail::refuse("router_balance_loss: ", rows, " rows (must be positive)");
+  OOM_KERNEL_TRY(detail::refuse_null("router_balance_loss", {{"counts", counts}, {"sums", sums}, {"loss", loss}}));
+  balance_loss_kernel<<<1, 1, 0, stream>>>(counts, sums, rows, factor, loss, static_cast<int>(experts));
   return cudaGetLastError();
 }
 

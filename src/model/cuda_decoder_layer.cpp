@@ -449,10 +449,18 @@ void check_buffers(const void* saved, std::size_t saved_bytes, std::size_t saved
                         workspace_bytes, workspace_needed));
 }
 
-void check_context(const DecoderLayerContext& ctx) {
+void check_context(const DecoderLayerContext& ctx, const DecoderLayerShape& s) {
   kernels::clear_refusal();  // see check()
   if (!ctx.blas) invalid("context has no cuBLAS handle");
   if (!ctx.expert_streams) invalid("context has no ExpertGemmStreams (the row_chunked expert GEMMs need one)");
+  if (s.router_aux_loss_coef > 0 && ctx.balance == nullptr)
+    invalid(fmt::format("the shape has the load-balancing loss (router_aux_loss_coef {}) and the context no CudaRouterBalance",
+                        s.router_aux_loss_coef));
+  if (ctx.balance != nullptr && ctx.balance->coefficient() != s.router_aux_loss_coef)
+    invalid(fmt::format("the context's CudaRouterBalance has coefficient {}, the shape's router_aux_loss_coef is {}",
+                        ctx.balance->coefficient(), s.router_aux_loss_coef));
+  if (ctx.balance != nullptr && ctx.balance->tokens() != s.tokens)
+    invalid(fmt::format("the context's CudaRouterBalance is for {} tokens a layer, the shape has {}", ctx.balance->tokens(), s.tokens));
 }
 
 /// One chunk's E per-expert row counts are sane: none negative, summing to `rows` = n*k.
@@ -597,6 +605,8 @@ void DecoderLayerShape::validate() const {
   need(attention_chunk_tokens >= 0,
        fmt::format("attention_chunk_tokens = {} must be >= 0 (0: each sequence's queries at once)", attention_chunk_tokens));
   need(rms_norm_eps > 0 && rope_theta > 0, "rms_norm_eps and rope_theta must be positive");
+  need(router_aux_loss_coef >= 0 && std::isfinite(router_aux_loss_coef),
+       fmt::format("router_aux_loss_coef = {} must be finite and >= 0 (0: no load-balancing loss)", router_aux_loss_coef));
   if (!linear) need(kernels::attention_can_implement(attention_problem(*this)), "the attention kernel rejects this problem");
 }
 
@@ -606,8 +616,6 @@ DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer,
   const std::string where = fmt::format("layer {} of a {} model", layer, to_string(spec.family()));
   const bool hybrid = spec.family() == ModelFamily::qwen3_next || spec.family() == ModelFamily::qwen3_5_moe;
   if (!L.moe) invalid(where + " is a dense-MLP layer; only MoE layers are implemented");
-  if (spec.moe().router_aux_loss_coef > 0)
-    invalid(where + ": output_router_logits (transformers' load-balancing loss in the training loss) is not implemented on the GPU");
   if (spec.moe().router_jitter_noise > 0)
     invalid(where + fmt::format(": router_jitter_noise {} (random, so no step could be reproduced) is not implemented",
                                 spec.moe().router_jitter_noise));
@@ -648,6 +656,7 @@ DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer,
   s.top_k = static_cast<std::int64_t>(spec.moe().top_k);
   s.intermediate = static_cast<std::int64_t>(spec.moe().expert_intermediate);
   s.norm_topk_prob = spec.moe().norm_topk_prob;
+  s.router_aux_loss_coef = spec.moe().router_aux_loss_coef;
   s.rms_norm_eps = static_cast<float>(spec.rms_norm_eps());
   s.rope_theta = static_cast<float>(spec.rope_theta());
   s.validate();
@@ -781,7 +790,7 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
   // the forward's, which its bit-identical routing reproduces.
   if (ctx.expert_counts != nullptr && !(recompute && chunked(s))) ctx.expert_counts->clear();
   s.validate();
-  check_context(ctx);
+  check_context(ctx, s);
   check_params(s, params);
   if (!positions || !x || !y) invalid("forward: positions, x and y must be device pointers");
   if (x == y) invalid("forward: y must not alias x (the backward reads x)");
@@ -848,6 +857,9 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
         "post_attention_layernorm forward");
   check(kernels::router_forward(ctx.blas, st, router_shape(s), v.xn2, params.router, w.logits, v.probs, v.expert_ids, v.weights),
         "router forward");
+  // The load-balancing loss adds the forward's rows once; a recompute's routing is the forward's.
+  CudaRouterBalance* const balance = recompute ? nullptr : ctx.balance;
+  if (balance != nullptr) balance->add_probabilities(st, v.probs, T);
   if (recompute && chunked(s)) return;  // y is not needed, and nothing after the router is saved
   const ExpertRows& r = chunked(s) ? w.rows : v.rows;
   for (std::int64_t c0 = 0, C = moe_chunk(s); c0 < T; c0 += C) {
@@ -855,6 +867,7 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
     plan_rows(s, st, v.expert_ids, c0, n, r, w.plan_ws, w.plan_bytes);
     const auto counts = download_counts(s, r.counts, n * s.top_k, st, *ctx.expert_streams);
     if (ctx.expert_counts != nullptr) ctx.expert_counts->insert(ctx.expert_counts->end(), counts.begin(), counts.end());
+    if (balance != nullptr) balance->add_counts(counts);
     experts_forward(ctx, s, params, counts, v.xn2 + c0 * H, n, r, w.gemm_ws, w.gemm_bytes);
     check(kernels::unpermute_combine(st, permute_shape(s, n), H, r.slot_to_row, r.y_perm, v.weights + c0 * s.top_k, w.moe_out),
           "unpermute combine");
@@ -952,7 +965,7 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
                             std::size_t saved_bytes, bf16* dx, const DecoderLayerGrads& grads, void* workspace,
                             std::size_t workspace_bytes) {
   s.validate();
-  check_context(ctx);
+  check_context(ctx, s);
   check_params(s, params);
   check_grads(s, grads);
   if (!positions || !x || !dy || !dx) invalid("backward: positions, x, dy and dx must be device pointers");
@@ -1044,10 +1057,13 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
     grads.unrouted_experts->resize(reached.size());
     for (std::size_t e = 0; e < reached.size(); ++e) (*grads.unrouted_experts)[e] = reached[e] == 0 ? 1 : 0;
   }
-  // The router over all T. Its expert counts only scale the aux-loss gradient, which is 0 here:
-  // a chunked layer passes its last chunk's.
-  check(kernels::router_backward(ctx.blas, st, router_shape(s), v.xn2, params.router, v.probs, v.expert_ids, b.d_weights, r.counts,
-                                 0.0f, b.d_logits, b.dxn2, /*accumulate_dx=*/true, grads.router, b.router_ws, b.router_bytes),
+  // The router over all T. With the load-balancing loss, the micro-batch's counts over every layer
+  // and the loss's gradient scale (CudaRouterBalance); without, the counts only scale a zero
+  // gradient (a chunked layer passes its last chunk's).
+  const std::int32_t* const aux_counts = ctx.balance != nullptr ? ctx.balance->device_counts() : r.counts;
+  const float aux_grad = ctx.balance != nullptr ? ctx.balance->aux_loss_grad() : 0.0f;
+  check(kernels::router_backward(ctx.blas, st, router_shape(s), v.xn2, params.router, v.probs, v.expert_ids, b.d_weights, aux_counts,
+                                 aux_grad, b.d_logits, b.dxn2, /*accumulate_dx=*/true, grads.router, b.router_ws, b.router_bytes),
         "router backward");
   const float offset = s.norm_offset;
   check(kernels::rmsnorm_backward(b.dxn2, v.h, params.post_attention_layernorm, v.rstd2, b.dxn2, grads.post_attention_layernorm,

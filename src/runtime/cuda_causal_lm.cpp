@@ -198,6 +198,10 @@ struct CudaCausalLm::Impl {
   std::size_t workspace_bytes = 0;
   std::int32_t *d_ids = nullptr, *d_targets = nullptr, *d_positions = nullptr, *d_invalid = nullptr, *d_valid = nullptr;
   float* d_loss = nullptr;
+  // transformers' load-balancing loss (output_router_logits): each micro-batch's forward adds
+  // every layer's router to it; d_aux holds each micro-batch's coefficient x aux / K.
+  std::optional<model::CudaRouterBalance> balance;
+  double* d_aux = nullptr;
   // Clipping by global norm (options.max_grad_norm > 0): each segment's gradient sum of squares,
   // taken on the GPU as its gradients are made, and the kernel's scratch.
   double* d_sumsq = nullptr;
@@ -396,8 +400,8 @@ struct CudaCausalLm::Impl {
   cudaStream_t raw(const CudaBackend::Stream& s) const { return CudaBackend::raw(s); }
 
   /// Layer L's calls keep its expert counts from the forward for the backward.
-  model::DecoderLayerContext layer_ctx(Layer& L, cudaEvent_t halves = nullptr) const {
-    return {raw(cs), blas, expert_streams.get(), &L.expert_counts, halves};
+  model::DecoderLayerContext layer_ctx(Layer& L, cudaEvent_t halves = nullptr) {
+    return {raw(cs), blas, expert_streams.get(), &L.expert_counts, halves, balance ? &*balance : nullptr};
   }
   model::LmEndsContext ends_ctx() const { return {raw(cs), blas}; }
 
@@ -723,6 +727,14 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
   d_invalid = dev<std::int32_t>(1, Claimant::worksets);
   d_valid = dev<std::int32_t>(1, Claimant::worksets);
   d_loss = dev<float>(K, Claimant::worksets);  // each micro-batch's loss sum
+  if (const double coef = spec->moe().router_aux_loss_coef; coef > 0 && !layers.empty()) {
+    const auto E = static_cast<std::int64_t>(spec->moe().experts);
+    const std::size_t bytes = model::CudaRouterBalance::device_bytes(E, static_cast<std::int64_t>(T));
+    void* at = take(MemorySpace::device(opt.device), bytes, Claimant::worksets);
+    balance.emplace(static_cast<int>(layers.size()), E, static_cast<std::int64_t>(spec->moe().top_k), static_cast<std::int64_t>(T), coef,
+                    1.0 / static_cast<double>(K), at, bytes);
+    d_aux = dev<double>(K, Claimant::worksets);
+  }
   if (clipping()) {
     std::uint64_t largest = 0;
     for (const auto& g : segs) largest = std::max<std::uint64_t>(largest, g.n);
@@ -894,6 +906,7 @@ void CudaCausalLm::Impl::forward(std::size_t mb, const model::LmEndsShape& ends)
     }
   };
   place_boundary(0);
+  if (balance) balance->begin(raw(cs));
   int mk = span_begin(cs, Resource::gpu_compute, "embedding");
   model::lm_embed_forward(ends_ctx(), ends, segs[emb].dw, d_ids, x_at[0], d_invalid);
   span_end(cs, mk);
@@ -945,7 +958,7 @@ void CudaCausalLm::Impl::forward(std::size_t mb, const model::LmEndsShape& ends)
     if (l + 1 < n && !prefetch_ahead()) upcoming = &load_weights(l + 1);  // one slot: after its reader
     host_span("issue fwd " + label(l), issued);
   }
-
+  if (balance) balance->finish(raw(cs), d_aux + mb);
 }
 
 std::optional<double> CudaCausalLm::Impl::loss(std::size_t mb, const model::LmEndsShape& ends, Slot*& upcoming) {
@@ -962,11 +975,13 @@ std::optional<double> CudaCausalLm::Impl::loss(std::size_t mb, const model::LmEn
     // A micro-batch's non-finite loss skips the whole step: nothing has been updated yet, and the
     // next step writes its gradients afresh.
     float loss_sum = 0;
+    double aux = 0;
     const double waited = host_now();
     OOM_CUDA_CHECK(cudaMemcpyAsync(&loss_sum, d_loss + mb, sizeof(float), cudaMemcpyDeviceToHost, s));
+    if (balance) OOM_CUDA_CHECK(cudaMemcpyAsync(&aux, d_aux + mb, sizeof(double), cudaMemcpyDeviceToHost, s));
     sync_all();
     host_span("wait for the loss", waited);
-    const double mean = static_cast<double>(loss_sum) / static_cast<double>(K * T);
+    const double mean = static_cast<double>(loss_sum) / static_cast<double>(K * T) + aux;
     if (!std::isfinite(mean)) {
       resolve_marks();
       return mean;
@@ -1145,7 +1160,9 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::finish_step() {
   if (clipping()) apply_clipped_updates();
   OOM_CUDA_CHECK(cudaEventRecord(step_end, s));
   std::vector<float> loss_sums(K);
+  std::vector<double> aux(K, 0.0);
   OOM_CUDA_CHECK(cudaMemcpyAsync(loss_sums.data(), d_loss, K * sizeof(float), cudaMemcpyDeviceToHost, s));
+  if (balance) OOM_CUDA_CHECK(cudaMemcpyAsync(aux.data(), d_aux, K * sizeof(double), cudaMemcpyDeviceToHost, s));
   if (checking()) OOM_CUDA_CHECK(cudaMemcpyAsync(h_nonfinite, d_nonfinite, flag_count() * sizeof(int), cudaMemcpyDeviceToHost, s));
   sync_all();
   ++steps;  // counted once the whole step, updates included, is done
@@ -1168,9 +1185,13 @@ CudaCausalLm::StepResult CudaCausalLm::Impl::finish_step() {
   OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin, step_end));
   last_seconds = ms / 1e3;
   resolve_marks();
-  double loss_sum = 0;
-  for (const float v : loss_sums) loss_sum += static_cast<double>(v);  // in micro-batch order
-  return {loss_sum / static_cast<double>(K * T), false, clipping() ? last_grad_norm : -1.0};
+  double loss_sum = 0, aux_sum = 0;
+  for (std::size_t mb = 0; mb < K; ++mb) {  // in micro-batch order
+    loss_sum += static_cast<double>(loss_sums[mb]);
+    aux_sum += aux[mb];
+  }
+  // The training loss as transformers gives it: the mean cross-entropy plus coefficient x aux.
+  return {loss_sum / static_cast<double>(K * T) + aux_sum, false, clipping() ? last_grad_norm : -1.0};
 }
 
 Plan CudaCausalLm::as_executed(const ModelSpec& spec, const Plan& plan, const CudaCausalLmOptions& options) {

@@ -785,6 +785,55 @@ TEST_CASE("gradient accumulation over micro-batches: every plan gives the reside
   }
 }
 
+TEST_CASE("the load-balancing loss (output_router_logits): every plan the resident plan's step, bit for bit; the loss adds it") {
+  // Coefficient 0.5 (transformers' defaults are 1e-3 to 2e-2: large here so that it moves the step).
+  // Two micro-batches: each its own loss over its L x T rows, carrying 1/2.
+  const auto spec = test::small_qwen3_moe(3, 0.5);
+  Plan reference = resident_plan(spec);
+  reference.micro_batches = 2;
+  const Run expect = train(spec, reference);
+  MESSAGE("load-balancing loss 0.5, 2 micro-batches: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
+  CHECK(same(train(spec, reference).state, expect.state));  // deterministic run to run
+
+  // The first step's loss is the cross-entropy's (the same forward) plus coefficient x aux, linear
+  // in the coefficient. aux = E sum_e f_e p_e (sum_e f_e = k, sum_e p_e = 1) is at most E k, and
+  // k = 2 for balanced routing, which these random initial weights about give: more than 1.
+  const Run plain = train(test::small_qwen3_moe(3), reference, 1);
+  const Run twice = train(test::small_qwen3_moe(3, 1.0), reference, 1);
+  const double aux = (expect.losses[0] - plain.losses[0]) / 0.5;
+  MESSAGE("aux at the first step " << aux << " (uniform routing: k = 2)");
+  CHECK(aux > 1.0);
+  CHECK(aux <= 8.0 * 2);
+  CHECK((twice.losses[0] - plain.losses[0]) == doctest::Approx(2 * (expect.losses[0] - plain.losses[0])).epsilon(1e-9));
+  // Its gradient moves the routers, so the next steps differ from the plain loss's by more than it.
+  CHECK_FALSE(same(train(test::small_qwen3_moe(3), reference, 1).state, train(spec, reference, 1).state));
+
+  // Streamed, offloaded, recomputed (the recompute adds no rows a second time): bit for bit.
+  std::mt19937_64 rng(45);
+  for (int i = 0; i < 4; ++i) {
+    const Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
+    CAPTURE(i);
+    const Run got = train(spec, p, 3, false, 0, /*keep_attention_state=*/i % 2 == 0);
+    CHECK(got.losses == expect.losses);
+    CHECK(same(got.state, expect.state));
+  }
+  // MoE token chunks: the counts summed over the chunks give the whole layer's loss; the chunked
+  // plan's own step under any retention (the chunked recompute stops after the router).
+  Plan chunked = reference;
+  for (auto& c : chunked.chunks) c.moe_tokens = 50;
+  const Run chunked_expect = train(spec, chunked);
+  CHECK(std::abs(chunked_expect.losses[0] - expect.losses[0]) <= 1e-3 * std::abs(expect.losses[0]));
+  Plan streamed = chunked;
+  streamed.resident_segments.clear();
+  streamed.prefetch_depth = 1;
+  for (int l = 0; l < 3; ++l)
+    streamed.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(ActivationClass::expert_intermediate)] =
+        RetentionDecision::recompute(l);
+  const Run got = train(spec, streamed);
+  CHECK(got.losses == chunked_expect.losses);
+  CHECK(same(got.state, chunked_expect.state));
+}
+
 TEST_CASE("micro-batches: an expert one window does not reach gets that window's zeros") {
   // Windows of 2 tokens routed top-2 reach at most 4 of the 8 experts of each layer, each window
   // others. With several micro-batches the unreached experts are zeroed, not left unwritten

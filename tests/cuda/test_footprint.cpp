@@ -836,3 +836,27 @@ TEST_CASE("fit: a linear layer's token parts are cut with the MoE chunk where on
   CHECK(text.find(fmt::format("chunking: attention up to {} query chunk(s), linear attention in parts of {} tokens,", q_ends.size(),
                               ends.front())) != std::string::npos);
 }
+
+TEST_CASE("the load-balancing loss: its accumulator and each micro-batch's loss on the GPU, nothing else; counts past int32 refused") {
+  Json j = read_json_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/moe-5b.json");
+  const auto plain = ModelSpec::from_json(j);
+  j.set("output_router_logits", Json(true));
+  const auto balanced = ModelSpec::from_json(j);
+  Plan p = plan_for(plain, 32768);
+  p.micro_batches = 2;
+  const auto without = CudaCausalLm::footprint(plain, p);
+  const auto with = CudaCausalLm::footprint(balanced, p);
+  const auto worksets = static_cast<std::size_t>(Claimant::worksets);
+  // CudaRouterBalance's buffer (P, C and the probability sums' scratch of 256 slabs x 64 experts in
+  // fp64) and 2 doubles of loss, each rounded up to 256 bytes.
+  const auto round = [](std::uint64_t b) { return (b + 255) / 256 * 256; };
+  const std::uint64_t added = round(model::CudaRouterBalance::device_bytes(64, 32768)) + round(2 * sizeof(double));
+  CHECK(added < 160'000);
+  CHECK(with[worksets] == without[worksets] + Bytes{added});
+  for (int c = 0; c < claimant_count; ++c)
+    if (c != static_cast<int>(worksets)) CHECK(with[static_cast<std::size_t>(c)] == without[static_cast<std::size_t>(c)]);
+  // 16 layers x 2^24 tokens x top 8 slots = 2^31: router_backward's int32 counts would overflow.
+  Plan huge = p;
+  huge.workload = {1, std::uint64_t{1} << 24};
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(balanced, huge), doctest::Contains("could pass the int32 counts"), Error);
+}

@@ -156,6 +156,62 @@ TEST_CASE("router forward, aux loss and backward match the reference") {
     }
 }
 
+TEST_CASE("router probability sums add each layer's columns in fp64; the balance loss over the layers matches the reference") {
+  // E not a multiple of the 32-column blocks; T past 256 slabs of 256 rows (70001: slabs of 274).
+  for (const std::int64_t E : {7, 64, 515})
+    for (const std::int64_t T : {1, 7, 1000, 4099, 70001}) {
+      if (E > 64 && T > 4099) continue;  // 144 MB of probabilities is enough for the long case
+      CAPTURE(E);
+      CAPTURE(T);
+      const k::RouterShape s{.tokens = T, .hidden = 8, .experts = E, .top_k = std::min<std::int64_t>(E, 4)};
+      constexpr int layers = 3;
+      std::vector<std::vector<float>> probs(layers);
+      std::vector<double> want(static_cast<std::size_t>(E), 0.25);  // the sums start from what is there
+      DeviceBuffer<double> sums(want);
+      DeviceBuffer<std::uint8_t> ws(k::router_probability_sums_workspace_bytes(s));
+      for (int l = 0; l < layers; ++l) {
+        probs[l] = random_normal(static_cast<std::size_t>(T * E), 16000 + 10 * T + E + l);
+        for (auto& p : probs[l]) p = std::abs(p);
+        for (std::int64_t t = 0; t < T; ++t)
+          for (std::int64_t e = 0; e < E; ++e) want[e] += probs[l][t * E + e];
+        DeviceBuffer<float> d_probs(probs[l]);
+        REQUIRE(k::router_probability_sums(nullptr, s, d_probs.get(), sums.get(), ws.get(), ws.size()) == cudaSuccess);
+      }
+      const auto got = sums.download();
+      // fp64 sums of fp32 values in another order than the reference's: ~T * 2^-53 relative.
+      for (std::int64_t e = 0; e < E; ++e) CHECK(got[e] == doctest::Approx(want[e]).epsilon(1e-11));
+
+      // The same inputs give the same bits (fixed slabs, fixed order).
+      DeviceBuffer<double> again(std::vector<double>(static_cast<std::size_t>(E), 0.25));
+      for (int l = 0; l < layers; ++l) {
+        DeviceBuffer<float> d_probs(probs[l]);
+        REQUIRE(k::router_probability_sums(nullptr, s, d_probs.get(), again.get(), ws.get(), ws.size()) == cudaSuccess);
+      }
+      CHECK(again.download() == got);
+
+      // The loss over the 3 layers' rows: factor x E x sum_e (C_e / N)(P_e / N), against the
+      // single-layer reference's formula run over the layers' rows stacked (N = 3T rows).
+      std::vector<std::int32_t> counts(static_cast<std::size_t>(E));
+      for (std::int64_t e = 0; e < E; ++e) counts[e] = static_cast<std::int32_t>((e * 7 + T) % 11);
+      DeviceBuffer<std::int32_t> d_counts(counts);
+      DeviceBuffer<double> loss(1);
+      const double rows = static_cast<double>(layers * T), factor = 0.37;
+      REQUIRE(k::router_balance_loss(nullptr, E, d_counts.get(), sums.get(), rows, factor, loss.get()) == cudaSuccess);
+      double ref_loss = 0;
+      for (std::int64_t e = 0; e < E; ++e) ref_loss += (counts[e] / rows) * (got[e] / rows);
+      ref_loss *= factor * static_cast<double>(E);
+      CHECK(loss.download()[0] == doctest::Approx(ref_loss).epsilon(1e-13));
+    }
+  const k::RouterShape s{.tokens = 5, .hidden = 8, .experts = 4, .top_k = 2};
+  DeviceBuffer<float> probs(20);
+  DeviceBuffer<double> sums(4), loss(1);
+  DeviceBuffer<std::int32_t> counts(4);
+  DeviceBuffer<std::uint8_t> ws(k::router_probability_sums_workspace_bytes(s));
+  CHECK(k::router_probability_sums(nullptr, s, probs.get(), sums.get(), ws.get(), ws.size() - 1) == cudaErrorInvalidValue);
+  CHECK(k::router_balance_loss(nullptr, 4, counts.get(), sums.get(), 0.0, 1.0, loss.get()) == cudaErrorInvalidValue);
+  CHECK(k::router_balance_loss(nullptr, 0, counts.get(), sums.get(), 5.0, 1.0, loss.get()) == cudaErrorInvalidValue);
+}
+
 TEST_CASE("permutation plan, gather, combine and their backwards match the reference") {
   const std::int64_t E = 64, K = 8, dead = 5;
   for (const std::int64_t H : {136, 100}) {  // 100: rows not 16-byte multiples (scalar gather path)

@@ -41,6 +41,13 @@ struct H200StepModel {
   }
 };
 
+/// One fake base per segment of a layer, far apart (only offsets are taken from them).
+std::vector<const bf16*> fake_bases(const ModelSpec& spec, int layer) {
+  std::vector<const bf16*> bases;
+  for (std::size_t i = 0; i < spec.layer_segments(layer).size(); ++i) bases.push_back(reinterpret_cast<const bf16*>((i + 1) << 32));
+  return bases;
+}
+
 }  // namespace
 
 TEST_CASE("DeltaNetShape::from_spec: both families, the spec's segment, refusals named") {
@@ -134,12 +141,6 @@ TEST_CASE("the decoder layer's hybrid shapes and bindings: kind, gate, rotary, n
   const std::string data = std::string(OOM_SOURCE_DIR) + "/tests/data/";
   const ModelSpec next = ModelSpec::from_file(data + "gpu-qwen3-next-layers.json");
   const ModelSpec q35 = ModelSpec::from_file(data + "gpu-qwen3.5-moe-layers.json");
-  // One fake base per segment of a layer, far apart (only offsets are taken from them).
-  const auto fake_bases = [](const ModelSpec& spec, int layer) {
-    std::vector<const bf16*> bases;
-    for (std::size_t i = 0; i < spec.layer_segments(layer).size(); ++i) bases.push_back(reinterpret_cast<const bf16*>((i + 1) << 32));
-    return bases;
-  };
   for (const auto* spec : {&next, &q35}) {
     CAPTURE(to_string(spec->family()));
     const auto linear = model::DecoderLayerShape::from_spec(*spec, 0, 122, 2);
@@ -195,19 +196,75 @@ TEST_CASE("the decoder layer's hybrid shapes and bindings: kind, gate, rotary, n
                        doctest::Contains("params: shared_expert_gate is null"), Error);
 }
 
-TEST_CASE("the GPU layer refuses a model whose training loss adds the load-balancing loss, or with a sliding window, naming it") {
+TEST_CASE("the GPU layer refuses a sliding window by name; a load-balancing loss needs the context's CudaRouterBalance") {
   Json j = read_json_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/tiny-moe-d128.json");
-  CHECK_NOTHROW((void)model::DecoderLayerShape::from_spec(ModelSpec::from_json(j), 0, 128));
+  const auto plain = model::DecoderLayerShape::from_spec(ModelSpec::from_json(j), 0, 128);
+  CHECK(plain.router_aux_loss_coef == 0);
   Json windowed = j;
   windowed.set("use_sliding_window", Json(true));
   windowed.set("sliding_window", Json(4096));
   CHECK_THROWS_WITH_AS((void)model::DecoderLayerShape::from_spec(ModelSpec::from_json(windowed), 0, 128),
                        doctest::Contains("sliding-window attention (sliding_window 4096) is not implemented"), Error);
   j.set("output_router_logits", Json(true));
-  CHECK_THROWS_WITH_AS((void)model::DecoderLayerShape::from_spec(ModelSpec::from_json(j), 0, 128),
-                       doctest::Contains("output_router_logits (transformers' load-balancing loss in the training loss) is not "
-                                         "implemented on the GPU"),
+  j.set("router_aux_loss_coef", Json(0.25));
+  const ModelSpec spec = ModelSpec::from_json(j);
+  const auto s = model::DecoderLayerShape::from_spec(spec, 0, 128);
+  CHECK(s.router_aux_loss_coef == 0.25);
+
+  // The layer's entries refuse the loss without its accumulator, or with one of another
+  // coefficient or token count, before anything is launched (the pointers here are never read).
+  const auto p = model::bind_decoder_layer_params(spec, 0, fake_bases(spec, 0));
+  kernels::ExpertGemmStreams streams;
+  const auto* fake = reinterpret_cast<bf16*>(&streams);
+  const auto* positions = reinterpret_cast<const std::int32_t*>(fake);
+  model::DecoderLayerContext ctx{nullptr, reinterpret_cast<cublasHandle_t>(&streams), &streams, nullptr};
+  const auto forward = [&] {
+    model::decoder_layer_forward(ctx, s, p, positions, fake, const_cast<bf16*>(fake) + 1, &streams, 0, &streams, 0);
+  };
+  CHECK_THROWS_WITH_AS(forward(), doctest::Contains("router_aux_loss_coef 0.25) and the context no CudaRouterBalance"), Error);
+  const std::size_t bytes = model::CudaRouterBalance::device_bytes(s.experts, s.tokens);
+  model::CudaRouterBalance other(2, s.experts, s.top_k, s.tokens, 0.5, 1.0, &streams, bytes);
+  ctx.balance = &other;
+  CHECK_THROWS_WITH_AS(forward(), doctest::Contains("CudaRouterBalance has coefficient 0.5, the shape's router_aux_loss_coef is 0.25"),
                        Error);
+  model::CudaRouterBalance shorter(2, s.experts, s.top_k, s.tokens - 1, 0.25, 1.0, &streams, bytes);
+  ctx.balance = &shorter;
+  CHECK_THROWS_WITH_AS(forward(), doctest::Contains("CudaRouterBalance is for 127 tokens a layer, the shape has 128"), Error);
+  model::CudaRouterBalance right(2, s.experts, s.top_k, s.tokens, 0.25, 1.0, &streams, bytes);
+  model::DecoderLayerShape without = s;
+  without.router_aux_loss_coef = 0;
+  ctx.balance = &right;
+  CHECK_THROWS_WITH_AS(model::decoder_layer_forward(ctx, without, p, positions, fake, const_cast<bf16*>(fake) + 1, &streams, 0, &streams, 0),
+                       doctest::Contains("CudaRouterBalance has coefficient 0.25, the shape's router_aux_loss_coef is 0"), Error);
+  model::DecoderLayerShape negative = s;
+  negative.router_aux_loss_coef = -1;
+  CHECK_THROWS_WITH_AS(negative.validate(), doctest::Contains("router_aux_loss_coef = -1 must be finite and >= 0"), Error);
+}
+
+TEST_CASE("CudaRouterBalance refuses sizes, buffers and calls out of order by name, before touching the GPU") {
+  int buffer = 0;
+  const std::size_t bytes = model::CudaRouterBalance::device_bytes(8, 100);
+  CHECK(bytes >= 8 * sizeof(double) + 8 * sizeof(std::int32_t));
+  CHECK(model::CudaRouterBalance::device_bytes(64, 100) > bytes);  // grows with the experts
+  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(2, 8, 2, 100, 0.1, 1.0, nullptr, bytes),
+                       doctest::Contains("device buffer null of"), Error);
+  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(2, 8, 2, 100, 0.1, 1.0, &buffer, bytes - 1),
+                       doctest::Contains(("needs " + std::to_string(bytes) + " (CudaRouterBalance::device_bytes)").c_str()), Error);
+  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(2, 8, 9, 100, 0.1, 1.0, &buffer, bytes), doctest::Contains("1 <= top_k <= experts"),
+                       Error);
+  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(0, 8, 2, 100, 0.1, 1.0, &buffer, bytes), doctest::Contains("at least one layer"), Error);
+  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(2, 8, 2, 100, 0.1, 0.0, &buffer, bytes), doctest::Contains("a scale > 0"), Error);
+  // 48 layers x 2^20 tokens x 64 slots: past int32, which router_backward's counts are.
+  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(48, 128, 64, 1 << 20, 0.1, 1.0, &buffer, 1 << 30),
+                       doctest::Contains("could pass the int32 counts of router_backward"), Error);
+
+  model::CudaRouterBalance b(2, 8, 2, 100, 0.1, 0.5, &buffer, bytes);
+  CHECK(b.aux_loss_grad() == doctest::Approx(0.1 * 0.5 / 4));
+  const std::vector<std::int32_t> counts(8, 25);
+  CHECK_THROWS_WITH_AS(b.add_counts(counts), doctest::Contains("expert counts added outside a forward (begin() first)"), Error);
+  CHECK_THROWS_WITH_AS(b.add_probabilities(nullptr, nullptr, 100), doctest::Contains("outside a forward (begin() first)"), Error);
+  CHECK_THROWS_WITH_AS(b.finish(nullptr, nullptr), doctest::Contains("finish() outside a forward"), Error);
+  CHECK_THROWS_WITH_AS((void)b.device_counts(), doctest::Contains("the backward's global counts asked before finish()"), Error);
 }
 
 TEST_CASE("Mixtral's and OLMoE's layer shapes and bindings: q/k norm, experts w1/w3/w2, router, refusals named") {

@@ -51,6 +51,27 @@ cudaError_t router_aux_loss(cudaStream_t stream, const RouterShape& s,
                             float* aux_loss,                   // (1) out
                             void* workspace, std::size_t workspace_bytes);
 
+/// Scratch of router_probability_sums: a partial sum per expert for each of up to 256 slabs of
+/// rows, in fp64.
+std::size_t router_probability_sums_workspace_bytes(const RouterShape& s);
+
+/// sums[e] += sum_t probs[t, e] in fp64, deterministic (fixed slabs of rows, each summed in row
+/// order, the slabs then in order): a load-balancing loss over several layers (P_e of
+/// model::CudaRouterBalance) adds each layer's router here.
+cudaError_t router_probability_sums(cudaStream_t stream, const RouterShape& s,
+                                    const float* probs,  // (T, E)
+                                    double* sums,        // (E) in and out
+                                    void* workspace, std::size_t workspace_bytes);
+
+/// loss = factor * E * sum_e counts[e] * sums[e] / rows^2, in fp64 on one block in expert order:
+/// transformers' load-balancing loss over `rows` router rows (all layers' tokens) with C_e =
+/// counts[e] slots and P_e = sums[e] probability, times factor (its coefficient and scale).
+cudaError_t router_balance_loss(cudaStream_t stream, std::int64_t experts,
+                                const std::int32_t* counts,  // (E)
+                                const double* sums,          // (E)
+                                double rows, double factor,
+                                double* loss);               // (1) out
+
 /// Scratch of router_backward: the bf16 copy of d logits that the cuBLAS GEMMs read.
 std::size_t router_backward_workspace_bytes(const RouterShape& s);
 

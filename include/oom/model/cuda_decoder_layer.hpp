@@ -11,7 +11,8 @@
 //   p   = softmax(xn2 Wr^T) (fp32); top-k experts, weights renormalised when norm_topk_prob
 //   y   = h + sum_j w_j down_e(silu(gate_e xn2) * up_e xn2)
 //
-// No aux loss, no dropout; T tokens in DecoderLayerShape::sequences sequences (positions given per token).
+// No dropout. The load-balancing loss (output_router_logits) is the caller's CudaRouterBalance
+// (DecoderLayerShape::router_aux_loss_coef, DecoderLayerContext::balance); T tokens in DecoderLayerShape::sequences sequences (positions given per token).
 //
 // The hybrid families (Qwen3-Next, Qwen3.5-MoE; transformers' Qwen3NextDecoderLayer and
 // Qwen3_5MoeDecoderLayer) differ in five ways, each a field of DecoderLayerShape:
@@ -69,6 +70,7 @@
 
 #include "oom/core/numeric.hpp"
 #include "oom/model/cuda_deltanet.hpp"
+#include "oom/model/cuda_router_balance.hpp"
 
 struct cublasContext;
 typedef struct cublasContext* cublasHandle_t;  // as cublas_api.h declares it
@@ -124,6 +126,10 @@ struct DecoderLayerShape {
   /// softmax attention, whose fields (heads, head_dim, rope, output_gate) are then not used.
   bool linear = false;
   DeltaNetShape deltanet;
+  /// transformers' load-balancing loss coefficient (router_aux_loss_coef with output_router_logits,
+  /// ModelSpec's MoeSpec); > 0: forward and backward need DecoderLayerContext::balance, built with
+  /// this coefficient. 0: no such loss.
+  double router_aux_loss_coef = 0;
 
   /// Layer `layer` of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral or OLMoE config with T =
   /// tokens in `sequences` sequences. Errc::invalid_argument when the layer is not one this class
@@ -224,6 +230,11 @@ struct DecoderLayerContext {
   /// router's and the post-attention norm's backward and the residual included), before the token
   /// mixer's. A profiler (CudaCausalLm's recorded step) times each half with it. nullptr: none.
   cudaEvent_t halves = nullptr;
+  /// The micro-batch's load-balancing loss, for a shape with router_aux_loss_coef > 0 (refused
+  /// without it, and with it for a shape without the loss): the forward (not a recompute) adds its
+  /// router's probabilities and its chunks' counts; the backward takes its global counts and
+  /// gradient scale, so it must come after the micro-batch's finish().
+  CudaRouterBalance* balance = nullptr;
 };
 
 /// Bytes of the buffer kept from forward to backward (the list is in docs/kernels.md): O(T*(H +

@@ -1,0 +1,106 @@
+// The load-balancing loss on the GPU; contract in include/oom/model/cuda_router_balance.hpp.
+#include "oom/model/cuda_router_balance.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <climits>
+#include <numeric>
+
+#include "oom/core/cuda_check.hpp"
+#include "oom/core/error.hpp"
+#include "oom/kernels/router.hpp"
+
+namespace oom::model {
+namespace {
+
+constexpr std::size_t align = 256;
+std::size_t aligned(std::size_t bytes) { return (bytes + align - 1) / align * align; }
+
+kernels::RouterShape shape(std::int64_t experts, std::int64_t top_k, std::int64_t tokens) {
+  return {.tokens = tokens, .hidden = 1, .experts = experts, .top_k = top_k};
+}
+
+[[noreturn]] void invalid(const std::string& what) { throw Error(Errc::invalid_argument, "router balance loss (GPU): " + what); }
+
+}  // namespace
+
+std::size_t CudaRouterBalance::device_bytes(std::int64_t experts, std::int64_t tokens) {
+  const auto E = static_cast<std::size_t>(std::max<std::int64_t>(experts, 0));
+  return aligned(E * sizeof(double)) + aligned(E * sizeof(std::int32_t)) +
+         kernels::router_probability_sums_workspace_bytes(shape(experts, 1, tokens));
+}
+
+CudaRouterBalance::CudaRouterBalance(int layers, std::int64_t experts, std::int64_t top_k, std::int64_t tokens, double coefficient,
+                                     double scale, void* device, std::size_t bytes)
+    : layers_(layers), experts_(experts), top_k_(top_k), tokens_(tokens), coefficient_(coefficient), scale_(scale) {
+  if (layers < 1 || experts < 1 || experts > kernels::router_max_experts || top_k < 1 || top_k > experts || tokens < 1 ||
+      !(coefficient >= 0) || !(scale > 0))
+    invalid(fmt::format("{} layers of {} experts, top {}, {} tokens, coefficient {}, scale {}: needs at least one layer and token, "
+                        "1 to {} experts, 1 <= top_k <= experts, a coefficient >= 0 and a scale > 0",
+                        layers, experts, top_k, tokens, coefficient, scale, kernels::router_max_experts));
+  if (static_cast<double>(layers) * static_cast<double>(tokens) * static_cast<double>(top_k) >= static_cast<double>(INT_MAX))
+    invalid(fmt::format("{} layers x {} tokens x top {} slots could pass the int32 counts of router_backward", layers, tokens, top_k));
+  const std::size_t need = device_bytes(experts, tokens);
+  if (device == nullptr || bytes < need)
+    invalid(fmt::format("device buffer {} of {} bytes; needs {} (CudaRouterBalance::device_bytes)", device ? "given" : "null", bytes, need));
+  const auto E = static_cast<std::size_t>(experts);
+  auto* at = static_cast<unsigned char*>(device);
+  sums_ = reinterpret_cast<double*>(at);
+  at += aligned(E * sizeof(double));
+  device_counts_ = reinterpret_cast<std::int32_t*>(at);
+  at += aligned(E * sizeof(std::int32_t));
+  scratch_ = at;
+  scratch_bytes_ = kernels::router_probability_sums_workspace_bytes(shape(experts, 1, tokens));
+  counts_.assign(E, 0);
+  upload_.assign(E, 0);
+}
+
+void CudaRouterBalance::begin(cudaStream_t stream) {
+  OOM_CUDA_CHECK(cudaMemsetAsync(sums_, 0, static_cast<std::size_t>(experts_) * sizeof(double), stream));
+  std::fill(counts_.begin(), counts_.end(), 0);
+  layers_added_ = 0;
+  phase_ = Phase::forward;
+}
+
+void CudaRouterBalance::add_probabilities(cudaStream_t stream, const float* probs, std::int64_t tokens) {
+  if (phase_ != Phase::forward) invalid("a layer's router added outside a forward (begin() first)");
+  if (layers_added_ == layers_) invalid(fmt::format("a router added past the {} layers of the forward", layers_));
+  if (tokens != tokens_) invalid(fmt::format("a layer's router over {} tokens; the loss was built for {}", tokens, tokens_));
+  OOM_CUDA_CHECK(kernels::router_probability_sums(stream, shape(experts_, top_k_, tokens), probs, sums_, scratch_, scratch_bytes_));
+  ++layers_added_;
+}
+
+void CudaRouterBalance::add_counts(std::span<const std::int32_t> counts) {
+  if (phase_ != Phase::forward) invalid("expert counts added outside a forward (begin() first)");
+  if (counts.size() != counts_.size()) invalid(fmt::format("{} expert counts for {} experts", counts.size(), counts_.size()));
+  for (std::size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] < 0) invalid(fmt::format("expert {} counted {} slots", e, counts[e]));
+    counts_[e] += counts[e];
+  }
+}
+
+void CudaRouterBalance::finish(cudaStream_t stream, double* loss) {
+  if (phase_ != Phase::forward) invalid("finish() outside a forward (begin() first)");
+  const std::int64_t slots = std::accumulate(counts_.begin(), counts_.end(), std::int64_t{0});
+  if (layers_added_ != layers_ || slots != static_cast<std::int64_t>(layers_) * tokens_ * top_k_)
+    invalid(fmt::format("finish() after {} of {} layers' routers and {} of {} slots counted", layers_added_, layers_, slots,
+                        static_cast<std::int64_t>(layers_) * tokens_ * top_k_));
+  std::transform(counts_.begin(), counts_.end(), upload_.begin(), [](std::int64_t c) { return static_cast<std::int32_t>(c); });
+  // Pageable source: the call returns once upload_ is staged, so the next begin() may refill it.
+  OOM_CUDA_CHECK(cudaMemcpyAsync(device_counts_, upload_.data(), upload_.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream));
+  const double rows = static_cast<double>(layers_) * static_cast<double>(tokens_);
+  OOM_CUDA_CHECK(kernels::router_balance_loss(stream, experts_, device_counts_, sums_, rows, coefficient_ * scale_, loss));
+  phase_ = Phase::finished;
+}
+
+const std::int32_t* CudaRouterBalance::device_counts() const {
+  if (phase_ != Phase::finished) invalid("the backward's global counts asked before finish()");
+  return device_counts_;
+}
+
+float CudaRouterBalance::aux_loss_grad() const {
+  return static_cast<float>(coefficient_ * scale_ / (static_cast<double>(layers_) * static_cast<double>(layers_)));
+}
+
+}  // namespace oom::model
