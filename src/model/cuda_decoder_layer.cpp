@@ -459,8 +459,10 @@ void check_context(const DecoderLayerContext& ctx, const DecoderLayerShape& s) {
   if (ctx.balance != nullptr && ctx.balance->coefficient() != s.router_aux_loss_coef)
     invalid(fmt::format("the context's CudaRouterBalance has coefficient {}, the shape's router_aux_loss_coef is {}",
                         ctx.balance->coefficient(), s.router_aux_loss_coef));
-  if (ctx.balance != nullptr && ctx.balance->tokens() != s.tokens)
-    invalid(fmt::format("the context's CudaRouterBalance is for {} tokens a layer, the shape has {}", ctx.balance->tokens(), s.tokens));
+  if (ctx.balance != nullptr &&
+      (ctx.balance->tokens() != s.tokens || ctx.balance->experts() != s.experts || ctx.balance->top_k() != s.top_k))
+    invalid(fmt::format("the context's CudaRouterBalance is for {} tokens a layer, {} experts, top {}; the shape has {}, {}, top {}",
+                        ctx.balance->tokens(), ctx.balance->experts(), ctx.balance->top_k(), s.tokens, s.experts, s.top_k));
 }
 
 /// One chunk's E per-expert row counts are sane: none negative, summing to `rows` = n*k.

@@ -6,16 +6,15 @@
 #include <algorithm>
 #include <climits>
 #include <numeric>
+#include <string>
 
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/error.hpp"
 #include "oom/kernels/router.hpp"
+#include "cuda_layer_util.hpp"
 
 namespace oom::model {
 namespace {
-
-constexpr std::size_t align = 256;
-std::size_t aligned(std::size_t bytes) { return (bytes + align - 1) / align * align; }
 
 kernels::RouterShape shape(std::int64_t experts, std::int64_t top_k, std::int64_t tokens) {
   return {.tokens = tokens, .hidden = 1, .experts = experts, .top_k = top_k};
@@ -23,37 +22,53 @@ kernels::RouterShape shape(std::int64_t experts, std::int64_t top_k, std::int64_
 
 [[noreturn]] void invalid(const std::string& what) { throw Error(Errc::invalid_argument, "router balance loss (GPU): " + what); }
 
+/// The device buffer's parts, carved from `base` (null: only counted, for device_bytes).
+struct Parts {
+  double* sums;
+  std::int32_t* counts;
+  void* scratch;
+  std::size_t scratch_bytes;
+  std::size_t bytes;
+};
+
+Parts carve(void* base, std::int64_t experts, std::int64_t tokens) {
+  detail::Carver c(base);
+  Parts p{};
+  p.sums = c.take<double>(experts);
+  p.counts = c.take<std::int32_t>(experts);
+  p.scratch_bytes = kernels::router_probability_sums_workspace_bytes(shape(experts, 1, tokens));
+  p.scratch = c.take_bytes(p.scratch_bytes);
+  p.bytes = c.size();
+  return p;
+}
+
 }  // namespace
 
 std::size_t CudaRouterBalance::device_bytes(std::int64_t experts, std::int64_t tokens) {
-  const auto E = static_cast<std::size_t>(std::max<std::int64_t>(experts, 0));
-  return aligned(E * sizeof(double)) + aligned(E * sizeof(std::int32_t)) +
-         kernels::router_probability_sums_workspace_bytes(shape(experts, 1, tokens));
+  return carve(nullptr, std::max<std::int64_t>(experts, 0), tokens).bytes;
 }
 
 CudaRouterBalance::CudaRouterBalance(int layers, std::int64_t experts, std::int64_t top_k, std::int64_t tokens, double coefficient,
                                      double scale, void* device, std::size_t bytes)
     : layers_(layers), experts_(experts), top_k_(top_k), tokens_(tokens), coefficient_(coefficient), scale_(scale) {
-  if (layers < 1 || experts < 1 || experts > kernels::router_max_experts || top_k < 1 || top_k > experts || tokens < 1 ||
-      !(coefficient >= 0) || !(scale > 0))
+  if (layers < 1 || experts < 1 || experts > kernels::router_max_experts || top_k < 1 || top_k > experts ||
+      top_k > kernels::router_max_top_k || tokens < 1 || !(coefficient >= 0) || !(scale > 0))
     invalid(fmt::format("{} layers of {} experts, top {}, {} tokens, coefficient {}, scale {}: needs at least one layer and token, "
-                        "1 to {} experts, 1 <= top_k <= experts, a coefficient >= 0 and a scale > 0",
-                        layers, experts, top_k, tokens, coefficient, scale, kernels::router_max_experts));
-  if (static_cast<double>(layers) * static_cast<double>(tokens) * static_cast<double>(top_k) >= static_cast<double>(INT_MAX))
-    invalid(fmt::format("{} layers x {} tokens x top {} slots could pass the int32 counts of router_backward", layers, tokens, top_k));
+                        "1 to {} experts, 1 <= top_k <= min(experts, {}), a coefficient >= 0 and a scale > 0",
+                        layers, experts, top_k, tokens, coefficient, scale, kernels::router_max_experts, kernels::router_max_top_k));
+  if (static_cast<double>(layers) * static_cast<double>(tokens) * static_cast<double>(top_k) > static_cast<double>(INT_MAX))
+    invalid(fmt::format("{} layers x {} tokens x top {} slots could pass the int32 counts of router_backward (at most 2^31 - 1)", layers,
+                        tokens, top_k));
   const std::size_t need = device_bytes(experts, tokens);
   if (device == nullptr || bytes < need)
     invalid(fmt::format("device buffer {} of {} bytes; needs {} (CudaRouterBalance::device_bytes)", device ? "given" : "null", bytes, need));
-  const auto E = static_cast<std::size_t>(experts);
-  auto* at = static_cast<unsigned char*>(device);
-  sums_ = reinterpret_cast<double*>(at);
-  at += aligned(E * sizeof(double));
-  device_counts_ = reinterpret_cast<std::int32_t*>(at);
-  at += aligned(E * sizeof(std::int32_t));
-  scratch_ = at;
-  scratch_bytes_ = kernels::router_probability_sums_workspace_bytes(shape(experts, 1, tokens));
-  counts_.assign(E, 0);
-  upload_.assign(E, 0);
+  const Parts p = carve(device, experts, tokens);
+  sums_ = p.sums;
+  device_counts_ = p.counts;
+  scratch_ = p.scratch;
+  scratch_bytes_ = p.scratch_bytes;
+  counts_.assign(static_cast<std::size_t>(experts), 0);
+  upload_.assign(static_cast<std::size_t>(experts), 0);
 }
 
 void CudaRouterBalance::begin(cudaStream_t stream) {
@@ -87,7 +102,8 @@ void CudaRouterBalance::finish(cudaStream_t stream, double* loss) {
     invalid(fmt::format("finish() after {} of {} layers' routers and {} of {} slots counted", layers_added_, layers_, slots,
                         static_cast<std::int64_t>(layers_) * tokens_ * top_k_));
   std::transform(counts_.begin(), counts_.end(), upload_.begin(), [](std::int64_t c) { return static_cast<std::int32_t>(c); });
-  // Pageable source: the call returns once upload_ is staged, so the next begin() may refill it.
+  // Pageable source: the call returns once upload_ is staged (and the next finish() comes after
+  // the next forward's count read-backs, which wait for this stream), so it may be refilled.
   OOM_CUDA_CHECK(cudaMemcpyAsync(device_counts_, upload_.data(), upload_.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream));
   const double rows = static_cast<double>(layers_) * static_cast<double>(tokens_);
   OOM_CUDA_CHECK(kernels::router_balance_loss(stream, experts_, device_counts_, sums_, rows, coefficient_ * scale_, loss));

@@ -21,6 +21,7 @@
 #include "oom/runtime/cuda_causal_lm.hpp"
 #include "support/executor_options.hpp"
 #include "support/small_moe.hpp"
+#include "train/host_lm.hpp"
 
 using namespace oom;
 using namespace oom::literals;
@@ -98,7 +99,7 @@ struct Run {
 
 // The executor's defaults unless a test says otherwise (a gradient staging ring, recompute around
 // kept attention state), so the equivalence tests below run the path oom-train takes.
-Run train(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait = false,
+Run run_steps(const ModelSpec& spec, const Plan& plan, int steps = 3, bool drop_wait = false,
           unsigned grad_staging_layers = CudaCausalLmOptions{}.grad_staging_layers,
           bool keep_attention_state = CudaCausalLmOptions{}.keep_attention_state, double max_grad_norm = 0,
           bool leave_unrouted = CudaCausalLmOptions{}.leave_unrouted_expert_grads, std::uint64_t tokens = T,
@@ -196,20 +197,20 @@ bool same(const std::vector<SegmentOptimizerState>& a, const std::vector<Segment
 TEST_CASE("every plan gives the resident plan's step, bit for bit, on the GPU") {
   const auto spec = small_spec();
   const Plan reference = resident_plan(spec);
-  const Run expect = train(spec, reference);
+  const Run expect = run_steps(spec, reference);
   MESSAGE("resident plan: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]
                                    << ", device peak " << expect.device_peak.count());
   // The optimizer moved every segment (the comparisons below are not between untouched copies).
   const auto start = init(spec);
   for (std::size_t i = 0; i < start.size(); ++i) CHECK(expect.state[i].master != start[i]);
-  CHECK(same(train(spec, reference).state, expect.state));  // deterministic run to run
+  CHECK(same(run_steps(spec, reference).state, expect.state));  // deterministic run to run
 
   std::mt19937_64 rng(42);
   for (int i = 0; i < 8; ++i) {
     const Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
     CAPTURE(i);
     CAPTURE(p.prefetch_depth);
-    const Run got = train(spec, p);
+    const Run got = run_steps(spec, p);
     CHECK(got.losses == expect.losses);
     CHECK(same(got.state, expect.state));
     if (i == 0) CHECK(got.device_peak < expect.device_peak);
@@ -223,7 +224,7 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
   REQUIRE(spec.layer(0).attention == AttentionKind::linear);
   REQUIRE(spec.layer(1).attention == AttentionKind::full);
   const Plan reference = resident_plan(spec);
-  const Run expect = train(spec, reference);
+  const Run expect = run_steps(spec, reference);
   MESSAGE("hybrid resident plan: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
   for (const double loss : expect.losses) CHECK(std::isfinite(loss));
   const auto start = init(spec);
@@ -237,7 +238,7 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
       for (int l = 0; l < spec.num_layers(); ++l)
         for (int c = 1; c < activation_class_count; ++c) p.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] = RetentionDecision::recompute(l);
     CAPTURE(i);
-    const Run got = train(spec, p, 3, false, CudaCausalLmOptions{}.grad_staging_layers, /*keep_attention_state=*/i % 3 != 2);
+    const Run got = run_steps(spec, p, 3, false, CudaCausalLmOptions{}.grad_staging_layers, /*keep_attention_state=*/i % 3 != 2);
     CHECK(got.losses == expect.losses);
     CHECK(same(got.state, expect.state));
   }
@@ -248,7 +249,7 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
     Plan chunked = reference;
     for (auto& c : chunked.chunks) c.moe_tokens = 50;  // 157 tokens: 50, 50, 50 and 7
     if (micro) chunked.micro_batches = 2;
-    const Run want = train(spec, chunked);
+    const Run want = run_steps(spec, chunked);
     for (const double loss : want.losses) CHECK(std::isfinite(loss));
     Plan streamed = chunked;
     streamed.resident_segments.clear();
@@ -257,7 +258,7 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
     for (int l = 0; l < spec.num_layers(); ++l)
       streamed.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(ActivationClass::expert_intermediate)] =
           l == 1 ? RetentionDecision::offload() : RetentionDecision::recompute(l);
-    const Run got = train(spec, streamed);
+    const Run got = run_steps(spec, streamed);
     CHECK(got.losses == want.losses);
     CHECK(same(got.state, want.state));
   }
@@ -292,7 +293,7 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
   // weight gradients: about 2 lr / |w| sqrt(f) = 0.1 sqrt(f), several 1e-2). Measured on the H200
   // (thirty-eighth session): the linear parts alone leave every segment within 5e-7, the query
   // chunks too move the furthest by 9.1e-4 (layer 0's linear attention, through d xn1).
-  const Run first_ref = train(spec, reference, 1);
+  const Run first_ref = run_steps(spec, reference, 1);
   for (const bool query_chunks : {false, true}) {
     CAPTURE(query_chunks);
     Plan parts = reference;
@@ -300,7 +301,7 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
     if (query_chunks) parts.chunks[1].attention = {64, 128, T};
     CHECK(describe_chunks(spec, parts) == (query_chunks ? "MoE whole, attention in query chunks of 128 tokens, linear attention in parts of 64 tokens"
                                                         : "MoE whole, linear attention in parts of 64 tokens"));
-    const Run want = train(spec, parts);
+    const Run want = run_steps(spec, parts);
     Plan streamed = parts;
     streamed.resident_segments.clear();
     streamed.prefetch_depth = 1;
@@ -308,7 +309,7 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
     for (int l = 0; l < spec.num_layers(); ++l)
       for (int c = 1; c < activation_class_count; ++c)
         streamed.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(c)] = RetentionDecision::recompute(l);
-    const Run got = train(spec, streamed);
+    const Run got = run_steps(spec, streamed);
     CHECK(got.losses == want.losses);
     CHECK(same(got.state, want.state));
     CHECK(want.losses[0] == expect.losses[0]);
@@ -322,7 +323,7 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
                        << expect.losses[1] << " " << expect.losses[2] << ", master weights rel. L2 " << rel
                        << "; furthest segments: " << furthest_segments(spec, want.state, expect.state));
     CHECK(rel <= (query_chunks ? 5e-2 : 1e-2));
-    const Run first = train(spec, parts, 1);
+    const Run first = run_steps(spec, parts, 1);
     double worst = 0;
     for (std::size_t i = 0; i < first.state.size(); ++i) worst = std::max(worst, master_rel_l2({first.state[i]}, {first_ref.state[i]}));
     MESSAGE("  after one step: the furthest segments " << furthest_segments(spec, first.state, first_ref.state));
@@ -337,14 +338,14 @@ TEST_CASE("Mixtral and OLMoE models (no q/k norm; q/k norm over the whole projec
     CAPTURE(file);
     const auto spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/tests/data/" + file);
     const Plan reference = resident_plan(spec);
-    const Run expect = train(spec, reference);
+    const Run expect = run_steps(spec, reference);
     MESSAGE(file << " resident plan: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
     for (const double loss : expect.losses) CHECK(std::isfinite(loss));
     std::mt19937_64 rng(44);
     for (int i = 0; i < 4; ++i) {
       Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
       CAPTURE(i);
-      const Run got = train(spec, p, 3, false, CudaCausalLmOptions{}.grad_staging_layers, /*keep_attention_state=*/i % 2 == 0);
+      const Run got = run_steps(spec, p, 3, false, CudaCausalLmOptions{}.grad_staging_layers, /*keep_attention_state=*/i % 2 == 0);
       CHECK(got.losses == expect.losses);
       CHECK(same(got.state, expect.state));
     }
@@ -390,17 +391,17 @@ TEST_CASE("a model built from a weight source: each segment asked once, in spec 
 TEST_CASE("clipping by global norm: every plan the same clipped step, bit for bit, and the clip acts") {
   const auto spec = small_spec();
   const Plan reference = resident_plan(spec);
-  const Run plain = train(spec, reference);
+  const Run plain = run_steps(spec, reference);
   CHECK(plain.grad_norms == std::vector<double>(plain.grad_norms.size(), -1.0));  // not computed without clipping
   constexpr double clip = 0.05;
-  const Run expect = train(spec, reference, 3, false, 0, true, clip);
+  const Run expect = run_steps(spec, reference, 3, false, 0, true, clip);
   for (const double norm : expect.grad_norms) {
     CHECK(std::isfinite(norm));
     CHECK(norm > clip);  // the factor is < 1 at every step: the clip acts
   }
   CHECK(expect.losses[0] == plain.losses[0]);  // the same first forward
   CHECK(!same(expect.state, plain.state));
-  CHECK(same(train(spec, reference, 3, false, 0, true, clip).state, expect.state));  // deterministic
+  CHECK(same(run_steps(spec, reference, 3, false, 0, true, clip).state, expect.state));  // deterministic
   // Streamed segments (CPU AdamW, sums of squares taken on the gradient slots), offloads and
   // recomputes: the same norms, losses and state as the resident plan.
   std::mt19937_64 rng(5);
@@ -417,7 +418,7 @@ TEST_CASE("clipping by global norm: every plan the same clipped step, bit for bi
     }
     CAPTURE(i);
     // A ring is asked for (the default): clipping stages per parameter instead.
-    const Run got = train(spec, p, 3, false, 3, true, clip);
+    const Run got = run_steps(spec, p, 3, false, 3, true, clip);
     CHECK(got.grad_norms == expect.grad_norms);
     CHECK(got.losses == expect.losses);
     CHECK(same(got.state, expect.state));
@@ -438,8 +439,8 @@ TEST_CASE("experts no token reaches: left unwritten and stepped with zeros, bit 
   for (const double clip : {0.0, 0.05}) {
     CAPTURE(clip);
     const unsigned staging = clip > 0 ? 0 : ring;  // clipping stages per parameter
-    const Run zeroed = train(spec, p, 3, false, staging, keep, clip, false, few);
-    const Run left = train(spec, p, 3, false, staging, keep, clip, true, few);
+    const Run zeroed = run_steps(spec, p, 3, false, staging, keep, clip, false, few);
+    const Run left = run_steps(spec, p, 3, false, staging, keep, clip, true, few);
     CHECK(left.losses == zeroed.losses);
     CHECK(left.grad_norms == zeroed.grad_norms);
     CHECK(same(left.state, zeroed.state));
@@ -448,7 +449,7 @@ TEST_CASE("experts no token reaches: left unwritten and stepped with zeros, bit 
     for (std::size_t i = 0; i < start.size(); ++i) CHECK(left.state[i].master != start[i]);
     Plan streamed = p;
     streamed.resident_segments.clear();
-    const Run s = train(spec, streamed, 3, false, staging, keep, clip, true, few);
+    const Run s = run_steps(spec, streamed, 3, false, staging, keep, clip, true, few);
     CHECK(s.losses == zeroed.losses);
     CHECK(same(s.state, zeroed.state));
   }
@@ -470,8 +471,8 @@ TEST_CASE("the resident updates beside the backward: the step of updates on the 
     if (seg.layer != 0) half.resident_segments.push_back(seg.name);  // layer 0 streamed
   REQUIRE(half.resident_segments.size() < p.resident_segments.size());
   for (const Plan* plan : {&p, static_cast<const Plan*>(&half)}) {
-    const Run serial = train(spec, *plan, 3, false, ring, keep, 0, leave, T, false);
-    const Run beside = train(spec, *plan, 3, false, ring, keep, 0, leave, T, true);
+    const Run serial = run_steps(spec, *plan, 3, false, ring, keep, 0, leave, T, false);
+    const Run beside = run_steps(spec, *plan, 3, false, ring, keep, 0, leave, T, true);
     CHECK(beside.losses == serial.losses);
     CHECK(same(beside.state, serial.state));
     const auto start = init(spec);
@@ -484,8 +485,8 @@ TEST_CASE("a plan with MoE token chunks: its own step under any retention, close
   const Plan whole = resident_plan(spec);
   Plan chunked = whole;
   for (auto& c : chunked.chunks) c.moe_tokens = 50;  // 157 tokens: chunks of 50, 50, 50 and 7
-  const Run expect = train(spec, chunked);
-  CHECK(same(train(spec, chunked).state, expect.state));  // deterministic run to run
+  const Run expect = run_steps(spec, chunked);
+  CHECK(same(run_steps(spec, chunked).state, expect.state));  // deterministic run to run
   // Streamed, offloaded and recomputed with the same chunks: bit for bit (the backward's per-chunk
   // recomputation repeats the forward's launches).
   Plan streamed = chunked;
@@ -494,7 +495,7 @@ TEST_CASE("a plan with MoE token chunks: its own step under any retention, close
   streamed.retention[0][0] = RetentionDecision::offload();
   streamed.retention[1][static_cast<std::size_t>(ActivationClass::expert_intermediate)] = RetentionDecision::offload();
   streamed.retention[2][static_cast<std::size_t>(ActivationClass::expert_intermediate)] = RetentionDecision::recompute(2);
-  const Run got = train(spec, streamed);
+  const Run got = run_steps(spec, streamed);
   CHECK(got.losses == expect.losses);
   CHECK(same(got.state, expect.state));
 
@@ -505,7 +506,7 @@ TEST_CASE("a plan with MoE token chunks: its own step under any retention, close
   // of order 1e-3) move by up to 2 lr = 6e-3 differently against weights of about 0.05 (1 for
   // the norms): a relative L2 over all master weights of order 0.05^-1 * 6e-3 * sqrt(1e-3) = 4e-3;
   // bound 1e-2.
-  const Run ref = train(spec, whole);
+  const Run ref = run_steps(spec, whole);
   for (std::size_t s = 0; s < ref.losses.size(); ++s) {
     CAPTURE(s);
     CHECK(std::abs(expect.losses[s] - ref.losses[s]) <= 1e-3 * std::abs(ref.losses[s]));
@@ -518,18 +519,18 @@ TEST_CASE("a plan with MoE token chunks: its own step under any retention, close
 TEST_CASE("dropping the wait for a layer's weights on the GPU is caught") {
   const auto spec = small_spec();
   Plan p = resident_plan(spec);
-  const Run expect = train(spec, p, 2);
+  const Run expect = run_steps(spec, p, 2);
   p.resident_segments.clear();
   p.prefetch_depth = 1;
-  CHECK(same(train(spec, p, 2).state, expect.state));
-  CHECK_FALSE(same(train(spec, p, 2, /*drop_wait=*/true).state, expect.state));
+  CHECK(same(run_steps(spec, p, 2).state, expect.state));
+  CHECK_FALSE(same(run_steps(spec, p, 2, /*drop_wait=*/true).state, expect.state));
 }
 
 TEST_CASE("exported state resumes the same run on the GPU") {
   const auto spec = small_spec();
   Plan p = resident_plan(spec);
   p.resident_segments.resize(p.resident_segments.size() / 2);
-  const Run straight = train(spec, p, 4);
+  const Run straight = run_steps(spec, p, 4);
   CudaCausalLmOptions opt;
   opt.adamw.lr = 3e-3f;
   std::vector<SegmentOptimizerState> saved;
@@ -667,8 +668,8 @@ TEST_CASE("one streamed step with offload and recompute") {
   p.retention[0][0] = RetentionDecision::offload();
   p.retention[1][static_cast<std::size_t>(ActivationClass::router_output)] = RetentionDecision::offload();
   p.retention[2][static_cast<std::size_t>(ActivationClass::expert_intermediate)] = RetentionDecision::recompute(2);
-  const Run one = train(spec, p, 1);
-  const Run reference = train(spec, resident_plan(spec), 1);
+  const Run one = run_steps(spec, p, 1);
+  const Run reference = run_steps(spec, resident_plan(spec), 1);
   CHECK(one.losses == reference.losses);
   CHECK(same(one.state, reference.state));
 }
@@ -678,14 +679,14 @@ TEST_CASE("a gradient staging ring gives the same step, bit for bit, in less pin
   // every layer's D2H wait for the previous layer's CPU update (the tightest reuse).
   const auto spec = small_spec();
   const Plan reference = resident_plan(spec);
-  const Run expect = train(spec, reference);
+  const Run expect = run_steps(spec, reference);
   Plan streamed = reference;
   streamed.resident_segments.clear();
-  const Run whole = train(spec, streamed, 3, false, /*grad_staging_layers=*/0);
+  const Run whole = run_steps(spec, streamed, 3, false, /*grad_staging_layers=*/0);
   CHECK(whole.losses == expect.losses);
   for (unsigned n : {1u, 2u, 3u, 5u}) {
     CAPTURE(n);
-    const Run ring = train(spec, streamed, 3, false, n);
+    const Run ring = run_steps(spec, streamed, 3, false, n);
     CHECK(ring.losses == expect.losses);
     CHECK(same(ring.state, expect.state));
     if (n < static_cast<unsigned>(spec.num_layers())) CHECK(ring.staging < whole.staging);
@@ -700,7 +701,7 @@ TEST_CASE("recomputing around kept or offloaded attention state gives the same s
   // the kept state; every kernel being deterministic, the step is the resident plan's.
   const auto spec = small_spec();
   const Plan reference = resident_plan(spec);
-  const Run expect = train(spec, reference);
+  const Run expect = run_steps(spec, reference);
   std::mt19937_64 rng(5);
   for (int i = 0; i < 4; ++i) {
     Plan p = reference;
@@ -726,8 +727,8 @@ TEST_CASE("recomputing around kept or offloaded attention state gives the same s
     if (i == 3)
       for (auto& c : p.chunks) c.moe_tokens = 50;  // chunked MoE too (its own reference below)
     CAPTURE(i);
-    const Run got = train(spec, p, 3, false, 0, /*keep_attention_state=*/true);
-    const Run whole_recompute = train(spec, p, 3, false, 0, /*keep_attention_state=*/false);
+    const Run got = run_steps(spec, p, 3, false, 0, /*keep_attention_state=*/true);
+    const Run whole_recompute = run_steps(spec, p, 3, false, 0, /*keep_attention_state=*/false);
     CHECK(got.losses == whole_recompute.losses);
     CHECK(same(got.state, whole_recompute.state));
     if (i < 3) {
@@ -747,38 +748,38 @@ TEST_CASE("gradient accumulation over micro-batches: every plan gives the reside
   const auto spec = small_spec();
   Plan reference = resident_plan(spec);
   reference.micro_batches = 3;
-  const Run expect = train(spec, reference);
+  const Run expect = run_steps(spec, reference);
   MESSAGE("resident plan, 3 micro-batches: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
-  CHECK(same(train(spec, reference).state, expect.state));  // deterministic run to run
+  CHECK(same(run_steps(spec, reference).state, expect.state));  // deterministic run to run
   // The other micro-batches count: one micro-batch of the same first windows is another step.
   Plan one = reference;
   one.micro_batches = 1;
-  CHECK(train(spec, one).losses[0] != expect.losses[0]);
+  CHECK(run_steps(spec, one).losses[0] != expect.losses[0]);
 
-  const Run clipped_resident = train(spec, reference, 3, false, 3, true, /*max_grad_norm=*/0.05);
+  const Run clipped_resident = run_steps(spec, reference, 3, false, 3, true, /*max_grad_norm=*/0.05);
   CHECK(clipped_resident.grad_norms[0] > 0.05);  // the clip acts
   std::mt19937_64 rng(43);
   for (int i = 0; i < 5; ++i) {
     const Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
     CAPTURE(i);
-    const Run got = train(spec, p);
+    const Run got = run_steps(spec, p);
     CHECK(got.losses == expect.losses);
     CHECK(same(got.state, expect.state));
     // Clipped: the same norms and step as the resident plan's, bit for bit.
-    const Run clipped = train(spec, p, 3, false, 3, true, /*max_grad_norm=*/0.05);
+    const Run clipped = run_steps(spec, p, 3, false, 3, true, /*max_grad_norm=*/0.05);
     CHECK(clipped.grad_norms == clipped_resident.grad_norms);
     CHECK(same(clipped.state, clipped_resident.state));
     if (i == 0) {
       // The gradients accumulate in their staging: one pinned buffer per streamed parameter, with a
       // ring of 2 asked for or not; with one micro-batch the same ring stages less.
-      const Run ring = train(spec, p, 3, false, /*grad_staging_layers=*/2);
-      CHECK(ring.staging == train(spec, p, 3, false, 0).staging);
-      CHECK(train(spec, single(p), 1, false, 2).staging < train(spec, single(p), 1, false, 0).staging);
+      const Run ring = run_steps(spec, p, 3, false, /*grad_staging_layers=*/2);
+      CHECK(ring.staging == run_steps(spec, p, 3, false, 0).staging);
+      CHECK(run_steps(spec, single(p), 1, false, 2).staging < run_steps(spec, single(p), 1, false, 0).staging);
       CHECK(same(ring.state, expect.state));
       // The host not waiting for each window's loss, and the resident updates on the compute
       // stream: the same step.
       const bool keep = CudaCausalLmOptions{}.keep_attention_state, leave = CudaCausalLmOptions{}.leave_unrouted_expert_grads;
-      const Run unsynced = train(spec, p, 3, false, 3, keep, 0, leave, T, /*overlap_updates=*/false, false, /*skip_nonfinite_loss=*/false);
+      const Run unsynced = run_steps(spec, p, 3, false, 3, keep, 0, leave, T, /*overlap_updates=*/false, false, /*skip_nonfinite_loss=*/false);
       CHECK(unsynced.losses == expect.losses);
       CHECK(same(unsynced.state, expect.state));
     }
@@ -791,29 +792,29 @@ TEST_CASE("the load-balancing loss (output_router_logits): every plan the reside
   const auto spec = test::small_qwen3_moe(3, 0.5);
   Plan reference = resident_plan(spec);
   reference.micro_batches = 2;
-  const Run expect = train(spec, reference);
+  const Run expect = run_steps(spec, reference);
   MESSAGE("load-balancing loss 0.5, 2 micro-batches: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
-  CHECK(same(train(spec, reference).state, expect.state));  // deterministic run to run
+  CHECK(same(run_steps(spec, reference).state, expect.state));  // deterministic run to run
 
   // The first step's loss is the cross-entropy's (the same forward) plus coefficient x aux, linear
   // in the coefficient. aux = E sum_e f_e p_e (sum_e f_e = k, sum_e p_e = 1) is at most E k, and
   // k = 2 for balanced routing, which these random initial weights about give: more than 1.
-  const Run plain = train(test::small_qwen3_moe(3), reference, 1);
-  const Run twice = train(test::small_qwen3_moe(3, 1.0), reference, 1);
+  const Run plain = run_steps(test::small_qwen3_moe(3), reference, 1);
+  const Run twice = run_steps(test::small_qwen3_moe(3, 1.0), reference, 1);
   const double aux = (expect.losses[0] - plain.losses[0]) / 0.5;
   MESSAGE("aux at the first step " << aux << " (uniform routing: k = 2)");
   CHECK(aux > 1.0);
   CHECK(aux <= 8.0 * 2);
   CHECK((twice.losses[0] - plain.losses[0]) == doctest::Approx(2 * (expect.losses[0] - plain.losses[0])).epsilon(1e-9));
   // Its gradient moves the routers, so the next steps differ from the plain loss's by more than it.
-  CHECK_FALSE(same(train(test::small_qwen3_moe(3), reference, 1).state, train(spec, reference, 1).state));
+  CHECK_FALSE(same(run_steps(test::small_qwen3_moe(3), reference, 1).state, run_steps(spec, reference, 1).state));
 
   // Streamed, offloaded, recomputed (the recompute adds no rows a second time): bit for bit.
   std::mt19937_64 rng(45);
   for (int i = 0; i < 4; ++i) {
     const Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
     CAPTURE(i);
-    const Run got = train(spec, p, 3, false, 0, /*keep_attention_state=*/i % 2 == 0);
+    const Run got = run_steps(spec, p, 3, false, 0, /*keep_attention_state=*/i % 2 == 0);
     CHECK(got.losses == expect.losses);
     CHECK(same(got.state, expect.state));
   }
@@ -821,7 +822,7 @@ TEST_CASE("the load-balancing loss (output_router_logits): every plan the reside
   // plan's own step under any retention (the chunked recompute stops after the router).
   Plan chunked = reference;
   for (auto& c : chunked.chunks) c.moe_tokens = 50;
-  const Run chunked_expect = train(spec, chunked);
+  const Run chunked_expect = run_steps(spec, chunked);
   CHECK(std::abs(chunked_expect.losses[0] - expect.losses[0]) <= 1e-3 * std::abs(expect.losses[0]));
   Plan streamed = chunked;
   streamed.resident_segments.clear();
@@ -829,9 +830,61 @@ TEST_CASE("the load-balancing loss (output_router_logits): every plan the reside
   for (int l = 0; l < 3; ++l)
     streamed.retention[static_cast<std::size_t>(l)][static_cast<std::size_t>(ActivationClass::expert_intermediate)] =
         RetentionDecision::recompute(l);
-  const Run got = train(spec, streamed);
+  const Run got = run_steps(spec, streamed);
   CHECK(got.losses == chunked_expect.losses);
   CHECK(same(got.state, chunked_expect.state));
+}
+
+TEST_CASE("the load-balancing loss on the GPU: the host backend's loss term and router gradients, within bf16's noise") {
+  // One step of 2 micro-batches from the same weights and tokens on both backends, with the loss
+  // at 0.5 and without. Its term in the loss (the difference of the two losses: the forwards are
+  // the same) and its router gradients (the difference of the routers' exp_avg, which after one
+  // AdamW step from zero moments is (1 - beta1) g) against the host backend's fp32 RouterBalanceLoss.
+  // A gradient scaled wrongly (1/L for 1/L^2, the layer's own counts for the micro-batch's, no 1/K)
+  // is 2x or 3x off; bf16 activations and a near-tie routed the other way move it by ~1e-2.
+  const auto with = test::small_qwen3_moe(3, 0.5), without = test::small_qwen3_moe(3);
+  Plan plan = resident_plan(with);
+  plan.micro_batches = 2;
+  std::mt19937_64 rng(7);
+  std::vector<std::uint32_t> in(2 * T), tgt(2 * T);
+  for (auto& v : in) v = static_cast<std::uint32_t>(rng() % 300);
+  for (std::size_t i = 0; i < in.size(); ++i) tgt[i] = (in[i] * 7 + 3) % 300;
+  struct Step {
+    double loss;
+    std::vector<float> router_m;  // every router's exp_avg, layer after layer
+  };
+  const auto routers = [&](const std::vector<SegmentOptimizerState>& state, double loss) {
+    Step s{loss, {}};
+    for (std::size_t i = 0; i < state.size(); ++i)
+      if (with.segments()[i].role == SegmentRole::router) s.router_m.insert(s.router_m.end(), state[i].exp_avg.begin(), state[i].exp_avg.end());
+    return s;
+  };
+  const auto on_gpu = [&](const ModelSpec& spec) {
+    CudaCausalLm lm(spec, plan, init(spec), CudaCausalLmOptions{});
+    const double loss = lm.step(in, tgt).loss;
+    return routers(lm.state(), loss);
+  };
+  const auto on_host = [&](const ModelSpec& spec) {
+    train::HostCausalLm lm(spec, plan, init(spec), optim::AdamWConfig{}, HostBackend::Options{4_GiB, 4_GiB, false});
+    const double loss = lm.step(in, tgt).loss;
+    return routers(lm.state(), loss);
+  };
+  const Step gpu_with = on_gpu(with), gpu_without = on_gpu(without), host_with = on_host(with), host_without = on_host(without);
+  const double gpu_term = gpu_with.loss - gpu_without.loss, host_term = host_with.loss - host_without.loss;
+  double num = 0, den = 0, ce = 0;
+  for (std::size_t i = 0; i < host_with.router_m.size(); ++i) {
+    const double h = static_cast<double>(host_with.router_m[i]) - host_without.router_m[i];
+    const double g = static_cast<double>(gpu_with.router_m[i]) - gpu_without.router_m[i];
+    num += (g - h) * (g - h);
+    den += h * h;
+    ce += static_cast<double>(host_without.router_m[i]) * host_without.router_m[i];
+  }
+  const double rel = std::sqrt(num / den);
+  MESSAGE("loss term 0.5 x aux: GPU " << gpu_term << ", host " << host_term << "; router gradient of the term: rel. L2 " << rel
+                                      << " (its norm " << std::sqrt(den / ce) << "x the cross-entropy's)");
+  CHECK(host_term > 0.5);  // 0.5 x aux, aux about k = 2 at these weights
+  CHECK(std::abs(gpu_term - host_term) <= 1e-2 * host_term);
+  CHECK(rel <= 5e-2);
 }
 
 TEST_CASE("micro-batches: an expert one window does not reach gets that window's zeros") {
@@ -844,13 +897,13 @@ TEST_CASE("micro-batches: an expert one window does not reach gets that window's
   Plan p = resident_plan(spec, few);
   p.micro_batches = 2;
   const bool keep = CudaCausalLmOptions{}.keep_attention_state;
-  const Run zeroed = train(spec, p, 3, false, 3, keep, 0, /*leave_unrouted=*/false, few);
-  const Run left = train(spec, p, 3, false, 3, keep, 0, true, few);
+  const Run zeroed = run_steps(spec, p, 3, false, 3, keep, 0, /*leave_unrouted=*/false, few);
+  const Run left = run_steps(spec, p, 3, false, 3, keep, 0, true, few);
   CHECK(left.losses == zeroed.losses);
   CHECK(same(left.state, zeroed.state));
   Plan streamed = p;
   streamed.resident_segments.clear();
-  const Run s = train(spec, streamed, 3, false, 3, keep, 0, true, few);
+  const Run s = run_steps(spec, streamed, 3, false, 3, keep, 0, true, few);
   CHECK(s.losses == zeroed.losses);
   CHECK(same(s.state, zeroed.state));
 }
@@ -861,8 +914,8 @@ TEST_CASE("micro-batches of one window repeated: that window's loss and gradient
   Plan two = one;
   two.micro_batches = 2;
   // A clip no norm reaches, for the gradient norm.
-  const Run a = train(spec, one, 3, false, 3, true, /*max_grad_norm=*/1e9);
-  const Run b = train(spec, two, 3, false, 3, true, 1e9, true, T, true, /*repeat_window=*/true);
+  const Run a = run_steps(spec, one, 3, false, 3, true, /*max_grad_norm=*/1e9);
+  const Run b = run_steps(spec, two, 3, false, 3, true, 1e9, true, T, true, /*repeat_window=*/true);
   MESSAGE("one window: loss " << a.losses[0] << ", gradient norm " << a.grad_norms[0] << "; twice: " << b.losses[0] << ", "
                               << b.grad_norms[0] << " (relative difference " << std::abs(b.grad_norms[0] / a.grad_norms[0] - 1) << ")");
   CHECK(b.losses[0] == a.losses[0]);  // the same forward twice: (L + L) / 2T == L / T exactly
@@ -889,9 +942,9 @@ TEST_CASE("several sequences in one micro-batch: the step of those windows as mi
   Plan windows = resident_plan(spec, S);
   windows.micro_batches = static_cast<int>(B);
   const bool keep = CudaCausalLmOptions{}.keep_attention_state, leave = CudaCausalLmOptions{}.leave_unrouted_expert_grads;
-  const Run expect = train(spec, batched, 3, false, 3, keep, 0, leave, S * B);
-  const Run apart = train(spec, windows, 3, false, 3, keep, 0, leave, S);
-  const Run joined = train(spec, resident_plan(spec, S * B), 3, false, 3, keep, 0, leave, S * B);
+  const Run expect = run_steps(spec, batched, 3, false, 3, keep, 0, leave, S * B);
+  const Run apart = run_steps(spec, windows, 3, false, 3, keep, 0, leave, S);
+  const Run joined = run_steps(spec, resident_plan(spec, S * B), 3, false, 3, keep, 0, leave, S * B);
   MESSAGE("3 sequences of 79: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]
                                        << "; as 3 micro-batches " << apart.losses[0] << " " << apart.losses[1] << " " << apart.losses[2]
                                        << "; as one sequence of 237 " << joined.losses[0] << " " << joined.losses[1] << " "
@@ -910,7 +963,7 @@ TEST_CASE("several sequences in one micro-batch: the step of those windows as mi
   for (int i = 0; i < 3; ++i) {
     const Plan p = random_variant(spec, batched, rng, /*all_streamed=*/i == 0);
     CAPTURE(i);
-    const Run got = train(spec, p, 3, false, 3, keep, 0, leave, S * B);
+    const Run got = run_steps(spec, p, 3, false, 3, keep, 0, leave, S * B);
     CHECK(got.losses == expect.losses);
     CHECK(same(got.state, expect.state));
   }

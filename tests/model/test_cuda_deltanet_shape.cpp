@@ -229,7 +229,11 @@ TEST_CASE("the GPU layer refuses a sliding window by name; a load-balancing loss
                        Error);
   model::CudaRouterBalance shorter(2, s.experts, s.top_k, s.tokens - 1, 0.25, 1.0, &streams, bytes);
   ctx.balance = &shorter;
-  CHECK_THROWS_WITH_AS(forward(), doctest::Contains("CudaRouterBalance is for 127 tokens a layer, the shape has 128"), Error);
+  CHECK_THROWS_WITH_AS(forward(), doctest::Contains("CudaRouterBalance is for 127 tokens a layer, 8 experts, top 2; the shape has 128, 8, top 2"),
+                       Error);
+  model::CudaRouterBalance wider(2, s.experts + 1, s.top_k, s.tokens, 0.25, 1.0, &streams, 1 << 20);
+  ctx.balance = &wider;  // would read past the layer's (T, E) probabilities
+  CHECK_THROWS_WITH_AS(forward(), doctest::Contains("9 experts, top 2; the shape has 128, 8, top 2"), Error);
   model::CudaRouterBalance right(2, s.experts, s.top_k, s.tokens, 0.25, 1.0, &streams, bytes);
   model::DecoderLayerShape without = s;
   without.router_aux_loss_coef = 0;
@@ -250,12 +254,13 @@ TEST_CASE("CudaRouterBalance refuses sizes, buffers and calls out of order by na
                        doctest::Contains("device buffer null of"), Error);
   CHECK_THROWS_WITH_AS(model::CudaRouterBalance(2, 8, 2, 100, 0.1, 1.0, &buffer, bytes - 1),
                        doctest::Contains(("needs " + std::to_string(bytes) + " (CudaRouterBalance::device_bytes)").c_str()), Error);
-  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(2, 8, 9, 100, 0.1, 1.0, &buffer, bytes), doctest::Contains("1 <= top_k <= experts"),
+  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(2, 8, 9, 100, 0.1, 1.0, &buffer, bytes), doctest::Contains("1 <= top_k <= min(experts, 16)"),
                        Error);
   CHECK_THROWS_WITH_AS(model::CudaRouterBalance(0, 8, 2, 100, 0.1, 1.0, &buffer, bytes), doctest::Contains("at least one layer"), Error);
   CHECK_THROWS_WITH_AS(model::CudaRouterBalance(2, 8, 2, 100, 0.1, 0.0, &buffer, bytes), doctest::Contains("a scale > 0"), Error);
-  // 48 layers x 2^20 tokens x 64 slots: past int32, which router_backward's counts are.
-  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(48, 128, 64, 1 << 20, 0.1, 1.0, &buffer, 1 << 30),
+  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(2, 64, 17, 100, 0.1, 1.0, &buffer, 1 << 20), doctest::Contains("min(experts, 16)"), Error);
+  // 48 layers x 2^22 tokens x 16 slots: past int32, which router_backward's counts are.
+  CHECK_THROWS_WITH_AS(model::CudaRouterBalance(48, 128, 16, 1 << 22, 0.1, 1.0, &buffer, 1 << 30),
                        doctest::Contains("could pass the int32 counts of router_backward"), Error);
 
   model::CudaRouterBalance b(2, 8, 2, 100, 0.1, 0.5, &buffer, bytes);

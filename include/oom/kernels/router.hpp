@@ -55,8 +55,9 @@ cudaError_t router_aux_loss(cudaStream_t stream, const RouterShape& s,
 /// rows, in fp64.
 std::size_t router_probability_sums_workspace_bytes(const RouterShape& s);
 
-/// sums[e] += sum_t probs[t, e] in fp64, deterministic (fixed slabs of rows, each summed in row
-/// order, the slabs then in order): a load-balancing loss over several layers (P_e of
+/// sums[e] += sum_t probs[t, e] in fp64, deterministic: at most 256 slabs of rows, a number fixed
+/// by T; in a slab 8 lanes each sum every 8th row in order and are added in lane order; the slabs
+/// are then added in order. A load-balancing loss over several layers (P_e of
 /// model::CudaRouterBalance) adds each layer's router here.
 cudaError_t router_probability_sums(cudaStream_t stream, const RouterShape& s,
                                     const float* probs,  // (T, E)

@@ -19,8 +19,8 @@
 //                              layer's counts and aux_loss_grad() = coefficient x scale / L^2: its
 //                              E counts[e] / T^2 becomes E C_e / N^2.
 // The device buffer is the caller's (device_bytes); every launch goes on the stream given. The
-// next micro-batch's begin() must come after this one's backward on the same stream (it
-// overwrites C and P). Not thread-safe.
+// next micro-batch's forward must come after this one's backward on the same stream: its
+// finish() overwrites the device C that the backward reads. Not thread-safe.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,7 +41,7 @@ class CudaRouterBalance {
   /// `layers` MoE layers of `experts` experts, `top_k` a token, `tokens` a layer's forward; the
   /// loss enters the step as coefficient x scale x aux (scale: the micro-batch's share of the
   /// step's mean, 1/K). Errc::invalid_argument for sizes out of range, counts that could pass
-  /// int32 (L x T x k >= 2^31), or a device buffer smaller than device_bytes.
+  /// int32 (L x T x k > 2^31 - 1), or a device buffer smaller than device_bytes.
   CudaRouterBalance(int layers, std::int64_t experts, std::int64_t top_k, std::int64_t tokens, double coefficient, double scale,
                     void* device, std::size_t device_bytes);
 
@@ -61,6 +61,8 @@ class CudaRouterBalance {
   [[nodiscard]] float aux_loss_grad() const;
   [[nodiscard]] double coefficient() const { return coefficient_; }
   [[nodiscard]] std::int64_t tokens() const { return tokens_; }
+  [[nodiscard]] std::int64_t experts() const { return experts_; }
+  [[nodiscard]] std::int64_t top_k() const { return top_k_; }
   /// C of the forward so far (host).
   [[nodiscard]] std::span<const std::int64_t> counts() const { return counts_; }
 

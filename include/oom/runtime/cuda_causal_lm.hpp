@@ -167,7 +167,10 @@ class CudaCausalLm {
   CudaCausalLm& operator=(const CudaCausalLm&) = delete;
 
   struct StepResult {
-    double loss = 0;       ///< mean cross-entropy over the step's tokens, all micro-batches' (nats)
+    /// mean cross-entropy over the step's tokens, all micro-batches' (nats), plus the
+    /// load-balancing loss where the config adds it (router_aux_loss_coef x aux, each
+    /// micro-batch's carrying 1/K)
+    double loss = 0;
     bool skipped = false;  ///< non-finite loss: no backward, no update
     double grad_norm = -1; ///< with max_grad_norm: the global gradient norm before clipping (else -1)
   };
