@@ -171,7 +171,10 @@ int run(const Options& o) {
   std::uint64_t T = 0;
   const std::vector<bf16> x_host = read_matrix(file, "input", H, &T);
   const std::vector<bf16> dy_host = read_matrix(file, "grad_output", H, &T);
-  const model::DecoderLayerShape shape = model::DecoderLayerShape::from_spec(spec, o.layer, static_cast<std::int64_t>(T));
+  model::DecoderLayerShape shape = model::DecoderLayerShape::from_spec(spec, o.layer, static_cast<std::int64_t>(T));
+  // One layer's output and gradients, as transformers' decoder layer gives them: the
+  // load-balancing loss, a term of the model's loss over every layer, is not part of them.
+  shape.router_aux_loss_coef = 0;
   std::printf("layer %d: T=%lld H=%lld heads %lld/%lld x %lld, %lld experts top-%lld, I=%lld, norm_topk_prob=%d\n", o.layer,
               static_cast<long long>(shape.tokens), static_cast<long long>(shape.hidden), static_cast<long long>(shape.heads_q),
               static_cast<long long>(shape.heads_kv), static_cast<long long>(shape.head_dim),

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <future>
 #include <utility>
 
 #include <fmt/format.h>
@@ -90,20 +89,14 @@ HostBackend::Stream HostBackend::make_stream(std::string name) {
   return s;
 }
 
-void HostBackend::retire(Stream& s) {
+void HostBackend::retire(Stream& s) noexcept {
   if (!s) return;
-  std::exception_ptr error;  // a task's, rethrown once the stream is gone
-  try {
-    synchronize(s);
-  } catch (...) {
-    error = std::current_exception();
-  }
+  drain(s);
   {
     std::lock_guard lock(streams_mutex_);
     std::erase(streams_, s);
   }
   s.reset();  // outside the lock: the last handle joins the worker
-  if (error) std::rethrow_exception(error);
 }
 
 std::size_t HostBackend::stream_count() {
@@ -191,11 +184,28 @@ void HostBackend::free(void* ptr, MemorySpace space, Bytes bytes, Claimant claim
   else if (space.kind == MemorySpace::Kind::pinned_host) pinned_.give(claimant, bytes);
 }
 
+void HostBackend::drain(Stream& s) noexcept {
+  if (!s) return;
+  // A marker task behind everything queued; a stream's tasks never throw past its worker (errors
+  // go to fail()), so the marker runs. A condition variable, not a promise, whose calls may throw.
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  try {
+    s->push([&] {
+      std::lock_guard lock(m);
+      done = true;
+      cv.notify_one();
+    });
+  } catch (...) {  // no memory for the marker: nothing queued after this can be waited for
+    return;
+  }
+  std::unique_lock lock(m);
+  cv.wait(lock, [&] { return done; });
+}
+
 void HostBackend::synchronize(Stream& s) {
-  std::promise<void> done;
-  auto f = done.get_future();
-  s->push([&done] { done.set_value(); });
-  f.wait();
+  drain(s);
   std::lock_guard lock(error_mutex_);
   if (first_error_) std::rethrow_exception(std::exchange(first_error_, nullptr));
 }

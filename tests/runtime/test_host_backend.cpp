@@ -106,3 +106,24 @@ TEST_CASE("a retired stream runs what was queued on it, then leaves the backend"
   b.retire(s);  // an empty handle: nothing
   CHECK(b.stream_count() == 1);
 }
+
+TEST_CASE("draining or retiring a stream leaves another stream's task error for the next synchronize") {
+  // Two users of one backend: the first's stream fails; the second, draining and retiring its own
+  // stream (as an executor's destructor does), neither throws it nor loses it.
+  HostBackend b({1_MiB, 1_MiB, false});
+  auto failing = b.make_stream("failing");
+  auto other = b.make_stream("other");
+  b.submit(failing, [] { throw Error(Errc::internal, "the first user's task failed"); });
+  auto done = b.make_event();
+  b.record(done, failing);
+  b.wait(other, done);
+  b.submit(other, [] {});
+  b.drain(other);
+  b.retire(other);
+  CHECK(!other);
+  CHECK_THROWS_WITH_AS(b.synchronize(failing), doctest::Contains("the first user's task failed"), Error);
+  CHECK_NOTHROW(b.synchronize(failing));  // thrown once
+  b.retire(failing);
+  HostBackend::Stream none;
+  b.drain(none);  // an empty handle: nothing
+}

@@ -49,9 +49,13 @@ class HostBackend {
   /// Drains `s`, forgets it and empties the handle: its worker thread ends once no other handle
   /// holds it (retire only a stream nobody else uses: the backend no longer counts its work, and
   /// never from a task of that stream). An executor retires its streams when it is destroyed, so
-  /// a backend that outlives many executors does not keep their threads. Rethrows a task's error
-  /// as synchronize() does, after the stream is gone.
-  void retire(Stream& s);
+  /// a backend that outlives many executors does not keep their threads. A task's error is left
+  /// for the next synchronize(), as drain() leaves it.
+  void retire(Stream& s) noexcept;
+  /// Blocks until `s` has run everything submitted so far, like synchronize(), but leaves a task's
+  /// error where it is, for the next synchronize() to throw: what a destructor calls, so that it
+  /// neither throws nor swallows an error that another user of the backend must see.
+  void drain(Stream& s) noexcept;
   /// Streams made and not retired.
   [[nodiscard]] std::size_t stream_count();
   Event make_event();

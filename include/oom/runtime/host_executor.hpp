@@ -175,12 +175,7 @@ class HostExecutor {
     for (auto& ls : layers_state_)
       for (auto& s : ls.segments) free_segment(s);
     layers_state_.clear();
-    for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) {
-      try {
-        b_.retire(*s);
-      } catch (...) {  // a task's error nobody collected: the streams are drained, nothing is lost
-      }
-    }
+    for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) b_.retire(*s);  // a task's error stays for the backend's next synchronize()
   }
 
  public:
@@ -860,13 +855,7 @@ class HostExecutor {
   }
   // Waits for every stream, keeping the first error for the caller already unwinding.
   void drain() noexcept {
-    for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) {
-      if (!*s) continue;
-      try {
-        b_.synchronize(*s);
-      } catch (...) {
-      }
-    }
+    for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) b_.drain(*s);
   }
 
   HostBackend& b_;
