@@ -639,6 +639,9 @@ int run(Args a) {
   fmt::print("oom-train: model {}: {} layers, {} experts (top {}), {:.2f}M parameters ({:.2f}M active)\n", config_name,
              spec.num_layers(), spec.moe().experts, spec.moe().top_k, static_cast<double>(spec.total_parameters()) / 1e6,
              static_cast<double>(spec.active_parameters()) / 1e6);
+  if (const double coef = spec.moe().router_aux_loss_coef; coef > 0)
+    fmt::print("loss: mean cross-entropy + {} x transformers' load-balancing loss over every layer's router "
+               "(the config's output_router_logits and router_aux_loss_coef)\n", coef);
   fmt::print("data {}: {} tokens (vocab {}), {} windows of {} per epoch\n", data_path.string(), tokens->size(), tokens->vocab_size(),
              sampler.windows_per_epoch(), a.seq);
   if (use_cuda) fmt::print("backend: cuda (GPU {})\n", 0);
