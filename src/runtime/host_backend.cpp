@@ -94,7 +94,9 @@ void HostBackend::retire(Stream& s) noexcept {
   drain(s);
   {
     std::lock_guard lock(streams_mutex_);
-    std::erase(streams_, s);
+    // Forgotten only when the registry's and this are the only handles: a stream that another
+    // handle still feeds stays counted (its work may free memory an allocation waits for).
+    if (s.use_count() == 2) std::erase(streams_, s);
   }
   s.reset();  // outside the lock: the last handle joins the worker
 }

@@ -127,3 +127,24 @@ TEST_CASE("draining or retiring a stream leaves another stream's task error for 
   HostBackend::Stream none;
   b.drain(none);  // an empty handle: nothing
 }
+
+TEST_CASE("a stream retired while another handle holds it stays counted: an allocation still waits for its work") {
+  HostBackend b({1_MiB, 1_MiB, false});
+  const auto dev = MemorySpace::device(0);
+  auto s = b.make_stream("shared");
+  auto other = s;  // a second user of the same stream
+  b.retire(s);
+  CHECK(!s);
+  CHECK(b.stream_count() == 1);  // still there: `other` feeds it
+  void* held = b.allocate(dev, Bytes{768 << 10}, Claimant::resident_state);
+  b.submit(other, [&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    b.free(held, dev, Bytes{768 << 10}, Claimant::resident_state);
+  });
+  // Does not fit until the stream's task has run: waited for, not refused.
+  void* p = nullptr;
+  CHECK_NOTHROW(p = b.allocate(dev, Bytes{512 << 10}, Claimant::worksets));
+  b.free(p, dev, Bytes{512 << 10}, Claimant::worksets);
+  b.retire(other);
+  CHECK(b.stream_count() == 0);
+}

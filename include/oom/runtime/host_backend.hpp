@@ -46,11 +46,12 @@ class HostBackend {
   HostBackend& operator=(const HostBackend&) = delete;
 
   Stream make_stream(std::string name = "stream");
-  /// Drains `s`, forgets it and empties the handle: its worker thread ends once no other handle
-  /// holds it (retire only a stream nobody else uses: the backend no longer counts its work, and
-  /// never from a task of that stream). An executor retires its streams when it is destroyed, so
-  /// a backend that outlives many executors does not keep their threads. A task's error is left
-  /// for the next synchronize(), as drain() leaves it.
+  /// Drains `s`, forgets it and empties the handle; its worker thread ends with the handle. A
+  /// stream that another handle still holds is not forgotten: the backend keeps counting its
+  /// work (an allocation may be waiting for it) and its thread until the backend goes. Never from
+  /// a task of that stream. An executor retires its streams when it is destroyed, so a backend
+  /// that outlives many executors does not keep their threads. A task's error is left for the
+  /// next synchronize(), as drain() leaves it.
   void retire(Stream& s) noexcept;
   /// Blocks until `s` has run everything submitted so far, like synchronize(), but leaves a task's
   /// error where it is, for the next synchronize() to throw: what a destructor calls, so that it
