@@ -96,7 +96,11 @@ void HostBackend::retire(Stream& s) noexcept {
     std::lock_guard lock(streams_mutex_);
     // Forgotten only when the registry's and this are the only handles: a stream that another
     // handle still feeds stays counted (its work may free memory an allocation waits for).
-    if (s.use_count() == 2) std::erase(streams_, s);
+    if (s.use_count() != 2) {
+      s.reset();  // under the lock, so two users retiring one stream cannot both see the other
+      return;     // (the registry's handle keeps the worker: nothing joins here)
+    }
+    std::erase(streams_, s);
   }
   s.reset();  // outside the lock: the last handle joins the worker
 }
@@ -189,21 +193,25 @@ void HostBackend::free(void* ptr, MemorySpace space, Bytes bytes, Claimant claim
 void HostBackend::drain(Stream& s) noexcept {
   if (!s) return;
   // A marker task behind everything queued; a stream's tasks never throw past its worker (errors
-  // go to fail()), so the marker runs. A condition variable, not a promise, whose calls may throw.
-  std::mutex m;
-  std::condition_variable cv;
-  bool done = false;
+  // go to fail()), so the marker runs. It captures one pointer, which std::function holds without
+  // allocating; a condition variable, not a promise, whose calls may throw.
+  struct Marker {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+  } marker;
   try {
-    s->push([&] {
-      std::lock_guard lock(m);
-      done = true;
-      cv.notify_one();
+    s->push([p = &marker] {
+      std::lock_guard lock(p->m);
+      p->done = true;
+      p->cv.notify_one();
     });
-  } catch (...) {  // no memory for the marker: nothing queued after this can be waited for
+  } catch (...) {  // no memory to queue the marker: poll until the stream is idle instead
+    while (s->pending()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     return;
   }
-  std::unique_lock lock(m);
-  cv.wait(lock, [&] { return done; });
+  std::unique_lock lock(marker.m);
+  marker.cv.wait(lock, [&] { return marker.done; });
 }
 
 void HostBackend::synchronize(Stream& s) {

@@ -55,9 +55,10 @@ class HostBackend {
   void retire(Stream& s) noexcept;
   /// Blocks until `s` has run everything submitted so far, like synchronize(), but leaves a task's
   /// error where it is, for the next synchronize() to throw: what a destructor calls, so that it
-  /// neither throws nor swallows an error that another user of the backend must see.
+  /// neither throws nor swallows an error that another user of the backend must see. Never from
+  /// a task of that stream (it would wait for itself).
   void drain(Stream& s) noexcept;
-  /// Streams made and not retired.
+  /// Streams made and not forgotten (a retired stream another handle holds still counts).
   [[nodiscard]] std::size_t stream_count();
   Event make_event();
   void submit(Stream& s, std::function<void()> fn);

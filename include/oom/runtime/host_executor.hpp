@@ -181,7 +181,9 @@ class HostExecutor {
  public:
   /// One training step on `input` (T, H) against `target` (T, H) with loss 0.5·mean‖y − target‖².
   /// Returns the loss. If anything throws (a budget overrun, say), the work already queued is
-  /// drained before the exception leaves, so no stream touches the caller's buffers afterwards.
+  /// drained before the exception leaves, so no stream touches the caller's buffers afterwards; a
+  /// further task error from that work is thrown by the backend's next synchronize() (the next
+  /// step, say), not dropped.
   double step(const std::vector<float>& input, const std::vector<float>& target) {
     const std::uint64_t t = plan_.workload.tokens();
     const std::uint64_t h = layers_.front().hidden();
@@ -853,7 +855,7 @@ class HostExecutor {
     for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_})
       if (*s) b_.synchronize(*s);
   }
-  // Waits for every stream, keeping the first error for the caller already unwinding.
+  // Waits for every stream; a task error is left on the backend for its next synchronize().
   void drain() noexcept {
     for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) b_.drain(*s);
   }
