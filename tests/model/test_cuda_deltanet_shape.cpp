@@ -7,6 +7,8 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -18,6 +20,8 @@
 #include "oom/model/cuda_deltanet.hpp"
 #include "oom/io/json.hpp"
 #include "oom/model/model_spec.hpp"
+#include "oom/model/router_balance.hpp"
+#include "oom/reference/router.hpp"
 #include "oom/plan/dependency_partitioner.hpp"
 #include "oom/plan/machine_profile.hpp"
 #include "plan/step_model.hpp"
@@ -489,4 +493,64 @@ TEST_CASE("the planner's workset for a softmax layer's query chunk is the CUDA l
     CHECK(part.chunks.back().end == static_cast<std::uint64_t>(T));
     CHECK(part.peak <= budget);
   }
+}
+
+TEST_CASE("CudaRouterBalance's composition is transformers' loss: global counts and coef x scale / L^2 through the per-layer formula") {
+  // What the GPU path computes, in the CPU references its kernels match (test_moe_kernels): each
+  // layer's router_backward with the micro-batch's counts over every layer and aux_loss_grad(),
+  // and router_aux_loss over the layers' rows stacked with those counts. Against RouterBalanceLoss
+  // (the host layer's, checked against transformers): the same loss and the same d logits.
+  constexpr int L = 3;
+  constexpr std::int64_t T = 37, E = 8, K = 2;
+  const double coef = 0.5, scale = 0.5;  // 2 micro-batches
+  const reference::RouterShape rs{.tokens = T, .hidden = 4, .experts = E, .top_k = K, .norm_topk_prob = true};
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> normal;
+  RouterBalanceLoss host(L, E, K, coef, scale);
+  std::vector<reference::RouterForward> layers;
+  std::vector<std::vector<float>> d_weights;
+  std::vector<std::int32_t> counts(E, 0);
+  std::vector<float> all_probs;
+  for (int l = 0; l < L; ++l) {
+    std::vector<float> logits(T * E), dw(T * K);
+    for (auto& v : logits) v = 2.0f * normal(rng);
+    for (auto& v : dw) v = normal(rng);
+    layers.push_back(reference::router_select(rs, logits));
+    d_weights.push_back(dw);
+    host.add(l, 0, layers.back().probs, layers.back().expert_ids);
+    for (const auto e : layers.back().expert_ids) ++counts[static_cast<std::size_t>(e)];
+    all_probs.insert(all_probs.end(), layers.back().probs.begin(), layers.back().probs.end());
+  }
+  int buffer = 0;
+  const model::CudaRouterBalance balance(L, E, K, T, coef, scale, &buffer, model::CudaRouterBalance::device_bytes(E, T));
+  reference::RouterShape stacked = rs;
+  stacked.tokens = L * T;
+  CHECK(coef * scale * reference::router_aux_loss(stacked, all_probs, counts) == doctest::Approx(host.loss()).epsilon(1e-12));
+  for (int l = 0; l < L; ++l) {
+    CAPTURE(l);
+    const auto& f = layers[static_cast<std::size_t>(l)];
+    const auto gpu_way = reference::router_logits_backward(rs, f.probs, f.expert_ids, d_weights[static_cast<std::size_t>(l)], counts,
+                                                           balance.aux_loss_grad());
+    const auto host_way =
+        reference::router_logits_backward(rs, f.probs, f.expert_ids, d_weights[static_cast<std::size_t>(l)], host.probability_gradient());
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < gpu_way.size(); ++i) {
+      num += (static_cast<double>(gpu_way[i]) - host_way[i]) * (static_cast<double>(gpu_way[i]) - host_way[i]);
+      den += static_cast<double>(host_way[i]) * host_way[i];
+    }
+    CHECK(std::sqrt(num / den) <= 1e-6);  // fp32 arithmetic on both sides
+  }
+  // The aux term alone (zero d weights), where a wrong scale shows undiluted: aux_loss_grad without
+  // its 1 / L^2 would be L^2 times transformers' gradient, the layer's own counts about 1 / L.
+  const std::vector<float> zero(T * K, 0.0f);
+  const auto& f = layers[0];
+  const auto aux_only = reference::router_logits_backward(rs, f.probs, f.expert_ids, zero, counts, balance.aux_loss_grad());
+  const auto aux_host = reference::router_logits_backward(rs, f.probs, f.expert_ids, zero, host.probability_gradient());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < aux_only.size(); ++i) {
+    num += (static_cast<double>(aux_only[i]) - aux_host[i]) * (static_cast<double>(aux_only[i]) - aux_host[i]);
+    den += static_cast<double>(aux_host[i]) * aux_host[i];
+  }
+  CHECK(den > 0);
+  CHECK(std::sqrt(num / den) <= 1e-5);
 }
