@@ -48,16 +48,23 @@ ModelSpec random_model(std::mt19937_64& rng) {
   return ModelSpec::from_json(c, "<random>");
 }
 
-/// Qwen3-Next-80B-A3B's planner (3:1 linear and full attention) on the built-in H200 profile,
-/// with host memory to spare (2 TiB), as the hybrid retention's tests plan it.
-struct QwenNextOnH200 {
-  ModelSpec spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/qwen3-next-80b-a3b.json");
+/// A shipped config's planner on the built-in H200 profile (the planner points at the spec and
+/// the profile, so the fixture is neither copied nor moved).
+struct PlannerOnH200 {
+  ModelSpec spec;
   MachineProfile profile = MachineProfile::h200(1);
-  Planner planner{spec, profile, "qwen3-next"};
+  Planner planner;
 
-  QwenNextOnH200() = default;
-  QwenNextOnH200(const QwenNextOnH200&) = delete;
-  QwenNextOnH200& operator=(const QwenNextOnH200&) = delete;
+  PlannerOnH200(const char* config, const char* name)
+      : spec(ModelSpec::from_file(std::string(OOM_SOURCE_DIR "/examples/configs/") + config)), planner(spec, profile, name) {}
+  PlannerOnH200(const PlannerOnH200&) = delete;
+  PlannerOnH200& operator=(const PlannerOnH200&) = delete;
+};
+
+/// Qwen3-Next-80B-A3B's planner (3:1 linear and full attention), with host memory to spare
+/// (2 TiB), as the hybrid retention's tests plan it.
+struct QwenNextOnH200 : PlannerOnH200 {
+  QwenNextOnH200() : PlannerOnH200("qwen3-next-80b-a3b.json", "qwen3-next") {}
 
   static PlanRequest request(std::uint64_t seq) {
     PlanRequest r;
@@ -68,16 +75,9 @@ struct QwenNextOnH200 {
   }
 };
 
-/// The 5.13B benchmark model's planner on the built-in H200 profile (the planner points at the
-/// spec and the profile, so the fixture is neither copied nor moved).
-struct Moe5bOnH200 {
-  ModelSpec spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/moe-5b.json");
-  MachineProfile profile = MachineProfile::h200(1);
-  Planner planner{spec, profile, "moe-5b"};
-
-  Moe5bOnH200() = default;
-  Moe5bOnH200(const Moe5bOnH200&) = delete;
-  Moe5bOnH200& operator=(const Moe5bOnH200&) = delete;
+/// The 5.13B benchmark model's planner.
+struct Moe5bOnH200 : PlannerOnH200 {
+  Moe5bOnH200() : PlannerOnH200("moe-5b.json", "moe-5b") {}
 
   /// One sequence of `tokens` a micro-batch, within these budgets.
   static PlanRequest request(std::uint64_t tokens, Bytes gpu_budget, Bytes host_budget) {
