@@ -63,8 +63,6 @@ class CudaRouterBalance {
   [[nodiscard]] std::int64_t tokens() const { return tokens_; }
   [[nodiscard]] std::int64_t experts() const { return experts_; }
   [[nodiscard]] std::int64_t top_k() const { return top_k_; }
-  /// C of the forward so far (host).
-  [[nodiscard]] std::span<const std::int64_t> counts() const { return counts_; }
 
  private:
   enum class Phase : unsigned char { idle, forward, finished };
