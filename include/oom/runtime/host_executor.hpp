@@ -119,10 +119,7 @@ class HostExecutor {
     }
   }
 
-  ~HostExecutor() {
-    drain();
-    release();
-  }
+  ~HostExecutor() { release(); }
   HostExecutor(const HostExecutor&) = delete;
   HostExecutor& operator=(const HostExecutor&) = delete;
 
@@ -166,8 +163,11 @@ class HostExecutor {
     const Bytes grad_slot{largest_streamed * sizeof(float)};
     for (int i = 0; i < 2; ++i) grad_slots_.push_back(GradSlot{alloc_device(grad_slot, Claimant::worksets), grad_slot, b_.make_event()});
   }
-  // Gives back everything take_memory() took (as far as it got) and retires the streams.
+  // Retires the streams (each drained first: no task still uses the memory; a task's error stays
+  // for the backend's next synchronize()), then gives back everything take_memory() took (as far
+  // as it got).
   void release() noexcept {
+    for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) b_.retire(*s);
     for (auto& s : slots_) b_.free(s.ptr, MemorySpace::device(0), s.bytes, Claimant::worksets);
     for (auto& s : grad_slots_) b_.free(s.ptr, MemorySpace::device(0), s.bytes, Claimant::worksets);
     slots_.clear();
@@ -175,7 +175,6 @@ class HostExecutor {
     for (auto& ls : layers_state_)
       for (auto& s : ls.segments) free_segment(s);
     layers_state_.clear();
-    for (auto* s : {&compute_, &h2d_, &d2h_, &cpu_}) b_.retire(*s);  // a task's error stays for the backend's next synchronize()
   }
 
  public:
