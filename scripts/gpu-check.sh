@@ -15,6 +15,8 @@
 # bench_gated_delta and a 2-layer Qwen3-Next-80B slice at HYBRID_SEQS (default "32768 262144").
 # PARTS=balance builds and runs only the load-balancing loss's GPU checks (its kernels, the
 # executor's plans, 50 steps of two router-loss configs against transformers).
+# PARTS=layers builds and runs only the CudaLayerExecutor's test and oom-custom-layer on both
+# backends (a user's own CUDA layers).
 # PARTS=group builds and runs only the multi-GPU group's tests and a quick oom-calibrate over every
 # GPU (kind nvidia-h200-x2: docs/multi-gpu.md, slice 1).
 # On a fresh machine that build can outlast a device call (580 s, 2026-12-01): the build stops
@@ -116,6 +118,11 @@ elif [[ "$parts" == *" hybrid "* && ${#targets[@]} -gt 0 ]]; then targets+=("${h
 balance_targets=(test_moe_kernels test_cuda_causal_lm test_cuda_deltanet_shape oom-train)
 if [[ "$parts" == " balance " ]]; then targets=(--target "${balance_targets[@]}" ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" balance "* && ${#targets[@]} -gt 0 ]]; then targets+=("${balance_targets[@]}"); fi
+# PARTS=layers: a user's own CUDA layers on the CudaLayerExecutor (docs/runtime.md, "Your own
+# layers"): test_cuda_layer_executor and oom-custom-layer on both backends.
+layers_targets=(test_cuda_layer_executor oom-custom-layer)
+if [[ "$parts" == " layers " ]]; then targets=(--target "${layers_targets[@]}" ${EXTRA_TARGETS:-})
+elif [[ "$parts" == *" layers "* && ${#targets[@]} -gt 0 ]]; then targets+=("${layers_targets[@]}"); fi
 # PARTS=peers needs oom-train: alone, only it; beside other parts that name their targets, it too.
 if [[ "$parts" == " peers " ]]; then targets=(--target oom-train ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" peers "* && ${#targets[@]} -gt 0 ]]; then targets+=(oom-train); fi
@@ -263,6 +270,20 @@ if [[ "$parts" == *" balance "* ]]; then
     --backend cuda --config tests/data/gpu-qwen3-moe-router-loss.json --steps 50 --seq 128 --micro-batches 2 --lr 3e-4 --log-every 10
   COMPARE_ARGS="${BALANCE_COMPARE_ARGS:-}" versus_pytorch train-cuda-olmoe-router-loss 300 "OLMoE + load-balancing loss: 50 GPU steps vs PyTorch" \
     --backend cuda --config tests/data/gpu-olmoe-router-loss.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
+fi
+
+if [[ "$parts" == *" layers "* ]]; then
+  # The CudaLayerExecutor: every plan the resident step bit for bit on the GPU, the GPU stack
+  # against the HostExecutor's CPU one, the backend's operations; then the example on both
+  # backends (same plan, same data: the losses agree to fp32 rounding).
+  limited 300 "$build_dir/tests/test_cuda_layer_executor" > "$out/test_cuda_layer_executor.log" 2>&1 || gpu_rc=1
+  limited 60 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --steps 20 > "$out/custom-layer-cuda.log" 2>&1 || gpu_rc=1
+  limited 60 "$build_dir/examples/custom_layer/oom-custom-layer" --steps 20 > "$out/custom-layer-host.log" 2>&1 || host_rc=1
+  {
+    echo "test_cuda_layer_executor: $(grep -E 'MESSAGE|test cases:|assertions:' "$out/test_cuda_layer_executor.log" | tr '\n' ' ')"
+    echo "oom-custom-layer cuda: $(grep -E '^loss|peak' "$out/custom-layer-cuda.log" | tr '\n' ' ')"
+    echo "oom-custom-layer host: $(grep -E '^loss|peak' "$out/custom-layer-host.log" | tr '\n' ' ')"
+  } >> "$out/train-summary.log"
 fi
 
 if [[ "$parts" == *" calibrate "* ]]; then

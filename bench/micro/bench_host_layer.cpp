@@ -22,7 +22,7 @@ struct Fixture {
   std::vector<std::vector<float>> grads;
   std::vector<float> x, y, dy, dx;
   std::array<std::vector<float>, activation_class_count> saved;
-  HostLayerContext ctx;
+  LayerContext ctx;
 
   explicit Fixture(std::uint64_t tokens) : t(tokens) {
     std::mt19937_64 rng(1);
@@ -52,7 +52,7 @@ struct Fixture {
   }
   void pass(bool backward, std::uint64_t chunk) {
     for (std::uint64_t b = 0; b < t; b += chunk) {
-      HostLayerContext c = ctx;
+      LayerContext c = ctx;
       c.begin = b;
       c.end = std::min(t, b + chunk);
       if (backward) layer.backward(c);

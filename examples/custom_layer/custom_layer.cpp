@@ -1,9 +1,10 @@
-// oom-custom-layer: how little code plugs your own layer into offloaded training. The layer below
-// is the user's (a residual MLP block, y = x + W2 silu(W1 x)); OOM plans its stack against a GPU
-// budget (LayerStackPlanner: what to keep resident, what to stream, offload or recompute, in
-// which chunks) and trains it on the host reference backend (HostExecutor) with the plan, which
-// computes the same step as keeping everything on the GPU.
-//   oom-custom-layer [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S]
+// oom-custom-layer: how little code plugs your own layer into offloaded training. The layer is the
+// user's (a residual MLP block, y = x + W2 silu(W1 x): residual_mlp.hpp on the CPU,
+// residual_mlp_cuda.hpp on the GPU); OOM plans its stack against a GPU budget (LayerStackPlanner:
+// what to keep resident, what to stream, offload or recompute, in which chunks) and trains it with
+// the plan, which computes the same step as keeping everything on the GPU: on the host reference
+// backend (HostExecutor, the default) or on the GPU (--backend cuda: CudaLayerExecutor).
+//   oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S]
 //                    [--gpu-budget BYTES] [--host-budget BYTES] [--profile FILE.json] [--retention NAME]
 #include <cmath>
 #include <cstdio>
@@ -18,95 +19,18 @@
 #include "oom/core/log.hpp"
 #include "oom/plan/layer_stack_planner.hpp"
 #include "oom/runtime/host_executor.hpp"
+#include "custom_layer/residual_mlp.hpp"
+#if OOM_CUSTOM_LAYER_HAS_CUDA
+#include "custom_layer/residual_mlp_cuda.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/cuda/device.hpp"
+#include "oom/runtime/cuda_layer_executor.hpp"
+#include <cuda_runtime_api.h>
+#endif
 
 namespace {
 
-// ---- the user's layer: everything OOM needs from it ----
-class ResidualMlp {
- public:
-  ResidualMlp(int index, std::uint64_t hidden, std::uint64_t inter) : h_(hidden), i_(inter) {
-    const std::string p = "blocks." + std::to_string(index);
-    // One segment: the unit OOM keeps resident or streams (one DMA burst), its tensors back to back.
-    segs_.push_back({p, oom::SegmentRole::dense_mlp, index, -1, {{p + ".w1", {i_, h_}}, {p + ".w2", {h_, i_}}}});
-  }
-
-  // What the planner reads: state, and cost for a workload (FLOPs, what backward needs, temporaries).
-  const std::vector<oom::StateSegment>& segments() const { return segs_; }
-  oom::LayerCost cost(const oom::Workload& w) const {
-    const std::uint64_t t = w.tokens();
-    oom::LayerCost c;
-    c.forward_flops = 4.0 * static_cast<double>(t * h_ * i_);
-    c.backward_flops = 2 * c.forward_flops;
-    c.activations.push_back({oom::ActivationClass::other, oom::Bytes{t * i_ * sizeof(float)}, c.forward_flops / 2});
-    c.workset = oom::Bytes{t * i_ * sizeof(float)};
-    c.output = oom::Bytes{t * h_ * sizeof(float)};
-    return c;
-  }
-  // Tokens are independent: the plan may run the layer in token chunks.
-  oom::ChunkDependency chunking() const { return oom::ChunkDependency::independent; }
-
-  // What the HostExecutor reads: the boundary's width and the floats saved per activation class.
-  std::uint64_t hidden() const { return h_; }
-  std::uint64_t saved_floats(oom::ActivationClass c, std::uint64_t tokens) const {
-    return c == oom::ActivationClass::other ? tokens * i_ : 0;
-  }
-
-  // Forward and backward over tokens [begin, end), weights bound where the plan put them.
-  void forward(oom::HostLayerContext& ctx) const {
-    const auto& w = ctx.weights[0];
-    std::vector<float> pre(i_);
-    for (std::uint64_t t = ctx.begin; t < ctx.end; ++t) {
-      const float* x = ctx.input + t * h_;
-      for (std::uint64_t j = 0; j < i_; ++j) {
-        float s = 0;
-        for (std::uint64_t k = 0; k < h_; ++k) s += oom::to_float(w[j * h_ + k]) * x[k];
-        pre[j] = s;
-      }
-      if (float* saved = ctx.saved[static_cast<std::size_t>(oom::ActivationClass::other)])
-        std::copy(pre.begin(), pre.end(), saved + t * i_);
-      if (ctx.output == nullptr) continue;  // recomputing the saved activation only
-      for (std::uint64_t k = 0; k < h_; ++k) {
-        float s = x[k];
-        for (std::uint64_t j = 0; j < i_; ++j) s += oom::to_float(w[i_ * h_ + k * i_ + j]) * silu(pre[j]);
-        ctx.output[t * h_ + k] = s;
-      }
-    }
-  }
-  void backward(oom::HostLayerContext& ctx) const {
-    const auto& w = ctx.weights[0];
-    auto& g = ctx.weight_grads[0];
-    const float* saved = ctx.saved[static_cast<std::size_t>(oom::ActivationClass::other)];
-    std::vector<float> da(i_);
-    for (std::uint64_t t = ctx.begin; t < ctx.end; ++t) {
-      const float* x = ctx.input + t * h_;
-      const float* dy = ctx.grad_output + t * h_;
-      const float* pre = saved + t * i_;
-      float* dx = ctx.grad_input + t * h_;
-      std::fill(da.begin(), da.end(), 0.0f);
-      for (std::uint64_t k = 0; k < h_; ++k) {
-        dx[k] = dy[k];
-        for (std::uint64_t j = 0; j < i_; ++j) {
-          g[i_ * h_ + k * i_ + j] += dy[k] * silu(pre[j]);
-          da[j] += oom::to_float(w[i_ * h_ + k * i_ + j]) * dy[k];
-        }
-      }
-      for (std::uint64_t j = 0; j < i_; ++j) {
-        const float s = 1.0f / (1.0f + std::exp(-pre[j]));
-        const float dpre = da[j] * s * (1.0f + pre[j] * (1.0f - s));
-        for (std::uint64_t k = 0; k < h_; ++k) {
-          g[j * h_ + k] += dpre * x[k];
-          dx[k] += oom::to_float(w[j * h_ + k]) * dpre;
-        }
-      }
-    }
-  }
-
- private:
-  static float silu(float v) { return v / (1.0f + std::exp(-v)); }
-  std::uint64_t h_, i_;
-  std::vector<oom::StateSegment> segs_;
-};
-static_assert(oom::host_layer<ResidualMlp>);
+using oom::examples::ResidualMlp;
 
 // ---- the driver ----
 struct Options {
@@ -115,6 +39,7 @@ struct Options {
   oom::Bytes gpu_budget{std::uint64_t{3} << 20}, host_budget{std::uint64_t{1} << 30};
   std::string profile;
   std::string retention;  // only this retention template and its mixes (LayerStackPlanner's names)
+  std::string backend = "host";
 };
 
 Options parse(int argc, char** argv) {
@@ -122,7 +47,7 @@ Options parse(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
     if (arg == "--help" || arg == "-h") {
-      std::puts("oom-custom-layer [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S] [--gpu-budget BYTES] "
+      std::puts("oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S] [--gpu-budget BYTES] "
                 "[--host-budget BYTES] [--profile FILE.json] [--retention NAME, e.g. 'offload-checkpoint, boundaries "
                 "regenerated in groups of 2']");
       std::exit(0);
@@ -139,6 +64,13 @@ Options parse(int argc, char** argv) {
     else if (arg == "--host-budget") o.host_budget = oom::parse_bytes(v);
     else if (arg == "--profile") o.profile = v;
     else if (arg == "--retention") o.retention = v;
+    else if (arg == "--backend") {
+      if (v != "host" && v != "cuda") OOM_THROW(oom::Errc::invalid_argument, fmt::format("--backend is host or cuda, not '{}'", v));
+#if !OOM_CUSTOM_LAYER_HAS_CUDA
+      if (v == "cuda") OOM_THROW(oom::Errc::unsupported, "--backend cuda: this build has no CUDA (configure with -DOOM_ENABLE_CUDA=ON)");
+#endif
+      o.backend = v;
+    }
     else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (--help lists them)", arg));
   }
   return o;
@@ -155,6 +87,69 @@ std::vector<float> noise(std::uint64_t n, std::uint64_t seed, float scale) {
   }
   return v;
 }
+
+// Learns a fixed map, targets from inputs through a random residual transform, with
+// `step(x, targets)` (one optimizer step, returning the loss).
+template <class StepFn, class Report>
+int train(const Options& o, StepFn&& step, Report&& report) {
+  const auto mix = noise(o.hidden * o.hidden, 999, 1.0f / std::sqrt(static_cast<float>(o.hidden)));
+  double first = 0, last = 0;
+  for (int s = 1; s <= o.steps; ++s) {
+    const auto x = noise(o.tokens * o.hidden, 1000 + static_cast<std::uint64_t>(s), 1.0f);
+    std::vector<float> y(x);
+    for (std::uint64_t t = 0; t < o.tokens; ++t)
+      for (std::uint64_t k = 0; k < o.hidden; ++k)
+        for (std::uint64_t j = 0; j < o.hidden; ++j) y[t * o.hidden + k] += mix[k * o.hidden + j] * std::tanh(x[t * o.hidden + j]);
+    const double loss = step(x, y);
+    if (s == 1) first = loss;
+    last = loss;
+    fmt::print("step {:>3}/{}  loss {:.5f}\n", s, o.steps, loss);
+  }
+  if (o.steps == 0) return 0;
+  fmt::print("loss {:.5f} -> {:.5f} over {} steps\n", first, last, o.steps);
+  report();
+  return std::isfinite(last) ? 0 : 1;
+}
+
+template <class Backend>
+void report_peaks(Backend& backend, const oom::Plan& plan) {
+  fmt::print("GPU arena peak {} (predicted {}); pinned peak {} (predicted {})\n", backend.device_arena().peak(), plan.predicted.gpu_peak,
+             backend.pinned_arena().peak(), plan.predicted.host_peak);
+}
+
+#if OOM_CUSTOM_LAYER_HAS_CUDA
+// The same stack on the GPU: the CUDA layer, a CudaBackend holding the budgets asked for (one
+// cudaMalloc of --gpu-budget; pinned slabs up to --host-budget), and the loss on the GPU.
+int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::vector<float>>& init, const oom::LayerExecutorOptions& eo) {
+  using oom::examples::CudaResidualMlp;
+  if (oom::cuda::device_count() == 0)
+    OOM_THROW(oom::Errc::unsupported, fmt::format("--backend cuda: no usable GPU ({})", oom::cuda::no_device_reason()));
+  const auto scratch = oom::examples::device_floats(o.tokens * o.inter);  // the layers' shared workset
+  std::vector<CudaResidualMlp> layers;
+  for (int l = 0; l < o.layers; ++l) layers.emplace_back(l, o.hidden, o.inter, scratch, o.tokens);
+  oom::CudaBackend::Options bo;
+  bo.device_budget = o.gpu_budget;
+  bo.pinned_budget = o.host_budget;
+  bo.pinned_slab = oom::Bytes{std::min<std::uint64_t>(o.host_budget.count(), std::uint64_t{64} << 20)};
+  oom::CudaBackend backend(bo);
+  oom::CudaLayerExecutor<CudaResidualMlp> exec(backend, layers, plan, init, eo);
+  const auto target = oom::examples::device_floats(o.tokens * o.hidden);
+  const oom::DeviceLossFn loss = [&](const float* y, float* grad, double* l, void* stream) {
+    oom::examples::mse_loss(y, target.get(), grad, o.tokens, o.hidden, l, stream);
+  };
+  return train(
+      o,
+      [&](const std::vector<float>& x, const std::vector<float>& y) {
+        OOM_CUDA_CHECK(cudaMemcpy(target.get(), y.data(), y.size() * sizeof(float), cudaMemcpyHostToDevice));
+        return exec.step(x, loss);
+      },
+      [&] { report_peaks(backend, plan); });
+}
+#else
+int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<float>>&, const oom::LayerExecutorOptions&) {
+  OOM_THROW(oom::Errc::unsupported, "--backend cuda: this build has no CUDA");
+}
+#endif
 
 int run(const Options& o) {
   std::vector<ResidualMlp> layers;
@@ -174,32 +169,16 @@ int run(const Options& o) {
 
   std::vector<std::vector<float>> init;
   for (const auto& l : layers) init.push_back(noise(l.segments()[0].parameters(), init.size() + 1, 1.0f / std::sqrt(static_cast<float>(o.hidden))));
+  oom::LayerExecutorOptions eo;
+  eo.adamw.lr = 3e-3f;
+  if (o.backend == "cuda") return run_on_gpu(o, plan, init, eo);
   // The host backend's arenas are what the plan predicts it needs, within the budgets asked for:
   // the executor's buffers come out of them, and one that does not fit yet waits for the frees
   // queued before it. A byte past the prediction would be refused (Errc::out_of_budget).
   oom::HostBackend backend({plan.predicted.gpu_peak, plan.predicted.host_peak, /*expose_races=*/false});
-  oom::HostExecutorOptions eo;
-  eo.adamw.lr = 3e-3f;
   oom::HostExecutor<ResidualMlp> exec(backend, layers, plan, init, eo);
-  // Learn a fixed map: targets from inputs through a random residual transform.
-  const auto mix = noise(o.hidden * o.hidden, 999, 1.0f / std::sqrt(static_cast<float>(o.hidden)));
-  double first = 0, last = 0;
-  for (int step = 1; step <= o.steps; ++step) {
-    const auto x = noise(o.tokens * o.hidden, 1000 + static_cast<std::uint64_t>(step), 1.0f);
-    std::vector<float> y(x);
-    for (std::uint64_t t = 0; t < o.tokens; ++t)
-      for (std::uint64_t k = 0; k < o.hidden; ++k)
-        for (std::uint64_t j = 0; j < o.hidden; ++j) y[t * o.hidden + k] += mix[k * o.hidden + j] * std::tanh(x[t * o.hidden + j]);
-    const double loss = exec.step(x, y);
-    if (step == 1) first = loss;
-    last = loss;
-    fmt::print("step {:>3}/{}  loss {:.5f}\n", step, o.steps, loss);
-  }
-  if (o.steps == 0) return 0;
-  fmt::print("loss {:.5f} -> {:.5f} over {} steps\n", first, last, o.steps);
-  fmt::print("GPU arena peak {} (predicted {}); pinned peak {} (predicted {})\n", backend.device_arena().peak(),
-             plan.predicted.gpu_peak, backend.pinned_arena().peak(), plan.predicted.host_peak);
-  return std::isfinite(last) ? 0 : 1;
+  return train(o, [&](const std::vector<float>& x, const std::vector<float>& y) { return exec.step(x, y); },
+               [&] { report_peaks(backend, plan); });
 }
 
 }  // namespace

@@ -148,7 +148,7 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
   final_norm_offset_ = spec.norm_weight_offset(segs[s].tensors.at(0).name);
   final_norm_ = make_end(s++);
   if (!tied_) lm_head_ = make_end(s++);
-  HostExecutorOptions opt;
+  LayerExecutorOptions opt;
   opt.adamw = adamw;
   opt.defer_updates = max_grad_norm > 0;
   executor_ = std::make_unique<HostExecutor<HostDecoderLayer>>(*backend_, layers_, plan_, layer_weights, opt);

@@ -265,7 +265,7 @@ LayerCost HostDecoderLayer::cost(const Workload& w) const {
 
 // ---- pass bookkeeping ------------------------------------------------------------------------
 
-void HostDecoderLayer::check_context(const HostLayerContext& ctx, bool backward) const {
+void HostDecoderLayer::check_context(const LayerContext& ctx, bool backward) const {
   if (ctx.weights.size() != segments_.size() || ctx.weight_grads.size() != segments_.size())
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: {} weight bindings for {} segments", name_, ctx.weights.size(), segments_.size()));
   for (size_t s = 0; s < segments_.size(); ++s) {
@@ -292,7 +292,7 @@ void HostDecoderLayer::check_context(const HostLayerContext& ctx, bool backward)
 
 // Chunks come in increasing order from token 0; a pass starts at 0 and must then continue where
 // the previous call ended (the state between chunks depends on it).
-void HostDecoderLayer::begin_pass(const HostLayerContext& ctx, std::uint64_t& tokens, std::uint64_t& sequences,
+void HostDecoderLayer::begin_pass(const LayerContext& ctx, std::uint64_t& tokens, std::uint64_t& sequences,
                                   std::uint64_t& next) {
   if (ctx.begin == 0) {
     tokens = ctx.tokens;
@@ -312,7 +312,7 @@ void HostDecoderLayer::begin_pass(const HostLayerContext& ctx, std::uint64_t& to
   }
 }
 
-void HostDecoderLayer::convert_weights(const HostLayerContext& ctx) {
+void HostDecoderLayer::convert_weights(const LayerContext& ctx) {
   w_.resize(segments_.size());
   for (size_t s = 0; s < segments_.size(); ++s) {
     const auto& src = ctx.weights[s];
@@ -356,7 +356,7 @@ void HostDecoderLayer::normed_rotated(const float* raw, std::uint64_t tokens, st
 namespace {
 
 /// The attention over a pass's tokens: ctx.sequences sequences, each causal on its own.
-reference::AttentionDims attention_dims(const HostLayerContext& ctx, std::uint64_t heads, std::uint64_t kv_heads, std::uint64_t d) {
+reference::AttentionDims attention_dims(const LayerContext& ctx, std::uint64_t heads, std::uint64_t kv_heads, std::uint64_t d) {
   return {static_cast<int>(ctx.sequences), static_cast<int>(ctx.tokens / ctx.sequences), static_cast<int>(heads),
           static_cast<int>(kv_heads), static_cast<int>(d)};
 }
@@ -365,7 +365,7 @@ reference::AttentionDims attention_dims(const HostLayerContext& ctx, std::uint64
 
 // ---- forward ---------------------------------------------------------------------------------
 
-void HostDecoderLayer::forward(HostLayerContext& ctx) {
+void HostDecoderLayer::forward(LayerContext& ctx) {
   check_context(ctx, false);
   begin_pass(ctx, fwd_.tokens, fwd_.sequences, fwd_.next);
   if (ctx.begin == 0) {
@@ -382,7 +382,7 @@ void HostDecoderLayer::forward(HostLayerContext& ctx) {
   }
 }
 
-void HostDecoderLayer::attention_forward(const HostLayerContext& ctx) {
+void HostDecoderLayer::attention_forward(const LayerContext& ctx) {
   const size_t T = ctx.tokens, H = h_;
   const float* x = ctx.input;
   auto& f = fwd_;
@@ -426,7 +426,7 @@ Vec gated_context(const float* context, const float* gate, size_t n) {
 
 }  // namespace
 
-void HostDecoderLayer::full_attention_forward(const HostLayerContext& ctx, Vec& out) {
+void HostDecoderLayer::full_attention_forward(const LayerContext& ctx, Vec& out) {
   const size_t T = ctx.tokens, H = h_;
   const size_t Pq = (output_gate_ ? 2 : 1) * q_, P = Pq + 2 * kv_;  // q_proj's rows, then k_proj's and v_proj's
   const AttentionLayout at = attention_layout();
@@ -470,7 +470,7 @@ void HostDecoderLayer::full_attention_forward(const HostLayerContext& ctx, Vec& 
 }
 
 
-void HostDecoderLayer::linear_attention_forward(const HostLayerContext& ctx, Vec& out) {
+void HostDecoderLayer::linear_attention_forward(const LayerContext& ctx, Vec& out) {
   const size_t S = ctx.tokens / ctx.sequences, H = h_;
   reference::GatedDeltaNetShape shape = delta_;
   shape.tokens = static_cast<std::int64_t>(S);
@@ -481,7 +481,7 @@ void HostDecoderLayer::linear_attention_forward(const HostLayerContext& ctx, Vec
   }
 }
 
-void HostDecoderLayer::moe_forward(const HostLayerContext& ctx) {
+void HostDecoderLayer::moe_forward(const LayerContext& ctx) {
   const size_t T = ctx.tokens, H = h_, E = e_, K = k_, I = i_;
   const size_t b = ctx.begin, n = ctx.end - ctx.begin, slots = n * K;
   const float* h = fwd_.h.data() + b * H;
@@ -562,7 +562,7 @@ Vec HostDecoderLayer::shared_expert_output(const Vec& gate_up, size_t n, Vec& ac
 
 // ---- backward --------------------------------------------------------------------------------
 
-void HostDecoderLayer::backward(HostLayerContext& ctx) {
+void HostDecoderLayer::backward(LayerContext& ctx) {
   check_context(ctx, true);
   begin_pass(ctx, bwd_.tokens, bwd_.sequences, bwd_.next);
   if (ctx.begin == 0) {
@@ -591,7 +591,7 @@ void HostDecoderLayer::backward(HostLayerContext& ctx) {
 
 // dh = dy + rms2'(d n2) for the chunk's tokens, into grad_input; what the weight gradients need
 // goes to the pass state, per token and per slot.
-void HostDecoderLayer::moe_backward(const HostLayerContext& ctx) {
+void HostDecoderLayer::moe_backward(const LayerContext& ctx) {
   const size_t T = ctx.tokens, H = h_, E = e_, K = k_, I = i_;
   const size_t b = ctx.begin, n = ctx.end - ctx.begin, slots = n * K;
   const float* dy = ctx.grad_output + b * H;
@@ -667,7 +667,7 @@ void HostDecoderLayer::moe_backward(const HostLayerContext& ctx) {
 
 // The shared expert of the chunk's tokens: adds its d n2 into dxn2 (n, H) and keeps what its
 // weight gradients need. y = sigmoid(l) down(a), a = silu(gate) * up, l = <w_gate, n2>.
-void HostDecoderLayer::shared_expert_backward(const HostLayerContext& ctx, Vec& dxn2) {
+void HostDecoderLayer::shared_expert_backward(const LayerContext& ctx, Vec& dxn2) {
   const size_t T = ctx.tokens, H = h_, K = k_, I = i_, SI = shared_i_;
   const size_t b = ctx.begin, n = ctx.end - ctx.begin;
   const float* dy = ctx.grad_output + b * H;
@@ -699,7 +699,7 @@ void HostDecoderLayer::shared_expert_backward(const HostLayerContext& ctx, Vec& 
 }
 
 // The MoE half's weight gradients over all T tokens, each summed in token order.
-void HostDecoderLayer::moe_weight_grads(const HostLayerContext& ctx) {
+void HostDecoderLayer::moe_weight_grads(const LayerContext& ctx) {
   const size_t T = ctx.tokens, H = h_, E = e_, K = k_, I = i_;
   const float* norm = ctx.saved[cls(ActivationClass::norm_output)];
   const float* xn2 = norm + T * H;
@@ -756,7 +756,7 @@ void HostDecoderLayer::moe_weight_grads(const HostLayerContext& ctx) {
 }
 
 // The mixer's half over all tokens: reads dh from grad_input, overwrites it with dx.
-void HostDecoderLayer::attention_backward(const HostLayerContext& ctx) {
+void HostDecoderLayer::attention_backward(const LayerContext& ctx) {
   const size_t T = ctx.tokens, H = h_;
   const float* x = ctx.input;
   float* dh = ctx.grad_input;
@@ -771,7 +771,7 @@ void HostDecoderLayer::attention_backward(const HostLayerContext& ctx) {
   for (size_t i = 0; i < T * H; ++i) dh[i] += dx[i];
 }
 
-void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec& dxn1) {
+void HostDecoderLayer::full_attention_backward(const LayerContext& ctx, Vec& dxn1) {
   const size_t T = ctx.tokens, H = h_, Pq = (output_gate_ ? 2 : 1) * q_, P = Pq + 2 * kv_;
   const float* dh = ctx.grad_input;
   const float* xn1 = ctx.saved[cls(ActivationClass::norm_output)];
@@ -857,7 +857,7 @@ void HostDecoderLayer::full_attention_backward(const HostLayerContext& ctx, Vec&
 
 // Each sequence's block run again from n1 and differentiated (the reference's backward), its
 // weight gradients added in sequence order.
-void HostDecoderLayer::linear_attention_backward(const HostLayerContext& ctx, Vec& dxn1) {
+void HostDecoderLayer::linear_attention_backward(const LayerContext& ctx, Vec& dxn1) {
   const size_t S = ctx.tokens / ctx.sequences, H = h_;
   const float* xn1 = ctx.saved[cls(ActivationClass::norm_output)];
   reference::GatedDeltaNetShape shape = delta_;

@@ -1,10 +1,15 @@
 // CudaBackend (host C++ over the CUDA runtime; no kernels here).
 #include "oom/runtime/cuda_backend.hpp"
 
+#include <algorithm>
+#include <utility>
+
 #include <fmt/format.h>
 
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/log.hpp"
+#include "oom/kernels/adamw_gpu.hpp"
+#include "oom/kernels/cast.hpp"
 
 namespace oom {
 
@@ -27,9 +32,15 @@ CudaBackend::CudaBackend(Options options)
   }
 }
 
+namespace {
+constexpr std::uint64_t flag_ring = 1024;  // device_adamw checks in flight at once, at most
+}
+
 CudaBackend::~CudaBackend() {
   cudaSetDevice(options_.device);
   cudaDeviceSynchronize();
+  pending_.clear();
+  cudaFreeHost(flags_);
   for (auto& s : slabs_) cudaFreeHost(s.base);
   cudaFree(device_base_);
 }
@@ -51,10 +62,141 @@ void CudaBackend::wait(Stream& s, Event& e) { OOM_CUDA_CHECK(cudaStreamWaitEvent
 void CudaBackend::copy(void* dst, const void* src, Bytes bytes, Stream& s) {
   OOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes.count(), cudaMemcpyDefault, s.get()));
 }
-void CudaBackend::synchronize(Stream& s) { OOM_CUDA_CHECK(cudaStreamSynchronize(s.get())); }
+void CudaBackend::synchronize(Stream& s) {
+  OOM_CUDA_CHECK(cudaStreamSynchronize(s.get()));
+  {
+    std::lock_guard lock(mutex_);  // what the stream's frees gave back shows in the arenas now
+    if (!pending_.empty()) reap_locked();
+  }
+  std::exception_ptr e;
+  {
+    std::lock_guard lock(error_mutex_);
+    e = std::exchange(first_error_, nullptr);
+  }
+  if (e) std::rethrow_exception(e);
+}
+
+void CudaBackend::drain(Stream& s) noexcept {
+  if (s && cudaStreamSynchronize(s.get()) != cudaSuccess) (void)cudaGetLastError();
+  try {
+    std::lock_guard lock(mutex_);
+    if (!pending_.empty()) reap_locked();
+  } catch (...) {  // a failed event query: the frees stay pending, the next allocate or synchronize reports it
+  }
+}
+
+void CudaBackend::retire(Stream& s) noexcept {
+  drain(s);
+  s.reset();
+}
+
+void CudaBackend::fail(std::exception_ptr e) {
+  std::lock_guard lock(error_mutex_);
+  if (!first_error_) first_error_ = std::move(e);
+}
+
+void CudaBackend::host_task(Stream& s, std::function<void()> fn) {
+  struct Task {
+    CudaBackend* backend;
+    std::function<void()> fn;
+  };
+  auto task = std::make_unique<Task>(Task{this, std::move(fn)});
+  OOM_CUDA_CHECK(cudaLaunchHostFunc(
+      s.get(),
+      [](void* p) {
+        std::unique_ptr<Task> t(static_cast<Task*>(p));
+        try {
+          t->fn();
+        } catch (...) {
+          t->backend->fail(std::current_exception());
+        }
+      },
+      task.get()));
+  (void)task.release();  // the host function owns it now
+}
+
+void CudaBackend::free_after(Stream& s, void* p, MemorySpace space, Bytes bytes, Claimant claimant) {
+  if (p == nullptr) return;
+  Event done = make_event();
+  record(done, s);
+  std::lock_guard lock(mutex_);
+  pending_.push_back({std::move(done), p, space, bytes, claimant});
+}
+
+void CudaBackend::zero(float* g, std::uint64_t n, Stream& s) {
+  OOM_CUDA_CHECK(cudaMemsetAsync(g, 0, n * sizeof(float), s.get()));
+}
+
+void CudaBackend::add(float* g, const float* x, std::uint64_t n, Stream& s) {
+  OOM_CUDA_CHECK(kernels::accumulate_scaled(g, x, 1.0f, static_cast<std::int64_t>(n), s.get()));
+}
+
+void CudaBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
+                               std::uint64_t n, Stream& s, std::string what) {
+  if (!what.empty()) {
+    int* flag = nullptr;
+    {
+      std::lock_guard lock(mutex_);
+      if (flags_ == nullptr) {
+        OOM_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&flags_), flag_ring * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+        std::fill(flags_, flags_ + flag_ring, 0);
+      }
+      flag = flags_ + next_flag_++ % flag_ring;
+    }
+    int* device_flag = nullptr;
+    OOM_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_flag), flag, 0));
+    OOM_CUDA_CHECK(kernels::flag_nonfinite(grad, static_cast<std::int64_t>(n), device_flag, s.get()));
+    host_task(s, [flag, what = std::move(what)] {
+      volatile int* f = flag;
+      const bool bad = *f != 0;
+      *f = 0;
+      if (bad) OOM_THROW(Errc::invalid_argument, fmt::format("non-finite gradient (NaN or infinite) in {}", what));
+    });
+  }
+  OOM_CUDA_CHECK(kernels::adamw_update(sc, master, m, v, grad, weights, static_cast<std::int64_t>(n), s.get()));
+}
+
+std::shared_ptr<double[]> CudaBackend::host_words(std::uint64_t n) {
+  double* p = nullptr;
+  OOM_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&p), std::max<std::uint64_t>(n, 1) * sizeof(double),
+                               cudaHostAllocMapped | cudaHostAllocPortable));
+  std::fill(p, p + n, 0.0);
+  return std::shared_ptr<double[]>(p, [](double* q) { cudaFreeHost(q); });
+}
+
+void CudaBackend::reap_locked() {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    const cudaError_t status = cudaEventQuery(it->done.get());
+    if (status == cudaErrorNotReady) {
+      ++it;
+      continue;
+    }
+    OOM_CUDA_CHECK(status);
+    free_locked(it->ptr, it->space, it->bytes, it->claimant);
+    it = pending_.erase(it);
+  }
+}
 
 void* CudaBackend::allocate(MemorySpace space, Bytes bytes, Claimant claimant) {
-  std::lock_guard lock(mutex_);
+  for (;;) {
+    Event oldest;
+    {
+      std::lock_guard lock(mutex_);
+      if (!pending_.empty()) reap_locked();
+      try {
+        return allocate_locked(space, bytes, claimant);
+      } catch (const Error& e) {
+        // Frees queued behind work still running may make room: wait for the oldest, then retry.
+        if (e.code() != Errc::out_of_budget || pending_.empty()) throw;
+      }
+      oldest = pending_.front().done;
+    }
+    // Outside the lock: a host task that frees memory (free()) may be what the event waits for.
+    OOM_CUDA_CHECK(cudaEventSynchronize(oldest.get()));
+  }
+}
+
+void* CudaBackend::allocate_locked(MemorySpace space, Bytes bytes, Claimant claimant) {
   if (space.is_device()) {
     device_.take(claimant, bytes);
     if (auto at = device_heap_.allocate(bytes)) return device_base_ + *at;
@@ -94,6 +236,10 @@ void* CudaBackend::allocate(MemorySpace space, Bytes bytes, Claimant claimant) {
 
 void CudaBackend::free(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant) {
   std::lock_guard lock(mutex_);
+  free_locked(ptr, space, bytes, claimant);
+}
+
+void CudaBackend::free_locked(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant) {
   auto* p = static_cast<unsigned char*>(ptr);
   if (space.is_device()) {
     device_heap_.free(static_cast<std::uint64_t>(p - device_base_));

@@ -1,7 +1,9 @@
 // HostBackend: worker-thread streams, generation events, budgeted arenas.
 #include "oom/runtime/host_backend.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -223,6 +225,35 @@ void HostBackend::synchronize(Stream& s) {
 void HostBackend::fail(std::exception_ptr e) {
   std::lock_guard lock(error_mutex_);
   if (!first_error_) first_error_ = e;
+}
+
+void HostBackend::free_after(Stream& s, void* p, MemorySpace space, Bytes bytes, Claimant claimant) {
+  if (p == nullptr) return;
+  submit(s, [this, p, space, bytes, claimant] { free(p, space, bytes, claimant); });
+}
+
+void HostBackend::zero(float* g, std::uint64_t n, Stream& s) {
+  submit(s, [g, n] { std::fill(g, g + n, 0.0f); });
+}
+
+void HostBackend::add(float* g, const float* x, std::uint64_t n, Stream& s) {
+  submit(s, [g, x, n] {
+    for (std::uint64_t i = 0; i < n; ++i) g[i] += x[i];
+  });
+}
+
+void HostBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
+                               std::uint64_t n, Stream& s, std::string what) {
+  submit(s, [=, what = std::move(what)] {
+    if (!what.empty())
+      for (std::uint64_t i = 0; i < n; ++i)
+        if (!std::isfinite(grad[i]))
+          OOM_THROW(Errc::invalid_argument, fmt::format("non-finite gradient ({}) in {} at element {}", grad[i], what, i));
+    for (std::uint64_t i = 0; i < n; ++i) {
+      optim::adamw_element(sc, master[i], m[i], v[i], grad[i]);
+      weights[i] = to_bf16(master[i]);
+    }
+  });
 }
 
 }  // namespace oom

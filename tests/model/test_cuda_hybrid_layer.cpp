@@ -118,7 +118,7 @@ Outputs host_run(const ModelSpec& spec, int layer, const std::vector<std::vector
   Outputs out;
   for (const auto& s : w) out.grads.emplace_back(s.size(), 0.0f);
   std::array<std::vector<float>, activation_class_count> saved;
-  HostLayerContext ctx;
+  LayerContext ctx;
   for (const auto& s : w) ctx.weights.emplace_back(s.data(), s.size());
   for (auto& g : out.grads) ctx.weight_grads.emplace_back(g.data(), g.size());
   ctx.tokens = T;

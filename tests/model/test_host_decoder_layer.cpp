@@ -73,9 +73,9 @@ struct Run {
   std::array<std::vector<float>, activation_class_count> saved;
 };
 
-HostLayerContext bind(const std::vector<std::vector<bf16>>& w, std::vector<std::vector<float>>& grads, std::uint64_t t,
+LayerContext bind(const std::vector<std::vector<bf16>>& w, std::vector<std::vector<float>>& grads, std::uint64_t t,
                       std::uint64_t sequences = 1) {
-  HostLayerContext ctx;
+  LayerContext ctx;
   for (const auto& s : w) ctx.weights.emplace_back(s.data(), s.size());
   for (auto& g : grads) ctx.weight_grads.emplace_back(g.data(), g.size());
   ctx.tokens = t;
@@ -84,9 +84,9 @@ HostLayerContext bind(const std::vector<std::vector<bf16>>& w, std::vector<std::
 }
 
 template <class F>
-void chunks(std::uint64_t t, std::uint64_t chunk, const HostLayerContext& ctx, F&& call) {
+void chunks(std::uint64_t t, std::uint64_t chunk, const LayerContext& ctx, F&& call) {
   for (std::uint64_t b = 0; b < t; b += chunk) {
-    HostLayerContext c = ctx;
+    LayerContext c = ctx;
     c.begin = b;
     c.end = std::min(t, b + chunk);
     call(c);
@@ -101,7 +101,7 @@ Run run(HostDecoderLayer& layer, const std::vector<std::vector<bf16>>& w, const 
   Run r;
   const auto h = layer.hidden();
   for (const auto& s : w) r.grads.emplace_back(s.size(), 0.0f);
-  HostLayerContext ctx = bind(w, r.grads, t, sequences);
+  LayerContext ctx = bind(w, r.grads, t, sequences);
   r.y.assign(t * h, NAN);
   ctx.input = x.data();
   ctx.output = r.y.data();
@@ -111,13 +111,13 @@ Run run(HostDecoderLayer& layer, const std::vector<std::vector<bf16>>& w, const 
     r.saved[static_cast<std::size_t>(c)].assign(n, NAN);
     ctx.saved[static_cast<std::size_t>(c)] = r.saved[static_cast<std::size_t>(c)].data();
   }
-  chunks(t, chunk, ctx, [&](HostLayerContext& c) { layer.forward(c); });
+  chunks(t, chunk, ctx, [&](LayerContext& c) { layer.forward(c); });
   if (dy != nullptr) {
     r.dx.assign(t * h, NAN);
     ctx.output = nullptr;
     ctx.grad_output = dy->data();
     ctx.grad_input = r.dx.data();
-    chunks(t, backward_chunk ? backward_chunk : chunk, ctx, [&](HostLayerContext& c) { layer.backward(c); });
+    chunks(t, backward_chunk ? backward_chunk : chunk, ctx, [&](LayerContext& c) { layer.backward(c); });
   }
   return r;
 }
@@ -389,7 +389,7 @@ TEST_CASE("several sequences in one pass: each sequence's outputs as if it ran a
     std::vector<std::vector<float>> grads;
     for (const auto& s : w) grads.emplace_back(s.size(), 0.0f);
     std::vector<float> y(T * h);
-    HostLayerContext ctx = bind(w, grads, T, B);
+    LayerContext ctx = bind(w, grads, T, B);
     ctx.input = x.data();
     ctx.output = y.data();
     Run dummy;
@@ -563,11 +563,11 @@ TEST_CASE("any chunking and any recompute give the same bits (Qwen3-MoE, both hy
       CAPTURE(c);
       std::vector<std::vector<float>> grads;
       for (const auto& s : w) grads.emplace_back(s.size(), 0.0f);
-      HostLayerContext ctx = bind(w, grads, T);
+      LayerContext ctx = bind(w, grads, T);
       ctx.input = x.data();
       std::vector<float> again(n, NAN);
       ctx.saved[static_cast<std::size_t>(c)] = again.data();
-      chunks(T, 2, ctx, [&](HostLayerContext& cc) { layer.forward(cc); });
+      chunks(T, 2, ctx, [&](LayerContext& cc) { layer.forward(cc); });
       CHECK(same_bits(again, whole.saved[static_cast<std::size_t>(c)]));
       CHECK(balance.rows() == (balanced ? T : 0));  // a recompute adds no rows
       CHECK(balance_loss() == whole_loss);
@@ -645,7 +645,7 @@ Trained train(const ModelSpec& spec, const Plan& plan, std::uint64_t tokens, std
     }
   HostBackend backend({plan.gpu_budget, 1_GiB, true});
   Trained r;
-  HostExecutorOptions options;
+  LayerExecutorOptions options;
   options.adamw.lr = 1e-2f;
   HostExecutor<HostDecoderLayer> exec(backend, layers, plan, init, options);
   const auto h = spec.hidden_size();

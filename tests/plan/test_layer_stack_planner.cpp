@@ -27,14 +27,14 @@ struct ChunkedMoe : test::MoeMlpLayer {
   using MoeMlpLayer::MoeMlpLayer;
   ChunkDependency chunking() const { return ChunkDependency::independent; }
 };
-static_assert(host_layer<ChunkedMoe>);
+static_assert(executor_layer<ChunkedMoe>);
 
 /// The same layer, declared not recomputable (as one with dropout whose mask is not replayed).
 struct NoRecompute : test::MoeMlpLayer {
   using MoeMlpLayer::MoeMlpLayer;
   static constexpr bool recomputable = false;
 };
-static_assert(host_layer<NoRecompute>);
+static_assert(executor_layer<NoRecompute>);
 
 template <class L>
 std::vector<L> stack(int n, std::uint64_t h = hidden, std::uint64_t e = experts, std::uint64_t i = inter) {
@@ -82,7 +82,7 @@ std::vector<std::vector<float>> train(std::vector<L>& layers, const Plan& plan) 
     for (const auto& seg : l.segments()) init.push_back(test::random_normal(seg.parameters(), ++s, 0.3f));
   const bool planned = plan.predicted.gpu_peak.count() > 0;
   HostBackend backend({planned ? plan.predicted.gpu_peak : 1_GiB, planned ? plan.predicted.host_peak : 1_GiB, true});
-  HostExecutorOptions o;
+  LayerExecutorOptions o;
   o.adamw.lr = 1e-2f;
   HostExecutor<L> exec(backend, layers, plan, init, o);
   for (std::uint64_t step = 0; step < 3; ++step) {

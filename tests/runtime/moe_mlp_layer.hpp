@@ -47,7 +47,7 @@ class MoeMlpLayer {
     return 0;
   }
 
-  void forward(HostLayerContext& ctx) const {
+  void forward(LayerContext& ctx) const {
     std::vector<float> probs(e_), g(i_), u(i_), a(i_);
     std::vector<std::uint64_t> idx(k_);
     std::vector<float> w(k_);
@@ -82,7 +82,7 @@ class MoeMlpLayer {
     }
   }
 
-  void backward(HostLayerContext& ctx) const {
+  void backward(LayerContext& ctx) const {
     const float* probs_all = ctx.saved[static_cast<std::size_t>(ActivationClass::router_output)];
     const float* gu_all = ctx.saved[static_cast<std::size_t>(ActivationClass::expert_intermediate)];
     std::vector<std::uint64_t> idx(k_);
@@ -151,7 +151,7 @@ class MoeMlpLayer {
  private:
   static float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
-  void route(const HostLayerContext& ctx, const float* x, float* probs, std::uint64_t* idx, float* w) const {
+  void route(const LayerContext& ctx, const float* x, float* probs, std::uint64_t* idx, float* w) const {
     const auto& rw = ctx.weights[0];
     float mx = -INFINITY;
     for (std::uint64_t e = 0; e < e_; ++e) {
@@ -179,6 +179,6 @@ class MoeMlpLayer {
   std::vector<StateSegment> segs_;
 };
 
-static_assert(host_layer<MoeMlpLayer>);
+static_assert(executor_layer<MoeMlpLayer>);
 
 }  // namespace oom::test

@@ -81,7 +81,7 @@ struct Result {
   bool leaked = false;  ///< the arenas held more after a step than before it
 };
 
-Result train(const Case& c, const Plan& plan, std::uint64_t seed, HostExecutorOptions options = {}) {
+Result train(const Case& c, const Plan& plan, std::uint64_t seed, LayerExecutorOptions options = {}) {
   std::vector<test::MoeMlpLayer> layers;
   for (int l = 0; l < c.layers; ++l) layers.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
   std::vector<std::vector<float>> init;
@@ -189,7 +189,7 @@ TEST_CASE("dropping the wait for a layer's weights is caught") {
   streamed.prefetch_depth = 1;
   const Result expect = train(c, reference, 7);
   CHECK(bitwise_equal(train(c, streamed, 7).master, expect.master));  // the correct schedule agrees
-  HostExecutorOptions broken;
+  LayerExecutorOptions broken;
   broken.drop_weight_wait = true;
   CHECK_FALSE(bitwise_equal(train(c, streamed, 7, broken).master, expect.master));
 }
@@ -230,7 +230,7 @@ TEST_CASE("resuming from exported optimizer state continues the same run, bit fo
   auto layers = st.layers;
   Plan plan = resident_plan(layers, st.c.tokens);
   plan.resident_segments.resize(plan.resident_segments.size() / 2);  // half streamed, half resident
-  HostExecutorOptions opt;
+  LayerExecutorOptions opt;
   opt.adamw.lr = 1e-2f;
   HostBackend backend({1_GiB, 1_GiB, true});
   std::vector<double> straight;
@@ -322,7 +322,7 @@ TEST_CASE("deferred updates with a clipping factor: the same bits under every pl
   const Plan reference = resident_plan(layers, st.c.tokens);
   HostBackend backend({1_GiB, 1_GiB, true});
   auto run = [&](const Plan& plan, bool defer, double max_norm, std::vector<double>* norms) {
-    HostExecutorOptions opt;
+    LayerExecutorOptions opt;
     opt.adamw.lr = 1e-2f;
     opt.defer_updates = defer;
     HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
@@ -438,7 +438,7 @@ TEST_CASE("gradient accumulation over micro-batches: the same bits under every p
   const auto t0 = st.target(0), t1 = st.target(1), t2 = st.target(2);
   auto run = [&](Plan plan, int k, bool zero_rest) {
     plan.micro_batches = k;
-    HostExecutorOptions opt;
+    LayerExecutorOptions opt;
     opt.adamw.lr = 1e-2f;
     HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
     for (int s = 0; s < 2; ++s) {

@@ -3,10 +3,15 @@
 #pragma once
 
 #include <concepts>
+#include <cstdint>
 #include <functional>
+#include <memory>
+#include <string>
 
 #include "oom/core/bytes.hpp"
 #include "oom/core/memory_space.hpp"
+#include "oom/core/numeric.hpp"
+#include "oom/optim/adamw.hpp"
 #include "oom/plan/simulator.hpp"
 
 namespace oom {
@@ -38,5 +43,46 @@ concept backend = requires(B& b, typename B::Stream& s, typename B::Event& e, vo
   b.free(dst, space, n, c);
   b.synchronize(s);
 };
+
+/// What a LayerExecutor (runtime/layer_executor.hpp) needs beyond `backend`: the few things it does
+/// to memory itself, in stream order. For `B& b`, `typename B::Stream s`, `float* g`, `const float*
+/// x`, `std::uint64_t n`, `void* p`, `double* d`:
+///   7. `b.host_task(s, fn)` runs `fn` on a host thread once s's work before it has run; later
+///      work on s starts after it. An exception it throws is kept for the next synchronize()
+///      (cudaLaunchHostFunc on a GPU: `fn` must not call CUDA);
+///   8. `b.free_after(s, p, space, bytes, claimant)` gives p back once s's work before it has run;
+///      an allocation that does not fit meanwhile waits for such frees (never refused while one
+///      is pending);
+///   9. `b.zero(g, n, s)` and `b.add(g, x, n, s)` (g[i] = g[i] + x[i], one fp32 rounding) on
+///      device memory in s's order;
+///  10. `b.device_adamw(scalars, master, m, v, grad, weights, n, s, what)` is
+///      optim::adamw_element over n device elements with the bf16 copy written, bit for bit the
+///      CPU's (where `what` is not empty, a NaN or infinite gradient is an error naming it, kept
+///      for the next synchronize());
+///  11. `b.native(s)` is the handle a layer enqueues its work on (`cudaStream_t` on a GPU; null on
+///      the host backend, where the layer runs inside the stream's task);
+///  12. `b.host_words(n)` is n doubles of host memory the device can write (pinned and mapped on a
+///      GPU), outside the budgets (bookkeeping, like events);
+///  13. `b.drain(s)` waits like synchronize() but never throws, leaving an error for the next
+///      synchronize(); `b.retire(s)` drains s and lets the backend forget it.
+/// Whether a backend's "device" memory is host memory the caller's CPU code may read in a stream
+/// task (a LayerExecutor's HostLossFn steps need it). runtime/host_backend.hpp says yes for its own.
+template <class B>
+inline constexpr bool device_memory_is_host = false;
+
+template <class B>
+concept executor_backend =
+    backend<B> && requires(B& b, typename B::Stream& s, std::function<void()> fn, void* p, float* g, const float* x, std::uint64_t n,
+                           MemorySpace space, Bytes bytes, Claimant c, const optim::AdamWStepScalars& sc, bf16* w, std::string what) {
+      b.host_task(s, fn);
+      b.free_after(s, p, space, bytes, c);
+      b.zero(g, n, s);
+      b.add(g, x, n, s);
+      b.device_adamw(sc, g, g, g, x, w, n, s, what);
+      { b.native(s) } -> std::convertible_to<void*>;
+      { b.host_words(n) } -> std::same_as<std::shared_ptr<double[]>>;
+      b.drain(s);
+      b.retire(s);
+    };
 
 }  // namespace oom

@@ -15,7 +15,7 @@
 //                     head) = q_proj(n1), k = k_proj(n1), v = v_proj(n1); causal GQA (scale
 //                     1/sqrt(head_dim)); rotate-half RoPE over the first rotary_dim =
 //                     head_dim * partial_rotary_factor dimensions of each head, positions 0..S-1
-//                     (the T tokens are HostLayerContext::sequences sequences of S, attention
+//                     (the T tokens are LayerContext::sequences sequences of S, attention
 //                     within each);
 //   linear attention: the Gated DeltaNet block of oom/reference/gated_delta.hpp (Qwen3-Next's
 //                     fused projections or Qwen3.5's separate ones), run on each sequence from a
@@ -88,9 +88,9 @@ class HostDecoderLayer {
   void balance_router(RouterBalanceLoss* loss) { balance_ = loss; }
 
   /// Writes ctx.output (when set) and every saved class whose pointer is set.
-  void forward(HostLayerContext& ctx);
+  void forward(LayerContext& ctx);
   /// Needs every saved class; writes grad_input and accumulates into weight_grads.
-  void backward(HostLayerContext& ctx);
+  void backward(LayerContext& ctx);
 
  private:
   // Work that spans the chunks of one pass (calls for one layer never run concurrently).
@@ -104,25 +104,25 @@ class HostDecoderLayer {
     std::vector<float> shared_dgate_up, shared_act, shared_dy, shared_dlogit;  // the shared expert's, per token
   };
 
-  void check_context(const HostLayerContext& ctx, bool backward) const;
-  void begin_pass(const HostLayerContext& ctx, std::uint64_t& tokens, std::uint64_t& sequences, std::uint64_t& next);
-  void convert_weights(const HostLayerContext& ctx);
-  void attention_forward(const HostLayerContext& ctx);
+  void check_context(const LayerContext& ctx, bool backward) const;
+  void begin_pass(const LayerContext& ctx, std::uint64_t& tokens, std::uint64_t& sequences, std::uint64_t& next);
+  void convert_weights(const LayerContext& ctx);
+  void attention_forward(const LayerContext& ctx);
   // The full-attention or Gated DeltaNet mixer of n1 over all tokens into `out` (T, H).
-  void full_attention_forward(const HostLayerContext& ctx, std::vector<float>& out);
-  void linear_attention_forward(const HostLayerContext& ctx, std::vector<float>& out);
-  void moe_forward(const HostLayerContext& ctx);
+  void full_attention_forward(const LayerContext& ctx, std::vector<float>& out);
+  void linear_attention_forward(const LayerContext& ctx, std::vector<float>& out);
+  void moe_forward(const LayerContext& ctx);
   // down(silu(gate) * up) of the shared expert from n tokens' [gate | up] projections (n, 2 Is);
   // `act` gets silu(gate) * up (n, Is).
   [[nodiscard]] std::vector<float> shared_expert_output(const std::vector<float>& gate_up, std::size_t n,
                                                         std::vector<float>& act) const;
-  void moe_backward(const HostLayerContext& ctx);
-  void shared_expert_backward(const HostLayerContext& ctx, std::vector<float>& dxn2);
-  void moe_weight_grads(const HostLayerContext& ctx);
-  void attention_backward(const HostLayerContext& ctx);
+  void moe_backward(const LayerContext& ctx);
+  void shared_expert_backward(const LayerContext& ctx, std::vector<float>& dxn2);
+  void moe_weight_grads(const LayerContext& ctx);
+  void attention_backward(const LayerContext& ctx);
   // d n1 (T, H) from dh = grad_input, accumulating the mixer's weight gradients.
-  void full_attention_backward(const HostLayerContext& ctx, std::vector<float>& dxn1);
-  void linear_attention_backward(const HostLayerContext& ctx, std::vector<float>& dxn1);
+  void full_attention_backward(const LayerContext& ctx, std::vector<float>& dxn1);
+  void linear_attention_backward(const LayerContext& ctx, std::vector<float>& dxn1);
   // Where a full-attention segment's pieces begin, in floats: q_proj's rows (with the gate's), then
   // k_proj's and v_proj's as one (P, H) block, o_proj, the q/k/v biases (Qwen2-MoE), the q norm,
   // the k norm; `end` is the segment's size. The forward, the backward and the weights' (1 + w)
@@ -160,6 +160,6 @@ class HostDecoderLayer {
   BackwardState bwd_;
 };
 
-static_assert(host_layer<HostDecoderLayer>);
+static_assert(executor_layer<HostDecoderLayer>);
 
 }  // namespace oom

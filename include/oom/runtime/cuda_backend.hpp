@@ -5,9 +5,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "oom/concepts/backend.hpp"
@@ -48,6 +52,31 @@ class CudaBackend {
   void free(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant);
   void synchronize(Stream& s);
 
+  // ---- the executor's own work on memory (concepts/backend.hpp, executor_backend) ----
+  /// `fn` on CUDA's host-function thread once s's work before it has run (cudaLaunchHostFunc):
+  /// it must not call CUDA. What it throws is kept for the next synchronize().
+  void host_task(Stream& s, std::function<void()> fn);
+  /// p goes back to its arena once s's work before this point has run (an event). An allocation
+  /// that does not fit waits for these, oldest first, and is refused only when none is pending.
+  void free_after(Stream& s, void* p, MemorySpace space, Bytes bytes, Claimant claimant);
+  void zero(float* g, std::uint64_t n, Stream& s);
+  /// g[i] += x[i], one rounding (kernels::accumulate_scaled with scale 1: the host's bits).
+  void add(float* g, const float* x, std::uint64_t n, Stream& s);
+  /// kernels::adamw_update (bit for bit optim::adamw_element). `what` not empty: the gradients
+  /// are checked first (kernels::flag_nonfinite into mapped host memory, read by a host task), a
+  /// NaN or infinity an error naming `what` at the next synchronize(); the update runs all the
+  /// same (the stream cannot stop), so that state is unusable: the step's caller sees the error.
+  void device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
+                    std::uint64_t n, Stream& s, std::string what);
+  static void* native(const Stream& s) { return s.get(); }
+  /// n zeroed doubles of pinned, mapped host memory: a kernel on any stream may write them (the
+  /// same address on the device, unified addressing); not counted in the budgets.
+  std::shared_ptr<double[]> host_words(std::uint64_t n);
+  /// Waits for s like synchronize() without throwing; an error stays for synchronize().
+  void drain(Stream& s) noexcept;
+  /// Drains s and empties the handle.
+  void retire(Stream& s) noexcept;
+
   static cudaStream_t raw(const Stream& s) { return s.get(); }
   [[nodiscard]] Arena& device_arena() { return device_; }
   [[nodiscard]] Arena& pinned_arena() { return pinned_; }
@@ -58,14 +87,31 @@ class CudaBackend {
     unsigned char* base = nullptr;
     FirstFitHeap heap;
   };
+  struct PendingFree {
+    Event done;
+    void* ptr;
+    MemorySpace space;
+    Bytes bytes;
+    Claimant claimant;
+  };
+  void* allocate_locked(MemorySpace space, Bytes bytes, Claimant claimant);
+  void free_locked(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant);
+  void reap_locked();  // gives back the pending frees whose event has completed
+  void fail(std::exception_ptr e);
+
   Options options_;
   Arena device_, pinned_;
   std::mutex mutex_;
+  std::deque<PendingFree> pending_;  // under mutex_, in the order they were queued
+  std::mutex error_mutex_;
+  std::exception_ptr first_error_;
+  int* flags_ = nullptr;  // pinned, mapped: device_adamw's non-finite flags, a ring
+  std::uint64_t next_flag_ = 0;
   unsigned char* device_base_ = nullptr;
   FirstFitHeap device_heap_;
   std::vector<Slab> slabs_;
 };
 
-static_assert(backend<CudaBackend>);
+static_assert(executor_backend<CudaBackend>);
 
 }  // namespace oom

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "oom/concepts/backend.hpp"
 #include "oom/runtime/arena.hpp"
@@ -77,6 +78,24 @@ class HostBackend {
   /// on any stream threw.
   void synchronize(Stream& s);
 
+  // ---- the executor's own work on memory (concepts/backend.hpp, executor_backend) ----
+  /// A task on s: the host backend's streams are host threads already.
+  void host_task(Stream& s, std::function<void()> fn) { submit(s, std::move(fn)); }
+  /// Frees p when s reaches this point (a task of s). Null p: nothing.
+  void free_after(Stream& s, void* p, MemorySpace space, Bytes bytes, Claimant claimant);
+  void zero(float* g, std::uint64_t n, Stream& s);
+  /// g[i] += x[i] (one fp32 rounding each).
+  void add(float* g, const float* x, std::uint64_t n, Stream& s);
+  /// optim::adamw_element over n elements, weights[i] = to_bf16(master[i]); `what` not empty: a
+  /// NaN or infinite gradient is an error (Errc::invalid_argument) naming it, before any element
+  /// is updated.
+  void device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
+                    std::uint64_t n, Stream& s, std::string what);
+  /// Layers run inside the stream's tasks: no handle to enqueue on.
+  static void* native(const Stream& /*s*/) { return nullptr; }
+  /// n doubles, zeroed (host memory is the "device's" here).
+  static std::shared_ptr<double[]> host_words(std::uint64_t n) { return std::shared_ptr<double[]>(new double[n]()); }
+
   [[nodiscard]] Arena& device_arena() { return device_; }
   [[nodiscard]] Arena& pinned_arena() { return pinned_; }
 
@@ -92,6 +111,8 @@ class HostBackend {
   bool work_pending();
 };
 
-static_assert(backend<HostBackend>);
+static_assert(executor_backend<HostBackend>);
+template <>
+inline constexpr bool device_memory_is_host<HostBackend> = true;
 
 }  // namespace oom

@@ -1,0 +1,335 @@
+// The CudaLayerExecutor (runtime/cuda_layer_executor.hpp): a stack of a user's own CUDA layers
+// (examples/custom_layer/residual_mlp_cuda.hpp) trained on the GPU as LayerStackPlanner's plans
+// say. Every plan (streamed, offloaded, recomputed, regenerated, chunked; 1 or 2 micro-batches)
+// computes the resident plan's step bit for bit, within the device and pinned bytes it predicts;
+// the GPU stack trains as the HostExecutor's CPU stack of the same layer does. Also the
+// CudaBackend's executor operations (host tasks, stream-ordered frees, the device AdamW).
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "custom_layer/residual_mlp.hpp"
+#include "custom_layer/residual_mlp_cuda.hpp"
+#include "oom/core/cuda_check.hpp"
+#include "oom/core/error.hpp"
+#include "oom/optim/adamw.hpp"
+#include "oom/plan/layer_stack_planner.hpp"
+#include "oom/runtime/cuda_layer_executor.hpp"
+#include "oom/runtime/host_executor.hpp"
+
+using namespace oom;
+using namespace oom::literals;
+using oom::examples::CudaResidualMlp;
+using oom::examples::ResidualMlp;
+
+namespace {
+
+constexpr int layer_count = 6;
+constexpr std::uint64_t hidden = 64, inter = 192, tokens = 200;  // 200: chunks of 100 and 50, no power of two
+
+std::vector<float> noise(std::uint64_t n, std::uint64_t seed, float scale) {
+  std::vector<float> v(n);
+  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& x : v) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    x = scale * (static_cast<float>(s >> 40) / static_cast<float>(1ull << 24) * 2.0f - 1.0f);
+  }
+  return v;
+}
+
+std::vector<std::vector<float>> initial_weights() {
+  std::vector<std::vector<float>> init;
+  for (int l = 0; l < layer_count; ++l) init.push_back(noise(2 * hidden * inter, 11 + static_cast<std::uint64_t>(l), 0.125f));
+  return init;
+}
+
+Plan resident_plan(const std::vector<ResidualMlp>& layers, int micro_batches = 1) {
+  Plan p;
+  p.workload = {1, tokens};
+  p.micro_batches = micro_batches;
+  for (const auto& l : layers)
+    for (const auto& s : l.segments()) p.resident_segments.push_back(s.name);
+  p.retention.resize(layers.size());
+  p.chunks.assign(layers.size(), {{tokens}, tokens});
+  p.loss_rows = tokens;
+  return p;
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> master;
+  std::vector<SegmentOptimizerState> state;
+  Bytes gpu_peak, pinned_peak;
+};
+
+// The step's data: micro-batch m of step s.
+std::vector<float> input_of(int s, int m) { return noise(tokens * hidden, 1000 + 10 * static_cast<std::uint64_t>(s) + m, 1.0f); }
+std::vector<float> target_of(int s, int m) { return noise(tokens * hidden, 5000 + 10 * static_cast<std::uint64_t>(s) + m, 1.0f); }
+
+// `steps` steps of `plan` on the GPU, in a CudaBackend of `gpu` device and `pinned` host bytes.
+Run train_gpu(const Plan& plan, Bytes gpu, Bytes pinned, int steps = 3) {
+  const auto scratch = examples::device_floats(tokens * inter);
+  std::vector<CudaResidualMlp> layers;
+  for (int l = 0; l < layer_count; ++l) layers.emplace_back(l, hidden, inter, scratch, tokens);
+  CudaBackend::Options bo;
+  bo.device_budget = gpu;
+  bo.pinned_budget = pinned;
+  bo.pinned_slab = 16_MiB;
+  CudaBackend backend(bo);
+  LayerExecutorOptions eo;
+  eo.adamw.lr = 3e-3f;
+  Run run;
+  {
+    CudaLayerExecutor<CudaResidualMlp> exec(backend, layers, plan, initial_weights(), eo);
+    const int k = plan.micro_batches;
+    std::vector<std::shared_ptr<float>> targets;
+    for (int m = 0; m < k; ++m) targets.push_back(examples::device_floats(tokens * hidden));
+    std::vector<DeviceLossFn> losses;
+    for (int m = 0; m < k; ++m)
+      losses.push_back([t = targets[static_cast<std::size_t>(m)].get()](const float* y, float* g, double* l, void* s) {
+        examples::mse_loss(y, t, g, tokens, hidden, l, s);
+      });
+    for (int s = 1; s <= steps; ++s) {
+      std::vector<std::vector<float>> inputs;
+      for (int m = 0; m < k; ++m) {
+        inputs.push_back(input_of(s, m));
+        const auto t = target_of(s, m);
+        OOM_CUDA_CHECK(cudaMemcpy(targets[static_cast<std::size_t>(m)].get(), t.data(), t.size() * sizeof(float), cudaMemcpyHostToDevice));
+      }
+      run.losses.push_back(exec.step(inputs, losses));
+    }
+    run.master = exec.master();
+    run.state = exec.optimizer_state();
+  }
+  run.gpu_peak = backend.device_arena().peak();
+  run.pinned_peak = backend.pinned_arena().peak();
+  return run;
+}
+
+// The same on the HostExecutor with the CPU layer (the reference), all resident.
+Run train_host(int steps = 3) {
+  std::vector<ResidualMlp> layers;
+  for (int l = 0; l < layer_count; ++l) layers.emplace_back(l, hidden, inter);
+  HostBackend backend({1_GiB, 1_GiB, /*expose_races=*/false});
+  LayerExecutorOptions eo;
+  eo.adamw.lr = 3e-3f;
+  const Plan plan = resident_plan(layers);
+  HostExecutor<ResidualMlp> exec(backend, layers, plan, initial_weights(), eo);
+  Run run;
+  for (int s = 1; s <= steps; ++s) run.losses.push_back(exec.step(input_of(s, 0), target_of(s, 0)));
+  run.master = exec.master();
+  return run;
+}
+
+bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) return false;
+  return true;
+}
+
+bool same_run(const Run& a, const Run& b) {
+  if (a.losses != b.losses || !bitwise_equal(a.master, b.master) || a.state.size() != b.state.size()) return false;
+  for (std::size_t i = 0; i < a.state.size(); ++i)
+    if (!bitwise_equal({a.state[i].exp_avg, a.state[i].exp_avg_sq}, {b.state[i].exp_avg, b.state[i].exp_avg_sq})) return false;
+  return true;
+}
+
+bool moves(const Plan& p, Retention r) {
+  for (const auto& layer : p.retention)
+    for (const auto& d : layer)
+      if (d.action == r) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the resident plan's step bit for bit, within its predicted bytes") {
+  std::vector<ResidualMlp> shapes;
+  for (int l = 0; l < layer_count; ++l) shapes.emplace_back(l, hidden, inter);
+  const MachineProfile profile = MachineProfile::h200(1);  // the planner holds it by reference
+  const LayerStackPlanner planner(describe_layers(shapes), profile, "residual MLP stack");
+  const Run expect = train_gpu(resident_plan(shapes), 64_MiB, 64_MiB);
+  MESSAGE("resident plan: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
+  CHECK(expect.losses[2] < expect.losses[0]);  // it trains
+
+  PlanRequest r;
+  r.host_budget = 1_GiB;
+  r.workload = {1, tokens};
+  r.candidates = 4;
+  const Bytes all = planner.plan([&] {
+                             auto q = r;
+                             q.gpu_budget = 1_GiB;
+                             return q;
+                           }())
+                        .plans.front()
+                        .predicted.gpu_peak;
+  std::vector<Plan> plans;
+  for (double share : {0.7, 0.45, 0.3, 0.2}) {
+    r.gpu_budget = Bytes{static_cast<std::uint64_t>(static_cast<double>(all.count()) * share)};
+    try {
+      for (auto& p : planner.plan(r).plans) plans.push_back(std::move(p));
+    } catch (const Error& e) {
+      REQUIRE(e.code() == Errc::out_of_budget);  // below what any plan needs
+    }
+  }
+  for (const char* name : {"offload-all", "checkpoint, boundaries regenerated in groups of 2",
+                           "offload-checkpoint, boundaries regenerated in groups of 3"}) {
+    r.gpu_budget = 1_GiB;
+    r.retention = name;
+    r.candidates = 2;
+    for (auto& p : planner.plan(r).plans) plans.push_back(std::move(p));
+  }
+  int streamed = 0, offloaded = 0, recomputed = 0, chunked = 0;
+  for (const Plan& p : plans) {
+    CAPTURE(p.retention_name);
+    CAPTURE(p.resident_segments.size());
+    CAPTURE(p.prefetch_depth);
+    streamed += p.resident_segments.size() < static_cast<std::size_t>(layer_count);
+    offloaded += moves(p, Retention::offload);
+    recomputed += moves(p, Retention::recompute);
+    for (const auto& c : p.chunks) chunked += c.moe_tokens < tokens;
+    // Room for the device heap's alignment and fragments; the accounted peak must stay within the
+    // prediction all the same.
+    const Run got = train_gpu(p, Bytes{p.predicted.gpu_peak.count() * 5 / 4 + (1u << 20)}, Bytes{p.predicted.host_peak.count() * 5 / 4 + (16u << 20)});
+    CHECK(same_run(got, expect));
+    CHECK(got.gpu_peak <= p.predicted.gpu_peak);
+    CHECK(got.pinned_peak <= p.predicted.host_peak);
+  }
+  MESSAGE(plans.size() << " plans: " << streamed << " stream, " << offloaded << " offload, " << recomputed << " recompute, " << chunked
+                       << " chunked layers");
+  CHECK(streamed > 0);
+  CHECK(offloaded > 0);
+  CHECK(recomputed > 0);
+  CHECK(chunked > 0);
+
+  // Two micro-batches: a streamed, offloading plan against the resident one, both accumulating.
+  Plan two = plans.front();
+  for (const Plan& p : plans)
+    if (p.resident_segments.size() < static_cast<std::size_t>(layer_count) && moves(p, Retention::offload)) two = p;
+  two.micro_batches = 2;
+  const Run expect2 = train_gpu(resident_plan(shapes, 2), 64_MiB, 64_MiB);
+  CHECK(same_run(train_gpu(two, 64_MiB, 64_MiB), expect2));
+  CHECK_FALSE(same_run(expect2, expect));  // the second micro-batch counts
+}
+
+TEST_CASE("the CUDA stack trains as the HostExecutor's CPU stack of the same layer does") {
+  std::vector<ResidualMlp> shapes;
+  for (int l = 0; l < layer_count; ++l) shapes.emplace_back(l, hidden, inter);
+  const Run gpu = train_gpu(resident_plan(shapes), 64_MiB, 64_MiB);
+  const Run host = train_host();
+  const auto init = initial_weights();
+  for (std::size_t s = 0; s < gpu.losses.size(); ++s) CHECK(gpu.losses[s] == doctest::Approx(host.losses[s]).epsilon(1e-4));
+  // The updates (master - initial) agree within fp32 rounding of the sums' order and exp.
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < init.size(); ++i)
+    for (std::size_t e = 0; e < init[i].size(); ++e) {
+      const double a = gpu.master[i][e] - init[i][e], b = host.master[i][e] - init[i][e];
+      diff += (a - b) * (a - b);
+      norm += b * b;
+    }
+  const double rel = std::sqrt(diff / norm);
+  MESSAGE("losses GPU " << gpu.losses[2] << ", host " << host.losses[2] << "; updates' relative L2 difference " << rel);
+  CHECK(norm > 0);
+  CHECK(rel < 1e-2);
+}
+
+TEST_CASE("CudaBackend's executor operations: stream-ordered frees, host tasks and their errors, zero/add, the device AdamW") {
+  CudaBackend::Options bo;
+  bo.device_budget = 1_MiB;
+  bo.pinned_budget = 16_MiB;
+  bo.pinned_slab = 16_MiB;
+  CudaBackend b(bo);
+  auto s = b.make_stream();
+
+  SUBCASE("an allocation waits for a free queued behind running work, and is refused when none is pending") {
+    void* a = b.allocate(MemorySpace::device(0), 1_MiB, Claimant::worksets);
+    std::atomic<bool> ran{false};
+    b.host_task(s, [&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      ran = true;
+    });
+    b.free_after(s, a, MemorySpace::device(0), 1_MiB, Claimant::worksets);
+    void* again = b.allocate(MemorySpace::device(0), 1_MiB, Claimant::worksets);  // waits for the task, then the free
+    CHECK(ran.load());
+    CHECK(again == a);
+    try {
+      (void)b.allocate(MemorySpace::device(0), 256_KiB, Claimant::retained_activations);
+      FAIL("allocated past the budget");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::out_of_budget);
+    }
+    b.free(again, MemorySpace::device(0), 1_MiB, Claimant::worksets);
+    CHECK(b.device_arena().in_use() == 0_B);
+  }
+
+  SUBCASE("a host task's error is thrown by the next synchronize, once; drain does not throw") {
+    b.host_task(s, [] { OOM_THROW(Errc::invalid_argument, "the task's own words"); });
+    b.drain(s);
+    CHECK_THROWS_WITH_AS(b.synchronize(s), doctest::Contains("the task's own words"), Error);
+    CHECK_NOTHROW(b.synchronize(s));
+  }
+
+  SUBCASE("zero, add, and the device AdamW give the CPU's bits; a non-finite gradient names its segment") {
+    constexpr std::uint64_t n = 1003;  // not a multiple of a vector width
+    auto* dev = static_cast<float*>(b.allocate(MemorySpace::device(0), Bytes{5 * n * sizeof(float) + n * sizeof(bf16)}, Claimant::worksets));
+    float *master = dev, *m = dev + n, *v = dev + 2 * n, *grad = dev + 3 * n, *x = dev + 4 * n;
+    auto* w = reinterpret_cast<bf16*>(dev + 5 * n);
+    auto hm = noise(n, 1, 1.0f), hv = noise(n, 2, 1.0f), hg = noise(n, 3, 1.0f), hx = noise(n, 4, 1.0f), hmaster = noise(n, 5, 1.0f);
+    for (auto& e : hv) e = e * e;  // second moments are not negative
+    OOM_CUDA_CHECK(cudaMemcpy(master, hmaster.data(), n * 4, cudaMemcpyHostToDevice));
+    OOM_CUDA_CHECK(cudaMemcpy(m, hm.data(), n * 4, cudaMemcpyHostToDevice));
+    OOM_CUDA_CHECK(cudaMemcpy(v, hv.data(), n * 4, cudaMemcpyHostToDevice));
+    OOM_CUDA_CHECK(cudaMemcpy(grad, hg.data(), n * 4, cudaMemcpyHostToDevice));
+    OOM_CUDA_CHECK(cudaMemcpy(x, hx.data(), n * 4, cudaMemcpyHostToDevice));
+    b.add(grad, x, n, s);  // grad = g + x
+    optim::AdamWConfig cfg;
+    cfg.lr = 1e-2f;
+    cfg.weight_decay = 0.1f;
+    const auto sc = optim::adamw_step_scalars(cfg, 3);
+    b.device_adamw(sc, master, m, v, grad, w, n, s, "segment 'blocks.0' (step 3)");
+    b.synchronize(s);
+    std::vector<float> gm(n), gmm(n), gv(n);
+    std::vector<bf16> gw(n);
+    OOM_CUDA_CHECK(cudaMemcpy(gm.data(), master, n * 4, cudaMemcpyDeviceToHost));
+    OOM_CUDA_CHECK(cudaMemcpy(gmm.data(), m, n * 4, cudaMemcpyDeviceToHost));
+    OOM_CUDA_CHECK(cudaMemcpy(gv.data(), v, n * 4, cudaMemcpyDeviceToHost));
+    OOM_CUDA_CHECK(cudaMemcpy(gw.data(), w, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+    int differ = 0;
+    for (std::uint64_t i = 0; i < n; ++i) {
+      float p = hmaster[i], mm = hm[i], vv = hv[i];
+      optim::adamw_element(sc, p, mm, vv, hg[i] + hx[i]);
+      differ += std::memcmp(&p, &gm[i], 4) != 0 || std::memcmp(&mm, &gmm[i], 4) != 0 || std::memcmp(&vv, &gv[i], 4) != 0 ||
+                to_bf16(p).bits != gw[i].bits;
+    }
+    CHECK(differ == 0);
+    b.zero(grad, n, s);
+    b.synchronize(s);
+    std::vector<float> z(n, 1.0f);
+    OOM_CUDA_CHECK(cudaMemcpy(z.data(), grad, n * 4, cudaMemcpyDeviceToHost));
+    CHECK(std::all_of(z.begin(), z.end(), [](float e) { return e == 0.0f; }));
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    OOM_CUDA_CHECK(cudaMemcpy(grad + 777, &nan, 4, cudaMemcpyHostToDevice));
+    b.device_adamw(sc, master, m, v, grad, w, n, s, "segment 'blocks.4' (step 9)");
+    CHECK_THROWS_WITH_AS(b.synchronize(s), doctest::Contains("non-finite gradient (NaN or infinite) in segment 'blocks.4' (step 9)"), Error);
+    // A clean one after it passes: the flag was cleared.
+    b.zero(grad, n, s);
+    b.device_adamw(sc, master, m, v, grad, w, n, s, "segment 'blocks.5' (step 10)");
+    CHECK_NOTHROW(b.synchronize(s));
+    b.free(dev, MemorySpace::device(0), Bytes{5 * n * sizeof(float) + n * sizeof(bf16)}, Claimant::worksets);
+  }
+  b.retire(s);
+}
