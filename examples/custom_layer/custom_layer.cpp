@@ -118,8 +118,8 @@ void report_peaks(Backend& backend, const oom::Plan& plan) {
 }
 
 #if OOM_CUSTOM_LAYER_HAS_CUDA
-// The same stack on the GPU: the CUDA layer, a CudaBackend holding the budgets asked for (one
-// cudaMalloc of --gpu-budget; pinned slabs up to --host-budget), and the loss on the GPU.
+// The same stack on the GPU: the CUDA layer, a CudaBackend (one cudaMalloc of the plan's GPU
+// bytes, pinned slabs), and the loss on the GPU.
 int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::vector<float>>& init, const oom::LayerExecutorOptions& eo) {
   using oom::examples::CudaResidualMlp;
   if (oom::cuda::device_count() == 0)
@@ -127,10 +127,15 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
   const auto scratch = oom::examples::device_floats(o.tokens * o.inter);  // the layers' shared workset
   std::vector<CudaResidualMlp> layers;
   for (int l = 0; l < o.layers; ++l) layers.emplace_back(l, o.hidden, o.inter, scratch, o.tokens);
+  // As on the host backend, the arenas are exactly what the plan predicts: an allocation that does
+  // not fit waits for the frees queued on the streams before it (the GPU runs behind the host).
   oom::CudaBackend::Options bo;
-  bo.device_budget = o.gpu_budget;
-  bo.pinned_budget = o.host_budget;
-  bo.pinned_slab = oom::Bytes{std::min<std::uint64_t>(o.host_budget.count(), std::uint64_t{64} << 20)};
+  bo.device_budget = plan.predicted.gpu_peak;
+  bo.device_reserve = oom::Bytes{plan.predicted.gpu_peak.count() * 3 / 2};  // the heap's fragments: reported below
+  bo.pinned_budget = plan.predicted.host_peak;
+  // Pinned slabs of 16 MiB, or one segment's fp32 state or boundary if larger (none is split).
+  const std::uint64_t largest = std::max(2 * o.hidden * o.inter, o.tokens * std::max(o.hidden, o.inter)) * sizeof(float);
+  bo.pinned_slab = oom::Bytes{std::max<std::uint64_t>(std::uint64_t{16} << 20, (largest + 4095) / 4096 * 4096)};
   oom::CudaBackend backend(bo);
   oom::CudaLayerExecutor<CudaResidualMlp> exec(backend, layers, plan, init, eo);
   const auto target = oom::examples::device_floats(o.tokens * o.hidden);
@@ -143,7 +148,11 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
         OOM_CUDA_CHECK(cudaMemcpy(target.get(), y.data(), y.size() * sizeof(float), cudaMemcpyHostToDevice));
         return exec.step(x, loss);
       },
-      [&] { report_peaks(backend, plan); });
+      [&] {
+        report_peaks(backend, plan);
+        fmt::print("device heap: {} reserved, {} reached (the peak and the first-fit heap's fragments)\n", bo.device_reserve,
+                   backend.device_high_water());
+      });
 }
 #else
 int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<float>>&, const oom::LayerExecutorOptions&) {

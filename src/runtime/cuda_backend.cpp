@@ -18,17 +18,21 @@ CudaBackend::CudaBackend(Options options)
       pinned_("pinned host memory", options.pinned_budget) {
   if (options_.pinned_slab.count() == 0) options_.pinned_slab = Bytes{1ull << 30};
   OOM_CUDA_CHECK(cudaSetDevice(options_.device));
-  if (options_.device_budget.count() > 0) {
-    const cudaError_t status = cudaMalloc(reinterpret_cast<void**>(&device_base_), options_.device_budget.count());
+  if (options_.device_reserve.count() == 0) options_.device_reserve = options_.device_budget;
+  if (options_.device_reserve < options_.device_budget)
+    OOM_THROW(Errc::invalid_argument, fmt::format("cuda:{}: a device reserve of {} is below the budget of {}", options_.device,
+                                                  options_.device_reserve, options_.device_budget));
+  if (options_.device_reserve.count() > 0) {
+    const cudaError_t status = cudaMalloc(reinterpret_cast<void**>(&device_base_), options_.device_reserve.count());
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
       std::size_t free_b = 0, total_b = 0;
       (void)cudaMemGetInfo(&free_b, &total_b);
       OOM_THROW(Errc::out_of_budget, fmt::format("cannot reserve the plan's GPU budget of {} on cuda:{}: {} free of {} ({})",
-                                                 options_.device_budget, options_.device, Bytes{free_b}, Bytes{total_b},
+                                                 options_.device_reserve, options_.device, Bytes{free_b}, Bytes{total_b},
                                                  cudaGetErrorString(status)));
     }
-    device_heap_ = FirstFitHeap(options_.device_budget, 256);
+    device_heap_ = FirstFitHeap(options_.device_reserve, 256);
   }
 }
 
@@ -232,6 +236,11 @@ void* CudaBackend::allocate_locked(MemorySpace space, Bytes bytes, Claimant clai
     return slabs_.back().base + *at;
   }
   OOM_THROW(Errc::invalid_argument, "CudaBackend allocates device and pinned memory only");
+}
+
+Bytes CudaBackend::device_high_water() {
+  std::lock_guard lock(mutex_);
+  return device_heap_.high_water();
 }
 
 void CudaBackend::free(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant) {

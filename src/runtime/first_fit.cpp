@@ -22,6 +22,7 @@ std::optional<std::uint64_t> FirstFitHeap::allocate(Bytes bytes) {
     if (rest > 0) free_.emplace(at + n, rest);
     taken_.emplace(at, n);
     used_ += Bytes{n};
+    high_water_ = std::max(high_water_, Bytes{at + n});
     return at;
   }
   return std::nullopt;

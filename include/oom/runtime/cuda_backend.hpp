@@ -24,9 +24,14 @@ class CudaBackend {
  public:
   struct Options {
     int device = 0;
-    Bytes device_budget;   ///< reserved at construction with one cudaMalloc
+    Bytes device_budget;   ///< the most device bytes held at once (the arena's accounting)
     Bytes pinned_budget;   ///< upper bound on pinned slabs
     Bytes pinned_slab;     ///< slab size (default 1 GiB); pinning one huge block can fail (DeepSpeed #7150)
+    /// Bytes reserved with one cudaMalloc at construction, for the first-fit heap the budget's
+    /// allocations come from: 0 means device_budget. More than the budget leaves room for the
+    /// heap's fragments when allocations of many sizes come and go (a LayerExecutor's), so that
+    /// the budget, not the heap's layout, decides when an allocation waits or is refused.
+    Bytes device_reserve;
   };
   using Stream = std::shared_ptr<CUstream_st>;
   using Event = std::shared_ptr<CUevent_st>;
@@ -81,6 +86,8 @@ class CudaBackend {
   [[nodiscard]] Arena& device_arena() { return device_; }
   [[nodiscard]] Arena& pinned_arena() { return pinned_; }
   [[nodiscard]] int device() const { return options_.device; }
+  /// The highest device address range used so far, from the arena's start (<= the reserve).
+  [[nodiscard]] Bytes device_high_water();
 
  private:
   struct Slab {

@@ -24,11 +24,14 @@ class FirstFitHeap {
   [[nodiscard]] Bytes capacity() const { return capacity_; }
   [[nodiscard]] Bytes used() const { return used_; }
   [[nodiscard]] Bytes largest_free() const;
+  /// The highest end of any range handed out so far (with used(): how fragmented the heap got).
+  [[nodiscard]] Bytes high_water() const { return high_water_; }
 
  private:
   Bytes capacity_;
   std::uint64_t alignment_ = 256;
   Bytes used_;
+  Bytes high_water_;
   std::map<std::uint64_t, std::uint64_t> free_;  // offset -> size, address order
   std::map<std::uint64_t, std::uint64_t> taken_;  // offset -> size
 };
