@@ -124,9 +124,8 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
   using oom::examples::CudaResidualMlp;
   if (oom::cuda::device_count() == 0)
     OOM_THROW(oom::Errc::unsupported, fmt::format("--backend cuda: no usable GPU ({})", oom::cuda::no_device_reason()));
-  const auto scratch = oom::examples::device_floats(o.tokens * o.inter);  // the layers' shared workset
   std::vector<CudaResidualMlp> layers;
-  for (int l = 0; l < o.layers; ++l) layers.emplace_back(l, o.hidden, o.inter, scratch, o.tokens);
+  for (int l = 0; l < o.layers; ++l) layers.emplace_back(l, o.hidden, o.inter);
   // As on the host backend, the arenas are exactly what the plan predicts: an allocation that does
   // not fit waits for the frees queued on the streams before it (the GPU runs behind the host).
   oom::CudaBackend::Options bo;
@@ -139,13 +138,17 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
   oom::CudaBackend backend(bo);
   oom::CudaLayerExecutor<CudaResidualMlp> exec(backend, layers, plan, init, eo);
   const auto target = oom::examples::device_floats(o.tokens * o.hidden);
+  const std::vector<float>* want = nullptr;  // this step's targets, on the host
+  // The loss on the GPU: the targets go up on the compute stream (ordered before the kernel).
   const oom::DeviceLossFn loss = [&](const float* y, float* grad, double* l, void* stream) {
+    OOM_CUDA_CHECK(cudaMemcpyAsync(target.get(), want->data(), want->size() * sizeof(float), cudaMemcpyHostToDevice,
+                                   static_cast<cudaStream_t>(stream)));
     oom::examples::mse_loss(y, target.get(), grad, o.tokens, o.hidden, l, stream);
   };
   return train(
       o,
       [&](const std::vector<float>& x, const std::vector<float>& y) {
-        OOM_CUDA_CHECK(cudaMemcpy(target.get(), y.data(), y.size() * sizeof(float), cudaMemcpyHostToDevice));
+        want = &y;
         return exec.step(x, loss);
       },
       [&] {

@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "oom/core/error.hpp"
 #include "oom/runtime/layer_executor.hpp"
 
 namespace oom::examples {
@@ -31,7 +34,7 @@ class ResidualMlpShape {
     c.forward_flops = 4.0 * static_cast<double>(t * h_ * i_);
     c.backward_flops = 2 * c.forward_flops;
     c.activations.push_back({oom::ActivationClass::other, oom::Bytes{t * i_ * sizeof(float)}, c.forward_flops / 2});
-    c.workset = oom::Bytes{t * i_ * sizeof(float)};
+    c.workset = oom::Bytes{t * i_ * sizeof(float)};  // handed to forward/backward: LayerContext::workspace
     c.output = oom::Bytes{t * h_ * sizeof(float)};
     return c;
   }
@@ -58,7 +61,7 @@ class ResidualMlp : public ResidualMlpShape {
 
   void forward(oom::LayerContext& ctx) const {
     const auto& w = ctx.weights[0];
-    std::vector<float> pre(i_);
+    float* pre = scratch(ctx);  // one token's pre-activation at a time
     for (std::uint64_t t = ctx.begin; t < ctx.end; ++t) {
       const float* x = ctx.input + t * h_;
       for (std::uint64_t j = 0; j < i_; ++j) {
@@ -67,7 +70,7 @@ class ResidualMlp : public ResidualMlpShape {
         pre[j] = s;
       }
       if (float* saved = ctx.saved[static_cast<std::size_t>(oom::ActivationClass::other)])
-        std::copy(pre.begin(), pre.end(), saved + t * i_);
+        std::copy(pre, pre + i_, saved + t * i_);
       if (ctx.output == nullptr) continue;  // recomputing the saved activation only
       for (std::uint64_t k = 0; k < h_; ++k) {
         float s = x[k];
@@ -80,13 +83,13 @@ class ResidualMlp : public ResidualMlpShape {
     const auto& w = ctx.weights[0];
     auto& g = ctx.weight_grads[0];
     const float* saved = ctx.saved[static_cast<std::size_t>(oom::ActivationClass::other)];
-    std::vector<float> da(i_);
+    float* da = scratch(ctx);  // one token's d(silu) at a time
     for (std::uint64_t t = ctx.begin; t < ctx.end; ++t) {
       const float* x = ctx.input + t * h_;
       const float* dy = ctx.grad_output + t * h_;
       const float* pre = saved + t * i_;
       float* dx = ctx.grad_input + t * h_;
-      std::fill(da.begin(), da.end(), 0.0f);
+      std::fill(da, da + i_, 0.0f);
       for (std::uint64_t k = 0; k < h_; ++k) {
         dx[k] = dy[k];
         for (std::uint64_t j = 0; j < i_; ++j) {
@@ -107,6 +110,13 @@ class ResidualMlp : public ResidualMlpShape {
 
  private:
   static float silu(float v) { return v / (1.0f + std::exp(-v)); }
+  // The executor hands the declared workset (a chunk's T x I floats) to every call: one token's row.
+  float* scratch(const oom::LayerContext& ctx) const {
+    if (ctx.workspace_bytes < i_ * sizeof(float))
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("{}: a workspace of {} bytes, {} needed", segs_[0].name, ctx.workspace_bytes,
+                                                         i_ * sizeof(float)));
+    return static_cast<float*>(ctx.workspace);
+  }
 };
 static_assert(oom::executor_layer<ResidualMlp>);
 

@@ -10,25 +10,25 @@
 
 namespace oom::examples {
 
-void CudaResidualMlp::check_chunk(const oom::LayerContext& ctx) const {
-  if (ctx.end - ctx.begin > scratch_tokens_)
-    OOM_THROW(oom::Errc::invalid_argument, fmt::format("{}: a chunk of {} tokens exceeds the layers' scratch of {} tokens",
-                                                       segs_[0].name, ctx.end - ctx.begin, scratch_tokens_));
+float* CudaResidualMlp::scratch(const oom::LayerContext& ctx) const {
+  const std::uint64_t need = (ctx.end - ctx.begin) * i_ * sizeof(float);
+  if (ctx.workspace_bytes < need)
+    OOM_THROW(oom::Errc::invalid_argument, fmt::format("{}: a chunk of {} tokens needs a workspace of {} bytes, got {}", segs_[0].name,
+                                                       ctx.end - ctx.begin, need, ctx.workspace_bytes));
+  return static_cast<float*>(ctx.workspace);
 }
 
 void CudaResidualMlp::forward(oom::LayerContext& ctx) const {
-  check_chunk(ctx);
   float* saved = ctx.saved[static_cast<std::size_t>(oom::ActivationClass::other)];
-  float* pre = saved != nullptr ? saved + ctx.begin * i_ : scratch_.get();
+  float* pre = saved != nullptr ? saved + ctx.begin * i_ : scratch(ctx);
   OOM_CUDA_CHECK(static_cast<cudaError_t>(residual_mlp_kernels::forward(ctx.weights[0].data(), ctx.input, pre, ctx.output, ctx.begin,
                                                                         ctx.end - ctx.begin, h_, i_, ctx.stream)));
 }
 
 void CudaResidualMlp::backward(oom::LayerContext& ctx) const {
-  check_chunk(ctx);
   const float* pre = ctx.saved[static_cast<std::size_t>(oom::ActivationClass::other)] + ctx.begin * i_;
   OOM_CUDA_CHECK(static_cast<cudaError_t>(residual_mlp_kernels::backward(ctx.weights[0].data(), ctx.input, ctx.grad_output, pre,
-                                                                         scratch_.get(), ctx.grad_input, ctx.weight_grads[0].data(),
+                                                                         scratch(ctx), ctx.grad_input, ctx.weight_grads[0].data(),
                                                                          ctx.begin, ctx.end - ctx.begin, h_, i_, ctx.stream)));
 }
 

@@ -15,20 +15,16 @@ namespace oom::examples {
 
 class CudaResidualMlp : public ResidualMlpShape {
  public:
-  /// `scratch` holds `scratch_tokens` x inter floats of device memory that the layers of a stack
-  /// share (they run one at a time, on the compute stream): the pre-activation of a rerun that
-  /// saves none (a regenerated boundary) and the backward's d(pre). The plan's chunks must not
-  /// exceed scratch_tokens (refused by name).
-  CudaResidualMlp(int index, std::uint64_t hidden, std::uint64_t inter, std::shared_ptr<float> scratch, std::uint64_t scratch_tokens)
-      : ResidualMlpShape(index, hidden, inter), scratch_(std::move(scratch)), scratch_tokens_(scratch_tokens) {}
+  /// Its temporaries come from the workspace the executor hands each call (the declared workset,
+  /// a chunk's T x I floats): the pre-activation of a rerun that saves none (a regenerated
+  /// boundary) and the backward's d(pre).
+  using ResidualMlpShape::ResidualMlpShape;
 
   void forward(oom::LayerContext& ctx) const;
   void backward(oom::LayerContext& ctx) const;
 
  private:
-  void check_chunk(const oom::LayerContext& ctx) const;
-  std::shared_ptr<float> scratch_;
-  std::uint64_t scratch_tokens_;
+  float* scratch(const oom::LayerContext& ctx) const;  // the workspace, checked to hold the chunk
 };
 static_assert(oom::executor_layer<CudaResidualMlp>);
 

@@ -237,9 +237,7 @@ class GraphBuilder {
   }
   // Layer l's workset over one chunk: a chunk's share, rounded up (never less than its own temporaries).
   Bytes workset_part(int l) const {
-    const auto& w = costs_[static_cast<std::size_t>(l)].cost.workset;
-    const std::uint64_t T = plan_.workload.tokens(), c = chunk_tokens(l);
-    return Bytes{c == T ? w.count() : static_cast<std::uint64_t>(std::ceil(static_cast<double>(w.count()) * static_cast<double>(c) / static_cast<double>(T)))};
+    return chunk_workset(costs_[static_cast<std::size_t>(l)].cost.workset, plan_.workload.tokens(), chunk_tokens(l));
   }
   void hold_workset(int l, int from, int to) {
     if (const Bytes part = workset_part(l); part.count() > 0) g_.hold(Claimant::worksets, part, from, to);

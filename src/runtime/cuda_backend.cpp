@@ -37,14 +37,14 @@ CudaBackend::CudaBackend(Options options)
 }
 
 namespace {
-constexpr std::uint64_t flag_ring = 1024;  // device_adamw checks in flight at once, at most
+constexpr std::size_t flag_block = 256;  // device_adamw's flags are pinned this many at a time
 }
 
 CudaBackend::~CudaBackend() {
   cudaSetDevice(options_.device);
   cudaDeviceSynchronize();
   pending_.clear();
-  cudaFreeHost(flags_);
+  for (int* block : flag_blocks_) cudaFreeHost(block);
   for (auto& s : slabs_) cudaFreeHost(s.base);
   cudaFree(device_base_);
 }
@@ -72,6 +72,7 @@ void CudaBackend::synchronize(Stream& s) {
     std::lock_guard lock(mutex_);  // what the stream's frees gave back shows in the arenas now
     if (!pending_.empty()) reap_locked();
   }
+  read_checks(s.get());
   std::exception_ptr e;
   {
     std::lock_guard lock(error_mutex_);
@@ -81,11 +82,40 @@ void CudaBackend::synchronize(Stream& s) {
 }
 
 void CudaBackend::drain(Stream& s) noexcept {
-  if (s && cudaStreamSynchronize(s.get()) != cudaSuccess) (void)cudaGetLastError();
+  if (!s) return;
+  // A failed synchronize leaves the error where it is: the next synchronize() meets it again.
+  if (cudaStreamSynchronize(s.get()) != cudaSuccess) return;
   try {
     std::lock_guard lock(mutex_);
     if (!pending_.empty()) reap_locked();
   } catch (...) {  // a failed event query: the frees stay pending, the next allocate or synchronize reports it
+  }
+  read_checks(s.get());
+}
+
+void CudaBackend::read_checks(cudaStream_t s) noexcept {
+  std::string bad;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = checks_.begin(); it != checks_.end();) {
+      if (it->stream != s) {
+        ++it;
+        continue;
+      }
+      volatile int* f = it->flag;
+      if (*f != 0 && bad.empty()) bad = it->what;
+      *f = 0;
+      free_flags_.push_back(it->flag);
+      it = checks_.erase(it);
+    }
+  }
+  if (bad.empty()) return;
+  try {
+    OOM_THROW(Errc::invalid_argument, fmt::format("non-finite gradient (NaN or infinite) in {}; its update ran with it, so that state "
+                                                  "is unusable: stop the run",
+                                                  bad));
+  } catch (...) {
+    fail(std::current_exception());
   }
 }
 
@@ -138,24 +168,33 @@ void CudaBackend::add(float* g, const float* x, std::uint64_t n, Stream& s) {
 void CudaBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
                                std::uint64_t n, Stream& s, std::string what) {
   if (!what.empty()) {
+    // A flag the kernel sets on a NaN or infinity, read once the stream has been synchronized
+    // (read_checks): no host function on the stream, which would wait behind another stream's
+    // (CUDA runs them on one thread).
     int* flag = nullptr;
-    {
-      std::lock_guard lock(mutex_);
-      if (flags_ == nullptr) {
-        OOM_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&flags_), flag_ring * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
-        std::fill(flags_, flags_ + flag_ring, 0);
+    for (;;) {
+      {
+        std::lock_guard lock(mutex_);
+        if (!free_flags_.empty()) {
+          flag = free_flags_.back();
+          free_flags_.pop_back();
+          break;
+        }
       }
-      flag = flags_ + next_flag_++ % flag_ring;
+      int* block = nullptr;  // pinned outside the lock
+      OOM_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&block), flag_block * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+      std::fill(block, block + flag_block, 0);
+      std::lock_guard lock(mutex_);
+      flag_blocks_.push_back(block);
+      for (std::size_t i = 0; i < flag_block; ++i) free_flags_.push_back(block + i);
     }
     int* device_flag = nullptr;
-    OOM_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_flag), flag, 0));
-    OOM_CUDA_CHECK(kernels::flag_nonfinite(grad, static_cast<std::int64_t>(n), device_flag, s.get()));
-    host_task(s, [flag, what = std::move(what)] {
-      volatile int* f = flag;
-      const bool bad = *f != 0;
-      *f = 0;
-      if (bad) OOM_THROW(Errc::invalid_argument, fmt::format("non-finite gradient (NaN or infinite) in {}", what));
-    });
+    cudaError_t status = cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_flag), flag, 0);
+    if (status == cudaSuccess) status = kernels::flag_nonfinite(grad, static_cast<std::int64_t>(n), device_flag, s.get());
+    std::lock_guard lock(mutex_);
+    if (status != cudaSuccess) free_flags_.push_back(flag);
+    else checks_.push_back({s.get(), flag, std::move(what)});
+    OOM_CUDA_CHECK(status);
   }
   OOM_CUDA_CHECK(kernels::adamw_update(sc, master, m, v, grad, weights, static_cast<std::int64_t>(n), s.get()));
 }

@@ -368,7 +368,7 @@ struct CudaCausalLm::Impl {
     // budget: what is left of the GPU stays free for cuBLAS and the CUDA context.
     const Bytes slack{std::uint64_t{16} << 20};
     const Bytes take_bytes = device_need + slack < reserve ? device_need + slack : reserve;
-    backend.emplace(CudaBackend::Options{o.device, take_bytes, o.pinned_budget.count() ? o.pinned_budget : p.host_budget, slab});
+    backend.emplace(CudaBackend::Options{o.device, take_bytes, o.pinned_budget.count() ? o.pinned_budget : p.host_budget, slab, Bytes{}});
   }
 
   // The device arena reserved up front: the plan's budget, but never the last GiB of the GPU, which

@@ -8,11 +8,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -80,45 +82,67 @@ struct Run {
 std::vector<float> input_of(int s, int m) { return noise(tokens * hidden, 1000 + 10 * static_cast<std::uint64_t>(s) + m, 1.0f); }
 std::vector<float> target_of(int s, int m) { return noise(tokens * hidden, 5000 + 10 * static_cast<std::uint64_t>(s) + m, 1.0f); }
 
-// `steps` steps of `plan` on the GPU, in a CudaBackend of `gpu` device and `pinned` host bytes.
-Run train_gpu(const Plan& plan, Bytes gpu, Bytes pinned, int steps = 3) {
-  const auto scratch = examples::device_floats(tokens * inter);
-  std::vector<CudaResidualMlp> layers;
-  for (int l = 0; l < layer_count; ++l) layers.emplace_back(l, hidden, inter, scratch, tokens);
+LayerExecutorOptions default_options() {
+  LayerExecutorOptions eo;
+  eo.adamw.lr = 3e-3f;
+  return eo;
+}
+
+CudaBackend::Options backend_options(Bytes gpu, Bytes pinned) {
   CudaBackend::Options bo;
   bo.device_budget = gpu;
   bo.device_reserve = Bytes{gpu.count() * 3 / 2};  // room for the first-fit heap's fragments
   bo.pinned_budget = pinned;
   bo.pinned_slab = 16_MiB;
-  CudaBackend backend(bo);
-  LayerExecutorOptions eo;
-  eo.adamw.lr = 3e-3f;
-  Run run;
-  {
-    CudaLayerExecutor<CudaResidualMlp> exec(backend, layers, plan, initial_weights(), eo);
-    const int k = plan.micro_batches;
-    std::vector<std::shared_ptr<float>> targets;
-    for (int m = 0; m < k; ++m) targets.push_back(examples::device_floats(tokens * hidden));
-    std::vector<DeviceLossFn> losses;
-    for (int m = 0; m < k; ++m)
-      losses.push_back([t = targets[static_cast<std::size_t>(m)].get()](const float* y, float* g, double* l, void* s) {
-        examples::mse_loss(y, t, g, tokens, hidden, l, s);
+  return bo;
+}
+
+// The CUDA stack under one plan, in a CudaBackend of `gpu` device and `pinned` host bytes; its
+// loss uploads the micro-batch's targets on the compute stream, then takes the GPU MSE.
+struct GpuStack {
+  std::vector<CudaResidualMlp> layers;
+  CudaBackend backend;
+  std::vector<std::shared_ptr<float>> target_dev;
+  std::vector<std::vector<float>> target_host;
+  std::vector<DeviceLossFn> losses;
+  std::unique_ptr<CudaLayerExecutor<CudaResidualMlp>> exec;
+
+  GpuStack(const Plan& plan, Bytes gpu, Bytes pinned, const LayerExecutorOptions& eo = default_options())
+      : backend(backend_options(gpu, pinned)) {
+    for (int l = 0; l < layer_count; ++l) layers.emplace_back(l, hidden, inter);
+    const auto k = static_cast<std::size_t>(plan.micro_batches);
+    target_host.resize(k);
+    for (std::size_t m = 0; m < k; ++m) {
+      target_dev.push_back(examples::device_floats(tokens * hidden));
+      losses.push_back([dev = target_dev[m].get(), host = &target_host[m]](const float* y, float* g, double* l, void* s) {
+        OOM_CUDA_CHECK(cudaMemcpyAsync(dev, host->data(), host->size() * sizeof(float), cudaMemcpyHostToDevice, static_cast<cudaStream_t>(s)));
+        examples::mse_loss(y, dev, g, tokens, hidden, l, s);
       });
-    for (int s = 1; s <= steps; ++s) {
-      std::vector<std::vector<float>> inputs;
-      for (int m = 0; m < k; ++m) {
-        inputs.push_back(input_of(s, m));
-        const auto t = target_of(s, m);
-        OOM_CUDA_CHECK(cudaMemcpy(targets[static_cast<std::size_t>(m)].get(), t.data(), t.size() * sizeof(float), cudaMemcpyHostToDevice));
-      }
-      run.losses.push_back(exec.step(inputs, losses));
     }
-    run.master = exec.master();
-    run.state = exec.optimizer_state();
+    exec = std::make_unique<CudaLayerExecutor<CudaResidualMlp>>(backend, layers, plan, initial_weights(), eo);
   }
-  run.gpu_peak = backend.device_arena().peak();
-  run.heap_high_water = backend.device_high_water();
-  run.pinned_peak = backend.pinned_arena().peak();
+  // Step s (its inputs and targets by micro-batch); the sum of the micro-batches' losses.
+  double step(int s, std::vector<std::vector<float>>* grad_inputs = nullptr) {
+    std::vector<std::vector<float>> inputs;
+    for (std::size_t m = 0; m < target_host.size(); ++m) {
+      inputs.push_back(input_of(s, static_cast<int>(m)));
+      target_host[m] = target_of(s, static_cast<int>(m));
+    }
+    return exec->step(inputs, losses, grad_inputs);
+  }
+};
+
+// `steps` steps of `plan` on the GPU.
+Run train_gpu(const Plan& plan, Bytes gpu, Bytes pinned, int steps = 3, const LayerExecutorOptions& eo = default_options()) {
+  Run run;
+  GpuStack g(plan, gpu, pinned, eo);
+  for (int s = 1; s <= steps; ++s) run.losses.push_back(g.step(s));
+  run.master = g.exec->master();
+  run.state = g.exec->optimizer_state();
+  g.exec.reset();
+  run.gpu_peak = g.backend.device_arena().peak();
+  run.heap_high_water = g.backend.device_high_water();
+  run.pinned_peak = g.backend.pinned_arena().peak();
   return run;
 }
 
@@ -206,13 +230,11 @@ TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the 
     offloaded += moves(p, Retention::offload);
     recomputed += moves(p, Retention::recompute);
     for (const auto& c : p.chunks) chunked += c.moe_tokens < tokens;
-    // In exactly the bytes it predicts: an allocation past them waits for the frees queued
-    // before it (the device is behind the host), and would be refused if none were pending.
+    // In budgets of exactly the bytes it predicts (the arenas refuse a byte more): an allocation
+    // past them waits for the frees queued before it (the device runs behind the host), and would
+    // be refused if none were pending.
     const Run got = train_gpu(p, p.predicted.gpu_peak, p.predicted.host_peak);
     CHECK(same_run(got, expect));
-    CHECK(got.gpu_peak <= p.predicted.gpu_peak);
-    CHECK(got.pinned_peak <= p.predicted.host_peak);
-    CHECK(got.heap_high_water <= Bytes{p.predicted.gpu_peak.count() * 3 / 2});
     fragments = std::max(fragments, static_cast<double>(got.heap_high_water.count()) / static_cast<double>(p.predicted.gpu_peak.count()));
   }
   MESSAGE(plans.size() << " plans: " << streamed << " stream, " << offloaded << " offload, " << recomputed << " recompute, " << chunked
@@ -230,6 +252,102 @@ TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the 
   const Run expect2 = train_gpu(resident_plan(shapes, 2), 64_MiB, 64_MiB);
   CHECK(same_run(train_gpu(two, 64_MiB, 64_MiB), expect2));
   CHECK_FALSE(same_run(expect2, expect));  // the second micro-batch counts
+
+  // The comparison catches a broken schedule: compute that does not wait for its weights' load
+  // (each load held 2 ms, so the stale slot is surely read) gives another step.
+  Plan all_streamed = resident_plan(shapes);
+  all_streamed.resident_segments.clear();
+  LayerExecutorOptions broken = default_options();
+  broken.drop_weight_wait = true;
+  broken.slow_weight_loads_ms = 2;
+  LayerExecutorOptions slow = default_options();
+  slow.slow_weight_loads_ms = 2;
+  CHECK(same_run(train_gpu(all_streamed, 64_MiB, 64_MiB, 3, slow), expect));
+  CHECK_FALSE(same_run(train_gpu(all_streamed, 64_MiB, 64_MiB, 3, broken), expect));
+}
+
+TEST_CASE("on the GPU: clipping's deferred updates, the input gradient, state saved and resumed, a non-finite loss skipped, a "
+          "non-finite gradient named") {
+  std::vector<ResidualMlp> shapes;
+  for (int l = 0; l < layer_count; ++l) shapes.emplace_back(l, hidden, inter);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(shapes), profile, "residual MLP stack");
+  PlanRequest r;
+  r.gpu_budget = 1_GiB;
+  r.host_budget = 1_GiB;
+  r.workload = {1, tokens};
+  r.retention = "offload-all";
+  const Plan streamed = planner.plan(r).plans.front();
+  const Plan resident = resident_plan(shapes);
+
+  SUBCASE("deferred updates with a clipping factor: every plan the same norm and step; the input gradient too") {
+    LayerExecutorOptions eo = default_options();
+    eo.defer_updates = true;
+    std::vector<double> norms;
+    std::vector<std::vector<std::vector<float>>> masters, grads;
+    for (const Plan* p : {&resident, &streamed}) {
+      GpuStack g(*p, 64_MiB, 64_MiB, eo);
+      std::vector<std::vector<float>> gi;
+      (void)g.step(1, &gi);
+      const double sq = g.exec->gradient_sum_of_squares();
+      g.exec->apply_updates(optim::clip_grad_scale(sq, 0.5));
+      norms.push_back(sq);
+      masters.push_back(g.exec->master());
+      grads.push_back(gi);
+    }
+    MESSAGE("gradient norm " << std::sqrt(norms[0]) << ", clipped to 0.5");
+    CHECK(norms[0] > 0.25);  // the clip acts
+    CHECK(std::memcmp(&norms[0], &norms[1], sizeof(double)) == 0);
+    CHECK(bitwise_equal(masters[0], masters[1]));
+    REQUIRE(grads[0].size() == 1);
+    CHECK(grads[0][0].size() == tokens * hidden);
+    CHECK(bitwise_equal(grads[0], grads[1]));
+    CHECK(std::any_of(grads[0][0].begin(), grads[0][0].end(), [](float v) { return v != 0.0f; }));
+  }
+
+  SUBCASE("state saved after a step and loaded into another plan's executor continues bit for bit") {
+    const Run straight = train_gpu(resident, 64_MiB, 64_MiB, 3);
+    std::vector<SegmentOptimizerState> saved;
+    {
+      GpuStack a(resident, 64_MiB, 64_MiB);
+      (void)a.step(1);
+      saved = a.exec->optimizer_state();
+    }
+    GpuStack b(streamed, 64_MiB, 64_MiB);
+    b.exec->load_optimizer_state(saved, 1);
+    (void)b.step(2);
+    (void)b.step(3);
+    CHECK(bitwise_equal(b.exec->master(), straight.master));
+  }
+
+  SUBCASE("a non-finite loss skips the step; a throwing loss gives back what the step held; a non-finite gradient is named") {
+    GpuStack g(resident, 64_MiB, 64_MiB);
+    const Bytes worksets = g.backend.device_arena().in_use(Claimant::worksets);  // the slots, held for good
+    const auto before = g.exec->master();
+    const DeviceLossFn nan_loss = [](const float*, float* grad, double* l, void* s) {
+      OOM_CUDA_CHECK(cudaMemsetAsync(grad, 0, tokens * hidden * sizeof(float), static_cast<cudaStream_t>(s)));
+      *l = std::numeric_limits<double>::quiet_NaN();  // host memory; the executor reads it after the stream
+    };
+    CHECK(std::isnan(g.exec->step(input_of(1, 0), nan_loss)));
+    CHECK(g.exec->last_step_skipped());
+    CHECK(g.exec->optimizer_steps() == 0);
+    CHECK(bitwise_equal(g.exec->master(), before));
+    // A loss that throws as it is queued (on the GPU, before the step's frees are queued): what
+    // the step held goes back, and the executor steps again.
+    const DeviceLossFn refusing = [](const float*, float*, double*, void*) { OOM_THROW(Errc::invalid_argument, "the loss refuses"); };
+    CHECK_THROWS_WITH_AS((void)g.exec->step(input_of(1, 0), refusing), doctest::Contains("the loss refuses"), Error);
+    CHECK(g.backend.device_arena().in_use(Claimant::retained_activations) == 0_B);
+    CHECK(g.backend.device_arena().in_use(Claimant::worksets) == worksets);
+    CHECK(std::isfinite(g.step(1)));
+    CHECK(g.exec->optimizer_steps() == 1);
+    const DeviceLossFn nan_grad = [](const float*, float* grad, double* l, void* s) {
+      OOM_CUDA_CHECK(cudaMemsetAsync(grad, 0xff, tokens * hidden * sizeof(float), static_cast<cudaStream_t>(s)));  // NaNs
+      *l = 1.0;
+    };
+    CHECK_THROWS_WITH_AS((void)g.exec->step(input_of(2, 0), nan_grad),
+                         doctest::Contains("non-finite gradient (NaN or infinite) in segment 'blocks."), Error);
+    CHECK(g.backend.device_arena().in_use(Claimant::retained_activations) == 0_B);
+  }
 }
 
 TEST_CASE("the CUDA stack trains as the HostExecutor's CPU stack of the same layer does") {
@@ -282,6 +400,12 @@ TEST_CASE("CudaBackend's executor operations: stream-ordered frees, host tasks a
     CHECK(b.device_arena().in_use() == 0_B);
   }
 
+  SUBCASE("a device reserve below the budget is refused by name") {
+    CudaBackend::Options small = bo;
+    small.device_reserve = 512_KiB;
+    CHECK_THROWS_WITH_AS(CudaBackend{small}, doctest::Contains("a device reserve of 512.00 KiB is below the budget of 1.00 MiB"), Error);
+  }
+
   SUBCASE("a host task's error is thrown by the next synchronize, once; drain does not throw") {
     b.host_task(s, [] { OOM_THROW(Errc::invalid_argument, "the task's own words"); });
     b.drain(s);
@@ -301,6 +425,7 @@ TEST_CASE("CudaBackend's executor operations: stream-ordered frees, host tasks a
     OOM_CUDA_CHECK(cudaMemcpy(v, hv.data(), n * 4, cudaMemcpyHostToDevice));
     OOM_CUDA_CHECK(cudaMemcpy(grad, hg.data(), n * 4, cudaMemcpyHostToDevice));
     OOM_CUDA_CHECK(cudaMemcpy(x, hx.data(), n * 4, cudaMemcpyHostToDevice));
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());  // pageable uploads may return before they land; s does not wait for them
     b.add(grad, x, n, s);  // grad = g + x
     optim::AdamWConfig cfg;
     cfg.lr = 1e-2f;
@@ -329,12 +454,19 @@ TEST_CASE("CudaBackend's executor operations: stream-ordered frees, host tasks a
     CHECK(std::all_of(z.begin(), z.end(), [](float e) { return e == 0.0f; }));
     const float nan = std::numeric_limits<float>::quiet_NaN();
     OOM_CUDA_CHECK(cudaMemcpy(grad + 777, &nan, 4, cudaMemcpyHostToDevice));
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
     b.device_adamw(sc, master, m, v, grad, w, n, s, "segment 'blocks.4' (step 9)");
     CHECK_THROWS_WITH_AS(b.synchronize(s), doctest::Contains("non-finite gradient (NaN or infinite) in segment 'blocks.4' (step 9)"), Error);
-    // A clean one after it passes: the flag was cleared.
+    // Clean ones after it pass: the flag was cleared and is reused (the next check takes it).
     b.zero(grad, n, s);
-    b.device_adamw(sc, master, m, v, grad, w, n, s, "segment 'blocks.5' (step 10)");
+    for (int i = 0; i < 3; ++i) b.device_adamw(sc, master, m, v, grad, w, n, s, "segment 'blocks.5' (step 10)");
     CHECK_NOTHROW(b.synchronize(s));
+    // drain() keeps a flagged check's error for the next synchronize().
+    OOM_CUDA_CHECK(cudaMemcpy(grad + 5, &nan, 4, cudaMemcpyHostToDevice));
+    OOM_CUDA_CHECK(cudaDeviceSynchronize());
+    b.device_adamw(sc, master, m, v, grad, w, n, s, "segment 'blocks.6' (step 11)");
+    b.drain(s);
+    CHECK_THROWS_WITH_AS(b.synchronize(s), doctest::Contains("blocks.6"), Error);
     b.free(dev, MemorySpace::device(0), Bytes{5 * n * sizeof(float) + n * sizeof(bf16)}, Claimant::worksets);
   }
   b.retire(s);

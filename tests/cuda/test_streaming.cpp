@@ -61,7 +61,7 @@ double seconds_between(cudaEvent_t a, cudaEvent_t b) {
 TEST_CASE("weight streaming keeps the pinned H2D rate while GEMMs run") {
   const Bytes layer = 256_MiB;  // a layer's streamed weights
   const int layers = 12, slots = 2;
-  CudaBackend backend({0, Bytes{slots * layer.count()}, Bytes{layers * layer.count()}, layer});
+  CudaBackend backend({0, Bytes{slots * layer.count()}, Bytes{layers * layer.count()}, layer, Bytes{}});
   std::vector<void*> host, slot;
   for (int i = 0; i < layers; ++i) {
     host.push_back(backend.allocate(MemorySpace::pinned_host(), layer, Claimant::host_state));
@@ -120,7 +120,7 @@ TEST_CASE("weight streaming keeps the pinned H2D rate while GEMMs run") {
 }
 
 TEST_CASE("the CUDA arena accounts by claimant and refuses more than its budget") {
-  CudaBackend backend({0, 64_MiB, 64_MiB, 16_MiB});
+  CudaBackend backend({0, 64_MiB, 64_MiB, 16_MiB, Bytes{}});
   void* a = backend.allocate(MemorySpace::device(0), 40_MiB, Claimant::retained_activations);
   void* b = backend.allocate(MemorySpace::device(0), 20_MiB, Claimant::worksets);
   CHECK(backend.device_arena().in_use(Claimant::retained_activations) == 40_MiB);
@@ -135,7 +135,7 @@ TEST_CASE("the CUDA arena accounts by claimant and refuses more than its budget"
 }
 
 TEST_CASE("pinned requests are sized in whole pages against the slab (a slab-sized odd request fits; one page more is refused)") {
-  CudaBackend backend({0, 16_MiB, 64_MiB, 16_MiB});
+  CudaBackend backend({0, 16_MiB, 64_MiB, 16_MiB, Bytes{}});
   // 768 bytes short of the slab: rounded up to whole pages it is exactly one slab.
   const Bytes odd = 16_MiB - Bytes{768};
   void* a = backend.allocate(MemorySpace::pinned_host(), odd, Claimant::host_offload);

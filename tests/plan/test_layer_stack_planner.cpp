@@ -609,3 +609,15 @@ TEST_CASE("bad stacks and requests are refused by name") {
   p.workload = {0, 24};
   CHECK(thrown([&] { (void)planner.simulate(p); }).find("plan: 0 sequences of 24 tokens") != std::string::npos);
 }
+
+TEST_CASE("a chunk's workset is its share rounded up, exact at any size (what the planner holds and the executor hands out)") {
+  CHECK(chunk_workset(1000_B, 10, 10) == 1000_B);  // unchunked: the whole
+  CHECK(chunk_workset(1000_B, 10, 20) == 1000_B);
+  CHECK(chunk_workset(1000_B, 10, 3) == 300_B);
+  CHECK(chunk_workset(1001_B, 10, 3) == Bytes{301});  // 300.3 rounded up
+  CHECK(chunk_workset(7_B, 3, 1) == Bytes{3});
+  // Past 64 bits in the product: 2^40 bytes over 2^32 - 1 of 2^32 tokens.
+  const std::uint64_t t = std::uint64_t{1} << 32;
+  CHECK(chunk_workset(Bytes{std::uint64_t{1} << 40}, t, t - 1) == Bytes{(std::uint64_t{1} << 40) - 256});
+  CHECK(chunk_workset(Bytes{(std::uint64_t{1} << 40) + 1}, t, t - 1) == Bytes{(std::uint64_t{1} << 40) - 255});
+}

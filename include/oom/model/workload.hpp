@@ -72,4 +72,15 @@ struct LayerCost {
   }
 };
 
+/// A layer's workset (LayerCost::workset, for `tokens` tokens) over one chunk of `chunk` of them:
+/// its share, rounded up (the whole workset unchunked). What the planner holds while a chunked
+/// layer runs, and what a LayerExecutor hands the layer (LayerContext::workspace).
+[[nodiscard]] inline Bytes chunk_workset(Bytes workset, std::uint64_t tokens, std::uint64_t chunk) {
+  if (chunk >= tokens || tokens == 0) return workset;
+  // ceil(workset x chunk / tokens) = q x chunk + ceil(r x chunk / tokens), r x chunk < 2^64 x 2^64.
+  __extension__ using wide = unsigned __int128;
+  const std::uint64_t q = workset.count() / tokens, r = workset.count() % tokens;
+  return Bytes{q * chunk + static_cast<std::uint64_t>((static_cast<wide>(r) * chunk + tokens - 1) / tokens)};
+}
+
 }  // namespace oom

@@ -1,6 +1,8 @@
 // CudaBackend: the product backend. CUDA streams and events; one device arena per GPU (a single
-// cudaMalloc of the plan's budget, sub-allocated first fit) and pinned host memory in bounded
-// slabs (cudaHostAlloc, never per tensor), both accounted by claimant with a measured peak.
+// cudaMalloc of the plan's budget, or of a larger reserve for fragments, sub-allocated first fit;
+// the budget is what the accounting allows) and pinned host memory in bounded slabs
+// (cudaHostAlloc, never per tensor), both accounted by claimant with a measured peak. Frees may
+// be queued behind a stream's work (free_after); an allocation that does not fit waits for them.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -68,9 +70,10 @@ class CudaBackend {
   /// g[i] += x[i], one rounding (kernels::accumulate_scaled with scale 1: the host's bits).
   void add(float* g, const float* x, std::uint64_t n, Stream& s);
   /// kernels::adamw_update (bit for bit optim::adamw_element). `what` not empty: the gradients
-  /// are checked first (kernels::flag_nonfinite into mapped host memory, read by a host task), a
-  /// NaN or infinity an error naming `what` at the next synchronize(); the update runs all the
-  /// same (the stream cannot stop), so that state is unusable: the step's caller sees the error.
+  /// are checked first (kernels::flag_nonfinite into a flag of mapped host memory), and a NaN or
+  /// infinity is an error naming `what`, thrown by the synchronize() of s (drain() keeps it for
+  /// the next). The update runs all the same (the stream does not stop), so that segment's state
+  /// is unusable: the caller must stop the run, as CudaCausalLm's do.
   void device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
                     std::uint64_t n, Stream& s, std::string what);
   static void* native(const Stream& s) { return s.get(); }
@@ -112,8 +115,16 @@ class CudaBackend {
   std::deque<PendingFree> pending_;  // under mutex_, in the order they were queued
   std::mutex error_mutex_;
   std::exception_ptr first_error_;
-  int* flags_ = nullptr;  // pinned, mapped: device_adamw's non-finite flags, a ring
-  std::uint64_t next_flag_ = 0;
+  // device_adamw's non-finite checks: a flag each (pinned, mapped) until its stream is synchronized.
+  struct Check {
+    cudaStream_t stream;
+    int* flag;
+    std::string what;
+  };
+  void read_checks(cudaStream_t s) noexcept;  // the checks of s: a set flag becomes the backend's error
+  std::vector<Check> checks_;                 // under mutex_
+  std::vector<int*> free_flags_;              // under mutex_
+  std::vector<int*> flag_blocks_;             // under mutex_: freed with the backend
   unsigned char* device_base_ = nullptr;
   FirstFitHeap device_heap_;
   std::vector<Slab> slabs_;

@@ -18,6 +18,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -55,6 +56,12 @@ struct LayerContext {
   const float* grad_output = nullptr;  ///< (T, H)
   float* grad_input = nullptr;         ///< (T, H)
   std::array<float*, activation_class_count> saved{};  ///< buffers for the classes the layer saves
+  /// The layer's temporaries for this call: its declared LayerCost::workset for the plan's
+  /// workload, the chunk's share rounded up (LayerCost::chunk_workset), in device memory counted
+  /// against the budget (claimant worksets), as the planner holds it; null when it declares none.
+  /// The chunks of one pass get the same one, one chunk after another.
+  void* workspace = nullptr;
+  std::uint64_t workspace_bytes = 0;
   /// A forward rerun to regenerate the output (the boundary of the layer above) for the backward:
   /// it must write the same output bits as the step's forward did and count nothing of the step a
   /// second time (a load-balancing loss's statistics, say). `saved` is empty then.
@@ -75,8 +82,9 @@ struct LayerExecutorOptions {
   /// optimizer's step count unchanged; step() returns the loss and the caller decides.
   bool skip_nonfinite_loss = true;
   /// Every gradient is checked as it lands; a NaN or infinity throws Errc::invalid_argument naming
-  /// the segment instead of updating it. (Other segments of that step may have been updated
-  /// already, since updates overlap the backward: the run should stop, not continue.)
+  /// the segment. A streamed segment (CPU AdamW) is then not updated; a resident one on the GPU is
+  /// (its flag is read at the end of the step). Other segments of that step may have been updated
+  /// already, since updates overlap the backward: the run should stop, not continue.
   bool check_gradients = true;
   /// Leave every gradient in place after the backward instead of updating as they land, so the
   /// caller can take the global norm (gradient_sum_of_squares()) and then apply_updates() with a
@@ -85,6 +93,9 @@ struct LayerExecutorOptions {
   /// Test hook: compute does not wait for its weights' load. Exists so the equivalence tests can
   /// show they catch a broken schedule; never set it otherwise.
   bool drop_weight_wait = false;
+  /// Test hook: each weight load is held this many milliseconds first (a host task on the copy
+  /// stream), so that a missing wait surely reads a stale slot. 0 otherwise.
+  int slow_weight_loads_ms = 0;
 };
 
 /// The loss at the top of the stack, computed where the "device" memory is host memory (the
@@ -107,7 +118,7 @@ class LayerExecutor {
     if (static_cast<int>(plan.retention.size()) != static_cast<int>(layers.size()) || plan.chunks.size() != layers.size())
       OOM_THROW(Errc::invalid_argument, fmt::format("plan covers {} layers, the model has {}", plan.retention.size(), layers.size()));
     if (plan.micro_batches < 1 || plan.gpus != 1)
-      OOM_THROW(Errc::unsupported, fmt::format("the host executor runs on one device, at least one micro-batch (the plan: {} GPUs, {} "
+      OOM_THROW(Errc::unsupported, fmt::format("a layer executor runs on one device, at least one micro-batch (the plan: {} GPUs, {} "
                                                "micro-batches)", plan.gpus, plan.micro_batches));
     // Everything checked before anything is taken from the backend.
     std::size_t index = 0;
@@ -120,6 +131,7 @@ class LayerExecutor {
         ++index;
       }
       check_recompute_sources(plan, l);
+      workset_.push_back(LayerCost(layers[l].cost(plan.workload)).workset);
     }
     compute_ = make_named_stream("compute");
     h2d_ = make_named_stream("h2d");
@@ -330,6 +342,7 @@ class LayerExecutor {
       return total;
     } catch (...) {
       drain();
+      give_back_step();
       throw;
     }
   }
@@ -346,7 +359,7 @@ class LayerExecutor {
     const std::size_t n = layers_.size();
     const Bytes act_bytes{t * h * sizeof(float)};
     std::vector<float*> act(n + 1, nullptr);  // act[l]: input of layer l (device)
-    act[0] = alloc_device(act_bytes, Claimant::retained_activations);
+    act[0] = take_step(act_bytes, Claimant::retained_activations);
     b_.copy(act[0], input.data(), act_bytes, compute_);
     std::vector<std::array<float*, activation_class_count>> saved(n);
     std::vector<std::array<float*, activation_class_count>> host_copy(n);
@@ -356,11 +369,11 @@ class LayerExecutor {
       if (on_layer_) on_layer_({false, static_cast<int>(l), static_cast<int>(n), static_cast<int>(mb)});
       auto& ls = layers_state_[l];
       Slot* slot = load_weights(l);
-      act[l + 1] = alloc_device(act_bytes, Claimant::retained_activations);
+      act[l + 1] = take_step(act_bytes, Claimant::retained_activations);
       saved[l] = {};
       for (int c = 1; c < activation_class_count; ++c) {  // class 0, the boundary, is act[l]
         const auto elems = layers_[l].saved_floats(static_cast<ActivationClass>(c), t);
-        if (elems > 0) saved[l][static_cast<std::size_t>(c)] = alloc_device(Bytes{elems * sizeof(float)}, Claimant::retained_activations);
+        if (elems > 0) saved[l][static_cast<std::size_t>(c)] = take_step(Bytes{elems * sizeof(float)}, Claimant::retained_activations);
       }
       LayerContext ctx = bind(l, slot);
       ctx.input = act[l];
@@ -379,7 +392,7 @@ class LayerExecutor {
         const auto action = plan_.retention[l][static_cast<std::size_t>(c)].action;
         const Bytes bytes = class_bytes(l, c, t);
         if (action == Retention::offload) {
-          auto* host = static_cast<float*>(b_.allocate(MemorySpace::pinned_host(), bytes, Claimant::host_offload));
+          auto* host = take_step(bytes, Claimant::host_offload, MemorySpace::pinned_host());
           host_copy[l][static_cast<std::size_t>(c)] = host;
           b_.wait(d2h_, ls.forward_done);
           auto out = span_begin(d2h_);
@@ -398,7 +411,7 @@ class LayerExecutor {
     }
 
     // ---- loss ----
-    float* grad = alloc_device(act_bytes, Claimant::worksets);
+    float* grad = take_step(act_bytes, Claimant::worksets);
     double* loss = &loss_words_[0];
     {
       float* y = act[n];
@@ -417,11 +430,11 @@ class LayerExecutor {
           for (int c = 0; c < activation_class_count; ++c) {
             const auto i = static_cast<std::size_t>(c);
             float* dev = c == 0 ? act[l] : saved[l][i];
-            if (dev != nullptr) b_.free(dev, MemorySpace::device(0), class_bytes(l, c, t), Claimant::retained_activations);
-            if (host_copy[l][i] != nullptr) b_.free(host_copy[l][i], MemorySpace::pinned_host(), class_bytes(l, c, t), Claimant::host_offload);
+            give_now(dev, MemorySpace::device(0), class_bytes(l, c, t), Claimant::retained_activations);
+            give_now(host_copy[l][i], MemorySpace::pinned_host(), class_bytes(l, c, t), Claimant::host_offload);
           }
         }
-        b_.free(grad, MemorySpace::device(0), act_bytes, Claimant::worksets);
+        give_now(grad, MemorySpace::device(0), act_bytes, Claimant::worksets);
         skipped_ = true;
         return *loss;
       }
@@ -454,7 +467,7 @@ class LayerExecutor {
         if (plan_.retention[li][static_cast<std::size_t>(c)].action != Retention::recompute) continue;
         const auto elems = layers_[li].saved_floats(static_cast<ActivationClass>(c), t);
         if (elems == 0) continue;
-        saved[li][static_cast<std::size_t>(c)] = alloc_device(Bytes{elems * sizeof(float)}, Claimant::retained_activations);
+        saved[li][static_cast<std::size_t>(c)] = take_step(Bytes{elems * sizeof(float)}, Claimant::retained_activations);
         re.saved[static_cast<std::size_t>(c)] = saved[li][static_cast<std::size_t>(c)];
         any = true;
       }
@@ -464,7 +477,7 @@ class LayerExecutor {
         span_end(compute_, Resource::gpu_compute, "recompute " + label(li), rb);
       }
       // Backward, chunk by chunk; weight gradients accumulate in token order.
-      float* grad_in = alloc_device(act_bytes, Claimant::worksets);
+      float* grad_in = take_step(act_bytes, Claimant::worksets);
       LayerContext ctx = bind(li, slot);
       ctx.input = act[li];
       ctx.grad_output = grad;
@@ -482,7 +495,7 @@ class LayerExecutor {
         if (seg.resident && mb == 0) {
           g = seg.device_grad;
         } else if (seg.resident) {
-          g = resident_scratch[s] = alloc_device(Bytes{seg.n * sizeof(float)}, Claimant::worksets);
+          g = resident_scratch[s] = take_step(Bytes{seg.n * sizeof(float)}, Claimant::worksets);
         } else {
           if (gslot == nullptr) {
             gslot = &grad_slots_[li % 2];
@@ -529,7 +542,7 @@ class LayerExecutor {
         if (seg.resident) continue;
         float* into = seg.staging;
         if (mb > 0) {
-          into = static_cast<float*>(b_.allocate(MemorySpace::pinned_host(), Bytes{seg.n * sizeof(float)}, Claimant::host_staging));
+          into = take_step(Bytes{seg.n * sizeof(float)}, Claimant::host_staging, MemorySpace::pinned_host());
           landed.emplace_back(&seg, into);
         }
         b_.copy(into, streamed_grads[k], Bytes{seg.n * sizeof(float)}, d2h_);
@@ -544,7 +557,7 @@ class LayerExecutor {
           b_.host_task(cpu_, [seg, buf] {
             for (std::uint64_t i = 0; i < seg->n; ++i) seg->staging[i] += buf[i];
           });
-          b_.free_after(cpu_, buf, MemorySpace::pinned_host(), Bytes{seg->n * sizeof(float)}, Claimant::host_staging);
+          give_after(cpu_, buf, MemorySpace::pinned_host(), Bytes{seg->n * sizeof(float)}, Claimant::host_staging);
         }
       }
       if (update) {
@@ -656,7 +669,30 @@ class LayerExecutor {
     else return b_.make_stream();
   }
   float* alloc_device(Bytes bytes, Claimant c) { return static_cast<float*>(b_.allocate(MemorySpace::device(0), bytes, c)); }
-  void free_device_on(typename B::Stream& s, void* p, Bytes bytes, Claimant c) { b_.free_after(s, p, MemorySpace::device(0), bytes, c); }
+  // Memory one step holds (activations, gradients, staging, worksets): each buffer is taken and
+  // given back through these, so that a step that throws gives back what it still held (on the
+  // GPU a layer or loss that throws does so before the frees after it are queued).
+  float* take_step(Bytes bytes, Claimant c, MemorySpace where = MemorySpace::device(0)) {
+    auto* p = static_cast<float*>(b_.allocate(where, bytes, c));
+    step_held_.emplace(p, Held{where, bytes, c});
+    return p;
+  }
+  void give_after(typename B::Stream& s, void* p, MemorySpace where, Bytes bytes, Claimant c) {
+    if (p == nullptr) return;
+    step_held_.erase(p);
+    b_.free_after(s, p, where, bytes, c);
+  }
+  void give_now(void* p, MemorySpace where, Bytes bytes, Claimant c) {
+    if (p == nullptr) return;
+    step_held_.erase(p);
+    b_.free(p, where, bytes, c);
+  }
+  void free_device_on(typename B::Stream& s, void* p, Bytes bytes, Claimant c) { give_after(s, p, MemorySpace::device(0), bytes, c); }
+  // After a step threw and the streams drained: what it still held goes back.
+  void give_back_step() noexcept {
+    for (auto& [p, h] : step_held_) b_.free(p, h.where, h.bytes, h.claimant);
+    step_held_.clear();
+  }
 
   // n floats of device memory, copied home (the compute stream's work before it done first).
   std::vector<float> download(const float* device, std::uint64_t n) {
@@ -740,6 +776,8 @@ class LayerExecutor {
     next_slot_ = (next_slot_ + 1) % slots_.size();
     b_.wait(h2d_, slot->free);
     b_.wait(h2d_, ls.updated);
+    if (options_.slow_weight_loads_ms > 0)
+      b_.host_task(h2d_, [ms = options_.slow_weight_loads_ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
     auto wb = span_begin(h2d_);
     for (auto& seg : ls.segments) {
       if (seg.resident) continue;
@@ -799,12 +837,12 @@ class LayerExecutor {
   // landed), frees the pinned copy once it has, and empties `host`; returns the device buffer.
   float* bring_back(std::size_t l, int c, float*& host, std::uint64_t t) {
     const Bytes bytes = class_bytes(l, c, t);
-    float* dev = alloc_device(bytes, Claimant::retained_activations);
+    float* dev = take_step(bytes, Claimant::retained_activations);
     b_.wait(h2d_, layers_state_[l].offloaded);
     auto in = span_begin(h2d_);
     b_.copy(dev, host, bytes, h2d_);
     span_end(h2d_, Resource::h2d, fmt::format("h2d {} {}", to_string(static_cast<ActivationClass>(c)), label(l)), in);
-    b_.free_after(h2d_, host, MemorySpace::pinned_host(), bytes, Claimant::host_offload);
+    give_after(h2d_, host, MemorySpace::pinned_host(), bytes, Claimant::host_offload);
     host = nullptr;
     return dev;
   }
@@ -824,7 +862,7 @@ class LayerExecutor {
       for (const auto& seg : layers_state_[j].segments)
         if (!seg.resident) streamed += seg.n;
     const Bytes weight_bytes{streamed * sizeof(bf16)};
-    bf16* weights = streamed > 0 ? static_cast<bf16*>(b_.allocate(MemorySpace::device(0), weight_bytes, Claimant::worksets)) : nullptr;
+    auto* weights = streamed > 0 ? reinterpret_cast<bf16*>(take_step(weight_bytes, Claimant::worksets)) : nullptr;
     auto wb = span_begin(h2d_);
     std::vector<bf16*> at(l - from, nullptr);
     std::uint64_t offset = 0;
@@ -845,7 +883,7 @@ class LayerExecutor {
     for (std::size_t j = from; j < l; ++j) {
       LayerContext ctx = bind(j, at[j - from]);
       ctx.input = act[j];
-      act[j + 1] = alloc_device(class_bytes(j + 1, 0, t), Claimant::retained_activations);
+      act[j + 1] = take_step(class_bytes(j + 1, 0, t), Claimant::retained_activations);
       ctx.output = act[j + 1];
       ctx.regenerating = true;
       run_chunks(j, ctx, /*backward=*/false);
@@ -854,14 +892,24 @@ class LayerExecutor {
     if (weights != nullptr) free_device_on(compute_, weights, weight_bytes, Claimant::worksets);
   }
 
-  // Runs the layer over the plan's token chunks, in increasing token order, on the compute stream.
+  // Runs the layer over the plan's token chunks, in increasing token order, on the compute stream,
+  // with its workset for a chunk taken for the pass and given back after it.
   void run_chunks(std::size_t l, const LayerContext& ctx, bool backward) {
     const std::uint64_t t = ctx.tokens;
     const std::uint64_t chunk = std::max<std::uint64_t>(plan_.chunks[l].moe_tokens, 1);
     L* layer = &layers_[l];
+    const Bytes ws = chunk_workset(workset_[l], t, chunk);
+    void* workspace = ws.count() > 0 ? take_step(ws, Claimant::worksets) : nullptr;
+    submit_chunks(layer, ctx, workspace, ws, chunk, backward);
+    free_device_on(compute_, workspace, ws, Claimant::worksets);
+  }
+  void submit_chunks(L* layer, const LayerContext& ctx, void* workspace, Bytes ws, std::uint64_t chunk, bool backward) {
+    const std::uint64_t t = ctx.tokens;
     for (std::uint64_t b = 0; b < t; b += chunk) {
       LayerContext c = ctx;
       c.stream = b_.native(compute_);
+      c.workspace = workspace;
+      c.workspace_bytes = ws.count();
       c.begin = b;
       c.end = std::min(t, b + chunk);
       b_.submit(compute_, [layer, c, backward]() mutable {
@@ -913,6 +961,13 @@ class LayerExecutor {
   typename B::Stream compute_, h2d_, d2h_, cpu_;
   typename B::Event loaded_;
   std::vector<LayerState> layers_state_;
+  std::vector<Bytes> workset_;  ///< each layer's declared workset for the plan's workload, unchunked
+  struct Held {
+    MemorySpace where;
+    Bytes bytes;
+    Claimant claimant;
+  };
+  std::unordered_map<void*, Held> step_held_;  ///< what the step running holds and has not queued back
   std::vector<Slot> slots_;
   std::vector<GradSlot> grad_slots_;  ///< two, by layer parity
   std::size_t next_slot_ = 0;
