@@ -6,6 +6,8 @@
 // backend (HostExecutor, the default) or on the GPU (--backend cuda: CudaLayerExecutor).
 //   oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S]
 //                    [--gpu-budget BYTES] [--host-budget BYTES] [--profile FILE.json] [--retention NAME]
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -94,19 +96,27 @@ template <class StepFn, class Report>
 int train(const Options& o, StepFn&& step, Report&& report) {
   const auto mix = noise(o.hidden * o.hidden, 999, 1.0f / std::sqrt(static_cast<float>(o.hidden)));
   double first = 0, last = 0;
+  std::vector<double> ms;  // each step's wall time (step() returns once the step's work has run)
   for (int s = 1; s <= o.steps; ++s) {
     const auto x = noise(o.tokens * o.hidden, 1000 + static_cast<std::uint64_t>(s), 1.0f);
     std::vector<float> y(x);
     for (std::uint64_t t = 0; t < o.tokens; ++t)
       for (std::uint64_t k = 0; k < o.hidden; ++k)
         for (std::uint64_t j = 0; j < o.hidden; ++j) y[t * o.hidden + k] += mix[k * o.hidden + j] * std::tanh(x[t * o.hidden + j]);
+    const auto t0 = std::chrono::steady_clock::now();
     const double loss = step(x, y);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (s == 1) first = loss;
     last = loss;
-    fmt::print("step {:>3}/{}  loss {:.5f}\n", s, o.steps, loss);
+    fmt::print("step {:>3}/{}  loss {:.5f}  ({:.2f} ms)\n", s, o.steps, loss, ms.back());
   }
   if (o.steps == 0) return 0;
   fmt::print("loss {:.5f} -> {:.5f} over {} steps\n", first, last, o.steps);
+  if (o.steps >= 2) {  // the first step warms up (pinning, first launches)
+    std::vector<double> later(ms.begin() + 1, ms.end());
+    std::sort(later.begin(), later.end());
+    fmt::print("median step {:.3f} ms over steps 2-{}\n", later[later.size() / 2], o.steps);
+  }
   report();
   return std::isfinite(last) ? 0 : 1;
 }
