@@ -40,6 +40,8 @@ class ResidualMlpShape {
   }
   // Tokens are independent: the plan may run the layer in token chunks.
   oom::ChunkDependency chunking() const { return oom::ChunkDependency::independent; }
+  // Its temporaries are the declared workset, which the executor hands each call from the budget.
+  static constexpr bool uses_workspace = true;
 
   // What the executor reads: the boundary's width and the floats saved per activation class (the
   // pre-activation W1 x).

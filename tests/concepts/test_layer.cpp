@@ -59,6 +59,7 @@ struct SegmentsAreStrings {  // segments of the wrong type
 };
 struct NotRecomputable {
   static constexpr bool recomputable = false;  // e.g. uses dropout with an unreplayable RNG
+  static constexpr bool uses_workspace = true;  // its temporaries come from the executor's scratch
   std::vector<oom::StateSegment> segments() const { return {}; }
   oom::LayerCost cost(const oom::Workload&) const { return {}; }
 };
@@ -84,6 +85,8 @@ TEST_CASE("layer_traits takes what a layer provides and defaults the rest") {
   CHECK(oom::layer_traits<framework::NotRecomputable>::name(plain) == "layer");
   CHECK(oom::layer_traits<framework::NotRecomputable>::chunking(plain) == oom::ChunkDependency::none);
   CHECK_FALSE(oom::layer_traits<framework::NotRecomputable>::recomputable);
+  CHECK_FALSE(oom::layer_traits<framework::ScaleLayer>::uses_workspace);
+  CHECK(oom::layer_traits<framework::NotRecomputable>::uses_workspace);
 }
 
 TEST_CASE("a conforming layer runs forward and backward over its context") {

@@ -54,7 +54,8 @@ concept describable_layer = requires(const L& l, const Workload& w) {
 ///      output and what backward needs (by ActivationClass) back into ctx;
 ///   4. `l.backward(ctx)`: reads the output gradient and saved activations, writes the input
 ///      gradient and the parameter gradients into ctx.
-/// Both run on ctx's stream and allocate only from ctx's scratch (no hidden allocations).
+/// Both run on ctx's stream; a layer whose layer_traits say `uses_workspace` takes its temporaries
+/// from ctx's scratch (counted in the budget where the plan counts them).
 template <class L, class Context>
 concept layer = describable_layer<L> && requires(L& l, Context& ctx) {
   l.forward(ctx);
@@ -66,6 +67,8 @@ concept layer = describable_layer<L> && requires(L& l, Context& ctx) {
 ///   - `chunking()`: a ChunkDependency; default ChunkDependency::none (run whole).
 ///   - `static constexpr bool recomputable`: whether forward may be rerun to regenerate dropped
 ///     activations (it must be deterministic); default true.
+///   - `static constexpr bool uses_workspace`: whether the executor hands it its declared workset
+///     as scratch (LayerContext::workspace); default false.
 template <describable_layer L>
 struct layer_traits {
   static std::string_view name(const L& l) {
@@ -85,6 +88,15 @@ struct layer_traits {
       return static_cast<bool>(L::recomputable);
     else
       return true;
+  }();
+  /// `static constexpr bool uses_workspace`: whether the executor hands the layer its declared
+  /// workset as scratch (LayerContext::workspace), taken from the budget for each pass; default
+  /// false (a layer that keeps temporaries of its own, or declares a workset only to be planned).
+  static constexpr bool uses_workspace = [] {
+    if constexpr (requires { { L::uses_workspace } -> std::convertible_to<bool>; })
+      return static_cast<bool>(L::uses_workspace);
+    else
+      return false;
   }();
 };
 

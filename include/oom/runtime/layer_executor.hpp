@@ -56,10 +56,10 @@ struct LayerContext {
   const float* grad_output = nullptr;  ///< (T, H)
   float* grad_input = nullptr;         ///< (T, H)
   std::array<float*, activation_class_count> saved{};  ///< buffers for the classes the layer saves
-  /// The layer's temporaries for this call: its declared LayerCost::workset for the plan's
-  /// workload, the chunk's share rounded up (LayerCost::chunk_workset), in device memory counted
-  /// against the budget (claimant worksets), as the planner holds it; null when it declares none.
-  /// The chunks of one pass get the same one, one chunk after another.
+  /// For a layer that asks for it (layer_traits<L>::uses_workspace), its temporaries for this
+  /// call: its declared LayerCost::workset for the plan's workload, the chunk's share rounded up
+  /// (chunk_workset), in device memory counted against the budget (claimant worksets), as the
+  /// planner holds it; null otherwise. The chunks of one pass get the same one, in turn.
   void* workspace = nullptr;
   std::uint64_t workspace_bytes = 0;
   /// A forward rerun to regenerate the output (the boundary of the layer above) for the backward:
@@ -135,7 +135,7 @@ class LayerExecutor {
         ++index;
       }
       check_recompute_sources(plan, l);
-      workset_.push_back(LayerCost(layers[l].cost(plan.workload)).workset);
+      workset_.push_back(layer_traits<L>::uses_workspace ? LayerCost(layers[l].cost(plan.workload)).workset : Bytes{});
     }
     compute_ = make_named_stream("compute");
     h2d_ = make_named_stream("h2d");
