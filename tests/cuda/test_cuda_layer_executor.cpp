@@ -29,9 +29,12 @@
 #include "oom/plan/layer_stack_planner.hpp"
 #include "oom/runtime/cuda_layer_executor.hpp"
 #include "oom/runtime/host_executor.hpp"
+#include "support/same_step.hpp"
 
 using namespace oom;
 using namespace oom::literals;
+using oom::test::any_retention;
+using oom::test::bitwise_equal;
 using oom::examples::CudaResidualMlp;
 using oom::examples::ResidualMlp;
 
@@ -161,25 +164,11 @@ Run train_host(int steps = 3) {
   return run;
 }
 
-bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) return false;
-  return true;
-}
-
 bool same_run(const Run& a, const Run& b) {
   if (a.losses != b.losses || !bitwise_equal(a.master, b.master) || a.state.size() != b.state.size()) return false;
   for (std::size_t i = 0; i < a.state.size(); ++i)
     if (!bitwise_equal({a.state[i].exp_avg, a.state[i].exp_avg_sq}, {b.state[i].exp_avg, b.state[i].exp_avg_sq})) return false;
   return true;
-}
-
-bool moves(const Plan& p, Retention r) {
-  for (const auto& layer : p.retention)
-    for (const auto& d : layer)
-      if (d.action == r) return true;
-  return false;
 }
 
 }  // namespace
@@ -227,8 +216,8 @@ TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the 
     CAPTURE(p.resident_segments.size());
     CAPTURE(p.prefetch_depth);
     streamed += p.resident_segments.size() < static_cast<std::size_t>(layer_count);
-    offloaded += moves(p, Retention::offload);
-    recomputed += moves(p, Retention::recompute);
+    offloaded += any_retention(p, Retention::offload);
+    recomputed += any_retention(p, Retention::recompute);
     for (const auto& c : p.chunks) chunked += c.moe_tokens < tokens;
     // In budgets of exactly the bytes it predicts (the arenas refuse a byte more): an allocation
     // past them waits for the frees queued before it (the device runs behind the host), and would
@@ -247,7 +236,7 @@ TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the 
   // Two micro-batches: a streamed, offloading plan against the resident one, both accumulating.
   Plan two = plans.front();
   for (const Plan& p : plans)
-    if (p.resident_segments.size() < static_cast<std::size_t>(layer_count) && moves(p, Retention::offload)) two = p;
+    if (p.resident_segments.size() < static_cast<std::size_t>(layer_count) && any_retention(p, Retention::offload)) two = p;
   two.micro_batches = 2;
   const Run expect2 = train_gpu(resident_plan(shapes, 2), 64_MiB, 64_MiB);
   CHECK(same_run(train_gpu(two, 64_MiB, 64_MiB), expect2));

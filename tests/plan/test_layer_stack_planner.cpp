@@ -13,10 +13,13 @@
 #include "oom/plan/layer_stack_planner.hpp"
 #include "oom/runtime/host_executor.hpp"
 #include "runtime/moe_mlp_layer.hpp"
+#include "support/same_step.hpp"
 #include "support/compare.hpp"
 
 using namespace oom;
 using namespace oom::literals;
+using oom::test::any_retention;
+using oom::test::bitwise_equal;
 
 namespace {
 
@@ -109,21 +112,6 @@ std::vector<std::vector<float>> train(std::vector<L>& layers, const Plan& plan) 
     exec.step(x, losses);
   }
   return exec.master();
-}
-
-bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) return false;
-  return true;
-}
-
-/// Whether any layer's class is planned `r`.
-bool any_retention(const Plan& p, Retention r) {
-  for (const auto& row : p.retention)
-    for (const auto& d : row)
-      if (d.action == r) return true;
-  return false;
 }
 
 std::string thrown(const std::function<void()>& f, Errc* code = nullptr) {

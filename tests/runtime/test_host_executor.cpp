@@ -15,9 +15,11 @@
 #include "oom/io/json.hpp"
 #include "oom/runtime/host_executor.hpp"
 #include "support/compare.hpp"
+#include "support/same_step.hpp"
 
 using namespace oom;
 using namespace oom::literals;
+using oom::test::bitwise_equal;
 
 namespace {
 
@@ -104,13 +106,6 @@ Result train(const Case& c, const Plan& plan, std::uint64_t seed, LayerExecutorO
   }
   r.device_peak = backend.device_arena().peak();
   return r;
-}
-
-bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) return false;
-  return true;
 }
 
 }  // namespace
