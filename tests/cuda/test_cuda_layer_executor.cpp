@@ -35,6 +35,7 @@ using namespace oom;
 using namespace oom::literals;
 using oom::test::any_retention;
 using oom::test::bitwise_equal;
+using oom::test::resident_plan;
 using oom::examples::CudaResidualMlp;
 using oom::examples::ResidualMlp;
 
@@ -59,18 +60,6 @@ std::vector<std::vector<float>> initial_weights() {
   std::vector<std::vector<float>> init;
   for (int l = 0; l < layer_count; ++l) init.push_back(noise(2 * hidden * inter, 11 + static_cast<std::uint64_t>(l), 0.125f));
   return init;
-}
-
-Plan resident_plan(const std::vector<ResidualMlp>& layers, int micro_batches = 1) {
-  Plan p;
-  p.workload = {1, tokens};
-  p.micro_batches = micro_batches;
-  for (const auto& l : layers)
-    for (const auto& s : l.segments()) p.resident_segments.push_back(s.name);
-  p.retention.resize(layers.size());
-  p.chunks.assign(layers.size(), {{tokens}, tokens});
-  p.loss_rows = tokens;
-  return p;
 }
 
 struct Run {
@@ -156,7 +145,7 @@ Run train_host(int steps = 3) {
   HostBackend backend({1_GiB, 1_GiB, /*expose_races=*/false});
   LayerExecutorOptions eo;
   eo.adamw.lr = 3e-3f;
-  const Plan plan = resident_plan(layers);
+  const Plan plan = resident_plan(layers, tokens);
   HostExecutor<ResidualMlp> exec(backend, layers, plan, initial_weights(), eo);
   Run run;
   for (int s = 1; s <= steps; ++s) run.losses.push_back(exec.step(input_of(s, 0), target_of(s, 0)));
@@ -178,7 +167,7 @@ TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the 
   for (int l = 0; l < layer_count; ++l) shapes.emplace_back(l, hidden, inter);
   const MachineProfile profile = MachineProfile::h200(1);  // the planner holds it by reference
   const LayerStackPlanner planner(describe_layers(shapes), profile, "residual MLP stack");
-  const Run expect = train_gpu(resident_plan(shapes), 64_MiB, 64_MiB);
+  const Run expect = train_gpu(resident_plan(shapes, tokens), 64_MiB, 64_MiB);
   MESSAGE("resident plan: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
   CHECK(expect.losses[2] < expect.losses[0]);  // it trains
 
@@ -238,13 +227,13 @@ TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the 
   for (const Plan& p : plans)
     if (p.resident_segments.size() < static_cast<std::size_t>(layer_count) && any_retention(p, Retention::offload)) two = p;
   two.micro_batches = 2;
-  const Run expect2 = train_gpu(resident_plan(shapes, 2), 64_MiB, 64_MiB);
+  const Run expect2 = train_gpu(resident_plan(shapes, tokens, 2), 64_MiB, 64_MiB);
   CHECK(same_run(train_gpu(two, 64_MiB, 64_MiB), expect2));
   CHECK_FALSE(same_run(expect2, expect));  // the second micro-batch counts
 
   // The comparison catches a broken schedule: compute that does not wait for its weights' load
   // (each load held 2 ms, so the stale slot is surely read) gives another step.
-  Plan all_streamed = resident_plan(shapes);
+  Plan all_streamed = resident_plan(shapes, tokens);
   all_streamed.resident_segments.clear();
   LayerExecutorOptions broken = default_options();
   broken.drop_weight_wait = true;
@@ -267,7 +256,7 @@ TEST_CASE("on the GPU: clipping's deferred updates, the input gradient, state sa
   r.workload = {1, tokens};
   r.retention = "offload-all";
   const Plan streamed = planner.plan(r).plans.front();
-  const Plan resident = resident_plan(shapes);
+  const Plan resident = resident_plan(shapes, tokens);
 
   SUBCASE("deferred updates with a clipping factor: every plan the same norm and step; the input gradient too") {
     LayerExecutorOptions eo = default_options();
@@ -342,7 +331,7 @@ TEST_CASE("on the GPU: clipping's deferred updates, the input gradient, state sa
 TEST_CASE("the CUDA stack trains as the HostExecutor's CPU stack of the same layer does") {
   std::vector<ResidualMlp> shapes;
   for (int l = 0; l < layer_count; ++l) shapes.emplace_back(l, hidden, inter);
-  const Run gpu = train_gpu(resident_plan(shapes), 64_MiB, 64_MiB);
+  const Run gpu = train_gpu(resident_plan(shapes, tokens), 64_MiB, 64_MiB);
   const Run host = train_host();
   const auto init = initial_weights();
   for (std::size_t s = 0; s < gpu.losses.size(); ++s) CHECK(gpu.losses[s] == doctest::Approx(host.losses[s]).epsilon(1e-4));

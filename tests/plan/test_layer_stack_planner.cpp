@@ -54,20 +54,6 @@ PlanRequest request(Bytes gpu, Bytes host = 1_GiB, std::uint64_t t = tokens) {
   return r;
 }
 
-template <class L>
-Plan resident_plan(const std::vector<L>& layers) {
-  Plan p;
-  p.workload = {1, tokens};
-  p.gpu_budget = 1_GiB;
-  p.host_budget = 1_GiB;
-  for (const auto& l : layers)
-    for (const auto& s : l.segments()) p.resident_segments.push_back(s.name);
-  p.retention.resize(layers.size());
-  p.chunks.assign(layers.size(), {{tokens}, tokens});
-  p.loss_rows = tokens;
-  return p;
-}
-
 std::size_t segment_count(const std::vector<LayerDescription>& d) {
   std::size_t n = 0;
   for (const auto& l : d) n += l.segments.size();
@@ -164,7 +150,7 @@ TEST_CASE("tight budgets: the plan streams, offloads or recomputes what does not
   const MachineProfile profile = MachineProfile::h200(1);
   const LayerStackPlanner planner(describe_layers(layers), profile);
   const Bytes all = planner.plan(request(1_GiB)).plans.front().predicted.gpu_peak;
-  const auto expect = train(layers, resident_plan(layers));
+  const auto expect = train(layers, resident_plan(layers, tokens));
   int streamed = 0, moved = 0, mixed = 0;
   for (double share : {0.9, 0.6, 0.4, 0.25}) {
     const Bytes budget{static_cast<std::uint64_t>(static_cast<double>(all.count()) * share)};
@@ -248,7 +234,7 @@ TEST_CASE("the step graph is the HostExecutor's schedule: slots in turn, gradien
   const auto layers = stack<test::MoeMlpLayer>(4);
   const MachineProfile profile = MachineProfile::h200(1);
   const LayerStackPlanner planner(describe_layers(layers), profile);
-  Plan p = resident_plan(layers);
+  Plan p = resident_plan(layers, tokens);
   p.resident_segments.clear();  // every layer streamed
   p.prefetch_depth = 2;
   p.retention[1][static_cast<std::size_t>(ActivationClass::router_output)] = RetentionDecision::recompute(1);
@@ -300,7 +286,7 @@ TEST_CASE("where boundaries do not fit, groups of them are regenerated through t
   auto layers = stack<test::MoeMlpLayer>(6);
   const MachineProfile profile = MachineProfile::h200(1);
   const LayerStackPlanner planner(describe_layers(layers), profile);
-  const auto expect = train(layers, resident_plan(layers));
+  const auto expect = train(layers, resident_plan(layers, tokens));
   Bytes budget = planner.plan(request(1_GiB)).plans.front().predicted.gpu_peak;
   int regenerating = 0, offloaded_first = 0;
   for (;;) {
@@ -365,7 +351,7 @@ TEST_CASE("a regenerated group's step graph: the offloaded first boundary back b
   const auto layers = stack<test::MoeMlpLayer>(4);
   const MachineProfile profile = MachineProfile::h200(1);
   const LayerStackPlanner planner(describe_layers(layers), profile);
-  Plan p = resident_plan(layers);
+  Plan p = resident_plan(layers, tokens);
   p.resident_segments.clear();
   p.retention[1][0] = RetentionDecision::offload();
   p.retention[2][0] = RetentionDecision::recompute(1);
@@ -409,8 +395,8 @@ TEST_CASE("a regenerated group's step graph: the offloaded first boundary back b
   // two (each regenerates its own boundaries).
   p.predicted = Prediction::of(planner.simulate(p));
   auto stack4 = stack<test::MoeMlpLayer>(4);
-  CHECK(bitwise_equal(train(stack4, p), train(stack4, resident_plan(stack4))));
-  Plan two = p, two_resident = resident_plan(stack4);
+  CHECK(bitwise_equal(train(stack4, p), train(stack4, resident_plan(stack4, tokens))));
+  Plan two = p, two_resident = resident_plan(stack4, tokens);
   two.micro_batches = two_resident.micro_batches = 2;
   two.predicted = Prediction::of(planner.simulate(two));
   CHECK(bitwise_equal(train(stack4, two), train(stack4, two_resident)));
@@ -473,7 +459,7 @@ TEST_CASE("a chunkable layer runs in token chunks when its whole workset does no
   REQUIRE_FALSE(smallest.chunks.empty());
   CHECK(smallest.chunks.front().moe_tokens < tokens);
   CHECK(smallest.predicted.gpu_peak <= budget);
-  CHECK(bitwise_equal(train(layers, smallest), train(layers, resident_plan(layers))));
+  CHECK(bitwise_equal(train(layers, smallest), train(layers, resident_plan(layers, tokens))));
 }
 
 TEST_CASE("a layer that is not recomputable is never planned to recompute") {
@@ -523,7 +509,7 @@ TEST_CASE("micro-batches and clipping: the graph repeats the passes, the updates
   CHECK(cpu == 3);  // every layer streams something
   CHECK(gpu == 1);  // layer 0 holds the two resident segments
   // Two micro-batches on the HostExecutor compute what the resident plan does.
-  Plan resident = resident_plan(layers);
+  Plan resident = resident_plan(layers, tokens);
   resident.micro_batches = 2;
   p.clip_grad_norm = false;  // the executor leaves clipping to its caller (defer_updates)
   p.predicted = Prediction::of(planner.simulate(p));  // the memory figures of the residency set here
@@ -584,16 +570,16 @@ TEST_CASE("bad stacks and requests are refused by name") {
   r = request(0_B);
   CHECK(thrown([&] { (void)planner.plan(r); }).find("budgets must be > 0") != std::string::npos);
   // A hand-made plan that recomputes from another layer's boundary is refused, not simulated.
-  Plan p = resident_plan(layers);
+  Plan p = resident_plan(layers, tokens);
   p.retention[1][static_cast<std::size_t>(ActivationClass::router_output)] = RetentionDecision::recompute(0);
   CHECK(thrown([&] { (void)planner.simulate(p); }).find("layer 1: router_output recomputed from layer 0") != std::string::npos);
   p.retention.pop_back();
   CHECK(thrown([&] { (void)planner.simulate(p); }).find("plan covers 1 layers") != std::string::npos);
   // Counts no plan reader accepts are refused before a graph of that size is built.
-  p = resident_plan(layers);
+  p = resident_plan(layers, tokens);
   p.prefetch_depth = 1 << 30;
   CHECK(thrown([&] { (void)planner.simulate(p); }).find("prefetch_depth 1073741824 (1 to 64)") != std::string::npos);
-  p = resident_plan(layers);
+  p = resident_plan(layers, tokens);
   p.workload = {0, 24};
   CHECK(thrown([&] { (void)planner.simulate(p); }).find("plan: 0 sequences of 24 tokens") != std::string::npos);
 }

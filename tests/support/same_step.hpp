@@ -1,7 +1,8 @@
-// What the executor tests compare: weights (or any per-segment vectors) bit for bit, and whether
-// a plan moves any activation a given way. Shared by the host, planner and GPU executor tests.
+// What the executor tests compare: weights (or any per-segment vectors) bit for bit, the resident
+// plan they compare against, and whether a plan moves any activation a given way. Shared by the host, planner and GPU executor tests.
 #pragma once
 
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -15,6 +16,23 @@ inline bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::v
   for (std::size_t i = 0; i < a.size(); ++i)
     if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) return false;
   return true;
+}
+
+/// The plain plan every other must match: all segments resident, everything kept, unchunked, over
+/// one sequence of `tokens` tokens.
+template <class L>
+Plan resident_plan(const std::vector<L>& layers, std::uint64_t tokens, int micro_batches = 1) {
+  Plan p;
+  p.workload = {1, tokens};
+  p.micro_batches = micro_batches;
+  p.gpu_budget = Bytes{std::uint64_t{1} << 30};
+  p.host_budget = Bytes{std::uint64_t{1} << 30};
+  for (const auto& l : layers)
+    for (const auto& s : l.segments()) p.resident_segments.push_back(s.name);
+  p.retention.resize(layers.size());
+  p.chunks.assign(layers.size(), {{tokens}, tokens});
+  p.loss_rows = tokens;
+  return p;
 }
 
 /// Whether any layer's class is planned `r`.
