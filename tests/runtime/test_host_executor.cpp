@@ -486,3 +486,100 @@ TEST_CASE("layer progress: every layer's forward, then every layer's backward in
   (void)exec.step(st.input(1), st.target(1));
   CHECK(seen.size() == static_cast<std::size_t>(2 * n));
 }
+
+TEST_CASE("the CPU AdamW's thread count changes no bit") {
+  // Experts of 3 x 64 x 128 = 24,576 parameters: two of the AdamW's 16,384-element tiles each, so
+  // four threads do split a segment.
+  const Case c{64, 2, 1, 128, 8, 2};
+  std::vector<test::MoeMlpLayer> shape;
+  for (int l = 0; l < c.layers; ++l) shape.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+  Plan streamed = resident_plan(shape, c.tokens);
+  streamed.resident_segments.clear();  // every segment updated by the CPU AdamW
+  LayerExecutorOptions one, four;
+  one.cpu_threads = 1;
+  four.cpu_threads = 4;
+  const Result a = train(c, streamed, 11, one), b = train(c, streamed, 11, four);
+  CHECK(a.losses == b.losses);
+  CHECK(bitwise_equal(a.master, b.master));
+}
+
+namespace {
+
+// y = 2x (dx = 2 dy), four parameters that get no gradient, a workset of 3 floats a token; it
+// fills the workspace it is handed and logs what it got, call by call.
+template <bool Uses>
+struct ScratchLayer {
+  static constexpr bool uses_workspace = Uses;
+  std::vector<StateSegment> segs{{"scratch", SegmentRole::dense_mlp, 0, -1, {{"scratch.w", {4}}}}};
+  std::shared_ptr<std::vector<std::pair<bool, std::uint64_t>>> log = std::make_shared<std::vector<std::pair<bool, std::uint64_t>>>();
+
+  const std::vector<StateSegment>& segments() const { return segs; }
+  LayerCost cost(const Workload& w) const {
+    LayerCost c;
+    c.workset = Bytes{w.tokens() * 3 * sizeof(float)};
+    c.output = Bytes{w.tokens() * 4 * sizeof(float)};
+    return c;
+  }
+  ChunkDependency chunking() const { return ChunkDependency::independent; }
+  std::uint64_t hidden() const { return 4; }
+  std::uint64_t saved_floats(ActivationClass, std::uint64_t) const { return 0; }
+  void record(const LayerContext& ctx) const {
+    log->emplace_back(ctx.workspace != nullptr, ctx.workspace_bytes);
+    if (ctx.workspace != nullptr) std::memset(ctx.workspace, 0x7f, ctx.workspace_bytes);  // all of it is ours
+  }
+  void forward(LayerContext& ctx) const {
+    record(ctx);
+    for (std::uint64_t i = ctx.begin * 4; i < ctx.end * 4; ++i) ctx.output[i] = 2 * ctx.input[i];
+  }
+  void backward(LayerContext& ctx) const {
+    record(ctx);
+    for (std::uint64_t i = ctx.begin * 4; i < ctx.end * 4; ++i) ctx.grad_input[i] = 2 * ctx.grad_output[i];
+  }
+};
+
+struct ScratchStep {
+  std::vector<std::pair<bool, std::uint64_t>> log;  ///< (handed a workspace, its bytes), call by call
+  bool balanced = false;                            ///< the arena held after the step what it held before
+};
+
+// One step of two ScratchLayers over 10 tokens in chunks of 3.
+template <bool Uses>
+ScratchStep scratch_step() {
+  std::vector<ScratchLayer<Uses>> layers(2);
+  Plan p = test::resident_plan(layers, 10);
+  for (auto& c : p.chunks) c.moe_tokens = 3;
+  HostBackend backend({1_MiB, 1_MiB, true});
+  ScratchStep r;
+  {
+    HostExecutor<ScratchLayer<Uses>> exec(backend, layers, p, {std::vector<float>(4, 0.5f), std::vector<float>(4, 0.5f)});
+    const Bytes held = backend.device_arena().in_use();
+    (void)exec.step(std::vector<float>(40, 1.0f), std::vector<float>(40, 0.0f));
+    r.balanced = backend.device_arena().in_use() == held;  // the workspaces went back
+  }
+  r.log = *layers[0].log;
+  r.log.insert(r.log.end(), layers[1].log->begin(), layers[1].log->end());
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("a layer that asks for its workset gets a chunk's share of it, every call, given back after the pass; one that does not, none") {
+  const ScratchStep uses = scratch_step<true>(), plain = scratch_step<false>();
+  const auto& with = uses.log;
+  const auto& without = plain.log;
+  // 2 layers x (forward + backward) x 4 chunks (3, 3, 3, 1 tokens).
+  REQUIRE(with.size() == 16);
+  REQUIRE(without.size() == 16);
+  const std::uint64_t share = chunk_workset(Bytes{10 * 3 * sizeof(float)}, 10, 3).count();
+  CHECK(share == 36);
+  for (const auto& [given, bytes] : with) {
+    CHECK(given);
+    CHECK(bytes == share);
+  }
+  for (const auto& [given, bytes] : without) {
+    CHECK_FALSE(given);
+    CHECK(bytes == 0);
+  }
+  CHECK(uses.balanced);
+  CHECK(plain.balanced);
+}
