@@ -121,6 +121,10 @@ void CudaBackend::read_checks(cudaStream_t s) noexcept {
 
 void CudaBackend::retire(Stream& s) noexcept {
   drain(s);
+  if (s) {  // checks a failed drain left unread go with the stream (its handle may be reused)
+    std::lock_guard lock(mutex_);
+    std::erase_if(checks_, [&](const Check& c) { return c.stream == s.get(); });
+  }
   s.reset();
 }
 
@@ -191,9 +195,12 @@ void CudaBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master,
     int* device_flag = nullptr;
     cudaError_t status = cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_flag), flag, 0);
     if (status == cudaSuccess) status = kernels::flag_nonfinite(grad, static_cast<std::int64_t>(n), device_flag, s.get());
-    std::lock_guard lock(mutex_);
-    if (status != cudaSuccess) free_flags_.push_back(flag);
-    else checks_.push_back({s.get(), flag, std::move(what)});
+    // On an error the flag is not reused: the kernel may have been queued all the same (the error
+    // can be an earlier one) and may still write it.
+    if (status == cudaSuccess) {
+      std::lock_guard lock(mutex_);
+      checks_.push_back({s.get(), flag, std::move(what)});
+    }
     OOM_CUDA_CHECK(status);
   }
   OOM_CUDA_CHECK(kernels::adamw_update(sc, master, m, v, grad, weights, static_cast<std::int64_t>(n), s.get()));

@@ -544,11 +544,11 @@ struct ScratchStep {
 
 // One step of two ScratchLayers over 10 tokens in chunks of 3.
 template <bool Uses>
-ScratchStep scratch_step() {
+ScratchStep scratch_step(Bytes device_budget = 1_MiB) {
   std::vector<ScratchLayer<Uses>> layers(2);
   Plan p = test::resident_plan(layers, 10);
   for (auto& c : p.chunks) c.moe_tokens = 3;
-  HostBackend backend({1_MiB, 1_MiB, true});
+  HostBackend backend({device_budget, 1_MiB, true});
   ScratchStep r;
   {
     HostExecutor<ScratchLayer<Uses>> exec(backend, layers, p, {std::vector<float>(4, 0.5f), std::vector<float>(4, 0.5f)});
@@ -582,4 +582,14 @@ TEST_CASE("a layer that asks for its workset gets a chunk's share of it, every c
   }
   CHECK(uses.balanced);
   CHECK(plain.balanced);
+  // In a device arena of exactly what the step needs at its fullest (layer 1's backward: the two
+  // layers' resident state, 4 x 18 bytes each, and four buffers of 10 x 4 floats: two boundaries,
+  // the incoming and the outgoing gradient), plus one share: the workspace is counted in the
+  // budget (a byte less is refused), and one pass's is given back before the next takes its own
+  // (held longer, two or more would be live there).
+  const Bytes need{2 * 4 * 18 + 4 * 10 * 4 * sizeof(float)};
+  CHECK_NOTHROW((void)scratch_step<false>(need));
+  CHECK_NOTHROW((void)scratch_step<true>(need + Bytes{share}));
+  CHECK_THROWS_AS((void)scratch_step<true>(need + Bytes{share - 1}), Error);
 }
+

@@ -57,8 +57,8 @@ concept backend = requires(B& b, typename B::Stream& s, typename B::Event& e, vo
 ///      device memory in s's order;
 ///  10. `b.device_adamw(scalars, master, m, v, grad, weights, n, s, what)` is
 ///      optim::adamw_element over n device elements with the bf16 copy written, bit for bit the
-///      CPU's (where `what` is not empty, a NaN or infinite gradient is an error naming it, kept
-///      for the next synchronize());
+///      CPU's (where `what` is not empty, a NaN or infinite gradient is an error naming it, thrown
+///      by the next synchronize() of s, or of any stream once drain(s) has kept it);
 ///  11. `b.native(s)` is the handle a layer enqueues its work on (`cudaStream_t` on a GPU; null on
 ///      the host backend, where the layer runs inside the stream's task);
 ///  12. `b.host_words(n)` is n doubles of host memory the device can write (pinned and mapped on a

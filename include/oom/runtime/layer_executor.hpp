@@ -682,13 +682,18 @@ class LayerExecutor {
   // GPU a layer or loss that throws does so before the frees after it are queued).
   float* take_step(Bytes bytes, Claimant c, MemorySpace where = MemorySpace::device(0)) {
     auto* p = static_cast<float*>(b_.allocate(where, bytes, c));
-    step_held_.emplace(p, Held{where, bytes, c});
+    try {
+      step_held_.emplace(p, Held{where, bytes, c});
+    } catch (...) {
+      b_.free(p, where, bytes, c);
+      throw;
+    }
     return p;
   }
   void give_after(typename B::Stream& s, void* p, MemorySpace where, Bytes bytes, Claimant c) {
     if (p == nullptr) return;
+    b_.free_after(s, p, where, bytes, c);  // if this throws, the step still holds p and gives it back
     step_held_.erase(p);
-    b_.free_after(s, p, where, bytes, c);
   }
   void give_now(void* p, MemorySpace where, Bytes bytes, Claimant c) {
     if (p == nullptr) return;
