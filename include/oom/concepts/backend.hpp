@@ -44,6 +44,11 @@ concept backend = requires(B& b, typename B::Stream& s, typename B::Event& e, vo
   b.synchronize(s);
 };
 
+/// Whether a backend's "device" memory is host memory the caller's CPU code may read in a stream
+/// task (a LayerExecutor's HostLossFn steps need it). runtime/host_backend.hpp says yes for its own.
+template <class B>
+inline constexpr bool device_memory_is_host = false;
+
 /// What a LayerExecutor (runtime/layer_executor.hpp) needs beyond `backend`: the few things it does
 /// to memory itself, in stream order. For `B& b`, `typename B::Stream s`, `float* g`, `const float*
 /// x`, `std::uint64_t n`, `void* p`, `double* d`:
@@ -65,11 +70,6 @@ concept backend = requires(B& b, typename B::Stream& s, typename B::Event& e, vo
 ///      GPU), outside the budgets (bookkeeping, like events);
 ///  13. `b.drain(s)` waits like synchronize() but never throws, leaving an error for the next
 ///      synchronize(); `b.retire(s)` drains s and lets the backend forget it.
-/// Whether a backend's "device" memory is host memory the caller's CPU code may read in a stream
-/// task (a LayerExecutor's HostLossFn steps need it). runtime/host_backend.hpp says yes for its own.
-template <class B>
-inline constexpr bool device_memory_is_host = false;
-
 template <class B>
 concept executor_backend =
     backend<B> && requires(B& b, typename B::Stream& s, std::function<void()> fn, void* p, float* g, const float* x, std::uint64_t n,
