@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "moe_mlp_layer.hpp"
@@ -20,6 +21,14 @@
 using namespace oom;
 using namespace oom::literals;
 using oom::test::bitwise_equal;
+
+// The names from before the executor was generic still name the same things.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+static_assert(std::is_same_v<HostLayerContext, LayerContext>);
+static_assert(std::is_same_v<HostExecutorOptions, LayerExecutorOptions>);
+#pragma GCC diagnostic pop
+static_assert(host_layer<test::MoeMlpLayer>);
 
 namespace {
 

@@ -12,4 +12,10 @@ namespace oom {
 template <executor_layer L>
 using HostExecutor = LayerExecutor<L, HostBackend>;
 
+// The names from before the executor was generic (2026-12-05), for code written against them.
+using HostLayerContext [[deprecated("renamed oom::LayerContext")]] = LayerContext;
+using HostExecutorOptions [[deprecated("renamed oom::LayerExecutorOptions")]] = LayerExecutorOptions;
+template <class L>
+concept host_layer = executor_layer<L>;
+
 }  // namespace oom
