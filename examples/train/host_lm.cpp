@@ -24,13 +24,6 @@ float normal(std::uint64_t key, std::uint64_t i) {
 
 bool is_norm(const std::string& name) { return name.ends_with("norm.weight") || name.ends_with("layernorm.weight"); }
 
-void check_finite(std::span<const float> g, const std::string& segment, std::int64_t step) {
-  for (std::size_t i = 0; i < g.size(); ++i)
-    if (!std::isfinite(g[i]))
-      OOM_THROW(Errc::invalid_argument, fmt::format("step {}: non-finite gradient ({}) in segment '{}' at element {}", step, g[i],
-                                                    segment, i));
-}
-
 }  // namespace
 
 SegmentWeightSource initial_weight_source(const ModelSpec& spec, std::uint64_t seed, float std) {
@@ -241,7 +234,7 @@ void HostCausalLm::update_ends(float grad_scale) {
   const auto sc = optim::adamw_step_scalars(adamw_, step, grad_scale);
   for (End* e : {&embedding_, &final_norm_, &lm_head_}) {
     if (e->master.empty()) continue;
-    check_finite(e->grad, spec_->segments()[e->segment].name, step);
+    optim::require_finite_gradients(e->grad, fmt::format("segment '{}' (step {})", spec_->segments()[e->segment].name, step));
     optim::AdamWSpan<float> span{e->master, e->m, e->v, e->grad, e->weights};
     optim::adamw_update(span, sc, pool_);
   }

@@ -55,4 +55,10 @@ float clip_grad_scale(double sum_of_squares, double max_norm) {
   return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
 }
 
+void require_finite_gradients(std::span<const float> grads, std::string_view what) {
+  for (std::size_t i = 0; i < grads.size(); ++i)
+    if (!std::isfinite(grads[i]))
+      OOM_THROW(Errc::invalid_argument, fmt::format("non-finite gradient ({}) in {} at element {}", grads[i], what, i));
+}
+
 }  // namespace oom::optim

@@ -245,10 +245,7 @@ void HostBackend::add(float* g, const float* x, std::uint64_t n, Stream& s) {
 void HostBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
                                std::uint64_t n, Stream& s, std::string what) {
   submit(s, [=, what = std::move(what)] {
-    if (!what.empty())
-      for (std::uint64_t i = 0; i < n; ++i)
-        if (!std::isfinite(grad[i]))
-          OOM_THROW(Errc::invalid_argument, fmt::format("non-finite gradient ({}) in {} at element {}", grad[i], what, i));
+    if (!what.empty()) optim::require_finite_gradients({grad, n}, what);
     for (std::uint64_t i = 0; i < n; ++i) {
       optim::adamw_element(sc, master[i], m[i], v[i], grad[i]);
       weights[i] = to_bf16(master[i]);

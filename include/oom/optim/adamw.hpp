@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <span>
+#include <string_view>
 
 namespace oom::optim {
 
@@ -67,6 +69,10 @@ inline void adamw_element(const AdamWStepScalars& s, float& p, float& m, float& 
   const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
   p = std::fma(s.neg_step_size, m / denom, decayed);
 }
+
+/// Errc::invalid_argument "non-finite gradient (value) in <what> at element <i>" at the first NaN
+/// or infinity of `grads`: the check every CPU update path makes before it applies them.
+void require_finite_gradients(std::span<const float> grads, std::string_view what);
 
 /// torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)) with norm =
 /// sqrt(sum_of_squares), in double then rounded to fp32 to be used as AdamWStepScalars::grad_scale.

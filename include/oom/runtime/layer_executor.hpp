@@ -318,12 +318,12 @@ class LayerExecutor {
   [[nodiscard]] std::int64_t optimizer_steps() const { return step_; }
 
  private:
-  // The micro-batches of one step (inputs and losses by pointer: the callers' buffers, not copies).
   // A host loss as a device one: it runs in the compute stream's task, where it may read the memory.
   static DeviceLossFn on_host(const HostLossFn& fn) {
     return [fn](const float* y, float* grad, double* loss, void* /*stream*/) { *loss = fn(y, grad); };
   }
 
+  // The micro-batches of one step (inputs and losses by pointer: the callers' buffers, not copies).
   double run_micro_batches(std::span<const std::vector<float>* const> inputs, std::span<const DeviceLossFn* const> losses,
                            std::span<std::vector<float>> grad_inputs) {
     const auto k = static_cast<std::size_t>(plan_.micro_batches);
@@ -913,11 +913,6 @@ class LayerExecutor {
     L* layer = &layers_[l];
     const Bytes ws = chunk_workset(workset_[l], t, chunk);
     void* workspace = ws.count() > 0 ? take_step(ws, Claimant::worksets) : nullptr;
-    submit_chunks(layer, ctx, workspace, ws, chunk, backward);
-    free_device_on(compute_, workspace, ws, Claimant::worksets);
-  }
-  void submit_chunks(L* layer, const LayerContext& ctx, void* workspace, Bytes ws, std::uint64_t chunk, bool backward) {
-    const std::uint64_t t = ctx.tokens;
     for (std::uint64_t b = 0; b < t; b += chunk) {
       LayerContext c = ctx;
       c.stream = b_.native(compute_);
@@ -930,26 +925,21 @@ class LayerExecutor {
         else layer->forward(c);
       });
     }
+    free_device_on(compute_, workspace, ws, Claimant::worksets);
   }
 
-  // Errc::invalid_argument naming the segment when a gradient is NaN or infinite.
-  static void check_finite(const Segment& seg, const float* grad, std::int64_t step) {
-    for (std::uint64_t i = 0; i < seg.n; ++i)
-      if (!std::isfinite(grad[i]))
-        OOM_THROW(Errc::invalid_argument, fmt::format("step {}: non-finite gradient ({}) in segment '{}' at element {}", step,
-                                                      grad[i], seg.name, i));
+  // What a non-finite gradient's error names: the segment and the step (empty: no check).
+  std::string gradient_check(const Segment& seg) const {
+    return options_.check_gradients ? fmt::format("segment '{}' (step {})", seg.name, step_) : std::string();
   }
-
   void submit_device_adamw(Segment& seg, const optim::AdamWStepScalars& sc) {
     b_.device_adamw(sc, seg.device_master, seg.device_m, seg.device_v, seg.device_grad, seg.device_weights, seg.n, compute_,
-                    options_.check_gradients ? fmt::format("segment '{}' (step {})", seg.name, step_) : std::string());
+                    gradient_check(seg));
   }
   void submit_cpu_adamw(Segment& seg, const optim::AdamWStepScalars& sc) {
     auto* pool = &pool_;
-    const bool check = options_.check_gradients;
-    const std::int64_t step = step_;
-    b_.host_task(cpu_, [&seg, sc, pool, check, step] {
-      if (check) check_finite(seg, seg.staging, step);
+    b_.host_task(cpu_, [&seg, sc, pool, what = gradient_check(seg)] {
+      if (!what.empty()) optim::require_finite_gradients({seg.staging, seg.n}, what);
       optim::AdamWSpan<float> span{{seg.master, seg.n}, {seg.exp_avg, seg.n}, {seg.exp_avg_sq, seg.n},
                                    {seg.staging, seg.n}, {seg.weights, seg.n}};
       optim::adamw_update(span, sc, *pool);
