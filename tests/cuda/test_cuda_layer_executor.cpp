@@ -29,6 +29,7 @@
 #include "oom/plan/layer_stack_planner.hpp"
 #include "oom/runtime/cuda_layer_executor.hpp"
 #include "oom/runtime/host_executor.hpp"
+#include "support/compare.hpp"
 #include "support/same_step.hpp"
 
 using namespace oom;
@@ -44,21 +45,9 @@ namespace {
 constexpr int layer_count = 6;
 constexpr std::uint64_t hidden = 64, inter = 192, tokens = 200;  // 200: chunks of 100 and 50, no power of two
 
-std::vector<float> noise(std::uint64_t n, std::uint64_t seed, float scale) {
-  std::vector<float> v(n);
-  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& x : v) {
-    s ^= s << 13;
-    s ^= s >> 7;
-    s ^= s << 17;
-    x = scale * (static_cast<float>(s >> 40) / static_cast<float>(1ull << 24) * 2.0f - 1.0f);
-  }
-  return v;
-}
-
 std::vector<std::vector<float>> initial_weights() {
   std::vector<std::vector<float>> init;
-  for (int l = 0; l < layer_count; ++l) init.push_back(noise(2 * hidden * inter, 11 + static_cast<std::uint64_t>(l), 0.125f));
+  for (int l = 0; l < layer_count; ++l) init.push_back(test::random_normal(2 * hidden * inter, 11 + static_cast<std::uint64_t>(l), 0.07f));
   return init;
 }
 
@@ -71,8 +60,8 @@ struct Run {
 };
 
 // The step's data: micro-batch m of step s.
-std::vector<float> input_of(int s, int m) { return noise(tokens * hidden, 1000 + 10 * static_cast<std::uint64_t>(s) + m, 1.0f); }
-std::vector<float> target_of(int s, int m) { return noise(tokens * hidden, 5000 + 10 * static_cast<std::uint64_t>(s) + m, 1.0f); }
+std::vector<float> input_of(int s, int m) { return test::random_normal(tokens * hidden, 1000 + 10 * static_cast<std::uint64_t>(s) + m, 1.0f); }
+std::vector<float> target_of(int s, int m) { return test::random_normal(tokens * hidden, 5000 + 10 * static_cast<std::uint64_t>(s) + m, 1.0f); }
 
 LayerExecutorOptions default_options() {
   LayerExecutorOptions eo;
@@ -398,7 +387,7 @@ TEST_CASE("CudaBackend's executor operations: stream-ordered frees, host tasks a
     auto* dev = static_cast<float*>(b.allocate(MemorySpace::device(0), Bytes{5 * n * sizeof(float) + n * sizeof(bf16)}, Claimant::worksets));
     float *master = dev, *m = dev + n, *v = dev + 2 * n, *grad = dev + 3 * n, *x = dev + 4 * n;
     auto* w = reinterpret_cast<bf16*>(dev + 5 * n);
-    auto hm = noise(n, 1, 1.0f), hv = noise(n, 2, 1.0f), hg = noise(n, 3, 1.0f), hx = noise(n, 4, 1.0f), hmaster = noise(n, 5, 1.0f);
+    auto hm = test::random_normal(n, 1, 1.0f), hv = test::random_normal(n, 2, 1.0f), hg = test::random_normal(n, 3, 1.0f), hx = test::random_normal(n, 4, 1.0f), hmaster = test::random_normal(n, 5, 1.0f);
     for (auto& e : hv) e = e * e;  // second moments are not negative
     OOM_CUDA_CHECK(cudaMemcpy(master, hmaster.data(), n * 4, cudaMemcpyHostToDevice));
     OOM_CUDA_CHECK(cudaMemcpy(m, hm.data(), n * 4, cudaMemcpyHostToDevice));
