@@ -222,7 +222,7 @@ CpuAdamw measure_cpu_adamw(std::size_t params, int repeats) {
     g[i] = static_cast<float>((i * 40503u) % 1001) * 1e-5f - 5e-3f;
   }
   // The threads the CUDA executor gives it: all but one (CudaCausalLmOptions::cpu_threads).
-  ThreadPool pool(std::max(2u, std::thread::hardware_concurrency()) - 1);
+  ThreadPool pool(optimizer_threads());
   const AdamWSpan<float> span{master, m, v, g, out};
   const std::size_t probes[] = {0, params / 3, params - 1};
   struct Saved { float p, m, v, g; };

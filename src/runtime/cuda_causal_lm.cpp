@@ -337,12 +337,8 @@ struct CudaCausalLm::Impl {
     if (timeline != nullptr) timeline->add_host(std::move(name), begin_s, host_now());
   }
 
-  static std::size_t cpu_threads(const CudaCausalLmOptions& o) {
-    if (o.cpu_threads > 0) return o.cpu_threads;
-    return std::max(2u, std::thread::hardware_concurrency()) - 1;  // 0 when unknown: 1 thread
-  }
   Impl(const ModelSpec& s, const Plan& p, CudaCausalLmOptions o, bool sizing_only)
-      : spec(&s), plan(p), opt(o), sizing(sizing_only), pool(sizing_only ? 1 : cpu_threads(o)) {
+      : spec(&s), plan(p), opt(o), sizing(sizing_only), pool(sizing_only ? 1 : optim::optimizer_threads(o.cpu_threads)) {
     if (sizing) return;
     // Size everything first: a plan the arena cannot hold is refused here, by claimant, before
     // any memory is taken; pinned slabs are made large enough for the largest single buffer.

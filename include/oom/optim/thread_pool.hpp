@@ -4,6 +4,7 @@
 // a task, which is what keeps the optimizer bit-identical across thread counts.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +15,14 @@
 #include <vector>
 
 namespace oom::optim {
+
+/// Threads for a CPU optimizer that runs beside a thread issuing GPU work: `requested` when
+/// positive, else one fewer than the hardware threads (at least 1), so the issuing thread is never
+/// queued behind the optimizer's. What the GPU executors and oom-calibrate's profile use.
+inline std::size_t optimizer_threads(unsigned requested = 0) {
+  if (requested > 0) return requested;
+  return std::max(2u, std::thread::hardware_concurrency()) - 1;  // 0 when unknown: 1 thread
+}
 
 class ThreadPool {
  public:

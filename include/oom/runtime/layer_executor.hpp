@@ -118,7 +118,7 @@ class LayerExecutor {
   /// `initial_master[i]` holds the fp32 master weights of the i-th segment, in layer order.
   LayerExecutor(B& backend, std::vector<L>& layers, const Plan& plan, const std::vector<std::vector<float>>& initial_master,
                 LayerExecutorOptions options = {})
-      : b_(backend), layers_(layers), plan_(plan), options_(options), pool_(cpu_threads(options)), loss_words_(backend.host_words(1)) {
+      : b_(backend), layers_(layers), plan_(plan), options_(options), pool_(optim::optimizer_threads(options.cpu_threads)), loss_words_(backend.host_words(1)) {
     if (static_cast<int>(plan.retention.size()) != static_cast<int>(layers.size()) || plan.chunks.size() != layers.size())
       OOM_THROW(Errc::invalid_argument, fmt::format("plan covers {} layers, the model has {}", plan.retention.size(), layers.size()));
     if (plan.micro_batches < 1 || plan.gpus != 1)
@@ -667,10 +667,6 @@ class LayerExecutor {
     typename B::Event free;  ///< recorded on d2h_ once its layer's gradients are copied out
   };
 
-  static std::size_t cpu_threads(const LayerExecutorOptions& o) {
-    if (o.cpu_threads > 0) return o.cpu_threads;
-    return std::max(2u, std::thread::hardware_concurrency()) - 1;  // 0 when unknown: 1 thread
-  }
   // A stream, named where the backend takes names (the host backend's threads, for diagnostics).
   typename B::Stream make_named_stream(const char* name) {
     if constexpr (requires { b_.make_stream(std::string(name)); }) return b_.make_stream(std::string(name));
