@@ -55,10 +55,38 @@ CudaBackend::Stream CudaBackend::make_stream(int priority) {
   return Stream(s, [](cudaStream_t p) { cudaStreamDestroy(p); });
 }
 
+CudaBackend::EventPool::~EventPool() {
+  for (cudaEvent_t e : spare) cudaEventDestroy(e);
+}
+
 CudaBackend::Event CudaBackend::make_event() {
   cudaEvent_t e = nullptr;
-  OOM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  return Event(e, [](cudaEvent_t p) { cudaEventDestroy(p); });
+  {
+    std::lock_guard lock(events_->mutex);
+    if (!events_->spare.empty()) {
+      e = events_->spare.back();
+      events_->spare.pop_back();
+    }
+  }
+  if (e == nullptr) {
+    OOM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    std::lock_guard lock(events_->mutex);
+    ++events_->created;
+  }
+  // Should making the handle fail, shared_ptr hands e to the deleter: back to the pool.
+  return Event(e, [pool = events_](cudaEvent_t p) {
+    try {
+      std::lock_guard lock(pool->mutex);
+      pool->spare.push_back(p);
+    } catch (...) {  // no room to keep it: let it go
+      cudaEventDestroy(p);
+    }
+  });
+}
+
+std::size_t CudaBackend::events_created() const {
+  std::lock_guard lock(events_->mutex);
+  return events_->created;
 }
 
 void CudaBackend::record(Event& e, Stream& s) { OOM_CUDA_CHECK(cudaEventRecord(e.get(), s.get())); }

@@ -57,6 +57,7 @@ struct Run {
   std::vector<SegmentOptimizerState> state;
   Bytes gpu_peak, pinned_peak;
   Bytes heap_high_water;  // the device heap's extent: the peak plus its fragments
+  std::size_t events_first = 0, events_all = 0;  // CUDA events created by the first step, by all
 };
 
 // The step's data: micro-batch m of step s.
@@ -117,7 +118,11 @@ struct GpuStack {
 Run train_gpu(const Plan& plan, Bytes gpu, Bytes pinned, int steps = 3, const LayerExecutorOptions& eo = default_options()) {
   Run run;
   GpuStack g(plan, gpu, pinned, eo);
-  for (int s = 1; s <= steps; ++s) run.losses.push_back(g.step(s));
+  for (int s = 1; s <= steps; ++s) {
+    run.losses.push_back(g.step(s));
+    if (s == 1) run.events_first = g.backend.events_created();
+  }
+  run.events_all = g.backend.events_created();
   run.master = g.exec->master();
   run.state = g.exec->optimizer_state();
   g.exec.reset();
@@ -202,6 +207,9 @@ TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the 
     // be refused if none were pending.
     const Run got = train_gpu(p, p.predicted.gpu_peak, p.predicted.host_peak);
     CHECK(same_run(got, expect));
+    // Pooled events: the later steps reuse the first's (a few more if their frees are reaped
+    // later); without the pool each step would create as many as the first.
+    CHECK(got.events_all - got.events_first <= got.events_first / 4);
     fragments = std::max(fragments, static_cast<double>(got.heap_high_water.count()) / static_cast<double>(p.predicted.gpu_peak.count()));
   }
   MESSAGE(plans.size() << " plans: " << streamed << " stream, " << offloaded << " offload, " << recomputed << " recompute, " << chunked

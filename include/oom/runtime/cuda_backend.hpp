@@ -46,7 +46,13 @@ class CudaBackend {
   /// A non-blocking stream. `priority` as cudaStreamCreateWithPriority takes it: 0 is the default
   /// and the lowest; lower numbers run first (cudaDeviceGetStreamPriorityRange: -5 on Hopper).
   Stream make_stream(int priority = 0);
+  /// An event without timing. Events are pooled: one whose last handle is dropped goes back to the
+  /// pool and is handed out again (re-recorded), so an executor that takes a few events per layer
+  /// and step creates them once. A wait already enqueued on an event is unaffected by a later
+  /// record (cudaStreamWaitEvent takes the record current at the call).
   Event make_event();
+  /// Events created so far (the pool's size): constant once a schedule's events are recycled.
+  [[nodiscard]] std::size_t events_created() const;
   /// Runs `fn` now: it enqueues kernels on the stream (kernels take `raw(s)`).
   void submit(Stream& s, std::function<void()> fn) {
     (void)s;
@@ -109,6 +115,15 @@ class CudaBackend {
   void reap_locked();  // gives back the pending frees whose event has completed
   void fail(std::exception_ptr e);
 
+  // The event pool, shared with each event's deleter so that an event that outlives the backend
+  // still has somewhere to go (and is destroyed with the last of them).
+  struct EventPool {
+    std::mutex mutex;
+    std::vector<cudaEvent_t> spare;
+    std::size_t created = 0;
+    ~EventPool();
+  };
+  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   Options options_;
   Arena device_, pinned_;
   std::mutex mutex_;
