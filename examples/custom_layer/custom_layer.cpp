@@ -4,8 +4,12 @@
 // what to keep resident, what to stream, offload or recompute, in which chunks) and trains it with
 // the plan, which computes the same step as keeping everything on the GPU: on the host reference
 // backend (HostExecutor, the default) or on the GPU (--backend cuda: CudaLayerExecutor).
+// The planner prices a layer's declared FLOPs at the profile's GEMM rate, which describes neither
+// the CPU layer nor the CUDA one's plain kernels; so a trial run of the first plan records a step,
+// the layers' own rates are read from it (with_measured_rates) and the stack is planned again
+// with them before training (--no-measure: the declared FLOPs alone).
 //   oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S]
-//                    [--gpu-budget BYTES] [--host-budget BYTES] [--profile FILE.json] [--retention NAME]
+//                    [--gpu-budget BYTES] [--host-budget BYTES] [--profile FILE.json] [--retention NAME] [--no-measure]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -42,6 +46,7 @@ struct Options {
   std::string profile;
   std::string retention;  // only this retention template and its mixes (LayerStackPlanner's names)
   std::string backend = "host";
+  bool measure = true;  // re-plan with the layers' rates measured on a trial step
 };
 
 Options parse(int argc, char** argv) {
@@ -51,8 +56,12 @@ Options parse(int argc, char** argv) {
     if (arg == "--help" || arg == "-h") {
       std::puts("oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S] [--gpu-budget BYTES] "
                 "[--host-budget BYTES] [--profile FILE.json] [--retention NAME, e.g. 'offload-checkpoint, boundaries "
-                "regenerated in groups of 2']");
+                "regenerated in groups of 2'] [--no-measure: plan with the declared FLOPs at the profile's GEMM rate, no trial step]");
       std::exit(0);
+    }
+    if (arg == "--no-measure") {
+      o.measure = false;
+      continue;
     }
     if (a + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value", arg));
     const char* text = argv[++a];
@@ -90,22 +99,43 @@ std::vector<float> noise(std::uint64_t n, std::uint64_t seed, float scale) {
   return v;
 }
 
-// Learns a fixed map, targets from inputs through a random residual transform, with
-// `step(x, targets)` (one optimizer step, returning the loss).
-template <class StepFn, class Report>
-int train(const Options& o, StepFn&& step, Report&& report) {
-  const auto mix = noise(o.hidden * o.hidden, 999, 1.0f / std::sqrt(static_cast<float>(o.hidden)));
+// Step s's data: inputs, and targets from them through a fixed random residual transform (`mix`).
+struct StepData {
+  std::vector<float> x, y;
+};
+StepData step_data(const Options& o, const std::vector<float>& mix, int s) {
+  StepData d{noise(o.tokens * o.hidden, 1000 + static_cast<std::uint64_t>(s), 1.0f), {}};
+  d.y = d.x;
+  std::vector<float> tx(d.x.size());
+  for (std::size_t i = 0; i < d.x.size(); ++i) tx[i] = std::tanh(d.x[i]);
+  for (std::uint64_t t = 0; t < o.tokens; ++t)
+    for (std::uint64_t k = 0; k < o.hidden; ++k)
+      for (std::uint64_t j = 0; j < o.hidden; ++j) d.y[t * o.hidden + k] += mix[k * o.hidden + j] * tx[t * o.hidden + j];
+  return d;
+}
+
+std::vector<float> mix_of(const Options& o) { return noise(o.hidden * o.hidden, 999, 1.0f / std::sqrt(static_cast<float>(o.hidden))); }
+
+// A trial of the plan, or the training: `step(x, targets)` is one optimizer step returning the
+// loss. A trial (trial != nullptr) runs two steps quietly and records the second into *trial;
+// training runs o.steps, printing each.
+template <class Exec, class StepFn, class Report>
+int train(const Options& o, Exec& exec, StepFn&& step, Report&& report, oom::Timeline* trial) {
+  const auto mix = mix_of(o);
+  if (trial != nullptr) {
+    for (int s = 1; s <= 2; ++s) {  // the first warms up (pinning, first launches)
+      if (s == 2) exec.record_next_step(trial);
+      const StepData d = step_data(o, mix, s);
+      (void)step(d.x, d.y);
+    }
+    return 0;
+  }
   double first = 0, last = 0;
   std::vector<double> ms;  // each step's wall time (step() returns once the step's work has run)
   for (int s = 1; s <= o.steps; ++s) {
-    const auto x = noise(o.tokens * o.hidden, 1000 + static_cast<std::uint64_t>(s), 1.0f);
-    std::vector<float> y(x), tx(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) tx[i] = std::tanh(x[i]);
-    for (std::uint64_t t = 0; t < o.tokens; ++t)
-      for (std::uint64_t k = 0; k < o.hidden; ++k)
-        for (std::uint64_t j = 0; j < o.hidden; ++j) y[t * o.hidden + k] += mix[k * o.hidden + j] * tx[t * o.hidden + j];
+    const StepData d = step_data(o, mix, s);
     const auto t0 = std::chrono::steady_clock::now();
-    const double loss = step(x, y);
+    const double loss = step(d.x, d.y);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (s == 1) first = loss;
     last = loss;
@@ -131,7 +161,8 @@ void report_peaks(Backend& backend, const oom::Plan& plan) {
 #if OOM_CUSTOM_LAYER_HAS_CUDA
 // The same stack on the GPU: the CUDA layer, a CudaBackend (one cudaMalloc of the plan's GPU
 // bytes, pinned slabs), and the loss on the GPU.
-int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::vector<float>>& init, const oom::LayerExecutorOptions& eo) {
+int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::vector<float>>& init, const oom::LayerExecutorOptions& eo,
+               oom::Timeline* trial) {
   using oom::examples::CudaResidualMlp;
   if (oom::cuda::device_count() == 0)
     OOM_THROW(oom::Errc::unsupported, fmt::format("--backend cuda: no usable GPU ({})", oom::cuda::no_device_reason()));
@@ -157,7 +188,7 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
     oom::examples::mse_loss(y, target.get(), grad, o.tokens, o.hidden, l, stream);
   };
   return train(
-      o,
+      o, exec,
       [&](const std::vector<float>& x, const std::vector<float>& y) {
         want = &y;
         return exec.step(x, loss);
@@ -166,10 +197,11 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
         report_peaks(backend, plan);
         fmt::print("device heap: {} reserved, {} reached (the peak and the first-fit heap's fragments)\n", bo.device_reserve,
                    backend.device_high_water());
-      });
+      },
+      trial);
 }
 #else
-int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<float>>&, const oom::LayerExecutorOptions&) {
+int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<float>>&, const oom::LayerExecutorOptions&, oom::Timeline*) {
   OOM_THROW(oom::Errc::unsupported, "--backend cuda: this build has no CUDA");
 }
 #endif
@@ -184,24 +216,53 @@ int run(const Options& o) {
   req.host_budget = o.host_budget;
   req.workload = {1, o.tokens};
   req.retention = o.retention;
-  const oom::LayerStackPlanner planner(oom::describe_layers(layers), profile, "residual MLP stack");
+  const auto described = oom::describe_layers(layers);
+  const oom::LayerStackPlanner planner(described, profile, "residual MLP stack");
   const auto set = planner.plan(req);
-  const oom::Plan& plan = set.plans.front();
   fmt::print("planned {} layers of {} x {} for {} tokens in {} of GPU memory ({} candidates, {} fit, {:.1f} ms):\n{}", o.layers,
-             o.hidden, o.inter, o.tokens, o.gpu_budget, set.evaluated, set.feasible, set.search_s * 1e3, planner.describe(plan));
+             o.hidden, o.inter, o.tokens, o.gpu_budget, set.evaluated, set.feasible, set.search_s * 1e3,
+             planner.describe(set.plans.front()));
 
   std::vector<std::vector<float>> init;
   for (const auto& l : layers) init.push_back(noise(l.segments()[0].parameters(), init.size() + 1, 1.0f / std::sqrt(static_cast<float>(o.hidden))));
   oom::LayerExecutorOptions eo;
   eo.adamw.lr = 3e-3f;
-  if (o.backend == "cuda") return run_on_gpu(o, plan, init, eo);
-  // The host backend's arenas are what the plan predicts it needs, within the budgets asked for:
-  // the executor's buffers come out of them, and one that does not fit yet waits for the frees
-  // queued before it. A byte past the prediction would be refused (Errc::out_of_budget).
-  oom::HostBackend backend({plan.predicted.gpu_peak, plan.predicted.host_peak, /*expose_races=*/false});
-  oom::HostExecutor<ResidualMlp> exec(backend, layers, plan, init, eo);
-  return train(o, [&](const std::vector<float>& x, const std::vector<float>& y) { return exec.step(x, y); },
-               [&] { report_peaks(backend, plan); });
+  // Runs `plan`: a trial that records its second step into *trial, or the training.
+  auto run_plan = [&](const oom::Plan& plan, oom::Timeline* trial) {
+    if (o.backend == "cuda") return run_on_gpu(o, plan, init, eo, trial);
+    // The host backend's arenas are what the plan predicts it needs, within the budgets asked
+    // for: the executor's buffers come out of them, and one that does not fit yet waits for the
+    // frees queued before it. A byte past the prediction would be refused (Errc::out_of_budget).
+    oom::HostBackend backend({plan.predicted.gpu_peak, plan.predicted.host_peak, /*expose_races=*/false});
+    oom::HostExecutor<ResidualMlp> exec(backend, layers, plan, init, eo);
+    return train(
+        o, exec, [&](const std::vector<float>& x, const std::vector<float>& y) { return exec.step(x, y); },
+        [&] { report_peaks(backend, plan); }, trial);
+  };
+  if (!o.measure || o.steps == 0) return run_plan(set.plans.front(), nullptr);
+
+  // The layers' own rates, from a recorded step of the first plan (from the same initial weights;
+  // the training below starts from them again), then the stack planned with them.
+  oom::Timeline trial;
+  (void)run_plan(set.plans.front(), &trial);
+  const auto measured = oom::with_measured_rates(described, trial, req.workload);
+  double lo_f = 1e300, hi_f = 0, lo_b = 1e300, hi_b = 0;
+  for (const auto& d : measured) {
+    lo_f = std::min(lo_f, d.measured.forward_flops_per_s);
+    hi_f = std::max(hi_f, d.measured.forward_flops_per_s);
+    lo_b = std::min(lo_b, d.measured.backward_flops_per_s);
+    hi_b = std::max(hi_b, d.measured.backward_flops_per_s);
+  }
+  const oom::LayerStackPlanner replanner(measured, profile, "residual MLP stack");
+  const auto reset = replanner.plan(req);
+  const oom::Plan& plan = reset.plans.front();
+  fmt::print("measured on a trial step: forward {:.3g}-{:.3g} GFLOP/s, backward {:.3g}-{:.3g} GFLOP/s a layer (the profile's GEMM "
+             "rate at {} rows: {:.3g} GFLOP/s); the first plan's step re-priced at them: {:.4g} s (declared: {:.4g} s)\n",
+             lo_f * 1e-9, hi_f * 1e-9, lo_b * 1e-9, hi_b * 1e-9, o.tokens, profile.gemm_flops.at(static_cast<double>(o.tokens)) * 1e-9, replanner.simulate(set.plans.front()).step_s,
+             set.plans.front().predicted.step_s);
+  fmt::print("planned again with the measured rates ({} candidates, {} fit, {:.1f} ms):\n{}", reset.evaluated, reset.feasible,
+             reset.search_s * 1e3, replanner.describe(plan));
+  return run_plan(plan, nullptr);
 }
 
 }  // namespace

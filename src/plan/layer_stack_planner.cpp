@@ -152,7 +152,7 @@ class GraphBuilder {
           deps.push_back(rec);
         }
         if (streamed_[L] > 0 && grad_slot_user_[L % 2] >= 0) deps.push_back(grad_slot_user_[L % 2]);
-        const int b = g_.add({"bwd", Resource::gpu_compute, compute_time(l, costs_[L].cost.backward_flops), deps, l});
+        const int b = g_.add({"bwd", Resource::gpu_compute, compute_time(l, costs_[L].cost.backward_flops, Pass::backward), deps, l});
         release(b);
         last_bwd = b;
         hold_workset(l, b, b);
@@ -225,13 +225,19 @@ class GraphBuilder {
            (ProfileCostModel::cpu_adamw_bytes_per_param * profile_.cpu_adamw_params_per_s);
   }
   double copy_time(OpKind kind, Bytes bytes) const { return bytes.count() == 0 ? 0.0 : time_of(Operation::moving(kind, bytes)); }
-  // A layer's FLOPs over its tokens in chunks, each chunk a launch at the GEMM rate of its rows.
-  double compute_time(int l, double flops) const {
+  // A layer's FLOPs over its tokens in chunks, each chunk a launch at the GEMM rate of its rows, or
+  // at the layer's measured rate for the pass (LayerDescription::measured; recomputes and
+  // regenerations are forward passes).
+  enum class Pass : unsigned char { forward, backward };
+  double compute_time(int l, double flops, Pass pass = Pass::forward) const {
     const std::uint64_t T = plan_.workload.tokens(), c = chunk_tokens(l);
+    const MeasuredRates& m = layers_[static_cast<std::size_t>(l)].measured;
+    const double rate = pass == Pass::forward ? m.forward_flops_per_s : m.backward_flops_per_s;
     auto one = [&](std::uint64_t rows) {
       const double f = flops * static_cast<double>(rows) / static_cast<double>(T);
+      if (f <= 0) return profile_.launch_overhead_s;
       return profile_.launch_overhead_s +
-             (f > 0 ? ProfileCostModel::compute_seconds(profile_.gemm_flops, static_cast<double>(rows), f / static_cast<double>(rows)) : 0.0);
+             (rate > 0 ? f / rate : ProfileCostModel::compute_seconds(profile_.gemm_flops, static_cast<double>(rows), f / static_cast<double>(rows)));
     };
     return static_cast<double>(T / c) * one(c) + (T % c > 0 ? one(T % c) : 0.0);
   }
@@ -418,6 +424,42 @@ void check_plan(const Plan& p, const std::vector<LayerDescription>& stack) {
 
 }  // namespace
 
+std::vector<LayerDescription> with_measured_rates(std::vector<LayerDescription> layers, const Timeline& step, const Workload& workload) {
+  if (workload.tokens() == 0) OOM_THROW(Errc::invalid_argument, "with_measured_rates: the workload has no tokens");
+  struct Sum {
+    double seconds = 0;
+    int spans = 0;
+  };
+  std::unordered_map<std::string, Sum> by_name;
+  for (const TimelineSpan& s : step.spans()) {
+    if (s.resource != Resource::gpu_compute) continue;
+    Sum& sum = by_name[s.name];
+    sum.seconds += s.end_s - s.begin_s;
+    ++sum.spans;
+  }
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    LayerDescription& d = layers[l];
+    if (!d.cost) OOM_THROW(Errc::invalid_argument, fmt::format("with_measured_rates: layer {} ('{}') has no cost function", l, d.name));
+    const LayerCost c = d.cost(workload);
+    auto rate = [&](const char* pass, double flops) {
+      const std::string name = fmt::format("{} {}", pass, d.name);
+      const auto it = by_name.find(name);
+      if (it == by_name.end())
+        OOM_THROW(Errc::invalid_argument, fmt::format("with_measured_rates: layer {} ('{}'): the recorded step has no '{}' span on the "
+                                                      "compute stream (record a step of an executor running these layers: "
+                                                      "record_next_step)",
+                                                      l, d.name, name));
+      if (!(it->second.seconds > 0))
+        OOM_THROW(Errc::invalid_argument, fmt::format("with_measured_rates: layer {} ('{}'): its '{}' spans took {} s", l, d.name, name,
+                                                      it->second.seconds));
+      return flops * it->second.spans / it->second.seconds;
+    };
+    d.measured.forward_flops_per_s = rate("fwd", c.forward_flops);
+    d.measured.backward_flops_per_s = rate("bwd", c.backward_flops);
+  }
+  return layers;
+}
+
 LayerStackPlanner::LayerStackPlanner(std::vector<LayerDescription> layers, const MachineProfile& profile, std::string model_name)
     : layers_(std::move(layers)), profile_(&profile), model_name_(std::move(model_name)) {
   profile.validate(profile.name);
@@ -425,6 +467,10 @@ LayerStackPlanner::LayerStackPlanner(std::vector<LayerDescription> layers, const
   std::unordered_map<std::string, std::size_t> seen;
   for (std::size_t l = 0; l < layers_.size(); ++l) {
     if (!layers_[l].cost) OOM_THROW(Errc::invalid_argument, fmt::format("layer {} ('{}') has no cost function", l, layers_[l].name));
+    if (const MeasuredRates& m = layers_[l].measured; bad_number(m.forward_flops_per_s) || bad_number(m.backward_flops_per_s))
+      OOM_THROW(Errc::invalid_argument, fmt::format("layer {} ('{}'): measured FLOP rates must be finite and >= 0 (forward {}, "
+                                                    "backward {}; 0: the profile's GEMM rate)",
+                                                    l, layers_[l].name, m.forward_flops_per_s, m.backward_flops_per_s));
     for (const auto& s : layers_[l].segments)
       if (auto [it, fresh] = seen.emplace(s.name, l); !fresh)
         OOM_THROW(Errc::invalid_argument, fmt::format("segment name '{}' is used by layer {} and layer {} ('{}'): plans name "
@@ -687,6 +733,11 @@ std::string LayerStackPlanner::describe(const Plan& p) const {
   std::uint64_t smallest = p.workload.tokens();
   for (const auto& c : p.chunks) smallest = std::min(smallest, c.moe_tokens == 0 ? p.workload.tokens() : c.moe_tokens);
   s += fmt::format("chunking: {} tokens per chunk at the smallest\n", smallest);
+  const auto measured = std::count_if(layers_.begin(), layers_.end(), [](const LayerDescription& d) {
+    return d.measured.forward_flops_per_s > 0 || d.measured.backward_flops_per_s > 0;
+  });
+  s += measured == 0 ? std::string("compute: declared FLOPs at the profile's GEMM rate\n")
+                     : fmt::format("compute: {} of {} layers at their measured rates\n", measured, layers_.size());
   s += fmt::format("predicted step {:.4g} s; busy:", pr.step_s);
   for (int r = 0; r < resource_count; ++r)
     if (pr.busy.seconds[static_cast<std::size_t>(r)] > 0)

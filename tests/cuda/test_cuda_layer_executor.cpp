@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -346,6 +347,45 @@ TEST_CASE("the CUDA stack trains as the HostExecutor's CPU stack of the same lay
   MESSAGE("losses GPU " << gpu.losses[2] << ", host " << host.losses[2] << "; updates' relative L2 difference " << rel);
   CHECK(norm > 0);
   CHECK(rel < 1e-2);
+}
+
+TEST_CASE("the GPU layers' rates measured on a recorded step predict the next step's compute; the GEMM rate does not") {
+  std::vector<ResidualMlp> shapes;
+  for (int l = 0; l < layer_count; ++l) shapes.emplace_back(l, hidden, inter);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const auto described = describe_layers(shapes);  // the CUDA layer's names and costs are the CPU twin's
+  const Plan plan = resident_plan(shapes, tokens);
+  GpuStack g(plan, 64_MiB, 64_MiB);
+  auto compute_of = [&](Timeline& tl, int s) {
+    tl.clear();
+    g.exec->record_next_step(&tl);
+    (void)g.step(s);
+    double sum = 0;
+    for (const auto& span : tl.spans())
+      if (span.name.starts_with("fwd ") || span.name.starts_with("bwd ")) sum += span.end_s - span.begin_s;
+    return sum;
+  };
+  auto predicted = [&](const LayerStackPlanner& pl) {
+    double sum = 0;
+    for (const auto& op : pl.step_graph(plan).ops())
+      if (std::string(op.what) == "fwd" || std::string(op.what) == "bwd") sum += op.duration_s - profile.launch_overhead_s;
+    return sum;
+  };
+  (void)g.step(1);  // warm-up
+  std::array<Timeline, 2> tl;
+  (void)compute_of(tl[0], 2);
+  const LayerStackPlanner plain(described, profile);
+  double declared_ratio = 0, best = 1e9;
+  for (int round = 0; round < 5; ++round) {
+    const LayerStackPlanner calibrated(with_measured_rates(described, tl[static_cast<std::size_t>(round % 2)], plan.workload), profile);
+    const double measured = compute_of(tl[static_cast<std::size_t>(1 - round % 2)], 3 + round);
+    declared_ratio = measured / predicted(plain);
+    best = std::min(best, std::abs(std::log(predicted(calibrated) / measured)));
+  }
+  MESSAGE("GPU layers' compute over the declared FLOPs' prediction: " << declared_ratio << "x; with measured rates, within a factor of "
+                                                                       << std::exp(best));
+  CHECK(declared_ratio > 5);
+  CHECK(best < std::log(2.0));
 }
 
 TEST_CASE("CudaBackend's executor operations: stream-ordered frees, host tasks and their errors, zero/add, the device AdamW") {

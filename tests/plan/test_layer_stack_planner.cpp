@@ -4,6 +4,8 @@
 // bad stacks or budgets are refused by name.
 #include <doctest/doctest.h>
 
+#include <array>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -594,4 +596,143 @@ TEST_CASE("a chunk's workset is its share rounded up, exact at any size (what th
   const std::uint64_t t = std::uint64_t{1} << 32;
   CHECK(chunk_workset(Bytes{std::uint64_t{1} << 40}, t, t - 1) == Bytes{(std::uint64_t{1} << 40) - 256});
   CHECK(chunk_workset(Bytes{(std::uint64_t{1} << 40) + 1}, t, t - 1) == Bytes{(std::uint64_t{1} << 40) - 255});
+}
+
+TEST_CASE("measured rates price a layer's passes: the forward, recompute and backward at the layer's own FLOPs a second") {
+  const auto layers = stack<test::MoeMlpLayer>(3);
+  const MachineProfile profile = MachineProfile::h200(1);
+  auto d = describe_layers(layers);
+  const LayerCost c = d[1].cost({1, tokens});
+  double rerun = 0;  // the recomputed class's FLOPs (the planner reruns what it recomputes, at most the forward)
+  for (const auto& a : c.activations)
+    if (a.cls == ActivationClass::router_output) rerun += a.recompute_flops;
+  if (rerun == 0) rerun = c.forward_flops;
+  rerun = std::min(rerun, c.forward_flops);
+  d[1].measured = {1e9, 5e8};  // layer 1 only: the others keep the GEMM rate
+  const LayerStackPlanner measured(d, profile), declared(describe_layers(layers), profile);
+  Plan p = resident_plan(layers, tokens);
+  p.retention[1][static_cast<std::size_t>(ActivationClass::router_output)] = RetentionDecision::recompute(1);
+  const StepGraph g = measured.step_graph(p), base = declared.step_graph(p);
+  REQUIRE(g.ops().size() == base.ops().size());
+  int checked = 0;
+  for (std::size_t i = 0; i < g.ops().size(); ++i) {
+    const SimOp& op = g.ops()[i];
+    const std::string what = op.what;
+    if (op.layer != 1) {
+      CHECK(op.duration_s == base.ops()[i].duration_s);  // only layer 1 is re-priced
+      continue;
+    }
+    CAPTURE(what);
+    if (what == "fwd") CHECK(op.duration_s == doctest::Approx(profile.launch_overhead_s + c.forward_flops / 1e9));
+    if (what == "bwd") CHECK(op.duration_s == doctest::Approx(profile.launch_overhead_s + c.backward_flops / 5e8));
+    if (what == "recompute") CHECK(op.duration_s == doctest::Approx(profile.launch_overhead_s + rerun / 1e9));
+    checked += what == "fwd" || what == "bwd" || what == "recompute";
+  }
+  CHECK(checked == 3);
+  // A slower layer makes a slower plan.
+  CHECK(measured.simulate(p).step_s > declared.simulate(p).step_s);
+  CHECK(measured.describe(p).find("compute: 1 of 3 layers at their measured rates") != std::string::npos);
+  CHECK(declared.describe(p).find("compute: declared FLOPs at the profile's GEMM rate") != std::string::npos);
+
+  d[2].measured.backward_flops_per_s = -1;
+  CHECK(thrown([&] { LayerStackPlanner bad(d, profile); }).find("layer 2 ('layer 2'): measured FLOP rates must be finite and >= 0") !=
+        std::string::npos);
+  d[2].measured.backward_flops_per_s = std::numeric_limits<double>::quiet_NaN();
+  CHECK(thrown([&] { LayerStackPlanner bad(d, profile); }).find("measured FLOP rates") != std::string::npos);
+}
+
+TEST_CASE("with_measured_rates: a layer's FLOPs per span over its spans' time, micro-batches counted; a missing span named") {
+  const auto layers = stack<test::MoeMlpLayer>(2);
+  const auto d = describe_layers(layers);
+  const Workload w{1, tokens};
+  Timeline tl;
+  // Two micro-batches: each pass twice. Layer 0's forward 2 ms + 2 ms, backward 3 + 5 ms; layer 1's
+  // forward 1 + 1 ms, backward 2 + 2 ms; a recompute and a copy that are not the passes.
+  tl.add("fwd layer 0", Resource::gpu_compute, 0.000, 0.002);
+  tl.add("fwd layer 1", Resource::gpu_compute, 0.002, 0.003);
+  tl.add("recompute layer 1", Resource::gpu_compute, 0.003, 0.010);
+  tl.add("bwd layer 1", Resource::gpu_compute, 0.010, 0.012);
+  tl.add("bwd layer 0", Resource::gpu_compute, 0.012, 0.015);
+  tl.add("fwd layer 0", Resource::gpu_compute, 0.020, 0.022);
+  tl.add("fwd layer 1", Resource::gpu_compute, 0.022, 0.023);
+  tl.add("bwd layer 1", Resource::gpu_compute, 0.023, 0.025);
+  tl.add("bwd layer 0", Resource::gpu_compute, 0.025, 0.030);
+  tl.add("fwd layer 0", Resource::h2d, 0.0, 1.0);  // not the compute stream: ignored
+  const auto m = with_measured_rates(d, tl, w);
+  const LayerCost c0 = d[0].cost(w), c1 = d[1].cost(w);
+  CHECK(m[0].measured.forward_flops_per_s == doctest::Approx(2 * c0.forward_flops / 0.004));
+  CHECK(m[0].measured.backward_flops_per_s == doctest::Approx(2 * c0.backward_flops / 0.008));
+  CHECK(m[1].measured.forward_flops_per_s == doctest::Approx(2 * c1.forward_flops / 0.002));
+  CHECK(m[1].measured.backward_flops_per_s == doctest::Approx(2 * c1.backward_flops / 0.004));
+  CHECK(m[1].segments == d[1].segments);  // the rest of the description as it was
+
+  Timeline partial;
+  partial.add("fwd layer 0", Resource::gpu_compute, 0, 0.001);
+  partial.add("bwd layer 0", Resource::gpu_compute, 0, 0.001);
+  partial.add("fwd layer 1", Resource::gpu_compute, 0, 0.001);
+  CHECK(thrown([&] { (void)with_measured_rates(d, partial, w); })
+            .find("layer 1 ('layer 1'): the recorded step has no 'bwd layer 1' span") != std::string::npos);
+  partial.add("bwd layer 1", Resource::gpu_compute, 0.5, 0.5);
+  CHECK(thrown([&] { (void)with_measured_rates(d, partial, w); }).find("its 'bwd layer 1' spans took 0 s") != std::string::npos);
+  CHECK(thrown([&] { (void)with_measured_rates(d, tl, Workload{1, 0}); }).find("the workload has no tokens") != std::string::npos);
+}
+
+TEST_CASE("a step's measured rates predict the next step's compute: the HostExecutor's CPU layers, off the GEMM rate by orders") {
+  // The CPU layers run far below an H200's GEMM rate, so the declared FLOPs predict their compute
+  // orders of magnitude too fast; rates measured on one recorded step predict the next's.
+  auto layers = stack<test::MoeMlpLayer>(4, 64, 4, 128);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const auto described = describe_layers(layers);
+  const Plan p = resident_plan(layers, tokens);
+  std::vector<std::vector<float>> init;
+  std::uint64_t seed = 3;
+  for (const auto& l : layers)
+    for (const auto& seg : l.segments()) init.push_back(test::random_normal(seg.parameters(), ++seed, 0.1f));
+  HostBackend backend({1_GiB, 1_GiB, false});
+  LayerExecutorOptions o;
+  o.adamw.lr = 1e-3f;
+  o.cpu_threads = 1;
+  HostExecutor<test::MoeMlpLayer> exec(backend, layers, p, init, o);
+  const HostLossFn loss = [](const float* y, float* g) {
+    double sum = 0;
+    for (std::uint64_t i = 0; i < tokens * 64; ++i) {
+      g[i] = y[i] / static_cast<float>(tokens);
+      sum += 0.5 * static_cast<double>(y[i]) * y[i];
+    }
+    return sum / static_cast<double>(tokens);
+  };
+  // Five rounds, each step's rates predicting the next recorded step's compute; the best round
+  // counts (a span here is tens of microseconds: a busy machine may stretch one).
+  auto compute_of = [&](Timeline& tl) {
+    tl.clear();
+    exec.record_next_step(&tl);
+    exec.step(test::random_normal(tokens * 64, 11), loss);
+    double s = 0;
+    for (const auto& span : tl.spans())
+      if (span.name.starts_with("fwd ") || span.name.starts_with("bwd ")) s += span.end_s - span.begin_s;
+    return s;
+  };
+  exec.step(test::random_normal(tokens * 64, 10), loss);  // warm-up
+  std::array<Timeline, 2> tl;  // the step measured, the next
+  (void)compute_of(tl[0]);
+  double declared_ratio = 0, best = 1e9;
+  for (int round = 0; round < 5; ++round) {
+    const Timeline& last = tl[static_cast<std::size_t>(round % 2)];
+    Timeline& next = tl[static_cast<std::size_t>(1 - round % 2)];
+    const LayerStackPlanner calibrated(with_measured_rates(described, last, p.workload), profile);
+    const LayerStackPlanner plain(described, profile);
+    auto predicted = [&](const LayerStackPlanner& pl) {
+      double s = 0;
+      for (const auto& op : pl.step_graph(p).ops())
+        if (std::string(op.what) == "fwd" || std::string(op.what) == "bwd") s += op.duration_s - profile.launch_overhead_s;
+      return s;
+    };
+    const double measured = compute_of(next);
+    declared_ratio = measured / predicted(plain);
+    best = std::min(best, std::abs(std::log(predicted(calibrated) / measured)));
+  }
+  MESSAGE("measured compute over the declared FLOPs' prediction: " << declared_ratio << "x; with measured rates, within a factor of "
+                                                                   << std::exp(best));
+  CHECK(declared_ratio > 20);      // the GEMM rate is no description of these layers
+  CHECK(best < std::log(2.0));     // a measured step predicts the next within 2x
 }

@@ -18,6 +18,7 @@
 #include "oom/plan/plan.hpp"
 #include "oom/plan/planner.hpp"
 #include "oom/plan/simulator.hpp"
+#include "oom/runtime/timeline.hpp"
 
 namespace oom {
 
@@ -29,6 +30,13 @@ namespace oom {
 ///     A layer does not declare its boundary among its activations.
 ///   - LayerCost::workset is live while the layer runs; a layer that is not ChunkDependency::none
 ///     runs in token chunks, its workset and each chunk's FLOPs shrinking with the chunk.
+/// A layer's measured compute rates, FLOPs a second of its declared forward_flops and
+/// backward_flops (0: priced at the profile's GEMM rate for the chunk's rows).
+struct MeasuredRates {
+  double forward_flops_per_s = 0;
+  double backward_flops_per_s = 0;
+};
+
 struct LayerDescription {
   std::string name;
   std::vector<StateSegment> segments;
@@ -37,6 +45,11 @@ struct LayerDescription {
   /// Whether its forward may run again with the same result: for its own saved activations, and
   /// to regenerate the boundaries of the layers above it.
   bool recomputable = true;
+  /// Its passes' rates as a step measured them (with_measured_rates), for a layer the profile's
+  /// GEMM rate does not describe: memory-bound work, kernels off the tensor cores, CPU layers.
+  /// Recomputes and boundary regenerations are priced at the forward's rate; each chunk still
+  /// adds the profile's launch overhead.
+  MeasuredRates measured;
 };
 
 /// Descriptions of a range of describable layers, in order; each `cost` calls the layer's own
@@ -58,6 +71,16 @@ std::vector<LayerDescription> describe_layers(const R& layers) {
   }
   return out;
 }
+
+/// The layers' descriptions with `measured` set from a step an executor recorded
+/// (LayerExecutor::record_next_step): each layer's declared forward (backward) FLOPs over the
+/// workload, times its "fwd NAME" ("bwd NAME") spans, over those spans' summed time. Any plan's
+/// step measures them, its micro-batches and chunks included: a forward span holds all of the
+/// layer's chunks, and the spans run on the compute stream after the layer's weights are in.
+/// Throws Errc::invalid_argument naming the layer when a span is missing (the step recorded other
+/// layers, or the descriptions' names are not the executor's: LayerExecutor labels a layer as
+/// describe_layers names it), when its spans took no time, or for an empty workload.
+std::vector<LayerDescription> with_measured_rates(std::vector<LayerDescription> layers, const Timeline& step, const Workload& workload);
 
 class LayerStackPlanner {
  public:
