@@ -290,6 +290,7 @@ if [[ "$parts" == *" layers "* ]]; then
   # cost not hidden. Each run plans twice, the second time with the layers' rates measured on a
   # trial step: its predicted step against the median says how well they price the GPU layers.
   # LAYERS_BENCH=0 leaves it out.
+  # The same with --no-measure (the declared FLOPs at the profile's GEMM rate), in the same call.
   if [[ "${LAYERS_BENCH:-1}" == 1 ]]; then
     for budget in 8GiB 400MiB; do
       limited 120 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --layers 16 --hidden 1024 --inter 4096 \
@@ -297,6 +298,11 @@ if [[ "$parts" == *" layers "* ]]; then
       echo "oom-custom-layer 16 x 1024 x 4096, 512 tokens, --gpu-budget $budget: $(grep -E '^measured on a trial' \
         "$out/custom-layer-bench-$budget.log") then $(sed -n '/^planned again/,$p' "$out/custom-layer-bench-$budget.log" |
         grep -E '^residency|^retention|^compute|^predicted step|^median' | tr '\n' ' ')" >> "$out/train-summary.log"
+      limited 120 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --layers 16 --hidden 1024 --inter 4096 \
+        --tokens 512 --steps 6 --gpu-budget "$budget" --host-budget 8GiB --no-measure > "$out/custom-layer-bench-$budget-declared.log" 2>&1 ||
+        gpu_rc=1
+      echo "  the same, --no-measure: $(grep -E '^residency|^retention|^compute|^predicted step|^median' \
+        "$out/custom-layer-bench-$budget-declared.log" | tr '\n' ' ')" >> "$out/train-summary.log"
     done
   fi
 fi

@@ -126,7 +126,11 @@ int train(const Options& o, Exec& exec, StepFn&& step, Report&& report, oom::Tim
     for (int s = 1; s <= 2; ++s) {  // the first warms up (pinning, first launches)
       if (s == 2) exec.record_next_step(trial);
       const StepData d = step_data(o, mix, s);
-      (void)step(d.x, d.y);
+      const double loss = step(d.x, d.y);
+      if (exec.last_step_skipped())
+        OOM_THROW(oom::Errc::invalid_argument, fmt::format("the trial step {} had a non-finite loss ({}), so the layers' rates were not "
+                                                           "measured: --no-measure plans with their declared FLOPs",
+                                                           s, loss));
     }
     return 0;
   }

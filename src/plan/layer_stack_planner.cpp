@@ -437,6 +437,12 @@ std::vector<LayerDescription> with_measured_rates(std::vector<LayerDescription> 
     sum.seconds += s.end_s - s.begin_s;
     ++sum.spans;
   }
+  std::unordered_map<std::string, std::size_t> named;  // a name's spans are one layer's only if the name is
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    if (auto [it, fresh] = named.emplace(layers[l].name, l); !fresh)
+      OOM_THROW(Errc::invalid_argument, fmt::format("with_measured_rates: layers {} and {} are both named '{}', so their spans cannot be "
+                                                    "told apart (give each layer a name of its own)",
+                                                    it->second, l, layers[l].name));
   for (std::size_t l = 0; l < layers.size(); ++l) {
     LayerDescription& d = layers[l];
     if (!d.cost) OOM_THROW(Errc::invalid_argument, fmt::format("with_measured_rates: layer {} ('{}') has no cost function", l, d.name));
@@ -446,8 +452,8 @@ std::vector<LayerDescription> with_measured_rates(std::vector<LayerDescription> 
       const auto it = by_name.find(name);
       if (it == by_name.end())
         OOM_THROW(Errc::invalid_argument, fmt::format("with_measured_rates: layer {} ('{}'): the recorded step has no '{}' span on the "
-                                                      "compute stream (record a step of an executor running these layers: "
-                                                      "record_next_step)",
+                                                      "compute stream (record a step of an executor running these layers, "
+                                                      "record_next_step, that was not skipped for a non-finite loss)",
                                                       l, d.name, name));
       if (!(it->second.seconds > 0))
         OOM_THROW(Errc::invalid_argument, fmt::format("with_measured_rates: layer {} ('{}'): its '{}' spans took {} s", l, d.name, name,

@@ -84,6 +84,20 @@ CudaBackend::Event CudaBackend::make_event() {
   });
 }
 
+CudaBackend::TimeMark CudaBackend::time_mark(Stream& s) {
+  cudaEvent_t e = nullptr;
+  OOM_CUDA_CHECK(cudaEventCreate(&e));
+  TimeMark m(e, [](cudaEvent_t p) { cudaEventDestroy(p); });
+  OOM_CUDA_CHECK(cudaEventRecord(e, s.get()));
+  return m;
+}
+
+double CudaBackend::seconds_between(const TimeMark& a, const TimeMark& b) {
+  float ms = 0;
+  OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, a.get(), b.get()));
+  return static_cast<double>(ms) * 1e-3;
+}
+
 std::size_t CudaBackend::events_created() const {
   std::lock_guard lock(events_->mutex);
   return events_->created;

@@ -367,7 +367,8 @@ TEST_CASE("the GPU layers' rates measured on a recorded step predict the next st
   };
   auto predicted = [&](const LayerStackPlanner& pl) {
     double sum = 0;
-    for (const auto& op : pl.step_graph(plan).ops())
+    const StepGraph graph = pl.step_graph(plan);
+    for (const auto& op : graph.ops())
       if (std::string(op.what) == "fwd" || std::string(op.what) == "bwd") sum += op.duration_s - profile.launch_overhead_s;
     return sum;
   };

@@ -675,12 +675,37 @@ TEST_CASE("with_measured_rates: a layer's FLOPs per span over its spans' time, m
   partial.add("bwd layer 1", Resource::gpu_compute, 0.5, 0.5);
   CHECK(thrown([&] { (void)with_measured_rates(d, partial, w); }).find("its 'bwd layer 1' spans took 0 s") != std::string::npos);
   CHECK(thrown([&] { (void)with_measured_rates(d, tl, Workload{1, 0}); }).find("the workload has no tokens") != std::string::npos);
+  auto twins = d;  // two layers of one name: whose spans are whose cannot be told
+  twins[1].name = twins[0].name;
+  CHECK(thrown([&] { (void)with_measured_rates(twins, tl, w); }).find("layers 0 and 1 are both named 'layer 0'") != std::string::npos);
+}
+
+TEST_CASE("a measured rate prices a chunked layer's passes chunk by chunk, each chunk adding the launch overhead") {
+  const auto layers = stack<ChunkedMoe>(2);
+  const MachineProfile profile = MachineProfile::h200(1);
+  auto d = describe_layers(layers);
+  for (auto& l : d) l.measured = {2e9, 1e9};
+  const LayerStackPlanner planner(d, profile);
+  Plan p = resident_plan(layers, tokens);
+  p.chunks[0].moe_tokens = tokens / 3;  // 3 chunks of 8 tokens
+  const LayerCost c = d[0].cost({1, tokens});
+  int checked = 0;
+  const StepGraph g = planner.step_graph(p);  // ops() is the graph's: keep it alive
+  for (const SimOp& op : g.ops()) {
+    const std::string what = op.what;
+    const double chunks = op.layer == 0 ? 3.0 : 1.0;
+    if (what == "fwd") CHECK(op.duration_s == doctest::Approx(chunks * profile.launch_overhead_s + c.forward_flops / 2e9));
+    if (what == "bwd") CHECK(op.duration_s == doctest::Approx(chunks * profile.launch_overhead_s + c.backward_flops / 1e9));
+    checked += what == "fwd" || what == "bwd";
+  }
+  CHECK(checked == 4);
 }
 
 TEST_CASE("a step's measured rates predict the next step's compute: the HostExecutor's CPU layers, off the GEMM rate by orders") {
   // The CPU layers run far below an H200's GEMM rate, so the declared FLOPs predict their compute
   // orders of magnitude too fast; rates measured on one recorded step predict the next's.
-  auto layers = stack<test::MoeMlpLayer>(4, 64, 4, 128);
+  constexpr std::uint64_t h = 128;
+  auto layers = stack<test::MoeMlpLayer>(4, h, 4, 512);
   const MachineProfile profile = MachineProfile::h200(1);
   const auto described = describe_layers(layers);
   const Plan p = resident_plan(layers, tokens);
@@ -695,24 +720,24 @@ TEST_CASE("a step's measured rates predict the next step's compute: the HostExec
   HostExecutor<test::MoeMlpLayer> exec(backend, layers, p, init, o);
   const HostLossFn loss = [](const float* y, float* g) {
     double sum = 0;
-    for (std::uint64_t i = 0; i < tokens * 64; ++i) {
+    for (std::uint64_t i = 0; i < tokens * h; ++i) {
       g[i] = y[i] / static_cast<float>(tokens);
       sum += 0.5 * static_cast<double>(y[i]) * y[i];
     }
     return sum / static_cast<double>(tokens);
   };
   // Five rounds, each step's rates predicting the next recorded step's compute; the best round
-  // counts (a span here is tens of microseconds: a busy machine may stretch one).
+  // counts (a busy machine may stretch one). A span is milliseconds here, not scheduler noise.
   auto compute_of = [&](Timeline& tl) {
     tl.clear();
     exec.record_next_step(&tl);
-    exec.step(test::random_normal(tokens * 64, 11), loss);
+    exec.step(test::random_normal(tokens * h, 11), loss);
     double s = 0;
     for (const auto& span : tl.spans())
       if (span.name.starts_with("fwd ") || span.name.starts_with("bwd ")) s += span.end_s - span.begin_s;
     return s;
   };
-  exec.step(test::random_normal(tokens * 64, 10), loss);  // warm-up
+  exec.step(test::random_normal(tokens * h, 10), loss);  // warm-up
   std::array<Timeline, 2> tl;  // the step measured, the next
   (void)compute_of(tl[0]);
   double declared_ratio = 0, best = 1e9;
@@ -723,7 +748,8 @@ TEST_CASE("a step's measured rates predict the next step's compute: the HostExec
     const LayerStackPlanner plain(described, profile);
     auto predicted = [&](const LayerStackPlanner& pl) {
       double s = 0;
-      for (const auto& op : pl.step_graph(p).ops())
+      const StepGraph g = pl.step_graph(p);
+      for (const auto& op : g.ops())
         if (std::string(op.what) == "fwd" || std::string(op.what) == "bwd") s += op.duration_s - profile.launch_overhead_s;
       return s;
     };

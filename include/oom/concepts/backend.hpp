@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <variant>
 
 #include "oom/core/bytes.hpp"
 #include "oom/core/memory_space.hpp"
@@ -43,6 +44,30 @@ concept backend = requires(B& b, typename B::Stream& s, typename B::Event& e, vo
   b.free(dst, space, n, c);
   b.synchronize(s);
 };
+
+/// Optional: marks timed by the device, for a LayerExecutor's recorded step (which otherwise times
+/// its spans with host tasks, whose own latency, and on a GPU their wait for the one thread CUDA
+/// runs host functions on, would count in the spans and stall the stream). For `B& b`,
+/// `typename B::Stream s`, `typename B::TimeMark m`:
+///   `b.time_mark(s)` is a mark recorded in s's order; `b.seconds_between(m0, m1)` the device's
+///   time from m0 to m1, once both have been reached (after a synchronize of their streams).
+template <class B>
+concept timed_marks = requires(B& b, typename B::Stream& s, const typename B::TimeMark& m) {
+  { b.time_mark(s) } -> std::same_as<typename B::TimeMark>;
+  { b.seconds_between(m, m) } -> std::convertible_to<double>;
+};
+
+/// B::TimeMark for a backend with timed_marks, else an empty type.
+template <class B>
+struct time_mark_of {
+  using type = std::monostate;
+};
+template <timed_marks B>
+struct time_mark_of<B> {
+  using type = typename B::TimeMark;
+};
+template <class B>
+using TimeMarkOf = typename time_mark_of<B>::type;
 
 /// Whether a backend's "device" memory is host memory the caller's CPU code may read in a stream
 /// task (a LayerExecutor's HostLossFn steps need it). runtime/host_backend.hpp says yes for its own.

@@ -22,6 +22,13 @@
 
 namespace oom {
 
+/// A layer's measured compute rates, FLOPs a second of its declared forward_flops and
+/// backward_flops (0: priced at the profile's GEMM rate for the chunk's rows).
+struct MeasuredRates {
+  double forward_flops_per_s = 0;
+  double backward_flops_per_s = 0;
+};
+
 /// What the planner knows of one layer: its name, its state segments, and its cost for a
 /// workload. `cost` is called with each request's workload (one micro-batch on one GPU).
 ///   - LayerCost::output is the boundary the layer hands on; a layer's input boundary (its
@@ -30,13 +37,6 @@ namespace oom {
 ///     A layer does not declare its boundary among its activations.
 ///   - LayerCost::workset is live while the layer runs; a layer that is not ChunkDependency::none
 ///     runs in token chunks, its workset and each chunk's FLOPs shrinking with the chunk.
-/// A layer's measured compute rates, FLOPs a second of its declared forward_flops and
-/// backward_flops (0: priced at the profile's GEMM rate for the chunk's rows).
-struct MeasuredRates {
-  double forward_flops_per_s = 0;
-  double backward_flops_per_s = 0;
-};
-
 struct LayerDescription {
   std::string name;
   std::vector<StateSegment> segments;
@@ -74,12 +74,14 @@ std::vector<LayerDescription> describe_layers(const R& layers) {
 
 /// The layers' descriptions with `measured` set from a step an executor recorded
 /// (LayerExecutor::record_next_step): each layer's declared forward (backward) FLOPs over the
-/// workload, times its "fwd NAME" ("bwd NAME") spans, over those spans' summed time. Any plan's
-/// step measures them, its micro-batches and chunks included: a forward span holds all of the
-/// layer's chunks, and the spans run on the compute stream after the layer's weights are in.
-/// Throws Errc::invalid_argument naming the layer when a span is missing (the step recorded other
-/// layers, or the descriptions' names are not the executor's: LayerExecutor labels a layer as
-/// describe_layers names it), when its spans took no time, or for an empty workload.
+/// workload, times its "fwd NAME" ("bwd NAME") spans, over those spans' summed time. The spans
+/// hold the layer's chunks' work on the compute stream and nothing before it (its weights' load,
+/// its workspace's allocation); every micro-batch's count. The rate is taken to hold at every
+/// chunk size, so measure a step of the chunking you will run (an unchunked one where no layer
+/// needs chunks). Throws Errc::invalid_argument naming the layer when a span is missing (the step
+/// recorded other layers or was skipped, or the names are not the executor's: LayerExecutor
+/// labels a layer as describe_layers names it), when its spans took no time, when two layers
+/// share a name, or for an empty workload.
 std::vector<LayerDescription> with_measured_rates(std::vector<LayerDescription> layers, const Timeline& step, const Workload& workload);
 
 class LayerStackPlanner {

@@ -49,10 +49,18 @@ class CudaBackend {
   /// An event without timing. Events are pooled: one whose last handle is dropped goes back to the
   /// pool and is handed out again (re-recorded), so an executor that takes a few events per layer
   /// and step creates them once. A wait already enqueued on an event is unaffected by a later
-  /// record (cudaStreamWaitEvent takes the record current at the call).
+  /// record (cudaStreamWaitEvent takes the record current at the call). A pooled event keeps its
+  /// last record until it is recorded again: a wait on it before that waits for work already
+  /// queued (a needless dependency, never a missing one).
   Event make_event();
-  /// Events created so far (the pool's size): constant once a schedule's events are recycled.
+  /// Events created so far (the pool's size): a schedule that drops its events takes the same
+  /// ones again, creating more only where more are held at once (frees reaped later).
   [[nodiscard]] std::size_t events_created() const;
+  /// A timed event recorded on s (concepts/backend.hpp, timed_marks): a recorded step's spans.
+  using TimeMark = std::shared_ptr<CUevent_st>;
+  TimeMark time_mark(Stream& s);
+  /// Seconds from a to b on the device (cudaEventElapsedTime, ~0.5 us resolution); both reached.
+  double seconds_between(const TimeMark& a, const TimeMark& b);
   /// Runs `fn` now: it enqueues kernels on the stream (kernels take `raw(s)`).
   void submit(Stream& s, std::function<void()> fn) {
     (void)s;
@@ -146,5 +154,6 @@ class CudaBackend {
 };
 
 static_assert(executor_backend<CudaBackend>);
+static_assert(timed_marks<CudaBackend>);
 
 }  // namespace oom

@@ -334,15 +334,21 @@ class LayerExecutor {
       skipped_ = false;
       t0_ = std::chrono::steady_clock::now();
       struct StopRecording {
-        Timeline*& t;
-        ~StopRecording() { t = nullptr; }
-      } stop_recording{timeline_};
+        LayerExecutor& e;
+        ~StopRecording() {
+          e.timeline_ = nullptr;
+          if constexpr (timed_marks<B>) e.marks_.clear();
+        }
+      } stop_recording{*this};
+      if constexpr (timed_marks<B>)
+        if (timeline_ != nullptr) step_mark_ = b_.time_mark(compute_);
       const auto scalars = optim::adamw_step_scalars(options_.adamw, step_ + 1);
       double total = 0;
       for (std::size_t mb = 0; mb < k; ++mb) {
         total += run_step(*inputs[mb], *losses[mb], grad_inputs.empty() ? nullptr : &grad_inputs[mb], mb, mb + 1 == k, scalars);
-        if (skipped_) return total;
+        if (skipped_) break;
       }
+      flush_marks();
       return total;
     } catch (...) {
       drain();
@@ -383,9 +389,7 @@ class LayerExecutor {
       ctx.input = act[l];
       ctx.output = act[l + 1];
       ctx.saved = saved[l];
-      auto fwd = span_begin(compute_);
-      run_chunks(l, ctx, /*backward=*/false);
-      span_end(compute_, Resource::gpu_compute, "fwd " + label(l), fwd);
+      run_chunks(l, ctx, /*backward=*/false, "fwd " + label(l));
       b_.record(ls.forward_done, compute_);
       release(slot);
       // Retention: offload now (and free on the device once copied), drop what is recomputed.
@@ -476,9 +480,7 @@ class LayerExecutor {
         any = true;
       }
       if (any) {
-        auto rb = span_begin(compute_);
-        run_chunks(li, re, false);
-        span_end(compute_, Resource::gpu_compute, "recompute " + label(li), rb);
+        run_chunks(li, re, false, "recompute " + label(li));
       }
       // Backward, chunk by chunk; weight gradients accumulate in token order.
       float* grad_in = take_step(act_bytes, Claimant::worksets);
@@ -512,9 +514,7 @@ class LayerExecutor {
         ctx.weight_grads[s] = {g, seg.n};
         b_.zero(g, seg.n, compute_);
       }
-      auto bb = span_begin(compute_);
-      run_chunks(li, ctx, true);
-      span_end(compute_, Resource::gpu_compute, "bwd " + label(li), bb);
+      run_chunks(li, ctx, true, "bwd " + label(li));
       auto done = b_.make_event();
       b_.record(done, compute_);
       release(slot);
@@ -821,21 +821,44 @@ class LayerExecutor {
     return ctx;
   }
 
-  // Timing marks, run in stream order by the stream's worker; no-ops unless a step is recorded.
-  std::shared_ptr<double> span_begin(typename B::Stream& s) {
-    if (timeline_ == nullptr) return nullptr;
-    auto at = std::make_shared<double>(0.0);
-    const auto t0 = t0_;
-    b_.host_task(s, [at, t0] { *at = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); });
-    return at;
+  // Timing marks, no-ops unless a step is recorded: on a backend with timed_marks, marks the
+  // device times, read when the step has run (flush_marks); elsewhere host tasks in stream order.
+  struct SpanStart {
+    std::shared_ptr<double> at;  // host tasks' begin
+    TimeMarkOf<B> mark{};        // a timed backend's begin
+    bool on = false;
+  };
+  SpanStart span_begin(typename B::Stream& s) {
+    if (timeline_ == nullptr) return {};
+    if constexpr (timed_marks<B>) {
+      return {nullptr, b_.time_mark(s), true};
+    } else {
+      auto at = std::make_shared<double>(0.0);
+      const auto t0 = t0_;
+      b_.host_task(s, [at, t0] { *at = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); });
+      return {std::move(at), {}, true};
+    }
   }
-  void span_end(typename B::Stream& s, Resource r, std::string name, const std::shared_ptr<double>& begin) {
-    if (timeline_ == nullptr || begin == nullptr) return;
-    auto* tl = timeline_;
-    const auto t0 = t0_;
-    b_.host_task(s, [tl, t0, r, name = std::move(name), begin] {
-      tl->add(name, r, *begin, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    });
+  void span_end(typename B::Stream& s, Resource r, std::string name, const SpanStart& begin) {
+    if (timeline_ == nullptr || !begin.on) return;
+    if constexpr (timed_marks<B>) {
+      marks_.push_back({std::move(name), r, begin.mark, b_.time_mark(s)});
+    } else {
+      auto* tl = timeline_;
+      const auto t0 = t0_;
+      b_.host_task(s, [tl, t0, r, name = std::move(name), at = begin.at] {
+        tl->add(name, r, *at, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      });
+    }
+  }
+  // A timed backend's spans into the timeline, from the step's first mark, once they have run.
+  void flush_marks() {
+    if constexpr (timed_marks<B>) {
+      if (timeline_ == nullptr || marks_.empty()) return;
+      synchronize_all();
+      for (const auto& m : marks_) timeline_->add(m.name, m.resource, b_.seconds_between(step_mark_, m.begin), b_.seconds_between(step_mark_, m.end));
+      marks_.clear();
+    }
   }
   std::string label(std::size_t l) const {
     const auto n = layer_traits<L>::name(layers_[l]);
@@ -895,7 +918,7 @@ class LayerExecutor {
       act[j + 1] = take_step(class_bytes(j + 1, 0, t), Claimant::retained_activations);
       ctx.output = act[j + 1];
       ctx.regenerating = true;
-      run_chunks(j, ctx, /*backward=*/false);
+      run_chunks(j, ctx, /*backward=*/false, {});
     }
     span_end(compute_, Resource::gpu_compute, fmt::format("regenerate boundaries {}-{}", from + 1, l), rb);
     if (weights != nullptr) free_device_on(compute_, weights, weight_bytes, Claimant::worksets);
@@ -903,12 +926,15 @@ class LayerExecutor {
 
   // Runs the layer over the plan's token chunks, in increasing token order, on the compute stream,
   // with its workset for a chunk taken for the pass and given back after it.
-  void run_chunks(std::size_t l, const LayerContext& ctx, bool backward) {
+  // Layer l's pass over its chunks; a recorded step's span `span` (none: empty) holds the chunks'
+  // work and nothing before it (the workspace's allocation may wait on the host for a free).
+  void run_chunks(std::size_t l, const LayerContext& ctx, bool backward, std::string span) {
     const std::uint64_t t = ctx.tokens;
     const std::uint64_t chunk = std::max<std::uint64_t>(plan_.chunks[l].moe_tokens, 1);
     L* layer = &layers_[l];
     const Bytes ws = chunk_workset(workset_[l], t, chunk);
     void* workspace = ws.count() > 0 ? take_step(ws, Claimant::worksets) : nullptr;
+    const SpanStart begin = span.empty() ? SpanStart{} : span_begin(compute_);
     for (std::uint64_t b = 0; b < t; b += chunk) {
       LayerContext c = ctx;
       c.stream = b_.native(compute_);
@@ -921,6 +947,7 @@ class LayerExecutor {
         else layer->forward(c);
       });
     }
+    span_end(compute_, Resource::gpu_compute, std::move(span), begin);
     free_device_on(compute_, workspace, ws, Claimant::worksets);
   }
 
@@ -975,6 +1002,14 @@ class LayerExecutor {
   Timeline* timeline_ = nullptr;
   LayerProgressFn on_layer_;
   std::chrono::steady_clock::time_point t0_;
+  // A timed backend's recorded step: its first mark (on the compute stream) and the spans' marks.
+  struct MarkedSpan {
+    std::string name;
+    Resource resource;
+    TimeMarkOf<B> begin, end;
+  };
+  TimeMarkOf<B> step_mark_{};
+  std::vector<MarkedSpan> marks_;
 };
 
 }  // namespace oom
