@@ -68,7 +68,6 @@ CudaRouterBalance::CudaRouterBalance(int layers, std::int64_t experts, std::int6
   scratch_ = p.scratch;
   scratch_bytes_ = p.scratch_bytes;
   counts_.assign(static_cast<std::size_t>(experts), 0);
-  upload_.assign(static_cast<std::size_t>(experts), 0);
 }
 
 void CudaRouterBalance::begin(cudaStream_t stream) {
@@ -101,14 +100,23 @@ void CudaRouterBalance::finish(cudaStream_t stream, double* loss) {
   if (layers_added_ != layers_ || slots != static_cast<std::int64_t>(layers_) * tokens_ * top_k_)
     invalid(fmt::format("finish() after {} of {} layers' routers and {} of {} slots counted", layers_added_, layers_, slots,
                         static_cast<std::int64_t>(layers_) * tokens_ * top_k_));
-  std::transform(counts_.begin(), counts_.end(), upload_.begin(), [](std::int64_t c) { return static_cast<std::int32_t>(c); });
-  // Pageable source: the call returns once upload_ is staged (and the next finish() comes after
-  // the next forward's count read-backs, which wait for this stream), so it may be refilled.
-  OOM_CUDA_CHECK(cudaMemcpyAsync(device_counts_, upload_.data(), upload_.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream));
+  // A pinned source, so that the copy is queued without the host waiting for the stream (from
+  // pageable memory it may); refilled only by the next finish(), which comes after the next
+  // forward's count read-backs, and those wait for this stream, so for this copy.
+  if (!upload_) {
+    std::int32_t* p = nullptr;
+    OOM_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&p), static_cast<std::size_t>(experts_) * sizeof(std::int32_t), cudaHostAllocDefault));
+    upload_.reset(p);
+  }
+  std::transform(counts_.begin(), counts_.end(), upload_.get(), [](std::int64_t c) { return static_cast<std::int32_t>(c); });
+  OOM_CUDA_CHECK(cudaMemcpyAsync(device_counts_, upload_.get(), static_cast<std::size_t>(experts_) * sizeof(std::int32_t),
+                                 cudaMemcpyHostToDevice, stream));
   const double rows = static_cast<double>(layers_) * static_cast<double>(tokens_);
   OOM_CUDA_CHECK(kernels::router_balance_loss(stream, experts_, device_counts_, sums_, rows, coefficient_ * scale_, loss));
   phase_ = Phase::finished;
 }
+
+void CudaRouterBalance::FreePinned::operator()(std::int32_t* p) const noexcept { cudaFreeHost(p); }
 
 const std::int32_t* CudaRouterBalance::device_counts() const {
   if (phase_ != Phase::finished) invalid("the backward's global counts asked before finish()");

@@ -27,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -76,7 +77,10 @@ class CudaRouterBalance {
   Phase phase_ = Phase::idle;
   int layers_added_ = 0;
   std::vector<std::int64_t> counts_;       // C (host)
-  std::vector<std::int32_t> upload_;       // C as int32, the H2D copy's source
+  struct FreePinned {
+    void operator()(std::int32_t* p) const noexcept;
+  };
+  std::unique_ptr<std::int32_t[], FreePinned> upload_;  // C as int32, the H2D copy's pinned source (first finish())
 };
 
 }  // namespace oom::model
