@@ -87,14 +87,15 @@ CudaBackend::Event CudaBackend::make_event() {
 CudaBackend::TimeMark CudaBackend::time_mark(Stream& s) {
   cudaEvent_t e = nullptr;
   OOM_CUDA_CHECK(cudaEventCreate(&e));
-  TimeMark m(e, [](cudaEvent_t p) { cudaEventDestroy(p); });
+  TimeMark m{std::shared_ptr<CUevent_st>(e, [](cudaEvent_t p) { cudaEventDestroy(p); })};
   OOM_CUDA_CHECK(cudaEventRecord(e, s.get()));
   return m;
 }
 
 double CudaBackend::seconds_between(const TimeMark& a, const TimeMark& b) {
+  if (!a.event || !b.event) OOM_THROW(Errc::invalid_argument, "seconds_between: a time mark that was never recorded");
   float ms = 0;
-  OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, a.get(), b.get()));
+  OOM_CUDA_CHECK(cudaEventElapsedTime(&ms, a.event.get(), b.event.get()));
   return static_cast<double>(ms) * 1e-3;
 }
 

@@ -393,6 +393,20 @@ TEST_CASE("a recorded step: spans of every kind of work per resource, serial wit
   CHECK(busy[Resource::gpu_compute] <= tl.wall_seconds() + 1e-9);
   const Json trace = Json::parse(tl.chrome_trace(), "trace");
   CHECK(trace.find("traceEvents")->size() == spans.size() + resource_count + 1);
+
+  // Asked for during a step (here from the progress callback), a recording is the next step's.
+  Timeline late;
+  bool asked = false;
+  exec.on_layer([&](const LayerProgress&) {
+    if (!asked) exec.record_next_step(&late);
+    asked = true;
+  });
+  (void)exec.step(st.input(3), st.target(3));
+  CHECK(late.spans().empty());
+  exec.on_layer({});
+  (void)exec.step(st.input(4), st.target(4));
+  const auto next = late.spans();
+  CHECK(std::count_if(next.begin(), next.end(), [](const TimelineSpan& s) { return s.name.starts_with("fwd layer"); }) == 3);
 }
 
 TEST_CASE("a timeline's host spans: a track of their own in the trace, not a resource") {

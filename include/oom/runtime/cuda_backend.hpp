@@ -57,7 +57,11 @@ class CudaBackend {
   /// ones again, creating more only where more are held at once (frees reaped later).
   [[nodiscard]] std::size_t events_created() const;
   /// A timed event recorded on s (concepts/backend.hpp, timed_marks): a recorded step's spans.
-  using TimeMark = std::shared_ptr<CUevent_st>;
+  /// Its own type, so that a pooled Event (no timing) cannot be passed to seconds_between. Not
+  /// pooled and not counted in events_created(): two a span, in recorded steps only.
+  struct TimeMark {
+    std::shared_ptr<CUevent_st> event;
+  };
   TimeMark time_mark(Stream& s);
   /// Seconds from a to b on the device (cudaEventElapsedTime, ~0.5 us resolution); both reached.
   double seconds_between(const TimeMark& a, const TimeMark& b);

@@ -26,6 +26,7 @@
 
 #include "oom/concepts/layer.hpp"
 #include "oom/core/error.hpp"
+#include "oom/core/log.hpp"
 #include "oom/core/numeric.hpp"
 #include "oom/optim/adamw.hpp"
 #include "oom/optim/cpu_adamw.hpp"
@@ -333,15 +334,20 @@ class LayerExecutor {
     try {
       skipped_ = false;
       t0_ = std::chrono::steady_clock::now();
+      // Recorded if record_next_step() came before the step: one asked for during it (from an
+      // on_layer callback) is for the next.
+      recording_ = timeline_ != nullptr;
       struct StopRecording {
         LayerExecutor& e;
         ~StopRecording() {
+          if (!e.recording_) return;
+          e.recording_ = false;
           e.timeline_ = nullptr;
           if constexpr (timed_marks<B>) e.marks_.clear();
         }
       } stop_recording{*this};
       if constexpr (timed_marks<B>)
-        if (timeline_ != nullptr) step_mark_ = b_.time_mark(compute_);
+        if (recording_) step_mark_ = b_.time_mark(compute_);
       const auto scalars = optim::adamw_step_scalars(options_.adamw, step_ + 1);
       double total = 0;
       for (std::size_t mb = 0; mb < k; ++mb) {
@@ -829,7 +835,7 @@ class LayerExecutor {
     bool on = false;
   };
   SpanStart span_begin(typename B::Stream& s) {
-    if (timeline_ == nullptr) return {};
+    if (!recording_) return {};
     if constexpr (timed_marks<B>) {
       return {nullptr, b_.time_mark(s), true};
     } else {
@@ -840,7 +846,7 @@ class LayerExecutor {
     }
   }
   void span_end(typename B::Stream& s, Resource r, std::string name, const SpanStart& begin) {
-    if (timeline_ == nullptr || !begin.on) return;
+    if (!recording_ || !begin.on) return;
     if constexpr (timed_marks<B>) {
       marks_.push_back({std::move(name), r, begin.mark, b_.time_mark(s)});
     } else {
@@ -852,11 +858,20 @@ class LayerExecutor {
     }
   }
   // A timed backend's spans into the timeline, from the step's first mark, once they have run.
+  // The step's work is done by now: a mark that cannot be read loses the timing, not the step.
   void flush_marks() {
     if constexpr (timed_marks<B>) {
-      if (timeline_ == nullptr || marks_.empty()) return;
+      if (!recording_ || marks_.empty()) return;
       synchronize_all();
-      for (const auto& m : marks_) timeline_->add(m.name, m.resource, b_.seconds_between(step_mark_, m.begin), b_.seconds_between(step_mark_, m.end));
+      std::vector<TimelineSpan> spans;
+      try {
+        for (const auto& m : marks_)
+          spans.push_back({m.name, m.resource, b_.seconds_between(step_mark_, m.begin), b_.seconds_between(step_mark_, m.end)});
+      } catch (const Error& e) {
+        log_warn("the recorded step's timing is lost: {}", e.what());
+        spans.clear();
+      }
+      for (auto& sp : spans) timeline_->add(std::move(sp.name), sp.resource, sp.begin_s, sp.end_s);
       marks_.clear();
     }
   }
@@ -924,10 +939,10 @@ class LayerExecutor {
     if (weights != nullptr) free_device_on(compute_, weights, weight_bytes, Claimant::worksets);
   }
 
-  // Runs the layer over the plan's token chunks, in increasing token order, on the compute stream,
-  // with its workset for a chunk taken for the pass and given back after it.
-  // Layer l's pass over its chunks; a recorded step's span `span` (none: empty) holds the chunks'
-  // work and nothing before it (the workspace's allocation may wait on the host for a free).
+  // Runs layer l over the plan's token chunks, in increasing token order, on the compute stream,
+  // with its workset for a chunk taken for the pass and given back after it. A recorded step's
+  // span `span` (none: empty) holds the chunks' work and nothing before it (the workspace's
+  // allocation may wait on the host for a free).
   void run_chunks(std::size_t l, const LayerContext& ctx, bool backward, std::string span) {
     const std::uint64_t t = ctx.tokens;
     const std::uint64_t chunk = std::max<std::uint64_t>(plan_.chunks[l].moe_tokens, 1);
@@ -1000,6 +1015,7 @@ class LayerExecutor {
   std::int64_t step_ = 0;
   bool skipped_ = false;
   Timeline* timeline_ = nullptr;
+  bool recording_ = false;  ///< the step running is recorded (into timeline_)
   LayerProgressFn on_layer_;
   std::chrono::steady_clock::time_point t0_;
   // A timed backend's recorded step: its first mark (on the compute stream) and the spans' marks.
