@@ -732,10 +732,7 @@ TEST_CASE("a step's measured rates predict the next step's compute: the HostExec
     tl.clear();
     exec.record_next_step(&tl);
     exec.step(test::random_normal(tokens * h, 11), loss);
-    double s = 0;
-    for (const auto& span : tl.spans())
-      if (span.name.starts_with("fwd ") || span.name.starts_with("bwd ")) s += span.end_s - span.begin_s;
-    return s;
+    return test::pass_seconds(tl);
   };
   exec.step(test::random_normal(tokens * h, 10), loss);  // warm-up
   std::array<Timeline, 2> tl;  // the step measured, the next
@@ -746,13 +743,7 @@ TEST_CASE("a step's measured rates predict the next step's compute: the HostExec
     Timeline& next = tl[static_cast<std::size_t>(1 - round % 2)];
     const LayerStackPlanner calibrated(with_measured_rates(described, last, p.workload), profile);
     const LayerStackPlanner plain(described, profile);
-    auto predicted = [&](const LayerStackPlanner& pl) {
-      double s = 0;
-      const StepGraph g = pl.step_graph(p);
-      for (const auto& op : g.ops())
-        if (std::string(op.what) == "fwd" || std::string(op.what) == "bwd") s += op.duration_s - profile.launch_overhead_s;
-      return s;
-    };
+    auto predicted = [&](const LayerStackPlanner& pl) { return test::pass_seconds(pl.step_graph(p), profile.launch_overhead_s); };
     const double measured = compute_of(next);
     declared_ratio = measured / predicted(plain);
     best = std::min(best, std::abs(std::log(predicted(calibrated) / measured)));

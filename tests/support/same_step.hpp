@@ -1,12 +1,16 @@
 // What the executor tests compare: weights (or any per-segment vectors) bit for bit, the resident
-// plan they compare against, and whether a plan moves any activation a given way. Shared by the host, planner and GPU executor tests.
+// plan they compare against, whether a plan moves any activation a given way, and the layers'
+// forward and backward seconds predicted against measured. Shared by the host, planner and GPU executor tests.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "oom/plan/plan.hpp"
+#include "oom/plan/simulator.hpp"
+#include "oom/runtime/timeline.hpp"
 
 namespace oom::test {
 
@@ -41,6 +45,22 @@ inline bool any_retention(const Plan& p, Retention r) {
     for (const auto& d : row)
       if (d.action == r) return true;
   return false;
+}
+
+/// The layers' forward and backward seconds a step graph predicts, less each op's launch overhead.
+inline double pass_seconds(const StepGraph& g, double launch_overhead_s) {
+  double sum = 0;
+  for (const auto& op : g.ops())
+    if (std::string(op.what) == "fwd" || std::string(op.what) == "bwd") sum += op.duration_s - launch_overhead_s;
+  return sum;
+}
+
+/// The same, as a recorded step measured them (its "fwd ..." and "bwd ..." spans).
+inline double pass_seconds(const Timeline& step) {
+  double sum = 0;
+  for (const auto& span : step.spans())
+    if (span.name.starts_with("fwd ") || span.name.starts_with("bwd ")) sum += span.end_s - span.begin_s;
+  return sum;
 }
 
 }  // namespace oom::test
