@@ -303,6 +303,13 @@ if [[ "$parts" == *" layers "* ]]; then
         gpu_rc=1
       echo "  the same, --no-measure: $(grep -E '^residency|^retention|^compute|^predicted step|^median' \
         "$out/custom-layer-bench-$budget-declared.log" | tr '\n' ' ')" >> "$out/train-summary.log"
+      # The same stack as cuBLAS layers (bf16 GEMMs on the tensor cores): what streaming and the
+      # CPU AdamW cost when the compute is fast.
+      limited 120 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --layer cublas --layers 16 --hidden 1024 \
+        --inter 4096 --tokens 512 --steps 6 --gpu-budget "$budget" --host-budget 8GiB > "$out/custom-layer-cublas-$budget.log" 2>&1 ||
+        gpu_rc=1
+      echo "  as cuBLAS layers: $(grep -E '^measured on a trial' "$out/custom-layer-cublas-$budget.log") then $(sed -n '/^planned again/,$p' \
+        "$out/custom-layer-cublas-$budget.log" | grep -E '^residency|^retention|^predicted step|^median' | tr '\n' ' ')" >> "$out/train-summary.log"
     done
   fi
 fi

@@ -10,6 +10,7 @@
 // with them before training (--no-measure: the declared FLOPs alone).
 //   oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S]
 //                    [--gpu-budget BYTES] [--host-budget BYTES] [--profile FILE.json] [--retention NAME] [--no-measure]
+//                    [--layer plain|cublas]  (the CUDA layer: plain kernels, or cuBLAS GEMMs on the tensor cores)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -27,6 +28,7 @@
 #include "oom/runtime/host_executor.hpp"
 #include "custom_layer/residual_mlp.hpp"
 #if OOM_CUSTOM_LAYER_HAS_CUDA
+#include "custom_layer/residual_mlp_cublas.hpp"
 #include "custom_layer/residual_mlp_cuda.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/cuda/device.hpp"
@@ -47,6 +49,7 @@ struct Options {
   std::string retention;  // only this retention template and its mixes (LayerStackPlanner's names)
   std::string backend = "host";
   bool measure = true;  // re-plan with the layers' rates measured on a trial step
+  std::string layer = "plain";  // the CUDA layer: plain kernels (chunkable) or cuBLAS GEMMs
 };
 
 Options parse(int argc, char** argv) {
@@ -56,8 +59,16 @@ Options parse(int argc, char** argv) {
     if (arg == "--help" || arg == "-h") {
       std::puts("oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S] [--gpu-budget BYTES] "
                 "[--host-budget BYTES] [--profile FILE.json] [--retention NAME, e.g. 'offload-checkpoint, boundaries "
-                "regenerated in groups of 2'] [--no-measure: plan with the declared FLOPs at the profile's GEMM rate, no trial step]");
+                "regenerated in groups of 2'] [--no-measure: plan with the declared FLOPs at the profile's GEMM rate, no trial step] "
+                "[--layer plain|cublas: the CUDA layer's kernels, plain or cuBLAS GEMMs]");
       std::exit(0);
+    }
+    if (arg == "--layer") {
+      if (a + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, "--layer needs a value (plain or cublas)");
+      const std::string v = argv[++a];
+      if (v != "plain" && v != "cublas") OOM_THROW(oom::Errc::invalid_argument, fmt::format("--layer is plain or cublas, not '{}'", v));
+      o.layer = v;
+      continue;
     }
     if (arg == "--no-measure") {
       o.measure = false;
@@ -165,12 +176,12 @@ void report_peaks(Backend& backend, const oom::Plan& plan) {
 #if OOM_CUSTOM_LAYER_HAS_CUDA
 // The same stack on the GPU: the CUDA layer, a CudaBackend (one cudaMalloc of the plan's GPU
 // bytes, pinned slabs), and the loss on the GPU.
+template <class Layer>
 int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::vector<float>>& init, const oom::LayerExecutorOptions& eo,
                oom::Timeline* trial) {
-  using oom::examples::CudaResidualMlp;
   if (oom::cuda::device_count() == 0)
     OOM_THROW(oom::Errc::unsupported, fmt::format("--backend cuda: no usable GPU ({})", oom::cuda::no_device_reason()));
-  std::vector<CudaResidualMlp> layers;
+  std::vector<Layer> layers;
   for (int l = 0; l < o.layers; ++l) layers.emplace_back(l, o.hidden, o.inter);
   // As on the host backend, the arenas are exactly what the plan predicts: an allocation that does
   // not fit waits for the frees queued on the streams before it (the GPU runs behind the host).
@@ -182,7 +193,7 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
   const std::uint64_t largest = std::max(2 * o.hidden * o.inter, o.tokens * std::max(o.hidden, o.inter)) * sizeof(float);
   bo.pinned_slab = oom::Bytes{std::max<std::uint64_t>(std::uint64_t{16} << 20, (largest + 4095) / 4096 * 4096)};
   oom::CudaBackend backend(bo);
-  oom::CudaLayerExecutor<CudaResidualMlp> exec(backend, layers, plan, init, eo);
+  oom::CudaLayerExecutor<Layer> exec(backend, layers, plan, init, eo);
   const auto target = oom::examples::device_floats(o.tokens * o.hidden);
   const std::vector<float>* want = nullptr;  // this step's targets, on the host
   // The loss on the GPU: the targets go up on the compute stream (ordered before the kernel).
@@ -204,9 +215,27 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
       },
       trial);
 }
+int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::vector<float>>& init, const oom::LayerExecutorOptions& eo,
+               oom::Timeline* trial) {
+  if (o.layer == "cublas") return run_on_gpu<oom::examples::CublasResidualMlp>(o, plan, init, eo, trial);
+  return run_on_gpu<oom::examples::CudaResidualMlp>(o, plan, init, eo, trial);
+}
+
+// The planner's view of the stack: the CPU layer's (the plain CUDA layer's is the same), or the
+// cuBLAS layer's (its own workset, no chunks).
+std::vector<oom::LayerDescription> describe_stack(const Options& o, const std::vector<ResidualMlp>& cpu,
+                                                  std::vector<oom::examples::CublasResidualMlp>& gemm) {
+  if (o.layer != "cublas") return oom::describe_layers(cpu);
+  for (int l = 0; l < o.layers; ++l) gemm.emplace_back(l, o.hidden, o.inter);
+  return oom::describe_layers(gemm);
+}
 #else
 int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<float>>&, const oom::LayerExecutorOptions&, oom::Timeline*) {
   OOM_THROW(oom::Errc::unsupported, "--backend cuda: this build has no CUDA");
+}
+struct NoGemmLayer {};
+std::vector<oom::LayerDescription> describe_stack(const Options&, const std::vector<ResidualMlp>& cpu, std::vector<NoGemmLayer>&) {
+  return oom::describe_layers(cpu);
 }
 #endif
 
@@ -220,7 +249,14 @@ int run(const Options& o) {
   req.host_budget = o.host_budget;
   req.workload = {1, o.tokens};
   req.retention = o.retention;
-  const auto described = oom::describe_layers(layers);
+  if (o.layer == "cublas" && o.backend != "cuda")
+    OOM_THROW(oom::Errc::invalid_argument, "--layer cublas runs on the GPU: add --backend cuda");
+#if OOM_CUSTOM_LAYER_HAS_CUDA
+  std::vector<oom::examples::CublasResidualMlp> gemm_layers;
+#else
+  std::vector<NoGemmLayer> gemm_layers;
+#endif
+  const auto described = describe_stack(o, layers, gemm_layers);
   const oom::LayerStackPlanner planner(described, profile, "residual MLP stack");
   const auto set = planner.plan(req);
   fmt::print("planned {} layers of {} x {} for {} tokens in {} of GPU memory ({} candidates, {} fit, {:.1f} ms):\n{}", o.layers,

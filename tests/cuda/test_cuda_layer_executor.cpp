@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 
 #include "custom_layer/residual_mlp.hpp"
+#include "custom_layer/residual_mlp_cublas.hpp"
 #include "custom_layer/residual_mlp_cuda.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/error.hpp"
@@ -82,15 +83,16 @@ CudaBackend::Options backend_options(Bytes gpu, Bytes pinned) {
 
 // The CUDA stack under one plan, in a CudaBackend of `gpu` device and `pinned` host bytes; its
 // loss uploads the micro-batch's targets on the compute stream, then takes the GPU MSE.
-struct GpuStack {
-  std::vector<CudaResidualMlp> layers;
+template <class Layer>
+struct GpuStackOf {
+  std::vector<Layer> layers;
   CudaBackend backend;
   std::vector<std::shared_ptr<float>> target_dev;
   std::vector<std::vector<float>> target_host;
   std::vector<DeviceLossFn> losses;
-  std::unique_ptr<CudaLayerExecutor<CudaResidualMlp>> exec;
+  std::unique_ptr<CudaLayerExecutor<Layer>> exec;
 
-  GpuStack(const Plan& plan, Bytes gpu, Bytes pinned, const LayerExecutorOptions& eo = default_options())
+  GpuStackOf(const Plan& plan, Bytes gpu, Bytes pinned, const LayerExecutorOptions& eo = default_options())
       : backend(backend_options(gpu, pinned)) {
     for (int l = 0; l < layer_count; ++l) layers.emplace_back(l, hidden, inter);
     const auto k = static_cast<std::size_t>(plan.micro_batches);
@@ -102,7 +104,7 @@ struct GpuStack {
         examples::mse_loss(y, dev, g, tokens, hidden, l, s);
       });
     }
-    exec = std::make_unique<CudaLayerExecutor<CudaResidualMlp>>(backend, layers, plan, initial_weights(), eo);
+    exec = std::make_unique<CudaLayerExecutor<Layer>>(backend, layers, plan, initial_weights(), eo);
   }
   // Step s (its inputs and targets by micro-batch); the sum of the micro-batches' losses.
   double step(int s, std::vector<std::vector<float>>* grad_inputs = nullptr) {
@@ -115,10 +117,13 @@ struct GpuStack {
   }
 };
 
+using GpuStack = GpuStackOf<CudaResidualMlp>;
+
 // `steps` steps of `plan` on the GPU.
+template <class Layer = CudaResidualMlp>
 Run train_gpu(const Plan& plan, Bytes gpu, Bytes pinned, int steps = 3, const LayerExecutorOptions& eo = default_options()) {
   Run run;
-  GpuStack g(plan, gpu, pinned, eo);
+  GpuStackOf<Layer> g(plan, gpu, pinned, eo);
   for (int s = 1; s <= steps; ++s) {
     run.losses.push_back(g.step(s));
     if (s == 1) run.events_first = g.backend.events_created();
@@ -347,6 +352,69 @@ TEST_CASE("the CUDA stack trains as the HostExecutor's CPU stack of the same lay
   MESSAGE("losses GPU " << gpu.losses[2] << ", host " << host.losses[2] << "; updates' relative L2 difference " << rel);
   CHECK(norm > 0);
   CHECK(rel < 1e-2);
+}
+
+TEST_CASE("a cuBLAS layer (bf16 GEMMs on the tensor cores): every plan gives the resident step bit for bit; it trains as the CPU stack") {
+  using examples::CublasResidualMlp;
+  std::vector<CublasResidualMlp> shapes;
+  for (int l = 0; l < layer_count; ++l) shapes.emplace_back(l, hidden, inter);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(shapes), profile, "cuBLAS residual MLP stack");
+  const Run expect = train_gpu<CublasResidualMlp>(resident_plan(shapes, tokens), 64_MiB, 64_MiB);
+  CHECK(expect.losses[2] < expect.losses[0]);
+  PlanRequest r;
+  r.host_budget = 1_GiB;
+  r.workload = {1, tokens};
+  r.candidates = 4;
+  r.gpu_budget = 1_GiB;
+  const Bytes all = planner.plan(r).plans.front().predicted.gpu_peak;
+  std::vector<Plan> plans;
+  for (double share : {0.6, 0.35}) {
+    r.gpu_budget = Bytes{static_cast<std::uint64_t>(static_cast<double>(all.count()) * share)};
+    try {
+      for (auto& p : planner.plan(r).plans) plans.push_back(std::move(p));
+    } catch (const Error& e) {
+      REQUIRE(e.code() == Errc::out_of_budget);
+    }
+  }
+  for (const char* name : {"offload-all", "checkpoint, boundaries regenerated in groups of 2"}) {
+    r.gpu_budget = 1_GiB;
+    r.retention = name;
+    r.candidates = 2;
+    for (auto& p : planner.plan(r).plans) plans.push_back(std::move(p));
+  }
+  int streamed = 0, offloaded = 0, recomputed = 0, chunked = 0;
+  for (const Plan& p : plans) {
+    CAPTURE(p.retention_name);
+    CAPTURE(p.resident_segments.size());
+    streamed += p.resident_segments.size() < static_cast<std::size_t>(layer_count);
+    offloaded += any_retention(p, Retention::offload);
+    recomputed += any_retention(p, Retention::recompute);
+    for (const auto& c : p.chunks) chunked += c.moe_tokens < tokens;
+    CHECK(same_run(train_gpu<CublasResidualMlp>(p, p.predicted.gpu_peak, p.predicted.host_peak), expect));
+  }
+  MESSAGE(plans.size() << " plans of the cuBLAS stack: " << streamed << " stream, " << offloaded << " offload, " << recomputed
+                       << " recompute, " << chunked << " chunked layers");
+  CHECK(streamed > 0);
+  CHECK(offloaded > 0);
+  CHECK(recomputed > 0);
+  CHECK(chunked == 0);  // not chunkable: its weight gradients are one GEMM a pass
+
+  // Against the CPU layer in fp32 (bf16 weights): the GEMMs' operands are rounded to bf16 here.
+  const Run host = train_host();
+  const auto init = initial_weights();
+  for (std::size_t s = 0; s < expect.losses.size(); ++s) CHECK(expect.losses[s] == doctest::Approx(host.losses[s]).epsilon(2e-2));
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < init.size(); ++i)
+    for (std::size_t e = 0; e < init[i].size(); ++e) {
+      const double a = expect.master[i][e] - init[i][e], b = host.master[i][e] - init[i][e];
+      diff += (a - b) * (a - b);
+      norm += b * b;
+    }
+  MESSAGE("cuBLAS stack: losses " << expect.losses[0] << " " << expect.losses[2] << " (CPU " << host.losses[0] << " " << host.losses[2]
+                                  << "); updates' relative L2 difference " << std::sqrt(diff / norm));
+  CHECK(norm > 0);
+  CHECK(std::sqrt(diff / norm) < 5e-2);
 }
 
 TEST_CASE("the GPU layers' rates measured on a recorded step predict the next step's compute; the GEMM rate does not") {
