@@ -38,7 +38,12 @@ void gemm(cublasHandle_t h, bool ta, bool tb, std::uint64_t m, std::uint64_t n, 
 
 }  // namespace
 
-struct CublasResidualMlp::Scratch {
+/// One call's tokens, cuBLAS handle, weights, input and workspace parts.
+struct CublasResidualMlp::Pass {
+  std::uint64_t t;
+  cublasHandle_t h;
+  const oom::bf16 *w1, *w2;
+  const float* x;
   oom::bf16* xb;   // (T, H): x
   oom::bf16* dyb;  // (T, H): dy
   oom::bf16* ab;   // (T, I): silu(pre), then d(pre)
@@ -56,13 +61,18 @@ oom::LayerCost CublasResidualMlp::cost(const oom::Workload& w) const {
   return c;
 }
 
-CublasResidualMlp::Scratch CublasResidualMlp::scratch(const oom::LayerContext& ctx) const {
+CublasResidualMlp::Pass CublasResidualMlp::pass(const oom::LayerContext& ctx) const {
   const std::uint64_t t = ctx.end - ctx.begin, need = t * (4 * h_ + 6 * i_);
   if (ctx.workspace == nullptr || ctx.workspace_bytes < need)
     OOM_THROW(oom::Errc::invalid_argument, fmt::format("{}: {} tokens need a workspace of {} bytes, got {}", segs_[0].name, t, need,
                                                        ctx.workspace_bytes));
   auto* base = static_cast<unsigned char*>(ctx.workspace);
-  Scratch s{};
+  Pass s{};
+  s.t = t;
+  s.h = handle(ctx.stream);
+  s.w1 = ctx.weights[0].data();
+  s.w2 = s.w1 + i_ * h_;
+  s.x = ctx.input + ctx.begin * h_;
   s.f = reinterpret_cast<float*>(base);  // fp32 first: 4-byte aligned whatever T
   s.xb = reinterpret_cast<oom::bf16*>(base + t * i_ * 4);
   s.dyb = s.xb + t * h_;
@@ -81,44 +91,36 @@ cublasContext* CublasResidualMlp::handle(void* stream) const {
 }
 
 void CublasResidualMlp::forward(oom::LayerContext& ctx) const {
-  const std::uint64_t t = ctx.end - ctx.begin;
-  const Scratch s = scratch(ctx);
-  cublasHandle_t h = handle(ctx.stream);
-  const oom::bf16* w1 = ctx.weights[0].data();
-  const oom::bf16* w2 = w1 + i_ * h_;
+  const Pass s = pass(ctx);
+  const std::uint64_t t = s.t;
   float* saved = ctx.saved[static_cast<std::size_t>(oom::ActivationClass::other)];
   float* pre = saved != nullptr ? saved + ctx.begin * i_ : s.f;
-  const float* x = ctx.input + ctx.begin * h_;
-  check(k::to_bf16(x, s.xb, t * h_, ctx.stream), "CublasResidualMlp cast x");
-  gemm(h, false, true, t, i_, h_, s.xb, h_, w1, h_, pre, i_, 0.0f);  // pre = x W1^T
+  check(k::to_bf16(s.x, s.xb, t * h_, ctx.stream), "CublasResidualMlp cast x");
+  gemm(s.h, false, true, t, i_, h_, s.xb, h_, s.w1, h_, pre, i_, 0.0f);  // pre = x W1^T
   if (ctx.output == nullptr) return;                                  // recomputing the saved activation only
   check(k::silu_bf16(pre, s.ab, t * i_, ctx.stream), "CublasResidualMlp silu");
   float* y = ctx.output + ctx.begin * h_;
-  OOM_CUDA_CHECK(cudaMemcpyAsync(y, x, t * h_ * sizeof(float), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(ctx.stream)));
-  gemm(h, false, true, t, h_, i_, s.ab, i_, w2, i_, y, h_, 1.0f);  // y = x + silu(pre) W2^T
+  OOM_CUDA_CHECK(cudaMemcpyAsync(y, s.x, t * h_ * sizeof(float), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(ctx.stream)));
+  gemm(s.h, false, true, t, h_, i_, s.ab, i_, s.w2, i_, y, h_, 1.0f);  // y = x + silu(pre) W2^T
 }
 
 void CublasResidualMlp::backward(oom::LayerContext& ctx) const {
-  const std::uint64_t t = ctx.end - ctx.begin;
-  const Scratch s = scratch(ctx);
-  cublasHandle_t h = handle(ctx.stream);
-  const oom::bf16* w1 = ctx.weights[0].data();
-  const oom::bf16* w2 = w1 + i_ * h_;
+  const Pass s = pass(ctx);
+  const std::uint64_t t = s.t;
   float* g1 = ctx.weight_grads[0].data();
   float* g2 = g1 + i_ * h_;
   const float* pre = ctx.saved[static_cast<std::size_t>(oom::ActivationClass::other)] + ctx.begin * i_;
-  const float* x = ctx.input + ctx.begin * h_;
   const float* dy = ctx.grad_output + ctx.begin * h_;
   float* dx = ctx.grad_input + ctx.begin * h_;
   check(k::to_bf16(dy, s.dyb, t * h_, ctx.stream), "CublasResidualMlp cast dy");
   check(k::silu_bf16(pre, s.ab, t * i_, ctx.stream), "CublasResidualMlp silu");
-  gemm(h, true, false, h_, i_, t, s.dyb, h_, s.ab, i_, g2, i_, 1.0f);  // dW2 += dy^T silu(pre)
-  gemm(h, false, false, t, i_, h_, s.dyb, h_, w2, i_, s.f, i_, 0.0f);  // d(silu) = dy W2
+  gemm(s.h, true, false, h_, i_, t, s.dyb, h_, s.ab, i_, g2, i_, 1.0f);  // dW2 += dy^T silu(pre)
+  gemm(s.h, false, false, t, i_, h_, s.dyb, h_, s.w2, i_, s.f, i_, 0.0f);  // d(silu) = dy W2
   check(k::silu_grad_bf16(s.f, pre, s.ab, t * i_, ctx.stream), "CublasResidualMlp silu gradient");
-  check(k::to_bf16(x, s.xb, t * h_, ctx.stream), "CublasResidualMlp cast x");
-  gemm(h, true, false, i_, h_, t, s.ab, i_, s.xb, h_, g1, h_, 1.0f);  // dW1 += d(pre)^T x
+  check(k::to_bf16(s.x, s.xb, t * h_, ctx.stream), "CublasResidualMlp cast x");
+  gemm(s.h, true, false, i_, h_, t, s.ab, i_, s.xb, h_, g1, h_, 1.0f);  // dW1 += d(pre)^T x
   OOM_CUDA_CHECK(cudaMemcpyAsync(dx, dy, t * h_ * sizeof(float), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(ctx.stream)));
-  gemm(h, false, false, t, h_, i_, s.ab, i_, w1, h_, dx, h_, 1.0f);  // dx = dy + d(pre) W1
+  gemm(s.h, false, false, t, h_, i_, s.ab, i_, s.w1, h_, dx, h_, 1.0f);  // dx = dy + d(pre) W1
 }
 
 }  // namespace oom::examples

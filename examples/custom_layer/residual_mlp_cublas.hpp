@@ -29,8 +29,8 @@ class CublasResidualMlp : public ResidualMlpShape {
   void backward(oom::LayerContext& ctx) const;
 
  private:
-  struct Scratch;
-  Scratch scratch(const oom::LayerContext& ctx) const;  // the workspace's parts, checked to fit
+  struct Pass;
+  Pass pass(const oom::LayerContext& ctx) const;  // one call's operands, the workspace checked to fit
   cublasContext* handle(void* stream) const;            // the stack's cuBLAS handle, on `stream`
   mutable std::shared_ptr<cublasContext> blas_;         // made at the first call (none without a GPU)
 };

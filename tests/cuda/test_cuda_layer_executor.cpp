@@ -153,6 +153,19 @@ Run train_host(int steps = 3) {
   return run;
 }
 
+// The relative L2 difference of two runs' updates (master - initial); b's must not be all zero.
+double update_difference(const Run& a, const Run& b, const std::vector<std::vector<float>>& init) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < init.size(); ++i)
+    for (std::size_t e = 0; e < init[i].size(); ++e) {
+      const double x = a.master[i][e] - init[i][e], y = b.master[i][e] - init[i][e];
+      diff += (x - y) * (x - y);
+      norm += y * y;
+    }
+  REQUIRE(norm > 0);  // the reference run moved its weights
+  return std::sqrt(diff / norm);
+}
+
 bool same_run(const Run& a, const Run& b) {
   if (a.losses != b.losses || !bitwise_equal(a.master, b.master) || a.state.size() != b.state.size()) return false;
   for (std::size_t i = 0; i < a.state.size(); ++i)
@@ -341,16 +354,8 @@ TEST_CASE("the CUDA stack trains as the HostExecutor's CPU stack of the same lay
   const auto init = initial_weights();
   for (std::size_t s = 0; s < gpu.losses.size(); ++s) CHECK(gpu.losses[s] == doctest::Approx(host.losses[s]).epsilon(1e-4));
   // The updates (master - initial) agree within fp32 rounding of the sums' order and exp.
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < init.size(); ++i)
-    for (std::size_t e = 0; e < init[i].size(); ++e) {
-      const double a = gpu.master[i][e] - init[i][e], b = host.master[i][e] - init[i][e];
-      diff += (a - b) * (a - b);
-      norm += b * b;
-    }
-  const double rel = std::sqrt(diff / norm);
+  const double rel = update_difference(gpu, host, init);
   MESSAGE("losses GPU " << gpu.losses[2] << ", host " << host.losses[2] << "; updates' relative L2 difference " << rel);
-  CHECK(norm > 0);
   CHECK(rel < 1e-2);
 }
 
@@ -404,17 +409,10 @@ TEST_CASE("a cuBLAS layer (bf16 GEMMs on the tensor cores): every plan gives the
   const Run host = train_host();
   const auto init = initial_weights();
   for (std::size_t s = 0; s < expect.losses.size(); ++s) CHECK(expect.losses[s] == doctest::Approx(host.losses[s]).epsilon(2e-2));
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < init.size(); ++i)
-    for (std::size_t e = 0; e < init[i].size(); ++e) {
-      const double a = expect.master[i][e] - init[i][e], b = host.master[i][e] - init[i][e];
-      diff += (a - b) * (a - b);
-      norm += b * b;
-    }
+  const double rel = update_difference(expect, host, init);
   MESSAGE("cuBLAS stack: losses " << expect.losses[0] << " " << expect.losses[2] << " (CPU " << host.losses[0] << " " << host.losses[2]
-                                  << "); updates' relative L2 difference " << std::sqrt(diff / norm));
-  CHECK(norm > 0);
-  CHECK(std::sqrt(diff / norm) < 5e-2);
+                                  << "); updates' relative L2 difference " << rel);
+  CHECK(rel < 5e-2);
 }
 
 TEST_CASE("the GPU layers' rates measured on a recorded step predict the next step's compute; the GEMM rate does not") {
