@@ -21,19 +21,15 @@ namespace k = residual_mlp_cublas_kernels;
 void check(int e, const char* what) {
   if (e != cudaSuccess) OOM_THROW(oom::Errc::internal, fmt::format("{}: {}", what, cudaGetErrorString(static_cast<cudaError_t>(e))));
 }
-void check_blas(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) OOM_THROW(oom::Errc::internal, fmt::format("{}: cuBLAS status {}", what, static_cast<int>(s)));
-}
 
 /// Row-major C (m x n, fp32, row stride ldc) = beta C + op(A) op(B), A and B bf16 row-major with
 /// row strides lda and ldb; op(A) is m x k, op(B) k x n. fp32 accumulation.
 void gemm(cublasHandle_t h, bool ta, bool tb, std::uint64_t m, std::uint64_t n, std::uint64_t kk, const oom::bf16* a,
           std::uint64_t lda, const oom::bf16* b, std::uint64_t ldb, float* c, std::uint64_t ldc, float beta) {
   const float alpha = 1.0f;
-  check_blas(cublasGemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+  OOM_CUBLAS_CHECK(cublasGemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
                           static_cast<int>(kk), &alpha, b, CUDA_R_16BF, static_cast<int>(ldb), a, CUDA_R_16BF, static_cast<int>(lda),
-                          &beta, c, CUDA_R_32F, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-             "CublasResidualMlp GEMM");
+                          &beta, c, CUDA_R_32F, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace
@@ -63,6 +59,8 @@ oom::LayerCost CublasResidualMlp::cost(const oom::Workload& w) const {
 
 CublasResidualMlp::Pass CublasResidualMlp::pass(const oom::LayerContext& ctx) const {
   const std::uint64_t t = ctx.end - ctx.begin, need = t * (4 * h_ + 6 * i_);
+  if (t > (1ull << 30))
+    OOM_THROW(oom::Errc::invalid_argument, fmt::format("{}: {} tokens in one call are past cuBLAS's int sizes", segs_[0].name, t));
   if (ctx.workspace == nullptr || ctx.workspace_bytes < need)
     OOM_THROW(oom::Errc::invalid_argument, fmt::format("{}: {} tokens need a workspace of {} bytes, got {}", segs_[0].name, t, need,
                                                        ctx.workspace_bytes));
@@ -83,10 +81,10 @@ CublasResidualMlp::Pass CublasResidualMlp::pass(const oom::LayerContext& ctx) co
 cublasContext* CublasResidualMlp::handle(void* stream) const {
   if (!blas_) {
     cublasHandle_t h = nullptr;
-    check_blas(cublasCreate(&h), "cublasCreate");
+    OOM_CUBLAS_CHECK(cublasCreate(&h));
     blas_ = std::shared_ptr<cublasContext>(h, [](cublasHandle_t p) { cublasDestroy(p); });
   }
-  check_blas(cublasSetStream(blas_.get(), static_cast<cudaStream_t>(stream)), "cublasSetStream");
+  OOM_CUBLAS_CHECK(cublasSetStream(blas_.get(), static_cast<cudaStream_t>(stream)));
   return blas_.get();
 }
 

@@ -32,7 +32,11 @@ class CublasResidualMlp : public ResidualMlpShape {
   struct Pass;
   Pass pass(const oom::LayerContext& ctx) const;  // one call's operands, the workspace checked to fit
   cublasContext* handle(void* stream) const;            // the stack's cuBLAS handle, on `stream`
-  mutable std::shared_ptr<cublasContext> blas_;         // made at the first call (none without a GPU)
+  // Each layer makes its own cuBLAS handle at its first call (none without a GPU): its device
+  // memory (cuBLAS's default workspace) is outside the plan's budget, and the layer is driven from
+  // one thread, as the executor does. A real trainer shares one handle and gives it a workspace
+  // from LayerContext::workspace (cublasSetWorkspace), as src/kernels/expert_gemm.cu does.
+  mutable std::shared_ptr<cublasContext> blas_;
 };
 static_assert(oom::executor_layer<CublasResidualMlp>);
 
