@@ -68,6 +68,9 @@ Options parse(int argc, char** argv) {
       if (a + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, "--layer needs a value (plain or cublas)");
       const std::string v = argv[++a];
       if (v != "plain" && v != "cublas") OOM_THROW(oom::Errc::invalid_argument, fmt::format("--layer is plain or cublas, not '{}'", v));
+#if !OOM_CUSTOM_LAYER_HAS_CUDA
+      if (v == "cublas") OOM_THROW(oom::Errc::unsupported, "--layer cublas: this build has no CUDA (configure with -DOOM_ENABLE_CUDA=ON)");
+#endif
       o.layer = v;
       continue;
     }
@@ -225,22 +228,9 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
   if (o.layer == "cublas") return run_on_gpu<oom::examples::CublasResidualMlp>(o, plan, init, eo, trial);
   return run_on_gpu<oom::examples::CudaResidualMlp>(o, plan, init, eo, trial);
 }
-
-// The planner's view of the stack: the CPU layer's (the plain CUDA layer's is the same), or the
-// cuBLAS layer's (its own workset, no chunks).
-std::vector<oom::LayerDescription> describe_stack(const Options& o, const std::vector<ResidualMlp>& cpu,
-                                                  std::vector<oom::examples::CublasResidualMlp>& gemm) {
-  if (o.layer != "cublas") return oom::describe_layers(cpu);
-  for (int l = 0; l < o.layers; ++l) gemm.emplace_back(l, o.hidden, o.inter);
-  return oom::describe_layers(gemm);
-}
 #else
 int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<float>>&, const oom::LayerExecutorOptions&, oom::Timeline*) {
   OOM_THROW(oom::Errc::unsupported, "--backend cuda: this build has no CUDA");
-}
-struct NoGemmLayer {};
-std::vector<oom::LayerDescription> describe_stack(const Options&, const std::vector<ResidualMlp>& cpu, std::vector<NoGemmLayer>&) {
-  return oom::describe_layers(cpu);
 }
 #endif
 
@@ -256,12 +246,16 @@ int run(const Options& o) {
   req.retention = o.retention;
   if (o.layer == "cublas" && o.backend != "cuda")
     OOM_THROW(oom::Errc::invalid_argument, "--layer cublas runs on the GPU: add --backend cuda");
+  // The planner's view of the stack: the CPU layer's (the plain CUDA layer's is the same), or the
+  // cuBLAS layer's (its own workset, no chunks; parse() refuses it in a build without CUDA).
 #if OOM_CUSTOM_LAYER_HAS_CUDA
   std::vector<oom::examples::CublasResidualMlp> gemm_layers;
+  if (o.layer == "cublas")
+    for (int l = 0; l < o.layers; ++l) gemm_layers.emplace_back(l, o.hidden, o.inter);
+  const auto described = o.layer == "cublas" ? oom::describe_layers(gemm_layers) : oom::describe_layers(layers);
 #else
-  std::vector<NoGemmLayer> gemm_layers;
+  const auto described = oom::describe_layers(layers);
 #endif
-  const auto described = describe_stack(o, layers, gemm_layers);
   const oom::LayerStackPlanner planner(described, profile, "residual MLP stack");
   const auto set = planner.plan(req);
   fmt::print("planned {} layers of {} x {} for {} tokens in {} of GPU memory ({} candidates, {} fit, {:.1f} ms):\n{}", o.layers,
