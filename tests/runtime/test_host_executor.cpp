@@ -318,6 +318,21 @@ TEST_CASE("the gradient of the stack's input is what every plan computes") {
   CHECK(g_ref == g_plan);
   // A residual stack passes the gradient through: dL/dx is not zero.
   CHECK(std::any_of(g_ref.begin(), g_ref.end(), [](float v) { return v != 0.0f; }));
+  // The target overload hands its input gradient out too: its loss is the mean over the T tokens,
+  // so (the backward being linear in dL/dy) T times it is the summed loss's, to rounding.
+  std::vector<float> g_target;
+  {
+    HostExecutor<test::MoeMlpLayer> exec(backend, layers, reference, st.init, {});
+    (void)exec.step(st.input(0), tgt, &g_target);
+  }
+  REQUIRE(g_target.size() == n);
+  double diff = 0, norm = 0;
+  for (std::uint64_t i = 0; i < n; ++i) {
+    const double a = static_cast<double>(g_target[i]) * static_cast<double>(st.c.tokens), b = g_ref[i];
+    diff += (a - b) * (a - b);
+    norm += b * b;
+  }
+  CHECK(std::sqrt(diff / norm) < 1e-5);
 }
 
 TEST_CASE("deferred updates with a clipping factor: the same bits under every plan, and the unclipped step when the factor is 1") {

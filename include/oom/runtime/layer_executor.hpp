@@ -210,11 +210,11 @@ class LayerExecutor {
 
  public:
   /// One training step on `input` (T, H) against `target` (T, H) with loss 0.5·mean‖y − target‖².
-  /// Returns the loss. If anything throws (a budget overrun, say), the work already queued is
+  /// Returns the loss; `grad_input`, when given, receives dL/d(input) (T, H). If anything throws (a budget overrun, say), the work already queued is
   /// drained before the exception leaves, so no stream touches the caller's buffers afterwards; a
   /// further task error from that work is thrown by the backend's next synchronize() (the next
   /// step, say), not dropped.
-  double step(const std::vector<float>& input, const std::vector<float>& target)
+  double step(const std::vector<float>& input, const std::vector<float>& target, std::vector<float>* grad_input = nullptr)
     requires device_memory_is_host<B>
   {
     const std::uint64_t t = plan_.workload.tokens();
@@ -229,7 +229,7 @@ class LayerExecutor {
         grad[i] = d / static_cast<float>(t);
       }
       return sum / static_cast<double>(t);
-    });
+    }, grad_input);
   }
 
   /// One training step of the stack on `input` (T, H) with the loss `loss` at the top. When
