@@ -122,6 +122,7 @@ elif [[ "$parts" == *" balance "* && ${#targets[@]} -gt 0 ]]; then targets+=("${
 # layers"): test_cuda_layer_executor and oom-custom-layer on both backends.
 layers_targets=(test_cuda_layer_executor oom-custom-layer)
 if [[ "$parts" == " layers " ]]; then targets=(--target "${layers_targets[@]}" ${EXTRA_TARGETS:-})
+elif [[ "$parts" == " calibrate layers " ]]; then targets=(--target "${layers_targets[@]}" oom-calibrate ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" layers "* && ${#targets[@]} -gt 0 ]]; then targets+=("${layers_targets[@]}"); fi
 # PARTS=peers needs oom-train: alone, only it; beside other parts that name their targets, it too.
 if [[ "$parts" == " peers " ]]; then targets=(--target oom-train ${EXTRA_TARGETS:-})
@@ -272,6 +273,14 @@ if [[ "$parts" == *" balance "* ]]; then
     --backend cuda --config tests/data/gpu-olmoe-router-loss.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
 fi
 
+if [[ "$parts" == *" calibrate "* ]]; then
+  # A machine profile measured now (PCIe, GEMMs, OOM's attention passes, CPU AdamW, ...): the layer
+  # bench and the 5.13B runs below plan and predict with it, so predicted vs measured compares like
+  # with like.
+  limited 400 "$build_dir/examples/calibrate/oom-calibrate" --out "$out/profile.json" --name h200 \
+    > "$out/calibrate.log" 2>&1 || ref_rc=1
+fi
+
 if [[ "$parts" == *" layers "* ]]; then
   # The CudaLayerExecutor: every plan the resident step bit for bit on the GPU, the GPU stack
   # against the HostExecutor's CPU one, the backend's operations; then the example on both
@@ -289,37 +298,39 @@ if [[ "$parts" == *" layers "* ]]; then
   # the weights through slots, CPU AdamW): the same compute, so the step ratio is the streaming's
   # cost not hidden. Each run plans twice, the second time with the layers' rates measured on a
   # trial step: its predicted step against the median says how well they price the GPU layers.
-  # LAYERS_BENCH=0 leaves it out.
+  # LAYERS_BENCH=0 leaves it out. With PARTS="calibrate layers" the bench plans with the profile
+  # measured above (its CPU AdamW and PCIe rates this machine's), else with the built-in H200 one.
   # The same with --no-measure (the declared FLOPs at the profile's GEMM rate), in the same call.
   if [[ "${LAYERS_BENCH:-1}" == 1 ]]; then
+    bench_profile=()
+    if [[ -s "$out/profile.json" ]]; then
+      bench_profile=(--profile "$out/profile.json")
+      echo "oom-custom-layer bench: planned with the profile measured in this call ($out/profile.json)" >> "$out/train-summary.log"
+    fi
     for budget in 8GiB 400MiB; do
       limited 120 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --layers 16 --hidden 1024 --inter 4096 \
-        --tokens 512 --steps 6 --lr 1e-3 --gpu-budget "$budget" --host-budget 8GiB > "$out/custom-layer-bench-$budget.log" 2>&1 || gpu_rc=1
+        --tokens 512 --steps 6 --lr 1e-3 --gpu-budget "$budget" --host-budget 8GiB "${bench_profile[@]}" \
+        --trace "$out/trace-custom-layer-$budget.json" > "$out/custom-layer-bench-$budget.log" 2>&1 || gpu_rc=1
       echo "oom-custom-layer 16 x 1024 x 4096, 512 tokens, --gpu-budget $budget: $(grep -E '^measured on a trial' \
         "$out/custom-layer-bench-$budget.log") then $(sed -n '/^planned again/,$p' "$out/custom-layer-bench-$budget.log" |
-        grep -E '^residency|^retention|^compute|^predicted step|^median|^loss' | tr '\n' ' ')" >> "$out/train-summary.log"
+        grep -E '^residency|^retention|^compute|^predicted step|^median|^loss|^last step recorded' | tr '\n' ' ')" >> "$out/train-summary.log"
       limited 120 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --layers 16 --hidden 1024 --inter 4096 \
-        --tokens 512 --steps 6 --lr 1e-3 --gpu-budget "$budget" --host-budget 8GiB --no-measure > "$out/custom-layer-bench-$budget-declared.log" 2>&1 ||
+        --tokens 512 --steps 6 --lr 1e-3 --gpu-budget "$budget" --host-budget 8GiB "${bench_profile[@]}" --no-measure > "$out/custom-layer-bench-$budget-declared.log" 2>&1 ||
         gpu_rc=1
       echo "  the same, --no-measure: $(grep -E '^residency|^retention|^compute|^predicted step|^median|^loss' \
         "$out/custom-layer-bench-$budget-declared.log" | tr '\n' ' ')" >> "$out/train-summary.log"
       # The same stack as cuBLAS layers (bf16 GEMMs on the tensor cores): what streaming and the
       # CPU AdamW cost when the compute is fast.
       limited 120 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --layer cublas --layers 16 --hidden 1024 \
-        --inter 4096 --tokens 512 --steps 6 --lr 1e-3 --gpu-budget "$budget" --host-budget 8GiB > "$out/custom-layer-cublas-$budget.log" 2>&1 ||
+        --inter 4096 --tokens 512 --steps 6 --lr 1e-3 --gpu-budget "$budget" --host-budget 8GiB "${bench_profile[@]}" \
+        --trace "$out/trace-custom-layer-cublas-$budget.json" > "$out/custom-layer-cublas-$budget.log" 2>&1 ||
         gpu_rc=1
       echo "  as cuBLAS layers: $(grep -E '^measured on a trial' "$out/custom-layer-cublas-$budget.log") then $(sed -n '/^planned again/,$p' \
-        "$out/custom-layer-cublas-$budget.log" | grep -E '^residency|^retention|^predicted step|^median|^loss' | tr '\n' ' ')" >> "$out/train-summary.log"
+        "$out/custom-layer-cublas-$budget.log" | grep -E '^residency|^retention|^predicted step|^median|^loss|^last step recorded' | tr '\n' ' ')" >> "$out/train-summary.log"
     done
   fi
 fi
 
-if [[ "$parts" == *" calibrate "* ]]; then
-  # A machine profile measured now (PCIe, GEMMs, OOM's attention passes, CPU AdamW, ...): the 5.13B
-  # runs below plan and predict with it, so predicted vs measured compares like with like.
-  limited 400 "$build_dir/examples/calibrate/oom-calibrate" --out "$out/profile.json" --name h200 \
-    > "$out/calibrate.log" 2>&1 || ref_rc=1
-fi
 
 if [[ "$parts" == *" train "* ]]; then
   # The trainer on the GPU: the CUDA executor's own tests, 50 steps vs PyTorch, SIGKILL + resume,

@@ -11,11 +11,15 @@
 //   oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S]
 //                    [--gpu-budget BYTES] [--host-budget BYTES] [--profile FILE.json] [--retention NAME] [--no-measure]
 //                    [--lr X] [--layer plain|cublas]  (the CUDA layer: plain kernels, or cuBLAS GEMMs on the tensor cores)
+//                    [--trace FILE.json]  (the last step's work per resource as a Chrome trace, the plan's
+//                                          predicted one beside it, and their busy times side by side)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,6 +28,7 @@
 #include "common/cli_numbers.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
+#include "oom/io/atomic_file.hpp"
 #include "oom/plan/layer_stack_planner.hpp"
 #include "oom/runtime/host_executor.hpp"
 #include "custom_layer/residual_mlp.hpp"
@@ -51,6 +56,7 @@ struct Options {
   bool measure = true;  // re-plan with the layers' rates measured on a trial step
   std::string layer = "plain";  // the CUDA layer: plain kernels (chunkable) or cuBLAS GEMMs
   float lr = 3e-3f;
+  std::string trace;  // where the last training step's Chrome trace goes (empty: not recorded)
 };
 
 Options parse(int argc, char** argv) {
@@ -61,7 +67,9 @@ Options parse(int argc, char** argv) {
       std::puts("oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S] [--gpu-budget BYTES] "
                 "[--host-budget BYTES] [--profile FILE.json] [--retention NAME, e.g. 'offload-checkpoint, boundaries "
                 "regenerated in groups of 2'] [--no-measure: plan with the declared FLOPs at the profile's GEMM rate, no trial step] "
-                "[--layer plain|cublas: the CUDA layer's kernels, plain or cuBLAS GEMMs] [--lr X, default 3e-3]");
+                "[--layer plain|cublas: the CUDA layer's kernels, plain or cuBLAS GEMMs] [--lr X, default 3e-3] "
+                "[--trace FILE.json: the last step's work per resource as a Chrome trace, FILE.predicted.json the plan's, and "
+                "their busy times side by side]");
       std::exit(0);
     }
     if (arg == "--layer") {
@@ -89,6 +97,10 @@ Options parse(int argc, char** argv) {
     else if (arg == "--gpu-budget") o.gpu_budget = oom::parse_bytes(v);
     else if (arg == "--host-budget") o.host_budget = oom::parse_bytes(v);
     else if (arg == "--profile") o.profile = v;
+    else if (arg == "--trace") {
+      if (v.empty()) OOM_THROW(oom::Errc::invalid_argument, "--trace needs a file name");
+      o.trace = v;
+    }
     else if (arg == "--lr") {
       o.lr = oom::examples::parse_real(arg, text);
       if (!(o.lr > 0)) OOM_THROW(oom::Errc::invalid_argument, fmt::format("--lr must be positive, got '{}'", v));
@@ -135,11 +147,14 @@ StepData step_data(const Options& o, const std::vector<float>& mix, int s) {
 
 std::vector<float> mix_of(const Options& o) { return noise(o.hidden * o.hidden, 999, 1.0f / std::sqrt(static_cast<float>(o.hidden))); }
 
+// What --trace does with the recorded last step: its timeline and its wall seconds.
+using TracedFn = std::function<void(const oom::Timeline&, double)>;
+
 // A trial of the plan, or the training: `step(x, targets)` is one optimizer step returning the
 // loss. A trial (trial != nullptr) runs two steps quietly and records the second into *trial;
-// training runs o.steps, printing each.
+// training runs o.steps, printing each, and with `traced` records the last and hands it over.
 template <class Exec, class StepFn, class Report>
-int train(const Options& o, Exec& exec, StepFn&& step, Report&& report, oom::Timeline* trial) {
+int train(const Options& o, Exec& exec, StepFn&& step, Report&& report, oom::Timeline* trial, const TracedFn& traced) {
   const auto mix = mix_of(o);
   if (trial != nullptr) {
     for (int s = 1; s <= 2; ++s) {  // the first warms up (pinning, first launches)
@@ -155,8 +170,10 @@ int train(const Options& o, Exec& exec, StepFn&& step, Report&& report, oom::Tim
   }
   double first = 0, last = 0;
   std::vector<double> ms;  // each step's wall time (step() returns once the step's work has run)
+  oom::Timeline last_step;
   for (int s = 1; s <= o.steps; ++s) {
     const StepData d = step_data(o, mix, s);
+    if (traced && s == o.steps) exec.record_next_step(&last_step);
     const auto t0 = std::chrono::steady_clock::now();
     const double loss = step(d.x, d.y);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -172,6 +189,7 @@ int train(const Options& o, Exec& exec, StepFn&& step, Report&& report, oom::Tim
     fmt::print("median step {:.3f} ms over steps 2-{}\n", later[later.size() / 2], o.steps);
   }
   report();
+  if (traced) traced(last_step, ms.back() * 1e-3);
   return std::isfinite(last) ? 0 : 1;
 }
 
@@ -186,7 +204,7 @@ void report_peaks(Backend& backend, const oom::Plan& plan) {
 // bytes, pinned slabs), and the loss on the GPU.
 template <class Layer>
 int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::vector<float>>& init, const oom::LayerExecutorOptions& eo,
-               oom::Timeline* trial) {
+               oom::Timeline* trial, const TracedFn& traced) {
   if (oom::cuda::device_count() == 0)
     OOM_THROW(oom::Errc::unsupported, fmt::format("--backend cuda: no usable GPU ({})", oom::cuda::no_device_reason()));
   std::vector<Layer> layers;
@@ -221,20 +239,53 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
         fmt::print("device heap: {} reserved, {} reached (the peak and the first-fit heap's fragments)\n", bo.device_reserve,
                    backend.device_high_water());
       },
-      trial);
+      trial, traced);
 }
 int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::vector<float>>& init, const oom::LayerExecutorOptions& eo,
-               oom::Timeline* trial) {
-  if (o.layer == "cublas") return run_on_gpu<oom::examples::CublasResidualMlp>(o, plan, init, eo, trial);
-  return run_on_gpu<oom::examples::CudaResidualMlp>(o, plan, init, eo, trial);
+               oom::Timeline* trial, const TracedFn& traced) {
+  if (o.layer == "cublas") return run_on_gpu<oom::examples::CublasResidualMlp>(o, plan, init, eo, trial, traced);
+  return run_on_gpu<oom::examples::CudaResidualMlp>(o, plan, init, eo, trial, traced);
 }
 #else
-int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<float>>&, const oom::LayerExecutorOptions&, oom::Timeline*) {
+int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<float>>&, const oom::LayerExecutorOptions&, oom::Timeline*,
+               const TracedFn&) {
   OOM_THROW(oom::Errc::unsupported, "--backend cuda: this build has no CUDA");
 }
 #endif
 
+// --trace: the recorded step as a Chrome trace at `path`, the plan's predicted step (the
+// simulator's timeline of the same plan) at path.predicted.json, and their busy seconds per
+// resource side by side.
+void write_traces(const std::string& path, const oom::Timeline& measured, double wall_s, const oom::LayerStackPlanner& planner,
+                  const oom::Plan& plan) {
+  if (measured.spans().empty()) {
+    oom::log_warn("--trace: the last step recorded nothing (its timing was lost); no trace written");
+    return;
+  }
+  std::filesystem::path predicted_path = path;
+  predicted_path.replace_extension(".predicted.json");
+  const auto graph = planner.step_graph(plan);
+  const auto predicted = oom::simulate(graph);
+  oom::write_file_atomically(path, measured.chrome_trace("oom-custom-layer, last step"));
+  oom::write_file_atomically(predicted_path, oom::chrome_trace(graph, predicted));
+  const auto busy = measured.busy();
+  std::string line;
+  for (int r = 0; r < oom::resource_count; ++r) {
+    const auto res = static_cast<oom::Resource>(r);
+    if (busy[res] == 0 && predicted.busy[res] == 0) continue;
+    line += fmt::format(", {} {:.4g} / {:.4g}", oom::to_string(res), busy[res], predicted.busy[res]);
+  }
+  fmt::print("last step recorded in {} ({} spans; the prediction's in {}; open in ui.perfetto.dev); busy s measured / predicted{}; "
+             "step {:.4g} / {:.4g}\n",
+             path, measured.spans().size(), predicted_path.string(), line, wall_s, predicted.step_s);
+}
+
 int run(const Options& o) {
+  if (!o.trace.empty()) {  // refused now, not after the training
+    const auto dir = std::filesystem::absolute(o.trace).parent_path();
+    if (!std::filesystem::is_directory(dir))
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--trace {}: the directory {} does not exist", o.trace, dir.string()));
+  }
   std::vector<ResidualMlp> layers;
   for (int l = 0; l < o.layers; ++l) layers.emplace_back(l, o.hidden, o.inter);
   const oom::MachineProfile profile = o.profile.empty() ? oom::MachineProfile::h200(1) : oom::MachineProfile::from_file(o.profile);
@@ -278,9 +329,13 @@ int run(const Options& o) {
   }
   oom::LayerExecutorOptions eo;
   eo.adamw.lr = o.lr;
-  // Runs `plan`: a trial that records its second step into *trial, or the training.
-  auto run_plan = [&](const oom::Plan& plan, oom::Timeline* trial) {
-    if (o.backend == "cuda") return run_on_gpu(o, plan, init, eo, trial);
+  // Runs `plan`: a trial that records its second step into *trial, or the training, whose last
+  // step --trace records and sets beside the prediction of `pricing` (the planner that chose it).
+  auto run_plan = [&](const oom::Plan& plan, oom::Timeline* trial, const oom::LayerStackPlanner& pricing) {
+    TracedFn traced;
+    if (!o.trace.empty() && trial == nullptr)
+      traced = [&](const oom::Timeline& measured, double wall_s) { write_traces(o.trace, measured, wall_s, pricing, plan); };
+    if (o.backend == "cuda") return run_on_gpu(o, plan, init, eo, trial, traced);
     // The host backend's arenas are what the plan predicts it needs, within the budgets asked
     // for: the executor's buffers come out of them, and one that does not fit yet waits for the
     // frees queued before it. A byte past the prediction would be refused (Errc::out_of_budget).
@@ -288,14 +343,14 @@ int run(const Options& o) {
     oom::HostExecutor<ResidualMlp> exec(backend, layers, plan, init, eo);
     return train(
         o, exec, [&](const std::vector<float>& x, const std::vector<float>& y) { return exec.step(x, y); },
-        [&] { report_peaks(backend, plan); }, trial);
+        [&] { report_peaks(backend, plan); }, trial, traced);
   };
-  if (!o.measure || o.steps == 0) return run_plan(set.plans.front(), nullptr);
+  if (!o.measure || o.steps == 0) return run_plan(set.plans.front(), nullptr, planner);
 
   // The layers' own rates, from a recorded step of the first plan (from the same initial weights;
   // the training below starts from them again), then the stack planned with them.
   oom::Timeline trial;
-  (void)run_plan(set.plans.front(), &trial);
+  (void)run_plan(set.plans.front(), &trial, planner);
   const auto measured = oom::with_measured_rates(described, trial, req.workload);
   double lo_f = 1e300, hi_f = 0, lo_b = 1e300, hi_b = 0;
   for (const auto& d : measured) {
@@ -313,7 +368,7 @@ int run(const Options& o) {
              set.plans.front().predicted.step_s);
   fmt::print("planned again with the measured rates ({} candidates, {} fit, {:.1f} ms):\n{}", reset.evaluated, reset.feasible,
              reset.search_s * 1e3, replanner.describe(plan));
-  return run_plan(plan, nullptr);
+  return run_plan(plan, nullptr, replanner);
 }
 
 }  // namespace

@@ -299,16 +299,15 @@ class GraphBuilder {
       early_[F] = g_.add({"h2d.boundary (to regenerate from)", Resource::h2d, copy_time(OpKind::copy_h2d, b), {offload[F]}, l});
       deps.push_back(early_[F]);
     }
-    std::uint64_t streamed = 0;
+    Bytes w;  // each layer's weights from a 256-byte boundary, as the executor packs them
     double seconds = 0;
     Bytes temporaries;
     for (int j = f; j < l; ++j) {
-      streamed += streamed_[static_cast<std::size_t>(j)];
+      w += bytes_of(plan_.precision.weights, streamed_[static_cast<std::size_t>(j)]).align_up(streamed_weight_alignment);
       seconds += compute_time(j, costs_[static_cast<std::size_t>(j)].cost.forward_flops);
       temporaries = max(temporaries, workset_part(j));
     }
     int weights = -1;
-    const Bytes w = bytes_of(plan_.precision.weights, streamed);
     if (w.count() > 0) {
       weights = g_.add({"h2d.weights.regenerate", Resource::h2d, copy_time(OpKind::copy_h2d, w), {}, l});
       deps.push_back(weights);

@@ -3,6 +3,7 @@
 // depth), the weights after 3 optimizer steps equal those of the plain resident plan bit for bit;
 // a schedule that drops one event wait is caught; the device arena stays within the plan's budget.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
@@ -631,3 +632,62 @@ TEST_CASE("a layer that asks for its workset gets a chunk's share of it, every c
   CHECK_THROWS_AS((void)scratch_step<true>(need + Bytes{share - 1}), Error);
 }
 
+
+namespace {
+
+// y = 2x, with one segment of `n` parameters (no gradient) that may be streamed; it logs where
+// its weights were, pass by pass: the address modulo 256 and whether the pass regenerated.
+struct OddLayer {
+  std::vector<StateSegment> segs;
+  std::shared_ptr<std::vector<std::pair<std::uintptr_t, bool>>> log = std::make_shared<std::vector<std::pair<std::uintptr_t, bool>>>();
+
+  OddLayer(int l, std::uint64_t n) : segs{{fmt::format("odd.{}", l), SegmentRole::dense_mlp, l, -1, {{fmt::format("odd.{}.w", l), {n}}}}} {}
+  const std::vector<StateSegment>& segments() const { return segs; }
+  LayerCost cost(const Workload& w) const {
+    LayerCost c;
+    c.output = Bytes{w.tokens() * 4 * sizeof(float)};
+    return c;
+  }
+  ChunkDependency chunking() const { return ChunkDependency::independent; }
+  std::uint64_t hidden() const { return 4; }
+  std::uint64_t saved_floats(ActivationClass, std::uint64_t) const { return 0; }
+  void forward(LayerContext& ctx) const {
+    log->emplace_back(reinterpret_cast<std::uintptr_t>(ctx.weights[0].data()) % streamed_weight_alignment, ctx.regenerating);
+    for (std::uint64_t i = ctx.begin * 4; i < ctx.end * 4; ++i) ctx.output[i] = 2 * ctx.input[i];
+  }
+  void backward(LayerContext& ctx) const {
+    log->emplace_back(reinterpret_cast<std::uintptr_t>(ctx.weights[0].data()) % streamed_weight_alignment, false);
+    for (std::uint64_t i = ctx.begin * 4; i < ctx.end * 4; ++i) ctx.grad_input[i] = 2 * ctx.grad_output[i];
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a regeneration sees each layer's streamed weights 256-byte aligned, as its forward did, whatever the layers below hold") {
+  // Four streamed layers of 5, 7, 130 and 3 parameters (no multiple of 128 bf16s), layers 1-3's
+  // boundaries regenerated from layer 0's: the backward of layer 3 reruns layers 0-2 with their
+  // weights packed in one workset, where layer 1's would start 10 bytes in if packed tight.
+  std::vector<OddLayer> layers;
+  for (const std::uint64_t n : {5, 7, 130, 3}) layers.emplace_back(static_cast<int>(layers.size()), n);
+  Plan p = test::resident_plan(layers, 6);
+  p.resident_segments.clear();
+  p.prefetch_depth = 1;
+  for (std::size_t l = 1; l < layers.size(); ++l)
+    p.retention[l][static_cast<std::size_t>(ActivationClass::layer_boundary)] = RetentionDecision::recompute(0);
+  std::vector<std::vector<float>> init;
+  for (const auto& l : layers) init.emplace_back(l.segs[0].parameters(), 0.25f);
+  HostBackend backend({1_MiB, 1_MiB, true});
+  {
+    HostExecutor<OddLayer> exec(backend, layers, p, init);
+    (void)exec.step(std::vector<float>(24, 1.0f), std::vector<float>(24, 0.0f));
+  }
+  int regenerated = 0;
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    for (const auto& [misalignment, regenerating] : *layers[l].log) {
+      CAPTURE(l);
+      CAPTURE(regenerating);
+      CHECK(misalignment == 0);
+      regenerated += regenerating ? 1 : 0;
+    }
+  CHECK(regenerated == 3);  // layers 0, 1, 2 rerun once, for layer 3's backward
+}

@@ -72,6 +72,11 @@ struct Prediction {
 inline constexpr int max_plan_gpus = 1024;
 inline constexpr int max_prefetch_depth = 64;
 inline constexpr int max_micro_batches = 1 << 20;
+/// Where a layer's streamed weights start on the GPU, in a slot and in a regeneration's workset
+/// of several layers' weights alike: a multiple of this many bytes (so a layer's kernels see the
+/// same alignment, and compute the same bits, in every pass). The LayerStackPlanner counts the
+/// padding.
+inline constexpr std::uint64_t streamed_weight_alignment = 256;
 
 /// The checks every planner makes of a request before planning (Errc::invalid_argument naming
 /// the field): tokens in the workload, within max_workload_tokens, 1 to max_micro_batches

@@ -904,18 +904,27 @@ class LayerExecutor {
         OOM_THROW(Errc::internal, fmt::format("layer {}: the boundary of layer {} to regenerate from is gone", l, from));
       act[from] = bring_back(from, 0, host_copy[from][0], t);
     }
+    // Each layer's streamed segments start at a 256-byte boundary, as in a slot, so a layer's
+    // kernels see its weights aligned as in the step's forward (vector loads, cuBLAS's choice of
+    // kernel, and so the bits, depend on it).
+    constexpr std::uint64_t layer_align = streamed_weight_alignment / sizeof(bf16);
+    std::vector<std::uint64_t> at_offset(l - from, 0);
     std::uint64_t streamed = 0;
-    for (std::size_t j = from; j < l; ++j)
+    for (std::size_t j = from; j < l; ++j) {
+      at_offset[j - from] = streamed;
+      std::uint64_t n = 0;
       for (const auto& seg : layers_state_[j].segments)
-        if (!seg.resident) streamed += seg.n;
+        if (!seg.resident) n += seg.n;
+      streamed += (n + layer_align - 1) / layer_align * layer_align;
+    }
     const Bytes weight_bytes{streamed * sizeof(bf16)};
     auto* weights = streamed > 0 ? reinterpret_cast<bf16*>(take_step(weight_bytes, Claimant::worksets)) : nullptr;
     auto wb = span_begin(h2d_);
     std::vector<bf16*> at(l - from, nullptr);
-    std::uint64_t offset = 0;
     for (std::size_t j = from; j < l; ++j) {
-      at[j - from] = weights + offset;
+      at[j - from] = weights + at_offset[j - from];
       b_.wait(h2d_, layers_state_[j].updated);
+      std::uint64_t offset = at_offset[j - from];
       for (auto& seg : layers_state_[j].segments) {
         if (seg.resident) continue;
         b_.copy(weights + offset, seg.weights, Bytes{seg.n * sizeof(bf16)}, h2d_);
