@@ -266,4 +266,26 @@ double grad_sum_of_squares(std::span<const float> grads, ThreadPool& pool, std::
   return total;
 }
 
+void require_finite_gradients(std::span<const float> grads, std::string_view what, ThreadPool& pool) {
+  const std::size_t n = grads.size();
+  const std::size_t tiles = (n + sum_of_squares_tile_elements - 1) / sum_of_squares_tile_elements;
+  std::atomic<bool> bad{false};
+  pool.run(tiles, [&](std::size_t t) {
+    const std::size_t begin = t * sum_of_squares_tile_elements;
+    if (!all_finite(grads.subspan(begin, std::min(sum_of_squares_tile_elements, n - begin)))) bad.store(true, std::memory_order_relaxed);
+  });
+  if (bad.load()) require_finite_gradients(grads, what);  // throws, naming the first
+}
+
+void add_gradients(std::span<float> dst, std::span<const float> src, ThreadPool& pool) {
+  if (dst.size() != src.size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("add_gradients: {} elements into {}", src.size(), dst.size()));
+  const std::size_t n = dst.size();
+  const std::size_t tiles = (n + sum_of_squares_tile_elements - 1) / sum_of_squares_tile_elements;
+  pool.run(tiles, [&](std::size_t t) {
+    const std::size_t begin = t * sum_of_squares_tile_elements, end = std::min(n, begin + sum_of_squares_tile_elements);
+    for (std::size_t i = begin; i < end; ++i) dst[i] += src[i];
+  });
+}
+
 }  // namespace oom::optim

@@ -3,6 +3,7 @@
 // CPU runs, thread counts and odd lengths; the bf16 outputs; weight decay; gradient scaling; the
 // deterministic sum of squares; and the errors callers get.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <bit>
 #include <cmath>
@@ -476,4 +477,61 @@ TEST_CASE("the ISA can be forced by API and by OOM_CPU_ISA, and a bad request is
   for (CpuIsa isa : {CpuIsa::avx2, CpuIsa::avx512}) {
     if (!cpu_supports(isa)) CHECK_THROWS_AS(force_cpu_isa(isa), Error);
   }
+}
+
+TEST_CASE("the finiteness check: every NaN and infinity caught at any place, the first one named, every finite value passed") {
+  // Odd length over several pool tiles; a bad value at the start, at a tile's edges, at the end.
+  const std::size_t n = 3 * sum_of_squares_tile_elements + 77;
+  std::vector<float> g(n);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1e3f);
+  for (auto& v : g) v = normal(rng);
+  // The finite extremes and the oddities pass: the largest, the smallest normal, a subnormal,
+  // both zeros.
+  const float finite[] = {std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(), std::numeric_limits<float>::min(),
+                          std::numeric_limits<float>::denorm_min(), -0.0f, 0.0f};
+  for (std::size_t k = 0; k < std::size(finite); ++k) g[k * 1000 + 3] = finite[k];
+  ThreadPool one(1), four(4);
+  CHECK(all_finite(g));
+  CHECK_NOTHROW(require_finite_gradients(g, "layer 3"));
+  CHECK_NOTHROW(require_finite_gradients(g, "layer 3", four));
+  const float bad[] = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                       std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+                       std::bit_cast<float>(0x7f800001u) /* a signalling NaN's bits */, std::bit_cast<float>(0xffffffffu)};
+  const std::size_t places[] = {0, sum_of_squares_tile_elements - 1, sum_of_squares_tile_elements, 2 * sum_of_squares_tile_elements + 5, n - 1};
+  for (const float b : bad)
+    for (const std::size_t at : places) {
+      CAPTURE(at);
+      CAPTURE(std::bit_cast<std::uint32_t>(b));
+      std::vector<float> h = g;
+      h[at] = b;
+      if (at + 9 < n) h[at + 9] = b;  // a second one after it: the first is named
+      CHECK_FALSE(all_finite(h));
+      const std::string want = fmt::format("in layer 3 at element {}", at);
+      CHECK_THROWS_WITH_AS(require_finite_gradients(h, "layer 3"), doctest::Contains(want.c_str()), Error);
+      CHECK_THROWS_WITH_AS(require_finite_gradients(h, "layer 3", one), doctest::Contains(want.c_str()), Error);
+      CHECK_THROWS_WITH_AS(require_finite_gradients(h, "layer 3", four), doctest::Contains(want.c_str()), Error);
+    }
+  CHECK(all_finite(std::span<const float>{}));
+  CHECK_NOTHROW(require_finite_gradients(std::span<const float>{}, "nothing", four));
+}
+
+TEST_CASE("add_gradients adds element by element, the same bits on any thread count; mismatched lengths are refused") {
+  const std::size_t n = 2 * sum_of_squares_tile_elements + 13;
+  std::vector<float> a(n), b(n);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& v : a) v = normal(rng);
+  for (auto& v : b) v = normal(rng);
+  std::vector<float> want(n);
+  for (std::size_t i = 0; i < n; ++i) want[i] = a[i] + b[i];
+  for (const std::size_t threads : {1, 3, 8}) {
+    ThreadPool pool(threads);
+    std::vector<float> got = a;
+    add_gradients(got, b, pool);
+    CHECK(std::memcmp(got.data(), want.data(), n * sizeof(float)) == 0);
+  }
+  ThreadPool pool(2);
+  std::vector<float> shorter(n - 1);
+  CHECK_THROWS_WITH_AS(add_gradients(shorter, b, pool), doctest::Contains(fmt::format("{} elements into {}", n, n - 1).c_str()), Error);
 }

@@ -70,8 +70,11 @@ inline void adamw_element(const AdamWStepScalars& s, float& p, float& m, float& 
   p = std::fma(s.neg_step_size, m / denom, decayed);
 }
 
+/// Whether no element of `values` is a NaN or an infinity (one pass, no branch per element).
+[[nodiscard]] bool all_finite(std::span<const float> values) noexcept;
 /// Errc::invalid_argument "non-finite gradient (value) in <what> at element <i>" at the first NaN
 /// or infinity of `grads`: the check every CPU update path makes before it applies them.
+/// (cpu_adamw.hpp has the same split over a thread pool.)
 void require_finite_gradients(std::span<const float> grads, std::string_view what);
 
 /// torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)) with norm =

@@ -74,6 +74,15 @@ void adamw_update(const AdamWSpan<float>& span, const AdamWStepScalars& step, Th
 void adamw_update(const AdamWSpan<bf16>& span, const AdamWStepScalars& step, ThreadPool& pool,
                   std::optional<CpuIsa> isa = std::nullopt);
 
+/// require_finite_gradients (adamw.hpp) over `pool`, in tiles of sum_of_squares_tile_elements:
+/// the same verdict and, on a NaN or infinity, the same error naming the first.
+void require_finite_gradients(std::span<const float> grads, std::string_view what, ThreadPool& pool);
+
+/// dst[i] += src[i] for every i, over `pool` (each element one rounding, so the same bits on any
+/// thread count): a later micro-batch's gradient into the running one. Throws oom::Error
+/// (invalid_argument) naming both lengths when they differ.
+void add_gradients(std::span<float> dst, std::span<const float> src, ThreadPool& pool);
+
 /// Elements per partial sum of grad_sum_of_squares. Fixed, so the reduction tree (and the result)
 /// never depends on the thread count.
 inline constexpr std::size_t sum_of_squares_tile_elements = 65536;

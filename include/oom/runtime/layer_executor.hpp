@@ -564,9 +564,7 @@ class LayerExecutor {
       if (!landed.empty()) {
         b_.wait(cpu_, ls.grads_landed);
         for (auto [seg, buf] : landed) {
-          b_.host_task(cpu_, [seg, buf] {
-            for (std::uint64_t i = 0; i < seg->n; ++i) seg->staging[i] += buf[i];
-          });
+          b_.host_task(cpu_, [seg, buf, pool = &pool_] { optim::add_gradients({seg->staging, seg->n}, {buf, seg->n}, *pool); });
           give_after(cpu_, buf, MemorySpace::pinned_host(), Bytes{seg->n * sizeof(float)}, Claimant::host_staging);
         }
       }
@@ -986,7 +984,7 @@ class LayerExecutor {
   void submit_cpu_adamw(Segment& seg, const optim::AdamWStepScalars& sc) {
     auto* pool = &pool_;
     b_.host_task(cpu_, [&seg, sc, pool, what = gradient_check(seg)] {
-      if (!what.empty()) optim::require_finite_gradients({seg.staging, seg.n}, what);
+      if (!what.empty()) optim::require_finite_gradients({seg.staging, seg.n}, what, *pool);
       optim::AdamWSpan<float> span{{seg.master, seg.n}, {seg.exp_avg, seg.n}, {seg.exp_avg_sq, seg.n},
                                    {seg.staging, seg.n}, {seg.weights, seg.n}};
       optim::adamw_update(span, sc, *pool);
