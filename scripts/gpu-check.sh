@@ -328,6 +328,8 @@ if [[ "$parts" == *" layers "* ]]; then
       echo "  as cuBLAS layers: $(grep -E '^measured on a trial' "$out/custom-layer-cublas-$budget.log") then $(sed -n '/^planned again/,$p' \
         "$out/custom-layer-cublas-$budget.log" | grep -E '^residency|^retention|^predicted step|^median|^loss|^last step recorded' | tr '\n' ' ')" >> "$out/train-summary.log"
     done
+    # The recorded steps' spans by kind (count, total, median) for each resource.
+    python3 scripts/trace_summary.py "$out"/trace-custom-layer-*[Bb].json > "$out/trace-summary.log" 2>&1 || true
   fi
 fi
 
