@@ -309,20 +309,20 @@ if [[ "$parts" == *" layers "* ]]; then
     fi
     for budget in 8GiB 400MiB; do
       limited 120 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --layers 16 --hidden 1024 --inter 4096 \
-        --tokens 512 --steps 6 --lr 1e-3 --gpu-budget "$budget" --host-budget 8GiB "${bench_profile[@]}" \
+        --tokens 512 --steps 6 --lr 1e-4 --gpu-budget "$budget" --host-budget 8GiB "${bench_profile[@]}" \
         --trace "$out/trace-custom-layer-$budget.json" > "$out/custom-layer-bench-$budget.log" 2>&1 || gpu_rc=1
       echo "oom-custom-layer 16 x 1024 x 4096, 512 tokens, --gpu-budget $budget: $(grep -E '^measured on a trial' \
         "$out/custom-layer-bench-$budget.log") then $(sed -n '/^planned again/,$p' "$out/custom-layer-bench-$budget.log" |
         grep -E '^residency|^retention|^compute|^predicted step|^median|^loss|^last step recorded' | tr '\n' ' ')" >> "$out/train-summary.log"
       limited 120 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --layers 16 --hidden 1024 --inter 4096 \
-        --tokens 512 --steps 6 --lr 1e-3 --gpu-budget "$budget" --host-budget 8GiB "${bench_profile[@]}" --no-measure > "$out/custom-layer-bench-$budget-declared.log" 2>&1 ||
+        --tokens 512 --steps 6 --lr 1e-4 --gpu-budget "$budget" --host-budget 8GiB "${bench_profile[@]}" --no-measure > "$out/custom-layer-bench-$budget-declared.log" 2>&1 ||
         gpu_rc=1
       echo "  the same, --no-measure: $(grep -E '^residency|^retention|^compute|^predicted step|^median|^loss' \
         "$out/custom-layer-bench-$budget-declared.log" | tr '\n' ' ')" >> "$out/train-summary.log"
       # The same stack as cuBLAS layers (bf16 GEMMs on the tensor cores): what streaming and the
       # CPU AdamW cost when the compute is fast.
       limited 120 "$build_dir/examples/custom_layer/oom-custom-layer" --backend cuda --layer cublas --layers 16 --hidden 1024 \
-        --inter 4096 --tokens 512 --steps 6 --lr 1e-3 --gpu-budget "$budget" --host-budget 8GiB "${bench_profile[@]}" \
+        --inter 4096 --tokens 512 --steps 6 --lr 1e-4 --gpu-budget "$budget" --host-budget 8GiB "${bench_profile[@]}" \
         --trace "$out/trace-custom-layer-cublas-$budget.json" > "$out/custom-layer-cublas-$budget.log" 2>&1 ||
         gpu_rc=1
       echo "  as cuBLAS layers: $(grep -E '^measured on a trial' "$out/custom-layer-cublas-$budget.log") then $(sed -n '/^planned again/,$p' \

@@ -7,6 +7,9 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <map>
+#include <mutex>
+
 #include <fmt/format.h>
 
 #include "custom_layer/residual_mlp_cublas_kernels.hpp"
@@ -32,6 +35,9 @@ void gemm(cublasHandle_t h, bool ta, bool tb, std::uint64_t m, std::uint64_t n, 
                           &beta, c, CUDA_R_32F, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+// The operands' bytes for t tokens, rounded up to where cuBLAS's workspace starts.
+std::uint64_t operand_bytes(std::uint64_t t, std::uint64_t h, std::uint64_t i) { return (t * (4 * h + 6 * i) + 255) / 256 * 256; }
+
 }  // namespace
 
 /// One call's tokens, cuBLAS handle, weights, input and workspace parts.
@@ -53,12 +59,12 @@ CublasResidualMlp::CublasResidualMlp(int index, std::uint64_t hidden, std::uint6
 
 oom::LayerCost CublasResidualMlp::cost(const oom::Workload& w) const {
   oom::LayerCost c = ResidualMlpShape::cost(w);
-  c.workset = oom::Bytes{w.tokens() * (4 * h_ + 6 * i_)};
+  c.workset = oom::Bytes{operand_bytes(w.tokens(), h_, i_) + blas_workspace_bytes};
   return c;
 }
 
 CublasResidualMlp::Pass CublasResidualMlp::pass(const oom::LayerContext& ctx) const {
-  const std::uint64_t t = ctx.end - ctx.begin, need = t * (4 * h_ + 6 * i_);
+  const std::uint64_t t = ctx.end - ctx.begin, operands = operand_bytes(t, h_, i_), need = operands + blas_workspace_bytes;
   if (t > (1ull << 30))
     OOM_THROW(oom::Errc::invalid_argument, fmt::format("{}: {} tokens in one call are past cuBLAS's int sizes", segs_[0].name, t));
   if (ctx.workspace == nullptr || ctx.workspace_bytes < need)
@@ -67,7 +73,7 @@ CublasResidualMlp::Pass CublasResidualMlp::pass(const oom::LayerContext& ctx) co
   auto* base = static_cast<unsigned char*>(ctx.workspace);
   Pass s{};
   s.t = t;
-  s.h = handle(ctx.stream);
+  s.h = handle(ctx.stream, base + operands);
   s.w1 = ctx.weights[0].data();
   s.w2 = s.w1 + i_ * h_;
   s.x = ctx.input + ctx.begin * h_;
@@ -78,13 +84,24 @@ CublasResidualMlp::Pass CublasResidualMlp::pass(const oom::LayerContext& ctx) co
   return s;
 }
 
-cublasContext* CublasResidualMlp::handle(void* stream) const {
+cublasContext* CublasResidualMlp::handle(void* stream, void* workspace) const {
   if (!blas_) {
-    cublasHandle_t h = nullptr;
-    OOM_CUBLAS_CHECK(cublasCreate(&h));
-    blas_ = std::shared_ptr<cublasContext>(h, [](cublasHandle_t p) { cublasDestroy(p); });
+    int device = 0;
+    OOM_CUDA_CHECK(cudaGetDevice(&device));
+    static std::mutex mutex;
+    static std::map<int, std::weak_ptr<cublasContext>> shared;  // by device
+    const std::lock_guard lock(mutex);
+    blas_ = shared[device].lock();
+    if (!blas_) {
+      cublasHandle_t h = nullptr;
+      OOM_CUBLAS_CHECK(cublasCreate(&h));
+      blas_ = std::shared_ptr<cublasContext>(h, [](cublasHandle_t p) { cublasDestroy(p); });
+      shared[device] = blas_;
+    }
   }
+  // The stream first: setting it puts the handle back on cuBLAS's own workspace.
   OOM_CUBLAS_CHECK(cublasSetStream(blas_.get(), static_cast<cudaStream_t>(stream)));
+  OOM_CUBLAS_CHECK(cublasSetWorkspace(blas_.get(), workspace, blas_workspace_bytes));
   return blas_.get();
 }
 

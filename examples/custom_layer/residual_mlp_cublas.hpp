@@ -19,8 +19,14 @@ class CublasResidualMlp : public ResidualMlpShape {
  public:
   CublasResidualMlp(int index, std::uint64_t hidden, std::uint64_t inter);
 
+  /// cuBLAS's workspace (its split-K GEMMs' partial sums), the last part of the layer's own:
+  /// inside the plan's budget, and the same size in every plan, so cuBLAS picks the same kernels
+  /// (and bits) in each. cuBLAS suggests 4 MiB before Hopper, 32 MiB on it.
+  static constexpr std::uint64_t blas_workspace_bytes = std::uint64_t{4} << 20;
+
   /// The shape's cost, its workset what these GEMMs' operands need: bf16 copies of x and dy
-  /// (T x H each), of silu(pre) or d(pre) (T x I), and d(silu) in fp32 (T x I).
+  /// (T x H each), of silu(pre) or d(pre) (T x I), and d(silu) in fp32 (T x I), then cuBLAS's
+  /// workspace from the next 256-byte boundary.
   oom::LayerCost cost(const oom::Workload& w) const;
   /// One pass over all the tokens (see above).
   oom::ChunkDependency chunking() const { return oom::ChunkDependency::none; }
@@ -31,11 +37,12 @@ class CublasResidualMlp : public ResidualMlpShape {
  private:
   struct Pass;
   Pass pass(const oom::LayerContext& ctx) const;  // one call's operands, the workspace checked to fit
-  cublasContext* handle(void* stream) const;            // the stack's cuBLAS handle, on `stream`
-  // Each layer makes its own cuBLAS handle at its first call (none without a GPU): its device
-  // memory (cuBLAS's default workspace) is outside the plan's budget, and the layer is driven from
-  // one thread, as the executor does. A real trainer shares one handle and gives it a workspace
-  // from LayerContext::workspace (cublasSetWorkspace), as src/kernels/expert_gemm.cu does.
+  // The cuBLAS handle of the current device, shared by every layer of the process that holds it
+  // (made at the first call, none without a GPU; gone with the last layer), on `stream` with
+  // `workspace` (blas_workspace_bytes) as its workspace. Its own device memory (the handle's
+  // state) is outside the plan's budget. The layers are driven from one thread, as the executor
+  // does.
+  cublasContext* handle(void* stream, void* workspace) const;
   mutable std::shared_ptr<cublasContext> blas_;
 };
 static_assert(oom::executor_layer<CublasResidualMlp>);

@@ -933,11 +933,13 @@ class LayerExecutor {
     auto ready = b_.make_event();
     b_.record(ready, h2d_);
     b_.wait(compute_, ready);
+    // The outputs first, so that the span holds the reruns and no allocation's wait; the planner
+    // holds them all from the regeneration's start too (beside its largest workspace).
+    for (std::size_t j = from; j < l; ++j) act[j + 1] = take_step(class_bytes(j + 1, 0, t), Claimant::retained_activations);
     auto rb = span_begin(compute_);
     for (std::size_t j = from; j < l; ++j) {
       LayerContext ctx = bind(j, at[j - from]);
       ctx.input = act[j];
-      act[j + 1] = take_step(class_bytes(j + 1, 0, t), Claimant::retained_activations);
       ctx.output = act[j + 1];
       ctx.regenerating = true;
       run_chunks(j, ctx, /*backward=*/false, {});
