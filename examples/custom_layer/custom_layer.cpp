@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,7 +50,11 @@ using oom::examples::ResidualMlp;
 struct Options {
   int layers = 8, steps = 20;
   std::uint64_t hidden = 64, inter = 256, tokens = 256;
-  oom::Bytes gpu_budget{std::uint64_t{3} << 20}, host_budget{std::uint64_t{1} << 30};
+  // The GPU budget, 3 MiB unless given (8 MiB for --layer cublas, whose passes each take cuBLAS's
+  // 4 MiB workspace): the default stack then streams and offloads.
+  std::optional<oom::Bytes> gpu_budget;
+  oom::Bytes host_budget{std::uint64_t{1} << 30};
+  [[nodiscard]] oom::Bytes gpu_bytes() const { return gpu_budget.value_or(oom::Bytes{(layer == "cublas" ? std::uint64_t{8} : std::uint64_t{3}) << 20}); }
   std::string profile;
   std::string retention;  // only this retention template and its mixes (LayerStackPlanner's names)
   std::string backend = "host";
@@ -64,7 +69,7 @@ Options parse(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
     if (arg == "--help" || arg == "-h") {
-      std::puts("oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S] [--gpu-budget BYTES] "
+      std::puts("oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S] [--gpu-budget BYTES, default 3 MiB, 8 MiB with --layer cublas] "
                 "[--host-budget BYTES] [--profile FILE.json] [--retention NAME, e.g. 'offload-checkpoint, boundaries "
                 "regenerated in groups of 2'] [--no-measure: plan with the declared FLOPs at the profile's GEMM rate, no trial step] "
                 "[--layer plain|cublas: the CUDA layer's kernels, plain or cuBLAS GEMMs] [--lr X, default 3e-3] "
@@ -213,7 +218,10 @@ int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::v
   // not fit waits for the frees queued on the streams before it (the GPU runs behind the host).
   oom::CudaBackend::Options bo;
   bo.device_budget = plan.predicted.gpu_peak;
-  bo.device_reserve = oom::Bytes{plan.predicted.gpu_peak.count() * 3 / 2};  // the heap's fragments: reported below
+  // The heap's room for fragments (reported below): half the budget again, and two of the layer's
+  // workset, which a tight plan's first-fit heap may otherwise find no piece for (the cuBLAS
+  // layer's holds cuBLAS's 4 MiB).
+  bo.device_reserve = oom::Bytes{plan.predicted.gpu_peak.count() * 3 / 2 + 2 * layers.front().cost(plan.workload).workset.count()};
   bo.pinned_budget = plan.predicted.host_peak;
   // Pinned slabs of 16 MiB, or one segment's fp32 state or boundary if larger (none is split).
   const std::uint64_t largest = std::max(2 * o.hidden * o.inter, o.tokens * std::max(o.hidden, o.inter)) * sizeof(float);
@@ -291,7 +299,7 @@ int run(const Options& o) {
   const oom::MachineProfile profile = o.profile.empty() ? oom::MachineProfile::h200(1) : oom::MachineProfile::from_file(o.profile);
 
   oom::PlanRequest req;
-  req.gpu_budget = o.gpu_budget;
+  req.gpu_budget = o.gpu_bytes();
   req.host_budget = o.host_budget;
   req.workload = {1, o.tokens};
   req.retention = o.retention;
@@ -310,7 +318,7 @@ int run(const Options& o) {
   const oom::LayerStackPlanner planner(described, profile, "residual MLP stack");
   const auto set = planner.plan(req);
   fmt::print("planned {} layers of {} x {} for {} tokens in {} of GPU memory ({} candidates, {} fit, {:.1f} ms):\n{}", o.layers,
-             o.hidden, o.inter, o.tokens, o.gpu_budget, set.evaluated, set.feasible, set.search_s * 1e3,
+             o.hidden, o.inter, o.tokens, o.gpu_bytes(), set.evaluated, set.feasible, set.search_s * 1e3,
              planner.describe(set.plans.front()));
 
   std::vector<std::vector<float>> init;
