@@ -176,10 +176,13 @@ class GraphBuilder {
             g_.hold(Claimant::host_staging, Bytes{streamed_[L] * fp32_bytes}, d, add);
             mb_end.push_back(add);
           }
+          // The update, slowed by the copies streaming meanwhile (a layer's fp32 gradients down
+          // and its weights up), and the executor's gradient check before it (another read of
+          // the fp32 gradients: LayerExecutorOptions::check_gradients, on by default).
           if (last)
             pending_.push_back({"cpu.adamw", Resource::cpu,
                                 time_of(Operation::over(OpKind::cpu_optimizer, streamed_[L],
-                                                        Bytes{streamed_[L] * (fp32_bytes + size_of(prec.weights))})),
+                                                        Bytes{streamed_[L] * (2 * fp32_bytes + size_of(prec.weights))})),
                                 {d}, l});
         }
         if (last && !plan_.clip_grad_norm) flush_updates({});

@@ -505,6 +505,14 @@ TEST_CASE("micro-batches and clipping: the graph repeats the passes, the updates
       CHECK(norm >= 0);
       CHECK(std::find(g.ops()[i].deps.begin(), g.ops()[i].deps.end(), norm) != g.ops()[i].deps.end());
     }
+    if (what == "cpu.adamw") {
+      // Its layer's streamed parameters at the profile's rate, slowed by 10 bytes more a
+      // parameter over AdamW's 30: the gradient check's read (4), the layer's copies (4 + 2).
+      std::uint64_t n = 0;
+      for (const auto& seg : layers[static_cast<std::size_t>(g.ops()[i].layer)].segments())
+        if (std::find(p.resident_segments.begin(), p.resident_segments.end(), seg.name) == p.resident_segments.end()) n += seg.parameters();
+      CHECK(g.ops()[i].duration_s == doctest::Approx(static_cast<double>(n) * 40.0 / 30.0 / profile.cpu_adamw_params_per_s).epsilon(1e-9));
+    }
   }
   CHECK(fwd == 6);
   CHECK(bwd == 6);
