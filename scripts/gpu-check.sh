@@ -122,7 +122,8 @@ elif [[ "$parts" == *" balance "* && ${#targets[@]} -gt 0 ]]; then targets+=("${
 # layers"): test_cuda_layer_executor and oom-custom-layer on both backends.
 layers_targets=(test_cuda_layer_executor oom-custom-layer)
 if [[ "$parts" == " layers " ]]; then targets=(--target "${layers_targets[@]}" ${EXTRA_TARGETS:-})
-elif [[ "$parts" == " calibrate layers " ]]; then targets=(--target "${layers_targets[@]}" oom-calibrate ${EXTRA_TARGETS:-})
+elif [[ "$parts" == " calibrate layers " || "$parts" == " layers calibrate " ]]; then
+  targets=(--target "${layers_targets[@]}" oom-calibrate ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" layers "* && ${#targets[@]} -gt 0 ]]; then targets+=("${layers_targets[@]}"); fi
 # PARTS=peers needs oom-train: alone, only it; beside other parts that name their targets, it too.
 if [[ "$parts" == " peers " ]]; then targets=(--target oom-train ${EXTRA_TARGETS:-})

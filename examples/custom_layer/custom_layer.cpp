@@ -290,9 +290,12 @@ void write_traces(const std::string& path, const oom::Timeline& measured, double
 
 int run(const Options& o) {
   if (!o.trace.empty()) {  // refused now, not after the training
-    const auto dir = std::filesystem::absolute(o.trace).parent_path();
-    if (!std::filesystem::is_directory(dir))
-      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--trace {}: the directory {} does not exist", o.trace, dir.string()));
+    const std::filesystem::path path = std::filesystem::absolute(o.trace);
+    if (o.steps == 0) OOM_THROW(oom::Errc::invalid_argument, "--trace records the last training step, and --steps is 0");
+    if (!path.has_filename() || std::filesystem::is_directory(path))
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--trace {}: a directory, not a file name", o.trace));
+    if (!std::filesystem::is_directory(path.parent_path()))
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--trace {}: the directory {} does not exist", o.trace, path.parent_path().string()));
   }
   std::vector<ResidualMlp> layers;
   for (int l = 0; l < o.layers; ++l) layers.emplace_back(l, o.hidden, o.inter);

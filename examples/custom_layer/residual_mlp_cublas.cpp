@@ -8,7 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <map>
-#include <mutex>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -85,12 +85,13 @@ CublasResidualMlp::Pass CublasResidualMlp::pass(const oom::LayerContext& ctx) co
 }
 
 cublasContext* CublasResidualMlp::handle(void* stream, void* workspace) const {
-  if (!blas_) {
-    int device = 0;
-    OOM_CUDA_CHECK(cudaGetDevice(&device));
-    static std::mutex mutex;
-    static std::map<int, std::weak_ptr<cublasContext>> shared;  // by device
-    const std::lock_guard lock(mutex);
+  int device = 0;
+  OOM_CUDA_CHECK(cudaGetDevice(&device));
+  const auto thread = std::this_thread::get_id();
+  if (!blas_ || device != blas_device_ || thread != blas_thread_) {
+    // One handle per device and thread (cuBLAS's handles are not for two threads at once), kept
+    // alive by the layers that use it.
+    thread_local std::map<int, std::weak_ptr<cublasContext>> shared;
     blas_ = shared[device].lock();
     if (!blas_) {
       cublasHandle_t h = nullptr;
@@ -98,6 +99,8 @@ cublasContext* CublasResidualMlp::handle(void* stream, void* workspace) const {
       blas_ = std::shared_ptr<cublasContext>(h, [](cublasHandle_t p) { cublasDestroy(p); });
       shared[device] = blas_;
     }
+    blas_device_ = device;
+    blas_thread_ = thread;
   }
   // The stream first: setting it puts the handle back on cuBLAS's own workspace.
   OOM_CUBLAS_CHECK(cublasSetStream(blas_.get(), static_cast<cudaStream_t>(stream)));

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <thread>
 
 #include "custom_layer/residual_mlp.hpp"
 
@@ -37,13 +38,14 @@ class CublasResidualMlp : public ResidualMlpShape {
  private:
   struct Pass;
   Pass pass(const oom::LayerContext& ctx) const;  // one call's operands, the workspace checked to fit
-  // The cuBLAS handle of the current device, shared by every layer of the process that holds it
-  // (made at the first call, none without a GPU; gone with the last layer), on `stream` with
-  // `workspace` (blas_workspace_bytes) as its workspace. Its own device memory (the handle's
-  // state) is outside the plan's budget. The layers are driven from one thread, as the executor
-  // does.
+  // The cuBLAS handle of the current device and calling thread, shared by the layers called there
+  // (made at the first call, none without a GPU; gone with the last layer that used it), on
+  // `stream` with `workspace` (blas_workspace_bytes) as its workspace. Its own device memory (the
+  // handle's state) is outside the plan's budget.
   cublasContext* handle(void* stream, void* workspace) const;
   mutable std::shared_ptr<cublasContext> blas_;
+  mutable int blas_device_ = -1;
+  mutable std::thread::id blas_thread_;
 };
 static_assert(oom::executor_layer<CublasResidualMlp>);
 

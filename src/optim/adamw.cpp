@@ -61,8 +61,16 @@ bool all_finite(std::span<const float> values) noexcept {
   // An exponent field of all ones (an infinity or a NaN) is the only one that carries into the
   // sign bit when one is added to it; or-ed together without a branch per element, so the loop
   // vectorises with any instruction set.
+  // Blocks of a fixed 16 vectorise at -O2's cost model too.
   std::uint32_t carried = 0;
-  for (const float v : values) carried |= (std::bit_cast<std::uint32_t>(v) & 0x7f800000u) + 0x00800000u;
+  const auto carry = [](float v) { return (std::bit_cast<std::uint32_t>(v) & 0x7f800000u) + 0x00800000u; };
+  std::size_t i = 0;
+  for (; i + 16 <= values.size(); i += 16) {
+    std::uint32_t block = 0;
+    for (std::size_t k = 0; k < 16; ++k) block |= carry(values[i + k]);
+    carried |= block;
+  }
+  for (; i < values.size(); ++i) carried |= carry(values[i]);
   return (carried & 0x80000000u) == 0;
 }
 

@@ -177,8 +177,9 @@ class GraphBuilder {
             mb_end.push_back(add);
           }
           // The update, slowed by the copies streaming meanwhile (a layer's fp32 gradients down
-          // and its weights up), and the executor's gradient check before it (another read of
-          // the fp32 gradients: LayerExecutorOptions::check_gradients, on by default).
+          // and its weights up); the executor's gradient check before it is one more read of the
+          // fp32 gradients (LayerExecutorOptions::check_gradients, on by default, priced always),
+          // passed as DRAM traffic beside the update as the copies' is.
           if (last)
             pending_.push_back({"cpu.adamw", Resource::cpu,
                                 time_of(Operation::over(OpKind::cpu_optimizer, streamed_[L],
@@ -302,17 +303,19 @@ class GraphBuilder {
       early_[F] = g_.add({"h2d.boundary (to regenerate from)", Resource::h2d, copy_time(OpKind::copy_h2d, b), {offload[F]}, l});
       deps.push_back(early_[F]);
     }
-    Bytes w;  // each layer's weights from a 256-byte boundary, as the executor packs them
+    Bytes w, copied;  // held: each layer's weights from a 256-byte boundary, as the executor packs them
     double seconds = 0;
     Bytes temporaries;
     for (int j = f; j < l; ++j) {
-      w += bytes_of(plan_.precision.weights, streamed_[static_cast<std::size_t>(j)]).align_up(streamed_weight_alignment);
+      const Bytes layer_weights = bytes_of(plan_.precision.weights, streamed_[static_cast<std::size_t>(j)]);
+      copied += layer_weights;
+      w += layer_weights.align_up(streamed_weight_alignment);
       seconds += compute_time(j, costs_[static_cast<std::size_t>(j)].cost.forward_flops);
       temporaries = max(temporaries, workset_part(j));
     }
     int weights = -1;
     if (w.count() > 0) {
-      weights = g_.add({"h2d.weights.regenerate", Resource::h2d, copy_time(OpKind::copy_h2d, w), {}, l});
+      weights = g_.add({"h2d.weights.regenerate", Resource::h2d, copy_time(OpKind::copy_h2d, copied), {}, l});
       deps.push_back(weights);
     }
     const int op = g_.add({"regenerate", Resource::gpu_compute, seconds, deps, l});

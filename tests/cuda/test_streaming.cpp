@@ -1,8 +1,8 @@
 // Weight streaming on the CUDA backend: layer-sized pinned slabs copied H2D through a ring of
 // device slots keep >= 90% of the pinned H2D rate measured alone in the same run while cuBLAS GEMMs
-// occupy the compute stream, and the GEMMs keep most of their rate (the best of up to three
-// tries: a busy host only lowers them). Also: the backend's arena
-// accounts by claimant and refuses to exceed its budget.
+// occupy the compute stream, and the GEMMs keep most of their rate (up to three tries, each
+// measuring all four rates, until one holds both bars). Also: the backend's arena accounts by
+// claimant and refuses to exceed its budget.
 #include <doctest/doctest.h>
 
 #include <cublas_v2.h>
@@ -92,36 +92,40 @@ TEST_CASE("weight streaming keeps the pinned H2D rate while GEMMs run") {
 
   stream_all(1);  // warm-up
   backend.synchronize(h2d);
-  stream_all(rounds);
-  backend.synchronize(h2d);
-  const double alone = bytes / seconds_between(t0, t1);
   gemms(3);
   backend.synchronize(compute);
-  gemms(20);
-  backend.synchronize(compute);
-  const double gemm_alone = 20 * gemm.flops() / seconds_between(g0, g1);
 
-  // Together: enough GEMMs to outlast the copies. The best of up to three tries: what the link
-  // and the GPU sustain side by side, which a busy host (the H100 machines' read 0.76x once in
-  // three runs, forty-seventh session) lowers and nothing raises.
-  const int together_gemms = static_cast<int>(bytes / alone * gemm_alone / gemm.flops() * 1.5) + 4;
-  double with_gemm = 0, gemm_with = 0;
+  // Each try measures the copies alone, the GEMMs alone, then both side by side (enough GEMMs to
+  // outlast the copies), and gives the two ratios. Up to three tries, until one holds both bars at
+  // once: a busy host (the H100 machines' read 0.76x once in three runs, forty-seventh session)
+  // may spoil any of the four measurements of a try, so a try is judged whole.
+  double h2d_ratio = 0, gemm_ratio = 0;
   for (int attempt = 1; attempt <= 3; ++attempt) {
+    stream_all(rounds);
+    backend.synchronize(h2d);
+    const double alone = bytes / seconds_between(t0, t1);
+    gemms(20);
+    backend.synchronize(compute);
+    const double gemm_alone = 20 * gemm.flops() / seconds_between(g0, g1);
+    const int together_gemms = static_cast<int>(bytes / alone * gemm_alone / gemm.flops() * 1.5) + 4;
     gemms(together_gemms);
     stream_all(rounds);
     backend.synchronize(h2d);
     backend.synchronize(compute);
-    const double h2d_rate = bytes / seconds_between(t0, t1);
-    const double gemm_rate = together_gemms * gemm.flops() / seconds_between(g0, g1);
+    const double with_gemm = bytes / seconds_between(t0, t1);
+    const double gemm_with = together_gemms * gemm.flops() / seconds_between(g0, g1);
     std::printf("weight streaming, try %d: H2D alone %.1f GB/s, with GEMMs running %.1f GB/s (%.3fx); "
                 "GEMM alone %.0f TFLOP/s, while streaming %.0f TFLOP/s (%.3fx)\n",
-                attempt, alone / 1e9, h2d_rate / 1e9, h2d_rate / alone, gemm_alone / 1e12, gemm_rate / 1e12, gemm_rate / gemm_alone);
-    with_gemm = std::max(with_gemm, h2d_rate);
-    gemm_with = std::max(gemm_with, gemm_rate);
-    if (with_gemm >= 0.9 * alone && gemm_with >= 0.8 * gemm_alone) break;
+                attempt, alone / 1e9, with_gemm / 1e9, with_gemm / alone, gemm_alone / 1e12, gemm_with / 1e12, gemm_with / gemm_alone);
+    // The try closest to (or furthest past) both bars.
+    if (std::min(with_gemm / alone / 0.9, gemm_with / gemm_alone / 0.8) > std::min(h2d_ratio / 0.9, gemm_ratio / 0.8)) {
+      h2d_ratio = with_gemm / alone;
+      gemm_ratio = gemm_with / gemm_alone;
+    }
+    if (h2d_ratio >= 0.9 && gemm_ratio >= 0.8) break;
   }
-  CHECK(with_gemm >= 0.9 * alone);
-  CHECK(gemm_with >= 0.8 * gemm_alone);
+  CHECK(h2d_ratio >= 0.9);
+  CHECK(gemm_ratio >= 0.8);
   CHECK(backend.pinned_arena().in_use(Claimant::host_state) == Bytes{layers * layer.count()});
   for (void* p : host) backend.free(p, MemorySpace::pinned_host(), layer, Claimant::host_state);
   for (void* p : slot) backend.free(p, MemorySpace::device(0), layer, Claimant::worksets);

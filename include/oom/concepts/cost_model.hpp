@@ -75,8 +75,8 @@ struct Operation {
   }
   /// Ops that move `bytes`: memory_bound, copies, collectives.
   static constexpr Operation moving(OpKind kind, Bytes bytes) { return {kind, 0, 0, 0, 1, 0, bytes, DType::bf16}; }
-  /// Ops over `elements` parameters: the optimizers; `concurrent` bytes of copies through host
-  /// memory meanwhile (cpu_optimizer).
+  /// Ops over `elements` parameters: the optimizers; `concurrent` bytes of other traffic through
+  /// host memory meanwhile (cpu_optimizer: copies, a gradient check's read).
   static constexpr Operation over(OpKind kind, std::uint64_t elements, Bytes concurrent = Bytes{}) {
     return {kind, 0, 0, 0, 1, elements, concurrent, DType::bf16};
   }

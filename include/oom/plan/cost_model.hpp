@@ -95,10 +95,11 @@ class ProfileCostModel {
       case OpKind::copy_h2d: t[Resource::h2d] = launch + bytes / h2d_rate(); break;
       case OpKind::copy_d2h: t[Resource::d2h] = launch + bytes / d2h_rate(); break;
       case OpKind::cpu_optimizer: {
-        // Memory-bound (OOM's CPU AdamW runs at ~1.0x the host's copy bandwidth): the DMA traffic
-        // of the copies streaming meanwhile takes its share of the same DRAM bandwidth. On the
-        // H200 machine at 32K the in-step rate was 0.85x the idle calibration, as (30 + 6) / 30
-        // predicts for a layer's fp32 gradients down and bf16 weights up during its update.
+        // Memory-bound (OOM's CPU AdamW runs at ~1.0x the host's copy bandwidth): other DRAM
+        // traffic meanwhile (`concurrent`: the copies streaming, and for LayerStackPlanner the
+        // executor's gradient check) takes its share of the same bandwidth. On the H200 machine at
+        // 32K the in-step rate was 0.85x the idle calibration, as (30 + 6) / 30 predicts for a
+        // layer's fp32 gradients down and bf16 weights up during its update.
         const double n = static_cast<double>(op.elements);
         t[Resource::cpu] = (n + bytes / cpu_adamw_bytes_per_param) / profile_->cpu_adamw_params_per_s;
         break;

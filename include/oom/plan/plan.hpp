@@ -74,8 +74,10 @@ inline constexpr int max_prefetch_depth = 64;
 inline constexpr int max_micro_batches = 1 << 20;
 /// Where a layer's streamed weights start on the GPU, in a slot and in a regeneration's workset
 /// of several layers' weights alike: a multiple of this many bytes (so a layer's kernels see the
-/// same alignment, and compute the same bits, in every pass). The LayerStackPlanner counts the
-/// padding.
+/// same alignment, and compute the same bits, in every pass). A slot is where the backend's
+/// device heap puts it, at this alignment too (CudaBackend's and HostBackend's hand out 256-byte
+/// blocks; test_runtime checks a layer's weights are aligned in every pass). The
+/// LayerStackPlanner counts the padding.
 inline constexpr std::uint64_t streamed_weight_alignment = 256;
 
 /// The checks every planner makes of a request before planning (Errc::invalid_argument naming
