@@ -61,16 +61,16 @@ bool all_finite(std::span<const float> values) noexcept {
   // An exponent field of all ones (an infinity or a NaN) is the only one that carries into the
   // sign bit when one is added to it; or-ed together without a branch per element, so the loop
   // vectorises with any instruction set.
-  // Blocks of a fixed 16 vectorise at -O2's cost model too.
-  std::uint32_t carried = 0;
+  // Sixteen lanes, or-ed at the end: vectorised at -O2 as at -O3 (one running value vectorises
+  // only at -O3: 2.3 ms against 1.2 over 8.4M floats at -O2 on the 2-core build machine).
+  std::uint32_t lane[16] = {};
   const auto carry = [](float v) { return (std::bit_cast<std::uint32_t>(v) & 0x7f800000u) + 0x00800000u; };
   std::size_t i = 0;
-  for (; i + 16 <= values.size(); i += 16) {
-    std::uint32_t block = 0;
-    for (std::size_t k = 0; k < 16; ++k) block |= carry(values[i + k]);
-    carried |= block;
-  }
+  for (; i + 16 <= values.size(); i += 16)
+    for (std::size_t k = 0; k < 16; ++k) lane[k] |= carry(values[i + k]);
+  std::uint32_t carried = 0;
   for (; i < values.size(); ++i) carried |= carry(values[i]);
+  for (const std::uint32_t l : lane) carried |= l;
   return (carried & 0x80000000u) == 0;
 }
 
