@@ -234,7 +234,7 @@ void HostCausalLm::update_ends(float grad_scale) {
   const auto sc = optim::adamw_step_scalars(adamw_, step, grad_scale);
   for (End* e : {&embedding_, &final_norm_, &lm_head_}) {
     if (e->master.empty()) continue;
-    optim::require_finite_gradients(e->grad, fmt::format("segment '{}' (step {})", spec_->segments()[e->segment].name, step));
+    optim::require_finite_gradients(e->grad, fmt::format("segment '{}' (step {})", spec_->segments()[e->segment].name, step), pool_);
     optim::AdamWSpan<float> span{e->master, e->m, e->v, e->grad, e->weights};
     optim::adamw_update(span, sc, pool_);
   }
