@@ -117,6 +117,17 @@ class IeeeFloatEnvironment {
 #endif
 };
 
+/// fn(tile, begin, count) for each tile of `tile` elements of [0, n), spread over `pool`, each
+/// under IeeeFloatEnvironment: what every loop here splits, so no result depends on the threads.
+template <class Fn>
+void for_each_tile(ThreadPool& pool, std::size_t n, std::size_t tile, Fn&& fn) {
+  pool.run((n + tile - 1) / tile, [&](std::size_t t) {
+    const IeeeFloatEnvironment ieee;
+    const std::size_t begin = t * tile;
+    fn(t, begin, std::min(tile, n - begin));
+  });
+}
+
 struct Region {
   const char* name;
   std::uintptr_t begin;
@@ -216,13 +227,8 @@ void update(const AdamWSpan<Moment>& span, const AdamWStepScalars& step, ThreadP
 #endif
   }
   const kernels::Scalars k = to_kernel(step);
-  const std::size_t n = range.n;
-  const std::size_t tiles = (n + adamw_tile_elements - 1) / adamw_tile_elements;
-  pool.run(tiles, [&](std::size_t t) {
-    const IeeeFloatEnvironment ieee;
-    const std::size_t begin = t * adamw_tile_elements;
-    kernel(k, sub_range(range, begin, std::min(adamw_tile_elements, n - begin)));
-  });
+  for_each_tile(pool, range.n, adamw_tile_elements,
+                [&](std::size_t, std::size_t begin, std::size_t count) { kernel(k, sub_range(range, begin, count)); });
 }
 
 }  // namespace
@@ -253,26 +259,18 @@ double grad_sum_of_squares(std::span<const float> grads, ThreadPool& pool, std::
     default: OOM_ASSERT(!"vector kernels are not built for this architecture");
 #endif
   }
-  const std::size_t n = grads.size();
-  const std::size_t tiles = (n + sum_of_squares_tile_elements - 1) / sum_of_squares_tile_elements;
-  std::vector<double> partial(tiles);
-  pool.run(tiles, [&](std::size_t t) {
-    const IeeeFloatEnvironment ieee;
-    const std::size_t begin = t * sum_of_squares_tile_elements;
-    partial[t] = kernel(grads.data() + begin, std::min(sum_of_squares_tile_elements, n - begin));
-  });
+  std::vector<double> partial((grads.size() + sum_of_squares_tile_elements - 1) / sum_of_squares_tile_elements);
+  for_each_tile(pool, grads.size(), sum_of_squares_tile_elements,
+                [&](std::size_t t, std::size_t begin, std::size_t count) { partial[t] = kernel(grads.data() + begin, count); });
   double total = 0.0;
   for (double p : partial) total += p;  // in tile order, whatever thread produced each
   return total;
 }
 
 void require_finite_gradients(std::span<const float> grads, std::string_view what, ThreadPool& pool) {
-  const std::size_t n = grads.size();
-  const std::size_t tiles = (n + sum_of_squares_tile_elements - 1) / sum_of_squares_tile_elements;
   std::atomic<bool> bad{false};
-  pool.run(tiles, [&](std::size_t t) {
-    const std::size_t begin = t * sum_of_squares_tile_elements;
-    if (!all_finite(grads.subspan(begin, std::min(sum_of_squares_tile_elements, n - begin)))) bad.store(true, std::memory_order_relaxed);
+  for_each_tile(pool, grads.size(), sum_of_squares_tile_elements, [&](std::size_t, std::size_t begin, std::size_t count) {
+    if (!all_finite(grads.subspan(begin, count))) bad.store(true, std::memory_order_relaxed);
   });
   if (bad.load()) require_finite_gradients(grads, what);  // throws, naming the first
 }
@@ -280,11 +278,9 @@ void require_finite_gradients(std::span<const float> grads, std::string_view wha
 void add_gradients(std::span<float> dst, std::span<const float> src, ThreadPool& pool) {
   if (dst.size() != src.size())
     OOM_THROW(Errc::invalid_argument, fmt::format("add_gradients: {} elements into {}", src.size(), dst.size()));
-  const std::size_t n = dst.size();
-  const std::size_t tiles = (n + sum_of_squares_tile_elements - 1) / sum_of_squares_tile_elements;
-  pool.run(tiles, [&](std::size_t t) {
-    const std::size_t begin = t * sum_of_squares_tile_elements, end = std::min(n, begin + sum_of_squares_tile_elements);
-    for (std::size_t i = begin; i < end; ++i) dst[i] += src[i];
+  // Under IEEE defaults, as every tile here: a caller's flush-to-zero would change the sums' bits.
+  for_each_tile(pool, dst.size(), sum_of_squares_tile_elements, [&](std::size_t, std::size_t begin, std::size_t count) {
+    for (std::size_t i = begin; i < begin + count; ++i) dst[i] += src[i];
   });
 }
 

@@ -516,7 +516,7 @@ TEST_CASE("the finiteness check: every NaN and infinity caught at any place, the
   CHECK_NOTHROW(require_finite_gradients(std::span<const float>{}, "nothing", four));
 }
 
-TEST_CASE("add_gradients adds element by element, the same bits on any thread count; mismatched lengths are refused") {
+TEST_CASE("add_gradients adds element by element, the same bits on any thread count and caller's float mode; mismatched lengths are refused") {
   const std::size_t n = 2 * sum_of_squares_tile_elements + 13;
   std::vector<float> a(n), b(n);
   std::mt19937 rng(9);
@@ -531,6 +531,21 @@ TEST_CASE("add_gradients adds element by element, the same bits on any thread co
     add_gradients(got, b, pool);
     CHECK(std::memcmp(got.data(), want.data(), n * sizeof(float)) == 0);
   }
+#if defined(__x86_64__)
+  // A caller with flush-to-zero set (it runs tiles too) gets the IEEE sums: subnormal terms kept.
+  std::vector<float> tiny_a(n), tiny_b(n), tiny_want(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    tiny_a[i] = a[i] * 1e-39f;
+    tiny_b[i] = b[i] * 1e-39f;
+    tiny_want[i] = tiny_a[i] + tiny_b[i];
+  }
+  ThreadPool caller_only(1);
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr(saved | 0x8040u);  // FTZ | DAZ
+  add_gradients(tiny_a, tiny_b, caller_only);
+  _mm_setcsr(saved);
+  CHECK(std::memcmp(tiny_a.data(), tiny_want.data(), n * sizeof(float)) == 0);
+#endif
   ThreadPool pool(2);
   std::vector<float> shorter(n - 1);
   CHECK_THROWS_WITH_AS(add_gradients(shorter, b, pool), doctest::Contains(fmt::format("{} elements into {}", n, n - 1).c_str()), Error);

@@ -78,8 +78,9 @@ void adamw_update(const AdamWSpan<bf16>& span, const AdamWStepScalars& step, Thr
 /// the same verdict and, on a NaN or infinity, the same error naming the first.
 void require_finite_gradients(std::span<const float> grads, std::string_view what, ThreadPool& pool);
 
-/// dst[i] += src[i] for every i, over `pool` (each element one rounding, so the same bits on any
-/// thread count): a later micro-batch's gradient into the running one. Throws oom::Error
+/// dst[i] += src[i] for every i, over `pool` (each element one rounding under IEEE defaults, so the
+/// same bits on any thread count and whatever the caller's flush-to-zero): a later micro-batch's
+/// gradient into the running one. Throws oom::Error
 /// (invalid_argument) naming both lengths when they differ.
 void add_gradients(std::span<float> dst, std::span<const float> src, ThreadPool& pool);
 
