@@ -107,8 +107,10 @@ kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_k
 # PARTS=group (docs/multi-gpu.md; run it with kind nvidia-h200-x2): DeviceGroup's tests over every
 # visible GPU, then a quick oom-calibrate over all of them (NCCL rates, the host links together).
 [[ "$parts" == " group " ]] && targets=(--target test_device_group test_device_group_check oom-calibrate ${EXTRA_TARGETS:-})
-# PARTS=hybrid: the gated delta rule's kernels and the hybrid model's GPU tests, bench_gated_delta,
-# and a 2-layer Qwen3-Next-80B slice in oom-train at $HYBRID_SEQS (predicted vs measured).
+# PARTS=hybrid: the gated delta rule's kernels and the GPU tests of the families beyond Qwen3-MoE
+# (hybrid, Mixtral, OLMoE, Qwen2-MoE), 50 Qwen2-MoE steps against transformers (HYBRID_QWEN2=0:
+# not), bench_gated_delta (HYBRID_BENCH=0: not), and a 2-layer Qwen3-Next-80B slice in oom-train
+# at $HYBRID_SEQS (predicted vs measured; HYBRID_SEQS=" ": none).
 hybrid_targets=(test_gated_delta_kernels test_deltanet_kernels test_cuda_deltanet test_cuda_hybrid_layer test_cuda_causal_lm
   bench_gated_delta oom-train)
 if [[ "$parts" == " hybrid " ]]; then targets=(--target "${hybrid_targets[@]}" ${EXTRA_TARGETS:-})
@@ -238,9 +240,20 @@ if [[ "$parts" == *" hybrid "* ]]; then
     echo "$t: $(grep -E 'test cases:|assertions:' "$out/$t.log" | tr '\n' ' ')" >> "$out/hybrid-summary.log"
   done
   limited 300 "$build_dir/tests/test_cuda_causal_lm" -tc="*hybrid*,Mixtral*" > "$out/test_cuda_causal_lm-hybrid.log" 2>&1 || gpu_rc=1
-  echo "test_cuda_causal_lm (hybrid, Mixtral/OLMoE cases): $(grep -E 'test cases:|assertions:' "$out/test_cuda_causal_lm-hybrid.log" | tr '\n' ' ')" \
+  echo "test_cuda_causal_lm (hybrid, Mixtral/OLMoE/Qwen2-MoE cases): $(grep -E 'test cases:|assertions:' "$out/test_cuda_causal_lm-hybrid.log" | tr '\n' ' ')" \
     >> "$out/hybrid-summary.log"
-  limited 200 "$build_dir/bench/kernels/bench_gated_delta" > "$out/bench_gated_delta.log" 2>&1 || bench_rc=1
+  # Qwen2-MoE (q/k/v biases, a shared expert, top-k not renormalised): 50 GPU steps against
+  # transformers' Qwen2MoeForCausalLM in fp32, PyTorch's own bf16 run beside as the noise floor
+  # (HYBRID_QWEN2=0 leaves it out).
+  if [[ "${HYBRID_QWEN2:-1}" == 1 ]]; then
+    COMPARE_ARGS="--noise-device cuda --noise-bf16" versus_pytorch train-cuda-qwen2-moe 300 \
+      "Qwen2-MoE: 50 GPU steps vs PyTorch at lr 3e-4" --backend cuda \
+      --config examples/configs/tiny-qwen2-moe-d128.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
+    grep -E '^Qwen2-MoE' "$out/train-summary.log" >> "$out/hybrid-summary.log"
+  fi
+  if [[ "${HYBRID_BENCH:-1}" == 1 ]]; then
+    limited 200 "$build_dir/bench/kernels/bench_gated_delta" > "$out/bench_gated_delta.log" 2>&1 || bench_rc=1
+  fi
   # Qwen3-Next-80B's widths in 2 layers (one Gated DeltaNet, one gated attention; the slice of
   # docs/performance.md's thirty-ninth to forty-first sessions), 3 steps a length, the last traced.
   python3 -c "import json; c = json.load(open('examples/configs/qwen3-next-80b-a3b.json')); c['num_hidden_layers'] = 2; c['full_attention_interval'] = 2; json.dump(c, open('$build_dir/qn2.json', 'w'))"

@@ -91,7 +91,49 @@ __global__ void add_bf16_kernel(const std::uint16_t* a, const std::uint16_t* b, 
   }
 }
 
+// out[i] = row[i % width]; vec: width a multiple of 8 and both 16-byte aligned, so a thread's 8
+// elements lie in one row.
+__global__ void repeat_row_kernel(const std::uint16_t* row, std::int64_t width, std::uint16_t* out, std::int64_t n, bool vec) {
+  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x) * 8;
+  if (i >= n) return;
+  if (vec) {
+    *reinterpret_cast<uint4*>(out + i) = *reinterpret_cast<const uint4*>(row + i % width);
+  } else {
+    const std::int64_t end = i + 8 < n ? i + 8 : n;
+    for (std::int64_t j = i; j < end; ++j) out[j] = row[j % width];
+  }
+}
+
+__global__ void fill_kernel(std::uint16_t* out, std::int64_t n, std::uint16_t bits) {
+  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x) * 8;
+  const std::int64_t end = i + 8 < n ? i + 8 : n;
+  for (std::int64_t j = i; j < end; ++j) out[j] = bits;
+}
+
 }  // namespace
+
+cudaError_t repeat_row_bf16(const bf16* row, std::int64_t width, bf16* out, std::int64_t rows, cudaStream_t stream) {
+  if (width < 0 || rows < 0)
+    return detail::refuse("repeat_row_bf16: width = ", width, ", rows = ", rows, " (must be >= 0)");
+  if (width > 0 && rows > INT64_MAX / width) return detail::refuse("repeat_row_bf16: rows x width overflows");
+  const std::int64_t n = rows * width;
+  if (const cudaError_t e = check_count("repeat_row_bf16", n); e != cudaSuccess) return e;
+  if (n == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("repeat_row_bf16", {{"row", row}, {"out", out}}); e != cudaSuccess) return e;
+  const auto* r = reinterpret_cast<const std::uint16_t*>(row);
+  auto* o = reinterpret_cast<std::uint16_t*>(out);
+  if (o < r + width && r < o + n) return detail::refuse("repeat_row_bf16: out overlaps row");
+  repeat_row_kernel<<<grid_for(n, threads * 8), threads, 0, stream>>>(r, width, o, n, width % 8 == 0 && aligned_16(row, out));
+  return cudaGetLastError();
+}
+
+cudaError_t fill_bf16(bf16* out, std::int64_t n, float value, cudaStream_t stream) {
+  if (const cudaError_t e = check_count("fill_bf16", n); e != cudaSuccess) return e;
+  if (n == 0) return cudaSuccess;
+  if (const cudaError_t e = detail::refuse_null("fill_bf16", {{"out", out}}); e != cudaSuccess) return e;
+  fill_kernel<<<grid_for(n, threads * 8), threads, 0, stream>>>(reinterpret_cast<std::uint16_t*>(out), n, oom::to_bf16(value).bits);
+  return cudaGetLastError();
+}
 
 cudaError_t add_bf16(const bf16* a, const bf16* b, bf16* out, std::int64_t n, cudaStream_t stream) {
   if (const cudaError_t e = check_count("add_bf16", n); e != cudaSuccess) return e;

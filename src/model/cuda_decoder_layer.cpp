@@ -317,6 +317,7 @@ struct BackwardScratch {
   std::size_t attn_bytes;
   float* dxn1_f32;     // (T, H)   the three projections' dx summed in fp32
   bf16* dxn1;          // (T, H)   then, in place, the attention branch's d x
+  bf16* ones;          // qkv_bias: (T) ones, the row the biases' gradients are summed with
 };
 
 BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::ExpertGemmStreams& streams, void* base,
@@ -379,8 +380,27 @@ BackwardScratch carve_backward(const DecoderLayerShape& s, const kernels::Expert
   }
   b.dxn1_f32 = c.take<float>(T * H);
   b.dxn1 = c.take<bf16>(T * H);
+  if (s.qkv_bias) b.ones = c.take<bf16>(T);
   if (total) *total = c.size();
   return b;
+}
+
+/// With qkv_bias: `bias` repeated into each of the `rows` rows of `out` (width wide), for the
+/// projection's GEMM to add onto (the beta returned: 1); without, nothing (beta 0).
+float bias_under(const DecoderLayerShape& s, const bf16* bias, bf16* out, std::int64_t rows, std::int64_t width, cudaStream_t st,
+                 std::string_view step) {
+  if (!s.qkv_bias) return 0.0f;
+  check(kernels::repeat_row_bf16(bias, width, out, rows, st), step);
+  return 1.0f;
+}
+
+/// With qkv_bias: grad_bias (width) += the column sums of d (rows, width), fp32, as a GEMM of a
+/// row of ones (b.ones, filled here) with d: deterministic as the weights' gradients are.
+void bias_backward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const BackwardScratch& b, const bf16* d,
+                   std::int64_t rows, std::int64_t width, float* grad_bias, std::string_view step) {
+  if (!s.qkv_bias) return;
+  check(kernels::fill_bf16(b.ones, rows, 1.0f, ctx.stream), "fill the bias gradients' ones");
+  gemm(ctx.blas, false, false, 1, width, rows, b.ones, rows, d, width, grad_bias, CUDA_R_32F, width, 1.0f, step);
 }
 
 /// d raw from d (normed q or k), in place in `d` (tokens, heads, D), the norm's weight gradient
@@ -426,6 +446,7 @@ void check_tensors(const DecoderLayerShape& s, const Tensors& p, const char* wha
   } else {
     named.insert(named.end(), {{p.q_proj, "q_proj"}, {p.k_proj, "k_proj"}, {p.v_proj, "v_proj"}, {p.o_proj, "o_proj"}});
     if (s.qk_norm != QkNorm::none) named.insert(named.end(), {{p.q_norm, "q_norm"}, {p.k_norm, "k_norm"}});
+    if (s.qkv_bias) named.insert(named.end(), {{p.q_bias, "q_proj bias"}, {p.k_bias, "k_proj bias"}, {p.v_bias, "v_proj bias"}});
   }
   if (has_shared(s)) {
     named.insert(named.end(), {{p.shared_gate_proj, "shared_expert gate_proj"}, {p.shared_down_proj, "shared_expert down_proj"},
@@ -585,7 +606,9 @@ void DecoderLayerShape::validate() const {
     need(deltanet.tokens == tokens && deltanet.sequences == sequences && deltanet.hidden == hidden,
          fmt::format("deltanet has tokens {}, sequences {}, hidden {}; the layer {}, {}, {}", deltanet.tokens,
                      deltanet.sequences, deltanet.hidden, tokens, sequences, hidden));
+    need(!qkv_bias, "qkv_bias on a Gated DeltaNet layer (it has no q/k/v projections of its own)");
   } else {
+    need(!(qkv_bias && output_gate), "qkv_bias beside an output gate (no family has both; the host layer refuses it too)");
     need(heads_q >= 1 && heads_kv >= 1 && heads_q % heads_kv == 0,
          fmt::format("heads_q = {} must be a positive multiple of heads_kv = {}", heads_q, heads_kv));
     need(head_dim == 128 || head_dim == 256,
@@ -624,7 +647,8 @@ DecoderLayerShape DecoderLayerShape::from_spec(const ModelSpec& spec, int layer,
   DecoderLayerShape s;
   s.linear = L.attention == AttentionKind::linear;
   if (!s.linear) {
-    if (a.bias || a.qkv_bias) invalid(where + ": attention biases are not implemented");
+    if (a.bias) invalid(where + ": attention biases on o_proj (attention_bias) are not implemented");
+    s.qkv_bias = a.qkv_bias;
     if (a.sliding_window > 0) invalid(where + fmt::format(": sliding-window attention (sliding_window {}) is not implemented", a.sliding_window));
     if (a.clip_qkv > 0) invalid(where + fmt::format(": clip_qkv {} is not implemented", a.clip_qkv));
     s.qk_norm = !a.qk_norm ? QkNorm::none : a.qk_norm_full_width ? QkNorm::full_width : QkNorm::per_head;
@@ -734,10 +758,13 @@ void bind(const ModelSpec& spec, int layer, std::span<P const> bases, Out& out, 
       else if (ends_with(t.name, ".self_attn.k_proj.weight")) out.k_proj = p;
       else if (ends_with(t.name, ".self_attn.v_proj.weight")) out.v_proj = p;
       else if (ends_with(t.name, ".self_attn.o_proj.weight")) out.o_proj = p;
+      else if (ends_with(t.name, ".self_attn.q_proj.bias")) out.q_bias = p;
+      else if (ends_with(t.name, ".self_attn.k_proj.bias")) out.k_bias = p;
+      else if (ends_with(t.name, ".self_attn.v_proj.bias")) out.v_bias = p;
       else if (ends_with(t.name, ".self_attn.q_norm.weight")) out.q_norm = p;
       else if (ends_with(t.name, ".self_attn.k_norm.weight")) out.k_norm = p;
       else if (ends_with(t.name, ".mlp.gate.weight") || ends_with(t.name, ".block_sparse_moe.gate.weight")) out.router = p;
-      else invalid(fmt::format("bind {}: tensor {} is not part of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral or OLMoE decoder layer",
+      else invalid(fmt::format("bind {}: tensor {} is not part of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, OLMoE or Qwen2-MoE decoder layer",
                                what, t.name));
     }
   }
@@ -824,10 +851,13 @@ void forward_impl(const DecoderLayerContext& ctx, const DecoderLayerShape& s, co
         split_heads(s, n, st, w.qg, v.q_raw + r0 * QW, v.gate + r0 * QW, /*merge=*/false);
       }
     } else {
-      gemm(ctx.blas, false, true, T, QW, H, v.xn1, H, params.q_proj, H, v.q_raw, CUDA_R_16BF, QW, 0.0f, "q_proj forward GEMM");
+      const float beta = bias_under(s, params.q_bias, v.q_raw, T, QW, st, "q_proj bias");
+      gemm(ctx.blas, false, true, T, QW, H, v.xn1, H, params.q_proj, H, v.q_raw, CUDA_R_16BF, QW, beta, "q_proj forward GEMM");
     }
-    gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.k_proj, H, v.k_raw, CUDA_R_16BF, KW, 0.0f, "k_proj forward GEMM");
-    gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.v_proj, H, v.v, CUDA_R_16BF, KW, 0.0f, "v_proj forward GEMM");
+    float beta = bias_under(s, params.k_bias, v.k_raw, T, KW, st, "k_proj bias");
+    gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.k_proj, H, v.k_raw, CUDA_R_16BF, KW, beta, "k_proj forward GEMM");
+    beta = bias_under(s, params.v_bias, v.v, T, KW, st, "v_proj bias");
+    gemm(ctx.blas, false, true, T, KW, H, v.xn1, H, params.v_proj, H, v.v, CUDA_R_16BF, KW, beta, "v_proj forward GEMM");
     qk_norm_forward(s, v.q_raw, params.q_norm, v.q, v.q_rstd, T, s.heads_q, st, "q_norm forward");
     qk_norm_forward(s, v.k_raw, params.k_norm, v.k, v.k_rstd, T, s.heads_kv, st, "k_norm forward");
     check(kernels::rope_forward(v.q, positions, v.q, T, s.heads_q, D, rotary(s), s.rope_theta, st), "rope forward (q)");
@@ -954,6 +984,7 @@ void attention_backward_chunked(const DecoderLayerContext& ctx, const DecoderLay
       gemm(ctx.blas, false, false, n, H, QP, dq_rows, QP, params.q_proj, H, b.dxn1_f32 + r0 * H, CUDA_R_32F, H, 0.0f,
            "q_proj dx GEMM");
       gemm(ctx.blas, true, false, QP, H, n, dq_rows, QP, v.xn1 + r0 * H, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
+      bias_backward(ctx, s, b, dq_rows, n, QP, grads.q_bias, "q_proj bias gradient");
     }
   }
   check(kernels::cast_fp32_to_bf16(b.dk_sum, b.dk, T * KW, st), "round the dK sums");
@@ -1109,6 +1140,7 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
       // d xn1 = dq Wq + dk Wk + dv Wv, summed in fp32 and rounded once (the k and v terms below).
       gemm(ctx.blas, false, false, T, H, QP, dq_rows, QP, params.q_proj, H, b.dxn1_f32, CUDA_R_32F, H, 0.0f, "q_proj dx GEMM");
       gemm(ctx.blas, true, false, QP, H, T, dq_rows, QP, v.xn1, H, grads.q_proj, CUDA_R_32F, H, 1.0f, "q_proj dW GEMM");
+      bias_backward(ctx, s, b, dq_rows, T, QP, grads.q_bias, "q_proj bias gradient");
     }
     check(kernels::rope_backward(b.dk, positions, b.dk, T, s.heads_kv, D, rotary(s), s.rope_theta, st), "rope backward (k)");
     qk_norm_backward(s, b.dk, v.k_raw, params.k_norm, v.k_rstd, grads.k_norm, T, s.heads_kv, b, st, "k_norm backward");
@@ -1116,6 +1148,8 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
     gemm(ctx.blas, false, false, T, H, KW, b.dv, KW, params.v_proj, H, b.dxn1_f32, CUDA_R_32F, H, 1.0f, "v_proj dx GEMM");
     gemm(ctx.blas, true, false, KW, H, T, b.dk, KW, v.xn1, H, grads.k_proj, CUDA_R_32F, H, 1.0f, "k_proj dW GEMM");
     gemm(ctx.blas, true, false, KW, H, T, b.dv, KW, v.xn1, H, grads.v_proj, CUDA_R_32F, H, 1.0f, "v_proj dW GEMM");
+    bias_backward(ctx, s, b, b.dk, T, KW, grads.k_bias, "k_proj bias gradient");
+    bias_backward(ctx, s, b, b.dv, T, KW, grads.v_bias, "v_proj bias gradient");
   }
   check(kernels::cast_fp32_to_bf16(b.dxn1_f32, b.dxn1, T * H, st), "cast d xn1 to bf16");
   check(kernels::rmsnorm_backward(b.dxn1, x, params.input_layernorm, v.rstd1, b.dxn1, grads.input_layernorm, T, H, b.norm_ws,

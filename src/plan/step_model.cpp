@@ -109,9 +109,12 @@ WorkItem StepModel::attention_item(int layer) const {
     // for several sequences this counts b x that: safe, not tight.)
     w.per_unit = Bytes{b * ((a.output_gate ? 6 : 2) * q * bf16_bytes + 2 * a.heads * fp32_bytes)};
     // Whatever the chunk, all T (every sequence's positions): dK and dV in bf16 and their fp32
-    // sums over the chunks, d xn1 in fp32 and bf16. (Keys up to the chunk's end would do, but the
-    // layer holds them for the whole sequence.)
-    w.fixed = Bytes{b * req_.workload.seq_len * (2 * kv * (bf16_bytes + fp32_bytes) + spec_.hidden_size() * (fp32_bytes + bf16_bytes))};
+    // sums over the chunks, d xn1 in fp32 and bf16, and with q/k/v biases (Qwen2-MoE) the bf16
+    // ones their gradients are summed with. (Keys up to the chunk's end would do, but the layer
+    // holds them for the whole sequence.)
+    w.fixed = Bytes{b * req_.workload.seq_len *
+                    (2 * kv * (bf16_bytes + fp32_bytes) + spec_.hidden_size() * (fp32_bytes + bf16_bytes) +
+                     (a.qkv_bias ? bf16_bytes : 0))};
   } else {
     // The GPU block's workspace (model/cuda_deltanet.cpp, its backward's, the larger), run in
     // parts of the chunk's tokens with the state carried (slice 6); test_cuda_deltanet_shape ties

@@ -331,10 +331,12 @@ TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared exp
   }
 }
 
-TEST_CASE("Mixtral and OLMoE models (no q/k norm; q/k norm over the whole projection): every plan the resident plan's step") {
-  // tests/data/gpu-mixtral-layers.json and gpu-olmoe-layers.json: 2 layers of full attention, 8
-  // experts top-2 (OLMoE's weights not renormalised), the layers test_cuda_hybrid_layer checks.
-  for (const char* file : {"gpu-mixtral-layers.json", "gpu-olmoe-layers.json"}) {
+TEST_CASE("Mixtral, OLMoE and Qwen2-MoE models (no q/k norm; q/k norm over the whole projection; q/k/v biases): every "
+          "plan the resident plan's step") {
+  // tests/data/gpu-mixtral-layers.json, gpu-olmoe-layers.json and gpu-qwen2-moe-layers.json: 2
+  // layers of full attention, 8 experts top-2 (OLMoE's and Qwen2-MoE's weights not renormalised;
+  // Qwen2-MoE's shared expert), the layers test_cuda_hybrid_layer checks.
+  for (const char* file : {"gpu-mixtral-layers.json", "gpu-olmoe-layers.json", "gpu-qwen2-moe-layers.json"}) {
     CAPTURE(file);
     const auto spec = ModelSpec::from_file(std::string(OOM_SOURCE_DIR) + "/tests/data/" + file);
     const Plan reference = resident_plan(spec);

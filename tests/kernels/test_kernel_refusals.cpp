@@ -69,6 +69,11 @@ TEST_CASE("refusals name the launcher, the argument and the sizes") {
                  {"rope_backward: theta = 0"});
   expect_refused(k::cast_fp32_to_bf16(fake<float>(), fake(), -1, nullptr), {"cast_fp32_to_bf16: n = -1"});
   expect_refused(k::add_bf16(fake(), nullptr, fake(), 16, nullptr), {"add_bf16: b is null"});
+  expect_refused(k::repeat_row_bf16(fake(), -1, fake(), 4, nullptr), {"repeat_row_bf16: width = -1, rows = 4"});
+  expect_refused(k::repeat_row_bf16(nullptr, 8, fake(), 4, nullptr), {"repeat_row_bf16: row is null"});
+  expect_refused(k::repeat_row_bf16(fake(), 8, fake() + 4, 4, nullptr), {"repeat_row_bf16: out overlaps row"});
+  expect_refused(k::fill_bf16(nullptr, 16, 1.0f, nullptr), {"fill_bf16: out is null"});
+  expect_refused(k::fill_bf16(fake(), -2, 1.0f, nullptr), {"fill_bf16: n = -2"});
   expect_refused(k::embedding_forward(fake<std::int32_t>(), fake(), fake(), fake<std::int32_t>(), 4, 0, 64, nullptr),
                  {"embedding_forward: vocab = 0"});
   expect_refused(k::embedding_forward(fake<std::int32_t>(), fake(), fake(), nullptr, 4, 100, 64, nullptr),

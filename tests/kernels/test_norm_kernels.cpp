@@ -559,6 +559,48 @@ TEST_CASE("casts: fp32 -> bf16 has oom::to_bf16's bits (NaN, inf, ties, subnorma
   }
 }
 
+TEST_CASE("repeat_row_bf16 and fill_bf16: every row the given one, every element the value; nothing past the end") {
+  Stream stream;
+  // Widths a multiple of 8 and not, starts 16-byte aligned and not (the vector and scalar paths).
+  for (const std::int64_t width : {1, 7, 8, 256, 1000}) {
+    for (const std::int64_t rows : {1, 3, 61, 1029}) {
+      for (const std::int64_t offset : {0, 1}) {
+        CAPTURE(width);
+        CAPTURE(rows);
+        CAPTURE(offset);
+        const std::vector<bf16> row = to_bf16(random_normal(static_cast<std::size_t>(width + offset), 71 + width));
+        const std::size_t total = static_cast<std::size_t>(rows * width + offset + 8);
+        DeviceBuffer<bf16> in(row), out(total);  // poisoned, 8 past the end included
+        const std::vector<bf16> before = out.download();
+        OOM_CUDA_CHECK(k::repeat_row_bf16(in.get() + offset, width, out.get() + offset, rows, stream.s));
+        const std::vector<bf16> got = out.download();
+        std::vector<std::uint16_t> got_bits, want_bits;
+        for (std::size_t i = 0; i < total; ++i) {
+          got_bits.push_back(got[i].bits);
+          const auto j = static_cast<std::int64_t>(i) - offset;
+          want_bits.push_back(j >= 0 && j < rows * width ? row[static_cast<std::size_t>(offset + j % width)].bits : before[i].bits);
+        }
+        expect_bits(got_bits, want_bits, "repeat_row_bf16");
+      }
+    }
+  }
+  for (const std::int64_t n : {1, 7, 1000, 4099}) {
+    for (const float value : {1.0f, -0.3f}) {
+      CAPTURE(n);
+      DeviceBuffer<bf16> out(static_cast<std::size_t>(n + 9));
+      const std::vector<bf16> before = out.download();
+      OOM_CUDA_CHECK(k::fill_bf16(out.get() + 1, n, value, stream.s));
+      const std::vector<bf16> got = out.download();
+      std::vector<std::uint16_t> got_bits, want_bits;
+      for (std::int64_t i = 0; i < n + 9; ++i) {
+        got_bits.push_back(got[static_cast<std::size_t>(i)].bits);
+        want_bits.push_back(i >= 1 && i <= n ? oom::to_bf16(value).bits : before[static_cast<std::size_t>(i)].bits);
+      }
+      expect_bits(got_bits, want_bits, "fill_bf16");
+    }
+  }
+}
+
 TEST_CASE("accumulate_scaled: acc = fma(scale, grad, acc) bit for bit, bf16 and fp32 gradients") {
   Stream stream;
   const float scale = 0.37f;

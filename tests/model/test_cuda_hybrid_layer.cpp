@@ -1,8 +1,9 @@
 // GPU test of the CUDA decoder layer on the families beyond Qwen3-MoE (oom/model/cuda_decoder_layer.hpp):
 // a Gated DeltaNet layer and a gated full-attention layer of Qwen3-Next and of Qwen3.5-MoE, with
 // the shared expert, (1 + w) norms and partial rotary, and a Mixtral layer (no q/k norm, experts
-// w1/w3/w2) and an OLMoE layer (q/k norm over the whole projection, top-k weights not
-// renormalised), against HostDecoderLayer on the same bf16 weights and inputs. The host layer is
+// w1/w3/w2), an OLMoE layer (q/k norm over the whole projection, top-k weights not
+// renormalised) and a Qwen2-MoE layer (q/k/v biases, no q/k norm, a shared expert, top-k weights
+// not renormalised), against HostDecoderLayer on the same bf16 weights and inputs. The host layer is
 // the fp32 oracle: it matches transformers' own layers (tests/data/hybrid_layers_torch.safetensors
 // and moe_families_torch.safetensors, test_host_decoder_layer), so this checks the GPU layer
 // against transformers' math at widths the GPU kernels take (head_dim 128).
@@ -83,7 +84,8 @@ ModelSpec layers_spec(const std::string& family) {
 
 /// Random bf16 weights per segment of `layer`: matrices N(0, 1/16) (about 1/sqrt(fan-in) at
 /// hidden 256), norm scales 1 + N(0, 0.1) stored less the norm's offset, the conv's taps N(0, 0.4),
-/// dt_bias N(1, 0.2), A_log log U(1, 16) (transformers' initialisation).
+/// dt_bias N(1, 0.2), A_log log U(1, 16) (transformers' initialisation), q/k/v biases N(0, 0.25)
+/// (a quarter of the projections' outputs' scale, so they move y and every gradient).
 std::vector<std::vector<bf16>> random_weights(const ModelSpec& spec, int layer, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -97,6 +99,7 @@ std::vector<std::vector<bf16>> random_weights(const ModelSpec& spec, int layer, 
         else if (t.name.ends_with("conv1d.weight")) v.push_back(0.4f * normal(rng));
         else if (t.name.ends_with("dt_bias")) v.push_back(1.0f + 0.2f * normal(rng));
         else if (t.name.ends_with("A_log")) v.push_back(std::log(uniform(rng)));
+        else if (t.name.ends_with("_proj.bias")) v.push_back(0.25f * normal(rng));
         else v.push_back(normal(rng) / 16.0f);
       }
     w.push_back(to_bf16s(v));
@@ -307,6 +310,11 @@ void check_layer(const std::string& family, int layer) {
     per_head.qk_norm = model::QkNorm::per_head;
     undone.emplace_back("q/k norms per head", per_head);
   }
+  if (shape.qkv_bias) {  // Qwen2-MoE: the biases left out (and their gradients unwritten)
+    auto no_bias = shape;
+    no_bias.qkv_bias = false;
+    undone.emplace_back("no q/k/v biases", no_bias);
+  }
   if (spec.family() == ModelFamily::mixtral) {  // no q/k norm to undo: Mixtral's RoPE base instead of Qwen3's
     auto base = shape;
     base.rope_theta = 10000.0f;
@@ -340,4 +348,10 @@ TEST_CASE("Mixtral's layer (no q/k norm, experts w1/w3/w2) and OLMoE's (q/k norm
           "renormalised) on the GPU: the host layer's results") {
   check_layer("mixtral", 1);
   check_layer("olmoe", 0);
+}
+
+TEST_CASE("Qwen2-MoE's layer (q/k/v biases, no q/k norm, a shared expert, top-k not renormalised) on the GPU: the host "
+          "layer's results, in MoE and query chunks too") {
+  check_layer("qwen2-moe", 0);
+  check_layer("qwen2-moe", 1);
 }

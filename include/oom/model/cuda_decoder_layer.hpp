@@ -1,5 +1,5 @@
-// One Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE decoder layer on the GPU, forward and backward,
-// composed from OOM's kernels (include/oom/kernels/) and cuBLAS. The math is transformers'
+// One Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, OLMoE or Qwen2-MoE decoder layer on the GPU,
+// forward and backward, composed from OOM's kernels (include/oom/kernels/) and cuBLAS. The math is transformers'
 // Qwen3MoeDecoderLayer (the hybrid families' differences below):
 //
 //   xn1 = rms(x) * input_layernorm
@@ -25,6 +25,11 @@
 //     (1 + w), the 1 added in fp32 inside the kernel;
 //   - shared_intermediate > 0: a shared expert beside the routed ones,
 //     y = h + routed + sigmoid(xn2 . shared_expert_gate) * down(silu(gate xn2) * up xn2).
+// Mixtral and OLMoE differ only in their q/k norms (QkNorm) and OLMoE in norm_topk_prob; Qwen2-MoE
+// (Qwen1.5-MoE) has no q/k norm, a shared expert and qkv_bias: q, k and v are xn1 W^T + b, the
+// bias under each GEMM's fp32 sum and rounded with it once (the GEMM adds onto the bias repeated
+// in its output rows, beta = 1), each bias's gradient the column sums of its projection's output
+// gradient (a GEMM with a row of ones, fp32, accumulated like the weights').
 //
 // Dtypes: activations and weights bf16, every accumulation fp32 (cuBLAS with CUBLAS_COMPUTE_32F,
 // fp32 statistics). Parameter gradients are fp32 and ACCUMULATED (+=) into what the caller passes
@@ -119,6 +124,9 @@ struct DecoderLayerShape {
   std::int64_t attention_chunk_tokens = 0;
   /// The hybrid families' fields (see the top of this file); Qwen3-MoE's layers leave them so.
   bool output_gate = false;              ///< q_proj is (2 Hq D, H): per head [q | gate]
+  /// q_proj, k_proj and v_proj add biases (Qwen2-MoE's qkv_bias; o_proj has none). Not with
+  /// output_gate, as the host layer.
+  bool qkv_bias = false;
   std::int64_t rotary_dim = 0;           ///< dimensions RoPE rotates per head; 0: all D
   float norm_offset = 0.0f;              ///< 1 for (1 + w) RMSNorms
   std::int64_t shared_intermediate = 0;  ///< Is of the shared expert; 0: none
@@ -133,7 +141,7 @@ struct DecoderLayerShape {
 
   /// Layer `layer` of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral or OLMoE config with T =
   /// tokens in `sequences` sequences. Errc::invalid_argument when the layer is not one this class
-  /// implements (a dense MLP, attention biases, a sliding window, OLMoE's clip_qkv, Mixtral's
+  /// implements (a dense MLP, an o_proj bias (attention_bias), a sliding window, OLMoE's clip_qkv, Mixtral's
   /// router jitter, a hybrid attention without the output gate, an odd rotary dimension, a
   /// head_dim the attention kernel does not take) or the tokens do not split into the sequences.
   [[nodiscard]] static DecoderLayerShape from_spec(const ModelSpec& spec, int layer, std::int64_t tokens, std::int64_t sequences = 1);
@@ -148,6 +156,9 @@ struct DecoderLayerParams {
   const bf16* k_proj = nullptr;                    ///< (Hkv*D, H)
   const bf16* v_proj = nullptr;                    ///< (Hkv*D, H)
   const bf16* o_proj = nullptr;                    ///< (H, Hq*D)
+  const bf16* q_bias = nullptr;                    ///< (Hq*D) with qkv_bias
+  const bf16* k_bias = nullptr;                    ///< (Hkv*D)
+  const bf16* v_bias = nullptr;                    ///< (Hkv*D)
   const bf16* q_norm = nullptr;                    ///< (D)
   const bf16* k_norm = nullptr;                    ///< (D)
   const bf16* post_attention_layernorm = nullptr;  ///< (H)
@@ -169,6 +180,9 @@ struct DecoderLayerGrads {
   float* k_proj = nullptr;
   float* v_proj = nullptr;
   float* o_proj = nullptr;
+  float* q_bias = nullptr;  ///< with qkv_bias
+  float* k_bias = nullptr;
+  float* v_bias = nullptr;
   float* q_norm = nullptr;
   float* k_norm = nullptr;
   float* post_attention_layernorm = nullptr;
