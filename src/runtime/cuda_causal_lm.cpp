@@ -1271,10 +1271,12 @@ bool attention_parts_longer(const ModelSpec& spec, const Plan& p, std::uint64_t 
 /// Every layer's attention half cut into parts of at most `tokens` (a linear layer's Gated DeltaNet
 /// block: a multiple of the rule's state interval; a softmax layer's query chunks: of 128), where
 /// the plan has them longer: their workspaces grow with them as the MoE half's does with its chunk.
-void cut_attention_parts(const ModelSpec& spec, Plan& p, std::uint64_t tokens) {
+/// `softmax` false: the linear layers' only.
+void cut_attention_parts(const ModelSpec& spec, Plan& p, std::uint64_t tokens, bool softmax = true) {
   const std::uint64_t S = p.workload.seq_len;
   for (std::size_t l = 0; l < p.chunks.size(); ++l) {
     const AttentionKind kind = spec.layer(static_cast<int>(l)).attention;
+    if (!softmax && kind != AttentionKind::linear) continue;
     const std::uint64_t part = part_of(kind, tokens), now = planned_part(kind, S, p.chunks[l].attention);
     if (part >= S || (now > 0 && now <= part)) continue;
     auto& ends = p.chunks[l].attention;
@@ -1372,7 +1374,15 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
       Bytes last = whole_moe[k].first;
       for (std::uint64_t c = p.largest_moe_chunk() / 2; c >= smallest_moe_chunk; c /= 2) {
         for (auto& lc : p.chunks) lc.moe_tokens = c;
-        cut_attention_parts(spec, p, c);
+        // A softmax layer in query chunks holds dK/dV's fp32 sums T-wide (DecoderLayerShape::
+        // attention_chunk_tokens): with as many key heads as query heads (OLMoE, Qwen1.5-MoE)
+        // they take more than the rows the chunks spare, and where the layer's peak is elsewhere
+        // they spare nothing. Its queries are cut with the chunk only where that weighs less.
+        cut_attention_parts(spec, p, c, /*softmax=*/false);
+        Plan all_cut = p;
+        cut_attention_parts(spec, all_cut, c);
+        if (gpu_and_host(footprint(spec, all_cut, options)).gpu < gpu_and_host(footprint(spec, p, options)).gpu)
+          p = std::move(all_cut);
         const std::size_t before = fitting.size();
         const Bytes gpu = weigh(p);
         if (fitting.size() > before) {

@@ -837,6 +837,38 @@ TEST_CASE("fit: a linear layer's token parts are cut with the MoE chunk where on
                               ends.front())) != std::string::npos);
 }
 
+TEST_CASE("fit: a softmax layer's queries are cut with the MoE chunk only where that weighs less (OLMoE: as many key heads as query heads)") {
+  // In query chunks a layer holds dK/dV's fp32 sums for all T (8 head_dim bytes a token a key
+  // head); the rows they spare are 4 head_dim + 8 bytes a token a query head. With OLMoE's 16/16
+  // heads, chunks take more GPU memory than the whole sequence. At 512K in 80 GiB the fit must
+  // halve the MoE chunk (its variants with the planned chunk weigh 85 GiB and more): it leaves the
+  // queries whole, and cutting them with the chunk (as until the fiftieth session) would weigh
+  // more than the budget.
+  const auto spec = config("olmoe-1b-7b-0924.json");
+  REQUIRE(spec.attention().kv_heads == spec.attention().heads);
+  const std::uint64_t S = 524288;
+  const auto profile = MachineProfile::builtin("h200", 1);
+  const auto plans = candidates_for(spec, S);
+  const Bytes budget = 80_GiB;
+  const CudaPlanFit fit = CudaCausalLm::fit(spec, plans, budget, profile.host_memory);
+  MESSAGE("OLMoE at 512K in 80 GiB: " << fit.plan.retention_name << ", " << describe_chunks(spec, fit.plan) << ", "
+                                      << gib(gpu_bytes(fit.footprint)) << " GiB");
+  REQUIRE(fit.plan.largest_moe_chunk() < plans[fit.candidate].largest_moe_chunk());  // the chunk was halved
+  for (std::size_t l = 0; l < fit.plan.chunks.size(); ++l) CHECK(fit.plan.chunks[l].attention == plans[fit.candidate].chunks[l].attention);
+  CHECK(describe_chunks(spec, fit.plan).find("query chunks") == std::string::npos);
+  Plan cut = fit.plan;
+  const std::uint64_t c = cut.largest_moe_chunk() / 128 * 128;
+  for (auto& lc : cut.chunks) {
+    lc.attention.clear();
+    for (std::uint64_t e = c; e < S; e += c) lc.attention.push_back(e);
+    lc.attention.push_back(S);
+  }
+  const Bytes cut_gpu = gpu_bytes(CudaCausalLm::footprint(spec, cut));
+  MESSAGE("  with the queries cut to " << c << " tokens: " << gib(cut_gpu) << " GiB");
+  CHECK(cut_gpu > gpu_bytes(fit.footprint));
+  CHECK(cut_gpu > budget);
+}
+
 TEST_CASE("the load-balancing loss: its accumulator and each micro-batch's loss on the GPU, nothing else; counts past int32 refused") {
   Json j = read_json_file(std::string(OOM_SOURCE_DIR) + "/examples/configs/moe-5b.json");
   const auto plain = ModelSpec::from_json(j);
