@@ -13,6 +13,8 @@
 # PARTS=kernels builds and runs only the gpu tests and the kernel benchmarks (issue 5's checks).
 # PARTS=hybrid builds and runs only the gated delta rule's and the hybrid model's GPU tests,
 # bench_gated_delta and a 2-layer Qwen3-Next-80B slice at HYBRID_SEQS (default "32768 262144").
+# PARTS=families builds and runs only the GPU checks of Mixtral, OLMoE and Qwen2-MoE (the layer
+# against the host layer, every plan bit for bit, Qwen2-MoE 50 steps against transformers).
 # PARTS=balance builds and runs only the load-balancing loss's GPU checks (its kernels, the
 # executor's plans, 50 steps of two router-loss configs against transformers).
 # PARTS=layers builds and runs only the CudaLayerExecutor's test and oom-custom-layer on both
@@ -107,14 +109,18 @@ kernel_tests=(test_gpu_device test_gpu_streaming test_cuda_causal_lm test_norm_k
 # PARTS=group (docs/multi-gpu.md; run it with kind nvidia-h200-x2): DeviceGroup's tests over every
 # visible GPU, then a quick oom-calibrate over all of them (NCCL rates, the host links together).
 [[ "$parts" == " group " ]] && targets=(--target test_device_group test_device_group_check oom-calibrate ${EXTRA_TARGETS:-})
-# PARTS=hybrid: the gated delta rule's kernels and the GPU tests of the families beyond Qwen3-MoE
-# (hybrid, Mixtral, OLMoE, Qwen2-MoE), 50 Qwen2-MoE steps against transformers (HYBRID_QWEN2=0:
-# not), bench_gated_delta (HYBRID_BENCH=0: not), and a 2-layer Qwen3-Next-80B slice in oom-train
-# at $HYBRID_SEQS (predicted vs measured; HYBRID_SEQS=" ": none).
+# PARTS=hybrid: the gated delta rule's kernels and the hybrid model's GPU tests, bench_gated_delta,
+# and a 2-layer Qwen3-Next-80B slice in oom-train at $HYBRID_SEQS (predicted vs measured).
 hybrid_targets=(test_gated_delta_kernels test_deltanet_kernels test_cuda_deltanet test_cuda_hybrid_layer test_cuda_causal_lm
   bench_gated_delta oom-train)
 if [[ "$parts" == " hybrid " ]]; then targets=(--target "${hybrid_targets[@]}" ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" hybrid "* && ${#targets[@]} -gt 0 ]]; then targets+=("${hybrid_targets[@]}"); fi
+# PARTS=families: the CUDA layer's families beyond Qwen3-MoE that need no Gated DeltaNet (Mixtral,
+# OLMoE, Qwen2-MoE; docs/trainer.md): the bias kernels' test, test_cuda_hybrid_layer's cases of
+# those families, test_cuda_causal_lm's, and 50 Qwen2-MoE GPU steps against transformers.
+families_targets=(test_norm_kernels test_cuda_hybrid_layer test_cuda_causal_lm oom-train)
+if [[ "$parts" == " families " ]]; then targets=(--target "${families_targets[@]}" ${EXTRA_TARGETS:-})
+elif [[ "$parts" == *" families "* && ${#targets[@]} -gt 0 ]]; then targets+=("${families_targets[@]}"); fi
 # PARTS=balance: the load-balancing loss on the GPU (docs/runtime.md): its kernels' and the
 # executor's tests, and 50 GPU steps of two router-loss configs against transformers.
 balance_targets=(test_moe_kernels test_cuda_causal_lm test_cuda_deltanet_shape oom-train)
@@ -242,18 +248,7 @@ if [[ "$parts" == *" hybrid "* ]]; then
   limited 300 "$build_dir/tests/test_cuda_causal_lm" -tc="*hybrid*,Mixtral*" > "$out/test_cuda_causal_lm-hybrid.log" 2>&1 || gpu_rc=1
   echo "test_cuda_causal_lm (hybrid, Mixtral/OLMoE/Qwen2-MoE cases): $(grep -E 'test cases:|assertions:' "$out/test_cuda_causal_lm-hybrid.log" | tr '\n' ' ')" \
     >> "$out/hybrid-summary.log"
-  # Qwen2-MoE (q/k/v biases, a shared expert, top-k not renormalised): 50 GPU steps against
-  # transformers' Qwen2MoeForCausalLM in fp32, PyTorch's own bf16 run beside as the noise floor
-  # (HYBRID_QWEN2=0 leaves it out).
-  if [[ "${HYBRID_QWEN2:-1}" == 1 ]]; then
-    COMPARE_ARGS="--noise-device cuda --noise-bf16" versus_pytorch train-cuda-qwen2-moe 300 \
-      "Qwen2-MoE: 50 GPU steps vs PyTorch at lr 3e-4" --backend cuda \
-      --config examples/configs/tiny-qwen2-moe-d128.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
-    grep -E '^Qwen2-MoE' "$out/train-summary.log" >> "$out/hybrid-summary.log"
-  fi
-  if [[ "${HYBRID_BENCH:-1}" == 1 ]]; then
-    limited 200 "$build_dir/bench/kernels/bench_gated_delta" > "$out/bench_gated_delta.log" 2>&1 || bench_rc=1
-  fi
+  limited 200 "$build_dir/bench/kernels/bench_gated_delta" > "$out/bench_gated_delta.log" 2>&1 || bench_rc=1
   # Qwen3-Next-80B's widths in 2 layers (one Gated DeltaNet, one gated attention; the slice of
   # docs/performance.md's thirty-ninth to forty-first sessions), 3 steps a length, the last traced.
   python3 -c "import json; c = json.load(open('examples/configs/qwen3-next-80b-a3b.json')); c['num_hidden_layers'] = 2; c['full_attention_interval'] = 2; json.dump(c, open('$build_dir/qn2.json', 'w'))"
@@ -268,6 +263,26 @@ if [[ "$parts" == *" hybrid "* ]]; then
     echo "qn2 seq $seq: exit $rc — $(grep '^step' "$out/train-qn2-$seq.log" | tail -1)" >> "$out/hybrid-summary.log"
     grep "recorded in" "$out/train-qn2-$seq.log" >> "$out/hybrid-summary.log"
   done
+fi
+
+if [[ "$parts" == *" families "* ]]; then
+  limited 120 "$build_dir/tests/test_norm_kernels" -tc="repeat_row*,casts*" > "$out/test_norm_kernels-families.log" 2>&1 || gpu_rc=1
+  echo "test_norm_kernels (bias rows, fills, casts): $(grep -E 'test cases:|assertions:' "$out/test_norm_kernels-families.log" | tr '\n' ' ')" \
+    >> "$out/families-summary.log"
+  limited 300 "$build_dir/tests/test_cuda_hybrid_layer" -s -tc="Mixtral*,Qwen2*" > "$out/test_cuda_hybrid_layer-families.log" 2>&1 || gpu_rc=1
+  grep -E "MESSAGE: ((mixtral|olmoe|qwen2-moe) layer|  (chunked vs|query chunks|with ))" "$out/test_cuda_hybrid_layer-families.log" |
+    sed 's/.*MESSAGE: //' >> "$out/families-summary.log"
+  echo "test_cuda_hybrid_layer (Mixtral, OLMoE, Qwen2-MoE): $(grep -E 'test cases:|assertions:' "$out/test_cuda_hybrid_layer-families.log" | tr '\n' ' ')" \
+    >> "$out/families-summary.log"
+  limited 300 "$build_dir/tests/test_cuda_causal_lm" -s -tc="Mixtral*" > "$out/test_cuda_causal_lm-families.log" 2>&1 || gpu_rc=1
+  echo "test_cuda_causal_lm (Mixtral, OLMoE, Qwen2-MoE models): $(grep -E 'resident plan:|test cases:|assertions:' "$out/test_cuda_causal_lm-families.log" | sed 's/.*MESSAGE: //' | tr '\n' ' ')" \
+    >> "$out/families-summary.log"
+  # Qwen2-MoE: q/k/v biases, a shared expert, top-k not renormalised; PyTorch's own bf16 run beside
+  # its fp32 one as the noise floor.
+  COMPARE_ARGS="--noise-device cuda --noise-bf16" versus_pytorch train-cuda-qwen2-moe 300 "Qwen2-MoE: 50 GPU steps vs PyTorch at lr 3e-4" \
+    --backend cuda --config examples/configs/tiny-qwen2-moe-d128.json --steps 50 --seq 128 --lr 3e-4 --log-every 10
+  grep -E '^Qwen2-MoE' "$out/train-summary.log" >> "$out/families-summary.log"
+  cat "$out/families-summary.log"
 fi
 
 if [[ "$parts" == *" balance "* ]]; then
@@ -646,7 +661,7 @@ for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), 
                     ("bench_attention_d256.log", 7), ("sdpa_d256.log", 7),
                     ("train-3e-3.log", 3), ("compare-layer.log", 30), ("compare-train-3e-3.log", 8),
                     ("compare-train-1e-3.log", 8), ("sanitizer.log", 2),
-                    ("calibrate.log", 40), ("train-summary.log", 24), ("hybrid-summary.log", 12), ("skipped.log", 40)):
+                    ("calibrate.log", 40), ("train-summary.log", 24), ("hybrid-summary.log", 12), ("families-summary.log", 16), ("skipped.log", 40)):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"--- {name} (last lines)")

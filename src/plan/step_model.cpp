@@ -108,13 +108,14 @@ WorkItem StepModel::attention_item(int layer) const {
     // bf16; the kernel's two fp32 a query head. (The layer takes one sequence's chunk at a time;
     // for several sequences this counts b x that: safe, not tight.)
     w.per_unit = Bytes{b * ((a.output_gate ? 6 : 2) * q * bf16_bytes + 2 * a.heads * fp32_bytes)};
-    // Whatever the chunk, all T (every sequence's positions): dK and dV in bf16 and their fp32
-    // sums over the chunks, d xn1 in fp32 and bf16, and with q/k/v biases (Qwen2-MoE) the bf16
-    // ones their gradients are summed with. (Keys up to the chunk's end would do, but the layer
-    // holds them for the whole sequence.)
-    w.fixed = Bytes{b * req_.workload.seq_len *
-                    (2 * kv * (bf16_bytes + fp32_bytes) + spec_.hidden_size() * (fp32_bytes + bf16_bytes) +
-                     (a.qkv_bias ? bf16_bytes : 0))};
+    // Whatever the chunk, all T (every sequence's positions): dK and dV in bf16, d xn1 in fp32
+    // and bf16, and with q/k/v biases (Qwen2-MoE) the bf16 ones their gradients are summed with;
+    // in query chunks also dK's and dV's fp32 sums over the chunks (split_fixed: a whole sequence
+    // at once holds none). (Keys up to the chunk's end would do, but the layer holds them for the
+    // whole sequence.)
+    const std::uint64_t T = b * req_.workload.seq_len;
+    w.fixed = Bytes{T * (2 * kv * bf16_bytes + spec_.hidden_size() * (fp32_bytes + bf16_bytes) + (a.qkv_bias ? bf16_bytes : 0))};
+    w.split_fixed = Bytes{T * 2 * kv * fp32_bytes};
   } else {
     // The GPU block's workspace (model/cuda_deltanet.cpp, its backward's, the larger), run in
     // parts of the chunk's tokens with the state carried (slice 6); test_cuda_deltanet_shape ties

@@ -512,9 +512,10 @@ TEST_CASE("the planner's workset for a softmax layer's query chunk is the CUDA l
     const std::int64_t per_chunk_token = static_cast<std::int64_t>(w.per_unit.count());
     const std::int64_t chunk_step = workspace(T, C2) - workspace(T, C1);
     CHECK(std::abs(chunk_step - per_chunk_token * (C2 - C1)) <= 8 * 256);
-    // T-wide: twice the tokens with the same chunk.
+    // T-wide: twice the tokens with the same chunk (in chunks, the fp32 dK/dV sums too: split_fixed).
     REQUIRE(w.fixed.count() % T == 0);
-    const std::int64_t wide = static_cast<std::int64_t>(w.fixed.count()) / T;
+    REQUIRE(w.split_fixed.count() % T == 0);
+    const std::int64_t wide = static_cast<std::int64_t>((w.fixed + w.split_fixed).count()) / T;
     const std::int64_t t_step = workspace(2 * T, C1) - workspace(T, C1);
     // The others: d xn2 (bf16), the routing weights' gradient (fp32, k), the router logits'
     // gradient (fp32, E) and the router backward's scratch (2 bytes an expert).
@@ -533,8 +534,19 @@ TEST_CASE("the planner's workset for a softmax layer's query chunk is the CUDA l
     if (spec.attention().heads >= 2 * spec.attention().kv_heads) CHECK(saved > 0);
     else CHECK(saved < 0);
     CHECK(std::abs(saved - (per_chunk_token * (T - C1) - 2 * kv * 4 * T)) <= 16 * 256);
+    CHECK(static_cast<std::int64_t>(w.split_fixed.count()) == 2 * kv * 4 * T);  // the sums, held only in chunks
+    // The planner's live bytes whole (no sums) and in chunks differ as the layer's workspaces do.
+    const auto live = [&](std::int64_t end) { return static_cast<std::int64_t>(live_bytes(w, 0, static_cast<std::uint64_t>(end)).count()); };
+    CHECK(std::abs((workspace(T, 0) - live(T)) - (workspace(T, C1) - live(C1))) <= 16 * 256);
+    // With as many key heads as query heads no split weighs less than the whole sequence: the
+    // planner keeps it whole at any budget it fits, as the fit does (test_cuda_footprint).
+    if (saved < 0) {
+      CHECK(DependencyPartitioner::min_budget(w) == live_bytes(w, 0, static_cast<std::uint64_t>(T)));
+      CHECK(DependencyPartitioner{}.partition(w, DependencyPartitioner::min_budget(w)).chunks.size() == 1);
+      continue;
+    }
     // Partitioned for a budget that takes a few chunks: equal ones, the last shorter, each within it.
-    const Bytes budget = w.fixed + Bytes{static_cast<std::uint64_t>(per_chunk_token) * 20000};
+    const Bytes budget = w.fixed + w.split_fixed + Bytes{static_cast<std::uint64_t>(per_chunk_token) * 20000};
     const auto part = DependencyPartitioner{}.partition(w, budget);
     REQUIRE(part.chunks.size() > 2);
     for (std::size_t i = 0; i + 1 < part.chunks.size(); ++i) CHECK(part.chunks[i].end - part.chunks[i].begin == part.chunks[0].end);

@@ -24,6 +24,7 @@ WorkItem random_item(std::mt19937_64& rng) {
   w.fixed = Bytes{fixed(rng)};
   w.per_unit = Bytes{unit(rng)};
   if (w.dependency == ChunkDependency::causal_prefix) w.per_prefix_unit = Bytes{prefix(rng)};
+  if (rng() % 3 == 0) w.split_fixed = Bytes{fixed(rng)};  // held only while split
   return w;
 }
 }  // namespace
@@ -70,6 +71,29 @@ TEST_CASE("random work items: contract holds, and feasibility is exactly min_bud
   }
   CHECK(feasible > 10000);
   CHECK(infeasible > 1000);
+}
+
+TEST_CASE("split_fixed: held only in a split; the whole extent wherever it fits, even where a split would not") {
+  // A query-chunked attention backward's fp32 dK/dV sums: 16 KiB a token, 8 KiB a token of rows.
+  WorkItem w{ChunkDependency::causal_prefix, 65536, 128, 1_GiB, 8_KiB, 0_B, 1_GiB};
+  const Bytes whole = live_bytes(w, 0, w.extent);
+  CHECK(whole == 1_GiB + 512_MiB);
+  CHECK(live_bytes(w, 0, 128) == 2_GiB + 1_MiB);  // a chunk short of the whole: with the sums
+  CHECK(live_bytes(w, 128, 65536) == 2_GiB + 512_MiB - 1_MiB);
+  // Whole fits below any split's need: min_budget is the whole's, and that budget gives one chunk.
+  CHECK(DependencyPartitioner::min_budget(w) == whole);
+  const Partition one = DependencyPartitioner{}.partition(w, whole);
+  REQUIRE(one.chunks.size() == 1);
+  CHECK(one.peak == whole);
+  CHECK_THROWS_AS((void)DependencyPartitioner{}.partition(w, whole - 1_B), Error);
+  // With less per token held by the split than the whole spares, a split fits where the whole does not.
+  w.split_fixed = 64_MiB;
+  CHECK(DependencyPartitioner::min_budget(w) == live_bytes(w, 65536 - 128, 65536));
+  const Bytes budget = 1_GiB + 64_MiB + 128_MiB;
+  const Partition p = DependencyPartitioner{}.partition(w, budget);
+  REQUIRE(satisfies_partition_contract(w, p, budget));
+  REQUIRE(p.chunks.size() == 4);  // 16384 tokens of rows each, every chunk holding the sums
+  for (const auto& c : p.chunks) CHECK(c.live == 1_GiB + 64_MiB + 8_KiB * (c.end - c.begin));
 }
 
 TEST_CASE("causal chunks shrink as their prefix grows") {

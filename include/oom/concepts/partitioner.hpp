@@ -22,6 +22,9 @@ struct WorkItem {
   Bytes fixed;                   ///< live whatever the chunk size (weights in use, carried state)
   Bytes per_unit;                ///< live per unit in the chunk (inputs, outputs, temporaries)
   Bytes per_prefix_unit;         ///< causal_prefix only: live per earlier unit (keys/values it reads)
+  /// Live only while the work runs split, in every chunk of a split: what carries across chunks
+  /// (a query-chunked attention backward's fp32 dK/dV sums). Not in a chunk of the whole extent.
+  Bytes split_fixed;
 };
 
 struct Chunk {
@@ -36,9 +39,11 @@ struct Partition {
   Bytes peak;                 ///< max live over the chunks
 };
 
-/// Bytes live while units [begin, end) of `w` run.
+/// Bytes live while units [begin, end) of `w` run (a chunk short of the whole extent: with
+/// split_fixed).
 constexpr Bytes live_bytes(const WorkItem& w, std::uint64_t begin, std::uint64_t end) {
   Bytes live = w.fixed + w.per_unit * (end - begin);
+  if (begin > 0 || end < w.extent) live += w.split_fixed;
   if (w.dependency == ChunkDependency::causal_prefix) live += w.per_prefix_unit * end;
   return live;
 }

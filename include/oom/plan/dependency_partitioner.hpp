@@ -5,6 +5,7 @@
 //     smaller; greedy from the front takes the largest chunk that fits each time, which gives
 //     the fewest chunks (each chunk's end is as far as the budget allows);
 //   - none: one chunk, or an error.
+// The whole extent in one chunk wherever it fits (a split adds WorkItem::split_fixed).
 #pragma once
 
 #include <algorithm>
@@ -18,24 +19,11 @@ namespace oom {
 
 class DependencyPartitioner {
  public:
-  /// The least budget for which partition(w, budget) succeeds.
+  /// The least budget for which partition(w, budget) succeeds: the whole extent's, or a split's
+  /// into single granules where that is less.
   [[nodiscard]] static Bytes min_budget(const WorkItem& w) {
     if (w.extent == 0) return Bytes{};  // no work, nothing live
-    const std::uint64_t g = std::max<std::uint64_t>(w.granularity, 1);
-    switch (w.dependency) {
-      case ChunkDependency::none: return live_bytes(w, 0, w.extent);
-      case ChunkDependency::independent:
-      case ChunkDependency::carried_state: return live_bytes(w, 0, std::min(g, w.extent));
-      case ChunkDependency::causal_prefix: {
-        // With chunks of one granule each, live grows with the end: the worst is the last full
-        // granule or the final partial one.
-        const std::uint64_t tail = w.extent % g == 0 ? g : w.extent % g;
-        Bytes worst = live_bytes(w, w.extent - tail, w.extent);
-        if (w.extent > tail) worst = max(worst, live_bytes(w, w.extent - tail - std::min(g, w.extent - tail), w.extent - tail));
-        return worst;
-      }
-    }
-    return live_bytes(w, 0, w.extent);
+    return min(live_bytes(w, 0, w.extent), min_split_budget(w));
   }
 
   /// See the partitioner concept; throws Errc::out_of_budget naming the bytes needed.
@@ -55,6 +43,10 @@ class DependencyPartitioner {
       p.chunks.push_back({b, e, live_bytes(w, b, e)});
       p.peak = max(p.peak, p.chunks.back().live);
     };
+    if (live_bytes(w, 0, w.extent) <= budget) {
+      add(0, w.extent);
+      return p;
+    }
     switch (w.dependency) {
       case ChunkDependency::none: add(0, w.extent); break;
       case ChunkDependency::independent:
@@ -83,19 +75,41 @@ class DependencyPartitioner {
  private:
   static std::uint64_t round_up(std::uint64_t n, std::uint64_t g) { return (n + g - 1) / g * g; }
 
-  // Largest size, a multiple of g (or the whole extent), with fixed + per_unit*size <= budget.
+  // The least budget of a split into single granules (the whole extent where one granule covers it).
+  static Bytes min_split_budget(const WorkItem& w) {
+    const std::uint64_t g = std::max<std::uint64_t>(w.granularity, 1);
+    switch (w.dependency) {
+      case ChunkDependency::none: return live_bytes(w, 0, w.extent);
+      case ChunkDependency::independent:
+      case ChunkDependency::carried_state: return live_bytes(w, 0, std::min(g, w.extent));
+      case ChunkDependency::causal_prefix: {
+        // With chunks of one granule each, live grows with the end: the worst is the last full
+        // granule or the final partial one.
+        const std::uint64_t tail = w.extent % g == 0 ? g : w.extent % g;
+        Bytes worst = live_bytes(w, w.extent - tail, w.extent);
+        if (w.extent > tail) worst = max(worst, live_bytes(w, w.extent - tail - std::min(g, w.extent - tail), w.extent - tail));
+        return worst;
+      }
+    }
+    return live_bytes(w, 0, w.extent);
+  }
+
+  // Largest size, a multiple of g (or the whole extent), with fixed + split_fixed + per_unit*size
+  // <= budget (partition() has taken the whole extent where it fits).
   static std::uint64_t largest_even_chunk(const WorkItem& w, Bytes budget, std::uint64_t g) {
     if (w.per_unit.count() == 0) return w.extent;
-    const std::uint64_t units = (budget - w.fixed).count() / w.per_unit.count();
+    const std::uint64_t units = (budget - w.fixed - w.split_fixed).count() / w.per_unit.count();
     if (units >= w.extent) return w.extent;
     return std::max<std::uint64_t>(units / g * g, g);
   }
 
-  // Largest end e > b (b + multiple of g, or the extent) with live_bytes(w, b, e) <= budget.
+  // Largest end e > b (b + multiple of g, or the extent) with live_bytes(w, b, e) <= budget, in a
+  // split (partition() has taken the whole extent where it fits).
   static std::uint64_t largest_causal_end(const WorkItem& w, Bytes budget, std::uint64_t g, std::uint64_t b) {
-    // fixed + per_unit*(e-b) + per_prefix*e <= budget  <=>  e <= (budget - fixed + per_unit*b) / (per_unit + per_prefix)
+    // fixed + split_fixed + per_unit*(e-b) + per_prefix*e <= budget
+    //   <=>  e <= (budget - fixed - split_fixed + per_unit*b) / (per_unit + per_prefix)
     const std::uint64_t slope = w.per_unit.count() + w.per_prefix_unit.count();
-    const std::uint64_t room = (budget - w.fixed).count() + w.per_unit.count() * b;
+    const std::uint64_t room = (budget - w.fixed - w.split_fixed).count() + w.per_unit.count() * b;
     const std::uint64_t e_max = slope == 0 ? w.extent : room / slope;
     if (e_max >= w.extent) return w.extent;
     const std::uint64_t e = b + (e_max - std::min(e_max, b)) / g * g;
