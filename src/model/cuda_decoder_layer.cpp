@@ -395,11 +395,11 @@ float bias_under(const DecoderLayerShape& s, const bf16* bias, bf16* out, std::i
 }
 
 /// With qkv_bias: grad_bias (width) += the column sums of d (rows, width), fp32, as a GEMM of a
-/// row of ones (b.ones, filled here) with d: deterministic as the weights' gradients are.
+/// row of ones (b.ones, filled as the attention phase begins) with d: deterministic as the
+/// weights' gradients are.
 void bias_backward(const DecoderLayerContext& ctx, const DecoderLayerShape& s, const BackwardScratch& b, const bf16* d,
                    std::int64_t rows, std::int64_t width, float* grad_bias, std::string_view step) {
   if (!s.qkv_bias) return;
-  check(kernels::fill_bf16(b.ones, rows, 1.0f, ctx.stream), "fill the bias gradients' ones");
   gemm(ctx.blas, false, false, 1, width, rows, b.ones, rows, d, width, grad_bias, CUDA_R_32F, width, 1.0f, step);
 }
 
@@ -1110,7 +1110,9 @@ void decoder_layer_backward(const DecoderLayerContext& ctx, const DecoderLayerSh
   if (s.linear) {  // linear attention: h = x + deltanet(xn1)
     deltanet_backward(ctx.blas, st, s.deltanet, params.deltanet, v.xn1, dh, b.dxn1_f32, grads.deltanet, v.deltanet, b.deltanet_ws);
   } else {
-    // softmax attention: h = x + o_in Wo^T, o_in = O or (gated) O * sigmoid(gate)
+    // softmax attention: h = x + o_in Wo^T, o_in = O or (gated) O * sigmoid(gate). The biases'
+    // ones share storage with the MoE phase's buffers: filled now, once for q, k and v.
+    if (s.qkv_bias) check(kernels::fill_bf16(b.ones, T, 1.0f, st), "fill the bias gradients' ones");
     const std::int64_t QP = q_proj_rows(s);
     if (attention_chunked(s)) {
       attention_backward_chunked(ctx, s, params, positions, v, b, dh, grads);

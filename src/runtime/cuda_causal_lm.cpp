@@ -1258,11 +1258,13 @@ Plan with_offloaded_boundaries(Plan p, std::size_t j) {
 }
 
 /// Whether a layer of `p` runs its attention half in parts longer than part_of(tokens) (a whole
-/// sequence counting as one part): what cutting them to `tokens` would still shrink.
-bool attention_parts_longer(const ModelSpec& spec, const Plan& p, std::uint64_t tokens) {
+/// sequence counting as one part): what cutting them to `tokens` would still shrink. `softmax`
+/// false: the linear layers' only.
+bool attention_parts_longer(const ModelSpec& spec, const Plan& p, std::uint64_t tokens, bool softmax = true) {
   const std::uint64_t S = p.workload.seq_len;
   for (std::size_t l = 0; l < p.chunks.size(); ++l) {
     const AttentionKind kind = spec.layer(static_cast<int>(l)).attention;
+    if (!softmax && kind != AttentionKind::linear) continue;
     const std::uint64_t part = planned_part(kind, S, p.chunks[l].attention);
     if (std::min(S, part > 0 ? part : S) > part_of(kind, tokens)) return true;
   }
@@ -1337,8 +1339,7 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
   for (std::size_t i = 0; i < candidates.size(); ++i) {
     std::vector<CudaPlanFit> fitting;
     // Weighs `p`: its GPU bytes; kept in `fitting` when it fits.
-    const auto weigh = [&](const Plan& p) {
-      const auto fp = footprint(spec, p, options);
+    const auto weigh_footprint = [&](const Plan& p, const std::array<Bytes, claimant_count>& fp) {
       const auto [gpu, host] = gpu_and_host(fp);
       least_gpu = std::min(least_gpu, gpu);
       least_host = std::min(least_host, host);
@@ -1347,6 +1348,7 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
       if (ok) fitting.push_back({p, i, fp});
       return gpu;
     };
+    const auto weigh = [&](const Plan& p) { return weigh_footprint(p, footprint(spec, p, options)); };
     // The first fit in the documented order, unless a predictor ranks them all.
     const auto enough = [&] { return !fit.predict_step && !fitting.empty(); };
     // A plan that regenerates boundaries through earlier layers (the planner's hybrid-regenerate)
@@ -1381,17 +1383,19 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
         cut_attention_parts(spec, p, c, /*softmax=*/false);
         Plan all_cut = p;
         cut_attention_parts(spec, all_cut, c);
-        if (gpu_and_host(footprint(spec, all_cut, options)).gpu < gpu_and_host(footprint(spec, p, options)).gpu)
-          p = std::move(all_cut);
+        const auto linear_cut_fp = footprint(spec, p, options), all_cut_fp = footprint(spec, all_cut, options);
+        const bool cut_softmax = gpu_and_host(all_cut_fp).gpu < gpu_and_host(linear_cut_fp).gpu;
+        if (cut_softmax) p = std::move(all_cut);
         const std::size_t before = fitting.size();
-        const Bytes gpu = weigh(p);
+        const Bytes gpu = weigh_footprint(p, cut_softmax ? all_cut_fp : linear_cut_fp);
         if (fitting.size() > before) {
           way_fits[k] = true;
           break;
         }
         // Smaller chunks no longer help (the attention half dominates), unless a layer's attention
-        // parts are still longer than the next chunk: cutting them may (their workspace).
-        if (!(gpu < last) && !attention_parts_longer(spec, p, c / 2)) break;
+        // parts are still longer than the next chunk: cutting them may (their workspace). That is
+        // the linear layers', and the softmax layers' only where cutting them weighed less here.
+        if (!(gpu < last) && !attention_parts_longer(spec, p, c / 2, /*softmax=*/cut_softmax)) break;
         last = gpu;
         by_chunk[k].push_back(p);
       }

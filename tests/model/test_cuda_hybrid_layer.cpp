@@ -39,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -310,10 +311,13 @@ void check_layer(const std::string& family, int layer) {
     per_head.qk_norm = model::QkNorm::per_head;
     undone.emplace_back("q/k norms per head", per_head);
   }
-  if (shape.qkv_bias) {  // Qwen2-MoE: the biases left out (and their gradients unwritten)
-    auto no_bias = shape;
-    no_bias.qkv_bias = false;
-    undone.emplace_back("no q/k/v biases", no_bias);
+  // Qwen2-MoE: the biases left out. Their gradients are then unwritten (1.0 apart whatever the
+  // forward did), so this one is judged on y and dx alone: the host layer without its biases moves
+  // them by 0.32-0.35 and 0.19-0.21 on these weights (measured on the CPU, 2026-12-05).
+  std::optional<model::DecoderLayerShape> no_bias;
+  if (shape.qkv_bias) {
+    no_bias = shape;
+    no_bias->qkv_bias = false;
   }
   if (spec.family() == ModelFamily::mixtral) {  // no q/k norm to undo: Mixtral's RoPE base instead of Qwen3's
     auto base = shape;
@@ -329,6 +333,12 @@ void check_layer(const std::string& family, int layer) {
     const Errors e = compare(spec, layer, gpu_run(spec, layer, wrong, w, x, dy, 0), want, tie);
     MESSAGE(fmt::format("  with {}: worst rel L2 {:.2e}", what, e.worst()));
     CHECK(e.worst() > 10 * tolerance);
+  }
+  if (no_bias) {
+    const Errors e = compare(spec, layer, gpu_run(spec, layer, *no_bias, w, x, dy, 0), want, tie);
+    MESSAGE(fmt::format("  with no q/k/v biases: rel L2 y {:.2e}, dx {:.2e}", e.y, e.dx));
+    CHECK(e.y > 10 * tolerance);
+    CHECK(e.dx > 10 * tolerance);
   }
 }
 

@@ -139,7 +139,7 @@ struct DecoderLayerShape {
   /// this coefficient. 0: no such loss.
   double router_aux_loss_coef = 0;
 
-  /// Layer `layer` of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral or OLMoE config with T =
+  /// Layer `layer` of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, OLMoE or Qwen2-MoE config with T =
   /// tokens in `sequences` sequences. Errc::invalid_argument when the layer is not one this class
   /// implements (a dense MLP, an o_proj bias (attention_bias), a sliding window, OLMoE's clip_qkv, Mixtral's
   /// router jitter, a hybrid attention without the output gate, an odd rotary dimension, a

@@ -37,7 +37,7 @@ class DependencyPartitioner {
                     " (" + std::to_string(w.extent) + " units, " + to_string(w.fixed) + " fixed, " +
                     to_string(w.per_unit) + " per unit" +
                     (w.dependency == ChunkDependency::causal_prefix ? ", " + to_string(w.per_prefix_unit) + " per prefix unit" : "") +
-                    ")");
+                    (w.split_fixed.count() > 0 ? ", " + to_string(w.split_fixed) + " more in every chunk of a split" : "") + ")");
     const std::uint64_t g = std::max<std::uint64_t>(w.granularity, 1);
     auto add = [&](std::uint64_t b, std::uint64_t e) {
       p.chunks.push_back({b, e, live_bytes(w, b, e)});
@@ -97,6 +97,9 @@ class DependencyPartitioner {
   // Largest size, a multiple of g (or the whole extent), with fixed + split_fixed + per_unit*size
   // <= budget (partition() has taken the whole extent where it fits).
   static std::uint64_t largest_even_chunk(const WorkItem& w, Bytes budget, std::uint64_t g) {
+    // budget >= min_budget, and the whole extent did not fit: min_budget is the split's, which
+    // holds fixed and split_fixed.
+    OOM_ASSERT(budget >= w.fixed + w.split_fixed);
     if (w.per_unit.count() == 0) return w.extent;
     const std::uint64_t units = (budget - w.fixed - w.split_fixed).count() / w.per_unit.count();
     if (units >= w.extent) return w.extent;
@@ -108,6 +111,7 @@ class DependencyPartitioner {
   static std::uint64_t largest_causal_end(const WorkItem& w, Bytes budget, std::uint64_t g, std::uint64_t b) {
     // fixed + split_fixed + per_unit*(e-b) + per_prefix*e <= budget
     //   <=>  e <= (budget - fixed - split_fixed + per_unit*b) / (per_unit + per_prefix)
+    OOM_ASSERT(budget >= w.fixed + w.split_fixed);  // as in largest_even_chunk
     const std::uint64_t slope = w.per_unit.count() + w.per_prefix_unit.count();
     const std::uint64_t room = (budget - w.fixed - w.split_fixed).count() + w.per_unit.count() * b;
     const std::uint64_t e_max = slope == 0 ? w.extent : room / slope;
