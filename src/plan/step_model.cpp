@@ -113,7 +113,7 @@ WorkItem StepModel::attention_item(int layer) const {
     // in query chunks also dK's and dV's fp32 sums over the chunks (split_fixed: a whole sequence
     // at once holds none). (Keys up to the chunk's end would do, but the layer holds them for the
     // whole sequence.)
-    const std::uint64_t T = b * req_.workload.seq_len;
+    const std::uint64_t T = tokens();
     w.fixed = Bytes{T * (2 * kv * bf16_bytes + spec_.hidden_size() * (fp32_bytes + bf16_bytes) + (a.qkv_bias ? bf16_bytes : 0))};
     w.split_fixed = Bytes{T * 2 * kv * fp32_bytes};
   } else {
