@@ -270,13 +270,17 @@ if [[ "$parts" == *" families "* ]]; then
   echo "test_norm_kernels (bias rows, fills, casts): $(grep -E 'test cases:|assertions:' "$out/test_norm_kernels-families.log" | tr '\n' ' ')" \
     >> "$out/families-summary.log"
   limited 300 "$build_dir/tests/test_cuda_hybrid_layer" -s -tc="Mixtral*,Qwen2*" > "$out/test_cuda_hybrid_layer-families.log" 2>&1 || gpu_rc=1
-  grep -E "MESSAGE: ((mixtral|olmoe|qwen2-moe) layer|  (chunked vs|query chunks|with ))" "$out/test_cuda_hybrid_layer-families.log" |
+  grep -E "MESSAGE: ((mixtral|olmoe|qwen2-moe) layer|  (chunked vs|query chunks|with |bias gradients))" "$out/test_cuda_hybrid_layer-families.log" |
     sed 's/.*MESSAGE: //' >> "$out/families-summary.log"
   echo "test_cuda_hybrid_layer (Mixtral, OLMoE, Qwen2-MoE): $(grep -E 'test cases:|assertions:' "$out/test_cuda_hybrid_layer-families.log" | tr '\n' ' ')" \
     >> "$out/families-summary.log"
   limited 300 "$build_dir/tests/test_cuda_causal_lm" -s -tc="Mixtral*" > "$out/test_cuda_causal_lm-families.log" 2>&1 || gpu_rc=1
   echo "test_cuda_causal_lm (Mixtral, OLMoE, Qwen2-MoE models): $(grep -E 'resident plan:|test cases:|assertions:' "$out/test_cuda_causal_lm-families.log" | sed 's/.*MESSAGE: //' | tr '\n' ' ')" \
     >> "$out/families-summary.log"
+  # PyTorch's own bf16 Qwen2-MoE layer against its fp32 one on that test's shapes: the bias
+  # gradients' floor and how much each cancels over the tokens (scripts/diag/qwen2_bias_floor.py).
+  limited 180 env PYTHONUNBUFFERED=1 python3 scripts/diag/qwen2_bias_floor.py > "$out/qwen2-bias-floor.log" 2>&1 || gpu_rc=1
+  { echo "PyTorch bf16 Qwen2-MoE layer vs fp32 (qwen2_bias_floor.py):"; tail -n 1 "$out/qwen2-bias-floor.log"; } >> "$out/families-summary.log"
   # Qwen2-MoE: q/k/v biases, a shared expert, top-k not renormalised; PyTorch's own bf16 run beside
   # its fp32 one as the noise floor.
   COMPARE_ARGS="--noise-device cuda --noise-bf16" versus_pytorch train-cuda-qwen2-moe 300 "Qwen2-MoE: 50 GPU steps vs PyTorch at lr 3e-4" \
