@@ -266,26 +266,7 @@ int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<f
 // resource side by side.
 void write_traces(const std::string& path, const oom::Timeline& measured, double wall_s, const oom::LayerStackPlanner& planner,
                   const oom::Plan& plan) {
-  if (measured.spans().empty()) {
-    oom::log_warn("--trace: the last step recorded nothing (its timing was lost); no trace written");
-    return;
-  }
-  std::filesystem::path predicted_path = path;
-  predicted_path.replace_extension(".predicted.json");
-  const auto graph = planner.step_graph(plan);
-  const auto predicted = oom::simulate(graph);
-  oom::write_file_atomically(path, measured.chrome_trace("oom-custom-layer, last step"));
-  oom::write_file_atomically(predicted_path, oom::chrome_trace(graph, predicted));
-  const auto busy = measured.busy();
-  std::string line;
-  for (int r = 0; r < oom::resource_count; ++r) {
-    const auto res = static_cast<oom::Resource>(r);
-    if (busy[res] == 0 && predicted.busy[res] == 0) continue;
-    line += fmt::format(", {} {:.4g} / {:.4g}", oom::to_string(res), busy[res], predicted.busy[res]);
-  }
-  fmt::print("last step recorded in {} ({} spans; the prediction's in {}; open in ui.perfetto.dev); busy s measured / predicted{}; "
-             "step {:.4g} / {:.4g}\n",
-             path, measured.spans().size(), predicted_path.string(), line, wall_s, predicted.step_s);
+  fmt::print("{}\n", oom::write_step_traces(path, "last step", "oom-custom-layer, last step", measured, wall_s, planner.step_graph(plan)));
 }
 
 int run(const Options& o) {

@@ -649,16 +649,13 @@ int run(Args a) {
     fmt::print("backend: host (the CPU reference backend; its \"device\" is an accounted arena of twice the plan's GPU budget: it "
                "computes in fp32 where the plan counts bf16)\n");
   fmt::print("=== the plan ({}) ===\n{}\n", a.plan.empty() ? "chosen by the planner" : a.plan, planner.describe(plan));
-  // What the trace is compared with: the plan's prediction, or on CUDA the plan as that executor
-  // carries it out (one saved buffer per layer; MoE chunks regenerated in the backward).
-  Prediction expected = plan.predicted;
-  Plan predicted_plan = plan;  // what --trace-step's predicted timeline simulates
+  // What --trace-step's measured step is compared with: the plan, or on CUDA the plan as that
+  // executor carries it out (one saved buffer per layer; MoE chunks regenerated in the backward).
+  Plan predicted_plan = plan;
 #if OOM_TRAIN_HAS_CUDA
   if (use_cuda) {
     predicted_plan = CudaCausalLm::as_executed(spec, plan, cuda_options(a));
     const SimResult sim = planner.simulate(predicted_plan);
-    expected.step_s = sim.step_s;
-    expected.busy = sim.busy;
     if (std::abs(sim.step_s - plan.predicted.step_s) > 0.01 * plan.predicted.step_s)
       fmt::print("as the CUDA executor runs it (a layer's saved activations are kept, offloaded or recomputed as one; MoE "
                  "chunks regenerated in the backward): predicted step {:.3f} s, {:.0f} tokens/s\n\n",
@@ -780,21 +777,9 @@ int run(Args a) {
     metrics << m.dump() << "\n" << std::flush;
     if (step == a.trace_step) {
       const fs::path trace_path = a.trace.empty() ? a.out / fmt::format("trace-step-{}.json", step) : fs::path(a.trace);
-      write_file_atomically(trace_path, timeline.chrome_trace(fmt::format("oom-train step {}", step)));
       // Beside it, the simulator's timeline of the same plan, to compare op by op.
-      fs::path predicted_path = trace_path;
-      predicted_path.replace_extension(".predicted.json");
-      const auto graph = planner.step_graph(predicted_plan);
-      write_file_atomically(predicted_path, chrome_trace(graph, simulate(graph)));
-      const auto busy = timeline.busy();
-      const auto& pred = expected.busy;
-      fmt::print("step {} recorded in {} ({} spans; open in ui.perfetto.dev; the prediction's timeline in {}); busy s "
-                 "measured / predicted: gpu_compute {:.4f} / {:.4f}, h2d {:.4f} / {:.4f}, d2h {:.4f} / {:.4f}, cpu {:.4f} / "
-                 "{:.4f}; step {:.4f} / {:.4f}\n",
-                 step, trace_path.string(), timeline.spans().size(), predicted_path.string(), busy[Resource::gpu_compute],
-                 pred[Resource::gpu_compute],
-                 busy[Resource::h2d], pred[Resource::h2d], busy[Resource::d2h], pred[Resource::d2h], busy[Resource::cpu],
-                 pred[Resource::cpu], dt, expected.step_s);
+      fmt::print("{}\n", write_step_traces(trace_path, fmt::format("step {}", step), fmt::format("oom-train step {}", step), timeline, dt,
+                                           planner.step_graph(predicted_plan)));
     }
     if (r.skipped) {
       fmt::print(stderr, "step {}: loss is {}; step skipped (no update)\n", step, r.loss);

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
+#include "oom/io/atomic_file.hpp"
 #include "oom/io/chrome_trace.hpp"
 
 namespace oom {
@@ -73,4 +76,25 @@ std::string Timeline::chrome_trace(const std::string& title) const {
   return trace.dump() + "\n";
 }
 
+std::string write_step_traces(const std::filesystem::path& path, const std::string& label, const std::string& title,
+                              const Timeline& measured, double measured_step_s, const StepGraph& graph) {
+  const std::size_t spans = measured.spans().size();
+  if (spans == 0) return fmt::format("{} recorded nothing (its timing was lost); no trace written", label);
+  std::filesystem::path predicted_path = path;
+  predicted_path.replace_extension(".predicted.json");
+  const SimResult predicted = simulate(graph);
+  write_file_atomically(path, measured.chrome_trace(title));
+  write_file_atomically(predicted_path, chrome_trace(graph, predicted));
+  const ResourceTimes busy = measured.busy();
+  std::string line = fmt::format("{} recorded in {} ({} spans; the prediction's in {}; open in ui.perfetto.dev); busy s measured / predicted",
+                                 label, path.string(), spans, predicted_path.string());
+  for (int r = 0; r < resource_count; ++r) {
+    const auto res = static_cast<Resource>(r);
+    if (busy[res] == 0 && predicted.busy[res] == 0) continue;
+    line += fmt::format(", {} {:.4g} / {:.4g}", to_string(res), busy[res], predicted.busy[res]);
+  }
+  return line + fmt::format("; step {:.4g} / {:.4g}", measured_step_s, predicted.step_s);
+}
+
 }  // namespace oom
+

@@ -8,10 +8,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 #include "moe_mlp_layer.hpp"
 #include "oom/io/json.hpp"
@@ -691,3 +694,33 @@ TEST_CASE("a regeneration sees each layer's streamed weights 256-byte aligned, a
     }
   CHECK(regenerated == 3);  // layers 0, 1, 2 rerun once, for layer 3's backward
 }
+
+TEST_CASE("write_step_traces: both timelines written, busy seconds side by side; an empty timeline writes nothing") {
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("oom-step-traces-{}", ::getpid());
+  std::filesystem::create_directories(dir);
+  StepGraph graph;
+  const int up = graph.add({"h2d.weights", Resource::h2d, 0.5, {}, 0});
+  graph.add({"fwd", Resource::gpu_compute, 1.0, {up}, 0});
+  Timeline measured;
+  measured.add("h2d weights layer 0", Resource::h2d, 0.0, 0.25);
+  measured.add("fwd layer 0", Resource::gpu_compute, 0.25, 2.0);
+  const std::string line = write_step_traces(dir / "t.json", "step 7", "test step", measured, 2.0, graph);
+  MESSAGE(line);
+  CHECK(line.starts_with("step 7 recorded in "));
+  CHECK(line.find("(2 spans; the prediction's in ") != std::string::npos);
+  CHECK(line.find("gpu_compute 1.75 / 1, h2d 0.25 / 0.5;") != std::string::npos);  // d2h, cpu, network idle in both: left out
+  CHECK(line.ends_with("; step 2 / 1.5"));
+  for (const char* name : {"t.json", "t.predicted.json"}) {
+    const Json doc = read_json_file(dir / name);
+    const Json* events = doc.find("traceEvents");
+    REQUIRE(events != nullptr);
+    CHECK(events->size() >= 2);
+  }
+  Timeline lost;
+  const std::string none = write_step_traces(dir / "none.json", "step 8", "lost", lost, 1.0, graph);
+  CHECK(none == "step 8 recorded nothing (its timing was lost); no trace written");
+  CHECK_FALSE(std::filesystem::exists(dir / "none.json"));
+  CHECK_FALSE(std::filesystem::exists(dir / "none.predicted.json"));
+  std::filesystem::remove_all(dir);
+}
+

@@ -4,11 +4,13 @@
 // summed per resource to set against the plan's prediction.
 #pragma once
 
+#include <filesystem>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "oom/concepts/cost_model.hpp"
+#include "oom/plan/simulator.hpp"
 
 namespace oom {
 
@@ -40,5 +42,15 @@ class Timeline {
   mutable std::mutex mutex_;
   std::vector<TimelineSpan> spans_, host_spans_;
 };
+
+/// One recorded step set beside its plan's prediction, as oom-train --trace-step and
+/// oom-custom-layer --trace write it: `measured` as Chrome trace JSON at `path` (titled `title`),
+/// the simulator's timeline of `graph` (the plan that ran) at `path` with the extension
+/// .predicted.json, both written atomically. Returns one line for the user, beginning with
+/// `label`: where the two went, then each resource's busy seconds measured / predicted (those
+/// idle in both left out) and the step's seconds, `measured_step_s` against the simulated step.
+/// A timeline with no spans (its timing lost) writes nothing and returns a line that says so.
+[[nodiscard]] std::string write_step_traces(const std::filesystem::path& path, const std::string& label, const std::string& title,
+                                            const Timeline& measured, double measured_step_s, const StepGraph& graph);
 
 }  // namespace oom
