@@ -49,5 +49,8 @@ names = [e.get('name', '') for e in ev]; sys.exit(0 if sum('fwd' in n for n in n
     echo "FAIL: $f is not a trace with every layer's forward and backward"; exit 1
   fi
 done
-grep -q "the prediction's timeline in" "$work/traced.txt" || { echo "FAIL: the traced step's line"; cat "$work/traced.txt"; exit 1; }
+# The line oom::write_step_traces writes (oom-custom-layer --trace shares it): both files, the busy
+# seconds measured / predicted, the step's.
+grep -Eq "^step 2 recorded in [^ ]*t\.json \([1-9][0-9]* spans; the prediction's in [^ ]*t\.predicted\.json;.*busy s measured / predicted, gpu_compute [0-9.e+-]+ / [0-9.e+-]+.*; step [0-9.e+-]+ / [0-9.e+-]+$" \
+  "$work/traced.txt" || { echo "FAIL: the traced step's line"; cat "$work/traced.txt"; exit 1; }
 echo "PASS: layer passes reported in order, per micro-batch; short steps quiet; traced step measured and predicted"
