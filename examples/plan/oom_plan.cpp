@@ -261,6 +261,9 @@ int main(int argc, char** argv) {
     // here of the profile's). One line: the plan, or "nothing" and why.
     oom::PlanRequest train_req = req;
     train_req.candidates = 6;
+    // oom-train's executors keep fp32 AdamW moments (it has no --moments): what it would run is
+    // planned as it runs, whatever --moments asks of the plans shown.
+    train_req.precision.moments = oom::DType::fp32;
     std::string host_error;  // why there is no default host budget (a profile with too little host memory)
     if (!a.host_mem) {
       try {
@@ -299,6 +302,12 @@ int main(int argc, char** argv) {
     if (a.longest) return longest_sequence(a, budget_note, would_run);
 #endif
     const auto set = planner.plan(req);
+#if OOM_PLAN_HAS_CUDA
+    if (req.precision.moments != oom::DType::fp32)
+      fmt::print("--moments {}: plans for moments oom-train does not keep (its executors keep fp32 AdamW moments); the CUDA "
+                 "executor's lines below count fp32 moments, and what oom-train would run is planned with them\n",
+                 oom::name(req.precision.moments));
+#endif
     fmt::print("searched {} candidates ({} within budget) in {:.3f} s\n\n", set.evaluated, set.feasible, set.search_s);
     for (std::size_t i = 0; i < set.plans.size(); ++i) {
       fmt::print("=== plan {}{} ===\n{}\n", i + 1, i == 0 ? " (chosen)" : "", planner.describe(set.plans[i]));
@@ -307,11 +316,16 @@ int main(int argc, char** argv) {
       try {
         const auto fp = oom::CudaCausalLm::footprint(spec, set.plans[i], executor);
         const auto [gpu, host] = oom::gpu_and_host(fp);
+        // Both against their budgets: the GPU's, and the pinned memory against oom-train's host
+        // budget (its default, or --host-mem).
+        const oom::Bytes pinned_budget = host_error.empty() ? train_req.host_budget : req.host_budget;
+        const bool gpu_over = gpu > req.gpu_budget, pinned_over = host > pinned_budget;
+        const std::string verdict = !gpu_over && !pinned_over ? std::string("within the budgets")
+                                    : fmt::format("OVER {}{}{}", gpu_over ? "the GPU budget" : "", gpu_over && pinned_over ? " and " : "",
+                                                  pinned_over ? fmt::format("the pinned budget of {}", pinned_budget) : "");
         fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
                    "and {} pinned: {}; as it runs the plan, predicted step {:.3f} s\n\n",
-                   gpu, fp[0], fp[1], fp[2], host,
-                   gpu <= req.gpu_budget ? "within the budget" : "OVER the budget",
-                   executed_step(set.plans[i]));
+                   gpu, fp[0], fp[1], fp[2], host, verdict, executed_step(set.plans[i]));
       } catch (const oom::Error& e) {
         fmt::print("CUDA executor: cannot run this plan as it is ({})\n\n", e.message());
       }

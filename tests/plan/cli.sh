@@ -36,6 +36,21 @@ batched=$("$plan" --model "$config" --seq 4096 --batch 2 --candidates 1 | grep "
   { echo "FAIL: no 'would run' line for --batch 2"; exit 1; }
 echo "4K x 2 sequences: $batched"
 "$plan" --model "$config" --grad-staging -1 > /dev/null 2>&1 && { echo "FAIL: --grad-staging -1 accepted"; exit 1; }
+# --moments bf16 plans a what-if oom-train does not run (its executors keep fp32 moments): what it
+# would run is the fp32 plan, said so. Qwen1.5-MoE-A2.7B on the H200 at 4K: with bf16 moments
+# counted the planner makes more experts resident than the executor's fp32 moments fit (this line
+# read "nothing" before).
+qwen=$(dirname "$config")/qwen1.5-moe-a2.7b.json
+q_fp32=$("$plan" --model "$qwen" --seq 4096 --candidates 1)
+q_bf16=$("$plan" --model "$qwen" --seq 4096 --candidates 1 --moments bf16)
+grep -q "^--moments bf16: plans for moments oom-train does not keep" <<< "$q_bf16" || { echo "FAIL: --moments bf16 not said to be a what-if"; exit 1; }
+[[ "$(grep "^oom-train --backend cuda would run" <<< "$q_bf16")" == "$(grep "^oom-train --backend cuda would run (" <<< "$q_fp32")" ]] ||
+  { echo "FAIL: --moments bf16 changed what oom-train would run: $(grep "would run" <<< "$q_bf16")"; exit 1; }
+# The executor's line judges its pinned memory too: at 128K the planner's first plan fits the GPU
+# and pins more than oom-train's default host budget (110.76 GiB of the H200's 125).
+q_long=$("$plan" --model "$qwen" --seq 131072 --candidates 1 | grep "^CUDA executor")
+echo "Qwen1.5-MoE 128K: $q_long"
+[[ "$q_long" == *"pinned: OVER the pinned budget of "* ]] || { echo "FAIL: pinned memory over its budget not said"; exit 1; }
 # --longest: the longest sequence oom-train would run. On the whole H200 the 5.13B model reaches
 # 1M tokens (some boundaries offloaded). On 80 GiB of it the answer is shorter, and it is exact in
 # multiples of 1024: oom-plan --seq at the answer has a plan, 1024 tokens more has none.
