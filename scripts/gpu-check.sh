@@ -279,8 +279,12 @@ if [[ "$parts" == *" families "* ]]; then
     >> "$out/families-summary.log"
   # PyTorch's own bf16 Qwen2-MoE layer against its fp32 one on that test's shapes: the bias
   # gradients' floor and how much each cancels over the tokens (scripts/diag/qwen2_bias_floor.py).
-  limited 180 env PYTHONUNBUFFERED=1 python3 scripts/diag/qwen2_bias_floor.py > "$out/qwen2-bias-floor.log" 2>&1 || gpu_rc=1
-  { echo "PyTorch bf16 Qwen2-MoE layer vs fp32 (qwen2_bias_floor.py):"; tail -n 1 "$out/qwen2-bias-floor.log"; } >> "$out/families-summary.log"
+  # A measurement, not a check: its failure is reported, not counted against the GPU tests.
+  if limited 180 env PYTHONUNBUFFERED=1 python3 scripts/diag/qwen2_bias_floor.py > "$out/qwen2-bias-floor.log" 2>&1; then
+    { echo "PyTorch bf16 Qwen2-MoE layer vs fp32 (qwen2_bias_floor.py):"; tail -n 1 "$out/qwen2-bias-floor.log"; } >> "$out/families-summary.log"
+  else
+    echo "qwen2_bias_floor.py failed (exit $?; qwen2-bias-floor.log): $(tail -n 1 "$out/qwen2-bias-floor.log")" >> "$out/families-summary.log"
+  fi
   # Qwen2-MoE: q/k/v biases, a shared expert, top-k not renormalised; PyTorch's own bf16 run beside
   # its fp32 one as the noise floor.
   COMPARE_ARGS="--noise-device cuda --noise-bf16" versus_pytorch train-cuda-qwen2-moe 300 "Qwen2-MoE: 50 GPU steps vs PyTorch at lr 3e-4" \

@@ -266,7 +266,8 @@ int run_on_gpu(const Options&, const oom::Plan&, const std::vector<std::vector<f
 // resource side by side.
 void write_traces(const std::string& path, const oom::Timeline& measured, double wall_s, const oom::LayerStackPlanner& planner,
                   const oom::Plan& plan) {
-  fmt::print("{}\n", oom::write_step_traces(path, "last step", "oom-custom-layer, last step", measured, wall_s, planner.step_graph(plan)));
+  const std::string line = oom::write_step_traces(path, "last step", "oom-custom-layer, last step", measured, wall_s, planner.step_graph(plan));
+  if (!line.empty()) fmt::print("{}\n", line);
 }
 
 int run(const Options& o) {

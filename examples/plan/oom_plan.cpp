@@ -317,12 +317,13 @@ int main(int argc, char** argv) {
         const auto fp = oom::CudaCausalLm::footprint(spec, set.plans[i], executor);
         const auto [gpu, host] = oom::gpu_and_host(fp);
         // Both against their budgets: the GPU's, and the pinned memory against oom-train's host
-        // budget (its default, or --host-mem).
-        const oom::Bytes pinned_budget = host_error.empty() ? train_req.host_budget : req.host_budget;
-        const bool gpu_over = gpu > req.gpu_budget, pinned_over = host > pinned_budget;
-        const std::string verdict = !gpu_over && !pinned_over ? std::string("within the budgets")
-                                    : fmt::format("OVER {}{}{}", gpu_over ? "the GPU budget" : "", gpu_over && pinned_over ? " and " : "",
-                                                  pinned_over ? fmt::format("the pinned budget of {}", pinned_budget) : "");
+        // budget (its default, or --host-mem); without one, the pinned bytes are not judged.
+        const bool gpu_over = gpu > req.gpu_budget, pinned_over = host_error.empty() && host > train_req.host_budget;
+        std::string verdict = !gpu_over && !pinned_over ? std::string("within the budgets")
+                              : fmt::format("OVER {}{}{}", gpu_over ? "the GPU budget" : "", gpu_over && pinned_over ? " and " : "",
+                                            pinned_over ? fmt::format("the pinned budget of {}", train_req.host_budget) : "");
+        if (!host_error.empty())
+          verdict = fmt::format("{} the GPU budget, the pinned bytes unjudged (no host budget: {})", gpu_over ? "OVER" : "within", host_error);
         fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
                    "and {} pinned: {}; as it runs the plan, predicted step {:.3f} s\n\n",
                    gpu, fp[0], fp[1], fp[2], host, verdict, executed_step(set.plans[i]));

@@ -778,8 +778,9 @@ int run(Args a) {
     if (step == a.trace_step) {
       const fs::path trace_path = a.trace.empty() ? a.out / fmt::format("trace-step-{}.json", step) : fs::path(a.trace);
       // Beside it, the simulator's timeline of the same plan, to compare op by op.
-      fmt::print("{}\n", write_step_traces(trace_path, fmt::format("step {}", step), fmt::format("oom-train step {}", step), timeline, dt,
-                                           planner.step_graph(predicted_plan)));
+      const std::string line = write_step_traces(trace_path, fmt::format("step {}", step), fmt::format("oom-train step {}", step),
+                                                 timeline, dt, planner.step_graph(predicted_plan));
+      if (!line.empty()) fmt::print("{}\n", line);
     }
     if (r.skipped) {
       fmt::print(stderr, "step {}: loss is {}; step skipped (no update)\n", step, r.loss);

@@ -4,8 +4,10 @@
 
 #include <fmt/format.h>
 
+#include "oom/core/log.hpp"
 #include "oom/io/atomic_file.hpp"
 #include "oom/io/chrome_trace.hpp"
+#include "oom/plan/simulator.hpp"
 
 namespace oom {
 
@@ -79,7 +81,10 @@ std::string Timeline::chrome_trace(const std::string& title) const {
 std::string write_step_traces(const std::filesystem::path& path, const std::string& label, const std::string& title,
                               const Timeline& measured, double measured_step_s, const StepGraph& graph) {
   const std::size_t spans = measured.spans().size();
-  if (spans == 0) return fmt::format("{} recorded nothing (its timing was lost); no trace written", label);
+  if (spans == 0) {
+    log_warn("{} recorded nothing (its timing was lost); no trace written", label);
+    return {};
+  }
   std::filesystem::path predicted_path = path;
   predicted_path.replace_extension(".predicted.json");
   const SimResult predicted = simulate(graph);

@@ -26,8 +26,10 @@
 // Qwen2-MoE's q/k/v bias gradients are sums over the tokens of their projections' output
 // gradients, and k's nearly cancels (keys shifted alike leave softmax unchanged; only RoPE keeps
 // some of it): each is held to the bar times max(1, kappa), kappa measuring that cancellation
-// (bias_kappa). On the H100, 2026-12-05, k's came out 1.19e-2 off at kappa 2.40, y and dx 3.7e-3
-// and 4.9e-3 (scripts/diag/qwen2_bias_floor.py measures PyTorch's own bf16 layer the same way).
+// (bias_kappa). On the H100, 2026-12-05 (before this rule), k's came out 1.19e-2 and 1.09e-2 off
+// (layers 0 and 1), y and dx 3.6-3.7e-3 and 4.9e-3; k's kappa on these inputs is 2.52 and 2.20
+// (bias_kappa run on the CPU), so 4.7e-3 and 5.0e-3 judged. scripts/diag/qwen2_bias_floor.py
+// measures PyTorch's own bf16 layer the same way.
 
 // Routing: a token whose k-th and (k+1)-th router probabilities are within 5% of each other could
 // be routed differently by two implementations that round differently; its row of dy is zeroed

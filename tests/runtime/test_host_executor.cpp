@@ -18,7 +18,9 @@
 
 #include "moe_mlp_layer.hpp"
 #include "oom/io/json.hpp"
+#include "oom/plan/simulator.hpp"
 #include "oom/runtime/host_executor.hpp"
+#include "oom/runtime/timeline.hpp"
 #include "support/compare.hpp"
 #include "support/same_step.hpp"
 
@@ -718,7 +720,7 @@ TEST_CASE("write_step_traces: both timelines written, busy seconds side by side;
   }
   Timeline lost;
   const std::string none = write_step_traces(dir / "none.json", "step 8", "lost", lost, 1.0, graph);
-  CHECK(none == "step 8 recorded nothing (its timing was lost); no trace written");
+  CHECK(none.empty());  // and a warning on stderr
   CHECK_FALSE(std::filesystem::exists(dir / "none.json"));
   CHECK_FALSE(std::filesystem::exists(dir / "none.predicted.json"));
   std::filesystem::remove_all(dir);

@@ -10,9 +10,10 @@
 #include <vector>
 
 #include "oom/concepts/cost_model.hpp"
-#include "oom/plan/simulator.hpp"
 
 namespace oom {
+
+class StepGraph;  // oom/plan/simulator.hpp
 
 struct TimelineSpan {
   std::string name;  ///< "fwd layers.3", "h2d weights layers.3", ...
@@ -49,7 +50,7 @@ class Timeline {
 /// .predicted.json, both written atomically. Returns one line for the user, beginning with
 /// `label`: where the two went, then each resource's busy seconds measured / predicted (those
 /// idle in both left out) and the step's seconds, `measured_step_s` against the simulated step.
-/// A timeline with no spans (its timing lost) writes nothing and returns a line that says so.
+/// A timeline with no spans (its timing lost) writes nothing, warns (log_warn) and returns "".
 [[nodiscard]] std::string write_step_traces(const std::filesystem::path& path, const std::string& label, const std::string& title,
                                             const Timeline& measured, double measured_step_s, const StepGraph& graph);
 
