@@ -319,11 +319,14 @@ int main(int argc, char** argv) {
         // Both against their budgets: the GPU's, and the pinned memory against oom-train's host
         // budget (its default, or --host-mem); without one, the pinned bytes are not judged.
         const bool gpu_over = gpu > req.gpu_budget, pinned_over = host_error.empty() && host > train_req.host_budget;
-        std::string verdict = !gpu_over && !pinned_over ? std::string("within the budgets")
-                              : fmt::format("OVER {}{}{}", gpu_over ? "the GPU budget" : "", gpu_over && pinned_over ? " and " : "",
-                                            pinned_over ? fmt::format("the pinned budget of {}", train_req.host_budget) : "");
+        std::string verdict;
         if (!host_error.empty())
           verdict = fmt::format("{} the GPU budget, the pinned bytes unjudged (no host budget: {})", gpu_over ? "OVER" : "within", host_error);
+        else if (!gpu_over && !pinned_over)
+          verdict = "within the budgets";
+        else
+          verdict = fmt::format("OVER {}{}{}", gpu_over ? "the GPU budget" : "", gpu_over && pinned_over ? " and " : "",
+                                pinned_over ? fmt::format("the pinned budget of {}", train_req.host_budget) : "");
         fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
                    "and {} pinned: {}; as it runs the plan, predicted step {:.3f} s\n\n",
                    gpu, fp[0], fp[1], fp[2], host, verdict, executed_step(set.plans[i]));

@@ -1380,14 +1380,22 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
         // attention_chunk_tokens): with as many key heads as query heads (OLMoE, Qwen1.5-MoE)
         // they take more than the rows the chunks spare, and where the layer's peak is elsewhere
         // they spare nothing. Its queries are cut with the chunk only where that weighs less.
+        // (Weighed both ways only where some softmax layer's queries run longer than c.)
         cut_attention_parts(spec, p, c, /*softmax=*/false);
-        Plan all_cut = p;
-        cut_attention_parts(spec, all_cut, c);
-        const auto linear_cut_fp = footprint(spec, p, options), all_cut_fp = footprint(spec, all_cut, options);
-        const bool cut_softmax = gpu_and_host(all_cut_fp).gpu < gpu_and_host(linear_cut_fp).gpu;
-        if (cut_softmax) p = std::move(all_cut);
+        auto fp = footprint(spec, p, options);
+        bool cut_softmax = false;
+        if (attention_parts_longer(spec, p, c)) {
+          Plan all_cut = p;
+          cut_attention_parts(spec, all_cut, c);
+          auto all_cut_fp = footprint(spec, all_cut, options);
+          cut_softmax = gpu_and_host(all_cut_fp).gpu < gpu_and_host(fp).gpu;
+          if (cut_softmax) {
+            p = std::move(all_cut);
+            fp = all_cut_fp;
+          }
+        }
         const std::size_t before = fitting.size();
-        const Bytes gpu = weigh_footprint(p, cut_softmax ? all_cut_fp : linear_cut_fp);
+        const Bytes gpu = weigh_footprint(p, fp);
         if (fitting.size() > before) {
           way_fits[k] = true;
           break;
