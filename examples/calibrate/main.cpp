@@ -27,9 +27,11 @@
 #include <fmt/format.h>
 
 #include "oom/core/bytes.hpp"
+#include "common/output_path.hpp"
 #include "oom/core/error.hpp"
 #include "oom/cuda/calibrate.hpp"
 #include "oom/cuda/device.hpp"
+#include "oom/io/atomic_file.hpp"
 #include "oom/io/json.hpp"
 #include "oom/optim/cpu_adamw.hpp"
 #include "oom/plan/machine_profile.hpp"
@@ -72,7 +74,9 @@ Options parse_args(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--out") o.out = value();
-    else if (a == "--name") o.name = value();
+    else if (a == "--name") {
+      if ((o.name = value()).empty()) throw UsageError{"--name must not be empty"};
+    }
     else if (a == "--quick") o.quick = true;
     else if (a == "--gpus") {
       const std::string v = value();
@@ -96,6 +100,13 @@ Options parse_args(int argc, char** argv) {
     } else {
       throw UsageError{"unknown argument \"" + a + "\""};
     }
+  }
+  // Refused now, not after minutes of measurement.
+  if (o.host_memory && o.host_memory->count() == 0) throw UsageError{"--host-memory must be more than 0"};
+  try {
+    oom::examples::require_output_file("--out", o.out);
+  } catch (const Error& e) {
+    throw UsageError{e.message()};
   }
   return o;
 }
@@ -553,11 +564,7 @@ int run(const Options& opt) {
     return 1;
   }
   p.validate(opt.out);
-  {
-    std::ofstream out(opt.out);
-    out << p.to_json().dump(2) << "\n";
-    if (!out) OOM_THROW(Errc::io, "cannot write " + opt.out);
-  }
+  write_file_atomically(opt.out, p.to_json().dump(2) + "\n");  // an existing profile stays whole if the write fails
   // Read it back: what the planner will load must be what was measured.
   if (!(MachineProfile::from_file(opt.out) == p))
     OOM_THROW(Errc::internal, opt.out + " does not read back equal to the measured profile");

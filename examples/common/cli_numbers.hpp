@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "oom/core/bytes.hpp"
 #include "oom/core/error.hpp"
 
 namespace oom::examples {
@@ -42,6 +43,16 @@ inline float parse_real(std::string_view flag, const char* text) {
   if (end == text || *end != '\0' || !std::isfinite(v) || v < 0)
     OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a non-negative number, got '{}'", flag, text));
   return v;
+}
+
+/// A byte size (oom::parse_bytes: "80GiB", "512MiB", a plain count); anything else throws
+/// invalid_argument naming `flag` as well as the text.
+inline Bytes parse_size(std::string_view flag, const char* text) {
+  try {
+    return parse_bytes(text);
+  } catch (const Error& e) {
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: {}", flag, e.message()));
+  }
 }
 
 }  // namespace oom::examples

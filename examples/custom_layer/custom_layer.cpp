@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@
 #include <fmt/format.h>
 
 #include "common/cli_numbers.hpp"
+#include "common/output_path.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/io/atomic_file.hpp"
@@ -99,8 +101,8 @@ Options parse(int argc, char** argv) {
     else if (arg == "--inter") o.inter = oom::examples::parse_count(arg, text);
     else if (arg == "--tokens") o.tokens = oom::examples::parse_count(arg, text);
     else if (arg == "--steps") o.steps = oom::examples::parse_int_count(arg, text, /*allow_zero=*/true);
-    else if (arg == "--gpu-budget") o.gpu_budget = oom::parse_bytes(v);
-    else if (arg == "--host-budget") o.host_budget = oom::parse_bytes(v);
+    else if (arg == "--gpu-budget") o.gpu_budget = oom::examples::parse_size(arg, text);
+    else if (arg == "--host-budget") o.host_budget = oom::examples::parse_size(arg, text);
     else if (arg == "--profile") o.profile = v;
     else if (arg == "--trace") {
       if (v.empty()) OOM_THROW(oom::Errc::invalid_argument, "--trace needs a file name");
@@ -272,12 +274,8 @@ void write_traces(const std::string& path, const oom::Timeline& measured, double
 
 int run(const Options& o) {
   if (!o.trace.empty()) {  // refused now, not after the training
-    const std::filesystem::path path = std::filesystem::absolute(o.trace);
     if (o.steps == 0) OOM_THROW(oom::Errc::invalid_argument, "--trace records the last training step, and --steps is 0");
-    if (!path.has_filename() || std::filesystem::is_directory(path))
-      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--trace {}: a directory, not a file name", o.trace));
-    if (!std::filesystem::is_directory(path.parent_path()))
-      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--trace {}: the directory {} does not exist", o.trace, path.parent_path().string()));
+    oom::examples::require_output_file("--trace", o.trace);
   }
   std::vector<ResidualMlp> layers;
   for (int l = 0; l < o.layers; ++l) layers.emplace_back(l, o.hidden, o.inter);
@@ -372,5 +370,12 @@ int main(int argc, char** argv) {
   } catch (const oom::Error& e) {
     std::fprintf(stderr, "oom-custom-layer: %s\n", e.what());
     return e.code() == oom::Errc::invalid_argument || e.code() == oom::Errc::parse ? 2 : 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "oom-custom-layer: out of host memory (an allocation failed: fewer or narrower layers, or a smaller "
+                         "--host-budget)\n");
+    return 3;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "oom-custom-layer: %s\n", e.what());
+    return 1;
   }
 }

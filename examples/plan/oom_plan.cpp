@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -12,7 +11,9 @@
 
 #include "common/cli_numbers.hpp"
 #include "common/host_budget.hpp"
+#include "common/output_path.hpp"
 #include "oom/core/error.hpp"
+#include "oom/io/atomic_file.hpp"
 #include "oom/core/log.hpp"
 #include "oom/io/json.hpp"
 #include "oom/model/model_spec.hpp"
@@ -27,6 +28,7 @@ namespace {
 using oom::examples::parse_count;
 using oom::examples::parse_int_count;
 using oom::examples::parse_real;
+using oom::examples::parse_size;
 
 constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
   --model PATH        Hugging Face config.json of the model (required)
@@ -96,8 +98,8 @@ Args parse(int argc, char** argv) {
     const char* v = argv[++i];
     if (flag == "--model") a.model = v;
     else if (flag == "--gpus") a.gpus = parse_int_count(flag, v);
-    else if (flag == "--gpu-mem") a.gpu_mem = oom::parse_bytes(v);
-    else if (flag == "--host-mem") a.host_mem = oom::parse_bytes(v);
+    else if (flag == "--gpu-mem") a.gpu_mem = parse_size(flag, v);
+    else if (flag == "--host-mem") a.host_mem = parse_size(flag, v);
     else if (flag == "--seq") a.seq = parse_count(flag, v);
     else if (flag == "--batch") a.batch = parse_count(flag, v);
     else if (flag == "--micro-batches") a.micro_batches = parse_int_count(flag, v);
@@ -113,8 +115,8 @@ Args parse(int argc, char** argv) {
       if (*v == '\0') OOM_THROW(oom::Errc::invalid_argument, "--retention needs a template name (see --help)");
       a.retention = v;
     }
-    else if (flag == "--json") a.json_out = v;
-    else if (flag == "--trace") a.trace_out = v;
+    else if (flag == "--json") oom::examples::require_output_file(flag, a.json_out = v);
+    else if (flag == "--trace") oom::examples::require_output_file(flag, a.trace_out = v);
     else if (flag == "--grad-staging") a.grad_staging = static_cast<unsigned>(parse_int_count(flag, v, /*allow_zero=*/true));
     else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
   }
@@ -122,16 +124,6 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-// Writes atomically: a reader never sees half a file.
-void write_file(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    f << text;
-    if (!f.flush()) OOM_THROW(oom::Errc::io, fmt::format("cannot write {}", tmp));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) OOM_THROW(oom::Errc::io, fmt::format("cannot rename {} to {}", tmp, path));
-}
 
 #if OOM_PLAN_HAS_CUDA
 constexpr std::uint64_t longest_granule = 1024;
@@ -218,6 +210,15 @@ int main(int argc, char** argv) {
       OOM_THROW(oom::Errc::unsupported, "--grad-staging / --[no-]keep-attention-state / --longest describe the CUDA executor, which "
                                         "this build does not have (configure with -DOOM_ENABLE_CUDA=ON)");
 #endif
+    // The pairs oom-train refuses: no line may say it would run them.
+    if (a.grad_staging && *a.grad_staging > 0 && a.max_grad_norm > 0)
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--grad-staging {} with --max-grad-norm: clipping defers every update to the end of "
+                                                         "the backward, so the gradients are staged one pinned buffer per parameter "
+                                                         "(oom-train refuses the pair; leave --grad-staging out, or pass 0)", *a.grad_staging));
+    if (a.grad_staging && *a.grad_staging > 0 && a.micro_batches > 1)
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--grad-staging {} with --micro-batches {}: each layer's gradients accumulate in "
+                                                         "their staging until the last micro-batch (oom-train refuses the pair; leave "
+                                                         "--grad-staging out, or pass 0)", *a.grad_staging, a.micro_batches));
     if (a.longest && a.gpus != 1)
       OOM_THROW(oom::Errc::invalid_argument, fmt::format("--longest searches what oom-train runs on one GPU; --gpus {} given", a.gpus));
     if (a.longest && (!a.json_out.empty() || !a.trace_out.empty()))
@@ -344,12 +345,12 @@ int main(int argc, char** argv) {
 #endif
     if (set.plans.size() > 1) fmt::print("why plan 1: {}", oom::Planner::compare(set.plans[0], set.plans[1]));
     if (!a.json_out.empty()) {
-      write_file(a.json_out, set.plans.front().to_json().dump(2) + "\n");
+      oom::write_file_atomically(a.json_out, set.plans.front().to_json().dump(2) + "\n");
       fmt::print("plan written to {}\n", a.json_out);
     }
     if (!a.trace_out.empty()) {
       const auto graph = planner.step_graph(set.plans.front());
-      write_file(a.trace_out, oom::chrome_trace(graph, oom::simulate(graph)));
+      oom::write_file_atomically(a.trace_out, oom::chrome_trace(graph, oom::simulate(graph)));
       fmt::print("simulated step trace written to {} (open in https://ui.perfetto.dev)\n", a.trace_out);
     }
     return 0;

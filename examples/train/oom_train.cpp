@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -24,6 +25,7 @@
 #include "host_lm.hpp"
 #include "common/cli_numbers.hpp"
 #include "common/host_budget.hpp"
+#include "common/output_path.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/io/atomic_file.hpp"
@@ -54,6 +56,8 @@ using oom::examples::HostBudget;
 using oom::examples::parse_count;
 using oom::examples::parse_int_count;
 using oom::examples::parse_real;
+using oom::examples::parse_size;
+using oom::examples::require_output_file;
 
 // The built-in model: a 4-layer Qwen3-MoE with 8 experts over byte-level tokens (3.9M parameters),
 // small enough to learn the built-in corpus on a laptop CPU in a minute.
@@ -242,8 +246,8 @@ Args parse(int argc, char** argv) {
     }
     else if (flag == "--profile") a.profile = v;
     else if (flag == "--machine") a.machine = v;
-    else if (flag == "--gpu-mem") a.gpu_mem = parse_bytes(v);
-    else if (flag == "--host-mem") a.host_mem = parse_bytes(v);
+    else if (flag == "--gpu-mem") a.gpu_mem = parse_size(flag, v);
+    else if (flag == "--host-mem") a.host_mem = parse_size(flag, v);
     else if (flag == "--grad-staging") a.grad_staging = static_cast<std::uint64_t>(parse_int_count(flag, v, /*allow_zero=*/true));
     else if (flag == "--backend") a.backend = v;
     else if (flag == "--dump-batches") a.dump_batches = v;
@@ -266,6 +270,16 @@ Args parse(int argc, char** argv) {
   if (a.resume && a.overwrite) OOM_THROW(Errc::invalid_argument, "--resume and --overwrite exclude each other");
   if (a.resume && (a.save_initial || !a.dump_batches.empty()))
     OOM_THROW(Errc::invalid_argument, "--save-initial and --dump-batches describe a run from its start; not with --resume");
+  // Output paths are refused now, not after the training they would end.
+  if (!a.trace.empty() && a.trace_step == 0)
+    OOM_THROW(Errc::invalid_argument, "--trace names where --trace-step's trace goes; pass --trace-step N as well");
+  if (a.trace_step > a.steps)
+    OOM_THROW(Errc::invalid_argument, fmt::format("--trace-step {} is past the run's last step (--steps {})", a.trace_step, a.steps));
+  if (!a.trace.empty()) require_output_file("--trace", a.trace);
+  if (!a.dump_batches.empty()) require_output_file("--dump-batches", a.dump_batches);
+  if (!a.plan.empty() && (a.gpu_mem || a.host_mem))
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: a plan given with --plan runs within the budgets it was made for; plan "
+                                                  "again with oom-plan to change them", a.gpu_mem ? "--gpu-mem" : "--host-mem"));
   return a;
 }
 
@@ -532,6 +546,20 @@ int run(Args a) {
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("{}: planned {} clipping, the run asks for {} (--max-grad-norm {}; oom-plan --max-grad-norm plans for it)", a.plan,
                             plan.clip_grad_norm ? "with" : "without", a.max_grad_norm > 0 ? "it" : "none", a.max_grad_norm));
+    if (plan.gpus != 1)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} GPUs; oom-train runs on one (oom-plan --gpus 1)", a.plan, plan.gpus));
+    // A plan of another model: its layers or segment names differ (simulate refuses them), or, for
+    // a model of the same names and other widths, the state it keeps on each side does. Those two
+    // sums depend on the model and the plan's residency alone, not on the profile's timings.
+    const SimResult sim = planner.simulate(plan);
+    for (const Claimant c : {Claimant::resident_state, Claimant::host_state}) {
+      const Bytes saved = plan.predicted.peak[static_cast<std::size_t>(c)];
+      const Bytes here = sim.peak[static_cast<std::size_t>(c)];
+      if (saved.count() != 0 && saved != here)
+        OOM_THROW(Errc::invalid_argument,
+                  fmt::format("{}: made for another model ('{}'): its {} is {}, on {} the same plan's is {} (plan again with oom-plan "
+                              "for this model)", a.plan, plan.model, to_string(c), saved, config_name, here));
+    }
   } else {
     PlanRequest req;
     req.gpus = 1;
@@ -617,17 +645,25 @@ int run(Args a) {
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used the {} schedule with warmup {} over {} steps; pass the same "
                                                     "--schedule, --warmup and (cosine) --steps", latest->string(), saved_schedule,
                                                     saved_warmup, saved_total));
+    if (a.cosine && ts["min_lr"].present() && ts["min_lr"].as_double() != static_cast<double>(a.min_lr))
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used the cosine schedule down to {}; pass the same --min-lr",
+                                                    latest->string(), static_cast<float>(ts["min_lr"].as_double())));
+    // The sampler's state is a place in one token file: another file would silently draw other
+    // windows (and another count of them).
+    if (ts["data"].present() && fs::absolute(ts["data"].as_string(), ec).lexically_normal() != fs::absolute(data_path, ec).lexically_normal())
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained on {}, this run reads {} (--data)", latest->string(),
+                                                    ts["data"].as_string(), data_path.string()));
+    if (tokens && ts["data_tokens"].present() && ts["data_tokens"].as_uint64() != tokens->size())
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} held {} tokens when {} was trained on it, it holds {} now",
+                                                    data_path.string(), ts["data_tokens"].as_uint64(), latest->string(), tokens->size()));
     start_step = ts["step"].as_uint64();
+    if (a.trace_step != 0 && a.trace_step <= start_step)
+      OOM_THROW(Errc::invalid_argument, fmt::format("--trace-step {}: the run resumes after step {}", a.trace_step, start_step));
     sampler_state = SamplerState::from_json(ts["sampler"].value(), "trainer_state.json sampler");
   }
 
-  // ---- from here on the run directory is written ----
-  if (a.overwrite) {
-    for (const auto& e : fs::directory_iterator(a.out, ec))
-      if (e.path().filename().string().starts_with("checkpoint-") || e.path().filename() == "latest" ||
-          e.path().filename() == "metrics.jsonl")
-        fs::remove_all(e.path(), ec);
-  }
+  // ---- from here on the run directory is written (an --overwrite'n run's files are removed only once
+  // the new model is built: train_with) ----
   fs::create_directories(a.out, ec);
   if (ec) OOM_THROW(Errc::io, fmt::format("{}: cannot create the run directory: {}", a.out.string(), ec.message()));
   if (a.data.empty()) {
@@ -664,6 +700,12 @@ int run(Args a) {
 #endif
 
   auto train_with = [&](auto& model) -> int {
+  if (a.overwrite) {  // only now: every input was read and the model built without an error
+    for (const auto& e : fs::directory_iterator(a.out, ec))
+      if (e.path().filename().string().starts_with("checkpoint-") || e.path().filename() == "latest" ||
+          e.path().filename() == "metrics.jsonl")
+        fs::remove_all(e.path(), ec);
+  }
   if (ckpt) {
     const auto optimizer_steps = JsonCursor(ckpt->trainer_state(), "trainer_state.json")["optimizer_steps"].as_int64();
     if constexpr (std::is_same_v<std::decay_t<decltype(model)>, train::HostCausalLm>) {
@@ -696,7 +738,8 @@ int run(Args a) {
     ts.set("min_lr", static_cast<double>(a.min_lr));
     ts.set("total_steps", a.steps);
     ts.set("sampler", sampler.state().to_json());
-    ts.set("data", data_path.string());
+    ts.set("data", fs::absolute(data_path, ec).lexically_normal().string());
+    ts.set("data_tokens", tokens->size());
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state
     const auto dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views), {step, config_text, ts, a.keep});
     fmt::print("checkpoint {} written\n", dir.string());
@@ -813,7 +856,13 @@ int run(Args a) {
     if (checkpoints && (step % a.checkpoint_every == 0 || step == a.steps)) checkpoint(step);
     if (const int sig = g_signal.load()) {
       if (checkpoints && step % a.checkpoint_every != 0 && step != a.steps) checkpoint(step);
-      fmt::print(stderr, "oom-train: interrupted by signal {} after step {}; resume with --resume\n", sig, step);
+      if (checkpoints)
+        fmt::print(stderr, "oom-train: interrupted by signal {} after step {}; resume with --resume\n", sig, step);
+      else if (start_step > 0)
+        fmt::print(stderr, "oom-train: interrupted by signal {} after step {}; no checkpoint since step {} (--checkpoint-every 0), "
+                           "where --resume would continue\n", sig, step, start_step);
+      else
+        fmt::print(stderr, "oom-train: interrupted by signal {} after step {}; no checkpoint was written (--checkpoint-every 0)\n", sig, step);
       return 130;
     }
   }
@@ -853,6 +902,10 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     std::fprintf(stderr, "oom-train: error: %s\n", e.what());
     return e.code() == Errc::out_of_budget ? 3 : 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "oom-train: error: out of host memory (an allocation failed; --host-mem sets the plan's host budget, "
+                         "and the host's own limits, e.g. ulimit -v, apply too)\n");
+    return 3;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "oom-train: error: %s\n", e.what());
     return 2;

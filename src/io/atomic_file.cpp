@@ -42,6 +42,13 @@ void sync_directory(const std::filesystem::path& path) {
 }  // namespace
 
 AtomicFile::AtomicFile(std::filesystem::path path) : path_(std::move(path)) {
+  // rename() would replace a device or FIFO (run as root, /dev/full was replaced by a regular
+  // file) and fails on a directory only at commit(); refuse both before creating the temporary.
+  // A symlink is replaced itself, not its target, as for any file.
+  struct stat st {};
+  if (::lstat(path_.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode))
+    OOM_THROW(Errc::io, fmt::format("{}: cannot replace: {}", path_.string(),
+                                    S_ISDIR(st.st_mode) ? "is a directory" : "not a regular file"));
   temp_ = path_;
   temp_ += ".tmp-" + std::to_string(::getpid());
   fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

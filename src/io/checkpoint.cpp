@@ -2,12 +2,15 @@
 #include "oom/io/checkpoint.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <map>
 #include <system_error>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
@@ -88,6 +91,35 @@ SafetensorsEntry entry(std::string name, const Source& src, std::span<const Segm
 
 std::string checkpoint_name(std::uint64_t step) { return fmt::format("checkpoint-{:06}", step); }
 
+// The step a directory name "checkpoint-<digits>" holds; nullopt for anything else (".partial",
+// ".old"). Pruning orders by this, not by name: past step 999999 the names grow a digit and
+// "checkpoint-1000000" sorts before "checkpoint-999999".
+std::optional<std::uint64_t> checkpoint_step(std::string_view name) {
+  constexpr std::string_view prefix = "checkpoint-";
+  if (!name.starts_with(prefix) || name.size() == prefix.size()) return std::nullopt;
+  const char* first = name.data() + prefix.size();
+  const char* last = name.data() + name.size();
+  std::uint64_t step = 0;
+  const auto r = std::from_chars(first, last, step);
+  if (r.ec != std::errc() || r.ptr != last) return std::nullopt;
+  return step;
+}
+
+// Where save_checkpoint moves an earlier checkpoint of the same step while it renames the new one in.
+fs::path set_aside(const fs::path& dir) {
+  fs::path p = dir;
+  p += ".old";
+  return p;
+}
+
+// A crash between moving `dir` aside and renaming the new one in leaves `latest` naming `dir`
+// with its data at set_aside(dir): this moves it back. Nothing to do otherwise.
+std::error_code restore_set_aside(const fs::path& dir) {
+  std::error_code ec, absent;  // (is_directory reports a missing path in its error code)
+  if (!fs::exists(dir, absent) && fs::is_directory(set_aside(dir), absent)) fs::rename(set_aside(dir), dir, ec);
+  return ec;
+}
+
 // `out` from the tensor `t` of `file`, converted to fp32; then the tensor's pages leave the resident
 // set (a checkpoint or weights file is read once: without it, a 5.13B model's resume would hold
 // its 61 GB of checkpoint pages in RSS beside the pinned state it reads into).
@@ -126,6 +158,27 @@ void check_tensors(const SafetensorsFile& file, const ModelSpec& spec, std::stri
       named.name = std::string(prefix) + t.name;
       check_tensor(file, named, rule);
     }
+}
+
+// No tensor in our own checkpoint `file` beyond `spec`'s (each under one of `prefixes`): a
+// checkpoint of a deeper or wider model must not load into this one with its extra layers
+// silently dropped. (Weights from elsewhere may carry more, e.g. multi-token-prediction heads.)
+void check_no_other_tensors(const SafetensorsFile& file, const ModelSpec& spec,
+                            std::initializer_list<std::string_view> prefixes) {
+  std::unordered_set<std::string> names;
+  for (const auto& seg : spec.segments())
+    for (const auto& t : seg.tensors)
+      for (const auto prefix : prefixes) names.insert(std::string(prefix) + t.name);
+  const SafetensorsTensor* first = nullptr;
+  std::size_t others = 0;
+  for (const auto& t : file.tensors())
+    if (!names.contains(t.name)) {
+      if (first == nullptr) first = &t;
+      ++others;
+    }
+  if (first != nullptr)
+    OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is not in the model ({} of the file's {} tensors are not; a checkpoint "
+                                       "of another model?)", file.source(), first->name, others, file.tensors().size()));
 }
 
 /// Weights in one safetensors file or in a Hugging Face sharded checkpoint: the shards named by a
@@ -229,38 +282,67 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   const std::string name = checkpoint_name(what.step);
   const fs::path final_dir = run_dir / name;
   const fs::path partial = run_dir / (name + ".partial");
+  const fs::path aside = set_aside(final_dir);
   fs::remove_all(partial, ec);
+  if (ec)
+    OOM_THROW(Errc::io, fmt::format("{}: cannot remove this step's earlier partial checkpoint: {}", partial.string(), ec.message()));
+  ec = restore_set_aside(final_dir);
+  if (ec)
+    OOM_THROW(Errc::io, fmt::format("cannot rename {} back to {}: {}", aside.string(), final_dir.string(), ec.message()));
   fs::create_directory(partial, ec);
   if (ec) OOM_THROW(Errc::io, fmt::format("{}: cannot create: {}", partial.string(), ec.message()));
 
-  const auto srcs = sources(spec);
-  std::vector<SafetensorsEntry> model, optimizer;
-  for (const auto& src : srcs) {
-    model.push_back(entry(src.name, src, state, StateArray::master));
-    optimizer.push_back(entry("exp_avg." + src.name, src, state, StateArray::exp_avg));
-    optimizer.push_back(entry("exp_avg_sq." + src.name, src, state, StateArray::exp_avg_sq));
+  try {
+    const auto srcs = sources(spec);
+    std::vector<SafetensorsEntry> model, optimizer;
+    for (const auto& src : srcs) {
+      model.push_back(entry(src.name, src, state, StateArray::master));
+      optimizer.push_back(entry("exp_avg." + src.name, src, state, StateArray::exp_avg));
+      optimizer.push_back(entry("exp_avg_sq." + src.name, src, state, StateArray::exp_avg_sq));
+    }
+    const SafetensorsFile::Metadata meta{{"format", "pt"}, {"producer", "oom"}, {"step", std::to_string(what.step)}};
+    write_safetensors(partial / "model.safetensors", std::move(model), meta);
+    write_safetensors(partial / "optimizer.safetensors", std::move(optimizer), meta);
+    write_file_atomically(partial / "trainer_state.json", what.trainer_state.dump(2) + "\n");
+    write_file_atomically(partial / "config.json", what.config_json);
+
+    // A checkpoint of the same step from an earlier, abandoned attempt, which `latest` may name:
+    // moved aside rather than deleted, so that at every instant `latest` finds it either in place
+    // or at `aside`, from where latest_checkpoint (or the next save) puts it back.
+    if (fs::exists(final_dir, ec)) {
+      fs::remove_all(aside, ec);
+      if (!ec) fs::rename(final_dir, aside, ec);
+      if (ec) OOM_THROW(Errc::io, fmt::format("cannot rename {} to {}: {}", final_dir.string(), aside.string(), ec.message()));
+    }
+    fs::rename(partial, final_dir, ec);
+    if (ec) OOM_THROW(Errc::io, fmt::format("cannot rename {} to {}: {}", partial.string(), final_dir.string(), ec.message()));
+  } catch (...) {
+    // Best effort: a failed save leaves no partial copy of the model's state behind.
+    std::error_code ignored;
+    fs::remove_all(partial, ignored);
+    (void)restore_set_aside(final_dir);
+    throw;
   }
-  const SafetensorsFile::Metadata meta{{"format", "pt"}, {"producer", "oom"}, {"step", std::to_string(what.step)}};
-  write_safetensors(partial / "model.safetensors", std::move(model), meta);
-  write_safetensors(partial / "optimizer.safetensors", std::move(optimizer), meta);
-  write_file_atomically(partial / "trainer_state.json", what.trainer_state.dump(2) + "\n");
-  write_file_atomically(partial / "config.json", what.config_json);
-
-  fs::remove_all(final_dir, ec);  // a checkpoint of the same step from an earlier, abandoned attempt
-  fs::rename(partial, final_dir, ec);
-  if (ec) OOM_THROW(Errc::io, fmt::format("cannot rename {} to {}: {}", partial.string(), final_dir.string(), ec.message()));
   write_file_atomically(run_dir / "latest", name + "\n");  // also makes the rename durable (same directory)
+  fs::remove_all(aside, ec);
 
-  // Keep the newest `keep` complete checkpoints; `latest` is always among them.
-  std::vector<fs::path> complete;
+  // Keep the newest `keep` complete checkpoints by step; `latest` is always among them.
+  std::vector<std::pair<std::uint64_t, fs::path>> complete;
   for (const auto& e : fs::directory_iterator(run_dir, ec)) {
     const auto fn = e.path().filename().string();
-    if (e.is_directory() && fn.starts_with("checkpoint-") && !fn.ends_with(".partial")) complete.push_back(e.path());
+    if (!e.is_directory(ec)) continue;
+    if (const auto step = checkpoint_step(fn)) {
+      complete.emplace_back(*step, e.path());
+    } else if (fn.ends_with(".old")) {
+      // Set aside by a save that crashed after renaming its checkpoint in: a stale copy.
+      const fs::path in_place = run_dir / fn.substr(0, fn.size() - 4);
+      if (checkpoint_step(in_place.filename().string()) && fs::is_directory(in_place, ec)) fs::remove_all(e.path(), ec);
+    }
   }
   std::sort(complete.begin(), complete.end());
   const std::size_t keep = static_cast<std::size_t>(std::max(what.keep, 1));
   for (std::size_t i = 0; i + keep < complete.size(); ++i)
-    if (complete[i] != final_dir) fs::remove_all(complete[i], ec);
+    if (complete[i].second != final_dir) fs::remove_all(complete[i].second, ec);
   return final_dir;
 }
 
@@ -271,6 +353,12 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   MappedFile f(latest);
   std::string name(reinterpret_cast<const char*>(f.bytes().data()), f.bytes().size());
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  if (!name.empty() && name.find('/') == std::string::npos) {
+    ec = restore_set_aside(run_dir / name);
+    if (ec)
+      OOM_THROW(Errc::io, fmt::format("{}: names '{}', whose files are at {} and cannot be moved back: {}", latest.string(), name,
+                                      set_aside(run_dir / name).string(), ec.message()));
+  }
   if (name.empty() || name.find('/') != std::string::npos || !fs::is_directory(run_dir / name, ec))
     OOM_THROW(Errc::parse, fmt::format("{}: names '{}', which is not a checkpoint directory", latest.string(), name));
   return run_dir / name;
@@ -289,6 +377,8 @@ CheckpointReader::CheckpointReader(const fs::path& dir, const ModelSpec& spec)
   check_tensors(files_->model, spec, "", "checkpoints hold");
   check_tensors(files_->optimizer, spec, "exp_avg.", "checkpoints hold");
   check_tensors(files_->optimizer, spec, "exp_avg_sq.", "checkpoints hold");
+  check_no_other_tensors(files_->model, spec, {""});
+  check_no_other_tensors(files_->optimizer, spec, {"exp_avg.", "exp_avg_sq."});
 }
 
 CheckpointReader::~CheckpointReader() = default;
@@ -337,6 +427,7 @@ SegmentStateSource CheckpointReader::source() const {
 CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool with_optimizer) {
   CheckpointRead r;
   if (!with_optimizer) {
+    check_no_other_tensors(SafetensorsFile::open(dir / "model.safetensors"), spec, {""});
     for (auto& w : load_weights(dir / "model.safetensors", spec))
       r.state.push_back({std::move(w), {}, {}});
     r.trainer_state = read_json_file(dir / "trainer_state.json");

@@ -1,13 +1,17 @@
 // JSON value, strict parser and writer (see oom/io/json.hpp).
 #include "oom/io/json.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
-#include <fstream>
+#include <cstring>
 #include <limits>
-#include <sstream>
 #include <system_error>
+#include <unordered_set>
 
 #include "oom/core/error.hpp"
 
@@ -47,7 +51,13 @@ Json::Json(unsigned long long v) : type_(Type::number) {
 }
 
 Json::Json(Object o) : type_(Type::object) {
-  for (auto& [k, v] : o) set(std::move(k), std::move(v));
+  // A hash of the keys rather than set() per member: headers of 100k+ tensors are built this way.
+  std::unordered_set<std::string_view> keys;
+  keys.reserve(o.size());
+  for (const auto& m : o)
+    if (!keys.insert(m.first).second)
+      OOM_THROW(Errc::invalid_argument, "JSON object: duplicate key \"" + m.first + "\"");
+  obj_ = std::move(o);
 }
 
 bool Json::as_bool() const {
@@ -296,23 +306,26 @@ class Parser {
 
   Json parse_object(int depth) {
     ++pos_;  // '{'
-    Json obj = Json::object();
+    Json::Object members;
     skip_ws();
     if (pos_ < s_.size() && s_[pos_] == '}') {
       ++pos_;
-      return obj;
+      return Json(std::move(members));
     }
+    // Duplicates are found by hash, not by Json::find (a scan per key): safetensors headers hold
+    // up to 100 MB of keys. The set owns copies, as moving `members` may move the keys' bytes.
+    std::unordered_set<std::string> keys;
     for (;;) {
       skip_ws();
       if (pos_ >= s_.size() || s_[pos_] != '"') fail("a string key");
       const std::size_t key_at = pos_;
       std::string key = parse_string();
-      if (obj.find(key) != nullptr) fail("a key not already in this object (duplicate \"" + key + "\")", key_at);
+      if (!keys.insert(key).second) fail("a key not already in this object (duplicate \"" + key + "\")", key_at);
       skip_ws();
       if (pos_ >= s_.size() || s_[pos_] != ':') fail("':' after the key");
       ++pos_;
       skip_ws();
-      obj.set(std::move(key), parse_value(depth + 1));
+      members.emplace_back(std::move(key), parse_value(depth + 1));
       skip_ws();
       if (pos_ < s_.size() && s_[pos_] == ',') {
         ++pos_;
@@ -320,7 +333,7 @@ class Parser {
       }
       if (pos_ < s_.size() && s_[pos_] == '}') {
         ++pos_;
-        return obj;
+        return Json(std::move(members));
       }
       fail("',' or '}' in an object");
     }
@@ -507,12 +520,27 @@ class Parser {
 Json Json::parse(std::string_view text, std::string_view source) { return Parser(text, source).parse_document(); }
 
 Json read_json_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) OOM_THROW(Errc::io, "cannot open " + path.string());
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  if (in.bad()) OOM_THROW(Errc::io, "cannot read " + path.string());
-  return Json::parse(buf.str(), path.string());
+  // read(2) rather than `buf << in.rdbuf()`, which swallows read errors: a directory opens and then
+  // reads as nothing, reported as "expected a value, found end of input". Not a map, so a pipe
+  // (`--config <(...)`) still reads.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) OOM_THROW(Errc::io, path.string() + ": cannot open: " + std::strerror(errno));
+  std::string text;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n == 0) break;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      // EISDIR reads "Is a directory".
+      OOM_THROW(Errc::io, path.string() + ": cannot read: " + std::strerror(err));
+    }
+    text.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return Json::parse(text, path.string());
 }
 
 // ---------------------------------------------------------------------------------------------

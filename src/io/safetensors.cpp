@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <unordered_set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -259,24 +260,28 @@ Layout lay_out(std::vector<SafetensorsEntry>& tensors, const SafetensorsFile::Me
     const int ra = write_rank(a.dtype), rb = write_rank(b.dtype);
     return ra != rb ? ra < rb : a.name < b.name;
   });
-  Json header = Json::object();
+  // Members are collected and checked for duplicates by hash, not Json::set/find (a scan per
+  // key): an optimizer file of a large model has 100k+ tensors.
+  Json::Object members;
+  members.reserve(tensors.size() + 1);
   if (!metadata.empty()) {
-    Json m = Json::object();
+    Json::Object m;
+    std::unordered_set<std::string_view> keys;
     for (const auto& [k, v] : metadata) {
-      if (m.find(k) != nullptr) OOM_THROW(Errc::invalid_argument, fmt::format("__metadata__: duplicate key '{}'", k));
-      m.set(k, v);
+      if (!keys.insert(k).second) OOM_THROW(Errc::invalid_argument, fmt::format("__metadata__: duplicate key '{}'", k));
+      m.emplace_back(k, v);
     }
-    header.set("__metadata__", std::move(m));
+    members.emplace_back("__metadata__", Json(std::move(m)));
   }
   Layout layout;
   std::uint64_t offset = 0;
+  std::unordered_set<std::string_view> names;  // views of tensors[i].name, which stay put from here
+  names.reserve(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     if (t.name.empty()) OOM_THROW(Errc::invalid_argument, "safetensors: a tensor has an empty name");
     if (t.name == "__metadata__") OOM_THROW(Errc::invalid_argument, "safetensors: '__metadata__' is not a tensor name");
-    if (i > 0 && tensors[i - 1].name == t.name && tensors[i - 1].dtype == t.dtype)
-      OOM_THROW(Errc::invalid_argument, fmt::format("safetensors: tensor '{}' given twice", t.name));
-    if (header.find(t.name) != nullptr)  // same name, other dtype: not adjacent after sorting
+    if (!names.insert(t.name).second)  // also the same name with another dtype, not adjacent after sorting
       OOM_THROW(Errc::invalid_argument, fmt::format("safetensors: tensor '{}' given twice", t.name));
     if (!t.fill) OOM_THROW(Errc::invalid_argument, fmt::format("safetensors: tensor '{}' has no data", t.name));
     const auto elements = elements_of(t.shape);
@@ -288,11 +293,11 @@ Layout lay_out(std::vector<SafetensorsEntry>& tensors, const SafetensorsFile::Me
     info.set("dtype", std::string(safetensors_dtype_name(t.dtype)));
     info.set("shape", std::move(shape));
     info.set("data_offsets", Json(Json::Array{Json(offset), Json(offset + *n)}));
-    header.set(t.name, std::move(info));
+    members.emplace_back(t.name, std::move(info));
     layout.bytes.push_back(*n);
     offset += *n;
   }
-  layout.header = header.dump();
+  layout.header = Json(std::move(members)).dump();
   // Pad with spaces (valid JSON whitespace) so the data section, and so every tensor, is aligned.
   layout.header.append((8 - layout.header.size() % 8) % 8, ' ');
   return layout;

@@ -7,6 +7,9 @@
 #include <set>
 #include <string>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "oom/core/error.hpp"
 #include "oom/io/json.hpp"
 
@@ -42,9 +45,15 @@ using Shape = std::vector<std::uint64_t>;
   OOM_THROW(Errc::parse, field.path() + ": " + what);
 }
 
+/// The most any size or count field may hold: every width product the spec forms from two of
+/// them (heads x head_dim, ...) then stays below 2^62, and the shapes are checked as a whole
+/// (check_sizes) before any byte count is taken from them.
+constexpr std::uint64_t max_field = (std::uint64_t{1} << 31) - 1;
+
 std::uint64_t positive(const JsonCursor& field) {
   const std::uint64_t v = field.as_uint64();
   if (v == 0) bad_field(field, "must be positive, got 0");
+  if (v > max_field) bad_field(field, fmt::format("must be at most {}, got {}", max_field, v));
   return v;
 }
 
@@ -200,10 +209,28 @@ class ConfigReader {
 
     read_layers(m, num_layers);
     build_segments(m);
+    check_sizes(m);
     return m;
   }
 
  private:
+  /// Every tensor's elements and the model's parameters without wrapping past 2^64, and at most
+  /// max_parameters: each parameter's state is 16 bytes and more, so byte counts stay exact too.
+  static void check_sizes(const ModelSpec& m) {
+    constexpr std::uint64_t max_parameters = std::uint64_t{1} << 50;
+    std::uint64_t total = 0;
+    for (const auto& seg : m.segments_)
+      for (const auto& t : seg.tensors) {
+        std::uint64_t n = 1;
+        for (const auto d : t.shape)
+          if (__builtin_mul_overflow(n, d, &n) || n > max_parameters)
+            OOM_THROW(Errc::parse, fmt::format("tensor {} (shape {}): more than 2^50 elements; the config's sizes are too large",
+                                               t.name, fmt::join(t.shape, " x ")));
+        if (__builtin_add_overflow(total, n, &total) || total > max_parameters)
+          OOM_THROW(Errc::parse, fmt::format("the config's sizes make more than 2^50 parameters (reached at tensor {})", t.name));
+      }
+  }
+
   void read_layers(ModelSpec& m, std::uint64_t num_layers) {
     const ModelFamily f = m.family_;
     const JsonCursor& c = text_;

@@ -6,7 +6,9 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "oom/core/error.hpp"
@@ -150,4 +152,35 @@ TEST_CASE("MappedFile::drop_pages takes read pages out of the resident set; the 
   MappedFile().drop_pages(b);
   CHECK(std::memcmp(b.data(), content.data(), size) == 0);
   CHECK(content[size - 1] == static_cast<char>(((size - 1) * 31) % 251));
+}
+
+TEST_CASE("AtomicFile refuses to replace a directory or a FIFO, naming it and leaving no temporary") {
+  TempDir dir("atomic-special");
+  const auto sub = dir / "sub";
+  std::filesystem::create_directories(sub);
+  const auto fifo = dir / "fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  for (const auto& special : {std::pair{sub, "is a directory"}, std::pair{fifo, "not a regular file"}}) {
+    CAPTURE(special.first.string());
+    try {
+      write_file_atomically(special.first, "{}");
+      FAIL("replaced a special file");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::io);
+      CHECK(e.message() == special.first.string() + ": cannot replace: " + special.second);
+    }
+  }
+  CHECK(std::filesystem::is_directory(sub));
+  CHECK(std::filesystem::is_fifo(std::filesystem::symlink_status(fifo)));
+  int entries = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) entries += e.path() != sub && e.path() != fifo;
+  CHECK(entries == 0);
+  // A symlink is replaced itself, as rename() does: its target is left alone.
+  const auto target = dir / "target";
+  write_file_atomically(target, "target");
+  std::filesystem::create_symlink(target, dir / "link");
+  write_file_atomically(dir / "link", "new");
+  CHECK(test::read_text(target) == "target");
+  CHECK(test::read_text(dir / "link") == "new");
+  CHECK_FALSE(std::filesystem::is_symlink(dir / "link"));
 }

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -137,6 +138,92 @@ TEST_CASE("bad state and bad files are refused with their names, leaving nothing
   fs::remove_all(dir);
 }
 
+TEST_CASE("pruning keeps the newest checkpoints by step, also past step 999999 where the names grow a digit") {
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-prune");
+  const auto st = random_state(spec, 12);
+  fs::create_directories(dir / "checkpoint-000001.partial");  // never a complete checkpoint
+  fs::create_directories(dir / "checkpoint-notes");           // not ours: left alone
+  for (const std::uint64_t step : {999'998u, 999'999u, 1'000'000u, 1'000'001u})
+    (void)save_checkpoint(dir.path(), spec, st, {step, "{}", Json::object(), 2});
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"checkpoint-000001.partial", "checkpoint-1000000", "checkpoint-1000001",
+                                          "checkpoint-notes", "latest"});
+  CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-1000001");
+}
+
+TEST_CASE("a step saved again replaces its checkpoint; one set aside by a crash is put back") {
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-again");
+  const auto a = random_state(spec, 13), b = random_state(spec, 14);
+  const auto where = save_checkpoint(dir.path(), spec, a, {3, "{}", Json::object(), 2});
+  CHECK(save_checkpoint(dir.path(), spec, b, {3, "{}", Json::object(), 2}) == where);
+  const auto names = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir.path())) out.push_back(e.path().filename().string());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  CHECK(names() == std::vector<std::string>{"checkpoint-000003", "latest"});
+  CHECK(same_bits(load_checkpoint(where, spec).state[2].exp_avg, b[2].exp_avg));
+  // A crash between moving the old checkpoint aside and renaming the new one in: `latest` names a
+  // directory that is not there, its files are at .old. Reading puts them back.
+  fs::rename(where, dir / "checkpoint-000003.old");
+  fs::create_directories(dir / "checkpoint-000003.partial");
+  REQUIRE(latest_checkpoint(dir.path()) == where);
+  CHECK(same_bits(load_checkpoint(where, spec).state[2].exp_avg, b[2].exp_avg));
+  // Saved again over the restored one (and this step's stale .partial).
+  (void)save_checkpoint(dir.path(), spec, a, {3, "{}", Json::object(), 2});
+  CHECK(names() == std::vector<std::string>{"checkpoint-000003", "latest"});
+  CHECK(same_bits(load_checkpoint(where, spec).state[2].exp_avg, a[2].exp_avg));
+  // A crash after the new one was renamed in leaves a stale .old beside it: the next save removes it.
+  fs::create_directories(dir / "checkpoint-000003.old");
+  (void)save_checkpoint(dir.path(), spec, b, {4, "{}", Json::object(), 2});
+  CHECK(names() == std::vector<std::string>{"checkpoint-000003", "checkpoint-000004", "latest"});
+}
+
+TEST_CASE("a checkpoint of a deeper model is refused by a shallower one, naming a tensor it does not have") {
+  const auto spec = tiny();
+  Json cfg = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json");
+  cfg.set("num_hidden_layers", cfg.find("num_hidden_layers")->as_int64() + 1);
+  const auto deeper = ModelSpec::from_json(cfg);
+  const test::TempDir dir("ckpt-deeper");
+  const auto where = save_checkpoint(dir.path(), deeper, random_state(deeper, 15), {1, "{}", Json::object(), 2});
+  // The last layer's tensors, counted as the checkpoint names them (a packed expert tensor once).
+  std::set<std::string> extra;
+  for (const auto& seg : deeper.segments())
+    for (const auto& t : seg.tensors) extra.insert(t.name);
+  for (const auto& seg : spec.segments())
+    for (const auto& t : seg.tensors) extra.erase(t.name);
+  REQUIRE(!extra.empty());
+  const std::string layer = fmt::format("'model.layers.{}.", cfg.find("num_hidden_layers")->as_int64() - 1);
+  const std::string model_count = fmt::format("({} of the file's", extra.size());
+  const std::string optimizer_count = fmt::format("({} of the file's", 2 * extra.size());
+  for (const bool with_optimizer : {true, false}) {
+    CAPTURE(with_optimizer);
+    try {
+      (void)load_checkpoint(where, spec, with_optimizer);
+      FAIL("a checkpoint of a deeper model loaded");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::parse);
+      CHECK(e.message().find("model.safetensors: tensor " + layer) != std::string::npos);
+      CHECK(e.message().find(model_count) != std::string::npos);
+    }
+  }
+  // The optimizer file alone: a checkpoint whose model file matches, its moments another model's.
+  fs::copy_file(save_checkpoint(dir / "shallow", spec, random_state(spec, 16), {1, "{}", Json::object(), 2}) / "model.safetensors",
+                where / "model.safetensors", fs::copy_options::overwrite_existing);
+  try {
+    const CheckpointReader reader(where, spec);
+    FAIL("a checkpoint with another model's moments opened");
+  } catch (const Error& e) {
+    CHECK(e.message().find("optimizer.safetensors: tensor 'exp_avg") != std::string::npos);
+    CHECK(e.message().find(optimizer_count) != std::string::npos);
+  }
+}
+
 TEST_CASE("a checkpoint read segment by segment: the same bits, from views written without a copy") {
   const auto spec = tiny();
   const auto dir = fresh_dir("reader");
@@ -222,6 +309,7 @@ TEST_CASE("a checkpoint of state read a range at a time (a GPU's): the same file
                        doctest::Contains("the reader failed"), Error);
   CHECK(latest_checkpoint(dir.path() / "ranged") == ranged);
   CHECK_FALSE(fs::exists(dir.path() / "ranged" / "checkpoint-000002"));
+  CHECK_FALSE(fs::exists(dir.path() / "ranged" / "checkpoint-000002.partial"));  // the failed save's files removed
 }
 
 TEST_CASE("weights read as a source: load_weights' bits, segment by segment in any order; every tensor checked when it opens") {

@@ -365,6 +365,26 @@ TEST_CASE("config errors name the file and the field") {
   CHECK(config_error(q35) == "my/config.json: text_config: expected object, got null");
 }
 
+TEST_CASE("sizes too large for exact byte counts are refused, not wrapped") {
+  // 2^48 (and 2^50) once read as fewer parameters than 2^45, their byte counts wrapping past 2^64.
+  CHECK(with("moe_intermediate_size", std::int64_t{1} << 48) ==
+        "my/config.json: moe_intermediate_size: must be at most 2147483647, got 281474976710656");
+  // Within each field's bound, each tensor under 2^50, but 3 x 2^47 an expert x 8 experts x 4
+  // layers passes 2^50 parameters.
+  Json j = tiny_json();
+  j.set("hidden_size", std::int64_t{1} << 16);
+  j.set("moe_intermediate_size", (std::int64_t{1} << 31) - 1);
+  CHECK(config_error(j).find("the config's sizes make more than 2^50 parameters") != std::string::npos);
+  j = tiny_json();
+  j.set("hidden_size", (std::int64_t{1} << 31) - 1);
+  j.set("vocab_size", (std::int64_t{1} << 31) - 1);
+  const std::string one = config_error(j);
+  CHECK(one.find("more than 2^50 elements") != std::string::npos);
+  CHECK(one.find("model.embed_tokens.weight") != std::string::npos);
+  // The largest shipped config reads, and its count is exact.
+  CHECK(ModelSpec::from_file(config_path("qwen3.5-122b-a10b.json")).total_parameters() > std::uint64_t{100'000'000'000});
+}
+
 TEST_CASE("from_file names the file on a syntax error") {
   try {
     (void)ModelSpec::from_file(config_path("README.md"));

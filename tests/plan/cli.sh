@@ -78,5 +78,28 @@ rm -f "${TMPDIR:-/tmp}/oom-cli-longest.err"
 down=$(longest_of --gpu-mem 80GiB --seq 1000000)
 [[ "$down" == "$small" ]] || { echo "FAIL: --longest from --seq 1000000 on 80 GiB found '$down', not $small"; exit 1; }
 "$plan" --model "$config" --longest --gpus 2 > /dev/null 2>&1 && { echo "FAIL: --longest with --gpus 2 accepted"; exit 1; }
-"$plan" --model "$config" --longest --json /dev/null > /dev/null 2>&1 && { echo "FAIL: --longest with --json accepted"; exit 1; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$plan" --model "$config" --longest --json "$work/l.json" > /dev/null 2>&1 && { echo "FAIL: --longest with --json accepted"; exit 1; }
+# Output paths are refused before anything is planned or written, and a device or a FIFO is never
+# renamed over; a size names its option; a pair oom-train refuses gets no line saying it would run.
+refused() {  # refused PATTERN ARGS...: exit 2, one stderr line matching PATTERN
+  local pattern=$1
+  shift
+  "$plan" --model "$config" --seq 4096 --candidates 1 "$@" > /dev/null 2> "$work/err"
+  local rc=$?
+  [[ $rc -eq 2 ]] && grep -q -- "$pattern" "$work/err" ||
+    { echo "FAIL: $* gave exit $rc, want 2 and /$pattern/:"; cat "$work/err"; exit 1; }
+}
+mkfifo "$work/fifo"
+refused "needs a file name" --json ''
+refused "a directory, not a file name" --json "$work"
+refused "is not a regular file" --json "$work/fifo"
+refused "does not exist" --json "$work/p.json" --trace "$work/nowhere/t.json"
+[[ -e "$work/p.json" ]] && { echo "FAIL: --json written though --trace was refused"; exit 1; }
+compgen -G "$work/*.tmp*" > /dev/null && { echo "FAIL: a temporary file left in $work"; exit 1; }
+refused "^.*--gpu-mem: " --gpu-mem 80XiB
+refused "oom-train refuses the pair" --grad-staging 3 --max-grad-norm 1
+"$plan" --model "$config" --seq 4096 --candidates 1 --json "$work/p.json" > /dev/null || { echo "FAIL: --json to a new file failed"; exit 1; }
+[[ -s "$work/p.json" ]] || { echo "FAIL: --json wrote nothing"; exit 1; }
 echo "PASS"

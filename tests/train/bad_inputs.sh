@@ -68,6 +68,24 @@ if [[ -x "$plan_tool" ]]; then
 else
   echo "skip plan-without-clipping: no $plan_tool"
 fi
+# A plan of another model (same layers and segment names, other widths), of two GPUs, and a plan
+# with budgets of its own.
+if [[ -x "$plan_tool" ]]; then
+  "$plan_tool" --model "$(dirname "$0")/../../examples/configs/tiny-moe-d128.json" --seq 32 --gpu-mem 1GiB --host-mem 4GiB \
+    --json "$work/d128-plan.json" > /dev/null || { echo "FAIL: oom-plan failed"; exit 1; }
+  expect plan-of-another-model 2 "made for another model" -- --plan "$work/d128-plan.json"
+  "$plan_tool" --model "$(dirname "$0")/../../examples/configs/tiny-moe.json" --seq 32 --gpus 2 --gpu-mem 1GiB --host-mem 4GiB \
+    --json "$work/two-gpu-plan.json" > /dev/null || { echo "FAIL: oom-plan --gpus 2 failed"; exit 1; }
+  expect plan-of-two-gpus 2 "planned for 2 GPUs" -- --plan "$work/two-gpu-plan.json"
+  expect plan-with-gpu-mem 2 "runs within the budgets it was made for" -- --plan "$work/unclipped-plan.json" --gpu-mem 2GiB
+fi
+# Output paths refused before any step runs.
+expect trace-nowhere 2 "does not exist" -- --trace-step 2 --trace "$work/nowhere/t.json"
+expect trace-directory 2 "a directory, not a file name" -- --trace-step 2 --trace "$work"
+expect trace-without-step 2 "pass --trace-step" -- --trace "$work/t.json"
+expect trace-step-past-end 2 "past the run's last step" -- --trace-step 3
+expect dump-nowhere 2 "does not exist" -- --dump-batches "$work/nowhere/d.tok"
+expect size-names-option 2 "--gpu-mem: " -- --gpu-mem 80XiB
 # A budget no plan fits, and a missing data file.
 expect tiny-budget 3 "least GPU memory" -- --gpu-mem 1MiB
 expect missing-data 2 "no such data file" -- --data "$work/nowhere.tok"
@@ -99,6 +117,38 @@ rc=$?
 if [[ $rc -ne 2 ]] || ! grep -q "holds batch = 1, this run asks for 2" "$work/rebatch.stderr" || [[ "$(cat "$work/good/latest")" != "$before" ]]; then
   echo "FAIL resume-other-batch: exit $rc"; cat "$work/rebatch.stderr"; fails=$((fails + 1))
 else echo "ok   resume-other-batch: $(cat "$work/rebatch.stderr")"; fi
+# --overwrite removes the old run only once the new one is ready to train: a window the data
+# cannot fill, or a plan of another model, leaves it as it was.
+{
+  printf 'OOMTOK01\x01\x00\x00\x00\x02\x00\x00\x00'   # magic, version 1, 2 bytes per token
+  printf '\x00\x01\x00\x00\x00\x00\x00\x00'           # vocab 256
+  printf '\x0a\x00\x00\x00\x00\x00\x00\x00'           # 10 tokens
+  head -c 32 /dev/zero                                  # documents: not recorded; reserved
+  printf 'a\x00b\x00c\x00d\x00e\x00f\x00g\x00h\x00i\x00j\x00'
+} > "$work/short.tok"
+for bad in "--data $work/short.tok" "--plan $work/d128-plan.json"; do
+  [[ "$bad" == --plan* && ! -f "$work/d128-plan.json" ]] && continue
+  # shellcheck disable=SC2086
+  "$train" --out "$work/good" --steps 2 --seq 32 --overwrite $bad > /dev/null 2> "$work/overwrite.stderr"
+  rc=$?
+  if [[ $rc -ne 2 ]] || [[ "$(cat "$work/good/latest" 2> /dev/null)" != "$before" ]] || [[ ! -s "$work/good/metrics.jsonl" ]]; then
+    echo "FAIL overwrite-keeps-run ($bad): exit $rc, latest '$(cat "$work/good/latest" 2> /dev/null)'"; cat "$work/overwrite.stderr"
+    fails=$((fails + 1))
+  else echo "ok   overwrite-keeps-run ($bad): $(cat "$work/overwrite.stderr")"; fi
+done
+# A resumed run must read the data it was trained on, and keep a cosine schedule's floor.
+"$train" --out "$work/good" --steps 2 --seq 32 --resume --data "$work/short.tok" > /dev/null 2> "$work/redata.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "was trained on .*builtin-corpus.tok, this run reads" "$work/redata.stderr" ||
+   [[ "$(cat "$work/good/latest")" != "$before" ]]; then
+  echo "FAIL resume-other-data: exit $rc"; cat "$work/redata.stderr"; fails=$((fails + 1))
+else echo "ok   resume-other-data: $(cat "$work/redata.stderr")"; fi
+"$train" --out "$work/cos" --steps 1 --seq 32 --schedule cosine --min-lr 1e-4 > /dev/null || { echo "FAIL: a cosine run failed"; exit 1; }
+"$train" --out "$work/cos" --steps 1 --seq 32 --schedule cosine --min-lr 2e-3 --resume > /dev/null 2> "$work/reminlr.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "pass the same --min-lr" "$work/reminlr.stderr"; then
+  echo "FAIL resume-other-min-lr: exit $rc"; cat "$work/reminlr.stderr"; fails=$((fails + 1))
+else echo "ok   resume-other-min-lr: $(cat "$work/reminlr.stderr")"; fi
 expect resume-nothing 2 "no checkpoint" -- --resume
 expect zero-batch 2 "--batch needs a positive integer, got '0'" -- --batch 0
 # A count past 2^64 - 1 (strtoull would saturate), and a micro-batch past the planner's 2^32 tokens.

@@ -20,7 +20,8 @@ namespace oom {
 /// Errors are oom::Error(Errc::io) naming the file and the system error.
 class AtomicFile {
  public:
-  /// Creates (truncates) `<path>.tmp-<pid>`. The directory must exist.
+  /// Creates (truncates) `<path>.tmp-<pid>`. The directory must exist; `path`, when it exists, must
+  /// be a regular file or a symlink (a directory, device or FIFO is refused, naming the path).
   explicit AtomicFile(std::filesystem::path path);
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;

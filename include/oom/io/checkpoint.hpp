@@ -10,7 +10,10 @@
 //
 // Nothing half-written is ever visible: the files go into "checkpoint-000120.partial/", each
 // written atomically; the directory is renamed into place and only then is `latest` replaced
-// (atomically). A crash at any point leaves `latest` naming a complete checkpoint (or none).
+// (atomically). A crash at any point leaves `latest` naming a complete checkpoint (or none); a
+// failed save removes its .partial directory. An earlier checkpoint of the same step is moved to
+// "checkpoint-000120.old/" while the new one is renamed in; latest_checkpoint() moves it back if
+// a crash came between the two renames.
 #pragma once
 
 #include <cstdint>
@@ -39,7 +42,8 @@ struct CheckpointWrite {
 /// Writes a checkpoint of `state` (one entry per segment of `spec`, in spec.segments() order) into
 /// `run_dir` (created if missing) and points `latest` at it; returns the checkpoint's directory.
 /// Errc::invalid_argument when `state` does not match the spec's segments; Errc::io on write errors
-/// (nothing under the checkpoint's final name then).
+/// (nothing under the checkpoint's final name then). Of the checkpoints in `run_dir`, the `keep`
+/// with the highest steps are kept.
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const ModelSpec& spec,
                                       std::span<const SegmentOptimizerState> state, const CheckpointWrite& what);
 /// The same from views of the state where it lives (an executor's StateSnapshot): the values are
@@ -49,13 +53,14 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
                                       std::span<const SegmentStateView> state, const CheckpointWrite& what);
 
 /// The checkpoint `latest` names in `run_dir`, or nullopt when there is none yet.
-/// Errc::parse when `latest` exists but names no checkpoint directory.
+/// Errc::parse when `latest` exists but names no checkpoint directory (one a crashed save set aside
+/// as "<name>.old" is first moved back).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 
 /// A checkpoint directory opened for reading segment by segment: the files are mapped, every
-/// tensor of `spec` is checked (present, F32 or BF16, the right shape) when it opens, and values
-/// are converted only when read. Errors name the file and the tensor (Errc::parse) or the file
-/// (Errc::io).
+/// tensor of `spec` is checked (present, F32 or BF16, the right shape) when it opens, a tensor the
+/// spec does not have is an error (a checkpoint of another model), and values are converted only
+/// when read. Errors name the file and the tensor (Errc::parse) or the file (Errc::io).
 class CheckpointReader {
  public:
   CheckpointReader(const std::filesystem::path& dir, const ModelSpec& spec);
@@ -82,8 +87,9 @@ struct CheckpointRead {
 };
 
 /// Reads a checkpoint directory against `spec`: every segment's tensors by name and shape, fp32 or
-/// bf16. `with_optimizer` false reads weights only (moments left empty), e.g. to start a run from
-/// someone's weights. Errors name the file and the tensor (Errc::parse) or the file (Errc::io).
+/// bf16, and no others. `with_optimizer` false reads weights only (moments left empty), e.g. to
+/// start a run from someone's weights. Errors name the file and the tensor (Errc::parse) or the
+/// file (Errc::io).
 CheckpointRead load_checkpoint(const std::filesystem::path& dir, const ModelSpec& spec, bool with_optimizer = true);
 
 /// Reads weights only (transformers' checkpoints, or ours): per segment of `spec`, the fp32 values

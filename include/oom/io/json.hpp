@@ -101,7 +101,8 @@ class Json {
 /// "null", "bool", "number", "string", "array", "object".
 const char* to_string(Json::Type t) noexcept;
 
-/// Reads and parses a whole file; I/O failures are Errc::io, syntax errors Errc::parse naming the path.
+/// Reads and parses a whole file; I/O failures (a missing or unreadable file, a directory) are
+/// Errc::io naming the path and the system's reason, syntax errors Errc::parse naming the path.
 Json read_json_file(const std::filesystem::path& path);
 
 /// A read-only view of a value together with its key path ("rope_scaling.factor", "layer_types[3]"),
