@@ -115,7 +115,8 @@ Optimizer (AdamW, as torch.optim.AdamW over all parameters)
                        no clipping; the updates then wait for the whole backward; on cuda the gradients
                        are staged per parameter, as --grad-staging 0)
 Plan
-  --plan PATH          use this plan (from oom-plan --json) instead of planning
+  --plan PATH          use this plan (from oom-plan --json, for this model, one GPU) instead of
+                       planning; it runs within its own budgets (not with --gpu-mem / --host-mem)
   --retention NAME     plan only with this retention template and its mixes nearer the loss (as
                        oom-plan --retention: keep-all, checkpoint, offload-checkpoint, keep-attention,
                        offload-attention, hybrid-regenerate for hybrid models); cuda runs a plan that
@@ -156,7 +157,8 @@ Plan
 Run
   --out DIR            run directory: checkpoints, metrics.jsonl (default runs/oom-train)
   --resume             continue from the run directory's latest checkpoint
-  --overwrite          start afresh even if the run directory holds checkpoints (they are removed)
+  --overwrite          start afresh even if the run directory holds checkpoints (they are removed
+                       once the new model is built: a run refused before then leaves them)
   --checkpoint-every N steps between checkpoints (default 50; one is always written at the end;
                        0: none at all, e.g. for throughput runs of large models)
   --keep N             checkpoints kept (default 2)
