@@ -29,6 +29,12 @@ std::string to_string(Bytes b) {
 
 std::ostream& operator<<(std::ostream& os, Bytes b) { return os << to_string(b); }
 
+void Bytes::refuse_align_up(std::uint64_t count, std::uint64_t alignment) {
+  if (alignment == 0) OOM_THROW(Errc::invalid_argument, fmt::format("{} B aligned to a multiple of 0 bytes", count));
+  OOM_THROW(Errc::invalid_argument, fmt::format("{} B ({}) rounded up to a multiple of {} B is past 2^64 - 1 bytes", count,
+                                                to_string(Bytes{count}), alignment));
+}
+
 Bytes parse_bytes(std::string_view text) {
   auto fail = [&](const char* why) {
     OOM_THROW(Errc::parse, fmt::format("'{}' is not a byte size ({}); write e.g. 80GiB, 512MiB, 1.5TiB or 4096",

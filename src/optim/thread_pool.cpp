@@ -57,7 +57,16 @@ void ThreadPool::run(std::size_t tasks, const std::function<void(std::size_t)>& 
   if (tasks == 0) return;
   std::lock_guard serial(run_mutex_);
   if (workers_.empty() || tasks == 1) {
-    for (std::size_t t = 0; t < tasks; ++t) fn(t);
+    // Inline, yet as the contract says: every task runs, the first exception comes after them.
+    std::exception_ptr error;
+    for (std::size_t t = 0; t < tasks; ++t) {
+      try {
+        fn(t);
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
     return;
   }
   {

@@ -53,6 +53,12 @@ std::vector<Costed> cost_layers(const std::vector<LayerDescription>& layers, con
       c.saved[static_cast<std::size_t>(a.cls)] += a.bytes;
       c.recompute_flops[static_cast<std::size_t>(a.cls)] += a.recompute_flops;
     }
+    // The boundary it hands on is what the next layer keeps, offloads or regenerates from (the
+    // first layer's input too): a layer has one, and a graph of 0-byte boundaries has no copies.
+    if (c.cost.output.count() == 0)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: LayerCost::output is 0 bytes; it is the boundary the layer hands on (e.g. "
+                                                    "tokens x hidden x 4 bytes), which must be > 0",
+                                                    where));
     c.saved[boundary] = l == 0 ? c.cost.output : out.back().cost.output;
     out.push_back(std::move(c));
   }
@@ -397,18 +403,7 @@ void check_plan(const Plan& p, const std::vector<LayerDescription>& stack) {
     OOM_THROW(Errc::invalid_argument, fmt::format("plan covers {} layers ({} chunk entries), the stack has {}", p.retention.size(),
                                                   p.chunks.size(), layers));
   if (p.gpus != 1) OOM_THROW(Errc::unsupported, fmt::format("plan for {} GPUs: the layer-stack planner plans one", p.gpus));
-  if (p.prefetch_depth < 1 || p.prefetch_depth > max_prefetch_depth || p.micro_batches < 1 || p.micro_batches > max_micro_batches)
-    OOM_THROW(Errc::invalid_argument, fmt::format("plan: prefetch_depth {} (1 to {}) or micro_batches {} (1 to {}) out of range, "
-                                                  "as Plan::from_json would refuse them",
-                                                  p.prefetch_depth, max_prefetch_depth, p.micro_batches, max_micro_batches));
-  if (!p.workload.within_limit() || p.workload.tokens() == 0)
-    OOM_THROW(Errc::invalid_argument, fmt::format("plan: {} sequences of {} tokens (1 to {} tokens a micro-batch)", p.workload.sequences,
-                                                  p.workload.seq_len, max_workload_tokens));
-  for (std::size_t l = 0; l < layers; ++l)
-    if (p.chunks[l].moe_tokens == 0)
-      OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {}: a chunk of 0 tokens (the whole micro-batch is {} tokens; the "
-                                                    "HostExecutor would run it a token at a time)",
-                                                    l, p.workload.tokens()));
+  check_plan_counts(p);
   for (std::size_t l = 0; l < layers; ++l) {
     check_recompute_sources(p, l);  // as the HostExecutor runs them
     // ... and only through layers that may run again.

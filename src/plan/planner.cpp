@@ -67,6 +67,25 @@ void check_plan_request(const PlanRequest& req) {
     OOM_THROW(Errc::invalid_argument, "plan request: GPU and host budgets must be > 0");
 }
 
+void check_plan_counts(const Plan& p) {
+  if (p.gpus < 1 || p.gpus > max_plan_gpus)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan: gpus must be 1 to {}, not {}", max_plan_gpus, p.gpus));
+  if (p.prefetch_depth < 1 || p.prefetch_depth > max_prefetch_depth)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan: prefetch_depth {} (1 to {}) is out of range: weight slots, layers in flight",
+                                                  p.prefetch_depth, max_prefetch_depth));
+  if (p.micro_batches < 1 || p.micro_batches > max_micro_batches)
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("plan: micro_batches {} (1 to {}) is out of range", p.micro_batches, max_micro_batches));
+  if (!p.workload.within_limit() || p.workload.tokens() == 0)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan: {} sequences of {} tokens (1 to {} tokens a micro-batch)", p.workload.sequences,
+                                                  p.workload.seq_len, max_workload_tokens));
+  for (std::size_t l = 0; l < p.chunks.size(); ++l)
+    if (p.chunks[l].moe_tokens == 0)
+      OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {}: a chunk of 0 tokens (moe_tokens, > 0; the whole micro-batch is {} "
+                                                    "tokens)",
+                                                    l, p.workload.tokens()));
+}
+
 namespace {
 
 using detail::LayerState;
@@ -119,6 +138,30 @@ std::vector<bool> resident_mask(const ModelSpec& spec, const std::vector<std::st
   return mask;
 }
 
+// What the step graph of a plan someone else made needs of it, beyond check_plan_counts: a layer
+// count of the model's, each layer's attention chunk ends rising from 0 to seq_len (as the planner
+// partitions a sequence), loss rows per chunk. Without them the graph divides by 0 or prices a
+// chunk of 2^64 - x tokens.
+void check_plan(const Plan& p, const ModelSpec& spec) {
+  const auto n = static_cast<std::size_t>(spec.num_layers());
+  if (p.retention.size() != n || p.chunks.size() != n)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan has retention for {} and chunks for {} layers; the model has {}",
+                                                  p.retention.size(), p.chunks.size(), n));
+  check_plan_counts(p);
+  for (std::size_t l = 0; l < n; ++l) {
+    const auto& ends = p.chunks[l].attention;
+    for (std::size_t i = 0; i < ends.size(); ++i)
+      if (const std::uint64_t before = i == 0 ? 0 : ends[i - 1]; ends[i] <= before)
+        OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {}: attention chunk end {} is {}, not past {} (the ends rise from 0 "
+                                                      "to seq_len {})",
+                                                      l, i, ends[i], before, p.workload.seq_len));
+    if (ends.empty() || ends.back() != p.workload.seq_len)
+      OOM_THROW(Errc::invalid_argument, fmt::format("plan, layer {}: the attention chunks end at {}, not at seq_len {}", l,
+                                                    ends.empty() ? 0 : ends.back(), p.workload.seq_len));
+  }
+  if (p.loss_rows == 0) OOM_THROW(Errc::invalid_argument, "plan: loss_rows is 0 (rows per LM-head/cross-entropy chunk, > 0)");
+}
+
 // Builds the step graph of `plan` for `spec` (see docs/planner.md, "Step graph").
 class GraphBuilder {
  public:
@@ -129,10 +172,7 @@ class GraphBuilder {
   GraphBuilder(const StepModel& model, const ModelSpec& spec, const Plan& plan, const std::vector<LayerState>* states = nullptr)
       : spec_(spec), plan_(plan), model_(model),
         states_(states ? *states : model.layer_states(resident_mask(spec, plan.resident_segments))) {
-    const int n = spec.num_layers();
-    if (static_cast<int>(plan.retention.size()) != n || static_cast<int>(plan.chunks.size()) != n)
-      OOM_THROW(Errc::invalid_argument, fmt::format("plan has retention for {} and chunks for {} layers; the model has {}",
-                                                    plan.retention.size(), plan.chunks.size(), n));
+    const int n = spec.num_layers();  // check_plan: the plan's layers
     for (int l = 0; l < n; ++l) {
       attn_.push_back(partition_from_ends(model_.attention_item(l), plan.chunks[static_cast<std::size_t>(l)].attention));
       saved_.push_back(model_.saved_bytes(l));
@@ -566,6 +606,7 @@ Planner::Planner(const ModelSpec& spec, const MachineProfile& profile, std::stri
 }
 
 StepGraph Planner::step_graph(const Plan& plan) const {
+  check_plan(plan, *spec_);
   const StepModel model(*spec_, *profile_, request_of(plan), plan.path);
   return GraphBuilder(model, *spec_, plan).build();
 }
@@ -888,6 +929,7 @@ std::string Planner::compare(const Plan& best, const Plan& other) {
 }
 
 std::vector<std::string> Planner::residency_order(const Plan& plan) const {
+  check_plan(plan, *spec_);
   const StepModel model(*spec_, *profile_, request_of(plan), plan.path);
   std::vector<std::string> names;
   for (const std::size_t i : oom::residency_order(*spec_, model)) names.push_back(spec_->segments()[i].name);

@@ -5,6 +5,8 @@
 #include <string>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "oom/core/error.hpp"
 #include "oom/io/chrome_trace.hpp"
 
@@ -24,6 +26,13 @@ int StepGraph::add(SimOp op) {
 void StepGraph::hold(Claimant c, Bytes bytes, int from, int to) {
   const int n = static_cast<int>(ops_.size());
   if (from < -1 || from >= n || to < -1 || to >= n) OOM_THROW(Errc::internal, "memory hold names an op that does not exist");
+  // Ops are issued in order, so a hold from a later op to an earlier one would end no later than
+  // it starts: its free would be swept before its take, and the claimant's bytes wrap past 2^64.
+  if (from >= 0 && to >= 0 && from > to)
+    OOM_THROW(Errc::invalid_argument, fmt::format("memory hold of {} ({}) from op {} '{}' to op {} '{}': it must end at an op "
+                                                  "issued no earlier than the one it starts at",
+                                                  to_string(bytes), to_string(c), from, ops_[static_cast<std::size_t>(from)].name(), to,
+                                                  ops_[static_cast<std::size_t>(to)].name()));
   if (bytes.count() == 0) return;
   holds_.push_back({c, bytes, from, to});
 }
@@ -47,7 +56,9 @@ SimResult simulate(const StepGraph& graph) {
   }
 
   // Memory: +bytes at a hold's start, -bytes at its end; at equal times frees go first (a
-  // stream-ordered allocator reuses memory freed by an op that has ended).
+  // stream-ordered allocator reuses memory freed by an op that has ended). So a hold that ends no
+  // later than it starts (its last op, on another resource, done before its first begins) holds
+  // nothing: swept, its free would come before its take and wrap its claimant's bytes past 2^64.
   struct Event {
     double t;
     int sign;
@@ -59,8 +70,9 @@ SimResult simulate(const StepGraph& graph) {
   for (const auto& h : graph.holds()) {
     const double from = h.from < 0 ? 0.0 : r.start_s[static_cast<std::size_t>(h.from)];
     const double to = h.to < 0 ? r.step_s : r.end_s[static_cast<std::size_t>(h.to)];
+    if (!(to > from)) continue;
     events.push_back({from, +1, h.claimant, h.bytes});
-    events.push_back({std::max(from, to), -1, h.claimant, h.bytes});
+    events.push_back({to, -1, h.claimant, h.bytes});
   }
   std::sort(events.begin(), events.end(), [](const Event& a, const Event& b) {
     return a.t != b.t ? a.t < b.t : a.sign < b.sign;

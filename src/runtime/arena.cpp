@@ -17,14 +17,15 @@ void Arena::refuse(Claimant claimant, Bytes bytes, const char* when) const {
 
 void Arena::take(Claimant claimant, Bytes bytes) {
   std::lock_guard lock(mutex_);
-  if (in_use_ + bytes > budget_) refuse(claimant, bytes, "");
+  // Compared with what is left, not as a sum: in_use_ + bytes would wrap for a size near 2^64.
+  if (bytes > budget_ - in_use_) refuse(claimant, bytes, "");
   take_locked(claimant, bytes);
 }
 
 void Arena::take_when_free(Claimant claimant, Bytes bytes, const std::function<bool()>& pending) {
   std::unique_lock lock(mutex_);
   if (bytes > budget_) refuse(claimant, bytes, "");
-  for (bool waited = false; in_use_ + bytes > budget_; waited = true) {
+  for (bool waited = false; bytes > budget_ - in_use_; waited = true) {
     if (!pending()) refuse(claimant, bytes, waited ? " once the queued work had run" : " with no work queued");
     // Timed: a stream that goes idle without giving anything back sends no notification.
     given_.wait_for(lock, std::chrono::milliseconds(1));

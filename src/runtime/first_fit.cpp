@@ -13,6 +13,7 @@ FirstFitHeap::FirstFitHeap(Bytes capacity, std::uint64_t alignment) : capacity_(
 }
 
 std::optional<std::uint64_t> FirstFitHeap::allocate(Bytes bytes) {
+  if (bytes > capacity_) return std::nullopt;  // before rounding up, which cannot round a size near 2^64
   const std::uint64_t n = std::max<std::uint64_t>(bytes.align_up(alignment_).count(), alignment_);
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second < n) continue;

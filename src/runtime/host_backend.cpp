@@ -32,10 +32,12 @@ class HostBackend::Worker {
     return busy_ || !queue_.empty();
   }
   [[nodiscard]] bool runs_on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
-  void push(std::function<void()> fn) {
+  /// `always`: runs even after a task of any stream threw (events, waits, frees: the stream order
+  /// itself); other tasks are skipped then, until synchronize() hands the error over.
+  void push(std::function<void()> fn, bool always = false) {
     {
       std::lock_guard lock(mutex_);
-      queue_.push_back(std::move(fn));
+      queue_.push_back({std::move(fn), always});
     }
     ready_.notify_one();
   }
@@ -43,7 +45,7 @@ class HostBackend::Worker {
  private:
   void run() {
     for (;;) {
-      std::function<void()> task;
+      Task task;
       {
         std::unique_lock lock(mutex_);
         busy_ = false;
@@ -53,8 +55,9 @@ class HostBackend::Worker {
         queue_.pop_front();
         busy_ = true;
       }
+      if (!task.always && owner_.failed_.load(std::memory_order_acquire)) continue;
       try {
-        task();
+        task.fn();
       } catch (...) {
         owner_.fail(std::current_exception());
       }
@@ -65,7 +68,11 @@ class HostBackend::Worker {
   std::string name_;
   std::mutex mutex_;
   std::condition_variable ready_;
-  std::deque<std::function<void()>> queue_;
+  struct Task {
+    std::function<void()> fn;
+    bool always = false;
+  };
+  std::deque<Task> queue_;
   bool stop_ = false;
   bool busy_ = false;
   std::thread thread_;
@@ -139,7 +146,7 @@ void HostBackend::record(Event& e, Stream& s) {
       if (generation > e->completed) e->completed = generation;
     }
     e->done.notify_all();
-  });
+  }, /*always=*/true);
 }
 
 void HostBackend::wait(Stream& s, Event& e) {
@@ -152,7 +159,7 @@ void HostBackend::wait(Stream& s, Event& e) {
   s->push([e, generation] {
     std::unique_lock lock(e->mutex);
     e->done.wait(lock, [&] { return e->completed >= generation; });
-  });
+  }, /*always=*/true);
 }
 
 void HostBackend::copy(void* dst, const void* src, Bytes bytes, Stream& s) {
@@ -176,17 +183,34 @@ void HostBackend::copy(void* dst, const void* src, Bytes bytes, Stream& s) {
 
 void* HostBackend::allocate(MemorySpace space, Bytes bytes, Claimant claimant) {
   Arena* arena = space.is_device() ? &device_ : space.kind == MemorySpace::Kind::pinned_host ? &pinned_ : nullptr;
-  if (arena) arena->take_when_free(claimant, bytes, [this] { return work_pending(); });
   const std::size_t align = space.is_device() ? 256 : 4096;
-  void* p = std::aligned_alloc(align, std::max<std::size_t>(align, bytes.align_up(align).count()));
+  const Bytes rounded = bytes.align_up(align);  // before the arena is charged: a size near 2^64 throws here
+  if (arena) arena->take_when_free(claimant, bytes, [this] { return work_pending(); });
+  void* p = std::aligned_alloc(align, std::max<std::size_t>(align, rounded.count()));
   if (p == nullptr) {
     if (arena) arena->give(claimant, bytes);
     OOM_THROW(Errc::out_of_budget, fmt::format("host allocation of {} for {} failed", bytes, to_string(claimant)));
   }
+  std::lock_guard lock(blocks_mutex_);
+  blocks_.emplace(p, Block{space, bytes, claimant});
   return p;
 }
 
 void HostBackend::free(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant) {
+  {
+    // A block is given back as it was taken, once: the reference backend says so where a real
+    // allocator would corrupt its heap or its accounts.
+    std::lock_guard lock(blocks_mutex_);
+    const auto it = blocks_.find(ptr);
+    if (it == blocks_.end())
+      OOM_THROW(Errc::invalid_argument, fmt::format("free of {} ({} for {}): not a block this backend holds (freed already, or "
+                                                    "never allocated here)", fmt::ptr(ptr), bytes, to_string(claimant)));
+    const Block& b = it->second;
+    if (!(b.space == space) || b.bytes != bytes || b.claimant != claimant)
+      OOM_THROW(Errc::invalid_argument, fmt::format("free of {} as {} in {} for {}: it was allocated as {} in {} for {}", fmt::ptr(ptr), bytes,
+                                                    to_string(space), to_string(claimant), b.bytes, to_string(b.space), to_string(b.claimant)));
+    blocks_.erase(it);
+  }
   std::free(ptr);
   if (space.is_device()) device_.give(claimant, bytes);
   else if (space.kind == MemorySpace::Kind::pinned_host) pinned_.give(claimant, bytes);
@@ -207,7 +231,7 @@ void HostBackend::drain(Stream& s) noexcept {
       std::lock_guard lock(p->m);
       p->done = true;
       p->cv.notify_one();
-    });
+    }, /*always=*/true);
   } catch (...) {  // no memory to queue the marker: poll until the stream is idle instead
     while (s->pending()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     return;
@@ -218,18 +242,30 @@ void HostBackend::drain(Stream& s) noexcept {
 
 void HostBackend::synchronize(Stream& s) {
   drain(s);
+  if (!failed_.load(std::memory_order_acquire)) return;
+  // Every stream runs out what was queued before the error is handed over, skipped as it is: once
+  // the work may run again, a task queued behind the error (an update of gradients never written)
+  // must not. Their waits are for records queued already, which run, so the drains end.
+  std::vector<Stream> streams;
+  {
+    std::lock_guard lock(streams_mutex_);
+    streams = streams_;
+  }
+  for (auto& other : streams) drain(other);
   std::lock_guard lock(error_mutex_);
+  failed_.store(false, std::memory_order_release);
   if (first_error_) std::rethrow_exception(std::exchange(first_error_, nullptr));
 }
 
 void HostBackend::fail(std::exception_ptr e) {
   std::lock_guard lock(error_mutex_);
   if (!first_error_) first_error_ = e;
+  failed_.store(true, std::memory_order_release);
 }
 
 void HostBackend::free_after(Stream& s, void* p, MemorySpace space, Bytes bytes, Claimant claimant) {
   if (p == nullptr) return;
-  submit(s, [this, p, space, bytes, claimant] { free(p, space, bytes, claimant); });
+  s->push([this, p, space, bytes, claimant] { free(p, space, bytes, claimant); }, /*always=*/true);
 }
 
 void HostBackend::zero(float* g, std::uint64_t n, Stream& s) {

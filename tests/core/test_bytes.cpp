@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <sstream>
+#include <utility>
 
 #include "oom/core/bytes.hpp"
 #include "oom/core/error.hpp"
@@ -39,6 +40,28 @@ TEST_CASE("Bytes arithmetic and ordering") {
   CHECK(Bytes{1024}.align_up(256) == Bytes{1024});
   CHECK(Bytes{0}.align_up(256) == Bytes{0});
   CHECK((1_GiB).gib() == doctest::Approx(1.0));
+}
+
+TEST_CASE("Bytes::align_up refuses a multiple past 2^64 - 1 bytes instead of wrapping to a small size") {
+  constexpr std::uint64_t top = ~std::uint64_t{0};
+  CHECK(Bytes{top - 255}.align_up(256) == Bytes{top - 255});  // already a multiple: the largest there is
+  CHECK(Bytes{top}.align_up(3) == Bytes{top});                 // 2^64 - 1 is a multiple of 3
+  CHECK(Bytes{top - 300}.align_up(256) == Bytes{top - 255});
+  // Each of these used to come back as 0 or a few KiB (the audit's HostBackend::allocate got 4 KiB).
+  for (const auto& [count, alignment] : {std::pair{top - 10, std::uint64_t{4096}}, std::pair{top - 254, std::uint64_t{256}},
+                                         std::pair{top, std::uint64_t{2}}}) {
+    CAPTURE(count);
+    try {
+      (void)Bytes{count}.align_up(alignment);
+      FAIL("no error");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::invalid_argument);
+      CHECK(e.message() == fmt::format("{} B ({}) rounded up to a multiple of {} B is past 2^64 - 1 bytes", count,
+                                       to_string(Bytes{count}), alignment));
+    }
+  }
+  CHECK_THROWS_WITH_AS((void)Bytes{1}.align_up(0), doctest::Contains("multiple of 0 bytes"), Error);
+  static_assert(Bytes{1000}.align_up(256) == Bytes{1024});  // still usable in constant expressions
 }
 
 TEST_CASE("parse_bytes accepts binary and decimal units") {

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -46,17 +47,21 @@ TEST_CASE("thread pool uses its workers, not only the caller") {
   CHECK(most.load() >= 2);
 }
 
-TEST_CASE("thread pool rethrows a task's exception and stays usable") {
-  ThreadPool pool(4);
-  std::atomic<int> finished{0};
-  CHECK_THROWS_AS(pool.run(100,
-                           [&](std::size_t t) {
-                             if (t == 37) throw std::runtime_error("task 37");
-                             finished.fetch_add(1);
-                           }),
-                  std::runtime_error);
-  CHECK(finished.load() == 99);
-  std::atomic<int> again{0};
-  pool.run(10, [&](std::size_t) { again.fetch_add(1); });
-  CHECK(again.load() == 10);
+TEST_CASE("thread pool rethrows a task's exception after running every task, and stays usable") {
+  // Size 1 runs inline on the caller: it must keep the same contract (it used to stop at the throw).
+  for (std::size_t threads : {1u, 2u, 4u}) {
+    CAPTURE(threads);
+    ThreadPool pool(threads);
+    std::vector<std::atomic<int>> runs(100);
+    CHECK_THROWS_AS(pool.run(100,
+                             [&](std::size_t t) {
+                               runs[t].fetch_add(1);
+                               if (t == 0 || t == 37) throw std::runtime_error("task " + std::to_string(t));
+                             }),
+                    std::runtime_error);
+    for (std::size_t t = 0; t < runs.size(); ++t) REQUIRE(runs[t].load() == 1);
+    std::atomic<int> again{0};
+    pool.run(10, [&](std::size_t) { again.fetch_add(1); });
+    CHECK(again.load() == 10);
+  }
 }

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "oom/core/error.hpp"
 #include "oom/plan/layer_stack_planner.hpp"
 #include "oom/runtime/host_executor.hpp"
@@ -592,6 +594,51 @@ TEST_CASE("bad stacks and requests are refused by name") {
   p = resident_plan(layers, tokens);
   p.workload = {0, 24};
   CHECK(thrown([&] { (void)planner.simulate(p); }).find("plan: 0 sequences of 24 tokens") != std::string::npos);
+}
+
+TEST_CASE("a layer cost with no output (LayerCost::output of 0 bytes, its default) is refused, naming the layer") {
+  // The audit's stack: a layer's output is the next layer's boundary (the first layer's is its
+  // own); at 0 bytes an offloaded boundary had no copy down for its regeneration to wait on, and
+  // planning threw Errc::internal ("op 'h2d.boundary (to regenerate from) L1' depends on op -1").
+  const MachineProfile profile = MachineProfile::h200(1);
+  constexpr std::uint64_t h = 8, t = 16;
+  auto described = [&](int without_output) {
+    std::vector<LayerDescription> d(2);
+    for (int l = 0; l < 2; ++l) {
+      d[static_cast<std::size_t>(l)].name = "l" + std::to_string(l);
+      d[static_cast<std::size_t>(l)].cost = [=](const Workload& w) {
+        LayerCost c;
+        c.forward_flops = 1e3;
+        c.backward_flops = 2e3;
+        if (l != without_output) c.output = Bytes{w.tokens() * h * 4};
+        return c;
+      };
+    }
+    return d;
+  };
+  // Layer 0's boundary offloaded, layer 1's regenerated from it: the graph that had no offload op.
+  Plan regenerate;
+  regenerate.workload = {1, t};
+  regenerate.gpu_budget = regenerate.host_budget = 1_MiB;
+  regenerate.retention.resize(2);
+  regenerate.chunks.assign(2, {{t}, t});
+  regenerate.loss_rows = t;
+  regenerate.retention[0][static_cast<std::size_t>(ActivationClass::layer_boundary)] = RetentionDecision::offload();
+  regenerate.retention[1][static_cast<std::size_t>(ActivationClass::layer_boundary)] = RetentionDecision::recompute(0);
+  for (const int l : {0, 1}) {
+    CAPTURE(l);
+    const LayerStackPlanner planner(described(l), profile, "no-output");
+    const std::string want = fmt::format("layer {} ('l{}'), cost for 1 x 16 tokens: LayerCost::output is 0 bytes", l, l);
+    Errc code{};
+    CHECK(thrown([&] { (void)planner.plan(request(1_MiB, 1_MiB, t)); }, &code).find(want) != std::string::npos);
+    CHECK(code == Errc::invalid_argument);
+    CHECK(thrown([&] { (void)planner.simulate(regenerate); }, &code).find(want) != std::string::npos);
+    CHECK(code == Errc::invalid_argument);
+  }
+  const LayerStackPlanner planner(described(-1), profile, "with-output");
+  CHECK_FALSE(planner.plan(request(1_MiB, 1_MiB, t)).plans.empty());
+  const SimResult sim = planner.simulate(regenerate);
+  CHECK(sim.peak_of(Claimant::host_offload) == Bytes{t * h * 4});
 }
 
 TEST_CASE("a chunk's workset is its share rounded up, exact at any size (what the planner holds and the executor hands out)") {

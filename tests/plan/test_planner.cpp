@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -489,6 +491,55 @@ TEST_CASE("a plan survives JSON and predicts the same step when re-simulated") {
     CAPTURE(c.field);
     const std::string want = fmt::format("{}: {} is out of range {}", c.field, c.value, c.range);
     CHECK_THROWS_WITH_AS((void)Plan::from_json(out_of_range, "range.json"), doctest::Contains(want.c_str()), Error);
+  }
+}
+
+TEST_CASE("a plan made elsewhere is checked against the model before its graph is built, naming the field and layer") {
+  // The audit's plans: each had divided by 0 (SIGFPE), predicted a 16384 PiB peak or a step of
+  // 1.8e11 s, or was simulated as if valid.
+  const PlannerOnH200 m("tiny-moe.json", "tiny");
+  PlanRequest req;
+  req.gpu_budget = 1_GiB;
+  req.host_budget = 8_GiB;
+  req.workload = {2, 256};  // two sequences: attention chunks end at seq_len, MoE and loss chunks count all 512 tokens
+  const Plan base = m.planner.plan(req).plans.at(0);
+  CHECK(m.planner.simulate(base).step_s == doctest::Approx(base.predicted.step_s));  // the planner's own plans pass
+  struct Case {
+    const char* what;
+    std::function<void(Plan&)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"plan: gpus must be 1 to 1024, not 0", [](Plan& p) { p.gpus = 0; }},
+      {"plan: gpus must be 1 to 1024, not 0", [](Plan& p) { p.gpus = 0; p.path = ExecutionPath::expert_parallel; }},
+      {"plan: gpus must be 1 to 1024, not 1025", [](Plan& p) { p.gpus = 1025; }},
+      {"plan: micro_batches 0 (1 to 1048576) is out of range", [](Plan& p) { p.micro_batches = 0; }},
+      {"plan: prefetch_depth 0 (1 to 64) is out of range", [](Plan& p) { p.prefetch_depth = 0; }},
+      {"plan: prefetch_depth -3 (1 to 64)", [](Plan& p) { p.prefetch_depth = -3; }},
+      {"plan: 1 sequences of 0 tokens (1 to 4294967296 tokens a micro-batch)", [](Plan& p) { p.workload = {1, 0}; }},
+      {"plan: 8589934592 sequences of 2147483648 tokens", [](Plan& p) { p.workload = {std::uint64_t{1} << 33, std::uint64_t{1} << 31}; }},
+      {"plan, layer 1: a chunk of 0 tokens (moe_tokens", [](Plan& p) { p.chunks[1].moe_tokens = 0; }},
+      {"plan, layer 0: the attention chunks end at 0, not at seq_len 256", [](Plan& p) { p.chunks[0].attention.clear(); }},
+      {"plan, layer 3: the attention chunks end at 512, not at seq_len 256", [](Plan& p) { p.chunks[3].attention = {512}; }},
+      {"plan, layer 2: attention chunk end 1 is 100, not past 200", [](Plan& p) { p.chunks[2].attention = {200, 100, 256}; }},
+      {"plan, layer 2: attention chunk end 0 is 0, not past 0", [](Plan& p) { p.chunks[2].attention = {0, 256}; }},
+      {"plan: loss_rows is 0", [](Plan& p) { p.loss_rows = 0; }},
+      {"plan has retention for 4 and chunks for 3 layers; the model has 4", [](Plan& p) { p.chunks.pop_back(); }},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    Plan p = base;
+    c.edit(p);
+    const std::function<void()> entries[] = {[&] { (void)m.planner.simulate(p); }, [&] { (void)m.planner.step_graph(p); },
+                                             [&] { (void)m.planner.residency_order(p); }};
+    for (const auto& entry : entries) {
+      try {
+        entry();
+        FAIL("accepted");
+      } catch (const Error& e) {
+        CHECK(e.code() == Errc::invalid_argument);
+        CHECK(e.message().find(c.what) != std::string::npos);
+      }
+    }
   }
 }
 

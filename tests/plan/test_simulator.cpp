@@ -68,3 +68,27 @@ TEST_CASE("bad graphs are refused, and the trace is JSON with one event per time
     }
   CHECK(timed == 2);
 }
+
+TEST_CASE("a memory hold that ends before it starts is refused, or holds nothing: never a wrapped 16 EiB peak") {
+  StepGraph g;
+  const int a = g.add({"a", Resource::gpu_compute, 1.0, {}, -1});
+  const int b = g.add({"b", Resource::gpu_compute, 1.0, {a}, 3});
+  try {
+    g.hold(Claimant::worksets, 1_MiB, b, a);  // from b's start (t = 1) to a's end (t = 1): reversed
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::invalid_argument);
+    CHECK(e.message().find("memory hold of 1.00 MiB (worksets) from op 1 'b L3' to op 0 'a'") != std::string::npos);
+  }
+  CHECK(g.holds().empty());
+  // Issued in order but on another resource, `to` can still end before `from` starts: nothing held.
+  const int c = g.add({"c", Resource::h2d, 0.5, {}, -1});  // [0, 0.5] while b runs [1, 2]
+  g.hold(Claimant::worksets, 2_MiB, b, c);
+  // An op of no duration held for itself: 0 bytes for no time, not 2^64 - 4 MiB.
+  const int d = g.add({"d", Resource::cpu, 0.0, {a}, -1});
+  g.hold(Claimant::worksets, 4_MiB, d, d);
+  g.hold(Claimant::worksets, 1_MiB, a, b);
+  const auto r = simulate(g);
+  CHECK(r.peak_of(Claimant::worksets) == 1_MiB);
+  CHECK(r.gpu_peak == 1_MiB);
+}

@@ -41,6 +41,7 @@ class MoeMlpLayer {
     return c;
   }
   std::uint64_t hidden() const { return h_; }
+  ChunkDependency chunking() const { return ChunkDependency::independent; }  // token by token
   std::uint64_t saved_floats(ActivationClass c, std::uint64_t tokens) const {
     if (c == ActivationClass::router_output) return tokens * e_;
     if (c == ActivationClass::expert_intermediate) return tokens * k_ * 2 * i_;

@@ -1,5 +1,6 @@
 // FirstFitHeap: random allocate/free sequences never overlap, stay in bounds and aligned, and
-// coalesce back to one free range; the high-water mark is the highest end handed out.
+// coalesce back to one free range; the high-water mark is the highest end handed out. With it,
+// the Arena's budget check: sizes near 2^64 are refused by both, not wrapped into small ones.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <random>
 
 #include "oom/core/error.hpp"
+#include "oom/runtime/arena.hpp"
 #include "oom/runtime/first_fit.hpp"
 
 using namespace oom;
@@ -47,4 +49,37 @@ TEST_CASE("random allocate/free: disjoint, aligned, in bounds, fully coalesced a
   CHECK(heap.largest_free() == 64_MiB);
   CHECK(heap.high_water() == Bytes{reached});  // frees do not lower it
   CHECK_THROWS_AS(heap.free(12345), Error);
+}
+
+TEST_CASE("a request near 2^64 bytes is refused, not rounded up past 2^64 into a small one") {
+  FirstFitHeap heap(1_MiB, 256);
+  const auto small = heap.allocate(1_KiB);
+  REQUIRE(small);
+  for (const std::uint64_t huge : {~std::uint64_t{0}, ~std::uint64_t{0} - 10, ~std::uint64_t{0} - 255}) {
+    CAPTURE(huge);
+    CHECK_FALSE(heap.allocate(Bytes{huge}));  // was offset 0 (then 1 KiB) with 256 B more in use
+    CHECK(heap.used() == 1_KiB);
+  }
+  CHECK_FALSE(heap.allocate(1_MiB));  // what is left is 1 MiB - 1 KiB
+  CHECK(heap.allocate(1_MiB - 1_KiB));
+}
+
+TEST_CASE("Arena refuses a size that would wrap its total past 2^64") {
+  Arena arena("test", 1_KiB);
+  arena.take(Claimant::worksets, 16_B);
+  for (const std::uint64_t huge : {~std::uint64_t{0} - 7, ~std::uint64_t{0} - 15, ~std::uint64_t{0}}) {
+    CAPTURE(huge);
+    try {
+      arena.take(Claimant::worksets, Bytes{huge});  // 16 + (2^64 - 8) wrapped to 8, within the budget
+      FAIL("no error");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::out_of_budget);
+      CHECK(e.message().find("the budget is 1.00 KiB") != std::string::npos);
+    }
+    CHECK_THROWS_AS(arena.take_when_free(Claimant::worksets, Bytes{huge}, [] { return false; }), Error);
+  }
+  CHECK(arena.in_use() == 16_B);
+  arena.take(Claimant::worksets, 1_KiB - 16_B);  // exactly the budget still fits
+  CHECK(arena.in_use() == 1_KiB);
+  CHECK_THROWS_AS(arena.take(Claimant::worksets, 1_B), Error);
 }

@@ -148,3 +148,40 @@ TEST_CASE("a stream retired while another handle holds it stays counted: an allo
   b.retire(other);
   CHECK(b.stream_count() == 0);
 }
+
+TEST_CASE("after a task throws, later tasks of every stream are skipped until synchronize hands the error over; ordering and frees still run") {
+  HostBackend b({1_MiB, 1_MiB, false});
+  auto first = b.make_stream("first");
+  auto second = b.make_stream("second");
+  std::atomic<int> ran{0};
+  b.submit(first, [] { throw Error(Errc::internal, "a layer failed"); });
+  auto after = b.make_event();
+  b.record(after, first);
+  b.wait(second, after);  // runs (no hang) though everything queued before it was skipped
+  b.submit(second, [&] { ++ran; });  // an update of never-written gradients: skipped
+  void* p = b.allocate(MemorySpace::device(0), 64_KiB, Claimant::worksets);
+  b.free_after(second, p, MemorySpace::device(0), 64_KiB, Claimant::worksets);  // still given back
+  b.drain(second);
+  CHECK(ran == 0);
+  CHECK(b.device_arena().in_use() == 0_B);
+  CHECK_THROWS_WITH_AS(b.synchronize(first), doctest::Contains("a layer failed"), Error);
+  b.submit(second, [&] { ++ran; });  // the error handed over: work runs again
+  b.synchronize(second);
+  CHECK(ran == 1);
+}
+
+TEST_CASE("a block is freed once, as it was taken: a double free or another size is refused, the accounts unchanged") {
+  HostBackend b({1_MiB, 1_MiB, false});
+  void* p = b.allocate(MemorySpace::device(0), 1_KiB, Claimant::worksets);
+  CHECK_THROWS_WITH_AS(b.free(p, MemorySpace::device(0), 2_KiB, Claimant::worksets), doctest::Contains("it was allocated as 1.00 KiB"),
+                       Error);
+  CHECK_THROWS_WITH_AS(b.free(p, MemorySpace::pinned_host(), 1_KiB, Claimant::worksets), doctest::Contains("it was allocated as"),
+                       Error);
+  CHECK(b.device_arena().in_use() == 1_KiB);
+  b.free(p, MemorySpace::device(0), 1_KiB, Claimant::worksets);
+  CHECK(b.device_arena().in_use() == 0_B);
+  CHECK_THROWS_WITH_AS(b.free(p, MemorySpace::device(0), 1_KiB, Claimant::worksets), doctest::Contains("not a block this backend holds"),
+                       Error);
+  int local = 0;
+  CHECK_THROWS_AS(b.free(&local, MemorySpace::device(0), 1_KiB, Claimant::worksets), Error);
+}

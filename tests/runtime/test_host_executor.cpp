@@ -293,6 +293,39 @@ TEST_CASE("a non-finite loss skips the step and leaves the state untouched; a no
   CHECK_THROWS_WITH_AS((void)exec.step(st.input(1), bad_grad), doctest::Contains("non-finite gradient"), Error);
 }
 
+TEST_CASE("a loss or a layer that throws stops the step: no backward, no update, the step not counted, the error thrown") {
+  const Stack st({16, 4, 2, 16, 10, 2}, 5);
+  auto layers = st.layers;
+  Plan plan = resident_plan(layers, st.c.tokens);
+  plan.resident_segments.resize(plan.resident_segments.size() / 2);  // some resident (GPU AdamW), some streamed (CPU)
+  HostBackend backend({1_GiB, 1_GiB, true});
+  LayerExecutorOptions options;
+  options.skip_nonfinite_loss = false;  // no synchronize after the loss: the backward is queued behind it
+  HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, options);
+  const auto before = exec.master();
+  const HostLossFn throws = [](const float*, float*) -> double { throw std::runtime_error("the loss failed"); };
+  CHECK_THROWS_WITH_AS((void)exec.step(st.input(0), throws), "the loss failed", std::runtime_error);
+  CHECK(exec.optimizer_steps() == 0);
+  CHECK(bitwise_equal(exec.master(), before));  // updated before: every segment, from gradients never written
+  CHECK(backend.device_arena().in_use(Claimant::retained_activations) == 0_B);
+  // The executor goes on: the next step is a whole one.
+  const std::uint64_t n = st.c.tokens * st.c.hidden;
+  const HostLossFn half_square = [n](const float* y, float* g) {
+    double sum = 0;
+    for (std::uint64_t i = 0; i < n; ++i) sum += 0.5 * static_cast<double>(y[i]) * y[i], g[i] = y[i];
+    return sum;
+  };
+  (void)exec.step(st.input(1), half_square);
+  CHECK(exec.optimizer_steps() == 1);
+  CHECK(!bitwise_equal(exec.master(), before));
+  // An empty loss is refused by name, before any work is queued.
+  CHECK_THROWS_WITH_AS((void)exec.step(st.input(2), HostLossFn{}), doctest::Contains("the loss of micro-batch 0 is an empty function"),
+                       Error);
+  // apply_updates() belongs to deferred updates: without them it would update a second time.
+  CHECK_THROWS_WITH_AS(exec.apply_updates(1.0f), doctest::Contains("defer_updates"), Error);
+  CHECK(exec.optimizer_steps() == 1);
+}
+
 TEST_CASE("the gradient of the stack's input is what every plan computes") {
   const Stack st({8, 2, 1, 8, 9, 2}, 3);
   auto layers = st.layers;
@@ -695,6 +728,66 @@ TEST_CASE("a regeneration sees each layer's streamed weights 256-byte aligned, a
       regenerated += regenerating ? 1 : 0;
     }
   CHECK(regenerated == 3);  // layers 0, 1, 2 rerun once, for layer 3's backward
+}
+
+namespace {
+// OddLayer of another width, running whole: y = 2x over `h` features.
+struct WholeLayer {
+  std::vector<StateSegment> segs;
+  std::uint64_t h;
+  WholeLayer(int l, std::uint64_t h) : segs{{fmt::format("whole.{}", l), SegmentRole::dense_mlp, l, -1, {{fmt::format("whole.{}.w", l), {3}}}}}, h(h) {}
+  const std::vector<StateSegment>& segments() const { return segs; }
+  LayerCost cost(const Workload& w) const {
+    LayerCost c;
+    c.output = Bytes{w.tokens() * h * sizeof(float)};
+    return c;
+  }
+  std::uint64_t hidden() const { return h; }  // no chunking(): ChunkDependency::none, runs whole
+  std::uint64_t saved_floats(ActivationClass, std::uint64_t) const { return 0; }
+  void forward(LayerContext& ctx) const {
+    for (std::uint64_t i = ctx.begin * h; i < ctx.end * h; ++i) ctx.output[i] = 2 * ctx.input[i];
+  }
+  void backward(LayerContext& ctx) const {
+    for (std::uint64_t i = ctx.begin * h; i < ctx.end * h; ++i) ctx.grad_input[i] = 2 * ctx.grad_output[i];
+  }
+};
+}  // namespace
+
+TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; it keeps its own copy of the plan") {
+  HostBackend backend({1_MiB, 1_MiB, true});
+  const auto init_of = [](const auto& layers) {
+    std::vector<std::vector<float>> init;
+    for (const auto& l : layers) init.emplace_back(3, 0.25f);
+    return init;
+  };
+  std::vector<WholeLayer> layers{WholeLayer(0, 4), WholeLayer(1, 4)};
+  const Plan plan = test::resident_plan(layers, 6);
+  {
+    std::vector<WholeLayer> mixed{WholeLayer(0, 4), WholeLayer(1, 8)};  // layer 1 would read 8-wide rows of a 4-wide boundary
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, mixed, plan, init_of(mixed)),
+                         doctest::Contains("layer 1 has hidden size 8, layer 0 4"), Error);
+  }
+  {
+    std::vector<WholeLayer> none;
+    Plan empty = plan;
+    empty.retention.clear();
+    empty.chunks.clear();
+    empty.resident_segments.clear();
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, none, empty, {}), doctest::Contains("at least one layer"), Error);
+  }
+  {
+    Plan chunked = plan;
+    chunked.chunks[1].moe_tokens = 2;  // a layer that runs whole, cut in three
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, chunked, init_of(layers)),
+                         doctest::Contains("layer 1 runs whole"), Error);
+  }
+  CHECK(backend.device_arena().in_use() == 0_B);
+  // The plan is the executor's: the caller's may change or go.
+  Plan mine = plan;
+  HostExecutor<WholeLayer> exec(backend, layers, mine, init_of(layers));
+  mine.workload.seq_len *= 2;
+  mine.retention.clear();
+  CHECK_NOTHROW((void)exec.step(std::vector<float>(24, 1.0f), std::vector<float>(24, 0.0f)));
 }
 
 TEST_CASE("write_step_traces: both timelines written, busy seconds side by side; an empty timeline writes nothing") {

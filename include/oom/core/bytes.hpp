@@ -33,12 +33,20 @@ class Bytes {
   /// How many times `b` fits in `a` (a ratio, not a size).
   friend constexpr std::uint64_t operator/(Bytes a, Bytes b) { return a.count_ / b.count_; }
 
-  /// Rounds up to a multiple of `alignment` (a power of two is not required).
+  /// Rounds up to a multiple of `alignment` (a power of two is not required). Throws
+  /// Errc::invalid_argument for an alignment of 0 or a multiple past 2^64 - 1 bytes (which would
+  /// wrap to a small size: a huge request must be refused, not handed a few bytes).
   [[nodiscard]] constexpr Bytes align_up(std::uint64_t alignment) const {
-    return Bytes{(count_ + alignment - 1) / alignment * alignment};
+    if (alignment == 0) refuse_align_up(count_, alignment);
+    const std::uint64_t rest = count_ % alignment;
+    if (rest == 0) return *this;
+    if (count_ > ~std::uint64_t{0} - (alignment - rest)) refuse_align_up(count_, alignment);
+    return Bytes{count_ + (alignment - rest)};
   }
 
  private:
+  [[noreturn]] static void refuse_align_up(std::uint64_t count, std::uint64_t alignment);  // bytes.cpp: no error.hpp here
+
   std::uint64_t count_ = 0;
 };
 

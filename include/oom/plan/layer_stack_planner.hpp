@@ -93,7 +93,8 @@ class LayerStackPlanner {
 
   /// The best few plans within both budgets, fastest first (distinct in residency or retention).
   /// Throws Errc::invalid_argument for a malformed request or a layer cost that is negative, not
-  /// finite, or declares a layer_boundary activation (naming the layer), Errc::unsupported for
+  /// finite, has no output (LayerCost::output of 0 bytes) or declares a layer_boundary activation
+  /// (naming the layer), Errc::unsupported for
   /// more than one GPU, and Errc::out_of_budget naming the least GPU and host bytes any plan
   /// needs and the GPU claimant that dominates it, when nothing fits.
   [[nodiscard]] PlanSet plan(const PlanRequest& request) const;
@@ -102,6 +103,9 @@ class LayerStackPlanner {
   /// "d2h.activations", "h2d.activations", "d2h.grads", "cpu.adamw", "gpu.adamw", "loss").
   [[nodiscard]] StepGraph step_graph(const Plan& plan) const;
   /// Re-simulates a plan (one of this planner's, or one written by hand or read from JSON).
+  /// step_graph and simulate refuse a plan of another layer count, counts out of range
+  /// (check_plan_counts) or recomputes the HostExecutor does not run, and layer costs as plan()
+  /// does (Errc::invalid_argument naming the field and layer).
   [[nodiscard]] SimResult simulate(const Plan& plan) const;
   /// A readable account of one plan: memory by claimant, residency, retention, chunks, time.
   [[nodiscard]] std::string describe(const Plan& plan) const;

@@ -142,6 +142,13 @@ struct Plan {
   [[nodiscard]] static Plan from_json(const Json& j, std::string_view source = "<plan>");
 };
 
+/// The checks every planner makes of a plan it is handed (read from JSON, written by hand) before
+/// building its step graph (Errc::invalid_argument naming the field, and the layer): 1 to
+/// max_plan_gpus GPUs, 1 to max_prefetch_depth weight slots, 1 to max_micro_batches
+/// micro-batches, 1 to max_workload_tokens tokens, a MoE chunk of > 0 tokens in every layer.
+/// Each planner adds what its own graph needs (Planner::step_graph: attention chunks, loss rows).
+void check_plan_counts(const Plan& p);
+
 /// A regenerated boundary (Retention::recompute of layer `layer`'s layer_boundary) as the
 /// executors run one: from a layer f below it whose own boundary is kept or offloaded, every
 /// boundary between regenerated from f as well, so that one rerun of layers [f, layer) in the

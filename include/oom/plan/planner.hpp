@@ -32,14 +32,18 @@ class Planner {
   /// least GPU and host bytes a plan needs and the claimant that dominates, when nothing fits.
   [[nodiscard]] PlanSet plan(const PlanRequest& request) const;
 
-  /// The step graph of a plan (the one the prediction was simulated on).
+  /// The step graph of a plan (the one the prediction was simulated on). A plan from elsewhere
+  /// (read from JSON, written by hand) is checked against the model first: Errc::invalid_argument
+  /// naming the field and layer for another layer count, counts out of range
+  /// (check_plan_counts), attention chunk ends that do not rise from 0 to seq_len, 0 loss rows,
+  /// or a resident segment the model lacks.
   [[nodiscard]] StepGraph step_graph(const Plan& plan) const;
-  /// Re-simulates a plan (e.g. one read from JSON) on this planner's profile.
+  /// Re-simulates a plan (e.g. one read from JSON) on this planner's profile; checked as step_graph.
   [[nodiscard]] SimResult simulate(const Plan& plan) const;
   /// Every segment's name, in the order the planner makes segments resident for `plan`'s
   /// workload and path (time saved per GPU byte, earlier layers first among equals): a plan's
   /// resident set is a prefix of it. For an executor that finds GPU memory the plan left unused
-  /// (CudaCausalLm::fit).
+  /// (CudaCausalLm::fit). The plan is checked as step_graph checks it.
   [[nodiscard]] std::vector<std::string> residency_order(const Plan& plan) const;
 
   /// A readable account of one plan: memory per claimant per GPU and on the host, policies,

@@ -59,6 +59,9 @@ class StepGraph {
  public:
   /// Appends an op; its deps must already exist (ops are issued in order).
   int add(SimOp op);
+  /// Holds `bytes` of `c` as MemoryHold says; Errc::invalid_argument, naming both ops, when `to`
+  /// is issued before `from`. (One that still ends no later than it starts, on another resource,
+  /// holds nothing.)
   void hold(Claimant c, Bytes bytes, int from = -1, int to = -1);
   [[nodiscard]] const std::vector<SimOp>& ops() const { return ops_; }
   [[nodiscard]] const std::vector<MemoryHold>& holds() const { return holds_; }

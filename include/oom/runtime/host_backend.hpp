@@ -5,6 +5,7 @@
 // in pieces, so a missing wait between streams reads NaNs or stale bytes instead of passing by luck.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 
 #include "oom/concepts/backend.hpp"
@@ -73,9 +75,15 @@ class HostBackend {
   /// not fit. From a stream's task, bytes that do not fit are refused at once: another stream
   /// may be blocked on that task's stream, so waiting for the streams could never end.
   void* allocate(MemorySpace space, Bytes bytes, Claimant claimant);
+  /// Gives back a block as allocate() returned it: Errc::invalid_argument, the block left as it
+  /// is, for a pointer this backend does not hold (a double free) or another size, space or
+  /// claimant than it was taken with.
   void free(void* ptr, MemorySpace space, Bytes bytes, Claimant claimant);
   /// Blocks until s has run everything submitted so far; rethrows the first exception a task
-  /// on any stream threw.
+  /// on any stream threw. From that exception until this hands it over, the tasks of every stream
+  /// are skipped, their work not done, as a CUDA context's error stops its work: a step whose loss
+  /// or a layer threw runs no backward and no update on what was never written. Event records and
+  /// waits, drains and free_after still run, so no stream waits forever and no memory is held.
   void synchronize(Stream& s);
 
   // ---- the executor's own work on memory (concepts/backend.hpp, executor_backend) ----
@@ -104,6 +112,14 @@ class HostBackend {
   Arena device_, pinned_;
   std::mutex error_mutex_;
   std::exception_ptr first_error_;
+  std::atomic<bool> failed_{false};
+  struct Block {
+    MemorySpace space;
+    Bytes bytes;
+    Claimant claimant;
+  };
+  std::mutex blocks_mutex_;
+  std::unordered_map<void*, Block> blocks_;  ///< every block allocate() handed out and free() did not take back  ///< first_error_ is set: workers skip all but ordering tasks
   std::mutex streams_mutex_;
   std::vector<Stream> streams_;
   friend class Worker;

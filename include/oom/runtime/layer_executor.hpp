@@ -116,7 +116,12 @@ using DeviceLossFn = std::function<void(const float* y, float* grad_y, double* l
 template <executor_layer L, executor_backend B>
 class LayerExecutor {
  public:
-  /// `initial_master[i]` holds the fp32 master weights of the i-th segment, in layer order.
+  /// `initial_master[i]` holds the fp32 master weights of the i-th segment, in layer order. The
+  /// plan is copied; `layers` and `backend` are held by reference and must outlive the executor.
+  /// Every layer has the same hidden() (the boundaries between them are one size); a layer that
+  /// runs whole (ChunkDependency::none) gets one chunk. Errc::invalid_argument otherwise, before
+  /// anything is taken from the backend. (The plan may name resident segments outside the stack:
+  /// a causal LM's embedding and head, which its caller holds.)
   LayerExecutor(B& backend, std::vector<L>& layers, const Plan& plan, const std::vector<std::vector<float>>& initial_master,
                 LayerExecutorOptions options = {})
       : b_(backend), layers_(layers), plan_(plan), options_(options), pool_(optim::optimizer_threads(options.cpu_threads)), loss_words_(backend.host_words(1)) {
@@ -125,9 +130,18 @@ class LayerExecutor {
     if (plan.micro_batches < 1 || plan.gpus != 1)
       OOM_THROW(Errc::unsupported, fmt::format("a layer executor runs on one device, at least one micro-batch (the plan: {} GPUs, {} "
                                                "micro-batches)", plan.gpus, plan.micro_batches));
+    if (layers.empty()) OOM_THROW(Errc::invalid_argument, "a layer executor needs at least one layer");
     // Everything checked before anything is taken from the backend.
+    const std::uint64_t tokens = plan.workload.tokens();
     std::size_t index = 0;
     for (std::size_t l = 0; l < layers.size(); ++l) {
+      if (layers[l].hidden() != layers.front().hidden())
+        OOM_THROW(Errc::invalid_argument, fmt::format("layer {} has hidden size {}, layer 0 {}: the layers of a stack hand one "
+                                                      "another (T, H) boundaries of one H", l, layers[l].hidden(), layers.front().hidden()));
+      const std::uint64_t chunk = plan.chunks[l].moe_tokens;
+      if (layer_traits<L>::chunking(layers[l]) == ChunkDependency::none && chunk != 0 && chunk < tokens)
+        OOM_THROW(Errc::invalid_argument, fmt::format("plan: layer {} runs whole (its chunking() is ChunkDependency::none), the plan "
+                                                      "cuts it in chunks of {} of {} tokens", l, chunk, tokens));
       for (const auto& seg : layers[l].segments()) {
         if (index >= initial_master.size() || initial_master[index].size() != seg.parameters())
           OOM_THROW(Errc::invalid_argument, fmt::format("initial weights of segment {} ('{}'): {} values for {} parameters", index,
@@ -163,6 +177,11 @@ class LayerExecutor {
     for (auto& layer : layers_) {
       auto& ls = layers_state_.emplace_back();
       for (const auto& seg : layer.segments()) {
+        // The constructor checked the segments against initial_master; a layer whose segments()
+        // answer differently now would have us read past them.
+        if (index >= initial_master.size() || initial_master[index].size() != seg.parameters())
+          OOM_THROW(Errc::invalid_argument, fmt::format("segment {} ('{}'): the layer's segments() changed between two calls", index,
+                                                        seg.name));
         auto& s = ls.segments.emplace_back();  // in place first: release() frees what it holds if a later allocation fails
         s.name = seg.name;
         take_segment(s, initial_master[index++], resident.count(seg.name) > 0);
@@ -292,6 +311,9 @@ class LayerExecutor {
   /// With options.defer_updates, after step(): every segment's AdamW update of that step, each
   /// gradient multiplied by `grad_scale` first (a clipping factor, optim::clip_grad_scale).
   void apply_updates(float grad_scale) {
+    if (!options_.defer_updates)
+      OOM_THROW(Errc::invalid_argument, "apply_updates(): the executor updates as gradients land (LayerExecutorOptions::defer_updates "
+                                        "is off), so the step's updates are applied already");
     synchronize_all();
     const auto scalars = optim::adamw_step_scalars(options_.adamw, step_, grad_scale);
     for (auto& ls : layers_state_) {
@@ -321,6 +343,7 @@ class LayerExecutor {
  private:
   // A host loss as a device one: it runs in the compute stream's task, where it may read the memory.
   static DeviceLossFn on_host(const HostLossFn& fn) {
+    if (!fn) return {};  // refused by name in run_micro_batches, not a bad_function_call in a task
     return [fn](const float* y, float* grad, double* loss, void* /*stream*/) { *loss = fn(y, grad); };
   }
 
@@ -331,6 +354,9 @@ class LayerExecutor {
     if (inputs.size() != k || losses.size() != k)
       OOM_THROW(Errc::invalid_argument, fmt::format("the plan has {} micro-batches per step; step() got {} inputs and {} losses", k,
                                                     inputs.size(), losses.size()));
+    for (std::size_t mb = 0; mb < k; ++mb)
+      if (!*losses[mb]) OOM_THROW(Errc::invalid_argument, fmt::format("step(): the loss of micro-batch {} is an empty function", mb));
+    const std::int64_t steps_before = step_;
     try {
       skipped_ = false;
       t0_ = std::chrono::steady_clock::now();
@@ -359,6 +385,7 @@ class LayerExecutor {
     } catch (...) {
       drain();
       give_back_step();
+      step_ = steps_before;  // a step that threw is not counted (updates it made before the error stay: stop the run)
       throw;
     }
   }
@@ -1004,7 +1031,7 @@ class LayerExecutor {
 
   B& b_;
   std::vector<L>& layers_;
-  const Plan& plan_;
+  const Plan plan_;  // a copy: a caller's temporary plan (planner.plan(req).plans.front()) may go
   LayerExecutorOptions options_;
   optim::ThreadPool pool_;
   std::shared_ptr<double[]> loss_words_;  // the loss of the micro-batch running, where the device may write it
