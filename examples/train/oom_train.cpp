@@ -277,8 +277,6 @@ Args parse(int argc, char** argv) {
     OOM_THROW(Errc::invalid_argument, "--trace names where --trace-step's trace goes; pass --trace-step N as well");
   if (a.trace_step > a.steps)
     OOM_THROW(Errc::invalid_argument, fmt::format("--trace-step {} is past the run's last step (--steps {})", a.trace_step, a.steps));
-  if (!a.trace.empty()) require_output_file("--trace", a.trace);
-  if (!a.dump_batches.empty()) require_output_file("--dump-batches", a.dump_batches);
   if (!a.plan.empty() && (a.gpu_mem || a.host_mem))
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: a plan given with --plan runs within the budgets it was made for; plan "
                                                   "again with oom-plan to change them", a.gpu_mem ? "--gpu-mem" : "--host-mem"));
@@ -618,6 +616,7 @@ int run(Args a) {
   adamw.weight_decay = a.weight_decay;
   std::uint64_t start_step = 0;
   SamplerState sampler_state{a.seed, 0};
+  std::optional<std::uint64_t> saved_data_tokens;  // a resumed run's data file's token count
   if (ckpt) {
     const JsonCursor ts(ckpt->trainer_state(), "trainer_state.json");
     auto require_same = [&](const char* field, auto have) {
@@ -651,13 +650,23 @@ int run(Args a) {
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used the cosine schedule down to {}; pass the same --min-lr",
                                                     latest->string(), static_cast<float>(ts["min_lr"].as_double())));
     // The sampler's state is a place in one token file: another file would silently draw other
-    // windows (and another count of them).
-    if (ts["data"].present() && fs::absolute(ts["data"].as_string(), ec).lexically_normal() != fs::absolute(data_path, ec).lexically_normal())
-      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained on {}, this run reads {} (--data)", latest->string(),
-                                                    ts["data"].as_string(), data_path.string()));
-    if (tokens && ts["data_tokens"].present() && ts["data_tokens"].as_uint64() != tokens->size())
-      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} held {} tokens when {} was trained on it, it holds {} now",
-                                                    data_path.string(), ts["data_tokens"].as_uint64(), latest->string(), tokens->size()));
+    // windows (and another count of them). The built-in corpus lives in the run directory, which
+    // may have moved; a file of --data may have moved too, so a path that differs only warns where
+    // the token count still agrees (checked once the file is open, below).
+    if (ts["data"].present()) {
+      const fs::path saved = ts["data"].as_string();
+      const bool saved_builtin = ts["data_builtin"].present() ? ts["data_builtin"].as_bool() : saved.filename() == "builtin-corpus.tok";
+      if (saved_builtin != a.data.empty())
+        OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained on {}, this run reads {}{}", latest->string(),
+                                                      saved_builtin ? "the built-in corpus" : saved.string(),
+                                                      a.data.empty() ? "the built-in corpus" : data_path.string(),
+                                                      a.data.empty() ? " (pass the same --data)" : " (--data)"));
+      if (!a.data.empty() && !fs::equivalent(saved, data_path, ec) &&
+          fs::absolute(saved, ec).lexically_normal() != fs::absolute(data_path, ec).lexically_normal())
+        fmt::print(stderr, "oom-train: warning: --resume: {} was trained on {}, this run reads {} (taken as the same data: the "
+                           "token count is checked)\n", latest->string(), saved.string(), data_path.string());
+    }
+    saved_data_tokens = ts["data_tokens"].present() ? std::optional(ts["data_tokens"].as_uint64()) : std::nullopt;
     start_step = ts["step"].as_uint64();
     if (a.trace_step != 0 && a.trace_step <= start_step)
       OOM_THROW(Errc::invalid_argument, fmt::format("--trace-step {}: the run resumes after step {}", a.trace_step, start_step));
@@ -668,10 +677,17 @@ int run(Args a) {
   // the new model is built: train_with) ----
   fs::create_directories(a.out, ec);
   if (ec) OOM_THROW(Errc::io, fmt::format("{}: cannot create the run directory: {}", a.out.string(), ec.message()));
+  // Output paths refused now, not after the training they would end (checked once the run
+  // directory exists: they may lie in it).
+  if (!a.trace.empty()) require_output_file("--trace", a.trace);
+  if (!a.dump_batches.empty()) require_output_file("--dump-batches", a.dump_batches);
   if (a.data.empty()) {
     if (!fs::exists(data_path, ec)) (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
     tokens.emplace(TokenFile::open(data_path));
   }
+  if (saved_data_tokens && *saved_data_tokens != tokens->size())
+    OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} held {} tokens when {} was trained on it, it holds {} now",
+                                                  data_path.string(), *saved_data_tokens, latest->string(), tokens->size()));
   BatchSampler sampler(*tokens, a.seq, sampler_state);
 
   fmt::print("oom-train: model {}: {} layers, {} experts (top {}), {:.2f}M parameters ({:.2f}M active)\n", config_name,
@@ -742,6 +758,7 @@ int run(Args a) {
     ts.set("sampler", sampler.state().to_json());
     ts.set("data", fs::absolute(data_path, ec).lexically_normal().string());
     ts.set("data_tokens", tokens->size());
+    ts.set("data_builtin", a.data.empty());
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state
     const auto dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views), {step, config_text, ts, a.keep});
     fmt::print("checkpoint {} written\n", dir.string());

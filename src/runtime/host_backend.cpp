@@ -191,8 +191,14 @@ void* HostBackend::allocate(MemorySpace space, Bytes bytes, Claimant claimant) {
     if (arena) arena->give(claimant, bytes);
     OOM_THROW(Errc::out_of_budget, fmt::format("host allocation of {} for {} failed", bytes, to_string(claimant)));
   }
-  std::lock_guard lock(blocks_mutex_);
-  blocks_.emplace(p, Block{space, bytes, claimant});
+  try {
+    std::lock_guard lock(blocks_mutex_);
+    blocks_.emplace(p, Block{space, bytes, claimant});
+  } catch (...) {  // no memory for the record: the block goes back, and its charge
+    std::free(p);
+    if (arena) arena->give(claimant, bytes);
+    throw;
+  }
   return p;
 }
 

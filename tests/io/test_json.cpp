@@ -60,7 +60,7 @@ TEST_CASE("objects keep insertion order and set() replaces in place") {
 
 TEST_CASE("an object of 200k keys parses and is written in linear time; a duplicate among them is still named") {
   // Safetensors headers (up to 100 MB) and our optimizer files (~147k tensors for Qwen3-Next-80B)
-  // are such objects. A scan per key took 30 s for 80k keys; linear work takes well under 0.1 s.
+  // are such objects. A scan per key took 30 s for 80k keys; linear work took 0.25 s (Release, 2 cores).
   constexpr int keys = 200'000;
   std::string text = "{";
   for (int i = 0; i < keys; ++i) text += fmt::format("{}\"model.layers.{}.weight\":{}", i ? "," : "", i, i);
@@ -74,7 +74,7 @@ TEST_CASE("an object of 200k keys parses and is written in linear time; a duplic
   const bool same = again == text;  // (not compared in CHECK: it would print 6 MB on a failure)
   CHECK(same);
   MESSAGE(keys << " keys parsed and written in " << seconds << " s");
-  CHECK(seconds < 2.0);  // generous for a loaded 2-core CI machine; the old scan took minutes
+  CHECK(seconds < 20.0);  // 80x margin for a loaded or Debug build; the old scan took minutes (not done in 287 s)
   // A duplicate of the first key as the last: named, at the last key's position.
   text.back() = ',';
   const std::size_t column = text.size() + 1;

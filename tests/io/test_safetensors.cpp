@@ -319,7 +319,7 @@ TEST_CASE("a file of 150k tensors (Qwen3-Next-80B's optimizer state) is written 
   CHECK(file.tensors().size() == tensors);
   CHECK(file.find("exp_avg.model.layers.149999.weight") != nullptr);
   MESSAGE(tensors << " tensors written and read in " << seconds << " s");
-  CHECK(seconds < 5.0);  // generous for a loaded 2-core CI machine; the old writer took minutes
+  CHECK(seconds < 30.0);  // 30x margin for a loaded or Debug build; the old writer had not finished in 120 s
 }
 
 TEST_CASE("a failed write leaves the previous file in place") {

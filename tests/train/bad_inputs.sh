@@ -86,6 +86,17 @@ expect trace-without-step 2 "pass --trace-step" -- --trace "$work/t.json"
 expect trace-step-past-end 2 "past the run's last step" -- --trace-step 3
 expect dump-nowhere 2 "does not exist" -- --dump-batches "$work/nowhere/d.tok"
 expect size-names-option 2 "--gpu-mem: " -- --gpu-mem 80XiB
+# Out of host memory: a 400,000 x 4096 embedding (6.1 GiB) asked for past a 4 GB address space is
+# one clear line and exit 3, nothing touched, the run directory without a checkpoint.
+sed -e 's/"vocab_size": [0-9]*/"vocab_size": 400000/' -e 's/"hidden_size": [0-9]*/"hidden_size": 4096/' \
+  "$(dirname "$0")/../../examples/configs/tiny-moe.json" > "$work/huge.json"
+(ulimit -v 4000000 && exec "$train" --out "$work/huge" --steps 1 --seq 32 --backend host --config "$work/huge.json" --gpu-mem 40GiB) \
+  > /dev/null 2> "$work/huge.stderr"
+rc=$?
+if [[ $rc -ne 3 ]] || ! grep -q "out of host memory" "$work/huge.stderr" || [[ $(wc -l < "$work/huge.stderr") -ne 1 ]] ||
+   compgen -G "$work/huge/checkpoint-*" > /dev/null; then
+  echo "FAIL out-of-host-memory: exit $rc"; cat "$work/huge.stderr"; fails=$((fails + 1))
+else echo "ok   out-of-host-memory: $(cat "$work/huge.stderr")"; fi
 # A budget no plan fits, and a missing data file.
 expect tiny-budget 3 "least GPU memory" -- --gpu-mem 1MiB
 expect missing-data 2 "no such data file" -- --data "$work/nowhere.tok"
@@ -139,10 +150,39 @@ done
 # A resumed run must read the data it was trained on, and keep a cosine schedule's floor.
 "$train" --out "$work/good" --steps 2 --seq 32 --resume --data "$work/short.tok" > /dev/null 2> "$work/redata.stderr"
 rc=$?
-if [[ $rc -ne 2 ]] || ! grep -q "was trained on .*builtin-corpus.tok, this run reads" "$work/redata.stderr" ||
+if [[ $rc -ne 2 ]] || ! grep -q "was trained on the built-in corpus, this run reads .*short.tok (--data)" "$work/redata.stderr" ||
    [[ "$(cat "$work/good/latest")" != "$before" ]]; then
   echo "FAIL resume-other-data: exit $rc"; cat "$work/redata.stderr"; fails=$((fails + 1))
 else echo "ok   resume-other-data: $(cat "$work/redata.stderr")"; fi
+# ... but a run directory moved whole resumes (its built-in corpus moved with it), and so does a
+# data file moved elsewhere with the same tokens (a warning); one of another length does not.
+cp -r "$work/good" "$work/moved"
+if ! "$train" --out "$work/moved" --steps 2 --seq 32 --resume > /dev/null 2> "$work/moved.stderr"; then
+  echo "FAIL resume-moved-run: a moved run directory did not resume"; cat "$work/moved.stderr"; fails=$((fails + 1))
+else echo "ok   resume-moved-run"; fi
+"$train" --out "$work/ondata" --steps 1 --seq 32 --data "$work/good/builtin-corpus.tok" > /dev/null || { echo "FAIL: a --data run failed"; exit 1; }
+cp "$work/good/builtin-corpus.tok" "$work/elsewhere.tok"
+if ! "$train" --out "$work/ondata" --steps 2 --seq 32 --resume --data "$work/elsewhere.tok" > /dev/null 2> "$work/elsewhere.stderr" ||
+   ! grep -q "warning: --resume: .*taken as the same data" "$work/elsewhere.stderr"; then
+  echo "FAIL resume-moved-data: exit $?"; cat "$work/elsewhere.stderr"; fails=$((fails + 1))
+else echo "ok   resume-moved-data: $(cat "$work/elsewhere.stderr")"; fi
+# A file of fewer tokens under the trained-on name.
+printf 'OOMTOK01\x01\x00\x00\x00\x02\x00\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00' > "$work/fewer.tok"
+printf '\x00\x04\x00\x00\x00\x00\x00\x00' >> "$work/fewer.tok"   # 1024 tokens
+head -c 32 /dev/zero >> "$work/fewer.tok"
+for _ in $(seq 1024); do printf 'a\x00'; done >> "$work/fewer.tok"
+"$train" --out "$work/ondata2" --steps 1 --seq 32 --data "$work/elsewhere.tok" > /dev/null || { echo "FAIL: a --data run failed"; exit 1; }
+cp "$work/fewer.tok" "$work/elsewhere.tok"
+"$train" --out "$work/ondata2" --steps 2 --seq 32 --resume --data "$work/elsewhere.tok" > /dev/null 2> "$work/fewer.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "held [0-9]* tokens when .* was trained on it, it holds 1024 now" "$work/fewer.stderr"; then
+  echo "FAIL resume-data-changed: exit $rc"; cat "$work/fewer.stderr"; fails=$((fails + 1))
+else echo "ok   resume-data-changed: $(cat "$work/fewer.stderr")"; fi
+# Output paths inside a run directory that does not exist yet: it is made first.
+if ! "$train" --out "$work/fresh" --steps 1 --seq 32 --trace-step 1 --trace "$work/fresh/t.json" \
+     --dump-batches "$work/fresh/b.tok" > /dev/null 2> "$work/fresh.stderr" || [[ ! -s "$work/fresh/t.json" || ! -s "$work/fresh/b.tok" ]]; then
+  echo "FAIL outputs-in-new-run-dir"; cat "$work/fresh.stderr"; fails=$((fails + 1))
+else echo "ok   outputs-in-new-run-dir"; fi
 "$train" --out "$work/cos" --steps 1 --seq 32 --schedule cosine --min-lr 1e-4 > /dev/null || { echo "FAIL: a cosine run failed"; exit 1; }
 "$train" --out "$work/cos" --steps 1 --seq 32 --schedule cosine --min-lr 2e-3 --resume > /dev/null 2> "$work/reminlr.stderr"
 rc=$?

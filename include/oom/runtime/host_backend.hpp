@@ -84,6 +84,7 @@ class HostBackend {
   /// are skipped, their work not done, as a CUDA context's error stops its work: a step whose loss
   /// or a layer threw runs no backward and no update on what was never written. Event records and
   /// waits, drains and free_after still run, so no stream waits forever and no memory is held.
+  /// Never from a task of any stream (handing an error over drains every stream, its own too).
   void synchronize(Stream& s);
 
   // ---- the executor's own work on memory (concepts/backend.hpp, executor_backend) ----
@@ -112,14 +113,14 @@ class HostBackend {
   Arena device_, pinned_;
   std::mutex error_mutex_;
   std::exception_ptr first_error_;
-  std::atomic<bool> failed_{false};
+  std::atomic<bool> failed_{false};  ///< first_error_ is set: workers skip all but ordering tasks
   struct Block {
     MemorySpace space;
     Bytes bytes;
     Claimant claimant;
   };
   std::mutex blocks_mutex_;
-  std::unordered_map<void*, Block> blocks_;  ///< every block allocate() handed out and free() did not take back  ///< first_error_ is set: workers skip all but ordering tasks
+  std::unordered_map<void*, Block> blocks_;  ///< every block allocate() handed out and free() did not take back
   std::mutex streams_mutex_;
   std::vector<Stream> streams_;
   friend class Worker;
