@@ -133,6 +133,9 @@ class LayerExecutor {
     if (layers.empty()) OOM_THROW(Errc::invalid_argument, "a layer executor needs at least one layer");
     // Everything checked before anything is taken from the backend.
     const std::uint64_t tokens = plan.workload.tokens();
+    // Each layer's segment names, read once here: take_memory() takes them from this, so a layer
+    // whose segments() would answer otherwise later cannot have us read past initial_master.
+    std::vector<std::vector<std::string>> names(layers.size());
     std::size_t index = 0;
     for (std::size_t l = 0; l < layers.size(); ++l) {
       if (layers[l].hidden() != layers.front().hidden())
@@ -147,6 +150,7 @@ class LayerExecutor {
           OOM_THROW(Errc::invalid_argument, fmt::format("initial weights of segment {} ('{}'): {} values for {} parameters", index,
                                                         seg.name, index < initial_master.size() ? initial_master[index].size() : 0,
                                                         seg.parameters()));
+        names[l].push_back(seg.name);
         ++index;
       }
       check_recompute_sources(plan, l);
@@ -157,7 +161,7 @@ class LayerExecutor {
     d2h_ = make_named_stream("d2h");
     cpu_ = make_named_stream("cpu-optimizer");
     try {
-      take_memory(initial_master);
+      take_memory(initial_master, names);
     } catch (...) {  // out of budget, say: give back what was taken, and the streams
       release();
       throw;
@@ -170,21 +174,17 @@ class LayerExecutor {
 
  private:
   // The state of every segment where the plan puts it, the weight slots and the gradient slots.
-  void take_memory(const std::vector<std::vector<float>>& initial_master) {
+  // `names`: each layer's segments, as the constructor checked them against initial_master.
+  void take_memory(const std::vector<std::vector<float>>& initial_master, const std::vector<std::vector<std::string>>& names) {
     std::unordered_map<std::string, bool> resident;
     for (const auto& n : plan_.resident_segments) resident[n] = true;
     std::size_t index = 0;
-    for (auto& layer : layers_) {
+    for (const auto& layer_names : names) {
       auto& ls = layers_state_.emplace_back();
-      for (const auto& seg : layer.segments()) {
-        // The constructor checked the segments against initial_master; a layer whose segments()
-        // answer differently now would have us read past them.
-        if (index >= initial_master.size() || initial_master[index].size() != seg.parameters())
-          OOM_THROW(Errc::invalid_argument, fmt::format("segment {} ('{}'): the layer's segments() changed between two calls", index,
-                                                        seg.name));
+      for (const auto& name : layer_names) {
         auto& s = ls.segments.emplace_back();  // in place first: release() frees what it holds if a later allocation fails
-        s.name = seg.name;
-        take_segment(s, initial_master[index++], resident.count(seg.name) > 0);
+        s.name = name;
+        take_segment(s, initial_master[index++], resident.count(name) > 0);
       }
     }
     const auto& layers = layers_;
