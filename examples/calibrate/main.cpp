@@ -26,8 +26,8 @@
 
 #include <fmt/format.h>
 
-#include "oom/core/bytes.hpp"
 #include "common/output_path.hpp"
+#include "oom/core/bytes.hpp"
 #include "oom/core/error.hpp"
 #include "oom/cuda/calibrate.hpp"
 #include "oom/cuda/device.hpp"

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "common/cli_numbers.hpp"
+#include "common/grad_staging.hpp"
 #include "common/host_budget.hpp"
 #include "common/output_path.hpp"
 #include "oom/core/error.hpp"
@@ -124,7 +125,6 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-
 #if OOM_PLAN_HAS_CUDA
 constexpr std::uint64_t longest_granule = 1024;
 constexpr std::uint64_t longest_ceiling = std::uint64_t{1} << 27;  // 128M tokens: far past any GPU's memory
@@ -211,14 +211,8 @@ int main(int argc, char** argv) {
                                         "this build does not have (configure with -DOOM_ENABLE_CUDA=ON)");
 #endif
     // The pairs oom-train refuses: no line may say it would run them.
-    if (a.grad_staging && *a.grad_staging > 0 && a.max_grad_norm > 0)
-      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--grad-staging {} with --max-grad-norm: clipping defers every update to the end of "
-                                                         "the backward, so the gradients are staged one pinned buffer per parameter "
-                                                         "(oom-train refuses the pair; leave --grad-staging out, or pass 0)", *a.grad_staging));
-    if (a.grad_staging && *a.grad_staging > 0 && a.micro_batches > 1)
-      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--grad-staging {} with --micro-batches {}: each layer's gradients accumulate in "
-                                                         "their staging until the last micro-batch (oom-train refuses the pair; leave "
-                                                         "--grad-staging out, or pass 0)", *a.grad_staging, a.micro_batches));
+    oom::examples::refuse_grad_staging_pairs(a.grad_staging.value_or(0), a.max_grad_norm,
+                                             static_cast<std::uint64_t>(a.micro_batches));
     if (a.longest && a.gpus != 1)
       OOM_THROW(oom::Errc::invalid_argument, fmt::format("--longest searches what oom-train runs on one GPU; --gpus {} given", a.gpus));
     if (a.longest && (!a.json_out.empty() || !a.trace_out.empty()))

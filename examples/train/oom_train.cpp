@@ -24,6 +24,7 @@
 
 #include "host_lm.hpp"
 #include "common/cli_numbers.hpp"
+#include "common/grad_staging.hpp"
 #include "common/host_budget.hpp"
 #include "common/output_path.hpp"
 #include "oom/core/error.hpp"
@@ -500,16 +501,7 @@ int run(Args a) {
 #else
   if (a.backend == "cuda") OOM_THROW(Errc::unsupported, "--backend cuda: this build has no CUDA (configure with -DOOM_ENABLE_CUDA=ON)");
 #endif
-  if (use_cuda && a.max_grad_norm > 0 && a.grad_staging && *a.grad_staging > 0)
-    OOM_THROW(Errc::invalid_argument,
-              fmt::format("--grad-staging {} with --max-grad-norm: clipping defers every update to the end of the backward, so the "
-                          "gradients are staged one pinned buffer per parameter (leave --grad-staging out, or pass 0)",
-                          *a.grad_staging));
-  if (use_cuda && a.micro_batches > 1 && a.grad_staging && *a.grad_staging > 0)
-    OOM_THROW(Errc::invalid_argument,
-              fmt::format("--grad-staging {} with --micro-batches {}: each layer's gradients accumulate in their staging until the last "
-                          "micro-batch, so they are staged one pinned buffer per parameter (leave --grad-staging out, or pass 0)",
-                          *a.grad_staging, a.micro_batches));
+  if (use_cuda) oom::examples::refuse_grad_staging_pairs(a.grad_staging.value_or(0), a.max_grad_norm, a.micro_batches);
   if (!use_cuda && a.bucketed_expert_gemms)
     OOM_THROW(Errc::invalid_argument,
               "--bucketed-expert-gemms / --no-bucketed-expert-gemms: the host backend has no cuBLAS (it applies to --backend cuda)");
