@@ -653,8 +653,7 @@ int run(Args a) {
                                                       saved_builtin ? "the built-in corpus" : saved.string(),
                                                       a.data.empty() ? "the built-in corpus" : data_path.string(),
                                                       a.data.empty() ? " (pass the same --data)" : " (--data)"));
-      if (!a.data.empty() && !fs::equivalent(saved, data_path, ec) &&
-          fs::absolute(saved, ec).lexically_normal() != fs::absolute(data_path, ec).lexically_normal())
+      if (!a.data.empty() && !fs::equivalent(saved, data_path, ec))  // false too where the trained-on file is gone
         fmt::print(stderr, "oom-train: warning: --resume: {} was trained on {}, this run reads {} (taken as the same data: the "
                            "token count is checked)\n", latest->string(), saved.string(), data_path.string());
     }
