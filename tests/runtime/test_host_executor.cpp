@@ -780,6 +780,9 @@ TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; i
     chunked.chunks[1].moe_tokens = 2;  // a layer that runs whole, cut in three
     CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, chunked, init_of(layers)),
                          doctest::Contains("layer 1 runs whole"), Error);
+    chunked.chunks[1].moe_tokens = 0;  // which the executor would run a token at a time
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, chunked, init_of(layers)),
+                         doctest::Contains("layer 1 runs whole"), Error);
   }
   CHECK(backend.device_arena().in_use() == 0_B);
   // The plan is the executor's: the caller's may change or go.

@@ -142,9 +142,10 @@ class LayerExecutor {
         OOM_THROW(Errc::invalid_argument, fmt::format("layer {} has hidden size {}, layer 0 {}: the layers of a stack hand one "
                                                       "another (T, H) boundaries of one H", l, layers[l].hidden(), layers.front().hidden()));
       const std::uint64_t chunk = plan.chunks[l].moe_tokens;
-      if (layer_traits<L>::chunking(layers[l]) == ChunkDependency::none && chunk != 0 && chunk < tokens)
+      // (run_chunks runs a chunk of 0 a token at a time: cut too.)
+      if (layer_traits<L>::chunking(layers[l]) == ChunkDependency::none && chunk < tokens)
         OOM_THROW(Errc::invalid_argument, fmt::format("plan: layer {} runs whole (its chunking() is ChunkDependency::none), the plan "
-                                                      "cuts it in chunks of {} of {} tokens", l, chunk, tokens));
+                                                      "cuts it in chunks of {} of {} tokens", l, std::max<std::uint64_t>(chunk, 1), tokens));
       for (const auto& seg : layers[l].segments()) {
         if (index >= initial_master.size() || initial_master[index].size() != seg.parameters())
           OOM_THROW(Errc::invalid_argument, fmt::format("initial weights of segment {} ('{}'): {} values for {} parameters", index,
