@@ -194,12 +194,9 @@ class WeightFiles {
       OOM_THROW(Errc::io, fmt::format("{}: a directory without model.safetensors or model.safetensors.index.json (a Hugging Face "
                                       "checkpoint has one of them)", path.string()));
     }
+    if (path.extension() != ".json") return of(std::make_shared<const SafetensorsFile>(SafetensorsFile::open(path)));
     WeightFiles w;
     w.source_ = path.string();
-    if (path.extension() != ".json") {
-      w.files_.push_back(std::make_shared<const SafetensorsFile>(SafetensorsFile::open(path)));
-      return w;
-    }
     const Json index = read_json_file(path);
     const JsonCursor map = JsonCursor(index, path.string())["weight_map"];
     std::unordered_map<std::string, std::size_t> shard_of;  // shard file name -> files_ index
@@ -223,6 +220,14 @@ class WeightFiles {
     return w;
   }
 
+  /// One file already open.
+  static WeightFiles of(std::shared_ptr<const SafetensorsFile> file) {
+    WeightFiles w;
+    w.source_ = file->source();
+    w.files_.push_back(std::move(file));
+    return w;
+  }
+
   /// The file holding tensor `name` (a packed expert's: the stacked tensor's name).
   [[nodiscard]] const SafetensorsFile& file_of(const std::string& name) const {
     if (index_.empty()) return *files_.front();
@@ -242,6 +247,19 @@ class WeightFiles {
 void check_tensors(const WeightFiles& files, const ModelSpec& spec) {
   for (const auto& seg : spec.segments())
     for (const auto& t : seg.tensors) check_tensor(files.file_of(t.name), t, "weights must be");
+}
+
+void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<float> out);
+
+// Every segment of `spec`, checked first.
+std::vector<std::vector<float>> read_all_segments(const WeightFiles& files, const ModelSpec& spec) {
+  check_tensors(files, spec);
+  std::vector<std::vector<float>> out;
+  for (const auto& seg : spec.segments()) {
+    out.emplace_back(seg.parameters());
+    read_segment(files, seg, out.back());
+  }
+  return out;
 }
 
 void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<float> out) {
@@ -427,10 +445,12 @@ SegmentStateSource CheckpointReader::source() const {
 CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool with_optimizer) {
   CheckpointRead r;
   if (!with_optimizer) {
-    check_no_other_tensors(SafetensorsFile::open(dir / "model.safetensors"), spec, {""});
-    for (auto& w : load_weights(dir / "model.safetensors", spec))
-      r.state.push_back({std::move(w), {}, {}});
+    // The trainer state first (the small file), then model.safetensors opened once: checked for
+    // tensors the model lacks, then read.
     r.trainer_state = read_json_file(dir / "trainer_state.json");
+    auto file = std::make_shared<const SafetensorsFile>(SafetensorsFile::open(dir / "model.safetensors"));
+    check_no_other_tensors(*file, spec, {""});
+    for (auto& w : read_all_segments(WeightFiles::of(std::move(file)), spec)) r.state.push_back({std::move(w), {}, {}});
     return r;
   }
   const CheckpointReader reader(dir, spec);
@@ -440,13 +460,7 @@ CheckpointRead load_checkpoint(const fs::path& dir, const ModelSpec& spec, bool 
 }
 
 std::vector<std::vector<float>> load_weights(const fs::path& safetensors, const ModelSpec& spec) {
-  const auto source = weight_source(safetensors, spec);
-  std::vector<std::vector<float>> out;
-  for (std::size_t s = 0; s < spec.segments().size(); ++s) {
-    out.emplace_back(spec.segments()[s].parameters());
-    source(s, out.back());
-  }
-  return out;
+  return read_all_segments(WeightFiles::open(safetensors), spec);
 }
 
 SegmentWeightSource weight_source(const fs::path& path, const ModelSpec& spec) {
