@@ -1,4 +1,5 @@
 // Plan <-> JSON. The JSON is what `oom-plan --json` writes and the trainer's `--plan` reads.
+#include <charconv>
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -192,8 +193,14 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
         std::string text = field.as_string();
         RetentionDecision d;
         if (const auto at = text.find(" from "); at != std::string::npos) {
-          d.recompute_from = std::stoi(text.substr(at + 6));
+          const std::string_view num = std::string_view(text).substr(at + 6);
+          int from = -1;
+          const auto [end, ec] = std::from_chars(num.data(), num.data() + num.size(), from);
+          if (ec != std::errc{} || end != num.data() + num.size() || from < 0)
+            OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not 'recompute from <layer>' with a layer number", field.path(), text));
+          d.recompute_from = from;
           text = text.substr(0, at);
+          if (text != "recompute") OOM_THROW(Errc::parse, fmt::format("{}: only recompute takes 'from <layer>'", field.path()));
         }
         d.action = parse_retention(JsonCursor(Json(text), field.path()));
         if (d.action == Retention::recompute && d.recompute_from < 0)

@@ -100,7 +100,10 @@ bool held_when_recomputed(ActivationClass c) {
 using detail::StepModel;
 
 constexpr std::uint64_t fp32_bytes = 4;
-/// Kept free of every plan: CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation.
+/// What the estimate before simulating leaves unclaimed: chunk worksets are sized to the budget
+/// less this share, so that what the estimate misses (allocator alignment, the graph's overlap of
+/// one layer's work with the next's loads) has room; the simulated peak is then held to the whole
+/// budget, which the profile gives as usable after the CUDA context and library workspaces.
 constexpr double gpu_margin = 0.04;
 
 PlanRequest request_of(const Plan& p) {
@@ -142,7 +145,7 @@ std::vector<bool> resident_mask(const ModelSpec& spec, const std::vector<std::st
 // count of the model's, each layer's attention chunk ends rising from 0 to seq_len (as the planner
 // partitions a sequence), loss rows per chunk. Without them the graph divides by 0 or prices a
 // chunk of 2^64 - x tokens.
-void check_plan(const Plan& p, const ModelSpec& spec) {
+void check_plan(const Plan& p, const ModelSpec& spec, const MachineProfile& profile) {
   const auto n = static_cast<std::size_t>(spec.num_layers());
   if (p.retention.size() != n || p.chunks.size() != n)
     OOM_THROW(Errc::invalid_argument, fmt::format("plan has retention for {} and chunks for {} layers; the model has {}",
@@ -160,6 +163,14 @@ void check_plan(const Plan& p, const ModelSpec& spec) {
                                                     ends.empty() ? 0 : ends.back(), p.workload.seq_len));
   }
   if (p.loss_rows == 0) OOM_THROW(Errc::invalid_argument, "plan: loss_rows is 0 (rows per LM-head/cross-entropy chunk, > 0)");
+  // Recomputes as the executors run them and the graph prices them (a boundary regenerated from a
+  // layer the model lacks had indexed past the plan's rows).
+  for (std::size_t l = 0; l < n; ++l) check_recompute_sources(p, l);
+  if (p.gpus > profile.gpus)  // its collectives would be priced at the profile's rate of 0: a step of inf
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan: for {} GPUs; profile '{}' describes {}", p.gpus, profile.name, profile.gpus));
+  if (p.path == ExecutionPath::expert_parallel && spec.moe().experts % static_cast<std::uint64_t>(p.gpus) != 0)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan: the expert-parallel path over {} GPUs, but {} experts do not divide among them",
+                                                  p.gpus, spec.moe().experts));
 }
 
 // Builds the step graph of `plan` for `spec` (see docs/planner.md, "Step graph").
@@ -606,7 +617,7 @@ Planner::Planner(const ModelSpec& spec, const MachineProfile& profile, std::stri
 }
 
 StepGraph Planner::step_graph(const Plan& plan) const {
-  check_plan(plan, *spec_);
+  check_plan(plan, *spec_, *profile_);
   const StepModel model(*spec_, *profile_, request_of(plan), plan.path);
   return GraphBuilder(model, *spec_, plan).build();
 }
@@ -730,6 +741,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   // The least any candidate needs, for the error when nothing fits.
   Bytes least_gpu{~0ull}, least_host{~0ull};
   std::string least_gpu_claimant;
+  bool least_gpu_estimated = false;  // least_gpu from the estimate before simulating: a plan needs at least that
 
   for (auto path : paths) {
     const StepModel model(*spec_, *profile_, req, path);
@@ -774,6 +786,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
             const Bytes need{static_cast<std::uint64_t>(static_cast<double>((fixed + need_chunks).count()) / (1.0 - gpu_margin))};
             if (need < least_gpu) {
               least_gpu = need;
+              least_gpu_estimated = true;
               const Bytes parts[] = {resident_bytes, retained, slots * static_cast<std::uint64_t>(depth) + 2 * grads, need_chunks};
               const char* names[] = {"resident state", "retained activations", "weight slots and gradient buffers",
                                      "chunk worksets"};
@@ -803,12 +816,16 @@ PlanSet Planner::plan(const PlanRequest& req) const {
 
           const SimResult sim = oom::simulate(GraphBuilder(model, *spec_, p, &states).build());
           ++out.evaluated;
+          if (!std::isfinite(sim.step_s))
+            OOM_THROW(Errc::invalid_argument, fmt::format("profile '{}': its rates predict a step of {} s (a rate too small to price "
+                                                          "with: check the profile's rates)", profile_->name, sim.step_s));
           p.predicted = Prediction::of(sim);
           least_host = min(least_host, sim.host_peak);
           if (sim.gpu_peak > req.gpu_budget) {
             if (sim.gpu_peak < least_gpu) {
               least_gpu = sim.gpu_peak;
               least_gpu_claimant = "the simulated peak";
+              least_gpu_estimated = false;
             }
             continue;
           }
@@ -823,8 +840,8 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   if (feasible.empty()) {
     std::string msg = fmt::format("no plan for {} fits: ", model_name_.empty() ? "this model" : model_name_);
     if (least_gpu.count() != ~0ull && least_gpu > req.gpu_budget)
-      msg += fmt::format("the least GPU memory any plan needs is {} per GPU (largest claimant: {}), the budget is {}",
-                         least_gpu, least_gpu_claimant, req.gpu_budget);
+      msg += fmt::format("the least GPU memory any plan needs is {}{} per GPU (largest claimant: {}), the budget is {}",
+                         least_gpu_estimated ? "at least " : "", least_gpu, least_gpu_claimant, req.gpu_budget);
     if (least_host.count() != ~0ull && least_host > req.host_budget)
       msg += fmt::format("{}the least host memory any plan needs is {}, the budget is {}",
                          msg.back() == ' ' ? "" : "; ", least_host, req.host_budget);
@@ -929,7 +946,7 @@ std::string Planner::compare(const Plan& best, const Plan& other) {
 }
 
 std::vector<std::string> Planner::residency_order(const Plan& plan) const {
-  check_plan(plan, *spec_);
+  check_plan(plan, *spec_, *profile_);
   const StepModel model(*spec_, *profile_, request_of(plan), plan.path);
   std::vector<std::string> names;
   for (const std::size_t i : oom::residency_order(*spec_, model)) names.push_back(spec_->segments()[i].name);

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "oom/core/error.hpp"
 #include "oom/plan/cost_model.hpp"
 #include "oom/plan/dependency_partitioner.hpp"
@@ -16,12 +18,13 @@ namespace {
 constexpr std::uint64_t bf16_bytes = 2;
 constexpr std::uint64_t fp32_bytes = 4;
 
-std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
+std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b != 0); }  // (a + b - 1) / b wraps for b near 2^64
 
 }  // namespace
 
 StepModel::StepModel(const ModelSpec& spec, const MachineProfile& profile, const PlanRequest& req, ExecutionPath path)
     : spec_(spec), profile_(profile), req_(req), path_(path), cost_(profile, req.gpus) {
+  check_countable();
   const auto& segs = spec.segments();
   seg_layer_.resize(segs.size());
   for (std::size_t i = 0; i < segs.size(); ++i) {
@@ -35,6 +38,33 @@ StepModel::StepModel(const ModelSpec& spec, const MachineProfile& profile, const
   }
   layer_segments_.resize(static_cast<std::size_t>(spec.num_layers() + 2));
   for (std::size_t i = 0; i < segs.size(); ++i) layer_segments_[static_cast<std::size_t>(seg_layer_[i] + 1)].push_back(i);
+}
+
+// The byte counts below are 64-bit products of the workload's tokens and the model's widths:
+// within max_workload_tokens and ModelSpec's size limits they can still pass 2^64 (a layer of
+// 1024 experts of 4M intermediate, all routed, over 2^32 tokens: 1.1e20 bytes) and wrap into a
+// plan that "fits". Bounded here, in long double, by the sum of every per-token width a step
+// saves or holds, over every layer and then some: a workload past 2^62 such bytes is refused.
+void StepModel::check_countable() const {
+  const auto& a = spec_.attention();
+  const auto& m = spec_.moe();
+  const auto& la = spec_.linear_attention();
+  using F = long double;
+  F dense = 0;
+  for (int l = 0; l < spec_.num_layers(); ++l) dense = std::max(dense, static_cast<F>(spec_.layer(l).dense_intermediate));
+  const F width = F(spec_.hidden_size()) * 4 + F(a.heads) * F(a.head_dim) * 4 + F(a.kv_heads) * F(a.head_dim) * 2 + F(a.heads) +
+                  F(m.experts) + F(m.top_k) * (2 + F(spec_.hidden_size()) + 3 * F(m.expert_intermediate)) +
+                  3 * F(m.shared_expert_intermediate) + 3 * dense + F(spec_.vocab_size()) +
+                  F(la.key_heads) * F(la.key_head_dim) * 2 + F(la.value_heads) * F(la.value_head_dim) * 3 +
+                  5 * F(la.value_heads) + F(la.value_heads) * F(la.key_head_dim) * F(la.value_head_dim) / 32;  // a state per 64 tokens
+  const F bytes = width * 8 * F(req_.workload.tokens()) * F(spec_.num_layers() + 2);
+  if (bytes > F(std::uint64_t{1} << 62))
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("plan request: {} tokens of this model ({} layers, {} experts of {} intermediate, top-{}) would save ~{:.3g} "
+                          "bytes of activations, past what the planner counts in 64 bits (2^62); fewer tokens per micro-batch or a "
+                          "smaller model",
+                          req_.workload.tokens(), spec_.num_layers(), m.experts, m.expert_intermediate, m.top_k,
+                          static_cast<double>(bytes)));
 }
 
 std::uint64_t StepModel::tokens() const { return req_.workload.tokens(); }

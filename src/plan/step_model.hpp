@@ -65,6 +65,7 @@ class StepModel {
   [[nodiscard]] ExecutionPath path() const { return path_; }
 
  private:
+  void check_countable() const;
   const ModelSpec& spec_;
   const MachineProfile& profile_;
   PlanRequest req_;

@@ -157,7 +157,12 @@ TEST_CASE("an infeasible request names the least bytes it needs and the budget")
     CHECK(what.find("the least GPU memory any plan needs is") != std::string::npos);
     CHECK(what.find("the budget is 8.00 GiB") != std::string::npos);
   }
+  // Where the least comes from the estimate before simulating (no candidate got as far), it is
+  // a bound, and said so: the session-53 audit followed an unqualified figure three times.
   req.workload = {1, 4096};
+  req.gpu_budget = 1_GiB;
+  req.host_budget = 2_TiB;
+  CHECK_THROWS_WITH_AS((void)planner.plan(req), doctest::Contains("the least GPU memory any plan needs is at least"), Error);
   req.gpu_budget = 80_GiB;
   req.host_budget = 4_GiB;  // streamed state alone is ~60 GiB
   CHECK_THROWS_WITH_AS((void)planner.plan(req), doctest::Contains("host memory"), Error);
@@ -524,6 +529,14 @@ TEST_CASE("a plan made elsewhere is checked against the model before its graph i
       {"plan, layer 2: attention chunk end 0 is 0, not past 0", [](Plan& p) { p.chunks[2].attention = {0, 256}; }},
       {"plan: loss_rows is 0", [](Plan& p) { p.loss_rows = 0; }},
       {"plan has retention for 4 and chunks for 3 layers; the model has 4", [](Plan& p) { p.chunks.pop_back(); }},
+      // The planner audit's (session 53): a boundary regenerated from a layer the model lacks had
+      // been SIGSEGV in the graph's regeneration; one regenerated from its own layer was priced
+      // as free; a plan for more GPUs than the profile's predicted a step of inf.
+      {"layer 1: its boundary is regenerated from layer 1000000, which is not below it",
+       [](Plan& p) { p.retention[1][static_cast<std::size_t>(ActivationClass::layer_boundary)] = RetentionDecision::recompute(1000000); }},
+      {"layer 2: its boundary is regenerated from layer 2, which is not below it",
+       [](Plan& p) { p.retention[2][static_cast<std::size_t>(ActivationClass::layer_boundary)] = RetentionDecision::recompute(2); }},
+      {"plan: for 2 GPUs; profile 'h200' describes 1", [](Plan& p) { p.gpus = 2; }},
   };
   for (const Case& c : cases) {
     CAPTURE(c.what);
@@ -540,6 +553,92 @@ TEST_CASE("a plan made elsewhere is checked against the model before its graph i
         CHECK(e.message().find(c.what) != std::string::npos);
       }
     }
+  }
+  // A layer's own classes recomputed from another layer's boundary: not what the executors run,
+  // and not what the graph prices.
+  Plan other = base;
+  other.retention[3][static_cast<std::size_t>(ActivationClass::norm_output)] = RetentionDecision::recompute(1);
+  CHECK_THROWS_WITH_AS((void)m.planner.simulate(other), doctest::Contains("layer 3: norm_output recomputed from layer 1"), Error);
+  // A MoE or loss chunk of 2^64 - 1 tokens is the whole micro-batch (its chunk count had wrapped
+  // to 0, pricing the MLPs and the loss as free).
+  Plan whole = base, huge = base;
+  for (auto& c : whole.chunks) c.moe_tokens = whole.workload.tokens();
+  for (auto& c : huge.chunks) c.moe_tokens = ~std::uint64_t{0};
+  whole.loss_rows = whole.workload.tokens();
+  huge.loss_rows = ~std::uint64_t{0};
+  const SimResult at_whole = m.planner.simulate(whole), at_huge = m.planner.simulate(huge);
+  CHECK(at_huge.step_s == at_whole.step_s);
+  CHECK(at_huge.gpu_peak == at_whole.gpu_peak);
+  // The expert-parallel path needs the experts to divide among the GPUs.
+  const MachineProfile three = MachineProfile::h200(3);
+  const Planner on_three(m.spec, three, "tiny");
+  REQUIRE(m.spec.moe().experts % 3 != 0);
+  Plan ep = base;
+  ep.gpus = 3;
+  ep.path = ExecutionPath::expert_parallel;
+  CHECK_THROWS_WITH_AS((void)on_three.simulate(ep), doctest::Contains("experts do not divide among them"), Error);
+}
+
+TEST_CASE("a plan file's 'recompute from N' is a layer number, after recompute alone") {
+  const PlannerOnH200 m("tiny-moe.json", "tiny");
+  PlanRequest req;
+  req.gpu_budget = 1_GiB;
+  req.host_budget = 8_GiB;
+  req.workload = {1, 256};
+  const Json good = m.planner.plan(req).plans.at(0).to_json();
+  const std::string text = good.dump(2);
+  const auto at = text.find("\"keep\"");
+  REQUIRE(at != std::string::npos);
+  // Each had been read by std::stoi: "1x" as 1, 99999999999 as "stoi" naming no field, and a
+  // keep's "from 0" ignored.
+  for (const char* bad : {"\"recompute from 1x\"", "\"recompute from 99999999999\"", "\"keep from 0\"", "\"recompute from -1\"",
+                          "\"recompute from \""}) {
+    CAPTURE(bad);
+    std::string edited = text;
+    edited.replace(at, 6, bad);
+    try {
+      (void)Plan::from_json(Json::parse(edited), "edited.json");
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::parse);
+      CHECK(e.message().find("retention") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("a profile whose rates price a step at infinity is refused, naming the profile") {
+  const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/tiny-moe.json");
+  MachineProfile slow = MachineProfile::h200(1);
+  slow.hbm_bytes_per_s = 1e-300;  // finite and positive: the profile's own checks pass it
+  const Planner planner(spec, slow, "tiny");
+  PlanRequest req;
+  req.gpu_budget = 1_GiB;
+  req.host_budget = 8_GiB;
+  req.workload = {1, 256};
+  CHECK_THROWS_WITH_AS((void)planner.plan(req), doctest::Contains("profile 'h200': its rates predict a step of inf s"), Error);
+}
+
+TEST_CASE("a workload whose byte counts would pass 64 bits is refused before any is counted") {
+  // Within ModelSpec's size limits and max_workload_tokens, yet one activation class of this
+  // layer over 2^32 tokens is 1.1e20 bytes: it had wrapped into a plan that "fit" 2^62 bytes.
+  Json config = read_json_file(OOM_SOURCE_DIR "/examples/configs/tiny-moe.json");
+  config.set("num_hidden_layers", 1);
+  config.set("num_experts", 1024);
+  config.set("num_experts_per_tok", 1024);
+  config.set("moe_intermediate_size", 4194304);
+  const ModelSpec spec = ModelSpec::from_json(config, "wide");
+  const MachineProfile profile = MachineProfile::h200(1);
+  const Planner planner(spec, profile, "wide");
+  PlanRequest req;
+  req.gpu_budget = Bytes{std::uint64_t{1} << 62};
+  req.host_budget = Bytes{std::uint64_t{1} << 62};
+  req.workload = {1, max_workload_tokens};
+  CHECK_THROWS_WITH_AS((void)planner.plan(req), doctest::Contains("past what the planner counts in 64 bits"), Error);
+  req.workload = {1, 4096};  // the same model at 4K tokens is counted (and planned or refused by its budgets)
+  try {
+    (void)planner.plan(req);
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::out_of_budget);
   }
 }
 
