@@ -111,7 +111,7 @@ Optimizer (AdamW, as torch.optim.AdamW over all parameters)
   --warmup N           linear warmup over the first N updates: update t uses lr * min(1, t / N) (default 0)
   --schedule NAME      constant (default) or cosine: after the warmup, lr * 0.5 (1 + cos(pi p)) with p
                        going from 0 to 1 over the remaining updates up to --steps, floored at --min-lr
-  --min-lr X           the cosine schedule's floor (default 0)
+  --min-lr X           the cosine schedule's floor (default 0; at most --lr; cosine only)
   --max-grad-norm X    clip the global gradient norm to X as torch.nn.utils.clip_grad_norm_ (default 0:
                        no clipping; the updates then wait for the whole backward; on cuda the gradients
                        are staged per parameter, as --grad-staging 0)
@@ -184,6 +184,7 @@ struct Args {
   float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f, min_lr = 0.0f;
   std::uint64_t warmup = 0;
   bool cosine = false;
+  bool min_lr_given = false;
   std::optional<Bytes> gpu_mem, host_mem;
   std::optional<std::uint64_t> grad_staging;  // CUDA: pinned gradient staging ring of this many layers (0: per parameter)
   std::optional<bool> keep_attention_state;   // CUDA: recompute around kept attention output + LSE
@@ -236,7 +237,10 @@ Args parse(int argc, char** argv) {
     else if (flag == "--weight-decay") a.weight_decay = parse_real(flag, v);
     else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
     else if (flag == "--warmup") a.warmup = parse_count(flag, v, /*allow_zero=*/true);
-    else if (flag == "--min-lr") a.min_lr = parse_real(flag, v);
+    else if (flag == "--min-lr") {
+      a.min_lr = parse_real(flag, v);
+      a.min_lr_given = true;
+    }
     else if (flag == "--schedule") {
       const std::string_view w = v;
       if (w != "constant" && w != "cosine") OOM_THROW(Errc::invalid_argument, fmt::format("--schedule is constant or cosine, got '{}'", w));
@@ -271,6 +275,12 @@ Args parse(int argc, char** argv) {
   if (a.backend != "host" && a.backend != "cuda" && a.backend != "auto")
     OOM_THROW(Errc::invalid_argument, fmt::format("--backend is auto, cuda or host, got '{}'", a.backend));
   if (a.resume && a.overwrite) OOM_THROW(Errc::invalid_argument, "--resume and --overwrite exclude each other");
+  // The cosine schedule's floor: without it there is none, and above --lr it would be a climb.
+  if (a.min_lr_given && !a.cosine)
+    OOM_THROW(Errc::invalid_argument, "--min-lr is the cosine schedule's floor; the constant schedule has none (add --schedule cosine)");
+  if (a.min_lr > a.lr)
+    OOM_THROW(Errc::invalid_argument, fmt::format("--min-lr {} is above --lr {}: the cosine schedule would raise the learning rate to it",
+                                                  a.min_lr, a.lr));
   if (a.resume && (a.save_initial || !a.dump_batches.empty()))
     OOM_THROW(Errc::invalid_argument, "--save-initial and --dump-batches describe a run from its start; not with --resume");
   // Output paths are refused now, not after the training they would end.

@@ -104,13 +104,26 @@ class ConfigReader {
     // Attention.
     auto& a = m.attention_;
     a.heads = positive(c["num_attention_heads"]);
-    a.kv_heads = positive_or(c["num_key_value_heads"], a.heads);
+    // transformers' defaults where the field is absent (an explicit null means num_attention_heads):
+    // Qwen3-MoE 4, Qwen3-Next / Qwen3.5 2, Mixtral 8, Qwen2-MoE 16, OLMoE num_attention_heads.
+    std::uint64_t default_kv = a.heads;
+    switch (f) {
+      case ModelFamily::qwen3_moe: default_kv = 4; break;
+      case ModelFamily::qwen3_next:
+      case ModelFamily::qwen3_5_moe: default_kv = 2; break;
+      case ModelFamily::mixtral: default_kv = 8; break;
+      case ModelFamily::qwen2_moe: default_kv = 16; break;
+      case ModelFamily::olmoe: break;
+    }
+    a.kv_heads = c["num_key_value_heads"].present() ? positive_or(c["num_key_value_heads"], a.heads) : default_kv;
     if (a.heads % a.kv_heads != 0)
       bad_field(c["num_key_value_heads"], "num_attention_heads " + std::to_string(a.heads) +
                                               " is not a multiple of num_key_value_heads " + std::to_string(a.kv_heads));
     const bool head_dim_given = c["head_dim"].present_not_null() && f != ModelFamily::olmoe;
     if (head_dim_given) {
       a.head_dim = positive(c["head_dim"]);
+    } else if (qwen_hybrid) {
+      a.head_dim = 256;  // Qwen3NextConfig / Qwen3_5MoeTextConfig: head_dim defaults to 256, not hidden / heads
     } else {
       // No head_dim field: transformers derives it, which requires an exact split of the hidden size.
       if (m.hidden_ % a.heads != 0)
@@ -190,9 +203,26 @@ class ConfigReader {
 
     // RoPE and norms. Newer configs nest rope settings under rope_parameters.
     const JsonCursor rope = c["rope_parameters"].present_not_null() ? c["rope_parameters"] : JsonCursor(c);
+    // Only the default rotary embedding is built: a scaled one (yarn, linear, dynamic, llama3, ...)
+    // would train another model than the one the config describes.
+    if (c["rope_scaling"].present_not_null()) {
+      const JsonCursor rs = c["rope_scaling"];
+      const JsonCursor type = rs["rope_type"].present_not_null() ? rs["rope_type"] : rs["type"];
+      if (!type.present_not_null() || type.as_string() != "default")
+        bad_field(rs, "RoPE scaling is not implemented (only the default rotary embedding is)");
+    }
+    if (rope["rope_type"].present_not_null() && rope["rope_type"].as_string() != "default")
+      bad_field(rope["rope_type"], "\"" + rope["rope_type"].as_string() + "\" is not implemented (only \"default\" is)");
+    // Every family's experts (and dense and shared MLPs) are SwiGLU here.
+    if (c["hidden_act"].present_not_null() && c["hidden_act"].as_string() != "silu")
+      bad_field(c["hidden_act"], "\"" + c["hidden_act"].as_string() + "\" is not implemented (only \"silu\" is)");
+    if (number_or(c["attention_dropout"], 0.0) != 0.0)
+      bad_field(c["attention_dropout"], "attention dropout is not implemented; it must be 0");
     const double default_theta = f == ModelFamily::mixtral ? 1e6 : 10000.0;
     m.rope_theta_ = number_or(rope["rope_theta"], number_or(c["rope_theta"], default_theta));
-    if (!(m.rope_theta_ > 0)) bad_field(rope["rope_theta"], "must be positive");
+    // The layers compute in fp32: a theta that fp32 flushes to 0 or rounds to inf breaks RoPE.
+    if (!(m.rope_theta_ >= 1.17549435e-38 && m.rope_theta_ <= 3.40282347e38))
+      bad_field(rope["rope_theta"].present() ? rope["rope_theta"] : c["rope_theta"], "must be positive and within fp32's normal range");
     // Qwen3-Next and Qwen3.5 configs default it to 0.25 (transformers' config classes), the others to 1.
     const double default_rotary = qwen_hybrid ? 0.25 : 1.0;
     m.partial_rotary_factor_ = number_or(rope["partial_rotary_factor"], number_or(c["partial_rotary_factor"], default_rotary));
@@ -200,7 +230,7 @@ class ConfigReader {
       bad_field(rope["partial_rotary_factor"].present() ? rope["partial_rotary_factor"] : c["partial_rotary_factor"],
                 "must be in (0, 1], got " + std::to_string(m.partial_rotary_factor_));
     m.rms_norm_eps_ = number_or(c["rms_norm_eps"], f == ModelFamily::mixtral || f == ModelFamily::olmoe ? 1e-5 : 1e-6);
-    if (!(m.rms_norm_eps_ > 0)) bad_field(c["rms_norm_eps"], "must be positive");
+    if (!(m.rms_norm_eps_ >= 1.17549435e-38)) bad_field(c["rms_norm_eps"], "must be positive (and not below fp32's smallest normal)");
 
     // Qwen3.5 keeps tie_word_embeddings at the top level, next to text_config.
     const JsonCursor tie = c["tie_word_embeddings"].present_not_null() ? c["tie_word_embeddings"]

@@ -3,9 +3,12 @@
 // accounting, and config errors that name the file and the field.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <string_view>
 
 #include "oom/core/error.hpp"
 #include "oom/io/json.hpp"
@@ -393,4 +396,54 @@ TEST_CASE("from_file names the file on a syntax error") {
     CHECK(e.code() == Errc::parse);
     CHECK(e.message().find("examples/configs/README.md:1:1: expected a value") != std::string::npos);
   }
+}
+
+namespace {
+Json without(const Json& config, std::initializer_list<std::string_view> keys) {
+  Json::Object kept;
+  for (const auto& [k, v] : config.as_object())
+    if (std::find(keys.begin(), keys.end(), k) == keys.end()) kept.emplace_back(k, v);
+  return Json(std::move(kept));
+}
+}  // namespace
+
+TEST_CASE("a config that would train another model than transformers' is refused, and absent fields default as transformers' do") {
+  // The session-53 audit: each of these had been accepted and trained as SiLU experts with plain
+  // RoPE, no dropout, or (in fp32) a theta of 0 or inf and an eps of 0.
+  CHECK(with("hidden_act", "gelu") == "my/config.json: hidden_act: \"gelu\" is not implemented (only \"silu\" is)");
+  CHECK(with("hidden_act", "silu").empty());
+  CHECK(with("rope_scaling", Json::parse(R"({"rope_type": "yarn", "factor": 4.0})")).find("rope_scaling: RoPE scaling is not implemented") !=
+        std::string::npos);
+  CHECK(with("rope_scaling", Json::parse(R"({"type": "linear", "factor": 2.0})")).find("rope_scaling: RoPE scaling is not implemented") !=
+        std::string::npos);
+  CHECK(with("rope_scaling", nullptr).empty());
+  CHECK(with("rope_parameters", Json::parse(R"({"rope_type": "linear", "factor": 8.0, "rope_theta": 10000})"))
+            .find("rope_parameters.rope_type: \"linear\" is not implemented") != std::string::npos);
+  CHECK(with("rope_parameters", Json::parse(R"({"rope_type": "default", "rope_theta": 10000})")).empty());
+  CHECK(with("attention_dropout", 0.1).find("attention_dropout: attention dropout is not implemented") != std::string::npos);
+  CHECK(with("attention_dropout", 0.0).empty());
+  for (const double theta : {1e-300, 1e300})
+    CHECK(with("rope_theta", theta).find("rope_theta: must be positive and within fp32's normal range") != std::string::npos);
+  CHECK(with("rms_norm_eps", 1e-50).find("rms_norm_eps: must be positive") != std::string::npos);
+
+  // num_key_value_heads (and the hybrids' head_dim) absent: transformers' config classes' defaults,
+  // not num_attention_heads (and hidden / heads); an explicit null is num_attention_heads.
+  struct Case {
+    const char* config;
+    std::uint64_t kv_heads;
+  };
+  for (const Case& c : {Case{"qwen3-30b-a3b.json", 4}, Case{"mixtral-8x7b-v0.1.json", 8}, Case{"qwen1.5-moe-a2.7b.json", 16},
+                        Case{"olmoe-1b-7b-0924.json", 16}}) {
+    CAPTURE(c.config);
+    const Json full = read_json_file(config_path(c.config));
+    const ModelSpec spec = ModelSpec::from_json(without(full, {"num_key_value_heads"}), c.config);
+    CHECK(spec.attention().kv_heads == c.kv_heads);
+    Json null_kv = full;
+    null_kv.set("num_key_value_heads", nullptr);
+    CHECK(ModelSpec::from_json(null_kv, c.config).attention().kv_heads == ModelSpec::from_json(full, c.config).attention().heads);
+  }
+  const Json next = read_json_file(config_path("qwen3-next-80b-a3b.json"));
+  const ModelSpec bare = ModelSpec::from_json(without(next, {"num_key_value_heads", "head_dim"}), "next");
+  CHECK(bare.attention().kv_heads == 2);
+  CHECK(bare.attention().head_dim == 256);
 }

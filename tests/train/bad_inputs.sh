@@ -190,6 +190,10 @@ if [[ $rc -ne 2 ]] || ! grep -q "pass the same --min-lr" "$work/reminlr.stderr";
   echo "FAIL resume-other-min-lr: exit $rc"; cat "$work/reminlr.stderr"; fails=$((fails + 1))
 else echo "ok   resume-other-min-lr: $(cat "$work/reminlr.stderr")"; fi
 expect resume-nothing 2 "no checkpoint" -- --resume
+# The cosine floor: above --lr the schedule had climbed to it (100x the peak), and the constant
+# schedule had ignored it.
+expect min-lr-above-lr 2 "--min-lr 0.01 is above --lr 0.0001" -- --schedule cosine --lr 1e-4 --min-lr 1e-2
+expect min-lr-constant 2 "the constant schedule has none" -- --min-lr 1e-5
 expect zero-batch 2 "--batch needs a positive integer, got '0'" -- --batch 0
 # A count past 2^64 - 1 (strtoull would saturate), and a micro-batch past the planner's 2^32 tokens.
 expect seq-out-of-range 2 "out of range" -- --seq 99999999999999999999
