@@ -303,7 +303,15 @@ std::string read_text(const fs::path& p) {
 }
 
 std::atomic<int> g_signal{0};
-extern "C" void on_signal(int sig) { g_signal.store(sig); }
+// The first SIGINT/SIGTERM stops the run after the step in flight, with a checkpoint; a second one
+// ends it at once (the default action again: a step may run for minutes). A checkpoint being
+// written when it comes is a .partial directory `latest` never names.
+extern "C" void on_signal(int sig) {
+  g_signal.store(sig);
+  std::signal(sig, SIG_DFL);
+  static constexpr char note[] = "\noom-train: stopping after this step (a checkpoint is written); signal again to stop at once\n";
+  (void)!::write(STDERR_FILENO, note, sizeof note - 1);  // async-signal-safe, unlike stdio
+}
 
 /// The process's resident set now (VmRSS) and its high-water mark (VmHWM, what the peer baselines
 /// report as their host memory peak), read in one pass so the peak is never below the current;
@@ -618,6 +626,7 @@ int run(Args a) {
   adamw.weight_decay = a.weight_decay;
   std::uint64_t start_step = 0;
   SamplerState sampler_state{a.seed, 0};
+  std::uint64_t resumed_skips = 0;                  // a resumed run's non-finite steps in a row at its checkpoint
   std::optional<std::uint64_t> saved_data_tokens;  // a resumed run's data file's token count
   if (ckpt) {
     const JsonCursor ts(ckpt->trainer_state(), "trainer_state.json");
@@ -672,7 +681,14 @@ int run(Args a) {
     if (a.trace_step != 0 && a.trace_step <= start_step)
       OOM_THROW(Errc::invalid_argument, fmt::format("--trace-step {}: the run resumes after step {}", a.trace_step, start_step));
     sampler_state = SamplerState::from_json(ts["sampler"].value(), "trainer_state.json sampler");
+    resumed_skips = ts["consecutive_skips"].present() ? ts["consecutive_skips"].as_uint64() : 0;  // absent before session 53
   }
+
+  // One window of data, checked before the run directory is made: the file of --data is open; the
+  // built-in corpus, written below where it is not there yet, is one token per byte.
+  if (const std::uint64_t n = tokens ? tokens->size() : fs::exists(data_path, ec) ? 0 : builtin_corpus_bytes; n != 0 && n < a.seq + 1)
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: {} tokens cannot make a window of sequence length {} (+1 for the target)",
+                                                  tokens ? data_path.string() : std::string("the built-in corpus"), n, a.seq));
 
   // ---- from here on the run directory is written (an --overwrite'n run's files are removed only once
   // the new model is built: train_with) ----
@@ -741,6 +757,9 @@ int run(Args a) {
   else write_file_atomically(metrics_path, "");
   std::ofstream metrics(metrics_path, std::ios::app);
 
+  // Non-finite steps in a row up to now (--max-skips), kept in the checkpoint: a resumed run stops
+  // where the uninterrupted one would.
+  std::uint64_t consecutive_skips = resumed_skips;
   auto checkpoint = [&](std::uint64_t step) {
     Json ts = Json::object();
     ts.set("format", "oom-train-1");
@@ -760,6 +779,7 @@ int run(Args a) {
     ts.set("data", fs::absolute(data_path, ec).lexically_normal().string());
     ts.set("data_tokens", tokens->size());
     ts.set("data_builtin", a.data.empty());
+    ts.set("consecutive_skips", consecutive_skips);
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state
     const auto dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views), {step, config_text, ts, a.keep});
     fmt::print("checkpoint {} written\n", dir.string());
@@ -774,7 +794,7 @@ int run(Args a) {
   std::vector<std::uint32_t> in(step_tokens), tgt(step_tokens);
   const auto t0 = std::chrono::steady_clock::now();
   auto last = t0;
-  std::uint64_t consecutive_skips = 0, done_since_start = 0;
+  std::uint64_t done_since_start = 0;
   if (start_step >= a.steps) fmt::print("the run is already at step {} (--steps {})\n", start_step, a.steps);
   // A long step says where it is: once it has run --step-progress seconds, a line per layer pass
   // at most every half of that (0: every pass). Issued passes; the GPU is at most about a layer behind.
@@ -793,6 +813,8 @@ int run(Args a) {
     std::fflush(stdout);
   });
   for (std::uint64_t step = start_step + 1; step <= a.steps; ++step) {
+    // A step's time runs from here: the previous step's metrics, checkpoint and trace are not in it.
+    last = std::chrono::steady_clock::now();
     sampler.next(in, tgt);
     const float lr_now = learning_rate(a, static_cast<std::uint64_t>(model.optimizer_steps()) + 1);
     model.set_learning_rate(lr_now);
@@ -808,7 +830,6 @@ int run(Args a) {
     const auto r = model.step(in, tgt);
     const auto now = std::chrono::steady_clock::now();
     const double dt = std::chrono::duration<double>(now - last).count();
-    last = now;
     ++done_since_start;
     const double elapsed = std::chrono::duration<double>(now - t0).count();
     const double tok_s = static_cast<double>(step_tokens) / dt;

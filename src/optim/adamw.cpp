@@ -50,8 +50,12 @@ AdamWStepScalars adamw_step_scalars(const AdamWConfig& c, std::int64_t step, flo
 
 float clip_grad_scale(double sum_of_squares, double max_norm) {
   if (!(max_norm > 0.0)) OOM_THROW(Errc::invalid_argument, fmt::format("max_norm is {}; it must be > 0", max_norm));
-  if (!(sum_of_squares >= 0.0)) {
-    OOM_THROW(Errc::invalid_argument, fmt::format("gradient sum of squares is {}; it must be >= 0", sum_of_squares));
+  // An infinite sum too: its factor would be 0, and an update by it still decays the weights and
+  // the moments (torch's clip_grad_norm_ without error_if_nonfinite does that); the caller is to
+  // update nothing.
+  if (!(sum_of_squares >= 0.0) || !std::isfinite(sum_of_squares)) {
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("gradient sum of squares is {} (a NaN or infinite gradient); it must be finite and >= 0", sum_of_squares));
   }
   const double coef = max_norm / (std::sqrt(sum_of_squares) + 1e-6);
   return coef < 1.0 ? static_cast<float>(coef) : 1.0f;

@@ -431,6 +431,10 @@ TEST_CASE("clip_grad_scale follows torch's clip_grad_norm_") {
   CHECK(clip_grad_scale(25.0, 10.0) == 1.0f);
   CHECK(clip_grad_scale(0.0, 1.0) == 1.0f);
   CHECK_THROWS_AS(clip_grad_scale(1.0, 0.0), Error);
+  // A non-finite sum is refused: an infinite one had given a factor of 0, and the host trainer
+  // then updated the decoder stack (weight decay, decayed moments) before an end's check threw.
+  CHECK_THROWS_WITH_AS(clip_grad_scale(std::numeric_limits<double>::infinity(), 1.0), doctest::Contains("infinite gradient"), Error);
+  CHECK_THROWS_AS(clip_grad_scale(std::numeric_limits<double>::quiet_NaN(), 1.0), Error);
   CHECK_THROWS_AS(clip_grad_scale(std::numeric_limits<double>::quiet_NaN(), 1.0), Error);
 }
 

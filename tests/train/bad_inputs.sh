@@ -147,6 +147,14 @@ for bad in "--data $work/short.tok" "--plan $work/d128-plan.json"; do
     fails=$((fails + 1))
   else echo "ok   overwrite-keeps-run ($bad): $(cat "$work/overwrite.stderr")"; fi
 done
+# Data too short for one window is refused before the run directory is made (it had been left
+# behind, empty).
+"$train" --out "$work/d-short" --steps 1 --seq 32 --data "$work/short.tok" > /dev/null 2> "$work/d-short.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "10 tokens cannot make a window of sequence length 32" "$work/d-short.stderr" || [[ -e "$work/d-short" ]]; then
+  echo "FAIL short-data-no-run-dir: exit $rc, run dir $([[ -e "$work/d-short" ]] && echo made || echo absent)"; cat "$work/d-short.stderr"
+  fails=$((fails + 1))
+else echo "ok   short-data-no-run-dir: $(cat "$work/d-short.stderr")"; fi
 # A resumed run must read the data it was trained on, and keep a cosine schedule's floor.
 "$train" --out "$work/good" --steps 2 --seq 32 --resume --data "$work/short.tok" > /dev/null 2> "$work/redata.stderr"
 rc=$?
@@ -209,6 +217,16 @@ if [[ $rc -ne 4 ]] || [[ $(grep -c "step skipped" "$work/diverge.stderr") -ne 3 
    ! grep -q "3 consecutive non-finite losses" "$work/diverge.stderr" || ! grep -q '"loss":null' "$work/diverge/metrics.jsonl"; then
   echo "FAIL diverging-run: exit $rc"; cat "$work/diverge.stderr"; fails=$((fails + 1))
 else echo "ok   diverging-run: exit 4 after $(grep -c 'step skipped' "$work/diverge.stderr") skipped steps"; fi
+# The count of skips in a row is in the checkpoint: a run stopped and resumed mid-streak stops
+# where the uninterrupted one did (at step 4; it had started counting again and gone on to 6).
+"$train" --out "$work/diverge2" --steps 3 --seq 32 --lr 1e30 --max-skips 3 > /dev/null 2> /dev/null ||
+  { echo "FAIL: a 3-step diverging run (2 skips) failed"; exit 1; }
+"$train" --out "$work/diverge2" --steps 10 --seq 32 --lr 1e30 --max-skips 3 --resume > /dev/null 2> "$work/diverge2.stderr"
+rc=$?
+if [[ $rc -ne 4 ]] || ! grep -q "step 4: loss is" "$work/diverge2.stderr" || grep -q "step 5: loss is" "$work/diverge2.stderr" ||
+   ! grep -q "3 consecutive non-finite losses" "$work/diverge2.stderr"; then
+  echo "FAIL skips-across-resume: exit $rc"; cat "$work/diverge2.stderr"; fails=$((fails + 1))
+else echo "ok   skips-across-resume: $(tail -1 "$work/diverge2.stderr")"; fi
 "$train" --out "$work/stop" --steps 10 --seq 32 --lr 1e30 --on-nonfinite stop > /dev/null 2> "$work/stop.stderr"
 rc=$?
 if [[ $rc -ne 4 ]] || ! grep -q "stopping on a non-finite loss at step 2" "$work/stop.stderr"; then

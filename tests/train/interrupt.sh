@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# SIGINT (Ctrl-C) and SIGTERM stop a run after the step in flight with a checkpoint of that step,
+# exit 130, and the resumed run logs the same losses, bit for bit, as the run left alone (host
+# backend); a second signal ends the run at once, leaving no checkpoint `latest` would name
+# half-written. Usage: interrupt.sh path/to/oom-train
+set -euo pipefail
+train="$1"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+args=(--backend host --seq 64 --steps 16 --checkpoint-every 100 --log-every 100)
+
+# wait_for FILE PATTERN PID: until FILE holds PATTERN (the run still going), at most 60 s.
+wait_for() {
+  for _ in $(seq 1 6000); do
+    grep -qs -- "$2" "$1" && return 0
+    kill -0 "$3" 2> /dev/null || { echo "FAIL: the run ended before '$2' appeared in $1"; cat "$1"; exit 1; }
+    sleep 0.01
+  done
+  echo "FAIL: '$2' did not appear in $1 within 60 s"; exit 1
+}
+
+"$train" "${args[@]}" --out "$work/straight" > /dev/null
+
+for sig in INT TERM; do
+  run="$work/$sig"
+  "$train" "${args[@]}" --out "$run" > "$work/$sig.log" 2> "$work/$sig.err" &
+  pid=$!
+  wait_for "$run/metrics.jsonl" '"step":4,' "$pid"
+  kill "-$sig" "$pid"
+  rc=0
+  wait "$pid" || rc=$?
+  at=$(wc -l < "$run/metrics.jsonl")
+  [[ $rc -eq 130 ]] || { echo "FAIL: SIG$sig: exit $rc, not 130"; cat "$work/$sig.err"; exit 1; }
+  grep -q "interrupted by signal .* after step $at; resume with --resume" "$work/$sig.err" ||
+    { echo "FAIL: SIG$sig: no 'interrupted ... after step $at'"; cat "$work/$sig.err"; exit 1; }
+  [[ "$(cat "$run/latest")" == "$(printf 'checkpoint-%06d' "$at")" ]] ||
+    { echo "FAIL: SIG$sig: latest is '$(cat "$run/latest")' after step $at"; exit 1; }
+  "$train" "${args[@]}" --out "$run" --resume > "$work/$sig.resumed.log"
+  loss() { sed -E 's/.*"step":([0-9]+).*"loss":([^,]+),.*/\1 \2/' "$1"; }
+  diff <(loss "$work/straight/metrics.jsonl") <(loss "$run/metrics.jsonl") > /dev/null ||
+    { echo "FAIL: SIG$sig: the resumed run's losses differ from the uninterrupted run's"; exit 1; }
+  cmp "$work/straight/checkpoint-000016/model.safetensors" "$run/checkpoint-000016/model.safetensors"
+  echo "ok   SIG$sig after step $at: exit 130, checkpoint-$(printf '%06d' "$at"), resumed to the same 16 losses and weights"
+done
+
+# Twice: the second ends the run at once (the default action), mid-step, with no checkpoint of it.
+"$train" --backend host --seq 512 --steps 100 --checkpoint-every 100 --log-every 100 --out "$work/twice" \
+  > /dev/null 2> "$work/twice.err" &
+pid=$!
+wait_for "$work/twice/metrics.jsonl" '"step":1,' "$pid"
+kill -INT "$pid"
+wait_for "$work/twice.err" "signal again to stop at once" "$pid"
+kill -INT "$pid"
+rc=0
+wait "$pid" || rc=$?
+if [[ $rc -ne 130 ]] || grep -q "interrupted by signal" "$work/twice.err" || [[ -e "$work/twice/latest" ]]; then
+  echo "FAIL: a second SIGINT: exit $rc, latest $(cat "$work/twice/latest" 2> /dev/null || echo absent)"; cat "$work/twice.err"; exit 1
+fi
+echo "ok   a second SIGINT ended the run at once (exit $rc, no checkpoint)"
+echo "PASS: SIGINT and SIGTERM stop with a checkpoint and resume bit for bit; a second signal stops at once"
