@@ -834,3 +834,52 @@ TEST_CASE("the MoE half's token chunks each read and write the experts' fp32 wei
   // One chunk still writes them once.
   CHECK(bwd_mlp_s(32768) >= weights_read + gradient_pass);
 }
+
+TEST_CASE("a step of many micro-batches is searched from steps of 3 and 4: exact, and not linear in their count") {
+  // The search prices a step of M > 4 micro-batches as the 4's plus M - 4 times the 4th's
+  // increment, with the 4's peaks (Planner::plan). That holds exactly for the planner's plans:
+  // a middle micro-batch's graph is the next's. Checked on whole simulations of the plans the
+  // planner returns, over budgets, clipping and gradient accumulation on either side.
+  const Moe5bOnH200 m;
+  const auto& [spec, profile, planner] = m;
+  int checked = 0;
+  for (const auto& [gpu, host] : {std::pair{139_GiB, 125_GiB}, std::pair{40_GiB, 125_GiB}, std::pair{24_GiB, 125_GiB}}) {
+    for (const bool clip : {false, true}) {
+      PlanRequest req = Moe5bOnH200::request(4096, gpu, host);
+      req.clip_grad_norm = clip;
+      req.candidates = 3;
+      for (Plan p : planner.plan(req).plans) {
+        for (const auto acc : {GradAccumulation::host, GradAccumulation::device}) {
+          CAPTURE(gpu);
+          CAPTURE(clip);
+          p.grad_accumulation = acc;
+          const auto at = [&](int micro_batches) {
+            Plan q = p;
+            q.micro_batches = micro_batches;
+            return planner.simulate(q);
+          };
+          const SimResult three = at(3), four = at(4), many = at(19);
+          CHECK(many.step_s == doctest::Approx(four.step_s + 15 * (four.step_s - three.step_s)).epsilon(1e-9));
+          for (std::size_t r = 0; r < many.busy.seconds.size(); ++r)
+            CHECK(many.busy.seconds[r] ==
+                  doctest::Approx(four.busy.seconds[r] + 15 * (four.busy.seconds[r] - three.busy.seconds[r])).epsilon(1e-9).scale(1e-9));
+          CHECK(many.gpu_peak == four.gpu_peak);
+          CHECK(many.host_peak == four.host_peak);
+          ++checked;
+        }
+      }
+    }
+  }
+  CHECK(checked >= 12);
+  // 1024 micro-batches: the search had simulated all of them for each of ~1600 candidates (about
+  // 4.5 minutes on the build machine); now the 4's, and the plans returned whole.
+  PlanRequest req = Moe5bOnH200::request(4096, 139_GiB, 125_GiB);
+  req.micro_batches = 1024;
+  const PlanSet set = planner.plan(req);
+  CHECK(set.search_s < 60);
+  for (const Plan& p : set.plans) {
+    const SimResult whole = planner.simulate(p);
+    CHECK(whole.step_s == p.predicted.step_s);
+    CHECK(whole.gpu_peak <= req.gpu_budget);
+  }
+}
