@@ -903,6 +903,9 @@ PlanSet Planner::plan(const PlanRequest& req) const {
     }
     chosen.push_back(k);
   }
+  if (chosen.empty())  // the whole step's peaks are the search's (micro-batches do not add to them)
+    OOM_THROW(Errc::internal, fmt::format("no plan of {} micro-batches fits once simulated whole, though {} did in the search",
+                                          req.micro_batches, feasible.size()));
   std::stable_sort(chosen.begin(), chosen.end(),
                    [&](std::size_t a, std::size_t b) { return feasible[a].plan.predicted.step_s < feasible[b].plan.predicted.step_s; });
   for (std::size_t k : chosen) {
