@@ -463,13 +463,19 @@ fi
 # (PEER_CONFIG below)
 # in the same call, each run alone on the whole GPU, one after the other, on the same windows of data (the
 # peer reads those oom-train dumped; where oom-train did not finish, the peer is not run). PEERS
-# (default "4096:1 4096:2") lists seq:batch settings; PEER_MODES (default "plain") may add "offload"
+# (default "4096:1 4096:2") lists seq:batch settings; PEER_MODES (default "plain-nockpt plain": the
+# peer at its fastest where its activations fit, and with per-layer checkpointing as MISSION.md's
+# figures were taken; both with fused AdamW, PEER_OPTIMIZER=foreach for MISSION.md's) may add "offload"
 # (FSDP2 + CPUOffloadPolicy, ~7 s a step) and either with "-nockpt" (no per-layer activation
 # checkpointing), and "deepspeed" (ZeRO-Offload: stage 2, optimizer on the host) or
 # "deepspeed-zero3" (parameters on the host too; bench/baselines/deepspeed_offload.py). DeepSpeed
 # comes from .whl/ (scripts/fetch-peer-wheels.sh; carry it to the GPU machine), installed into
 # $build_dir/peer-python; its CPU Adam is built on first use into $build_dir/torch-extensions.
-# PEER_STEPS (default 4) steps each, the first not counted. PEER_CONFIG (default
+# PEER_STEPS (default 4) steps each, the first not counted. PEER_SAME_INIT=1: oom-train saves its
+# initial weights (--save-initial) and the peers start from them (--init-from), so the losses
+# compare step for step (the file's pages then count in the peers' host high-water mark; default
+# 0: each its own draw of the same distribution). Both train with lr 3e-4 and weight decay 0.01.
+# PEER_CONFIG (default
 # examples/configs/moe-5b.json) is the model both run. The summary prints the ratios, and names
 # a peer that failed: with the host RSS it had reached where the kernel killed it (each peer keeps
 # its high-water mark in peer-run-*.json.rss as it runs: bench/baselines/common.py RssWatch). A peer out of memory says so (exit 3); the sweep goes on.
@@ -483,13 +489,13 @@ if [[ "$parts" == *" peers "* ]]; then
   fi
 fi
 if [[ "$parts" == *" peers "* ]]; then
-  for mode in ${PEER_MODES:-plain}; do
+  for mode in ${PEER_MODES:-plain-nockpt plain}; do
     [[ "$mode" =~ $peer_mode_re ]] ||
       { echo "PEER_MODES: '$mode' is not plain, offload (either with -nockpt), deepspeed or deepspeed-zero3" >&2; bench_rc=1; }
   done
   abs_build=$(cd "$build_dir" && pwd)
   peer_python="$abs_build/peer-python"  # absolute: it goes into PYTHONPATH
-  if [[ " ${PEER_MODES:-plain} " == *" deepspeed"* ]]; then
+  if [[ " ${PEER_MODES:-plain-nockpt plain} " == *" deepspeed"* ]]; then
     # Installed again whenever .whl/ changed (its listing is the stamp). Only the projects DeepSpeed
     # needs beyond what the machine has, and typing_extensions only where it is missing; pip picks
     # each one's wheel for this Python from .whl/. Only the DeepSpeed runs see this folder.
@@ -517,18 +523,21 @@ if [[ "$parts" == *" peers "* ]]; then
     run="$build_dir/peer-oom-$seq-$batch"
     rm -rf "$run" "$run.tok"  # nothing of an earlier call may stand in for this one's
     if limited "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config "$peer_config" \
-        --out "$run" --overwrite --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" --lr 3e-4 --log-every 1 \
-        --checkpoint-every 0 --dump-batches "$run.tok" > "$out/peer-oom-$seq-$batch.log" 2>&1; then
+        --out "$run" --overwrite --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" --lr 3e-4 --weight-decay 0.01 \
+        --log-every 1 --checkpoint-every 0 --dump-batches "$run.tok" $([[ "${PEER_SAME_INIT:-0}" == 1 ]] && echo --save-initial) \
+        > "$out/peer-oom-$seq-$batch.log" 2>&1; then
       cp "$run/metrics.jsonl" "$out/peer-oom-$seq-$batch.jsonl"
     else
       echo "oom-train failed at seq $seq x batch $batch (peer-oom-$seq-$batch.log): its peers are not run" >&2
       bench_rc=1
       continue
     fi
-    for mode in ${PEER_MODES:-plain}; do
+    for mode in ${PEER_MODES:-plain-nockpt plain}; do
       [[ "$mode" =~ $peer_mode_re ]] || continue
       peer_args=(--config "$peer_config" --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}"
-        --batches "$run.tok" --json "$out/peer-run-$mode-$seq-$batch.json")
+        --batches "$run.tok" --json "$out/peer-run-$mode-$seq-$batch.json" --lr 3e-4 --weight-decay 0.01)
+      [[ "${PEER_SAME_INIT:-0}" == 1 ]] && peer_args+=(--init-from "$run/checkpoint-000000")
+      [[ "$mode" != deepspeed* ]] && peer_args+=(--optimizer "${PEER_OPTIMIZER:-fused}")
       [[ "$mode" == offload* ]] && peer_args+=(--offload)
       [[ "$mode" == *-nockpt ]] && peer_args+=(--no-checkpointing)
       script=bench/baselines/fsdp2.py

@@ -85,10 +85,15 @@ def parse_args(description, argv=None, extra=None):
     ap.add_argument("--steps", type=int, default=4, help="steps to run, the first not counted (default 4)")
     ap.add_argument("--no-checkpointing", action="store_true", help="keep every activation (no per-layer recompute)")
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's decoupled weight decay (default 0.01: "
+                    "oom-train's)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--batches", help="train on these windows (an OOMTOK01 file of seq + 1 tokens each, as "
                     "oom-train --dump-batches writes; step i takes windows i*batch*gpus ...) instead of random tokens")
+    ap.add_argument("--init-from", help="start from these weights: an oom-train checkpoint directory (oom-train "
+                    "--save-initial writes checkpoint-000000), read by transformers' from_pretrained (every parameter, "
+                    "packed experts converted as from the Hub), so both start from the same draw; it is read on the "
+                    "host, which then counts in the host high-water mark")
     ap.add_argument("--json", help="write the summary here (rank 0)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: the run's logic on the CPU with gloo, for tests of the script (its times mean nothing)")
@@ -100,10 +105,12 @@ def parse_args(description, argv=None, extra=None):
             ap.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     if args.steps < 2:
         ap.error("--steps must be at least 2: the first step is a warm-up and is not counted")
+    if args.init_from is not None and not os.path.isfile(os.path.join(args.init_from, "model.safetensors")):
+        ap.error(f"--init-from {args.init_from}: not a checkpoint directory (no model.safetensors in it)")
     for name in ("config", "batches"):
         path = getattr(args, name)
         if path is not None and not os.path.isfile(path):
-            ap.error(f"--{name} {path}: no such file")
+            ap.error(f"--{name.replace('_', '-')} {path}: no such file")
     return args
 
 
@@ -157,9 +164,27 @@ def token_loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def step_loss(output, targets, aux_coef):
+    """oom-train's loss of one step from the model's output: token_loss, plus aux_coef times
+    transformers' load-balancing loss where the config asks for it (output_router_logits: oom-train
+    adds router_aux_loss_coef x the same loss; transformers adds it only when given labels, which
+    the peers do not pass). The output dies with this call, as token_loss's logits do."""
+    loss = token_loss(output.logits, targets)
+    aux = getattr(output, "aux_loss", None)
+    if aux_coef and aux is None:
+        raise SystemExit("peer baseline: the config asks for the router's load-balancing loss, and the model returned none")
+    return loss + aux_coef * aux if aux_coef else loss
+
+
+def router_aux_coef(config):
+    """The weight of the load-balancing loss in the training loss: router_aux_loss_coef where
+    output_router_logits is set (as transformers and oom-train read the config), else 0."""
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(config, "output_router_logits", False) else 0.0
+
+
 def run(args, peer, mode, prepare, info=None):
     """Builds the model of args.config on the GPU (fp32, transformers' init), lets prepare(model,
-    world, device) wrap it and return (forward, update) -- forward(input_ids) gives the logits, update(loss)
+    world, device) wrap it and return (forward, update) -- forward(input_ids) gives the model's output, update(loss)
     runs the backward and the optimizer step -- and times args.steps steps. `peer` names the
     baseline in the JSON, `mode` (a LABELS key) its label in the output; `info` adds fields to the
     JSON. Returns the exit status (0, or 3 when out of memory)."""
@@ -241,12 +266,15 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
 
     def finish(code):
         result["host_rss_peak_bytes"] = host_rss_peak_bytes()
-        peak = float(torch.cuda.max_memory_reserved()) if cuda else 0.0
+        # Reserved (what the allocator held from the GPU: OOM's arena peak is its like) and
+        # allocated (what tensors used of it) peaks, the most any rank reached.
+        peaks = [float(torch.cuda.max_memory_reserved()), float(torch.cuda.max_memory_allocated())] if cuda else [0.0, 0.0]
         if code == 0 and world > 1:  # after a failure the other ranks may be inside a collective
-            t = torch.tensor([peak], device=device)
+            t = torch.tensor(peaks, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            peak = t.item()
-        result["gpu_reserved_peak_bytes"] = int(peak)
+            peaks = t.tolist()
+        result["gpu_reserved_peak_bytes"] = int(peaks[0])
+        result["gpu_allocated_peak_bytes"] = int(peaks[1])
         # Rank 0 writes it; a rank that failed writes its own failure (torchrun then stops the others).
         if args.json and (rank == 0 or code != 0):
             with open(args.json, "w") as f:
@@ -257,8 +285,13 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
         result["batches"] = args.batches
     t0 = time.perf_counter()
     try:
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        if args.init_from:  # every weight from the file (a missing or misshapen one is an error), then to the device
+            model = transformers.AutoModelForCausalLM.from_pretrained(args.init_from, config=config, dtype=torch.float32)
+            model.to(device)
+            result["init_from"] = args.init_from
+        else:
+            with torch.device(device):
+                model = transformers.AutoModelForCausalLM.from_config(config)
         model.float()
         result["parameters"] = params = sum(p.numel() for p in model.parameters())
         say(f"{label}: {config.model_type}, {params:,} parameters, seq {args.seq} x batch {args.batch} on {world} GPU(s); "
@@ -275,6 +308,8 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
             torch.cuda.reset_peak_memory_stats()
         say(f"built and wrapped in {time.perf_counter() - t0:.1f} s", flush=True)
 
+        aux_coef = router_aux_coef(config)
+        result["router_aux_loss_coef"] = aux_coef
         gen = torch.Generator(device=device).manual_seed(args.seed + rank)
         step_seconds = []
         for step in range(1, args.steps + 1):
@@ -285,7 +320,7 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
             sync()
             dist.barrier()
             start = time.perf_counter()
-            loss = token_loss(forward(w[:, :-1]), w[:, 1:])
+            loss = step_loss(forward(w[:, :-1]), w[:, 1:], aux_coef)
             update(loss)
             sync()
             dist.barrier()
@@ -313,5 +348,6 @@ def _run(args, peer, label, prepare, info, model_type, fields, windows, pick):
     code = finish(0)
     say(f"{label}, seq {args.seq} x batch {args.batch} x {world} GPU(s), steps 2-{args.steps}: {mean_s:.3f} s a step, "
         f"{mean_rate:,.0f} tok/s ({low:,.0f}-{high:,.0f}); GPU reserved peak "
-        f"{result['gpu_reserved_peak_bytes'] / 2**30:.1f} GiB, host RSS peak {result['host_rss_peak_bytes'] / 2**30:.1f} GiB")
+        f"{result['gpu_reserved_peak_bytes'] / 2**30:.1f} GiB (allocated {result['gpu_allocated_peak_bytes'] / 2**30:.1f}), "
+        f"host RSS peak {result['host_rss_peak_bytes'] / 2**30:.1f} GiB")
     return code

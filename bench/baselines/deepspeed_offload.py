@@ -61,7 +61,7 @@ def main(argv=None):
         def update(loss):
             engine.backward(loss)
             engine.step()
-        return (lambda ids: engine(input_ids=ids).logits), update
+        return (lambda ids: engine(input_ids=ids)), update
 
     return common.run(args, f"deepspeed-zero{args.stage}-offload", "deepspeed" if args.stage == 2 else "deepspeed-zero3",
                       prepare, {"deepspeed": deepspeed.__version__, "zero_stage": args.stage})

@@ -17,9 +17,10 @@ import common  # noqa: E402
 
 def oom_figures(path):
     """oom-train's tokens/s over the steps after the first (as the peers' are: common.summarize), its
-    GPU peak and its host RSS high-water mark (bytes), from its metrics.jsonl."""
+    GPU peak and its host RSS high-water mark (bytes), from its metrics.jsonl. No rate where a step
+    was skipped (a non-finite loss: no backward, no update, a shorter step than the peer's)."""
     every = [json.loads(line) for line in open(path) if line.strip()]
-    if len(every) < 2:
+    if len(every) < 2 or any(s.get("skipped") for s in every):
         return None, 0, 0
     rate = common.summarize([s["step_s"] for s in every], every[0]["tokens"])[3]
     steps = every[1:]
@@ -85,7 +86,7 @@ def format_rows(rows):
     lines = []
     for r in rows:
         head = f"seq {r['seq']} x batch {r['batch']}: OOM {r['ours']:,.0f}" if r["ours"] else \
-            f"seq {r['seq']} x batch {r['batch']}: OOM no run"
+            f"seq {r['seq']} x batch {r['batch']}: OOM no rate (too few steps, or one skipped)"
         if r["error"] or not r["theirs"]:
             lines.append(f"{head}; {r['label']}: {r['error'] or 'no result'}")
             continue

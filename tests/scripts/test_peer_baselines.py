@@ -2,7 +2,9 @@
 """The peer baselines' parts that run without a GPU or torch (bench/baselines/common.py, fsdp2.py,
 deepspeed_offload.py): their arguments, the config they hand transformers and DeepSpeed, how a
 token file feeds the steps, and the figure they report.
-Usage: test_peer_baselines.py REPO_ROOT"""
+With torch and transformers, the FSDP2 baseline also runs on the CPU, and given oom-train it trains
+from oom-train's initial weights on its windows to oom-train's losses.
+Usage: test_peer_baselines.py REPO_ROOT [OOM_TRAIN]"""
 import contextlib
 import importlib.util
 import io
@@ -15,6 +17,7 @@ import time
 import unittest
 
 REPO = os.path.abspath(sys.argv.pop(1) if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", ".."))
+OOM_TRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else None
 sys.path.insert(0, os.path.join(REPO, "bench", "baselines"))
 import common as bench  # noqa: E402  (stdlib imports only at module level)
 import deepspeed_offload  # noqa: E402
@@ -68,7 +71,7 @@ class DeepSpeedConfig(unittest.TestCase):
         self.assertTrue(zero["offload_optimizer"]["pin_memory"])
         self.assertNotIn("offload_param", zero)
         self.assertEqual(cfg["optimizer"]["type"], "AdamW")
-        self.assertEqual((cfg["optimizer"]["params"]["lr"], cfg["optimizer"]["params"]["weight_decay"]), (1e-4, 0.1))
+        self.assertEqual((cfg["optimizer"]["params"]["lr"], cfg["optimizer"]["params"]["weight_decay"]), (1e-4, 0.01))
         self.assertEqual(cfg["gradient_clipping"], 0.0)  # oom-train's default: no clipping
 
     def test_stage_3_offloads_the_parameters_too(self):
@@ -131,6 +134,39 @@ class Summary(unittest.TestCase):
         self.assertAlmostEqual(mean_s, 4.0 / 3.0)
         self.assertAlmostEqual(rate, 3000.0)  # not the mean of the per-step rates (3333)
         self.assertEqual((low, high), (2000.0, 4000.0))
+
+
+    def test_a_skipped_oom_step_gives_no_rate(self):
+        # A skipped step has no backward and no update: its time is not a step's.
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "m.jsonl")
+            step = {"tokens": 4096, "step_s": 0.1, "device_peak_bytes": 1, "host_rss_bytes": 1, "skipped": False}
+            with open(path, "w") as f:
+                for k in range(3):
+                    f.write(json.dumps({**step, "step": k + 1}) + "\n")
+            self.assertAlmostEqual(summary.oom_figures(path)[0], 40960.0)
+            with open(path, "a") as f:
+                f.write(json.dumps({**step, "step": 4, "step_s": 0.01, "skipped": True}) + "\n")
+            self.assertIsNone(summary.oom_figures(path)[0])
+
+
+class TheTrainingStep(unittest.TestCase):
+    """What the peers train is what oom-train trains: its weight decay, and the router's load-balancing
+    loss where the config asks for it (transformers adds it only given labels, which the peers do not pass)."""
+
+    def test_weight_decay_is_oom_trains(self):
+        self.assertEqual(fsdp2.parse_args(["--config", MOE_5B]).weight_decay, 0.01)
+        self.assertEqual(fsdp2.parse_args(["--config", MOE_5B]).optimizer, "fused")
+
+    def test_the_router_loss_weight_follows_output_router_logits(self):
+        from types import SimpleNamespace
+        self.assertEqual(bench.router_aux_coef(SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.01)), 0.01)
+        self.assertEqual(bench.router_aux_coef(SimpleNamespace(output_router_logits=False, router_aux_loss_coef=0.01)), 0.0)
+        self.assertEqual(bench.router_aux_coef(SimpleNamespace(router_aux_loss_coef=0.01)), 0.0)
+
+    def test_init_from_needs_a_checkpoint_directory(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.assertIn("not a checkpoint directory", refused(fsdp2.parse_args, ["--config", MOE_5B, "--init-from", d]))
 
 
 class WatchingTheResidentSet(unittest.TestCase):
@@ -256,6 +292,32 @@ class RunOnTheCpu(unittest.TestCase):
         self.assertGreater(result["tokens_per_s"], 0)
         # The peer runs with PyTorch's own advice against fragmentation unless the caller says otherwise.
         self.assertEqual(result["alloc_conf"], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+    @unittest.skipUnless(OOM_TRAIN, "no oom-train given: the peer is not trained against it")
+    def test_from_oom_trains_initial_weights_the_peer_trains_oom_trains_losses(self):
+        # The same weights (oom-train --save-initial, the peer's --init-from), the same windows
+        # (--dump-batches, --batches), the router's load-balancing loss in both: the same steps,
+        # up to the peer's bf16 compute against oom-train's fp32 host backend.
+        config = os.path.join(REPO, "tests", "data", "tiny-olmoe-router-loss.json")
+        with tempfile.TemporaryDirectory() as d:
+            run = os.path.join(d, "run")
+            subprocess.run([OOM_TRAIN, "--backend", "host", "--config", config, "--seq", "32", "--batch", "2", "--steps", "4",
+                            "--lr", "3e-4", "--log-every", "1", "--checkpoint-every", "0", "--save-initial",
+                            "--dump-batches", os.path.join(d, "run.tok"), "--out", run], check=True, capture_output=True)
+            ours = [json.loads(line)["loss"] for line in open(os.path.join(run, "metrics.jsonl"))]
+            out = os.path.join(d, "peer.json")
+            keep = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE") + bench.ALLOC_CONF_NAMES}
+            proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "baselines", "fsdp2.py"), "--config", config,
+                                   "--seq", "32", "--batch", "2", "--steps", "4", "--device", "cpu", "--batches",
+                                   os.path.join(d, "run.tok"), "--init-from", os.path.join(run, "checkpoint-000000"),
+                                   "--json", out], capture_output=True, text=True, timeout=300, env=keep)
+            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+            theirs = [float(line.split("| loss ")[1].split()[0]) for line in proc.stdout.splitlines() if "| loss " in line]
+            self.assertEqual(len(theirs), 4)
+            self.assertGreater(ours[0], 6.0)  # ln 256 = 5.55 plus the load-balancing loss: the peer must add it too
+            for a, b in zip(ours, theirs):
+                self.assertAlmostEqual(a, b, delta=2e-3)
+            self.assertEqual(json.load(open(out))["router_aux_loss_coef"] > 0, True)
 
     def test_the_callers_allocator_setting_stands_under_either_name(self):
         for name in bench.ALLOC_CONF_NAMES:
