@@ -2,6 +2,7 @@
 #include "oom/io/checkpoint.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <charconv>
 #include <cstring>
 #include <initializer_list>
@@ -139,6 +140,12 @@ void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<flo
                                        safetensors_dtype_name(dt)));
   }
   file.drop_pages(bytes);
+  // A NaN or an infinity would train on silently (every loss then non-finite, every step skipped):
+  // refused here, naming the tensor and the element.
+  const auto bad = std::find_if(out.begin(), out.end(), [](float v) { return !std::isfinite(v); });
+  if (bad != out.end())
+    OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' holds {} at element {}; weights and moments must be finite", file.source(),
+                                       t.name, *bad, bad - out.begin()));
 }
 
 // Tensor `t` present in `file`, of the right shape and of a type read_values converts (F32, BF16);

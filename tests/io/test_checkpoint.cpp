@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <set>
 
@@ -361,6 +362,25 @@ TEST_CASE("weights read as a source: load_weights' bits, segment by segment in a
   fs::remove_all(dir);
 }
 
+TEST_CASE("a NaN or an infinity in the weights or the moments is refused when read, naming the tensor and the element") {
+  // It had loaded (oom-train --init-from, --resume), and every step's loss was then non-finite.
+  const auto spec = tiny();
+  const auto dir = fresh_dir("nonfinite");
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    auto st = random_state(spec, 7);
+    const std::size_t s = 3, at = 5;
+    st[s].exp_avg_sq[at] = bad;
+    const auto moments = save_checkpoint(dir, spec, st, {1, "{}", Json::object(), 3});
+    CHECK_THROWS_WITH_AS((void)load_checkpoint(moments, spec, true), doctest::Contains(fmt::format("at element {}", at).c_str()), Error);
+    CHECK_NOTHROW((void)load_checkpoint(moments, spec, false));  // the weights alone are finite
+    st[s].master[at] = bad;
+    const auto weights = save_checkpoint(dir, spec, st, {2, "{}", Json::object(), 3});
+    const std::string name = spec.segments()[s].tensors.front().name;
+    CHECK_THROWS_WITH_AS((void)load_weights(weights / "model.safetensors", spec), doctest::Contains(fmt::format("'{}' holds", name).c_str()), Error);
+    CHECK_THROWS_WITH_AS((void)load_checkpoint(weights, spec, false), doctest::Contains("must be finite"), Error);
+    fs::remove_all(dir);
+  }
+}
 
 TEST_CASE("weights in a Hugging Face sharded checkpoint: read through its index, the single file's bits; bad indexes named") {
   const auto dir = fresh_dir("sharded");
