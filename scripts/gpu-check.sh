@@ -465,7 +465,8 @@ fi
 # peer reads those oom-train dumped; where oom-train did not finish, the peer is not run). PEERS
 # (default "4096:1 4096:2") lists seq:batch settings; PEER_MODES (default "plain-nockpt plain": the
 # peer at its fastest where its activations fit, and with per-layer checkpointing as MISSION.md's
-# figures were taken; both with fused AdamW, PEER_OPTIMIZER=foreach for MISSION.md's) may add "offload"
+# figures were taken; both with fused AdamW, PEER_OPTIMIZER=foreach for MISSION.md's; the 5.13B model
+# without checkpointing needs ~101 GiB at 4K: an H100 runs it out of memory, exit 3) may add "offload"
 # (FSDP2 + CPUOffloadPolicy, ~7 s a step) and either with "-nockpt" (no per-layer activation
 # checkpointing), and "deepspeed" (ZeRO-Offload: stage 2, optimizer on the host) or
 # "deepspeed-zero3" (parameters on the host too; bench/baselines/deepspeed_offload.py). DeepSpeed

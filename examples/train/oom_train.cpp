@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <chrono>
 #include <csignal>
@@ -307,10 +308,12 @@ std::atomic<int> g_signal{0};
 // ends it at once (the default action again: a step may run for minutes). A checkpoint being
 // written when it comes is a .partial directory `latest` never names.
 extern "C" void on_signal(int sig) {
+  const int saved_errno = errno;  // the interrupted code's, which write() may change
   g_signal.store(sig);
   std::signal(sig, SIG_DFL);
-  static constexpr char note[] = "\noom-train: stopping after this step (a checkpoint is written); signal again to stop at once\n";
+  static constexpr char note[] = "\noom-train: stopping after this step; signal again to stop at once\n";
   (void)!::write(STDERR_FILENO, note, sizeof note - 1);  // async-signal-safe, unlike stdio
+  errno = saved_errno;
 }
 
 /// The process's resident set now (VmRSS) and its high-water mark (VmHWM, what the peer baselines

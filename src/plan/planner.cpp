@@ -768,7 +768,6 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   // The least any candidate needs, for the error when nothing fits.
   Bytes least_gpu{~0ull}, least_host{~0ull};
   std::string least_gpu_claimant;
-  bool least_gpu_estimated = false;  // least_gpu from the estimate before simulating: a plan needs at least that
 
   for (auto path : paths) {
     const StepModel model(*spec_, *profile_, req, path);
@@ -813,7 +812,6 @@ PlanSet Planner::plan(const PlanRequest& req) const {
             const Bytes need{static_cast<std::uint64_t>(static_cast<double>((fixed + need_chunks).count()) / (1.0 - gpu_margin))};
             if (need < least_gpu) {
               least_gpu = need;
-              least_gpu_estimated = true;
               const Bytes parts[] = {resident_bytes, retained, slots * static_cast<std::uint64_t>(depth) + 2 * grads, need_chunks};
               const char* names[] = {"resident state", "retained activations", "weight slots and gradient buffers",
                                      "chunk worksets"};
@@ -821,38 +819,50 @@ PlanSet Planner::plan(const PlanRequest& req) const {
             }
             break;  // higher levels only need more
           }
-          const Bytes workset = usable - fixed;
-          Plan p = Plan::for_request(req, model_name_);
-          p.path = path;
-          p.prefetch_depth = depth;
-          p.resident_level = level;
-          p.retention_name = std::string(table.name());
-          const DependencyPartitioner part;
-          for (int l = 0; l < n; ++l) {
-            std::array<RetentionDecision, activation_class_count> row{};
-            for (int c = 0; c < activation_class_count; ++c) row[static_cast<std::size_t>(c)] = table.retain(l, static_cast<ActivationClass>(c));
-            p.retention.push_back(row);
-            LayerChunks lc;
-            for (const auto& c : part.partition(model.attention_item(l), workset).chunks) lc.attention.push_back(c.end);
-            const auto mlp = part.partition(model.mlp_item(l), workset);
-            lc.moe_tokens = mlp.chunks.empty() ? model.tokens() : mlp.chunks.front().end - mlp.chunks.front().begin;
-            p.chunks.push_back(std::move(lc));
-          }
-          const auto lossp = part.partition(loss, workset);
-          p.loss_rows = lossp.chunks.empty() ? model.tokens() : lossp.chunks.front().end - lossp.chunks.front().begin;
+          // Chunks sized to what the budget leaves; where the simulated peak still passes the
+          // budget (the estimate misses what the graph overlaps), again with smaller worksets,
+          // down to the least the chunks need: a candidate that fits a smaller budget with its
+          // smaller chunks is not lost to a larger one (5400 MiB had found no plan for
+          // OLMoE-1B-7B at 4K where 5390 MiB had, 2026-12-06).
+          Bytes workset = usable - fixed;
+          Plan p;
+          SimResult sim;
+          for (int attempt = 0;; ++attempt) {
+            p = Plan::for_request(req, model_name_);
+            p.path = path;
+            p.prefetch_depth = depth;
+            p.resident_level = level;
+            p.retention_name = std::string(table.name());
+            const DependencyPartitioner part;
+            for (int l = 0; l < n; ++l) {
+              std::array<RetentionDecision, activation_class_count> row{};
+              for (int c = 0; c < activation_class_count; ++c) row[static_cast<std::size_t>(c)] = table.retain(l, static_cast<ActivationClass>(c));
+              p.retention.push_back(row);
+              LayerChunks lc;
+              for (const auto& c : part.partition(model.attention_item(l), workset).chunks) lc.attention.push_back(c.end);
+              const auto mlp = part.partition(model.mlp_item(l), workset);
+              lc.moe_tokens = mlp.chunks.empty() ? model.tokens() : mlp.chunks.front().end - mlp.chunks.front().begin;
+              p.chunks.push_back(std::move(lc));
+            }
+            const auto lossp = part.partition(loss, workset);
+            p.loss_rows = lossp.chunks.empty() ? model.tokens() : lossp.chunks.front().end - lossp.chunks.front().begin;
 
-          const SimResult sim = search_simulation(model, *spec_, p, states);
-          ++out.evaluated;
-          if (!std::isfinite(sim.step_s))
-            OOM_THROW(Errc::invalid_argument, fmt::format("profile '{}': its rates predict a step of {} s (a rate too small to price "
-                                                          "with: check the profile's rates)", profile_->name, sim.step_s));
+            sim = search_simulation(model, *spec_, p, states);
+            ++out.evaluated;
+            if (!std::isfinite(sim.step_s))
+              OOM_THROW(Errc::invalid_argument, fmt::format("profile '{}': its rates predict a step of {} s (a rate too small to price "
+                                                            "with: check the profile's rates)", profile_->name, sim.step_s));
+            if (sim.gpu_peak <= req.gpu_budget || workset == need_chunks) break;
+            // The peak is not monotonic in the workset (a split adds to every chunk): smaller
+            // worksets by 3% a try, then the least.
+            workset = attempt < 6 ? max(need_chunks, Bytes{workset.count() / 100 * 97}) : need_chunks;
+          }
           p.predicted = Prediction::of(sim);
           least_host = min(least_host, sim.host_peak);
           if (sim.gpu_peak > req.gpu_budget) {
             if (sim.gpu_peak < least_gpu) {
               least_gpu = sim.gpu_peak;
               least_gpu_claimant = "the simulated peak";
-              least_gpu_estimated = false;
             }
             continue;
           }
@@ -867,8 +877,9 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   if (feasible.empty()) {
     std::string msg = fmt::format("no plan for {} fits: ", model_name_.empty() ? "this model" : model_name_);
     if (least_gpu.count() != ~0ull && least_gpu > req.gpu_budget)
-      msg += fmt::format("the least GPU memory any plan needs is {}{} per GPU (largest claimant: {}), the budget is {}",
-                         least_gpu_estimated ? "at least " : "", least_gpu, least_gpu_claimant, req.gpu_budget);
+      msg += fmt::format("the least GPU memory any plan needs is about {} per GPU (largest claimant: {}; chunk sizes follow the "
+                         "budget, so the least that fits may differ by a few percent either way), the budget is {}",
+                         least_gpu, least_gpu_claimant, req.gpu_budget);
     if (least_host.count() != ~0ull && least_host > req.host_budget)
       msg += fmt::format("{}the least host memory any plan needs is {}, the budget is {}",
                          msg.back() == ' ' ? "" : "; ", least_host, req.host_budget);
