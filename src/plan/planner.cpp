@@ -820,10 +820,9 @@ PlanSet Planner::plan(const PlanRequest& req) const {
             break;  // higher levels only need more
           }
           // Chunks sized to what the budget leaves; where the simulated peak still passes the
-          // budget (the estimate misses what the graph overlaps), again with smaller worksets,
-          // down to the least the chunks need: a candidate that fits a smaller budget with its
-          // smaller chunks is not lost to a larger one (5400 MiB had found no plan for
-          // OLMoE-1B-7B at 4K where 5390 MiB had, 2026-12-06).
+          // budget (the estimate misses what the graph overlaps), again with smaller worksets: a
+          // candidate that fits a smaller budget with its smaller chunks is not lost to a larger
+          // one (5400 MiB had found no plan for OLMoE-1B-7B at 4K where 5390 MiB had, 2026-12-06).
           Bytes workset = usable - fixed;
           Plan p;
           SimResult sim;
@@ -852,10 +851,11 @@ PlanSet Planner::plan(const PlanRequest& req) const {
             if (!std::isfinite(sim.step_s))
               OOM_THROW(Errc::invalid_argument, fmt::format("profile '{}': its rates predict a step of {} s (a rate too small to price "
                                                             "with: check the profile's rates)", profile_->name, sim.step_s));
-            if (sim.gpu_peak <= req.gpu_budget || workset == need_chunks) break;
+            if (sim.gpu_peak <= req.gpu_budget || workset == need_chunks || attempt == 6) break;
             // The peak is not monotonic in the workset (a split adds to every chunk): smaller
-            // worksets by 3% a try, then the least.
-            workset = attempt < 6 ? max(need_chunks, Bytes{workset.count() / 100 * 97}) : need_chunks;
+            // worksets by 3% a try, down to 0.83x (not to the least: chunks of a granule each
+            // make graphs of thousands of ops, 10x the search's time at 256K).
+            workset = max(need_chunks, Bytes{workset.count() / 100 * 97});
           }
           p.predicted = Prediction::of(sim);
           least_host = min(least_host, sim.host_peak);
