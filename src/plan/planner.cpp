@@ -823,20 +823,22 @@ PlanSet Planner::plan(const PlanRequest& req) const {
           // budget (the estimate misses what the graph overlaps), again with smaller worksets: a
           // candidate that fits a smaller budget with its smaller chunks is not lost to a larger
           // one (5400 MiB had found no plan for OLMoE-1B-7B at 4K where 5390 MiB had, 2026-12-06).
+          Plan p = Plan::for_request(req, model_name_);
+          p.path = path;
+          p.prefetch_depth = depth;
+          p.resident_level = level;
+          p.retention_name = std::string(table.name());
+          for (int l = 0; l < n; ++l) {
+            std::array<RetentionDecision, activation_class_count> row{};
+            for (int c = 0; c < activation_class_count; ++c) row[static_cast<std::size_t>(c)] = table.retain(l, static_cast<ActivationClass>(c));
+            p.retention.push_back(row);
+          }
+          const DependencyPartitioner part;
           Bytes workset = usable - fixed;
-          Plan p;
           SimResult sim;
-          for (int attempt = 0;; ++attempt) {
-            p = Plan::for_request(req, model_name_);
-            p.path = path;
-            p.prefetch_depth = depth;
-            p.resident_level = level;
-            p.retention_name = std::string(table.name());
-            const DependencyPartitioner part;
+          for (int attempt = 0;; ++attempt) {  // only the chunks follow the workset
+            p.chunks.clear();
             for (int l = 0; l < n; ++l) {
-              std::array<RetentionDecision, activation_class_count> row{};
-              for (int c = 0; c < activation_class_count; ++c) row[static_cast<std::size_t>(c)] = table.retain(l, static_cast<ActivationClass>(c));
-              p.retention.push_back(row);
               LayerChunks lc;
               for (const auto& c : part.partition(model.attention_item(l), workset).chunks) lc.attention.push_back(c.end);
               const auto mlp = part.partition(model.mlp_item(l), workset);
