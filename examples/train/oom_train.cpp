@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <new>
@@ -60,6 +61,29 @@ using oom::examples::parse_int_count;
 using oom::examples::parse_real;
 using oom::examples::parse_size;
 using oom::examples::require_output_file;
+
+// Console lines that outlive their reader. With `oom-train ... | tee run.log`, Ctrl-C ends tee at
+// once, so the next line (the checkpoint's) went into a closed pipe and its SIGPIPE killed the run
+// before that checkpoint was named. SIGPIPE is ignored (main), and a stream a write fails on is
+// not written again: the run goes on, its record in metrics.jsonl and its checkpoints.
+bool g_stdout_lost = false, g_stderr_lost = false;
+void say_to(std::FILE* f, std::string_view text) {
+  bool& lost = f == stderr ? g_stderr_lost : g_stdout_lost;
+  if (lost) return;
+  if (std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0) return;
+  lost = true;
+  if (f != stderr)
+    say_to(stderr, fmt::format("oom-train: writing to standard output failed ({}); the run goes on without its lines there "
+                               "(metrics.jsonl has every step)\n", std::strerror(errno)));
+}
+template <class... T>
+void say(fmt::format_string<T...> format, T&&... args) {
+  say_to(stdout, fmt::format(format, std::forward<T>(args)...));
+}
+template <class... T>
+void say(std::FILE* f, fmt::format_string<T...> format, T&&... args) {
+  say_to(f, fmt::format(format, std::forward<T>(args)...));
+}
 
 // The built-in model: a 4-layer Qwen3-MoE with 8 experts over byte-level tokens (3.9M parameters),
 // small enough to learn the built-in corpus on a laptop CPU in a minute.
@@ -400,10 +424,10 @@ Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std:
   const auto report = [&](std::size_t i, const Plan& p, const std::array<Bytes, claimant_count>& fp, bool fits) {
     const auto [gpu, host] = gpu_and_host(fp);
     const std::string moe = describe_chunks(spec, p);
-    fmt::print("candidate plan {} ({}; {}; {} segments resident): the CUDA executor needs {} on the GPU (resident {}, "
-               "activations {}, worksets {}) and {} pinned: {}\n",
-               i + 1, p.retention_name, moe, p.resident_segments.size(), gpu, fp[0], fp[1], fp[2], host,
-               fits ? fmt::format("fits, predicted step {:.3f} s", predict(p)) : std::string("does not fit"));
+    say("candidate plan {} ({}; {}; {} segments resident): the CUDA executor needs {} on the GPU (resident {}, "
+        "activations {}, worksets {}) and {} pinned: {}\n",
+        i + 1, p.retention_name, moe, p.resident_segments.size(), gpu, fp[0], fp[1], fp[2], host,
+        fits ? fmt::format("fits, predicted step {:.3f} s", predict(p)) : std::string("does not fit"));
   };
   try {
     CudaFitOptions how;
@@ -414,10 +438,10 @@ Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std:
     const Plan& planned = plans[fit.candidate];
     if (fit.plan.retention_name != planned.retention_name || fit.plan.largest_moe_chunk() != planned.largest_moe_chunk() ||
         fit.plan.resident_segments != planned.resident_segments)
-      fmt::print("taken: candidate plan {} ({}; {} of {} segments resident, {} planned; the shortest predicted step of those "
-                 "that fit)\n",
-                 fit.candidate + 1, fit.plan.retention_name, fit.plan.resident_segments.size(), spec.segments().size(),
-                 planned.resident_segments.size());
+      say("taken: candidate plan {} ({}; {} of {} segments resident, {} planned; the shortest predicted step of those "
+          "that fit)\n",
+          fit.candidate + 1, fit.plan.retention_name, fit.plan.resident_segments.size(), spec.segments().size(),
+          planned.resident_segments.size());
     return fit.plan;
   } catch (const Error& e) {
     if (e.code() != Errc::out_of_budget) throw;
@@ -462,10 +486,10 @@ int run(Args a) {
     const auto resumed = a.resume ? latest_checkpoint(a.out) : std::nullopt;
     if (resumed && fs::is_regular_file(*resumed / "config.json")) {
       a.config = (*resumed / "config.json").string();
-      fmt::print("config {} (the checkpoint's; --config picks another)\n", a.config);
+      say("config {} (the checkpoint's; --config picks another)\n", a.config);
     } else {
       a.config = config_beside(a.init_from);
-      if (!a.config.empty()) fmt::print("config {} (beside --init-from; --config picks another)\n", a.config);
+      if (!a.config.empty()) say("config {} (beside --init-from; --config picks another)\n", a.config);
     }
   }
   // ---- model, data, plan: every input checked before anything is written ----
@@ -515,7 +539,7 @@ int run(Args a) {
         (void)model::DecoderLayerShape::from_spec(spec, l, static_cast<std::int64_t>(a.seq * a.batch), static_cast<std::int64_t>(a.batch));
     } catch (const Error& e) {
       if (a.backend == "cuda") throw;
-      fmt::print("backend auto: the host backend, since the CUDA decoder layer does not take this model ({})\n", e.message());
+      say("backend auto: the host backend, since the CUDA decoder layer does not take this model ({})\n", e.message());
       use_cuda = false;
     }
   }
@@ -585,8 +609,8 @@ int run(Args a) {
     // already what a fresh device has free after the CUDA context.
     if (const auto free = use_cuda ? free_gpu_memory() : std::nullopt; free && *free < req.gpu_budget) {
       const Bytes usable = usable_gpu_memory(req.gpu_budget, free);
-      fmt::print("GPU budget {}: the device has {} free, less {} (the {} says {})\n", usable, *free, CudaCausalLm::gpu_headroom,
-                 a.gpu_mem ? "--gpu-mem" : "profile", req.gpu_budget);
+      say("GPU budget {}: the device has {} free, less {} (the {} says {})\n", usable, *free, CudaCausalLm::gpu_headroom,
+          a.gpu_mem ? "--gpu-mem" : "profile", req.gpu_budget);
       req.gpu_budget = usable;
     }
 #endif
@@ -599,8 +623,8 @@ int run(Args a) {
 #endif
       const HostBudget hb = default_host_budget(profile, held_while_building);
       req.host_budget = hb.budget;
-      fmt::print("host budget {} (the profile's {} less {} held while the model is built and {} headroom; --host-mem sets it)\n", hb.budget,
-                 profile.host_memory, hb.held_while_building, hb.headroom);
+      say("host budget {} (the profile's {} less {} held while the model is built and {} headroom; --host-mem sets it)\n", hb.budget,
+          profile.host_memory, hb.held_while_building, hb.headroom);
     }
     req.workload = {a.batch, a.seq};
     req.micro_batches = static_cast<int>(a.micro_batches);
@@ -676,7 +700,7 @@ int run(Args a) {
                                                       a.data.empty() ? "the built-in corpus" : data_path.string(),
                                                       a.data.empty() ? " (pass the same --data)" : " (--data)"));
       if (!a.data.empty() && !fs::equivalent(saved, data_path, ec))  // false too where the trained-on file is gone
-        fmt::print(stderr, "oom-train: warning: --resume: {} was trained on {}, this run reads {} (taken as the same data: the "
+        say(stderr, "oom-train: warning: --resume: {} was trained on {}, this run reads {} (taken as the same data: the "
                            "token count is checked)\n", latest->string(), saved.string(), data_path.string());
     }
     saved_data_tokens = ts["data_tokens"].present() ? std::optional(ts["data_tokens"].as_uint64()) : std::nullopt;
@@ -710,19 +734,19 @@ int run(Args a) {
                                                   data_path.string(), *saved_data_tokens, latest->string(), tokens->size()));
   BatchSampler sampler(*tokens, a.seq, sampler_state);
 
-  fmt::print("oom-train: model {}: {} layers, {} experts (top {}), {:.2f}M parameters ({:.2f}M active)\n", config_name,
-             spec.num_layers(), spec.moe().experts, spec.moe().top_k, static_cast<double>(spec.total_parameters()) / 1e6,
-             static_cast<double>(spec.active_parameters()) / 1e6);
+  say("oom-train: model {}: {} layers, {} experts (top {}), {:.2f}M parameters ({:.2f}M active)\n", config_name,
+      spec.num_layers(), spec.moe().experts, spec.moe().top_k, static_cast<double>(spec.total_parameters()) / 1e6,
+      static_cast<double>(spec.active_parameters()) / 1e6);
   if (const double coef = spec.moe().router_aux_loss_coef; coef > 0)
-    fmt::print("loss: mean cross-entropy + {} x transformers' load-balancing loss over every layer's router "
-               "(the config's output_router_logits and router_aux_loss_coef)\n", coef);
-  fmt::print("data {}: {} tokens (vocab {}), {} windows of {} per epoch\n", data_path.string(), tokens->size(), tokens->vocab_size(),
-             sampler.windows_per_epoch(), a.seq);
-  if (use_cuda) fmt::print("backend: cuda (GPU {})\n", 0);
+    say("loss: mean cross-entropy + {} x transformers' load-balancing loss over every layer's router "
+        "(the config's output_router_logits and router_aux_loss_coef)\n", coef);
+  say("data {}: {} tokens (vocab {}), {} windows of {} per epoch\n", data_path.string(), tokens->size(), tokens->vocab_size(),
+      sampler.windows_per_epoch(), a.seq);
+  if (use_cuda) say("backend: cuda (GPU {})\n", 0);
   else
-    fmt::print("backend: host (the CPU reference backend; its \"device\" is an accounted arena of twice the plan's GPU budget: it "
-               "computes in fp32 where the plan counts bf16)\n");
-  fmt::print("=== the plan ({}) ===\n{}\n", a.plan.empty() ? "chosen by the planner" : a.plan, planner.describe(plan));
+    say("backend: host (the CPU reference backend; its \"device\" is an accounted arena of twice the plan's GPU budget: it "
+        "computes in fp32 where the plan counts bf16)\n");
+  say("=== the plan ({}) ===\n{}\n", a.plan.empty() ? "chosen by the planner" : a.plan, planner.describe(plan));
   // What --trace-step's measured step is compared with: the plan, or on CUDA the plan as that
   // executor carries it out (one saved buffer per layer; MoE chunks regenerated in the backward).
   Plan predicted_plan = plan;
@@ -731,9 +755,9 @@ int run(Args a) {
     predicted_plan = CudaCausalLm::as_executed(spec, plan, cuda_options(a));
     const SimResult sim = planner.simulate(predicted_plan);
     if (std::abs(sim.step_s - plan.predicted.step_s) > 0.01 * plan.predicted.step_s)
-      fmt::print("as the CUDA executor runs it (a layer's saved activations are kept, offloaded or recomputed as one; MoE "
-                 "chunks regenerated in the backward): predicted step {:.3f} s, {:.0f} tokens/s\n\n",
-                 sim.step_s, static_cast<double>(plan.workload.tokens() * static_cast<std::uint64_t>(plan.micro_batches)) / sim.step_s);
+      say("as the CUDA executor runs it (a layer's saved activations are kept, offloaded or recomputed as one; MoE "
+          "chunks regenerated in the backward): predicted step {:.3f} s, {:.0f} tokens/s\n\n",
+          sim.step_s, static_cast<double>(plan.workload.tokens() * static_cast<std::uint64_t>(plan.micro_batches)) / sim.step_s);
   }
 #endif
 
@@ -752,7 +776,7 @@ int run(Args a) {
       model.load(ckpt->source(), optimizer_steps);
     }
     ckpt.reset();  // unmaps the files (each tensor's pages already left the RSS as it was read)
-    fmt::print("resumed from {} at step {}\n", latest->string(), start_step);
+    say("resumed from {} at step {}\n", latest->string(), start_step);
   }
 
   const fs::path metrics_path = a.out / "metrics.jsonl";
@@ -785,7 +809,7 @@ int run(Args a) {
     ts.set("consecutive_skips", consecutive_skips);
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state
     const auto dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views), {step, config_text, ts, a.keep});
-    fmt::print("checkpoint {} written\n", dir.string());
+    say("checkpoint {} written\n", dir.string());
   };
 
   if (a.save_initial) checkpoint(0);
@@ -798,7 +822,7 @@ int run(Args a) {
   const auto t0 = std::chrono::steady_clock::now();
   auto last = t0;
   std::uint64_t done_since_start = 0;
-  if (start_step >= a.steps) fmt::print("the run is already at step {} (--steps {})\n", start_step, a.steps);
+  if (start_step >= a.steps) say("the run is already at step {} (--steps {})\n", start_step, a.steps);
   // A long step says where it is: once it has run --step-progress seconds, a line per layer pass
   // at most every half of that (0: every pass). Issued passes; the GPU is at most about a layer behind.
   auto step_start = std::chrono::steady_clock::now(), last_note = step_start;
@@ -809,11 +833,10 @@ int run(Args a) {
     if (now - step_start < progress_after || now - last_note < progress_after / 2) return;
     last_note = now;
     const int issued = p.backward ? p.layers + (p.layers - 1 - p.layer) : p.layer;
-    fmt::print("  step {}{}: {} layer {} ({} of {} layer passes issued, {} into the step)\n", running_step,
-               a.micro_batches > 1 ? fmt::format(" micro-batch {}/{}", p.micro_batch + 1, a.micro_batches) : std::string(),
-               p.backward ? "backward" : "forward", p.layer, issued, 2 * p.layers,
-               duration(std::chrono::duration<double>(now - step_start).count()));
-    std::fflush(stdout);
+    say("  step {}{}: {} layer {} ({} of {} layer passes issued, {} into the step)\n", running_step,
+        a.micro_batches > 1 ? fmt::format(" micro-batch {}/{}", p.micro_batch + 1, a.micro_batches) : std::string(),
+        p.backward ? "backward" : "forward", p.layer, issued, 2 * p.layers,
+        duration(std::chrono::duration<double>(now - step_start).count()));
   });
   for (std::uint64_t step = start_step + 1; step <= a.steps; ++step) {
     // A step's time runs from here: the previous step's metrics, checkpoint and trace are not in it.
@@ -867,16 +890,16 @@ int run(Args a) {
       // Beside it, the simulator's timeline of the same plan, to compare op by op.
       const std::string line = write_step_traces(trace_path, fmt::format("step {}", step), fmt::format("oom-train step {}", step),
                                                  timeline, dt, planner.step_graph(predicted_plan));
-      if (!line.empty()) fmt::print("{}\n", line);
+      if (!line.empty()) say("{}\n", line);
     }
     if (r.skipped) {
-      fmt::print(stderr, "step {}: loss is {}; step skipped (no update)\n", step, r.loss);
+      say(stderr, "step {}: loss is {}; step skipped (no update)\n", step, r.loss);
       if (a.stop_on_nonfinite) {
-        fmt::print(stderr, "oom-train: stopping on a non-finite loss at step {} (--on-nonfinite stop)\n", step);
+        say(stderr, "oom-train: stopping on a non-finite loss at step {} (--on-nonfinite stop)\n", step);
         return 4;
       }
       if (++consecutive_skips >= a.max_skips) {
-        fmt::print(stderr, "oom-train: {} consecutive non-finite losses; stopping (--max-skips)\n", consecutive_skips);
+        say(stderr, "oom-train: {} consecutive non-finite losses; stopping (--max-skips)\n", consecutive_skips);
         return 4;
       }
     } else {
@@ -888,35 +911,34 @@ int run(Args a) {
       if constexpr (requires { r.grad_norm; }) {
         if (r.grad_norm >= 0) gn = fmt::format(" | grad norm {:.3f}", r.grad_norm);
       }
-      fmt::print("step {:>5}/{} | loss {:.4f}{} | {:.0f} tok/s | device peak {} of {} MiB (activations {}, worksets {}, resident {}) | "
-                 "host pinned {} MiB (state {}, staging {}, offload {}), RSS {} MiB | ETA {}\n",
-                 step, a.steps, r.loss, gn, tok_s, mib(dev.peak()), mib(dev.budget()), mib(dev.peak(Claimant::retained_activations)),
-                 mib(dev.peak(Claimant::worksets)), mib(dev.in_use(Claimant::resident_state)), mib(pin.in_use()),
-                 mib(pin.in_use(Claimant::host_state)), mib(pin.in_use(Claimant::host_staging)), mib(pin.peak(Claimant::host_offload)), mib(host.now),
-                 duration(eta));
-      std::fflush(stdout);
+      say("step {:>5}/{} | loss {:.4f}{} | {:.0f} tok/s | device peak {} of {} MiB (activations {}, worksets {}, resident {}) | "
+          "host pinned {} MiB (state {}, staging {}, offload {}), RSS {} MiB | ETA {}\n",
+          step, a.steps, r.loss, gn, tok_s, mib(dev.peak()), mib(dev.budget()), mib(dev.peak(Claimant::retained_activations)),
+          mib(dev.peak(Claimant::worksets)), mib(dev.in_use(Claimant::resident_state)), mib(pin.in_use()),
+          mib(pin.in_use(Claimant::host_state)), mib(pin.in_use(Claimant::host_staging)), mib(pin.peak(Claimant::host_offload)), mib(host.now),
+          duration(eta));
     }
     const bool checkpoints = a.checkpoint_every > 0;
     if (checkpoints && (step % a.checkpoint_every == 0 || step == a.steps)) checkpoint(step);
     if (const int sig = g_signal.load()) {
       if (checkpoints && step % a.checkpoint_every != 0 && step != a.steps) checkpoint(step);
       if (checkpoints)
-        fmt::print(stderr, "oom-train: interrupted by signal {} after step {}; resume with --resume\n", sig, step);
+        say(stderr, "oom-train: interrupted by signal {} after step {}; resume with --resume\n", sig, step);
       else if (start_step > 0)
-        fmt::print(stderr, "oom-train: interrupted by signal {} after step {}; no checkpoint since step {} (--checkpoint-every 0), "
+        say(stderr, "oom-train: interrupted by signal {} after step {}; no checkpoint since step {} (--checkpoint-every 0), "
                            "where --resume would continue\n", sig, step, start_step);
       else
-        fmt::print(stderr, "oom-train: interrupted by signal {} after step {}; no checkpoint was written (--checkpoint-every 0)\n", sig, step);
+        say(stderr, "oom-train: interrupted by signal {} after step {}; no checkpoint was written (--checkpoint-every 0)\n", sig, step);
       return 130;
     }
   }
   if (!a.dump_batches.empty()) {
     write_token_file(a.dump_batches, dumped, spec.vocab_size());
-    fmt::print("{} windows of {} tokens written to {}\n", dumped.size() / (a.seq + 1), a.seq + 1, a.dump_batches);
+    say("{} windows of {} tokens written to {}\n", dumped.size() / (a.seq + 1), a.seq + 1, a.dump_batches);
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fmt::print("done: {} steps in {} ({:.0f} tok/s); metrics in {}\n", done_since_start, duration(total),
-             static_cast<double>(done_since_start * step_tokens) / total, metrics_path.string());
+  say("done: {} steps in {} ({:.0f} tok/s); metrics in {}\n", done_since_start, duration(total),
+      static_cast<double>(done_since_start * step_tokens) / total, metrics_path.string());
   return 0;
   };
 
@@ -941,6 +963,7 @@ int run(Args a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::signal(SIGPIPE, SIG_IGN);  // a closed pipe fails the write instead (say_to)
   try {
     return run(parse(argc, argv));
   } catch (const Error& e) {

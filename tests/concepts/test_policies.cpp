@@ -141,8 +141,13 @@ static_assert(!partitioner<PartitionReturnsSizes>);
 static_assert(!partitioner<PartitionTakesBareBudget>, "budgets are Bytes, never bare integers");
 
 TEST_CASE("the partition contract checks coverage, budget and dependency order") {
-  WorkItem experts{ChunkDependency::independent, 1000, 1, 1_MiB, 4_KiB, {}};
-  WorkItem causal{ChunkDependency::causal_prefix, 1000, 1, 1_MiB, 4_KiB, 1_KiB};
+  WorkItem experts;
+  experts.extent = 1000;
+  experts.fixed = 1_MiB;
+  experts.per_unit = 4_KiB;
+  WorkItem causal = experts;
+  causal.dependency = ChunkDependency::causal_prefix;
+  causal.per_prefix_unit = 1_KiB;
   const Bytes roomy = 64_MiB;
   CHECK(satisfies_partition_contract(experts, EvenSplit{}.partition(experts, roomy), roomy));
   CHECK(satisfies_partition_contract(causal, EvenSplit{}.partition(causal, roomy), roomy));
@@ -187,17 +192,18 @@ static_assert(!cost_model<MutablePredict>);
 
 TEST_CASE("a roofline cost model uses only the resources an op needs, monotonically") {
   const Roofline model;
-  Operation copy{OpKind::copy_h2d};
+  Operation copy;
+  copy.kind = OpKind::copy_h2d;
   copy.bytes = 1_GiB;
   const auto t = model.predict(copy);
   CHECK(t[Resource::h2d] > 0);
   CHECK(t[Resource::gpu_compute] == 0);
   CHECK(t.longest() == t[Resource::h2d]);
-  Operation small{OpKind::gemm, 1024, 1024, 1024};
-  Operation big{OpKind::gemm, 2048, 1024, 1024};
+  Operation small = Operation::gemm(1024, 1024, 1024);
+  Operation big = Operation::gemm(2048, 1024, 1024);
   CHECK(model.predict(big)[Resource::gpu_compute] > model.predict(small)[Resource::gpu_compute]);
   CHECK(small.flops() == doctest::Approx(2.0 * 1024 * 1024 * 1024));
-  Operation attn{OpKind::attention_forward, 4096, 4096, 128, 16};
+  Operation attn = Operation::attention(false, 4096, 4096, 128, 16);
   Operation attn_bwd = attn;
   attn_bwd.kind = OpKind::attention_backward;
   CHECK(attn_bwd.flops() == doctest::Approx(2.5 * attn.flops()));

@@ -43,6 +43,25 @@ for sig in INT TERM; do
   echo "ok   SIG$sig after step $at: exit 130, checkpoint-$(printf '%06d' "$at"), resumed to the same 16 losses and weights"
 done
 
+# A reader that goes away: `oom-train | tee run.log` and Ctrl-C end tee at once, and the run's
+# next line went into a closed pipe whose SIGPIPE killed it without its checkpoint. The run now
+# goes on without printing, and the signal still stops it with a checkpoint.
+mkfifo "$work/pipe"
+"$train" "${args[@]}" --log-every 1 --out "$work/piped" > "$work/pipe" 2> "$work/piped.err" &
+pid=$!
+head -c 1 "$work/pipe" > /dev/null  # one byte, then the reading end closes
+wait_for "$work/piped/metrics.jsonl" '"step":4,' "$pid"
+kill -INT "$pid"
+rc=0
+wait "$pid" || rc=$?
+at=$(wc -l < "$work/piped/metrics.jsonl")
+if [[ $rc -ne 130 ]] || [[ "$(cat "$work/piped/latest" 2> /dev/null)" != "$(printf 'checkpoint-%06d' "$at")" ]] ||
+   ! grep -q "writing to standard output failed (Broken pipe); the run goes on" "$work/piped.err"; then
+  echo "FAIL: a closed standard output: exit $rc, latest $(cat "$work/piped/latest" 2> /dev/null || echo absent) after step $at"
+  cat "$work/piped.err"; exit 1
+fi
+echo "ok   a closed standard output: the run went on to step $at, and SIGINT stopped it with its checkpoint (exit 130)"
+
 # Twice: the second ends the run at once (the default action), mid-step, with no checkpoint of it.
 "$train" --backend host --seq 512 --steps 100 --checkpoint-every 100 --log-every 100 --out "$work/twice" \
   > /dev/null 2> "$work/twice.err" &
@@ -57,4 +76,4 @@ if [[ $rc -ne 130 ]] || grep -q "interrupted by signal" "$work/twice.err" || [[ 
   echo "FAIL: a second SIGINT: exit $rc, latest $(cat "$work/twice/latest" 2> /dev/null || echo absent)"; cat "$work/twice.err"; exit 1
 fi
 echo "ok   a second SIGINT ended the run at once (exit $rc, no checkpoint)"
-echo "PASS: SIGINT and SIGTERM stop with a checkpoint and resume bit for bit; a second signal stops at once"
+echo "PASS: SIGINT and SIGTERM stop with a checkpoint and resume bit for bit, also with standard output closed; a second signal stops at once"
