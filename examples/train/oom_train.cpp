@@ -1,6 +1,8 @@
 // oom-train: the example trainer. Reads a Hugging Face config.json (or uses the built-in tiny
 // Qwen3-MoE), plans the step (or takes --plan), and trains on a token file (or the built-in
 // corpus), printing progress, writing metrics as JSON lines and checkpoints that resume the same run.
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -220,7 +222,7 @@ struct Args {
   bool planned_residency = false;                   // CUDA: no more resident segments than planned
   double step_progress_s = 30;        // a step running this long reports its layer passes
   fs::path out = "runs/oom-train";
-  bool resume = false, overwrite = false, save_initial = false;
+  bool resume = false, overwrite = false, save_initial = false, seed_given = false;
   std::string dump_batches, trace;
   std::uint64_t trace_step = 0;
   std::uint64_t checkpoint_every = 50, log_every = 10, max_skips = 5;
@@ -257,7 +259,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--micro-batches") a.micro_batches = static_cast<std::uint64_t>(parse_int_count(flag, v));
     else if (flag == "--batch") a.batch = parse_count(flag, v);
     else if (flag == "--steps") a.steps = parse_count(flag, v);
-    else if (flag == "--seed") a.seed = parse_count(flag, v, true);
+    else if (flag == "--seed") a.seed = parse_count(flag, v, true), a.seed_given = true;
     else if (flag == "--lr") a.lr = parse_real(flag, v);
     else if (flag == "--weight-decay") a.weight_decay = parse_real(flag, v);
     else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
@@ -300,6 +302,8 @@ Args parse(int argc, char** argv) {
   if (a.backend != "host" && a.backend != "cuda" && a.backend != "auto")
     OOM_THROW(Errc::invalid_argument, fmt::format("--backend is auto, cuda or host, got '{}'", a.backend));
   if (a.resume && a.overwrite) OOM_THROW(Errc::invalid_argument, "--resume and --overwrite exclude each other");
+  if (a.resume && !a.init_from.empty())
+    OOM_THROW(Errc::invalid_argument, "--resume and --init-from exclude each other: a resumed run's weights are its checkpoint's");
   // The cosine schedule's floor: without it there is none, and above --lr it would be a climb.
   if (a.min_lr_given && !a.cosine)
     OOM_THROW(Errc::invalid_argument, "--min-lr is the cosine schedule's floor; the constant schedule has none (add --schedule cosine)");
@@ -467,6 +471,31 @@ float learning_rate(const Args& a, std::uint64_t t) {
 /// The config.json beside --init-from's weights (a model directory, or the directory of its file or
 /// index), when --config is not given: a Hugging Face model or one of our checkpoints is one path.
 /// A directory without one is refused (its weights would meet the built-in model).
+// One oom-train at a time in a run directory, held until the process ends: two runs in one
+// directory had each rotated the other's checkpoints away and interleaved `latest` and
+// metrics.jsonl (an flock: released by the kernel however the holder ends, SIGKILL included).
+void lock_run_directory(const fs::path& out) {
+  const fs::path path = out / ".lock";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) OOM_THROW(Errc::io, fmt::format("{}: cannot open: {}", path.string(), std::strerror(errno)));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    char pid[32] = {};
+    const auto n = ::pread(fd, pid, sizeof pid - 1, 0);
+    ::close(fd);
+    std::string holder(pid, n > 0 ? static_cast<std::size_t>(n) : 0);
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    if (err == EWOULDBLOCK)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{} is in use by another oom-train{}; one run at a time in a run directory",
+                                                    out.string(), holder.empty() ? std::string() : " (process " + holder + ")"));
+    OOM_THROW(Errc::io, fmt::format("{}: cannot lock: {}", path.string(), std::strerror(err)));
+  }
+  const std::string me = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
+    // The lock holds without the note of who holds it.
+  }
+}
+
 std::string config_beside(const std::string& init_from) {
   if (init_from.empty()) return {};
   std::error_code ec;
@@ -498,7 +527,17 @@ int run(Args a) {
   const ModelSpec spec = ModelSpec::from_json(Json::parse(config_text, config_name), config_name);
 
   std::error_code ec;
-  const auto latest = latest_checkpoint(a.out);
+  // An --overwrite'n run reads nothing of the old one: a `latest` naming a missing checkpoint
+  // must not stop it (it had, until removed by hand).
+  std::optional<fs::path> latest;
+  if (!a.overwrite) {
+    try {
+      latest = latest_checkpoint(a.out);
+    } catch (const Error& e) {
+      if (a.resume) throw;
+      throw Error(e.code(), e.message() + "; --overwrite starts afresh", e.file(), e.line());
+    }
+  }
   if (latest && !a.resume && !a.overwrite)
     OOM_THROW(Errc::invalid_argument, fmt::format("{} already holds a run (latest {}); pass --resume to continue it or "
                                                   "--overwrite to start afresh", a.out.string(), latest->filename().string()));
@@ -651,6 +690,13 @@ int run(Args a) {
   optim::AdamWConfig adamw;
   adamw.lr = a.lr;
   adamw.weight_decay = a.weight_decay;
+  // The first update's scalars now, not at step 1 after --overwrite removed the old run: step 1
+  // has the largest step size (lr / (1 - beta1)), and the schedules never pass --lr.
+  try {
+    (void)optim::adamw_step_scalars(adamw, 1);
+  } catch (const Error& e) {
+    throw Error(e.code(), fmt::format("--lr {} / --weight-decay {}: {}", a.lr, a.weight_decay, e.message()), e.file(), e.line());
+  }
   std::uint64_t start_step = 0;
   SamplerState sampler_state{a.seed, 0};
   std::uint64_t resumed_skips = 0;                  // a resumed run's non-finite steps in a row at its checkpoint
@@ -705,9 +751,20 @@ int run(Args a) {
     }
     saved_data_tokens = ts["data_tokens"].present() ? std::optional(ts["data_tokens"].as_uint64()) : std::nullopt;
     start_step = ts["step"].as_uint64();
+    // The step the directory is named for (the loop counts from it: 2^64 - 1 had wrapped it to 0,
+    // overwriting this checkpoint), and an optimizer step count it could have reached.
+    if (fmt::format("checkpoint-{:06}", start_step) != latest->filename().string())
+      OOM_THROW(Errc::parse, fmt::format("{}: step is {}, in a checkpoint named {}", (*latest / "trainer_state.json").string(),
+                                         start_step, latest->filename().string()));
+    if (const auto opt = ts["optimizer_steps"].as_int64(); opt < 0 || static_cast<std::uint64_t>(opt) > start_step)
+      OOM_THROW(Errc::parse, fmt::format("{}: optimizer_steps is {}; a checkpoint of step {} has made 0 to {} updates",
+                                         (*latest / "trainer_state.json").string(), opt, start_step, start_step));
     if (a.trace_step != 0 && a.trace_step <= start_step)
       OOM_THROW(Errc::invalid_argument, fmt::format("--trace-step {}: the run resumes after step {}", a.trace_step, start_step));
     sampler_state = SamplerState::from_json(ts["sampler"].value(), "trainer_state.json sampler");
+    if (a.seed_given && a.seed != sampler_state.seed)
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} draws its windows with seed {}; --seed {} would change nothing "
+                                                    "(drop it, or start afresh)", latest->string(), sampler_state.seed, a.seed));
     resumed_skips = ts["consecutive_skips"].present() ? ts["consecutive_skips"].as_uint64() : 0;  // absent before session 53
   }
 
@@ -721,6 +778,7 @@ int run(Args a) {
   // the new model is built: train_with) ----
   fs::create_directories(a.out, ec);
   if (ec) OOM_THROW(Errc::io, fmt::format("{}: cannot create the run directory: {}", a.out.string(), ec.message()));
+  lock_run_directory(a.out);
   // Output paths refused now, not after the training they would end (checked once the run
   // directory exists: they may lie in it).
   if (!a.trace.empty()) require_output_file("--trace", a.trace);
@@ -783,6 +841,7 @@ int run(Args a) {
   if (a.resume) truncate_metrics(metrics_path, start_step);
   else write_file_atomically(metrics_path, "");
   std::ofstream metrics(metrics_path, std::ios::app);
+  if (!metrics) OOM_THROW(Errc::io, fmt::format("{}: cannot open for appending: {}", metrics_path.string(), std::strerror(errno)));
 
   // Non-finite steps in a row up to now (--max-skips), kept in the checkpoint: a resumed run stops
   // where the uninterrupted one would.
@@ -885,6 +944,10 @@ int run(Args a) {
     m.set("host_rss_bytes", host.now.count());
     m.set("host_rss_peak_bytes", host.peak.count());
     metrics << m.dump() << "\n" << std::flush;
+    // A full disk had left the file cut mid-line while the run said "done".
+    if (!metrics)
+      OOM_THROW(Errc::io, fmt::format("{}: step {}'s line could not be written ({}); the last checkpoint is the run's to resume",
+                                      metrics_path.string(), step, std::strerror(errno)));
     if (step == a.trace_step) {
       const fs::path trace_path = a.trace.empty() ? a.out / fmt::format("trace-step-{}.json", step) : fs::path(a.trace);
       // Beside it, the simulator's timeline of the same plan, to compare op by op.

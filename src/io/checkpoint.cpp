@@ -86,6 +86,17 @@ SafetensorsEntry entry(std::string name, const Source& src, std::span<const Segm
       state[seg].copy(array, seg_off + within, floats.subspan(done, n));
       done += n;
     }
+    // What the reader would refuse is not written: a save throws instead, so the checkpoint
+    // `latest` names, and the ones rotation keeps, stay those of a state that can resume.
+    const auto bad = std::find_if(floats.begin(), floats.end(), [array](float v) {
+      return !std::isfinite(v) || (array == StateArray::exp_avg_sq && v < 0.0f);
+    });
+    if (bad != floats.end())
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("checkpoint: tensor '{}'{} holds {} at element {}: the training state is no longer {}; not saved",
+                            s->name, array == StateArray::master ? "" : array == StateArray::exp_avg ? " (exp_avg)" : " (exp_avg_sq)",
+                            *bad, offset / sizeof(float) + static_cast<std::uint64_t>(bad - floats.begin()),
+                            std::isfinite(*bad) ? "valid (a negative second moment)" : "finite"));
   };
   return e;
 }
@@ -124,7 +135,7 @@ std::error_code restore_set_aside(const fs::path& dir) {
 // `out` from the tensor `t` of `file`, converted to fp32; then the tensor's pages leave the resident
 // set (a checkpoint or weights file is read once: without it, a 5.13B model's resume would hold
 // its 61 GB of checkpoint pages in RSS beside the pinned state it reads into).
-void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<float> out) {
+void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<float> out, bool second_moment = false) {
   DType dt{};
   const auto bytes = file.tensor_bytes(t, &dt);
   if (dt == DType::fp32) {
@@ -146,6 +157,14 @@ void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<flo
   if (bad != out.end())
     OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' holds {} at element {}; weights and moments must be finite", file.source(),
                                        t.name, *bad, bad - out.begin()));
+  // A second moment is a mean of squares: a negative one (a flipped sign bit) makes the update's
+  // square root NaN, and every later step skipped.
+  if (second_moment) {
+    const auto neg = std::find_if(out.begin(), out.end(), [](float v) { return v < 0.0f; });
+    if (neg != out.end())
+      OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' holds {} at element {}; a second moment (exp_avg_sq) is never negative",
+                                         file.source(), t.name, *neg, neg - out.begin()));
+  }
 }
 
 // Tensor `t` present in `file`, of the right shape and of a type read_values converts (F32, BF16);
@@ -243,6 +262,7 @@ class WeightFiles {
     return *files_[it->second];
   }
   [[nodiscard]] const std::string& source() const { return source_; }
+  [[nodiscard]] const std::vector<std::shared_ptr<const SafetensorsFile>>& files() const { return files_; }
 
  private:
   std::string source_;
@@ -250,10 +270,28 @@ class WeightFiles {
   std::unordered_map<std::string, std::size_t> index_;  ///< empty: one file holds every tensor
 };
 
-// Every tensor of `spec` in the file that holds it, checked before anyone reads one.
+// Every tensor of `spec` in the file that holds it, checked before anyone reads one; and none the
+// model would drop unread that says the weights are of another model: in our own checkpoints
+// (producer "oom") any tensor beyond the model's, elsewhere one of a decoder layer ("model.layers.
+// <N>." : a deeper model's, or a layer of another shape). Other extras, such as a Qwen3-Next
+// checkpoint's multi-token-prediction head ("mtp."), are left unread.
 void check_tensors(const WeightFiles& files, const ModelSpec& spec) {
   for (const auto& seg : spec.segments())
     for (const auto& t : seg.tensors) check_tensor(files.file_of(t.name), t, "weights must be");
+  std::unordered_set<std::string> names;
+  for (const auto& seg : spec.segments())
+    for (const auto& t : seg.tensors) names.insert(t.name);
+  for (const auto& file : files.files()) {
+    const auto& meta = file->metadata();
+    if (std::find(meta.begin(), meta.end(), std::pair<std::string, std::string>{"producer", "oom"}) != meta.end()) {
+      check_no_other_tensors(*file, spec, {""});
+      continue;
+    }
+    for (const auto& t : file->tensors())
+      if (t.name.starts_with("model.layers.") && !t.name.ends_with(".rotary_emb.inv_freq") && !names.contains(t.name))
+        OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is not in the model, a model of {} decoder layers: weights of "
+                                           "another model?", file->source(), t.name, spec.num_layers()));
+  }
 }
 
 void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<float> out);
@@ -358,6 +396,11 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
     if (!e.is_directory(ec)) continue;
     if (const auto step = checkpoint_step(fn)) {
       complete.emplace_back(*step, e.path());
+    } else if (fn.ends_with(".partial") && checkpoint_step(fn.substr(0, fn.size() - 8))) {
+      // Left by a save that was killed (a second signal, SIGKILL, a crash): never complete, never
+      // named by `latest`, and as large as the model's state. (One writer per run directory:
+      // oom-train holds its lock.)
+      fs::remove_all(e.path(), ec);
     } else if (fn.ends_with(".old")) {
       // Set aside by a save that crashed after renaming its checkpoint in: a stale copy.
       const fs::path in_place = run_dir / fn.substr(0, fn.size() - 4);
@@ -377,7 +420,7 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   if (!fs::exists(latest, ec)) return std::nullopt;
   MappedFile f(latest);
   std::string name(reinterpret_cast<const char*>(f.bytes().data()), f.bytes().size());
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
   if (!name.empty() && name.find('/') == std::string::npos) {
     ec = restore_set_aside(run_dir / name);
     if (ec)
@@ -428,7 +471,7 @@ void CheckpointReader::read(std::size_t segment, std::span<float> master, std::s
                                             {&files_->optimizer, "exp_avg_sq.", exp_avg_sq}}) {
       TensorSpec named = t;
       named.name = std::string(prefix) + t.name;
-      read_values(*file, named, out.subspan(offset, t.elements()));
+      read_values(*file, named, out.subspan(offset, t.elements()), std::string_view(prefix) == "exp_avg_sq.");
     }
     offset += t.elements();
   }

@@ -42,8 +42,15 @@ AdamWStepScalars adamw_step_scalars(const AdamWConfig& c, std::int64_t step, flo
   s.eps = c.eps;
   s.neg_step_size = static_cast<float>(-lr / bc1);
   // beta2 close to 1 at step 1 can round bc2 to a float subnormal or zero; then sqrt(v)/0 is inf.
-  if (!(s.bias_correction2_sqrt > 0.0f) || !std::isfinite(s.neg_step_size)) {
+  if (!(s.bias_correction2_sqrt > 0.0f) || !(bc1 > 0.0)) {
     bad(fmt::format("AdamW bias correction underflows at step {} (beta1 {}, beta2 {})", step, c.beta1, c.beta2));
+  }
+  // A huge lr: lr / (1 - beta1^step) past fp32's range (lr 1e38 at step 1: 1e39), or the decay
+  // factor 1 - lr * weight_decay with it.
+  if (!std::isfinite(s.neg_step_size) || !std::isfinite(s.decay)) {
+    bad(fmt::format("AdamW step size lr / (1 - beta1^step) = {:g} or decay 1 - lr * weight_decay = {:g} at step {} is not a finite "
+                    "fp32 (lr {}, beta1 {}, weight_decay {})", lr / bc1, 1.0 - lr * static_cast<double>(c.weight_decay), step,
+                    c.lr, c.beta1, c.weight_decay));
   }
   return s;
 }

@@ -42,9 +42,26 @@ std::vector<SegmentOptimizerState> random_state(const ModelSpec& spec, std::uint
       v->resize(s.parameters());
       for (auto& x : *v) x = d(rng);
     }
+    for (auto& x : st.exp_avg_sq) x = std::abs(x);  // a mean of squares
     out.push_back(std::move(st));
   }
   return out;
+}
+
+// Writes `value` over element `at` of fp32 tensor `name` in the safetensors file `path`, as a flipped
+// bit or a bad disk would: the writer itself refuses to save such a state.
+void poke(const fs::path& path, const std::string& name, std::uint64_t at, float value) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  REQUIRE(f);
+  std::uint64_t header = 0;
+  f.read(reinterpret_cast<char*>(&header), 8);
+  std::string text(header, '\0');
+  f.read(text.data(), static_cast<std::streamsize>(header));
+  const Json meta = Json::parse(text);
+  const std::uint64_t begin = static_cast<std::uint64_t>(meta.find(name)->find("data_offsets")->as_array().at(0).as_int64());
+  f.seekp(static_cast<std::streamoff>(8 + header + begin + at * sizeof(float)));
+  f.write(reinterpret_cast<const char*>(&value), sizeof value);
+  REQUIRE(f);
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -150,8 +167,8 @@ TEST_CASE("pruning keeps the newest checkpoints by step, also past step 999999 w
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
-  CHECK(names == std::vector<std::string>{"checkpoint-000001.partial", "checkpoint-1000000", "checkpoint-1000001",
-                                          "checkpoint-notes", "latest"});
+  // A .partial is a save that was killed: never complete, as large as the state, so removed.
+  CHECK(names == std::vector<std::string>{"checkpoint-1000000", "checkpoint-1000001", "checkpoint-notes", "latest"});
   CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-1000001");
 }
 
@@ -211,6 +228,32 @@ TEST_CASE("a checkpoint of a deeper model is refused by a shallower one, naming 
       CHECK(e.code() == Errc::parse);
       CHECK(e.message().find("model.safetensors: tensor " + layer) != std::string::npos);
       CHECK(e.message().find(model_count) != std::string::npos);
+    }
+  }
+  // As weights (oom-train --init-from): our own checkpoint's extra layer is refused, as on resume
+  // (it had loaded, the layer dropped without a word).
+  CHECK_THROWS_WITH_AS((void)load_weights(where / "model.safetensors", spec), doctest::Contains("is not in the model"), Error);
+  CHECK_THROWS_WITH_AS((void)weight_source(where, spec), doctest::Contains("is not in the model"), Error);
+  {
+    // Weights from elsewhere (no producer "oom"): a head the model does not have is left unread,
+    // a decoder layer's tensor the model lacks is refused.
+    const auto file = SafetensorsFile::open(save_checkpoint(dir / "foreign", spec, random_state(spec, 17), {1, "{}", Json::object(), 2}) /
+                                            "model.safetensors");
+    const std::vector<float> extra_values(4, 1.0f);
+    const auto extra_bytes = std::as_bytes(std::span(extra_values));
+    for (const bool layer : {false, true}) {
+      CAPTURE(layer);
+      std::vector<SafetensorsEntry> entries;
+      for (const auto& t : file.tensors()) entries.push_back(SafetensorsEntry::view(t.name, t.dtype, t.shape, t.data));
+      const std::string extra_name = layer ? fmt::format("model.layers.{}.mlp.gate.weight", spec.num_layers()) : "mtp.fc.weight";
+      entries.push_back(SafetensorsEntry::view(extra_name, DType::fp32, {4}, extra_bytes));
+      const auto path = dir / "foreign" / fmt::format("hf-{}.safetensors", layer);
+      write_safetensors(path, std::move(entries), {{"format", "pt"}});
+      if (layer)
+        CHECK_THROWS_WITH_AS((void)load_weights(path, spec), doctest::Contains(("'" + extra_name + "' is not in the model").c_str()),
+                             Error);
+      else
+        CHECK(load_weights(path, spec).size() == spec.segments().size());
     }
   }
   // The optimizer file alone: a checkpoint whose model file matches, its moments another model's.
@@ -366,19 +409,69 @@ TEST_CASE("a NaN or an infinity in the weights or the moments is refused when re
   // It had loaded (oom-train --init-from, --resume), and every step's loss was then non-finite.
   const auto spec = tiny();
   const auto dir = fresh_dir("nonfinite");
+  const std::size_t s = 3, at = 5;
+  const std::string name = spec.segments()[s].tensors.front().name;
   for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
-    auto st = random_state(spec, 7);
-    const std::size_t s = 3, at = 5;
-    st[s].exp_avg_sq[at] = bad;
+    const auto st = random_state(spec, 7);
     const auto moments = save_checkpoint(dir, spec, st, {1, "{}", Json::object(), 3});
+    poke(moments / "optimizer.safetensors", "exp_avg_sq." + name, at, bad);
     CHECK_THROWS_WITH_AS((void)load_checkpoint(moments, spec, true), doctest::Contains(fmt::format("at element {}", at).c_str()), Error);
     CHECK_NOTHROW((void)load_checkpoint(moments, spec, false));  // the weights alone are finite
-    st[s].master[at] = bad;
     const auto weights = save_checkpoint(dir, spec, st, {2, "{}", Json::object(), 3});
-    const std::string name = spec.segments()[s].tensors.front().name;
+    poke(weights / "model.safetensors", name, at, bad);
     CHECK_THROWS_WITH_AS((void)load_weights(weights / "model.safetensors", spec), doctest::Contains(fmt::format("'{}' holds", name).c_str()), Error);
     CHECK_THROWS_WITH_AS((void)load_checkpoint(weights, spec, false), doctest::Contains("must be finite"), Error);
     fs::remove_all(dir);
+  }
+}
+
+TEST_CASE("a negative second moment is refused when read, naming the tensor and the element") {
+  // A flipped sign bit had loaded: the update's square root made the weights NaN at the next step,
+  // every later step was skipped, and their checkpoints rotated the good ones out.
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-negative");
+  const std::size_t s = 2, at = 7;
+  const std::string name = spec.segments()[s].tensors.back().name;
+  const auto where = save_checkpoint(dir.path(), spec, random_state(spec, 8), {1, "{}", Json::object(), 3});
+  poke(where / "optimizer.safetensors", "exp_avg_sq." + name, at, -3.4e-10f);
+  CHECK_THROWS_WITH_AS((void)load_checkpoint(where, spec, true),
+                       doctest::Contains(fmt::format("'exp_avg_sq.{}' holds -3.4e-10 at element {}; a second moment", name, at).c_str()),
+                       Error);
+  // A negative first moment or weight is ordinary.
+  poke(where / "optimizer.safetensors", "exp_avg_sq." + name, at, 0.0f);
+  poke(where / "optimizer.safetensors", "exp_avg." + name, at, -1.0f);
+  CHECK_NOTHROW((void)load_checkpoint(where, spec, true));
+}
+
+TEST_CASE("a state that is not finite, or a negative second moment, is not saved: latest and the kept checkpoints stay") {
+  // Such a checkpoint could never resume, and its saving rotated the good ones out (--keep).
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-unsaveable");
+  const auto good = random_state(spec, 9);
+  for (const std::uint64_t step : {1u, 2u}) (void)save_checkpoint(dir.path(), spec, good, {step, "{}", Json::object(), 2});
+  const std::size_t s = 4, at = 3;
+  const auto names = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir.path())) out.push_back(e.path().filename().string());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  for (const int which : {0, 1, 2, 3}) {
+    CAPTURE(which);
+    auto st = good;
+    if (which == 0) st[s].master[at] = std::numeric_limits<float>::quiet_NaN();
+    if (which == 1) st[s].exp_avg[at] = std::numeric_limits<float>::infinity();
+    if (which == 2) st[s].exp_avg_sq[at] = -std::numeric_limits<float>::infinity();
+    if (which == 3) st[s].exp_avg_sq[at] = -1e-12f;
+    try {
+      (void)save_checkpoint(dir.path(), spec, st, {3, "{}", Json::object(), 2});
+      FAIL("a state that cannot resume was saved");
+    } catch (const Error& e) {
+      CHECK(e.message().find("not saved") != std::string::npos);
+      CHECK(e.message().find(fmt::format("at element {}", at)) != std::string::npos);
+    }
+    CHECK(names() == std::vector<std::string>{"checkpoint-000001", "checkpoint-000002", "latest"});
+    CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-000002");
   }
 }
 

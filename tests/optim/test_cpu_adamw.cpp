@@ -171,6 +171,13 @@ TEST_CASE("step scalars are the torch formula's constants, validated") {
   bad.lr = -1.0f;
   CHECK_THROWS_AS(adamw_step_scalars(bad, 1), Error);
   CHECK_THROWS_AS(adamw_step_scalars(c, 1, std::numeric_limits<float>::quiet_NaN()), Error);
+  // A finite lr whose step size is not (lr / (1 - 0.9) = 1e39 at step 1): named as what it is (it
+  // had read "bias correction underflows"); from step 22 on the same lr is within range.
+  bad = c;
+  bad.lr = 1e38f;
+  bad.weight_decay = 0.0f;
+  CHECK_THROWS_WITH_AS(adamw_step_scalars(bad, 1), doctest::Contains("step size lr / (1 - beta1^step) = 1e+39"), Error);
+  CHECK_NOTHROW((void)adamw_step_scalars(bad, 22));
 }
 
 TEST_CASE("the public element math is the formula, within the fp64 bound") {

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# The run directory is one run's, and what it holds survives bad requests (host backend):
+#   - a second oom-train in a directory in use is refused, and the first goes on;
+#   - --overwrite with a bad --lr is refused before the old run's checkpoints are touched;
+#   - --overwrite starts afresh over a `latest` that names a missing checkpoint;
+#   - trainer_state.json's step and optimizer_steps must fit the checkpoint they are in;
+#   - --resume refuses --init-from, and a --seed other than the checkpoint's;
+#   - a `latest` written with CRLF still resumes;
+#   - a metrics line that cannot be written (a file-size limit: EFBIG) stops the run with an error
+#     (it had said "done" over a file cut mid-line).
+# Usage: run_directory.sh path/to/oom-train
+set -uo pipefail
+train="$1"
+work="$(mktemp -d)"
+trap 'kill $(jobs -p) 2> /dev/null; rm -rf "$work"' EXIT
+fails=0
+args=(--backend host --seq 64 --log-every 100)
+
+fail() { echo "FAIL $1"; shift; [[ $# -gt 0 ]] && cat "$@"; fails=$((fails + 1)); }
+
+# wait_for FILE PATTERN PID: until FILE holds PATTERN (the run still going), at most 60 s.
+wait_for() {
+  for _ in $(seq 1 6000); do
+    grep -qs -- "$2" "$1" && return 0
+    kill -0 "$3" 2> /dev/null || return 1
+    sleep 0.01
+  done
+  return 1
+}
+
+"$train" "${args[@]}" --steps 8 --checkpoint-every 4 --out "$work/base" > /dev/null 2>&1 || { echo "FAIL: a good run failed"; exit 1; }
+
+# One run at a time.
+"$train" "${args[@]}" --steps 100000 --checkpoint-every 0 --out "$work/busy" > /dev/null 2> "$work/first.err" &
+first=$!
+if ! wait_for "$work/busy/metrics.jsonl" '"step":1,' "$first"; then
+  fail "busy: the first run did not start" "$work/first.err"
+else
+  "$train" "${args[@]}" --steps 3 --out "$work/busy" --overwrite > /dev/null 2> "$work/second.err"
+  rc=$?
+  if [[ $rc -ne 2 ]] || ! grep -q "is in use by another oom-train (process $first); one run at a time" "$work/second.err" ||
+     ! kill -0 "$first" 2> /dev/null; then
+    fail "busy: a second run in the same directory: exit $rc" "$work/second.err"
+  else
+    echo "ok   busy: $(cat "$work/second.err")"
+  fi
+  kill -TERM "$first"
+  wait "$first" 2> /dev/null
+fi
+# The lock goes with its holder, however it ends.
+"$train" "${args[@]}" --steps 1 --out "$work/busy" --overwrite > /dev/null 2> "$work/after.err" ||
+  fail "busy: the directory stays locked after its run ended" "$work/after.err"
+
+# --overwrite with a bad learning rate: refused, the old run intact.
+"$train" "${args[@]}" --steps 8 --lr 1e38 --out "$work/base" --overwrite > /dev/null 2> "$work/lr.err"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q -- "--lr 1e+38" "$work/lr.err" || [[ "$(cat "$work/base/latest")" != checkpoint-000008 ]] ||
+   [[ ! -d "$work/base/checkpoint-000004" ]] || [[ $(wc -l < "$work/base/metrics.jsonl") -ne 8 ]]; then
+  fail "overwrite-bad-lr: exit $rc, latest $(cat "$work/base/latest" 2> /dev/null)" "$work/lr.err"
+else
+  echo "ok   overwrite-bad-lr: $(cat "$work/lr.err")"
+fi
+
+# --overwrite over a broken `latest`.
+cp -r "$work/base" "$work/broken"
+echo checkpoint-000012 > "$work/broken/latest"
+"$train" "${args[@]}" --steps 2 --out "$work/broken" --overwrite > /dev/null 2> "$work/broken.err"
+rc=$?
+if [[ $rc -ne 0 ]] || [[ "$(cat "$work/broken/latest")" != checkpoint-000002 ]]; then
+  fail "overwrite-broken-latest: exit $rc" "$work/broken.err"
+else
+  echo "ok   overwrite-broken-latest: started afresh"
+fi
+
+# trainer_state.json's fields against the checkpoint they are in.
+# state_case NAME SED PATTERN: edits checkpoint-000008's trainer_state.json by SED, expects --resume to fail with PATTERN.
+state_case() {
+  local dir="$work/state-$1"
+  cp -r "$work/base" "$dir"
+  sed -i -E "$2" "$dir/checkpoint-000008/trainer_state.json"
+  "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$dir" --resume > /dev/null 2> "$work/$1.err"
+  local rc=$?
+  if [[ $rc -ne 2 ]] || ! grep -q -- "$3" "$work/$1.err" || [[ -d "$dir/checkpoint-000010" ]] ||
+     ! cmp -s "$work/base/checkpoint-000008/model.safetensors" "$dir/checkpoint-000008/model.safetensors"; then
+    fail "$1: exit $rc" "$work/$1.err"
+  else
+    echo "ok   $1: $(cat "$work/$1.err")"
+  fi
+}
+state_case step-past-2-64 's/"step": 8/"step": 18446744073709551615/' 'step is 18446744073709551615, in a checkpoint named checkpoint-000008'
+state_case step-other 's/"step": 8/"step": 9/' 'step is 9, in a checkpoint named checkpoint-000008'
+state_case optimizer-steps 's/"optimizer_steps": 8/"optimizer_steps": 1000/' 'optimizer_steps is 1000; a checkpoint of step 8 has made 0 to 8 updates'
+
+# --resume with flags that would change nothing, silently.
+"$train" "${args[@]}" --steps 10 --out "$work/base" --resume --init-from "$work/base/checkpoint-000004" > /dev/null 2> "$work/init.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q -- "--resume and --init-from exclude each other" "$work/init.err" &&
+  echo "ok   resume-init-from: $(cat "$work/init.err")" || fail "resume-init-from: exit $rc" "$work/init.err"
+"$train" "${args[@]}" --steps 10 --out "$work/base" --resume --seed 5 > /dev/null 2> "$work/seed.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q -- "draws its windows with seed 0; --seed 5 would change nothing" "$work/seed.err" &&
+  echo "ok   resume-other-seed: $(cat "$work/seed.err")" || fail "resume-other-seed: exit $rc" "$work/seed.err"
+
+# A `latest` written with CRLF (and the same seed, given again) resumes.
+cp -r "$work/base" "$work/crlf"
+printf 'checkpoint-000008\r\n' > "$work/crlf/latest"
+"$train" "${args[@]}" --steps 10 --checkpoint-every 4 --seed 0 --out "$work/crlf" --resume > /dev/null 2> "$work/crlf.err" &&
+  [[ "$(cat "$work/crlf/latest")" == checkpoint-000010 ]] && echo "ok   crlf-latest: resumed to step 10" ||
+  fail "crlf-latest" "$work/crlf.err"
+
+# A metrics line that cannot be written: a file-size limit of 4 KiB (EFBIG with SIGXFSZ ignored).
+data="$work/base/builtin-corpus.tok"
+(
+  trap '' XFSZ
+  ulimit -f 4
+  exec "$train" "${args[@]}" --steps 40 --checkpoint-every 0 --data "$data" --out "$work/full" > /dev/null 2> "$work/full.err"
+)
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "metrics.jsonl: step [0-9]*'s line could not be written" "$work/full.err"; then
+  fail "metrics-unwritable: exit $rc" "$work/full.err"
+else
+  echo "ok   metrics-unwritable: $(cat "$work/full.err")"
+fi
+
+if ((fails > 0)); then
+  echo "FAILED: $fails case(s)"
+  exit 1
+fi
+echo "PASS: one run a directory; bad requests leave the run as it was; trainer_state checked; metrics write errors stop the run"
