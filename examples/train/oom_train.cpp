@@ -1015,8 +1015,17 @@ int run(Args a) {
 #endif
   }
   // The host backend computes in fp32: its activations take twice the plan's bf16 bytes, so its
-  // device arena is twice the plan's budget.
-  HostBackend::Options bo{plan.gpu_budget + plan.gpu_budget, plan.host_budget, /*expose_races=*/false};
+  // device arena is twice the plan's budget; and the weights it stages and the activations it
+  // offloads in pinned memory are fp32 too, so its pinned arena holds the plan's peaks of those
+  // once more (a plan oom-plan had fitted in 64 MiB of host stopped at step 1 without them).
+  constexpr std::uint64_t most_accounted = std::uint64_t{1} << 62;
+  if (plan.gpu_budget.count() > most_accounted || plan.host_budget.count() > most_accounted)
+    OOM_THROW(Errc::invalid_argument, fmt::format("GPU budget {} / host budget {}: the host backend accounts at most {} of each "
+                                                  "(twice the plan's)", plan.gpu_budget, plan.host_budget, Bytes{most_accounted}));
+  const SimResult host_sim = planner.simulate(plan);
+  const Bytes fp32_again = host_sim.peak[static_cast<std::size_t>(Claimant::host_staging)] +
+                           host_sim.peak[static_cast<std::size_t>(Claimant::host_offload)];
+  HostBackend::Options bo{plan.gpu_budget + plan.gpu_budget, plan.host_budget + fp32_again, /*expose_races=*/false};
   // The weights in memory only while the model is built (a temporary); a resumed run overwrites them below.
   train::HostCausalLm model(spec, plan, train::weights_in_memory(spec, init), adamw, bo, a.max_grad_norm);
   init = nullptr;
