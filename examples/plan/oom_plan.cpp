@@ -12,6 +12,7 @@
 #include "common/cli_numbers.hpp"
 #include "common/grad_staging.hpp"
 #include "common/host_budget.hpp"
+#include "common/least_budget.hpp"
 #include "common/output_path.hpp"
 #include "oom/core/error.hpp"
 #include "oom/io/atomic_file.hpp"
@@ -296,7 +297,7 @@ int main(int argc, char** argv) {
     const std::string budget_note = fmt::format("host budget {}{}", train_req.host_budget, a.host_mem ? "" : ", its default");
     if (a.longest) return longest_sequence(a, budget_note, would_run);
 #endif
-    const auto set = planner.plan(req);
+    const auto set = oom::examples::plan_or_say_least(planner, req);
 #if OOM_PLAN_HAS_CUDA
     if (req.precision.moments != oom::DType::fp32)
       fmt::print("--moments {}: plans for moments oom-train does not keep (its executors keep fp32 AdamW moments); the CUDA "

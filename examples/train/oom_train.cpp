@@ -30,6 +30,7 @@
 #include "common/cli_numbers.hpp"
 #include "common/grad_staging.hpp"
 #include "common/host_budget.hpp"
+#include "common/least_budget.hpp"
 #include "common/output_path.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
@@ -670,7 +671,7 @@ int run(Args a) {
     req.clip_grad_norm = a.max_grad_norm > 0;
     req.candidates = use_cuda ? 6 : 2;
     req.retention = a.retention;
-    const auto set = planner.plan(req);
+    const auto set = oom::examples::plan_or_say_least(planner, req);
     plan = set.plans.front();
 #if OOM_TRAIN_HAS_CUDA
     if (use_cuda) plan = fit_cuda_executor(spec, planner, set.plans, req, cuda_options(a), a.planned_residency);

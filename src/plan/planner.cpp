@@ -735,6 +735,40 @@ Bytes retained_estimate(const StepModel& model, const RetentionTable& table, int
 
 }  // namespace
 
+std::optional<Bytes> Planner::least_gpu_budget(PlanRequest req, double tolerance, Bytes most) const {
+  if (!(tolerance > 0.0 && tolerance < 1.0))
+    OOM_THROW(Errc::invalid_argument, fmt::format("least_gpu_budget: tolerance {} is not a fraction in (0, 1)", tolerance));
+  constexpr std::uint64_t mib = std::uint64_t{1} << 20;
+  req.candidates = 1;  // feasibility alone
+  const auto fits = [&](std::uint64_t mibs) {
+    req.gpu_budget = Bytes{mibs * mib};
+    try {
+      (void)plan(req);
+      return true;
+    } catch (const Error& e) {
+      if (e.code() != Errc::out_of_budget) throw;
+      return false;
+    }
+  };
+  // In MiB: lo the most found not to fit, hi the least found to fit.
+  std::uint64_t lo = req.gpu_budget.count() / mib, hi = 0;
+  if (lo > 0 && req.gpu_budget.count() % mib == 0 && fits(lo)) return Bytes{lo * mib};
+  for (std::uint64_t b = std::max<std::uint64_t>(lo, 1); b <= most.count() / mib / 2;) {
+    b *= 2;
+    if (fits(b)) {
+      hi = b;
+      break;
+    }
+    lo = b;
+  }
+  if (hi == 0) return std::nullopt;
+  while (hi - lo > 1 && static_cast<double>(hi - lo) > tolerance * static_cast<double>(hi)) {
+    const std::uint64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? hi : lo) = mid;
+  }
+  return Bytes{hi * mib};
+}
+
 PlanSet Planner::plan(const PlanRequest& req) const {
   const auto t0 = std::chrono::steady_clock::now();
   check_plan_request(req);
@@ -879,8 +913,9 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   if (feasible.empty()) {
     std::string msg = fmt::format("no plan for {} fits: ", model_name_.empty() ? "this model" : model_name_);
     if (least_gpu.count() != ~0ull && least_gpu > req.gpu_budget)
-      msg += fmt::format("the least GPU memory any plan needs is about {} per GPU (largest claimant: {}; chunk sizes follow the "
-                         "budget, so the least that fits may differ by a few percent either way), the budget is {}",
+      msg += fmt::format("the least GPU memory any plan needs is about {} per GPU (an estimate before the chunks are sized and "
+                         "the step simulated, often low: Planner::least_gpu_budget searches for the figure; largest claimant: "
+                         "{}), the budget is {}",
                          least_gpu, least_gpu_claimant, req.gpu_budget);
     if (least_host.count() != ~0ull && least_host > req.host_budget)
       msg += fmt::format("{}the least host memory any plan needs is {}, the budget is {}",

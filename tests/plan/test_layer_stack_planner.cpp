@@ -605,7 +605,7 @@ TEST_CASE("a layer cost with no output (LayerCost::output of 0 bytes, its defaul
   auto described = [&](int without_output) {
     std::vector<LayerDescription> d(2);
     for (int l = 0; l < 2; ++l) {
-      d[static_cast<std::size_t>(l)].name = "l" + std::to_string(l);
+      d[static_cast<std::size_t>(l)].name = std::string("l").append(std::to_string(l));
       d[static_cast<std::size_t>(l)].cost = [=](const Workload& w) {
         LayerCost c;
         c.forward_flops = 1e3;

@@ -854,6 +854,28 @@ TEST_CASE("a candidate whose chunks overshoot the budget is tried with smaller o
   CHECK(found);
 }
 
+TEST_CASE("least_gpu_budget: a budget plan() finds a plan at, within its tolerance; the error's estimate is below it") {
+  // Qwen3-30B-A3B at 4K: the out_of_budget error said "about 7.49 GiB", and at 7.63 GiB, then at
+  // 7.8, nothing fitted (the least that does is ~8.8 GiB): advice that, followed, found no plan.
+  const PlannerOnH200 m("qwen3-30b-a3b.json", "qwen3-30b");
+  PlanRequest req;
+  req.workload = {1, 4096};
+  req.host_budget = 2048_GiB;
+  req.gpu_budget = 7_GiB;
+  CHECK_THROWS_AS((void)m.planner.plan(req), Error);
+  const auto least = m.planner.least_gpu_budget(req);
+  REQUIRE(least.has_value());
+  CHECK(least->count() % (1 << 20) == 0);
+  CHECK(*least > 8_GiB);  // the estimate (7.49 GiB) was 15% below it
+  req.gpu_budget = *least;
+  CHECK_NOTHROW((void)m.planner.plan(req));
+  CHECK(m.planner.least_gpu_budget(req) == least);  // a request that fits: its own budget
+  // Nothing up to `most`: nullopt.
+  req.gpu_budget = 1_GiB;
+  CHECK_FALSE(m.planner.least_gpu_budget(req, 0.005, 4_GiB).has_value());
+  CHECK_THROWS_AS((void)m.planner.least_gpu_budget(req, 0.0), Error);
+}
+
 TEST_CASE("a step of many micro-batches is searched from steps of 3 and 4: exact, and not linear in their count") {
   // The search prices a step of M > 4 micro-batches as the 4's plus M - 4 times the 4th's
   // increment, with the 4's peaks (Planner::plan). That holds exactly for the planner's plans:
