@@ -48,7 +48,8 @@ constexpr const char* kUsage =
     "  --quick             fewer repetitions and sizes (~1 minute); for a smoke test, not a profile to plan with\n"
     "  --gpus N            use GPUs 0..N-1 (default: all visible)\n"
     "  --host-memory SIZE  usable host RAM, e.g. 251GiB (default: physical pages from sysconf; on VMs whose\n"
-    "                      memory grows as it is used, MemTotal starts low: pass the real limit)\n";
+    "                      memory grows as it is used, MemTotal starts low: pass the real limit; bytes, or a\n"
+    "                      number with a unit, KiB to PiB or KB to PB, e.g. 3.5TiB; a fraction of a byte is rounded down)\n";
 
 struct Options {
   std::string out = "profile.json";

@@ -72,7 +72,7 @@ Options parse(int argc, char** argv) {
     const std::string arg = argv[a];
     if (arg == "--help" || arg == "-h") {
       std::puts("oom-custom-layer [--backend host|cuda] [--layers N] [--hidden H] [--inter I] [--tokens T] [--steps S] [--gpu-budget BYTES, default 3 MiB, 8 MiB with --layer cublas] "
-                "[--host-budget BYTES] [--profile FILE.json] [--retention NAME, e.g. 'offload-checkpoint, boundaries "
+                "[--host-budget BYTES] (BYTES: a count, or a number with a unit, KiB to PiB or KB to PB, e.g. 1.5MiB; a fraction of a byte rounded down) [--profile FILE.json] [--retention NAME, e.g. 'offload-checkpoint, boundaries "
                 "regenerated in groups of 2'] [--no-measure: plan with the declared FLOPs at the profile's GEMM rate, no trial step] "
                 "[--layer plain|cublas: the CUDA layer's kernels, plain or cuBLAS GEMMs] [--lr X, default 3e-3] "
                 "[--trace FILE.json: the last step's work per resource as a Chrome trace, FILE.predicted.json the plan's, and "

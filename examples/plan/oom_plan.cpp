@@ -37,6 +37,8 @@ constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
   --gpus N            GPUs in the node (default 1)
   --gpu-mem SIZE      GPU memory budget per GPU, e.g. 80GiB (default: the profile's usable memory)
   --host-mem SIZE     host memory budget of the node, e.g. 1TiB (default: the profile's)
+                      A SIZE is bytes, or a number with a unit: KiB to PiB, KB to PB, e.g. 3.84GiB or
+                      0.5 GB (as the sizes printed here read); a fraction of a byte is rounded down
   --seq N             tokens per sequence (default 4096)
   --batch N           sequences per GPU per micro-batch (default 1)
   --micro-batches N   gradient accumulation steps (default 1)

@@ -156,6 +156,8 @@ Plan
   --host-mem SIZE      host memory budget (default: the profile's, less what building the model
                        holds (cuda: one segment; host: the fp32 initial weights) and a tenth for
                        the process and the OS)
+                       A SIZE is bytes, or a number with a unit: KiB to PiB, KB to PB, e.g. 3.84GiB
+                       or 0.5 GB (as oom-plan prints sizes); a fraction of a byte is rounded down
   --backend NAME       auto (default: cuda when this build has CUDA and a GPU is present, else host),
                        cuda, or host (the CPU reference backend; small models)
   --grad-staging N     cuda: stage gradients on the host in a ring of N layers' pinned buffers

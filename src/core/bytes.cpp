@@ -1,7 +1,5 @@
 // Formatting and parsing of Bytes, DType and MemorySpace.
 #include <cctype>
-#include <charconv>
-#include <cmath>
 #include <ostream>
 #include <string>
 
@@ -37,38 +35,60 @@ void Bytes::refuse_align_up(std::uint64_t count, std::uint64_t alignment) {
 
 Bytes parse_bytes(std::string_view text) {
   auto fail = [&](const char* why) {
-    OOM_THROW(Errc::parse, fmt::format("'{}' is not a byte size ({}); write e.g. 80GiB, 512MiB, 1.5TiB or 4096",
+    OOM_THROW(Errc::parse, fmt::format("'{}' is not a byte size ({}); write e.g. 80GiB, 512MiB, 1.5TiB, 0.5 GB or 4096",
                                        text, why));
   };
   std::string_view s = text;
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
   if (s.empty()) fail("empty");
-  std::size_t num_end = 0;
-  while (num_end < s.size() && (std::isdigit(static_cast<unsigned char>(s[num_end])) || s[num_end] == '.'))
+  if (s.front() == '-' || s.front() == '+') fail("a sign: a size has none");
+  std::size_t whole_end = 0;
+  while (whole_end < s.size() && std::isdigit(static_cast<unsigned char>(s[whole_end]))) ++whole_end;
+  const std::string_view whole = s.substr(0, whole_end);
+  std::string_view fraction;
+  std::size_t num_end = whole_end;
+  if (num_end < s.size() && s[num_end] == '.') {
     ++num_end;
-  if (num_end == 0) fail("no number");
-  double value = 0;
-  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + num_end, value);
-  if (ec != std::errc{} || ptr != s.data() + num_end) fail("bad number");
+    while (num_end < s.size() && std::isdigit(static_cast<unsigned char>(s[num_end]))) ++num_end;
+    fraction = s.substr(whole_end + 1, num_end - whole_end - 1);
+  }
+  if (whole.empty() && fraction.empty()) fail("no number");
   std::string unit;
   for (char c : s.substr(num_end))
     if (!std::isspace(static_cast<unsigned char>(c))) unit += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  double scale = 0;
+  // Every unit to_string prints (up to PiB) reads back, and each decimal one beside it.
+  std::uint64_t scale = 0;
   if (unit.empty() || unit == "b") scale = 1;
-  else if (unit == "kib" || unit == "k") scale = 0x1p10;
-  else if (unit == "mib" || unit == "m") scale = 0x1p20;
-  else if (unit == "gib" || unit == "g") scale = 0x1p30;
-  else if (unit == "tib" || unit == "t") scale = 0x1p40;
-  else if (unit == "kb") scale = 1e3;
-  else if (unit == "mb") scale = 1e6;
-  else if (unit == "gb") scale = 1e9;
-  else if (unit == "tb") scale = 1e12;
+  else if (unit == "kib" || unit == "k") scale = std::uint64_t{1} << 10;
+  else if (unit == "mib" || unit == "m") scale = std::uint64_t{1} << 20;
+  else if (unit == "gib" || unit == "g") scale = std::uint64_t{1} << 30;
+  else if (unit == "tib" || unit == "t") scale = std::uint64_t{1} << 40;
+  else if (unit == "pib" || unit == "p") scale = std::uint64_t{1} << 50;
+  else if (unit == "kb") scale = 1'000;
+  else if (unit == "mb") scale = 1'000'000;
+  else if (unit == "gb") scale = 1'000'000'000;
+  else if (unit == "tb") scale = 1'000'000'000'000;
+  else if (unit == "pb") scale = 1'000'000'000'000'000;
   else fail("unknown unit");
-  const double bytes = value * scale;
-  if (!(bytes < 0x1p64)) fail("too large");
-  if (bytes != std::floor(bytes)) fail("not a whole number of bytes");
-  return Bytes{static_cast<std::uint64_t>(bytes)};
+  // In integers, so the result is exactly the floor of what was written (a double's product may
+  // land a hair under a whole number and lose a byte): floor(0.fraction x scale) digit by digit
+  // from the last, each step floor((digit x scale + carry) / 10), which stays below scale.
+  std::uint64_t part = 0;
+  for (auto d = fraction.rbegin(); d != fraction.rend(); ++d) part = (static_cast<std::uint64_t>(*d - '0') * scale + part) / 10;
+  std::uint64_t bytes = 0;
+  for (const char d : whole) {
+    const auto digit = static_cast<std::uint64_t>(d - '0');
+    if (bytes > (~std::uint64_t{0} - digit) / 10) fail("too large");
+    bytes = bytes * 10 + digit;
+  }
+  if (bytes > (~std::uint64_t{0} - part) / scale) fail("too large");
+  bytes = bytes * scale + part;
+  // A fraction of a byte is dropped, not rounded up: these sizes are budgets, upper bounds. One
+  // that leaves nothing was not meant as 0.
+  const bool nonzero = whole.find_first_not_of('0') != std::string_view::npos || fraction.find_first_not_of('0') != std::string_view::npos;
+  if (bytes == 0 && nonzero) fail("less than one byte");
+  return Bytes{bytes};
 }
 
 std::string_view name(DType t) {

@@ -1,6 +1,8 @@
 // Bytes: arithmetic, readable formatting and parsing of the sizes users type on command lines.
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <cstdint>
 #include <sstream>
 #include <utility>
 
@@ -73,10 +75,46 @@ TEST_CASE("parse_bytes accepts binary and decimal units") {
   CHECK(parse_bytes("2GB") == Bytes{2'000'000'000});
   CHECK(parse_bytes("512m") == 512_MiB);
   CHECK(parse_bytes(" 24 gib ") == 24_GiB);
+  CHECK(parse_bytes("1PiB") == 1024_TiB);
+  CHECK(parse_bytes("2 pb") == Bytes{2'000'000'000'000'000});
+  CHECK(parse_bytes("18446744073709551615") == Bytes{~std::uint64_t{0}});
+  CHECK(parse_bytes("0") == 0_B);  // zero is the caller's to refuse
+}
+
+TEST_CASE("parse_bytes rounds a fraction of a byte down, exactly") {
+  // The planner's advice prints "about 3.84 GiB": it reads back, as a budget no larger than written.
+  CHECK(parse_bytes("3.84GiB") == Bytes{4'123'168'604});  // 4123168604.16
+  CHECK(parse_bytes("0.5 GB") == Bytes{500'000'000});
+  CHECK(parse_bytes("1.5") == 1_B);
+  CHECK(parse_bytes("2.999") == 2_B);
+  CHECK(parse_bytes("1.") == 1_B);
+  CHECK(parse_bytes(".5KiB") == 512_B);
+  CHECK(parse_bytes("0.0000001GiB") == Bytes{107});  // 107.37
+  CHECK(parse_bytes("1.0000000000000000000000001 KiB") == 1_KiB);
+  CHECK(parse_bytes("1.9999999999999999999999999 KiB") == Bytes{2047});
+  CHECK(parse_bytes("16383.999 PiB") == Bytes{18'446'742'947'809'644'773});  // 2^64 - 2^50 / 1000, floored
+  // Every thousandth of a decimal unit is whole: none may come out a byte short.
+  for (std::uint64_t k = 0; k < 1000; ++k) {
+    CAPTURE(k);
+    CHECK(parse_bytes(fmt::format("0.{:03} GB", k)) == Bytes{k * 1'000'000});
+    CHECK(parse_bytes(fmt::format("{}.{:03}TB", k, k)) == Bytes{k * 1'000'000'000'000 + k * 1'000'000'000});
+  }
+}
+
+TEST_CASE("parse_bytes reads back every size to_string prints") {
+  for (const Bytes b : {0_B, 1023_B, 1_KiB, Bytes{1536}, 80_GiB, 3_TiB + 512_GiB, 1024_TiB, 1024_TiB * 5 + 3_TiB,
+                        Bytes{std::uint64_t{1} << 63}}) {
+    CAPTURE(to_string(b));
+    const Bytes back = parse_bytes(to_string(b));
+    // Two decimals of the unit: within half a hundredth of it.
+    const double unit = b.count() < 1024 ? 1.0 : std::pow(1024.0, std::floor(std::log2(static_cast<double>(b.count())) / 10));
+    CHECK(std::abs(static_cast<double>(back.count()) - static_cast<double>(b.count())) <= 0.005 * unit);
+  }
 }
 
 TEST_CASE("parse_bytes rejects what is not a size, naming the text") {
-  for (const char* bad : {"", "GiB", "12 parsecs", "1.5", "-3GiB", "1e99TiB", "8..1GiB"}) {
+  for (const char* bad : {"", "GiB", "12 parsecs", "0.5", "0.0001 KiB", "-3GiB", "+3GiB", " -1", "1e99TiB", "8..1GiB", ".",
+                          "18446744073709551616", "16384PiB", "99999999999999999999999 B", "1 EiB"}) {
     CAPTURE(bad);
     try {
       (void)parse_bytes(bad);

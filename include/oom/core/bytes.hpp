@@ -53,12 +53,17 @@ class Bytes {
 constexpr Bytes max(Bytes a, Bytes b) { return a < b ? b : a; }
 constexpr Bytes min(Bytes a, Bytes b) { return a < b ? a : b; }
 
-/// "0 B", "512 B", "1.50 KiB", "80.00 GiB", "1.00 TiB": binary units, two decimals above bytes.
+/// "0 B", "512 B", "1.50 KiB", "80.00 GiB", "1.00 TiB": binary units up to PiB, two decimals above
+/// bytes; parse_bytes reads each back (to within the rounding of the two decimals).
 std::string to_string(Bytes b);
 std::ostream& operator<<(std::ostream& os, Bytes b);
 
-/// Parses "80GiB", "1.5 TiB", "4096", "512 MiB", "2GB" (decimal units: KB, MB, GB, TB).
-/// Throws oom::Error naming the text when it is not a size.
+/// Parses "80GiB", "1.5 TiB", "4096", "512 MiB", "2GB", "0.5 GB" (binary units K/KiB to P/PiB,
+/// every unit to_string prints; decimal units KB to PB; any case, spaces around and between). A
+/// fraction of a byte is rounded down ("3.84GiB" is 4123168604 bytes): callers take sizes as
+/// budgets, which must not grow. Throws oom::Error (Errc::parse) naming the text when it is not a
+/// size: a sign, an exponent, an unknown unit, past 2^64 - 1 bytes, or a nonzero size under one
+/// byte ("0.5").
 Bytes parse_bytes(std::string_view text);
 
 inline namespace literals {
