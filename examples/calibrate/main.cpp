@@ -26,6 +26,7 @@
 
 #include <fmt/format.h>
 
+#include "common/cli_numbers.hpp"
 #include "common/output_path.hpp"
 #include "oom/core/bytes.hpp"
 #include "oom/core/error.hpp"
@@ -82,11 +83,9 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--gpus") {
       const std::string v = value();
       try {
-        std::size_t used = 0;
-        o.gpus = std::stoi(v, &used);
-        if (used != v.size() || o.gpus < 1) throw UsageError{};
-      } catch (...) {
-        throw UsageError{"--gpus needs a positive integer, got \"" + v + "\""};
+        o.gpus = oom::examples::parse_int_count(a, v);  // digits alone: stoi took " 2" and "+2"
+      } catch (const Error& e) {
+        throw UsageError{e.message()};
       }
     } else if (a == "--host-memory") {
       const std::string v = value();

@@ -30,6 +30,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "common/cli_numbers.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/numeric.hpp"
@@ -70,14 +71,8 @@ Options parse(int argc, char** argv) {
     if (a == "--config") o.config = value();
     else if (a == "--in") o.in = value();
     else if (a == "--out") o.out = value();
-    else if (a == "--layer") {
-      const std::string v = value();
-      try {
-        o.layer = std::stoi(v);
-      } catch (...) {
-        throw UsageError{"--layer: not an integer: " + v};
-      }
-    } else if (a == "-h" || a == "--help") {
+    else if (a == "--layer") o.layer = oom::examples::parse_int_count(a, value(), /*allow_zero=*/true);  // stoi took " -1" and "2x"
+    else if (a == "-h" || a == "--help") {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else {
@@ -288,6 +283,9 @@ int main(int argc, char** argv) {
     o = parse(argc, argv);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "oom-layer-check: %s\n%s", e.what.c_str(), kUsage);
+    return 2;
+  } catch (const oom::Error& e) {  // a flag's value refused (examples/common)
+    std::fprintf(stderr, "oom-layer-check: %s\n%s", e.message().c_str(), kUsage);
     return 2;
   }
   if (oom::cuda::device_count() == 0) {

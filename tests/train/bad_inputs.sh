@@ -207,6 +207,17 @@ expect zero-batch 2 "--batch needs a positive integer, got '0'" -- --batch 0
 expect seq-out-of-range 2 "out of range" -- --seq 99999999999999999999
 expect seq-past-limit 2 "a micro-batch may hold" -- --seq 4294967296 --batch 2
 expect micro-batches-past-int 2 "out of range (at most 2147483647)" -- --micro-batches 4294967297
+# A sign after a space had passed the check of the first character and wrapped (strtoull skips
+# the space and takes the sign: ' -1' ran 2^64 - 1 steps, --seed ' -5' saved 18446744073709551611).
+expect steps-leading-space 2 "--steps needs a positive integer, got ' -1'" -- --steps " -1"
+expect seed-leading-space 2 "--seed needs a non-negative integer, got ' -5'" -- --seed " -5"
+expect keep-plus 2 "--keep needs a positive integer, got '+3'" -- --keep +3
+# A real fp32 holds only as 0 or infinity had been taken as 0 (--max-grad-norm 1e-50 saved 0.0: no
+# clipping) or refused as negative (1e39).
+expect max-grad-norm-underflow 2 "--max-grad-norm: '1e-50' is outside fp32's range" -- --max-grad-norm 1e-50
+expect lr-underflow 2 "--lr: '1e-50' is outside fp32's range" -- --lr 1e-50
+expect max-grad-norm-overflow 2 "--max-grad-norm: '1e39' is outside fp32's range" -- --max-grad-norm 1e39
+expect weight-decay-space 2 "--weight-decay needs a non-negative number" -- --weight-decay " 0.1"
 
 # Faults during training: a diverging run (absurd learning rate) skips its non-finite steps
 # without updating, logs them, and stops after --max-skips in a row (exit 4); --on-nonfinite stop

@@ -1,0 +1,92 @@
+// The example programs' number arguments (examples/common/cli_numbers.hpp): only what a number
+// needs is read, and a value the flag's type cannot hold is refused by name, never wrapped or
+// rounded to 0.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "common/cli_numbers.hpp"
+#include "oom/core/error.hpp"
+
+using namespace oom;
+using namespace oom::literals;
+using oom::examples::parse_count;
+using oom::examples::parse_int_count;
+using oom::examples::parse_real;
+using oom::examples::parse_size;
+
+namespace {
+// The message of the invalid_argument `f` throws ("" where it throws none).
+template <class F>
+std::string refusal(F&& f) {
+  try {
+    (void)f();
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::invalid_argument);
+    return e.message();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("parse_count takes decimal digits alone") {
+  CHECK(parse_count("--steps", "18") == 18u);
+  CHECK(parse_count("--seed", "0", /*allow_zero=*/true) == 0u);
+  CHECK(parse_count("--seed", "007", true) == 7u);
+  CHECK(parse_count("--seed", "18446744073709551615", true) == ~std::uint64_t{0});
+  CHECK(parse_int_count("--gpus", "2147483647") == std::numeric_limits<int>::max());
+}
+
+TEST_CASE("parse_count refuses a sign or a space, which strtoull had taken (' -1' read as 2^64 - 1)") {
+  for (const char* bad : {" -1", "-1", " 5", "5 ", "+5", "\t3", "0x10", "1e3", "1.0", "", "five", "3-"}) {
+    CAPTURE(bad);
+    const std::string why = refusal([&] { return parse_count("--steps", bad); });
+    CHECK(why == fmt::format("--steps needs a positive integer, got '{}' (decimal digits only: no sign, no spaces)", bad));
+    CHECK(refusal([&] { return parse_count("--seed", bad, true); }).find("--seed needs a non-negative integer, got '") == 0);
+    CHECK(refusal([&] { return parse_int_count("--gpus", bad); }).find("--gpus needs a positive integer, got '") == 0);
+  }
+  CHECK(refusal([] { return parse_count("--steps", "0"); }).find("--steps needs a positive integer, got '0'") == 0);
+  CHECK(refusal([] { return parse_count("--seq", "18446744073709551616"); }) ==
+        "--seq: '18446744073709551616' is out of range (at most 18446744073709551615)");
+  CHECK(refusal([] { return parse_int_count("--gpus", "2147483648"); }) == "--gpus: '2147483648' is out of range (at most 2147483647)");
+}
+
+TEST_CASE("parse_real takes what a non-negative number needs") {
+  CHECK(parse_real("--lr", "3e-3") == 3e-3f);
+  CHECK(parse_real("--lr", "0.5") == 0.5f);
+  CHECK(parse_real("--lr", ".5") == 0.5f);
+  CHECK(parse_real("--lr", "5.") == 5.0f);
+  CHECK(parse_real("--lr", "1.5E+2") == 150.0f);
+  CHECK(parse_real("--weight-decay", "0") == 0.0f);
+  CHECK(parse_real("--weight-decay", "0.000e-99") == 0.0f);  // 0 written any way is 0, not an underflow
+  CHECK(parse_real("--max-grad-norm", "1.17549435e-38") == std::numeric_limits<float>::min());
+  CHECK(parse_real("--max-grad-norm", "3.40282347e38") == std::numeric_limits<float>::max());
+}
+
+TEST_CASE("parse_real refuses a sign, a space and what is not a decimal number") {
+  for (const char* bad : {" -1", "-1", " 1", "1 ", "+1", "-0", "inf", "nan", "0x1p3", "1e", "1e+", "e5", ".", "", "1..2", "1,5", "3e-4x"}) {
+    CAPTURE(bad);
+    CHECK(refusal([&] { return parse_real("--lr", bad); }) ==
+          fmt::format("--lr needs a non-negative number (digits, a '.', an exponent as in 3e-4: no sign, no spaces), got '{}'", bad));
+  }
+}
+
+TEST_CASE("parse_real refuses a nonzero value fp32 cannot hold as a normal number (it had become 0 or been misreported)") {
+  // 1e-50 had saved max_grad_norm 0.0 (no clipping); 1e39 had read as 'needs a non-negative number'.
+  for (const char* bad : {"1e-50", "1e-39", "1.4e-45", "0.00000000000000000000000000000000000000001", "1e39", "3.5e38", "1e400",
+                          "1e-400", "99999999999999999999999999999999999999999"}) {
+    CAPTURE(bad);
+    CHECK(refusal([&] { return parse_real("--max-grad-norm", bad); }) ==
+          fmt::format("--max-grad-norm: '{}' is outside fp32's range (a nonzero value must lie between 1.1754944e-38 and 3.4028235e+38)",
+                      bad));
+  }
+}
+
+TEST_CASE("parse_size names the flag, and takes a fraction of a byte rounded down") {
+  CHECK(parse_size("--gpu-mem", "3.84GiB") == Bytes{4'123'168'604});
+  CHECK(parse_size("--gpu-mem", "80GiB") == 80_GiB);
+  const std::string why = refusal([] { return parse_size("--gpu-mem", " -1"); });
+  CHECK(why.find("--gpu-mem: ' -1' is not a byte size (a sign: a size has none)") == 0);
+}
