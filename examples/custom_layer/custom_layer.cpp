@@ -34,6 +34,7 @@
 #include "oom/io/atomic_file.hpp"
 #include "oom/plan/layer_stack_planner.hpp"
 #include "oom/runtime/host_executor.hpp"
+#include "oom/runtime/timeline.hpp"
 #include "custom_layer/residual_mlp.hpp"
 #if OOM_CUSTOM_LAYER_HAS_CUDA
 #include "custom_layer/residual_mlp_cublas.hpp"
@@ -103,7 +104,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--steps") o.steps = oom::examples::parse_int_count(arg, text, /*allow_zero=*/true);
     else if (arg == "--gpu-budget") o.gpu_budget = oom::examples::parse_size(arg, text);
     else if (arg == "--host-budget") o.host_budget = oom::examples::parse_size(arg, text);
-    else if (arg == "--profile") o.profile = v;
+    else if (arg == "--profile") o.profile = oom::examples::path_argument(arg, v);
     else if (arg == "--trace") {
       if (v.empty()) OOM_THROW(oom::Errc::invalid_argument, "--trace needs a file name");
       o.trace = v;
@@ -122,6 +123,9 @@ Options parse(int argc, char** argv) {
     }
     else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (--help lists them)", arg));
   }
+  if (!o.trace.empty())
+    oom::examples::refuse_overlapping_paths({{"--trace", o.trace}, {"--trace (its prediction)", oom::predicted_trace_path(o.trace)}},
+                                            {{"--profile", o.profile}});
   return o;
 }
 

@@ -31,6 +31,7 @@
 #include <fmt/ranges.h>
 
 #include "common/cli_numbers.hpp"
+#include "common/output_path.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/numeric.hpp"
@@ -68,9 +69,9 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw UsageError{a + " needs a value"};
       return argv[++i];
     };
-    if (a == "--config") o.config = value();
-    else if (a == "--in") o.in = value();
-    else if (a == "--out") o.out = value();
+    if (a == "--config") o.config = oom::examples::path_argument(a, value());
+    else if (a == "--in") o.in = oom::examples::path_argument(a, value());
+    else if (a == "--out") o.out = oom::examples::path_argument(a, value());
     else if (a == "--layer") o.layer = oom::examples::parse_int_count(a, value(), /*allow_zero=*/true);  // stoi took " -1" and "2x"
     else if (a == "-h" || a == "--help") {
       std::fputs(kUsage, stdout);
@@ -80,6 +81,8 @@ Options parse(int argc, char** argv) {
     }
   }
   if (o.config.empty() || o.in.empty() || o.out.empty()) throw UsageError{"--config, --in and --out are required"};
+  oom::examples::require_output_file("--out", o.out);
+  oom::examples::refuse_overlapping_paths({{"--out", o.out}}, {{"--config", o.config}, {"--in", o.in}});
   return o;
 }
 

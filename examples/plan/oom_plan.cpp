@@ -100,7 +100,7 @@ Args parse(int argc, char** argv) {
     }
     if (i + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
-    if (flag == "--model") a.model = v;
+    if (flag == "--model") a.model = oom::examples::path_argument(flag, v);
     else if (flag == "--gpus") a.gpus = parse_int_count(flag, v);
     else if (flag == "--gpu-mem") a.gpu_mem = parse_size(flag, v);
     else if (flag == "--host-mem") a.host_mem = parse_size(flag, v);
@@ -112,7 +112,7 @@ Args parse(int argc, char** argv) {
       a.moments = oom::parse_dtype(v);
       if (a.moments != oom::DType::fp32 && a.moments != oom::DType::bf16)
         OOM_THROW(oom::Errc::invalid_argument, fmt::format("--moments must be fp32 or bf16, got '{}'", v));
-    } else if (flag == "--profile") a.profile = v;
+    } else if (flag == "--profile") a.profile = oom::examples::path_argument(flag, v);
     else if (flag == "--machine") a.machine = v;
     else if (flag == "--candidates") a.candidates = parse_int_count(flag, v);
     else if (flag == "--retention") {
@@ -125,6 +125,8 @@ Args parse(int argc, char** argv) {
     else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
   }
   if (a.model.empty()) OOM_THROW(oom::Errc::invalid_argument, "--model config.json is required (see --help)");
+  oom::examples::refuse_overlapping_paths({{"--json", a.json_out}, {"--trace", a.trace_out}},
+                                          {{"--model", a.model}, {"--profile", a.profile}});
   return a;
 }
 

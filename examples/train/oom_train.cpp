@@ -63,6 +63,7 @@ using oom::examples::parse_count;
 using oom::examples::parse_int_count;
 using oom::examples::parse_real;
 using oom::examples::parse_size;
+using oom::examples::path_argument;
 using oom::examples::require_output_file;
 
 // Console lines that outlive their reader. With `oom-train ... | tee run.log`, Ctrl-C ends tee at
@@ -233,6 +234,27 @@ struct Args {
   bool stop_on_nonfinite = false;
 };
 
+// No file the run writes outside its run directory (--trace and the prediction beside it,
+// --dump-batches) may be one it reads or another it writes: refused before any work.
+void refuse_overlapping_paths(const Args& a) {
+  std::vector<oom::examples::PathArgument> inputs = {
+      {"--config", a.config}, {"--data", a.data}, {"--plan", a.plan}, {"--profile", a.profile}, {"--init-from", a.init_from}};
+  if (!a.init_from.empty()) {
+    // What --init-from reads where it names a directory, and the config beside its weights that
+    // stands in for --config.
+    std::error_code ec;
+    const fs::path from(a.init_from);
+    const bool is_dir = fs::is_directory(from, ec);
+    const fs::path dir = is_dir ? from : from.parent_path();
+    if (is_dir)
+      for (const char* weights : {"model.safetensors", "model.safetensors.index.json"}) inputs.push_back({"--init-from", dir / weights});
+    if (a.config.empty()) inputs.push_back({"--init-from (its config.json)", dir / "config.json"});
+  }
+  const fs::path predicted = a.trace.empty() ? fs::path() : predicted_trace_path(a.trace);
+  oom::examples::refuse_overlapping_paths(
+      {{"--trace", a.trace}, {"--trace (its prediction)", predicted}, {"--dump-batches", a.dump_batches}}, inputs);
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -255,9 +277,9 @@ Args parse(int argc, char** argv) {
     if (flag == "--planned-residency") { a.planned_residency = true; continue; }
     if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
     const char* v = argv[++i];
-    if (flag == "--config") a.config = v;
-    else if (flag == "--data") a.data = v;
-    else if (flag == "--init-from") a.init_from = v;
+    if (flag == "--config") a.config = path_argument(flag, v);
+    else if (flag == "--data") a.data = path_argument(flag, v);
+    else if (flag == "--init-from") a.init_from = path_argument(flag, v);
     else if (flag == "--seq") a.seq = parse_count(flag, v);
     else if (flag == "--micro-batches") a.micro_batches = static_cast<std::uint64_t>(parse_int_count(flag, v));
     else if (flag == "--batch") a.batch = parse_count(flag, v);
@@ -276,21 +298,21 @@ Args parse(int argc, char** argv) {
       if (w != "constant" && w != "cosine") OOM_THROW(Errc::invalid_argument, fmt::format("--schedule is constant or cosine, got '{}'", w));
       a.cosine = w == "cosine";
     }
-    else if (flag == "--plan") a.plan = v;
+    else if (flag == "--plan") a.plan = path_argument(flag, v);
     else if (flag == "--retention") {
       if (*v == '\0') OOM_THROW(Errc::invalid_argument, "--retention needs a template name (see --help)");
       a.retention = v;
     }
-    else if (flag == "--profile") a.profile = v;
+    else if (flag == "--profile") a.profile = path_argument(flag, v);
     else if (flag == "--machine") a.machine = v;
     else if (flag == "--gpu-mem") a.gpu_mem = parse_size(flag, v);
     else if (flag == "--host-mem") a.host_mem = parse_size(flag, v);
     else if (flag == "--grad-staging") a.grad_staging = static_cast<std::uint64_t>(parse_int_count(flag, v, /*allow_zero=*/true));
     else if (flag == "--backend") a.backend = v;
-    else if (flag == "--dump-batches") a.dump_batches = v;
+    else if (flag == "--dump-batches") a.dump_batches = path_argument(flag, v);
     else if (flag == "--trace-step") a.trace_step = parse_count(flag, v);
-    else if (flag == "--trace") a.trace = v;
-    else if (flag == "--out") a.out = v;
+    else if (flag == "--trace") a.trace = path_argument(flag, v);
+    else if (flag == "--out") a.out = path_argument(flag, v);
     else if (flag == "--checkpoint-every") a.checkpoint_every = parse_count(flag, v, /*allow_zero=*/true);
     else if (flag == "--keep") a.keep = parse_int_count(flag, v);
     else if (flag == "--log-every") a.log_every = parse_count(flag, v);
@@ -323,6 +345,7 @@ Args parse(int argc, char** argv) {
   if (!a.plan.empty() && (a.gpu_mem || a.host_mem))
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: a plan given with --plan runs within the budgets it was made for; plan "
                                                   "again with oom-plan to change them", a.gpu_mem ? "--gpu-mem" : "--host-mem"));
+  refuse_overlapping_paths(a);
   return a;
 }
 

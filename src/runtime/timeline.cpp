@@ -78,6 +78,8 @@ std::string Timeline::chrome_trace(const std::string& title) const {
   return trace.dump() + "\n";
 }
 
+std::filesystem::path predicted_trace_path(std::filesystem::path path) { return path.replace_extension(".predicted.json"); }
+
 std::string write_step_traces(const std::filesystem::path& path, const std::string& label, const std::string& title,
                               const Timeline& measured, double measured_step_s, const StepGraph& graph) {
   const std::size_t spans = measured.spans().size();
@@ -85,8 +87,7 @@ std::string write_step_traces(const std::filesystem::path& path, const std::stri
     log_warn("{} recorded nothing (its timing was lost); no trace written", label);
     return {};
   }
-  std::filesystem::path predicted_path = path;
-  predicted_path.replace_extension(".predicted.json");
+  const std::filesystem::path predicted_path = predicted_trace_path(path);
   const SimResult predicted = simulate(graph);
   write_file_atomically(path, measured.chrome_trace(title));
   write_file_atomically(predicted_path, chrome_trace(graph, predicted));

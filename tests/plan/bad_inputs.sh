@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # oom-plan's arguments, on any build: each bad one is refused with exit 2 and one stderr line naming
-# the flag, before anything is planned; a size as oom-plan prints it reads back.
+# the flag, before anything is planned or written; a size as oom-plan prints it reads back.
 #   bash tests/plan/bad_inputs.sh path/to/oom-plan path/to/examples/configs/tiny-moe.json
 set -uo pipefail
 plan=$1 config=$2
@@ -45,5 +45,47 @@ for size in "3.84GiB:3.84 GiB" "0.5 GB:476.84 MiB" "1.5PiB:1.50 PiB"; do
     echo "FAIL size '${size%%:*}': want a plan with ${size#*:} host:"; cat "$work/err"; head -2 "$work/out"; fails=$((fails + 1))
   fi
 done
+
+# An empty path had meant "not given": --profile "" planned with the built-in profile.
+refused empty-profile "--profile needs a path, got ''" --profile ""
+"$plan" --model "" > /dev/null 2> "$work/err"
+if [[ $? -ne 2 ]] || ! grep -q -- "--model needs a path, got ''" "$work/err"; then
+  echo "FAIL empty-model:"; cat "$work/err"; fails=$((fails + 1))
+else echo "ok   empty-model: $(cat "$work/err")"; fi
+
+# No output may be the file of an input, or of the other output: --json onto --model had replaced
+# the config with the plan, --trace onto --profile destroyed the profile, and --json X --trace X
+# said both were written where only the trace was. Refused before any work, every file as it was.
+profile=$(dirname "$config")/../profiles/h200-2026-12-04.json
+ln -s "$work/cfg.json" "$work/cfg-link.json"
+mkdir "$work/sub"
+# overlap NAME PATTERN ARGS...: refused, and cfg.json and prof.json left as they were
+overlap() {
+  local name=$1 pattern=$2
+  shift 2
+  cp "$config" "$work/cfg.json"
+  cp "$profile" "$work/prof.json"
+  rm -f "$work/p.json" "$work/t.json"
+  "$plan" --seq 32 --candidates 1 "$@" > "$work/out" 2> "$work/err"
+  local rc=$?
+  if [[ $rc -ne 2 ]] || ! grep -q -- "$pattern" "$work/err" || ! cmp -s "$config" "$work/cfg.json" ||
+     ! cmp -s "$profile" "$work/prof.json" || [[ -s "$work/out" ]] || compgen -G "$work/[pt].json" > /dev/null; then
+    echo "FAIL $name: exit $rc (want 2), want /$pattern/, the inputs kept and nothing written:"; cat "$work/err"; fails=$((fails + 1))
+  else
+    echo "ok   $name: $(cat "$work/err")"
+  fi
+}
+overlap json-onto-model "--json $work/cfg.json is the same file as --model $work/cfg.json" \
+  --model "$work/cfg.json" --json "$work/cfg.json"
+overlap json-onto-model-by-link "--json $work/cfg-link.json is the same file as --model" --model "$work/cfg.json" --json "$work/cfg-link.json"
+overlap trace-onto-profile "--trace $work/sub/../prof.json is the same file as --profile $work/prof.json" \
+  --model "$work/cfg.json" --profile "$work/prof.json" --trace "$work/sub/../prof.json"
+overlap json-and-trace "--trace $work/sub/../p.json is the same file as --json $work/p.json: one would be written over the other" \
+  --model "$work/cfg.json" --json "$work/p.json" --trace "$work/sub/../p.json"
+# Two files beside each other still are two.
+cp "$config" "$work/cfg.json"
+if "$plan" --model "$work/cfg.json" --seq 32 --candidates 1 --json "$work/p.json" --trace "$work/t.json" > /dev/null 2> "$work/err" &&
+   [[ -s "$work/p.json" && -s "$work/t.json" ]]; then echo "ok   json-and-trace-apart"
+else echo "FAIL json-and-trace-apart:"; cat "$work/err"; fails=$((fails + 1)); fi
 
 [[ $fails -eq 0 ]] && echo "PASS" || exit 1

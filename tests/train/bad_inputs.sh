@@ -86,6 +86,26 @@ expect trace-without-step 2 "pass --trace-step" -- --trace "$work/t.json"
 expect trace-step-past-end 2 "past the run's last step" -- --trace-step 3
 expect dump-nowhere 2 "does not exist" -- --dump-batches "$work/nowhere/d.tok"
 expect size-names-option 2 "--gpu-mem: " -- --gpu-mem 80XiB
+# An empty path had meant "not given": --config "" trained the built-in model, --plan "" planned
+# anew, --profile "" took the built-in profile, --trace "" wrote to the default place.
+for flag in --config --data --init-from --plan --profile --out --trace --dump-batches; do
+  expect "empty${flag}" 2 "$flag needs a path, got ''" -- "$flag" ""
+done
+# No file the run writes may be one it reads or another it writes (a link or another spelling of
+# the same file included): --trace onto --config had replaced the config with the trace at step 1.
+cp "$(dirname "$0")/../../examples/configs/tiny-moe.json" "$work/cfg.json"
+cp "$(dirname "$0")/../../examples/profiles/h200-2026-12-04.json" "$work/prof.json"
+ln -s "$work/prof.json" "$work/prof-link.json"
+expect trace-onto-config 2 "--trace $work/cfg.json is the same file as --config $work/cfg.json" -- \
+  --config "$work/cfg.json" --trace-step 1 --trace "$work/cfg.json"
+expect dump-onto-profile 2 "--dump-batches $work/prof-link.json is the same file as --profile $work/prof.json" -- \
+  --profile "$work/prof.json" --dump-batches "$work/prof-link.json"
+expect dump-onto-trace-prediction 2 "--dump-batches $work/./t.predicted.json is the same file as --trace (its prediction) $work/t.predicted.json" -- \
+  --trace-step 1 --trace "$work/t.json" --dump-batches "$work/./t.predicted.json"
+if ! cmp -s "$work/cfg.json" "$(dirname "$0")/../../examples/configs/tiny-moe.json" ||
+   ! cmp -s "$work/prof.json" "$(dirname "$0")/../../examples/profiles/h200-2026-12-04.json" || [[ -e "$work/t.json" ]]; then
+  echo "FAIL outputs-onto-inputs: an input was written over, or a trace written"; fails=$((fails + 1))
+else echo "ok   outputs-onto-inputs: the inputs as they were"; fi
 # Out of host memory: a 400,000 x 4096 embedding (6.1 GiB) asked for past a 4 GB address space is
 # one clear line and exit 3, nothing touched, the run directory without a checkpoint.
 sed -e 's/"vocab_size": [0-9]*/"vocab_size": 400000/' -e 's/"hidden_size": [0-9]*/"hidden_size": 4096/' \

@@ -53,5 +53,7 @@ class Timeline {
 /// A timeline with no spans (its timing lost) writes nothing, warns (log_warn) and returns "".
 [[nodiscard]] std::string write_step_traces(const std::filesystem::path& path, const std::string& label, const std::string& title,
                                             const Timeline& measured, double measured_step_s, const StepGraph& graph);
+/// Where write_step_traces(path, ...) puts the prediction: `path` with the extension .predicted.json.
+[[nodiscard]] std::filesystem::path predicted_trace_path(std::filesystem::path path);
 
 }  // namespace oom
