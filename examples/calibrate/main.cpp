@@ -271,7 +271,7 @@ int run(const Options& opt) {
   const int visible = cuda::device_count();
   if (visible == 0) {
     fmt::print(stderr,
-               "oom-calibrate: no usable GPU ({}).\n"
+               "oom-calibrate: no usable NVIDIA GPU: {}.\n"
                "oom-calibrate measures the GPUs of the machine it runs on; run it on the GPU machine.\n",
                cuda::no_device_reason());
     return 2;

@@ -21,8 +21,21 @@ std::string no_device_reason() {
   int n = 0;
   const cudaError_t status = cudaGetDeviceCount(&n);
   (void)cudaGetLastError();
-  if (status != cudaSuccess) return std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
-  return n == 0 ? "the CUDA runtime reports 0 devices" : "";
+  if (status == cudaSuccess) return n == 0 ? "the CUDA runtime reports 0 devices" : "";
+  const std::string error = std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
+  if (status == cudaErrorInsufficientDriver) {
+    // Without any driver the runtime says the driver is "insufficient", as if an update would do;
+    // the driver's version tells the two apart.
+    int driver = 0, runtime = 0;
+    (void)cudaDriverGetVersion(&driver);  // 0 where no driver is loaded
+    (void)cudaRuntimeGetVersion(&runtime);
+    const auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
+    if (driver == 0) return "no NVIDIA driver was found on this machine (" + error + ")";
+    return "the NVIDIA driver supports CUDA " + version(driver) + ", older than this build's CUDA runtime " + version(runtime) + " (" +
+           error + ")";
+  }
+  if (status == cudaErrorNoDevice) return "no NVIDIA GPU was found on this machine (" + error + ")";
+  return error;
 }
 
 DeviceInfo device_properties(int device) {

@@ -12,7 +12,9 @@ namespace oom::cuda {
 /// and programs can skip with a message instead of failing.
 int device_count() noexcept;
 
-/// Why device_count() is 0, in words ("no CUDA-capable device is detected", ...); empty when > 0.
+/// Why device_count() is 0, in words with the CUDA error in parentheses ("no NVIDIA driver was
+/// found on this machine (cudaErrorInsufficientDriver: ...)", "no NVIDIA GPU was found ..."); empty
+/// when > 0.
 std::string no_device_reason();
 
 struct DeviceInfo {
