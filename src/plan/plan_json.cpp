@@ -1,10 +1,13 @@
 // Plan <-> JSON. The JSON is what `oom-plan --json` writes and the trainer's `--plan` reads.
+#include <algorithm>
 #include <charconv>
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "oom/core/error.hpp"
 #include "oom/io/json.hpp"
@@ -46,6 +49,22 @@ ExecutionPath parse_path(const JsonCursor& c) {
 
 GradAccumulation parse_accumulation(const JsonCursor& c) {
   return parse_named(c, {GradAccumulation::host, GradAccumulation::device}, "host or device");
+}
+
+/// Refuses a key of the object at `c` that is not one of `known`: a misspelt field
+/// ("grad_acumulation") had been ignored and its default run instead. `where` says whose keys
+/// they are in the message ("a plan", "layer 3's retention").
+void refuse_unknown_keys(const JsonCursor& c, const std::vector<std::string>& known, std::string_view where) {
+  for (const auto& [key, v] : c.as_object())
+    if (std::find(known.begin(), known.end(), key) == known.end())
+      OOM_THROW(Errc::parse, fmt::format("{}: unknown key '{}' in {} (known: {})", c[key].path(), key, where, fmt::join(known, ", ")));
+}
+
+template <class E>
+std::vector<std::string> names_of(int count) {
+  std::vector<std::string> out;
+  for (int i = 0; i < count; ++i) out.emplace_back(to_string(static_cast<E>(i)));
+  return out;
 }
 
 Json bytes_by_claimant(const std::array<Bytes, claimant_count>& a) {
@@ -162,6 +181,13 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     const JsonCursor j(json);
     if (j["format"].as_string() != "oom-plan/1")
       OOM_THROW(Errc::parse, fmt::format("format: '{}' is not oom-plan/1", j["format"].as_string()));
+    // Every level's keys are known: a misspelt optional field had run with its default.
+    refuse_unknown_keys(j,
+                        {"format", "model", "path", "gpus", "prefetch_depth", "sequences", "seq_len", "micro_batches",
+                         "grad_accumulation", "clip_grad_norm", "precision", "gpu_budget_bytes", "host_budget_bytes",
+                         "resident_level_bytes", "resident_segments", "retention_name", "layers", "loss_chunk_rows", "predicted"},
+                        "a plan");
+    refuse_unknown_keys(j["precision"], {"weights", "master", "moments", "grads"}, "the plan's precision");
     Plan p;
     p.model = j["model"].as_string();
     p.path = parse_path(j["path"]);
@@ -185,8 +211,12 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
       OOM_THROW(Errc::parse, fmt::format("sequences {} x seq_len {} is more than the {} tokens a micro-batch may hold", p.workload.sequences,
                                          p.workload.seq_len, max_workload_tokens));
     const auto layers = j["layers"];
+    (void)layers.as_array();  // an object would otherwise pass as a list of its members
+    const auto classes = names_of<ActivationClass>(activation_class_count);
     for (std::size_t l = 0; l < layers.size(); ++l) {
       const auto layer = layers[l];
+      refuse_unknown_keys(layer, {"retention", "attention_chunk_ends", "moe_chunk_tokens"}, fmt::format("layer {}", l));
+      refuse_unknown_keys(layer["retention"], classes, fmt::format("layer {}'s retention", l));
       std::array<RetentionDecision, activation_class_count> row{};
       for (int c = 0; c < activation_class_count; ++c) {
         const auto field = layer["retention"][to_string(static_cast<ActivationClass>(c))];
@@ -228,6 +258,11 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     p.predicted.host_peak = Bytes{j["predicted"]["host_peak_bytes"].as_uint64()};
     // Optional (a hand-written plan may leave them out): busy seconds by resource, bytes by claimant.
     const auto pred = j["predicted"];
+    refuse_unknown_keys(pred, {"step_s", "busy_s", "gpu_peak_bytes", "host_peak_bytes", "gpu_at_peak_bytes", "peak_bytes"},
+                        "the plan's prediction");
+    if (pred["busy_s"].present()) refuse_unknown_keys(pred["busy_s"], names_of<Resource>(resource_count), "the prediction's busy_s");
+    for (const char* key : {"gpu_at_peak_bytes", "peak_bytes"})
+      if (pred[key].present()) refuse_unknown_keys(pred[key], names_of<Claimant>(claimant_count), fmt::format("the prediction's {}", key));
     if (pred["busy_s"].present())
       for (int r = 0; r < resource_count; ++r)
         if (const auto v = pred["busy_s"][to_string(static_cast<Resource>(r))]; v.present())
@@ -238,8 +273,8 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
           if (const auto v = pred[key][to_string(static_cast<Claimant>(c))]; v.present())
             (*into)[static_cast<std::size_t>(c)] = Bytes{v.as_uint64()};
     return p;
-  } catch (Error& e) {
-    throw e.add_context(fmt::format("reading plan {}", source));
+  } catch (const Error& e) {  // one line, the file first, as the profile reader's
+    throw Error(e.code(), fmt::format("plan {}: {}", source, e.message()));
   } catch (const std::exception& e) {
     throw Error(Errc::parse, fmt::format("plan {}: {}", source, e.what()));
   }

@@ -601,6 +601,58 @@ TEST_CASE("a plan file's 'recompute from N' is a layer number, after recompute a
   }
 }
 
+namespace {
+
+/// `j` with `key` set to `value` in the object at `path` (object keys, or array indices in digits).
+Json with_key(Json j, const std::vector<std::string>& path, const std::string& key, Json value) {
+  if (path.empty()) {
+    j.set(key, std::move(value));
+    return j;
+  }
+  const std::vector<std::string> rest(path.begin() + 1, path.end());
+  if (j.is_array()) {
+    Json::Array a = j.as_array();
+    auto& e = a.at(std::stoul(path.front()));
+    e = with_key(e, rest, key, std::move(value));
+    return Json(std::move(a));
+  }
+  REQUIRE(j.find(path.front()) != nullptr);
+  j.set(path.front(), with_key(*j.find(path.front()), rest, key, std::move(value)));
+  return j;
+}
+
+}  // namespace
+
+TEST_CASE("a plan file's unknown keys are refused at every level, naming the key and where it is") {
+  // A misspelt "grad_acumulation": "device" had run with host accumulation; an unknown retention
+  // class and extra fields at the top or in a layer had been ignored.
+  const PlannerOnH200 m("tiny-moe.json", "tiny");
+  PlanRequest req;
+  req.gpu_budget = 1_GiB;
+  req.host_budget = 8_GiB;
+  req.workload = {1, 256};
+  const Json good = m.planner.plan(req).plans.at(0).to_json();
+  REQUIRE(good.find("layers")->size() > 3);
+  CHECK_NOTHROW((void)Plan::from_json(good, "good.json"));
+  struct Case {
+    std::vector<std::string> path;
+    const char* key;
+    const char* want;
+  };
+  for (const Case& c : {Case{{}, "grad_acumulation", "plan typo.json: grad_acumulation: unknown key 'grad_acumulation' in a plan"},
+                        Case{{"precision"}, "optimizer", "precision.optimizer: unknown key 'optimizer' in the plan's precision"},
+                        Case{{"layers", "3"}, "notes", "layers[3].notes: unknown key 'notes' in layer 3 (known: retention,"},
+                        Case{{"layers", "3", "retention"}, "foo", "layers[3].retention.foo: unknown key 'foo' in layer 3's retention "
+                                                                  "(known: layer_boundary,"},
+                        Case{{"predicted"}, "step", "predicted.step: unknown key 'step' in the plan's prediction"},
+                        Case{{"predicted", "busy_s"}, "gpu", "predicted.busy_s.gpu: unknown key 'gpu'"},
+                        Case{{"predicted", "peak_bytes"}, "kv_cache", "predicted.peak_bytes.kv_cache: unknown key 'kv_cache'"}}) {
+    CAPTURE(c.key);
+    const Json bad = with_key(good, c.path, c.key, "device");
+    CHECK_THROWS_WITH_AS((void)Plan::from_json(bad, "typo.json"), doctest::Contains(c.want), Error);
+  }
+}
+
 TEST_CASE("a profile whose rates price a step at infinity is refused, naming the profile") {
   const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/tiny-moe.json");
   MachineProfile slow = MachineProfile::h200(1);
