@@ -639,6 +639,28 @@ int run(Args a) {
   const Planner planner(spec, profile, config_name);
   if (!a.plan.empty()) {
     plan = Plan::from_json(read_json_file(a.plan), a.plan);
+    // The model it was made for: by its fingerprint, the same for one config wherever it is read
+    // from (oom-plan records the path as typed; this run's config may be built in or a
+    // checkpoint's). A plan from before the fingerprint names its config: the same JSON is the
+    // same model (the built-in one is examples/configs/tiny-moe.json's).
+    const std::string fingerprint = model_fingerprint(spec);
+    if (!plan.model_fingerprint.empty() && plan.model_fingerprint != fingerprint)
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("{}: made for another model ('{}', model_fingerprint {}); {}'s is {} (plan again with oom-plan for this model)",
+                            a.plan, plan.model, plan.model_fingerprint, config_name, fingerprint));
+    const auto names_this_config = [&] {
+      try {
+        return plan.model == config_name ||
+               (fs::is_regular_file(plan.model, ec) && Json::parse(read_text(plan.model), plan.model) == Json::parse(config_text, config_name));
+      } catch (const Error&) {
+        return false;  // unreadable or not JSON: not this config
+      }
+    };
+    if (plan.model_fingerprint.empty() && !names_this_config())
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("{}: made for model '{}', this run trains {} (a plan without model_fingerprint, from before oom-plan "
+                            "wrote one, names its config; plan again with oom-plan for this model)",
+                            a.plan, plan.model, config_name));
     if (plan.workload.seq_len != a.seq || plan.workload.sequences != a.batch || plan.micro_batches != static_cast<int>(a.micro_batches))
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("{}: planned for {} micro-batch(es) of {} x {} tokens, the run asks for {} of {} x {} (--micro-batches, "
@@ -650,17 +672,23 @@ int run(Args a) {
                             plan.clip_grad_norm ? "with" : "without", a.max_grad_norm > 0 ? "it" : "none", a.max_grad_norm));
     if (plan.gpus != 1)
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} GPUs; oom-train runs on one (oom-plan --gpus 1)", a.plan, plan.gpus));
-    // A plan of another model: its layers or segment names differ (simulate refuses them), or, for
-    // a model of the same names and other widths, the state it keeps on each side does. Those two
-    // sums depend on the model and the plan's residency alone, not on the profile's timings.
-    const SimResult sim = planner.simulate(plan);
+    // Checked whole against the model (simulate: its layers, segments, chunks, recomputes), its
+    // errors naming the file. Then the state it keeps on each side, which depends on the model and
+    // the plan's residency alone, not on the profile's timings: another sum than when it was
+    // planned is another model's plan (one without a fingerprint) or an edited one.
+    SimResult sim;
+    try {
+      sim = planner.simulate(plan);
+    } catch (const Error& e) {
+      throw Error(e.code(), fmt::format("{}: {}", a.plan, e.message()));
+    }
     for (const Claimant c : {Claimant::resident_state, Claimant::host_state}) {
       const Bytes saved = plan.predicted.peak[static_cast<std::size_t>(c)];
       const Bytes here = sim.peak[static_cast<std::size_t>(c)];
       if (saved.count() != 0 && saved != here)
         OOM_THROW(Errc::invalid_argument,
-                  fmt::format("{}: made for another model ('{}'): its {} is {}, on {} the same plan's is {} (plan again with oom-plan "
-                              "for this model)", a.plan, plan.model, to_string(c), saved, config_name, here));
+                  fmt::format("{}: its {} was {} when planned, the same plan on {} is {}: made for another model ('{}') or edited "
+                              "since (plan again with oom-plan for this model)", a.plan, to_string(c), saved, config_name, here, plan.model));
     }
   } else {
     PlanRequest req;

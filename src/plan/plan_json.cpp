@@ -67,6 +67,29 @@ std::vector<std::string> names_of(int count) {
   return out;
 }
 
+/// A precision of model state: a floating-point type. An "int32" had been priced at its 4 bytes
+/// and the plan then refused as another model's (its resident state differed from the model's).
+DType parse_state_dtype(const JsonCursor& c) {
+  const std::string& text = c.as_string();
+  DType d{};
+  try {
+    d = parse_dtype(text);
+  } catch (const Error& e) {
+    OOM_THROW(Errc::parse, fmt::format("{}: {}", c.path(), e.message()));
+  }
+  switch (d) {
+    case DType::bf16:
+    case DType::fp16:
+    case DType::fp32:
+    case DType::fp64:
+    case DType::fp8_e4m3:
+    case DType::fp8_e5m2: return d;
+    default: break;
+  }
+  OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not a floating-point type (model state is bf16, fp16, fp32, fp64, fp8_e4m3 or fp8_e5m2)",
+                                     c.path(), text));
+}
+
 Json bytes_by_claimant(const std::array<Bytes, claimant_count>& a) {
   Json o = Json::object();
   for (int c = 0; c < claimant_count; ++c) o.set(to_string(static_cast<Claimant>(c)), a[static_cast<std::size_t>(c)].count());
@@ -79,6 +102,7 @@ Json Plan::to_json() const {
   Json j = Json::object();
   j.set("format", "oom-plan/1");
   j.set("model", model);
+  if (!model_fingerprint.empty()) j.set("model_fingerprint", model_fingerprint);  // none for a LayerStackPlanner's layers
   j.set("path", to_string(path));
   j.set("gpus", gpus);
   j.set("prefetch_depth", prefetch_depth);
@@ -183,13 +207,19 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
       OOM_THROW(Errc::parse, fmt::format("format: '{}' is not oom-plan/1", j["format"].as_string()));
     // Every level's keys are known: a misspelt optional field had run with its default.
     refuse_unknown_keys(j,
-                        {"format", "model", "path", "gpus", "prefetch_depth", "sequences", "seq_len", "micro_batches",
+                        {"format", "model", "model_fingerprint", "path", "gpus", "prefetch_depth", "sequences", "seq_len", "micro_batches",
                          "grad_accumulation", "clip_grad_norm", "precision", "gpu_budget_bytes", "host_budget_bytes",
                          "resident_level_bytes", "resident_segments", "retention_name", "layers", "loss_chunk_rows", "predicted"},
                         "a plan");
     refuse_unknown_keys(j["precision"], {"weights", "master", "moments", "grads"}, "the plan's precision");
     Plan p;
     p.model = j["model"].as_string();
+    if (const auto fp = j["model_fingerprint"]; fp.present()) {  // absent in older plans and a LayerStackPlanner's
+      p.model_fingerprint = fp.as_string();
+      if (p.model_fingerprint.size() != 16 ||
+          !std::all_of(p.model_fingerprint.begin(), p.model_fingerprint.end(), [](char ch) { return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'); }))
+        OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not 16 lowercase hex digits", fp.path(), p.model_fingerprint));
+    }
     p.path = parse_path(j["path"]);
     p.gpus = bounded(j["gpus"], 1, max_plan_gpus, "GPUs of one node");
     p.prefetch_depth = bounded(j["prefetch_depth"], 1, max_prefetch_depth, "weight slots, layers in flight");
@@ -197,10 +227,10 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
     p.micro_batches = bounded(j["micro_batches"], 1, max_micro_batches, "micro-batches a step");
     if (j["grad_accumulation"].present()) p.grad_accumulation = parse_accumulation(j["grad_accumulation"]);  // absent in older plans: host
     if (j["clip_grad_norm"].present()) p.clip_grad_norm = j["clip_grad_norm"].as_bool();  // absent in older plans: off
-    p.precision.weights = parse_dtype(j["precision"]["weights"].as_string());
-    p.precision.master = parse_dtype(j["precision"]["master"].as_string());
-    p.precision.moments = parse_dtype(j["precision"]["moments"].as_string());
-    p.precision.grads = parse_dtype(j["precision"]["grads"].as_string());
+    p.precision.weights = parse_state_dtype(j["precision"]["weights"]);
+    p.precision.master = parse_state_dtype(j["precision"]["master"]);
+    p.precision.moments = parse_state_dtype(j["precision"]["moments"]);
+    p.precision.grads = parse_state_dtype(j["precision"]["grads"]);
     p.gpu_budget = Bytes{j["gpu_budget_bytes"].as_uint64()};
     p.host_budget = Bytes{j["host_budget_bytes"].as_uint64()};
     p.resident_level = Bytes{j["resident_level_bytes"].as_uint64()};

@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
@@ -136,6 +137,9 @@ std::vector<bool> resident_mask(const ModelSpec& spec, const std::vector<std::st
   for (const auto& n : names) {
     const auto it = index.find(n);
     if (it == index.end()) OOM_THROW(Errc::invalid_argument, "plan names resident segment '" + n + "', which this model does not have");
+    // Named twice, it had been counted once in the graph and twice by describe() ("48 of 47
+    // segments resident"), and an edited plan taken for another model's.
+    if (mask[it->second]) OOM_THROW(Errc::invalid_argument, "plan names resident segment '" + n + "' twice (resident_segments)");
     mask[it->second] = true;
   }
   return mask;
@@ -611,8 +615,34 @@ class GraphBuilder {
 
 }  // namespace
 
+std::string model_fingerprint(const ModelSpec& spec) {
+  // What the planner reads of a model, in a fixed order: numbers that only the layers' arithmetic
+  // uses (rope_theta, norm epsilon, router noise) leave a plan as it was.
+  std::string text = fmt::format("{} vocab {} hidden {} tied {};", to_string(spec.family()), spec.vocab_size(), spec.hidden_size(),
+                                 spec.tied_embeddings());
+  const auto& a = spec.attention();
+  text += fmt::format("attention {} {} {} {} {} {} {} {};", a.heads, a.kv_heads, a.head_dim, a.output_gate, a.qk_norm, a.qk_norm_full_width,
+                      a.bias, a.qkv_bias);
+  const auto& la = spec.linear_attention();
+  text += fmt::format("linear {} {} {} {} {};", la.key_heads, la.value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel);
+  const auto& m = spec.moe();
+  text += fmt::format("moe {} {} {} {};", m.experts, m.top_k, m.expert_intermediate, m.shared_expert_intermediate);
+  for (const auto& l : spec.layers()) text += fmt::format("layer {} {} {};", to_string(l.attention), l.moe, l.dense_intermediate);
+  for (const auto& seg : spec.segments()) {
+    text += seg.name;
+    for (const auto& t : seg.tensors) text += fmt::format(" {}[{}]", t.name, fmt::join(t.shape, ","));
+    text += ';';
+  }
+  std::uint64_t h = 14695981039346656037ull;  // FNV-1a 64
+  for (const char c : text) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  return fmt::format("{:016x}", h);
+}
+
 Planner::Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name)
-    : spec_(&spec), profile_(&profile), model_name_(std::move(model_name)) {
+    : spec_(&spec), profile_(&profile), model_name_(std::move(model_name)), model_fingerprint_(model_fingerprint(spec)) {
   profile.validate(profile.name);
 }
 
@@ -858,6 +888,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
           // candidate that fits a smaller budget with its smaller chunks is not lost to a larger
           // one (5400 MiB had found no plan for OLMoE-1B-7B at 4K where 5390 MiB had, 2026-12-06).
           Plan p = Plan::for_request(req, model_name_);
+          p.model_fingerprint = model_fingerprint_;
           p.path = path;
           p.prefetch_depth = depth;
           p.resident_level = level;

@@ -653,6 +653,56 @@ TEST_CASE("a plan file's unknown keys are refused at every level, naming the key
   }
 }
 
+TEST_CASE("a plan carries its model's fingerprint: one config's wherever it is read from, another model's differs") {
+  // oom-plan records the config's path as typed and oom-train names its config otherwise (built
+  // in, a checkpoint's config.json): the fingerprint is what oom-train compares.
+  const PlannerOnH200 m("tiny-moe.json", "examples/configs/tiny-moe.json");
+  // The same config in another text (compact, as the built-in one differs from the file in spacing).
+  const Json reformatted = Json::parse(read_json_file(OOM_SOURCE_DIR "/examples/configs/tiny-moe.json").dump());
+  CHECK(model_fingerprint(ModelSpec::from_json(reformatted, "built-in")) == model_fingerprint(m.spec));
+  const ModelSpec wider = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/tiny-moe-d128.json");
+  REQUIRE(wider.segments().size() == m.spec.segments().size());  // same names, other widths
+  CHECK(model_fingerprint(wider) != model_fingerprint(m.spec));
+  CHECK(model_fingerprint(m.spec).size() == 16);
+  PlanRequest req;
+  req.gpu_budget = 1_GiB;
+  req.host_budget = 8_GiB;
+  req.workload = {1, 256};
+  const Plan p = m.planner.plan(req).plans.at(0);
+  CHECK(p.model_fingerprint == model_fingerprint(m.spec));
+  CHECK(Plan::from_json(Json::parse(p.to_json().dump(2)), "<round trip>").model_fingerprint == p.model_fingerprint);
+  Json bad = p.to_json();
+  bad.set("model_fingerprint", "not-a-digest");
+  CHECK_THROWS_WITH_AS((void)Plan::from_json(bad, "bad.json"), doctest::Contains("model_fingerprint: 'not-a-digest' is not 16 lowercase hex"),
+                       Error);
+}
+
+TEST_CASE("a plan file's resident segment named twice, or an integer precision, is refused as such") {
+  // Both had been refused as "made for another model" by oom-train (the resident state it keeps
+  // differed), or, a duplicate that changed no sum, run as "48 of 47 segments resident".
+  const PlannerOnH200 m("tiny-moe.json", "tiny");
+  PlanRequest req;
+  req.gpu_budget = 1_GiB;
+  req.host_budget = 8_GiB;
+  req.workload = {1, 256};
+  const Plan p = m.planner.plan(req).plans.at(0);
+  REQUIRE(p.resident_segments.size() > 1);
+  Plan twice = p;
+  twice.resident_segments.push_back(p.resident_segments.front());
+  const std::string want = fmt::format("plan names resident segment '{}' twice", p.resident_segments.front());
+  CHECK_THROWS_WITH_AS((void)m.planner.simulate(twice), doctest::Contains(want.c_str()), Error);
+  CHECK_THROWS_WITH_AS((void)m.planner.simulate(Plan::from_json(twice.to_json(), "twice.json")), doctest::Contains(want.c_str()), Error);
+  for (const char* field : {"weights", "master", "moments", "grads"}) {
+    CAPTURE(field);
+    Json precision = *p.to_json().find("precision");
+    precision.set(field, "int32");
+    Json bad = p.to_json();
+    bad.set("precision", precision);
+    const std::string msg = fmt::format("plan int32.json: precision.{}: 'int32' is not a floating-point type", field);
+    CHECK_THROWS_WITH_AS((void)Plan::from_json(bad, "int32.json"), doctest::Contains(msg.c_str()), Error);
+  }
+}
+
 TEST_CASE("a profile whose rates price a step at infinity is refused, naming the profile") {
   const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/tiny-moe.json");
   MachineProfile slow = MachineProfile::h200(1);

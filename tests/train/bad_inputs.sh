@@ -78,6 +78,34 @@ if [[ -x "$plan_tool" ]]; then
     --json "$work/two-gpu-plan.json" > /dev/null || { echo "FAIL: oom-plan --gpus 2 failed"; exit 1; }
   expect plan-of-two-gpus 2 "planned for 2 GPUs" -- --plan "$work/two-gpu-plan.json"
   expect plan-with-gpu-mem 2 "runs within the budgets it was made for" -- --plan "$work/unclipped-plan.json" --gpu-mem 2GiB
+  # Another model's plan whose peaks say nothing (zero: unknown) had run: its model_fingerprint is
+  # compared; a plan without one (from before it) names its config, compared as JSON. The same
+  # config's plan runs on the built-in model (tiny-moe.json's JSON) without its fingerprint too.
+  sed '/"peak_bytes": {/,/}/ s/: [0-9][0-9]*/: 0/' "$work/d128-plan.json" > "$work/d128-no-peaks.json"
+  expect plan-of-another-model-no-peaks 2 "d128-no-peaks.json: made for another model ('.*tiny-moe-d128.json', model_fingerprint" -- \
+    --plan "$work/d128-no-peaks.json"
+  sed '/"model_fingerprint"/d' "$work/d128-no-peaks.json" > "$work/d128-unprinted.json"
+  expect plan-of-another-model-by-name 2 "d128-unprinted.json: made for model '.*tiny-moe-d128.json', this run trains built-in" -- \
+    --plan "$work/d128-unprinted.json"
+  sed '/"model_fingerprint"/d' "$work/unclipped-plan.json" > "$work/unprinted.json"
+  if ! "$train" --out "$work/unprinted" --steps 1 --seq 32 --plan "$work/unprinted.json" > /dev/null 2> "$work/unprinted.stderr"; then
+    echo "FAIL plan-of-this-config-unprinted: the built-in model's plan without its fingerprint was refused"; cat "$work/unprinted.stderr"
+    fails=$((fails + 1))
+  else echo "ok   plan-of-this-config-unprinted"; fi
+  # Errors from reading or checking a plan name its file, and say what is wrong: a misspelt key,
+  # a segment the model lacks or named twice, an integer precision, a recompute the executors do
+  # not run.
+  sed 's/"grad_accumulation"/"grad_acumulation"/' "$work/unclipped-plan.json" > "$work/typo.json"
+  expect plan-misspelt-key 2 "typo.json: grad_acumulation: unknown key 'grad_acumulation' in a plan" -- --plan "$work/typo.json"
+  sed 's/"layers.0.norms"/"layers.9.norms"/' "$work/unclipped-plan.json" > "$work/no-such-segment.json"
+  expect plan-segment-elsewhere 2 "no-such-segment.json: plan names resident segment 'layers.9.norms', which this model does not have" -- \
+    --plan "$work/no-such-segment.json"
+  sed 's/"layers.0.norms"/"embedding"/' "$work/unclipped-plan.json" > "$work/segment-twice.json"
+  expect plan-segment-twice 2 "segment-twice.json: plan names resident segment 'embedding' twice" -- --plan "$work/segment-twice.json"
+  sed 's/"weights": "bf16"/"weights": "int32"/' "$work/unclipped-plan.json" > "$work/int32.json"
+  expect plan-integer-precision 2 "int32.json: precision.weights: 'int32' is not a floating-point type" -- --plan "$work/int32.json"
+  sed '0,/"norm_output": "keep"/ s//"norm_output": "recompute from 3"/' "$work/unclipped-plan.json" > "$work/recompute.json"
+  expect plan-recompute-source 2 "recompute.json: layer 0: norm_output recomputed from layer 3" -- --plan "$work/recompute.json"
 fi
 # Output paths refused before any step runs.
 expect trace-nowhere 2 "does not exist" -- --trace-step 2 --trace "$work/nowhere/t.json"

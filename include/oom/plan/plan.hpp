@@ -92,6 +92,9 @@ struct LayerChunks {
 
 struct Plan {
   std::string model;  ///< the config it was made for (path or name)
+  /// model_fingerprint() of the model it was made for (empty: a LayerStackPlanner's layers, or a
+  /// plan from before the field): what oom-train compares, the name being a path as typed.
+  std::string model_fingerprint;
   ExecutionPath path = ExecutionPath::local;
   int gpus = 1;
   int prefetch_depth = 2;  ///< weight slots per GPU: layers in flight

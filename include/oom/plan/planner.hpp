@@ -24,7 +24,7 @@ struct PlanSet {
 
 class Planner {
  public:
-  /// `model_name` is recorded in plans (e.g. the config's path).
+  /// `model_name` is recorded in plans (e.g. the config's path), with model_fingerprint(spec).
   Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name = {});
   /// It keeps a pointer to the profile (and the spec): a temporary would dangle.
   Planner(const ModelSpec& spec, MachineProfile&& profile, std::string model_name = {}) = delete;
@@ -70,6 +70,14 @@ class Planner {
   const ModelSpec* spec_;
   const MachineProfile* profile_;
   std::string model_name_;
+  std::string model_fingerprint_;
 };
+
+/// What a plan depends on in a model, as 16 lowercase hex digits (FNV-1a 64 of its family,
+/// widths, each layer's attention and MLP kinds, and every segment's tensors by name and shape):
+/// the same for one config whatever its path (oom-plan records the path as typed, oom-train may
+/// read the same config from a checkpoint or have it built in), another for a model of other
+/// widths. Plans carry it (Plan::model_fingerprint); oom-train refuses a plan of another.
+[[nodiscard]] std::string model_fingerprint(const ModelSpec& spec);
 
 }  // namespace oom
