@@ -305,7 +305,8 @@ int main(int argc, char** argv) {
 #if OOM_PLAN_HAS_CUDA
     if (req.precision.moments != oom::DType::fp32)
       fmt::print("--moments {}: plans for moments oom-train does not keep (its executors keep fp32 AdamW moments); the CUDA "
-                 "executor's lines below count fp32 moments, and what oom-train would run is planned with them\n",
+                 "executor's lines below count fp32 moments, what oom-train would run is planned with them, and oom-train --plan "
+                 "refuses a plan of bf16 moments\n",
                  oom::name(req.precision.moments));
 #endif
     fmt::print("searched {} candidates ({} within budget) in {:.3f} s\n\n", set.evaluated, set.feasible, set.search_s);

@@ -672,6 +672,20 @@ int run(Args a) {
                             plan.clip_grad_norm ? "with" : "without", a.max_grad_norm > 0 ? "it" : "none", a.max_grad_norm));
     if (plan.gpus != 1)
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} GPUs; oom-train runs on one (oom-plan --gpus 1)", a.plan, plan.gpus));
+    // Both backends keep the state as StatePrecision's defaults (bf16 working weights, fp32 master,
+    // moments and gradients), whatever the plan counts: a plan of bf16 moments (oom-plan --moments
+    // bf16) had been taken without a word and run over its budget at step 1.
+    struct Kept {
+      const char* field;
+      DType planned, kept;
+    };
+    const StatePrecision runs;
+    for (const Kept& k : {Kept{"weights", plan.precision.weights, runs.weights}, Kept{"master", plan.precision.master, runs.master},
+                          Kept{"moments", plan.precision.moments, runs.moments}, Kept{"grads", plan.precision.grads, runs.grads}})
+      if (k.planned != k.kept)
+        OOM_THROW(Errc::invalid_argument,
+                  fmt::format("{}: precision.{} is {}, oom-train keeps {} {} (plan again with oom-plan at its precisions: no --moments)",
+                              a.plan, k.field, name(k.planned), name(k.kept), k.field));
     // Checked whole against the model (simulate: its layers, segments, chunks, recomputes), its
     // errors naming the file. Then the state it keeps on each side, which depends on the model and
     // the plan's residency alone, not on the profile's timings: another sum than when it was

@@ -106,6 +106,11 @@ if [[ -x "$plan_tool" ]]; then
   expect plan-integer-precision 2 "int32.json: precision.weights: 'int32' is not a floating-point type" -- --plan "$work/int32.json"
   sed '0,/"norm_output": "keep"/ s//"norm_output": "recompute from 3"/' "$work/unclipped-plan.json" > "$work/recompute.json"
   expect plan-recompute-source 2 "recompute.json: layer 0: norm_output recomputed from layer 3" -- --plan "$work/recompute.json"
+  # A plan of precisions the trainer does not keep (oom-plan --moments bf16) had run, then passed
+  # its budget at step 1 (the trainer keeps fp32 moments).
+  "$plan_tool" --model "$(dirname "$0")/../../examples/configs/tiny-moe.json" --seq 32 --gpu-mem 1GiB --host-mem 4GiB --moments bf16 \
+    --json "$work/bf16-moments.json" > /dev/null || { echo "FAIL: oom-plan --moments bf16 failed"; exit 1; }
+  expect plan-bf16-moments 2 "bf16-moments.json: precision.moments is bf16, oom-train keeps fp32 moments" -- --plan "$work/bf16-moments.json"
 fi
 # Output paths refused before any step runs.
 expect trace-nowhere 2 "does not exist" -- --trace-step 2 --trace "$work/nowhere/t.json"
