@@ -248,7 +248,7 @@ int main(int argc, char** argv) {
                profile.name, a.gpus, req.gpu_budget, req.host_budget, a.batch, a.longest ? std::string("(longest)") : std::to_string(a.seq),
                a.micro_batches, req.clip_grad_norm ? ", gradients clipped by global norm" : "");
 
-    const oom::Planner planner(spec, profile, a.model);
+    const oom::Planner planner(spec, profile, a.model, a.profile);
 #if OOM_PLAN_HAS_CUDA
     oom::CudaCausalLmOptions executor;
     if (a.grad_staging) executor.grad_staging_layers = *a.grad_staging;

@@ -636,7 +636,7 @@ int run(Args a) {
               "(it applies to --backend cuda)");
   const MachineProfile profile = a.profile.empty() ? MachineProfile::builtin(a.machine, 1) : MachineProfile::from_file(a.profile);
   Plan plan;
-  const Planner planner(spec, profile, config_name);
+  const Planner planner(spec, profile, config_name, a.profile);
   if (!a.plan.empty()) {
     plan = Plan::from_json(read_json_file(a.plan), a.plan);
     // The model it was made for: by its fingerprint, the same for one config wherever it is read

@@ -641,9 +641,10 @@ std::string model_fingerprint(const ModelSpec& spec) {
   return fmt::format("{:016x}", h);
 }
 
-Planner::Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name)
-    : spec_(&spec), profile_(&profile), model_name_(std::move(model_name)), model_fingerprint_(model_fingerprint(spec)) {
-  profile.validate(profile.name);
+Planner::Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name, std::string profile_file)
+    : spec_(&spec), profile_(&profile), model_name_(std::move(model_name)), model_fingerprint_(model_fingerprint(spec)),
+      profile_file_(std::move(profile_file)) {
+  profile.validate(profile_file_.empty() ? std::string_view(profile.name) : std::string_view(profile_file_));
 }
 
 namespace {
@@ -916,8 +917,10 @@ PlanSet Planner::plan(const PlanRequest& req) const {
             sim = search_simulation(model, *spec_, p, states);
             ++out.evaluated;
             if (!std::isfinite(sim.step_s))
-              OOM_THROW(Errc::invalid_argument, fmt::format("profile '{}': its rates predict a step of {} s (a rate too small to price "
-                                                            "with: check the profile's rates)", profile_->name, sim.step_s));
+              OOM_THROW(Errc::invalid_argument, fmt::format("profile '{}'{}: its rates predict a step of {} s (a rate too small to price "
+                                                            "with: check the profile's rates)",
+                                                            profile_->name, profile_file_.empty() ? "" : fmt::format(" ({})", profile_file_),
+                                                            sim.step_s));
             if (sim.gpu_peak <= req.gpu_budget || workset == need_chunks || attempt == 6) break;
             // The peak is not monotonic in the workset (a split adds to every chunk): smaller
             // worksets by 3% a try, down to 0.83x (not to the least: chunks of a granule each

@@ -703,7 +703,7 @@ TEST_CASE("a plan file's resident segment named twice, or an integer precision, 
   }
 }
 
-TEST_CASE("a profile whose rates price a step at infinity is refused, naming the profile") {
+TEST_CASE("a profile whose rates price a step at infinity is refused, naming the profile and its file") {
   const auto spec = ModelSpec::from_file(OOM_SOURCE_DIR "/examples/configs/tiny-moe.json");
   MachineProfile slow = MachineProfile::h200(1);
   slow.hbm_bytes_per_s = 1e-300;  // finite and positive: the profile's own checks pass it
@@ -713,6 +713,10 @@ TEST_CASE("a profile whose rates price a step at infinity is refused, naming the
   req.host_budget = 8_GiB;
   req.workload = {1, 256};
   CHECK_THROWS_WITH_AS((void)planner.plan(req), doctest::Contains("profile 'h200': its rates predict a step of inf s"), Error);
+  // Read from a file, the file is named too (the built-in profile is 'h200' as well).
+  const Planner from_file(spec, slow, "tiny", "profiles/slow.json");
+  CHECK_THROWS_WITH_AS((void)from_file.plan(req), doctest::Contains("profile 'h200' (profiles/slow.json): its rates predict a step of inf s"),
+                       Error);
 }
 
 TEST_CASE("a workload whose byte counts would pass 64 bits is refused before any is counted") {

@@ -112,6 +112,12 @@ if [[ -x "$plan_tool" ]]; then
     --json "$work/bf16-moments.json" > /dev/null || { echo "FAIL: oom-plan --moments bf16 failed"; exit 1; }
   expect plan-bf16-moments 2 "bf16-moments.json: precision.moments is bf16, oom-train keeps fp32 moments" -- --plan "$work/bf16-moments.json"
 fi
+# A profile whose rates price a step at infinity is named by its file too (the error had named
+# only the name inside it, "h200", which the built-in profile has as well).
+sed 's/"hbm_bytes_per_s": [0-9.e+]*,/"hbm_bytes_per_s": 1e-300,/' "$(dirname "$0")/../../examples/profiles/h200-2026-12-04.json" \
+  > "$work/slow-profile.json"
+expect profile-prices-infinity 2 "profile 'h200' (.*slow-profile.json): its rates predict a step of inf s" -- \
+  --profile "$work/slow-profile.json" --seq 256
 # Output paths refused before any step runs.
 expect trace-nowhere 2 "does not exist" -- --trace-step 2 --trace "$work/nowhere/t.json"
 expect trace-directory 2 "a directory, not a file name" -- --trace-step 2 --trace "$work"

@@ -25,9 +25,11 @@ struct PlanSet {
 class Planner {
  public:
   /// `model_name` is recorded in plans (e.g. the config's path), with model_fingerprint(spec).
-  Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name = {});
+  /// `profile_file` is the file the profile was read from, named beside the profile's own name in
+  /// errors about it (empty: a built-in profile).
+  Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name = {}, std::string profile_file = {});
   /// It keeps a pointer to the profile (and the spec): a temporary would dangle.
-  Planner(const ModelSpec& spec, MachineProfile&& profile, std::string model_name = {}) = delete;
+  Planner(const ModelSpec& spec, MachineProfile&& profile, std::string model_name = {}, std::string profile_file = {}) = delete;
 
   /// Throws Errc::invalid_argument for a malformed request and Errc::out_of_budget, naming the
   /// least GPU and host bytes a plan needs and the claimant that dominates, when nothing fits.
@@ -71,6 +73,7 @@ class Planner {
   const MachineProfile* profile_;
   std::string model_name_;
   std::string model_fingerprint_;
+  std::string profile_file_;
 };
 
 /// What a plan depends on in a model, as 16 lowercase hex digits (FNV-1a 64 of its family,
