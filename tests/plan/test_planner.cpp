@@ -63,6 +63,15 @@ struct PlannerOnH200 {
   PlannerOnH200& operator=(const PlannerOnH200&) = delete;
 };
 
+/// One 256-token sequence in 1 GiB of GPU and 8 GiB of host: what tiny-moe's plans are made for.
+PlanRequest tiny_request() {
+  PlanRequest req;
+  req.gpu_budget = 1_GiB;
+  req.host_budget = 8_GiB;
+  req.workload = {1, 256};
+  return req;
+}
+
 /// Qwen3-Next-80B-A3B's planner (3:1 linear and full attention), with host memory to spare
 /// (2 TiB), as the hybrid retention's tests plan it.
 struct QwenNextOnH200 : PlannerOnH200 {
@@ -576,10 +585,7 @@ TEST_CASE("a plan made elsewhere is checked against the model before its graph i
 
 TEST_CASE("a plan file's 'recompute from N' is a layer number, after recompute alone") {
   const PlannerOnH200 m("tiny-moe.json", "tiny");
-  PlanRequest req;
-  req.gpu_budget = 1_GiB;
-  req.host_budget = 8_GiB;
-  req.workload = {1, 256};
+  PlanRequest req = tiny_request();
   const Json good = m.planner.plan(req).plans.at(0).to_json();
   const std::string text = good.dump(2);
   const auto at = text.find("\"keep\"");
@@ -627,10 +633,7 @@ TEST_CASE("a plan file's unknown keys are refused at every level, naming the key
   // A misspelt "grad_acumulation": "device" had run with host accumulation; an unknown retention
   // class and extra fields at the top or in a layer had been ignored.
   const PlannerOnH200 m("tiny-moe.json", "tiny");
-  PlanRequest req;
-  req.gpu_budget = 1_GiB;
-  req.host_budget = 8_GiB;
-  req.workload = {1, 256};
+  PlanRequest req = tiny_request();
   const Json good = m.planner.plan(req).plans.at(0).to_json();
   REQUIRE(good.find("layers")->size() > 3);
   CHECK_NOTHROW((void)Plan::from_json(good, "good.json"));
@@ -664,10 +667,7 @@ TEST_CASE("a plan carries its model's fingerprint: one config's wherever it is r
   REQUIRE(wider.segments().size() == m.spec.segments().size());  // same names, other widths
   CHECK(model_fingerprint(wider) != model_fingerprint(m.spec));
   CHECK(model_fingerprint(m.spec).size() == 16);
-  PlanRequest req;
-  req.gpu_budget = 1_GiB;
-  req.host_budget = 8_GiB;
-  req.workload = {1, 256};
+  PlanRequest req = tiny_request();
   const Plan p = m.planner.plan(req).plans.at(0);
   CHECK(p.model_fingerprint == model_fingerprint(m.spec));
   CHECK(Plan::from_json(Json::parse(p.to_json().dump(2)), "<round trip>").model_fingerprint == p.model_fingerprint);
@@ -681,10 +681,7 @@ TEST_CASE("a plan file's resident segment named twice, or an integer precision, 
   // Both had been refused as "made for another model" by oom-train (the resident state it keeps
   // differed), or, a duplicate that changed no sum, run as "48 of 47 segments resident".
   const PlannerOnH200 m("tiny-moe.json", "tiny");
-  PlanRequest req;
-  req.gpu_budget = 1_GiB;
-  req.host_budget = 8_GiB;
-  req.workload = {1, 256};
+  PlanRequest req = tiny_request();
   const Plan p = m.planner.plan(req).plans.at(0);
   REQUIRE(p.resident_segments.size() > 1);
   Plan twice = p;
@@ -708,10 +705,7 @@ TEST_CASE("a profile whose rates price a step at infinity is refused, naming the
   MachineProfile slow = MachineProfile::h200(1);
   slow.hbm_bytes_per_s = 1e-300;  // finite and positive: the profile's own checks pass it
   const Planner planner(spec, slow, "tiny");
-  PlanRequest req;
-  req.gpu_budget = 1_GiB;
-  req.host_budget = 8_GiB;
-  req.workload = {1, 256};
+  PlanRequest req = tiny_request();
   CHECK_THROWS_WITH_AS((void)planner.plan(req), doctest::Contains("profile 'h200': its rates predict a step of inf s"), Error);
   // Read from a file, the file is named too (the built-in profile is 'h200' as well).
   const Planner from_file(spec, slow, "tiny", "profiles/slow.json");
