@@ -13,16 +13,20 @@
 namespace oom::examples {
 
 /// `planner.plan(req)`; where nothing fits, the out_of_budget error again with the least GPU
-/// budget Planner::least_gpu_budget finds a plan at, as a `--gpu-mem` value that plans.
+/// budget Planner::least_gpu_budget finds a plan at, as a `--gpu-mem` value that plans, searched
+/// up to the profile's GPU memory: past it, the host budget is what to raise (a search without
+/// that bound had told a 16 GiB host to take 2.09 TiB of GPU memory).
 inline PlanSet plan_or_say_least(const Planner& planner, const PlanRequest& req) {
   try {
     return planner.plan(req);
   } catch (const Error& e) {
     if (e.code() != Errc::out_of_budget) throw;
-    const auto least = planner.least_gpu_budget(req);
+    const Bytes most = planner.profile().gpu_memory;
+    const auto least = req.gpu_budget < most ? planner.least_gpu_budget(req, 0.005, most) : std::nullopt;
     const std::string found =
-        !least ? fmt::format("; no GPU budget up to 1 PiB finds a plan within the host budget of {}", req.host_budget)
-               : fmt::format("; a search finds plans from {} per GPU (--gpu-mem {}MiB)", *least, least->count() >> 20);
+        least ? fmt::format("; a search finds plans from {} per GPU (--gpu-mem {}MiB)", *least, least->count() >> 20)
+              : fmt::format("; no GPU budget up to the {} profile's {} finds a plan within the host budget of {} (--host-mem)",
+                            planner.profile().name, most, req.host_budget);
     throw Error(e.code(), e.message() + found, e.file(), e.line());
   }
 }

@@ -494,13 +494,16 @@ float learning_rate(const Args& a, std::uint64_t t) {
   return static_cast<float>(a.lr * f);
 }
 
-/// The config.json beside --init-from's weights (a model directory, or the directory of its file or
-/// index), when --config is not given: a Hugging Face model or one of our checkpoints is one path.
-/// A directory without one is refused (its weights would meet the built-in model).
 // One oom-train at a time in a run directory, held until the process ends: two runs in one
 // directory had each rotated the other's checkpoints away and interleaved `latest` and
 // metrics.jsonl (an flock: released by the kernel however the holder ends, SIGKILL included).
+// Taken before `latest` is read where the directory exists (a --resume started while the last run
+// still writes its checkpoint waits for nothing and must not read the older one), else once it is
+// made; a second call does nothing. A filesystem without flock (Lustre without it, NFS without
+// lockd) runs unlocked, with a warning.
 void lock_run_directory(const fs::path& out) {
+  static bool locked = false;
+  if (locked) return;
   const fs::path path = out / ".lock";
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) OOM_THROW(Errc::io, fmt::format("{}: cannot open: {}", path.string(), std::strerror(errno)));
@@ -514,14 +517,23 @@ void lock_run_directory(const fs::path& out) {
     if (err == EWOULDBLOCK)
       OOM_THROW(Errc::invalid_argument, fmt::format("{} is in use by another oom-train{}; one run at a time in a run directory",
                                                     out.string(), holder.empty() ? std::string() : " (process " + holder + ")"));
-    OOM_THROW(Errc::io, fmt::format("{}: cannot lock: {}", path.string(), std::strerror(err)));
+    if (err != ENOSYS && err != ENOLCK && err != EOPNOTSUPP)
+      OOM_THROW(Errc::io, fmt::format("{}: cannot lock: {}", path.string(), std::strerror(err)));
+    say(stderr, "oom-train: warning: {}: this filesystem takes no lock ({}); nothing stops a second run in {}\n", path.string(),
+        std::strerror(err), out.string());
+    locked = true;
+    return;
   }
+  locked = true;
   const std::string me = std::to_string(::getpid()) + "\n";
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
     // The lock holds without the note of who holds it.
   }
 }
 
+/// The config.json beside --init-from's weights (a model directory, or the directory of its file or
+/// index), when --config is not given: a Hugging Face model or one of our checkpoints is one path.
+/// A directory without one is refused (its weights would meet the built-in model).
 std::string config_beside(const std::string& init_from) {
   if (init_from.empty()) return {};
   std::error_code ec;
@@ -536,6 +548,7 @@ std::string config_beside(const std::string& init_from) {
 }
 
 int run(Args a) {
+  if (std::error_code ec; fs::is_directory(a.out, ec)) lock_run_directory(a.out);  // before `latest` is read
   if (a.config.empty()) {
     // A resumed run's model is its checkpoint's; a new one's the config beside --init-from's weights.
     const auto resumed = a.resume ? latest_checkpoint(a.out) : std::nullopt;
@@ -1014,8 +1027,9 @@ int run(Args a) {
     metrics << m.dump() << "\n" << std::flush;
     // A full disk had left the file cut mid-line while the run said "done".
     if (!metrics)
-      OOM_THROW(Errc::io, fmt::format("{}: step {}'s line could not be written ({}); the last checkpoint is the run's to resume",
-                                      metrics_path.string(), step, std::strerror(errno)));
+      OOM_THROW(Errc::io, fmt::format("{}: step {}'s line could not be written ({}){}", metrics_path.string(), step,
+                                      std::strerror(errno),
+                                      a.checkpoint_every > 0 ? "; --resume continues from the last checkpoint" : ""));
     if (step == a.trace_step) {
       const fs::path trace_path = a.trace.empty() ? a.out / fmt::format("trace-step-{}.json", step) : fs::path(a.trace);
       // Beside it, the simulator's timeline of the same plan, to compare op by op.

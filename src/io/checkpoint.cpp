@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "oom/core/error.hpp"
+#include "oom/core/log.hpp"
 #include "oom/core/numeric.hpp"
 #include "oom/io/atomic_file.hpp"
 #include "oom/io/json.hpp"
@@ -270,28 +271,46 @@ class WeightFiles {
   std::unordered_map<std::string, std::size_t> index_;  ///< empty: one file holds every tensor
 };
 
-// Every tensor of `spec` in the file that holds it, checked before anyone reads one; and none the
-// model would drop unread that says the weights are of another model: in our own checkpoints
-// (producer "oom") any tensor beyond the model's, elsewhere one of a decoder layer ("model.layers.
-// <N>." : a deeper model's, or a layer of another shape). Other extras, such as a Qwen3-Next
-// checkpoint's multi-token-prediction head ("mtp."), are left unread.
+// Every tensor of `spec` in the file that holds it, checked before anyone reads one; and what the
+// model leaves unread. Whole decoder layers past its last (a deeper model's: the first N layers of
+// a checkpoint are a way to train a slice of it) are left, said once as a warning; a tensor the
+// model lacks inside one of its own layers is refused (another architecture's weights), and so is
+// any other extra tensor in our own checkpoints (producer "oom": a tied model given its untied
+// head). Other extras of weights from elsewhere, such as a Qwen3-Next checkpoint's
+// multi-token-prediction head ("mtp."), are left unread.
 void check_tensors(const WeightFiles& files, const ModelSpec& spec) {
   for (const auto& seg : spec.segments())
     for (const auto& t : seg.tensors) check_tensor(files.file_of(t.name), t, "weights must be");
   std::unordered_set<std::string> names;
+  std::string layers;  // the decoder layers' prefix, as the model names them: "model.layers.", "model.language_model.layers."
   for (const auto& seg : spec.segments())
-    for (const auto& t : seg.tensors) names.insert(t.name);
+    for (const auto& t : seg.tensors) {
+      names.insert(t.name);
+      if (const auto at = t.name.find("layers.0."); layers.empty() && at != std::string::npos) layers = t.name.substr(0, at + 7);
+    }
+  std::uint64_t first_dropped = ~std::uint64_t{0}, last_dropped = 0, dropped = 0;
   for (const auto& file : files.files()) {
     const auto& meta = file->metadata();
-    if (std::find(meta.begin(), meta.end(), std::pair<std::string, std::string>{"producer", "oom"}) != meta.end()) {
-      check_no_other_tensors(*file, spec, {""});
-      continue;
-    }
-    for (const auto& t : file->tensors())
-      if (t.name.starts_with("model.layers.") && !t.name.ends_with(".rotary_emb.inv_freq") && !names.contains(t.name))
+    const bool ours = std::find(meta.begin(), meta.end(), std::pair<std::string, std::string>{"producer", "oom"}) != meta.end();
+    for (const auto& t : file->tensors()) {
+      if (names.contains(t.name) || t.name.ends_with(".rotary_emb.inv_freq")) continue;
+      std::uint64_t layer = 0;
+      const bool in_layer = !layers.empty() && t.name.starts_with(layers) &&
+                            std::from_chars(t.name.data() + layers.size(), t.name.data() + t.name.size(), layer).ec == std::errc();
+      if (in_layer && layer >= static_cast<std::uint64_t>(spec.num_layers())) {
+        first_dropped = std::min(first_dropped, layer);
+        last_dropped = std::max(last_dropped, layer);
+        ++dropped;
+        continue;
+      }
+      if (ours || in_layer)
         OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' is not in the model, a model of {} decoder layers: weights of "
                                            "another model?", file->source(), t.name, spec.num_layers()));
+    }
   }
+  if (dropped > 0)
+    log_warn("{}: layers {} to {} ({} tensors) are past the model's {} decoder layers and are not read: its first {} layers are",
+             files.source(), first_dropped, last_dropped, dropped, spec.num_layers(), spec.num_layers());
 }
 
 void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<float> out);

@@ -14,4 +14,10 @@ fi
 if ! "$plan" --model "$model" --seq 4096 --gpu-mem "$flag" --host-mem 2TiB --candidates 1 | grep -q "predicted step"; then
   echo "FAIL: --gpu-mem $flag, as the error named it, found no plan"; exit 1
 fi
-echo "PASS: at 7 GiB the error names --gpu-mem $flag, which plans"
+# Where the host budget is what bars every plan, no GPU budget the machine has is named (a search
+# up to 1 PiB had told a 20 GiB host to take 535 GiB of GPU memory): the host budget is.
+out=$("$plan" --model "$model" --seq 4096 --gpu-mem 80GiB --host-mem 20GiB 2>&1)
+if [[ $? -ne 3 ]] || ! grep -q "no GPU budget up to the h200 profile's 139.00 GiB finds a plan within the host budget of 20.00 GiB (--host-mem)" <<< "$out"; then
+  echo "FAIL: a 20 GiB host:"; echo "$out"; exit 1
+fi
+echo "PASS: at 7 GiB the error names --gpu-mem $flag, which plans; with a 20 GiB host it names the host budget"

@@ -47,7 +47,8 @@ done
 # next line went into a closed pipe whose SIGPIPE killed it without its checkpoint. The run now
 # goes on without printing, and the signal still stops it with a checkpoint.
 mkfifo "$work/pipe"
-"$train" "${args[@]}" --log-every 1 --out "$work/piped" > "$work/pipe" 2> "$work/piped.err" &
+"$train" --backend host --seq 64 --steps 100000 --checkpoint-every 100000 --log-every 1 --out "$work/piped" \
+  > "$work/pipe" 2> "$work/piped.err" &  # (many steps: the signal must come before the end on a loaded machine)
 pid=$!
 head -c 1 "$work/pipe" > /dev/null  # one byte, then the reading end closes
 wait_for "$work/piped/metrics.jsonl" '"step":4,' "$pid"
