@@ -1,4 +1,5 @@
 // GPU discovery and pinned copy bandwidth measurement (see oom/cuda/device.hpp).
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -34,7 +35,12 @@ std::string no_device_reason() {
     return "the NVIDIA driver supports CUDA " + version(driver) + ", older than this build's CUDA runtime " + version(runtime) + " (" +
            error + ")";
   }
-  if (status == cudaErrorNoDevice) return "no NVIDIA GPU was found on this machine (" + error + ")";
+  if (status == cudaErrorNoDevice) {
+    // The GPUs may be there but hidden from this process (a scheduler's or a user's setting).
+    if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"))
+      return std::string("no NVIDIA GPU is visible to this process (CUDA_VISIBLE_DEVICES is '") + visible + "', " + error + ")";
+    return "no NVIDIA GPU was found on this machine (" + error + ")";
+  }
   return error;
 }
 
