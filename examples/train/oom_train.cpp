@@ -649,6 +649,9 @@ int run(Args a) {
               "(it applies to --backend cuda)");
   const MachineProfile profile = a.profile.empty() ? MachineProfile::builtin(a.machine, 1) : MachineProfile::from_file(a.profile);
   Plan plan;
+  // Each claimant's own peak in the plan as simulated on this model and profile (the host
+  // backend's pinned arena is sized from them).
+  std::array<Bytes, claimant_count> plan_peaks{};
   const Planner planner(spec, profile, config_name, a.profile);
   if (!a.plan.empty()) {
     plan = Plan::from_json(read_json_file(a.plan), a.plan);
@@ -656,7 +659,7 @@ int run(Args a) {
     // from (oom-plan records the path as typed; this run's config may be built in or a
     // checkpoint's). A plan from before the fingerprint names its config: the same JSON is the
     // same model (the built-in one is examples/configs/tiny-moe.json's).
-    const std::string fingerprint = model_fingerprint(spec);
+    const std::string& fingerprint = planner.model_fingerprint();
     if (!plan.model_fingerprint.empty() && plan.model_fingerprint != fingerprint)
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("{}: made for another model ('{}', model_fingerprint {}); {}'s is {} (plan again with oom-plan for this model)",
@@ -709,6 +712,7 @@ int run(Args a) {
     } catch (const Error& e) {
       throw Error(e.code(), fmt::format("{}: {}", a.plan, e.message()));
     }
+    plan_peaks = sim.peak;
     for (const Claimant c : {Claimant::resident_state, Claimant::host_state}) {
       const Bytes saved = plan.predicted.peak[static_cast<std::size_t>(c)];
       const Bytes here = sim.peak[static_cast<std::size_t>(c)];
@@ -753,6 +757,7 @@ int run(Args a) {
     req.retention = a.retention;
     const auto set = oom::examples::plan_or_say_least(planner, req);
     plan = set.plans.front();
+    plan_peaks = plan.predicted.peak;  // the returned plans are simulated whole
 #if OOM_TRAIN_HAS_CUDA
     if (use_cuda) plan = fit_cuda_executor(spec, planner, set.plans, req, cuda_options(a), a.planned_residency);
 #endif
@@ -834,7 +839,7 @@ int run(Args a) {
     start_step = ts["step"].as_uint64();
     // The step the directory is named for (the loop counts from it: 2^64 - 1 had wrapped it to 0,
     // overwriting this checkpoint), and an optimizer step count it could have reached.
-    if (fmt::format("checkpoint-{:06}", start_step) != latest->filename().string())
+    if (checkpoint_name(start_step) != latest->filename().string())
       OOM_THROW(Errc::parse, fmt::format("{}: step is {}, in a checkpoint named {}", (*latest / "trainer_state.json").string(),
                                          start_step, latest->filename().string()));
     if (const auto opt = ts["optimizer_steps"].as_int64(); opt < 0 || static_cast<std::uint64_t>(opt) > start_step)
@@ -1104,9 +1109,8 @@ int run(Args a) {
   if (plan.gpu_budget.count() > most_accounted || plan.host_budget.count() > most_accounted)
     OOM_THROW(Errc::invalid_argument, fmt::format("GPU budget {} / host budget {}: the host backend accounts at most {} of each "
                                                   "(twice the plan's)", plan.gpu_budget, plan.host_budget, Bytes{most_accounted}));
-  const SimResult host_sim = planner.simulate(plan);
-  const Bytes fp32_again = host_sim.peak[static_cast<std::size_t>(Claimant::host_staging)] +
-                           host_sim.peak[static_cast<std::size_t>(Claimant::host_offload)];
+  const Bytes fp32_again = plan_peaks[static_cast<std::size_t>(Claimant::host_staging)] +
+                           plan_peaks[static_cast<std::size_t>(Claimant::host_offload)];
   HostBackend::Options bo{plan.gpu_budget + plan.gpu_budget, plan.host_budget + fp32_again, /*expose_races=*/false};
   // The weights in memory only while the model is built (a temporary); a resumed run overwrites them below.
   train::HostCausalLm model(spec, plan, train::weights_in_memory(spec, init), adamw, bo, a.max_grad_norm);

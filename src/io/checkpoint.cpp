@@ -102,8 +102,6 @@ SafetensorsEntry entry(std::string name, const Source& src, std::span<const Segm
   return e;
 }
 
-std::string checkpoint_name(std::uint64_t step) { return fmt::format("checkpoint-{:06}", step); }
-
 // The step a directory name "checkpoint-<digits>" holds; nullopt for anything else (".partial",
 // ".old"). Pruning orders by this, not by name: past step 999999 the names grow a digit and
 // "checkpoint-1000000" sorts before "checkpoint-999999".
@@ -338,6 +336,8 @@ void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<f
 }
 
 }  // namespace
+
+std::string checkpoint_name(std::uint64_t step) { return fmt::format("checkpoint-{:06}", step); }
 
 fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::span<const SegmentOptimizerState> state,
                          const CheckpointWrite& what) {

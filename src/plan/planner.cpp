@@ -642,7 +642,7 @@ std::string model_fingerprint(const ModelSpec& spec) {
 }
 
 Planner::Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name, std::string profile_file)
-    : spec_(&spec), profile_(&profile), model_name_(std::move(model_name)), model_fingerprint_(model_fingerprint(spec)),
+    : spec_(&spec), profile_(&profile), model_name_(std::move(model_name)), model_fingerprint_(oom::model_fingerprint(spec)),
       profile_file_(std::move(profile_file)) {
   profile.validate(profile_file_.empty() ? std::string_view(profile.name) : std::string_view(profile_file_));
 }

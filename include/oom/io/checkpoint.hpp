@@ -52,6 +52,9 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const ModelSpec& spec,
                                       std::span<const SegmentStateView> state, const CheckpointWrite& what);
 
+/// The directory name of step `step`'s checkpoint: "checkpoint-" and the step, at least 6 digits.
+[[nodiscard]] std::string checkpoint_name(std::uint64_t step);
+
 /// The checkpoint `latest` names in `run_dir`, or nullopt when there is none yet.
 /// Errc::parse when `latest` exists but names no checkpoint directory (one a crashed save set aside
 /// as "<name>.old" is first moved back).

@@ -67,6 +67,8 @@ class Planner {
 
   [[nodiscard]] const ModelSpec& spec() const { return *spec_; }
   [[nodiscard]] const MachineProfile& profile() const { return *profile_; }
+  /// The model's fingerprint (oom::model_fingerprint), as the plans it makes carry it.
+  [[nodiscard]] const std::string& model_fingerprint() const { return model_fingerprint_; }
 
  private:
   const ModelSpec* spec_;
