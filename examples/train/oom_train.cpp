@@ -787,6 +787,7 @@ int run(Args a) {
   SamplerState sampler_state{a.seed, 0};
   std::uint64_t resumed_skips = 0;                  // a resumed run's non-finite steps in a row at its checkpoint
   std::optional<std::uint64_t> saved_data_tokens;  // a resumed run's data file's token count
+  std::optional<std::string> saved_data_fingerprint;  // and its TokenFile::sample_fingerprint (absent before session 55)
   if (ckpt) {
     const JsonCursor ts(ckpt->trainer_state(), "trainer_state.json");
     auto require_same = [&](const char* field, auto have) {
@@ -822,7 +823,7 @@ int run(Args a) {
     // The sampler's state is a place in one token file: another file would silently draw other
     // windows (and another count of them). The built-in corpus lives in the run directory, which
     // may have moved; a file of --data may have moved too, so a path that differs only warns where
-    // the token count still agrees (checked once the file is open, below).
+    // the token count and the sampled fingerprint still agree (checked once the file is open, below).
     if (ts["data"].present()) {
       const fs::path saved = ts["data"].as_string();
       const bool saved_builtin = ts["data_builtin"].present() ? ts["data_builtin"].as_bool() : saved.filename() == "builtin-corpus.tok";
@@ -833,9 +834,10 @@ int run(Args a) {
                                                       a.data.empty() ? " (pass the same --data)" : " (--data)"));
       if (!a.data.empty() && !fs::equivalent(saved, data_path, ec))  // false too where the trained-on file is gone
         say(stderr, "oom-train: warning: --resume: {} was trained on {}, this run reads {} (taken as the same data: the "
-                           "token count is checked)\n", latest->string(), saved.string(), data_path.string());
+                           "token count and a sampled fingerprint are checked)\n", latest->string(), saved.string(), data_path.string());
     }
     saved_data_tokens = ts["data_tokens"].present() ? std::optional(ts["data_tokens"].as_uint64()) : std::nullopt;
+    if (ts["data_fingerprint"].present()) saved_data_fingerprint = ts["data_fingerprint"].as_string();
     start_step = ts["step"].as_uint64();
     // The step the directory is named for (the loop counts from it: 2^64 - 1 had wrapped it to 0,
     // overwriting this checkpoint), and an optimizer step count it could have reached.
@@ -876,6 +878,14 @@ int run(Args a) {
   if (saved_data_tokens && *saved_data_tokens != tokens->size())
     OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} held {} tokens when {} was trained on it, it holds {} now",
                                                   data_path.string(), *saved_data_tokens, latest->string(), tokens->size()));
+  // The same count is not the same data: a file rewritten in place (re-tokenised, shuffled, another
+  // corpus cut to the same length) would resume the sampler on other windows without a word.
+  const std::string data_fingerprint = fmt::format("{:016x}", tokens->sample_fingerprint());
+  if (saved_data_fingerprint && *saved_data_fingerprint != data_fingerprint)
+    OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} holds other tokens than when {} was trained on it (the same {} "
+                                                  "tokens in number; sampled fingerprint {} then, {} now): pass the file it was "
+                                                  "trained on, or start afresh (--overwrite)", data_path.string(), latest->string(),
+                                                  tokens->size(), *saved_data_fingerprint, data_fingerprint));
   BatchSampler sampler(*tokens, a.seq, sampler_state);
 
   say("oom-train: model {}: {} layers, {} experts (top {}), {:.2f}M parameters ({:.2f}M active)\n", config_name,
@@ -950,6 +960,7 @@ int run(Args a) {
     ts.set("sampler", sampler.state().to_json());
     ts.set("data", fs::absolute(data_path, ec).lexically_normal().string());
     ts.set("data_tokens", tokens->size());
+    ts.set("data_fingerprint", data_fingerprint);
     ts.set("data_builtin", a.data.empty());
     ts.set("consecutive_skips", consecutive_skips);
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state

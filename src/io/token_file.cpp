@@ -134,6 +134,35 @@ void TokenFile::check_all() const {
   }
 }
 
+std::uint64_t TokenFile::sample_fingerprint() const {
+  constexpr std::uint64_t block = 4096, most_blocks = 256;
+  const std::uint64_t width = header_.dtype == DType::uint16 ? 2 : 4;
+  const std::uint64_t bytes = header_.token_count * width;
+  std::uint64_t h = splitmix64(width ^ splitmix64(header_.vocab_size ^ splitmix64(header_.token_count ^ splitmix64(header_.document_count))));
+  const auto fold = [&](std::uint64_t begin, std::uint64_t n) {  // bytes [begin, begin + n) of the tokens
+    const std::byte* p = tokens_ + begin;
+    std::uint64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      std::uint64_t w = 0;
+      std::memcpy(&w, p + i, 8);
+      h = splitmix64(h ^ w);
+    }
+    std::uint64_t tail = 0;
+    for (std::uint64_t j = i; j < n; ++j) tail = (tail << 8) | std::to_integer<std::uint64_t>(p[j]);
+    h = splitmix64(h ^ tail ^ (n - i) << 56);
+  };
+  const std::uint64_t blocks = (bytes + block - 1) / block;
+  if (blocks <= most_blocks) {
+    fold(0, bytes);
+  } else {  // block i of most_blocks starts at i * (bytes - block) / (most_blocks - 1): the first at 0, the last ending at the end
+    for (std::uint64_t i = 0; i < most_blocks; ++i) {
+      const auto begin = static_cast<std::uint64_t>((static_cast<unsigned __int128>(i) * (bytes - block)) / (most_blocks - 1));
+      fold(begin, block);
+    }
+  }
+  return h;
+}
+
 void TokenFile::drop_pages(std::uint64_t begin, std::uint64_t count) const {
   const std::uint64_t width = header_.dtype == DType::uint16 ? 2 : 4;
   map_.drop_pages({tokens_ + begin * width, count * width});

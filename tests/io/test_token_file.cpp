@@ -282,3 +282,44 @@ TEST_CASE("a token file's pages leave the resident set once checked or read") {
   f.check_all();  // the tokens come back from the file when read again
   CHECK(resident_kib() - before < 8 * 1024);
 }
+
+TEST_CASE("the sample fingerprint: the same contents agree, a rewritten file does not") {
+  TempDir dir("tokens-fingerprint");
+  const auto fingerprint = [](const Image& im) { return TokenFile::parse(im.bytes(), "t.tok").sample_fingerprint(); };
+
+  // Up to 1 MiB of tokens every byte counts: one token changed anywhere is seen.
+  std::vector<std::uint32_t> small(100'001);
+  for (std::size_t i = 0; i < small.size(); ++i) small[i] = static_cast<std::uint32_t>((i * 7919) % 50'000);
+  write_token_file(dir / "small.tok", small, 50'304);
+  const Image base = image_of(dir / "small.tok");
+  const std::uint64_t f = fingerprint(base);
+  CHECK(TokenFile::open(dir / "small.tok").sample_fingerprint() == f);  // mapped or in memory, the same
+  for (const std::size_t at : {std::size_t{0}, std::size_t{4'097}, std::size_t{100'000}}) {
+    Image changed = base;
+    const std::uint16_t other = small[at] == 1 ? 2 : 1;
+    std::memcpy(changed.data() + 64 + 2 * at, &other, 2);
+    CHECK_MESSAGE(fingerprint(changed) != f, "token " << at);
+  }
+  Image docs = base;  // the header counts too
+  put_u64(docs, 32, 5);
+  CHECK(fingerprint(docs) != f);
+  std::vector<std::uint32_t> shorter(small.begin(), small.end() - 1);
+  write_token_file(dir / "shorter.tok", shorter, 50'304);
+  CHECK(TokenFile::open(dir / "shorter.tok").sample_fingerprint() != f);
+
+  // Larger files are sampled: the first and the last 4 KiB always, the reading bounded.
+  std::vector<std::uint32_t> big(3'000'000);  // 6 MB of u16 tokens
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::uint32_t>((i * 104'729) % 50'000);
+  write_token_file(dir / "big.tok", big, 50'304);
+  const Image large = image_of(dir / "big.tok");
+  const std::uint64_t g = fingerprint(large);
+  for (const std::size_t byte : {std::size_t{0}, large.size - 64 - 4}) {
+    Image changed = large;
+    put_u32(changed, 64 + byte, 2);
+    CHECK_MESSAGE(fingerprint(changed) != g, "byte " << byte);
+  }
+  std::vector<std::uint32_t> shuffled = big;  // another order of the same tokens: a re-tokenised corpus
+  std::rotate(shuffled.begin(), shuffled.begin() + 12'345, shuffled.end());
+  write_token_file(dir / "rotated.tok", shuffled, 50'304);
+  CHECK(TokenFile::open(dir / "rotated.tok").sample_fingerprint() != g);
+}

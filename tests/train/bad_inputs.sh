@@ -245,6 +245,18 @@ rc=$?
 if [[ $rc -ne 2 ]] || ! grep -q "held [0-9]* tokens when .* was trained on it, it holds 1024 now" "$work/fewer.stderr"; then
   echo "FAIL resume-data-changed: exit $rc"; cat "$work/fewer.stderr"; fails=$((fails + 1))
 else echo "ok   resume-data-changed: $(cat "$work/fewer.stderr")"; fi
+# A file rewritten in place with the same count of other tokens (here: rotated by one token).
+cp "$work/good/builtin-corpus.tok" "$work/rewritten.tok"
+"$train" --out "$work/ondata3" --steps 1 --seq 32 --data "$work/rewritten.tok" > /dev/null || { echo "FAIL: a --data run failed"; exit 1; }
+{ head -c 64 "$work/good/builtin-corpus.tok"; tail -c +67 "$work/good/builtin-corpus.tok"
+  tail -c +65 "$work/good/builtin-corpus.tok" | head -c 2; } > "$work/rotated.tok"
+cat "$work/rotated.tok" > "$work/rewritten.tok"
+"$train" --out "$work/ondata3" --steps 2 --seq 32 --resume --data "$work/rewritten.tok" > /dev/null 2> "$work/rewritten.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "rewritten.tok holds other tokens than when .* was trained on it (the same [0-9]* tokens in number" "$work/rewritten.stderr" ||
+   [[ "$(cat "$work/ondata3/latest")" != checkpoint-000001 ]]; then
+  echo "FAIL resume-data-rewritten: exit $rc"; cat "$work/rewritten.stderr"; fails=$((fails + 1))
+else echo "ok   resume-data-rewritten: $(cat "$work/rewritten.stderr")"; fi
 # Output paths inside a run directory that does not exist yet: it is made first.
 if ! "$train" --out "$work/fresh" --steps 1 --seq 32 --trace-step 1 --trace "$work/fresh/t.json" \
      --dump-batches "$work/fresh/b.tok" > /dev/null 2> "$work/fresh.stderr" || [[ ! -s "$work/fresh/t.json" || ! -s "$work/fresh/b.tok" ]]; then
