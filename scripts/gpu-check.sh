@@ -40,9 +40,10 @@
 # trains the tiny model 50 steps with --max-grad-norm X against PyTorch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# PREBUILT=DIR: run binaries already built in DIR (this toolkit's libraries, sm_90; e.g. built on
-# the workstation and carried to the device machine, whose fresh build can take a whole call): no
-# configure, no build; DIR is the build directory.
+# PREBUILT=DIR: run binaries already built in DIR (this toolkit's libraries, sm_90), no configure,
+# no build; DIR is the build directory. A fresh device machine's build takes most of a call: build
+# on the workstation, `bash scripts/pack-gpubin.sh`, then a call with carry ["gpubin"] runs
+# `tar xzf gpubin/build.tgz && PREBUILT=build PARTS=... bash scripts/gpu-check.sh`.
 build_dir=${PREBUILT:-${BUILD_DIR:-build-gpu}}
 out="$build_dir/gpu-logs"
 rm -rf "$out"

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Packs this machine's CUDA build (sm_90, the CUDA 13.0 toolkit the GPU machine has) for a device
+# call to run without building: a fresh device machine spends 480-580 s of a 600 s call, and of the
+# session's 1,800 s of device time, building what is built here already.
+#   bash scripts/pack-gpubin.sh [BUILD_DIR]        # default build; writes gpubin/build.tgz
+# Then, in a device call with carry ["gpubin"]:
+#   tar xzf gpubin/build.tgz && PREBUILT=build PARTS=... bash scripts/gpu-check.sh
+# The archive holds the build directory's programs (tests, benchmarks, examples) and its ctest
+# files, not objects, libraries or what tests left behind. ctest's files name absolute paths, so the
+# archive runs where the working tree has the same path as here (the device tool's copy does:
+# /work/main on both). The build must be current: the script refuses one whose ninja has work left.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+[[ -f "$build/CMakeCache.txt" ]] || { echo "pack-gpubin: $build is not a CMake build directory" >&2; exit 2; }
+grep -q '^OOM_ENABLE_CUDA:STRING=ON' "$build/CMakeCache.txt" && grep -q '^CMAKE_CUDA_ARCHITECTURES:.*=90' "$build/CMakeCache.txt" ||
+  { echo "pack-gpubin: $build is not a CUDA build for sm_90 (-DOOM_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)" >&2; exit 2; }
+grep -q '^CMAKE_BUILD_TYPE:STRING=Release' "$build/CMakeCache.txt" ||
+  { echo "pack-gpubin: $build is not a Release build: its timings would not be ours" >&2; exit 2; }
+if ! ninja -C "$build" -n 2> /dev/null | grep -q '^ninja: no work to do'; then
+  echo "pack-gpubin: $build is not current with the tree (ninja -C $build has work left): build it first" >&2
+  exit 2
+fi
+if [[ "$build" != build ]]; then
+  echo "pack-gpubin: the archive unpacks as ./$build; PREBUILT=$build runs it" >&2
+fi
+list=$(mktemp)
+trap 'rm -f "$list"' EXIT
+# Programs and ctest files; not objects, CMake's own files, nor what runs left (logs, checkpoints,
+# tests' run directories, the package tests' consumer builds, which rebuild on the machine).
+find "$build" \( -name CMakeFiles -o -name gpu-logs -o -name Testing -o -name 'train-*' -o -name 'checkpoint-*' \
+  -o -path "$build/tests/package/work" -o -name 'peer-*' \) -prune -o \
+  -type f \( -perm -u+x -o -name CTestTestfile.cmake \) ! -name '*.so' ! -name '*.sh' -print | sort > "$list"
+mkdir -p gpubin
+tar czf gpubin/build.tgz.tmp -T "$list"
+mv -f gpubin/build.tgz.tmp gpubin/build.tgz
+bytes=$(stat -c %s gpubin/build.tgz)
+echo "gpubin/build.tgz: $(wc -l < "$list") files, $((bytes / 1048576)) MiB, at $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (tree dirty)')"
+((bytes < 60 * 1048576)) || { echo "pack-gpubin: over the device tool's 64 MiB carry with the tree" >&2; exit 1; }
