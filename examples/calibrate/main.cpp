@@ -270,10 +270,11 @@ CpuAdamw measure_cpu_adamw(std::size_t params, int repeats) {
 int run(const Options& opt) {
   const int visible = cuda::device_count();
   if (visible == 0) {
-    fmt::print(stderr,
-               "oom-calibrate: no usable NVIDIA GPU: {}.\n"
-               "oom-calibrate measures the GPUs of the machine it runs on; run it on the GPU machine.\n",
-               cuda::no_device_reason());
+    const std::string reason = cuda::no_device_reason();
+    fmt::print(stderr, "oom-calibrate: no usable NVIDIA GPU: {}.\n{}\n", reason,
+               reason.find("CUDA_VISIBLE_DEVICES") != std::string::npos
+                   ? "oom-calibrate measures the GPUs this process sees: name them in CUDA_VISIBLE_DEVICES, or unset it."
+                   : "oom-calibrate measures the GPUs of the machine it runs on; run it on the GPU machine.");
     return 2;
   }
   const int gpus = opt.gpus ? opt.gpus : visible;
