@@ -3,6 +3,7 @@
 # call to run without building: a fresh device machine spends 480-580 s of a 600 s call, and of the
 # session's 1,800 s of device time, building what is built here already.
 #   bash scripts/pack-gpubin.sh [BUILD_DIR]        # default build; writes gpubin/build.tgz
+# (GPUBIN_DIR: another folder for the archive; the device call carries gpubin.)
 # Then, in a device call with carry ["gpubin"]:
 #   tar xzf gpubin/build.tgz && PREBUILT=build PARTS=... bash scripts/gpu-check.sh
 # The archive holds the build directory's programs (tests, benchmarks, examples) and its ctest
@@ -13,6 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
 [[ -f "$build/CMakeCache.txt" ]] || { echo "pack-gpubin: $build is not a CMake build directory" >&2; exit 2; }
+# The archive unpacks into the working tree, so the build must lie in it (named relative to it).
+build=$(realpath --relative-to=. "$build")
+[[ "$build" != ..* && "$build" != /* ]] || { echo "pack-gpubin: $build is outside the working tree" >&2; exit 2; }
+dest=${GPUBIN_DIR:-gpubin}
 grep -q '^OOM_ENABLE_CUDA:STRING=ON' "$build/CMakeCache.txt" && grep -q '^CMAKE_CUDA_ARCHITECTURES:.*=90' "$build/CMakeCache.txt" ||
   { echo "pack-gpubin: $build is not a CUDA build for sm_90 (-DOOM_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)" >&2; exit 2; }
 grep -q '^CMAKE_BUILD_TYPE:STRING=Release' "$build/CMakeCache.txt" ||
@@ -31,9 +36,9 @@ trap 'rm -f "$list"' EXIT
 find "$build" \( -name CMakeFiles -o -name gpu-logs -o -name Testing -o -name 'train-*' -o -name 'checkpoint-*' \
   -o -path "$build/tests/package/work" -o -name 'peer-*' \) -prune -o \
   -type f \( -perm -u+x -o -name CTestTestfile.cmake \) ! -name '*.so' ! -name '*.sh' -print | sort > "$list"
-mkdir -p gpubin
-tar czf gpubin/build.tgz.tmp -T "$list"
-mv -f gpubin/build.tgz.tmp gpubin/build.tgz
-bytes=$(stat -c %s gpubin/build.tgz)
-echo "gpubin/build.tgz: $(wc -l < "$list") files, $((bytes / 1048576)) MiB, at $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (tree dirty)')"
+mkdir -p "$dest"
+tar czf "$dest/build.tgz.tmp" -T "$list"
+mv -f "$dest/build.tgz.tmp" "$dest/build.tgz"
+bytes=$(stat -c %s "$dest/build.tgz")
+echo "$dest/build.tgz: $(wc -l < "$list") files, $((bytes / 1048576)) MiB, at $(git rev-parse --short HEAD 2> /dev/null || echo '?')$(git diff --quiet HEAD 2> /dev/null || echo ' (tree dirty)')"
 ((bytes < 60 * 1048576)) || { echo "pack-gpubin: over the device tool's 64 MiB carry with the tree" >&2; exit 1; }
