@@ -45,6 +45,10 @@ cd "$(dirname "$0")/.."
 # on the workstation, `bash scripts/pack-gpubin.sh`, then a call with carry ["gpubin"] runs
 # `tar xzf gpubin/build.tgz && PREBUILT=build PARTS=... bash scripts/gpu-check.sh`.
 build_dir=${PREBUILT:-${BUILD_DIR:-build-gpu}}
+if [[ -n "${PREBUILT:-}" && ! -f "$PREBUILT/CTestTestfile.cmake" ]]; then
+  echo "PREBUILT=$PREBUILT: no build there (unpack gpubin/build.tgz first: scripts/pack-gpubin.sh)" >&2
+  exit 2
+fi
 out="$build_dir/gpu-logs"
 rm -rf "$out"
 mkdir -p "$out"
@@ -194,11 +198,15 @@ versus_pytorch() {
 touch "$out/gpu-tests.log"
 if [[ "$parts" == *" tests "* || ( "$parts" == *" kernels "* && "${KERNEL_TESTS:-1}" == 1 ) ]]; then
 # GPU_CTEST_ARGS: more ctest arguments, e.g. -E '^test_attention$' to leave out the longest (~4 min).
-limited 0 ctest --test-dir "$build_dir" -L gpu --output-on-failure -V ${GPU_CTEST_ARGS:-} > "$out/gpu-tests.log" 2>&1
+limited 0 ctest --test-dir "$build_dir" -L gpu --no-tests=error --output-on-failure -V ${GPU_CTEST_ARGS:-} > "$out/gpu-tests.log" 2>&1
 gpu_rc=$?
 fi
 if [[ "$parts" == *" tests "* ]]; then
-limited 0 ctest --test-dir "$build_dir" -LE gpu --output-on-failure > "$out/host-tests.log" 2>&1
+# A PREBUILT archive holds programs, not the install tree the package tests install, nor the
+# build the pack test packs.
+host_excluded=()
+[[ -n "${PREBUILT:-}" ]] && host_excluded=(-E '^(package\.|scripts\.pack_gpubin$)')
+limited 0 ctest --test-dir "$build_dir" -LE gpu --no-tests=error "${host_excluded[@]}" --output-on-failure > "$out/host-tests.log" 2>&1
 host_rc=$?
 fi
 

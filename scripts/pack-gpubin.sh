@@ -16,14 +16,22 @@ build=${1:-build}
 [[ -f "$build/CMakeCache.txt" ]] || { echo "pack-gpubin: $build is not a CMake build directory" >&2; exit 2; }
 # The archive unpacks into the working tree, so the build must lie in it (named relative to it).
 build=$(realpath --relative-to=. "$build")
-[[ "$build" != ..* && "$build" != /* ]] || { echo "pack-gpubin: $build is outside the working tree" >&2; exit 2; }
+[[ "$build" != .. && "$build" != ../* ]] || { echo "pack-gpubin: $build is outside the working tree" >&2; exit 2; }
+[[ "$build" != . ]] || { echo "pack-gpubin: an in-source build would pack the working tree itself" >&2; exit 2; }
 dest=${GPUBIN_DIR:-gpubin}
-grep -q '^OOM_ENABLE_CUDA:STRING=ON' "$build/CMakeCache.txt" && grep -q '^CMAKE_CUDA_ARCHITECTURES:.*=90' "$build/CMakeCache.txt" ||
-  { echo "pack-gpubin: $build is not a CUDA build for sm_90 (-DOOM_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)" >&2; exit 2; }
+# CUDA on (ON, or AUTO with a compiler found) and sm_90 among the architectures, as cmake/OomCuda.cmake reads them.
+cache_value() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt" | head -1; }
+archs=$(cache_value CMAKE_CUDA_ARCHITECTURES)
+if [[ "$(cache_value OOM_ENABLE_CUDA)" == OFF || -z "$(cache_value CMAKE_CUDA_COMPILER)" ]] ||
+   ! tr ';' '\n' <<< "$archs" | grep -Eq '^90a?(-real|-virtual)?$'; then
+  echo "pack-gpubin: $build is not a CUDA build for sm_90 (-DOOM_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)" >&2
+  exit 2
+fi
 grep -q '^CMAKE_BUILD_TYPE:STRING=Release' "$build/CMakeCache.txt" ||
   { echo "pack-gpubin: $build is not a Release build: its timings would not be ours" >&2; exit 2; }
-if ! ninja -C "$build" -n 2> /dev/null | grep -q '^ninja: no work to do'; then
-  echo "pack-gpubin: $build is not current with the tree (ninja -C $build has work left): build it first" >&2
+if ! cmake --build "$build" -- -n 2> /dev/null | grep -q '^ninja: no work to do'; then
+  echo "pack-gpubin: $build is not current with the tree (a dry run of its build has work left, or it is not a Ninja" \
+    "build): build it first" >&2
   exit 2
 fi
 if [[ "$build" != build ]]; then
@@ -33,12 +41,17 @@ list=$(mktemp)
 trap 'rm -f "$list"' EXIT
 # Programs and ctest files; not objects, CMake's own files, nor what runs left (logs, checkpoints,
 # tests' run directories, the package tests' consumer builds, which rebuild on the machine).
-find "$build" \( -name CMakeFiles -o -name gpu-logs -o -name Testing -o -name 'train-*' -o -name 'checkpoint-*' \
-  -o -path "$build/tests/package/work" -o -name 'peer-*' \) -prune -o \
-  -type f \( -perm -u+x -o -name CTestTestfile.cmake \) ! -name '*.so' ! -name '*.sh' -print | sort > "$list"
+{ find "$build" \( -name CMakeFiles -o -name gpu-logs -o -name Testing -o -name 'train-*' -o -name 'checkpoint-*' \
+  -o -path "$build/tests/package/work" -o -path "$build/tests/package/prefix" -o -name 'peer-*' \) -prune -o \
+  -type f \( -perm -u+x -o -name CTestTestfile.cmake \) ! -name '*.so' ! -name '*.sh' -print 2> /dev/null || true; } | sort > "$list"  # tests may remove files meanwhile
 mkdir -p "$dest"
 tar czf "$dest/build.tgz.tmp" -T "$list"
+# The device tool carries at most 64 MiB with the working tree (~5 MiB of it tracked files).
+bytes=$(stat -c %s "$dest/build.tgz.tmp")
+if ((bytes > 56 * 1048576)); then
+  rm -f "$dest/build.tgz.tmp"
+  echo "pack-gpubin: $((bytes / 1048576)) MiB, over what the device tool carries beside the tree (64 MiB in all)" >&2
+  exit 1
+fi
 mv -f "$dest/build.tgz.tmp" "$dest/build.tgz"
-bytes=$(stat -c %s "$dest/build.tgz")
 echo "$dest/build.tgz: $(wc -l < "$list") files, $((bytes / 1048576)) MiB, at $(git rev-parse --short HEAD 2> /dev/null || echo '?')$(git diff --quiet HEAD 2> /dev/null || echo ' (tree dirty)')"
-((bytes < 60 * 1048576)) || { echo "pack-gpubin: over the device tool's 64 MiB carry with the tree" >&2; exit 1; }

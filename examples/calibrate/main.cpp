@@ -274,6 +274,8 @@ int run(const Options& opt) {
     fmt::print(stderr, "oom-calibrate: no usable NVIDIA GPU: {}.\n{}\n", reason,
                reason.find("CUDA_VISIBLE_DEVICES") != std::string::npos
                    ? "oom-calibrate measures the GPUs this process sees: name them in CUDA_VISIBLE_DEVICES, or unset it."
+               : reason.starts_with("the NVIDIA driver supports")
+                   ? "oom-calibrate needs a driver for this build's CUDA runtime: update the NVIDIA driver."
                    : "oom-calibrate measures the GPUs of the machine it runs on; run it on the GPU machine.");
     return 2;
   }

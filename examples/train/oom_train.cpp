@@ -833,8 +833,9 @@ int run(Args a) {
                                                       a.data.empty() ? "the built-in corpus" : data_path.string(),
                                                       a.data.empty() ? " (pass the same --data)" : " (--data)"));
       if (!a.data.empty() && !fs::equivalent(saved, data_path, ec))  // false too where the trained-on file is gone
-        say(stderr, "oom-train: warning: --resume: {} was trained on {}, this run reads {} (taken as the same data: the "
-                           "token count and a sampled fingerprint are checked)\n", latest->string(), saved.string(), data_path.string());
+        say(stderr, "oom-train: warning: --resume: {} was trained on {}, this run reads {} (taken as the same data: {})\n",
+            latest->string(), saved.string(), data_path.string(),
+            ts["data_fingerprint"].present() ? "the token count and a sampled fingerprint are checked" : "the token count is checked");
     }
     saved_data_tokens = ts["data_tokens"].present() ? std::optional(ts["data_tokens"].as_uint64()) : std::nullopt;
     if (ts["data_fingerprint"].present()) saved_data_fingerprint = ts["data_fingerprint"].as_string();

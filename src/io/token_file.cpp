@@ -156,7 +156,8 @@ std::uint64_t TokenFile::sample_fingerprint() const {
     fold(0, bytes);
   } else {  // block i of most_blocks starts at i * (bytes - block) / (most_blocks - 1): the first at 0, the last ending at the end
     for (std::uint64_t i = 0; i < most_blocks; ++i) {
-      const auto begin = static_cast<std::uint64_t>((static_cast<unsigned __int128>(i) * (bytes - block)) / (most_blocks - 1));
+      __extension__ using u128 = unsigned __int128;  // i * (bytes - block) may pass 2^64 for files past 2^56 bytes
+      const auto begin = static_cast<std::uint64_t>((static_cast<u128>(i) * (bytes - block)) / (most_blocks - 1));
       fold(begin, block);
     }
   }

@@ -20,7 +20,7 @@ list=$(tar tzf "$work/build.tgz")
 for f in examples/train/oom-train tests/test_attention CTestTestfile.cmake tests/CTestTestfile.cmake; do
   grep -qx "$rel/$f" <<< "$list" || fail "the archive lacks $rel/$f"
 done
-if stray=$(grep -E '\.(o|a)$|/CMakeFiles/|/Testing/|/checkpoint-|/train-[^/]*/' <<< "$list"); then
+if stray=$(grep -E '\.(o|a|so)$|/CMakeFiles/|/Testing/|/gpu-logs/|/checkpoint-|/train-[^/]*/|/package/(work|prefix)/' <<< "$list"); then
   fail "the archive holds $(wc -l <<< "$stray") build or run leftovers, e.g. $(head -1 <<< "$stray")"
 fi
 mkdir "$work/x" && tar xzf "$work/build.tgz" -C "$work/x"
