@@ -52,7 +52,7 @@ def documents(paths, field):
                     yield f"{path}:{n}", record[field]
         else:
             try:
-                with open(path, encoding="utf-8") as f:
+                with open(path, encoding="utf-8", newline="") as f:  # CR LF as it is, not turned into LF
                     yield path, f.read()
             except UnicodeDecodeError as e:
                 sys.exit(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")

@@ -26,6 +26,17 @@ grep -q "wrote .*data.tok: $bytes tokens (2 bytes each, vocab 256) in 3 document
 "$train" --data "$work/data.tok" --seq 16 --steps 2 --out "$work/run" > "$work/train.log" || { cat "$work/train.log"; fail "oom-train"; }
 grep -q "data $work/data.tok: $bytes tokens (vocab 256)" "$work/train.log" || fail "oom-train read $(grep '^data' "$work/train.log")"
 
+# Every byte a token: a .txt file's CR LF and lone CR stay as they are (read in text mode, both had
+# become LF, the file's bytes silently changed).
+printf 'one\r\ntwo\rthree\n' > "$work/crlf.txt"
+python3 "$make" --bytes --out "$work/crlf.tok" "$work/crlf.txt" > /dev/null
+python3 -c '
+import sys
+from array import array
+b, text = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read()
+got = array("H", b[64:]).tolist()
+assert got == list(text), (got, list(text))' "$work/crlf.tok" "$work/crlf.txt" || fail "crlf.txt's bytes changed"
+
 # Bad inputs: named, and the old output left as it was.
 cp "$work/data.tok" "$work/before.tok"
 expect() {  # name, message part, then the arguments
