@@ -93,6 +93,8 @@ def main():
     code = "H" if vocab <= 1 << 16 else "I"
     width = 2 if code == "H" else 4
 
+    if os.path.isdir(args.out):
+        sys.exit(f"{args.out}: a directory; --out names the token file to write")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         sys.exit(f"{args.out}: no directory {out_dir} to write it in")

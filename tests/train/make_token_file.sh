@@ -62,6 +62,11 @@ printf '{"text": "\\ud800"}\n' > "$work/surrogate.jsonl"
 expect lone-surrogate "surrogate.jsonl:1: text that UTF-8 cannot hold" --bytes "$work/surrogate.jsonl"
 if python3 "$make" --bytes --out "$work/no/such/dir/x.tok" "$work/a.txt" > "$work/nodir.log" 2>&1; then fail "no-dir: succeeded"; fi
 grep -q "no directory" "$work/nodir.log" || fail "no-dir: $(cat "$work/nodir.log")"
+# --out a directory: refused by name before any tokenizing (it had tokenized everything, then died
+# in a traceback at the rename).
+mkdir -p "$work/outdir"
+if python3 "$make" --bytes --out "$work/outdir" "$work/a.txt" > "$work/outdir.log" 2>&1; then fail "out-dir: succeeded"; fi
+grep -q "outdir: a directory" "$work/outdir.log" && ! grep -q Traceback "$work/outdir.log" || fail "out-dir: $(cat "$work/outdir.log")"
 [[ -z "$(find "$work" -name '.make_token_file.*')" ]] || fail "a temporary file was left behind"
 # Written as any new file is (mkstemp's own mode is the owner's alone).
 python3 "$make" --bytes --out "$work/mode.tok" "$work/a.txt" > /dev/null
