@@ -859,7 +859,9 @@ int run(Args a) {
 
   // One window of data, checked before the run directory is made: the file of --data is open; the
   // built-in corpus, written below where it is not there yet, is one token per byte.
-  if (const std::uint64_t n = tokens ? tokens->size() : fs::exists(data_path, ec) ? 0 : builtin_corpus_bytes; n != 0 && n < a.seq + 1)
+  // (A built-in corpus already in the run directory is checked once open, by the sampler; a --data
+  // file of no tokens at all is refused here too.)
+  if (const std::uint64_t n = tokens ? tokens->size() : fs::exists(data_path, ec) ? a.seq + 1 : builtin_corpus_bytes; n < a.seq + 1)
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: {} tokens cannot make a window of sequence length {} (+1 for the target)",
                                                   tokens ? data_path.string() : std::string("the built-in corpus"), n, a.seq));
 

@@ -207,13 +207,19 @@ for bad in "--data $work/short.tok" "--plan $work/d128-plan.json"; do
   else echo "ok   overwrite-keeps-run ($bad): $(cat "$work/overwrite.stderr")"; fi
 done
 # Data too short for one window is refused before the run directory is made (it had been left
-# behind, empty).
-"$train" --out "$work/d-short" --steps 1 --seq 32 --data "$work/short.tok" > /dev/null 2> "$work/d-short.stderr"
-rc=$?
-if [[ $rc -ne 2 ]] || ! grep -q "10 tokens cannot make a window of sequence length 32" "$work/d-short.stderr" || [[ -e "$work/d-short" ]]; then
-  echo "FAIL short-data-no-run-dir: exit $rc, run dir $([[ -e "$work/d-short" ]] && echo made || echo absent)"; cat "$work/d-short.stderr"
-  fails=$((fails + 1))
-else echo "ok   short-data-no-run-dir: $(cat "$work/d-short.stderr")"; fi
+# behind, empty; a file of no tokens at all still left it).
+printf 'OOMTOK01\x01\x00\x00\x00\x02\x00\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00' > "$work/no-tokens.tok"
+head -c 40 /dev/zero >> "$work/no-tokens.tok"  # 0 tokens, documents, reserved
+for short in short:10 no-tokens:0; do
+  "$train" --out "$work/d-${short%:*}" --steps 1 --seq 32 --data "$work/${short%:*}.tok" > /dev/null 2> "$work/d-short.stderr"
+  rc=$?
+  if [[ $rc -ne 2 ]] || ! grep -q "${short#*:} tokens cannot make a window of sequence length 32" "$work/d-short.stderr" ||
+     [[ -e "$work/d-${short%:*}" ]]; then
+    echo "FAIL short-data-no-run-dir (${short%:*}): exit $rc, run dir $([[ -e "$work/d-${short%:*}" ]] && echo made || echo absent)"
+    cat "$work/d-short.stderr"
+    fails=$((fails + 1))
+  else echo "ok   short-data-no-run-dir (${short%:*}): $(cat "$work/d-short.stderr")"; fi
+done
 # A resumed run must read the data it was trained on, and keep a cosine schedule's floor.
 "$train" --out "$work/good" --steps 2 --seq 32 --resume --data "$work/short.tok" > /dev/null 2> "$work/redata.stderr"
 rc=$?
