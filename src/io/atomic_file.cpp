@@ -118,27 +118,29 @@ void write_file_atomically(const std::filesystem::path& path, std::string_view c
 MappedFile::MappedFile(const std::filesystem::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail_errno("cannot open", path, errno);
+  try {
+    *this = MappedFile(fd, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);  // the mapping keeps the file alive
+}
+
+MappedFile::MappedFile(int fd, const std::filesystem::path& path) {
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    fail_errno("cannot stat", path, err);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    OOM_THROW(Errc::io, path.string() + ": not a regular file");
-  }
+  if (::fstat(fd, &st) != 0) fail_errno("cannot stat", path, errno);
+  if (!S_ISREG(st.st_mode)) OOM_THROW(Errc::io, path.string() + ": not a regular file");
   size_ = static_cast<std::size_t>(st.st_size);
   if (size_ > 0) {
     void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED) {
       const int err = errno;
-      ::close(fd);
+      size_ = 0;
       fail_errno("cannot map", path, err);
     }
     data_ = static_cast<const std::byte*>(p);
   }
-  ::close(fd);  // the mapping keeps the file alive
 }
 
 MappedFile::MappedFile(MappedFile&& other) noexcept

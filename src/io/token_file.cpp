@@ -1,8 +1,12 @@
 // Token file reader/writer and the deterministic window sampler.
 #include "oom/io/token_file.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cstring>
 #include <vector>
 
@@ -73,10 +77,24 @@ TokenFileHeader parse_token_file_header(std::span<const std::byte> file, std::st
   return header;
 }
 
+TokenFile::Fd& TokenFile::Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) {
+    if (fd >= 0) ::close(fd);
+    fd = std::exchange(o.fd, -1);
+  }
+  return *this;
+}
+
+TokenFile::Fd::~Fd() {
+  if (fd >= 0) ::close(fd);
+}
+
 TokenFile TokenFile::open(const std::filesystem::path& path, Check check) {
   TokenFile f;
   f.source_ = path.string();
-  f.map_ = MappedFile(path);
+  f.fd_ = Fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd_.fd < 0) OOM_THROW(Errc::io, fmt::format("{}: cannot open: {}", f.source_, std::strerror(errno)));
+  f.map_ = MappedFile(f.fd_.fd, path);  // the same file read() reads, whatever is renamed onto the path
   f.init(f.map_.bytes(), check);
   return f;
 }
@@ -173,6 +191,10 @@ void TokenFile::read(std::uint64_t begin, std::span<std::uint32_t> out) const {
   if (begin > header_.token_count || out.size() > header_.token_count - begin)
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: tokens [{}, {}) are outside the file's {} tokens", source_,
                                                   begin, begin + out.size(), header_.token_count));
+  if (fd_.fd >= 0) {
+    read_file(begin, out);
+    return;
+  }
   check_range(begin, out.size());
   if (header_.dtype == DType::uint16) {
     const auto src = u16().subspan(begin, out.size());
@@ -182,6 +204,33 @@ void TokenFile::read(std::uint64_t begin, std::span<std::uint32_t> out) const {
     std::copy(src.begin(), src.end(), out.begin());
   }
   drop_pages(begin, out.size());  // a window is read once an epoch: its pages need not stay resident
+}
+
+void TokenFile::read_file(std::uint64_t begin, std::span<std::uint32_t> out) const {
+  const std::uint64_t width = header_.dtype == DType::uint16 ? 2 : 4, n = out.size();
+  auto* dst = reinterpret_cast<std::byte*>(out.data());
+  const std::uint64_t want = n * width, offset = token_file_header_bytes + begin * width;
+  for (std::uint64_t got = 0; got < want;) {
+    const ssize_t r = ::pread(fd_.fd, dst + got, want - got, static_cast<off_t>(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0)
+      OOM_THROW(Errc::io, fmt::format("{}: cannot read tokens [{}, {}): {}", source_, begin, begin + n, std::strerror(errno)));
+    if (r == 0)
+      OOM_THROW(Errc::io, fmt::format("{}: tokens [{}, {}) are past its end now (it held {} tokens when opened): the file "
+                                      "changed while in use (cut short or rewritten in place)",
+                                      source_, begin, begin + n, header_.token_count));
+    got += static_cast<std::uint64_t>(r);
+  }
+  if (width == 2)  // widen in place from the back: token i's 2 bytes lie at or before its 4
+    for (std::uint64_t i = n; i-- > 0;) {
+      std::uint16_t t = 0;
+      std::memcpy(&t, dst + 2 * i, 2);
+      out[i] = t;
+    }
+  const auto bad = std::find_if(out.begin(), out.end(), [&](std::uint32_t t) { return t >= header_.vocab_size; });
+  if (bad != out.end())
+    OOM_THROW(Errc::parse, fmt::format("{}: token {} at position {} is >= vocab {}", source_, *bad,
+                                       grouped(begin + static_cast<std::uint64_t>(bad - out.begin())), header_.vocab_size));
 }
 
 void write_token_file(const std::filesystem::path& path, std::span<const std::uint32_t> tokens,

@@ -107,6 +107,16 @@ TEST_CASE("out-of-vocab tokens: found on open, or per read when checking lazily"
   } catch (const Error& e) {
     CHECK(e.message() == "t.tok: token 51234 at position 1 283 117 is >= vocab 50304");
   }
+  // The same from the file (read with pread, not through the map).
+  std::ofstream(dir / "shrunk.tok", std::ios::binary).write(reinterpret_cast<const char*>(im.bytes().data()), static_cast<std::streamsize>(im.size));
+  const auto opened = TokenFile::open(dir / "shrunk.tok", TokenFile::Check::on_read);
+  CHECK_NOTHROW(opened.read(0, window));
+  try {
+    opened.read(1'283'000, window);
+    FAIL("read an out-of-vocab token");
+  } catch (const Error& e) {
+    CHECK(e.message() == (dir / "shrunk.tok").string() + ": token 51234 at position 1 283 117 is >= vocab 50304");
+  }
 }
 
 TEST_CASE("malformed headers are parse errors naming the file and the field") {
@@ -152,6 +162,28 @@ TEST_CASE("malformed headers are parse errors naming the file and the field") {
     Image cut = good;
     cut.size = n;
     CHECK_THROWS_AS((void)TokenFile::parse(cut.bytes(), "cut"), Error);
+  }
+}
+
+TEST_CASE("a token file cut short while open is an error naming it, not a SIGBUS") {
+  // cp onto the training file (or rsync --inplace) truncates it under the trainer's map: reading a
+  // window past the new end had killed the run with a bus error, nothing said.
+  TempDir dir("tokens-truncated");
+  std::vector<std::uint32_t> t(200'000, 7);
+  write_token_file(dir / "train.tok", t, 256);
+  const auto f = TokenFile::open(dir / "train.tok");
+  std::vector<std::uint32_t> window(1000);
+  CHECK_NOTHROW(f.read(150'000, window));
+  std::filesystem::resize_file(dir / "train.tok", 64 + 2 * 1000);
+  CHECK_NOTHROW(f.read(0, window));  // what is still there reads as before
+  CHECK(window == std::vector<std::uint32_t>(1000, 7));
+  try {
+    f.read(150'000, window);
+    FAIL("read past the end of a truncated file");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::io);
+    CHECK(e.message().starts_with((dir / "train.tok").string() + ": "));
+    CHECK(e.message().find("changed while in use") != std::string::npos);
   }
 }
 

@@ -61,6 +61,8 @@ class MappedFile {
   MappedFile() = default;
   /// Errc::io naming the path when it cannot be opened, is not a regular file, or cannot be mapped.
   explicit MappedFile(const std::filesystem::path& path);
+  /// Maps the file open on `fd` (left open: the caller's); `path` names it in errors.
+  MappedFile(int fd, const std::filesystem::path& path);
   MappedFile(MappedFile&& other) noexcept;
   MappedFile& operator=(MappedFile&& other) noexcept;
   MappedFile(const MappedFile&) = delete;

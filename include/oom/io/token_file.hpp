@@ -21,6 +21,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "oom/core/dtype.hpp"
 #include "oom/io/atomic_file.hpp"
@@ -67,7 +68,8 @@ class TokenFile {
   [[nodiscard]] std::span<const std::uint32_t> u32() const;
 
   /// Copies tokens [begin, begin + out.size()) widened to u32, checking each against the vocab.
-  /// The window's pages of a mapped file then leave the resident set (MappedFile::drop_pages).
+  /// An opened file is read with pread, not through the map: one cut short since it was opened (cp
+  /// over it while training) is an Errc::io error naming it, where the map would raise SIGBUS.
   void read(std::uint64_t begin, std::span<std::uint32_t> out) const;
   /// Checks every token: "data/train.tok: token 51234 at position 1 283 117 is >= vocab 50304".
   /// A mapped file's pages leave the resident set as they are checked.
@@ -83,9 +85,23 @@ class TokenFile {
   TokenFile() = default;
   void init(std::span<const std::byte> bytes, Check check);
   void check_range(std::uint64_t begin, std::uint64_t count) const;
+  void read_file(std::uint64_t begin, std::span<std::uint32_t> out) const;  ///< read() of an opened file
   void drop_pages(std::uint64_t begin, std::uint64_t count) const;  ///< of tokens [begin, begin + count)
 
+  /// The file open() opened (and mapped), for read()'s pread; -1 after parse().
+  struct Fd {
+    int fd = -1;
+    Fd() = default;
+    explicit Fd(int f) : fd(f) {}
+    Fd(Fd&& o) noexcept : fd(std::exchange(o.fd, -1)) {}
+    Fd& operator=(Fd&& o) noexcept;
+    Fd(const Fd&) = delete;
+    Fd& operator=(const Fd&) = delete;
+    ~Fd();
+  };
+
   std::string source_;
+  Fd fd_;
   MappedFile map_;
   TokenFileHeader header_;
   const std::byte* tokens_ = nullptr;
