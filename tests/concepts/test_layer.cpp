@@ -57,6 +57,13 @@ struct SegmentsAreStrings {  // segments of the wrong type
   void forward(Context&) {}
   void backward(Context&) {}
 };
+// A name made per layer, returned by value (as most frameworks would write it).
+struct NumberedLayer {
+  int index = 12;
+  std::vector<oom::StateSegment> segments() const { return {}; }
+  oom::LayerCost cost(const oom::Workload&) const { return {}; }
+  std::string name() const { return "decoder block number " + std::to_string(index) + " of the stack"; }
+};
 struct NotRecomputable {
   static constexpr bool recomputable = false;  // e.g. uses dropout with an unreplayable RNG
   static constexpr bool uses_workspace = true;  // its temporaries come from the executor's scratch
@@ -87,6 +94,14 @@ TEST_CASE("layer_traits takes what a layer provides and defaults the rest") {
   CHECK_FALSE(oom::layer_traits<framework::NotRecomputable>::recomputable);
   CHECK_FALSE(oom::layer_traits<framework::ScaleLayer>::uses_workspace);
   CHECK(oom::layer_traits<framework::NotRecomputable>::uses_workspace);
+}
+
+TEST_CASE("a name() that returns a std::string by value is kept, not viewed after it is gone") {
+  // layer_traits::name had returned a std::string_view of the temporary string: the executor's
+  // span labels and describe_layers' names read freed memory (AddressSanitizer: heap-use-after-free).
+  const framework::NumberedLayer numbered;
+  const auto name = oom::layer_traits<framework::NumberedLayer>::name(numbered);
+  CHECK(std::string(name) == "decoder block number 12 of the stack");
 }
 
 TEST_CASE("a conforming layer runs forward and backward over its context") {

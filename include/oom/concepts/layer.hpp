@@ -5,6 +5,7 @@
 
 #include <concepts>
 #include <ranges>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -71,9 +72,10 @@ concept layer = describable_layer<L> && requires(L& l, Context& ctx) {
 ///     as scratch (LayerContext::workspace); default false.
 template <describable_layer L>
 struct layer_traits {
-  static std::string_view name(const L& l) {
+  /// A copy: a layer's name() may return a temporary std::string, which a view would outlive.
+  static std::string name(const L& l) {
     if constexpr (requires { { l.name() } -> std::convertible_to<std::string_view>; })
-      return l.name();
+      return std::string(std::string_view(l.name()));
     else
       return "layer";
   }
