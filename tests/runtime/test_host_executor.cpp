@@ -409,6 +409,38 @@ TEST_CASE("deferred updates with a clipping factor: the same bits under every pl
   }
 }
 
+TEST_CASE("apply_updates() applies a deferred step's updates once: refused before a step, a second time and after a skipped step") {
+  // It had run AdamW again on whatever gradients were left: a second call, or one after a step
+  // whose loss was not finite, updated every segment once more from the last step's gradients.
+  const Stack st({8, 2, 1, 8, 9, 2}, 3);
+  auto layers = st.layers;
+  Plan plan = resident_plan(layers, st.c.tokens);
+  plan.resident_segments.resize(plan.resident_segments.size() / 2);  // some resident (GPU AdamW), some streamed (CPU)
+  HostBackend backend({1_GiB, 1_GiB, true});
+  LayerExecutorOptions opt;
+  opt.adamw.lr = 1e-2f;
+  opt.defer_updates = true;
+  HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
+  CHECK_THROWS_WITH_AS(exec.apply_updates(1.0f), doctest::Contains("no step's gradients wait"), Error);
+  (void)exec.step(st.input(0), st.target(0));
+  exec.apply_updates(1.0f);
+  const auto once = exec.master();
+  CHECK_FALSE(bitwise_equal(once, st.init));
+  CHECK_THROWS_WITH_AS(exec.apply_updates(1.0f), doctest::Contains("no step's gradients wait"), Error);
+  CHECK(bitwise_equal(exec.master(), once));
+  const HostLossFn nan_loss = [](const float*, float*) { return std::nan(""); };
+  (void)exec.step(st.input(1), nan_loss);
+  REQUIRE(exec.last_step_skipped());
+  CHECK_THROWS_WITH_AS(exec.apply_updates(1.0f), doctest::Contains("no step's gradients wait"), Error);
+  CHECK(bitwise_equal(exec.master(), once));
+  CHECK(exec.optimizer_steps() == 1);
+  // The next whole step's updates apply as before.
+  (void)exec.step(st.input(2), st.target(2));
+  exec.apply_updates(1.0f);
+  CHECK(exec.optimizer_steps() == 2);
+  CHECK_FALSE(bitwise_equal(exec.master(), once));
+}
+
 TEST_CASE("a recorded step: spans of every kind of work per resource, serial within a resource, as Chrome trace") {
   const Stack st({16, 4, 2, 16, 12, 3}, 8);
   auto layers = st.layers;

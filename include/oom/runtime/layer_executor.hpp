@@ -310,11 +310,17 @@ class LayerExecutor {
   }
 
   /// With options.defer_updates, after step(): every segment's AdamW update of that step, each
-  /// gradient multiplied by `grad_scale` first (a clipping factor, optim::clip_grad_scale).
+  /// gradient multiplied by `grad_scale` first (a clipping factor, optim::clip_grad_scale). Once a
+  /// step: Errc::invalid_argument before the first step, after a skipped or failed one, or a
+  /// second time.
   void apply_updates(float grad_scale) {
     if (!options_.defer_updates)
       OOM_THROW(Errc::invalid_argument, "apply_updates(): the executor updates as gradients land (LayerExecutorOptions::defer_updates "
                                         "is off), so the step's updates are applied already");
+    if (!updates_pending_)
+      OOM_THROW(Errc::invalid_argument, "apply_updates(): no step's gradients wait for their update (no step yet, the last one was "
+                                        "skipped or failed, or its updates were applied already)");
+    updates_pending_ = false;
     synchronize_all();
     const auto scalars = optim::adamw_step_scalars(options_.adamw, step_, grad_scale);
     for (auto& ls : layers_state_) {
@@ -358,6 +364,7 @@ class LayerExecutor {
     for (std::size_t mb = 0; mb < k; ++mb)
       if (!*losses[mb]) OOM_THROW(Errc::invalid_argument, fmt::format("step(): the loss of micro-batch {} is an empty function", mb));
     const std::int64_t steps_before = step_;
+    updates_pending_ = false;
     try {
       skipped_ = false;
       t0_ = std::chrono::steady_clock::now();
@@ -381,6 +388,7 @@ class LayerExecutor {
         total += run_step(*inputs[mb], *losses[mb], grad_inputs.empty() ? nullptr : &grad_inputs[mb], mb, mb + 1 == k, scalars);
         if (skipped_) break;
       }
+      updates_pending_ = options_.defer_updates && !skipped_;
       flush_marks();
       return total;
     } catch (...) {
@@ -1051,6 +1059,7 @@ class LayerExecutor {
   std::size_t next_slot_ = 0;
   std::int64_t step_ = 0;
   bool skipped_ = false;
+  bool updates_pending_ = false;  ///< a deferred step's gradients wait for apply_updates()
   Timeline* timeline_ = nullptr;
   bool recording_ = false;  ///< the step running is recorded (into timeline_)
   LayerProgressFn on_layer_;
