@@ -816,6 +816,14 @@ TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; i
     CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, chunked, init_of(layers)),
                          doctest::Contains("layer 1 runs whole"), Error);
   }
+  {
+    // More initial weights than the stack has segments: the caller's weights do not belong to
+    // these layers (had been taken as the first ones, the rest ignored).
+    auto extra = init_of(layers);
+    extra.emplace_back(3, 0.25f);
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, plan, extra),
+                         doctest::Contains("3 initial weight vectors for the layers' 2 segments"), Error);
+  }
   CHECK(backend.device_arena().in_use() == 0_B);
   // The plan is the executor's: the caller's may change or go.
   Plan mine = plan;

@@ -120,7 +120,8 @@ class LayerExecutor {
   /// plan is copied; `layers` and `backend` are held by reference and must outlive the executor.
   /// Every layer has the same hidden() (the boundaries between them are one size); a layer that
   /// runs whole (ChunkDependency::none) gets one chunk. Errc::invalid_argument otherwise, before
-  /// anything is taken from the backend. (The plan may name resident segments outside the stack:
+  /// anything is taken from the backend, as is an `initial_master` of more or fewer vectors than
+  /// the layers have segments. (The plan may name resident segments outside the stack:
   /// a causal LM's embedding and head, which its caller holds.)
   LayerExecutor(B& backend, std::vector<L>& layers, const Plan& plan, const std::vector<std::vector<float>>& initial_master,
                 LayerExecutorOptions options = {})
@@ -157,6 +158,8 @@ class LayerExecutor {
       check_recompute_sources(plan, l);
       workset_.push_back(layer_traits<L>::uses_workspace ? LayerCost(layers[l].cost(plan.workload)).workset : Bytes{});
     }
+    if (index != initial_master.size())
+      OOM_THROW(Errc::invalid_argument, fmt::format("{} initial weight vectors for the layers' {} segments", initial_master.size(), index));
     compute_ = make_named_stream("compute");
     h2d_ = make_named_stream("h2d");
     d2h_ = make_named_stream("d2h");
