@@ -833,6 +833,22 @@ TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; i
   CHECK_NOTHROW((void)exec.step(std::vector<float>(24, 1.0f), std::vector<float>(24, 0.0f)));
 }
 
+TEST_CASE("a stack that changed its layer count after the executor was made is refused by step(), not read past its state") {
+  // The layers are held by reference: a layer added to the caller's vector had the step index
+  // the executor's per-layer state past its end (a crash in load_weights).
+  HostBackend backend({1_MiB, 1_MiB, true});
+  std::vector<WholeLayer> layers{WholeLayer(0, 4), WholeLayer(1, 4)};
+  const Plan plan = test::resident_plan(layers, 6);
+  HostExecutor<WholeLayer> exec(backend, layers, plan, {std::vector<float>(3, 0.25f), std::vector<float>(3, 0.25f)});
+  const Bytes held = backend.device_arena().in_use();
+  layers.emplace_back(2, 4);
+  CHECK_THROWS_WITH_AS((void)exec.step(std::vector<float>(24, 1.0f), std::vector<float>(24, 0.0f)),
+                       doctest::Contains("the stack has 3 layers, the executor was made for 2"), Error);
+  CHECK(backend.device_arena().in_use() == held);
+  layers.pop_back();
+  CHECK_NOTHROW((void)exec.step(std::vector<float>(24, 1.0f), std::vector<float>(24, 0.0f)));
+}
+
 TEST_CASE("write_step_traces: both timelines written, busy seconds side by side; an empty timeline writes nothing") {
   const auto dir = std::filesystem::temp_directory_path() / fmt::format("oom-step-traces-{}", ::getpid());
   std::filesystem::create_directories(dir);

@@ -240,6 +240,7 @@ class LayerExecutor {
   double step(const std::vector<float>& input, const std::vector<float>& target, std::vector<float>* grad_input = nullptr)
     requires device_memory_is_host<B>
   {
+    check_stack();
     const std::uint64_t t = plan_.workload.tokens();
     const std::uint64_t h = layers_.front().hidden();
     if (target.size() != t * h) OOM_THROW(Errc::invalid_argument, fmt::format("step needs (T, H) = ({}, {}) targets", t, h));
@@ -351,6 +352,13 @@ class LayerExecutor {
   [[nodiscard]] std::int64_t optimizer_steps() const { return step_; }
 
  private:
+  // The caller's layers are held by reference: a vector that has gained or lost layers since the
+  // executor was made would be indexed past the executor's per-layer state.
+  void check_stack() const {
+    if (layers_.size() != layers_state_.size())
+      OOM_THROW(Errc::invalid_argument, fmt::format("step(): the stack has {} layers, the executor was made for {}", layers_.size(),
+                                                    layers_state_.size()));
+  }
   // A host loss as a device one: it runs in the compute stream's task, where it may read the memory.
   static DeviceLossFn on_host(const HostLossFn& fn) {
     if (!fn) return {};  // refused by name in run_micro_batches, not a bad_function_call in a task
@@ -360,6 +368,7 @@ class LayerExecutor {
   // The micro-batches of one step (inputs and losses by pointer: the callers' buffers, not copies).
   double run_micro_batches(std::span<const std::vector<float>* const> inputs, std::span<const DeviceLossFn* const> losses,
                            std::span<std::vector<float>> grad_inputs) {
+    check_stack();
     const auto k = static_cast<std::size_t>(plan_.micro_batches);
     if (inputs.size() != k || losses.size() != k)
       OOM_THROW(Errc::invalid_argument, fmt::format("the plan has {} micro-batches per step; step() got {} inputs and {} losses", k,
