@@ -9,6 +9,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <fmt/format.h>
@@ -20,6 +21,13 @@
 
 using namespace oom;
 using namespace oom::literals;
+
+// A Planner keeps pointers to its spec and profile: a temporary of either would dangle (a spec
+// straight from ModelSpec::from_file had plan() read freed memory and crash), so neither binds.
+static_assert(std::is_constructible_v<Planner, const ModelSpec&, const MachineProfile&>);
+static_assert(!std::is_constructible_v<Planner, const ModelSpec&, MachineProfile&&>);
+static_assert(!std::is_constructible_v<Planner, ModelSpec&&, const MachineProfile&>);
+static_assert(!std::is_constructible_v<Planner, ModelSpec&&, MachineProfile&&>);
 
 namespace {
 

@@ -28,8 +28,10 @@ class Planner {
   /// `profile_file` is the file the profile was read from, named beside the profile's own name in
   /// errors about it (empty: a built-in profile).
   Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name = {}, std::string profile_file = {});
-  /// It keeps a pointer to the profile (and the spec): a temporary would dangle.
+  /// It keeps pointers to the profile and the spec: a temporary of either would dangle.
   Planner(const ModelSpec& spec, MachineProfile&& profile, std::string model_name = {}, std::string profile_file = {}) = delete;
+  Planner(ModelSpec&& spec, const MachineProfile& profile, std::string model_name = {}, std::string profile_file = {}) = delete;
+  Planner(ModelSpec&& spec, MachineProfile&& profile, std::string model_name = {}, std::string profile_file = {}) = delete;
 
   /// Throws Errc::invalid_argument for a malformed request and Errc::out_of_budget, naming the
   /// least GPU and host bytes a plan needs and the claimant that dominates, when nothing fits.
