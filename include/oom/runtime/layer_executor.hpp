@@ -611,7 +611,9 @@ class LayerExecutor {
       b_.record(ls.grads_landed, d2h_);
       if (!landed.empty()) {
         b_.wait(cpu_, ls.grads_landed);
-        for (auto [seg, buf] : landed) {
+        for (const auto& [landed_seg, landed_buf] : landed) {
+          Segment* seg = landed_seg;  // a structured binding in a capture is C++20 that clang < 16 refuses
+          float* buf = landed_buf;
           b_.host_task(cpu_, [seg, buf, pool = &pool_] { optim::add_gradients({seg->staging, seg->n}, {buf, seg->n}, *pool); });
           give_after(cpu_, buf, MemorySpace::pinned_host(), Bytes{seg->n * sizeof(float)}, Claimant::host_staging);
         }
