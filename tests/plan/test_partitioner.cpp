@@ -98,7 +98,7 @@ TEST_CASE("split_fixed: held only in a split; the whole extent wherever it fits,
 
 TEST_CASE("causal chunks shrink as their prefix grows") {
   // 128K query tokens, 64 KiB per token in flight, 16 KiB per earlier token of keys/values.
-  WorkItem w{ChunkDependency::causal_prefix, 131072, 128, 256_MiB, 64_KiB, 16_KiB};
+  WorkItem w{ChunkDependency::causal_prefix, 131072, 128, 256_MiB, 64_KiB, 16_KiB, {}};
   const Bytes budget = 4_GiB;
   const Partition p = DependencyPartitioner{}.partition(w, budget);
   REQUIRE(p.chunks.size() > 2);
@@ -111,7 +111,7 @@ TEST_CASE("causal chunks shrink as their prefix grows") {
 
 TEST_CASE("the loss over rows splits evenly") {
   // 1M rows, each with a 32000-wide fp32 logits row in flight: must not materialise it all.
-  WorkItem loss{ChunkDependency::independent, 1 << 20, 1, 512_MiB, Bytes{32000 * 4}, {}};
+  WorkItem loss{ChunkDependency::independent, 1 << 20, 1, 512_MiB, Bytes{32000 * 4}, {}, {}};
   const Partition p = DependencyPartitioner{}.partition(loss, 8_GiB);
   CHECK(p.chunks.size() == 17);  // ceil(2^20 / floor(7.5 GiB / 128000 B)) = ceil(2^20 / 62914) = 17
   const auto size0 = p.chunks.front().end - p.chunks.front().begin;
@@ -120,7 +120,7 @@ TEST_CASE("the loss over rows splits evenly") {
 }
 
 TEST_CASE("unchunkable work fits whole or fails naming the bytes") {
-  WorkItem w{ChunkDependency::none, 1000, 1, 1_GiB, 1_MiB, {}};
+  WorkItem w{ChunkDependency::none, 1000, 1, 1_GiB, 1_MiB, {}, {}};
   CHECK(DependencyPartitioner{}.partition(w, 2_GiB).chunks.size() == 1);
   CHECK_THROWS_WITH_AS((void)DependencyPartitioner{}.partition(w, 1_GiB),
                        doctest::Contains("needs 1.98 GiB but the budget is 1.00 GiB"), Error);

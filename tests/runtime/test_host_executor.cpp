@@ -789,7 +789,7 @@ TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; i
   HostBackend backend({1_MiB, 1_MiB, true});
   const auto init_of = [](const auto& layers) {
     std::vector<std::vector<float>> init;
-    for (const auto& l : layers) init.emplace_back(3, 0.25f);
+    init.assign(layers.size(), std::vector<float>(3, 0.25f));
     return init;
   };
   std::vector<WholeLayer> layers{WholeLayer(0, 4), WholeLayer(1, 4)};
