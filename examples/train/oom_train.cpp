@@ -824,6 +824,7 @@ int run(Args a) {
     // windows (and another count of them). The built-in corpus lives in the run directory, which
     // may have moved; a file of --data may have moved too, so a path that differs only warns where
     // the token count and the sampled fingerprint still agree (checked once the file is open, below).
+    if (ts["data_fingerprint"].present()) saved_data_fingerprint = ts["data_fingerprint"].as_string();
     if (ts["data"].present()) {
       const fs::path saved = ts["data"].as_string();
       const bool saved_builtin = ts["data_builtin"].present() ? ts["data_builtin"].as_bool() : saved.filename() == "builtin-corpus.tok";
@@ -835,10 +836,9 @@ int run(Args a) {
       if (!a.data.empty() && !fs::equivalent(saved, data_path, ec))  // false too where the trained-on file is gone
         say(stderr, "oom-train: warning: --resume: {} was trained on {}, this run reads {} (taken as the same data: {})\n",
             latest->string(), saved.string(), data_path.string(),
-            ts["data_fingerprint"].present() ? "the token count and a sampled fingerprint are checked" : "the token count is checked");
+            saved_data_fingerprint ? "the token count and a sampled fingerprint are checked" : "the token count is checked");
     }
     saved_data_tokens = ts["data_tokens"].present() ? std::optional(ts["data_tokens"].as_uint64()) : std::nullopt;
-    if (ts["data_fingerprint"].present()) saved_data_fingerprint = ts["data_fingerprint"].as_string();
     start_step = ts["step"].as_uint64();
     // The step the directory is named for (the loop counts from it: 2^64 - 1 had wrapped it to 0,
     // overwriting this checkpoint), and an optimizer step count it could have reached.

@@ -40,6 +40,17 @@ std::string grouped(std::uint64_t v) {
   return out;
 }
 
+// Errc::parse naming the first of `tokens` (the file's from position `begin`) that is >= vocab.
+// The common case (all valid) is one branch-free pass; only a failure looks for the position.
+template <class T>
+void refuse_out_of_vocab(std::span<const T> tokens, std::uint64_t begin, std::uint64_t vocab, const std::string& source) {
+  const auto max = std::max_element(tokens.begin(), tokens.end());
+  if (max == tokens.end() || *max < vocab) return;
+  const auto bad = std::find_if(tokens.begin(), tokens.end(), [&](T t) { return t >= vocab; });
+  OOM_THROW(Errc::parse, fmt::format("{}: token {} at position {} is >= vocab {}", source, *bad,
+                                     grouped(begin + static_cast<std::uint64_t>(bad - tokens.begin())), vocab));
+}
+
 static_assert(std::endian::native == std::endian::little, "token files are read in place as little-endian");
 
 }  // namespace
@@ -127,18 +138,8 @@ std::span<const std::uint32_t> TokenFile::u32() const {
 }
 
 void TokenFile::check_range(std::uint64_t begin, std::uint64_t count) const {
-  const auto scan = [&](auto tokens) {
-    const auto sub = tokens.subspan(begin, count);
-    // The common case (all valid) is one branch-free pass; only a failure looks for the position.
-    const auto max = std::max_element(sub.begin(), sub.end());
-    if (max == sub.end() || *max < header_.vocab_size) return;
-    const auto bad = std::find_if(sub.begin(), sub.end(), [&](auto t) { return t >= header_.vocab_size; });
-    OOM_THROW(Errc::parse, fmt::format("{}: token {} at position {} is >= vocab {}", source_, *bad,
-                                       grouped(begin + static_cast<std::uint64_t>(bad - sub.begin())),
-                                       header_.vocab_size));
-  };
-  if (header_.dtype == DType::uint16) scan(u16());
-  else scan(u32());
+  if (header_.dtype == DType::uint16) refuse_out_of_vocab(u16().subspan(begin, count), begin, header_.vocab_size, source_);
+  else refuse_out_of_vocab(u32().subspan(begin, count), begin, header_.vocab_size, source_);
 }
 
 void TokenFile::check_all() const {
@@ -227,10 +228,7 @@ void TokenFile::read_file(std::uint64_t begin, std::span<std::uint32_t> out) con
       std::memcpy(&t, dst + 2 * i, 2);
       out[i] = t;
     }
-  const auto bad = std::find_if(out.begin(), out.end(), [&](std::uint32_t t) { return t >= header_.vocab_size; });
-  if (bad != out.end())
-    OOM_THROW(Errc::parse, fmt::format("{}: token {} at position {} is >= vocab {}", source_, *bad,
-                                       grouped(begin + static_cast<std::uint64_t>(bad - out.begin())), header_.vocab_size));
+  refuse_out_of_vocab(std::span<const std::uint32_t>(out), begin, header_.vocab_size, source_);
 }
 
 void write_token_file(const std::filesystem::path& path, std::span<const std::uint32_t> tokens,
