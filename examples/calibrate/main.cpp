@@ -270,13 +270,11 @@ CpuAdamw measure_cpu_adamw(std::size_t params, int repeats) {
 int run(const Options& opt) {
   const int visible = cuda::device_count();
   if (visible == 0) {
-    const std::string reason = cuda::no_device_reason();
-    fmt::print(stderr, "oom-calibrate: no usable NVIDIA GPU: {}.\n{}\n", reason,
-               reason.find("CUDA_VISIBLE_DEVICES") != std::string::npos
-                   ? "oom-calibrate measures the GPUs this process sees: name them in CUDA_VISIBLE_DEVICES, or unset it."
-               : reason.starts_with("the NVIDIA driver supports")
-                   ? "oom-calibrate needs a driver for this build's CUDA runtime: update the NVIDIA driver."
-                   : "oom-calibrate measures the GPUs of the machine it runs on; run it on the GPU machine.");
+    const cuda::NoDevice why = cuda::why_no_device();
+    const std::string_view remedy = cuda::no_device_remedy(why.kind);
+    fmt::print(stderr, "oom-calibrate: no usable NVIDIA GPU: {}.\n{}\n", why.reason,
+               remedy.empty() ? std::string("oom-calibrate measures the GPUs of the machine it runs on; run it on the GPU machine.")
+                              : fmt::format("To measure this machine's GPUs, {}.", remedy));
     return 2;
   }
   const int gpus = opt.gpus ? opt.gpus : visible;

@@ -610,7 +610,7 @@ int run(Args a) {
 #if OOM_TRAIN_HAS_CUDA
   use_cuda = a.backend == "cuda" || (a.backend == "auto" && cuda::device_count() > 0);
   if (a.backend == "cuda" && cuda::device_count() == 0)
-    OOM_THROW(Errc::unsupported, fmt::format("--backend cuda: no usable GPU ({})", cuda::no_device_reason()));
+    OOM_THROW(Errc::unsupported, cuda::backend_cuda_refusal(cuda::why_no_device()));
   if (use_cuda) {
     try {  // the CUDA decoder layer takes Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE MoE layers, attention head_dim 128 or 256
       for (int l = 0; l < spec.num_layers(); ++l)

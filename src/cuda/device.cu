@@ -18,11 +18,12 @@ int device_count() noexcept {
   return n;
 }
 
-std::string no_device_reason() {
+NoDevice why_no_device() {
+  using Kind = NoDevice::Kind;
   int n = 0;
   const cudaError_t status = cudaGetDeviceCount(&n);
   (void)cudaGetLastError();
-  if (status == cudaSuccess) return n == 0 ? "the CUDA runtime reports 0 devices" : "";
+  if (status == cudaSuccess) return n == 0 ? NoDevice{Kind::no_gpu, "the CUDA runtime reports 0 devices"} : NoDevice{};
   const std::string error = std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
   if (status == cudaErrorInsufficientDriver) {
     // Without any driver the runtime says the driver is "insufficient", as if an update would do;
@@ -31,17 +32,34 @@ std::string no_device_reason() {
     (void)cudaDriverGetVersion(&driver);  // 0 where no driver is loaded
     (void)cudaRuntimeGetVersion(&runtime);
     const auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
-    if (driver == 0) return "no NVIDIA driver was found on this machine (" + error + ")";
-    return "the NVIDIA driver supports CUDA " + version(driver) + ", older than this build's CUDA runtime " + version(runtime) + " (" +
-           error + ")";
+    if (driver == 0) return {Kind::no_driver, "no NVIDIA driver was found on this machine (" + error + ")"};
+    return {Kind::old_driver, "the NVIDIA driver supports CUDA " + version(driver) + ", older than this build's CUDA runtime " +
+                                  version(runtime) + " (" + error + ")"};
   }
   if (status == cudaErrorNoDevice) {
     // The GPUs may be there but hidden from this process (a scheduler's or a user's setting).
     if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"))
-      return std::string("no NVIDIA GPU is visible to this process (CUDA_VISIBLE_DEVICES is '") + visible + "', " + error + ")";
-    return "no NVIDIA GPU was found on this machine (" + error + ")";
+      return {Kind::hidden,
+              std::string("no NVIDIA GPU is visible to this process (CUDA_VISIBLE_DEVICES is '") + visible + "', " + error + ")"};
+    return {Kind::no_gpu, "no NVIDIA GPU was found on this machine (" + error + ")"};
   }
-  return error;
+  return {Kind::other, error};
+}
+
+std::string no_device_reason() { return why_no_device().reason; }
+
+std::string_view no_device_remedy(NoDevice::Kind kind) noexcept {
+  switch (kind) {
+    case NoDevice::Kind::hidden: return "name the GPUs in CUDA_VISIBLE_DEVICES, or unset it";
+    case NoDevice::Kind::old_driver: return "update the NVIDIA driver";
+    default: return {};
+  }
+}
+
+std::string backend_cuda_refusal(const NoDevice& why) {
+  const std::string_view remedy = no_device_remedy(why.kind);
+  return "--backend cuda: no usable GPU (" + why.reason + "); " + (remedy.empty() ? std::string() : std::string(remedy) + ", or ") +
+         "run on the CPU with --backend host";
 }
 
 DeviceInfo device_properties(int device) {

@@ -7,6 +7,7 @@
 
 #include "oom/core/bytes.hpp"
 #include "oom/core/error.hpp"
+#include "oom/cuda/device.hpp"
 #include "oom/cuda/device_group.hpp"
 
 using namespace oom::literals;
@@ -79,4 +80,26 @@ TEST_CASE("GPUs of different memory or compute capability in one group are refus
   CHECK(code == Errc::unsupported);
   CHECK(arch_why.find("GPU 1 (B, compute capability 9.0)") != std::string::npos);
   CHECK(arch_why.find("differs in compute capability from GPU 0 (A, 8.9)") != std::string::npos);
+}
+
+// A missing GPU is refused with advice that fits its cause: a user told to "update the driver"
+// when CUDA_VISIBLE_DEVICES hides the GPU would look in the wrong place.
+TEST_CASE("a program asked for the GPU says what to do about its absence, by cause") {
+  using oom::cuda::NoDevice;
+  using Kind = NoDevice::Kind;
+  CHECK(oom::cuda::backend_cuda_refusal({Kind::hidden, "no NVIDIA GPU is visible to this process (CUDA_VISIBLE_DEVICES is '-1')"}) ==
+        "--backend cuda: no usable GPU (no NVIDIA GPU is visible to this process (CUDA_VISIBLE_DEVICES is '-1')); name the GPUs in "
+        "CUDA_VISIBLE_DEVICES, or unset it, or run on the CPU with --backend host");
+  CHECK(oom::cuda::backend_cuda_refusal({Kind::old_driver, "the NVIDIA driver supports CUDA 12.2"}) ==
+        "--backend cuda: no usable GPU (the NVIDIA driver supports CUDA 12.2); update the NVIDIA driver, or run on the CPU with "
+        "--backend host");
+  for (const Kind kind : {Kind::no_driver, Kind::no_gpu, Kind::other}) {
+    CHECK(oom::cuda::no_device_remedy(kind).empty());
+    CHECK(oom::cuda::backend_cuda_refusal({kind, "r"}) == "--backend cuda: no usable GPU (r); run on the CPU with --backend host");
+  }
+  // This machine's own answer agrees with device_count(): a reason exactly when there is no GPU.
+  const NoDevice here = oom::cuda::why_no_device();
+  CHECK((here.kind == Kind::none) == (oom::cuda::device_count() > 0));
+  CHECK(here.reason.empty() == (here.kind == Kind::none));
+  CHECK(here.reason == oom::cuda::no_device_reason());
 }

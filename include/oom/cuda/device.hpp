@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include "oom/core/bytes.hpp"
 
@@ -12,10 +13,31 @@ namespace oom::cuda {
 /// and programs can skip with a message instead of failing.
 int device_count() noexcept;
 
-/// Why device_count() is 0, in words with the CUDA error in parentheses ("no NVIDIA driver was
-/// found on this machine (cudaErrorInsufficientDriver: ...)", "no NVIDIA GPU was found ..."); empty
-/// when > 0.
+/// Why device_count() is 0: which case it is, for a program to choose its advice by, and the
+/// words to print, with the CUDA error in parentheses ("no NVIDIA driver was found on this machine
+/// (cudaErrorInsufficientDriver: ...)", "no NVIDIA GPU was found ...").
+struct NoDevice {
+  enum class Kind : unsigned char {
+    none,        ///< device_count() > 0; reason is empty
+    no_driver,   ///< no NVIDIA driver loaded
+    old_driver,  ///< a driver older than this build's CUDA runtime
+    hidden,      ///< no GPU visible, with CUDA_VISIBLE_DEVICES set (it may hide the GPUs there are)
+    no_gpu,      ///< a driver, and no GPU (or the runtime counts 0)
+    other,       ///< any other CUDA error; reason names it
+  };
+  Kind kind = Kind::none;
+  std::string reason;
+};
+NoDevice why_no_device();
+/// why_no_device().reason: empty when device_count() > 0.
 std::string no_device_reason();
+/// What a user can do about `kind` whatever the program ("name the GPUs in CUDA_VISIBLE_DEVICES, or
+/// unset it", "update the NVIDIA driver"); empty where only the program knows (no GPU on the machine:
+/// run elsewhere, or on the CPU).
+std::string_view no_device_remedy(NoDevice::Kind kind) noexcept;
+/// The refusal of a program whose `--backend` picks cuda or host, asked for cuda without a GPU:
+/// "--backend cuda: no usable GPU (<reason>); <remedy>, or run on the CPU with --backend host".
+std::string backend_cuda_refusal(const NoDevice& why);
 
 struct DeviceInfo {
   int index = 0;
