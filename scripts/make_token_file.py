@@ -5,9 +5,10 @@
   python3 scripts/make_token_file.py --bytes --out data.tok notes.md more.jsonl
 
 Inputs are documents: each .txt / .md file is one, each line of a .jsonl file is one (its "text"
-field, or --field). The tokens are written as they come (the corpus never sits in memory whole),
-into a temporary file beside --out that is renamed onto it once complete, so --out is either the
-old file or the whole new one.
+field, or --field). The tokens are written as they come, into a temporary file beside --out that
+is renamed onto it once complete, so --out is either the old file or the whole new one. The corpus
+never sits in memory whole: a JSON line is read and tokenized at a time, and with --bytes a .txt
+file is read a MiB at a time (a tokenizer takes a .txt file whole, as one document).
 
   --tokenizer DIR  a Hugging Face tokenizer (a model directory with tokenizer.json or the like;
                    read with transformers' AutoTokenizer, offline). Its vocab is len(tokenizer);
@@ -18,6 +19,7 @@ The file holds u16 tokens where the vocab fits (<= 65536), else u32, and records
 count. A progress line goes to stderr every few seconds; the last line says what was written.
 """
 import argparse
+import codecs
 import json
 import os
 import struct
@@ -29,10 +31,30 @@ from array import array
 MAGIC = b"OOMTOK01"
 VERSION = 1
 HEADER = 64
+CHUNK = 1 << 20  # bytes of a text file read at a time: the memory a file takes, whatever its size
+
+
+def text_pieces(path):
+    """A text file's text, a CHUNK of its bytes at a time, exactly as they are (CR LF stays CR LF)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0  # bytes read before this chunk
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(CHUNK)
+            held = len(decoder.getstate()[0])  # the start of a character cut at the chunk's edge
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:  # e.start counts from the held bytes
+                sys.exit(f"{path}: not UTF-8 text ({e.reason} at byte {done - held + e.start})")
+            if not raw:
+                return
+            done += len(raw)
+            if text:
+                yield text
 
 
 def documents(paths, field):
-    """(source, text) per document, in order."""
+    """(source, pieces) per document, in order: pieces yields its text a part at a time."""
     for path in paths:
         if path.endswith(".jsonl"):
             with open(path, "rb") as f:
@@ -49,13 +71,42 @@ def documents(paths, field):
                         sys.exit(f"{path}:{n}: not a JSON line ({e.msg})")
                     if not isinstance(record, dict) or not isinstance(record.get(field), str):
                         sys.exit(f"{path}:{n}: no string field '{field}' (--field names another)")
-                    yield f"{path}:{n}", record[field]
+                    yield f"{path}:{n}", (record[field],)
         else:
-            try:
-                with open(path, encoding="utf-8", newline="") as f:  # CR LF as it is, not turned into LF
-                    yield path, f.read()
-            except UnicodeDecodeError as e:
-                sys.exit(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
+            yield path, text_pieces(path)
+
+
+def byte_tokens(source, text):
+    """(token count, the tokens as the file holds them): text's UTF-8 bytes as u16 little-endian."""
+    try:
+        utf8 = text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate a JSON escape made
+        sys.exit(f"{source}: text that UTF-8 cannot hold ({e.reason} at character {e.start})")
+    tokens = bytearray(2 * len(utf8))
+    tokens[0::2] = utf8  # each byte a token's low byte (a list of ints took 8 bytes a byte)
+    return len(utf8), tokens
+
+
+def tokenizer_tokens(tok, code, vocab, eos):
+    """encode(source, text): (token count, the tokens as the file holds them), tok's ids then eos (unless None)."""
+    width = array(code).itemsize
+
+    def encode(source, text):
+        try:
+            ids = array(code, tok.encode(text, add_special_tokens=False))
+        except UnicodeEncodeError as e:  # a lone surrogate a JSON escape made
+            sys.exit(f"{source}: text that UTF-8 cannot hold ({e.reason} at character {e.start})")
+        except OverflowError:
+            sys.exit(f"{source}: a token id past {2 ** (8 * width) - 1}")
+        if eos is not None:
+            ids.append(eos)
+        if ids and max(ids) >= vocab:
+            sys.exit(f"{source}: token {max(ids)} >= the vocab {vocab}")
+        if sys.byteorder != "little":
+            ids.byteswap()
+        return len(ids), ids
+
+    return encode
 
 
 def main():
@@ -74,7 +125,6 @@ def main():
 
     if args.bytes:
         vocab, eos = 256, None
-        encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
     else:
         try:
             from transformers import AutoTokenizer
@@ -89,9 +139,9 @@ def main():
         eos = None if args.no_eos else tok.eos_token_id
         if not args.no_eos and eos is None:
             sys.exit(f"{args.tokenizer}: the tokenizer has no EOS token; pass --no-eos to write documents back to back")
-        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     code = "H" if vocab <= 1 << 16 else "I"
     width = 2 if code == "H" else 4
+    encode = byte_tokens if args.bytes else tokenizer_tokens(tok, code, vocab, eos)
 
     if os.path.isdir(args.out):
         sys.exit(f"{args.out}: a directory; --out names the token file to write")
@@ -107,25 +157,17 @@ def main():
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(b"\0" * HEADER)  # the header, once the counts are known
-            for source, text in documents(args.inputs, args.field):
-                try:
-                    ids = array(code, encode(text))
-                except UnicodeEncodeError as e:  # a lone surrogate a JSON escape made
-                    sys.exit(f"{source}: text that UTF-8 cannot hold ({e.reason} at character {e.start})")
-                except OverflowError:
-                    sys.exit(f"{source}: a token id past {2 ** (8 * width) - 1}")
-                if eos is not None:
-                    ids.append(eos)
-                if ids and max(ids) >= vocab:
-                    sys.exit(f"{source}: token {max(ids)} >= the vocab {vocab}")
-                if sys.byteorder != "little":
-                    ids.byteswap()
-                ids.tofile(f)
-                count += len(ids)
+            for source, pieces in documents(args.inputs, args.field):
+                if not args.bytes:  # a tokenizer takes a document whole: its pieces' seams would change the tokens
+                    pieces = ("".join(pieces),)
+                for text in pieces:
+                    n, tokens = encode(source, text)
+                    f.write(tokens)
+                    count += n
+                    if time.monotonic() - last > 5:
+                        last = time.monotonic()
+                        print(f"{docs} documents, {count} tokens ({count / (last - started):.0f} tokens/s)", file=sys.stderr)
                 docs += 1
-                if time.monotonic() - last > 5:
-                    last = time.monotonic()
-                    print(f"{docs} documents, {count} tokens ({count / (last - started):.0f} tokens/s)", file=sys.stderr)
             if count == 0:
                 sys.exit("no tokens: the inputs hold no text")
             f.seek(0)

@@ -37,6 +37,26 @@ b, text = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read()
 got = array("H", b[64:]).tolist()
 assert got == list(text), (got, list(text))' "$work/crlf.tok" "$work/crlf.txt" || fail "crlf.txt's bytes changed"
 
+# Streamed: a 64 MiB .txt file is read a MiB at a time, so the run peaks far below the file's size
+# (it held the file ~11 times over: its text, its bytes, a list of 8-byte ints and their array;
+# 1.07 GiB for 97 MB). Its tokens are still its bytes exactly, across the seams between the reads:
+# characters of 2 to 4 bytes and CR LF cut at them, a lone CR, no newline at the end.
+python3 -c 'import sys; open(sys.argv[1], "wb").write("a\u2192\u5c02\U0001f600\r\n\r\u00e9b".encode() * (64 * 2**20 // 17))' "$work/big.txt"  # 17 bytes: the seams move
+# Spawned from a small process: the child's ru_maxrss starts at its parent's high-water mark (vfork, exec).
+peak=$(python3 -c '
+import resource, subprocess, sys
+subprocess.run([sys.executable] + sys.argv[1:], check=True, stdout=subprocess.DEVNULL)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024)' "$make" --bytes --out "$work/big.tok" "$work/big.txt") ||
+  fail "the big .txt file"
+(( peak < 64 )) || fail "peak RSS $peak MiB for a 64 MiB .txt file"
+python3 -c '
+import sys
+text, got = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read()
+assert got[64::2] == text and not got[65::2].strip(b"\0"), "the tokens are not its bytes"' "$work/big.txt" "$work/big.tok" ||
+  fail "the big .txt file's bytes changed"
+echo "ok   big .txt: 64 MiB, peak RSS $peak MiB"
+rm "$work/big.txt" "$work/big.tok"
+
 # Bad inputs: named, and the old output left as it was.
 cp "$work/data.tok" "$work/before.tok"
 expect() {  # name, message part, then the arguments
@@ -54,6 +74,8 @@ expect missing-field "field.jsonl:1: no string field 'text'" --bytes "$work/fiel
 expect missing-file "absent.txt: no such file" --bytes "$work/absent.txt"
 printf '\xff\xfe' > "$work/latin.txt"
 expect not-utf8 "latin.txt: not UTF-8 text" --bytes "$work/latin.txt"
+python3 -c 'import sys; open(sys.argv[1], "wb").write(b"a" + "\u00e9".encode() * 700000 + b"\xff")' "$work/late.txt"
+expect not-utf8-late "late.txt: not UTF-8 text (invalid start byte at byte 1400001)" --bytes "$work/late.txt"  # past the first read
 : > "$work/empty.txt"
 expect no-text "no tokens: the inputs hold no text" --bytes "$work/empty.txt"
 printf '{"text": "ok"}\n\xff{"text": "x"}\n' > "$work/bytes.jsonl"
