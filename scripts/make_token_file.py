@@ -6,7 +6,8 @@
 
 Inputs are documents: each .txt / .md file is one, each line of a .jsonl file is one (its "text"
 field, or --field). The tokens are written as they come, into a temporary file beside --out that
-is renamed onto it once complete, so --out is either the old file or the whole new one. The corpus
+is renamed onto it once complete, so --out is either the old file or the whole new one. A UTF-8
+byte order mark at the start of a file is dropped (the last line counts the files). The corpus
 never sits in memory whole: a JSON line is read and tokenized at a time, and with --bytes a .txt
 file is read a MiB at a time (a tokenizer takes a .txt file whole, as one document).
 
@@ -34,11 +35,13 @@ HEADER = 64
 CHUNK = 1 << 20  # bytes of a text file read at a time: the memory a file takes, whatever its size
 
 
-def text_pieces(path):
-    """A text file's text, a CHUNK of its bytes at a time, exactly as they are (CR LF stays CR LF)."""
+def text_pieces(path, start):
+    """A text file's text from byte start on, a CHUNK of its bytes at a time, exactly as they are
+    (CR LF stays CR LF)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    done = 0  # bytes read before this chunk
+    done = start  # bytes before this chunk
     with open(path, "rb") as f:
+        f.seek(start)
         while True:
             raw = f.read(CHUNK)
             held = len(decoder.getstate()[0])  # the start of a character cut at the chunk's edge
@@ -53,12 +56,20 @@ def text_pieces(path):
                 yield text
 
 
-def documents(paths, field):
-    """(source, pieces) per document, in order: pieces yields its text a part at a time."""
+def documents(paths, field, boms):
+    """(source, pieces) per document, in order: pieces yields its text a part at a time. A UTF-8 byte
+    order mark at the start of a file is not text (Windows tools write one): it is dropped and the
+    file appended to boms."""
     for path in paths:
+        with open(path, "rb") as f:
+            bom = f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
+        if bom:
+            boms.append(path)
         if path.endswith(".jsonl"):
             with open(path, "rb") as f:
                 for n, raw in enumerate(f, 1):
+                    if n == 1 and bom:
+                        raw = raw[len(codecs.BOM_UTF8):]
                     try:
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as e:
@@ -73,7 +84,7 @@ def documents(paths, field):
                         sys.exit(f"{path}:{n}: no string field '{field}' (--field names another)")
                     yield f"{path}:{n}", (record[field],)
         else:
-            yield path, text_pieces(path)
+            yield path, text_pieces(path, len(codecs.BOM_UTF8) if bom else 0)
 
 
 def byte_tokens(source, text):
@@ -153,11 +164,12 @@ def main():
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)  # as any new file (mkstemp's are the owner's alone)
     count = docs = 0
+    boms = []
     started = last = time.monotonic()
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(b"\0" * HEADER)  # the header, once the counts are known
-            for source, pieces in documents(args.inputs, args.field):
+            for source, pieces in documents(args.inputs, args.field, boms):
                 if not args.bytes:  # a tokenizer takes a document whole: its pieces' seams would change the tokens
                     pieces = ("".join(pieces),)
                 for text in pieces:
@@ -178,7 +190,8 @@ def main():
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    print(f"wrote {args.out}: {count} tokens ({width} bytes each, vocab {vocab}) in {docs} documents")
+    dropped = f"; a UTF-8 byte order mark dropped from the start of {len(boms)} file{'s' * (len(boms) != 1)}" if boms else ""
+    print(f"wrote {args.out}: {count} tokens ({width} bytes each, vocab {vocab}) in {docs} documents{dropped}")
 
 
 if __name__ == "__main__":

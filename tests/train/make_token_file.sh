@@ -37,6 +37,20 @@ b, text = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read()
 got = array("H", b[64:]).tolist()
 assert got == list(text), (got, list(text))' "$work/crlf.tok" "$work/crlf.txt" || fail "crlf.txt's bytes changed"
 
+# A UTF-8 byte order mark at the start of a file (Windows tools write one) is not text: dropped, and
+# the files it was dropped from counted. One past the start is text and stays. (It had been 3 byte
+# tokens of a .txt file, and a .jsonl file's first line was "not a JSON line".)
+printf '\xef\xbb\xbfone\xef\xbb\xbftwo\r\n' > "$work/bom.txt"
+printf '\xef\xbb\xbf{"text": "hi"}\n' > "$work/bom.jsonl"
+python3 "$make" --bytes --out "$work/bom.tok" "$work/bom.txt" "$work/bom.jsonl" > "$work/bom.log" || fail "bom: $(cat "$work/bom.log")"
+grep -q "in 2 documents; a UTF-8 byte order mark dropped from the start of 2 files$" "$work/bom.log" || fail "bom: $(cat "$work/bom.log")"
+python3 -c '
+import sys
+got = open(sys.argv[1], "rb").read()[64::2]
+assert got == b"one\xef\xbb\xbftwo\r\nhi", got' "$work/bom.tok" || fail "bom: the tokens"
+python3 "$make" --bytes --out "$work/bom.tok" "$work/a.txt" > "$work/bom.log"
+grep -q "documents$" "$work/bom.log" || fail "no BOM, yet: $(cat "$work/bom.log")"
+
 # Streamed: a 64 MiB .txt file is read a MiB at a time, so the run peaks far below the file's size
 # (it held the file ~11 times over: its text, its bytes, a list of 8-byte ints and their array;
 # 1.07 GiB for 97 MB). Its tokens are still its bytes exactly, across the seams between the reads:
