@@ -4,8 +4,8 @@
   python3 scripts/make_token_file.py --tokenizer /models/Qwen3-30B-A3B --out data.tok corpus/*.txt
   python3 scripts/make_token_file.py --bytes --out data.tok notes.md more.jsonl
 
-Inputs are documents: each .txt / .md file is one, each line of a .jsonl file is one (its "text"
-field, or --field). The tokens are written as they come, into a temporary file beside --out that
+Inputs are documents: each line of a .jsonl file is one (its "text" field, or --field; .JSONL or
+any case too), and any other file, .txt / .md, is one. The tokens are written as they come, into a temporary file beside --out that
 is renamed onto it once complete, so --out is either the old file or the whole new one. A UTF-8
 byte order mark at the start of a file is dropped (the last line counts the files). The corpus
 never sits in memory whole: a JSON line is read and tokenized at a time, and with --bytes a .txt
@@ -65,7 +65,7 @@ def documents(paths, field, boms):
             bom = f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
         if bom:
             boms.append(path)
-        if path.endswith(".jsonl"):
+        if path.lower().endswith(".jsonl"):  # .JSONL too: read as text, its JSON had been the tokens
             with open(path, "rb") as f:
                 for n, raw in enumerate(f, 1):
                     if n == 1 and bom:

@@ -51,6 +51,13 @@ assert got == b"one\xef\xbb\xbftwo\r\nhi", got' "$work/bom.tok" || fail "bom: th
 python3 "$make" --bytes --out "$work/bom.tok" "$work/a.txt" > "$work/bom.log"
 grep -q "documents$" "$work/bom.log" || fail "no BOM, yet: $(cat "$work/bom.log")"
 
+# An extension in capitals or mixed case is the same (.JSONL had been read as one text document,
+# its JSON syntax the tokens).
+printf '{"text": "up"}\n{"text": "per"}\n' > "$work/c.JSONL"
+printf '{"text": "mix"}\n' > "$work/d.JsonL"
+python3 "$make" --bytes --out "$work/case.tok" "$work/c.JSONL" "$work/d.JsonL" > "$work/case.log"
+grep -q ": 8 tokens (2 bytes each, vocab 256) in 3 documents$" "$work/case.log" || fail "case: $(cat "$work/case.log")"
+
 # Streamed: a 64 MiB .txt file is read a MiB at a time, so the run peaks far below the file's size
 # (it held the file ~11 times over: its text, its bytes, a list of 8-byte ints and their array;
 # 1.07 GiB for 97 MB). Its tokens are still its bytes exactly, across the seams between the reads:
