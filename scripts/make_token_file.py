@@ -4,12 +4,13 @@
   python3 scripts/make_token_file.py --tokenizer /models/Qwen3-30B-A3B --out data.tok corpus/*.txt
   python3 scripts/make_token_file.py --bytes --out data.tok notes.md more.jsonl
 
-Inputs are documents: each line of a .jsonl file is one (its "text" field, or --field; .JSONL or
-any case too), and any other file, .txt / .md, is one. The tokens are written as they come, into a temporary file beside --out that
-is renamed onto it once complete, so --out is either the old file or the whole new one. A UTF-8
-byte order mark at the start of a file is dropped (the last line counts the files). The corpus
-never sits in memory whole: a JSON line is read and tokenized at a time, and with --bytes a .txt
-file is read a MiB at a time (a tokenizer takes a .txt file whole, as one document).
+Inputs are documents: each line of a .jsonl or .json file is one (its "text" field, or --field; the
+extension in any case), and any other file, .txt / .md, is one. The tokens are written as they
+come, into a temporary file beside --out that is renamed onto it once complete, so --out is either
+the old file or the whole new one. A UTF-8 byte order mark at the start of a file is dropped (the
+last line counts the files). The corpus never sits in memory whole: a JSON line is read and
+tokenized at a time, and with --bytes a .txt file is read a MiB at a time (a tokenizer takes a
+.txt file whole, as one document).
 
   --tokenizer DIR  a Hugging Face tokenizer (a model directory with tokenizer.json or the like;
                    read with transformers' AutoTokenizer, offline). Its vocab is len(tokenizer);
@@ -65,7 +66,7 @@ def documents(paths, field, boms):
             bom = f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
         if bom:
             boms.append(path)
-        if path.lower().endswith(".jsonl"):  # .JSONL too: read as text, its JSON had been the tokens
+        if path.lower().endswith((".jsonl", ".json")):  # in any case: .JSONL read as text had tokenized its JSON
             with open(path, "rb") as f:
                 for n, raw in enumerate(f, 1):
                     if n == 1 and bom:
@@ -80,7 +81,9 @@ def documents(paths, field, boms):
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
                         sys.exit(f"{path}:{n}: not a JSON line ({e.msg})")
-                    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                    if not isinstance(record, dict):  # a .json file of one array or object, say
+                        sys.exit(f"{path}:{n}: a JSON {type(record).__name__}, not an object (JSON lines: a record a line)")
+                    if not isinstance(record.get(field), str):
                         sys.exit(f"{path}:{n}: no string field '{field}' (--field names another)")
                     yield f"{path}:{n}", (record[field],)
         else:
@@ -122,12 +125,12 @@ def tokenizer_tokens(tok, code, vocab, eos):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("inputs", nargs="+", help=".txt/.md files (a document each) or .jsonl files (a document a line)")
+    ap.add_argument("inputs", nargs="+", help=".txt/.md files (a document each) or .jsonl/.json files (a document a line)")
     ap.add_argument("--out", required=True, help="the token file to write")
     how = ap.add_mutually_exclusive_group(required=True)
     how.add_argument("--tokenizer", help="Hugging Face tokenizer directory (offline)")
     how.add_argument("--bytes", action="store_true", help="UTF-8 bytes as tokens (vocab 256)")
-    ap.add_argument("--field", default="text", help="the text field of .jsonl records (default: text)")
+    ap.add_argument("--field", default="text", help="the text field of .jsonl/.json records (default: text)")
     ap.add_argument("--no-eos", action="store_true", help="do not end each document with the tokenizer's EOS token")
     args = ap.parse_args()
     for path in args.inputs:

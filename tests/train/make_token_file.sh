@@ -52,11 +52,12 @@ python3 "$make" --bytes --out "$work/bom.tok" "$work/a.txt" > "$work/bom.log"
 grep -q "documents$" "$work/bom.log" || fail "no BOM, yet: $(cat "$work/bom.log")"
 
 # An extension in capitals or mixed case is the same (.JSONL had been read as one text document,
-# its JSON syntax the tokens).
+# its JSON syntax the tokens), and .json is JSON lines too (what datasets' to_json writes).
 printf '{"text": "up"}\n{"text": "per"}\n' > "$work/c.JSONL"
 printf '{"text": "mix"}\n' > "$work/d.JsonL"
-python3 "$make" --bytes --out "$work/case.tok" "$work/c.JSONL" "$work/d.JsonL" > "$work/case.log"
-grep -q ": 8 tokens (2 bytes each, vocab 256) in 3 documents$" "$work/case.log" || fail "case: $(cat "$work/case.log")"
+printf '{"text": "js"}\n{"text": "on"}\n' > "$work/e.Json"
+python3 "$make" --bytes --out "$work/case.tok" "$work/c.JSONL" "$work/d.JsonL" "$work/e.Json" > "$work/case.log"
+grep -q ": 12 tokens (2 bytes each, vocab 256) in 5 documents$" "$work/case.log" || fail "case: $(cat "$work/case.log")"
 
 # Streamed: a 64 MiB .txt file is read a MiB at a time, so the run peaks far below the file's size
 # (it held the file ~11 times over: its text, its bytes, a list of 8-byte ints and their array;
@@ -92,6 +93,8 @@ printf '{"text": "fine"}\n{"text": \n' > "$work/broken.jsonl"
 expect broken-json-line "broken.jsonl:2: not a JSON line" --bytes "$work/broken.jsonl"
 printf '{"body": "x"}\n' > "$work/field.jsonl"
 expect missing-field "field.jsonl:1: no string field 'text'" --bytes "$work/field.jsonl"
+printf '[{"text": "x"}]\n' > "$work/array.json"
+expect json-array "array.json:1: a JSON list, not an object" --bytes "$work/array.json"
 expect missing-file "absent.txt: no such file" --bytes "$work/absent.txt"
 printf '\xff\xfe' > "$work/latin.txt"
 expect not-utf8 "latin.txt: not UTF-8 text" --bytes "$work/latin.txt"
