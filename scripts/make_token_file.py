@@ -5,7 +5,9 @@
   python3 scripts/make_token_file.py --bytes --out data.tok notes.md more.jsonl
 
 Inputs are documents: each line of a .jsonl or .json file is one (its "text" field, or --field; the
-extension in any case), and any other file, .txt / .md, is one. The tokens are written as they
+extension in any case; a blank line is no record), and any other file, .txt / .md, is one. A
+document with no tokens (an empty file, "text": "", text the tokenizer makes nothing of) is
+skipped, not written as a lone EOS; the last line counts them. The tokens are written as they
 come, into a temporary file beside --out that is renamed onto it once complete, so --out is either
 the old file or the whole new one. A UTF-8 byte order mark at the start of a file is dropped (the
 last line counts the files). The corpus never sits in memory whole: a JSON line is read and
@@ -102,7 +104,8 @@ def byte_tokens(source, text):
 
 
 def tokenizer_tokens(tok, code, vocab, eos):
-    """encode(source, text): (token count, the tokens as the file holds them), tok's ids then eos (unless None)."""
+    """encode(source, text): (token count, the tokens as the file holds them), tok's ids then eos
+    (unless None); none for text without ids, so that an empty document is not a lone EOS."""
     width = array(code).itemsize
 
     def encode(source, text):
@@ -112,6 +115,8 @@ def tokenizer_tokens(tok, code, vocab, eos):
             sys.exit(f"{source}: text that UTF-8 cannot hold ({e.reason} at character {e.start})")
         except OverflowError:
             sys.exit(f"{source}: a token id past {2 ** (8 * width) - 1}")
+        if not ids:
+            return 0, ids
         if eos is not None:
             ids.append(eos)
         if ids and max(ids) >= vocab:
@@ -166,7 +171,7 @@ def main():
     umask = os.umask(0)
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)  # as any new file (mkstemp's are the owner's alone)
-    count = docs = 0
+    count = docs = empty = 0
     boms = []
     started = last = time.monotonic()
     try:
@@ -175,6 +180,7 @@ def main():
             for source, pieces in documents(args.inputs, args.field, boms):
                 if not args.bytes:  # a tokenizer takes a document whole: its pieces' seams would change the tokens
                     pieces = ("".join(pieces),)
+                before = count
                 for text in pieces:
                     n, tokens = encode(source, text)
                     f.write(tokens)
@@ -182,9 +188,12 @@ def main():
                     if time.monotonic() - last > 5:
                         last = time.monotonic()
                         print(f"{docs} documents, {count} tokens ({count / (last - started):.0f} tokens/s)", file=sys.stderr)
-                docs += 1
+                if count == before:
+                    empty += 1
+                else:
+                    docs += 1
             if count == 0:
-                sys.exit("no tokens: the inputs hold no text")
+                sys.exit("no tokens: the inputs hold no text" + (f" ({empty} empty documents)" if empty else ""))
             f.seek(0)
             f.write(MAGIC + struct.pack("<IIQQQ", VERSION, width, vocab, count, docs) + b"\0" * 24)
             f.flush()
@@ -193,8 +202,9 @@ def main():
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    skipped = f"; {empty} empty document{'s' * (empty != 1)} skipped" if empty else ""
     dropped = f"; a UTF-8 byte order mark dropped from the start of {len(boms)} file{'s' * (len(boms) != 1)}" if boms else ""
-    print(f"wrote {args.out}: {count} tokens ({width} bytes each, vocab {vocab}) in {docs} documents{dropped}")
+    print(f"wrote {args.out}: {count} tokens ({width} bytes each, vocab {vocab}) in {docs} documents{skipped}{dropped}")
 
 
 if __name__ == "__main__":

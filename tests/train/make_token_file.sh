@@ -59,6 +59,16 @@ printf '{"text": "js"}\n{"text": "on"}\n' > "$work/e.Json"
 python3 "$make" --bytes --out "$work/case.tok" "$work/c.JSONL" "$work/d.JsonL" "$work/e.Json" > "$work/case.log"
 grep -q ": 12 tokens (2 bytes each, vocab 256) in 5 documents$" "$work/case.log" || fail "case: $(cat "$work/case.log")"
 
+# A document with no tokens is skipped and counted: an empty file, one of a byte order mark alone,
+# "text": "" (they had each been a document of nothing, or of a lone EOS with a tokenizer). A blank
+# line is no record, as before; a file of whitespace is text.
+: > "$work/none.txt"
+printf '\xef\xbb\xbf' > "$work/bom-only.md"
+printf '{"text": ""}\n\n{"text": "x"}\n' > "$work/empty.jsonl"
+printf '\n' > "$work/newline.txt"
+python3 "$make" --bytes --out "$work/empty.tok" "$work/none.txt" "$work/bom-only.md" "$work/empty.jsonl" "$work/newline.txt" > "$work/empty.log"
+grep -q ": 2 tokens (2 bytes each, vocab 256) in 2 documents; 3 empty documents skipped; " "$work/empty.log" || fail "empty: $(cat "$work/empty.log")"
+
 # Streamed: a 64 MiB .txt file is read a MiB at a time, so the run peaks far below the file's size
 # (it held the file ~11 times over: its text, its bytes, a list of 8-byte ints and their array;
 # 1.07 GiB for 97 MB). Its tokens are still its bytes exactly, across the seams between the reads:
@@ -101,7 +111,7 @@ expect not-utf8 "latin.txt: not UTF-8 text" --bytes "$work/latin.txt"
 python3 -c 'import sys; open(sys.argv[1], "wb").write(b"a" + "\u00e9".encode() * 700000 + b"\xff")' "$work/late.txt"
 expect not-utf8-late "late.txt: not UTF-8 text (invalid start byte at byte 1400001)" --bytes "$work/late.txt"  # past the first read
 : > "$work/empty.txt"
-expect no-text "no tokens: the inputs hold no text" --bytes "$work/empty.txt"
+expect no-text "no tokens: the inputs hold no text (1 empty documents)" --bytes "$work/empty.txt"
 printf '{"text": "ok"}\n\xff{"text": "x"}\n' > "$work/bytes.jsonl"
 expect jsonl-not-utf8 "bytes.jsonl:2: not UTF-8 text" --bytes "$work/bytes.jsonl"
 printf '{"text": "\\ud800"}\n' > "$work/surrogate.jsonl"
@@ -131,19 +141,19 @@ tok.pre_tokenizer = pre_tokenizers.ByteLevel()
 tok.train([sys.argv[2]], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"]))
 PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(sys.argv[1])
 PY
-  "$python" "$make" --tokenizer "$work/tk" --out "$work/tk.tok" "$work/b.jsonl" > /dev/null
+  "$python" "$make" --tokenizer "$work/tk" --out "$work/tk.tok" "$work/b.jsonl" "$work/none.txt" "$work/empty.jsonl" > /dev/null
   "$python" - "$work/tk" "$work/tk.tok" <<'PY' || fail "tokenizer ids"
 import struct, sys
 from array import array
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)
 want = []
-for text in ("hello world", "café"):
+for text in ("hello world", "café", "x"):  # no lone EOS for none.txt, nor for empty.jsonl's ""
     want += tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
 b = open(sys.argv[2], "rb").read()
 _, width, vocab, count, docs = struct.unpack_from("<IIQQQ", b, 8)
 got = array("H", b[64:]).tolist()
-assert (width, vocab, count, docs) == (2, len(tok), len(want), 2), (width, vocab, count, docs)
+assert (width, vocab, count, docs) == (2, len(tok), len(want), 3), (width, vocab, count, docs)
 assert got == want, (got, want)
 print(f"ok   tokenizer: {count} ids, EOS after each of {docs} documents")
 PY
