@@ -13,7 +13,8 @@ What it does:
      that model's widths instead (e.g. the 5.13B benchmark model: hidden 2048, 64 experts top-8, I = 768,
      the widths at which the product's Hopper grouped expert GEMMs and register-path norms run, where the
      small layer's 192-wide experts take the cuBLAS fallbacks), its weights' spreads scaled by fan-in so
-     that activations and router logits keep the small layer's statistics (--unscaled-init: not);
+     that activations and router logits keep the small layer's statistics (--init unscaled: not; --init transformers: transformers' own
+     initialisation);
   2. draws seeded random weights (bf16-representable) in Hugging Face's per-expert naming and loads them
      into transformers' Qwen3MoeDecoderLayer (layer_idx 0) in bf16 and, upcast, in fp32 -- converting to
      the fused expert layout (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]) when the
@@ -64,10 +65,20 @@ def parse_args():
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="transformers' attention implementation")
     p.add_argument("--model-config", default=None,
                    help="a Qwen3-MoE config.json whose layer widths to compare at (default: the small built-in layer)")
-    p.add_argument("--unscaled-init", action="store_true",
-                   help="draw every width's weights with the small layer's standard deviations instead of scaling "
-                        "them by fan-in (see canonical_weights)")
+    p.add_argument("--init", choices=("scaled", "unscaled", "transformers"), default="scaled",
+                   help="the weights' spreads: the small layer's scaled by fan-in (default), the small layer's at every "
+                        "width (unscaled: a saturated router at hidden 2048), or transformers' own initialisation of "
+                        "a Qwen3-MoE layer (every matrix N(0, initializer_range), norms 1; see canonical_weights)")
+    p.add_argument("--unscaled-init", action="store_true", help="the same as --init unscaled")
+    p.add_argument("--initializer-range", type=float, default=0.02,
+                   help="with --init transformers: the std of every matrix (Qwen3MoeConfig's default 0.02)")
     a = p.parse_args()
+    if a.unscaled_init:
+        if a.init not in ("scaled", "unscaled"):
+            p.error(f"--unscaled-init and --init {a.init} ask for two initialisations")
+        a.init = "unscaled"
+    if not a.initializer_range > 0:
+        p.error(f"--initializer-range must be > 0, not {a.initializer_range}")
     if a.tokens < 1:
         p.error(f"--tokens must be >= 1, not {a.tokens}")
     if a.tool is None:
@@ -154,9 +165,13 @@ def model_layer_config(path, tokens):
     return cfg
 
 
-def canonical_weights(torch, cfg, gen, device, fan_in_scaled=True):
+def canonical_weights(torch, cfg, gen, device, fan_in_scaled=True, transformers_std=None):
     """Seeded weights under HF's per-expert names (without the layer prefix), bf16-representable fp32.
 
+    With transformers_std, the layer as transformers initialises a Qwen3-MoE model (PreTrainedModel.
+    _init_weights: every linear and expert matrix, the router's included, N(0, initializer_range); the
+    RMSNorm weights, q/k norms included, 1): at hidden 2048 the router's logits have std ~0.9.
+    Otherwise:
     The standard deviations are the built-in small layer's. With fan_in_scaled, a matrix's is scaled by
     sqrt(its fan-in in the small layer / its fan-in here), as a width-independent initialisation does,
     so every width sees the small layer's activation and router-logit statistics (the small layer's
@@ -177,6 +192,8 @@ def canonical_weights(torch, cfg, gen, device, fan_in_scaled=True):
     s_i = scale(I, small["moe_intermediate_size"])
 
     def rnd(shape, std, mean=0.0):
+        if transformers_std is not None:  # matrices N(0, initializer_range), vectors (the norms) 1
+            std, mean = (transformers_std, 0.0) if len(shape) == 2 else (0.0, 1.0)
         t = torch.randn(*shape, generator=gen, dtype=torch.float32) * std + mean
         return t.to(torch.bfloat16).to(torch.float32).to(device)
 
@@ -406,7 +423,10 @@ def main():
     E, I = cfg["num_experts"], cfg["moe_intermediate_size"]
 
     gen = torch.Generator().manual_seed(args.seed)
-    canon = canonical_weights(torch, cfg, gen, device, fan_in_scaled=not args.unscaled_init)
+    canon = canonical_weights(torch, cfg, gen, device, fan_in_scaled=args.init == "scaled",
+                              transformers_std=args.initializer_range if args.init == "transformers" else None)
+    print(f"weights: {args.init} initialisation"
+          + (f" (N(0, {args.initializer_range}) matrices, norms 1)" if args.init == "transformers" else ""))
     x = (torch.randn(T, H, generator=gen)).to(torch.bfloat16).float().to(device)
     dy = (torch.randn(T, H, generator=gen) * 0.5).to(torch.bfloat16).float().to(device)
 

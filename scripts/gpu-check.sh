@@ -221,6 +221,11 @@ if [[ "$parts" == *" reference "* ]]; then
     limited 200 env PYTHONUNBUFFERED=1 python3 scripts/compare_decoder_layer.py \
       --tool "$build_dir/examples/layer-check/oom-layer-check" --model-config examples/configs/moe-5b.json \
       --tokens 4096 --workdir "$build_dir/layer-check-5b" > "$out/compare-layer-5b.log" 2>&1 || ref_rc=1
+    # And as transformers initialises such a layer (N(0, 0.02) matrices, norms 1): the literal
+    # "transformers' Qwen3-MoE layer" of issue 5's item 2.
+    limited 200 env PYTHONUNBUFFERED=1 python3 scripts/compare_decoder_layer.py \
+      --tool "$build_dir/examples/layer-check/oom-layer-check" --model-config examples/configs/moe-5b.json \
+      --tokens 4096 --init transformers --workdir "$build_dir/layer-check-5b-hf" > "$out/compare-layer-5b-hf.log" 2>&1 || ref_rc=1
     # The same layer under compute-sanitizer: memcheck and racecheck must report no errors.
     lc="$build_dir/layer-check"
     if command -v compute-sanitizer > /dev/null && [[ -f "$lc/in.safetensors" ]]; then
@@ -703,11 +708,12 @@ for name, lines in (("bench_moe_kernels.log", 14), ("bench_attention.log", 14), 
         print(f"--- {name} (last lines)")
         print("".join(open(path).readlines()[-lines:]).rstrip())
 # The 5.13B-width layer check has ~200 tensors: its shape, each failing tensor, and the verdicts.
-path = os.path.join(out, "compare-layer-5b.log")
-if os.path.exists(path):
-    print("--- compare-layer-5b.log (shape, failures, verdicts)")
-    keep = re.compile(r"^layer:|near tie|FAIL|routing|closer|^worst|all checks|compare_decoder_layer:")
-    print("".join(l for l in open(path) if keep.search(l)).rstrip())
+keep = re.compile(r"^layer:|^weights:|near tie|FAIL|routing|closer|^worst|all checks|compare_decoder_layer:")
+for name in ("compare-layer-5b.log", "compare-layer-5b-hf.log"):
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        print(f"--- {name} (shape, failures, verdicts)")
+        print("".join(l for l in open(path) if keep.search(l)).rstrip())
 PY
 cat "$out/summary.txt"
 if [[ -n "${OUT:-}" ]]; then

@@ -68,5 +68,34 @@ class ModelLayerConfig(unittest.TestCase):
                     cdl.model_layer_config(write_json(d, c), 16)
 
 
+class InitOptions(unittest.TestCase):
+    """Which weights the layer is compared at: the one option read by canonical_weights (torch only there)."""
+
+    def parse(self, *argv):
+        saved = sys.argv
+        sys.argv = ["compare_decoder_layer.py", *argv]
+        try:
+            return cdl.parse_args()
+        finally:
+            sys.argv = saved
+
+    def test_default_and_each_choice(self):
+        self.assertEqual(self.parse().init, "scaled")
+        self.assertEqual(self.parse("--init", "transformers").init, "transformers")
+        self.assertEqual(self.parse("--init", "transformers").initializer_range, 0.02)
+        self.assertEqual(self.parse("--unscaled-init").init, "unscaled")  # the older spelling
+
+    def test_contradictions_and_bad_ranges_are_refused(self):
+        with open(os.devnull, "w") as null:
+            saved, sys.stderr = sys.stderr, null
+            try:
+                for argv in (("--unscaled-init", "--init", "transformers"), ("--init", "transformers", "--initializer-range", "0"),
+                             ("--init", "fan-in")):
+                    with self.assertRaises(SystemExit, msg=argv):
+                        self.parse(*argv)
+            finally:
+                sys.stderr = saved
+
+
 if __name__ == "__main__":
     unittest.main(argv=[sys.argv[0], "-v"])
