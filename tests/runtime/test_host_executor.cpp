@@ -817,6 +817,20 @@ TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; i
                          doctest::Contains("layer 1 runs whole"), Error);
   }
   {
+    // A micro-batch of no tokens, and one past the limit whose count wraps to none: each had run,
+    // every step's loss a mean over no tokens (NaN) and the step skipped.
+    Plan none = plan;
+    none.workload = {1, 0};
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, none, init_of(layers)),
+                         doctest::Contains("the plan's micro-batch has 1 sequences of 0 tokens (needs at least 1 of 1)"), Error);
+    none.workload = {0, 6};
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, none, init_of(layers)),
+                         doctest::Contains("the plan's micro-batch has 0 sequences of 6 tokens"), Error);
+    none.workload = {std::uint64_t{1} << 33, std::uint64_t{1} << 31};  // 2^64 tokens: 0 in 64 bits
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, none, init_of(layers)),
+                         doctest::Contains("more than the 4294967296 tokens a micro-batch may hold"), Error);
+  }
+  {
     // More initial weights than the stack has segments: the caller's weights do not belong to
     // these layers (had been taken as the first ones, the rest ignored).
     auto extra = init_of(layers);
