@@ -131,7 +131,8 @@ Model and data
   --batch B            sequences per micro-batch, run together (default 1): each its own window
                        of the data, attention within each; weights cross PCIe once for all B
   --micro-batches K    micro-batches per optimizer step, run one after another, their gradients
-                       accumulated (default 1); a step trains on K x B sequences
+                       accumulated (default 1); a step trains on K x B sequences, as many
+                       windows of the data, which must hold that many windows of --seq
   --steps N            optimizer steps to reach (default 200)
   --seed N             initial weights and data order (default 0)
 Optimizer (AdamW, as torch.optim.AdamW over all parameters)
@@ -857,13 +858,25 @@ int run(Args a) {
     resumed_skips = ts["consecutive_skips"].present() ? ts["consecutive_skips"].as_uint64() : 0;  // absent before session 53
   }
 
-  // One window of data, checked before the run directory is made: the file of --data is open; the
-  // built-in corpus, written below where it is not there yet, is one token per byte.
-  // (A built-in corpus already in the run directory is checked once open, by the sampler; a --data
-  // file of no tokens at all is refused here too.)
-  if (const std::uint64_t n = tokens ? tokens->size() : fs::exists(data_path, ec) ? a.seq + 1 : builtin_corpus_bytes; n < a.seq + 1)
-    OOM_THROW(Errc::invalid_argument, fmt::format("{}: {} tokens cannot make a window of sequence length {} (+1 for the target)",
-                                                  tokens ? data_path.string() : std::string("the built-in corpus"), n, a.seq));
+  // One step's windows of data, checked before the run directory is made: the file of --data is
+  // open; the built-in corpus, written below where it is not there yet, is one token per byte (one
+  // already in the run directory is checked once open, below). A step of more windows than the
+  // file holds must hold some tokens twice, whatever the order they are drawn in: they had been
+  // counted twice in its gradient without a word.
+  const std::uint64_t step_windows = a.batch * a.micro_batches;
+  const auto refuse_short_data = [&](const std::string& name, std::uint64_t n) {
+    if (n < a.seq + 1)
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("{}: {} tokens cannot make a window of sequence length {} (+1 for the target)", name, n, a.seq));
+    if (const std::uint64_t windows = (n - 1) / a.seq; windows < step_windows)
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("{}: {} tokens hold {} windows of --seq {}, fewer than the {} a step trains on (--batch {} x "
+                            "--micro-batches {}), so a step would train on a window twice; use a longer file (--data) or a "
+                            "smaller --batch, --micro-batches or --seq", name, n, windows, a.seq, step_windows, a.batch,
+                            a.micro_batches));
+  };
+  if (tokens) refuse_short_data(data_path.string(), tokens->size());
+  else if (!fs::exists(data_path, ec)) refuse_short_data("the built-in corpus", builtin_corpus_bytes);
 
   // ---- from here on the run directory is written (an --overwrite'n run's files are removed only once
   // the new model is built: train_with) ----
@@ -877,6 +890,7 @@ int run(Args a) {
   if (a.data.empty()) {
     if (!fs::exists(data_path, ec)) (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
     tokens.emplace(TokenFile::open(data_path));
+    refuse_short_data(data_path.string(), tokens->size());
   }
   if (saved_data_tokens && *saved_data_tokens != tokens->size())
     OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} held {} tokens when {} was trained on it, it holds {} now",

@@ -220,6 +220,42 @@ for short in short:10 no-tokens:0; do
     fails=$((fails + 1))
   else echo "ok   short-data-no-run-dir (${short%:*}): $(cat "$work/d-short.stderr")"; fi
 done
+# A step of more windows than the data holds (batch x micro-batches) trains on some window twice
+# in that step (it had, without a word): refused before the run directory is made, naming the
+# counts; a step of every window the file holds runs. Under a 4 GB address space: a step past the
+# built-in corpus is over 2M tokens, which had trained in tens of GB.
+{
+  printf 'OOMTOK01\x01\x00\x00\x00\x02\x00\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00'   # magic, version 1, u16, vocab 256
+  printf '\x00\x04\x00\x00\x00\x00\x00\x00'   # 1024 tokens: 31 windows of 32 (+1 for the target)
+  head -c 32 /dev/zero
+  for _ in $(seq 1024); do printf 'a\x00'; done
+} > "$work/windows31.tok"
+short_of_step() {
+  local name="$1" pattern="$2"
+  shift 2
+  (ulimit -v 4000000 && exec "$train" --out "$work/$name" --steps 1 --seq 32 "$@") > /dev/null 2> "$work/$name.stderr"
+  local rc=$?
+  if [[ $rc -ne 2 ]] || ! grep -q -- "$pattern" "$work/$name.stderr" || [[ $(wc -l < "$work/$name.stderr") -ne 1 ]] || [[ -e "$work/$name" ]]; then
+    echo "FAIL $name: exit $rc, run dir $([[ -e "$work/$name" ]] && echo made || echo absent)"; cat "$work/$name.stderr"
+    fails=$((fails + 1))
+  else echo "ok   $name: $(cat "$work/$name.stderr")"; fi
+}
+short_of_step step-past-data "windows31.tok: 1024 tokens hold 31 windows of --seq 32, fewer than the 32 a step trains on (--batch 4 x --micro-batches 8)" \
+  --data "$work/windows31.tok" --batch 4 --micro-batches 8
+short_of_step step-past-builtin-corpus "the built-in corpus: 2097152 tokens hold 7 windows of --seq 262144, fewer than the 8 a step trains on (--batch 8 x --micro-batches 1)" \
+  --seq 262144 --batch 8 --gpu-mem 20GiB
+# The built-in corpus already in a run directory is checked once open: the run there left as it was.
+(ulimit -v 4000000 && exec "$train" --out "$work/good" --steps 2 --seq 262144 --batch 8 --gpu-mem 20GiB --overwrite) \
+  > /dev/null 2> "$work/step-past-kept.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "good/builtin-corpus.tok: 2097152 tokens hold 7 windows of --seq 262144, fewer than the 8" "$work/step-past-kept.stderr" ||
+   [[ "$(cat "$work/good/latest")" != "$before" ]]; then
+  echo "FAIL step-past-builtin-corpus-kept: exit $rc"; cat "$work/step-past-kept.stderr"; fails=$((fails + 1))
+else echo "ok   step-past-builtin-corpus-kept: $(cat "$work/step-past-kept.stderr")"; fi
+if ! "$train" --out "$work/every-window" --steps 2 --seq 32 --data "$work/windows31.tok" --batch 31 --checkpoint-every 0 \
+     > /dev/null 2> "$work/every-window.stderr"; then
+  echo "FAIL every-window-a-step: a step of all 31 windows was refused"; cat "$work/every-window.stderr"; fails=$((fails + 1))
+else echo "ok   every-window-a-step"; fi
 # A resumed run must read the data it was trained on, and keep a cosine schedule's floor.
 "$train" --out "$work/good" --steps 2 --seq 32 --resume --data "$work/short.tok" > /dev/null 2> "$work/redata.stderr"
 rc=$?
