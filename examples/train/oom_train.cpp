@@ -785,7 +785,9 @@ int run(Args a) {
     throw Error(e.code(), fmt::format("--lr {} / --weight-decay {}: {}", a.lr, a.weight_decay, e.message()), e.file(), e.line());
   }
   std::uint64_t start_step = 0;
-  SamplerState sampler_state{a.seed, 0};
+  // Each step draws batch x micro-batches windows; the sampler's epochs are whole steps of them.
+  const std::uint64_t step_windows = a.batch * a.micro_batches;
+  SamplerState sampler_state{a.seed, 0, step_windows};
   std::uint64_t resumed_skips = 0;                  // a resumed run's non-finite steps in a row at its checkpoint
   std::optional<std::uint64_t> saved_data_tokens;  // a resumed run's data file's token count
   std::optional<std::string> saved_data_fingerprint;  // and its TokenFile::sample_fingerprint (absent before session 55)
@@ -851,6 +853,8 @@ int run(Args a) {
                                          (*latest / "trainer_state.json").string(), opt, start_step, start_step));
     if (a.trace_step != 0 && a.trace_step <= start_step)
       OOM_THROW(Errc::invalid_argument, fmt::format("--trace-step {}: the run resumes after step {}", a.trace_step, start_step));
+    // A checkpoint from before the sampler's epochs were whole steps has no step_windows: it goes on
+    // in the order it started in, each epoch every window, a step sometimes across two epochs.
     sampler_state = SamplerState::from_json(ts["sampler"].value(), "trainer_state.json sampler");
     if (a.seed_given && a.seed != sampler_state.seed)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} draws its windows with seed {}; --seed {} would change nothing "
@@ -863,7 +867,6 @@ int run(Args a) {
   // already in the run directory is checked once open, below). A step of more windows than the
   // file holds must hold some tokens twice, whatever the order they are drawn in: they had been
   // counted twice in its gradient without a word.
-  const std::uint64_t step_windows = a.batch * a.micro_batches;
   const auto refuse_short_data = [&](const std::string& name, std::uint64_t n) {
     if (n < a.seq + 1)
       OOM_THROW(Errc::invalid_argument,
@@ -911,8 +914,14 @@ int run(Args a) {
   if (const double coef = spec.moe().router_aux_loss_coef; coef > 0)
     say("loss: mean cross-entropy + {} x transformers' load-balancing loss over every layer's router "
         "(the config's output_router_logits and router_aux_loss_coef)\n", coef);
-  say("data {}: {} tokens (vocab {}), {} windows of {} per epoch\n", data_path.string(), tokens->size(), tokens->vocab_size(),
-      sampler.windows_per_epoch(), a.seq);
+  std::string epoch_steps;  // where a step draws several windows: an epoch's whole steps
+  if (const std::uint64_t k = sampler.state().step_windows; k > 1) {
+    const std::uint64_t left = sampler.windows_per_epoch() % k;
+    epoch_steps = fmt::format(", {} steps of {}", sampler.steps_per_epoch(), k) +
+                  (left == 0 ? std::string() : fmt::format(" (and {} left over, others each epoch)", left));
+  }
+  say("data {}: {} tokens (vocab {}), {} windows of {} per epoch{}\n", data_path.string(), tokens->size(), tokens->vocab_size(),
+      sampler.windows_per_epoch(), a.seq, epoch_steps);
   if (use_cuda) say("backend: cuda (GPU {})\n", 0);
   else
     say("backend: host (the CPU reference backend; its \"device\" is an accounted arena of twice the plan's GPU budget: it "

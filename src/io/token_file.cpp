@@ -297,12 +297,14 @@ Json SamplerState::to_json() const {
   Json j = Json::object();
   j.set("seed", seed);
   j.set("position", position);
+  j.set("step_windows", step_windows);
   return j;
 }
 
 SamplerState SamplerState::from_json(const Json& j, std::string_view source) {
   const JsonCursor c(j, std::string(source));
-  return SamplerState{c["seed"].as_uint64(), c["position"].as_uint64()};
+  const std::uint64_t step_windows = c["step_windows"].present() ? c["step_windows"].as_uint64() : 1;
+  return SamplerState{c["seed"].as_uint64(), c["position"].as_uint64(), step_windows};
 }
 
 BatchSampler::BatchSampler(const TokenFile& tokens, std::uint64_t sequence_length, SamplerState state)
@@ -315,13 +317,27 @@ BatchSampler::BatchSampler(const TokenFile& tokens, std::uint64_t sequence_lengt
   // window's first input), so W windows need W * L + 1 tokens.
   windows_ = (tokens.size() - 1) / sequence_length;
   slack_ = tokens.size() - 1 - windows_ * sequence_length;
+  // A step of more windows than the file holds must hold some twice, whatever the order.
+  const std::uint64_t k = state.step_windows;
+  if (k == 0)
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: sampler step_windows is 0; a step draws at least 1 window", tokens.source()));
+  if (k > windows_)
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("{}: {} tokens hold {} windows of sequence length {}, fewer than the {} a step draws (step_windows): a step "
+                          "would hold a window twice", tokens.source(), tokens.size(), windows_, sequence_length, k));
+  if (state.position % k != 0)
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: sampler position {} is not at the start of a step of {} windows",
+                                                  tokens.source(), state.position, k));
+  epoch_windows_ = windows_ - windows_ % k;
 }
 
 std::uint64_t BatchSampler::window_start(std::uint64_t position) const {
-  const std::uint64_t epoch = position / windows_;
+  // An epoch is the first epoch_windows_ of a permutation of all the windows: whole steps, within
+  // one grid. With steps of one window it is the whole permutation (a state saved before steps).
+  const std::uint64_t epoch = position / epoch_windows_;
   const std::uint64_t key = splitmix64(state_.seed ^ splitmix64(epoch));
   const std::uint64_t shift = slack_ == 0 ? 0 : splitmix64(key ^ 0x5851f42d4c957f2dull) % (slack_ + 1);
-  return shift + permute(position % windows_, windows_, key) * sequence_length_;
+  return shift + permute(position % epoch_windows_, windows_, key) * sequence_length_;
 }
 
 void BatchSampler::next(std::span<std::uint32_t> inputs, std::span<std::uint32_t> targets) {
@@ -330,8 +346,10 @@ void BatchSampler::next(std::span<std::uint32_t> inputs, std::span<std::uint32_t
     OOM_THROW(Errc::invalid_argument,
               fmt::format("sampler: inputs ({}) and targets ({}) must be the same whole number of rows of {} tokens",
                           inputs.size(), targets.size(), L));
-  std::vector<std::uint32_t> window(L + 1);
   const std::uint64_t rows = inputs.size() / L;
+  if (rows % state_.step_windows != 0)
+    OOM_THROW(Errc::invalid_argument, fmt::format("sampler: {} rows are not whole steps of {} windows", rows, state_.step_windows));
+  std::vector<std::uint32_t> window(L + 1);
   for (std::uint64_t r = 0; r < rows; ++r) {
     tokens_->read(window_start(state_.position), window);
     std::copy(window.begin(), window.end() - 1, inputs.begin() + static_cast<std::ptrdiff_t>(r * L));

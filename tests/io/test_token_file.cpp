@@ -269,6 +269,61 @@ TEST_CASE("a resumed sampler continues with the same data; another seed gives an
   }
 }
 
+TEST_CASE("an epoch hands out whole steps: no step holds a window twice or straddles two epochs") {
+  TempDir dir("sampler-steps");
+  std::vector<std::uint32_t> t(1003);
+  std::iota(t.begin(), t.end(), 0u);  // token == its position
+  write_token_file(dir / "s.tok", t, 2000);
+  const auto f = TokenFile::open(dir / "s.tok");
+  const std::uint64_t L = 10, k = 30;  // 100 windows: 3 steps an epoch and 10 left over
+  BatchSampler s(f, L, {7, 0, k});
+  CHECK(s.windows_per_epoch() == 100);
+  CHECK(s.steps_per_epoch() == 3);
+  std::vector<std::uint32_t> in(k * L), tg(k * L);
+  std::set<std::uint64_t> trained;  // windows by index on their epoch's grid
+  // 10 epochs. Drawn 30 at a time from epochs of every window, 5 of these steps had held a window
+  // twice or windows of two grids.
+  for (int step = 0; step < 30; ++step) {
+    s.next(in, tg);
+    std::set<std::uint64_t> starts, shifts;
+    for (std::uint64_t r = 0; r < k; ++r) {
+      starts.insert(in[r * L]);
+      shifts.insert(in[r * L] % L);
+      trained.insert(in[r * L] / L);
+    }
+    CAPTURE(step);
+    CHECK(starts.size() == k);   // no window twice
+    CHECK(shifts.size() == 1);   // one grid: windows share at most a boundary token
+  }
+  CHECK(s.state() == SamplerState{7, 900, k});
+  CHECK(trained.size() == 100);  // the windows left over are other ones each epoch
+  // A state saved before step_windows draws the windows it drew then (every window an epoch).
+  const SamplerState old = SamplerState::from_json(Json::parse(R"({"seed": 7, "position": 0})"), "state.json:sampler");
+  CHECK(old == SamplerState{7, 0, 1});
+  BatchSampler before(f, L, old);
+  std::vector<std::uint64_t> starts;
+  for (const std::uint64_t p : {0, 1, 2, 99, 100, 101, 250, 999}) starts.push_back(before.window_start(p));
+  CHECK(starts == std::vector<std::uint64_t>{342, 2, 12, 482, 681, 921, 830, 141});
+  CHECK(SamplerState::from_json(Json::parse(s.state().to_json().dump()), "state.json:sampler") == s.state());
+}
+
+TEST_CASE("a step of more windows than the file holds, of none, or begun mid-step is refused") {
+  TempDir dir("sampler-step-refusals");
+  write_token_file(dir / "s.tok", std::vector<std::uint32_t>(1003, 1), 2);
+  const auto f = TokenFile::open(dir / "s.tok");
+  const std::string name = (dir / "s.tok").string();
+  const std::string past = name + ": 1003 tokens hold 100 windows of sequence length 10, fewer than the 101 a step draws "
+                                  "(step_windows): a step would hold a window twice";
+  CHECK_THROWS_WITH_AS(BatchSampler(f, 10, {7, 0, 101}), doctest::Contains(past.c_str()), Error);
+  CHECK_NOTHROW(BatchSampler(f, 10, {7, 0, 100}));  // every window, one step an epoch
+  CHECK_THROWS_WITH_AS(BatchSampler(f, 10, {7, 0, 0}), doctest::Contains("step_windows is 0"), Error);
+  CHECK_THROWS_WITH_AS(BatchSampler(f, 10, {7, 15, 30}), doctest::Contains("position 15 is not at the start of a step of 30 windows"),
+                       Error);
+  BatchSampler s(f, 10, {7, 30, 30});
+  std::vector<std::uint32_t> part(20 * 10);
+  CHECK_THROWS_WITH_AS(s.next(part, part), doctest::Contains("20 rows are not whole steps of 30 windows"), Error);
+}
+
 TEST_CASE("a file too short for one window is refused") {
   TempDir dir("sampler-short");
   write_token_file(dir / "s.tok", std::vector<std::uint32_t>(8, 0), 2);

@@ -116,35 +116,46 @@ void write_token_file(const std::filesystem::path& path, std::span<const std::ui
 struct SamplerState {
   std::uint64_t seed = 0;
   std::uint64_t position = 0;  ///< windows handed out since the start of the run, over all epochs
+  /// Windows a step draws (a trainer's batch x micro-batches): an epoch hands out whole steps, so
+  /// no step holds a window twice or straddles two epochs (the next may repeat the last windows,
+  /// or overlap them on its shifted grid). 1 (the default) makes every window part of every
+  /// epoch: the order of checkpoints from before it was saved.
+  std::uint64_t step_windows = 1;
 
-  /// {"seed": s, "position": p}
+  /// {"seed": s, "position": p, "step_windows": k}
   [[nodiscard]] Json to_json() const;
-  /// Errc::invalid_argument naming `source` and the field when a field is missing or not a count.
+  /// Errc::invalid_argument naming `source` and the field when a field is missing or not a count;
+  /// step_windows may be absent (a state saved before it): 1.
   [[nodiscard]] static SamplerState from_json(const Json& j, std::string_view source = "sampler");
   friend bool operator==(const SamplerState&, const SamplerState&) = default;
 };
 
 /// Cuts a token file into windows of sequence_length + 1 tokens: inputs are the first
-/// sequence_length, targets the last sequence_length (inputs shifted by one). An epoch visits
-/// windows_per_epoch() non-overlapping windows in an order drawn from (seed, epoch) by a keyed
-/// bijection, so window `position` is a pure function of (seed, position): a run resumed from a
-/// saved SamplerState sees exactly the windows it would have seen. Each epoch also shifts the
-/// window grid by a (seed, epoch)-chosen offset within the slack at the end of the file.
+/// sequence_length, targets the last sequence_length (inputs shifted by one). The file holds
+/// windows_per_epoch() non-overlapping windows; an epoch hands out steps_per_epoch() steps of
+/// state.step_windows of them, in an order drawn from (seed, epoch) by a keyed bijection of all of
+/// them (the windows a whole step leaves over are other ones each epoch), so window `position` is a
+/// pure function of the state and the position: a run resumed from a saved SamplerState sees
+/// exactly the windows it would have seen. Each epoch also shifts the window grid by a
+/// (seed, epoch)-chosen offset within the slack at the end of the file.
 class BatchSampler {
  public:
   /// `tokens` must outlive the sampler. Errc::invalid_argument when the file has fewer than
-  /// sequence_length + 1 tokens.
+  /// sequence_length + 1 tokens, fewer windows than a step draws (a step would hold one twice), a
+  /// step of no windows, or a position that is not at a step's start.
   BatchSampler(const TokenFile& tokens, std::uint64_t sequence_length, SamplerState state = {});
 
   [[nodiscard]] std::uint64_t sequence_length() const { return sequence_length_; }
   [[nodiscard]] std::uint64_t windows_per_epoch() const { return windows_; }
+  [[nodiscard]] std::uint64_t steps_per_epoch() const { return windows_ / state_.step_windows; }
   [[nodiscard]] const SamplerState& state() const { return state_; }
 
   /// The token offset where window `position` (counted over all epochs) starts.
   [[nodiscard]] std::uint64_t window_start(std::uint64_t position) const;
 
   /// Fills `inputs` and `targets`, both [rows, sequence_length] row-major with
-  /// rows = inputs.size() / sequence_length, from the next `rows` windows; advances the position.
+  /// rows = inputs.size() / sequence_length, from the next `rows` windows (whole steps: a multiple
+  /// of state().step_windows); advances the position.
   void next(std::span<std::uint32_t> inputs, std::span<std::uint32_t> targets);
 
  private:
@@ -152,6 +163,7 @@ class BatchSampler {
   std::uint64_t sequence_length_;
   std::uint64_t windows_;
   std::uint64_t slack_;  ///< tokens left over after windows_ windows: room to shift the grid
+  std::uint64_t epoch_windows_;  ///< windows an epoch hands out: its whole steps'
   SamplerState state_;
 };
 
