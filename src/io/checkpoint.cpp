@@ -116,6 +116,17 @@ std::optional<std::uint64_t> checkpoint_step(std::string_view name) {
   return step;
 }
 
+// The complete checkpoints in `run_dir` (directories "checkpoint-<step>"; a .partial or .old is
+// none), by step.
+std::vector<std::pair<std::uint64_t, fs::path>> complete_checkpoints(const fs::path& run_dir) {
+  std::vector<std::pair<std::uint64_t, fs::path>> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(run_dir, ec))
+    if (const auto step = checkpoint_step(e.path().filename().string()); step && e.is_directory(ec)) out.emplace_back(*step, e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 // Where save_checkpoint moves an earlier checkpoint of the same step while it renames the new one in.
 fs::path set_aside(const fs::path& dir) {
   fs::path p = dir;
@@ -408,14 +419,10 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   write_file_atomically(run_dir / "latest", name + "\n");  // also makes the rename durable (same directory)
   fs::remove_all(aside, ec);
 
-  // Keep the newest `keep` complete checkpoints by step; `latest` is always among them.
-  std::vector<std::pair<std::uint64_t, fs::path>> complete;
   for (const auto& e : fs::directory_iterator(run_dir, ec)) {
     const auto fn = e.path().filename().string();
     if (!e.is_directory(ec)) continue;
-    if (const auto step = checkpoint_step(fn)) {
-      complete.emplace_back(*step, e.path());
-    } else if (fn.ends_with(".partial") && checkpoint_step(fn.substr(0, fn.size() - 8))) {
+    if (fn.ends_with(".partial") && checkpoint_step(fn.substr(0, fn.size() - 8))) {
       // Left by a save that was killed (a second signal, SIGKILL, a crash): never complete, never
       // named by `latest`, and as large as the model's state. (One writer per run directory:
       // oom-train holds its lock.)
@@ -426,7 +433,8 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
       if (checkpoint_step(in_place.filename().string()) && fs::is_directory(in_place, ec)) fs::remove_all(e.path(), ec);
     }
   }
-  std::sort(complete.begin(), complete.end());
+  // Keep the newest `keep` complete checkpoints by step; `latest` is always among them.
+  const auto complete = complete_checkpoints(run_dir);
   const std::size_t keep = static_cast<std::size_t>(std::max(what.keep, 1));
   for (std::size_t i = 0; i + keep < complete.size(); ++i)
     if (complete[i].second != final_dir) fs::remove_all(complete[i].second, ec);
@@ -436,7 +444,21 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
 std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   const fs::path latest = run_dir / "latest";
   std::error_code ec;
-  if (!fs::exists(latest, ec)) return std::nullopt;
+  if (!fs::exists(latest, ec)) {
+    // Checkpoints without `latest` (it was removed, or a save was killed between renaming the run's
+    // first checkpoint in and writing `latest`) are a run all the same: taken for none, a new run
+    // there had replaced them step by step and emptied metrics.jsonl, and --resume said "no checkpoint".
+    const auto complete = complete_checkpoints(run_dir);
+    if (complete.empty()) return std::nullopt;
+    const std::string newest = complete.back().second.filename().string();
+    OOM_THROW(Errc::parse, fmt::format("{}: missing, while {} holds {}: to resume the run, write into it the name of the "
+                                       "checkpoint to continue from (echo {} > {})",
+                                       latest.string(), run_dir.string(),
+                                       complete.size() == 1 ? newest
+                                                            : fmt::format("{} checkpoints, {} to {}", complete.size(),
+                                                                          complete.front().second.filename().string(), newest),
+                                       newest, latest.string()));
+  }
   MappedFile f(latest);
   std::string name(reinterpret_cast<const char*>(f.bytes().data()), f.bytes().size());
   while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();

@@ -173,6 +173,28 @@ TEST_CASE("pruning keeps the newest checkpoints by step, also past step 999999 w
   CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-1000001");
 }
 
+TEST_CASE("checkpoints without `latest` are a run, not none: refused naming the newest") {
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-no-latest");
+  // Neither `latest` nor a complete checkpoint: no run yet.
+  fs::create_directories(dir / "checkpoint-000001.partial");
+  fs::create_directories(dir / "checkpoint-notes");
+  CHECK_FALSE(latest_checkpoint(dir.path()).has_value());
+  const auto st = random_state(spec, 15);
+  for (const std::uint64_t step : {2u, 4u}) (void)save_checkpoint(dir.path(), spec, st, {step, "{}", Json::object(), 2});
+  // `latest` removed (or never written: a save killed between renaming its checkpoint in and
+  // writing it). Taken for "no run yet", a new run had replaced these step by step.
+  fs::remove(dir / "latest");
+  const std::string both = fmt::format("latest: missing, while {} holds 2 checkpoints, checkpoint-000002 to checkpoint-000004",
+                                       dir.path().string());
+  CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir.path()), doctest::Contains(both.c_str()), Error);
+  CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir.path()), doctest::Contains("echo checkpoint-000004 > "), Error);
+  fs::remove_all(dir / "checkpoint-000002");
+  CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir.path()), doctest::Contains("holds checkpoint-000004: to resume"), Error);
+  write_file_atomically(dir / "latest", "checkpoint-000004\n");
+  CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-000004");
+}
+
 TEST_CASE("a step saved again replaces its checkpoint; one set aside by a crash is put back") {
   const auto spec = tiny();
   const test::TempDir dir("ckpt-again");

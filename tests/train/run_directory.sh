@@ -6,6 +6,8 @@
 #   - trainer_state.json's step and optimizer_steps must fit the checkpoint they are in;
 #   - --resume refuses --init-from, and a --seed other than the checkpoint's;
 #   - a `latest` written with CRLF still resumes;
+#   - checkpoints without `latest` are a run: a new run there is refused (it had replaced them and
+#     emptied metrics.jsonl), and --resume says how to name the one to continue from;
 #   - a metrics line that cannot be written (a file-size limit: EFBIG) stops the run with an error
 #     (it had said "done" over a file cut mid-line).
 # Usage: run_directory.sh path/to/oom-train
@@ -107,6 +109,32 @@ printf 'checkpoint-000008\r\n' > "$work/crlf/latest"
 "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --seed 0 --out "$work/crlf" --resume > /dev/null 2> "$work/crlf.err" &&
   [[ "$(cat "$work/crlf/latest")" == checkpoint-000010 ]] && echo "ok   crlf-latest: resumed to step 10" ||
   fail "crlf-latest" "$work/crlf.err"
+
+# Checkpoints without `latest` (removed, or a save killed between renaming its checkpoint in and
+# writing `latest`): a new run there had started over them without --overwrite, emptying
+# metrics.jsonl and replacing their steps' checkpoints; --resume had said "no checkpoint".
+cp -r "$work/base" "$work/no-latest"
+rm "$work/no-latest/latest"
+"$train" "${args[@]}" --steps 8 --checkpoint-every 4 --seed 1 --out "$work/no-latest" > /dev/null 2> "$work/no-latest.err"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "latest: missing, while .*no-latest holds 2 checkpoints, checkpoint-000004 to checkpoint-000008: to resume the run.*(echo checkpoint-000008 > .*; --overwrite starts afresh" "$work/no-latest.err" ||
+   [[ $(wc -l < "$work/no-latest/metrics.jsonl") -ne 8 ]] ||
+   ! cmp -s "$work/base/checkpoint-000004/model.safetensors" "$work/no-latest/checkpoint-000004/model.safetensors"; then
+  fail "no-latest: a new run over checkpoints without latest: exit $rc" "$work/no-latest.err"
+else
+  echo "ok   no-latest: $(cat "$work/no-latest.err")"
+fi
+"$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/no-latest" --resume > /dev/null 2> "$work/no-latest-resume.err"
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "latest: missing, while .* (echo checkpoint-000008 > " "$work/no-latest-resume.err"; then
+  fail "no-latest-resume: exit $rc" "$work/no-latest-resume.err"
+else
+  echo "ok   no-latest-resume: $(cat "$work/no-latest-resume.err")"
+fi
+echo checkpoint-000008 > "$work/no-latest/latest"
+"$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/no-latest" --resume > /dev/null 2> "$work/no-latest-named.err" &&
+  [[ "$(cat "$work/no-latest/latest")" == checkpoint-000010 ]] && echo "ok   no-latest-named: resumed to step 10" ||
+  fail "no-latest-named" "$work/no-latest-named.err"
 
 # A metrics line that cannot be written: a file-size limit of 4 KiB (EFBIG with SIGXFSZ ignored).
 data="$work/base/builtin-corpus.tok"

@@ -55,9 +55,10 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
 /// The directory name of step `step`'s checkpoint: "checkpoint-" and the step, at least 6 digits.
 [[nodiscard]] std::string checkpoint_name(std::uint64_t step);
 
-/// The checkpoint `latest` names in `run_dir`, or nullopt when there is none yet.
-/// Errc::parse when `latest` exists but names no checkpoint directory (one a crashed save set aside
-/// as "<name>.old" is first moved back).
+/// The checkpoint `latest` names in `run_dir`, or nullopt when there is none yet (neither `latest`
+/// nor a checkpoint directory). Errc::parse when `latest` exists but names no checkpoint directory
+/// (one a crashed save set aside as "<name>.old" is first moved back), and when it is missing beside
+/// checkpoint directories (naming the newest).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 
 /// A checkpoint directory opened for reading segment by segment: the files are mapped, every
