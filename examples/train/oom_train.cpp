@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -495,6 +496,8 @@ float learning_rate(const Args& a, std::uint64_t t) {
   return static_cast<float>(a.lr * f);
 }
 
+int g_lock_fd = -1;  // the run directory's .lock, open (and locked) until the process ends
+
 // One oom-train at a time in a run directory, held until the process ends: two runs in one
 // directory had each rotated the other's checkpoints away and interleaved `latest` and
 // metrics.jsonl (an flock: released by the kernel however the holder ends, SIGKILL included).
@@ -523,13 +526,43 @@ void lock_run_directory(const fs::path& out) {
     say(stderr, "oom-train: warning: {}: this filesystem takes no lock ({}); nothing stops a second run in {}\n", path.string(),
         std::strerror(err), out.string());
     locked = true;
+    g_lock_fd = fd;
     return;
   }
   locked = true;
+  g_lock_fd = fd;
   const std::string me = std::to_string(::getpid()) + "\n";
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
     // The lock holds without the note of who holds it.
   }
+}
+
+// The run directory is still at --out, by its .lock's identity. Moved (mv) or removed (rm -r) while
+// the run trained, the next checkpoint had made a new directory at the old path, without the run's
+// metrics, data or lock (a second run could take it, and the run's files were split between the
+// two), or the metrics had gone into a removed file, and the run said "done". Checked before each
+// step's metrics line and each checkpoint: the run stops, naming where its files now are.
+void require_run_directory(const fs::path& out) {
+  struct stat held {}, now {};
+  if (g_lock_fd < 0 || ::fstat(g_lock_fd, &held) != 0) return;
+  if (::stat((out / ".lock").c_str(), &now) == 0 && now.st_dev == held.st_dev && now.st_ino == held.st_ino) return;
+  const std::string elsewhere = fmt::format("a checkpoint at {} would start another run directory", out.string());
+  std::error_code ec;
+  if (held.st_nlink > 0) {
+    // Linux names the open file where it is now.
+    const fs::path moved = fs::read_symlink(fmt::format("/proc/self/fd/{}", g_lock_fd), ec).parent_path();
+    if (!ec)
+      OOM_THROW(Errc::io, fmt::format("{} was moved to {} while the run trained; the run stops ({}): its checkpoints and metrics "
+                                      "are in {}, where --out {} --resume continues from its latest", out.string(),
+                                      moved.string(), elsewhere, moved.string(), moved.string()));
+    OOM_THROW(Errc::io, fmt::format("{} was moved while the run trained; the run stops ({})", out.string(), elsewhere));
+  }
+  if (!fs::exists(out, ec))
+    OOM_THROW(Errc::io, fmt::format("{} was removed while the run trained, with its checkpoints and metrics; the run stops ({}, "
+                                    "without the run's metrics, data or lock)", out.string(), elsewhere));
+  OOM_THROW(Errc::io, fmt::format("{}, this run's lock on the directory, was removed while the run trained; the run stops (another "
+                                  "oom-train could take the directory): --resume continues from its latest checkpoint",
+                                  (out / ".lock").string()));
 }
 
 /// The config.json beside --init-from's weights (a model directory, or the directory of its file or
@@ -989,6 +1022,7 @@ int run(Args a) {
     ts.set("data_fingerprint", data_fingerprint);
     ts.set("data_builtin", a.data.empty());
     ts.set("consecutive_skips", consecutive_skips);
+    require_run_directory(a.out);
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state
     const auto dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views), {step, config_text, ts, a.keep});
     say("checkpoint {} written\n", dir.string());
@@ -1066,6 +1100,7 @@ int run(Args a) {
     const HostRss host = host_rss();
     m.set("host_rss_bytes", host.now.count());
     m.set("host_rss_peak_bytes", host.peak.count());
+    require_run_directory(a.out);
     metrics << m.dump() << "\n" << std::flush;
     // A full disk had left the file cut mid-line while the run said "done".
     if (!metrics)

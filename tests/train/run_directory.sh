@@ -8,6 +8,8 @@
 #   - a `latest` written with CRLF still resumes;
 #   - checkpoints without `latest` are a run: a new run there is refused (it had replaced them and
 #     emptied metrics.jsonl), and --resume says how to name the one to continue from;
+#   - a run directory moved or removed while the run trains stops the run, naming where it went
+#     (its next checkpoint had made a new directory at the old path, without its metrics or lock);
 #   - a metrics line that cannot be written (a file-size limit: EFBIG) stops the run with an error
 #     (it had said "done" over a file cut mid-line).
 # Usage: run_directory.sh path/to/oom-train
@@ -135,6 +137,37 @@ echo checkpoint-000008 > "$work/no-latest/latest"
 "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/no-latest" --resume > /dev/null 2> "$work/no-latest-named.err" &&
   [[ "$(cat "$work/no-latest/latest")" == checkpoint-000010 ]] && echo "ok   no-latest-named: resumed to step 10" ||
   fail "no-latest-named" "$work/no-latest-named.err"
+
+# The run directory moved (mv) or removed (rm -r) while the run trains: the run stops at its next
+# step with the place named, and nothing is made at the old path (the next checkpoint had made a
+# new directory there, without the run's metrics, data or lock, and the run had said "done").
+# (200 steps: enough to move it mid-run on a slow machine; a run that does not stop ends anyway.)
+for how in moved removed; do
+  "$train" "${args[@]}" --steps 200 --checkpoint-every 4 --out "$work/$how" > /dev/null 2> "$work/$how.err" &
+  pid=$!
+  if ! wait_for "$work/$how/latest" checkpoint-000004 "$pid"; then
+    fail "$how: the run did not reach its first checkpoint" "$work/$how.err"
+    continue
+  fi
+  if [[ $how == moved ]]; then mv "$work/$how" "$work/$how-elsewhere"; else rm -rf "$work/$how"; fi
+  rc=0
+  wait "$pid" || rc=$?
+  if [[ $how == moved ]]; then
+    want="$work/moved was moved to $work/moved-elsewhere while the run trained; the run stops .*--out $work/moved-elsewhere --resume"
+  else
+    want="$work/removed was removed while the run trained, with its checkpoints and metrics; the run stops"
+  fi
+  if [[ $rc -ne 2 ]] || ! grep -q -- "$want" "$work/$how.err" || [[ -e "$work/$how" ]]; then
+    fail "$how: exit $rc, $([[ -e "$work/$how" ]] && echo "a directory made at the old path" || echo "nothing at the old path")" \
+      "$work/$how.err"
+  else
+    echo "ok   run-directory-$how: $(cat "$work/$how.err")"
+  fi
+done
+# The moved run resumes where it now is.
+"$train" "${args[@]}" --steps 6 --checkpoint-every 4 --out "$work/moved-elsewhere" --resume > "$work/moved-resumed.log" 2>&1 &&
+  grep -q "resumed from .*moved-elsewhere/checkpoint-0000[0-9][0-9] at step" "$work/moved-resumed.log" &&
+  echo "ok   run-directory-moved-resumes" || fail "run-directory-moved-resumes" "$work/moved-resumed.log"
 
 # A metrics line that cannot be written: a file-size limit of 4 KiB (EFBIG with SIGXFSZ ignored).
 data="$work/base/builtin-corpus.tok"
