@@ -26,9 +26,11 @@ constexpr std::size_t buffer_bytes = std::size_t{4} << 20;
   OOM_THROW(Errc::io, fmt::format("{}: {}: {}", path.string(), what, std::strerror(err)));
 }
 
-/// fsync of the directory holding `path`, so a rename into it is durable. Some file systems
-/// refuse fsync on directories (EINVAL); the rename is then as durable as they can make it.
-void sync_directory(const std::filesystem::path& path) {
+}  // namespace
+
+// Some file systems refuse fsync on directories (EINVAL, and EROFS read-only); the rename is then
+// as durable as they can make it.
+void sync_parent_directory(const std::filesystem::path& path) {
   std::filesystem::path dir = path.parent_path();
   if (dir.empty()) dir = ".";
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -38,8 +40,6 @@ void sync_directory(const std::filesystem::path& path) {
   ::close(fd);
   if (rc != 0 && err != EINVAL && err != EROFS) fail_errno("cannot fsync directory", dir, err);
 }
-
-}  // namespace
 
 AtomicFile::AtomicFile(std::filesystem::path path) : path_(std::move(path)) {
   // rename() would replace a device or FIFO (run as root, /dev/full was replaced by a regular
@@ -106,7 +106,7 @@ void AtomicFile::commit() {
   if (rc != 0) fail_errno("cannot close", temp_, errno);
   if (::rename(temp_.c_str(), path_.c_str()) != 0) fail_errno("cannot rename " + temp_.string() + " to", path_, errno);
   committed_ = true;
-  sync_directory(path_);
+  sync_parent_directory(path_);
 }
 
 void write_file_atomically(const std::filesystem::path& path, std::string_view content) {

@@ -416,7 +416,11 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
     (void)restore_set_aside(final_dir);
     throw;
   }
-  write_file_atomically(run_dir / "latest", name + "\n");  // also makes the rename durable (same directory)
+  // Made durable before `latest` names it: otherwise both renames waited for `latest`'s fsync of
+  // the directory, and a power loss before it could keep the new `latest` without the directory it
+  // names (ext4 and XFS journal the two in order; POSIX promises no order).
+  sync_parent_directory(final_dir);
+  write_file_atomically(run_dir / "latest", name + "\n");
   fs::remove_all(aside, ec);
 
   for (const auto& e : fs::directory_iterator(run_dir, ec)) {

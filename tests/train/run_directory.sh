@@ -10,6 +10,7 @@
 #     emptied metrics.jsonl), and --resume says how to name the one to continue from;
 #   - a run directory moved or removed while the run trains stops the run, naming where it went
 #     (its next checkpoint had made a new directory at the old path, without its metrics or lock);
+#   - a checkpoint's rename into the run directory is fsync'ed before `latest` names it (strace);
 #   - a metrics line that cannot be written (a file-size limit: EFBIG) stops the run with an error
 #     (it had said "done" over a file cut mid-line).
 # Usage: run_directory.sh path/to/oom-train
@@ -168,6 +169,23 @@ done
 "$train" "${args[@]}" --steps 6 --checkpoint-every 4 --out "$work/moved-elsewhere" --resume > "$work/moved-resumed.log" 2>&1 &&
   grep -q "resumed from .*moved-elsewhere/checkpoint-0000[0-9][0-9] at step" "$work/moved-resumed.log" &&
   echo "ok   run-directory-moved-resumes" || fail "run-directory-moved-resumes" "$work/moved-resumed.log"
+
+# The checkpoint directory's rename is durable before `latest` names it: an fsync between that
+# rename and the creation of `latest`'s temporary (both renames had waited for `latest`'s own fsync
+# of the directory, and a power loss before it could keep `latest` without the checkpoint).
+if command -v strace > /dev/null && strace -o /dev/null true 2> /dev/null; then
+  strace -f -o "$work/sync.trace" -e trace=rename,renameat,renameat2,openat,fsync \
+    "$train" "${args[@]}" --steps 1 --out "$work/sync" > /dev/null 2> "$work/sync.err"
+  between=$(sed -n '/checkpoint-000001.partial", .*checkpoint-000001"/,/latest.tmp-/p' "$work/sync.trace")
+  if [[ -z "$between" ]] || ! grep -q "latest.tmp-" <<< "$between" || ! grep -q "fsync(" <<< "$between"; then
+    fail "checkpoint-rename-synced: no fsync between the checkpoint's rename and latest's" "$work/sync.err"
+    printf '%s\n' "$between" | head -20
+  else
+    echo "ok   checkpoint-rename-synced"
+  fi
+else
+  echo "skip checkpoint-rename-synced: no working strace"
+fi
 
 # A metrics line that cannot be written: a file-size limit of 4 KiB (EFBIG with SIGXFSZ ignored).
 data="$work/base/builtin-corpus.tok"

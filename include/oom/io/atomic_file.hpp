@@ -49,6 +49,10 @@ class AtomicFile {
   std::vector<std::byte> buffer_;  ///< batches small writes into few syscalls
 };
 
+/// fsyncs the directory holding `path`, so that a rename into it (a file's or a directory's) is
+/// durable before anything that names it is written. Errc::io naming the directory.
+void sync_parent_directory(const std::filesystem::path& path);
+
 /// Replaces `path` with `content` atomically (JSON state, configs, plans).
 void write_file_atomically(const std::filesystem::path& path, std::string_view content);
 

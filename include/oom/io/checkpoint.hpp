@@ -9,8 +9,8 @@
 //   <run>/latest               "checkpoint-000120\n"
 //
 // Nothing half-written is ever visible: the files go into "checkpoint-000120.partial/", each
-// written atomically; the directory is renamed into place and only then is `latest` replaced
-// (atomically). A crash at any point leaves `latest` naming a complete checkpoint (or none); a
+// written atomically; the directory is renamed into place, the rename fsync'ed, and only then is
+// `latest` replaced (atomically). A crash at any point leaves `latest` naming a complete checkpoint (or none); a
 // failed save removes its .partial directory. An earlier checkpoint of the same step is moved to
 // "checkpoint-000120.old/" while the new one is renamed in; latest_checkpoint() moves it back if
 // a crash came between the two renames.
