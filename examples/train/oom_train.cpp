@@ -1001,6 +1001,8 @@ int run(Args a) {
   // Non-finite steps in a row up to now (--max-skips), kept in the checkpoint: a resumed run stops
   // where the uninterrupted one would.
   std::uint64_t consecutive_skips = resumed_skips;
+  std::optional<std::uint64_t> last_checkpoint;  // the step of the last checkpoint `latest` named
+  if (a.resume) last_checkpoint = start_step;
   auto checkpoint = [&](std::uint64_t step) {
     Json ts = Json::object();
     ts.set("format", "oom-train-1");
@@ -1024,7 +1026,19 @@ int run(Args a) {
     ts.set("consecutive_skips", consecutive_skips);
     require_run_directory(a.out);
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state
-    const auto dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views), {step, config_text, ts, a.keep});
+    fs::path dir;
+    try {
+      dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views), {step, config_text, ts, a.keep});
+    } catch (Error& e) {
+      require_run_directory(a.out);  // moved or removed mid-save: that, rather than the file it failed on
+      // What a full disk, a file-size limit or a read-only directory leaves: the run stops, and
+      // where it can continue from is said.
+      throw e.add_context(fmt::format("saving step {}'s checkpoint: the run stops; {}", step,
+                                      last_checkpoint ? fmt::format("{} is as it was (--resume continues from it)",
+                                                                    (a.out / checkpoint_name(*last_checkpoint)).string())
+                                                      : std::string("it has no checkpoint to resume from")));
+    }
+    last_checkpoint = step;
     say("checkpoint {} written\n", dir.string());
   };
 

@@ -1,6 +1,8 @@
 // Checkpoints: segments' fp32 state to safetensors under Hugging Face names, and back.
 #include "oom/io/checkpoint.hpp"
 
+#include <sys/statvfs.h>
+
 #include <algorithm>
 #include <cmath>
 #include <charconv>
@@ -15,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "oom/core/bytes.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/core/numeric.hpp"
@@ -376,12 +379,41 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   const fs::path final_dir = run_dir / name;
   const fs::path partial = run_dir / (name + ".partial");
   const fs::path aside = set_aside(final_dir);
+  // What killed saves left, removed before this one is written (it takes room a full disk may need).
+  for (const auto& e : fs::directory_iterator(run_dir, ec)) {
+    const auto fn = e.path().filename().string();
+    if (!e.is_directory(ec)) continue;
+    if (fn.ends_with(".partial") && checkpoint_step(fn.substr(0, fn.size() - 8))) {
+      // Left by a save that was killed (a second signal, SIGKILL, a crash): never complete, never
+      // named by `latest`, and as large as the model's state. (One writer per run directory:
+      // oom-train holds its lock.)
+      fs::remove_all(e.path(), ec);
+    } else if (fn.ends_with(".old")) {
+      // Set aside by a save that crashed after renaming its checkpoint in: a stale copy.
+      const fs::path in_place = run_dir / fn.substr(0, fn.size() - 4);
+      if (checkpoint_step(in_place.filename().string()) && fs::is_directory(in_place, ec)) fs::remove_all(e.path(), ec);
+    }
+  }
   fs::remove_all(partial, ec);
   if (ec)
     OOM_THROW(Errc::io, fmt::format("{}: cannot remove this step's earlier partial checkpoint: {}", partial.string(), ec.message()));
   ec = restore_set_aside(final_dir);
   if (ec)
     OOM_THROW(Errc::io, fmt::format("cannot rename {} back to {}: {}", aside.string(), final_dir.string(), ec.message()));
+  // Room for the whole checkpoint before a byte of it is written: a full disk had been found only
+  // once as much as fit was written (tens of GB for a large model), in an error naming no sizes.
+  // The kept checkpoints are removed only once the new one is complete, so they hold their room.
+  std::uint64_t parameters = 0;
+  for (const auto& seg : segs) parameters += seg.parameters();
+  const Bytes needed{parameters * 3 * sizeof(float)};
+  if (struct statvfs fs_stat {}; ::statvfs(run_dir.c_str(), &fs_stat) == 0) {
+    const Bytes available{static_cast<std::uint64_t>(fs_stat.f_bavail) * fs_stat.f_frsize};
+    if (available < needed)
+      OOM_THROW(Errc::io, fmt::format("{}: {} needs at least {} (the fp32 weights and two moments of {} parameters), its file "
+                                      "system has {} free (older checkpoints are removed only once a new one is complete); nothing was "
+                                      "written", run_dir.string(), name, needed, parameters,
+                                      available));
+  }
   fs::create_directory(partial, ec);
   if (ec) OOM_THROW(Errc::io, fmt::format("{}: cannot create: {}", partial.string(), ec.message()));
 
@@ -423,20 +455,6 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   write_file_atomically(run_dir / "latest", name + "\n");
   fs::remove_all(aside, ec);
 
-  for (const auto& e : fs::directory_iterator(run_dir, ec)) {
-    const auto fn = e.path().filename().string();
-    if (!e.is_directory(ec)) continue;
-    if (fn.ends_with(".partial") && checkpoint_step(fn.substr(0, fn.size() - 8))) {
-      // Left by a save that was killed (a second signal, SIGKILL, a crash): never complete, never
-      // named by `latest`, and as large as the model's state. (One writer per run directory:
-      // oom-train holds its lock.)
-      fs::remove_all(e.path(), ec);
-    } else if (fn.ends_with(".old")) {
-      // Set aside by a save that crashed after renaming its checkpoint in: a stale copy.
-      const fs::path in_place = run_dir / fn.substr(0, fn.size() - 4);
-      if (checkpoint_step(in_place.filename().string()) && fs::is_directory(in_place, ec)) fs::remove_all(e.path(), ec);
-    }
-  }
   // Keep the newest `keep` complete checkpoints by step; `latest` is always among them.
   const auto complete = complete_checkpoints(run_dir);
   const std::size_t keep = static_cast<std::size_t>(std::max(what.keep, 1));

@@ -11,6 +11,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "oom/core/error.hpp"
@@ -193,6 +194,40 @@ TEST_CASE("checkpoints without `latest` are a run, not none: refused naming the 
   CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir.path()), doctest::Contains("holds checkpoint-000004: to resume"), Error);
   write_file_atomically(dir / "latest", "checkpoint-000004\n");
   CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-000004");
+}
+
+TEST_CASE("a checkpoint the file system has no room for is refused before a byte is written, naming both sizes") {
+  // A vocabulary of 2^30 over 256 wide: an embedding and a head of 2^38 parameters each, 6 TiB of
+  // weights and moments, read through views that are never asked (it had been written until the
+  // disk was full, in an error naming no sizes).
+  Json cfg = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json");
+  cfg.set("vocab_size", std::int64_t{1} << 30);
+  const auto spec = ModelSpec::from_json(cfg);
+  const test::TempDir dir("ckpt-room");
+  std::uint64_t parameters = 0;
+  std::vector<SegmentStateView> views;
+  for (const auto& seg : spec.segments()) {
+    parameters += seg.parameters();
+    views.emplace_back(seg.parameters(), [](StateArray, std::size_t, std::span<float>) { FAIL("a value was read"); });
+  }
+  const std::uint64_t needed = parameters * 12;
+  if (struct statvfs st {}; ::statvfs(dir.path().c_str(), &st) != 0 || st.f_bavail * st.f_frsize >= needed) {
+    MESSAGE("skipped: the temporary directory's file system has room for ", needed, " bytes");
+    return;
+  }
+  // An earlier checkpoint and what a killed save left, which takes room: removed first.
+  const auto small = tiny();
+  (void)save_checkpoint(dir.path(), small, random_state(small, 16), {2, "{}", Json::object(), 2});
+  fs::create_directories(dir / "checkpoint-000003.partial");
+  const std::string sizes = fmt::format("checkpoint-000004 needs at least {} (the fp32 weights and two moments of {} parameters), "
+                                        "its file system has ", Bytes{needed}, parameters);
+  CHECK_THROWS_WITH_AS((void)save_checkpoint(dir.path(), spec, std::span<const SegmentStateView>(views), {4, "{}", Json::object(), 2}),
+                       doctest::Contains(sizes.c_str()), Error);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"checkpoint-000002", "latest"});
+  CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-000002");
 }
 
 TEST_CASE("a step saved again replaces its checkpoint; one set aside by a crash is put back") {

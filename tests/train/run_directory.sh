@@ -11,6 +11,8 @@
 #   - a run directory moved or removed while the run trains stops the run, naming where it went
 #     (its next checkpoint had made a new directory at the old path, without its metrics or lock);
 #   - a checkpoint's rename into the run directory is fsync'ed before `latest` names it (strace);
+#   - a checkpoint that cannot be written (a file-size limit; a full disk, where a tmpfs can be
+#     mounted) stops the run naming the sizes and the checkpoint it continues from, which is kept;
 #   - a metrics line that cannot be written (a file-size limit: EFBIG) stops the run with an error
 #     (it had said "done" over a file cut mid-line).
 # Usage: run_directory.sh path/to/oom-train
@@ -185,6 +187,54 @@ if command -v strace > /dev/null && strace -o /dev/null true 2> /dev/null; then
   fi
 else
   echo "skip checkpoint-rename-synced: no working strace"
+fi
+
+# A checkpoint that cannot be written: a file-size limit (EFBIG, SIGXFSZ ignored) under the 30 MiB
+# optimizer file, on a run resumed from step 4. The error says the run stops and which checkpoint
+# it continues from; that one, and `latest`, are as they were, and nothing partial is left.
+cp -r "$work/base" "$work/unwritable"
+echo checkpoint-000004 > "$work/unwritable/latest"
+rm -rf "$work/unwritable/checkpoint-000008"
+(
+  trap '' XFSZ
+  ulimit -f 20000
+  exec "$train" "${args[@]}" --steps 8 --checkpoint-every 4 --out "$work/unwritable" --resume > /dev/null 2> "$work/unwritable.err"
+)
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -q "optimizer.safetensors.tmp-[0-9]*: cannot write: File too large" "$work/unwritable.err" ||
+   ! grep -q "while saving step 8's checkpoint: the run stops; .*unwritable/checkpoint-000004 is as it was (--resume continues from it)" "$work/unwritable.err" ||
+   [[ "$(cat "$work/unwritable/latest")" != checkpoint-000004 ]] || compgen -G "$work/unwritable/checkpoint-000008*" > /dev/null ||
+   ! cmp -s "$work/base/checkpoint-000004/optimizer.safetensors" "$work/unwritable/checkpoint-000004/optimizer.safetensors"; then
+  fail "checkpoint-unwritable: exit $rc, latest $(cat "$work/unwritable/latest")" "$work/unwritable.err"
+else
+  echo "ok   checkpoint-unwritable: $(tr '\n' ' ' < "$work/unwritable.err")"
+fi
+# A full disk: a 60 MiB tmpfs holds the corpus and one 45 MiB checkpoint, not a second beside it.
+# The second is refused before a byte is written, naming what it needs and what is free (it had
+# been written until the disk was full, the error naming no sizes). Where a tmpfs can be mounted
+# in a private mount namespace (root, or user namespaces); the checks run inside it.
+if unshare -rm true 2> /dev/null || unshare -m true 2> /dev/null; then
+  mkdir -p "$work/small"
+  userns=-r
+  unshare -rm true 2> /dev/null || userns=
+  unshare $userns -m bash -c '
+    mount -t tmpfs -o size=60m tmpfs "$2" || exit 77
+    "$1" --backend host --seq 64 --log-every 100 --steps 8 --checkpoint-every 4 --out "$2/run" > /dev/null 2> "$3/full-disk.err"
+    echo $? > "$3/full-disk.rc"
+    cat "$2/run/latest" > "$3/full-disk.latest"
+    ls -a "$2/run" > "$3/full-disk.ls"' _ "$train" "$work/small" "$work"
+  if [[ $? -eq 77 ]]; then
+    echo "skip checkpoint-disk-full: no tmpfs mount here"
+  elif [[ "$(cat "$work/full-disk.rc")" != 2 ]] ||
+       ! grep -q "checkpoint-000008 needs at least 45.12 MiB (the fp32 weights and two moments of 3942912 parameters), its file system has [0-9.]* MiB free" "$work/full-disk.err" ||
+       ! grep -q "the run stops; .*checkpoint-000004 is as it was" "$work/full-disk.err" ||
+       [[ "$(cat "$work/full-disk.latest")" != checkpoint-000004 ]] || grep -q "checkpoint-000008" "$work/full-disk.ls"; then
+    fail "checkpoint-disk-full: exit $(cat "$work/full-disk.rc"), latest $(cat "$work/full-disk.latest")" "$work/full-disk.err" "$work/full-disk.ls"
+  else
+    echo "ok   checkpoint-disk-full: $(tr '\n' ' ' < "$work/full-disk.err")"
+  fi
+else
+  echo "skip checkpoint-disk-full: no private mount namespace here"
 fi
 
 # A metrics line that cannot be written: a file-size limit of 4 KiB (EFBIG with SIGXFSZ ignored).

@@ -42,8 +42,9 @@ struct CheckpointWrite {
 /// Writes a checkpoint of `state` (one entry per segment of `spec`, in spec.segments() order) into
 /// `run_dir` (created if missing) and points `latest` at it; returns the checkpoint's directory.
 /// Errc::invalid_argument when `state` does not match the spec's segments; Errc::io on write errors
-/// (nothing under the checkpoint's final name then). Of the checkpoints in `run_dir`, the `keep`
-/// with the highest steps are kept.
+/// (nothing under the checkpoint's final name then), and before anything is written when the file
+/// system has less room than the weights and moments take (naming both). Of the checkpoints in
+/// `run_dir`, the `keep` with the highest steps are kept, pruned once the new one is complete.
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const ModelSpec& spec,
                                       std::span<const SegmentOptimizerState> state, const CheckpointWrite& what);
 /// The same from views of the state where it lives (an executor's StateSnapshot): the values are
