@@ -805,7 +805,12 @@ int run(Args a) {
   // Opened (every tensor checked) but read only into the model, segment by segment: no copy of the
   // whole optimizer state in memory beside the model's own.
   std::optional<CheckpointReader> ckpt;
-  if (a.resume) ckpt.emplace(*latest, spec);
+  if (a.resume) {
+    // Another model's checkpoint said so, rather than by the first tensor of another shape.
+    if (read_text(*latest / "config.json") != config_text)
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", latest->string(), config_name));
+    ckpt.emplace(*latest, spec);
+  }
 
   optim::AdamWConfig adamw;
   adamw.lr = a.lr;
@@ -825,7 +830,8 @@ int run(Args a) {
   std::optional<std::uint64_t> saved_data_tokens;  // a resumed run's data file's token count
   std::optional<std::string> saved_data_fingerprint;  // and its TokenFile::sample_fingerprint (absent before session 55)
   if (ckpt) {
-    const JsonCursor ts(ckpt->trainer_state(), "trainer_state.json");
+    // Errors name the checkpoint's file, not only "trainer_state.json" (every checkpoint has one).
+    const JsonCursor ts(ckpt->trainer_state(), (*latest / "trainer_state.json").string());
     auto require_same = [&](const char* field, auto have) {
       const auto saved = ts[field].as_uint64();
       if (saved != static_cast<std::uint64_t>(have))
@@ -838,8 +844,6 @@ int run(Args a) {
     if (saved_batch != a.batch)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} holds batch = {}, this run asks for {} (--batch)", latest->string(),
                                                     saved_batch, a.batch));
-    if (read_text(*latest / "config.json") != config_text)
-      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", latest->string(), config_name));
     const double saved_clip = ts["max_grad_norm"].present() ? ts["max_grad_norm"].as_double() : 0.0;
     if (ts["lr"].as_double() != static_cast<double>(a.lr) || ts["weight_decay"].as_double() != static_cast<double>(a.weight_decay) ||
         saved_clip != static_cast<double>(a.max_grad_norm))
@@ -888,7 +892,7 @@ int run(Args a) {
       OOM_THROW(Errc::invalid_argument, fmt::format("--trace-step {}: the run resumes after step {}", a.trace_step, start_step));
     // A checkpoint from before the sampler's epochs were whole steps has no step_windows: it goes on
     // in the order it started in, each epoch every window, a step sometimes across two epochs.
-    sampler_state = SamplerState::from_json(ts["sampler"].value(), "trainer_state.json sampler");
+    sampler_state = SamplerState::from_json(ts["sampler"].value(), ts["sampler"].path());
     if (a.seed_given && a.seed != sampler_state.seed)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} draws its windows with seed {}; --seed {} would change nothing "
                                                     "(drop it, or start afresh)", latest->string(), sampler_state.seed, a.seed));
@@ -982,7 +986,7 @@ int run(Args a) {
         fs::remove_all(e.path(), ec);
   }
   if (ckpt) {
-    const auto optimizer_steps = JsonCursor(ckpt->trainer_state(), "trainer_state.json")["optimizer_steps"].as_int64();
+    const auto optimizer_steps = ckpt->trainer_state().find("optimizer_steps")->as_int64();  // checked above
     if constexpr (std::is_same_v<std::decay_t<decltype(model)>, train::HostCausalLm>) {
       model.load(ckpt->read_all(), optimizer_steps);  // the host backend's models are small
     } else {

@@ -3,7 +3,9 @@
 #   - a second oom-train in a directory in use is refused, and the first goes on;
 #   - --overwrite with a bad --lr is refused before the old run's checkpoints are touched;
 #   - --overwrite starts afresh over a `latest` that names a missing checkpoint;
-#   - trainer_state.json's step and optimizer_steps must fit the checkpoint they are in;
+#   - trainer_state.json's step and optimizer_steps must fit the checkpoint they are in, and a field
+#     missing or of another type is named with the checkpoint's file;
+#   - a checkpoint of another config is refused as such, not by its first tensor of another shape;
 #   - --resume refuses --init-from, and a --seed other than the checkpoint's;
 #   - a `latest` written with CRLF still resumes;
 #   - checkpoints without `latest` are a run: a new run there is refused (it had replaced them and
@@ -97,6 +99,18 @@ state_case() {
 state_case step-past-2-64 's/"step": 8/"step": 18446744073709551615/' 'step is 18446744073709551615, in a checkpoint named checkpoint-000008'
 state_case step-other 's/"step": 8/"step": 9/' 'step is 9, in a checkpoint named checkpoint-000008'
 state_case optimizer-steps 's/"optimizer_steps": 8/"optimizer_steps": 1000/' 'optimizer_steps is 1000; a checkpoint of step 8 has made 0 to 8 updates'
+# A field missing or of another type: named with its checkpoint (the message had said only
+# "trainer_state.json.seq", which every checkpoint holds).
+state_case missing-field 's/"seq": 64,//' 'state-missing-field/checkpoint-000008/trainer_state.json.seq: missing required field'
+state_case wrong-type 's/"seq": 64/"seq": "64"/' 'state-wrong-type/checkpoint-000008/trainer_state.json.seq: expected non-negative integer, got string'
+state_case sampler-wrong-type 's/"position": ([0-9]+)/"position": -\1/' 'state-sampler-wrong-type/checkpoint-000008/trainer_state.json.sampler.position: expected non-negative integer'
+
+# Another model's config: said so (it had been refused by the first tensor of another shape).
+"$train" "${args[@]}" --steps 10 --out "$work/base" --resume --config "$(dirname "$0")/../../examples/configs/tiny-moe-d128.json" \
+  > /dev/null 2> "$work/other-config.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q -- "--resume: .*base/checkpoint-000008 was trained with another config.json than .*tiny-moe-d128.json" "$work/other-config.err" &&
+  echo "ok   resume-other-config: $(cat "$work/other-config.err")" || fail "resume-other-config: exit $rc" "$work/other-config.err"
 
 # --resume with flags that would change nothing, silently.
 "$train" "${args[@]}" --steps 10 --out "$work/base" --resume --init-from "$work/base/checkpoint-000004" > /dev/null 2> "$work/init.err"
