@@ -458,8 +458,17 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   // Keep the newest `keep` complete checkpoints by step; `latest` is always among them.
   const auto complete = complete_checkpoints(run_dir);
   const std::size_t keep = static_cast<std::size_t>(std::max(what.keep, 1));
-  for (std::size_t i = 0; i + keep < complete.size(); ++i)
-    if (complete[i].second != final_dir) fs::remove_all(complete[i].second, ec);
+  for (std::size_t i = 0; i + keep < complete.size(); ++i) {
+    const fs::path& old = complete[i].second;
+    if (old == final_dir) continue;
+    // Out of the complete checkpoints' names first: a kill while its files went (seconds for a large
+    // one) had left a directory named as complete with some of them missing. A .partial is never
+    // complete, and the next save removes what is left of it.
+    fs::path doomed = old;
+    doomed += ".partial";
+    fs::rename(old, doomed, ec);
+    fs::remove_all(ec ? old : doomed, ec);
+  }
   return final_dir;
 }
 

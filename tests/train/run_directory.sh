@@ -13,12 +13,15 @@
 #   - a run directory moved or removed while the run trains stops the run, naming where it went
 #     (its next checkpoint had made a new directory at the old path, without its metrics or lock);
 #   - a checkpoint's rename into the run directory is fsync'ed before `latest` names it (strace);
+#   - a kill while --keep removes an old checkpoint leaves no directory of a complete checkpoint's
+#     name with files missing (strace);
 #   - a checkpoint that cannot be written (a file-size limit; a full disk, where a tmpfs can be
 #     mounted) stops the run naming the sizes and the checkpoint it continues from, which is kept;
 #   - a metrics line that cannot be written (a file-size limit: EFBIG) stops the run with an error
 #     (it had said "done" over a file cut mid-line).
 # Usage: run_directory.sh path/to/oom-train
 set -uo pipefail
+shopt -s extglob
 train="$1"
 work="$(mktemp -d)"
 trap 'kill $(jobs -p) 2> /dev/null; rm -rf "$work"' EXIT
@@ -199,8 +202,27 @@ if command -v strace > /dev/null && strace -o /dev/null true 2> /dev/null; then
   else
     echo "ok   checkpoint-rename-synced"
   fi
+  # Killed (SIGKILL at the second file unlinked) while --keep 1 removes checkpoint 1: what is left
+  # of it must not be named as a complete checkpoint (it had been: checkpoint-000001 without its
+  # optimizer.safetensors), and the next save removes it.
+  (strace -f -o /dev/null -e trace=unlinkat -e signal=none -e inject=unlinkat:signal=KILL:when=2 \
+     "$train" "${args[@]}" --steps 2 --checkpoint-every 1 --keep 1 --out "$work/pruned") > /dev/null 2>&1
+  broken=""
+  for dir in "$work"/pruned/checkpoint-+([0-9]); do
+    for file in model.safetensors optimizer.safetensors trainer_state.json config.json; do
+      [[ -f "$dir/$file" ]] || broken+=" ${dir##*/}/$file"
+    done
+  done
+  if [[ -n "$broken" ]] || [[ "$(cat "$work/pruned/latest")" != checkpoint-000002 ]]; then
+    fail "checkpoint-pruning-killed: missing:$broken; latest $(cat "$work/pruned/latest")"
+  elif ! "$train" "${args[@]}" --steps 3 --checkpoint-every 1 --keep 1 --out "$work/pruned" --resume > /dev/null 2> "$work/pruned.err" ||
+       [[ "$(cd "$work/pruned" && echo checkpoint-*)" != checkpoint-000003 ]]; then
+    fail "checkpoint-pruning-killed: the resumed run left $(cd "$work/pruned" && echo checkpoint-*)" "$work/pruned.err"
+  else
+    echo "ok   checkpoint-pruning-killed: no checkpoint named complete with files missing; the next save removed the rest"
+  fi
 else
-  echo "skip checkpoint-rename-synced: no working strace"
+  echo "skip checkpoint-rename-synced, checkpoint-pruning-killed: no working strace"
 fi
 
 # A checkpoint that cannot be written: a file-size limit (EFBIG, SIGXFSZ ignored) under the 30 MiB
