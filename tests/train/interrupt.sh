@@ -2,7 +2,7 @@
 # SIGINT (Ctrl-C) and SIGTERM stop a run after the step in flight with a checkpoint of that step,
 # exit 130, and the resumed run logs the same losses, bit for bit, as the run left alone (host
 # backend); a second signal ends the run at once, leaving no checkpoint `latest` would name
-# half-written. Usage: interrupt.sh path/to/oom-train
+# half-written, also when the signals come while a checkpoint is written. Usage: interrupt.sh path/to/oom-train
 set -euo pipefail
 train="$1"
 work="$(mktemp -d)"
@@ -42,6 +42,37 @@ for sig in INT TERM; do
   cmp "$work/straight/checkpoint-000016/model.safetensors" "$run/checkpoint-000016/model.safetensors"
   echo "ok   SIG$sig after step $at: exit 130, checkpoint-$(printf '%06d' "$at"), resumed to the same 16 losses and weights"
 done
+
+# A signal while a checkpoint is written (strace delivers SIGTERM as step 8's save fsyncs its
+# directory, after model.safetensors): the first lets the save finish and then stops with that
+# checkpoint (130); a second, at the next fsync, ends the run mid-save (143), leaving a .partial
+# that `latest` does not name beside step 4's checkpoint. Either resumes to the same losses and
+# weights, and the .partial is removed by the next save.
+if command -v strace > /dev/null && strace -o /dev/null true 2> /dev/null; then
+  for when in 1 1+; do
+    run="$work/mid-save-$when"
+    want_rc=130 want_latest=checkpoint-000008
+    [[ $when == 1+ ]] && want_rc=143 want_latest=checkpoint-000004
+    rc=0
+    (strace -f -o /dev/null -P "$run/checkpoint-000008.partial" -e trace=fsync -e signal=none -e "inject=fsync:signal=TERM:when=$when" \
+       "$train" "${args[@]}" --checkpoint-every 4 --out "$run"; exit $?) > /dev/null 2> "$work/mid-save.err" || rc=$?
+    partial=absent
+    [[ -d "$run/checkpoint-000008.partial" ]] && partial=left
+    if [[ $rc -ne $want_rc ]] || [[ "$(cat "$run/latest")" != "$want_latest" ]] ||
+       [[ $partial != "$([[ $when == 1+ ]] && echo left || echo absent)" ]]; then
+      echo "FAIL: SIGTERM mid-save (when=$when): exit $rc, latest $(cat "$run/latest"), .partial $partial"; cat "$work/mid-save.err"; exit 1
+    fi
+    "$train" "${args[@]}" --checkpoint-every 4 --out "$run" --resume > /dev/null
+    loss() { sed -E 's/.*"step":([0-9]+).*"loss":([^,]+),.*/\1 \2/' "$1"; }
+    diff <(loss "$work/straight/metrics.jsonl") <(loss "$run/metrics.jsonl") > /dev/null ||
+      { echo "FAIL: SIGTERM mid-save (when=$when): the resumed run's losses differ"; exit 1; }
+    cmp "$work/straight/checkpoint-000016/model.safetensors" "$run/checkpoint-000016/model.safetensors"
+    [[ ! -e "$run/checkpoint-000008.partial" ]] || { echo "FAIL: SIGTERM mid-save (when=$when): the .partial is still there"; exit 1; }
+    echo "ok   SIGTERM$([[ $when == 1+ ]] && echo ' twice') mid-save: exit $rc, latest $want_latest, .partial $partial; resumed to the same 16 losses and weights"
+  done
+else
+  echo "skip SIGTERM mid-save: no working strace"
+fi
 
 # A reader that goes away: `oom-train | tee run.log` and Ctrl-C end tee at once, and the run's
 # next line went into a closed pipe whose SIGPIPE killed it without its checkpoint. The run now
