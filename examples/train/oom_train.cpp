@@ -560,9 +560,11 @@ void require_run_directory(const fs::path& out) {
   if (!fs::exists(out, ec))
     OOM_THROW(Errc::io, fmt::format("{} was removed while the run trained, with its checkpoints and metrics; the run stops ({}, "
                                     "without the run's metrics, data or lock)", out.string(), elsewhere));
-  OOM_THROW(Errc::io, fmt::format("{}, this run's lock on the directory, was removed while the run trained; the run stops (another "
-                                  "oom-train could take the directory): --resume continues from its latest checkpoint",
-                                  (out / ".lock").string()));
+  // The lock alone gone, or the directory being removed (rm -r deletes .lock before the directory).
+  OOM_THROW(Errc::io, fmt::format("{}, this run's lock on the directory, was removed while the run trained (the directory being "
+                                  "removed, or its .lock deleted); the run stops (another oom-train could take the directory): where {} "
+                                  "still holds its checkpoints, --resume continues from its latest",
+                                  (out / ".lock").string(), out.string()));
 }
 
 /// The config.json beside --init-from's weights (a model directory, or the directory of its file or

@@ -406,7 +406,8 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   std::uint64_t parameters = 0;
   for (const auto& seg : segs) parameters += seg.parameters();
   const Bytes needed{parameters * 3 * sizeof(float)};
-  if (struct statvfs fs_stat {}; ::statvfs(run_dir.c_str(), &fs_stat) == 0) {
+  // (A file system that reports no blocks, as some FUSE and network ones do, says nothing of its room.)
+  if (struct statvfs fs_stat {}; ::statvfs(run_dir.c_str(), &fs_stat) == 0 && fs_stat.f_blocks > 0) {
     const Bytes available{static_cast<std::uint64_t>(fs_stat.f_bavail) * fs_stat.f_frsize};
     if (available < needed)
       OOM_THROW(Errc::io, fmt::format("{}: {} needs at least {} (the fp32 weights and two moments of {} parameters), its file "
