@@ -65,18 +65,22 @@ def parse_args():
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="transformers' attention implementation")
     p.add_argument("--model-config", default=None,
                    help="a Qwen3-MoE config.json whose layer widths to compare at (default: the small built-in layer)")
-    p.add_argument("--init", choices=("scaled", "unscaled", "transformers"), default="scaled",
+    p.add_argument("--init", choices=("scaled", "unscaled", "transformers"), default=None,
                    help="the weights' spreads: the small layer's scaled by fan-in (default), the small layer's at every "
                         "width (unscaled: a saturated router at hidden 2048), or transformers' own initialisation of "
                         "a Qwen3-MoE layer (every matrix N(0, initializer_range), norms 1; see canonical_weights)")
     p.add_argument("--unscaled-init", action="store_true", help="the same as --init unscaled")
-    p.add_argument("--initializer-range", type=float, default=0.02,
+    p.add_argument("--initializer-range", type=float, default=None,
                    help="with --init transformers: the std of every matrix (Qwen3MoeConfig's default 0.02)")
     a = p.parse_args()
     if a.unscaled_init:
-        if a.init not in ("scaled", "unscaled"):
+        if a.init not in (None, "unscaled"):
             p.error(f"--unscaled-init and --init {a.init} ask for two initialisations")
         a.init = "unscaled"
+    a.init = a.init or "scaled"
+    if a.initializer_range is not None and a.init != "transformers":
+        p.error(f"--initializer-range is for --init transformers, not --init {a.init}")
+    a.initializer_range = 0.02 if a.initializer_range is None else a.initializer_range
     if not a.initializer_range > 0:
         p.error(f"--initializer-range must be > 0, not {a.initializer_range}")
     if a.tokens < 1:

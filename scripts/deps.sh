@@ -3,9 +3,7 @@
 # CUDA toolkit's nvcc on PATH when it is installed but not found. Sourced by test.sh and .ci/run.
 set -euo pipefail
 
-# strace: the tests that check a checkpoint's order of renames and fsyncs and signal or kill a
-# save mid-way (tests/train/run_directory.sh, interrupt.sh; they skip where it does not work).
-oom_packages=(cmake ninja-build g++ libfmt-dev doctest-dev libbenchmark-dev python3 strace)
+oom_packages=(cmake ninja-build g++ libfmt-dev doctest-dev libbenchmark-dev python3)
 missing=()
 for p in "${oom_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -82,7 +82,7 @@ def documents(paths, field, boms):
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
-                        sys.exit(f"{path}:{n}: not a JSON line ({e.msg})")
+                        sys.exit(f"{path}:{n}: not a JSON line ({e.msg}; .jsonl and .json files are read as JSON lines, a record a line)")
                     if not isinstance(record, dict):  # a .json file of one array or object, say
                         sys.exit(f"{path}:{n}: a JSON {type(record).__name__}, not an object (JSON lines: a record a line)")
                     if not isinstance(record.get(field), str):

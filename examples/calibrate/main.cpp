@@ -273,8 +273,10 @@ int run(const Options& opt) {
     const cuda::NoDevice why = cuda::why_no_device();
     const std::string_view remedy = cuda::no_device_remedy(why.kind);
     fmt::print(stderr, "oom-calibrate: no usable NVIDIA GPU: {}.\n{}\n", why.reason,
-               remedy.empty() ? std::string("oom-calibrate measures the GPUs of the machine it runs on; run it on the GPU machine.")
-                              : fmt::format("To measure this machine's GPUs, {}.", remedy));
+               !remedy.empty() ? fmt::format("To measure this machine's GPUs, {}.", remedy)
+               : why.kind == cuda::NoDevice::Kind::other
+                   ? std::string("oom-calibrate measures the GPUs this process can use; the CUDA error says why it has none.")
+                   : std::string("oom-calibrate measures the GPUs of the machine it runs on; run it on the GPU machine."));
     return 2;
   }
   const int gpus = opt.gpus ? opt.gpus : visible;

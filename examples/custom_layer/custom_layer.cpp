@@ -217,7 +217,7 @@ template <class Layer>
 int run_on_gpu(const Options& o, const oom::Plan& plan, const std::vector<std::vector<float>>& init, const oom::LayerExecutorOptions& eo,
                oom::Timeline* trial, const TracedFn& traced) {
   if (oom::cuda::device_count() == 0)
-    OOM_THROW(oom::Errc::unsupported, oom::cuda::backend_cuda_refusal(oom::cuda::why_no_device()));
+    OOM_THROW(oom::Errc::unsupported, oom::cuda::backend_cuda_refusal(oom::cuda::why_no_device(), /*host_runs_it=*/o.layer != "cublas"));
   std::vector<Layer> layers;
   for (int l = 0; l < o.layers; ++l) layers.emplace_back(l, o.hidden, o.inter);
   // As on the host backend, the arenas are exactly what the plan predicts: an allocation that does

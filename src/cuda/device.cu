@@ -23,7 +23,12 @@ NoDevice why_no_device() {
   int n = 0;
   const cudaError_t status = cudaGetDeviceCount(&n);
   (void)cudaGetLastError();
-  if (status == cudaSuccess) return n == 0 ? NoDevice{Kind::no_gpu, "the CUDA runtime reports 0 devices"} : NoDevice{};
+  if (status == cudaSuccess) {
+    if (n > 0) return {};
+    if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"))
+      return {Kind::hidden, std::string("the CUDA runtime reports 0 devices (CUDA_VISIBLE_DEVICES is '") + visible + "')"};
+    return {Kind::no_gpu, "the CUDA runtime reports 0 devices"};
+  }
   const std::string error = std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
   if (status == cudaErrorInsufficientDriver) {
     // Without any driver the runtime says the driver is "insufficient", as if an update would do;
@@ -56,10 +61,11 @@ std::string_view no_device_remedy(NoDevice::Kind kind) noexcept {
   }
 }
 
-std::string backend_cuda_refusal(const NoDevice& why) {
+std::string backend_cuda_refusal(const NoDevice& why, bool host_runs_it) {
   const std::string_view remedy = no_device_remedy(why.kind);
-  return "--backend cuda: no usable GPU (" + why.reason + "); " + (remedy.empty() ? std::string() : std::string(remedy) + ", or ") +
-         "run on the CPU with --backend host";
+  const std::string head = "--backend cuda: no usable GPU (" + why.reason + "); ";
+  if (!host_runs_it) return head + (remedy.empty() ? std::string("run it where an NVIDIA GPU is") : std::string(remedy));
+  return head + (remedy.empty() ? std::string() : std::string(remedy) + ", or ") + "run on the CPU with --backend host";
 }
 
 DeviceInfo device_properties(int device) {

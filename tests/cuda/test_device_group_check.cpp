@@ -93,6 +93,11 @@ TEST_CASE("a program asked for the GPU says what to do about its absence, by cau
   CHECK(oom::cuda::backend_cuda_refusal({Kind::old_driver, "the NVIDIA driver supports CUDA 12.2"}) ==
         "--backend cuda: no usable GPU (the NVIDIA driver supports CUDA 12.2); update the NVIDIA driver, or run on the CPU with "
         "--backend host");
+  // Where the host backend cannot run what was asked (a layer of GPU code alone), it is not offered.
+  CHECK(oom::cuda::backend_cuda_refusal({Kind::no_gpu, "r"}, /*host_runs_it=*/false) ==
+        "--backend cuda: no usable GPU (r); run it where an NVIDIA GPU is");
+  CHECK(oom::cuda::backend_cuda_refusal({Kind::hidden, "r"}, /*host_runs_it=*/false) ==
+        "--backend cuda: no usable GPU (r); name the GPUs in CUDA_VISIBLE_DEVICES, or unset it");
   for (const Kind kind : {Kind::no_driver, Kind::no_gpu, Kind::other}) {
     CHECK(oom::cuda::no_device_remedy(kind).empty());
     CHECK(oom::cuda::backend_cuda_refusal({kind, "r"}) == "--backend cuda: no usable GPU (r); run on the CPU with --backend host");

@@ -90,7 +90,7 @@ class InitOptions(unittest.TestCase):
             saved, sys.stderr = sys.stderr, null
             try:
                 for argv in (("--unscaled-init", "--init", "transformers"), ("--init", "transformers", "--initializer-range", "0"),
-                             ("--init", "fan-in")):
+                             ("--init", "fan-in"), ("--init", "scaled", "--unscaled-init"), ("--initializer-range", "0.01")):
                     with self.assertRaises(SystemExit, msg=argv):
                         self.parse(*argv)
             finally:

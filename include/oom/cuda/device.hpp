@@ -21,7 +21,7 @@ struct NoDevice {
     none,        ///< device_count() > 0; reason is empty
     no_driver,   ///< no NVIDIA driver loaded
     old_driver,  ///< a driver older than this build's CUDA runtime
-    hidden,      ///< no GPU visible, with CUDA_VISIBLE_DEVICES set (it may hide the GPUs there are)
+    hidden,      ///< no GPU visible, CUDA_VISIBLE_DEVICES set (it may hide the GPUs there are)
     no_gpu,      ///< a driver, and no GPU (or the runtime counts 0)
     other,       ///< any other CUDA error; reason names it
   };
@@ -36,8 +36,9 @@ std::string no_device_reason();
 /// run elsewhere, or on the CPU).
 std::string_view no_device_remedy(NoDevice::Kind kind) noexcept;
 /// The refusal of a program whose `--backend` picks cuda or host, asked for cuda without a GPU:
-/// "--backend cuda: no usable GPU (<reason>); <remedy>, or run on the CPU with --backend host".
-std::string backend_cuda_refusal(const NoDevice& why);
+/// "--backend cuda: no usable GPU (<reason>); <remedy>, or run on the CPU with --backend host";
+/// where the host backend cannot run what was asked (host_runs_it false), no mention of it.
+std::string backend_cuda_refusal(const NoDevice& why, bool host_runs_it = true);
 
 struct DeviceInfo {
   int index = 0;
