@@ -501,13 +501,7 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
   const auto& all = spec->segments();
   if (plan.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs on one GPU (the plan has {})", plan.gpus));
-  if (plan.workload.sequences < 1 || plan.workload.seq_len < 1)
-    OOM_THROW(Errc::invalid_argument, fmt::format("the plan's micro-batch has {} sequences of {} tokens (needs at least 1 of 1)",
-                                                  plan.workload.sequences, plan.workload.seq_len));
-  if (!plan.workload.within_limit())
-    OOM_THROW(Errc::invalid_argument, fmt::format("the plan's micro-batch of {} sequences of {} tokens is more than the {} tokens a "
-                                                  "micro-batch may hold", plan.workload.sequences, plan.workload.seq_len,
-                                                  max_workload_tokens));
+  refuse_unrunnable_micro_batch(plan.workload);
   if (plan.micro_batches < 1)
     OOM_THROW(Errc::invalid_argument, fmt::format("the plan has {} micro-batches a step (needs at least 1)", plan.micro_batches));
   K = static_cast<std::uint64_t>(plan.micro_batches);

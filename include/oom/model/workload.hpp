@@ -27,6 +27,11 @@ struct Workload {
   friend constexpr bool operator==(const Workload&, const Workload&) = default;
 };
 
+/// Errc::invalid_argument, in words an executor's caller sees, for a micro-batch no executor runs:
+/// no tokens (0 sequences or a seq_len of 0: every step's loss a mean over none), or more than
+/// max_workload_tokens. The planner and Plan::from_json refuse these; a plan made by hand may not.
+void refuse_unrunnable_micro_batch(const Workload& w);
+
 /// Kinds of saved activations a retention policy decides about, one decision per class per layer.
 enum class ActivationClass : unsigned char {
   layer_boundary,       ///< the layer's input (hidden states): the recompute boundary

@@ -132,16 +132,9 @@ class LayerExecutor {
       OOM_THROW(Errc::unsupported, fmt::format("a layer executor runs on one device, at least one micro-batch (the plan: {} GPUs, {} "
                                                "micro-batches)", plan.gpus, plan.micro_batches));
     if (layers.empty()) OOM_THROW(Errc::invalid_argument, "a layer executor needs at least one layer");
-    // A plan made by hand (the planner and Plan::from_json refuse these): a micro-batch of no
-    // tokens had run, every step's loss a mean over none (NaN) and skipped; CudaCausalLm refuses
-    // it in the same words.
-    if (plan.workload.sequences < 1 || plan.workload.seq_len < 1)
-      OOM_THROW(Errc::invalid_argument, fmt::format("the plan's micro-batch has {} sequences of {} tokens (needs at least 1 of 1)",
-                                                    plan.workload.sequences, plan.workload.seq_len));
-    if (!plan.workload.within_limit())
-      OOM_THROW(Errc::invalid_argument, fmt::format("the plan's micro-batch of {} sequences of {} tokens is more than the {} tokens a "
-                                                    "micro-batch may hold", plan.workload.sequences, plan.workload.seq_len,
-                                                    max_workload_tokens));
+    // A plan made by hand: a micro-batch of no tokens had run, every step's loss a mean over none
+    // (NaN) and skipped.
+    refuse_unrunnable_micro_batch(plan.workload);
     // Everything checked before anything is taken from the backend.
     const std::uint64_t tokens = plan.workload.tokens();
     // Each layer's segment names, read once here: take_memory() takes them from this, so a layer
