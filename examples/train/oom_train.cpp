@@ -895,6 +895,13 @@ int run(Args a) {
     // A checkpoint from before the sampler's epochs were whole steps has no step_windows: it goes on
     // in the order it started in, each epoch every window, a step sometimes across two epochs.
     sampler_state = SamplerState::from_json(ts["sampler"].value(), ts["sampler"].path());
+    // Whole steps of this run's windows (or 1: a checkpoint from before), else the first draw would
+    // fail once the metrics are opened.
+    if (sampler_state.step_windows != 1 && sampler_state.step_windows != step_windows)
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("{}: sampler step_windows is {}, but the run's steps draw {} windows (--batch {} x --micro-batches {})",
+                            (*latest / "trainer_state.json").string(), sampler_state.step_windows, step_windows, a.batch,
+                            a.micro_batches));
     if (a.seed_given && a.seed != sampler_state.seed)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} draws its windows with seed {}; --seed {} would change nothing "
                                                     "(drop it, or start afresh)", latest->string(), sampler_state.seed, a.seed));
@@ -913,9 +920,11 @@ int run(Args a) {
     if (const std::uint64_t windows = (n - 1) / a.seq; windows < step_windows)
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("{}: {} tokens hold {} windows of --seq {}, fewer than the {} a step trains on (--batch {} x "
-                            "--micro-batches {}), so a step would train on a window twice; use a longer file (--data) or a "
-                            "smaller --batch, --micro-batches or --seq", name, n, windows, a.seq, step_windows, a.batch,
-                            a.micro_batches));
+                            "--micro-batches {}), so a step would train on a window twice; {}", name, n, windows, a.seq, step_windows,
+                            a.batch, a.micro_batches,
+                            a.resume ? "the run cannot resume on it (its checkpoint pins the data and the step): start a new run "
+                                       "with a longer file (--data) or a smaller --batch, --micro-batches or --seq"
+                                     : "use a longer file (--data) or a smaller --batch, --micro-batches or --seq"));
   };
   if (tokens) refuse_short_data(data_path.string(), tokens->size());
   else if (!fs::exists(data_path, ec)) refuse_short_data("the built-in corpus", builtin_corpus_bytes);

@@ -5,7 +5,7 @@
 # half-written, also when the signals come while a checkpoint is written. Usage: interrupt.sh path/to/oom-train
 set -euo pipefail
 train="$1"
-work="$(mktemp -d)"
+work="$(realpath "$(mktemp -d)")"  # resolved: strace -P below matches the path the run opens
 trap 'rm -rf "$work"' EXIT
 args=(--backend host --seq 64 --steps 16 --checkpoint-every 100 --log-every 100)
 

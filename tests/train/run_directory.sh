@@ -107,6 +107,9 @@ state_case optimizer-steps 's/"optimizer_steps": 8/"optimizer_steps": 1000/' 'op
 state_case missing-field 's/"seq": 64,//' 'state-missing-field/checkpoint-000008/trainer_state.json.seq: missing required field'
 state_case wrong-type 's/"seq": 64/"seq": "64"/' 'state-wrong-type/checkpoint-000008/trainer_state.json.seq: expected non-negative integer, got string'
 state_case sampler-wrong-type 's/"position": ([0-9]+)/"position": -\1/' 'state-sampler-wrong-type/checkpoint-000008/trainer_state.json.sampler.position: expected non-negative integer'
+# A sampler's step of other windows than the run's (a hand edit): refused at resume, not at the
+# first draw once metrics.jsonl is open.
+state_case sampler-step-windows 's/"step_windows": 1/"step_windows": 3/' 'trainer_state.json: sampler step_windows is 3, but the run.s steps draw 1 windows'
 
 # Another model's config: said so (it had been refused by the first tensor of another shape).
 "$train" "${args[@]}" --steps 10 --out "$work/base" --resume --config "$(dirname "$0")/../../examples/configs/tiny-moe-d128.json" \
