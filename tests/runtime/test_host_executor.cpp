@@ -60,6 +60,14 @@ Plan resident_plan(const std::vector<test::MoeMlpLayer>& layers, std::uint64_t t
   return p;
 }
 
+/// resident_plan with its first half of the segments resident (GPU AdamW) and the rest streamed
+/// (CPU AdamW): both update paths in one step.
+Plan half_resident_plan(const std::vector<test::MoeMlpLayer>& layers, std::uint64_t tokens) {
+  Plan p = resident_plan(layers, tokens);
+  p.resident_segments.resize(p.resident_segments.size() / 2);
+  return p;
+}
+
 Plan random_plan(const std::vector<test::MoeMlpLayer>& layers, std::uint64_t tokens, std::mt19937_64& rng) {
   Plan p = resident_plan(layers, tokens);
   p.prefetch_depth = 1 + static_cast<int>(rng() % 3);
@@ -238,8 +246,7 @@ struct Stack {
 TEST_CASE("resuming from exported optimizer state continues the same run, bit for bit") {
   const Stack st({16, 4, 2, 16, 12, 3}, 11);
   auto layers = st.layers;
-  Plan plan = resident_plan(layers, st.c.tokens);
-  plan.resident_segments.resize(plan.resident_segments.size() / 2);  // half streamed, half resident
+  const Plan plan = half_resident_plan(layers, st.c.tokens);
   LayerExecutorOptions opt;
   opt.adamw.lr = 1e-2f;
   HostBackend backend({1_GiB, 1_GiB, true});
@@ -296,8 +303,7 @@ TEST_CASE("a non-finite loss skips the step and leaves the state untouched; a no
 TEST_CASE("a loss or a layer that throws stops the step: no backward, no update, the step not counted, the error thrown") {
   const Stack st({16, 4, 2, 16, 10, 2}, 5);
   auto layers = st.layers;
-  Plan plan = resident_plan(layers, st.c.tokens);
-  plan.resident_segments.resize(plan.resident_segments.size() / 2);  // some resident (GPU AdamW), some streamed (CPU)
+  const Plan plan = half_resident_plan(layers, st.c.tokens);
   HostBackend backend({1_GiB, 1_GiB, true});
   LayerExecutorOptions options;
   options.skip_nonfinite_loss = false;  // no synchronize after the loss: the backward is queued behind it
@@ -414,8 +420,7 @@ TEST_CASE("apply_updates() applies a deferred step's updates once: refused befor
   // whose loss was not finite, updated every segment once more from the last step's gradients.
   const Stack st({8, 2, 1, 8, 9, 2}, 3);
   auto layers = st.layers;
-  Plan plan = resident_plan(layers, st.c.tokens);
-  plan.resident_segments.resize(plan.resident_segments.size() / 2);  // some resident (GPU AdamW), some streamed (CPU)
+  const Plan plan = half_resident_plan(layers, st.c.tokens);
   HostBackend backend({1_GiB, 1_GiB, true});
   LayerExecutorOptions opt;
   opt.adamw.lr = 1e-2f;
