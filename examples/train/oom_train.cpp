@@ -917,7 +917,7 @@ int run(Args a) {
     if (n < a.seq + 1)
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("{}: {} tokens cannot make a window of sequence length {} (+1 for the target)", name, n, a.seq));
-    if (const std::uint64_t windows = (n - 1) / a.seq; windows < step_windows)
+    if (const std::uint64_t windows = BatchSampler::windows_in(n, a.seq); windows < step_windows)
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("{}: {} tokens hold {} windows of --seq {}, fewer than the {} a step trains on (--batch {} x "
                             "--micro-batches {}), so a step would train on a window twice; {}", name, n, windows, a.seq, step_windows,

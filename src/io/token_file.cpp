@@ -313,9 +313,7 @@ BatchSampler::BatchSampler(const TokenFile& tokens, std::uint64_t sequence_lengt
     OOM_THROW(Errc::invalid_argument,
               fmt::format("{}: {} tokens cannot make a window of sequence length {} (+1 for the target)",
                           tokens.source(), tokens.size(), sequence_length));
-  // Windows of L + 1 tokens overlap their successors by one token (the last target is the next
-  // window's first input), so W windows need W * L + 1 tokens.
-  windows_ = (tokens.size() - 1) / sequence_length;
+  windows_ = windows_in(tokens.size(), sequence_length);
   slack_ = tokens.size() - 1 - windows_ * sequence_length;
   // A step of more windows than the file holds must hold some twice, whatever the order.
   const std::uint64_t k = state.step_windows;

@@ -147,6 +147,12 @@ class BatchSampler {
 
   [[nodiscard]] std::uint64_t sequence_length() const { return sequence_length_; }
   [[nodiscard]] std::uint64_t windows_per_epoch() const { return windows_; }
+  /// The non-overlapping windows of sequence_length + 1 tokens that `tokens` tokens hold: a window
+  /// overlaps its successor by one token (its last target is the next one's first input), so W
+  /// windows need W * sequence_length + 1 tokens. 0 where not one fits.
+  [[nodiscard]] static constexpr std::uint64_t windows_in(std::uint64_t tokens, std::uint64_t sequence_length) {
+    return sequence_length == 0 || tokens == 0 ? 0 : (tokens - 1) / sequence_length;
+  }
   [[nodiscard]] std::uint64_t steps_per_epoch() const { return windows_ / state_.step_windows; }
   [[nodiscard]] const SamplerState& state() const { return state_; }
 
