@@ -403,8 +403,7 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   // Room for the whole checkpoint before a byte of it is written: a full disk had been found only
   // once as much as fit was written (tens of GB for a large model), in an error naming no sizes.
   // The kept checkpoints are removed only once the new one is complete, so they hold their room.
-  std::uint64_t parameters = 0;
-  for (const auto& seg : segs) parameters += seg.parameters();
+  const std::uint64_t parameters = spec.total_parameters();
   const Bytes needed{parameters * 3 * sizeof(float)};
   // (A file system that reports no blocks, as some FUSE and network ones do, says nothing of its room.)
   if (struct statvfs fs_stat {}; ::statvfs(run_dir.c_str(), &fs_stat) == 0 && fs_stat.f_blocks > 0) {
