@@ -259,11 +259,8 @@ int main(int argc, char** argv) {
     // GPU budget at `seq` tokens a sequence: its request (one GPU, --batch sequences, 6 candidates,
     // its default host budget unless --host-mem) and its GPU headroom (1 GiB of the free memory,
     // here of the profile's). One line: the plan, or "nothing" and why.
-    oom::PlanRequest train_req = req;
+    oom::PlanRequest train_req = req;  // at --moments: oom-train keeps fp32 or bf16 moments as asked
     train_req.candidates = 6;
-    // oom-train's executors keep fp32 AdamW moments (it has no --moments): what it would run is
-    // planned as it runs, whatever --moments asks of the plans shown.
-    train_req.precision.moments = oom::DType::fp32;
     std::string host_error;  // why there is no default host budget (a profile with too little host memory)
     if (!a.host_mem) {
       try {
@@ -302,13 +299,6 @@ int main(int argc, char** argv) {
     if (a.longest) return longest_sequence(a, budget_note, would_run);
 #endif
     const auto set = oom::examples::plan_or_say_least(planner, req);
-#if OOM_PLAN_HAS_CUDA
-    if (req.precision.moments != oom::DType::fp32)
-      fmt::print("--moments {}: plans for moments oom-train does not keep (its executors keep fp32 AdamW moments); the CUDA "
-                 "executor's lines below count fp32 moments, what oom-train would run is planned with them, and oom-train --plan "
-                 "refuses a plan of bf16 moments\n",
-                 oom::name(req.precision.moments));
-#endif
     fmt::print("searched {} candidates ({} within budget) in {:.3f} s\n\n", set.evaluated, set.feasible, set.search_s);
     for (std::size_t i = 0; i < set.plans.size(); ++i) {
       fmt::print("=== plan {}{} ===\n{}\n", i + 1, i == 0 ? " (chosen)" : "", planner.describe(set.plans[i]));

@@ -107,6 +107,7 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
                            const optim::AdamWConfig& adamw, HostBackend::Options backend, double max_grad_norm)
     : spec_(&spec), plan_(plan), adamw_(adamw), backend_(std::make_unique<HostBackend>(backend)), pool_(0),
       max_grad_norm_(max_grad_norm) {
+  require_kept_precision(plan.precision, "HostCausalLm");
   const auto& segs = spec.segments();
   if (weights.size() != segs.size())
     OOM_THROW(Errc::invalid_argument, fmt::format("{} weight blocks for a model of {} segments", weights.size(), segs.size()));
@@ -117,8 +118,13 @@ HostCausalLm::HostCausalLm(const ModelSpec& spec, const Plan& plan, const std::v
     End e;
     e.segment = s;
     e.master = weights[s];
-    e.m.assign(e.master.size(), 0.0f);
-    e.v.assign(e.master.size(), 0.0f);
+    if (bf16_moments()) {
+      e.m16.assign(e.master.size(), to_bf16(0.0f));
+      e.v16.assign(e.master.size(), to_bf16(0.0f));
+    } else {
+      e.m.assign(e.master.size(), 0.0f);
+      e.v.assign(e.master.size(), 0.0f);
+    }
     e.grad.assign(e.master.size(), 0.0f);
     e.weights.resize(e.master.size());
     std::transform(e.master.begin(), e.master.end(), e.weights.begin(), [](float f) { return to_bf16(f); });
@@ -235,20 +241,27 @@ void HostCausalLm::update_ends(float grad_scale) {
   for (End* e : {&embedding_, &final_norm_, &lm_head_}) {
     if (e->master.empty()) continue;
     optim::require_finite_gradients(e->grad, fmt::format("segment '{}' (step {})", spec_->segments()[e->segment].name, step), pool_);
-    optim::AdamWSpan<float> span{e->master, e->m, e->v, e->grad, e->weights};
-    optim::adamw_update(span, sc, pool_);
+    if (bf16_moments()) optim::adamw_update(optim::AdamWSpan<bf16>{e->master, e->m16, e->v16, e->grad, e->weights}, sc, pool_);
+    else optim::adamw_update(optim::AdamWSpan<float>{e->master, e->m, e->v, e->grad, e->weights}, sc, pool_);
   }
 }
 
 std::vector<SegmentOptimizerState> HostCausalLm::state() {
   auto layers = executor_->optimizer_state();
   std::vector<SegmentOptimizerState> out;
-  auto end = [](const End& e) { return SegmentOptimizerState{e.master, e.m, e.v}; };
-  out.push_back(end(embedding_));
+  out.push_back(end_state(embedding_));
   for (auto& s : layers) out.push_back(std::move(s));
-  out.push_back(end(final_norm_));
-  if (!tied_) out.push_back(end(lm_head_));
+  out.push_back(end_state(final_norm_));
+  if (!tied_) out.push_back(end_state(lm_head_));
   return out;
+}
+
+SegmentOptimizerState HostCausalLm::end_state(const End& e) const {
+  if (!bf16_moments()) return {e.master, e.m, e.v};
+  SegmentOptimizerState s{e.master, std::vector<float>(e.master.size()), std::vector<float>(e.master.size())};
+  moments_to_fp32(DType::bf16, e.m16.data(), s.exp_avg);
+  moments_to_fp32(DType::bf16, e.v16.data(), s.exp_avg_sq);
+  return s;
 }
 
 StateSnapshot HostCausalLm::state_views() {
@@ -264,7 +277,7 @@ void HostCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
   for (const End* e : {&embedding_, &final_norm_, &lm_head_}) {  // everything checked before anything changes
     if (e->master.empty()) continue;
     const auto& s = state[e->segment];
-    if (s.master.size() != e->master.size() || s.exp_avg.size() != e->m.size() || s.exp_avg_sq.size() != e->v.size())
+    if (s.master.size() != e->master.size() || s.exp_avg.size() != e->master.size() || s.exp_avg_sq.size() != e->master.size())
       OOM_THROW(Errc::invalid_argument, fmt::format("state of segment '{}' has the wrong size", spec_->segments()[e->segment].name));
   }
   std::vector<SegmentOptimizerState> layers(state.begin() + 1, state.end() - (tied_ ? 1 : 2));
@@ -272,8 +285,13 @@ void HostCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
   auto set = [&](End& e) {
     const auto& s = state[e.segment];
     e.master = s.master;
-    e.m = s.exp_avg;
-    e.v = s.exp_avg_sq;
+    if (bf16_moments()) {  // rounded to nearest even: exact for state a bf16-moment run saved
+      moments_from_fp32(DType::bf16, s.exp_avg, e.m16.data());
+      moments_from_fp32(DType::bf16, s.exp_avg_sq, e.v16.data());
+    } else {
+      e.m = s.exp_avg;
+      e.v = s.exp_avg_sq;
+    }
     std::transform(e.master.begin(), e.master.end(), e.weights.begin(), [](float f) { return to_bf16(f); });
   };
   set(embedding_);
@@ -284,7 +302,7 @@ void HostCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
 Bytes HostCausalLm::ends_bytes() const {
   std::uint64_t n = 0;
   for (const End* e : {&embedding_, &final_norm_, &lm_head_}) n += e->master.size();
-  return Bytes{n * (4 * sizeof(float) + sizeof(bf16))};
+  return Bytes{n * (2 * sizeof(float) + sizeof(bf16))} + 2 * bytes_of(plan_.precision.moments, n);
 }
 
 }  // namespace oom::train

@@ -68,15 +68,20 @@ class HostCausalLm {
   void record_next_step(Timeline* timeline) { executor_->record_next_step(timeline); }
   /// Progress of the decoder stack's passes (see HostExecutor::on_layer).
   void on_layer(LayerProgressFn fn) { executor_->on_layer(std::move(fn)); }
-  /// Bytes of the ends' state (fp32 master, moments, gradient, bf16 copy), outside the backend's arenas.
+  /// Bytes of the ends' state (fp32 master and gradient, moments at the plan's precision, bf16
+  /// copy), outside the backend's arenas.
   [[nodiscard]] Bytes ends_bytes() const;
 
  private:
   struct End {  // one segment outside the decoder stack
     std::size_t segment = 0;  // index in spec.segments()
-    std::vector<float> master, m, v, grad;
+    std::vector<float> master, grad;
+    std::vector<float> m, v;        // AdamW moments in fp32, or
+    std::vector<bf16> m16, v16;     // in bf16, where the plan keeps bf16 moments (the other pair empty)
     std::vector<bf16> weights;
   };
+  bool bf16_moments() const { return plan_.precision.moments == DType::bf16; }
+  SegmentOptimizerState end_state(const End& e) const;
   double loss_and_grad(const float* y, float* grad_y, std::size_t micro_batch);
   void update_ends(float grad_scale);
 

@@ -146,6 +146,10 @@ Optimizer (AdamW, as torch.optim.AdamW over all parameters)
   --max-grad-norm X    clip the global gradient norm to X as torch.nn.utils.clip_grad_norm_ (default 0:
                        no clipping; the updates then wait for the whole backward; on cuda the gradients
                        are staged per parameter, as --grad-staging 0)
+  --moments DTYPE      AdamW moments kept in fp32 (default) or bf16: 4 bytes a parameter less of
+                       host (streamed) or GPU (resident) state, 18 -> 14 with the fp32 gradient; the
+                       moments are rounded to bf16 after each update (the step is then not the fp32
+                       one). A run resumes with the moments it was started with
 Plan
   --plan PATH          use this plan (from oom-plan --json, for this model, one GPU) instead of
                        planning; it runs within its own budgets (not with --gpu-mem / --host-mem)
@@ -215,6 +219,7 @@ struct Args {
   std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto", retention;
   std::uint64_t seq = 256, batch = 1, steps = 200, seed = 0, micro_batches = 1;
   float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f, min_lr = 0.0f;
+  std::optional<oom::DType> moments;  // AdamW moments: fp32 (default) or bf16
   std::uint64_t warmup = 0;
   bool cosine = false;
   bool min_lr_given = false;
@@ -290,6 +295,11 @@ Args parse(int argc, char** argv) {
     else if (flag == "--lr") a.lr = parse_real(flag, v);
     else if (flag == "--weight-decay") a.weight_decay = parse_real(flag, v);
     else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
+    else if (flag == "--moments") {
+      const std::string_view w = v;
+      if (w != "fp32" && w != "bf16") OOM_THROW(Errc::invalid_argument, fmt::format("--moments is fp32 or bf16, got '{}'", w));
+      a.moments = oom::parse_dtype(w);
+    }
     else if (flag == "--warmup") a.warmup = parse_count(flag, v, /*allow_zero=*/true);
     else if (flag == "--min-lr") {
       a.min_lr = parse_real(flag, v);
@@ -724,20 +734,16 @@ int run(Args a) {
                             plan.clip_grad_norm ? "with" : "without", a.max_grad_norm > 0 ? "it" : "none", a.max_grad_norm));
     if (plan.gpus != 1)
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} GPUs; oom-train runs on one (oom-plan --gpus 1)", a.plan, plan.gpus));
-    // Both backends keep the state as StatePrecision's defaults (bf16 working weights, fp32 master,
-    // moments and gradients), whatever the plan counts: a plan of bf16 moments (oom-plan --moments
-    // bf16) had been taken without a word and run over its budget at step 1.
-    struct Kept {
-      const char* field;
-      DType planned, kept;
-    };
-    const StatePrecision runs;
-    for (const Kept& k : {Kept{"weights", plan.precision.weights, runs.weights}, Kept{"master", plan.precision.master, runs.master},
-                          Kept{"moments", plan.precision.moments, runs.moments}, Kept{"grads", plan.precision.grads, runs.grads}})
-      if (k.planned != k.kept)
-        OOM_THROW(Errc::invalid_argument,
-                  fmt::format("{}: precision.{} is {}, oom-train keeps {} {} (plan again with oom-plan at its precisions: no --moments)",
-                              a.plan, k.field, name(k.planned), name(k.kept), k.field));
+    // The state is kept at the plan's precisions (a plan counted at others would run with other
+    // bytes than it counted): bf16 weights, fp32 master and gradients, fp32 or bf16 moments.
+    try {
+      require_kept_precision(plan.precision, "oom-train");
+    } catch (const Error& e) {
+      throw Error(Errc::invalid_argument, fmt::format("{}: {} (plan again with oom-plan --moments fp32 or bf16)", a.plan, e.message()));
+    }
+    if (a.moments && *a.moments != plan.precision.moments)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} AdamW moments, the run asks for {} (--moments; oom-plan --moments "
+                                                    "plans for it)", a.plan, name(plan.precision.moments), name(*a.moments)));
     // Checked whole against the model (simulate: its layers, segments, chunks, recomputes), its
     // errors naming the file. Then the state it keeps on each side, which depends on the model and
     // the plan's residency alone, not on the profile's timings: another sum than when it was
@@ -789,6 +795,7 @@ int run(Args a) {
     req.workload = {a.batch, a.seq};
     req.micro_batches = static_cast<int>(a.micro_batches);
     req.clip_grad_norm = a.max_grad_norm > 0;
+    req.precision.moments = a.moments.value_or(oom::DType::fp32);
     req.candidates = use_cuda ? 6 : 2;
     req.retention = a.retention;
     const auto set = oom::examples::plan_or_say_least(planner, req);
@@ -851,6 +858,12 @@ int run(Args a) {
         saved_clip != static_cast<double>(a.max_grad_norm))
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used lr {}, weight decay {} and max grad norm {}; pass the same",
                                                     latest->string(), ts["lr"].as_double(), ts["weight_decay"].as_double(), saved_clip));
+    // The moments the checkpoint's run kept (absent: before --moments, fp32). Its state would load
+    // into the other precision (rounded, or widened), but that is another run than the one saved.
+    const std::string saved_moments = ts["moments"].present() ? ts["moments"].as_string() : "fp32";
+    if (saved_moments != name(plan.precision.moments))
+      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} kept AdamW moments in {}, this run keeps them in {}; pass --moments {}",
+                                                    latest->string(), saved_moments, name(plan.precision.moments), saved_moments));
     const std::string saved_schedule = ts["schedule"].present() ? ts["schedule"].as_string() : "constant";
     const std::uint64_t saved_warmup = ts["warmup"].present() ? ts["warmup"].as_uint64() : 0;
     const std::uint64_t saved_total = ts["total_steps"].present() ? ts["total_steps"].as_uint64() : a.steps;
@@ -1029,6 +1042,7 @@ int run(Args a) {
     ts.set("lr", static_cast<double>(a.lr));
     ts.set("weight_decay", static_cast<double>(a.weight_decay));
     ts.set("max_grad_norm", static_cast<double>(a.max_grad_norm));
+    ts.set("moments", std::string(name(plan.precision.moments)));
     ts.set("schedule", a.cosine ? "cosine" : "constant");
     ts.set("warmup", a.warmup);
     ts.set("min_lr", static_cast<double>(a.min_lr));

@@ -491,4 +491,18 @@ SegmentBytes ModelSpec::state_bytes(const StatePrecision& precision) const {
   return sum;
 }
 
+void require_kept_precision(const StatePrecision& p, std::string_view who) {
+  struct Field {
+    const char* name;
+    DType is;
+    bool kept;
+    const char* keeps;
+  };
+  for (const Field& f : {Field{"weights", p.weights, p.weights == DType::bf16, "bf16"}, Field{"master", p.master, p.master == DType::fp32, "fp32"},
+                         Field{"moments", p.moments, p.moments == DType::fp32 || p.moments == DType::bf16, "fp32 or bf16"},
+                         Field{"grads", p.grads, p.grads == DType::fp32, "fp32"}})
+    if (!f.kept)
+      OOM_THROW(Errc::unsupported, fmt::format("{}: precision.{} is {}; it keeps {} {}", who, f.name, name(f.is), f.keeps, f.name));
+}
+
 }  // namespace oom

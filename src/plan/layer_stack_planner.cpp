@@ -389,12 +389,8 @@ void check_request(const PlanRequest& req) {
   if (req.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("plan request: the layer-stack planner plans one GPU, not {} (the HostExecutor "
                                              "runs on one)", req.gpus));
-  if (req.precision != StatePrecision{})
-    OOM_THROW(Errc::unsupported, fmt::format("plan request: state in {} weights, {} master, {} moments, {} gradients; the "
-                                             "HostExecutor holds bf16 weights and fp32 master, moments and gradients, so a plan "
-                                             "for other precisions would misstate its memory",
-                                             name(req.precision.weights), name(req.precision.master),
-                                             name(req.precision.moments), name(req.precision.grads)));
+  // Planned at other precisions than the executor keeps, a plan would misstate its memory.
+  require_kept_precision(req.precision, "plan request for the layer executor");
 }
 
 void check_plan(const Plan& p, const std::vector<LayerDescription>& stack) {
@@ -724,6 +720,7 @@ std::string LayerStackPlanner::describe(const Plan& p) const {
   s += fmt::format("host memory at its peak: {} of {} budget\n", pr.host_peak, p.host_budget);
   for (auto c : {Claimant::host_state, Claimant::host_staging, Claimant::host_offload})
     s += fmt::format("  {:<22} {:>12}\n", to_string(c), pr.peak[static_cast<std::size_t>(c)]);
+  s += describe_precision(p.precision);
   std::size_t segments = 0;
   std::uint64_t params = 0, resident_params = 0;
   const std::unordered_set<std::string> resident(p.resident_segments.begin(), p.resident_segments.end());

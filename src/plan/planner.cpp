@@ -47,6 +47,12 @@ void check_recompute_sources(const Plan& p, std::size_t l) {
   }
 }
 
+std::string describe_precision(const StatePrecision& p) {
+  if (p == StatePrecision{}) return {};
+  return fmt::format("state: {} weights, {} master, {} AdamW moments, {} gradients\n", name(p.weights), name(p.master), name(p.moments),
+                     name(p.grads));
+}
+
 std::string describe_boundaries(const Plan& p) {
   std::array<std::size_t, 3> n{};  // keep, offload, recompute
   for (const auto& row : p.retention) ++n[static_cast<std::size_t>(row[static_cast<std::size_t>(ActivationClass::layer_boundary)].action)];
@@ -1011,6 +1017,7 @@ std::string Planner::describe(const Plan& p) const {
   s += fmt::format("host memory at its peak: {} of {} budget\n", pr.host_peak, p.host_budget);
   for (auto c : {Claimant::host_state, Claimant::host_staging, Claimant::host_offload})
     s += fmt::format("  {:<22} {:>12}\n", to_string(c), pr.peak[static_cast<std::size_t>(c)]);
+  s += describe_precision(p.precision);
   std::uint64_t resident_params = 0;
   std::map<std::string, int> by_role;
   for (const auto& name : p.resident_segments) {

@@ -214,6 +214,16 @@ void CudaBackend::add(float* g, const float* x, std::uint64_t n, Stream& s) {
 
 void CudaBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
                                std::uint64_t n, Stream& s, std::string what) {
+  check_gradients(grad, n, s, std::move(what));
+  OOM_CUDA_CHECK(kernels::adamw_update(sc, master, m, v, grad, weights, static_cast<std::int64_t>(n), s.get()));
+}
+void CudaBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master, bf16* m, bf16* v, const float* grad, bf16* weights,
+                               std::uint64_t n, Stream& s, std::string what) {
+  check_gradients(grad, n, s, std::move(what));
+  OOM_CUDA_CHECK(kernels::adamw_update(sc, master, m, v, grad, weights, static_cast<std::int64_t>(n), s.get()));
+}
+
+void CudaBackend::check_gradients(const float* grad, std::uint64_t n, Stream& s, std::string what) {
   if (!what.empty()) {
     // A flag the kernel sets on a NaN or infinity, read once the stream has been synchronized
     // (read_checks): no host function on the stream, which would wait behind another stream's
@@ -246,7 +256,6 @@ void CudaBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master,
     }
     OOM_CUDA_CHECK(status);
   }
-  OOM_CUDA_CHECK(kernels::adamw_update(sc, master, m, v, grad, weights, static_cast<std::int64_t>(n), s.get()));
 }
 
 std::shared_ptr<double[]> CudaBackend::host_words(std::uint64_t n) {

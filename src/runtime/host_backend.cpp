@@ -284,15 +284,35 @@ void HostBackend::add(float* g, const float* x, std::uint64_t n, Stream& s) {
   });
 }
 
-void HostBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
-                               std::uint64_t n, Stream& s, std::string what) {
+namespace {
+float widen(float x) { return x; }
+float widen(bf16 x) { return to_float(x); }
+void narrow(float x, float& out) { out = x; }
+void narrow(float x, bf16& out) { out = to_bf16(x); }
+}  // namespace
+
+template <class M>
+void HostBackend::adamw_task(const optim::AdamWStepScalars& sc, float* master, M* m, M* v, const float* grad, bf16* weights,
+                             std::uint64_t n, Stream& s, std::string what) {
   submit(s, [=, what = std::move(what)] {
     if (!what.empty()) optim::require_finite_gradients({grad, n}, what);
     for (std::uint64_t i = 0; i < n; ++i) {
-      optim::adamw_element(sc, master[i], m[i], v[i], grad[i]);
+      float mi = widen(m[i]), vi = widen(v[i]);
+      optim::adamw_element(sc, master[i], mi, vi, grad[i]);
+      narrow(mi, m[i]);
+      narrow(vi, v[i]);
       weights[i] = to_bf16(master[i]);
     }
   });
+}
+
+void HostBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
+                               std::uint64_t n, Stream& s, std::string what) {
+  adamw_task(sc, master, m, v, grad, weights, n, s, std::move(what));
+}
+void HostBackend::device_adamw(const optim::AdamWStepScalars& sc, float* master, bf16* m, bf16* v, const float* grad, bf16* weights,
+                               std::uint64_t n, Stream& s, std::string what) {
+  adamw_task(sc, master, m, v, grad, weights, n, s, std::move(what));
 }
 
 }  // namespace oom

@@ -570,9 +570,12 @@ TEST_CASE("bad stacks and requests are refused by name") {
   CHECK(thrown([&] { (void)planner.plan(r); }, &code).find("plans one GPU, not 2") != std::string::npos);
   CHECK(code == Errc::unsupported);
   r = request(1_GiB);
-  r.precision.moments = DType::bf16;  // the HostExecutor keeps fp32 moments: its memory would be misstated
-  CHECK(thrown([&] { (void)planner.plan(r); }, &code).find("bf16 moments") != std::string::npos);
+  r.precision.moments = DType::fp16;  // the executors keep fp32 or bf16 moments: its memory would be misstated
+  CHECK(thrown([&] { (void)planner.plan(r); }, &code).find("precision.moments is fp16; it keeps fp32 or bf16 moments") != std::string::npos);
   CHECK(code == Errc::unsupported);
+  r.precision = StatePrecision{};
+  r.precision.master = DType::bf16;
+  CHECK(thrown([&] { (void)planner.plan(r); }, &code).find("precision.master is bf16; it keeps fp32 master") != std::string::npos);
   CHECK(thrown([&] { (void)planner.plan(request(1_GiB, 1_GiB, 0)); }).find("the workload has no tokens") != std::string::npos);
   r = request(1_GiB);
   r.retention = "checkpointing";

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -101,8 +102,9 @@ Plan random_plan(const std::vector<test::MoeMlpLayer>& layers, std::uint64_t tok
 
 struct Result {
   std::vector<std::vector<float>> master;
+  std::vector<SegmentOptimizerState> state;
   std::vector<double> losses;
-  Bytes device_peak;
+  Bytes device_peak, host_state;  ///< the device arena's peak; the pinned arena's host_state bytes
   bool leaked = false;  ///< the arenas held more after a step than before it
 };
 
@@ -126,6 +128,8 @@ Result train(const Case& c, const Plan& plan, std::uint64_t seed, LayerExecutorO
       r.leaked |= backend.device_arena().in_use() != device_held || backend.pinned_arena().in_use() != pinned_held;
     }
     r.master = exec.master();
+    r.state = exec.optimizer_state();
+    r.host_state = backend.pinned_arena().in_use(Claimant::host_state);
   }
   r.device_peak = backend.device_arena().peak();
   return r;
@@ -161,6 +165,50 @@ TEST_CASE("60 random (model, plan) pairs: 3 steps give the resident plan's weigh
   }
   CHECK(streamed_plans > 50);
   CHECK(regenerating_plans > 15);
+}
+
+TEST_CASE("bf16 moments: every plan computes the resident plan's step; the moments are bf16, 4 bytes a parameter less") {
+  std::mt19937_64 rng(7);
+  const auto bf16_moments = [](Plan p) {
+    p.precision.moments = DType::bf16;
+    return p;
+  };
+  int differing = 0;
+  for (int i = 0; i < 20; ++i) {
+    const Case c{8 + 8 * (rng() % 2), std::uint64_t{2} << (rng() % 3), 1 + rng() % 2, 8 + 8 * (rng() % 2), 3 + rng() % 30,
+                 1 + static_cast<int>(rng() % 4)};
+    std::vector<test::MoeMlpLayer> shape;
+    for (int l = 0; l < c.layers; ++l) shape.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+    const Plan fp32_reference = resident_plan(shape, c.tokens);
+    const Plan reference = bf16_moments(fp32_reference);
+    // Resident segments take the backend's device AdamW, streamed ones the CPU's: both kinds in
+    // most plans, so their bf16 moments must agree bit for bit.
+    const Plan plan = bf16_moments(random_plan(shape, c.tokens, rng));
+    const auto seed = rng();
+    const Result expect = train(c, reference, seed);
+    const Result got = train(c, plan, seed);
+    CAPTURE(i);
+    REQUIRE(got.losses == expect.losses);
+    REQUIRE(bitwise_equal(got.master, expect.master));
+    CHECK_FALSE(got.leaked);
+    std::uint64_t streamed = 0;
+    for (std::size_t s = 0; s < got.state.size(); ++s) {
+      const auto& st = got.state[s];
+      CHECK(bitwise_equal({st.exp_avg}, {expect.state[s].exp_avg}));
+      CHECK(bitwise_equal({st.exp_avg_sq}, {expect.state[s].exp_avg_sq}));
+      for (const auto* m : {&st.exp_avg, &st.exp_avg_sq})  // exported exactly: every value a bf16
+        CHECK(std::all_of(m->begin(), m->end(), [](float x) { return std::bit_cast<std::uint32_t>(x) % 65536 == 0; }));
+    }
+    for (const auto& l : shape)
+      for (const auto& seg : l.segments())
+        if (std::find(plan.resident_segments.begin(), plan.resident_segments.end(), seg.name) == plan.resident_segments.end())
+          streamed += seg.parameters();
+    // A streamed parameter's host state: bf16 weights 2 + fp32 master 4 + two bf16 moments 4.
+    CHECK(got.host_state == Bytes{streamed * 10});
+    // The moments' rounding changes the step: the fp32-moment run ends elsewhere.
+    differing += !bitwise_equal(train(c, fp32_reference, seed).master, expect.master);
+  }
+  CHECK(differing == 20);
 }
 
 TEST_CASE("executors made and destroyed on one backend leave no streams behind") {
@@ -243,35 +291,40 @@ struct Stack {
 
 }  // namespace
 
-TEST_CASE("resuming from exported optimizer state continues the same run, bit for bit") {
-  const Stack st({16, 4, 2, 16, 12, 3}, 11);
-  auto layers = st.layers;
-  const Plan plan = half_resident_plan(layers, st.c.tokens);
-  LayerExecutorOptions opt;
-  opt.adamw.lr = 1e-2f;
-  HostBackend backend({1_GiB, 1_GiB, true});
-  std::vector<double> straight;
-  std::vector<std::vector<float>> expect;
-  {
-    HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
-    for (int s = 0; s < 4; ++s) straight.push_back(exec.step(st.input(s), st.target(s)));
-    expect = exec.master();
+TEST_CASE("resuming from exported optimizer state continues the same run, bit for bit (fp32 and bf16 moments)") {
+  for (const DType moments : {DType::fp32, DType::bf16}) {
+    const std::string moments_name(name(moments));
+    CAPTURE(moments_name);
+    const Stack st({16, 4, 2, 16, 12, 3}, 11);
+    auto layers = st.layers;
+    Plan plan = half_resident_plan(layers, st.c.tokens);
+    plan.precision.moments = moments;
+    LayerExecutorOptions opt;
+    opt.adamw.lr = 1e-2f;
+    HostBackend backend({1_GiB, 1_GiB, true});
+    std::vector<double> straight;
+    std::vector<std::vector<float>> expect;
+    {
+      HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
+      for (int s = 0; s < 4; ++s) straight.push_back(exec.step(st.input(s), st.target(s)));
+      expect = exec.master();
+    }
+    std::vector<SegmentOptimizerState> saved;
+    std::int64_t steps = 0;
+    {
+      HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
+      for (int s = 0; s < 2; ++s) CHECK(exec.step(st.input(s), st.target(s)) == straight[static_cast<std::size_t>(s)]);
+      saved = exec.optimizer_state();
+      steps = exec.optimizer_steps();
+    }
+    CHECK(steps == 2);
+    HostExecutor<test::MoeMlpLayer> resumed(backend, layers, plan, st.init, opt);  // initial weights overwritten below
+    resumed.load_optimizer_state(saved, steps);
+    for (int s = 2; s < 4; ++s) CHECK(resumed.step(st.input(s), st.target(s)) == straight[static_cast<std::size_t>(s)]);
+    CHECK(bitwise_equal(resumed.master(), expect));
+    saved.pop_back();
+    CHECK_THROWS_WITH_AS(resumed.load_optimizer_state(saved, 1), doctest::Contains("segments"), Error);
   }
-  std::vector<SegmentOptimizerState> saved;
-  std::int64_t steps = 0;
-  {
-    HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
-    for (int s = 0; s < 2; ++s) CHECK(exec.step(st.input(s), st.target(s)) == straight[static_cast<std::size_t>(s)]);
-    saved = exec.optimizer_state();
-    steps = exec.optimizer_steps();
-  }
-  CHECK(steps == 2);
-  HostExecutor<test::MoeMlpLayer> resumed(backend, layers, plan, st.init, opt);  // initial weights overwritten below
-  resumed.load_optimizer_state(saved, steps);
-  for (int s = 2; s < 4; ++s) CHECK(resumed.step(st.input(s), st.target(s)) == straight[static_cast<std::size_t>(s)]);
-  CHECK(bitwise_equal(resumed.master(), expect));
-  saved.pop_back();
-  CHECK_THROWS_WITH_AS(resumed.load_optimizer_state(saved, 1), doctest::Contains("segments"), Error);
 }
 
 TEST_CASE("a non-finite loss skips the step and leaves the state untouched; a non-finite gradient names its segment") {
@@ -811,6 +864,12 @@ TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; i
     empty.chunks.clear();
     empty.resident_segments.clear();
     CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, none, empty, {}), doctest::Contains("at least one layer"), Error);
+  }
+  {
+    Plan fp16 = plan;  // moments it does not keep: the plan's bytes would not be what it holds
+    fp16.precision.moments = DType::fp16;
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, fp16, init_of(layers)),
+                         doctest::Contains("layer executor: precision.moments is fp16; it keeps fp32 or bf16 moments"), Error);
   }
   {
     Plan chunked = plan;

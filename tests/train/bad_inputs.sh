@@ -106,11 +106,19 @@ if [[ -x "$plan_tool" ]]; then
   expect plan-integer-precision 2 "int32.json: precision.weights: 'int32' is not a floating-point type" -- --plan "$work/int32.json"
   sed '0,/"norm_output": "keep"/ s//"norm_output": "recompute from 3"/' "$work/unclipped-plan.json" > "$work/recompute.json"
   expect plan-recompute-source 2 "recompute.json: layer 0: norm_output recomputed from layer 3" -- --plan "$work/recompute.json"
-  # A plan of precisions the trainer does not keep (oom-plan --moments bf16) had run, then passed
-  # its budget at step 1 (the trainer keeps fp32 moments).
+  # A plan of bf16 moments (oom-plan --moments bf16) runs with them; the run may not ask for
+  # others, and a precision the trainer does not keep is refused naming the file.
   "$plan_tool" --model "$(dirname "$0")/../../examples/configs/tiny-moe.json" --seq 32 --gpu-mem 1GiB --host-mem 4GiB --moments bf16 \
     --json "$work/bf16-moments.json" > /dev/null || { echo "FAIL: oom-plan --moments bf16 failed"; exit 1; }
-  expect plan-bf16-moments 2 "bf16-moments.json: precision.moments is bf16, oom-train keeps fp32 moments" -- --plan "$work/bf16-moments.json"
+  if ! "$train" --out "$work/bf16-moments" --steps 1 --seq 32 --plan "$work/bf16-moments.json" > /dev/null 2> "$work/bf16-moments.stderr"; then
+    echo "FAIL plan-bf16-moments: a plan of bf16 moments was refused"; cat "$work/bf16-moments.stderr"
+    fails=$((fails + 1))
+  else echo "ok   plan-bf16-moments"; fi
+  expect plan-bf16-moments-asked-fp32 2 "bf16-moments.json: planned for bf16 AdamW moments, the run asks for fp32 (--moments" -- \
+    --plan "$work/bf16-moments.json" --moments fp32
+  sed 's/"moments": "bf16"/"moments": "fp16"/' "$work/bf16-moments.json" > "$work/fp16-moments.json"
+  expect plan-fp16-moments 2 "fp16-moments.json: oom-train: precision.moments is fp16; it keeps fp32 or bf16 moments" -- \
+    --plan "$work/fp16-moments.json"
 fi
 # A profile whose rates price a step at infinity is named by its file too (the error had named
 # only the name inside it, "h200", which the built-in profile has as well).

@@ -7,6 +7,7 @@
 #     missing or of another type is named with the checkpoint's file;
 #   - a checkpoint of another config is refused as such, not by its first tensor of another shape;
 #   - --resume refuses --init-from, and a --seed other than the checkpoint's;
+#   - --resume refuses other AdamW moments (--moments) than the checkpoint's, both ways;
 #   - a `latest` written with CRLF still resumes;
 #   - checkpoints without `latest` are a run: a new run there is refused (it had replaced them and
 #     emptied metrics.jsonl), and --resume says how to name the one to continue from;
@@ -123,6 +124,19 @@ rc=$?
 rc=$?
 [[ $rc -eq 2 ]] && grep -q -- "--resume and --init-from exclude each other" "$work/init.err" &&
   echo "ok   resume-init-from: $(cat "$work/init.err")" || fail "resume-init-from: exit $rc" "$work/init.err"
+# A run with other AdamW moments than the checkpoint's (its state would be rounded or widened:
+# another run than the one saved), both ways.
+"$train" "${args[@]}" --steps 10 --out "$work/base" --resume --moments bf16 > /dev/null 2> "$work/moments.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q -- "--resume: .*base/checkpoint-000008 kept AdamW moments in fp32, this run keeps them in bf16; pass --moments fp32" \
+  "$work/moments.err" && echo "ok   resume-other-moments: $(cat "$work/moments.err")" || fail "resume-other-moments: exit $rc" "$work/moments.err"
+"$train" "${args[@]}" --steps 2 --checkpoint-every 2 --moments bf16 --out "$work/bf16" > /dev/null 2> "$work/bf16.err" ||
+  fail "bf16-moments run" "$work/bf16.err"
+"$train" "${args[@]}" --steps 4 --out "$work/bf16" --resume > /dev/null 2> "$work/bf16-resume.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q -- "--resume: .*bf16/checkpoint-000002 kept AdamW moments in bf16, this run keeps them in fp32; pass --moments bf16" \
+  "$work/bf16-resume.err" && echo "ok   resume-bf16-moments-without: $(cat "$work/bf16-resume.err")" ||
+  fail "resume-bf16-moments-without: exit $rc" "$work/bf16-resume.err"
 "$train" "${args[@]}" --steps 10 --out "$work/base" --resume --seed 5 > /dev/null 2> "$work/seed.err"
 rc=$?
 [[ $rc -eq 2 ]] && grep -q -- "draws its windows with seed 0; --seed 5 would change nothing" "$work/seed.err" &&

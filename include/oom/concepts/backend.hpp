@@ -88,7 +88,8 @@ inline constexpr bool device_memory_is_host = false;
 ///  10. `b.device_adamw(scalars, master, m, v, grad, weights, n, s, what)` is
 ///      optim::adamw_element over n device elements with the bf16 copy written, bit for bit the
 ///      CPU's (where `what` is not empty, a NaN or infinite gradient is an error naming it, thrown
-///      by the next synchronize() of s, or of any stream once drain(s) has kept it);
+///      by the next synchronize() of s, or of any stream once drain(s) has kept it), with moments
+///      m and v in fp32 (float*) or bf16 (bf16*: widened exactly, stored to nearest even);
 ///  11. `b.native(s)` is the handle a layer enqueues its work on (`cudaStream_t` on a GPU; null on
 ///      the host backend, where the layer runs inside the stream's task);
 ///  12. `b.host_words(n)` is n doubles of host memory the device can write (pinned and mapped on a
@@ -104,6 +105,7 @@ concept executor_backend =
       b.zero(g, n, s);
       b.add(g, x, n, s);
       b.device_adamw(sc, g, g, g, x, w, n, s, what);
+      b.device_adamw(sc, g, w, w, x, w, n, s, what);
       { b.native(s) } -> std::convertible_to<void*>;
       { b.host_words(n) } -> std::same_as<std::shared_ptr<double[]>>;
       b.drain(s);

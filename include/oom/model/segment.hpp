@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "oom/core/bytes.hpp"
@@ -71,6 +72,13 @@ struct StatePrecision {
 
   friend bool operator==(const StatePrecision&, const StatePrecision&) = default;
 };
+
+/// The precisions this library's executors (LayerExecutor, CudaCausalLm and the example trainer's
+/// HostCausalLm) keep: bf16 working weights, fp32 master and gradients, and AdamW moments in fp32
+/// or bf16 (halving their bytes: 18 -> 14 bytes a parameter with the gradient). Errc::unsupported
+/// naming `who` and the first field that differs; a plan counted at other precisions would run
+/// with other bytes than it counted.
+void require_kept_precision(const StatePrecision& p, std::string_view who);
 
 /// Bytes of each copy of one segment's state.
 struct SegmentBytes {

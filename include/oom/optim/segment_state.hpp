@@ -9,7 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "oom/core/dtype.hpp"
 #include "oom/core/error.hpp"
+#include "oom/core/numeric.hpp"
 
 namespace oom {
 
@@ -18,6 +20,27 @@ namespace oom {
 struct SegmentOptimizerState {
   std::vector<float> master, exp_avg, exp_avg_sq;
 };
+
+/// AdamW moments as an executor keeps them (StatePrecision::moments: fp32, or bf16 to halve their
+/// bytes) and as the state above speaks them (fp32). Widening is exact; narrowing to bf16 rounds
+/// to nearest even, so state that came from bf16 moments goes back bit for bit.
+inline void moments_to_fp32(DType kept, const void* from, std::span<float> out) {
+  if (kept == DType::bf16) {
+    const auto* m = static_cast<const bf16*>(from);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = to_float(m[i]);
+  } else {
+    const auto* m = static_cast<const float*>(from);
+    std::copy(m, m + out.size(), out.begin());
+  }
+}
+inline void moments_from_fp32(DType kept, std::span<const float> in, void* to) {
+  if (kept == DType::bf16) {
+    auto* m = static_cast<bf16*>(to);
+    for (std::size_t i = 0; i < in.size(); ++i) m[i] = to_bf16(in[i]);
+  } else {
+    std::copy(in.begin(), in.end(), static_cast<float*>(to));
+  }
+}
 
 /// One of the three arrays of a segment's state.
 enum class StateArray : unsigned char { master, exp_avg, exp_avg_sq };

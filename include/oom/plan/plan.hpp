@@ -168,5 +168,8 @@ void check_recompute_sources(const Plan& p, std::size_t layer);
 /// "boundaries: K kept, O offloaded, R regenerated through the layers below them": the layer
 /// boundaries' decisions counted, for the planners' describe().
 std::string describe_boundaries(const Plan& p);
+/// "" at the default precisions; else one line naming them (e.g. "state: bf16 weights, fp32
+/// master, bf16 AdamW moments, fp32 gradients\n"), for describe().
+std::string describe_precision(const StatePrecision& p);
 
 }  // namespace oom

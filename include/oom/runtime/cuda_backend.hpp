@@ -91,8 +91,10 @@ class CudaBackend {
   /// are checked first (kernels::flag_nonfinite into a flag of mapped host memory), and a NaN or
   /// infinity is an error naming `what`, thrown by the synchronize() of s (drain() keeps it for
   /// the next). The update runs all the same (the stream does not stop), so that segment's state
-  /// is unusable: the caller must stop the run, as CudaCausalLm's do.
+  /// is unusable: the caller must stop the run, as CudaCausalLm's do. Moments in fp32 or bf16.
   void device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
+                    std::uint64_t n, Stream& s, std::string what);
+  void device_adamw(const optim::AdamWStepScalars& sc, float* master, bf16* m, bf16* v, const float* grad, bf16* weights,
                     std::uint64_t n, Stream& s, std::string what);
   static void* native(const Stream& s) { return s.get(); }
   /// n zeroed doubles of pinned, mapped host memory: a kernel on any stream may write them (the
@@ -111,6 +113,9 @@ class CudaBackend {
   [[nodiscard]] Bytes device_high_water();
 
  private:
+  // device_adamw's gradient check (`what` not empty): a flag the kernel sets, read by synchronize().
+  void check_gradients(const float* grad, std::uint64_t n, Stream& s, std::string what);
+
   struct Slab {
     unsigned char* base = nullptr;
     FirstFitHeap heap;

@@ -97,8 +97,10 @@ class HostBackend {
   void add(float* g, const float* x, std::uint64_t n, Stream& s);
   /// optim::adamw_element over n elements, weights[i] = to_bf16(master[i]); `what` not empty: a
   /// NaN or infinite gradient is an error (Errc::invalid_argument) naming it, before any element
-  /// is updated.
+  /// is updated. Moments in fp32 or bf16 (widened exactly, stored to nearest even: adamw.hpp).
   void device_adamw(const optim::AdamWStepScalars& sc, float* master, float* m, float* v, const float* grad, bf16* weights,
+                    std::uint64_t n, Stream& s, std::string what);
+  void device_adamw(const optim::AdamWStepScalars& sc, float* master, bf16* m, bf16* v, const float* grad, bf16* weights,
                     std::uint64_t n, Stream& s, std::string what);
   /// Layers run inside the stream's tasks: no handle to enqueue on.
   static void* native(const Stream& /*s*/) { return nullptr; }
@@ -109,6 +111,10 @@ class HostBackend {
   [[nodiscard]] Arena& pinned_arena() { return pinned_; }
 
  private:
+  template <class M>
+  void adamw_task(const optim::AdamWStepScalars& sc, float* master, M* m, M* v, const float* grad, bf16* weights, std::uint64_t n,
+                  Stream& s, std::string what);
+
   Options options_;
   Arena device_, pinned_;
   std::mutex error_mutex_;

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <memory>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <span>
 #include <string>
@@ -135,6 +136,7 @@ class LayerExecutor {
     // A plan made by hand: a micro-batch of no tokens had run, every step's loss a mean over none
     // (NaN) and skipped.
     refuse_unrunnable_micro_batch(plan.workload);
+    require_kept_precision(plan.precision, "layer executor");
     // Everything checked before anything is taken from the backend.
     const std::uint64_t tokens = plan.workload.tokens();
     // Each layer's segment names, read once here: take_memory() takes them from this, so a layer
@@ -646,8 +648,8 @@ class LayerExecutor {
     std::vector<SegmentOptimizerState> out;
     for (auto& ls : layers_state_)
       for (auto& s : ls.segments) {
-        if (s.resident) out.push_back({download(s.device_master, s.n), download(s.device_m, s.n), download(s.device_v, s.n)});
-        else out.push_back({{s.master, s.master + s.n}, {s.exp_avg, s.exp_avg + s.n}, {s.exp_avg_sq, s.exp_avg_sq + s.n}});
+        if (s.resident) out.push_back({download(s.device_master, s.n), download_moments(s.device_m, s.n), download_moments(s.device_v, s.n)});
+        else out.push_back({{s.master, s.master + s.n}, host_moments(s.exp_avg, s.n), host_moments(s.exp_avg_sq, s.n)});
       }
     return out;
   }
@@ -675,8 +677,8 @@ class LayerExecutor {
           continue;
         }
         std::copy(st.master.begin(), st.master.end(), s.master);
-        std::copy(st.exp_avg.begin(), st.exp_avg.end(), s.exp_avg);
-        std::copy(st.exp_avg_sq.begin(), st.exp_avg_sq.end(), s.exp_avg_sq);
+        moments_from_fp32(moments(), st.exp_avg, s.exp_avg);
+        moments_from_fp32(moments(), st.exp_avg_sq, s.exp_avg_sq);
         for (std::uint64_t e = 0; e < s.n; ++e) s.weights[e] = to_bf16(s.master[e]);
       }
     step_ = optimizer_steps;
@@ -699,14 +701,14 @@ class LayerExecutor {
     // Host (pinned) state of a streamed segment: one block, bf16 working copy first.
     bf16* weights = nullptr;
     float* master = nullptr;
-    float* exp_avg = nullptr;
-    float* exp_avg_sq = nullptr;
+    void* exp_avg = nullptr;     // AdamW moments as the plan keeps them (moments(): fp32 or bf16)
+    void* exp_avg_sq = nullptr;
     float* staging = nullptr;  // gradients land here
     // Device state of a resident segment.
     bf16* device_weights = nullptr;
     float* device_master = nullptr;
-    float* device_m = nullptr;
-    float* device_v = nullptr;
+    void* device_m = nullptr;  // as exp_avg
+    void* device_v = nullptr;
     float* device_grad = nullptr;
   };
   struct LayerState {
@@ -767,14 +769,33 @@ class LayerExecutor {
     b_.synchronize(compute_);
     return out;
   }
+  // The precision the plan keeps AdamW moments at (fp32 or bf16: require_kept_precision).
+  DType moments() const { return plan_.precision.moments; }
+  Bytes moment_bytes(std::uint64_t n) const { return bytes_of(moments(), n); }
+  // n host moments as fp32.
+  std::vector<float> host_moments(const void* kept, std::uint64_t n) const {
+    std::vector<float> out(n);
+    moments_to_fp32(moments(), kept, out);
+    return out;
+  }
+  // n device moments, copied home as fp32.
+  std::vector<float> download_moments(const void* device, std::uint64_t n) {
+    std::vector<std::byte> kept(moment_bytes(n).count());
+    b_.copy(kept.data(), device, moment_bytes(n), compute_);
+    b_.synchronize(compute_);
+    return host_moments(kept.data(), n);
+  }
   // A resident segment's master and moments from the host, its bf16 copy from the master.
   void upload(Segment& s, const std::vector<float>& master, const std::vector<float>& m, const std::vector<float>& v) {
     std::vector<bf16> w(s.n);
     for (std::uint64_t e = 0; e < s.n; ++e) w[e] = to_bf16(master[e]);
     const Bytes f{s.n * sizeof(float)};
+    std::vector<std::byte> m_kept(moment_bytes(s.n).count()), v_kept(moment_bytes(s.n).count());
+    moments_from_fp32(moments(), m, m_kept.data());
+    moments_from_fp32(moments(), v, v_kept.data());
     b_.copy(s.device_master, master.data(), f, compute_);
-    b_.copy(s.device_m, m.data(), f, compute_);
-    b_.copy(s.device_v, v.data(), f, compute_);
+    b_.copy(s.device_m, m_kept.data(), moment_bytes(s.n), compute_);
+    b_.copy(s.device_v, v_kept.data(), moment_bytes(s.n), compute_);
     b_.copy(s.device_weights, w.data(), Bytes{s.n * sizeof(bf16)}, compute_);
     b_.synchronize(compute_);  // before the host vectors go
   }
@@ -788,19 +809,11 @@ class LayerExecutor {
   void take_segment(Segment& s, const std::vector<float>& init, bool resident) {
     s.n = init.size();
     s.resident = resident;
-    auto fill = [&](float* master, float* m, float* v, bf16* w) {
-      for (std::uint64_t i = 0; i < s.n; ++i) {
-        master[i] = init[i];
-        m[i] = 0;
-        v[i] = 0;
-        w[i] = to_bf16(init[i]);
-      }
-    };
     if (resident) {
       const Bytes f{s.n * sizeof(float)};
       s.device_master = alloc_device(f, Claimant::resident_state);
-      s.device_m = alloc_device(f, Claimant::resident_state);
-      s.device_v = alloc_device(f, Claimant::resident_state);
+      s.device_m = b_.allocate(MemorySpace::device(0), moment_bytes(s.n), Claimant::resident_state);
+      s.device_v = b_.allocate(MemorySpace::device(0), moment_bytes(s.n), Claimant::resident_state);
       s.device_grad = alloc_device(f, Claimant::resident_state);
       s.device_weights = static_cast<bf16*>(b_.allocate(MemorySpace::device(0), Bytes{s.n * sizeof(bf16)}, Claimant::resident_state));
       const std::vector<float> zeros(s.n, 0.0f);
@@ -810,10 +823,13 @@ class LayerExecutor {
       auto pinned = [&](Bytes b, Claimant c) { return b_.allocate(MemorySpace::pinned_host(), b, c); };
       s.weights = static_cast<bf16*>(pinned(Bytes{s.n * sizeof(bf16)}, Claimant::host_state));
       s.master = static_cast<float*>(pinned(f, Claimant::host_state));
-      s.exp_avg = static_cast<float*>(pinned(f, Claimant::host_state));
-      s.exp_avg_sq = static_cast<float*>(pinned(f, Claimant::host_state));
+      s.exp_avg = pinned(moment_bytes(s.n), Claimant::host_state);
+      s.exp_avg_sq = pinned(moment_bytes(s.n), Claimant::host_state);
       s.staging = static_cast<float*>(pinned(f, Claimant::host_staging));
-      fill(s.master, s.exp_avg, s.exp_avg_sq, s.weights);
+      std::copy(init.begin(), init.end(), s.master);
+      std::transform(init.begin(), init.end(), s.weights, [](float x) { return to_bf16(x); });
+      std::memset(s.exp_avg, 0, moment_bytes(s.n).count());  // +0.0 in fp32 and bf16 alike
+      std::memset(s.exp_avg_sq, 0, moment_bytes(s.n).count());
     }
   }
   // Gives back what segment s holds (a segment whose taking failed part-way holds some of it).
@@ -823,11 +839,13 @@ class LayerExecutor {
       if (p != nullptr) b_.free(p, where, b, c);
     };
     if (s.resident) {
-      for (float* p : {s.device_master, s.device_m, s.device_v, s.device_grad}) give(p, MemorySpace::device(0), f, Claimant::resident_state);
+      for (float* p : {s.device_master, s.device_grad}) give(p, MemorySpace::device(0), f, Claimant::resident_state);
+      for (void* p : {s.device_m, s.device_v}) give(p, MemorySpace::device(0), moment_bytes(s.n), Claimant::resident_state);
       give(s.device_weights, MemorySpace::device(0), Bytes{s.n * sizeof(bf16)}, Claimant::resident_state);
     } else {
       give(s.weights, MemorySpace::pinned_host(), Bytes{s.n * sizeof(bf16)}, Claimant::host_state);
-      for (float* p : {s.master, s.exp_avg, s.exp_avg_sq}) give(p, MemorySpace::pinned_host(), f, Claimant::host_state);
+      give(s.master, MemorySpace::pinned_host(), f, Claimant::host_state);
+      for (void* p : {s.exp_avg, s.exp_avg_sq}) give(p, MemorySpace::pinned_host(), moment_bytes(s.n), Claimant::host_state);
       give(s.staging, MemorySpace::pinned_host(), f, Claimant::host_staging);
     }
   }
@@ -1033,16 +1051,23 @@ class LayerExecutor {
     return options_.check_gradients ? fmt::format("segment '{}' (step {})", seg.name, step_) : std::string();
   }
   void submit_device_adamw(Segment& seg, const optim::AdamWStepScalars& sc) {
-    b_.device_adamw(sc, seg.device_master, seg.device_m, seg.device_v, seg.device_grad, seg.device_weights, seg.n, compute_,
-                    gradient_check(seg));
+    if (moments() == DType::bf16)
+      b_.device_adamw(sc, seg.device_master, static_cast<bf16*>(seg.device_m), static_cast<bf16*>(seg.device_v), seg.device_grad,
+                      seg.device_weights, seg.n, compute_, gradient_check(seg));
+    else
+      b_.device_adamw(sc, seg.device_master, static_cast<float*>(seg.device_m), static_cast<float*>(seg.device_v), seg.device_grad,
+                      seg.device_weights, seg.n, compute_, gradient_check(seg));
   }
   void submit_cpu_adamw(Segment& seg, const optim::AdamWStepScalars& sc) {
     auto* pool = &pool_;
-    b_.host_task(cpu_, [&seg, sc, pool, what = gradient_check(seg)] {
+    b_.host_task(cpu_, [&seg, sc, pool, bf16_moments = moments() == DType::bf16, what = gradient_check(seg)] {
       if (!what.empty()) optim::require_finite_gradients({seg.staging, seg.n}, what, *pool);
-      optim::AdamWSpan<float> span{{seg.master, seg.n}, {seg.exp_avg, seg.n}, {seg.exp_avg_sq, seg.n},
-                                   {seg.staging, seg.n}, {seg.weights, seg.n}};
-      optim::adamw_update(span, sc, *pool);
+      const auto update = [&]<class M>(M* m, M* v) {
+        optim::adamw_update(optim::AdamWSpan<M>{{seg.master, seg.n}, {m, seg.n}, {v, seg.n}, {seg.staging, seg.n}, {seg.weights, seg.n}},
+                            sc, *pool);
+      };
+      if (bf16_moments) update(static_cast<bf16*>(seg.exp_avg), static_cast<bf16*>(seg.exp_avg_sq));
+      else update(static_cast<float*>(seg.exp_avg), static_cast<float*>(seg.exp_avg_sq));
     });
   }
 
