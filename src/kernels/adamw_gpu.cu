@@ -105,26 +105,28 @@ __global__ void adamw_kernel(AdamWStepScalars s, float* p, M* m, M* v, const flo
   update_four(s, p, m, v, g, out, n, vec, (static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x) * 4);
 }
 
-// Many segments in one launch (fp32 moments): block b works on the segment whose blocks
-// [first_block[k], first_block[k + 1]) hold b, exactly as its own launch's block b - first_block[k]
-// would (the same elements, the same operations: the same bits).
+// Many segments in one launch, moments M (float, or bf16 bits as std::uint16_t): block b works on
+// the segment whose blocks [first_block[k], first_block[k + 1]) hold b, exactly as its own launch's
+// block b - first_block[k] would (the same elements, the same operations: the same bits).
 constexpr int max_segments = 256;  // per launch: the parameters stay under 17 KiB
+template <class M>
 struct ManyParams {
   AdamWStepScalars s;
   int count = 0;
   std::int64_t first_block[max_segments + 1];
   float* p[max_segments];
-  float* m[max_segments];
-  float* v[max_segments];
+  M* m[max_segments];
+  M* v[max_segments];
   const float* g[max_segments];
   std::uint16_t* out[max_segments];
   std::int64_t n[max_segments];
   int* flag[max_segments];
   bool vec[max_segments];
 };
-static_assert(sizeof(ManyParams) <= 32764);
+static_assert(sizeof(ManyParams<float>) <= 32764 && sizeof(ManyParams<std::uint16_t>) <= 32764);
 
-__global__ void adamw_many_kernel(const __grid_constant__ ManyParams q) {
+template <class M>
+__global__ void adamw_many_kernel(const __grid_constant__ ManyParams<M> q) {
   const std::int64_t b = blockIdx.x;
   int lo = 0, hi = q.count - 1;  // the last k with first_block[k] <= b
   while (lo < hi) {
@@ -133,7 +135,7 @@ __global__ void adamw_many_kernel(const __grid_constant__ ManyParams q) {
     else hi = mid - 1;
   }
   const std::int64_t i = ((b - q.first_block[lo]) * threads + threadIdx.x) * 4;
-  update_four<float>(q.s, q.p[lo], q.m[lo], q.v[lo], q.g[lo], q.out[lo], q.n[lo], q.vec[lo], i, q.flag[lo]);
+  update_four<M>(q.s, q.p[lo], q.m[lo], q.v[lo], q.g[lo], q.out[lo], q.n[lo], q.vec[lo], i, q.flag[lo]);
 }
 
 // Four elements a thread (a float4 where grads is 16-byte aligned), grid-stride.
@@ -173,6 +175,52 @@ cudaError_t launch(const AdamWStepScalars& s, float* p, M* m, M* v, const float*
   const bool vec = vector_aligned(p, m, v, g, out);
   adamw_kernel<M><<<grid, threads, 0, stream>>>(s, p, m, v, g, out, n, vec);
   return cudaGetLastError();
+}
+
+/// adamw_update_many for moments stored as M on the device (float, or std::uint16_t for bf16).
+template <class M, class Moment>
+cudaError_t launch_many(const AdamWStepScalars& step, std::span<const AdamWSegmentOf<Moment>> segments, cudaStream_t stream) {
+  static_assert(sizeof(M) == sizeof(Moment), "the device view of a moment has its bytes");
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    const AdamWSegmentOf<Moment>& a = segments[i];
+    if (a.n < 0) return detail::refuse("adamw_update_many: segment ", i, ": n = ", a.n, " (must be >= 0)");
+    if (a.n > 0 && (a.master == nullptr || a.exp_avg == nullptr || a.exp_avg_sq == nullptr))
+      return detail::refuse("adamw_update_many: segment ", i, ": ",
+                            a.master == nullptr ? "master" : a.exp_avg == nullptr ? "exp_avg" : "exp_avg_sq",
+                            " is null (n = ", a.n, ")");
+  }
+  ManyParams<M> q;
+  q.s = step;
+  std::int64_t blocks = 0;
+  const auto flush = [&]() -> cudaError_t {
+    if (q.count == 0) return cudaSuccess;
+    q.first_block[q.count] = blocks;
+    const unsigned grid = grid_for(blocks, 1);
+    if (grid == 0)  // one segment alone past the grid's limit (launches are cut before 2^31 - 1 blocks otherwise)
+      return detail::refuse("adamw_update_many: a launch of ", blocks, " blocks (at most 2^31 - 1)");
+    adamw_many_kernel<M><<<grid, threads, 0, stream>>>(q);
+    q.count = 0;
+    blocks = 0;
+    return cudaGetLastError();
+  };
+  for (const AdamWSegmentOf<Moment>& a : segments) {
+    if (a.n == 0) continue;
+    const std::int64_t a_blocks = (a.n + threads * 4 - 1) / (threads * 4);
+    if (q.count == max_segments || blocks > std::int64_t{0x7fffffff} - a_blocks)
+      if (const cudaError_t e = flush(); e != cudaSuccess) return e;
+    const int k = q.count++;
+    q.first_block[k] = blocks;
+    q.p[k] = a.master;
+    q.m[k] = reinterpret_cast<M*>(a.exp_avg);
+    q.v[k] = reinterpret_cast<M*>(a.exp_avg_sq);
+    q.g[k] = a.grads;
+    q.out[k] = reinterpret_cast<std::uint16_t*>(a.weights_out);
+    q.n[k] = a.n;
+    q.flag[k] = a.nonfinite;
+    q.vec[k] = vector_aligned(a.master, q.m[k], q.v[k], a.grads, a.weights_out);
+    blocks += a_blocks;
+  }
+  return flush();
 }
 
 // ----- sum of squares, in oom::optim::grad_sum_of_squares's order -----
@@ -277,46 +325,12 @@ cudaError_t adamw_update(const optim::AdamWStepScalars& step, float* master, bf1
 }
 
 cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<const AdamWSegment> segments, cudaStream_t stream) {
-  for (std::size_t i = 0; i < segments.size(); ++i) {
-    const AdamWSegment& a = segments[i];
-    if (a.n < 0) return detail::refuse("adamw_update_many: segment ", i, ": n = ", a.n, " (must be >= 0)");
-    if (a.n > 0 && (a.master == nullptr || a.exp_avg == nullptr || a.exp_avg_sq == nullptr))
-      return detail::refuse("adamw_update_many: segment ", i, ": ",
-                            a.master == nullptr ? "master" : a.exp_avg == nullptr ? "exp_avg" : "exp_avg_sq",
-                            " is null (n = ", a.n, ")");
-  }
-  ManyParams q;
-  q.s = step;
-  std::int64_t blocks = 0;
-  const auto flush = [&]() -> cudaError_t {
-    if (q.count == 0) return cudaSuccess;
-    q.first_block[q.count] = blocks;
-    const unsigned grid = grid_for(blocks, 1);
-    if (grid == 0)  // one segment alone past the grid's limit (launches are cut before 2^31 - 1 blocks otherwise)
-      return detail::refuse("adamw_update_many: a launch of ", blocks, " blocks (at most 2^31 - 1)");
-    adamw_many_kernel<<<grid, threads, 0, stream>>>(q);
-    q.count = 0;
-    blocks = 0;
-    return cudaGetLastError();
-  };
-  for (const AdamWSegment& a : segments) {
-    if (a.n == 0) continue;
-    const std::int64_t a_blocks = (a.n + threads * 4 - 1) / (threads * 4);
-    if (q.count == max_segments || blocks > std::int64_t{0x7fffffff} - a_blocks)
-      if (const cudaError_t e = flush(); e != cudaSuccess) return e;
-    const int k = q.count++;
-    q.first_block[k] = blocks;
-    q.p[k] = a.master;
-    q.m[k] = a.exp_avg;
-    q.v[k] = a.exp_avg_sq;
-    q.g[k] = a.grads;
-    q.out[k] = reinterpret_cast<std::uint16_t*>(a.weights_out);
-    q.n[k] = a.n;
-    q.flag[k] = a.nonfinite;
-    q.vec[k] = vector_aligned(a.master, a.exp_avg, a.exp_avg_sq, a.grads, a.weights_out);
-    blocks += a_blocks;
-  }
-  return flush();
+  return launch_many<float>(step, segments, stream);
+}
+
+cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<const AdamWSegmentBf16> segments,
+                              cudaStream_t stream) {
+  return launch_many<std::uint16_t>(step, segments, stream);
 }
 
 cudaError_t flag_nonfinite(const float* grads, std::int64_t n, int* flag, cudaStream_t stream) {

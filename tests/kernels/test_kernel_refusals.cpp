@@ -89,6 +89,15 @@ TEST_CASE("refusals name the launcher, the argument and the sizes") {
   const auto step = oom::optim::adamw_step_scalars(oom::optim::AdamWConfig{}, 1);
   expect_refused(k::adamw_update(step, fake<float>(), static_cast<float*>(nullptr), fake<float>(), fake<float>(), nullptr, 16, nullptr),
                  {"adamw_update: exp_avg is null"});
+  // adamw_update_many checks every segment before it launches any, for either moment type.
+  const std::array<k::AdamWSegmentBf16, 2> bf16_moments{
+      k::AdamWSegmentBf16{fake<float>(), fake(), fake(), nullptr, nullptr, 16},
+      k::AdamWSegmentBf16{fake<float>(), fake(), static_cast<bf16*>(nullptr), nullptr, nullptr, 5}};
+  expect_refused(k::adamw_update_many(step, bf16_moments, nullptr), {"adamw_update_many: segment 1: exp_avg_sq is null (n = 5)"});
+  const std::array<k::AdamWSegmentBf16, 1> negative{k::AdamWSegmentBf16{fake<float>(), fake(), fake(), nullptr, nullptr, -3}};
+  expect_refused(k::adamw_update_many(step, negative, nullptr), {"adamw_update_many: segment 0: n = -3"});
+  const std::array<k::AdamWSegment, 1> fp32_moments{k::AdamWSegment{fake<float>(), nullptr, fake<float>(), nullptr, nullptr, 7}};
+  expect_refused(k::adamw_update_many(step, fp32_moments, nullptr), {"adamw_update_many: segment 0: exp_avg is null (n = 7)"});
   expect_refused(k::grad_sum_of_squares(fake<float>(), 16, nullptr, fake<void>(), 64, nullptr),
                  {"grad_sum_of_squares: result is null"});
   const std::array<std::int32_t, 3> counts{4, -1, 2};

@@ -774,6 +774,77 @@ TEST_CASE("adamw_update_many: one launch over many segments, the bits of one lau
   CHECK(k::adamw_update_many(scalars, std::span<const k::AdamWSegment>(&bad, 1), stream.s) == cudaErrorInvalidValue);
 }
 
+TEST_CASE("adamw_update_many with bf16 moments: the CPU optimizer's bits (AdamWSpan<bf16>), 2 steps") {
+  // The resident update of a plan of bf16 moments (Plan::precision.moments): every segment's m and
+  // v widened, updated in fp32, stored rounded to nearest even, as optim::adamw_update on
+  // AdamWSpan<bf16> does on the host for streamed segments. Segments of sizes off every tile, empty
+  // ones, starting 4 elements aligned (the vector path: 16-byte fp32, 8-byte bf16) or one element
+  // past (the scalar path), without a gradient (zeros on the CPU) or without a bf16 copy; 300 of
+  // them take two launches. Both sides start from the same state with the bf16 copies poisoned (NaN
+  // bits); the whole buffers are compared, so nothing outside a segment may be written either.
+  namespace optim = oom::optim;
+  Stream stream;
+  optim::ThreadPool pool(4);
+  optim::AdamWConfig config;
+  config.lr = 3e-4f;
+  config.weight_decay = 0.1f;
+  for (const int count : {9, 300}) {
+    CAPTURE(count);
+    std::vector<std::int64_t> sizes, offsets;
+    for (int k = 0; k < count; ++k) {
+      const std::int64_t pick[] = {1, 7, 1000, 1024, 4099, 0, (1 << 20) + 3, 33};
+      sizes.push_back(count > 9 ? 1 + (k * 37) % 3000 : pick[k % 8]);
+    }
+    std::int64_t at = 0;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      at = (at + 3) / 4 * 4;
+      offsets.push_back(at + static_cast<std::int64_t>(i % 2));  // odd segments misaligned by one element
+      at = offsets.back() + sizes[i];
+    }
+    const auto t = static_cast<std::size_t>(at);
+    std::vector<float> master = random_normal(t, 91, 0.02f);
+    const std::vector<float> m_f = random_normal(t, 92, 1e-3f);
+    std::vector<float> v_f = random_normal(t, 93, 1e-3f);
+    for (auto& x : v_f) x = x * x;
+    std::vector<bf16> m = to_bf16(m_f), v = to_bf16(v_f);
+    std::vector<bf16> out(t, bf16{0xffff});  // the poison DeviceBuffer writes
+    DeviceBuffer<float> d_master(master);
+    DeviceBuffer<bf16> d_m(m), d_v(v), d_out(t);  // d_out poisoned
+    const std::vector<float> zeros(t, 0.0f);
+    for (std::int64_t step = 1; step <= 2; ++step) {
+      CAPTURE(step);
+      std::vector<float> grads = random_normal(t, 94 + static_cast<std::uint64_t>(step), 1.0f);
+      for (std::size_t i = 0; i < t; i += 97) grads[i] = 0.0f;
+      DeviceBuffer<float> d_grads(grads);
+      const auto scalars = optim::adamw_step_scalars(config, step, 0.5f);
+      std::vector<k::AdamWSegmentBf16> list;
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        const auto off = static_cast<std::size_t>(offsets[i]);
+        const auto n = static_cast<std::size_t>(sizes[i]);
+        const bool no_grad = i % 3 == 1, no_out = i % 5 == 2;
+        list.push_back({d_master.get() + off, d_m.get() + off, d_v.get() + off, no_grad ? nullptr : d_grads.get() + off,
+                        no_out ? nullptr : d_out.get() + off, sizes[i]});
+        if (n == 0) continue;
+        optim::AdamWSpan<bf16> span{std::span<float>(master).subspan(off, n), std::span<bf16>(m).subspan(off, n),
+                                    std::span<bf16>(v).subspan(off, n),
+                                    std::span<const float>(no_grad ? zeros : grads).subspan(off, n),
+                                    no_out ? std::span<bf16>{} : std::span<bf16>(out).subspan(off, n)};
+        optim::adamw_update(span, scalars, pool);
+      }
+      OOM_CUDA_CHECK(k::adamw_update_many(scalars, list, stream.s));
+      OOM_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+      expect_bits(bits_of(d_master.download()), bits_of(master), "many bf16: master");
+      expect_bits(bits_of(d_m.download()), bits_of(m), "many bf16: exp_avg");
+      expect_bits(bits_of(d_v.download()), bits_of(v), "many bf16: exp_avg_sq");
+      expect_bits(bits_of(d_out.download()), bits_of(out), "many bf16: bf16 weights");
+    }
+    CHECK(bits_of(m) != bits_of(to_bf16(m_f)));  // the moments moved
+  }
+  const k::AdamWSegmentBf16 bad{nullptr, nullptr, nullptr, nullptr, nullptr, 5};
+  CHECK(k::adamw_update_many(oom::optim::adamw_step_scalars(config, 1), std::span<const k::AdamWSegmentBf16>(&bad, 1), stream.s) ==
+        cudaErrorInvalidValue);
+}
+
 TEST_CASE("non-finite gradients: flagged by adamw_update_many as it reads them, and by flag_nonfinite") {
   // Segments of sizes off the vector width, 16-byte aligned ones (the float4 path) and misaligned
   // ones (the scalar path), one past 4M floats (flag_nonfinite's grid-stride loop), each with one

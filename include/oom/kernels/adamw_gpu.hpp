@@ -40,11 +40,13 @@ cudaError_t adamw_update(const optim::AdamWStepScalars& step,
                          bf16* weights_out,       // (n) bf16, or null
                          std::int64_t n, cudaStream_t stream);
 
-/// One segment of adamw_update_many: the arguments of one adamw_update with fp32 moments.
-struct AdamWSegment {
+/// One segment of adamw_update_many: the arguments of one adamw_update, moments of type `Moment`
+/// (float: fp32, AdamWSegment; oom::bf16: AdamWSegmentBf16).
+template <class Moment>
+struct AdamWSegmentOf {
   float* master = nullptr;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
+  Moment* exp_avg = nullptr;
+  Moment* exp_avg_sq = nullptr;
   const float* grads = nullptr;  ///< or null: zeros
   bf16* weights_out = nullptr;   ///< or null
   std::int64_t n = 0;
@@ -53,12 +55,21 @@ struct AdamWSegment {
   /// unusable, at no cost beyond the reads the update makes anyway.
   int* nonfinite = nullptr;
 };
+using AdamWSegment = AdamWSegmentOf<float>;
+/// bf16 moments (Plan::precision.moments == DType::bf16): 4 bytes of m and v a parameter instead
+/// of 8. Each element's m and v are widened exactly to fp32, updated in fp32 as with fp32
+/// moments, used unrounded for this step's weight, and stored rounded to nearest even: the bits of
+/// adamw_update's bf16-moment overload and of the CPU's optim::AdamWSpan<bf16>.
+using AdamWSegmentBf16 = AdamWSegmentOf<bf16>;
 
-/// adamw_update (fp32 moments) on every segment, in as few launches as fit (one per 256 segments):
-/// the same bits as one launch each. Why: a layer of the 5.13B model is 67 segments (64 experts),
-/// and its 67 launches, each draining before the next starts, left the GPU idle between them.
+/// adamw_update on every segment, in as few launches as fit (one per 256 segments): the same bits
+/// as one launch each. Why: a layer of the 5.13B model is 67 segments (64 experts), and its 67
+/// launches, each draining before the next starts, left the GPU idle between them. One overload
+/// per moment type (a launch holds segments of one type; the executor keeps one for all).
 /// cudaErrorInvalidValue for a negative n or a missing state array.
 cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<const AdamWSegment> segments, cudaStream_t stream);
+cudaError_t adamw_update_many(const optim::AdamWStepScalars& step, std::span<const AdamWSegmentBf16> segments,
+                              cudaStream_t stream);
 
 /// *flag = 1 (a device int, never cleared) when any of grads[0, n) is NaN or infinite; else
 /// *flag is left as it is. One read of the gradients. cudaErrorInvalidValue for a negative n or
