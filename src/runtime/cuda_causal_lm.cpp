@@ -106,6 +106,20 @@ std::uint64_t part_of(AttentionKind kind, std::uint64_t tokens) {
   return kind == AttentionKind::linear ? linear_part(tokens) : query_chunk(tokens);
 }
 
+/// The state precisions this executor keeps: bf16 working weights, fp32 master weights and
+/// gradients, AdamW moments in fp32 or bf16 (plan.precision.moments). Any other is refused by
+/// field, before anything is sized or allocated: a plan counted at another precision would run at
+/// these and miss its memory.
+void require_kept_precision(const StatePrecision& p) {
+  const auto refuse = [](std::string_view field, DType planned, std::string_view kept) {
+    OOM_THROW(Errc::unsupported, fmt::format("plan precision.{} is {}: CudaCausalLm keeps {}", field, name(planned), kept));
+  };
+  if (p.weights != DType::bf16) refuse("weights", p.weights, "bf16 working weights");
+  if (p.master != DType::fp32) refuse("master", p.master, "fp32 master weights");
+  if (p.moments != DType::fp32 && p.moments != DType::bf16) refuse("moments", p.moments, "AdamW moments in fp32 or bf16");
+  if (p.grads != DType::fp32) refuse("grads", p.grads, "fp32 gradients");
+}
+
 }  // namespace
 
 struct CudaCausalLm::Impl {
@@ -121,13 +135,20 @@ struct CudaCausalLm::Impl {
     // alone by its layer's backward (CudaCausalLmOptions::leave_unrouted_expert_grads).
     bool grad_zero = false;
     std::uint64_t slot_offset = 0;  // elements into its layer's weight/gradient slot (streamed)
+    // AdamW moments m and v are fp32 or bf16 as the plan says (Impl::moments_bf16): untyped here,
+    // typed by moment<M>() where they are used.
     // resident (device)
     bf16* dw = nullptr;
-    float *dmaster = nullptr, *dm = nullptr, *dv = nullptr, *dgrad = nullptr;
+    float *dmaster = nullptr, *dgrad = nullptr;
+    void *dm = nullptr, *dv = nullptr;
     // streamed (pinned host, one block)
     bf16* hw = nullptr;
-    float *hmaster = nullptr, *hm = nullptr, *hv = nullptr, *hgrad = nullptr;
+    float *hmaster = nullptr, *hgrad = nullptr;
+    void *hm = nullptr, *hv = nullptr;
   };
+  /// A segment's moment array as `M` (float or bf16, as moments_bf16 says).
+  template <class M>
+  static M* moment(void* p) { return static_cast<M*>(p); }
   // The CPU AdamW of one layer's streamed segments, run by a host function on the cpu stream.
   struct CpuUpdate {
     Impl* self = nullptr;
@@ -170,6 +191,9 @@ struct CudaCausalLm::Impl {
   std::uint64_t K = 1;  // micro-batches per step (plan.micro_batches), T tokens each
   std::vector<Segment> segs;
   std::vector<Layer> layers;
+  // AdamW moments in bf16 (plan.precision.moments), else fp32: every segment's, on either side.
+  bool moments_bf16 = false;
+  std::size_t moment_bytes() const { return moments_bf16 ? sizeof(bf16) : sizeof(float); }
   std::size_t emb = 0, norm = 0, head = 0;  // segment indices of the ends (head == emb when tied)
   CudaBackend::Stream cs, h2d, d2h, cpu;
   CudaBackend::Stream us;  // resident AdamW beside the backward (options.overlap_updates), lowest priority
@@ -242,14 +266,19 @@ struct CudaCausalLm::Impl {
   /// gradient not read: null grads).
   template <class Range>
   void adamw_resident(const optim::AdamWStepScalars& scalars, const Range& which, cudaStream_t s) {
-    std::vector<kernels::AdamWSegment> list;
+    if (moments_bf16) adamw_resident_as<bf16>(scalars, which, s);
+    else adamw_resident_as<float>(scalars, which, s);
+  }
+  template <class M, class Range>
+  void adamw_resident_as(const optim::AdamWStepScalars& scalars, const Range& which, cudaStream_t s) {
+    std::vector<kernels::AdamWSegmentOf<M>> list;
     for (const std::size_t sidx : which) {
       const Segment& g = segs[sidx];
       if (g.resident)
-        list.push_back({g.dmaster, g.dm, g.dv, g.grad_zero ? nullptr : g.dgrad, g.dw, static_cast<std::int64_t>(g.n),
-                        checking() ? d_nonfinite + sidx : nullptr});
+        list.push_back({g.dmaster, moment<M>(g.dm), moment<M>(g.dv), g.grad_zero ? nullptr : g.dgrad, g.dw,
+                        static_cast<std::int64_t>(g.n), checking() ? d_nonfinite + sidx : nullptr});
     }
-    OOM_CUDA_CHECK(kernels::adamw_update_many(scalars, list, s));
+    OOM_CUDA_CHECK(kernels::adamw_update_many(scalars, std::span<const kernels::AdamWSegmentOf<M>>(list), s));
   }
   std::int32_t* h_tokens = nullptr;  // pinned: ids then targets
   std::int64_t steps = 0;
@@ -499,6 +528,8 @@ struct CudaCausalLm::Impl {
 
 void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
   const auto& all = spec->segments();
+  require_kept_precision(plan.precision);
+  moments_bf16 = plan.precision.moments == DType::bf16;
   if (plan.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs on one GPU (the plan has {})", plan.gpus));
   refuse_unrunnable_micro_batch(plan.workload);
@@ -571,14 +602,14 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
     if (g.resident) {
       g.dw = dev<bf16>(g.n, Claimant::resident_state);
       g.dmaster = dev<float>(g.n, Claimant::resident_state);
-      g.dm = dev<float>(g.n, Claimant::resident_state);
-      g.dv = dev<float>(g.n, Claimant::resident_state);
+      g.dm = take(MemorySpace::device(opt.device), g.n * moment_bytes(), Claimant::resident_state);
+      g.dv = take(MemorySpace::device(opt.device), g.n * moment_bytes(), Claimant::resident_state);
       g.dgrad = dev<float>(g.n, Claimant::resident_state);
     } else {
       g.hw = pinned<bf16>(g.n, Claimant::host_state);
       g.hmaster = pinned<float>(g.n, Claimant::host_state);
-      g.hm = pinned<float>(g.n, Claimant::host_state);
-      g.hv = pinned<float>(g.n, Claimant::host_state);
+      g.hm = take(MemorySpace::pinned_host(), g.n * moment_bytes(), Claimant::host_state);
+      g.hv = take(MemorySpace::pinned_host(), g.n * moment_bytes(), Claimant::host_state);
       if (!ring) g.hgrad = pinned<float>(g.n, Claimant::host_staging);  // else: the ring, below
     }
     if (sizing) continue;
@@ -589,13 +620,13 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
       std::transform(w32.begin(), w32.end(), w16.begin(), [](float f) { return to_bf16(f); });
       OOM_CUDA_CHECK(cudaMemcpy(g.dw, w16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
       OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, w32.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
-      OOM_CUDA_CHECK(cudaMemset(g.dm, 0, g.n * sizeof(float)));
-      OOM_CUDA_CHECK(cudaMemset(g.dv, 0, g.n * sizeof(float)));
+      OOM_CUDA_CHECK(cudaMemset(g.dm, 0, g.n * moment_bytes()));  // +0.0 in fp32 and bf16 alike
+      OOM_CUDA_CHECK(cudaMemset(g.dv, 0, g.n * moment_bytes()));
     } else {
       (*weights)(s, std::span<float>(g.hmaster, g.n));
       std::transform(g.hmaster, g.hmaster + g.n, g.hw, [](float f) { return to_bf16(f); });
-      std::fill(g.hm, g.hm + g.n, 0.0f);
-      std::fill(g.hv, g.hv + g.n, 0.0f);
+      std::memset(g.hm, 0, g.n * moment_bytes());
+      std::memset(g.hv, 0, g.n * moment_bytes());
     }
   }
   emb = 0;
@@ -822,9 +853,13 @@ void CUDART_CB CudaCausalLm::Impl::cpu_update(void* p) {
   OOM_NVTX_SCOPE("oom cpu adamw");
   auto* u = static_cast<CudaCausalLm::Impl::CpuUpdate*>(p);
   try {
-    for (auto* g : u->segments) {
-      optim::AdamWSpan<float> span{{g->hmaster, g->n}, {g->hm, g->n}, {g->hv, g->n}, {g->hgrad, g->n}, {g->hw, g->n}};
+    const auto update = [&]<class M>(Segment* g) {
+      optim::AdamWSpan<M> span{{g->hmaster, g->n}, {moment<M>(g->hm), g->n}, {moment<M>(g->hv), g->n}, {g->hgrad, g->n}, {g->hw, g->n}};
       optim::adamw_update(span, u->scalars, u->self->pool);
+    };
+    for (auto* g : u->segments) {
+      if (u->self->moments_bf16) update.template operator()<bf16>(g);
+      else update.template operator()<float>(g);
     }
   } catch (...) {
     std::lock_guard lock(u->self->error_mutex);
@@ -1528,20 +1563,46 @@ CudaCausalLm::StepResult CudaCausalLm::step(std::span<const std::uint32_t> input
 StateSnapshot CudaCausalLm::state_views() {
   impl_->sync_all();
   StateSnapshot snap;
+  const bool bf16_moments = impl_->moments_bf16;
   for (auto& g : impl_->segs) {
+    if (!g.resident && !bf16_moments) {
+      snap.views.emplace_back(std::span<const float>(g.hmaster, g.n), std::span<const float>(Impl::moment<float>(g.hm), g.n),
+                              std::span<const float>(Impl::moment<float>(g.hv), g.n));
+      continue;
+    }
     if (!g.resident) {
-      snap.views.emplace_back(std::span<const float>(g.hmaster, g.n), std::span<const float>(g.hm, g.n),
-                              std::span<const float>(g.hv, g.n));
+      // bf16 moments in the pinned state: read a range at a time, the master as it is, each moment
+      // widened exactly to fp32 (no copy of the segment's moments as fp32).
+      const float* master = g.hmaster;
+      const std::array<const bf16*, 2> moments{Impl::moment<bf16>(g.hm), Impl::moment<bf16>(g.hv)};
+      snap.views.emplace_back(g.n, [master, moments](StateArray a, std::size_t offset, std::span<float> out) {
+        if (a == StateArray::master) {
+          std::copy_n(master + offset, out.size(), out.begin());
+          return;
+        }
+        const bf16* from = moments[a == StateArray::exp_avg ? 0 : 1] + offset;
+        std::transform(from, from + out.size(), out.begin(), [](bf16 x) { return to_float(x); });
+      });
       continue;
     }
     // Read from the GPU a range at a time, as the reader asks (a checkpoint: 8 MiB pieces), so a
     // model resident on the GPU is written without a host copy of its state (61.6 GB at 5.13B).
     // The pointers are the model's: valid while it takes no step and loads nothing (StateSnapshot).
-    // SegmentStateView::copy checks the range before it asks.
-    const std::array<const float*, 3> arrays{g.dmaster, g.dm, g.dv};  // in StateArray order
-    snap.views.emplace_back(g.n, [arrays](StateArray a, std::size_t offset, std::span<float> out) {
-      const float* from = arrays[static_cast<std::size_t>(a)];
-      OOM_CUDA_CHECK(cudaMemcpy(out.data(), from + offset, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    // SegmentStateView::copy checks the range before it asks. bf16 moments come down as bf16, the
+    // range alone (into a buffer of this call's: views may be read from several threads), and are
+    // widened exactly.
+    const std::array<const void*, 3> arrays{g.dmaster, g.dm, g.dv};  // in StateArray order
+    snap.views.emplace_back(g.n, [arrays, bf16_moments](StateArray a, std::size_t offset, std::span<float> out) {
+      const void* from = arrays[static_cast<std::size_t>(a)];
+      if (a == StateArray::master || !bf16_moments) {
+        OOM_CUDA_CHECK(cudaMemcpy(out.data(), static_cast<const float*>(from) + offset, out.size() * sizeof(float),
+                                  cudaMemcpyDeviceToHost));
+        return;
+      }
+      std::vector<bf16> narrow(out.size());
+      OOM_CUDA_CHECK(cudaMemcpy(narrow.data(), static_cast<const bf16*>(from) + offset, out.size() * sizeof(bf16),
+                                cudaMemcpyDeviceToHost));
+      std::transform(narrow.begin(), narrow.end(), out.begin(), [](bf16 x) { return to_float(x); });
     });
   }
   return snap;
@@ -1577,9 +1638,15 @@ void CudaCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
 
 void CudaCausalLm::load(const SegmentStateSource& source, std::int64_t optimizer_steps) {
   auto& segs = impl_->segs;
+  const bool bf16_moments = impl_->moments_bf16;
   impl_->sync_all();
-  std::vector<float> w, m, v;  // a resident segment's values on their way to the GPU
-  std::vector<bf16> w16;
+  // A resident segment's values on their way to the GPU; with bf16 moments, also a streamed one's
+  // moments on their way to rounding.
+  std::vector<float> w, m, v;
+  std::vector<bf16> w16, m16, v16;
+  const auto narrow = [](const std::vector<float>& from, bf16* to) {  // round to nearest even
+    std::transform(from.begin(), from.end(), to, [](float f) { return to_bf16(f); });
+  };
   for (std::size_t i = 0; i < segs.size(); ++i) {
     auto& g = segs[i];
     if (g.resident) {
@@ -1587,11 +1654,25 @@ void CudaCausalLm::load(const SegmentStateSource& source, std::int64_t optimizer
       source(i, w, m, v);
       std::transform(w.begin(), w.end(), w16.begin(), [](float f) { return to_bf16(f); });
       OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, w.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
-      OOM_CUDA_CHECK(cudaMemcpy(g.dm, m.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
-      OOM_CUDA_CHECK(cudaMemcpy(g.dv, v.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      if (bf16_moments) {
+        m16.resize(g.n), v16.resize(g.n);
+        narrow(m, m16.data());
+        narrow(v, v16.data());
+        OOM_CUDA_CHECK(cudaMemcpy(g.dm, m16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
+        OOM_CUDA_CHECK(cudaMemcpy(g.dv, v16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
+      } else {
+        OOM_CUDA_CHECK(cudaMemcpy(g.dm, m.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+        OOM_CUDA_CHECK(cudaMemcpy(g.dv, v.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
+      }
       OOM_CUDA_CHECK(cudaMemcpy(g.dw, w16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
+    } else if (bf16_moments) {  // the master straight into the pinned state, the moments through fp32
+      m.resize(g.n), v.resize(g.n);
+      source(i, {g.hmaster, g.n}, m, v);
+      narrow(m, Impl::moment<bf16>(g.hm));
+      narrow(v, Impl::moment<bf16>(g.hv));
+      std::transform(g.hmaster, g.hmaster + g.n, g.hw, [](float f) { return to_bf16(f); });
     } else {  // straight into the pinned state
-      source(i, {g.hmaster, g.n}, {g.hm, g.n}, {g.hv, g.n});
+      source(i, {g.hmaster, g.n}, {Impl::moment<float>(g.hm), g.n}, {Impl::moment<float>(g.hv), g.n});
       std::transform(g.hmaster, g.hmaster + g.n, g.hw, [](float f) { return to_bf16(f); });
     }
   }

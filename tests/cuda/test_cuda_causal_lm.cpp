@@ -217,6 +217,96 @@ TEST_CASE("every plan gives the resident plan's step, bit for bit, on the GPU") 
   }
 }
 
+namespace {
+/// `p` keeping its AdamW moments as `moments` (Plan::precision.moments).
+Plan with_moments(Plan p, DType moments) {
+  p.precision.moments = moments;
+  return p;
+}
+}  // namespace
+
+TEST_CASE("bf16 moments: every plan the resident plan's step, bit for bit; moments exported exactly; state loads back") {
+  const auto spec = small_spec();
+  const Plan reference = with_moments(resident_plan(spec), DType::bf16);
+  const Run expect = run_steps(spec, reference);
+  MESSAGE("resident plan, bf16 moments: losses " << expect.losses[0] << " " << expect.losses[1] << " " << expect.losses[2]);
+  CHECK(same(run_steps(spec, reference).state, expect.state));  // deterministic run to run
+
+  // The exported moments are bf16 values widened (to_bf16 gives them back), and not the fp32
+  // moments' run: from the second step on the update reads moments rounded to bf16.
+  // (Moments of parameters no gradient reached, e.g. embedding rows of tokens not drawn, are 0 in
+  // both runs: only the others count.)
+  const Run fp32 = run_steps(spec, resident_plan(spec));
+  std::size_t not_bf16 = 0, moved = 0, differ = 0;
+  for (std::size_t s = 0; s < expect.state.size(); ++s)
+    for (auto [got, other] : {std::pair{&expect.state[s].exp_avg, &fp32.state[s].exp_avg},
+                              {&expect.state[s].exp_avg_sq, &fp32.state[s].exp_avg_sq}})
+      for (std::size_t i = 0; i < got->size(); ++i) {
+        const float x = (*got)[i], rounded = to_float(to_bf16(x));
+        not_bf16 += std::memcmp(&x, &rounded, sizeof(float)) != 0 ? 1 : 0;
+        if ((*other)[i] == 0.0f) continue;
+        ++moved;
+        differ += std::memcmp(&x, &(*other)[i], sizeof(float)) != 0 ? 1 : 0;
+      }
+  CHECK(not_bf16 == 0);
+  MESSAGE(differ << " of " << moved << " nonzero moments differ from the fp32 moments' run");
+  CHECK(moved > 0);
+  CHECK(differ > moved / 2);
+  CHECK(!same(expect.state, fp32.state));
+
+  // Every plan: the GPU AdamW (bf16 moments on the GPU) and the CPU AdamW (bf16 moments in pinned
+  // memory) round alike, so residency, prefetch and retention change nothing.
+  std::mt19937_64 rng(43);
+  for (int i = 0; i < 5; ++i) {
+    const Plan p = random_variant(spec, reference, rng, /*all_streamed=*/i == 0);
+    REQUIRE(p.precision.moments == DType::bf16);
+    CAPTURE(i);
+    CAPTURE(p.prefetch_depth);
+    CAPTURE(p.resident_segments.size());
+    const Run got = run_steps(spec, p);
+    CHECK(got.losses == expect.losses);
+    CHECK(same(got.state, expect.state));
+    if (i == 0) CHECK(got.device_peak < expect.device_peak);
+  }
+
+  // state() -> load() into a fresh model, half the segments streamed: the same state back, bit for
+  // bit (the exported moments round to themselves), and the next step the one the first model takes.
+  Plan mixed = reference;
+  mixed.resident_segments.resize(mixed.resident_segments.size() / 2);
+  CudaCausalLmOptions opt;
+  opt.adamw.lr = 3e-3f;
+  std::vector<std::uint32_t> in(T), tgt(T);
+  for (std::uint64_t i = 0; i < T; ++i) in[i] = static_cast<std::uint32_t>((i * 31 + 5) % 300), tgt[i] = (in[i] * 7 + 3) % 300;
+  CudaCausalLm first(spec, mixed, init(spec), opt);
+  for (int s = 0; s < 2; ++s) (void)first.step(in, tgt);
+  const auto saved = first.state();
+  // The views a checkpoint writes from: every segment read (bf16 moments are widened on the way),
+  // the same bits as state() at any range.
+  const StateSnapshot snap = first.state_views();
+  REQUIRE(snap.views.size() == saved.size());
+  for (std::size_t s = 0; s < saved.size(); ++s) {
+    CAPTURE(s);
+    CHECK(snap.views[s].read);
+    const std::size_t n = saved[s].master.size(), off = n / 3, len = n - off - n / 5;
+    for (auto [a, whole] : {std::pair{StateArray::master, &saved[s].master}, {StateArray::exp_avg, &saved[s].exp_avg},
+                            {StateArray::exp_avg_sq, &saved[s].exp_avg_sq}}) {
+      std::vector<float> part(len, -1.0f);
+      snap.views[s].copy(a, off, part);
+      CHECK(std::memcmp(part.data(), whole->data() + off, len * sizeof(float)) == 0);
+    }
+  }
+  CudaCausalLm second(spec, mixed, init(spec), opt);
+  second.load(saved, first.optimizer_steps());
+  CHECK(same(second.state(), saved));
+  CHECK(second.step(in, tgt).loss == first.step(in, tgt).loss);
+  CHECK(same(second.state(), first.state()));
+
+  // Moments the executor does not keep: refused before anything is allocated, naming the field.
+  CHECK_THROWS_WITH_AS(CudaCausalLm(spec, with_moments(reference, DType::fp16), init(spec), opt),
+                       doctest::Contains("plan precision.moments is fp16: CudaCausalLm keeps AdamW moments in fp32 or bf16"),
+                       Error);
+}
+
 TEST_CASE("a hybrid model (Gated DeltaNet and gated attention layers, shared experts): every plan the resident plan's step") {
   // tests/data/gpu-qwen3-next-layers.json: layers 0 and 2 Gated DeltaNet, 1 gated full attention
   // with a quarter of each head rotated, (1 + w) norms (the final one too), a shared expert.

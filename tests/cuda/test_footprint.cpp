@@ -103,6 +103,75 @@ TEST_CASE("resident state is 18 bytes a parameter; streaming moves it to pinned 
   CHECK(gpu_bytes(streamed) < gpu_bytes(all));
 }
 
+TEST_CASE("bf16 moments: 4 bytes a parameter less, on the side each segment's state lives; other precisions refused") {
+  // Half the decoder segments resident (the ends always are): the resident side loses bf16's 2 of
+  // fp32's 4 bytes of m and of v for its parameters, the streamed side for its own, and nothing
+  // else moves. Each buffer is rounded up to 256 bytes, so a segment of n parameters saves
+  // 2 x (round(4n) - round(2n)): 4n give or take 512 bytes.
+  const auto spec = config("tiny-moe-d128.json");
+  Plan p = plan_for(spec, 256);
+  p.resident_segments.clear();
+  const auto& segments = spec.segments();
+  for (std::size_t s = 0; s < segments.size(); ++s)
+    if (s % 2 == 0) p.resident_segments.push_back(segments[s].name);
+  Plan b = p;
+  b.precision.moments = DType::bf16;
+  const auto fp32 = CudaCausalLm::footprint(spec, p), bf16_moments = CudaCausalLm::footprint(spec, b);
+  const auto round = [](std::uint64_t bytes) { return (bytes + 255) / 256 * 256; };
+  std::uint64_t resident_saved = 0, streamed_saved = 0, resident_params = 0, streamed_params = 0;
+  for (std::size_t s = 0; s < segments.size(); ++s) {
+    const std::uint64_t n = segments[s].parameters(), saved = 2 * (round(4 * n) - round(2 * n));
+    const bool resident = segments[s].layer < 0 || s % 2 == 0;
+    (resident ? resident_saved : streamed_saved) += saved;
+    (resident ? resident_params : streamed_params) += n;
+  }
+  REQUIRE(streamed_params > 0);
+  const auto at = [](const std::array<Bytes, claimant_count>& fp, Claimant c) { return fp[static_cast<std::size_t>(c)]; };
+  CHECK(at(fp32, Claimant::resident_state) - at(bf16_moments, Claimant::resident_state) == Bytes{resident_saved});
+  CHECK(at(fp32, Claimant::host_state) - at(bf16_moments, Claimant::host_state) == Bytes{streamed_saved});
+  const std::uint64_t segs_per_side = segments.size();  // a bound on either side's count
+  CHECK(resident_saved <= 4 * resident_params + 512 * segs_per_side);
+  CHECK(resident_saved + 512 * segs_per_side >= 4 * resident_params);
+  CHECK(streamed_saved <= 4 * streamed_params + 512 * segs_per_side);
+  CHECK(streamed_saved + 512 * segs_per_side >= 4 * streamed_params);
+  for (int c = 0; c < claimant_count; ++c) {
+    const auto claimant = static_cast<Claimant>(c);
+    if (claimant == Claimant::resident_state || claimant == Claimant::host_state) continue;
+    CAPTURE(to_string(claimant));
+    CHECK(at(fp32, claimant) == at(bf16_moments, claimant));
+  }
+  // The planner counts the same 4 bytes a parameter on each side (without the rounding), for the
+  // plan as the executor runs it (the ends resident).
+  const auto profile = h200_as_measured();
+  const Planner planner(spec, profile);
+  const auto sim_fp32 = planner.simulate(CudaCausalLm::as_executed(spec, p)), sim_bf16 = planner.simulate(CudaCausalLm::as_executed(spec, b));
+  CHECK(sim_fp32.peak[static_cast<std::size_t>(Claimant::resident_state)] - sim_bf16.peak[static_cast<std::size_t>(Claimant::resident_state)] ==
+        Bytes{4 * resident_params});
+  CHECK(sim_fp32.peak[static_cast<std::size_t>(Claimant::host_state)] - sim_bf16.peak[static_cast<std::size_t>(Claimant::host_state)] ==
+        Bytes{4 * streamed_params});
+
+  // Precisions the executor does not keep are refused by field, footprint and as_executed alike.
+  Plan fp16_moments = p;
+  fp16_moments.precision.moments = DType::fp16;
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, fp16_moments),
+                       doctest::Contains("plan precision.moments is fp16: CudaCausalLm keeps AdamW moments in fp32 or bf16"), Error);
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::as_executed(spec, fp16_moments), doctest::Contains("precision.moments is fp16"), Error);
+  Plan other = p;
+  other.precision.master = DType::bf16;
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, other), doctest::Contains("plan precision.master is bf16"), Error);
+  other = p;
+  other.precision.grads = DType::bf16;
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, other), doctest::Contains("plan precision.grads is bf16"), Error);
+  other = p;
+  other.precision.weights = DType::fp32;
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, other), doctest::Contains("plan precision.weights is fp32"), Error);
+  try {
+    (void)CudaCausalLm::footprint(spec, fp16_moments);
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::unsupported);
+  }
+}
+
 TEST_CASE("5.13B at 128K: the planner's plan does not fit the CUDA executor on an H200, its checkpoint variant does") {
   const auto spec = config("moe-5b.json");
   const auto h200 = MachineProfile::builtin("h200", 1).gpu_memory;

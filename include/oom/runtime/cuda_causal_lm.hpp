@@ -25,6 +25,19 @@
 // Every plan computes the same step: residency moves an update between the GPU and the CPU AdamW
 // (bit-identical by construction), retention moves bytes, and the kernels are deterministic; the
 // GPU tests compare weights bit for bit across plans.
+//
+// Precision: bf16 working weights, fp32 master weights and gradients, and AdamW moments as
+// plan.precision.moments says: fp32 (the default) or bf16 (any other precision, in any field, is
+// Errc::unsupported). bf16 moments hold every segment's m and v in bf16 where they live, on the GPU
+// or in pinned host memory: 14 bytes of state a parameter instead of 18 (resident: bf16 weights,
+// fp32 master and gradient, bf16 m and v; streamed: 10 of host state plus the gradient staging),
+// as footprint() counts them. A step widens each m and v exactly to fp32, updates them in fp32,
+// uses them unrounded for this step's weight, and stores them rounded to nearest even: the GPU
+// AdamW (kernels::AdamWSegmentBf16) and the CPU AdamW (optim::AdamWSpan<bf16>) give the same
+// bits, so every plan still computes the same step. The state API stays fp32 (state(),
+// state_views(), load() and so checkpoints): moments are exported widened exactly, and loaded
+// rounded to nearest even (to_bf16), which gives back the very bits for state exported from a
+// model of bf16 moments.
 #pragma once
 
 #include <array>
@@ -152,7 +165,8 @@ class CudaCausalLm {
   /// order: a streamed segment's straight into its pinned master, a resident one's into one
   /// segment-sized buffer that is uploaded and reused, so building needs no copy of the whole
   /// model's weights in host memory (the 5.13B model's are 19.1 GiB). Errc::unsupported for layers
-  /// the CUDA decoder layer does not implement, Errc::out_of_budget (naming the claimant) when the
+  /// the CUDA decoder layer does not implement or a state precision it does not keep (naming the
+  /// field, e.g. "plan precision.moments is fp16"), Errc::out_of_budget (naming the claimant) when the
   /// buffers the plan needs do not fit the device arena; what the source throws propagates.
   CudaCausalLm(const ModelSpec& spec, const Plan& plan, const SegmentWeightSource& weights, CudaCausalLmOptions options);
   /// The same from weights in memory: `weights[s]` holds spec.segments()[s]'s values
@@ -186,20 +200,27 @@ class CudaCausalLm {
   /// id past the vocab.
   StepResult step(std::span<const std::uint32_t> inputs, std::span<const std::uint32_t> targets);
 
-  /// Every segment's AdamW state, in spec.segments() order (a copy of all of it).
+  /// Every segment's AdamW state, in spec.segments() order (a copy of all of it), fp32 whatever
+  /// the plan's moments (bf16 moments widened exactly).
   [[nodiscard]] std::vector<SegmentOptimizerState> state();
   /// The same as views, with no copy: streamed segments viewed in their pinned host state,
   /// GPU-resident ones read from the GPU a range at a time as the reader asks. What a checkpoint
   /// writes from: at 512K on the 5.13B model a copy of the whole state (61.6 GB) beside the 65.9
   /// GiB pinned took the 125 GiB host out of memory; a copy of the resident segments alone held
-  /// 30.9 GiB of RSS for a checkpoint of 8 layers of its widths, all resident.
+  /// 30.9 GiB of RSS for a checkpoint of 8 layers of its widths, all resident. With bf16 moments
+  /// streamed segments are read too (their moments widened a range at a time), so every view has
+  /// a reader.
   [[nodiscard]] StateSnapshot state_views();
   /// Continues from saved state after `optimizer_steps` updates (sizes checked before any change).
+  /// With bf16 moments the fp32 moments given are rounded to nearest even (exact for state this
+  /// executor exported with bf16 moments).
   void load(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps);
   /// The same, segment by segment from `source` (e.g. CheckpointReader::source()): streamed
   /// segments are filled straight into their pinned host state, so resuming needs no copy of the
   /// whole state in memory (at 512K on the 5.13B model that copy and the pinned state together do
-  /// not fit a 125 GiB host). A source that throws leaves the model part-loaded: discard it.
+  /// not fit a 125 GiB host). With bf16 moments a streamed segment's moments pass through two
+  /// buffers of its fp32 values on their way to rounding (as a resident segment's whole state
+  /// does). A source that throws leaves the model part-loaded: discard it.
   void load(const SegmentStateSource& source, std::int64_t optimizer_steps);
   [[nodiscard]] std::int64_t optimizer_steps() const;
   /// The learning rate of the steps that follow (a schedule sets it before each step).
