@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 
 #include "oom/core/numeric.hpp"
 #include "oom/optim/adamw.hpp"
@@ -44,6 +45,8 @@ cudaError_t adamw_update(const optim::AdamWStepScalars& step,
 /// (float: fp32, AdamWSegment; oom::bf16: AdamWSegmentBf16).
 template <class Moment>
 struct AdamWSegmentOf {
+  static_assert(std::is_same_v<Moment, float> || std::is_same_v<Moment, bf16>,
+                "adamw_update_many keeps AdamW moments as float (fp32) or oom::bf16");
   float* master = nullptr;
   Moment* exp_avg = nullptr;
   Moment* exp_avg_sq = nullptr;
