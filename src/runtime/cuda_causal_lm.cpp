@@ -106,20 +106,6 @@ std::uint64_t part_of(AttentionKind kind, std::uint64_t tokens) {
   return kind == AttentionKind::linear ? linear_part(tokens) : query_chunk(tokens);
 }
 
-/// The state precisions this executor keeps: bf16 working weights, fp32 master weights and
-/// gradients, AdamW moments in fp32 or bf16 (plan.precision.moments). Any other is refused by
-/// field, before anything is sized or allocated: a plan counted at another precision would run at
-/// these and miss its memory.
-void require_kept_precision(const StatePrecision& p) {
-  const auto refuse = [](std::string_view field, DType planned, std::string_view kept) {
-    OOM_THROW(Errc::unsupported, fmt::format("plan precision.{} is {}: CudaCausalLm keeps {}", field, name(planned), kept));
-  };
-  if (p.weights != DType::bf16) refuse("weights", p.weights, "bf16 working weights");
-  if (p.master != DType::fp32) refuse("master", p.master, "fp32 master weights");
-  if (p.moments != DType::fp32 && p.moments != DType::bf16) refuse("moments", p.moments, "AdamW moments in fp32 or bf16");
-  if (p.grads != DType::fp32) refuse("grads", p.grads, "fp32 gradients");
-}
-
 }  // namespace
 
 struct CudaCausalLm::Impl {
@@ -528,7 +514,8 @@ struct CudaCausalLm::Impl {
 
 void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
   const auto& all = spec->segments();
-  require_kept_precision(plan.precision);
+  // Before anything is sized or allocated: a plan counted at another precision would miss its memory.
+  require_kept_precision(plan.precision, "CudaCausalLm");
   moments_bf16 = plan.precision.moments == DType::bf16;
   if (plan.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs on one GPU (the plan has {})", plan.gpus));

@@ -303,7 +303,7 @@ TEST_CASE("bf16 moments: every plan the resident plan's step, bit for bit; momen
 
   // Moments the executor does not keep: refused before anything is allocated, naming the field.
   CHECK_THROWS_WITH_AS(CudaCausalLm(spec, with_moments(reference, DType::fp16), init(spec), opt),
-                       doctest::Contains("plan precision.moments is fp16: CudaCausalLm keeps AdamW moments in fp32 or bf16"),
+                       doctest::Contains("CudaCausalLm: precision.moments is fp16; it keeps fp32 or bf16 moments"),
                        Error);
 }
 

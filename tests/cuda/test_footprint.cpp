@@ -154,17 +154,17 @@ TEST_CASE("bf16 moments: 4 bytes a parameter less, on the side each segment's st
   Plan fp16_moments = p;
   fp16_moments.precision.moments = DType::fp16;
   CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, fp16_moments),
-                       doctest::Contains("plan precision.moments is fp16: CudaCausalLm keeps AdamW moments in fp32 or bf16"), Error);
+                       doctest::Contains("CudaCausalLm: precision.moments is fp16; it keeps fp32 or bf16 moments"), Error);
   CHECK_THROWS_WITH_AS((void)CudaCausalLm::as_executed(spec, fp16_moments), doctest::Contains("precision.moments is fp16"), Error);
   Plan other = p;
   other.precision.master = DType::bf16;
-  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, other), doctest::Contains("plan precision.master is bf16"), Error);
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, other), doctest::Contains("CudaCausalLm: precision.master is bf16; it keeps fp32 master"), Error);
   other = p;
   other.precision.grads = DType::bf16;
-  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, other), doctest::Contains("plan precision.grads is bf16"), Error);
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, other), doctest::Contains("CudaCausalLm: precision.grads is bf16; it keeps fp32 grads"), Error);
   other = p;
   other.precision.weights = DType::fp32;
-  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, other), doctest::Contains("plan precision.weights is fp32"), Error);
+  CHECK_THROWS_WITH_AS((void)CudaCausalLm::footprint(spec, other), doctest::Contains("CudaCausalLm: precision.weights is fp32; it keeps bf16 weights"), Error);
   try {
     (void)CudaCausalLm::footprint(spec, fp16_moments);
   } catch (const Error& e) {
