@@ -269,6 +269,40 @@ TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the 
   CHECK_FALSE(same_run(train_gpu(all_streamed, 64_MiB, 64_MiB, 3, broken), expect));
 }
 
+TEST_CASE("bf16 AdamW moments on the GPU: every plan LayerStackPlanner gives computes the resident bf16 step, within its predicted bytes") {
+  std::vector<ResidualMlp> shapes;
+  for (int l = 0; l < layer_count; ++l) shapes.emplace_back(l, hidden, inter);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(shapes), profile, "residual MLP stack");
+  Plan resident = resident_plan(shapes, tokens);
+  const Run fp32 = train_gpu(resident, 64_MiB, 64_MiB);
+  resident.precision.moments = DType::bf16;
+  const Run expect = train_gpu(resident, 64_MiB, 64_MiB);  // CudaBackend's device AdamW, bf16 moments
+  CHECK(expect.losses[2] < expect.losses[0]);
+  CHECK_FALSE(same_run(expect, fp32));  // the moments' rounding is another step
+  PlanRequest r;
+  r.host_budget = 1_GiB;
+  r.workload = {1, tokens};
+  r.candidates = 3;
+  r.precision.moments = DType::bf16;
+  r.gpu_budget = 1_GiB;
+  const Bytes all = planner.plan(r).plans.front().predicted.gpu_peak;
+  int streamed = 0, tried = 0;
+  for (double share : {0.6, 0.3}) {
+    r.gpu_budget = Bytes{static_cast<std::uint64_t>(static_cast<double>(all.count()) * share)};
+    for (const Plan& p : planner.plan(r).plans) {
+      CAPTURE(p.resident_segments.size());
+      REQUIRE(p.precision.moments == DType::bf16);
+      streamed += p.resident_segments.size() < static_cast<std::size_t>(layer_count);
+      ++tried;
+      // Exactly its predicted bytes, both arenas: the planner counts the bf16 moments as held.
+      CHECK(same_run(train_gpu(p, p.predicted.gpu_peak, p.predicted.host_peak), expect));
+    }
+  }
+  MESSAGE(tried << " bf16-moment plans, " << streamed << " streaming (the CPU AdamW's bf16 moments beside the GPU's)");
+  CHECK(streamed > 0);
+}
+
 TEST_CASE("on the GPU: clipping's deferred updates, the input gradient, state saved and resumed, a non-finite loss skipped, a "
           "non-finite gradient named") {
   std::vector<ResidualMlp> shapes;
