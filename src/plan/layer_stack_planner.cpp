@@ -170,7 +170,7 @@ class GraphBuilder {
         // Later micro-batches: a resident segment's gradient lands in a scratch, then is added.
         if (mb > 0 && resident_[L] > 0) g_.hold(Claimant::worksets, Bytes{resident_[L] * fp32_bytes}, b, b);
         if (last && resident_[L] > 0) pending_.push_back({"gpu.adamw", Resource::gpu_compute,
-                                                          time_of(Operation::over(OpKind::gpu_optimizer, resident_[L])), {b}, l});
+                                                          time_of(Operation::over(OpKind::gpu_optimizer, resident_[L], Bytes{}, prec.moments)), {b}, l});
         if (streamed_[L] > 0) {
           const int d = g_.add({"d2h.grads", Resource::d2h, copy_time(OpKind::copy_d2h, Bytes{streamed_[L] * fp32_bytes}), {b}, l});
           grad_slot_user_[L % 2] = d;
@@ -189,7 +189,7 @@ class GraphBuilder {
           if (last)
             pending_.push_back({"cpu.adamw", Resource::cpu,
                                 time_of(Operation::over(OpKind::cpu_optimizer, streamed_[L],
-                                                        Bytes{streamed_[L] * (2 * fp32_bytes + size_of(prec.weights))})),
+                                                        Bytes{streamed_[L] * (2 * fp32_bytes + size_of(prec.weights))}, prec.moments)),
                                 {d}, l});
         }
         if (last && !plan_.clip_grad_norm) flush_updates({});

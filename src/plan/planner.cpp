@@ -528,7 +528,7 @@ class GraphBuilder {
       // and its bf16 weights up through the same host memory (the layers are alike).
       if (last_mb)
         update({"cpu.adamw", Resource::cpu,
-                model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params, Bytes{sent.count() + s.streamed_params * 2}),
+                model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params, Bytes{sent.count() + s.streamed_params * 2}, plan_.precision.moments),
                                Resource::cpu),
                 {d2h}, l});
     }
@@ -539,7 +539,9 @@ class GraphBuilder {
                           model_.time_of(Operation::moving(OpKind::all_reduce, Bytes{s.resident_params * fp32_bytes}), Resource::network),
                           {done}, l});
       ret = update({"gpu.adamw", Resource::gpu_compute,
-                    model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params), Resource::gpu_compute), {reduced}, l});
+                    model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params, Bytes{}, plan_.precision.moments),
+                                   Resource::gpu_compute),
+                    {reduced}, l});
       if (ret < 0) ret = reduced;  // deferred: the backward goes on from the gradients
     }
     return ret;
@@ -559,11 +561,14 @@ class GraphBuilder {
                               model_.time_of(Operation::moving(OpKind::copy_d2h, Bytes{t * h * fp32_bytes}), Resource::d2h), {op}, -1});
       if (last_mb)
         update({"cpu.adamw embedding", Resource::cpu,
-                model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params), Resource::cpu), {d2h}, -1});
+                model_.time_of(Operation::over(OpKind::cpu_optimizer, s.host_params, Bytes{}, plan_.precision.moments), Resource::cpu),
+                {d2h}, -1});
     }
     if (s.resident_params > 0 && last_mb) {
       const int u = update({"gpu.adamw embedding", Resource::gpu_compute,
-                            model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params), Resource::gpu_compute), {op}, -1});
+                            model_.time_of(Operation::over(OpKind::gpu_optimizer, s.resident_params, Bytes{}, plan_.precision.moments),
+                                           Resource::gpu_compute),
+                            {op}, -1});
       if (u >= 0) return u;
     }
     return op;

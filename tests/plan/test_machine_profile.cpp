@@ -398,6 +398,16 @@ TEST_CASE("cost model: each attention pass at its own rate; the CPU AdamW shares
   CHECK(streaming == doctest::Approx(idle * 36.0 / 30.0));
   CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 12}))[Resource::cpu] > streaming);
   CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 6}))[Resource::h2d] == 0.0);
+  // bf16 moments: 22 bytes a parameter against the 30 the rate was measured at, on either side
+  // (the streaming copies' share unchanged).
+  CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{}, DType::bf16))[Resource::cpu] == doctest::Approx(idle * 22.0 / 30.0));
+  CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 6}, DType::bf16))[Resource::cpu] ==
+        doctest::Approx(idle * 28.0 / 30.0));
+  const double gpu32 = cost.predict(Operation::over(OpKind::gpu_optimizer, n))[Resource::gpu_compute] - p.launch_overhead_s;
+  const double gpu16 = cost.predict(Operation::over(OpKind::gpu_optimizer, n, Bytes{}, DType::bf16))[Resource::gpu_compute] -
+                       p.launch_overhead_s;
+  CHECK(gpu32 == doctest::Approx(static_cast<double>(n) * 30.0 / p.hbm_bytes_per_s));
+  CHECK(gpu16 == doctest::Approx(gpu32 * 22.0 / 30.0));
 }
 
 TEST_CASE("cost model: a grouped GEMM at the rate of the launch's rows, never faster than reading its groups' weights") {

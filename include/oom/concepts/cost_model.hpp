@@ -75,10 +75,11 @@ struct Operation {
   }
   /// Ops that move `bytes`: memory_bound, copies, collectives.
   static constexpr Operation moving(OpKind kind, Bytes bytes) { return {kind, 0, 0, 0, 1, 0, bytes, DType::bf16}; }
-  /// Ops over `elements` parameters: the optimizers; `concurrent` bytes of other traffic through
-  /// host memory meanwhile (cpu_optimizer: copies, a gradient check's read).
-  static constexpr Operation over(OpKind kind, std::uint64_t elements, Bytes concurrent = Bytes{}) {
-    return {kind, 0, 0, 0, 1, elements, concurrent, DType::bf16};
+  /// Ops over `elements` parameters: the optimizers, their AdamW moments kept as `moments` (fp32 or
+  /// bf16: in `dtype`); `concurrent` bytes of other traffic through host memory meanwhile
+  /// (cpu_optimizer: copies, a gradient check's read).
+  static constexpr Operation over(OpKind kind, std::uint64_t elements, Bytes concurrent = Bytes{}, DType moments = DType::fp32) {
+    return {kind, 0, 0, 0, 1, elements, concurrent, moments};
   }
 
   /// Recurrences a delta_rule op runs side by side: sequences x heads (0 for others).

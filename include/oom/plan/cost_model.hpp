@@ -10,6 +10,12 @@
 
 namespace oom {
 
+/// Bytes an AdamW update moves per parameter, on the GPU or the CPU alike: reads the fp32 master
+/// and gradient and the moments m, v; writes master, m, v and the bf16 working copy. 30 with fp32
+/// moments, 22 with bf16 ones.
+constexpr double adamw_bytes_per_param(DType moments) { return 4.0 + 4.0 + 4.0 + 2.0 + 4.0 * static_cast<double>(size_of(moments)); }
+static_assert(adamw_bytes_per_param(DType::fp32) == 16.0 + 12.0 + 2.0);
+
 class ProfileCostModel {
  public:
   /// `active_gpus` GPUs move data at once: each gets min(its link, the host's total / active_gpus).
@@ -20,12 +26,10 @@ class ProfileCostModel {
   [[nodiscard]] double h2d_rate() const { return link_share(profile_->h2d_bytes_per_s); }
   [[nodiscard]] double d2h_rate() const { return link_share(profile_->d2h_bytes_per_s); }
 
-  /// Bytes an AdamW update moves per parameter on the GPU: reads master, m, v and the gradient
-  /// (4 x fp32), writes master, m, v (fp32) and the bf16 working copy.
-  static constexpr double gpu_adamw_bytes_per_param = 16.0 + 12.0 + 2.0;
-  /// The same for the CPU AdamW in host memory (fp32 master, m, v, gradient in; master, m, v and
-  /// the bf16 weights out).
-  static constexpr double cpu_adamw_bytes_per_param = 16.0 + 12.0 + 2.0;
+  /// adamw_bytes_per_param with fp32 moments, on the GPU and for the CPU AdamW in host memory
+  /// (what MachineProfile::cpu_adamw_params_per_s is measured at).
+  static constexpr double gpu_adamw_bytes_per_param = adamw_bytes_per_param(DType::fp32);
+  static constexpr double cpu_adamw_bytes_per_param = adamw_bytes_per_param(DType::fp32);
 
   /// Seconds of `rows` rows of `flops_per_row` each at `rate`'s FLOP/s for that many rows, and never
   /// less than fewer rows take: between some samples the measured rate grows faster than the rows
@@ -100,13 +104,14 @@ class ProfileCostModel {
         // executor's gradient check) takes its share of the same bandwidth. On the H200 machine at
         // 32K the in-step rate was 0.85x the idle calibration, as (30 + 6) / 30 predicts for a
         // layer's fp32 gradients down and bf16 weights up during its update.
-        const double n = static_cast<double>(op.elements);
+        // bf16 moments (op.dtype) move 22 bytes a parameter where the rate was measured at 30.
+        const double n = static_cast<double>(op.elements) * adamw_bytes_per_param(op.dtype) / cpu_adamw_bytes_per_param;
         t[Resource::cpu] = (n + bytes / cpu_adamw_bytes_per_param) / profile_->cpu_adamw_params_per_s;
         break;
       }
       case OpKind::gpu_optimizer:
         t[Resource::gpu_compute] =
-            launch + static_cast<double>(op.elements) * gpu_adamw_bytes_per_param / profile_->hbm_bytes_per_s;
+            launch + static_cast<double>(op.elements) * adamw_bytes_per_param(op.dtype) / profile_->hbm_bytes_per_s;
         break;
       case OpKind::all_to_all:
         if (gpus_ > 1) t[Resource::network] = launch + bytes / profile_->all_to_all_bytes_per_s;
