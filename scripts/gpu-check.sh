@@ -19,6 +19,10 @@
 # executor's plans, 50 steps of two router-loss configs against transformers).
 # PARTS=layers builds and runs only the CudaLayerExecutor's test and oom-custom-layer on both
 # backends (a user's own CUDA layers).
+# PARTS=moments builds and runs only what AdamW moments in bf16 (--moments bf16) touch on a GPU: the
+# GPU AdamW's, CudaCausalLm's and the CudaLayerExecutor's tests, a GPU run killed and resumed with
+# them, and the 5.13B model (or MOMENTS_CONFIG) at MOMENTS_SEQ (4096) with fp32 then bf16 moments
+# in one call (tokens/s, residency, memory; docs/runtime.md).
 # PARTS=group builds and runs only the multi-GPU group's tests and a quick oom-calibrate over every
 # GPU (kind nvidia-h200-x2: docs/multi-gpu.md, slice 1).
 # On a fresh machine that build can outlast a device call (580 s, 2026-12-01): the build stops
@@ -142,6 +146,9 @@ if [[ "$parts" == " layers " ]]; then targets=(--target "${layers_targets[@]}" $
 elif [[ "$parts" == " calibrate layers " || "$parts" == " layers calibrate " ]]; then
   targets=(--target "${layers_targets[@]}" oom-calibrate ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" layers "* && ${#targets[@]} -gt 0 ]]; then targets+=("${layers_targets[@]}"); fi
+moments_targets=(test_norm_kernels test_cuda_causal_lm test_cuda_layer_executor test_cuda_footprint oom-train)
+if [[ "$parts" == " moments " ]]; then targets=(--target "${moments_targets[@]}" ${EXTRA_TARGETS:-})
+elif [[ "$parts" == *" moments "* && ${#targets[@]} -gt 0 ]]; then targets+=("${moments_targets[@]}"); fi
 # PARTS=peers needs oom-train: alone, only it; beside other parts that name their targets, it too.
 if [[ "$parts" == " peers " ]]; then targets=(--target oom-train ${EXTRA_TARGETS:-})
 elif [[ "$parts" == *" peers "* && ${#targets[@]} -gt 0 ]]; then targets+=(oom-train); fi
@@ -339,6 +346,27 @@ if [[ "$parts" == *" calibrate "* ]]; then
   # with like.
   limited 400 "$build_dir/examples/calibrate/oom-calibrate" --out "$out/profile.json" --name h200 \
     > "$out/calibrate.log" 2>&1 || ref_rc=1
+fi
+
+if [[ "$parts" == *" moments "* ]]; then
+  # bf16 moments: the kernels' and executors' bits (each test whole: the fp32 cases beside them are
+  # the regression check), a CUDA run killed and resumed bit for bit, then the trainer both ways.
+  for t in test_norm_kernels test_cuda_footprint test_cuda_layer_executor test_cuda_causal_lm; do
+    limited 200 "$build_dir/tests/$t" > "$out/$t.log" 2>&1 || gpu_rc=1
+    echo "$t: $(grep -E 'test cases:|assertions:|Status' "$out/$t.log" | tr '\n' ' ')" >> "$out/train-summary.log"
+  done
+  TRAIN_ARGS="--backend cuda --config examples/configs/tiny-moe-d128.json --moments bf16" \
+    limited 120 bash tests/train/kill_resume.sh "$build_dir/examples/train/oom-train" > "$out/kill-resume-bf16.log" 2>&1 || gpu_rc=1
+  echo "kill+resume, cuda, bf16 moments: $(tail -1 "$out/kill-resume-bf16.log")" >> "$out/train-summary.log"
+  mcfg=${MOMENTS_CONFIG:-examples/configs/moe-5b.json}
+  for m in fp32 bf16; do
+    limited 150 "$build_dir/examples/train/oom-train" --backend cuda --config "$mcfg" --seq "${MOMENTS_SEQ:-4096}" --steps 6 --lr 3e-4 \
+      --moments "$m" --log-every 1 --checkpoint-every 0 --overwrite --out "$out/run-moments-$m" > "$out/train-moments-$m.log" 2>&1 || gpu_rc=1
+    {
+      echo "moments $m: $(grep -E '^residency|segments resident|^state:|GPU memory' "$out/train-moments-$m.log" | head -5 | tr '\n' ' ')"
+      grep '^step' "$out/train-moments-$m.log" | tail -3
+    } >> "$out/train-summary.log"
+  done
 fi
 
 if [[ "$parts" == *" layers "* ]]; then
