@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "oom/core/bytes.hpp"
+#include "oom/core/dtype.hpp"
 #include "oom/core/error.hpp"
 
 namespace oom::examples {
@@ -22,6 +23,14 @@ namespace oom::examples {
 namespace detail {
 constexpr bool is_digit(char c) { return c >= '0' && c <= '9'; }
 }  // namespace detail
+
+/// AdamW moments' precision as the executors keep it: "fp32" or "bf16", else invalid_argument
+/// naming `what` (a flag, or a file's field).
+inline DType parse_moments(std::string_view what, std::string_view text) {
+  if (text != "fp32" && text != "bf16")
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} is fp32 or bf16 (AdamW moments), got '{}'", what, text));
+  return text == "bf16" ? DType::bf16 : DType::fp32;
+}
 
 /// A positive integer (or 0 with allow_zero) written in decimal digits alone: a sign, a space or
 /// anything else throws invalid_argument naming `flag`, and so does a count past 2^64 - 1.

@@ -108,11 +108,8 @@ Args parse(int argc, char** argv) {
     else if (flag == "--batch") a.batch = parse_count(flag, v);
     else if (flag == "--micro-batches") a.micro_batches = parse_int_count(flag, v);
     else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
-    else if (flag == "--moments") {
-      a.moments = oom::parse_dtype(v);
-      if (a.moments != oom::DType::fp32 && a.moments != oom::DType::bf16)
-        OOM_THROW(oom::Errc::invalid_argument, fmt::format("--moments must be fp32 or bf16, got '{}'", v));
-    } else if (flag == "--profile") a.profile = oom::examples::path_argument(flag, v);
+    else if (flag == "--moments") a.moments = oom::examples::parse_moments(flag, v);
+    else if (flag == "--profile") a.profile = oom::examples::path_argument(flag, v);
     else if (flag == "--machine") a.machine = v;
     else if (flag == "--candidates") a.candidates = parse_int_count(flag, v);
     else if (flag == "--retention") {
@@ -295,7 +292,9 @@ int main(int argc, char** argv) {
         return e.code();
       }
     };
-    const std::string budget_note = fmt::format("host budget {}{}", train_req.host_budget, a.host_mem ? "" : ", its default");
+    // oom-train keeps fp32 moments unless asked: the lines say what it would run with the flag.
+    const std::string budget_note = fmt::format("host budget {}{}{}", train_req.host_budget, a.host_mem ? "" : ", its default",
+                                                a.moments == oom::DType::bf16 ? "; with --moments bf16" : "");
     if (a.longest) return longest_sequence(a, budget_note, would_run);
 #endif
     const auto set = oom::examples::plan_or_say_least(planner, req);

@@ -60,6 +60,7 @@ namespace {
 
 using oom::examples::default_host_budget;
 using oom::examples::HostBudget;
+using oom::examples::parse_moments;
 using oom::examples::parse_count;
 using oom::examples::parse_int_count;
 using oom::examples::parse_real;
@@ -149,7 +150,7 @@ Optimizer (AdamW, as torch.optim.AdamW over all parameters)
   --moments DTYPE      AdamW moments kept in fp32 (default) or bf16: 4 bytes a parameter less of
                        host (streamed) or GPU (resident) state, 18 -> 14 with the fp32 gradient; the
                        moments are rounded to bf16 after each update (the step is then not the fp32
-                       one). A run resumes with the moments it was started with
+                       one). --resume keeps the checkpoint's moments (another --moments is refused)
 Plan
   --plan PATH          use this plan (from oom-plan --json, for this model, one GPU) instead of
                        planning; it runs within its own budgets (not with --gpu-mem / --host-mem)
@@ -295,11 +296,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--lr") a.lr = parse_real(flag, v);
     else if (flag == "--weight-decay") a.weight_decay = parse_real(flag, v);
     else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
-    else if (flag == "--moments") {
-      const std::string_view w = v;
-      if (w != "fp32" && w != "bf16") OOM_THROW(Errc::invalid_argument, fmt::format("--moments is fp32 or bf16, got '{}'", w));
-      a.moments = oom::parse_dtype(w);
-    }
+    else if (flag == "--moments") a.moments = parse_moments(flag, v);
     else if (flag == "--warmup") a.warmup = parse_count(flag, v, /*allow_zero=*/true);
     else if (flag == "--min-lr") {
       a.min_lr = parse_real(flag, v);
@@ -627,6 +624,23 @@ int run(Args a) {
     OOM_THROW(Errc::invalid_argument, fmt::format("{} already holds a run (latest {}); pass --resume to continue it or "
                                                   "--overwrite to start afresh", a.out.string(), latest->filename().string()));
   if (a.resume && !latest) OOM_THROW(Errc::invalid_argument, fmt::format("--resume: no checkpoint in {}", a.out.string()));
+  // A resumed run keeps the checkpoint's AdamW moments unless --moments (or a plan) says which: it
+  // is planned with them. (A trainer_state that cannot be read is left to the checkpoint's reader,
+  // whose errors name what is wrong; one without "moments" is from before --moments: fp32.)
+  if (a.resume && !a.moments && a.plan.empty()) {
+    std::error_code exists_ec;
+    if (const fs::path ts = *latest / "trainer_state.json"; fs::exists(ts, exists_ec)) {
+      std::optional<Json> state;
+      try {
+        state = read_json_file(ts);
+      } catch (const Error&) {  // the checkpoint's reader says what is wrong with it, below
+      }
+      if (state) {
+        const JsonCursor c(*state, ts.string());
+        a.moments = c["moments"].present() ? parse_moments(ts.string() + ": moments", c["moments"].as_string()) : DType::fp32;
+      }
+    }
+  }
 
   fs::path data_path = a.data;
   if (a.data.empty()) data_path = a.out / "builtin-corpus.tok";
@@ -737,9 +751,11 @@ int run(Args a) {
     // The state is kept at the plan's precisions (a plan counted at others would run with other
     // bytes than it counted): bf16 weights, fp32 master and gradients, fp32 or bf16 moments.
     try {
-      require_kept_precision(plan.precision, "oom-train");
+      require_kept_precision(plan.precision, "its plan");
     } catch (const Error& e) {
-      throw Error(Errc::invalid_argument, fmt::format("{}: {} (plan again with oom-plan --moments fp32 or bf16)", a.plan, e.message()));
+      throw Error(Errc::invalid_argument, fmt::format("{}: {}{}", a.plan, e.message(),
+                                                      e.message().find("moments") != std::string::npos
+                                                          ? " (plan again with oom-plan --moments fp32 or bf16)" : ""));
     }
     if (a.moments && *a.moments != plan.precision.moments)
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} AdamW moments, the run asks for {} (--moments; oom-plan --moments "
@@ -862,8 +878,11 @@ int run(Args a) {
     // into the other precision (rounded, or widened), but that is another run than the one saved.
     const std::string saved_moments = ts["moments"].present() ? ts["moments"].as_string() : "fp32";
     if (saved_moments != name(plan.precision.moments))
-      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} kept AdamW moments in {}, this run keeps them in {}; pass --moments {}",
-                                                    latest->string(), saved_moments, name(plan.precision.moments), saved_moments));
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("--resume: {} kept AdamW moments in {}, this run keeps them in {}; {}", latest->string(), saved_moments,
+                            name(plan.precision.moments),
+                            a.plan.empty() ? fmt::format("pass --moments {} (or none: a resumed run keeps the checkpoint's)", saved_moments)
+                                           : fmt::format("use a plan of {} moments (oom-plan --moments {})", saved_moments, saved_moments)));
     const std::string saved_schedule = ts["schedule"].present() ? ts["schedule"].as_string() : "constant";
     const std::uint64_t saved_warmup = ts["warmup"].present() ? ts["warmup"].as_uint64() : 0;
     const std::uint64_t saved_total = ts["total_steps"].present() ? ts["total_steps"].as_uint64() : a.steps;

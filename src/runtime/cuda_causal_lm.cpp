@@ -1455,10 +1455,10 @@ CudaPlanFit CudaCausalLm::fit(const ModelSpec& spec, std::span<const Plan> candi
       }
     }
     // The fitting variants with more segments resident: the most of the order's prefix that fits,
-    // by bisection over how many more. The footprint grows with each one: its resident state (18
-    // bytes a parameter) outweighs the weight and gradient slots it may shrink ((2 x depth + 8)
-    // bytes a parameter of the largest streamed layer, at most its own parameters' worth for the
-    // planner's depths of 2 and 3), and pinned host memory only shrinks.
+    // by bisection over how many more. The footprint never shrinks with each one: its resident state
+    // (18 bytes a parameter, 14 with bf16 moments) at least equals the weight and gradient slots it
+    // may shrink ((2 x depth + 8) bytes a parameter of the largest streamed layer, at most 14 for
+    // the planner's depths of 2 and 3), and pinned host memory only shrinks.
     if (!fit.residency_order.empty() && !enough()) {
       const std::size_t found = fitting.size();
       for (std::size_t v = 0; v < found; ++v) {
@@ -1567,8 +1567,7 @@ StateSnapshot CudaCausalLm::state_views() {
           std::copy_n(master + offset, out.size(), out.begin());
           return;
         }
-        const bf16* from = moments[a == StateArray::exp_avg ? 0 : 1] + offset;
-        std::transform(from, from + out.size(), out.begin(), [](bf16 x) { return to_float(x); });
+        moments_to_fp32(DType::bf16, moments[a == StateArray::exp_avg ? 0 : 1] + offset, out);
       });
       continue;
     }
@@ -1589,7 +1588,7 @@ StateSnapshot CudaCausalLm::state_views() {
       std::vector<bf16> narrow(out.size());
       OOM_CUDA_CHECK(cudaMemcpy(narrow.data(), static_cast<const bf16*>(from) + offset, out.size() * sizeof(bf16),
                                 cudaMemcpyDeviceToHost));
-      std::transform(narrow.begin(), narrow.end(), out.begin(), [](bf16 x) { return to_float(x); });
+      moments_to_fp32(DType::bf16, narrow.data(), out);
     });
   }
   return snap;
@@ -1631,9 +1630,6 @@ void CudaCausalLm::load(const SegmentStateSource& source, std::int64_t optimizer
   // moments on their way to rounding.
   std::vector<float> w, m, v;
   std::vector<bf16> w16, m16, v16;
-  const auto narrow = [](const std::vector<float>& from, bf16* to) {  // round to nearest even
-    std::transform(from.begin(), from.end(), to, [](float f) { return to_bf16(f); });
-  };
   for (std::size_t i = 0; i < segs.size(); ++i) {
     auto& g = segs[i];
     if (g.resident) {
@@ -1643,8 +1639,8 @@ void CudaCausalLm::load(const SegmentStateSource& source, std::int64_t optimizer
       OOM_CUDA_CHECK(cudaMemcpy(g.dmaster, w.data(), g.n * sizeof(float), cudaMemcpyHostToDevice));
       if (bf16_moments) {
         m16.resize(g.n), v16.resize(g.n);
-        narrow(m, m16.data());
-        narrow(v, v16.data());
+        moments_from_fp32(DType::bf16, m, m16.data());  // rounded to nearest even
+        moments_from_fp32(DType::bf16, v, v16.data());
         OOM_CUDA_CHECK(cudaMemcpy(g.dm, m16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
         OOM_CUDA_CHECK(cudaMemcpy(g.dv, v16.data(), g.n * sizeof(bf16), cudaMemcpyHostToDevice));
       } else {
@@ -1655,8 +1651,8 @@ void CudaCausalLm::load(const SegmentStateSource& source, std::int64_t optimizer
     } else if (bf16_moments) {  // the master straight into the pinned state, the moments through fp32
       m.resize(g.n), v.resize(g.n);
       source(i, {g.hmaster, g.n}, m, v);
-      narrow(m, Impl::moment<bf16>(g.hm));
-      narrow(v, Impl::moment<bf16>(g.hv));
+      moments_from_fp32(DType::bf16, m, g.hm);
+      moments_from_fp32(DType::bf16, v, g.hv);
       std::transform(g.hmaster, g.hmaster + g.n, g.hw, [](float f) { return to_bf16(f); });
     } else {  // straight into the pinned state
       source(i, {g.hmaster, g.n}, {Impl::moment<float>(g.hm), g.n}, {Impl::moment<float>(g.hv), g.n});

@@ -117,8 +117,9 @@ if [[ -x "$plan_tool" ]]; then
   expect plan-bf16-moments-asked-fp32 2 "bf16-moments.json: planned for bf16 AdamW moments, the run asks for fp32 (--moments" -- \
     --plan "$work/bf16-moments.json" --moments fp32
   sed 's/"moments": "bf16"/"moments": "fp16"/' "$work/bf16-moments.json" > "$work/fp16-moments.json"
-  expect plan-fp16-moments 2 "fp16-moments.json: oom-train: precision.moments is fp16; it keeps fp32 or bf16 moments" -- \
+  expect plan-fp16-moments 2 "fp16-moments.json: its plan: precision.moments is fp16; it keeps fp32 or bf16 moments (plan again" -- \
     --plan "$work/fp16-moments.json"
+  expect moments-fp16 2 "moments is fp32 or bf16 (AdamW moments), got 'fp16'" -- --moments fp16
 fi
 # A profile whose rates price a step at infinity is named by its file too (the error had named
 # only the name inside it, "h200", which the built-in profile has as well).

@@ -7,7 +7,7 @@
 #     missing or of another type is named with the checkpoint's file;
 #   - a checkpoint of another config is refused as such, not by its first tensor of another shape;
 #   - --resume refuses --init-from, and a --seed other than the checkpoint's;
-#   - --resume refuses other AdamW moments (--moments) than the checkpoint's, both ways;
+#   - --resume keeps the checkpoint's AdamW moments (bf16 ones are bf16 values in it) and refuses others, both ways;
 #   - a `latest` written with CRLF still resumes;
 #   - checkpoints without `latest` are a run: a new run there is refused (it had replaced them and
 #     emptied metrics.jsonl), and --resume says how to name the one to continue from;
@@ -124,19 +124,44 @@ rc=$?
 rc=$?
 [[ $rc -eq 2 ]] && grep -q -- "--resume and --init-from exclude each other" "$work/init.err" &&
   echo "ok   resume-init-from: $(cat "$work/init.err")" || fail "resume-init-from: exit $rc" "$work/init.err"
-# A run with other AdamW moments than the checkpoint's (its state would be rounded or widened:
-# another run than the one saved), both ways.
+# AdamW moments: a resumed run keeps the checkpoint's (bf16 here, without --moments); asking for
+# others is refused both ways (the state would be rounded or widened: another run than the one
+# saved). The bf16 run's moments are bf16 values in its checkpoint (the layers' and the ends'),
+# and its third step differs from the fp32 run's.
 "$train" "${args[@]}" --steps 10 --out "$work/base" --resume --moments bf16 > /dev/null 2> "$work/moments.err"
 rc=$?
 [[ $rc -eq 2 ]] && grep -q -- "--resume: .*base/checkpoint-000008 kept AdamW moments in fp32, this run keeps them in bf16; pass --moments fp32" \
   "$work/moments.err" && echo "ok   resume-other-moments: $(cat "$work/moments.err")" || fail "resume-other-moments: exit $rc" "$work/moments.err"
 "$train" "${args[@]}" --steps 2 --checkpoint-every 2 --moments bf16 --out "$work/bf16" > /dev/null 2> "$work/bf16.err" ||
   fail "bf16-moments run" "$work/bf16.err"
-"$train" "${args[@]}" --steps 4 --out "$work/bf16" --resume > /dev/null 2> "$work/bf16-resume.err"
+"$train" "${args[@]}" --steps 4 --checkpoint-every 2 --out "$work/bf16" --resume > /dev/null 2> "$work/bf16-resume.err"
 rc=$?
-[[ $rc -eq 2 ]] && grep -q -- "--resume: .*bf16/checkpoint-000002 kept AdamW moments in bf16, this run keeps them in fp32; pass --moments bf16" \
-  "$work/bf16-resume.err" && echo "ok   resume-bf16-moments-without: $(cat "$work/bf16-resume.err")" ||
-  fail "resume-bf16-moments-without: exit $rc" "$work/bf16-resume.err"
+if [[ $rc -eq 0 ]] && grep -q '"moments": "bf16"' "$work/bf16/checkpoint-000004/trainer_state.json" &&
+   python3 - "$work/bf16/checkpoint-000004/optimizer.safetensors" <<'PY'
+import json, struct, sys
+raw = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+head = json.loads(raw[8:8 + n])
+moments = [k for k in head if k.startswith("exp_avg")]
+assert moments and any(k.startswith("exp_avg.model.embed_tokens") for k in moments), sorted(head)[:5]
+for k in moments:
+    a, b = head[k]["data_offsets"]
+    words = struct.unpack(f"<{(b - a) // 4}I", raw[8 + n + a:8 + n + b])
+    assert all(w & 0xFFFF == 0 for w in words), f"{k}: a moment that is not a bf16 value"
+print(f"{len(moments)} moment tensors, every value a bf16")
+PY
+then echo "ok   resume-keeps-bf16-moments"
+else fail "resume-keeps-bf16-moments: exit $rc" "$work/bf16-resume.err"; fi
+loss_at() { sed -n "${2}p" "$1/metrics.jsonl" | sed -E 's/.*"loss":([^,]+),.*/\1/'; }
+# (The first update uses its moments unrounded, so steps 1 and 2 are alike; the third is not.)
+[[ "$(loss_at "$work/base" 2)" == "$(loss_at "$work/bf16" 2)" && "$(loss_at "$work/base" 3)" != "$(loss_at "$work/bf16" 3)" ]] &&
+  echo "ok   bf16-moments-step: step 2 $(loss_at "$work/bf16" 2) alike, step 3 $(loss_at "$work/base" 3) (fp32) vs $(loss_at "$work/bf16" 3)" ||
+  fail "bf16-moments-step: losses at steps 2, 3: $(loss_at "$work/base" 2) $(loss_at "$work/base" 3) (fp32) vs $(loss_at "$work/bf16" 2) $(loss_at "$work/bf16" 3)"
+"$train" "${args[@]}" --steps 6 --out "$work/bf16" --resume --moments fp32 > /dev/null 2> "$work/bf16-fp32.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q -- "--resume: .*bf16/checkpoint-000004 kept AdamW moments in bf16, this run keeps them in fp32; pass --moments bf16" \
+  "$work/bf16-fp32.err" && echo "ok   resume-bf16-moments-as-fp32: $(cat "$work/bf16-fp32.err")" ||
+  fail "resume-bf16-moments-as-fp32: exit $rc" "$work/bf16-fp32.err"
 "$train" "${args[@]}" --steps 10 --out "$work/base" --resume --seed 5 > /dev/null 2> "$work/seed.err"
 rc=$?
 [[ $rc -eq 2 ]] && grep -q -- "draws its windows with seed 0; --seed 5 would change nothing" "$work/seed.err" &&

@@ -25,6 +25,7 @@ struct SegmentOptimizerState {
 /// bytes) and as the state above speaks them (fp32). Widening is exact; narrowing to bf16 rounds
 /// to nearest even, so state that came from bf16 moments goes back bit for bit.
 inline void moments_to_fp32(DType kept, const void* from, std::span<float> out) {
+  OOM_ASSERT(kept == DType::fp32 || kept == DType::bf16);
   if (kept == DType::bf16) {
     const auto* m = static_cast<const bf16*>(from);
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = to_float(m[i]);
@@ -34,6 +35,7 @@ inline void moments_to_fp32(DType kept, const void* from, std::span<float> out) 
   }
 }
 inline void moments_from_fp32(DType kept, std::span<const float> in, void* to) {
+  OOM_ASSERT(kept == DType::fp32 || kept == DType::bf16);
   if (kept == DType::bf16) {
     auto* m = static_cast<bf16*>(to);
     for (std::size_t i = 0; i < in.size(); ++i) m[i] = to_bf16(in[i]);

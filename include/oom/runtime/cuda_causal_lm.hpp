@@ -70,9 +70,10 @@ struct CudaCausalLmOptions {
   /// `oom-train --no-bucketed-expert-gemms` turns it off).
   bool bucketed_expert_gemms = true;
   /// Pinned fp32 gradient staging on the host: 0, one buffer per streamed parameter (18 bytes of
-  /// pinned host memory a streamed parameter in all); N >= 1, a ring of N layer-sized buffers that
-  /// the backward's layers take in turn, a layer's gradients going down only once the CPU update of
-  /// the buffer's previous layer has run (14 bytes a parameter plus N layers: at 32K on the 5.13B
+  /// pinned host memory a streamed parameter in all, 14 with bf16 moments); N >= 1, a ring of N
+  /// layer-sized buffers that the backward's layers take in turn, a layer's gradients going down
+  /// only once the CPU update of the buffer's previous layer has run (14 bytes a parameter, 10 with
+  /// bf16 moments, plus N layers: at 32K on the 5.13B
   /// model 17.4 GiB of staging becomes ~3.6 GiB with N = 3, and the step ran no slower on the
   /// H200). N at least the number of streamed layers stages as 0 does (a ring that large takes no
   /// less pinned memory); so do plans of several micro-batches (the staging holds each layer's sum
@@ -166,7 +167,7 @@ class CudaCausalLm {
   /// segment-sized buffer that is uploaded and reused, so building needs no copy of the whole
   /// model's weights in host memory (the 5.13B model's are 19.1 GiB). Errc::unsupported for layers
   /// the CUDA decoder layer does not implement or a state precision it does not keep (naming the
-  /// field, e.g. "plan precision.moments is fp16"), Errc::out_of_budget (naming the claimant) when the
+  /// field, e.g. "CudaCausalLm: precision.moments is fp16; it keeps fp32 or bf16 moments"), Errc::out_of_budget (naming the claimant) when the
   /// buffers the plan needs do not fit the device arena; what the source throws propagates.
   CudaCausalLm(const ModelSpec& spec, const Plan& plan, const SegmentWeightSource& weights, CudaCausalLmOptions options);
   /// The same from weights in memory: `weights[s]` holds spec.segments()[s]'s values
