@@ -299,10 +299,4 @@ void HostCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
   if (!tied_) set(lm_head_);
 }
 
-Bytes HostCausalLm::ends_bytes() const {
-  std::uint64_t n = 0;
-  for (const End* e : {&embedding_, &final_norm_, &lm_head_}) n += e->master.size();
-  return Bytes{n * (2 * sizeof(float) + sizeof(bf16))} + 2 * bytes_of(plan_.precision.moments, n);
-}
-
 }  // namespace oom::train

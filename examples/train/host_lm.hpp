@@ -68,9 +68,6 @@ class HostCausalLm {
   void record_next_step(Timeline* timeline) { executor_->record_next_step(timeline); }
   /// Progress of the decoder stack's passes (see HostExecutor::on_layer).
   void on_layer(LayerProgressFn fn) { executor_->on_layer(std::move(fn)); }
-  /// Bytes of the ends' state (fp32 master and gradient, moments at the plan's precision, bf16
-  /// copy), outside the backend's arenas.
-  [[nodiscard]] Bytes ends_bytes() const;
 
  private:
   struct End {  // one segment outside the decoder stack
