@@ -525,6 +525,8 @@ fi
 # "deepspeed-zero3" (parameters on the host too; bench/baselines/deepspeed_offload.py). DeepSpeed
 # comes from .whl/ (scripts/fetch-peer-wheels.sh; carry it to the GPU machine), installed into
 # $build_dir/peer-python; its CPU Adam is built on first use into $build_dir/torch-extensions.
+# PEER_OOM_ARGS: more oom-train flags for OOM's run (e.g. "--moments bf16": then not the peers'
+# fp32-moment step, say so beside its figures).
 # PEER_STEPS (default 4) steps each, the first not counted. PEER_SAME_INIT=1: oom-train saves its
 # initial weights (--save-initial) and the peers start from them (--init-from), so the losses
 # compare step for step (the file's pages then count in the peers' host high-water mark; default
@@ -579,7 +581,7 @@ if [[ "$parts" == *" peers "* ]]; then
     if limited "${SEQ_TIMEOUT:-300}" "$build_dir/examples/train/oom-train" --backend cuda --config "$peer_config" \
         --out "$run" --overwrite --seq "$seq" --batch "$batch" --steps "${PEER_STEPS:-4}" --lr 3e-4 --weight-decay 0.01 \
         --log-every 1 --checkpoint-every 0 --dump-batches "$run.tok" $([[ "${PEER_SAME_INIT:-0}" == 1 ]] && echo --save-initial) \
-        > "$out/peer-oom-$seq-$batch.log" 2>&1; then
+        ${PEER_OOM_ARGS:-} > "$out/peer-oom-$seq-$batch.log" 2>&1; then
       cp "$run/metrics.jsonl" "$out/peer-oom-$seq-$batch.jsonl"
     else
       echo "oom-train failed at seq $seq x batch $batch (peer-oom-$seq-$batch.log): its peers are not run" >&2

@@ -29,7 +29,9 @@ wait "$pid" 2> /dev/null || true
 killed_at=$(wc -l < "$work/killed/metrics.jsonl")
 echo "killed after $killed_at logged steps; latest: $(cat "$work/killed/latest")"
 [[ "$(cat "$work/killed/latest")" == checkpoint-000008 ]] || { echo "FAIL: latest is not checkpoint-000008"; exit 1; }
-[[ "$killed_at" -gt 8 && "$killed_at" -lt 12 ]] || { echo "FAIL: killed after $killed_at steps, not between checkpoints 8 and 12"; exit 1; }
+# Step 12 logged with `latest` still at 8 is a kill during checkpoint 12's save (an H100 ran the
+# CUDA run's steps ~ms apart and landed there): resuming from 8 is the same test.
+[[ "$killed_at" -gt 8 && "$killed_at" -le 12 ]] || { echo "FAIL: killed after $killed_at steps, not between checkpoints 8 and 12"; exit 1; }
 
 "$train" "${args[@]}" --out "$work/killed" --resume > "$work/resumed.log"
 grep -q "resumed from .*checkpoint-000008 at step 8" "$work/resumed.log"
