@@ -100,6 +100,17 @@ Plan random_plan(const std::vector<test::MoeMlpLayer>& layers, std::uint64_t tok
   return p;
 }
 
+/// A small random MoE stack: hidden 8 or 16, 2-8 experts, top 1-2, 3-32 tokens, 1-4 layers.
+Case random_case(std::mt19937_64& rng) {
+  return {8 + 8 * (rng() % 2), std::uint64_t{2} << (rng() % 3), 1 + rng() % 2, 8 + 8 * (rng() % 2), 3 + rng() % 30,
+          1 + static_cast<int>(rng() % 4)};
+}
+std::vector<test::MoeMlpLayer> layers_of(const Case& c) {
+  std::vector<test::MoeMlpLayer> layers;
+  for (int l = 0; l < c.layers; ++l) layers.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+  return layers;
+}
+
 struct Result {
   std::vector<std::vector<float>> master;
   std::vector<SegmentOptimizerState> state;
@@ -109,8 +120,7 @@ struct Result {
 };
 
 Result train(const Case& c, const Plan& plan, std::uint64_t seed, LayerExecutorOptions options = {}) {
-  std::vector<test::MoeMlpLayer> layers;
-  for (int l = 0; l < c.layers; ++l) layers.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+  std::vector<test::MoeMlpLayer> layers = layers_of(c);
   std::vector<std::vector<float>> init;
   std::uint64_t s = seed;
   for (const auto& l : layers)
@@ -141,10 +151,8 @@ TEST_CASE("60 random (model, plan) pairs: 3 steps give the resident plan's weigh
   std::mt19937_64 rng(42);
   int streamed_plans = 0, regenerating_plans = 0;
   for (int i = 0; i < 60; ++i) {
-    const Case c{8 + 8 * (rng() % 2), std::uint64_t{2} << (rng() % 3), 1 + rng() % 2, 8 + 8 * (rng() % 2), 3 + rng() % 30,
-                 1 + static_cast<int>(rng() % 4)};
-    std::vector<test::MoeMlpLayer> shape;
-    for (int l = 0; l < c.layers; ++l) shape.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+    const Case c = random_case(rng);
+    const std::vector<test::MoeMlpLayer> shape = layers_of(c);
     const Plan reference = resident_plan(shape, c.tokens);
     const Plan plan = random_plan(shape, c.tokens, rng);
     regenerating_plans += std::any_of(plan.retention.begin(), plan.retention.end(),
@@ -175,10 +183,8 @@ TEST_CASE("bf16 moments: every plan computes the resident plan's step; the momen
   };
   int differing = 0;
   for (int i = 0; i < 20; ++i) {
-    const Case c{8 + 8 * (rng() % 2), std::uint64_t{2} << (rng() % 3), 1 + rng() % 2, 8 + 8 * (rng() % 2), 3 + rng() % 30,
-                 1 + static_cast<int>(rng() % 4)};
-    std::vector<test::MoeMlpLayer> shape;
-    for (int l = 0; l < c.layers; ++l) shape.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+    const Case c = random_case(rng);
+    const std::vector<test::MoeMlpLayer> shape = layers_of(c);
     const Plan fp32_reference = resident_plan(shape, c.tokens);
     const Plan reference = bf16_moments(fp32_reference);
     // Resident segments take the backend's device AdamW, streamed ones the CPU's: both kinds in
@@ -213,8 +219,7 @@ TEST_CASE("bf16 moments: every plan computes the resident plan's step; the momen
 
 TEST_CASE("executors made and destroyed on one backend leave no streams behind") {
   const Case c{16, 4, 2, 16, 12, 2};
-  std::vector<test::MoeMlpLayer> layers;
-  for (int l = 0; l < c.layers; ++l) layers.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+  std::vector<test::MoeMlpLayer> layers = layers_of(c);
   std::vector<std::vector<float>> init;
   std::uint64_t seed = 3;
   for (const auto& l : layers)
@@ -247,8 +252,7 @@ TEST_CASE("dropping the wait for a layer's weights is caught") {
   // One slot: the load of layer l+1 starts when layer l's compute ends, and a compute that does
   // not wait for it reads a slot being poisoned and refilled.
   const Case c{16, 4, 2, 16, 24, 4};
-  std::vector<test::MoeMlpLayer> shape;
-  for (int l = 0; l < c.layers; ++l) shape.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+  const std::vector<test::MoeMlpLayer> shape = layers_of(c);
   const Plan reference = resident_plan(shape, c.tokens);
   Plan streamed = reference;
   streamed.resident_segments.clear();
@@ -262,8 +266,7 @@ TEST_CASE("dropping the wait for a layer's weights is caught") {
 
 TEST_CASE("the device arena enforces the plan's budget, naming the claimant") {
   const Case c{16, 4, 2, 16, 32, 2};
-  std::vector<test::MoeMlpLayer> shape;
-  for (int l = 0; l < c.layers; ++l) shape.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+  const std::vector<test::MoeMlpLayer> shape = layers_of(c);
   Plan plan = resident_plan(shape, c.tokens);
   const Result roomy = train(c, plan, 3);
   CHECK(roomy.device_peak <= plan.gpu_budget);
@@ -280,8 +283,7 @@ struct Stack {
   Case c;
   std::vector<test::MoeMlpLayer> layers;
   std::vector<std::vector<float>> init;
-  explicit Stack(const Case& cs, std::uint64_t seed) : c(cs) {
-    for (int l = 0; l < c.layers; ++l) layers.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+  explicit Stack(const Case& cs, std::uint64_t seed) : c(cs), layers(layers_of(cs)) {
     for (const auto& l : layers)
       for (const auto& seg : l.segments()) init.push_back(test::random_normal(seg.parameters(), ++seed, 0.3f));
   }
@@ -658,8 +660,7 @@ TEST_CASE("the CPU AdamW's thread count changes no bit") {
   // Experts of 3 x 64 x 128 = 24,576 parameters: two of the AdamW's 16,384-element tiles each, so
   // four threads do split a segment.
   const Case c{64, 2, 1, 128, 8, 2};
-  std::vector<test::MoeMlpLayer> shape;
-  for (int l = 0; l < c.layers; ++l) shape.emplace_back(l, c.hidden, c.experts, c.top_k, c.inter);
+  const std::vector<test::MoeMlpLayer> shape = layers_of(c);
   Plan streamed = resident_plan(shape, c.tokens);
   streamed.resident_segments.clear();  // every segment updated by the CPU AdamW
   LayerExecutorOptions one, four;
