@@ -834,7 +834,26 @@ int run(Args a) {
     // Another model's checkpoint said so, rather than by the first tensor of another shape.
     if (read_text(*latest / "config.json") != config_text)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", latest->string(), config_name));
-    ckpt.emplace(*latest, spec);
+    try {
+      ckpt.emplace(*latest, spec);
+    } catch (const Error& e) {
+      // A damaged latest checkpoint: say which older one opens, and how to resume from it.
+      std::string older;
+      const auto all = complete_checkpoints(a.out);
+      const auto named = std::find_if(all.begin(), all.end(), [&](const auto& c) { return c.second.filename() == latest->filename(); });
+      for (auto it = std::make_reverse_iterator(named); it != all.rend(); ++it) {  // older than latest's, newest first
+        try {
+          (void)CheckpointReader(it->second, spec);
+          older = fmt::format("; {} opens (its files and tensors check out): to resume from it, `echo {} > {}`", it->second.string(),
+                              it->second.filename().string(), (a.out / "latest").string());
+        } catch (const Error&) {
+          continue;  // damaged too: look further back
+        }
+        break;
+      }
+      throw Error(e.code(), fmt::format("--resume: {}{}", e.message(), older.empty() ? "; no older checkpoint here opens" : older),
+                  e.file(), e.line());
+    }
   }
 
   optim::AdamWConfig adamw;

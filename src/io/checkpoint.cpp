@@ -119,16 +119,6 @@ std::optional<std::uint64_t> checkpoint_step(std::string_view name) {
   return step;
 }
 
-// The complete checkpoints in `run_dir` (directories "checkpoint-<step>"; a .partial or .old is
-// none), by step.
-std::vector<std::pair<std::uint64_t, fs::path>> complete_checkpoints(const fs::path& run_dir) {
-  std::vector<std::pair<std::uint64_t, fs::path>> out;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(run_dir, ec))
-    if (const auto step = checkpoint_step(e.path().filename().string()); step && e.is_directory(ec)) out.emplace_back(*step, e.path());
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 // Where save_checkpoint moves an earlier checkpoint of the same step while it renames the new one in.
 fs::path set_aside(const fs::path& dir) {
@@ -350,6 +340,15 @@ void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<f
 }
 
 }  // namespace
+
+std::vector<std::pair<std::uint64_t, fs::path>> complete_checkpoints(const fs::path& run_dir) {
+  std::vector<std::pair<std::uint64_t, fs::path>> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(run_dir, ec))
+    if (const auto step = checkpoint_step(e.path().filename().string()); step && e.is_directory(ec)) out.emplace_back(*step, e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 std::string checkpoint_name(std::uint64_t step) { return fmt::format("checkpoint-{:06}", step); }
 

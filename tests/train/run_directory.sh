@@ -7,6 +7,7 @@
 #     missing or of another type is named with the checkpoint's file;
 #   - a checkpoint of another config is refused as such, not by its first tensor of another shape;
 #   - --resume refuses --init-from, and a --seed other than the checkpoint's;
+#   - a damaged latest checkpoint: --resume names the newest older one that opens and how to use it;
 #   - --resume keeps the checkpoint's AdamW moments (bf16 ones are bf16 values in it) and refuses others, both ways;
 #   - a `latest` written with CRLF still resumes;
 #   - checkpoints without `latest` are a run: a new run there is refused (it had replaced them and
@@ -124,6 +125,21 @@ rc=$?
 rc=$?
 [[ $rc -eq 2 ]] && grep -q -- "--resume and --init-from exclude each other" "$work/init.err" &&
   echo "ok   resume-init-from: $(cat "$work/init.err")" || fail "resume-init-from: exit $rc" "$work/init.err"
+# A damaged latest checkpoint (its optimizer file cut in half): --resume names what is wrong and
+# the newest older checkpoint that opens, with the line that resumes from it; which then works.
+cp -r "$work/base" "$work/damaged"
+cut_file="$work/damaged/checkpoint-000008/optimizer.safetensors"
+truncate -s $(( $(stat -c %s "$cut_file") / 2 )) "$cut_file"
+"$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/damaged" --resume > /dev/null 2> "$work/damaged.err"
+rc=$?
+if [[ $rc -eq 2 ]] && grep -q "checkpoint-000008/optimizer.safetensors: .*; .*damaged/checkpoint-000004 opens (its files and tensors check out): to resume from it, \`echo checkpoint-000004 > .*damaged/latest\`" "$work/damaged.err"; then
+  echo checkpoint-000004 > "$work/damaged/latest"
+  if "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/damaged" --resume > /dev/null 2> "$work/damaged2.err" &&
+     [[ "$(cat "$work/damaged/latest")" == checkpoint-000010 ]]; then
+    echo "ok   damaged-latest: $(cat "$work/damaged.err")"
+  else fail "damaged-latest: the advice did not resume" "$work/damaged2.err"; fi
+else fail "damaged-latest: exit $rc" "$work/damaged.err"; fi
+
 # AdamW moments: a resumed run keeps the checkpoint's (bf16 here, without --moments); asking for
 # others is refused both ways (the state would be rounded or widened: another run than the one
 # saved). The bf16 run's moments are bf16 values in its checkpoint (the layers' and the ends'),

@@ -23,6 +23,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "oom/io/json.hpp"
@@ -55,6 +56,9 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
 
 /// The directory name of step `step`'s checkpoint: "checkpoint-" and the step, at least 6 digits.
 [[nodiscard]] std::string checkpoint_name(std::uint64_t step);
+/// The checkpoint directories in `run_dir` ("checkpoint-<step>"; a ".partial" or ".old" is none),
+/// by step, lowest first; none where `run_dir` cannot be read. Their files are not checked.
+[[nodiscard]] std::vector<std::pair<std::uint64_t, std::filesystem::path>> complete_checkpoints(const std::filesystem::path& run_dir);
 
 /// The checkpoint `latest` names in `run_dir`, or nullopt when there is none yet (neither `latest`
 /// nor a checkpoint directory). Errc::parse when `latest` exists but names no checkpoint directory
