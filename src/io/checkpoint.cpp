@@ -454,8 +454,13 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   write_file_atomically(run_dir / "latest", name + "\n");
   fs::remove_all(aside, ec);
 
-  // Keep the newest `keep` complete checkpoints by step; `latest` is always among them.
-  const auto complete = complete_checkpoints(run_dir);
+  // Keep the newest `keep` complete checkpoints by step up to this one; `latest` is always among
+  // them. Those of higher steps are a continuation the run left (it resumed from an earlier one):
+  // neither counted nor removed, so they no longer push this run's own fallbacks out (with two of
+  // them and keep 2 only `latest` had stayed of this run); each is replaced when the run saves
+  // its step.
+  auto complete = complete_checkpoints(run_dir);
+  std::erase_if(complete, [&](const auto& c) { return c.first > what.step; });
   const std::size_t keep = static_cast<std::size_t>(std::max(what.keep, 1));
   for (std::size_t i = 0; i + keep < complete.size(); ++i) {
     const fs::path& old = complete[i].second;

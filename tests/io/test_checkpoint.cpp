@@ -107,6 +107,27 @@ TEST_CASE("a checkpoint round-trips the optimizer state bit for bit; latest name
   fs::remove_all(dir);
 }
 
+TEST_CASE("pruning keeps this run's newest checkpoints; those of higher steps (a continuation left behind) are neither counted nor removed") {
+  const auto spec = tiny();
+  const auto dir = fresh_dir("abandoned");
+  const auto st = random_state(spec, 4);
+  for (std::uint64_t step : {4, 8, 12, 16}) (void)save_checkpoint(dir, spec, st, {step, "{}", Json::object(), 4});
+  // Resumed from checkpoint 4 (`latest` edited back): the run saves 6 and 7 with keep 2.
+  (void)save_checkpoint(dir, spec, st, {6, "{}", Json::object(), 2});
+  (void)save_checkpoint(dir, spec, st, {7, "{}", Json::object(), 2});
+  CHECK(*latest_checkpoint(dir) == dir / "checkpoint-000007");
+  // The run's own two newest stay (keep 2 had left only 7 beside the higher ones); 8-16 untouched.
+  std::vector<std::uint64_t> steps;
+  for (const auto& [step, path] : complete_checkpoints(dir)) steps.push_back(step);
+  CHECK(steps == std::vector<std::uint64_t>{6, 7, 8, 12, 16});
+  // Saving over a higher step replaces it, and the ones below it count again.
+  (void)save_checkpoint(dir, spec, st, {8, "{}", Json::object(), 2});
+  steps.clear();
+  for (const auto& [step, path] : complete_checkpoints(dir)) steps.push_back(step);
+  CHECK(steps == std::vector<std::uint64_t>{7, 8, 12, 16});
+  fs::remove_all(dir);
+}
+
 TEST_CASE("packed expert tensors are gathered from their segments and split again") {
   // A small Qwen3.5-MoE: experts packed per layer as gate_up_proj [E, 2I, H] and down_proj [E, H, I].
   Json j = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/qwen3.5-35b-a3b.json");

@@ -45,7 +45,9 @@ struct CheckpointWrite {
 /// Errc::invalid_argument when `state` does not match the spec's segments; Errc::io on write errors
 /// (nothing under the checkpoint's final name then), and before anything is written when the file
 /// system has less room than the weights and moments take (naming both). Of the checkpoints in
-/// `run_dir`, the `keep` with the highest steps are kept, pruned once the new one is complete.
+/// `run_dir` up to this step, the `keep` with the highest steps are kept, pruned once the new one is
+/// complete; those of higher steps (a continuation left by resuming from an earlier checkpoint)
+/// are left alone and not counted.
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const ModelSpec& spec,
                                       std::span<const SegmentOptimizerState> state, const CheckpointWrite& what);
 /// The same from views of the state where it lives (an executor's StateSnapshot): the values are
