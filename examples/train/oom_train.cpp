@@ -753,9 +753,9 @@ int run(Args a) {
     try {
       require_kept_precision(plan.precision, "its plan");
     } catch (const Error& e) {
-      throw Error(Errc::invalid_argument, fmt::format("{}: {}{}", a.plan, e.message(),
-                                                      e.message().find("moments") != std::string::npos
-                                                          ? " (plan again with oom-plan --moments fp32 or bf16)" : ""));
+      throw Error(Errc::invalid_argument,
+                  fmt::format("{}: {} (plan again with oom-plan, whose plans keep these: its --moments is fp32 or bf16)", a.plan,
+                              e.message()));
     }
     if (a.moments && *a.moments != plan.precision.moments)
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} AdamW moments, the run asks for {} (--moments; oom-plan --moments "

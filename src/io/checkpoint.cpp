@@ -119,7 +119,6 @@ std::optional<std::uint64_t> checkpoint_step(std::string_view name) {
   return step;
 }
 
-
 // Where save_checkpoint moves an earlier checkpoint of the same step while it renames the new one in.
 fs::path set_aside(const fs::path& dir) {
   fs::path p = dir;

@@ -121,7 +121,7 @@ struct CudaCausalLm::Impl {
     // alone by its layer's backward (CudaCausalLmOptions::leave_unrouted_expert_grads).
     bool grad_zero = false;
     std::uint64_t slot_offset = 0;  // elements into its layer's weight/gradient slot (streamed)
-    // AdamW moments m and v are fp32 or bf16 as the plan says (Impl::moments_bf16): untyped here,
+    // AdamW moments m and v are fp32 or bf16 as the plan says (Impl::moments_bf16()): untyped here,
     // typed by moment<M>() where they are used.
     // resident (device)
     bf16* dw = nullptr;
@@ -132,7 +132,7 @@ struct CudaCausalLm::Impl {
     float *hmaster = nullptr, *hgrad = nullptr;
     void *hm = nullptr, *hv = nullptr;
   };
-  /// A segment's moment array as `M` (float or bf16, as moments_bf16 says).
+  /// A segment's moment array as `M` (float or bf16, as moments_bf16() says).
   template <class M>
   static M* moment(void* p) { return static_cast<M*>(p); }
   // The CPU AdamW of one layer's streamed segments, run by a host function on the cpu stream.
@@ -178,8 +178,8 @@ struct CudaCausalLm::Impl {
   std::vector<Segment> segs;
   std::vector<Layer> layers;
   // AdamW moments in bf16 (plan.precision.moments), else fp32: every segment's, on either side.
-  bool moments_bf16 = false;
-  std::size_t moment_bytes() const { return moments_bf16 ? sizeof(bf16) : sizeof(float); }
+  bool moments_bf16() const { return plan.precision.moments == DType::bf16; }
+  std::size_t moment_bytes() const { return size_of(plan.precision.moments); }
   std::size_t emb = 0, norm = 0, head = 0;  // segment indices of the ends (head == emb when tied)
   CudaBackend::Stream cs, h2d, d2h, cpu;
   CudaBackend::Stream us;  // resident AdamW beside the backward (options.overlap_updates), lowest priority
@@ -252,7 +252,7 @@ struct CudaCausalLm::Impl {
   /// gradient not read: null grads).
   template <class Range>
   void adamw_resident(const optim::AdamWStepScalars& scalars, const Range& which, cudaStream_t s) {
-    if (moments_bf16) adamw_resident_as<bf16>(scalars, which, s);
+    if (moments_bf16()) adamw_resident_as<bf16>(scalars, which, s);
     else adamw_resident_as<float>(scalars, which, s);
   }
   template <class M, class Range>
@@ -516,7 +516,6 @@ void CudaCausalLm::Impl::build(const SegmentWeightSource* weights) {
   const auto& all = spec->segments();
   // Before anything is sized or allocated: a plan counted at another precision would miss its memory.
   require_kept_precision(plan.precision, "CudaCausalLm");
-  moments_bf16 = plan.precision.moments == DType::bf16;
   if (plan.gpus != 1)
     OOM_THROW(Errc::unsupported, fmt::format("the CUDA trainer runs on one GPU (the plan has {})", plan.gpus));
   refuse_unrunnable_micro_batch(plan.workload);
@@ -845,7 +844,7 @@ void CUDART_CB CudaCausalLm::Impl::cpu_update(void* p) {
       optim::adamw_update(span, u->scalars, u->self->pool);
     };
     for (auto* g : u->segments) {
-      if (u->self->moments_bf16) update.template operator()<bf16>(g);
+      if (u->self->moments_bf16()) update.template operator()<bf16>(g);
       else update.template operator()<float>(g);
     }
   } catch (...) {
@@ -1550,7 +1549,7 @@ CudaCausalLm::StepResult CudaCausalLm::step(std::span<const std::uint32_t> input
 StateSnapshot CudaCausalLm::state_views() {
   impl_->sync_all();
   StateSnapshot snap;
-  const bool bf16_moments = impl_->moments_bf16;
+  const bool bf16_moments = impl_->moments_bf16();
   for (auto& g : impl_->segs) {
     if (!g.resident && !bf16_moments) {
       snap.views.emplace_back(std::span<const float>(g.hmaster, g.n), std::span<const float>(Impl::moment<float>(g.hm), g.n),
@@ -1624,7 +1623,7 @@ void CudaCausalLm::load(const std::vector<SegmentOptimizerState>& state, std::in
 
 void CudaCausalLm::load(const SegmentStateSource& source, std::int64_t optimizer_steps) {
   auto& segs = impl_->segs;
-  const bool bf16_moments = impl_->moments_bf16;
+  const bool bf16_moments = impl_->moments_bf16();
   impl_->sync_all();
   // A resident segment's values on their way to the GPU; with bf16 moments, also a streamed one's
   // moments on their way to rounding.
