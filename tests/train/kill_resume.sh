@@ -16,25 +16,38 @@ last=$(tail -1 "$work/straight/metrics.jsonl" | sed -E 's/.*"loss":([^,]+),.*/\1
 awk -v f="$first" -v l="$last" 'BEGIN { exit !(f - l > 1.0) }' || { echo "FAIL: loss $first -> $last did not fall"; exit 1; }
 echo "loss $first -> $last over 24 steps"
 
-"$train" "${args[@]}" --out "$work/killed" > "$work/killed.log" &
-pid=$!
-# Kill it two steps after its second checkpoint (step 8), mid-way to the third (step 12).
-for _ in $(seq 1 6000); do
-  if grep -qs "checkpoint-000008" "$work/killed/latest" && [[ $(wc -l < "$work/killed/metrics.jsonl") -ge 10 ]]; then break; fi
-  if ! kill -0 "$pid" 2> /dev/null; then echo "FAIL: the run ended before it could be killed"; exit 1; fi
-  sleep 0.01
+# Killed two steps after its second checkpoint (step 8), mid-way to the third, where the poll
+# catches it there. The kill lands wherever the run is by then: on a fast GPU the steps are ~ms
+# apart (an H100 ran the CUDA run's to step 12, its checkpoint 12 being saved, 2026-12-06), so any
+# checkpoint from 8 to 20 with steps logged after it is the same test; a run that ends before the
+# kill is started again (at most 3 tries).
+killed_ok=0
+for try in 1 2 3; do
+  rm -rf "$work/killed"
+  "$train" "${args[@]}" --out "$work/killed" > "$work/killed.log" &
+  pid=$!
+  for _ in $(seq 1 6000); do
+    if grep -qs "checkpoint-0000[0-9][0-9]" "$work/killed/latest" && ! grep -qs "checkpoint-000004" "$work/killed/latest" &&
+      [[ $(wc -l < "$work/killed/metrics.jsonl") -ge 10 ]]; then break; fi
+    if ! kill -0 "$pid" 2> /dev/null; then break; fi
+    sleep 0.01
+  done
+  kill -9 "$pid" 2> /dev/null || true
+  wait "$pid" 2> /dev/null || true
+  killed_at=$(wc -l < "$work/killed/metrics.jsonl" 2> /dev/null || echo 0)
+  latest=$(cat "$work/killed/latest" 2> /dev/null || true)
+  saved=0
+  [[ "$latest" =~ ^checkpoint-[0-9]{6}$ ]] && saved=$((10#${latest#checkpoint-}))
+  echo "try $try: killed after $killed_at logged steps; latest: $latest"
+  if [[ "$saved" -ge 8 && "$saved" -le 20 && "$killed_at" -gt "$saved" && "$killed_at" -le 24 ]]; then
+    killed_ok=1
+    break
+  fi
 done
-kill -9 "$pid"
-wait "$pid" 2> /dev/null || true
-killed_at=$(wc -l < "$work/killed/metrics.jsonl")
-echo "killed after $killed_at logged steps; latest: $(cat "$work/killed/latest")"
-[[ "$(cat "$work/killed/latest")" == checkpoint-000008 ]] || { echo "FAIL: latest is not checkpoint-000008"; exit 1; }
-# Step 12 logged with `latest` still at 8 is a kill during checkpoint 12's save (an H100 ran the
-# CUDA run's steps ~ms apart and landed there): resuming from 8 is the same test.
-[[ "$killed_at" -gt 8 && "$killed_at" -le 12 ]] || { echo "FAIL: killed after $killed_at steps, not between checkpoints 8 and 12"; exit 1; }
+[[ "$killed_ok" -eq 1 ]] || { echo "FAIL: three runs ended, or were killed, outside checkpoints 8-20 with steps after them"; exit 1; }
 
 "$train" "${args[@]}" --out "$work/killed" --resume > "$work/resumed.log"
-grep -q "resumed from .*checkpoint-000008 at step 8" "$work/resumed.log"
+grep -q "resumed from .*$latest at step $saved" "$work/resumed.log"
 
 loss() { sed -E 's/.*"step":([0-9]+).*"loss":([^,]+),.*/\1 \2/' "$1"; }
 if ! diff <(loss "$work/straight/metrics.jsonl") <(loss "$work/killed/metrics.jsonl"); then
