@@ -22,7 +22,8 @@
 # PARTS=moments builds and runs only what AdamW moments in bf16 (--moments bf16) touch on a GPU: the
 # GPU AdamW's, CudaCausalLm's and the CudaLayerExecutor's tests, a GPU run killed and resumed with
 # them, and the 5.13B model (or MOMENTS_CONFIG) at MOMENTS_SEQ (4096) with fp32 then bf16 moments
-# in one call (tokens/s, residency, memory; docs/runtime.md).
+# in one call (tokens/s, residency, memory; docs/runtime.md); MOMENTS_PRECISIONS="bf16" runs only
+# those (a MOMENTS_CONFIG only bf16 moments fit).
 # PARTS=group builds and runs only the multi-GPU group's tests and a quick oom-calibrate over every
 # GPU (kind nvidia-h200-x2: docs/multi-gpu.md, slice 1).
 # On a fresh machine that build can outlast a device call (580 s, 2026-12-01): the build stops
@@ -361,7 +362,7 @@ if [[ "$parts" == *" moments "* ]]; then
     limited 120 bash tests/train/kill_resume.sh "$build_dir/examples/train/oom-train" > "$out/kill-resume-bf16.log" 2>&1 || gpu_rc=1
   echo "kill+resume, cuda, bf16 moments: $(tail -1 "$out/kill-resume-bf16.log")" >> "$out/train-summary.log"
   mcfg=${MOMENTS_CONFIG:-examples/configs/moe-5b.json}
-  for m in fp32 bf16; do
+  for m in ${MOMENTS_PRECISIONS:-fp32 bf16}; do
     limited 150 "$build_dir/examples/train/oom-train" --backend cuda --config "$mcfg" --seq "${MOMENTS_SEQ:-4096}" --steps 6 --lr 3e-4 \
       --moments "$m" --log-every 1 --checkpoint-every 0 --overwrite --out "$out/run-moments-$m" > "$out/train-moments-$m.log" 2>&1 || gpu_rc=1
     {

@@ -20,8 +20,9 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <thread>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <fmt/format.h>
@@ -219,26 +220,37 @@ struct CpuAdamw {
   std::string isa;
 };
 
-/// OOM's CPU AdamW (fp32 master and moments, bf16 weights written out, as the trainer runs it) over
-/// `params` parameters on all cores, median of `repeats` steps after one warm-up step. The warm-up
-/// step is checked against adamw_element, the per-element definition, at a few indices.
+/// OOM's CPU AdamW (fp32 master, moments of type M: fp32, or bf16 as with --moments bf16; bf16
+/// weights written out, as the trainer runs it) over `params` parameters on all cores, median of
+/// `repeats` steps after one warm-up step. The warm-up step is checked against adamw_element, the
+/// per-element definition, at a few indices.
+template <class M>
 CpuAdamw measure_cpu_adamw(std::size_t params, int repeats) {
   using namespace oom::optim;
-  std::vector<float> master(params), m(params), v(params), g(params);
-  std::vector<bf16> out(params);
+  std::vector<float> master(params), g(params);
+  std::vector<M> m(params), v(params);
+  const auto moment = [](float x) {
+    if constexpr (std::is_same_v<M, float>) return x;
+    else return to_bf16(x);
+  };
+  const auto widen = [](M x) {
+    if constexpr (std::is_same_v<M, float>) return x;
+    else return to_float(x);
+  };
   for (std::size_t i = 0; i < params; ++i) {
     master[i] = static_cast<float>((i * 2654435761u) % 2001) * 1e-3f - 1.0f;
-    m[i] = 1e-3f * static_cast<float>(i % 7);
-    v[i] = 1e-6f * static_cast<float>(i % 5);
+    m[i] = moment(1e-3f * static_cast<float>(i % 7));
+    v[i] = moment(1e-6f * static_cast<float>(i % 5));
     g[i] = static_cast<float>((i * 40503u) % 1001) * 1e-5f - 5e-3f;
   }
+  std::vector<bf16> out(params);
   // The threads the CUDA executor gives it: all but one (CudaCausalLmOptions::cpu_threads).
   ThreadPool pool(optimizer_threads());
-  const AdamWSpan<float> span{master, m, v, g, out};
+  const AdamWSpan<M> span{master, m, v, g, out};
   const std::size_t probes[] = {0, params / 3, params - 1};
   struct Saved { float p, m, v, g; };
   std::vector<Saved> saved;
-  for (std::size_t i : probes) saved.push_back({master[i], m[i], v[i], g[i]});
+  for (std::size_t i : probes) saved.push_back({master[i], widen(m[i]), widen(v[i]), g[i]});
   const AdamWConfig config;
   adamw_update(span, adamw_step_scalars(config, 1), pool);
   bool ok = true;
@@ -247,10 +259,12 @@ CpuAdamw measure_cpu_adamw(std::size_t params, int repeats) {
     float p = saved[k].p, mm = saved[k].m, vv = saved[k].v;
     adamw_element(s1, p, mm, vv, saved[k].g);
     const std::size_t i = probes[k];
-    // The kernels promise the element's exact bits; allow an ulp so a benign difference in a future
-    // ISA does not void a whole calibration, while a wrong kernel is still caught.
+    // The kernels promise the element's exact bits (bf16 moments stored rounded to nearest even);
+    // allow an ulp so a benign difference in a future ISA does not void a whole calibration, while
+    // a wrong kernel is still caught.
     auto near = [](float a, float b) { return std::fabs(a - b) <= 1e-6f * std::max(1.0f, std::fabs(b)); };
-    ok = ok && near(master[i], p) && near(m[i], mm) && near(v[i], vv) && near(to_float(out[i]), to_float(to_bf16(p)));
+    ok = ok && near(master[i], p) && near(widen(m[i]), widen(moment(mm))) && near(widen(v[i]), widen(moment(vv))) &&
+         near(to_float(out[i]), to_float(to_bf16(p)));
   }
   std::vector<double> t;
   for (int r = 0; r < repeats; ++r) {
@@ -530,7 +544,7 @@ int run(const Options& opt) {
   const std::size_t adamw_params = q ? (std::size_t{1} << 23) : (std::size_t{1} << 26);
   progress.begin(fmt::format("CPU AdamW, {}M parameters, fp32 master and moments, bf16 weights out",
                              adamw_params >> 20));
-  const auto aw = measure_cpu_adamw(adamw_params, q ? 3 : 7);
+  const auto aw = measure_cpu_adamw<float>(adamw_params, q ? 3 : 7);
   p.cpu_adamw_params_per_s = aw.params_per_s;
   measured("cpu_adamw_params_per_s",
            fmt::format("oom::optim::adamw_update {} on {} threads, {} parameters (fp32 master/m/v, fp32 grads, bf16 "
@@ -539,6 +553,20 @@ int run(const Options& opt) {
   progress.end(fmt::format("{:.2f} G params/s ({} bytes/s moved at 30 B/param; PyTorch's foreach AdamW: 0.82 G){}",
                            aw.params_per_s / 1e9, gbps(aw.params_per_s * 30), check(aw.verified, "CPU AdamW result")),
                aw.params_per_s, ref.cpu_adamw_params_per_s);
+
+  progress.begin(fmt::format("CPU AdamW, {}M parameters, fp32 master, bf16 moments (--moments bf16), bf16 weights out",
+                             adamw_params >> 20));
+  const auto aw16 = measure_cpu_adamw<bf16>(adamw_params, q ? 3 : 7);
+  p.cpu_adamw_bf16_moments_params_per_s = aw16.params_per_s;
+  measured("cpu_adamw_bf16_moments_params_per_s",
+           fmt::format("oom::optim::adamw_update {} on {} threads, {} parameters (fp32 master, bf16 m/v, fp32 grads, bf16 "
+                       "weights out: ~22 bytes per parameter), median of {} steps",
+                       aw16.isa, aw16.threads, adamw_params, q ? 3 : 7));
+  progress.end(fmt::format("{:.2f} G params/s ({} bytes/s moved at 22 B/param; {:.2f}x the fp32 moments' rate, {:.2f}x by the "
+                           "bytes){}",
+                           aw16.params_per_s / 1e9, gbps(aw16.params_per_s * 22), aw16.params_per_s / aw.params_per_s, 30.0 / 22.0,
+                           check(aw16.verified, "CPU AdamW result, bf16 moments")),
+               aw16.params_per_s, ref.cpu_adamw_bf16_moments_params_per_s);
 
   if (gpus > 1) {
     const Bytes coll = q ? 64_MiB : 512_MiB;

@@ -398,11 +398,23 @@ TEST_CASE("cost model: each attention pass at its own rate; the CPU AdamW shares
   CHECK(streaming == doctest::Approx(idle * 36.0 / 30.0));
   CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 12}))[Resource::cpu] > streaming);
   CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 6}))[Resource::h2d] == 0.0);
-  // bf16 moments: 22 bytes a parameter against the 30 the rate was measured at, on either side
-  // (the streaming copies' share unchanged).
-  CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{}, DType::bf16))[Resource::cpu] == doctest::Approx(idle * 22.0 / 30.0));
+  // bf16 moments: at their own rate where the profile has one (the built-in H200's), the
+  // streaming copies' share as with fp32 moments.
+  const double idle16 = static_cast<double>(n) / p.cpu_adamw_bf16_moments_params_per_s;
+  CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{}, DType::bf16))[Resource::cpu] == doctest::Approx(idle16));
   CHECK(cost.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 6}, DType::bf16))[Resource::cpu] ==
+        doctest::Approx(idle16 + idle * 6.0 / 30.0));
+  // Without one (0: not measured), the fp32 rate scaled by the bytes: 22 a parameter against the
+  // 30 it was measured at.
+  MachineProfile unmeasured = p;
+  unmeasured.cpu_adamw_bf16_moments_params_per_s = 0;
+  const ProfileCostModel by_bytes(unmeasured);
+  CHECK(by_bytes.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{}, DType::bf16))[Resource::cpu] ==
+        doctest::Approx(idle * 22.0 / 30.0));
+  CHECK(by_bytes.predict(Operation::over(OpKind::cpu_optimizer, n, Bytes{n * 6}, DType::bf16))[Resource::cpu] ==
         doctest::Approx(idle * 28.0 / 30.0));
+  // fp32 moments never read the bf16 rate.
+  CHECK(by_bytes.predict(Operation::over(OpKind::cpu_optimizer, n))[Resource::cpu] == doctest::Approx(idle));
   const double gpu32 = cost.predict(Operation::over(OpKind::gpu_optimizer, n))[Resource::gpu_compute] - p.launch_overhead_s;
   const double gpu16 = cost.predict(Operation::over(OpKind::gpu_optimizer, n, Bytes{}, DType::bf16))[Resource::gpu_compute] -
                        p.launch_overhead_s;
@@ -521,6 +533,32 @@ TEST_CASE("the gated delta rule's rates: measured on the built-in H200, optional
     for (const ProfileCostModel* m : {&measured, &scan})
       CHECK(m->predict(Operation::delta_rule(true, 8192, 128, 128, 32))[Resource::gpu_compute] >=
             m->predict(bwd)[Resource::gpu_compute]);
+  }
+}
+
+TEST_CASE("the CPU AdamW's bf16-moment rate: an estimate on the built-in H200, optional in a file, measured by oom-calibrate") {
+  const MachineProfile h200 = MachineProfile::h200(1);
+  // The H200 machine's CPU ran bf16 moments 1.29x as fast as fp32 ones (bench_adamw), short of the
+  // 30 / 22 = 1.36x their bytes would give: the estimate says so.
+  CHECK(h200.cpu_adamw_bf16_moments_params_per_s == doctest::Approx(h200.cpu_adamw_params_per_s * 6.35 / 4.92));
+  CHECK(h200.cpu_adamw_bf16_moments_params_per_s < h200.cpu_adamw_params_per_s * 30.0 / 22.0);
+  CHECK(h200.provenance.at("cpu_adamw_bf16_moments_params_per_s").source.starts_with("ESTIMATE"));
+  // The estimated built-ins leave it unmeasured (the cost model scales their fp32 rate by bytes).
+  CHECK(MachineProfile::h100_80gb(1).cpu_adamw_bf16_moments_params_per_s == 0);
+  CHECK(MachineProfile::h100_80gb(1).provenance.count("cpu_adamw_bf16_moments_params_per_s") == 0);
+  // Written and read back (0 too); a file from before the field (every examples/profiles file) reads 0.
+  CHECK(MachineProfile::from_json(h200.to_json(), "t.json") == h200);
+  CHECK(MachineProfile::from_json(MachineProfile::h100_80gb(1).to_json(), "t.json") == MachineProfile::h100_80gb(1));
+  CHECK(MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h200-2026-12-04.json").cpu_adamw_bf16_moments_params_per_s == 0);
+  SUBCASE("negative") {
+    Json j = h200_json();
+    j.set("cpu_adamw_bf16_moments_params_per_s", -1);
+    CHECK(profile_error(j) == "profile t.json: field cpu_adamw_bf16_moments_params_per_s must be >= 0 (0: not measured), got -1");
+  }
+  SUBCASE("measured without provenance") {
+    MachineProfile p = h200;
+    p.provenance.erase("cpu_adamw_bf16_moments_params_per_s");
+    CHECK_THROWS_WITH_AS(p.validate("x"), doctest::Contains("cpu_adamw_bf16_moments_params_per_s has no provenance entry"), Error);
   }
 }
 

@@ -104,9 +104,13 @@ class ProfileCostModel {
         // executor's gradient check) takes its share of the same bandwidth. On the H200 machine at
         // 32K the in-step rate was 0.85x the idle calibration, as (30 + 6) / 30 predicts for a
         // layer's fp32 gradients down and bf16 weights up during its update.
-        // bf16 moments (op.dtype) move 22 bytes a parameter where the rate was measured at 30.
-        const double n = static_cast<double>(op.elements) * adamw_bytes_per_param(op.dtype) / cpu_adamw_bytes_per_param;
-        t[Resource::cpu] = (n + bytes / cpu_adamw_bytes_per_param) / profile_->cpu_adamw_params_per_s;
+        // bf16 moments (op.dtype) at their own calibrated rate where the profile has one, else at
+        // the fp32 rate scaled by the bytes moved (22 a parameter where it was measured at 30).
+        const double elements = static_cast<double>(op.elements);
+        const double update = op.dtype == DType::bf16 && profile_->cpu_adamw_bf16_moments_params_per_s > 0
+                                  ? elements / profile_->cpu_adamw_bf16_moments_params_per_s
+                                  : elements * adamw_bytes_per_param(op.dtype) / cpu_adamw_bytes_per_param / profile_->cpu_adamw_params_per_s;
+        t[Resource::cpu] = update + bytes / cpu_adamw_bytes_per_param / profile_->cpu_adamw_params_per_s;
         break;
       }
       case OpKind::gpu_optimizer:
