@@ -359,6 +359,9 @@ Args parse(int argc, char** argv) {
 }
 
 std::string read_text(const fs::path& p) {
+  // (An ifstream opens a directory and reads nothing from it: a --config naming one had been
+  // reported as JSON ending at its first byte.)
+  if (std::error_code ec; fs::is_directory(p, ec)) OOM_THROW(Errc::io, fmt::format("{}: is a directory, not a file", p.string()));
   std::ifstream f(p, std::ios::binary);
   if (!f) OOM_THROW(Errc::io, fmt::format("{}: cannot open", p.string()));
   std::ostringstream ss;
@@ -624,22 +627,51 @@ int run(Args a) {
     OOM_THROW(Errc::invalid_argument, fmt::format("{} already holds a run (latest {}); pass --resume to continue it or "
                                                   "--overwrite to start afresh", a.out.string(), latest->filename().string()));
   if (a.resume && !latest) OOM_THROW(Errc::invalid_argument, fmt::format("--resume: no checkpoint in {}", a.out.string()));
-  // A resumed run keeps the checkpoint's AdamW moments unless --moments (or a plan) says which: it
-  // is planned with them. (A trainer_state that cannot be read is left to the checkpoint's reader,
-  // whose errors name what is wrong; one without "moments" is from before --moments: fp32.)
-  if (a.resume && !a.moments && a.plan.empty()) {
-    std::error_code exists_ec;
-    if (const fs::path ts = *latest / "trainer_state.json"; fs::exists(ts, exists_ec)) {
-      std::optional<Json> state;
-      try {
-        state = read_json_file(ts);
-      } catch (const Error&) {  // the checkpoint's reader says what is wrong with it, below
+  // The checkpoint a resumed run continues, opened (every tensor checked) before it is planned: its
+  // trainer_state says which moments to plan with, and a damaged one is said before any planning.
+  // Read only into the model, segment by segment: no copy of the whole optimizer state in memory
+  // beside the model's own.
+  std::optional<CheckpointReader> ckpt;
+  if (a.resume) {
+    // The config it was trained with, compared as JSON (the same model in another layout is the
+    // same: the built-in one is tiny-moe.json's), then its files and tensors. A config.json that
+    // cannot be read is a damaged checkpoint like a tensor file cut short.
+    const auto open_checkpoint = [&](const fs::path& dir) {
+      const fs::path saved = dir / "config.json";
+      const Json saved_config = Json::parse(read_text(saved), saved.string());
+      if (saved_config != Json::parse(config_text, config_name))
+        throw Error(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", dir.string(),
+                                                        config_name));
+      return CheckpointReader(dir, spec);
+    };
+    try {
+      ckpt.emplace(open_checkpoint(*latest));
+    } catch (const Error& e) {
+      if (e.code() == Errc::invalid_argument) throw;  // another model's checkpoint, not a damaged one
+      // A damaged latest checkpoint: say which older one opens, and how to resume from it.
+      std::string older;
+      const auto all = complete_checkpoints(a.out);
+      const auto named = std::find_if(all.begin(), all.end(), [&](const auto& c) { return c.second.filename() == latest->filename(); });
+      for (auto it = std::make_reverse_iterator(named); it != all.rend(); ++it) {  // older than latest's, newest first
+        try {
+          (void)open_checkpoint(it->second);
+          older = fmt::format("; {} opens (its files and tensors check out): to resume from it, `echo {} > {}`", it->second.string(),
+                              it->second.filename().string(), (a.out / "latest").string());
+        } catch (const Error&) {
+          continue;  // damaged too (or another model's): look further back
+        }
+        break;
       }
-      if (state) {
-        const JsonCursor c(*state, ts.string());
-        a.moments = c["moments"].present() ? parse_moments(ts.string() + ": moments", c["moments"].as_string()) : DType::fp32;
-      }
+      throw Error(e.code(), fmt::format("--resume: {}{}", e.message(), older.empty() ? "; no older checkpoint here opens" : older),
+                  e.file(), e.line());
     }
+  }
+
+  // A resumed run keeps the checkpoint's AdamW moments unless --moments (or a plan) says which: it
+  // is planned with them (a trainer_state without "moments" is from before --moments: fp32).
+  if (ckpt && !a.moments && a.plan.empty()) {
+    const JsonCursor c(ckpt->trainer_state(), (*latest / "trainer_state.json").string());
+    a.moments = c["moments"].present() ? parse_moments(c["moments"].path(), c["moments"].as_string()) : DType::fp32;
   }
 
   fs::path data_path = a.data;
@@ -827,35 +859,6 @@ int run(Args a) {
   // takes them whole. --init-from's file is checked here, every tensor, before anything is built.
   // Released once the model is built (the generator's threads, the file's mapping).
   SegmentWeightSource init = a.init_from.empty() ? train::initial_weight_source(spec, a.seed) : weight_source(a.init_from, spec);
-  // Opened (every tensor checked) but read only into the model, segment by segment: no copy of the
-  // whole optimizer state in memory beside the model's own.
-  std::optional<CheckpointReader> ckpt;
-  if (a.resume) {
-    // Another model's checkpoint said so, rather than by the first tensor of another shape.
-    if (read_text(*latest / "config.json") != config_text)
-      OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", latest->string(), config_name));
-    try {
-      ckpt.emplace(*latest, spec);
-    } catch (const Error& e) {
-      // A damaged latest checkpoint: say which older one opens, and how to resume from it.
-      std::string older;
-      const auto all = complete_checkpoints(a.out);
-      const auto named = std::find_if(all.begin(), all.end(), [&](const auto& c) { return c.second.filename() == latest->filename(); });
-      for (auto it = std::make_reverse_iterator(named); it != all.rend(); ++it) {  // older than latest's, newest first
-        try {
-          (void)CheckpointReader(it->second, spec);
-          older = fmt::format("; {} opens (its files and tensors check out): to resume from it, `echo {} > {}`", it->second.string(),
-                              it->second.filename().string(), (a.out / "latest").string());
-        } catch (const Error&) {
-          continue;  // damaged too: look further back
-        }
-        break;
-      }
-      throw Error(e.code(), fmt::format("--resume: {}{}", e.message(), older.empty() ? "; no older checkpoint here opens" : older),
-                  e.file(), e.line());
-    }
-  }
-
   optim::AdamWConfig adamw;
   adamw.lr = a.lr;
   adamw.weight_decay = a.weight_decay;

@@ -31,6 +31,9 @@ printf '{"model_type": "qwen3_moe", "hidden_size": 64,' > "$work/broken.json"
 expect malformed-config 2 "broken.json" -- --config "$work/broken.json"
 sed 's/"num_key_value_heads": 2/"num_key_value_heads": 3/' "$(dirname "$0")/../../examples/configs/tiny-moe.json" > "$work/gqa.json"
 expect inconsistent-config 2 "num_key_value_heads" -- --config "$work/gqa.json"
+# A directory as --config: said so (an ifstream opens one and reads nothing: it had been "expected
+# a value, found end of input" at its first byte).
+expect config-is-directory 2 "is a directory, not a file" -- --config "$work"
 
 # A truncated safetensors file to start from.
 "$train" --out "$work/good" --steps 1 --seq 32 > /dev/null || { echo "FAIL: a good run failed"; exit 1; }

@@ -7,7 +7,9 @@
 #     missing or of another type is named with the checkpoint's file;
 #   - a checkpoint of another config is refused as such, not by its first tensor of another shape;
 #   - --resume refuses --init-from, and a --seed other than the checkpoint's;
-#   - a damaged latest checkpoint: --resume names the newest older one that opens and how to use it;
+#   - a damaged latest checkpoint (a file cut short, its config.json missing): --resume names the
+#     newest older one that opens and how to use it, before planning (under a budget no plan fits);
+#   - the same config in another JSON layout resumes (the built-in model's run with tiny-moe.json);
 #   - --resume keeps the checkpoint's AdamW moments (bf16 ones are bf16 values in it) and refuses others, both ways;
 #   - a `latest` written with CRLF still resumes;
 #   - checkpoints without `latest` are a run: a new run there is refused (it had replaced them and
@@ -139,6 +141,34 @@ if [[ $rc -eq 2 ]] && grep -q "checkpoint-000008/optimizer.safetensors: .*; .*da
     echo "ok   damaged-latest: $(cat "$work/damaged.err")"
   else fail "damaged-latest: the advice did not resume" "$work/damaged2.err"; fi
 else fail "damaged-latest: exit $rc" "$work/damaged.err"; fi
+
+# The same damage under a budget no plan fits: the checkpoint is opened before the run is planned,
+# so the damage is said (it had been "no plan fits" first, the checkpoint never looked at).
+cp -r "$work/base" "$work/damaged-budget"
+cut_file="$work/damaged-budget/checkpoint-000008/optimizer.safetensors"
+truncate -s $(( $(stat -c %s "$cut_file") / 2 )) "$cut_file"
+"$train" "${args[@]}" --steps 10 --out "$work/damaged-budget" --resume --gpu-mem 64KiB > /dev/null 2> "$work/damaged-budget.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q "checkpoint-000008/optimizer.safetensors: .*damaged-budget/checkpoint-000004 opens" "$work/damaged-budget.err" &&
+  echo "ok   damaged-before-planning: $(cat "$work/damaged-budget.err")" || fail "damaged-before-planning: exit $rc" "$work/damaged-budget.err"
+# A latest checkpoint without its config.json is damaged too: the same advice (it had been a bare
+# "cannot open").
+cp -r "$work/base" "$work/no-config"
+rm "$work/no-config/checkpoint-000008/config.json"
+"$train" "${args[@]}" --steps 10 --out "$work/no-config" --resume > /dev/null 2> "$work/no-config.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q -- "--resume: .*no-config/checkpoint-000008/config.json: cannot open; .*no-config/checkpoint-000004 opens" "$work/no-config.err" &&
+  echo "ok   resume-no-config: $(cat "$work/no-config.err")" || fail "resume-no-config: exit $rc" "$work/no-config.err"
+# The same config in another layout is the same model: the built-in model's run resumes with
+# --config examples/configs/tiny-moe.json (its JSON, written otherwise; refused as another config
+# when compared as text).
+cp -r "$work/base" "$work/same-config"
+"$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/same-config" --resume \
+  --config "$(dirname "$0")/../../examples/configs/tiny-moe.json" > "$work/same-config.log" 2>&1
+rc=$?
+[[ $rc -eq 0 ]] && ! cmp -s "$work/same-config/checkpoint-000008/config.json" "$(dirname "$0")/../../examples/configs/tiny-moe.json" &&
+  [[ "$(cat "$work/same-config/latest")" == checkpoint-000010 ]] &&
+  echo "ok   resume-same-config-other-layout" || fail "resume-same-config-other-layout: exit $rc" "$work/same-config.log"
 
 # AdamW moments: a resumed run keeps the checkpoint's (bf16 here, without --moments); asking for
 # others is refused both ways (the state would be rounded or widened: another run than the one
