@@ -5,9 +5,11 @@
 // round a real past fp32's range to 0 or infinity without a word: both are refused here instead.
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string_view>
 #include <system_error>
@@ -23,6 +25,24 @@ namespace oom::examples {
 namespace detail {
 constexpr bool is_digit(char c) { return c >= '0' && c <= '9'; }
 }  // namespace detail
+
+/// The value after option `flag` (argv[i + 1], i moved onto it), where `flag` is one of `valued`
+/// (the options that take one). Errors (invalid_argument) name what is wrong: an option none of
+/// them is ("unknown option", also when it is last), no value after it, or an option where its
+/// value should be (a forgotten value: "--out --overwrite" had trained into a directory named
+/// "--overwrite"). A value that starts with "--" is refused; a path that does can be written
+/// "./--name".
+inline const char* option_value(int argc, char** argv, int& i, std::string_view flag, std::initializer_list<std::string_view> valued) {
+  if (std::find(valued.begin(), valued.end(), flag) == valued.end())
+    OOM_THROW(Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
+  if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
+  const std::string_view next = argv[i + 1];
+  if (next.starts_with("--"))
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("{} needs a value, got the option '{}' (a value that starts with '--' is refused: write a path so "
+                          "named as ./{})", flag, next, next));
+  return argv[++i];
+}
 
 /// AdamW moments' precision as the executors keep it: "fp32" or "bf16", else invalid_argument
 /// naming `what` (a flag, or a file's field).

@@ -98,8 +98,10 @@ Args parse(int argc, char** argv) {
       a.keep_attention_state = flag == "--keep-attention-state";
       continue;
     }
-    if (i + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
-    const char* v = argv[++i];
+    const char* v = oom::examples::option_value(argc, argv, i, flag,
+                                                {"--model", "--gpus", "--gpu-mem", "--host-mem", "--seq", "--batch", "--micro-batches",
+                                                 "--max-grad-norm", "--moments", "--profile", "--machine", "--candidates",
+                                                 "--retention", "--json", "--trace", "--grad-staging"});
     if (flag == "--model") a.model = oom::examples::path_argument(flag, v);
     else if (flag == "--gpus") a.gpus = parse_int_count(flag, v);
     else if (flag == "--gpu-mem") a.gpu_mem = parse_size(flag, v);

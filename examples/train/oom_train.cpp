@@ -283,8 +283,12 @@ Args parse(int argc, char** argv) {
     if (flag == "--no-overlap-updates") { a.overlap_updates = false; continue; }
     if (flag == "--no-gradient-check") { a.check_gradients = false; continue; }
     if (flag == "--planned-residency") { a.planned_residency = true; continue; }
-    if (i + 1 >= argc) OOM_THROW(Errc::invalid_argument, fmt::format("{} needs a value (see --help)", flag));
-    const char* v = argv[++i];
+    const char* v = oom::examples::option_value(
+        argc, argv, i, flag,
+        {"--config", "--data", "--init-from", "--seq", "--micro-batches", "--batch", "--steps", "--seed", "--lr", "--weight-decay",
+         "--max-grad-norm", "--moments", "--warmup", "--min-lr", "--schedule", "--plan", "--retention", "--profile", "--machine",
+         "--gpu-mem", "--host-mem", "--grad-staging", "--backend", "--dump-batches", "--trace-step", "--trace", "--out",
+         "--checkpoint-every", "--keep", "--log-every", "--step-progress", "--max-skips", "--on-nonfinite"});
     if (flag == "--config") a.config = path_argument(flag, v);
     else if (flag == "--data") a.data = path_argument(flag, v);
     else if (flag == "--init-from") a.init_from = path_argument(flag, v);

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "common/cli_numbers.hpp"
 #include "oom/core/error.hpp"
@@ -89,4 +90,31 @@ TEST_CASE("parse_size names the flag, and takes a fraction of a byte rounded dow
   CHECK(parse_size("--gpu-mem", "80GiB") == 80_GiB);
   const std::string why = refusal([] { return parse_size("--gpu-mem", " -1"); });
   CHECK(why.find("--gpu-mem: ' -1' is not a byte size (a sign: a size has none)") == 0);
+}
+
+TEST_CASE("option_value: an unknown option is named as one, a missing or forgotten value is refused") {
+  using oom::examples::option_value;
+  std::string words[] = {"prog", "--out", "--overwrite", "--steps", "5", "--save-intial", "--out", "./--odd"};
+  char* argv[8];
+  for (int k = 0; k < 8; ++k) argv[k] = words[k].data();
+  const auto valued = {std::string_view("--out"), std::string_view("--steps")};
+  int i = 3;
+  CHECK(std::string(option_value(8, argv, i, "--steps", valued)) == "5");
+  CHECK(i == 4);
+  // "--out --overwrite": the next word is an option, not the value (it had named a directory).
+  i = 1;
+  CHECK(refusal([&] { return option_value(8, argv, i, "--out", valued); }) ==
+        "--out needs a value, got the option '--overwrite' (a value that starts with '--' is refused: write a path so named as "
+        "./--overwrite)");
+  CHECK(i == 1);
+  // An unknown option is unknown, also where nothing follows it (it had "needed a value").
+  i = 5;
+  CHECK(refusal([&] { return option_value(6, argv, i, "--save-intial", valued); }) == "unknown option '--save-intial' (see --help)");
+  i = 5;
+  CHECK(refusal([&] { return option_value(8, argv, i, "--save-intial", valued); }) == "unknown option '--save-intial' (see --help)");
+  // A known one at the end, and a path written past the refusal.
+  i = 3;
+  CHECK(refusal([&] { return option_value(4, argv, i, "--steps", valued); }) == "--steps needs a value (see --help)");
+  i = 6;
+  CHECK(std::string(option_value(8, argv, i, "--out", valued)) == "./--odd");
 }

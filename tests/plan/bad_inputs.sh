@@ -34,6 +34,10 @@ refused max-grad-norm-overflow "--max-grad-norm: '1e39' is outside fp32's range"
 refused max-grad-norm-space "--max-grad-norm needs a non-negative number" --max-grad-norm " 1"
 refused gpu-mem-sign "--gpu-mem: '-1GiB' is not a byte size (a sign" --gpu-mem -1GiB
 refused gpu-mem-under-a-byte "--gpu-mem: '0.5' is not a byte size (less than one byte)" --gpu-mem 0.5
+# A forgotten value: the next option is not taken as it (--json --longest had written a plan to a
+# file named --longest); an unknown option is named as one, also last (it had "needed a value").
+refused forgotten-value "--json needs a value, got the option '--longest'" --json --longest
+refused unknown-last "unknown option '--longst'" --longst
 
 # A size as oom-plan prints it ("least GPU memory ... about 3.84 GiB") is taken, a fraction of a
 # byte rounded down; PiB, which it prints past 1024 TiB, too.

@@ -31,6 +31,10 @@ printf '{"model_type": "qwen3_moe", "hidden_size": 64,' > "$work/broken.json"
 expect malformed-config 2 "broken.json" -- --config "$work/broken.json"
 sed 's/"num_key_value_heads": 2/"num_key_value_heads": 3/' "$(dirname "$0")/../../examples/configs/tiny-moe.json" > "$work/gqa.json"
 expect inconsistent-config 2 "num_key_value_heads" -- --config "$work/gqa.json"
+# A forgotten value: the next option is not taken as it ("--out --overwrite" had trained into a
+# directory named --overwrite); an unknown option is named as one, also last (it had "needed a value").
+expect forgotten-value 2 "--data needs a value, got the option '--seq'" -- --data --seq 16
+expect unknown-last 2 "unknown option '--save-intial'" -- --save-intial
 # A directory as --config: said so (an ifstream opens one and reads nothing: it had been "expected
 # a value, found end of input" at its first byte).
 expect config-is-directory 2 "is a directory, not a file" -- --config "$work"
