@@ -258,9 +258,25 @@ void refuse_overlapping_paths(const Args& a) {
       for (const char* weights : {"model.safetensors", "model.safetensors.index.json"}) inputs.push_back({"--init-from", dir / weights});
     if (a.config.empty()) inputs.push_back({"--init-from (its config.json)", dir / "config.json"});
   }
+  // The run directory's own files: the built-in corpus the run trains on, its metrics, `latest`
+  // and the lock (a --dump-batches onto the corpus had left a run that could not resume).
+  if (a.data.empty()) inputs.push_back({"the built-in corpus (--out)", a.out / "builtin-corpus.tok"});
+  for (const char* own : {"metrics.jsonl", "latest", ".lock"}) inputs.push_back({fmt::format("the run's {} (--out)", own), a.out / own});
   const fs::path predicted = a.trace.empty() ? fs::path() : predicted_trace_path(a.trace);
-  oom::examples::refuse_overlapping_paths(
-      {{"--trace", a.trace}, {"--trace (its prediction)", predicted}, {"--dump-batches", a.dump_batches}}, inputs);
+  const std::vector<oom::examples::PathArgument> outputs = {
+      {"--trace", a.trace}, {"--trace (its prediction)", predicted}, {"--dump-batches", a.dump_batches}};
+  oom::examples::refuse_overlapping_paths(outputs, inputs);
+  // Nor inside its checkpoints, which the run writes whole, replaces and prunes.
+  std::error_code ec;
+  const fs::path run = fs::weakly_canonical(fs::absolute(a.out, ec), ec);
+  for (const auto& o : outputs) {
+    if (o.path.empty()) continue;
+    const fs::path at = fs::weakly_canonical(fs::absolute(o.path, ec), ec);
+    const fs::path rel = at.lexically_relative(run);
+    if (!rel.empty() && rel.begin()->string().starts_with("checkpoint-") && std::distance(rel.begin(), rel.end()) > 1)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{} {} is inside the run's checkpoint {}, which the run writes whole, replaces and "
+                                                    "prunes: name a file elsewhere", o.flag, o.path.string(), (run / *rel.begin()).string()));
+  }
 }
 
 Args parse(int argc, char** argv) {
@@ -1118,6 +1134,13 @@ int run(Args a) {
 
   if (a.save_initial) checkpoint(0);
   std::vector<std::uint32_t> dumped;  // windows of seq + 1 tokens
+  // --dump-batches: the windows of the steps run, also where the run stops early (a signal, a
+  // non-finite loss): --resume refuses the flag, so a reference run's windows had been lost.
+  const auto write_dump = [&](std::string_view stopped) {
+    if (a.dump_batches.empty()) return;
+    write_token_file(a.dump_batches, dumped, spec.vocab_size());
+    say("{} windows of {} tokens written to {}{}\n", dumped.size() / (a.seq + 1), a.seq + 1, a.dump_batches, stopped);
+  };
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
@@ -1206,10 +1229,12 @@ int run(Args a) {
       say(stderr, "step {}: loss is {}; step skipped (no update)\n", step, r.loss);
       if (a.stop_on_nonfinite) {
         say(stderr, "oom-train: stopping on a non-finite loss at step {} (--on-nonfinite stop)\n", step);
+        write_dump(fmt::format(" (the steps up to {}, where the run stopped)", step));
         return 4;
       }
       if (++consecutive_skips >= a.max_skips) {
         say(stderr, "oom-train: {} consecutive non-finite losses; stopping (--max-skips)\n", consecutive_skips);
+        write_dump(fmt::format(" (the steps up to {}, where the run stopped)", step));
         return 4;
       }
     } else {
@@ -1239,13 +1264,11 @@ int run(Args a) {
                            "where --resume would continue\n", sig, step, start_step);
       else
         say(stderr, "oom-train: interrupted by signal {} after step {}; no checkpoint was written (--checkpoint-every 0)\n", sig, step);
+      write_dump(fmt::format(" (the steps up to {}, where the run was interrupted)", step));
       return 130;
     }
   }
-  if (!a.dump_batches.empty()) {
-    write_token_file(a.dump_batches, dumped, spec.vocab_size());
-    say("{} windows of {} tokens written to {}\n", dumped.size() / (a.seq + 1), a.seq + 1, a.dump_batches);
-  }
+  write_dump("");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   say("done: {} steps in {} ({:.0f} tok/s); metrics in {}\n", done_since_start, duration(total),
       static_cast<double>(done_since_start * step_tokens) / total, metrics_path.string());

@@ -35,6 +35,12 @@ expect inconsistent-config 2 "num_key_value_heads" -- --config "$work/gqa.json"
 # directory named --overwrite); an unknown option is named as one, also last (it had "needed a value").
 expect forgotten-value 2 "--data needs a value, got the option '--seq'" -- --data --seq 16
 expect unknown-last 2 "unknown option '--save-intial'" -- --save-intial
+# An output onto the run directory's own files: the built-in corpus (the run had then been unable
+# to resume), its metrics, or a file in a checkpoint.
+expect dump-onto-corpus 2 "is the same file as the built-in corpus (--out)" -- --dump-batches "$work/dump-onto-corpus/builtin-corpus.tok"
+expect trace-onto-metrics 2 "is the same file as the run's metrics.jsonl (--out)" -- --trace-step 1 --trace "$work/trace-onto-metrics/metrics.jsonl"
+expect dump-in-checkpoint 2 "is inside the run's checkpoint .*checkpoint-000002, which the run writes whole" -- \
+  --dump-batches "$work/dump-in-checkpoint/checkpoint-000002/batches.tok"
 # A directory as --config: said so (an ifstream opens one and reads nothing: it had been "expected
 # a value, found end of input" at its first byte).
 expect config-is-directory 2 "is a directory, not a file" -- --config "$work"
@@ -367,9 +373,12 @@ if [[ $rc -ne 4 ]] || ! grep -q "step 4: loss is" "$work/diverge2.stderr" || gre
    ! grep -q "3 consecutive non-finite losses" "$work/diverge2.stderr"; then
   echo "FAIL skips-across-resume: exit $rc"; cat "$work/diverge2.stderr"; fails=$((fails + 1))
 else echo "ok   skips-across-resume: $(tail -1 "$work/diverge2.stderr")"; fi
-"$train" --out "$work/stop" --steps 10 --seq 32 --lr 1e30 --on-nonfinite stop > /dev/null 2> "$work/stop.stderr"
+# (--dump-batches' windows of the steps run are written when it stops: they had been lost.)
+"$train" --out "$work/stop" --steps 10 --seq 32 --lr 1e30 --on-nonfinite stop --dump-batches "$work/stop.tok" > "$work/stop.stdout" \
+  2> "$work/stop.stderr"
 rc=$?
-if [[ $rc -ne 4 ]] || ! grep -q "stopping on a non-finite loss at step 2" "$work/stop.stderr"; then
+if [[ $rc -ne 4 ]] || ! grep -q "stopping on a non-finite loss at step 2" "$work/stop.stderr" || [[ ! -s "$work/stop.tok" ]] ||
+   ! grep -q "^2 windows of 33 tokens written to $work/stop.tok (the steps up to 2, where the run stopped)" "$work/stop.stdout"; then
   echo "FAIL stop-on-nonfinite: exit $rc"; cat "$work/stop.stderr"; fails=$((fails + 1))
 else echo "ok   stop-on-nonfinite: $(tail -1 "$work/stop.stderr")"; fi
 

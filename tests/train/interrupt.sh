@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# SIGINT (Ctrl-C) and SIGTERM stop a run after the step in flight with a checkpoint of that step,
-# exit 130, and the resumed run logs the same losses, bit for bit, as the run left alone (host
+# SIGINT (Ctrl-C) and SIGTERM stop a run after the step in flight with a checkpoint of that step
+# (and --dump-batches' windows of the steps run), exit 130, and the resumed run logs the same losses, bit for bit, as the run left alone (host
 # backend); a second signal ends the run at once, leaving no checkpoint `latest` would name
 # half-written, also when the signals come while a checkpoint is written. Usage: interrupt.sh path/to/oom-train
 set -euo pipefail
@@ -23,7 +23,7 @@ wait_for() {
 
 for sig in INT TERM; do
   run="$work/$sig"
-  "$train" "${args[@]}" --out "$run" > "$work/$sig.log" 2> "$work/$sig.err" &
+  "$train" "${args[@]}" --out "$run" --dump-batches "$work/$sig.tok" > "$work/$sig.log" 2> "$work/$sig.err" &
   pid=$!
   wait_for "$run/metrics.jsonl" '"step":4,' "$pid"
   kill "-$sig" "$pid"
@@ -35,6 +35,10 @@ for sig in INT TERM; do
     { echo "FAIL: SIG$sig: no 'interrupted ... after step $at'"; cat "$work/$sig.err"; exit 1; }
   [[ "$(cat "$run/latest")" == "$(printf 'checkpoint-%06d' "$at")" ]] ||
     { echo "FAIL: SIG$sig: latest is '$(cat "$run/latest")' after step $at"; exit 1; }
+  # --dump-batches writes the windows of the steps run (the flag is refused with --resume: they had
+  # been lost).
+  grep -q "^$at windows of 65 tokens written to $work/$sig.tok (the steps up to $at, where the run was interrupted)" "$work/$sig.log" &&
+    [[ -s "$work/$sig.tok" ]] || { echo "FAIL: SIG$sig: the windows of its $at steps were not written"; cat "$work/$sig.log"; exit 1; }
   "$train" "${args[@]}" --out "$run" --resume > "$work/$sig.resumed.log"
   loss() { sed -E 's/.*"step":([0-9]+).*"loss":([^,]+),.*/\1 \2/' "$1"; }
   diff <(loss "$work/straight/metrics.jsonl") <(loss "$run/metrics.jsonl") > /dev/null ||
