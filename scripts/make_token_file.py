@@ -128,6 +128,10 @@ def tokenizer_tokens(tok, code, vocab, eos):
     return encode
 
 
+def plural(n, noun):
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+", help=".txt/.md files (a document each) or .jsonl/.json files (a document a line)")
@@ -164,6 +168,11 @@ def main():
 
     if os.path.isdir(args.out):
         sys.exit(f"{args.out}: a directory; --out names the token file to write")
+    # Written over one of its inputs, the text would be gone (it had been, without a word).
+    for path in args.inputs:
+        same = os.path.exists(args.out) and os.path.exists(path) and os.path.samefile(args.out, path)
+        if same or os.path.realpath(args.out) == os.path.realpath(path):
+            sys.exit(f"{args.out}: is the input {path}; writing it would destroy that input (name another --out)")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         sys.exit(f"{args.out}: no directory {out_dir} to write it in")
@@ -187,13 +196,13 @@ def main():
                     count += n
                     if time.monotonic() - last > 5:
                         last = time.monotonic()
-                        print(f"{docs} documents, {count} tokens ({count / (last - started):.0f} tokens/s)", file=sys.stderr)
+                        print(f"{plural(docs, 'document')}, {count} tokens ({count / (last - started):.0f} tokens/s)", file=sys.stderr)
                 if count == before:
                     empty += 1
                 else:
                     docs += 1
             if count == 0:
-                sys.exit("no tokens: the inputs hold no text" + (f" ({empty} empty documents)" if empty else ""))
+                sys.exit("no tokens: the inputs hold no text" + (f" ({plural(empty, 'empty document')})" if empty else ""))
             f.seek(0)
             f.write(MAGIC + struct.pack("<IIQQQ", VERSION, width, vocab, count, docs) + b"\0" * 24)
             f.flush()
@@ -202,9 +211,9 @@ def main():
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    skipped = f"; {empty} empty document{'s' * (empty != 1)} skipped" if empty else ""
-    dropped = f"; a UTF-8 byte order mark dropped from the start of {len(boms)} file{'s' * (len(boms) != 1)}" if boms else ""
-    print(f"wrote {args.out}: {count} tokens ({width} bytes each, vocab {vocab}) in {docs} documents{skipped}{dropped}")
+    skipped = f"; {plural(empty, 'empty document')} skipped" if empty else ""
+    dropped = f"; a UTF-8 byte order mark dropped from the start of {plural(len(boms), 'file')}" if boms else ""
+    print(f"wrote {args.out}: {count} tokens ({width} bytes each, vocab {vocab}) in {plural(docs, 'document')}{skipped}{dropped}")
 
 
 if __name__ == "__main__":

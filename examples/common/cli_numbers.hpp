@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <string>
 #include <string_view>
 #include <system_error>
 
@@ -42,6 +43,21 @@ inline const char* option_value(int argc, char** argv, int& i, std::string_view 
               fmt::format("{} needs a value, got the option '{}' (a value that starts with '--' is refused: write a path so "
                           "named as ./{})", flag, next, next));
   return argv[++i];
+}
+
+/// A parameter count as the programs print it, to three significant digits at its scale: "3.94M",
+/// "5.13B", "812K", "12" (oom-plan had printed every tiny model as "0.00B").
+inline std::string count_label(std::uint64_t n) {
+  const auto x = static_cast<double>(n);
+  const auto at = [&](double scale, const char* unit) {
+    const double v = x / scale;
+    return fmt::format("{:.{}f}{}", v, v < 10 ? 2 : v < 100 ? 1 : 0, unit);
+  };
+  if (x >= 1e12) return at(1e12, "T");
+  if (x >= 1e9) return at(1e9, "B");
+  if (x >= 1e6) return at(1e6, "M");
+  if (x >= 1e3) return at(1e3, "K");
+  return std::to_string(n);
 }
 
 /// AdamW moments' precision as the executors keep it: "fp32" or "bf16", else invalid_argument

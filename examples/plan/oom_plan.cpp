@@ -240,8 +240,8 @@ int main(int argc, char** argv) {
     req.candidates = a.candidates;
     req.retention = a.retention;
 
-    fmt::print("model {}: {} layers, {:.2f}B parameters ({:.2f}B active), {} segments\n", a.model, spec.num_layers(),
-               static_cast<double>(spec.total_parameters()) / 1e9, static_cast<double>(spec.active_parameters()) / 1e9,
+    fmt::print("model {}: {} layers, {} parameters ({} active), {} segments\n", a.model, spec.num_layers(),
+               oom::examples::count_label(spec.total_parameters()), oom::examples::count_label(spec.active_parameters()),
                spec.segments().size());
     fmt::print("machine {} x{}; budgets: {} per GPU, {} host; workload {} x {} tokens per GPU, {} micro-batch(es){}\n\n",
                profile.name, a.gpus, req.gpu_budget, req.host_budget, a.batch, a.longest ? std::string("(longest)") : std::to_string(a.seq),
@@ -346,9 +346,11 @@ int main(int argc, char** argv) {
     }
     return 0;
   } catch (const oom::Error& e) {
+    std::fflush(stdout);  // what was printed before it comes first, also through a pipe
     std::fprintf(stderr, "oom-plan: %s\n", e.what());
     return e.code() == oom::Errc::out_of_budget ? 3 : 2;
   } catch (const std::exception& e) {
+    std::fflush(stdout);
     std::fprintf(stderr, "oom-plan: %s\n", e.what());
     return 2;
   }

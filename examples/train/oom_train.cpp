@@ -911,11 +911,13 @@ int run(Args a) {
     if (saved_batch != a.batch)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} holds batch = {}, this run asks for {} (--batch)", latest->string(),
                                                     saved_batch, a.batch));
+    // (Printed as the fp32 values the flags are: "0.003", not the double 0.003000000026077032.)
     const double saved_clip = ts["max_grad_norm"].present() ? ts["max_grad_norm"].as_double() : 0.0;
     if (ts["lr"].as_double() != static_cast<double>(a.lr) || ts["weight_decay"].as_double() != static_cast<double>(a.weight_decay) ||
         saved_clip != static_cast<double>(a.max_grad_norm))
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} used lr {}, weight decay {} and max grad norm {}; pass the same",
-                                                    latest->string(), ts["lr"].as_double(), ts["weight_decay"].as_double(), saved_clip));
+                                                    latest->string(), static_cast<float>(ts["lr"].as_double()),
+                                                    static_cast<float>(ts["weight_decay"].as_double()), static_cast<float>(saved_clip)));
     // The moments the checkpoint's run kept (absent: before --moments, fp32). Its state would load
     // into the other precision (rounded, or widened), but that is another run than the one saved.
     const std::string saved_moments = ts["moments"].present() ? ts["moments"].as_string() : "fp32";
@@ -1030,9 +1032,9 @@ int run(Args a) {
                                                   tokens->size(), *saved_data_fingerprint, data_fingerprint));
   BatchSampler sampler(*tokens, a.seq, sampler_state);
 
-  say("oom-train: model {}: {} layers, {} experts (top {}), {:.2f}M parameters ({:.2f}M active)\n", config_name,
-      spec.num_layers(), spec.moe().experts, spec.moe().top_k, static_cast<double>(spec.total_parameters()) / 1e6,
-      static_cast<double>(spec.active_parameters()) / 1e6);
+  say("oom-train: model {}: {} layers, {} experts (top {}), {} parameters ({} active)\n", config_name, spec.num_layers(),
+      spec.moe().experts, spec.moe().top_k, oom::examples::count_label(spec.total_parameters()),
+      oom::examples::count_label(spec.active_parameters()));
   if (const double coef = spec.moe().router_aux_loss_coef; coef > 0)
     say("loss: mean cross-entropy + {} x transformers' load-balancing loss over every layer's router "
         "(the config's output_router_logits and router_aux_loss_coef)\n", coef);

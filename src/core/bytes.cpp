@@ -70,6 +70,8 @@ Bytes parse_bytes(std::string_view text) {
   else if (unit == "gb") scale = 1'000'000'000;
   else if (unit == "tb") scale = 1'000'000'000'000;
   else if (unit == "pb") scale = 1'000'000'000'000'000;
+  else if (unit.size() > 1 && unit[0] == 'e' && (std::isdigit(static_cast<unsigned char>(unit[1])) || unit[1] == '+' || unit[1] == '-'))
+    fail("an exponent: write the number in full");  // "1e3GiB" had been an "unknown unit"
   else fail("unknown unit");
   // In integers, so the result is exactly the floor of what was written (a double's product may
   // land a hair under a whole number and lose a byte): floor(0.fraction x scale) digit by digit

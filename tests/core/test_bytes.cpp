@@ -125,3 +125,11 @@ TEST_CASE("parse_bytes rejects what is not a size, naming the text") {
     }
   }
 }
+
+TEST_CASE("parse_bytes names an exponent as one (it had been an unknown unit)") {
+  for (const char* bad : {"1e3GiB", "2E+2 MiB", "1e-1GB"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS((void)parse_bytes(bad), doctest::Contains("(an exponent: write the number in full)"), Error);
+  }
+  CHECK_THROWS_WITH_AS((void)parse_bytes("12 parsecs"), doctest::Contains("(unknown unit)"), Error);
+}

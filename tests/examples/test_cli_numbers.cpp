@@ -118,3 +118,15 @@ TEST_CASE("option_value: an unknown option is named as one, a missing or forgott
   i = 6;
   CHECK(std::string(option_value(8, argv, i, "--out", valued)) == "./--odd");
 }
+
+TEST_CASE("count_label: three significant digits at the count's scale") {
+  using oom::examples::count_label;
+  CHECK(count_label(0) == "0");
+  CHECK(count_label(999) == "999");
+  CHECK(count_label(3'938'304) == "3.94M");
+  CHECK(count_label(812'400) == "812K");
+  CHECK(count_label(5'126'000'000) == "5.13B");
+  CHECK(count_label(21'390'000'000) == "21.4B");
+  CHECK(count_label(122'100'000'000) == "122B");
+  CHECK(count_label(903'000'000) == "903M");
+}

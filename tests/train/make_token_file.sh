@@ -49,7 +49,7 @@ import sys
 got = open(sys.argv[1], "rb").read()[64::2]
 assert got == b"one\xef\xbb\xbftwo\r\nhi", got' "$work/bom.tok" || fail "bom: the tokens"
 python3 "$make" --bytes --out "$work/bom.tok" "$work/a.txt" > "$work/bom.log"
-grep -q "documents$" "$work/bom.log" || fail "no BOM, yet: $(cat "$work/bom.log")"
+grep -q "in 1 document$" "$work/bom.log" || fail "no BOM, yet: $(cat "$work/bom.log")"
 
 # An extension in capitals or mixed case is the same (.JSONL had been read as one text document,
 # its JSON syntax the tokens), and .json is JSON lines too (what datasets' to_json writes).
@@ -111,13 +111,20 @@ expect not-utf8 "latin.txt: not UTF-8 text" --bytes "$work/latin.txt"
 python3 -c 'import sys; open(sys.argv[1], "wb").write(b"a" + "\u00e9".encode() * 700000 + b"\xff")' "$work/late.txt"
 expect not-utf8-late "late.txt: not UTF-8 text (invalid start byte at byte 1400001)" --bytes "$work/late.txt"  # past the first read
 : > "$work/empty.txt"
-expect no-text "no tokens: the inputs hold no text (1 empty documents)" --bytes "$work/empty.txt"
+expect no-text "no tokens: the inputs hold no text (1 empty document)" --bytes "$work/empty.txt"
 printf '{"text": "ok"}\n\xff{"text": "x"}\n' > "$work/bytes.jsonl"
 expect jsonl-not-utf8 "bytes.jsonl:2: not UTF-8 text" --bytes "$work/bytes.jsonl"
 printf '{"text": "\\ud800"}\n' > "$work/surrogate.jsonl"
 expect lone-surrogate "surrogate.jsonl:1: text that UTF-8 cannot hold" --bytes "$work/surrogate.jsonl"
 if python3 "$make" --bytes --out "$work/no/such/dir/x.tok" "$work/a.txt" > "$work/nodir.log" 2>&1; then fail "no-dir: succeeded"; fi
 grep -q "no directory" "$work/nodir.log" || fail "no-dir: $(cat "$work/nodir.log")"
+# --out one of the inputs (by another spelling too): refused, the text kept (it had been replaced
+# by its tokens).
+cp "$work/a.txt" "$work/self.txt"
+if python3 "$make" --bytes --out "$work/./self.txt" "$work/b.jsonl" "$work/self.txt" > "$work/self.log" 2>&1; then fail "out-is-input: succeeded"; fi
+grep -q "self.txt: is the input .*self.txt; writing it would destroy that input" "$work/self.log" && cmp -s "$work/a.txt" "$work/self.txt" ||
+  fail "out-is-input: $(cat "$work/self.log")"
+echo "ok   out-is-input: $(tail -1 "$work/self.log")"
 # --out a directory: refused by name before any tokenizing (it had tokenized everything, then died
 # in a traceback at the rename).
 mkdir -p "$work/outdir"
