@@ -266,16 +266,25 @@ void refuse_overlapping_paths(const Args& a) {
   const std::vector<oom::examples::PathArgument> outputs = {
       {"--trace", a.trace}, {"--trace (its prediction)", predicted}, {"--dump-batches", a.dump_batches}};
   oom::examples::refuse_overlapping_paths(outputs, inputs);
-  // Nor inside its checkpoints, which the run writes whole, replaces and prunes.
+  // Nor a checkpoint's name or inside one ("checkpoint-<digits>", and the ".partial" and ".old" a
+  // save makes of it), which the run writes whole, replaces and prunes.
+  const auto checkpoint_like = [](const std::string& name) {
+    std::string_view n = name;
+    if (!n.starts_with("checkpoint-")) return false;
+    n.remove_prefix(11);
+    for (const std::string_view suffix : {".partial", ".old"})
+      if (n.ends_with(suffix)) n.remove_suffix(suffix.size());
+    return !n.empty() && std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
   std::error_code ec;
   const fs::path run = fs::weakly_canonical(fs::absolute(a.out, ec), ec);
   for (const auto& o : outputs) {
     if (o.path.empty()) continue;
     const fs::path at = fs::weakly_canonical(fs::absolute(o.path, ec), ec);
     const fs::path rel = at.lexically_relative(run);
-    if (!rel.empty() && rel.begin()->string().starts_with("checkpoint-") && std::distance(rel.begin(), rel.end()) > 1)
-      OOM_THROW(Errc::invalid_argument, fmt::format("{} {} is inside the run's checkpoint {}, which the run writes whole, replaces and "
-                                                    "prunes: name a file elsewhere", o.flag, o.path.string(), (run / *rel.begin()).string()));
+    if (!rel.empty() && checkpoint_like(rel.begin()->string()))
+      OOM_THROW(Errc::invalid_argument, fmt::format("{} {} is the run's checkpoint {} or inside it, which the run writes whole, replaces "
+                                                    "and prunes: name a file elsewhere", o.flag, o.path.string(), (run / *rel.begin()).string()));
   }
 }
 
@@ -618,9 +627,19 @@ int run(Args a) {
   if (a.config.empty()) {
     // A resumed run's model is its checkpoint's; a new one's the config beside --init-from's weights.
     const auto resumed = a.resume ? latest_checkpoint(a.out) : std::nullopt;
-    if (resumed && fs::is_regular_file(*resumed / "config.json")) {
+    std::error_code ec;
+    if (resumed && fs::is_regular_file(*resumed / "config.json", ec)) {
       a.config = (*resumed / "config.json").string();
       say("config {} (the checkpoint's; --config picks another)\n", a.config);
+    } else if (resumed) {
+      // The latest checkpoint has lost its config.json (it is damaged: said below, with the older
+      // one to resume from): the run's model is the newest older checkpoint's, not the built-in.
+      const auto all = complete_checkpoints(a.out);
+      for (auto it = all.rbegin(); it != all.rend() && a.config.empty(); ++it)
+        if (it->second.filename() != resumed->filename() && fs::is_regular_file(it->second / "config.json", ec)) {
+          a.config = (it->second / "config.json").string();
+          say("config {} (the latest checkpoint has none; --config picks another)\n", a.config);
+        }
     } else {
       a.config = config_beside(a.init_from);
       if (!a.config.empty()) say("config {} (beside --init-from; --config picks another)\n", a.config);
@@ -653,13 +672,14 @@ int run(Args a) {
   // beside the model's own.
   std::optional<CheckpointReader> ckpt;
   if (a.resume) {
-    // The config it was trained with, compared as JSON (the same model in another layout is the
-    // same: the built-in one is tiny-moe.json's), then its files and tensors. A config.json that
+    // The config it was trained with, compared as JSON values (the same model written otherwise,
+    // its members in another order or 1e6 as 1000000.0, is the same: the built-in one is
+    // tiny-moe.json's), then its files and tensors. A config.json that
     // cannot be read is a damaged checkpoint like a tensor file cut short.
     const auto open_checkpoint = [&](const fs::path& dir) {
       const fs::path saved = dir / "config.json";
       const Json saved_config = Json::parse(read_text(saved), saved.string());
-      if (saved_config != Json::parse(config_text, config_name))
+      if (!same_value(saved_config, Json::parse(config_text, config_name)))
         throw Error(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", dir.string(),
                                                         config_name));
       return CheckpointReader(dir, spec);

@@ -145,6 +145,32 @@ bool operator==(const Json& a, const Json& b) {
   return false;
 }
 
+bool same_value(const Json& a, const Json& b) {
+  if (a.type() != b.type()) return false;
+  switch (a.type()) {
+    case Json::Type::number:
+      if (a.is_integer() && b.is_integer()) {  // exactly, whatever the kind each is held as
+        const bool negative = a.as_double() < 0;
+        if (negative != (b.as_double() < 0)) return false;
+        return negative ? a.as_int64() == b.as_int64() : a.as_uint64() == b.as_uint64();
+      }
+      return a.as_double() == b.as_double();
+    case Json::Type::array: {
+      const auto &x = a.as_array(), &y = b.as_array();
+      return x.size() == y.size() && std::equal(x.begin(), x.end(), y.begin(), [](const Json& p, const Json& q) { return same_value(p, q); });
+    }
+    case Json::Type::object: {
+      if (a.size() != b.size()) return false;  // keys are unique: the same count and each found is the same set
+      for (const auto& [key, value] : a.as_object()) {
+        const Json* other = b.find(key);
+        if (other == nullptr || !same_value(value, *other)) return false;
+      }
+      return true;
+    }
+    default: return a == b;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Writer
 

@@ -129,4 +129,12 @@ TEST_CASE("count_label: three significant digits at the count's scale") {
   CHECK(count_label(21'390'000'000) == "21.4B");
   CHECK(count_label(122'100'000'000) == "122B");
   CHECK(count_label(903'000'000) == "903M");
+  // At a unit's edge, the next unit (rounded to 1000 of the smaller one it would read "1000K").
+  CHECK(count_label(1'000) == "1.00K");
+  CHECK(count_label(9'999) == "10.0K");
+  CHECK(count_label(99'999) == "100K");
+  CHECK(count_label(999'499) == "999K");
+  CHECK(count_label(999'999) == "1.00M");
+  CHECK(count_label(999'600'000) == "1.00B");
+  CHECK(count_label(~std::uint64_t{0}) == "18446744T");
 }

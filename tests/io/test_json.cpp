@@ -227,3 +227,20 @@ TEST_CASE("read_json_file reports a directory as an I/O error naming it and why,
   }
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("same_value: members in any order and numbers by value, unlike operator==") {
+  const Json a = Json::parse(R"({"hidden_size": 64, "rope_theta": 1000000, "layers": [1, 2.5], "tied": false, "act": "silu"})");
+  const Json reordered = Json::parse(R"({"act": "silu", "tied": false, "layers": [1.0, 2.5], "rope_theta": 1000000.0, "hidden_size": 64})");
+  CHECK(same_value(a, reordered));
+  CHECK(same_value(reordered, a));
+  CHECK_FALSE(a == reordered);
+  // Another value, a member more or less, another order of an array's elements, another type.
+  CHECK_FALSE(same_value(a, Json::parse(R"({"hidden_size": 65, "rope_theta": 1000000, "layers": [1, 2.5], "tied": false, "act": "silu"})")));
+  CHECK_FALSE(same_value(a, Json::parse(R"({"hidden_size": 64, "rope_theta": 1000000, "layers": [1, 2.5], "tied": false})")));
+  CHECK_FALSE(same_value(a, Json::parse(R"({"hidden_size": 64, "rope_theta": 1000000, "layers": [1, 2.5], "tied": false, "act": "silu", "x": null})")));
+  CHECK_FALSE(same_value(a, Json::parse(R"({"hidden_size": 64, "rope_theta": 1000000, "layers": [2.5, 1], "tied": false, "act": "silu"})")));
+  CHECK_FALSE(same_value(a, Json::parse(R"({"hidden_size": "64", "rope_theta": 1000000, "layers": [1, 2.5], "tied": false, "act": "silu"})")));
+  // Integers past a double's 53 bits stay exact.
+  CHECK_FALSE(same_value(Json::parse("9007199254740993"), Json::parse("9007199254740992")));
+  CHECK(same_value(Json::parse("18446744073709551615"), Json::parse("18446744073709551615")));
+}

@@ -39,8 +39,12 @@ expect unknown-last 2 "unknown option '--save-intial'" -- --save-intial
 # to resume), its metrics, or a file in a checkpoint.
 expect dump-onto-corpus 2 "is the same file as the built-in corpus (--out)" -- --dump-batches "$work/dump-onto-corpus/builtin-corpus.tok"
 expect trace-onto-metrics 2 "is the same file as the run's metrics.jsonl (--out)" -- --trace-step 1 --trace "$work/trace-onto-metrics/metrics.jsonl"
-expect dump-in-checkpoint 2 "is inside the run's checkpoint .*checkpoint-000002, which the run writes whole" -- \
+expect dump-in-checkpoint 2 "is the run's checkpoint .*checkpoint-000002 or inside it, which the run writes whole" -- \
   --dump-batches "$work/dump-in-checkpoint/checkpoint-000002/batches.tok"
+expect dump-as-checkpoint 2 "is the run's checkpoint .*checkpoint-000002 or inside it" -- \
+  --dump-batches "$work/dump-as-checkpoint/checkpoint-000002"
+expect trace-as-partial 2 "is the run's checkpoint .*checkpoint-000001.partial or inside it" -- \
+  --trace-step 1 --trace "$work/trace-as-partial/checkpoint-000001.partial"
 # A directory as --config: said so (an ifstream opens one and reads nothing: it had been "expected
 # a value, found end of input" at its first byte).
 expect config-is-directory 2 "is a directory, not a file" -- --config "$work"

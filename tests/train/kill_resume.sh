@@ -33,13 +33,16 @@ for try in 1 2 3; do
     sleep 0.01
   done
   kill -9 "$pid" 2> /dev/null || true
-  wait "$pid" 2> /dev/null || true
+  rc=0
+  wait "$pid" 2> /dev/null || rc=$?
+  # 137: the SIGKILL; 0: the run ended first (tried again); anything else: it failed on its own.
+  [[ $rc -eq 0 || $rc -eq 137 ]] || { echo "FAIL: try $try: the run exited $rc by itself"; cat "$work/killed.log"; exit 1; }
   killed_at=$(wc -l < "$work/killed/metrics.jsonl" 2> /dev/null || echo 0)
   latest=$(cat "$work/killed/latest" 2> /dev/null || true)
   saved=0
   [[ "$latest" =~ ^checkpoint-[0-9]{6}$ ]] && saved=$((10#${latest#checkpoint-}))
   echo "try $try: killed after $killed_at logged steps; latest: $latest"
-  if [[ "$saved" -ge 8 && "$saved" -le 20 && "$killed_at" -gt "$saved" && "$killed_at" -le 24 ]]; then
+  if [[ $rc -eq 137 && "$saved" -ge 8 && "$saved" -le 20 && "$killed_at" -gt "$saved" && "$killed_at" -le 24 ]]; then
     killed_ok=1
     break
   fi

@@ -159,14 +159,36 @@ rm "$work/no-config/checkpoint-000008/config.json"
 rc=$?
 [[ $rc -eq 2 ]] && grep -q -- "--resume: .*no-config/checkpoint-000008/config.json: cannot open; .*no-config/checkpoint-000004 opens" "$work/no-config.err" &&
   echo "ok   resume-no-config: $(cat "$work/no-config.err")" || fail "resume-no-config: exit $rc" "$work/no-config.err"
-# The same config in another layout is the same model: the built-in model's run resumes with
-# --config examples/configs/tiny-moe.json (its JSON, written otherwise; refused as another config
-# when compared as text).
-cp -r "$work/base" "$work/same-config"
-"$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/same-config" --resume \
-  --config "$(dirname "$0")/../../examples/configs/tiny-moe.json" > "$work/same-config.log" 2>&1
+# ... also for a run of its own config (not the built-in one), resumed without --config: the model
+# is the newest older checkpoint's (the built-in had been taken, and no older checkpoint "opened").
+sed 's/"rms_norm_eps": [^,]*/"rms_norm_eps": 1e-05/' "$(dirname "$0")/../../examples/configs/tiny-moe.json" > "$work/own.json"
+"$train" "${args[@]}" --steps 8 --checkpoint-every 4 --config "$work/own.json" --out "$work/own" > /dev/null 2>&1 ||
+  fail "own-config: the run failed"
+rm "$work/own/checkpoint-000008/config.json"
+"$train" "${args[@]}" --steps 10 --out "$work/own" --resume > "$work/own.out" 2> "$work/own.err"
 rc=$?
-[[ $rc -eq 0 ]] && ! cmp -s "$work/same-config/checkpoint-000008/config.json" "$(dirname "$0")/../../examples/configs/tiny-moe.json" &&
+if [[ $rc -eq 2 ]] && grep -q "config .*own/checkpoint-000004/config.json (the latest checkpoint has none" "$work/own.out" &&
+   grep -q -- "--resume: .*own/checkpoint-000008/config.json: cannot open; .*own/checkpoint-000004 opens" "$work/own.err"; then
+  echo checkpoint-000004 > "$work/own/latest"
+  if "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/own" --resume > /dev/null 2> "$work/own2.err" &&
+     [[ "$(cat "$work/own/latest")" == checkpoint-000010 ]] && grep -q '"rms_norm_eps": 1e-05' "$work/own/checkpoint-000010/config.json"; then
+    echo "ok   resume-no-config-own-model: $(cat "$work/own.err")"
+  else fail "resume-no-config-own-model: the advice did not resume" "$work/own2.err"; fi
+else fail "resume-no-config-own-model: exit $rc" "$work/own.out" "$work/own.err"; fi
+# The same config written otherwise is the same model: the built-in model's run resumes with
+# examples/configs/tiny-moe.json (its JSON in another layout; refused as another config when
+# compared as text), its members reordered and a real written as an integer (rope_theta 10000).
+cp -r "$work/base" "$work/same-config"
+python3 -c '
+import json, sys
+c = json.load(open(sys.argv[1]))
+c = dict(reversed(list(c.items())))
+c["rope_theta"] = int(c["rope_theta"])
+json.dump(c, open(sys.argv[2], "w"))' "$(dirname "$0")/../../examples/configs/tiny-moe.json" "$work/reordered.json"
+"$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/same-config" --resume --config "$work/reordered.json" \
+  > "$work/same-config.log" 2>&1
+rc=$?
+[[ $rc -eq 0 ]] && ! cmp -s "$work/same-config/checkpoint-000008/config.json" "$work/reordered.json" &&
   [[ "$(cat "$work/same-config/latest")" == checkpoint-000010 ]] &&
   echo "ok   resume-same-config-other-layout" || fail "resume-same-config-other-layout: exit $rc" "$work/same-config.log"
 

@@ -98,6 +98,11 @@ class Json {
   Object obj_;
 };
 
+/// Whether `a` and `b` hold the same JSON value as a reader of it sees one: objects with the same
+/// members in any order, numbers equal by value (1 and 1.0 alike; as doubles, exact below 2^53),
+/// arrays element by element. (operator== also compares the members' order and the numbers' kinds.)
+[[nodiscard]] bool same_value(const Json& a, const Json& b);
+
 /// "null", "bool", "number", "string", "array", "object".
 const char* to_string(Json::Type t) noexcept;
 
