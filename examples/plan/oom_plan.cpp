@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "common/cli_numbers.hpp"
+#include "common/config_layers.hpp"
 #include "common/grad_staging.hpp"
 #include "common/host_budget.hpp"
 #include "common/least_budget.hpp"
@@ -63,6 +64,10 @@ constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
                       multiples of 1024 tokens, for which oom-train --backend cuda would find a plan
                       within the budgets (doubling from --seq, then bisection: a shorter sequence
                       is taken to fit where a longer one does), with that plan and its predicted step
+  --most-layers       (CUDA builds, one GPU) instead of planning the config's depth: the most layers
+                      of its widths for which oom-train --backend cuda would find a plan at --seq x
+                      --batch within the budgets (doubling from the config's count, then bisection),
+                      with that plan; layer i takes layer (i mod the config's count)'s kinds
 )";
 
 struct Args {
@@ -80,6 +85,7 @@ struct Args {
   std::optional<unsigned> grad_staging;  // the CUDA executor's options, for its footprint and prediction
   std::optional<bool> keep_attention_state;
   bool longest = false;
+  bool most_layers = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -92,6 +98,10 @@ Args parse(int argc, char** argv) {
     }
     if (flag == "--longest") {
       a.longest = true;
+      continue;
+    }
+    if (flag == "--most-layers") {
+      a.most_layers = true;
       continue;
     }
     if (flag == "--keep-attention-state" || flag == "--no-keep-attention-state") {
@@ -148,6 +158,37 @@ std::uint64_t max_position_embeddings(const std::string& path) {
   return v != nullptr && v->is_integer() && v->as_int64() > 0 ? static_cast<std::uint64_t>(v->as_int64()) : 0;
 }
 
+// The largest value, a multiple of `granule` up to `ceiling`, for which `weigh(v)` is true (it
+// prints each as it is weighed): from `start` doubling while it holds, or from the granule where
+// `start` does not; then bisection between the last that held and the first that did not (a
+// smaller value is taken to hold where a larger one does). lo 0: none held; hi 0: none failed.
+struct LargestFound {
+  std::uint64_t lo = 0, hi = 0;
+};
+template <class Weigh>
+LargestFound largest_fitting(std::uint64_t start, std::uint64_t granule, std::uint64_t ceiling, Weigh&& weigh) {
+  LargestFound f;
+  if (weigh(start)) {
+    for (f.lo = start; f.lo * 2 <= ceiling; f.lo *= 2)
+      if (!weigh(f.lo * 2)) {
+        f.hi = f.lo * 2;
+        break;
+      }
+  } else {
+    f.hi = start;
+    if (start > granule && weigh(granule)) f.lo = granule;
+  }
+  if (f.lo == 0) return f;
+  while (f.hi != 0 && f.hi - f.lo > granule) {
+    const std::uint64_t mid = f.lo + (f.hi - f.lo) / granule / 2 * granule;
+    if (weigh(mid)) f.lo = mid;
+    else f.hi = mid;
+  }
+  return f;
+}
+
+constexpr std::uint64_t most_layers_ceiling = 4096;
+
 // --longest: the longest sequence, a multiple of longest_granule tokens, for which
 // `would_run(seq, &line)` finds a plan (`line` then describes it, else says why none runs). From --seq (rounded up to the granule): doubling while it
 // fits; where --seq itself does not, from the granule up to it. Then bisection between the last that
@@ -170,30 +211,13 @@ int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& w
     return !code;
   };
   const std::uint64_t start = (a.seq + granule - 1) / granule * granule;
-  std::uint64_t lo = 0, hi = 0;  // the longest found to fit, the shortest found not to; 0: none yet
-  if (weigh(start)) {
-    for (lo = start; lo * 2 <= longest_ceiling_for(a.batch); lo *= 2)
-      if (!weigh(lo * 2)) {
-        hi = lo * 2;
-        break;
-      }
-  } else {
-    hi = start;
-    const std::string start_miss = miss_line;
-    if (start > granule && weigh(granule)) lo = granule;
-    miss_line = start_miss;  // hi is still the start
-  }
+  const auto [lo, hi] = largest_fitting(start, granule, longest_ceiling_for(a.batch), weigh);
   if (lo == 0) {
     fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): none, not even {} tokens\n", budget_note,
                std::min(start, granule));
     return 3;
   }
   if (hi == 0) fmt::print("\nevery sequence up to {} tokens fits: the search stops there\n", lo);
-  while (hi != 0 && hi - lo > granule) {
-    const std::uint64_t mid = lo + (hi - lo) / granule / 2 * granule;
-    if (weigh(mid)) lo = mid;
-    else hi = mid;
-  }
   fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): {} tokens x {} sequence(s): {}\n", budget_note, lo,
              a.batch, fit_line);
   if (hi != 0) fmt::print("{} tokens: nothing ({})\n", hi, miss_line);
@@ -210,9 +234,9 @@ int main(int argc, char** argv) {
   try {
     const Args a = parse(argc, argv);
 #if !OOM_PLAN_HAS_CUDA
-    if (a.grad_staging || a.keep_attention_state || a.longest)
-      OOM_THROW(oom::Errc::unsupported, "--grad-staging / --[no-]keep-attention-state / --longest describe the CUDA executor, which "
-                                        "this build does not have (configure with -DOOM_ENABLE_CUDA=ON)");
+    if (a.grad_staging || a.keep_attention_state || a.longest || a.most_layers)
+      OOM_THROW(oom::Errc::unsupported, "--grad-staging / --[no-]keep-attention-state / --longest / --most-layers describe the CUDA "
+                                        "executor, which this build does not have (configure with -DOOM_ENABLE_CUDA=ON)");
 #endif
     // The pairs oom-train refuses: no line may say it would run them.
     oom::examples::refuse_grad_staging_pairs(a.grad_staging.value_or(0), a.max_grad_norm,
@@ -221,6 +245,13 @@ int main(int argc, char** argv) {
       OOM_THROW(oom::Errc::invalid_argument, fmt::format("--longest searches what oom-train runs on one GPU; --gpus {} given", a.gpus));
     if (a.longest && (!a.json_out.empty() || !a.trace_out.empty()))
       OOM_THROW(oom::Errc::invalid_argument, "--longest only prints the longest sequence; plan it with --seq N for --json or --trace");
+    if (a.most_layers && a.longest)
+      OOM_THROW(oom::Errc::invalid_argument, "--most-layers and --longest exclude each other: one searches the depth at --seq, the "
+                                             "other the sequence at the config's depth");
+    if (a.most_layers && a.gpus != 1)
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("--most-layers searches what oom-train runs on one GPU; --gpus {} given", a.gpus));
+    if (a.most_layers && (!a.json_out.empty() || !a.trace_out.empty()))
+      OOM_THROW(oom::Errc::invalid_argument, "--most-layers only prints the most layers; plan a config of that depth for --json or --trace");
 #if OOM_PLAN_HAS_CUDA
     if (a.longest && a.seq > longest_ceiling_for(a.batch))
       OOM_THROW(oom::Errc::invalid_argument, fmt::format("--longest searches up to {} tokens a sequence at --batch {}; --seq {} starts past it",
@@ -253,40 +284,53 @@ int main(int argc, char** argv) {
     if (a.grad_staging) executor.grad_staging_layers = *a.grad_staging;
     if (a.keep_attention_state) executor.keep_attention_state = *a.keep_attention_state;
     executor.max_grad_norm = a.max_grad_norm;  // clipping stages every streamed gradient
-    const auto executed_step = [&](const oom::Plan& p) { return planner.simulate(oom::CudaCausalLm::as_executed(spec, p, executor)).step_s; };
+    const auto executed_step_of = [&](const oom::ModelSpec& m, const oom::Planner& p, const oom::Plan& plan) {
+      return p.simulate(oom::CudaCausalLm::as_executed(m, plan, executor)).step_s;
+    };
+    const auto executed_step = [&](const oom::Plan& p) { return executed_step_of(spec, planner, p); };
     // What oom-train --backend cuda would run (CudaCausalLm::fit) with the same model, sequences and
     // GPU budget at `seq` tokens a sequence: its request (one GPU, --batch sequences, 6 candidates,
     // its default host budget unless --host-mem) and its GPU headroom (1 GiB of the free memory,
     // here of the profile's). One line: the plan, or "nothing" and why.
     oom::PlanRequest train_req = req;  // at --moments: oom-train keeps fp32 or bf16 moments as asked
     train_req.candidates = 6;
-    std::string host_error;  // why there is no default host budget (a profile with too little host memory)
-    if (!a.host_mem) {
+    // oom-train's default host budget for model `m` (its build buffers depend on it), or why there
+    // is none (a profile with too little host memory).
+    const auto host_budget_for = [&](const oom::ModelSpec& m, std::string* error) {
+      if (a.host_mem) return *a.host_mem;
       try {
-        train_req.host_budget = oom::examples::default_host_budget(profile, oom::CudaCausalLm::build_buffer_bytes(spec)).budget;
+        return oom::examples::default_host_budget(profile, oom::CudaCausalLm::build_buffer_bytes(m)).budget;
       } catch (const oom::Error& e) {
-        host_error = e.message();
+        *error = e.message();
+        return oom::Bytes{};
       }
-    }
+    };
+    std::string host_error;
+    train_req.host_budget = host_budget_for(spec, &host_error);
     const std::uint64_t headroom = oom::CudaCausalLm::gpu_headroom.count();
     const std::uint64_t usable = profile.gpu_memory.count() > headroom ? profile.gpu_memory.count() - headroom : 0;
     const oom::Bytes gpu_avail{std::min<std::uint64_t>(train_req.gpu_budget.count(), usable)};
-    const auto would_run = [&](std::uint64_t seq, std::string* line) -> std::optional<oom::Errc> {
+    // The same for model `m` (planned by `p`) at `seq` tokens a sequence.
+    const auto would_run_on = [&](const oom::ModelSpec& m, const oom::Planner& p, std::uint64_t seq,
+                                  std::string* line) -> std::optional<oom::Errc> {
       try {
-        if (!host_error.empty()) OOM_THROW(oom::Errc::out_of_budget, host_error);
-        train_req.workload = {a.batch, seq};
-        const auto train_set = planner.plan(train_req);
+        std::string m_host_error;
+        oom::PlanRequest r = train_req;
+        r.host_budget = host_budget_for(m, &m_host_error);
+        if (!m_host_error.empty()) OOM_THROW(oom::Errc::out_of_budget, m_host_error);
+        r.workload = {a.batch, seq};
+        const auto train_set = p.plan(r);
         oom::CudaFitOptions how;
-        how.predict_step = executed_step;
-        how.residency_order = planner.residency_order(train_set.plans.front());
-        const auto fit = oom::CudaCausalLm::fit(spec, train_set.plans, gpu_avail, train_req.host_budget, executor, how);
+        how.predict_step = [&](const oom::Plan& plan) { return executed_step_of(m, p, plan); };
+        how.residency_order = p.residency_order(train_set.plans.front());
+        const auto fit = oom::CudaCausalLm::fit(m, train_set.plans, gpu_avail, r.host_budget, executor, how);
         const auto [gpu, host] = oom::gpu_and_host(fit.footprint);
-        const double step_s = executed_step(fit.plan);
+        const double step_s = executed_step_of(m, p, fit.plan);
         *line = fmt::format("its candidate plan {} ({}; {}; {} of {} segments resident, {} planned), {} on the GPU and {} pinned; "
                             "predicted step {:.3f} s",
                             fit.candidate + 1, fit.plan.retention_name,
-                            oom::describe_chunks(spec, fit.plan),
-                            fit.plan.resident_segments.size(), spec.segments().size(),
+                            oom::describe_chunks(m, fit.plan),
+                            fit.plan.resident_segments.size(), m.segments().size(),
                             train_set.plans[fit.candidate].resident_segments.size(), gpu, host, step_s);
         return std::nullopt;
       } catch (const oom::Error& e) {
@@ -294,10 +338,47 @@ int main(int argc, char** argv) {
         return e.code();
       }
     };
+    const auto would_run = [&](std::uint64_t seq, std::string* line) { return would_run_on(spec, planner, seq, line); };
     // oom-train keeps fp32 moments unless asked: the lines say what it would run with the flag.
     const std::string budget_note = fmt::format("host budget {}{}{}", train_req.host_budget, a.host_mem ? "" : ", its default",
                                                 a.moments == oom::DType::bf16 ? "; with --moments bf16" : "");
     if (a.longest) return longest_sequence(a, budget_note, would_run);
+    if (a.most_layers) {
+      // Each count's model is built from the config (its errors named), planned and fitted as
+      // oom-train would; the host budget is oom-train's default for each (its build buffers grow
+      // with the model) unless --host-mem.
+      const oom::Json config = oom::read_json_file(a.model);
+      const auto n = static_cast<std::uint64_t>(spec.num_layers());
+      std::string fit_line, miss_line;
+      std::optional<oom::ModelSpec> fit_spec;
+      const auto weigh = [&](std::uint64_t layers) {
+        const std::string source = fmt::format("{} at {} layers", a.model, layers);
+        const auto m = oom::ModelSpec::from_json(oom::examples::with_layers(config, static_cast<int>(layers)), source);
+        const oom::Planner p(m, profile, source, a.profile);
+        std::string line;
+        const std::optional<oom::Errc> code = would_run_on(m, p, a.seq, &line);
+        if (code && *code != oom::Errc::out_of_budget) OOM_THROW(*code, line);
+        fmt::print("  {:>5} layers ({} parameters): {}\n", layers, oom::examples::count_label(m.total_parameters()),
+                   code ? fmt::format("nothing ({})", line) : std::string("fits"));
+        std::fflush(stdout);
+        if (!code) fit_spec.emplace(m);
+        (code ? miss_line : fit_line) = fmt::format("{} parameters ({} active): {}", oom::examples::count_label(m.total_parameters()),
+                                                    oom::examples::count_label(m.active_parameters()), line);
+        return !code;
+      };
+      fmt::print("most layers of these widths oom-train --backend cuda would run at {} tokens x {} sequence(s):\n", a.seq, a.batch);
+      const auto [lo, hi] = largest_fitting(n, 1, most_layers_ceiling, weigh);
+      const std::string note = fmt::format("host budget {}{}", a.host_mem ? fmt::format("{}", *a.host_mem) : "oom-train's default for each",
+                                           a.moments == oom::DType::bf16 ? "; with --moments bf16" : "");
+      if (lo == 0) {
+        fmt::print("\nmost layers oom-train --backend cuda would run ({}): none, not even 1\n", note);
+        return 3;
+      }
+      if (hi == 0) fmt::print("\nevery count up to {} layers fits: the search stops there\n", lo);
+      fmt::print("\nmost layers oom-train --backend cuda would run ({}): {} layers, {}\n", note, lo, fit_line);
+      if (hi != 0) fmt::print("{} layers: nothing ({})\n", hi, miss_line);
+      return 0;
+    }
 #endif
     const auto set = oom::examples::plan_or_say_least(planner, req);
     fmt::print("searched {} candidates ({} within budget) in {:.3f} s\n\n", set.evaluated, set.feasible, set.search_s);

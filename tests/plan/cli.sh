@@ -6,7 +6,8 @@
 # At 128K, where the planner's plan needs more GPU memory on the executor than the H200 has, the
 # line saying what oom-train would run names the checkpoint around the kept attention state (or,
 # with --no-keep-attention-state, the whole-layer checkpoint, predicted slower).
-# --longest finds the longest sequence that has such a line, exactly (below).
+# --longest finds the longest sequence that has such a line, exactly (below), and --most-layers the
+# most layers of the config's widths.
 #   bash tests/plan/cli.sh path/to/oom-plan path/to/examples/configs/moe-5b.json
 set -uo pipefail
 plan=$1 config=$2
@@ -83,6 +84,25 @@ down=$(longest_of --gpu-mem 80GiB --seq 1000000)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$plan" --model "$config" --longest --json "$work/l.json" > /dev/null 2>&1 && { echo "FAIL: --longest with --json accepted"; exit 1; }
+# --most-layers: the most layers of the config's widths oom-train would run at --seq on the H200.
+# Exact: a config of that depth has a "would run" line, one layer more has none; bf16 moments (4
+# bytes a parameter less) fit more layers than fp32 ones.
+most_of() { "$plan" --model "$config" --most-layers "$@" | sed -nE 's/^most layers oom-train .*\): ([0-9]+) layers, .*/\1/p'; }
+deep=$(most_of)
+deep16=$(most_of --moments bf16)
+echo "--most-layers at 4K on the H200: $deep layers with fp32 moments, $deep16 with bf16"
+[[ -n "$deep" && -n "$deep16" ]] && (( deep > 16 && deep16 > deep )) || { echo "FAIL: --most-layers found '$deep' / '$deep16'"; exit 1; }
+at_depth() { python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' "$config" "$1" "$2"; }
+at_depth "$deep" "$work/at.json"
+at_depth $((deep + 1)) "$work/past.json"
+"$plan" --model "$work/at.json" --candidates 1 | grep -q "^oom-train --backend cuda would run (" ||
+  { echo "FAIL: no plan at the most layers, $deep"; exit 1; }
+past=$("$plan" --model "$work/past.json" --candidates 1 2>&1)
+past_rc=$?
+(( past_rc == 3 )) || grep -q "^oom-train --backend cuda would run: nothing" <<< "$past" ||
+  { echo "FAIL: a plan one layer past the most layers, $deep (exit $past_rc)"; exit 1; }
+"$plan" --model "$config" --most-layers --longest > /dev/null 2>&1 && { echo "FAIL: --most-layers with --longest accepted"; exit 1; }
+"$plan" --model "$config" --most-layers --gpus 2 > /dev/null 2>&1 && { echo "FAIL: --most-layers with --gpus 2 accepted"; exit 1; }
 # Output paths are refused before anything is planned or written, and a device or a FIFO is never
 # renamed over; a size names its option; a pair oom-train refuses gets no line saying it would run.
 refused() {  # refused PATTERN ARGS...: exit 2, one stderr line matching PATTERN
