@@ -17,6 +17,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -545,31 +546,31 @@ int run(const Options& opt) {
   progress.end(gbps(hc.bytes_per_s) + check(hc.verified, "host memcpy content"), hc.bytes_per_s, ref.host_copy_bytes_per_s);
 
   const std::size_t adamw_params = q ? (std::size_t{1} << 23) : (std::size_t{1} << 26);
-  progress.begin(fmt::format("CPU AdamW, {}M parameters, fp32 master and moments, bf16 weights out",
-                             adamw_params >> 20));
-  const auto aw = measure_cpu_adamw<float>(adamw_params, q ? 3 : 7);
-  p.cpu_adamw_params_per_s = aw.params_per_s;
-  measured("cpu_adamw_params_per_s",
-           fmt::format("oom::optim::adamw_update {} on {} threads, {} parameters (fp32 master/m/v, fp32 grads, bf16 "
-                       "weights out: ~30 bytes per parameter), median of {} steps",
-                       aw.isa, aw.threads, adamw_params, q ? 3 : 7));
-  progress.end(fmt::format("{:.2f} G params/s ({} bytes/s moved at 30 B/param; PyTorch's foreach AdamW: 0.82 G){}",
-                           aw.params_per_s / 1e9, gbps(aw.params_per_s * 30), check(aw.verified, "CPU AdamW result")),
-               aw.params_per_s, ref.cpu_adamw_params_per_s);
-
-  progress.begin(fmt::format("CPU AdamW, {}M parameters, fp32 master, bf16 moments (--moments bf16), bf16 weights out",
-                             adamw_params >> 20));
-  const auto aw16 = measure_cpu_adamw<bf16>(adamw_params, q ? 3 : 7);
-  p.cpu_adamw_bf16_moments_params_per_s = aw16.params_per_s;
-  measured("cpu_adamw_bf16_moments_params_per_s",
-           fmt::format("oom::optim::adamw_update {} on {} threads, {} parameters (fp32 master, bf16 m/v, fp32 grads, bf16 "
-                       "weights out: ~22 bytes per parameter), median of {} steps",
-                       aw16.isa, aw16.threads, adamw_params, q ? 3 : 7));
-  progress.end(fmt::format("{:.2f} G params/s ({} bytes/s moved at 22 B/param; {:.2f}x the fp32 moments' rate, {:.2f}x by the "
-                           "bytes){}",
-                           aw16.params_per_s / 1e9, gbps(aw16.params_per_s * 22), aw16.params_per_s / aw.params_per_s, 30.0 / 22.0,
-                           check(aw16.verified, "CPU AdamW result, bf16 moments")),
-               aw16.params_per_s, ref.cpu_adamw_bf16_moments_params_per_s);
+  // OOM's CPU AdamW with moments of type M: measured, recorded as `field` with its provenance,
+  // printed with its rate in bytes moved (`bytes` a parameter) and `extra`.
+  const auto cpu_adamw = [&]<class M>(const char* field, const char* moments, const char* layout, double bytes, double MachineProfile::*member,
+                                      const std::function<std::string(double)>& extra) {
+    progress.begin(fmt::format("CPU AdamW, {}M parameters, {}, bf16 weights out", adamw_params >> 20, moments));
+    const auto aw = measure_cpu_adamw<M>(adamw_params, q ? 3 : 7);
+    p.*member = aw.params_per_s;
+    measured(field, fmt::format("oom::optim::adamw_update {} on {} threads, {} parameters ({}, fp32 grads, bf16 weights out: ~{:.0f} "
+                                "bytes per parameter), median of {} steps",
+                                aw.isa, aw.threads, adamw_params, layout, bytes, q ? 3 : 7));
+    progress.end(fmt::format("{:.2f} G params/s ({} bytes/s moved at {:.0f} B/param; {}){}", aw.params_per_s / 1e9,
+                             gbps(aw.params_per_s * bytes), bytes, extra(aw.params_per_s),
+                             check(aw.verified, fmt::format("CPU AdamW result, {}", moments))),
+                 aw.params_per_s, ref.*member);
+    return aw.params_per_s;
+  };
+  const double fp32_rate = cpu_adamw.operator()<float>(
+      "cpu_adamw_params_per_s", "fp32 master and moments", "fp32 master/m/v", 30, &MachineProfile::cpu_adamw_params_per_s,
+      [](double) { return std::string("PyTorch's foreach AdamW: 0.82 G"); });
+  (void)cpu_adamw.operator()<bf16>("cpu_adamw_bf16_moments_params_per_s", "fp32 master, bf16 moments (--moments bf16)",
+                                   "fp32 master, bf16 m/v", 22, &MachineProfile::cpu_adamw_bf16_moments_params_per_s,
+                                   [&](double rate) {
+                                     return fmt::format("{:.2f}x the fp32 moments' rate, {:.2f}x by the bytes", rate / fp32_rate,
+                                                        30.0 / 22.0);
+                                   });
 
   if (gpus > 1) {
     const Bytes coll = q ? 64_MiB : 512_MiB;
