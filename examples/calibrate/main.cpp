@@ -556,7 +556,7 @@ int run(const Options& opt) {
     measured(field, fmt::format("oom::optim::adamw_update {} on {} threads, {} parameters ({}, fp32 grads, bf16 weights out: ~{:.0f} "
                                 "bytes per parameter), median of {} steps",
                                 aw.isa, aw.threads, adamw_params, layout, bytes, q ? 3 : 7));
-    progress.end(fmt::format("{:.2f} G params/s ({} bytes/s moved at {:.0f} B/param; {}){}", aw.params_per_s / 1e9,
+    progress.end(fmt::format("{:.2f} G params/s ({} moved at {:.0f} B/param; {}){}", aw.params_per_s / 1e9,
                              gbps(aw.params_per_s * bytes), bytes, extra(aw.params_per_s),
                              check(aw.verified, fmt::format("CPU AdamW result, {}", moments))),
                  aw.params_per_s, ref.*member);

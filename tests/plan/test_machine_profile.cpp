@@ -503,7 +503,7 @@ TEST_CASE("the gated delta rule's rates: measured on the built-in H200, optional
         doctest::Approx(h200.gated_delta_backward_updates_per_s * 128.0 / 132.0 * 5.93 / 22.7));
   CHECK(MachineProfile::rtx4090(1).provenance.at("gated_delta_backward_updates_per_s").source.find("no clusters") != std::string::npos);
   CHECK(MachineProfile::rtx4090(1).provenance.at("gated_delta_backward_updates_per_s").source.starts_with("ESTIMATE"));
-  // A file from before the fields (every examples/profiles file) reads them as 0, not measured.
+  // A file from before the fields (the examples/profiles files before 2026-12-04) reads them as 0, not measured.
   const MachineProfile old = MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h200-2026-12-03.json");
   CHECK(old.gated_delta_forward_updates_per_s == 0);
   CHECK(old.gated_delta_backward_updates_per_s == 0);
@@ -546,10 +546,16 @@ TEST_CASE("the CPU AdamW's bf16-moment rate: an estimate on the built-in H200, o
   // The estimated built-ins leave it unmeasured (the cost model scales their fp32 rate by bytes).
   CHECK(MachineProfile::h100_80gb(1).cpu_adamw_bf16_moments_params_per_s == 0);
   CHECK(MachineProfile::h100_80gb(1).provenance.count("cpu_adamw_bf16_moments_params_per_s") == 0);
-  // Written and read back (0 too); a file from before the field (every examples/profiles file) reads 0.
+  // Written and read back (0 too); a file from before the field (every examples/profiles file but
+  // the H100's) reads 0.
   CHECK(MachineProfile::from_json(h200.to_json(), "t.json") == h200);
   CHECK(MachineProfile::from_json(MachineProfile::h100_80gb(1).to_json(), "t.json") == MachineProfile::h100_80gb(1));
   CHECK(MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h200-2026-12-04.json").cpu_adamw_bf16_moments_params_per_s == 0);
+  // Measured by oom-calibrate on an H100 machine: 1.25x its fp32-moment rate, short of the bytes' 1.36x.
+  const MachineProfile h100 = MachineProfile::from_file(OOM_SOURCE_DIR "/examples/profiles/h100-2026-12-06.json");
+  CHECK(h100.cpu_adamw_bf16_moments_params_per_s > h100.cpu_adamw_params_per_s);
+  CHECK(h100.cpu_adamw_bf16_moments_params_per_s < h100.cpu_adamw_params_per_s * 30.0 / 22.0);
+  CHECK(h100.provenance.at("cpu_adamw_bf16_moments_params_per_s").source.find("bf16 m/v") != std::string::npos);
   SUBCASE("negative") {
     Json j = h200_json();
     j.set("cpu_adamw_bf16_moments_params_per_s", -1);
