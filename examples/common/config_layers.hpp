@@ -1,4 +1,5 @@
-// A config.json at another depth (oom-plan --most-layers): the same widths, more or fewer layers.
+// A config.json at another depth (oom-plan --most-layers, oom-train --layers): the same widths, more
+// or fewer layers.
 #pragma once
 
 #include <cstdint>
@@ -22,11 +23,11 @@ inline Json with_layers(const Json& config, int layers) {
   Json fields = wrapped ? *config.find("text_config") : config;
   const Json* n_field = fields.find("num_hidden_layers");
   if (n_field == nullptr || !n_field->is_integer() || n_field->as_int64() < 1)
-    OOM_THROW(Errc::invalid_argument, "--most-layers: the config has no positive num_hidden_layers to repeat");
+    OOM_THROW(Errc::invalid_argument, "the config has no positive num_hidden_layers to take another depth from");
   const auto n = n_field->as_int64();
   if (const Json* types = fields.find("layer_types"); types != nullptr && types->is_array()) {
     if (static_cast<std::int64_t>(types->size()) != n)
-      OOM_THROW(Errc::invalid_argument, fmt::format("--most-layers: layer_types has {} entries for {} layers", types->size(), n));
+      OOM_THROW(Errc::invalid_argument, fmt::format("the config's layer_types has {} entries for {} layers", types->size(), n));
     Json repeated = Json::array();
     for (int i = 0; i < layers; ++i) repeated.push_back(types->as_array()[static_cast<std::size_t>(i % n)]);
     fields.set("layer_types", std::move(repeated));

@@ -377,6 +377,8 @@ int main(int argc, char** argv) {
       if (hi == 0) fmt::print("\nevery count up to {} layers fits: the search stops there\n", lo);
       fmt::print("\nmost layers oom-train --backend cuda would run ({}): {} layers, {}\n", note, lo, fit_line);
       if (hi != 0) fmt::print("{} layers: nothing ({})\n", hi, miss_line);
+      fmt::print("train it: oom-train --backend cuda --config {} --layers {} --seq {} --batch {}{}\n", a.model, lo, a.seq, a.batch,
+                 a.moments == oom::DType::bf16 ? " --moments bf16" : "");
       return 0;
     }
 #endif

@@ -29,6 +29,7 @@
 
 #include "host_lm.hpp"
 #include "common/cli_numbers.hpp"
+#include "common/config_layers.hpp"
 #include "common/grad_staging.hpp"
 #include "common/host_budget.hpp"
 #include "common/least_budget.hpp"
@@ -124,6 +125,9 @@ constexpr const char* usage = R"(usage: oom-train [options]
 Model and data
   --config PATH        Hugging Face config.json (default: the one beside --init-from's weights, else
                        the built-in 4-layer, 8-expert Qwen3-MoE)
+  --layers N           the config's widths at N decoder layers (layer i of the kinds of its layer
+                       i mod its count; `oom-plan --most-layers` finds the most that run); the
+                       checkpoints' config.json says N
   --data PATH          token file (OOMTOK01; see include/oom/io/token_file.hpp)
                        (default: the built-in corpus, generated into the run directory)
   --init-from PATH     start from these weights instead of a random init: a safetensors file, a
@@ -218,6 +222,7 @@ Exit status: 0 done, 2 bad input, 3 no plan fits the budget, 4 stopped on a non-
 
 struct Args {
   std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto", retention;
+  std::optional<int> layers;  // --layers: the config at another depth
   std::uint64_t seq = 256, batch = 1, steps = 200, seed = 0, micro_batches = 1;
   float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f, min_lr = 0.0f;
   std::optional<oom::DType> moments;  // AdamW moments: fp32 (default) or bf16
@@ -310,11 +315,12 @@ Args parse(int argc, char** argv) {
     if (flag == "--planned-residency") { a.planned_residency = true; continue; }
     const char* v = oom::examples::option_value(
         argc, argv, i, flag,
-        {"--config", "--data", "--init-from", "--seq", "--micro-batches", "--batch", "--steps", "--seed", "--lr", "--weight-decay",
+        {"--config", "--layers", "--data", "--init-from", "--seq", "--micro-batches", "--batch", "--steps", "--seed", "--lr", "--weight-decay",
          "--max-grad-norm", "--moments", "--warmup", "--min-lr", "--schedule", "--plan", "--retention", "--profile", "--machine",
          "--gpu-mem", "--host-mem", "--grad-staging", "--backend", "--dump-batches", "--trace-step", "--trace", "--out",
          "--checkpoint-every", "--keep", "--log-every", "--step-progress", "--max-skips", "--on-nonfinite"});
     if (flag == "--config") a.config = path_argument(flag, v);
+    else if (flag == "--layers") a.layers = parse_int_count(flag, v);
     else if (flag == "--data") a.data = path_argument(flag, v);
     else if (flag == "--init-from") a.init_from = path_argument(flag, v);
     else if (flag == "--seq") a.seq = parse_count(flag, v);
@@ -646,8 +652,12 @@ int run(Args a) {
     }
   }
   // ---- model, data, plan: every input checked before anything is written ----
-  const std::string config_text = a.config.empty() ? std::string(builtin_config) : read_text(a.config);
-  const std::string config_name = a.config.empty() ? std::string("built-in tiny Qwen3-MoE") : a.config;
+  std::string config_text = a.config.empty() ? std::string(builtin_config) : read_text(a.config);
+  std::string config_name = a.config.empty() ? std::string("built-in tiny Qwen3-MoE") : a.config;
+  if (a.layers) {  // the config at that depth, as the checkpoints will hold it (a resumed run's is already)
+    config_text = oom::examples::with_layers(Json::parse(config_text, config_name), *a.layers).dump(2) + "\n";
+    config_name = fmt::format("{} at {} layers (--layers)", config_name, *a.layers);
+  }
   const ModelSpec spec = ModelSpec::from_json(Json::parse(config_text, config_name), config_name);
 
   std::error_code ec;

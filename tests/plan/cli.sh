@@ -87,8 +87,10 @@ trap 'rm -rf "$work"' EXIT
 # --most-layers: the most layers of the config's widths oom-train would run at --seq on the H200.
 # Exact: a config of that depth has a "would run" line, one layer more has none; bf16 moments (4
 # bytes a parameter less) fit more layers than fp32 ones.
-most_of() { "$plan" --model "$config" --most-layers "$@" | sed -nE 's/^most layers oom-train .*\): ([0-9]+) layers, .*/\1/p'; }
+most_of() { "$plan" --model "$config" --most-layers "$@" | tee "$work/most.out" | sed -nE 's/^most layers oom-train .*\): ([0-9]+) layers, .*/\1/p'; }
 deep=$(most_of)
+grep -q "^train it: oom-train --backend cuda --config $config --layers $deep --seq 4096 --batch 1$" "$work/most.out" ||
+  { echo "FAIL: --most-layers names no oom-train command: $(tail -1 "$work/most.out")"; exit 1; }
 deep16=$(most_of --moments bf16)
 echo "--most-layers at 4K on the H200: $deep layers with fp32 moments, $deep16 with bf16"
 [[ -n "$deep" && -n "$deep16" ]] && (( deep > 16 && deep16 > deep )) || { echo "FAIL: --most-layers found '$deep' / '$deep16'"; exit 1; }

@@ -175,6 +175,17 @@ if [[ $rc -eq 2 ]] && grep -q "config .*own/checkpoint-000004/config.json (the l
     echo "ok   resume-no-config-own-model: $(cat "$work/own.err")"
   else fail "resume-no-config-own-model: the advice did not resume" "$work/own2.err"; fi
 else fail "resume-no-config-own-model: exit $rc" "$work/own.out" "$work/own.err"; fi
+# --layers N: the config's widths at N layers, as its checkpoints' config.json says; a resumed run
+# keeps that depth without the flag, and another depth is another config.
+"$train" "${args[@]}" --steps 2 --checkpoint-every 2 --layers 2 --out "$work/layers" > "$work/layers.log" 2>&1 ||
+  fail "layers: the run failed" "$work/layers.log"
+if grep -q "model built-in tiny Qwen3-MoE at 2 layers (--layers): 2 layers" "$work/layers.log" &&
+   grep -q '"num_hidden_layers": 2' "$work/layers/checkpoint-000002/config.json" &&
+   "$train" "${args[@]}" --steps 3 --checkpoint-every 3 --out "$work/layers" --resume > /dev/null 2> "$work/layers2.err" &&
+   ! "$train" "${args[@]}" --steps 4 --out "$work/layers" --resume --layers 3 > /dev/null 2> "$work/layers3.err" &&
+   grep -q "was trained with another config.json than .*at 3 layers (--layers)" "$work/layers3.err"; then
+  echo "ok   layers: $(cat "$work/layers3.err")"
+else fail "layers" "$work/layers.log" "$work/layers2.err" "$work/layers3.err"; fi
 # The same config written otherwise is the same model: the built-in model's run resumes with
 # examples/configs/tiny-moe.json (its JSON in another layout; refused as another config when
 # compared as text), its members reordered and a real written as an integer (rope_theta 10000).
