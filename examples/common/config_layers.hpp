@@ -16,8 +16,15 @@ namespace oom::examples {
 /// layer (i mod N)'s kinds, N the config's count: its layer_types entry and whether it is in
 /// mlp_only_layers (decoder_sparse_step and full_attention_interval already repeat). The fields
 /// sit under text_config where the model wraps one (Qwen3.5), as ModelSpec reads them. Errors
-/// (invalid_argument): no positive num_hidden_layers, a layer_types of another length.
+/// (invalid_argument): a depth past max_config_layers, no positive num_hidden_layers, a
+/// layer_types of another length.
+/// The most layers with_layers makes (a model of more is not one a node trains; a typo of many more
+/// had built it in memory before any error).
+inline constexpr int max_config_layers = 4096;
+
 inline Json with_layers(const Json& config, int layers) {
+  if (layers < 1 || layers > max_config_layers)
+    OOM_THROW(Errc::invalid_argument, fmt::format("{} layers: a depth from 1 to {}", layers, max_config_layers));
   Json out = config;
   const bool wrapped = config.find("text_config") != nullptr && config.find("text_config")->is_object();
   Json fields = wrapped ? *config.find("text_config") : config;

@@ -187,7 +187,7 @@ LargestFound largest_fitting(std::uint64_t start, std::uint64_t granule, std::ui
   return f;
 }
 
-constexpr std::uint64_t most_layers_ceiling = 4096;
+constexpr std::uint64_t most_layers_ceiling = oom::examples::max_config_layers;
 
 // --longest: the longest sequence, a multiple of longest_granule tokens, for which
 // `would_run(seq, &line)` finds a plan (`line` then describes it, else says why none runs). From --seq (rounded up to the granule): doubling while it

@@ -655,7 +655,12 @@ int run(Args a) {
   std::string config_text = a.config.empty() ? std::string(builtin_config) : read_text(a.config);
   std::string config_name = a.config.empty() ? std::string("built-in tiny Qwen3-MoE") : a.config;
   if (a.layers) {  // the config at that depth, as the checkpoints will hold it (a resumed run's is already)
-    config_text = oom::examples::with_layers(Json::parse(config_text, config_name), *a.layers).dump(2) + "\n";
+    const Json config = Json::parse(config_text, config_name);
+    try {
+      config_text = oom::examples::with_layers(config, *a.layers).dump(2) + "\n";
+    } catch (const Error& e) {
+      throw Error(e.code(), fmt::format("--layers {}: {} ({})", *a.layers, e.message(), config_name), e.file(), e.line());
+    }
     config_name = fmt::format("{} at {} layers (--layers)", config_name, *a.layers);
   }
   const ModelSpec spec = ModelSpec::from_json(Json::parse(config_text, config_name), config_name);

@@ -50,6 +50,10 @@ TEST_CASE("with_layers: layer_types and mlp_only_layers repeat with the config's
 }
 
 TEST_CASE("with_layers: a config it cannot repeat is refused by name") {
+  const Json c = Json::parse(R"({"num_hidden_layers": 4})");
+  CHECK(with_layers(c, oom::examples::max_config_layers).find("num_hidden_layers")->as_int64() == 4096);
+  CHECK_THROWS_WITH_AS(with_layers(c, 4097), doctest::Contains("4097 layers: a depth from 1 to 4096"), Error);
+  CHECK_THROWS_WITH_AS(with_layers(c, 0), doctest::Contains("0 layers: a depth from 1 to 4096"), Error);
   CHECK_THROWS_WITH_AS(with_layers(Json::parse(R"({"hidden_size": 8})"), 3), doctest::Contains("no positive num_hidden_layers"), Error);
   CHECK_THROWS_WITH_AS(with_layers(Json::parse(R"({"num_hidden_layers": 3, "layer_types": ["a", "f"]})"), 4),
                        doctest::Contains("layer_types has 2 entries for 3 layers"), Error);

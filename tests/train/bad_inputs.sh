@@ -45,6 +45,8 @@ expect dump-as-checkpoint 2 "is the run's checkpoint .*checkpoint-000002 or insi
   --dump-batches "$work/dump-as-checkpoint/checkpoint-000002"
 expect trace-as-partial 2 "is the run's checkpoint .*checkpoint-000001.partial or inside it" -- \
   --trace-step 1 --trace "$work/trace-as-partial/checkpoint-000001.partial"
+# --layers past what with_layers makes: refused before anything is built.
+expect layers-too-many 2 "--layers 5000: 5000 layers: a depth from 1 to 4096 (built-in tiny Qwen3-MoE)" -- --layers 5000
 # A directory as --config: said so (an ifstream opens one and reads nothing: it had been "expected
 # a value, found end of input" at its first byte).
 expect config-is-directory 2 "is a directory, not a file" -- --config "$work"
