@@ -377,8 +377,18 @@ int main(int argc, char** argv) {
       if (hi == 0) fmt::print("\nevery count up to {} layers fits: the search stops there\n", lo);
       fmt::print("\nmost layers oom-train --backend cuda would run ({}): {} layers, {}\n", note, lo, fit_line);
       if (hi != 0) fmt::print("{} layers: nothing ({})\n", hi, miss_line);
-      fmt::print("train it: oom-train --backend cuda --config {} --layers {} --seq {} --batch {}{}\n", a.model, lo, a.seq, a.batch,
-                 a.moments == oom::DType::bf16 ? " --moments bf16" : "");
+      // With what this search planned with, so that oom-train plans the same way.
+      std::string same;
+      if (!a.profile.empty()) same += fmt::format(" --profile {}", a.profile);
+      else if (a.machine != "h200") same += fmt::format(" --machine {}", a.machine);
+      if (a.gpu_mem) same += fmt::format(" --gpu-mem {}B", a.gpu_mem->count());
+      if (a.host_mem) same += fmt::format(" --host-mem {}B", a.host_mem->count());
+      if (a.moments == oom::DType::bf16) same += " --moments bf16";
+      if (a.micro_batches != 1) same += fmt::format(" --micro-batches {}", a.micro_batches);
+      if (a.max_grad_norm > 0) same += fmt::format(" --max-grad-norm {}", a.max_grad_norm);
+      if (a.grad_staging) same += fmt::format(" --grad-staging {}", *a.grad_staging);
+      if (a.keep_attention_state) same += *a.keep_attention_state ? " --keep-attention-state" : " --no-keep-attention-state";
+      fmt::print("train it: oom-train --backend cuda --config {} --layers {} --seq {} --batch {}{}\n", a.model, lo, a.seq, a.batch, same);
       return 0;
     }
 #endif

@@ -92,6 +92,10 @@ deep=$(most_of)
 grep -q "^train it: oom-train --backend cuda --config $config --layers $deep --seq 4096 --batch 1$" "$work/most.out" ||
   { echo "FAIL: --most-layers names no oom-train command: $(tail -1 "$work/most.out")"; exit 1; }
 deep16=$(most_of --moments bf16)
+# ... with the options it planned with, so that oom-train plans the same way.
+most_of --moments bf16 --profile "$(dirname "$config")/../profiles/h100-2026-12-06.json" --micro-batches 2 > /dev/null
+grep -q "^train it: oom-train --backend cuda --config $config --layers [0-9]* --seq 4096 --batch 1 --profile .*h100-2026-12-06.json --moments bf16 --micro-batches 2$" "$work/most.out" ||
+  { echo "FAIL: --most-layers' command lost an option: $(tail -1 "$work/most.out")"; exit 1; }
 echo "--most-layers at 4K on the H200: $deep layers with fp32 moments, $deep16 with bf16"
 [[ -n "$deep" && -n "$deep16" ]] && (( deep > 16 && deep16 > deep )) || { echo "FAIL: --most-layers found '$deep' / '$deep16'"; exit 1; }
 at_depth() { python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[2]); json.dump(c, open(sys.argv[3], "w"))' "$config" "$1" "$2"; }
