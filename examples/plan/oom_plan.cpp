@@ -350,7 +350,6 @@ int main(int argc, char** argv) {
       const oom::Json config = oom::read_json_file(a.model);
       const auto n = static_cast<std::uint64_t>(spec.num_layers());
       std::string fit_line, miss_line;
-      std::optional<oom::ModelSpec> fit_spec;
       const auto weigh = [&](std::uint64_t layers) {
         const std::string source = fmt::format("{} at {} layers", a.model, layers);
         const auto m = oom::ModelSpec::from_json(oom::examples::with_layers(config, static_cast<int>(layers)), source);
@@ -361,7 +360,6 @@ int main(int argc, char** argv) {
         fmt::print("  {:>5} layers ({} parameters): {}\n", layers, oom::examples::count_label(m.total_parameters()),
                    code ? fmt::format("nothing ({})", line) : std::string("fits"));
         std::fflush(stdout);
-        if (!code) fit_spec.emplace(m);
         (code ? miss_line : fit_line) = fmt::format("{} parameters ({} active): {}", oom::examples::count_label(m.total_parameters()),
                                                     oom::examples::count_label(m.active_parameters()), line);
         return !code;

@@ -275,11 +275,9 @@ void refuse_overlapping_paths(const Args& a) {
   // save makes of it), which the run writes whole, replaces and prunes.
   const auto checkpoint_like = [](const std::string& name) {
     std::string_view n = name;
-    if (!n.starts_with("checkpoint-")) return false;
-    n.remove_prefix(11);
     for (const std::string_view suffix : {".partial", ".old"})
       if (n.ends_with(suffix)) n.remove_suffix(suffix.size());
-    return !n.empty() && std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; });
+    return checkpoint_step(n).has_value();
   };
   std::error_code ec;
   const fs::path run = fs::weakly_canonical(fs::absolute(a.out, ec), ec);

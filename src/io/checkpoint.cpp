@@ -105,20 +105,6 @@ SafetensorsEntry entry(std::string name, const Source& src, std::span<const Segm
   return e;
 }
 
-// The step a directory name "checkpoint-<digits>" holds; nullopt for anything else (".partial",
-// ".old"). Pruning orders by this, not by name: past step 999999 the names grow a digit and
-// "checkpoint-1000000" sorts before "checkpoint-999999".
-std::optional<std::uint64_t> checkpoint_step(std::string_view name) {
-  constexpr std::string_view prefix = "checkpoint-";
-  if (!name.starts_with(prefix) || name.size() == prefix.size()) return std::nullopt;
-  const char* first = name.data() + prefix.size();
-  const char* last = name.data() + name.size();
-  std::uint64_t step = 0;
-  const auto r = std::from_chars(first, last, step);
-  if (r.ec != std::errc() || r.ptr != last) return std::nullopt;
-  return step;
-}
-
 // Where save_checkpoint moves an earlier checkpoint of the same step while it renames the new one in.
 fs::path set_aside(const fs::path& dir) {
   fs::path p = dir;
@@ -339,6 +325,17 @@ void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<f
 }
 
 }  // namespace
+
+std::optional<std::uint64_t> checkpoint_step(std::string_view name) {
+  constexpr std::string_view prefix = "checkpoint-";
+  if (!name.starts_with(prefix) || name.size() == prefix.size()) return std::nullopt;
+  const char* first = name.data() + prefix.size();
+  const char* last = name.data() + name.size();
+  std::uint64_t step = 0;
+  const auto r = std::from_chars(first, last, step);
+  if (r.ec != std::errc() || r.ptr != last) return std::nullopt;
+  return step;
+}
 
 std::vector<std::pair<std::uint64_t, fs::path>> complete_checkpoints(const fs::path& run_dir) {
   std::vector<std::pair<std::uint64_t, fs::path>> out;

@@ -58,6 +58,10 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
 
 /// The directory name of step `step`'s checkpoint: "checkpoint-" and the step, at least 6 digits.
 [[nodiscard]] std::string checkpoint_name(std::uint64_t step);
+/// The step a checkpoint directory's name ("checkpoint-<digits>") holds; nullopt for any other
+/// name (a ".partial" or ".old" one too). Pruning orders by it, not by name: past step 999999 the
+/// names grow a digit and "checkpoint-1000000" sorts before "checkpoint-999999".
+[[nodiscard]] std::optional<std::uint64_t> checkpoint_step(std::string_view name);
 /// The checkpoint directories in `run_dir` ("checkpoint-<step>"; a ".partial" or ".old" is none),
 /// by step, lowest first; none where `run_dir` cannot be read. Their files are not checked.
 [[nodiscard]] std::vector<std::pair<std::uint64_t, std::filesystem::path>> complete_checkpoints(const std::filesystem::path& run_dir);
