@@ -611,6 +611,7 @@ int run(const Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  oom::examples::fail_oversized_writes_with_errors();
   Options opt;
   try {
     opt = parse_args(argc, argv);

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <csignal>
 #include <filesystem>
 #include <string>
 #include <string_view>
@@ -16,6 +17,11 @@
 #include "oom/core/error.hpp"
 
 namespace oom::examples {
+
+/// A write past the file-size limit (`ulimit -f`) fails with EFBIG, which the program reports
+/// naming the file and what is as it was, instead of raising SIGXFSZ, whose default action killed
+/// the program with no word (and a temporary file left behind). Call first in main.
+inline void fail_oversized_writes_with_errors() { std::signal(SIGXFSZ, SIG_IGN); }
 
 /// Throws invalid_argument naming `flag` and the path when `path` cannot take a file: empty, a
 /// directory, something that is neither a regular file nor a link (a device, a FIFO: a rename over

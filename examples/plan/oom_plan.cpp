@@ -231,6 +231,7 @@ int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& w
 }  // namespace
 
 int main(int argc, char** argv) {
+  oom::examples::fail_oversized_writes_with_errors();
   try {
     const Args a = parse(argc, argv);
 #if !OOM_PLAN_HAS_CUDA

@@ -1340,6 +1340,7 @@ int run(Args a) {
 
 int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);  // a closed pipe fails the write instead (say_to)
+  oom::examples::fail_oversized_writes_with_errors();
   try {
     return run(parse(argc, argv));
   } catch (const Error& e) {

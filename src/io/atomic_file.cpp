@@ -116,7 +116,9 @@ void write_file_atomically(const std::filesystem::path& path, std::string_view c
 }
 
 MappedFile::MappedFile(const std::filesystem::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO opens at once (and is refused below as not a regular file) instead of
+  // waiting for a writer that may never come; a regular file reads the same either way.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail_errno("cannot open", path, errno);
   try {
     *this = MappedFile(fd, path);
@@ -130,7 +132,10 @@ MappedFile::MappedFile(const std::filesystem::path& path) {
 MappedFile::MappedFile(int fd, const std::filesystem::path& path) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) fail_errno("cannot stat", path, errno);
-  if (!S_ISREG(st.st_mode)) OOM_THROW(Errc::io, path.string() + ": not a regular file");
+  if (!S_ISREG(st.st_mode))
+    OOM_THROW(Errc::io, path.string() + (S_ISDIR(st.st_mode)    ? ": a directory, not a regular file"
+                                         : S_ISFIFO(st.st_mode) ? ": a FIFO, not a regular file (it is mapped, not streamed)"
+                                                                : ": not a regular file (a device or a socket?)"));
   size_ = static_cast<std::size_t>(st.st_size);
   if (size_ > 0) {
     void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);

@@ -492,7 +492,18 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   }
   MappedFile f(latest);
   std::string name(reinterpret_cast<const char*>(f.bytes().data()), f.bytes().size());
-  while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
+  const auto blank = [](char c) { return c == '\n' || c == '\r' || c == ' ' || c == '\t'; };
+  while (!name.empty() && blank(name.back())) name.pop_back();
+  name.erase(0, static_cast<std::size_t>(std::find_if_not(name.begin(), name.end(), blank) - name.begin()));
+  // A control byte (a NUL cut the path short, to the run directory itself, and the message with it)
+  // is in no checkpoint's name: refused, the name shown with such bytes escaped.
+  if (std::any_of(name.begin(), name.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
+    std::string shown;
+    for (const char c : name)
+      shown += static_cast<unsigned char>(c) < 0x20 || c == 0x7f ? fmt::format("\\x{:02x}", static_cast<unsigned char>(c)) : std::string(1, c);
+    OOM_THROW(Errc::parse, fmt::format("{}: names '{}', which is not a checkpoint directory (a name holds no control bytes)",
+                                       latest.string(), shown));
+  }
   if (!name.empty() && name.find('/') == std::string::npos) {
     ec = restore_set_aside(run_dir / name);
     if (ec)

@@ -103,7 +103,7 @@ TokenFile::Fd::~Fd() {
 TokenFile TokenFile::open(const std::filesystem::path& path, Check check) {
   TokenFile f;
   f.source_ = path.string();
-  f.fd_ = Fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  f.fd_ = Fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));  // a FIFO is refused, not waited on
   if (f.fd_.fd < 0) OOM_THROW(Errc::io, fmt::format("{}: cannot open: {}", f.source_, std::strerror(errno)));
   f.map_ = MappedFile(f.fd_.fd, path);  // the same file read() reads, whatever is renamed onto the path
   f.init(f.map_.bytes(), check);
@@ -190,8 +190,8 @@ void TokenFile::drop_pages(std::uint64_t begin, std::uint64_t count) const {
 
 void TokenFile::read(std::uint64_t begin, std::span<std::uint32_t> out) const {
   if (begin > header_.token_count || out.size() > header_.token_count - begin)
-    OOM_THROW(Errc::invalid_argument, fmt::format("{}: tokens [{}, {}) are outside the file's {} tokens", source_,
-                                                  begin, begin + out.size(), header_.token_count));
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: {} tokens from {} are outside the file's {} tokens", source_,
+                                                  out.size(), begin, header_.token_count));  // (begin + size may wrap)
   if (fd_.fd >= 0) {
     read_file(begin, out);
     return;

@@ -102,7 +102,12 @@ TEST_CASE("MappedFile maps the bytes, empty files and moves") {
     CHECK(e.code() == Errc::io);
     CHECK(e.message().find("missing.bin") != std::string::npos);
   }
-  CHECK_THROWS_AS(MappedFile(dir.path()), Error);  // a directory is not a regular file
+  CHECK_THROWS_WITH_AS(MappedFile(dir.path()), doctest::Contains("a directory, not a regular file"), Error);
+  // A FIFO no one writes to is refused at once (its open had waited for a writer forever: a
+  // `latest` or a --data that is a FIFO hung the trainer).
+  const auto fifo = dir / "fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK_THROWS_WITH_AS(MappedFile{fifo}, doctest::Contains("fifo: a FIFO, not a regular file"), Error);
 }
 
 

@@ -217,6 +217,20 @@ TEST_CASE("checkpoints without `latest` are a run, not none: refused naming the 
   CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-000004");
 }
 
+TEST_CASE("`latest` with blanks around the name reads; one with control bytes is refused, the bytes shown escaped") {
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-latest-bytes");
+  (void)save_checkpoint(dir.path(), spec, random_state(spec, 17), {2, "{}", Json::object(), 2});
+  write_file_atomically(dir / "latest", " \tcheckpoint-000002\t\r\n");
+  CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-000002");
+  // A NUL had cut the path short to the run directory itself, and the error message with it.
+  write_file_atomically(dir / "latest", std::string("\0\xff\xfegarbage", 10));
+  CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir.path()), doctest::Contains("names '\\x00\xff\xfegarbage', which is not a checkpoint"),
+                       Error);
+  write_file_atomically(dir / "latest", std::string("checkpoint-000002\0", 18));
+  CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir.path()), doctest::Contains("names 'checkpoint-000002\\x00'"), Error);
+}
+
 TEST_CASE("a checkpoint the file system has no room for is refused before a byte is written, naming both sizes") {
   // A vocabulary of 2^30 over 256 wide: an embedding and a head of 2^38 parameters each, 6 TiB of
   // weights and moments, read through views that are never asked (it had been written until the

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
 #include "oom/core/error.hpp"
 #include "oom/io/json.hpp"
 #include "oom/io/token_file.hpp"
@@ -74,7 +76,14 @@ TEST_CASE("u16 and u32 token files round trip with their header") {
   std::vector<std::uint32_t> out(2);
   b.read(1, out);
   CHECK(out == std::vector<std::uint32_t>{65536, 151935});
-  CHECK_THROWS_AS(b.read(3, out), Error);  // [3, 5) runs past the 4 tokens
+  CHECK_THROWS_WITH_AS(b.read(3, out), doctest::Contains("2 tokens from 3 are outside the file's 4 tokens"), Error);
+  // A range whose end would wrap past 2^64 is named by its start and count (it had read "[2^64 - 3, 7)").
+  std::vector<std::uint32_t> ten(10);
+  CHECK_THROWS_WITH_AS(b.read(~std::uint64_t{0} - 2, ten),
+                       doctest::Contains("10 tokens from 18446744073709551613 are outside the file's 4 tokens"), Error);
+  // A FIFO is refused at once, not waited on for a writer.
+  REQUIRE(::mkfifo((dir / "fifo.tok").c_str(), 0600) == 0);
+  CHECK_THROWS_WITH_AS((void)TokenFile::open(dir / "fifo.tok"), doctest::Contains("a FIFO, not a regular file"), Error);
 }
 
 TEST_CASE("the writer refuses a token outside the vocab, naming its position") {
