@@ -18,6 +18,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <new>
 #include <optional>
 #include <sstream>
@@ -439,23 +441,33 @@ std::string duration(double s) {
 std::string mib(Bytes b) { return fmt::format("{:.1f}", static_cast<double>(b.count()) / (1 << 20)); }
 
 // Keeps the metrics lines of steps <= `step` (a resumed run rewrites what the killed one logged past
-// its last checkpoint), atomically.
-void truncate_metrics(const fs::path& path, std::uint64_t step) {
+// its last checkpoint), atomically. A line that is not a record with a step is dropped and counted:
+// a last line without its newline is a write a kill cut short; any other is damage, and the
+// history after it is kept (it had ended the scan, dropping every later step without a word).
+struct MetricsKept {
+  std::uint64_t damaged = 0;     ///< complete lines dropped as unreadable
+  std::uint64_t first_line = 0;  ///< the first of them, counted from 1
+};
+MetricsKept truncate_metrics(const fs::path& path, std::uint64_t step) {
+  MetricsKept r;
   std::error_code ec;
-  if (!fs::exists(path, ec)) return;
+  if (!fs::exists(path, ec)) return r;
   std::ifstream in(path);
   std::string line, kept;
-  while (std::getline(in, line)) {
+  for (std::uint64_t number = 1; std::getline(in, line); ++number) {
     if (line.empty()) continue;
+    const bool complete = !in.eof();  // getline stopped at a newline
     try {
       const Json j = Json::parse(line, path.string());
       const Json* s = j.find("step");
-      if (s != nullptr && s->as_uint64() <= step) kept += line + "\n";
+      if (s == nullptr) OOM_THROW(Errc::parse, "no step");
+      if (s->as_uint64() <= step) kept += line + "\n";
     } catch (const Error&) {
-      break;  // a line cut by a kill: everything after it is newer anyway
+      if (complete && r.damaged++ == 0) r.first_line = number;
     }
   }
   write_file_atomically(path, kept);
+  return r;
 }
 
 #if OOM_TRAIN_HAS_CUDA
@@ -578,6 +590,9 @@ void lock_run_directory(const fs::path& out) {
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
     // The lock holds without the note of who holds it.
   }
+  // What killed runs left: each kill while one of these was being replaced left its temporary
+  // (the built-in corpus's 4 MiB a time), never read and never removed.
+  for (const char* own : {"builtin-corpus.tok", "metrics.jsonl", "latest"}) (void)remove_stale_temporaries(out / own);
 }
 
 // The run directory is still at --out, by its .lock's identity. Moved (mv) or removed (rm -r) while
@@ -631,18 +646,26 @@ int run(Args a) {
   if (a.config.empty()) {
     // A resumed run's model is its checkpoint's; a new one's the config beside --init-from's weights.
     const auto resumed = a.resume ? latest_checkpoint(a.out) : std::nullopt;
-    std::error_code ec;
-    if (resumed && fs::is_regular_file(*resumed / "config.json", ec)) {
+    const auto readable_config = [](const fs::path& dir) {
+      try {
+        (void)Json::parse(read_text(dir / "config.json"), "config.json");
+        return true;
+      } catch (const Error&) {
+        return false;
+      }
+    };
+    if (resumed && readable_config(*resumed)) {
       a.config = (*resumed / "config.json").string();
       say("config {} (the checkpoint's; --config picks another)\n", a.config);
     } else if (resumed) {
-      // The latest checkpoint has lost its config.json (it is damaged: said below, with the older
-      // one to resume from): the run's model is the newest older checkpoint's, not the built-in.
+      // The latest checkpoint's config.json is lost or damaged (said below, with the older one to
+      // resume from): the run's model is the newest older checkpoint's, not the built-in (nor a
+      // bare parse error before any advice).
       const auto all = complete_checkpoints(a.out);
       for (auto it = all.rbegin(); it != all.rend() && a.config.empty(); ++it)
-        if (it->second.filename() != resumed->filename() && fs::is_regular_file(it->second / "config.json", ec)) {
+        if (it->second.filename() != resumed->filename() && readable_config(it->second)) {
           a.config = (it->second / "config.json").string();
-          say("config {} (the latest checkpoint has none; --config picks another)\n", a.config);
+          say("config {} (the latest checkpoint's is missing or damaged; --config picks another)\n", a.config);
         }
     } else {
       a.config = config_beside(a.init_from);
@@ -684,6 +707,7 @@ int run(Args a) {
   // Read only into the model, segment by segment: no copy of the whole optimizer state in memory
   // beside the model's own.
   std::optional<CheckpointReader> ckpt;
+  std::function<Error(const Error&)> damaged_checkpoint;  // the error, with which older checkpoint opens
   if (a.resume) {
     // The config it was trained with, compared as JSON values (the same model written otherwise,
     // its members in another order or 1e6 as 1000000.0, is the same: the built-in one is
@@ -697,11 +721,8 @@ int run(Args a) {
                                                         config_name));
       return CheckpointReader(dir, spec);
     };
-    try {
-      ckpt.emplace(open_checkpoint(*latest));
-    } catch (const Error& e) {
-      if (e.code() == Errc::invalid_argument) throw;  // another model's checkpoint, not a damaged one
-      // A damaged latest checkpoint: say which older one opens, and how to resume from it.
+    // A damaged latest checkpoint: say which older one opens, and how to resume from it.
+    damaged_checkpoint = [&, open_checkpoint](const Error& e) {
       std::string older;
       const auto all = complete_checkpoints(a.out);
       const auto named = std::find_if(all.begin(), all.end(), [&](const auto& c) { return c.second.filename() == latest->filename(); });
@@ -715,8 +736,14 @@ int run(Args a) {
         }
         break;
       }
-      throw Error(e.code(), fmt::format("--resume: {}{}", e.message(), older.empty() ? "; no older checkpoint here opens" : older),
-                  e.file(), e.line());
+      return Error(e.code(), fmt::format("--resume: {}{}", e.message(), older.empty() ? "; no older checkpoint here opens" : older),
+                   e.file(), e.line());
+    };
+    try {
+      ckpt.emplace(open_checkpoint(*latest));
+    } catch (const Error& e) {
+      if (e.code() == Errc::invalid_argument) throw;  // another model's checkpoint, not a damaged one
+      throw damaged_checkpoint(e);
     }
   }
 
@@ -1011,6 +1038,18 @@ int run(Args a) {
                 fmt::format("{}: sampler step_windows is {}, but the run's steps draw {} windows (--batch {} x --micro-batches {})",
                             (*latest / "trainer_state.json").string(), sampler_state.step_windows, step_windows, a.batch,
                             a.micro_batches));
+    // Every step draws step_windows windows (a skipped step too), so a checkpoint of step s is at
+    // window s x step_windows: another position (an edit, a damaged file) had resumed silently on
+    // other data, replaying earlier windows or, near 2^64, wrapping to the first.
+    if (ts["sampler"]["step_windows"].present() && sampler_state.step_windows > 0 &&
+        (start_step > std::numeric_limits<std::uint64_t>::max() / sampler_state.step_windows ||
+         sampler_state.position != start_step * sampler_state.step_windows))
+      OOM_THROW(Errc::parse, fmt::format("{}: sampler position is {}, but a checkpoint of step {} drawing {} windows a step is at "
+                                         "window {}", (*latest / "trainer_state.json").string(), sampler_state.position, start_step,
+                                         sampler_state.step_windows,
+                                         start_step > std::numeric_limits<std::uint64_t>::max() / sampler_state.step_windows
+                                             ? std::string("past 2^64")
+                                             : std::to_string(start_step * sampler_state.step_windows)));
     if (a.seed_given && a.seed != sampler_state.seed)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} draws its windows with seed {}; --seed {} would change nothing "
                                                     "(drop it, or start afresh)", latest->string(), sampler_state.seed, a.seed));
@@ -1107,18 +1146,30 @@ int run(Args a) {
   }
   if (ckpt) {
     const auto optimizer_steps = ckpt->trainer_state().find("optimizer_steps")->as_int64();  // checked above
-    if constexpr (std::is_same_v<std::decay_t<decltype(model)>, train::HostCausalLm>) {
-      model.load(ckpt->read_all(), optimizer_steps);  // the host backend's models are small
-    } else {
-      model.load(ckpt->source(), optimizer_steps);
+    // The values are read (and checked: their checksums, finite, second moments not negative) only
+    // now: damage found here gets the same advice as damage found on opening.
+    try {
+      if constexpr (std::is_same_v<std::decay_t<decltype(model)>, train::HostCausalLm>) {
+        model.load(ckpt->read_all(), optimizer_steps);  // the host backend's models are small
+      } else {
+        model.load(ckpt->source(), optimizer_steps);
+      }
+    } catch (const Error& e) {
+      if (e.code() != Errc::parse) throw;
+      throw damaged_checkpoint(e);
     }
     ckpt.reset();  // unmaps the files (each tensor's pages already left the RSS as it was read)
     say("resumed from {} at step {}\n", latest->string(), start_step);
   }
 
   const fs::path metrics_path = a.out / "metrics.jsonl";
-  if (a.resume) truncate_metrics(metrics_path, start_step);
-  else write_file_atomically(metrics_path, "");
+  if (a.resume) {
+    if (const MetricsKept m = truncate_metrics(metrics_path, start_step); m.damaged > 0)
+      say(stderr, "oom-train: warning: {}: {} damaged line{} (not a JSON record with a step; the first is line {}) dropped, "
+          "the other steps' lines kept\n", metrics_path.string(), m.damaged, m.damaged == 1 ? "" : "s", m.first_line);
+  } else {
+    write_file_atomically(metrics_path, "");
+  }
   std::ofstream metrics(metrics_path, std::ios::app);
   if (!metrics) OOM_THROW(Errc::io, fmt::format("{}: cannot open for appending: {}", metrics_path.string(), std::strerror(errno)));
 

@@ -115,6 +115,23 @@ void write_file_atomically(const std::filesystem::path& path, std::string_view c
   f.commit();
 }
 
+std::size_t remove_stale_temporaries(const std::filesystem::path& path) noexcept {
+  const std::string prefix = path.filename().string() + ".tmp-";
+  const std::string own = std::to_string(::getpid());
+  std::size_t removed = 0;
+  std::error_code ec;
+  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  for (auto it = std::filesystem::directory_iterator(dir, ec); !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.starts_with(prefix) || name.size() == prefix.size()) continue;
+    const std::string_view pid = std::string_view(name).substr(prefix.size());
+    if (pid == own || !std::all_of(pid.begin(), pid.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    std::error_code file_ec;
+    if (it->is_regular_file(file_ec) && std::filesystem::remove(it->path(), file_ec)) ++removed;
+  }
+  return removed;
+}
+
 MappedFile::MappedFile(const std::filesystem::path& path) {
   // O_NONBLOCK: a FIFO opens at once (and is refused below as not a regular file) instead of
   // waiting for a writer that may never come; a regular file reads the same either way.

@@ -4,12 +4,15 @@
 #include <sys/statvfs.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <charconv>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <map>
+#include <random>
 #include <system_error>
 #include <tuple>
 #include <unordered_map>
@@ -22,6 +25,7 @@
 #include "oom/core/log.hpp"
 #include "oom/core/numeric.hpp"
 #include "oom/io/atomic_file.hpp"
+#include "oom/io/crc32c.hpp"
 #include "oom/io/json.hpp"
 #include "oom/io/safetensors.hpp"
 #include "oom/model/model_spec.hpp"
@@ -71,15 +75,24 @@ std::vector<Source> sources(const ModelSpec& spec) {
 
 // A safetensors entry whose bytes are gathered from the segments' `array`, wherever it lives (a
 // GPU-resident segment's is read a piece at a time: no copy of it is held).
-SafetensorsEntry entry(std::string name, const Source& src, std::span<const SegmentStateView> state, StateArray array) {
+// `crcs` (one a slice: an expert's of a packed tensor) gets the CRC-32C of each slice's bytes as
+// they are written, for checksums.json.
+SafetensorsEntry entry(std::string name, const Source& src, std::span<const SegmentStateView> state, StateArray array,
+                       std::vector<std::uint32_t>& crcs) {
   SafetensorsEntry e;
   e.name = std::move(name);
   e.dtype = DType::fp32;
   e.shape = src.shape;
   const Source* s = &src;
-  e.fill = [s, state, array](std::uint64_t offset, std::span<std::byte> out) {
+  crcs.assign(src.slices.size(), 0);
+  auto next = std::make_shared<std::uint64_t>(0);  // the checksums run over the bytes in order
+  e.fill = [s, state, array, crcs = &crcs, next](std::uint64_t offset, std::span<std::byte> out) {
     // An fp32 tensor's pieces start and end on whole floats.
     OOM_ASSERT(offset % sizeof(float) == 0 && out.size() % sizeof(float) == 0);
+    if (offset != *next)
+      OOM_THROW(Errc::internal, fmt::format("checkpoint: tensor '{}' filled at byte {} after {}; its checksum needs its bytes in order",
+                                            s->name, offset, *next));
+    *next = offset + out.size();
     const std::span<float> floats(reinterpret_cast<float*>(out.data()), out.size() / sizeof(float));
     std::uint64_t done = 0;
     while (done < floats.size()) {
@@ -88,6 +101,7 @@ SafetensorsEntry entry(std::string name, const Source& src, std::span<const Segm
       const auto [seg, seg_off] = s->slices[slice];
       const std::uint64_t n = std::min<std::uint64_t>(s->slice_elements - within, floats.size() - done);
       state[seg].copy(array, seg_off + within, floats.subspan(done, n));
+      (*crcs)[slice] = crc32c(std::as_bytes(floats.subspan(done, n)), (*crcs)[slice]);
       done += n;
     }
     // What the reader would refuse is not written: a save throws instead, so the checkpoint
@@ -103,6 +117,17 @@ SafetensorsEntry entry(std::string name, const Source& src, std::span<const Segm
                             std::isfinite(*bad) ? "valid (a negative second moment)" : "finite"));
   };
   return e;
+}
+
+constexpr const char* checksums_file = "checksums.json";
+
+// Names one save: its two safetensors files carry it, and checksums.json, so files of two saves (of
+// two steps, or two runs of one model at one step) are not taken for one checkpoint.
+std::string save_id() {
+  std::random_device device;
+  const std::uint64_t v = (static_cast<std::uint64_t>(device()) << 32 | device()) ^
+                          static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+  return fmt::format("{:016x}", v);
 }
 
 // Where save_checkpoint moves an earlier checkpoint of the same step while it renames the new one in.
@@ -123,9 +148,23 @@ std::error_code restore_set_aside(const fs::path& dir) {
 // `out` from the tensor `t` of `file`, converted to fp32; then the tensor's pages leave the resident
 // set (a checkpoint or weights file is read once: without it, a 5.13B model's resume would hold
 // its 61 GB of checkpoint pages in RSS beside the pinned state it reads into).
-void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<float> out, bool second_moment = false) {
+// `crcs`, when given, are the tensor's slices' CRC-32C from checksums.json: the bytes read must have
+// the one of t's slice.
+void read_values(const SafetensorsFile& file, const TensorSpec& t, std::span<float> out, bool second_moment = false,
+                 const std::vector<std::uint32_t>* crcs = nullptr) {
   DType dt{};
   const auto bytes = file.tensor_bytes(t, &dt);
+  if (crcs != nullptr) {
+    const std::size_t slice = t.stacked_index < 0 ? 0 : static_cast<std::size_t>(t.stacked_index);
+    const std::string which = t.stacked_index < 0 ? std::string() : fmt::format(" (expert {})", t.stacked_index);
+    if (slice >= crcs->size())
+      OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}'{} has no checksum in {} ({} listed)", file.source(), t.name, which,
+                                         checksums_file, crcs->size()));
+    if (const std::uint32_t got = crc32c(bytes); got != (*crcs)[slice])
+      OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}'{} changed after its save: its bytes' CRC-32C is {:08x}, {} has {:08x} (a "
+                                         "damaged file, or one copied in from elsewhere)", file.source(), t.name, which, got,
+                                         checksums_file, (*crcs)[slice]));
+  }
   if (dt == DType::fp32) {
     std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
   } else if (dt == DType::bf16) {
@@ -367,6 +406,25 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
                                                     segs[s].name, v.size(StateArray::master), v.size(StateArray::exp_avg),
                                                     v.size(StateArray::exp_avg_sq), n));
   }
+  if (what.keep < 1)
+    OOM_THROW(Errc::invalid_argument, fmt::format("checkpoint: keep is {}; at least 1 (the new checkpoint) is kept", what.keep));
+  // What is saved must read back, or `latest` would name a checkpoint no run can resume from:
+  // trainer_state.json as JSON (a string of bytes that are not UTF-8 is written as it is, and had
+  // been refused only by the resume), config.json as a JSON object.
+  std::string trainer_state_text;
+  try {
+    trainer_state_text = what.trainer_state.dump(2) + "\n";
+    (void)Json::parse(trainer_state_text, "trainer_state");
+  } catch (const Error& e) {
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("checkpoint: the trainer state would not read back ({}); nothing was written", e.message()));
+  }
+  try {
+    if (!Json::parse(what.config_json, "config").is_object()) OOM_THROW(Errc::parse, "not a JSON object");
+  } catch (const Error& e) {
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("checkpoint: the config is not a model's config.json ({}); nothing was written", e.message()));
+  }
   std::error_code ec;
   fs::create_directories(run_dir, ec);
   if (ec) OOM_THROW(Errc::io, fmt::format("{}: cannot create the run directory: {}", run_dir.string(), ec.message()));
@@ -384,11 +442,16 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
       // oom-train holds its lock.)
       fs::remove_all(e.path(), ec);
     } else if (fn.ends_with(".old")) {
-      // Set aside by a save that crashed after renaming its checkpoint in: a stale copy.
+      // Set aside by a save that crashed after renaming its checkpoint in: a stale copy. Alone (the
+      // crash came between the two renames), it is the complete checkpoint of its step: put back.
       const fs::path in_place = run_dir / fn.substr(0, fn.size() - 4);
-      if (checkpoint_step(in_place.filename().string()) && fs::is_directory(in_place, ec)) fs::remove_all(e.path(), ec);
+      if (checkpoint_step(in_place.filename().string())) {
+        if (fs::is_directory(in_place, ec)) fs::remove_all(e.path(), ec);
+        else (void)restore_set_aside(in_place);
+      }
     }
   }
+  (void)remove_stale_temporaries(run_dir / "latest");  // a kill between writing `latest` and renaming it
   fs::remove_all(partial, ec);
   if (ec)
     OOM_THROW(Errc::io, fmt::format("{}: cannot remove this step's earlier partial checkpoint: {}", partial.string(), ec.message()));
@@ -414,17 +477,47 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
 
   try {
     const auto srcs = sources(spec);
+    // Each tensor slice's CRC-32C, taken as it is written: [source][master, exp_avg, exp_avg_sq].
+    std::vector<std::array<std::vector<std::uint32_t>, 3>> crcs(srcs.size());
     std::vector<SafetensorsEntry> model, optimizer;
-    for (const auto& src : srcs) {
-      model.push_back(entry(src.name, src, state, StateArray::master));
-      optimizer.push_back(entry("exp_avg." + src.name, src, state, StateArray::exp_avg));
-      optimizer.push_back(entry("exp_avg_sq." + src.name, src, state, StateArray::exp_avg_sq));
+    for (std::size_t i = 0; i < srcs.size(); ++i) {
+      const auto& src = srcs[i];
+      model.push_back(entry(src.name, src, state, StateArray::master, crcs[i][0]));
+      optimizer.push_back(entry("exp_avg." + src.name, src, state, StateArray::exp_avg, crcs[i][1]));
+      optimizer.push_back(entry("exp_avg_sq." + src.name, src, state, StateArray::exp_avg_sq, crcs[i][2]));
     }
-    const SafetensorsFile::Metadata meta{{"format", "pt"}, {"producer", "oom"}, {"step", std::to_string(what.step)}};
+    const std::string save = save_id();
+    const SafetensorsFile::Metadata meta{
+        {"format", "pt"}, {"producer", "oom"}, {"step", std::to_string(what.step)}, {"save", save}};
     write_safetensors(partial / "model.safetensors", std::move(model), meta);
     write_safetensors(partial / "optimizer.safetensors", std::move(optimizer), meta);
-    write_file_atomically(partial / "trainer_state.json", what.trainer_state.dump(2) + "\n");
+    write_file_atomically(partial / "trainer_state.json", trainer_state_text);
     write_file_atomically(partial / "config.json", what.config_json);
+    Json::Object model_crcs, optimizer_crcs;
+    const auto list = [](const std::vector<std::uint32_t>& v) {
+      Json::Array a;
+      for (const auto c : v) a.emplace_back(static_cast<unsigned long long>(c));
+      return Json(std::move(a));
+    };
+    for (std::size_t i = 0; i < srcs.size(); ++i) {
+      model_crcs.emplace_back(srcs[i].name, list(crcs[i][0]));
+      optimizer_crcs.emplace_back("exp_avg." + srcs[i].name, list(crcs[i][1]));
+      optimizer_crcs.emplace_back("exp_avg_sq." + srcs[i].name, list(crcs[i][2]));
+    }
+    const auto crc_of = [](std::string_view text) {
+      return static_cast<unsigned long long>(crc32c(std::as_bytes(std::span(text.data(), text.size()))));
+    };
+    const Json checksums(Json::Object{
+        {"format", "oom checkpoint checksums"},
+        {"version", 1},
+        {"algorithm", "CRC-32C"},
+        {"step", static_cast<unsigned long long>(what.step)},
+        {"save", save},
+        {"files", Json(Json::Object{{"trainer_state.json", crc_of(trainer_state_text)}, {"config.json", crc_of(what.config_json)}})},
+        {"tensors", Json(Json::Object{{"model.safetensors", Json(std::move(model_crcs))},
+                                      {"optimizer.safetensors", Json(std::move(optimizer_crcs))}})}});
+    // Written last: a checkpoint whose files name a save has its checksums.
+    write_file_atomically(partial / checksums_file, checksums.dump() + "\n");
 
     // A checkpoint of the same step from an earlier, abandoned attempt, which `latest` may name:
     // moved aside rather than deleted, so that at every instant `latest` finds it either in place
@@ -457,7 +550,7 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   // its step.
   auto complete = complete_checkpoints(run_dir);
   std::erase_if(complete, [&](const auto& c) { return c.first > what.step; });
-  const std::size_t keep = static_cast<std::size_t>(std::max(what.keep, 1));
+  const std::size_t keep = static_cast<std::size_t>(what.keep);
   for (std::size_t i = 0; i + keep < complete.size(); ++i) {
     const fs::path& old = complete[i].second;
     if (old == final_dir) continue;
@@ -515,21 +608,87 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   return run_dir / name;
 }
 
+using Checksums = std::unordered_map<std::string, std::vector<std::uint32_t>>;
+
 struct CheckpointReader::Files {
   const ModelSpec* spec;
   SafetensorsFile model, optimizer;
   Json trainer_state;
+  // Each tensor's slices' CRC-32C from checksums.json, by its name in its file; empty for a
+  // checkpoint saved before checksums were.
+  Checksums model_crcs, optimizer_crcs;
 };
+
+namespace {
+
+std::string metadata_value(const SafetensorsFile& file, std::string_view key) {
+  for (const auto& [k, v] : file.metadata())
+    if (k == key) return v;
+  return {};
+}
+
+// The two safetensors files are of one save (the same step and save id in their metadata), as
+// checksums.json says; trainer_state.json and config.json (where present) have the checksums it
+// lists. Returns its tensor checksums, none for a checkpoint saved before them.
+std::pair<Checksums, Checksums> check_one_save(const fs::path& dir, const SafetensorsFile& model, const SafetensorsFile& optimizer) {
+  const auto save_of = [](const SafetensorsFile& f) {
+    const std::string step = metadata_value(f, "step"), save = metadata_value(f, "save");
+    return fmt::format("step {}{}", step.empty() ? "?" : step, save.empty() ? std::string() : ", save " + save);
+  };
+  if (metadata_value(model, "step") != metadata_value(optimizer, "step") ||
+      metadata_value(model, "save") != metadata_value(optimizer, "save"))
+    OOM_THROW(Errc::parse, fmt::format("{}: model.safetensors is of {}, optimizer.safetensors of {}: files of two saves (one copied in "
+                                       "from another checkpoint?)", dir.string(), save_of(model), save_of(optimizer)));
+  const std::string save = metadata_value(model, "save");
+  const fs::path path = dir / checksums_file;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    if (!save.empty())
+      OOM_THROW(Errc::parse, fmt::format("{}: missing, while the checkpoint's files are of save {}", path.string(), save));
+    return {};  // saved before checksums were
+  }
+  const Json j = read_json_file(path);
+  const JsonCursor c(j, path.string());
+  if (c["save"].as_string() != save || std::to_string(c["step"].as_uint64()) != metadata_value(model, "step"))
+    OOM_THROW(Errc::parse, fmt::format("{}: of step {}, save {}, while the safetensors files are of {}", path.string(),
+                                       c["step"].as_uint64(), c["save"].as_string(), save_of(model)));
+  for (const char* name : {"trainer_state.json", "config.json"}) {
+    if (!fs::exists(dir / name, ec)) continue;  // (a missing config.json is its reader's to name)
+    const std::uint64_t want = c["files"][name].as_uint64();
+    if (const std::uint32_t got = crc32c(MappedFile(dir / name).bytes()); got != want)
+      OOM_THROW(Errc::parse, fmt::format("{}: changed after its save: its CRC-32C is {:08x}, {} has {:08x}", (dir / name).string(), got,
+                                         checksums_file, want));
+  }
+  const auto table = [&](const char* file) {
+    Checksums out;
+    const JsonCursor list = c["tensors"][file];
+    for (const auto& [name, v] : list.as_object()) {
+      auto& crcs = out[name];
+      const JsonCursor entries = list[name];
+      for (std::size_t i = 0; i < entries.size(); ++i) {
+        const std::uint64_t crc = entries[i].as_uint64();
+        if (crc > 0xffffffffu)
+          OOM_THROW(Errc::parse, fmt::format("{}.tensors.{}.{}[{}]: {} is not a CRC-32C", path.string(), file, name, i, crc));
+        crcs.push_back(static_cast<std::uint32_t>(crc));
+      }
+    }
+    return out;
+  };
+  return {table("model.safetensors"), table("optimizer.safetensors")};
+}
+
+}  // namespace
 
 CheckpointReader::CheckpointReader(const fs::path& dir, const ModelSpec& spec)
     : files_(std::make_unique<Files>(Files{&spec, SafetensorsFile::open(dir / "model.safetensors"),
                                            SafetensorsFile::open(dir / "optimizer.safetensors"),
-                                           read_json_file(dir / "trainer_state.json")})) {
+                                           read_json_file(dir / "trainer_state.json"), {}, {}})) {
   check_tensors(files_->model, spec, "", "checkpoints hold");
   check_tensors(files_->optimizer, spec, "exp_avg.", "checkpoints hold");
   check_tensors(files_->optimizer, spec, "exp_avg_sq.", "checkpoints hold");
   check_no_other_tensors(files_->model, spec, {""});
   check_no_other_tensors(files_->optimizer, spec, {"exp_avg.", "exp_avg_sq."});
+  std::tie(files_->model_crcs, files_->optimizer_crcs) = check_one_save(dir, files_->model, files_->optimizer);
 }
 
 CheckpointReader::~CheckpointReader() = default;
@@ -550,11 +709,19 @@ void CheckpointReader::read(std::size_t segment, std::span<float> master, std::s
                                                   master.size(), exp_avg.size(), exp_avg_sq.size()));
   std::uint64_t offset = 0;
   for (const auto& t : seg.tensors) {
-    for (const auto& [file, prefix, out] : {std::tuple{&files_->model, "", master}, {&files_->optimizer, "exp_avg.", exp_avg},
-                                            {&files_->optimizer, "exp_avg_sq.", exp_avg_sq}}) {
+    for (const auto& [file, crcs, prefix, out] :
+         {std::tuple{&files_->model, &files_->model_crcs, "", master}, {&files_->optimizer, &files_->optimizer_crcs, "exp_avg.", exp_avg},
+          {&files_->optimizer, &files_->optimizer_crcs, "exp_avg_sq.", exp_avg_sq}}) {
       TensorSpec named = t;
       named.name = std::string(prefix) + t.name;
-      read_values(*file, named, out.subspan(offset, t.elements()), std::string_view(prefix) == "exp_avg_sq.");
+      const std::vector<std::uint32_t>* listed = nullptr;
+      if (!crcs->empty()) {
+        const auto it = crcs->find(named.name);
+        if (it == crcs->end())
+          OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' has no checksum in {}", file->source(), named.name, checksums_file));
+        listed = &it->second;
+      }
+      read_values(*file, named, out.subspan(offset, t.elements()), std::string_view(prefix) == "exp_avg_sq.", listed);
     }
     offset += t.elements();
   }

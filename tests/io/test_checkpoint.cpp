@@ -17,6 +17,7 @@
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/io/checkpoint.hpp"
+#include "oom/io/crc32c.hpp"
 #include "oom/io/safetensors.hpp"
 #include "oom/model/model_spec.hpp"
 #include "resident.hpp"
@@ -50,9 +51,11 @@ std::vector<SegmentOptimizerState> random_state(const ModelSpec& spec, std::uint
   return out;
 }
 
-// Writes `value` over element `at` of fp32 tensor `name` in the safetensors file `path`, as a flipped
-// bit or a bad disk would: the writer itself refuses to save such a state.
-void poke(const fs::path& path, const std::string& name, std::uint64_t at, float value) {
+// Writes `value` over element `at` of fp32 tensor `name` (a plain one) in the safetensors file `path`.
+// With `rechecksum`, the checksums.json beside it is made to match, as if the checkpoint had been
+// saved so (by a writer without the save's own checks): the reader's value checks are what is
+// tested. Without it, as a flipped bit or a bad disk would: the checksum no longer matches.
+void poke(const fs::path& path, const std::string& name, std::uint64_t at, float value, bool rechecksum = true) {
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
   REQUIRE(f);
   std::uint64_t header = 0;
@@ -64,6 +67,23 @@ void poke(const fs::path& path, const std::string& name, std::uint64_t at, float
   f.seekp(static_cast<std::streamoff>(8 + header + begin + at * sizeof(float)));
   f.write(reinterpret_cast<const char*>(&value), sizeof value);
   REQUIRE(f);
+  f.close();
+  const fs::path sums = path.parent_path() / "checksums.json";
+  if (!rechecksum || !fs::exists(sums)) return;
+  const auto& offsets = meta.find(name)->find("data_offsets")->as_array();
+  const auto end = static_cast<std::uint64_t>(offsets.at(1).as_int64());
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes(end - begin, '\0');
+  in.seekg(static_cast<std::streamoff>(8 + header + begin));
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  REQUIRE(in);
+  Json j = read_json_file(sums);
+  Json tensors = *j.find("tensors");
+  Json file = *tensors.find(path.filename().string());
+  file.set(name, Json(Json::Array{Json(static_cast<unsigned long long>(crc32c(std::as_bytes(std::span(bytes.data(), bytes.size())))))}));
+  tensors.set(path.filename().string(), std::move(file));
+  j.set("tensors", std::move(tensors));
+  write_file_atomically(sums, j.dump());
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -295,6 +315,26 @@ TEST_CASE("a step saved again replaces its checkpoint; one set aside by a crash 
   CHECK(names() == std::vector<std::string>{"checkpoint-000003", "checkpoint-000004", "latest"});
 }
 
+TEST_CASE("a save removes what killed saves left: other processes' temporaries of `latest`, and puts a lone .old back") {
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-leftovers");
+  const auto a = random_state(spec, 18);
+  (void)save_checkpoint(dir.path(), spec, a, {2, "{}", Json::object(), 3});
+  // A kill between writing `latest`'s temporary and renaming it (pid 1 is never this test); names
+  // that are not such a temporary stay.
+  for (const char* name : {"latest.tmp-1", "latest.tmp-12x", "notes.tmp-1"}) write_file_atomically(dir / name, "x");
+  // A crash between moving checkpoint 4 aside and renaming its replacement in, `latest` already past it.
+  (void)save_checkpoint(dir.path(), spec, a, {4, "{}", Json::object(), 3});
+  fs::rename(dir / "checkpoint-000004", dir / "checkpoint-000004.old");
+  (void)save_checkpoint(dir.path(), spec, a, {6, "{}", Json::object(), 3});
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"checkpoint-000002", "checkpoint-000004", "checkpoint-000006", "latest",
+                                          "latest.tmp-12x", "notes.tmp-1"});
+  CHECK(same_bits(load_checkpoint(dir / "checkpoint-000004", spec).state[1].master, a[1].master));
+}
+
 TEST_CASE("a checkpoint of a deeper model is refused by a shallower one, naming a tensor it does not have") {
   const auto spec = tiny();
   Json cfg = read_json_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-moe.json");
@@ -440,11 +480,17 @@ TEST_CASE("a checkpoint of state read a range at a time (a GPU's): the same file
   }
   REQUIRE(st[0].master.size() == 16384u * 256u);  // hidden_size 256
   const auto ranged = save_checkpoint(dir.path() / "ranged", spec, std::span<const SegmentStateView>(views), {1, "{}", Json::object(), 2});
-  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+  // The same bytes but for the save's id, which names each save.
+  const auto without_save = [](const fs::path& dir, const char* file) {
+    std::ifstream in(dir / file, std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    const std::string save = read_json_file(dir / "checksums.json").find("save")->as_string();
+    for (std::size_t at = text.find(save); at != std::string::npos; at = text.find(save, at)) text.replace(at, save.size(), "<save>");
+    return text;
+  };
+  for (const char* file : {"model.safetensors", "optimizer.safetensors", "checksums.json"}) {
     CAPTURE(file);
-    REQUIRE(fs::file_size(spans / file) == fs::file_size(ranged / file));
-    std::ifstream fa(spans / file, std::ios::binary), fb(ranged / file, std::ios::binary);
-    CHECK(std::equal(std::istreambuf_iterator<char>(fa), {}, std::istreambuf_iterator<char>(fb)));
+    CHECK(without_save(spans, file) == without_save(ranged, file));
   }
   CHECK(read_floats == 3 * behind_readers);  // each value read once
   // A range past the end is refused by name, for a view of host memory and before a reader is asked.
@@ -533,6 +579,114 @@ TEST_CASE("a NaN or an infinity in the weights or the moments is refused when re
     CHECK_THROWS_WITH_AS((void)load_checkpoint(weights, spec, false), doctest::Contains("must be finite"), Error);
     fs::remove_all(dir);
   }
+}
+
+TEST_CASE("crc32c: the Castagnoli check value, continued runs, and every length and alignment alike") {
+  const std::string check = "123456789";
+  CHECK(crc32c(std::as_bytes(std::span(check.data(), check.size()))) == 0xE3069283u);
+  CHECK(crc32c({}) == 0u);
+  // Byte by byte against a bitwise reference, over lengths and offsets that exercise both the
+  // 8-byte steps and the tail.
+  std::vector<std::byte> data(301);
+  std::mt19937 rng(21);
+  for (auto& b : data) b = static_cast<std::byte>(rng());
+  const auto bitwise = [](std::span<const std::byte> bytes) {
+    std::uint32_t c = ~0u;
+    for (const std::byte b : bytes) {
+      c ^= static_cast<std::uint8_t>(b);
+      for (int k = 0; k < 8; ++k) c = (c & 1u) != 0 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+    }
+    return ~c;
+  };
+  for (std::size_t offset : {0u, 1u, 3u, 7u})
+    for (std::size_t n : {0u, 1u, 7u, 8u, 9u, 64u, 293u}) {
+      CAPTURE(offset);
+      CAPTURE(n);
+      const auto piece = std::span<const std::byte>(data).subspan(offset, n);
+      CHECK(crc32c(piece) == bitwise(piece));
+      CHECK(crc32c(piece.subspan(n / 3), crc32c(piece.first(n / 3))) == bitwise(piece));
+    }
+}
+
+TEST_CASE("checksums: a changed byte, a file of another save, an edited trainer state or a lost checksums.json is refused by name") {
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-checksums");
+  const auto st = random_state(spec, 19);
+  const auto first = save_checkpoint(dir.path(), spec, st, {1, "{}", Json::object(), 5});
+  const auto copy = [&](const char* name) {
+    const fs::path to = dir / name;
+    fs::copy(first, to, fs::copy_options::recursive);
+    return to;
+  };
+  // A value that is still finite (a flipped low mantissa bit) had loaded without a word.
+  const std::string plain = spec.segments()[2].tensors.back().name;
+  const auto flipped = copy("flipped");
+  poke(flipped / "model.safetensors", plain, 3, std::nextafter(st[2].master.back(), 1.0f) + 0.25f, /*rechecksum=*/false);
+  CHECK_THROWS_WITH_AS((void)load_checkpoint(flipped, spec),
+                       doctest::Contains(fmt::format("model.safetensors: tensor '{}' changed after its save: its bytes' CRC-32C is", plain).c_str()),
+                       Error);
+  // An expert's slice of a packed tensor (Qwen3.5's experts.gate_up_proj) is named with its expert.
+  {
+    const auto qwen35 = ModelSpec::from_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-qwen3.5-moe-d128.json");
+    std::string packed;
+    std::uint64_t experts = 0;
+    const std::int64_t expert = 1;
+    for (const auto& seg : qwen35.segments())
+      for (const auto& t : seg.tensors)
+        if (t.stacked_index == expert && packed.empty()) packed = t.name, experts = static_cast<std::uint64_t>(t.stacked_count);
+    REQUIRE(!packed.empty());
+    const auto where = save_checkpoint(dir / "qwen35", qwen35, random_state(qwen35, 22), {1, "{}", Json::object(), 2});
+    std::fstream f(where / "optimizer.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    std::uint64_t header = 0;
+    f.read(reinterpret_cast<char*>(&header), 8);
+    std::string text(header, '\0');
+    f.read(text.data(), static_cast<std::streamsize>(header));
+    const Json layout = Json::parse(text);
+    const auto& off = layout.find("exp_avg." + packed)->find("data_offsets")->as_array();
+    const auto bytes = static_cast<std::uint64_t>(off.at(1).as_int64() - off.at(0).as_int64());
+    f.seekp(static_cast<std::streamoff>(8 + header + static_cast<std::uint64_t>(off.at(0).as_int64()) + bytes / experts + 1));
+    f.put('\x5a');  // a byte of expert 1's first value
+    f.close();
+    CHECK_THROWS_WITH_AS((void)load_checkpoint(where, qwen35),
+                         doctest::Contains(fmt::format("tensor 'exp_avg.{}' (expert {}) changed after its save", packed, expert).c_str()),
+                         Error);
+  }
+  // The optimizer file of another save of the same model and step (a run's, or this one's again).
+  const auto again = save_checkpoint(dir / "other-run", spec, st, {1, "{}", Json::object(), 5});
+  const auto mixed = copy("mixed");
+  fs::copy_file(again / "optimizer.safetensors", mixed / "optimizer.safetensors", fs::copy_options::overwrite_existing);
+  CHECK_THROWS_WITH_AS((void)load_checkpoint(mixed, spec), doctest::Contains("files of two saves"), Error);
+  // ... and of another step: said by their steps.
+  const auto later = save_checkpoint(dir / "other-run", spec, st, {3, "{}", Json::object(), 5});
+  fs::copy_file(later / "model.safetensors", mixed / "model.safetensors", fs::copy_options::overwrite_existing);
+  fs::copy_file(later / "optimizer.safetensors", mixed / "optimizer.safetensors", fs::copy_options::overwrite_existing);
+  CHECK_THROWS_WITH_AS((void)load_checkpoint(mixed, spec), doctest::Contains("checksums.json: of step 1, save"), Error);
+  // An edited trainer_state.json (the same JSON otherwise) and a lost checksums.json.
+  const auto edited = copy("edited");
+  write_file_atomically(edited / "trainer_state.json", "{\"step\": 1}\n");
+  CHECK_THROWS_WITH_AS((void)load_checkpoint(edited, spec), doctest::Contains("trainer_state.json: changed after its save"), Error);
+  const auto lost = copy("lost");
+  fs::remove(lost / "checksums.json");
+  CHECK_THROWS_WITH_AS((void)load_checkpoint(lost, spec), doctest::Contains("checksums.json: missing, while the checkpoint's files are of save"),
+                       Error);
+  // The untouched one reads, bit for bit.
+  CHECK(same_bits(load_checkpoint(first, spec).state[2].exp_avg_sq, st[2].exp_avg_sq));
+}
+
+TEST_CASE("a save whose trainer state or config would not read back, or that keeps no checkpoint, writes nothing") {
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-unreadable");
+  const auto st = random_state(spec, 20);
+  Json latin1 = Json::object();
+  latin1.set("data", std::string("caf\xe9.txt"));  // Latin-1: not UTF-8
+  CHECK_THROWS_WITH_AS((void)save_checkpoint(dir.path(), spec, st, {1, "{}", latin1, 2}),
+                       doctest::Contains("the trainer state would not read back"), Error);
+  CHECK_THROWS_WITH_AS((void)save_checkpoint(dir.path(), spec, st, {1, "vocab_size: 3", Json::object(), 2}),
+                       doctest::Contains("the config is not a model's config.json"), Error);
+  CHECK_THROWS_WITH_AS((void)save_checkpoint(dir.path(), spec, st, {1, "[1]", Json::object(), 2}), doctest::Contains("not a JSON object"),
+                       Error);
+  CHECK_THROWS_WITH_AS((void)save_checkpoint(dir.path(), spec, st, {1, "{}", Json::object(), 0}), doctest::Contains("keep is 0"), Error);
+  CHECK(fs::is_empty(dir.path()));
 }
 
 TEST_CASE("a negative second moment is refused when read, naming the tensor and the element") {

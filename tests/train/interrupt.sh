@@ -43,7 +43,7 @@ for sig in INT TERM; do
   loss() { sed -E 's/.*"step":([0-9]+).*"loss":([^,]+),.*/\1 \2/' "$1"; }
   diff <(loss "$work/straight/metrics.jsonl") <(loss "$run/metrics.jsonl") > /dev/null ||
     { echo "FAIL: SIG$sig: the resumed run's losses differ from the uninterrupted run's"; exit 1; }
-  cmp "$work/straight/checkpoint-000016/model.safetensors" "$run/checkpoint-000016/model.safetensors"
+  python3 "$(dirname "$0")/same_tensors.py" "$work/straight/checkpoint-000016/model.safetensors" "$run/checkpoint-000016/model.safetensors"
   echo "ok   SIG$sig after step $at: exit 130, checkpoint-$(printf '%06d' "$at"), resumed to the same 16 losses and weights"
 done
 
@@ -70,7 +70,7 @@ if command -v strace > /dev/null && strace -o /dev/null true 2> /dev/null; then
     loss() { sed -E 's/.*"step":([0-9]+).*"loss":([^,]+),.*/\1 \2/' "$1"; }
     diff <(loss "$work/straight/metrics.jsonl") <(loss "$run/metrics.jsonl") > /dev/null ||
       { echo "FAIL: SIGTERM mid-save (when=$when): the resumed run's losses differ"; exit 1; }
-    cmp "$work/straight/checkpoint-000016/model.safetensors" "$run/checkpoint-000016/model.safetensors"
+    python3 "$(dirname "$0")/same_tensors.py" "$work/straight/checkpoint-000016/model.safetensors" "$run/checkpoint-000016/model.safetensors"
     [[ ! -e "$run/checkpoint-000008.partial" ]] || { echo "FAIL: SIGTERM mid-save (when=$when): the .partial is still there"; exit 1; }
     echo "ok   SIGTERM$([[ $when == 1+ ]] && echo ' twice') mid-save: exit $rc, latest $want_latest, .partial $partial; resumed to the same 16 losses and weights"
   done

@@ -57,6 +57,6 @@ if ! diff <(loss "$work/straight/metrics.jsonl") <(loss "$work/killed/metrics.js
   echo "FAIL: the resumed run's losses differ from the uninterrupted run's"; exit 1
 fi
 [[ $(wc -l < "$work/killed/metrics.jsonl") -eq 24 ]] || { echo "FAIL: expected 24 metrics lines"; exit 1; }
-cmp "$work/straight/checkpoint-000024/model.safetensors" "$work/killed/checkpoint-000024/model.safetensors"
-cmp "$work/straight/checkpoint-000024/optimizer.safetensors" "$work/killed/checkpoint-000024/optimizer.safetensors"
+python3 "$(dirname "$0")/same_tensors.py" "$work/straight/checkpoint-000024/model.safetensors" "$work/killed/checkpoint-000024/model.safetensors"
+python3 "$(dirname "$0")/same_tensors.py" "$work/straight/checkpoint-000024/optimizer.safetensors" "$work/killed/checkpoint-000024/optimizer.safetensors"
 echo "PASS: 24 losses and the final weights and moments are bit-identical after SIGKILL + resume"

@@ -7,11 +7,14 @@
 #     missing or of another type is named with the checkpoint's file;
 #   - a checkpoint of another config is refused as such, not by its first tensor of another shape;
 #   - --resume refuses --init-from, and a --seed other than the checkpoint's;
-#   - a damaged latest checkpoint (a file cut short, its config.json missing): --resume names the
-#     newest older one that opens and how to use it, before planning (under a budget no plan fits);
+#   - a damaged latest checkpoint (a file cut short, its config.json missing or unparsable, a byte
+#     changed (its checksum), a file of another step): --resume names the newest older one that
+#     opens and how to use it, before planning (under a budget no plan fits);
 #   - the same config in another JSON layout resumes (the built-in model's run with tiny-moe.json);
 #   - --resume keeps the checkpoint's AdamW moments (bf16 ones are bf16 values in it) and refuses others, both ways;
 #   - a `latest` written with CRLF still resumes;
+#   - the sampler's position must be its step's; a damaged metrics.jsonl line is dropped with a
+#     warning, the later steps' lines kept; killed runs' temporaries are removed;
 #   - checkpoints without `latest` are a run: a new run there is refused (it had replaced them and
 #     emptied metrics.jsonl), and --resume says how to name the one to continue from;
 #   - a run directory moved or removed while the run trains stops the run, naming where it went
@@ -88,12 +91,36 @@ else
   echo "ok   overwrite-broken-latest: started afresh"
 fi
 
+# rechecksum DIR: DIR/checksums.json made to match its edited trainer_state.json (CRC-32C), as if
+# the checkpoint had been saved so: what the checks of its fields find is tested, not the checksum.
+rechecksum() {
+  python3 - "$1" << 'EOF'
+import json, sys
+d = sys.argv[1]
+def crc32c(data):
+    c = 0xFFFFFFFF
+    for b in data:
+        c ^= b
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+    return c ^ 0xFFFFFFFF
+with open(d + "/checksums.json") as f:
+    sums = json.load(f)
+with open(d + "/trainer_state.json", "rb") as f:
+    sums["files"]["trainer_state.json"] = crc32c(f.read())
+with open(d + "/checksums.json", "w") as f:
+    json.dump(sums, f)
+EOF
+}
+
 # trainer_state.json's fields against the checkpoint they are in.
-# state_case NAME SED PATTERN: edits checkpoint-000008's trainer_state.json by SED, expects --resume to fail with PATTERN.
+# state_case NAME SED PATTERN: edits checkpoint-000008's trainer_state.json by SED (its checksum
+# made to match), expects --resume to fail with PATTERN.
 state_case() {
   local dir="$work/state-$1"
   cp -r "$work/base" "$dir"
   sed -i -E "$2" "$dir/checkpoint-000008/trainer_state.json"
+  rechecksum "$dir/checkpoint-000008"
   "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$dir" --resume > /dev/null 2> "$work/$1.err"
   local rc=$?
   if [[ $rc -ne 2 ]] || ! grep -q -- "$3" "$work/$1.err" || [[ -d "$dir/checkpoint-000010" ]] ||
@@ -114,6 +141,17 @@ state_case sampler-wrong-type 's/"position": ([0-9]+)/"position": -\1/' 'state-s
 # A sampler's step of other windows than the run's (a hand edit): refused at resume, not at the
 # first draw once metrics.jsonl is open.
 state_case sampler-step-windows 's/"step_windows": 1/"step_windows": 3/' 'trainer_state.json: sampler step_windows is 3, but the run.s steps draw 1 windows'
+# The sampler's position must be the step's (every step draws its windows): another had resumed on
+# other data without a word (0 replays steps 1-2's windows; 2^64 - 1 wrapped to the first).
+state_case sampler-position-zero 's/"position": 8/"position": 0/' 'sampler position is 0, but a checkpoint of step 8 drawing 1 windows a step is at window 8'
+state_case sampler-position-wraps 's/"position": 8/"position": 18446744073709551615/' 'sampler position is 18446744073709551615, but a checkpoint of step 8'
+# The same edit without its checksum made to match: the checksum finds it first.
+cp -r "$work/base" "$work/state-edited"
+sed -i 's/"position": 8/"position": 0/' "$work/state-edited/checkpoint-000008/trainer_state.json"
+"$train" "${args[@]}" --steps 10 --out "$work/state-edited" --resume > /dev/null 2> "$work/state-edited.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q "checkpoint-000008/trainer_state.json: changed after its save: its CRC-32C is" "$work/state-edited.err" &&
+  echo "ok   state-edited: $(cat "$work/state-edited.err")" || fail "state-edited: exit $rc" "$work/state-edited.err"
 
 # Another model's config: said so (it had been refused by the first tensor of another shape).
 "$train" "${args[@]}" --steps 10 --out "$work/base" --resume --config "$(dirname "$0")/../../examples/configs/tiny-moe-d128.json" \
@@ -151,6 +189,33 @@ truncate -s $(( $(stat -c %s "$cut_file") / 2 )) "$cut_file"
 rc=$?
 [[ $rc -eq 2 ]] && grep -q "checkpoint-000008/optimizer.safetensors: .*damaged-budget/checkpoint-000004 opens" "$work/damaged-budget.err" &&
   echo "ok   damaged-before-planning: $(cat "$work/damaged-budget.err")" || fail "damaged-before-planning: exit $rc" "$work/damaged-budget.err"
+# Damage that leaves every file whole: a changed byte in a tensor's values (found by its checksum
+# when read, after opening: it had trained on), the weights file of another step (a cp between
+# checkpoints: it had resumed step 4's weights with step 8's moments), a config.json that no
+# longer parses (a bare parse error before any advice). Each gets the same advice.
+# damage_case NAME COMMAND PATTERN: COMMAND damages $dir (a copy of base), --resume fails with
+# PATTERN and the advice.
+damage_case() {
+  local dir="$work/damage-$1"
+  cp -r "$work/base" "$dir"
+  eval "$2"
+  "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$dir" --resume > /dev/null 2> "$work/damage-$1.err"
+  local rc=$?
+  if [[ $rc -eq 2 ]] && grep -q -- "$3" "$work/damage-$1.err" &&
+     grep -q "damage-$1/checkpoint-000004 opens (its files and tensors check out)" "$work/damage-$1.err" &&
+     [[ "$(cat "$dir/latest")" == checkpoint-000008 ]]; then
+    echo "ok   damage-$1: $(cat "$work/damage-$1.err")"
+  else
+    fail "damage-$1: exit $rc" "$work/damage-$1.err"
+  fi
+}
+damage_case flipped-byte 'printf "\x5a" | dd of="$dir/checkpoint-000008/model.safetensors" bs=1 seek=$(( $(stat -c %s "$dir/checkpoint-000008/model.safetensors") - 5 )) conv=notrunc status=none' \
+  "model.safetensors: tensor '.*' changed after its save: its bytes' CRC-32C is"
+damage_case other-step 'cp "$dir/checkpoint-000004/model.safetensors" "$dir/checkpoint-000008/"' \
+  "model.safetensors is of step 4, save [0-9a-f]*, optimizer.safetensors of step 8, save [0-9a-f]*: files of two saves"
+damage_case config-unparsable 'echo "{\"vocab_size\": 256" > "$dir/checkpoint-000008/config.json"' \
+  "checkpoint-000008/config.json:.*; "
+
 # A latest checkpoint without its config.json is damaged too: the same advice (it had been a bare
 # "cannot open").
 cp -r "$work/base" "$work/no-config"
@@ -167,7 +232,7 @@ sed 's/"rms_norm_eps": [^,]*/"rms_norm_eps": 1e-05/' "$(dirname "$0")/../../exam
 rm "$work/own/checkpoint-000008/config.json"
 "$train" "${args[@]}" --steps 10 --out "$work/own" --resume > "$work/own.out" 2> "$work/own.err"
 rc=$?
-if [[ $rc -eq 2 ]] && grep -q "config .*own/checkpoint-000004/config.json (the latest checkpoint has none" "$work/own.out" &&
+if [[ $rc -eq 2 ]] && grep -q "config .*own/checkpoint-000004/config.json (the latest checkpoint.s is missing or damaged" "$work/own.out" &&
    grep -q -- "--resume: .*own/checkpoint-000008/config.json: cannot open; .*own/checkpoint-000004 opens" "$work/own.err"; then
   echo checkpoint-000004 > "$work/own/latest"
   if "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/own" --resume > /dev/null 2> "$work/own2.err" &&
@@ -252,6 +317,23 @@ printf 'checkpoint-000008\r\n' > "$work/crlf/latest"
 "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --seed 0 --out "$work/crlf" --resume > /dev/null 2> "$work/crlf.err" &&
   [[ "$(cat "$work/crlf/latest")" == checkpoint-000010 ]] && echo "ok   crlf-latest: resumed to step 10" ||
   fail "crlf-latest" "$work/crlf.err"
+
+# A damaged line of metrics.jsonl (step 3's step a string): dropped with a warning, the later steps'
+# lines kept (the resume had kept only the lines before it, steps 3-8 gone without a word). What
+# killed runs left beside the run's own files (their temporaries) is removed.
+cp -r "$work/base" "$work/metrics-damage"
+sed -i '3s/"step":3,/"step":"3",/' "$work/metrics-damage/metrics.jsonl"
+for f in builtin-corpus.tok metrics.jsonl latest; do echo x > "$work/metrics-damage/$f.tmp-1"; done
+"$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/metrics-damage" --resume > /dev/null 2> "$work/metrics-damage.err"
+rc=$?
+steps="$(grep -o '^{"step":[0-9]*' "$work/metrics-damage/metrics.jsonl" | cut -d: -f2 | tr '\n' ' ')"
+if [[ $rc -ne 0 ]] || [[ "$steps" != "1 2 4 5 6 7 8 9 10 " ]] ||
+   ! grep -q "metrics.jsonl: 1 damaged line (not a JSON record with a step; the first is line 3) dropped" "$work/metrics-damage.err" ||
+   compgen -G "$work/metrics-damage/*.tmp-1" > /dev/null; then
+  fail "metrics-damaged-line: exit $rc, steps $steps" "$work/metrics-damage.err"
+else
+  echo "ok   metrics-damaged-line: steps $steps; $(cat "$work/metrics-damage.err")"
+fi
 
 # Checkpoints without `latest` (removed, or a save killed between renaming its checkpoint in and
 # writing `latest`): a new run there had started over them without --overwrite, emptying

@@ -53,6 +53,12 @@ class AtomicFile {
 /// durable before anything that names it is written. Errc::io naming the directory.
 void sync_parent_directory(const std::filesystem::path& path);
 
+/// Removes the temporaries other processes left beside `path` (`<path>.tmp-<pid>`, regular files,
+/// not this process's): an AtomicFile's writer killed before commit() leaves one as large as what
+/// it had written, and none is ever read. Only for a path one process writes at a time (a run
+/// directory's files, under its lock). Returns how many were removed; errors are ignored.
+std::size_t remove_stale_temporaries(const std::filesystem::path& path) noexcept;
+
 /// Replaces `path` with `content` atomically (JSON state, configs, plans).
 void write_file_atomically(const std::filesystem::path& path, std::string_view content);
 

@@ -6,6 +6,9 @@
 //       optimizer.safetensors  AdamW moments: "exp_avg.<name>" and "exp_avg_sq.<name>", fp32
 //       trainer_state.json     whatever the trainer needs to continue (step, data position, ...)
 //       config.json            the model's config.json, verbatim
+//       checksums.json         the CRC-32C of each tensor's bytes (each expert slice of a packed
+//                              tensor's), of trainer_state.json and config.json; the step and the
+//                              save id the safetensors files' metadata carry ("step", "save")
 //   <run>/latest               "checkpoint-000120\n"
 //
 // Nothing half-written is ever visible: the files go into "checkpoint-000120.partial/", each
@@ -42,7 +45,9 @@ struct CheckpointWrite {
 
 /// Writes a checkpoint of `state` (one entry per segment of `spec`, in spec.segments() order) into
 /// `run_dir` (created if missing) and points `latest` at it; returns the checkpoint's directory.
-/// Errc::invalid_argument when `state` does not match the spec's segments; Errc::io on write errors
+/// Errc::invalid_argument, before anything is written, when `state` does not match the spec's
+/// segments, `what.trainer_state` would not read back as JSON (a string that is not UTF-8),
+/// `what.config_json` is not a JSON object, or `what.keep` is below 1; Errc::io on write errors
 /// (nothing under the checkpoint's final name then), and before anything is written when the file
 /// system has less room than the weights and moments take (naming both). Of the checkpoints in
 /// `run_dir` up to this step, the `keep` with the highest steps are kept, pruned once the new one is
@@ -75,7 +80,11 @@ std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::pa
 /// A checkpoint directory opened for reading segment by segment: the files are mapped, every
 /// tensor of `spec` is checked (present, F32 or BF16, the right shape) when it opens, a tensor the
 /// spec does not have is an error (a checkpoint of another model), and values are converted only
-/// when read. Errors name the file and the tensor (Errc::parse) or the file (Errc::io).
+/// when read. On opening, the two safetensors files must be of one save (their metadata's step and
+/// save id, as checksums.json says) and trainer_state.json and config.json (where present) must
+/// have the checksums it lists; each tensor's bytes are checked against theirs as they are read.
+/// A checkpoint saved before checksums (no save id, no checksums.json) is read unchecked. Errors
+/// name the file and the tensor (Errc::parse) or the file (Errc::io).
 class CheckpointReader {
  public:
   CheckpointReader(const std::filesystem::path& dir, const ModelSpec& spec);
