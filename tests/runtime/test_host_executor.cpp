@@ -501,6 +501,38 @@ TEST_CASE("apply_updates() applies a deferred step's updates once: refused befor
   CHECK_FALSE(bitwise_equal(exec.master(), once));
 }
 
+TEST_CASE("deferred updates: a step() before the last one's apply_updates() is refused, and only applied updates count as steps") {
+  // The second step() had overwritten the waiting gradients, which were lost unapplied, while
+  // optimizer_steps() counted both steps.
+  const Stack st({8, 2, 1, 8, 9, 2}, 7);
+  auto layers = st.layers;
+  const Plan plan = half_resident_plan(layers, st.c.tokens);
+  HostBackend backend({1_GiB, 1_GiB, true});
+  LayerExecutorOptions opt;
+  opt.adamw.lr = 1e-2f;
+  opt.defer_updates = true;
+  HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
+  (void)exec.step(st.input(0), st.target(0));
+  CHECK(exec.optimizer_steps() == 0);  // gradients wait: no update yet
+  CHECK_THROWS_WITH_AS((void)exec.step(st.input(1), st.target(1)), doctest::Contains("the previous step's updates were never applied"),
+                       Error);
+  CHECK(exec.optimizer_steps() == 0);
+  CHECK(bitwise_equal(exec.master(), st.init));
+  // The refused step left the first step's gradients: applying them gives the plain first step.
+  exec.apply_updates(1.0f);
+  CHECK(exec.optimizer_steps() == 1);
+  HostExecutor<test::MoeMlpLayer> plain(backend, layers, plan, st.init, [&] {
+    LayerExecutorOptions o = opt;
+    o.defer_updates = false;
+    return o;
+  }());
+  (void)plain.step(st.input(0), st.target(0));
+  CHECK(bitwise_equal(exec.master(), plain.master()));
+  (void)exec.step(st.input(1), st.target(1));
+  exec.apply_updates(1.0f);
+  CHECK(exec.optimizer_steps() == 2);
+}
+
 TEST_CASE("a recorded step: spans of every kind of work per resource, serial within a resource, as Chrome trace") {
   const Stack st({16, 4, 2, 16, 12, 3}, 8);
   auto layers = st.layers;

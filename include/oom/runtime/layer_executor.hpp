@@ -321,7 +321,8 @@ class LayerExecutor {
   /// With options.defer_updates, after step(): every segment's AdamW update of that step, each
   /// gradient multiplied by `grad_scale` first (a clipping factor, optim::clip_grad_scale). Once a
   /// step: Errc::invalid_argument before the first step, after a skipped or failed one, or a
-  /// second time.
+  /// second time. The optimizer step is counted here, not by step(); one that throws (a
+  /// non-finite gradient) is not counted, as a step that throws is not.
   void apply_updates(float grad_scale) {
     if (!options_.defer_updates)
       OOM_THROW(Errc::invalid_argument, "apply_updates(): the executor updates as gradients land (LayerExecutorOptions::defer_updates "
@@ -331,15 +332,22 @@ class LayerExecutor {
                                         "skipped or failed, or its updates were applied already)");
     updates_pending_ = false;
     synchronize_all();
-    const auto scalars = optim::adamw_step_scalars(options_.adamw, step_, grad_scale);
-    for (auto& ls : layers_state_) {
-      for (auto& seg : ls.segments) {
-        if (seg.resident) submit_device_adamw(seg, scalars);
-        else submit_cpu_adamw(seg, scalars);
+    const std::int64_t steps_before = step_;
+    ++step_;  // before the submissions: a non-finite gradient's error names this step
+    try {
+      const auto scalars = optim::adamw_step_scalars(options_.adamw, step_, grad_scale);
+      for (auto& ls : layers_state_) {
+        for (auto& seg : ls.segments) {
+          if (seg.resident) submit_device_adamw(seg, scalars);
+          else submit_cpu_adamw(seg, scalars);
+        }
+        b_.record(ls.updated, cpu_);
       }
-      b_.record(ls.updated, cpu_);
+      synchronize_all();
+    } catch (...) {
+      step_ = steps_before;
+      throw;
     }
-    synchronize_all();
   }
 
   /// Records the next step()'s work per resource into `timeline` (spans of every load, forward,
@@ -353,7 +361,8 @@ class LayerExecutor {
 
   /// Whether the last step() ended after its forward (non-finite loss).
   [[nodiscard]] bool last_step_skipped() const { return skipped_; }
-  /// Optimizer steps taken (skipped steps do not count).
+  /// Optimizer steps taken: updates applied (skipped steps do not count; with
+  /// options.defer_updates a step counts once apply_updates() has applied its updates).
   [[nodiscard]] std::int64_t optimizer_steps() const { return step_; }
 
  private:
@@ -380,8 +389,12 @@ class LayerExecutor {
                                                     inputs.size(), losses.size()));
     for (std::size_t mb = 0; mb < k; ++mb)
       if (!*losses[mb]) OOM_THROW(Errc::invalid_argument, fmt::format("step(): the loss of micro-batch {} is an empty function", mb));
+    // A second step would overwrite the gradients that wait: refused, or they were lost unapplied.
+    if (updates_pending_)
+      OOM_THROW(Errc::invalid_argument, "step(): the previous step's updates were never applied: call apply_updates() (after "
+                                        "gradient_sum_of_squares(), for clipping) before the next step (LayerExecutorOptions::"
+                                        "defer_updates is on)");
     const std::int64_t steps_before = step_;
-    updates_pending_ = false;
     try {
       skipped_ = false;
       t0_ = std::chrono::steady_clock::now();
@@ -506,7 +519,7 @@ class LayerExecutor {
         return *loss;
       }
     }
-    if (last) ++step_;
+    if (update) ++step_;  // a deferred step is counted by apply_updates()
 
     // ---- backward ----
     for (std::size_t li = n; li-- > 0;) {
