@@ -533,6 +533,28 @@ TEST_CASE("deferred updates: a step() before the last one's apply_updates() is r
   CHECK(exec.optimizer_steps() == 2);
 }
 
+TEST_CASE("gradient_sum_of_squares() is refused where no step's gradients wait, as apply_updates() is") {
+  // Before any step it had summed buffers no step had written (NaN, or 1e75).
+  const Stack st({8, 2, 1, 8, 9, 2}, 3);
+  auto layers = st.layers;
+  const Plan plan = half_resident_plan(layers, st.c.tokens);
+  HostBackend backend({1_GiB, 1_GiB, true});
+  LayerExecutorOptions opt;
+  opt.defer_updates = true;
+  HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
+  CHECK_THROWS_WITH_AS((void)exec.gradient_sum_of_squares(), doctest::Contains("no step's gradients wait"), Error);
+  (void)exec.step(st.input(0), st.target(0));
+  const double ss = exec.gradient_sum_of_squares();
+  CHECK(std::isfinite(ss));
+  CHECK(ss > 0);
+  exec.apply_updates(1.0f);
+  CHECK_THROWS_WITH_AS((void)exec.gradient_sum_of_squares(), doctest::Contains("no step's gradients wait"), Error);
+  HostExecutor<test::MoeMlpLayer> updating(backend, layers, plan, st.init, {});
+  CHECK_THROWS_WITH_AS((void)updating.gradient_sum_of_squares(), doctest::Contains("defer_updates"), Error);
+  (void)updating.step(st.input(0), st.target(0));
+  CHECK_THROWS_WITH_AS((void)updating.gradient_sum_of_squares(), doctest::Contains("defer_updates"), Error);
+}
+
 TEST_CASE("a recorded step: spans of every kind of work per resource, serial within a resource, as Chrome trace") {
   const Stack st({16, 4, 2, 16, 12, 3}, 8);
   auto layers = st.layers;

@@ -302,8 +302,10 @@ class LayerExecutor {
   }
 
   /// With options.defer_updates, after step(): the sum of squares of every segment's gradient, in
-  /// layer and segment order (so the same bits under any plan).
+  /// layer and segment order (so the same bits under any plan). Refused as apply_updates() is when
+  /// no step's gradients wait (the buffers hold nothing of a step then, or were updated from).
   double gradient_sum_of_squares() {
+    require_pending_updates("gradient_sum_of_squares()");
     synchronize_all();
     double sum = 0;
     for (auto& ls : layers_state_)
@@ -324,12 +326,7 @@ class LayerExecutor {
   /// second time. The optimizer step is counted here, not by step(); one that throws (a
   /// non-finite gradient) is not counted, as a step that throws is not.
   void apply_updates(float grad_scale) {
-    if (!options_.defer_updates)
-      OOM_THROW(Errc::invalid_argument, "apply_updates(): the executor updates as gradients land (LayerExecutorOptions::defer_updates "
-                                        "is off), so the step's updates are applied already");
-    if (!updates_pending_)
-      OOM_THROW(Errc::invalid_argument, "apply_updates(): no step's gradients wait for their update (no step yet, the last one was "
-                                        "skipped or failed, or its updates were applied already)");
+    require_pending_updates("apply_updates()");
     updates_pending_ = false;
     synchronize_all();
     const std::int64_t steps_before = step_;
@@ -366,6 +363,16 @@ class LayerExecutor {
   [[nodiscard]] std::int64_t optimizer_steps() const { return step_; }
 
  private:
+  // apply_updates() and gradient_sum_of_squares() read the gradients a deferred step left; `what`
+  // names the caller in the error.
+  void require_pending_updates(const char* what) const {
+    if (!options_.defer_updates)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: the executor updates as gradients land (LayerExecutorOptions::defer_updates "
+                                                    "is off), so no step's gradients wait for their update", what));
+    if (!updates_pending_)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: no step's gradients wait for their update (no step yet, the last one was "
+                                                    "skipped or failed, or its updates were applied already)", what));
+  }
   // The caller's layers are held by reference: a vector that has gained or lost layers since the
   // executor was made would be indexed past the executor's per-layer state.
   void check_stack() const {
