@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,17 @@ std::string thrown(const std::function<void()>& f, Errc* code = nullptr) {
 
 }  // namespace
 
+template <class R>
+concept describes = requires(R&& r) { describe_layers(std::forward<R>(r)); };
+// A temporary container is refused: each description's cost points into its layers, and
+// `LayerStackPlanner p(describe_layers(make_layers()), profile)` had read freed memory. A
+// temporary view of layers that live on is taken.
+static_assert(describes<std::vector<ChunkedMoe>&>);
+static_assert(describes<const std::vector<ChunkedMoe>&>);
+static_assert(!describes<std::vector<ChunkedMoe>>);
+static_assert(!describes<const std::vector<ChunkedMoe>>);
+static_assert(describes<std::span<const ChunkedMoe>>);
+
 TEST_CASE("describe_layers reads a describable layer's name, segments, cost per workload and traits") {
   const auto layers = stack<ChunkedMoe>(2);
   const auto d = describe_layers(layers);
@@ -124,7 +136,8 @@ TEST_CASE("describe_layers reads a describable layer's name, segments, cost per 
   CHECK(d[1].segments == layers[1].segments());
   CHECK(d[0].chunking == ChunkDependency::independent);
   CHECK(d[0].recomputable);
-  CHECK_FALSE(describe_layers(stack<NoRecompute>(1))[0].recomputable);
+  const auto fixed = stack<NoRecompute>(1);
+  CHECK_FALSE(describe_layers(fixed)[0].recomputable);
   const LayerCost at8 = d[0].cost({1, 8}), at16 = d[0].cost({2, 8});
   CHECK(at16.forward_flops == doctest::Approx(2 * at8.forward_flops));
   CHECK(at16.activation_bytes() == 2 * at8.activation_bytes());

@@ -71,6 +71,12 @@ std::vector<LayerDescription> describe_layers(const R& layers) {
   }
   return out;
 }
+/// Refused: each description's `cost` points into the layers, which a temporary container takes
+/// with it (a planner made from them reads freed memory). Name the container; a borrowed range
+/// (std::span, a view of a container that lives on) is taken as an lvalue is.
+template <std::ranges::forward_range R>
+  requires describable_layer<std::ranges::range_value_t<R>> && (!std::ranges::borrowed_range<R>)
+std::vector<LayerDescription> describe_layers(const R&& layers) = delete;
 
 /// The layers' descriptions with `measured` set from a step an executor recorded
 /// (LayerExecutor::record_next_step): each layer's declared forward (backward) FLOPs over the
