@@ -275,7 +275,9 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
         if (e <= prev) OOM_THROW(Errc::parse, fmt::format("{}: chunk ends must increase", layer["attention_chunk_ends"].path()));
         lc.attention.push_back(prev = e);
       }
-      if (lc.attention.empty() || lc.attention.back() != p.workload.seq_len)
+      // Empty: the layer has no attention chunks (a LayerStackPlanner's plans write none); the
+      // Planner's step graph refuses that for a model's layers (check_plan).
+      if (!lc.attention.empty() && lc.attention.back() != p.workload.seq_len)
         OOM_THROW(Errc::parse, fmt::format("{}: the last chunk must end at seq_len {}", layer["attention_chunk_ends"].path(), p.workload.seq_len));
       lc.moe_tokens = layer["moe_chunk_tokens"].as_uint64();
       if (lc.moe_tokens == 0) OOM_THROW(Errc::parse, fmt::format("{}: must be > 0", layer["moe_chunk_tokens"].path()));

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "oom/core/error.hpp"
+#include "oom/io/json.hpp"
 #include "oom/plan/layer_stack_planner.hpp"
 #include "oom/runtime/host_executor.hpp"
 #include "runtime/moe_mlp_layer.hpp"
@@ -539,6 +540,33 @@ TEST_CASE("micro-batches and clipping: the graph repeats the passes, the updates
   p.clip_grad_norm = false;  // the executor leaves clipping to its caller (defer_updates)
   p.predicted = Prediction::of(planner.simulate(p));  // the memory figures of the residency set here
   CHECK(bitwise_equal(train(layers, p), train(layers, resident)));
+}
+
+TEST_CASE("a plan written to JSON reads back as the same plan: its layers have no attention chunks") {
+  // from_json had refused every plan of this planner: "layers[0].attention_chunk_ends: the last
+  // chunk must end at seq_len", for the empty list to_json writes for them.
+  const auto layers = stack<ChunkedMoe>(3);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile, "three MoE layers");
+  const Plan p = planner.plan(request(48_KiB)).plans.front();
+  REQUIRE(p.chunks.size() == 3);
+  CHECK(p.chunks[0].attention.empty());
+  const Plan back = Plan::from_json(Json::parse(p.to_json().dump(2)), "<round trip>");
+  CHECK(back.to_json() == p.to_json());
+  CHECK(back.resident_segments == p.resident_segments);
+  CHECK(back.retention == p.retention);
+  for (std::size_t l = 0; l < p.chunks.size(); ++l) {
+    CHECK(back.chunks[l].attention.empty());
+    CHECK(back.chunks[l].moe_tokens == p.chunks[l].moe_tokens);
+  }
+  CHECK(planner.simulate(back).step_s == doctest::Approx(p.predicted.step_s));
+  CHECK(planner.describe(back) == planner.describe(p));
+  // Ends that are there still end at seq_len.
+  Json bad = p.to_json();
+  Json::Array layers_json = bad.find("layers")->as_array();
+  layers_json[0].set("attention_chunk_ends", Json(Json::Array{Json(8)}));
+  bad.set("layers", Json(std::move(layers_json)));
+  CHECK_THROWS_WITH_AS((void)Plan::from_json(bad, "bad.json"), doctest::Contains("the last chunk must end at seq_len 24"), Error);
 }
 
 TEST_CASE("bad stacks and requests are refused by name") {

@@ -86,8 +86,10 @@ inline constexpr std::uint64_t streamed_weight_alignment = 256;
 void check_plan_request(const PlanRequest& req);
 
 struct LayerChunks {
-  std::vector<std::uint64_t> attention;  ///< query-chunk ends, in execution order (causal)
-  std::uint64_t moe_tokens = 0;          ///< tokens per MoE chunk
+  /// Query-chunk ends, in execution order (causal), the last seq_len; empty for a layer that has
+  /// no attention chunks (a LayerStackPlanner's plans: the layers chunk by moe_tokens alone).
+  std::vector<std::uint64_t> attention;
+  std::uint64_t moe_tokens = 0;  ///< tokens per MoE chunk
 };
 
 struct Plan {
