@@ -696,7 +696,7 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
     return a.plan.predicted.gpu_peak < b.plan.predicted.gpu_peak;
   });
   // Distinct alternatives: one that differs from a better one only in depth or chunks says nothing new.
-  const auto wanted = static_cast<std::size_t>(std::max(req.candidates, 1));
+  const auto wanted = static_cast<std::size_t>(req.candidates);
   std::vector<const Found*> chosen;
   for (const auto& f : feasible) {
     if (chosen.size() == wanted) break;
@@ -710,6 +710,7 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
 }
 
 std::string LayerStackPlanner::describe(const Plan& p) const {
+  check_plan(p, layers_);  // a plan of another stack had been described as if it were this one's
   const auto& pr = p.predicted;
   std::string s = fmt::format("{} layers, prefetch depth {}, {} micro-batch(es) of {} x {} tokens\n", layers_.size(), p.prefetch_depth,
                               p.micro_batches, p.workload.sequences, p.workload.seq_len);

@@ -72,6 +72,9 @@ void check_plan_request(const PlanRequest& req) {
               fmt::format("plan request: micro_batches must be 1 to {}, not {}", max_micro_batches, req.micro_batches));
   if (req.gpu_budget.count() == 0 || req.host_budget.count() == 0)
     OOM_THROW(Errc::invalid_argument, "plan request: GPU and host budgets must be > 0");
+  // 0 or fewer had been taken as 1: an answer other than the one asked for.
+  if (req.candidates < 1)
+    OOM_THROW(Errc::invalid_argument, fmt::format("plan request: candidates (plans to return) must be at least 1, not {}", req.candidates));
 }
 
 void check_plan_counts(const Plan& p) {
@@ -978,7 +981,7 @@ PlanSet Planner::plan(const PlanRequest& req) const {
   // depth or chunk sizes says nothing new. A step of more micro-batches than the search simulated
   // is simulated whole for each one returned, its prediction then exact (and its budgets checked
   // again, though its peaks are the search's).
-  const auto wanted = static_cast<std::size_t>(std::max(req.candidates, 1));
+  const auto wanted = static_cast<std::size_t>(req.candidates);
   std::vector<std::size_t> chosen;
   for (std::size_t k = 0; k < feasible.size() && chosen.size() < wanted; ++k) {
     auto& c = feasible[k];

@@ -638,6 +638,17 @@ TEST_CASE("bad stacks and requests are refused by name") {
   p = resident_plan(layers, tokens);
   p.workload = {0, 24};
   CHECK(thrown([&] { (void)planner.simulate(p); }).find("plan: 0 sequences of 24 tokens") != std::string::npos);
+  // describe() refuses what simulate() does: a plan of another stack had been described as this one's.
+  p = resident_plan(stack<test::MoeMlpLayer>(3), tokens);
+  CHECK(thrown([&] { (void)planner.describe(p); }).find("plan covers 3 layers (3 chunk entries), the stack has 2") != std::string::npos);
+  // A request for no plans, or fewer, had been answered with one.
+  for (const int n : {0, -1}) {
+    r = request(1_GiB);
+    r.candidates = n;
+    CHECK(thrown([&] { (void)planner.plan(r); }, &code).find(fmt::format("candidates (plans to return) must be at least 1, not {}", n)) !=
+          std::string::npos);
+    CHECK(code == Errc::invalid_argument);
+  }
 }
 
 TEST_CASE("a layer cost with no output (LayerCost::output of 0 bytes, its default) is refused, naming the layer") {

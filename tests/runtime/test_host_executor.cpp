@@ -933,7 +933,25 @@ TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; i
                          doctest::Contains("layer 1 runs whole"), Error);
     chunked.chunks[1].moe_tokens = 0;  // which the executor would run a token at a time
     CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, chunked, init_of(layers)),
-                         doctest::Contains("layer 1 runs whole"), Error);
+                         doctest::Contains("plan, layer 1: a chunk of 0 tokens"), Error);
+  }
+  {
+    // Counts out of range, as the planners and the plan reader refuse them: each had run, a
+    // prefetch depth of 0 with one slot and one of 10^6 taking that many, a chunkable layer's
+    // chunk of 0 tokens a token at a time.
+    Plan counts = plan;
+    counts.prefetch_depth = 0;
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, counts, init_of(layers)),
+                         doctest::Contains("plan: prefetch_depth 0 (1 to 64) is out of range"), Error);
+    counts.prefetch_depth = 1000000;
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, counts, init_of(layers)),
+                         doctest::Contains("plan: prefetch_depth 1000000 (1 to 64) is out of range"), Error);
+    const Stack st({8, 2, 1, 8, 6, 2}, 3);
+    auto moe = st.layers;
+    Plan zero = resident_plan(moe, st.c.tokens);
+    zero.chunks[1].moe_tokens = 0;
+    CHECK_THROWS_WITH_AS(HostExecutor<test::MoeMlpLayer>(backend, moe, zero, st.init),
+                         doctest::Contains("plan, layer 1: a chunk of 0 tokens"), Error);
   }
   {
     // A micro-batch of no tokens, and one past the limit whose count wraps to none: each had run,

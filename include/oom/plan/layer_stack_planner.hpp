@@ -114,6 +114,7 @@ class LayerStackPlanner {
   /// does (Errc::invalid_argument naming the field and layer).
   [[nodiscard]] SimResult simulate(const Plan& plan) const;
   /// A readable account of one plan: memory by claimant, residency, retention, chunks, time.
+  /// Refuses the plans step_graph does (a plan of another stack, say).
   [[nodiscard]] std::string describe(const Plan& plan) const;
 
   [[nodiscard]] const std::vector<LayerDescription>& layers() const { return layers_; }

@@ -82,7 +82,7 @@ inline constexpr std::uint64_t streamed_weight_alignment = 256;
 
 /// The checks every planner makes of a request before planning (Errc::invalid_argument naming
 /// the field): tokens in the workload, within max_workload_tokens, 1 to max_micro_batches
-/// micro-batches, 1 to max_plan_gpus GPUs, both budgets set.
+/// micro-batches, 1 to max_plan_gpus GPUs, both budgets set, at least 1 candidate.
 void check_plan_request(const PlanRequest& req);
 
 struct LayerChunks {

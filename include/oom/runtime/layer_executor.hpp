@@ -122,7 +122,7 @@ class LayerExecutor {
   /// Every layer has the same hidden() (the boundaries between them are one size); a layer that
   /// runs whole (ChunkDependency::none) gets one chunk. Errc::invalid_argument otherwise, before
   /// anything is taken from the backend, as is an `initial_master` of more or fewer vectors than
-  /// the layers have segments. (The plan may name resident segments outside the stack:
+  /// the layers have segments, and a plan of counts out of range (check_plan_counts). (The plan may name resident segments outside the stack:
   /// a causal LM's embedding and head, which its caller holds.)
   LayerExecutor(B& backend, std::vector<L>& layers, const Plan& plan, const std::vector<std::vector<float>>& initial_master,
                 LayerExecutorOptions options = {})
@@ -136,6 +136,9 @@ class LayerExecutor {
     // A plan made by hand: a micro-batch of no tokens had run, every step's loss a mean over none
     // (NaN) and skipped.
     refuse_unrunnable_micro_batch(plan.workload);
+    // ... nor counts out of range: a prefetch_depth of 0 had run with one slot and one of 10^6
+    // taken that many, a MoE chunk of 0 tokens had run a token at a time.
+    check_plan_counts(plan);
     require_kept_precision(plan.precision, "layer executor");
     // Everything checked before anything is taken from the backend.
     const std::uint64_t tokens = plan.workload.tokens();
@@ -148,10 +151,9 @@ class LayerExecutor {
         OOM_THROW(Errc::invalid_argument, fmt::format("layer {} has hidden size {}, layer 0 {}: the layers of a stack hand one "
                                                       "another (T, H) boundaries of one H", l, layers[l].hidden(), layers.front().hidden()));
       const std::uint64_t chunk = plan.chunks[l].moe_tokens;
-      // (run_chunks runs a chunk of 0 a token at a time: cut too.)
       if (layer_traits<L>::chunking(layers[l]) == ChunkDependency::none && chunk < tokens)
         OOM_THROW(Errc::invalid_argument, fmt::format("plan: layer {} runs whole (its chunking() is ChunkDependency::none), the plan "
-                                                      "cuts it in chunks of {} of {} tokens", l, std::max<std::uint64_t>(chunk, 1), tokens));
+                                                      "cuts it in chunks of {} of {} tokens", l, chunk, tokens));
       for (const auto& seg : layers[l].segments()) {
         if (index >= initial_master.size() || initial_master[index].size() != seg.parameters())
           OOM_THROW(Errc::invalid_argument, fmt::format("initial weights of segment {} ('{}'): {} values for {} parameters", index,
