@@ -1,6 +1,8 @@
-// layer: what StreamedLayer<T> wraps. A user layer declares its state segments and its cost for a
-// workload (enough for the planner), and runs forward/backward over a context the executor hands
-// it (bound parameter views, a stream, scratch). Everything else has defaults in layer_traits.
+// layer: what a user layer provides to be planned (describable_layer: LayerStackPlanner, through
+// describe_layers) and run (layer, and executor_layer in runtime/layer_executor.hpp: the
+// LayerExecutor). It declares its state segments and its cost for a workload (enough for the
+// planner), and runs forward/backward over a context the executor hands it (bound parameter views,
+// a stream, scratch). Everything else has defaults in layer_traits.
 #pragma once
 
 #include <concepts>
