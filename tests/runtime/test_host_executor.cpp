@@ -324,6 +324,12 @@ TEST_CASE("resuming from exported optimizer state continues the same run, bit fo
     resumed.load_optimizer_state(saved, steps);
     for (int s = 2; s < 4; ++s) CHECK(resumed.step(st.input(s), st.target(s)) == straight[static_cast<std::size_t>(s)]);
     CHECK(bitwise_equal(resumed.master(), expect));
+    // A negative step count is refused as it is loaded (every later step had been refused, "AdamW
+    // step is -4"), the state left as it was.
+    CHECK_THROWS_WITH_AS(resumed.load_optimizer_state(saved, -5),
+                         doctest::Contains("load_optimizer_state(): optimizer_steps is -5; a step count is at least 0"), Error);
+    CHECK(resumed.optimizer_steps() == 4);
+    CHECK(bitwise_equal(resumed.master(), expect));
     saved.pop_back();
     CHECK_THROWS_WITH_AS(resumed.load_optimizer_state(saved, 1), doctest::Contains("segments"), Error);
   }

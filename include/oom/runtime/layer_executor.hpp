@@ -677,8 +677,12 @@ class LayerExecutor {
   }
 
   /// Continues from saved state (a checkpoint): every segment's master, moments and bf16 working
-  /// copy, and the optimizer's step count. Sizes must match the layers' segments.
+  /// copy, and the optimizer's step count (>= 0). Sizes must match the layers' segments.
   void load_optimizer_state(const std::vector<SegmentOptimizerState>& state, std::int64_t optimizer_steps) {
+    // A negative count had been taken, and every later step refused by AdamW's bias correction.
+    if (optimizer_steps < 0)
+      OOM_THROW(Errc::invalid_argument, fmt::format("load_optimizer_state(): optimizer_steps is {}; a step count is at least 0",
+                                                    optimizer_steps));
     synchronize_all();
     std::size_t i = 0;
     for (auto& ls : layers_state_)  // all checked before anything is overwritten
