@@ -40,6 +40,7 @@
 #include "oom/core/log.hpp"
 #include "oom/io/atomic_file.hpp"
 #include "oom/io/checkpoint.hpp"
+#include "oom/io/crc32c.hpp"
 #include "oom/io/corpus.hpp"
 #include "oom/io/json.hpp"
 #include "oom/io/safetensors.hpp"
@@ -641,19 +642,32 @@ std::string config_beside(const std::string& init_from) {
   return {};
 }
 
+// What is wrong with a checkpoint's config.json, or "" when nothing is: it cannot be read or parsed,
+// or it is not the text its checksums.json says was saved (an edit that still parses: taken as the
+// run's model, it had made every older checkpoint "another model's").
+std::string checkpoint_config_damage(const fs::path& dir) {
+  const fs::path path = dir / "config.json";
+  try {
+    const std::string text = read_text(path);
+    (void)Json::parse(text, path.string());
+    std::error_code ec;
+    if (!fs::exists(dir / "checksums.json", ec)) return {};  // a checkpoint from before checksums
+    const Json sums = read_json_file(dir / "checksums.json");
+    const std::uint64_t want = JsonCursor(sums, (dir / "checksums.json").string())["files"]["config.json"].as_uint64();
+    if (const std::uint32_t got = crc32c(std::as_bytes(std::span(text.data(), text.size()))); got != want)
+      return fmt::format("{}: changed after its save: its CRC-32C is {:08x}, checksums.json has {:08x}", path.string(), got, want);
+    return {};
+  } catch (const Error& e) {
+    return e.message();
+  }
+}
+
 int run(Args a) {
   if (std::error_code ec; fs::is_directory(a.out, ec)) lock_run_directory(a.out);  // before `latest` is read
   if (a.config.empty()) {
     // A resumed run's model is its checkpoint's; a new one's the config beside --init-from's weights.
     const auto resumed = a.resume ? latest_checkpoint(a.out) : std::nullopt;
-    const auto readable_config = [](const fs::path& dir) {
-      try {
-        (void)Json::parse(read_text(dir / "config.json"), "config.json");
-        return true;
-      } catch (const Error&) {
-        return false;
-      }
-    };
+    const auto readable_config = [](const fs::path& dir) { return checkpoint_config_damage(dir).empty(); };
     if (resumed && readable_config(*resumed)) {
       a.config = (*resumed / "config.json").string();
       say("config {} (the checkpoint's; --config picks another)\n", a.config);
@@ -715,6 +729,8 @@ int run(Args a) {
     // cannot be read is a damaged checkpoint like a tensor file cut short.
     const auto open_checkpoint = [&](const fs::path& dir) {
       const fs::path saved = dir / "config.json";
+      // Damage before the comparison: an edited config.json is not "another model's".
+      if (const std::string damage = checkpoint_config_damage(dir); !damage.empty()) throw Error(Errc::parse, damage);
       const Json saved_config = Json::parse(read_text(saved), saved.string());
       if (!same_value(saved_config, Json::parse(config_text, config_name)))
         throw Error(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", dir.string(),
@@ -729,7 +745,8 @@ int run(Args a) {
       for (auto it = std::make_reverse_iterator(named); it != all.rend(); ++it) {  // older than latest's, newest first
         try {
           (void)open_checkpoint(it->second);
-          older = fmt::format("; {} opens (its files and tensors check out): to resume from it, `echo {} > {}`", it->second.string(),
+          older = fmt::format("; {} opens (its files, tensor shapes and small files' checksums check out): to resume from it, "
+                              "`echo {} > {}`", it->second.string(),
                               it->second.filename().string(), (a.out / "latest").string());
         } catch (const Error&) {
           continue;  // damaged too (or another model's): look further back
@@ -757,6 +774,15 @@ int run(Args a) {
   fs::path data_path = a.data;
   if (a.data.empty()) data_path = a.out / "builtin-corpus.tok";
   else if (!fs::exists(data_path, ec)) OOM_THROW(Errc::io, fmt::format("{}: no such data file", data_path.string()));
+  // The data's absolute path goes into every checkpoint's trainer_state.json: one that JSON cannot
+  // hold (bytes that are not UTF-8) had trained until the first save, which then stopped the run.
+  try {
+    (void)Json::parse(Json(fs::absolute(data_path, ec).lexically_normal().string()).dump());
+  } catch (const Error&) {
+    OOM_THROW(Errc::invalid_argument, fmt::format("{}: the path is not UTF-8, and a checkpoint's trainer_state.json (JSON) names the "
+                                                  "data by it; rename it or link to it by another name",
+                                                  fs::absolute(data_path, ec).lexically_normal().string()));
+  }
   std::optional<TokenFile> tokens;
   if (!a.data.empty()) {
     tokens.emplace(TokenFile::open(data_path));
@@ -1038,18 +1064,20 @@ int run(Args a) {
                 fmt::format("{}: sampler step_windows is {}, but the run's steps draw {} windows (--batch {} x --micro-batches {})",
                             (*latest / "trainer_state.json").string(), sampler_state.step_windows, step_windows, a.batch,
                             a.micro_batches));
-    // Every step draws step_windows windows (a skipped step too), so a checkpoint of step s is at
-    // window s x step_windows: another position (an edit, a damaged file) had resumed silently on
-    // other data, replaying earlier windows or, near 2^64, wrapping to the first.
-    if (ts["sampler"]["step_windows"].present() && sampler_state.step_windows > 0 &&
-        (start_step > std::numeric_limits<std::uint64_t>::max() / sampler_state.step_windows ||
-         sampler_state.position != start_step * sampler_state.step_windows))
+    // Every step draws its --batch x --micro-batches windows (a skipped step too; the checkpoint's
+    // batch and micro-batches are the run's, checked above), so a checkpoint of step s is at window
+    // s x step_windows: another position (an edit, a damaged file) had resumed silently on other
+    // data, replaying earlier windows or, near 2^64, wrapping to the first. (Not the sampler's own
+    // step_windows: a run continued from a checkpoint older than it keeps 1 there.) A checkpoint
+    // without step_windows is older than this rule and is taken as it is.
+    if (ts["sampler"]["step_windows"].present() &&
+        (start_step > std::numeric_limits<std::uint64_t>::max() / step_windows || sampler_state.position != start_step * step_windows))
       OOM_THROW(Errc::parse, fmt::format("{}: sampler position is {}, but a checkpoint of step {} drawing {} windows a step is at "
                                          "window {}", (*latest / "trainer_state.json").string(), sampler_state.position, start_step,
-                                         sampler_state.step_windows,
-                                         start_step > std::numeric_limits<std::uint64_t>::max() / sampler_state.step_windows
+                                         step_windows,
+                                         start_step > std::numeric_limits<std::uint64_t>::max() / step_windows
                                              ? std::string("past 2^64")
-                                             : std::to_string(start_step * sampler_state.step_windows)));
+                                             : std::to_string(start_step * step_windows)));
     if (a.seed_given && a.seed != sampler_state.seed)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} draws its windows with seed {}; --seed {} would change nothing "
                                                     "(drop it, or start afresh)", latest->string(), sampler_state.seed, a.seed));

@@ -59,4 +59,8 @@ std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t crc) noexce
   return ~by_table(p, bytes.size(), ~crc);
 }
 
+std::uint32_t detail::crc32c_by_table(std::span<const std::byte> bytes, std::uint32_t crc) noexcept {
+  return ~by_table(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), ~crc);
+}
+
 }  // namespace oom

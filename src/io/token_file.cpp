@@ -106,6 +106,9 @@ TokenFile TokenFile::open(const std::filesystem::path& path, Check check) {
   f.fd_ = Fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));  // a FIFO is refused, not waited on
   if (f.fd_.fd < 0) OOM_THROW(Errc::io, fmt::format("{}: cannot open: {}", f.source_, std::strerror(errno)));
   f.map_ = MappedFile(f.fd_.fd, path);  // the same file read() reads, whatever is renamed onto the path
+  // A regular file now (MappedFile refuses others): its reads block as usual (a FUSE file system
+  // may honour O_NONBLOCK on one).
+  if (const int flags = ::fcntl(f.fd_.fd, F_GETFL); flags >= 0) (void)::fcntl(f.fd_.fd, F_SETFL, flags & ~O_NONBLOCK);
   f.init(f.map_.bytes(), check);
   return f;
 }

@@ -604,6 +604,7 @@ TEST_CASE("crc32c: the Castagnoli check value, continued runs, and every length 
       CAPTURE(n);
       const auto piece = std::span<const std::byte>(data).subspan(offset, n);
       CHECK(crc32c(piece) == bitwise(piece));
+      CHECK(detail::crc32c_by_table(piece) == bitwise(piece));  // the path of CPUs without SSE4.2
       CHECK(crc32c(piece.subspan(n / 3), crc32c(piece.first(n / 3))) == bitwise(piece));
     }
 }
@@ -671,6 +672,29 @@ TEST_CASE("checksums: a changed byte, a file of another save, an edited trainer 
                        Error);
   // The untouched one reads, bit for bit.
   CHECK(same_bits(load_checkpoint(first, spec).state[2].exp_avg_sq, st[2].exp_avg_sq));
+}
+
+TEST_CASE("a checkpoint saved before checksums (no save id, no checksums.json) reads as before, unchecked") {
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-before-checksums");
+  const auto st = random_state(spec, 23);
+  const auto where = save_checkpoint(dir.path(), spec, st, {1, "{}", Json::object(), 2});
+  // Each safetensors file written again with the metadata saves had before (no "save").
+  for (const char* name : {"model.safetensors", "optimizer.safetensors"}) {
+    const auto file = SafetensorsFile::open(where / name);
+    std::vector<SafetensorsEntry> entries;
+    for (const auto& t : file.tensors()) entries.push_back(SafetensorsEntry::view(t.name, t.dtype, t.shape, t.data));
+    write_safetensors(where / (std::string(name) + ".old-style"), std::move(entries), {{"format", "pt"}, {"producer", "oom"}, {"step", "1"}});
+  }
+  for (const char* name : {"model.safetensors", "optimizer.safetensors"})
+    fs::rename(where / (std::string(name) + ".old-style"), where / name);
+  fs::remove(where / "checksums.json");
+  const auto back = load_checkpoint(where, spec);
+  for (std::size_t s = 0; s < st.size(); ++s) {
+    CAPTURE(s);
+    CHECK(same_bits(back.state[s].master, st[s].master));
+    CHECK(same_bits(back.state[s].exp_avg_sq, st[s].exp_avg_sq));
+  }
 }
 
 TEST_CASE("a save whose trainer state or config would not read back, or that keeps no checkpoint, writes nothing") {

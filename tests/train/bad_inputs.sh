@@ -299,6 +299,11 @@ if ! "$train" --out "$work/moved" --steps 2 --seq 32 --resume > /dev/null 2> "$w
 else echo "ok   resume-moved-run"; fi
 "$train" --out "$work/ondata" --steps 1 --seq 32 --data "$work/good/builtin-corpus.tok" > /dev/null || { echo "FAIL: a --data run failed"; exit 1; }
 cp "$work/good/builtin-corpus.tok" "$work/elsewhere.tok"
+# A data file whose path is not UTF-8 (Latin-1 "café"): refused at the start, since every
+# checkpoint's trainer_state.json names the data by it (it had trained until its first save, which
+# then stopped the run).
+ln -s "$work/good/builtin-corpus.tok" "$work/caf"$'\xe9'".tok"
+expect data-path-not-utf8 2 "the path is not UTF-8, and a checkpoint's trainer_state.json" -- --data "$work/caf"$'\xe9'".tok"
 if ! "$train" --out "$work/ondata" --steps 2 --seq 32 --resume --data "$work/elsewhere.tok" > /dev/null 2> "$work/elsewhere.stderr" ||
    ! grep -q "warning: --resume: .*taken as the same data" "$work/elsewhere.stderr"; then
   echo "FAIL resume-moved-data: exit $?"; cat "$work/elsewhere.stderr"; fails=$((fails + 1))

@@ -172,7 +172,7 @@ cut_file="$work/damaged/checkpoint-000008/optimizer.safetensors"
 truncate -s $(( $(stat -c %s "$cut_file") / 2 )) "$cut_file"
 "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/damaged" --resume > /dev/null 2> "$work/damaged.err"
 rc=$?
-if [[ $rc -eq 2 ]] && grep -q "checkpoint-000008/optimizer.safetensors: .*; .*damaged/checkpoint-000004 opens (its files and tensors check out): to resume from it, \`echo checkpoint-000004 > .*damaged/latest\`" "$work/damaged.err"; then
+if [[ $rc -eq 2 ]] && grep -q "checkpoint-000008/optimizer.safetensors: .*; .*damaged/checkpoint-000004 opens (its files, tensor shapes and small files' checksums check out): to resume from it, \`echo checkpoint-000004 > .*damaged/latest\`" "$work/damaged.err"; then
   echo checkpoint-000004 > "$work/damaged/latest"
   if "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/damaged" --resume > /dev/null 2> "$work/damaged2.err" &&
      [[ "$(cat "$work/damaged/latest")" == checkpoint-000010 ]]; then
@@ -202,7 +202,7 @@ damage_case() {
   "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$dir" --resume > /dev/null 2> "$work/damage-$1.err"
   local rc=$?
   if [[ $rc -eq 2 ]] && grep -q -- "$3" "$work/damage-$1.err" &&
-     grep -q "damage-$1/checkpoint-000004 opens (its files and tensors check out)" "$work/damage-$1.err" &&
+     grep -q "damage-$1/checkpoint-000004 opens (its files, tensor shapes and small files' checksums check out)" "$work/damage-$1.err" &&
      [[ "$(cat "$dir/latest")" == checkpoint-000008 ]]; then
     echo "ok   damage-$1: $(cat "$work/damage-$1.err")"
   else
@@ -213,6 +213,8 @@ damage_case flipped-byte 'printf "\x5a" | dd of="$dir/checkpoint-000008/model.sa
   "model.safetensors: tensor '.*' changed after its save: its bytes' CRC-32C is"
 damage_case other-step 'cp "$dir/checkpoint-000004/model.safetensors" "$dir/checkpoint-000008/"' \
   "model.safetensors is of step 4, save [0-9a-f]*, optimizer.safetensors of step 8, save [0-9a-f]*: files of two saves"
+damage_case config-edited 'sed -i "s/\"rms_norm_eps\": [^,]*/\"rms_norm_eps\": 0.5/" "$dir/checkpoint-000008/config.json"' \
+  "checkpoint-000008/config.json: changed after its save: its CRC-32C is"
 damage_case config-unparsable 'echo "{\"vocab_size\": 256" > "$dir/checkpoint-000008/config.json"' \
   "checkpoint-000008/config.json:.*; "
 
@@ -317,6 +319,22 @@ printf 'checkpoint-000008\r\n' > "$work/crlf/latest"
 "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --seed 0 --out "$work/crlf" --resume > /dev/null 2> "$work/crlf.err" &&
   [[ "$(cat "$work/crlf/latest")" == checkpoint-000010 ]] && echo "ok   crlf-latest: resumed to step 10" ||
   fail "crlf-latest" "$work/crlf.err"
+
+# A run of 2 sequences a step continued from a checkpoint older than the sampler's step_windows (it
+# keeps 1 there while its position moves 2 a step): each later resume checks the position against
+# the run's 2 a step (it had been refused at the second resume: "position is 16, ... at window 8").
+"$train" "${args[@]}" --batch 2 --steps 4 --checkpoint-every 4 --out "$work/batch2" > /dev/null 2>&1 || fail "batch2: the first run failed"
+python3 -c 'import json, sys
+p = sys.argv[1]; s = json.load(open(p)); del s["sampler"]["step_windows"]; json.dump(s, open(p, "w"), indent=2)' \
+  "$work/batch2/checkpoint-000004/trainer_state.json"
+rechecksum "$work/batch2/checkpoint-000004"
+if "$train" "${args[@]}" --batch 2 --steps 8 --checkpoint-every 4 --out "$work/batch2" --resume > /dev/null 2> "$work/batch2.err" &&
+   "$train" "${args[@]}" --batch 2 --steps 12 --checkpoint-every 4 --out "$work/batch2" --resume > /dev/null 2>> "$work/batch2.err" &&
+   [[ "$(cat "$work/batch2/latest")" == checkpoint-000012 ]]; then
+  echo "ok   batch2-from-older-sampler: resumed twice to step 12"
+else
+  fail "batch2-from-older-sampler" "$work/batch2.err"
+fi
 
 # A damaged line of metrics.jsonl (step 3's step a string): dropped with a warning, the later steps'
 # lines kept (the resume had kept only the lines before it, steps 3-8 gone without a word). What

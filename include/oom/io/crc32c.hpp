@@ -15,4 +15,9 @@ namespace oom {
 /// then b). crc32c of "123456789" is 0xE3069283.
 [[nodiscard]] std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t crc = 0) noexcept;
 
+namespace detail {
+/// crc32c by the table alone, whatever the CPU has (for tests: the two paths must agree).
+[[nodiscard]] std::uint32_t crc32c_by_table(std::span<const std::byte> bytes, std::uint32_t crc = 0) noexcept;
+}  // namespace detail
+
 }  // namespace oom
