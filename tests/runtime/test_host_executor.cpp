@@ -1006,6 +1006,96 @@ TEST_CASE("a stack that changed its layer count after the executor was made is r
   CHECK_NOTHROW((void)exec.step(std::vector<float>(24, 1.0f), std::vector<float>(24, 0.0f)));
 }
 
+namespace {
+// y = 2x over `h` features, saving x (ActivationClass::other) for nothing; what it declares
+// (cost(): its output as `declared_h` wide, `declared_saved` floats a token of class other) and
+// what it tells the executor (hidden(), saved_floats(): `saved` floats a token, which may change
+// once the executor is made) are set apart, to disagree.
+struct DeclaringLayer {
+  std::vector<StateSegment> segs;
+  std::string nm;
+  std::uint64_t h = 4, declared_h = 4, declared_saved = 4;
+  std::shared_ptr<std::uint64_t> saved = std::make_shared<std::uint64_t>(4);
+  explicit DeclaringLayer(int l) : segs{{fmt::format("decl.{}", l), SegmentRole::dense_mlp, l, -1, {{fmt::format("decl.{}.w", l), {3}}}}},
+                                   nm(fmt::format("decl.{}", l)) {}
+  const std::vector<StateSegment>& segments() const { return segs; }
+  LayerCost cost(const Workload& w) const {
+    LayerCost c;
+    if (declared_saved > 0) c.activations.push_back({ActivationClass::other, Bytes{w.tokens() * declared_saved * sizeof(float)}, 0});
+    c.output = Bytes{w.tokens() * declared_h * sizeof(float)};
+    return c;
+  }
+  std::string name() const { return nm; }
+  std::uint64_t hidden() const { return h; }
+  std::uint64_t saved_floats(ActivationClass c, std::uint64_t t) const { return c == ActivationClass::other ? t * *saved : 0; }
+  void forward(LayerContext& ctx) const {
+    float* keep = ctx.saved[static_cast<std::size_t>(ActivationClass::other)];
+    for (std::uint64_t i = ctx.begin * h; i < ctx.end * h; ++i) {
+      if (ctx.output != nullptr) ctx.output[i] = 2 * ctx.input[i];
+      if (keep != nullptr) keep[i] = ctx.input[i];
+    }
+  }
+  void backward(LayerContext& ctx) const {
+    for (std::uint64_t i = ctx.begin * h; i < ctx.end * h; ++i) ctx.grad_input[i] = 2 * ctx.grad_output[i];
+  }
+};
+}  // namespace
+
+TEST_CASE("an executor refuses a layer whose cost() disagrees with its hidden() or saved_floats(), naming the layer and both sizes") {
+  // The plan counts what cost() declares; the executor holds a boundary of hidden() x T fp32 and
+  // saved_floats() fp32 a class. Each disagreement had been taken: a class saved but not declared
+  // ran out of a budget of the plan's prediction naming no layer ("retained_activations asks for
+  // ..."), a hidden() of 0 had the layer write its rows past (T, 0) boundaries (free(): invalid
+  // next size).
+  HostBackend backend({1_MiB, 1_MiB, true});
+  const std::vector<std::vector<float>> init(2, std::vector<float>(3, 0.25f));
+  const auto stack = [] { return std::vector<DeclaringLayer>{DeclaringLayer(0), DeclaringLayer(1)}; };
+  auto good = stack();
+  const Plan plan = test::resident_plan(good, 6);
+  {
+    auto layers = stack();
+    layers[1].declared_saved = 0;  // saves 4 floats a token of class other, declares none
+    CHECK_THROWS_WITH_AS(HostExecutor<DeclaringLayer>(backend, layers, plan, init),
+                         doctest::Contains("layer 1 ('decl.1'): saved_floats(other, 6 tokens) is 24 floats, its cost() declares 0 "
+                                           "bytes of other activations"), Error);
+    layers[1].declared_saved = 8;  // declares twice what it saves
+    CHECK_THROWS_WITH_AS(HostExecutor<DeclaringLayer>(backend, layers, plan, init),
+                         doctest::Contains("saved_floats(other, 6 tokens) is 24 floats, its cost() declares 192 bytes"), Error);
+  }
+  {
+    auto layers = stack();
+    layers[0].declared_h = 2;  // a boundary of half its real size
+    CHECK_THROWS_WITH_AS(HostExecutor<DeclaringLayer>(backend, layers, plan, init),
+                         doctest::Contains("layer 0 ('decl.0'), cost for 1 x 6 tokens: LayerCost::output is 48 bytes where hidden() 4 x "
+                                           "6 tokens x 4 bytes (fp32) = 96 were expected"), Error);
+  }
+  {
+    auto layers = stack();
+    for (auto& l : layers) l.h = 0;  // cost() declares 4 wide
+    CHECK_THROWS_WITH_AS(HostExecutor<DeclaringLayer>(backend, layers, plan, init),
+                         doctest::Contains("layer 0 ('decl.0'): hidden() is 0"), Error);
+  }
+  CHECK(backend.device_arena().in_use() == 0_B);
+  // What a layer answers is read again at each step, before anything is taken for it: one that
+  // changed since the executor was made is refused by name, and the executor runs on once it is back.
+  HostExecutor<DeclaringLayer> exec(backend, good, plan, init);
+  const Bytes held = backend.device_arena().in_use();
+  const std::vector<float> x(24, 1.0f), y(24, 0.0f);
+  CHECK_NOTHROW((void)exec.step(x, y));
+  *good[1].saved = 8;
+  CHECK_THROWS_WITH_AS((void)exec.step(x, y),
+                       doctest::Contains("step(): layer 1 ('decl.1'): saved_floats(other, 6 tokens) is 48 floats, its cost() declares "
+                                         "96 bytes of other activations"), Error);
+  CHECK(backend.device_arena().in_use() == held);
+  *good[1].saved = 4;
+  good[1].h = 8;
+  CHECK_THROWS_WITH_AS((void)exec.step(x, y), doctest::Contains("step(): layer 1 ('decl.1') has hidden size 8, 4 when the executor was made"),
+                       Error);
+  CHECK(backend.device_arena().in_use() == held);
+  good[1].h = 4;
+  CHECK_NOTHROW((void)exec.step(x, y));
+}
+
 TEST_CASE("write_step_traces: both timelines written, busy seconds side by side; an empty timeline writes nothing") {
   const auto dir = std::filesystem::temp_directory_path() / fmt::format("oom-step-traces-{}", ::getpid());
   std::filesystem::create_directories(dir);

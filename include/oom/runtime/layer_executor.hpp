@@ -17,8 +17,10 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -72,6 +74,9 @@ struct LayerContext {
 
 /// A layer a LayerExecutor runs: describable, forward/backward over a LayerContext, and the
 /// number of floats it saves per activation class for `tokens` tokens (0: none of that class).
+/// The executor holds what these say (fp32), the plan counted what cost() declares: they must
+/// agree, LayerCost::output being hidden() x tokens x 4 bytes and each class's declared
+/// activations saved_floats() x 4 bytes; the executor refuses a layer where they do not.
 template <class L>
 concept executor_layer = layer<L, LayerContext> && requires(const L& l, ActivationClass c, std::uint64_t t) {
   { l.saved_floats(c, t) } -> std::convertible_to<std::uint64_t>;
@@ -119,8 +124,11 @@ class LayerExecutor {
  public:
   /// `initial_master[i]` holds the fp32 master weights of the i-th segment, in layer order. The
   /// plan is copied; `layers` and `backend` are held by reference and must outlive the executor.
-  /// Every layer has the same hidden() (the boundaries between them are one size); a layer that
-  /// runs whole (ChunkDependency::none) gets one chunk. Errc::invalid_argument otherwise, before
+  /// Every layer has the same hidden(), not 0 (the boundaries between them are one size); its
+  /// cost() for the plan's workload is what the executor holds for it (executor_layer: an output
+  /// of hidden() x tokens fp32, each class's activations saved_floats() fp32, no layer_boundary
+  /// activation); a layer that runs whole (ChunkDependency::none) gets one chunk.
+  /// Errc::invalid_argument otherwise, naming the layer and both sizes, before
   /// anything is taken from the backend, as is an `initial_master` of more or fewer vectors than
   /// the layers have segments, and a plan of counts out of range (check_plan_counts). (The plan may name resident segments outside the stack:
   /// a causal LM's embedding and head, which its caller holds.)
@@ -147,6 +155,10 @@ class LayerExecutor {
     std::vector<std::vector<std::string>> names(layers.size());
     std::size_t index = 0;
     for (std::size_t l = 0; l < layers.size(); ++l) {
+      // A width of 0 had been taken: boundaries of (T, 0), which the layer wrote its real rows past.
+      if (layers[l].hidden() == 0)
+        OOM_THROW(Errc::invalid_argument, fmt::format("layer {} ('{}'): hidden() is 0; the executor sizes the (T, H) boundaries the "
+                                                      "layer reads and writes from it, which must be > 0", l, label(l)));
       if (layers[l].hidden() != layers.front().hidden())
         OOM_THROW(Errc::invalid_argument, fmt::format("layer {} has hidden size {}, layer 0 {}: the layers of a stack hand one "
                                                       "another (T, H) boundaries of one H", l, layers[l].hidden(), layers.front().hidden()));
@@ -163,8 +175,11 @@ class LayerExecutor {
         ++index;
       }
       check_recompute_sources(plan, l);
-      workset_.push_back(layer_traits<L>::uses_workspace ? LayerCost(layers[l].cost(plan.workload)).workset : Bytes{});
+      const LayerCost cost(layers[l].cost(plan.workload));
+      declared_.push_back(check_declared_cost(l, cost));
+      workset_.push_back(layer_traits<L>::uses_workspace ? cost.workset : Bytes{});
     }
+    hidden_ = layers.front().hidden();
     if (index != initial_master.size())
       OOM_THROW(Errc::invalid_argument, fmt::format("{} initial weight vectors for the layers' {} segments", initial_master.size(), index));
     compute_ = make_named_stream("compute");
@@ -376,11 +391,60 @@ class LayerExecutor {
                                                     "skipped or failed, or its updates were applied already)", what));
   }
   // The caller's layers are held by reference: a vector that has gained or lost layers since the
-  // executor was made would be indexed past the executor's per-layer state.
+  // executor was made would be indexed past the executor's per-layer state; a layer whose
+  // hidden() or saved_floats() answers otherwise than it did would be handed buffers of other
+  // sizes than the plan counted (or than it writes). O(layers) calls a step.
   void check_stack() const {
     if (layers_.size() != layers_state_.size())
       OOM_THROW(Errc::invalid_argument, fmt::format("step(): the stack has {} layers, the executor was made for {}", layers_.size(),
                                                     layers_state_.size()));
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      if (layers_[l].hidden() != hidden_)
+        OOM_THROW(Errc::invalid_argument, fmt::format("step(): layer {} ('{}') has hidden size {}, {} when the executor was made: the "
+                                                      "step's (T, H) boundaries are of one H", l, label(l), layers_[l].hidden(), hidden_));
+      check_saved_floats(l, declared_[l], "step(): ");
+    }
+  }
+  // Layer l's cost() for the plan's workload against what the executor holds for it: its output
+  // boundary (T, hidden()) fp32, each class saved_floats() fp32 (class_bytes). The plan counted
+  // the cost: a class saved but not declared had run out of a budget of the plan's prediction,
+  // naming no layer ("retained_activations asks for ..."); an output declared for another width
+  // sized the plan's boundaries wrong. Returns the declared bytes by class.
+  std::array<Bytes, activation_class_count> check_declared_cost(std::size_t l, const LayerCost& cost) const {
+    const Workload& w = plan_.workload;
+    const std::uint64_t t = w.tokens(), h = layers_[l].hidden();
+    const auto where = fmt::format("layer {} ('{}'), cost for {} x {} tokens", l, label(l), w.sequences, w.seq_len);
+    const std::uint64_t row_bytes = t * sizeof(float);  // t <= max_workload_tokens: refuse_unrunnable_micro_batch
+    if (h > std::numeric_limits<std::uint64_t>::max() / row_bytes)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: hidden() {} x {} tokens x 4 bytes (fp32) is more than 2^64 bytes", where, h, t));
+    if (cost.output.count() != h * row_bytes)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}: LayerCost::output is {} bytes where hidden() {} x {} tokens x 4 bytes (fp32) = {} "
+                                                    "were expected; the executor holds the boundary a layer hands on as (T, hidden()) "
+                                                    "fp32, the plan counted LayerCost::output", where, cost.output.count(), h, t, h * row_bytes));
+    std::array<Bytes, activation_class_count> declared{};
+    for (const auto& a : cost.activations) {
+      if (a.cls == ActivationClass::layer_boundary)
+        OOM_THROW(Errc::invalid_argument, fmt::format("{}: declares a layer_boundary activation; a layer's boundary is its input, "
+                                                      "the previous layer's LayerCost::output, not one of its activations", where));
+      declared[static_cast<std::size_t>(a.cls)] += a.bytes;
+    }
+    check_saved_floats(l, declared, "");
+    return declared;
+  }
+  // Layer l's saved_floats() for the plan's tokens against `declared`, its cost()'s bytes by
+  // class; `when` opens the error ("step(): " at a step).
+  void check_saved_floats(std::size_t l, const std::array<Bytes, activation_class_count>& declared, std::string_view when) const {
+    const std::uint64_t t = plan_.workload.tokens();
+    for (int c = 1; c < activation_class_count; ++c) {  // class 0, the boundary, is hidden()'s
+      const auto cls = static_cast<ActivationClass>(c);
+      const std::uint64_t floats = layers_[l].saved_floats(cls, t);
+      const Bytes want = declared[static_cast<std::size_t>(c)];
+      if (want.count() % sizeof(float) == 0 && floats == want.count() / sizeof(float)) continue;
+      OOM_THROW(Errc::invalid_argument, fmt::format("{}layer {} ('{}'): saved_floats({}, {} tokens) is {} floats, its cost() declares {} "
+                                                    "bytes of {} activations; the executor holds saved_floats() x 4 bytes (fp32) of a "
+                                                    "class, the plan counted what cost() declares", when, l, label(l), to_string(cls), t,
+                                                    floats, want.count(), to_string(cls)));
+    }
   }
   // A host loss as a device one: it runs in the compute stream's task, where it may read the memory.
   static DeviceLossFn on_host(const HostLossFn& fn) {
@@ -1116,6 +1180,9 @@ class LayerExecutor {
   typename B::Event loaded_;
   std::vector<LayerState> layers_state_;
   std::vector<Bytes> workset_;  ///< each layer's declared workset for the plan's workload, unchunked
+  /// Each layer's declared activation bytes by class for the plan's workload (check_declared_cost).
+  std::vector<std::array<Bytes, activation_class_count>> declared_;
+  std::uint64_t hidden_ = 0;  ///< every layer's hidden() when the executor was made
   struct Held {
     MemorySpace where;
     Bytes bytes;
