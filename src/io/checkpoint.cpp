@@ -234,6 +234,54 @@ void check_no_other_tensors(const SafetensorsFile& file, const ModelSpec& spec,
                                        "of another model?)", file.source(), first->name, others, file.tensors().size()));
 }
 
+// Each tensor's slices' CRC-32C, by the tensor's name in its file.
+using Checksums = std::unordered_map<std::string, std::vector<std::uint32_t>>;
+
+std::string metadata_value(const SafetensorsFile& file, std::string_view key) {
+  for (const auto& [k, v] : file.metadata())
+    if (k == key) return v;
+  return {};
+}
+
+// checksums.json's table for one of the safetensors files, `c` the file's root.
+Checksums tensor_checksums(const JsonCursor& c, const char* file) {
+  Checksums out;
+  const JsonCursor list = c["tensors"][file];
+  for (const auto& [name, v] : list.as_object()) {
+    auto& crcs = out[name];
+    const JsonCursor entries(v, list.path() + "." + name);  // (list[name] searches the members: 150k of them)
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const std::uint64_t crc = entries[i].as_uint64();
+      if (crc > 0xffffffffu) OOM_THROW(Errc::parse, fmt::format("{}[{}]: {} is not a CRC-32C", entries.path(), i, crc));
+      crcs.push_back(static_cast<std::uint32_t>(crc));
+    }
+  }
+  return out;
+}
+
+// The checksums of our own checkpoint's model.safetensors when read for its weights alone
+// (--init-from a checkpoint directory, load_checkpoint without the optimizer): those of the
+// checksums.json beside it when the file names a save; none for any other weights. A checksums.json
+// of another save is refused, as CheckpointReader refuses it.
+Checksums weight_checksums(const SafetensorsFile& file) {
+  const std::string save = metadata_value(file, "save");
+  const fs::path path = fs::path(file.source());
+  const fs::path sums = path.parent_path() / checksums_file;
+  std::error_code ec;
+  if (save.empty() || !fs::exists(sums, ec)) return {};  // weights from elsewhere, or the file copied out alone
+  const Json j = read_json_file(sums);
+  const JsonCursor c(j, sums.string());
+  try {
+    if (c["save"].as_string() != save)
+      OOM_THROW(Errc::parse, fmt::format("{}: of save {}, while {} is of save {}: files of two saves", sums.string(),
+                                         c["save"].as_string(), path.string(), save));
+    return tensor_checksums(c, path.filename().string().c_str());
+  } catch (const Error& e) {
+    if (e.code() == Errc::parse) throw;
+    throw Error(Errc::parse, e.message(), e.file(), e.line());
+  }
+}
+
 /// Weights in one safetensors file or in a Hugging Face sharded checkpoint: the shards named by a
 /// model.safetensors.index.json's weight_map (tensor name -> shard file, beside the index). Opened
 /// from the file, the index, or a directory holding model.safetensors or the index.
@@ -273,12 +321,21 @@ class WeightFiles {
     return w;
   }
 
-  /// One file already open.
+  /// One file already open (our checkpoint's model.safetensors: its checksums are checked as read).
   static WeightFiles of(std::shared_ptr<const SafetensorsFile> file) {
     WeightFiles w;
     w.source_ = file->source();
+    w.checksums_ = weight_checksums(*file);
     w.files_.push_back(std::move(file));
     return w;
+  }
+  /// Tensor `name`'s slices' checksums, or nullptr when the weights have none.
+  [[nodiscard]] const std::vector<std::uint32_t>* checksums_of(const std::string& name) const {
+    if (checksums_.empty()) return nullptr;
+    const auto it = checksums_.find(name);
+    if (it == checksums_.end())
+      OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' has no checksum in {}", source_, name, checksums_file));
+    return &it->second;
   }
 
   /// The file holding tensor `name` (a packed expert's: the stacked tensor's name).
@@ -295,6 +352,7 @@ class WeightFiles {
   std::string source_;
   std::vector<std::shared_ptr<const SafetensorsFile>> files_;
   std::unordered_map<std::string, std::size_t> index_;  ///< empty: one file holds every tensor
+  Checksums checksums_;  ///< our own checkpoint's, else empty
 };
 
 // Every tensor of `spec` in the file that holds it, checked before anyone reads one; and what the
@@ -358,7 +416,7 @@ void read_segment(const WeightFiles& files, const StateSegment& seg, std::span<f
                                                   seg.parameters(), out.size()));
   std::uint64_t offset = 0;
   for (const auto& t : seg.tensors) {
-    read_values(files.file_of(t.name), t, out.subspan(offset, t.elements()));
+    read_values(files.file_of(t.name), t, out.subspan(offset, t.elements()), false, files.checksums_of(t.name));
     offset += t.elements();
   }
 }
@@ -608,8 +666,6 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   return run_dir / name;
 }
 
-using Checksums = std::unordered_map<std::string, std::vector<std::uint32_t>>;
-
 struct CheckpointReader::Files {
   const ModelSpec* spec;
   SafetensorsFile model, optimizer;
@@ -620,12 +676,6 @@ struct CheckpointReader::Files {
 };
 
 namespace {
-
-std::string metadata_value(const SafetensorsFile& file, std::string_view key) {
-  for (const auto& [k, v] : file.metadata())
-    if (k == key) return v;
-  return {};
-}
 
 // The two safetensors files are of one save (the same step and save id in their metadata), as
 // checksums.json says; trainer_state.json and config.json (where present) have the checksums it
@@ -660,21 +710,7 @@ std::pair<Checksums, Checksums> check_one_save(const fs::path& dir, const Safete
         OOM_THROW(Errc::parse, fmt::format("{}: changed after its save: its CRC-32C is {:08x}, {} has {:08x}", (dir / name).string(),
                                            got, checksums_file, want));
     }
-    const auto table = [&](const char* file) {
-      Checksums out;
-      const JsonCursor list = c["tensors"][file];
-      for (const auto& [name, v] : list.as_object()) {
-        auto& crcs = out[name];
-        const JsonCursor entries(v, list.path() + "." + name);  // (list[name] searches the members: 150k of them)
-        for (std::size_t i = 0; i < entries.size(); ++i) {
-          const std::uint64_t crc = entries[i].as_uint64();
-          if (crc > 0xffffffffu) OOM_THROW(Errc::parse, fmt::format("{}[{}]: {} is not a CRC-32C", entries.path(), i, crc));
-          crcs.push_back(static_cast<std::uint32_t>(crc));
-        }
-      }
-      return out;
-    };
-    return {table("model.safetensors"), table("optimizer.safetensors")};
+    return {tensor_checksums(c, "model.safetensors"), tensor_checksums(c, "optimizer.safetensors")};
   } catch (const Error& e) {
     // A field missing or of another type is a damaged checkpoint (Errc::parse), not a bad argument.
     if (e.code() == Errc::parse) throw;

@@ -609,7 +609,7 @@ TEST_CASE("crc32c: the Castagnoli check value, continued runs, and every length 
     }
 }
 
-TEST_CASE("checksums: a changed byte, a file of another save, an edited trainer state or a lost checksums.json is refused by name") {
+TEST_CASE("checksums: a changed byte (read with the moments or alone), a file of another save, an edited trainer state or a lost checksums.json is refused by name") {
   const auto spec = tiny();
   const test::TempDir dir("ckpt-checksums");
   const auto st = random_state(spec, 19);
@@ -626,6 +626,15 @@ TEST_CASE("checksums: a changed byte, a file of another save, an edited trainer 
   CHECK_THROWS_WITH_AS((void)load_checkpoint(flipped, spec),
                        doctest::Contains(fmt::format("model.safetensors: tensor '{}' changed after its save: its bytes' CRC-32C is", plain).c_str()),
                        Error);
+  // ... also when only its weights are read (--init-from a checkpoint directory), whichever way.
+  const std::string changed = fmt::format("tensor '{}' changed after its save", plain);
+  CHECK_THROWS_WITH_AS((void)load_checkpoint(flipped, spec, /*with_optimizer=*/false), doctest::Contains(changed.c_str()), Error);
+  CHECK_THROWS_WITH_AS((void)load_weights(flipped / "model.safetensors", spec), doctest::Contains(changed.c_str()), Error);
+  CHECK_THROWS_WITH_AS((void)load_weights(flipped, spec), doctest::Contains(changed.c_str()), Error);
+  // A model.safetensors copied out alone has no checksums beside it: read unchecked.
+  fs::create_directories(dir / "alone");
+  fs::copy_file(flipped / "model.safetensors", dir / "alone" / "model.safetensors");
+  CHECK_NOTHROW((void)load_weights(dir / "alone", spec));
   // An expert's slice of a packed tensor (Qwen3.5's experts.gate_up_proj) is named with its expert.
   {
     const auto qwen35 = ModelSpec::from_file(fs::path(OOM_SOURCE_DIR) / "examples/configs/tiny-qwen3.5-moe-d128.json");

@@ -112,8 +112,9 @@ struct CheckpointRead {
 
 /// Reads a checkpoint directory against `spec`: every segment's tensors by name and shape, fp32 or
 /// bf16, and no others. `with_optimizer` false reads weights only (moments left empty), e.g. to
-/// start a run from someone's weights; that read, as load_weights' and weight_source's, does not
-/// check checksums.json (CheckpointReader does). Errors name the file and the tensor (Errc::parse) or the
+/// start a run from someone's weights; that read, as load_weights' and weight_source's of our own
+/// checkpoint's model.safetensors, checks each tensor against the checksums.json beside it (none
+/// when the file names no save or none is beside it: weights from elsewhere, or a copy alone). Errors name the file and the tensor (Errc::parse) or the
 /// file (Errc::io).
 CheckpointRead load_checkpoint(const std::filesystem::path& dir, const ModelSpec& spec, bool with_optimizer = true);
 
