@@ -291,6 +291,28 @@ struct Stack {
   std::vector<float> target(int step) const { return test::random_normal(c.tokens * c.hidden, 2000 + static_cast<std::uint64_t>(step)); }
 };
 
+// A small stack (seed `seed`), half its segments resident, whose executor defers its updates
+// (lr 1e-2): the deferred-update tests' setup.
+struct DeferredStack {
+  static LayerExecutorOptions options() {
+    LayerExecutorOptions o;
+    o.adamw.lr = 1e-2f;
+    o.defer_updates = true;
+    return o;
+  }
+  const Stack st;
+  std::vector<test::MoeMlpLayer> layers;
+  const Plan plan;
+  HostBackend backend;
+  HostExecutor<test::MoeMlpLayer> exec;
+  explicit DeferredStack(std::uint64_t seed)
+      : st({8, 2, 1, 8, 9, 2}, seed),
+        layers(st.layers),
+        plan(half_resident_plan(layers, st.c.tokens)),
+        backend({1_GiB, 1_GiB, true}),
+        exec(backend, layers, plan, st.init, options()) {}
+};
+
 }  // namespace
 
 TEST_CASE("resuming from exported optimizer state continues the same run, bit for bit (fp32 and bf16 moments)") {
@@ -479,14 +501,9 @@ TEST_CASE("deferred updates with a clipping factor: the same bits under every pl
 TEST_CASE("apply_updates() applies a deferred step's updates once: refused before a step, a second time and after a skipped step") {
   // It had run AdamW again on whatever gradients were left: a second call, or one after a step
   // whose loss was not finite, updated every segment once more from the last step's gradients.
-  const Stack st({8, 2, 1, 8, 9, 2}, 3);
-  auto layers = st.layers;
-  const Plan plan = half_resident_plan(layers, st.c.tokens);
-  HostBackend backend({1_GiB, 1_GiB, true});
-  LayerExecutorOptions opt;
-  opt.adamw.lr = 1e-2f;
-  opt.defer_updates = true;
-  HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
+  DeferredStack d(3);
+  const Stack& st = d.st;
+  auto& exec = d.exec;
   CHECK_THROWS_WITH_AS(exec.apply_updates(1.0f), doctest::Contains("no step's gradients wait"), Error);
   (void)exec.step(st.input(0), st.target(0));
   exec.apply_updates(1.0f);
@@ -510,14 +527,9 @@ TEST_CASE("apply_updates() applies a deferred step's updates once: refused befor
 TEST_CASE("deferred updates: a step() before the last one's apply_updates() is refused, and only applied updates count as steps") {
   // The second step() had overwritten the waiting gradients, which were lost unapplied, while
   // optimizer_steps() counted both steps.
-  const Stack st({8, 2, 1, 8, 9, 2}, 7);
-  auto layers = st.layers;
-  const Plan plan = half_resident_plan(layers, st.c.tokens);
-  HostBackend backend({1_GiB, 1_GiB, true});
-  LayerExecutorOptions opt;
-  opt.adamw.lr = 1e-2f;
-  opt.defer_updates = true;
-  HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
+  DeferredStack d(7);
+  const Stack& st = d.st;
+  auto& exec = d.exec;
   (void)exec.step(st.input(0), st.target(0));
   CHECK(exec.optimizer_steps() == 0);  // gradients wait: no update yet
   CHECK_THROWS_WITH_AS((void)exec.step(st.input(1), st.target(1)), doctest::Contains("the previous step's updates were never applied"),
@@ -527,8 +539,8 @@ TEST_CASE("deferred updates: a step() before the last one's apply_updates() is r
   // The refused step left the first step's gradients: applying them gives the plain first step.
   exec.apply_updates(1.0f);
   CHECK(exec.optimizer_steps() == 1);
-  HostExecutor<test::MoeMlpLayer> plain(backend, layers, plan, st.init, [&] {
-    LayerExecutorOptions o = opt;
+  HostExecutor<test::MoeMlpLayer> plain(d.backend, d.layers, d.plan, st.init, [] {
+    LayerExecutorOptions o = DeferredStack::options();
     o.defer_updates = false;
     return o;
   }());
@@ -541,13 +553,9 @@ TEST_CASE("deferred updates: a step() before the last one's apply_updates() is r
 
 TEST_CASE("gradient_sum_of_squares() is refused where no step's gradients wait, as apply_updates() is") {
   // Before any step it had summed buffers no step had written (NaN, or 1e75).
-  const Stack st({8, 2, 1, 8, 9, 2}, 3);
-  auto layers = st.layers;
-  const Plan plan = half_resident_plan(layers, st.c.tokens);
-  HostBackend backend({1_GiB, 1_GiB, true});
-  LayerExecutorOptions opt;
-  opt.defer_updates = true;
-  HostExecutor<test::MoeMlpLayer> exec(backend, layers, plan, st.init, opt);
+  DeferredStack d(3);
+  const Stack& st = d.st;
+  auto& exec = d.exec;
   CHECK_THROWS_WITH_AS((void)exec.gradient_sum_of_squares(), doctest::Contains("no step's gradients wait"), Error);
   (void)exec.step(st.input(0), st.target(0));
   const double ss = exec.gradient_sum_of_squares();
@@ -555,7 +563,7 @@ TEST_CASE("gradient_sum_of_squares() is refused where no step's gradients wait, 
   CHECK(ss > 0);
   exec.apply_updates(1.0f);
   CHECK_THROWS_WITH_AS((void)exec.gradient_sum_of_squares(), doctest::Contains("no step's gradients wait"), Error);
-  HostExecutor<test::MoeMlpLayer> updating(backend, layers, plan, st.init, {});
+  HostExecutor<test::MoeMlpLayer> updating(d.backend, d.layers, d.plan, st.init, {});
   CHECK_THROWS_WITH_AS((void)updating.gradient_sum_of_squares(), doctest::Contains("defer_updates"), Error);
   (void)updating.step(st.input(0), st.target(0));
   CHECK_THROWS_WITH_AS((void)updating.gradient_sum_of_squares(), doctest::Contains("defer_updates"), Error);
