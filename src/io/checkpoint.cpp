@@ -243,6 +243,37 @@ std::string metadata_value(const SafetensorsFile& file, std::string_view key) {
   return {};
 }
 
+// f(), its errors those of a damaged checkpoint (Errc::parse): a field of checksums.json missing or of
+// another type (JsonCursor's Errc::invalid_argument) is damage, not a bad argument, and callers
+// give the older-checkpoint advice for parse errors only.
+template <class F>
+auto as_damage(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    if (e.code() == Errc::parse) throw;
+    throw Error(Errc::parse, e.message(), e.file(), e.line());
+  }
+}
+
+// Tensor `name`'s slices' checksums in `table` (of the file `source`), or nullptr where the
+// checkpoint has none at all (saved before them).
+const std::vector<std::uint32_t>* listed_checksums(const Checksums& table, const std::string& name, const std::string& source) {
+  if (table.empty()) return nullptr;
+  const auto it = table.find(name);
+  if (it == table.end()) OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' has no checksum in {}", source, name, checksums_file));
+  return &it->second;
+}
+
+// `dir`/`name` (trainer_state.json or config.json) against its checksum in checksums.json, `c`.
+void check_saved_file(const fs::path& dir, std::string_view name, const JsonCursor& c) {
+  const fs::path path = dir / name;
+  const std::uint64_t want = c["files"][name].as_uint64();
+  if (const std::uint32_t got = crc32c(MappedFile(path).bytes()); got != want)
+    OOM_THROW(Errc::parse, fmt::format("{}: changed after its save: its CRC-32C is {:08x}, {} has {:08x}", path.string(), got,
+                                       checksums_file, want));
+}
+
 // checksums.json's table for one of the safetensors files, `c` the file's root.
 Checksums tensor_checksums(const JsonCursor& c, const char* file) {
   Checksums out;
@@ -271,15 +302,12 @@ Checksums weight_checksums(const SafetensorsFile& file) {
   if (save.empty() || !fs::exists(sums, ec)) return {};  // weights from elsewhere, or the file copied out alone
   const Json j = read_json_file(sums);
   const JsonCursor c(j, sums.string());
-  try {
+  return as_damage([&] {
     if (c["save"].as_string() != save)
       OOM_THROW(Errc::parse, fmt::format("{}: of save {}, while {} is of save {}: files of two saves", sums.string(),
                                          c["save"].as_string(), path.string(), save));
     return tensor_checksums(c, path.filename().string().c_str());
-  } catch (const Error& e) {
-    if (e.code() == Errc::parse) throw;
-    throw Error(Errc::parse, e.message(), e.file(), e.line());
-  }
+  });
 }
 
 /// Weights in one safetensors file or in a Hugging Face sharded checkpoint: the shards named by a
@@ -331,11 +359,7 @@ class WeightFiles {
   }
   /// Tensor `name`'s slices' checksums, or nullptr when the weights have none.
   [[nodiscard]] const std::vector<std::uint32_t>* checksums_of(const std::string& name) const {
-    if (checksums_.empty()) return nullptr;
-    const auto it = checksums_.find(name);
-    if (it == checksums_.end())
-      OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' has no checksum in {}", source_, name, checksums_file));
-    return &it->second;
+    return listed_checksums(checksums_, name, source_);
   }
 
   /// The file holding tensor `name` (a packed expert's: the stacked tensor's name).
@@ -699,24 +723,27 @@ std::pair<Checksums, Checksums> check_one_save(const fs::path& dir, const Safete
   }
   const Json j = read_json_file(path);
   const JsonCursor c(j, path.string());
-  try {
+  return as_damage([&]() -> std::pair<Checksums, Checksums> {
     if (c["save"].as_string() != save || std::to_string(c["step"].as_uint64()) != metadata_value(model, "step"))
       OOM_THROW(Errc::parse, fmt::format("{}: of step {}, save {}, while the safetensors files are of {}", path.string(),
                                          c["step"].as_uint64(), c["save"].as_string(), save_of(model)));
-    for (const char* name : {"trainer_state.json", "config.json"}) {
-      if (!fs::exists(dir / name, ec)) continue;  // (a missing config.json is its reader's to name)
-      const std::uint64_t want = c["files"][name].as_uint64();
-      if (const std::uint32_t got = crc32c(MappedFile(dir / name).bytes()); got != want)
-        OOM_THROW(Errc::parse, fmt::format("{}: changed after its save: its CRC-32C is {:08x}, {} has {:08x}", (dir / name).string(),
-                                           got, checksums_file, want));
-    }
+    for (const char* name : {"trainer_state.json", "config.json"})
+      if (fs::exists(dir / name, ec)) check_saved_file(dir, name, c);  // (a missing config.json is its reader's to name)
     return {tensor_checksums(c, "model.safetensors"), tensor_checksums(c, "optimizer.safetensors")};
-  } catch (const Error& e) {
-    // A field missing or of another type is a damaged checkpoint (Errc::parse), not a bad argument.
-    if (e.code() == Errc::parse) throw;
-    throw Error(Errc::parse, e.message(), e.file(), e.line());
-  }
+  });
 }
+
+}  // namespace
+
+void check_saved_file(const fs::path& dir, std::string_view name) {
+  const fs::path path = dir / checksums_file;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return;  // a checkpoint saved before checksums
+  const Json j = read_json_file(path);
+  as_damage([&] { check_saved_file(dir, name, JsonCursor(j, path.string())); });
+}
+
+namespace {
 
 }  // namespace
 
@@ -755,14 +782,8 @@ void CheckpointReader::read(std::size_t segment, std::span<float> master, std::s
           {&files_->optimizer, &files_->optimizer_crcs, "exp_avg_sq.", exp_avg_sq}}) {
       TensorSpec named = t;
       named.name = std::string(prefix) + t.name;
-      const std::vector<std::uint32_t>* listed = nullptr;
-      if (!crcs->empty()) {
-        const auto it = crcs->find(named.name);
-        if (it == crcs->end())
-          OOM_THROW(Errc::parse, fmt::format("{}: tensor '{}' has no checksum in {}", file->source(), named.name, checksums_file));
-        listed = &it->second;
-      }
-      read_values(*file, named, out.subspan(offset, t.elements()), std::string_view(prefix) == "exp_avg_sq.", listed);
+      read_values(*file, named, out.subspan(offset, t.elements()), std::string_view(prefix) == "exp_avg_sq.",
+                  listed_checksums(*crcs, named.name, file->source()));
     }
     offset += t.elements();
   }

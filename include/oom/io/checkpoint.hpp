@@ -77,6 +77,12 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
 /// checkpoint directories (naming the newest).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 
+/// `dir`/`name` (a checkpoint's trainer_state.json or config.json) as its save wrote it: Errc::parse
+/// when the file's CRC-32C is not the one checksums.json lists, checksums.json lists none, or the
+/// file cannot be read. Nothing to check (no error) for a checkpoint saved before checksums. CheckpointReader checks both files so; a caller that reads config.json first (to
+/// build the model it opens the checkpoint with) checks it with this.
+void check_saved_file(const std::filesystem::path& dir, std::string_view name);
+
 /// A checkpoint directory opened for reading segment by segment: the files are mapped, every
 /// tensor of `spec` is checked (present, F32 or BF16, the right shape) when it opens, a tensor the
 /// spec does not have is an error (a checkpoint of another model), and values are converted only
