@@ -40,7 +40,6 @@
 #include "oom/core/log.hpp"
 #include "oom/io/atomic_file.hpp"
 #include "oom/io/checkpoint.hpp"
-#include "oom/io/crc32c.hpp"
 #include "oom/io/corpus.hpp"
 #include "oom/io/json.hpp"
 #include "oom/io/safetensors.hpp"
@@ -642,23 +641,18 @@ std::string config_beside(const std::string& init_from) {
   return {};
 }
 
-// What is wrong with a checkpoint's config.json, or "" when nothing is: it cannot be read or parsed,
-// or it is not the text its checksums.json says was saved (an edit that still parses: taken as the
-// run's model, it had made every older checkpoint "another model's").
-std::string checkpoint_config_damage(const fs::path& dir) {
+// A checkpoint's config.json, parsed, as its save wrote it; Errc::parse (the checkpoint is damaged)
+// when it cannot be read or parsed, or is not the text its checksums.json lists (an edit that still
+// parses: taken as the run's model, it had made every older checkpoint "another model's").
+Json read_checkpoint_config(const fs::path& dir) {
   const fs::path path = dir / "config.json";
   try {
-    const std::string text = read_text(path);
-    (void)Json::parse(text, path.string());
-    std::error_code ec;
-    if (!fs::exists(dir / "checksums.json", ec)) return {};  // a checkpoint from before checksums
-    const Json sums = read_json_file(dir / "checksums.json");
-    const std::uint64_t want = JsonCursor(sums, (dir / "checksums.json").string())["files"]["config.json"].as_uint64();
-    if (const std::uint32_t got = crc32c(std::as_bytes(std::span(text.data(), text.size()))); got != want)
-      return fmt::format("{}: changed after its save: its CRC-32C is {:08x}, checksums.json has {:08x}", path.string(), got, want);
-    return {};
+    Json config = Json::parse(read_text(path), path.string());
+    check_saved_file(dir, "config.json");
+    return config;
   } catch (const Error& e) {
-    return e.message();
+    if (e.code() == Errc::parse) throw;
+    throw Error(Errc::parse, e.message(), e.file(), e.line());
   }
 }
 
@@ -667,7 +661,14 @@ int run(Args a) {
   if (a.config.empty()) {
     // A resumed run's model is its checkpoint's; a new one's the config beside --init-from's weights.
     const auto resumed = a.resume ? latest_checkpoint(a.out) : std::nullopt;
-    const auto readable_config = [](const fs::path& dir) { return checkpoint_config_damage(dir).empty(); };
+    const auto readable_config = [](const fs::path& dir) {
+      try {
+        (void)read_checkpoint_config(dir);
+        return true;
+      } catch (const Error&) {
+        return false;
+      }
+    };
     if (resumed && readable_config(*resumed)) {
       a.config = (*resumed / "config.json").string();
       say("config {} (the checkpoint's; --config picks another)\n", a.config);
@@ -728,10 +729,8 @@ int run(Args a) {
     // tiny-moe.json's), then its files and tensors. A config.json that
     // cannot be read is a damaged checkpoint like a tensor file cut short.
     const auto open_checkpoint = [&](const fs::path& dir) {
-      const fs::path saved = dir / "config.json";
       // Damage before the comparison: an edited config.json is not "another model's".
-      if (const std::string damage = checkpoint_config_damage(dir); !damage.empty()) throw Error(Errc::parse, damage);
-      const Json saved_config = Json::parse(read_text(saved), saved.string());
+      const Json saved_config = read_checkpoint_config(dir);
       if (!same_value(saved_config, Json::parse(config_text, config_name)))
         throw Error(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", dir.string(),
                                                         config_name));
@@ -776,12 +775,12 @@ int run(Args a) {
   else if (!fs::exists(data_path, ec)) OOM_THROW(Errc::io, fmt::format("{}: no such data file", data_path.string()));
   // The data's absolute path goes into every checkpoint's trainer_state.json: one that JSON cannot
   // hold (bytes that are not UTF-8) had trained until the first save, which then stopped the run.
+  const std::string data_absolute = fs::absolute(data_path, ec).lexically_normal().string();
   try {
-    (void)Json::parse(Json(fs::absolute(data_path, ec).lexically_normal().string()).dump());
+    (void)Json::parse(Json(data_absolute).dump());
   } catch (const Error&) {
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: the path is not UTF-8, and a checkpoint's trainer_state.json (JSON) names the "
-                                                  "data by it; rename it or link to it by another name",
-                                                  fs::absolute(data_path, ec).lexically_normal().string()));
+                                                  "data by it; rename it or link to it by another name", data_absolute));
   }
   std::optional<TokenFile> tokens;
   if (!a.data.empty()) {
@@ -1070,14 +1069,11 @@ int run(Args a) {
     // data, replaying earlier windows or, near 2^64, wrapping to the first. (Not the sampler's own
     // step_windows: a run continued from a checkpoint older than it keeps 1 there.) A checkpoint
     // without step_windows is older than this rule and is taken as it is.
-    if (ts["sampler"]["step_windows"].present() &&
-        (start_step > std::numeric_limits<std::uint64_t>::max() / step_windows || sampler_state.position != start_step * step_windows))
+    const bool past_2_64 = start_step > std::numeric_limits<std::uint64_t>::max() / step_windows;
+    if (ts["sampler"]["step_windows"].present() && (past_2_64 || sampler_state.position != start_step * step_windows))
       OOM_THROW(Errc::parse, fmt::format("{}: sampler position is {}, but a checkpoint of step {} drawing {} windows a step is at "
                                          "window {}", (*latest / "trainer_state.json").string(), sampler_state.position, start_step,
-                                         step_windows,
-                                         start_step > std::numeric_limits<std::uint64_t>::max() / step_windows
-                                             ? std::string("past 2^64")
-                                             : std::to_string(start_step * step_windows)));
+                                         step_windows, past_2_64 ? std::string("past 2^64") : std::to_string(start_step * step_windows)));
     if (a.seed_given && a.seed != sampler_state.seed)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} draws its windows with seed {}; --seed {} would change nothing "
                                                     "(drop it, or start afresh)", latest->string(), sampler_state.seed, a.seed));
@@ -1223,7 +1219,7 @@ int run(Args a) {
     ts.set("min_lr", static_cast<double>(a.min_lr));
     ts.set("total_steps", a.steps);
     ts.set("sampler", sampler.state().to_json());
-    ts.set("data", fs::absolute(data_path, ec).lexically_normal().string());
+    ts.set("data", data_absolute);
     ts.set("data_tokens", tokens->size());
     ts.set("data_fingerprint", data_fingerprint);
     ts.set("data_builtin", a.data.empty());
