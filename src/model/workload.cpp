@@ -16,4 +16,17 @@ void refuse_unrunnable_micro_batch(const Workload& w) {
                                                   "micro-batch may hold", w.sequences, w.seq_len, max_workload_tokens));
 }
 
+std::array<Bytes, activation_class_count> saved_bytes_by_class(const LayerCost& cost, std::string_view where) {
+  std::array<Bytes, activation_class_count> saved{};
+  for (const auto& a : cost.activations) {
+    if (a.cls == ActivationClass::layer_boundary)
+      OOM_THROW(Errc::invalid_argument,
+                fmt::format("{}: declares a layer_boundary activation; a layer's boundary is the previous layer's "
+                            "LayerCost::output (the first layer's: its own), not one of its activations",
+                            where));
+    saved[static_cast<std::size_t>(a.cls)] += a.bytes;
+  }
+  return saved;
+}
+
 }  // namespace oom

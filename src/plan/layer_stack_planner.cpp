@@ -41,16 +41,11 @@ std::vector<Costed> cost_layers(const std::vector<LayerDescription>& layers, con
     if (bad_number(c.cost.forward_flops) || bad_number(c.cost.backward_flops))
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: FLOPs must be finite and >= 0 (forward {}, backward {})", where,
                                                     c.cost.forward_flops, c.cost.backward_flops));
+    c.saved = saved_bytes_by_class(c.cost, where);
     for (const auto& a : c.cost.activations) {
-      if (a.cls == ActivationClass::layer_boundary)
-        OOM_THROW(Errc::invalid_argument,
-                  fmt::format("{}: declares a layer_boundary activation; a layer's boundary is the previous layer's "
-                              "LayerCost::output (the first layer's: its own), not one of its activations",
-                              where));
       if (bad_number(a.recompute_flops))
         OOM_THROW(Errc::invalid_argument, fmt::format("{}: {} recompute FLOPs must be finite and >= 0, not {}", where,
                                                       to_string(a.cls), a.recompute_flops));
-      c.saved[static_cast<std::size_t>(a.cls)] += a.bytes;
       c.recompute_flops[static_cast<std::size_t>(a.cls)] += a.recompute_flops;
     }
     // The boundary it hands on is what the next layer keeps, offloads or regenerates from (the

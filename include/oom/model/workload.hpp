@@ -2,7 +2,9 @@
 // description a layer gives the planner, by activation class, so retention can be chosen per class.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "oom/core/bytes.hpp"
@@ -76,6 +78,12 @@ struct LayerCost {
     return total;
   }
 };
+
+/// The bytes `cost` saves for the backward, by class (the entries of one class added): what the
+/// planners count and a LayerExecutor holds. Errc::invalid_argument, opened by `where`, for a
+/// layer_boundary entry: a layer's boundary is the previous layer's LayerCost::output (the first
+/// layer's: its own), not one of its activations.
+[[nodiscard]] std::array<Bytes, activation_class_count> saved_bytes_by_class(const LayerCost& cost, std::string_view where);
 
 /// A layer's workset (LayerCost::workset, for `tokens` tokens) over one chunk of `chunk` of them:
 /// its share, rounded up (the whole workset unchunked). What the planner holds while a chunked

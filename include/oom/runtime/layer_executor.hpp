@@ -421,13 +421,7 @@ class LayerExecutor {
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: LayerCost::output is {} bytes where hidden() {} x {} tokens x 4 bytes (fp32) = {} "
                                                     "were expected; the executor holds the boundary a layer hands on as (T, hidden()) "
                                                     "fp32, the plan counted LayerCost::output", where, cost.output.count(), h, t, h * row_bytes));
-    std::array<Bytes, activation_class_count> declared{};
-    for (const auto& a : cost.activations) {
-      if (a.cls == ActivationClass::layer_boundary)
-        OOM_THROW(Errc::invalid_argument, fmt::format("{}: declares a layer_boundary activation; a layer's boundary is its input, "
-                                                      "the previous layer's LayerCost::output, not one of its activations", where));
-      declared[static_cast<std::size_t>(a.cls)] += a.bytes;
-    }
+    const auto declared = saved_bytes_by_class(cost, where);
     check_saved_floats(l, declared, "");
     return declared;
   }
