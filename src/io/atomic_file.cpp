@@ -22,6 +22,10 @@ namespace {
 
 constexpr std::size_t buffer_bytes = std::size_t{4} << 20;
 
+// An AtomicFile's temporary is its path and this, then the writer's pid (remove_stale_temporaries
+// finds killed writers' by it).
+constexpr std::string_view temp_infix = ".tmp-";
+
 [[noreturn]] void fail_errno(std::string_view what, const std::filesystem::path& path, int err) {
   OOM_THROW(Errc::io, fmt::format("{}: {}: {}", path.string(), what, std::strerror(err)));
 }
@@ -50,7 +54,7 @@ AtomicFile::AtomicFile(std::filesystem::path path) : path_(std::move(path)) {
     OOM_THROW(Errc::io, fmt::format("{}: cannot replace: {}", path_.string(),
                                     S_ISDIR(st.st_mode) ? "is a directory" : "not a regular file"));
   temp_ = path_;
-  temp_ += ".tmp-" + std::to_string(::getpid());
+  temp_ += std::string(temp_infix) + std::to_string(::getpid());
   fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) fail_errno("cannot create", temp_, errno);
   buffer_.reserve(buffer_bytes);
@@ -116,7 +120,7 @@ void write_file_atomically(const std::filesystem::path& path, std::string_view c
 }
 
 std::size_t remove_stale_temporaries(const std::filesystem::path& path) noexcept {
-  const std::string prefix = path.filename().string() + ".tmp-";
+  const std::string prefix = path.filename().string() + std::string(temp_infix);
   const std::string own = std::to_string(::getpid());
   std::size_t removed = 0;
   std::error_code ec;
