@@ -32,6 +32,7 @@
 #include "oom/runtime/cuda_layer_executor.hpp"
 #include "oom/runtime/host_executor.hpp"
 #include "support/compare.hpp"
+#include "support/empty_segment.hpp"
 #include "support/same_step.hpp"
 
 using namespace oom;
@@ -50,6 +51,17 @@ constexpr std::uint64_t hidden = 64, inter = 192, tokens = 200;  // 200: chunks 
 std::vector<std::vector<float>> initial_weights() {
   std::vector<std::vector<float>> init;
   for (int l = 0; l < layer_count; ++l) init.push_back(test::random_normal(2 * hidden * inter, 11 + static_cast<std::uint64_t>(l), 0.07f));
+  return init;
+}
+
+// initial_weights() by segment: a segment of no parameters gets none, the others the layer's.
+template <class Layer>
+std::vector<std::vector<float>> initial_weights_of(const std::vector<Layer>& layers) {
+  auto weights = initial_weights();
+  std::vector<std::vector<float>> init;
+  std::size_t next = 0;
+  for (const auto& l : layers)
+    for (const auto& s : l.segments()) init.push_back(s.parameters() == 0 ? std::vector<float>{} : std::move(weights.at(next++)));
   return init;
 }
 
@@ -112,7 +124,7 @@ struct GpuStackOf {
         examples::mse_loss(y, dev, g, tokens, hidden, l, s);
       });
     }
-    exec = std::make_unique<CudaLayerExecutor<Layer>>(backend, layers, plan, initial_weights(), eo);
+    exec = std::make_unique<CudaLayerExecutor<Layer>>(backend, layers, plan, initial_weights_of(layers), eo);
   }
   // Step s (its inputs and targets by micro-batch); the sum of the micro-batches' losses.
   double step(int s, std::vector<std::vector<float>>* grad_inputs = nullptr) {
@@ -267,6 +279,35 @@ TEST_CASE("every plan LayerStackPlanner gives the CUDA layer stack computes the 
   slow.slow_weight_loads_ms = 2;
   CHECK(same_run(train_gpu(all_streamed, 64_MiB, 64_MiB, 3, slow), expect));
   CHECK_FALSE(same_run(train_gpu(all_streamed, 64_MiB, 64_MiB, 3, broken), expect));
+}
+
+using WithEmpty = test::WithEmptySegment<CudaResidualMlp>;
+
+TEST_CASE("a layer with a segment of no parameters trains as the same layer without it, its segments resident, streamed or both") {
+  std::vector<WithEmpty> shapes;
+  for (int l = 0; l < layer_count; ++l) shapes.emplace_back(l, hidden, inter);
+  std::vector<ResidualMlp> plain_shapes;
+  for (int l = 0; l < layer_count; ++l) plain_shapes.emplace_back(l, hidden, inter);
+  const Run expect = train_gpu(resident_plan(plain_shapes, tokens), 64_MiB, 64_MiB);
+  // The runs' weights and moments without the empty segments' (none).
+  const auto without_empty = [](Run r) {
+    for (std::size_t i = r.master.size(); i-- > 0;)
+      if (r.master[i].empty()) {
+        r.master.erase(r.master.begin() + static_cast<std::ptrdiff_t>(i));
+        r.state.erase(r.state.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    return r;
+  };
+  for (int placement = 0; placement < 3; ++placement) {
+    CAPTURE(placement);  // 0: all resident, 1: all streamed, 2: the empty segments resident, the others streamed
+    Plan p = resident_plan(shapes, tokens);
+    if (placement > 0) p.resident_segments.clear();
+    if (placement == 2)
+      for (const auto& l : shapes) p.resident_segments.push_back(l.segments().front().name);
+    const Run got = without_empty(train_gpu<WithEmpty>(p, 64_MiB, 64_MiB));
+    CHECK(got.master.size() == expect.master.size());
+    CHECK(same_run(got, expect));
+  }
 }
 
 TEST_CASE("bf16 AdamW moments on the GPU: every plan LayerStackPlanner gives computes the resident bf16 step, within its predicted bytes") {

@@ -17,12 +17,14 @@
 
 #include <unistd.h>
 
+#include "custom_layer/residual_mlp.hpp"
 #include "moe_mlp_layer.hpp"
 #include "oom/io/json.hpp"
 #include "oom/plan/simulator.hpp"
 #include "oom/runtime/host_executor.hpp"
 #include "oom/runtime/timeline.hpp"
 #include "support/compare.hpp"
+#include "support/empty_segment.hpp"
 #include "support/same_step.hpp"
 
 using namespace oom;
@@ -1133,3 +1135,43 @@ TEST_CASE("write_step_traces: both timelines written, busy seconds side by side;
   std::filesystem::remove_all(dir);
 }
 
+
+TEST_CASE("a layer with a segment of no parameters trains as the same layer without it, its segments resident, streamed or both") {
+  constexpr int count = 3;
+  constexpr std::uint64_t h = 8, inter = 12, t = 10;
+  using WithEmpty = test::WithEmptySegment<examples::ResidualMlp>;
+  std::vector<examples::ResidualMlp> plain;
+  std::vector<WithEmpty> with;
+  std::vector<std::vector<float>> plain_init, with_init;
+  for (int l = 0; l < count; ++l) {
+    plain.emplace_back(l, h, inter);
+    with.emplace_back(l, h, inter);
+    plain_init.push_back(test::random_normal(2 * h * inter, 70 + static_cast<std::uint64_t>(l), 0.2f));
+    with_init.emplace_back();
+    with_init.push_back(plain_init.back());
+  }
+  const auto input = test::random_normal(t * h, 1, 1.0f), target = test::random_normal(t * h, 2, 1.0f);
+  // Three steps; the losses and the master weights of the segments with parameters.
+  const auto train = [&](auto& layers, const Plan& p, const std::vector<std::vector<float>>& init) {
+    HostBackend backend({1_MiB, 1_MiB, true});
+    HostExecutor<typename std::decay_t<decltype(layers)>::value_type> exec(backend, layers, p, init);
+    std::vector<double> losses;
+    for (int s = 0; s < 3; ++s) losses.push_back(exec.step(input, target));
+    std::vector<std::vector<float>> master;
+    for (auto& m : exec.master())
+      if (!m.empty()) master.push_back(std::move(m));
+    return std::pair{losses, master};
+  };
+  const auto expect = train(plain, test::resident_plan(plain, t), plain_init);
+  CHECK(expect.first[2] < expect.first[0]);  // it trains
+  for (int placement = 0; placement < 3; ++placement) {
+    CAPTURE(placement);  // 0: all resident, 1: all streamed, 2: the empty segments resident, the others streamed
+    Plan p = test::resident_plan(with, t);
+    if (placement > 0) p.resident_segments.clear();
+    if (placement == 2)
+      for (const auto& l : with) p.resident_segments.push_back(l.segments().front().name);
+    const auto got = train(with, p, with_init);
+    CHECK(got.first == expect.first);
+    CHECK(bitwise_equal(got.second, expect.second));
+  }
+}
