@@ -13,6 +13,8 @@
 #include <system_error>
 #include <unordered_set>
 
+#include <fmt/format.h>
+
 #include "oom/core/error.hpp"
 
 namespace oom {
@@ -201,6 +203,12 @@ void write_string(std::string& out, std::string_view s) {
   out += '"';
 }
 
+// Thrown by Json::write at a NaN or an infinity and caught on its way out of each array and object,
+// which prepend the element's place: dump() names the value's path ("loss_scale", "losses[3]").
+struct NonFinite {
+  std::string path;
+};
+
 void newline(std::string& out, int indent, int depth) {
   out += '\n';
   out.append(static_cast<std::size_t>(indent) * static_cast<std::size_t>(depth), ' ');
@@ -220,7 +228,7 @@ void Json::write(std::string& out, int indent, int depth) const {
       } else if (num_ == Num::uint64) {
         r = std::to_chars(buf, buf + sizeof buf, uint_);
       } else {
-        if (!std::isfinite(real_)) OOM_THROW(Errc::invalid_argument, "JSON cannot represent NaN or infinity");
+        if (!std::isfinite(real_)) throw NonFinite{};
         r = std::to_chars(buf, buf + sizeof buf, real_);  // shortest form that round-trips
       }
       std::string_view text(buf, static_cast<std::size_t>(r.ptr - buf));
@@ -235,7 +243,12 @@ void Json::write(std::string& out, int indent, int depth) const {
       for (std::size_t i = 0; i < arr_.size(); ++i) {
         if (i) out += ',';
         if (indent >= 0) newline(out, indent, depth + 1);
-        arr_[i].write(out, indent, depth + 1);
+        try {
+          arr_[i].write(out, indent, depth + 1);
+        } catch (NonFinite& e) {
+          e.path.insert(0, fmt::format("[{}]", i));
+          throw;
+        }
       }
       if (indent >= 0 && !arr_.empty()) newline(out, indent, depth);
       out += ']';
@@ -248,7 +261,12 @@ void Json::write(std::string& out, int indent, int depth) const {
         if (indent >= 0) newline(out, indent, depth + 1);
         write_string(out, obj_[i].first);
         out += indent >= 0 ? ": " : ":";
-        obj_[i].second.write(out, indent, depth + 1);
+        try {
+          obj_[i].second.write(out, indent, depth + 1);
+        } catch (NonFinite& e) {
+          e.path.insert(0, e.path.empty() || e.path.front() == '[' ? obj_[i].first : obj_[i].first + ".");
+          throw;
+        }
       }
       if (indent >= 0 && !obj_.empty()) newline(out, indent, depth);
       out += '}';
@@ -259,7 +277,12 @@ void Json::write(std::string& out, int indent, int depth) const {
 
 std::string Json::dump(int indent) const {
   std::string out;
-  write(out, indent, 0);
+  try {
+    write(out, indent, 0);
+  } catch (const NonFinite& e) {
+    OOM_THROW(Errc::invalid_argument, e.path.empty() ? std::string("JSON cannot represent NaN or infinity")
+                                                     : fmt::format("JSON cannot represent NaN or infinity (at {})", e.path));
+  }
   return out;
 }
 

@@ -166,6 +166,34 @@ TEST_CASE("doubles round-trip exactly in shortest form") {
   CHECK(Json(1e6).dump() == "1e+06");  // shortest form; still reads back as a double
   CHECK_THROWS_AS((void)Json(std::nan("")).dump(), Error);
   CHECK_THROWS_AS((void)Json(HUGE_VAL).dump(), Error);
+  // The message names where the value is, so a caller's state file that will not write says which
+  // field: a key path as JsonCursor spells it.
+  const auto dump_error = [](const Json& j) {
+    try {
+      (void)j.dump(2);
+    } catch (const Error& e) {
+      CHECK(e.code() == Errc::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  CHECK(dump_error(Json(std::nan(""))).find("NaN or infinity [") != std::string::npos);  // no path at the top
+  Json inner = Json::object();
+  inner.set("ok", 1.5);
+  Json losses = Json::array();
+  losses.push_back(2.0);
+  losses.push_back(-HUGE_VAL);
+  inner.set("losses", losses);
+  Json state = Json::object();
+  state.set("step", 3);
+  state.set("run", inner);
+  CHECK(dump_error(state).find("NaN or infinity (at run.losses[1])") != std::string::npos);
+  Json rows = Json::array();
+  rows.push_back(Json::array());
+  Json row = Json::array();
+  row.push_back(std::nan(""));
+  rows.push_back(row);
+  CHECK(dump_error(rows).find("(at [1][0])") != std::string::npos);
 }
 
 TEST_CASE("compact and pretty output parse back to the same value") {
