@@ -1228,7 +1228,8 @@ int run(Args a) {
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state
     fs::path dir;
     try {
-      dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views), {step, config_text, ts, a.keep});
+      dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views),
+                            {step, config_text, ts, a.keep, [](const std::string& m) { say(stderr, "oom-train: warning: {}\n", m); }});
     } catch (Error& e) {
       require_run_directory(a.out);  // moved or removed mid-save: that, rather than the file it failed on
       // What a full disk, a file-size limit or a read-only directory leaves: the run stops, and

@@ -523,6 +523,8 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
       // named by `latest`, and as large as the model's state. (One writer per run directory:
       // oom-train holds its lock.)
       fs::remove_all(e.path(), ec);
+      if (ec && what.on_warning)
+        what.on_warning(fmt::format("cannot remove {}, left by an earlier save ({}): remove it by hand", e.path().string(), ec.message()));
     } else if (fn.ends_with(".old")) {
       // Set aside by a save that crashed after renaming its checkpoint in: a stale copy. Alone (the
       // crash came between the two renames), it is the complete checkpoint of its step: put back.
@@ -642,7 +644,10 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
     fs::path doomed = old;
     doomed += ".partial";
     fs::rename(old, doomed, ec);
-    fs::remove_all(ec ? old : doomed, ec);
+    const fs::path& gone = ec ? old : doomed;
+    fs::remove_all(gone, ec);
+    if (ec && what.on_warning)
+      what.on_warning(fmt::format("cannot remove the older checkpoint {} ({}); it stays at {}: remove it by hand", old.string(), ec.message(), gone.string()));
   }
   return final_dir;
 }

@@ -11,6 +11,9 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -145,6 +148,75 @@ TEST_CASE("pruning keeps this run's newest checkpoints; those of higher steps (a
   steps.clear();
   for (const auto& [step, path] : complete_checkpoints(dir)) steps.push_back(step);
   CHECK(steps == std::vector<std::uint64_t>{7, 8, 12, 16});
+  fs::remove_all(dir);
+}
+
+namespace {
+// Makes `file` impossible to remove, also for root: the immutable attribute where the file system
+// takes it (ext4, XFS, tmpfs since Linux 6.0), else, for a user other than root, its directory
+// read-only. False where neither holds; undo() puts it back.
+struct Unremovable {
+  fs::path file;
+  bool attribute = false, held = false;
+  explicit Unremovable(fs::path f) : file(std::move(f)) {
+    if (set_immutable(true)) {
+      attribute = held = true;
+    } else if (geteuid() != 0) {
+      fs::permissions(file.parent_path(), fs::perms::owner_read | fs::perms::owner_exec);
+      held = true;
+    }
+  }
+  bool set_immutable(bool on) const {
+    const int fd = ::open(file.c_str(), O_RDONLY);
+    if (fd < 0) return false;
+    int flags = 0;
+    bool ok = ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
+    flags = on ? (flags | FS_IMMUTABLE_FL) : (flags & ~FS_IMMUTABLE_FL);
+    ok = ok && ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
+    ::close(fd);
+    return ok;
+  }
+  void undo() {
+    if (!held) return;
+    if (attribute) (void)set_immutable(false);
+    else fs::permissions(file.parent_path(), fs::perms::owner_all);
+    held = false;
+  }
+  ~Unremovable() { undo(); }
+};
+}  // namespace
+
+TEST_CASE("an older checkpoint pruning cannot remove is named in a warning; the save stands") {
+  const auto spec = tiny();
+  const auto dir = fresh_dir("unremovable");
+  const auto st = random_state(spec, 6);
+  std::vector<std::string> warnings;
+  const auto warn = [&](const std::string& m) { warnings.push_back(m); };
+  (void)save_checkpoint(dir, spec, st, {1, "{}", Json::object(), 1, warn});
+  Unremovable stuck(dir / "checkpoint-000001" / "config.json");
+  if (!stuck.held) {
+    MESSAGE("skipped: this file system takes no immutable attribute and we are root, so nothing here cannot be removed");
+    fs::remove_all(dir);
+    return;
+  }
+  const auto where = save_checkpoint(dir, spec, st, {2, "{}", Json::object(), 1, warn});
+  CHECK(*latest_checkpoint(dir) == where);
+  REQUIRE(warnings.size() == 1);
+  CHECK(warnings[0].find("cannot remove the older checkpoint " + (dir / "checkpoint-000001").string()) != std::string::npos);
+  // What stays is out of the complete checkpoints' names (renamed .partial first, when the
+  // directory could be renamed), and the next save says so again rather than failing.
+  std::vector<std::uint64_t> steps;
+  for (const auto& [step, path] : complete_checkpoints(dir)) steps.push_back(step);
+  CHECK(steps == std::vector<std::uint64_t>{2});
+  CHECK(warnings[0].find("it stays at " + (dir / "checkpoint-000001.partial").string()) != std::string::npos);
+  (void)save_checkpoint(dir, spec, st, {3, "{}", Json::object(), 1, warn});
+  REQUIRE(warnings.size() >= 2);
+  CHECK(warnings[1].find("left by an earlier save") != std::string::npos);
+  // Without a listener the save is as quiet as before, and once it can, it removes the rest.
+  stuck.file = dir / "checkpoint-000001.partial" / "config.json";  // where the rename took it
+  stuck.undo();
+  (void)save_checkpoint(dir, spec, st, {4, "{}", Json::object(), 1});
+  CHECK_FALSE(fs::exists(dir / "checkpoint-000001.partial"));
   fs::remove_all(dir);
 }
 

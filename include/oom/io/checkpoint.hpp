@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -41,6 +42,10 @@ struct CheckpointWrite {
   std::string config_json;       ///< written verbatim as config.json
   Json trainer_state;            ///< written as trainer_state.json
   int keep = 2;                  ///< complete checkpoints kept in the run directory (older ones removed)
+  /// Told what the save could not do that does not fail it, with the system's reason: an older
+  /// checkpoint pruning could not remove (it stays, or stays in part as "<name>.partial"), or what
+  /// a killed save left that could not be removed. Unset: not told.
+  std::function<void(const std::string&)> on_warning;
 };
 
 /// Writes a checkpoint of `state` (one entry per segment of `spec`, in spec.segments() order) into
