@@ -1576,8 +1576,11 @@ StateSnapshot CudaCausalLm::state_views() {
     // SegmentStateView::copy checks the range before it asks. bf16 moments come down as bf16, the
     // range alone (into a buffer of this call's: views may be read from several threads), and are
     // widened exactly.
+    // The reader may run on another thread than this one (a checkpoint's writer fills its pieces
+    // on threads of its own), so it names the model's GPU itself.
     const std::array<const void*, 3> arrays{g.dmaster, g.dm, g.dv};  // in StateArray order
-    snap.views.emplace_back(g.n, [arrays, bf16_moments](StateArray a, std::size_t offset, std::span<float> out) {
+    snap.views.emplace_back(g.n, [arrays, bf16_moments, device = impl_->opt.device](StateArray a, std::size_t offset, std::span<float> out) {
+      OOM_CUDA_CHECK(cudaSetDevice(device));
       const void* from = arrays[static_cast<std::size_t>(a)];
       if (a == StateArray::master || !bf16_moments) {
         OOM_CUDA_CHECK(cudaMemcpy(out.data(), static_cast<const float*>(from) + offset, out.size() * sizeof(float),

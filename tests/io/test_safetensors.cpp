@@ -2,9 +2,12 @@
 // transformers expects for the tiny config, and one clear parse error per kind of corrupt file.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -144,6 +147,65 @@ TEST_CASE("a fill callback streams a tensor larger than the writer's chunk") {
   bool same = true;
   for (std::size_t i = 0; i < d.size(); ++i) same = same && d[i] == std::byte(i * 7 % 251);
   CHECK(same);
+}
+
+TEST_CASE("fills run one at a time, in order, off the caller's thread, each piece 16-byte aligned; a later piece's error ends the write") {
+  TempDir dir("safetensors-fills");
+  // Small tensors between large ones: the small share a batch, the large take several pieces.
+  struct Call {
+    std::string tensor;
+    std::uint64_t offset, bytes;
+    std::thread::id thread;
+    bool aligned;
+  };
+  std::vector<Call> calls;
+  std::atomic<int> running{0};
+  bool overlapped = false;
+  std::vector<SafetensorsEntry> entries;
+  const auto pattern = [](const std::string& name, std::uint64_t i) { return std::byte((i * 13 + name.size()) % 253); };
+  const auto add = [&](std::string name, DType dtype, std::uint64_t elements) {
+    entries.push_back({name, dtype, {elements}, [&, name](std::uint64_t offset, std::span<std::byte> out) {
+                         overlapped = overlapped || running.fetch_add(1) != 0;
+                         calls.push_back({name, offset, out.size(), std::this_thread::get_id(), reinterpret_cast<std::uintptr_t>(out.data()) % 16 == 0});
+                         for (std::size_t i = 0; i < out.size(); ++i) out[i] = pattern(name, offset + i);
+                         running.fetch_sub(1);
+                       }});
+  };
+  for (int i = 0; i < 40; ++i) add(fmt::format("small.{:02}", i), DType::uint8, 1 + static_cast<std::uint64_t>(i) * 5);
+  add("large.a", DType::fp32, (17u << 20) / 4 + 1);  // three pieces
+  add("large.b", DType::bf16, (5u << 20) / 2);       // shares no batch with large.a's tail (over 8 MiB)
+  write_safetensors(dir / "f.safetensors", std::move(entries));
+  CHECK_FALSE(overlapped);
+  std::set<std::string> seen;
+  for (std::size_t k = 0; k < calls.size(); ++k) {
+    CAPTURE(calls[k].tensor);
+    CHECK(calls[k].thread != std::this_thread::get_id());
+    CHECK(calls[k].aligned);
+    // A tensor's pieces back to back, in order, and each tensor filled once through.
+    if (k > 0 && calls[k - 1].tensor == calls[k].tensor) CHECK(calls[k].offset == calls[k - 1].offset + calls[k - 1].bytes);
+    else CHECK((calls[k].offset == 0 && seen.insert(calls[k].tensor).second));
+  }
+  CHECK(seen.size() == 42);
+  const auto f = SafetensorsFile::open(dir / "f.safetensors");
+  bool same = true;
+  for (const auto& t : f.tensors())
+    for (std::size_t i = 0; i < t.data.size(); ++i) same = same && t.data[i] == pattern(t.name, i);
+  CHECK(same);
+
+  // The second large piece throws: the write fails with its error, and leaves no file.
+  std::vector<SafetensorsEntry> failing;
+  failing.push_back({"x", DType::fp32, {(20u << 20) / 4}, [](std::uint64_t offset, std::span<std::byte> out) {
+                       if (offset > 0) OOM_THROW(Errc::io, "device download failed at a later piece");
+                       std::fill(out.begin(), out.end(), std::byte{0});
+                     }});
+  try {
+    write_safetensors(dir / "g.safetensors", std::move(failing));
+    FAIL("the write did not fail");
+  } catch (const Error& e) {
+    CHECK(e.code() == Errc::io);
+    CHECK(std::string(e.what()).find("device download failed at a later piece") != std::string::npos);
+  }
+  CHECK_FALSE(std::filesystem::exists(dir / "g.safetensors"));
 }
 
 TEST_CASE("the tiny config's tensors are written and read back under their transformers names") {

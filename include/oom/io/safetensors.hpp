@@ -107,7 +107,9 @@ class SafetensorsFile {
 /// calls it in increasing offset order with chunks of a few MiB (8 MiB), so a tensor never has to
 /// exist whole in memory (a stack of experts gathered from their segments, a device download).
 /// `offset` and out.size() are whole elements of `dtype`, and `out` is aligned for it (at least 16
-/// bytes): a fill may view it as the element type.
+/// bytes): a fill may view it as the element type. Each call runs on a thread of the writer's (the
+/// next piece is filled while the last is written), one call at a time, each after the one before
+/// has returned; an exception it throws ends the write with it.
 struct SafetensorsEntry {
   std::string name;
   DType dtype = DType::fp32;
