@@ -1227,6 +1227,7 @@ int run(Args a) {
     require_run_directory(a.out);
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state
     fs::path dir;
+    const auto save_start = std::chrono::steady_clock::now();
     try {
       dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views),
                             {step, config_text, ts, a.keep, [](const std::string& m) { say(stderr, "oom-train: warning: {}\n", m); }});
@@ -1240,7 +1241,12 @@ int run(Args a) {
                                                       : std::string("it has no checkpoint to resume from")));
     }
     last_checkpoint = step;
-    say("checkpoint {} written\n", dir.string());
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - save_start).count();
+    std::uint64_t bytes = 0;
+    std::error_code ec;
+    for (const auto& f : fs::directory_iterator(dir, ec)) bytes += f.is_regular_file(ec) ? f.file_size(ec) : 0;
+    say("checkpoint {} written ({} in {:.1f} s, {}/s)\n", dir.string(), Bytes{bytes}, seconds,
+        Bytes{static_cast<std::uint64_t>(static_cast<double>(bytes) / std::max(seconds, 1e-3))});
   };
 
   if (a.save_initial) checkpoint(0);

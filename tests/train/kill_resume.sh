@@ -15,6 +15,9 @@ first=$(head -1 "$work/straight/metrics.jsonl" | sed -E 's/.*"loss":([^,]+),.*/\
 last=$(tail -1 "$work/straight/metrics.jsonl" | sed -E 's/.*"loss":([^,]+),.*/\1/')
 awk -v f="$first" -v l="$last" 'BEGIN { exit !(f - l > 1.0) }' || { echo "FAIL: loss $first -> $last did not fall"; exit 1; }
 echo "loss $first -> $last over 24 steps"
+# Each save says what it wrote: the checkpoint's bytes (its files', summed), its time and rate.
+n_saved=$(grep -cE "^checkpoint .*/checkpoint-0000(04|08|12|16|20|24) written \([0-9.]+ [KMGT]?i?B in [0-9.]+ s, [0-9.]+ [KMGT]?i?B/s\)$" "$work/straight.log")
+[[ "$n_saved" -eq 6 ]] || { echo "FAIL: $n_saved of 6 saves said what they wrote"; grep checkpoint "$work/straight.log"; exit 1; }
 
 # Killed two steps after its second checkpoint (step 8), mid-way to the third, where the poll
 # catches it there. The kill lands wherever the run is by then: on a fast GPU the steps are ~ms
