@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job until the example trainer lands: builds oom-plan and plans a training step of the
+# Planning alone: builds oom-plan and plans a training step of the
 # 5.13B benchmark model at one 128K-token sequence on one H200 (extra arguments go to oom-plan).
 set -euo pipefail
 cd "$(dirname "$0")/.."
