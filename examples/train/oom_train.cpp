@@ -147,8 +147,8 @@ Optimizer (AdamW, as torch.optim.AdamW over all parameters)
   --lr X               learning rate (default 3e-3)
   --weight-decay X     (default 0.01)
   --warmup N           linear warmup over the first N updates: update t uses lr * min(1, t / N) (default 0)
-  --schedule NAME      constant (default) or cosine: after the warmup, lr * 0.5 (1 + cos(pi p)) with p
-                       going from 0 to 1 over the remaining updates up to --steps, floored at --min-lr
+  --schedule NAME      constant (default) or cosine: after the warmup, min-lr + (lr - min-lr) * 0.5
+                       (1 + cos(pi p)) with p going from 0 to 1 over the remaining updates up to --steps
   --min-lr X           the cosine schedule's floor (default 0; at most --lr; cosine only)
   --max-grad-norm X    clip the global gradient norm to X as torch.nn.utils.clip_grad_norm_ (default 0:
                        no clipping; the updates then wait for the whole backward; on cuda the gradients
@@ -208,7 +208,7 @@ Run
                        0: none at all, e.g. for throughput runs of large models)
   --keep N             checkpoints kept (default 2)
   --log-every N        steps between progress lines (default 10)
-  --step-progress S    a step still running after S seconds reports its layer passes, at most
+  --step-progress S    a step still running after S whole seconds reports its layer passes, at most
                        every S/2 seconds (default 30; 0: every pass)
   --trace-step N       record step N's work per resource: Chrome trace JSON (--trace, default
                        <out>/trace-step-N.json) and measured vs predicted busy time per resource
