@@ -4,6 +4,7 @@
 #include <sys/statvfs.h>
 
 #include <algorithm>
+#include <bit>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -73,6 +74,30 @@ std::vector<Source> sources(const ModelSpec& spec) {
   return out;
 }
 
+// The index of the first value a reader would refuse (not finite; for a second moment, also below
+// zero; -0 is not), or v.size(). Blocks of plain bit tests the compiler vectorises (16-20 GB/s on the
+// workstation at -O3), then the exact element in the block that has one: a std::find_if with
+// std::isfinite, a value at a time (~4 GB/s), had been the slowest part of a checkpoint's gather.
+template <bool SecondMoment>
+std::size_t first_refused(std::span<const float> v) {
+  constexpr std::size_t block = 1024;
+  // 0 or 1, no branch (a short-circuit || kept GCC from vectorising the block's loop).
+  const auto refused = [](std::uint32_t bits) -> std::uint32_t {
+    const std::uint32_t not_finite = (bits & 0x7f800000u) == 0x7f800000u;  // an all-ones exponent: inf or NaN
+    if constexpr (SecondMoment) return not_finite | static_cast<std::uint32_t>(bits > 0x80000000u);  // the sign on a magnitude above 0
+    return not_finite;
+  };
+  for (std::size_t b = 0; b < v.size(); b += block) {
+    const std::size_t end = std::min(v.size(), b + block);
+    std::uint32_t any = 0;
+    for (std::size_t i = b; i < end; ++i) any |= refused(std::bit_cast<std::uint32_t>(v[i]));
+    if (!any) continue;
+    for (std::size_t i = b; i < end; ++i)
+      if (refused(std::bit_cast<std::uint32_t>(v[i]))) return i;
+  }
+  return v.size();
+}
+
 // A safetensors entry whose bytes are gathered from the segments' `array`, wherever it lives (a
 // GPU-resident segment's is read a piece at a time: no copy of it is held).
 // `crcs` (one a slice: an expert's of a packed tensor) gets the CRC-32C of each slice's bytes as
@@ -106,9 +131,8 @@ SafetensorsEntry entry(std::string name, const Source& src, std::span<const Segm
     }
     // What the reader would refuse is not written: a save throws instead, so the checkpoint
     // `latest` names, and the ones rotation keeps, stay those of a state that can resume.
-    const auto bad = std::find_if(floats.begin(), floats.end(), [array](float v) {
-      return !std::isfinite(v) || (array == StateArray::exp_avg_sq && v < 0.0f);
-    });
+    const auto bad = floats.begin() + static_cast<std::ptrdiff_t>(array == StateArray::exp_avg_sq ? first_refused<true>(floats)
+                                                                                                     : first_refused<false>(floats));
     if (bad != floats.end())
       OOM_THROW(Errc::invalid_argument,
                 fmt::format("checkpoint: tensor '{}'{} holds {} at element {}: the training state is no longer {}; not saved",

@@ -825,23 +825,36 @@ TEST_CASE("a state that is not finite, or a negative second moment, is not saved
     std::sort(out.begin(), out.end());
     return out;
   };
-  for (const int which : {0, 1, 2, 3}) {
+  for (const int which : {0, 1, 2, 3, 4, 5}) {
     CAPTURE(which);
     auto st = good;
     if (which == 0) st[s].master[at] = std::numeric_limits<float>::quiet_NaN();
     if (which == 1) st[s].exp_avg[at] = std::numeric_limits<float>::infinity();
     if (which == 2) st[s].exp_avg_sq[at] = -std::numeric_limits<float>::infinity();
     if (which == 3) st[s].exp_avg_sq[at] = -1e-12f;
+    if (which == 4) st[s].exp_avg_sq[at] = -std::numeric_limits<float>::denorm_min();
+    // The segment's last element (blocks past the first: the check runs in blocks of 1024), named
+    // as its last tensor's.
+    const std::uint64_t last_tensor = spec.segments()[s].tensors.back().elements();
+    REQUIRE(last_tensor > 2048);
+    const std::size_t where = which == 5 ? last_tensor - 1 : at;
+    if (which == 5) st[s].master.back() = -std::numeric_limits<float>::quiet_NaN();
     try {
       (void)save_checkpoint(dir.path(), spec, st, {3, "{}", Json::object(), 2});
       FAIL("a state that cannot resume was saved");
     } catch (const Error& e) {
       CHECK(e.message().find("not saved") != std::string::npos);
-      CHECK(e.message().find(fmt::format("at element {}", at)) != std::string::npos);
+      CHECK(e.message().find(fmt::format("at element {}", where)) != std::string::npos);
     }
     CHECK(names() == std::vector<std::string>{"checkpoint-000001", "checkpoint-000002", "latest"});
     CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-000002");
   }
+  // Negative zero is a second moment like zero; negative values elsewhere are values.
+  auto st = good;
+  st[s].exp_avg_sq[at] = -0.0f;
+  st[s].exp_avg[at] = -std::numeric_limits<float>::max();
+  st[s].master[at] = -std::numeric_limits<float>::denorm_min();
+  CHECK_NOTHROW((void)save_checkpoint(dir.path(), spec, st, {3, "{}", Json::object(), 2}));
 }
 
 TEST_CASE("weights in a Hugging Face sharded checkpoint: read through its index, the single file's bits; bad indexes named") {
