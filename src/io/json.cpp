@@ -204,9 +204,24 @@ void write_string(std::string& out, std::string_view s) {
 }
 
 // Thrown by Json::write at a NaN or an infinity and caught on its way out of each array and object,
-// which prepend the element's place: dump() names the value's path ("loss_scale", "losses[3]").
+// which add the element's place (innermost first): dump() names the value's path as JsonCursor
+// spells it ("loss_scale", "losses[3]", "runs[1].loss").
 struct NonFinite {
-  std::string path;
+  struct Step {
+    bool key;
+    std::string text;  ///< the key, or the index
+  };
+  std::vector<Step> steps;  ///< innermost first
+
+  // JsonCursor's spelling: "[i]" after the prefix, a key after a '.' (none at the start).
+  [[nodiscard]] std::string path() const {
+    std::string out;
+    for (auto s = steps.rbegin(); s != steps.rend(); ++s) {
+      if (!s->key) out += '[' + s->text + ']';
+      else out += out.empty() ? s->text : '.' + s->text;
+    }
+    return out;
+  }
 };
 
 void newline(std::string& out, int indent, int depth) {
@@ -246,7 +261,7 @@ void Json::write(std::string& out, int indent, int depth) const {
         try {
           arr_[i].write(out, indent, depth + 1);
         } catch (NonFinite& e) {
-          e.path.insert(0, fmt::format("[{}]", i));
+          e.steps.push_back({false, std::to_string(i)});
           throw;
         }
       }
@@ -264,7 +279,7 @@ void Json::write(std::string& out, int indent, int depth) const {
         try {
           obj_[i].second.write(out, indent, depth + 1);
         } catch (NonFinite& e) {
-          e.path.insert(0, e.path.empty() || e.path.front() == '[' ? obj_[i].first : obj_[i].first + ".");
+          e.steps.push_back({true, obj_[i].first});
           throw;
         }
       }
@@ -280,8 +295,9 @@ std::string Json::dump(int indent) const {
   try {
     write(out, indent, 0);
   } catch (const NonFinite& e) {
-    OOM_THROW(Errc::invalid_argument, e.path.empty() ? std::string("JSON cannot represent NaN or infinity")
-                                                     : fmt::format("JSON cannot represent NaN or infinity (at {})", e.path));
+    const std::string path = e.path();  // empty at the top (or under a key "" there, as JsonCursor spells it)
+    OOM_THROW(Errc::invalid_argument, path.empty() ? std::string("JSON cannot represent NaN or infinity")
+                                                   : fmt::format("JSON cannot represent NaN or infinity (at {})", path));
   }
   return out;
 }

@@ -194,6 +194,24 @@ TEST_CASE("doubles round-trip exactly in shortest form") {
   row.push_back(std::nan(""));
   rows.push_back(row);
   CHECK(dump_error(rows).find("(at [1][0])") != std::string::npos);
+  // A key under an array, and a key that begins with '[': JsonCursor's spelling, a '.' before
+  // every key but the first.
+  Json item = Json::object();
+  item.set("loss", std::nan(""));
+  Json items = Json::array();
+  items.push_back(Json::object());
+  items.push_back(item);
+  CHECK(dump_error(items).find("(at [1].loss)") != std::string::npos);
+  Json outer = Json::object();
+  outer.set("runs", items);
+  CHECK(dump_error(outer).find("(at runs[1].loss)") != std::string::npos);
+  Json odd = Json::object();
+  odd.set("[x]", std::nan(""));
+  Json holder = Json::object();
+  holder.set("a", odd);
+  CHECK(dump_error(holder).find("(at a.[x])") != std::string::npos);
+  const Json cursor_of = holder;
+  CHECK(JsonCursor(cursor_of)["a"]["[x]"].path() == "a.[x]");
 }
 
 TEST_CASE("compact and pretty output parse back to the same value") {
