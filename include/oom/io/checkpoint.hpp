@@ -45,7 +45,7 @@ struct CheckpointWrite {
   /// Told what the save could not do that does not fail it, with the system's reason: an older
   /// checkpoint pruning could not remove (it stays, or stays in part as "<name>.partial"), or what
   /// a killed save left that could not be removed. Unset: not told.
-  std::function<void(const std::string&)> on_warning;
+  std::function<void(const std::string&)> on_warning = {};  // (= {}: no -Wmissing-field-initializers where it is left out)
 };
 
 /// Writes a checkpoint of `state` (one entry per segment of `spec`, in spec.segments() order) into
