@@ -2,8 +2,11 @@
 // transformers expects for the tiny config, and one clear parse error per kind of corrupt file.
 #include <doctest/doctest.h>
 
+#include <sys/resource.h>
+
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <set>
 #include <string>
@@ -206,6 +209,46 @@ TEST_CASE("fills run one at a time, in order, off the caller's thread, each piec
     CHECK(std::string(e.what()).find("device download failed at a later piece") != std::string::npos);
   }
   CHECK_FALSE(std::filesystem::exists(dir / "g.safetensors"));
+}
+
+TEST_CASE("a write that fails mid-way waits for the fill in flight: the write's error ends it, no fill runs after it returns") {
+  TempDir dir("safetensors-sink-fails");
+  // Shared with the fills by value: were one left running, it would be seen to run after the return.
+  struct Seen {
+    std::atomic<int> fills{0};
+    std::atomic<bool> returned{false}, after{false};
+  };
+  const auto seen = std::make_shared<Seen>();
+  std::vector<SafetensorsEntry> entries;
+  entries.push_back({"x", DType::fp32, {(40u << 20) / 4}, [seen](std::uint64_t, std::span<std::byte> out) {
+                       std::this_thread::sleep_for(std::chrono::milliseconds(50));  // still filling when the write before it fails
+                       std::fill(out.begin(), out.end(), std::byte{1});
+                       ++seen->fills;
+                       if (seen->returned) seen->after = true;
+                     }});
+  // Writes past 12 MiB fail (EFBIG; SIGXFSZ ignored, as oom-train does): the second 8 MiB piece's.
+  rlimit old{};
+  REQUIRE(getrlimit(RLIMIT_FSIZE, &old) == 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = 12u << 20;
+  REQUIRE(setrlimit(RLIMIT_FSIZE, &small) == 0);
+  bool failed = false;
+  try {
+    write_safetensors(dir / "x.safetensors", std::move(entries));
+  } catch (const Error&) {
+    seen->returned = true;
+    failed = true;
+  }
+  (void)setrlimit(RLIMIT_FSIZE, &old);
+  (void)std::signal(SIGXFSZ, old_handler);
+  CHECK(failed);
+  const int at_return = seen->fills;
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  CHECK(seen->fills == at_return);
+  CHECK_FALSE(seen->after);
+  CHECK(at_return == 3);  // the two written, and the one filled while the second was written
+  CHECK_FALSE(std::filesystem::exists(dir / "x.safetensors"));
 }
 
 TEST_CASE("the tiny config's tensors are written and read back under their transformers names") {
