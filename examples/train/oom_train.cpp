@@ -1227,6 +1227,10 @@ int run(Args a) {
     require_run_directory(a.out);
     const StateSnapshot snap = model.state_views();  // no copy of the streamed state
     fs::path dir;
+    // A large model's save takes a while (tens of GB): said before it starts, so a quiet minute is
+    // not taken for a hang.
+    const Bytes state_bytes{spec.total_parameters() * 3 * sizeof(float)};
+    if (state_bytes >= Bytes{std::uint64_t{1} << 30}) say("saving step {}'s checkpoint ({} of weights and moments)\n", step, state_bytes);
     const auto save_start = std::chrono::steady_clock::now();
     try {
       dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views),
@@ -1242,9 +1246,13 @@ int run(Args a) {
     }
     last_checkpoint = step;
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - save_start).count();
-    std::uint64_t bytes = 0;
+    std::uint64_t bytes = 0;  // the files' sizes as listed (a listing error counts what came before it)
     std::error_code ec;
-    for (const auto& f : fs::directory_iterator(dir, ec)) bytes += f.is_regular_file(ec) ? f.file_size(ec) : 0;
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      std::error_code size_ec;
+      const std::uintmax_t n = it->is_regular_file(size_ec) ? it->file_size(size_ec) : 0;
+      if (!size_ec) bytes += n;
+    }
     say("checkpoint {} written ({} in {:.1f} s, {}/s)\n", dir.string(), Bytes{bytes}, seconds,
         Bytes{static_cast<std::uint64_t>(static_cast<double>(bytes) / std::max(seconds, 1e-3))});
   };
