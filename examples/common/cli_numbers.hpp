@@ -46,21 +46,8 @@ inline const char* option_value(int argc, char** argv, int& i, std::string_view 
   return argv[++i];
 }
 
-/// A parameter count as the programs print it, to three significant digits at its scale: "3.94M",
-/// "5.13B", "812K", "12" (oom-plan had printed every tiny model as "0.00B").
-inline std::string count_label(std::uint64_t n) {
-  if (n < 1000) return std::to_string(n);
-  const auto x = static_cast<double>(n);
-  constexpr std::pair<double, const char*> units[] = {{1e3, "K"}, {1e6, "M"}, {1e9, "B"}, {1e12, "T"}};
-  std::size_t u = 0;
-  while (u + 1 < std::size(units) && x >= units[u + 1].first) ++u;
-  for (;; ++u) {  // the unit whose three digits it rounds to below 1000 (999,999 is 1.00M, not 1000K)
-    const double v = x / units[u].first;
-    const int decimals = v < 9.995 ? 2 : v < 99.95 ? 1 : 0;
-    if (v >= 999.5 && u + 1 < std::size(units)) continue;
-    return fmt::format("{:.{}f}{}", v, decimals, units[u].second);
-  }
-}
+/// A parameter count as the programs print it: oom::count_label (oom/core/bytes.hpp).
+using oom::count_label;
 
 /// AdamW moments' precision as the executors keep it: "fp32" or "bf16", else invalid_argument
 /// naming `what` (a flag, or a file's field).

@@ -1,7 +1,9 @@
 // Formatting and parsing of Bytes, DType and MemorySpace.
 #include <cctype>
 #include <ostream>
+#include <iterator>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -145,5 +147,19 @@ std::string to_string(MemorySpace s) {
 }
 
 std::ostream& operator<<(std::ostream& os, MemorySpace s) { return os << to_string(s); }
+
+std::string count_label(std::uint64_t n) {
+  if (n < 1000) return std::to_string(n);
+  const auto x = static_cast<double>(n);
+  constexpr std::pair<double, const char*> units[] = {{1e3, "K"}, {1e6, "M"}, {1e9, "B"}, {1e12, "T"}};
+  std::size_t u = 0;
+  while (u + 1 < std::size(units) && x >= units[u + 1].first) ++u;
+  for (;; ++u) {  // the unit whose three digits it rounds to below 1000 (999,999 is 1.00M, not 1000K)
+    const double v = x / units[u].first;
+    const int decimals = v < 9.995 ? 2 : v < 99.95 ? 1 : 0;
+    if (v >= 999.5 && u + 1 < std::size(units)) continue;
+    return fmt::format("{:.{}f}{}", v, decimals, units[u].second);
+  }
+}
 
 }  // namespace oom

@@ -1036,8 +1036,8 @@ std::string Planner::describe(const Plan& p) const {
         break;
       }
   }
-  s += fmt::format("residency: {} of {} segments resident ({:.2f}B parameters)", p.resident_segments.size(),
-                   spec_->segments().size(), static_cast<double>(resident_params) / 1e9);
+  s += fmt::format("residency: {} of {} segments resident ({} parameters)", p.resident_segments.size(),
+                   spec_->segments().size(), count_label(resident_params));
   for (const auto& [role, count] : by_role) s += fmt::format(", {} {}", count, role);
   s += "\n";
   s += fmt::format("retention: {}\n{}\n", p.retention_name, describe_boundaries(p));

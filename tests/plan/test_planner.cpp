@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "oom/core/bytes.hpp"
 #include "oom/core/error.hpp"
 #include "oom/io/json.hpp"
 #include "oom/plan/planner.hpp"
@@ -521,6 +522,12 @@ TEST_CASE("a plan made elsewhere is checked against the model before its graph i
   req.workload = {2, 256};  // two sequences: attention chunks end at seq_len, MoE and loss chunks count all 512 tokens
   const Plan base = m.planner.plan(req).plans.at(0);
   CHECK(m.planner.simulate(base).step_s == doctest::Approx(base.predicted.step_s));  // the planner's own plans pass
+  // Its description counts the resident parameters at their scale (a tiny model's had read "0.00B").
+  std::uint64_t resident = 0;
+  for (const auto& s : m.spec.segments())
+    if (std::find(base.resident_segments.begin(), base.resident_segments.end(), s.name) != base.resident_segments.end()) resident += s.parameters();
+  REQUIRE(resident > 1000);
+  CHECK(m.planner.describe(base).find(fmt::format("segments resident ({} parameters)", count_label(resident))) != std::string::npos);
   struct Case {
     const char* what;
     std::function<void(Plan&)> edit;

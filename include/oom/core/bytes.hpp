@@ -66,6 +66,10 @@ std::ostream& operator<<(std::ostream& os, Bytes b);
 /// byte ("0.5").
 Bytes parse_bytes(std::string_view text);
 
+/// A count (of parameters, say) to three significant digits at its scale: "3.94M", "5.13B",
+/// "812K", "12"; 999,999 is "1.00M", not "1000K".
+std::string count_label(std::uint64_t n);
+
 inline namespace literals {
 constexpr Bytes operator""_B(unsigned long long n) { return Bytes{n}; }
 constexpr Bytes operator""_KiB(unsigned long long n) { return Bytes{n << 10}; }
