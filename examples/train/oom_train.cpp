@@ -1229,7 +1229,7 @@ int run(Args a) {
     fs::path dir;
     // A large model's save takes a while (tens of GB): said before it starts, so a quiet minute is
     // not taken for a hang.
-    const Bytes state_bytes{spec.total_parameters() * 3 * sizeof(float)};
+    const Bytes state_bytes = checkpoint_state_bytes(spec);
     if (state_bytes >= Bytes{std::uint64_t{1} << 30}) say("saving step {}'s checkpoint ({} of weights and moments)\n", step, state_bytes);
     const auto save_start = std::chrono::steady_clock::now();
     try {

@@ -4,8 +4,8 @@
 #include <sys/statvfs.h>
 
 #include <algorithm>
-#include <bit>
 #include <array>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <charconv>
@@ -491,6 +491,8 @@ std::vector<std::pair<std::uint64_t, fs::path>> complete_checkpoints(const fs::p
   return out;
 }
 
+Bytes checkpoint_state_bytes(const ModelSpec& spec) { return Bytes{spec.total_parameters() * 3 * sizeof(float)}; }
+
 std::string checkpoint_name(std::uint64_t step) { return fmt::format("checkpoint-{:06}", step); }
 
 fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::span<const SegmentOptimizerState> state,
@@ -570,7 +572,7 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   // once as much as fit was written (tens of GB for a large model), in an error naming no sizes.
   // The kept checkpoints are removed only once the new one is complete, so they hold their room.
   const std::uint64_t parameters = spec.total_parameters();
-  const Bytes needed{parameters * 3 * sizeof(float)};
+  const Bytes needed = checkpoint_state_bytes(spec);
   // (A file system that reports no blocks, as some FUSE and network ones do, says nothing of its room.)
   if (struct statvfs fs_stat {}; ::statvfs(run_dir.c_str(), &fs_stat) == 0 && fs_stat.f_blocks > 0) {
     const Bytes available{static_cast<std::uint64_t>(fs_stat.f_bavail) * fs_stat.f_frsize};

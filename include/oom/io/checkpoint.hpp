@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "oom/core/bytes.hpp"
 #include "oom/io/json.hpp"
 #include "oom/optim/segment_state.hpp"
 
@@ -65,6 +66,10 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, cons
 /// host memory.
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, const ModelSpec& spec,
                                       std::span<const SegmentStateView> state, const CheckpointWrite& what);
+
+/// A checkpoint's weights and two moments in fp32, the bulk of its bytes (its small files aside):
+/// the room save_checkpoint asks the file system for before it writes.
+[[nodiscard]] Bytes checkpoint_state_bytes(const ModelSpec& spec);
 
 /// The directory name of step `step`'s checkpoint: "checkpoint-" and the step, at least 6 digits.
 [[nodiscard]] std::string checkpoint_name(std::uint64_t step);
