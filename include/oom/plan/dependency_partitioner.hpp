@@ -48,7 +48,8 @@ class DependencyPartitioner {
       return p;
     }
     switch (w.dependency) {
-      case ChunkDependency::none: add(0, w.extent); break;
+      case ChunkDependency::none:  // its least budget is the whole extent's, which fitted above
+        OOM_THROW(Errc::internal, "DependencyPartitioner: work that cannot be split reached the split");
       case ChunkDependency::independent:
       case ChunkDependency::carried_state: {
         const std::uint64_t largest = largest_even_chunk(w, budget, g);
@@ -100,9 +101,10 @@ class DependencyPartitioner {
     // budget >= min_budget, and the whole extent did not fit: min_budget is the split's, which
     // holds fixed and split_fixed.
     OOM_ASSERT(budget >= w.fixed + w.split_fixed);
-    if (w.per_unit.count() == 0) return w.extent;
+    OOM_ASSERT(w.per_unit.count() > 0);  // else every chunk's live bytes are the whole extent's or more
     const std::uint64_t units = (budget - w.fixed - w.split_fixed).count() / w.per_unit.count();
-    if (units >= w.extent) return w.extent;
+    // fixed + split_fixed + per_unit * extent would be within the budget, and so the whole extent.
+    OOM_ASSERT(units < w.extent);
     return std::max<std::uint64_t>(units / g * g, g);
   }
 
