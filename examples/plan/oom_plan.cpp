@@ -328,11 +328,11 @@ int main(int argc, char** argv) {
         const auto [gpu, host] = oom::gpu_and_host(fit.footprint);
         const double step_s = executed_step_of(m, p, fit.plan);
         *line = fmt::format("its candidate plan {} ({}; {}; {} of {} segments resident, {} planned), {} on the GPU and {} pinned; "
-                            "predicted step {:.3f} s",
+                            "predicted step {} s",
                             fit.candidate + 1, fit.plan.retention_name,
                             oom::describe_chunks(m, fit.plan),
                             fit.plan.resident_segments.size(), m.segments().size(),
-                            train_set.plans[fit.candidate].resident_segments.size(), gpu, host, step_s);
+                            train_set.plans[fit.candidate].resident_segments.size(), gpu, host, oom::seconds_label(step_s));
         return std::nullopt;
       } catch (const oom::Error& e) {
         *line = e.message();  // why nothing runs
@@ -412,8 +412,8 @@ int main(int argc, char** argv) {
           verdict = fmt::format("OVER {}{}{}", gpu_over ? "the GPU budget" : "", gpu_over && pinned_over ? " and " : "",
                                 pinned_over ? fmt::format("the pinned budget of {}", train_req.host_budget) : "");
         fmt::print("CUDA executor (oom-train --backend cuda) would take {} on the GPU (resident {}, activations {}, worksets {}) "
-                   "and {} pinned: {}; as it runs the plan, predicted step {:.3f} s\n\n",
-                   gpu, fp[0], fp[1], fp[2], host, verdict, executed_step(set.plans[i]));
+                   "and {} pinned: {}; as it runs the plan, predicted step {} s\n\n",
+                   gpu, fp[0], fp[1], fp[2], host, verdict, oom::seconds_label(executed_step(set.plans[i])));
       } catch (const oom::Error& e) {
         fmt::print("CUDA executor: cannot run this plan as it is ({})\n\n", e.message());
       }

@@ -514,7 +514,7 @@ Plan fit_cuda_executor(const ModelSpec& spec, const Planner& planner, const std:
     say("candidate plan {} ({}; {}; {} segments resident): the CUDA executor needs {} on the GPU (resident {}, "
         "activations {}, worksets {}) and {} pinned: {}\n",
         i + 1, p.retention_name, moe, p.resident_segments.size(), gpu, fp[0], fp[1], fp[2], host,
-        fits ? fmt::format("fits, predicted step {:.3f} s", predict(p)) : std::string("does not fit"));
+        fits ? fmt::format("fits, predicted step {} s", seconds_label(predict(p))) : std::string("does not fit"));
   };
   try {
     CudaFitOptions how;
@@ -1156,8 +1156,8 @@ int run(Args a) {
     const SimResult sim = planner.simulate(predicted_plan);
     if (std::abs(sim.step_s - plan.predicted.step_s) > 0.01 * plan.predicted.step_s)
       say("as the CUDA executor runs it (a layer's saved activations are kept, offloaded or recomputed as one; MoE "
-          "chunks regenerated in the backward): predicted step {:.3f} s, {:.0f} tokens/s\n\n",
-          sim.step_s, static_cast<double>(plan.workload.tokens() * static_cast<std::uint64_t>(plan.micro_batches)) / sim.step_s);
+          "chunks regenerated in the backward): predicted step {} s, {:.0f} tokens/s\n\n",
+          seconds_label(sim.step_s), static_cast<double>(plan.workload.tokens() * static_cast<std::uint64_t>(plan.micro_batches)) / sim.step_s);
   }
 #endif
 

@@ -1,5 +1,7 @@
 // Formatting and parsing of Bytes, DType and MemorySpace.
+#include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <ostream>
 #include <iterator>
 #include <string>
@@ -160,6 +162,12 @@ std::string count_label(std::uint64_t n) {
     if (v >= 999.5 && u + 1 < std::size(units)) continue;
     return fmt::format("{:.{}f}{}", v, decimals, units[u].second);
   }
+}
+
+std::string seconds_label(double s) {
+  int decimals = 3;
+  if (std::isfinite(s) && s > 0 && s < 0.1) decimals = std::min(9, 2 - static_cast<int>(std::floor(std::log10(s))));
+  return fmt::format("{:.{}f}", s, decimals);
 }
 
 }  // namespace oom

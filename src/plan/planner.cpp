@@ -726,11 +726,15 @@ std::vector<RetentionChoice> retention_candidates(const ModelSpec& spec) {
   return out;
 }
 
-// Resident-bytes levels: 0, then 256 MiB growing by 2^(1/4): fixed whatever the budget, so a
-// candidate at one budget is also a candidate at any larger one.
+// Resident-bytes levels: 0, then 4 KiB growing by 2^(1/4): fixed whatever the budget, so a
+// candidate at one budget is also a candidate at any larger one. From 4 KiB so that a small model
+// (the tiny configs' whole state is 1-100 MiB) is weighed resident at the budgets it fits; levels
+// that add no segment to the one below are skipped before any work (a 5.13B expert's state is
+// 72 MiB, so its first 90 levels cost nothing). (From 256 MiB, until the sixty-first session, any
+// budget under ~267 MiB planned nothing resident and reported a host need it did not have.)
 std::vector<Bytes> residency_ladder(Bytes up_to) {
   std::vector<Bytes> levels{Bytes{}};
-  for (double b = 256.0 * (1 << 20); b <= static_cast<double>(up_to.count()); b *= 1.189207115002721)
+  for (double b = 4096.0; b <= static_cast<double>(up_to.count()); b *= 1.189207115002721)
     levels.push_back(Bytes{static_cast<std::uint64_t>(b)});
   return levels;
 }
@@ -1055,18 +1059,18 @@ std::string Planner::describe(const Plan& p) const {
   s += fmt::format("chunking: attention up to {} query chunk(s),{} MoE {} tokens per chunk, loss {} rows per chunk\n", max_attn,
                    linear_part > 0 ? fmt::format(" linear attention in parts of {} tokens,", linear_part) : std::string(),
                    p.chunks.empty() ? 0 : p.chunks.front().moe_tokens, p.loss_rows);
-  s += fmt::format("predicted step {:.3f} s ({:.0f} tokens/s over {} GPU(s)); busy:", pr.step_s,
+  s += fmt::format("predicted step {} s ({:.0f} tokens/s over {} GPU(s)); busy:", seconds_label(pr.step_s),
                    static_cast<double>(p.workload.tokens() * static_cast<std::uint64_t>(p.micro_batches * p.gpus)) / pr.step_s, p.gpus);
   for (int r = 0; r < resource_count; ++r)
     if (pr.busy.seconds[static_cast<std::size_t>(r)] > 0)
-      s += fmt::format(" {} {:.3f} s", to_string(static_cast<Resource>(r)), pr.busy.seconds[static_cast<std::size_t>(r)]);
+      s += fmt::format(" {} {} s", to_string(static_cast<Resource>(r)), seconds_label(pr.busy.seconds[static_cast<std::size_t>(r)]));
   s += "\n";
   return s;
 }
 
 std::string Planner::compare(const Plan& best, const Plan& other) {
-  std::string s = fmt::format("chosen plan {:.3f} s vs runner-up {:.3f} s ({:+.1f}%)\n", best.predicted.step_s,
-                              other.predicted.step_s, 100.0 * (other.predicted.step_s / best.predicted.step_s - 1.0));
+  std::string s = fmt::format("chosen plan {} s vs runner-up {} s ({:+.1f}%)\n", seconds_label(best.predicted.step_s),
+                              seconds_label(other.predicted.step_s), 100.0 * (other.predicted.step_s / best.predicted.step_s - 1.0));
   if (best.path != other.path) s += fmt::format("  path: {} vs {}\n", to_string(best.path), to_string(other.path));
   if (best.prefetch_depth != other.prefetch_depth)
     s += fmt::format("  prefetch depth: {} vs {}\n", best.prefetch_depth, other.prefetch_depth);
@@ -1078,7 +1082,7 @@ std::string Planner::compare(const Plan& best, const Plan& other) {
     const double a = best.predicted.busy.seconds[static_cast<std::size_t>(r)];
     const double b = other.predicted.busy.seconds[static_cast<std::size_t>(r)];
     if (std::abs(a - b) > 1e-3 * std::max(a, b))
-      s += fmt::format("  {} busy {:.3f} s vs {:.3f} s\n", to_string(static_cast<Resource>(r)), a, b);
+      s += fmt::format("  {} busy {} s vs {} s\n", to_string(static_cast<Resource>(r)), seconds_label(a), seconds_label(b));
   }
   s += fmt::format("  GPU peak {} vs {}\n", best.predicted.gpu_peak, other.predicted.gpu_peak);
   return s;

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "common/cli_numbers.hpp"
+#include "oom/core/bytes.hpp"
 #include "oom/core/error.hpp"
 
 using namespace oom;
@@ -137,4 +138,19 @@ TEST_CASE("count_label: three significant digits at the count's scale") {
   CHECK(count_label(999'999) == "1.00M");
   CHECK(count_label(999'600'000) == "1.00B");
   CHECK(count_label(~std::uint64_t{0}) == "18446744T");
+}
+
+TEST_CASE("seconds_label: three decimals, three significant digits below 0.1 s, never an exponent") {
+  using oom::seconds_label;
+  CHECK(seconds_label(983.045) == "983.045");
+  CHECK(seconds_label(2.9) == "2.900");
+  CHECK(seconds_label(0.5) == "0.500");
+  CHECK(seconds_label(0.1) == "0.100");
+  CHECK(seconds_label(0.0999) == "0.0999");
+  CHECK(seconds_label(0.0123) == "0.0123");
+  CHECK(seconds_label(0.000614518) == "0.000615");  // a tiny model's step, which read "0.000"
+  CHECK(seconds_label(1.5e-12) == "0.000000000");   // at most nine decimals
+  CHECK(seconds_label(0) == "0.000");
+  CHECK(seconds_label(-0.25) == "-0.250");
+  CHECK(seconds_label(std::numeric_limits<double>::infinity()) == "inf");
 }

@@ -1035,3 +1035,36 @@ TEST_CASE("a step of many micro-batches is searched from steps of 3 and 4: exact
   CHECK(set.search_s < 60);
   for (const Plan& p : set.plans) CHECK(planner.simulate(p).gpu_peak <= req.gpu_budget);
 }
+
+TEST_CASE("a small model is weighed resident at small budgets: a GPU budget it fits whole needs no host state") {
+  // Until the sixty-first session the residency levels began at 256 MiB, so under ~267 MiB of GPU
+  // nothing was resident: tiny-moe (63 MiB of state) found no plan in 200 MiB of GPU and 10 MiB of
+  // host, the error naming a least host need of 59.91 MiB, where 267 MiB planned it all resident
+  // with no host state at all.
+  const PlannerOnH200 m("tiny-moe.json", "tiny");
+  PlanRequest req = tiny_request();
+  req.gpu_budget = 200_MiB;
+  req.host_budget = 10_MiB;
+  const PlanSet set = m.planner.plan(req);
+  REQUIRE_FALSE(set.plans.empty());
+  for (const Plan& p : set.plans) {
+    CHECK(p.predicted.gpu_peak <= req.gpu_budget);
+    CHECK(p.predicted.host_peak <= req.host_budget);
+  }
+  // Every segment resident is among the candidates, with no host state, and priced as the
+  // whole-budget plan prices it.
+  req.gpu_budget = 1_GiB;
+  req.host_budget = 8_GiB;
+  const PlanSet roomy = m.planner.plan(req);
+  Bytes all_resident_peak;
+  for (const Plan& p : roomy.plans)
+    if (p.resident_segments.size() == m.spec.segments().size()) all_resident_peak = p.predicted.gpu_peak;
+  REQUIRE(all_resident_peak.count() > 0);
+  REQUIRE(all_resident_peak < 200_MiB);
+  req.gpu_budget = 200_MiB;
+  req.host_budget = 10_MiB;
+  req.candidates = 64;
+  bool found = false;
+  for (const Plan& p : m.planner.plan(req).plans) found = found || p.resident_segments.size() == m.spec.segments().size();
+  CHECK(found);
+}

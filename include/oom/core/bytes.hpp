@@ -70,6 +70,12 @@ Bytes parse_bytes(std::string_view text);
 /// "812K", "12"; 999,999 is "1.00M", not "1000K".
 std::string count_label(std::uint64_t n);
 
+/// Seconds for a line of text, without an exponent: three decimals ("983.045", "0.500"), more below
+/// 0.1 s so that three significant digits show ("0.0123", "0.000615"; at most nine decimals), so a
+/// small model's predicted step does not read "0.000". Negative, zero and non-finite values as
+/// "{:.3f}" prints them.
+std::string seconds_label(double s);
+
 inline namespace literals {
 constexpr Bytes operator""_B(unsigned long long n) { return Bytes{n}; }
 constexpr Bytes operator""_KiB(unsigned long long n) { return Bytes{n << 10}; }
