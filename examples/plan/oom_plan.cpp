@@ -279,6 +279,15 @@ int main(int argc, char** argv) {
                profile.name, a.gpus, req.gpu_budget, req.host_budget, a.batch, a.longest ? std::string("(longest)") : std::to_string(a.seq),
                a.micro_batches, req.clip_grad_norm ? ", gradients clipped by global norm" : "");
 
+    // A budget past the machine's is planned as asked (a bigger machine's plan, say), but what
+    // oom-train runs on this profile's machine is held to its memory: say so before the plan.
+    if (req.gpu_budget > profile.gpu_memory)
+      fmt::print("note: --gpu-mem {} is more than the profile's GPU memory ({}): the plans below are for a GPU that large; oom-train "
+                 "holds its budget to the device's free memory\n\n",
+                 req.gpu_budget, profile.gpu_memory);
+    if (req.host_budget > profile.host_memory)
+      fmt::print("note: --host-mem {} is more than the profile's host memory ({}): the plans below are for a host that large\n\n",
+                 req.host_budget, profile.host_memory);
     const oom::Planner planner(spec, profile, a.model, a.profile);
 #if OOM_PLAN_HAS_CUDA
     oom::CudaCausalLmOptions executor;

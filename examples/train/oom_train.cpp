@@ -167,9 +167,10 @@ Plan
   --profile PATH       calibrated machine profile for the planner (default: built-in, see --machine)
   --machine NAME       built-in profile: h200 (default), h100-80gb, rtx4090
   --gpu-mem SIZE       device memory budget (default: the profile's GPU memory on cuda, 1GiB on host)
-  --host-mem SIZE      host memory budget (default: the profile's, less what building the model
-                       holds (cuda: one segment; host: the fp32 initial weights) and a tenth for
-                       the process and the OS)
+  --host-mem SIZE      host memory budget (default: the profile's, or this machine's (its memory
+                       cgroup's limit) where it has less, less what building the model holds
+                       (cuda: one segment; host: the fp32 initial weights) and a tenth, at least
+                       4 GiB, for the process and the OS)
                        A SIZE is bytes, or a number with a unit: KiB to PiB, KB to PB, e.g. 3.84GiB
                        or 0.5 GB (as oom-plan prints sizes); a fraction of a byte is rounded down
   --backend NAME       auto (default: cuda when this build has CUDA and a GPU is present, else host),
@@ -940,10 +941,16 @@ int run(Args a) {
 #if OOM_TRAIN_HAS_CUDA
       if (use_cuda) held_while_building = CudaCausalLm::build_buffer_bytes(spec);
 #endif
-      const HostBudget hb = default_host_budget(profile, held_while_building);
+      // This machine's memory where it has less than the profile says (a built-in profile names
+      // another machine), as the GPU budget is held to the device's free memory above.
+      const Bytes basis = oom::examples::host_memory_basis(profile, oom::examples::machine_host_memory());
+      const bool machine_less = basis < profile.host_memory;
+      const HostBudget hb = default_host_budget(profile, held_while_building, machine_less ? std::optional<Bytes>(basis) : std::nullopt);
       req.host_budget = hb.budget;
-      say("host budget {} (the profile's {} less {} held while the model is built and {} headroom; --host-mem sets it)\n", hb.budget,
-          profile.host_memory, hb.held_while_building, hb.headroom);
+      say("host budget {} ({} less {} held while the model is built and {} headroom; --host-mem sets it)\n", hb.budget,
+          machine_less ? fmt::format("this machine's {}, below the profile's {},", basis, profile.host_memory)
+                       : fmt::format("the profile's {}", profile.host_memory),
+          hb.held_while_building, hb.headroom);
     }
     req.workload = {a.batch, a.seq};
     req.micro_batches = static_cast<int>(a.micro_batches);

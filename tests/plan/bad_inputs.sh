@@ -92,4 +92,14 @@ if "$plan" --model "$work/cfg.json" --seq 32 --candidates 1 --json "$work/p.json
    [[ -s "$work/p.json" && -s "$work/t.json" ]]; then echo "ok   json-and-trace-apart"
 else echo "FAIL json-and-trace-apart:"; cat "$work/err"; fails=$((fails + 1)); fi
 
+# A budget past the profile's machine is planned as asked, with a note saying so first (a plan of
+# 255 GiB on the 139 GiB H200 had read "within the budgets" with no word of it); none within it.
+"$plan" --model "$config" --seq 32 --candidates 1 --gpu-mem 500GiB --host-mem 4TiB > "$work/out" 2> "$work/err"
+if [[ $? -eq 0 ]] && grep -q "^note: --gpu-mem 500.00 GiB is more than the profile's GPU memory (139.00 GiB)" "$work/out" &&
+   grep -q "^note: --host-mem 4.00 TiB is more than the profile's host memory (125.00 GiB)" "$work/out"; then echo "ok   budgets-past-profile"
+else echo "FAIL budgets-past-profile:"; head -6 "$work/out"; cat "$work/err"; fails=$((fails + 1)); fi
+"$plan" --model "$config" --seq 32 --candidates 1 --gpu-mem 100GiB --host-mem 100GiB > "$work/out" 2> "$work/err"
+if grep -q "^note: --" "$work/out"; then echo "FAIL budgets-within-profile: a note"; grep "^note" "$work/out"; fails=$((fails + 1))
+else echo "ok   budgets-within-profile"; fi
+
 [[ $fails -eq 0 ]] && echo "PASS" || exit 1
