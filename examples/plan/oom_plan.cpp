@@ -79,6 +79,7 @@ struct Args {
   double max_grad_norm = 0;
   oom::DType moments = oom::DType::fp32;
   std::string profile, machine = "h200";
+  bool machine_given = false;
   int candidates = 3;
   std::string retention;
   std::string json_out, trace_out;
@@ -122,7 +123,10 @@ Args parse(int argc, char** argv) {
     else if (flag == "--max-grad-norm") a.max_grad_norm = parse_real(flag, v);
     else if (flag == "--moments") a.moments = oom::examples::parse_moments(flag, v);
     else if (flag == "--profile") a.profile = oom::examples::path_argument(flag, v);
-    else if (flag == "--machine") a.machine = v;
+    else if (flag == "--machine") {
+      a.machine = v;
+      a.machine_given = true;
+    }
     else if (flag == "--candidates") a.candidates = parse_int_count(flag, v);
     else if (flag == "--retention") {
       if (*v == '\0') OOM_THROW(oom::Errc::invalid_argument, "--retention needs a template name (see --help)");
@@ -134,6 +138,8 @@ Args parse(int argc, char** argv) {
     else OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (see --help)", flag));
   }
   if (a.model.empty()) OOM_THROW(oom::Errc::invalid_argument, "--model config.json is required (see --help)");
+  if (a.machine_given && !a.profile.empty())
+    OOM_THROW(oom::Errc::invalid_argument, fmt::format("--profile {} and --machine {} both name the machine: give one", a.profile, a.machine));
   oom::examples::refuse_overlapping_paths({{"--json", a.json_out}, {"--trace", a.trace_out}},
                                           {{"--model", a.model}, {"--profile", a.profile}});
   return a;

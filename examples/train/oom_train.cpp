@@ -225,6 +225,7 @@ Exit status: 0 done, 2 bad input, 3 no plan fits the budget, 4 stopped on a non-
 
 struct Args {
   std::string config, data, init_from, plan, profile, machine = "h200", backend = "auto", retention;
+  bool machine_given = false;
   std::optional<int> layers;  // --layers: the config at another depth
   std::uint64_t seq = 256, batch = 1, steps = 200, seed = 0, micro_batches = 1;
   float lr = 3e-3f, weight_decay = 0.01f, max_grad_norm = 0.0f, min_lr = 0.0f;
@@ -349,7 +350,10 @@ Args parse(int argc, char** argv) {
       a.retention = v;
     }
     else if (flag == "--profile") a.profile = path_argument(flag, v);
-    else if (flag == "--machine") a.machine = v;
+    else if (flag == "--machine") {
+      a.machine = v;
+      a.machine_given = true;
+    }
     else if (flag == "--gpu-mem") a.gpu_mem = parse_size(flag, v);
     else if (flag == "--host-mem") a.host_mem = parse_size(flag, v);
     else if (flag == "--grad-staging") a.grad_staging = static_cast<std::uint64_t>(parse_int_count(flag, v, /*allow_zero=*/true));
@@ -372,6 +376,8 @@ Args parse(int argc, char** argv) {
   if (a.backend != "host" && a.backend != "cuda" && a.backend != "auto")
     OOM_THROW(Errc::invalid_argument, fmt::format("--backend is auto, cuda or host, got '{}'", a.backend));
   if (a.resume && a.overwrite) OOM_THROW(Errc::invalid_argument, "--resume and --overwrite exclude each other");
+  if (a.machine_given && !a.profile.empty())
+    OOM_THROW(Errc::invalid_argument, fmt::format("--profile {} and --machine {} both name the machine: give one", a.profile, a.machine));
   if (a.resume && !a.init_from.empty())
     OOM_THROW(Errc::invalid_argument, "--resume and --init-from exclude each other: a resumed run's weights are its checkpoint's");
   // The cosine schedule's floor: without it there is none, and above --lr it would be a climb.

@@ -28,6 +28,8 @@ refused() {
 refused seq-leading-space "--seq needs a positive integer, got ' -1'" --seq " -1"
 refused gpus-leading-space "--gpus needs a positive integer, got ' -1'" --gpus " -1"
 refused batch-plus "--batch needs a positive integer, got '+2'" --batch +2
+# A profile and a built-in machine both: the --machine had been ignored without a word.
+refused profile-and-machine "both name the machine: give one" --profile "$(dirname "$0")/../../examples/profiles/h200-2026-12-06.json" --machine rtx4090
 refused grad-staging-space "--grad-staging needs a non-negative integer, got ' 3'" --grad-staging " 3"
 refused max-grad-norm-underflow "--max-grad-norm: '1e-50' is outside fp32's range" --max-grad-norm 1e-50
 refused max-grad-norm-overflow "--max-grad-norm: '1e39' is outside fp32's range" --max-grad-norm 1e39

@@ -35,6 +35,9 @@ expect inconsistent-config 2 "num_key_value_heads" -- --config "$work/gqa.json"
 # directory named --overwrite); an unknown option is named as one, also last (it had "needed a value").
 expect forgotten-value 2 "--data needs a value, got the option '--seq'" -- --data --seq 16
 expect unknown-last 2 "unknown option '--save-intial'" -- --save-intial
+# A profile and a built-in machine both: the --machine had been ignored without a word.
+expect profile-and-machine 2 "--profile .* and --machine h100-80gb both name the machine: give one" -- \
+  --profile "$(dirname "$0")/../../examples/profiles/h200-2026-12-06.json" --machine h100-80gb
 # An output onto the run directory's own files: the built-in corpus (the run had then been unable
 # to resume), its metrics, or a file in a checkpoint.
 expect dump-onto-corpus 2 "is the same file as the built-in corpus (--out)" -- --dump-batches "$work/dump-onto-corpus/builtin-corpus.tok"
@@ -174,10 +177,11 @@ if ! cmp -s "$work/cfg.json" "$(dirname "$0")/../../examples/configs/tiny-moe.js
   echo "FAIL outputs-onto-inputs: an input was written over, or a trace written"; fails=$((fails + 1))
 else echo "ok   outputs-onto-inputs: the inputs as they were"; fi
 # Out of host memory: a 400,000 x 4096 embedding (6.1 GiB) asked for past a 4 GB address space is
-# one clear line and exit 3, nothing touched, the run directory without a checkpoint.
+# one clear line and exit 3, nothing touched, the run directory without a checkpoint. (--host-mem:
+# the default budget is held to this machine's memory, and on a small one no plan would be made.)
 sed -e 's/"vocab_size": [0-9]*/"vocab_size": 400000/' -e 's/"hidden_size": [0-9]*/"hidden_size": 4096/' \
   "$(dirname "$0")/../../examples/configs/tiny-moe.json" > "$work/huge.json"
-(ulimit -v 4000000 && exec "$train" --out "$work/huge" --steps 1 --seq 32 --backend host --config "$work/huge.json" --gpu-mem 40GiB) \
+(ulimit -v 4000000 && exec "$train" --out "$work/huge" --steps 1 --seq 32 --backend host --config "$work/huge.json" --gpu-mem 40GiB --host-mem 100GiB) \
   > /dev/null 2> "$work/huge.stderr"
 rc=$?
 if [[ $rc -ne 3 ]] || ! grep -q "out of host memory" "$work/huge.stderr" || [[ $(wc -l < "$work/huge.stderr") -ne 1 ]] ||
