@@ -28,6 +28,7 @@
 #include <fmt/format.h>
 
 #include "common/cli_numbers.hpp"
+#include "common/config_layers.hpp"
 #include "common/output_path.hpp"
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
@@ -94,10 +95,21 @@ Options parse(int argc, char** argv) {
       o.measure = false;
       continue;
     }
+    static const std::vector<std::string> valued = {"--layers", "--hidden",  "--inter",   "--tokens",    "--steps", "--gpu-budget",
+                                                    "--host-budget", "--profile", "--trace", "--lr", "--retention", "--backend"};
+    if (std::find(valued.begin(), valued.end(), arg) == valued.end())
+      OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (--help lists them)", arg));
     if (a + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value", arg));
     const char* text = argv[++a];
     const std::string v = text;
-    if (arg == "--layers") o.layers = oom::examples::parse_int_count(arg, text);
+    if (arg == "--layers") {
+      // As oom-train's --layers: a stack of more is not one a node trains (10^6 layers had built
+      // for minutes, silently, at ~7 GB).
+      o.layers = oom::examples::parse_int_count(arg, text);
+      if (o.layers > oom::examples::max_config_layers)
+        OOM_THROW(oom::Errc::invalid_argument,
+                  fmt::format("--layers {} is more than {}, the most this example builds", o.layers, oom::examples::max_config_layers));
+    }
     else if (arg == "--hidden") o.hidden = oom::examples::parse_count(arg, text);
     else if (arg == "--inter") o.inter = oom::examples::parse_count(arg, text);
     else if (arg == "--tokens") o.tokens = oom::examples::parse_count(arg, text);
@@ -373,7 +385,15 @@ int main(int argc, char** argv) {
     return run(parse(argc, argv));
   } catch (const oom::Error& e) {
     std::fprintf(stderr, "oom-custom-layer: %s\n", e.what());
-    return e.code() == oom::Errc::invalid_argument || e.code() == oom::Errc::parse ? 2 : 1;
+    // As oom-train and oom-plan: 3 where no plan fits the budgets, 2 for what was asked (an
+    // argument, a file, a layer this build cannot run), 1 for a failure while running.
+    switch (e.code()) {
+      case oom::Errc::out_of_budget: return 3;
+      case oom::Errc::invalid_argument:
+      case oom::Errc::parse:
+      case oom::Errc::unsupported: return 2;
+      default: return 1;
+    }
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "oom-custom-layer: out of host memory (an allocation failed: fewer or narrower layers, or a smaller "
                          "--host-budget)\n");
