@@ -12,6 +12,15 @@
 
 namespace oom::examples {
 
+/// config.json's max_position_embeddings (under text_config where the model wraps one, as Qwen3.5's
+/// does, like ModelSpec reads it): the positions the model was trained for; 0 where it does not say.
+inline std::uint64_t max_position_embeddings(const Json& config) {
+  const Json* text = config.find("text_config");
+  const Json& fields = text != nullptr && text->is_object() ? *text : config;
+  const Json* v = fields.find("max_position_embeddings");
+  return v != nullptr && v->is_integer() && v->as_int64() > 0 ? static_cast<std::uint64_t>(v->as_int64()) : 0;
+}
+
 /// `config` (a Hugging Face config.json) with `layers` decoder layers of its widths. Layer i takes
 /// layer (i mod N)'s kinds, N the config's count: its layer_types entry and whether it is in
 /// mlp_only_layers (decoder_sparse_step and full_attention_interval already repeat). The fields

@@ -154,15 +154,6 @@ std::uint64_t longest_ceiling_for(std::uint64_t batch) {
   return std::min(longest_ceiling, oom::max_workload_tokens / batch / longest_granule * longest_granule);
 }
 
-// config.json's max_position_embeddings (under text_config where the model wraps one, as Qwen3.5's
-// does, like ModelSpec reads it); 0 where it does not say.
-std::uint64_t max_position_embeddings(const std::string& path) {
-  const oom::Json config = oom::read_json_file(path);
-  const oom::Json* text = config.find("text_config");
-  const oom::Json& fields = text != nullptr && text->is_object() ? *text : config;
-  const oom::Json* v = fields.find("max_position_embeddings");
-  return v != nullptr && v->is_integer() && v->as_int64() > 0 ? static_cast<std::uint64_t>(v->as_int64()) : 0;
-}
 
 // The largest value, a multiple of `granule` up to `ceiling`, for which `weigh(v)` is true (it
 // prints each as it is weighed): from `start` doubling while it holds, or from the granule where
@@ -227,7 +218,7 @@ int longest_sequence(const Args& a, const std::string& budget_note, WouldRun&& w
   fmt::print("\nlongest sequence oom-train --backend cuda would run ({}): {} tokens x {} sequence(s): {}\n", budget_note, lo,
              a.batch, fit_line);
   if (hi != 0) fmt::print("{} tokens: nothing ({})\n", hi, miss_line);
-  if (const std::uint64_t max_pos = max_position_embeddings(a.model); max_pos > 0 && lo > max_pos)
+  if (const std::uint64_t max_pos = oom::examples::max_position_embeddings(oom::read_json_file(a.model)); max_pos > 0 && lo > max_pos)
     fmt::print("note: longer than the config's max_position_embeddings ({}), the positions the model was trained for\n",
                max_pos);
   return 0;

@@ -1144,6 +1144,12 @@ int run(Args a) {
   say("oom-train: model {}: {} layers, {} experts (top {}), {} parameters ({} active)\n", config_name, spec.num_layers(),
       spec.moe().experts, spec.moe().top_k, oom::examples::count_label(spec.total_parameters()),
       oom::examples::count_label(spec.active_parameters()));
+  // Longer windows than the positions the model was trained for run (RoPE has no limit), but a
+  // pretrained model's quality past them is its own question: said, not refused.
+  if (const std::uint64_t max_pos = oom::examples::max_position_embeddings(Json::parse(config_text, config_name));
+      max_pos > 0 && a.seq > max_pos)
+    say("note: --seq {} is longer than the config's max_position_embeddings ({}), the positions the model was trained for\n",
+        a.seq, max_pos);
   if (const double coef = spec.moe().router_aux_loss_coef; coef > 0)
     say("loss: mean cross-entropy + {} x transformers' load-balancing loss over every layer's router "
         "(the config's output_router_logits and router_aux_loss_coef)\n", coef);

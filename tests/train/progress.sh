@@ -47,6 +47,14 @@ python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) * 2**30 < int(sys.argv[
 "$train" --backend host --out "$work/budget" --steps 1 --seq 32 --checkpoint-every 0 --host-mem 2GiB > "$work/budget.txt" 2>&1
 grep -q '^host budget' "$work/budget.txt" && { echo "FAIL: --host-mem still printed the default budget"; exit 1; }
 grep -q 'of 2.00 GiB budget' "$work/budget.txt" || { echo "FAIL: --host-mem 2GiB not the plan's host budget"; grep -i budget "$work/budget.txt"; exit 1; }
+# A window longer than the config's max_position_embeddings trains, with a note saying so (and none
+# within it: the quiet run above, at 32 of the built-in config's 4096).
+sed 's/"max_position_embeddings": [0-9]*/"max_position_embeddings": 16/' "$(dirname "$0")/../../examples/configs/tiny-moe.json" > "$work/short-positions.json"
+"$train" --backend host --out "$work/positions" --config "$work/short-positions.json" --steps 1 --seq 32 --checkpoint-every 0 \
+  > "$work/positions.txt" 2>&1 || { echo "FAIL: run past max_position_embeddings"; cat "$work/positions.txt"; exit 1; }
+grep -q "^note: --seq 32 is longer than the config's max_position_embeddings (16)" "$work/positions.txt" ||
+  { echo "FAIL: no note past max_position_embeddings"; head -5 "$work/positions.txt"; exit 1; }
+if grep -q "max_position_embeddings" "$work/quiet.txt"; then echo "FAIL: a note within max_position_embeddings"; exit 1; fi
 # --trace-step: the measured and the predicted timeline of that step, each with the layers' spans.
 "$train" --backend host --out "$work/traced" --steps 2 --seq 32 --checkpoint-every 0 --trace-step 2 --trace "$work/t.json" \
   > "$work/traced.txt" 2>&1 || { echo "FAIL: traced run"; cat "$work/traced.txt"; exit 1; }
