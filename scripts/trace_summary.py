@@ -9,9 +9,27 @@ import statistics
 import sys
 
 
+def fail(path, why):
+    sys.exit(f"trace_summary.py: {path}: {why}")
+
+
+def read_events(path):
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except FileNotFoundError:
+        fail(path, "no such file")
+    except OSError as e:
+        fail(path, e.strerror or str(e))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        fail(path, f"not JSON ({e})")
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        fail(path, "not a Chrome trace (no traceEvents list): oom-train --trace-step and oom-custom-layer --trace write one")
+    return trace["traceEvents"]
+
+
 def summarise(path):
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+    events = read_events(path)
     threads = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     groups = {}
     for e in events:
@@ -24,5 +42,7 @@ def summarise(path):
         print(f"  {thread:12s} {kind:40s} {len(ms):4d} spans, {sum(ms):9.3f} ms, median {statistics.median(ms):8.3f} ms")
 
 
+if len(sys.argv) < 2:
+    sys.exit(__doc__.strip())
 for p in sys.argv[1:]:
     summarise(p)

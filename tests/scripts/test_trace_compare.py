@@ -135,5 +135,41 @@ class TraceCompare(unittest.TestCase):
             self.assertIsNotNone(rows[(str(layer), "fwd.attention")][1])
 
 
+class TraceSummary(unittest.TestCase):
+    """scripts/trace_summary.py: spans grouped by kind; a bad file is one line naming it, not a traceback."""
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def summary(self, *paths):
+        return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "trace_summary.py"), *paths],
+                              capture_output=True, text=True)
+
+    def test_grouped_by_kind(self):
+        path = os.path.join(self.dir.name, "t.json")
+        trace(path, [("fwd layers.0", 0.0, 0.010), ("fwd layers.1", 0.010, 0.020), ("loss", 0.03, 0.004)])
+        r = self.summary(path)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertRegex(r.stdout, r"gpu_compute\s+fwd layers\.N\s+2 spans,\s+30\.000 ms, median\s+15\.000 ms")
+
+    def test_bad_input_named(self):
+        not_trace = os.path.join(self.dir.name, "config.json")
+        with open(not_trace, "w", encoding="utf-8") as f:
+            f.write('{"hidden_size": 64}')
+        broken = os.path.join(self.dir.name, "broken.json")
+        with open(broken, "w", encoding="utf-8") as f:
+            f.write('{"traceEvents": [')
+        for path, why in ((os.path.join(self.dir.name, "none.json"), "no such file"), (not_trace, "not a Chrome trace"),
+                          (broken, "not JSON"), (self.dir.name, "")):
+            r = self.summary(path)
+            self.assertNotEqual(r.returncode, 0, path)
+            self.assertNotIn("Traceback", r.stderr)
+            self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
+            self.assertIn(f"trace_summary.py: {path}: {why}", r.stderr)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
