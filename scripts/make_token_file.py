@@ -142,9 +142,17 @@ def main():
     ap.add_argument("--field", default="text", help="the text field of .jsonl/.json records (default: text)")
     ap.add_argument("--no-eos", action="store_true", help="do not end each document with the tokenizer's EOS token")
     args = ap.parse_args()
+    seen = {}
     for path in args.inputs:
+        if os.path.isdir(path):
+            sys.exit(f"{path}: a directory; name its files (e.g. {os.path.join(path, '*.txt')})")
         if not os.path.isfile(path):
             sys.exit(f"{path}: no such file")
+        # The same file twice would be tokenized twice, its documents in the corpus twice.
+        key = os.path.realpath(path)
+        if key in seen:
+            sys.exit(f"{path}: the same file as {seen[key]}, named twice: its documents would be in the corpus twice")
+        seen[key] = path
 
     if args.bytes:
         vocab, eos = 256, None

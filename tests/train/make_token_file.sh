@@ -106,6 +106,12 @@ expect missing-field "field.jsonl:1: no string field 'text'" --bytes "$work/fiel
 printf '[{"text": "x"}]\n' > "$work/array.json"
 expect json-array "array.json:1: a JSON list, not an object" --bytes "$work/array.json"
 expect missing-file "absent.txt: no such file" --bytes "$work/absent.txt"
+# A directory is named as one (it had been "no such file"); a file named twice, also by another
+# path, is refused (it had been tokenized twice).
+mkdir -p "$work/corpus-dir"
+expect directory-input "corpus-dir: a directory; name its files" --bytes "$work/corpus-dir"
+printf 'twice\n' > "$work/twice.txt"
+expect same-file-twice "the same file as $work/twice.txt, named twice" --bytes "$work/twice.txt" "$work/corpus-dir/../twice.txt"
 printf '\xff\xfe' > "$work/latin.txt"
 expect not-utf8 "latin.txt: not UTF-8 text" --bytes "$work/latin.txt"
 python3 -c 'import sys; open(sys.argv[1], "wb").write(b"a" + "\u00e9".encode() * 700000 + b"\xff")' "$work/late.txt"
