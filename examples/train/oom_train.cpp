@@ -1125,7 +1125,17 @@ int run(Args a) {
   if (!a.dump_batches.empty()) require_output_file("--dump-batches", a.dump_batches);
   if (a.data.empty()) {
     if (!fs::exists(data_path, ec)) (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
-    tokens.emplace(TokenFile::open(data_path));
+    try {
+      tokens.emplace(TokenFile::open(data_path));
+    } catch (const Error& e) {
+      // It is generated, the same tokens each time (a resumed run checks their fingerprint below):
+      // a damaged copy is written again, not a stop with a header error to puzzle over.
+      if (e.code() != Errc::parse && e.code() != Errc::io) throw;
+      say(stderr, "oom-train: warning: the built-in corpus {} is damaged ({}); writing it again (the same tokens)\n",
+          data_path.string(), e.message());
+      (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
+      tokens.emplace(TokenFile::open(data_path));
+    }
     refuse_short_data(data_path.string(), tokens->size());
   }
   if (saved_data_tokens && *saved_data_tokens != tokens->size())

@@ -513,6 +513,20 @@ else
   echo "ok   metrics-unwritable: $(cat "$work/full.err")"
 fi
 
+# A damaged built-in corpus (it is generated) is written again with a warning, and the run resumes
+# on the same tokens as an uninterrupted one (it had stopped on the header error).
+cp -r "$work/base" "$work/corpus"
+truncate -s 1000 "$work/corpus/builtin-corpus.tok"
+"$train" "${args[@]}" --steps 10 --checkpoint-every 0 --out "$work/corpus" --resume > /dev/null 2> "$work/corpus.err"
+rc=$?
+"$train" "${args[@]}" --steps 10 --checkpoint-every 0 --out "$work/base" --resume > /dev/null 2>&1
+if [[ $rc -ne 0 ]] || ! grep -q "warning: the built-in corpus .*builtin-corpus.tok is damaged (.*); writing it again (the same tokens)" "$work/corpus.err" ||
+   [[ "$(tail -2 "$work/corpus/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')" != "$(tail -2 "$work/base/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')" ]]; then
+  fail "damaged-builtin-corpus: exit $rc, or other losses than the undamaged run's" "$work/corpus.err"
+else
+  echo "ok   damaged-builtin-corpus: $(cat "$work/corpus.err")"
+fi
+
 if ((fails > 0)); then
   echo "FAILED: $fails case(s)"
   exit 1
