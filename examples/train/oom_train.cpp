@@ -1160,6 +1160,9 @@ int run(Args a) {
       max_pos > 0 && a.seq > max_pos)
     say("note: --seq {} is longer than the config's max_position_embeddings ({}), the positions the model was trained for\n",
         a.seq, max_pos);
+  if (a.warmup > 0 && a.warmup >= a.steps)
+    say("note: --warmup {} takes the whole run (--steps {}): the learning rate {} --lr {}{}\n", a.warmup, a.steps,
+        a.warmup == a.steps ? "reaches" : "never reaches", a.lr, a.warmup == a.steps ? " only at the last update" : "");
   if (const double coef = spec.moe().router_aux_loss_coef; coef > 0)
     say("loss: mean cross-entropy + {} x transformers' load-balancing loss over every layer's router "
         "(the config's output_router_logits and router_aux_loss_coef)\n", coef);

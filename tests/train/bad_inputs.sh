@@ -344,13 +344,20 @@ else echo "ok   outputs-in-new-run-dir"; fi
 # The schedule as --help and docs/trainer.md give it: warmup lr * t / N, then min-lr + (lr - min-lr)
 # * 0.5 (1 + cos(pi p)), p from 0 to 1 over the updates after the warmup (the help had said lr * 0.5
 # (1 + cos) floored at --min-lr, another curve).
-"$train" --out "$work/sched" --steps 4 --seq 32 --lr 1e-3 --min-lr 5e-4 --warmup 2 --schedule cosine --checkpoint-every 0 > /dev/null ||
+"$train" --out "$work/sched" --steps 4 --seq 32 --lr 1e-3 --min-lr 5e-4 --warmup 2 --schedule cosine --checkpoint-every 0 > "$work/sched.stdout" ||
   { echo "FAIL: a cosine run with warmup failed"; exit 1; }
 lrs=$(sed -E 's/.*"lr":([^,]+),.*/\1/' "$work/sched/metrics.jsonl" | tr '\n' ' ')
 if awk -v got="$lrs" 'BEGIN { n = split(got, g, " "); split("5e-4 1e-3 7.5e-4 5e-4", w, " ");
                               if (n != 4) exit 1; for (i = 1; i <= 4; i++) if (g[i] - w[i] > 1e-9 || w[i] - g[i] > 1e-9) exit 1 }'; then
   echo "ok   cosine-schedule: $lrs"
 else echo "FAIL cosine-schedule: lr $lrs, expected 5e-4 1e-3 7.5e-4 5e-4"; fails=$((fails + 1)); fi
+if grep -q "^note: --warmup" "$work/sched.stdout" 2> /dev/null; then echo "FAIL warmup-note: said within the run"; fails=$((fails + 1)); fi
+# A warmup as long as the run or longer is said (the peak lr is reached at most on the last update).
+"$train" --out "$work/longwarm" --steps 3 --seq 32 --warmup 10 --checkpoint-every 0 > "$work/longwarm.stdout" 2>&1 ||
+  { echo "FAIL: a run with a long warmup failed"; exit 1; }
+if grep -q "^note: --warmup 10 takes the whole run (--steps 3): the learning rate never reaches --lr" "$work/longwarm.stdout"; then
+  echo "ok   warmup-past-run: $(grep '^note: --warmup' "$work/longwarm.stdout")"
+else echo "FAIL warmup-past-run: no note"; fails=$((fails + 1)); fi
 "$train" --out "$work/cos" --steps 1 --seq 32 --schedule cosine --min-lr 1e-4 > /dev/null || { echo "FAIL: a cosine run failed"; exit 1; }
 "$train" --out "$work/cos" --steps 1 --seq 32 --schedule cosine --min-lr 2e-3 --resume > /dev/null 2> "$work/reminlr.stderr"
 rc=$?
