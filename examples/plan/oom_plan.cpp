@@ -43,8 +43,8 @@ constexpr const char* usage = R"(usage: oom-plan --model config.json [options]
   --seq N             tokens per sequence (default 4096)
   --batch N           sequences per GPU per micro-batch (default 1)
   --micro-batches N   gradient accumulation steps (default 1)
-  --max-grad-norm X   plan for clipping by global norm (X > 0, as oom-train --max-grad-norm): every
-                      update waits for the whole backward
+  --max-grad-norm X   plan for clipping by global norm (as oom-train --max-grad-norm; 0, the
+                      default, plans without): every update waits for the whole backward
   --moments DTYPE     AdamW moment precision: fp32 (default) or bf16, as oom-train --moments
   --profile PATH      calibrated MachineProfile JSON (from oom-calibrate)
   --machine NAME      built-in profile when no --profile: h200 (default), h100-80gb, rtx4090
