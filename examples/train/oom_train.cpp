@@ -904,6 +904,11 @@ int run(Args a) {
     if (a.moments && *a.moments != plan.precision.moments)
       OOM_THROW(Errc::invalid_argument, fmt::format("{}: planned for {} AdamW moments, the run asks for {} (--moments; oom-plan --moments "
                                                     "plans for it)", a.plan, name(plan.precision.moments), name(*a.moments)));
+    // Without --moments the plan's are taken: said, since the default is fp32 (it showed only in
+    // the state line).
+    if (!a.moments && plan.precision.moments != DType::fp32)
+      say("AdamW moments {}: the plan's ({} was planned with oom-plan --moments {})\n", name(plan.precision.moments), a.plan,
+          name(plan.precision.moments));
     // Checked whole against the model (simulate: its layers, segments, chunks, recomputes), its
     // errors naming the file. Then the state it keeps on each side, which depends on the model and
     // the plan's residency alone, not on the profile's timings: another sum than when it was

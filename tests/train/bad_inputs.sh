@@ -132,10 +132,12 @@ if [[ -x "$plan_tool" ]]; then
   # others, and a precision the trainer does not keep is refused naming the file.
   "$plan_tool" --model "$(dirname "$0")/../../examples/configs/tiny-moe.json" --seq 32 --gpu-mem 1GiB --host-mem 4GiB --moments bf16 \
     --json "$work/bf16-moments.json" > /dev/null || { echo "FAIL: oom-plan --moments bf16 failed"; exit 1; }
-  if ! "$train" --out "$work/bf16-moments" --steps 1 --seq 32 --plan "$work/bf16-moments.json" > /dev/null 2> "$work/bf16-moments.stderr"; then
+  if ! "$train" --out "$work/bf16-moments" --steps 1 --seq 32 --plan "$work/bf16-moments.json" > "$work/bf16-moments.stdout" 2> "$work/bf16-moments.stderr"; then
     echo "FAIL plan-bf16-moments: a plan of bf16 moments was refused"; cat "$work/bf16-moments.stderr"
     fails=$((fails + 1))
-  else echo "ok   plan-bf16-moments"; fi
+  elif ! grep -q "^AdamW moments bf16: the plan's" "$work/bf16-moments.stdout"; then
+    echo "FAIL plan-bf16-moments: the plan's moments taken without a word"; fails=$((fails + 1))
+  else echo "ok   plan-bf16-moments: $(grep '^AdamW moments' "$work/bf16-moments.stdout")"; fi
   expect plan-bf16-moments-asked-fp32 2 "bf16-moments.json: planned for bf16 AdamW moments, the run asks for fp32 (--moments" -- \
     --plan "$work/bf16-moments.json" --moments fp32
   sed 's/"moments": "bf16"/"moments": "fp16"/' "$work/bf16-moments.json" > "$work/fp16-moments.json"
