@@ -149,7 +149,8 @@ def main():
         if not os.path.isfile(path):
             sys.exit(f"{path}: no such file")
         # The same file twice would be tokenized twice, its documents in the corpus twice.
-        key = os.path.realpath(path)
+        st = os.stat(path)  # the same file by any name, hard links included
+        key = (st.st_dev, st.st_ino)
         if key in seen:
             sys.exit(f"{path}: the same file as {seen[key]}, named twice: its documents would be in the corpus twice")
         seen[key] = path

@@ -23,20 +23,22 @@ def read_events(path):
         fail(path, e.strerror or str(e))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         fail(path, f"not JSON ({e})")
-    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+    events = trace if isinstance(trace, list) else trace.get("traceEvents") if isinstance(trace, dict) else None
+    if not isinstance(events, list):
         fail(path, "not a Chrome trace (no traceEvents list): oom-train --trace-step and oom-custom-layer --trace write one")
-    return trace["traceEvents"]
+    return [e for e in events if isinstance(e, dict)]
 
 
 def summarise(path):
     events = read_events(path)
-    threads = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    threads = {e.get("tid"): (e.get("args") or {}).get("name", str(e.get("tid")))
+               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     groups = {}
     for e in events:
-        if e.get("ph") != "X":
+        if e.get("ph") != "X" or not isinstance(e.get("dur"), (int, float)):
             continue
-        kind = re.sub(r"\b\d+\b", "N", e["name"])
-        groups.setdefault((threads.get(e["tid"], str(e["tid"])), kind), []).append(e["dur"] / 1e3)
+        kind = re.sub(r"\b\d+\b", "N", str(e.get("name", "")))
+        groups.setdefault((threads.get(e.get("tid"), str(e.get("tid"))), kind), []).append(e["dur"] / 1e3)
     print(path)
     for (thread, kind), ms in sorted(groups.items()):
         print(f"  {thread:12s} {kind:40s} {len(ms):4d} spans, {sum(ms):9.3f} ms, median {statistics.median(ms):8.3f} ms")

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -36,7 +37,10 @@ inline Bytes whole_initial_weights(const ModelSpec& spec) { return Bytes{spec.to
 inline HostBudget default_host_budget(const MachineProfile& profile, Bytes held_while_building,
                                       std::optional<Bytes> host_memory = std::nullopt) {
   const Bytes memory = host_memory.value_or(profile.host_memory);
-  const Bytes headroom{std::max<std::uint64_t>(memory.count() / 10, std::uint64_t{4} << 30)};
+  // A tenth, at least 4 GiB, but never more than a quarter: a 3 GiB container would otherwise hold
+  // nothing for the plan (the quick start's tiny model needs a few MiB).
+  const std::uint64_t floor = std::min<std::uint64_t>(std::uint64_t{4} << 30, memory.count() / 4);
+  const Bytes headroom{std::max<std::uint64_t>(memory.count() / 10, floor)};
   if (memory.count() <= held_while_building.count() + headroom.count())
     OOM_THROW(Errc::out_of_budget,
               fmt::format("host memory {} ({}) holds no more than what building the model holds ({}) and {} of headroom; "
@@ -45,35 +49,68 @@ inline HostBudget default_host_budget(const MachineProfile& profile, Bytes held_
   return {Bytes{memory.count() - held_while_building.count() - headroom.count()}, held_while_building, headroom};
 }
 
-/// The memory this process may use on this machine: the physical memory, or its memory cgroup's
-/// limit where one is set below it (a container's: cgroup v2 memory.max or v1
-/// memory.limit_in_bytes, at the process's cgroup path or at the mount's root as a container sees
-/// it); nullopt where none can be read.
-inline std::optional<Bytes> machine_host_memory() {
-  std::optional<Bytes> memory;
-  const auto lower = [&](Bytes b) {
-    if (b.count() > 0 && (!memory || b < *memory)) memory = b;
+/// The least memory limit of the memory cgroups this process is in, read under `root` (the
+/// filesystem root; tests pass a directory that mimics /proc and /sys): cgroup v2's memory.max of
+/// its cgroup and of every ancestor (a limit is often set on a parent: a batch job's step, a
+/// systemd slice), cgroup v1's hierarchical_memory_limit (memory.stat, which counts the ancestors)
+/// or memory.limit_in_bytes, at the path /proc/self/cgroup names and at the mount's root, as a
+/// container sees its own cgroup. nullopt where none is set or readable ("max"; v1's "no limit"
+/// is ~2^63, taken as read, above any machine).
+inline std::optional<Bytes> cgroup_memory_limit(const std::filesystem::path& root = "/") {
+  std::optional<Bytes> limit;
+  const auto lower = [&](const std::string& value) {
+    if (value.empty() || value.size() >= 20 || value.find_first_not_of("0123456789") != std::string::npos) return;
+    const Bytes b{std::stoull(value)};
+    if (b.count() > 0 && (!limit || b < *limit)) limit = b;
   };
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  if (pages > 0 && page > 0) lower(Bytes{static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page)});
-  const auto read_limit = [&](const std::string& file) {
+  const auto read_value = [&](const std::filesystem::path& file) {
     std::ifstream in(file);
-    std::string value;  // "max" (v2) or a number; v1's "no limit" is ~2^63, above any machine
-    if (in >> value && !value.empty() && value.size() < 20 && value.find_first_not_of("0123456789") == std::string::npos)
-      lower(Bytes{std::stoull(value)});
+    std::string value;
+    if (in >> value) lower(value);
   };
-  std::ifstream cgroups("/proc/self/cgroup");  // "0::/path" (v2), "N:memory:/path" (v1)
+  const auto read_stat = [&](const std::filesystem::path& file) {  // v1 memory.stat's hierarchical limit
+    std::ifstream in(file);
+    for (std::string key, value; in >> key >> value;)
+      if (key == "hierarchical_memory_limit") lower(value);
+  };
+  const std::filesystem::path sys = root / "sys/fs/cgroup";
+  const auto under = [](const std::filesystem::path& base, const std::string& path) {
+    return path.empty() || path == "/" ? base : base / std::filesystem::path(path).relative_path();
+  };
+  std::ifstream cgroups(root / "proc/self/cgroup");  // "0::/path" (v2), "N:memory[,...]:/path" (v1)
   for (std::string line; std::getline(cgroups, line);) {
-    if (line.rfind("0::", 0) == 0) {
-      const std::string path = line.substr(3);
-      read_limit("/sys/fs/cgroup" + (path == "/" ? std::string() : path) + "/memory.max");
-    } else if (const auto at = line.find(":memory:"); at != std::string::npos) {
-      const std::string path = line.substr(at + 8);
-      read_limit("/sys/fs/cgroup/memory" + (path == "/" ? std::string() : path) + "/memory.limit_in_bytes");
+    const auto first = line.find(':'), second = first == std::string::npos ? first : line.find(':', first + 1);
+    if (second == std::string::npos) continue;
+    const std::string controllers = line.substr(first + 1, second - first - 1), path = line.substr(second + 1);
+    // Outside the cgroup namespace's root ("/../.."): not under this mount; its root is read below.
+    if (path.find("..") != std::string::npos) continue;
+    if (line.compare(0, first, "0") == 0 && controllers.empty()) {
+      // v2: this cgroup and each ancestor up to the mount's root.
+      for (std::filesystem::path dir = under(sys, path);; dir = dir.parent_path()) {
+        read_value(dir / "memory.max");
+        if (dir == sys || dir.parent_path() == dir) break;
+      }
+    } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
+      const std::filesystem::path dir = under(sys / "memory", path);
+      read_stat(dir / "memory.stat");
+      read_value(dir / "memory.limit_in_bytes");
     }
   }
-  read_limit("/sys/fs/cgroup/memory.max");
-  read_limit("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+  read_value(sys / "memory.max");
+  read_stat(sys / "memory/memory.stat");
+  read_value(sys / "memory/memory.limit_in_bytes");
+  return limit;
+}
+
+/// The memory this process may use on this machine: its physical memory, or its memory cgroups'
+/// least limit where that is lower (cgroup_memory_limit); nullopt where neither can be read.
+inline std::optional<Bytes> machine_host_memory() {
+  std::optional<Bytes> memory = cgroup_memory_limit();
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) {
+    const Bytes physical{static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page)};
+    if (!memory || physical < *memory) memory = physical;
+  }
   return memory;
 }
 

@@ -347,7 +347,7 @@ int main(int argc, char** argv) {
     };
     const auto would_run = [&](std::uint64_t seq, std::string* line) { return would_run_on(spec, planner, seq, line); };
     // oom-train keeps fp32 moments unless asked: the lines say what it would run with the flag.
-    const std::string budget_note = fmt::format("host budget {}{}{}", train_req.host_budget, a.host_mem ? "" : ", its default",
+    const std::string budget_note = fmt::format("host budget {}{}{}", train_req.host_budget, a.host_mem ? "" : ", its default on the profile's machine",
                                                 a.moments == oom::DType::bf16 ? "; with --moments bf16" : "");
     if (a.longest) return longest_sequence(a, budget_note, would_run);
     if (a.most_layers) {

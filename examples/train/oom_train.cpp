@@ -1141,6 +1141,18 @@ int run(Args a) {
       (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
       tokens.emplace(TokenFile::open(data_path));
     }
+    // Damage that leaves a readable file (tokens changed within the vocabulary): a resumed run's
+    // count or fingerprint tells, and the corpus is written again the same way (the checks below
+    // then hold, or name a checkpoint of another corpus; "pass the file it was trained on" cannot
+    // be followed for a file the run writes itself).
+    if ((saved_data_tokens && *saved_data_tokens != tokens->size()) ||
+        (saved_data_fingerprint && *saved_data_fingerprint != fmt::format("{:016x}", tokens->sample_fingerprint()))) {
+      say(stderr, "oom-train: warning: the built-in corpus {} holds other tokens than {} was trained on; writing it again (the same "
+                  "tokens as then)\n", data_path.string(), latest->string());
+      tokens.reset();
+      (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
+      tokens.emplace(TokenFile::open(data_path));
+    }
     refuse_short_data(data_path.string(), tokens->size());
   }
   if (saved_data_tokens && *saved_data_tokens != tokens->size())

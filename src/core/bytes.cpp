@@ -166,7 +166,12 @@ std::string count_label(std::uint64_t n) {
 
 std::string seconds_label(double s) {
   int decimals = 3;
-  if (std::isfinite(s) && s > 0 && s < 0.1) decimals = std::min(9, 2 - static_cast<int>(std::floor(std::log10(s))));
+  if (std::isfinite(s) && s > 0 && s < 0.1) {
+    decimals = std::min(9, 2 - static_cast<int>(std::floor(std::log10(s))));
+    // Rounded up into the next decade (0.0999999 to "0.1000"), one decimal fewer keeps three digits.
+    const double scale = std::pow(10.0, decimals);
+    if (decimals > 3 && std::round(s * scale) >= 1000.0) --decimals;
+  }
   return fmt::format("{:.{}f}", s, decimals);
 }
 

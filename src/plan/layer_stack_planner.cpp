@@ -737,10 +737,10 @@ std::string LayerStackPlanner::describe(const Plan& p) const {
   });
   s += measured == 0 ? std::string("compute: declared FLOPs at the profile's GEMM rate\n")
                      : fmt::format("compute: {} of {} layers at their measured rates\n", measured, layers_.size());
-  s += fmt::format("predicted step {:.4g} s; busy:", pr.step_s);
+  s += fmt::format("predicted step {} s; busy:", seconds_label(pr.step_s));
   for (int r = 0; r < resource_count; ++r)
     if (pr.busy.seconds[static_cast<std::size_t>(r)] > 0)
-      s += fmt::format(" {} {:.4g} s", to_string(static_cast<Resource>(r)), pr.busy.seconds[static_cast<std::size_t>(r)]);
+      s += fmt::format(" {} {} s", to_string(static_cast<Resource>(r)), seconds_label(pr.busy.seconds[static_cast<std::size_t>(r)]));
   s += "\n";
   return s;
 }

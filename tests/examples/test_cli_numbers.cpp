@@ -147,6 +147,8 @@ TEST_CASE("seconds_label: three decimals, three significant digits below 0.1 s, 
   CHECK(seconds_label(0.5) == "0.500");
   CHECK(seconds_label(0.1) == "0.100");
   CHECK(seconds_label(0.0999) == "0.0999");
+  CHECK(seconds_label(0.0999999) == "0.100");     // rounded into the next decade: still three digits
+  CHECK(seconds_label(0.00099995) == "0.00100");
   CHECK(seconds_label(0.0123) == "0.0123");
   CHECK(seconds_label(0.000614518) == "0.000615");  // a tiny model's step, which read "0.000"
   CHECK(seconds_label(1.5e-12) == "0.000000000");   // at most nine decimals

@@ -54,3 +54,65 @@ TEST_CASE("this machine's host memory: at most its physical memory, and at least
     if (line.rfind("VmRSS:", 0) == 0) rss_kib = std::stoull(line.substr(6));
   CHECK(*memory > Bytes{rss_kib * 1024});
 }
+
+namespace {
+/// A directory that mimics /proc/self/cgroup and /sys/fs/cgroup for cgroup_memory_limit.
+struct FakeRoot {
+  std::filesystem::path dir = std::filesystem::temp_directory_path() / ("oom-cgroup-" + std::to_string(::getpid()));
+  FakeRoot() { std::filesystem::remove_all(dir); }
+  ~FakeRoot() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+  void write(const std::string& path, const std::string& text) const {
+    const auto file = dir / path;
+    std::filesystem::create_directories(file.parent_path());
+    std::ofstream(file) << text;
+  }
+};
+}  // namespace
+
+TEST_CASE("cgroup memory limits: v2 ancestors, v1 hierarchical, the mount's root; 'max' and namespaced paths are no limit") {
+  using oom::examples::cgroup_memory_limit;
+  {
+    const FakeRoot r;  // nothing there: no limit
+    CHECK_FALSE(cgroup_memory_limit(r.dir).has_value());
+  }
+  {
+    const FakeRoot r;  // v2, the limit on a parent (a batch job's step), none on the process's own cgroup
+    r.write("proc/self/cgroup", "0::/job_7/step_0/task_1\n");
+    r.write("sys/fs/cgroup/job_7/step_0/task_1/memory.max", "max\n");
+    r.write("sys/fs/cgroup/job_7/step_0/memory.max", "4831838208\n");
+    r.write("sys/fs/cgroup/job_7/memory.max", "9663676416\n");
+    REQUIRE(cgroup_memory_limit(r.dir).has_value());
+    CHECK(*cgroup_memory_limit(r.dir) == Bytes{4831838208});
+  }
+  {
+    const FakeRoot r;  // v2 in a container: its own cgroup is the mount's root
+    r.write("proc/self/cgroup", "0::/\n");
+    r.write("sys/fs/cgroup/memory.max", "25769803776\n");
+    CHECK(cgroup_memory_limit(r.dir) == std::optional<Bytes>(24_GiB));
+  }
+  {
+    const FakeRoot r;  // v2 outside the namespace's root: the mount's root only
+    r.write("proc/self/cgroup", "0::/../../elsewhere\n");
+    r.write("sys/fs/cgroup/memory.max", "max\n");
+    CHECK_FALSE(cgroup_memory_limit(r.dir).has_value());
+  }
+  {
+    const FakeRoot r;  // v1 with a combined controller line; the hierarchical limit counts a parent's
+    r.write("proc/self/cgroup", "11:cpu,cpuacct:/x\n4:memory,hugetlb:/slurm/job_3\n");
+    r.write("sys/fs/cgroup/memory/slurm/job_3/memory.limit_in_bytes", "9223372036854771712\n");
+    r.write("sys/fs/cgroup/memory/slurm/job_3/memory.stat", "cache 0\nhierarchical_memory_limit 2147483648\nrss 0\n");
+    CHECK(cgroup_memory_limit(r.dir) == std::optional<Bytes>(2_GiB));
+  }
+}
+
+TEST_CASE("a small machine's default budget keeps room for the plan: headroom at most a quarter of it") {
+  const oom::MachineProfile h200 = oom::MachineProfile::h200(1);
+  const auto hb = default_host_budget(h200, 15_MiB, 3_GiB);  // a 3 GiB container, the quick start's tiny model
+  CHECK(hb.headroom == Bytes{(3_GiB).count() / 4});
+  CHECK(hb.budget == 3_GiB - 15_MiB - hb.headroom);
+  CHECK(default_host_budget(h200, 15_MiB, 16_GiB).headroom == 4_GiB);  // from 16 GiB the 4 GiB floor holds
+  CHECK(default_host_budget(h200, 15_MiB, 60_GiB).headroom == 6_GiB);
+}

@@ -37,13 +37,16 @@ if grep -qE '^  step [0-9]+: ' "$work/quiet.txt"; then echo "FAIL: short steps r
 # backend: the initial weights) and a tenth (at least 4 GiB); with --host-mem it is what was asked,
 # and says nothing.
 grep -qE '^host budget 112\.[0-9]+ GiB \(the profile.s 125\.00 GiB less [0-9.]+ MiB held while the model is built and 12\.50 GiB headroom' "$work/quiet.txt" ||
-  grep -qE '^host budget [0-9.]+ GiB \(this machine.s [0-9.]+ GiB, below the profile.s 125\.00 GiB, less [0-9.]+ MiB held while the model is built and [0-9.]+ GiB headroom' "$work/quiet.txt" ||
+  grep -qE '^host budget [0-9.]+ [KMG]iB \(this machine.s [0-9.]+ [KMG]iB, below the profile.s 125\.00 GiB, less [0-9.]+ MiB held while the model is built and [0-9.]+ [KMG]iB headroom' "$work/quiet.txt" ||
   { echo "FAIL: default host budget line"; grep -i budget "$work/quiet.txt"; exit 1; }
 # Where this machine has less memory than the profile, the budget is held below it.
 machine_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
-budget_gib=$(sed -nE 's/^host budget ([0-9.]+) GiB.*/\1/p' "$work/quiet.txt")
-python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) * 2**30 < int(sys.argv[2]) * 1024 or float(sys.argv[1]) > 112 else 1)" \
-  "$budget_gib" "$machine_kib" || { echo "FAIL: host budget $budget_gib GiB not below this machine's $machine_kib KiB"; exit 1; }
+budget=$(sed -nE 's/^host budget ([0-9.]+ [KMG]iB).*/\1/p' "$work/quiet.txt")
+python3 -c "import sys
+v, unit = sys.argv[1].split()
+b = float(v) * 2 ** (10 * ('KMG'.index(unit[0]) + 1))
+sys.exit(0 if b < int(sys.argv[2]) * 1024 or b > 112 * 2**30 else 1)" "$budget" "$machine_kib" ||
+  { echo "FAIL: host budget $budget not below this machine's $machine_kib KiB"; exit 1; }
 "$train" --backend host --out "$work/budget" --steps 1 --seq 32 --checkpoint-every 0 --host-mem 2GiB > "$work/budget.txt" 2>&1
 grep -q '^host budget' "$work/budget.txt" && { echo "FAIL: --host-mem still printed the default budget"; exit 1; }
 grep -q 'of 2.00 GiB budget' "$work/budget.txt" || { echo "FAIL: --host-mem 2GiB not the plan's host budget"; grep -i budget "$work/budget.txt"; exit 1; }

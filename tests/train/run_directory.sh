@@ -527,6 +527,20 @@ else
   echo "ok   damaged-builtin-corpus: $(cat "$work/corpus.err")"
 fi
 
+# Damage that leaves the file readable (tokens changed, all within the vocabulary): the resume sees
+# other tokens and writes the corpus again (it had advised passing "the file it was trained on").
+cp -r "$work/base" "$work/corpus2"
+python3 -c "import sys; f = open(sys.argv[1], 'r+b'); f.seek(1 << 20); f.write(b'A\\x00' * 4096)" "$work/corpus2/builtin-corpus.tok"
+"$train" "${args[@]}" --steps 11 --checkpoint-every 0 --out "$work/corpus2" --resume > /dev/null 2> "$work/corpus2.err"
+rc=$?
+"$train" "${args[@]}" --steps 11 --checkpoint-every 0 --out "$work/base" --resume > /dev/null 2>&1
+if [[ $rc -ne 0 ]] || ! grep -q "warning: the built-in corpus .* holds other tokens than .* was trained on; writing it again" "$work/corpus2.err" ||
+   [[ "$(tail -1 "$work/corpus2/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')" != "$(tail -1 "$work/base/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')" ]]; then
+  fail "altered-builtin-corpus: exit $rc, or other losses than the undamaged run's" "$work/corpus2.err"
+else
+  echo "ok   altered-builtin-corpus: $(cat "$work/corpus2.err")"
+fi
+
 if ((fails > 0)); then
   echo "FAILED: $fails case(s)"
   exit 1
