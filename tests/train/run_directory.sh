@@ -513,33 +513,31 @@ else
   echo "ok   metrics-unwritable: $(cat "$work/full.err")"
 fi
 
+# corpus_resumes NAME STEPS WARNING: the copy of base in $work/NAME, its built-in corpus damaged by
+# the caller, resumes to STEPS with WARNING said, to the loss the undamaged base resumes to.
+corpus_resumes() {
+  local name=$1 steps=$2 warning=$3 rc
+  "$train" "${args[@]}" --steps "$steps" --checkpoint-every 0 --out "$work/$name" --resume > /dev/null 2> "$work/$name.err"
+  rc=$?
+  "$train" "${args[@]}" --steps "$steps" --checkpoint-every 0 --out "$work/base" --resume > /dev/null 2>&1
+  local loss='s/.*"loss":([0-9.e+-]+).*/\1/'
+  if [[ $rc -ne 0 ]] || ! grep -q "$warning" "$work/$name.err" ||
+     [[ "$(tail -1 "$work/$name/metrics.jsonl" | sed -E "$loss")" != "$(tail -1 "$work/base/metrics.jsonl" | sed -E "$loss")" ]]; then
+    fail "$name: exit $rc, or other losses than the undamaged run's" "$work/$name.err"
+  else
+    echo "ok   $name: $(cat "$work/$name.err")"
+  fi
+}
 # A damaged built-in corpus (it is generated) is written again with a warning, and the run resumes
 # on the same tokens as an uninterrupted one (it had stopped on the header error).
-cp -r "$work/base" "$work/corpus"
-truncate -s 1000 "$work/corpus/builtin-corpus.tok"
-"$train" "${args[@]}" --steps 10 --checkpoint-every 0 --out "$work/corpus" --resume > /dev/null 2> "$work/corpus.err"
-rc=$?
-"$train" "${args[@]}" --steps 10 --checkpoint-every 0 --out "$work/base" --resume > /dev/null 2>&1
-if [[ $rc -ne 0 ]] || ! grep -q "warning: the built-in corpus .*builtin-corpus.tok is damaged (.*); writing it again (the same tokens)" "$work/corpus.err" ||
-   [[ "$(tail -2 "$work/corpus/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')" != "$(tail -2 "$work/base/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')" ]]; then
-  fail "damaged-builtin-corpus: exit $rc, or other losses than the undamaged run's" "$work/corpus.err"
-else
-  echo "ok   damaged-builtin-corpus: $(cat "$work/corpus.err")"
-fi
-
+cp -r "$work/base" "$work/damaged-builtin-corpus"
+truncate -s 1000 "$work/damaged-builtin-corpus/builtin-corpus.tok"
+corpus_resumes damaged-builtin-corpus 10 "warning: the built-in corpus .*builtin-corpus.tok is damaged (.*); writing it again (the same tokens)"
 # Damage that leaves the file readable (tokens changed, all within the vocabulary): the resume sees
 # other tokens and writes the corpus again (it had advised passing "the file it was trained on").
-cp -r "$work/base" "$work/corpus2"
-python3 -c "import sys; f = open(sys.argv[1], 'r+b'); f.seek(1 << 20); f.write(b'A\\x00' * 4096)" "$work/corpus2/builtin-corpus.tok"
-"$train" "${args[@]}" --steps 11 --checkpoint-every 0 --out "$work/corpus2" --resume > /dev/null 2> "$work/corpus2.err"
-rc=$?
-"$train" "${args[@]}" --steps 11 --checkpoint-every 0 --out "$work/base" --resume > /dev/null 2>&1
-if [[ $rc -ne 0 ]] || ! grep -q "warning: the built-in corpus .* holds other tokens than .* was trained on; writing it again" "$work/corpus2.err" ||
-   [[ "$(tail -1 "$work/corpus2/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')" != "$(tail -1 "$work/base/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')" ]]; then
-  fail "altered-builtin-corpus: exit $rc, or other losses than the undamaged run's" "$work/corpus2.err"
-else
-  echo "ok   altered-builtin-corpus: $(cat "$work/corpus2.err")"
-fi
+cp -r "$work/base" "$work/altered-builtin-corpus"
+python3 -c "import sys; f = open(sys.argv[1], 'r+b'); f.seek(1 << 20); f.write(b'A\\x00' * 4096)" "$work/altered-builtin-corpus/builtin-corpus.tok"
+corpus_resumes altered-builtin-corpus 11 "warning: the built-in corpus .* holds other tokens than .* was trained on; writing it again"
 
 if ((fails > 0)); then
   echo "FAILED: $fails case(s)"
