@@ -169,8 +169,8 @@ Plan
   --gpu-mem SIZE       device memory budget (default: the profile's GPU memory on cuda, 1GiB on host)
   --host-mem SIZE      host memory budget (default: the profile's, or this machine's (its memory
                        cgroup's limit) where it has less, less what building the model holds
-                       (cuda: one segment; host: the fp32 initial weights) and a tenth, at least
-                       4 GiB, for the process and the OS)
+                       (cuda: one segment; host: the fp32 initial weights) and a tenth (at least
+                       4 GiB, at most a quarter) for the process and the OS)
                        A SIZE is bytes, or a number with a unit: KiB to PiB, KB to PB, e.g. 3.84GiB
                        or 0.5 GB (as oom-plan prints sizes); a fraction of a byte is rounded down
   --backend NAME       auto (default: cuda when this build has CUDA and a GPU is present, else host),
