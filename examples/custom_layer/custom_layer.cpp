@@ -95,12 +95,9 @@ Options parse(int argc, char** argv) {
       o.measure = false;
       continue;
     }
-    static const std::vector<std::string> valued = {"--layers", "--hidden",  "--inter",   "--tokens",    "--steps", "--gpu-budget",
-                                                    "--host-budget", "--profile", "--trace", "--lr", "--retention", "--backend"};
-    if (std::find(valued.begin(), valued.end(), arg) == valued.end())
-      OOM_THROW(oom::Errc::invalid_argument, fmt::format("unknown option '{}' (--help lists them)", arg));
-    if (a + 1 >= argc) OOM_THROW(oom::Errc::invalid_argument, fmt::format("{} needs a value", arg));
-    const char* text = argv[++a];
+    const char* text = oom::examples::option_value(argc, argv, a, arg,
+                                                   {"--layers", "--hidden", "--inter", "--tokens", "--steps", "--gpu-budget",
+                                                    "--host-budget", "--profile", "--trace", "--lr", "--retention", "--backend"});
     const std::string v = text;
     if (arg == "--layers") {
       // As oom-train's --layers: a stack of more is not one a node trains (10^6 layers had built

@@ -706,7 +706,8 @@ int run(Args a) {
     }
     config_name = fmt::format("{} at {} layers (--layers)", config_name, *a.layers);
   }
-  const ModelSpec spec = ModelSpec::from_json(Json::parse(config_text, config_name), config_name);
+  const Json config = Json::parse(config_text, config_name);
+  const ModelSpec spec = ModelSpec::from_json(config, config_name);
 
   std::error_code ec;
   // An --overwrite'n run reads nothing of the old one: a `latest` naming a missing checkpoint
@@ -1129,17 +1130,21 @@ int run(Args a) {
   if (!a.trace.empty()) require_output_file("--trace", a.trace);
   if (!a.dump_batches.empty()) require_output_file("--dump-batches", a.dump_batches);
   if (a.data.empty()) {
+    // It is generated, the same tokens each time: written where missing, and written again where
+    // damaged, not a stop with an error to puzzle over (a resumed run checks their fingerprint below).
+    const auto write_and_open = [&] {
+      tokens.reset();
+      (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
+      tokens.emplace(TokenFile::open(data_path));
+    };
     if (!fs::exists(data_path, ec)) (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
     try {
       tokens.emplace(TokenFile::open(data_path));
     } catch (const Error& e) {
-      // It is generated, the same tokens each time (a resumed run checks their fingerprint below):
-      // a damaged copy is written again, not a stop with a header error to puzzle over.
       if (e.code() != Errc::parse && e.code() != Errc::io) throw;
       say(stderr, "oom-train: warning: the built-in corpus {} is damaged ({}); writing it again (the same tokens)\n",
           data_path.string(), e.message());
-      (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
-      tokens.emplace(TokenFile::open(data_path));
+      write_and_open();
     }
     // Damage that leaves a readable file (tokens changed within the vocabulary): a resumed run's
     // count or fingerprint tells, and the corpus is written again the same way (the checks below
@@ -1149,9 +1154,7 @@ int run(Args a) {
         (saved_data_fingerprint && *saved_data_fingerprint != fmt::format("{:016x}", tokens->sample_fingerprint()))) {
       say(stderr, "oom-train: warning: the built-in corpus {} holds other tokens than {} was trained on; writing it again (the same "
                   "tokens as then)\n", data_path.string(), latest->string());
-      tokens.reset();
-      (void)write_builtin_corpus(data_path, builtin_corpus_bytes, 0);
-      tokens.emplace(TokenFile::open(data_path));
+      write_and_open();
     }
     refuse_short_data(data_path.string(), tokens->size());
   }
@@ -1173,8 +1176,7 @@ int run(Args a) {
       oom::examples::count_label(spec.active_parameters()));
   // Longer windows than the positions the model was trained for run (RoPE has no limit), but a
   // pretrained model's quality past them is its own question: said, not refused.
-  if (const std::uint64_t max_pos = oom::examples::max_position_embeddings(Json::parse(config_text, config_name));
-      max_pos > 0 && a.seq > max_pos)
+  if (const std::uint64_t max_pos = oom::examples::max_position_embeddings(config); max_pos > 0 && a.seq > max_pos)
     say("note: --seq {} is longer than the config's max_position_embeddings ({}), the positions the model was trained for\n",
         a.seq, max_pos);
   if (a.warmup > 0 && a.warmup >= a.steps)
