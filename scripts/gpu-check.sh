@@ -54,6 +54,9 @@ if [[ -n "${PREBUILT:-}" && ! -f "$PREBUILT/CTestTestfile.cmake" ]]; then
   echo "PREBUILT=$PREBUILT: no build there (unpack gpubin/build.tgz first: scripts/pack-gpubin.sh)" >&2
   exit 2
 fi
+# The libraries the archive carries (Debian's Google Benchmark for the micro benchmarks).
+[[ -n "${PREBUILT:-}" && -d "$PREBUILT/carried-lib" ]] &&
+  export LD_LIBRARY_PATH="$(realpath "$PREBUILT/carried-lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 out="$build_dir/gpu-logs"
 rm -rf "$out"
 mkdir -p "$out"

@@ -44,8 +44,24 @@ trap 'rm -f "$list"' EXIT
 { find "$build" \( -name CMakeFiles -o -name gpu-logs -o -name Testing -o -name 'train-*' -o -name 'checkpoint-*' \
   -o -path "$build/tests/package/work" -o -path "$build/tests/package/prefix" -o -name 'peer-*' \) -prune -o \
   -type f \( -perm -u+x -o -name CTestTestfile.cmake \) ! -name '*.so' ! -name '*.sh' -print 2> /dev/null || true; } | sort > "$list"  # tests may remove files meanwhile
+# Google Benchmark as Debian ships it (soname libbenchmark.so.1debian), which the GPU machine's own
+# build of it does not provide: the micro benchmarks (bench_checkpoint, ...) would not start there.
+# The library goes into the archive as $build/carried-lib/, where gpu-check.sh's PREBUILT runs find
+# it (LD_LIBRARY_PATH); nothing else is carried (CUDA, NCCL, fmt and the C++ runtime are there).
+carried=$(mktemp -d)
+trap 'rm -f "$list"; rm -rf "$carried"' EXIT
+mkdir -p "$carried/$build/carried-lib"
+while read -r program; do
+  ldd "$program" 2> /dev/null | sed -n 's/^[[:space:]]*\(libbenchmark[^ ]*\) => \(\/[^ ]*\) .*/\1 \2/p'
+done < <(grep -v 'CTestTestfile.cmake$' "$list") | sort -u | while read -r soname path; do
+  cp -L "$path" "$carried/$build/carried-lib/$soname"
+done
 mkdir -p "$dest"
-tar czf "$dest/build.tgz.tmp" -T "$list"
+if [[ -n "$(ls -A "$carried/$build/carried-lib")" ]]; then
+  tar czf "$dest/build.tgz.tmp" -T "$list" -C "$carried" "$build/carried-lib"
+else
+  tar czf "$dest/build.tgz.tmp" -T "$list"
+fi
 # The device tool carries at most 64 MiB with the working tree (~5 MiB of it tracked files).
 bytes=$(stat -c %s "$dest/build.tgz.tmp")
 if ((bytes > 56 * 1048576)); then
@@ -54,4 +70,4 @@ if ((bytes > 56 * 1048576)); then
   exit 1
 fi
 mv -f "$dest/build.tgz.tmp" "$dest/build.tgz"
-echo "$dest/build.tgz: $(wc -l < "$list") files, $((bytes / 1048576)) MiB, at $(git rev-parse --short HEAD 2> /dev/null || echo '?')$(git diff --quiet HEAD 2> /dev/null || echo ' (tree dirty)')"
+echo "$dest/build.tgz: $(wc -l < "$list") files$(ls "$carried/$build/carried-lib" | sed 's/^/ + /' | tr '\n' ' ' | sed 's/ $//'), $((bytes / 1048576)) MiB, at $(git rev-parse --short HEAD 2> /dev/null || echo '?')$(git diff --quiet HEAD 2> /dev/null || echo ' (tree dirty)')"

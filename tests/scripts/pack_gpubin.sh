@@ -23,6 +23,15 @@ done
 if stray=$(grep -E '\.(o|a|so)$|/CMakeFiles/|/Testing/|/gpu-logs/|/checkpoint-|/train-[^/]*/|/package/(work|prefix)/' <<< "$list"); then
   fail "the archive holds $(wc -l <<< "$stray") build or run leftovers, e.g. $(head -1 <<< "$stray")"
 fi
+# Debian's Google Benchmark (soname libbenchmark.so.1debian, not the GPU machine's) goes along for
+# the micro benchmarks, and nothing else of the system's libraries.
+if [[ -f "$build/bench/micro/bench_checkpoint" ]] && ldd "$build/bench/micro/bench_checkpoint" | grep -q 'libbenchmark'; then
+  soname=$(ldd "$build/bench/micro/bench_checkpoint" | grep -o 'libbenchmark[^ ]*' | head -1)
+  grep -qx "$rel/carried-lib/$soname" <<< "$list" || fail "the archive lacks $rel/carried-lib/$soname (bench_checkpoint links it)"
+fi
+if other=$(grep "^$rel/carried-lib/." <<< "$list" | grep -v '/libbenchmark'); then
+  fail "the archive carries other libraries: $other"
+fi
 mkdir "$work/x" && tar xzf "$work/build.tgz" -C "$work/x"
 cmp -s "$work/x/$rel/examples/train/oom-train" "$build/examples/train/oom-train" || fail "the archived oom-train differs from the build's"
 # A build directory outside the working tree would unpack elsewhere than its ctest files say.
