@@ -24,6 +24,8 @@
 #if OOM_PLAN_HAS_CUDA
 #include "oom/core/log.hpp"
 #include "oom/runtime/cuda_causal_lm.hpp"
+#else
+#include "oom/model/host_decoder_layer.hpp"
 #endif
 
 namespace {
@@ -276,6 +278,17 @@ int main(int argc, char** argv) {
                profile.name, a.gpus, req.gpu_budget, req.host_budget, a.batch, a.longest ? std::string("(longest)") : std::to_string(a.seq),
                a.micro_batches, req.clip_grad_norm ? ", gradients clipped by global norm" : "");
 
+#if !OOM_PLAN_HAS_CUDA
+    // The planner plans any model the config describes; this build's oom-train runs it on the host
+    // decoder layer alone, which refuses some (sliding windows, attention biases, dense layers):
+    // say so before the plans, as the CUDA build's "would run: nothing" line does.
+    try {
+      for (int l = 0; l < spec.num_layers(); ++l) (void)oom::HostDecoderLayer(spec, l);
+    } catch (const oom::Error& e) {
+      if (e.code() != oom::Errc::unsupported) throw;
+      fmt::print("note: this build's oom-train (host backend only) cannot train this model: {}\n\n", e.message());
+    }
+#endif
     // A budget past the machine's is planned as asked (a bigger machine's plan, say), but what
     // oom-train runs on this profile's machine is held to its memory: say so before the plan.
     if (req.gpu_budget > profile.gpu_memory)
