@@ -144,6 +144,32 @@ TEST_CASE("describe_layers reads a describable layer's name, segments, cost per 
   CHECK(at16.activation_bytes() == 2 * at8.activation_bytes());
 }
 
+TEST_CASE("descriptions of a vector's layers follow the vector as it grows, and name a layer removed from it") {
+  // A user's growing the vector after describing its first layers had moved the layers from under
+  // the descriptions: the planner read freed memory and asked for petabytes.
+  auto layers = stack<ChunkedMoe>(1);
+  const auto d = describe_layers(layers);
+  const LayerCost before = d[0].cost({1, 8});
+  for (int l = 1; l < 40; ++l) layers.emplace_back(l, hidden, experts, top_k, inter);  // reallocates
+  const LayerCost after = d[0].cost({1, 8});
+  CHECK(after.forward_flops == before.forward_flops);
+  CHECK(after.activation_bytes() == before.activation_bytes());
+  const MachineProfile profile = MachineProfile::h200(1);
+  const auto one = std::vector<ChunkedMoe>(layers.begin(), layers.begin() + 1);
+  const auto fresh = LayerStackPlanner(describe_layers(one), profile).plan(request(1_GiB));
+  const auto grown = LayerStackPlanner(d, profile).plan(request(1_GiB));
+  CHECK(grown.plans.front().predicted.gpu_peak == fresh.plans.front().predicted.gpu_peak);
+  const auto two = describe_layers(layers);
+  layers.erase(layers.begin() + 1, layers.end());
+  Errc code{};
+  CHECK(thrown([&] { (void)two[1].cost({1, 8}); }, &code).find("describe_layers: layer 1 ('layer 1') is no longer in its container, "
+                                                                "which holds 1 layers now") != std::string::npos);
+  CHECK(code == Errc::invalid_argument);
+  // A span's descriptions still reach each layer where it is.
+  const std::span<const ChunkedMoe> view(layers);
+  CHECK(describe_layers(view)[0].cost({1, 8}).forward_flops == before.forward_flops);
+}
+
 TEST_CASE("with room for everything, the plan keeps everything resident and on the GPU") {
   // Layers of some size: at the test stacks' few KiB, launch overheads rule and a GPU update on
   // the compute stream costs more than a copy and a CPU update beside it.

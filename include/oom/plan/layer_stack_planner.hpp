@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "oom/concepts/layer.hpp"
+#include "oom/core/error.hpp"
 #include "oom/plan/machine_profile.hpp"
 #include "oom/plan/plan.hpp"
 #include "oom/plan/planner.hpp"
@@ -53,7 +54,13 @@ struct LayerDescription {
 };
 
 /// Descriptions of a range of describable layers, in order; each `cost` calls the layer's own
-/// cost(), so the layers must outlive the descriptions (and the planner made from them).
+/// cost(), so the layers must outlive the descriptions (and the planner made from them). A
+/// container of its own layers (std::vector, std::deque, ...) is reached through the container
+/// and the layer's index, so it may grow after this (a vector's reallocation moves the layers; a
+/// cost through a pointer to the old one had read freed memory), and a layer removed from it is
+/// Errc::invalid_argument naming the layer when the planner asks its cost; the container itself
+/// must stay where it is. A borrowed range (std::span, a view) is reached through each layer's
+/// address: the storage behind it must not move.
 template <std::ranges::forward_range R>
   requires describable_layer<std::ranges::range_value_t<R>>
 std::vector<LayerDescription> describe_layers(const R& layers) {
@@ -64,7 +71,18 @@ std::vector<LayerDescription> describe_layers(const R& layers) {
     d.name = std::string(layer_traits<L>::name(l));
     if (d.name == "layer") d.name = "layer " + std::to_string(out.size());
     for (const StateSegment& s : l.segments()) d.segments.push_back(s);
-    d.cost = [p = &l](const Workload& w) { return LayerCost(p->cost(w)); };
+    if constexpr (std::ranges::random_access_range<R> && std::ranges::sized_range<R> && !std::ranges::borrowed_range<R>) {
+      d.cost = [c = &layers, i = out.size(), name = d.name](const Workload& w) {
+        const auto n = static_cast<std::size_t>(std::ranges::size(*c));
+        if (i >= n)
+          OOM_THROW(Errc::invalid_argument, "describe_layers: layer " + std::to_string(i) + " ('" + name +
+                                                "') is no longer in its container, which holds " + std::to_string(n) +
+                                                " layers now: describe the layers again after removing any");
+        return LayerCost(std::ranges::begin(*c)[static_cast<std::ranges::range_difference_t<R>>(i)].cost(w));
+      };
+    } else {
+      d.cost = [p = &l](const Workload& w) { return LayerCost(p->cost(w)); };
+    }
     d.chunking = layer_traits<L>::chunking(l);
     d.recomputable = layer_traits<L>::recomputable;
     out.push_back(std::move(d));
