@@ -681,7 +681,7 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
     if (least_host.count() != ~0ull)
       msg += fmt::format("{}within the GPU budget, the least host memory a plan needs is {}, the budget is {}",
                          msg.back() == ' ' ? "" : "; ", least_host, req.host_budget);
-    else if (least_host_any.count() != ~0ull)
+    else if (least_host_any.count() != ~0ull && least_gpu.count() == ~0ull)  // (else a plan meets the host budget: not the bound)
       msg += fmt::format("{}the least host memory any plan needs is {}, the budget is {}", msg.back() == ' ' ? "" : "; ",
                          least_host_any, req.host_budget);
     OOM_THROW(Errc::out_of_budget, msg);

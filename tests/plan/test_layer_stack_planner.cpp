@@ -240,8 +240,18 @@ TEST_CASE("a budget too small for any plan is refused with the least bytes a pla
   CHECK(why.find("within the host budget, the least GPU memory a plan needs is") != std::string::npos);
   CHECK(why.find("largest claimant:") != std::string::npos);
   CHECK(why.find("the budget is 1.00 KiB") != std::string::npos);
-  // Host memory too small for the state even with every segment resident: named apart.
-  const std::string host = thrown([&] { (void)planner.plan(request(1_KiB, 1_B)); });
+  // A host budget of 1 byte besides: every segment resident needs no host memory, so only the GPU
+  // is named (the refusal had also said "the least host memory any plan needs is 8.00 KiB", the
+  // host need of the templates that offload, which a larger GPU budget alone made moot).
+  const std::string gpu_only = thrown([&] { (void)planner.plan(request(1_KiB, 1_B)); });
+  CHECK(gpu_only.find("within the host budget, the least GPU memory a plan needs is") != std::string::npos);
+  CHECK(gpu_only.find("host memory") == std::string::npos);
+  // Host memory too small for any plan, every segment resident included (activations offloaded by
+  // the only template asked for): named apart.
+  PlanRequest offloading = request(1_KiB, 1_B);
+  offloading.retention = "offload-all";
+  const std::string host = thrown([&] { (void)planner.plan(offloading); });
+  INFO(host);
   CHECK(host.find("the least host memory any plan needs is") != std::string::npos);
   // A host too small for the state streamed, a GPU too small to hold it: the refusal names the
   // host memory a plan within the GPU budget needs.
