@@ -245,8 +245,8 @@ TEST_CASE("executors made and destroyed on one backend leave no streams behind")
   // And one refused for its input, before it takes anything.
   auto short_init = init;
   short_init.pop_back();
-  CHECK_THROWS_WITH_AS(HostExecutor<test::MoeMlpLayer>(backend, layers, plan, short_init), doctest::Contains("initial weights of segment"),
-                       Error);
+  CHECK_THROWS_WITH_AS(HostExecutor<test::MoeMlpLayer>(backend, layers, plan, short_init),
+                       doctest::Contains("initial weight vectors for the layers'"), Error);
   CHECK(backend.stream_count() == 0);
 }
 
@@ -990,6 +990,36 @@ TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; i
     extra.emplace_back(3, 0.25f);
     CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, plan, extra),
                          doctest::Contains("3 initial weight vectors for the layers' 2 segments"), Error);
+    // One fewer: named as a count too (had been "initial weights of segment 1 (...): 0 values for
+    // 3 parameters", a segment the caller had no vector for).
+    auto short_by_one = init_of(layers);
+    short_by_one.pop_back();
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, plan, short_by_one),
+                         doctest::Contains("1 initial weight vectors for the layers' 2 segments"), Error);
+  }
+  {
+    // A NaN or infinite initial weight: named with its segment (had been taken, every step's loss
+    // NaN and skipped).
+    auto nan = init_of(layers);
+    nan[1][2] = std::numeric_limits<float>::quiet_NaN();
+    const std::string nan_named = "initial weights of segment 1 ('" + layers[1].segments()[0].name + "'): value 2 of 3 is nan";
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, plan, nan), doctest::Contains(nan_named.c_str()), Error);
+    auto inf = init_of(layers);
+    inf[0][0] = -std::numeric_limits<float>::infinity();
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, plan, inf), doctest::Contains("value 0 of 3 is -inf"), Error);
+  }
+  {
+    // A plan priced for clipping by the global norm, the executor updating as gradients land: the
+    // steps had run unclipped, nothing said.
+    Plan clipped = plan;
+    clipped.clip_grad_norm = true;
+    CHECK_THROWS_WITH_AS(HostExecutor<WholeLayer>(backend, layers, clipped, init_of(layers)),
+                         doctest::Contains("the plan clips gradients by their global norm (PlanRequest::clip_grad_norm), which needs "
+                                           "LayerExecutorOptions::defer_updates"),
+                         Error);
+    LayerExecutorOptions deferring;
+    deferring.defer_updates = true;
+    CHECK_NOTHROW(HostExecutor<WholeLayer>(backend, layers, clipped, init_of(layers), deferring));
   }
   CHECK(backend.device_arena().in_use() == 0_B);
   // The plan is the executor's: the caller's may change or go.
@@ -998,6 +1028,11 @@ TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; i
   mine.workload.seq_len *= 2;
   mine.retention.clear();
   CHECK_NOTHROW((void)exec.step(std::vector<float>(24, 1.0f), std::vector<float>(24, 0.0f)));
+  // Wrong sizes name what came: the targets as the inputs do, the optimizer state with the count.
+  CHECK_THROWS_WITH_AS((void)exec.step(std::vector<float>(24, 1.0f), std::vector<float>(23, 0.0f)),
+                       doctest::Contains("step needs (T, H) = (6, 4) targets, got 23 values"), Error);
+  std::vector<SegmentOptimizerState> state(1);
+  CHECK_THROWS_WITH_AS(exec.load_optimizer_state(state, 0), doctest::Contains("optimizer state holds 1 segments, the layers 2"), Error);
 }
 
 TEST_CASE("a stack that changed its layer count after the executor was made is refused by step(), not read past its state") {

@@ -130,7 +130,8 @@ class LayerExecutor {
   /// activation); a layer that runs whole (ChunkDependency::none) gets one chunk.
   /// Errc::invalid_argument otherwise, naming the layer and both sizes, before
   /// anything is taken from the backend, as is an `initial_master` of more or fewer vectors than
-  /// the layers have segments, and a plan of counts out of range (check_plan_counts). (The plan may name resident segments outside the stack:
+  /// the layers have segments, a plan of counts out of range (check_plan_counts), and a plan that
+  /// clips gradients (Plan::clip_grad_norm) without options.defer_updates. (The plan may name resident segments outside the stack:
   /// a causal LM's embedding and head, which its caller holds.)
   LayerExecutor(B& backend, std::vector<L>& layers, const Plan& plan, const std::vector<std::vector<float>>& initial_master,
                 LayerExecutorOptions options = {})
@@ -141,6 +142,12 @@ class LayerExecutor {
       OOM_THROW(Errc::unsupported, fmt::format("a layer executor runs on one device, at least one micro-batch (the plan: {} GPUs, {} "
                                                "micro-batches)", plan.gpus, plan.micro_batches));
     if (layers.empty()) OOM_THROW(Errc::invalid_argument, "a layer executor needs at least one layer");
+    // A plan priced for clipping by the global norm (PlanRequest::clip_grad_norm) with updates as
+    // gradients land: nothing could clip, and the steps would silently run unclipped.
+    if (plan.clip_grad_norm && !options.defer_updates)
+      OOM_THROW(Errc::invalid_argument, "the plan clips gradients by their global norm (PlanRequest::clip_grad_norm), which needs "
+                                        "LayerExecutorOptions::defer_updates (then gradient_sum_of_squares() and apply_updates() "
+                                        "with the clipping factor); the executor was built without it");
     // A plan made by hand: a micro-batch of no tokens had run, every step's loss a mean over none
     // (NaN) and skipped.
     refuse_unrunnable_micro_batch(plan.workload);
@@ -153,6 +160,12 @@ class LayerExecutor {
     // Each layer's segment names, read once here: take_memory() takes them from this, so a layer
     // whose segments() would answer otherwise later cannot have us read past initial_master.
     std::vector<std::vector<std::string>> names(layers.size());
+    // As many weight vectors as segments, checked first: one vector short had been named by the
+    // segment after the last, "0 values for N parameters".
+    std::size_t segment_total = 0;
+    for (const auto& layer : layers) segment_total += static_cast<std::size_t>(std::ranges::distance(layer.segments()));
+    if (initial_master.size() != segment_total)
+      OOM_THROW(Errc::invalid_argument, fmt::format("{} initial weight vectors for the layers' {} segments", initial_master.size(), segment_total));
     std::size_t index = 0;
     for (std::size_t l = 0; l < layers.size(); ++l) {
       // A width of 0 had been taken: boundaries of (T, 0), which the layer wrote its real rows past.
@@ -171,6 +184,12 @@ class LayerExecutor {
           OOM_THROW(Errc::invalid_argument, fmt::format("initial weights of segment {} ('{}'): {} values for {} parameters", index,
                                                         seg.name, index < initial_master.size() ? initial_master[index].size() : 0,
                                                         seg.parameters()));
+        // A NaN or infinite weight had been taken: every step's loss non-finite and skipped, no
+        // segment named.
+        if (const auto bad = std::ranges::find_if(initial_master[index], [](float v) { return !std::isfinite(v); });
+            bad != initial_master[index].end())
+          OOM_THROW(Errc::invalid_argument, fmt::format("initial weights of segment {} ('{}'): value {} of {} is {}", index, seg.name,
+                                                        bad - initial_master[index].begin(), seg.parameters(), *bad));
         names[l].push_back(seg.name);
         ++index;
       }
@@ -180,8 +199,6 @@ class LayerExecutor {
       workset_.push_back(layer_traits<L>::uses_workspace ? cost.workset : Bytes{});
     }
     hidden_ = layers.front().hidden();
-    if (index != initial_master.size())
-      OOM_THROW(Errc::invalid_argument, fmt::format("{} initial weight vectors for the layers' {} segments", initial_master.size(), index));
     compute_ = make_named_stream("compute");
     h2d_ = make_named_stream("h2d");
     d2h_ = make_named_stream("d2h");
@@ -265,7 +282,7 @@ class LayerExecutor {
     check_stack();
     const std::uint64_t t = plan_.workload.tokens();
     const std::uint64_t h = layers_.front().hidden();
-    if (target.size() != t * h) OOM_THROW(Errc::invalid_argument, fmt::format("step needs (T, H) = ({}, {}) targets", t, h));
+    if (target.size() != t * h) OOM_THROW(Errc::invalid_argument, fmt::format("step needs (T, H) = ({}, {}) targets, got {} values", t, h, target.size()));
     const float* tgt = target.data();
     return step(input, [tgt, t, h](const float* y, float* grad) {
       double sum = 0;
@@ -742,16 +759,16 @@ class LayerExecutor {
       OOM_THROW(Errc::invalid_argument, fmt::format("load_optimizer_state(): optimizer_steps is {}; a step count is at least 0",
                                                     optimizer_steps));
     synchronize_all();
-    std::size_t i = 0;
+    std::size_t i = 0, segments = 0;
+    for (const auto& ls : layers_state_) segments += ls.segments.size();
+    if (state.size() != segments)
+      OOM_THROW(Errc::invalid_argument, fmt::format("optimizer state holds {} segments, the layers {}", state.size(), segments));
     for (auto& ls : layers_state_)  // all checked before anything is overwritten
       for (auto& s : ls.segments) {
-        if (i >= state.size())
-          OOM_THROW(Errc::invalid_argument, fmt::format("optimizer state holds {} segments, the layers more", state.size()));
         if (state[i].master.size() != s.n || state[i].exp_avg.size() != s.n || state[i].exp_avg_sq.size() != s.n)
           OOM_THROW(Errc::invalid_argument, fmt::format("optimizer state of segment '{}': sizes do not match its {} parameters", s.name, s.n));
         ++i;
       }
-    if (i != state.size()) OOM_THROW(Errc::invalid_argument, fmt::format("optimizer state holds {} segments, the layers {}", state.size(), i));
     i = 0;
     for (auto& ls : layers_state_)
       for (auto& s : ls.segments) {
