@@ -1,5 +1,8 @@
-// Umbrella header: the host-side vocabulary and the plug-in contracts of OOM.
-// CUDA-specific headers (oom/core/cuda_check.hpp, oom/cuda/...) are included separately.
+// Umbrella header: the host-side vocabulary and the plug-in contracts of OOM, and what a layer
+// author plans and trains with on the host: the machine profile, both planners, the layer
+// executor on the host backend (HostExecutor). CUDA-specific headers (oom/core/cuda_check.hpp,
+// oom/cuda/..., oom/runtime/cuda_layer_executor.hpp, oom/runtime/cuda_causal_lm.hpp) are
+// included separately, with oom::cuda linked.
 #pragma once
 
 #include "oom/core/bytes.hpp"
@@ -20,3 +23,7 @@
 #include "oom/io/json.hpp"
 #include "oom/model/model_spec.hpp"
 #include "oom/plan/dependency_partitioner.hpp"
+#include "oom/plan/machine_profile.hpp"
+#include "oom/plan/planner.hpp"
+#include "oom/plan/layer_stack_planner.hpp"
+#include "oom/runtime/host_executor.hpp"

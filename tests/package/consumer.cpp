@@ -5,8 +5,7 @@
 #include <string>
 #include <vector>
 
-#include <oom/oom.hpp>
-#include <oom/plan/layer_stack_planner.hpp>
+#include <oom/oom.hpp>  // alone: the planners and the host executor come with it
 #if OOM_CONSUMER_CUDA
 #include <oom/cuda/device.hpp>
 int consumer_kernel_launches();  // consumer_kernel.cu
@@ -49,6 +48,8 @@ int main() {
     req.host_budget = 1_GiB;
     req.workload = {1, 1024};
     if (planner.plan(req).plans.empty()) return 4;
+    oom::HostBackend backend({64_MiB, 64_MiB});
+    if (backend.device_arena().budget() != 64_MiB) return 5;
   }
   oom::log_info("budget {}", budget);
   std::printf("oom consumer ok\n");
