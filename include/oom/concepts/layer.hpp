@@ -66,7 +66,9 @@ concept layer = describable_layer<L> && requires(L& l, Context& ctx) {
 };
 
 /// Defaults for the optional parts of a layer; a layer overrides one by providing the member.
-///   - `name()`: shown in plans and traces; default "layer".
+///   - `name()`: shown in plans and traces, and how a recorded step's spans are told apart
+///     (with_measured_rates), so one per layer of a stack, not per type ("blocks.3", not
+///     "block"); default "layer" (describe_layers and the executors then say "layer N").
 ///   - `chunking()`: a ChunkDependency; default ChunkDependency::none (run whole).
 ///   - `static constexpr bool recomputable`: whether forward may be rerun to regenerate dropped
 ///     activations (it must be deterministic); default true.
