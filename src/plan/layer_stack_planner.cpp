@@ -9,6 +9,7 @@
 #include <unordered_set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
@@ -457,6 +458,24 @@ std::vector<LayerDescription> with_measured_rates(std::vector<LayerDescription> 
   return layers;
 }
 
+std::string layer_stack_fingerprint(const std::vector<std::vector<StateSegment>>& segments_per_layer) {
+  std::string text = fmt::format("layers {};", segments_per_layer.size());
+  for (const auto& segments : segments_per_layer) {
+    text += fmt::format("layer {}:", segments.size());
+    for (const StateSegment& seg : segments) {
+      text += seg.name;
+      for (const auto& t : seg.tensors) text += fmt::format(" {}[{}]", t.name, fmt::join(t.shape, ","));
+      text += ';';
+    }
+  }
+  std::uint64_t h = 14695981039346656037ull;  // FNV-1a 64, as model_fingerprint
+  for (const char c : text) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  return fmt::format("{:016x}", h);
+}
+
 LayerStackPlanner::LayerStackPlanner(std::vector<LayerDescription> layers, const MachineProfile& profile, std::string model_name)
     : layers_(std::move(layers)), profile_(&profile), model_name_(std::move(model_name)) {
   profile.validate(profile.name);
@@ -474,6 +493,10 @@ LayerStackPlanner::LayerStackPlanner(std::vector<LayerDescription> layers, const
                                                       "resident segments, so names must be unique",
                                                       s.name, it->second, l, layers_[l].name));
   }
+  std::vector<std::vector<StateSegment>> segments;
+  segments.reserve(layers_.size());
+  for (const auto& l : layers_) segments.push_back(l.segments);
+  layers_fingerprint_ = layer_stack_fingerprint(segments);
 }
 
 StepGraph LayerStackPlanner::step_graph(const Plan& plan) const {
@@ -586,6 +609,7 @@ PlanSet LayerStackPlanner::plan(const PlanRequest& req) const {
     for (const Candidate* cand : searched) {
       for (std::uint64_t chunk : chunk_levels) {
         Plan p = Plan::for_request(req, model_name_);  // check_request: one GPU
+        p.layers_fingerprint = layers_fingerprint_;
         p.prefetch_depth = depth;
         p.retention_name = cand->name;
         p.retention = cand->table;

@@ -103,6 +103,7 @@ Json Plan::to_json() const {
   j.set("format", "oom-plan/1");
   j.set("model", model);
   if (!model_fingerprint.empty()) j.set("model_fingerprint", model_fingerprint);  // none for a LayerStackPlanner's layers
+  if (!layers_fingerprint.empty()) j.set("layers_fingerprint", layers_fingerprint);  // a LayerStackPlanner's only
   j.set("path", to_string(path));
   j.set("gpus", gpus);
   j.set("prefetch_depth", prefetch_depth);
@@ -207,18 +208,21 @@ Plan Plan::from_json(const Json& json, std::string_view source) {
       OOM_THROW(Errc::parse, fmt::format("format: '{}' is not oom-plan/1", j["format"].as_string()));
     // Every level's keys are known: a misspelt optional field had run with its default.
     refuse_unknown_keys(j,
-                        {"format", "model", "model_fingerprint", "path", "gpus", "prefetch_depth", "sequences", "seq_len", "micro_batches",
+                        {"format", "model", "model_fingerprint", "layers_fingerprint", "path", "gpus", "prefetch_depth", "sequences", "seq_len", "micro_batches",
                          "grad_accumulation", "clip_grad_norm", "precision", "gpu_budget_bytes", "host_budget_bytes",
                          "resident_level_bytes", "resident_segments", "retention_name", "layers", "loss_chunk_rows", "predicted"},
                         "a plan");
     refuse_unknown_keys(j["precision"], {"weights", "master", "moments", "grads"}, "the plan's precision");
     Plan p;
     p.model = j["model"].as_string();
-    if (const auto fp = j["model_fingerprint"]; fp.present()) {  // absent in older plans and a LayerStackPlanner's
-      p.model_fingerprint = fp.as_string();
-      if (p.model_fingerprint.size() != 16 ||
-          !std::all_of(p.model_fingerprint.begin(), p.model_fingerprint.end(), [](char ch) { return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'); }))
-        OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not 16 lowercase hex digits", fp.path(), p.model_fingerprint));
+    // Each absent in older plans; model_fingerprint in a LayerStackPlanner's, layers_fingerprint in a Planner's.
+    for (const auto& [key, field] : {std::pair{"model_fingerprint", &p.model_fingerprint}, std::pair{"layers_fingerprint", &p.layers_fingerprint}}) {
+      const auto fp = j[key];
+      if (!fp.present()) continue;
+      *field = fp.as_string();
+      if (field->size() != 16 ||
+          !std::all_of(field->begin(), field->end(), [](char ch) { return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'); }))
+        OOM_THROW(Errc::parse, fmt::format("{}: '{}' is not 16 lowercase hex digits", fp.path(), *field));
     }
     p.path = parse_path(j["path"]);
     p.gpus = bounded(j["gpus"], 1, max_plan_gpus, "GPUs of one node");

@@ -170,6 +170,51 @@ TEST_CASE("descriptions of a vector's layers follow the vector as it grows, and 
   CHECK(describe_layers(view)[0].cost({1, 8}).forward_flops == before.forward_flops);
 }
 
+TEST_CASE("a plan names the layer stack it was made for: an executor refuses another stack's, and the JSON keeps the name") {
+  // Another stack's plan had run: its resident segment names matching none of these (everything
+  // streamed, nothing said), its predicted bytes another stack's.
+  auto layers = stack<test::MoeMlpLayer>(3);
+  const MachineProfile profile = MachineProfile::h200(1);
+  const LayerStackPlanner planner(describe_layers(layers), profile);
+  const Plan p = planner.plan(request(1_GiB)).plans.front();
+  REQUIRE_FALSE(p.resident_segments.empty());
+  CHECK(p.layers_fingerprint == planner.layers_fingerprint());
+  CHECK(p.layers_fingerprint.size() == 16);
+  CHECK(p.model_fingerprint.empty());
+  CHECK(Plan::from_json(Json::parse(p.to_json().dump(2)), "<round trip>").layers_fingerprint == p.layers_fingerprint);
+  Json bad = p.to_json();
+  bad.set("layers_fingerprint", "0123");
+  CHECK_THROWS_WITH_AS((void)Plan::from_json(bad, "bad.json"), doctest::Contains("layers_fingerprint: '0123' is not 16 lowercase hex"),
+                       Error);
+  const auto init_for = [](const auto& ls) {
+    std::vector<std::vector<float>> init;
+    for (const auto& l : ls)
+      for (const auto& seg : l.segments()) init.emplace_back(seg.parameters(), 0.01f);
+    return init;
+  };
+  HostBackend backend({1_GiB, 1_GiB, true});
+  CHECK_NOTHROW(HostExecutor<test::MoeMlpLayer>(backend, layers, p, init_for(layers)));
+  // Other segment names (layers 100..102), and the same names at another width.
+  std::vector<test::MoeMlpLayer> renamed, wider;
+  for (int l = 0; l < 3; ++l) {
+    renamed.emplace_back(100 + l, hidden, experts, top_k, inter);
+    wider.emplace_back(l, 2 * hidden, experts, top_k, inter);
+  }
+  const std::string stranger = "its resident segment '" + p.resident_segments.front() + "' is none of theirs";
+  CHECK_THROWS_WITH_AS(HostExecutor<test::MoeMlpLayer>(backend, renamed, p, init_for(renamed)),
+                       doctest::Contains("the plan was made for another layer stack (layers fingerprint"), Error);
+  CHECK_THROWS_WITH_AS(HostExecutor<test::MoeMlpLayer>(backend, renamed, p, init_for(renamed)), doctest::Contains(stranger.c_str()), Error);
+  CHECK_THROWS_WITH_AS(HostExecutor<test::MoeMlpLayer>(backend, wider, p, init_for(wider)),
+                       doctest::Contains("the plan was made for another layer stack"), Error);
+  CHECK(backend.device_arena().in_use() == 0_B);
+  // A plan without the name (by hand, older JSON) is taken as before.
+  Plan unnamed = p;
+  unnamed.layers_fingerprint.clear();
+  unnamed.resident_segments.clear();
+  unnamed.predicted = Prediction::of(LayerStackPlanner(describe_layers(renamed), profile).simulate(unnamed));
+  CHECK_NOTHROW(HostExecutor<test::MoeMlpLayer>(backend, renamed, unnamed, init_for(renamed)));
+}
+
 TEST_CASE("with room for everything, the plan keeps everything resident and on the GPU") {
   // Layers of some size: at the test stacks' few KiB, launch overheads rule and a GPU update on
   // the compute stream costs more than a copy and a CPU update beside it.

@@ -136,11 +136,14 @@ class LayerStackPlanner {
   [[nodiscard]] std::string describe(const Plan& plan) const;
 
   [[nodiscard]] const std::vector<LayerDescription>& layers() const { return layers_; }
+  /// layer_stack_fingerprint() of the layers' segments, as the plans it makes carry it.
+  [[nodiscard]] const std::string& layers_fingerprint() const { return layers_fingerprint_; }
 
  private:
   std::vector<LayerDescription> layers_;
   const MachineProfile* profile_;
   std::string model_name_;
+  std::string layers_fingerprint_;
 };
 
 }  // namespace oom

@@ -97,6 +97,11 @@ struct Plan {
   /// model_fingerprint() of the model it was made for (empty: a LayerStackPlanner's layers, or a
   /// plan from before the field): what oom-train compares, the name being a path as typed.
   std::string model_fingerprint;
+  /// layer_stack_fingerprint() of the layers a LayerStackPlanner made it for (empty: a Planner's
+  /// plan, one made by hand, or one from before the field): what a LayerExecutor compares with its
+  /// own layers, so that a plan of another stack is refused instead of run with its residency
+  /// names matching nothing and its bytes another stack's.
+  std::string layers_fingerprint;
   ExecutionPath path = ExecutionPath::local;
   int gpus = 1;
   int prefetch_depth = 2;  ///< weight slots per GPU: layers in flight
@@ -173,5 +178,10 @@ std::string describe_boundaries(const Plan& p);
 /// "" at the default precisions; else one line naming them (e.g. "state: bf16 weights, fp32
 /// master, bf16 AdamW moments, fp32 gradients\n"), for describe().
 std::string describe_precision(const StatePrecision& p);
+
+/// A stack of layers as plans see it: each layer's segments in order, their names and tensors'
+/// names and shapes (16 lowercase hex digits, FNV-1a). LayerStackPlanner's plans carry it
+/// (Plan::layers_fingerprint); LayerExecutor compares it with its layers' segments().
+[[nodiscard]] std::string layer_stack_fingerprint(const std::vector<std::vector<StateSegment>>& segments_per_layer);
 
 }  // namespace oom

@@ -130,8 +130,9 @@ class LayerExecutor {
   /// activation); a layer that runs whole (ChunkDependency::none) gets one chunk.
   /// Errc::invalid_argument otherwise, naming the layer and both sizes, before
   /// anything is taken from the backend, as is an `initial_master` of more or fewer vectors than
-  /// the layers have segments, a plan of counts out of range (check_plan_counts), and a plan that
-  /// clips gradients (Plan::clip_grad_norm) without options.defer_updates. (The plan may name resident segments outside the stack:
+  /// the layers have segments, a plan of counts out of range (check_plan_counts), a plan that
+  /// clips gradients (Plan::clip_grad_norm) without options.defer_updates, and a LayerStackPlanner's
+  /// plan of other layers (Plan::layers_fingerprint: segment names or tensor shapes that differ). (The plan may name resident segments outside the stack:
   /// a causal LM's embedding and head, which its caller holds.)
   LayerExecutor(B& backend, std::vector<L>& layers, const Plan& plan, const std::vector<std::vector<float>>& initial_master,
                 LayerExecutorOptions options = {})
@@ -151,6 +152,24 @@ class LayerExecutor {
     // A plan made by hand: a micro-batch of no tokens had run, every step's loss a mean over none
     // (NaN) and skipped.
     refuse_unrunnable_micro_batch(plan.workload);
+    // A LayerStackPlanner's plan of another stack: its residency names had matched none of these
+    // segments (everything streamed, nothing said) and its bytes had been another stack's.
+    if (!plan.layers_fingerprint.empty()) {
+      std::vector<std::vector<StateSegment>> segments;
+      for (const auto& layer : layers) segments.emplace_back(std::ranges::begin(layer.segments()), std::ranges::end(layer.segments()));
+      if (const std::string mine = layer_stack_fingerprint(segments); mine != plan.layers_fingerprint) {
+        std::string stranger;  // a resident segment of the plan that these layers lack, if any
+        for (const auto& name : plan.resident_segments)
+          if (std::ranges::none_of(segments, [&](const auto& ls) { return std::ranges::any_of(ls, [&](const auto& s) { return s.name == name; }); })) {
+            stranger = fmt::format("; its resident segment '{}' is none of theirs", name);
+            break;
+          }
+        OOM_THROW(Errc::invalid_argument, fmt::format("the plan was made for another layer stack (layers fingerprint {}; these layers' "
+                                                      "segments, names and tensor shapes, give {}{}): plan these layers "
+                                                      "(LayerStackPlanner over describe_layers) and run that plan",
+                                                      plan.layers_fingerprint, mine, stranger));
+      }
+    }
     // ... nor counts out of range: a prefetch_depth of 0 had run with one slot and one of 10^6
     // taken that many, a MoE chunk of 0 tokens had run a token at a time.
     check_plan_counts(plan);
