@@ -51,8 +51,8 @@ trap 'rm -f "$list"' EXIT
 carried=$(mktemp -d)
 trap 'rm -f "$list"; rm -rf "$carried"' EXIT
 mkdir -p "$carried/$build/carried-lib"
-while read -r program; do
-  ldd "$program" 2> /dev/null | sed -n 's/^[[:space:]]*\(libbenchmark[^ ]*\) => \(\/[^ ]*\) .*/\1 \2/p'
+while read -r program; do  # (ldd refuses scripts and static programs: nothing to carry for them)
+  { ldd "$program" 2> /dev/null || true; } | sed -n 's/^[[:space:]]*\(libbenchmark[^ ]*\) => \(\/[^ ]*\) .*/\1 \2/p'
 done < <(grep -v 'CTestTestfile.cmake$' "$list") | sort -u | while read -r soname path; do
   cp -L "$path" "$carried/$build/carried-lib/$soname"
 done

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <array>
+#include <deque>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -168,6 +169,28 @@ TEST_CASE("descriptions of a vector's layers follow the vector as it grows, and 
   // A span's descriptions still reach each layer where it is.
   const std::span<const ChunkedMoe> view(layers);
   CHECK(describe_layers(view)[0].cost({1, 8}).forward_flops == before.forward_flops);
+  // A layer removed before another: the later one's description names itself, not the cost of the
+  // layer that moved into its place.
+  auto three = stack<ChunkedMoe>(3);
+  const auto d3 = describe_layers(three);
+  three.erase(three.begin());
+  CHECK(thrown([&] { (void)d3[0].cost({1, 8}); }).find("describe_layers: layer 0 ('layer 0') is not the layer at that index of its "
+                                                       "container any more") != std::string::npos);
+  // The container moved: its descriptions say so (the moved-from vector is empty).
+  auto kept = stack<ChunkedMoe>(2);
+  const auto dk = describe_layers(kept);
+  const auto moved = std::move(kept);
+  CHECK(thrown([&] { (void)dk[1].cost({1, 8}); }).find("which holds 0 layers now: describe the layers again after removing, inserting "
+                                                       "or moving any") != std::string::npos);
+  CHECK(moved.size() == 2);
+  // A deque keeps its layers where they are as it grows at either end: reached by address.
+  std::deque<ChunkedMoe> dq;
+  dq.emplace_back(0, hidden, experts, top_k, inter);
+  const auto dd = describe_layers(dq);
+  const double flops = dd[0].cost({1, 8}).forward_flops;
+  dq.emplace_front(7, 2 * hidden, experts, top_k, inter);  // a wider layer in front
+  CHECK(dd[0].cost({1, 8}).forward_flops == flops);
+  CHECK(dq.front().cost({1, 8}).forward_flops != flops);
 }
 
 TEST_CASE("a plan names the layer stack it was made for: an executor refuses another stack's, and the JSON keeps the name") {

@@ -912,7 +912,24 @@ struct WholeLayer {
     for (std::uint64_t i = ctx.begin * h; i < ctx.end * h; ++i) ctx.grad_input[i] = 2 * ctx.grad_output[i];
   }
 };
+/// WholeLayer whose segments() answers by value, as describable_layer allows.
+struct ByValueLayer : WholeLayer {
+  using WholeLayer::WholeLayer;
+  std::vector<StateSegment> segments() const { return segs; }
+};
 }  // namespace
+
+TEST_CASE("a layer whose segments() answers by value runs a plan that names its stack, and is refused another's") {
+  HostBackend backend({1_MiB, 1_MiB, true});
+  std::vector<ByValueLayer> layers{ByValueLayer(0, 4), ByValueLayer(1, 4)};
+  Plan plan = test::resident_plan(layers, 6);
+  plan.layers_fingerprint = layer_stack_fingerprint({layers[0].segments(), layers[1].segments()});
+  const std::vector<std::vector<float>> init(2, std::vector<float>(3, 0.25f));
+  HostExecutor<ByValueLayer> exec(backend, layers, plan, init);
+  CHECK(std::isfinite(exec.step(std::vector<float>(24, 1.0f), std::vector<float>(24, 0.0f))));
+  std::vector<ByValueLayer> others{ByValueLayer(0, 4), ByValueLayer(5, 4)};
+  CHECK_THROWS_WITH_AS(HostExecutor<ByValueLayer>(backend, others, plan, init), doctest::Contains("made for another layer stack"), Error);
+}
 
 TEST_CASE("an executor refuses, when made, a stack or a plan it would misread; it keeps its own copy of the plan") {
   HostBackend backend({1_MiB, 1_MiB, true});

@@ -54,13 +54,15 @@ struct LayerDescription {
 };
 
 /// Descriptions of a range of describable layers, in order; each `cost` calls the layer's own
-/// cost(), so the layers must outlive the descriptions (and the planner made from them). A
-/// container of its own layers (std::vector, std::deque, ...) is reached through the container
-/// and the layer's index, so it may grow after this (a vector's reallocation moves the layers; a
-/// cost through a pointer to the old one had read freed memory), and a layer removed from it is
-/// Errc::invalid_argument naming the layer when the planner asks its cost; the container itself
-/// must stay where it is. A borrowed range (std::span, a view) is reached through each layer's
-/// address: the storage behind it must not move.
+/// cost(), so the layers must outlive the descriptions (and the planner made from them).
+///   - A contiguous container of its own layers (std::vector, std::array) is reached through the
+///     container and the layer's index, so a vector may grow after this (its reallocation moves
+///     the layers: a cost through a pointer to the old one had read freed memory). The container
+///     itself must not move. Each cost checks that the layer at its index is still the one
+///     described (its segment names): a layer removed, or one inserted before it, is
+///     Errc::invalid_argument naming the layer, not another layer's cost.
+///   - Any other range (std::deque and std::list, whose elements stay where they are as they grow;
+///     std::span and views) is reached through each layer's address: it must stay there.
 template <std::ranges::forward_range R>
   requires describable_layer<std::ranges::range_value_t<R>>
 std::vector<LayerDescription> describe_layers(const R& layers) {
@@ -71,14 +73,23 @@ std::vector<LayerDescription> describe_layers(const R& layers) {
     d.name = std::string(layer_traits<L>::name(l));
     if (d.name == "layer") d.name = "layer " + std::to_string(out.size());
     for (const StateSegment& s : l.segments()) d.segments.push_back(s);
-    if constexpr (std::ranges::random_access_range<R> && std::ranges::sized_range<R> && !std::ranges::borrowed_range<R>) {
-      d.cost = [c = &layers, i = out.size(), name = d.name](const Workload& w) {
+    if constexpr (std::ranges::contiguous_range<R> && std::ranges::sized_range<R> && !std::ranges::borrowed_range<R>) {
+      std::vector<std::string> names;
+      for (const StateSegment& s : d.segments) names.push_back(s.name);
+      d.cost = [c = &layers, i = out.size(), name = d.name, names = std::move(names)](const Workload& w) {
         const auto n = static_cast<std::size_t>(std::ranges::size(*c));
-        if (i >= n)
-          OOM_THROW(Errc::invalid_argument, "describe_layers: layer " + std::to_string(i) + " ('" + name +
-                                                "') is no longer in its container, which holds " + std::to_string(n) +
-                                                " layers now: describe the layers again after removing any");
-        return LayerCost(std::ranges::begin(*c)[static_cast<std::ranges::range_difference_t<R>>(i)].cost(w));
+        const auto gone = [&](const std::string& why) {
+          OOM_THROW(Errc::invalid_argument, "describe_layers: layer " + std::to_string(i) + " ('" + name + "') " + why +
+                                                ": describe the layers again after removing, inserting or moving any");
+        };
+        if (i >= n) gone("is no longer in its container, which holds " + std::to_string(n) + " layers now");
+        const L& layer = std::ranges::data(*c)[i];
+        const auto& segments = layer.segments();
+        std::size_t k = 0;
+        for (const StateSegment& s : segments)
+          if (k >= names.size() || s.name != names[k++]) k = names.size() + 1;
+        if (k != names.size()) gone("is not the layer at that index of its container any more (its segments' names differ)");
+        return LayerCost(layer.cost(w));
       };
     } else {
       d.cost = [p = &l](const Workload& w) { return LayerCost(p->cost(w)); };

@@ -156,7 +156,10 @@ class LayerExecutor {
     // segments (everything streamed, nothing said) and its bytes had been another stack's.
     if (!plan.layers_fingerprint.empty()) {
       std::vector<std::vector<StateSegment>> segments;
-      for (const auto& layer : layers) segments.emplace_back(std::ranges::begin(layer.segments()), std::ranges::end(layer.segments()));
+      for (const auto& layer : layers) {
+        const auto& segs = layer.segments();  // (segments() may answer by value)
+        segments.emplace_back(std::ranges::begin(segs), std::ranges::end(segs));
+      }
       if (const std::string mine = layer_stack_fingerprint(segments); mine != plan.layers_fingerprint) {
         std::string stranger;  // a resident segment of the plan that these layers lack, if any
         for (const auto& name : plan.resident_segments)
@@ -182,7 +185,10 @@ class LayerExecutor {
     // As many weight vectors as segments, checked first: one vector short had been named by the
     // segment after the last, "0 values for N parameters".
     std::size_t segment_total = 0;
-    for (const auto& layer : layers) segment_total += static_cast<std::size_t>(std::ranges::distance(layer.segments()));
+    for (const auto& layer : layers) {
+      const auto& segs = layer.segments();
+      segment_total += static_cast<std::size_t>(std::ranges::distance(segs));
+    }
     if (initial_master.size() != segment_total)
       OOM_THROW(Errc::invalid_argument, fmt::format("{} initial weight vectors for the layers' {} segments", initial_master.size(), segment_total));
     std::size_t index = 0;
@@ -218,6 +224,9 @@ class LayerExecutor {
       workset_.push_back(layer_traits<L>::uses_workspace ? cost.workset : Bytes{});
     }
     hidden_ = layers.front().hidden();
+    // (A layer whose segments() answered otherwise the second time.)
+    if (index != initial_master.size())
+      OOM_THROW(Errc::invalid_argument, fmt::format("{} initial weight vectors for the layers' {} segments", initial_master.size(), index));
     compute_ = make_named_stream("compute");
     h2d_ = make_named_stream("h2d");
     d2h_ = make_named_stream("d2h");
