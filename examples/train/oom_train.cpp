@@ -1286,14 +1286,16 @@ int run(Args a) {
     try {
       dir = save_checkpoint(a.out, spec, std::span<const SegmentStateView>(snap.views),
                             {step, config_text, ts, a.keep, [](const std::string& m) { say(stderr, "oom-train: warning: {}\n", m); }});
-    } catch (Error& e) {
+    } catch (const std::exception& caught) {
       require_run_directory(a.out);  // moved or removed mid-save: that, rather than the file it failed on
       // What a full disk, a file-size limit or a read-only directory leaves: the run stops, and
-      // where it can continue from is said.
-      throw e.add_context(fmt::format("saving step {}'s checkpoint: the run stops; {}", step,
-                                      last_checkpoint ? fmt::format("{} is as it was (--resume continues from it)",
-                                                                    (a.out / checkpoint_name(*last_checkpoint)).string())
-                                                      : std::string("it has no checkpoint to resume from")));
+      // where it can continue from is said (for any error: memory, a thread that would not start).
+      const std::string context = fmt::format("saving step {}'s checkpoint: the run stops; {}", step,
+                                              last_checkpoint ? fmt::format("{} is as it was (--resume continues from it)",
+                                                                            (a.out / checkpoint_name(*last_checkpoint)).string())
+                                                              : std::string("it has no checkpoint to resume from"));
+      if (const auto* e = dynamic_cast<const Error*>(&caught)) throw Error(*e).add_context(context);
+      OOM_THROW(Errc::io, fmt::format("{}: {}", context, caught.what()));
     }
     last_checkpoint = step;
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - save_start).count();

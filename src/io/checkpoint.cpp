@@ -10,7 +10,9 @@
 #include <cmath>
 #include <charconv>
 #include <cstring>
+#include <fstream>
 #include <initializer_list>
+#include <iterator>
 #include <memory>
 #include <map>
 #include <random>
@@ -159,6 +161,24 @@ fs::path set_aside(const fs::path& dir) {
   fs::path p = dir;
   p += ".old";
   return p;
+}
+
+/// Whether the file `latest` names `name` (blanks around it aside); false where it cannot be read.
+bool latest_names(const fs::path& latest, const std::string& name) {
+  std::error_code ec;
+  if (!fs::is_regular_file(latest, ec)) return false;
+  std::string text;
+  try {
+    std::ifstream in(latest, std::ios::binary);
+    if (!in.is_open()) return false;
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::exception&) {  // (libstdc++'s filebuf throws on a read error)
+    return false;
+  }
+  const auto blank = [](char c) { return c == '\n' || c == '\r' || c == ' ' || c == '\t'; };
+  while (!text.empty() && blank(text.back())) text.pop_back();
+  text.erase(0, static_cast<std::size_t>(std::find_if_not(text.begin(), text.end(), blank) - text.begin()));
+  return text == name;
 }
 
 // A crash between moving `dir` aside and renaming the new one in leaves `latest` naming `dir`
@@ -568,6 +588,10 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   ec = restore_set_aside(final_dir);
   if (ec)
     OOM_THROW(Errc::io, fmt::format("cannot rename {} back to {}: {}", aside.string(), final_dir.string(), ec.message()));
+  // Something else under the checkpoint's name (a file, say) had been moved aside and deleted.
+  if (const auto st = fs::symlink_status(final_dir, ec); !ec && fs::exists(st) && !fs::is_directory(st))
+    OOM_THROW(Errc::io, fmt::format("{}: exists and is not a checkpoint directory, and {} would replace it: move it away; nothing "
+                                    "was written", final_dir.string(), name));
   // Room for the whole checkpoint before a byte of it is written: a full disk had been found only
   // once as much as fit was written (tens of GB for a large model), in an error naming no sizes.
   // The kept checkpoints are removed only once the new one is complete, so they hold their room.
@@ -649,8 +673,27 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   // Made durable before `latest` names it: otherwise both renames waited for `latest`'s fsync of
   // the directory, and a power loss before it could keep the new `latest` without the directory it
   // names (ext4 and XFS journal the two in order; POSIX promises no order).
-  sync_parent_directory(final_dir);
-  write_file_atomically(run_dir / "latest", name + "\n");
+  // A failure here had left the checkpoint complete under its final name with `latest` not naming
+  // it (a full disk at `latest`'s write: the run said it had nothing to resume from, and --resume
+  // and a new run were both refused until `latest` was written by hand). Undone unless `latest`
+  // came to name it (only the directory's fsync after `latest`'s rename failed): then it is the
+  // run's checkpoint, and the failure a warning.
+  try {
+    sync_parent_directory(final_dir);
+    write_file_atomically(run_dir / "latest", name + "\n");
+  } catch (const Error& e) {
+    if (latest_names(run_dir / "latest", name)) {
+      if (what.on_warning)
+        what.on_warning(fmt::format("{} is complete and {} names it, but {}: it may not survive a power loss", final_dir.string(),
+                                    (run_dir / "latest").string(), e.message()));
+    } else {
+      std::error_code renamed, ignored;
+      fs::rename(final_dir, partial, renamed);  // out of the complete names first, as pruning does
+      fs::remove_all(renamed ? final_dir : partial, ignored);
+      (void)restore_set_aside(final_dir);
+      throw;
+    }
+  }
   fs::remove_all(aside, ec);
 
   // Keep the newest `keep` complete checkpoints by step up to this one; `latest` is always among
@@ -710,13 +753,13 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
     OOM_THROW(Errc::parse, fmt::format("{}: names '{}', which is not a checkpoint directory (a name holds no control bytes)",
                                        latest.string(), shown));
   }
-  if (!name.empty() && name.find('/') == std::string::npos) {
+  if (!name.empty() && name.find('/') == std::string::npos && checkpoint_step(name)) {
     ec = restore_set_aside(run_dir / name);
     if (ec)
       OOM_THROW(Errc::io, fmt::format("{}: names '{}', whose files are at {} and cannot be moved back: {}", latest.string(), name,
                                       set_aside(run_dir / name).string(), ec.message()));
   }
-  if (name.empty() || name.find('/') != std::string::npos || !fs::is_directory(run_dir / name, ec))
+  if (name.empty() || name.find('/') != std::string::npos || !checkpoint_step(name) || !fs::is_directory(run_dir / name, ec))
     OOM_THROW(Errc::parse, fmt::format("{}: names '{}', which is not a checkpoint directory", latest.string(), name));
   return run_dir / name;
 }

@@ -368,6 +368,8 @@ void write_safetensors(const std::filesystem::path& path, std::vector<Safetensor
     emit(tensors, metadata, [&](std::span<const std::byte> b) { f.write(b); });
   } catch (Error& e) {
     throw e.add_context("writing " + path.string());
+  } catch (const std::exception& e) {  // a thread that could not start, memory: named as the others
+    OOM_THROW(Errc::io, fmt::format("writing {}: {}", path.string(), e.what()));
   }
   f.commit();
 }

@@ -388,6 +388,44 @@ TEST_CASE("a step saved again replaces its checkpoint; one set aside by a crash 
   CHECK(names() == std::vector<std::string>{"checkpoint-000003", "checkpoint-000004", "latest"});
 }
 
+TEST_CASE("a save that cannot name its checkpoint in `latest` leaves nothing under the checkpoint's name") {
+  // `latest` could not be replaced (a full disk at its write, say; here a directory in its place):
+  // the new checkpoint had stayed complete under its name with `latest` naming the older one, and
+  // oom-train said there was nothing to resume from while --resume and a new run were refused.
+  const auto spec = tiny();
+  const test::TempDir dir("ckpt-latest-fails");
+  const auto st = random_state(spec, 19);
+  (void)save_checkpoint(dir.path(), spec, st, {2, "{}", Json::object(), 2});
+  fs::remove(dir / "latest");
+  fs::create_directories(dir / "latest" / "held");
+  Errc code{};
+  try {
+    (void)save_checkpoint(dir.path(), spec, st, {4, "{}", Json::object(), 2});
+  } catch (const Error& e) {
+    code = e.code();
+  }
+  CHECK(code == Errc::io);
+  CHECK_FALSE(fs::exists(dir / "checkpoint-000004"));
+  CHECK_FALSE(fs::exists(dir / "checkpoint-000004.partial"));
+  CHECK(fs::exists(dir / "checkpoint-000002" / "model.safetensors"));
+  fs::remove_all(dir / "latest");
+  write_file_atomically(dir / "latest", "checkpoint-000002\n");
+  CHECK(save_checkpoint(dir.path(), spec, st, {4, "{}", Json::object(), 2}) == dir / "checkpoint-000004");
+  CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-000004");
+  // A file under a checkpoint's name is refused, not moved aside and deleted.
+  write_file_atomically(dir / "checkpoint-000006", "my notes\n");
+  CHECK_THROWS_WITH_AS((void)save_checkpoint(dir.path(), spec, st, {6, "{}", Json::object(), 2}),
+                       doctest::Contains("checkpoint-000006: exists and is not a checkpoint directory"), Error);
+  CHECK(fs::is_regular_file(dir / "checkpoint-000006"));
+  CHECK(latest_checkpoint(dir.path()) == dir / "checkpoint-000004");
+  // `latest` naming a directory that is no checkpoint's name ('..', a .partial) is refused.
+  fs::create_directories(dir / "checkpoint-000008.partial");
+  for (const char* name : {"..", ".", "checkpoint-000008.partial"}) {
+    write_file_atomically(dir / "latest", std::string(name) + "\n");
+    CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir.path()), doctest::Contains("which is not a checkpoint directory"), Error);
+  }
+}
+
 TEST_CASE("a save removes what killed saves left: other processes' temporaries of `latest`, and puts a lone .old back") {
   const auto spec = tiny();
   const test::TempDir dir("ckpt-leftovers");
