@@ -681,11 +681,11 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   try {
     sync_parent_directory(final_dir);
     write_file_atomically(run_dir / "latest", name + "\n");
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {
     if (latest_names(run_dir / "latest", name)) {
       if (what.on_warning)
         what.on_warning(fmt::format("{} is complete and {} names it, but {}: it may not survive a power loss", final_dir.string(),
-                                    (run_dir / "latest").string(), e.message()));
+                                    (run_dir / "latest").string(), e.what()));
     } else {
       std::error_code renamed, ignored;
       fs::rename(final_dir, partial, renamed);  // out of the complete names first, as pruning does
