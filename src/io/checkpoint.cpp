@@ -163,6 +163,14 @@ fs::path set_aside(const fs::path& dir) {
   return p;
 }
 
+/// `latest`'s text without the blanks around the name (a newline, an editor's spaces).
+std::string without_blanks(std::string text) {
+  const auto blank = [](char c) { return c == '\n' || c == '\r' || c == ' ' || c == '\t'; };
+  while (!text.empty() && blank(text.back())) text.pop_back();
+  text.erase(0, static_cast<std::size_t>(std::find_if_not(text.begin(), text.end(), blank) - text.begin()));
+  return text;
+}
+
 /// Whether the file `latest` names `name` (blanks around it aside); false where it cannot be read.
 bool latest_names(const fs::path& latest, const std::string& name) {
   std::error_code ec;
@@ -175,10 +183,7 @@ bool latest_names(const fs::path& latest, const std::string& name) {
   } catch (const std::exception&) {  // (libstdc++'s filebuf throws on a read error)
     return false;
   }
-  const auto blank = [](char c) { return c == '\n' || c == '\r' || c == ' ' || c == '\t'; };
-  while (!text.empty() && blank(text.back())) text.pop_back();
-  text.erase(0, static_cast<std::size_t>(std::find_if_not(text.begin(), text.end(), blank) - text.begin()));
-  return text == name;
+  return without_blanks(std::move(text)) == name;
 }
 
 // A crash between moving `dir` aside and renaming the new one in leaves `latest` naming `dir`
@@ -740,10 +745,7 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
                                        newest, latest.string()));
   }
   MappedFile f(latest);
-  std::string name(reinterpret_cast<const char*>(f.bytes().data()), f.bytes().size());
-  const auto blank = [](char c) { return c == '\n' || c == '\r' || c == ' ' || c == '\t'; };
-  while (!name.empty() && blank(name.back())) name.pop_back();
-  name.erase(0, static_cast<std::size_t>(std::find_if_not(name.begin(), name.end(), blank) - name.begin()));
+  const std::string name = without_blanks(std::string(reinterpret_cast<const char*>(f.bytes().data()), f.bytes().size()));
   // A control byte (a NUL cut the path short, to the run directory itself, and the message with it)
   // is in no checkpoint's name: refused, the name shown with such bytes escaped.
   if (std::any_of(name.begin(), name.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {

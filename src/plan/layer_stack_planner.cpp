@@ -9,11 +9,11 @@
 #include <unordered_set>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "oom/core/error.hpp"
 #include "oom/core/log.hpp"
 #include "oom/plan/cost_model.hpp"
+#include "fingerprint.hpp"
 
 namespace oom {
 namespace {
@@ -462,18 +462,9 @@ std::string layer_stack_fingerprint(const std::vector<std::vector<StateSegment>>
   std::string text = fmt::format("layers {};", segments_per_layer.size());
   for (const auto& segments : segments_per_layer) {
     text += fmt::format("layer {}:", segments.size());
-    for (const StateSegment& seg : segments) {
-      text += seg.name;
-      for (const auto& t : seg.tensors) text += fmt::format(" {}[{}]", t.name, fmt::join(t.shape, ","));
-      text += ';';
-    }
+    for (const StateSegment& seg : segments) detail::append_segment(text, seg);
   }
-  std::uint64_t h = 14695981039346656037ull;  // FNV-1a 64, as model_fingerprint
-  for (const char c : text) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 1099511628211ull;
-  }
-  return fmt::format("{:016x}", h);
+  return detail::fingerprint_of(text);
 }
 
 LayerStackPlanner::LayerStackPlanner(std::vector<LayerDescription> layers, const MachineProfile& profile, std::string model_name)

@@ -15,6 +15,7 @@
 #include "oom/core/log.hpp"
 #include "oom/plan/dependency_partitioner.hpp"
 #include "oom/plan/policies.hpp"
+#include "fingerprint.hpp"
 #include "step_model.hpp"
 
 namespace oom {
@@ -642,17 +643,8 @@ std::string model_fingerprint(const ModelSpec& spec) {
   const auto& m = spec.moe();
   text += fmt::format("moe {} {} {} {};", m.experts, m.top_k, m.expert_intermediate, m.shared_expert_intermediate);
   for (const auto& l : spec.layers()) text += fmt::format("layer {} {} {};", to_string(l.attention), l.moe, l.dense_intermediate);
-  for (const auto& seg : spec.segments()) {
-    text += seg.name;
-    for (const auto& t : seg.tensors) text += fmt::format(" {}[{}]", t.name, fmt::join(t.shape, ","));
-    text += ';';
-  }
-  std::uint64_t h = 14695981039346656037ull;  // FNV-1a 64
-  for (const char c : text) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 1099511628211ull;
-  }
-  return fmt::format("{:016x}", h);
+  for (const auto& seg : spec.segments()) detail::append_segment(text, seg);
+  return detail::fingerprint_of(text);
 }
 
 Planner::Planner(const ModelSpec& spec, const MachineProfile& profile, std::string model_name, std::string profile_file)

@@ -8,6 +8,7 @@
 // models and what it does not.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <ranges>
 #include <string>
@@ -84,11 +85,9 @@ std::vector<LayerDescription> describe_layers(const R& layers) {
         };
         if (i >= n) gone("is no longer in its container, which holds " + std::to_string(n) + " layers now");
         const L& layer = std::ranges::data(*c)[i];
-        const auto& segments = layer.segments();
-        std::size_t k = 0;
-        for (const StateSegment& s : segments)
-          if (k >= names.size() || s.name != names[k++]) k = names.size() + 1;
-        if (k != names.size()) gone("is not the layer at that index of its container any more (its segments' names differ)");
+        const auto& segments = layer.segments();  // (segments() may answer by value)
+        if (!std::ranges::equal(segments, names, {}, &StateSegment::name))
+          gone("is not the layer at that index of its container any more (its segments' names differ)");
         return LayerCost(layer.cost(w));
       };
     } else {
