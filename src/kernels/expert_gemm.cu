@@ -560,8 +560,12 @@ cudaError_t run_rows(ExpertGemmStreams::State& st, const ExpertGemmStreamsOption
     bf16* c = nullptr;
     std::vector<hopper::RowsProblem> problems;
     if (as_rows(ps, &shape, &a, &c, &problems) && hopper::grouped_rows_supported(shape, a, c, problems)) {
-      const cudaError_t status = hopper::grouped_rows_wgmma(shape, a, c, problems, stream, st.tile_counter + 1);
-      record_host_span(began, [&] { return "row GEMMs: one grouped wgmma launch over " + std::to_string(problems.size()) + " experts"; });
+      const cudaError_t status =
+          hopper::grouped_rows_wgmma(shape, a, c, problems, stream, st.tile_counter + 1, {.pairs = o.paired_rows});
+      record_host_span(began, [&] {
+        return "row GEMMs: one grouped wgmma launch over " + std::to_string(problems.size()) + " experts" +
+               (o.paired_rows ? ", in 2-CTA pairs" : "");
+      });
       return status;
     }
   }

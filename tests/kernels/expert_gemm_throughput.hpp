@@ -55,6 +55,9 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
                                       // the row GEMMs as cuBLAS batched chunks (never the
                                       // grouped wgmma launch chunk128 takes where it applies)
                                       {"chunk128nr", M::row_chunked, {.wgmma_rows = false}},
+                                      // the grouped wgmma row GEMMs one block per tile, not in
+                                      // 2-CTA clusters sharing the weights' tiles (paired_rows)
+                                      {"chunk128up", M::row_chunked, {.paired_rows = false}},
                                       // those chunks without the deep row GEMMs
                                       {"chunk128nd", M::row_chunked, {.deep_rows = false, .wgmma_rows = false}},
                                       // every weight gradient a cuBLAS GEMM (never the grouped

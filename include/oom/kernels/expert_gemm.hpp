@@ -88,6 +88,14 @@ struct ExpertGemmStreamsOptions {
   /// FLOPs, forward gate_up / down: 0.72 / 0.77 with it against 0.61 / 0.56 at T = 4096, 0.91 /
   /// 0.94 against 0.86 / 0.85 at 16384; the backward (with dW) 0.85 / 0.87 against 0.80 / 0.85.
   bool wgmma_rows = true;
+  /// That grouped launch's row GEMMs (except one split around a memory-bound dW) in 2-CTA clusters
+  /// whose two blocks share the weights' tile, each loading half of it by TMA multicast, as
+  /// cuBLAS's own kernels do (src/kernels/hopper/grouped_rows.hpp, RowsGrid::pairs): half the L2
+  /// reads of the weights; tiles in a fixed order. On the H100 (5.13B widths, random routing,
+  /// 2026-12-07), ratio to one dense GEMM of the same FLOPs, forward gate_up: 0.99 against 0.79 at
+  /// T = 16384, 0.79 against 0.73 at 4096; the backward with dW 0.85-0.89 against 0.81-0.83 at
+  /// 16384. Not yet measured on the H200 in this form (an older one was 2-5% slower there).
+  bool paired_rows = true;
   /// The per-expert GEMMs of varying size (row_chunked's experts with fewer rows than a chunk and
   /// its weight gradients; multi_stream's all) through cuBLASLt with one algorithm per power-of-two
   /// size bucket, chosen once, instead of cublasGemmEx, whose algorithm choice runs on the host for

@@ -16,6 +16,11 @@ struct ConsumerRing {
   int stage = 0;          ///< the stage of the next K step
   std::uint32_t phase = 0;  ///< that use's phase parity (flips each time the ring wraps)
   int held = -1;          ///< the stage whose wgmmas may still be reading it
+  /// -1: every consumer thread arrives on its own CTA's "empty" barrier (count kWsConsumerThreads).
+  /// Else the cluster rank of a peer CTA whose producer also writes into this CTA's stages (TMA
+  /// multicast): each consumer warp's lane 0 arrives once on this CTA's barrier and once on the
+  /// peer's (count: both CTAs' consumer warps), so a stage is refilled only after both released it.
+  int peer = -1;
 
   /// Until the next K step's stage is full.
   __device__ __forceinline__ void wait_full() const { mbar_wait(bar.full(stage), phase); }
@@ -26,7 +31,7 @@ struct ConsumerRing {
   __device__ __forceinline__ void step(float (&acc)[N]) {
     wgmma_wait_group<1>();
     wgmma_fence_operands(acc);
-    if (held >= 0) mbar_arrive(bar.empty(held));
+    if (held >= 0) release(held);
     held = stage;
     if (++stage == bar.stages) {
       stage = 0;
@@ -39,8 +44,21 @@ struct ConsumerRing {
   __device__ __forceinline__ void drain(float (&acc)[N]) {
     wgmma_wait_group<0>();
     wgmma_fence_operands(acc);
-    if (held >= 0) mbar_arrive(bar.empty(held));
+    if (held >= 0) release(held);
     held = -1;
+  }
+
+  /// This thread's (or warp's) reads of stage `s` are done (its wgmmas completed).
+  __device__ __forceinline__ void release(int s) const {
+    if (peer < 0) {
+      mbar_arrive(bar.empty(s));
+      return;
+    }
+    __syncwarp();
+    if ((threadIdx.x & 31u) == 0) {
+      mbar_arrive(bar.empty(s));
+      mbar_arrive_remote(bar.empty(s), static_cast<std::uint32_t>(peer));
+    }
   }
 };
 

@@ -8,8 +8,8 @@
 //     the expert's last are the next expert's (or zeros past the view) and are not stored;
 //     warpgroup w reads rows 64w .. 64w+63 (descriptor start + 32 bytes per k16 step, SBO 1024:
 //     the attention kernels' Q and K operands);
-//   - B_e K-major (stored N x K: the forward's weights) as a 256-row x 128-byte box the same way,
-//     or N-major (stored K x N: the backward's) as four 64 K x 64 N boxes 8 KiB apart (the grouped
+//   - B_e K-major (stored N x K: the forward's weights) as a 256-row x 128-byte box the same way
+//     (with pairs, two 128-row boxes, one from each CTA of the cluster), or N-major (stored K x N: the backward's) as four 64 K x 64 N boxes 8 KiB apart (the grouped
 //     weight-gradient kernel's B operand: LBO = 8 KiB, k16 step 2048 bytes);
 //   - one m64n256k16 per k16 step and warpgroup: 128 fp32 accumulators per thread.
 // Against cp.async by the producer's 128 threads (the first version), TMA ran the 5.13B gate_up
@@ -19,7 +19,12 @@
 // Schedule: block b takes tiles b, b + grid, ... of the list (problem, M tile, N tile), N tile
 // fastest (the blocks working at one time share A's rows and the expert's weights in L2), or,
 // given a counter, the next tile an atomicAdd hands out (beside other kernels: blocks that start
-// late do not finish late). The producer streams each tile's K steps through the stages without
+// late do not finish late). With pairs (RowsGrid::pairs) the list's entries are pairs of M tiles
+// of one (problem, N tile) and cluster c of the grid takes entries c, c + clusters, ...: each CTA
+// computes its M tile (one past the problem's rows computes and stores nothing) and loads its own
+// A box and half of B, multicast into both CTAs' stage; a stage is refilled once both CTAs'
+// consumer warps released it (each warp arrives on both CTAs' "empty" barrier: count 16), and
+// cluster barriers open and close the kernel. The producer streams each tile's K steps through the stages without
 // pausing between tiles and publishes (tile, problem) per stage, so the next tile's first stages
 // load during the epilogue; the epilogue hands each warp's rows to the TMA unit (tensor stores
 // through a view of C) and does not wait for them.
@@ -65,8 +70,8 @@ static_assert(kSmemBytes <= kMaxDynamicSmem);
 
 struct Params {
   /// A (rows x k) and every problem's B as 128-byte-swizzled views (tma.cuh, encode_matrix_sw128):
-  /// A and a K-major B in boxes of 64 columns x 128 / 256 rows, an N-major B in boxes of 64 N x
-  /// 64 K. Kernel parameters past 4 KiB (up to 32764 bytes: CUDA 12.1 and later, Volta and
+  /// A and a K-major B in boxes of 64 columns x 128 / 256 rows (128 with pairs), an N-major B in
+  /// boxes of 64 N x 64 K. Kernel parameters past 4 KiB (up to 32764 bytes: CUDA 12.1 and later, Volta and
   /// later); the maps 64-byte aligned as TMA requires.
   CUtensorMap a_map;
   /// C (the launch's rows x n) in boxes of 64 columns x 16 rows: one consumer warp's quarter of
@@ -92,7 +97,17 @@ __device__ __forceinline__ void bulk_wait_read_all_but_newest() {
 /// Until this thread's bulk groups have completed (their global writes done).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-template <bool BKbyN>
+/// Pair (2-CTA clusters sharing B): the list's entries are pairs of M tiles of one (problem, N
+/// tile), M tiles 2 mp + rank; each CTA loads its own A box and half of B, multicast into both
+/// CTAs' stages. Else one tile per entry.
+template <bool kPair>
+__device__ __forceinline__ void tile_origin(const Params& p, int t, int g, std::uint32_t rank, int* m0, int* n0) {
+  const int r = t - (g > 0 ? p.tile_end[g - 1] : 0);
+  *m0 = (kPair ? 2 * (r / p.n_tiles) + static_cast<int>(rank) : r / p.n_tiles) * kBM;
+  *n0 = (r % p.n_tiles) * kBN;
+}
+
+template <bool BKbyN, bool kPair>
 __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __grid_constant__ Params p) {
 #if OOM_WGMMA_SM90A
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -103,52 +118,78 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
   volatile int* const stage_tile = reinterpret_cast<volatile int*>(smem_raw + pad + kOffWords);
   volatile int* const stage_group = stage_tile + kStages;
   const StageBarriers bar{base + kOffBar, kStages};
-  bar.init(1);  // "full": the producer thread's arrive.expect_tx; the bytes complete it
+  // "full": the producer thread's arrive.expect_tx; the bytes (with a pair, the peer's half of B
+  // too) complete it. "empty": every consumer thread, or with a pair both CTAs' consumer warps.
+  bar.init(1, kPair ? 2 * kWsConsumerThreads / 32 : kWsConsumerThreads);
+  std::uint32_t rank = 0;
+  if constexpr (kPair) {
+    cluster_sync();  // the peer's barriers exist before anything of this CTA signals them
+    rank = cluster_ctarank();
+  }
 
   // K step j of the block (counted over all its tiles) uses stage j % kStages, as in the grouped
-  // weight-gradient kernel; every tile has k_steps of them.
+  // weight-gradient kernel; every tile has k_steps of them. The two CTAs of a pair walk the same
+  // entries, so their stages and phases stay in step.
   const int wg = static_cast<int>(threadIdx.x) / 128;
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != kWsConsumerThreads) return;  // one thread issues every copy
-    tma_prefetch_map(&p.a_map);
-    tma_prefetch_map(&p.c_map);
-    int stage = 0, g = 0;
-    std::uint32_t phase = 0;
-    bool reuse = false;  // a stage is refilled only after the consumers released its previous use
-    for (int i = 0;; ++i) {
-      const int t = p.counter != nullptr ? atomicAdd(p.counter, 1) : static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
-      if (reuse) mbar_wait(bar.empty(stage), phase ^ 1u);
-      if (t >= p.tiles) {  // no more tiles: the stage says so, and nothing is copied into it
-        stage_tile[stage] = -1;
-        mbar_arrive(bar.full(stage));
-        break;
-      }
-      while (t >= p.tile_end[g]) ++g;  // a block's tiles only grow (the counter's too)
-      const int r = t - (g > 0 ? p.tile_end[g - 1] : 0);
-      const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
-      const int a_row = p.first_row[g] + m0;
-      const CUtensorMap* b_map = &p.b_map[g];
-      for (int ks = 0; ks < p.k_steps; ++ks) {
-        if (ks > 0 && reuse) mbar_wait(bar.empty(stage), phase ^ 1u);  // (the first step's wait is above)
-        const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
-        stage_tile[stage] = t;
-        stage_group[stage] = g;
-        mbar_arrive_expect_tx(bar.full(stage), kStageBytes);  // release: the words are seen with the phase
-        tma_load_2d(st, &p.a_map, bar.full(stage), ks * kBK, a_row);  // rows past A's view: zeros
-        if constexpr (BKbyN) {
-#pragma unroll
-          for (int h = 0; h < 4; ++h) tma_load_2d(st + kATileBytes + h * kHalfBytes, b_map, bar.full(stage), n0 + 64 * h, ks * kBK);
-        } else {
-          tma_load_2d(st + kATileBytes, b_map, bar.full(stage), ks * kBK, n0);
+    if (threadIdx.x == kWsConsumerThreads) {  // one thread issues every copy
+      tma_prefetch_map(&p.a_map);
+      tma_prefetch_map(&p.c_map);
+      const int slot = kPair ? static_cast<int>(blockIdx.x) / 2 : static_cast<int>(blockIdx.x);
+      const int slots = kPair ? static_cast<int>(gridDim.x) / 2 : static_cast<int>(gridDim.x);
+      int stage = 0, g = 0;
+      std::uint32_t phase = 0;
+      bool reuse = false;  // a stage is refilled only after the consumers released its previous use
+      // (Tiles from a counter ran the 5.13B gate_up forward at 16K 18% slower than fixed ones on
+      // the H100, 2026-12-07: the atomic's round trip before each tile's first load, most likely.)
+      for (int i = 0;; ++i) {
+        const int t = !kPair && p.counter != nullptr ? atomicAdd(p.counter, 1) : slot + i * slots;
+        if (reuse) mbar_wait(bar.empty(stage), phase ^ 1u);
+        if (t >= p.tiles) {  // no more tiles: the stage says so, and nothing is copied into it
+          stage_tile[stage] = -1;
+          mbar_arrive(bar.full(stage));
+          break;
         }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1u;
-          reuse = true;
+        while (t >= p.tile_end[g]) ++g;  // a block's tiles only grow (the counter's too)
+        int m0 = 0, n0 = 0;
+        tile_origin<kPair>(p, t, g, rank, &m0, &n0);
+        const int a_row = p.first_row[g] + m0;  // (an M tile past the problem: the next one's rows or zeros, never stored)
+        const CUtensorMap* b_map = &p.b_map[g];
+        for (int ks = 0; ks < p.k_steps; ++ks) {
+          if (ks > 0 && reuse) mbar_wait(bar.empty(stage), phase ^ 1u);  // (the first step's wait is above)
+          const std::uint32_t st = base + static_cast<std::uint32_t>(stage) * kStageBytes;
+          stage_tile[stage] = t;
+          stage_group[stage] = g;
+          mbar_arrive_expect_tx(bar.full(stage), kStageBytes);  // release: the words are seen with the phase
+          tma_load_2d(st, &p.a_map, bar.full(stage), ks * kBK, a_row);  // rows past A's view: zeros
+          if constexpr (kPair) {  // this CTA's half of B, into both CTAs' stage
+            if constexpr (BKbyN) {
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int box = 2 * static_cast<int>(rank) + h;
+                tma_load_2d_multicast(st + kATileBytes + static_cast<std::uint32_t>(box) * kHalfBytes, b_map, bar.full(stage),
+                                      n0 + 64 * box, ks * kBK, 0x3);
+              }
+            } else {  // the map's boxes are 128 of B's 256 rows here
+              tma_load_2d_multicast(st + kATileBytes + rank * (kBTileBytes / 2), b_map, bar.full(stage), ks * kBK,
+                                    n0 + static_cast<int>(rank) * (kBN / 2), 0x3);
+            }
+          } else if constexpr (BKbyN) {
+#pragma unroll
+            for (int h = 0; h < 4; ++h) tma_load_2d(st + kATileBytes + h * kHalfBytes, b_map, bar.full(stage), n0 + 64 * h, ks * kBK);
+          } else {
+            tma_load_2d(st + kATileBytes, b_map, bar.full(stage), ks * kBK, n0);
+          }
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1u;
+            reuse = true;
+          }
         }
       }
     }
+    if constexpr (kPair) cluster_sync();  // no multicast or remote arrival reaches a CTA that has left
     return;
   }
 
@@ -158,13 +199,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
   const std::uint32_t c_st = base + kOffC;
   float acc[128];  // C rows 64 wg .. 64 wg + 63 of the tile, columns 0..255: the m64n256 fragment
   ConsumerRing ring{bar};
+  if constexpr (kPair) ring.peer = static_cast<int>(rank ^ 1u);
   for (;;) {
     ring.wait_full();
     const int t = stage_tile[ring.stage];
     if (t < 0) break;
     const int g = stage_group[ring.stage];
-    const int r = t - (g > 0 ? p.tile_end[g - 1] : 0);
-    const int m0 = (r / p.n_tiles) * kBM, n0 = (r % p.n_tiles) * kBN;
+    int m0 = 0, n0 = 0;
+    tile_origin<kPair>(p, t, g, rank, &m0, &n0);
     // A warpgroup whose 64 rows are all past the problem's last (a tail tile of <= 64 rows) issues
     // no products: the other one has the tensor cores to itself, so such a tile costs about half.
     const bool live = m0 + 64 * wg < p.rows[g];
@@ -246,11 +288,31 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
     }
   }
   if (lane == 0) bulk_wait_all();  // the warp's tensor stores done before the block's shared memory goes
+  if constexpr (kPair) cluster_sync();
 #else
   (void)p;
   __trap();
 #endif
 }
+
+/// The kernel's launch: 384 threads, its shared memory, and with pairs 2-CTA clusters (a plain
+/// launch without).
+struct LaunchConfig {
+  cudaLaunchAttribute cluster{};
+  cudaLaunchConfig_t config{};
+  LaunchConfig(bool pairs, cudaStream_t stream) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    config.blockDim = dim3(kWsThreads);
+    config.dynamicSmemBytes = kSmemBytes;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = pairs ? 1 : 0;
+  }
+  LaunchConfig(const LaunchConfig&) = delete;  // (config points at cluster)
+  LaunchConfig& operator=(const LaunchConfig&) = delete;
+};
 
 bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
 
@@ -322,6 +384,25 @@ bool grouped_rows_one_launch(const RowsShape& s, std::span<const RowsProblem> pr
   return true;
 }
 
+cudaError_t grouped_rows_pairs_fit(int* pairs) {
+  *pairs = 0;
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  thread_local std::unordered_map<int, int> fit;  // per device: an occupancy query costs host time every launch
+  if (const auto it = fit.find(device); it != fit.end()) {
+    *pairs = it->second;
+    return cudaSuccess;
+  }
+  const auto kernel = grouped_rows_kernel<false, true>;  // (both layouts' kernels take the same resources)
+  int sms = 0;
+  if (const cudaError_t e = prepare_persistent_launch(kernel, kSmemBytes, &sms); e != cudaSuccess) return e;
+  LaunchConfig launch(true, nullptr);
+  launch.config.gridDim = dim3(2);
+  if (const cudaError_t e = cudaOccupancyMaxActiveClusters(pairs, kernel, &launch.config); e != cudaSuccess) return e;
+  fit.emplace(device, *pairs);
+  return cudaSuccess;
+}
+
 cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
                                cudaStream_t stream, int* tile_counter, const RowsGrid& grid_opts) {
   using ::oom::kernels::detail::refuse;
@@ -335,34 +416,47 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
   if (grid_opts.counter_zeroed && (tile_counter == nullptr || !grouped_rows_one_launch(s, problems)))
     return refuse("grouped_rows_wgmma: RowsGrid::counter_zeroed needs a tile counter and problems that fit one launch",
                   " (at most ", kMaxGroups, " with rows)");
-  const auto kernel = s.b_k_by_n ? grouped_rows_kernel<true> : grouped_rows_kernel<false>;
+  if (grid_opts.pairs && grid_opts.counter_zeroed)
+    return refuse("grouped_rows_wgmma: RowsGrid::pairs takes its tiles in a fixed order, not from a counter shared with another launch");
+  if (grid_opts.pairs && grid_opts.max_blocks == 1)
+    return refuse("grouped_rows_wgmma: RowsGrid::pairs needs max_blocks of at least 2 (one pair), got 1");
+  int pairs_fit = 0;
+  if (grid_opts.pairs)
+    if (const cudaError_t e = grouped_rows_pairs_fit(&pairs_fit); e != cudaSuccess) return e;
+  const bool pairs = pairs_fit > 0;  // (where no 2-CTA cluster of this kernel fits, one block per tile)
+  const auto kernel = pairs ? (s.b_k_by_n ? grouped_rows_kernel<true, true> : grouped_rows_kernel<false, true>)
+                            : (s.b_k_by_n ? grouped_rows_kernel<true, false> : grouped_rows_kernel<false, false>);
   int sms = 0;
   if (const cudaError_t e = prepare_persistent_launch(kernel, kSmemBytes, &sms); e != cudaSuccess) return e;
-  if (grid_opts.max_blocks > 0 && grid_opts.max_blocks < sms) sms = grid_opts.max_blocks;
+  LaunchConfig launch_config(pairs, stream);
+  int slots = pairs ? pairs_fit : sms;  // entries of the tile list worked at once: blocks, or pairs
+  if (grid_opts.max_blocks > 0) slots = std::min(slots, pairs ? grid_opts.max_blocks / 2 : grid_opts.max_blocks);
   static_assert(alignof(Params) >= 64);  // the tensor maps' alignment, kept by the parameter copy
   Params params;
   params.n_tiles = static_cast<int>(s.n / kBN);
   params.k_steps = static_cast<int>(s.k / kBK);
   params.ldc = s.ldc;
   params.c = reinterpret_cast<__nv_bfloat16*>(c);
-  params.counter = tile_counter;
+  params.counter = pairs ? nullptr : tile_counter;
   std::int64_t tiles = 0, row_end = 0;  // row_end: A's rows this launch reads (the A view's extent)
   const auto launch = [&]() -> cudaError_t {
     if (params.groups == 0) return cudaSuccess;
     params.tiles = static_cast<int>(tiles);
     if (const cudaError_t e = cached_matrix_sw128(&params.a_map, a, row_end, s.k, s.lda, kBM); e != cudaSuccess) return e;
     if (const cudaError_t e = cached_matrix_sw128(&params.c_map, c, row_end, s.n, s.ldc, 16); e != cudaSuccess) return e;
-    const int grid = params.tiles < sms ? params.tiles : sms;
-    if (tile_counter != nullptr && !grid_opts.counter_zeroed)
+    const int entries = std::min(params.tiles, slots);
+    if (params.counter != nullptr && !grid_opts.counter_zeroed)
       if (const cudaError_t e = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
-    kernel<<<static_cast<unsigned>(grid), kWsThreads, kSmemBytes, stream>>>(params);
+    launch_config.config.gridDim = dim3(static_cast<unsigned>(pairs ? 2 * entries : entries));
+    if (const cudaError_t e = cudaLaunchKernelEx(&launch_config.config, kernel, params); e != cudaSuccess) return e;
     params.groups = 0;
     tiles = row_end = 0;
     return cudaGetLastError();
   };
   for (const RowsProblem& q : problems) {
     if (q.rows == 0) continue;
-    const std::int64_t q_tiles = (q.rows + kBM - 1) / kBM * params.n_tiles;
+    const std::int64_t m_tiles = (q.rows + kBM - 1) / kBM;
+    const std::int64_t q_tiles = (pairs ? (m_tiles + 1) / 2 : m_tiles) * params.n_tiles;  // entries: tiles or pairs of them
     if (params.groups > 0 && tiles + q_tiles > INT_MAX)  // the tile list is indexed by int
       if (const cudaError_t e = launch(); e != cudaSuccess) return e;
     const int g = params.groups++;
@@ -371,9 +465,10 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
     tiles += q_tiles;
     params.tile_end[g] = static_cast<int>(tiles);
     row_end = std::max(row_end, q.first_row + q.rows);
-    // B_e: N x K in boxes of 256 rows (N) x 64 (K), or K x N in boxes of 64 x 64.
+    // B_e: N x K in boxes of 256 rows (N) x 64 (K) (with pairs 128, each CTA's half), or K x N in
+    // boxes of 64 x 64.
     const cudaError_t e = s.b_k_by_n ? cached_matrix_sw128(&params.b_map[g], q.b, s.k, s.n, s.ldb, kBK)
-                                     : cached_matrix_sw128(&params.b_map[g], q.b, s.n, s.k, s.ldb, kBN);
+                                     : cached_matrix_sw128(&params.b_map[g], q.b, s.n, s.k, s.ldb, pairs ? kBN / 2 : kBN);
     if (e != cudaSuccess) return e;
     if (params.groups == kMaxGroups)
       if (const cudaError_t e = launch(); e != cudaSuccess) return e;

@@ -140,6 +140,28 @@ __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap
 #endif
 }
 
+/// tma_load_2d's box into shared address `dst` of every CTA of the cluster named in `mask` (bit r:
+/// cluster rank r), at the same offset in each; each destination CTA's mbarrier at the same offset
+/// as `bar` is completed by the box's bytes, so every receiver arms its own barrier for them.
+__device__ __forceinline__ void tma_load_2d_multicast(std::uint32_t dst, const CUtensorMap* map, std::uint32_t bar, int c0, int c1,
+                                                      std::uint16_t mask) {
+#if OOM_TMA_SM90
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+      : "memory");
+#else
+  (void)dst;
+  (void)map;
+  (void)bar;
+  (void)c0;
+  (void)c1;
+  (void)mask;
+  __trap();
+#endif
+}
+
 /// The box of a 2-D `map` at (c0 = column, c1 = row, in elements) from shared memory at `src`
 /// (laid out as the map's load would land it: 128-byte aligned, 1024-byte aligned for a swizzled
 /// map) to global memory, by the TMA unit, in this thread's current bulk group. Elements of the box

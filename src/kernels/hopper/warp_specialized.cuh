@@ -63,6 +63,33 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+/// This CTA's rank in its cluster.
+__device__ __forceinline__ std::uint32_t cluster_ctarank() {
+  std::uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+/// Every thread of every CTA of the cluster arrives (release) and waits (acquire); not .aligned, so
+/// diverged threads may call it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+/// One arrival on the mbarrier at this CTA's shared address `bar` as mapped into the cluster's CTA
+/// `rank`, with the default semantics (release at CTA scope, as CUTLASS's cluster barriers arrive):
+/// it signals reads of this CTA's shared memory that have completed (wgmma.wait_group), which no
+/// later write can disturb, so no cluster-scope fence is needed (one on every stage's release would
+/// sit on the consumers' path).
+__device__ __forceinline__ void mbar_arrive_remote(std::uint32_t bar, std::uint32_t rank) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
+
 /// sm_90's opt-in dynamic shared memory per block (227 KiB): every kernel here checks its layout
 /// against it at compile time.
 constexpr int kMaxDynamicSmem = 227 * 1024;
@@ -81,14 +108,15 @@ struct StageBarriers {
   [[nodiscard]] __device__ __forceinline__ std::uint32_t empty(int s) const {
     return at + 8u * static_cast<std::uint32_t>(stages + s);
   }
-  /// Thread 0 initialises them, "full" to `full_count` arrivals and "empty" to the consumers'
-  /// kWsConsumerThreads, and makes that visible; then the whole block synchronises (the last
-  /// block-wide barrier of the warp-specialised kernels).
-  __device__ __forceinline__ void init(std::uint32_t full_count) const {
+  /// Thread 0 initialises them, "full" to `full_count` arrivals and "empty" to `empty_count` (the
+  /// consumers' kWsConsumerThreads unless they release by warp), and makes that visible (to the
+  /// cluster, too); then the whole block synchronises (the last block-wide barrier of the
+  /// warp-specialised kernels; those in clusters add cluster barriers).
+  __device__ __forceinline__ void init(std::uint32_t full_count, std::uint32_t empty_count = kWsConsumerThreads) const {
     if (threadIdx.x == 0) {
       for (int s = 0; s < stages; ++s) {
         mbar_init(full(s), full_count);
-        mbar_init(empty(s), kWsConsumerThreads);
+        mbar_init(empty(s), empty_count);
       }
       mbar_fence_init();
     }
