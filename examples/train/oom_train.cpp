@@ -739,9 +739,10 @@ int run(Args a) {
     const auto open_checkpoint = [&](const fs::path& dir) {
       // Damage before the comparison: an edited config.json is not "another model's".
       const Json saved_config = read_checkpoint_config(dir);
-      if (!same_value(saved_config, Json::parse(config_text, config_name)))
-        throw Error(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {}", dir.string(),
-                                                        config_name));
+      if (const std::string diff = first_difference(saved_config, Json::parse(config_text, config_name)); !diff.empty())
+        throw Error(Errc::invalid_argument, fmt::format("--resume: {} was trained with another config.json than {} ({}; the "
+                                                        "checkpoint's first)",
+                                                        dir.string(), config_name, diff));
       return CheckpointReader(dir, spec);
     };
     // A damaged latest checkpoint: say which older one opens, and how to resume from it.
@@ -792,7 +793,18 @@ int run(Args a) {
   }
   std::optional<TokenFile> tokens;
   if (!a.data.empty()) {
-    tokens.emplace(TokenFile::open(data_path));
+    try {
+      tokens.emplace(TokenFile::open(data_path));
+    } catch (const Error& e) {
+      // A header that is not a token file's: most likely text, the first file a new user tries.
+      if (e.code() != Errc::parse ||
+          (e.message().find("token file header") == std::string::npos && e.message().find("not a token file") == std::string::npos))
+        throw;
+      throw Error(e.code(),
+                  e.message() + "; --data reads a token file (docs/trainer.md): text becomes one by `python3 scripts/make_token_file.py "
+                                "--bytes --out FILE.tok TEXT` (its bytes as tokens) or with --tokenizer DIR (a Hugging Face tokenizer)",
+                  e.file(), e.line());
+    }
     if (tokens->vocab_size() > spec.vocab_size()) {
       // The file's vocab is larger than the model's: every token must still fit the model.
       const auto n = tokens->size();
@@ -999,6 +1011,7 @@ int run(Args a) {
   SamplerState sampler_state{a.seed, 0, step_windows};
   std::uint64_t resumed_skips = 0;                  // a resumed run's non-finite steps in a row at its checkpoint
   std::optional<std::uint64_t> saved_data_tokens;  // a resumed run's data file's token count
+  std::optional<fs::path> data_trained_on;  // a resumed run's trained-on --data, where this run reads another path
   std::optional<std::string> saved_data_fingerprint;  // and its TokenFile::sample_fingerprint (absent before session 55)
   if (ckpt) {
     // Errors name the checkpoint's file, not only "trainer_state.json" (every checkpoint has one).
@@ -1056,9 +1069,7 @@ int run(Args a) {
                                                       a.data.empty() ? "the built-in corpus" : data_path.string(),
                                                       a.data.empty() ? " (pass the same --data)" : " (--data)"));
       if (!a.data.empty() && !fs::equivalent(saved, data_path, ec))  // false too where the trained-on file is gone
-        say(stderr, "oom-train: warning: --resume: {} was trained on {}, this run reads {} (taken as the same data: {})\n",
-            latest->string(), saved.string(), data_path.string(),
-            saved_data_fingerprint ? "the token count and a sampled fingerprint are checked" : "the token count is checked");
+        data_trained_on = saved;  // said once the file is open and found the same (or not)
     }
     saved_data_tokens = ts["data_tokens"].present() ? std::optional(ts["data_tokens"].as_uint64()) : std::nullopt;
     start_step = ts["step"].as_uint64();
@@ -1158,17 +1169,29 @@ int run(Args a) {
     }
     refuse_short_data(data_path.string(), tokens->size());
   }
+  // Where the path differs, the file trained on is named as such, not as this one.
+  const std::string trained_on =
+      data_trained_on ? fmt::format("{} was trained on {}", latest->string(), data_trained_on->string()) : std::string();
   if (saved_data_tokens && *saved_data_tokens != tokens->size())
-    OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} held {} tokens when {} was trained on it, it holds {} now",
-                                                  data_path.string(), *saved_data_tokens, latest->string(), tokens->size()));
+    OOM_THROW(Errc::invalid_argument,
+              data_trained_on ? fmt::format("--resume: {}, which held {} tokens; {} holds {}", trained_on, *saved_data_tokens,
+                                            data_path.string(), tokens->size())
+                              : fmt::format("--resume: {} held {} tokens when {} was trained on it, it holds {} now", data_path.string(),
+                                            *saved_data_tokens, latest->string(), tokens->size()));
   // The same count is not the same data: a file rewritten in place (re-tokenised, shuffled, another
   // corpus cut to the same length) would resume the sampler on other windows without a word.
   const std::string data_fingerprint = fmt::format("{:016x}", tokens->sample_fingerprint());
   if (saved_data_fingerprint && *saved_data_fingerprint != data_fingerprint)
-    OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} holds other tokens than when {} was trained on it (the same {} "
-                                                  "tokens in number; sampled fingerprint {} then, {} now): pass the file it was "
-                                                  "trained on, or start afresh (--overwrite)", data_path.string(), latest->string(),
-                                                  tokens->size(), *saved_data_fingerprint, data_fingerprint));
+    OOM_THROW(Errc::invalid_argument,
+              fmt::format("--resume: {} (the same {} tokens in number; sampled fingerprint {} then, {} now): pass the file it was "
+                          "trained on, or start afresh (--overwrite)",
+                          data_trained_on ? fmt::format("{}, and {} holds other tokens", trained_on, data_path.string())
+                                          : fmt::format("{} holds other tokens than when {} was trained on it", data_path.string(),
+                                                        latest->string()),
+                          tokens->size(), *saved_data_fingerprint, data_fingerprint));
+  if (data_trained_on)
+    say(stderr, "oom-train: warning: --resume: {}, this run reads {} (taken as the same data: {})\n", trained_on, data_path.string(),
+        saved_data_fingerprint ? "the same token count and sampled fingerprint" : "the same token count");
   BatchSampler sampler(*tokens, a.seq, sampler_state);
 
   say("oom-train: model {}: {} layers, {} experts (top {}), {} parameters ({} active)\n", config_name, spec.num_layers(),
@@ -1235,6 +1258,16 @@ int run(Args a) {
     }
     ckpt.reset();  // unmaps the files (each tensor's pages already left the RSS as it was read)
     say("resumed from {} at step {}\n", latest->string(), start_step);
+    // `latest` named an older checkpoint than the run has (set by hand, or a damaged newer one):
+    // the newer ones are another continuation, replaced as this run saves their steps.
+    std::vector<std::string> newer;
+    for (const auto& [step, dir] : complete_checkpoints(a.out))
+      if (step > start_step) newer.push_back(dir.filename().string());
+    if (!newer.empty())
+      say(stderr, "oom-train: warning: --resume continues from step {}; {} holds {} newer checkpoint{} ({}{}) of another "
+          "continuation: each is replaced when this run saves its step, and metrics.jsonl's lines past step {} are dropped\n",
+          start_step, a.out.string(), newer.size(), newer.size() == 1 ? "" : "s", newer.front(),
+          newer.size() == 1 ? "" : " .. " + newer.back(), start_step);
   }
 
   const fs::path metrics_path = a.out / "metrics.jsonl";
@@ -1253,6 +1286,7 @@ int run(Args a) {
   std::uint64_t consecutive_skips = resumed_skips;
   std::optional<std::uint64_t> last_checkpoint;  // the step of the last checkpoint `latest` named
   if (a.resume) last_checkpoint = start_step;
+  double save_seconds = 0;  // the checkpoint saves of this run, for its closing line
   auto checkpoint = [&](std::uint64_t step) {
     Json ts = Json::object();
     ts.set("format", "oom-train-1");
@@ -1299,6 +1333,7 @@ int run(Args a) {
     }
     last_checkpoint = step;
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - save_start).count();
+    save_seconds += seconds;
     std::uint64_t bytes = 0;  // the files' sizes as listed (a listing error counts what came before it)
     std::error_code ec;
     for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
@@ -1327,6 +1362,7 @@ int run(Args a) {
   const auto t0 = std::chrono::steady_clock::now();
   auto last = t0;
   std::uint64_t done_since_start = 0;
+  double step_seconds = 0;  // the steps' own time (step_s), without the saves and the data between them
   if (start_step >= a.steps) say("the run is already at step {} (--steps {})\n", start_step, a.steps);
   // A long step says where it is: once it has run --step-progress seconds, a line per layer pass
   // at most every half of that (0: every pass). Issued passes; the GPU is at most about a layer behind.
@@ -1362,6 +1398,7 @@ int run(Args a) {
     const auto now = std::chrono::steady_clock::now();
     const double dt = std::chrono::duration<double>(now - last).count();
     ++done_since_start;
+    step_seconds += dt;
     const double elapsed = std::chrono::duration<double>(now - t0).count();
     const double tok_s = static_cast<double>(step_tokens) / dt;
     auto& dev = model.backend().device_arena();
@@ -1424,7 +1461,7 @@ int run(Args a) {
       if constexpr (requires { r.grad_norm; }) {
         if (r.grad_norm >= 0) gn = fmt::format(" | grad norm {:.3f}", r.grad_norm);
       }
-      say("step {:>5}/{} | loss {:.4f}{} | {:.0f} tok/s | device peak {} of {} MiB (activations {}, worksets {}, resident {}) | "
+      say("step {:>5}/{} | loss {:.4f}{} | {:.0f} tok/s | device peak {} of its {} MiB arena (activations {}, worksets {}, resident {}) | "
           "host pinned {} MiB (state {}, staging {}, offload {}), RSS {} MiB | ETA {}\n",
           step, a.steps, r.loss, gn, tok_s, mib(dev.peak()), mib(dev.budget()), mib(dev.peak(Claimant::retained_activations)),
           mib(dev.peak(Claimant::worksets)), mib(dev.in_use(Claimant::resident_state)), mib(pin.in_use()),
@@ -1448,8 +1485,13 @@ int run(Args a) {
   }
   write_dump("");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  say("done: {} steps in {} ({:.0f} tok/s); metrics in {}\n", done_since_start, duration(total),
-      static_cast<double>(done_since_start * step_tokens) / total, metrics_path.string());
+  // Two rates: over the wall clock since the first step began (the saves included), and over the
+  // steps' own time, as the step lines and metrics.jsonl's tokens_per_s count it.
+  const double run_tokens = static_cast<double>(done_since_start * step_tokens);
+  say("done: {} step{} in {} ({:.0f} tok/s; {:.0f} tok/s over the steps alone{}); metrics in {}\n", done_since_start,
+      done_since_start == 1 ? "" : "s", duration(total), run_tokens / total, step_seconds > 0 ? run_tokens / step_seconds : 0.0,
+      save_seconds > 0 ? fmt::format(", {:.1f} s of checkpoint saves beside them", save_seconds) : std::string(),
+      metrics_path.string());
   return 0;
   };
 

@@ -726,6 +726,23 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
   return final_dir;
 }
 
+namespace {
+
+/// "<run_dir> holds <the checkpoints>: to resume the run, write into it the name of the checkpoint
+/// to continue from (echo <newest> > <latest>)", for a `latest` that names none of them.
+std::string what_run_dir_holds(const fs::path& run_dir, const fs::path& latest) {
+  const auto complete = complete_checkpoints(run_dir);
+  const std::string newest = complete.back().second.filename().string();
+  return fmt::format("{} holds {}: to resume the run, write into it the name of the checkpoint to continue from (echo {} > {})",
+                     run_dir.string(),
+                     complete.size() == 1 ? newest
+                                          : fmt::format("{} checkpoints, {} to {}", complete.size(),
+                                                        complete.front().second.filename().string(), newest),
+                     newest, latest.string());
+}
+
+}  // namespace
+
 std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   const fs::path latest = run_dir / "latest";
   std::error_code ec;
@@ -733,16 +750,8 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
     // Checkpoints without `latest` (it was removed, or a save was killed between renaming the run's
     // first checkpoint in and writing `latest`) are a run all the same: taken for none, a new run
     // there had replaced them step by step and emptied metrics.jsonl, and --resume said "no checkpoint".
-    const auto complete = complete_checkpoints(run_dir);
-    if (complete.empty()) return std::nullopt;
-    const std::string newest = complete.back().second.filename().string();
-    OOM_THROW(Errc::parse, fmt::format("{}: missing, while {} holds {}: to resume the run, write into it the name of the "
-                                       "checkpoint to continue from (echo {} > {})",
-                                       latest.string(), run_dir.string(),
-                                       complete.size() == 1 ? newest
-                                                            : fmt::format("{} checkpoints, {} to {}", complete.size(),
-                                                                          complete.front().second.filename().string(), newest),
-                                       newest, latest.string()));
+    if (complete_checkpoints(run_dir).empty()) return std::nullopt;
+    OOM_THROW(Errc::parse, fmt::format("{}: missing, while {}", latest.string(), what_run_dir_holds(run_dir, latest)));
   }
   MappedFile f(latest);
   const std::string name = without_blanks(std::string(reinterpret_cast<const char*>(f.bytes().data()), f.bytes().size()));
@@ -762,7 +771,9 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
                                       set_aside(run_dir / name).string(), ec.message()));
   }
   if (name.empty() || name.find('/') != std::string::npos || !checkpoint_step(name) || !fs::is_directory(run_dir / name, ec))
-    OOM_THROW(Errc::parse, fmt::format("{}: names '{}', which is not a checkpoint directory", latest.string(), name));
+    OOM_THROW(Errc::parse, fmt::format("{}: names '{}', which is not a checkpoint directory{}", latest.string(), name,
+                                       complete_checkpoints(run_dir).empty() ? std::string()
+                                                                             : "; " + what_run_dir_holds(run_dir, latest)));
   return run_dir / name;
 }
 

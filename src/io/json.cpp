@@ -173,6 +173,39 @@ bool same_value(const Json& a, const Json& b) {
   }
 }
 
+namespace {
+
+std::string short_dump(const Json& v) {
+  std::string text = v.dump();
+  constexpr std::size_t kMax = 60;
+  if (text.size() > kMax) text = text.substr(0, kMax - 3) + "...";
+  return text;
+}
+
+std::string difference_at(const Json& a, const Json& b, const std::string& path) {
+  const std::string at = path.empty() ? std::string() : path + ": ";
+  if (same_value(a, b)) return "";
+  if (a.type() == b.type() && a.is_array() && a.size() == b.size()) {
+    for (std::size_t i = 0; i < a.size(); ++i)
+      if (auto d = difference_at(a.as_array()[i], b.as_array()[i], path + "[" + std::to_string(i) + "]"); !d.empty()) return d;
+  }
+  if (a.type() == b.type() && a.is_object()) {
+    for (const auto& [key, value] : a.as_object()) {
+      const std::string member = path.empty() ? key : path + "." + key;
+      const Json* other = b.find(key);
+      if (other == nullptr) return member + ": only in the first";
+      if (auto d = difference_at(value, *other, member); !d.empty()) return d;
+    }
+    for (const auto& [key, value] : b.as_object())
+      if (a.find(key) == nullptr) return (path.empty() ? key : path + "." + key) + ": only in the second";
+  }
+  return at + short_dump(a) + " against " + short_dump(b);
+}
+
+}  // namespace
+
+std::string first_difference(const Json& a, const Json& b) { return difference_at(a, b, ""); }
+
 // ---------------------------------------------------------------------------------------------
 // Writer
 

@@ -424,6 +424,12 @@ TEST_CASE("a save that cannot name its checkpoint in `latest` leaves nothing und
     write_file_atomically(dir / "latest", std::string(name) + "\n");
     CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir.path()), doctest::Contains("which is not a checkpoint directory"), Error);
   }
+  // Naming a checkpoint that is not there: the ones that are, and how to name one.
+  write_file_atomically(dir / "latest", "checkpoint-000099\n");
+  const std::string want = "names 'checkpoint-000099', which is not a checkpoint directory; " + dir.path().string() +
+                           " holds 2 checkpoints, checkpoint-000002 to checkpoint-000004: to resume the run, write into it the name of "
+                           "the checkpoint to continue from (echo checkpoint-000004 > " + (dir / "latest").string() + ")";
+  CHECK_THROWS_WITH_AS((void)latest_checkpoint(dir.path()), doctest::Contains(want.c_str()), Error);
 }
 
 TEST_CASE("a save removes what killed saves left: other processes' temporaries of `latest`, and puts a lone .old back") {

@@ -290,3 +290,26 @@ TEST_CASE("same_value: members in any order and numbers by value, unlike operato
   CHECK_FALSE(same_value(Json::parse("9007199254740993"), Json::parse("9007199254740992")));
   CHECK(same_value(Json::parse("18446744073709551615"), Json::parse("18446744073709551615")));
 }
+
+TEST_CASE("first_difference names the first member that differs and both values") {
+  const Json a = Json::parse(R"({"hidden_size": 64, "rope": {"theta": 1e6, "scaling": null}, "layers": [1, 2.5], "act": "silu"})");
+  CHECK(first_difference(a, Json::parse(R"({"act": "silu", "layers": [1.0, 2.5], "rope": {"scaling": null, "theta": 1000000}, "hidden_size": 64})")) ==
+        "");
+  CHECK(first_difference(a, Json::parse(R"({"hidden_size": 64, "rope": {"theta": 1e6, "scaling": null}, "layers": [1, 2.5], "act": "gelu"})")) ==
+        R"(act: "silu" against "gelu")");
+  CHECK(first_difference(a, Json::parse(R"({"hidden_size": 64, "rope": {"theta": 1e4, "scaling": null}, "layers": [1, 2.5], "act": "silu"})")) ==
+        "rope.theta: 1e+06 against 10000.0");
+  CHECK(first_difference(a, Json::parse(R"({"hidden_size": 64, "rope": {"theta": 1e6, "scaling": null}, "layers": [1, 3], "act": "silu"})")) ==
+        "layers[1]: 2.5 against 3");
+  CHECK(first_difference(a, Json::parse(R"({"hidden_size": 64, "rope": {"theta": 1e6, "scaling": null}, "layers": [1, 2.5]})")) ==
+        "act: only in the first");
+  CHECK(first_difference(a, Json::parse(R"({"hidden_size": 64, "rope": {"theta": 1e6, "scaling": null}, "layers": [1, 2.5], "act": "silu", "x": 0})")) ==
+        "x: only in the second");
+  CHECK(first_difference(a, Json::parse(R"({"hidden_size": "64", "rope": {"theta": 1e6, "scaling": null}, "layers": [1, 2.5], "act": "silu"})")) ==
+        R"(hidden_size: 64 against "64")");
+  CHECK(first_difference(Json::parse("[1, 2]"), Json::parse("[1, 2, 3]")) == "[1,2] against [1,2,3]");
+  const std::string long_a = "\"" + std::string(100, 'a') + "\"";
+  const std::string d = first_difference(Json::parse(long_a), Json::parse("1"));
+  CHECK(d.find("...") != std::string::npos);
+  CHECK(d.size() < 80);
+}

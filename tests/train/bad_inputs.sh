@@ -193,6 +193,12 @@ else echo "ok   out-of-host-memory: $(cat "$work/huge.stderr")"; fi
 # A budget no plan fits, and a missing data file.
 expect tiny-budget 3 "least GPU memory" -- --gpu-mem 1MiB
 expect missing-data 2 "no such data file" -- --data "$work/nowhere.tok"
+# Text where a token file belongs (a new user's first try): the converter named.
+for i in 1 2 3 4; do echo "Once upon a time a text file stood where a token file belongs."; done > "$work/story.txt"
+expect text-as-data 2 "story.txt: not a token file .*; --data reads a token file .*make_token_file.py --bytes --out FILE.tok TEXT" \
+  -- --data "$work/story.txt"
+echo "hi" > "$work/hi.txt"
+expect short-text-as-data 2 "shorter than the 64-byte token file header; --data reads a token file" -- --data "$work/hi.txt"
 # An option of the other backend.
 expect grad-staging-on-host 2 "grad-staging" -- --backend host --grad-staging 3
 expect keep-attention-on-host 2 "keep-attention-state" -- --backend host --keep-attention-state
@@ -338,6 +344,17 @@ if [[ $rc -ne 2 ]] || ! grep -q "rewritten.tok holds other tokens than when .* w
    [[ "$(cat "$work/ondata3/latest")" != checkpoint-000001 ]]; then
   echo "FAIL resume-data-rewritten: exit $rc"; cat "$work/rewritten.stderr"; fails=$((fails + 1))
 else echo "ok   resume-data-rewritten: $(cat "$work/rewritten.stderr")"; fi
+# Another path holding other tokens of the same count: refused naming both files, with no warning
+# first that takes it for the same data.
+cp "$work/good/builtin-corpus.tok" "$work/first.tok"
+"$train" --out "$work/ondata4" --steps 1 --seq 32 --data "$work/first.tok" > /dev/null || { echo "FAIL: a --data run failed"; exit 1; }
+"$train" --out "$work/ondata4" --steps 2 --seq 32 --resume --data "$work/rotated.tok" > /dev/null 2> "$work/other-path.stderr"
+rc=$?
+if [[ $rc -ne 2 ]] || [[ $(wc -l < "$work/other-path.stderr") -ne 1 ]] ||
+   ! grep -q "checkpoint-000001 was trained on .*first.tok, and .*rotated.tok holds other tokens (the same [0-9]* tokens in number" \
+     "$work/other-path.stderr"; then
+  echo "FAIL resume-other-path-other-tokens: exit $rc"; cat "$work/other-path.stderr"; fails=$((fails + 1))
+else echo "ok   resume-other-path-other-tokens: $(cat "$work/other-path.stderr")"; fi
 # Output paths inside a run directory that does not exist yet: it is made first.
 if ! "$train" --out "$work/fresh" --steps 1 --seq 32 --trace-step 1 --trace "$work/fresh/t.json" \
      --dump-batches "$work/fresh/b.tok" > /dev/null 2> "$work/fresh.stderr" || [[ ! -s "$work/fresh/t.json" || ! -s "$work/fresh/b.tok" ]]; then

@@ -157,7 +157,7 @@ rc=$?
 "$train" "${args[@]}" --steps 10 --out "$work/base" --resume --config "$(dirname "$0")/../../examples/configs/tiny-moe-d128.json" \
   > /dev/null 2> "$work/other-config.err"
 rc=$?
-[[ $rc -eq 2 ]] && grep -q -- "--resume: .*base/checkpoint-000008 was trained with another config.json than .*tiny-moe-d128.json" "$work/other-config.err" &&
+[[ $rc -eq 2 ]] && grep -q -- "--resume: .*base/checkpoint-000008 was trained with another config.json than .*tiny-moe-d128.json (.* against .*; the checkpoint's first)" "$work/other-config.err" &&
   echo "ok   resume-other-config: $(cat "$work/other-config.err")" || fail "resume-other-config: exit $rc" "$work/other-config.err"
 
 # --resume with flags that would change nothing, silently.
@@ -174,8 +174,10 @@ truncate -s $(( $(stat -c %s "$cut_file") / 2 )) "$cut_file"
 rc=$?
 if [[ $rc -eq 2 ]] && grep -q "checkpoint-000008/optimizer.safetensors: .*; .*damaged/checkpoint-000004 opens (its files, tensor shapes and small files' checksums check out): to resume from it, \`echo checkpoint-000004 > .*damaged/latest\`" "$work/damaged.err"; then
   echo checkpoint-000004 > "$work/damaged/latest"
+  # The damaged step-8 checkpoint stays until this run saves step 8: said at the resume.
   if "$train" "${args[@]}" --steps 10 --checkpoint-every 4 --out "$work/damaged" --resume > /dev/null 2> "$work/damaged2.err" &&
-     [[ "$(cat "$work/damaged/latest")" == checkpoint-000010 ]]; then
+     [[ "$(cat "$work/damaged/latest")" == checkpoint-000010 ]] &&
+     grep -q "warning: --resume continues from step 4; .*damaged holds 1 newer checkpoint (checkpoint-000008) of another continuation: each is replaced when this run saves its step, and metrics.jsonl's lines past step 4 are dropped" "$work/damaged2.err"; then
     echo "ok   damaged-latest: $(cat "$work/damaged.err")"
   else fail "damaged-latest: the advice did not resume" "$work/damaged2.err"; fi
 else fail "damaged-latest: exit $rc" "$work/damaged.err"; fi
@@ -250,7 +252,8 @@ if grep -q "model built-in tiny Qwen3-MoE at 2 layers (--layers): 2 layers" "$wo
    grep -q '"num_hidden_layers": 2' "$work/layers/checkpoint-000002/config.json" &&
    "$train" "${args[@]}" --steps 3 --checkpoint-every 3 --out "$work/layers" --resume > /dev/null 2> "$work/layers2.err" &&
    ! "$train" "${args[@]}" --steps 4 --out "$work/layers" --resume --layers 3 > /dev/null 2> "$work/layers3.err" &&
-   grep -q "was trained with another config.json than .*at 3 layers (--layers)" "$work/layers3.err"; then
+   grep -q "was trained with another config.json than .*at 3 layers (--layers) (num_hidden_layers: 2 against 3; the checkpoint's first)" \
+     "$work/layers3.err"; then
   echo "ok   layers: $(cat "$work/layers3.err")"
 else fail "layers" "$work/layers.log" "$work/layers2.err" "$work/layers3.err"; fi
 # The same config written otherwise is the same model: the built-in model's run resumes with

@@ -103,6 +103,12 @@ class Json {
 /// arrays element by element. (operator== also compares the members' order and the numbers' kinds.)
 [[nodiscard]] bool same_value(const Json& a, const Json& b);
 
+/// Where `a` and `b` first differ as same_value sees them, for a message: "" where they hold the
+/// same value, else the member path and both values, e.g. `torch_dtype: "float32" against
+/// "bfloat16"`, `rope.layers[1]: 2.5 against 3`, `x: only in the second` (members in `a`'s order,
+/// then those only `b` has; values written compactly, long ones cut at 60 characters).
+[[nodiscard]] std::string first_difference(const Json& a, const Json& b);
+
 /// "null", "bool", "number", "string", "array", "object".
 const char* to_string(Json::Type t) noexcept;
 
