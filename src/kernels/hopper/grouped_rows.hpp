@@ -55,14 +55,15 @@ struct RowsGrid {
   /// same launch queued after that kernel on the other stream, whose blocks take the tiles left
   /// on the SMs that kernel frees. Each tile is still computed by one block, with the same bits.
   bool counter_zeroed = false;
-  /// 2-CTA clusters: the two blocks of a cluster take two M tiles of one (expert, N tile) and
-  /// share its B tile, each loading half and multicasting it into both (TMA), so B crosses from L2
-  /// once per pair; tiles in a fixed order (a tile counter is not used; counter_zeroed refused);
+  /// 2-CTA clusters: the two blocks of a cluster take two M tiles of one (expert, N tile) and share
+  /// its B tile, each loading half and multicasting it into both (TMA), so B crosses from L2 once
+  /// per pair; tiles in a fixed order (a tile counter is not used; counter_zeroed refused);
   /// max_blocks counts both blocks of a pair (max_blocks / 2 pairs; 1 refused). Where no 2-CTA
-  /// cluster of the kernel fits the device, one block per tile as without. The same bits as without. Why: cuBLAS's dense and
-  /// strided batched kernels share their 256-wide operand this way, and on the H100 those ran the
-  /// 5.13B gate_up forward at 0.91-1.00x of the dense GEMM where this kernel ran at 0.75-0.78x
-  /// (2026-12-07); on the H200, on an older pipeline of this kernel, sharing was slower (2026-12-01).
+  /// cluster of the kernel fits the device, one block per tile as without. The same bits as
+  /// without. Why: cuBLAS's dense and strided batched kernels share their 256-wide operand this
+  /// way, and on the H100 those ran the 5.13B gate_up forward at 0.91-1.00x of the dense GEMM where
+  /// this kernel ran at 0.75-0.78x (2026-12-07); on the H200, on an older pipeline of this kernel,
+  /// sharing was slower (2026-12-01).
   bool pairs = false;
 };
 
@@ -76,15 +77,15 @@ cudaError_t grouped_rows_pairs_fit(int* pairs);
 
 /// C rows of every problem = A rows . B_e, each element one thread's fp32 sum over k in a fixed
 /// order (independent of the other rows and of the schedule: the same bits run to run, for any
-/// split of the rows into problems that keeps a row's expert), rounded to bf16 once. Rows of C
-/// that no problem covers are not written. One persistent launch per 128 non-empty problems on
-/// `stream`; no allocation, no synchronisation. cudaErrorInvalidValue when grouped_rows_supported
-/// would say false for the shape or the problems, or for a RowsGrid it cannot honour (see there);
-/// cudaErrorNotSupported off compute capability 9.0; else the launches' status. `tile_counter` (4 bytes of device memory, or nullptr): blocks
-/// take their tiles from it one at a time (zeroed on `stream` before each launch, so one counter
-/// serves one launch at a time) instead of every grid-th tile, so blocks that start late, on SMs
-/// another stream's kernels held, do not finish late; the same bits either way (not used with
-/// RowsGrid::pairs). `grid`: see RowsGrid.
+/// split of the rows into problems that keeps a row's expert), rounded to bf16 once. Rows of C that
+/// no problem covers are not written. One persistent launch per 128 non-empty problems on `stream`;
+/// no allocation, no synchronisation. cudaErrorInvalidValue when grouped_rows_supported would say
+/// false for the shape or the problems, or for a RowsGrid it cannot honour (see there);
+/// cudaErrorNotSupported off compute capability 9.0; else the launches' status. `tile_counter` (4
+/// bytes of device memory, or nullptr): blocks take their tiles from it one at a time (zeroed on
+/// `stream` before each launch, so one counter serves one launch at a time) instead of every
+/// grid-th tile, so blocks that start late, on SMs another stream's kernels held, do not finish
+/// late; the same bits either way (not used with RowsGrid::pairs). `grid`: see RowsGrid.
 cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::span<const RowsProblem> problems,
                                cudaStream_t stream, int* tile_counter = nullptr, const RowsGrid& grid = {});
 

@@ -9,8 +9,9 @@
 //     warpgroup w reads rows 64w .. 64w+63 (descriptor start + 32 bytes per k16 step, SBO 1024:
 //     the attention kernels' Q and K operands);
 //   - B_e K-major (stored N x K: the forward's weights) as a 256-row x 128-byte box the same way
-//     (with pairs, two 128-row boxes, one from each CTA of the cluster), or N-major (stored K x N: the backward's) as four 64 K x 64 N boxes 8 KiB apart (the grouped
-//     weight-gradient kernel's B operand: LBO = 8 KiB, k16 step 2048 bytes);
+//     (with pairs, two 128-row boxes, one from each CTA of the cluster), or N-major (stored K x N:
+//     the backward's) as four 64 K x 64 N boxes 8 KiB apart (the grouped weight-gradient kernel's
+//     B operand: LBO = 8 KiB, k16 step 2048 bytes);
 //   - one m64n256k16 per k16 step and warpgroup: 128 fp32 accumulators per thread.
 // Against cp.async by the producer's 128 threads (the first version), TMA ran the 5.13B gate_up
 // forward at 704 against 593 TFLOP/s and no case slower (H200, T = 16384, 2026-12-01).
@@ -24,10 +25,10 @@
 // computes its M tile (one past the problem's rows computes and stores nothing) and loads its own
 // A box and half of B, multicast into both CTAs' stage; a stage is refilled once both CTAs'
 // consumer warps released it (each warp arrives on both CTAs' "empty" barrier: count 16), and
-// cluster barriers open and close the kernel. The producer streams each tile's K steps through the stages without
-// pausing between tiles and publishes (tile, problem) per stage, so the next tile's first stages
-// load during the epilogue; the epilogue hands each warp's rows to the TMA unit (tensor stores
-// through a view of C) and does not wait for them.
+// cluster barriers open and close the kernel. The producer streams each tile's K steps through
+// the stages without pausing between tiles and publishes (tile, problem) per stage, so the next
+// tile's first stages load during the epilogue; the epilogue hands each warp's rows to the TMA unit
+// (tensor stores through a view of C) and does not wait for them.
 // Determinism: each C element is one thread's wgmma sum over k in order, rounded to bf16 once.
 #include "grouped_rows.hpp"
 
@@ -71,8 +72,8 @@ static_assert(kSmemBytes <= kMaxDynamicSmem);
 struct Params {
   /// A (rows x k) and every problem's B as 128-byte-swizzled views (tma.cuh, encode_matrix_sw128):
   /// A and a K-major B in boxes of 64 columns x 128 / 256 rows (128 with pairs), an N-major B in
-  /// boxes of 64 N x 64 K. Kernel parameters past 4 KiB (up to 32764 bytes: CUDA 12.1 and later, Volta and
-  /// later); the maps 64-byte aligned as TMA requires.
+  /// boxes of 64 N x 64 K. Kernel parameters past 4 KiB (up to 32764 bytes: CUDA 12.1 and later,
+  /// Volta and later); the maps 64-byte aligned as TMA requires.
   CUtensorMap a_map;
   /// C (the launch's rows x n) in boxes of 64 columns x 16 rows: one consumer warp's quarter of
   /// its rows, stored by the TMA unit.
