@@ -622,7 +622,7 @@ int main(int argc, char** argv) {
   try {
     return run(opt);
   } catch (const oom::Error& e) {
-    std::fprintf(stderr, "\noom-calibrate: %s\n", e.what());
+    std::fprintf(stderr, "\noom-calibrate: %s\n", oom::user_message(e).c_str());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "\noom-calibrate: %s\n", e.what());

@@ -381,7 +381,7 @@ int main(int argc, char** argv) {
   try {
     return run(parse(argc, argv));
   } catch (const oom::Error& e) {
-    std::fprintf(stderr, "oom-custom-layer: %s\n", e.what());
+    std::fprintf(stderr, "oom-custom-layer: %s\n", oom::user_message(e).c_str());
     // As oom-train and oom-plan: 3 where no plan fits the budgets, 2 for what was asked (an
     // argument, a file, a layer this build cannot run), 1 for a failure while running.
     switch (e.code()) {

@@ -298,7 +298,7 @@ int main(int argc, char** argv) {
   try {
     return run(o);
   } catch (const oom::Error& e) {
-    std::fprintf(stderr, "oom-layer-check: %s\n", e.what());
+    std::fprintf(stderr, "oom-layer-check: %s\n", oom::user_message(e).c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "oom-layer-check: %s\n", e.what());
   }

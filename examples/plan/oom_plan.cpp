@@ -458,7 +458,7 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const oom::Error& e) {
     std::fflush(stdout);  // what was printed before it comes first, also through a pipe
-    std::fprintf(stderr, "oom-plan: %s\n", e.what());
+    std::fprintf(stderr, "oom-plan: %s\n", oom::user_message(e).c_str());
     return e.code() == oom::Errc::out_of_budget ? 3 : 2;
   } catch (const std::exception& e) {
     std::fflush(stdout);

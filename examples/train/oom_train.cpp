@@ -1529,7 +1529,7 @@ int main(int argc, char** argv) {
   try {
     return run(parse(argc, argv));
   } catch (const Error& e) {
-    std::fprintf(stderr, "oom-train: error: %s\n", e.what());
+    std::fprintf(stderr, "oom-train: error: %s\n", oom::user_message(e).c_str());
     return e.code() == Errc::out_of_budget ? 3 : 2;
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "oom-train: error: out of host memory (an allocation failed; --host-mem sets the plan's host budget, "

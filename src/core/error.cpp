@@ -2,6 +2,7 @@
 #include "oom/core/error.hpp"
 
 #include <string>
+#include <string_view>
 
 namespace oom {
 
@@ -31,12 +32,15 @@ Error& Error::add_context(std::string what) {
   return *this;
 }
 
-void Error::render() {
-  what_ = to_string(code_);
-  what_ += ": ";
-  what_ += message_;
-  if (file_ != nullptr) {
-    std::string_view path = file_;
+namespace {
+
+/// "<category>: <message>", " [file:line]" where `located`, then the context lines.
+std::string rendered(const Error& e, bool located) {
+  std::string out = to_string(e.code());
+  out += ": ";
+  out += e.message();
+  if (located && e.file() != nullptr) {
+    std::string_view path = e.file();
     // Keep the path from the project's top folders on, not the build machine's absolute prefix.
     for (std::string_view top : {"/include/oom/", "/src/", "/examples/", "/tests/", "/bench/"}) {
       if (auto at = path.rfind(top); at != std::string_view::npos) {
@@ -44,16 +48,26 @@ void Error::render() {
         break;
       }
     }
-    what_ += " [";
-    what_ += path;
-    what_ += ':';
-    what_ += std::to_string(line_);
-    what_ += ']';
+    out += " [";
+    out += path;
+    out += ':';
+    out += std::to_string(e.line());
+    out += ']';
   }
-  for (const auto& c : context_) {
-    what_ += "\n  while ";
-    what_ += c;
+  for (const auto& c : e.context()) {
+    out += "\n  while ";
+    out += c;
   }
+  return out;
+}
+
+}  // namespace
+
+void Error::render() { what_ = rendered(*this, true); }
+
+std::string user_message(const Error& e) {
+  const Errc c = e.code();
+  return rendered(e, c == Errc::internal || c == Errc::cuda || c == Errc::cublas || c == Errc::nccl);
 }
 
 }  // namespace oom

@@ -47,3 +47,23 @@ TEST_CASE("OOM_ASSERT reports the failed condition as an internal error") {
   }
   CHECK_NOTHROW(OOM_ASSERT(budget == 1));
 }
+
+TEST_CASE("user_message: the site only where the fault is OOM's or a GPU library's") {
+  try {
+    read_layer(3);
+    FAIL("no throw");
+  } catch (const Error& e) {
+    // Bad input or a budget: the message names the problem; a source line would be noise.
+    CHECK(user_message(e) == "out of budget: expert workset needs 3.00 GiB, budget 2.00 GiB\n  while planning layer 3");
+  }
+  for (const Errc code : {Errc::internal, Errc::cuda, Errc::cublas, Errc::nccl}) {
+    const Error e(code, "it broke", "/build/x/src/runtime/executor.cpp", 42);
+    CAPTURE(to_string(code));
+    CHECK(user_message(e) == std::string(to_string(code)) + ": it broke [src/runtime/executor.cpp:42]");
+    CHECK(user_message(e) == e.what());
+  }
+  for (const Errc code : {Errc::invalid_argument, Errc::parse, Errc::io, Errc::out_of_budget, Errc::unsupported}) {
+    const Error e(code, "bad", "/build/x/examples/common/cli_numbers.hpp", 64);
+    CHECK(user_message(e) == std::string(to_string(code)) + ": bad");
+  }
+}

@@ -54,6 +54,12 @@ class Error : public std::exception {
   std::string what_;
 };
 
+/// What a program shows its user: "<category>: <message>" and the context lines, as what(), with
+/// the source location only where the fault is OOM's or a GPU library's (Errc::internal, cuda,
+/// cublas, nccl: the line a bug report needs); for bad input, a budget or an unsupported request
+/// the message names the problem and the location is noise.
+std::string user_message(const Error& e);
+
 }  // namespace oom
 
 /// Throws oom::Error with the caller's file and line.
