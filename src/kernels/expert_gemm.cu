@@ -563,8 +563,10 @@ cudaError_t run_rows(ExpertGemmStreams::State& st, const ExpertGemmStreamsOption
       const cudaError_t status =
           hopper::grouped_rows_wgmma(shape, a, c, problems, stream, st.tile_counter + 1, {.pairs = o.paired_rows});
       record_host_span(began, [&] {
+        int pairs_fit = 0;  // (the launch ran unpaired where no pair fits; asked once per device)
+        const bool paired = o.paired_rows && hopper::grouped_rows_pairs_fit(&pairs_fit) == cudaSuccess && pairs_fit > 0;
         return "row GEMMs: one grouped wgmma launch over " + std::to_string(problems.size()) + " experts" +
-               (o.paired_rows ? ", in 2-CTA pairs" : "");
+               (paired ? ", in 2-CTA pairs" : "");
       });
       return status;
     }

@@ -20,10 +20,13 @@
 // Schedule: block b takes tiles b, b + grid, ... of the list (problem, M tile, N tile), N tile
 // fastest (the blocks working at one time share A's rows and the expert's weights in L2), or,
 // given a counter, the next tile an atomicAdd hands out (beside other kernels: blocks that start
-// late do not finish late). With pairs (RowsGrid::pairs) the list's entries are pairs of M tiles
-// of one (problem, N tile) and cluster c of the grid takes entries c, c + clusters, ...: each CTA
-// computes its M tile (one past the problem's rows computes and stores nothing) and loads its own
-// A box and half of B, multicast into both CTAs' stage; a stage is refilled once both CTAs'
+// late do not finish late). With pairs (RowsGrid::pairs) the list's entries are pairs of
+// M tiles of one (problem, N tile) and cluster c of the grid takes entries c, c + clusters, ...:
+// each CTA computes its M tile and loads its own A box and half of B, multicast into both CTAs'
+// stage. A problem with an odd count of M tiles ends in entries that pair its last M tile's N
+// tiles instead: each CTA computes its N tile, loads half of A multicast into both and its own B
+// (where the N tiles are odd too, the last entry is that tile beside one past the problem's rows,
+// which computes and stores nothing). A stage is refilled once both CTAs'
 // consumer warps released it (each warp arrives on both CTAs' "empty" barrier: count 16), and
 // cluster barriers open and close the kernel. The producer streams each tile's K steps through
 // the stages without pausing between tiles and publishes (tile, problem) per stage, so the next
@@ -75,6 +78,8 @@ struct Params {
   /// boxes of 64 N x 64 K. Kernel parameters past 4 KiB (up to 32764 bytes: CUDA 12.1 and later,
   /// Volta and later); the maps 64-byte aligned as TMA requires.
   CUtensorMap a_map;
+  /// With pairs: A again, in boxes of 64 rows (each CTA's half of an A tile both share).
+  CUtensorMap a_half_map;
   /// C (the launch's rows x n) in boxes of 64 columns x 16 rows: one consumer warp's quarter of
   /// its rows, stored by the TMA unit.
   CUtensorMap c_map;
@@ -98,14 +103,33 @@ __device__ __forceinline__ void bulk_wait_read_all_but_newest() {
 /// Until this thread's bulk groups have completed (their global writes done).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-/// Pair (2-CTA clusters sharing B): the list's entries are pairs of M tiles of one (problem, N
-/// tile), M tiles 2 mp + rank; each CTA loads its own A box and half of B, multicast into both
-/// CTAs' stages. Else one tile per entry.
+/// Where entry t of the tile list (of problem g) puts CTA `rank`: its tile's first row (counted
+/// in the problem) and column, and, with pairs, whether the pair shares A (two N tiles of one M
+/// tile) rather than B (two M tiles of one N tile). Without pairs, entry = tile, N tile fastest.
+/// With pairs, a problem of m M tiles has m / 2 x n_tiles entries sharing B (N tile fastest), then,
+/// for an odd m, n_tiles / 2 sharing A on its last M tile and, for odd n_tiles too, that M tile's
+/// last N tile beside an M tile past the rows (shares B; the second CTA computes nothing):
+/// pair_entries below counts them.
+struct TileAt {
+  int m0 = 0, n0 = 0;
+  bool share_a = false;
+};
+
+__host__ __device__ __forceinline__ int pair_entries(int m_tiles, int n_tiles) {
+  return m_tiles / 2 * n_tiles + m_tiles % 2 * ((n_tiles + 1) / 2);
+}
+
 template <bool kPair>
-__device__ __forceinline__ void tile_origin(const Params& p, int t, int g, std::uint32_t rank, int* m0, int* n0) {
+__device__ __forceinline__ TileAt tile_at(const Params& p, int t, int g, std::uint32_t rank) {
   const int r = t - (g > 0 ? p.tile_end[g - 1] : 0);
-  *m0 = (kPair ? 2 * (r / p.n_tiles) + static_cast<int>(rank) : r / p.n_tiles) * kBM;
-  *n0 = (r % p.n_tiles) * kBN;
+  if constexpr (!kPair) return {r / p.n_tiles * kBM, r % p.n_tiles * kBN, false};
+  const int m_tiles = (p.rows[g] + kBM - 1) / kBM;
+  const int share_b = m_tiles / 2 * p.n_tiles;
+  const int me = static_cast<int>(rank);
+  if (r < share_b) return {(2 * (r / p.n_tiles) + me) * kBM, r % p.n_tiles * kBN, false};
+  const int q = r - share_b, last = (m_tiles - 1) * kBM;
+  if (2 * q + 1 < p.n_tiles) return {last, (2 * q + me) * kBN, true};
+  return {last + me * kBM, (p.n_tiles - 1) * kBN, false};
 }
 
 template <bool BKbyN, bool kPair>
@@ -143,7 +167,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
       std::uint32_t phase = 0;
       bool reuse = false;  // a stage is refilled only after the consumers released its previous use
       // (Tiles from a counter ran the 5.13B gate_up forward at 16K 18% slower than fixed ones on
-      // the H100, 2026-12-07: the atomic's round trip before each tile's first load, most likely.)
+      // the H100, 2026-12-07; asking for the next tile one tile ahead, so that the atomic's round
+      // trip overlaps the copies, left it so: 1.154 against 0.973 ms, sixty-fourth session.)
       for (int i = 0;; ++i) {
         const int t = !kPair && p.counter != nullptr ? atomicAdd(p.counter, 1) : slot + i * slots;
         if (reuse) mbar_wait(bar.empty(stage), phase ^ 1u);
@@ -153,9 +178,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
           break;
         }
         while (t >= p.tile_end[g]) ++g;  // a block's tiles only grow (the counter's too)
-        int m0 = 0, n0 = 0;
-        tile_origin<kPair>(p, t, g, rank, &m0, &n0);
-        const int a_row = p.first_row[g] + m0;  // (an M tile past the problem: the next one's rows or zeros, never stored)
+        const TileAt at = tile_at<kPair>(p, t, g, rank);
+        const int n0 = at.n0;
+        const int a_row = p.first_row[g] + at.m0;  // (an M tile past the problem: the next one's rows or zeros, never stored)
         const CUtensorMap* b_map = &p.b_map[g];
         for (int ks = 0; ks < p.k_steps; ++ks) {
           if (ks > 0 && reuse) mbar_wait(bar.empty(stage), phase ^ 1u);  // (the first step's wait is above)
@@ -163,8 +188,23 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
           stage_tile[stage] = t;
           stage_group[stage] = g;
           mbar_arrive_expect_tx(bar.full(stage), kStageBytes);  // release: the words are seen with the phase
-          tma_load_2d(st, &p.a_map, bar.full(stage), ks * kBK, a_row);  // rows past A's view: zeros
-          if constexpr (kPair) {  // this CTA's half of B, into both CTAs' stage
+          if (kPair && at.share_a)  // this CTA's half of A, into both CTAs' stage
+            tma_load_2d_multicast(st + rank * (kATileBytes / 2), &p.a_half_map, bar.full(stage), ks * kBK,
+                                  a_row + static_cast<int>(rank) * (kBM / 2), 0x3);
+          else
+            tma_load_2d(st, &p.a_map, bar.full(stage), ks * kBK, a_row);  // rows past A's view: zeros
+          if (!kPair || at.share_a) {  // all of B, into this CTA's stage
+            if constexpr (BKbyN) {
+#pragma unroll
+              for (int h = 0; h < 4; ++h) tma_load_2d(st + kATileBytes + h * kHalfBytes, b_map, bar.full(stage), n0 + 64 * h, ks * kBK);
+            } else if constexpr (kPair) {  // (the map's boxes are 128 of B's 256 rows with pairs)
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                tma_load_2d(st + kATileBytes + h * (kBTileBytes / 2), b_map, bar.full(stage), ks * kBK, n0 + h * (kBN / 2));
+            } else {
+              tma_load_2d(st + kATileBytes, b_map, bar.full(stage), ks * kBK, n0);
+            }
+          } else if constexpr (kPair) {  // this CTA's half of B, into both CTAs' stage
             if constexpr (BKbyN) {
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
@@ -172,15 +212,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
                 tma_load_2d_multicast(st + kATileBytes + static_cast<std::uint32_t>(box) * kHalfBytes, b_map, bar.full(stage),
                                       n0 + 64 * box, ks * kBK, 0x3);
               }
-            } else {  // the map's boxes are 128 of B's 256 rows here
+            } else {
               tma_load_2d_multicast(st + kATileBytes + rank * (kBTileBytes / 2), b_map, bar.full(stage), ks * kBK,
                                     n0 + static_cast<int>(rank) * (kBN / 2), 0x3);
             }
-          } else if constexpr (BKbyN) {
-#pragma unroll
-            for (int h = 0; h < 4; ++h) tma_load_2d(st + kATileBytes + h * kHalfBytes, b_map, bar.full(stage), n0 + 64 * h, ks * kBK);
-          } else {
-            tma_load_2d(st + kATileBytes, b_map, bar.full(stage), ks * kBK, n0);
           }
           if (++stage == kStages) {
             stage = 0;
@@ -206,8 +241,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
     const int t = stage_tile[ring.stage];
     if (t < 0) break;
     const int g = stage_group[ring.stage];
-    int m0 = 0, n0 = 0;
-    tile_origin<kPair>(p, t, g, rank, &m0, &n0);
+    const TileAt at = tile_at<kPair>(p, t, g, rank);
+    const int m0 = at.m0, n0 = at.n0;
     // A warpgroup whose 64 rows are all past the problem's last (a tail tile of <= 64 rows) issues
     // no products: the other one has the tensor cores to itself, so such a tile costs about half.
     const bool live = m0 + 64 * wg < p.rows[g];
@@ -444,6 +479,8 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
     if (params.groups == 0) return cudaSuccess;
     params.tiles = static_cast<int>(tiles);
     if (const cudaError_t e = cached_matrix_sw128(&params.a_map, a, row_end, s.k, s.lda, kBM); e != cudaSuccess) return e;
+    if (pairs)
+      if (const cudaError_t e = cached_matrix_sw128(&params.a_half_map, a, row_end, s.k, s.lda, kBM / 2); e != cudaSuccess) return e;
     if (const cudaError_t e = cached_matrix_sw128(&params.c_map, c, row_end, s.n, s.ldc, 16); e != cudaSuccess) return e;
     const int entries = std::min(params.tiles, slots);
     if (params.counter != nullptr && !grid_opts.counter_zeroed)
@@ -457,7 +494,8 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
   for (const RowsProblem& q : problems) {
     if (q.rows == 0) continue;
     const std::int64_t m_tiles = (q.rows + kBM - 1) / kBM;
-    const std::int64_t q_tiles = (pairs ? (m_tiles + 1) / 2 : m_tiles) * params.n_tiles;  // entries: tiles or pairs of them
+    // Entries: tiles, or pairs of them (m_tiles x n_tiles fits an int: problem_ok).
+    const std::int64_t q_tiles = pairs ? pair_entries(static_cast<int>(m_tiles), params.n_tiles) : m_tiles * params.n_tiles;
     if (params.groups > 0 && tiles + q_tiles > INT_MAX)  // the tile list is indexed by int
       if (const cudaError_t e = launch(); e != cudaSuccess) return e;
     const int g = params.groups++;
