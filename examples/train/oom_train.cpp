@@ -796,10 +796,9 @@ int run(Args a) {
     try {
       tokens.emplace(TokenFile::open(data_path));
     } catch (const Error& e) {
-      // A header that is not a token file's: most likely text, the first file a new user tries.
-      if (e.code() != Errc::parse ||
-          (e.message().find("token file header") == std::string::npos && e.message().find("not a token file") == std::string::npos))
-        throw;
+      // Not a token file at all: most likely text, the first file a new user tries. (A damaged
+      // token file's error stands alone.)
+      if (e.code() != Errc::parse || starts_as_token_file(data_path)) throw;
       throw Error(e.code(),
                   e.message() + "; --data reads a token file (docs/trainer.md): text becomes one by `python3 scripts/make_token_file.py "
                                 "--bytes --out FILE.tok TEXT` (its bytes as tokens) or with --tokenizer DIR (a Hugging Face tokenizer)",

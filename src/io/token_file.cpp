@@ -55,6 +55,21 @@ static_assert(std::endian::native == std::endian::little, "token files are read 
 
 }  // namespace
 
+bool starts_as_token_file(const std::filesystem::path& path) noexcept {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // (a FIFO: no wait for a writer)
+  if (fd < 0) return false;
+  char magic[token_file_magic.size()];
+  std::size_t got = 0;
+  while (got < sizeof(magic)) {
+    const ssize_t n = ::read(fd, magic + got, sizeof(magic) - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  return got == sizeof(magic) && std::memcmp(magic, token_file_magic.data(), sizeof(magic)) == 0;
+}
+
 TokenFileHeader parse_token_file_header(std::span<const std::byte> file, std::string_view source) {
   const auto fail = [&](const std::string& what) { OOM_THROW(Errc::parse, fmt::format("{}: {}", source, what)); };
   if (file.size() < token_file_header_bytes)

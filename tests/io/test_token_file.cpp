@@ -174,6 +174,30 @@ TEST_CASE("malformed headers are parse errors naming the file and the field") {
   }
 }
 
+TEST_CASE("starts_as_token_file tells a token file, damaged or not, from text and from nothing") {
+  TempDir dir("tokens-magic");
+  write_token_file(dir / "a.tok", std::vector<std::uint32_t>{1, 2, 3}, 300);
+  CHECK(starts_as_token_file(dir / "a.tok"));
+  const std::string good = test::read_text(dir / "a.tok");
+  const auto write = [&](const char* name, const std::string& bytes) {
+    std::ofstream(dir / name, std::ios::binary) << bytes;
+    return dir / name;
+  };
+  // Damaged past the magic (a later version, cut after the magic): still a token file, whose own
+  // error TokenFile::open gives.
+  std::string later = good;
+  later[8] = 2;
+  CHECK(starts_as_token_file(write("later.tok", later)));
+  CHECK(starts_as_token_file(write("cut.tok", good.substr(0, 8))));
+  CHECK_THROWS_AS((void)TokenFile::open(dir / "cut.tok"), Error);
+  // Not one: text, a file shorter than the magic, an empty one, a directory, no file.
+  CHECK_FALSE(starts_as_token_file(write("text.txt", "It was a bright cold day in April, and the clocks were striking thirteen.")));
+  CHECK_FALSE(starts_as_token_file(write("short.tok", good.substr(0, 7))));
+  CHECK_FALSE(starts_as_token_file(write("empty.tok", "")));
+  CHECK_FALSE(starts_as_token_file(dir.path()));
+  CHECK_FALSE(starts_as_token_file(dir / "absent.tok"));
+}
+
 TEST_CASE("a token file cut short while open is an error naming it, not a SIGBUS") {
   // cp onto the training file (or rsync --inplace) truncates it under the trainer's map: reading a
   // window past the new end had killed the run with a bus error, nothing said.

@@ -199,6 +199,12 @@ expect text-as-data 2 "story.txt: not a token file .*; --data reads a token file
   -- --data "$work/story.txt"
 echo "hi" > "$work/hi.txt"
 expect short-text-as-data 2 "shorter than the 64-byte token file header; --data reads a token file" -- --data "$work/hi.txt"
+# A token file this build cannot read (a later version) is one, damaged: its own error, no converter.
+{ printf 'OOMTOK01\x02\x00\x00\x00'; head -c 56 /dev/zero; } > "$work/later.tok"
+expect later-token-file 2 "later.tok: token file version 2, this build reads version 1" -- --data "$work/later.tok"
+if grep -q "make_token_file" "$work/later-token-file.stderr"; then
+  echo "FAIL later-token-file: a token file called text"; fails=$((fails + 1))
+fi
 # An option of the other backend.
 expect grad-staging-on-host 2 "grad-staging" -- --backend host --grad-staging 3
 expect keep-attention-on-host 2 "keep-attention-state" -- --backend host --keep-attention-state

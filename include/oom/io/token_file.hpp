@@ -45,6 +45,11 @@ struct TokenFileHeader {
 /// Reads and checks the header of a whole token file held in `file` (its size included).
 [[nodiscard]] TokenFileHeader parse_token_file_header(std::span<const std::byte> file, std::string_view source);
 
+/// Whether the file at `path` begins with token_file_magic: false for another file (text, most
+/// often), for one shorter than the magic and for one that cannot be read. Tells "not a token
+/// file at all" from a token file that is damaged, where TokenFile::open's error alone does not.
+[[nodiscard]] bool starts_as_token_file(const std::filesystem::path& path) noexcept;
+
 class TokenFile {
  public:
   enum class Check : unsigned char {
