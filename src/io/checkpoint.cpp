@@ -729,9 +729,11 @@ fs::path save_checkpoint(const fs::path& run_dir, const ModelSpec& spec, std::sp
 namespace {
 
 /// "<run_dir> holds <the checkpoints>: to resume the run, write into it the name of the checkpoint
-/// to continue from (echo <newest> > <latest>)", for a `latest` that names none of them.
+/// to continue from (echo <newest> > <latest>)", for a `latest` that names none of them; "" where
+/// the run directory holds no complete checkpoint.
 std::string what_run_dir_holds(const fs::path& run_dir, const fs::path& latest) {
   const auto complete = complete_checkpoints(run_dir);
+  if (complete.empty()) return "";
   const std::string newest = complete.back().second.filename().string();
   return fmt::format("{} holds {}: to resume the run, write into it the name of the checkpoint to continue from (echo {} > {})",
                      run_dir.string(),
@@ -750,8 +752,9 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
     // Checkpoints without `latest` (it was removed, or a save was killed between renaming the run's
     // first checkpoint in and writing `latest`) are a run all the same: taken for none, a new run
     // there had replaced them step by step and emptied metrics.jsonl, and --resume said "no checkpoint".
-    if (complete_checkpoints(run_dir).empty()) return std::nullopt;
-    OOM_THROW(Errc::parse, fmt::format("{}: missing, while {}", latest.string(), what_run_dir_holds(run_dir, latest)));
+    const std::string holds = what_run_dir_holds(run_dir, latest);
+    if (holds.empty()) return std::nullopt;
+    OOM_THROW(Errc::parse, fmt::format("{}: missing, while {}", latest.string(), holds));
   }
   MappedFile f(latest);
   const std::string name = without_blanks(std::string(reinterpret_cast<const char*>(f.bytes().data()), f.bytes().size()));
@@ -770,10 +773,11 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
       OOM_THROW(Errc::io, fmt::format("{}: names '{}', whose files are at {} and cannot be moved back: {}", latest.string(), name,
                                       set_aside(run_dir / name).string(), ec.message()));
   }
-  if (name.empty() || name.find('/') != std::string::npos || !checkpoint_step(name) || !fs::is_directory(run_dir / name, ec))
+  if (name.empty() || name.find('/') != std::string::npos || !checkpoint_step(name) || !fs::is_directory(run_dir / name, ec)) {
+    const std::string holds = what_run_dir_holds(run_dir, latest);
     OOM_THROW(Errc::parse, fmt::format("{}: names '{}', which is not a checkpoint directory{}", latest.string(), name,
-                                       complete_checkpoints(run_dir).empty() ? std::string()
-                                                                             : "; " + what_run_dir_holds(run_dir, latest)));
+                                       holds.empty() ? std::string() : "; " + holds));
+  }
   return run_dir / name;
 }
 

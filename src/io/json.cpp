@@ -182,12 +182,13 @@ std::string short_dump(const Json& v) {
   return text;
 }
 
+/// One walk: arrays of one length and objects are compared member by member here (as same_value
+/// would: elements in order, members as a set), anything else by same_value.
 std::string difference_at(const Json& a, const Json& b, const std::string& path) {
-  const std::string at = path.empty() ? std::string() : path + ": ";
-  if (same_value(a, b)) return "";
   if (a.type() == b.type() && a.is_array() && a.size() == b.size()) {
     for (std::size_t i = 0; i < a.size(); ++i)
       if (auto d = difference_at(a.as_array()[i], b.as_array()[i], path + "[" + std::to_string(i) + "]"); !d.empty()) return d;
+    return "";
   }
   if (a.type() == b.type() && a.is_object()) {
     for (const auto& [key, value] : a.as_object()) {
@@ -198,8 +199,10 @@ std::string difference_at(const Json& a, const Json& b, const std::string& path)
     }
     for (const auto& [key, value] : b.as_object())
       if (a.find(key) == nullptr) return (path.empty() ? key : path + "." + key) + ": only in the second";
+    return "";
   }
-  return at + short_dump(a) + " against " + short_dump(b);
+  if (same_value(a, b)) return "";
+  return (path.empty() ? std::string() : path + ": ") + short_dump(a) + " against " + short_dump(b);
 }
 
 }  // namespace
