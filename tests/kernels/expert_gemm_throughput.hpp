@@ -4,6 +4,7 @@
 // whatever the method measured. Used by the gpu test (one shape) and bench_moe_kernels (the sweep).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -20,9 +21,10 @@ namespace oom::test {
 struct ExpertGemmRatio {
   std::string op;
   double grouped_ms = 0, dense_ms = 0, tflops = 0;  ///< tflops of the grouped run
-  /// Diagnostics of the grouped run: the host's time to issue one call (mean over the timed calls:
-  /// grouped_ms includes it where the GPU waited for it), and the GPU time per call of 10 calls
-  /// issued back to back (the host's issue hidden behind the previous call's work where shorter).
+  /// Diagnostics of the grouped run: the host's time to issue one call (median over the timed
+  /// calls, the warm-up calls' first encodes and attribute settings left out: grouped_ms includes
+  /// it where the GPU waited for it), and the GPU time per call of 10 calls issued back to back
+  /// (the host's issue hidden behind the previous call's work where shorter).
   double host_us = 0, pipelined_ms = 0;
   /// The vendor on the same per-expert problems at its best case (with_batched only; else 0):
   /// cuBLAS strided batched GEMMs over equal rows per expert (N / E each), the same FLOPs and the
@@ -78,6 +80,18 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
     v.push_back({"share50", M::row_chunked, {.row_sm_share = 0.5}});
   }
   return v;
+}
+
+/// The warm-up calls time_ms makes before the timed ones, here named: the host's issue time is
+/// read from the calls after them.
+inline constexpr int kWarmupCalls = 2;
+
+/// The median of values[skip..] (0 where none are left).
+inline double median_after(std::vector<double> values, int skip) {
+  if (static_cast<std::size_t>(skip) >= values.size()) return 0;
+  values.erase(values.begin(), values.begin() + skip);
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
 }
 
 /// Times the four expert GEMM launchers for `tokens` tokens routed uniformly at random (k of E).
@@ -173,17 +187,15 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
   for (const Op& op : ops) {
     ExpertGemmRatio r;
     r.op = op.name;
-    double host_s = 0;
-    int calls = 0;  // (time_ms' warm-up calls included)
+    std::vector<double> host_us;  // every call's, time_ms' warm-up calls first
     r.grouped_ms = time_ms(
         [&](cudaStream_t) {
           const auto t0 = std::chrono::steady_clock::now();
           OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method));
-          host_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-          ++calls;
+          host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
         },
-        stream, repeats);
-    r.host_us = host_s / calls * 1e6;
+        stream, repeats, kWarmupCalls);
+    r.host_us = median_after(host_us, kWarmupCalls);
     r.pipelined_ms = time_ms(
                          [&](cudaStream_t) {
                            for (int i = 0; i < 10; ++i) OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method));
