@@ -14,6 +14,7 @@
 
 #include "kernels/device_buffer.hpp"
 #include "kernels/moe_test_util.hpp"
+#include "kernels/timing_inputs.hpp"
 #include "oom/kernels/expert_gemm.hpp"
 
 namespace oom::test {
@@ -108,7 +109,11 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
   const k::ExpertGemmShape d{.hidden = H, .intermediate = I, .experts = 1, .rows = N};
   DeviceBuffer<bf16> x(N * H), wgu(E * 2 * I * H), gu(N * 2 * I), h(N * I), wd(E * H * I), y(N * H);
   DeviceBuffer<float> dwgu(E * 2 * I * H), dwd(E * H * I);
-  for (auto* b : {&x, &wgu, &gu, &h, &wd, &y}) OOM_CUDA_CHECK(cudaMemset(b->get(), 0x3C, b->bytes()));  // bf16 ~0.0115
+  // Random operands (timing_inputs.hpp: constant data runs products faster than real data does):
+  // activations and their gradients N(0, 1), weights N(0, 0.02) as the models initialise them.
+  std::uint64_t seed = 1000;
+  for (auto* b : {&x, &gu, &h, &y}) fill_random_bf16(b->get(), b->size(), seed++);
+  for (auto* b : {&wgu, &wd}) fill_random_bf16(b->get(), b->size(), seed++, 0.02f);
   dwgu.zero();
   dwd.zero();
   k::ExpertGemmStreams streams(variant.options);

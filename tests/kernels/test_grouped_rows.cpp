@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
+#include "kernels/timing_inputs.hpp"
 #include "kernels/expert_gemm_case.hpp"
 #include "kernels/expert_gemm_throughput.hpp"
 #include "kernels/hopper/grouped_rows.hpp"
@@ -418,8 +419,8 @@ TEST_CASE("grouped row GEMMs alone: the kernel against one dense cuBLAS GEMM of 
                         Op{"dh (n 768, k 2048, B k x n)", 768, 2048, true}, Op{"dx (n 2048, k 1536, B k x n)", 2048, 1536, true}}) {
       const std::int64_t R = T * 8 / E, N = E * R;
       DeviceBuffer<bf16> a(N * op.k), b(E * op.n * op.k), c(N * op.n);
-      OOM_CUDA_CHECK(cudaMemset(a.get(), 0x3C, a.bytes()));
-      OOM_CUDA_CHECK(cudaMemset(b.get(), 0x3C, b.bytes()));
+      oom::test::fill_random_bf16(a.get(), a.size(), 1);  // (timing_inputs.hpp: never constant data)
+      oom::test::fill_random_bf16(b.get(), b.size(), 2, 0.02f);
       const hw::RowsShape shape{.n = op.n, .k = op.k, .lda = op.k, .ldb = op.kn ? op.n : op.k, .ldc = op.n, .b_k_by_n = op.kn};
       std::vector<hw::RowsProblem> problems;
       for (std::int64_t e = 0; e < E; ++e) problems.push_back({.b = b.get() + e * op.n * op.k, .first_row = e * R, .rows = R});
@@ -457,8 +458,8 @@ TEST_CASE("grouped row GEMMs alone: what routing, a tile counter and pairs cost 
   for (const auto e : oom::test::random_routing(T, 8, E, 42)) ++routed[static_cast<std::size_t>(e)];
   DeviceBuffer<bf16> a(N * kk), b(E * n * kk), c(N * n);
   DeviceBuffer<int> counter(1);
-  OOM_CUDA_CHECK(cudaMemset(a.get(), 0x3C, a.bytes()));
-  OOM_CUDA_CHECK(cudaMemset(b.get(), 0x3C, b.bytes()));
+  oom::test::fill_random_bf16(a.get(), a.size(), 1);  // (timing_inputs.hpp: never constant data)
+  oom::test::fill_random_bf16(b.get(), b.size(), 2, 0.02f);
   const hw::RowsShape shape{.n = n, .k = kk, .lda = kk, .ldb = kk, .ldc = n, .b_k_by_n = false};
   cudaStream_t stream;
   OOM_CUDA_CHECK(cudaStreamCreate(&stream));

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
+#include "kernels/timing_inputs.hpp"
 #include "kernels/expert_gemm_case.hpp"
 #include "kernels/expert_gemm_throughput.hpp"
 #include "kernels/hopper/grouped_wgrad.hpp"
@@ -330,8 +331,8 @@ TEST_CASE("grouped weight gradients alone: the kernel against one dense cuBLAS d
     const std::int64_t N = E * R;
     DeviceBuffer<bf16> a(N * op.m), b(N * op.n);
     DeviceBuffer<float> c(E * op.m * op.n);
-    OOM_CUDA_CHECK(cudaMemset(a.get(), 0x3C, a.bytes()));
-    OOM_CUDA_CHECK(cudaMemset(b.get(), 0x3C, b.bytes()));
+    oom::test::fill_random_bf16(a.get(), a.size(), 1);  // (timing_inputs.hpp: never constant data)
+    oom::test::fill_random_bf16(b.get(), b.size(), 2);
     c.zero();
     const hw::WgradShape shape{.m = op.m, .n = op.n, .lda = op.m, .ldb = op.n, .ldc = op.n, .accumulate = accumulate};
     std::vector<hw::WgradProblem> problems;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
+#include "kernels/timing_inputs.hpp"
 #include "kernels/moe_test_util.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/numeric.hpp"
@@ -976,8 +977,8 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     const std::int64_t n = std::int64_t{1} << 27;
     DeviceBuffer<float> f(n);
     DeviceBuffer<bf16> h(n);
-    f.zero();
-    h.zero();
+    oom::test::fill_random_f32(f.get(), f.size(), 21);
+    oom::test::fill_random_bf16(h.get(), h.size(), 22);
     report("cast fp32 -> bf16 (128M)", 6.0 * n, [&](cudaStream_t s) { return k::cast_fp32_to_bf16(f.get(), h.get(), n, s); });
     report("accumulate_scaled bf16 (128M)", 10.0 * n,
            [&](cudaStream_t s) { return k::accumulate_scaled(f.get(), h.get(), 0.5f, n, s); });
@@ -990,7 +991,10 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     const std::int64_t n = std::int64_t{1} << 26;
     DeviceBuffer<float> p(n), m(n), v(n), g(n);
     DeviceBuffer<bf16> out(n);
-    p.zero(), m.zero(), v.zero(), g.zero();
+    oom::test::fill_random_f32(p.get(), p.size(), 23, 0.02f);
+    oom::test::fill_random_f32(m.get(), m.size(), 24, 1e-3f);
+    oom::test::fill_random_f32(v.get(), v.size(), 25, 1e-6f, true);
+    oom::test::fill_random_f32(g.get(), g.size(), 26, 1e-3f);
     const auto scalars = oom::optim::adamw_step_scalars(oom::optim::AdamWConfig{}, 10);
     report("adamw fp32 moments + bf16 copy (64M)", 30.0 * n, [&](cudaStream_t s) {
       return k::adamw_update(scalars, p.get(), m.get(), v.get(), g.get(), out.get(), n, s);
@@ -1000,7 +1004,9 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     const std::int64_t rows = 65536, dim = 4096;
     DeviceBuffer<bf16> x(rows * dim), y(rows * dim), w(dim);
     DeviceBuffer<float> rstd(rows), gw(dim);
-    x.zero(), w.zero(), gw.zero();
+    oom::test::fill_random_bf16(x.get(), x.size(), 27);
+    oom::test::fill_random_bf16(w.get(), w.size(), 28);
+    gw.zero();
     report("rmsnorm forward (65536 x 4096)", 4.0 * rows * dim,
            [&](cudaStream_t s) { return k::rmsnorm_forward(x.get(), w.get(), y.get(), rstd.get(), rows, dim, 1e-6f, s); });
     DeviceBuffer<unsigned char> ws(k::rmsnorm_backward_workspace_bytes(rows, dim));
@@ -1038,7 +1044,10 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     const std::int64_t tokens = 65536, heads = 32, head_dim = 128;
     DeviceBuffer<bf16> x(tokens * heads * head_dim), y(tokens * heads * head_dim);
     DeviceBuffer<std::int32_t> pos(tokens);
-    x.zero(), pos.zero();
+    oom::test::fill_random_bf16(x.get(), x.size(), 29);
+    std::vector<std::int32_t> positions(static_cast<std::size_t>(tokens));
+    for (std::size_t t = 0; t < positions.size(); ++t) positions[t] = static_cast<std::int32_t>(t);
+    pos.upload(positions);
     report("rope forward (65536 x 32 x 128)", 4.0 * tokens * heads * head_dim, [&](cudaStream_t s) {
       return k::rope_forward(x.get(), pos.get(), y.get(), tokens, heads, head_dim, head_dim, 1e6f, s);
     });
@@ -1046,7 +1055,7 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
   {
     const std::int64_t tokens = 65536, inter = 1536;
     DeviceBuffer<bf16> gu(tokens * 2 * inter), out(tokens * inter), dgu(tokens * 2 * inter);
-    gu.zero(), out.zero();
+    oom::test::fill_random_bf16(gu.get(), gu.size(), 30);
     report("swiglu forward (65536 x 1536)", 6.0 * tokens * inter,
            [&](cudaStream_t s) { return k::swiglu_forward(gu.get(), out.get(), tokens, inter, s); });
     report("swiglu backward (65536 x 1536)", 10.0 * tokens * inter,
@@ -1060,7 +1069,8 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     std::mt19937_64 rng(1);
     for (auto& id : ids_h) id = static_cast<std::int32_t>(rng() % vocab);
     DeviceBuffer<std::int32_t> ids(ids_h), invalid(1);
-    table.zero(), grad.zero(), invalid.zero();
+    oom::test::fill_random_bf16(table.get(), table.size(), 31, 0.02f);
+    grad.zero(), invalid.zero();
     report("embedding forward (65536 x 2048)", 4.0 * tokens * hidden, [&](cudaStream_t s) {
       return k::embedding_forward(ids.get(), table.get(), out.get(), invalid.get(), tokens, vocab, hidden, s);
     });
@@ -1093,7 +1103,9 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
                                    plan_ws.get(), plan_ws.size()));
     DeviceBuffer<bf16> x(tokens * hidden), rows(routed * hidden), drows(routed * hidden), out(tokens * hidden);
     DeviceBuffer<float> w(routed), dw(routed);
-    x.zero(), rows.zero(), w.zero();
+    oom::test::fill_random_bf16(x.get(), x.size(), 32);
+    oom::test::fill_random_bf16(rows.get(), rows.size(), 33);
+    oom::test::fill_random_f32(w.get(), w.size(), 34, 0.1f, true);
     const double row_bytes = 2.0 * hidden, n = static_cast<double>(tokens), nk = static_cast<double>(routed);
     const std::string at = " (T " + std::to_string(tokens) + ", k 8, H 2048)";
     report(("gather (permute_rows)" + at).c_str(), row_bytes * (n + nk), [&](cudaStream_t s) {
