@@ -76,22 +76,32 @@ double gpu_us(F&& launch, int launches) {
   return median(t);
 }
 
+/// The grouped row kernel's launch shape: `grid` blocks of kThreads with kSmem, in 2-CTA clusters
+/// where `cluster`.
+struct Launch {
+  cudaLaunchAttribute attr{};
+  cudaLaunchConfig_t config{};
+  Launch(unsigned grid, bool cluster) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2;
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = kSmem;
+    config.attrs = &attr;
+    config.numAttrs = cluster ? 1 : 0;
+  }
+  Launch(const Launch&) = delete;  // (config points at attr)
+  Launch& operator=(const Launch&) = delete;
+};
+
 template <int Bytes>
 void row(const char* name, bool cluster, int* sink) {
   const auto kernel = empty_kernel<Bytes>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   Blob<Bytes> p{};
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(132);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmem;
-  config.attrs = &attr;
-  config.numAttrs = cluster ? 1 : 0;
-  const auto launch = [&] { CK(cudaLaunchKernelEx(&config, kernel, p, sink)); };
+  const Launch l(132, cluster);
+  const auto launch = [&] { CK(cudaLaunchKernelEx(&l.config, kernel, p, sink)); };
   for (int i = 0; i < 10; ++i) launch();
   CK(cudaDeviceSynchronize());
   const double host = host_us([&] {
@@ -140,19 +150,10 @@ int main() {
                 CK(oom::kernels::hopper::encode_matrix_sw128(&map, base, 8192, 2048, 2048, 128));
               }));
   {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2;
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(2);
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = kSmem;
-    config.attrs = &attr;
-    config.numAttrs = 1;
+    const Launch l(2, true);
     int clusters = 0;
     std::printf("%-44s %8.3f\n", "cudaOccupancyMaxActiveClusters", host_us([&] {
-                  CK(cudaOccupancyMaxActiveClusters(&clusters, empty_kernel<64>, &config));
+                  CK(cudaOccupancyMaxActiveClusters(&clusters, empty_kernel<64>, &l.config));
                 }));
   }
   cudaFree(base);
