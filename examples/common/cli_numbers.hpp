@@ -1,4 +1,5 @@
-// Number arguments of the example programs' command lines, with errors naming the flag.
+// Number arguments of the example programs' command lines, with errors naming the flag; and counts
+// as the programs print them.
 //
 // Only what a number needs is read: digits (and, for a real, a '.' and an exponent). strtoull and
 // strtof skip leading whitespace and take a sign, so " -1" had read as 2^64 - 1 steps, and they
@@ -127,5 +128,9 @@ inline Bytes parse_size(std::string_view flag, std::string_view text) {
     OOM_THROW(Errc::invalid_argument, fmt::format("{}: {}", flag, e.message()));
   }
 }
+
+/// A count and its noun as a sentence reads: "1 window", "0 windows", "2 windows" (the plural by an
+/// added "s", which every noun the programs count takes).
+inline std::string counted(std::uint64_t n, std::string_view noun) { return fmt::format("{} {}{}", n, noun, n == 1 ? "" : "s"); }
 
 }  // namespace oom::examples

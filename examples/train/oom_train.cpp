@@ -1089,9 +1089,9 @@ int run(Args a) {
     // fail once the metrics are opened.
     if (sampler_state.step_windows != 1 && sampler_state.step_windows != step_windows)
       OOM_THROW(Errc::invalid_argument,
-                fmt::format("{}: sampler step_windows is {}, but the run's steps draw {} windows (--batch {} x --micro-batches {})",
-                            (*latest / "trainer_state.json").string(), sampler_state.step_windows, step_windows, a.batch,
-                            a.micro_batches));
+                fmt::format("{}: sampler step_windows is {}, but the run's steps draw {} (--batch {} x --micro-batches {})",
+                            (*latest / "trainer_state.json").string(), sampler_state.step_windows,
+                            examples::counted(step_windows, "window"), a.batch, a.micro_batches));
     // Every step draws its --batch x --micro-batches windows (a skipped step too; the checkpoint's
     // batch and micro-batches are the run's, checked above), so a checkpoint of step s is at window
     // s x step_windows: another position (an edit, a damaged file) had resumed silently on other
@@ -1100,9 +1100,9 @@ int run(Args a) {
     // without step_windows is older than this rule and is taken as it is.
     const bool past_2_64 = start_step > std::numeric_limits<std::uint64_t>::max() / step_windows;
     if (ts["sampler"]["step_windows"].present() && (past_2_64 || sampler_state.position != start_step * step_windows))
-      OOM_THROW(Errc::parse, fmt::format("{}: sampler position is {}, but a checkpoint of step {} drawing {} windows a step is at "
+      OOM_THROW(Errc::parse, fmt::format("{}: sampler position is {}, but a checkpoint of step {} drawing {} a step is at "
                                          "window {}", (*latest / "trainer_state.json").string(), sampler_state.position, start_step,
-                                         step_windows, past_2_64 ? std::string("past 2^64") : std::to_string(start_step * step_windows)));
+                                         examples::counted(step_windows, "window"), past_2_64 ? std::string("past 2^64") : std::to_string(start_step * step_windows)));
     if (a.seed_given && a.seed != sampler_state.seed)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} draws its windows with seed {}; --seed {} would change nothing "
                                                     "(drop it, or start afresh)", latest->string(), sampler_state.seed, a.seed));
@@ -1120,8 +1120,9 @@ int run(Args a) {
                 fmt::format("{}: {} tokens cannot make a window of sequence length {} (+1 for the target)", name, n, a.seq));
     if (const std::uint64_t windows = BatchSampler::windows_in(n, a.seq); windows < step_windows)
       OOM_THROW(Errc::invalid_argument,
-                fmt::format("{}: {} tokens hold {} windows of --seq {}, fewer than the {} a step trains on (--batch {} x "
-                            "--micro-batches {}), so a step would train on a window twice; {}", name, n, windows, a.seq, step_windows,
+                fmt::format("{}: {} tokens hold {} of --seq {}, fewer than the {} a step trains on (--batch {} x "
+                            "--micro-batches {}), so a step would train on a window twice; {}", name, n,
+                            examples::counted(windows, "window"), a.seq, step_windows,
                             a.batch, a.micro_batches,
                             a.resume ? "the run cannot resume on it (its checkpoint pins the data and the step): start a new run "
                                        "with a longer file (--data) or a smaller --batch, --micro-batches or --seq"
@@ -1210,11 +1211,11 @@ int run(Args a) {
   std::string epoch_steps;  // where a step draws several windows: an epoch's whole steps
   if (const std::uint64_t k = sampler.state().step_windows; k > 1) {
     const std::uint64_t left = sampler.windows_per_epoch() % k;
-    epoch_steps = fmt::format(", {} steps of {}", sampler.steps_per_epoch(), k) +
+    epoch_steps = fmt::format(", {} of {}", examples::counted(sampler.steps_per_epoch(), "step"), k) +
                   (left == 0 ? std::string() : fmt::format(" (and {} left over, others each epoch)", left));
   }
-  say("data {}: {} tokens (vocab {}), {} windows of {} per epoch{}\n", data_path.string(), tokens->size(), tokens->vocab_size(),
-      sampler.windows_per_epoch(), a.seq, epoch_steps);
+  say("data {}: {} tokens (vocab {}), {} of {} per epoch{}\n", data_path.string(), tokens->size(), tokens->vocab_size(),
+      examples::counted(sampler.windows_per_epoch(), "window"), a.seq, epoch_steps);
   if (use_cuda) say("backend: cuda (GPU {})\n", 0);
   else
     say("backend: host (the CPU reference backend; its \"device\" is an accounted arena of twice the plan's GPU budget: it "
@@ -1351,7 +1352,8 @@ int run(Args a) {
   const auto write_dump = [&](std::string_view stopped) {
     if (a.dump_batches.empty()) return;
     write_token_file(a.dump_batches, dumped, spec.vocab_size());
-    say("{} windows of {} tokens written to {}{}\n", dumped.size() / (a.seq + 1), a.seq + 1, a.dump_batches, stopped);
+    say("{} of {} tokens written to {}{}\n", examples::counted(dumped.size() / (a.seq + 1), "window"), a.seq + 1, a.dump_batches,
+        stopped);
   };
 
   std::signal(SIGINT, on_signal);

@@ -156,3 +156,10 @@ TEST_CASE("seconds_label: three decimals, three significant digits below 0.1 s, 
   CHECK(seconds_label(-0.25) == "-0.250");
   CHECK(seconds_label(std::numeric_limits<double>::infinity()) == "inf");
 }
+
+TEST_CASE("counted: a count with its noun in the singular for one and in the plural otherwise") {
+  CHECK(oom::examples::counted(1, "window") == "1 window");
+  CHECK(oom::examples::counted(0, "window") == "0 windows");
+  CHECK(oom::examples::counted(2, "step") == "2 steps");
+  CHECK(oom::examples::counted(std::numeric_limits<std::uint64_t>::max(), "window") == "18446744073709551615 windows");
+}

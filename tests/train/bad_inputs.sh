@@ -438,5 +438,13 @@ if [[ $rc -ne 4 ]] || ! grep -q "stopping on a non-finite loss at step 2" "$work
    ! grep -q "^2 windows of 33 tokens written to $work/stop.tok (the steps up to 2, where the run stopped)" "$work/stop.stdout"; then
   echo "FAIL stop-on-nonfinite: exit $rc"; cat "$work/stop.stderr"; fails=$((fails + 1))
 else echo "ok   stop-on-nonfinite: $(tail -1 "$work/stop.stderr")"; fi
+# A count of one reads in the singular ("1 windows" had been printed).
+"$train" --out "$work/one-step" --steps 1 --seq 32 --checkpoint-every 0 --dump-batches "$work/one.tok" > "$work/one.stdout" \
+  2> "$work/one.stderr"
+rc=$?
+if [[ $rc -ne 0 ]] || ! grep -q "^1 window of 33 tokens written to $work/one.tok" "$work/one.stdout" ||
+   grep -q "\b1 windows\b" "$work/one.stdout"; then
+  echo "FAIL one-window: exit $rc"; cat "$work/one.stdout" "$work/one.stderr"; fails=$((fails + 1))
+else echo "ok   one-window: $(grep '^1 window' "$work/one.stdout")"; fi
 
 [[ $fails -eq 0 ]] && echo "PASS: every bad input refused cleanly, faults handled" || exit 1

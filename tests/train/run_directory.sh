@@ -140,10 +140,10 @@ state_case wrong-type 's/"seq": 64/"seq": "64"/' 'state-wrong-type/checkpoint-00
 state_case sampler-wrong-type 's/"position": ([0-9]+)/"position": -\1/' 'state-sampler-wrong-type/checkpoint-000008/trainer_state.json.sampler.position: expected non-negative integer'
 # A sampler's step of other windows than the run's (a hand edit): refused at resume, not at the
 # first draw once metrics.jsonl is open.
-state_case sampler-step-windows 's/"step_windows": 1/"step_windows": 3/' 'trainer_state.json: sampler step_windows is 3, but the run.s steps draw 1 windows'
+state_case sampler-step-windows 's/"step_windows": 1/"step_windows": 3/' 'trainer_state.json: sampler step_windows is 3, but the run.s steps draw 1 window '
 # The sampler's position must be the step's (every step draws its windows): another had resumed on
 # other data without a word (0 replays steps 1-2's windows; 2^64 - 1 wrapped to the first).
-state_case sampler-position-zero 's/"position": 8/"position": 0/' 'sampler position is 0, but a checkpoint of step 8 drawing 1 windows a step is at window 8'
+state_case sampler-position-zero 's/"position": 8/"position": 0/' 'sampler position is 0, but a checkpoint of step 8 drawing 1 window a step is at window 8'
 state_case sampler-position-wraps 's/"position": 8/"position": 18446744073709551615/' 'sampler position is 18446744073709551615, but a checkpoint of step 8'
 # The same edit without its checksum made to match: the checksum finds it first.
 cp -r "$work/base" "$work/state-edited"
