@@ -32,12 +32,12 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
-#include "kernels/timing_inputs.hpp"
 #include "kernels/expert_gemm_case.hpp"
 #include "kernels/expert_gemm_throughput.hpp"
 #include "kernels/hopper/grouped_wgrad.hpp"
 #include "kernels/moe_test_util.hpp"
 #include "kernels/sm90.hpp"
+#include "kernels/timing_inputs.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/kernels/expert_gemm.hpp"
 #include "oom/reference/moe.hpp"

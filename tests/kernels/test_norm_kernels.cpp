@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
-#include "kernels/timing_inputs.hpp"
 #include "kernels/moe_test_util.hpp"
+#include "kernels/timing_inputs.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/core/numeric.hpp"
 #include "oom/kernels/adamw_gpu.hpp"
