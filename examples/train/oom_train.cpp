@@ -1102,7 +1102,8 @@ int run(Args a) {
     if (ts["sampler"]["step_windows"].present() && (past_2_64 || sampler_state.position != start_step * step_windows))
       OOM_THROW(Errc::parse, fmt::format("{}: sampler position is {}, but a checkpoint of step {} drawing {} a step is at "
                                          "window {}", (*latest / "trainer_state.json").string(), sampler_state.position, start_step,
-                                         examples::counted(step_windows, "window"), past_2_64 ? std::string("past 2^64") : std::to_string(start_step * step_windows)));
+                                         examples::counted(step_windows, "window"),
+                                         past_2_64 ? std::string("past 2^64") : std::to_string(start_step * step_windows)));
     if (a.seed_given && a.seed != sampler_state.seed)
       OOM_THROW(Errc::invalid_argument, fmt::format("--resume: {} draws its windows with seed {}; --seed {} would change nothing "
                                                     "(drop it, or start afresh)", latest->string(), sampler_state.seed, a.seed));

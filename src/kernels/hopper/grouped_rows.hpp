@@ -58,7 +58,8 @@ struct RowsGrid {
   /// 2-CTA clusters: the two blocks of a cluster take two M tiles of one (expert, N tile) and share
   /// its B tile, each loading half and multicasting it into both (TMA), so B crosses from L2 once
   /// per pair; an expert's last M tile where its count is odd goes to pairs of its N tiles, which
-  /// share its A tile the same way (else one CTA of each such pair would idle); tiles in a fixed order (a tile counter is not used; counter_zeroed refused);
+  /// share its A tile the same way (else one CTA of each such pair would idle); tiles in a fixed
+  /// order (a tile counter is not used; counter_zeroed refused);
   /// max_blocks counts both blocks of a pair (max_blocks / 2 pairs; 1 refused). Where no 2-CTA
   /// cluster of the kernel fits the device, one block per tile as without. The same bits as
   /// without. Why: cuBLAS's dense and strided batched kernels share their 256-wide operand this
