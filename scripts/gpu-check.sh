@@ -700,13 +700,16 @@ for tag, a, t_ in (("", ours, sdpa), (" D=256", ours256, sdpa256)):
         bars.append((f"attention{tag} fwd+bwd S={seq}", a[seq][2] / t_[seq][2], 0.7, "x SDPA"))
 # Beside each expert GEMM ratio, the bench's cuBLAS strided batched GEMM on the same per-expert
 # problems (evenly routed: the vendor's best case) as a ratio to the same dense GEMM, and ours
-# against it: the bar is "one dense GEMM of the same FLOPs", the vendor is the same problems.
-gemm_line = re.compile(r"^chunk128\s+(\d+)\s+(.+?)\s+[\d.]+\s+[\d.]+\s+\d+\s+([\d.]+)\s+\d+\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)\s*$")
+# against it: the bar is "one dense GEMM of the same FLOPs", the vendor is the same problems. Then
+# the highest ratio the op's least memory traffic allows at the copy's bandwidth (mem_cap: below 1,
+# bound by memory whatever the kernel).
+gemm_line = re.compile(r"^chunk128\s+(\d+)\s+(.+?)\s+[\d.]+\s+[\d.]+\s+\d+\s+([\d.]+)\s+\d+\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)(?:\s+([\d.]+))?\s*$")
 for line in open(os.path.join(out, "bench_moe_kernels.log")) if os.path.exists(os.path.join(out, "bench_moe_kernels.log")) else []:
     m = gemm_line.match(line)
     if m:
         bars.append((f"expert GEMMs T={m.group(1)} {m.group(2)}", float(m.group(3)), 0.8, "x dense",
-                     f"(cuBLAS batched on the same problems {float(m.group(4)):.2f}x dense; ours {float(m.group(5)):.2f}x its speed)"))
+                     f"(cuBLAS batched on the same problems {float(m.group(4)):.2f}x dense; ours {float(m.group(5)):.2f}x its speed"
+                     + (f"; memory traffic allows at most {float(m.group(6)):.2f}x" if m.group(6) else "") + ")"))
 bw_line = re.compile(r"^(.+?)\s+[\d.]+ ms\s+\d+ GB/s\s+([\d.]+)% of memcpy")
 for line in open(os.path.join(out, "bandwidth.log")) if os.path.exists(os.path.join(out, "bandwidth.log")) else []:
     m = bw_line.match(line)

@@ -4,6 +4,11 @@
 // the same total FLOPs measured in the same run. Target: ratio >= 0.8. Beside it, the vendor on the
 // same per-expert problems at its best case (cuBLAS strided batched over equal rows per expert:
 // "batched_ms", its ratio to the dense GEMM "b_ratio"), and the grouped run against it ("vs_b").
+// Last, "mem_cap": the highest ratio the op's least memory traffic allows (each operand read once,
+// each output written once, fp32 dW read too when added into: kernels::detail::expert_gemm_min_bytes)
+// at the bandwidth of a device-to-device copy measured at the start, products at the dense GEMM's
+// rate beside it. Below 1 the op is bound by memory whatever the kernel: no grouped launch reaches
+// a ratio above it.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -31,17 +36,19 @@ int main() {
     std::printf("device balance: %.0f dense bf16 FLOPs per byte (%d SMs, %d MHz, memory %d MHz x %d bits)\n", b.flops_per_byte, b.sms,
                 b.clock_khz / 1000, b.memory_clock_khz / 1000, b.bus_bits);
   }
-  std::printf("%-10s %6s %-20s %10s %10s %8s %6s %8s %10s %10s %7s %5s\n", "method", "T", "op", "grouped_ms", "dense_ms", "TFLOP/s",
-              "ratio", "host_us", "piped_ms", "batched_ms", "b_ratio", "vs_b");
+  const double copy = oom::test::copy_bytes_per_s(nullptr);
+  std::printf("memory: a device-to-device copy moves %.0f GB/s (read + write)\n", copy / 1e9);
+  std::printf("%-10s %6s %-20s %10s %10s %8s %6s %8s %10s %10s %7s %5s %7s\n", "method", "T", "op", "grouped_ms", "dense_ms", "TFLOP/s",
+              "ratio", "host_us", "piped_ms", "batched_ms", "b_ratio", "vs_b", "mem_cap");
   for (const std::int64_t T : {4096, 8192, 16384, 32768}) {
     if (!listed("OOM_BENCH_TOKENS", std::to_string(T))) continue;
     for (const auto& variant : oom::test::expert_gemm_variants(true)) {
       if (!listed("OOM_BENCH_VARIANTS", variant.name)) continue;
       try {
         for (const auto& r : oom::test::measure_expert_gemm_ratio(T, 2048, 768, 64, 8, variant, 10, true))
-          std::printf("%-10s %6lld %-20s %10.3f %10.3f %8.0f %6.2f %8.0f %10.3f %10.3f %7.2f %5.2f\n", variant.name.c_str(),
+          std::printf("%-10s %6lld %-20s %10.3f %10.3f %8.0f %6.2f %8.0f %10.3f %10.3f %7.2f %5.2f %7.2f\n", variant.name.c_str(),
                       static_cast<long long>(T), r.op.c_str(), r.grouped_ms, r.dense_ms, r.tflops, r.ratio(), r.host_us, r.pipelined_ms,
-                      r.batched_ms, r.batched_ratio(), r.batched_ms / r.grouped_ms);
+                      r.batched_ms, r.batched_ratio(), r.batched_ms / r.grouped_ms, r.memory_cap(copy));
       } catch (const oom::Error& e) {
         std::printf("%-10s %6lld failed: %s\n", variant.name.c_str(), static_cast<long long>(T), e.what());
       }

@@ -1,5 +1,6 @@
-// How the row-chunked expert GEMMs split a batch count, how deep their per-expert row GEMMs go, and
-// when their weight gradients are bound by memory (host code, no CUDA).
+// How the row-chunked expert GEMMs split a batch count, how deep their per-expert row GEMMs go,
+// when their weight gradients are bound by memory, and the least traffic a pass moves (host code,
+// no CUDA).
 #pragma once
 
 #include <algorithm>
@@ -78,6 +79,23 @@ inline double weight_gradient_intensity(const std::vector<std::int64_t>& rows, b
     bytes += accumulate ? (r > 0 ? 8.0 : 0.0) : 4.0;
   }
   return bytes > 0 ? flops / bytes : 0.0;
+}
+
+/// The least device-memory traffic, in bytes, of one expert GEMM pass y_e (rows_e x out) = x_e
+/// (rows_e x in) W_e (in x out) over `experts` experts and `rows` routed rows in all: every operand
+/// read once and every output written once, activations and weights in bf16, the weight gradients
+/// in fp32. Forward: x and every W read, y written. Backward: dy, every W and x read, dx and every
+/// dW written, each dW read too when added into. The gate_up pass is in = hidden, out = 2 x
+/// intermediate; the down pass in = intermediate, out = hidden. What a grouped launch moves beyond
+/// this is re-reads that missed L2; over a copy's bytes per second it is the time below which no
+/// kernel can run the pass (bench_moe_kernels' "mem_cap").
+enum class ExpertGemmPass { forward, backward_overwrite, backward_accumulate };
+inline double expert_gemm_min_bytes(ExpertGemmPass pass, std::int64_t rows, std::int64_t in, std::int64_t out, std::int64_t experts) {
+  const double n = static_cast<double>(rows), weights = static_cast<double>(experts) * static_cast<double>(in) * static_cast<double>(out);
+  const double bf16 = 2, fp32 = 4;
+  if (pass == ExpertGemmPass::forward) return bf16 * (n * static_cast<double>(in) + weights + n * static_cast<double>(out));
+  const double dw = fp32 * weights * (pass == ExpertGemmPass::backward_accumulate ? 2 : 1);
+  return bf16 * (n * static_cast<double>(out) + weights + 2 * n * static_cast<double>(in)) + dw;
 }
 
 /// A device's balance: its dense bf16 tensor FLOPs per second (SMs x clock x FLOPs per clock and

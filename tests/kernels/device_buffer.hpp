@@ -92,4 +92,14 @@ double time_ms(F&& launch, cudaStream_t stream, int repeats = 10, int warmup = 2
   return ms[ms.size() / 2];
 }
 
+/// Device memory's bandwidth as a device-to-device cudaMemcpy of `bytes` reaches it: the bytes it
+/// reads plus those it writes, per second (time_ms' median). The physical limit the memory-bound
+/// kernels' reports are written against.
+inline double copy_bytes_per_s(cudaStream_t stream, std::size_t bytes = std::size_t{1} << 30) {
+  DeviceBuffer<unsigned char> a(bytes), b(bytes);
+  const double ms = time_ms(
+      [&](cudaStream_t s) { OOM_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, s)); }, stream);
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3);
+}
+
 }  // namespace oom::test

@@ -14,6 +14,7 @@
 
 #include "kernels/device_buffer.hpp"
 #include "kernels/moe_test_util.hpp"
+#include "kernels/batch_parts.hpp"
 #include "kernels/timing_inputs.hpp"
 #include "oom/kernels/expert_gemm.hpp"
 
@@ -31,7 +32,16 @@ struct ExpertGemmRatio {
   /// cuBLAS strided batched GEMMs over equal rows per expert (N / E each), the same FLOPs and the
   /// same per-expert outputs as the grouped run, no routing skew.
   double batched_ms = 0;
+  /// The least device-memory traffic the op moves (kernels::detail::expert_gemm_min_bytes).
+  double min_bytes = 0;
   [[nodiscard]] double ratio() const { return dense_ms / grouped_ms; }
+  /// The highest ratio() any kernel could reach where memory moves `bytes_per_s` (a copy's, measured
+  /// in the same run): min_bytes at that rate against the dense GEMM's time, as if the products ran
+  /// at the dense GEMM's rate the whole time beside the traffic. 1 where the products take longer.
+  [[nodiscard]] double memory_cap(double bytes_per_s) const {
+    const double floor_ms = min_bytes / bytes_per_s * 1e3;
+    return dense_ms / std::max(dense_ms, floor_ms);
+  }
   [[nodiscard]] double batched_ratio() const { return batched_ms > 0 ? dense_ms / batched_ms : 0; }
 };
 
@@ -178,20 +188,26 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
     std::function<cudaError_t(const k::ExpertGemmShape&, const std::int32_t*, k::ExpertGemmMethod)> run;
     double flops;
     std::function<void()> batched;  ///< the same work as cuBLAS strided batched GEMMs over equal rows
+    double min_bytes;
   };
   // The backward twice: dW += (a step's later chunks) and dW = (its first: GradWrite::overwrite),
   // the dense GEMM the same way.
   using GW = k::GradWrite;
-  const Op ops[] = {{"fwd gate_up", fwd_gu, f_gu, batched_fwd_gu},
-                    {"fwd down", fwd_down, f_down, batched_fwd_down},
-                    {"bwd down (dh+dW)", bwd_down(GW::accumulate), 2 * f_down, batched_bwd_down(GW::accumulate)},
-                    {"bwd gate_up (dx+dW)", bwd_gu(GW::accumulate), 2 * f_gu, batched_bwd_gu(GW::accumulate)},
-                    {"bwd down (dh+dW=)", bwd_down(GW::overwrite), 2 * f_down, batched_bwd_down(GW::overwrite)},
-                    {"bwd gate_up (dx+dW=)", bwd_gu(GW::overwrite), 2 * f_gu, batched_bwd_gu(GW::overwrite)}};
+  using P = k::detail::ExpertGemmPass;
+  const auto gu_bytes = [&](P p) { return k::detail::expert_gemm_min_bytes(p, N, H, 2 * I, E); };
+  const auto down_bytes = [&](P p) { return k::detail::expert_gemm_min_bytes(p, N, I, H, E); };
+  const Op ops[] = {
+      {"fwd gate_up", fwd_gu, f_gu, batched_fwd_gu, gu_bytes(P::forward)},
+      {"fwd down", fwd_down, f_down, batched_fwd_down, down_bytes(P::forward)},
+      {"bwd down (dh+dW)", bwd_down(GW::accumulate), 2 * f_down, batched_bwd_down(GW::accumulate), down_bytes(P::backward_accumulate)},
+      {"bwd gate_up (dx+dW)", bwd_gu(GW::accumulate), 2 * f_gu, batched_bwd_gu(GW::accumulate), gu_bytes(P::backward_accumulate)},
+      {"bwd down (dh+dW=)", bwd_down(GW::overwrite), 2 * f_down, batched_bwd_down(GW::overwrite), down_bytes(P::backward_overwrite)},
+      {"bwd gate_up (dx+dW=)", bwd_gu(GW::overwrite), 2 * f_gu, batched_bwd_gu(GW::overwrite), gu_bytes(P::backward_overwrite)}};
   std::vector<ExpertGemmRatio> out;
   for (const Op& op : ops) {
     ExpertGemmRatio r;
     r.op = op.name;
+    r.min_bytes = op.min_bytes;
     std::vector<double> host_us;  // every call's, time_ms' warm-up calls first
     r.grouped_ms = time_ms(
         [&](cudaStream_t) {

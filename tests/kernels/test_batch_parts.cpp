@@ -97,3 +97,25 @@ TEST_CASE("the weight gradients' FLOPs per byte of dW traffic, against the devic
   CHECK(device_balance(132, 1.98e6, 2.619e6, 5120, 4096) == doctest::Approx(132 * 1.98e9 * 4096 / 3.352e12).epsilon(1e-3));
   CHECK(device_balance(132, 1.98e6, 0, 5120, 4096) == 0.0);
 }
+
+TEST_CASE("expert_gemm_min_bytes: each operand read once, each output written once, dW in fp32") {
+  using oom::kernels::detail::expert_gemm_min_bytes;
+  using P = oom::kernels::detail::ExpertGemmPass;
+  // The 5.13B down pass at T = 4096 (32768 routed rows, 768 -> 2048, 64 experts of 1.57M weights):
+  // forward h 50.3 MB + W 201.3 MB read, y 134.2 MB written.
+  CHECK(expert_gemm_min_bytes(P::forward, 32768, 768, 2048, 64) == 2.0 * (32768 * 768 + 64 * 768 * 2048 + 32768 * 2048));
+  CHECK(expert_gemm_min_bytes(P::forward, 32768, 768, 2048, 64) == 385875968.0);
+  // Backward: dy 134.2 + W 201.3 + h 50.3 MB read, dh 50.3 MB and the fp32 dW 402.7 MB written.
+  CHECK(expert_gemm_min_bytes(P::backward_overwrite, 32768, 768, 2048, 64) == 838860800.0);
+  // Adding into dW reads it too: 402.7 MB more, half again the overwriting pass at this T.
+  CHECK(expert_gemm_min_bytes(P::backward_accumulate, 32768, 768, 2048, 64) - expert_gemm_min_bytes(P::backward_overwrite, 32768, 768, 2048, 64) ==
+        4.0 * 64 * 768 * 2048);
+  // No rows: the weights are still read (forward, backward), and dW still written when overwriting.
+  CHECK(expert_gemm_min_bytes(P::forward, 0, 768, 2048, 64) == 2.0 * 64 * 768 * 2048);
+  CHECK(expert_gemm_min_bytes(P::backward_overwrite, 0, 768, 2048, 64) == 6.0 * 64 * 768 * 2048);
+  // The rows' share grows with T, the weights' does not: at 8x the rows the forward moves
+  // 8 x (h + y) + W.
+  const double w = 2.0 * 64 * 768 * 2048;
+  CHECK(expert_gemm_min_bytes(P::forward, 8 * 32768, 768, 2048, 64) - w ==
+        8 * (expert_gemm_min_bytes(P::forward, 32768, 768, 2048, 64) - w));
+}

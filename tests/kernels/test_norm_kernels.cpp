@@ -944,15 +944,12 @@ TEST_CASE("grad_sum_of_squares: bit-identical to oom::optim::grad_sum_of_squares
 // ----------------------------------------------------------------------------------------------
 TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-device cudaMemcpy") {
   Stream stream;
-  const std::size_t copy_bytes = std::size_t{1} << 30;
-  DeviceBuffer<unsigned char> a(copy_bytes), b(copy_bytes);
-  const double copy_ms = oom::test::time_ms(
-      [&](cudaStream_t s) { OOM_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), copy_bytes, cudaMemcpyDeviceToDevice, s)); },
-      stream.s);
-  const double copy_gbs = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;  // read + write
+  const double copy_gbs = oom::test::copy_bytes_per_s(stream.s) / 1e9;  // read + write
   std::printf("cudaMemcpy D2D: %.0f GB/s (read + write)\n", copy_gbs);
   CHECK(copy_gbs > 0);
   // Writes alone, for the kernels that mostly write (the gather): the percentages stay of memcpy.
+  const std::size_t copy_bytes = std::size_t{1} << 30;
+  DeviceBuffer<unsigned char> b(copy_bytes);
   const double set_ms = oom::test::time_ms(
       [&](cudaStream_t s) { OOM_CUDA_CHECK(cudaMemsetAsync(b.get(), 0, copy_bytes, s)); }, stream.s);
   std::printf("cudaMemset: %.0f GB/s (write only)\n", copy_bytes / (set_ms * 1e-3) / 1e9);
