@@ -10,12 +10,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "kernels/device_buffer.hpp"
+#include "kernels/timing_inputs.hpp"
 #include "oom/core/cuda_check.hpp"
 #include "oom/kernels/gated_delta.hpp"
 
@@ -59,18 +63,18 @@ Times measure(k::GatedDeltaDims d, int repeats) {
   const std::size_t T = static_cast<std::size_t>(d.tokens());
   const std::size_t qk = T * static_cast<std::size_t>(d.k_heads * d.k_dim), vv = T * static_cast<std::size_t>(d.v_heads * d.v_dim);
   const std::size_t gates = T * static_cast<std::size_t>(d.v_heads);
-  // Inputs of a unit scale (bf16 bits of small integers over 64), decays near 0.95, beta 0.5.
-  std::vector<bf16> hq(qk), hk(qk), hv(vv), hdo(vv);
-  for (std::size_t i = 0; i < qk; ++i) {
-    hq[i] = oom::to_bf16(static_cast<float>(static_cast<int>(i * 7 % 127) - 63) / 64.0f);
-    hk[i] = oom::to_bf16(static_cast<float>(static_cast<int>(i * 13 % 127) - 63) / 64.0f);
-  }
-  for (std::size_t i = 0; i < vv; ++i) {
-    hv[i] = oom::to_bf16(static_cast<float>(static_cast<int>(i * 11 % 127) - 63) / 64.0f);
-    hdo[i] = oom::to_bf16(static_cast<float>(static_cast<int>(i * 5 % 127) - 63) / 64.0f);
-  }
-  const DeviceBuffer<bf16> q(hq), kk(hk), v(hv), dout(hdo);
-  const DeviceBuffer<float> g(std::vector<float>(gates, -0.05f)), beta(std::vector<float>(gates, 0.5f));
+  // The inputs scripts/bench_gated_delta_torch.py times PyTorch on (timing_inputs.hpp: never
+  // constant data): q, k, v and dout N(0, 1) (the kernel normalises q and k), log decays g =
+  // -(0.01 + 1.5 u) with u uniform in [0, 1), beta = sigmoid(N(0, 1)).
+  DeviceBuffer<bf16> q(qk), kk(qk), v(vv), dout(vv);
+  std::uint64_t seed = 1;
+  for (auto* b : {&q, &kk, &v, &dout}) oom::test::fill_random_bf16(b->get(), b->size(), seed++);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::vector<float> hg(gates), hbeta = oom::test::random_normal(gates, seed + 1);
+  for (auto& x : hg) x = -(0.01f + 1.5f * u(rng));
+  for (auto& x : hbeta) x = 1.0f / (1.0f + std::exp(-x));
+  const DeviceBuffer<float> g(hg), beta(hbeta);
   DeviceBuffer<bf16> out(vv), dq(qk), dk(qk), dv(vv);
   DeviceBuffer<float> states(k::gated_delta_states_floats(d)), dg(gates), dbeta(gates);
   d.form = k::GatedDeltaDims::Form::automatic;  // sized for either form
