@@ -88,7 +88,7 @@ inline double weight_gradient_intensity(const std::vector<std::int64_t>& rows, b
 /// dW written, each dW read too when added into. The gate_up pass is in = hidden, out = 2 x
 /// intermediate; the down pass in = intermediate, out = hidden. What a grouped launch moves beyond
 /// this is re-reads that missed L2; over a copy's bytes per second it is the time below which no
-/// kernel can run the pass (bench_moe_kernels' "mem_cap").
+/// kernel can run the pass (memory_cap below; bench_moe_kernels' "mem_cap").
 enum class ExpertGemmPass { forward, backward_overwrite, backward_accumulate };
 inline double expert_gemm_min_bytes(ExpertGemmPass pass, std::int64_t rows, std::int64_t in, std::int64_t out, std::int64_t experts) {
   const double n = static_cast<double>(rows), weights = static_cast<double>(experts) * static_cast<double>(in) * static_cast<double>(out);
@@ -96,6 +96,15 @@ inline double expert_gemm_min_bytes(ExpertGemmPass pass, std::int64_t rows, std:
   if (pass == ExpertGemmPass::forward) return bf16 * (n * static_cast<double>(in) + weights + n * static_cast<double>(out));
   const double dw = fp32 * weights * (pass == ExpertGemmPass::backward_accumulate ? 2 : 1);
   return bf16 * (n * static_cast<double>(out) + weights + 2 * n * static_cast<double>(in)) + dw;
+}
+
+/// The highest speed, as a ratio to a compute-bound reference taking `reference_s` for the same
+/// FLOPs, that a kernel moving at least `bytes` at `bytes_per_s` can reach: the reference's time
+/// over the longer of it and the traffic's time, as if the products ran at the reference's rate the
+/// whole time beside the traffic. 1 where the products take longer; 0 without a bandwidth.
+inline double memory_cap(double reference_s, double bytes, double bytes_per_s) {
+  if (bytes_per_s <= 0) return 0.0;
+  return reference_s / std::max(reference_s, bytes / bytes_per_s);
 }
 
 /// A device's balance: its dense bf16 tensor FLOPs per second (SMs x clock x FLOPs per clock and

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/batch_parts.hpp"
 #include "kernels/device_buffer.hpp"
 #include "kernels/moe_test_util.hpp"
-#include "kernels/batch_parts.hpp"
 #include "kernels/timing_inputs.hpp"
 #include "oom/kernels/expert_gemm.hpp"
 
@@ -39,8 +39,7 @@ struct ExpertGemmRatio {
   /// in the same run): min_bytes at that rate against the dense GEMM's time, as if the products ran
   /// at the dense GEMM's rate the whole time beside the traffic. 1 where the products take longer.
   [[nodiscard]] double memory_cap(double bytes_per_s) const {
-    const double floor_ms = min_bytes / bytes_per_s * 1e3;
-    return dense_ms / std::max(dense_ms, floor_ms);
+    return kernels::detail::memory_cap(dense_ms * 1e-3, min_bytes, bytes_per_s);
   }
   [[nodiscard]] double batched_ratio() const { return batched_ms > 0 ? dense_ms / batched_ms : 0; }
 };

@@ -119,3 +119,21 @@ TEST_CASE("expert_gemm_min_bytes: each operand read once, each output written on
   CHECK(expert_gemm_min_bytes(P::forward, 8 * 32768, 768, 2048, 64) - w ==
         8 * (expert_gemm_min_bytes(P::forward, 32768, 768, 2048, 64) - w));
 }
+
+TEST_CASE("memory_cap: the most a kernel moving its least traffic reaches against a compute-bound reference") {
+  using oom::kernels::detail::expert_gemm_min_bytes;
+  using oom::kernels::detail::memory_cap;
+  using P = oom::kernels::detail::ExpertGemmPass;
+  // Traffic shorter than the products: no cap.
+  CHECK(memory_cap(1e-3, 1e9, 3e12) == 1.0);
+  CHECK(memory_cap(1e-3, 3e9, 3e12) == 1.0);  // exactly as long
+  // The 5.13B down backward at T = 4096 adding into fp32 dW on an H100 (2026-12-07: dense GEMM
+  // 0.290 ms, a copy 2,996 GB/s): 1,241.5 MB take 0.414 ms, so no kernel passes 0.70x.
+  const double adding = expert_gemm_min_bytes(P::backward_accumulate, 32768, 768, 2048, 64);
+  CHECK(memory_cap(0.290e-3, adding, 2996e9) == doctest::Approx(0.290e-3 / (adding / 2996e9)));
+  CHECK(memory_cap(0.290e-3, adding, 2996e9) == doctest::Approx(0.70).epsilon(0.01));
+  // Overwriting moves 838.9 MB, 0.280 ms: under the dense time, so not capped.
+  CHECK(memory_cap(0.290e-3, expert_gemm_min_bytes(P::backward_overwrite, 32768, 768, 2048, 64), 2996e9) == 1.0);
+  // No measured bandwidth: no cap to give.
+  CHECK(memory_cap(1e-3, 1e9, 0) == 0.0);
+}
