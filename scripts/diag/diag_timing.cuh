@@ -1,13 +1,20 @@
 // Shared by the scripts/diag harnesses: CK (exit with the file and line on any non-zero status),
 // time_us (best of 7 samples of `reps` back-to-back calls, after 3 warm-up calls, in microseconds
-// a call, timed by events on the default stream) and copy_bandwidth (the bytes a second a 1 GiB
-// device-to-device copy moves, read and written: the reference the memory-bound figures use).
+// a call, timed by events on the default stream), copy_bandwidth (the bytes a second a 1 GiB
+// device-to-device copy moves, read and written: the reference the memory-bound figures use), and
+// the random operands products are timed on (fill_random_bf16 in device memory, random_bf16x2 in a
+// kernel): constant data switches fewer bits, so products on it run faster than on real data
+// (tests/kernels/timing_inputs.hpp says why; the diags stand alone, so they do not include it).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
+#include <vector>
 
 #define CK(...)                                                                     \
   do {                                                                              \
@@ -53,4 +60,34 @@ inline double copy_bandwidth() {
   const double bps = 2.0 * big / (us * 1e-6);
   std::printf("D2D copy %.0f GB/s\n", bps / 1e9);
   return bps;
+}
+
+/// n bf16 of N(0, stddev) at device address p: 2^22 drawn on the host, repeated over the rest by
+/// device-to-device copies (far beyond any tile's reuse). Synchronous.
+inline void fill_random_bf16(__nv_bfloat16* p, long long n, unsigned seed, float stddev = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  const long long first = n < (1LL << 22) ? n : (1LL << 22);
+  std::vector<__nv_bfloat16> block(static_cast<size_t>(first));
+  for (auto& v : block) v = __float2bfloat16(dist(rng));
+  CK(cudaMemcpy(p, block.data(), first * 2, cudaMemcpyHostToDevice));
+  for (long long filled = first; filled < n;) {
+    const long long count = filled < n - filled ? filled : n - filled;
+    CK(cudaMemcpy(p + filled, p, count * 2, cudaMemcpyDeviceToDevice));
+    filled += count;
+  }
+}
+
+/// Two bf16 values uniform in [-1, 1), packed low then high, from a hash of (i, seed): for filling
+/// shared memory in a kernel, where a host-drawn block cannot reach.
+__device__ inline std::uint32_t random_bf16x2(std::uint32_t i, std::uint32_t seed) {
+  std::uint32_t h = i * 0x9E3779B9u ^ seed;  // a murmur3 finaliser over the index and seed
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  const float lo = static_cast<float>(h & 0xFFFFu) / 32768.0f - 1.0f, hi = static_cast<float>(h >> 16) / 32768.0f - 1.0f;
+  return static_cast<std::uint32_t>(__bfloat16_as_ushort(__float2bfloat16(lo))) |
+         static_cast<std::uint32_t>(__bfloat16_as_ushort(__float2bfloat16(hi))) << 16;
 }

@@ -22,27 +22,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <random>
-#include <vector>
 
-#include "diag_timing.cuh"  // CK
+#include "diag_timing.cuh"  // CK, fill_random_bf16
 
 constexpr long long H = 2048, I = 768, E = 64;
-
-/// n bf16 of N(0, stddev) at p: 2^22 drawn on the host, repeated over the rest by device copies.
-void fill_random(__nv_bfloat16* p, long long n, unsigned seed, float stddev) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> dist(0.0f, stddev);
-  const long long first = n < (1LL << 22) ? n : (1LL << 22);
-  std::vector<__nv_bfloat16> block(static_cast<size_t>(first));
-  for (auto& v : block) v = __float2bfloat16(dist(rng));
-  CK(cudaMemcpy(p, block.data(), first * 2, cudaMemcpyHostToDevice));
-  for (long long filled = first; filled < n;) {
-    const long long count = filled < n - filled ? filled : n - filled;
-    CK(cudaMemcpy(p + filled, p, count * 2, cudaMemcpyDeviceToDevice));
-    filled += count;
-  }
-}
 
 int main(int argc, char** argv) {
   const long long R = argc > 1 ? std::atoll(argv[1]) : 2048, N = E * R;
@@ -65,9 +48,9 @@ int main(int argc, char** argv) {
     CK(cudaMemset(w, 0x3C, E * H * I * 2));
   } else {
     std::printf("operands: N(0, 1), W N(0, 0.02)\n");
-    fill_random(dy, N * H, 1, 1.0f);
-    fill_random(h, N * I, 2, 1.0f);
-    fill_random(w, E * H * I, 3, 0.02f);
+    fill_random_bf16(dy, N * H, 1, 1.0f);
+    fill_random_bf16(h, N * I, 2, 1.0f);
+    fill_random_bf16(w, E * H * I, 3, 0.02f);
   }
   CK(cudaMemset(dw, 0, E * H * I * 4));
   cublasHandle_t blas;
