@@ -783,3 +783,13 @@ TEST_CASE("expert counts read back without waiting for a host function on anothe
   OOM_CUDA_CHECK(cudaStreamDestroy(compute));
   OOM_CUDA_CHECK(cudaStreamDestroy(cpu));
 }
+
+TEST_CASE("median_after: the median of the timed calls, the warm-up calls left out") {
+  using oom::test::median_after;
+  // Two warm-ups of 300 and 150 us (first encodes, attribute settings), then the timed calls.
+  CHECK(median_after({300, 150, 20, 14, 24}, 2) == 20);
+  CHECK(median_after({300, 150, 20, 14, 24, 16}, 2) == 20);  // an even count: the upper middle
+  CHECK(median_after({300, 150}, 2) == 0);                   // none timed
+  CHECK(median_after({}, 0) == 0);
+  CHECK(median_after({5}, 0) == 5);
+}

@@ -1119,3 +1119,50 @@ TEST_CASE("bandwidth: each memory-bound kernel as a fraction of a device-to-devi
     });
   }
 }
+
+// ----------------------------------------------------------------------------------------------
+TEST_CASE("timing inputs: random values of the asked scale, one block repeated, never constant") {
+  // What every benchmark and timing case feeds the kernels (timing_inputs.hpp). A fill that fell
+  // back to zeros or a constant would leave every timing running, only faster than real data.
+  using oom::test::kFillBlock;
+  const std::size_t n = kFillBlock + 12345;  // a whole block and part of its repeat
+  DeviceBuffer<oom::bf16> a(n), w(n);
+  oom::test::fill_random_bf16(a.get(), n, 7);
+  oom::test::fill_random_bf16(w.get(), n, 7, 0.02f);
+  const auto ha = a.download(), hw = w.download();
+  const auto moments = [](const std::vector<oom::bf16>& v, std::size_t count) {
+    double sum = 0, sq = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      const double x = oom::to_float(v[i]);
+      sum += x;
+      sq += x * x;
+    }
+    const double mean = sum / static_cast<double>(count);
+    return std::pair{mean, std::sqrt(sq / static_cast<double>(count) - mean * mean)};
+  };
+  const auto [mean_a, sd_a] = moments(ha, kFillBlock);
+  CHECK(std::abs(mean_a) < 0.01);
+  CHECK(sd_a == doctest::Approx(1.0).epsilon(0.01));
+  const auto [mean_w, sd_w] = moments(hw, kFillBlock);
+  CHECK(std::abs(mean_w) < 0.0002);
+  CHECK(sd_w == doctest::Approx(0.02).epsilon(0.01));
+  // The same seed gives the same values whatever the scale: the weights are the activations x 0.02.
+  for (std::size_t i = 0; i < 1000; ++i)
+    if (std::abs(oom::to_float(ha[i])) > 0.1f) CHECK(oom::to_float(hw[i]) == doctest::Approx(0.02 * oom::to_float(ha[i])).epsilon(0.01));
+  // Past the block the fill repeats it, element for element.
+  CHECK(std::equal(ha.begin() + static_cast<std::ptrdiff_t>(kFillBlock), ha.end(), ha.begin(),
+                   [](oom::bf16 x, oom::bf16 y) { return x.bits == y.bits; }));
+  // Many distinct values, few zeros.
+  std::vector<std::uint16_t> bits(kFillBlock);
+  for (std::size_t i = 0; i < kFillBlock; ++i) bits[i] = ha[i].bits;
+  std::sort(bits.begin(), bits.end());
+  CHECK(std::unique(bits.begin(), bits.end()) - bits.begin() > 2000);  // ~4,100 of N(0, 1) in bf16
+  CHECK(std::count_if(ha.begin(), ha.begin() + static_cast<std::ptrdiff_t>(kFillBlock),
+                      [](oom::bf16 x) { return oom::to_float(x) == 0.0f; }) < static_cast<std::ptrdiff_t>(kFillBlock / 1000));
+  // fp32, magnitudes only (for what must not be negative, as AdamW's second moment).
+  DeviceBuffer<float> m(1000);
+  oom::test::fill_random_f32(m.get(), m.size(), 3, 1.0f, true);
+  const auto hm = m.download();
+  CHECK(std::all_of(hm.begin(), hm.end(), [](float x) { return x >= 0.0f; }));
+  CHECK(*std::max_element(hm.begin(), hm.end()) > 1.0f);
+}
