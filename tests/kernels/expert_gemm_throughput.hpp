@@ -96,6 +96,10 @@ inline std::vector<ExpertGemmVariant> expert_gemm_variants(bool sweep) {
 /// read from the calls after them.
 inline constexpr int kWarmupCalls = 2;
 
+/// The rounds in which measure_expert_gemm_ratio times the grouped run, the dense GEMM and the
+/// vendor's batched GEMMs by turns.
+inline constexpr int kRatioRounds = 3;
+
 /// The median of values[skip..] (0 where none are left).
 inline double median_after(std::vector<double> values, int skip) {
   if (static_cast<std::size_t>(skip) >= values.size()) return 0;
@@ -207,14 +211,29 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
     ExpertGemmRatio r;
     r.op = op.name;
     r.min_bytes = op.min_bytes;
-    std::vector<double> host_us;  // every call's, time_ms' warm-up calls first
-    r.grouped_ms = time_ms(
-        [&](cudaStream_t) {
-          const auto t0 = std::chrono::steady_clock::now();
-          OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method));
-          host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-        },
-        stream, repeats, kWarmupCalls);
+    // The grouped run, the dense GEMM and the vendor's batched one take turns over kRatioRounds
+    // rounds, and each figure is the median of its rounds: a clock that drifts while one op is
+    // timed (the H100's, under its power limit on random data, moved the dense GEMM by 9% between
+    // variants of one call, 2026-12-07) then moves all three alike instead of only the one timed
+    // while it drifted.
+    std::vector<double> host_us;  // the first round's calls, time_ms' warm-up calls first
+    std::vector<double> grouped, dense, batched;
+    for (int round = 0; round < kRatioRounds; ++round) {
+      grouped.push_back(time_ms(
+          [&](cudaStream_t) {
+            const auto t0 = std::chrono::steady_clock::now();
+            OOM_CUDA_CHECK(op.run(s, counts.data(), variant.method));
+            if (round == 0) host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+          },
+          stream, repeats, kWarmupCalls));
+      dense.push_back(time_ms(
+          [&](cudaStream_t) { OOM_CUDA_CHECK(op.run(d, dense_counts.data(), k::ExpertGemmMethod::per_expert_loop)); }, stream,
+          repeats));
+      if (with_batched && N % E == 0) batched.push_back(time_ms([&](cudaStream_t) { op.batched(); }, stream, repeats));
+    }
+    r.grouped_ms = median_after(grouped, 0);
+    r.dense_ms = median_after(dense, 0);
+    r.batched_ms = median_after(batched, 0);
     r.host_us = median_after(host_us, kWarmupCalls);
     r.pipelined_ms = time_ms(
                          [&](cudaStream_t) {
@@ -222,10 +241,7 @@ inline std::vector<ExpertGemmRatio> measure_expert_gemm_ratio(std::int64_t token
                          },
                          stream, 3, 1) /
                      10;
-    r.dense_ms = time_ms([&](cudaStream_t) { OOM_CUDA_CHECK(op.run(d, dense_counts.data(), k::ExpertGemmMethod::per_expert_loop)); },
-                         stream, repeats);
     r.tflops = op.flops / (r.grouped_ms * 1e-3) / 1e12;
-    if (with_batched && N % E == 0) r.batched_ms = time_ms([&](cudaStream_t) { op.batched(); }, stream, repeats);
     out.push_back(r);
   }
   OOM_CUDA_CHECK(cudaStreamSynchronize(stream));
