@@ -91,11 +91,11 @@ inline double weight_gradient_intensity(const std::vector<std::int64_t>& rows, b
 /// kernel can run the pass (memory_cap below; bench_moe_kernels' "mem_cap").
 enum class ExpertGemmPass { forward, backward_overwrite, backward_accumulate };
 inline double expert_gemm_min_bytes(ExpertGemmPass pass, std::int64_t rows, std::int64_t in, std::int64_t out, std::int64_t experts) {
-  const double n = static_cast<double>(rows), weights = static_cast<double>(experts) * static_cast<double>(in) * static_cast<double>(out);
-  const double bf16 = 2, fp32 = 4;
-  if (pass == ExpertGemmPass::forward) return bf16 * (n * static_cast<double>(in) + weights + n * static_cast<double>(out));
+  const auto n = static_cast<double>(rows), d_in = static_cast<double>(in), d_out = static_cast<double>(out);
+  const double weights = static_cast<double>(experts) * d_in * d_out, bf16 = 2, fp32 = 4;
+  if (pass == ExpertGemmPass::forward) return bf16 * (n * d_in + weights + n * d_out);
   const double dw = fp32 * weights * (pass == ExpertGemmPass::backward_accumulate ? 2 : 1);
-  return bf16 * (n * static_cast<double>(out) + weights + 2 * n * static_cast<double>(in)) + dw;
+  return bf16 * (n * d_out + weights + 2 * n * d_in) + dw;
 }
 
 /// The highest speed, as a ratio to a compute-bound reference taking `reference_s` for the same
