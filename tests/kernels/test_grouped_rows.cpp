@@ -182,6 +182,14 @@ void check_case(const Case& c) {
   DeviceBuffer<int> counter(1);
   OOM_CUDA_CHECK(cudaMemset(counter.get(), 0x7f, sizeof(int)));
   CHECK(same(run(su, ps, c, counter.get())));
+  // Each block's first tile fixed and the rest from the counter, on every SM and on three blocks
+  // (each walking many tiles); refused without a counter, with pairs or with counter_zeroed.
+  CHECK(same(run(su, ps, c, counter.get(), {.first_tiles_fixed = true})));
+  CHECK(same(run(su, ps, c, counter.get(), {.max_blocks = 3, .first_tiles_fixed = true})));
+  for (const hw::RowsGrid refused : {hw::RowsGrid{.first_tiles_fixed = true}, hw::RowsGrid{.pairs = true, .first_tiles_fixed = true},
+                                     hw::RowsGrid{.counter_zeroed = true, .first_tiles_fixed = true}})
+    CHECK(hw::grouped_rows_wgmma(su.shape, su.d_a.get(), su.d_a.get(), ps, nullptr, refused.pairs || refused.counter_zeroed ? counter.get() : nullptr,
+                                 refused) == cudaErrorInvalidValue);
   // In 2-CTA clusters sharing B (RowsGrid::pairs; the counter unused), on every pair the device
   // fits and on one pair alone (each CTA of it walking several pairs).
   CHECK(same(run(su, ps, c, counter.get(), {.pairs = true})));
@@ -482,8 +490,10 @@ TEST_CASE("grouped row GEMMs alone: what routing, a tile counter and pairs cost 
   std::printf("%d SMs; %d pairs fit at once\n", sms, pairs_fit);
   time(even, nullptr, {}, "even rows, fixed tiles");
   time(even, counter.get(), {}, "even rows, counter");
+  time(even, counter.get(), {.first_tiles_fixed = true}, "even rows, counter after fixed first tiles");
   time(routed, nullptr, {}, "routed rows, fixed tiles");
   time(routed, counter.get(), {}, "routed rows, counter (the launcher's)");
+  time(routed, counter.get(), {.first_tiles_fixed = true}, "routed rows, counter after fixed first tiles");
   for (const int blocks : {0, 132, 128, 120, 112, 96, 64})
     time(even, nullptr, {.max_blocks = blocks, .pairs = true},
          (std::string("even rows, pairs, at most ") + std::to_string(blocks) + " blocks (0: as many as fit)").c_str());

@@ -67,6 +67,11 @@ struct RowsGrid {
   /// this kernel ran at 0.75-0.78x (2026-12-07); on the H200, on an older pipeline of this kernel,
   /// sharing was slower (2026-12-01).
   bool pairs = false;
+  /// With a tile counter (not counter_zeroed, not pairs): block b's first tile is tile b, as
+  /// without a counter, and only the later ones come from the counter. For measuring what the
+  /// counter costs (a 14-19% slower gate_up forward on the H100 than fixed tiles, sixty-fourth
+  /// session; not the atomic's latency): whether it is the first wave's order.
+  bool first_tiles_fixed = false;
 };
 
 /// Whether grouped_rows_wgmma takes these problems in one launch (at most 128 with rows, and

@@ -87,6 +87,9 @@ struct Params {
   int groups = 0, n_tiles = 0, k_steps = 0, tiles = 0;
   std::int64_t ldc = 0;
   int* counter = nullptr;  ///< dynamic tiles: the next tile to hand out (0 at launch); nullptr: static
+  /// With a counter: block b's first tile is b, and the counter hands out the rest from gridDim.x
+  /// on (RowsGrid::first_tiles_fixed).
+  int first_tiles_fixed = 0;
   __nv_bfloat16* c = nullptr;
   int first_row[kMaxGroups];
   int rows[kMaxGroups];
@@ -170,7 +173,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_rows_kernel(const __gri
       // the H100, 2026-12-07; asking for the next tile one tile ahead, so that the atomic's round
       // trip overlaps the copies, left it so: 1.154 against 0.973 ms, sixty-fourth session.)
       for (int i = 0;; ++i) {
-        const int t = !kPair && p.counter != nullptr ? atomicAdd(p.counter, 1) : slot + i * slots;
+        const int t = kPair || p.counter == nullptr  ? slot + i * slots
+                      : p.first_tiles_fixed == 0     ? atomicAdd(p.counter, 1)
+                      : i == 0                       ? slot
+                                                     : slots + atomicAdd(p.counter, 1);
         if (reuse) mbar_wait(bar.empty(stage), phase ^ 1u);
         if (t >= p.tiles) {  // no more tiles: the stage says so, and nothing is copied into it
           stage_tile[stage] = -1;
@@ -454,6 +460,8 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
                   " (at most ", kMaxGroups, " with rows)");
   if (grid_opts.pairs && grid_opts.counter_zeroed)
     return refuse("grouped_rows_wgmma: RowsGrid::pairs takes its tiles in a fixed order, not from a counter shared with another launch");
+  if (grid_opts.first_tiles_fixed && (grid_opts.counter_zeroed || grid_opts.pairs || tile_counter == nullptr))
+    return refuse("grouped_rows_wgmma: RowsGrid::first_tiles_fixed needs a tile counter of its own launch, without pairs");
   if (grid_opts.pairs && grid_opts.max_blocks == 1)
     return refuse("grouped_rows_wgmma: RowsGrid::pairs needs max_blocks of at least 2 (one pair), got 1");
   int pairs_fit = 0;
@@ -474,6 +482,7 @@ cudaError_t grouped_rows_wgmma(const RowsShape& s, const bf16* a, bf16* c, std::
   params.ldc = s.ldc;
   params.c = reinterpret_cast<__nv_bfloat16*>(c);
   params.counter = pairs ? nullptr : tile_counter;
+  params.first_tiles_fixed = grid_opts.first_tiles_fixed ? 1 : 0;
   std::int64_t tiles = 0, row_end = 0;  // row_end: A's rows this launch reads (the A view's extent)
   const auto launch = [&]() -> cudaError_t {
     if (params.groups == 0) return cudaSuccess;
